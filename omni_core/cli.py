@@ -1,0 +1,53 @@
+"""`omni-core` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_walkthrough(args: argparse.Namespace) -> int:
+    from omni_core.walkthrough import Walkthrough
+
+    return Walkthrough().run()
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from omni_core.protocol.schema import main as schema_main
+
+    return schema_main([args.path] if args.path else [])
+
+
+def _cmd_tables(args: argparse.Namespace) -> int:
+    from omni_core.fsm import export_mermaid, export_tables
+
+    if args.format == "json":
+        print(json.dumps(export_tables(), indent=2))
+    else:
+        for name, diagram in export_mermaid().items():
+            print(f"%% {name} lifecycle\n{diagram}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
+    p.set_defaults(func=_cmd_walkthrough)
+    p = sub.add_parser("schema", help="write the JSON Schema of every wire message")
+    p.add_argument("path", nargs="?", help="output path (default specs/messages.schema.json)")
+    p.set_defaults(func=_cmd_schema)
+    p = sub.add_parser("tables", help="print the transition tables (json or mermaid)")
+    p.add_argument("--format", choices=("json", "mermaid"), default="mermaid")
+    p.set_defaults(func=_cmd_tables)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Sans-IO lifecycles: worker and stage transition tables and the cores that run them.
+
+Imports no sockets and no torch. The tables `WORKER_TRANSITIONS` and `STAGE_TRANSITIONS`
+are the single source of truth: docs diagrams, the TLA+ transition module and the
+conformance suite derive from them.
+"""
+
+from omni_core.fsm.effects import (
+    Effect,
+    ExecuteEffect,
+    ReloadEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    WakeEffect,
+)
+from omni_core.fsm.reply_cache import BoundedCache
+from omni_core.fsm.stage import (
+    STAGE_TRANSITIONS,
+    Outbound,
+    StageBusyError,
+    StageCommandError,
+    StageCore,
+    StageStep,
+    TaskOutcome,
+)
+from omni_core.fsm.table import Lifecycle, Transition, table_as_dict, table_as_mermaid
+from omni_core.fsm.tags import DEFAULT_TAGS, KV_CACHE_TAG, WEIGHTS_TAG, Residency
+from omni_core.fsm.worker import WORKER_TRANSITIONS, InvariantViolation, WorkerCore, WorkerStep
+from omni_core.protocol import StageState, WorkerState
+
+
+def export_tables() -> dict[str, dict]:
+    """Both tables as plain data: `{lifecycle: {"initial": ..., "transitions": {...}}}`."""
+    return {
+        "worker": {"initial": WorkerState.LOADING.value,
+                   "transitions": table_as_dict(WORKER_TRANSITIONS)},
+        "stage": {"initial": StageState.STARTING.value,
+                  "transitions": table_as_dict(STAGE_TRANSITIONS)},
+    }  # fmt: skip
+
+
+def export_mermaid() -> dict[str, str]:
+    return {
+        "worker": table_as_mermaid(WORKER_TRANSITIONS, WorkerState.LOADING),
+        "stage": table_as_mermaid(STAGE_TRANSITIONS, StageState.STARTING),
+    }
+
+
+__all__ = [
+    "DEFAULT_TAGS",
+    "KV_CACHE_TAG",
+    "STAGE_TRANSITIONS",
+    "WEIGHTS_TAG",
+    "WORKER_TRANSITIONS",
+    "BoundedCache",
+    "Effect",
+    "ExecuteEffect",
+    "InvariantViolation",
+    "Lifecycle",
+    "Outbound",
+    "ReloadEffect",
+    "Residency",
+    "ShutdownEffect",
+    "SleepEffect",
+    "StageBusyError",
+    "StageCommandError",
+    "StageCore",
+    "StageStep",
+    "StatusEffect",
+    "TaskOutcome",
+    "Transition",
+    "WakeEffect",
+    "WorkerCore",
+    "WorkerStep",
+    "export_mermaid",
+    "export_tables",
+    "table_as_dict",
+    "table_as_mermaid",
+]

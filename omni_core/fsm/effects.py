@@ -1,0 +1,55 @@
+"""Effects: what a worker core asks its shell to do. The shell performs one, then reports
+back with `WorkerCore.on_done` or `WorkerCore.on_error`; the core never does IO itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SleepEffect:
+    """Offload `offload` tags to host, discard `discard` tags. At level 2 save the runner's
+    small buffers first (they are restored on wake)."""
+
+    task_id: str
+    level: int
+    offload: frozenset[str]
+    discard: frozenset[str]
+
+
+@dataclass(frozen=True)
+class WakeEffect:
+    """Map `tags` back and restore whatever of them was offloaded."""
+
+    task_id: str
+    tags: frozenset[str]
+
+
+@dataclass(frozen=True)
+class ReloadEffect:
+    task_id: str
+    source: str | None
+
+
+@dataclass(frozen=True)
+class ExecuteEffect:
+    task_id: str
+    payload: Any
+
+
+@dataclass(frozen=True)
+class StatusEffect:
+    """Measure memory (no state change); the Ack carries the figures."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
+class ShutdownEffect:
+    """Release every pool; the shell exits after sending the Ack."""
+
+    task_id: str
+
+
+Effect = SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect

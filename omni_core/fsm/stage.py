@@ -1,0 +1,502 @@
+"""Stage lifecycle: the transition table of one stage and its sans-IO core.
+
+The stage core turns an API call (sleep, wake, reload) into one command per rank, then
+aggregates the ranks' replies. It commits SLEEPING / RUNNING / PARTIAL / NEEDS_RELOAD only
+on a complete set of ACKs for the current task whose reported states agree with what the
+stage expects (P-5); a NACK, a dead rank or a passed deadline ends the task in FAILED with
+the ranks named (P-8, P-9). Replies from an older epoch or for another task are counted and
+ignored (P-6). Time comes in as an argument (`now`), never from a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from omni_core.fsm.reply_cache import BoundedCache
+from omni_core.fsm.table import Lifecycle, Transition
+from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.fsm.worker import InvariantViolation
+from omni_core.protocol import (
+    Ack,
+    AckStatus,
+    Command,
+    Hello,
+    Nack,
+    ReloadWeights,
+    Reply,
+    Sleep,
+    Wake,
+    WorkerState,
+)
+from omni_core.protocol import StageState as S
+
+_SERVING = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)  # settled, no task in flight
+_IN_TASK = (S.DRAINING, S.TRANSITIONING, S.WAKING)
+
+STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
+    Transition("started", (S.STARTING,), S.RUNNING, "every rank said Hello"),
+    Transition("drain", (S.RUNNING,), S.DRAINING, "sleep(): admission closed"),
+    Transition("drained", (S.DRAINING,), S.TRANSITIONING,
+               "no request in flight: Sleep sent to every rank"),
+    Transition("drain_timeout", (S.DRAINING,), S.RUNNING,
+               "requests did not drain by the deadline; nothing was sent, sleep abandoned"),
+    Transition("sleep", (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD), S.TRANSITIONING,
+               "sleep more tags; nothing executes here, so nothing to drain"),
+    Transition("sleep_already", (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD), None,
+               "every requested tag already asleep: ALREADY (P-4)"),
+    Transition("slept", (S.TRANSITIONING,), S.SLEEPING, "every rank ACKed the Sleep (P-5)"),
+    Transition("wake", (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD), S.WAKING,
+               "Wake sent to every rank"),
+    Transition("wake_already", _SERVING, None, "every requested tag resident: ALREADY (P-4)"),
+    Transition("reload", (S.NEEDS_RELOAD,), S.WAKING, "ReloadWeights sent to every rank"),
+    Transition("woke_running", (S.WAKING,), S.RUNNING, "every rank ACKed, all resident (P-5)"),
+    Transition("woke_partial", (S.WAKING,), S.PARTIAL, "every rank ACKed, tags still asleep"),
+    Transition("woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
+               "every rank ACKed; weights mapped but discarded at level 2"),
+    Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
+    Transition("fail", (S.STARTING,) + _SERVING + _IN_TASK, S.FAILED,
+               "NACK, deadline, or a rank died (P-8, P-9)"),
+    Transition("restart", _SERVING + (S.FAILED, S.STOPPED), S.STARTING,
+               "fresh rank processes under a new epoch"),
+    Transition("stop", (S.STARTING, S.FAILED) + _SERVING + _IN_TASK, S.STOPPED, "shutdown"),
+)  # fmt: skip
+
+_WAKE_TRIGGER = {"active": "woke_running", "partial": "woke_partial",
+                 "needs_reload": "woke_needs_reload"}  # fmt: skip
+_RANK_STATE = {"active": WorkerState.ACTIVE, "partial": WorkerState.PARTIAL,
+               "needs_reload": WorkerState.NEEDS_RELOAD}  # fmt: skip
+_STAGE_STATE_OF_RANK = {WorkerState.ACTIVE: S.RUNNING, WorkerState.SLEEPING: S.SLEEPING,
+                        WorkerState.PARTIAL: S.PARTIAL,
+                        WorkerState.NEEDS_RELOAD: S.NEEDS_RELOAD}  # fmt: skip
+
+
+class StageCommandError(ValueError):
+    """A stage call refused before anything was sent: bad argument or wrong state."""
+
+
+class StageBusyError(StageCommandError):
+    """Another lifecycle task of this stage is in flight."""
+
+
+@dataclass(frozen=True)
+class Outbound:
+    rank: int
+    command: Command
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """How a stage task ended. `failures` maps rank -> why, for every rank that failed it."""
+
+    task_id: str
+    command: str
+    ok: bool
+    status: AckStatus
+    state: S
+    acks: MappingProxyType[int, Ack]
+    failures: MappingProxyType[int, str]
+    error: str
+    started_at: float
+    finished_at: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+
+@dataclass(frozen=True)
+class StageStep:
+    sends: tuple[Outbound, ...] = ()
+    outcome: TaskOutcome | None = None
+
+
+@dataclass
+class StageCounters:
+    stale_replies_ignored: int = 0
+    unknown_replies_ignored: int = 0
+    duplicate_replies_ignored: int = 0
+    retries: int = 0
+
+
+@dataclass
+class _Task:
+    task_id: str
+    signature: tuple[Any, ...]
+    command: Command
+    started_at: float
+    deadline_at: float
+    expect_state: WorkerState = WorkerState.SLEEPING
+    expect_asleep: frozenset[str] = frozenset()
+    commit_trigger: str = "slept"
+    apply: Any = None  # callable(Residency) run on commit
+    sent: bool = False
+    acks: dict[int, Ack] = field(default_factory=dict)
+
+
+class StageCore:
+    """One stage: its ranks' aggregate lifecycle. No IO, no clock."""
+
+    def __init__(
+        self,
+        name: str,
+        ranks: int,
+        *,
+        tags: tuple[str, ...] = DEFAULT_TAGS,
+        epoch: int = 0,
+        completed_task_entries: int = 256,
+    ) -> None:
+        if ranks < 1:
+            raise StageCommandError(f"stage {name!r} needs at least one rank, got {ranks}")
+        self.name = name
+        self.ranks = tuple(range(ranks))
+        self.tags = tags
+        self.epoch = epoch
+        self.lifecycle: Lifecycle[S] = Lifecycle(S, STAGE_TRANSITIONS, S.STARTING)
+        self.residency = Residency(tags)
+        self.rank_state: dict[int, WorkerState] = {}
+        self.in_flight_requests = 0
+        self.counters = StageCounters()
+        self.failure = ""
+        self.failed_ranks: dict[int, str] = {}
+        self.completed: BoundedCache[str, tuple[tuple[Any, ...], TaskOutcome]] = BoundedCache(
+            completed_task_entries
+        )
+        self._task: _Task | None = None
+        self._start_deadline_at = float("inf")
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def state(self) -> S:
+        return self.lifecycle.state
+
+    @property
+    def task_id(self) -> str | None:
+        return self._task.task_id if self._task else None
+
+    def admits(self) -> bool:
+        """Whether a new request may run now (only RUNNING, P-7)."""
+        return self.lifecycle.allows("execute")
+
+    # ------------------------------------------------------------------ start / stop
+
+    def start(self, now: float, deadline_s: float) -> None:
+        """Begin waiting for every rank's Hello until `now + deadline_s`."""
+        self._start_deadline_at = now + deadline_s
+
+    def on_hello(self, hello: Hello, now: float) -> StageStep:
+        if hello.epoch != self.epoch or self.state is not S.STARTING:
+            self.counters.stale_replies_ignored += 1
+            return StageStep()
+        if hello.rank not in self.ranks:
+            return self._fail_idle({hello.rank: f"rank {hello.rank} is not one of {list(self.ranks)}"},
+                                   now)  # fmt: skip
+        if tuple(hello.tags) != self.tags:
+            return self._fail_idle({hello.rank: f"has tags {list(hello.tags)}, stage expects "
+                                                f"{list(self.tags)}"}, now)  # fmt: skip
+        self.rank_state[hello.rank] = hello.state
+        if set(self.rank_state) == set(self.ranks):
+            bad = {r: s for r, s in self.rank_state.items() if s is not WorkerState.ACTIVE}
+            if bad:
+                return self._fail_idle({r: f"started in {s.value}, not ACTIVE" for r, s in bad.items()},
+                                       now)  # fmt: skip
+            self.lifecycle.fire("started")
+        self._check_invariants()
+        return StageStep()
+
+    def restart(self, now: float, deadline_s: float) -> int:
+        """New epoch, back to STARTING; the caller starts fresh rank processes. Returns the epoch."""
+        if not self.lifecycle.allows("restart"):
+            raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: "
+                                    "a task is in flight; wait for it to end")  # fmt: skip
+        self.lifecycle.fire("restart")
+        self.epoch += 1
+        self.residency = Residency(self.tags)
+        self.rank_state.clear()
+        self.failure, self.failed_ranks = "", {}
+        self.in_flight_requests = 0
+        self.start(now, deadline_s)
+        self._check_invariants()
+        return self.epoch
+
+    def stop(self, now: float) -> StageStep:
+        if self.state is S.STOPPED:
+            return StageStep()
+        outcome = self._end_task(False, "stage stopped before the task completed", {}, now) \
+            if self._task else None  # fmt: skip
+        self.lifecycle.fire("stop")
+        self.in_flight_requests = 0
+        self._check_invariants()
+        return StageStep(outcome=outcome)
+
+    # ------------------------------------------------------------------ requests (admission)
+
+    def request_started(self) -> None:
+        if not self.admits():
+            raise StageCommandError(f"stage {self.name!r} admits no request in {self.state.value}")
+        self.in_flight_requests += 1
+
+    def request_finished(self, now: float) -> StageStep:
+        if self.in_flight_requests <= 0:
+            raise InvariantViolation(f"stage {self.name!r}: request finished with none in flight")
+        self.in_flight_requests -= 1
+        if self.state is S.DRAINING and self.in_flight_requests == 0:
+            return self._send_drained()
+        return StageStep()
+
+    # ------------------------------------------------------------------ lifecycle calls
+
+    def sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, now: float,
+              deadline_s: float) -> StageStep:  # fmt: skip
+        if level not in (1, 2):
+            raise StageCommandError(f"sleep level must be 1 or 2, got {level!r}")
+        wanted = self._resolve(tags)
+        signature = ("Sleep", level, None if tags is None else tuple(sorted(wanted)))
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("sleep")
+        command = Sleep(task_id=task_id, epoch=self.epoch, level=level, tags=signature[2])
+        to_sleep = wanted - self.residency.asleep
+        if not to_sleep and self.lifecycle.allows("sleep_already"):
+            return self._already(task_id, signature, command, "sleep_already", now)
+        if not (self.lifecycle.allows("drain") or self.lifecycle.allows("sleep")):
+            raise StageCommandError(f"stage {self.name!r} cannot sleep in {self.state.value}")
+        plan = plan_sleep(level, to_sleep)
+        self._task = _Task(task_id, signature, command, now, now + deadline_s,
+                           expect_state=WorkerState.SLEEPING,
+                           expect_asleep=self.residency.asleep | to_sleep, commit_trigger="slept",
+                           apply=lambda res: res.apply_sleep(plan))  # fmt: skip
+        if self.lifecycle.allows("drain"):
+            self.lifecycle.fire("drain")
+            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()
+        else:
+            self.lifecycle.fire("sleep")
+            step = self._send_all()
+        self._check_invariants()
+        return step
+
+    def wake(self, task_id: str, tags: tuple[str, ...] | None, now: float,
+             deadline_s: float) -> StageStep:  # fmt: skip
+        wanted = self._resolve(tags)
+        signature = ("Wake", None if tags is None else tuple(sorted(wanted)))
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("wake")
+        command = Wake(task_id=task_id, epoch=self.epoch, tags=signature[1])
+        to_wake = wanted & self.residency.asleep
+        if not to_wake and self.lifecycle.allows("wake_already"):
+            return self._already(task_id, signature, command, "wake_already", now)
+        if not self.lifecycle.allows("wake"):
+            raise StageCommandError(f"stage {self.name!r} cannot wake in {self.state.value}")
+        after = Residency(self.tags)
+        after.asleep, after.weights_valid = self.residency.asleep - to_wake, self.residency.weights_valid
+        settled = after.settled()
+        self._task = _Task(task_id, signature, command, now, now + deadline_s,
+                           expect_state=_RANK_STATE[settled], expect_asleep=after.asleep,
+                           commit_trigger=_WAKE_TRIGGER[settled],
+                           apply=lambda res: res.apply_wake(to_wake))  # fmt: skip
+        self.lifecycle.fire("wake")
+        step = self._send_all()
+        self._check_invariants()
+        return step
+
+    def reload(self, task_id: str, source: str | None, now: float, deadline_s: float) -> StageStep:
+        signature = ("ReloadWeights", source)
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("reload weights")
+        if not self.lifecycle.allows("reload"):
+            raise StageCommandError(
+                f"stage {self.name!r} cannot reload weights in {self.state.value}: reload "
+                "follows a level-2 sleep and a wake of 'weights' (state NEEDS_RELOAD)")
+        settled = "active" if not self.residency.asleep else "partial"
+        self._task = _Task(task_id, signature,
+                           ReloadWeights(task_id=task_id, epoch=self.epoch, source=source),
+                           now, now + deadline_s, expect_state=_RANK_STATE[settled],
+                           expect_asleep=self.residency.asleep,
+                           commit_trigger=_WAKE_TRIGGER[settled],
+                           apply=lambda res: res.apply_reload())  # fmt: skip
+        self.lifecycle.fire("reload")
+        step = self._send_all()
+        self._check_invariants()
+        return step
+
+    # ------------------------------------------------------------------ replies and time
+
+    def on_reply(self, reply: Reply, now: float) -> StageStep:
+        step = self._on_reply(reply, now)
+        self._check_invariants()
+        return step
+
+    def _on_reply(self, reply: Reply, now: float) -> StageStep:
+        if reply.epoch != self.epoch:
+            self.counters.stale_replies_ignored += 1
+            return StageStep()
+        task = self._task
+        if task is None or not task.sent or reply.task_id != task.task_id \
+                or reply.rank not in self.ranks or not isinstance(reply, (Ack, Nack)):  # fmt: skip
+            self.counters.unknown_replies_ignored += 1
+            return StageStep()
+        if reply.rank in task.acks:
+            self.counters.duplicate_replies_ignored += 1
+            return StageStep()
+        if isinstance(reply, Nack):
+            return self._fail_task({reply.rank: f"NACK {reply.reason.value} in "
+                                                f"{reply.state.value}: {reply.detail}"}, now)  # fmt: skip
+        asleep = frozenset(reply.asleep_tags)
+        if reply.state is not task.expect_state or asleep != task.expect_asleep:
+            return self._fail_task({reply.rank: (
+                f"ACKed in {reply.state.value} with asleep tags {sorted(asleep)}; the stage "
+                f"expected {task.expect_state.value} with {sorted(task.expect_asleep)}")}, now)
+        task.acks[reply.rank] = reply
+        if len(task.acks) < len(self.ranks):
+            return StageStep()
+        task.apply(self.residency)
+        for rank, ack in task.acks.items():
+            self.rank_state[rank] = ack.state
+        self.lifecycle.fire(task.commit_trigger)
+        return StageStep(outcome=self._end_task(True, "", {}, now))
+
+    def on_tick(self, now: float) -> StageStep:
+        """Enforce deadlines (P-9)."""
+        step = StageStep()
+        if self.state is S.STARTING and now >= self._start_deadline_at:
+            silent = [r for r in self.ranks if r not in self.rank_state]
+            step = self._fail_idle({r: "sent no Hello before the start-up deadline" for r in silent},
+                                   now)  # fmt: skip
+        elif self._task is not None and now >= self._task.deadline_at:
+            task = self._task
+            budget_s = task.deadline_at - task.started_at
+            if self.state is S.DRAINING:
+                self.lifecycle.fire("drain_timeout")
+                step = StageStep(outcome=self._end_task(
+                    False, f"{self.in_flight_requests} in-flight request(s) did not finish "
+                    f"within {budget_s:.3g} s; sleep abandoned, nothing was sent to the ranks, "
+                    f"stage {self.name!r} stays RUNNING", {}, now))  # fmt: skip
+            else:
+                silent = [r for r in self.ranks if r not in task.acks]
+                step = self._fail_task({r: f"no reply to {type(task.command).__name__} within "
+                                           f"{budget_s:.3g} s" for r in silent}, now)  # fmt: skip
+        self._check_invariants()
+        return step
+
+    def on_rank_died(self, rank: int, detail: str, now: float) -> StageStep:
+        if self.state in (S.FAILED, S.STOPPED):
+            return StageStep()
+        why = {rank: f"process died: {detail}"}
+        step = self._fail_task(why, now) if self._task else self._fail_idle(why, now)
+        self._check_invariants()
+        return step
+
+    # ------------------------------------------------------------------ internals
+
+    def _resolve(self, tags: tuple[str, ...] | None) -> frozenset[str]:
+        if tags is not None and not tags:
+            raise StageCommandError("tags must be None (every tag) or a non-empty list")
+        try:
+            return resolve_tags(tags, self.tags)
+        except UnknownTagError as exc:
+            raise StageCommandError(f"stage {self.name!r}: {exc}") from None
+
+    def _retry(self, task_id: str, signature: tuple[Any, ...]) -> StageStep | None:
+        """Same task_id again: re-send to silent ranks, or return the recorded outcome."""
+        task = self._task
+        if task is not None and task.task_id == task_id:
+            self._require_same(task_id, task.signature, signature)
+            self.counters.retries += 1
+            if not task.sent:
+                return StageStep()
+            return StageStep(sends=tuple(Outbound(r, task.command)
+                                         for r in self.ranks if r not in task.acks))  # fmt: skip
+        done = self.completed.get(task_id)
+        if done is not None:
+            self._require_same(task_id, done[0], signature)
+            self.counters.retries += 1
+            return StageStep(outcome=done[1])
+        return None
+
+    @staticmethod
+    def _require_same(task_id: str, first: tuple[Any, ...], now: tuple[Any, ...]) -> None:
+        if first != now:
+            raise StageCommandError(f"task_id {task_id!r} was used for {first}, now for {now}; "
+                                    "use a fresh task_id per command")  # fmt: skip
+
+    def _require_idle(self, what: str) -> None:
+        if self._task is not None:
+            raise StageBusyError(f"stage {self.name!r} cannot {what}: task "
+                                 f"{self._task.task_id!r} is in flight ({self.state.value})")  # fmt: skip
+        if self.state is S.FAILED:
+            raise StageCommandError(f"stage {self.name!r} is FAILED ({self.failure}); "
+                                    "call restart() first")  # fmt: skip
+        if self.state in (S.STARTING, S.STOPPED):
+            raise StageCommandError(f"stage {self.name!r} cannot {what} in {self.state.value}")
+
+    def _already(self, task_id: str, signature: tuple[Any, ...], command: Command, trigger: str,
+                 now: float) -> StageStep:  # fmt: skip
+        self.lifecycle.fire(trigger)
+        outcome = TaskOutcome(task_id, type(command).__name__, True, AckStatus.ALREADY, self.state,
+                              MappingProxyType({}), MappingProxyType({}), "", now, now)  # fmt: skip
+        self.completed.put(task_id, (signature, outcome))
+        return StageStep(outcome=outcome)
+
+    def _send_drained(self) -> StageStep:
+        self.lifecycle.fire("drained")
+        return self._send_all()
+
+    def _send_all(self) -> StageStep:
+        assert self._task is not None
+        self._task.sent = True
+        return StageStep(sends=tuple(Outbound(rank, self._task.command) for rank in self.ranks))
+
+    def _fail_task(self, failures: dict[int, str], now: float) -> StageStep:
+        self.lifecycle.fire("fail")
+        self._record_failure(failures)
+        return StageStep(outcome=self._end_task(False, self.failure, failures, now))
+
+    def _fail_idle(self, failures: dict[int, str], now: float) -> StageStep:
+        self.lifecycle.fire("fail")
+        self._record_failure(failures)
+        self._check_invariants()
+        return StageStep()
+
+    def _record_failure(self, failures: dict[int, str]) -> None:
+        self.failed_ranks = dict(failures)
+        named = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+        self.failure = f"stage {self.name!r} FAILED ({named})"
+        self.in_flight_requests = 0
+
+    def _end_task(self, ok: bool, error: str, failures: dict[int, str], now: float) -> TaskOutcome:
+        task = self._task
+        assert task is not None
+        self._task = None
+        outcome = TaskOutcome(task.task_id, type(task.command).__name__, ok, AckStatus.OK,
+                              self.state, MappingProxyType(dict(task.acks)),
+                              MappingProxyType(dict(failures)), error, task.started_at, now)  # fmt: skip
+        self.completed.put(task.task_id, (task.signature, outcome))
+        return outcome
+
+    def _check_invariants(self) -> None:
+        state = self.state
+
+        def require(cond: bool, what: str) -> None:
+            if not cond:
+                raise InvariantViolation(f"stage {self.name!r} in {state.value}: {what}")
+
+        require((self._task is not None) == (state in _IN_TASK), "task in flight iff in a task state")
+        require(self.in_flight_requests >= 0, "negative in-flight count")
+        if self.in_flight_requests:
+            require(state in (S.RUNNING, S.DRAINING), "requests in flight outside RUNNING/DRAINING")
+        if state in _SERVING:
+            # P-5: a settled state is committed only when every rank reported it.
+            require(set(self.rank_state) == set(self.ranks), "settled without every rank known")
+            mismatched = {r: s.value for r, s in self.rank_state.items()
+                          if _STAGE_STATE_OF_RANK.get(s) is not state}  # fmt: skip
+            require(not mismatched, f"ranks disagree with the stage: {mismatched}")
+        if state is S.RUNNING:
+            require(not self.residency.asleep and self.residency.weights_valid,
+                    "RUNNING with tags asleep or weights invalid")  # fmt: skip

@@ -1,0 +1,86 @@
+"""Tag arithmetic shared by the worker and the stage lifecycles.
+
+A worker's memory is split into tagged pools. `weights` is the only tag whose content must
+survive a sleep: level 1 offloads it to host, level 2 discards it (the runner reloads it).
+Every other tag (`kv_cache`, activations) is scratch and is always discarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+WEIGHTS_TAG = "weights"
+KV_CACHE_TAG = "kv_cache"
+DEFAULT_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
+
+
+class UnknownTagError(ValueError):
+    pass
+
+
+def resolve_tags(requested: Iterable[str] | None, known: tuple[str, ...]) -> frozenset[str]:
+    """`None` means every known tag; unknown names raise with the list of valid ones."""
+    if requested is None:
+        return frozenset(known)
+    wanted = frozenset(requested)
+    unknown = sorted(wanted - set(known))
+    if unknown:
+        raise UnknownTagError(f"unknown tag(s) {unknown}; this worker has tags {list(known)}")
+    return wanted
+
+
+@dataclass(frozen=True)
+class SleepPlan:
+    """What a sleep does to each tag: `offload` keeps a host copy, `discard` keeps nothing."""
+
+    offload: frozenset[str]
+    discard: frozenset[str]
+
+    @property
+    def invalidates_weights(self) -> bool:
+        return WEIGHTS_TAG in self.discard
+
+
+def plan_sleep(level: int, tags: frozenset[str]) -> SleepPlan:
+    if level == 1:
+        return SleepPlan(offload=tags & {WEIGHTS_TAG}, discard=tags - {WEIGHTS_TAG})
+    if level == 2:
+        return SleepPlan(offload=frozenset(), discard=tags)
+    raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+
+
+class Residency:
+    """Which tags are asleep and whether the resident weights hold valid values.
+
+    The settled state after a wake or reload is a function of these two facts alone, which
+    is why the worker and the stage share this class: the stage mirrors what its ranks hold.
+    """
+
+    def __init__(self, tags: tuple[str, ...]) -> None:
+        self.tags = tags
+        self.asleep: frozenset[str] = frozenset()
+        self.weights_valid = True
+
+    def apply_sleep(self, plan: SleepPlan) -> None:
+        self.asleep |= plan.offload | plan.discard
+        if plan.invalidates_weights:
+            self.weights_valid = False
+
+    def apply_wake(self, tags: frozenset[str]) -> None:
+        self.asleep -= tags
+
+    def apply_reload(self) -> None:
+        self.weights_valid = True
+
+    @property
+    def weights_resident(self) -> bool:
+        return WEIGHTS_TAG not in self.asleep
+
+    def settled(self) -> str:
+        """'active' | 'needs_reload' | 'partial': where a wake or reload ends."""
+        if not self.asleep and self.weights_valid:
+            return "active"
+        if WEIGHTS_TAG in self.tags and self.weights_resident and not self.weights_valid:
+            return "needs_reload"
+        return "partial"

@@ -1,0 +1,396 @@
+"""Worker lifecycle: the transition table of one rank process and its sans-IO core.
+
+`WorkerCore.on_command` takes a decoded command and returns a `WorkerStep`: the replies to
+send now and at most one effect for the shell to perform. When the effect is done the
+shell calls `on_done` (or `on_error`) and gets the terminal reply. Same state and input,
+same output: the core reads no clock and touches no memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from omni_core.fsm.effects import (
+    Effect,
+    ExecuteEffect,
+    ReloadEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    WakeEffect,
+)
+from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
+from omni_core.fsm.table import Lifecycle, Transition
+from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.protocol import (
+    Ack,
+    AckStatus,
+    Capability,
+    Command,
+    Execute,
+    MemoryReport,
+    Nack,
+    NackReason,
+    ProtocolError,
+    ReloadWeights,
+    Reply,
+    Result,
+    Shutdown,
+    Sleep,
+    Status,
+    Wake,
+)
+from omni_core.protocol import WorkerState as W
+
+_ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL,
+          W.NEEDS_RELOAD, W.RELOADING)  # fmt: skip
+_IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)  # may accept a lifecycle command
+
+WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
+    Transition("loaded", (W.LOADING,), W.ACTIVE, "runner loaded weights and caches"),
+    Transition("sleep", _IDLE, W.OFFLOADING, "Sleep for tags not yet asleep"),
+    Transition("sleep_already", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), None,
+               "Sleep whose tags are all asleep: ALREADY, no effect (P-4)"),
+    Transition("offloaded", (W.OFFLOADING,), W.SLEEPING, "backend released the tags"),
+    Transition("wake", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), W.RESTORING,
+               "Wake for tags that are asleep"),
+    Transition("wake_already", _IDLE, None, "Wake whose tags are all resident: ALREADY (P-4)"),
+    Transition("restored_active", (W.RESTORING,), W.ACTIVE, "all resident, weights valid"),
+    Transition("restored_partial", (W.RESTORING,), W.PARTIAL, "some tags still asleep"),
+    Transition("restored_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD,
+               "weights mapped but discarded by a level-2 sleep"),
+    Transition("reload", (W.NEEDS_RELOAD, W.ACTIVE), W.RELOADING, "ReloadWeights"),
+    Transition("reloaded_active", (W.RELOADING,), W.ACTIVE, "weights valid, all resident"),
+    Transition("reloaded_partial", (W.RELOADING,), W.PARTIAL, "weights valid, tags asleep"),
+    Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
+    Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
+    Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
+    Transition("shutdown", _ALIVE + (W.FAILED,), W.STOPPED, "Shutdown"),
+    Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
+)  # fmt: skip
+
+_SETTLED_AFTER_WAKE = {
+    "active": "restored_active",
+    "partial": "restored_partial",
+    "needs_reload": "restored_needs_reload",
+}
+_SETTLED_AFTER_RELOAD = {"active": "reloaded_active", "partial": "reloaded_partial"}
+
+ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
+
+
+@dataclass(frozen=True)
+class WorkerStep:
+    """Output of one core call: replies to send now, and at most one effect to perform."""
+
+    replies: tuple[Reply, ...] = ()
+    effect: Effect | None = None
+
+
+@dataclass
+class WorkerCounters:
+    duplicates_answered_from_cache: int = 0
+    duplicates_in_flight_ignored: int = 0
+    stale_epoch_refused: int = 0
+    bad_messages: int = 0
+
+
+@dataclass
+class _Pending:
+    command: Command
+    trigger_after: str = ""
+    plan: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+class InvariantViolation(AssertionError):
+    """The core reached a state its invariants forbid: a bug in omni-core, not in the caller."""
+
+
+class WorkerCore:
+    """Lifecycle of one worker rank: legality, idempotence, fencing. No IO."""
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        tags: tuple[str, ...] = DEFAULT_TAGS,
+        epoch: int = 0,
+        capabilities: tuple[Capability, ...] = ALL_CAPABILITIES,
+        reply_cache_entries: int = DEFAULT_REPLY_CACHE_ENTRIES,
+    ) -> None:
+        self.rank = rank
+        self.tags = tags
+        self.epoch = epoch
+        self.capabilities = frozenset(capabilities)
+        self.residency = Residency(tags)
+        self.lifecycle: Lifecycle[W] = Lifecycle(W, WORKER_TRANSITIONS, W.LOADING)
+        self.cache: BoundedCache[str, tuple[Command, Reply]] = BoundedCache(reply_cache_entries)
+        self.counters = WorkerCounters()
+        self.failure: str = ""
+        self._pending: _Pending | None = None
+        self._handlers = {
+            Sleep: self.on_sleep,
+            Wake: self.on_wake,
+            ReloadWeights: self.on_reload_weights,
+            Execute: self.on_execute,
+            Status: self.on_status,
+            Shutdown: self.on_shutdown,
+        }
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def state(self) -> W:
+        return self.lifecycle.state
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    # ------------------------------------------------------------------ inputs
+
+    def loaded(self) -> None:
+        """The shell finished loading the runner: LOADING -> ACTIVE."""
+        self.lifecycle.fire("loaded")
+        self._check_invariants()
+
+    def load_failed(self, error: str) -> None:
+        self.failure = f"load failed: {error}"
+        self.lifecycle.fire("fail")
+        self._check_invariants()
+
+    def on_bad_message(self, error: ProtocolError) -> WorkerStep:
+        """Bytes that did not decode (P-10): refuse them and keep serving."""
+        self.counters.bad_messages += 1
+        return WorkerStep(replies=(self._nack_raw(error),))
+
+    def on_command(self, command: Command) -> WorkerStep:
+        step = self._on_command(command)
+        self._check_invariants()
+        return step
+
+    def on_done(
+        self,
+        task_id: str,
+        *,
+        memory: MemoryReport | None = None,
+        output: Any = None,
+        duration_s: float = 0.0,
+    ) -> WorkerStep:
+        """The shell performed the pending effect."""
+        pending = self._take_pending(task_id)
+        command = pending.command
+        if isinstance(command, Execute):
+            reply: Reply = Result(task_id=task_id, epoch=self.epoch, rank=self.rank,
+                                  output=output, duration_s=duration_s)  # fmt: skip
+        else:
+            if isinstance(command, Sleep):
+                self.residency.apply_sleep(pending.plan)
+            elif isinstance(command, Wake):
+                self.residency.apply_wake(pending.plan)
+            elif isinstance(command, ReloadWeights):
+                self.residency.apply_reload()
+            if pending.trigger_after:
+                trigger = pending.trigger_after
+                if trigger == "settle_wake":
+                    trigger = _SETTLED_AFTER_WAKE[self.residency.settled()]
+                elif trigger == "settle_reload":
+                    trigger = _SETTLED_AFTER_RELOAD[self.residency.settled()]
+                self.lifecycle.fire(trigger)
+            reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s)
+        if not isinstance(command, Status):
+            self.cache.put(task_id, (command, reply))
+        self._check_invariants()
+        return WorkerStep(replies=(reply,))
+
+    def on_error(self, task_id: str, error: str) -> WorkerStep:
+        """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
+        in every later reply; a failed Execute is only that request's error."""
+        pending = self._take_pending(task_id)
+        what = f"{type(pending.command).__name__} task {task_id!r} failed: {error}"
+        if isinstance(pending.command, Execute):
+            # A request the runner rejects says nothing about the memory: stay ACTIVE.
+            reply = self._nack(pending.command, NackReason.EXECUTE_ERROR, what)
+            self.cache.put(task_id, (pending.command, reply))
+            return WorkerStep(replies=(reply,))
+        self.failure = what
+        if self.lifecycle.allows("fail"):
+            self.lifecycle.fire("fail")
+        reply = self._nack(pending.command, NackReason.BACKEND_ERROR, self.failure)
+        self.cache.put(task_id, (pending.command, reply))
+        self._check_invariants()
+        return WorkerStep(replies=(reply,))
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_command(self, command: Command) -> WorkerStep:
+        if command.epoch < self.epoch:
+            self.counters.stale_epoch_refused += 1
+            return self._refuse(command, NackReason.STALE_EPOCH,
+                                f"command epoch {command.epoch} is older than this worker's "
+                                f"epoch {self.epoch}; a newer orchestrator has fenced it")  # fmt: skip
+        self.epoch = command.epoch
+        if self._pending is not None:
+            if self._pending.command.task_id == command.task_id:
+                # The terminal reply follows when the effect completes; answering now too
+                # would be a second reply for the task (P-1).
+                self.counters.duplicates_in_flight_ignored += 1
+                return WorkerStep()
+            if not isinstance(command, Status):
+                return self._refuse(command, NackReason.BUSY,
+                                    f"task {self._pending.command.task_id!r} is in progress; "
+                                    "retry after its reply")  # fmt: skip
+        if not isinstance(command, Status):
+            cached = self.cache.get(command.task_id)
+            if cached is not None:
+                original, reply = cached
+                if msgspec.structs.replace(command, epoch=original.epoch) != original:
+                    return self._refuse(command, NackReason.TASK_ID_REUSED,
+                                        f"task_id {command.task_id!r} was already used for "
+                                        f"{original!r}; use a fresh task_id per command")  # fmt: skip
+                self.counters.duplicates_answered_from_cache += 1
+                return WorkerStep(replies=(reply,))
+        if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):
+            return self._refuse(command, NackReason.FAILED,
+                                f"worker is FAILED ({self.failure}); only Shutdown or a "
+                                "restart leaves FAILED")  # fmt: skip
+        return self._handlers[type(command)](command)
+
+    def on_sleep(self, command: Sleep) -> WorkerStep:
+        try:
+            tags = resolve_tags(command.tags, self.tags)
+        except UnknownTagError as exc:
+            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
+        if command.level == 2 and Capability.LEVEL2 not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
+                                "level-2 sleep (capability 'level2' not declared); use level=1")  # fmt: skip
+        to_sleep = tags - self.residency.asleep
+        if not to_sleep and self.lifecycle.allows("sleep_already"):
+            return self._already(command, "sleep_already")
+        if not self.lifecycle.allows("sleep"):
+            return self._refuse_state(command)
+        plan = plan_sleep(command.level, to_sleep)
+        self.lifecycle.fire("sleep")
+        self._pending = _Pending(command, trigger_after="offloaded", plan=plan)
+        return WorkerStep(effect=SleepEffect(command.task_id, command.level,
+                                             plan.offload, plan.discard))  # fmt: skip
+
+    def on_wake(self, command: Wake) -> WorkerStep:
+        try:
+            tags = resolve_tags(command.tags, self.tags)
+        except UnknownTagError as exc:
+            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
+        to_wake = tags & self.residency.asleep
+        if not to_wake and self.lifecycle.allows("wake_already"):
+            return self._already(command, "wake_already")
+        if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
+                                "partial wake; wake every asleep tag (tags=None)")  # fmt: skip
+        if not self.lifecycle.allows("wake"):
+            return self._refuse_state(command)
+        self.lifecycle.fire("wake")
+        self._pending = _Pending(command, trigger_after="settle_wake", plan=to_wake)
+        return WorkerStep(effect=WakeEffect(command.task_id, to_wake))
+
+    def on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
+        if not self.lifecycle.allows("reload"):
+            return self._refuse_state(command, "ReloadWeights needs NEEDS_RELOAD (after a "
+                                      "level-2 sleep and a wake of 'weights') or ACTIVE")  # fmt: skip
+        self.lifecycle.fire("reload")
+        self._pending = _Pending(command, trigger_after="settle_reload")
+        return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
+
+    def on_execute(self, command: Execute) -> WorkerStep:
+        if not self.lifecycle.allows("execute"):
+            return self._refuse_state(command, "Execute runs only in ACTIVE, where every tag "
+                                      "is resident and the weights are valid")  # fmt: skip
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
+
+    def on_status(self, command: Status) -> WorkerStep:
+        if self._pending is not None:
+            # Busy: answer from what the core knows; the shell is inside an effect.
+            return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
+        self._pending = _Pending(command)
+        return WorkerStep(effect=StatusEffect(command.task_id))
+
+    def on_shutdown(self, command: Shutdown) -> WorkerStep:
+        if self.lifecycle.allows("shutdown_already"):
+            return self._already(command, "shutdown_already")
+        self.lifecycle.fire("shutdown")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ShutdownEffect(command.task_id))
+
+    # ------------------------------------------------------------------ replies
+
+    def _already(self, command: Command, trigger: str) -> WorkerStep:
+        self.lifecycle.fire(trigger)
+        reply = self._ack(command, AckStatus.ALREADY)
+        self.cache.put(command.task_id, (command, reply))
+        return WorkerStep(replies=(reply,))
+
+    def _refuse_state(self, command: Command, hint: str = "") -> WorkerStep:
+        name = type(command).__name__
+        detail = f"{name} is not allowed in state {self.state.value}"
+        return self._refuse(command, NackReason.INVALID_STATE, f"{detail}; {hint}" if hint else detail)
+
+    def _refuse(self, command: Command, reason: NackReason, detail: str) -> WorkerStep:
+        # Refusals are not cached: they had no effect, and a retry after the state changed
+        # (e.g. Execute after a wake) deserves a fresh answer. Stale epochs stay stale.
+        return WorkerStep(replies=(self._nack(command, reason, detail),))
+
+    def _ack(self, command: Command, status: AckStatus, *, memory: MemoryReport | None = None,
+             duration_s: float = 0.0) -> Ack:  # fmt: skip
+        return Ack(task_id=command.task_id, epoch=self.epoch, rank=self.rank,
+                   command=type(command).__name__, state=self.state, status=status,
+                   asleep_tags=tuple(sorted(self.residency.asleep)), memory=memory,
+                   duration_s=duration_s, detail=self.failure)  # fmt: skip
+
+    def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
+        return Nack(task_id=command.task_id, epoch=max(command.epoch, 0), rank=self.rank,
+                    command=type(command).__name__, reason=reason, detail=detail[:4096],
+                    state=self.state)  # fmt: skip
+
+    def _nack_raw(self, error: ProtocolError) -> Nack:
+        return Nack(task_id=error.task_id or "-", epoch=self.epoch if error.epoch is None else error.epoch,
+                    rank=self.rank, command="?", reason=error.reason, detail=error.detail[:4096],
+                    state=self.state)  # fmt: skip
+
+    def _take_pending(self, task_id: str) -> _Pending:
+        if self._pending is None or self._pending.command.task_id != task_id:
+            have = self._pending.command.task_id if self._pending else None
+            raise InvariantViolation(f"effect completion for task {task_id!r}, pending is {have!r}")
+        pending, self._pending = self._pending, None
+        return pending
+
+    # ------------------------------------------------------------------ invariants
+
+    def _check_invariants(self) -> None:
+        """TigerBeetle-style: after every input, positive and negative space."""
+        state, res = self.state, self.residency
+        asleep = res.asleep
+
+        def require(cond: bool, what: str) -> None:
+            if not cond:
+                raise InvariantViolation(f"worker rank {self.rank} in {state.value}: {what}")
+
+        require(asleep <= set(self.tags), f"asleep tags {sorted(asleep)} not all known")
+        require(len(self.cache) <= self.cache.max_entries, "reply cache over its bound")
+        transient = state in (W.OFFLOADING, W.RESTORING, W.RELOADING)
+        if transient:
+            require(self._pending is not None, "transient state without a pending effect")
+        if state is W.ACTIVE:
+            require(not asleep and res.weights_valid, "ACTIVE with tags asleep or weights invalid")
+        if state is W.SLEEPING:
+            require(bool(asleep), "SLEEPING with nothing asleep")
+        if state is W.PARTIAL:
+            require(bool(asleep), "PARTIAL with nothing asleep")
+        if state is W.NEEDS_RELOAD:
+            require(res.weights_resident and not res.weights_valid,
+                    "NEEDS_RELOAD needs resident, invalid weights")  # fmt: skip
+        if self._pending is not None and isinstance(self._pending.command, Execute):
+            require(state is W.ACTIVE, "Execute pending outside ACTIVE")

@@ -1,0 +1,107 @@
+"""The one encoder and the one decoder of the wire protocol (msgpack).
+
+Decoding never raises anything but `ProtocolError` (P-10): a receiver turns it into a
+NACK BAD_MESSAGE (or UNSUPPORTED_VERSION) and keeps serving. When enough of the envelope
+survives, the error carries the `task_id` and `epoch` so the NACK can name the task.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from omni_core.protocol.enums import NackReason
+from omni_core.protocol.messages import AnyMessage, Command, Message
+from omni_core.protocol.version import PROTOCOL_VERSION
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of this protocol version.
+
+    `reason` is the NACK reason to answer with; `task_id`/`epoch` are set when they could be
+    read from the envelope, so the refusal can be matched to the sender's task.
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        reason: NackReason = NackReason.BAD_MESSAGE,
+        task_id: str | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.reason = reason
+        self.task_id = task_id
+        self.epoch = epoch
+
+
+class _Envelope(msgspec.Struct):
+    """Lenient view of any message, used only to explain a failed strict decode."""
+
+    type: Any = None
+    v: Any = None
+    task_id: Any = None
+    epoch: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def encode(message: Message) -> bytes:
+    """Serialize one message."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Parse one message; raise `ProtocolError` naming what was wrong with the bytes."""
+    try:
+        message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _explain(data, exc) from None
+    if message.v != PROTOCOL_VERSION:
+        raise _unsupported_version(message.v, message.task_id, message.epoch)
+    return message
+
+
+def decode_command(data: bytes | bytearray | memoryview) -> Command:
+    """Parse bytes a worker received; anything but a command is a BAD_MESSAGE."""
+    message = decode(data)
+    if not isinstance(message, Command):
+        raise ProtocolError(
+            f"a worker accepts only commands, got a {type(message).__name__} reply",
+            task_id=message.task_id,
+            epoch=message.epoch,
+        )
+    return message
+
+
+def _unsupported_version(version: object, task_id: object, epoch: object) -> ProtocolError:
+    return ProtocolError(
+        f"protocol version {version!r} is not supported: this peer speaks version "
+        f"{PROTOCOL_VERSION}; run the same omni-core protocol version on both ends",
+        reason=NackReason.UNSUPPORTED_VERSION,
+        task_id=task_id if isinstance(task_id, str) and task_id else None,
+        epoch=epoch if isinstance(epoch, int) and epoch >= 0 else None,
+    )
+
+
+def _explain(data: bytes | bytearray | memoryview, exc: Exception) -> ProtocolError:
+    """Turn a strict-decode failure into the most useful ProtocolError we can."""
+    try:
+        envelope = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ProtocolError(f"undecodable message ({len(bytes(data))} bytes): {exc}")
+    task_id = envelope.task_id if isinstance(envelope.task_id, str) and envelope.task_id else None
+    epoch = envelope.epoch if isinstance(envelope.epoch, int) and envelope.epoch >= 0 else None
+    if envelope.v is not None and envelope.v != PROTOCOL_VERSION:
+        return _unsupported_version(envelope.v, task_id, epoch)
+    return ProtocolError(
+        f"invalid {envelope.type if isinstance(envelope.type, str) else 'message'}: {exc}",
+        task_id=task_id,
+        epoch=epoch,
+    )

@@ -1,0 +1,71 @@
+"""Enumerations that travel on the wire.
+
+They live in the sans-IO protocol package (not in `fsm`) because replies carry them: a peer
+written in another language needs them from the schema alone.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class WorkerState(str, enum.Enum):
+    """Lifecycle state of one worker (rank) process; see `omni_core.fsm.worker`."""
+
+    LOADING = "LOADING"
+    ACTIVE = "ACTIVE"
+    OFFLOADING = "OFFLOADING"
+    SLEEPING = "SLEEPING"
+    RESTORING = "RESTORING"
+    PARTIAL = "PARTIAL"
+    NEEDS_RELOAD = "NEEDS_RELOAD"
+    RELOADING = "RELOADING"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+class StageState(str, enum.Enum):
+    """Lifecycle state of one stage in the orchestrator; see `omni_core.fsm.stage`."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    DRAINING = "DRAINING"
+    TRANSITIONING = "TRANSITIONING"
+    SLEEPING = "SLEEPING"
+    WAKING = "WAKING"
+    PARTIAL = "PARTIAL"
+    NEEDS_RELOAD = "NEEDS_RELOAD"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+class AckStatus(str, enum.Enum):
+    """OK: the command took effect now. ALREADY: it was already true; nothing was done (P-4)."""
+
+    OK = "OK"
+    ALREADY = "ALREADY"
+
+
+class NackReason(str, enum.Enum):
+    """Why a command was refused. A NACK never follows a partial effect."""
+
+    BAD_MESSAGE = "BAD_MESSAGE"  # undecodable or schema-violating bytes (P-10)
+    UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"  # protocol version other than ours
+    STALE_EPOCH = "STALE_EPOCH"  # command from an epoch older than the worker's (P-6)
+    INVALID_STATE = "INVALID_STATE"  # the current state does not allow this command
+    UNKNOWN_TAG = "UNKNOWN_TAG"  # a tag this worker does not have
+    UNSUPPORTED = "UNSUPPORTED"  # the worker lacks the capability (e.g. level 2)
+    TASK_ID_REUSED = "TASK_ID_REUSED"  # same task_id, different command
+    BUSY = "BUSY"  # another task is in progress on this worker
+    EXECUTE_ERROR = "EXECUTE_ERROR"  # the runner raised on this request; worker stays ACTIVE
+    BACKEND_ERROR = "BACKEND_ERROR"  # the memory backend or runner raised; worker is FAILED
+    FAILED = "FAILED"  # the worker is FAILED; only Shutdown or a restart leaves it
+
+
+class Capability(str, enum.Enum):
+    """What a worker declares in Hello; the conformance suite skips cases a worker opts out of."""
+
+    LEVEL2 = "level2"  # supports Sleep(level=2) + ReloadWeights
+    PARTIAL_WAKE = "partial_wake"  # supports Wake(tags) for a subset of tags
+    STABLE_ADDRESSES = "stable_addresses"  # tensors keep their device addresses across sleep
+    CUDA_GRAPHS = "cuda_graphs"  # captured graphs stay valid across sleep

@@ -1,0 +1,160 @@
+"""Wire types: one tagged union of msgspec Structs.
+
+Every message carries the protocol version `v`, the caller-supplied idempotency key
+`task_id` and the stage `epoch` used for fencing; replies also carry the `rank` that sent
+them. The `type` tag is the class name. Structs are frozen so a cached reply can be
+re-sent as-is, and unknown fields are refused so that a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+
+from omni_core.protocol.enums import AckStatus, Capability, NackReason, WorkerState
+from omni_core.protocol.version import PROTOCOL_VERSION
+
+MAX_TASK_ID_CHARS = 128
+MAX_TAGS = 16
+MAX_DETAIL_CHARS = 4096
+
+TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TASK_ID_CHARS)]
+Epoch = Annotated[int, msgspec.Meta(ge=0)]
+Rank = Annotated[int, msgspec.Meta(ge=0)]
+Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Tags = Annotated[tuple[Tag, ...], msgspec.Meta(min_length=1, max_length=MAX_TAGS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Bytes = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Message(
+    msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True, forbid_unknown_fields=True
+):
+    """Fields every message has."""
+
+    v: int = PROTOCOL_VERSION
+    task_id: TaskId
+    epoch: Epoch
+
+
+# ---------------------------------------------------------------- commands (orchestrator -> worker)
+
+
+class Command(Message, kw_only=True, frozen=True):
+    """A message the orchestrator sends to a worker; each gets exactly one terminal reply."""
+
+
+class Sleep(Command, kw_only=True, frozen=True):
+    """Release GPU memory. Level 1 offloads `weights` to host and discards the rest; level 2
+    discards everything except the runner's small buffers. `tags=None` means every tag."""
+
+    level: Literal[1, 2] = 1
+    tags: Tags | None = None
+
+
+class Wake(Command, kw_only=True, frozen=True):
+    """Map the tags back (and restore what level 1 offloaded). `tags=None` means every tag."""
+
+    tags: Tags | None = None
+
+
+class ReloadWeights(Command, kw_only=True, frozen=True):
+    """Refill the weights after a level-2 sleep (or to swap weights in place while ACTIVE).
+    `source` is runner-specific (a path, a seed); None means the runner's own source."""
+
+    source: str | None = None
+
+
+class Execute(Command, kw_only=True, frozen=True):
+    """Run one request on the model. Legal only in ACTIVE (P-7)."""
+
+    payload: Any = None
+
+
+class Status(Command, kw_only=True, frozen=True):
+    """Report state and memory; never changes anything and is never cached."""
+
+
+class Shutdown(Command, kw_only=True, frozen=True):
+    """Release pools and exit cleanly. Legal from every state, FAILED included."""
+
+
+# ---------------------------------------------------------------- replies (worker -> orchestrator)
+
+
+class MemoryReport(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Per-process memory figures around one command (never device-wide deltas).
+
+    `pool_bytes_*` are the backend's own bytes per tag; `process_bytes_*` are this process's
+    GPU memory as seen by `process_bytes_source` ("nvml", "torch", "none" ...).
+    """
+
+    pool_bytes_before: dict[str, Bytes]
+    pool_bytes_after: dict[str, Bytes]
+    process_bytes_before: Bytes | None = None
+    process_bytes_after: Bytes | None = None
+    process_bytes_source: str = "none"
+
+    def freed_bytes(self) -> dict[str, int]:
+        """Bytes released per tag (negative when a tag grew, e.g. on wake)."""
+        tags = self.pool_bytes_before.keys() | self.pool_bytes_after.keys()
+        return {
+            tag: self.pool_bytes_before.get(tag, 0) - self.pool_bytes_after.get(tag, 0)
+            for tag in sorted(tags)
+        }
+
+
+class Reply(Message, kw_only=True, frozen=True):
+    """A message a worker sends; `rank` names the sender."""
+
+    rank: Rank
+
+
+class Ack(Reply, kw_only=True, frozen=True):
+    """The command completed. `state` is the worker's state after it; `asleep_tags` the tags
+    not resident now. `status` is ALREADY when nothing needed doing."""
+
+    command: str
+    state: WorkerState
+    status: AckStatus = AckStatus.OK
+    asleep_tags: tuple[str, ...] = ()
+    memory: MemoryReport | None = None
+    duration_s: Seconds = 0.0
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # FAILED: why
+
+
+class Nack(Reply, kw_only=True, frozen=True):
+    """The command was refused and had no effect; `state` is the worker's state now."""
+
+    command: str
+    reason: NackReason
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""
+    state: WorkerState
+
+
+class Result(Reply, kw_only=True, frozen=True):
+    """Output of an Execute."""
+
+    output: Any = None
+    duration_s: Seconds = 0.0
+
+
+class Hello(Reply, kw_only=True, frozen=True):
+    """First message of a worker: who it is and what it can do."""
+
+    pid: Annotated[int, msgspec.Meta(ge=0)]
+    device: str
+    backend: str
+    tags: tuple[Tag, ...]
+    capabilities: tuple[Capability, ...] = ()
+    state: WorkerState = WorkerState.ACTIVE
+
+
+COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown)
+REPLY_TYPES: tuple[type[Reply], ...] = (Ack, Nack, Result, Hello)
+MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
+
+AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown]  # noqa: UP007
+AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
+AnyMessage = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Ack, Nack, Result, Hello]  # noqa: UP007

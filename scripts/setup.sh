@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv with the CPU build of torch (a local wheel, seconds; an unpinned torch would
+# pull GBs of CUDA packages) and omni-core with its test extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q --disable-pip-version-check torch==2.13.0
+fi
+python -m pip install -q --disable-pip-version-check -e ".[test]"
