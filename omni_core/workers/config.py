@@ -1,0 +1,24 @@
+"""What a worker process is started with. The engine builds one per rank and hands it to
+`omni_core.workers.process.run_worker` (spawned) or, for a command-line start, passes it
+as JSON through `--config`. Kept as plain data so it crosses process boundaries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    address: str  # orchestrator ROUTER address, e.g. ipc:///tmp/omni-xyz.sock or tcp://127.0.0.1:5555
+    rank: int
+    epoch: int = 0
+    stage: str = "stage"
+    runner: str = "synthetic"  # "synthetic" or an import path "package.module:Class"
+    runner_args: dict[str, Any] = {}
+    backend: str = "auto"  # "auto" | "portable" | "cumem" | "fast"
+    device: str = "cpu"  # torch device inside the process ("cpu", "cuda" = the visible GPU)
+    tags: tuple[str, ...] = ("weights", "kv_cache")
+    trace_path: str | None = None  # append one JSON line per processed message when set
+    reply_cache_entries: int = 1024
+    recv_queue_limit: int = 1024  # ZMQ receive high-water mark
