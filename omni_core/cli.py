@@ -30,6 +30,13 @@ def _cmd_tables(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_docs(args: argparse.Namespace) -> int:
+    from omni_core.fsm.docs import write_lifecycles
+
+    print(f"wrote {write_lifecycles()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tables", help="print the transition tables (json or mermaid)")
     p.add_argument("--format", choices=("json", "mermaid"), default="mermaid")
     p.set_defaults(func=_cmd_tables)
+    p = sub.add_parser("docs", help="regenerate docs/lifecycles.md from the transition tables")
+    p.set_defaults(func=_cmd_docs)
     return parser
 
 
