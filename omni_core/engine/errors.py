@@ -1,0 +1,39 @@
+"""Exceptions of the engine API. Each names what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class OmniCoreError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class InvalidArgumentError(OmniCoreError, ValueError):
+    """A call was refused before anything was sent (unknown stage, level 3, unknown tag...)."""
+
+
+class StageFailedError(OmniCoreError):
+    """A stage task ended in FAILED (P-9). `failures` maps rank -> why."""
+
+    def __init__(self, stage: str, message: str, failures: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.failures = dict(failures or {})
+
+
+class TaskAbandonedError(OmniCoreError):
+    """A lifecycle task ended without taking effect, the stage unchanged (e.g. drain timeout)."""
+
+
+class RequestRejectedError(OmniCoreError):
+    """Admission refused a request: the stage is not RUNNING and its policy says reject, the
+    queue is full, or the stage failed before the request could run."""
+
+
+class RequestFailedError(OmniCoreError):
+    """A rank refused or failed the request (NACK), or it passed its deadline."""
+
+
+class EngineClosedError(OmniCoreError):
+    """The engine has been shut down; create a new one."""

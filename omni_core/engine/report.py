@@ -1,0 +1,58 @@
+"""What sleep/wake/reload return: the committed state and every rank's own figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omni_core.fsm.stage import TaskOutcome
+from omni_core.protocol import Ack
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    state: str
+    status: str
+    duration_s: float
+    pool_bytes_before: dict[str, int] = field(default_factory=dict)
+    pool_bytes_after: dict[str, int] = field(default_factory=dict)
+    process_bytes_before: int | None = None
+    process_bytes_after: int | None = None
+    process_bytes_source: str = "none"
+
+    @property
+    def freed_bytes(self) -> int:
+        """Pool bytes released by this command (negative on wake)."""
+        return sum(self.pool_bytes_before.values()) - sum(self.pool_bytes_after.values())
+
+    @classmethod
+    def from_ack(cls, ack: Ack) -> RankReport:
+        m = ack.memory
+        return cls(
+            rank=ack.rank, state=ack.state.value, status=ack.status.value, duration_s=ack.duration_s,
+            pool_bytes_before=dict(m.pool_bytes_before) if m else {},
+            pool_bytes_after=dict(m.pool_bytes_after) if m else {},
+            process_bytes_before=m.process_bytes_before if m else None,
+            process_bytes_after=m.process_bytes_after if m else None,
+            process_bytes_source=m.process_bytes_source if m else "none",
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LifecycleReport:
+    """Outcome of one sleep, wake or reload: `status` is OK, or ALREADY when nothing was sent."""
+
+    stage: str
+    task_id: str
+    command: str
+    status: str
+    state: str
+    duration_s: float
+    ranks: dict[int, RankReport]
+
+    @classmethod
+    def from_outcome(cls, stage: str, outcome: TaskOutcome) -> LifecycleReport:
+        return cls(stage=stage, task_id=outcome.task_id, command=outcome.command,
+                   status=outcome.status.value, state=outcome.state.value,
+                   duration_s=outcome.duration_s,
+                   ranks={r: RankReport.from_ack(a) for r, a in sorted(outcome.acks.items())})  # fmt: skip

@@ -1,0 +1,71 @@
+"""StageSpec: what a stage is, checked when it is built so mistakes surface before start."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_core.engine.errors import InvalidArgumentError
+from omni_core.fsm.tags import DEFAULT_TAGS
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+BACKENDS = ("auto", "portable", "cumem", "fast")
+
+
+class AdmissionPolicy(str, enum.Enum):
+    """What a request does when its stage is not RUNNING (P-7)."""
+
+    QUEUE = "queue"  # wait in a bounded queue; served after the next wake
+    REJECT = "reject"  # fail at once with RequestRejectedError
+    WAKE = "wake"  # trigger a wake, then run
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    runner: str = "synthetic"
+    runner_args: Mapping[str, Any] = field(default_factory=dict)
+    ranks: int = 1
+    devices: tuple[str, ...] | None = None  # CUDA_VISIBLE_DEVICES of each rank; None: inherit
+    device: str = "cpu"  # torch device inside each rank: "cpu" or "cuda"
+    backend: str = "auto"
+    admission: AdmissionPolicy | str = AdmissionPolicy.QUEUE
+    deadline_s: float = 30.0  # default per lifecycle command (sleep, wake, reload)
+    start_deadline_s: float = 120.0  # every rank must say Hello by then
+    request_timeout_s: float = 60.0  # per request, queueing included
+    queue_limit: int = 256
+    tags: tuple[str, ...] = DEFAULT_TAGS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise InvalidArgumentError(f"stage name {self.name!r} must be 1-64 of [A-Za-z0-9_.-]")
+        if not isinstance(self.ranks, int) or not 1 <= self.ranks <= 64:
+            raise InvalidArgumentError(f"stage {self.name!r}: ranks must be 1..64, got {self.ranks!r}")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
+            if len(self.devices) != self.ranks:
+                raise InvalidArgumentError(
+                    f"stage {self.name!r}: {len(self.devices)} devices for {self.ranks} ranks; "
+                    "give one CUDA_VISIBLE_DEVICES entry per rank")
+        if self.backend not in BACKENDS:
+            raise InvalidArgumentError(f"stage {self.name!r}: backend {self.backend!r} is not one "
+                                       f"of {list(BACKENDS)}")  # fmt: skip
+        try:
+            object.__setattr__(self, "admission", AdmissionPolicy(self.admission))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"stage {self.name!r}: admission {self.admission!r} is not one of "
+                f"{[p.value for p in AdmissionPolicy]}") from None
+        for what in ("deadline_s", "start_deadline_s", "request_timeout_s"):
+            value = getattr(self, what)
+            if not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
+                raise InvalidArgumentError(f"stage {self.name!r}: {what} must be in (0, 86400] s, "
+                                           f"got {value!r}")  # fmt: skip
+        if not isinstance(self.queue_limit, int) or not 0 <= self.queue_limit <= 1_000_000:
+            raise InvalidArgumentError(f"stage {self.name!r}: queue_limit must be 0..1e6")
+        if not self.tags or len(set(self.tags)) != len(self.tags):
+            raise InvalidArgumentError(f"stage {self.name!r}: tags must be distinct and non-empty")
+        object.__setattr__(self, "runner_args", dict(self.runner_args))
