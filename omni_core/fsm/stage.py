@@ -164,6 +164,7 @@ class StageCore:
             completed_task_entries
         )
         self._task: _Task | None = None
+        self._hello_detail: dict[int, str] = {}
         self._start_deadline_at = float("inf")
 
     # ------------------------------------------------------------------ queries
@@ -197,11 +198,12 @@ class StageCore:
             return self._fail_idle({hello.rank: f"has tags {list(hello.tags)}, stage expects "
                                                 f"{list(self.tags)}"}, now)  # fmt: skip
         self.rank_state[hello.rank] = hello.state
+        self._hello_detail[hello.rank] = hello.detail
         if set(self.rank_state) == set(self.ranks):
             bad = {r: s for r, s in self.rank_state.items() if s is not WorkerState.ACTIVE}
             if bad:
-                return self._fail_idle({r: f"started in {s.value}, not ACTIVE" for r, s in bad.items()},
-                                       now)  # fmt: skip
+                return self._fail_idle({r: f"started in {s.value}, not ACTIVE: {self._hello_detail.get(r, '')}"
+                                        for r, s in bad.items()}, now)  # fmt: skip
             self.lifecycle.fire("started")
         self._check_invariants()
         return StageStep()

@@ -149,6 +149,7 @@ class Hello(Reply, kw_only=True, frozen=True):
     tags: tuple[Tag, ...]
     capabilities: tuple[Capability, ...] = ()
     state: WorkerState = WorkerState.ACTIVE
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why, if not ACTIVE
 
 
 COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown)
