@@ -17,7 +17,7 @@ import msgspec
 
 from omni_core.fsm import Outbound, StageCore, StageStep, WorkerCore
 from omni_core.fsm.effects import Effect
-from omni_core.protocol import Ack, Hello, Reply, decode, encode
+from omni_core.protocol import Hello, Reply, decode, encode
 
 
 class Walkthrough:

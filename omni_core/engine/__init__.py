@@ -1,0 +1,30 @@
+"""The orchestrator and the embedded Python API."""
+
+from omni_core.engine.api import AsyncEngine, Engine
+from omni_core.engine.errors import (
+    EngineClosedError,
+    InvalidArgumentError,
+    OmniCoreError,
+    RequestFailedError,
+    RequestRejectedError,
+    StageFailedError,
+    TaskAbandonedError,
+)
+from omni_core.engine.report import LifecycleReport, RankReport
+from omni_core.engine.spec import AdmissionPolicy, StageSpec
+
+__all__ = [
+    "AdmissionPolicy",
+    "AsyncEngine",
+    "Engine",
+    "EngineClosedError",
+    "InvalidArgumentError",
+    "LifecycleReport",
+    "OmniCoreError",
+    "RankReport",
+    "RequestFailedError",
+    "RequestRejectedError",
+    "StageFailedError",
+    "StageSpec",
+    "TaskAbandonedError",
+]

@@ -1,0 +1,189 @@
+"""The embedded Python API: `Engine` (blocking, thread-safe) and `AsyncEngine` (asyncio).
+
+Every call validates its arguments on the orchestrator thread before anything is sent and
+raises `InvalidArgumentError` for an unknown stage, a level other than 1/2, an unknown tag
+or a command the stage's state forbids. Every call is bounded: the orchestrator enforces
+the deadline (P-9); the caller's wait adds a grace period on top so that even a broken
+orchestrator cannot hang it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError
+from omni_core.engine.orchestrator import Orchestrator
+from omni_core.engine.report import LifecycleReport
+from omni_core.engine.spec import StageSpec
+from omni_core.fsm import StageCore
+
+WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
+SHUTDOWN_TIMEOUT_S = 15.0
+
+
+def _tags(tags: Iterable[str] | str | None) -> tuple[str, ...] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        return (tags,)
+    return tuple(tags)
+
+
+class Engine:
+    """Starts every stage's ranks and waits until all are RUNNING (or raises)."""
+
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc",
+                 trace_path: str | None = None) -> None:  # fmt: skip
+        self._specs = {s.name: s for s in specs}
+        self._orch = Orchestrator(self._specs.values(), transport=transport, trace_path=trace_path)
+        try:
+            futures = [self._orch.call(lambda f, n=name: self._orch.op_start(f, n)) for name in self._specs]
+            for name, future in zip(self._specs, futures, strict=True):
+                self._wait(future, self._specs[name].start_deadline_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def address(self) -> str:
+        return self._orch.address
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Future:
+        """Send a request without waiting; the future holds rank 0's output or the error."""
+        return self._orch.call(lambda f: self._orch.op_execute(f, stage, payload, timeout_s))
+
+    def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
+        spec = self._spec(stage)
+        return self._wait(self.submit(stage, payload, timeout_s=timeout_s),
+                          timeout_s if timeout_s is not None else spec.request_timeout_s)  # fmt: skip
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | str | None = None, *,
+              task_id: str | None = None, timeout_s: float | None = None,
+              abort_in_flight: bool = False) -> LifecycleReport:  # fmt: skip
+        """Close admission, drain (or abort) in-flight requests, sleep every rank."""
+        if level not in (1, 2):
+            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
+        tag_tuple = _tags(tags)
+        return self._lifecycle(stage, "sleep", task_id, timeout_s,
+                               lambda core, now, tid, dl: core.sleep(tid, level, tag_tuple, now, dl),
+                               abort_in_flight)  # fmt: skip
+
+    def wake(self, stage: str, tags: Iterable[str] | str | None = None, *,
+             task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+        tag_tuple = _tags(tags)
+        return self._lifecycle(stage, "wake", task_id, timeout_s,
+                               lambda core, now, tid, dl: core.wake(tid, tag_tuple, now, dl))
+
+    def reload_weights(self, stage: str, source: str | None = None, *, task_id: str | None = None,
+                       timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+        return self._lifecycle(stage, "reload", task_id, timeout_s,
+                               lambda core, now, tid, dl: core.reload(tid, source, now, dl))
+
+    def restart(self, stage: str) -> None:
+        """Replace the stage's rank processes with fresh ones under a new epoch."""
+        spec = self._spec(stage)
+        self._wait(self._orch.call(lambda f: self._orch.op_restart(f, stage)), spec.start_deadline_s)
+
+    def status(self) -> dict[str, Any]:
+        return self._wait(self._orch.call(self._orch.op_status), 5.0)
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Tell every rank to shut down, then stop the orchestrator. Safe to call twice."""
+        if self._orch.closed:
+            return
+        future = self._orch.call(lambda f: self._orch.op_shutdown(f, timeout_s))
+        with contextlib.suppress(EngineClosedError, FutureTimeout):
+            future.result(timeout_s + WAIT_GRACE_S)
+        self._orch._thread.join(timeout_s + WAIT_GRACE_S)
+
+    # ------------------------------------------------------------------ internals
+
+    def _spec(self, stage: str) -> StageSpec:
+        try:
+            return self._specs[stage]
+        except KeyError:
+            raise InvalidArgumentError(f"unknown stage {stage!r}; stages are {sorted(self._specs)}") from None
+
+    def _lifecycle(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None,
+                   call: Any, abort_in_flight: bool = False) -> LifecycleReport:  # fmt: skip
+        spec = self._spec(stage)
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        deadline_s = spec.deadline_s if timeout_s is None else float(timeout_s)
+        tid = task_id or self._orch.new_task_id(kind, stage)
+
+        def bound(core: StageCore, now: float):
+            return call(core, now, tid, deadline_s)
+
+        future = self._orch.call(lambda f: self._orch.op_lifecycle(f, stage, bound, tid, abort_in_flight))
+        return self._wait(future, deadline_s + spec.request_timeout_s)
+
+    def _wait(self, future: Future, budget_s: float) -> Any:
+        try:
+            return future.result(budget_s + WAIT_GRACE_S)
+        except FutureTimeout:
+            raise OmniCoreError(f"no answer from the orchestrator within {budget_s + WAIT_GRACE_S:.1f} s; "
+                                "its deadlines should have fired: this is a bug, please report it") from None
+
+
+class AsyncEngine:
+    """`Engine` for asyncio: `async with AsyncEngine(specs) as engine: await engine.sleep(...)`."""
+
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc",
+                 trace_path: str | None = None) -> None:  # fmt: skip
+        self._args = (list(specs), transport, trace_path)
+        self._engine: Engine | None = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        specs, transport, trace_path = self._args
+        self._engine = await asyncio.to_thread(Engine, specs, transport=transport, trace_path=trace_path)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise EngineClosedError("use `async with AsyncEngine(specs) as engine:` to start it")
+        return self._engine
+
+    async def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
+        return await asyncio.wrap_future(self.engine.submit(stage, payload, timeout_s=timeout_s))
+
+    async def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | str | None = None,
+                    **kwargs: Any) -> LifecycleReport:  # fmt: skip
+        return await asyncio.to_thread(self.engine.sleep, stage, level, tags, **kwargs)
+
+    async def wake(self, stage: str, tags: Iterable[str] | str | None = None, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.wake, stage, tags, **kwargs)
+
+    async def reload_weights(self, stage: str, source: str | None = None, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.reload_weights, stage, source, **kwargs)
+
+    async def restart(self, stage: str) -> None:
+        await asyncio.to_thread(self.engine.restart, stage)
+
+    async def status(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.engine.status)
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)

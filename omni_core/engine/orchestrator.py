@@ -1,0 +1,591 @@
+"""The orchestrator: one thread that owns the ROUTER socket, the rank processes and one
+`StageCore` per stage. Every core call happens on that thread, so the cores need no locks;
+API callers hand it closures through a queue and wait on futures.
+
+The loop polls the socket, a wake-up pipe and every rank's process sentinel (a dead rank
+is noticed from the OS, not only from a silent socket), then enforces deadlines. It is a
+thin shell: decode, call the core, send what the core returns, resolve futures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zmq
+
+from omni_core.engine.errors import (
+    EngineClosedError,
+    InvalidArgumentError,
+    OmniCoreError,
+    RequestFailedError,
+    RequestRejectedError,
+    StageFailedError,
+    TaskAbandonedError,
+)
+from omni_core.engine.report import LifecycleReport
+from omni_core.engine.spec import AdmissionPolicy, StageSpec
+from omni_core.fsm import StageCommandError, StageCore, StageStep, TaskOutcome
+from omni_core.protocol import (
+    Command,
+    Execute,
+    Hello,
+    Nack,
+    ProtocolError,
+    Result,
+    Shutdown,
+    StageState,
+    decode,
+    encode,
+)
+from omni_core.trace import open_trace
+from omni_core.workers.config import WorkerConfig
+
+POLL_INTERVAL_S = 0.05  # upper bound on deadline lateness
+SOCKET_HWM = 10_000  # messages queued per peer before sends fail fast (then deadlines act)
+TERMINATE_GRACE_S = 3.0
+
+
+@dataclass
+class _Request:
+    task_id: str
+    payload: Any
+    future: Future
+    deadline_at: float
+    results: dict[int, Result] = field(default_factory=dict)
+
+
+@dataclass
+class _RankProc:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    identity: bytes | None = None
+    expected_exit: bool = False
+
+
+@dataclass
+class _Stage:
+    spec: StageSpec
+    core: StageCore
+    procs: list[_RankProc] = field(default_factory=list)
+    queue: deque[_Request] = field(default_factory=deque)
+    inflight: dict[str, _Request] = field(default_factory=dict)
+    waiters: dict[str, list[Future]] = field(default_factory=dict)
+    start_waiters: list[Future] = field(default_factory=list)
+
+
+def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Orchestrator:
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc",
+                 trace_path: str | None = None) -> None:  # fmt: skip
+        specs = list(specs)
+        if not specs:
+            raise InvalidArgumentError("an engine needs at least one StageSpec")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"stage names must be unique, got {names}")
+        if transport not in ("ipc", "tcp"):
+            raise InvalidArgumentError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        self.trace_path = trace_path
+        self._trace = open_trace(trace_path, "engine")
+        self._stages = {s.name: _Stage(s, StageCore(s.name, s.ranks, tags=s.tags)) for s in specs}
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        self._router.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._tmpdir = tempfile.mkdtemp(prefix="omni-core-")
+        if transport == "ipc":
+            self.address = f"ipc://{self._tmpdir}/router.sock"
+            self._router.bind(self.address)
+        else:
+            self._router.bind("tcp://127.0.0.1:*")
+            self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._by_identity: dict[bytes, tuple[_Stage, int]] = {}
+        self._by_pid: dict[int, tuple[_Stage, _RankProc]] = {}
+        self._sentinels: dict[int, tuple[_Stage, _RankProc]] = {}
+        self._calls: queue.SimpleQueue[tuple[Callable[[], None], Future]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._ids = itertools.count(1)
+        self._mp = multiprocessing.get_context("spawn")
+        self._closing: Future | None = None
+        self._closing_deadline_at = 0.0
+        self._closed = threading.Event()
+        self.counters = {"bad_replies": 0, "unknown_peers": 0, "late_results": 0, "send_failures": 0}
+        self._thread = threading.Thread(target=self._loop, name="omni-core-orchestrator", daemon=True)
+        self._thread.start()
+
+    # ================================================================ calls from API threads
+
+    def call(self, fn: Callable[[Future], None]) -> Future:
+        """Run `fn(future)` on the loop thread; exceptions it raises settle the future."""
+        future: Future = Future()
+        if self._closed.is_set() or self._closing is not None:
+            future.set_exception(EngineClosedError("the engine is shut down; create a new Engine"))
+            return future
+
+        def run() -> None:
+            try:
+                fn(future)
+            except StageCommandError as exc:
+                _settle(future, error=InvalidArgumentError(str(exc)))
+            except BaseException as exc:  # the loop must survive a bad call
+                _settle(future, error=exc)
+
+        self._calls.put((run, future))
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        return future
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def stage(self, name: str) -> _Stage:
+        try:
+            return self._stages[name]
+        except KeyError:
+            raise InvalidArgumentError(f"unknown stage {name!r}; stages are {sorted(self._stages)}") from None
+
+    def new_task_id(self, kind: str, stage: str) -> str:
+        return f"{kind}-{stage}-{uuid.uuid4().hex[:12]}"
+
+    # ---------------------------------------------------------------- operations (loop thread)
+
+    def op_start(self, future: Future, name: str) -> None:
+        stage = self.stage(name)
+        stage.core.start(time.monotonic(), stage.spec.start_deadline_s)
+        self._spawn_ranks(stage)
+        stage.start_waiters.append(future)
+
+    def op_execute(self, future: Future, name: str, payload: Any, timeout_s: float | None) -> None:
+        stage = self.stage(name)
+        now = time.monotonic()
+        budget_s = stage.spec.request_timeout_s if timeout_s is None else float(timeout_s)
+        request = _Request(f"req-{name}-{next(self._ids)}", payload, future, now + budget_s)
+        if stage.core.admits():
+            self._dispatch(stage, request)
+            return
+        state = stage.core.state
+        policy = stage.spec.admission
+        if state in (StageState.FAILED, StageState.STOPPED):
+            raise RequestRejectedError(f"stage {name!r} is {state.value}: "
+                                       f"{stage.core.failure or 'stopped'}; restart() it first")  # fmt: skip
+        if policy is AdmissionPolicy.REJECT:
+            raise RequestRejectedError(f"stage {name!r} is {state.value}, not RUNNING, and its "
+                                       "admission policy is 'reject'; wake it first or use "
+                                       "admission='queue' or 'wake'")  # fmt: skip
+        if state is StageState.NEEDS_RELOAD:
+            raise RequestRejectedError(f"stage {name!r} is NEEDS_RELOAD (weights discarded by a "
+                                       "level-2 sleep); call reload_weights() before sending requests")  # fmt: skip
+        if len(stage.queue) >= stage.spec.queue_limit:
+            raise RequestRejectedError(f"stage {name!r} is {state.value} and its queue is full "
+                                       f"({stage.spec.queue_limit} requests); retry later or raise "
+                                       "queue_limit")  # fmt: skip
+        stage.queue.append(request)
+        self._pump(stage)
+
+    def op_lifecycle(self, future: Future, name: str, call: Callable[[StageCore, float], StageStep],
+                     task_id: str, abort_in_flight: bool = False) -> None:  # fmt: skip
+        stage = self.stage(name)
+        now = time.monotonic()
+        stage.waiters.setdefault(task_id, []).append(future)
+        try:
+            step = self._core_call(stage, lambda: call(stage.core, now))
+        except BaseException:
+            stage.waiters[task_id].remove(future)
+            if not stage.waiters[task_id]:
+                del stage.waiters[task_id]
+            raise
+        if abort_in_flight and stage.core.state is StageState.DRAINING:
+            for request in list(stage.inflight.values()):
+                self._finish_request(stage, request, error=RequestFailedError(
+                    f"request {request.task_id} aborted: stage {name!r} is going to sleep "
+                    "(abort_in_flight=True)"))  # fmt: skip
+        self._apply(stage, step)
+
+    def op_restart(self, future: Future, name: str) -> None:
+        stage = self.stage(name)
+        core = stage.core
+        if core.task_id is not None:
+            raise InvalidArgumentError(f"stage {name!r} cannot restart while task {core.task_id!r} "
+                                       "is in flight; wait for it to end")  # fmt: skip
+        self._reap_ranks(stage)
+        before = core.state
+        core.restart(time.monotonic(), stage.spec.start_deadline_s)
+        self._trace_state(stage, before, "restart")
+        self._fail_requests(stage, RequestRejectedError(f"stage {name!r} restarted"))
+        self._spawn_ranks(stage)
+        stage.start_waiters.append(future)
+
+    def op_status(self, future: Future) -> None:
+        out = {}
+        for name, stage in self._stages.items():
+            core = stage.core
+            out[name] = {
+                "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
+                "failure": core.failure, "queued": len(stage.queue),
+                "in_flight": len(stage.inflight), "counters": asdict(core.counters),
+                "ranks": {p.rank: {"pid": p.process.pid, "alive": p.process.is_alive(),
+                                   "state": core.rank_state.get(p.rank, StageState.STARTING).value}
+                          for p in stage.procs},
+            }  # fmt: skip
+        out["_engine"] = dict(self.counters)
+        future.set_result(out)
+
+    def op_shutdown(self, future: Future, timeout_s: float) -> None:
+        if self._closing is not None:
+            self._closing.add_done_callback(lambda f: _settle(future, result=None))
+            return
+        self._closing = future
+        self._closing_deadline_at = time.monotonic() + timeout_s
+        for stage in self._stages.values():
+            self._fail_requests(stage, EngineClosedError("the engine shut down before this request ran"))
+            for proc in stage.procs:
+                proc.expected_exit = True
+                if proc.process.is_alive():
+                    self._send(stage, proc.rank, Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}",
+                                                          epoch=stage.core.epoch))  # fmt: skip
+            before = stage.core.state
+            step = stage.core.stop(time.monotonic())
+            self._trace_state(stage, before, "shutdown")
+            self._resolve(stage, step.outcome)
+
+    # ================================================================ the loop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                ready = dict(self._poller.poll(self._poll_timeout_ms()))
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                self._run_calls()
+                if self._router in ready:
+                    self._receive_all()
+                for fd in [fd for fd in ready if fd in self._sentinels]:
+                    self._on_sentinel(fd)
+                self._tick(time.monotonic())
+                if self._closing is not None and self._finish_close():
+                    return
+        finally:
+            self._close_resources()
+
+    def _poll_timeout_ms(self) -> int:
+        return int(POLL_INTERVAL_S * 1000)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                run, _ = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            run()
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.counters["bad_replies"] += 1
+                continue
+            self._on_frames(frames[0], frames[1])
+
+    def _on_frames(self, identity: bytes, data: bytes) -> None:
+        try:
+            message = decode(data)
+        except ProtocolError as exc:
+            self.counters["bad_replies"] += 1
+            self._trace.event("bad_reply", detail=exc.detail)
+            return
+        now = time.monotonic()
+        if isinstance(message, Hello):
+            self._on_hello(identity, message, now)
+            return
+        where = self._by_identity.get(identity)
+        if where is None or isinstance(message, Command):
+            self.counters["unknown_peers"] += 1
+            return
+        stage, rank = where
+        if self._trace.enabled:
+            self._trace.event("recv", task_id=message.task_id, epoch=message.epoch,
+                              state=stage.core.state.value, stage=stage.spec.name, rank=rank,
+                              msg=type(message).__name__,
+                              worker_state=getattr(message, "state", None),
+                              status=getattr(message, "status", None),
+                              reason=getattr(message, "reason", None))  # fmt: skip
+        request = stage.inflight.get(message.task_id)
+        if isinstance(message, Result) or (isinstance(message, Nack) and message.command == "Execute"):
+            if request is None or message.epoch != stage.core.epoch:
+                self.counters["late_results"] += 1
+                return
+            self._on_request_reply(stage, request, rank, message)
+            return
+        self._apply(stage, self._core_call(stage, lambda: stage.core.on_reply(message, now)))
+
+    def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
+        found = self._by_pid.get(hello.pid)
+        if found is None:
+            self.counters["unknown_peers"] += 1
+            return
+        stage, proc = found
+        proc.identity = identity
+        self._by_identity[identity] = (stage, proc.rank)
+        self._trace.event("recv", task_id=hello.task_id, epoch=hello.epoch, state=stage.core.state.value,
+                          stage=stage.spec.name, rank=hello.rank, msg="Hello",
+                          worker_state=hello.state.value)  # fmt: skip
+        self._apply(stage, self._core_call(stage, lambda: stage.core.on_hello(hello, now)))
+
+    def _on_sentinel(self, fd: int) -> None:
+        stage, proc = self._sentinels.pop(fd)
+        self._poller.unregister(fd)
+        proc.process.join(0.5)
+        if proc.expected_exit:
+            return
+        code = proc.process.exitcode
+        detail = f"pid {proc.process.pid} exited with code {code}"
+        self._trace.event("rank_died", epoch=stage.core.epoch, state=stage.core.state.value,
+                          stage=stage.spec.name, rank=proc.rank, detail=detail)  # fmt: skip
+        self._apply(stage, self._core_call(stage, lambda: stage.core.on_rank_died(proc.rank, detail,
+                                                                                  time.monotonic())))
+
+    def _tick(self, now: float) -> None:
+        for stage in self._stages.values():
+            step = self._core_call(stage, lambda s=stage: s.core.on_tick(now))
+            for request in [r for r in stage.inflight.values() if now >= r.deadline_at]:
+                self._finish_request(stage, request, error=RequestFailedError(
+                    f"request {request.task_id} to stage {stage.spec.name!r} got no result from every "
+                    f"rank before its deadline (ranks answered: {sorted(request.results)})"))  # fmt: skip
+            while stage.queue and now >= stage.queue[0].deadline_at:
+                request = stage.queue.popleft()
+                _settle(request.future, error=RequestRejectedError(
+                    f"request {request.task_id} waited in the queue of stage {stage.spec.name!r} "
+                    f"until its deadline; the stage stayed {stage.core.state.value}"))  # fmt: skip
+            self._apply(stage, step)
+
+    # ================================================================ helpers (loop thread)
+
+    def _core_call(self, stage: _Stage, call: Callable[[], StageStep]) -> StageStep:
+        before = stage.core.state
+        step = call()
+        self._trace_state(stage, before, "core")
+        return step
+
+    def _trace_state(self, stage: _Stage, before: StageState, why: str) -> None:
+        after = stage.core.state
+        if after is not before and self._trace.enabled:
+            self._trace.event("state", epoch=stage.core.epoch, state=after.value, stage=stage.spec.name,
+                              before=before.value, task_id=stage.core.task_id or "", why=why)  # fmt: skip
+
+    def _apply(self, stage: _Stage, step: StageStep) -> None:
+        for out in step.sends:
+            self._send(stage, out.rank, out.command)
+        self._resolve(stage, step.outcome)
+        self._pump(stage)
+
+    def _resolve(self, stage: _Stage, outcome: TaskOutcome | None) -> None:
+        if outcome is None:
+            return
+        name = stage.spec.name
+        if outcome.ok:
+            result: Any = LifecycleReport.from_outcome(name, outcome)
+            error: BaseException | None = None
+        elif outcome.state is StageState.FAILED:
+            result, error = None, StageFailedError(name, outcome.error, outcome.failures)
+        else:
+            result, error = None, TaskAbandonedError(outcome.error)
+        for future in stage.waiters.pop(outcome.task_id, []):
+            _settle(future, result=result, error=error)
+
+    def _pump(self, stage: _Stage) -> None:
+        """Move the stage's queue forward after anything changed."""
+        core = stage.core
+        state = core.state
+        if state is StageState.RUNNING:
+            for future in stage.start_waiters:
+                _settle(future, result=None)
+            stage.start_waiters.clear()
+            while stage.queue and core.admits():
+                self._dispatch(stage, stage.queue.popleft())
+        elif state is StageState.FAILED:
+            failed = StageFailedError(stage.spec.name, core.failure, core.failed_ranks)
+            for future in stage.start_waiters:
+                _settle(future, error=failed)
+            stage.start_waiters.clear()
+            self._fail_requests(stage, RequestRejectedError(f"{core.failure}; restart() the stage"))
+        elif state is StageState.NEEDS_RELOAD and stage.queue:
+            self._fail_requests(stage, RequestRejectedError(
+                f"stage {stage.spec.name!r} is NEEDS_RELOAD; call reload_weights() first"))
+        elif (stage.spec.admission is AdmissionPolicy.WAKE and stage.queue and core.task_id is None
+              and state in (StageState.SLEEPING, StageState.PARTIAL)):  # fmt: skip
+            task_id = self.new_task_id("auto-wake", stage.spec.name)
+            now = time.monotonic()
+            self._trace.event("auto_wake", task_id=task_id, epoch=core.epoch, state=state.value,
+                              stage=stage.spec.name)  # fmt: skip
+            self._apply(stage, self._core_call(
+                stage, lambda: core.wake(task_id, None, now, stage.spec.deadline_s)))
+
+    def _dispatch(self, stage: _Stage, request: _Request) -> None:
+        stage.core.request_started()
+        stage.inflight[request.task_id] = request
+        command = Execute(task_id=request.task_id, epoch=stage.core.epoch, payload=request.payload)
+        for proc in stage.procs:
+            self._send(stage, proc.rank, command)
+
+    def _on_request_reply(self, stage: _Stage, request: _Request, rank: int, reply: Result | Nack) -> None:
+        if isinstance(reply, Nack):
+            self._finish_request(stage, request, error=RequestFailedError(
+                f"rank {rank} of stage {stage.spec.name!r} refused request {request.task_id}: "
+                f"{reply.reason.value} in {reply.state.value}: {reply.detail}"))  # fmt: skip
+            return
+        request.results[rank] = reply
+        if len(request.results) == len(stage.procs):
+            self._finish_request(stage, request, result=request.results[0].output)
+
+    def _finish_request(self, stage: _Stage, request: _Request, *, result: Any = None,
+                        error: BaseException | None = None) -> None:  # fmt: skip
+        if stage.inflight.pop(request.task_id, None) is None:
+            return
+        _settle(request.future, result=result, error=error)
+        if stage.core.in_flight_requests > 0:
+            now = time.monotonic()
+            self._apply(stage, self._core_call(stage, lambda: stage.core.request_finished(now)))
+
+    def _fail_requests(self, stage: _Stage, error: OmniCoreError) -> None:
+        for request in list(stage.inflight.values()) + list(stage.queue):
+            _settle(request.future, error=error)
+        stage.inflight.clear()
+        stage.queue.clear()
+
+    def _send(self, stage: _Stage, rank: int, command: Command) -> None:
+        proc = stage.procs[rank] if rank < len(stage.procs) else None
+        if self._trace.enabled:
+            self._trace.event("send", task_id=command.task_id, epoch=command.epoch,
+                              state=stage.core.state.value, stage=stage.spec.name, rank=rank,
+                              msg=type(command).__name__)  # fmt: skip
+        if proc is None or proc.identity is None:
+            self.counters["send_failures"] += 1  # the deadline names this rank (P-9)
+            return
+        try:
+            self._router.send_multipart([proc.identity, encode(command)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            self.counters["send_failures"] += 1
+
+    def _spawn_ranks(self, stage: _Stage) -> None:
+        from omni_core.workers.process import run_worker
+
+        spec = stage.spec
+        stage.procs = []
+        for rank in range(spec.ranks):
+            config = WorkerConfig(address=self.address, rank=rank, epoch=stage.core.epoch,
+                                  stage=spec.name, runner=spec.runner, runner_args=dict(spec.runner_args),
+                                  backend=spec.backend, device=spec.device, tags=spec.tags,
+                                  trace_path=self.trace_path)  # fmt: skip
+            process = self._mp.Process(target=run_worker, args=(config,), daemon=True,
+                                       name=f"omni-{spec.name}-rank{rank}")  # fmt: skip
+            with _visible_devices(spec.devices[rank] if spec.devices else None):
+                process.start()
+            proc = _RankProc(rank, process)
+            stage.procs.append(proc)
+            self._by_pid[process.pid] = (stage, proc)
+            self._sentinels[process.sentinel] = (stage, proc)
+            self._poller.register(process.sentinel, zmq.POLLIN)
+            self._trace.event("spawn", epoch=stage.core.epoch, state=stage.core.state.value,
+                              stage=spec.name, rank=rank, pid=process.pid)  # fmt: skip
+
+    def _reap_ranks(self, stage: _Stage) -> None:
+        for proc in stage.procs:
+            proc.expected_exit = True
+            if proc.process.is_alive():
+                proc.process.terminate()
+        deadline_at = time.monotonic() + TERMINATE_GRACE_S
+        for proc in stage.procs:
+            proc.process.join(max(0.0, deadline_at - time.monotonic()))
+            if proc.process.is_alive():
+                proc.process.kill()
+                proc.process.join(TERMINATE_GRACE_S)
+            self._forget(proc)
+
+    def _forget(self, proc: _RankProc) -> None:
+        self._by_pid.pop(proc.process.pid or -1, None)
+        if proc.identity is not None:
+            self._by_identity.pop(proc.identity, None)
+        sentinel = proc.process.sentinel
+        if self._sentinels.pop(sentinel, None) is not None:
+            self._poller.unregister(sentinel)
+
+    def _finish_close(self) -> bool:
+        procs = [p for s in self._stages.values() for p in s.procs]
+        if any(p.process.is_alive() for p in procs) and time.monotonic() < self._closing_deadline_at:
+            return False
+        for stage in self._stages.values():
+            self._reap_ranks(stage)
+        assert self._closing is not None
+        _settle(self._closing, result=None)
+        return True
+
+    def _close_resources(self) -> None:
+        self._closed.set()
+        while True:  # settle calls that raced the shutdown
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            _settle(future, error=EngineClosedError("the engine shut down before this call ran"))
+        self._router.close(0)
+        self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._trace.close()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _visible_devices(value: str | None):
+    """Spawned children copy os.environ at start(): set CUDA_VISIBLE_DEVICES just around it."""
+    if value is None:
+        yield
+        return
+    with _env_lock:
+        old = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = value
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = old
+
