@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from omni_core.protocol.enums import NackReason
-from omni_core.protocol.messages import AnyMessage, Command, Message
+from omni_core.protocol.messages import MAX_TASK_ID_CHARS, AnyMessage, Command, Message
 from omni_core.protocol.version import PROTOCOL_VERSION
 
 
@@ -61,7 +61,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     """Parse one message; raise `ProtocolError` naming what was wrong with the bytes."""
     try:
         message = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise _explain(data, exc) from None
     if message.v != PROTOCOL_VERSION:
         raise _unsupported_version(message.v, message.task_id, message.epoch)
@@ -85,21 +85,31 @@ def _unsupported_version(version: object, task_id: object, epoch: object) -> Pro
         f"protocol version {version!r} is not supported: this peer speaks version "
         f"{PROTOCOL_VERSION}; run the same omni-core protocol version on both ends",
         reason=NackReason.UNSUPPORTED_VERSION,
-        task_id=task_id if isinstance(task_id, str) and task_id else None,
-        epoch=epoch if isinstance(epoch, int) and epoch >= 0 else None,
+        task_id=_wire_task_id(task_id),
+        epoch=_wire_epoch(epoch),
     )
+
+
+# The refusal echoes the task_id and epoch, so they must be valid on the wire themselves.
+def _wire_task_id(task_id: object) -> str | None:
+    return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_CHARS else None
+
+
+def _wire_epoch(epoch: object) -> int | None:
+    ok = isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**64
+    return epoch if ok else None  # type: ignore[return-value]
 
 
 def _explain(data: bytes | bytearray | memoryview, exc: Exception) -> ProtocolError:
     """Turn a strict-decode failure into the most useful ProtocolError we can."""
     try:
         envelope = _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return ProtocolError(f"undecodable message ({len(bytes(data))} bytes): {exc}")
-    task_id = envelope.task_id if isinstance(envelope.task_id, str) and envelope.task_id else None
-    epoch = envelope.epoch if isinstance(envelope.epoch, int) and envelope.epoch >= 0 else None
-    if envelope.v is not None and envelope.v != PROTOCOL_VERSION:
-        return _unsupported_version(envelope.v, task_id, epoch)
+    task_id, epoch = _wire_task_id(envelope.task_id), _wire_epoch(envelope.epoch)
+    version = envelope.v
+    if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
+        return _unsupported_version(version, task_id, epoch)
     return ProtocolError(
         f"invalid {envelope.type if isinstance(envelope.type, str) else 'message'}: {exc}",
         task_id=task_id,

@@ -1,0 +1,463 @@
+"""The wire codec: every message type round-trips with every field, and every kind of bad
+input is a typed `ProtocolError` that names what was wrong (P-3, P-10)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_core.fsm import WorkerCore
+from omni_core.protocol import (
+    COMMAND_TYPES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    REPLY_TYPES,
+    Ack,
+    AckStatus,
+    Capability,
+    Execute,
+    Hello,
+    MemoryReport,
+    Message,
+    Nack,
+    NackReason,
+    ProtocolError,
+    ReloadWeights,
+    Result,
+    Shutdown,
+    Sleep,
+    Status,
+    Wake,
+    WorkerState,
+    decode,
+    decode_command,
+    encode,
+)
+from omni_core.protocol.messages import MAX_TASK_ID_CHARS
+
+raw_encode = msgspec.msgpack.encode
+
+MEMORY = MemoryReport(
+    pool_bytes_before={"weights": 8 << 30, "kv_cache": 4 << 30},
+    pool_bytes_after={"weights": 0, "kv_cache": 0},
+    process_bytes_before=13 << 30,
+    process_bytes_after=700 << 20,
+    process_bytes_source="nvml",
+)
+
+# One instance per type with every field set to something other than its default, so a
+# field that the codec dropped or mangled shows up in the round trip.
+SAMPLES: dict[type[Message], Message] = {
+    Sleep: Sleep(task_id="sleep-1", epoch=3, level=2, tags=("weights", "kv_cache")),
+    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",)),
+    ReloadWeights: ReloadWeights(task_id="reload-1", epoch=3, source="/ckpt/step-100"),
+    Execute: Execute(task_id="exec-1", epoch=3,
+                     payload={"prompt": "hi", "ids": [1, 2, 3], "blob": b"\x00\x01", "t": 0.5}),
+    Status: Status(task_id="status-1", epoch=4),
+    Shutdown: Shutdown(task_id="shutdown-1", epoch=5),
+    Ack: Ack(task_id="sleep-1", epoch=3, rank=2, command="Sleep", state=WorkerState.SLEEPING,
+             status=AckStatus.ALREADY, asleep_tags=("kv_cache", "weights"), memory=MEMORY,
+             duration_s=0.25, detail="worker FAILED earlier"),
+    Nack: Nack(task_id="wake-1", epoch=3, rank=1, command="Wake", reason=NackReason.BUSY,
+               detail="task 'sleep-1' is in progress", state=WorkerState.OFFLOADING),
+    Result: Result(task_id="exec-1", epoch=3, rank=0, output=[[1.5, -2.0], {"tokens": 7}],
+                   duration_s=0.125),
+    Hello: Hello(task_id="hello", epoch=3, rank=1, pid=4242, device="cuda:1", backend="portable",
+                 tags=("weights", "kv_cache"), capabilities=(Capability.LEVEL2,),
+                 state=WorkerState.FAILED, detail="load failed: out of memory"),
+}  # fmt: skip
+
+
+def _field_default(field: msgspec.structs.FieldInfo) -> object:
+    if field.default is not msgspec.NODEFAULT:
+        return field.default
+    if field.default_factory is not msgspec.NODEFAULT:
+        return field.default_factory()
+    return msgspec.NODEFAULT
+
+
+def test_samples_cover_every_message_type_and_every_field() -> None:
+    assert set(SAMPLES) == set(MESSAGE_TYPES), "add a sample for every wire type"
+    for cls, sample in SAMPLES.items():
+        for field in msgspec.structs.fields(cls):
+            if field.name == "v":
+                continue  # any other value is another protocol version
+            value = getattr(sample, field.name)
+            assert value != _field_default(field), (
+                f"SAMPLES[{cls.__name__}].{field.name} is its default: set it, so the round "
+                "trip checks that field"
+            )
+    fields = msgspec.structs.fields(MemoryReport)
+    assert all(getattr(MEMORY, f.name) != _field_default(f) for f in fields)
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_round_trip_keeps_type_and_every_field(cls: type[Message]) -> None:
+    sample = SAMPLES[cls]
+    data = encode(sample)
+    back = decode(data)
+    assert type(back) is cls
+    assert back == sample
+    for field in msgspec.structs.fields(cls):
+        assert getattr(back, field.name) == getattr(sample, field.name), field.name
+    assert encode(back) == data
+    # On the wire the tag is the class name, with the version and the envelope alongside.
+    wire = msgspec.msgpack.decode(data)
+    assert wire["type"] == cls.__name__
+    assert wire["v"] == PROTOCOL_VERSION
+    assert (wire["task_id"], wire["epoch"]) == (sample.task_id, sample.epoch)
+
+
+@pytest.mark.parametrize("cls", COMMAND_TYPES, ids=lambda c: c.__name__)
+def test_decode_command_accepts_commands(cls: type[Message]) -> None:
+    assert decode_command(encode(SAMPLES[cls])) == SAMPLES[cls]
+
+
+@pytest.mark.parametrize("cls", REPLY_TYPES, ids=lambda c: c.__name__)
+def test_decode_command_refuses_replies(cls: type[Message]) -> None:
+    sample = SAMPLES[cls]
+    with pytest.raises(ProtocolError) as info:
+        decode_command(encode(sample))
+    err = info.value
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert cls.__name__ in err.detail and "only commands" in err.detail
+    assert (err.task_id, err.epoch) == (sample.task_id, sample.epoch)
+
+
+def test_memoryview_and_bytearray_inputs() -> None:
+    data = encode(SAMPLES[Sleep])
+    assert decode(memoryview(data)) == decode(bytearray(data)) == SAMPLES[Sleep]
+
+
+def test_minimal_message_gets_defaults() -> None:
+    msg = decode(raw_encode({"type": "Sleep", "v": PROTOCOL_VERSION, "task_id": "t", "epoch": 0}))
+    assert msg == Sleep(task_id="t", epoch=0, level=1, tags=None)
+    # v may be left out: it defaults to this version.
+    assert decode(raw_encode({"type": "Status", "task_id": "t", "epoch": 1})) == Status(task_id="t", epoch=1)
+
+
+def test_freed_bytes_per_tag() -> None:
+    assert MEMORY.freed_bytes() == {"kv_cache": 4 << 30, "weights": 8 << 30}
+    grown = MemoryReport(pool_bytes_before={"weights": 0}, pool_bytes_after={"weights": 10, "kv": 5})
+    assert grown.freed_bytes() == {"kv": -5, "weights": -10}
+
+
+# ----------------------------------------------------------------------- bad input
+
+
+def _refused(data: bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(data)
+    assert isinstance(info.value, ValueError)  # callers that catch ValueError still work
+    assert str(info.value) == info.value.detail
+    return info.value
+
+
+def _wire(**fields: object) -> bytes:
+    base: dict[str, object] = {"type": "Sleep", "v": PROTOCOL_VERSION, "task_id": "t-1", "epoch": 2}
+    base.update(fields)
+    return raw_encode({k: v for k, v in base.items() if v is not _DROP})
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x85\xa4type", encode(SAMPLES[Sleep])[:-3], b"\xdd\xff\xff\xff\xff"],
+    ids=["empty", "reserved-byte", "truncated-map", "truncated-message", "huge-array-header"],
+)
+def test_undecodable_bytes(data: bytes) -> None:
+    err = _refused(data)
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert err.detail.startswith("undecodable message")
+    assert f"({len(data)} bytes)" in err.detail
+    assert err.task_id is None and err.epoch is None
+
+
+@pytest.mark.parametrize("value", [7, "Sleep", [1, 2], None, 1.5, True])
+def test_not_a_map(value: object) -> None:
+    err = _refused(raw_encode(value))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert "undecodable" in err.detail or "invalid" in err.detail
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"epoch": "two"}, "$.epoch"),
+        ({"epoch": -1}, "$.epoch"),
+        ({"epoch": 2.0}, "$.epoch"),
+        ({"level": 3}, "$.level"),
+        ({"level": "1"}, "$.level"),
+        ({"tags": "weights"}, "$.tags"),
+        ({"tags": []}, "$.tags"),
+        ({"tags": ["bad tag!"]}, "$.tags[0]"),
+        ({"tags": [1]}, "$.tags[0]"),
+        ({"v": "1"}, "$.v"),
+    ],
+    ids=lambda x: str(x),
+)
+def test_wrong_types_name_the_field_and_keep_the_task_id(fields: dict, where: str) -> None:
+    err = _refused(_wire(**fields))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert err.detail.startswith("invalid Sleep: ")
+    assert where in err.detail
+    assert err.task_id == "t-1"
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [({"task_id": 5}, "$.task_id"), ({"task_id": ""}, "$.task_id"),
+     ({"task_id": "x" * (MAX_TASK_ID_CHARS + 1)}, "$.task_id"), ({"task_id": _DROP}, "task_id")],
+    ids=["int-task-id", "empty-task-id", "long-task-id", "no-task-id"],
+)  # fmt: skip
+def test_bad_task_id(fields: dict, where: str) -> None:
+    err = _refused(_wire(**fields))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert where in err.detail
+    # A task_id that is not itself valid on the wire is not echoed back (P-10: "-").
+    assert err.task_id is None
+    assert err.epoch == 2
+
+
+def test_missing_epoch() -> None:
+    err = _refused(_wire(epoch=_DROP))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert "epoch" in err.detail
+    assert (err.task_id, err.epoch) == ("t-1", None)
+
+
+def test_unknown_type_tag() -> None:
+    err = _refused(_wire(type="Nap"))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert "Nap" in err.detail and "$.type" in err.detail
+    assert (err.task_id, err.epoch) == ("t-1", 2)
+
+
+def test_missing_type_tag() -> None:
+    err = _refused(_wire(type=_DROP))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert "type" in err.detail
+    assert err.task_id == "t-1"
+
+
+def test_unknown_field_is_refused_by_name() -> None:
+    err = _refused(_wire(levle=2))
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert "levle" in err.detail
+    assert (err.task_id, err.epoch) == ("t-1", 2)
+
+
+def test_field_of_another_type_is_an_unknown_field() -> None:
+    err = _refused(_wire(type="Wake", level=2))
+    assert "level" in err.detail and err.detail.startswith("invalid Wake")
+
+
+@pytest.mark.parametrize("version", [0, 2, PROTOCOL_VERSION + 10, 2**40])
+def test_other_protocol_version_names_both_versions(version: int) -> None:
+    err = _refused(_wire(v=version))
+    assert err.reason is NackReason.UNSUPPORTED_VERSION
+    assert f"protocol version {version}" in err.detail
+    assert f"version {PROTOCOL_VERSION}" in err.detail
+    assert (err.task_id, err.epoch) == ("t-1", 2)
+
+
+def test_future_version_with_new_fields_is_unsupported_version_not_bad_message() -> None:
+    # A newer peer may add fields; the useful answer is the version mismatch.
+    err = _refused(_wire(v=PROTOCOL_VERSION + 1, priority="high", type="Hibernate"))
+    assert err.reason is NackReason.UNSUPPORTED_VERSION
+    assert f"version {PROTOCOL_VERSION + 1}" in err.detail and f"version {PROTOCOL_VERSION}" in err.detail
+
+
+def test_version_mismatch_on_a_reply_too() -> None:
+    reply = msgspec.structs.replace(SAMPLES[Ack], v=PROTOCOL_VERSION + 1)
+    err = _refused(encode(reply))
+    assert err.reason is NackReason.UNSUPPORTED_VERSION
+
+
+def test_deeply_nested_payload_is_a_protocol_error() -> None:
+    # msgspec raises RecursionError on very deep input; P-10 still wants a NACK.
+    depth = 100_000
+    payload = b"\x91" * depth + b"\xc0"
+    head = raw_encode({"type": "Execute", "v": PROTOCOL_VERSION, "task_id": "deep", "epoch": 0})
+    data = bytes([head[0] + 1]) + head[1:] + raw_encode("payload") + payload
+    err = _refused(data)
+    assert err.reason is NackReason.BAD_MESSAGE
+    assert "deep" in err.detail or "recursion" in err.detail
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"task_id": "x" * 500, "level": 3}, {"epoch": True, "level": 3}, {"epoch": -5, "level": 3},
+     {"v": 9, "epoch": True}, {"v": 9, "task_id": "x" * 500}, {"task_id": ["t"], "level": 3}],
+    ids=["long-task-id", "bool-epoch", "negative-epoch", "v9-bool-epoch", "v9-long-task-id",
+         "list-task-id"],
+)  # fmt: skip
+def test_refusal_built_from_the_error_is_valid_on_the_wire(fields: dict) -> None:
+    """P-10: the NACK a worker sends for bad bytes must itself decode at the other end."""
+    err = _refused(_wire(**fields))
+    nack = _bad_message_nack(err)
+    assert decode(encode(nack)) == nack
+
+
+def _bad_message_nack(err: ProtocolError) -> Nack:
+    worker = WorkerCore(rank=3, epoch=7)
+    (nack,) = worker.on_bad_message(err).replies
+    assert isinstance(nack, Nack)
+    assert nack.reason is err.reason
+    assert nack.task_id == (err.task_id or "-")
+    assert nack.state is WorkerState.LOADING  # nothing changed
+    assert worker.counters.bad_messages == 1
+    return nack
+
+
+# ----------------------------------------------------------------------- properties
+
+_scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20) | st.binary(max_size=20)
+)  # fmt: skip
+msgpack_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=10) | st.integers(-5, 5), inner, max_size=4),
+    max_leaves=12,
+)
+
+_tag = st.sampled_from(["weights", "kv_cache", "activations", "a.b-c_1"])
+_tags = st.none() | st.lists(_tag, min_size=1, max_size=3).map(tuple)
+_task_id = st.text(min_size=1, max_size=MAX_TASK_ID_CHARS)
+_epoch = st.integers(0, 2**63 - 1)
+_rank = st.integers(0, 1024)
+_state = st.sampled_from(WorkerState)
+_seconds = st.floats(0, 1e6)
+_memory = st.none() | st.builds(
+    MemoryReport,
+    pool_bytes_before=st.dictionaries(_tag, st.integers(0, 2**50), max_size=3),
+    pool_bytes_after=st.dictionaries(_tag, st.integers(0, 2**50), max_size=3),
+    process_bytes_before=st.none() | st.integers(0, 2**50),
+    process_bytes_after=st.none() | st.integers(0, 2**50),
+    process_bytes_source=st.sampled_from(["nvml", "torch", "none"]),
+)
+_json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=10) | st.binary(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+
+valid_messages = st.one_of(
+    st.builds(Sleep, task_id=_task_id, epoch=_epoch, level=st.sampled_from([1, 2]), tags=_tags),
+    st.builds(Wake, task_id=_task_id, epoch=_epoch, tags=_tags),
+    st.builds(ReloadWeights, task_id=_task_id, epoch=_epoch, source=st.none() | st.text(max_size=20)),
+    st.builds(Execute, task_id=_task_id, epoch=_epoch, payload=_json_like),
+    st.builds(Status, task_id=_task_id, epoch=_epoch),
+    st.builds(Shutdown, task_id=_task_id, epoch=_epoch),
+    st.builds(Ack, task_id=_task_id, epoch=_epoch, rank=_rank, command=st.sampled_from(["Sleep", "Wake"]),
+              state=_state, status=st.sampled_from(AckStatus), asleep_tags=st.lists(_tag).map(tuple),
+              memory=_memory, duration_s=_seconds, detail=st.text(max_size=50)),
+    st.builds(Nack, task_id=_task_id, epoch=_epoch, rank=_rank, command=st.text(max_size=10),
+              reason=st.sampled_from(NackReason), detail=st.text(max_size=50), state=_state),
+    st.builds(Result, task_id=_task_id, epoch=_epoch, rank=_rank, output=_json_like, duration_s=_seconds),
+    st.builds(Hello, task_id=_task_id, epoch=_epoch, rank=_rank, pid=st.integers(0, 2**31),
+              device=st.text(max_size=10), backend=st.sampled_from(["portable", "cumem", "fast"]),
+              tags=st.lists(_tag, max_size=3).map(tuple),
+              capabilities=st.lists(st.sampled_from(Capability), max_size=2).map(tuple),
+              state=_state, detail=st.text(max_size=30)),
+)  # fmt: skip
+
+
+def check_decode(data: bytes) -> Message | None:
+    """The codec contract: a message that re-encodes stably, or a usable ProtocolError."""
+    try:
+        message = decode(data)
+    except ProtocolError as err:
+        assert err.reason in (NackReason.BAD_MESSAGE, NackReason.UNSUPPORTED_VERSION)
+        assert err.detail
+        nack = _bad_message_nack(err)
+        assert decode(encode(nack)) == nack
+        return None
+    assert isinstance(message, MESSAGE_TYPES)
+    assert message.v == PROTOCOL_VERSION
+    again = encode(message)
+    assert encode(decode(again)) == again  # byte-stable (NaN payloads compare unequal)
+    return message
+
+
+@given(valid_messages)
+def test_property_every_valid_message_round_trips(message: Message) -> None:
+    data = encode(message)
+    back = decode(data)
+    assert type(back) is type(message)
+    assert encode(back) == data
+    if not _has_nan(msgspec.to_builtins(message)):
+        assert back == message
+
+
+def _has_nan(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, list):
+        return any(_has_nan(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nan(v) for v in value.values())
+    return False
+
+
+@given(st.binary(max_size=200))
+def test_property_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
+    check_decode(data)
+
+
+@given(msgpack_values)
+def test_property_arbitrary_msgpack_objects_only_ever_raise_protocol_error(value: object) -> None:
+    check_decode(raw_encode(value))
+
+
+@given(st.dictionaries(st.sampled_from(["type", "v", "task_id", "epoch", "level", "tags", "rank",
+                                        "state", "command", "reason", "payload", "x"]),
+                       msgpack_values | st.sampled_from([t.__name__ for t in MESSAGE_TYPES]),
+                       max_size=8))  # fmt: skip
+def test_property_random_maps_with_protocol_keys(value: dict) -> None:
+    check_decode(raw_encode(value))
+
+
+_mutations = st.sampled_from(["drop", "set", "add", "retag", "version"])
+
+
+@given(valid_messages, st.lists(st.tuples(_mutations, st.integers(0, 100), msgpack_values),
+                                min_size=1, max_size=3))  # fmt: skip
+def test_property_mutated_valid_messages_only_ever_raise_protocol_error(
+    message: Message, mutations: list[tuple[str, int, object]]
+) -> None:
+    wire: dict = msgspec.msgpack.decode(encode(message))
+    for kind, pick, value in mutations:
+        keys = sorted(wire)
+        if kind == "drop" and keys:
+            del wire[keys[pick % len(keys)]]
+        elif kind == "set" and keys:
+            wire[keys[pick % len(keys)]] = value
+        elif kind == "add":
+            wire[f"extra_{pick}"] = value
+        elif kind == "retag":
+            wire["type"] = MESSAGE_TYPES[pick % len(MESSAGE_TYPES)].__name__
+        elif kind == "version":
+            wire["v"] = pick - 50
+    decoded = check_decode(raw_encode(wire))
+    if decoded is not None and "v" in wire and wire["v"] != PROTOCOL_VERSION:
+        raise AssertionError(f"version {wire['v']!r} accepted as {PROTOCOL_VERSION}")
+
+
+@given(valid_messages)
+def test_property_decode_command_splits_commands_from_replies(message: Message) -> None:
+    data = encode(message)
+    if isinstance(message, COMMAND_TYPES):
+        assert type(decode_command(data)) is type(message)
+    else:
+        with pytest.raises(ProtocolError):
+            decode_command(data)
