@@ -22,3 +22,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     trace_path: str | None = None  # append one JSON line per processed message when set
     reply_cache_entries: int = 1024
     recv_queue_limit: int = 1024  # ZMQ receive high-water mark
+    # Leave (releasing pools) when the process that started this worker is gone, so a
+    # crashed orchestrator or test run does not strand workers holding GPU memory. Turn
+    # off for a worker started by a shell that exits (nohup, a process supervisor).
+    exit_with_parent: bool = True
+    parent_check_interval_s: float = 1.0

@@ -1,0 +1,165 @@
+"""The memory-backend interface: tagged pools that sleep and wake.
+
+A backend owns the device memory of a worker, split by tag. `pool(tag)` is the context in
+which the runner allocates that tag's tensors; `sleep(offload, discard)` releases tags
+(keeping a host copy of `offload` only); `wake(tags)` maps them back. Sleep and wake never
+replace the runner's tensor objects: the same Python tensors hold the memory again after
+a wake, which is why a runner can keep plain references.
+
+Buffers a runner lists in `buffers_to_save()` that live in a discarded tag are copied to
+host before the discard and written back when their tag wakes (level 2: the weights are
+reloaded from their source, but buffers computed at start-up are not in that source).
+"""
+
+from __future__ import annotations
+
+import gc
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from omni_core.protocol import Capability
+
+
+class BackendUnavailable(RuntimeError):
+    """This backend cannot work in this process; the message says why and what to install."""
+
+
+class BackendStateError(RuntimeError):
+    """A sleep/wake that does not fit the tags' current state (a caller bug, refused whole)."""
+
+
+@dataclass
+class _SavedBuffer:
+    tensor: torch.Tensor  # the runner's own tensor: restored in place
+    host: torch.Tensor
+    tag: str
+
+
+class MemoryBackend(ABC):
+    name: str = "?"
+    capabilities: tuple[Capability, ...] = ()
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.tags: list[str] = []
+        self.asleep: set[str] = set()
+        self._saved: dict[str, _SavedBuffer] = {}
+
+    # ------------------------------------------------------------------ allocation
+
+    @contextmanager
+    def pool(self, tag: str) -> Iterator[None]:
+        """Allocations made inside belong to `tag`."""
+        if tag in self.asleep:
+            raise BackendStateError(f"cannot allocate in pool {tag!r} while it is asleep; wake it first")
+        if tag not in self.tags:
+            self.tags.append(tag)
+        with self._pool(tag):
+            yield
+
+    @contextmanager
+    def _pool(self, tag: str) -> Iterator[None]:
+        yield
+
+    def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
+        """The runner's tensors of `tag` (after allocating it). Backends that move tensors
+        (portable) need them; allocator backends (cumem) see allocations themselves."""
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def sleep(
+        self,
+        offload: Iterable[str],
+        discard: Iterable[str],
+        *,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        offload, discard = frozenset(offload), frozenset(discard)
+        tags = offload | discard
+        if offload & discard:
+            raise BackendStateError(f"tags {sorted(offload & discard)} asked to be both offloaded and discarded")
+        unknown = tags - set(self.tags)
+        if unknown:
+            raise BackendStateError(f"unknown tag(s) {sorted(unknown)}; this backend has pools {self.tags}")
+        if tags & self.asleep:
+            raise BackendStateError(f"tag(s) {sorted(tags & self.asleep)} are already asleep")
+        self._synchronize()
+        for name, tensor in (buffers or {}).items():
+            tag = self.tag_of(tensor)
+            if tag in discard:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self._pin)
+                host.copy_(tensor)
+                self._saved[name] = _SavedBuffer(tensor, host, tag)
+        self._sleep(offload, discard)
+        self.asleep |= tags
+        gc.collect()
+        self._empty_cache()
+
+    def wake(self, tags: Iterable[str]) -> None:
+        tags = frozenset(tags)
+        if tags - self.asleep:
+            raise BackendStateError(f"tag(s) {sorted(tags - self.asleep)} are not asleep "
+                                    f"(asleep: {sorted(self.asleep)})")  # fmt: skip
+        self._wake(tags)
+        self.asleep -= tags
+        for name in [n for n, s in self._saved.items() if s.tag in tags]:
+            saved = self._saved.pop(name)
+            saved.tensor.copy_(saved.host)
+        self._synchronize()
+
+    def usage(self) -> dict[str, int]:
+        """Device bytes resident per tag (0 for a tag that is asleep)."""
+        return {tag: self._resident_bytes(tag) for tag in self.tags}
+
+    def host_bytes(self) -> int:
+        """Host bytes this backend holds for sleeping tags (copies and saved buffers)."""
+        return self._host_bytes() + sum(s.host.numel() * s.host.element_size() for s in self._saved.values())
+
+    def release(self) -> None:
+        """Shutdown: drop host copies. The runner drops its tensors after this."""
+        self._saved.clear()
+
+    @property
+    def hard_exit_required(self) -> bool:
+        """True when the process must leave with os._exit after Shutdown because freeing the
+        remaining tensors through the normal path is unsafe (see the cumem backend)."""
+        return False
+
+    # ------------------------------------------------------------------ per backend
+
+    @abstractmethod
+    def tag_of(self, tensor: torch.Tensor) -> str | None:
+        """The pool a tensor's memory belongs to, or None if it is in none."""
+
+    @abstractmethod
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None: ...
+
+    @abstractmethod
+    def _wake(self, tags: frozenset[str]) -> None: ...
+
+    @abstractmethod
+    def _resident_bytes(self, tag: str) -> int: ...
+
+    def _host_bytes(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def _pin(self) -> bool:
+        # Pinned host memory makes device<->host copies run at link speed; on a CPU-only
+        # process there is nothing to pin for.
+        return self.device.type == "cuda"
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,183 @@
+"""The cumem backend: vLLM's CuMemAllocator (virtual-memory backed tagged pools).
+
+Tensors allocated inside `pool(tag)` get physical memory through cuMemCreate/cuMemMap at a
+reserved virtual address. Sleep unmaps the physical memory (copying an offloaded tag to
+host first); wake maps new physical memory at the *same* address. Tensors, raw pointers
+and captured CUDA graphs therefore stay valid: `stable_addresses` and `cuda_graphs`.
+
+vLLM versions differ in the allocator's details, so this module relies only on what every
+version since 0.26 has (`get_instance`, `use_memory_pool(tag)`, `sleep(offload_tags)`,
+`wake_up(tags)`, `pointer_to_data` of `AllocationData(handle, tag, cpu_backup_tensor)`,
+and the module functions `unmap_and_release` / `libcudart.cudaMemcpy`) and reads the rest:
+
+- 0.26 marks each allocation `is_asleep`; later trees mark `is_mapped` instead and add a
+  `keep_tags` argument to `sleep`; some have neither flag.
+- `CuMemAllocator.sleep` acts on *every* allocation (offloading some, discarding the rest)
+  and, in 0.26, would unmap an allocation twice if it were already asleep.
+
+So a sleep that covers every tag while nothing is asleep goes through vLLM's own
+`sleep`; a sleep of some tags uses `keep_tags` where the allocator has it; otherwise (and
+whenever some tag is already asleep) it releases the chosen allocations one by one with
+the same module functions vLLM's `sleep` uses, setting whichever flag the version has.
+Wake always goes through vLLM's `wake_up(tags)`: the backend only ever wakes tags whose
+allocations are all asleep, which every version handles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from omni_core.protocol import Capability
+from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
+
+CUMEM_MODULE = "vllm.device_allocator.cumem"
+INSTALL_HINT = "install vLLM >= 0.26 with CUDA support: pip install 'omni-core[vllm]'"
+_REQUIRED = ("get_instance", "use_memory_pool", "sleep", "wake_up")
+
+
+def cumem_unavailable_reason(device: torch.device) -> str | None:
+    """Why the cumem backend cannot run here (None when it can). Checked at start-up so
+    that a missing piece fails the worker's Hello, never its first sleep."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"the cumem backend needs a CUDA device but this worker is configured for "
+                f"device {str(device)!r}; set WorkerConfig.device='cuda' or use backend 'portable'")  # fmt: skip
+    if not torch.cuda.is_available():
+        build = ("a CPU-only build" if torch.version.cuda is None and torch.version.hip is None
+                 else f"built for CUDA {torch.version.cuda}")  # fmt: skip
+        return (f"torch {torch.__version__} ({build}) sees no CUDA device (torch.cuda.is_available() "
+                "is False); run on a machine with an NVIDIA GPU and a CUDA build of torch, or use "
+                "backend 'portable'")  # fmt: skip
+    try:
+        module = importlib.import_module(CUMEM_MODULE)
+    except Exception as exc:  # ImportError, or vLLM failing its own import-time checks
+        return f"cannot import {CUMEM_MODULE} ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    if not getattr(module, "cumem_available", False):
+        return (f"{CUMEM_MODULE} imported but its C extension vllm.cumem_allocator did not load "
+                "(cumem_available is False); reinstall a vLLM wheel built for this CUDA and torch")  # fmt: skip
+    allocator = getattr(module, "CuMemAllocator", None)
+    missing = [name for name in _REQUIRED if not hasattr(allocator, name)]
+    if allocator is None or missing:
+        return (f"this vLLM's CuMemAllocator lacks {missing or ['the class itself']}; omni-core "
+                f"supports the allocator of vLLM >= 0.26: {INSTALL_HINT}")  # fmt: skip
+    return None
+
+
+def _load_module(device: torch.device) -> ModuleType:
+    reason = cumem_unavailable_reason(device)
+    if reason is not None:
+        raise BackendUnavailable(f"backend 'cumem' is unavailable: {reason}")
+    return importlib.import_module(CUMEM_MODULE)
+
+
+class CumemBackend(MemoryBackend):
+    name = "cumem"
+    capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE,
+                    Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)  # fmt: skip
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._mod = _load_module(self.device)
+        self.allocator = self._mod.CuMemAllocator.get_instance()
+        self._has_keep_tags = "keep_tags" in inspect.signature(self.allocator.sleep).parameters
+        self.sleep_paths: list[str] = []  # which code path each sleep took (tests, trace)
+
+    # ------------------------------------------------------------------ allocations
+
+    @contextmanager
+    def _pool(self, tag: str) -> Iterator[None]:
+        with torch.cuda.device(self.device), self.allocator.use_memory_pool(tag=tag):
+            yield
+
+    def _allocations(self, tags: frozenset[str] | set[str] | None = None) -> list[tuple[int, Any]]:
+        return [(ptr, data) for ptr, data in self.allocator.pointer_to_data.items()
+                if tags is None or data.tag in tags]  # fmt: skip
+
+    def _is_asleep(self, data: Any) -> bool:
+        if hasattr(data, "is_asleep"):
+            return bool(data.is_asleep)
+        if hasattr(data, "is_mapped"):
+            return not data.is_mapped
+        return data.tag in self.asleep  # a version without flags: tags sleep whole
+
+    @staticmethod
+    def _mark(data: Any, *, asleep: bool) -> None:
+        if hasattr(data, "is_asleep"):
+            data.is_asleep = asleep
+        if hasattr(data, "is_mapped"):
+            data.is_mapped = not asleep
+
+    def tag_of(self, tensor: torch.Tensor) -> str | None:
+        address = tensor.untyped_storage().data_ptr()
+        for ptr, data in self._allocations():
+            if ptr <= address < ptr + data.handle[1]:
+                return data.tag
+        return None
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        tags = offload | discard
+        allocator_tags = {data.tag for _, data in self._allocations()}
+        nothing_asleep = not any(self._is_asleep(d) for _, d in self._allocations())
+        if nothing_asleep and tags >= allocator_tags:
+            self.sleep_paths.append("vllm-sleep")
+            self.allocator.sleep(offload_tags=tuple(sorted(offload)))
+        elif nothing_asleep and self._has_keep_tags:
+            self.sleep_paths.append("vllm-sleep-keep-tags")
+            self.allocator.sleep(offload_tags=tuple(sorted(offload)),
+                                 keep_tags=tuple(sorted(allocator_tags - tags)))  # fmt: skip
+        else:
+            self.sleep_paths.append("per-allocation")
+            self._sleep_allocations(offload, tags)
+
+    def _sleep_allocations(self, offload: frozenset[str], tags: frozenset[str]) -> None:
+        """vLLM's sleep loop restricted to `tags` (for versions whose sleep cannot be)."""
+        for ptr, data in self._allocations(tags):
+            if self._is_asleep(data):
+                continue  # released by an earlier partial sleep; unmapping twice breaks the handle
+            size = data.handle[1]
+            if data.tag in offload:
+                host = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
+                self._mod.libcudart.cudaMemcpy(host.data_ptr(), ptr, size)
+                data.cpu_backup_tensor = host
+            try:
+                self._mod.unmap_and_release(data.handle)
+            finally:
+                self._mark(data, asleep=True)
+
+    def _wake(self, tags: frozenset[str]) -> None:
+        with torch.cuda.device(self.device):
+            self.allocator.wake_up(tags=sorted(tags))
+        for _, data in self._allocations(tags):
+            self._mark(data, asleep=False)  # versions without flags: keep ours consistent
+
+    def _resident_bytes(self, tag: str) -> int:
+        return sum(d.handle[1] for _, d in self._allocations({tag}) if not self._is_asleep(d))
+
+    def _host_bytes(self) -> int:
+        return sum(d.cpu_backup_tensor.numel() for _, d in self._allocations()
+                   if d.cpu_backup_tensor is not None)  # fmt: skip
+
+    def release(self) -> None:
+        super().release()
+        for _, data in self._allocations():
+            data.cpu_backup_tensor = None
+
+    @property
+    def hard_exit_required(self) -> bool:
+        # Freeing an allocation that is asleep makes the extension unmap a handle that is not
+        # mapped (its error state then breaks every later call), and tearing down pluggable
+        # allocator pools at interpreter exit can abort (pytorch/pytorch#145168). The driver
+        # reclaims every mapping and reservation when the process exits, so after Shutdown
+        # the worker leaves with os._exit instead of freeing tensor by tensor.
+        return True

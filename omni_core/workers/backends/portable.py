@@ -1,0 +1,108 @@
+"""The portable backend: releases tensor storage in place and reallocates it on wake.
+
+Works on any torch device, CPU included, so the whole lifecycle runs in CI. Sleep copies
+an offloaded tag's storages to host (pinned on CUDA) and then resizes every storage of the
+tag to 0 bytes: the tensors stay the same Python objects with the same shapes, but hold no
+memory, on CPU as much as on a GPU. A missing restore therefore fails loudly (the runner
+finds an empty storage), and a level-2 sleep keeps no copy at all.
+
+Wake resizes the storages back and copies the host bytes in; a discarded tag comes back
+zero-filled (its content is gone, which is what NEEDS_RELOAD is for). The storage is
+reallocated, so device addresses change: no `stable_addresses`, no `cuda_graphs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from omni_core.protocol import Capability
+from omni_core.workers.backends.base import BackendStateError, MemoryBackend
+
+
+@dataclass
+class _Storage:
+    storage: torch.UntypedStorage
+    nbytes: int  # size while resident; restored on wake
+    host: torch.Tensor | None = None  # uint8 copy while an offloaded tag sleeps
+
+
+def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (copies by bytes, whatever the dtype)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class PortableBackend(MemoryBackend):
+    name = "portable"
+    capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        # Keyed by the StorageImpl address: views and aliases of one storage share it, so
+        # each storage is released and restored exactly once.
+        self._storages: dict[str, dict[int, _Storage]] = {}
+
+    def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
+        if tag in self.asleep:
+            raise BackendStateError(f"cannot track tensors of {tag!r} while it is asleep")
+        if tag not in self.tags:
+            self.tags.append(tag)
+        table: dict[int, _Storage] = {}
+        for t in tensors:
+            if t.device != self.device:
+                raise BackendStateError(f"a {tag} tensor is on {t.device}, this backend manages {self.device}")
+            storage = t.untyped_storage()
+            key = storage._cdata
+            for other, entries in self._storages.items():
+                if other != tag and key in entries:
+                    raise BackendStateError(f"a tensor of {tag!r} shares its storage with {other!r}; "
+                                            "a storage can belong to one pool only")  # fmt: skip
+            table[key] = _Storage(storage, storage.nbytes())
+        self._storages[tag] = table
+
+    def tag_of(self, tensor: torch.Tensor) -> str | None:
+        key = tensor.untyped_storage()._cdata
+        for tag, entries in self._storages.items():
+            if key in entries:
+                return tag
+        return None
+
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        for tag in sorted(offload | discard):
+            for entry in self._storages.get(tag, {}).values():
+                if tag in offload:
+                    host = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu", pin_memory=self._pin)
+                    host.copy_(_bytes_view(entry.storage, entry.nbytes), non_blocking=self._pin)
+                    entry.host = host
+            self._synchronize()  # the copies must land before their source is freed
+            for entry in self._storages.get(tag, {}).values():
+                entry.storage.resize_(0)
+
+    def _wake(self, tags: frozenset[str]) -> None:
+        for tag in sorted(tags):
+            for entry in self._storages.get(tag, {}).values():
+                entry.storage.resize_(entry.nbytes)
+                view = _bytes_view(entry.storage, entry.nbytes)
+                if entry.host is not None:
+                    view.copy_(entry.host, non_blocking=self._pin)
+                else:
+                    view.zero_()  # discarded: deterministic zeros rather than stale bytes
+            self._synchronize()
+            for entry in self._storages.get(tag, {}).values():
+                entry.host = None
+
+    def _resident_bytes(self, tag: str) -> int:
+        return sum(e.storage.nbytes() for e in self._storages.get(tag, {}).values())
+
+    def _host_bytes(self) -> int:
+        return sum(e.host.numel() for entries in self._storages.values()
+                   for e in entries.values() if e.host is not None)  # fmt: skip
+
+    def release(self) -> None:
+        super().release()
+        for entries in self._storages.values():
+            for entry in entries.values():
+                entry.host = None
+        self._storages.clear()

@@ -1,0 +1,318 @@
+"""The worker process: a thin shell around `WorkerCore`.
+
+Start-up selects the memory backend, loads the runner into its tagged pools and sends
+Hello. Then the loop: receive bytes, decode (bad bytes -> NACK BAD_MESSAGE, keep going),
+hand the command to the core, perform the one effect it returns through the backend or
+the runner, and send the core's replies. Every decision about legality, idempotence and
+fencing is the core's; this module only does the IO and the memory operations.
+
+An exception in a lifecycle effect moves the worker to FAILED; the core then answers
+every later command with the reason until Shutdown. A failed start-up (backend missing,
+runner not importable, out of memory while loading) is reported the same way: a Hello
+with state FAILED, then NACK FAILED naming the cause, so the orchestrator learns *why*
+instead of waiting for a Hello that never comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import zmq
+
+from omni_core.fsm import WEIGHTS_TAG, WorkerCore
+from omni_core.fsm.effects import (
+    Effect,
+    ExecuteEffect,
+    ReloadEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    WakeEffect,
+)
+from omni_core.protocol import (
+    Capability,
+    Hello,
+    MemoryReport,
+    Message,
+    ProtocolError,
+    decode_command,
+    encode,
+)
+from omni_core.transport import make_dealer
+from omni_core.workers.accounting import MemoryFigure, ProcessMemory
+from omni_core.workers.backends import MemoryBackend, select_backend
+from omni_core.workers.config import WorkerConfig
+from omni_core.workers.runner import ModelRunner, load_runner
+from omni_core.workers.trace import TraceWriter, open_trace
+
+log = logging.getLogger("omni_core.worker")
+
+HELLO_TASK_ID = "hello"
+# Time given to zmq to deliver the last replies (the Shutdown Ack) before the socket closes.
+FINAL_FLUSH_MS = 2000
+# Failure texts travel in every later reply; keep them well under the protocol's 4096.
+MAX_ERROR_CHARS = 2000
+EXIT_OK = 0
+EXIT_SHUTDOWN_ERROR = 1
+EXIT_PARENT_GONE = 3
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class WorkerProcess:
+    """One rank: backend, runner, core and socket. `start()` then `serve()`."""
+
+    def __init__(self, config: WorkerConfig, sock: zmq.Socket) -> None:
+        self.config = config
+        self.sock = sock
+        self.trace: TraceWriter | None = open_trace(config.trace_path, f"{config.stage}/{config.rank}")
+        self.device = torch.device("cpu")
+        self.backend: MemoryBackend | None = None
+        self.runner: ModelRunner | None = None
+        self.memory: ProcessMemory | None = None
+        self.core: WorkerCore | None = None
+        self.stopped = False
+        self.exit_code = EXIT_OK
+
+    # ------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        cfg = self.config
+        backend_name = cfg.backend
+        capabilities: tuple[Capability, ...] = ()
+        error = ""
+        try:
+            self.device = _resolve_device(cfg.device)
+            self.backend = select_backend(cfg.backend, self.device)
+            backend_name, capabilities = self.backend.name, tuple(self.backend.capabilities)
+        except Exception as exc:
+            error = _error_text(exc)
+            log.error("worker %s/%s: backend %r unavailable: %s", cfg.stage, cfg.rank, cfg.backend, error)
+        self.core = WorkerCore(cfg.rank, tags=cfg.tags, epoch=cfg.epoch, capabilities=capabilities,
+                               reply_cache_entries=cfg.reply_cache_entries)  # fmt: skip
+        if not error:
+            try:
+                self._load()
+            except Exception as exc:
+                error = _error_text(exc)
+                log.error("worker %s/%s: loading failed:\n%s", cfg.stage, cfg.rank, traceback.format_exc())
+        if error:
+            self.core.load_failed(error)
+        else:
+            self.core.loaded()
+        self._trace("start", task_id=HELLO_TASK_ID, epoch=cfg.epoch, detail=error or None,
+                    backend=backend_name, process_source=self._figure().source)  # fmt: skip
+        device = str(self.device)
+        if self.memory is not None and self.memory.physical is not None:
+            device = f"{device} ({self.memory.physical.uuid})"
+        self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=os.getpid(),
+                         device=device, backend=backend_name, tags=cfg.tags,
+                         capabilities=capabilities, state=self.core.state))  # fmt: skip
+
+    def _load(self) -> None:
+        assert self.backend is not None
+        self.memory = ProcessMemory(self.device)
+        self.runner = load_runner(self.config.runner, self.device, self.config.runner_args)
+        for tag in self.config.tags:
+            with self.backend.pool(tag):
+                self.runner.allocate(tag)
+            self.backend.track(tag, self.runner.tensors(tag))
+        log.info("worker %s/%s loaded: pools %s, process memory %s", self.config.stage,
+                 self.config.rank, self.backend.usage(), self._figure())  # fmt: skip
+
+    # ------------------------------------------------------------------ loop
+
+    def serve(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        parent = os.getppid()
+        interval_ms = max(1, int(self.config.parent_check_interval_s * 1000))
+        while not self.stopped:
+            if not poller.poll(interval_ms):
+                if self.config.exit_with_parent and os.getppid() != parent:
+                    log.error("worker %s/%s: parent process %d is gone; releasing pools and exiting",
+                              self.config.stage, self.config.rank, parent)  # fmt: skip
+                    self._release()
+                    return EXIT_PARENT_GONE
+                continue
+            frames = self.sock.recv_multipart()
+            # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
+            self.handle(frames[-1])
+        return self.exit_code
+
+    def handle(self, data: bytes) -> None:
+        core = self.core
+        assert core is not None
+        try:
+            command = decode_command(data)
+        except ProtocolError as err:
+            self._trace("bad_message", task_id=err.task_id, epoch=err.epoch, detail=err.detail[:200])
+            self._send_all(core.on_bad_message(err).replies)
+            return
+        self._trace("recv:" + type(command).__name__, task_id=command.task_id, epoch=command.epoch)
+        state = core.state
+        step = core.on_command(command)
+        self._trace_state(state, command.task_id)
+        self._send_all(step.replies)
+        if step.effect is not None:
+            self._perform(step.effect)
+
+    def _perform(self, effect: Effect) -> None:
+        core = self.core
+        assert core is not None
+        state = core.state
+        started = time.perf_counter()
+        measured = not isinstance(effect, ExecuteEffect)  # requests stay off NVML's path
+        try:
+            pools_before = self._usage() if measured else {}
+            figure_before = self._figure() if measured else None
+            output = self._apply(effect)
+            duration_s = time.perf_counter() - started
+            memory = None
+            if measured:
+                figure_after = self._figure()
+                memory = MemoryReport(
+                    pool_bytes_before=pools_before,
+                    pool_bytes_after=self._usage(),
+                    process_bytes_before=figure_before.process_bytes if figure_before else None,
+                    process_bytes_after=figure_after.process_bytes,
+                    process_bytes_source=_source(figure_before, figure_after),
+                )
+        except Exception as exc:
+            log.error("worker %s/%s: %s failed:\n%s", self.config.stage, self.config.rank,
+                      type(effect).__name__, traceback.format_exc())  # fmt: skip
+            step = core.on_error(effect.task_id, _error_text(exc))
+            if isinstance(effect, ShutdownEffect):
+                self.exit_code = EXIT_SHUTDOWN_ERROR
+        else:
+            step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s)
+        self._trace_state(state, effect.task_id)
+        self._send_all(step.replies)
+        if isinstance(effect, ShutdownEffect):
+            self.stopped = True
+
+    def _apply(self, effect: Effect) -> Any:
+        backend, runner = self.backend, self.runner
+        if isinstance(effect, StatusEffect):
+            return None
+        if isinstance(effect, ShutdownEffect):
+            self._release()
+            return None
+        if backend is None or runner is None:
+            raise RuntimeError("the worker has no backend or runner (start-up failed)")
+        if isinstance(effect, SleepEffect):
+            backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save())
+        elif isinstance(effect, WakeEffect):
+            backend.wake(effect.tags)
+        elif isinstance(effect, ReloadEffect):
+            if WEIGHTS_TAG in self.config.tags:
+                # Whatever the runner allocates while reloading belongs to the weights pool.
+                with backend.pool(WEIGHTS_TAG):
+                    runner.reload_weights(effect.source)
+                backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+            else:
+                runner.reload_weights(effect.source)
+        elif isinstance(effect, ExecuteEffect):
+            return runner.execute(effect.payload)
+        else:  # pragma: no cover - the core emits only the effects above
+            raise TypeError(f"unknown effect {effect!r}")
+        return None
+
+    def _release(self) -> None:
+        backend, runner = self.backend, self.runner
+        if backend is not None:
+            backend.release()
+        if runner is not None and not (backend is not None and backend.hard_exit_required):
+            runner.close()
+
+    # ------------------------------------------------------------------ measuring
+
+    def _usage(self) -> dict[str, int]:
+        return self.backend.usage() if self.backend is not None else {}
+
+    def _figure(self) -> MemoryFigure:
+        if self.memory is None:
+            return MemoryFigure(None, "none: accounting not started (start-up failed)")
+        return self.memory.measure()
+
+    # ------------------------------------------------------------------ sending, tracing
+
+    def _send(self, message: Message) -> None:
+        self.sock.send(encode(message))
+        if self.trace is not None:
+            self._trace("send:" + type(message).__name__, task_id=message.task_id, epoch=message.epoch)
+
+    def _send_all(self, messages: tuple[Message, ...]) -> None:
+        for message in messages:
+            self._send(message)
+
+    def _trace(self, event: str, *, task_id: str | None, epoch: int | None, **extra: Any) -> None:
+        if self.trace is not None:
+            state = self.core.state.value if self.core is not None else "LOADING"
+            self.trace.write(event, task_id=task_id, epoch=epoch, state=state, **extra)
+
+    def _trace_state(self, before: Any, task_id: str) -> None:
+        if self.trace is not None and self.core is not None and self.core.state is not before:
+            self._trace("state", task_id=task_id, epoch=self.core.epoch, previous=before.value)
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    @property
+    def hard_exit_required(self) -> bool:
+        return self.backend is not None and self.backend.hard_exit_required
+
+
+def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:
+    if before is None or before.source == after.source:
+        return after.source
+    return f"before: {before.source}; after: {after.source}"
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Run one worker until Shutdown. Usable as a multiprocessing spawn target.
+
+    Returns 0 after a clean Shutdown. Any other end raises SystemExit with the code
+    (1: Shutdown's release failed, 3: the parent process died), so that a multiprocessing
+    child's `exitcode` tells the two apart.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    ctx = zmq.Context()
+    identity = f"{config.stage}/{config.rank}".encode()
+    sock = make_dealer(ctx, config.address, identity=identity, hwm=config.recv_queue_limit)
+    worker = WorkerProcess(config, sock)
+    code = EXIT_OK
+    try:
+        worker.start()
+        code = worker.serve()
+    finally:
+        worker.close()
+        sock.close(linger=FINAL_FLUSH_MS)  # deliver the Shutdown Ack before leaving
+        ctx.term()
+    if worker.hard_exit_required:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code != EXIT_OK:
+        raise SystemExit(code)
+    return code

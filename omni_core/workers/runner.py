@@ -1,0 +1,110 @@
+"""How a user's model plugs into a worker.
+
+A runner owns the model's tensors; the worker owns the memory they live in. The worker
+calls `allocate(tag)` once per tag inside the backend's pool of that tag (so `weights`
+land in the weights pool and caches in `kv_cache`), then `tensors(tag)` so a backend that
+moves tensors (portable) knows what to move. After that the runner keeps references to
+its tensors for life: backends restore memory *into the same tensor objects*, so a runner
+must never cache a copy or a `.data_ptr()` it did not get from its own tensors.
+
+Runners are chosen by import path, `package.module:Class`, so users bring their own;
+"synthetic" names the built-in `SyntheticRunner`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+
+BUILTIN_RUNNERS = {"synthetic": "omni_core.workers.synthetic:SyntheticRunner"}
+
+
+class ModelRunner(ABC):
+    """A model as a worker sees it. Subclass and name it by import path in WorkerConfig.runner.
+
+    `__init__(device, **runner_args)` must not allocate device memory: allocation happens in
+    `allocate`, inside the right pool.
+    """
+
+    def __init__(self, device: torch.device, **runner_args: Any) -> None:
+        self.device = device
+
+    @abstractmethod
+    def load_weights(self) -> None:
+        """Create and fill the weight tensors (runs inside the `weights` pool)."""
+
+    @abstractmethod
+    def allocate_caches(self) -> None:
+        """Create the KV cache / scratch tensors (runs inside the `kv_cache` pool)."""
+
+    @abstractmethod
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        """Every tensor holding memory of `tag`; the portable backend releases exactly these."""
+
+    @abstractmethod
+    def execute(self, payload: Any) -> Any:
+        """Run one request; the result must be msgpack-serialisable. Runs only when ACTIVE."""
+
+    @abstractmethod
+    def reload_weights(self, source: str | None) -> None:
+        """Refill the weights in place (after a level-2 sleep, or to swap weights).
+
+        `source` is runner-specific; None means the runner's own. Write into the existing
+        tensors: other code (CUDA graphs, the backend) holds their addresses.
+        """
+
+    def buffers_to_save(self) -> Mapping[str, torch.Tensor]:
+        """Small tensors that a sleep discarding their pool must keep (level 2): values that
+        `reload_weights` does not reproduce, e.g. buffers computed at start-up."""
+        return {}
+
+    def allocate(self, tag: str) -> None:
+        """Allocate the memory of one tag. Override for tags other than weights/kv_cache."""
+        if tag == WEIGHTS_TAG:
+            self.load_weights()
+        elif tag == KV_CACHE_TAG:
+            self.allocate_caches()
+        else:
+            raise ValueError(
+                f"{type(self).__name__} has no allocation for tag {tag!r}; override "
+                f"ModelRunner.allocate or configure only tags {[WEIGHTS_TAG, KV_CACHE_TAG]}"
+            )
+
+    def close(self) -> None:
+        """Drop every tensor reference (Shutdown). The default does nothing."""
+        return None
+
+
+def import_object(path: str) -> Any:
+    """Resolve `package.module:Name`, with an error that says what to fix."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"import path {path!r} must look like 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import module {module_name!r} named by {path!r}: {exc}; "
+                          "is the package installed in the worker's environment?") from exc  # fmt: skip
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+
+
+def load_runner_class(name: str) -> type[ModelRunner]:
+    """The runner class for WorkerConfig.runner: 'synthetic' or 'package.module:Class'."""
+    cls = import_object(BUILTIN_RUNNERS.get(name, name))
+    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
+        raise TypeError(f"runner {name!r} resolves to {cls!r}, which is not a subclass of "
+                        "omni_core.workers.runner.ModelRunner")  # fmt: skip
+    return cls
+
+
+def load_runner(name: str, device: torch.device, runner_args: Mapping[str, Any]) -> ModelRunner:
+    return load_runner_class(name)(device, **dict(runner_args))
