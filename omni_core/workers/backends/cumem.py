@@ -84,9 +84,9 @@ class CumemBackend(MemoryBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
+        self._mod = _load_module(self.device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._mod = _load_module(self.device)
         self.allocator = self._mod.CuMemAllocator.get_instance()
         self._has_keep_tags = "keep_tags" in inspect.signature(self.allocator.sleep).parameters
         self.sleep_paths: list[str] = []  # which code path each sleep took (tests, trace)
