@@ -167,7 +167,8 @@ def test_shutdown_exits_cleanly(orch, worker, trace_path):
     reply = ack(orch.request(worker, Shutdown(task_id=tid("bye"), epoch=2)), WorkerState.STOPPED, "Shutdown")
     assert reply.memory is not None
     assert worker.exit_code(timeout_s=15) == 0
-    lines = [json.loads(line) for line in open(trace_path)]
+    with open(trace_path) as f:
+        lines = [json.loads(line) for line in f]
     assert [line["seq"] for line in lines] == list(range(len(lines)))
     assert {"node", "event", "task_id", "epoch", "state", "t"} <= set(lines[0])
     events = {line["event"] for line in lines}

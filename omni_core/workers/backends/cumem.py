@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -95,8 +95,12 @@ class CumemBackend(MemoryBackend):
 
     @contextmanager
     def _pool(self, tag: str) -> Iterator[None]:
-        with torch.cuda.device(self.device), self.allocator.use_memory_pool(tag=tag):
+        with self._on_device(), self.allocator.use_memory_pool(tag=tag):
             yield
+
+    def _on_device(self) -> AbstractContextManager[Any]:
+        # The allocator maps on the *current* device: make it ours for every call.
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _allocations(self, tags: frozenset[str] | set[str] | None = None) -> list[tuple[int, Any]]:
         return [(ptr, data) for ptr, data in self.allocator.pointer_to_data.items()
@@ -147,7 +151,7 @@ class CumemBackend(MemoryBackend):
                 continue  # released by an earlier partial sleep; unmapping twice breaks the handle
             size = data.handle[1]
             if data.tag in offload:
-                host = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
+                host = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=self._pin)
                 self._mod.libcudart.cudaMemcpy(host.data_ptr(), ptr, size)
                 data.cpu_backup_tensor = host
             try:
@@ -156,7 +160,7 @@ class CumemBackend(MemoryBackend):
                 self._mark(data, asleep=True)
 
     def _wake(self, tags: frozenset[str]) -> None:
-        with torch.cuda.device(self.device):
+        with self._on_device():
             self.allocator.wake_up(tags=sorted(tags))
         for _, data in self._allocations(tags):
             self._mark(data, asleep=False)  # versions without flags: keep ours consistent
