@@ -221,7 +221,8 @@ class WorkerCore:
         if self.lifecycle.allows("fail"):
             self.lifecycle.fire("fail")
         reply = self._nack(pending.command, NackReason.BACKEND_ERROR, self.failure)
-        self.cache.put(task_id, (pending.command, reply))
+        if not isinstance(pending.command, Status):  # Status is never cached (as in on_done)
+            self.cache.put(task_id, (pending.command, reply))
         self._check_invariants()
         return WorkerStep(replies=(reply,))
 
@@ -236,6 +237,11 @@ class WorkerCore:
         self.epoch = command.epoch
         if self._pending is not None:
             if self._pending.command.task_id == command.task_id:
+                original = self._pending.command
+                if msgspec.structs.replace(command, epoch=original.epoch) != original:
+                    return self._refuse(command, NackReason.TASK_ID_REUSED,
+                                        f"task_id {command.task_id!r} is in progress for "
+                                        f"{original!r}; use a fresh task_id per command")  # fmt: skip
                 # The terminal reply follows when the effect completes; answering now too
                 # would be a second reply for the task (P-1).
                 self.counters.duplicates_in_flight_ignored += 1
@@ -308,10 +314,12 @@ class WorkerCore:
         if not self.lifecycle.allows("execute"):
             return self._refuse_state(command, "Execute runs only in ACTIVE, where every tag "
                                       "is resident and the weights are valid")  # fmt: skip
+        self.lifecycle.fire("execute")
         self._pending = _Pending(command)
         return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
 
     def on_status(self, command: Status) -> WorkerStep:
+        self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
         if self._pending is not None:
             # Busy: answer from what the core knows; the shell is inside an effect.
             return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
@@ -352,13 +360,19 @@ class WorkerCore:
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
         return Nack(task_id=command.task_id, epoch=max(command.epoch, 0), rank=self.rank,
-                    command=type(command).__name__, reason=reason, detail=detail[:4096],
-                    state=self.state)  # fmt: skip
+                    command=type(command).__name__, reason=reason,
+                    detail=self._with_failure(detail), state=self.state)  # fmt: skip
 
     def _nack_raw(self, error: ProtocolError) -> Nack:
         return Nack(task_id=error.task_id or "-", epoch=self.epoch if error.epoch is None else error.epoch,
-                    rank=self.rank, command="?", reason=error.reason, detail=error.detail[:4096],
-                    state=self.state)  # fmt: skip
+                    rank=self.rank, command="?", reason=error.reason,
+                    detail=self._with_failure(error.detail), state=self.state)  # fmt: skip
+
+    def _with_failure(self, detail: str) -> str:
+        """After a failure every reply says what failed (P-11), whatever else it says."""
+        if self.failure and self.failure not in detail:
+            detail = f"{detail}; worker failed earlier: {self.failure}"
+        return detail[:4096]
 
     def _take_pending(self, task_id: str) -> _Pending:
         if self._pending is None or self._pending.command.task_id != task_id:

@@ -1,0 +1,691 @@
+"""WorkerCore, one scripted case at a time: legality from the table, ALREADY no-ops, reply
+cache, fencing, capabilities, BUSY, failures. Every message goes through the codec."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import pytest
+from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
+
+from omni_core.fsm import (
+    WORKER_TRANSITIONS,
+    BoundedCache,
+    ExecuteEffect,
+    InvariantViolation,
+    ReloadEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    WakeEffect,
+    WorkerCore,
+)
+from omni_core.protocol import (
+    Ack,
+    AckStatus,
+    Capability,
+    Command,
+    Execute,
+    MemoryReport,
+    Nack,
+    NackReason,
+    ProtocolError,
+    ReloadWeights,
+    Result,
+    Shutdown,
+    Sleep,
+    Status,
+    Wake,
+    WorkerState,
+    decode,
+)
+
+W = WorkerState
+BOOM = "cuMemUnmap returned CUDA_ERROR_INVALID_VALUE"
+
+# Which table triggers make a command legal (a command is forbidden in a state when none of
+# its triggers lists that state as a source).
+TRIGGERS_OF: dict[str, tuple[str, ...]] = {
+    "Sleep": ("sleep", "sleep_already"),
+    "Wake": ("wake", "wake_already"),
+    "ReloadWeights": ("reload",),
+    "Execute": ("execute",),
+    "Status": ("status",),
+    "Shutdown": ("shutdown", "shutdown_already"),
+}
+COMMANDS: dict[str, Callable[[str, int], Command]] = {
+    "Sleep": lambda t, e: Sleep(task_id=t, epoch=e, level=1),
+    "Wake": lambda t, e: Wake(task_id=t, epoch=e),
+    "ReloadWeights": lambda t, e: ReloadWeights(task_id=t, epoch=e, source="ckpt"),
+    "Execute": lambda t, e: Execute(task_id=t, epoch=e, payload={"prompt": "hi"}),
+    "Status": lambda t, e: Status(task_id=t, epoch=e),
+    "Shutdown": lambda t, e: Shutdown(task_id=t, epoch=e),
+}
+TRANSIENT = (W.OFFLOADING, W.RESTORING, W.RELOADING)
+
+
+def legal_states(command: str) -> set[WorkerState]:
+    return {s for t in WORKER_TRANSITIONS if t.trigger in TRIGGERS_OF[command] for s in t.sources}
+
+
+def snapshot(w: WorkerCore) -> tuple:
+    return (w.state, w.residency.asleep, w.residency.weights_valid, w.busy, len(w.cache),
+            w.failure, w.epoch)  # fmt: skip
+
+
+FORBIDDEN = [(s, c) for c in COMMANDS for s in W if s not in legal_states(c)]
+
+
+def test_forbidden_cases_are_what_the_table_says() -> None:
+    # A guard on the matrix below: Status and Shutdown are legal everywhere (the table says
+    # so), Execute only in ACTIVE.
+    assert legal_states("Status") == set(W)
+    assert legal_states("Shutdown") == set(W)
+    assert legal_states("Execute") == {W.ACTIVE}
+    assert len(FORBIDDEN) == 6 + 6 + 8 + 9
+
+
+@pytest.mark.parametrize(("state", "name"), FORBIDDEN, ids=[f"{c}-in-{s.value}" for s, c in FORBIDDEN])
+def test_forbidden_command_is_refused_without_effect(state: WorkerState, name: str) -> None:
+    d = reach_worker(state)
+    before = snapshot(d.w)
+    step = d.send(COMMANDS[name](fresh(), d.epoch))
+    assert step.effect is None
+    (nack,) = step.replies
+    nack = wire(nack)
+    assert isinstance(nack, Nack)
+    assert nack.command == name
+    assert nack.state is state
+    assert snapshot(d.w) == before, "a refusal must change nothing"
+    if state in TRANSIENT:
+        # A transient state always has an effect in progress: the refusal is BUSY.
+        assert nack.reason is NackReason.BUSY
+        assert "in progress" in nack.detail
+    elif state is W.FAILED:
+        assert nack.reason is NackReason.FAILED
+        assert "FAILED" in nack.detail and BOOM in nack.detail
+    else:
+        assert nack.reason is NackReason.INVALID_STATE
+        assert f"{name} is not allowed in state {state.value}" in nack.detail
+
+
+@pytest.mark.parametrize("state", [s for s in W if s not in TRANSIENT and s is not W.FAILED])
+def test_execute_is_refused_everywhere_but_active(state: WorkerState) -> None:
+    d = reach_worker(state)
+    step = d.send(Execute(task_id=fresh(), epoch=0))
+    if state is W.ACTIVE:
+        assert step.effect == ExecuteEffect(step.effect.task_id, None)  # type: ignore[union-attr]
+        return
+    assert step.effect is None
+    (nack,) = step.replies
+    assert nack.reason is NackReason.INVALID_STATE and state.value in nack.detail
+
+
+def test_shutdown_in_transient_states_waits_for_the_effect() -> None:
+    # The table allows Shutdown from OFFLOADING/RESTORING/RELOADING, but those states always
+    # hold an effect in progress, so the core answers BUSY (retry after the reply).
+    for state in TRANSIENT:
+        d = reach_worker(state)
+        (nack,) = d.send(Shutdown(task_id=fresh(), epoch=0)).replies
+        assert nack.reason is NackReason.BUSY and d.w.state is state
+
+
+# ----------------------------------------------------------------------- happy paths
+
+
+def test_load_then_level1_sleep_and_wake() -> None:
+    d = WorkerDriver()
+    assert d.w.state is W.LOADING
+    d.w.loaded()
+    step = d.send(Sleep(task_id="s1", epoch=0, level=1))
+    assert step.replies == ()
+    assert step.effect == SleepEffect("s1", 1, frozenset({"weights"}), frozenset({"kv_cache"}))
+    assert d.w.state is W.OFFLOADING
+    memory = MemoryReport(pool_bytes_before={"weights": 10}, pool_bytes_after={"weights": 0})
+    (ack,) = d.w.on_done("s1", memory=memory, duration_s=0.5).replies
+    assert isinstance(ack, Ack)
+    assert (ack.state, ack.status, ack.command) == (W.SLEEPING, AckStatus.OK, "Sleep")
+    assert ack.asleep_tags == ("kv_cache", "weights")
+    assert (ack.memory, ack.duration_s, ack.rank, ack.epoch) == (memory, 0.5, 0, 0)
+    step = d.send(Wake(task_id="w1", epoch=0))
+    assert step.effect == WakeEffect("w1", frozenset({"weights", "kv_cache"}))
+    assert d.w.state is W.RESTORING
+    (ack,) = d.w.on_done("w1").replies
+    assert (ack.state, ack.asleep_tags) == (W.ACTIVE, ())
+
+
+def test_level2_sleep_needs_reload_before_execute() -> None:
+    d = reach_worker(W.ACTIVE)
+    step = d.send(Sleep(task_id="s2", epoch=0, level=2))
+    assert step.effect == SleepEffect("s2", 2, frozenset(), frozenset({"weights", "kv_cache"}))
+    d.w.on_done("s2")
+    ack = d.run(Wake(task_id="w2", epoch=0))
+    assert ack.state is W.NEEDS_RELOAD  # memory mapped, weights garbage (P-8)
+    (nack,) = d.send(Execute(task_id="x", epoch=0)).replies
+    assert nack.reason is NackReason.INVALID_STATE and "NEEDS_RELOAD" in nack.detail
+    step = d.send(ReloadWeights(task_id="r1", epoch=0, source="/ckpt"))
+    assert step.effect == ReloadEffect("r1", "/ckpt") and d.w.state is W.RELOADING
+    (ack,) = d.w.on_done("r1").replies
+    assert ack.state is W.ACTIVE
+    result = d.run(Execute(task_id="x2", epoch=0, payload=[1, 2]), output={"tokens": 3}, duration_s=0.25)
+    assert isinstance(result, Result) and result.output == {"tokens": 3} and result.duration_s == 0.25
+
+
+def test_partial_wake_then_the_rest() -> None:
+    d = reach_worker(W.SLEEPING)
+    ack = d.run(Wake(task_id="w-kv", epoch=0, tags=("kv_cache",)))
+    assert (ack.state, ack.asleep_tags) == (W.PARTIAL, ("weights",))
+    (nack,) = d.send(Execute(task_id="x", epoch=0)).replies
+    assert nack.reason is NackReason.INVALID_STATE and "PARTIAL" in nack.detail
+    ack = d.run(Wake(task_id="w-w", epoch=0, tags=("weights",)))
+    assert (ack.state, ack.asleep_tags) == (W.ACTIVE, ())
+
+
+def test_level2_partial_wake_of_weights_then_reload_ends_partial() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(Sleep(task_id="s", epoch=0, level=2))
+    ack = d.run(Wake(task_id="w", epoch=0, tags=("weights",)))
+    assert (ack.state, ack.asleep_tags) == (W.NEEDS_RELOAD, ("kv_cache",))
+    ack = d.run(ReloadWeights(task_id="r", epoch=0))
+    assert (ack.state, ack.asleep_tags) == (W.PARTIAL, ("kv_cache",))
+    ack = d.run(Wake(task_id="w2", epoch=0))
+    assert ack.state is W.ACTIVE
+
+
+def test_level2_wake_of_scratch_only_stays_partial() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(Sleep(task_id="s", epoch=0, level=2))
+    ack = d.run(Wake(task_id="w", epoch=0, tags=("kv_cache",)))
+    assert (ack.state, ack.asleep_tags) == (W.PARTIAL, ("weights",))
+    ack = d.run(Wake(task_id="w2", epoch=0))
+    assert ack.state is W.NEEDS_RELOAD
+
+
+def test_sleep_more_tags_from_each_asleep_state() -> None:
+    # SLEEPING with only kv_cache asleep, then the weights too.
+    d = reach_worker(W.ACTIVE)
+    assert d.run(Sleep(task_id="a", epoch=0, tags=("kv_cache",))).asleep_tags == ("kv_cache",)
+    step = d.send(Sleep(task_id="b", epoch=0))
+    assert step.effect == SleepEffect("b", 1, frozenset({"weights"}), frozenset())
+    d.w.on_done("b")
+    # PARTIAL -> sleep the awake tag.
+    d = reach_worker(W.PARTIAL)
+    step = d.send(Sleep(task_id="c", epoch=0))
+    assert step.effect == SleepEffect("c", 1, frozenset(), frozenset({"kv_cache"}))
+    assert d.w.on_done("c").replies[0].state is W.SLEEPING
+    # NEEDS_RELOAD -> level-1 sleep keeps the (garbage) weights invalid.
+    d = reach_worker(W.NEEDS_RELOAD)
+    assert d.run(Sleep(task_id="d", epoch=0)).state is W.SLEEPING
+    assert d.run(Wake(task_id="e", epoch=0)).state is W.NEEDS_RELOAD
+
+
+def test_reload_while_active_swaps_weights_in_place() -> None:
+    d = reach_worker(W.ACTIVE)
+    step = d.send(ReloadWeights(task_id="r", epoch=0, source="step-200"))
+    assert step.effect == ReloadEffect("r", "step-200") and d.w.state is W.RELOADING
+    assert d.w.on_done("r").replies[0].state is W.ACTIVE
+
+
+def test_status_everywhere_changes_nothing_and_is_never_cached() -> None:
+    for state in W:
+        d = reach_worker(state)
+        before = snapshot(d.w)
+        step = d.send(Status(task_id="st", epoch=0))
+        if d.w.busy and step.effect is None:
+            (ack,) = step.replies  # busy: answered at once from what the core knows
+        else:
+            assert step.effect == StatusEffect("st")
+            (ack,) = d.w.on_done("st").replies
+        assert (ack.state, ack.command, ack.status) == (state, "Status", AckStatus.OK)
+        assert snapshot(d.w) == before
+        # Never cached: the same task_id measures again.
+        if not d.w.busy:
+            assert d.send(Status(task_id="st", epoch=0)).effect == StatusEffect("st")
+
+
+def test_shutdown_from_active_then_already() -> None:
+    d = reach_worker(W.ACTIVE)
+    step = d.send(Shutdown(task_id="bye", epoch=0))
+    assert step.effect == ShutdownEffect("bye") and d.w.state is W.STOPPED
+    (ack,) = d.w.on_done("bye").replies
+    assert (ack.state, ack.status) == (W.STOPPED, AckStatus.OK)
+    again = d.run(Shutdown(task_id="bye-2", epoch=0))
+    assert (again.state, again.status) == (W.STOPPED, AckStatus.ALREADY)
+
+
+def test_shutdown_while_loading() -> None:
+    d = reach_worker(W.LOADING)
+    assert d.run(Shutdown(task_id="bye", epoch=0)).state is W.STOPPED
+
+
+# ----------------------------------------------------------------------- ALREADY (P-4)
+
+
+@pytest.mark.parametrize("state", [W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD])
+def test_sleep_of_asleep_tags_is_already(state: WorkerState) -> None:
+    d = reach_worker(state)
+    if state is W.NEEDS_RELOAD:  # nothing asleep there yet: put kv_cache to sleep... by a wake
+        d = reach_worker(W.ACTIVE)
+        d.run(Sleep(task_id=fresh(), epoch=0, level=2))
+        d.run(Wake(task_id=fresh(), epoch=0, tags=("weights",)))
+        assert d.w.state is W.NEEDS_RELOAD
+    asleep = tuple(sorted(d.w.residency.asleep))
+    before = snapshot(d.w)
+    step = d.send(Sleep(task_id="again", epoch=0, level=2, tags=asleep))
+    assert step.effect is None
+    (ack,) = step.replies
+    assert (ack.status, ack.state, ack.asleep_tags) == (AckStatus.ALREADY, state, asleep)
+    assert snapshot(d.w)[:4] == before[:4]
+    # Recorded like any answer: the duplicate gets the very same reply.
+    (dup,) = d.send(Sleep(task_id="again", epoch=0, level=2, tags=asleep)).replies
+    assert dup is ack
+
+
+@pytest.mark.parametrize("state", [W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD])
+def test_wake_of_resident_tags_is_already(state: WorkerState) -> None:
+    d = reach_worker(state)
+    if state is W.SLEEPING:  # only kv_cache asleep, so the weights are resident
+        d = reach_worker(W.ACTIVE)
+        d.run(Sleep(task_id=fresh(), epoch=0, tags=("kv_cache",)))
+    resident = tuple(sorted(set(d.w.tags) - d.w.residency.asleep))
+    step = d.send(Wake(task_id="w", epoch=0, tags=resident))
+    assert step.effect is None
+    (ack,) = step.replies
+    assert (ack.status, ack.state) == (AckStatus.ALREADY, state)
+
+
+def test_wake_everything_while_active_is_already() -> None:
+    d = reach_worker(W.ACTIVE)
+    ack = d.run(Wake(task_id="w", epoch=0))
+    assert (ack.status, ack.state) == (AckStatus.ALREADY, W.ACTIVE)
+
+
+# ----------------------------------------------------------------------- cache and task_ids (P-1, P-2)
+
+
+def test_duplicate_while_in_progress_is_ignored_then_answered_once() -> None:
+    d = reach_worker(W.ACTIVE)
+    sleep = Sleep(task_id="s", epoch=0)
+    assert d.send(sleep).effect is not None
+    for _ in range(3):
+        assert d.send(sleep) == type(d.send(sleep))()  # no reply, no effect
+    assert d.w.counters.duplicates_in_flight_ignored == 6
+    (ack,) = d.w.on_done("s").replies
+    (dup,) = d.send(sleep).replies
+    assert dup is ack
+    assert d.w.counters.duplicates_answered_from_cache == 1
+
+
+def test_duplicate_after_completion_has_no_second_effect() -> None:
+    d = reach_worker(W.ACTIVE)
+    execute = Execute(task_id="x", epoch=0, payload=1)
+    result = d.run(execute, output="out")
+    for _ in range(2):
+        step = d.send(execute)
+        assert step.effect is None and step.replies[0] == result
+
+
+def test_same_command_from_a_newer_epoch_is_still_a_duplicate() -> None:
+    d = reach_worker(W.ACTIVE)
+    ack = d.run(Sleep(task_id="s", epoch=0))
+    step = d.send(Sleep(task_id="s", epoch=1))
+    assert step.effect is None and step.replies[0] == ack and d.w.epoch == 1
+
+
+def test_task_id_reused_after_completion() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(Sleep(task_id="t", epoch=0))
+    before = snapshot(d.w)
+    (nack,) = d.send(Wake(task_id="t", epoch=0)).replies
+    assert nack.reason is NackReason.TASK_ID_REUSED
+    assert "'t'" in nack.detail and "fresh task_id" in nack.detail
+    (nack,) = d.send(Sleep(task_id="t", epoch=0, level=2)).replies  # same type, other fields
+    assert nack.reason is NackReason.TASK_ID_REUSED
+    assert snapshot(d.w) == before
+
+
+def test_task_id_reused_while_in_progress() -> None:
+    """P-2: a different command under the task_id in progress is refused, not swallowed."""
+    d = reach_worker(W.ACTIVE)
+    assert d.send(Sleep(task_id="t", epoch=0)).effect is not None
+    for other in (Wake(task_id="t", epoch=0), Sleep(task_id="t", epoch=0, level=2),
+                  Status(task_id="t", epoch=0)):  # fmt: skip
+        step = d.send(other)
+        assert step.effect is None
+        (nack,) = step.replies
+        assert nack.reason is NackReason.TASK_ID_REUSED and nack.state is W.OFFLOADING
+    (ack,) = d.w.on_done("t").replies
+    assert ack.state is W.SLEEPING
+
+
+def test_refusals_are_not_cached() -> None:
+    d = reach_worker(W.SLEEPING)
+    (nack,) = d.send(Execute(task_id="x", epoch=0)).replies
+    assert nack.reason is NackReason.INVALID_STATE
+    d.run(Wake(task_id="w", epoch=0))
+    assert d.send(Execute(task_id="x", epoch=0)).effect is not None  # a fresh answer now
+
+
+def test_reply_cache_is_bounded_lru() -> None:
+    d = WorkerDriver(reply_cache_entries=2)
+    d.w.loaded()
+    first = d.run(Sleep(task_id="a", epoch=0))
+    d.run(Wake(task_id="b", epoch=0))
+    assert d.send(Sleep(task_id="a", epoch=0)).replies[0] == first  # touch "a": now most recent
+    d.run(Execute(task_id="c", epoch=0))  # evicts "b"
+    assert len(d.w.cache) == 2 and d.w.cache.stats.evictions == 1
+    assert "b" not in d.w.cache and "a" in d.w.cache
+    # Past the window a retry counts as new (documented: callers retry within the bound).
+    step = d.send(Wake(task_id="b", epoch=0))
+    assert step.replies[0].status is AckStatus.ALREADY
+
+
+def test_bounded_cache_unit() -> None:
+    cache: BoundedCache[str, int] = BoundedCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1 and cache.stats.hits == 1
+    cache.put("c", 3)
+    assert "b" not in cache and len(cache) == 2 and cache.get("missing") is None
+    with pytest.raises(ValueError, match="max_entries"):
+        BoundedCache(0)
+
+
+# ----------------------------------------------------------------------- fencing (P-6)
+
+
+def test_stale_epoch_is_refused_and_newer_epoch_adopted() -> None:
+    d = WorkerDriver(epoch=3)
+    d.w.loaded()
+    before = snapshot(d.w)
+    (nack,) = d.send(Sleep(task_id="old", epoch=2)).replies
+    assert nack.reason is NackReason.STALE_EPOCH and nack.epoch == 2
+    assert "epoch 2" in nack.detail and "epoch 3" in nack.detail
+    assert snapshot(d.w) == before and d.w.counters.stale_epoch_refused == 1
+    d.run(Status(task_id="st", epoch=5))
+    assert d.w.epoch == 5
+    (nack,) = d.send(Execute(task_id="x", epoch=4)).replies
+    assert nack.reason is NackReason.STALE_EPOCH
+
+
+def test_stale_copy_of_an_answered_task_is_stale_not_a_duplicate() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(Sleep(task_id="s", epoch=0))
+    d.run(Status(task_id="st", epoch=1))
+    (nack,) = d.send(Sleep(task_id="s", epoch=0)).replies
+    assert nack.reason is NackReason.STALE_EPOCH
+
+
+def test_stale_epoch_wins_over_busy() -> None:
+    d = WorkerDriver(epoch=1)
+    d.w.loaded()
+    d.send(Sleep(task_id="s", epoch=1))
+    (nack,) = d.send(Wake(task_id="w", epoch=0)).replies
+    assert nack.reason is NackReason.STALE_EPOCH
+
+
+# ----------------------------------------------------------------------- tags and capabilities
+
+
+def test_unknown_tag_names_the_valid_ones() -> None:
+    for command in (Sleep(task_id="s", epoch=0, tags=("weights", "lora")),
+                    Wake(task_id="w", epoch=0, tags=("lora",))):  # fmt: skip
+        d = reach_worker(W.SLEEPING)
+        (nack,) = d.send(command).replies
+        assert nack.reason is NackReason.UNKNOWN_TAG
+        assert "lora" in nack.detail and "weights" in nack.detail and "kv_cache" in nack.detail
+        assert d.w.state is W.SLEEPING
+
+
+def test_level2_without_the_capability_is_unsupported() -> None:
+    d = WorkerDriver(capabilities=(Capability.PARTIAL_WAKE,))
+    d.w.loaded()
+    (nack,) = d.send(Sleep(task_id="s", epoch=0, level=2)).replies
+    assert nack.reason is NackReason.UNSUPPORTED and "level2" in nack.detail
+    assert d.w.state is W.ACTIVE
+    assert d.run(Sleep(task_id="s1", epoch=0, level=1)).state is W.SLEEPING
+
+
+def test_partial_wake_without_the_capability_is_unsupported() -> None:
+    d = WorkerDriver(capabilities=(Capability.LEVEL2,))
+    d.w.loaded()
+    d.run(Sleep(task_id="s", epoch=0))
+    (nack,) = d.send(Wake(task_id="w", epoch=0, tags=("kv_cache",))).replies
+    assert nack.reason is NackReason.UNSUPPORTED and "partial wake" in nack.detail
+    assert d.w.state is W.SLEEPING
+    # Naming every asleep tag is not a partial wake.
+    assert d.run(Wake(task_id="w2", epoch=0, tags=("weights", "kv_cache"))).state is W.ACTIVE
+
+
+# ----------------------------------------------------------------------- BUSY
+
+
+@pytest.mark.parametrize("state", TRANSIENT)
+def test_busy_while_an_effect_is_pending(state: WorkerState) -> None:
+    d = reach_worker(state)
+    before = snapshot(d.w)
+    for name, make in COMMANDS.items():
+        step = d.send(make(fresh(), 0))
+        assert step.effect is None
+        (reply,) = step.replies
+        if name == "Status":
+            assert isinstance(reply, Ack) and reply.state is state  # answered, not refused
+        else:
+            assert reply.reason is NackReason.BUSY and "in progress" in reply.detail
+    assert snapshot(d.w) == before
+
+
+def test_busy_during_execute() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.send(Execute(task_id="x", epoch=0))
+    (nack,) = d.send(Sleep(task_id="s", epoch=0)).replies
+    assert nack.reason is NackReason.BUSY and "'x'" in nack.detail
+
+
+# ----------------------------------------------------------------------- failures (P-11)
+
+
+def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None:
+    d = reach_worker(W.ACTIVE)
+    done = d.run(Sleep(task_id="s-ok", epoch=0))
+    d.send(Wake(task_id="w", epoch=0))
+    (nack,) = d.w.on_error("w", BOOM).replies
+    nack = wire(nack)
+    assert (nack.reason, nack.state) == (NackReason.BACKEND_ERROR, W.FAILED)
+    assert BOOM in nack.detail and "Wake task 'w'" in nack.detail
+    assert d.w.state is W.FAILED and BOOM in d.w.failure
+    later: list = []
+    # Every new reply, whatever it is, carries the failure text.
+    later += d.send(Wake(task_id="w2", epoch=0)).replies  # FAILED
+    later += d.send(Execute(task_id="x", epoch=0)).replies  # FAILED
+    later += d.send(Sleep(task_id="s-ok", epoch=0, level=2)).replies  # TASK_ID_REUSED
+    later += d.send(Status(task_id="st-busy", epoch=0)).replies  # Status starts an effect...
+    assert d.w.busy
+    later += d.send(Sleep(task_id="s3", epoch=0)).replies  # ...so this is BUSY
+    later += d.send(Status(task_id="st-2", epoch=0)).replies  # Status while busy: Ack at once
+    later += d.w.on_done("st-busy").replies
+    later += d.w.on_bad_message(ProtocolError("undecodable message (1 bytes): junk")).replies
+    later += d.send(Sleep(task_id="old", epoch=0)).replies
+    d.run(Status(task_id="new-epoch", epoch=1))
+    later += d.send(Sleep(task_id="stale", epoch=0)).replies  # STALE_EPOCH
+    reasons = [getattr(r, "reason", None) for r in later]
+    assert NackReason.FAILED in reasons and NackReason.TASK_ID_REUSED in reasons
+    assert NackReason.BUSY in reasons and NackReason.STALE_EPOCH in reasons
+    assert NackReason.BAD_MESSAGE in reasons
+    for reply in later:
+        assert BOOM in wire(reply).detail, reply
+    # Answers recorded before the failure are re-sent as they were (P-2).
+    assert d.send(Sleep(task_id="s-ok", epoch=1)).replies[0] == done
+    # Only Shutdown leaves FAILED; its Ack still says why.
+    step = d.send(Shutdown(task_id="bye", epoch=1))
+    assert d.w.state is W.STOPPED
+    (ack,) = d.w.on_done("bye").replies
+    assert BOOM in ack.detail
+    for reply in (d.send(Wake(task_id="w9", epoch=1)).replies[0],  # INVALID_STATE in STOPPED
+                  d.run(Shutdown(task_id="bye2", epoch=1))):  # ALREADY
+        assert BOOM in reply.detail, reply
+    assert step.effect == ShutdownEffect("bye")
+
+
+def test_failed_task_duplicate_gets_the_same_nack() -> None:
+    d = reach_worker(W.ACTIVE)
+    sleep = Sleep(task_id="s", epoch=0)
+    d.send(sleep)
+    (nack,) = d.w.on_error("s", BOOM).replies
+    assert d.send(sleep).replies[0] is nack
+
+
+@pytest.mark.parametrize("state", [W.OFFLOADING, W.RESTORING, W.RELOADING])
+def test_effect_error_in_each_transient_state(state: WorkerState) -> None:
+    d = reach_worker(state)
+    task_id = d.w._pending.command.task_id  # type: ignore[union-attr]
+    (nack,) = d.w.on_error(task_id, BOOM).replies
+    assert nack.reason is NackReason.BACKEND_ERROR and d.w.state is W.FAILED
+
+
+@pytest.mark.parametrize("state", [W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD, W.LOADING])
+def test_status_measurement_error_fails_the_worker(state: WorkerState) -> None:
+    d = reach_worker(state)
+    d.send(Status(task_id="st", epoch=0))
+    (nack,) = d.w.on_error("st", "nvmlDeviceGetComputeRunningProcesses failed").replies
+    assert nack.reason is NackReason.BACKEND_ERROR and d.w.state is W.FAILED
+
+
+def test_status_error_does_not_poison_the_task_id() -> None:
+    """Status is never cached, also when it fails: the task_id is not 'used' afterwards."""
+    d = reach_worker(W.ACTIVE)
+    d.send(Status(task_id="st", epoch=0))
+    d.w.on_error("st", BOOM)
+    assert "st" not in d.w.cache
+    (nack,) = d.send(Sleep(task_id="st", epoch=0)).replies
+    assert nack.reason is NackReason.FAILED  # not TASK_ID_REUSED
+
+
+def test_shutdown_error_stays_stopped() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.send(Shutdown(task_id="bye", epoch=0))
+    (nack,) = d.w.on_error("bye", BOOM).replies
+    assert (nack.reason, nack.state, d.w.state) == (NackReason.BACKEND_ERROR, W.STOPPED, W.STOPPED)
+
+
+def test_execute_error_stays_active() -> None:
+    d = reach_worker(W.ACTIVE)
+    execute = Execute(task_id="x", epoch=0, payload="bad prompt")
+    d.send(execute)
+    (nack,) = d.w.on_error("x", "ValueError: prompt too long").replies
+    assert (nack.reason, nack.state) == (NackReason.EXECUTE_ERROR, W.ACTIVE)
+    assert "prompt too long" in nack.detail
+    assert d.w.state is W.ACTIVE and d.w.failure == ""
+    assert d.send(execute).replies[0] is nack  # recorded: no second run
+    assert isinstance(d.run(Execute(task_id="x3", epoch=0)), Result)
+
+
+def test_load_failure() -> None:
+    d = WorkerDriver()
+    d.w.load_failed("weights file missing")
+    assert d.w.state is W.FAILED and "weights file missing" in d.w.failure
+    (nack,) = d.send(Sleep(task_id="s", epoch=0)).replies
+    assert nack.reason is NackReason.FAILED and "weights file missing" in nack.detail
+
+
+def test_bad_bytes_get_bad_message_and_the_worker_goes_on() -> None:
+    d = reach_worker(W.ACTIVE)
+    for data in (b"\xc1", msgspec.msgpack.encode({"type": "Sleep", "v": 1, "task_id": "t9", "epoch": 0,
+                                                  "level": 5})):  # fmt: skip
+        try:
+            decode(data)
+        except ProtocolError as err:
+            (nack,) = d.w.on_bad_message(err).replies
+        nack = wire(nack)
+        assert nack.reason is NackReason.BAD_MESSAGE and nack.command == "?"
+    assert nack.task_id == "t9" and "$.level" in nack.detail
+    assert d.w.counters.bad_messages == 2 and d.w.state is W.ACTIVE
+    assert d.run(Sleep(task_id="s", epoch=0)).state is W.SLEEPING
+
+
+def test_completion_for_another_task_is_a_bug() -> None:
+    d = reach_worker(W.OFFLOADING)
+    with pytest.raises(InvariantViolation, match="pending"):
+        d.w.on_done("not-the-pending-task")
+    with pytest.raises(InvariantViolation):
+        reach_worker(W.ACTIVE).w.on_error("nothing-pending", BOOM)
+
+
+# ----------------------------------------------------------------------- same input, same output
+
+
+def test_same_inputs_same_outputs() -> None:
+    def run() -> list:
+        d = WorkerDriver()
+        d.w.loaded()
+        out = []
+        for cmd in (Sleep(task_id="a", epoch=0, level=2), Wake(task_id="b", epoch=0),
+                    ReloadWeights(task_id="c", epoch=0), Execute(task_id="d", epoch=0),
+                    Sleep(task_id="a", epoch=0), Status(task_id="e", epoch=3)):  # fmt: skip
+            step = d.send(cmd)
+            out.append(step)
+            if step.effect is not None:
+                out.append(d.w.on_done(cmd.task_id))
+        return out
+
+    assert run() == run()
+
+
+# ----------------------------------------------------------------------- transition coverage
+
+# (trigger, source) pairs the table allows but the core can never take: a transient state
+# always has an effect in progress, and a Shutdown then gets BUSY (see the test above).
+UNREACHABLE = {("worker", "shutdown", s.value) for s in TRANSIENT}
+
+SCENARIOS = [
+    test_load_then_level1_sleep_and_wake,
+    test_level2_sleep_needs_reload_before_execute,
+    test_partial_wake_then_the_rest,
+    test_level2_partial_wake_of_weights_then_reload_ends_partial,
+    test_level2_wake_of_scratch_only_stays_partial,
+    test_sleep_more_tags_from_each_asleep_state,
+    test_reload_while_active_swaps_weights_in_place,
+    test_status_everywhere_changes_nothing_and_is_never_cached,
+    test_shutdown_from_active_then_already,
+    test_shutdown_while_loading,
+    test_backend_error_fails_the_worker_and_every_later_reply_says_why,
+    test_load_failure,
+    test_execute_error_stays_active,
+    test_reload_while_active_swaps_weights_in_place,
+] + [lambda s=s: test_sleep_of_asleep_tags_is_already(s) for s in (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)] \
+  + [lambda s=s: test_wake_of_resident_tags_is_already(s) for s in (W.ACTIVE, W.SLEEPING, W.PARTIAL,
+                                                                    W.NEEDS_RELOAD)] \
+  + [lambda s=s: test_effect_error_in_each_transient_state(s) for s in TRANSIENT] \
+  + [lambda s=s: test_status_measurement_error_fails_the_worker(s)
+     for s in (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD, W.LOADING)] \
+  + [lambda: _shutdown_from_every_settled_state()]  # fmt: skip
+
+
+def _shutdown_from_every_settled_state() -> None:
+    for state in (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD, W.FAILED):
+        d = reach_worker(state)
+        assert d.run(Shutdown(task_id="bye", epoch=0)).state is W.STOPPED
+
+
+def _wake_from_needs_reload_with_tags_asleep() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(Sleep(task_id="s", epoch=0, level=2))
+    d.run(Wake(task_id="w", epoch=0, tags=("weights",)))
+    assert d.run(Wake(task_id="w2", epoch=0)).state is W.NEEDS_RELOAD
+
+
+SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
+
+
+def test_every_worker_transition_is_exercised() -> None:
+    with record_transitions() as fired:
+        for scenario in SCENARIOS:
+            scenario()
+    fired = {f for f in fired if f[0] == "worker"}
+    table = table_pairs("worker")
+    assert fired <= table, f"fired outside the table: {sorted(fired - table)}"
+    missing = table - fired - UNREACHABLE
+    assert not missing, f"no scenario exercises {sorted(missing)}"
+    # Every Transition of the table (each trigger) fired at least once.
+    assert {t.trigger for t in WORKER_TRANSITIONS} == {trigger for _, trigger, _ in fired}
