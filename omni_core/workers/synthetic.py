@@ -54,8 +54,13 @@ class SyntheticRunner(ModelRunner):
         hidden: int = 128,
         dtype: str = "float32",
         seed: int = 0,
+        cpu_threads: int | None = None,
     ) -> None:
         super().__init__(device)
+        if cpu_threads is not None and torch.device(device).type == "cpu":
+            # Tiny matmuls on a busy machine: several intra-op threads wait on each other
+            # for whole scheduler slices (20 ms per op seen on 2 loaded cores).
+            torch.set_num_threads(cpu_threads)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
         self.dtype = _DTYPES[dtype]

@@ -12,7 +12,7 @@ from omni_core.protocol import Ack, Execute, Nack, NackReason, ReloadWeights, Sh
 
 from ._harness import TestOrchestrator
 
-SMALL = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 64 << 10, "hidden": 32}
+SMALL = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 64 << 10, "hidden": 32, "cpu_threads": 1}
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ from omni_core.protocol import (
 
 from ._harness import TestOrchestrator
 
-RUNNER_ARGS = {"weights_bytes": 2 << 20, "tensor_count": 16, "kv_bytes": 256 << 10, "hidden": 64, "seed": 5}
+RUNNER_ARGS = {"weights_bytes": 2 << 20, "tensor_count": 16, "kv_bytes": 256 << 10, "hidden": 64, "seed": 5,
+               "cpu_threads": 1}
 PAYLOAD = {"seed": 11, "batch": 3}
 _ids = itertools.count()
 
