@@ -82,10 +82,11 @@ class CumemBackend(MemoryBackend):
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE,
                     Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)  # fmt: skip
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, module: Any = None) -> None:
+        """`module` stands in for vllm.device_allocator.cumem (tests pass a fake one)."""
         super().__init__(device)
-        self._mod = _load_module(self.device)
-        if self.device.index is None:
+        self._mod = _load_module(self.device) if module is None else module
+        if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.allocator = self._mod.CuMemAllocator.get_instance()
         self._has_keep_tags = "keep_tags" in inspect.signature(self.allocator.sleep).parameters
