@@ -30,6 +30,13 @@ def _cmd_tables(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from omni_core.demo import main as demo_main
+
+    return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib,
+                     trace_path=args.trace)
+
+
 def _cmd_docs(args: argparse.Namespace) -> int:
     from omni_core.fsm.docs import write_lifecycles
 
@@ -40,6 +47,12 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="two co-located stages on real processes: sleep, wake, reload, admission")
+    p.add_argument("--device", default="cpu", help="cpu (portable backend) or cuda (best backend available)")
+    p.add_argument("--backend", default=None, help="override the backend (portable, cumem, fast, auto)")
+    p.add_argument("--weights-mib", type=int, default=64, help="synthetic weights per rank, MiB")
+    p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
+    p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
     p.set_defaults(func=_cmd_walkthrough)
     p = sub.add_parser("schema", help="write the JSON Schema of every wire message")

@@ -19,7 +19,7 @@ from typing import Any
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import LifecycleReport
-from omni_core.engine.spec import StageSpec
+from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.fsm import StageCore
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
@@ -101,6 +101,16 @@ class Engine:
         spec = self._spec(stage)
         self._wait(self._orch.call(lambda f: self._orch.op_restart(f, stage)), spec.start_deadline_s)
 
+    def set_admission(self, stage: str, policy: AdmissionPolicy | str) -> None:
+        """Change what requests do while the stage is not RUNNING (queue, reject, wake)."""
+        self._spec(stage)
+        try:
+            chosen = AdmissionPolicy(policy)
+        except ValueError:
+            raise InvalidArgumentError(f"admission {policy!r} is not one of "
+                                       f"{[p.value for p in AdmissionPolicy]}") from None  # fmt: skip
+        self._wait(self._orch.call(lambda f: self._orch.op_set_admission(f, stage, chosen)), 5.0)
+
     def status(self) -> dict[str, Any]:
         return self._wait(self._orch.call(self._orch.op_status), 5.0)
 
@@ -180,6 +190,9 @@ class AsyncEngine:
 
     async def restart(self, stage: str) -> None:
         await asyncio.to_thread(self.engine.restart, stage)
+
+    async def set_admission(self, stage: str, policy: AdmissionPolicy | str) -> None:
+        await asyncio.to_thread(self.engine.set_admission, stage, policy)
 
     async def status(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.engine.status)

@@ -85,6 +85,7 @@ class _Stage:
     inflight: dict[str, _Request] = field(default_factory=dict)
     waiters: dict[str, list[Future]] = field(default_factory=dict)
     start_waiters: list[Future] = field(default_factory=list)
+    admission: AdmissionPolicy = AdmissionPolicy.QUEUE
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -109,7 +110,8 @@ class Orchestrator:
             raise InvalidArgumentError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.trace_path = trace_path
         self._trace = open_trace(trace_path, "engine")
-        self._stages = {s.name: _Stage(s, StageCore(s.name, s.ranks, tags=s.tags)) for s in specs}
+        self._stages = {s.name: _Stage(s, StageCore(s.name, s.ranks, tags=s.tags),
+                                       admission=AdmissionPolicy(s.admission)) for s in specs}  # fmt: skip
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -193,7 +195,7 @@ class Orchestrator:
             self._dispatch(stage, request)
             return
         state = stage.core.state
-        policy = stage.spec.admission
+        policy = stage.admission
         if state in (StageState.FAILED, StageState.STOPPED):
             raise RequestRejectedError(f"stage {name!r} is {state.value}: "
                                        f"{stage.core.failure or 'stopped'}; restart() it first")  # fmt: skip
@@ -230,6 +232,12 @@ class Orchestrator:
                     "(abort_in_flight=True)"))  # fmt: skip
         self._apply(stage, step)
 
+    def op_set_admission(self, future: Future, name: str, policy: AdmissionPolicy) -> None:
+        stage = self.stage(name)
+        stage.admission = policy
+        self._pump(stage)
+        future.set_result(None)
+
     def op_restart(self, future: Future, name: str) -> None:
         stage = self.stage(name)
         core = stage.core
@@ -250,6 +258,7 @@ class Orchestrator:
             core = stage.core
             out[name] = {
                 "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
+                "admission": stage.admission.value,
                 "failure": core.failure, "queued": len(stage.queue),
                 "in_flight": len(stage.inflight), "counters": asdict(core.counters),
                 "ranks": {p.rank: {"pid": p.process.pid, "alive": p.process.is_alive(),
@@ -444,7 +453,7 @@ class Orchestrator:
         elif state is StageState.NEEDS_RELOAD and stage.queue:
             self._fail_requests(stage, RequestRejectedError(
                 f"stage {stage.spec.name!r} is NEEDS_RELOAD; call reload_weights() first"))
-        elif (stage.spec.admission is AdmissionPolicy.WAKE and stage.queue and core.task_id is None
+        elif (stage.admission is AdmissionPolicy.WAKE and stage.queue and core.task_id is None
               and state in (StageState.SLEEPING, StageState.PARTIAL)):  # fmt: skip
             task_id = self.new_task_id("auto-wake", stage.spec.name)
             now = time.monotonic()

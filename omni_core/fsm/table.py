@@ -10,11 +10,16 @@ stays (Execute in ACTIVE, an ALREADY no-op).
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from transitions import Machine
+
+# `transitions` logs every state change at INFO. Our cores run on the message hot path and
+# trace what matters themselves, so only its warnings are worth a line.
+logging.getLogger("transitions").setLevel(logging.WARNING)
 
 S = TypeVar("S", bound=enum.Enum)
 

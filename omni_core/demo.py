@@ -1,0 +1,161 @@
+"""`omni-core demo`: the colocation scenario on real processes.
+
+Two stages share one device: a "talker" with 2 ranks and a "decoder" with 1 rank, both
+synthetic runners. The talker sleeps (level 1) while the decoder serves, wakes, and must
+answer bit-identically; the decoder goes through level 2 and a weight reload; a request
+sent to a sleeping stage is shown under each admission policy. Prints a lifecycle table
+and a one-line verdict; exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, StageSpec
+
+MiB = 1 << 20
+
+
+@dataclass
+class _Row:
+    step: str
+    stage: str
+    state: str
+    duration_s: float
+    freed: str
+
+
+def _fmt_bytes(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{n} B"
+
+
+class Demo:
+    def __init__(self, *, device: str = "cpu", backend: str | None = None, weights_mib: int = 64,
+                 trace_path: str | None = None, out: TextIO = sys.stdout) -> None:  # fmt: skip
+        self.device = device
+        self.backend = backend or ("portable" if device == "cpu" else "auto")
+        self.weights_mib = weights_mib
+        self.trace_path = trace_path
+        self.out = out
+        self.rows: list[_Row] = []
+        self.mismatches: list[str] = []
+
+    def specs(self) -> list[StageSpec]:
+        def runner_args(seed: int, tensors: int) -> dict[str, Any]:
+            return {"weights_bytes": self.weights_mib * MiB, "tensor_count": tensors,
+                    "kv_bytes": self.weights_mib * MiB // 4, "seed": seed, "cpu_threads": 1}  # fmt: skip
+
+        common = {"device": self.device, "backend": self.backend, "deadline_s": 60.0}
+        return [
+            StageSpec("talker", runner_args=runner_args(1, 32), ranks=2, **common),
+            StageSpec("decoder", runner_args=runner_args(2, 16), ranks=1, **common),
+        ]
+
+    def record(self, step: str, report: LifecycleReport) -> None:
+        freed = ", ".join(
+            f"r{r}: {'freed' if rr.freed_bytes >= 0 else 'restored'} {_fmt_bytes(abs(rr.freed_bytes))}"
+            for r, rr in report.ranks.items())
+        status = "" if report.status == "OK" else f" ({report.status})"
+        self.rows.append(_Row(step, report.stage, report.state + status, report.duration_s, freed or "-"))
+
+    def note(self, step: str, stage: str, state: str, duration_s: float, what: str) -> None:
+        self.rows.append(_Row(step, stage, state, duration_s, what))
+
+    def check(self, what: str, ok: bool) -> None:
+        if not ok:
+            self.mismatches.append(what)
+
+    def timed(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        started = time.perf_counter()
+        value = fn()
+        return value, time.perf_counter() - started
+
+    def run(self) -> int:
+        w = self.out.write
+        w(f"omni-core demo: 2 stages on one device ({self.device}, backend {self.backend}), "
+          f"synthetic runners with {self.weights_mib} MiB of weights per rank\n")  # fmt: skip
+        started = time.perf_counter()
+        with Engine(self.specs(), trace_path=self.trace_path) as engine:
+            w(f"started 3 rank processes in {time.perf_counter() - started:.2f} s\n")
+            self.scenario(engine)
+        self.print_table()
+        verdict = "PASS" if not self.mismatches else "FAIL: " + "; ".join(self.mismatches)
+        w(f"verdict: {verdict} ({len(self.rows)} steps, {time.perf_counter() - started:.1f} s)\n")
+        return 0 if not self.mismatches else 1
+
+    def scenario(self, engine: Engine) -> None:
+        probe = {"seed": 7, "batch": 4}
+        talker_ref, t = self.timed(lambda: engine.execute("talker", probe))
+        self.note("1 serve", "talker", "RUNNING", t, "reference output taken")
+        decoder_ref, t = self.timed(lambda: engine.execute("decoder", probe))
+        self.note("1 serve", "decoder", "RUNNING", t, "reference output taken")
+
+        self.record("2 sleep L1", engine.sleep("talker", level=1))
+        out, t = self.timed(lambda: engine.execute("decoder", probe))
+        self.check("decoder output while talker sleeps", out == decoder_ref)
+        self.note("2 serve", "decoder", "RUNNING", t, "same output: " + str(out == decoder_ref))
+        self.record("2 sleep again", engine.sleep("talker", level=1))
+        self.record("3 wake", engine.wake("talker"))
+        out, t = self.timed(lambda: engine.execute("talker", probe))
+        self.check("talker output after L1 wake", out == talker_ref)
+        self.note("3 serve", "talker", "RUNNING", t, "bit-identical: " + str(out == talker_ref))
+
+        self.record("4 sleep L2", engine.sleep("decoder", level=2))
+        self.record("4 wake", engine.wake("decoder"))
+        try:
+            engine.execute("decoder", probe)
+            self.check("decoder refuses requests before reload", False)
+        except RequestRejectedError:
+            self.note("4 serve", "decoder", "NEEDS_RELOAD", 0.0, "request refused until reload: True")
+        self.record("4 reload", engine.reload_weights("decoder"))
+        out, t = self.timed(lambda: engine.execute("decoder", probe))
+        self.check("decoder output after L2 + reload", out == decoder_ref)
+        self.note("4 serve", "decoder", "RUNNING", t, "bit-identical: " + str(out == decoder_ref))
+
+        self.admission_policies(engine, probe, talker_ref)
+
+    def admission_policies(self, engine: Engine, probe: dict, talker_ref: Any) -> None:
+        engine.sleep("talker", level=1)
+        engine.set_admission("talker", "reject")
+        try:
+            engine.execute("talker", probe)
+            self.check("reject policy refuses", False)
+        except RequestRejectedError:
+            self.note("5 reject", "talker", "SLEEPING", 0.0, "request rejected at once: True")
+        engine.set_admission("talker", "queue")
+        queued = engine.submit("talker", probe)
+        time.sleep(0.2)
+        self.check("queue policy holds the request", not queued.done())
+        self.record("5 queue: wake", engine.wake("talker"))
+        out, t = self.timed(lambda: queued.result(60))
+        self.check("queued request served after wake", out == talker_ref)
+        self.note("5 queue", "talker", "RUNNING", t, "queued request served, identical: " + str(out == talker_ref))
+        engine.sleep("talker", level=1)
+        engine.set_admission("talker", "wake")
+        out, t = self.timed(lambda: engine.execute("talker", probe))
+        self.check("wake policy wakes and serves", out == talker_ref)
+        state = engine.status()["talker"]["state"]
+        self.note("5 wake", "talker", state, t, "request woke the stage, identical: " + str(out == talker_ref))
+        engine.set_admission("talker", "queue")
+
+    def print_table(self) -> None:
+        w = self.out.write
+        w(f"\n{'step':<16} {'stage':<8} {'state':<20} {'duration':>10}  memory freed per rank / check\n")
+        w("-" * 100 + "\n")
+        for row in self.rows:
+            w(f"{row.step:<16} {row.stage:<8} {row.state:<20} {row.duration_s * 1000:>8.1f}ms  {row.freed}\n")
+        w("\n")
+
+
+def main(device: str = "cpu", backend: str | None = None, weights_mib: int = 64,
+         trace_path: str | None = None) -> int:  # fmt: skip
+    return Demo(device=device, backend=backend, weights_mib=weights_mib, trace_path=trace_path).run()
