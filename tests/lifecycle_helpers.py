@@ -105,22 +105,28 @@ def _check(d: WorkerDriver, state: WorkerState) -> WorkerDriver:
 class StageHarness:
     """One StageCore and its WorkerCores on a perfect in-memory network (for scripted cases)."""
 
-    def __init__(self, ranks: int = 3, *, deadline_s: float = 10.0, **worker_kwargs: object) -> None:
+    def __init__(self, ranks: int = 3, *, deadline_s: float = 10.0, hello: bool = True,
+                 **worker_kwargs: object) -> None:  # fmt: skip
         self.now = 0.0
         self.stage = StageCore("talker", ranks)
         self.worker_kwargs = worker_kwargs
         self.workers: list[WorkerCore] = []
         self.stage.start(self.now, deadline_s)
-        self._spawn()
+        self._spawn(hello=hello)
 
-    def _spawn(self) -> None:
+    def _spawn(self, *, hello: bool = True) -> None:
         self.workers = [WorkerCore(r, epoch=self.stage.epoch, **self.worker_kwargs)  # type: ignore[arg-type]
                         for r in self.stage.ranks]  # fmt: skip
         for w in self.workers:
             w.loaded()
-            hello = Hello(task_id="hello", epoch=self.stage.epoch, rank=w.rank, pid=100 + w.rank,
-                          device=f"cuda:{w.rank}", backend="portable", tags=w.tags)  # fmt: skip
-            self.stage.on_hello(wire(hello), self.now)  # type: ignore[arg-type]
+            if hello:
+                self.stage.on_hello(self.hello(w.rank), self.now)
+
+    def hello(self, rank: int, **fields: object) -> Hello:
+        base: dict = {"task_id": "hello", "epoch": self.stage.epoch, "rank": rank, "pid": 100 + rank,
+                      "device": f"cuda:{rank}", "backend": "portable", "tags": self.stage.tags}  # fmt: skip
+        base.update(fields)
+        return wire(Hello(**base))  # type: ignore[return-value]
 
     def restart(self) -> int:
         epoch = self.stage.restart(self.now, 10.0)

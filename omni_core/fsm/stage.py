@@ -226,9 +226,9 @@ class StageCore:
     def stop(self, now: float) -> StageStep:
         if self.state is S.STOPPED:
             return StageStep()
+        self.lifecycle.fire("stop")  # first, so the outcome names the state the task ended in
         outcome = self._end_task(False, "stage stopped before the task completed", {}, now) \
             if self._task else None  # fmt: skip
-        self.lifecycle.fire("stop")
         self.in_flight_requests = 0
         self._check_invariants()
         return StageStep(outcome=outcome)
@@ -238,6 +238,7 @@ class StageCore:
     def request_started(self) -> None:
         if not self.admits():
             raise StageCommandError(f"stage {self.name!r} admits no request in {self.state.value}")
+        self.lifecycle.fire("execute")
         self.in_flight_requests += 1
 
     def request_finished(self, now: float) -> StageStep:

@@ -1,0 +1,592 @@
+"""StageCore, one scripted case at a time: start-up, all-ranks commit, draining, NACKs,
+deadlines, dead ranks, restarts and epochs, retries, refusals. Plus the golden walkthrough."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+from lifecycle_helpers import StageHarness, record_transitions, table_pairs, wire
+
+from omni_core.fsm import STAGE_TRANSITIONS, InvariantViolation, StageBusyError, StageCommandError, StageStep
+from omni_core.protocol import (
+    Ack,
+    AckStatus,
+    Capability,
+    Nack,
+    NackReason,
+    Result,
+    Sleep,
+    StageState,
+    Wake,
+    WorkerState,
+)
+from omni_core.walkthrough import Walkthrough
+
+S = StageState
+W = WorkerState
+GOLDEN = Path(__file__).parent / "golden" / "walkthrough.txt"
+
+
+def reach_stage(state: StageState, ranks: int = 3, **kwargs: object) -> StageHarness:
+    """A stage (and its workers) in `state`, reached through legal calls only."""
+    if state is S.STARTING:
+        return StageHarness(ranks, hello=False, **kwargs)  # type: ignore[arg-type]
+    h = StageHarness(ranks, **kwargs)  # type: ignore[arg-type]
+    st = h.stage
+    if state is S.FAILED:
+        st.on_rank_died(0, "SIGKILL", h.now)
+    elif state is S.STOPPED:
+        st.stop(h.now)
+    elif state is S.DRAINING:
+        st.request_started()
+        st.sleep("drain", 1, None, h.now, 5.0)
+    elif state is S.TRANSITIONING:
+        h.last = st.sleep("sleep", 1, None, h.now, 5.0)  # type: ignore[attr-defined]
+    elif state is not S.RUNNING:
+        level = 2 if state is S.NEEDS_RELOAD else 1
+        h.complete(st.sleep("sleep", level, None, h.now, 5.0))
+        if state is S.WAKING:
+            h.last = st.wake("wake", None, h.now, 5.0)  # type: ignore[attr-defined]
+        elif state is S.PARTIAL:
+            h.complete(st.wake("wake", ("kv_cache",), h.now, 5.0))
+        elif state is S.NEEDS_RELOAD:
+            h.complete(st.wake("wake", None, h.now, 5.0))
+    assert st.state is state, (st.state, state)
+    return h
+
+
+def outcome_of(step: StageStep):  # type: ignore[no-untyped-def]
+    assert step.outcome is not None, step
+    return step.outcome
+
+
+# ----------------------------------------------------------------------- start-up
+
+
+def test_start_commits_running_only_after_every_hello() -> None:
+    h = StageHarness(3, hello=False)
+    for rank in (2, 0):
+        h.stage.on_hello(h.hello(rank), h.now)
+        assert h.stage.state is S.STARTING and not h.stage.admits()
+    h.stage.on_hello(h.hello(1), h.now)
+    assert h.stage.state is S.RUNNING and h.stage.admits()
+
+
+def test_start_deadline_names_the_silent_ranks() -> None:
+    h = StageHarness(3, hello=False, deadline_s=10.0)
+    h.stage.on_hello(h.hello(1), h.now)
+    assert h.stage.on_tick(9.9) == StageStep() and h.stage.state is S.STARTING
+    h.stage.on_tick(10.0)
+    assert h.stage.state is S.FAILED
+    assert set(h.stage.failed_ranks) == {0, 2}
+    assert "rank 0" in h.stage.failure and "rank 2" in h.stage.failure and "rank 1" not in h.stage.failure
+    assert "Hello" in h.stage.failure
+
+
+def test_hello_from_another_epoch_is_ignored() -> None:
+    h = StageHarness(1, hello=False)
+    h.stage.on_hello(h.hello(0, epoch=5), h.now)
+    assert h.stage.state is S.STARTING and h.stage.counters.stale_replies_ignored == 1
+
+
+def test_hello_with_other_tags_fails_start() -> None:
+    h = StageHarness(2, hello=False)
+    h.stage.on_hello(h.hello(1, tags=("weights",)), h.now)
+    assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {1}
+    assert "tags" in h.stage.failure
+
+
+def test_hello_from_a_rank_that_failed_to_load() -> None:
+    h = StageHarness(2, hello=False)
+    h.stage.on_hello(h.hello(0), h.now)
+    h.stage.on_hello(h.hello(1, state=W.FAILED, detail="CUDA out of memory"), h.now)
+    assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {1}
+    assert "CUDA out of memory" in h.stage.failure
+
+
+def test_hello_from_an_unknown_rank_fails_start() -> None:
+    h = StageHarness(2, hello=False)
+    h.stage.on_hello(h.hello(7), h.now)
+    assert h.stage.state is S.FAILED and 7 in h.stage.failed_ranks
+
+
+def test_rank_death_during_start() -> None:
+    h = StageHarness(2, hello=False)
+    h.stage.on_rank_died(1, "exit code 1", h.now)
+    assert h.stage.state is S.FAILED and "exit code 1" in h.stage.failure
+
+
+def test_stage_needs_a_rank() -> None:
+    from omni_core.fsm import StageCore
+
+    with pytest.raises(StageCommandError, match="at least one rank"):
+        StageCore("talker", 0)
+
+
+# ----------------------------------------------------------------------- all-ranks commit (P-5)
+
+
+def test_sleep_commits_only_on_the_last_ack() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.sleep("s1", 1, None, h.now, 5.0)
+    assert h.stage.state is S.TRANSITIONING and not h.stage.admits()
+    assert sorted(o.rank for o in step.sends) == [0, 1, 2]
+    assert all(o.command == Sleep(task_id="s1", epoch=0, level=1) for o in step.sends)
+    replies = h.to_workers(step)
+    for reply in replies[:-1]:
+        assert h.stage.on_reply(reply, h.now) == StageStep()
+        assert h.stage.state is S.TRANSITIONING
+    h.now = 1.5
+    outcome = outcome_of(h.stage.on_reply(replies[-1], h.now))
+    assert h.stage.state is S.SLEEPING
+    assert (outcome.ok, outcome.status, outcome.state, outcome.command) == (True, AckStatus.OK, S.SLEEPING, "Sleep")
+    assert sorted(outcome.acks) == [0, 1, 2] and outcome.duration_s == 1.5
+    assert h.stage.residency.asleep == {"weights", "kv_cache"}
+    assert all(w.state is W.SLEEPING for w in h.workers)
+
+
+def test_wake_to_running_partial_and_needs_reload_then_reload() -> None:
+    h = reach_stage(S.SLEEPING)
+    assert outcome_of(h.complete(h.stage.wake("w", ("kv_cache",), h.now, 5.0))).state is S.PARTIAL
+    assert outcome_of(h.complete(h.stage.wake("w2", None, h.now, 5.0))).state is S.RUNNING
+    h.complete(h.stage.sleep("s2", 2, None, h.now, 5.0))
+    assert outcome_of(h.complete(h.stage.wake("w3", ("weights",), h.now, 5.0))).state is S.NEEDS_RELOAD
+    assert h.stage.residency.asleep == {"kv_cache"}
+    outcome = outcome_of(h.complete(h.stage.reload("r", "/ckpt", h.now, 5.0)))
+    assert outcome.state is S.PARTIAL and outcome.command == "ReloadWeights"
+    assert outcome_of(h.complete(h.stage.wake("w4", None, h.now, 5.0))).state is S.RUNNING
+    assert h.stage.admits()
+
+
+def test_sleep_and_wake_from_partial_and_needs_reload() -> None:
+    h = reach_stage(S.PARTIAL)
+    assert outcome_of(h.complete(h.stage.sleep("s", 1, None, h.now, 5.0))).state is S.SLEEPING
+    h = reach_stage(S.NEEDS_RELOAD)
+    assert outcome_of(h.complete(h.stage.sleep("s", 1, ("kv_cache",), h.now, 5.0))).state is S.SLEEPING
+    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 5.0))).state is S.NEEDS_RELOAD
+    h = reach_stage(S.PARTIAL)
+    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 5.0))).state is S.RUNNING
+    h = reach_stage(S.NEEDS_RELOAD)
+    assert outcome_of(h.complete(h.stage.reload("r", None, h.now, 5.0))).state is S.RUNNING
+
+
+def test_sleep_more_tags_while_sleeping() -> None:
+    h = reach_stage(S.RUNNING)
+    assert outcome_of(h.complete(h.stage.sleep("s-kv", 1, ("kv_cache",), h.now, 5.0))).state is S.SLEEPING
+    step = h.stage.sleep("s-all", 2, None, h.now, 5.0)
+    assert step.sends[0].command == Sleep(task_id="s-all", epoch=0, level=2, tags=None)
+    assert h.stage.state is S.TRANSITIONING  # nothing executes while asleep: no drain
+    assert outcome_of(h.complete(step)).state is S.SLEEPING
+    assert not h.stage.residency.weights_valid
+    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 5.0))).state is S.NEEDS_RELOAD
+
+
+def test_wake_the_rest_while_needs_reload() -> None:
+    h = needs_reload_with_kv_cache_asleep()
+    step = h.stage.wake("w-kv", None, h.now, 5.0)
+    assert step.sends[0].command == Wake(task_id="w-kv", epoch=0, tags=None)
+    assert outcome_of(h.complete(step)).state is S.NEEDS_RELOAD
+    assert h.stage.residency.asleep == frozenset()
+
+
+def test_ack_in_an_unexpected_state_fails_naming_the_rank() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    liar = Ack(task_id="s", epoch=0, rank=1, command="Sleep", state=W.ACTIVE)
+    outcome = outcome_of(h.stage.on_reply(wire(liar), h.now))
+    assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
+    assert "expected SLEEPING" in outcome.failures[1] and "rank 1" in outcome.error
+    assert step.sends
+
+
+# ----------------------------------------------------------------------- ALREADY (P-4)
+
+
+def needs_reload_with_kv_cache_asleep() -> StageHarness:
+    h = reach_stage(S.RUNNING)
+    h.complete(h.stage.sleep("s-l2", 2, None, h.now, 5.0))
+    h.complete(h.stage.wake("w-weights", ("weights",), h.now, 5.0))
+    assert h.stage.state is S.NEEDS_RELOAD and h.stage.residency.asleep == {"kv_cache"}
+    return h
+
+
+def test_sleep_of_asleep_tags_and_wake_of_resident_tags_are_already() -> None:
+    for make, call in [
+        (lambda: reach_stage(S.SLEEPING), lambda st: st.sleep("again", 2, None, 0.0, 5.0)),
+        (lambda: reach_stage(S.PARTIAL), lambda st: st.sleep("again", 1, ("weights",), 0.0, 5.0)),
+        (needs_reload_with_kv_cache_asleep, lambda st: st.sleep("again", 1, ("kv_cache",), 0.0, 5.0)),
+        (lambda: reach_stage(S.RUNNING), lambda st: st.wake("again", None, 0.0, 5.0)),
+        (lambda: reach_stage(S.PARTIAL), lambda st: st.wake("again", ("kv_cache",), 0.0, 5.0)),
+        (lambda: reach_stage(S.NEEDS_RELOAD), lambda st: st.wake("again", None, 0.0, 5.0)),
+    ]:
+        h = make()
+        state = h.stage.state
+        step = call(h.stage)
+        assert step.sends == ()
+        outcome = outcome_of(step)
+        assert (outcome.ok, outcome.status, outcome.state) == (True, AckStatus.ALREADY, state)
+        assert h.stage.state is state
+        assert call(h.stage).outcome is outcome  # recorded
+
+
+def test_wake_of_resident_tags_while_sleeping() -> None:
+    h = reach_stage(S.RUNNING)
+    h.complete(h.stage.sleep("s", 1, ("kv_cache",), h.now, 5.0))
+    assert h.stage.state is S.SLEEPING
+    assert outcome_of(h.stage.wake("w", ("weights",), h.now, 5.0)).status is AckStatus.ALREADY
+
+
+# ----------------------------------------------------------------------- draining and admission
+
+
+def test_sleep_drains_in_flight_requests_first() -> None:
+    h = reach_stage(S.RUNNING)
+    h.stage.request_started()
+    h.stage.request_started()
+    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    assert step == StageStep() and h.stage.state is S.DRAINING
+    with pytest.raises(StageCommandError, match="admits no request in DRAINING"):
+        h.stage.request_started()
+    assert h.stage.request_finished(h.now) == StageStep()
+    step = h.stage.request_finished(h.now)  # the last one: now the Sleeps go out
+    assert h.stage.state is S.TRANSITIONING and len(step.sends) == 3
+    assert outcome_of(h.complete(step)).state is S.SLEEPING
+
+
+def test_drain_timeout_goes_back_to_running_with_a_failed_outcome() -> None:
+    h = reach_stage(S.RUNNING)
+    h.stage.request_started()
+    h.stage.sleep("s", 1, None, 0.0, 5.0)
+    assert h.stage.on_tick(4.9) == StageStep()
+    step = h.stage.on_tick(5.0)
+    outcome = outcome_of(step)
+    assert step.sends == () and h.stage.state is S.RUNNING and h.stage.admits()
+    assert not outcome.ok and outcome.state is S.RUNNING and "did not finish" in outcome.error
+    assert h.stage.in_flight_requests == 1
+    assert all(w.state is W.ACTIVE for w in h.workers)  # nothing was sent
+    assert h.stage.request_finished(6.0) == StageStep()
+    assert h.stage.sleep("s", 1, None, 7.0, 5.0).outcome is outcome  # recorded, not retried
+
+
+def test_finishing_a_request_nobody_started_is_a_bug() -> None:
+    h = reach_stage(S.RUNNING)
+    with pytest.raises(InvariantViolation):
+        h.stage.request_finished(h.now)
+
+
+# ----------------------------------------------------------------------- failures (P-9)
+
+
+def test_nack_fails_the_stage_naming_the_rank() -> None:
+    h = StageHarness(3, capabilities=(Capability.PARTIAL_WAKE,))  # no level-2 support
+    step = h.stage.sleep("s", 2, None, h.now, 5.0)
+    replies = h.to_workers(step)
+    assert all(isinstance(r, Nack) and r.reason is NackReason.UNSUPPORTED for r in replies)
+    outcome = outcome_of(h.stage.on_reply(replies[1], h.now))
+    assert h.stage.state is S.FAILED and not outcome.ok and outcome.state is S.FAILED
+    assert set(outcome.failures) == {1} and "NACK UNSUPPORTED" in outcome.failures[1]
+    assert "rank 1" in h.stage.failure and "level2" in h.stage.failure
+    # The other NACKs arrive after the task ended: counted, not applied.
+    assert h.stage.on_reply(replies[0], h.now) == StageStep()
+    assert h.stage.counters.unknown_replies_ignored == 1
+
+
+def test_deadline_fails_naming_exactly_the_silent_ranks() -> None:
+    h = reach_stage(S.RUNNING, ranks=4)
+    step = h.stage.sleep("s", 1, None, 0.0, 5.0)
+    h.feed(h.to_workers(step, ranks={0, 2}))
+    assert h.stage.on_tick(4.999) == StageStep()
+    outcome = outcome_of(h.stage.on_tick(5.0))
+    assert h.stage.state is S.FAILED
+    assert set(outcome.failures) == {1, 3} == set(h.stage.failed_ranks)
+    assert sorted(outcome.acks) == [0, 2]
+    for rank in (1, 3):
+        assert f"rank {rank}: no reply to Sleep within 5 s" in outcome.error
+    assert "rank 0" not in outcome.error and "rank 2" not in outcome.error
+
+
+def test_deadline_while_waking() -> None:
+    h = reach_stage(S.WAKING)
+    outcome = outcome_of(h.stage.on_tick(h.now + 5.0))
+    assert h.stage.state is S.FAILED and set(outcome.failures) == {0, 1, 2}
+    assert "no reply to Wake" in outcome.error
+
+
+@pytest.mark.parametrize("state", [S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.DRAINING,
+                                   S.TRANSITIONING, S.WAKING])  # fmt: skip
+def test_rank_death_fails_the_stage(state: StageState) -> None:
+    h = reach_stage(state)
+    step = h.stage.on_rank_died(2, "SIGKILL (exit -9)", h.now)
+    assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {2}
+    assert "rank 2: process died: SIGKILL (exit -9)" in h.stage.failure
+    assert (step.outcome is not None) == (state in (S.DRAINING, S.TRANSITIONING, S.WAKING))
+    assert not h.stage.admits() and h.stage.in_flight_requests == 0
+    # Dead already: a second death report changes nothing.
+    assert h.stage.on_rank_died(1, "again", h.now) == StageStep() and set(h.stage.failed_ranks) == {2}
+
+
+# ----------------------------------------------------------------------- epochs and restarts (P-6)
+
+
+@pytest.mark.parametrize("state", [S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED])
+def test_restart_bumps_the_epoch_and_starts_fresh(state: StageState) -> None:
+    h = reach_stage(state)
+    assert h.restart() == 1
+    assert h.stage.state is S.RUNNING and h.stage.epoch == 1
+    assert h.stage.residency.asleep == frozenset() and h.stage.failure == ""
+    assert outcome_of(h.complete(h.stage.sleep("after", 1, None, h.now, 5.0))).ok
+
+
+def test_replies_from_the_old_epoch_are_ignored_after_a_restart() -> None:
+    h = reach_stage(S.RUNNING)
+    old = h.to_workers(h.stage.sleep("s", 1, None, h.now, 5.0))
+    h.stage.on_tick(10.0)  # deadline: FAILED
+    h.restart()
+    step = h.stage.sleep("s-new", 1, None, h.now, 5.0)
+    for reply in old + [msgspec.structs.replace(old[0], task_id="s-new")]:
+        assert h.stage.on_reply(reply, h.now) == StageStep()
+        assert h.stage.state is S.TRANSITIONING
+    assert h.stage.counters.stale_replies_ignored == 4
+    # And an old-epoch command reaching a new worker is refused by the worker.
+    (nack,) = h.workers[0].on_command(Sleep(task_id="s", epoch=0)).replies
+    assert nack.reason is NackReason.STALE_EPOCH
+    assert outcome_of(h.complete(step)).ok
+
+
+def test_unknown_duplicate_and_foreign_replies_are_counted_not_applied() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    replies = h.to_workers(step)
+    c = h.stage.counters
+    ignored = [
+        msgspec.structs.replace(replies[0], task_id="ghost"),  # another task
+        msgspec.structs.replace(replies[0], rank=9),  # not a rank of this stage
+        Result(task_id="s", epoch=0, rank=0),  # not an answer to a lifecycle command
+    ]
+    for reply in ignored:
+        assert h.stage.on_reply(reply, h.now) == StageStep() and h.stage.state is S.TRANSITIONING
+    assert c.unknown_replies_ignored == 3
+    h.stage.on_reply(replies[0], h.now)
+    h.stage.on_reply(replies[0], h.now)
+    assert c.duplicate_replies_ignored == 1 and h.stage.state is S.TRANSITIONING
+    # A NACK from a rank that already ACKed is a duplicate too, not a failure.
+    nack = Nack(task_id="s", epoch=0, rank=0, command="Sleep", reason=NackReason.BUSY, state=W.ACTIVE)
+    assert h.stage.on_reply(nack, h.now) == StageStep() and c.duplicate_replies_ignored == 2
+    h.feed(replies[1:])
+    assert h.stage.state is S.SLEEPING
+    assert h.stage.on_reply(replies[1], h.now) == StageStep() and c.unknown_replies_ignored == 4
+
+
+def test_replies_while_draining_are_unknown() -> None:
+    h = reach_stage(S.DRAINING)
+    ack = Ack(task_id="drain", epoch=0, rank=0, command="Sleep", state=W.SLEEPING,
+              asleep_tags=("kv_cache", "weights"))  # fmt: skip
+    assert h.stage.on_reply(ack, h.now) == StageStep() and h.stage.state is S.DRAINING
+    assert h.stage.counters.unknown_replies_ignored == 1
+
+
+# ----------------------------------------------------------------------- retries and task_ids
+
+
+def test_retry_in_flight_resends_only_to_silent_ranks() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    h.feed(h.to_workers(step, ranks={1}))
+    retry = h.stage.sleep("s", 1, None, h.now, 5.0)
+    assert sorted(o.rank for o in retry.sends) == [0, 2] and retry.outcome is None
+    assert all(o.command == step.sends[0].command for o in retry.sends)
+    assert h.stage.counters.retries == 1
+    # The worker that already did it answers from its cache; one that had not, does it now.
+    outcome = outcome_of(h.feed(h.to_workers(step, ranks={1}) + h.to_workers(retry)))
+    assert outcome.ok and h.stage.state is S.SLEEPING
+    assert h.workers[1].counters.duplicates_answered_from_cache == 1
+
+
+def test_retry_after_the_end_returns_the_recorded_outcome() -> None:
+    h = reach_stage(S.RUNNING)
+    first = outcome_of(h.complete(h.stage.sleep("s", 1, None, h.now, 5.0)))
+    h.complete(h.stage.wake("w", None, h.now, 5.0))
+    again = h.stage.sleep("s", 1, None, h.now, 5.0)
+    assert again.sends == () and again.outcome is first and h.stage.state is S.RUNNING
+    # Also a failed task: its failure is what a retry gets (no silent second attempt).
+    h.stage.on_rank_died(0, "gone", h.now)
+    h.restart()
+    h.stage.on_tick(0.0)
+    step = h.stage.sleep("s2", 1, None, 0.0, 1.0)
+    failed = outcome_of(h.stage.on_tick(1.0))
+    assert not failed.ok
+    h.restart()
+    assert h.stage.sleep("s2", 1, None, 0.0, 1.0).outcome is failed
+    assert step.sends
+
+
+def test_retry_while_draining_sends_nothing() -> None:
+    h = reach_stage(S.DRAINING)
+    assert h.stage.sleep("drain", 1, None, h.now, 5.0) == StageStep()
+    assert h.stage.counters.retries == 1
+
+
+def test_retry_that_spells_the_same_tags_differently_is_the_same_task() -> None:
+    h = reach_stage(S.RUNNING)
+    h.stage.sleep("s", 1, ("weights", "kv_cache"), h.now, 5.0)
+    assert len(h.stage.sleep("s", 1, ("kv_cache", "weights", "kv_cache"), h.now, 5.0).sends) == 3
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_different_command_with_the_same_task_id_raises(finished: bool) -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    if finished:
+        h.complete(step)
+    state = h.stage.state
+    for call in (lambda: h.stage.sleep("s", 2, None, h.now, 5.0),
+                 lambda: h.stage.sleep("s", 1, ("weights",), h.now, 5.0),
+                 lambda: h.stage.wake("s", None, h.now, 5.0),
+                 lambda: h.stage.reload("s", None, h.now, 5.0)):  # fmt: skip
+        with pytest.raises(StageCommandError, match="task_id 's' was used for") as info:
+            call()
+        assert not isinstance(info.value, StageBusyError)
+        assert h.stage.state is state
+
+
+def test_another_task_while_one_is_in_flight_is_busy() -> None:
+    for state in (S.DRAINING, S.TRANSITIONING, S.WAKING):
+        h = reach_stage(state)
+        with pytest.raises(StageBusyError, match=f"in flight \\({state.value}\\)"):
+            h.stage.wake("other", None, h.now, 5.0)
+        assert h.stage.state is state
+
+
+# ----------------------------------------------------------------------- refusals (P-11)
+
+CALLS: dict[str, tuple[tuple[str, ...], Callable]] = {
+    "sleep": (("drain", "sleep", "sleep_already"), lambda h: h.stage.sleep("x-sleep", 1, None, h.now, 5.0)),
+    "sleep-level2": (("drain", "sleep", "sleep_already"),
+                     lambda h: h.stage.sleep("x-sleep2", 2, ("kv_cache",), h.now, 5.0)),
+    "wake": (("wake", "wake_already"), lambda h: h.stage.wake("x-wake", None, h.now, 5.0)),
+    "reload": (("reload",), lambda h: h.stage.reload("x-reload", None, h.now, 5.0)),
+    "request": (("execute",), lambda h: h.stage.request_started()),
+    "restart": (("restart",), lambda h: h.stage.restart(h.now, 5.0)),
+}  # fmt: skip
+
+
+def _legal(triggers: tuple[str, ...]) -> set[StageState]:
+    return {s for t in STAGE_TRANSITIONS if t.trigger in triggers for s in t.sources}
+
+
+REFUSED = [(s, name) for name, (triggers, _) in CALLS.items() for s in S if s not in _legal(triggers)]
+
+
+def _stage_snapshot(h: StageHarness) -> tuple:
+    st = h.stage
+    return (st.state, st.epoch, st.task_id, st.residency.asleep, st.residency.weights_valid,
+            st.in_flight_requests, dict(st.rank_state), st.failure, dataclasses.asdict(st.counters),
+            [w.state for w in h.workers])  # fmt: skip
+
+
+@pytest.mark.parametrize(("state", "call"), REFUSED, ids=[f"{c}-in-{s.value}" for s, c in REFUSED])
+def test_forbidden_call_raises_naming_the_state_and_changes_nothing(state: StageState, call: str) -> None:
+    h = reach_stage(state)
+    before = _stage_snapshot(h)
+    with pytest.raises(StageCommandError) as info:
+        CALLS[call][1](h)
+    assert state.value in str(info.value)
+    assert _stage_snapshot(h) == before
+
+
+def test_bad_arguments_raise_before_anything_is_sent() -> None:
+    h = reach_stage(S.RUNNING)
+    with pytest.raises(StageCommandError, match="level must be 1 or 2"):
+        h.stage.sleep("s", 3, None, h.now, 5.0)
+    with pytest.raises(StageCommandError, match="unknown tag"):
+        h.stage.sleep("s", 1, ("lora",), h.now, 5.0)
+    with pytest.raises(StageCommandError, match="non-empty"):
+        h.stage.wake("s", (), h.now, 5.0)
+    assert h.stage.state is S.RUNNING and h.stage.task_id is None
+
+
+# ----------------------------------------------------------------------- stop
+
+
+@pytest.mark.parametrize("state", [s for s in S if s is not S.STOPPED])
+def test_stop_from_every_state(state: StageState) -> None:
+    h = reach_stage(state)
+    step = h.stage.stop(h.now)
+    assert h.stage.state is S.STOPPED and not h.stage.admits()
+    if state in (S.DRAINING, S.TRANSITIONING, S.WAKING):
+        outcome = outcome_of(step)
+        assert not outcome.ok and "stopped" in outcome.error
+        assert outcome.state is S.STOPPED  # where the task ended, not a transient state
+    else:
+        assert step.outcome is None
+    assert h.stage.stop(h.now) == StageStep()
+
+
+# ----------------------------------------------------------------------- transition coverage
+
+
+def _fail_from_each_state() -> None:
+    reach_stage(S.STARTING).stage.on_tick(100.0)
+    for state in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.DRAINING):
+        reach_stage(state).stage.on_rank_died(0, "x", 0.0)
+    test_nack_fails_the_stage_naming_the_rank()  # TRANSITIONING
+    test_deadline_while_waking()  # WAKING
+
+
+SCENARIOS: list[Callable[[], object]] = [
+    test_start_commits_running_only_after_every_hello,
+    test_sleep_commits_only_on_the_last_ack,
+    test_wake_to_running_partial_and_needs_reload_then_reload,
+    test_sleep_and_wake_from_partial_and_needs_reload,
+    test_sleep_more_tags_while_sleeping,
+    test_wake_the_rest_while_needs_reload,
+    test_sleep_of_asleep_tags_and_wake_of_resident_tags_are_already,
+    test_wake_of_resident_tags_while_sleeping,
+    test_sleep_drains_in_flight_requests_first,
+    test_drain_timeout_goes_back_to_running_with_a_failed_outcome,
+    _fail_from_each_state,
+    *[lambda s=s: test_restart_bumps_the_epoch_and_starts_fresh(s)
+      for s in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED)],
+    *[lambda s=s: test_stop_from_every_state(s) for s in S if s is not S.STOPPED],
+]  # fmt: skip
+
+
+def test_every_stage_transition_is_exercised() -> None:
+    with record_transitions() as fired:
+        for scenario in SCENARIOS:
+            scenario()
+    fired = {f for f in fired if f[0] == "stage"}
+    table = table_pairs("stage")
+    assert fired <= table, f"fired outside the table: {sorted(fired - table)}"
+    assert not table - fired, f"no scenario exercises {sorted(table - fired)}"
+
+
+# ----------------------------------------------------------------------- golden walkthrough
+
+
+def test_walkthrough_matches_the_golden_output() -> None:
+    """etcd-raft style: the scripted walk's full output is committed; a change in behaviour
+    shows up as a diff. OMNI_UPDATE_GOLDEN=1 rewrites the file."""
+    out = io.StringIO()
+    assert Walkthrough(out=out).run() == 0, out.getvalue()
+    text = out.getvalue()
+    again = io.StringIO()
+    Walkthrough(out=again).run()
+    assert again.getvalue() == text, "the walkthrough is not deterministic"
+    if os.environ.get("OMNI_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(text)
+    assert GOLDEN.exists(), f"{GOLDEN} is missing: run with OMNI_UPDATE_GOLDEN=1"
+    golden = GOLDEN.read_text()
+    if text != golden:
+        import difflib
+
+        diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True),
+                                            "golden/walkthrough.txt", "walkthrough now"))  # fmt: skip
+        raise AssertionError(f"walkthrough output changed (OMNI_UPDATE_GOLDEN=1 to accept):\n{diff}")
