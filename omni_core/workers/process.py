@@ -221,13 +221,11 @@ class WorkerProcess:
         elif isinstance(effect, WakeEffect):
             backend.wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
+            # In place, outside any pool: the weights' memory is already mapped, and entering
+            # vLLM's use_memory_pool again would replace the MemPool that owns it.
+            runner.reload_weights(effect.source)
             if WEIGHTS_TAG in self.config.tags:
-                # Whatever the runner allocates while reloading belongs to the weights pool.
-                with backend.pool(WEIGHTS_TAG):
-                    runner.reload_weights(effect.source)
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
-            else:
-                runner.reload_weights(effect.source)
         elif isinstance(effect, ExecuteEffect):
             return runner.execute(effect.payload)
         else:  # pragma: no cover - the core emits only the effects above

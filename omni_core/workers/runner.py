@@ -56,7 +56,8 @@ class ModelRunner(ABC):
         """Refill the weights in place (after a level-2 sleep, or to swap weights).
 
         `source` is runner-specific; None means the runner's own. Write into the existing
-        tensors: other code (CUDA graphs, the backend) holds their addresses.
+        tensors (this runs outside any pool): other code (CUDA graphs, the backend) holds
+        their addresses.
         """
 
     def buffers_to_save(self) -> Mapping[str, torch.Tensor]:
