@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -513,6 +514,7 @@ class Orchestrator:
 
         spec = stage.spec
         stage.procs = []
+        master_port = _free_tcp_port()  # for runners that form a torch.distributed group
         for rank in range(spec.ranks):
             config = WorkerConfig(address=self.address, rank=rank, epoch=stage.core.epoch,
                                   stage=spec.name, runner=spec.runner, runner_args=dict(spec.runner_args),
@@ -520,7 +522,11 @@ class Orchestrator:
                                   trace_path=self.trace_path)  # fmt: skip
             process = self._mp.Process(target=run_worker, args=(config,), daemon=True,
                                        name=f"omni-{spec.name}-rank{rank}")  # fmt: skip
-            with _visible_devices(spec.devices[rank] if spec.devices else None):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(spec.ranks), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}  # fmt: skip
+            if spec.devices:
+                env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
+            with _child_env(env):
                 process.start()
             proc = _RankProc(rank, process)
             stage.procs.append(proc)
@@ -582,19 +588,24 @@ _env_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _visible_devices(value: str | None):
-    """Spawned children copy os.environ at start(): set CUDA_VISIBLE_DEVICES just around it."""
-    if value is None:
-        yield
-        return
+def _child_env(values: dict[str, str]):
+    """Spawned children copy os.environ at start(): set a rank's variables just around it
+    (CUDA_VISIBLE_DEVICES, and torchrun-style RANK/WORLD_SIZE/MASTER_* for runners that
+    form a process group)."""
     with _env_lock:
-        old = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = value
+        saved = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
         try:
             yield
         finally:
-            if old is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = old
+            for key, old in saved.items():
+                if old is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = old
 
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
