@@ -359,6 +359,19 @@ def test_task_id_reused_while_in_progress() -> None:
     assert ack.state is W.SLEEPING
 
 
+def test_duplicate_of_an_answered_task_while_busy_gets_the_recorded_reply() -> None:
+    """P-1/P-2: an answered task keeps its one reply, even while another task runs (not BUSY)."""
+    d = reach_worker(W.ACTIVE)
+    sleep = Sleep(task_id="s", epoch=0)
+    d.send(sleep)
+    (ack,) = d.w.on_done("s").replies
+    d.send(Wake(task_id="w", epoch=0))  # in progress now
+    step = d.send(sleep)
+    assert step.effect is None and step.replies[0] is ack
+    (nack,) = d.send(Execute(task_id="s", epoch=0)).replies  # reuse still refused as reuse
+    assert nack.reason is NackReason.TASK_ID_REUSED
+
+
 def test_refusals_are_not_cached() -> None:
     d = reach_worker(W.SLEEPING)
     (nack,) = d.send(Execute(task_id="x", epoch=0)).replies

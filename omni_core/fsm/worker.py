@@ -235,21 +235,17 @@ class WorkerCore:
                                 f"command epoch {command.epoch} is older than this worker's "
                                 f"epoch {self.epoch}; a newer orchestrator has fenced it")  # fmt: skip
         self.epoch = command.epoch
-        if self._pending is not None:
-            if self._pending.command.task_id == command.task_id:
-                original = self._pending.command
-                if msgspec.structs.replace(command, epoch=original.epoch) != original:
-                    return self._refuse(command, NackReason.TASK_ID_REUSED,
-                                        f"task_id {command.task_id!r} is in progress for "
-                                        f"{original!r}; use a fresh task_id per command")  # fmt: skip
-                # The terminal reply follows when the effect completes; answering now too
-                # would be a second reply for the task (P-1).
-                self.counters.duplicates_in_flight_ignored += 1
-                return WorkerStep()
-            if not isinstance(command, Status):
-                return self._refuse(command, NackReason.BUSY,
-                                    f"task {self._pending.command.task_id!r} is in progress; "
-                                    "retry after its reply")  # fmt: skip
+        if self._pending is not None and self._pending.command.task_id == command.task_id:
+            original = self._pending.command
+            if msgspec.structs.replace(command, epoch=original.epoch) != original:
+                return self._refuse(command, NackReason.TASK_ID_REUSED,
+                                    f"task_id {command.task_id!r} is in progress for "
+                                    f"{original!r}; use a fresh task_id per command")  # fmt: skip
+            # The terminal reply follows when the effect completes; answering now too
+            # would be a second reply for the task (P-1).
+            self.counters.duplicates_in_flight_ignored += 1
+            return WorkerStep()
+        # Before BUSY: an answered task keeps its one reply even while another runs (P-1, P-2).
         if not isinstance(command, Status):
             cached = self.cache.get(command.task_id)
             if cached is not None:
@@ -260,6 +256,10 @@ class WorkerCore:
                                         f"{original!r}; use a fresh task_id per command")  # fmt: skip
                 self.counters.duplicates_answered_from_cache += 1
                 return WorkerStep(replies=(reply,))
+        if self._pending is not None and not isinstance(command, Status):
+            return self._refuse(command, NackReason.BUSY,
+                                f"task {self._pending.command.task_id!r} is in progress; "
+                                "retry after its reply")  # fmt: skip
         if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):
             return self._refuse(command, NackReason.FAILED,
                                 f"worker is FAILED ({self.failure}); only Shutdown or a "
