@@ -224,6 +224,10 @@ class WorkerProcess:
             # In place, outside any pool: the weights' memory is already mapped, and entering
             # vLLM's use_memory_pool again would replace the MemPool that owns it.
             runner.reload_weights(effect.source)
+            if self.device.type == "cuda":
+                # The Ack says the weights are valid: wait for the refill kernels, so that
+                # duration_s is the reload's and not its launch's.
+                torch.cuda.synchronize(self.device)
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
         elif isinstance(effect, ExecuteEffect):
