@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 
-import msgspec
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from broken_variants import BROKEN, NoEpochFenceWorker, NoReplyCacheWorker
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,7 +23,6 @@ from hypothesis.stateful import (
 from reference_models import Expect, ModelMismatch, PropertyViolation, WorkerModel, require, same_command
 
 from omni_core.fsm import (
-    BoundedCache,
     ExecuteEffect,
     ReloadEffect,
     ShutdownEffect,
@@ -352,33 +351,6 @@ def test_worker_against_the_reference_model() -> None:
 
 
 # ============================================================================ broken variants
-
-BROKEN = settings(max_examples=400, stateful_step_count=30, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False,
-                  suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
-
-
-class ForgetfulCache(BoundedCache):
-    """A reply cache that stores nothing."""
-
-    def get(self, key):  # type: ignore[no-untyped-def]
-        return None
-
-
-class NoReplyCacheWorker(WorkerCore):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.cache = ForgetfulCache(self.cache.max_entries)
-
-
-class NoEpochFenceWorker(WorkerCore):
-    """Treats a command from an older epoch as current."""
-
-    def on_command(self, command: Command):  # type: ignore[no-untyped-def]
-        if command.epoch < self.epoch:
-            command = msgspec.structs.replace(command, epoch=self.epoch)
-        return super().on_command(command)
-
 
 def _machine_with(worker_cls: type[WorkerCore]) -> type[WorkerMachine]:
     return type(f"WorkerMachineWith{worker_cls.__name__}", (WorkerMachine,),
