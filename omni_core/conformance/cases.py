@@ -1,0 +1,606 @@
+"""The cases: one function each, naming the requirement of `specs/protocol.md` it checks.
+
+A case talks to the worker through a `Ctx` (send, wait for the reply, check it) and raises
+`CaseFailure` with what it sent and what came back. Cases of scope `shared` run on one
+worker kept across cases and must leave it ACTIVE with nothing asleep (the runner checks,
+and starts a fresh worker when a case did not); `own` cases start their own workers;
+`consume` cases end the shared worker (Shutdown). `needs` lists capabilities from Hello a
+case requires: a worker that does not declare them gets a reported skip, never a pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, SuiteOptions
+from omni_core.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    AckStatus,
+    Command,
+    Execute,
+    Hello,
+    Message,
+    Nack,
+    NackReason,
+    ReloadWeights,
+    Result,
+    Shutdown,
+    Sleep,
+    Status,
+    Wake,
+    WorkerState,
+    encode,
+)
+
+Scope = Literal["shared", "own", "consume", "global"]
+WEIGHTS = "weights"
+LEVEL2 = "level2"
+PARTIAL_WAKE = "partial_wake"
+
+
+@dataclass(frozen=True)
+class Case:
+    req: str  # "P-n"
+    name: str  # short id, unique
+    title: str
+    run: Callable[[Ctx], None]
+    needs: tuple[str, ...] = ()  # capabilities the worker must declare, else SKIP
+    unless: tuple[str, ...] = ()  # capabilities whose presence makes the case not apply
+    scope: Scope = "shared"
+
+    @property
+    def id(self) -> str:
+        return f"{self.req}/{self.name}"
+
+
+CASES: list[Case] = []
+
+
+def case(req: str, name: str, title: str, *, needs: tuple[str, ...] = (), unless: tuple[str, ...] = (),
+         scope: Scope = "shared") -> Callable[[Callable[[Ctx], None]], Callable[[Ctx], None]]:  # fmt: skip
+    def register(fn: Callable[[Ctx], None]) -> Callable[[Ctx], None]:
+        assert all(c.name != name for c in CASES), f"duplicate case name {name}"
+        CASES.append(Case(req, name, title, fn, needs, unless, scope))
+        return fn
+
+    return register
+
+
+class Ctx:
+    """What a case works with: the worker, a way to start more, and checks that explain."""
+
+    _task_ids = itertools.count(1)
+
+    def __init__(self, case: Case, worker: Peer | None, harness: Harness | None, options: SuiteOptions,
+                 new_harness: Callable[[], Harness]) -> None:  # fmt: skip
+        self.case = case
+        self._worker = worker
+        self.harness = harness
+        self.options = options
+        self._new_harness = new_harness
+        self.stray_note: str = ""  # global cases get the run's record here
+
+    @property
+    def worker(self) -> Peer:
+        assert self._worker is not None, f"case {self.case.id} has no shared worker"
+        return self._worker
+
+    def own_harness(self) -> Harness:
+        if self.harness is None:
+            self.harness = self._new_harness()
+        return self.harness
+
+    # ------------------------------------------------------------------ commands
+
+    def task(self, what: str) -> str:
+        return f"{self.case.name}-{what}-{next(self._task_ids)}"
+
+    def cmd(self, cls: type[Command], what: str = "", *, peer: Peer | None = None, **fields: Any) -> Any:
+        peer = peer or self.worker
+        fields.setdefault("epoch", peer.epoch)
+        return cls(task_id=self.task(what or cls.__name__.lower()), **fields)
+
+    def request(self, command: Command, peer: Peer | None = None) -> Message:
+        return (peer or self.worker).request(command)
+
+    def execute(self, peer: Peer | None = None) -> tuple[Execute, Message]:
+        command = self.cmd(Execute, peer=peer, payload=self.options.execute_payload)
+        return command, self.request(command, peer)
+
+    def status(self, peer: Peer | None = None) -> Ack:
+        command = self.cmd(Status, peer=peer)
+        return self.ack(self.request(command, peer), command)
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, condition: bool, problem: str, *, sent: Any = None, got: Any = None,
+              expected: Any = None) -> None:  # fmt: skip
+        if not condition:
+            raise CaseFailure(problem, sent=sent, got=got, expected=expected)
+
+    def skip(self, reason: str) -> None:
+        raise CaseSkip(reason)
+
+    def ack(self, reply: Message, sent: Command, *, state: WorkerState | None = None,
+            status: AckStatus | None = None) -> Ack:  # fmt: skip
+        name = type(sent).__name__
+        want = f"Ack of {name}" + (f" with state {state.value}" if state else "") + (
+            f", status {status.value}" if status else "")
+        self.check(isinstance(reply, Ack), f"{name} was not acknowledged", sent=sent, got=reply, expected=want)
+        assert isinstance(reply, Ack)
+        self.check(reply.task_id == sent.task_id and reply.command == name,
+                   f"the Ack does not answer the {name} sent", sent=sent, got=reply, expected=want)  # fmt: skip
+        if state is not None:
+            self.check(reply.state is state, f"{name} ended in state {reply.state.value}, not {state.value}",
+                       sent=sent, got=reply, expected=want)  # fmt: skip
+        if status is not None:
+            self.check(reply.status is status, f"{name} was acknowledged with status {reply.status.value}, "
+                       f"not {status.value}", sent=sent, got=reply, expected=want)  # fmt: skip
+        return reply
+
+    def nack(self, reply: Message, sent: Any, reason: NackReason, *, state: WorkerState | None = None,
+             names_state: bool = False, task_id: str | None = None) -> Nack:  # fmt: skip
+        want = f"Nack {reason.value}" + (f" in state {state.value}" if state else "") + (
+            " whose detail names the state" if names_state else "")
+        self.check(isinstance(reply, Nack), f"expected a refusal ({reason.value}), got a "
+                   f"{type(reply).__name__}", sent=sent, got=reply, expected=want)  # fmt: skip
+        assert isinstance(reply, Nack)
+        self.check(reply.reason is reason, f"refused with {reply.reason.value}, not {reason.value}",
+                   sent=sent, got=reply, expected=want)  # fmt: skip
+        if task_id is not None:
+            self.check(reply.task_id == task_id, f"the refusal carries task_id {reply.task_id!r}, "
+                       f"not {task_id!r}", sent=sent, got=reply, expected=want)  # fmt: skip
+        if state is not None:
+            self.check(reply.state is state, f"the refusal says state {reply.state.value}, not {state.value}",
+                       sent=sent, got=reply, expected=want)  # fmt: skip
+        if names_state:
+            self.check(reply.state.value in reply.detail, f"the refusal's detail does not name the state "
+                       f"{reply.state.value}", sent=sent, got=reply, expected=want)  # fmt: skip
+        return reply
+
+    def executed_or_runner_error(self, sent: Execute, reply: Message) -> None:
+        """In ACTIVE an Execute runs: a Result, or the runner's own EXECUTE_ERROR (the payload
+        is the user's), never a state refusal."""
+        ok = isinstance(reply, Result) or (
+            isinstance(reply, Nack) and reply.reason is NackReason.EXECUTE_ERROR and reply.state is WorkerState.ACTIVE
+        )
+        self.check(ok and reply.task_id == sent.task_id, "Execute in ACTIVE was not run",
+                   sent=sent, got=reply, expected="Result (or Nack EXECUTE_ERROR from the runner, state ACTIVE)")
+
+    def sleep(self, level: int = 1, peer: Peer | None = None, **fields: Any) -> tuple[Sleep, Ack]:
+        command = self.cmd(Sleep, peer=peer, level=level, **fields)
+        return command, self.ack(self.request(command, peer), command)
+
+    def wake(self, peer: Peer | None = None, **fields: Any) -> tuple[Wake, Ack]:
+        command = self.cmd(Wake, peer=peer, **fields)
+        return command, self.ack(self.request(command, peer), command)
+
+    def back_to_active(self, peer: Peer | None = None) -> None:
+        """Wake (and reload, after level 2) until ACTIVE: cases leave the worker usable."""
+        _, woke = self.wake(peer)
+        if woke.state is WorkerState.NEEDS_RELOAD:
+            command = self.cmd(ReloadWeights, peer=peer)
+            self.ack(self.request(command, peer), command, state=WorkerState.ACTIVE)
+        else:
+            self.check(woke.state is WorkerState.ACTIVE, f"Wake of every tag ended in {woke.state.value}",
+                       got=woke, expected="ACTIVE")  # fmt: skip
+
+
+# ============================================================================ P-3 envelope
+
+
+@case("P-3", "greeting", "Hello first: version, rank and epoch it was started with, its tags, ACTIVE")
+def greeting(ctx: Ctx) -> None:
+    hello = ctx.worker.hello
+    assert isinstance(hello, Hello)
+    sent = f"(nothing: started as rank {ctx.worker.rank}, epoch {ctx.options.epoch})"
+    ctx.check(hello.v == PROTOCOL_VERSION, f"Hello has version {hello.v}", sent=sent, got=hello)
+    ctx.check(hello.rank == ctx.worker.rank, f"Hello names rank {hello.rank}, started as {ctx.worker.rank}",
+              sent=sent, got=hello)  # fmt: skip
+    ctx.check(hello.epoch == ctx.options.epoch, f"Hello carries epoch {hello.epoch}, started in "
+              f"{ctx.options.epoch}", sent=sent, got=hello)  # fmt: skip
+    ctx.check(bool(hello.tags), "Hello lists no memory tags", sent=sent, got=hello)
+    ctx.check(len(set(hello.tags)) == len(hello.tags), "Hello lists a tag twice", sent=sent, got=hello)
+
+
+@case("P-3", "reply_envelope", "a reply carries v, the command's task_id and epoch, and the worker's rank")
+def reply_envelope(ctx: Ctx) -> None:
+    for command in (ctx.cmd(Status), ctx.cmd(Execute, payload=ctx.options.execute_payload)):
+        reply = ctx.request(command)
+        ctx.check(reply.v == PROTOCOL_VERSION, f"reply has version {reply.v}", sent=command, got=reply)
+        ctx.check(getattr(reply, "rank", None) == ctx.worker.rank,
+                  f"reply names rank {getattr(reply, 'rank', None)}, the worker is rank {ctx.worker.rank}",
+                  sent=command, got=reply)  # fmt: skip
+        ctx.check(reply.epoch == command.epoch, f"reply carries epoch {reply.epoch}, the command {command.epoch}",
+                  sent=command, got=reply)  # fmt: skip
+
+
+@case("P-3", "unsupported_version", "another protocol version: Nack UNSUPPORTED_VERSION naming both, then service")
+def unsupported_version(ctx: Ctx) -> None:
+    other = PROTOCOL_VERSION + 1
+    for what, command in (
+        ("status", ctx.cmd(Status, v=other)),
+        ("sleep", ctx.cmd(Sleep, v=other, level=1)),  # must not take effect either
+    ):
+        ctx.worker.send(command)
+        reply = ctx.worker.reply(command.task_id, sent=command)
+        nack = ctx.nack(reply, command, NackReason.UNSUPPORTED_VERSION)
+        named = re.search(rf"\b{other}\b", nack.detail) and re.search(rf"\b{PROTOCOL_VERSION}\b", nack.detail)
+        ctx.check(bool(named), f"the detail does not name both versions ({other} and {PROTOCOL_VERSION})",
+                  sent=command, got=nack)  # fmt: skip
+    status = ctx.status()
+    ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags,
+              "after a Sleep of another version the worker is not ACTIVE with every tag resident",
+              sent="Status", got=status)  # fmt: skip
+
+
+# ============================================================================ P-2 duplicates
+
+
+@case("P-2", "duplicate_answered_from_cache", "a repeated task_id gets the first reply again, and no second effect")
+def duplicate_answered_from_cache(ctx: Ctx) -> None:
+    sleep, first = ctx.sleep(1)
+    again = ctx.request(sleep)
+    ctx.check(again == first, "a copy of an answered Sleep got a different reply", sent=sleep, got=again,
+              expected=first)  # fmt: skip
+    ctx.wake()
+    later = ctx.request(sleep)  # after a wake: still the recorded reply, and nothing sleeps
+    ctx.check(later == first, "a copy of an answered Sleep, sent after a Wake, got a different reply",
+              sent=sleep, got=later, expected=first)  # fmt: skip
+    status = ctx.status()
+    ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags,
+              "a copy of an answered Sleep took effect a second time (the worker went back to sleep)",
+              sent=sleep, got=status, expected="Status: ACTIVE, nothing asleep")  # fmt: skip
+    command, result = ctx.execute()
+    repeat = ctx.request(command)
+    ctx.check(repeat == result, "a copy of an answered Execute got a different reply", sent=command,
+              got=repeat, expected=result)  # fmt: skip
+
+
+@case("P-2", "task_id_reused", "another command under a used task_id: Nack TASK_ID_REUSED, no effect")
+def task_id_reused(ctx: Ctx) -> None:
+    command, _ = ctx.execute()
+    reused = Sleep(task_id=command.task_id, epoch=command.epoch, level=1)
+    ctx.nack(ctx.request(reused), reused, NackReason.TASK_ID_REUSED)
+    status = ctx.status()
+    ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags,
+              "the refused Sleep took effect", sent=reused, got=status,
+              expected="Status: ACTIVE, nothing asleep")  # fmt: skip
+
+
+# ============================================================================ P-4 ALREADY
+
+
+@case("P-4", "sleep_already", "Sleep of tags all asleep: Ack ALREADY, no effect, worker serving")
+def sleep_already(ctx: Ctx) -> None:
+    _, first = ctx.sleep(1)
+    ctx.check(first.status is AckStatus.OK, "the first Sleep was not status OK", got=first)
+    again = ctx.cmd(Sleep, "again", level=1)
+    reply = ctx.request(again)
+    already = ctx.ack(reply, again, state=first.state, status=AckStatus.ALREADY)
+    ctx.check(set(already.asleep_tags) == set(first.asleep_tags), "the ALREADY Sleep changed the asleep tags",
+              sent=again, got=already, expected=first.asleep_tags)  # fmt: skip
+    one_tag = ctx.cmd(Sleep, "one-tag", level=1, tags=(ctx.worker.tags[0],))
+    ctx.ack(ctx.request(one_tag), one_tag, state=first.state, status=AckStatus.ALREADY)
+    status = ctx.status()
+    ctx.check(status.state is first.state, f"after ALREADY the worker is {status.state.value}", got=status)
+    ctx.back_to_active()
+
+
+@case("P-4", "wake_already", "Wake of tags all resident: Ack ALREADY, still ACTIVE and executing")
+def wake_already(ctx: Ctx) -> None:
+    wake = ctx.cmd(Wake)
+    ctx.ack(ctx.request(wake), wake, state=WorkerState.ACTIVE, status=AckStatus.ALREADY)
+    one_tag = ctx.cmd(Wake, "one-tag", tags=(ctx.worker.tags[0],))
+    ctx.ack(ctx.request(one_tag), one_tag, state=WorkerState.ACTIVE, status=AckStatus.ALREADY)
+    ctx.executed_or_runner_error(*ctx.execute())
+
+
+@case("P-4", "second_shutdown", "a second Shutdown: Ack ALREADY, or no reply from a process that exited "
+      "cleanly; never a crash", scope="consume")  # fmt: skip
+def second_shutdown(ctx: Ctx) -> None:
+    peer = ctx.worker
+    first, second = ctx.cmd(Shutdown, "first"), ctx.cmd(Shutdown, "second")
+    peer.send(first)
+    peer.send(second)  # back to back: it is in the worker's queue before the first completes
+    ctx.ack(peer.reply(first.task_id, sent=first), first, state=WorkerState.STOPPED, status=AckStatus.OK)
+    replies = peer.collect(ctx.options.quiet_s)
+    code = peer.process.wait(ctx.options.exit_timeout_s)
+    answers = [m for m in replies if getattr(m, "task_id", None) == second.task_id]
+    if answers:
+        ctx.ack(answers[0], second, state=WorkerState.STOPPED, status=AckStatus.ALREADY)
+    else:
+        ctx.check(code is not None, f"the second Shutdown got no reply and the process is still running "
+                  f"{ctx.options.exit_timeout_s:g} s after the first Ack", sent=second, got=None,
+                  expected="Ack ALREADY, or a clean exit")  # fmt: skip
+    ctx.check(code in (0, None), f"the process exited with code {code} after Shutdown", sent=[first, second],
+              got=f"exit code {code}", expected="exit code 0")  # fmt: skip
+
+
+# ============================================================================ P-6 fencing
+
+
+@case("P-6", "stale_epoch_refused", "a command from an older epoch: Nack STALE_EPOCH, no effect")
+def stale_epoch_refused(ctx: Ctx) -> None:
+    old = ctx.worker.epoch - 1
+    for command in (ctx.cmd(Status, epoch=old), ctx.cmd(Sleep, epoch=old, level=1),
+                    ctx.cmd(Execute, epoch=old, payload=ctx.options.execute_payload)):  # fmt: skip
+        ctx.nack(ctx.request(command), command, NackReason.STALE_EPOCH)
+    status = ctx.status()
+    ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags,
+              "a Sleep from an older epoch took effect", got=status,
+              expected="Status: ACTIVE, nothing asleep")  # fmt: skip
+
+
+@case("P-6", "newer_epoch_adopted", "a command from a newer epoch is served and the old epoch is then stale")
+def newer_epoch_adopted(ctx: Ctx) -> None:
+    old = ctx.worker.epoch
+    newer = ctx.cmd(Status, epoch=old + 1)
+    reply = ctx.ack(ctx.request(newer), newer)
+    ctx.check(reply.epoch == old + 1, f"the reply carries epoch {reply.epoch}", sent=newer, got=reply)
+    stale = ctx.cmd(Status, epoch=old)
+    ctx.nack(ctx.request(stale), stale, NackReason.STALE_EPOCH)
+
+
+# ============================================================================ P-7 execution
+
+
+@case("P-7", "execute_in_active", "Execute in ACTIVE runs (Result, or the runner's EXECUTE_ERROR)")
+def execute_in_active(ctx: Ctx) -> None:
+    ctx.executed_or_runner_error(*ctx.execute())
+
+
+@case("P-7", "execute_refused_sleeping", "Execute while SLEEPING: Nack INVALID_STATE naming the state")
+def execute_refused_sleeping(ctx: Ctx) -> None:
+    _, slept = ctx.sleep(1)
+    command, reply = ctx.execute()
+    ctx.nack(reply, command, NackReason.INVALID_STATE, state=slept.state, names_state=True)
+    ctx.back_to_active()
+
+
+@case("P-7", "execute_refused_partial", "Execute with some tags asleep: Nack INVALID_STATE naming the state",
+      needs=(PARTIAL_WAKE,))  # fmt: skip
+def execute_refused_partial(ctx: Ctx) -> None:
+    tags = ctx.worker.tags
+    if len(tags) < 2:
+        ctx.skip(f"the worker has one tag ({tags[0]}); a partial wake needs two")
+    ctx.sleep(1)
+    first = WEIGHTS if WEIGHTS in tags else tags[0]
+    _, woke = ctx.wake(tags=(first,))
+    ctx.check(woke.state is not WorkerState.ACTIVE and bool(woke.asleep_tags),
+              f"a Wake of {first!r} alone left nothing asleep", got=woke)  # fmt: skip
+    command, reply = ctx.execute()
+    ctx.nack(reply, command, NackReason.INVALID_STATE, state=woke.state, names_state=True)
+    ctx.back_to_active()
+
+
+# ============================================================================ P-8 level 2
+
+
+@case("P-8", "level2_wake_needs_reload", "after a level-2 sleep a Wake ends in NEEDS_RELOAD; nothing runs "
+      "until ReloadWeights", needs=(LEVEL2,))  # fmt: skip
+def level2_wake_needs_reload(ctx: Ctx) -> None:
+    if WEIGHTS not in ctx.worker.tags:
+        ctx.skip(f"the worker has no {WEIGHTS!r} tag, so no weights to reload")
+    ctx.sleep(2)
+    command, reply = ctx.execute()
+    ctx.nack(reply, command, NackReason.INVALID_STATE, names_state=True)
+    wake, woke = ctx.wake()
+    ctx.check(woke.state is WorkerState.NEEDS_RELOAD, f"Wake after a level-2 sleep ended in {woke.state.value}",
+              sent=wake, got=woke, expected="Ack with state NEEDS_RELOAD")  # fmt: skip
+    command, reply = ctx.execute()
+    ctx.nack(reply, command, NackReason.INVALID_STATE, state=WorkerState.NEEDS_RELOAD, names_state=True)
+    reload = ctx.cmd(ReloadWeights)
+    ctx.ack(ctx.request(reload), reload, state=WorkerState.ACTIVE)
+    ctx.executed_or_runner_error(*ctx.execute())
+
+
+@case("P-8", "level2_refused_without_capability", "no 'level2' declared: Sleep(level=2) is refused "
+      "UNSUPPORTED, no effect", unless=(LEVEL2,))  # fmt: skip
+def level2_refused_without_capability(ctx: Ctx) -> None:
+    command = ctx.cmd(Sleep, level=2)
+    ctx.nack(ctx.request(command), command, NackReason.UNSUPPORTED)
+    status = ctx.status()
+    ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags, "the refused Sleep took effect",
+              sent=command, got=status)  # fmt: skip
+
+
+# ============================================================================ P-10 bad bytes
+
+
+def _msgpack(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def _garbage(ctx: Ctx) -> list[tuple[str, bytes, str]]:
+    """(what, bytes, task_id the refusal must carry)."""
+    epoch = ctx.worker.epoch
+    hello = Hello(task_id="conf-bad-hello", epoch=epoch, rank=0, pid=1, device="cpu", backend="x", tags=("weights",))
+    return [
+        ("an empty frame", b"", "-"),
+        ("one zero byte", b"\x00", "-"),
+        ("bytes that are not msgpack", b"\xc1\xc1 not msgpack at all \xff", "-"),
+        ("truncated msgpack", encode(ctx.cmd(Status))[:-3], "-"),
+        ("a msgpack array", _msgpack([1, 2, 3]), "-"),
+        ("a map naming no known type", _msgpack({"type": "Explode", "v": PROTOCOL_VERSION}), "-"),
+        ("a Sleep without task_id and epoch", _msgpack({"type": "Sleep", "v": PROTOCOL_VERSION}), "-"),
+        ("a Sleep of level 3", _msgpack({"type": "Sleep", "v": PROTOCOL_VERSION, "task_id": "conf-bad-level",
+                                         "epoch": epoch, "level": 3}), "conf-bad-level"),  # fmt: skip
+        ("a Status with an unknown field", _msgpack({"type": "Status", "v": PROTOCOL_VERSION,
+                                                     "task_id": "conf-bad-field", "epoch": epoch,
+                                                     "please": "crash"}), "conf-bad-field"),  # fmt: skip
+        ("a Hello (a reply, not a command)", encode(hello), "conf-bad-hello"),
+        ("deeply nested arrays", b"\x91" * 2000 + b"\x00", "-"),
+    ]
+
+
+@case("P-10", "garbage_then_service", "undecodable bytes: Nack BAD_MESSAGE (task_id when readable, else '-') "
+      "saying what was wrong; the worker goes on serving")  # fmt: skip
+def garbage_then_service(ctx: Ctx) -> None:
+    peer = ctx.worker
+    for what, data, task_id in _garbage(ctx):
+        peer.send_raw(data, task_id)
+        reply = peer.next_message(sent=data)
+        sent = f"{what}: {data[:48]!r}{'...' if len(data) > 48 else ''}"
+        ctx.nack(reply, sent, NackReason.BAD_MESSAGE, task_id=task_id)
+        ctx.check(bool(reply.detail.strip()), "the refusal's detail is empty", sent=sent, got=reply)
+        status = ctx.status()  # still serving, and nothing changed
+        ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags,
+                  f"after {what} the worker is not ACTIVE with every tag resident", sent=sent, got=status)
+    ctx.executed_or_runner_error(*ctx.execute())
+
+
+# ============================================================================ P-11 no half-applied
+
+
+@case("P-11", "invalid_state_no_effect", "ReloadWeights while SLEEPING: Nack INVALID_STATE naming the state, "
+      "no effect")  # fmt: skip
+def invalid_state_no_effect(ctx: Ctx) -> None:
+    _, slept = ctx.sleep(1)
+    reload = ctx.cmd(ReloadWeights)
+    reply = ctx.request(reload)
+    if LEVEL2 not in ctx.worker.capabilities and isinstance(reply, Nack) and reply.reason is NackReason.UNSUPPORTED:
+        pass  # a worker without level 2 may refuse ReloadWeights as unsupported
+    else:
+        ctx.nack(reply, reload, NackReason.INVALID_STATE, state=slept.state, names_state=True)
+    status = ctx.status()
+    ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+              "the refused ReloadWeights changed the state or the asleep tags", sent=reload, got=status,
+              expected=f"state {slept.state.value}, asleep {list(slept.asleep_tags)}")  # fmt: skip
+    command, reply = ctx.execute()
+    ctx.nack(reply, command, NackReason.INVALID_STATE, state=slept.state)
+    ctx.back_to_active()
+
+
+@case("P-11", "unknown_tag_no_effect", "Sleep naming an unknown tag among known ones: Nack UNKNOWN_TAG, "
+      "nothing sleeps")  # fmt: skip
+def unknown_tag_no_effect(ctx: Ctx) -> None:
+    command = ctx.cmd(Sleep, level=1, tags=(*ctx.worker.tags, "conformance-no-such-tag"))
+    ctx.nack(ctx.request(command), command, NackReason.UNKNOWN_TAG, state=WorkerState.ACTIVE)
+    status = ctx.status()
+    ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags, "the refused Sleep took effect",
+              sent=command, got=status)  # fmt: skip
+
+
+# ============================================================================ P-12 memory reports
+
+
+def _report(ctx: Ctx, ack: Ack, sent: Command) -> Any:
+    memory = ack.memory
+    ctx.check(memory is not None, f"the Ack of {type(sent).__name__} carries no memory report", sent=sent, got=ack)
+    tags = set(ctx.worker.tags)
+    for side in ("pool_bytes_before", "pool_bytes_after"):
+        have = set(getattr(memory, side))
+        ctx.check(tags <= have, f"{side} lacks tag(s) {sorted(tags - have)}", sent=sent, got=ack)
+    ctx.check(bool(memory.process_bytes_source.strip()), "process_bytes_source is empty", sent=sent, got=ack)
+    figures = (memory.process_bytes_before, memory.process_bytes_after)
+    if memory.process_bytes_source == "nvml":
+        ctx.check(None not in figures, "the source says nvml but a process figure is missing", sent=sent, got=ack)
+    return memory
+
+
+@case("P-12", "sleep_wake_reports", "Status, Sleep and Wake Acks report pool bytes per tag and the process "
+      "figure's source; a slept tag's pool is empty when the Ack is sent")  # fmt: skip
+def sleep_wake_reports(ctx: Ctx) -> None:
+    status_cmd = ctx.cmd(Status)
+    _report(ctx, ctx.ack(ctx.request(status_cmd), status_cmd), status_cmd)
+    sleep, slept = ctx.sleep(1)
+    memory = _report(ctx, slept, sleep)
+    resident_before = {t for t in ctx.worker.tags if memory.pool_bytes_before[t] > 0}
+    for tag in slept.asleep_tags:
+        ctx.check(memory.pool_bytes_after.get(tag) == 0, f"the Sleep Ack reports {memory.pool_bytes_after.get(tag)} "
+                  f"bytes still in the pool of asleep tag {tag!r}: acknowledged before the memory was released",
+                  sent=sleep, got=slept, expected=f"pool_bytes_after[{tag!r}] == 0")  # fmt: skip
+    wake, woke = ctx.wake()
+    memory = _report(ctx, woke, wake)
+    for tag in resident_before:
+        ctx.check(memory.pool_bytes_after.get(tag, 0) > 0, f"the Wake Ack reports an empty pool for tag {tag!r}",
+                  sent=wake, got=woke, expected=f"pool_bytes_after[{tag!r}] > 0")  # fmt: skip
+    if woke.state is WorkerState.NEEDS_RELOAD:
+        ctx.back_to_active()
+
+
+@case("P-12", "reload_report", "level-2 Sleep, Wake and ReloadWeights Acks carry memory reports",
+      needs=(LEVEL2,))  # fmt: skip
+def reload_report(ctx: Ctx) -> None:
+    if WEIGHTS not in ctx.worker.tags:
+        ctx.skip(f"the worker has no {WEIGHTS!r} tag, so no weights to reload")
+    sleep, slept = ctx.sleep(2)
+    memory = _report(ctx, slept, sleep)
+    for tag in slept.asleep_tags:
+        ctx.check(memory.pool_bytes_after.get(tag) == 0, f"the level-2 Sleep Ack reports bytes in the pool of "
+                  f"asleep tag {tag!r}", sent=sleep, got=slept)  # fmt: skip
+    wake, woke = ctx.wake()
+    _report(ctx, woke, wake)
+    reload = ctx.cmd(ReloadWeights)
+    reloaded = ctx.ack(ctx.request(reload), reload, state=WorkerState.ACTIVE)
+    _report(ctx, reloaded, reload)
+
+
+# ============================================================================ P-1 one reply
+
+
+@case("P-1", "copies_back_to_back", "copies of a command sent back to back: never a different or an extra "
+      "reply")  # fmt: skip
+def copies_back_to_back(ctx: Ctx) -> None:
+    peer = ctx.worker
+    sleep = ctx.cmd(Sleep, level=1)
+    for _ in range(3):
+        peer.send(sleep)
+    first = ctx.ack(peer.reply(sleep.task_id, sent=sleep), sleep)
+    rest = [m for m in peer.collect(ctx.options.quiet_s) if getattr(m, "task_id", None) == sleep.task_id]
+    ctx.check(all(m == first for m in rest), "copies of one Sleep got different replies", sent=sleep,
+              got=rest, expected=f"at most 2 more copies of {first!r}")  # fmt: skip
+    ctx.check(len(rest) <= 2, f"three copies got {1 + len(rest)} replies", sent=sleep, got=rest)
+    ctx.back_to_active()
+
+
+@case("P-1", "one_reply_per_rank", "two ranks, one task each command: exactly one terminal reply per (task, "
+      "rank), Shutdown included, then each process exits", scope="own")  # fmt: skip
+def one_reply_per_rank(ctx: Ctx) -> None:
+    harness = ctx.own_harness()
+    peers = harness.start((0, 1), ctx.options.epoch)
+    payload = ctx.options.execute_payload
+    n = itertools.count()
+    for cls, fields in ((Status, {}), (Sleep, {"level": 1}), (Wake, {}), (Execute, {"payload": payload}),
+                        (Shutdown, {})):  # fmt: skip
+        command = cls(task_id=ctx.task(f"{cls.__name__.lower()}{next(n)}"), epoch=ctx.options.epoch, **fields)
+        for peer in peers:  # one task id, sent to every rank, as a stage does
+            peer.send(command)
+        for peer in peers:
+            reply = peer.reply(command.task_id, sent=command)
+            ctx.check(getattr(reply, "rank", None) == peer.rank, f"the reply of rank {peer.rank} names rank "
+                      f"{getattr(reply, 'rank', None)}", sent=command, got=reply)  # fmt: skip
+            if cls is not Execute:
+                ctx.ack(reply, command)
+    for peer in peers:
+        extra = peer.collect(ctx.options.quiet_s)
+        ctx.check(not extra, f"rank {peer.rank} sent more than one reply per task", got=extra,
+                  expected="nothing more")  # fmt: skip
+        code = peer.process.wait(ctx.options.exit_timeout_s)
+        ctx.check(code == 0, f"rank {peer.rank} " + ("is still running" if code is None else f"exited with code {code}")
+                  + f" {ctx.options.exit_timeout_s:g} s after acknowledging Shutdown",
+                  got=peer.process.output_tail() or None, expected="a clean exit, code 0")  # fmt: skip
+
+
+@case("P-1", "no_stray_replies", "over the whole run, no reply beyond one per command copy, no second Hello",
+      scope="global")  # fmt: skip
+def no_stray_replies(ctx: Ctx) -> None:
+    ctx.check(not ctx.stray_note, "a worker sent a message that answers no command it was sent",
+              got=ctx.stray_note, expected="one terminal reply per (task_id, rank)")  # fmt: skip
+
+
+REQUIREMENT_ORDER = ("P-1", "P-2", "P-3", "P-4", "P-5", "P-6", "P-7", "P-8", "P-9", "P-10", "P-11", "P-12")
+_SCOPE_ORDER = {"shared": 0, "own": 1, "consume": 2, "global": 3}
+
+
+def ordered_cases() -> list[Case]:
+    """Shared-worker cases first, then own-worker ones, the Shutdown, and the run-wide check."""
+    return sorted(CASES, key=lambda c: _SCOPE_ORDER[c.scope])

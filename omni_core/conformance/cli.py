@@ -1,0 +1,63 @@
+"""`omni-core conformance --worker TARGET [--junit FILE] [--only P-3,P-7]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_PASSED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+TARGET_HELP = ("the worker under test: 'synthetic' (this project's reference worker), "
+               "'cmd:<shell command with {address} {rank} {epoch}>', or 'package.module:factory' "
+               "(a callable (address, rank, epoch) returning an argv, a shell command, a WorkerConfig "
+               "or a started process)")  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker", required=True, metavar="TARGET", help=TARGET_HELP)
+    p.add_argument("--junit", metavar="FILE", help="also write the results as JUnit XML")
+    p.add_argument("--only", metavar="P-n,...", help="check only these requirements, e.g. P-3,P-7")
+    p.add_argument("--payload", metavar="JSON", default=None,
+                   help="Execute payload the worker's model accepts (default: the synthetic runner's "
+                        '{"seed": 1, "batch": 1})')  # fmt: skip
+    p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S", help="deadline of every reply")
+    p.add_argument("--start-timeout", type=float, default=60.0, metavar="S", help="deadline of the Hello")
+    p.add_argument("--epoch", type=int, default=3, help="epoch the workers are started in (>= 1)")
+    p.add_argument("-v", "--verbose", action="store_true", help="one line per case as well")
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_core.conformance.harness import SuiteOptions
+    from omni_core.conformance.runner import parse_only, run_suite
+    from omni_core.conformance.targets import TargetError, resolve_target
+
+    try:
+        only = parse_only(args.only)
+        resolve_target(args.worker)
+        fields = {"reply_timeout_s": args.reply_timeout, "start_timeout_s": args.start_timeout, "epoch": args.epoch}
+        if args.payload is not None:
+            fields["execute_payload"] = json.loads(args.payload)
+        if args.epoch < 1:
+            raise ValueError(f"--epoch must be >= 1 so that an older epoch exists, got {args.epoch}")
+    except (TargetError, ValueError) as exc:
+        print(f"omni-core conformance: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    report = run_suite(args.worker, only=only, options=SuiteOptions(**fields))
+    print(report.render(verbose=args.verbose), flush=True)
+    if args.junit:
+        report.write_junit(args.junit)
+        print(f"wrote {args.junit}")
+    return EXIT_FAILED if report.failed else EXIT_PASSED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-core conformance", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,325 @@
+"""The suite's side of the wire: one ROUTER socket, the worker processes started on it, and
+receives that never wait without bound.
+
+Every receive has a deadline, and while waiting the harness watches the worker process: a
+worker that dies is reported with its exit code and the end of its output, at once, not
+after the deadline. Replies are matched to commands by `task_id`; a reply beyond the number
+of copies of its command that were sent is recorded as a stray (P-1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from omni_core.conformance.targets import WorkerFactory, WorkerProcess, launch
+from omni_core.protocol import Command, Hello, Message, ProtocolError, Reply, WorkerState, decode, encode
+
+POLL_SLICE_MS = 50
+MAX_REPR_CHARS = 700
+SOCKET_HWM = 10_000
+
+
+@dataclass(frozen=True)
+class SuiteOptions:
+    """Knobs of one suite run. The defaults suit the reference worker on a loaded CPU."""
+
+    start_timeout_s: float = 60.0  # until Hello (a worker importing torch takes seconds)
+    reply_timeout_s: float = 10.0  # until the one terminal reply of a command
+    exit_timeout_s: float = 10.0  # from the Shutdown Ack until the process has exited
+    quiet_s: float = 0.3  # how long "no further reply" is watched for
+    epoch: int = 3  # epoch the workers start in (> 0, so an older one exists)
+    execute_payload: Any = field(default_factory=lambda: {"seed": 1, "batch": 1})
+
+
+class CaseFailure(AssertionError):
+    """A requirement not met: what was wrong, what the suite sent, what came back."""
+
+    def __init__(self, problem: str, *, sent: Any = None, got: Any = None, expected: Any = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.sent = sent
+        self.got = got
+        self.expected = expected
+
+
+class CaseSkip(Exception):
+    """The case does not apply to this worker (a capability it does not declare)."""
+
+
+class StartError(RuntimeError):
+    """The worker did not come up: no Hello, a first message that is not Hello, or death."""
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Bytes from the worker that are not a valid protocol message."""
+
+    data: bytes
+    error: str
+
+    @property
+    def task_id(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<undecodable {len(self.data)} bytes {self.data[:40]!r}: {self.error}>"
+
+
+def show(obj: Any) -> str:
+    """A message, bytes or text, shortened for a failure report."""
+    if obj is None:
+        return "nothing"
+    if isinstance(obj, (bytes, bytearray)):
+        text = f"raw bytes {bytes(obj[:48])!r}{'...' if len(obj) > 48 else ''} ({len(obj)} bytes)"
+    elif isinstance(obj, (list, tuple)) and obj and all(isinstance(o, (msgspec.Struct, Undecodable)) for o in obj):
+        text = "; ".join(show(o) for o in obj)
+    else:
+        text = str(obj) if isinstance(obj, str) else repr(obj)
+    return text if len(text) <= MAX_REPR_CHARS else text[: MAX_REPR_CHARS - 3] + "..."
+
+
+class Peer:
+    """One worker process on the harness: its rank, Hello, inbox and current epoch."""
+
+    def __init__(self, harness: Harness, rank: int, epoch: int, process: WorkerProcess) -> None:
+        self.harness = harness
+        self.rank = rank
+        self.epoch = epoch  # the newest epoch this peer has been sent; commands use it
+        self.process = process
+        self.identity: bytes | None = None
+        self.hello: Hello | None = None
+        self.inbox: deque[Message | Undecodable] = deque()
+        self.sent: Counter[str] = Counter()
+        self.replies: Counter[str] = Counter()
+        self.strays: list[Message | Undecodable] = []
+
+    def __repr__(self) -> str:
+        return f"worker rank {self.rank} (pid {self.process.pid})"
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return self.hello.tags if self.hello else ()
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset(c.value for c in self.hello.capabilities) if self.hello else frozenset()
+
+    # ------------------------------------------------------------------ sending
+
+    def send(self, command: Command) -> None:
+        self.epoch = max(self.epoch, command.epoch)
+        self.sent[command.task_id] += 1
+        self._send(encode(command))
+
+    def send_raw(self, data: bytes, expect_task_id: str = "-") -> None:
+        """Bytes that are not a valid command; one refusal under `expect_task_id` is due."""
+        self.sent[expect_task_id] += 1
+        self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        assert self.identity is not None, "send before Hello"
+        try:
+            self.harness.sock.send_multipart([self.identity, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            code = self.process.exit_code()
+            raise CaseFailure(f"cannot send to {self}: {exc} (process exit code {code}){self._output()}",
+                              sent=data) from None  # fmt: skip
+
+    # ------------------------------------------------------------------ receiving
+
+    def reply(self, task_id: str, *, sent: Any = None, timeout_s: float | None = None) -> Message:
+        """The next reply carrying `task_id`, within the reply deadline."""
+        return self._wait(lambda m: getattr(m, "task_id", None) == task_id, sent, timeout_s)
+
+    def next_message(self, *, sent: Any = None, timeout_s: float | None = None) -> Message:
+        return self._wait(lambda m: True, sent, timeout_s)
+
+    def request(self, command: Command, timeout_s: float | None = None) -> Message:
+        self.send(command)
+        return self.reply(command.task_id, sent=command, timeout_s=timeout_s)
+
+    def collect(self, seconds: float) -> list[Message | Undecodable]:
+        """Everything that arrives from this peer within `seconds` (and what is queued)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            self.harness.pump(min(left_ms, POLL_SLICE_MS))
+        self.harness.pump(0)
+        out = list(self.inbox)
+        self.inbox.clear()
+        return out
+
+    def _wait(self, match: Any, sent: Any, timeout_s: float | None) -> Message:
+        timeout_s = self.harness.options.reply_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, message in enumerate(self.inbox):
+                if isinstance(message, Undecodable):
+                    del self.inbox[i]
+                    raise CaseFailure("the worker sent bytes that are not a valid protocol message",
+                                      sent=sent, got=message)  # fmt: skip
+                if match(message):
+                    del self.inbox[i]
+                    return message
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                alive = "still running" if self.process.alive() else f"exited ({self.process.exit_code()})"
+                raise CaseFailure(f"no reply from {self} within {timeout_s:g} s; the process is {alive}",
+                                  sent=sent, got=list(self.inbox) or None)  # fmt: skip
+            if not self.harness.pump(min(left_ms, POLL_SLICE_MS)) and not self.process.alive():
+                self.harness.pump(0)  # what it sent before dying is still worth matching
+                if not any(match(m) or isinstance(m, Undecodable) for m in self.inbox):
+                    raise CaseFailure(f"{self} died with exit code {self.process.exit_code()} instead of "
+                                      f"replying{self._output()}", sent=sent)  # fmt: skip
+
+    def _output(self) -> str:
+        tail = self.process.output_tail()
+        return f"; its output ends:\n{tail}" if tail else ""
+
+    def note(self, message: Message | Undecodable) -> None:
+        """Count a reply against the copies sent of its command; keep it in the inbox."""
+        if isinstance(message, Reply) and not isinstance(message, Hello):
+            self.replies[message.task_id] += 1
+            if self.replies[message.task_id] > self.sent[message.task_id]:
+                self.strays.append(message)
+        elif isinstance(message, Hello):
+            self.strays.append(message)  # a second Hello
+        self.inbox.append(message)
+
+
+class Harness:
+    """A ROUTER bound on ipc:// in a private directory; workers started by one factory."""
+
+    def __init__(self, factory: WorkerFactory, options: SuiteOptions) -> None:
+        self.factory = factory
+        self.options = options
+        self.directory = tempfile.mkdtemp(prefix="omni-conf-", dir="/tmp")
+        self.address = f"ipc://{os.path.join(self.directory, 'router.sock')}"
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker raises
+        self.sock.bind(self.address)
+        self.peers: dict[bytes, Peer] = {}
+        self._starting: list[Peer] = []
+        self._unclaimed: list[tuple[bytes, Message | Undecodable]] = []
+        self._log_ids = itertools.count()
+
+    # ------------------------------------------------------------------ starting
+
+    def start(self, ranks: Iterable[int], epoch: int) -> list[Peer]:
+        """Start one worker per rank (all at once) and wait for each one's Hello."""
+        peers = []
+        for rank in ranks:
+            log = os.path.join(self.directory, f"worker-{rank}-{next(self._log_ids)}.log")
+            try:
+                process = launch(self.factory, self.address, rank, epoch, log)
+            except Exception as exc:
+                raise StartError(f"the worker factory failed for rank {rank}: {type(exc).__name__}: {exc}") from exc
+            peer = Peer(self, rank, epoch, process)
+            peers.append(peer)
+            self._starting.append(peer)
+        deadline = time.monotonic() + self.options.start_timeout_s
+        try:
+            while any(p.hello is None for p in peers):
+                for peer in peers:
+                    if peer.hello is None and not peer.process.alive():
+                        self.pump(0)
+                        if peer.hello is None:
+                            raise StartError(f"{peer} exited with code {peer.process.exit_code()} before "
+                                             f"its Hello{peer._output()}")  # fmt: skip
+                if time.monotonic() > deadline:
+                    late = [p.rank for p in peers if p.hello is None]
+                    raise StartError(f"no Hello from rank(s) {late} within {self.options.start_timeout_s:g} s "
+                                     f"(address {self.address}){peers[0]._output()}")  # fmt: skip
+                self.pump(POLL_SLICE_MS)
+                self._check_unclaimed()
+        except StartError:
+            for peer in peers:
+                peer.process.kill()
+            raise
+        finally:
+            self._starting = [p for p in self._starting if p not in peers]
+        return peers
+
+    def _check_unclaimed(self) -> None:
+        if not self._unclaimed:
+            return
+        identity, message = self._unclaimed[0]
+        raise StartError(f"the first message from a new worker (identity {identity!r}) was not a Hello "
+                         f"for a rank being started ({[p.rank for p in self._starting]}): {show(message)}")
+
+    # ------------------------------------------------------------------ receiving
+
+    def pump(self, timeout_ms: int) -> bool:
+        """Receive what is there (waiting up to `timeout_ms` for the first); True if any."""
+        got = False
+        while self.sock.poll(timeout_ms if not got else 0):
+            frames = self.sock.recv_multipart()
+            got = True
+            identity, data = frames[0], frames[-1]
+            try:
+                message: Message | Undecodable = decode(data)
+            except ProtocolError as exc:
+                message = Undecodable(bytes(data), exc.detail)
+            peer = self.peers.get(identity)
+            if peer is not None:
+                peer.note(message)
+            else:
+                self._greet(identity, message)
+        return got
+
+    def _greet(self, identity: bytes, message: Message | Undecodable) -> None:
+        waiting = [p for p in self._starting if p.hello is None]
+        if isinstance(message, Hello):
+            # Match by the rank it names; with one worker starting, any Hello is its own (the
+            # greeting case then checks the rank it names).
+            match = [p for p in waiting if p.rank == message.rank] or (waiting if len(waiting) == 1 else [])
+            if match:
+                peer = match[0]
+                peer.identity, peer.hello = identity, message
+                self.peers[identity] = peer
+                if message.state is not WorkerState.ACTIVE:
+                    raise StartError(f"{peer} greeted in state {message.state.value}, not ACTIVE: "
+                                     f"{message.detail or '(no detail)'}")  # fmt: skip
+                return
+        self._unclaimed.append((identity, message))
+
+    def drain(self) -> None:
+        """Drop whatever is queued (between cases; strays were already counted)."""
+        self.pump(0)
+        for peer in self.peers.values():
+            peer.inbox.clear()
+
+    def strays(self) -> list[tuple[Peer, Message | Undecodable]]:
+        return [(p, m) for p in self.peers.values() for m in p.strays]
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.process.kill()
+        for peer in self._starting:
+            peer.process.kill()
+        self.sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,135 @@
+"""The requirements of `specs/protocol.md`, as the suite quotes them on failure.
+
+The text is a verbatim copy of the normative paragraphs (the spec file is not shipped in
+the wheel); `tests/conformance/test_requirements.py` fails when the two drift apart.
+`worker` says whether a worker can be checked against the requirement at all: P-5 and P-9
+bind the orchestrator (a stage), so the suite lists them as not applicable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Requirement:
+    id: str
+    title: str
+    text: str
+    worker: bool = True  # False: a stage/orchestrator requirement, nothing to check on a worker
+    why_not: str = ""
+
+
+REQUIREMENTS: dict[str, Requirement] = {
+    r.id: r
+    for r in (
+        Requirement(
+            "P-1",
+            "One terminal reply",
+            "For every command a worker receives, it MUST send exactly one terminal reply "
+            "(`Ack`, `Nack` or `Result`) per (task_id, rank). A copy of a command that arrives "
+            "while its task is still in progress MUST NOT produce a reply of its own; the one "
+            "terminal reply follows when the task completes.",
+        ),
+        Requirement(
+            "P-2",
+            "Idempotent duplicates",
+            "A command whose `task_id` the worker has already answered MUST be answered with "
+            "the same reply from a bounded reply cache, and MUST NOT take effect a second time. "
+            "A different command under an already-used `task_id` MUST be refused with "
+            "`Nack TASK_ID_REUSED`. The cache MUST be bounded (default 1024 entries, least "
+            "recently used evicted); callers retry within that window.",
+        ),
+        Requirement(
+            "P-3",
+            "Envelope",
+            "Every message MUST carry the protocol version `v`, a caller-supplied non-empty "
+            "`task_id` (at most 128 characters) and the stage `epoch` (an integer >= 0); every "
+            "reply MUST carry the `rank` that sent it. A peer MUST refuse any other protocol "
+            "version with `Nack UNSUPPORTED_VERSION` whose detail names both versions.",
+        ),
+        Requirement(
+            "P-4",
+            "ALREADY no-ops",
+            "A `Sleep` whose tags are all asleep, a `Wake` whose tags are all resident, and a "
+            "second `Shutdown` MUST be answered with `Ack status=ALREADY`, MUST have no effect, "
+            "and MUST NOT crash or fail the worker or the stage.",
+        ),
+        Requirement(
+            "P-5",
+            "All-ranks commit",
+            "A stage MUST commit `SLEEPING`, `RUNNING`, `PARTIAL` or `NEEDS_RELOAD` only when "
+            "every rank has ACKed the current task, in the current epoch, with the state and "
+            "asleep tags the stage expects. Until then it stays `TRANSITIONING`/`WAKING`.",
+            worker=False,
+            why_not="a stage (orchestrator) requirement; a worker has no part of it to check",
+        ),
+        Requirement(
+            "P-6",
+            "Fencing",
+            "A reply from an older epoch, for a task other than the current one, or a second "
+            "reply from a rank that already answered MUST NOT change the stage's state; it MUST "
+            "be ignored and counted. A worker MUST refuse a command from an epoch older than the "
+            "newest it has seen with `Nack STALE_EPOCH`, and adopt a newer epoch.",
+        ),
+        Requirement(
+            "P-7",
+            "Execution only when resident",
+            "A worker MUST execute a request only in `ACTIVE`: every tag resident and the "
+            "weights valid. In every other state `Execute` MUST be refused with "
+            "`Nack INVALID_STATE` naming the state. A stage MUST admit a request only while "
+            "`RUNNING`; while not, requests are queued (bounded), rejected with a clear error, "
+            "or trigger a wake, per the stage's admission policy, and none is lost.",
+        ),
+        Requirement(
+            "P-8",
+            "Level-2 reload rule",
+            "After a level-2 sleep, nothing MUST execute on that worker until `ReloadWeights` "
+            "has completed: a wake after level 2 ends in `NEEDS_RELOAD` (memory mapped, weights "
+            "invalid), never `ACTIVE`.",
+        ),
+        Requirement(
+            "P-9",
+            "Deadlines",
+            "Every stage command MUST have a deadline. A rank that has not replied by then, a "
+            "`Nack`, or a rank process that dies MUST end the task with the stage `FAILED`, and "
+            "the error MUST name the ranks and the reasons. No call waits without bound. A "
+            "`FAILED` stage leaves `FAILED` only by a restart, which starts fresh ranks under a "
+            "new epoch.",
+            worker=False,
+            why_not="a stage (orchestrator) requirement; the suite itself puts a deadline on "
+            "every receive",
+        ),
+        Requirement(
+            "P-10",
+            "Bad bytes",
+            "Bytes that do not decode to a valid message of this version MUST be answered with "
+            "`Nack BAD_MESSAGE` (with the `task_id` when it could be read, `-` otherwise) whose "
+            "detail says what was wrong, and the worker MUST go on serving.",
+        ),
+        Requirement(
+            "P-11",
+            "No half-applied commands",
+            "A command that the current state does not allow MUST be answered with "
+            "`Nack INVALID_STATE` whose detail names the state, and MUST have no effect. A "
+            "worker that is busy with another task answers `Nack BUSY`. A command that fails in "
+            "the memory backend moves the worker to `FAILED`; from then on every reply's detail "
+            "carries the failure and only `Shutdown` (or a restart) leaves `FAILED`.",
+        ),
+        Requirement(
+            "P-12",
+            "Per-process memory reports",
+            "Every `Ack` of `Sleep`, `Wake`, `ReloadWeights` and `Status` MUST carry a memory "
+            "report: the backend pool bytes per tag before and after, and this process's GPU "
+            "bytes before and after with the source of that figure (`nvml`, or the fallback "
+            "used and why). Device-wide deltas MUST NOT be reported as the process's.",
+        ),
+    )
+}
+
+
+def requirement(req_id: str) -> Requirement:
+    try:
+        return REQUIREMENTS[req_id]
+    except KeyError:
+        raise KeyError(f"unknown requirement {req_id!r}; known: {', '.join(REQUIREMENTS)}") from None

@@ -1,0 +1,291 @@
+"""Runs cases against a worker target and reports per requirement.
+
+One worker (rank 0) is shared by the `shared` cases and replaced whenever a case fails or
+leaves it anything but ACTIVE with every tag resident, so a failure never leaks into the
+next case. The CLI and the pytest plugin both drive this class; the plugin one case per
+test, the CLI all of them through `run()`.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from omni_core.conformance.cases import REQUIREMENT_ORDER, Case, Ctx, ordered_cases
+from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, StartError, SuiteOptions, show
+from omni_core.conformance.requirements import REQUIREMENTS, Requirement
+from omni_core.conformance.targets import WorkerFactory, resolve_target
+from omni_core.protocol import PROTOCOL_VERSION, Ack, Status, WorkerState
+
+Outcome = Literal["pass", "fail", "skip"]
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    outcome: Outcome
+    reason: str = ""  # failure problem or skip reason, one line
+    failure: CaseFailure | None = None
+    duration_s: float = 0.0
+
+    def details(self) -> str:
+        """The failure as the suite reports it: requirement quoted, what was sent, what came back."""
+        req = REQUIREMENTS[self.case.req]
+        lines = [f"{self.case.id}: {self.case.title}",
+                 f"  requirement {req.id} ({req.title}):",
+                 *textwrap.wrap(f'"{req.text}"', 100, initial_indent="    ", subsequent_indent="    "),
+                 f"  problem:  {self.reason}"]  # fmt: skip
+        if self.failure is not None:
+            for label, value in (("sent", self.failure.sent), ("got", self.failure.got),
+                                 ("expected", self.failure.expected)):  # fmt: skip
+                if value is not None or label == "got":
+                    lines.append(f"  {label + ':':9} {show(value)}")
+        return "\n".join(lines)
+
+
+def parse_only(only: str | Iterable[str] | None) -> tuple[str, ...] | None:
+    """'P-3,P-7' or ['P-3', 'p7'] -> ('P-3', 'P-7'); None means every requirement."""
+    if only is None:
+        return None
+    items = only.split(",") if isinstance(only, str) else list(only)
+    out = []
+    for item in items:
+        item = item.strip().upper()
+        if not item:
+            continue
+        if not item.startswith("P-"):
+            item = "P-" + item.removeprefix("P")
+        if item not in REQUIREMENTS:
+            raise ValueError(f"unknown requirement {item!r}; choose from {', '.join(REQUIREMENT_ORDER)}")
+        out.append(item)
+    return tuple(dict.fromkeys(out))
+
+
+@dataclass
+class SuiteReport:
+    target: str
+    results: list[CaseResult]
+    only: tuple[str, ...] | None = None
+    duration_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def requirements(self) -> list[tuple[Requirement, list[CaseResult]]]:
+        chosen = self.only or REQUIREMENT_ORDER
+        return [(REQUIREMENTS[r], [x for x in self.results if x.case.req == r]) for r in REQUIREMENT_ORDER
+                if r in chosen]  # fmt: skip
+
+    @staticmethod
+    def verdict(req: Requirement, results: list[CaseResult]) -> Literal["PASS", "FAIL", "SKIP", "N/A"]:
+        if not req.worker:
+            return "N/A"
+        if any(r.outcome == "fail" for r in results):
+            return "FAIL"
+        if any(r.outcome == "pass" for r in results):
+            return "PASS"
+        return "SKIP"
+
+    @property
+    def failed(self) -> bool:
+        return any(r.outcome == "fail" for r in self.results)
+
+    def failed_requirements(self) -> set[str]:
+        return {r.case.req for r in self.results if r.outcome == "fail"}
+
+    def line(self, req: Requirement, results: list[CaseResult]) -> str:
+        verdict = self.verdict(req, results)
+        head = f"{req.id:<5} {verdict:<4}  {req.title.lower()}"
+        passed = [r for r in results if r.outcome == "pass"]
+        skipped = [r for r in results if r.outcome == "skip"]
+        failed = [r for r in results if r.outcome == "fail"]
+        if verdict == "N/A":
+            return f"{head}: {req.why_not}"
+        if verdict == "FAIL":
+            first = failed[0]
+            more = f" (+{len(failed) - 1} more failing case(s))" if len(failed) > 1 else ""
+            return f"{head}: {first.case.name}: {first.reason}{more}"
+        if verdict == "SKIP":
+            return f"{head}: " + "; ".join(sorted({r.reason for r in skipped})) if skipped else f"{head}: no cases"
+        note = f", {len(skipped)} skipped: " + "; ".join(sorted({r.reason for r in skipped})) if skipped else ""
+        return f"{head} ({len(passed)} case{'s' if len(passed) != 1 else ''}{note})"
+
+    def render(self, verbose: bool = False) -> str:
+        out = [f"omni-core conformance (protocol v{PROTOCOL_VERSION}) against: {self.target}"]
+        reqs = self.requirements()
+        for req, results in reqs:
+            out.append(self.line(req, results))
+            if verbose:
+                for r in results:
+                    out.append(f"        {r.outcome.upper():<4}  {r.case.name}: {r.reason or r.case.title} "
+                               f"({r.duration_s:.2f} s)")  # fmt: skip
+        failures = [r for r in self.results if r.outcome == "fail"]
+        if failures:
+            out.append("")
+            out.append("failures:")
+            for r in failures:
+                out.append(textwrap.indent(r.details(), "  "))
+                out.append("")
+        out.extend(self.notes)
+        counted = [(req, self.verdict(req, res)) for req, res in reqs]
+        n = {v: sum(1 for _, x in counted if x == v) for v in ("PASS", "FAIL", "SKIP", "N/A")}
+        cases = {o: sum(1 for r in self.results if r.outcome == o) for o in ("pass", "fail", "skip")}
+        checked = len(counted) - n["N/A"]
+        out.append(f"summary: {'FAILED' if self.failed else 'PASSED'}: {checked} requirements checked: "
+                   f"{n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped ({n['N/A']} not applicable "
+                   f"to a worker); {len(self.results)} cases: {cases['pass']} passed, {cases['fail']} failed, "
+                   f"{cases['skip']} skipped; {self.duration_s:.1f} s")  # fmt: skip
+        return "\n".join(out)
+
+    def junit_xml(self) -> str:
+        suite = ET.Element("testsuite", name="omni-core conformance", tests=str(len(self.results)),
+                           failures=str(sum(r.outcome == "fail" for r in self.results)), errors="0",
+                           skipped=str(sum(r.outcome == "skip" for r in self.results)),
+                           time=f"{self.duration_s:.3f}")  # fmt: skip
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="target", value=self.target)
+        ET.SubElement(props, "property", name="protocol_version", value=str(PROTOCOL_VERSION))
+        for r in self.results:
+            tc = ET.SubElement(suite, "testcase", classname=f"conformance.{r.case.req}", name=r.case.name,
+                               time=f"{r.duration_s:.3f}")  # fmt: skip
+            if r.outcome == "fail":
+                ET.SubElement(tc, "failure", message=f"{r.case.req}: {r.reason}").text = r.details()
+            elif r.outcome == "skip":
+                ET.SubElement(tc, "skipped", message=r.reason)
+        for req, _ in self.requirements():
+            if not req.worker:
+                tc = ET.SubElement(suite, "testcase", classname=f"conformance.{req.id}", name="not_applicable")
+                ET.SubElement(tc, "skipped", message=req.why_not)
+        ET.indent(suite)
+        return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+    def write_junit(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.junit_xml())
+
+
+class SuiteRunner:
+    """Cases against one target. `run_case` one at a time (pytest), or `run()` for all."""
+
+    def __init__(self, target: str | WorkerFactory, *, options: SuiteOptions | None = None,
+                 only: str | Iterable[str] | None = None) -> None:  # fmt: skip
+        self.description, self.factory = resolve_target(target)
+        self.options = options or SuiteOptions()
+        self.only = parse_only(only)
+        self._harness: Harness | None = None
+        self._shared: Peer | None = None
+        self._start_error: str = ""
+        self._strays: list[str] = []
+
+    def cases(self) -> list[Case]:
+        return [c for c in ordered_cases() if self.only is None or c.req in self.only]
+
+    # ------------------------------------------------------------------ the shared worker
+
+    def _shared_worker(self) -> Peer:
+        if self._shared is not None and self._shared.process.alive():
+            return self._shared
+        self._discard_shared()
+        if self._start_error:
+            raise StartError(self._start_error)
+        self._harness = Harness(self.factory, self.options)
+        try:
+            (self._shared,) = self._harness.start((0,), self.options.epoch)
+        except StartError as exc:
+            self._start_error = f"the worker did not start: {exc}"
+            self._discard_shared()
+            raise StartError(self._start_error) from None
+        return self._shared
+
+    def _discard_shared(self) -> None:
+        if self._harness is not None:
+            self._note_strays(self._harness, "")
+            self._harness.close()
+        self._harness, self._shared = None, None
+
+    def _still_usable(self, peer: Peer) -> bool:
+        """ACTIVE, nothing asleep, answering: the state every shared case must leave behind."""
+        if not peer.process.alive():
+            return False
+        command = Status(task_id=f"conformance-check-{time.monotonic_ns()}", epoch=peer.epoch)
+        try:
+            reply = peer.request(command, timeout_s=min(self.options.reply_timeout_s, 5.0))
+        except CaseFailure:
+            return False
+        return isinstance(reply, Ack) and reply.state is WorkerState.ACTIVE and not reply.asleep_tags
+
+    def _note_strays(self, harness: Harness, after: str) -> None:
+        for peer, message in harness.strays():
+            self._strays.append(f"{peer}{' during ' + after if after else ''}: {show(message)}")
+        for peer in harness.peers.values():
+            peer.strays.clear()
+
+    # ------------------------------------------------------------------ cases
+
+    def run_case(self, case: Case) -> CaseResult:
+        started = time.monotonic()
+        result = self._run_case(case)
+        result.duration_s = time.monotonic() - started
+        return result
+
+    def _run_case(self, case: Case) -> CaseResult:
+        own: Harness | None = None
+        worker: Peer | None = None
+        try:
+            if case.scope in ("shared", "consume"):
+                worker = self._shared_worker()
+                missing = [c for c in case.needs if c not in worker.capabilities]
+                if missing:
+                    raise CaseSkip(f"worker does not declare capability {', '.join(map(repr, missing))}")
+                present = [c for c in case.unless if c in worker.capabilities]
+                if present:
+                    raise CaseSkip(f"worker declares capability {', '.join(map(repr, present))}; "
+                                   "this case is for workers without it")  # fmt: skip
+            ctx = Ctx(case, worker, None, self.options, lambda: Harness(self.factory, self.options))
+            if case.scope == "global":
+                ctx.stray_note = "\n".join(self._strays)
+            try:
+                case.run(ctx)
+            finally:
+                own = ctx.harness
+                if own is not None:
+                    self._note_strays(own, case.id)
+                    own.close()
+            if case.scope == "shared" and self._harness is not None:
+                self._harness.drain()
+                self._note_strays(self._harness, case.id)
+            return CaseResult(case, "pass")
+        except CaseSkip as skip:
+            return CaseResult(case, "skip", str(skip))
+        except CaseFailure as failure:
+            if case.scope in ("shared", "consume"):
+                self._discard_shared()
+            return CaseResult(case, "fail", failure.problem.splitlines()[0], failure)
+        except StartError as exc:
+            if case.scope in ("shared", "consume"):
+                self._discard_shared()
+            return CaseResult(case, "fail", str(exc).splitlines()[0], CaseFailure(str(exc)))
+        finally:
+            if case.scope == "consume":
+                self._discard_shared()
+            elif case.scope == "shared" and self._shared is not None and not self._still_usable(self._shared):
+                self._discard_shared()  # the next case gets a fresh worker
+
+    def run(self) -> SuiteReport:
+        started = time.monotonic()
+        try:
+            results = [self.run_case(case) for case in self.cases()]
+        finally:
+            self.close()
+        return SuiteReport(self.description, results, self.only, time.monotonic() - started)
+
+    def close(self) -> None:
+        self._discard_shared()
+
+
+def run_suite(target: str | WorkerFactory, *, only: str | Iterable[str] | None = None,
+              options: SuiteOptions | None = None) -> SuiteReport:  # fmt: skip
+    """Run the suite against `target` (see `omni_core.conformance.targets`) and report."""
+    return SuiteRunner(target, options=options, only=only).run()

@@ -1,0 +1,211 @@
+"""How the suite starts the worker under test.
+
+A *target* names a factory: something called as `factory(address, rank, epoch)` each time
+the suite needs a worker process, which must then connect a DEALER socket to `address`
+and greet with `Hello(rank=rank, epoch=epoch)`. The factory returns one of:
+
+- a list/tuple of strings: an argv the suite starts (`subprocess.Popen`, own session);
+- a string: a shell command the suite starts (`/bin/sh -c`);
+- a dict, or a msgspec Struct such as `omni_core.workers.WorkerConfig`: the configuration
+  of this project's own worker process, started as `python -m omni_core.workers --config`
+  (for a model that plugs into the reference worker as a runner);
+- a process it started itself, with `poll()` (subprocess.Popen) or `is_alive()`
+  (multiprocessing.Process) and `kill()`: the suite adopts it and kills it when done.
+
+Target strings (CLI `--worker`, pytest `worker = ...`):
+
+- `synthetic` or `reference`: this project's worker, synthetic runner, small sizes,
+  portable backend, CPU;
+- `cmd:<shell command>` with `{address}`, `{rank}`, `{epoch}` placeholders, for workers
+  written in any language;
+- `package.module:factory`: a factory as above, imported (the current directory is put on
+  `sys.path` first, as pytest and gunicorn do).
+
+The suite imports nothing of the worker besides the factory it is told to use, and talks
+to the process over the socket only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+WorkerFactory = Callable[[str, int, int], Any]
+
+# Small enough that a sleep/wake round trip takes milliseconds on a loaded CPU.
+REFERENCE_RUNNER_ARGS: dict[str, Any] = {
+    "weights_bytes": 256 << 10,
+    "tensor_count": 4,
+    "kv_bytes": 64 << 10,
+    "hidden": 32,
+    "seed": 7,
+    "cpu_threads": 1,
+}
+REFERENCE_PAYLOAD: dict[str, Any] = {"seed": 1, "batch": 1}
+BUILTIN_TARGETS = ("synthetic", "reference")
+OUTPUT_TAIL_LINES = 15
+
+
+class TargetError(ValueError):
+    """A target string or a factory's return value that the suite cannot start."""
+
+
+def reference_worker(address: str, rank: int, epoch: int) -> dict[str, Any]:
+    """The project's worker: synthetic runner, portable backend, CPU (the `synthetic` target)."""
+    return {
+        "address": address,
+        "rank": rank,
+        "epoch": epoch,
+        "stage": "conformance",
+        "runner": "synthetic",
+        "runner_args": dict(REFERENCE_RUNNER_ARGS),
+        "backend": "portable",
+        "device": "cpu",
+        "parent_check_interval_s": 0.5,
+    }
+
+
+def command_factory(template: str) -> WorkerFactory:
+    """`cmd:` targets: fill the placeholders and run the line through the shell."""
+    for needed in ("{address}", "{rank}"):
+        if needed not in template:
+            raise TargetError(f"cmd: target {template!r} lacks the {needed} placeholder; the worker "
+                              "must learn where to connect and which rank it is")  # fmt: skip
+
+    def start(address: str, rank: int, epoch: int) -> str:
+        return template.format(address=address, rank=rank, epoch=epoch)
+
+    start.__name__ = f"cmd:{template}"
+    return start
+
+
+def import_factory(path: str) -> WorkerFactory:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise TargetError(f"worker target {path!r} is not 'synthetic', 'cmd:<command>' or "
+                          "'package.module:factory'")  # fmt: skip
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TargetError(f"cannot import {module_name!r} (from target {path!r}): {exc}") from exc
+    try:
+        factory = getattr(module, attr)
+    except AttributeError:
+        raise TargetError(f"module {module_name!r} has no attribute {attr!r} (target {path!r})") from None
+    if not callable(factory):
+        raise TargetError(f"target {path!r} is {factory!r}, not a callable factory(address, rank, epoch)")
+    return factory
+
+
+def resolve_target(target: str | WorkerFactory) -> tuple[str, WorkerFactory]:
+    """(description, factory) for a target string or a factory callable."""
+    if callable(target):
+        return getattr(target, "__qualname__", repr(target)), target
+    if not isinstance(target, str) or not target.strip():
+        raise TargetError(f"worker target must be a non-empty string or a callable, got {target!r}")
+    target = target.strip()
+    if target in BUILTIN_TARGETS:
+        return f"{target} (omni-core reference worker, synthetic runner, portable backend)", reference_worker
+    if target.startswith("cmd:"):
+        return target, command_factory(target[4:].strip())
+    return target, import_factory(target)
+
+
+@dataclass
+class WorkerProcess:
+    """A worker process the suite started or adopted: liveness, exit code, output, kill."""
+
+    description: str
+    handle: Any  # subprocess.Popen or multiprocessing.Process
+    output_path: str | None = None
+    own_session: bool = False  # started by us with start_new_session: kill the whole group
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.handle, "pid", None)
+
+    def exit_code(self) -> int | None:
+        """None while running."""
+        if hasattr(self.handle, "poll"):
+            return self.handle.poll()
+        if self.handle.is_alive():
+            return None
+        return self.handle.exitcode
+
+    def alive(self) -> bool:
+        return self.exit_code() is None
+
+    def wait(self, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.exit_code()
+            if code is not None:
+                return code
+            time.sleep(0.02)
+        return self.exit_code()
+
+    def kill(self) -> None:
+        if self.own_session and self.pid is not None:
+            # Our own session: the shell and everything it started, nothing else.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        if self.alive():
+            with contextlib.suppress(Exception):
+                self.handle.kill()
+        self.wait(5.0)
+        if hasattr(self.handle, "join"):
+            self.handle.join(1.0)
+
+    def output_tail(self, lines: int = OUTPUT_TAIL_LINES) -> str:
+        if not self.output_path:
+            return ""
+        try:
+            with open(self.output_path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def launch(factory: WorkerFactory, address: str, rank: int, epoch: int, output_path: str) -> WorkerProcess:
+    """Call the factory and start (or adopt) what it returns."""
+    spec = factory(address, rank, epoch)
+    if hasattr(spec, "poll") or hasattr(spec, "is_alive"):
+        if not hasattr(spec, "kill"):
+            raise TargetError(f"the factory returned {spec!r}, a process without kill()")
+        return WorkerProcess(f"process {getattr(spec, 'pid', '?')} started by the factory", spec)
+    if isinstance(spec, Mapping) or isinstance(spec, msgspec.Struct):
+        config = dict(spec) if isinstance(spec, Mapping) else msgspec.to_builtins(spec)
+        config.setdefault("address", address)
+        config.setdefault("rank", rank)
+        config.setdefault("epoch", epoch)
+        argv: Sequence[str] | str = [sys.executable, "-m", "omni_core.workers", "--config", json.dumps(config)]
+        shell = False
+        what = f"python -m omni_core.workers --config <{config.get('runner', 'synthetic')} runner>"
+    elif isinstance(spec, str):
+        argv, shell, what = spec, True, spec
+    elif isinstance(spec, Sequence) and spec and all(isinstance(a, str) for a in spec):
+        argv, shell, what = list(spec), False, " ".join(spec)
+    else:
+        raise TargetError(f"the factory returned {spec!r}; return an argv list, a shell command string, "
+                          "a WorkerConfig/dict, or a started process")  # fmt: skip
+    with open(output_path, "ab") as out:
+        try:
+            proc = subprocess.Popen(argv, shell=shell, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        except OSError as exc:
+            raise TargetError(f"cannot start {what!r}: {exc}") from exc
+    return WorkerProcess(what, proc, output_path=output_path, own_session=True)
