@@ -187,7 +187,7 @@ def launch(factory: WorkerFactory, address: str, rank: int, epoch: int, output_p
         if not hasattr(spec, "kill"):
             raise TargetError(f"the factory returned {spec!r}, a process without kill()")
         return WorkerProcess(f"process {getattr(spec, 'pid', '?')} started by the factory", spec)
-    if isinstance(spec, Mapping) or isinstance(spec, msgspec.Struct):
+    if isinstance(spec, (Mapping, msgspec.Struct)):
         config = dict(spec) if isinstance(spec, Mapping) else msgspec.to_builtins(spec)
         config.setdefault("address", address)
         config.setdefault("rank", rank)
