@@ -44,6 +44,12 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from omni_core.conformance.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tables)
     p = sub.add_parser("docs", help="regenerate docs/lifecycles.md from the transition tables")
     p.set_defaults(func=_cmd_docs)
+    p = sub.add_parser("conformance", help="run the protocol conformance suite against a worker (docs/conformance.md)")
+    from omni_core.conformance.cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_conformance)
     return parser
 
 
