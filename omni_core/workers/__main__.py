@@ -6,6 +6,7 @@ JSON is a WorkerConfig object, inline or as @path to a file holding it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,12 +25,13 @@ def parse_config(text: str) -> WorkerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_pid = os.getppid()  # before the slow imports: a parent may die meanwhile
     parser = argparse.ArgumentParser(prog="python -m omni_core.workers", description=__doc__)
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON, or @file.json")
     args = parser.parse_args(argv)
     from omni_core.workers.process import run_worker  # torch import only once the args are valid
 
-    return run_worker(parse_config(args.config))
+    return run_worker(parse_config(args.config), parent_pid=parent_pid)
 
 
 if __name__ == "__main__":

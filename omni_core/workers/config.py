@@ -27,3 +27,4 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # off for a worker started by a shell that exits (nohup, a process supervisor).
     exit_with_parent: bool = True
     parent_check_interval_s: float = 1.0
+    parent_pid: int | None = None  # the process to outlive not; default: the parent at start

@@ -138,16 +138,17 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ loop
 
-    def serve(self) -> int:
+    def serve(self, parent_pid: int) -> int:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        parent = os.getppid()
+        parent = parent_pid
         interval_ms = max(1, int(self.config.parent_check_interval_s * 1000))
         while not self.stopped:
             if not poller.poll(interval_ms):
                 if self.config.exit_with_parent and os.getppid() != parent:
                     log.error("worker %s/%s: parent process %d is gone; releasing pools and exiting",
                               self.config.stage, self.config.rank, parent)  # fmt: skip
+                    self._trace("parent_gone", task_id=None, epoch=None, parent_pid=parent)
                     self._release()
                     return EXIT_PARENT_GONE
                 continue
@@ -289,13 +290,19 @@ def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:
     return f"before: {before.source}; after: {after.source}"
 
 
-def run_worker(config: WorkerConfig) -> int:
+def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     """Run one worker until Shutdown. Usable as a multiprocessing spawn target.
 
     Returns 0 after a clean Shutdown. Any other end raises SystemExit with the code
     (1: Shutdown's release failed, 3: the parent process died), so that a multiprocessing
-    child's `exitcode` tells the two apart.
+    child's `exitcode` tells the two apart. The process whose death ends the worker
+    (config.exit_with_parent) is config.parent_pid, else `parent_pid`, else the parent at
+    entry: a parent that dies before the worker reads its ppid goes unnoticed unless named.
     """
+    if config.parent_pid is not None:
+        parent_pid = config.parent_pid
+    elif parent_pid is None:
+        parent_pid = os.getppid()
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
@@ -306,7 +313,7 @@ def run_worker(config: WorkerConfig) -> int:
     code = EXIT_OK
     try:
         worker.start()
-        code = worker.serve()
+        code = worker.serve(parent_pid)
     finally:
         worker.close()
         sock.close(linger=FINAL_FLUSH_MS)  # deliver the Shutdown Ack before leaving

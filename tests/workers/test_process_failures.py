@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -117,3 +119,32 @@ def test_cumem_where_it_cannot_work_fails_at_start_up_with_the_reason(orch, work
     assert "use backend 'portable'" in reply.detail  # ... and what to do instead
     shut_down(orch, w)
     assert "backend 'cumem' is unavailable" in w.process.stderr.read()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie no one reaps yet
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_whose_parent_dies_exits_on_its_own(orch, tmp_path):
+    trace = tmp_path / "orphan.jsonl"
+    config = orch.config(6, runner_args=SMALL, parent_check_interval_s=0.2, trace_path=str(trace))
+    worker_cmd = [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()]
+    # A parent that starts the worker and dies at once, as a crashed orchestrator would.
+    parent = subprocess.run(
+        [sys.executable, "-c", "import os, subprocess, sys; "
+         f"cmd = {worker_cmd!r}; cmd[-1] = cmd[-1].replace('\"parent_pid\":null', f'\"parent_pid\":{{os.getpid()}}'); "
+         "p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+         "print(p.pid, flush=True); os._exit(0)"],
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    pid = int(parent.stdout.strip())
+    deadline = time.monotonic() + 60
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gone(pid), f"worker {pid} outlived its parent by 60 s"
+    events = [json.loads(line)["event"] for line in trace.read_text().splitlines()]
+    assert events[0] == "start" and events[-1] == "parent_gone", events  # it ran, then left
