@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import textwrap
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -27,6 +28,7 @@ from omni_core.protocol import Command, Hello, Message, ProtocolError, Reply, Wo
 
 POLL_SLICE_MS = 50
 MAX_REPR_CHARS = 700
+MAX_TEXT_CHARS = 4000  # our own text, e.g. a worker's last output lines
 SOCKET_HWM = 10_000
 
 
@@ -86,7 +88,8 @@ def show(obj: Any) -> str:
         text = "; ".join(show(o) for o in obj)
     else:
         text = str(obj) if isinstance(obj, str) else repr(obj)
-    return text if len(text) <= MAX_REPR_CHARS else text[: MAX_REPR_CHARS - 3] + "..."
+    limit = MAX_TEXT_CHARS if isinstance(obj, str) else MAX_REPR_CHARS
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Peer:
@@ -133,8 +136,8 @@ class Peer:
             self.harness.sock.send_multipart([self.identity, data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             code = self.process.exit_code()
-            raise CaseFailure(f"cannot send to {self}: {exc} (process exit code {code}){self._output()}",
-                              sent=data) from None  # fmt: skip
+            raise CaseFailure(f"cannot send to {self}: {exc} (process exit code {code})", sent=data,
+                              got=f"process exit code {code}{self._output()}") from None  # fmt: skip
 
     # ------------------------------------------------------------------ receiving
 
@@ -182,12 +185,14 @@ class Peer:
             if not self.harness.pump(min(left_ms, POLL_SLICE_MS)) and not self.process.alive():
                 self.harness.pump(0)  # what it sent before dying is still worth matching
                 if not any(match(m) or isinstance(m, Undecodable) for m in self.inbox):
-                    raise CaseFailure(f"{self} died with exit code {self.process.exit_code()} instead of "
-                                      f"replying{self._output()}", sent=sent)  # fmt: skip
+                    code = self.process.exit_code()
+                    raise CaseFailure(f"{self} died with exit code {code} instead of replying", sent=sent,
+                                      got=f"process exit, code {code}{self._output()}")  # fmt: skip
 
     def _output(self) -> str:
+        """The end of the worker's output, on lines of its own (the first line stays short)."""
         tail = self.process.output_tail()
-        return f"; its output ends:\n{tail}" if tail else ""
+        return "\n    worker output ends:\n" + textwrap.indent(tail, "    | ") if tail else ""
 
     def note(self, message: Message | Undecodable) -> None:
         """Count a reply against the copies sent of its command; keep it in the inbox."""

@@ -133,7 +133,8 @@ class SuiteReport:
         n = {v: sum(1 for _, x in counted if x == v) for v in ("PASS", "FAIL", "SKIP", "N/A")}
         cases = {o: sum(1 for r in self.results if r.outcome == o) for o in ("pass", "fail", "skip")}
         checked = len(counted) - n["N/A"]
-        out.append(f"summary: {'FAILED' if self.failed else 'PASSED'}: {checked} requirements checked: "
+        out.append(f"summary: {'FAILED' if self.failed else 'PASSED'}: {checked} requirement"
+                   f"{'s' if checked != 1 else ''} checked: "
                    f"{n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped ({n['N/A']} not applicable "
                    f"to a worker); {len(self.results)} cases: {cases['pass']} passed, {cases['fail']} failed, "
                    f"{cases['skip']} skipped; {self.duration_s:.1f} s")  # fmt: skip

@@ -16,8 +16,8 @@ Target strings (CLI `--worker`, pytest `worker = ...`):
 
 - `synthetic` or `reference`: this project's worker, synthetic runner, small sizes,
   portable backend, CPU;
-- `cmd:<shell command>` with `{address}`, `{rank}`, `{epoch}` placeholders, for workers
-  written in any language;
+- `cmd:<shell command>` with `{address}`, `{rank}`, `{epoch}` placeholders (replaced
+  literally, so other braces, e.g. JSON, stay as they are), for workers in any language;
 - `package.module:factory`: a factory as above, imported (the current directory is put on
   `sys.path` first, as pytest and gunicorn do).
 
@@ -31,6 +31,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,7 +85,10 @@ def command_factory(template: str) -> WorkerFactory:
                               "must learn where to connect and which rank it is")  # fmt: skip
 
     def start(address: str, rank: int, epoch: int) -> str:
-        return template.format(address=address, rank=rank, epoch=epoch)
+        # Literal replacement, not str.format: a command line may hold JSON braces. Unquoted:
+        # the suite's addresses are ipc:///tmp/omni-conf-<random>/router.sock, shell-safe.
+        values = {"{address}": address, "{rank}": str(rank), "{epoch}": str(epoch)}
+        return re.sub(r"\{address\}|\{rank\}|\{epoch\}", lambda m: values[m.group(0)], template)
 
     start.__name__ = f"cmd:{template}"
     return start
