@@ -73,6 +73,10 @@ def case(req: str, name: str, title: str, *, needs: tuple[str, ...] = (), unless
     return register
 
 
+def _a(name: str) -> str:
+    return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
+
+
 class Ctx:
     """What a case works with: the worker, a way to start more, and checks that explain."""
 
@@ -149,8 +153,8 @@ class Ctx:
              names_state: bool = False, task_id: str | None = None) -> Nack:  # fmt: skip
         want = f"Nack {reason.value}" + (f" in state {state.value}" if state else "") + (
             " whose detail names the state" if names_state else "")
-        self.check(isinstance(reply, Nack), f"expected a refusal ({reason.value}), got a "
-                   f"{type(reply).__name__}", sent=sent, got=reply, expected=want)  # fmt: skip
+        self.check(isinstance(reply, Nack), f"expected a refusal ({reason.value}), got "
+                   f"{_a(type(reply).__name__)}", sent=sent, got=reply, expected=want)  # fmt: skip
         assert isinstance(reply, Nack)
         self.check(reply.reason is reason, f"refused with {reply.reason.value}, not {reason.value}",
                    sent=sent, got=reply, expected=want)  # fmt: skip

@@ -1,0 +1,248 @@
+"""Deliberately broken workers: this project's worker with one fault each (and a correct
+variant that declares fewer capabilities).
+
+The suite must catch every one, over the wire, with the requirement named in `MUTANTS`.
+Each is started exactly as a third party's worker would be, through a factory:
+
+    python tests/conformance/mutants.py NAME --address ADDR --rank R --epoch E
+
+and the module-level factories (`no_reply_cache`, ...) are what the suite is given, by
+import path or as a callable. This module imports no worker code at import time (only in
+the child process), so the suite sees the mutant only as a process on a socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# name -> (requirement that must catch it, what is broken)
+MUTANTS: dict[str, tuple[str, str]] = {
+    "no_reply_cache": ("P-2", "no reply cache: a repeated task_id is executed again"),
+    "ack_before_release": ("P-12", "Sleep is acknowledged before the memory is released"),
+    "rank0_only": ("P-1", "only rank 0 replies; other ranks act silently"),
+    "crash_on_second_sleep": ("P-4", "a Sleep to a sleeping worker kills the process (torch_memory_saver)"),
+    "execute_while_sleeping": ("P-7", "Execute is handed to the model in any state"),
+    "garbage_kills_loop": ("P-10", "undecodable bytes end the loop and the process"),
+    "stale_epoch_accepted": ("P-6", "commands from older epochs are served"),
+    "level2_wakes_active": ("P-8", "a Wake after a level-2 sleep says ACTIVE (weights not marked invalid)"),
+    "wrong_version_accepted": ("P-3", "messages of another protocol version are served"),
+    "double_reply": ("P-1", "every reply is sent twice"),
+    "unknown_tag_half_applied": ("P-11", "a Sleep naming an unknown tag sleeps the known ones, then refuses"),
+}
+
+# Correct workers with fewer features: the suite must pass them, reporting skips.
+VARIANTS: dict[str, str] = {
+    "no_capabilities": "declares no capabilities (no level2, no partial_wake) and refuses what they cover",
+}
+
+MUTANT_SCRIPT = os.path.abspath(__file__)
+
+
+def factory(name: str) -> Callable[[str, int, int], list[str]]:
+    """How the suite starts mutant `name`: an argv, like any third-party worker."""
+    if name not in MUTANTS and name not in VARIANTS:
+        raise ValueError(f"unknown mutant {name!r}; known: {sorted(MUTANTS) + sorted(VARIANTS)}")
+
+    def start(address: str, rank: int, epoch: int) -> list[str]:
+        return [sys.executable, MUTANT_SCRIPT, name, "--address", address, "--rank", str(rank), "--epoch", str(epoch)]
+
+    start.__qualname__ = f"mutant {name}"
+    return start
+
+
+no_reply_cache = factory("no_reply_cache")
+ack_before_release = factory("ack_before_release")
+rank0_only = factory("rank0_only")
+crash_on_second_sleep = factory("crash_on_second_sleep")
+execute_while_sleeping = factory("execute_while_sleeping")
+garbage_kills_loop = factory("garbage_kills_loop")
+stale_epoch_accepted = factory("stale_epoch_accepted")
+level2_wakes_active = factory("level2_wakes_active")
+wrong_version_accepted = factory("wrong_version_accepted")
+double_reply = factory("double_reply")
+unknown_tag_half_applied = factory("unknown_tag_half_applied")
+no_capabilities = factory("no_capabilities")
+
+
+# ---------------------------------------------------------------- the faults (child process only)
+
+
+def _install(name: str) -> None:
+    """Replace the worker's core or process class in this process by a faulty subclass."""
+    import msgspec
+
+    from omni_core.fsm import worker as fsm_worker
+    from omni_core.fsm.effects import ExecuteEffect, SleepEffect
+    from omni_core.protocol import Hello, MemoryReport, NackReason, ProtocolError, Sleep, WorkerState
+    from omni_core.protocol.codec import decode_command
+    from omni_core.protocol.messages import AnyCommand
+    from omni_core.workers import process
+
+    core_cls, process_cls = process.WorkerCore, process.WorkerProcess
+
+    class _NoCache:
+        max_entries = 1024
+
+        def get(self, key: Any) -> None:
+            return None
+
+        def put(self, key: Any, value: Any) -> None:
+            return None
+
+        def __contains__(self, key: object) -> bool:
+            return False
+
+        def __len__(self) -> int:
+            return 0
+
+    class NoReplyCacheCore(core_cls):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.cache = _NoCache()
+
+    class ExecuteAnywhereCore(core_cls):
+        def on_execute(self, command: Any) -> Any:
+            self._pending = fsm_worker._Pending(command)
+            return fsm_worker.WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
+
+        def _check_invariants(self) -> None:
+            return None  # the real core would catch its own fault
+
+    class StaleEpochCore(core_cls):
+        def _on_command(self, command: Any) -> Any:
+            if command.epoch < self.epoch:
+                command = msgspec.structs.replace(command, epoch=self.epoch)
+            return super()._on_command(command)
+
+    class Level2ActiveCore(core_cls):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            residency = self.residency
+
+            def apply_sleep(plan: Any) -> None:  # forgets that level 2 discarded the weights
+                residency.asleep |= plan.offload | plan.discard
+
+            residency.apply_sleep = apply_sleep
+
+    class AckBeforeReleaseProcess(process_cls):
+        def _perform(self, effect: Any) -> None:
+            if not isinstance(effect, SleepEffect):
+                return super()._perform(effect)
+            usage = self._usage()
+            memory = MemoryReport(pool_bytes_before=usage, pool_bytes_after=dict(usage),
+                                  process_bytes_source="none: mutant")  # fmt: skip
+            self._send_all(self.core.on_done(effect.task_id, memory=memory).replies)
+            self._apply(effect)  # the release happens only now
+            return None
+
+    class Rank0OnlyProcess(process_cls):
+        def _send(self, message: Any) -> None:
+            if self.config.rank == 0 or isinstance(message, Hello):
+                super()._send(message)
+
+    class DoubleReplyProcess(process_cls):
+        def _send(self, message: Any) -> None:
+            super()._send(message)
+            if not isinstance(message, Hello):
+                super()._send(message)
+
+    class CrashOnSecondSleepProcess(process_cls):
+        def handle(self, data: bytes) -> None:
+            try:
+                command = decode_command(data)
+            except ProtocolError:
+                command = None
+            if isinstance(command, Sleep) and self.core.state is WorkerState.SLEEPING:
+                os._exit(134)  # what torch_memory_saver does on a second pause
+            super().handle(data)
+
+    class GarbageKillsLoopProcess(process_cls):
+        def handle(self, data: bytes) -> None:
+            try:
+                decode_command(data)
+            except ProtocolError as err:
+                raise SystemExit(f"cannot decode a message: {err}") from None
+            super().handle(data)
+
+    lenient = msgspec.msgpack.Decoder(AnyCommand)
+
+    class WrongVersionProcess(process_cls):
+        def handle(self, data: bytes) -> None:
+            try:
+                decode_command(data)
+            except ProtocolError as err:
+                if err.reason is NackReason.UNSUPPORTED_VERSION:
+                    command = lenient.decode(data)
+                    step = self.core.on_command(command)
+                    self._send_all(step.replies)
+                    if step.effect is not None:
+                        self._perform(step.effect)
+                    return
+            super().handle(data)
+
+    class HalfAppliedProcess(process_cls):
+        muted = False
+
+        def _send_all(self, messages: Any) -> None:
+            if not self.muted:
+                super()._send_all(messages)
+
+        def handle(self, data: bytes) -> None:
+            try:
+                command = decode_command(data)
+            except ProtocolError:
+                command = None
+            if isinstance(command, Sleep) and command.tags and set(command.tags) - set(self.config.tags):
+                known = tuple(t for t in command.tags if t in self.config.tags)
+                if known:
+                    inner = msgspec.structs.replace(command, task_id=command.task_id[:100] + "-inner", tags=known)
+                    self.muted = True
+                    try:
+                        step = self.core.on_command(inner)
+                        if step.effect is not None:
+                            self._perform(step.effect)
+                    finally:
+                        self.muted = False
+            super().handle(data)
+
+    cores = {"no_reply_cache": NoReplyCacheCore, "execute_while_sleeping": ExecuteAnywhereCore,
+             "stale_epoch_accepted": StaleEpochCore, "level2_wakes_active": Level2ActiveCore}  # fmt: skip
+    processes = {"ack_before_release": AckBeforeReleaseProcess, "rank0_only": Rank0OnlyProcess,
+                 "double_reply": DoubleReplyProcess, "crash_on_second_sleep": CrashOnSecondSleepProcess,
+                 "garbage_kills_loop": GarbageKillsLoopProcess, "wrong_version_accepted": WrongVersionProcess,
+                 "unknown_tag_half_applied": HalfAppliedProcess}  # fmt: skip
+    if name == "no_capabilities":
+        from omni_core.workers.backends.portable import PortableBackend
+
+        PortableBackend.capabilities = ()
+    elif name in cores:
+        process.WorkerCore = cores[name]
+    elif name in processes:
+        process.WorkerProcess = processes[name]
+    else:  # pragma: no cover - MUTANTS and the tables above list the same names
+        raise ValueError(f"no fault installed for {name!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("name", choices=sorted(MUTANTS) + sorted(VARIANTS))
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--epoch", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from omni_core.conformance.targets import reference_worker
+    from omni_core.workers.config import WorkerConfig
+    from omni_core.workers.process import run_worker
+
+    _install(args.name)
+    config = WorkerConfig(**reference_worker(args.address, args.rank, args.epoch))
+    return run_worker(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
