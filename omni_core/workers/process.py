@@ -201,8 +201,15 @@ class WorkerProcess:
             step = core.on_error(effect.task_id, _error_text(exc))
             if isinstance(effect, ShutdownEffect):
                 self.exit_code = EXIT_SHUTDOWN_ERROR
+            self._trace("error:" + type(effect).__name__, task_id=effect.task_id, epoch=core.epoch,
+                        detail=_error_text(exc)[:200])  # fmt: skip
         else:
             step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s)
+            if self.trace is not None:
+                paths = getattr(self.backend, "sleep_paths", None)
+                path = paths[-1] if isinstance(effect, SleepEffect) and paths else None
+                self._trace("done:" + type(effect).__name__, task_id=effect.task_id, epoch=core.epoch,
+                            duration_s=round(duration_s, 6), sleep_path=path)  # fmt: skip
         self._trace_state(state, effect.task_id)
         self._send_all(step.replies)
         if isinstance(effect, ShutdownEffect):

@@ -86,9 +86,15 @@ def orch():
 
 
 @pytest.fixture(scope="module")
-def worker(orch):
+def trace_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace") / "gpu-worker.jsonl"
+
+
+@pytest.fixture(scope="module")
+def worker(orch, trace_path):
     started = time.perf_counter()
-    w = orch.spawn(0, backend="cumem", device="cuda", runner_args=RUNNER_ARGS, epoch=EPOCH)
+    w = orch.spawn(0, backend="cumem", device="cuda", runner_args=RUNNER_ARGS, epoch=EPOCH,
+                   trace_path=str(trace_path))  # fmt: skip
     orch.wait_hello(w, timeout_s=300)
     w.start_s = time.perf_counter() - started
     return w
@@ -192,6 +198,30 @@ def test_level2_sleep_wake_reload_is_bit_exact(orch, worker, reference):
     assert run(orch, worker, GRAPH).output["data"] == reference["graph"]
     record("level2", sleep=figures(sleep), asleep=figures(asleep), wake=figures(wake), reload=figures(reload),
            in_use_while_asleep_GiB=round(in_use / GiB, 3), eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
+
+
+def test_partial_sleeps_release_tag_by_tag(orch, worker, reference, trace_path):
+    """Sleep kv_cache alone, then weights with kv_cache asleep: vLLM 0.26's sleep acts on
+    every allocation, so the backend releases these allocation by allocation."""
+    kv = lifecycle(orch, worker, Sleep(task_id=tid("skv"), epoch=EPOCH, level=1, tags=("kv_cache",)),
+                   WorkerState.SLEEPING)  # fmt: skip
+    assert kv.memory.pool_bytes_after["kv_cache"] == 0
+    assert kv.memory.pool_bytes_after["weights"] == kv.memory.pool_bytes_before["weights"]
+    assert process_freed(kv) >= 0.99 * pool_freed(kv), figures(kv)
+    refused = request(orch, worker, Execute(task_id=tid("exec"), epoch=EPOCH, payload=EAGER))
+    assert isinstance(refused, Nack) and refused.reason is NackReason.INVALID_STATE
+    weights = lifecycle(orch, worker, Sleep(task_id=tid("sw"), epoch=EPOCH, level=1, tags=("weights",)),
+                        WorkerState.SLEEPING)  # fmt: skip
+    assert sum(weights.memory.pool_bytes_after.values()) == 0
+    assert process_freed(weights) >= 0.99 * pool_freed(weights), figures(weights)
+    wake = lifecycle(orch, worker, Wake(task_id=tid("w"), epoch=EPOCH), WorkerState.ACTIVE)
+    assert run(orch, worker, EAGER).output["data"] == reference["eager"]
+    assert run(orch, worker, GRAPH).output["data"] == reference["graph"]
+    with open(trace_path) as f:
+        paths = [line["sleep_path"] for line in map(json.loads, f) if line["event"] == "done:Sleep"]
+    assert paths[-2] in ("per-allocation", "vllm-sleep-keep-tags") and paths[-1] == "per-allocation", paths
+    record("partial_sleep", kv=figures(kv), weights=figures(weights), wake=figures(wake), sleep_paths=paths[-2:],
+           eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
 
 
 def test_cycles_do_not_leak(orch, worker, reference):

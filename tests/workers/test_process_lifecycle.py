@@ -173,6 +173,6 @@ def test_shutdown_exits_cleanly(orch, worker, trace_path):
     assert [line["seq"] for line in lines] == list(range(len(lines)))
     assert {"node", "event", "task_id", "epoch", "state", "t"} <= set(lines[0])
     events = {line["event"] for line in lines}
-    assert {"start", "recv:Sleep", "send:Ack", "state", "bad_message"} <= events
+    assert {"start", "recv:Sleep", "send:Ack", "state", "bad_message", "done:Sleep", "done:Execute"} <= events
     assert lines[-1]["state"] == "STOPPED" and lines[0]["node"] == "test/0"
     assert all(line["node"] == "test/0" for line in lines) and os.path.getsize(trace_path) > 0
