@@ -571,9 +571,11 @@ def one_reply_per_rank(ctx: Ctx) -> None:
     peers = harness.start((0, 1), ctx.options.epoch)
     payload = ctx.options.execute_payload
     n = itertools.count()
+    sent: list[Command] = []
     for cls, fields in ((Status, {}), (Sleep, {"level": 1}), (Wake, {}), (Execute, {"payload": payload}),
                         (Shutdown, {})):  # fmt: skip
         command = cls(task_id=ctx.task(f"{cls.__name__.lower()}{next(n)}"), epoch=ctx.options.epoch, **fields)
+        sent.append(command)
         for peer in peers:  # one task id, sent to every rank, as a stage does
             peer.send(command)
         for peer in peers:
@@ -584,7 +586,7 @@ def one_reply_per_rank(ctx: Ctx) -> None:
                 ctx.ack(reply, command)
     for peer in peers:
         extra = peer.collect(ctx.options.quiet_s)
-        ctx.check(not extra, f"rank {peer.rank} sent more than one reply per task", got=extra,
+        ctx.check(not extra, f"rank {peer.rank} sent more than one reply per task", sent=sent, got=extra,
                   expected="nothing more")  # fmt: skip
         code = peer.process.wait(ctx.options.exit_timeout_s)
         ctx.check(code == 0, f"rank {peer.rank} " + ("is still running" if code is None else f"exited with code {code}")

@@ -1,0 +1,81 @@
+"""Every mutant worker is caught by the suite with the requirement it breaks, over the wire.
+
+The mutants run concurrently (each suite run is mostly waiting on its worker), each
+restricted to the requirement expected to catch it; the assertion names the case and the
+problem too, so a mutant "caught" by a timeout of a loaded machine would not pass.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from omni_core.conformance import SuiteOptions, SuiteReport, run_suite
+
+from . import mutants
+
+# mutant -> (case that must fail, words of its problem)
+EXPECTED = {
+    "no_reply_cache": ("P-2/duplicate_answered_from_cache", "a copy of an answered Sleep got a different reply"),
+    "ack_before_release": ("P-12/sleep_wake_reports", "acknowledged before the memory was released"),
+    "rank0_only": ("P-1/one_reply_per_rank", "no reply from worker rank 1"),
+    "crash_on_second_sleep": ("P-4/sleep_already", "died with exit code 134"),
+    "execute_while_sleeping": ("P-7/execute_refused_sleeping", "refused with EXECUTE_ERROR, not INVALID_STATE"),
+    "garbage_kills_loop": ("P-10/garbage_then_service", "died with exit code"),
+    "stale_epoch_accepted": ("P-6/stale_epoch_refused", "expected a refusal (STALE_EPOCH), got an Ack"),
+    "level2_wakes_active": ("P-8/level2_wake_needs_reload", "Wake after a level-2 sleep ended in ACTIVE"),
+    "wrong_version_accepted": ("P-3/unsupported_version", "expected a refusal (UNSUPPORTED_VERSION), got an Ack"),
+    "double_reply": ("P-1/one_reply_per_rank", "sent more than one reply per task"),
+    "unknown_tag_half_applied": ("P-11/unknown_tag_no_effect", "the refusal says state SLEEPING, not ACTIVE"),
+}
+OPTIONS = SuiteOptions(reply_timeout_s=8.0)
+PARALLEL_RUNS = 6
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, SuiteReport]:
+    def one(name: str) -> tuple[str, SuiteReport]:
+        only = None if name in mutants.VARIANTS else [mutants.MUTANTS[name][0]]
+        return name, run_suite(mutants.factory(name), only=only, options=OPTIONS)
+
+    names = [*mutants.MUTANTS, *mutants.VARIANTS]
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        return dict(pool.map(one, names))
+
+
+def test_every_mutant_has_an_expectation():
+    assert set(EXPECTED) == set(mutants.MUTANTS)
+    assert {case.split("/")[0] for case, _ in EXPECTED.values()} == {req for req, _ in mutants.MUTANTS.values()}
+
+
+@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+def test_mutant_is_caught_by_the_expected_requirement(reports, name):
+    report = reports[name]
+    requirement = mutants.MUTANTS[name][0]
+    case_id, words = EXPECTED[name]
+    rendered = report.render()
+    assert report.failed_requirements() == {requirement}, rendered
+    failures = {r.case.id: r for r in report.results if r.outcome == "fail"}
+    assert case_id in failures, rendered
+    assert words in failures[case_id].reason, rendered
+    # The failure quotes the requirement and says what was sent.
+    details = failures[case_id].details()
+    assert f"requirement {requirement} (" in details and "MUST" in details and "sent:" in details
+    assert f"{requirement:<5} FAIL" in rendered and "summary: FAILED" in rendered
+
+
+def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
+    report = reports["no_capabilities"]
+    rendered = report.render()
+    assert not report.failed, rendered
+    skipped = {r.case.name: r.reason for r in report.results if r.outcome == "skip"}
+    assert skipped == {
+        "execute_refused_partial": "worker does not declare capability 'partial_wake'",
+        "level2_wake_needs_reload": "worker does not declare capability 'level2'",
+        "reload_report": "worker does not declare capability 'level2'",
+    }, rendered
+    passed = {r.case.name for r in report.results if r.outcome == "pass"}
+    assert "level2_refused_without_capability" in passed
+    line = "P-8   PASS  level-2 reload rule (1 case, 1 skipped: worker does not declare capability 'level2')"
+    assert line in rendered.splitlines(), rendered
