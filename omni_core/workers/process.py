@@ -201,14 +201,14 @@ class WorkerProcess:
             step = core.on_error(effect.task_id, _error_text(exc))
             if isinstance(effect, ShutdownEffect):
                 self.exit_code = EXIT_SHUTDOWN_ERROR
-            self._trace("error:" + type(effect).__name__, task_id=effect.task_id, epoch=core.epoch,
+            self._trace(f"error:{_name(effect)}", task_id=effect.task_id, epoch=core.epoch,
                         detail=_error_text(exc)[:200])  # fmt: skip
         else:
             step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s)
             if self.trace is not None:
                 paths = getattr(self.backend, "sleep_paths", None)
                 path = paths[-1] if isinstance(effect, SleepEffect) and paths else None
-                self._trace("done:" + type(effect).__name__, task_id=effect.task_id, epoch=core.epoch,
+                self._trace(f"done:{_name(effect)}", task_id=effect.task_id, epoch=core.epoch,
                             duration_s=round(duration_s, 6), sleep_path=path)  # fmt: skip
         self._trace_state(state, effect.task_id)
         self._send_all(step.replies)
@@ -289,6 +289,11 @@ class WorkerProcess:
     @property
     def hard_exit_required(self) -> bool:
         return self.backend is not None and self.backend.hard_exit_required
+
+
+def _name(effect: Effect) -> str:
+    """'Sleep' for a SleepEffect: trace events name the command, as recv:/send: do."""
+    return type(effect).__name__.removesuffix("Effect")
 
 
 def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:
