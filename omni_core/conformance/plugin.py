@@ -57,8 +57,8 @@ def _target(cls: type[ConformanceSuite]) -> str | WorkerFactory:
     if cls.start_worker is not ConformanceSuite.start_worker:
         return cls().start_worker
     if cls.worker is None:
-        raise pytest.UsageError(f"{cls.__name__}: set `worker = <target>` or override "
-                                "`start_worker(self, address, rank, epoch)`")  # fmt: skip
+        pytest.fail(f"{cls.__name__}: set `worker = <target>` or override "
+                    "`start_worker(self, address, rank, epoch)`", pytrace=False)  # fmt: skip
     target = cls.worker
     # A plain function stored on the class comes back bound; the factory takes no self.
     return getattr(target, "__func__", target)
@@ -78,7 +78,10 @@ def conformance_runner(request: pytest.FixtureRequest) -> Iterator[SuiteRunner]:
     """One runner per test class: its shared worker lives across that class's cases."""
     cls = request.cls
     if cls is None or not issubclass(cls, ConformanceSuite):
-        raise pytest.UsageError("conformance_runner is for subclasses of omni_core.conformance.ConformanceSuite")
-    runner = SuiteRunner(_target(cls), options=cls.options)
+        pytest.fail("conformance_runner is for subclasses of omni_core.conformance.ConformanceSuite", pytrace=False)
+    try:
+        runner = SuiteRunner(_target(cls), options=cls.options)
+    except ValueError as exc:  # TargetError: a target that cannot be resolved
+        pytest.fail(f"{cls.__name__}: {exc}", pytrace=False)
     yield runner
     runner.close()

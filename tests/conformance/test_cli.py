@@ -1,0 +1,56 @@
+"""`omni-core conformance`: usage errors (in-process, no worker) and a failing worker named by
+import path, through the installed console script, with JUnit output."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from omni_core.cli import main
+
+from ._util import HERE, finish, start
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--worker", "no_such_module_xyz:start"], "cannot import 'no_such_module_xyz'"),
+        (["--worker", "json:no_such_factory"], "has no attribute 'no_such_factory'"),
+        (["--worker", "json:__doc__"], "not a callable factory"),
+        (["--worker", "cmd:my-worker --rank {rank}"], "lacks the {address} placeholder"),
+        (["--worker", "not-a-target"], "is not 'synthetic', 'cmd:<command>' or 'package.module:factory'"),
+        (["--worker", "synthetic", "--only", "P-13"], "unknown requirement 'P-13'"),
+        (["--worker", "synthetic", "--payload", "{not json"], "Expecting property name"),
+        (["--worker", "synthetic", "--epoch", "0"], "--epoch must be >= 1"),
+    ],
+)
+def test_usage_errors_exit_2_without_starting_anything(capsys, args, words):
+    assert main(["conformance", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.startswith("omni-core conformance: ")
+
+
+def test_a_failing_worker_exits_1_names_the_requirement_and_writes_junit(tmp_path):
+    junit = tmp_path / "out.xml"
+    proc = start(["omni-core", "conformance", "--worker", "conformance.mutants:no_reply_cache", "--only", "p2,P-3",
+                  "--junit", str(junit), "--reply-timeout", "8", "-v"], HERE.parent)  # fmt: skip
+    code, out = finish(proc)
+    assert code == 1, out
+    lines = out.splitlines()
+    assert lines[0] == "omni-core conformance (protocol v1) against: conformance.mutants:no_reply_cache"
+    assert lines[1].startswith("P-2   FAIL  idempotent duplicates: duplicate_answered_from_cache: a copy of an "
+                               "answered Sleep got a different reply (+1 more failing case(s))"), out  # fmt: skip
+    assert "P-3   PASS  envelope (3 cases)" in lines, out
+    assert not any(x.startswith(("P-1 ", "P-4 ", "P-12")) for x in lines), out  # --only
+    assert "        FAIL  task_id_reused: expected a refusal (TASK_ID_REUSED), got an Ack" in out  # -v
+    assert 'requirement P-2 (Idempotent duplicates):\n      "A command whose `task_id`' in out
+    assert lines[-2].startswith("summary: FAILED: 2 requirements checked: 1 passed, 1 failed, 0 skipped "
+                                "(0 not applicable to a worker); 5 cases: 3 passed, 2 failed, 0 skipped;")  # fmt: skip
+    assert lines[-1] == f"wrote {junit}"
+    suite = ET.parse(junit).getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("5", "2", "0")
+    failed = {c.get("name"): c.find("failure") for c in suite.iter("testcase") if c.find("failure") is not None}
+    assert set(failed) == {"duplicate_answered_from_cache", "task_id_reused"}
+    assert failed["task_id_reused"].get("message").startswith("P-2: expected a refusal (TASK_ID_REUSED)")
+    assert "sent:     Sleep(v=1, task_id='task_id_reused-execute-" in failed["task_id_reused"].text
