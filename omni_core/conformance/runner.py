@@ -38,11 +38,11 @@ class CaseResult:
         lines = [f"{self.case.id}: {self.case.title}",
                  f"  requirement {req.id} ({req.title}):",
                  *textwrap.wrap(f'"{req.text}"', 100, initial_indent="    ", subsequent_indent="    "),
-                 f"  problem:  {self.reason}"]  # fmt: skip
-        if self.failure is not None:
-            for label, value in (("sent", self.failure.sent), ("got", self.failure.got),
-                                 ("expected", self.failure.expected)):  # fmt: skip
-                if value is not None or label == "got":
+                 f"  problem:  {self.failure.problem if self.failure else self.reason}"]  # fmt: skip
+        failure = self.failure
+        if failure is not None and (failure.sent is not None or failure.got is not None):
+            for label, value in (("sent", failure.sent), ("got", failure.got), ("expected", failure.expected)):
+                if value is not None or label == "got":  # "got: nothing" says something
                     lines.append(f"  {label + ':':9} {show(value)}")
         return "\n".join(lines)
 

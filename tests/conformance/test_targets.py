@@ -1,0 +1,106 @@
+"""Starting workers: every factory return form, and workers that never come up properly.
+The suite must report each with its cause, quickly, and leave no process behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omni_core.conformance import SuiteOptions, run_suite
+from omni_core.conformance.targets import TargetError, command_factory, resolve_target
+from omni_core.workers.config import WorkerConfig
+
+from ._util import HERE
+
+FAKE = HERE / "fake_worker.py"
+FAST = SuiteOptions(start_timeout_s=5.0, reply_timeout_s=0.5)
+
+
+def fake(mode: str, started: list | None = None):
+    """A factory for the fake worker in `mode`; with `started`, it starts the process itself."""
+
+    def factory(address: str, rank: int, epoch: int):
+        argv = [sys.executable, str(FAKE), mode, address, str(rank), str(epoch)]
+        if started is None:
+            return argv
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started.append(proc)
+        return proc
+
+    return factory
+
+
+def failures(report) -> dict[str, str]:
+    return {r.case.name: r.reason for r in report.results if r.outcome == "fail"}
+
+
+def test_a_worker_that_exits_before_hello_is_reported_once_with_its_output():
+    started = time.monotonic()
+    report = run_suite(fake("exit"), only="P-3,P-4", options=FAST)
+    assert time.monotonic() - started < 10  # started once; later cases reuse the start error
+    reasons = failures(report)
+    assert set(reasons) == {"greeting", "reply_envelope", "unsupported_version", "sleep_already", "wake_already",
+                            "second_shutdown"}  # fmt: skip
+    assert all("exited with code 3 before its Hello" in r for r in reasons.values()), reasons
+    greeting = next(r for r in report.results if r.case.name == "greeting")
+    assert "fake worker: giving up" in greeting.details()
+
+
+def test_a_silent_worker_hits_the_start_deadline_and_is_killed():
+    started: list[subprocess.Popen] = []
+    report = run_suite(fake("silent", started), only="P-3", options=SuiteOptions(start_timeout_s=1.0))
+    reasons = failures(report)
+    assert reasons["greeting"].startswith("the worker did not start: no Hello from rank(s) [0] within 1 s")
+    assert started and all(p.poll() is not None for p in started)  # adopted, then killed
+
+
+def test_a_first_message_that_is_not_hello_fails_the_start():
+    report = run_suite(fake("ack-first"), only="P-3", options=FAST)
+    assert "was not a Hello for a rank being started ([0]): Ack(" in failures(report)["greeting"]
+
+
+def test_wrong_rank_in_hello_and_no_replies_fail_with_deadlines():
+    report = run_suite(fake("wrong-rank"), only="P-3", options=FAST)
+    reasons = failures(report)
+    assert reasons["greeting"] == "Hello names rank 5, started as 0"
+    assert reasons["reply_envelope"].startswith("no reply from worker rank 0 (pid ")
+    assert reasons["reply_envelope"].endswith("within 0.5 s; the process is still running")
+
+
+def test_undecodable_replies_are_reported_as_such():
+    report = run_suite(fake("garbage-replies"), only="P-3", options=FAST)
+    assert failures(report)["reply_envelope"] == "the worker sent bytes that are not a valid protocol message"
+
+
+def test_factory_errors_are_failures_not_crashes():
+    def broken(address, rank, epoch):
+        raise RuntimeError("no GPU here")
+
+    report = run_suite(broken, only="P-6", options=FAST)
+    assert set(failures(report).values()) == {
+        "the worker did not start: the worker factory failed for rank 0: RuntimeError: no GPU here"}
+    report = run_suite(lambda a, r, e: 42, only="P-6", options=FAST)
+    assert "the factory returned 42; return an argv list" in next(iter(failures(report).values()))
+
+
+def test_a_factory_may_return_a_worker_config():
+    def config(address, rank, epoch):
+        return WorkerConfig(address=address, rank=rank, epoch=epoch, backend="portable",
+                            runner_args={"weights_bytes": 1 << 16, "tensor_count": 2, "kv_bytes": 1 << 14,
+                                         "hidden": 16})  # fmt: skip
+
+    report = run_suite(config, only="P-6")
+    assert not report.failed, report.render()
+
+
+def test_target_strings():
+    assert resolve_target("synthetic")[1] is resolve_target("reference")[1]
+    start = command_factory("""w --config '{"address": "{address}", "rank": {rank}}' --epoch {epoch}""")
+    expected = """w --config '{"address": "ipc:///tmp/a/b.sock", "rank": 1}' --epoch 4"""
+    assert start("ipc:///tmp/a/b.sock", 1, 4) == expected
+    for bad in ("", "  ", "cmd:w --rank {rank}", "nomodule", "json:"):
+        with pytest.raises(TargetError):
+            resolve_target(bad)
