@@ -565,16 +565,17 @@ def copies_back_to_back(ctx: Ctx) -> None:
 
 
 @case("P-1", "one_reply_per_rank", "two ranks, one task each command: exactly one terminal reply per (task, "
-      "rank), Shutdown included, then each process exits", scope="own")  # fmt: skip
+      "rank), Shutdown included, then each process exits", scope="consume")  # fmt: skip
 def one_reply_per_rank(ctx: Ctx) -> None:
-    harness = ctx.own_harness()
-    peers = harness.start((0, 1), ctx.options.epoch)
+    # Rank 0 is the shared worker (one start fewer); rank 1 joins it on the same socket.
+    epoch = ctx.worker.epoch
+    peers = [ctx.worker, *ctx.worker.harness.start((1,), epoch)]
     payload = ctx.options.execute_payload
     n = itertools.count()
     sent: list[Command] = []
     for cls, fields in ((Status, {}), (Sleep, {"level": 1}), (Wake, {}), (Execute, {"payload": payload}),
                         (Shutdown, {})):  # fmt: skip
-        command = cls(task_id=ctx.task(f"{cls.__name__.lower()}{next(n)}"), epoch=ctx.options.epoch, **fields)
+        command = cls(task_id=ctx.task(f"{cls.__name__.lower()}{next(n)}"), epoch=epoch, **fields)
         sent.append(command)
         for peer in peers:  # one task id, sent to every rank, as a stage does
             peer.send(command)

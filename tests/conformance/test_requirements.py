@@ -37,7 +37,7 @@ def test_every_worker_requirement_has_cases_and_every_case_a_worker_requirement(
 
 def test_order_keeps_the_shutdown_and_the_run_wide_check_last():
     scopes = [c.scope for c in ordered_cases()]
-    assert scopes[-2:] == ["consume", "global"]
+    assert scopes[-3:] == ["consume", "consume", "global"]
     assert scopes == sorted(scopes, key=["shared", "own", "consume", "global"].index)
 
 
