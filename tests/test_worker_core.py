@@ -21,6 +21,7 @@ from omni_core.fsm import (
     WakeEffect,
     WorkerCore,
 )
+from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -309,12 +310,16 @@ def test_duplicate_while_in_progress_is_ignored_then_answered_once() -> None:
     sleep = Sleep(task_id="s", epoch=0)
     assert d.send(sleep).effect is not None
     for _ in range(3):
-        assert d.send(sleep) == type(d.send(sleep))()  # no reply, no effect
-    assert d.w.counters.duplicates_in_flight_ignored == 6
+        assert d.send(sleep) == WorkerStep()  # no reply, no effect
+    assert d.send(msgspec.structs.replace(sleep, epoch=1)) == WorkerStep()  # a retry from a newer epoch too
+    assert d.w.counters.duplicates_in_flight_ignored == 4
     (ack,) = d.w.on_done("s").replies
-    (dup,) = d.send(sleep).replies
+    assert ack.epoch == 1  # the worker's epoch now: the newer sender will take it
+    (dup,) = d.send(msgspec.structs.replace(sleep, epoch=1)).replies
     assert dup is ack
     assert d.w.counters.duplicates_answered_from_cache == 1
+    (stale,) = d.send(sleep).replies  # the epoch-0 copy is fenced off now
+    assert stale.reason is NackReason.STALE_EPOCH
 
 
 def test_duplicate_after_completion_has_no_second_effect() -> None:
