@@ -43,6 +43,13 @@ class SuiteOptions:
     epoch: int = 3  # epoch the workers start in (> 0, so an older one exists)
     execute_payload: Any = field(default_factory=lambda: {"seed": 1, "batch": 1})
 
+    def __post_init__(self) -> None:
+        if self.epoch < 1:
+            raise ValueError(f"epoch must be >= 1 so that an older epoch exists, got {self.epoch}")
+        for name in ("start_timeout_s", "reply_timeout_s", "exit_timeout_s", "quiet_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}: no receive waits without bound")
+
 
 class CaseFailure(AssertionError):
     """A requirement not met: what was wrong, what the suite sent, what came back."""

@@ -22,7 +22,8 @@ from ._util import HERE, finish, start
         (["--worker", "not-a-target"], "is not 'synthetic', 'cmd:<command>' or 'package.module:factory'"),
         (["--worker", "synthetic", "--only", "P-13"], "unknown requirement 'P-13'"),
         (["--worker", "synthetic", "--payload", "{not json"], "Expecting property name"),
-        (["--worker", "synthetic", "--epoch", "0"], "--epoch must be >= 1"),
+        (["--worker", "synthetic", "--epoch", "0"], "epoch must be >= 1"),
+        (["--worker", "synthetic", "--reply-timeout", "0"], "reply_timeout_s must be > 0"),
     ],
 )
 def test_usage_errors_exit_2_without_starting_anything(capsys, args, words):

@@ -29,7 +29,7 @@ EXPECTED = {
     "double_reply": ("P-1/one_reply_per_rank", "sent more than one reply per task"),
     "unknown_tag_half_applied": ("P-11/unknown_tag_no_effect", "the refusal says state SLEEPING, not ACTIVE"),
 }
-OPTIONS = SuiteOptions(reply_timeout_s=8.0)
+OPTIONS = SuiteOptions(reply_timeout_s=5.0)  # rank0_only waits this long for rank 1
 PARALLEL_RUNS = 6
 
 

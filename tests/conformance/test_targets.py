@@ -104,3 +104,22 @@ def test_target_strings():
     for bad in ("", "  ", "cmd:w --rank {rank}", "nomodule", "json:"):
         with pytest.raises(TargetError):
             resolve_target(bad)
+
+
+def test_the_suite_imports_nothing_of_the_worker(tmp_path):
+    """Black box: running the suite (CLI, plugin, runner) loads no worker code, no torch."""
+    script = f"""
+import sys
+import omni_core.cli, omni_core.conformance.plugin
+from omni_core.conformance import SuiteOptions, run_suite
+def fake(address, rank, epoch):
+    return [sys.executable, {str(FAKE)!r}, "wrong-rank", address, str(rank), str(epoch)]
+report = run_suite(fake, only="P-3", options=SuiteOptions(reply_timeout_s=0.3))
+assert report.failed
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith(("omni_core.workers",
+                "omni_core.fsm", "omni_core.engine")))
+print("loaded:", loaded)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "loaded: []" in out.stdout, out.stdout
