@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 import os
 import queue
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from omni_core.engine.errors import (
@@ -69,19 +71,53 @@ class _Request:
     results: dict[int, Result] = field(default_factory=dict)
 
 
-@dataclass
-class _RankProc:
-    rank: int
-    process: multiprocessing.process.BaseProcess
-    identity: bytes | None = None
-    expected_exit: bool = False
+class _RankProcess:
+    """One rank: a fresh interpreter running `python -m omni_core.workers` (a spawn that
+    never re-imports the caller's __main__, so a plain script can start an Engine), plus a
+    pollable descriptor that becomes readable when it exits (pidfd), so the loop learns of
+    a death from the OS, not only from a silent socket."""
+
+    def __init__(self, config: WorkerConfig, env: dict[str, str]) -> None:
+        self.rank = config.rank
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
+            env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        self.identity: bytes | None = None
+        self.expected_exit = False
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(max(0.0, timeout_s))
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+
+    def close_sentinel(self) -> None:
+        if self.sentinel is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+            self.sentinel = None
 
 
 @dataclass
 class _Stage:
     spec: StageSpec
     core: StageCore
-    procs: list[_RankProc] = field(default_factory=list)
+    procs: list[_RankProcess] = field(default_factory=list)
     queue: deque[_Request] = field(default_factory=deque)
     inflight: dict[str, _Request] = field(default_factory=dict)
     waiters: dict[str, list[Future]] = field(default_factory=dict)
@@ -127,8 +163,8 @@ class Orchestrator:
             self._router.bind("tcp://127.0.0.1:*")
             self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._by_identity: dict[bytes, tuple[_Stage, int]] = {}
-        self._by_pid: dict[int, tuple[_Stage, _RankProc]] = {}
-        self._sentinels: dict[int, tuple[_Stage, _RankProc]] = {}
+        self._by_pid: dict[int, tuple[_Stage, _RankProcess]] = {}
+        self._sentinels: dict[int, tuple[_Stage, _RankProcess]] = {}
         self._calls: queue.SimpleQueue[tuple[Callable[[], None], Future]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -136,7 +172,6 @@ class Orchestrator:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._ids = itertools.count(1)
-        self._mp = multiprocessing.get_context("spawn")
         self._closing: Future | None = None
         self._closing_deadline_at = 0.0
         self._closed = threading.Event()
@@ -262,7 +297,7 @@ class Orchestrator:
                 "admission": stage.admission.value,
                 "failure": core.failure, "queued": len(stage.queue),
                 "in_flight": len(stage.inflight), "counters": asdict(core.counters),
-                "ranks": {p.rank: {"pid": p.process.pid, "alive": p.process.is_alive(),
+                "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(),
                                    "state": core.rank_state.get(p.rank, StageState.STARTING).value}
                           for p in stage.procs},
             }  # fmt: skip
@@ -279,7 +314,7 @@ class Orchestrator:
             self._fail_requests(stage, EngineClosedError("the engine shut down before this request ran"))
             for proc in stage.procs:
                 proc.expected_exit = True
-                if proc.process.is_alive():
+                if proc.is_alive():
                     self._send(stage, proc.rank, Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}",
                                                           epoch=stage.core.epoch))  # fmt: skip
             before = stage.core.state
@@ -377,18 +412,31 @@ class Orchestrator:
     def _on_sentinel(self, fd: int) -> None:
         stage, proc = self._sentinels.pop(fd)
         self._poller.unregister(fd)
-        proc.process.join(0.5)
+        proc.close_sentinel()
+        proc.join(0.5)
+        self._on_rank_exit(stage, proc)
+
+    def _on_rank_exit(self, stage: _Stage, proc: _RankProcess) -> None:
         if proc.expected_exit:
             return
-        code = proc.process.exitcode
-        detail = f"pid {proc.process.pid} exited with code {code}"
+        code = proc.exitcode
+        detail = f"pid {proc.pid} exited with code {code}"
         self._trace.event("rank_died", epoch=stage.core.epoch, state=stage.core.state.value,
                           stage=stage.spec.name, rank=proc.rank, detail=detail)  # fmt: skip
         self._apply(stage, self._core_call(stage, lambda: stage.core.on_rank_died(proc.rank, detail,
                                                                                   time.monotonic())))
 
+    def _on_rank_exit_polled(self, stage: _Stage, proc: _RankProcess) -> None:
+        proc.expected_exit = False
+        self._on_rank_exit(stage, proc)
+        proc.expected_exit = True
+
     def _tick(self, now: float) -> None:
         for stage in self._stages.values():
+            for proc in stage.procs:  # platforms without pidfd: notice deaths by polling
+                if proc.sentinel is None and not proc.expected_exit and not proc.is_alive():
+                    proc.expected_exit = True  # report once
+                    self._on_rank_exit_polled(stage, proc)
             step = self._core_call(stage, lambda s=stage: s.core.on_tick(now))
             for request in [r for r in stage.inflight.values() if now >= r.deadline_at]:
                 self._finish_request(stage, request, error=RequestFailedError(
@@ -510,8 +558,6 @@ class Orchestrator:
             self.counters["send_failures"] += 1
 
     def _spawn_ranks(self, stage: _Stage) -> None:
-        from omni_core.workers.process import run_worker
-
         spec = stage.spec
         stage.procs = []
         master_port = _free_tcp_port()  # for runners that form a torch.distributed group
@@ -519,47 +565,45 @@ class Orchestrator:
             config = WorkerConfig(address=self.address, rank=rank, epoch=stage.core.epoch,
                                   stage=spec.name, runner=spec.runner, runner_args=dict(spec.runner_args),
                                   backend=spec.backend, device=spec.device, tags=spec.tags,
-                                  trace_path=self.trace_path)  # fmt: skip
-            process = self._mp.Process(target=run_worker, args=(config,), daemon=True,
-                                       name=f"omni-{spec.name}-rank{rank}")  # fmt: skip
-            env = {"RANK": str(rank), "WORLD_SIZE": str(spec.ranks), "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}  # fmt: skip
+                                  trace_path=self.trace_path, parent_pid=os.getpid())  # fmt: skip
+            # torchrun-style variables for runners that form a process group, and the rank's GPU.
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.ranks), LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))  # fmt: skip
             if spec.devices:
                 env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
-            with _child_env(env):
-                process.start()
-            proc = _RankProc(rank, process)
+            proc = _RankProcess(config, env)
             stage.procs.append(proc)
-            self._by_pid[process.pid] = (stage, proc)
-            self._sentinels[process.sentinel] = (stage, proc)
-            self._poller.register(process.sentinel, zmq.POLLIN)
+            self._by_pid[proc.pid] = (stage, proc)
+            if proc.sentinel is not None:
+                self._sentinels[proc.sentinel] = (stage, proc)
+                self._poller.register(proc.sentinel, zmq.POLLIN)
             self._trace.event("spawn", epoch=stage.core.epoch, state=stage.core.state.value,
-                              stage=spec.name, rank=rank, pid=process.pid)  # fmt: skip
+                              stage=spec.name, rank=rank, pid=proc.pid)  # fmt: skip
 
     def _reap_ranks(self, stage: _Stage) -> None:
         for proc in stage.procs:
             proc.expected_exit = True
-            if proc.process.is_alive():
-                proc.process.terminate()
+            if proc.is_alive():
+                proc.terminate()
         deadline_at = time.monotonic() + TERMINATE_GRACE_S
         for proc in stage.procs:
-            proc.process.join(max(0.0, deadline_at - time.monotonic()))
-            if proc.process.is_alive():
-                proc.process.kill()
-                proc.process.join(TERMINATE_GRACE_S)
+            proc.join(max(0.0, deadline_at - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(TERMINATE_GRACE_S)
             self._forget(proc)
 
-    def _forget(self, proc: _RankProc) -> None:
-        self._by_pid.pop(proc.process.pid or -1, None)
+    def _forget(self, proc: _RankProcess) -> None:
+        self._by_pid.pop(proc.pid, None)
         if proc.identity is not None:
             self._by_identity.pop(proc.identity, None)
-        sentinel = proc.process.sentinel
-        if self._sentinels.pop(sentinel, None) is not None:
-            self._poller.unregister(sentinel)
+        if proc.sentinel is not None and self._sentinels.pop(proc.sentinel, None) is not None:
+            self._poller.unregister(proc.sentinel)
+        proc.close_sentinel()
 
     def _finish_close(self) -> bool:
         procs = [p for s in self._stages.values() for p in s.procs]
-        if any(p.process.is_alive() for p in procs) and time.monotonic() < self._closing_deadline_at:
+        if any(p.is_alive() for p in procs) and time.monotonic() < self._closing_deadline_at:
             return False
         for stage in self._stages.values():
             self._reap_ranks(stage)
@@ -582,27 +626,6 @@ class Orchestrator:
                 os.close(fd)
         self._trace.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-
-_env_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _child_env(values: dict[str, str]):
-    """Spawned children copy os.environ at start(): set a rank's variables just around it
-    (CUDA_VISIBLE_DEVICES, and torchrun-style RANK/WORLD_SIZE/MASTER_* for runners that
-    form a process group)."""
-    with _env_lock:
-        saved = {key: os.environ.get(key) for key in values}
-        os.environ.update(values)
-        try:
-            yield
-        finally:
-            for key, old in saved.items():
-                if old is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = old
 
 
 def _free_tcp_port() -> int:
