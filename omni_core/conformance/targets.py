@@ -162,8 +162,9 @@ class WorkerProcess:
         return self.exit_code()
 
     def kill(self) -> None:
-        if self.own_session and self.pid is not None:
-            # Our own session: the shell and everything it started, nothing else.
+        if self.own_session and self.pid is not None and self.alive():
+            # Our own session (its group id is our child's pid, held while the child lives):
+            # the shell and everything it started, nothing else.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
         if self.alive():
