@@ -37,6 +37,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                      trace_path=args.trace)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.control_plane:
+        from omni_core.bench.control_plane import main as control_plane_main
+
+        ranks = args.ranks or [1, 2, 4, 8]
+        cycles = args.cycles or (25 if args.short else 250)
+        return control_plane_main(ranks, cycles, args.out, " ".join(["omni-core", *sys.argv[1:]]))
+    from omni_core.bench.memory import main as memory_main  # the GPU memory-path benchmark
+
+    return memory_main(args)
+
+
 def _cmd_docs(args: argparse.Namespace) -> int:
     from omni_core.fsm.docs import write_lifecycles
 
@@ -59,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-mib", type=int, default=64, help="synthetic weights per rank, MiB")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("bench", help="benchmarks: memory path on a GPU, or --control-plane on CPU")
+    p.add_argument("--control-plane", action="store_true",
+                   help="sleep/wake round trips of a stage with N rank processes (portable, empty model)")
+    p.add_argument("--ranks", type=int, action="append", help="rank count (repeatable; default 1 2 4 8)")
+    p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")
+    p.add_argument("--short", action="store_true", help="few cycles: a smoke run for CI")
+    p.add_argument("--out", default=None, help="folder for JSON, Markdown (and PNG) results")
+    p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
     p.set_defaults(func=_cmd_walkthrough)
     p = sub.add_parser("schema", help="write the JSON Schema of every wire message")
