@@ -1,6 +1,6 @@
 """Append-only JSON-lines trace of processed messages and state changes.
 
-Every line: `seq` (per node), `time` (unix seconds), `node` (e.g. "engine/talker",
+Every line: `seq` (per node, from 0), `time` (unix seconds), `node` (e.g. "engine/talker",
 "talker/rank1"), `event`, `task_id`, `epoch`, `state`, plus event-specific fields. The
 engine and every worker may append to the same file: each line is one `os.write` on an
 O_APPEND descriptor, which keeps lines whole. Disabled tracing is the `NULL_TRACE` object,
@@ -28,7 +28,6 @@ class TraceWriter:
 
     def event(self, event: str, *, task_id: str = "", epoch: int = 0, state: str = "",
               **fields: Any) -> None:  # fmt: skip
-        self._seq += 1
         record = {"seq": self._seq, "time": time.time(), "node": self.node, "event": event,
                   "task_id": task_id, "epoch": epoch, "state": state, **fields}  # fmt: skip
         line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
@@ -37,6 +36,7 @@ class TraceWriter:
             record["truncated"] = True
             line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         os.write(self._fd, line)
+        self._seq += 1
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -44,12 +44,12 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.trace import TraceWriter
 from omni_core.transport import make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
 from omni_core.workers.runner import ModelRunner, load_runner
-from omni_core.workers.trace import TraceWriter, open_trace
 
 log = logging.getLogger("omni_core.worker")
 
@@ -81,7 +81,8 @@ class WorkerProcess:
     def __init__(self, config: WorkerConfig, sock: zmq.Socket) -> None:
         self.config = config
         self.sock = sock
-        self.trace: TraceWriter | None = open_trace(config.trace_path, f"{config.stage}/{config.rank}")
+        self.trace: TraceWriter | None = (
+            TraceWriter(config.trace_path, f"{config.stage}/{config.rank}") if config.trace_path else None)
         self.device = torch.device("cpu")
         self.backend: MemoryBackend | None = None
         self.runner: ModelRunner | None = None
@@ -275,7 +276,7 @@ class WorkerProcess:
     def _trace(self, event: str, *, task_id: str | None, epoch: int | None, **extra: Any) -> None:
         if self.trace is not None:
             state = self.core.state.value if self.core is not None else "LOADING"
-            self.trace.write(event, task_id=task_id, epoch=epoch, state=state, **extra)
+            self.trace.event(event, task_id=task_id, epoch=epoch, state=state, **extra)
 
     def _trace_state(self, before: Any, task_id: str) -> None:
         if self.trace is not None and self.core is not None and self.core.state is not before:
