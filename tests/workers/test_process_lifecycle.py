@@ -171,7 +171,7 @@ def test_shutdown_exits_cleanly(orch, worker, trace_path):
     with open(trace_path) as f:
         lines = [json.loads(line) for line in f]
     assert [line["seq"] for line in lines] == list(range(len(lines)))
-    assert {"node", "event", "task_id", "epoch", "state", "t"} <= set(lines[0])
+    assert {"seq", "time", "node", "event", "task_id", "epoch", "state"} <= set(lines[0])
     events = {line["event"] for line in lines}
     assert {"start", "recv:Sleep", "send:Ack", "state", "bad_message", "done:Sleep", "done:Execute"} <= events
     assert lines[-1]["state"] == "STOPPED" and lines[0]["node"] == "test/0"
