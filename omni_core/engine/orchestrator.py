@@ -565,6 +565,7 @@ class Orchestrator:
             config = WorkerConfig(address=self.address, rank=rank, epoch=stage.core.epoch,
                                   stage=spec.name, runner=spec.runner, runner_args=dict(spec.runner_args),
                                   backend=spec.backend, device=spec.device, tags=spec.tags,
+                                  gpu_memory_fraction=spec.gpu_memory_fraction,
                                   trace_path=self.trace_path, parent_pid=os.getpid())  # fmt: skip
             # torchrun-style variables for runners that form a process group, and the rank's GPU.
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.ranks), LOCAL_RANK=str(rank),

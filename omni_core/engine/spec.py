@@ -37,6 +37,7 @@ class StageSpec:
     start_deadline_s: float = 120.0  # every rank must say Hello by then
     request_timeout_s: float = 60.0  # per request, queueing included
     queue_limit: int = 256
+    gpu_memory_fraction: float | None = None  # each rank's share of its GPU (own use only)
     tags: tuple[str, ...] = DEFAULT_TAGS
 
     def __post_init__(self) -> None:
@@ -68,4 +69,11 @@ class StageSpec:
             raise InvalidArgumentError(f"stage {self.name!r}: queue_limit must be 0..1e6")
         if not self.tags or len(set(self.tags)) != len(self.tags):
             raise InvalidArgumentError(f"stage {self.name!r}: tags must be distinct and non-empty")
+        if self.gpu_memory_fraction is not None:
+            if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:
+                raise InvalidArgumentError(f"stage {self.name!r}: gpu_memory_fraction must be in (0, 1], "
+                                           f"got {self.gpu_memory_fraction!r}")  # fmt: skip
+            if self.device != "cuda":
+                raise InvalidArgumentError(f"stage {self.name!r}: gpu_memory_fraction applies to "
+                                           f"device='cuda', not {self.device!r}")  # fmt: skip
         object.__setattr__(self, "runner_args", dict(self.runner_args))

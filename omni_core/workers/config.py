@@ -19,6 +19,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     backend: str = "auto"  # "auto" | "portable" | "cumem" | "fast"
     device: str = "cpu"  # torch device inside the process ("cpu", "cuda" = the visible GPU)
     tags: tuple[str, ...] = ("weights", "kv_cache")
+    gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
     trace_path: str | None = None  # append one JSON line per processed message when set
     reply_cache_entries: int = 1024
     recv_queue_limit: int = 1024  # ZMQ receive high-water mark

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import zmq
 
-from omni_core.fsm import WEIGHTS_TAG, WorkerCore
+from omni_core.fsm import KV_CACHE_TAG, WEIGHTS_TAG, WorkerCore
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
@@ -130,12 +130,30 @@ class WorkerProcess:
         assert self.backend is not None
         self.memory = ProcessMemory(self.device)
         self.runner = load_runner(self.config.runner, self.device, self.config.runner_args)
+        fraction = self.config.gpu_memory_fraction if self.device.type == "cuda" else None
         for tag in self.config.tags:
+            if fraction is not None and tag == KV_CACHE_TAG:
+                # This process's own use only: stages starting side by side on one GPU each
+                # get their fraction of the card, not of what the others left (vLLM's rule).
+                available_bytes, _ = self.memory.determine_available_memory(fraction)
+                self.runner.fit_caches(available_bytes)
             with self.backend.pool(tag):
                 self.runner.allocate(tag)
             self.backend.track(tag, self.runner.tensors(tag))
+        if fraction is not None:
+            self._check_budget(fraction)
         log.info("worker %s/%s loaded: pools %s, process memory %s", self.config.stage,
                  self.config.rank, self.backend.usage(), self._figure())  # fmt: skip
+
+    def _check_budget(self, fraction: float) -> None:
+        assert self.memory is not None
+        figure = self.memory.measure()
+        budget_bytes = int(self.memory.total_bytes() * fraction)
+        if figure.process_bytes is not None and figure.process_bytes > budget_bytes:
+            raise RuntimeError(
+                f"this rank holds {figure.process_bytes / 2**30:.2f} GiB of GPU memory ({figure.source}), "
+                f"over its budget gpu_memory_fraction={fraction} x {self.memory.total_bytes() / 2**30:.1f} GiB "
+                f"= {budget_bytes / 2**30:.2f} GiB; shrink the model/caches or raise gpu_memory_fraction")
 
     # ------------------------------------------------------------------ loop
 

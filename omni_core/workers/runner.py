@@ -77,6 +77,13 @@ class ModelRunner(ABC):
                 f"ModelRunner.allocate or configure only tags {[WEIGHTS_TAG, KV_CACHE_TAG]}"
             )
 
+    def fit_caches(self, available_bytes: int) -> None:
+        """Called before `allocate_caches` when the stage has a `gpu_memory_fraction`: the
+        bytes this process may still allocate (its fraction of the device minus what it
+        already holds, other processes on the GPU not counted). Size the caches to it; the
+        default keeps the configured size, and the worker refuses to start if that overshoots."""
+        return None
+
     def close(self) -> None:
         """Drop every tensor reference (Shutdown). The default does nothing."""
         return None

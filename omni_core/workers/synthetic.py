@@ -50,7 +50,7 @@ class SyntheticRunner(ModelRunner):
         *,
         weights_bytes: int = 4 * MiB,
         tensor_count: int = 16,
-        kv_bytes: int = 1 * MiB,
+        kv_bytes: int | str = 1 * MiB,  # or "auto": all that gpu_memory_fraction leaves
         hidden: int = 128,
         dtype: str = "float32",
         seed: int = 0,
@@ -71,9 +71,16 @@ class SyntheticRunner(ModelRunner):
         if self.rows < 1:
             raise ValueError(f"weights_bytes={weights_bytes} is too small for {tensor_count} tensors "
                              f"of hidden={hidden} {dtype}; need >= {tensor_count * hidden * elem}")  # fmt: skip
-        self.kv_rows = kv_bytes // (hidden * elem)
-        if self.kv_rows < 1:
-            raise ValueError(f"kv_bytes={kv_bytes} is below one row of hidden={hidden} {dtype}")
+        self._row_bytes = hidden * elem
+        if kv_bytes == "auto":
+            self.kv_rows = 0  # sized by fit_caches
+        elif isinstance(kv_bytes, int):
+            self.kv_rows = kv_bytes // self._row_bytes
+            if self.kv_rows < 1:
+                raise ValueError(f"kv_bytes={kv_bytes} is below one row of hidden={hidden} {dtype}")
+        else:
+            raise ValueError(f"kv_bytes must be a byte count or 'auto', got {kv_bytes!r}")
+        self.kv_auto = kv_bytes == "auto"
         self.tensor_count = tensor_count
         self.hidden = hidden
         self.seed = seed
@@ -98,7 +105,15 @@ class SyntheticRunner(ModelRunner):
         calib = 1.0 + 0.5 * torch.rand(self.hidden, generator=gen)
         self.calibration = calib.to(device=self.device, dtype=self.dtype)
 
+    def fit_caches(self, available_bytes: int) -> None:
+        if self.kv_auto:
+            self.kv_rows = available_bytes // self._row_bytes
+
     def allocate_caches(self) -> None:
+        if self.kv_rows < 1:
+            raise ValueError("kv_bytes='auto' sizes the KV cache from the stage's gpu_memory_fraction, "
+                             "but none was set or nothing was left; set StageSpec.gpu_memory_fraction "
+                             "or give kv_bytes in bytes")  # fmt: skip
         self.kv = torch.zeros(self.kv_rows, self.hidden, dtype=self.dtype, device=self.device)
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
