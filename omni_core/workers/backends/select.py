@@ -29,10 +29,12 @@ def select_backend(name: str, device: torch.device | str) -> MemoryBackend:
     if name == "portable":
         return PortableBackend(device)
     if name == "fast":
-        raise BackendUnavailable(
-            "backend 'fast' (pre-registered host arena, pipelined copies) is not part of this "
-            "omni-core version yet; use 'cumem' (CUDA with vLLM) or 'portable' (any device)"
-        )
+        from omni_core.workers.backends.fast import FastBackend
+
+        try:
+            return FastBackend(device)
+        except BackendUnavailable as exc:  # same needs as cumem: say so under this name
+            raise BackendUnavailable(str(exc).replace("backend 'cumem'", "backend 'fast'", 1)) from None
     if ":" in name:
         cls = import_object(name)
         if not (isinstance(cls, type) and issubclass(cls, MemoryBackend)):

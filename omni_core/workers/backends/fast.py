@@ -1,0 +1,573 @@
+"""The fast backend: vLLM's CuMemAllocator pools, moved at the speed of the host link.
+
+Same allocations, same virtual addresses, same lifecycle as the cumem backend (tensors,
+raw pointers and captured CUDA graphs stay valid), but the bytes move differently:
+
+- **One host arena, registered once.** vLLM's first sleep pins a fresh host tensor per
+  allocation (pinning runs at 3-4 GB/s, so 8 GiB take 3-4 s) and torch's pinned cache then
+  rounds every later one up to a power of two. Here a single anonymous mapping of exactly
+  the offloaded allocations' size is page-locked with the driver (`cudaHostRegister`)
+  when the weights have been allocated, before the first sleep: its cost is paid at load
+  time (or in the background) and reported (`arena_prepare_s`), never inside a sleep.
+- **Large asynchronous copies on dedicated streams.** Allocations are laid out in the arena
+  in address order, so neighbours that are contiguous on the device are contiguous on the
+  host too and travel as one copy; runs are cut into chunks (128 MiB by default) spread
+  over two streams, with an event after each chunk.
+- **Release as soon as copied.** Discarded tags are unmapped first (nothing to wait for);
+  each offloaded allocation is unmapped the moment the event of its last chunk completes.
+- **Map while copying on wake.** Allocation i+1 is mapped (cuMemCreate/cuMemMap through
+  vLLM's extension) while allocation i's bytes are already on the way back.
+
+The device work goes through vLLM's own extension (`python_create_and_map` /
+`python_unmap_and_release`, or the module's `create_and_map` / `unmap_and_release`
+wrappers) and vLLM's bookkeeping stays coherent: every allocation's `is_asleep` /
+`is_mapped` flag is set as vLLM's own loops set it, and an offloaded allocation's
+`cpu_backup_tensor` is a view of its arena slice, so vLLM's `wake_up` could restore it too.
+
+`FastPath` is the mechanism over any CuMemAllocator instance; `FastBackend` is the
+omni-core memory backend on it, and `omni_core.vllm_plugin` offers the same mechanism to
+plain vLLM workers as a sleep-mode backend. The device calls sit behind `CudaOps` so that
+the bookkeeping runs on CPU test doubles in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import WEIGHTS_TAG
+from omni_core.workers.backends.cumem import CumemBackend
+
+log = logging.getLogger("omni_core.backends.fast")
+
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 128 * MiB
+DEFAULT_STREAMS = 2
+# cudaMemcpyKind and cudaHostRegister flags (driver_types.h)
+_H2D, _D2H = 1, 2
+_HOST_REGISTER_PORTABLE = 1  # usable from every context: the arena may be prepared on another thread
+
+ENV_PREPARE = "OMNI_FAST_PREPARE"  # "load" (default) | "background" | "sleep"
+ENV_CHUNK_MIB = "OMNI_FAST_CHUNK_MIB"
+ENV_WAKE = "OMNI_FAST_WAKE"  # "pipelined" (default) | "map-first"
+
+
+# ---------------------------------------------------------------------- planning (pure)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One asynchronous copy: `nbytes` between device address `device` and host `host`;
+    `completes` lists the indices of the allocations whose last byte is in it."""
+
+    device: int
+    host: int
+    nbytes: int
+    completes: tuple[int, ...]
+
+
+def plan_copies(spans: Sequence[tuple[int, int, int]], chunk_bytes: int) -> list[Copy]:
+    """`spans` are (device address, host address, size), in the order they should travel.
+    A span that continues the previous one on both sides joins its run; every run is cut
+    into copies of at most `chunk_bytes`. Each span index appears in exactly one copy's
+    `completes`: the copy holding its last byte (a zero-size span: the copy where it starts)."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    runs: list[list[Any]] = []  # [device, host, length, [(end offset in run, span index)]]
+    for index, (dev, host, size) in enumerate(spans):
+        if size < 0:
+            raise ValueError(f"span {index} has negative size {size}")
+        last = runs[-1] if runs else None
+        if last is not None and dev == last[0] + last[2] and host == last[1] + last[2]:
+            last[2] += size
+            last[3].append((last[2], index))
+        else:
+            runs.append([dev, host, size, [(size, index)]])
+    copies: list[Copy] = []
+    for dev, host, length, ends in runs:
+        count = max(1, -(-length // chunk_bytes))
+        done: list[list[int]] = [[] for _ in range(count)]
+        for end, index in ends:
+            done[max(0, end - 1) // chunk_bytes].append(index)
+        for k in range(count):
+            start = k * chunk_bytes
+            copies.append(Copy(dev + start, host + start, min(chunk_bytes, length - start), tuple(done[k])))
+    return copies
+
+
+# ---------------------------------------------------------------------- device calls
+
+
+def _find_cudart() -> str:
+    """The libcudart torch loaded (vLLM's cumem module finds it the same way)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1] if "/" in line else ""
+            if "libcudart" in os.path.basename(path):
+                return path
+    raise RuntimeError("libcudart is not loaded in this process (torch links it statically?); "
+                       "the fast backend needs cudaMemcpyAsync and cudaHostRegister from it")  # fmt: skip
+
+
+class CudaOps:
+    """The few CUDA runtime calls the fast path makes, on `device`'s dedicated streams."""
+
+    def __init__(self, device: torch.device, streams: int = DEFAULT_STREAMS) -> None:
+        torch.cuda.init()
+        self.device = torch.device(device)
+        rt = ctypes.CDLL(_find_cudart())
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        rt.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
+        rt.cudaHostRegister.argtypes = [vp, sz, ctypes.c_uint]
+        rt.cudaHostUnregister.argtypes = [vp]
+        rt.cudaGetErrorString.argtypes = [ctypes.c_int]
+        rt.cudaGetErrorString.restype = ctypes.c_char_p
+        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister):
+            fn.restype = ctypes.c_int
+        self._rt = rt
+        self._stream_count = max(1, streams)
+        self._streams: list[torch.cuda.Stream] | None = None
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: CUDA error {rc} ({self._rt.cudaGetErrorString(rc).decode()})")
+
+    @property
+    def streams(self) -> list[Any]:
+        if self._streams is None:
+            self._streams = [torch.cuda.Stream(device=self.device) for _ in range(self._stream_count)]
+        return self._streams
+
+    def copy(self, dst: int, src: int, nbytes: int, to_device: bool, stream: Any) -> None:
+        rc = self._rt.cudaMemcpyAsync(dst, src, nbytes, _H2D if to_device else _D2H, stream.cuda_stream)
+        self._check(rc, f"cudaMemcpyAsync of {nbytes} bytes")
+
+    def record(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def streams_after_current(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for s in self.streams:
+            s.wait_stream(current)
+
+    def current_after_streams(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for s in self.streams:
+            current.wait_stream(s)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._check(self._rt.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE),
+                    f"cudaHostRegister of {nbytes} bytes")  # fmt: skip
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self._rt.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+# ---------------------------------------------------------------------- host arena
+
+
+class HostArena:
+    """One anonymous host mapping of exactly `nbytes`, faulted in (transparent huge pages
+    where the kernel offers them, by all of torch's CPU threads) and page-locked once."""
+
+    def __init__(self, nbytes: int, ops: Any, *, touch: bool = True) -> None:
+        started = time.perf_counter()
+        self.nbytes = nbytes
+        self._ops = ops
+        self._buffer = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # THP off: 4 KiB pages work, only the fault-in is slower
+                self._buffer.madvise(mmap.MADV_HUGEPAGE)
+        self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8, count=max(nbytes, 1))
+        if touch:
+            self.tensor.zero_()  # parallel page faults; cudaHostRegister alone faults serially
+        self.ptr = self.tensor.data_ptr()
+        touched = time.perf_counter()
+        ops.register(self.ptr, max(nbytes, 1))
+        self.registered = True
+        self.touch_s = touched - started
+        self.register_s = time.perf_counter() - touched
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.tensor[offset : offset + nbytes]
+
+    def close(self) -> None:
+        if self.registered:
+            self.registered = False
+            self._ops.unregister(self.ptr)
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with it
+            self._buffer.close()
+
+
+@dataclass
+class Slot:
+    arena: HostArena
+    offset: int
+    nbytes: int
+
+    @property
+    def host(self) -> int:
+        return self.arena.ptr + self.offset
+
+
+@dataclass
+class PathStats:
+    """Figures of the last prepare / sleep / wake (seconds, bytes)."""
+
+    arena_bytes: int = 0
+    arena_prepare_s: float = 0.0
+    arena_touch_s: float = 0.0
+    arena_register_s: float = 0.0
+    late_arena_bytes: int = 0  # offloaded allocations that were not in the prepared arena
+    late_arena_s: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- the mechanism
+
+
+class FastPath:
+    """Sleep and wake of a CuMemAllocator's allocations through a registered host arena."""
+
+    def __init__(
+        self,
+        allocator: Any,
+        module: Any,
+        device: torch.device,
+        *,
+        ops: Any = None,
+        chunk_bytes: int | None = None,
+        streams: int = DEFAULT_STREAMS,
+        wake_mode: str | None = None,
+        touch: bool = True,
+    ) -> None:
+        self.allocator = allocator
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes or int(os.environ.get(ENV_CHUNK_MIB, "0")) * MiB or DEFAULT_CHUNK_BYTES
+        self.wake_mode = wake_mode or os.environ.get(ENV_WAKE, "pipelined")
+        if self.wake_mode not in ("pipelined", "map-first"):
+            raise ValueError(f"wake mode {self.wake_mode!r}: use 'pipelined' or 'map-first'")
+        self.ops = ops if ops is not None else CudaOps(self.device, streams)
+        self.touch = touch
+        raw_map = getattr(module, "python_create_and_map", None)
+        raw_unmap = getattr(module, "python_unmap_and_release", None)
+        self._map = (lambda h: raw_map(*h)) if raw_map is not None else module.create_and_map
+        self._unmap = (lambda h: raw_unmap(*h)) if raw_unmap is not None else module.unmap_and_release
+        self._slots: dict[int, Slot] = {}
+        self._arenas: list[HostArena] = []
+        self._backed: set[int] = set()  # allocations whose bytes are in their slot now
+        self._unmapped: set[int] = set()  # for allocator versions without a flag
+        self._prepare_thread: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.stats = PathStats()
+
+    # ------------------------------------------------------------------ allocation state
+
+    def allocations(self, tags: Iterable[str] | None = None) -> list[tuple[int, Any]]:
+        wanted = None if tags is None else set(tags)
+        return sorted((ptr, d) for ptr, d in list(self.allocator.pointer_to_data.items())
+                      if wanted is None or d.tag in wanted)  # fmt: skip
+
+    def is_asleep(self, ptr: int, data: Any) -> bool:
+        if hasattr(data, "is_asleep"):
+            return bool(data.is_asleep)
+        if hasattr(data, "is_mapped"):
+            return not data.is_mapped
+        return ptr in self._unmapped
+
+    def _mark(self, ptr: int, data: Any, *, asleep: bool) -> None:
+        if hasattr(data, "is_asleep"):
+            data.is_asleep = asleep
+        if hasattr(data, "is_mapped"):
+            data.is_mapped = not asleep
+        (self._unmapped.add if asleep else self._unmapped.discard)(ptr)
+
+    # ------------------------------------------------------------------ arena
+
+    def prepare(self, tags: Iterable[str] = (WEIGHTS_TAG,), *, background: bool = False) -> None:
+        """Lay out and register an exact-size arena for the current allocations of `tags`
+        (no-op when the present arena already fits them). In the background, the next
+        sleep waits for it."""
+        tags = tuple(tags)
+        self.wait_prepared()
+        if not background:
+            self._prepare(tags)
+            return
+
+        def work() -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                self._prepare(tags)
+            except BaseException as exc:  # surfaced by the next wait_prepared()
+                self._prepare_error = exc
+
+        self._prepare_thread = threading.Thread(target=work, name="omni-fast-arena", daemon=True)
+        self._prepare_thread.start()
+
+    def wait_prepared(self) -> None:
+        thread, self._prepare_thread = self._prepare_thread, None
+        if thread is not None:
+            thread.join()
+        error, self._prepare_error = self._prepare_error, None
+        if error is not None:
+            raise RuntimeError(f"preparing the host arena failed: {type(error).__name__}: {error}") from error
+
+    def _prepare(self, tags: tuple[str, ...]) -> None:
+        with self._lock:
+            allocs = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
+            if all(p in self._slots and self._slots[p].nbytes == d.handle[1] for p, d in allocs):
+                return
+            if self._backed:
+                return  # bytes live in the present arena: keep it; late slots cover new allocations
+            started = time.perf_counter()
+            self._drop_arenas()
+            arena = self._new_arena(allocs)
+            self.stats.arena_bytes = arena.nbytes if arena else 0
+            self.stats.arena_prepare_s = time.perf_counter() - started
+            self.stats.arena_touch_s = arena.touch_s if arena else 0.0
+            self.stats.arena_register_s = arena.register_s if arena else 0.0
+            log.info("fast backend: host arena of %.3f GiB for %d allocations of %s prepared in %.3f s "
+                     "(fault-in %.3f s, cudaHostRegister %.3f s)", self.stats.arena_bytes / 2**30, len(allocs),
+                     list(tags), self.stats.arena_prepare_s, self.stats.arena_touch_s,
+                     self.stats.arena_register_s)  # fmt: skip
+
+    def _new_arena(self, allocs: list[tuple[int, Any]]) -> HostArena | None:
+        total = sum(d.handle[1] for _, d in allocs)
+        if total == 0:
+            return None
+        arena = HostArena(total, self.ops, touch=self.touch)
+        self._arenas.append(arena)
+        offset = 0
+        for ptr, data in allocs:  # address order: device neighbours are host neighbours
+            self._slots[ptr] = Slot(arena, offset, data.handle[1])
+            offset += data.handle[1]
+        return arena
+
+    def _drop_arenas(self) -> None:
+        for ptr, data in self.allocations():
+            if getattr(data, "cpu_backup_tensor", None) is not None and ptr in self._slots:
+                data.cpu_backup_tensor = None
+        self._slots.clear()
+        self._backed.clear()
+        for arena in self._arenas:
+            arena.close()
+        self._arenas.clear()
+
+    def _ensure_slots(self, allocs: list[tuple[int, Any]]) -> None:
+        missing = [(p, d) for p, d in allocs if p not in self._slots or self._slots[p].nbytes != d.handle[1]]
+        if missing:
+            started = time.perf_counter()
+            arena = self._new_arena(missing)
+            self.stats.late_arena_bytes += arena.nbytes if arena else 0
+            self.stats.late_arena_s += time.perf_counter() - started
+            log.warning("fast backend: %d allocations (%.3f GiB) to offload were not in the prepared arena; "
+                        "registered %.3f s of host memory during this sleep", len(missing),
+                        sum(d.handle[1] for _, d in missing) / 2**30, time.perf_counter() - started)  # fmt: skip
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def sleep(self, offload: Iterable[str], discard: Iterable[str]) -> dict[str, Any]:
+        """Release every mapped allocation of `offload | discard`; copy `offload` first."""
+        offload, discard = frozenset(offload), frozenset(discard)
+        started = time.perf_counter()
+        self.wait_prepared()
+        waited = time.perf_counter()
+        allocs = [(p, d) for p, d in self.allocations(offload | discard) if not self.is_asleep(p, d)]
+        dropped = [(p, d) for p, d in allocs if d.tag not in offload]
+        kept = [(p, d) for p, d in allocs if d.tag in offload]
+        # Discarded memory first: the caller has synchronized, so nothing is reading it, and
+        # the driver's unmap (synchronous for most uses) has no copy to wait for yet.
+        for ptr, data in dropped:
+            self._release(ptr, data, backed=False)
+        unmapped = time.perf_counter()
+        copies: list[Copy] = []
+        if kept:
+            self._ensure_slots(kept)
+            copies = plan_copies([(p, self._slots[p].host, d.handle[1]) for p, d in kept], self.chunk_bytes)
+            streams = self.ops.streams
+            self.ops.streams_after_current()
+            events = []
+            for k, c in enumerate(copies):
+                stream = streams[k % len(streams)]
+                if c.nbytes:
+                    self.ops.copy(c.host, c.device, c.nbytes, False, stream)
+                events.append(self.ops.record(stream))
+            # Events complete in any order across streams; waiting in issue order means that
+            # after event k every copy up to k is done, so the allocations ending in k are free.
+            for c, event in zip(copies, events, strict=True):
+                self.ops.wait(event)
+                for i in c.completes:
+                    self._release(*kept[i], backed=True)
+        done = time.perf_counter()
+        self.stats.last = {
+            "op": "sleep", "offloaded_bytes": sum(d.handle[1] for _, d in kept),
+            "discarded_bytes": sum(d.handle[1] for _, d in dropped), "allocations": len(allocs),
+            "copies": len(copies), "wait_prepare_s": waited - started, "discard_s": unmapped - waited,
+            "offload_s": done - unmapped, "total_s": done - started,
+        }  # fmt: skip
+        return self.stats.last
+
+    def _release(self, ptr: int, data: Any, *, backed: bool) -> None:
+        try:
+            self._unmap(data.handle)
+        finally:
+            self._mark(ptr, data, asleep=True)
+        if backed:
+            self._backed.add(ptr)
+            data.cpu_backup_tensor = self._slots[ptr].arena.view(self._slots[ptr].offset, data.handle[1])
+        else:
+            self._backed.discard(ptr)
+            data.cpu_backup_tensor = None
+
+    def wake(self, tags: Iterable[str] | None = None) -> dict[str, Any]:
+        """Map every asleep allocation of `tags` (all when None) back at its address and
+        restore the ones with a host copy; returns once the bytes are on the device."""
+        started = time.perf_counter()
+        allocs = [(p, d) for p, d in self.allocations(tags) if self.is_asleep(p, d)]
+        streams = self.ops.streams
+        self.ops.streams_after_current()
+        issued = 0
+        run: list[tuple[int, int, int]] = []
+        restored = run_bytes = 0
+        map_s = 0.0
+
+        def flush() -> None:
+            nonlocal issued, run_bytes
+            for c in plan_copies(run, self.chunk_bytes):
+                if c.nbytes:
+                    self.ops.copy(c.device, c.host, c.nbytes, True, streams[issued % len(streams)])
+                    issued += 1
+            run.clear()
+            run_bytes = 0
+
+        def restore(ptr: int, data: Any) -> None:
+            nonlocal restored, run_bytes
+            if ptr not in self._backed:
+                return
+            slot = self._slots[ptr]
+            if run and (run[-1][0] + run[-1][2] != ptr or run[-1][1] + run[-1][2] != slot.host):
+                flush()
+            run.append((ptr, slot.host, data.handle[1]))
+            restored += data.handle[1]
+            run_bytes += data.handle[1]
+            if run_bytes >= self.chunk_bytes:  # start this run's copies; map the next ones meanwhile
+                flush()
+
+        pipelined = self.wake_mode == "pipelined"
+        for ptr, data in allocs:
+            t = time.perf_counter()
+            self._map(data.handle)
+            self._mark(ptr, data, asleep=False)
+            map_s += time.perf_counter() - t
+            if pipelined:  # this allocation's bytes travel while the next one is mapped
+                restore(ptr, data)
+        if not pipelined:
+            for ptr, data in allocs:
+                restore(ptr, data)
+        flush()
+        self.ops.current_after_streams()
+        self.ops.synchronize()
+        for ptr, data in allocs:
+            self._backed.discard(ptr)
+            data.cpu_backup_tensor = None
+        done = time.perf_counter()
+        self.stats.last = {"op": "wake", "restored_bytes": restored, "allocations": len(allocs),
+                           "copies": issued, "map_s": map_s, "total_s": done - started}  # fmt: skip
+        return self.stats.last
+
+    # ------------------------------------------------------------------ figures, teardown
+
+    def backed_bytes(self) -> int:
+        return sum(self._slots[p].nbytes for p in self._backed)
+
+    def arena_bytes(self) -> int:
+        return sum(a.nbytes for a in self._arenas)
+
+    def release(self) -> None:
+        self.wait_prepared()
+        self.ops.synchronize()
+        self._drop_arenas()
+
+
+def _prepare_mode() -> str:
+    mode = os.environ.get(ENV_PREPARE, "load")
+    if mode not in ("load", "background", "sleep"):
+        raise ValueError(f"{ENV_PREPARE}={mode!r}: use 'load', 'background' or 'sleep'")
+    return mode
+
+
+class FastBackend(CumemBackend):
+    """omni-core's memory backend on `FastPath` (see the module docstring)."""
+
+    name = "fast"
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        module: Any = None,
+        ops: Any = None,
+        arena_tags: tuple[str, ...] = (WEIGHTS_TAG,),
+        prepare: str | None = None,
+        chunk_bytes: int | None = None,
+        wake_mode: str | None = None,
+    ) -> None:
+        super().__init__(device, module=module)
+        self.arena_tags = arena_tags
+        self.prepare_mode = prepare or _prepare_mode()
+        self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
+                             wake_mode=wake_mode)  # fmt: skip
+
+    def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
+        # Called once a tag's tensors are allocated (and after a reload): the weights are
+        # final, so their arena can be laid out and registered now, before any sleep.
+        if tag in self.arena_tags and self.prepare_mode != "sleep":
+            with self._on_device():
+                self.path.prepare(self.arena_tags, background=self.prepare_mode == "background")
+
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        self.sleep_paths.append("fast")
+        with self._on_device():
+            self.path.sleep(offload, discard)
+
+    def _wake(self, tags: frozenset[str]) -> None:
+        with self._on_device():
+            self.path.wake(tags)
+
+    def _is_asleep(self, data: Any) -> bool:
+        return self.path.is_asleep(data.handle[2], data)
+
+    def _host_bytes(self) -> int:
+        return self.path.backed_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.path.stats
+        return {"arena_bytes": self.path.arena_bytes(), "arena_prepare_s": s.arena_prepare_s,
+                "arena_touch_s": s.arena_touch_s, "arena_register_s": s.arena_register_s,
+                "late_arena_bytes": s.late_arena_bytes, "late_arena_s": s.late_arena_s,
+                "last": dict(s.last)}  # fmt: skip
+
+    def release(self) -> None:
+        super().release()
+        self.path.release()

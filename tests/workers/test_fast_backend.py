@@ -1,0 +1,274 @@
+"""The fast backend's bookkeeping on CPU: copy planning, arena layout, release order, and
+the lifecycle against the CuMemAllocator stand-ins of test_cumem_versions.
+
+The device calls are replaced by `DeferredOps`, which queues each copy on its stream and
+runs it only when an event recorded after it is waited on (or at synchronize), the way a
+GPU would: an allocation unmapped before its copy has run makes the queued copy fail, so
+the tests catch a release that does not wait for its bytes. Copies from or to host memory
+outside a registered arena fail too. The real device path runs in test_fast_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from omni_core.workers.backends import BackendUnavailable, select_backend
+from omni_core.workers.backends.fast import FastBackend, plan_copies
+
+from .test_cumem_versions import GARBAGE, KV, VARIANTS, FakeCumemModule, W, content
+
+
+class DeferredOps:
+    def __init__(self, module: FakeCumemModule, streams: int = 2) -> None:
+        self.m = module
+        self.streams = [f"stream{i}" for i in range(streams)]
+        self.queues: dict[str, list] = {s: [] for s in self.streams}
+        self.done = dict.fromkeys(self.streams, 0)
+        self.registered: dict[int, int] = {}
+        self.copies: list[tuple[str, int]] = []  # (direction, bytes), in issue order
+        self.register_calls = 0
+
+    # -- device memory of the fake module: a range may span neighbouring allocations
+    def _pieces(self, address: int, nbytes: int):
+        end = address + nbytes
+        while address < end:
+            base = max((p for p in self.m.memory if p <= address), default=None)
+            if base is None or address >= base + len(self.m.memory[base]):
+                raise RuntimeError(f"copy touches {address:#x}, which is not mapped")
+            n = min(end, base + len(self.m.memory[base])) - address
+            yield base, address - base, n
+            address += n
+
+    def _check_host(self, ptr: int, nbytes: int) -> None:
+        if not any(p <= ptr and ptr + nbytes <= p + n for p, n in self.registered.items()):
+            raise RuntimeError(f"host range {ptr:#x}+{nbytes} is not in a registered arena")
+
+    def _run(self, op) -> None:
+        dst, src, nbytes, to_device = op
+        if to_device:
+            self._check_host(src, nbytes)
+            done = 0
+            for base, offset, n in list(self._pieces(dst, nbytes)):
+                self.m.memory[base][offset : offset + n] = ctypes.string_at(src + done, n)
+                done += n
+        else:
+            self._check_host(dst, nbytes)
+            done = 0
+            for base, offset, n in list(self._pieces(src, nbytes)):
+                ctypes.memmove(dst + done, bytes(self.m.memory[base][offset : offset + n]), n)
+                done += n
+
+    def copy(self, dst: int, src: int, nbytes: int, to_device: bool, stream: str) -> None:
+        self.queues[stream].append((dst, src, nbytes, to_device))
+        self.copies.append(("h2d" if to_device else "d2h", nbytes))
+
+    def record(self, stream: str):
+        return (stream, len(self.queues[stream]))
+
+    def wait(self, event) -> None:
+        stream, upto = event  # every op issued on `stream` before the event runs now
+        while self.done[stream] < upto:
+            self._run(self.queues[stream][self.done[stream]])
+            self.done[stream] += 1
+
+    def streams_after_current(self) -> None:
+        pass
+
+    def current_after_streams(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        for stream in self.streams:
+            self.wait((stream, len(self.queues[stream])))
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.register_calls += 1
+        self.registered[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.registered[ptr]
+
+
+def make(variant: str, sizes_w=(4096, 8192, 12288), sizes_kv=(16384,), **kwargs):
+    module = FakeCumemModule(variant)
+    ops = DeferredOps(module)
+    backend = FastBackend(torch.device("cpu"), module=module, ops=ops, chunk_bytes=5000, **kwargs)
+    ptrs = {}
+    for tag, fill, sizes in ((W, 0x11, sizes_w), (KV, 0x22, sizes_kv)):
+        with backend.pool(tag):
+            ptrs[tag] = [backend.allocator.malloc(size, fill) for size in sizes]
+        backend.track(tag, [])
+    # distinct bytes per allocation and position: a copy landing in the wrong place shows
+    for i, p in enumerate(ptrs[W]):
+        module.memory[p][:] = bytes((i * 31 + j) % 251 for j in range(len(module.memory[p])))
+    return module, ops, backend, ptrs
+
+
+def snapshot(module, ptrs):
+    return [bytes(module.memory[p]) for p in ptrs]
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def test_plan_copies_joins_neighbours_and_cuts_chunks():
+    copies = plan_copies([(0, 100, 4), (4, 104, 4), (20, 108, 4), (24, 200, 3)], 3)
+    assert [(c.device, c.host, c.nbytes, c.completes) for c in copies] == [
+        (0, 100, 3, ()), (3, 103, 3, (0,)), (6, 106, 2, (1,)),  # one run of 8 bytes in 3 copies
+        (20, 108, 3, ()), (23, 111, 1, (2,)),  # device gap: a run of its own
+        (24, 200, 3, (3,)),  # host gap: a run of its own
+    ]  # fmt: skip
+
+
+def test_plan_copies_covers_every_byte_once_and_completes_every_span_once():
+    rng = random.Random(7)
+    for _ in range(300):
+        spans, dev, host = [], 1000, 50_000
+        for _ in range(rng.randint(0, 12)):
+            size = rng.choice([0, 1, 5, 64, 100])
+            dev += rng.choice([0, 0, 3])
+            host += rng.choice([0, 0, 0, 7])
+            spans.append((dev, host, size))
+            dev, host = dev + size, host + size
+        chunk = rng.choice([1, 7, 64, 1000])
+        copies = plan_copies(spans, chunk)
+        assert all(0 <= c.nbytes <= chunk for c in copies)
+        assert sorted(i for c in copies for i in c.completes) == list(range(len(spans)))
+        covered = [(c.device + k, c.host + k) for c in copies for k in range(c.nbytes)]
+        expected = [(d + k, h + k) for d, h, n in spans for k in range(n)]
+        assert sorted(covered) == sorted(expected) and len(set(covered)) == len(covered)
+        for c in copies:  # a span is complete only once all its bytes are in copies up to there
+            for i in c.completes:
+                d, _, n = spans[i]
+                last = copies.index(c)
+                assert all(any(x.device <= d + k < x.device + x.nbytes for x in copies[: last + 1]) for k in range(n))
+
+
+def test_plan_copies_refuses_bad_input():
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_copies([(0, 0, 1)], 0)
+    with pytest.raises(ValueError, match="negative"):
+        plan_copies([(0, 0, -1)], 4)
+
+
+# ---------------------------------------------------------------------- lifecycle
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("wake_mode", ["pipelined", "map-first"])
+def test_level1_round_trip_restores_weights_through_the_prepared_arena(variant, wake_mode):
+    module, ops, backend, ptrs = make(variant, wake_mode=wake_mode)
+    before = snapshot(module, ptrs[W])
+    stats = backend.stats()
+    assert stats["arena_bytes"] == 4096 + 8192 + 12288  # exactly the weights, prepared at track()
+    assert ops.register_calls == 1 and backend.host_bytes() == 0
+    backend.sleep({W}, {KV})
+    assert backend.sleep_paths == ["fast"] and module.memory == {}
+    assert ops.register_calls == 1  # nothing registered during the sleep
+    assert backend.usage() == {W: 0, KV: 0} and backend.host_bytes() == 24576
+    # neighbouring allocations travel together, cut at chunk_bytes=5000
+    assert [n for d, n in ops.copies if d == "d2h"] == [5000] * 4 + [4576]
+    for p in ptrs[W]:  # vLLM's bookkeeping: a view of the slot, and the version's flag
+        data = backend.allocator.pointer_to_data[p]
+        assert data.cpu_backup_tensor is not None and data.cpu_backup_tensor.numel() == data.handle[1]
+        assert backend._is_asleep(data)
+    backend.wake({W, KV})
+    assert snapshot(module, ptrs[W]) == before and content(module, ptrs[KV]) == {GARBAGE}
+    assert backend.host_bytes() == 0 and backend.usage() == {W: 24576, KV: 16384}
+    assert all(backend.allocator.pointer_to_data[p].cpu_backup_tensor is None for p in ptrs[W])
+    for _ in range(3):  # later cycles reuse the arena
+        backend.sleep({W}, {KV})
+        backend.wake({W, KV})
+        assert snapshot(module, ptrs[W]) == before
+    assert ops.register_calls == 1
+    backend.release()
+    assert ops.registered == {}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_level2_discards_everything_and_wake_maps_without_copying(variant):
+    module, ops, backend, ptrs = make(variant)
+    backend.sleep(set(), {W, KV})
+    assert module.memory == {} and backend.host_bytes() == 0 and ops.copies == []
+    backend.wake({W, KV})
+    assert content(module, ptrs[W]) == {GARBAGE} and ops.copies == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_partial_sleeps_and_wakes_touch_each_allocation_once(variant):
+    module, _, backend, ptrs = make(variant)
+    before = snapshot(module, ptrs[W])
+    backend.sleep(set(), {KV})
+    assert set(module.memory) == set(ptrs[W]) and backend.usage() == {W: 24576, KV: 0}
+    backend.sleep({W}, set())  # KV already asleep: not unmapped twice (the fake would raise)
+    assert module.memory == {}
+    backend.wake({W})
+    assert set(module.memory) == set(ptrs[W]) and snapshot(module, ptrs[W]) == before
+    backend.wake({KV})
+    assert set(module.memory) == set(ptrs[W] + ptrs[KV])
+    backend.sleep({W}, {KV})
+    backend.wake({KV})  # KV first, weights still asleep with their bytes on the host
+    assert set(module.memory) == set(ptrs[KV]) and backend.host_bytes() == 24576
+    backend.wake({W})
+    assert snapshot(module, ptrs[W]) == before
+
+
+def test_offloading_a_tag_without_an_arena_registers_a_late_one():
+    module, ops, backend, ptrs = make("0.26")
+    kv_before = snapshot(module, ptrs[KV])
+    backend.sleep({W, KV}, set())  # KV offloaded too: not in the prepared arena
+    assert ops.register_calls == 2
+    stats = backend.stats()
+    assert stats["late_arena_bytes"] == 16384 and stats["arena_bytes"] == 24576 + 16384
+    backend.wake({W, KV})
+    assert snapshot(module, ptrs[KV]) == kv_before
+    backend.sleep({W, KV}, set())
+    assert ops.register_calls == 2  # the late slots stay
+
+
+def test_prepare_is_a_no_op_when_the_arena_fits_and_rebuilds_when_it_does_not():
+    _module, ops, backend, ptrs = make("0.26")
+    backend.track(W, [])  # e.g. after ReloadWeights: same allocations
+    assert ops.register_calls == 1
+    with backend.pool(W):
+        ptrs[W].append(backend.allocator.malloc(2048, 0x33))
+    backend.track(W, [])
+    assert ops.register_calls == 2 and backend.stats()["arena_bytes"] == 24576 + 2048
+    assert len(ops.registered) == 1  # the old arena was unregistered
+
+
+@pytest.mark.parametrize("mode", ["background", "sleep"])
+def test_prepare_modes(mode):
+    module, ops, backend, ptrs = make("0.26", prepare=mode)
+    before = snapshot(module, ptrs[W])
+    if mode == "sleep":
+        assert ops.register_calls == 0
+    backend.sleep({W}, {KV})  # joins the background thread, or lays the arena out now
+    assert ops.register_calls == 1 and backend.stats()["late_arena_bytes"] == (0 if mode == "background" else 24576)
+    backend.wake({W, KV})
+    assert snapshot(module, ptrs[W]) == before
+
+
+def test_release_order_is_checked_by_the_deferred_copies():
+    """Self-check of the double: unmapping before waiting makes the queued copy fail."""
+    module, ops, backend, ptrs = make("0.26")
+    path = backend.path
+    slot = path._slots[ptrs[W][0]]
+    ops.copy(slot.host, ptrs[W][0], 4096, False, ops.streams[0])
+    module.unmap_and_release(backend.allocator.pointer_to_data[ptrs[W][0]].handle)
+    with pytest.raises(RuntimeError, match="not mapped"):
+        ops.synchronize()
+
+
+def test_select_fast_names_itself_when_unavailable():
+    with pytest.raises(BackendUnavailable, match=r"backend 'fast' is unavailable: the cumem backend needs a CUDA"):
+        select_backend("fast", torch.device("cpu"))
+
+
+def test_bad_wake_mode_is_refused():
+    with pytest.raises(ValueError, match="wake mode"):
+        make("0.26", wake_mode="sometimes")
