@@ -333,8 +333,14 @@ class FastPath:
         if error is not None:
             raise RuntimeError(f"preparing the host arena failed: {type(error).__name__}: {error}") from error
 
+    def _prune_backed(self) -> None:
+        # An allocation woken by someone else (vLLM's own wake_up) no longer needs its slot.
+        table = self.allocator.pointer_to_data
+        self._backed = {p for p in self._backed if p in table and self.is_asleep(p, table[p])}
+
     def _prepare(self, tags: tuple[str, ...]) -> None:
         with self._lock:
+            self._prune_backed()
             allocs = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
             if all(p in self._slots and self._slots[p].nbytes == d.handle[1] for p, d in allocs):
                 return
@@ -393,6 +399,7 @@ class FastPath:
         started = time.perf_counter()
         self.wait_prepared()
         waited = time.perf_counter()
+        self._prune_backed()
         allocs = [(p, d) for p, d in self.allocations(offload | discard) if not self.is_asleep(p, d)]
         dropped = [(p, d) for p, d in allocs if d.tag not in offload]
         kept = [(p, d) for p, d in allocs if d.tag in offload]

@@ -1,0 +1,176 @@
+"""omni-core's fast sleep path for plain vLLM workers (vLLM >= 0.26).
+
+vLLM 0.26 resolves the sleep mechanism by name through `SleepModeBackendFactory`
+(`ModelConfig.sleep_mode_backend`, default "cumem"), and third parties register theirs from
+a `vllm.general_plugins` entry point, which vLLM runs in every process it starts. omni-core
+declares one (pyproject.toml):
+
+    [project.entry-points."vllm.general_plugins"]
+    omni_core_fast = "omni_core.vllm_plugin:register"
+
+so with omni-core installed, a vLLM user selects the backend by its name, `omni_fast`
+(`sleep_mode_backend="omni_fast"`; `--sleep-mode-backend omni_fast` where the vLLM version
+exposes the field on the command line), and nothing else changes: the worker's
+`sleep(level)` / `wake_up(tags)` land in `OmniFastSleepBackend.suspend` / `resume`, which
+run `omni_core.workers.backends.fast.FastPath` over the worker's own CuMemAllocator
+(weights offloaded into one pre-registered host arena at link speed, the rest released).
+
+The arena is laid out when the worker's `kv_cache` pool closes (the weights are final by
+then and no CUDA graph is being captured), once, synchronously, logged with its cost; set
+OMNI_CORE_VLLM_PREPARE=first-sleep to defer it to the first suspend instead (no pinned host
+memory until the first sleep, which then pays for it). `prepare()` does it on demand.
+
+Importing this module does not import vLLM: `register` imports what it needs, and the
+adapter class is built on first access (`OmniFastSleepBackend`, PEP 562).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+log = logging.getLogger("omni_core.vllm_plugin")
+
+BACKEND_NAME = "omni_fast"
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENV_PREPARE = "OMNI_CORE_VLLM_PREPARE"  # "load" (default) | "first-sleep"
+SLEEP_MODULE = "vllm.device_allocator.sleep_mode_backend"
+CUMEM_MODULE = "vllm.device_allocator.cumem"
+OFFLOAD_TAG = "weights"  # vLLM's level 1: offload weights, discard the rest
+
+_path: Any = None
+_path_lock = threading.Lock()
+
+
+def register() -> None:
+    """The entry point: make `omni_fast` known to vLLM's SleepModeBackendFactory. Safe to
+    call more than once (vLLM may load plugins several times per process)."""
+    try:
+        import importlib
+
+        factory = importlib.import_module(SLEEP_MODULE).SleepModeBackendFactory
+    except (ImportError, AttributeError) as exc:  # vLLM < 0.26, or no vLLM: nothing to plug into
+        log.debug("omni-core: no SleepModeBackendFactory to register %r with (%s)", BACKEND_NAME, exc)
+        return
+    with contextlib.suppress(ValueError):  # already registered in this process
+        factory.register_backend(BACKEND_NAME, __name__, "OmniFastSleepBackend")
+    _install_prepare_hook()
+
+
+def shared_path() -> Any:
+    """The process's FastPath over vLLM's CuMemAllocator singleton (made on first use)."""
+    global _path
+    with _path_lock:
+        if _path is None:
+            import importlib
+
+            from omni_core.workers.backends.fast import FastPath
+
+            cumem = importlib.import_module(CUMEM_MODULE)
+            device = torch.device("cuda", torch.cuda.current_device())
+            _path = FastPath(cumem.CuMemAllocator.get_instance(), cumem, device)
+        return _path
+
+
+def prepare(*, background: bool = False) -> None:
+    """Lay out and register the host arena for the current weights now."""
+    shared_path().prepare((OFFLOAD_TAG,), background=background)
+
+
+def _selected() -> bool:
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except Exception:  # vLLM without its config module's dependencies: not a worker
+        return False
+    config = get_current_vllm_config_or_none()
+    model = getattr(config, "model_config", None)
+    return getattr(model, "sleep_mode_backend", None) == BACKEND_NAME
+
+
+def _install_prepare_hook() -> None:
+    """Prepare the arena when the worker's kv_cache pool closes, if this backend is the one
+    selected. A wrapper around CuMemAllocator.use_memory_pool, installed once."""
+    if os.environ.get(ENV_PREPARE, "load") == "first-sleep":
+        return
+    try:
+        import importlib
+
+        cls = importlib.import_module(CUMEM_MODULE).CuMemAllocator
+    except Exception as exc:  # no CUDA build of vLLM here (an API server process, say)
+        log.debug("omni-core: CuMemAllocator unavailable, arena prepared at first sleep (%s)", exc)
+        return
+    original = cls.use_memory_pool
+    if getattr(original, "_omni_core_prepare_hook", False):
+        return
+
+    @contextmanager
+    def use_memory_pool(self: Any, tag: str | None = None):
+        with original(self, tag):
+            yield
+        if tag == "kv_cache" and _selected():
+            try:
+                prepare()
+            except Exception:  # the first suspend prepares it instead, and fails there if it must
+                log.exception("omni-core: preparing the host arena after KV-cache allocation failed")
+
+    use_memory_pool._omni_core_prepare_hook = True  # type: ignore[attr-defined]
+    use_memory_pool.__doc__ = original.__doc__
+    cls.use_memory_pool = use_memory_pool
+
+
+def _make_backend_class() -> type:
+    import importlib
+
+    base = importlib.import_module(SLEEP_MODULE).SleepModeBackend
+
+    class OmniFastSleepBackend(base):  # type: ignore[misc, valid-type]
+        """vLLM sleep-mode backend on omni-core's FastPath: the cumem semantics (same
+        allocations, addresses, tags; level 1 offloads weights and discards the rest,
+        level 2 discards everything), with the host copy in a pre-registered arena."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.path = shared_path()
+
+        def suspend(self, level: int = 1) -> None:
+            self._state = "SUSPENDED"
+            on_cuda = self.path.device.type == "cuda"
+            if on_cuda:
+                torch.cuda.synchronize(self.path.device)
+            tags = {data.tag for _, data in self.path.allocations()}
+            offload = {OFFLOAD_TAG} & tags if level == 1 else set()
+            self.path.sleep(offload, tags - offload)
+            if on_cuda:
+                torch.cuda.empty_cache()
+
+        def resume(self, tags: list[str] | None = None) -> None:
+            self._state = "RESUMING"
+            self.path.wake(tags)
+            self._state = "RUNNING"
+
+        @classmethod
+        def is_supported(cls) -> bool:
+            from omni_core.workers.backends.cumem import cumem_unavailable_reason
+
+            return torch.cuda.is_available() and cumem_unavailable_reason(torch.device("cuda")) is None
+
+        @classmethod
+        def preserves_communicators(cls) -> bool:
+            return True  # NCCL buffers live outside CuMemAllocator's pools, as with "cumem"
+
+    OmniFastSleepBackend.__module__ = __name__
+    return OmniFastSleepBackend
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OmniFastSleepBackend":
+        cls = _make_backend_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
