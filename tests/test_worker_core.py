@@ -546,6 +546,14 @@ def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None
     assert step.effect == ShutdownEffect("bye")
 
 
+def test_failure_text_survives_a_long_refusal_detail() -> None:
+    d = reach_worker(W.FAILED)
+    err = ProtocolError("invalid " + "X" * 5000 + ": Object contains unknown field `y`")
+    (nack,) = d.w.on_bad_message(err).replies
+    nack = wire(nack)
+    assert len(nack.detail) <= 4096 and BOOM in nack.detail
+
+
 def test_failed_task_duplicate_gets_the_same_nack() -> None:
     d = reach_worker(W.ACTIVE)
     sleep = Sleep(task_id="s", epoch=0)

@@ -371,7 +371,8 @@ class WorkerCore:
     def _with_failure(self, detail: str) -> str:
         """After a failure every reply says what failed (P-11), whatever else it says."""
         if self.failure and self.failure not in detail:
-            detail = f"{detail}; worker failed earlier: {self.failure}"
+            suffix = f"; worker failed earlier: {self.failure}"[:2048]
+            detail = detail[: 4096 - len(suffix)] + suffix  # a long detail must not cut it off
         return detail[:4096]
 
     def _take_pending(self, task_id: str) -> _Pending:
