@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")
     p.add_argument("--short", action="store_true", help="few cycles: a smoke run for CI")
     p.add_argument("--out", default=None, help="folder for JSON, Markdown (and PNG) results")
+    p.add_argument("--methods", action="append",
+                   help="memory path: comma-separated methods (default limit,vllm,tms,cumem,fast; options as "
+                        "fast:wake=map-first,chunk_mib=64)")  # fmt: skip
+    p.add_argument("--workloads", action="append", help="memory path: comma-separated (default 1g,8g,32g,mixed)")
+    p.add_argument("--reps", type=int, default=None, help="memory path: level-1 cycles per case (default 4)")
+    p.add_argument("--case-timeout-s", type=float, default=420.0, help="memory path: limit per (method, workload)")
+    p.add_argument("--render", default=None, help="memory path: redraw Markdown and PNG from this memory.json")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
     p.set_defaults(func=_cmd_walkthrough)
