@@ -6,7 +6,7 @@
 
 NoTransition == "-"
 
-\* ---- worker lifecycle: 52 rows from 17 triggers
+\* ---- worker lifecycle: 49 rows from 17 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -65,15 +65,12 @@ WorkerRelation == {
     <<"PARTIAL", "fail", "FAILED">>,                          \* backend or runner raised
     <<"NEEDS_RELOAD", "fail", "FAILED">>,                     \* backend or runner raised
     <<"RELOADING", "fail", "FAILED">>,                        \* backend or runner raised
-    <<"LOADING", "shutdown", "STOPPED">>,                     \* Shutdown
-    <<"ACTIVE", "shutdown", "STOPPED">>,                      \* Shutdown
-    <<"OFFLOADING", "shutdown", "STOPPED">>,                  \* Shutdown
-    <<"SLEEPING", "shutdown", "STOPPED">>,                    \* Shutdown
-    <<"RESTORING", "shutdown", "STOPPED">>,                   \* Shutdown
-    <<"PARTIAL", "shutdown", "STOPPED">>,                     \* Shutdown
-    <<"NEEDS_RELOAD", "shutdown", "STOPPED">>,                \* Shutdown
-    <<"RELOADING", "shutdown", "STOPPED">>,                   \* Shutdown
-    <<"FAILED", "shutdown", "STOPPED">>,                      \* Shutdown
+    <<"LOADING", "shutdown", "STOPPED">>,                     \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"ACTIVE", "shutdown", "STOPPED">>,                      \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"SLEEPING", "shutdown", "STOPPED">>,                    \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"PARTIAL", "shutdown", "STOPPED">>,                     \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"NEEDS_RELOAD", "shutdown", "STOPPED">>,                \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"FAILED", "shutdown", "STOPPED">>,                      \* Shutdown (in a transient state the effect in progress answers first: BUSY)
     <<"STOPPED", "shutdown_already", "STOPPED">>              \* second Shutdown: ALREADY
 }
 

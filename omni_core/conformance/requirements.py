@@ -51,9 +51,11 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-4",
             "ALREADY no-ops",
-            "A `Sleep` whose tags are all asleep, a `Wake` whose tags are all resident, and a "
-            "second `Shutdown` MUST be answered with `Ack status=ALREADY`, MUST have no effect, "
-            "and MUST NOT crash or fail the worker or the stage.",
+            'A `Sleep` whose tags are all asleep and a `Wake` whose tags are all resident MUST be '
+            'answered with `Ack status=ALREADY`, MUST have no effect, and MUST NOT crash or fail '
+            'the worker or the stage. A second `Shutdown` MUST be answered with `Ack '
+            'status=ALREADY` while the worker still runs; a worker that has already exited after '
+            'the first MUST have exited cleanly (status 0).',
         ),
         Requirement(
             "P-5",
@@ -75,11 +77,12 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-7",
             "Execution only when resident",
-            "A worker MUST execute a request only in `ACTIVE`: every tag resident and the "
-            "weights valid. In every other state `Execute` MUST be refused with "
-            "`Nack INVALID_STATE` naming the state. A stage MUST admit a request only while "
-            "`RUNNING`; while not, requests are queued (bounded), rejected with a clear error, "
-            "or trigger a wake, per the stage's admission policy, and none is lost.",
+            'A worker MUST execute a request only in `ACTIVE`: every tag resident and the weights '
+            'valid. In every other state `Execute` MUST be refused: with `Nack INVALID_STATE` '
+            'naming the state, or `Nack BUSY` while another task is in progress, or `Nack FAILED` '
+            'in `FAILED`. A stage MUST admit a request only while `RUNNING`; while not, requests '
+            "are queued (bounded), rejected with a clear error, or trigger a wake, per the stage's "
+            'admission policy, and none is lost.',
         ),
         Requirement(
             "P-8",

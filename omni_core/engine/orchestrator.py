@@ -79,6 +79,7 @@ class _RankProcess:
 
     def __init__(self, config: WorkerConfig, env: dict[str, str]) -> None:
         self.rank = config.rank
+        self.epoch = config.epoch
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
             env=env, stdin=subprocess.DEVNULL)  # fmt: skip
@@ -423,8 +424,8 @@ class Orchestrator:
         detail = f"pid {proc.pid} exited with code {code}"
         self._trace.event("rank_died", epoch=stage.core.epoch, state=stage.core.state.value,
                           stage=stage.spec.name, rank=proc.rank, detail=detail)  # fmt: skip
-        self._apply(stage, self._core_call(stage, lambda: stage.core.on_rank_died(proc.rank, detail,
-                                                                                  time.monotonic())))
+        self._apply(stage, self._core_call(stage, lambda: stage.core.on_rank_died(
+            proc.rank, detail, time.monotonic(), epoch=proc.epoch)))
 
     def _on_rank_exit_polled(self, stage: _Stage, proc: _RankProcess) -> None:
         proc.expected_exit = False

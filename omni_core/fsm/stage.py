@@ -211,8 +211,8 @@ class StageCore:
     def restart(self, now: float, deadline_s: float) -> int:
         """New epoch, back to STARTING; the caller starts fresh rank processes. Returns the epoch."""
         if not self.lifecycle.allows("restart"):
-            raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: "
-                                    "a task is in flight; wait for it to end")  # fmt: skip
+            why = "it is already starting" if self.state is S.STARTING else "a task is in flight; wait for it to end"
+            raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: {why}")
         self.lifecycle.fire("restart")
         self.epoch += 1
         self.residency = Residency(self.tags)
@@ -253,8 +253,8 @@ class StageCore:
 
     def sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, now: float,
               deadline_s: float) -> StageStep:  # fmt: skip
-        if level not in (1, 2):
-            raise StageCommandError(f"sleep level must be 1 or 2, got {level!r}")
+        if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
+            raise StageCommandError(f"sleep level must be 1 or 2 (an int), got {level!r}")
         wanted = self._resolve(tags)
         signature = ("Sleep", level, None if tags is None else tuple(sorted(wanted)))
         retried = self._retry(task_id, signature)
@@ -388,7 +388,12 @@ class StageCore:
         self._check_invariants()
         return step
 
-    def on_rank_died(self, rank: int, detail: str, now: float) -> StageStep:
+    def on_rank_died(self, rank: int, detail: str, now: float, *, epoch: int | None = None) -> StageStep:
+        """A rank process ended. `epoch` (the epoch it was started in) fences reports about
+        processes of an earlier incarnation: those are counted and ignored (P-6)."""
+        if (epoch is not None and epoch != self.epoch) or rank not in self.ranks:
+            self.counters.stale_replies_ignored += 1
+            return StageStep()
         if self.state in (S.FAILED, S.STOPPED):
             return StageStep()
         why = {rank: f"process died: {detail}"}

@@ -68,7 +68,8 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
-    Transition("shutdown", _ALIVE + (W.FAILED,), W.STOPPED, "Shutdown"),
+    Transition("shutdown", (W.LOADING, *_IDLE, W.FAILED), W.STOPPED,
+               "Shutdown (in a transient state the effect in progress answers first: BUSY)"),
     Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
 )  # fmt: skip
 
