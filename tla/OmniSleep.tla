@@ -1,0 +1,675 @@
+------------------------------- MODULE OmniSleep -------------------------------
+(***************************************************************************)
+(* The sleep/wake protocol of one omni-core stage: an orchestrator (the    *)
+(* StageCore), a set of worker ranks (WorkerCore), and a network that may  *)
+(* duplicate, reorder (a set has no order), corrupt and lose messages;     *)
+(* ranks may crash and backends may raise.                                 *)
+(*                                                                         *)
+(* Every legality check and next state of a worker or stage comes from the *)
+(* GENERATED module OmniTransitions (omni_core/fsm's tables), never from a *)
+(* second table written here. What this module adds is what the tables    *)
+(* leave to the cores: reply cache, epoch fence, all-ranks commit, ALREADY *)
+(* no-ops, residency of tags, deadlines, the drain before a sleep.         *)
+(*                                                                         *)
+(* Invariants are named after the MUSTs of specs/protocol.md (P-1..P-11).  *)
+(* `Bug` selects a variant with one known defect (tla/bugs/*.cfg): each    *)
+(* must be rejected by TLC with the invariant it breaks.                   *)
+(*                                                                         *)
+(* Abstractions: tags are {weights, kv_cache}; task ids are 1..MaxTask,    *)
+(* unique per call (the caller's idempotency key); Status and Shutdown are *)
+(* not modelled (they never change residency); Restart happens from FAILED *)
+(* only and replaces every rank by a fresh process under epoch + 1.        *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets, TLC, OmniTransitions
+
+CONSTANTS
+    Ranks,          \* the stage's ranks (model values)
+    MaxTask,        \* the orchestrator issues task ids 1..MaxTask (commands and requests)
+    MaxEpoch,       \* epochs 0..MaxEpoch; each Restart adds one
+    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout"}
+    MaxFaults,      \* at most this many dup/drop/corrupt/crash/error events per behaviour
+    SleepLevels,    \* SUBSET {1, 2}: levels of the sleep() calls the orchestrator may make
+    SleepTags,      \* SUBSET {"all", "weights", "kv_cache"}: their tags ("all": tags=None)
+    WakeTags,       \* SUBSET {"all", "weights", "kv_cache"}: the wake() calls it may make
+    Requests,       \* TRUE: it also issues Execute requests (admission)
+    Bug             \* "none" or the defect of a bug model (see BugNames)
+
+(* Each bug model carries one known defect:
+     no_reply_cache          a duplicate command is executed again (P-2)
+     commit_before_all_acks  the stage commits on the first ACK (P-5)
+     execute_in_partial      the tables admit Execute in PARTIAL (P-7)
+     no_epoch_fence          workers accept commands of an older epoch (P-6)
+     busy_before_cache       the skeleton's WorkerCore: BUSY checked before the reply cache,
+                             so an answered task gets a second verdict (P-1)
+     execute_in_needs_reload the tables admit Execute in NEEDS_RELOAD (P-8)
+     no_drain                sleep() sends Sleep while requests are in flight (P-7)
+     early_request_finish    a request ends on its first NACK or at its deadline while other
+                             ranks may still execute it (P-7)
+     no_deadline             the orchestrator has no deadlines (P-9: a lost reply hangs) *)
+BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
+             "no_epoch_fence", "busy_before_cache", "execute_in_needs_reload", "no_drain",
+             "early_request_finish", "no_deadline"}
+
+ASSUME Bug \in BugNames
+ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout"}
+ASSUME SleepLevels \subseteq {1, 2}
+ASSUME SleepTags \cup WakeTags \subseteq {"all", "weights", "kv_cache"}
+ASSUME MaxTask \in Nat /\ MaxEpoch \in Nat /\ MaxFaults \in Nat
+
+Weights == "weights"
+KV == "kv_cache"
+Tags == {Weights, KV}
+Version == 1
+TagSet(name) == IF name = "all" THEN Tags ELSE {name}
+TaskIds == 1..MaxTask
+Epochs == 0..MaxEpoch
+NoVal == "-"
+
+Settled == {"RUNNING", "SLEEPING", "PARTIAL", "NEEDS_RELOAD"}     \* _SERVING in fsm/stage.py
+InTask == {"DRAINING", "TRANSITIONING", "WAKING"}                  \* _IN_TASK
+Transient == {"OFFLOADING", "RESTORING", "RELOADING"}
+
+ASSUME Settled \cup InTask \subseteq StageStates /\ Transient \subseteq WorkerStates
+
+(* The relation the cores run: the generated table, plus the one row a bug model adds. *)
+BugRow(s, g) == \/ Bug = "execute_in_partial" /\ g = "execute" /\ s = "PARTIAL"
+                \/ Bug = "execute_in_needs_reload" /\ g = "execute" /\ s = "NEEDS_RELOAD"
+WLegal(s, g) == WorkerLegal(s, g) \/ BugRow(s, g)
+SLegal(s, g) == StageLegal(s, g) \/ BugRow(s, g)
+WNext(s, g) == IF WorkerLegal(s, g) THEN WorkerNext(s, g) ELSE s   \* bug rows are internal
+SNext(s, g) == IF StageLegal(s, g) THEN StageNext(s, g) ELSE s
+
+(* Residency.settled() in fsm/tags.py *)
+Settle(asleep, valid) ==
+    IF asleep = {} /\ valid THEN "active"
+    ELSE IF Weights \notin asleep /\ ~valid THEN "needs_reload"
+    ELSE "partial"
+
+RankState == [active |-> "ACTIVE", partial |-> "PARTIAL", needs_reload |-> "NEEDS_RELOAD"]
+Restored == [active |-> "restored_active", partial |-> "restored_partial",
+             needs_reload |-> "restored_needs_reload"]       \* _SETTLED_AFTER_WAKE
+Reloaded == [active |-> "reloaded_active", partial |-> "reloaded_partial"]
+WakeCommit == [active |-> "woke_running", partial |-> "woke_partial",
+               needs_reload |-> "woke_needs_reload"]
+StageOfRank(s) == CASE s = "ACTIVE" -> "RUNNING" [] s = "SLEEPING" -> "SLEEPING"
+                    [] s = "PARTIAL" -> "PARTIAL" [] s = "NEEDS_RELOAD" -> "NEEDS_RELOAD"
+                    [] OTHER -> NoVal
+
+(* ---- messages: one record shape for all, so that sets of them compare. task 0 is "-". *)
+Msg(kind, type, t, e, r, lvl, tg, st, asl, info) ==
+    [v |-> Version, kind |-> kind, type |-> type, task |-> t, epoch |-> e, rank |-> r,
+     level |-> lvl, tags |-> tg, state |-> st, asleep |-> asl, info |-> info]
+CmdMsg(type, t, e, r, lvl, tg) == Msg("cmd", type, t, e, r, lvl, tg, NoVal, {}, NoVal)
+AckMsg(type, t, e, r, st, asl, status) == Msg("ack", type, t, e, r, 0, {}, st, asl, status)
+NackMsg(type, t, e, r, reason, st) == Msg("nack", type, t, e, r, 0, {}, st, {}, reason)
+ResultMsg(t, e, r) == Msg("result", "Execute", t, e, r, 0, {}, NoVal, {}, NoVal)
+HelloMsg(e, r) == Msg("hello", "Hello", 0, e, r, 0, {}, "ACTIVE", {}, NoVal)
+BadBytes(r) == Msg("bad", NoVal, 0, 0, r, 0, {}, NoVal, {}, NoVal)
+NoMsg == Msg("none", NoVal, 0, 0, NoVal, 0, {}, NoVal, {}, NoVal)
+ReplyKinds == {"ack", "nack", "result"}
+
+NoPend == [task |-> 0, type |-> NoVal, level |-> 0, plan |-> {}]
+NoCmd == [type |-> NoVal, level |-> 0, tags |-> {}]
+
+VARIABLES
+    \* worker ranks (WorkerCore), one entry per rank
+    wstate, alive, wasleep, wvalid, wepoch, wpend,
+    wcache,     \* reply cache: terminal replies by task (P-2)
+    replied,    \* history: terminal replies this process sent (P-1)
+    applied,    \* history: how often each rank started the effect of each task (P-2)
+    \* orchestrator (StageCore)
+    sstate, sepoch,
+    stask, scmd,          \* the lifecycle task in flight (0 / NoCmd when none)
+    sacks,                \* ranks whose ACK (or Hello) the current or last commit counted (P-5)
+    sasleep, svalid,      \* the stage's view of its ranks' residency
+    sreq, sreqReplies, sreqErr,   \* the Execute request in flight
+    failedRanks,          \* the ranks a FAILED stage names (P-9)
+    outcome,              \* per task: "none", "pending", "ok", "failed"
+    nextTask,
+    net, faults,
+    broken      \* history: the action-level MUSTs an action broke (empty unless a bug)
+
+workerVars == <<wstate, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied>>
+stageVars == <<sstate, sepoch, stask, scmd, sacks, sasleep, svalid, sreq, sreqReplies, sreqErr,
+               failedRanks, outcome>>
+vars == <<workerVars, stageVars, nextTask, net, faults, broken>>
+
+FreshWorkers(e) ==
+    /\ wstate' = [r \in Ranks |-> WorkerInitial]
+    /\ alive' = [r \in Ranks |-> TRUE]
+    /\ wasleep' = [r \in Ranks |-> {}]
+    /\ wvalid' = [r \in Ranks |-> TRUE]
+    /\ wepoch' = [r \in Ranks |-> e]
+    /\ wpend' = [r \in Ranks |-> NoPend]
+    /\ wcache' = [r \in Ranks |-> {}]
+    /\ replied' = [r \in Ranks |-> {}]
+
+Init ==
+    /\ wstate = [r \in Ranks |-> WorkerInitial]
+    /\ alive = [r \in Ranks |-> TRUE]
+    /\ wasleep = [r \in Ranks |-> {}]
+    /\ wvalid = [r \in Ranks |-> TRUE]
+    /\ wepoch = [r \in Ranks |-> 0]
+    /\ wpend = [r \in Ranks |-> NoPend]
+    /\ wcache = [r \in Ranks |-> {}]
+    /\ replied = [r \in Ranks |-> {}]
+    /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
+    /\ sstate = StageInitial
+    /\ sepoch = 0
+    /\ stask = 0
+    /\ scmd = NoCmd
+    /\ sacks = {}
+    /\ sasleep = {}
+    /\ svalid = TRUE
+    /\ sreq = 0
+    /\ sreqReplies = {}
+    /\ sreqErr = FALSE
+    /\ failedRanks = {}
+    /\ outcome = [t \in TaskIds |-> "none"]
+    /\ nextTask = 1
+    /\ net = {}
+    /\ faults = 0
+    /\ broken = {}
+
+FaultOk(kind) == kind \in Faults /\ faults < MaxFaults
+
+-----------------------------------------------------------------------------
+(* ================================ worker ================================ *)
+(* WorkerCore.on_command: the result of one command as a record              *)
+(*   st: next state, pend: pending effect, reply: reply to send (NoMsg),     *)
+(*   cache: put the reply in the reply cache, apply: an effect started.      *)
+
+Out(r, st, pend, reply, cache, apply) ==
+    [st |-> st, pend |-> pend, reply |-> reply, cache |-> cache, apply |-> apply]
+Silent(r) == Out(r, wstate[r], wpend[r], NoMsg, FALSE, FALSE)
+Refuse(r, m, reason) ==      \* refusals are not cached: they had no effect
+    Out(r, wstate[r], wpend[r], NackMsg(m.type, m.task, m.epoch, r, reason, wstate[r]), FALSE, FALSE)
+Already(r, m, g) ==
+    Out(r, WNext(wstate[r], g), wpend[r],
+        AckMsg(m.type, m.task, wepoch[r], r, WNext(wstate[r], g), wasleep[r], "ALREADY"), TRUE, FALSE)
+Start(r, m, g, plan) ==
+    Out(r, WNext(wstate[r], g), [task |-> m.task, type |-> m.type, level |-> m.level, plan |-> plan],
+        NoMsg, FALSE, TRUE)
+Cached(r, t) == \E c \in wcache[r] : c.task = t
+FromCache(r, m) == Out(r, wstate[r], wpend[r], CHOOSE c \in wcache[r] : c.task = m.task, FALSE, FALSE)
+
+OnSleep(r, m) ==
+    LET toSleep == m.tags \ wasleep[r] IN
+    IF toSleep = {} /\ WLegal(wstate[r], "sleep_already") THEN Already(r, m, "sleep_already")
+    ELSE IF ~WLegal(wstate[r], "sleep") THEN Refuse(r, m, "INVALID_STATE")
+    ELSE Start(r, m, "sleep", toSleep)
+
+OnWake(r, m) ==
+    LET toWake == m.tags \cap wasleep[r] IN
+    IF toWake = {} /\ WLegal(wstate[r], "wake_already") THEN Already(r, m, "wake_already")
+    ELSE IF ~WLegal(wstate[r], "wake") THEN Refuse(r, m, "INVALID_STATE")
+    ELSE Start(r, m, "wake", toWake)
+
+OnReload(r, m) ==
+    IF ~WLegal(wstate[r], "reload") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "reload", {})
+
+OnExecute(r, m) ==
+    IF ~WLegal(wstate[r], "execute") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "execute", {})
+
+Busy(r) == wpend[r] # NoPend
+
+OnCommand(r, m) ==
+    IF m.kind = "bad" THEN      \* P-10: refuse the bytes, keep serving
+        Out(r, wstate[r], wpend[r], NackMsg(NoVal, 0, wepoch[r], r, "BAD_MESSAGE", wstate[r]),
+            FALSE, FALSE)
+    ELSE IF m.epoch < wepoch[r] /\ Bug # "no_epoch_fence" THEN Refuse(r, m, "STALE_EPOCH")
+    ELSE IF wpend[r].task = m.task THEN Silent(r)     \* the terminal reply follows on Done (P-1)
+    ELSE IF Busy(r) /\ Bug = "busy_before_cache" THEN Refuse(r, m, "BUSY")
+    ELSE IF Cached(r, m.task) /\ Bug # "no_reply_cache" THEN FromCache(r, m)
+    ELSE IF Busy(r) THEN Refuse(r, m, "BUSY")
+    ELSE IF wstate[r] = "FAILED" THEN Refuse(r, m, "FAILED")
+    ELSE CASE m.type = "Sleep" -> OnSleep(r, m)
+           [] m.type = "Wake" -> OnWake(r, m)
+           [] m.type = "ReloadWeights" -> OnReload(r, m)
+           [] m.type = "Execute" -> OnExecute(r, m)
+
+Terminal(m) == m.kind \in ReplyKinds /\ m.task # 0
+
+WorkerReceive(r, m, keep) ==
+    /\ m.kind \in {"cmd", "bad"} /\ m.rank = r /\ alive[r]
+    /\ keep => FaultOk("dup")
+    /\ LET o == OnCommand(r, m)
+           changed == o.st # wstate[r] \/ o.pend # wpend[r]   \* receiving never moves memory
+           stale == m.kind = "cmd" /\ m.epoch < wepoch[r]
+       IN /\ wstate' = [wstate EXCEPT ![r] = o.st]
+          /\ wpend' = [wpend EXCEPT ![r] = o.pend]
+          /\ wcache' = IF o.cache THEN [wcache EXCEPT ![r] = @ \cup {o.reply}] ELSE wcache
+          /\ replied' = IF Terminal(o.reply) THEN [replied EXCEPT ![r] = @ \cup {o.reply}]
+                        ELSE replied
+          /\ applied' = IF o.apply THEN [applied EXCEPT ![r][m.task] = @ + 1] ELSE applied
+          /\ net' = (IF keep THEN net ELSE net \ {m})
+                    \cup (IF o.reply.kind = "none" THEN {} ELSE {o.reply})
+          /\ broken' = broken
+                \cup (IF stale /\ (changed \/ o.reply.info # "STALE_EPOCH") THEN {"P6"} ELSE {})
+                \cup (IF m.kind = "bad" /\ (changed \/ o.reply.info # "BAD_MESSAGE")
+                      THEN {"P10"} ELSE {})
+                \cup (IF \/ o.reply.info = "ALREADY" /\ changed
+                         \/ o.apply /\ m.type = "Sleep" /\ m.tags \subseteq wasleep[r]
+                         \/ o.apply /\ m.type = "Wake" /\ m.tags \cap wasleep[r] = {}
+                      THEN {"P4"} ELSE {})
+                \cup (IF o.reply.kind = "nack" /\ changed THEN {"P11"} ELSE {})
+    /\ faults' = IF keep THEN faults + 1 ELSE faults
+    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, stageVars, nextTask>>
+
+(* The shell performed the pending effect: WorkerCore.on_done *)
+Done(r) ==
+    /\ alive[r] /\ Busy(r)
+    /\ LET p == wpend[r]
+           asl == CASE p.type = "Sleep" -> wasleep[r] \cup p.plan
+                    [] p.type = "Wake" -> wasleep[r] \ p.plan
+                    [] OTHER -> wasleep[r]
+           val == CASE p.type = "Sleep" -> wvalid[r] /\ ~(p.level = 2 /\ Weights \in p.plan)
+                    [] p.type = "ReloadWeights" -> TRUE
+                    [] OTHER -> wvalid[r]
+           g == CASE p.type = "Sleep" -> "offloaded"
+                  [] p.type = "Wake" -> Restored[Settle(asl, val)]
+                  [] p.type = "ReloadWeights" -> Reloaded[Settle(asl, val)]
+                  [] OTHER -> "execute"
+           st == WNext(wstate[r], g)
+           reply == IF p.type = "Execute" THEN ResultMsg(p.task, wepoch[r], r)
+                    ELSE AckMsg(p.type, p.task, wepoch[r], r, st, asl, "OK")
+       IN /\ Assert(p.type = "Execute" \/ WorkerLegal(wstate[r], g),
+                    <<"effect completion the table forbids", wstate[r], g>>)
+          /\ wstate' = [wstate EXCEPT ![r] = st]
+          /\ wasleep' = [wasleep EXCEPT ![r] = asl]
+          /\ wvalid' = [wvalid EXCEPT ![r] = val]
+          /\ wpend' = [wpend EXCEPT ![r] = NoPend]
+          /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
+          /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
+          /\ net' = net \cup {reply}
+    /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask, faults, broken>>
+
+(* The effect raised: WorkerCore.on_error. A lifecycle effect leaves the rank FAILED. *)
+EffectError(r) ==
+    /\ alive[r] /\ Busy(r) /\ FaultOk("error")
+    /\ LET p == wpend[r]
+           st == IF p.type = "Execute" THEN wstate[r] ELSE WNext(wstate[r], "fail")
+           reply == NackMsg(p.type, p.task, wepoch[r], r,
+                            IF p.type = "Execute" THEN "EXECUTE_ERROR" ELSE "BACKEND_ERROR", st)
+       IN /\ wstate' = [wstate EXCEPT ![r] = st]
+          /\ wpend' = [wpend EXCEPT ![r] = NoPend]
+          /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
+          /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
+          /\ net' = net \cup {reply}
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, broken>>
+
+(* The shell loaded the runner: Hello carries the rank and its epoch. *)
+Loaded(r) ==
+    /\ alive[r] /\ WorkerLegal(wstate[r], "loaded")
+    /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "loaded")]
+    /\ net' = net \cup {HelloMsg(wepoch[r], r)}
+    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
+                   nextTask, faults, broken>>
+
+Crash(r) ==
+    /\ alive[r] /\ FaultOk("crash")
+    /\ alive' = [alive EXCEPT ![r] = FALSE]
+    /\ wpend' = [wpend EXCEPT ![r] = NoPend]
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<wstate, wasleep, wvalid, wepoch, wcache, replied, applied, stageVars, nextTask,
+                   net, broken>>
+
+-----------------------------------------------------------------------------
+(* ============================= orchestrator ============================== *)
+
+Idle == stask = 0 /\ sstate \notin {"STARTING", "FAILED", "STOPPED"}   \* _require_idle
+SendAll(type, t, lvl, tg) == {CmdMsg(type, t, sepoch, r, lvl, tg) : r \in Ranks}
+Pending(t) == [outcome EXCEPT ![t] = "pending"]
+
+(* What every rank must ACK, and the commit trigger, for the lifecycle task in flight. *)
+Expect ==
+    LET c == scmd
+        toSleep == c.tags \ sasleep
+        asl == CASE c.type = "Sleep" -> sasleep \cup c.tags
+                 [] c.type = "Wake" -> sasleep \ c.tags
+                 [] OTHER -> sasleep
+        val == CASE c.type = "Sleep" -> svalid /\ ~(c.level = 2 /\ Weights \in toSleep)
+                 [] c.type = "ReloadWeights" -> TRUE
+                 [] OTHER -> svalid
+        set == Settle(asl, val)
+    IN [asleep |-> asl, valid |-> val,
+        wstate |-> IF c.type = "Sleep" THEN "SLEEPING" ELSE RankState[set],
+        trigger |-> IF c.type = "Sleep" THEN "slept" ELSE WakeCommit[set]]
+
+IssueSleep(lvl, tg) ==
+    /\ Idle /\ nextTask \in TaskIds
+    /\ LET t == nextTask IN
+       \/ /\ tg \subseteq sasleep /\ SLegal(sstate, "sleep_already")      \* ALREADY (P-4)
+          /\ sstate' = SNext(sstate, "sleep_already")
+          /\ outcome' = [outcome EXCEPT ![t] = "ok"]
+          /\ UNCHANGED <<stask, scmd, sacks, net>>
+       \/ /\ ~(tg \subseteq sasleep) /\ SLegal(sstate, "drain")           \* admission closed
+          /\ LET drained == sreq = 0 \/ Bug = "no_drain" IN
+             /\ sstate' = IF drained THEN SNext(SNext(sstate, "drain"), "drained")
+                          ELSE SNext(sstate, "drain")
+             /\ net' = IF drained THEN net \cup SendAll("Sleep", t, lvl, tg) ELSE net
+             /\ sacks' = IF drained THEN {} ELSE sacks    \* reset when the Sleep goes out
+          /\ stask' = t /\ scmd' = [type |-> "Sleep", level |-> lvl, tags |-> tg]
+          /\ outcome' = Pending(t)
+       \/ /\ ~(tg \subseteq sasleep) /\ ~SLegal(sstate, "drain") /\ SLegal(sstate, "sleep")
+          /\ sstate' = SNext(sstate, "sleep")
+          /\ net' = net \cup SendAll("Sleep", t, lvl, tg)
+          /\ stask' = t /\ scmd' = [type |-> "Sleep", level |-> lvl, tags |-> tg] /\ sacks' = {}
+          /\ outcome' = Pending(t)
+    /\ nextTask' = nextTask + 1
+    /\ UNCHANGED <<sepoch, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+                   workerVars, faults, broken>>
+
+IssueWake(tg) ==
+    /\ Idle /\ nextTask \in TaskIds
+    /\ LET t == nextTask IN
+       \/ /\ tg \cap sasleep = {} /\ SLegal(sstate, "wake_already")      \* ALREADY (P-4)
+          /\ sstate' = SNext(sstate, "wake_already")
+          /\ outcome' = [outcome EXCEPT ![t] = "ok"]
+          /\ UNCHANGED <<stask, scmd, sacks, net>>
+       \/ /\ tg \cap sasleep # {} /\ SLegal(sstate, "wake")
+          /\ sstate' = SNext(sstate, "wake")
+          /\ net' = net \cup SendAll("Wake", t, 0, tg)
+          /\ stask' = t /\ scmd' = [type |-> "Wake", level |-> 0, tags |-> tg] /\ sacks' = {}
+          /\ outcome' = Pending(t)
+    /\ nextTask' = nextTask + 1
+    /\ UNCHANGED <<sepoch, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+                   workerVars, faults, broken>>
+
+IssueReload ==
+    /\ Idle /\ nextTask \in TaskIds /\ SLegal(sstate, "reload")
+    /\ LET t == nextTask IN
+       /\ sstate' = SNext(sstate, "reload")
+       /\ net' = net \cup SendAll("ReloadWeights", t, 0, {})
+       /\ stask' = t /\ scmd' = [type |-> "ReloadWeights", level |-> 0, tags |-> {}] /\ sacks' = {}
+       /\ outcome' = Pending(t)
+    /\ nextTask' = nextTask + 1
+    /\ UNCHANGED <<sepoch, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+                   workerVars, faults, broken>>
+
+(* A request: admitted only where the stage allows "execute" (RUNNING, P-7). *)
+IssueExecute ==
+    /\ Requests /\ sreq = 0 /\ nextTask \in TaskIds /\ SLegal(sstate, "execute")
+    /\ LET t == nextTask IN
+       /\ sreq' = t /\ sreqReplies' = {} /\ sreqErr' = FALSE
+       /\ net' = net \cup SendAll("Execute", t, 0, {})
+       /\ outcome' = Pending(t)
+    /\ nextTask' = nextTask + 1
+    /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sasleep, svalid, failedRanks,
+                   workerVars, faults, broken>>
+
+(* The stage goes FAILED naming `ranks`; the task and request in flight end failed. *)
+FailStage(ranks, netNext) ==
+    /\ SLegal(sstate, "fail")
+    /\ sstate' = SNext(sstate, "fail")
+    /\ failedRanks' = ranks
+    /\ outcome' = [t \in TaskIds |-> IF t \in {stask, sreq} THEN "failed" ELSE outcome[t]]
+    /\ stask' = 0 /\ scmd' = NoCmd /\ sacks' = {}
+    /\ sreq' = 0 /\ sreqReplies' = {} /\ sreqErr' = FALSE
+    /\ net' = netNext
+    /\ UNCHANGED <<sepoch, sasleep, svalid>>
+
+Commit(acks, netNext) ==
+    /\ sstate' = SNext(sstate, Expect.trigger)
+    /\ sasleep' = Expect.asleep /\ svalid' = Expect.valid
+    /\ sacks' = acks
+    /\ outcome' = [outcome EXCEPT ![stask] = "ok"]
+    /\ stask' = 0 /\ scmd' = NoCmd
+    /\ net' = netNext
+    /\ UNCHANGED <<sepoch, sreq, sreqReplies, sreqErr, failedRanks>>
+
+(* Every rank answered the request; a sleep waiting on the drain goes out now. *)
+EndRequest(err, netNext) ==
+    /\ outcome' = [outcome EXCEPT ![sreq] = IF err THEN "failed" ELSE "ok"]
+    /\ sreq' = 0 /\ sreqReplies' = {} /\ sreqErr' = FALSE
+    /\ IF sstate = "DRAINING" /\ stask # 0
+       THEN /\ sstate' = SNext(sstate, "drained")
+            /\ net' = netNext \cup SendAll("Sleep", stask, scmd.level, scmd.tags)
+            /\ sacks' = {}
+       ELSE /\ net' = netNext /\ UNCHANGED <<sstate, sacks>>
+    /\ UNCHANGED <<sepoch, stask, scmd, sasleep, svalid, failedRanks>>
+
+Ignore(netNext) == net' = netNext /\ UNCHANGED stageVars
+
+ForTask(m) == stask # 0 /\ m.task = stask /\ sstate \in {"TRANSITIONING", "WAKING"}
+              /\ m.kind \in {"ack", "nack"}
+ForRequest(m) == sreq # 0 /\ m.task = sreq /\ m.kind \in {"result", "nack"}
+Unknown(m) == IF m.kind = "hello" THEN sstate # "STARTING" ELSE ~(ForTask(m) \/ ForRequest(m))
+Second(m) == \/ ForTask(m) /\ m.rank \in sacks
+             \/ ForRequest(m) /\ m.rank \in sreqReplies
+
+OnReply(m, rest) ==
+    IF (m.epoch # sepoch /\ Bug # "no_epoch_fence") \/ Unknown(m) THEN Ignore(rest)   \* P-6
+    ELSE IF m.kind = "hello" THEN
+        LET said == sacks \cup {m.rank} IN
+        IF said = Ranks
+        THEN /\ sstate' = SNext(sstate, "started") /\ sacks' = said /\ net' = rest
+             /\ UNCHANGED <<sepoch, stask, scmd, sasleep, svalid, sreq, sreqReplies, sreqErr,
+                            failedRanks, outcome>>
+        ELSE /\ sacks' = said /\ net' = rest
+             /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreq, sreqReplies,
+                            sreqErr, failedRanks, outcome>>
+    ELSE IF ForTask(m) THEN
+        IF m.rank \in sacks THEN Ignore(rest)                          \* duplicate
+        ELSE IF m.kind = "nack" \/ m.state # Expect.wstate \/ m.asleep # Expect.asleep
+        THEN FailStage({m.rank}, rest)
+        ELSE LET acks == sacks \cup {m.rank} IN
+             IF acks = Ranks \/ Bug = "commit_before_all_acks" THEN Commit(acks, rest)
+             ELSE /\ sacks' = acks /\ net' = rest
+                  /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreq,
+                                 sreqReplies, sreqErr, failedRanks, outcome>>
+    ELSE \* ForRequest(m)
+        IF m.rank \in sreqReplies THEN Ignore(rest)
+        ELSE LET got == sreqReplies \cup {m.rank}
+                 err == sreqErr \/ m.kind = "nack"
+             IN IF got = Ranks \/ (Bug = "early_request_finish" /\ m.kind = "nack")
+                THEN EndRequest(err, rest)
+                ELSE /\ sreqReplies' = got /\ sreqErr' = err /\ net' = rest
+                     /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sasleep, svalid, sreq,
+                                    failedRanks, outcome>>
+
+StageReceive(m, keep) ==
+    /\ m.kind \in ReplyKinds \cup {"hello"}
+    /\ keep => FaultOk("dup")
+    /\ OnReply(m, IF keep THEN net ELSE net \ {m})
+    /\ faults' = IF keep THEN faults + 1 ELSE faults
+    /\ broken' = broken \cup (IF (m.epoch # sepoch \/ Unknown(m) \/ Second(m)) /\ stageVars' # stageVars
+                              THEN {"P6"} ELSE {})
+    /\ UNCHANGED <<workerVars, nextTask>>
+
+(* A reply from r for task t can no longer come: what a well-tuned deadline detects.
+   With "timeout" in Faults a deadline may also pass while the reply is on its way. *)
+Lost(r, t) ==
+    \/ ~alive[r]
+    \/ wpend[r].task # t /\ ~\E m \in net : m.task = t /\ m.rank = r /\ m.epoch = sepoch
+HelloLost(r) ==
+    \/ ~alive[r]
+    \/ wstate[r] # "LOADING" /\ ~\E m \in net : m.kind = "hello" /\ m.rank = r /\ m.epoch = sepoch
+Expired(silent, lost(_)) == silent # {} /\ ("timeout" \in Faults \/ \E r \in silent : lost(r))
+
+(* StageCore.on_tick, and the engine's deadline on a request (P-9) *)
+Deadline ==
+    /\ Bug # "no_deadline"
+    /\ \/ /\ sstate = "STARTING"
+          /\ Expired(Ranks \ sacks, HelloLost)
+          /\ FailStage(Ranks \ sacks, net)
+       \/ /\ sstate \in {"TRANSITIONING", "WAKING"}
+          /\ LET lost(r) == Lost(r, stask) IN Expired(Ranks \ sacks, lost)
+          /\ FailStage(Ranks \ sacks, net)
+       \/ /\ sstate = "DRAINING"
+          /\ LET lost(r) == Lost(r, sreq) IN Expired(Ranks \ sreqReplies, lost)
+          /\ sstate' = SNext(sstate, "drain_timeout")   \* sleep abandoned, nothing was sent
+          /\ outcome' = [outcome EXCEPT ![stask] = "failed"]
+          /\ stask' = 0 /\ scmd' = NoCmd
+          /\ UNCHANGED <<sepoch, sacks, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+                         net>>
+       \/ /\ sreq # 0
+          /\ LET lost(r) == Lost(r, sreq) IN Expired(Ranks \ sreqReplies, lost)
+          /\ IF Bug = "early_request_finish"
+             THEN EndRequest(TRUE, net)     \* the request fails, the stage stays
+             ELSE FailStage(Ranks \ sreqReplies, net)   \* a rank is silent on Execute
+    /\ UNCHANGED <<workerVars, nextTask, faults, broken>>
+
+(* The orchestrator sees a rank process die (StageCore.on_rank_died). *)
+RankDied(r) ==
+    /\ ~alive[r] /\ sstate \notin {"FAILED", "STOPPED"}
+    /\ FailStage({r}, net)
+    /\ UNCHANGED <<workerVars, nextTask, faults, broken>>
+
+(* Fresh rank processes under a new epoch; the old messages stay in the network. *)
+Restart ==
+    /\ sstate = "FAILED" /\ SLegal(sstate, "restart") /\ sepoch < MaxEpoch
+    /\ sstate' = SNext(sstate, "restart")
+    /\ sepoch' = sepoch + 1
+    /\ sasleep' = {} /\ svalid' = TRUE /\ sacks' = {} /\ failedRanks' = {}
+    /\ FreshWorkers(sepoch + 1)
+    /\ UNCHANGED <<applied, stask, scmd, sreq, sreqReplies, sreqErr, outcome, nextTask, net,
+                   faults, broken>>
+
+-----------------------------------------------------------------------------
+(* ================================ network =============================== *)
+
+Drop(m) ==
+    /\ FaultOk("drop")
+    /\ net' = net \ {m} /\ faults' = faults + 1
+    /\ UNCHANGED <<workerVars, stageVars, nextTask, broken>>
+
+Corrupt(m) ==
+    /\ m.kind = "cmd" /\ FaultOk("corrupt")
+    /\ net' = (net \ {m}) \cup {BadBytes(m.rank)} /\ faults' = faults + 1
+    /\ UNCHANGED <<workerVars, stageVars, nextTask, broken>>
+
+Deliver(keep) ==
+    \E m \in net : \/ \E r \in Ranks : WorkerReceive(r, m, keep)
+                   \/ StageReceive(m, keep)
+
+Next ==
+    \/ \E lvl \in SleepLevels, tg \in SleepTags : IssueSleep(lvl, TagSet(tg))
+    \/ \E tg \in WakeTags : IssueWake(TagSet(tg))
+    \/ IssueReload
+    \/ IssueExecute
+    \/ Deliver(FALSE)
+    \/ Deliver(TRUE)                               \* a duplicate: the message stays
+    \/ \E m \in net : Drop(m) \/ Corrupt(m)
+    \/ \E r \in Ranks : Loaded(r) \/ Done(r) \/ EffectError(r) \/ Crash(r) \/ RankDied(r)
+    \/ Deadline
+    \/ Restart
+
+(* Progress: messages are delivered, effects finish, ranks load, deadlines pass, deaths are
+   seen. One weak-fairness condition on all of them is enough: every such step is finite in
+   number (messages and duplicates are bounded by MaxTask and MaxFaults, epochs by MaxEpoch),
+   so a behaviour in which one stays enabled forever would take infinitely many. One
+   condition instead of one per action keeps TLC's liveness checking cheap. *)
+Progress ==
+    \/ Deliver(FALSE)
+    \/ \E r \in Ranks : Loaded(r) \/ Done(r) \/ RankDied(r)
+    \/ Deadline
+
+Fairness == WF_vars(Progress)
+
+Spec == Init /\ [][Next]_vars
+FairSpec == Spec /\ Fairness
+
+RankSymmetry == Permutations(Ranks)   \* safety configs only: symmetry is unsound for liveness
+
+-----------------------------------------------------------------------------
+(* ============================== invariants ============================== *)
+
+TypeOK ==
+    /\ wstate \in [Ranks -> WorkerStates] /\ sstate \in StageStates
+    /\ alive \in [Ranks -> BOOLEAN] /\ wvalid \in [Ranks -> BOOLEAN]
+    /\ wasleep \in [Ranks -> SUBSET Tags] /\ sasleep \subseteq Tags
+    /\ wepoch \in [Ranks -> Epochs] /\ sepoch \in Epochs
+    /\ stask \in TaskIds \cup {0} /\ sreq \in TaskIds \cup {0}
+    /\ sacks \subseteq Ranks /\ sreqReplies \subseteq Ranks /\ failedRanks \subseteq Ranks
+    /\ outcome \in [TaskIds -> {"none", "pending", "ok", "failed"}]
+    /\ faults \in 0..MaxFaults
+
+Executing(r) == alive[r] /\ wpend[r].type = "Execute"
+Live(r) == alive[r]
+
+(* P-1: exactly one terminal reply per (task, rank). A duplicate is answered again, so the
+   same reply may go out twice (the cached one), and a refusal may be repeated (it carries
+   the state of the moment); what must never happen is two verdicts for one task: refused
+   and then done, or done twice with different results. *)
+Refusals == {"STALE_EPOCH", "INVALID_STATE", "BUSY", "FAILED", "UNKNOWN_TAG", "UNSUPPORTED",
+             "TASK_ID_REUSED"}
+Verdict(m) == IF m.kind = "nack" /\ m.info \in Refusals THEN [m EXCEPT !.info = "refused", !.state = NoVal]
+              ELSE m
+P1_OneTerminalReplyPerTask ==
+    \A r \in Ranks : \A a, b \in replied[r] : a.task = b.task => Verdict(a) = Verdict(b)
+
+(* P-2: a duplicate command is answered from the reply cache with no second effect. *)
+P2_NoTaskAppliedTwice == \A r \in Ranks : \A t \in TaskIds : applied[r][t] <= 1
+
+(* P-3: every message carries version, task_id, epoch; replies carry the rank. *)
+P3_MessagesCarryIds ==
+    \A m \in net : m.kind # "bad" =>
+        /\ m.v = Version /\ m.task \in TaskIds \cup {0} /\ m.epoch \in Epochs
+        /\ (m.kind \in ReplyKinds \cup {"hello"} => m.rank \in Ranks)
+
+(* P-4: Sleep of asleep tags / Wake of resident tags is an ALREADY no-op. *)
+P4_AlreadyIsNoOp == "P4" \notin broken
+
+(* P-5: the stage commits a settled state only on a complete set of agreeing ACKs. *)
+P5_CommitOnlyOnAllAcks == sstate \in Settled => sacks = Ranks
+P5_SleepingOnlyIfEveryRankAsleep ==
+    sstate = "SLEEPING" => \A r \in Ranks : Live(r) => wstate[r] = "SLEEPING" /\ wasleep[r] = sasleep
+P5_RanksAgreeWithStage ==
+    sstate \in Settled =>
+        \A r \in Ranks : Live(r) => /\ StageOfRank(wstate[r]) = sstate
+                                    /\ wasleep[r] = sasleep /\ wvalid[r] = svalid
+
+(* P-6: a stale-epoch or unknown reply never changes the stage; a stale command gets
+   NACK STALE_EPOCH and never changes the worker. *)
+P6_StaleNeverChangesState == "P6" \notin broken
+
+(* P-7: nothing executes unless every tag is resident on every rank. *)
+P7_ExecuteOnlyWhenResident ==
+    \A r \in Ranks : Executing(r) =>
+        /\ wstate[r] = "ACTIVE"
+        /\ \A q \in Ranks : Live(q) => wasleep[q] = {} /\ wstate[q] # "OFFLOADING"
+
+(* P-8: after a level-2 sleep nothing executes until the weights are reloaded. *)
+P8_NoExecuteAfterL2BeforeReload ==
+    \A r \in Ranks : Executing(r) => \A q \in Ranks : Live(q) => wvalid[q] /\ wstate[q] # "RELOADING"
+
+(* P-9: a FAILED stage names the ranks that failed it. *)
+P9_FailedNamesRanks == sstate = "FAILED" => failedRanks # {}
+
+(* P-10: undecodable bytes get NACK BAD_MESSAGE and the worker keeps serving. *)
+P10_BadBytesKeepServing == "P10" \notin broken
+
+(* P-11: a refused command has no effect. *)
+P11_RefusalHasNoEffect == "P11" \notin broken
+
+(* The cores' own _check_invariants, mirrored. *)
+WorkerCoreInvariants ==
+    \A r \in Ranks : Live(r) =>
+        /\ wstate[r] \in Transient => Busy(r)
+        /\ wstate[r] = "ACTIVE" => wasleep[r] = {} /\ wvalid[r]
+        /\ wstate[r] \in {"SLEEPING", "PARTIAL"} => wasleep[r] # {}
+        /\ wstate[r] = "NEEDS_RELOAD" => Weights \notin wasleep[r] /\ ~wvalid[r]
+        /\ wpend[r].type = "Execute" => wstate[r] = "ACTIVE"
+StageCoreInvariants ==
+    /\ (stask # 0) <=> (sstate \in InTask)
+    /\ sreq # 0 => sstate \in {"RUNNING", "DRAINING"}
+    /\ sstate = "RUNNING" => sasleep = {} /\ svalid
+
+-----------------------------------------------------------------------------
+(* =============================== liveness =============================== *)
+
+(* Written as <>[] over the outcome record rather than as one ~> per task: equivalent here
+   (a task is issued once and its outcome is final), and TLC checks it several times faster. *)
+
+(* Without crashes or losses every issued command completes, and the stage starts. *)
+EveryCommandCompletes ==
+    <>[](sstate # "STARTING" /\ \A t \in TaskIds : outcome[t] \in {"none", "ok"})
+
+(* With crashes, losses and deadlines every command ends: completed, or FAILED naming the
+   ranks (P-9); start-up ends too (RUNNING or FAILED). *)
+EveryCommandEnds ==
+    <>[](sstate # "STARTING" /\ \A t \in TaskIds : outcome[t] # "pending")
+
+=============================================================================
