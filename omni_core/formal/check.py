@@ -1,0 +1,246 @@
+"""`omni-core check`: model-check the protocol spec with TLC, every model and bug model.
+
+What it runs is listed in `tla/manifest.json`:
+
+- models (`tla/models/*.cfg`): the spec with no defect; TLC must find no error, and the
+  number of distinct states must equal the manifest's (a change means the model changed:
+  rerun with `--update-manifest` when that was intended);
+- bug models (`tla/bugs/*.cfg`): the spec with one known defect (the `Bug` constant); TLC
+  must reject each with the invariant (exit 12) or temporal property (exit 13) the
+  manifest names. Each is also run as a control with `Bug = "none"`, which must pass: the
+  violation comes from the defect, not from the model.
+
+Before any of that, `tla/OmniTransitions.tla` must equal what `gen_transitions` renders
+from the tables in `omni_core.fsm`; when it does not, nothing runs and the message says
+which command regenerates it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_core.formal import gen_transitions
+from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
+
+DEFAULT_TIMEOUT_S = 300.0
+MANIFEST = "manifest.json"
+
+
+def tla_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "tla"
+
+
+@dataclass(frozen=True)
+class Model:
+    """One manifest entry. `expect` is "ok", an invariant name, or a temporal property name
+    (`kind` "temporal"). `distinct_states` is what TLC reported when the manifest was last
+    written; `control_states` the same for a bug model's control run."""
+
+    name: str
+    config: str
+    expect: str
+    kind: str  # "model", "bug" or "temporal" (a bug model that breaks a temporal property)
+    workers: int
+    distinct_states: int | None
+    control_states: int | None
+    about: str
+
+    @property
+    def is_bug(self) -> bool:
+        return self.kind in ("bug", "temporal")
+
+    @classmethod
+    def from_json(cls, data: dict) -> Model:
+        return cls(name=data["name"], config=data["config"], expect=data["expect"],
+                   kind=data.get("kind", "model"), workers=int(data.get("workers", 2)),
+                   distinct_states=data.get("distinct_states"),
+                   control_states=data.get("control_states"), about=data.get("about", ""))  # fmt: skip
+
+
+@dataclass
+class Row:
+    model: str
+    expected: str
+    got: str
+    states: int | None
+    seconds: float
+    ok: bool
+    note: str = ""
+
+
+def load_manifest(root: Path) -> tuple[dict, list[Model]]:
+    data = json.loads((root / MANIFEST).read_text())
+    return data, [Model.from_json(m) for m in data["models"]]
+
+
+_PROPERTIES = re.compile(r"^\s*PROPERT(?:Y|IES)\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.MULTILINE | re.DOTALL)
+_BUG_LINE = re.compile(r'^(\s*Bug\s*=\s*)"[^"]*"', re.MULTILINE)
+
+
+def config_properties(text: str) -> list[str]:
+    """Names after PROPERTY/PROPERTIES in a TLC config (comments dropped)."""
+    names: list[str] = []
+    for block in _PROPERTIES.findall(text):
+        for line in block.splitlines():
+            names += line.split("\\*")[0].split()
+    return names
+
+
+def control_config(text: str) -> str:
+    """The same config with the defect switched off."""
+    if not _BUG_LINE.search(text):
+        raise ValueError("bug model config has no `Bug = \"...\"` line")
+    return _BUG_LINE.sub(r'\1"none"', text)
+
+
+def judge(model: Model, result: TlcResult, properties: list[str]) -> tuple[str, bool, str]:
+    """(got, matches, note) for one run against the model's expectation."""
+    got = result.got
+    if result.outcome == "temporal" and len(properties) == 1:
+        got = properties[0]  # TLC 2.15 does not name it; the config checks only this one
+    if model.expect == "ok":
+        ok = result.outcome == "ok" and result.exit_code == EXIT_OK
+    elif model.kind == "temporal":
+        ok = result.outcome == "temporal" and result.exit_code == EXIT_LIVENESS and got == model.expect
+    else:
+        ok = result.outcome == "invariant" and result.exit_code == EXIT_SAFETY and got == model.expect
+    note = "" if ok else (result.error or f"exit {result.exit_code}")
+    return got, ok, note
+
+
+def _states_note(expected: int | None, got: int | None, update: bool) -> tuple[bool, str]:
+    if update or expected is None or expected == got:
+        return True, ""
+    return False, (f"distinct states changed: manifest {expected}, TLC {got} (if the model changed "
+                   "on purpose: omni-core check --update-manifest)")  # fmt: skip
+
+
+def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_s: float,
+               update: bool, controls: bool, echo=print) -> tuple[list[Row], dict[str, dict]]:  # fmt: skip
+    rows: list[Row] = []
+    counts: dict[str, dict] = {}
+    spec = root / "OmniSleep.tla"
+    for model in models:
+        config = root / model.config
+        text = config.read_text()
+        result = run_tlc(spec, config, workers=workers or model.workers, timeout_s=timeout_s)
+        got, ok, note = judge(model, result, config_properties(text))
+        if ok:
+            ok, note = _states_note(model.distinct_states, result.distinct_states, update)
+        rows.append(Row(model.name, model.expect, got, result.distinct_states, result.seconds, ok, note))
+        echo(_format_row(rows[-1]))
+        counts[model.name] = {"distinct_states": result.distinct_states}
+        if model.is_bug and controls:
+            with tempfile.TemporaryDirectory(prefix="omni-control-") as tmp:
+                control = Path(tmp) / config.name
+                control.write_text(control_config(text))
+                cres = run_tlc(spec, control, workers=workers or 2, timeout_s=timeout_s)
+            cok = cres.outcome == "ok"
+            cnote = "" if cok else (cres.error or f"{cres.got} (exit {cres.exit_code})")
+            if cok:
+                cok, cnote = _states_note(model.control_states, cres.distinct_states, update)
+            rows.append(Row(f"{model.name} [Bug=none]", "ok", cres.got, cres.distinct_states,
+                            cres.seconds, cok, cnote))  # fmt: skip
+            echo(_format_row(rows[-1]))
+            counts[model.name]["control_states"] = cres.distinct_states
+    return rows, counts
+
+
+_COLUMNS = ("model", "expected", "got", "states", "seconds", "")
+_WIDTHS = (38, 34, 34, 9, 8, 4)
+
+
+def _format_row(row: Row) -> str:
+    cells = (row.model, row.expected, row.got, "-" if row.states is None else str(row.states),
+             f"{row.seconds:.1f}", "ok" if row.ok else "FAIL")  # fmt: skip
+    line = "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, _WIDTHS)))
+    return line.rstrip() + (f"\n    {row.note}" if row.note else "")
+
+
+def header() -> str:
+    line = "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(_COLUMNS, _WIDTHS)))
+    return line.rstrip() + "\n" + "-" * sum(w + 2 for w in _WIDTHS)
+
+
+def write_manifest(root: Path, data: dict, counts: dict[str, dict]) -> None:
+    for entry in data["models"]:
+        entry.update(counts.get(entry["name"], {}))
+    (root / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--regen", action="store_true",
+                        help="rewrite tla/OmniTransitions.tla from omni_core.fsm first")
+    parser.add_argument("--update-manifest", action="store_true",
+                        help="record the state counts TLC reports in tla/manifest.json")
+    parser.add_argument("--only", action="append", metavar="PATTERN",
+                        help="run only models whose name matches (glob, repeatable)")
+    parser.add_argument("--no-controls", action="store_true",
+                        help="skip the Bug=none control run of each bug model")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="TLC worker threads (default: per model, from the manifest)")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="limit per TLC run (default %(default)s)")
+    parser.add_argument("--list", action="store_true", help="list the models and exit")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace, echo=print) -> int:
+    root = args.tla_dir or tla_dir()
+    generated = root / f"{gen_transitions.MODULE}.tla"
+    if args.regen:
+        changed = gen_transitions.write(generated)
+        echo(f"{generated}: {'regenerated' if changed else 'already up to date'}")
+    elif not gen_transitions.is_fresh(generated):
+        echo(f"FAIL {gen_transitions.stale_message(generated)}")
+        return 2
+    data, models = load_manifest(root)
+    if args.only:
+        models = [m for m in models if any(fnmatch.fnmatch(m.name, p) for p in args.only)]
+    if args.list:
+        for m in models:
+            echo(f"{m.name:38} {m.expect:34} {m.config}  {m.about}")
+        return 0
+    echo(f"{generated.name}: matches omni_core.fsm")
+    echo(header())
+    start = time.monotonic()
+    try:
+        rows, counts = run_models(models, root, workers=args.workers, timeout_s=args.timeout_s,
+                                  update=args.update_manifest, controls=not args.no_controls,
+                                  echo=echo)  # fmt: skip
+    except TlcNotFoundError as exc:
+        echo(f"FAIL {exc}")
+        return 2
+    total_s = time.monotonic() - start
+    bad = [r for r in rows if not r.ok]
+    echo("-" * sum(w + 2 for w in _WIDTHS))
+    echo(f"{len(rows)} runs, {len(bad)} failed, {total_s:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"total_s": total_s, "rows": [r.__dict__ for r in rows]},
+                                              indent=2) + "\n")  # fmt: skip
+    if args.update_manifest:
+        if bad:
+            echo("manifest NOT updated: some runs did not give the expected result")
+        else:
+            write_manifest(root, data, counts)
+            echo(f"wrote {root / MANIFEST}")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-core check", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
