@@ -62,6 +62,12 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from omni_core.formal.check import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     p.set_defaults(func=_cmd_conformance)
+    p = sub.add_parser("check", help="model-check tla/OmniSleep.tla with TLC: every model and bug model")
+    from omni_core.formal.check import add_arguments as add_check_arguments
+
+    add_check_arguments(p)
+    p.set_defaults(func=_cmd_check)
     return parser
 
 
