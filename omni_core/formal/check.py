@@ -97,7 +97,7 @@ def config_properties(text: str) -> list[str]:
 def control_config(text: str) -> str:
     """The same config with the defect switched off."""
     if not _BUG_LINE.search(text):
-        raise ValueError("bug model config has no `Bug = \"...\"` line")
+        raise ValueError('bug model config has no `Bug = "..."` line')
     return _BUG_LINE.sub(r'\1"none"', text)
 
 
@@ -155,19 +155,24 @@ def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_
 
 
 _COLUMNS = ("model", "expected", "got", "states", "seconds", "")
-_WIDTHS = (38, 34, 34, 9, 8, 4)
+_WIDTHS = (38, 32, 32, 9, 8, 4)
+_RULE = "-" * (sum(_WIDTHS) + 2 * (len(_WIDTHS) - 1))
+
+
+def _line(cells: tuple[str, ...]) -> str:
+    padded = [c.ljust(w) if i < 3 else c.rjust(w)
+              for i, (c, w) in enumerate(zip(cells, _WIDTHS, strict=True))]  # fmt: skip
+    return "  ".join(padded).rstrip()
 
 
 def _format_row(row: Row) -> str:
     cells = (row.model, row.expected, row.got, "-" if row.states is None else str(row.states),
              f"{row.seconds:.1f}", "ok" if row.ok else "FAIL")  # fmt: skip
-    line = "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, _WIDTHS)))
-    return line.rstrip() + (f"\n    {row.note}" if row.note else "")
+    return _line(cells) + (f"\n    {row.note}" if row.note else "")
 
 
 def header() -> str:
-    line = "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(_COLUMNS, _WIDTHS)))
-    return line.rstrip() + "\n" + "-" * sum(w + 2 for w in _WIDTHS)
+    return _line(_COLUMNS) + "\n" + _RULE
 
 
 def write_manifest(root: Path, data: dict, counts: dict[str, dict]) -> None:
@@ -177,18 +182,20 @@ def write_manifest(root: Path, data: dict, counts: dict[str, dict]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--regen", action="store_true",
-                        help="rewrite tla/OmniTransitions.tla from omni_core.fsm first")
-    parser.add_argument("--update-manifest", action="store_true",
-                        help="record the state counts TLC reports in tla/manifest.json")
-    parser.add_argument("--only", action="append", metavar="PATTERN",
-                        help="run only models whose name matches (glob, repeatable)")
-    parser.add_argument("--no-controls", action="store_true",
-                        help="skip the Bug=none control run of each bug model")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="TLC worker threads (default: per model, from the manifest)")
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="limit per TLC run (default %(default)s)")
+    parser.add_argument("--regen", action="store_true", help="rewrite tla/OmniTransitions.tla from omni_core.fsm first")
+    parser.add_argument(
+        "--update-manifest", action="store_true", help="record the state counts TLC reports in tla/manifest.json"
+    )
+    parser.add_argument(
+        "--only", action="append", metavar="PATTERN", help="run only models whose name matches (glob, repeatable)"
+    )
+    parser.add_argument("--no-controls", action="store_true", help="skip the Bug=none control run of each bug model")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="TLC worker threads (default: per model, from the manifest)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="limit per TLC run (default %(default)s)"
+    )
     parser.add_argument("--list", action="store_true", help="list the models and exit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -222,7 +229,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return 2
     total_s = time.monotonic() - start
     bad = [r for r in rows if not r.ok]
-    echo("-" * sum(w + 2 for w in _WIDTHS))
+    echo(_RULE)
     echo(f"{len(rows)} runs, {len(bad)} failed, {total_s:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"total_s": total_s, "rows": [r.__dict__ for r in rows]},

