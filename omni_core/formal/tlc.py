@@ -143,11 +143,28 @@ def parse_output(output: str, exit_code: int, seconds: float = 0.0) -> TlcResult
     return TlcResult(exit_code, outcome, violated, distinct, generated, depth, seconds, output, error)
 
 
+_GENERIC = ("unexpected exception", "The behavior up to", "The error occurred when", "constitutes a")
+
+
+def _telling(line: str) -> int | None:
+    """Rank of a line as the explanation of a failed run (lower is better), None if it is none."""
+    if "The first argument of Assert" in line or "Attempted to" in line:
+        return 0
+    if line.startswith("Error:") and not any(g in line for g in _GENERIC):
+        return 1
+    if "Exception" in line or "Error" in line:
+        return 2
+    return None
+
+
 def _first_error(output: str) -> str:
+    """The most telling lines of a failed run: an Assert's message or an evaluation error,
+    else TLC's own Error line, else an exception, else the last lines."""
     lines = output.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith(("Error:", "***")) or "Exception" in line or "Error" in line:
-            return " ".join(x.strip() for x in lines[i : i + 4] if x.strip())[:500]
+    ranked = [(rank, i) for i, line in enumerate(lines) if (rank := _telling(line)) is not None]
+    if ranked:
+        _, i = min(ranked)
+        return " ".join(x.strip() for x in lines[i : i + 3] if x.strip())[:500]
     tail = [x.strip() for x in lines if x.strip()][-3:]
     return " ".join(tail)[:500]
 
