@@ -154,7 +154,7 @@ class _Omni(_Method):
 
             chunk = int(options["chunk_mib"]) * MiB if "chunk_mib" in options else None
             self.backend = FastBackend(device, chunk_bytes=chunk, wake_mode=options.get("wake"),
-                                       prepare=options.get("prepare"))  # fmt: skip
+                                       prepare=options.get("prepare"), arena_mode=options.get("arena"))  # fmt: skip
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")
             if "streams" in options:
@@ -453,6 +453,8 @@ def machine_info() -> dict[str, Any]:
                             "platform": platform.platform(),
                             "commit": _shell(["git", "rev-parse", "HEAD"]) or "unknown",
                             "dirty": bool(_shell(["git", "status", "--porcelain", "-uno"]))}  # fmt: skip
+    if os.environ.get("OMNI_COMMIT"):  # a copy of the tree without its history (the device machine)
+        info["commit"], info["dirty"] = os.environ["OMNI_COMMIT"], os.environ.get("OMNI_COMMIT_DIRTY") == "1"
     info["gpu"] = _shell(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.max,"
                           "pcie.link.width.max", "--format=csv,noheader"])  # fmt: skip
     try:

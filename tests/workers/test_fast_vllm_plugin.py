@@ -216,12 +216,15 @@ def _make_entry_point_visible(tmp_path) -> None:
     a dist-info with the entry point exactly as pyproject.toml declares it."""
     if any(ep.name == EP_NAME for ep in importlib.metadata.entry_points(group=vllm_plugin.ENTRY_POINT_GROUP)):
         return
-    text = (ROOT / "pyproject.toml").read_text()
-    section = text.split(f'[project.entry-points."{vllm_plugin.ENTRY_POINT_GROUP}"]\n', 1)[1].split("\n\n", 1)[0]
+    import tomllib  # Python >= 3.11, as on the device
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    group = declared[vllm_plugin.ENTRY_POINT_GROUP]
     info = tmp_path / "omni_core-0.1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omni-core\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(f"[{vllm_plugin.ENTRY_POINT_GROUP}]\n{section.strip()}\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in group.items())
+    (info / "entry_points.txt").write_text(f"[{vllm_plugin.ENTRY_POINT_GROUP}]\n{lines}")
     sys.path.insert(0, str(tmp_path))
 
 

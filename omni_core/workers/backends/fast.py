@@ -60,6 +60,7 @@ _HOST_REGISTER_PORTABLE = 1  # usable from every context: the arena may be prepa
 ENV_PREPARE = "OMNI_FAST_PREPARE"  # "load" (default) | "background" | "sleep"
 ENV_CHUNK_MIB = "OMNI_FAST_CHUNK_MIB"
 ENV_WAKE = "OMNI_FAST_WAKE"  # "pipelined" (default) | "map-first"
+ENV_ARENA = "OMNI_FAST_ARENA"  # "register" (default) | "hostalloc"
 
 
 # ---------------------------------------------------------------------- planning (pure)
@@ -130,9 +131,11 @@ class CudaOps:
         rt.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
         rt.cudaHostRegister.argtypes = [vp, sz, ctypes.c_uint]
         rt.cudaHostUnregister.argtypes = [vp]
+        rt.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), sz, ctypes.c_uint]
+        rt.cudaFreeHost.argtypes = [vp]
         rt.cudaGetErrorString.argtypes = [ctypes.c_int]
         rt.cudaGetErrorString.restype = ctypes.c_char_p
-        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister):
+        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost):
             fn.restype = ctypes.c_int
         self._rt = rt
         self._stream_count = max(1, streams)
@@ -173,6 +176,12 @@ class CudaOps:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def warm_up(self, device_ptr: int, host_ptr: int) -> None:
+        for stream in self.streams:  # one byte each way on every stream (the slot is rewritten at sleep)
+            self.copy(host_ptr, device_ptr, 1, False, stream)
+            self.copy(device_ptr, host_ptr, 1, True, stream)
+            self.wait(self.record(stream))
+
     def register(self, ptr: int, nbytes: int) -> None:
         self._check(self._rt.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE),
                     f"cudaHostRegister of {nbytes} bytes")  # fmt: skip
@@ -180,28 +189,54 @@ class CudaOps:
     def unregister(self, ptr: int) -> None:
         self._check(self._rt.cudaHostUnregister(ptr), "cudaHostUnregister")
 
+    def host_alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        self._check(self._rt.cudaHostAlloc(ctypes.byref(ptr), nbytes, _HOST_REGISTER_PORTABLE),
+                    f"cudaHostAlloc of {nbytes} bytes")  # fmt: skip
+        return int(ptr.value or 0)
+
+    def host_free(self, ptr: int) -> None:
+        self._check(self._rt.cudaFreeHost(ptr), "cudaFreeHost")
+
 
 # ---------------------------------------------------------------------- host arena
 
 
 class HostArena:
-    """One anonymous host mapping of exactly `nbytes`, faulted in (transparent huge pages
-    where the kernel offers them, by all of torch's CPU threads) and page-locked once."""
+    """One block of page-locked host memory of exactly `nbytes`.
 
-    def __init__(self, nbytes: int, ops: Any, *, touch: bool = True) -> None:
+    `register` (default): an anonymous mapping, transparent huge pages where the kernel
+    offers them, faulted in by all of torch's CPU threads, then `cudaHostRegister`.
+    `hostalloc`: `cudaHostAlloc` of the exact size (torch's pinned allocator would round
+    it up to a power of two)."""
+
+    MODES = ("register", "hostalloc")
+
+    def __init__(self, nbytes: int, ops: Any, *, touch: bool = True, mode: str = "register") -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"arena mode {mode!r}: use one of {self.MODES}")
         started = time.perf_counter()
-        self.nbytes = nbytes
+        self.nbytes, self.mode = nbytes, mode
         self._ops = ops
+        size = max(nbytes, 1)
+        self._buffer: Any = None
+        if mode == "hostalloc":
+            self.ptr = ops.host_alloc(size)
+            self._buffer = (ctypes.c_uint8 * size).from_address(self.ptr)
+            self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8, count=size)
+            self.touch_s, self.register_s = 0.0, time.perf_counter() - started
+            self.registered = True
+            return
         self._buffer = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
         if hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):  # THP off: 4 KiB pages work, only the fault-in is slower
                 self._buffer.madvise(mmap.MADV_HUGEPAGE)
-        self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8, count=max(nbytes, 1))
+        self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8, count=size)
         if touch:
             self.tensor.zero_()  # parallel page faults; cudaHostRegister alone faults serially
         self.ptr = self.tensor.data_ptr()
         touched = time.perf_counter()
-        ops.register(self.ptr, max(nbytes, 1))
+        ops.register(self.ptr, size)
         self.registered = True
         self.touch_s = touched - started
         self.register_s = time.perf_counter() - touched
@@ -210,10 +245,14 @@ class HostArena:
         return self.tensor[offset : offset + nbytes]
 
     def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
         if self.registered:
             self.registered = False
+            if self.mode == "hostalloc":
+                self._buffer = None
+                self._ops.host_free(self.ptr)
+                return
             self._ops.unregister(self.ptr)
-        self.tensor = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with it
             self._buffer.close()
 
@@ -259,6 +298,7 @@ class FastPath:
         streams: int = DEFAULT_STREAMS,
         wake_mode: str | None = None,
         touch: bool = True,
+        arena_mode: str | None = None,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
@@ -268,6 +308,9 @@ class FastPath:
             raise ValueError(f"wake mode {self.wake_mode!r}: use 'pipelined' or 'map-first'")
         self.ops = ops if ops is not None else CudaOps(self.device, streams)
         self.touch = touch
+        self.arena_mode = arena_mode or os.environ.get(ENV_ARENA, "register")
+        if self.arena_mode not in HostArena.MODES:
+            raise ValueError(f"arena mode {self.arena_mode!r}: use one of {HostArena.MODES}")
         raw_map = getattr(module, "python_create_and_map", None)
         raw_unmap = getattr(module, "python_unmap_and_release", None)
         self._map = (lambda h: raw_map(*h)) if raw_map is not None else module.create_and_map
@@ -362,12 +405,17 @@ class FastPath:
         total = sum(d.handle[1] for _, d in allocs)
         if total == 0:
             return None
-        arena = HostArena(total, self.ops, touch=self.touch)
+        arena = HostArena(total, self.ops, touch=self.touch, mode=self.arena_mode)
         self._arenas.append(arena)
         offset = 0
         for ptr, data in allocs:  # address order: device neighbours are host neighbours
             self._slots[ptr] = Slot(arena, offset, data.handle[1])
             offset += data.handle[1]
+        warm_up = getattr(self.ops, "warm_up", None)
+        if warm_up is not None and not self.is_asleep(*allocs[0]):
+            # Streams, events and the first transfer through the new registration cost a few
+            # ms once: pay them here rather than in the first sleep.
+            warm_up(allocs[0][0], self._slots[allocs[0][0]].host)
         return arena
 
     def _drop_arenas(self) -> None:
@@ -482,7 +530,13 @@ class FastPath:
                 flush()
 
         pipelined = self.wake_mode == "pipelined"
-        for ptr, data in allocs:
+        # Allocations with bytes to restore first, so that their copies start at once; the
+        # others (discarded KV) are mapped while the last copies are still in flight.
+        order = [a for a in allocs if a[0] in self._backed] + [a for a in allocs if a[0] not in self._backed]
+        backed = sum(1 for a in allocs if a[0] in self._backed)
+        for k, (ptr, data) in enumerate(order):
+            if k == backed and pipelined:
+                flush()
             t = time.perf_counter()
             self._map(data.handle)
             self._mark(ptr, data, asleep=False)
@@ -490,7 +544,7 @@ class FastPath:
             if pipelined:  # this allocation's bytes travel while the next one is mapped
                 restore(ptr, data)
         if not pipelined:
-            for ptr, data in allocs:
+            for ptr, data in order:
                 restore(ptr, data)
         flush()
         self.ops.current_after_streams()
@@ -539,12 +593,13 @@ class FastBackend(CumemBackend):
         prepare: str | None = None,
         chunk_bytes: int | None = None,
         wake_mode: str | None = None,
+        arena_mode: str | None = None,
     ) -> None:
         super().__init__(device, module=module)
         self.arena_tags = arena_tags
         self.prepare_mode = prepare or _prepare_mode()
         self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
-                             wake_mode=wake_mode)  # fmt: skip
+                             wake_mode=wake_mode, arena_mode=arena_mode)  # fmt: skip
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         # Called once a tag's tensors are allocated (and after a reload): the weights are
