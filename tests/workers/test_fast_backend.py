@@ -48,6 +48,11 @@ class DeferredOps:
             raise RuntimeError(f"host range {ptr:#x}+{nbytes} is not in a registered arena")
 
     def _run(self, op) -> None:
+        if op[0] == "touch":  # zeros, as the GPU's memset: harmful if it ran after the copy
+            _, ptr, nbytes, _pitch = op
+            for base, offset, n in list(self._pieces(ptr, nbytes)):
+                self.m.memory[base][offset : offset + n] = bytes(n)
+            return
         dst, src, nbytes, to_device = op
         if to_device:
             self._check_host(src, nbytes)
@@ -65,6 +70,9 @@ class DeferredOps:
     def copy(self, dst: int, src: int, nbytes: int, to_device: bool, stream: str) -> None:
         self.queues[stream].append((dst, src, nbytes, to_device))
         self.copies.append(("h2d" if to_device else "d2h", nbytes))
+
+    def touch(self, ptr: int, nbytes: int, pitch: int, stream: str) -> None:
+        self.queues[stream].append(("touch", ptr, nbytes, pitch))
 
     def record(self, stream: str):
         return (stream, len(self.queues[stream]))

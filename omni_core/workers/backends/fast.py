@@ -61,6 +61,9 @@ ENV_PREPARE = "OMNI_FAST_PREPARE"  # "load" (default) | "background" | "sleep"
 ENV_CHUNK_MIB = "OMNI_FAST_CHUNK_MIB"
 ENV_WAKE = "OMNI_FAST_WAKE"  # "pipelined" (default) | "map-first"
 ENV_ARENA = "OMNI_FAST_ARENA"  # "register" (default) | "hostalloc"
+ENV_PREFAULT = "OMNI_FAST_PREFAULT"  # "page" (default) | "64k" | "full" | "none"
+# Pitch of the pre-fault writes on wake (0: every byte); see FastPath.wake.
+PREFAULT_PITCH = {"page": 2 * MiB, "64k": 64 * 1024, "full": 0}
 
 
 # ---------------------------------------------------------------------- planning (pure)
@@ -133,9 +136,12 @@ class CudaOps:
         rt.cudaHostUnregister.argtypes = [vp]
         rt.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), sz, ctypes.c_uint]
         rt.cudaFreeHost.argtypes = [vp]
+        rt.cudaMemsetAsync.argtypes = [vp, ctypes.c_int, sz, vp]
+        rt.cudaMemset2DAsync.argtypes = [vp, sz, ctypes.c_int, sz, sz, vp]
         rt.cudaGetErrorString.argtypes = [ctypes.c_int]
         rt.cudaGetErrorString.restype = ctypes.c_char_p
-        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost):
+        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost,
+                   rt.cudaMemsetAsync, rt.cudaMemset2DAsync):  # fmt: skip
             fn.restype = ctypes.c_int
         self._rt = rt
         self._stream_count = max(1, streams)
@@ -154,6 +160,14 @@ class CudaOps:
     def copy(self, dst: int, src: int, nbytes: int, to_device: bool, stream: Any) -> None:
         rc = self._rt.cudaMemcpyAsync(dst, src, nbytes, _H2D if to_device else _D2H, stream.cuda_stream)
         self._check(rc, f"cudaMemcpyAsync of {nbytes} bytes")
+
+    def touch(self, ptr: int, nbytes: int, pitch: int, stream: Any) -> None:
+        """Write zeros into [ptr, ptr+nbytes): every byte (pitch 0) or one byte per `pitch`."""
+        if pitch <= 0:
+            self._check(self._rt.cudaMemsetAsync(ptr, 0, nbytes, stream.cuda_stream), "cudaMemsetAsync")
+        else:
+            rows = -(-nbytes // pitch)
+            self._check(self._rt.cudaMemset2DAsync(ptr, pitch, 0, 1, rows, stream.cuda_stream), "cudaMemset2DAsync")
 
     def record(self, stream: Any) -> Any:
         event = torch.cuda.Event()
@@ -299,6 +313,7 @@ class FastPath:
         wake_mode: str | None = None,
         touch: bool = True,
         arena_mode: str | None = None,
+        prefault: str | None = None,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
@@ -308,6 +323,9 @@ class FastPath:
             raise ValueError(f"wake mode {self.wake_mode!r}: use 'pipelined' or 'map-first'")
         self.ops = ops if ops is not None else CudaOps(self.device, streams)
         self.touch = touch
+        self.prefault = prefault or os.environ.get(ENV_PREFAULT, "page")
+        if self.prefault not in (*PREFAULT_PITCH, "none"):
+            raise ValueError(f"prefault {self.prefault!r}: use one of {[*PREFAULT_PITCH, 'none']}")
         self.arena_mode = arena_mode or os.environ.get(ENV_ARENA, "register")
         if self.arena_mode not in HostArena.MODES:
             raise ValueError(f"arena mode {self.arena_mode!r}: use one of {HostArena.MODES}")
@@ -507,11 +525,19 @@ class FastPath:
         restored = run_bytes = 0
         map_s = 0.0
 
+        pitch = PREFAULT_PITCH.get(self.prefault)
+
         def flush() -> None:
             nonlocal issued, run_bytes
             for c in plan_copies(run, self.chunk_bytes):
                 if c.nbytes:
-                    self.ops.copy(c.device, c.host, c.nbytes, True, streams[issued % len(streams)])
+                    stream = streams[issued % len(streams)]
+                    if pitch is not None:
+                        # Memory mapped a moment ago: the copy engine's first writes to fresh
+                        # pages run ~10% slower (49.7 vs 55.4 GB/s on the H200) unless a kernel
+                        # has touched them; a memset on the same stream, just before, is cheap.
+                        self.ops.touch(c.device, c.nbytes, pitch, stream)
+                    self.ops.copy(c.device, c.host, c.nbytes, True, stream)
                     issued += 1
             run.clear()
             run_bytes = 0
@@ -594,12 +620,13 @@ class FastBackend(CumemBackend):
         chunk_bytes: int | None = None,
         wake_mode: str | None = None,
         arena_mode: str | None = None,
+        prefault: str | None = None,
     ) -> None:
         super().__init__(device, module=module)
         self.arena_tags = arena_tags
         self.prepare_mode = prepare or _prepare_mode()
         self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
-                             wake_mode=wake_mode, arena_mode=arena_mode)  # fmt: skip
+                             wake_mode=wake_mode, arena_mode=arena_mode, prefault=prefault)  # fmt: skip
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         # Called once a tag's tensors are allocated (and after a reload): the weights are
