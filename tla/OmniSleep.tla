@@ -18,7 +18,12 @@
 (* Abstractions: tags are {weights, kv_cache}; task ids are 1..MaxTask,    *)
 (* unique per call (the caller's idempotency key); Status and Shutdown are *)
 (* not modelled (they never change residency); Restart happens from FAILED *)
-(* only and replaces every rank by a fresh process under epoch + 1.        *)
+(* only and replaces every rank by a fresh process under epoch + 1. The    *)
+(* reply cache is unbounded (the real one evicts after 1024 tasks). An     *)
+(* Execute request ends only when every rank has answered it, and a rank   *)
+(* silent on a request fails the stage: ending it earlier lets a drain     *)
+(* release a Sleep while another rank still executes (bug model            *)
+(* early_request_finish).                                                  *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets, TLC, OmniTransitions
 
