@@ -122,6 +122,24 @@ def test_rank_death_during_start() -> None:
     assert h.stage.state is S.FAILED and "exit code 1" in h.stage.failure
 
 
+def test_death_of_an_earlier_incarnation_or_unknown_rank_is_ignored() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    h.stage.on_rank_died(1, "old process", h.now, epoch=h.stage.epoch + 1)
+    h.stage.on_rank_died(7, "not ours", h.now)
+    assert h.stage.state is S.RUNNING and h.stage.counters.stale_replies_ignored == 2
+
+
+def test_ranks_silent_on_a_request_fail_the_stage_naming_them() -> None:
+    h = reach_stage(S.RUNNING, ranks=3)
+    h.stage.request_started()
+    h.stage.sleep("s", 1, None, h.now, 5.0)
+    assert h.stage.state is S.DRAINING
+    step = h.stage.on_ranks_unresponsive({2: "no result for request r1", 9: "not a rank"}, h.now)
+    assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {2}
+    assert step.outcome is not None and not step.outcome.ok and "rank 2: no result" in step.outcome.error
+    assert h.stage.on_ranks_unresponsive({1: "again"}, h.now) == StageStep()
+
+
 def test_stage_needs_a_rank() -> None:
     from omni_core.fsm import StageCore
 

@@ -26,10 +26,12 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-1",
             "One terminal reply",
-            "For every command a worker receives, it MUST send exactly one terminal reply "
-            "(`Ack`, `Nack` or `Result`) per (task_id, rank). A copy of a command that arrives "
-            "while its task is still in progress MUST NOT produce a reply of its own; the one "
-            "terminal reply follows when the task completes.",
+            'For every command a worker receives, it MUST send exactly one terminal reply (`Ack`, '
+            '`Nack` or `Result`) per (task_id, rank). A copy of a command that arrives while its '
+            'task is still in progress MUST NOT produce a reply of its own; the one terminal reply '
+            'follows when the task completes. A refusal (`Nack` without effect) is not recorded, so'
+            ' a copy of a refused command is judged afresh and MAY be refused again; it MUST NOT be'
+            ' refused and later take effect under the same task_id from the same state.',
         ),
         Requirement(
             "P-2",

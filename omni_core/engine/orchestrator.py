@@ -10,6 +10,7 @@ thin shell: decode, call the core, send what the core returns, resolve futures.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import queue
@@ -58,6 +59,7 @@ from omni_core.trace import open_trace
 from omni_core.workers.config import WorkerConfig
 
 POLL_INTERVAL_S = 0.05  # upper bound on deadline lateness
+TICK_INTERVAL_S = 0.01  # deadlines are checked at most this often
 SOCKET_HWM = 10_000  # messages queued per peer before sends fail fast (then deadlines act)
 TERMINATE_GRACE_S = 3.0
 
@@ -68,7 +70,7 @@ class _Request:
     payload: Any
     future: Future
     deadline_at: float
-    results: dict[int, Result] = field(default_factory=dict)
+    replies: dict[int, Result | Nack] = field(default_factory=dict)
 
 
 class _RankProcess:
@@ -173,6 +175,7 @@ class Orchestrator:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._ids = itertools.count(1)
+        self._next_tick_at = 0.0
         self._closing: Future | None = None
         self._closing_deadline_at = 0.0
         self._closed = threading.Event()
@@ -263,8 +266,10 @@ class Orchestrator:
                 del stage.waiters[task_id]
             raise
         if abort_in_flight and stage.core.state is StageState.DRAINING:
-            for request in list(stage.inflight.values()):
-                self._finish_request(stage, request, error=RequestFailedError(
+            # The callers hear now; the ranks still run these requests, so the Sleep goes
+            # out only once every rank has answered them (retired), never over a running one.
+            for request in stage.inflight.values():
+                _settle(request.future, error=RequestFailedError(
                     f"request {request.task_id} aborted: stage {name!r} is going to sleep "
                     "(abort_in_flight=True)"))  # fmt: skip
         self._apply(stage, step)
@@ -337,7 +342,10 @@ class Orchestrator:
                     self._receive_all()
                 for fd in [fd for fd in ready if fd in self._sentinels]:
                     self._on_sentinel(fd)
-                self._tick(time.monotonic())
+                now = time.monotonic()
+                if now >= self._next_tick_at:  # deadlines need ms, not a scan per message
+                    self._next_tick_at = now + TICK_INTERVAL_S
+                    self._tick(now)
                 if self._closing is not None and self._finish_close():
                     return
         finally:
@@ -438,17 +446,29 @@ class Orchestrator:
                 if proc.sentinel is None and not proc.expected_exit and not proc.is_alive():
                     proc.expected_exit = True  # report once
                     self._on_rank_exit_polled(stage, proc)
-            step = self._core_call(stage, lambda s=stage: s.core.on_tick(now))
-            for request in [r for r in stage.inflight.values() if now >= r.deadline_at]:
-                self._finish_request(stage, request, error=RequestFailedError(
-                    f"request {request.task_id} to stage {stage.spec.name!r} got no result from every "
-                    f"rank before its deadline (ranks answered: {sorted(request.results)})"))  # fmt: skip
+            self._apply(stage, self._core_call(stage, lambda s=stage: s.core.on_tick(now)))
+            silent = self._expire_requests(stage, now)
+            if silent:
+                unresponsive = functools.partial(stage.core.on_ranks_unresponsive, silent, now)
+                self._apply(stage, self._core_call(stage, unresponsive))
             while stage.queue and now >= stage.queue[0].deadline_at:
                 request = stage.queue.popleft()
                 _settle(request.future, error=RequestRejectedError(
                     f"request {request.task_id} waited in the queue of stage {stage.spec.name!r} "
                     f"until its deadline; the stage stayed {stage.core.state.value}"))  # fmt: skip
-            self._apply(stage, step)
+
+    def _expire_requests(self, stage: _Stage, now: float) -> dict[int, str]:
+        """Requests past their deadline: tell their callers, return the ranks that stayed silent."""
+        silent: dict[int, str] = {}
+        for request in [r for r in stage.inflight.values() if now >= r.deadline_at]:
+            missing = [p.rank for p in stage.procs if p.rank not in request.replies]
+            _settle(request.future, error=RequestFailedError(
+                f"request {request.task_id} to stage {stage.spec.name!r}: ranks {missing} gave no "
+                "result before its deadline; the stage fails, since a rank still running a "
+                "request cannot be put to sleep safely"))  # fmt: skip
+            for rank in missing:
+                silent.setdefault(rank, f"no result for request {request.task_id} before its deadline")
+        return silent
 
     # ================================================================ helpers (loop thread)
 
@@ -520,20 +540,24 @@ class Orchestrator:
             self._send(stage, proc.rank, command)
 
     def _on_request_reply(self, stage: _Stage, request: _Request, rank: int, reply: Result | Nack) -> None:
-        if isinstance(reply, Nack):
-            self._finish_request(stage, request, error=RequestFailedError(
-                f"rank {rank} of stage {stage.spec.name!r} refused request {request.task_id}: "
-                f"{reply.reason.value} in {reply.state.value}: {reply.detail}"))  # fmt: skip
-            return
-        request.results[rank] = reply
-        if len(request.results) == len(stage.procs):
-            self._finish_request(stage, request, result=request.results[0].output)
+        request.replies[rank] = reply
+        if len(request.replies) < len(stage.procs):
+            return  # a request retires only when every rank has answered it
+        refusals = {r: m for r, m in sorted(request.replies.items()) if isinstance(m, Nack)}
+        if refusals:
+            named = "; ".join(f"rank {r}: {m.reason.value} in {m.state.value}: {m.detail}"
+                              for r, m in refusals.items())  # fmt: skip
+            _settle(request.future, error=RequestFailedError(
+                f"stage {stage.spec.name!r} refused request {request.task_id} ({named})"))
+        else:
+            first = request.replies[min(request.replies)]
+            _settle(request.future, result=first.output)  # type: ignore[union-attr]
+        self._retire(stage, request)
 
-    def _finish_request(self, stage: _Stage, request: _Request, *, result: Any = None,
-                        error: BaseException | None = None) -> None:  # fmt: skip
+    def _retire(self, stage: _Stage, request: _Request) -> None:
+        """Every rank has answered: the request no longer holds the stage's drain open."""
         if stage.inflight.pop(request.task_id, None) is None:
             return
-        _settle(request.future, result=result, error=error)
         if stage.core.in_flight_requests > 0:
             now = time.monotonic()
             self._apply(stage, self._core_call(stage, lambda: stage.core.request_finished(now)))

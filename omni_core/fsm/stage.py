@@ -388,6 +388,16 @@ class StageCore:
         self._check_invariants()
         return step
 
+    def on_ranks_unresponsive(self, failures: dict[int, str], now: float) -> StageStep:
+        """Ranks that gave no result for a request within its deadline (P-9): the stage
+        cannot trust them with a sleep or the next request, so it fails naming them."""
+        failures = {r: why for r, why in failures.items() if r in self.ranks}
+        if not failures or self.state in (S.FAILED, S.STOPPED):
+            return StageStep()
+        step = self._fail_task(failures, now) if self._task else self._fail_idle(failures, now)
+        self._check_invariants()
+        return step
+
     def on_rank_died(self, rank: int, detail: str, now: float, *, epoch: int | None = None) -> StageStep:
         """A rank process ended. `epoch` (the epoch it was started in) fences reports about
         processes of an earlier incarnation: those are counted and ignored (P-6)."""

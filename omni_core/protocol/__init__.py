@@ -4,6 +4,7 @@ from omni_core.protocol.codec import ProtocolError, decode, decode_command, enco
 from omni_core.protocol.enums import AckStatus, Capability, NackReason, StageState, WorkerState
 from omni_core.protocol.messages import (
     COMMAND_TYPES,
+    MAX_DETAIL_CHARS,
     MESSAGE_TYPES,
     REPLY_TYPES,
     Ack,
@@ -28,6 +29,7 @@ from omni_core.protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "COMMAND_TYPES",
+    "MAX_DETAIL_CHARS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "REPLY_TYPES",

@@ -36,6 +36,7 @@ from omni_core.fsm.effects import (
     WakeEffect,
 )
 from omni_core.protocol import (
+    MAX_DETAIL_CHARS,
     Capability,
     Hello,
     MemoryReport,
@@ -124,7 +125,8 @@ class WorkerProcess:
             device = f"{device} ({self.memory.physical.uuid})"
         self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=os.getpid(),
                          device=device, backend=backend_name, tags=cfg.tags,
-                         capabilities=capabilities, state=self.core.state))  # fmt: skip
+                         capabilities=capabilities, state=self.core.state,
+                         detail=error[:MAX_DETAIL_CHARS]))  # fmt: skip
 
     def _load(self) -> None:
         assert self.backend is not None

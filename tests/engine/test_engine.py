@@ -15,8 +15,10 @@ import pytest
 from omni_core.demo import Demo
 from omni_core.engine import (
     AsyncEngine,
+    Engine,
     InvalidArgumentError,
     OmniCoreError,
+    RequestFailedError,
     RequestRejectedError,
     StageFailedError,
     StageSpec,
@@ -202,3 +204,53 @@ def test_async_engine_round_trip() -> None:
             assert all(r == ref for r in results)
 
     asyncio.run(scenario())
+
+
+def test_a_rank_that_cannot_load_fails_the_start_with_its_reason() -> None:
+    spec = small_spec("broken", runner="no_such_package.model:Runner", start_deadline_s=60.0)
+    started = time.monotonic()
+    with pytest.raises(StageFailedError) as caught:
+        Engine([spec])
+    assert time.monotonic() - started < 30.0
+    message = str(caught.value)
+    assert "rank 0" in message and "no_such_package" in message, message
+
+
+def test_abort_in_flight_answers_callers_but_sleeps_only_after_every_rank_answered(engine_factory) -> None:
+    engine = engine_factory(small_spec("s", ranks=2))
+    reference = engine.execute("s", PROBE)
+    busy = rank_pid(engine, "s", 1)
+    os.kill(busy, signal.SIGSTOP)  # rank 1 "still running" the request below
+    try:
+        request = engine.submit("s", PROBE)
+        wait_for(lambda: engine.status()["s"]["in_flight"] == 1, what="request in flight")
+        outcome: dict[str, object] = {}
+        thread = threading.Thread(target=lambda: outcome.setdefault(
+            "report", engine.sleep("s", timeout_s=30, abort_in_flight=True)))
+        thread.start()
+        with pytest.raises(RequestFailedError, match="aborted"):
+            request.result(timeout=10)
+        time.sleep(0.3)
+        # The caller has its answer, but rank 1 has not answered the request: no Sleep yet.
+        assert engine.status()["s"]["state"] == "DRAINING"
+    finally:
+        resume(busy)
+    thread.join(30)
+    assert outcome["report"].state == "SLEEPING"
+    engine.wake("s")
+    assert engine.execute("s", PROBE) == reference
+
+
+def test_a_rank_silent_on_a_request_fails_the_stage_naming_it(engine_factory) -> None:
+    engine = engine_factory(small_spec("s", ranks=2))
+    silent = rank_pid(engine, "s", 1)
+    os.kill(silent, signal.SIGSTOP)
+    try:
+        with pytest.raises(RequestFailedError, match=r"ranks \[1\] gave no result"):
+            engine.execute("s", PROBE, timeout_s=1.0)
+        wait_for(lambda: engine.status()["s"]["state"] == "FAILED", timeout_s=5, what="FAILED")
+        assert "rank 1: no result for request" in engine.status()["s"]["failure"]
+    finally:
+        resume(silent)
+    engine.restart("s")
+    assert engine.status()["s"]["state"] == "RUNNING"
