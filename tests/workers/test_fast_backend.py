@@ -280,3 +280,13 @@ def test_select_fast_names_itself_when_unavailable():
 def test_bad_wake_mode_is_refused():
     with pytest.raises(ValueError, match="wake mode"):
         make("0.26", wake_mode="sometimes")
+
+
+@pytest.mark.parametrize("prefault", ["page", "full"])
+def test_prefault_runs_before_each_copy_on_its_stream(prefault):
+    module, ops, backend, ptrs = make("0.26", prefault=prefault)
+    before = snapshot(module, ptrs[W])
+    backend.sleep({W}, {KV})
+    backend.wake({W, KV})  # a memset after its copy would leave zeros (the double runs them in order)
+    assert snapshot(module, ptrs[W]) == before
+    assert sum(1 for q in ops.queues.values() for op in q if op[0] == "touch") == 5  # one per chunk

@@ -61,7 +61,7 @@ ENV_PREPARE = "OMNI_FAST_PREPARE"  # "load" (default) | "background" | "sleep"
 ENV_CHUNK_MIB = "OMNI_FAST_CHUNK_MIB"
 ENV_WAKE = "OMNI_FAST_WAKE"  # "pipelined" (default) | "map-first"
 ENV_ARENA = "OMNI_FAST_ARENA"  # "register" (default) | "hostalloc"
-ENV_PREFAULT = "OMNI_FAST_PREFAULT"  # "page" (default) | "64k" | "full" | "none"
+ENV_PREFAULT = "OMNI_FAST_PREFAULT"  # "none" (default) | "page" | "64k" | "full"
 # Pitch of the pre-fault writes on wake (0: every byte); see FastPath.wake.
 PREFAULT_PITCH = {"page": 2 * MiB, "64k": 64 * 1024, "full": 0}
 
@@ -323,7 +323,7 @@ class FastPath:
             raise ValueError(f"wake mode {self.wake_mode!r}: use 'pipelined' or 'map-first'")
         self.ops = ops if ops is not None else CudaOps(self.device, streams)
         self.touch = touch
-        self.prefault = prefault or os.environ.get(ENV_PREFAULT, "page")
+        self.prefault = prefault or os.environ.get(ENV_PREFAULT, "none")
         if self.prefault not in (*PREFAULT_PITCH, "none"):
             raise ValueError(f"prefault {self.prefault!r}: use one of {[*PREFAULT_PITCH, 'none']}")
         self.arena_mode = arena_mode or os.environ.get(ENV_ARENA, "register")
@@ -533,9 +533,10 @@ class FastPath:
                 if c.nbytes:
                     stream = streams[issued % len(streams)]
                     if pitch is not None:
-                        # Memory mapped a moment ago: the copy engine's first writes to fresh
-                        # pages run ~10% slower (49.7 vs 55.4 GB/s on the H200) unless a kernel
-                        # has touched them; a memset on the same stream, just before, is cheap.
+                        # An experiment kept as an option: copies into memory mapped a moment
+                        # ago ran at 49.7 instead of 55.4 GB/s on the H200, 53.4 after a kernel
+                        # had zeroed it; but a memset right before each chunk did not change the
+                        # wake (mapping cost, ~2 ms/GiB, does not overlap with the copies).
                         self.ops.touch(c.device, c.nbytes, pitch, stream)
                     self.ops.copy(c.device, c.host, c.nbytes, True, stream)
                     issued += 1
