@@ -231,10 +231,17 @@ class Orchestrator:
         now = time.monotonic()
         budget_s = stage.spec.request_timeout_s if timeout_s is None else float(timeout_s)
         request = _Request(f"req-{name}-{next(self._ids)}", payload, future, now + budget_s)
-        if stage.core.admits():
+        if stage.core.admits() and len(stage.inflight) < stage.spec.max_in_flight and not stage.queue:
             self._dispatch(stage, request)
             return
         state = stage.core.state
+        if stage.core.admits():  # RUNNING but at max_in_flight: wait in the bounded queue
+            if len(stage.queue) >= stage.spec.queue_limit:
+                raise RequestRejectedError(f"stage {name!r} has {len(stage.inflight)} requests in flight "
+                                           f"(max_in_flight) and {len(stage.queue)} queued (queue_limit); "
+                                           "retry later or raise the limits")  # fmt: skip
+            stage.queue.append(request)
+            return
         policy = stage.admission
         if state in (StageState.FAILED, StageState.STOPPED):
             raise RequestRejectedError(f"stage {name!r} is {state.value}: "
@@ -304,7 +311,7 @@ class Orchestrator:
                 "failure": core.failure, "queued": len(stage.queue),
                 "in_flight": len(stage.inflight), "counters": asdict(core.counters),
                 "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(),
-                                   "state": core.rank_state.get(p.rank, StageState.STARTING).value}
+                                   "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-"}
                           for p in stage.procs},
             }  # fmt: skip
         out["_engine"] = dict(self.counters)
@@ -512,7 +519,7 @@ class Orchestrator:
             for future in stage.start_waiters:
                 _settle(future, result=None)
             stage.start_waiters.clear()
-            while stage.queue and core.admits():
+            while stage.queue and core.admits() and len(stage.inflight) < stage.spec.max_in_flight:
                 self._dispatch(stage, stage.queue.popleft())
         elif state is StageState.FAILED:
             failed = StageFailedError(stage.spec.name, core.failure, core.failed_ranks)

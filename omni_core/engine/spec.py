@@ -37,6 +37,7 @@ class StageSpec:
     start_deadline_s: float = 120.0  # every rank must say Hello by then
     request_timeout_s: float = 60.0  # per request, queueing included
     queue_limit: int = 256
+    max_in_flight: int = 1024  # requests sent to the ranks and not yet answered by all of them
     gpu_memory_fraction: float | None = None  # each rank's share of its GPU (own use only)
     tags: tuple[str, ...] = DEFAULT_TAGS
 
@@ -67,6 +68,8 @@ class StageSpec:
                                            f"got {value!r}")  # fmt: skip
         if not isinstance(self.queue_limit, int) or not 0 <= self.queue_limit <= 1_000_000:
             raise InvalidArgumentError(f"stage {self.name!r}: queue_limit must be 0..1e6")
+        if not isinstance(self.max_in_flight, int) or not 1 <= self.max_in_flight <= 100_000:
+            raise InvalidArgumentError(f"stage {self.name!r}: max_in_flight must be 1..100000")
         if not self.tags or len(set(self.tags)) != len(self.tags):
             raise InvalidArgumentError(f"stage {self.name!r}: tags must be distinct and non-empty")
         if self.gpu_memory_fraction is not None:

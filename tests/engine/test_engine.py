@@ -254,3 +254,19 @@ def test_a_rank_silent_on_a_request_fails_the_stage_naming_it(engine_factory) ->
         resume(silent)
     engine.restart("s")
     assert engine.status()["s"]["state"] == "RUNNING"
+
+
+def test_requests_beyond_max_in_flight_wait_in_the_queue_and_all_complete(engine_factory) -> None:
+    engine = engine_factory(small_spec("s", max_in_flight=2, queue_limit=30))
+    reference = engine.execute("s", PROBE)
+    futures = [engine.submit("s", PROBE) for _ in range(30)]
+    assert all(f.result(timeout=60) == reference for f in futures)
+    overflow = [engine.submit("s", PROBE) for _ in range(40)]
+    outcomes = []
+    for future in overflow:
+        try:
+            outcomes.append(future.result(timeout=60) == reference)
+        except RequestRejectedError as exc:
+            assert "max_in_flight" in str(exc)
+            outcomes.append("rejected")
+    assert "rejected" in outcomes and True in outcomes
