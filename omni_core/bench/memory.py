@@ -658,6 +658,10 @@ def main(args: argparse.Namespace) -> int:
                 continue
             r = _run_child(method, workload, reps, args.case_timeout_s)
             results.append(r)
+            partial = {"command": " ".join(["omni-core", *sys.argv[1:]]), "machine": {}, "reps": reps,
+                       "workloads": workloads, "methods": methods, "results": results, "partial": True}  # fmt: skip
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "memory.json").write_text(json.dumps(partial, indent=1, sort_keys=True) + "\n")
             s = summarize(r)
             print(f"{workload:>6} {method:<28} " + (
                 f"first {s['first_sleep_GBps']:6.1f}  later {s['later_sleep_GBps_median']:6.1f}  "
