@@ -580,7 +580,8 @@ class Orchestrator:
         if self._trace.enabled:
             self._trace.event("send", task_id=command.task_id, epoch=command.epoch,
                               state=stage.core.state.value, stage=stage.spec.name, rank=rank,
-                              msg=type(command).__name__)  # fmt: skip
+                              msg=type(command).__name__, level=getattr(command, "level", None),
+                              tags=getattr(command, "tags", None))  # fmt: skip
         if proc is None or proc.identity is None:
             self.counters["send_failures"] += 1  # the deadline names this rank (P-9)
             return

@@ -199,9 +199,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the models and exit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trace", metavar="FILE",
+                        help="instead: validate this JSON-lines trace (omni-core demo --trace) against the spec")
+    parser.add_argument("--stage", metavar="NAME", help="with --trace: only this stage (default: every stage)")
+    parser.add_argument("--keep-trace-spec", metavar="DIR", help=argparse.SUPPRESS)  # keep the generated files
 
 
 def run(args: argparse.Namespace, echo=print) -> int:
+    if getattr(args, "trace", None):
+        from omni_core.formal import trace_check
+
+        if args.timeout_s == DEFAULT_TIMEOUT_S:
+            args.timeout_s = trace_check.DEFAULT_TIMEOUT_S
+        return trace_check.run(args, echo)
     root = args.tla_dir or tla_dir()
     generated = root / f"{gen_transitions.MODULE}.tla"
     if args.regen:

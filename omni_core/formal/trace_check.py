@@ -1,0 +1,179 @@
+"""`omni-core check --trace FILE`: validate a trace of a real run against the spec.
+
+For each stage in the file (or the one named by `--stage`), the trace is projected
+(`trace_export`) onto the events `tla/trace/OmniTrace.tla` replays, written as a generated
+module next to copies of the specs in a temporary folder, and model-checked by TLC: the
+trace spec's steps are OmniSleep's own actions, each chosen by the event it consumes and
+checked against what the line logged.
+
+TLC 2.15 has no POSTCONDITION, so acceptance is an invariant, `TraceAccepted`, that is
+violated exactly when the whole trace has been replayed with nothing left owed: TLC's exit
+12 naming it means ACCEPTED. Any other end means the trace diverged; the trace spec prints
+the index each explored state reached (a state constraint), and the highest one, with its
+event, is reported. An invariant of the base spec broken along the replay (P-1..P-11) is
+reported as that invariant, at the index of the state that breaks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_core.formal import trace_export
+from omni_core.formal.tlc import EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
+
+ACCEPTED = "TraceAccepted"
+SPEC_INVARIANTS = (
+    "TypeOK", "P1_OneTerminalReplyPerTask", "P2_NoTaskAppliedTwice", "P3_MessagesCarryIds",
+    "P4_AlreadyIsNoOp", "P5_CommitOnlyOnAllAcks", "P5_SleepingOnlyIfEveryRankAsleep",
+    "P5_RanksAgreeWithStage", "P6_StaleNeverChangesState", "P7_ExecuteOnlyWhenResident",
+    "P8_NoExecuteAfterL2BeforeReload", "P9_FailedNamesRanks", "P10_BadBytesKeepServing",
+    "P11_RefusalHasNoEffect", "WorkerCoreInvariants", "StageCoreInvariants",
+)  # fmt: skip
+DEFAULT_TIMEOUT_S = 120.0
+_PROGRESS = re.compile(r'^<<"@trace", (\d+), (.*)>>\s*$', re.MULTILINE)
+_TRACE_I = re.compile(r"^/\\ i = (\d+)\s*$", re.MULTILINE)
+
+
+def tla_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "tla"
+
+
+@dataclass
+class TraceVerdict:
+    """The result of validating one stage's events. `index` is the 1-based event index where
+    the replay stopped (None when accepted); `event` that event's trace line."""
+
+    stage: str
+    events: int
+    accepted: bool
+    index: int | None
+    event: str
+    reason: str
+    seconds: float
+    states: int | None
+    spec_view: str = ""
+    result: TlcResult | None = None
+
+    def line(self) -> str:
+        head = f"{self.stage:<12} {self.events:>5} events  "
+        timing = f"  ({self.seconds:.1f} s, {self.states if self.states is not None else '-'} states)"
+        if self.accepted:
+            return head + "accepted" + timing
+        text = head + f"DIVERGED at event {self.index}: {self.reason}" + timing
+        if self.event:
+            text += f"\n    {self.event}"
+        if self.spec_view:
+            text += f"\n    spec there: {self.spec_view}"
+        return text
+
+
+def _copy_specs(folder: Path, root: Path) -> Path:
+    for name in ("OmniSleep.tla", "OmniTransitions.tla"):
+        shutil.copy(root / name, folder / name)
+    shutil.copy(root / "trace" / "OmniTrace.tla", folder / "OmniTrace.tla")
+    return folder / "OmniTrace.tla"
+
+
+def _describe_view(view: str) -> str:
+    """`"RUNNING", 0, <<"ACTIVE", ...>>, ...` printed by TraceProgress, in words."""
+    return ("[sstate, epoch, worker states, alive, owed stage line, unlogged sends, owed worker "
+            f"lines] = [{view}]")  # fmt: skip
+
+
+def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
+    n = len(trace.events)
+    progress = [(int(i), view) for i, view in _PROGRESS.findall(result.output)]
+    reached = max((i for i, _ in progress), default=1)
+    view = next((v for i, v in progress if i == reached), "")
+
+    def at(index: int) -> str:
+        return trace.events[index - 1].describe() if 1 <= index <= n else ""
+
+    if result.outcome == "invariant" and result.violated == ACCEPTED and result.exit_code == EXIT_SAFETY:
+        return TraceVerdict(trace.stage, n, True, None, "", "accepted", result.seconds,
+                            result.distinct_states, result=result)  # fmt: skip
+    if result.outcome in ("invariant", "action_property"):
+        states = _TRACE_I.findall(result.output)
+        index = int(states[-1]) - 1 if states else reached  # the event whose step broke it
+        return TraceVerdict(trace.stage, n, False, index, at(index),
+                            f"the replay breaks {result.violated}", result.seconds,
+                            result.distinct_states, result=result)  # fmt: skip
+    if result.outcome == "ok":
+        if reached > n:
+            reason = "the trace ends with a logged step still owed (a state change or a send)"
+            index = n
+        else:
+            reason = "no spec action matches this event"
+            index = reached
+        return TraceVerdict(trace.stage, n, False, index, at(index), reason, result.seconds,
+                            result.distinct_states, _describe_view(view), result=result)  # fmt: skip
+    reason = result.error or f"TLC {result.outcome} (exit {result.exit_code})"
+    if not progress:  # TLC stopped before the first state (a parse or configuration error)
+        return TraceVerdict(trace.stage, n, False, None, "", reason, result.seconds, None, result=result)
+    return TraceVerdict(trace.stage, n, False, reached, at(reached), reason, result.seconds,
+                        result.distinct_states, _describe_view(view) if view else "", result=result)  # fmt: skip
+
+
+def validate_stage(trace: trace_export.StageTrace, *, root: Path | None = None,
+                   timeout_s: float = DEFAULT_TIMEOUT_S, keep: Path | None = None) -> TraceVerdict:  # fmt: skip
+    """Model-check one stage's events; `keep` also leaves the generated files there."""
+    root = root or tla_dir()
+    if not trace.events:
+        return TraceVerdict(trace.stage, 0, False, None, "", "no events of this stage in the trace", 0.0, None)
+    with tempfile.TemporaryDirectory(prefix="omni-trace-") as tmp:
+        folder = Path(tmp)
+        spec = _copy_specs(folder, root)
+        _, config = trace_export.write(trace, folder, SPEC_INVARIANTS)
+        result = run_tlc(spec, config, workers=1, timeout_s=timeout_s)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for path in folder.glob("*.tla"):
+                shutil.copy(path, keep / (path.name if path.name != "TraceData.tla"
+                                          else f"TraceData_{trace.stage}.tla"))  # fmt: skip
+            shutil.copy(config, keep / f"OmniTrace_{trace.stage}.cfg")
+    return judge(trace, result)
+
+
+def validate_records(records: list[dict], stage: str | None = None, **kwargs) -> list[TraceVerdict]:
+    stages = [stage] if stage else trace_export.stages_in(records)
+    return [validate_stage(trace_export.project(records, s), **kwargs) for s in stages]
+
+
+def validate_file(path: str | Path, stage: str | None = None, **kwargs) -> list[TraceVerdict]:
+    return validate_records(trace_export.load(path), stage, **kwargs)
+
+
+def run(args: argparse.Namespace, echo=print) -> int:
+    """The `--trace` mode of `omni-core check`."""
+    path = Path(args.trace)
+    if not path.is_file():
+        echo(f"FAIL no trace file {path}")
+        return 2
+    records = trace_export.load(path)
+    stages = trace_export.stages_in(records)
+    if args.stage and args.stage not in stages:
+        echo(f"FAIL stage {args.stage!r} is not in {path} (stages: {', '.join(stages) or 'none'})")
+        return 2
+    echo(f"{path}: {len(records)} lines, stages {', '.join(stages) or 'none'}")
+    keep = Path(args.keep_trace_spec) if getattr(args, "keep_trace_spec", None) else None
+    verdicts: list[TraceVerdict] = []
+    start = time.monotonic()
+    try:
+        for stage in [args.stage] if args.stage else stages:
+            trace = trace_export.project(records, stage)
+            verdict = validate_stage(trace, root=args.tla_dir, timeout_s=args.timeout_s, keep=keep)
+            verdicts.append(verdict)
+            dropped = ", ".join(f"{k} {v}" for k, v in sorted(trace.dropped.items()))
+            echo(verdict.line() + (f"\n    dropped lines: {dropped}" if dropped and not verdict.accepted else ""))
+    except TlcNotFoundError as exc:
+        echo(f"FAIL {exc}")
+        return 2
+    bad = [v for v in verdicts if not v.accepted]
+    echo(f"{len(verdicts)} stage trace(s), {len(bad)} diverged, {time.monotonic() - start:.1f} s")
+    return 1 if bad or not verdicts else 0

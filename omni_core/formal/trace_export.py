@@ -1,0 +1,320 @@
+"""Project a JSON-lines trace (omni_core/trace.py) onto the events tla/trace/OmniTrace.tla
+replays, one stage at a time, and write them as a TLA+ module (`TraceData`) and a TLC
+configuration.
+
+Which lines become which event (everything else is dropped, and counted):
+
+- engine `state` of stage S -> `state`: a lifecycle call (IssueSleep, IssueWake,
+  IssueReload) when it first names its task; Restart (why=restart); a Deadline; or else
+  the check of the change the previous engine step made;
+- engine `send` -> `send`: IssueExecute for a request's first send, otherwise the check
+  that the command is one a step put on the network;
+- engine `recv` -> `recv`: StageReceive of that reply or Hello;
+- engine `rank_died` -> `died`: Crash (a killed process logs nothing), then RankDied;
+- worker `S/<rank>` `start` -> Loaded; `recv:<Cmd>` -> WorkerReceive; `done:<Cmd>`,
+  `error:<Cmd>` -> Done, EffectError; `state` -> the check of the worker's change;
+  `send:<Reply>` -> the check that such a reply left the rank.
+
+Dropped: engine `spawn` (the spec's ranks exist from the start) and `auto_wake` (the wake it
+starts is logged as a `state` line); Status and Shutdown commands and everything carrying
+their task ids (the spec does not model them: they never change residency); everything of
+the stage from its first Shutdown on (the engine's shutdown ends the trace); a worker's
+`bad_message` with its NACK BAD_MESSAGE and `parent_gone`; any line that names another stage.
+
+Task ids become 1, 2, ... in the order the engine first names them (the spec's task
+counter); "hello" is task 0. A `state` line that first names a task carries the command
+(and level, tags) of that task's first send, since the spec issues a command and its sends
+in one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_core.trace import read_trace
+
+UNKNOWN = "?"
+HELLO_TASK = "hello"
+MODULE = "TraceData"
+DROPPED_COMMANDS = ("Status", "Shutdown")
+REPLY_KINDS = {"Ack": "ack", "Nack": "nack", "Result": "result", "Hello": "hello"}
+EFFECT_COMMANDS = {"Reload": "ReloadWeights"}  # done:/error: name the effect: ReloadEffect -> "Reload"
+
+
+@dataclass
+class TraceEvent:
+    """One projected event. `line` is its 1-based line in the trace file; the other fields
+    are what OmniTrace.tla compares (UNKNOWN / 0 / None where the line says nothing)."""
+
+    kind: str
+    line: int
+    record: dict[str, Any] = field(repr=False)
+    rank: int = -1
+    task: int = 0
+    epoch: int = 0
+    cmd: str = UNKNOWN
+    state: str = UNKNOWN
+    before: str = UNKNOWN
+    wstate: str = UNKNOWN
+    info: str = UNKNOWN
+    level: int = 0
+    tags: tuple[str, ...] | None = None  # None: unknown; ("all",): tags=None on the wire
+
+    def tla(self) -> str:
+        tags = "{" + ", ".join(_str(t) for t in (self.tags if self.tags is not None else (UNKNOWN,))) + "}"
+        return (f"[k |-> {_str(self.kind)}, r |-> {self.rank}, t |-> {self.task}, e |-> {self.epoch}, "
+                f"c |-> {_str(self.cmd)}, s |-> {_str(self.state)}, b |-> {_str(self.before)}, "
+                f"w |-> {_str(self.wstate)}, x |-> {_str(self.info)}, lvl |-> {self.level}, "
+                f"tg |-> {tags}]")  # fmt: skip
+
+    def describe(self) -> str:
+        """The trace line, for reports: `line 37: engine recv Ack rank 1 task sleep-... ...`."""
+        r = self.record
+        keys = ("event", "msg", "rank", "task_id", "epoch", "state", "before", "worker_state", "status",
+                "reason", "previous", "why")  # fmt: skip
+        parts = [f"{k}={r[k]}" for k in keys if r.get(k) not in (None, "")]
+        return f"line {self.line}: {r.get('node', '?')} " + " ".join(parts)
+
+
+@dataclass
+class StageTrace:
+    """The events of one stage, and the constants the TLC configuration needs."""
+
+    stage: str
+    events: list[TraceEvent]
+    ranks: int
+    tasks: dict[str, int]
+    max_epoch: int
+    faults: list[str]
+    max_faults: int
+    dropped: Counter = field(default_factory=Counter)
+
+    @property
+    def rank_set(self) -> str:
+        return "{" + ", ".join(str(r) for r in range(self.ranks)) + "}"
+
+
+def _str(value: Any) -> str:
+    return json.dumps(str(value))  # a TLA+ string literal: double quotes, backslash escapes
+
+
+def _stage_of(record: dict[str, Any]) -> tuple[str | None, int | None]:
+    """(stage, rank) of a worker line, (stage, None) of an engine line naming a stage."""
+    node = record.get("node", "")
+    if node == "engine":
+        return record.get("stage"), None
+    stage, sep, rank = node.rpartition("/")
+    if sep and rank.isdigit():
+        return stage, int(rank)
+    return None, None
+
+
+def stages_in(records: Iterable[dict[str, Any]]) -> list[str]:
+    """Stage names in order of first appearance."""
+    seen: dict[str, None] = {}
+    for record in records:
+        stage, _ = _stage_of(record)
+        if stage:
+            seen.setdefault(stage, None)
+    return list(seen)
+
+
+def _lines(records: list[dict[str, Any]], stage: str) -> list[tuple[int, dict[str, Any], int | None]]:
+    """(line number, record, rank or None for the engine) of this stage, up to its shutdown."""
+    out = []
+    for n, record in enumerate(records, start=1):
+        s, rank = _stage_of(record)
+        if s != stage:
+            continue
+        if record.get("node") == "engine" and record.get("event") == "send" and record.get("msg") == "Shutdown":
+            break  # the engine's shutdown ends the stage's trace
+        out.append((n, record, rank))
+    return out
+
+
+def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
+    lines = _lines(records, stage)
+    dropped: Counter = Counter()
+    # Tasks of commands the spec does not model: their lines go, wherever they are.
+    skip_tasks = {r.get("task_id") for _, r, rank in lines
+                  if (rank is None and r.get("event") == "send" and r.get("msg") in DROPPED_COMMANDS)
+                  or (rank is not None and r.get("event", "").removeprefix("recv:") in DROPPED_COMMANDS)}  # fmt: skip
+    skip_tasks.discard(None)
+    tasks: dict[str, int] = {}
+    first_send: dict[str, dict[str, Any]] = {}
+    worker_cmd: dict[str, str] = {}
+    for _, r, rank in lines:
+        task = r.get("task_id") or ""
+        if rank is None and r.get("event") == "send":
+            first_send.setdefault(task, r)
+        elif rank is not None and r.get("event", "").startswith("recv:"):
+            worker_cmd.setdefault(task, r["event"].removeprefix("recv:"))
+    events: list[TraceEvent] = []
+    ranks = 0
+    skip_next_nack: set[int] = set()
+    for n, r, rank in lines:
+        event = r.get("event", "")
+        task_id = r.get("task_id") or ""
+        if task_id in skip_tasks:
+            dropped["Status/Shutdown"] += 1
+            continue
+        if rank is None:
+            ev = _engine_event(n, r, event, task_id, tasks, first_send, worker_cmd)
+        else:
+            ranks = max(ranks, rank + 1)
+            if event == "bad_message":
+                skip_next_nack.add(rank)
+                ev = None
+            elif event == "send:Nack" and rank in skip_next_nack:
+                skip_next_nack.discard(rank)
+                dropped["bad_message"] += 1
+                continue
+            else:
+                ev = _worker_event(n, r, rank, event, task_id, tasks)
+        if ev is None:
+            dropped[event or "?"] += 1
+            continue
+        if ev.rank >= 0:
+            ranks = max(ranks, ev.rank + 1)
+        events.append(ev)
+    for _, r, rank in lines:  # spawn lines name every rank, even one that never spoke
+        if rank is None and isinstance(r.get("rank"), int):
+            ranks = max(ranks, r["rank"] + 1)
+    died = sum(1 for e in events if e.kind == "died")
+    errors = sum(1 for e in events if e.kind == "error")
+    faults = []
+    if died:
+        faults.append("crash")
+    if errors:
+        faults.append("error")
+    if any(e.kind == "state" and (e.state == "FAILED" or (e.before, e.state) == ("DRAINING", "RUNNING"))
+           for e in events):  # fmt: skip
+        faults.append("timeout")  # a deadline may have passed (it logs only the state change)
+    max_epoch = max([e.epoch for e in events] + [0])
+    return StageTrace(stage, events, max(ranks, 1), tasks, max_epoch, faults, died + errors, dropped)
+
+
+def _task_number(task_id: str, tasks: dict[str, int], *, assign: bool) -> int:
+    if not task_id or task_id == HELLO_TASK:
+        return 0
+    if task_id not in tasks:
+        if not assign:
+            return -1  # a task the engine never named: no message can match it
+        tasks[task_id] = len(tasks) + 1
+    return tasks[task_id]
+
+
+def _wire_tags(record: dict[str, Any]) -> tuple[str, ...] | None:
+    if "tags" not in record or record.get("msg") not in ("Sleep", "Wake"):
+        return None  # not traced (an older trace), or a command without tags
+    tags = record["tags"]
+    return ("all",) if tags is None else tuple(sorted(tags))
+
+
+def _engine_event(n: int, r: dict[str, Any], event: str, task_id: str, tasks: dict[str, int],
+                  first_send: dict[str, dict[str, Any]], worker_cmd: dict[str, str]) -> TraceEvent | None:  # fmt: skip
+    rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
+    epoch = int(r.get("epoch") or 0)
+    state = r.get("state") or UNKNOWN
+    if event == "state":
+        new = bool(task_id) and task_id not in tasks
+        ev = TraceEvent("state", n, r, task=_task_number(task_id, tasks, assign=True), epoch=epoch,
+                        state=state, before=r.get("before") or UNKNOWN, info=r.get("why") or UNKNOWN)  # fmt: skip
+        if new:  # the step that issues this task: what it sends comes from its first send
+            send = first_send.get(task_id)
+            if send is not None:
+                ev.cmd = send.get("msg") or UNKNOWN
+                ev.level = int(send.get("level") or 0) if send.get("msg") == "Sleep" else 0
+                ev.tags = _wire_tags(send)
+            elif task_id in worker_cmd:
+                ev.cmd = worker_cmd[task_id]
+            elif state == "DRAINING":
+                ev.cmd = "Sleep"
+        return ev
+    if event == "send":
+        msg = r.get("msg") or UNKNOWN
+        return TraceEvent("send", n, r, rank=rank, task=_task_number(task_id, tasks, assign=True),
+                          epoch=epoch, cmd=msg, state=state,
+                          level=int(r.get("level") or 0) if msg == "Sleep" else 0, tags=_wire_tags(r))  # fmt: skip
+    if event == "recv":
+        msg = r.get("msg") or UNKNOWN
+        info = r.get("status") if msg == "Ack" else r.get("reason") if msg == "Nack" else None
+        return TraceEvent("recv", n, r, rank=rank, task=_task_number(task_id, tasks, assign=False),
+                          epoch=epoch, cmd=REPLY_KINDS.get(msg, msg), state=state,
+                          wstate=r.get("worker_state") or UNKNOWN, info=info or UNKNOWN)  # fmt: skip
+    if event == "rank_died":
+        return TraceEvent("died", n, r, rank=rank, epoch=epoch, state=state)
+    return None  # spawn, auto_wake, bad_reply
+
+
+def _worker_event(n: int, r: dict[str, Any], rank: int, event: str, task_id: str,
+                  tasks: dict[str, int]) -> TraceEvent | None:  # fmt: skip
+    epoch = int(r.get("epoch") or 0)
+    state = r.get("state") or UNKNOWN
+    task = _task_number(task_id, tasks, assign=False)
+    kind, _, name = event.partition(":")
+    if event == "start":
+        return TraceEvent("start", n, r, rank=rank, epoch=epoch, wstate=state)
+    if event == "state":
+        return TraceEvent("wstate", n, r, rank=rank, task=task, epoch=epoch, wstate=state,
+                          before=r.get("previous") or UNKNOWN)  # fmt: skip
+    if kind == "recv" and name:
+        return TraceEvent("wrecv", n, r, rank=rank, task=task, epoch=epoch, cmd=name, wstate=state)
+    if kind in ("done", "error") and name:
+        return TraceEvent(kind, n, r, rank=rank, task=task, epoch=epoch,
+                          cmd=EFFECT_COMMANDS.get(name, name), wstate=state)  # fmt: skip
+    if kind == "send" and name:
+        return TraceEvent("wsend", n, r, rank=rank, task=task, epoch=epoch,
+                          cmd=REPLY_KINDS.get(name, name), wstate=state)  # fmt: skip
+    return None  # parent_gone, ...
+
+
+def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    return read_trace(path)
+
+
+def render_module(trace: StageTrace) -> str:
+    body = ",\n    ".join(e.tla() for e in trace.events)
+    return (f"---- MODULE {MODULE} ----\nEXTENDS Integers\n"
+            f"\\* GENERATED by omni_core/formal/trace_export.py: stage {trace.stage!r}, "
+            f"{len(trace.events)} events. Do not edit.\n"
+            f"Trace == <<\n    {body}\n>>\n====\n")  # fmt: skip
+
+
+def render_config(trace: StageTrace, invariants: Iterable[str] = ()) -> str:
+    faults = "{" + ", ".join(_str(f) for f in trace.faults) + "}"
+    names = "\n    ".join(["TraceAccepted", *invariants])
+    return f"""\\* GENERATED by omni_core/formal/trace_export.py for stage {trace.stage!r}
+INIT TraceInit
+NEXT TraceNext
+CONSTANTS
+    Ranks = {trace.rank_set}
+    MaxTask = {max(len(trace.tasks), 1)}
+    MaxEpoch = {trace.max_epoch}
+    Faults = {faults}
+    MaxFaults = {trace.max_faults}
+    SleepLevels = {{1, 2}}
+    SleepTags = {{"all", "weights", "kv_cache"}}
+    WakeTags = {{"all", "weights", "kv_cache"}}
+    Requests = TRUE
+    Bug = "none"
+CONSTRAINT TraceProgress
+INVARIANTS
+    {names}
+"""
+
+
+def write(trace: StageTrace, folder: Path, invariants: Iterable[str] = ()) -> tuple[Path, Path]:
+    """Write TraceData.tla and OmniTrace.cfg into `folder`; returns (module, config)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    module = folder / f"{MODULE}.tla"
+    config = folder / "OmniTrace.cfg"
+    module.write_text(render_module(trace))
+    config.write_text(render_config(trace, invariants))
+    return module, config
