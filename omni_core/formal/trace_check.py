@@ -36,7 +36,7 @@ SPEC_INVARIANTS = (
     "P11_RefusalHasNoEffect", "WorkerCoreInvariants", "StageCoreInvariants",
 )  # fmt: skip
 DEFAULT_TIMEOUT_S = 120.0
-_PROGRESS = re.compile(r'^<<"@trace", (\d+), (.*)>>\s*$', re.MULTILINE)
+_PROGRESS = re.compile(r'^<<\s*"@trace",\s*(\d+),\s*(.*?)\s*>>$')
 _TRACE_I = re.compile(r"^/\\ i = (\d+)\s*$", re.MULTILINE)
 
 
@@ -80,6 +80,23 @@ def _copy_specs(folder: Path, root: Path) -> Path:
     return folder / "OmniTrace.tla"
 
 
+def progress_of(output: str) -> list[tuple[int, str]]:
+    """(index, spec view) of every line TraceProgress printed; TLC breaks a long value over
+    indented lines, which are joined back."""
+    blocks: list[str] = []
+    for line in output.splitlines():
+        if line.startswith("<<"):
+            blocks.append(line)
+        elif blocks and line[:1].isspace() and not blocks[-1].endswith(">>"):
+            blocks[-1] += " " + line.strip()
+    out = []
+    for block in blocks:
+        m = _PROGRESS.match(" ".join(block.split()))
+        if m:
+            out.append((int(m.group(1)), m.group(2)))
+    return out
+
+
 def _describe_view(view: str) -> str:
     """`"RUNNING", 0, <<"ACTIVE", ...>>, ...` printed by TraceProgress, in words."""
     return ("[sstate, epoch, worker states, alive, owed stage line, unlogged sends, owed worker "
@@ -88,7 +105,7 @@ def _describe_view(view: str) -> str:
 
 def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
     n = len(trace.events)
-    progress = [(int(i), view) for i, view in _PROGRESS.findall(result.output)]
+    progress = progress_of(result.output)
     reached = max((i for i, _ in progress), default=1)
     view = next((v for i, v in progress if i == reached), "")
 
@@ -109,8 +126,9 @@ def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
             reason = "the trace ends with a logged step still owed (a state change or a send)"
             index = n
         else:
-            reason = "no spec action matches this event"
             index = reached
+            note = trace.events[index - 1].note
+            reason = f"outside the model: {note}" if note else "no spec action matches this event"
         return TraceVerdict(trace.stage, n, False, index, at(index), reason, result.seconds,
                             result.distinct_states, _describe_view(view), result=result)  # fmt: skip
     reason = result.error or f"TLC {result.outcome} (exit {result.exit_code})"

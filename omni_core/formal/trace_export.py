@@ -65,6 +65,7 @@ class TraceEvent:
     info: str = UNKNOWN
     level: int = 0
     tags: tuple[str, ...] | None = None  # None: unknown; ("all",): tags=None on the wire
+    note: str = ""  # why this line is outside what the spec models, if it is
 
     def tla(self) -> str:
         tags = "{" + ", ".join(_str(t) for t in (self.tags if self.tags is not None else (UNKNOWN,))) + "}"
@@ -156,7 +157,9 @@ def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
         elif rank is not None and r.get("event", "").startswith("recv:"):
             worker_cmd.setdefault(task, r["event"].removeprefix("recv:"))
     events: list[TraceEvent] = []
-    ranks = 0
+    ranks = max([rank + 1 for _, _, rank in lines if rank is not None]
+                + [r["rank"] + 1 for _, r, rank in lines if rank is None and isinstance(r.get("rank"), int)]
+                + [1])  # fmt: skip
     skip_next_nack: set[int] = set()
     for n, r, rank in lines:
         event = r.get("event", "")
@@ -167,7 +170,6 @@ def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
         if rank is None:
             ev = _engine_event(n, r, event, task_id, tasks, first_send, worker_cmd)
         else:
-            ranks = max(ranks, rank + 1)
             if event == "bad_message":
                 skip_next_nack.add(rank)
                 ev = None
@@ -180,24 +182,53 @@ def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
         if ev is None:
             dropped[event or "?"] += 1
             continue
-        if ev.rank >= 0:
-            ranks = max(ranks, ev.rank + 1)
         events.append(ev)
-    for _, r, rank in lines:  # spawn lines name every rank, even one that never spoke
-        if rank is None and isinstance(r.get("rank"), int):
-            ranks = max(ranks, r["rank"] + 1)
+    _note_unmodelled(events, ranks)
     died = sum(1 for e in events if e.kind == "died")
     errors = sum(1 for e in events if e.kind == "error")
+    # A command sent again under the same task id (a retry) is replayed as a network
+    # duplicate: one "dup" for the rank's receipt and one for each reply taken twice.
+    resent = _repeats(e for e in events if e.kind == "send")
+    taken_twice = _repeats(e for e in events if e.kind == "recv" and e.task > 0)
     faults = []
     if died:
         faults.append("crash")
     if errors:
         faults.append("error")
+    if resent:
+        faults.append("dup")
     if any(e.kind == "state" and (e.state == "FAILED" or (e.before, e.state) == ("DRAINING", "RUNNING"))
            for e in events):  # fmt: skip
         faults.append("timeout")  # a deadline may have passed (it logs only the state change)
     max_epoch = max([e.epoch for e in events] + [0])
-    return StageTrace(stage, events, max(ranks, 1), tasks, max_epoch, faults, died + errors, dropped)
+    return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
+                      dropped)  # fmt: skip
+
+
+def _repeats(events: Iterable[TraceEvent]) -> int:
+    seen: Counter = Counter((e.task, e.rank, e.cmd) for e in events)
+    return sum(n - 1 for n in seen.values())
+
+
+def _note_unmodelled(events: list[TraceEvent], ranks: int) -> None:
+    """Mark lines that fall outside OmniSleep's abstractions, so that a divergence there
+    is reported as such and not as a protocol error."""
+    in_flight: dict[int, set[int]] = {}  # request task -> ranks that answered it
+    for ev in events:
+        if ev.kind == "start" and ev.wstate not in ("ACTIVE", UNKNOWN):
+            ev.note = (f"rank {ev.rank} started in {ev.wstate} (its runner did not load); the spec's ranks "
+                       "always load (Loaded), start-up failures are outside the model")  # fmt: skip
+        elif ev.kind == "send" and ev.cmd == "Execute" and ev.task not in in_flight:
+            if in_flight:
+                ev.note = ("a second request in flight (the engine admits up to max_in_flight); the spec "
+                           "has one request at a time")  # fmt: skip
+            in_flight[ev.task] = set()
+        elif ev.kind == "recv" and ev.task in in_flight and ev.cmd in ("result", "nack"):
+            in_flight[ev.task].add(ev.rank)
+            if len(in_flight[ev.task]) >= ranks:
+                del in_flight[ev.task]
+        elif ev.kind == "state" and (ev.state == "FAILED" or ev.info == "restart"):
+            in_flight.clear()
 
 
 def _task_number(task_id: str, tasks: dict[str, int], *, assign: bool) -> int:

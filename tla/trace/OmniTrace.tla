@@ -75,7 +75,7 @@ EngineRecv ==
           /\ m.kind = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
           /\ E.w # Unlogged => m.state = E.w
           /\ E.x # Unlogged => m.info = E.x
-          /\ StageReceive(m, FALSE)
+          /\ \E keep \in BOOLEAN : StageReceive(m, keep)     \* keep: see Resent
     /\ OweStage /\ OweSends
     /\ UNCHANGED wowed
     /\ Advance
@@ -106,6 +106,13 @@ EngineState ==
           /\ OweSends
     /\ Advance
 
+(* A retry with the same task id re-sends the command to the ranks that have not
+   answered; an identical message again is what the spec's network duplication is
+   (Deliver with keep = TRUE), so a re-send is replayed as one: the copy stays on the
+   network when the first one is received (and its cached reply when the engine takes the
+   first), within the "dup" budget the projection counts from the re-sent lines. *)
+Resent(fits(_)) == "dup" \in Faults /\ \E m \in net \ owedSends : fits(m)
+
 (* "send": the first send of a request issues it (Execute goes to every rank at once);
    any other send logs one of the commands a step put on the network. *)
 EngineSend ==
@@ -119,6 +126,8 @@ EngineSend ==
              /\ \E m \in net' \ net : fits(m) /\ owedSends' = (net' \ net) \ {m}
           \/ /\ \E m \in owedSends : fits(m) /\ owedSends' = owedSends \ {m}
              /\ UNCHANGED vars
+          \/ /\ Resent(fits)
+             /\ UNCHANGED <<vars, owedSends>>
     /\ UNCHANGED <<owedState, wowed>>
     /\ Advance
 
@@ -155,7 +164,7 @@ WorkerRecv ==
     /\ E.k = "wrecv" /\ WorkerFree(E.r) /\ wstate[E.r] = E.w
     /\ \E m \in net \ owedSends :
           /\ m.kind = "cmd" /\ m.type = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
-          /\ WorkerReceive(E.r, m, FALSE)
+          /\ \E keep \in BOOLEAN : WorkerReceive(E.r, m, keep)   \* keep: see Resent
     /\ OweWorker(E.r)
     /\ UNCHANGED <<owedState, owedSends>>
     /\ Advance
