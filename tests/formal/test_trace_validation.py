@@ -1,0 +1,218 @@
+"""Trace validation: traces of real runs replay on the spec, tampered ones do not.
+
+The demo's trace and the engine's crash scenario (a rank killed mid-sleep, FAILED, restart,
+a sleep/wake cycle) must be accepted by TLC; copies of the demo trace with one logged state
+changed, one ACK removed, or two events swapped must be rejected at the tampered line.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from omni_core.demo import Demo
+from omni_core.engine import Engine, StageFailedError
+from omni_core.formal import check, trace_check, trace_export
+from omni_core.formal.tlc import TlcNotFoundError, find_jar, find_java
+from omni_core.trace import read_trace
+from tests.engine.conftest import PROBE, rank_pid, resume, small_spec, wait_for
+
+try:
+    find_java(), find_jar()
+    NO_TLC = ""
+except TlcNotFoundError as exc:
+    NO_TLC = str(exc)
+
+needs_tlc = pytest.mark.skipif(bool(NO_TLC), reason=NO_TLC)
+
+
+@pytest.fixture(scope="module")
+def demo_trace(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "demo.jsonl"
+    out = io.StringIO()
+    assert Demo(weights_mib=4, trace_path=str(path), out=out).run() == 0, out.getvalue()
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_records(demo_trace) -> list[dict]:
+    return read_trace(demo_trace)
+
+
+def _engine_line(record: dict, event: str, stage: str = "talker") -> bool:
+    return record["node"] == "engine" and record.get("stage") == stage and record["event"] == event
+
+
+def _first_sleeping(records: list[dict]) -> int:
+    """Index of the talker's first state change to SLEEPING (the commit of its first sleep)."""
+    return next(i for i, r in enumerate(records) if _engine_line(r, "state") and r["state"] == "SLEEPING")
+
+
+def _last_ack_before(records: list[dict], index: int) -> int:
+    return max(i for i in range(index) if _engine_line(records[i], "recv") and records[i]["msg"] == "Ack")
+
+
+def _assert_accepted(verdicts: list[trace_check.TraceVerdict]) -> None:
+    assert verdicts, "no stage validated"
+    for v in verdicts:
+        assert v.accepted, v.line()
+        assert v.states is not None and v.states >= v.events  # one state per consumed event, at least
+
+
+# ---------------------------------------------------------------- projection (no TLC)
+
+
+def test_projection_maps_lines_to_events_and_drops_what_the_spec_does_not_model(demo_records) -> None:
+    assert trace_export.stages_in(demo_records) == ["talker", "decoder"]
+    talker = trace_export.project(demo_records, "talker")
+    assert talker.ranks == 2 and talker.max_epoch == 0 and talker.faults == [] and talker.max_faults == 0
+    kinds = {e.kind for e in talker.events}
+    assert kinds == {"recv", "send", "state", "start", "wrecv", "wstate", "done", "wsend"}, kinds
+    assert talker.dropped["spawn"] == 2 and talker.dropped["auto_wake"] == 1
+    assert not any("shutdown" in (e.record.get("task_id") or "") for e in talker.events)
+    assert not any(e.record.get("node", "").startswith("decoder") for e in talker.events)
+    # Tasks are numbered in the order the engine first names them; a new lifecycle task's
+    # state line carries the command of its first send.
+    assert sorted(talker.tasks.values()) == list(range(1, len(talker.tasks) + 1))
+    issues = [e for e in talker.events if e.kind == "state" and e.cmd != trace_export.UNKNOWN]
+    assert [e.cmd for e in issues] == ["Sleep", "Wake", "Sleep", "Wake", "Sleep", "Wake"]
+    assert all(e.level == 1 and e.tags == ("all",) for e in issues if e.cmd == "Sleep")
+    decoder = trace_export.project(demo_records, "decoder")
+    assert [e.level for e in decoder.events if e.kind == "state" and e.cmd == "Sleep"] == [2]
+    assert "ReloadWeights" in {e.cmd for e in decoder.events if e.kind == "done"}
+    module = trace_export.render_module(talker)
+    assert module.startswith("---- MODULE TraceData ----") and module.count("[k |-> ") == len(talker.events)
+    config = trace_export.render_config(talker, trace_check.SPEC_INVARIANTS)
+    assert "Ranks = {0, 1}" in config and "TraceAccepted" in config and "P5_CommitOnlyOnAllAcks" in config
+
+
+def test_progress_lines_are_read_back_even_when_tlc_breaks_them() -> None:
+    output = ('<<"@trace", 3, "RUNNING", 0, <<"ACTIVE">>, <<TRUE>>, "-", 0, <<"-">>>>\n'
+              '<< "@trace",\n   18,\n   "TRANSITIONING",\n   0,\n   <<"OFFLOADING">>,\n   <<TRUE>>,\n'
+              '   "-",\n   0,\n   <<"OFFLOADING">> >>\n')  # fmt: skip
+    assert [i for i, _ in trace_check.progress_of(output)] == [3, 18]
+
+
+# ---------------------------------------------------------------- real traces are accepted
+
+
+@needs_tlc
+def test_the_demo_trace_is_accepted(demo_trace) -> None:
+    verdicts = trace_check.validate_file(demo_trace)
+    assert [v.stage for v in verdicts] == ["talker", "decoder"]
+    _assert_accepted(verdicts)
+    for v in verdicts:
+        print(v.line())  # per-stage TLC time, shown with -s
+
+
+@needs_tlc
+def test_the_crash_scenario_trace_is_accepted(tmp_path) -> None:
+    """A rank frozen, then killed mid-sleep: FAILED naming it, restart under epoch 1, a
+    request and a sleep/wake cycle (tests/engine/test_engine.py's crash scenario)."""
+    path = tmp_path / "crash.jsonl"
+    engine = Engine([small_spec("talker", ranks=2), small_spec("decoder")], trace_path=str(path))
+    victim = 0
+    try:
+        engine.execute("talker", PROBE)
+        engine.execute("decoder", PROBE)
+        victim = rank_pid(engine, "talker", 1)
+        os.kill(victim, signal.SIGSTOP)  # frozen: the sleep cannot complete before the kill
+        outcome: dict[str, object] = {}
+
+        def sleeper() -> None:
+            try:
+                outcome["report"] = engine.sleep("talker", level=1, timeout_s=30.0)
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=sleeper)
+        thread.start()
+        wait_for(lambda: engine.status()["talker"]["state"] == "TRANSITIONING", what="TRANSITIONING")
+        os.kill(victim, signal.SIGKILL)
+        thread.join(30.0)
+        assert isinstance(outcome.get("error"), StageFailedError), outcome
+        engine.restart("talker")
+        engine.execute("talker", PROBE)
+        assert engine.sleep("talker").state == "SLEEPING"
+        assert engine.wake("talker").state == "RUNNING"
+    finally:
+        if victim:
+            resume(victim)
+        engine.shutdown()
+    records = read_trace(path)
+    talker = trace_export.project(records, "talker")
+    assert {e.kind for e in talker.events} >= {"died", "state"} and talker.max_epoch == 1
+    assert "crash" in talker.faults
+    verdicts = trace_check.validate_records(records)
+    _assert_accepted(verdicts)
+    for v in verdicts:
+        print(v.line())
+
+
+# ---------------------------------------------------------------- tampered traces are rejected
+
+
+def _state_changed(records: list[dict]) -> tuple[list[dict], int]:
+    """The talker's first commit logs RUNNING instead of SLEEPING."""
+    out = copy.deepcopy(records)
+    k = _first_sleeping(out)
+    out[k]["state"] = "RUNNING"
+    return out, k
+
+
+def _ack_state_changed(records: list[dict]) -> tuple[list[dict], int]:
+    """The last ACK of that sleep says the rank is ACTIVE."""
+    out = copy.deepcopy(records)
+    k = _last_ack_before(out, _first_sleeping(out))
+    out[k]["worker_state"] = "ACTIVE"
+    return out, k
+
+
+def _ack_removed(records: list[dict]) -> tuple[list[dict], int]:
+    """The last ACK of that sleep is gone: the commit that follows lacks a rank."""
+    out = copy.deepcopy(records)
+    k = _last_ack_before(out, _first_sleeping(out))
+    del out[k]
+    return out, _first_sleeping(out)
+
+
+def _swapped(records: list[dict]) -> tuple[list[dict], int]:
+    """The commit to SLEEPING is logged before the last ACK it needs."""
+    out = copy.deepcopy(records)
+    k = _first_sleeping(out)
+    j = _last_ack_before(out, k)
+    out.insert(j, out.pop(k))
+    return out, j
+
+
+@needs_tlc
+@pytest.mark.parametrize("tamper", [_state_changed, _ack_state_changed, _ack_removed, _swapped],
+                         ids=["state-changed", "ack-state-changed", "ack-removed", "swapped"])  # fmt: skip
+def test_a_tampered_demo_trace_is_rejected_at_the_tampered_line(demo_records, tamper) -> None:
+    records, k = tamper(demo_records)
+    [verdict] = trace_check.validate_records(records, "talker")
+    print(verdict.line())
+    assert not verdict.accepted
+    assert verdict.index is not None and verdict.event.startswith(f"line {k + 1}:"), verdict.line()
+    assert verdict.reason == "no spec action matches this event"
+    assert "spec there:" in verdict.line()
+
+
+@needs_tlc
+def test_check_cli_exit_codes(demo_records, tmp_path, capsys) -> None:
+    records, _ = _swapped(demo_records)
+    bad = tmp_path / "swapped.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert check.main(["--trace", str(bad), "--stage", "talker"]) == 1
+    out = capsys.readouterr().out
+    assert "DIVERGED at event" in out and "1 diverged" in out
+    assert check.main(["--trace", str(bad), "--stage", "decoder"]) == 0  # the decoder's lines are untouched
+    assert check.main(["--trace", str(bad), "--stage", "nope"]) == 2
+    assert check.main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
