@@ -548,7 +548,9 @@ def render_markdown(data: dict[str, Any]) -> str:
     if rows:
         lines += ["## Targets (omni-core fast)", "", "| workload | target | measured | met |", "|---|---|---|---|"]
         for t in rows:
-            value = _f(t["value"], "{:.3g}")
+            value = _f(t["value"], "{:.3f}" if t["target"].startswith("host") else "{:.3g}")
+            if t["target"].startswith("bit-exact"):
+                value = "yes" if t["value"] else "no"
             met = "yes" if t["met"] else "missed by " + t["by"]
             lines.append(f"| {t['workload']} | {t['target']} | {value} | {met} |")
         lines.append("")
