@@ -37,10 +37,9 @@ VARIABLES
     i,          \* the next trace event to consume
     owedState,  \* a stage change made by a step, not yet logged by a "state" line
     owedSends,  \* commands the orchestrator put on the network, not yet logged as sent
-    wowed,      \* per rank: a worker state change not yet logged by its "state" line
-    everSent    \* history: every message ever on the network (for the workers' send: lines)
+    wowed       \* per rank: a worker state change not yet logged by its "state" line
 
-traceVars == <<i, owedState, owedSends, wowed, everSent>>
+traceVars == <<i, owedState, owedSends, wowed>>
 
 Unlogged == "?"
 NoOwed == [b |-> NoVal, s |-> NoVal]
@@ -56,9 +55,8 @@ TraceInit ==
     /\ owedState = NoOwed
     /\ owedSends = {}
     /\ wowed = [r \in Ranks |-> NoOwed]
-    /\ everSent = {}
 
-Advance == i' = i + 1 /\ everSent' = everSent \cup net'
+Advance == i' = i + 1
 EngineFree == owedState = NoOwed /\ owedSends = {}
 OweStage == owedState' = Change(sstate, sstate')
 OweSends == owedSends' = {m \in net' \ net : m.kind = "cmd"}
@@ -146,7 +144,7 @@ HiddenCrash ==
     /\ i <= Len(Trace) /\ E.k = "died" /\ alive[E.r]
     /\ Crash(E.r)
     /\ wowed' = [wowed EXCEPT ![E.r] = NoOwed]
-    /\ UNCHANGED <<i, owedState, owedSends, everSent>>
+    /\ UNCHANGED <<i, owedState, owedSends>>
 
 -----------------------------------------------------------------------------
 (* ============================== worker lines ============================ *)
@@ -190,7 +188,9 @@ WorkerState ==
 (* "send:<Reply>": a reply (or Hello) of that kind for that task left this rank. *)
 WorkerSend ==
     /\ E.k = "wsend" /\ WorkerFree(E.r)
-    /\ \E m \in everSent \cup net : m.kind = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
+    /\ IF E.c = "hello"
+       THEN wepoch[E.r] = E.e /\ wstate[E.r] # "LOADING"     \* Loaded sent it
+       ELSE \E m \in replied[E.r] : m.kind = E.c /\ m.task = E.t /\ m.epoch = E.e
     /\ UNCHANGED <<vars, owedState, owedSends, wowed>>
     /\ Advance
 
