@@ -5,7 +5,7 @@ later trees: `is_mapped` plus `keep_tags`; older: no flag) over fake device memo
 refuses a double map or a double unmap, as the real extension does. They check the
 backend's choice of code path, that partial sleeps never touch an allocation twice, and
 that offloaded bytes come back while discarded ones do not. The real allocator runs in
-test_gpu_cumem.py on the device machine.
+test_gpu_backends.py on the device machine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The device calls are replaced by `DeferredOps`, which queues each copy on its st
 runs it only when an event recorded after it is waited on (or at synchronize), the way a
 GPU would: an allocation unmapped before its copy has run makes the queued copy fail, so
 the tests catch a release that does not wait for its bytes. Copies from or to host memory
-outside a registered arena fail too. The real device path runs in test_fast_gpu.py.
+outside a registered arena fail too. The real device path runs in test_gpu_backends.py.
 """
 
 from __future__ import annotations
