@@ -54,6 +54,11 @@ from omni_core.workers.runner import ModelRunner, load_runner
 
 log = logging.getLogger("omni_core.worker")
 
+# Kept out of what caches may take under gpu_memory_fraction: the CUDA context grows after
+# the caches are sized (allocation granularity, cuBLAS workspaces at the first request).
+# Seen on an H200: 90 MiB over a 42 GiB budget without it.
+CACHE_HEADROOM_BYTES = 512 << 20
+
 HELLO_TASK_ID = "hello"
 # Time given to zmq to deliver the last replies (the Shutdown Ack) before the socket closes.
 FINAL_FLUSH_MS = 2000
@@ -138,7 +143,7 @@ class WorkerProcess:
                 # This process's own use only: stages starting side by side on one GPU each
                 # get their fraction of the card, not of what the others left (vLLM's rule).
                 available_bytes, _ = self.memory.determine_available_memory(fraction)
-                self.runner.fit_caches(available_bytes)
+                self.runner.fit_caches(max(0, available_bytes - CACHE_HEADROOM_BYTES))
             with self.backend.pool(tag):
                 self.runner.allocate(tag)
             self.backend.track(tag, self.runner.tensors(tag))
