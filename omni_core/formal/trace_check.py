@@ -36,6 +36,8 @@ SPEC_INVARIANTS = (
     "P11_RefusalHasNoEffect", "WorkerCoreInvariants", "StageCoreInvariants",
 )  # fmt: skip
 DEFAULT_TIMEOUT_S = 120.0
+OWED_AT_END = ("the trace ends with a step still owed (a logged state change or send; for a chunk, "
+               "something still in flight)")
 _PROGRESS = re.compile(r'^<<\s*"@trace",\s*(\d+),\s*(.*?)\s*>>$')
 _TRACE_I = re.compile(r"^/\\ i = (\d+)\s*$", re.MULTILINE)
 
@@ -61,7 +63,7 @@ class TraceVerdict:
     result: TlcResult | None = None
 
     def line(self) -> str:
-        head = f"{self.stage:<12} {self.events:>5} events  "
+        head = f"{self.stage:<16} {self.events:>5} events  "
         timing = f"  ({self.seconds:.1f} s, {self.states if self.states is not None else '-'} states)"
         if self.accepted:
             return head + "accepted" + timing
@@ -113,37 +115,37 @@ def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
         return trace.events[index - 1].describe() if 1 <= index <= n else ""
 
     if result.outcome == "invariant" and result.violated == ACCEPTED and result.exit_code == EXIT_SAFETY:
-        return TraceVerdict(trace.stage, n, True, None, "", "accepted", result.seconds,
+        return TraceVerdict(trace.name, n, True, None, "", "accepted", result.seconds,
                             result.distinct_states, result=result)  # fmt: skip
     if result.outcome in ("invariant", "action_property"):
         states = _TRACE_I.findall(result.output)
         index = int(states[-1]) - 1 if states else reached  # the event whose step broke it
-        return TraceVerdict(trace.stage, n, False, index, at(index),
+        return TraceVerdict(trace.name, n, False, index, at(index),
                             f"the replay breaks {result.violated}", result.seconds,
                             result.distinct_states, result=result)  # fmt: skip
     if result.outcome == "ok":
         if reached > n:
-            reason = "the trace ends with a logged step still owed (a state change or a send)"
+            reason = OWED_AT_END
             index = n
         else:
             index = reached
             note = trace.events[index - 1].note
             reason = f"outside the model: {note}" if note else "no spec action matches this event"
-        return TraceVerdict(trace.stage, n, False, index, at(index), reason, result.seconds,
+        return TraceVerdict(trace.name, n, False, index, at(index), reason, result.seconds,
                             result.distinct_states, _describe_view(view), result=result)  # fmt: skip
     reason = result.error or f"TLC {result.outcome} (exit {result.exit_code})"
     if not progress:  # TLC stopped before the first state (a parse or configuration error)
-        return TraceVerdict(trace.stage, n, False, None, "", reason, result.seconds, None, result=result)
-    return TraceVerdict(trace.stage, n, False, reached, at(reached), reason, result.seconds,
+        return TraceVerdict(trace.name, n, False, None, "", reason, result.seconds, None, result=result)
+    return TraceVerdict(trace.name, n, False, reached, at(reached), reason, result.seconds,
                         result.distinct_states, _describe_view(view) if view else "", result=result)  # fmt: skip
 
 
-def validate_stage(trace: trace_export.StageTrace, *, root: Path | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, keep: Path | None = None) -> TraceVerdict:  # fmt: skip
-    """Model-check one stage's events; `keep` also leaves the generated files there."""
+def validate_part(trace: trace_export.StageTrace, *, root: Path | None = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, keep: Path | None = None) -> TraceVerdict:  # fmt: skip
+    """One TLC run over one stage (or chunk); `keep` also leaves the generated files there."""
     root = root or tla_dir()
     if not trace.events:
-        return TraceVerdict(trace.stage, 0, False, None, "", "no events of this stage in the trace", 0.0, None)
+        return TraceVerdict(trace.name, 0, False, None, "", "no events of this stage in the trace", 0.0, None)
     with tempfile.TemporaryDirectory(prefix="omni-trace-") as tmp:
         folder = Path(tmp)
         spec = _copy_specs(folder, root)
@@ -151,16 +153,78 @@ def validate_stage(trace: trace_export.StageTrace, *, root: Path | None = None,
         result = run_tlc(spec, config, workers=1, timeout_s=timeout_s)
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
+            tag = trace.stage if trace.parts == 1 else f"{trace.stage}_{trace.part}"
             for path in folder.glob("*.tla"):
-                shutil.copy(path, keep / (path.name if path.name != "TraceData.tla"
-                                          else f"TraceData_{trace.stage}.tla"))  # fmt: skip
-            shutil.copy(config, keep / f"OmniTrace_{trace.stage}.cfg")
+                shutil.copy(path, keep / (path.name if path.name != "TraceData.tla" else f"TraceData_{tag}.tla"))
+            shutil.copy(config, keep / f"OmniTrace_{tag}.cfg")
     return judge(trace, result)
+
+
+CARRIED = ("wstate", "alive", "wasleep", "wvalid", "wepoch", "sstate", "sepoch", "sacks", "sasleep", "svalid",
+           "failedRanks")  # fmt: skip
+_STATE_HEADER = re.compile(r"^State \d+: .*$", re.MULTILINE)
+
+
+def final_state(output: str) -> dict[str, str]:
+    """The variables of the last state of TLC's error trace, as TLA+ text."""
+    heads = list(_STATE_HEADER.finditer(output))
+    if not heads:
+        return {}
+    values: dict[str, str] = {}
+    name = None
+    for line in output[heads[-1].end():].splitlines()[1:]:
+        if line.startswith("/\\ "):
+            name, _, value = line[3:].partition(" = ")
+            values[name] = value.strip()
+        elif not line.strip() or name is None:
+            break
+        else:
+            values[name] += " " + line.strip()
+    return values
+
+
+def carried_state(output: str) -> str | None:
+    """The initial state of the next chunk: where this one ended (TraceData's `Carried`)."""
+    values = final_state(output)
+    if any(k not in values for k in CARRIED):
+        return None
+    return "[" + ", ".join(f"{k} |-> {values[k]}" for k in CARRIED) + "]"
+
+
+def validate_stage(trace: trace_export.StageTrace, *, chunk_events: int = trace_export.CHUNK_EVENTS,
+                   echo=None, **kwargs) -> list[TraceVerdict]:  # fmt: skip
+    """Validate one stage, in chunks when it is long: each chunk starts from the state the
+    previous one ended in. Stops at the first chunk that diverges. A chunk that could not
+    end quiescent (its cut was premature) is merged with the next one and run again."""
+    chunks = trace_export.split(trace, chunk_events)
+    verdicts: list[TraceVerdict] = []
+    carried: str | None = None
+    index = 0
+    while index < len(chunks):
+        piece = trace_export.part(trace, chunks, index)
+        piece.carried = carried
+        verdict = validate_part(piece, **kwargs)
+        if (not verdict.accepted and piece.chunk_end and verdict.reason == OWED_AT_END
+                and index + 1 < len(chunks)):  # fmt: skip
+            chunks[index : index + 2] = [chunks[index] + chunks[index + 1]]
+            continue
+        verdicts.append(verdict)
+        if echo is not None:
+            echo(verdict.line())
+        if not verdict.accepted:
+            break
+        if piece.chunk_end:
+            carried = carried_state(verdict.result.output if verdict.result else "")
+            if carried is None:
+                verdict.accepted, verdict.reason = False, "TLC printed no final state to carry into the next chunk"
+                break
+        index += 1
+    return verdicts
 
 
 def validate_records(records: list[dict], stage: str | None = None, **kwargs) -> list[TraceVerdict]:
     stages = [stage] if stage else trace_export.stages_in(records)
-    return [validate_stage(trace_export.project(records, s), **kwargs) for s in stages]
+    return [v for s in stages for v in validate_stage(trace_export.project(records, s), **kwargs)]
 
 
 def validate_file(path: str | Path, stage: str | None = None, **kwargs) -> list[TraceVerdict]:
@@ -185,13 +249,15 @@ def run(args: argparse.Namespace, echo=print) -> int:
     try:
         for stage in [args.stage] if args.stage else stages:
             trace = trace_export.project(records, stage)
-            verdict = validate_stage(trace, root=args.tla_dir, timeout_s=args.timeout_s, keep=keep)
-            verdicts.append(verdict)
+            found = validate_stage(trace, chunk_events=args.chunk_events, echo=echo, root=args.tla_dir,
+                                   timeout_s=args.timeout_s, keep=keep)  # fmt: skip
+            verdicts += found
             dropped = ", ".join(f"{k} {v}" for k, v in sorted(trace.dropped.items()))
-            echo(verdict.line() + (f"\n    dropped lines: {dropped}" if dropped and not verdict.accepted else ""))
+            if found and not found[-1].accepted and dropped:
+                echo(f"    dropped lines: {dropped}")
     except TlcNotFoundError as exc:
         echo(f"FAIL {exc}")
         return 2
     bad = [v for v in verdicts if not v.accepted]
-    echo(f"{len(verdicts)} stage trace(s), {len(bad)} diverged, {time.monotonic() - start:.1f} s")
+    echo(f"{len(verdicts)} TLC run(s), {len(bad)} diverged, {time.monotonic() - start:.1f} s")
     return 1 if bad or not verdicts else 0

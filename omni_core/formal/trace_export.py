@@ -33,7 +33,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,14 @@ class StageTrace:
     faults: list[str]
     max_faults: int
     dropped: Counter = field(default_factory=Counter)
+    part: int = 1  # chunk number (split), 1-based
+    parts: int = 1
+    carried: str | None = None  # a later chunk's initial state: TLA+ record text (trace_check)
+    chunk_end: bool = False  # a chunk that is not the last: it must end quiescent
+
+    @property
+    def name(self) -> str:
+        return self.stage if self.parts == 1 else f"{self.stage} [{self.part}/{self.parts}]"
 
     @property
     def rank_set(self) -> str:
@@ -184,6 +192,12 @@ def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
             continue
         events.append(ev)
     _note_unmodelled(events, ranks)
+    return _finish(stage, events, ranks, tasks, dropped)
+
+
+def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, int], dropped: Counter,
+            min_epoch: int = 0) -> StageTrace:  # fmt: skip
+    """The constants of the TLC model for these events."""
     died = sum(1 for e in events if e.kind == "died")
     errors = sum(1 for e in events if e.kind == "error")
     # A command sent again under the same task id (a retry) is replayed as a network
@@ -200,7 +214,7 @@ def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
     if any(e.kind == "state" and (e.state == "FAILED" or (e.before, e.state) == ("DRAINING", "RUNNING"))
            for e in events):  # fmt: skip
         faults.append("timeout")  # a deadline may have passed (it logs only the state change)
-    max_epoch = max([e.epoch for e in events] + [0])
+    max_epoch = max([e.epoch for e in events] + [min_epoch])
     return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
                       dropped)  # fmt: skip
 
@@ -229,6 +243,92 @@ def _note_unmodelled(events: list[TraceEvent], ranks: int) -> None:
                 del in_flight[ev.task]
         elif ev.kind == "state" and (ev.state == "FAILED" or ev.info == "restart"):
             in_flight.clear()
+
+
+CHUNK_EVENTS = 400
+SETTLED = ("RUNNING", "SLEEPING", "PARTIAL", "NEEDS_RELOAD")
+ENGINE_KINDS = ("recv", "send", "state", "died")
+
+
+def _is_commit(ev: TraceEvent) -> bool:
+    return ev.kind == "state" and ev.state in SETTLED and ev.before in ("TRANSITIONING", "WAKING", "STARTING")
+
+
+def _cut_here(current: list[TraceEvent], rest: list[TraceEvent], k: int, ranks: int) -> list[int] | None:
+    """Can a chunk end with `current` (which ends with a commit line)? Only when nothing of
+    the current epoch is in flight: every command sent was received and answered, none was
+    sent twice. Returns the indices in `rest` (from k) of the chunk's own trailing worker
+    lines (a worker logs "state" and "send:" after the fact, so they can follow the
+    engine's commit in the file), or None when the chunk cannot end here."""
+    epoch = current[-1].epoch
+    sends = [(e.task, e.rank) for e in current if e.kind == "send" and e.epoch == epoch]
+    recvs = [(e.task, e.rank) for e in current if e.kind == "recv" and e.task > 0]
+    received = {(e.task, e.rank) for e in current if e.kind == "wrecv"}
+    if len(sends) != len(set(sends)) or len(recvs) != len(set(recvs)):
+        return None  # a re-sent command or a reply taken twice: a copy may still be in flight
+    if any(key not in received or key not in recvs for key in sends):
+        return None
+    tasks = {e.task for e in current if e.task > 0}
+    hellos = {(e.rank, e.epoch) for e in current if e.kind == "start"}
+    moved: list[int] = []
+    moved_on: set[int] = set()  # ranks whose next line is about later work
+    for j in range(k, len(rest)):
+        e = rest[j]
+        if e.kind in ENGINE_KINDS or e.rank in moved_on:
+            continue
+        if e.task in tasks or (e.kind == "wsend" and e.task == 0 and (e.rank, e.epoch) in hellos):
+            if e.kind not in ("wsend", "wstate"):
+                return None  # the rank still works on this chunk's task
+            moved.append(j)
+        else:
+            moved_on.add(e.rank)
+            if len(moved_on) >= ranks:
+                break
+    return moved
+
+
+def split(trace: StageTrace, chunk_events: int = CHUNK_EVENTS) -> list[list[TraceEvent]]:
+    """The stage's events cut into chunks of about `chunk_events` (0: no cut), each ending
+    with the commit of a task (a settled stage) when nothing is in flight. Events keep the
+    stage's task numbers; `part` renumbers them."""
+    if chunk_events <= 0 or len(trace.events) <= chunk_events:
+        return [trace.events]
+    chunks: list[list[TraceEvent]] = []
+    current: list[TraceEvent] = []
+    rest = list(trace.events)
+    k = 0
+    while k < len(rest):
+        current.append(rest[k])
+        k += 1
+        if len(current) >= chunk_events and _is_commit(current[-1]) and len(rest) - k >= chunk_events // 4:
+            moved = _cut_here(current, rest, k, trace.ranks)
+            if moved is not None:
+                current += [rest[j] for j in moved]
+                for j in reversed(moved):
+                    del rest[j]
+                chunks.append(current)
+                current = []
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def part(trace: StageTrace, chunks: list[list[TraceEvent]], index: int) -> StageTrace:
+    """Chunk `index` (0-based) as a trace of its own: tasks renumbered from 1 (a line that
+    names an earlier chunk's task gets -1, which no message matches)."""
+    events = chunks[index]
+    if len(chunks) == 1:
+        return trace
+    offset = max([e.task for c in chunks[:index] for e in c] + [0])
+    renumbered = [replace(e, task=e.task - offset if e.task > offset else (0 if e.task == 0 else -1))
+                  for e in events]  # fmt: skip
+    count = max([e.task for e in renumbered] + [0])
+    tasks = {t: n - offset for t, n in trace.tasks.items() if offset < n <= offset + count}
+    previous = [e.epoch for c in chunks[:index] for e in c]
+    out = _finish(trace.stage, renumbered, trace.ranks, tasks, trace.dropped if index == 0 else Counter(),
+                  max(previous + [0]))  # fmt: skip
+    out.part, out.parts, out.chunk_end = index + 1, len(chunks), index + 1 < len(chunks)
+    return out
 
 
 def _task_number(task_id: str, tasks: dict[str, int], *, assign: bool) -> int:
@@ -312,9 +412,16 @@ def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def render_module(trace: StageTrace) -> str:
     body = ",\n    ".join(e.tla() for e in trace.events)
-    return (f"---- MODULE {MODULE} ----\nEXTENDS Integers\n"
-            f"\\* GENERATED by omni_core/formal/trace_export.py: stage {trace.stage!r}, "
-            f"{len(trace.events)} events. Do not edit.\n"
+    carried = trace.carried or "[none |-> TRUE]"
+    first = trace.events[0].line if trace.events else 0
+    last = trace.events[-1].line if trace.events else 0
+    return (f"---- MODULE {MODULE} ----\n"
+            f"\\* GENERATED by omni_core/formal/trace_export.py: stage {trace.stage!r}, chunk {trace.part} of "
+            f"{trace.parts}, {len(trace.events)} events (trace lines {first}..{last}). Do not edit.\n"
+            f"EXTENDS Integers, TLC\n"
+            f"FromStart == {'FALSE' if trace.carried else 'TRUE'}\n"
+            f"ChunkEnd == {'TRUE' if trace.chunk_end else 'FALSE'}\n"
+            f"Carried == {carried}\n"
             f"Trace == <<\n    {body}\n>>\n====\n")  # fmt: skip
 
 

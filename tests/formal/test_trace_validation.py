@@ -156,6 +156,26 @@ def test_the_crash_scenario_trace_is_accepted(tmp_path) -> None:
         print(v.line())
 
 
+@needs_tlc
+def test_a_long_trace_is_replayed_in_chunks_each_starting_where_the_last_ended(demo_records) -> None:
+    """Small chunks stand in for a long run: every chunk after the first starts from the
+    state TLC printed at the end of the previous one; a tampered line late in the trace is
+    still caught, in its chunk."""
+    talker = trace_export.project(demo_records, "talker")
+    chunks = trace_export.split(talker, 40)
+    assert len(chunks) >= 3 and sum(len(c) for c in chunks) == len(talker.events)
+    assert all(trace_export._is_commit(c[-1]) or c[-1].kind in ("wsend", "wstate") for c in chunks[:-1])
+    verdicts = trace_check.validate_records(demo_records, "talker", chunk_events=40)
+    assert [v.stage for v in verdicts] == [f"talker [{i}/{len(chunks)}]" for i in range(1, len(chunks) + 1)]
+    _assert_accepted(verdicts)
+    records = copy.deepcopy(demo_records)
+    k = max(i for i, r in enumerate(records) if _engine_line(r, "state") and r["state"] == "SLEEPING")
+    records[k]["state"] = "PARTIAL"  # the talker's last commit
+    verdicts = trace_check.validate_records(records, "talker", chunk_events=40)
+    assert all(v.accepted for v in verdicts[:-1]) and not verdicts[-1].accepted
+    assert len(verdicts) > 1 and verdicts[-1].event.startswith(f"line {k + 1}:"), verdicts[-1].line()
+
+
 # ---------------------------------------------------------------- tampered traces are rejected
 
 

@@ -3,7 +3,7 @@
 (* Trace validation: does a run of the real engine and its ranks replay as *)
 (* a behaviour of OmniSleep?                                                *)
 (*                                                                         *)
-(* `Trace` (module TraceData, GENERATED per stage by                        *)
+(* `Trace` (module TraceData, GENERATED per stage or chunk by               *)
 (* omni_core/formal/trace_export.py from the JSON-lines trace) is the       *)
 (* stage's projected events in file order. Each step consumes Trace[i] by   *)
 (* taking the OmniSleep action it names (the spec's own actions, unchanged) *)
@@ -49,8 +49,24 @@ TagsOf(tg) == IF tg = {"all"} THEN Tags ELSE tg       \* tags=None on the wire: 
 Levels(lvl) == IF lvl = 0 THEN {1, 2} ELSE {lvl}
 TagChoices(tg) == IF tg = {Unlogged} THEN {{Weights}, {KV}, Tags} ELSE {TagsOf(tg)}
 
+(* A long trace is replayed in chunks (trace_export.split). A chunk after the first starts
+   from the state the previous one ended in (Carried: TLC printed it, the checker pastes
+   it into TraceData) with an empty network and empty histories; a chunk that is not the
+   last must end quiescent, so that nothing dropped at the cut could still matter. *)
+CarriedInit ==
+    /\ wstate = Carried.wstate /\ alive = Carried.alive /\ wasleep = Carried.wasleep
+    /\ wvalid = Carried.wvalid /\ wepoch = Carried.wepoch
+    /\ wpend = [r \in Ranks |-> NoPend] /\ wcache = [r \in Ranks |-> {}]
+    /\ replied = [r \in Ranks |-> {}] /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
+    /\ sstate = Carried.sstate /\ sepoch = Carried.sepoch /\ stask = 0 /\ scmd = NoCmd
+    /\ sacks = Carried.sacks /\ sasleep = Carried.sasleep /\ svalid = Carried.svalid
+    /\ sreq = 0 /\ sreqReplies = {} /\ sreqErr = FALSE /\ failedRanks = Carried.failedRanks
+    /\ outcome = [t \in TaskIds |-> "none"] /\ nextTask = 1
+    /\ net = {} /\ faults = 0 /\ broken = {}
+
 TraceInit ==
-    /\ Init
+    /\ \/ FromStart /\ Init
+       \/ ~FromStart /\ CarriedInit
     /\ i = 1
     /\ owedState = NoOwed
     /\ owedSends = {}
@@ -204,9 +220,15 @@ TraceNext ==
 
 TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars>>
 
-(* Violated exactly when the whole trace has been replayed and the engine owes no line:
+(* Violated exactly when the whole trace has been replayed and the engine owes no line
+   (and, for a chunk that is not the last, nothing is in flight):
    TLC's "Invariant TraceAccepted is violated" means ACCEPTED. *)
-TraceAccepted == ~(i > Len(Trace) /\ owedState = NoOwed /\ owedSends = {})
+Quiescent ==
+    /\ stask = 0 /\ sreq = 0
+    /\ \A r \in Ranks : wpend[r] = NoPend /\ wowed[r] = NoOwed
+    /\ \A m \in net : m.epoch # sepoch             \* older epochs' messages can reach no one
+
+TraceAccepted == ~(i > Len(Trace) /\ owedState = NoOwed /\ owedSends = {} /\ (ChunkEnd => Quiescent))
 
 (* A state constraint that prints how far each state got (and the spec's view there):
    after a run that does not violate TraceAccepted, the highest index is where the trace
