@@ -67,7 +67,8 @@ class TraceVerdict:
         timing = f"  ({self.seconds:.1f} s, {self.states if self.states is not None else '-'} states)"
         if self.accepted:
             return head + "accepted" + timing
-        text = head + f"DIVERGED at event {self.index}: {self.reason}" + timing
+        where = f"DIVERGED at event {self.index}" if self.index is not None else "NOT ACCEPTED"
+        text = head + f"{where}: {self.reason}" + timing
         if self.event:
             text += f"\n    {self.event}"
         if self.spec_view:
@@ -133,6 +134,10 @@ def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
             reason = f"outside the model: {note}" if note else "no spec action matches this event"
         return TraceVerdict(trace.name, n, False, index, at(index), reason, result.seconds,
                             result.distinct_states, _describe_view(view), result=result)  # fmt: skip
+    if result.outcome == "timeout":
+        done = f"replayed {min(reached, n + 1) - 1} of {n} events"
+        return TraceVerdict(trace.name, n, False, None, "", f"{result.error} ({done}; a smaller "
+                            "--chunk-events keeps each run short)", result.seconds, None, result=result)  # fmt: skip
     reason = result.error or f"TLC {result.outcome} (exit {result.exit_code})"
     if not progress:  # TLC stopped before the first state (a parse or configuration error)
         return TraceVerdict(trace.name, n, False, None, "", reason, result.seconds, None, result=result)
