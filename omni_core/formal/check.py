@@ -199,11 +199,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the models and exit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--trace", metavar="FILE",
-                        help="instead: validate this JSON-lines trace (omni-core demo --trace) against the spec")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="instead: validate this JSON-lines trace (omni-core demo --trace) against the spec",
+    )
     parser.add_argument("--stage", metavar="NAME", help="with --trace: only this stage (default: every stage)")
-    parser.add_argument("--chunk-events", type=int, default=400, metavar="N",
-                        help="with --trace: replay a long stage in chunks of about N events (0: one run)")
+    parser.add_argument(
+        "--chunk-events",
+        type=int,
+        default=400,
+        metavar="N",
+        help="with --trace: replay a long stage in chunks of about N events (0: one run)",
+    )
     parser.add_argument("--keep-trace-spec", metavar="DIR", help=argparse.SUPPRESS)  # keep the generated files
 
 

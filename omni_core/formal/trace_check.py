@@ -36,8 +36,9 @@ SPEC_INVARIANTS = (
     "P11_RefusalHasNoEffect", "WorkerCoreInvariants", "StageCoreInvariants",
 )  # fmt: skip
 DEFAULT_TIMEOUT_S = 120.0
-OWED_AT_END = ("the trace ends with a step still owed (a logged state change or send; for a chunk, "
-               "something still in flight)")
+OWED_AT_END = (
+    "the trace ends with a step still owed (a logged state change or send; for a chunk, something still in flight)"
+)
 _PROGRESS = re.compile(r'^<<\s*"@trace",\s*(\d+),\s*(.*?)\s*>>$')
 _TRACE_I = re.compile(r"^/\\ i = (\d+)\s*$", re.MULTILINE)
 
@@ -177,7 +178,7 @@ def final_state(output: str) -> dict[str, str]:
         return {}
     values: dict[str, str] = {}
     name = None
-    for line in output[heads[-1].end():].splitlines()[1:]:
+    for line in output[heads[-1].end() :].splitlines()[1:]:
         if line.startswith("/\\ "):
             name, _, value = line[3:].partition(" = ")
             values[name] = value.strip()
