@@ -9,5 +9,9 @@ bash scripts/setup.sh
 ruff check omni_core tests
 started=$(date +%s)
 omni-core check
+# The main job, traced, and its trace checked against the spec.
+trace_dir=$(mktemp -d); trap 'rm -rf "$trace_dir"' EXIT
+omni-core demo --trace "$trace_dir/demo.jsonl"
+omni-core check --trace "$trace_dir/demo.jsonl"
 echo "formal stage: $(( $(date +%s) - started )) s"
 python -m pytest -q --deselect tests/formal/test_check.py::test_every_model_and_bug_model_gives_its_expected_result

@@ -88,7 +88,8 @@ class _RankProcess:
         self.pid = self.popen.pid
         self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
         self.identity: bytes | None = None
-        self.expected_exit = False
+        self.expected_exit = False  # we told it to go (Shutdown, restart)
+        self.exit_handled = False  # its end was seen once (sentinel or poll) and acted on
 
     def is_alive(self) -> bool:
         return self.popen.poll() is None
@@ -433,6 +434,9 @@ class Orchestrator:
         self._on_rank_exit(stage, proc)
 
     def _on_rank_exit(self, stage: _Stage, proc: _RankProcess) -> None:
+        if proc.exit_handled:
+            return
+        proc.exit_handled = True
         if proc.expected_exit:
             return
         code = proc.exitcode
@@ -442,17 +446,11 @@ class Orchestrator:
         self._apply(stage, self._core_call(stage, lambda: stage.core.on_rank_died(
             proc.rank, detail, time.monotonic(), epoch=proc.epoch)))
 
-    def _on_rank_exit_polled(self, stage: _Stage, proc: _RankProcess) -> None:
-        proc.expected_exit = False
-        self._on_rank_exit(stage, proc)
-        proc.expected_exit = True
-
     def _tick(self, now: float) -> None:
         for stage in self._stages.values():
             for proc in stage.procs:  # platforms without pidfd: notice deaths by polling
-                if proc.sentinel is None and not proc.expected_exit and not proc.is_alive():
-                    proc.expected_exit = True  # report once
-                    self._on_rank_exit_polled(stage, proc)
+                if proc.sentinel is None and not proc.exit_handled and not proc.is_alive():
+                    self._on_rank_exit(stage, proc)
             self._apply(stage, self._core_call(stage, lambda s=stage: s.core.on_tick(now)))
             silent = self._expire_requests(stage, now)
             if silent:
