@@ -1,6 +1,6 @@
 """Shared test settings.
 
-Hypothesis profiles (chosen by HYPOTHESIS_PROFILE, else "ci"):
+Hypothesis profiles (chosen by HYPOTHESIS_PROFILE, else "ci" when CI is set and "dev" otherwise):
 
 - "ci": what CI runs (hypothesis also auto-loads it when CI=true). Derandomized, so a red
   CI run is reproducible; 200 examples of up to 30 steps per stateful machine.
@@ -32,4 +32,5 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# CI (CI=true) gets the reproducible "ci" profile; a developer's run hunts longer.
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
