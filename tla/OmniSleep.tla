@@ -19,11 +19,19 @@
 (* unique per call (the caller's idempotency key); Status and Shutdown are *)
 (* not modelled (they never change residency); Restart happens from FAILED *)
 (* only and replaces every rank by a fresh process under epoch + 1. The    *)
-(* reply cache is unbounded (the real one evicts after 1024 tasks). An     *)
-(* Execute request ends only when every rank has answered it, and a rank   *)
-(* silent on a request fails the stage: ending it earlier lets a drain     *)
-(* release a Sleep while another rank still executes (bug model            *)
-(* early_request_finish).                                                  *)
+(* reply cache is unbounded (the real one evicts after 1024 tasks).        *)
+(*                                                                         *)
+(* Requests: up to MaxRequests Execute requests are in flight at once (the *)
+(* engine's max_in_flight), each sent to every rank. A request ends only   *)
+(* when every rank has answered it, and a rank silent on a request fails   *)
+(* the stage: ending it earlier lets a drain release a Sleep while another *)
+(* rank still executes (bug model early_request_finish). A sleep's Sleep   *)
+(* goes out only once no request is in flight (bug models no_drain,        *)
+(* drain_one_request).                                                     *)
+(*                                                                         *)
+(* Start-up: a rank loads (Hello ACTIVE) or its runner or backend raises   *)
+(* while loading (a fault of kind "error": Hello FAILED); once every rank  *)
+(* has said Hello, a stage with a FAILED one goes FAILED naming those.     *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets, TLC, OmniTransitions
 
@@ -37,6 +45,8 @@ CONSTANTS
     SleepTags,      \* SUBSET {"all", "weights", "kv_cache"}: their tags ("all": tags=None)
     WakeTags,       \* SUBSET {"all", "weights", "kv_cache"}: the wake() calls it may make
     Requests,       \* TRUE: it also issues Execute requests (admission)
+    MaxRequests,    \* at most this many requests in flight at once (max_in_flight)
+    SerialShell,    \* TRUE: a rank takes its next message only after its effect ended
     Bug             \* "none" or the defect of a bug model (see BugNames)
 
 (* Each bug model carries one known defect:
@@ -48,18 +58,21 @@ CONSTANTS
                              so an answered task gets a second verdict (P-1)
      execute_in_needs_reload the tables admit Execute in NEEDS_RELOAD (P-8)
      no_drain                sleep() sends Sleep while requests are in flight (P-7)
+     drain_one_request       the drain waits for one request only: the Sleep goes out when
+                             any request ends, though others are still in flight (P-7)
      early_request_finish    a request ends on its first NACK or at its deadline while other
                              ranks may still execute it (P-7)
      no_deadline             the orchestrator has no deadlines (P-9: a lost reply hangs) *)
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
              "no_epoch_fence", "busy_before_cache", "execute_in_needs_reload", "no_drain",
-             "early_request_finish", "no_deadline"}
+             "drain_one_request", "early_request_finish", "no_deadline"}
 
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout"}
 ASSUME SleepLevels \subseteq {1, 2}
 ASSUME SleepTags \cup WakeTags \subseteq {"all", "weights", "kv_cache"}
-ASSUME MaxTask \in Nat /\ MaxEpoch \in Nat /\ MaxFaults \in Nat
+ASSUME MaxTask \in Nat /\ MaxEpoch \in Nat /\ MaxFaults \in Nat /\ MaxRequests \in Nat
+ASSUME SerialShell \in BOOLEAN
 
 Weights == "weights"
 KV == "kv_cache"
@@ -113,12 +126,14 @@ CmdMsg(type, t, e, r, lvl, tg) == Msg("cmd", type, t, e, r, lvl, tg, NoVal, {}, 
 AckMsg(type, t, e, r, st, asl, status) == Msg("ack", type, t, e, r, 0, {}, st, asl, status)
 NackMsg(type, t, e, r, reason, st) == Msg("nack", type, t, e, r, 0, {}, st, {}, reason)
 ResultMsg(t, e, r) == Msg("result", "Execute", t, e, r, 0, {}, NoVal, {}, NoVal)
-HelloMsg(e, r) == Msg("hello", "Hello", 0, e, r, 0, {}, "ACTIVE", {}, NoVal)
+HelloMsg(e, r, st) == Msg("hello", "Hello", 0, e, r, 0, {}, st, {}, NoVal)
 BadBytes(r) == Msg("bad", NoVal, 0, 0, r, 0, {}, NoVal, {}, NoVal)
 NoMsg == Msg("none", NoVal, 0, 0, NoVal, 0, {}, NoVal, {}, NoVal)
 ReplyKinds == {"ack", "nack", "result"}
 
 NoPend == [task |-> 0, type |-> NoVal, level |-> 0, plan |-> {}]
+NoReplies == [t \in TaskIds |-> {}]
+NoErrors == [t \in TaskIds |-> FALSE]
 NoCmd == [type |-> NoVal, level |-> 0, tags |-> {}]
 
 VARIABLES
@@ -131,8 +146,10 @@ VARIABLES
     sstate, sepoch,
     stask, scmd,          \* the lifecycle task in flight (0 / NoCmd when none)
     sacks,                \* ranks whose ACK (or Hello) the current or last commit counted (P-5)
+    sloadFailed,          \* while STARTING: the ranks whose Hello said FAILED
     sasleep, svalid,      \* the stage's view of its ranks' residency
-    sreq, sreqReplies, sreqErr,   \* the Execute request in flight
+    sreqs,                \* the Execute requests in flight (task ids)
+    sreqReplies, sreqErr, \* per request task: ranks that answered it, whether one refused
     failedRanks,          \* the ranks a FAILED stage names (P-9)
     outcome,              \* per task: "none", "pending", "ok", "failed"
     nextTask,
@@ -140,8 +157,8 @@ VARIABLES
     broken      \* history: the action-level MUSTs an action broke (empty unless a bug)
 
 workerVars == <<wstate, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied>>
-stageVars == <<sstate, sepoch, stask, scmd, sacks, sasleep, svalid, sreq, sreqReplies, sreqErr,
-               failedRanks, outcome>>
+stageVars == <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies,
+               sreqErr, failedRanks, outcome>>
 vars == <<workerVars, stageVars, nextTask, net, faults, broken>>
 
 FreshWorkers(e) ==
@@ -169,11 +186,12 @@ Init ==
     /\ stask = 0
     /\ scmd = NoCmd
     /\ sacks = {}
+    /\ sloadFailed = {}
     /\ sasleep = {}
     /\ svalid = TRUE
-    /\ sreq = 0
-    /\ sreqReplies = {}
-    /\ sreqErr = FALSE
+    /\ sreqs = {}
+    /\ sreqReplies = NoReplies
+    /\ sreqErr = NoErrors
     /\ failedRanks = {}
     /\ outcome = [t \in TaskIds |-> "none"]
     /\ nextTask = 1
@@ -240,8 +258,12 @@ OnCommand(r, m) ==
 
 Terminal(m) == m.kind \in ReplyKinds /\ m.task # 0
 
+(* SerialShell: the shell takes the next message only once the effect it performs has
+   ended, as WorkerProcess does (it performs each effect before it reads the socket again);
+   otherwise a message may arrive mid-effect, as the cores allow (an asynchronous shell). *)
 WorkerReceive(r, m, keep) ==
     /\ m.kind \in {"cmd", "bad"} /\ m.rank = r /\ alive[r]
+    /\ SerialShell => ~Busy(r)
     /\ keep => FaultOk("dup")
     /\ LET o == OnCommand(r, m)
            changed == o.st # wstate[r] \/ o.pend # wpend[r]   \* receiving never moves memory
@@ -307,13 +329,23 @@ EffectError(r) ==
     /\ faults' = faults + 1
     /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, broken>>
 
-(* The shell loaded the runner: Hello carries the rank and its epoch. *)
+(* The shell loaded the runner: Hello carries the rank, its epoch and its state. *)
 Loaded(r) ==
     /\ alive[r] /\ WorkerLegal(wstate[r], "loaded")
     /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "loaded")]
-    /\ net' = net \cup {HelloMsg(wepoch[r], r)}
+    /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
     /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
                    nextTask, faults, broken>>
+
+(* The backend or the runner raised while loading (WorkerCore.load_failed): the rank is
+   FAILED and says so in its Hello; it answers every later command NACK FAILED. *)
+LoadFailed(r) ==
+    /\ alive[r] /\ WorkerLegal(wstate[r], "fail") /\ wstate[r] = WorkerInitial /\ FaultOk("error")
+    /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "fail")]
+    /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
+    /\ faults' = faults + 1
+    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
+                   nextTask, broken>>
 
 Crash(r) ==
     /\ alive[r] /\ FaultOk("crash")
@@ -353,7 +385,7 @@ IssueSleep(lvl, tg) ==
           /\ outcome' = [outcome EXCEPT ![t] = "ok"]
           /\ UNCHANGED <<stask, scmd, sacks, net>>
        \/ /\ ~(tg \subseteq sasleep) /\ SLegal(sstate, "drain")           \* admission closed
-          /\ LET drained == sreq = 0 \/ Bug = "no_drain" IN
+          /\ LET drained == sreqs = {} \/ Bug = "no_drain" IN
              /\ sstate' = IF drained THEN SNext(SNext(sstate, "drain"), "drained")
                           ELSE SNext(sstate, "drain")
              /\ net' = IF drained THEN net \cup SendAll("Sleep", t, lvl, tg) ELSE net
@@ -366,7 +398,7 @@ IssueSleep(lvl, tg) ==
           /\ stask' = t /\ scmd' = [type |-> "Sleep", level |-> lvl, tags |-> tg] /\ sacks' = {}
           /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
-    /\ UNCHANGED <<sepoch, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
                    workerVars, faults, broken>>
 
 IssueWake(tg) ==
@@ -382,7 +414,7 @@ IssueWake(tg) ==
           /\ stask' = t /\ scmd' = [type |-> "Wake", level |-> 0, tags |-> tg] /\ sacks' = {}
           /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
-    /\ UNCHANGED <<sepoch, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
                    workerVars, faults, broken>>
 
 IssueReload ==
@@ -393,28 +425,30 @@ IssueReload ==
        /\ stask' = t /\ scmd' = [type |-> "ReloadWeights", level |-> 0, tags |-> {}] /\ sacks' = {}
        /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
-    /\ UNCHANGED <<sepoch, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
+    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
                    workerVars, faults, broken>>
 
-(* A request: admitted only where the stage allows "execute" (RUNNING, P-7). *)
+(* A request: admitted only where the stage allows "execute" (RUNNING, P-7), while fewer
+   than MaxRequests are in flight (the engine queues the others). *)
 IssueExecute ==
-    /\ Requests /\ sreq = 0 /\ nextTask \in TaskIds /\ SLegal(sstate, "execute")
+    /\ Requests /\ Cardinality(sreqs) < MaxRequests /\ nextTask \in TaskIds
+    /\ SLegal(sstate, "execute")
     /\ LET t == nextTask IN
-       /\ sreq' = t /\ sreqReplies' = {} /\ sreqErr' = FALSE
+       /\ sreqs' = sreqs \cup {t}
        /\ net' = net \cup SendAll("Execute", t, 0, {})
        /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
-    /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sasleep, svalid, failedRanks,
-                   workerVars, faults, broken>>
+    /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqReplies,
+                   sreqErr, failedRanks, workerVars, faults, broken>>
 
-(* The stage goes FAILED naming `ranks`; the task and request in flight end failed. *)
+(* The stage goes FAILED naming `ranks`; the task and the requests in flight end failed. *)
 FailStage(ranks, netNext) ==
     /\ SLegal(sstate, "fail")
     /\ sstate' = SNext(sstate, "fail")
     /\ failedRanks' = ranks
-    /\ outcome' = [t \in TaskIds |-> IF t \in {stask, sreq} THEN "failed" ELSE outcome[t]]
-    /\ stask' = 0 /\ scmd' = NoCmd /\ sacks' = {}
-    /\ sreq' = 0 /\ sreqReplies' = {} /\ sreqErr' = FALSE
+    /\ outcome' = [t \in TaskIds |-> IF t \in sreqs \cup {stask} THEN "failed" ELSE outcome[t]]
+    /\ stask' = 0 /\ scmd' = NoCmd /\ sacks' = {} /\ sloadFailed' = {}
+    /\ sreqs' = {} /\ sreqReplies' = NoReplies /\ sreqErr' = NoErrors
     /\ net' = netNext
     /\ UNCHANGED <<sepoch, sasleep, svalid>>
 
@@ -425,39 +459,44 @@ Commit(acks, netNext) ==
     /\ outcome' = [outcome EXCEPT ![stask] = "ok"]
     /\ stask' = 0 /\ scmd' = NoCmd
     /\ net' = netNext
-    /\ UNCHANGED <<sepoch, sreq, sreqReplies, sreqErr, failedRanks>>
+    /\ UNCHANGED <<sepoch, sloadFailed, sreqs, sreqReplies, sreqErr, failedRanks>>
 
-(* Every rank answered the request; a sleep waiting on the drain goes out now. *)
-EndRequest(err, netNext) ==
-    /\ outcome' = [outcome EXCEPT ![sreq] = IF err THEN "failed" ELSE "ok"]
-    /\ sreq' = 0 /\ sreqReplies' = {} /\ sreqErr' = FALSE
-    /\ IF sstate = "DRAINING" /\ stask # 0
+(* Every rank answered request t; a sleep waiting on the drain goes out once none is left
+   in flight (with drain_one_request: as soon as any request ends). *)
+EndRequest(t, err, netNext) ==
+    /\ outcome' = [outcome EXCEPT ![t] = IF err THEN "failed" ELSE "ok"]
+    /\ sreqs' = sreqs \ {t}
+    /\ sreqReplies' = [sreqReplies EXCEPT ![t] = {}] /\ sreqErr' = [sreqErr EXCEPT ![t] = FALSE]
+    /\ IF sstate = "DRAINING" /\ stask # 0 /\ (sreqs' = {} \/ Bug = "drain_one_request")
        THEN /\ sstate' = SNext(sstate, "drained")
             /\ net' = netNext \cup SendAll("Sleep", stask, scmd.level, scmd.tags)
             /\ sacks' = {}
        ELSE /\ net' = netNext /\ UNCHANGED <<sstate, sacks>>
-    /\ UNCHANGED <<sepoch, stask, scmd, sasleep, svalid, failedRanks>>
+    /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, svalid, failedRanks>>
 
 Ignore(netNext) == net' = netNext /\ UNCHANGED stageVars
 
 ForTask(m) == stask # 0 /\ m.task = stask /\ sstate \in {"TRANSITIONING", "WAKING"}
               /\ m.kind \in {"ack", "nack"}
-ForRequest(m) == sreq # 0 /\ m.task = sreq /\ m.kind \in {"result", "nack"}
+ForRequest(m) == m.task \in sreqs /\ m.kind \in {"result", "nack"}
 Unknown(m) == IF m.kind = "hello" THEN sstate # "STARTING" ELSE ~(ForTask(m) \/ ForRequest(m))
 Second(m) == \/ ForTask(m) /\ m.rank \in sacks
-             \/ ForRequest(m) /\ m.rank \in sreqReplies
+             \/ ForRequest(m) /\ m.rank \in sreqReplies[m.task]
 
 OnReply(m, rest) ==
     IF (m.epoch # sepoch /\ Bug # "no_epoch_fence") \/ Unknown(m) THEN Ignore(rest)   \* P-6
-    ELSE IF m.kind = "hello" THEN
-        LET said == sacks \cup {m.rank} IN
-        IF said = Ranks
-        THEN /\ sstate' = SNext(sstate, "started") /\ sacks' = said /\ net' = rest
-             /\ UNCHANGED <<sepoch, stask, scmd, sasleep, svalid, sreq, sreqReplies, sreqErr,
-                            failedRanks, outcome>>
-        ELSE /\ sacks' = said /\ net' = rest
-             /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreq, sreqReplies,
-                            sreqErr, failedRanks, outcome>>
+    ELSE IF m.kind = "hello" THEN       \* StageCore.on_hello
+        LET said == sacks \cup {m.rank}
+            bad == IF m.state = "ACTIVE" THEN sloadFailed \ {m.rank} ELSE sloadFailed \cup {m.rank}
+        IN IF said = Ranks /\ bad # {}
+           THEN FailStage(bad, rest)     \* every rank said Hello, some FAILED: named (P-9)
+           ELSE IF said = Ranks
+           THEN /\ sstate' = SNext(sstate, "started") /\ sacks' = said /\ net' = rest
+                /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
+                               sreqReplies, sreqErr, failedRanks, outcome>>
+           ELSE /\ sacks' = said /\ sloadFailed' = bad /\ net' = rest
+                /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreqs, sreqReplies,
+                               sreqErr, failedRanks, outcome>>
     ELSE IF ForTask(m) THEN
         IF m.rank \in sacks THEN Ignore(rest)                          \* duplicate
         ELSE IF m.kind = "nack" \/ m.state # Expect.wstate \/ m.asleep # Expect.asleep
@@ -465,17 +504,19 @@ OnReply(m, rest) ==
         ELSE LET acks == sacks \cup {m.rank} IN
              IF acks = Ranks \/ Bug = "commit_before_all_acks" THEN Commit(acks, rest)
              ELSE /\ sacks' = acks /\ net' = rest
-                  /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreq,
+                  /\ UNCHANGED <<sstate, sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
                                  sreqReplies, sreqErr, failedRanks, outcome>>
     ELSE \* ForRequest(m)
-        IF m.rank \in sreqReplies THEN Ignore(rest)
-        ELSE LET got == sreqReplies \cup {m.rank}
-                 err == sreqErr \/ m.kind = "nack"
+        LET t == m.task IN
+        IF m.rank \in sreqReplies[t] THEN Ignore(rest)
+        ELSE LET got == sreqReplies[t] \cup {m.rank}
+                 err == sreqErr[t] \/ m.kind = "nack"
              IN IF got = Ranks \/ (Bug = "early_request_finish" /\ m.kind = "nack")
-                THEN EndRequest(err, rest)
-                ELSE /\ sreqReplies' = got /\ sreqErr' = err /\ net' = rest
-                     /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sasleep, svalid, sreq,
-                                    failedRanks, outcome>>
+                THEN EndRequest(t, err, rest)
+                ELSE /\ sreqReplies' = [sreqReplies EXCEPT ![t] = got]
+                     /\ sreqErr' = [sreqErr EXCEPT ![t] = err] /\ net' = rest
+                     /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid,
+                                    sreqs, failedRanks, outcome>>
 
 StageReceive(m, keep) ==
     /\ m.kind \in ReplyKinds \cup {"hello"}
@@ -506,17 +547,17 @@ Deadline ==
           /\ LET lost(r) == Lost(r, stask) IN Expired(Ranks \ sacks, lost)
           /\ FailStage(Ranks \ sacks, net)
        \/ /\ sstate = "DRAINING"
-          /\ LET lost(r) == Lost(r, sreq) IN Expired(Ranks \ sreqReplies, lost)
+          /\ \E t \in sreqs : LET lost(r) == Lost(r, t) IN Expired(Ranks \ sreqReplies[t], lost)
           /\ sstate' = SNext(sstate, "drain_timeout")   \* sleep abandoned, nothing was sent
           /\ outcome' = [outcome EXCEPT ![stask] = "failed"]
           /\ stask' = 0 /\ scmd' = NoCmd
-          /\ UNCHANGED <<sepoch, sacks, sasleep, svalid, sreq, sreqReplies, sreqErr, failedRanks,
-                         net>>
-       \/ /\ sreq # 0
-          /\ LET lost(r) == Lost(r, sreq) IN Expired(Ranks \ sreqReplies, lost)
+          /\ UNCHANGED <<sepoch, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr,
+                         failedRanks, net>>
+       \/ \E t \in sreqs :
+          /\ LET lost(r) == Lost(r, t) IN Expired(Ranks \ sreqReplies[t], lost)
           /\ IF Bug = "early_request_finish"
-             THEN EndRequest(TRUE, net)     \* the request fails, the stage stays
-             ELSE FailStage(Ranks \ sreqReplies, net)   \* a rank is silent on Execute
+             THEN EndRequest(t, TRUE, net)     \* the request fails, the stage stays
+             ELSE FailStage(Ranks \ sreqReplies[t], net)   \* a rank is silent on Execute
     /\ UNCHANGED <<workerVars, nextTask, faults, broken>>
 
 (* The orchestrator sees a rank process die (StageCore.on_rank_died). *)
@@ -530,9 +571,9 @@ Restart ==
     /\ sstate = "FAILED" /\ SLegal(sstate, "restart") /\ sepoch < MaxEpoch
     /\ sstate' = SNext(sstate, "restart")
     /\ sepoch' = sepoch + 1
-    /\ sasleep' = {} /\ svalid' = TRUE /\ sacks' = {} /\ failedRanks' = {}
+    /\ sasleep' = {} /\ svalid' = TRUE /\ sacks' = {} /\ sloadFailed' = {} /\ failedRanks' = {}
     /\ FreshWorkers(sepoch + 1)
-    /\ UNCHANGED <<applied, stask, scmd, sreq, sreqReplies, sreqErr, outcome, nextTask, net,
+    /\ UNCHANGED <<applied, stask, scmd, sreqs, sreqReplies, sreqErr, outcome, nextTask, net,
                    faults, broken>>
 
 -----------------------------------------------------------------------------
@@ -560,7 +601,7 @@ Next ==
     \/ Deliver(FALSE)
     \/ Deliver(TRUE)                               \* a duplicate: the message stays
     \/ \E m \in net : Drop(m) \/ Corrupt(m)
-    \/ \E r \in Ranks : Loaded(r) \/ Done(r) \/ EffectError(r) \/ Crash(r) \/ RankDied(r)
+    \/ \E r \in Ranks : Loaded(r) \/ LoadFailed(r) \/ Done(r) \/ EffectError(r) \/ Crash(r) \/ RankDied(r)
     \/ Deadline
     \/ Restart
 
@@ -589,8 +630,11 @@ TypeOK ==
     /\ alive \in [Ranks -> BOOLEAN] /\ wvalid \in [Ranks -> BOOLEAN]
     /\ wasleep \in [Ranks -> SUBSET Tags] /\ sasleep \subseteq Tags
     /\ wepoch \in [Ranks -> Epochs] /\ sepoch \in Epochs
-    /\ stask \in TaskIds \cup {0} /\ sreq \in TaskIds \cup {0}
-    /\ sacks \subseteq Ranks /\ sreqReplies \subseteq Ranks /\ failedRanks \subseteq Ranks
+    /\ stask \in TaskIds \cup {0}
+    /\ sreqs \subseteq TaskIds /\ Cardinality(sreqs) <= MaxRequests
+    /\ sreqReplies \in [TaskIds -> SUBSET Ranks] /\ sreqErr \in [TaskIds -> BOOLEAN]
+    /\ \A t \in TaskIds \ sreqs : sreqReplies[t] = {} /\ ~sreqErr[t]
+    /\ sacks \subseteq Ranks /\ sloadFailed \subseteq Ranks /\ failedRanks \subseteq Ranks
     /\ outcome \in [TaskIds -> {"none", "pending", "ok", "failed"}]
     /\ faults \in 0..MaxFaults
 
@@ -662,7 +706,7 @@ WorkerCoreInvariants ==
         /\ wpend[r].type = "Execute" => wstate[r] = "ACTIVE"
 StageCoreInvariants ==
     /\ (stask # 0) <=> (sstate \in InTask)
-    /\ sreq # 0 => sstate \in {"RUNNING", "DRAINING"}
+    /\ sreqs # {} => sstate \in {"RUNNING", "DRAINING"}
     /\ sstate = "RUNNING" => sasleep = {} /\ svalid
 
 -----------------------------------------------------------------------------

@@ -7,11 +7,13 @@ Which lines become which event (everything else is dropped, and counted):
 - engine `state` of stage S -> `state`: a lifecycle call (IssueSleep, IssueWake,
   IssueReload) when it first names its task; Restart (why=restart); a Deadline; or else
   the check of the change the previous engine step made;
-- engine `send` -> `send`: IssueExecute for a request's first send, otherwise the check
-  that the command is one a step put on the network;
+- engine `send` -> `send`: IssueExecute for a request's first send (several requests may be
+  in flight: the config's MaxRequests is the most the trace has at once), otherwise the
+  check that the command is one a step put on the network;
 - engine `recv` -> `recv`: StageReceive of that reply or Hello;
 - engine `rank_died` -> `died`: Crash (a killed process logs nothing), then RankDied;
-- worker `S/<rank>` `start` -> Loaded; `recv:<Cmd>` -> WorkerReceive; `done:<Cmd>`,
+- worker `S/<rank>` `start` -> Loaded, or LoadFailed when it logs FAILED (the runner or the
+  backend raised while loading: a fault of kind "error"); `recv:<Cmd>` -> WorkerReceive; `done:<Cmd>`,
   `error:<Cmd>` -> Done, EffectError; `state` -> the check of the worker's change;
   `send:<Reply>` -> the check that such a reply left the rank.
 
@@ -95,6 +97,7 @@ class StageTrace:
     faults: list[str]
     max_faults: int
     dropped: Counter = field(default_factory=Counter)
+    max_requests: int = 1  # the most requests in flight at once (MaxRequests)
     part: int = 1  # chunk number (split), 1-based
     parts: int = 1
     carried: str | None = None  # a later chunk's initial state: TLA+ record text (trace_check)
@@ -191,7 +194,7 @@ def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
             dropped[event or "?"] += 1
             continue
         events.append(ev)
-    _note_unmodelled(events, ranks)
+    _note_unmodelled(events)
     return _finish(stage, events, ranks, tasks, dropped)
 
 
@@ -199,7 +202,7 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
             min_epoch: int = 0) -> StageTrace:  # fmt: skip
     """The constants of the TLC model for these events."""
     died = sum(1 for e in events if e.kind == "died")
-    errors = sum(1 for e in events if e.kind == "error")
+    errors = sum(1 for e in events if e.kind == "error" or (e.kind == "start" and e.wstate == "FAILED"))
     # A command sent again under the same task id (a retry) is replayed as a network
     # duplicate: one "dup" for the rank's receipt and one for each reply taken twice.
     resent = _repeats(e for e in events if e.kind == "send")
@@ -216,7 +219,26 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
         faults.append("timeout")  # a deadline may have passed (it logs only the state change)
     max_epoch = max([e.epoch for e in events] + [min_epoch])
     return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
-                      dropped)  # fmt: skip
+                      dropped, max_requests=max_in_flight(events, ranks))  # fmt: skip
+
+
+def max_in_flight(events: Iterable[TraceEvent], ranks: int) -> int:
+    """The most requests in flight at once, as the spec counts them: from a request's first
+    Execute send until the engine has taken a Result or Nack of it from every rank, or the
+    stage failed or restarted (at least 1)."""
+    in_flight: dict[int, set[int]] = {}  # request task -> ranks whose answer the engine took
+    most = 1
+    for ev in events:
+        if ev.kind == "send" and ev.cmd == "Execute" and ev.task not in in_flight:
+            in_flight[ev.task] = set()
+            most = max(most, len(in_flight))
+        elif ev.kind == "recv" and ev.task in in_flight and ev.cmd in ("result", "nack"):
+            in_flight[ev.task].add(ev.rank)
+            if len(in_flight[ev.task]) >= ranks:
+                del in_flight[ev.task]
+        elif ev.kind == "state" and (ev.state == "FAILED" or ev.info == "restart"):
+            in_flight.clear()
+    return most
 
 
 def _repeats(events: Iterable[TraceEvent]) -> int:
@@ -224,25 +246,16 @@ def _repeats(events: Iterable[TraceEvent]) -> int:
     return sum(n - 1 for n in seen.values())
 
 
-def _note_unmodelled(events: list[TraceEvent], ranks: int) -> None:
+STARTED = ("ACTIVE", "FAILED", UNKNOWN)  # a rank loads (Loaded) or fails to (LoadFailed)
+
+
+def _note_unmodelled(events: list[TraceEvent]) -> None:
     """Mark lines that fall outside OmniSleep's abstractions, so that a divergence there
     is reported as such and not as a protocol error."""
-    in_flight: dict[int, set[int]] = {}  # request task -> ranks that answered it
     for ev in events:
-        if ev.kind == "start" and ev.wstate not in ("ACTIVE", UNKNOWN):
-            ev.note = (f"rank {ev.rank} started in {ev.wstate} (its runner did not load); the spec's ranks "
-                       "always load (Loaded), start-up failures are outside the model")  # fmt: skip
-        elif ev.kind == "send" and ev.cmd == "Execute" and ev.task not in in_flight:
-            if in_flight:
-                ev.note = ("a second request in flight (the engine admits up to max_in_flight); the spec "
-                           "has one request at a time")  # fmt: skip
-            in_flight[ev.task] = set()
-        elif ev.kind == "recv" and ev.task in in_flight and ev.cmd in ("result", "nack"):
-            in_flight[ev.task].add(ev.rank)
-            if len(in_flight[ev.task]) >= ranks:
-                del in_flight[ev.task]
-        elif ev.kind == "state" and (ev.state == "FAILED" or ev.info == "restart"):
-            in_flight.clear()
+        if ev.kind == "start" and ev.wstate not in STARTED:
+            ev.note = (f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or "
+                       "FAILED (LoadFailed)")  # fmt: skip
 
 
 CHUNK_EVENTS = 400
@@ -441,6 +454,8 @@ CONSTANTS
     SleepTags = {{"all", "weights", "kv_cache"}}
     WakeTags = {{"all", "weights", "kv_cache"}}
     Requests = TRUE
+    MaxRequests = {trace.max_requests}
+    SerialShell = TRUE
     Bug = "none"
 CONSTRAINT TraceProgress
 INVARIANTS

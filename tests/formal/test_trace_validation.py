@@ -1,12 +1,16 @@
 """Trace validation: traces of real runs replay on the spec, tampered ones do not.
 
-The demo's trace and the engine's crash scenario (a rank killed mid-sleep, FAILED, restart,
-a sleep/wake cycle) must be accepted by TLC; copies of the demo trace with one logged state
-changed, one ACK removed, or two events swapped must be rejected at the tampered line.
+The demo's trace, the engine's crash scenario (a rank killed mid-sleep, FAILED, restart,
+a sleep/wake cycle), many requests in flight across a sleep that drains them, the
+AsyncEngine round trip and a stage whose ranks fail to load must be accepted by TLC; copies
+of the demo trace with one logged state changed, one ACK removed, or two events swapped,
+and of the concurrent trace with the drain's Sleep sent before the last request in flight
+was answered, must be rejected at the tampered line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import io
 import json
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from omni_core.demo import Demo
-from omni_core.engine import Engine, StageFailedError
+from omni_core.engine import AsyncEngine, Engine, StageFailedError
 from omni_core.formal import check, trace_check, trace_export
 from omni_core.formal.tlc import TlcNotFoundError, find_jar, find_java
 from omni_core.trace import read_trace
@@ -154,6 +158,120 @@ def test_the_crash_scenario_trace_is_accepted(tmp_path) -> None:
     _assert_accepted(verdicts)
     for v in verdicts:
         print(v.line())
+
+
+CONCURRENT_REQUESTS = 12  # tests/engine's scenario has 50; 12 keep the replay short
+
+
+@pytest.fixture(scope="module")
+def concurrent_trace(tmp_path_factory) -> Path:
+    """Requests in flight when a sleep comes (admission "queue"): rank 1 is frozen so that
+    the sleep must drain 4 requests; 8 more queue while the stage drains, sleeps and wakes,
+    and go out together once it runs again (tests/engine/test_engine.py's 50-request
+    scenario, made deterministic)."""
+    path = tmp_path_factory.mktemp("concurrent") / "concurrent.jsonl"
+    engine = Engine([small_spec("s", ranks=2, admission="queue")], trace_path=str(path))
+    frozen = 0
+    try:
+        reference = engine.execute("s", PROBE)
+        frozen = rank_pid(engine, "s", 1)
+        os.kill(frozen, signal.SIGSTOP)  # the first requests stay in flight until it resumes
+        futures = [engine.submit("s", PROBE) for _ in range(4)]
+        errors: list[BaseException] = []
+
+        def cycle() -> None:
+            try:
+                assert engine.sleep("s", level=1).state == "SLEEPING"
+                assert engine.wake("s").state == "RUNNING"
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=cycle)
+        thread.start()
+        wait_for(lambda: engine.status()["s"]["state"] == "DRAINING", what="DRAINING")
+        futures += [engine.submit("s", PROBE) for _ in range(CONCURRENT_REQUESTS - 4)]
+        resume(frozen)
+        frozen = 0
+        thread.join(60)
+        assert not errors, errors
+        assert [f.result(timeout=60) for f in futures] == [reference] * CONCURRENT_REQUESTS
+        assert engine.execute("s", PROBE) == reference
+    finally:
+        if frozen:
+            resume(frozen)
+        engine.shutdown()
+    return path
+
+
+@needs_tlc
+def test_many_requests_in_flight_across_a_drained_sleep_are_accepted(concurrent_trace) -> None:
+    records = read_trace(concurrent_trace)
+    trace = trace_export.project(records, "s")
+    changes = [(e.before, e.state) for e in trace.events if e.kind == "state" and e.before != "?"]
+    assert ("RUNNING", "DRAINING") in changes and ("DRAINING", "TRANSITIONING") in changes, changes
+    assert trace.max_requests >= 4  # the drained ones; the queued ones go out together after the wake
+    assert "MaxRequests = " + str(trace.max_requests) in trace_export.render_config(trace)
+    assert not any(e.note for e in trace.events)
+    verdicts = trace_check.validate_records(records)
+    _assert_accepted(verdicts)
+    print(verdicts[0].line())
+
+
+@needs_tlc
+def test_a_sleep_released_before_the_last_request_is_answered_is_rejected(concurrent_trace) -> None:
+    """The drain's commit (DRAINING -> TRANSITIONING, after which the Sleep goes out) moved
+    before the engine took the last answer to a request in flight."""
+    records = read_trace(concurrent_trace)
+    drained = ("DRAINING", "TRANSITIONING")
+    k = next(i for i, r in enumerate(records) if _engine_line(r, "state", "s") and (r["before"], r["state"]) == drained)
+    j = max(i for i in range(k) if _engine_line(records[i], "recv", "s") and records[i]["msg"] == "Result")
+    records.insert(j, records.pop(k))
+    [verdict] = trace_check.validate_records(records, "s")
+    print(verdict.line())
+    assert not verdict.accepted
+    assert verdict.event.startswith(f"line {j + 1}:"), verdict.line()
+    assert verdict.reason == "no spec action matches this event"
+
+
+@needs_tlc
+def test_the_async_engine_round_trip_is_accepted(tmp_path) -> None:
+    """tests/engine's AsyncEngine round trip: a level-2 cycle with a reload, then several
+    requests at once through asyncio.gather."""
+    path = tmp_path / "async.jsonl"
+
+    async def scenario() -> None:
+        async with AsyncEngine([small_spec("a")], trace_path=str(path)) as engine:
+            reference = await engine.execute("a", PROBE)
+            assert (await engine.sleep("a", level=2)).state == "SLEEPING"
+            assert (await engine.wake("a")).state == "NEEDS_RELOAD"
+            assert (await engine.reload_weights("a")).state == "RUNNING"
+            results = await asyncio.gather(*(engine.execute("a", PROBE) for _ in range(5)))
+            assert results == [reference] * 5
+
+    asyncio.run(scenario())
+    records = read_trace(path)
+    assert trace_export.project(records, "a").max_requests > 1
+    verdicts = trace_check.validate_records(records)
+    _assert_accepted(verdicts)
+    print(verdicts[0].line())
+
+
+@needs_tlc
+def test_ranks_that_fail_to_load_are_accepted(tmp_path) -> None:
+    """Both ranks' runner cannot be imported: each says Hello FAILED, the stage goes FAILED
+    naming them and Engine() raises (LoadFailed, then StageReceive of the Hellos)."""
+    path = tmp_path / "broken.jsonl"
+    spec = small_spec("broken", ranks=2, runner="no_such_package.model:Runner", start_deadline_s=60.0)
+    with pytest.raises(StageFailedError, match="started in FAILED"):
+        Engine([spec], trace_path=str(path))
+    records = read_trace(path)
+    trace = trace_export.project(records, "broken")
+    assert [e.wstate for e in trace.events if e.kind == "start"] == ["FAILED", "FAILED"]
+    assert "error" in trace.faults and trace.max_faults >= 2
+    assert [(e.before, e.state) for e in trace.events if e.kind == "state"] == [("STARTING", "FAILED")]
+    verdicts = trace_check.validate_records(records)
+    _assert_accepted(verdicts)
+    print(verdicts[0].line())
 
 
 @needs_tlc

@@ -59,8 +59,8 @@ CarriedInit ==
     /\ wpend = [r \in Ranks |-> NoPend] /\ wcache = [r \in Ranks |-> {}]
     /\ replied = [r \in Ranks |-> {}] /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
     /\ sstate = Carried.sstate /\ sepoch = Carried.sepoch /\ stask = 0 /\ scmd = NoCmd
-    /\ sacks = Carried.sacks /\ sasleep = Carried.sasleep /\ svalid = Carried.svalid
-    /\ sreq = 0 /\ sreqReplies = {} /\ sreqErr = FALSE /\ failedRanks = Carried.failedRanks
+    /\ sacks = Carried.sacks /\ sloadFailed = {} /\ sasleep = Carried.sasleep /\ svalid = Carried.svalid
+    /\ sreqs = {} /\ sreqReplies = NoReplies /\ sreqErr = NoErrors /\ failedRanks = Carried.failedRanks
     /\ outcome = [t \in TaskIds |-> "none"] /\ nextTask = 1
     /\ net = {} /\ faults = 0 /\ broken = {}
 
@@ -165,10 +165,12 @@ HiddenCrash ==
 -----------------------------------------------------------------------------
 (* ============================== worker lines ============================ *)
 
-(* "start": the rank loaded its runner; the Hello goes out. *)
+(* "start": the rank loaded its runner (ACTIVE), or loading raised (FAILED); the Hello,
+   carrying that state, goes out. *)
 WorkerStart ==
     /\ E.k = "start" /\ WorkerFree(E.r) /\ wepoch[E.r] = E.e
-    /\ Loaded(E.r) /\ wstate'[E.r] = E.w
+    /\ (Loaded(E.r) \/ LoadFailed(E.r))
+    /\ wstate'[E.r] = E.w
     /\ UNCHANGED <<owedState, owedSends, wowed>>
     /\ Advance
 
@@ -224,7 +226,7 @@ TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars>>
    (and, for a chunk that is not the last, nothing is in flight):
    TLC's "Invariant TraceAccepted is violated" means ACCEPTED. *)
 Quiescent ==
-    /\ stask = 0 /\ sreq = 0
+    /\ stask = 0 /\ sreqs = {}
     /\ \A r \in Ranks : wpend[r] = NoPend /\ wowed[r] = NoOwed
     /\ \A m \in net : m.epoch # sepoch             \* older epochs' messages can reach no one
 
