@@ -30,6 +30,13 @@ from omni_core.workers.runner import ModelRunner
 
 MiB = 1 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a runner argument names; the synthetic runners support these three."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
 MAX_BATCH = 1024
 
 
@@ -61,9 +68,7 @@ class SyntheticRunner(ModelRunner):
             # Tiny matmuls on a busy machine: several intra-op threads wait on each other
             # for whole scheduler slices (20 ms per op seen on 2 loaded cores).
             torch.set_num_threads(cpu_threads)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        self.dtype = _DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         elem = torch.empty((), dtype=self.dtype).element_size()
         if tensor_count < 1 or hidden < 1:
             raise ValueError(f"tensor_count ({tensor_count}) and hidden ({hidden}) must be >= 1")

@@ -26,9 +26,7 @@ import torch.distributed as dist
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.workers.runner import ModelRunner
-from omni_core.workers.synthetic import MAX_BATCH, tensor_bytes
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from omni_core.workers.synthetic import MAX_BATCH, tensor_bytes, torch_dtype
 
 
 def _shard_seed(seed: int, layer: int, which: int, rank: int) -> int:
@@ -57,8 +55,6 @@ class TensorParallelRunner(ModelRunner):
         if missing:
             raise RuntimeError(f"TensorParallelRunner needs {missing} in the environment; the omni-core "
                                "engine sets them for every rank of a stage (or run under torchrun)")  # fmt: skip
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         if hidden % self.world:
@@ -66,7 +62,7 @@ class TensorParallelRunner(ModelRunner):
         if cpu_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(cpu_threads)
         self.hidden, self.layers, self.seed, self.kv_rows = hidden, layers, seed, kv_rows
-        self.dtype = _DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -136,15 +132,15 @@ def reference_output(payload: Mapping[str, Any], *, world: int, hidden: int = 25
                      seed: int = 0, dtype: str = "float32") -> torch.Tensor:  # fmt: skip
     """The same model computed in one process on CPU, summing the shards' partials in rank
     order: what the stage must return."""
-    torch_dtype = _DTYPES[dtype]
+    elem_type = torch_dtype(dtype)
     cpu = torch.device("cpu")
     shard = hidden // world
-    x = make_input(int(payload.get("seed", 0)), int(payload.get("batch", 1)), hidden, torch_dtype, cpu)
+    x = make_input(int(payload.get("seed", 0)), int(payload.get("batch", 1)), hidden, elem_type, cpu)
     for layer in range(layers):
         total = None
         for rank in range(world):
-            w_in = make_shard(seed, layer, 0, rank, shard, hidden, torch_dtype, cpu)
-            w_out = make_shard(seed, layer, 1, rank, hidden, shard, torch_dtype, cpu)
+            w_in = make_shard(seed, layer, 0, rank, shard, hidden, elem_type, cpu)
+            w_out = make_shard(seed, layer, 1, rank, hidden, shard, elem_type, cpu)
             part = torch.tanh(x @ w_in.T) @ w_out.T
             total = part if total is None else total + part
         x = x + total
