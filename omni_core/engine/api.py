@@ -121,7 +121,7 @@ class Engine:
         future = self._orch.call(lambda f: self._orch.op_shutdown(f, timeout_s))
         with contextlib.suppress(EngineClosedError, FutureTimeout):
             future.result(timeout_s + WAIT_GRACE_S)
-        self._orch._thread.join(timeout_s + WAIT_GRACE_S)
+        self._orch.join(timeout_s + WAIT_GRACE_S)
 
     # ------------------------------------------------------------------ internals
 

@@ -210,6 +210,10 @@ class Orchestrator:
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    def join(self, timeout_s: float) -> None:
+        """Wait for the loop thread to end (after op_shutdown)."""
+        self._thread.join(timeout_s)
+
     def stage(self, name: str) -> _Stage:
         try:
             return self._stages[name]
