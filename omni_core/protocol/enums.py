@@ -60,6 +60,9 @@ class NackReason(str, enum.Enum):
     EXECUTE_ERROR = "EXECUTE_ERROR"  # the runner raised on this request; worker stays ACTIVE
     BACKEND_ERROR = "BACKEND_ERROR"  # the memory backend or runner raised; worker is FAILED
     FAILED = "FAILED"  # the worker is FAILED; only Shutdown or a restart leaves it
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the runner cannot use the command's arguments; no effect
+    EPOCH_AHEAD = "EPOCH_AHEAD"  # epoch further ahead of the worker's than MAX_EPOCH_AHEAD allows
+    REPLY_NOT_KEPT = "REPLY_NOT_KEPT"  # duplicate of an answered task whose reply was too large to keep
 
 
 class Capability(str, enum.Enum):

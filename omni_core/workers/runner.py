@@ -25,6 +25,14 @@ from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 BUILTIN_RUNNERS = {"synthetic": "omni_core.workers.synthetic:SyntheticRunner"}
 
 
+class RunnerArgumentError(ValueError):
+    """The runner cannot honour a command because of its arguments (an unusable reload
+    source, a checkpoint of another architecture). Raise it *before* touching any tensor:
+    the worker answers NACK INVALID_ARGUMENT with the message and stays in its previous
+    state. Any other exception from `reload_weights` means the weights may be half written
+    and moves the rank to FAILED."""
+
+
 class ModelRunner(ABC):
     """A model as a worker sees it. Subclass and name it by import path in WorkerConfig.runner.
 
@@ -57,7 +65,8 @@ class ModelRunner(ABC):
 
         `source` is runner-specific; None means the runner's own. Write into the existing
         tensors (this runs outside any pool): other code (CUDA graphs, the backend) holds
-        their addresses.
+        their addresses. A source the runner cannot use raises `RunnerArgumentError` before
+        any tensor is written.
         """
 
     def buffers_to_save(self) -> Mapping[str, torch.Tensor]:

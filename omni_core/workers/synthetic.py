@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.workers.runner import ModelRunner
+from omni_core.workers.runner import ModelRunner, RunnerArgumentError
 
 MiB = 1 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -137,7 +137,7 @@ class SyntheticRunner(ModelRunner):
         elif source.startswith("seed:") and source[5:].lstrip("-").isdigit():
             seed = int(source[5:])
         else:
-            raise ValueError(f"SyntheticRunner reloads from 'seed:<int>' or None (its own seed), got {source!r}")
+            raise RunnerArgumentError(f"SyntheticRunner reloads from 'seed:<int>' or None (its own seed), got {source!r}")
         self._fill(seed)
 
     def _fill(self, seed: int) -> None:
