@@ -68,6 +68,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from omni_core.models.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_check_arguments(p)
     p.set_defaults(func=_cmd_check)
+    p = sub.add_parser("models", help="write local checkpoints with seeded weights (real-model runners, tests)")
+    from omni_core.models.cli import add_arguments as add_models_arguments
+
+    add_models_arguments(p)
+    p.set_defaults(func=_cmd_models)
     return parser
 
 

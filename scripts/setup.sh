@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv with the CPU build of torch (a local wheel, seconds; an unpinned torch would
-# pull GBs of CUDA packages) and omni-core with its test extras. Idempotent.
+# pull GBs of CUDA packages) and omni-core with its test and models extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
-python -m pip install -q --disable-pip-version-check -e ".[test]"
+python -m pip install -q --disable-pip-version-check -e ".[test,models]"

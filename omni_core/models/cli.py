@@ -1,0 +1,38 @@
+"""`omni-core models list | make FAMILY SIZE DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from omni_core.models.catalog import FAMILIES, ModelSpecError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="models_command", required=True)
+    sub.add_parser("list", help="the families and sizes that `make` writes")
+    p = sub.add_parser("make", help="write a local checkpoint with seeded random weights")
+    p.add_argument("family", help=f"one of {', '.join(FAMILIES)}")
+    p.add_argument("size", help="tiny (seconds on CPU, a few MB) or a realistic size; see `models list`")
+    p.add_argument("dir", help="target directory (created; must be empty unless --force)")
+    p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default 0)")
+    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the size's)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing same names")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.models_command == "list":
+        for family in FAMILIES.values():
+            print(f"{family.name:6} {family.description}")
+            for size in family.sizes.values():
+                print(f"       {size.name:5} {size.nominal_params / 1e6:10.2f}M params, {size.dtype}")
+        return 0
+    from omni_core.models.make import make_checkpoint
+
+    try:
+        info = make_checkpoint(args.family, args.size, args.dir, seed=args.seed, dtype=args.dtype, force=args.force)
+    except ModelSpecError as exc:
+        print(f"omni-core models make: error: {exc}", file=sys.stderr)
+        return 2
+    print(info.summary())
+    return 0
