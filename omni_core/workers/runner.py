@@ -22,7 +22,11 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 
-BUILTIN_RUNNERS = {"synthetic": "omni_core.workers.synthetic:SyntheticRunner"}
+BUILTIN_RUNNERS = {
+    "synthetic": "omni_core.workers.synthetic:SyntheticRunner",
+    "transformers": "omni_core.runners.transformers_runner:TransformersRunner",
+    "diffusers": "omni_core.runners.diffusers_runner:DiffusersRunner",
+}
 
 
 class RunnerArgumentError(ValueError):

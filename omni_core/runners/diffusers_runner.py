@@ -1,0 +1,529 @@
+"""A diffusion pipeline from a local diffusers directory, as a worker's runner, step-wise.
+
+    StageSpec("decoder", runner="diffusers", tags=("weights", "kv_cache", "requests"),
+              runner_args={"model": "/models/dit", "max_requests": 8})
+
+Pipelines: `DiTPipeline` (class-conditional DiT + VAE, classifier-free guidance) and
+`DDPMPipeline` (unconditional UNet). The denoising loop is the pipeline's own, step for step
+(the tests compare the output with `pipeline(...)` bit for bit), cut so it can stop between
+steps:
+
+    {"op": "start", "class_label": 207, "seed": 1, "steps": 25, "guidance_scale": 4.0} -> {"request_id": "r1", ...}
+    {"op": "step", "request_id": "r1", "steps": 5}     -> {"steps_done": 5, "steps_total": 25, ...}
+    {"op": "finish", "request_id": "r1"}                -> the image (remaining steps first)
+    {"op": "cancel", "request_id": "r1"}
+    {"class_label": 207, "seed": 1, "steps": 25}        -> the image in one call (no state kept)
+
+Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
+
+Where memory lives: every component's tensors (transformer or UNet, VAE) in `weights`; the
+state of step-wise requests (latents and the scheduler's latent-shaped tensors, e.g. DPM-Solver's
+past model outputs) in one fixed slab of tag `requests`, one slot per request, allocated in
+`allocate("requests")`. Between two ops nothing of a request stays on the device outside that
+slab; its host-side state (step counter, the CPU random generator) stays in Python.
+
+Sleeping: the state machine offloads only `weights` at level 1 and discards every other tag,
+so `buffers_to_save()` lists the slots of live requests: the backend copies them to the host
+before the discard and back at wake, and a request interrupted by a level-1 sleep finishes
+bit-identical. A level-2 sleep discards the weights, so the weights must be reloaded before
+anything executes; `reload_weights` bumps a generation counter that no backend can restore,
+and every request started under an older generation fails with an error saying why (it would
+otherwise continue on other weights). Each slot also carries a random canary checked at every
+op: state that came back as anything but what was written fails the request the same way
+instead of producing a wrong image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.weights import (
+    ReloadReport,
+    WeightSet,
+    check_resident,
+    module_tensors,
+    non_persistent_buffers,
+    own_storage,
+    torch_threads,
+)
+from omni_core.workers.runner import ModelRunner, RunnerArgumentError
+from omni_core.workers.synthetic import tensor_bytes, torch_dtype
+
+log = logging.getLogger("omni_core.runners.diffusers")
+
+REQUESTS_TAG = "requests"
+PIPELINES = {"DiTPipeline": "dit", "DDPMPipeline": "ddpm"}
+MODULE_COMPONENTS = {"dit": ("transformer", "vae"), "ddpm": ("unet",)}
+ALIGN_BYTES = 64  # every tensor in a slot starts here: views of any dtype stay aligned
+HEADER_BYTES = ALIGN_BYTES  # canary, generation, steps done (int64 each)
+MAX_LOST_REMEMBERED = 1024  # lost requests whose error is kept for their next op
+MAX_STEPS_LIMIT = 10_000
+OPS = ("start", "step", "finish", "cancel")
+REQUEST_KEYS = frozenset({"class_label", "seed", "steps", "guidance_scale"})
+
+
+class RequestLostError(RuntimeError):
+    """A step-wise request whose state did not survive (level-2 sleep, weight update)."""
+
+
+@dataclass
+class _Parked:
+    """Where one state tensor waits in its slot between two ops."""
+
+    attribute: str  # "sample", or the scheduler attribute holding it
+    index: int | None  # position in a list attribute (DPM-Solver's model_outputs), else None
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class _Request:
+    request_id: str
+    class_label: int | None
+    seed: int
+    steps_total: int
+    guidance_scale: float
+    scheduler: Any  # one instance per request: multistep schedulers keep history
+    generator: torch.Generator  # on CPU, as diffusers' examples: host state, survives sleeps
+    steps_done: int = 0
+    slot: int | None = None
+    canary: int = 0
+    generation: int = 0
+    parked: list[_Parked] = field(default_factory=list)
+    sample: torch.Tensor | None = None  # only while an op runs, or for a one-shot request
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class DiffusersRunner(ModelRunner):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        model: str,
+        dtype: str = "float32",
+        scheduler: str | None = None,
+        max_requests: int = 8,
+        max_steps: int = 1000,
+        state_tensors: int = 6,
+        cpu_threads: int | None = None,
+    ) -> None:
+        super().__init__(device)
+        torch_threads(torch.device(device), cpu_threads)
+        self.model_dir = Path(model).expanduser()
+        index_path = self.model_dir / "model_index.json"
+        if not index_path.is_file():
+            raise ValueError(f"model={model!r} is not a diffusers pipeline directory (no model_index.json); give a "
+                             "local directory, e.g. one written by `omni-core models make dit tiny DIR`")  # fmt: skip
+        pipeline_class = _read_json(index_path).get("_class_name")
+        if pipeline_class not in PIPELINES:
+            raise ValueError(f"{model!r} holds a {pipeline_class}; this runner executes {sorted(PIPELINES)}")
+        self.kind = PIPELINES[pipeline_class]
+        self.dtype = torch_dtype(dtype)
+        self.scheduler_class = scheduler
+        if scheduler is not None:
+            import diffusers
+
+            if not isinstance(getattr(diffusers, scheduler, None), type) or not scheduler.endswith("Scheduler"):
+                raise ValueError(f"scheduler={scheduler!r} is not a diffusers scheduler class "
+                                 "(e.g. DDIMScheduler, DPMSolverMultistepScheduler)")  # fmt: skip
+        for name, value, low, high in (("max_requests", max_requests, 1, 4096), ("max_steps", max_steps, 1,
+                                       MAX_STEPS_LIMIT), ("state_tensors", state_tensors, 2, 64)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
+        self.max_requests, self.max_steps, self.state_tensors = max_requests, max_steps, state_tensors
+        self.sample_shape = self._sample_shape()
+        # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
+        # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs).
+        sample_bytes = 2 * int(torch.Size(self.sample_shape).numel()) * 4
+        self.slot_bytes = HEADER_BYTES + state_tensors * _align(sample_bytes)
+        self.pipeline: Any = None
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.weights: WeightSet | None = None
+        self.slab: torch.Tensor | None = None
+        self.generation = 0  # bumped by every reload: requests of an older one are void
+        self.requests: dict[str, _Request] = {}
+        self.lost: OrderedDict[str, str] = OrderedDict()
+        self._next_id = 0
+        self.last_reload: ReloadReport | None = None
+
+    def _sample_shape(self) -> tuple[int, ...]:
+        denoiser = "transformer" if self.kind == "dit" else "unet"
+        config = _read_json(self.model_dir / denoiser / "config.json")
+        size = config.get("sample_size")
+        hw = (size, size) if isinstance(size, int) else tuple(size)
+        return (int(config.get("in_channels", 4)), *map(int, hw))
+
+    # ------------------------------------------------------------------ allocation
+
+    def load_weights(self) -> None:
+        from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+        # device_map places each component on the device as it is read, where diffusers
+        # supports it ("cuda", "cpu"); elsewhere the host copy is dropped after the move.
+        direct = self.device.type in ("cuda", "cpu") and self.device.index in (None, 0)
+        pipeline = DiffusionPipeline.from_pretrained(
+            str(self.model_dir), local_files_only=True, dtype=self.dtype,
+            device_map=self.device.type if direct else None)  # fmt: skip
+        if not direct:
+            pipeline.to(self.device)
+        if self.scheduler_class is not None:
+            import diffusers
+
+            pipeline.scheduler = getattr(diffusers, self.scheduler_class).from_config(pipeline.scheduler.config)
+        pipeline.set_progress_bar_config(disable=True)
+        modules = {name: getattr(pipeline, name) for name in MODULE_COMPONENTS[self.kind]}
+        for module in modules.values():
+            module.eval()
+            module.requires_grad_(False)
+        own_storage(modules.values())
+        weights = WeightSet(modules)
+        weights.bind_source(self.model_dir)
+        self.pipeline, self.modules, self.weights = pipeline, modules, weights
+
+    def allocate_caches(self) -> None:
+        # Diffusion keeps no KV cache; activations are transient.
+        return None
+
+    def allocate(self, tag: str) -> None:
+        if tag == REQUESTS_TAG:
+            self.slab = torch.zeros(self.max_requests, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        else:
+            super().allocate(tag)
+
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == WEIGHTS_TAG:
+            return module_tensors(self.modules.values())
+        if tag == KV_CACHE_TAG:
+            return []
+        if tag == REQUESTS_TAG:
+            return [self.slab] if self.slab is not None else []
+        raise ValueError(f"DiffusersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG]}")
+
+    def buffers_to_save(self) -> dict[str, torch.Tensor]:
+        saved = non_persistent_buffers(self.modules)
+        if self.slab is not None:
+            for request in self.requests.values():
+                if request.slot is not None:
+                    saved[f"{REQUESTS_TAG}.{request.request_id}"] = self.slab[request.slot]
+        return saved
+
+    def reload_weights(self, source: str | None) -> None:
+        if self.weights is None:
+            raise RuntimeError("reload_weights before load_weights")
+        if source is not None and not isinstance(source, str):
+            raise RunnerArgumentError(f"the reload source must be a pipeline directory path, got {source!r}")
+        self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+        self.generation += 1
+        for request_id in list(self.requests):
+            self._lose(request_id, "the weights were reloaded while it was in flight (a level-2 sleep discarded "
+                                   "its state, or a weight update changed the model under it)")  # fmt: skip
+
+    def close(self) -> None:
+        self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
+        self.requests.clear()
+
+    # ------------------------------------------------------------------ ops
+
+    def execute(self, payload: Any) -> dict[str, Any]:
+        if not isinstance(payload, dict):
+            raise TypeError(f"DiffusersRunner payload must be a dict like {{'class_label': 1, 'seed': 0, "
+                            f"'steps': 10}}, got {type(payload).__name__}")  # fmt: skip
+        op = payload.get("op")
+        if op is not None and op not in OPS:
+            raise ValueError(f"unknown op {op!r}; ops are {list(OPS)} (or none: one call, the whole image)")
+        if self.pipeline is None:
+            raise RuntimeError("DiffusersRunner.execute before load_weights")
+        if op is None:
+            request = self._new_request(payload, allowed=REQUEST_KEYS)
+            check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG)})
+            with torch.no_grad():
+                sample = self._initial_sample(request)
+                sample = self._denoise(request, sample, request.steps_total)
+                return self._image(request, sample)
+        if op == "start":
+            return self._start(payload)
+        request_id = payload.get("request_id")
+        keys = {"op", "request_id"} | ({"steps"} if op == "step" else set())
+        self._check_keys(payload, keys)
+        if op == "cancel":
+            self._claim(request_id, check_state=False)
+            self._free(request_id)
+            return {"request_id": request_id, "cancelled": True}
+        request = self._claim(request_id)
+        count = request.steps_total - request.steps_done
+        if op == "step":
+            count = payload.get("steps", 1)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"steps must be an int >= 1, got {count!r}")
+        with torch.no_grad():
+            sample = self._denoise(request, self._unpark(request), count)
+            if op == "step":
+                self._park(request, sample)
+                return self._progress(request)
+            self._free(request_id)
+            return self._image(request, sample)
+
+    def _check_keys(self, payload: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
+        unknown = sorted(set(payload) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown payload key(s) {unknown} for op {payload.get('op')!r}; known: {sorted(allowed)}")
+
+    def _start(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.slab is None:
+            raise ValueError("step-wise requests keep their state in the 'requests' pool, which this stage does not "
+                             "have; add 'requests' to StageSpec.tags, or send the request without 'op'")  # fmt: skip
+        request = self._new_request(payload, allowed=REQUEST_KEYS | {"op"})
+        used = {r.slot for r in self.requests.values()}
+        free = [slot for slot in range(self.max_requests) if slot not in used]
+        if not free:
+            raise RuntimeError(f"all {self.max_requests} request slots are in use; finish or cancel a request "
+                               "(or raise max_requests)")  # fmt: skip
+        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: [self.slab]})
+        self._next_id += 1
+        request.request_id = f"r{self._next_id}"
+        request.slot, request.canary, request.generation = free[0], secrets.randbits(62) + 1, self.generation
+        with torch.no_grad():
+            self._park(request, self._initial_sample(request))
+        self.requests[request.request_id] = request
+        return self._progress(request)
+
+    def _progress(self, request: _Request) -> dict[str, Any]:
+        return {"request_id": request.request_id, "steps_done": request.steps_done,
+                "steps_total": request.steps_total}  # fmt: skip
+
+    def _new_request(self, payload: dict[str, Any], allowed: frozenset[str]) -> _Request:
+        self._check_keys(payload, allowed)
+        seed = payload.get("seed", 0)
+        steps = payload.get("steps", 50)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= self.max_steps:
+            raise ValueError(f"steps must be an int in 1..{self.max_steps} (max_steps), got {steps!r}")
+        label, guidance = None, 1.0
+        if self.kind == "dit":
+            label = self._class_label(payload.get("class_label"))
+            guidance = payload.get("guidance_scale", 4.0)
+            if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or not 0 <= guidance <= 100:
+                raise ValueError(f"guidance_scale must be a number in [0, 100], got {guidance!r}")
+        else:
+            extra = sorted({"class_label", "guidance_scale"} & set(payload))
+            if extra:
+                raise ValueError(f"{extra} do not apply to an unconditional DDPM pipeline")
+        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        scheduler.set_timesteps(steps)  # on the host, as the pipelines call it
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        return _Request("", label, seed, steps, float(guidance), scheduler, generator)
+
+    def _class_label(self, label: Any) -> int:
+        classes = int(self.modules["transformer"].config.num_embeds_ada_norm)
+        if isinstance(label, str):
+            ids = self.pipeline.labels
+            if label not in ids:
+                raise ValueError(f"class_label {label!r} is not a label of this pipeline (e.g. {list(ids)[:3]})")
+            return int(ids[label])
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < classes:
+            raise ValueError(f"class_label must be an int in 0..{classes - 1} or a label name, got {label!r}")
+        return label
+
+    # ------------------------------------------------------------------ the pipelines' loops
+
+    @property
+    def _guided(self) -> bool:
+        return self.kind == "dit"
+
+    def _initial_sample(self, request: _Request) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device,
+                               dtype=denoiser.dtype)  # fmt: skip
+        if self.kind == "dit" and request.guidance_scale > 1:
+            return torch.cat([latents] * 2)
+        return latents
+
+    def _denoise(self, request: _Request, sample: torch.Tensor, count: int) -> torch.Tensor:
+        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG)})
+        end = min(request.steps_total, request.steps_done + count)
+        labels = None
+        if self.kind == "dit":
+            labels = torch.tensor([request.class_label], device=self.device)
+            if request.guidance_scale > 1:
+                null = int(self.modules["transformer"].config.num_embeds_ada_norm)
+                labels = torch.cat([labels, torch.tensor([null], device=self.device)], 0)
+        for index in range(request.steps_done, end):
+            t = request.scheduler.timesteps[index]
+            sample = self._dit_step(request, sample, t, labels) if self.kind == "dit" else self._ddpm_step(
+                request, sample, t)  # fmt: skip
+        request.steps_done = end
+        return sample
+
+    def _dit_step(self, request: _Request, sample: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # DiTPipeline.__call__'s loop body, with the same operations in the same order.
+        transformer, scheduler = self.modules["transformer"], request.scheduler
+        channels = transformer.config.in_channels
+        guided = request.guidance_scale > 1
+        if guided:
+            half = sample[: len(sample) // 2]
+            sample = torch.cat([half, half], dim=0)
+        sample = scheduler.scale_model_input(sample, t)
+        timesteps = t[None].to(sample.device) if t.dim() == 0 else t
+        timesteps = timesteps.expand(sample.shape[0])
+        noise_pred = transformer(sample, timestep=timesteps, class_labels=labels).sample
+        if guided:
+            eps, rest = noise_pred[:, :channels], noise_pred[:, channels:]
+            cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+            half_eps = uncond_eps + request.guidance_scale * (cond_eps - uncond_eps)
+            eps = torch.cat([half_eps, half_eps], dim=0)
+            noise_pred = torch.cat([eps, rest], dim=1)
+        if transformer.config.out_channels // 2 == channels:
+            model_output, _ = torch.split(noise_pred, channels, dim=1)
+        else:
+            model_output = noise_pred
+        return scheduler.step(model_output, t, sample).prev_sample
+
+    def _ddpm_step(self, request: _Request, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        # DDPMPipeline.__call__'s loop body.
+        model_output = self.modules["unet"](sample, t).sample
+        return request.scheduler.step(model_output, t, sample, generator=request.generator).prev_sample
+
+    def _image(self, request: _Request, sample: torch.Tensor) -> dict[str, Any]:
+        if self.kind == "dit":
+            latents = sample.chunk(2, dim=0)[0] if request.guidance_scale > 1 else sample
+            vae = self.modules["vae"]
+            sample = vae.decode(1 / vae.config.scaling_factor * latents).sample
+        images = (sample / 2 + 0.5).clamp(0, 1)
+        pixels = images.cpu().permute(0, 2, 3, 1).float().numpy()
+        png = io.BytesIO()
+        self.pipeline.numpy_to_pil(pixels)[0].save(png, format="PNG")
+        return {
+            "png": png.getvalue(),
+            "sha256": hashlib.sha256(tensor_bytes(images)).hexdigest(),
+            "shape": list(images.shape),
+            "dtype": str(images.dtype).removeprefix("torch."),
+            "steps": request.steps_total,
+            "seed": request.seed,
+            "class_label": request.class_label,
+        }
+
+    # ------------------------------------------------------------------ request state in the slab
+
+    def _state_tensors(self, request: _Request, sample: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+        """The latent-shaped tensors a request needs at its next op: its sample and what the
+        scheduler keeps between steps. Other scheduler tensors (timesteps, sigmas, alphas)
+        are per-schedule constants that set_timesteps left on the host."""
+        out: list[tuple[str, int | None, torch.Tensor]] = [("sample", None, sample)]
+        latent = tuple(sample.shape[1:])
+        for name, value in vars(request.scheduler).items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) == latent and value.dim() == sample.dim():
+                out.append((name, None, value))
+            elif isinstance(value, list):
+                out.extend((name, i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)
+                           and tuple(v.shape[1:]) == latent and v.dim() == sample.dim())  # fmt: skip
+        return out
+
+    def _slot_view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        assert self.slab is not None
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        return self.slab[slot, offset: offset + nbytes].view(dtype).view(shape)
+
+    def _header(self, slot: int) -> torch.Tensor:
+        return self._slot_view(slot, 0, (3,), torch.int64)
+
+    def _park(self, request: _Request, sample: torch.Tensor) -> None:
+        assert request.slot is not None
+        state = self._state_tensors(request, sample)
+        needed = HEADER_BYTES + sum(_align(t.numel() * t.element_size()) for _, _, t in state)
+        if needed > self.slot_bytes:
+            self._lose(request.request_id, f"its state needs {needed} bytes, a slot holds {self.slot_bytes}")
+            raise RuntimeError(f"request {request.request_id}: the scheduler keeps {len(state)} latent-shaped "
+                               f"tensors ({needed} bytes), more than a request slot holds ({self.slot_bytes}); "
+                               "raise the runner's state_tensors")  # fmt: skip
+        offset, parked = HEADER_BYTES, []
+        for attribute, index, tensor in state:
+            self._slot_view(request.slot, offset, tuple(tensor.shape), tensor.dtype).copy_(tensor)
+            parked.append(_Parked(attribute, index, offset, tuple(tensor.shape), tensor.dtype))
+            offset += _align(tensor.numel() * tensor.element_size())
+            # Drop the reference: until the next op this state exists only in the slab.
+            if attribute != "sample":
+                if index is None:
+                    setattr(request.scheduler, attribute, None)
+                else:
+                    getattr(request.scheduler, attribute)[index] = None
+        self._header(request.slot).copy_(torch.tensor([request.canary, request.generation, request.steps_done]))
+        request.parked = parked
+
+    def _unpark(self, request: _Request) -> torch.Tensor:
+        assert request.slot is not None
+        sample = None
+        for p in request.parked:
+            value = self._slot_view(request.slot, p.offset, p.shape, p.dtype).clone()
+            if p.attribute == "sample":
+                sample = value
+            elif p.index is None:
+                setattr(request.scheduler, p.attribute, value)
+            else:
+                getattr(request.scheduler, p.attribute)[p.index] = value
+        assert sample is not None
+        return sample
+
+    def _claim(self, request_id: Any, check_state: bool = True) -> _Request:
+        """The live request of this id, its state verified; a lost one raises why."""
+        if request_id in self.lost:
+            raise RequestLostError(f"request {request_id} was aborted: {self.lost[request_id]}; start it again")
+        request = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if request is None:
+            raise ValueError(f"unknown request_id {request_id!r}; live requests: {sorted(self.requests)}")
+        if not check_state:
+            return request
+        assert self.slab is not None and request.slot is not None
+        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: [self.slab]})
+        header = self._header(request.slot).tolist()
+        expected = [request.canary, request.generation, request.steps_done]
+        if request.generation != self.generation or header != expected:
+            self._lose(request_id, "its state in the 'requests' pool did not survive (discarded by a sleep and "
+                                   "not restored)")  # fmt: skip
+            raise RequestLostError(f"request {request_id} was aborted: {self.lost[request_id]}; start it again")
+        return request
+
+    def _free(self, request_id: str) -> None:
+        request = self.requests.pop(request_id)
+        if self._slab_resident() and request.slot is not None:
+            self._header(request.slot).zero_()  # a later request in this slot cannot match it
+        request.slot = None
+
+    def _slab_resident(self) -> bool:
+        # A reload can run while 'requests' is still asleep (a wake of 'weights' alone): its
+        # storage is then released and must not be written.
+        return self.slab is not None and self.slab.untyped_storage().nbytes() >= self.slab.numel()
+
+    def _lose(self, request_id: str, reason: str) -> None:
+        if request_id in self.requests:
+            self._free(request_id)
+        self.lost[request_id] = reason
+        while len(self.lost) > MAX_LOST_REMEMBERED:
+            self.lost.popitem(last=False)
+        log.warning("step-wise request %s aborted: %s", request_id, reason)

@@ -1,0 +1,352 @@
+"""A causal language model from a local transformers directory, as a worker's runner.
+
+    StageSpec("talker", runner="transformers",
+              runner_args={"model": "/models/qwen2-1.5b", "dtype": "bfloat16", "max_batch": 4, "max_seq_len": 2048})
+
+- `load_weights` (inside the `weights` pool): `AutoModelForCausalLM.from_pretrained(model,
+  local_files_only=True)` straight onto the worker's device; every parameter and buffer,
+  the rotary `inv_freq` included, is then memory of that pool.
+- `allocate_caches` (inside `kv_cache`): one transformers `StaticCache` of `max_batch` rows x
+  `max_seq_len` tokens, allocated up front (transformers would otherwise allocate it lazily
+  at the first request, outside any pool). `max_seq_len="auto"` takes what
+  `gpu_memory_fraction` leaves (`fit_caches`).
+- `execute`: greedy or seeded sampling with that cache; see `TransformersRunner.execute`.
+- `reload_weights(source)`: refills the same tensors from safetensors (None: the runner's own
+  directory; another directory of the same architecture: an RL weight update), after checking
+  every header; `last_reload` keeps bytes, duration and GB/s.
+- `buffers_to_save`: the non-persistent buffers (rotary frequencies), which no checkpoint holds.
+
+The cache is scratch: each request resets it, so its content after a discard does not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.weights import (
+    ReloadReport,
+    WeightSet,
+    check_resident,
+    module_tensors,
+    non_persistent_buffers,
+    own_storage,
+    torch_threads,
+)
+from omni_core.workers.runner import ModelRunner, RunnerArgumentError
+from omni_core.workers.synthetic import torch_dtype
+
+log = logging.getLogger("omni_core.runners.transformers")
+
+DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
+DEFAULT_MAX_NEW_TOKENS = 16
+MAX_BATCH_LIMIT = 1024
+PAYLOAD_KEYS = frozenset({"prompt_ids", "prompt", "max_new_tokens", "sampling", "stop_at_eos"})
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float | None = None  # None: greedy
+    seed: int = 0
+    top_k: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    rows: list[list[int]]
+    batched: bool  # the payload gave a list of prompts: answer with a list
+    max_new_tokens: int
+    sampling: Sampling
+    stop_at_eos: bool
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class TransformersRunner(ModelRunner):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        model: str,
+        dtype: str = "auto",
+        max_batch: int = 1,
+        max_seq_len: int | str | None = None,
+        attn_implementation: str = "sdpa",
+        cpu_threads: int | None = None,
+    ) -> None:
+        super().__init__(device)
+        from transformers import AutoConfig
+
+        torch_threads(torch.device(device), cpu_threads)
+        self.model_dir = Path(model).expanduser()
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"model={model!r} is not a transformers checkpoint directory (no config.json); give "
+                             "a local directory, e.g. one written by `omni-core models make qwen2 tiny DIR`")
+        # Host-side only: the config (and the tokenizer below) hold no device memory, and a
+        # bad argument should fail here rather than half-way through loading.
+        self.config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        self.dtype = self._resolve_dtype(dtype)
+        if not _is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH_LIMIT:
+            raise ValueError(f"max_batch must be an int in 1..{MAX_BATCH_LIMIT}, got {max_batch!r}")
+        self.max_batch = max_batch
+        max_positions = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
+        self.max_positions = max_positions
+        self.seq_len_auto = max_seq_len == "auto"
+        if max_seq_len is None:
+            self.max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN)
+        elif self.seq_len_auto:
+            self.max_seq_len = 0  # sized by fit_caches
+        elif _is_int(max_seq_len) and 2 <= max_seq_len <= max_positions:
+            self.max_seq_len = max_seq_len
+        else:
+            raise ValueError(f"max_seq_len must be an int in 2..{max_positions} (the model's max_position_embeddings), "
+                             f"'auto' or None, got {max_seq_len!r}")  # fmt: skip
+        self.attn_implementation = attn_implementation
+        self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.head_dim = int(getattr(self.config, "head_dim", None)
+                            or self.config.hidden_size // self.config.num_attention_heads)  # fmt: skip
+        self.tokenizer = self._load_tokenizer()
+        self.model: Any = None
+        self.cache: Any = None
+        self.weights: WeightSet | None = None
+        self.last_reload: ReloadReport | None = None
+
+    def _resolve_dtype(self, name: str) -> torch.dtype:
+        if name != "auto":
+            return torch_dtype(name)
+        configured = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        if isinstance(configured, torch.dtype):
+            return configured
+        return torch_dtype(str(configured)) if configured else torch.float32
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        if not any((self.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None  # prompt_ids only
+        return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+
+    # ------------------------------------------------------------------ allocation
+
+    def load_weights(self) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        # device_map puts each tensor on the device as it is read: no full host copy first.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(self.model_dir), local_files_only=True, dtype=self.dtype, device_map=str(self.device),
+            attn_implementation=self.attn_implementation)  # fmt: skip
+        model.eval()
+        model.requires_grad_(False)
+        copied = own_storage([model])
+        if copied:
+            log.info("copied %d memory-mapped tensors into the weights pool", copied)
+        weights = WeightSet({"": model})
+        weights.bind_source(self.model_dir)
+        self.model, self.weights = model, weights
+
+    def fit_caches(self, available_bytes: int) -> None:
+        if self.seq_len_auto:
+            self.max_seq_len = min(self.max_positions, available_bytes // self.kv_bytes_per_token)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.config.num_hidden_layers * self.kv_heads * self.head_dim * elem * self.max_batch
+
+    def allocate_caches(self) -> None:
+        from transformers import StaticCache
+
+        if self.max_seq_len < 2:
+            raise ValueError("max_seq_len='auto' sizes the KV cache from the stage's gpu_memory_fraction, but "
+                             "none was set or too little was left; set StageSpec.gpu_memory_fraction or give "
+                             "max_seq_len")
+        cache = StaticCache(config=self.config, max_cache_len=self.max_seq_len)
+        cache.early_initialization(batch_size=self.max_batch, num_heads=self.kv_heads, head_dim=self.head_dim,
+                                   dtype=self.dtype, device=self.device)  # fmt: skip
+        self.cache = cache
+
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == WEIGHTS_TAG:
+            return module_tensors([self.model]) if self.model is not None else []
+        if tag == KV_CACHE_TAG:
+            if self.cache is None:
+                return []
+            return [value for layer in self.cache.layers for value in vars(layer).values()
+                    if isinstance(value, torch.Tensor)]  # fmt: skip
+        raise ValueError(f"TransformersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG]}")
+
+    def buffers_to_save(self) -> dict[str, torch.Tensor]:
+        return non_persistent_buffers({"": self.model}) if self.model is not None else {}
+
+    def reload_weights(self, source: str | None) -> None:
+        if self.weights is None:
+            raise RuntimeError("reload_weights before load_weights")
+        if source is not None and not isinstance(source, str):
+            raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
+        self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+
+    def close(self) -> None:
+        self.model = self.cache = self.weights = None
+
+    # ------------------------------------------------------------------ execution
+
+    def execute(self, payload: Any) -> dict[str, Any]:
+        """Generate tokens for one prompt or a batch of up to `max_batch`.
+
+        payload: {"prompt_ids": [int, ...] | [[int, ...], ...]} or {"prompt": str | [str, ...]}
+        (text needs a tokenizer in the model directory), "max_new_tokens" (default 16),
+        "sampling": "greedy" (default) | {"temperature": float, "seed": int, "top_k": int},
+        "stop_at_eos" (default true). Returns "token_ids" (new tokens only), "text" when
+        there is a tokenizer, "finish_reason" ("stop" | "length") and "prompt_tokens", each a
+        list per prompt when the payload gave a list.
+        """
+        request = self._parse(payload)
+        if self.model is None or self.cache is None:
+            raise RuntimeError("TransformersRunner.execute before load_weights/allocate_caches")
+        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), KV_CACHE_TAG: self.tensors(KV_CACHE_TAG)})
+        with torch.no_grad():
+            tokens, reasons = self._generate(request)
+        out: dict[str, Any] = {"token_ids": tokens, "finish_reason": reasons,
+                               "prompt_tokens": [len(r) for r in request.rows]}  # fmt: skip
+        if self.tokenizer is not None:
+            out["text"] = [self.tokenizer.decode(t) for t in tokens]
+        if not request.batched:
+            out = {key: value[0] for key, value in out.items()}
+        return out
+
+    def _parse(self, payload: Any) -> GenerationRequest:
+        if not isinstance(payload, dict):
+            raise TypeError(f"TransformersRunner payload must be a dict like {{'prompt_ids': [1, 2, 3], "
+                            f"'max_new_tokens': 8}}, got {type(payload).__name__}")  # fmt: skip
+        unknown = sorted(set(payload) - PAYLOAD_KEYS)
+        if unknown:
+            raise ValueError(f"unknown payload key(s) {unknown}; known: {sorted(PAYLOAD_KEYS)}")
+        if ("prompt_ids" in payload) == ("prompt" in payload):
+            raise ValueError("give exactly one of 'prompt_ids' (token ids) and 'prompt' (text)")
+        if "prompt" in payload:
+            rows, batched = self._encode(payload["prompt"])
+        else:
+            rows, batched = self._ids(payload["prompt_ids"])
+        if not 1 <= len(rows) <= self.max_batch:
+            raise ValueError(f"{len(rows)} prompts in one request; this runner's max_batch is {self.max_batch}")
+        max_new = payload.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if not _is_int(max_new) or max_new < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
+        longest = max(len(r) for r in rows)
+        if longest + max_new > self.max_seq_len:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new} exceeds the KV cache's "
+                             f"max_seq_len {self.max_seq_len}; shorten the request or raise max_seq_len")  # fmt: skip
+        stop = payload.get("stop_at_eos", True)
+        if not isinstance(stop, bool):
+            raise TypeError(f"stop_at_eos must be a bool, got {stop!r}")
+        return GenerationRequest(rows, batched, max_new, self._sampling(payload.get("sampling", "greedy")), stop)
+
+    def _encode(self, prompt: Any) -> tuple[list[list[int]], bool]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer, so 'prompt' text cannot be encoded; "
+                             "send 'prompt_ids'")
+        batched = isinstance(prompt, list)
+        texts = prompt if batched else [prompt]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise TypeError("'prompt' must be a non-empty string or a non-empty list of them")
+        return [list(self.tokenizer(t)["input_ids"]) for t in texts], batched
+
+    def _ids(self, ids: Any) -> tuple[list[list[int]], bool]:
+        if not isinstance(ids, list) or not ids:
+            raise TypeError(f"'prompt_ids' must be a non-empty list of token ids (or of lists of them), got {ids!r}")
+        batched = isinstance(ids[0], list)
+        rows = ids if batched else [ids]
+        vocab = int(self.config.vocab_size)
+        for row in rows:
+            if not isinstance(row, list) or not row or not all(_is_int(i) and 0 <= i < vocab for i in row):
+                raise ValueError(f"every prompt must be a non-empty list of ints in [0, {vocab}) (the vocab size); "
+                                 f"got {str(row)[:200]}")  # fmt: skip
+        return [list(r) for r in rows], batched
+
+    @staticmethod
+    def _sampling(spec: Any) -> Sampling:
+        if spec == "greedy":
+            return Sampling()
+        if not isinstance(spec, dict) or set(spec) - {"temperature", "seed", "top_k"}:
+            raise ValueError(f"sampling must be 'greedy' or {{'temperature': float, 'seed': int, 'top_k': int}}, "
+                             f"got {spec!r}")  # fmt: skip
+        temperature, seed, top_k = spec.get("temperature", 1.0), spec.get("seed", 0), spec.get("top_k")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+            raise ValueError(f"sampling temperature must be a number > 0 (use 'greedy' for argmax), "
+                             f"got {temperature!r}")
+        if not _is_int(seed) or not 0 <= seed < 2**63:
+            raise ValueError(f"sampling seed must be an int in [0, 2**63), got {seed!r}")
+        if top_k is not None and (not _is_int(top_k) or top_k < 1):
+            raise ValueError(f"sampling top_k must be an int >= 1, got {top_k!r}")
+        return Sampling(float(temperature), seed, top_k)
+
+    def _generate(self, request: GenerationRequest) -> tuple[list[list[int]], list[str]]:
+        rows, device = request.rows, self.device
+        pad = int(self.config.pad_token_id if self.config.pad_token_id is not None else 0)
+        eos = self.config.eos_token_id
+        eos_ids = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos], device=device)
+        # The static cache has exactly max_batch rows: fill the spare ones with copies of the
+        # last prompt (rows are independent, so the fillers change no real row's result).
+        filled = rows + [rows[-1]] * (self.max_batch - len(rows))
+        length = max(len(r) for r in filled)
+        ids = torch.full((self.max_batch, length), pad, dtype=torch.long)
+        mask = torch.zeros((self.max_batch, length), dtype=torch.long)
+        for i, row in enumerate(filled):  # left padding: every row's last token is at the end
+            ids[i, length - len(row):] = torch.tensor(row)
+            mask[i, length - len(row):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generator = None
+        if request.sampling.temperature is not None:
+            generator = torch.Generator(device=device).manual_seed(request.sampling.seed)
+        self.cache.reset()  # a discarded cache comes back as zeros or garbage; start clean
+        real = torch.arange(self.max_batch, device=device) < len(rows)
+        finished = torch.zeros(self.max_batch, dtype=torch.bool, device=device)
+        produced: list[torch.Tensor] = []
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)  # fmt: skip
+        for step in range(request.max_new_tokens):
+            token = self._choose(out.logits[:, -1].float(), request.sampling, generator)
+            token = torch.where(finished, torch.full_like(token, pad), token)
+            produced.append(token)
+            if request.stop_at_eos and eos_ids.numel():
+                finished |= torch.isin(token, eos_ids)
+                if bool((finished | ~real).all()):
+                    break
+            if step + 1 == request.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        table = torch.stack(produced, dim=1).tolist()
+        done = finished.tolist()
+        tokens, reasons = [], []
+        for i in range(len(rows)):
+            row = table[i]
+            if done[i]:
+                stop_at = next(j for j, t in enumerate(row) if t in set(eos_ids.tolist()))
+                row = row[: stop_at + 1]
+            tokens.append(row)
+            reasons.append("stop" if done[i] else "length")
+        return tokens, reasons
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+        if sampling.temperature is None:
+            return logits.argmax(dim=-1)
+        scaled = logits / sampling.temperature
+        if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -1,0 +1,253 @@
+"""What the real-model runners share: the weight tensors of torch modules, checked in-place
+reloads from safetensors, and the residency check before a request.
+
+A reload writes into the tensors the worker's backend already tracks, so it must not start
+unless it can finish: `WeightSet.plan` reads every safetensors header of the source (shape
+and dtype, no data) and compares it with what the runner loaded, and only a complete,
+matching plan is executed. A mismatch raises `RunnerArgumentError` naming the first tensor,
+which the worker answers with NACK INVALID_ARGUMENT, weights untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omni_core.workers.runner import RunnerArgumentError
+
+log = logging.getLogger("omni_core.runners")
+
+# How many problems a refused reload lists after the first one.
+MAX_PROBLEMS_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, ...
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    source: str
+    reload_bytes: int
+    tensors: int
+    duration_s: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.reload_bytes / self.duration_s / 1e9 if self.duration_s > 0 else float("inf")
+
+
+@dataclass
+class _Target:
+    names: tuple[str, ...]  # checkpoint names of one tensor: tied weights have several
+    tensor: torch.Tensor
+    source_dtype: str = ""  # dtype in the runner's own checkpoint; a reload must match it
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        raise RunnerArgumentError(f"weights directory {str(directory)!r} does not exist or is not a directory; "
+                                  "give a local checkpoint directory (config + *.safetensors)")  # fmt: skip
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise RunnerArgumentError(f"{str(directory)!r} holds no *.safetensors file; reloads read safetensors "
+                                  "only (convert a .bin checkpoint with save_pretrained(safe_serialization=True))")
+    return files
+
+
+def read_headers(directory: Path) -> dict[str, HeaderEntry]:
+    """Name -> (file, shape, dtype) of every tensor of a checkpoint directory; reads no data."""
+    from safetensors import safe_open
+
+    headers: dict[str, HeaderEntry] = {}
+    for path in safetensors_files(directory):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    if name in headers:
+                        raise RunnerArgumentError(f"tensor {name!r} is in both {headers[name].file.name} and "
+                                                  f"{path.name} under {str(directory)!r}")  # fmt: skip
+                    piece = f.get_slice(name)
+                    headers[name] = HeaderEntry(path, tuple(piece.get_shape()), piece.get_dtype())
+        except RunnerArgumentError:
+            raise
+        except Exception as exc:  # a truncated or foreign file: refuse before writing anything
+            raise RunnerArgumentError(f"cannot read the safetensors header of {str(path)!r}: {exc}") from None
+    return headers
+
+
+def _model_type(directory: Path) -> str | None:
+    for name in ("config.json", "model_index.json"):
+        path = directory / name
+        if path.is_file():
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+            return config.get("model_type") or config.get("_class_name")
+    return None
+
+
+class WeightSet:
+    """The persistent tensors of some modules, by checkpoint folder and name.
+
+    `folders` maps a checkpoint sub-folder ("" for a transformers model, "transformer",
+    "vae", ... for a diffusers pipeline) to the module whose state dict it holds.
+    """
+
+    def __init__(self, folders: Mapping[str, torch.nn.Module]) -> None:
+        self.own_directory: Path | None = None
+        self.folders: dict[str, list[_Target]] = {}
+        for folder, module in folders.items():
+            by_identity: dict[int, _Target] = {}
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                target = by_identity.get(id(tensor))
+                if target is None:
+                    by_identity[id(tensor)] = _Target((name,), tensor)
+                else:
+                    target.names = (*target.names, name)
+            self.folders[folder] = list(by_identity.values())
+
+    def bind_source(self, directory: Path) -> None:
+        """Check the checkpoint the modules were loaded from and remember its dtypes: later
+        reloads must bring the same tensors in the same format."""
+        self.own_directory = directory
+        for folder, targets in self.folders.items():
+            headers = read_headers(directory / folder)
+            for target, _, entry in self._match(folder, targets, headers, directory, check_dtype=False):
+                target.source_dtype = entry.dtype
+
+    def plan(self, directory: Path) -> list[tuple[_Target, str, HeaderEntry]]:
+        """Every (tensor, checkpoint name, header) a reload from `directory` writes; raises
+        RunnerArgumentError on the first mismatch, before anything is read or written."""
+        steps = []
+        for folder, targets in self.folders.items():
+            headers = read_headers(directory / folder)
+            steps.extend(self._match(folder, targets, headers, directory, check_dtype=True))
+        return steps
+
+    def _match(self, folder: str, targets: list[_Target], headers: dict[str, HeaderEntry], directory: Path,
+               check_dtype: bool) -> list[tuple[_Target, str, HeaderEntry]]:  # fmt: skip
+        where = f"{folder}/" if folder else ""
+        problems: list[str] = []
+        steps = []
+        for target in targets:
+            name = next((n for n in target.names if n in headers), None)
+            if name is None:
+                problems.append(f"tensor {where}{target.names[0]!r} is missing")
+                continue
+            entry = headers[name]
+            shape = tuple(target.tensor.shape)
+            if entry.shape != shape:
+                problems.append(f"tensor {where}{name!r} has shape {list(entry.shape)}, the model's is {list(shape)}")
+            elif check_dtype and entry.dtype != target.source_dtype:
+                problems.append(f"tensor {where}{name!r} is {entry.dtype}, the loaded checkpoint's is "
+                                f"{target.source_dtype}")  # fmt: skip
+            else:
+                steps.append((target, name, entry))
+        known = {n for t in targets for n in t.names}
+        problems.extend(f"tensor {where}{name!r} is not in this model" for name in headers if name not in known)
+        if problems:
+            ours = _model_type(self.own_directory) if self.own_directory is not None else None
+            theirs = _model_type(directory)
+            hint = f" (the source is a {theirs!r})" if theirs and theirs != ours else ""
+            more = f"; and {len(problems) - 1} more problem(s): {problems[1:1 + MAX_PROBLEMS_SHOWN]}" if len(
+                problems) > 1 else ""  # fmt: skip
+            raise RunnerArgumentError(f"cannot load weights from {str(directory)!r}{hint}: {problems[0]}{more}; "
+                                      "it must be a checkpoint of the same architecture and dtype")  # fmt: skip
+        return steps
+
+    def load(self, directory: Path) -> ReloadReport:
+        """Validate everything, then copy in place; returns what was moved and how fast."""
+        from safetensors import safe_open
+
+        steps = self.plan(directory)
+        started = time.perf_counter()
+        reload_bytes = 0
+        by_file: dict[Path, list[tuple[_Target, str]]] = {}
+        for target, name, entry in steps:
+            by_file.setdefault(entry.file, []).append((target, name))
+        with torch.no_grad():
+            for path, items in by_file.items():
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for target, name in items:
+                        source = f.get_tensor(name)
+                        target.tensor.copy_(source)  # casts when the runner computes in another dtype
+                        reload_bytes += source.numel() * source.element_size()
+        devices = {t.tensor.device for t, _, _ in steps if t.tensor.device.type == "cuda"}
+        for device in devices:  # the copies are asynchronous from pinned memory only, but be exact
+            torch.cuda.synchronize(device)
+        report = ReloadReport(str(directory), reload_bytes, len(steps), time.perf_counter() - started)
+        log.info("reloaded %d tensors, %.1f MiB from %s in %.3f s (%.2f GB/s)", report.tensors,
+                 reload_bytes / 2**20, directory, report.duration_s, report.gb_per_s)  # fmt: skip
+        return report
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t.tensor for targets in self.folders.values() for t in targets]
+
+
+def module_tensors(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer, each once (tied weights share one tensor)."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(tensor)
+    return out
+
+
+def non_persistent_buffers(modules: Mapping[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Buffers that are not in the state dict (rotary inv_freq, sin-cos position tables):
+    computed at construction, so a reload cannot bring them back after a level-2 sleep."""
+    out = {}
+    for prefix, module in modules.items():
+        persistent = set(module.state_dict(keep_vars=True))
+        for name, buffer in module.named_buffers():
+            if name not in persistent:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
+
+
+def own_storage(modules: Iterable[torch.nn.Module]) -> int:
+    """Give every tensor memory of its own; returns how many were copied.
+
+    Loading safetensors on CPU maps the file: tensors then view read-only file pages that a
+    memory backend cannot release or restore in place (not resizable). Copying them here,
+    inside the weights pool, makes the pool own every byte of the model.
+    """
+    copied = 0
+    with torch.no_grad():
+        for tensor in module_tensors(modules):
+            if not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
+                copied += 1
+    return copied
+
+
+def check_resident(tensors_by_tag: Mapping[str, Iterable[torch.Tensor]]) -> None:
+    """Refuse to compute on a released tensor: on CPU it reads freed memory, on a GPU
+    garbage. The worker's state machine already refuses Execute unless every tag is
+    resident; this guards direct use of a runner. One storage size per tensor."""
+    for tag, tensors in tensors_by_tag.items():
+        for t in tensors:
+            if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+                raise RuntimeError(f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: its pool is "
+                                   "asleep; wake the stage (every tag) before executing")  # fmt: skip
+
+
+def torch_threads(device: torch.device, cpu_threads: int | None) -> None:
+    if cpu_threads is not None and device.type == "cpu":
+        # Small models on a loaded machine: intra-op threads wait on each other for whole
+        # scheduler slices; one thread is faster and its results do not depend on the load.
+        torch.set_num_threads(cpu_threads)
