@@ -17,7 +17,7 @@ import msgspec
 
 from omni_core.fsm import Outbound, StageCore, StageStep, WorkerCore
 from omni_core.fsm.effects import Effect
-from omni_core.protocol import Hello, Reply, decode, encode
+from omni_core.protocol import Hello, MemoryReport, Reply, decode, encode
 
 
 class Walkthrough:
@@ -49,7 +49,9 @@ class Walkthrough:
 
     def perform(self, worker: WorkerCore, effect: Effect) -> tuple[Reply, ...]:
         self.now += 0.001
-        return worker.on_done(effect.task_id, duration_s=0.001).replies
+        # A worker shell measures its pools around every effect; the stage trusts no ACK without.
+        memory = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
+        return worker.on_done(effect.task_id, memory=memory, duration_s=0.001).replies
 
     def feed(self, replies: list[Reply], label: str = "") -> StageStep:
         step = StageStep()

@@ -12,6 +12,7 @@ from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import (
     Command,
     Hello,
+    MemoryReport,
     ReloadWeights,
     Reply,
     Shutdown,
@@ -24,6 +25,8 @@ from omni_core.protocol import (
 )
 
 W = WorkerState
+# What a worker shell reports around an effect; the stage refuses an ACK without one.
+NO_MEMORY = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
 _ids = itertools.count()
 
 
@@ -144,7 +147,7 @@ class StageHarness:
             got = worker.on_command(decode_command(encode(out.command)))
             replies += got.replies
             if got.effect is not None:
-                replies += worker.on_done(out.command.task_id).replies
+                replies += worker.on_done(out.command.task_id, memory=NO_MEMORY).replies
         return [wire(r) for r in replies]
 
     def feed(self, replies: list[Reply]) -> StageStep:

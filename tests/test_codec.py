@@ -66,7 +66,8 @@ SAMPLES: dict[type[Message], Message] = {
                detail="task 'sleep-1' is in progress", state=WorkerState.OFFLOADING),
     Result: Result(task_id="exec-1", epoch=3, rank=0, output=[[1.5, -2.0], {"tokens": 7}],
                    duration_s=0.125),
-    Hello: Hello(task_id="hello", epoch=3, rank=1, pid=4242, device="cuda:1", backend="portable",
+    Hello: Hello(task_id="hello", epoch=3, rank=1, stage="talker", proof="ab" * 32, pid=4242, device="cuda:1",
+                 backend="portable",
                  tags=("weights", "kv_cache"), capabilities=(Capability.LEVEL2,),
                  state=WorkerState.FAILED, detail="load failed: out of memory"),
 }  # fmt: skip
@@ -461,3 +462,83 @@ def test_property_decode_command_splits_commands_from_replies(message: Message) 
     else:
         with pytest.raises(ProtocolError):
             decode_command(data)
+
+
+# ----------------------------------------------------------------------- hostile strings and sizes
+
+
+class _RawStr(bytes):
+    """Bytes written on the wire as a msgpack *str*: how a peer sends invalid UTF-8."""
+
+
+def _hostile_encode(value: object) -> bytes:
+    """msgpack with raw str payloads allowed (msgspec itself only writes valid UTF-8)."""
+    if isinstance(value, _RawStr):
+        return b"\xda" + len(value).to_bytes(2, "big") + bytes(value)  # str16
+    if isinstance(value, dict):
+        out = b"\xde" + len(value).to_bytes(2, "big")
+        return out + b"".join(_hostile_encode(k) + _hostile_encode(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return b"\xdc" + len(value).to_bytes(2, "big") + b"".join(_hostile_encode(v) for v in value)
+    return raw_encode(value)
+
+
+def _string_paths(value: object, path: tuple = ()) -> list[tuple]:
+    if isinstance(value, str):
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _string_paths(v, (*path, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _string_paths(v, (*path, i))]
+    return []
+
+
+def _replace_at(value: object, path: tuple, new: object) -> object:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {k: (_replace_at(v, rest, new) if k == head else v) for k, v in value.items()}
+    assert isinstance(value, list)
+    return [_replace_at(v, rest, new) if i == head else v for i, v in enumerate(value)]
+
+
+_INVALID_UTF8 = [_RawStr(b"\xff\xfe"), _RawStr(b"ok\xc3"), _RawStr(b"\xed\xa0\x80"), _RawStr(b"\xc0\xaf")]
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_invalid_utf8_in_any_string_of_any_message_is_a_protocol_error(cls: type[Message]) -> None:
+    """Regression (issue 10): invalid UTF-8 in task_id raised UnicodeDecodeError and killed the
+    engine's loop. Every string position of every message type, keys included."""
+    wire = msgspec.to_builtins(SAMPLES[cls])
+    paths = _string_paths(wire)
+    assert paths, cls
+    for path in paths:
+        for bad in _INVALID_UTF8:
+            check_decode(_hostile_encode(_replace_at(wire, path, bad)))
+    for bad in _INVALID_UTF8:  # a key that is not UTF-8
+        check_decode(_hostile_encode({**wire, bad: 1}))
+
+
+def test_the_issue_frame_is_refused() -> None:
+    err = _refused(b"\x84\xa4type\xa6Status\xa1v\x01\xa5epoch\x00\xa7task_id\xa2\xff\xfe")
+    assert err.reason is NackReason.BAD_MESSAGE and "UTF-8" in err.detail
+
+
+def test_frames_over_the_limit_are_refused_unread() -> None:
+    data = encode(Execute(task_id="big", epoch=0, payload=b"x" * 5000))
+    assert decode(data, max_frame_bytes=len(data)) is not None
+    err = _refused_with(data, max_frame_bytes=len(data) - 1)
+    assert "over the limit" in err.detail and str(len(data)) in err.detail
+
+
+def test_huge_and_negative_integers_are_protocol_errors_or_valid() -> None:
+    for epoch in (2**64 - 1, -(2**63), 2**63):
+        check_decode(raw_encode({"type": "Status", "v": PROTOCOL_VERSION, "task_id": "t", "epoch": epoch}))
+    check_decode(b"\x84\xa4type\xa6Status\xa1v\x01\xa5epoch\xcf" + b"\xff" * 8 + b"\xa7task_id\xa1t")
+
+
+def _refused_with(data: bytes, **kwargs: int) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(data, **kwargs)
+    return info.value

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from lifecycle_helpers import StageHarness, record_transitions, table_pairs, wire
+from lifecycle_helpers import NO_MEMORY, StageHarness, record_transitions, table_pairs, wire
 
 from omni_core.fsm import STAGE_TRANSITIONS, InvariantViolation, StageBusyError, StageCommandError, StageStep
 from omni_core.protocol import (
@@ -216,11 +216,60 @@ def test_wake_the_rest_while_needs_reload() -> None:
 def test_ack_in_an_unexpected_state_fails_naming_the_rank() -> None:
     h = reach_stage(S.RUNNING)
     step = h.stage.sleep("s", 1, None, h.now, 5.0)
-    liar = Ack(task_id="s", epoch=0, rank=1, command="Sleep", state=W.ACTIVE)
+    liar = Ack(task_id="s", epoch=0, rank=1, command="Sleep", state=W.ACTIVE, memory=NO_MEMORY)
     outcome = outcome_of(h.stage.on_reply(wire(liar), h.now))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
     assert "expected SLEEPING" in outcome.failures[1] and "rank 1" in outcome.error
     assert step.sends
+
+
+def test_ack_without_a_memory_report_fails_naming_the_rank() -> None:
+    """Issue 10: an ACK that moved memory must say how much; one without is not trusted."""
+    h = reach_stage(S.RUNNING)
+    h.stage.sleep("s", 1, None, h.now, 5.0)
+    bare = Ack(task_id="s", epoch=0, rank=2, command="Sleep", state=W.SLEEPING,
+               asleep_tags=("kv_cache", "weights"))  # fmt: skip
+    outcome = outcome_of(h.stage.on_reply(wire(bare), h.now))
+    assert h.stage.state is S.FAILED and set(outcome.failures) == {2}
+    assert "without a memory report" in outcome.failures[2]
+    assert h.stage.counters.acks_without_memory_report == 1
+
+
+def test_ack_for_another_command_fails_naming_the_rank() -> None:
+    h = reach_stage(S.RUNNING)
+    h.stage.sleep("s", 1, None, h.now, 5.0)
+    confused = Ack(task_id="s", epoch=0, rank=0, command="Wake", state=W.SLEEPING,
+                   asleep_tags=("kv_cache", "weights"), memory=NO_MEMORY)  # fmt: skip
+    outcome = outcome_of(h.stage.on_reply(wire(confused), h.now))
+    assert h.stage.state is S.FAILED and "'Wake'" in outcome.failures[0]
+
+
+def _refusal(rank: int) -> Nack:
+    return Nack(task_id="r", epoch=0, rank=rank, command="ReloadWeights", reason=NackReason.INVALID_ARGUMENT,
+                detail="no such checkpoint", state=W.NEEDS_RELOAD)  # fmt: skip
+
+
+def test_reload_refused_by_every_rank_returns_to_needs_reload() -> None:
+    """Issue 10: a source the runner cannot use is bad input, not a failure of the stage."""
+    h = reach_stage(S.NEEDS_RELOAD)
+    h.stage.reload("r", "/nope", h.now, 5.0)
+    for rank in (0, 1):
+        assert h.stage.on_reply(wire(_refusal(rank)), h.now) == StageStep()  # waits for every rank
+    outcome = outcome_of(h.stage.on_reply(wire(_refusal(2)), h.now))
+    assert not outcome.ok and outcome.refused and outcome.state is S.NEEDS_RELOAD
+    assert h.stage.state is S.NEEDS_RELOAD and "no such checkpoint" in outcome.error
+    assert outcome_of(h.complete(h.stage.reload("r2", None, h.now, 5.0))).state is S.RUNNING
+
+
+def test_reload_refused_by_some_ranks_only_fails_naming_them() -> None:
+    """Ranks that disagree hold different weights: the stage cannot serve, and says who."""
+    h = reach_stage(S.NEEDS_RELOAD)
+    step = h.stage.reload("r", "/half", h.now, 5.0)
+    for ack in h.to_workers(step, ranks={0, 2}):
+        h.stage.on_reply(ack, h.now)
+    outcome = outcome_of(h.stage.on_reply(wire(_refusal(1)), h.now))
+    assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
+    assert "different weights" in outcome.failures[1]
 
 
 # ----------------------------------------------------------------------- ALREADY (P-4)
@@ -558,6 +607,7 @@ def _fail_from_each_state() -> None:
 
 
 SCENARIOS: list[Callable[[], object]] = [
+    test_reload_refused_by_every_rank_returns_to_needs_reload,
     test_start_commits_running_only_after_every_hello,
     test_sleep_commits_only_on_the_last_ack,
     test_wake_to_running_partial_and_needs_reload_then_reload,

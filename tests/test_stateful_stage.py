@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from lifecycle_helpers import NO_MEMORY
 from reference_models import (
     SETTLED,
     STAGE_OF,
@@ -384,7 +385,10 @@ class StageMachine(RuleBasedStateMachine):
 
     def _finish(self, worker: WorkerCore, fail: bool) -> None:
         task_id = worker._pending.command.task_id  # type: ignore[union-attr]
-        step = worker.on_error(task_id, "CUDA error: an illegal memory access") if fail else worker.on_done(task_id)
+        if fail:
+            step = worker.on_error(task_id, "CUDA error: an illegal memory access")
+        else:
+            step = worker.on_done(task_id, memory=NO_MEMORY)
         for reply in step.replies:
             self.bag.append(Envelope(None, encode(reply)))
 

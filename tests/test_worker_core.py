@@ -21,7 +21,7 @@ from omni_core.fsm import (
     WakeEffect,
     WorkerCore,
 )
-from omni_core.fsm.worker import WorkerStep
+from omni_core.fsm.worker import MAX_EPOCH_AHEAD, WorkerStep
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -226,6 +226,56 @@ def test_reload_while_active_swaps_weights_in_place() -> None:
     step = d.send(ReloadWeights(task_id="r", epoch=0, source="step-200"))
     assert step.effect == ReloadEffect("r", "step-200") and d.w.state is W.RELOADING
     assert d.w.on_done("r").replies[0].state is W.ACTIVE
+
+
+def test_reload_refused_by_the_runner_returns_to_the_state_it_came_from() -> None:
+    """Issue 10: an unusable source is refused (INVALID_ARGUMENT), never fatal, never cached."""
+    for start in (W.NEEDS_RELOAD, W.ACTIVE):
+        d = reach_worker(start)
+        step = d.send(ReloadWeights(task_id="r", epoch=0, source="/nope"))
+        assert d.w.state is W.RELOADING and step.effect == ReloadEffect("r", "/nope")
+        (nack,) = d.w.on_refused("r", "RunnerArgumentError: no checkpoint at /nope").replies
+        assert nack.reason is NackReason.INVALID_ARGUMENT and nack.state is start and d.w.state is start
+        assert "/nope" in nack.detail and "nothing was written" in nack.detail
+        assert not d.w.failure and "r" not in d.w.cache
+        assert d.send(ReloadWeights(task_id="r", epoch=0, source="/nope")).effect is not None  # asked afresh
+
+
+def test_only_a_pending_reload_can_be_refused() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.send(Sleep(task_id="s", epoch=0))
+    with pytest.raises(InvariantViolation):
+        d.w.on_refused("s", "not a reload")
+
+
+def test_epochs_far_ahead_are_refused_and_do_not_fence_the_rank() -> None:
+    """Issue 10: epoch 2**64-1 once was adopted and the rank refused every normal epoch after."""
+    d = reach_worker(W.ACTIVE)
+    (nack,) = d.send(Status(task_id="far", epoch=2**64 - 1)).replies
+    assert nack.reason is NackReason.EPOCH_AHEAD and d.w.epoch == 0
+    assert d.w.counters.epoch_ahead_refused == 1
+    assert d.send(Execute(task_id="x", epoch=0)).effect is not None  # still serves its epoch
+    d.w.on_done("x")
+    assert d.send(Status(task_id="near", epoch=MAX_EPOCH_AHEAD)).effect is not None  # inside the window
+
+
+def test_reply_cache_keeps_digests_and_stays_within_its_bytes() -> None:
+    """Issue 10: six 100 MB Executes once grew a worker by 700 MB; the cache now holds a
+    digest of each command and replies within a byte budget."""
+    d = WorkerDriver(reply_cache_bytes=64 << 10)
+    d.w.loaded()
+    for i in range(20):
+        d.send(Execute(task_id=f"x{i}", epoch=0, payload=b"p" * 100_000))
+        d.w.on_done(f"x{i}", output=b"o" * 10_000)
+    assert d.w.cache.size_bytes <= 64 << 10 and len(d.w.cache) < 20
+    big = Execute(task_id="big", epoch=0, payload=b"p")
+    d.send(big)
+    (result,) = d.w.on_done("big", output=b"o" * (32 << 10)).replies  # over a quarter of the budget
+    assert isinstance(result, Result) and d.w.counters.replies_not_kept == 1
+    (nack,) = d.send(big).replies  # answered already: no second run, and says why no copy
+    assert nack.reason is NackReason.REPLY_NOT_KEPT and d.w.busy is False
+    (reused,) = d.send(Execute(task_id="big", epoch=0, payload=b"q")).replies
+    assert reused.reason is NackReason.TASK_ID_REUSED
 
 
 def test_status_everywhere_changes_nothing_and_is_never_cached() -> None:
@@ -665,6 +715,7 @@ def test_same_inputs_same_outputs() -> None:
 UNREACHABLE: set[tuple[str, str, str]] = set()
 
 SCENARIOS = [
+    test_reload_refused_by_the_runner_returns_to_the_state_it_came_from,
     test_load_then_level1_sleep_and_wake,
     test_level2_sleep_needs_reload_before_execute,
     test_partial_wake_then_the_rest,

@@ -20,6 +20,7 @@ import msgspec
 
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, SuiteOptions
 from omni_core.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
     AckStatus,
@@ -38,8 +39,11 @@ from omni_core.protocol import (
     WorkerState,
     encode,
 )
+from omni_core.protocol.auth import verify_hello_proof
 
 Scope = Literal["shared", "own", "consume", "global"]
+# No runner can read this: the NUL byte is not valid in a path, a seed or a URL.
+UNUSABLE_SOURCE = "\0omni-core-conformance: no runner can use this source"
 WEIGHTS = "weights"
 LEVEL2 = "level2"
 PARTIAL_WAKE = "partial_wake"
@@ -440,6 +444,9 @@ def _garbage(ctx: Ctx) -> list[tuple[str, bytes, str]]:
                                                      "please": "crash"}), "conf-bad-field"),
         ("a Hello (a reply, not a command)", encode(hello), "conf-bad-hello"),
         ("deeply nested arrays", b"\x91" * 2000 + b"\x00", "-"),
+        # Issue 10: a task_id that is not UTF-8 once ended the loop with UnicodeDecodeError.
+        ("a task_id that is not UTF-8", b"\x84\xa4type\xa6Status\xa1v\x01\xa5epoch\x00\xa7task_id\xa2\xff\xfe",
+         "-"),
     ]
 
 
@@ -457,6 +464,74 @@ def garbage_then_service(ctx: Ctx) -> None:
         ctx.check(status.state is WorkerState.ACTIVE and not status.asleep_tags,
                   f"after {what} the worker is not ACTIVE with every tag resident", sent=sent, got=status)
     ctx.executed_or_runner_error(*ctx.execute())
+
+
+# ============================================================================ P-13 bounded input
+
+
+@case("P-13", "epoch_far_ahead_refused", "an epoch far ahead: Nack EPOCH_AHEAD, the worker's epoch unchanged")
+def epoch_far_ahead_refused(ctx: Ctx) -> None:
+    peer, epoch = ctx.worker, ctx.worker.epoch
+    for command in (ctx.cmd(Status, epoch=epoch + 10_000), ctx.cmd(Status, epoch=2**64 - 1),
+                    ctx.cmd(Sleep, epoch=2**64 - 1, level=1)):  # fmt: skip
+        # Raw, so the harness does not adopt the refused epoch for its later commands.
+        peer.send_raw(encode(command), command.task_id)
+        ctx.nack(peer.reply(command.task_id, sent=command), command, NackReason.EPOCH_AHEAD)
+    status = ctx.status()  # at its own epoch: not fenced off by the refused one
+    ctx.check(status.epoch == epoch and status.state is WorkerState.ACTIVE and not status.asleep_tags,
+              "after a refused far-ahead epoch the worker is not serving its own epoch, unchanged",
+              got=status, expected=f"Status Ack at epoch {epoch}, ACTIVE, nothing asleep")  # fmt: skip
+
+
+@case("P-13", "oversized_frame_refused", "a frame over 64 MiB: refused (Nack BAD_MESSAGE or dropped by the "
+      "socket), the worker goes on serving")  # fmt: skip
+def oversized_frame_refused(ctx: Ctx) -> None:
+    peer = ctx.worker
+    command = ctx.cmd(Execute, payload=b"\0" * (DEFAULT_MAX_FRAME_BYTES + 1))
+    peer.send_raw(encode(command), "-")  # unread, so the refusal cannot name the task
+    sent = f"an Execute of {DEFAULT_MAX_FRAME_BYTES + 1} payload bytes"
+    for reply in peer.collect(2.0):
+        ctx.check(isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE and reply.task_id == "-",
+                  "an oversized frame was not refused unread", sent=sent, got=reply,
+                  expected="Nack BAD_MESSAGE with task_id '-', or nothing")  # fmt: skip
+    ctx.executed_or_runner_error(*ctx.execute())
+
+
+@case("P-13", "unusable_reload_source_refused", "ReloadWeights from a source the runner cannot use: Nack "
+      "INVALID_ARGUMENT, still NEEDS_RELOAD, then a good reload works", needs=(LEVEL2,))  # fmt: skip
+def unusable_reload_source_refused(ctx: Ctx) -> None:
+    if WEIGHTS not in ctx.worker.tags:
+        ctx.skip(f"the worker has no {WEIGHTS!r} tag, so no weights to reload")
+    ctx.sleep(2)
+    _, woke = ctx.wake()
+    bad = ctx.cmd(ReloadWeights, source=UNUSABLE_SOURCE)
+    reply = ctx.request(bad)
+    if isinstance(reply, Ack):
+        ctx.skip("the runner accepted a reload source no runner can use; it may treat every source as its own")
+    ctx.nack(reply, bad, NackReason.INVALID_ARGUMENT, state=woke.state)
+    ctx.back_to_active()
+
+
+# ============================================================================ P-14 authenticated ranks
+
+
+@case("P-14", "hello_proof", "a worker given a rank secret proves its Hello (HMAC over stage, rank, epoch, "
+      "pid, identity)", scope="own")  # fmt: skip
+def hello_proof(ctx: Ctx) -> None:
+    (peer,) = ctx.own_harness().start([0], epoch=ctx.options.epoch)
+    secret = peer.process.rank_secret
+    if secret is None:
+        ctx.skip("the factory started the process itself, so the suite could not give it a rank secret")
+    hello = peer.hello
+    assert hello is not None and peer.identity is not None
+    expected = "proof = hello_proof(secret, stage, rank, epoch, pid, socket identity)"
+    ctx.check(bool(hello.proof), "the Hello carries no proof", got=hello, expected=expected)
+    ok = verify_hello_proof(secret, hello.proof, stage=hello.stage, rank=hello.rank, epoch=hello.epoch,
+                            pid=hello.pid, identity=peer.identity)  # fmt: skip
+    ctx.check(ok, "the Hello's proof does not verify with the secret the worker was given", got=hello,
+              expected=expected)  # fmt: skip
+    ctx.check(hello.rank == 0 and hello.epoch == ctx.options.epoch, "the Hello names another rank or epoch "
+              "than the worker was started with", got=hello)  # fmt: skip
 
 
 # ============================================================================ P-11 no half-applied
@@ -602,7 +677,7 @@ def no_stray_replies(ctx: Ctx) -> None:
               got=ctx.stray_note, expected="one terminal reply per (task_id, rank)")  # fmt: skip
 
 
-REQUIREMENT_ORDER = ("P-1", "P-2", "P-3", "P-4", "P-5", "P-6", "P-7", "P-8", "P-9", "P-10", "P-11", "P-12")
+REQUIREMENT_ORDER = tuple(f"P-{n}" for n in range(1, 15))
 _SCOPE_ORDER = {"shared": 0, "own": 1, "consume": 2, "global": 3}
 
 

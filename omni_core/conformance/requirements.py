@@ -39,8 +39,10 @@ REQUIREMENTS: dict[str, Requirement] = {
             "A command whose `task_id` the worker has already answered MUST be answered with "
             "the same reply from a bounded reply cache, and MUST NOT take effect a second time. "
             "A different command under an already-used `task_id` MUST be refused with "
-            "`Nack TASK_ID_REUSED`. The cache MUST be bounded (default 1024 entries, least "
-            "recently used evicted); callers retry within that window.",
+            "`Nack TASK_ID_REUSED`. The cache MUST be bounded in entries and in bytes (default 1024 "
+            "entries and 16 MiB, least recently used evicted) and MUST keep a digest of each command, not "
+            "the command; a reply too large to keep is answered on a copy with `Nack REPLY_NOT_KEPT` and "
+            "no effect. Callers retry within that window.",
         ),
         Requirement(
             "P-3",
@@ -128,6 +130,27 @@ REQUIREMENTS: dict[str, Requirement] = {
             "report: the backend pool bytes per tag before and after, and this process's GPU "
             "bytes before and after with the source of that figure (`nvml`, or the fallback "
             "used and why). Device-wide deltas MUST NOT be reported as the process's.",
+        ),
+        Requirement(
+            "P-13",
+            "Bounded, refusable input",
+            "A worker MUST refuse a frame over its frame limit (default 64 MiB) with `Nack BAD_MESSAGE` "
+            "(or by the socket dropping it) without reading it into memory, and MUST refuse a command "
+            "whose epoch is more than 64 ahead of its own with `Nack EPOCH_AHEAD`, its epoch unchanged. "
+            "A command whose arguments the runner cannot use (an unusable reload source) MUST be refused "
+            "with `Nack INVALID_ARGUMENT` before anything is written, leaving the worker in the state it "
+            "was in; only a failure of the memory operations themselves moves a worker to `FAILED`.",
+        ),
+        Requirement(
+            "P-14",
+            "Authenticated ranks",
+            "A worker started with a rank secret (environment `OMNI_CORE_RANK_SECRET`, hex) MUST prove its "
+            "`Hello`: `proof` is the HMAC-SHA256 of `omni_core.protocol.auth.hello_proof` over its stage, "
+            "rank, epoch, pid and socket identity. An orchestrator MUST bind a socket identity to a rank "
+            "only on a valid proof from the process it started, MUST NOT rebind a bound rank or identity, "
+            "MUST take a reply's rank from the identity it arrived on and drop (and count) one whose body "
+            "names another rank, and MUST NOT commit on an `Ack` of an effect (`status=OK`) that carries "
+            "no memory report.",
         ),
     )
 }

@@ -42,6 +42,8 @@ from typing import Any
 
 import msgspec
 
+from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
+
 WorkerFactory = Callable[[str, int, int], Any]
 
 # Small enough that a sleep/wake round trip takes milliseconds on a loaded CPU.
@@ -136,6 +138,7 @@ class WorkerProcess:
     handle: Any  # subprocess.Popen or multiprocessing.Process
     output_path: str | None = None
     own_session: bool = False  # started by us with start_new_session: kill the whole group
+    rank_secret: bytes | None = None  # given in its environment (P-14); None: a process we adopted
 
     @property
     def pid(self) -> int | None:
@@ -207,10 +210,13 @@ def launch(factory: WorkerFactory, address: str, rank: int, epoch: int, output_p
     else:
         raise TargetError(f"the factory returned {spec!r}; return an argv list, a shell command string, "
                           "a WorkerConfig/dict, or a started process")  # fmt: skip
+    # Like an engine, the suite hands each worker a rank secret it must prove its Hello with.
+    secret = new_rank_secret()
+    env = dict(os.environ, **{RANK_SECRET_ENV: secret.hex()})
     with open(output_path, "ab") as out:
         try:
-            proc = subprocess.Popen(argv, shell=shell, stdin=subprocess.DEVNULL, stdout=out,
+            proc = subprocess.Popen(argv, shell=shell, stdin=subprocess.DEVNULL, stdout=out, env=env,
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         except OSError as exc:
             raise TargetError(f"cannot start {what!r}: {exc}") from exc
-    return WorkerProcess(what, proc, output_path=output_path, own_session=True)
+    return WorkerProcess(what, proc, output_path=output_path, own_session=True, rank_secret=secret)

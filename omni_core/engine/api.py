@@ -35,12 +35,19 @@ def _tags(tags: Iterable[str] | str | None) -> tuple[str, ...] | None:
 
 
 class Engine:
-    """Starts every stage's ranks and waits until all are RUNNING (or raises)."""
+    """Starts every stage's ranks and waits until all are RUNNING (or raises).
 
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc",
-                 trace_path: str | None = None) -> None:  # fmt: skip
+    `transport`: "ipc" (a private Unix socket, default) or "tcp" bound on `host`; tcp on an
+    address that leaves the host is encrypted and authenticated with CURVE (`curve=None`
+    decides so; `curve=True` forces it on loopback too). Every rank proves in its Hello that
+    the engine spawned it, whatever the transport (specs/protocol.md, threat model).
+    """
+
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc", host: str = "127.0.0.1",
+                 curve: bool | None = None, trace_path: str | None = None) -> None:  # fmt: skip
         self._specs = {s.name: s for s in specs}
-        self._orch = Orchestrator(self._specs.values(), transport=transport, trace_path=trace_path)
+        self._orch = Orchestrator(self._specs.values(), transport=transport, host=host, curve=curve,
+                                  trace_path=trace_path)  # fmt: skip
         try:
             futures = [self._orch.call(lambda f, n=name: self._orch.op_start(f, n)) for name in self._specs]
             for name, future in zip(self._specs, futures, strict=True):
@@ -156,14 +163,15 @@ class Engine:
 class AsyncEngine:
     """`Engine` for asyncio: `async with AsyncEngine(specs) as engine: await engine.sleep(...)`."""
 
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc",
-                 trace_path: str | None = None) -> None:  # fmt: skip
-        self._args = (list(specs), transport, trace_path)
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc", host: str = "127.0.0.1",
+                 curve: bool | None = None, trace_path: str | None = None) -> None:  # fmt: skip
+        self._args = (list(specs), transport, host, curve, trace_path)
         self._engine: Engine | None = None
 
     async def __aenter__(self) -> AsyncEngine:
-        specs, transport, trace_path = self._args
-        self._engine = await asyncio.to_thread(Engine, specs, transport=transport, trace_path=trace_path)
+        specs, transport, host, curve, trace_path = self._args
+        self._engine = await asyncio.to_thread(Engine, specs, transport=transport, host=host, curve=curve,
+                                               trace_path=trace_path)  # fmt: skip
         return self
 
     async def __aexit__(self, *exc: object) -> None:

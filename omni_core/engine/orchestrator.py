@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import queue
 import shutil
@@ -55,12 +56,18 @@ from omni_core.protocol import (
     decode,
     encode,
 )
+from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret, verify_hello_proof
 from omni_core.trace import open_trace
+from omni_core.transport import CurveKeys, is_loopback, make_router
 from omni_core.workers.config import WorkerConfig
+
+log = logging.getLogger("omni_core.engine")
 
 POLL_INTERVAL_S = 0.05  # upper bound on deadline lateness
 TICK_INTERVAL_S = 0.01  # deadlines are checked at most this often
-SOCKET_HWM = 10_000  # messages queued per peer before sends fail fast (then deadlines act)
+# Messages queued per peer before a send fails. Above StageSpec's max_in_flight bound plus
+# the lifecycle commands, so a full queue means an overloaded engine, never a normal burst.
+SOCKET_HWM = 10_000
 TERMINATE_GRACE_S = 3.0
 
 
@@ -70,7 +77,7 @@ class _Request:
     payload: Any
     future: Future
     deadline_at: float
-    replies: dict[int, Result | Nack] = field(default_factory=dict)
+    replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent
 
 
 class _RankProcess:
@@ -82,6 +89,9 @@ class _RankProcess:
     def __init__(self, config: WorkerConfig, env: dict[str, str]) -> None:
         self.rank = config.rank
         self.epoch = config.epoch
+        # Proves this process's Hello (protocol.auth); handed over in the environment only.
+        self.secret = new_rank_secret()
+        env = dict(env, **{RANK_SECRET_ENV: self.secret.hex()})
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
             env=env, stdin=subprocess.DEVNULL)  # fmt: skip
@@ -139,8 +149,8 @@ def _settle(future: Future, *, result: Any = None, error: BaseException | None =
 
 
 class Orchestrator:
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc",
-                 trace_path: str | None = None) -> None:  # fmt: skip
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc", host: str = "127.0.0.1",
+                 curve: bool | None = None, trace_path: str | None = None) -> None:  # fmt: skip
         specs = list(specs)
         if not specs:
             raise InvalidArgumentError("an engine needs at least one StageSpec")
@@ -149,25 +159,31 @@ class Orchestrator:
             raise InvalidArgumentError(f"stage names must be unique, got {names}")
         if transport not in ("ipc", "tcp"):
             raise InvalidArgumentError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        if transport == "ipc" and (host != "127.0.0.1" or curve):
+            raise InvalidArgumentError("host and curve apply to transport='tcp'; ipc never leaves the host")
+        # Traffic that can leave the host is encrypted and authenticated (CURVE); loopback
+        # and ipc rely on the per-rank Hello proof alone (see specs/protocol.md, threat model).
+        use_curve = curve if curve is not None else transport == "tcp" and not is_loopback(host)
+        if transport == "tcp" and not is_loopback(host) and not use_curve:
+            raise InvalidArgumentError(f"tcp on {host!r} leaves the host; it needs curve=True (the default there)")
         self.trace_path = trace_path
         self._trace = open_trace(trace_path, "engine")
         self._stages = {s.name: _Stage(s, StageCore(s.name, s.ranks, tags=s.tags),
                                        admission=AdmissionPolicy(s.admission)) for s in specs}  # fmt: skip
+        self.max_frame_bytes = max(s.max_frame_bytes for s in specs)
         self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.SNDHWM, SOCKET_HWM)
-        self._router.setsockopt(zmq.RCVHWM, SOCKET_HWM)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._curve = CurveKeys.generate() if use_curve else None
+        self._curve_gate = None
+        if self._curve is not None:
+            from omni_core.transport.curve_auth import CurveGate  # a thread: only where CURVE is used
+
+            self._curve_gate = CurveGate(self._ctx, self._curve)
         self._tmpdir = tempfile.mkdtemp(prefix="omni-core-")
-        if transport == "ipc":
-            self.address = f"ipc://{self._tmpdir}/router.sock"
-            self._router.bind(self.address)
-        else:
-            self._router.bind("tcp://127.0.0.1:*")
-            self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        bind = f"ipc://{self._tmpdir}/router.sock" if transport == "ipc" else f"tcp://{host}:*"
+        self._router = make_router(self._ctx, bind, hwm=SOCKET_HWM, max_frame_bytes=self.max_frame_bytes,
+                                   curve=self._curve)  # fmt: skip
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._by_identity: dict[bytes, tuple[_Stage, int]] = {}
-        self._by_pid: dict[int, tuple[_Stage, _RankProcess]] = {}
         self._sentinels: dict[int, tuple[_Stage, _RankProcess]] = {}
         self._calls: queue.SimpleQueue[tuple[Callable[[], None], Future]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -180,7 +196,10 @@ class Orchestrator:
         self._closing: Future | None = None
         self._closing_deadline_at = 0.0
         self._closed = threading.Event()
-        self.counters = {"bad_replies": 0, "unknown_peers": 0, "late_results": 0, "send_failures": 0}
+        # What strangers and faulty peers tried; each attempt is counted, none changes anything.
+        self.counters = {"bad_replies": 0, "unknown_peers": 0, "late_results": 0, "send_failures": 0,
+                         "forged_hellos": 0, "rebind_refused": 0, "rank_mismatch": 0}  # fmt: skip
+        self.died_of: str | None = None
         self._thread = threading.Thread(target=self._loop, name="omni-core-orchestrator", daemon=True)
         self._thread.start()
 
@@ -189,6 +208,10 @@ class Orchestrator:
     def call(self, fn: Callable[[Future], None]) -> Future:
         """Run `fn(future)` on the loop thread; exceptions it raises settle the future."""
         future: Future = Future()
+        if self.died_of is not None:
+            future.set_exception(EngineClosedError(f"the engine's orchestrator failed ({self.died_of}); "
+                                                   "its ranks were stopped; create a new Engine"))  # fmt: skip
+            return future
         if self._closed.is_set() or self._closing is not None:
             future.set_exception(EngineClosedError("the engine is shut down; create a new Engine"))
             return future
@@ -319,7 +342,7 @@ class Orchestrator:
                                    "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-"}
                           for p in stage.procs},
             }  # fmt: skip
-        out["_engine"] = dict(self.counters)
+        out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0)
         future.set_result(out)
 
     def op_shutdown(self, future: Future, timeout_s: float) -> None:
@@ -344,24 +367,50 @@ class Orchestrator:
 
     def _loop(self) -> None:
         try:
-            while True:
-                ready = dict(self._poller.poll(self._poll_timeout_ms()))
-                if self._wake_r in ready:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
-                self._run_calls()
-                if self._router in ready:
-                    self._receive_all()
-                for fd in [fd for fd in ready if fd in self._sentinels]:
-                    self._on_sentinel(fd)
-                now = time.monotonic()
-                if now >= self._next_tick_at:  # deadlines need ms, not a scan per message
-                    self._next_tick_at = now + TICK_INTERVAL_S
-                    self._tick(now)
-                if self._closing is not None and self._finish_close():
-                    return
+            self._serve()
+        except BaseException as exc:  # last resort: never a silent zombie engine
+            self._die(exc)
         finally:
             self._close_resources()
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop itself failed (a bug): every waiting caller hears why at once, every stage
+        fails, and the rank processes are stopped instead of outliving a dead orchestrator."""
+        self.died_of = f"{type(exc).__name__}: {exc}"
+        log.exception("orchestrator loop died; failing every caller and stopping the ranks")
+        error = EngineClosedError(f"the engine's orchestrator failed ({self.died_of}); its ranks were stopped; "
+                                  "create a new Engine (please report this with the log)")  # fmt: skip
+        for stage in self._stages.values():
+            self._fail_requests(stage, error)
+            for future in [f for fs in stage.waiters.values() for f in fs] + stage.start_waiters:
+                _settle(future, error=error)
+            stage.waiters.clear()
+            stage.start_waiters.clear()
+            with contextlib.suppress(Exception):
+                stage.core.on_ranks_unresponsive({r: f"stopped: the orchestrator failed ({self.died_of})"
+                                                  for r in stage.core.ranks}, time.monotonic())  # fmt: skip
+            with contextlib.suppress(Exception):
+                self._reap_ranks(stage)
+        if self._closing is not None:
+            _settle(self._closing, result=None)
+
+    def _serve(self) -> None:
+        while True:
+            ready = dict(self._poller.poll(self._poll_timeout_ms()))
+            if self._wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            self._run_calls()
+            if self._router in ready:
+                self._receive_all()
+            for fd in [fd for fd in ready if fd in self._sentinels]:
+                self._on_sentinel(fd)
+            now = time.monotonic()
+            if now >= self._next_tick_at:  # deadlines need ms, not a scan per message
+                self._next_tick_at = now + TICK_INTERVAL_S
+                self._tick(now)
+            if self._closing is not None and self._finish_close():
+                return
 
     def _poll_timeout_ms(self) -> int:
         return int(POLL_INTERVAL_S * 1000)
@@ -387,10 +436,10 @@ class Orchestrator:
 
     def _on_frames(self, identity: bytes, data: bytes) -> None:
         try:
-            message = decode(data)
+            message = decode(data, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
             self.counters["bad_replies"] += 1
-            self._trace.event("bad_reply", detail=exc.detail)
+            self._trace.event("bad_reply", detail=exc.detail[:200])
             return
         now = time.monotonic()
         if isinstance(message, Hello):
@@ -401,6 +450,10 @@ class Orchestrator:
             self.counters["unknown_peers"] += 1
             return
         stage, rank = where
+        if message.rank != rank:  # a rank speaks only for itself: the socket names it, not the body
+            self.counters["rank_mismatch"] += 1
+            self._trace.event("rank_mismatch", stage=stage.spec.name, rank=rank, claimed=message.rank)
+            return
         if self._trace.enabled:
             self._trace.event("recv", task_id=message.task_id, epoch=message.epoch,
                               state=stage.core.state.value, stage=stage.spec.name, rank=rank,
@@ -418,11 +471,24 @@ class Orchestrator:
         self._apply(stage, self._core_call(stage, lambda: stage.core.on_reply(message, now)))
 
     def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
-        found = self._by_pid.get(hello.pid)
-        if found is None:
+        """Bind a socket identity to a rank, once, and only for a process that proves it is
+        the one the engine spawned (protocol.auth). Everything else is counted and dropped."""
+        stage = self._stages.get(hello.stage)
+        proc = stage.procs[hello.rank] if stage is not None and hello.rank < len(stage.procs) else None
+        if stage is None or proc is None:
             self.counters["unknown_peers"] += 1
             return
-        stage, proc = found
+        if proc.identity is not None or identity in self._by_identity:
+            self.counters["rebind_refused"] += 1  # a rank's identity, once bound, stays
+            self._trace.event("rebind_refused", stage=stage.spec.name, rank=proc.rank)
+            return
+        proven = hello.epoch == proc.epoch and hello.pid == proc.pid and verify_hello_proof(
+            proc.secret, hello.proof, stage=hello.stage, rank=hello.rank, epoch=hello.epoch, pid=hello.pid,
+            identity=identity)  # fmt: skip
+        if not proven:
+            self.counters["forged_hellos"] += 1
+            self._trace.event("forged_hello", stage=stage.spec.name, rank=proc.rank)
+            return
         proc.identity = identity
         self._by_identity[identity] = (stage, proc.rank)
         self._trace.event("recv", task_id=hello.task_id, epoch=hello.epoch, state=stage.core.state.value,
@@ -506,6 +572,9 @@ class Orchestrator:
         if outcome.ok:
             result: Any = LifecycleReport.from_outcome(name, outcome)
             error: BaseException | None = None
+        elif outcome.refused:
+            result, error = None, InvalidArgumentError(f"stage {name!r}: {outcome.error}; the stage stays "
+                                                       f"{outcome.state.value}")  # fmt: skip
         elif outcome.state is StageState.FAILED:
             result, error = None, StageFailedError(name, outcome.error, outcome.failures)
         else:
@@ -545,8 +614,20 @@ class Orchestrator:
         stage.core.request_started()
         stage.inflight[request.task_id] = request
         command = Execute(task_id=request.task_id, epoch=stage.core.epoch, payload=request.payload)
-        for proc in stage.procs:
-            self._send(stage, proc.rank, command)
+        unsent = [proc.rank for proc in stage.procs if not self._send(stage, proc.rank, command)]
+        if not unsent:
+            return
+        # The engine, not a rank, is at fault: its socket queue to these ranks is full (or they
+        # are gone, which the sentinel reports on its own). The caller hears it now; ranks that
+        # did get the request still answer it, and it retires when they have.
+        _settle(request.future, error=RequestFailedError(
+            f"request {request.task_id} to stage {stage.spec.name!r} could not be sent to ranks {unsent}: "
+            f"the engine is overloaded (socket queue of {SOCKET_HWM} messages full); retry later or "
+            "lower max_in_flight"))  # fmt: skip
+        for rank in unsent:
+            request.replies[rank] = None
+        if len(request.replies) == len(stage.procs):
+            self._retire(stage, request)
 
     def _on_request_reply(self, stage: _Stage, request: _Request, rank: int, reply: Result | Nack) -> None:
         request.replies[rank] = reply
@@ -558,9 +639,10 @@ class Orchestrator:
                               for r, m in refusals.items())  # fmt: skip
             _settle(request.future, error=RequestFailedError(
                 f"stage {stage.spec.name!r} refused request {request.task_id} ({named})"))
-        else:
-            first = request.replies[min(request.replies)]
-            _settle(request.future, result=first.output)  # type: ignore[union-attr]
+        else:  # rank 0's output (ranks of one stage compute the same result); None: never sent
+            results = [m for _, m in sorted(request.replies.items()) if isinstance(m, Result)]
+            if results:
+                _settle(request.future, result=results[0].output)
         self._retire(stage, request)
 
     def _retire(self, stage: _Stage, request: _Request) -> None:
@@ -577,7 +659,8 @@ class Orchestrator:
         stage.inflight.clear()
         stage.queue.clear()
 
-    def _send(self, stage: _Stage, rank: int, command: Command) -> None:
+    def _send(self, stage: _Stage, rank: int, command: Command) -> bool:
+        """Queue one command for a rank; False when it could not be (counted)."""
         proc = stage.procs[rank] if rank < len(stage.procs) else None
         if self._trace.enabled:
             self._trace.event("send", task_id=command.task_id, epoch=command.epoch,
@@ -586,11 +669,13 @@ class Orchestrator:
                               tags=getattr(command, "tags", None))  # fmt: skip
         if proc is None or proc.identity is None:
             self.counters["send_failures"] += 1  # the deadline names this rank (P-9)
-            return
+            return False
         try:
             self._router.send_multipart([proc.identity, encode(command)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             self.counters["send_failures"] += 1
+            return False
+        return True
 
     def _spawn_ranks(self, stage: _Stage) -> None:
         spec = stage.spec
@@ -601,15 +686,18 @@ class Orchestrator:
                                   stage=spec.name, runner=spec.runner, runner_args=dict(spec.runner_args),
                                   backend=spec.backend, device=spec.device, tags=spec.tags,
                                   gpu_memory_fraction=spec.gpu_memory_fraction,
+                                  max_frame_bytes=spec.max_frame_bytes,
+                                  curve_server_key=self._curve.server_public.decode() if self._curve else None,
                                   trace_path=self.trace_path, parent_pid=os.getpid())  # fmt: skip
             # torchrun-style variables for runners that form a process group, and the rank's GPU.
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.ranks), LOCAL_RANK=str(rank),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))  # fmt: skip
             if spec.devices:
                 env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
+            if self._curve is not None:
+                env.update(self._curve.client_env())
             proc = _RankProcess(config, env)
             stage.procs.append(proc)
-            self._by_pid[proc.pid] = (stage, proc)
             if proc.sentinel is not None:
                 self._sentinels[proc.sentinel] = (stage, proc)
                 self._poller.register(proc.sentinel, zmq.POLLIN)
@@ -630,7 +718,6 @@ class Orchestrator:
             self._forget(proc)
 
     def _forget(self, proc: _RankProcess) -> None:
-        self._by_pid.pop(proc.pid, None)
         if proc.identity is not None:
             self._by_identity.pop(proc.identity, None)
         if proc.sentinel is not None and self._sentinels.pop(proc.sentinel, None) is not None:
@@ -656,6 +743,8 @@ class Orchestrator:
                 break
             _settle(future, error=EngineClosedError("the engine shut down before this call ran"))
         self._router.close(0)
+        if self._curve_gate is not None:
+            self._curve_gate.stop()
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):

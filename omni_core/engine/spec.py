@@ -10,9 +10,14 @@ from typing import Any
 
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.fsm.tags import DEFAULT_TAGS
+from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 BACKENDS = ("auto", "portable", "cumem", "fast")
+# Requests in flight per stage, at most: below the orchestrator's per-rank socket queue
+# (10,000), so the queue never overflows before admission says "wait" or "rejected".
+MAX_IN_FLIGHT_LIMIT = 4096
+MIN_FRAME_BYTES = 64 << 10  # room for every lifecycle message and its error details
 
 
 class AdmissionPolicy(str, enum.Enum):
@@ -38,6 +43,7 @@ class StageSpec:
     request_timeout_s: float = 60.0  # per request, queueing included
     queue_limit: int = 256
     max_in_flight: int = 1024  # requests sent to the ranks and not yet answered by all of them
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # largest message either side accepts (payloads, results)
     gpu_memory_fraction: float | None = None  # each rank's share of its GPU (own use only)
     tags: tuple[str, ...] = DEFAULT_TAGS
 
@@ -68,8 +74,12 @@ class StageSpec:
                                            f"got {value!r}")  # fmt: skip
         if not isinstance(self.queue_limit, int) or not 0 <= self.queue_limit <= 1_000_000:
             raise InvalidArgumentError(f"stage {self.name!r}: queue_limit must be 0..1e6")
-        if not isinstance(self.max_in_flight, int) or not 1 <= self.max_in_flight <= 100_000:
-            raise InvalidArgumentError(f"stage {self.name!r}: max_in_flight must be 1..100000")
+        if not isinstance(self.max_in_flight, int) or not 1 <= self.max_in_flight <= MAX_IN_FLIGHT_LIMIT:
+            raise InvalidArgumentError(f"stage {self.name!r}: max_in_flight must be 1..{MAX_IN_FLIGHT_LIMIT} "
+                                       f"(socket queues bound it), got {self.max_in_flight!r}")  # fmt: skip
+        if not isinstance(self.max_frame_bytes, int) or not MIN_FRAME_BYTES <= self.max_frame_bytes <= 1 << 31:
+            raise InvalidArgumentError(f"stage {self.name!r}: max_frame_bytes must be {MIN_FRAME_BYTES}..2**31, "
+                                       f"got {self.max_frame_bytes!r}")  # fmt: skip
         if not self.tags or len(set(self.tags)) != len(self.tags):
             raise InvalidArgumentError(f"stage {self.name!r}: tags must be distinct and non-empty")
         if self.gpu_memory_fraction is not None:

@@ -24,6 +24,7 @@ from omni_core.protocol import (
     Command,
     Hello,
     Nack,
+    NackReason,
     ReloadWeights,
     Reply,
     Sleep,
@@ -51,6 +52,8 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
                "Wake sent to every rank"),
     Transition("wake_already", _SERVING, None, "every requested tag resident: ALREADY (P-4)"),
     Transition("reload", (S.NEEDS_RELOAD,), S.WAKING, "ReloadWeights sent to every rank"),
+    Transition("reload_refused", (S.WAKING,), S.NEEDS_RELOAD,
+               "every rank refused the source (INVALID_ARGUMENT): nothing was written"),
     Transition("woke_running", (S.WAKING,), S.RUNNING, "every rank ACKed, all resident (P-5)"),
     Transition("woke_partial", (S.WAKING,), S.PARTIAL, "every rank ACKed, tags still asleep"),
     Transition("woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
@@ -100,6 +103,7 @@ class TaskOutcome:
     error: str
     started_at: float
     finished_at: float
+    refused: bool = False  # every rank refused the arguments; nothing changed (INVALID_ARGUMENT)
 
     @property
     def duration_s(self) -> float:
@@ -116,6 +120,7 @@ class StageStep:
 class StageCounters:
     stale_replies_ignored: int = 0
     unknown_replies_ignored: int = 0
+    acks_without_memory_report: int = 0
     duplicate_replies_ignored: int = 0
     retries: int = 0
 
@@ -133,6 +138,7 @@ class _Task:
     apply: Any = None  # callable(Residency) run on commit
     sent: bool = False
     acks: dict[int, Ack] = field(default_factory=dict)
+    refusals: dict[int, str] = field(default_factory=dict)  # rank -> INVALID_ARGUMENT detail
 
 
 class StageCore:
@@ -345,20 +351,49 @@ class StageCore:
                 or reply.rank not in self.ranks or not isinstance(reply, (Ack, Nack)):  # fmt: skip
             self.counters.unknown_replies_ignored += 1
             return StageStep()
-        if reply.rank in task.acks:
+        if reply.rank in task.acks or reply.rank in task.refusals:
             self.counters.duplicate_replies_ignored += 1
             return StageStep()
+        if isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT \
+                and isinstance(task.command, ReloadWeights):  # fmt: skip
+            task.refusals[reply.rank] = reply.detail
+            return self._maybe_commit(now)
         if isinstance(reply, Nack):
             return self._fail_task({reply.rank: f"NACK {reply.reason.value} in "
                                                 f"{reply.state.value}: {reply.detail}"}, now)  # fmt: skip
+        command = type(task.command).__name__
+        if reply.command != command:
+            return self._fail_task({reply.rank: f"ACKed a {reply.command!r} for task {task.task_id!r}, "
+                                                f"which is a {command}"}, now)  # fmt: skip
+        if reply.status is AckStatus.OK and reply.memory is None:
+            # An effect that moved memory must say how much (per process, P-12); an ACK
+            # without it is not a conforming worker's and is not trusted to commit.
+            self.counters.acks_without_memory_report += 1
+            return self._fail_task({reply.rank: f"ACKed {command} without a memory report"}, now)
         asleep = frozenset(reply.asleep_tags)
         if reply.state is not task.expect_state or asleep != task.expect_asleep:
             return self._fail_task({reply.rank: (
                 f"ACKed in {reply.state.value} with asleep tags {sorted(asleep)}; the stage "
                 f"expected {task.expect_state.value} with {sorted(task.expect_asleep)}")}, now)
         task.acks[reply.rank] = reply
-        if len(task.acks) < len(self.ranks):
+        return self._maybe_commit(now)
+
+    def _maybe_commit(self, now: float) -> StageStep:
+        """Once every rank answered: commit on a complete ACK set (P-5), return to the
+        previous state when every rank refused the arguments, fail when they disagree."""
+        task = self._task
+        assert task is not None
+        if len(task.acks) + len(task.refusals) < len(self.ranks):
             return StageStep()
+        if task.refusals and task.acks:
+            return self._fail_task({r: f"refused the source while ranks {sorted(task.acks)} reloaded it "
+                                       f"(ranks now hold different weights): {why}"
+                                    for r, why in task.refusals.items()}, now)  # fmt: skip
+        if task.refusals:
+            self.lifecycle.fire("reload_refused")
+            details = "; ".join(f"rank {r}: {why}" for r, why in sorted(task.refusals.items()))
+            return StageStep(outcome=self._end_task(False, f"every rank refused the reload, nothing was "
+                                                           f"written ({details})", {}, now, refused=True))  # fmt: skip
         task.apply(self.residency)
         for rank, ack in task.acks.items():
             self.rank_state[rank] = ack.state
@@ -488,13 +523,14 @@ class StageCore:
         self.failure = f"stage {self.name!r} FAILED ({named})"
         self.in_flight_requests = 0
 
-    def _end_task(self, ok: bool, error: str, failures: dict[int, str], now: float) -> TaskOutcome:
+    def _end_task(self, ok: bool, error: str, failures: dict[int, str], now: float, *,
+                  refused: bool = False) -> TaskOutcome:  # fmt: skip
         task = self._task
         assert task is not None
         self._task = None
         outcome = TaskOutcome(task.task_id, type(task.command).__name__, ok, AckStatus.OK,
                               self.state, MappingProxyType(dict(task.acks)),
-                              MappingProxyType(dict(failures)), error, task.started_at, now)  # fmt: skip
+                              MappingProxyType(dict(failures)), error, task.started_at, now, refused)  # fmt: skip
         self.completed.put(task.task_id, (task.signature, outcome))
         return outcome
 

@@ -8,7 +8,8 @@ same output: the core reads no clock and touches no memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,7 +23,7 @@ from omni_core.fsm.effects import (
     StatusEffect,
     WakeEffect,
 )
-from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
+from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
 from omni_core.fsm.table import Lifecycle, Transition
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.protocol import (
@@ -42,6 +43,7 @@ from omni_core.protocol import (
     Sleep,
     Status,
     Wake,
+    encode,
 )
 from omni_core.protocol import WorkerState as W
 
@@ -65,6 +67,10 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("reload", (W.NEEDS_RELOAD, W.ACTIVE), W.RELOADING, "ReloadWeights"),
     Transition("reloaded_active", (W.RELOADING,), W.ACTIVE, "weights valid, all resident"),
     Transition("reloaded_partial", (W.RELOADING,), W.PARTIAL, "weights valid, tags asleep"),
+    Transition("reload_refused_needs_reload", (W.RELOADING,), W.NEEDS_RELOAD,
+               "the runner refused the source before writing (INVALID_ARGUMENT)"),
+    Transition("reload_refused_active", (W.RELOADING,), W.ACTIVE,
+               "the runner refused the source before writing (INVALID_ARGUMENT)"),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
@@ -79,6 +85,13 @@ _SETTLED_AFTER_WAKE = {
     "needs_reload": "restored_needs_reload",
 }
 _SETTLED_AFTER_RELOAD = {"active": "reloaded_active", "partial": "reloaded_partial"}
+# A refused reload returns to where it came from (reload is legal from these two only).
+_REFUSED_RELOAD = {W.NEEDS_RELOAD: "reload_refused_needs_reload", W.ACTIVE: "reload_refused_active"}
+
+# Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
+# to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
+# rank off from every normal epoch for good.
+MAX_EPOCH_AHEAD = 64
 
 ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
 
@@ -96,7 +109,24 @@ class WorkerCounters:
     duplicates_answered_from_cache: int = 0
     duplicates_in_flight_ignored: int = 0
     stale_epoch_refused: int = 0
+    epoch_ahead_refused: int = 0
     bad_messages: int = 0
+    replies_not_kept: int = 0  # answered, but too large to keep for a duplicate
+
+
+@dataclass(frozen=True)
+class _CachedReply:
+    """What a duplicate needs: a digest of the command (never the command: an Execute payload
+    may be 100 MB) and the reply, or None when the reply was too large to keep."""
+
+    command_digest: bytes
+    command_name: str
+    reply: Reply | None
+
+
+def command_digest(command: Command) -> bytes:
+    """Identity of a command regardless of its epoch: a retry across an epoch bump is the same."""
+    return hashlib.blake2b(encode(msgspec.structs.replace(command, epoch=0)), digest_size=16).digest()
 
 
 @dataclass
@@ -104,7 +134,11 @@ class _Pending:
     command: Command
     trigger_after: str = ""
     plan: Any = None
-    extra: dict = field(default_factory=dict)
+    state_before: W | None = None
+
+
+# Digest, names and bookkeeping of one cache entry, counted against the byte budget.
+_ENTRY_OVERHEAD_BYTES = 256
 
 
 class InvariantViolation(AssertionError):
@@ -122,6 +156,7 @@ class WorkerCore:
         epoch: int = 0,
         capabilities: tuple[Capability, ...] = ALL_CAPABILITIES,
         reply_cache_entries: int = DEFAULT_REPLY_CACHE_ENTRIES,
+        reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES,
     ) -> None:
         self.rank = rank
         self.tags = tags
@@ -129,7 +164,7 @@ class WorkerCore:
         self.capabilities = frozenset(capabilities)
         self.residency = Residency(tags)
         self.lifecycle: Lifecycle[W] = Lifecycle(W, WORKER_TRANSITIONS, W.LOADING)
-        self.cache: BoundedCache[str, tuple[Command, Reply]] = BoundedCache(reply_cache_entries)
+        self.cache: BoundedCache[str, _CachedReply] = BoundedCache(reply_cache_entries, reply_cache_bytes)
         self.counters = WorkerCounters()
         self.failure: str = ""
         self._pending: _Pending | None = None
@@ -204,7 +239,20 @@ class WorkerCore:
                 self.lifecycle.fire(trigger)
             reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s)
         if not isinstance(command, Status):
-            self.cache.put(task_id, (command, reply))
+            self._remember(command, reply)
+        self._check_invariants()
+        return WorkerStep(replies=(reply,))
+
+    def on_refused(self, task_id: str, detail: str) -> WorkerStep:
+        """The runner refused the pending reload's arguments before touching memory: NACK
+        INVALID_ARGUMENT and return to the state the reload started from. Not cached, like
+        every refusal: the same task_id with a usable source is a fresh command."""
+        pending = self._take_pending(task_id)
+        if not isinstance(pending.command, ReloadWeights) or pending.state_before not in _REFUSED_RELOAD:
+            raise InvariantViolation(f"only a pending ReloadWeights can be refused, not {pending.command!r}")
+        self.lifecycle.fire(_REFUSED_RELOAD[pending.state_before])
+        reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT,
+                           f"ReloadWeights task {task_id!r} refused, nothing was written: {detail}")  # fmt: skip
         self._check_invariants()
         return WorkerStep(replies=(reply,))
 
@@ -216,14 +264,14 @@ class WorkerCore:
         if isinstance(pending.command, Execute):
             # A request the runner rejects says nothing about the memory: stay ACTIVE.
             reply = self._nack(pending.command, NackReason.EXECUTE_ERROR, what)
-            self.cache.put(task_id, (pending.command, reply))
+            self._remember(pending.command, reply)
             return WorkerStep(replies=(reply,))
         self.failure = what
         if self.lifecycle.allows("fail"):
             self.lifecycle.fire("fail")
         reply = self._nack(pending.command, NackReason.BACKEND_ERROR, self.failure)
         if not isinstance(pending.command, Status):  # Status is never cached (as in on_done)
-            self.cache.put(task_id, (pending.command, reply))
+            self._remember(pending.command, reply)
         self._check_invariants()
         return WorkerStep(replies=(reply,))
 
@@ -235,6 +283,11 @@ class WorkerCore:
             return self._refuse(command, NackReason.STALE_EPOCH,
                                 f"command epoch {command.epoch} is older than this worker's "
                                 f"epoch {self.epoch}; a newer orchestrator has fenced it")  # fmt: skip
+        if command.epoch > self.epoch + MAX_EPOCH_AHEAD:
+            self.counters.epoch_ahead_refused += 1
+            return self._refuse(command, NackReason.EPOCH_AHEAD,
+                                f"command epoch {command.epoch} is more than {MAX_EPOCH_AHEAD} ahead of "
+                                f"this worker's epoch {self.epoch}; restart the rank under the new epoch")  # fmt: skip
         self.epoch = command.epoch
         if self._pending is not None and self._pending.command.task_id == command.task_id:
             original = self._pending.command
@@ -250,13 +303,16 @@ class WorkerCore:
         if not isinstance(command, Status):
             cached = self.cache.get(command.task_id)
             if cached is not None:
-                original, reply = cached
-                if msgspec.structs.replace(command, epoch=original.epoch) != original:
+                if command_digest(command) != cached.command_digest:
                     return self._refuse(command, NackReason.TASK_ID_REUSED,
-                                        f"task_id {command.task_id!r} was already used for "
-                                        f"{original!r}; use a fresh task_id per command")  # fmt: skip
+                                        f"task_id {command.task_id!r} was already used for a different "
+                                        f"{cached.command_name}; use a fresh task_id per command")  # fmt: skip
                 self.counters.duplicates_answered_from_cache += 1
-                return WorkerStep(replies=(reply,))
+                if cached.reply is None:
+                    return self._refuse(command, NackReason.REPLY_NOT_KEPT,
+                                        f"task {command.task_id!r} was answered already; its reply was too "
+                                        "large for the reply cache, so the first reply is the only one")  # fmt: skip
+                return WorkerStep(replies=(cached.reply,))
         if self._pending is not None and not isinstance(command, Status):
             return self._refuse(command, NackReason.BUSY,
                                 f"task {self._pending.command.task_id!r} is in progress; "
@@ -307,8 +363,9 @@ class WorkerCore:
         if not self.lifecycle.allows("reload"):
             return self._refuse_state(command, "ReloadWeights needs NEEDS_RELOAD (after a "
                                       "level-2 sleep and a wake of 'weights') or ACTIVE")  # fmt: skip
+        state_before = self.state
         self.lifecycle.fire("reload")
-        self._pending = _Pending(command, trigger_after="settle_reload")
+        self._pending = _Pending(command, trigger_after="settle_reload", state_before=state_before)
         return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
 
     def on_execute(self, command: Execute) -> WorkerStep:
@@ -339,8 +396,19 @@ class WorkerCore:
     def _already(self, command: Command, trigger: str) -> WorkerStep:
         self.lifecycle.fire(trigger)
         reply = self._ack(command, AckStatus.ALREADY)
-        self.cache.put(command.task_id, (command, reply))
+        self._remember(command, reply)
         return WorkerStep(replies=(reply,))
+
+    def _remember(self, command: Command, reply: Reply) -> None:
+        """Keep the terminal reply for duplicates, within the cache's bytes: a reply larger
+        than a quarter of the budget is kept as its digest only (REPLY_NOT_KEPT on a retry)."""
+        size_bytes = len(encode(reply))
+        kept: Reply | None = reply
+        if size_bytes > self.cache.max_bytes // 4:
+            kept, size_bytes = None, 0
+            self.counters.replies_not_kept += 1
+        entry = _CachedReply(command_digest(command), type(command).__name__, kept)
+        self.cache.put(command.task_id, entry, size_bytes + _ENTRY_OVERHEAD_BYTES)
 
     def _refuse_state(self, command: Command, hint: str = "") -> WorkerStep:
         name = type(command).__name__
@@ -396,6 +464,7 @@ class WorkerCore:
 
         require(asleep <= set(self.tags), f"asleep tags {sorted(asleep)} not all known")
         require(len(self.cache) <= self.cache.max_entries, "reply cache over its bound")
+        require(self.cache.size_bytes <= self.cache.max_bytes, "reply cache over its byte bound")
         transient = state in (W.OFFLOADING, W.RESTORING, W.RELOADING)
         if transient:
             require(self._pending is not None, "transient state without a pending effect")

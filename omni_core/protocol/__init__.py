@@ -1,6 +1,6 @@
 """Sans-IO wire protocol: message types, codec, version, reasons. Imports no sockets, no torch."""
 
-from omni_core.protocol.codec import ProtocolError, decode, decode_command, encode
+from omni_core.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, decode_command, encode
 from omni_core.protocol.enums import AckStatus, Capability, NackReason, StageState, WorkerState
 from omni_core.protocol.messages import (
     COMMAND_TYPES,
@@ -38,6 +38,7 @@ __all__ = [
     "AnyCommand",
     "AnyMessage",
     "AnyReply",
+    "DEFAULT_MAX_FRAME_BYTES",
     "Capability",
     "Command",
     "Execute",

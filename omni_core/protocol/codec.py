@@ -1,8 +1,10 @@
 """The one encoder and the one decoder of the wire protocol (msgpack).
 
-Decoding never raises anything but `ProtocolError` (P-10): a receiver turns it into a
-NACK BAD_MESSAGE (or UNSUPPORTED_VERSION) and keeps serving. When enough of the envelope
-survives, the error carries the `task_id` and `epoch` so the NACK can name the task.
+Decoding never raises anything but `ProtocolError` (P-10), whatever the bytes: invalid
+UTF-8 in any string, deep nesting, huge integers, frames over the size limit. A receiver
+turns it into a NACK BAD_MESSAGE (or UNSUPPORTED_VERSION) and keeps serving. When enough of
+the envelope survives, the error carries the `task_id` and `epoch` so the NACK can name the
+task.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import msgspec
 from omni_core.protocol.enums import NackReason
 from omni_core.protocol.messages import MAX_TASK_ID_CHARS, AnyMessage, Command, Message
 from omni_core.protocol.version import PROTOCOL_VERSION
+
+# The largest frame a peer accepts unless configured otherwise (StageSpec.max_frame_bytes):
+# room for a request payload or a result with images, far below what would hurt a host.
+DEFAULT_MAX_FRAME_BYTES = 64 << 20
+# Every failure msgspec can raise on hostile input. UnicodeDecodeError (invalid UTF-8 in a
+# str field) is not a msgspec.DecodeError; RecursionError guards deep nesting; Overflow and
+# Memory errors cover integers and lengths beyond what the host can represent.
+_DECODE_FAILURES = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError,
+                    OverflowError, MemoryError, ValueError, TypeError)  # fmt: skip
 
 
 class ProtocolError(ValueError):
@@ -57,20 +68,25 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
+def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
     """Parse one message; raise `ProtocolError` naming what was wrong with the bytes."""
+    size_bytes = len(data)
+    if size_bytes > max_frame_bytes:
+        raise ProtocolError(f"frame of {size_bytes} bytes is over the limit of {max_frame_bytes} bytes; "
+                            "send smaller payloads or raise max_frame_bytes on both ends")  # fmt: skip
     try:
         message = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except _DECODE_FAILURES as exc:
         raise _explain(data, exc) from None
     if message.v != PROTOCOL_VERSION:
         raise _unsupported_version(message.v, message.task_id, message.epoch)
     return message
 
 
-def decode_command(data: bytes | bytearray | memoryview) -> Command:
+def decode_command(data: bytes | bytearray | memoryview, *,
+                   max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Command:  # fmt: skip
     """Parse bytes a worker received; anything but a command is a BAD_MESSAGE."""
-    message = decode(data)
+    message = decode(data, max_frame_bytes=max_frame_bytes)
     if not isinstance(message, Command):
         raise ProtocolError(
             f"a worker accepts only commands, got a {type(message).__name__} reply",
@@ -104,14 +120,24 @@ def _explain(data: bytes | bytearray | memoryview, exc: Exception) -> ProtocolEr
     """Turn a strict-decode failure into the most useful ProtocolError we can."""
     try:
         envelope = _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return ProtocolError(f"undecodable message ({len(bytes(data))} bytes): {exc}")
+    except _DECODE_FAILURES:
+        return ProtocolError(f"undecodable message ({len(data)} bytes): {_describe(exc)}")
     task_id, epoch = _wire_task_id(envelope.task_id), _wire_epoch(envelope.epoch)
     version = envelope.v
     if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
         return _unsupported_version(version, task_id, epoch)
+    kind = envelope.type if isinstance(envelope.type, str) and envelope.type.isidentifier() else "message"
     return ProtocolError(
-        f"invalid {envelope.type if isinstance(envelope.type, str) else 'message'}: {exc}",
+        f"invalid {kind[:64]}: {_describe(exc)}",
         task_id=task_id,
         epoch=epoch,
     )
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, short and safe to echo in a NACK detail (never the raw bytes)."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 (byte {exc.start} of that string)"
+    if isinstance(exc, RecursionError):
+        return "nesting too deep"
+    return f"{type(exc).__name__}: {str(exc)[:300]}"

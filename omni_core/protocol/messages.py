@@ -141,8 +141,11 @@ class Result(Reply, kw_only=True, frozen=True):
 
 
 class Hello(Reply, kw_only=True, frozen=True):
-    """First message of a worker: who it is and what it can do."""
+    """First message of a worker: who it is, what it can do, and (`proof`) that the engine
+    spawned it: an HMAC with the rank's secret, see `omni_core.protocol.auth`."""
 
+    stage: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    proof: Annotated[str, msgspec.Meta(max_length=128)] = ""
     pid: Annotated[int, msgspec.Meta(ge=0)]
     device: str
     backend: str

@@ -8,6 +8,9 @@ from typing import Any
 
 import msgspec
 
+from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES
+from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+
 
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     address: str  # orchestrator ROUTER address, e.g. ipc:///tmp/omni-xyz.sock or tcp://127.0.0.1:5555
@@ -22,6 +25,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
     trace_path: str | None = None  # append one JSON line per processed message when set
     reply_cache_entries: int = 1024
+    reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are refused (BAD_MESSAGE) unread
+    # The engine ROUTER's CURVE public key (Z85) when the transport leaves the host: the rank
+    # then encrypts and checks the server. Its own key pair comes through the environment.
+    curve_server_key: str | None = None
     recv_queue_limit: int = 1024  # ZMQ receive high-water mark
     # Leave (releasing pools) when the process that started this worker is gone, so a
     # crashed orchestrator or test run does not strand workers holding GPU memory. Turn

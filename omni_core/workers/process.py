@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 import traceback
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
@@ -35,6 +37,7 @@ from omni_core.fsm.effects import (
     StatusEffect,
     WakeEffect,
 )
+from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     Capability,
@@ -45,12 +48,13 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
 from omni_core.trace import TraceWriter
-from omni_core.transport import make_dealer
+from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
-from omni_core.workers.runner import ModelRunner, load_runner
+from omni_core.workers.runner import ModelRunner, RunnerArgumentError, load_runner
 
 log = logging.getLogger("omni_core.worker")
 
@@ -69,6 +73,19 @@ EXIT_SHUTDOWN_ERROR = 1
 EXIT_PARENT_GONE = 3
 
 
+# Room in a Result frame for everything but the output (task_id, rank, timings).
+RESULT_ENVELOPE_BYTES = 4096
+
+
+def encode_output(output: Any) -> bytes:
+    """msgpack of a runner's output; raises TypeError naming what cannot be serialised."""
+    try:
+        return msgspec.msgpack.encode(output)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"the runner's result cannot be sent: {exc}; return msgpack-serialisable "
+                        "values (dict, list, str, bytes, int, float, bool, None)") from None
+
+
 def _error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
@@ -84,9 +101,12 @@ def _resolve_device(name: str) -> torch.device:
 class WorkerProcess:
     """One rank: backend, runner, core and socket. `start()` then `serve()`."""
 
-    def __init__(self, config: WorkerConfig, sock: zmq.Socket) -> None:
+    def __init__(self, config: WorkerConfig, sock: zmq.Socket, *, identity: bytes = b"",
+                 rank_secret: bytes | None = None) -> None:  # fmt: skip
         self.config = config
         self.sock = sock
+        self.identity = identity
+        self.rank_secret = rank_secret
         self.trace: TraceWriter | None = (
             TraceWriter(config.trace_path, f"{config.stage}/{config.rank}") if config.trace_path else None)
         self.device = torch.device("cpu")
@@ -96,6 +116,7 @@ class WorkerProcess:
         self.core: WorkerCore | None = None
         self.stopped = False
         self.exit_code = EXIT_OK
+        self.loop_errors = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -112,7 +133,8 @@ class WorkerProcess:
             error = _error_text(exc)
             log.error("worker %s/%s: backend %r unavailable: %s", cfg.stage, cfg.rank, cfg.backend, error)
         self.core = WorkerCore(cfg.rank, tags=cfg.tags, epoch=cfg.epoch, capabilities=capabilities,
-                               reply_cache_entries=cfg.reply_cache_entries)  # fmt: skip
+                               reply_cache_entries=cfg.reply_cache_entries,
+                               reply_cache_bytes=cfg.reply_cache_bytes)  # fmt: skip
         if not error:
             try:
                 self._load()
@@ -128,8 +150,11 @@ class WorkerProcess:
         device = str(self.device)
         if self.memory is not None and self.memory.physical is not None:
             device = f"{device} ({self.memory.physical.uuid})"
-        self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=os.getpid(),
-                         device=device, backend=backend_name, tags=cfg.tags,
+        pid = os.getpid()
+        proof = "" if self.rank_secret is None else hello_proof(
+            self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid, identity=self.identity)
+        self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=pid, stage=cfg.stage,
+                         proof=proof, device=device, backend=backend_name, tags=cfg.tags,
                          capabilities=capabilities, state=self.core.state,
                          detail=error[:MAX_DETAIL_CHARS]))  # fmt: skip
 
@@ -178,16 +203,21 @@ class WorkerProcess:
                     self._release()
                     return EXIT_PARENT_GONE
                 continue
-            frames = self.sock.recv_multipart()
+            frames = self.sock.recv_multipart(copy=False)
             # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
-            self.handle(frames[-1])
+            try:
+                self.handle(frames[-1].buffer)
+            except Exception:  # last resort: no input may end the loop (the bug is logged)
+                self.loop_errors += 1
+                log.exception("worker %s/%s: unexpected error handling a frame; still serving",
+                              self.config.stage, self.config.rank)  # fmt: skip
         return self.exit_code
 
-    def handle(self, data: bytes) -> None:
+    def handle(self, data: bytes | memoryview) -> None:
         core = self.core
         assert core is not None
         try:
-            command = decode_command(data)
+            command = decode_command(data, max_frame_bytes=self.config.max_frame_bytes)
         except ProtocolError as err:
             self._trace("bad_message", task_id=err.task_id, epoch=err.epoch, detail=err.detail[:200])
             self._send_all(core.on_bad_message(err).replies)
@@ -222,13 +252,7 @@ class WorkerProcess:
                     process_bytes_source=_source(figure_before, figure_after),
                 )
         except Exception as exc:
-            log.error("worker %s/%s: %s failed:\n%s", self.config.stage, self.config.rank,
-                      type(effect).__name__, traceback.format_exc())  # fmt: skip
-            step = core.on_error(effect.task_id, _error_text(exc))
-            if isinstance(effect, ShutdownEffect):
-                self.exit_code = EXIT_SHUTDOWN_ERROR
-            self._trace(f"error:{_name(effect)}", task_id=effect.task_id, epoch=core.epoch,
-                        detail=_error_text(exc)[:200])  # fmt: skip
+            step = self._on_effect_error(effect, exc)
         else:
             step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s)
             if self.trace is not None:
@@ -240,6 +264,21 @@ class WorkerProcess:
         self._send_all(step.replies)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
+
+    def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
+        core = self.core
+        assert core is not None
+        if isinstance(exc, RunnerArgumentError) and isinstance(effect, ReloadEffect):
+            # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
+            self._trace("refused:Reload", task_id=effect.task_id, epoch=core.epoch, detail=_error_text(exc)[:200])
+            return core.on_refused(effect.task_id, _error_text(exc))
+        log.error("worker %s/%s: %s failed:\n%s", self.config.stage, self.config.rank,
+                  type(effect).__name__, traceback.format_exc())  # fmt: skip
+        if isinstance(effect, ShutdownEffect):
+            self.exit_code = EXIT_SHUTDOWN_ERROR
+        self._trace(f"error:{_name(effect)}", task_id=effect.task_id, epoch=core.epoch,
+                    detail=_error_text(exc)[:200])  # fmt: skip
+        return core.on_error(effect.task_id, _error_text(exc))
 
     def _apply(self, effect: Effect) -> Any:
         backend, runner = self.backend, self.runner
@@ -265,10 +304,20 @@ class WorkerProcess:
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
         elif isinstance(effect, ExecuteEffect):
-            return runner.execute(effect.payload)
+            return self._checked_output(runner.execute(effect.payload))
         else:  # pragma: no cover - the core emits only the effects above
             raise TypeError(f"unknown effect {effect!r}")
         return None
+
+    def _checked_output(self, output: Any) -> Any:
+        """A result must travel: serialisable and within the frame limit, else it is this
+        request's error (EXECUTE_ERROR), never a crash of the loop at send time."""
+        size_bytes = len(encode_output(output))
+        limit_bytes = self.config.max_frame_bytes - RESULT_ENVELOPE_BYTES
+        if size_bytes > limit_bytes:
+            raise ValueError(f"the result is {size_bytes} bytes, over the {limit_bytes} bytes a frame may "
+                             "carry (max_frame_bytes); return less or raise max_frame_bytes")  # fmt: skip
+        return output
 
     def _release(self) -> None:
         backend, runner = self.backend, self.runner
@@ -317,6 +366,16 @@ class WorkerProcess:
         return self.backend is not None and self.backend.hard_exit_required
 
 
+def _rank_secret(secret_hex: str | None) -> bytes | None:
+    if not secret_hex:
+        return None
+    try:
+        return bytes.fromhex(secret_hex)
+    except ValueError:
+        raise SystemExit(f"{RANK_SECRET_ENV} must be hex (the engine sets it); got {len(secret_hex)} "
+                         "characters that are not") from None
+
+
 def _name(effect: Effect) -> str:
     """'Sleep' for a SleepEffect: trace events name the command, as recv:/send: do."""
     return type(effect).__name__.removesuffix("Effect")
@@ -344,10 +403,14 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    # The secret leaves the environment at once, so nothing the runner spawns inherits it.
+    rank_secret = _rank_secret(os.environ.pop(RANK_SECRET_ENV, None))
     ctx = zmq.Context()
-    identity = f"{config.stage}/{config.rank}".encode()
-    sock = make_dealer(ctx, config.address, identity=identity, hwm=config.recv_queue_limit)
-    worker = WorkerProcess(config, sock)
+    # A random suffix: a stranger cannot connect first under this rank's identity.
+    identity = f"{config.stage}/{config.rank}/{secrets.token_hex(8)}".encode()
+    sock = make_dealer(ctx, config.address, identity=identity, hwm=config.recv_queue_limit,
+                       max_frame_bytes=config.max_frame_bytes, curve=curve_client_keys(config.curve_server_key))
+    worker = WorkerProcess(config, sock, identity=identity, rank_secret=rank_secret)
     code = EXIT_OK
     try:
         worker.start()

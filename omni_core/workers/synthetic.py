@@ -137,7 +137,8 @@ class SyntheticRunner(ModelRunner):
         elif source.startswith("seed:") and source[5:].lstrip("-").isdigit():
             seed = int(source[5:])
         else:
-            raise RunnerArgumentError(f"SyntheticRunner reloads from 'seed:<int>' or None (its own seed), got {source!r}")
+            raise RunnerArgumentError(
+                f"SyntheticRunner reloads from 'seed:<int>' or None (its own seed), got {source!r}")
         self._fill(seed)
 
     def _fill(self, seed: int) -> None:

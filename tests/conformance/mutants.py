@@ -86,11 +86,13 @@ def _install(name: str) -> None:
 
     class _NoCache:
         max_entries = 1024
+        max_bytes = 16 << 20
+        size_bytes = 0
 
         def get(self, key: Any) -> None:
             return None
 
-        def put(self, key: Any, value: Any) -> None:
+        def put(self, key: Any, value: Any, size_bytes: int = 0) -> None:
             return None
 
         def __contains__(self, key: object) -> bool:

@@ -20,7 +20,7 @@ from ._util import HERE, finish, start
         (["--worker", "json:__doc__"], "not a callable factory"),
         (["--worker", "cmd:my-worker --rank {rank}"], "lacks the {address} placeholder"),
         (["--worker", "not-a-target"], "is not 'synthetic', 'cmd:<command>' or 'package.module:factory'"),
-        (["--worker", "synthetic", "--only", "P-13"], "unknown requirement 'P-13'"),
+        (["--worker", "synthetic", "--only", "P-99"], "unknown requirement 'P-99'"),
         (["--worker", "synthetic", "--payload", "{not json"], "Expecting property name"),
         (["--worker", "synthetic", "--epoch", "0"], "epoch must be >= 1"),
         (["--worker", "synthetic", "--reply-timeout", "0"], "reply_timeout_s must be > 0"),

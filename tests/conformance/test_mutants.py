@@ -74,6 +74,7 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "execute_refused_partial": "worker does not declare capability 'partial_wake'",
         "level2_wake_needs_reload": "worker does not declare capability 'level2'",
         "reload_report": "worker does not declare capability 'level2'",
+        "unusable_reload_source_refused": "worker does not declare capability 'level2'",
     }, rendered
     passed = {r.case.name for r in report.results if r.outcome == "pass"}
     assert "level2_refused_without_capability" in passed

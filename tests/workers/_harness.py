@@ -23,11 +23,18 @@ REPLY_TIMEOUT_S = 30.0
 
 @dataclass
 class WorkerHandle:
-    identity: bytes
+    prefix: bytes  # b"stage/rank/": a worker adds a random suffix to its socket identity
     process: Any  # multiprocessing.Process or subprocess.Popen
     config: WorkerConfig
     hello: Hello | None = None
     inbox: deque[Message] = field(default_factory=deque)
+    socket_identity: bytes | None = None  # learnt from its first frame
+
+    @property
+    def identity(self) -> bytes:
+        if self.socket_identity is None:
+            raise AssertionError(f"no frame from {self.prefix!r} yet: wait for its Hello before sending")
+        return self.socket_identity
 
     def is_alive(self) -> bool:
         poll = getattr(self.process, "poll", None)
@@ -76,9 +83,17 @@ class TestOrchestrator:
         return self._register(config, process)
 
     def _register(self, config: WorkerConfig, process: Any) -> WorkerHandle:
-        handle = WorkerHandle(f"{config.stage}/{config.rank}".encode(), process, config)
-        self.workers[handle.identity] = handle
+        handle = WorkerHandle(f"{config.stage}/{config.rank}/".encode(), process, config)
+        self.workers[handle.prefix] = handle
         return handle
+
+    def _key(self, identity: bytes) -> bytes:
+        """The handle a socket identity belongs to (by its stage/rank prefix), bound on first sight."""
+        prefix = identity[: identity.rfind(b"/") + 1]
+        handle = self.workers.get(prefix)
+        if handle is not None and handle.socket_identity is None:
+            handle.socket_identity = identity
+        return prefix
 
     def wait_hello(self, worker: WorkerHandle, timeout_s: float = START_TIMEOUT_S) -> Hello:
         reply = self.next_message(worker, timeout_s)
@@ -96,17 +111,17 @@ class TestOrchestrator:
 
     def next_message(self, worker: WorkerHandle, timeout_s: float = REPLY_TIMEOUT_S) -> Message:
         deadline = time.monotonic() + timeout_s
-        while not self._pending[worker.identity]:
+        while not self._pending[worker.prefix]:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 alive = worker.is_alive()
-                raise TimeoutError(f"no message from {worker.identity!r} in {timeout_s} s (alive: {alive})")
+                raise TimeoutError(f"no message from {worker.prefix!r} in {timeout_s} s (alive: {alive})")
             if self.sock.poll(min(left_ms, 200)):
                 identity, data = self.sock.recv_multipart()
-                self._pending[identity].append(decode(data))
+                self._pending[self._key(identity)].append(decode(data))
             elif not worker.is_alive():
-                raise RuntimeError(f"worker {worker.identity!r} died, exit code {worker.exit_code(0)}")
-        return self._pending[worker.identity].popleft()
+                raise RuntimeError(f"worker {worker.prefix!r} died, exit code {worker.exit_code(0)}")
+        return self._pending[worker.prefix].popleft()
 
     def request(self, worker: WorkerHandle, command: Command, timeout_s: float = REPLY_TIMEOUT_S) -> Message:
         """Send and return the one terminal reply for this task_id."""
