@@ -478,16 +478,16 @@ class Orchestrator:
         if stage is None or proc is None:
             self.counters["unknown_peers"] += 1
             return
-        if proc.identity is not None or identity in self._by_identity:
-            self.counters["rebind_refused"] += 1  # a rank's identity, once bound, stays
-            self._trace.event("rebind_refused", stage=stage.spec.name, rank=proc.rank)
-            return
         proven = hello.epoch == proc.epoch and hello.pid == proc.pid and verify_hello_proof(
             proc.secret, hello.proof, stage=hello.stage, rank=hello.rank, epoch=hello.epoch, pid=hello.pid,
             identity=identity)  # fmt: skip
         if not proven:
             self.counters["forged_hellos"] += 1
             self._trace.event("forged_hello", stage=stage.spec.name, rank=proc.rank)
+            return
+        if proc.identity is not None or identity in self._by_identity:
+            self.counters["rebind_refused"] += 1  # a rank's identity, once bound, stays
+            self._trace.event("rebind_refused", stage=stage.spec.name, rank=proc.rank)
             return
         proc.identity = identity
         self._by_identity[identity] = (stage, proc.rank)
