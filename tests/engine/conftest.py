@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -15,6 +18,11 @@ from omni_core.engine import Engine, StageSpec
 MiB = 1 << 20
 SMALL_RUNNER = {"weights_bytes": 2 * MiB, "tensor_count": 4, "kv_bytes": MiB // 4, "cpu_threads": 1}
 PROBE = {"seed": 3, "batch": 2}
+# A request's own deadline where a test proves something happened *before* any deadline:
+# a refusal "at once" must come in well under it, and one by a deadline would take all of it.
+LONG_TIMEOUT_S = 30.0
+# "At once" on a loaded 2-core machine: a tenth of LONG_TIMEOUT_S; milliseconds in practice.
+AT_ONCE_BOUND_S = LONG_TIMEOUT_S / 10
 
 
 def small_spec(name: str, ranks: int = 1, **overrides) -> StageSpec:
@@ -35,6 +43,21 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str =
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def in_thread(fn: Callable[[], Any]) -> Future:
+    """Run a blocking call on a daemon thread: the test waits on its future with a bound, so
+    a call that hangs fails the test instead of hanging it."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def resume(pid: int) -> None:

@@ -24,7 +24,20 @@ from omni_core.engine import (
     StageSpec,
 )
 from omni_core.trace import read_trace
-from tests.engine.conftest import PROBE, rank_pid, resume, small_spec, wait_for
+from tests.engine.conftest import (
+    AT_ONCE_BOUND_S,
+    LONG_TIMEOUT_S,
+    PROBE,
+    in_thread,
+    rank_pid,
+    resume,
+    small_spec,
+    wait_for,
+)
+
+# A deadline that has fired is late by at most the orchestrator's poll interval; the bound on
+# how long a test waits for it is ten times the deadline, for a loaded 2-core machine.
+DEADLINE_MARGIN = 10
 
 
 def test_demo_scenario_passes_and_traces_every_node(tmp_path) -> None:
@@ -50,26 +63,16 @@ def test_rank_killed_mid_sleep_fails_the_stage_naming_it_and_restart_recovers(en
     decoder_ref = engine.execute("decoder", PROBE)
     victim = rank_pid(engine, "talker", 1)
     os.kill(victim, signal.SIGSTOP)  # frozen: the sleep cannot complete before the kill
-    outcome: dict[str, BaseException | object] = {}
-
-    def sleeper() -> None:
-        try:
-            outcome["report"] = engine.sleep("talker", level=1, timeout_s=30.0)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=sleeper)
-    started = time.monotonic()
-    thread.start()
+    sleeping = in_thread(lambda: engine.sleep("talker", level=1, timeout_s=LONG_TIMEOUT_S))
     wait_for(lambda: engine.status()["talker"]["state"] == "TRANSITIONING", what="TRANSITIONING")
     os.kill(victim, signal.SIGKILL)
-    thread.join(30.0)
-    elapsed_s = time.monotonic() - started
-    error = outcome.get("error")
-    assert isinstance(error, StageFailedError), outcome
+    error = sleeping.exception(timeout=LONG_TIMEOUT_S + 30)
+    assert isinstance(error, StageFailedError), error
     assert set(error.failures) == {1}, error.failures
-    assert "died" in error.failures[1] and "rank 1" in str(error)
-    assert elapsed_s < 15.0, f"failure took {elapsed_s:.1f} s; the sentinel should beat the 30 s deadline"
+    # The reason, not the clock, shows the process sentinel acted: the deadline's own failure
+    # would read "no reply to Sleep within 30 s".
+    assert "process died" in error.failures[1] and "rank 1" in str(error), error.failures
+    assert "within" not in error.failures[1]
     assert engine.status()["talker"]["state"] == "FAILED"
     assert engine.execute("decoder", PROBE) == decoder_ref  # the other stage keeps serving
     with pytest.raises(RequestRejectedError, match="FAILED"):
@@ -89,14 +92,16 @@ def test_silent_rank_ends_in_failed_at_the_deadline_naming_it(engine_factory) ->
     engine = engine_factory(small_spec("solo", ranks=2))
     silent = rank_pid(engine, "solo", 0)
     os.kill(silent, signal.SIGSTOP)
+    deadline_s = 1.5
     try:
         started = time.monotonic()
-        with pytest.raises(StageFailedError) as caught:
-            engine.sleep("solo", timeout_s=1.5)
+        error = in_thread(lambda: engine.sleep("solo", timeout_s=deadline_s)).exception(
+            timeout=deadline_s * DEADLINE_MARGIN)
         elapsed_s = time.monotonic() - started
-        assert 1.4 <= elapsed_s < 5.0, elapsed_s
-        assert set(caught.value.failures) == {0}
-        assert "no reply to Sleep within 1.5 s" in caught.value.failures[0]
+        assert isinstance(error, StageFailedError), error
+        assert elapsed_s >= deadline_s, elapsed_s  # the deadline ended it, nothing earlier
+        assert set(error.failures) == {0}
+        assert "no reply to Sleep within 1.5 s" in error.failures[0]
         assert engine.status()["solo"]["state"] == "FAILED"
     finally:
         resume(silent)
@@ -129,31 +134,53 @@ def test_retries_with_the_same_task_id_are_idempotent(engine_factory) -> None:
 
 @pytest.mark.parametrize("policy", ["queue", "reject", "wake"])
 def test_fifty_concurrent_requests_across_a_sleep_wake_cycle(engine_factory, policy: str) -> None:
+    """20 requests race the sleep, 5 arrive while the stage is known to be asleep, 25 race
+    the wake. Each has a long deadline of its own, so a request that ends early was refused
+    or served by the policy, never expired by a deadline."""
     engine = engine_factory(small_spec("s", ranks=2, admission=policy))
     reference = engine.execute("s", PROBE)
     futures: list[Future] = []
-    cycle_errors: list[BaseException] = []
+    submitted_at: list[float] = []
+    done_at: dict[int, float] = {}
 
-    def cycle() -> None:
-        try:
-            engine.sleep("s", level=1)
-            if policy != "wake":  # under "wake" the queued requests wake the stage themselves
-                time.sleep(0.05)
-                engine.wake("s")
-        except BaseException as exc:
-            cycle_errors.append(exc)
+    def submit() -> Future:
+        index = len(futures)
+        submitted_at.append(time.monotonic())
+        future = engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S)
+        future.add_done_callback(lambda _f, i=index: done_at.setdefault(i, time.monotonic()))
+        futures.append(future)
+        return future
 
-    thread = threading.Thread(target=cycle)
-    thread.start()
-    for _ in range(50):
-        futures.append(engine.submit("s", PROBE))
+    sleeping = in_thread(lambda: engine.sleep("s", level=1))
+    for _ in range(20):
+        submit()
         time.sleep(0.004)
-    thread.join(60)
-    assert not cycle_errors, cycle_errors
+    assert sleeping.result(timeout=60).state == "SLEEPING"
+    # Nobody wakes the stage until these five are in (except "wake", whose requests do):
+    # the orchestrator runs calls in order, so status() answers after all five were admitted.
+    asleep = [submit() for _ in range(5)]
+    status = engine.status()["s"]
+    if policy == "reject":
+        assert status["state"] == "SLEEPING", status
+        for future in asleep:
+            assert future.done(), "a request to a sleeping stage under 'reject' must be refused at once"
+            error = future.exception()
+            assert isinstance(error, RequestRejectedError) and "'reject'" in str(error), error
+    elif policy == "queue":
+        assert status["state"] == "SLEEPING" and status["queued"] >= len(asleep), status
+        assert not any(f.done() for f in asleep), "queued requests ran on a sleeping stage"
+    else:
+        assert status["state"] in ("WAKING", "RUNNING"), f"no request woke the stage: {status}"
+    waking = in_thread(lambda: engine.wake("s")) if policy != "wake" else None
+    for _ in range(25):
+        submit()
+        time.sleep(0.004)
+    if waking is not None:
+        assert waking.result(timeout=60).state == "RUNNING"
     outcomes = []
     for future in futures:
         try:
-            outcomes.append(("ok", future.result(timeout=60)))
+            outcomes.append(("ok", future.result(timeout=LONG_TIMEOUT_S + 30)))
         except OmniCoreError as exc:
             outcomes.append(("error", exc))
     assert len(outcomes) == 50  # every request got exactly one result or error
@@ -161,7 +188,11 @@ def test_fifty_concurrent_requests_across_a_sleep_wake_cycle(engine_factory, pol
     errors = [value for kind, value in outcomes if kind == "error"]
     assert all(value == reference for value in oks)
     if policy == "reject":
+        assert len(errors) >= len(asleep)
         assert all(isinstance(e, RequestRejectedError) and "reject" in str(e) for e in errors)
+        refused = [i for i, (kind, _) in enumerate(outcomes) if kind == "error"]
+        slowest_s = max(done_at[i] - submitted_at[i] for i in refused)
+        assert slowest_s < AT_ONCE_BOUND_S, f"a rejection took {slowest_s:.2f} s; 'reject' answers at once"
     else:
         assert not errors, errors[:3]
     assert engine.status()["s"]["state"] == "RUNNING"
@@ -216,40 +247,62 @@ def test_a_rank_that_cannot_load_fails_the_start_with_its_reason() -> None:
     assert "rank 0" in message and "no_such_package" in message, message
 
 
-def test_abort_in_flight_answers_callers_but_sleeps_only_after_every_rank_answered(engine_factory) -> None:
-    engine = engine_factory(small_spec("s", ranks=2))
+@pytest.mark.parametrize("abort", [False, True], ids=["wait", "abort"])
+def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(engine_factory, tmp_path,
+                                                                           abort: bool) -> None:  # fmt: skip
+    """The drain: with abort_in_flight the caller hears at once, without it the caller gets
+    its result; either way no Sleep goes out while a rank still runs the request."""
+    trace = tmp_path / "trace.jsonl"
+    engine = engine_factory(small_spec("s", ranks=2), trace_path=str(trace))
     reference = engine.execute("s", PROBE)
     busy = rank_pid(engine, "s", 1)
     os.kill(busy, signal.SIGSTOP)  # rank 1 "still running" the request below
     try:
-        request = engine.submit("s", PROBE)
+        request = engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S)
         wait_for(lambda: engine.status()["s"]["in_flight"] == 1, what="request in flight")
-        outcome: dict[str, object] = {}
-        thread = threading.Thread(target=lambda: outcome.setdefault(
-            "report", engine.sleep("s", timeout_s=30, abort_in_flight=True)))
-        thread.start()
-        with pytest.raises(RequestFailedError, match="aborted"):
-            request.result(timeout=10)
-        time.sleep(0.3)
-        # The caller has its answer, but rank 1 has not answered the request: no Sleep yet.
-        assert engine.status()["s"]["state"] == "DRAINING"
+        sleeping = in_thread(lambda: engine.sleep("s", timeout_s=LONG_TIMEOUT_S, abort_in_flight=abort))
+        wait_for(lambda: engine.status()["s"]["state"] != "RUNNING", what="the sleep to close admission")
+        if abort:
+            assert request.done(), "abort_in_flight answers the callers when the sleep starts"
+            with pytest.raises(RequestFailedError, match="aborted"):
+                request.result()
+        # Rank 1 is stopped, so it cannot have answered: whatever rank 0 did, the request
+        # still holds the drain and the Sleep has not gone out.
+        status = engine.status()["s"]
+        assert (status["state"], status["in_flight"]) == ("DRAINING", 1), status
+        assert not sleeping.done()
+        assert abort or not request.done()
     finally:
         resume(busy)
-    thread.join(30)
-    assert outcome["report"].state == "SLEEPING"
+    assert sleeping.result(timeout=60).state == "SLEEPING"
+    if not abort:
+        assert request.result(timeout=10) == reference
     engine.wake("s")
     assert engine.execute("s", PROBE) == reference
+    events = [r for r in read_trace(trace) if r["node"] == "engine"]
+    executes = [r["task_id"] for r in events if r["event"] == "send" and r["msg"] == "Execute" and r["rank"] == 1]
+    held = executes[1]  # the request sent while rank 1 was stopped
+    answered_at = next(i for i, r in enumerate(events) if r["event"] == "recv" and r["task_id"] == held
+                       and r["rank"] == 1)  # fmt: skip
+    sleep_sent_at = next(i for i, r in enumerate(events) if r["event"] == "send" and r["msg"] == "Sleep")
+    assert answered_at < sleep_sent_at, "Sleep was sent before rank 1 answered the request in flight"
 
 
 def test_a_rank_silent_on_a_request_fails_the_stage_naming_it(engine_factory) -> None:
     engine = engine_factory(small_spec("s", ranks=2))
     silent = rank_pid(engine, "s", 1)
     os.kill(silent, signal.SIGSTOP)
+    deadline_s = 1.0
     try:
-        with pytest.raises(RequestFailedError, match=r"ranks \[1\] gave no result"):
-            engine.execute("s", PROBE, timeout_s=1.0)
-        wait_for(lambda: engine.status()["s"]["state"] == "FAILED", timeout_s=5, what="FAILED")
-        assert "rank 1: no result for request" in engine.status()["s"]["failure"]
+        started = time.monotonic()
+        request = engine.submit("s", PROBE, timeout_s=deadline_s)
+        error = request.exception(timeout=deadline_s * DEADLINE_MARGIN)
+        assert time.monotonic() - started >= deadline_s
+        assert isinstance(error, RequestFailedError) and "ranks [1] gave no result" in str(error), error
+        # The tick that expired the request failed the stage before the loop took the next call.
+        status = engine.status()["s"]
+        assert status["state"] == "FAILED", status
+        assert "rank 1: no result for request" in status["failure"]
     finally:
         resume(silent)
     engine.restart("s")
@@ -261,12 +314,77 @@ def test_requests_beyond_max_in_flight_wait_in_the_queue_and_all_complete(engine
     reference = engine.execute("s", PROBE)
     futures = [engine.submit("s", PROBE) for _ in range(30)]
     assert all(f.result(timeout=60) == reference for f in futures)
-    overflow = [engine.submit("s", PROBE) for _ in range(40)]
-    outcomes = []
+    # With the rank stopped nothing completes: exactly max_in_flight + queue_limit fit.
+    busy = rank_pid(engine, "s", 0)
+    os.kill(busy, signal.SIGSTOP)
+    try:
+        held = [engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S) for _ in range(2 + 30)]
+        overflow = [engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S) for _ in range(5)]
+        status = engine.status()["s"]  # answered after every submit above was admitted or refused
+        assert (status["in_flight"], status["queued"]) == (2, 30), status
+        assert not any(f.done() for f in held)
+        for future in overflow:
+            assert future.done(), "a request beyond max_in_flight + queue_limit must be refused at once"
+            error = future.exception()
+            assert isinstance(error, RequestRejectedError) and "max_in_flight" in str(error), error
+    finally:
+        resume(busy)
+    assert all(f.result(timeout=60) == reference for f in held)
+
+
+def test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asleep(engine_factory) -> None:
+    engine = engine_factory(small_spec("s"))
+    reference = engine.execute("s", PROBE)
+    engine.sleep("s")
+    deadline_s = 1.0
+    started = time.monotonic()
+    request = engine.submit("s", PROBE, timeout_s=deadline_s)
+    error = request.exception(timeout=deadline_s * DEADLINE_MARGIN)
+    assert time.monotonic() - started >= deadline_s
+    assert isinstance(error, RequestRejectedError), error
+    assert "waited in the queue" in str(error) and "SLEEPING" in str(error), error
+    status = engine.status()["s"]
+    assert (status["state"], status["queued"]) == ("SLEEPING", 0), status
+    engine.wake("s")
+    assert engine.execute("s", PROBE) == reference
+
+
+def test_a_sleeping_stage_refuses_beyond_its_queue_and_everything_while_it_needs_a_reload(engine_factory) -> None:
+    engine = engine_factory(small_spec("s", queue_limit=3))
+    reference = engine.execute("s", PROBE)
+    engine.sleep("s", level=2)
+    queued = [engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S) for _ in range(3)]
+    overflow = [engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S) for _ in range(2)]
+    status = engine.status()["s"]  # answered after all five submits were admitted or refused
+    assert (status["state"], status["queued"]) == ("SLEEPING", 3), status
+    assert not any(f.done() for f in queued)
     for future in overflow:
-        try:
-            outcomes.append(future.result(timeout=60) == reference)
-        except RequestRejectedError as exc:
-            assert "max_in_flight" in str(exc)
-            outcomes.append("rejected")
-    assert "rejected" in outcomes and True in outcomes
+        assert future.done(), "a request beyond a sleeping stage's queue_limit must be refused at once"
+        error = future.exception()
+        assert isinstance(error, RequestRejectedError) and "queue is full" in str(error), error
+    # Woken after level 2 the weights are garbage: what waited is refused, not left to expire.
+    assert engine.wake("s").state == "NEEDS_RELOAD"
+    status = engine.status()["s"]
+    assert (status["state"], status["queued"]) == ("NEEDS_RELOAD", 0), status
+    for future in queued:
+        assert future.done(), "requests queued for a stage that lands in NEEDS_RELOAD must be refused"
+        error = future.exception()
+        assert isinstance(error, RequestRejectedError) and "NEEDS_RELOAD" in str(error), error
+    late = engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S)
+    engine.status()
+    assert late.done(), "a request to a NEEDS_RELOAD stage must be refused at once"
+    assert isinstance(late.exception(), RequestRejectedError) and "NEEDS_RELOAD" in str(late.exception())
+    assert engine.reload_weights("s").state == "RUNNING"
+    assert engine.execute("s", PROBE) == reference
+
+
+def test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline() -> None:
+    start_deadline_s = 1.0
+    # The rank holds ten deadlines long, then exits: only the start deadline can name it first.
+    spec = small_spec("mute", runner="tests.engine.hold_runner:HoldRunner", start_deadline_s=start_deadline_s,
+                      runner_args={"hold_s": start_deadline_s * DEADLINE_MARGIN})  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(StageFailedError) as caught:
+        Engine([spec])
+    assert time.monotonic() - started >= start_deadline_s
+    assert caught.value.failures == {0: "sent no Hello before the start-up deadline"}, caught.value.failures
