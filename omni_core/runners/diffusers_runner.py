@@ -257,9 +257,10 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"unknown op {op!r}; ops are {list(OPS)} (or none: one call, the whole image)")
         if self.pipeline is None:
             raise RuntimeError("DiffusersRunner.execute before load_weights")
+        # Every pool this runner has must be resident, as the worker requires for any Execute.
+        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: self.tensors(REQUESTS_TAG)})
         if op is None:
             request = self._new_request(payload, allowed=REQUEST_KEYS)
-            check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG)})
             with torch.no_grad():
                 sample = self._initial_sample(request)
                 sample = self._denoise(request, sample, request.steps_total)
@@ -302,7 +303,6 @@ class DiffusersRunner(ModelRunner):
         if not free:
             raise RuntimeError(f"all {self.max_requests} request slots are in use; finish or cancel a request "
                                "(or raise max_requests)")  # fmt: skip
-        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: [self.slab]})
         self._next_id += 1
         request.request_id = f"r{self._next_id}"
         request.slot, request.canary, request.generation = free[0], secrets.randbits(62) + 1, self.generation
@@ -366,7 +366,6 @@ class DiffusersRunner(ModelRunner):
         return latents
 
     def _denoise(self, request: _Request, sample: torch.Tensor, count: int) -> torch.Tensor:
-        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG)})
         end = min(request.steps_total, request.steps_done + count)
         labels = None
         if self.kind == "dit":
@@ -500,7 +499,6 @@ class DiffusersRunner(ModelRunner):
         if not check_state:
             return request
         assert self.slab is not None and request.slot is not None
-        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: [self.slab]})
         header = self._header(request.slot).tolist()
         expected = [request.canary, request.generation, request.steps_done]
         if request.generation != self.generation or header != expected:
