@@ -1,0 +1,204 @@
+"""DiffusersRunner in the pools of a portable backend: the pipelines' own results, step-wise
+requests across sleeps, reloads."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from omni_core.runners.diffusers_runner import DiffusersRunner, RequestLostError
+from omni_core.runners.weights import own_storage
+from omni_core.workers.runner import RunnerArgumentError, load_runner_class
+from omni_core.workers.synthetic import tensor_bytes
+
+from .conftest import CPU, Pools
+
+ALL_TAGS = ("weights", "kv_cache", "requests")
+DIT = {"class_label": 3, "seed": 1, "steps": 8}
+DDPM = {"seed": 1, "steps": 8}
+DPM_SOLVER = "DPMSolverMultistepScheduler"  # multistep: keeps past model outputs between steps
+
+
+def runner_in_pools(directory: Path, tags: tuple[str, ...] = ALL_TAGS, **args) -> Pools:
+    return Pools(DiffusersRunner(CPU, model=str(directory), **{"max_requests": 4, **args}), tags)
+
+
+@pytest.fixture(scope="module")
+def dit(checkpoints) -> Pools:
+    return runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER)
+
+
+def test_registered_as_builtin():
+    assert load_runner_class("diffusers") is DiffusersRunner
+
+
+@pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", None, DIT), ("dit", DPM_SOLVER, DIT),
+                                                               ("ddpm", None, DDPM)])  # fmt: skip
+def test_one_call_equals_the_stock_pipeline(family, scheduler, request_, checkpoints):
+    import diffusers
+
+    pools = runner_in_pools(checkpoints[family], scheduler=scheduler)
+    out = pools.runner.execute(dict(request_))
+    pipeline = diffusers.DiffusionPipeline.from_pretrained(str(checkpoints[family]), local_files_only=True)
+    own_storage([pipeline.components[name] for name in ("transformer", "vae", "unet") if name in pipeline.components])
+    if scheduler:
+        pipeline.scheduler = getattr(diffusers, scheduler).from_config(pipeline.scheduler.config)
+    pipeline.set_progress_bar_config(disable=True)
+    kwargs = {"class_labels": [request_["class_label"]]} if family == "dit" else {}
+    images = pipeline(generator=torch.Generator().manual_seed(request_["seed"]), num_inference_steps=8,
+                      output_type="pt", **kwargs).images  # fmt: skip
+    assert out["sha256"] == hashlib.sha256(tensor_bytes(images)).hexdigest()
+    assert out["shape"] == [1, 3, 16, 16] and out["dtype"] == "float32"
+    png = Image.open(io.BytesIO(out["png"]))
+    assert png.size == (16, 16) and png.mode == "RGB"
+    assert png.tobytes() == pipeline.numpy_to_pil(images.permute(0, 2, 3, 1).numpy())[0].tobytes()
+    assert pools.runner.execute({**request_, "seed": 2})["sha256"] != out["sha256"]
+
+
+@pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", DPM_SOLVER, DIT), ("ddpm", None, DDPM)])
+def test_stepwise_request_survives_a_level1_sleep_bit_identical(family, scheduler, request_, checkpoints):
+    pools = runner_in_pools(checkpoints[family], scheduler=scheduler)
+    runner = pools.runner
+    whole = {seed: runner.execute({**request_, "seed": seed})["sha256"] for seed in (1, 2)}
+    first = runner.execute({"op": "start", **request_})
+    second = runner.execute({"op": "start", **request_, "seed": 2})  # interleaved: state is per request
+    assert runner.execute({"op": "step", "request_id": first["request_id"], "steps": 3})["steps_done"] == 3
+    # Between ops the request's device state is in its slot only: what the scheduler keeps
+    # (DPM-Solver's past outputs) was moved there too, so a sleep releases all of it.
+    request = runner.requests[first["request_id"]]
+    assert all(output is None for output in getattr(request.scheduler, "model_outputs", []))
+    parked = {p.attribute for p in request.parked}
+    assert parked == ({"sample", "model_outputs"} if scheduler == DPM_SOLVER else {"sample"})
+    pools.sleep(1)
+    assert pools.backend.usage()["requests"] == 0  # the slab itself was released
+    pools.wake()
+    progress = runner.execute({"op": "step", "request_id": second["request_id"], "steps": 5})
+    assert progress == {"request_id": second["request_id"], "steps_done": 5, "steps_total": 8}
+    assert runner.execute({"op": "finish", "request_id": first["request_id"]})["sha256"] == whole[1]
+    assert runner.execute({"op": "finish", "request_id": second["request_id"]})["sha256"] == whole[2]
+    assert runner.requests == {}
+
+
+def test_level2_sleep_aborts_stepwise_requests(dit):
+    runner = dit.runner
+    whole = runner.execute(DIT)["sha256"]
+    started = runner.execute({"op": "start", **DIT})
+    runner.execute({"op": "step", "request_id": started["request_id"], "steps": 2})
+    dit.sleep(2)
+    dit.wake()
+    dit.reload()
+    for op in ("step", "finish"):
+        with pytest.raises(RequestLostError, match=f"request {started['request_id']} was aborted: the weights "
+                                                   "were reloaded while it was in flight"):  # fmt: skip
+            runner.execute({"op": op, "request_id": started["request_id"]})
+    again = runner.execute({"op": "start", **DIT})
+    assert runner.execute({"op": "finish", "request_id": again["request_id"]})["sha256"] == whole
+
+
+def test_state_that_did_not_come_back_fails_the_request(dit):
+    runner = dit.runner
+    started = runner.execute({"op": "start", **DIT})
+    request = runner.requests[started["request_id"]]
+    runner.slab[request.slot].zero_()  # what a discard without a restore leaves on the portable backend
+    with pytest.raises(RequestLostError, match="its state in the 'requests' pool did not survive"):
+        runner.execute({"op": "step", "request_id": started["request_id"]})
+    assert started["request_id"] not in runner.requests  # its slot is free again
+
+
+def test_request_slots_are_bounded(checkpoints):
+    runner = runner_in_pools(checkpoints["ddpm"], max_requests=2).runner
+    ids = [runner.execute({"op": "start", **DDPM})["request_id"] for _ in range(2)]
+    with pytest.raises(RuntimeError, match="all 2 request slots are in use; finish or cancel a request"):
+        runner.execute({"op": "start", **DDPM})
+    assert runner.execute({"op": "cancel", "request_id": ids[0]}) == {"request_id": ids[0], "cancelled": True}
+    runner.execute({"op": "start", **DDPM})
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        runner.execute({"op": "step", "request_id": ids[1], "steps": 0})
+    with pytest.raises(ValueError, match=r"unknown request_id 'r9'; live requests: \['r2', 'r3'\]"):
+        runner.execute({"op": "step", "request_id": "r9"})
+
+
+def test_stepwise_needs_the_requests_pool(checkpoints):
+    runner = runner_in_pools(checkpoints["ddpm"], tags=("weights", "kv_cache")).runner
+    with pytest.raises(ValueError, match=r"add 'requests' to StageSpec\.tags"):
+        runner.execute({"op": "start", **DDPM})
+    assert len(runner.execute(dict(DDPM))["png"]) > 0  # one call needs no request state
+
+
+def test_partial_wake_refuses_to_execute(dit):
+    started = dit.runner.execute({"op": "start", **DIT})
+    dit.sleep(1)
+    dit.wake(("weights",))
+    for payload in (DIT, {"op": "step", "request_id": started["request_id"]}):
+        with pytest.raises(RuntimeError, match=r"a requests tensor .* holds no memory: its pool is asleep"):
+            dit.runner.execute(payload)
+    dit.wake(("kv_cache", "requests"))
+    dit.runner.execute({"op": "cancel", "request_id": started["request_id"]})
+
+
+def test_pools_hold_every_component(dit):
+    runner = dit.runner
+    modules = [runner.pipeline.transformer, runner.pipeline.vae]
+    expected = {id(t) for m in modules for t in [*m.parameters(), *m.buffers()]}
+    assert {id(t) for t in runner.tensors("weights")} == expected
+    assert list(runner.buffers_to_save()) == ["transformer.pos_embed.pos_embed"]  # sin-cos table, not in the file
+    assert dit.backend.usage()["requests"] == runner.max_requests * runner.slot_bytes
+    assert runner.tensors("kv_cache") == []
+
+
+def test_reload_from_another_checkpoint_and_back(checkpoints):
+    pools, other = runner_in_pools(checkpoints["dit"]), runner_in_pools(checkpoints["dit-seed1"])
+    original = pools.runner.execute(DIT)["sha256"]
+    pools.reload(str(checkpoints["dit-seed1"]))
+    assert pools.runner.execute(DIT)["sha256"] == other.runner.execute(DIT)["sha256"] != original
+    assert pools.runner.last_reload.tensors == len(pools.runner.weights.tensors())
+    pools.reload(None)
+    assert pools.runner.execute(DIT)["sha256"] == original
+
+
+def test_unusable_reload_is_refused_before_any_write(checkpoints, tmp_path):
+    pools = runner_in_pools(checkpoints["dit"])
+    original = pools.runner.execute(DIT)["sha256"]
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["dit-seed1"], broken)
+    vae_file = broken / "vae" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(vae_file)
+    tensors["decoder.conv_out.weight"] = tensors["decoder.conv_out.weight"][:2].clone()
+    save_file(tensors, str(vae_file), metadata={"format": "pt"})
+    with pytest.raises(RunnerArgumentError, match=r"tensor vae/'decoder.conv_out.weight' has shape \[2, 8, 3, 3\], "
+                                                  r"the model's is \[3, 8, 3, 3\]"):  # fmt: skip
+        pools.runner.reload_weights(str(broken))
+    with pytest.raises(RunnerArgumentError, match=r"ddpm.*transformer' does not exist"):
+        pools.runner.reload_weights(str(checkpoints["ddpm"]))
+    assert pools.runner.execute(DIT)["sha256"] == original  # the transformer's seed-1 tensors were not written
+
+
+@pytest.mark.parametrize(
+    ("payload", "error", "message"),
+    [
+        ("draw", TypeError, "payload must be a dict"),
+        ({"op": "pause"}, ValueError, r"unknown op 'pause'; ops are \['start', 'step', 'finish', 'cancel'\]"),
+        ({**DIT, "prompt": "a cat"}, ValueError, r"unknown payload key\(s\) \['prompt'\]"),
+        ({**DIT, "class_label": 1000}, ValueError, r"class_label must be an int in 0..999 or a label name"),
+        ({**DIT, "class_label": "unicorn"}, ValueError, "'unicorn' is not a label of this pipeline"),
+        ({**DIT, "steps": 0}, ValueError, r"steps must be an int in 1..1000"),
+        ({**DIT, "guidance_scale": "high"}, ValueError, "guidance_scale must be a number"),
+    ],
+)
+def test_bad_payloads_say_what_is_wrong(dit, payload, error, message):
+    with pytest.raises(error, match=message):
+        dit.runner.execute(payload)
+
+
+def test_label_names_and_unconditional_pipelines(dit, checkpoints):
+    assert dit.runner.execute({**DIT, "class_label": "class 3"})["sha256"] == dit.runner.execute(DIT)["sha256"]
+    ddpm = runner_in_pools(checkpoints["ddpm"]).runner
+    with pytest.raises(ValueError, match=r"\['class_label'\] do not apply to an unconditional DDPM pipeline"):
+        ddpm.execute({**DDPM, "class_label": 1})
