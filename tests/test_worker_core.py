@@ -229,7 +229,8 @@ def test_reload_while_active_swaps_weights_in_place() -> None:
 
 
 def test_reload_refused_by_the_runner_returns_to_the_state_it_came_from() -> None:
-    """Issue 10: an unusable source is refused (INVALID_ARGUMENT), never fatal, never cached."""
+    """Issue 10: an unusable source is refused (INVALID_ARGUMENT), never fatal; the answer is
+    kept, so a copy is not tried again."""
     for start in (W.NEEDS_RELOAD, W.ACTIVE):
         d = reach_worker(start)
         step = d.send(ReloadWeights(task_id="r", epoch=0, source="/nope"))
@@ -237,8 +238,11 @@ def test_reload_refused_by_the_runner_returns_to_the_state_it_came_from() -> Non
         (nack,) = d.w.on_refused("r", "RunnerArgumentError: no checkpoint at /nope").replies
         assert nack.reason is NackReason.INVALID_ARGUMENT and nack.state is start and d.w.state is start
         assert "/nope" in nack.detail and "nothing was written" in nack.detail
-        assert not d.w.failure and "r" not in d.w.cache
-        assert d.send(ReloadWeights(task_id="r", epoch=0, source="/nope")).effect is not None  # asked afresh
+        assert not d.w.failure
+        again = d.send(ReloadWeights(task_id="r", epoch=0, source="/nope"))
+        assert again.effect is None and again.replies == (nack,) and d.w.state is start
+        (reused,) = d.send(ReloadWeights(task_id="r", epoch=0, source="/good")).replies
+        assert reused.reason is NackReason.TASK_ID_REUSED
 
 
 def test_only_a_pending_reload_can_be_refused() -> None:

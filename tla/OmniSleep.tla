@@ -39,7 +39,7 @@ CONSTANTS
     Ranks,          \* the stage's ranks (model values)
     MaxTask,        \* the orchestrator issues task ids 1..MaxTask (commands and requests)
     MaxEpoch,       \* epochs 0..MaxEpoch; each Restart adds one
-    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout"}
+    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource"}
     MaxFaults,      \* at most this many dup/drop/corrupt/crash/error events per behaviour
     SleepLevels,    \* SUBSET {1, 2}: levels of the sleep() calls the orchestrator may make
     SleepTags,      \* SUBSET {"all", "weights", "kv_cache"}: their tags ("all": tags=None)
@@ -68,7 +68,7 @@ BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_par
              "drain_one_request", "early_request_finish", "no_deadline"}
 
 ASSUME Bug \in BugNames
-ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout"}
+ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource"}
 ASSUME SleepLevels \subseteq {1, 2}
 ASSUME SleepTags \cup WakeTags \subseteq {"all", "weights", "kv_cache"}
 ASSUME MaxTask \in Nat /\ MaxEpoch \in Nat /\ MaxFaults \in Nat /\ MaxRequests \in Nat
@@ -288,9 +288,25 @@ WorkerReceive(r, m, keep) ==
     /\ faults' = IF keep THEN faults + 1 ELSE faults
     /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, stageVars, nextTask>>
 
+(* The runner refused the reload's source before writing anything: WorkerCore.on_refused.
+   NACK INVALID_ARGUMENT, back to the state the reload came from; the answer is cached like
+   any terminal reply of an attempted effect, so a copy of the task gets it again (P-2). *)
+BadSourcePending(r) == wpend[r].type = "ReloadWeights" /\ wpend[r].level = 1
+Refused(r) ==
+    /\ alive[r] /\ Busy(r) /\ BadSourcePending(r)
+    /\ LET p == wpend[r]
+           st == WNext(wstate[r], IF wvalid[r] THEN "reload_refused_active" ELSE "reload_refused_needs_reload")
+           reply == NackMsg(p.type, p.task, wepoch[r], r, "INVALID_ARGUMENT", st)
+       IN /\ wstate' = [wstate EXCEPT ![r] = st]
+          /\ wpend' = [wpend EXCEPT ![r] = NoPend]
+          /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
+          /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
+          /\ net' = net \cup {reply}
+    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, faults, broken>>
+
 (* The shell performed the pending effect: WorkerCore.on_done *)
 Done(r) ==
-    /\ alive[r] /\ Busy(r)
+    /\ alive[r] /\ Busy(r) /\ ~BadSourcePending(r)
     /\ LET p == wpend[r]
            asl == CASE p.type = "Sleep" -> wasleep[r] \cup p.plan
                     [] p.type = "Wake" -> wasleep[r] \ p.plan
@@ -417,12 +433,15 @@ IssueWake(tg) ==
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
                    workerVars, faults, broken>>
 
+(* "badsource" in Faults: the caller may name a source the runner cannot use (level 1 marks
+   it on the command, so every rank judges the same source the same way, as a runner does). *)
+SourceKinds == IF "badsource" \in Faults THEN {0, 1} ELSE {0}
 IssueReload ==
     /\ Idle /\ nextTask \in TaskIds /\ SLegal(sstate, "reload")
-    /\ LET t == nextTask IN
+    /\ \E bad \in SourceKinds : LET t == nextTask IN
        /\ sstate' = SNext(sstate, "reload")
-       /\ net' = net \cup SendAll("ReloadWeights", t, 0, {})
-       /\ stask' = t /\ scmd' = [type |-> "ReloadWeights", level |-> 0, tags |-> {}] /\ sacks' = {}
+       /\ net' = net \cup SendAll("ReloadWeights", t, bad, {})
+       /\ stask' = t /\ scmd' = [type |-> "ReloadWeights", level |-> bad, tags |-> {}] /\ sacks' = {}
        /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
@@ -460,6 +479,15 @@ Commit(acks, netNext) ==
     /\ stask' = 0 /\ scmd' = NoCmd
     /\ net' = netNext
     /\ UNCHANGED <<sepoch, sloadFailed, sreqs, sreqReplies, sreqErr, failedRanks>>
+
+(* Every rank refused the reload's source: nothing was written, back to NEEDS_RELOAD. *)
+ReloadRefused(said, netNext) ==
+    /\ sstate' = SNext(sstate, "reload_refused")
+    /\ sacks' = said
+    /\ outcome' = [outcome EXCEPT ![stask] = "refused"]
+    /\ stask' = 0 /\ scmd' = NoCmd
+    /\ net' = netNext
+    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks>>
 
 (* Every rank answered request t; a sleep waiting on the drain goes out once none is left
    in flight (with drain_one_request: as soon as any request ends). *)
@@ -499,6 +527,12 @@ OnReply(m, rest) ==
                                sreqErr, failedRanks, outcome>>
     ELSE IF ForTask(m) THEN
         IF m.rank \in sacks THEN Ignore(rest)                          \* duplicate
+        ELSE IF m.kind = "nack" /\ m.info = "INVALID_ARGUMENT" /\ scmd.type = "ReloadWeights" THEN
+            LET said == sacks \cup {m.rank} IN      \* StageCore._maybe_commit: all refused?
+            IF said = Ranks THEN ReloadRefused(said, rest)
+            ELSE /\ sacks' = said /\ net' = rest
+                 /\ UNCHANGED <<sstate, sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
+                                sreqReplies, sreqErr, failedRanks, outcome>>
         ELSE IF m.kind = "nack" \/ m.state # Expect.wstate \/ m.asleep # Expect.asleep
         THEN FailStage({m.rank}, rest)
         ELSE LET acks == sacks \cup {m.rank} IN
@@ -601,7 +635,8 @@ Next ==
     \/ Deliver(FALSE)
     \/ Deliver(TRUE)                               \* a duplicate: the message stays
     \/ \E m \in net : Drop(m) \/ Corrupt(m)
-    \/ \E r \in Ranks : Loaded(r) \/ LoadFailed(r) \/ Done(r) \/ EffectError(r) \/ Crash(r) \/ RankDied(r)
+    \/ \E r \in Ranks : Loaded(r) \/ LoadFailed(r) \/ Done(r) \/ Refused(r) \/ EffectError(r) \/ Crash(r)
+                       \/ RankDied(r)
     \/ Deadline
     \/ Restart
 
@@ -612,7 +647,7 @@ Next ==
    condition instead of one per action keeps TLC's liveness checking cheap. *)
 Progress ==
     \/ Deliver(FALSE)
-    \/ \E r \in Ranks : Loaded(r) \/ Done(r) \/ RankDied(r)
+    \/ \E r \in Ranks : Loaded(r) \/ Done(r) \/ Refused(r) \/ RankDied(r)
     \/ Deadline
 
 Fairness == WF_vars(Progress)
@@ -635,7 +670,7 @@ TypeOK ==
     /\ sreqReplies \in [TaskIds -> SUBSET Ranks] /\ sreqErr \in [TaskIds -> BOOLEAN]
     /\ \A t \in TaskIds \ sreqs : sreqReplies[t] = {} /\ ~sreqErr[t]
     /\ sacks \subseteq Ranks /\ sloadFailed \subseteq Ranks /\ failedRanks \subseteq Ranks
-    /\ outcome \in [TaskIds -> {"none", "pending", "ok", "failed"}]
+    /\ outcome \in [TaskIds -> {"none", "pending", "ok", "failed", "refused"}]
     /\ faults \in 0..MaxFaults
 
 Executing(r) == alive[r] /\ wpend[r].type = "Execute"

@@ -6,7 +6,7 @@
 
 NoTransition == "-"
 
-\* ---- worker lifecycle: 49 rows from 17 triggers
+\* ---- worker lifecycle: 51 rows from 19 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -14,8 +14,9 @@ WorkerInitial == "LOADING"
 
 WorkerTriggers == {"loaded", "sleep", "sleep_already", "offloaded", "wake", "wake_already",
                    "restored_active", "restored_partial", "restored_needs_reload", "reload",
-                   "reloaded_active", "reloaded_partial", "execute", "status", "fail",
-                   "shutdown", "shutdown_already"}
+                   "reloaded_active", "reloaded_partial", "reload_refused_needs_reload",
+                   "reload_refused_active", "execute", "status", "fail", "shutdown",
+                   "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 WorkerInternalTriggers == {"execute", "shutdown_already", "sleep_already", "status",
@@ -23,55 +24,57 @@ WorkerInternalTriggers == {"execute", "shutdown_already", "sleep_already", "stat
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
-    <<"LOADING", "loaded", "ACTIVE">>,                        \* runner loaded weights and caches
-    <<"ACTIVE", "sleep", "OFFLOADING">>,                      \* Sleep for tags not yet asleep
-    <<"SLEEPING", "sleep", "OFFLOADING">>,                    \* Sleep for tags not yet asleep
-    <<"PARTIAL", "sleep", "OFFLOADING">>,                     \* Sleep for tags not yet asleep
-    <<"NEEDS_RELOAD", "sleep", "OFFLOADING">>,                \* Sleep for tags not yet asleep
-    <<"SLEEPING", "sleep_already", "SLEEPING">>,              \* Sleep whose tags are all asleep: ALREADY, no effect (P-4)
-    <<"PARTIAL", "sleep_already", "PARTIAL">>,                \* Sleep whose tags are all asleep: ALREADY, no effect (P-4)
-    <<"NEEDS_RELOAD", "sleep_already", "NEEDS_RELOAD">>,      \* Sleep whose tags are all asleep: ALREADY, no effect (P-4)
-    <<"OFFLOADING", "offloaded", "SLEEPING">>,                \* backend released the tags
-    <<"SLEEPING", "wake", "RESTORING">>,                      \* Wake for tags that are asleep
-    <<"PARTIAL", "wake", "RESTORING">>,                       \* Wake for tags that are asleep
-    <<"NEEDS_RELOAD", "wake", "RESTORING">>,                  \* Wake for tags that are asleep
-    <<"ACTIVE", "wake_already", "ACTIVE">>,                   \* Wake whose tags are all resident: ALREADY (P-4)
-    <<"SLEEPING", "wake_already", "SLEEPING">>,               \* Wake whose tags are all resident: ALREADY (P-4)
-    <<"PARTIAL", "wake_already", "PARTIAL">>,                 \* Wake whose tags are all resident: ALREADY (P-4)
-    <<"NEEDS_RELOAD", "wake_already", "NEEDS_RELOAD">>,       \* Wake whose tags are all resident: ALREADY (P-4)
-    <<"RESTORING", "restored_active", "ACTIVE">>,             \* all resident, weights valid
-    <<"RESTORING", "restored_partial", "PARTIAL">>,           \* some tags still asleep
-    <<"RESTORING", "restored_needs_reload", "NEEDS_RELOAD">>, \* weights mapped but discarded by a level-2 sleep
-    <<"NEEDS_RELOAD", "reload", "RELOADING">>,                \* ReloadWeights
-    <<"ACTIVE", "reload", "RELOADING">>,                      \* ReloadWeights
-    <<"RELOADING", "reloaded_active", "ACTIVE">>,             \* weights valid, all resident
-    <<"RELOADING", "reloaded_partial", "PARTIAL">>,           \* weights valid, tags asleep
-    <<"ACTIVE", "execute", "ACTIVE">>,                        \* Execute is legal only in ACTIVE (P-7)
-    <<"LOADING", "status", "LOADING">>,                       \* Status is legal everywhere and changes nothing
-    <<"ACTIVE", "status", "ACTIVE">>,                         \* Status is legal everywhere and changes nothing
-    <<"OFFLOADING", "status", "OFFLOADING">>,                 \* Status is legal everywhere and changes nothing
-    <<"SLEEPING", "status", "SLEEPING">>,                     \* Status is legal everywhere and changes nothing
-    <<"RESTORING", "status", "RESTORING">>,                   \* Status is legal everywhere and changes nothing
-    <<"PARTIAL", "status", "PARTIAL">>,                       \* Status is legal everywhere and changes nothing
-    <<"NEEDS_RELOAD", "status", "NEEDS_RELOAD">>,             \* Status is legal everywhere and changes nothing
-    <<"RELOADING", "status", "RELOADING">>,                   \* Status is legal everywhere and changes nothing
-    <<"FAILED", "status", "FAILED">>,                         \* Status is legal everywhere and changes nothing
-    <<"STOPPED", "status", "STOPPED">>,                       \* Status is legal everywhere and changes nothing
-    <<"LOADING", "fail", "FAILED">>,                          \* backend or runner raised
-    <<"ACTIVE", "fail", "FAILED">>,                           \* backend or runner raised
-    <<"OFFLOADING", "fail", "FAILED">>,                       \* backend or runner raised
-    <<"SLEEPING", "fail", "FAILED">>,                         \* backend or runner raised
-    <<"RESTORING", "fail", "FAILED">>,                        \* backend or runner raised
-    <<"PARTIAL", "fail", "FAILED">>,                          \* backend or runner raised
-    <<"NEEDS_RELOAD", "fail", "FAILED">>,                     \* backend or runner raised
-    <<"RELOADING", "fail", "FAILED">>,                        \* backend or runner raised
-    <<"LOADING", "shutdown", "STOPPED">>,                     \* Shutdown (in a transient state the effect in progress answers first: BUSY)
-    <<"ACTIVE", "shutdown", "STOPPED">>,                      \* Shutdown (in a transient state the effect in progress answers first: BUSY)
-    <<"SLEEPING", "shutdown", "STOPPED">>,                    \* Shutdown (in a transient state the effect in progress answers first: BUSY)
-    <<"PARTIAL", "shutdown", "STOPPED">>,                     \* Shutdown (in a transient state the effect in progress answers first: BUSY)
-    <<"NEEDS_RELOAD", "shutdown", "STOPPED">>,                \* Shutdown (in a transient state the effect in progress answers first: BUSY)
-    <<"FAILED", "shutdown", "STOPPED">>,                      \* Shutdown (in a transient state the effect in progress answers first: BUSY)
-    <<"STOPPED", "shutdown_already", "STOPPED">>              \* second Shutdown: ALREADY
+    <<"LOADING", "loaded", "ACTIVE">>,                              \* runner loaded weights and caches
+    <<"ACTIVE", "sleep", "OFFLOADING">>,                            \* Sleep for tags not yet asleep
+    <<"SLEEPING", "sleep", "OFFLOADING">>,                          \* Sleep for tags not yet asleep
+    <<"PARTIAL", "sleep", "OFFLOADING">>,                           \* Sleep for tags not yet asleep
+    <<"NEEDS_RELOAD", "sleep", "OFFLOADING">>,                      \* Sleep for tags not yet asleep
+    <<"SLEEPING", "sleep_already", "SLEEPING">>,                    \* Sleep whose tags are all asleep: ALREADY, no effect (P-4)
+    <<"PARTIAL", "sleep_already", "PARTIAL">>,                      \* Sleep whose tags are all asleep: ALREADY, no effect (P-4)
+    <<"NEEDS_RELOAD", "sleep_already", "NEEDS_RELOAD">>,            \* Sleep whose tags are all asleep: ALREADY, no effect (P-4)
+    <<"OFFLOADING", "offloaded", "SLEEPING">>,                      \* backend released the tags
+    <<"SLEEPING", "wake", "RESTORING">>,                            \* Wake for tags that are asleep
+    <<"PARTIAL", "wake", "RESTORING">>,                             \* Wake for tags that are asleep
+    <<"NEEDS_RELOAD", "wake", "RESTORING">>,                        \* Wake for tags that are asleep
+    <<"ACTIVE", "wake_already", "ACTIVE">>,                         \* Wake whose tags are all resident: ALREADY (P-4)
+    <<"SLEEPING", "wake_already", "SLEEPING">>,                     \* Wake whose tags are all resident: ALREADY (P-4)
+    <<"PARTIAL", "wake_already", "PARTIAL">>,                       \* Wake whose tags are all resident: ALREADY (P-4)
+    <<"NEEDS_RELOAD", "wake_already", "NEEDS_RELOAD">>,             \* Wake whose tags are all resident: ALREADY (P-4)
+    <<"RESTORING", "restored_active", "ACTIVE">>,                   \* all resident, weights valid
+    <<"RESTORING", "restored_partial", "PARTIAL">>,                 \* some tags still asleep
+    <<"RESTORING", "restored_needs_reload", "NEEDS_RELOAD">>,       \* weights mapped but discarded by a level-2 sleep
+    <<"NEEDS_RELOAD", "reload", "RELOADING">>,                      \* ReloadWeights
+    <<"ACTIVE", "reload", "RELOADING">>,                            \* ReloadWeights
+    <<"RELOADING", "reloaded_active", "ACTIVE">>,                   \* weights valid, all resident
+    <<"RELOADING", "reloaded_partial", "PARTIAL">>,                 \* weights valid, tags asleep
+    <<"RELOADING", "reload_refused_needs_reload", "NEEDS_RELOAD">>, \* the runner refused the source before writing (INVALID_ARGUMENT)
+    <<"RELOADING", "reload_refused_active", "ACTIVE">>,             \* the runner refused the source before writing (INVALID_ARGUMENT)
+    <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7)
+    <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
+    <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
+    <<"OFFLOADING", "status", "OFFLOADING">>,                       \* Status is legal everywhere and changes nothing
+    <<"SLEEPING", "status", "SLEEPING">>,                           \* Status is legal everywhere and changes nothing
+    <<"RESTORING", "status", "RESTORING">>,                         \* Status is legal everywhere and changes nothing
+    <<"PARTIAL", "status", "PARTIAL">>,                             \* Status is legal everywhere and changes nothing
+    <<"NEEDS_RELOAD", "status", "NEEDS_RELOAD">>,                   \* Status is legal everywhere and changes nothing
+    <<"RELOADING", "status", "RELOADING">>,                         \* Status is legal everywhere and changes nothing
+    <<"FAILED", "status", "FAILED">>,                               \* Status is legal everywhere and changes nothing
+    <<"STOPPED", "status", "STOPPED">>,                             \* Status is legal everywhere and changes nothing
+    <<"LOADING", "fail", "FAILED">>,                                \* backend or runner raised
+    <<"ACTIVE", "fail", "FAILED">>,                                 \* backend or runner raised
+    <<"OFFLOADING", "fail", "FAILED">>,                             \* backend or runner raised
+    <<"SLEEPING", "fail", "FAILED">>,                               \* backend or runner raised
+    <<"RESTORING", "fail", "FAILED">>,                              \* backend or runner raised
+    <<"PARTIAL", "fail", "FAILED">>,                                \* backend or runner raised
+    <<"NEEDS_RELOAD", "fail", "FAILED">>,                           \* backend or runner raised
+    <<"RELOADING", "fail", "FAILED">>,                              \* backend or runner raised
+    <<"LOADING", "shutdown", "STOPPED">>,                           \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"ACTIVE", "shutdown", "STOPPED">>,                            \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"SLEEPING", "shutdown", "STOPPED">>,                          \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"PARTIAL", "shutdown", "STOPPED">>,                           \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"NEEDS_RELOAD", "shutdown", "STOPPED">>,                      \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"FAILED", "shutdown", "STOPPED">>,                            \* Shutdown (in a transient state the effect in progress answers first: BUSY)
+    <<"STOPPED", "shutdown_already", "STOPPED">>                    \* second Shutdown: ALREADY
 }
 
 WorkerTable == [g \in WorkerTriggers |-> [s \in WorkerStates |->
@@ -83,15 +86,15 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 46 rows from 17 triggers
+\* ---- stage lifecycle: 47 rows from 18 triggers
 StageStates == {"STARTING", "RUNNING", "DRAINING", "TRANSITIONING", "SLEEPING", "WAKING",
                 "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
 StageInitial == "STARTING"
 
 StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "sleep_already",
-                  "slept", "wake", "wake_already", "reload", "woke_running", "woke_partial",
-                  "woke_needs_reload", "execute", "fail", "restart", "stop"}
+                  "slept", "wake", "wake_already", "reload", "reload_refused", "woke_running",
+                  "woke_partial", "woke_needs_reload", "execute", "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 StageInternalTriggers == {"execute", "sleep_already", "wake_already"}
@@ -117,6 +120,7 @@ StageRelation == {
     <<"PARTIAL", "wake_already", "PARTIAL">>,            \* every requested tag resident: ALREADY (P-4)
     <<"NEEDS_RELOAD", "wake_already", "NEEDS_RELOAD">>,  \* every requested tag resident: ALREADY (P-4)
     <<"NEEDS_RELOAD", "reload", "WAKING">>,              \* ReloadWeights sent to every rank
+    <<"WAKING", "reload_refused", "NEEDS_RELOAD">>,      \* every rank refused the source (INVALID_ARGUMENT): nothing was written
     <<"WAKING", "woke_running", "RUNNING">>,             \* every rank ACKed, all resident (P-5)
     <<"WAKING", "woke_partial", "PARTIAL">>,             \* every rank ACKed, tags still asleep
     <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,   \* every rank ACKed; weights mapped but discarded at level 2

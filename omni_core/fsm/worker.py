@@ -245,14 +245,17 @@ class WorkerCore:
 
     def on_refused(self, task_id: str, detail: str) -> WorkerStep:
         """The runner refused the pending reload's arguments before touching memory: NACK
-        INVALID_ARGUMENT and return to the state the reload started from. Not cached, like
-        every refusal: the same task_id with a usable source is a fresh command."""
+        INVALID_ARGUMENT and return to the state the reload started from. Cached, like an
+        EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
+        gets it again instead of passing through RELOADING once more (TLC found that a copy
+        judged afresh moved a rank of a NEEDS_RELOAD stage back into RELOADING)."""
         pending = self._take_pending(task_id)
         if not isinstance(pending.command, ReloadWeights) or pending.state_before not in _REFUSED_RELOAD:
             raise InvariantViolation(f"only a pending ReloadWeights can be refused, not {pending.command!r}")
         self.lifecycle.fire(_REFUSED_RELOAD[pending.state_before])
         reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT,
                            f"ReloadWeights task {task_id!r} refused, nothing was written: {detail}")  # fmt: skip
+        self._remember(pending.command, reply)
         self._check_invariants()
         return WorkerStep(replies=(reply,))
 
