@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -166,6 +167,15 @@ def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dty
     return params
 
 
+def _readable_by_all(root: Path) -> None:
+    """Modes as the user's umask says: safetensors writes its files 0600, and a checkpoint
+    is usually shared (other users, containers running as another uid)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in root.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _check_target(target: Path, force: bool) -> None:
     if target.exists() and not target.is_dir():
         raise ModelSpecError(f"{target} exists and is not a directory; give a directory path")
@@ -195,6 +205,7 @@ def make_checkpoint(family: str, size: str, directory: str | Path, *, seed: int 
     try:
         writer = _write_diffusion if fam.kind == DIFFUSION else _write_llm
         params = writer(fam, spec, staging, seed, torch_type)
+        _readable_by_all(staging)
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
         file_bytes = sum((staging / f).stat().st_size for f in files)
         target.mkdir(exist_ok=True)
