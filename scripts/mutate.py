@@ -63,6 +63,20 @@ PER_TEST_TIMEOUT_S = 180
 # A whole pytest run (one mutant's tests), as a last resort behind the per-test timeout.
 RUN_TIMEOUT_S = 900
 CANARY = "MUTATION-CANARY"
+NOTES = """\
+How to read it: every listed test runs on every mutant (no -x), so "caught by" names each test
+that failed. The baseline is the same tests on the unmutated copy; the canaries crash on purpose
+and count as caught only when their text shows in the output, which proves that the test process
+and the rank processes ran the copy's code, not the editable install's.
+
+Not in the table: the NEEDS_RELOAD refusal in op_execute on its own. Without it the request is
+queued and `_pump` refuses it within the same call with the same error class (only the message
+differs), an equivalent mutant; `needs-reload-refusal` removes both places, `needs-reload-queued`
+the second alone.
+
+Slow catches: `reject-policy` and `needs-reload-refusal` run the demo until its refusal probe's own
+30 s deadline; the deadline mutants wait for the tests' bound of ten times the deadline.
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +406,7 @@ def markdown(outcomes: Sequence[Outcome], header: dict[str, str]) -> str:
         caught = "<br>".join(f"`{t.split('::', 1)[1]}`" for t in o.caught_by) or o.detail.replace("|", "\\|")
         lines.append(f"| `{o.name}` | {m.files if m else '-'} | {m.what if m else '-'} | **{o.result}** | "
                      f"{caught} | {o.duration_s:.1f} s |")  # fmt: skip
-    lines += ["", "Tests run per mutation (node ids):", ""]
+    lines += ["", NOTES.rstrip("\n"), "", "Tests run per mutation (node ids):", ""]
     for o in outcomes:
         m = by_name.get(o.name)
         if m is not None:
