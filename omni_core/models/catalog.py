@@ -3,8 +3,8 @@
 Plain data, no torch: listing the catalog or rejecting a bad name must not import
 transformers or diffusers. "tiny" sizes run in seconds on a CPU and weigh a few MB (CI);
 the others have the shapes of real models (Qwen2-1.5B, a Llama-3.2-1B widened to 20
-layers, DiT-XL/2 cut to 19 blocks with the SD VAE, the DDPM CIFAR-10 UNet) so the memory
-paths see realistic tensor counts and sizes.
+layers, DiT-XL/2 cut to 19 blocks with the SD VAE, the DDPM CIFAR-10 UNet, Stable Diffusion
+1.5) so the memory paths see realistic tensor counts and sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ DIFFUSION = "diffusion"
 # Byte-level BPE trained on a fixed corpus (omni_core.models.tokenizer); the tiny models'
 # vocabularies are padded with reserved tokens to exactly this size.
 TINY_VOCAB = 512
+# The CLIP tokenizer: its two special tokens and every byte, alone and word-final ("</w>").
+CLIP_TINY_VOCAB = 2 + 2 * 256
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,28 @@ def _vae(channels: list[int], groups: int, image_size: int) -> dict[str, Any]:
             "norm_num_groups": groups, "sample_size": image_size, "scaling_factor": 0.18215}  # fmt: skip
 
 
+def _clip_text(hidden: int, inter: int, layers: int, heads: int, vocab: int) -> dict[str, Any]:
+    # Ids as the tokenizer writes them (omni_core.models.tokenizer.write_clip_tokenizer).
+    return {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "max_position_embeddings": 77, "projection_dim": hidden,
+            "hidden_act": "quick_gelu", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}  # fmt: skip
+
+
+def _sd_unet(channels: list[int], layers: int, groups: int, cross_dim: int, head_dim: int,
+             sample_size: int) -> dict[str, Any]:  # fmt: skip
+    cross = len(channels) - 1  # every level but the lowest attends to the text, as in SD 1.x
+    return {"sample_size": sample_size, "in_channels": 4, "out_channels": 4, "block_out_channels": channels,
+            "layers_per_block": layers, "norm_num_groups": groups, "cross_attention_dim": cross_dim,
+            "attention_head_dim": head_dim,
+            "down_block_types": ["CrossAttnDownBlock2D"] * cross + ["DownBlock2D"],
+            "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * cross}  # fmt: skip
+
+
+# runwayml/stable-diffusion-v1-5's schedule, with DDIM (its default PNDM keeps every past
+# output, which a fixed-size request slot cannot hold for long runs).
+_SD_DDIM = {"_class_name": "DDIMScheduler", "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+            "beta_schedule": "scaled_linear", "clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1,
+            "prediction_type": "epsilon"}  # fmt: skip
 # facebook/DiT-XL-2-256's scheduler.
 _DDIM = {"_class_name": "DDIMScheduler", "num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
          "beta_schedule": "linear", "clip_sample": False, "set_alpha_to_one": True, "steps_offset": 0,
@@ -103,6 +127,15 @@ FAMILIES: dict[str, Family] = {
             "sample_size": 32, "in_channels": 3, "out_channels": 3, "block_out_channels": [128, 256, 256, 256],
             "layers_per_block": 2, "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"],
             "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"]}, "scheduler": _DDPM}),
+    }),
+    "sd": Family("sd", DIFFUSION, "StableDiffusionPipeline: CLIP text encoder + tokenizer, UNet2DConditionModel, "
+                 "AutoencoderKL, DDIM", {
+        "tiny": Size("tiny", 282_979, "float32", {
+            "unet": _sd_unet([16, 32], 1, 8, 32, 8, 8), "vae": _vae([8, 16], 4, 16),
+            "text_encoder": _clip_text(32, 64, 2, 4, CLIP_TINY_VOCAB), "scheduler": _SD_DDIM}),
+        "1b": Size("1b", 1_066_235_307, "float16", {
+            "unet": _sd_unet([320, 640, 1280, 1280], 2, 32, 768, 8, 64), "vae": _vae([128, 256, 512, 512], 32, 512),
+            "text_encoder": _clip_text(768, 3072, 12, 12, 49408), "scheduler": _SD_DDIM}),
     }),
 }  # fmt: skip
 

@@ -27,15 +27,21 @@ from typing import Any
 import torch
 
 from omni_core.models.catalog import DIFFUSION, Family, ModelSpecError, Size, lookup
-from omni_core.models.tokenizer import write_tokenizer
+from omni_core.models.tokenizer import write_clip_tokenizer, write_tokenizer
 
 # Above this the vocabulary is a real model's (150k): padding the small tokenizer with that
 # many reserved tokens would only bloat tokenizer.json; ids past its end decode to "".
 PAD_TOKENIZER_UP_TO = 4096
 SAFETENSORS_METADATA = {"format": "pt"}  # transformers warns on files without it
 # diffusers class of each component folder, and of each pipeline family.
-COMPONENT_CLASSES = {"transformer": "DiTTransformer2DModel", "vae": "AutoencoderKL", "unet": "UNet2DModel"}
-PIPELINE_CLASSES = {"dit": "DiTPipeline", "ddpm": "DDPMPipeline"}
+# (library, class) of each component folder, by family; and each family's pipeline.
+COMPONENT_CLASSES = {
+    "dit": {"transformer": ("diffusers", "DiTTransformer2DModel"), "vae": ("diffusers", "AutoencoderKL")},
+    "ddpm": {"unet": ("diffusers", "UNet2DModel")},
+    "sd": {"unet": ("diffusers", "UNet2DConditionModel"), "vae": ("diffusers", "AutoencoderKL"),
+           "text_encoder": ("transformers", "CLIPTextModel")},
+}
+PIPELINE_CLASSES = {"dit": "DiTPipeline", "ddpm": "DDPMPipeline", "sd": "StableDiffusionPipeline"}
 DIT_CLASSES = 1000
 
 
@@ -113,19 +119,25 @@ def _meta_llm(config: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def _meta_diffusion(size: Size) -> dict[str, torch.nn.Module]:
+def _meta_diffusion(family: str, size: Size) -> dict[str, torch.nn.Module]:
     import diffusers
+    import transformers
 
+    modules = {}
     with torch.device("meta"):
-        return {name: getattr(diffusers, COMPONENT_CLASSES[name])(**fields)
-                for name, fields in size.configs.items() if name != "scheduler"}  # fmt: skip
+        for name, (library, class_name) in COMPONENT_CLASSES[family].items():
+            cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+            fields = size.configs[name]
+            # transformers models take a config object, diffusers models its fields.
+            modules[name] = cls(cls.config_class(**fields)) if library == "transformers" else cls(**fields)
+    return modules
 
 
 def param_count(family: str, size: str) -> int:
     """Parameters of FAMILY at SIZE (tied ones once), counted on the meta device: no memory."""
     fam, spec = lookup(family, size)
     if fam.kind == DIFFUSION:
-        modules = list(_meta_diffusion(spec).values())
+        modules = list(_meta_diffusion(family, spec).values())
     else:
         modules = [_meta_llm(_llm_config(spec, {"eos_token": 0}, torch.float32))]
     return sum(p.numel() for module in modules for p in module.parameters())
@@ -147,10 +159,18 @@ def _write_llm(family: Family, size: Size, directory: Path, seed: int, dtype: to
 def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype) -> int:
     import diffusers
 
-    components = _meta_diffusion(size)
+    components = _meta_diffusion(family.name, size)
     scheduler_fields = dict(size.configs["scheduler"])
     scheduler = getattr(diffusers, scheduler_fields.pop("_class_name")).from_config(scheduler_fields)
-    pipeline = getattr(diffusers, PIPELINE_CLASSES[family.name])(**components, scheduler=scheduler)
+    extra: dict[str, Any] = {}
+    if family.name == "sd":
+        write_clip_tokenizer(directory / "tokenizer")
+        from transformers import CLIPTokenizer
+
+        # No safety checker: its own 1.2 GB CLIP vision model would dwarf a tiny pipeline.
+        extra = {"tokenizer": CLIPTokenizer.from_pretrained(str(directory / "tokenizer")), "safety_checker": None,
+                 "feature_extractor": None, "requires_safety_checker": False}  # fmt: skip
+    pipeline = getattr(diffusers, PIPELINE_CLASSES[family.name])(**components, scheduler=scheduler, **extra)
     if family.name == "dit":
         # DiTPipeline takes id2label from model_index.json but does not register it itself.
         pipeline.register_to_config(id2label={str(i): f"class {i}" for i in range(DIT_CLASSES)})
@@ -159,10 +179,14 @@ def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dty
     params = 0
     for name, module in components.items():
         folder = directory / name
-        module.save_config(str(folder))
         # The component's name keeps the seeds of two components with equal tensor names apart.
         tensors = seeded_state_dict(module, tensor_seed(seed, name), dtype)
-        _write_safetensors(tensors, folder / "diffusion_pytorch_model.safetensors")
+        if COMPONENT_CLASSES[family.name][name][0] == "transformers":
+            module.config.save_pretrained(str(folder))
+            _write_safetensors(tensors, folder / "model.safetensors")
+        else:
+            module.save_config(str(folder))
+            _write_safetensors(tensors, folder / "diffusion_pytorch_model.safetensors")
         params += sum(t.numel() for t in tensors.values())
     return params
 

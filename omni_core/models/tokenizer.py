@@ -55,3 +55,16 @@ def write_tokenizer(directory: Path, family: str, vocab_size: int | None) -> dic
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=specials["eos_token"], **specials)
     wrapped.save_pretrained(str(directory))
     return {role: tokenizer.token_to_id(text) for role, text in specials.items()}
+
+
+def write_clip_tokenizer(directory: Path) -> int:
+    """A CLIPTokenizer without merges: every byte is a token, alone or word-final, so any
+    text encodes. Returns its vocabulary size."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = ["<|startoftext|>", "<|endoftext|>", *alphabet, *(f"{c}</w>" for c in alphabet)]
+    tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=77)
+    tokenizer.save_pretrained(str(directory))
+    return len(tokens)
