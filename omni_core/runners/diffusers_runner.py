@@ -1,26 +1,32 @@
 """A diffusion pipeline from a local diffusers directory, as a worker's runner, step-wise.
 
     StageSpec("decoder", runner="diffusers", tags=("weights", "kv_cache", "requests"),
-              runner_args={"model": "/models/dit", "max_requests": 8})
+              runner_args={"model": "/models/dit", "max_requests": 8, "scheduler": "DPMSolverMultistepScheduler"})
 
-Pipelines: `DiTPipeline` (class-conditional DiT + VAE, classifier-free guidance) and
-`DDPMPipeline` (unconditional UNet). The denoising loop is the pipeline's own, step for step
-(the tests compare the output with `pipeline(...)` bit for bit), cut so it can stop between
-steps:
+Pipelines: `DiTPipeline` (class-conditional DiT + VAE, classifier-free guidance),
+`DDPMPipeline` (unconditional UNet) and `StableDiffusionPipeline` (CLIP text encoder, UNet,
+VAE). The denoising loop is the pipeline's own, step for step (the tests compare the output
+with `pipeline(...)` bit for bit), cut so it can stop between steps:
 
     {"op": "start", "class_label": 207, "seed": 1, "steps": 25, "guidance_scale": 4.0} -> {"request_id": "r1", ...}
     {"op": "step", "request_id": "r1", "steps": 5}     -> {"steps_done": 5, "steps_total": 25, ...}
     {"op": "finish", "request_id": "r1"}                -> the image (remaining steps first)
     {"op": "cancel", "request_id": "r1"}
     {"class_label": 207, "seed": 1, "steps": 25}        -> the image in one call (no state kept)
+    {"prompt": "a cat", "negative_prompt": "blurry", "seed": 1, "steps": 25}   (Stable Diffusion)
+    {"op": "prompt_cache", "clear": true}               -> entries, hits, misses (clear is optional)
 
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
+Text embeddings are cached by prompt on the host (`prompt_cache_entries`, LRU): a sleep cannot
+release them, so no entry ever points at discarded memory, and a reload empties the cache
+because the text encoder may have changed.
 
-Where memory lives: every component's tensors (transformer or UNet, VAE) in `weights`; the
-state of step-wise requests (latents and the scheduler's latent-shaped tensors, e.g. DPM-Solver's
-past model outputs) in one fixed slab of tag `requests`, one slot per request, allocated in
-`allocate("requests")`. Between two ops nothing of a request stays on the device outside that
-slab; its host-side state (step counter, the CPU random generator) stays in Python.
+Where memory lives: every component's tensors (transformer or UNet, VAE, text encoder) in
+`weights`; the state of step-wise requests (latents and the scheduler's latent-shaped tensors,
+e.g. DPM-Solver's past model outputs) in one fixed slab of tag `requests`, one slot per
+request, allocated in `allocate("requests")`. Between two ops nothing of a request stays on
+the device outside that slab; its host-side state (step counter, the CPU random generator,
+its text embeddings) stays in Python.
 
 Sleeping: the state machine offloads only `weights` at level 1 and discards every other tag,
 so `buffers_to_save()` lists the slots of live requests: the backend copies them to the host
@@ -36,6 +42,7 @@ instead of producing a wrong image.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -63,14 +70,20 @@ from omni_core.workers.synthetic import tensor_bytes, torch_dtype
 log = logging.getLogger("omni_core.runners.diffusers")
 
 REQUESTS_TAG = "requests"
-PIPELINES = {"DiTPipeline": "dit", "DDPMPipeline": "ddpm"}
-MODULE_COMPONENTS = {"dit": ("transformer", "vae"), "ddpm": ("unet",)}
+PIPELINES = {"DiTPipeline": "dit", "DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd"}
+MODULE_COMPONENTS = {"dit": ("transformer", "vae"), "ddpm": ("unet",), "sd": ("unet", "vae", "text_encoder")}
 ALIGN_BYTES = 64  # every tensor in a slot starts here: views of any dtype stay aligned
 HEADER_BYTES = ALIGN_BYTES  # canary, generation, steps done (int64 each)
 MAX_LOST_REMEMBERED = 1024  # lost requests whose error is kept for their next op
 MAX_STEPS_LIMIT = 10_000
-OPS = ("start", "step", "finish", "cancel")
-REQUEST_KEYS = frozenset({"class_label", "seed", "steps", "guidance_scale"})
+OPS = ("start", "step", "finish", "cancel", "prompt_cache")
+REQUEST_KEYS = {
+    "dit": frozenset({"class_label", "seed", "steps", "guidance_scale"}),
+    "ddpm": frozenset({"seed", "steps"}),
+    "sd": frozenset({"prompt", "negative_prompt", "seed", "steps", "guidance_scale"}),
+}
+DEFAULT_GUIDANCE = {"dit": 4.0, "ddpm": 1.0, "sd": 7.5}  # each pipeline's own default
+MAX_PROMPT_CACHE_ENTRIES = 100_000
 
 
 class RequestLostError(RuntimeError):
@@ -102,7 +115,8 @@ class _Request:
     canary: int = 0
     generation: int = 0
     parked: list[_Parked] = field(default_factory=list)
-    sample: torch.Tensor | None = None  # only while an op runs, or for a one-shot request
+    prompt: str | None = None
+    embeddings: torch.Tensor | None = None  # text conditioning (unconditional half first), on the host
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -127,6 +141,7 @@ class DiffusersRunner(ModelRunner):
         max_requests: int = 8,
         max_steps: int = 1000,
         state_tensors: int = 6,
+        prompt_cache_entries: int = 64,
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(device)
@@ -148,11 +163,19 @@ class DiffusersRunner(ModelRunner):
             if not isinstance(getattr(diffusers, scheduler, None), type) or not scheduler.endswith("Scheduler"):
                 raise ValueError(f"scheduler={scheduler!r} is not a diffusers scheduler class "
                                  "(e.g. DDIMScheduler, DPMSolverMultistepScheduler)")  # fmt: skip
-        for name, value, low, high in (("max_requests", max_requests, 1, 4096), ("max_steps", max_steps, 1,
-                                       MAX_STEPS_LIMIT), ("state_tensors", state_tensors, 2, 64)):  # fmt: skip
+        limits = (("max_requests", max_requests, 1, 4096), ("max_steps", max_steps, 1, MAX_STEPS_LIMIT),
+                  ("state_tensors", state_tensors, 2, 64),
+                  ("prompt_cache_entries", prompt_cache_entries, 0, MAX_PROMPT_CACHE_ENTRIES))  # fmt: skip
+        for name, value, low, high in limits:
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
         self.max_requests, self.max_steps, self.state_tensors = max_requests, max_steps, state_tensors
+        # Text embeddings by (prompt, negative prompt, guided), least recently used first. On
+        # the host: no sleep can take them away, so an entry never points at released memory;
+        # a hit costs one small host-to-device copy. A reload clears them (new text encoder).
+        self.prompt_cache: OrderedDict[tuple[str, str | None, bool], torch.Tensor] = OrderedDict()
+        self.prompt_cache_entries = prompt_cache_entries
+        self.prompt_cache_hits = self.prompt_cache_misses = 0
         self.sample_shape = self._sample_shape()
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
         # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs).
@@ -238,6 +261,7 @@ class DiffusersRunner(ModelRunner):
             raise RunnerArgumentError(f"the reload source must be a pipeline directory path, got {source!r}")
         self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
         self.generation += 1
+        self.prompt_cache.clear()
         for request_id in list(self.requests):
             self._lose(request_id, "the weights were reloaded while it was in flight (a level-2 sleep discarded "
                                    "its state, or a weight update changed the model under it)")  # fmt: skip
@@ -257,10 +281,12 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"unknown op {op!r}; ops are {list(OPS)} (or none: one call, the whole image)")
         if self.pipeline is None:
             raise RuntimeError("DiffusersRunner.execute before load_weights")
+        if op == "prompt_cache":
+            return self._prompt_cache_op(payload)
         # Every pool this runner has must be resident, as the worker requires for any Execute.
         check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: self.tensors(REQUESTS_TAG)})
         if op is None:
-            request = self._new_request(payload, allowed=REQUEST_KEYS)
+            request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind])
             with torch.no_grad():
                 sample = self._initial_sample(request)
                 sample = self._denoise(request, sample, request.steps_total)
@@ -297,7 +323,7 @@ class DiffusersRunner(ModelRunner):
         if self.slab is None:
             raise ValueError("step-wise requests keep their state in the 'requests' pool, which this stage does not "
                              "have; add 'requests' to StageSpec.tags, or send the request without 'op'")  # fmt: skip
-        request = self._new_request(payload, allowed=REQUEST_KEYS | {"op"})
+        request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind] | {"op"})
         used = {r.slot for r in self.requests.values()}
         free = [slot for slot in range(self.max_requests) if slot not in used]
         if not free:
@@ -323,20 +349,57 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= self.max_steps:
             raise ValueError(f"steps must be an int in 1..{self.max_steps} (max_steps), got {steps!r}")
-        label, guidance = None, 1.0
-        if self.kind == "dit":
-            label = self._class_label(payload.get("class_label"))
-            guidance = payload.get("guidance_scale", 4.0)
-            if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or not 0 <= guidance <= 100:
-                raise ValueError(f"guidance_scale must be a number in [0, 100], got {guidance!r}")
-        else:
-            extra = sorted({"class_label", "guidance_scale"} & set(payload))
-            if extra:
-                raise ValueError(f"{extra} do not apply to an unconditional DDPM pipeline")
+        guidance = payload.get("guidance_scale", DEFAULT_GUIDANCE[self.kind])
+        if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or not 0 <= guidance <= 100:
+            raise ValueError(f"guidance_scale must be a number in [0, 100], got {guidance!r}")
+        label = self._class_label(payload.get("class_label")) if self.kind == "dit" else None
+        # Timesteps on the host, as DiTPipeline and DDPMPipeline set them: the same values
+        # (StableDiffusionPipeline puts them on the device) without a device tensor per request.
         scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
-        scheduler.set_timesteps(steps)  # on the host, as the pipelines call it
+        scheduler.set_timesteps(steps)
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        return _Request("", label, seed, steps, float(guidance), scheduler, generator)
+        request = _Request("", label, seed, steps, float(guidance), scheduler, generator)
+        if self.kind == "sd":
+            request.prompt = payload.get("prompt")
+            request.embeddings = self._prompt_embeddings(request.prompt, payload.get("negative_prompt"), guidance > 1)
+        return request
+
+    def _prompt_embeddings(self, prompt: Any, negative: Any, guided: bool) -> torch.Tensor:
+        """StableDiffusionPipeline.encode_prompt's result, cached on the host."""
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"this pipeline is text-conditioned: give 'prompt' as a non-empty string, got {prompt!r}")
+        if negative is not None and not isinstance(negative, str):
+            raise ValueError(f"negative_prompt must be a string, got {negative!r}")
+        key = (prompt, negative, guided)
+        cached = self.prompt_cache.get(key)
+        if cached is not None:
+            self.prompt_cache_hits += 1
+            self.prompt_cache.move_to_end(key)
+            return cached
+        self.prompt_cache_misses += 1
+        with torch.no_grad():
+            positive, negative_embeds = self.pipeline.encode_prompt(prompt, self.device, 1, guided, negative)
+            embeddings = torch.cat([negative_embeds, positive]) if guided else positive
+        embeddings = embeddings.to("cpu")
+        if self.prompt_cache_entries:
+            self.prompt_cache[key] = embeddings
+            while len(self.prompt_cache) > self.prompt_cache_entries:
+                self.prompt_cache.popitem(last=False)
+        return embeddings
+
+    def _prompt_cache_op(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """{"op": "prompt_cache"} -> its figures; with "clear": true, emptied first."""
+        self._check_keys(payload, {"op", "clear"})
+        if self.kind != "sd":
+            raise ValueError(f"this {self.kind} pipeline has no text encoder, so no prompt cache")
+        clear = payload.get("clear", False)
+        if not isinstance(clear, bool):
+            raise TypeError(f"clear must be a bool, got {clear!r}")
+        if clear:
+            self.prompt_cache.clear()
+        return {"entries": len(self.prompt_cache), "capacity": self.prompt_cache_entries,
+                "hits": self.prompt_cache_hits, "misses": self.prompt_cache_misses,
+                "host_bytes": sum(t.numel() * t.element_size() for t in self.prompt_cache.values())}  # fmt: skip
 
     def _class_label(self, label: Any) -> int:
         classes = int(self.modules["transformer"].config.num_embeds_ada_norm)
@@ -351,16 +414,15 @@ class DiffusersRunner(ModelRunner):
 
     # ------------------------------------------------------------------ the pipelines' loops
 
-    @property
-    def _guided(self) -> bool:
-        return self.kind == "dit"
-
     def _initial_sample(self, request: _Request) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
         denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        dtype = request.embeddings.dtype if request.embeddings is not None else denoiser.dtype
         latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device,
-                               dtype=denoiser.dtype)  # fmt: skip
+                               dtype=dtype)  # fmt: skip
+        if self.kind == "sd":
+            return latents * request.scheduler.init_noise_sigma
         if self.kind == "dit" and request.guidance_scale > 1:
             return torch.cat([latents] * 2)
         return latents
@@ -373,10 +435,19 @@ class DiffusersRunner(ModelRunner):
             if request.guidance_scale > 1:
                 null = int(self.modules["transformer"].config.num_embeds_ada_norm)
                 labels = torch.cat([labels, torch.tensor([null], device=self.device)], 0)
+        embeddings, step_kwargs = None, {}
+        if self.kind == "sd":
+            embeddings = request.embeddings.to(self.device)
+            accepted = set(inspect.signature(request.scheduler.step).parameters)
+            step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", request.generator)) if k in accepted}
         for index in range(request.steps_done, end):
             t = request.scheduler.timesteps[index]
-            sample = self._dit_step(request, sample, t, labels) if self.kind == "dit" else self._ddpm_step(
-                request, sample, t)  # fmt: skip
+            if self.kind == "dit":
+                sample = self._dit_step(request, sample, t, labels)
+            elif self.kind == "sd":
+                sample = self._sd_step(request, sample, t, embeddings, step_kwargs)
+            else:
+                sample = self._ddpm_step(request, sample, t)
         request.steps_done = end
         return sample
 
@@ -409,11 +480,27 @@ class DiffusersRunner(ModelRunner):
         model_output = self.modules["unet"](sample, t).sample
         return request.scheduler.step(model_output, t, sample, generator=request.generator).prev_sample
 
+    def _sd_step(self, request: _Request, latents: torch.Tensor, t: torch.Tensor, embeddings: torch.Tensor,
+                 step_kwargs: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+        # StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale).
+        scheduler, guided = request.scheduler, request.guidance_scale > 1
+        model_input = torch.cat([latents] * 2) if guided else latents
+        model_input = scheduler.scale_model_input(model_input, t)
+        noise_pred = self.modules["unet"](model_input, t, encoder_hidden_states=embeddings, timestep_cond=None,
+                                          cross_attention_kwargs=None, added_cond_kwargs=None,
+                                          return_dict=False)[0]  # fmt: skip
+        if guided:
+            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+            noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
+        return scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+
     def _image(self, request: _Request, sample: torch.Tensor) -> dict[str, Any]:
+        vae = self.modules.get("vae")
         if self.kind == "dit":
             latents = sample.chunk(2, dim=0)[0] if request.guidance_scale > 1 else sample
-            vae = self.modules["vae"]
             sample = vae.decode(1 / vae.config.scaling_factor * latents).sample
+        elif self.kind == "sd":  # the pipelines scale in different ways; each result is its own
+            sample = vae.decode(sample / vae.config.scaling_factor, return_dict=False, generator=request.generator)[0]
         images = (sample / 2 + 0.5).clamp(0, 1)
         pixels = images.cpu().permute(0, 2, 3, 1).float().numpy()
         png = io.BytesIO()
@@ -426,6 +513,7 @@ class DiffusersRunner(ModelRunner):
             "steps": request.steps_total,
             "seed": request.seed,
             "class_label": request.class_label,
+            "prompt": request.prompt,
         }
 
     # ------------------------------------------------------------------ request state in the slab
