@@ -23,12 +23,12 @@ from omni_core.workers.runner import ModelRunner
 CPU = torch.device("cpu")
 # (family, seed) of every checkpoint the tests use; seed 1 is "another checkpoint of the
 # same architecture" for weight updates.
-CHECKPOINTS = (("qwen2", 0), ("qwen2", 1), ("llama", 0), ("dit", 0), ("dit", 1), ("ddpm", 0))
+CHECKPOINTS = (("qwen2", 0), ("qwen2", 1), ("llama", 0), ("dit", 0), ("dit", 1), ("ddpm", 0), ("sd", 0))
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """'qwen2', 'qwen2-seed1', 'llama', 'dit', 'dit-seed1', 'ddpm' -> tiny checkpoint dir."""
+    """'qwen2', 'qwen2-seed1', 'llama', 'dit', 'dit-seed1', 'ddpm', 'sd' -> tiny checkpoint dir."""
     root = tmp_path_factory.mktemp("checkpoints")
     out = {}
     for family, seed in CHECKPOINTS:

@@ -23,6 +23,7 @@ from .conftest import CPU, Pools
 ALL_TAGS = ("weights", "kv_cache", "requests")
 DIT = {"class_label": 3, "seed": 1, "steps": 8}
 DDPM = {"seed": 1, "steps": 8}
+SD = {"prompt": "a cat on a mat", "negative_prompt": "blurry", "seed": 1, "steps": 8}
 DPM_SOLVER = "DPMSolverMultistepScheduler"  # multistep: keeps past model outputs between steps
 
 
@@ -40,18 +41,20 @@ def test_registered_as_builtin():
 
 
 @pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", None, DIT), ("dit", DPM_SOLVER, DIT),
-                                                               ("ddpm", None, DDPM)])  # fmt: skip
+                                                               ("ddpm", None, DDPM), ("sd", None, SD)])  # fmt: skip
 def test_one_call_equals_the_stock_pipeline(family, scheduler, request_, checkpoints):
     import diffusers
 
     pools = runner_in_pools(checkpoints[family], scheduler=scheduler)
     out = pools.runner.execute(dict(request_))
     pipeline = diffusers.DiffusionPipeline.from_pretrained(str(checkpoints[family]), local_files_only=True)
-    own_storage([pipeline.components[name] for name in ("transformer", "vae", "unet") if name in pipeline.components])
+    own_storage([component for name, component in pipeline.components.items()
+                 if name in ("transformer", "vae", "unet", "text_encoder")])
     if scheduler:
         pipeline.scheduler = getattr(diffusers, scheduler).from_config(pipeline.scheduler.config)
     pipeline.set_progress_bar_config(disable=True)
-    kwargs = {"class_labels": [request_["class_label"]]} if family == "dit" else {}
+    kwargs = {"dit": {"class_labels": [DIT["class_label"]]}, "ddpm": {},
+              "sd": {"prompt": SD["prompt"], "negative_prompt": SD["negative_prompt"]}}[family]
     images = pipeline(generator=torch.Generator().manual_seed(request_["seed"]), num_inference_steps=8,
                       output_type="pt", **kwargs).images  # fmt: skip
     assert out["sha256"] == hashlib.sha256(tensor_bytes(images)).hexdigest()
@@ -62,7 +65,8 @@ def test_one_call_equals_the_stock_pipeline(family, scheduler, request_, checkpo
     assert pools.runner.execute({**request_, "seed": 2})["sha256"] != out["sha256"]
 
 
-@pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", DPM_SOLVER, DIT), ("ddpm", None, DDPM)])
+@pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", DPM_SOLVER, DIT), ("ddpm", None, DDPM),
+                                                               ("sd", DPM_SOLVER, SD)])
 def test_stepwise_request_survives_a_level1_sleep_bit_identical(family, scheduler, request_, checkpoints):
     pools = runner_in_pools(checkpoints[family], scheduler=scheduler)
     runner = pools.runner
@@ -184,7 +188,7 @@ def test_unusable_reload_is_refused_before_any_write(checkpoints, tmp_path):
     ("payload", "error", "message"),
     [
         ("draw", TypeError, "payload must be a dict"),
-        ({"op": "pause"}, ValueError, r"unknown op 'pause'; ops are \['start', 'step', 'finish', 'cancel'\]"),
+        ({"op": "pause"}, ValueError, r"unknown op 'pause'; ops are \['start', 'step', 'finish', 'cancel', "),
         ({**DIT, "prompt": "a cat"}, ValueError, r"unknown payload key\(s\) \['prompt'\]"),
         ({**DIT, "class_label": 1000}, ValueError, r"class_label must be an int in 0..999 or a label name"),
         ({**DIT, "class_label": "unicorn"}, ValueError, "'unicorn' is not a label of this pipeline"),
@@ -200,5 +204,31 @@ def test_bad_payloads_say_what_is_wrong(dit, payload, error, message):
 def test_label_names_and_unconditional_pipelines(dit, checkpoints):
     assert dit.runner.execute({**DIT, "class_label": "class 3"})["sha256"] == dit.runner.execute(DIT)["sha256"]
     ddpm = runner_in_pools(checkpoints["ddpm"]).runner
-    with pytest.raises(ValueError, match=r"\['class_label'\] do not apply to an unconditional DDPM pipeline"):
+    with pytest.raises(ValueError, match=r"unknown payload key\(s\) \['class_label'\]"):
         ddpm.execute({**DDPM, "class_label": 1})
+    with pytest.raises(ValueError, match="this ddpm pipeline has no text encoder, so no prompt cache"):
+        ddpm.execute({"op": "prompt_cache"})
+
+
+def test_prompt_embeddings_are_cached_on_the_host(checkpoints):
+    pools = runner_in_pools(checkpoints["sd"], prompt_cache_entries=2)
+    runner = pools.runner
+    first = runner.execute(dict(SD))["sha256"]
+    stats = runner.execute({"op": "prompt_cache"})
+    assert stats == {"entries": 1, "capacity": 2, "hits": 0, "misses": 1, "host_bytes": 2 * 77 * 32 * 4}
+    pools.sleep(1)
+    pools.wake()
+    assert runner.execute(dict(SD))["sha256"] == first  # a hit after a sleep: the same image
+    for prompt in ("a dog", "a bird"):  # two more prompts: the least recently used one goes
+        runner.execute({**SD, "prompt": prompt, "steps": 1})
+    assert [key[0] for key in runner.prompt_cache] == ["a dog", "a bird"]
+    assert runner.execute({"op": "prompt_cache"})["hits"] == 1
+    # Unguided embeddings are another entry (no unconditional half).
+    runner.execute({**SD, "guidance_scale": 1.0, "steps": 1})
+    assert next(reversed(runner.prompt_cache))[2] is False
+    assert runner.execute({"op": "prompt_cache", "clear": True})["entries"] == 0
+    runner.execute({**SD, "steps": 1})
+    pools.reload()  # the text encoder may have changed: nothing cached survives
+    assert runner.execute({"op": "prompt_cache"})["entries"] == 0
+    with pytest.raises(ValueError, match="text-conditioned: give 'prompt' as a non-empty string"):
+        runner.execute({"seed": 1})

@@ -54,7 +54,7 @@ def test_llm_checkpoint_loads_with_its_tokenizer(checkpoints):
 
 
 def test_diffusion_checkpoints_load_as_their_pipelines(checkpoints):
-    from diffusers import DDPMPipeline, DiffusionPipeline, DiTPipeline
+    from diffusers import DDPMPipeline, DiffusionPipeline, DiTPipeline, StableDiffusionPipeline
 
     dit = DiffusionPipeline.from_pretrained(str(checkpoints["dit"]), local_files_only=True)
     assert isinstance(dit, DiTPipeline) and dit.get_label_ids(["class 7"]) == [7]
@@ -63,6 +63,12 @@ def test_diffusion_checkpoints_load_as_their_pipelines(checkpoints):
     assert isinstance(ddpm, DDPMPipeline) and type(ddpm.scheduler).__name__ == "DDPMScheduler"
     index = json.loads((checkpoints["dit"] / "model_index.json").read_text())
     assert index["transformer"] == ["diffusers", "DiTTransformer2DModel"]
+    sd = DiffusionPipeline.from_pretrained(str(checkpoints["sd"]), local_files_only=True)
+    assert isinstance(sd, StableDiffusionPipeline) and sd.safety_checker is None
+    ids = sd.tokenizer("A cat, on a mat!").input_ids
+    assert ids[0] == sd.tokenizer.bos_token_id and ids[-1] == sd.tokenizer.eos_token_id
+    assert sd.tokenizer.decode(ids, skip_special_tokens=True) == "a cat , on a mat !"  # CLIP lower-cases
+    assert len(sd.tokenizer) == sd.text_encoder.config.vocab_size
 
 
 def test_catalog_param_counts_are_the_models():
@@ -77,7 +83,8 @@ def test_catalog_param_counts_are_the_models():
 
 def test_cli_errors_name_what_is_valid(tmp_path, capsys):
     assert cli_main(["models", "make", "gpt9", "tiny", str(tmp_path / "a")]) == 2
-    assert "unknown model family 'gpt9'; choose one of ['ddpm', 'dit', 'llama', 'qwen2']" in capsys.readouterr().err
+    families = "['ddpm', 'dit', 'llama', 'qwen2', 'sd']"
+    assert f"unknown model family 'gpt9'; choose one of {families}" in capsys.readouterr().err
     assert cli_main(["models", "make", "dit", "7b", str(tmp_path / "a")]) == 2
     assert "family 'dit' has no size '7b'; its sizes are ['tiny', '600m']" in capsys.readouterr().err
     assert cli_main(["models", "make", "qwen2", "tiny", str(tmp_path / "a"), "--dtype", "int8"]) == 2
