@@ -269,6 +269,7 @@ class DiffusersRunner(ModelRunner):
     def close(self) -> None:
         self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
         self.requests.clear()
+        self.prompt_cache.clear()
 
     # ------------------------------------------------------------------ ops
 
@@ -306,13 +307,20 @@ class DiffusersRunner(ModelRunner):
             count = payload.get("steps", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"steps must be an int >= 1, got {count!r}")
-        with torch.no_grad():
-            sample = self._denoise(request, self._unpark(request), count)
-            if op == "step":
-                self._park(request, sample)
-                return self._progress(request)
-            self._free(request_id)
-            return self._image(request, sample)
+        try:
+            with torch.no_grad():
+                sample = self._denoise(request, self._unpark(request), count)
+                if op == "step":
+                    self._park(request, sample)
+                    return self._progress(request)
+                self._free(request_id)
+                return self._image(request, sample)
+        except Exception as exc:
+            # Half a step leaves the scheduler ahead of what the slot holds: continuing would
+            # produce a wrong image, so the request ends here.
+            if request_id in self.requests:
+                self._lose(request_id, f"its {op} op failed ({type(exc).__name__}: {exc})")
+            raise
 
     def _check_keys(self, payload: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
         unknown = sorted(set(payload) - set(allowed))
@@ -534,7 +542,7 @@ class DiffusersRunner(ModelRunner):
 
     def _slot_view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         assert self.slab is not None
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         return self.slab[slot, offset: offset + nbytes].view(dtype).view(shape)
 
     def _header(self, slot: int) -> torch.Tensor:

@@ -159,8 +159,7 @@ class TransformersRunner(ModelRunner):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.config.num_hidden_layers * self.kv_heads * self.head_dim * elem * self.max_batch
+        return 2 * self.config.num_hidden_layers * self.kv_heads * self.head_dim * self.dtype.itemsize * self.max_batch
 
     def allocate_caches(self) -> None:
         from transformers import StaticCache

@@ -232,3 +232,33 @@ def test_prompt_embeddings_are_cached_on_the_host(checkpoints):
     assert runner.execute({"op": "prompt_cache"})["entries"] == 0
     with pytest.raises(ValueError, match="text-conditioned: give 'prompt' as a non-empty string"):
         runner.execute({"seed": 1})
+
+
+def test_a_request_whose_state_does_not_fit_its_slot_fails_clearly(checkpoints):
+    # Two latents per slot; DPM-Solver keeps the sample and two past outputs after step 2.
+    runner = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, state_tensors=2).runner
+    started = runner.execute({"op": "start", **DIT})
+    runner.execute({"op": "step", "request_id": started["request_id"]})
+    with pytest.raises(RuntimeError, match=r"more than a request slot holds .*; raise the runner.s state_tensors"):
+        runner.execute({"op": "step", "request_id": started["request_id"]})
+    with pytest.raises(RequestLostError, match="its state needs"):
+        runner.execute({"op": "finish", "request_id": started["request_id"]})
+
+
+def test_an_op_that_fails_half_way_ends_its_request(checkpoints, monkeypatch):
+    runner = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER).runner
+    started = runner.execute({"op": "start", **DIT})
+    transformer = runner.modules["transformer"]
+    calls = []
+
+    def flaky_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the scheduler has already taken one step of this op
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return type(transformer).forward(transformer, *args, **kwargs)
+
+    monkeypatch.setattr(transformer, "forward", flaky_forward)
+    with pytest.raises(RuntimeError, match="simulated"):
+        runner.execute({"op": "step", "request_id": started["request_id"], "steps": 3})
+    with pytest.raises(RequestLostError, match=r"its step op failed \(RuntimeError: CUDA out of memory"):
+        runner.execute({"op": "step", "request_id": started["request_id"]})
