@@ -1,0 +1,143 @@
+"""What the fuzzer found, as exact bytes. Each open bug is xfail(strict=True): the test turns
+red when the bug is fixed, so the marker (and the entry in omni_core/fuzz/known_issues.py)
+goes with the fix.
+
+1. ReloadWeights sources the synthetic runner lets through its check but cannot parse put
+   the worker in FAILED (BACKEND_ERROR) instead of a refusal (INVALID_ARGUMENT). Found by
+   `python -m omni_core.fuzz --target worker --frames 30000 --seed 3` (the frames below are
+   the ones it sent, with the epoch set back to 0 for a fresh worker).
+2. A request larger than the stage's max_frame_bytes is sent to the ranks anyway: up to 64 KiB
+   over, the rank refuses it as BAD_MESSAGE without a task_id (the size check comes before
+   the envelope is read), further over, zmq drops the rank's connection; either way the
+   request waits for its deadline and the stage FAILS.
+3. A frame over a worker's socket limit (max_frame_bytes + 64 KiB) makes libzmq close the
+   worker's connection as a protocol error, and a connecting socket does not reconnect after
+   one: the process lives on, deaf, until its parent dies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from omni_core.engine import Engine, StageSpec
+from omni_core.engine.errors import InvalidArgumentError, RequestRejectedError
+from omni_core.fuzz.known_issues import KNOWN_ISSUES
+from omni_core.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Ack,
+    Nack,
+    NackReason,
+    ProtocolError,
+    Status,
+    WorkerState,
+    decode,
+    encode,
+)
+from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+from omni_core.workers.runner import RunnerArgumentError
+from omni_core.workers.synthetic import SyntheticRunner
+
+from ._worker import RawWorker
+
+_HEAD = "85a474797065ad52656c6f616457656967687473a17601a77461736b5f6964a7"  # map(5) type ReloadWeights v 1 task_id
+# ReloadWeights(task_id=..., epoch=0, source=...), byte for byte as the fuzzer wrote them.
+RELOAD_FRAMES: dict[str, bytes] = {
+    "double_minus": bytes.fromhex(_HEAD + "667a2d34363535a565706f636800a6736f75726365a8736565643a2d2d35"),
+    "superscript_two": bytes.fromhex(_HEAD + "667a2d38313335a565706f636800a6736f75726365a7736565643ac2b2"),
+    "5000_digits": bytes.fromhex(_HEAD + "667a2d34343730a565706f636800a6736f75726365da138d") + b"seed:" + b"9" * 5000,
+}
+SYNTHETIC_RELOAD_REASON = (
+    "open bug: SyntheticRunner.reload_weights checks source[5:].lstrip('-').isdigit() and then calls int(), "
+    "which raises ValueError for '--5', '\u00b2' and 5000 digits; the worker goes FAILED (BACKEND_ERROR) "
+    "instead of NACK INVALID_ARGUMENT (omni_core/workers/synthetic.py)"
+)
+SMALL = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 64 << 10, "hidden": 32, "cpu_threads": 1}
+
+
+def test_the_frames_are_valid_reload_commands() -> None:
+    sources = {name: decode(data).source for name, data in RELOAD_FRAMES.items()}  # type: ignore[attr-defined]
+    expected = {"double_minus": "seed:--5", "superscript_two": "seed:\u00b2", "5000_digits": "seed:" + "9" * 5000}
+    assert sources == expected
+    issue = next(i for i in KNOWN_ISSUES if i.name == "synthetic-reload-source")
+    assert all(issue.matches(decode(data)) for data in RELOAD_FRAMES.values())
+
+
+@pytest.mark.xfail(strict=True, reason=SYNTHETIC_RELOAD_REASON)
+@pytest.mark.parametrize("name", sorted(RELOAD_FRAMES))
+def test_synthetic_reload_refuses_unparsable_seed(name: str) -> None:
+    source = decode(RELOAD_FRAMES[name]).source  # type: ignore[attr-defined]
+    runner = SyntheticRunner(torch.device("cpu"), **SMALL)
+    runner.load_weights()
+    with pytest.raises(RunnerArgumentError):
+        runner.reload_weights(source)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[RawWorker]:
+    raw = RawWorker()
+    try:
+        yield raw
+    finally:
+        raw.close()
+
+
+@pytest.mark.xfail(strict=True, reason=SYNTHETIC_RELOAD_REASON)
+def test_worker_refuses_unparsable_reload_source_and_stays_active(worker: RawWorker) -> None:
+    for name, data in sorted(RELOAD_FRAMES.items()):
+        reply = worker.request(data)
+        assert isinstance(reply, Nack), (name, reply)
+        assert reply.reason is NackReason.INVALID_ARGUMENT, (name, reply.reason, reply.detail[:300])
+        assert reply.state is WorkerState.ACTIVE, (name, reply.state)
+
+
+# Last in this module: it cuts the shared worker off.
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug: one frame over max_frame_bytes + 64 KiB makes libzmq drop the "
+    "worker's connection as a protocol error, and a connecting socket never reconnects after "
+    "one; the worker is alive but deaf (omni_core/transport, omni_core/workers/process.py)",
+)
+def test_worker_stays_reachable_after_a_frame_over_the_socket_limit(worker: RawWorker) -> None:
+    limit_bytes = DEFAULT_MAX_FRAME_BYTES  # what the worker runs with
+    worker.send(b"\xc6" + (limit_bytes + SOCKET_FRAME_SLACK_BYTES).to_bytes(4, "big")
+                + bytes(limit_bytes + SOCKET_FRAME_SLACK_BYTES))  # fmt: skip
+    deadline_at = time.monotonic() + 8.0  # zmq reconnects within 100 ms when it does at all
+    while time.monotonic() < deadline_at:
+        try:  # the link may take a moment to come back
+            reply = worker.request(encode(Status(task_id="after-drop", epoch=0)), timeout_s=2.0)
+        except Exception:
+            continue
+        assert isinstance(reply, Ack) and reply.task_id == "after-drop"
+        return
+    pytest.fail("the worker never answered again after a frame over its socket limit")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug: Engine.execute sends a request over the stage's max_frame_bytes "
+    "to the ranks; the rank's refusal cannot name the task (or zmq drops the link), so the request "
+    "waits for its deadline and the stage FAILS instead of a refusal at submit "
+    "(omni_core/engine/orchestrator.py)",
+)
+def test_engine_refuses_a_request_over_max_frame_bytes_at_once() -> None:
+    limit_bytes = 64 << 10  # StageSpec's smallest limit: the test stays cheap
+    spec = StageSpec("big", runner_args=SMALL, backend="portable", max_frame_bytes=limit_bytes,
+                     request_timeout_s=3.0, deadline_s=10.0)  # fmt: skip
+    with Engine([spec]) as engine:
+        for blob_bytes in (limit_bytes + 4096, limit_bytes + SOCKET_FRAME_SLACK_BYTES + 4096):
+            started = time.monotonic()
+            with pytest.raises((InvalidArgumentError, RequestRejectedError)):
+                engine.execute("big", {"seed": 1, "batch": 1, "blob": bytes(blob_bytes)})
+            assert time.monotonic() - started < 1.5, "refused only at the deadline"
+            assert engine.status()["big"]["state"] == "RUNNING"
+
+
+def test_codec_refuses_oversize_frames_as_bad_message() -> None:
+    """Not a bug: the codec's side of finding 2 (the refusal has no task_id to give)."""
+    with pytest.raises(ProtocolError) as info:
+        decode(bytes(100), max_frame_bytes=99)
+    assert info.value.reason is NackReason.BAD_MESSAGE and info.value.task_id is None
