@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+pip install -q --only-binary=:all: atheris || echo "atheris has no wheel for this Python: tests/fuzz/test_atheris.py skips"
 ruff check omni_core tests
 started=$(date +%s)
 omni-core check
