@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
-python -m pip install -q --disable-pip-version-check -e ".[test,models]"
+python -m pip install -q --disable-pip-version-check -e ".[test,models,serve]"
