@@ -31,6 +31,14 @@ def _cmd_tables(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.config:  # the stages of a config file instead of the built-in scenario
+        from omni_core.config import ConfigError, load_config, run_config_demo
+
+        try:
+            return run_config_demo(load_config(args.config))
+        except ConfigError as exc:
+            print(f"omni-core demo: {exc}", file=sys.stderr)
+            return 2
     from omni_core.demo import main as demo_main
 
     return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib,
@@ -74,6 +82,18 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from omni_core.serve.cli import run_serve
+
+    return run_serve(args)
+
+
+def _cmd_remote(args: argparse.Namespace) -> int:
+    from omni_core.serve.cli import run_remote
+
+    return run_remote(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="override the backend (portable, cumem, fast, auto)")
     p.add_argument("--weights-mib", type=int, default=64, help="synthetic weights per rank, MiB")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
+    p.add_argument("--config", default=None, help="a TOML stage config: sleep, wake and reload each of its stages")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("bench", help="benchmarks: memory path on a GPU, or --control-plane on CPU")
     p.add_argument("--control-plane", action="store_true",
@@ -123,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_models_arguments(p)
     p.set_defaults(func=_cmd_models)
+    from omni_core.serve.cli_args import add_remote_arguments, add_serve_arguments
+
+    p = sub.add_parser("serve", help="HTTP control plane for the stages of a TOML config (README: Serving over HTTP)")
+    add_serve_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+    for verb, what in (("status", "state of every stage of a running `omni-core serve`"),
+                       ("sleep", "put a stage of a running `omni-core serve` to sleep"),
+                       ("wake", "wake a stage of a running `omni-core serve`")):  # fmt: skip
+        p = sub.add_parser(verb, help=what)
+        add_remote_arguments(p, verb)
+        p.set_defaults(func=_cmd_remote)
     return parser
 
 

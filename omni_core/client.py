@@ -1,0 +1,143 @@
+"""A small Python client for `omni-core serve` (standard library only, so an RL controller
+can drive stages without installing the server's dependencies).
+
+```python
+from omni_core.client import OmniClient
+
+client = OmniClient("http://127.0.0.1:8000", api_key=None)   # or api_key_file=..., or OMNI_CORE_API_KEY
+client.sleep("talker", level=1)                 # -> the LifecycleReport as a dict
+client.wake("talker", idempotency_key="wake-7") # a retry with the same key has no second effect
+client.execute("talker", {"seed": 1, "batch": 2})
+client.stages()                                  # state, epoch, ranks, memory of every stage
+```
+
+An error answer raises `ServeError` with the server's status code, error type and the
+engine's own message (`exc.status`, `exc.type`, `str(exc)`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0  # above the default lifecycle deadline (30 s) plus its drain
+API_KEY_ENV = "OMNI_CORE_API_KEY"
+
+
+class ServeError(Exception):
+    """The server answered with an error; `status` is its HTTP code, `type` the error type."""
+
+    def __init__(self, status: int, kind: str, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = kind
+        self.body = body or {}
+
+
+def read_api_key(api_key_file: str | None = None, environ: dict[str, str] | None = None) -> str | None:
+    """A key from a file, else from OMNI_CORE_API_KEY; None when neither is set."""
+    if api_key_file:
+        with open(api_key_file, encoding="utf-8") as f:
+            return f.read().strip()
+    value = (os.environ if environ is None else environ).get(API_KEY_ENV, "").strip()
+    return value or None
+
+
+class OmniClient:
+    def __init__(self, url: str, *, api_key: str | None = None, api_key_file: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:  # fmt: skip
+        self.url = url.rstrip("/")
+        self.api_key = api_key if api_key is not None else read_api_key(api_key_file)
+        self.timeout_s = timeout_s
+
+    # ------------------------------------------------------------------ omni-core's routes
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/health")
+
+    def stages(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/stages")["stages"]
+
+    def stage(self, name: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/stages/{_seg(name)}")
+
+    def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | None = None, *,
+              timeout_s: float | None = None, abort_in_flight: bool = False,
+              idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+        body = {"level": level, "tags": _list(tags), "timeout_s": timeout_s, "abort_in_flight": abort_in_flight}
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/sleep", body, idempotency_key)
+
+    def wake(self, stage: str, tags: Iterable[str] | None = None, *, timeout_s: float | None = None,
+             idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/wake", {"tags": _list(tags), "timeout_s": timeout_s},
+                          idempotency_key)  # fmt: skip
+
+    def reload_weights(self, stage: str, source: str | None = None, *, timeout_s: float | None = None,
+                       idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/reload", {"source": source, "timeout_s": timeout_s},
+                          idempotency_key)  # fmt: skip
+
+    def restart(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", {}, idempotency_key)
+
+    def set_admission(self, stage: str, policy: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/admission", {"policy": policy})
+
+    def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None,
+                idempotency_key: str | None = None) -> Any:  # fmt: skip
+        """Rank 0's output (bytes arrive as base64 strings)."""
+        body = {"payload": payload, "timeout_s": timeout_s}
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/execute", body, idempotency_key)["output"]
+
+    # ------------------------------------------------------------------ vLLM-compatible
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+
+    @staticmethod
+    def new_idempotency_key() -> str:
+        return uuid.uuid4().hex
+
+    # ------------------------------------------------------------------ transport
+
+    def _call(self, method: str, path: str, body: Any = None, idempotency_key: str | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                parsed = json.loads(raw)
+                error = parsed["error"]
+                raise ServeError(exc.code, str(error.get("type")), str(error.get("message")), parsed) from None
+            except (ValueError, KeyError, TypeError):
+                raise ServeError(exc.code, "HTTPError", f"HTTP {exc.code} from {method} {path}: "
+                                                       f"{raw[:500].decode(errors='replace')}") from None  # fmt: skip
+        except urllib.error.URLError as exc:
+            raise ServeError(0, "Unreachable", f"cannot reach {self.url}: {exc.reason}; is `omni-core serve` "
+                                               "running there?") from None  # fmt: skip
+
+
+def _seg(name: str) -> str:
+    return urllib.parse.quote(name, safe="")
+
+
+def _list(tags: Iterable[str] | None) -> list[str] | None:
+    if tags is None:
+        return None
+    return [tags] if isinstance(tags, str) else list(tags)

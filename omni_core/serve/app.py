@@ -1,0 +1,779 @@
+"""The HTTP control plane over one `Engine`: omni-core's own routes, vLLM's and vLLM-Omni's.
+
+Every blocking engine call runs on a bounded thread pool; requests go through
+`Engine.submit` and are awaited without a thread. Each POST runs as a task of its own, so a
+client that disconnects never cancels a sleep halfway or loses a request's accounting: the
+call runs to its end, its outcome is counted, and an `Idempotency-Key` retry gets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import itertools
+import json
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_core.config import OmniConfig
+from omni_core.engine import Engine, LifecycleReport
+from omni_core.engine.api import WAIT_GRACE_S
+from omni_core.engine.errors import InvalidArgumentError, OmniCoreError
+from omni_core.serve import models as m
+from omni_core.serve.auth import KeyCheck
+from omni_core.serve.errors import ApiError, to_http
+from omni_core.serve.errors import outcome_label as _outcome
+from omni_core.serve.idempotency import Answer, IdempotencyCache, check_key, fingerprint, task_id_for
+from omni_core.serve.limits import BodyLimit
+from omni_core.serve.metrics import ServeMetrics
+from omni_core.serve.page import STATUS_PAGE_HTML
+
+API_VERSION = "1"
+STATUS_CALL_TIMEOUT_S = 10.0  # Engine.status answers from the orchestrator loop in ms; this bounds a stuck one
+SSE_KEEPALIVE_S = 15.0  # proxies close idle streams; a comment line keeps them open
+SSE_QUEUE_MESSAGES = 256  # a subscriber this far behind is dropped (it reconnects and gets a fresh snapshot)
+EVENTS_IN_SNAPSHOT = 50
+JSON = "application/json"
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, default=_json_default, separators=(",", ":")).encode()
+
+
+def report_json(report: LifecycleReport) -> dict[str, Any]:
+    out = asdict(report)
+    out["ranks"] = {str(rank): dict(asdict(rr), freed_bytes=rr.freed_bytes) for rank, rr in report.ranks.items()}
+    return out
+
+
+def _read_rss_bytes(pid: int | None) -> int | None:
+    """Host resident memory of a rank process (Linux /proc; None elsewhere or once it is gone)."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class RankMemory:
+    """A rank's memory as of its last lifecycle report through this server."""
+
+    pool_bytes: dict[str, int] = field(default_factory=dict)
+    process_bytes: int | None = None
+    process_bytes_source: str = "none"
+    host_offloaded_bytes: int = 0
+
+
+class ServeState:
+    """Everything the routes share: the engine, the config, caches, metrics, subscribers."""
+
+    def __init__(self, engine: Engine | None, config: OmniConfig, api_key: str | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.server = config.server
+        self.specs = {s.name: s for s in config.stages}
+        self.names = [s.name for s in config.stages]
+        self.key_check = KeyCheck(api_key)
+        self.idempotency = IdempotencyCache(self.server.idempotency_entries, self.server.idempotency_bytes)
+        self.executor = ThreadPoolExecutor(max_workers=self.server.lifecycle_threads, thread_name_prefix="omni-serve")
+        self.memory: dict[str, dict[int, RankMemory]] = {name: {} for name in self.names}
+        self.last_level: dict[str, int | None] = dict.fromkeys(self.names)
+        self.events: deque[dict[str, Any]] = deque(maxlen=self.server.events_kept)
+        self.snapshot: dict[str, Any] = {"time": time.time(), "engine_up": False, "engine": {}, "stages": {},
+                                         "events": []}  # fmt: skip
+        self.subscribers: set[asyncio.Queue] = set()
+        self.metrics = ServeMetrics(lambda: self.snapshot)
+        self.closing = asyncio.Event()
+        self._refresh: asyncio.Event | None = None
+        self._event_ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ engine calls
+
+    def require_engine(self) -> Engine:
+        if self.engine is None:
+            raise ApiError(503, "this app has no engine (schema generation only)", kind="EngineClosedError")
+        return self.engine
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def status(self) -> dict[str, Any]:
+        engine = self.require_engine()
+        return await asyncio.wait_for(self.blocking(engine.status), STATUS_CALL_TIMEOUT_S)
+
+    def stage_name(self, ident: int | str) -> str:
+        """A stage named, or given by its index in the config (vLLM-Omni's stage_ids)."""
+        if isinstance(ident, int) and not isinstance(ident, bool):
+            if 0 <= ident < len(self.names):
+                return self.names[ident]
+            raise ApiError(404, f"unknown stage id {ident}; stage ids are 0..{len(self.names) - 1} "
+                                f"({dict(enumerate(self.names))})", kind="InvalidArgumentError")  # fmt: skip
+        if ident not in self.specs:
+            raise ApiError(404, f"unknown stage {ident!r}; stages are {sorted(self.specs)}",
+                           kind="InvalidArgumentError")  # fmt: skip
+        return ident
+
+    def stage_list(self, ids: list[int | str] | None) -> list[str]:
+        """vLLM-Omni's stage_ids as names; None: every stage."""
+        return list(self.names) if ids is None else [self.stage_name(i) for i in ids]
+
+    def targets(self) -> list[str]:
+        """What vLLM's routes act on: the configured default stage, or every stage."""
+        return [self.server.default_stage] if self.server.default_stage else list(self.names)
+
+    def check_source(self, source: str | None) -> None:
+        """A reload source is a path the ranks will open: only the config may widen that."""
+        if source is None:
+            return
+        allowed = self.server.allowed_reload_sources
+        real = os.path.realpath(source)
+        for root in allowed:
+            with contextlib.suppress(ValueError):
+                if os.path.commonpath([real, root]) == root:
+                    return
+        raise ApiError(403, f"reload source {source!r} is not under the config's allowed_reload_sources "
+                            f"({list(allowed) or 'none'}); the server opens no path a caller names unless the "
+                            "operator lists it under [server] allowed_reload_sources",
+                       kind="SourceNotAllowed")  # fmt: skip
+
+    async def lifecycle(self, stage: str, command: str, call: Callable[[], Any], *, level: int | None = None) -> Any:
+        """Run one blocking lifecycle call; time it, count it, remember its memory figures."""
+        metrics = self.metrics
+        metrics.lifecycle_in_flight.labels(stage).inc()
+        started = time.perf_counter()
+        try:
+            result = await self.blocking(call)
+        except BaseException as exc:
+            status = to_http(exc).status
+            outcome = _outcome(status)
+            if status == 504:
+                metrics.deadlines.labels(stage, "lifecycle").inc()
+            self.record_event(stage, command, outcome, time.perf_counter() - started, error=str(exc), level=level)
+            metrics.lifecycle_duration.labels(stage, command, outcome).observe(time.perf_counter() - started)
+            raise
+        finally:
+            metrics.lifecycle_in_flight.labels(stage).dec()
+            self.poke()
+        elapsed_s = time.perf_counter() - started
+        metrics.lifecycle_duration.labels(stage, command, "ok").observe(elapsed_s)
+        if isinstance(result, LifecycleReport):
+            self.note_report(stage, command, result, level)
+            self.record_event(stage, command, "ok", elapsed_s, state=result.state, status=result.status, level=level,
+                              freed_bytes=sum(rr.freed_bytes for rr in result.ranks.values()))  # fmt: skip
+        else:
+            self.record_event(stage, command, "ok", elapsed_s, level=level)
+        return result
+
+    def note_report(self, stage: str, command: str, report: LifecycleReport, level: int | None) -> None:
+        if command == "sleep" and report.status == "OK":
+            self.last_level[stage] = level
+        ranks = self.memory[stage]
+        for rank, rr in report.ranks.items():
+            mem = ranks.setdefault(rank, RankMemory())
+            if rr.pool_bytes_after or rr.pool_bytes_before:
+                mem.pool_bytes = dict(rr.pool_bytes_after)
+            if rr.process_bytes_after is not None:
+                mem.process_bytes, mem.process_bytes_source = rr.process_bytes_after, rr.process_bytes_source
+            for tag in rr.pool_bytes_before.keys() | rr.pool_bytes_after.keys():
+                delta = rr.pool_bytes_before.get(tag, 0) - rr.pool_bytes_after.get(tag, 0)
+                if delta > 0:
+                    self.metrics.freed_bytes.labels(stage, tag).inc(delta)
+                elif delta < 0:
+                    self.metrics.restored_bytes.labels(stage, tag).inc(-delta)
+            weights_freed = rr.pool_bytes_before.get("weights", 0) - rr.pool_bytes_after.get("weights", 0)
+            weights_back = command in ("wake", "reload") and rr.pool_bytes_after.get("weights", 0) > 0
+            if command == "sleep" and level == 1 and weights_freed > 0:
+                mem.host_offloaded_bytes = weights_freed  # level 1 keeps the weights on the host
+            elif (command == "sleep" and level == 2) or weights_back:
+                mem.host_offloaded_bytes = 0
+
+    def forget(self, stage: str) -> None:
+        """A restarted stage has fresh ranks: what the old ones reported no longer holds."""
+        self.memory[stage] = {}
+        self.last_level[stage] = None
+
+    # ------------------------------------------------------------------ events and snapshots
+
+    def record_event(self, stage: str, command: str, outcome: str, duration_s: float, **details: Any) -> None:
+        event = {"id": next(self._event_ids), "time": time.time(), "stage": stage, "command": command,
+                 "outcome": outcome, "duration_s": duration_s,
+                 **{k: v for k, v in details.items() if v is not None}}  # fmt: skip
+        self.events.append(event)
+        self.broadcast("lifecycle", event)
+
+    def broadcast(self, kind: str, data: dict[str, Any]) -> None:
+        for queue in list(self.subscribers):
+            try:
+                queue.put_nowait((kind, data))
+            except asyncio.QueueFull:  # too slow a reader: drop it; it reconnects for a fresh snapshot
+                self.subscribers.discard(queue)
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+                queue.put_nowait((None, {}))
+
+    def poke(self) -> None:
+        if self._refresh is not None:
+            self._refresh.set()
+
+    def stage_view(self, index: int, name: str, st: dict[str, Any] | None) -> dict[str, Any]:
+        spec = self.specs[name]
+        st = st or {}
+        ranks: dict[str, Any] = {}
+        for rank, info in (st.get("ranks") or {}).items():
+            mem = self.memory[name].get(int(rank), RankMemory())
+            ranks[str(rank)] = {
+                "pid": info.get("pid"), "alive": bool(info.get("alive")), "state": str(info.get("state", "-")),
+                "pool_bytes": dict(mem.pool_bytes), "process_bytes": mem.process_bytes,
+                "process_bytes_source": mem.process_bytes_source,
+                "rss_bytes": _read_rss_bytes(info.get("pid")) if info.get("alive") else None,
+                "host_offloaded_bytes": mem.host_offloaded_bytes,
+            }  # fmt: skip
+        return {
+            "stage_id": index, "name": name, "state": st.get("state", "UNKNOWN"), "epoch": st.get("epoch", 0),
+            "task_id": st.get("task_id"), "admission": str(st.get("admission", spec.admission.value)),
+            "failure": st.get("failure") or None, "queued": st.get("queued", 0), "in_flight": st.get("in_flight", 0),
+            "counters": dict(st.get("counters") or {}), "last_sleep_level": self.last_level[name],
+            "tags": list(spec.tags), "runner": spec.runner, "device": spec.device, "backend": spec.backend,
+            "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()), "ranks": ranks,
+        }  # fmt: skip
+
+    def build_snapshot(self, status: dict[str, Any] | None) -> dict[str, Any]:
+        status = status or {}
+        return {
+            "time": time.time(), "engine_up": bool(status), "engine": dict(status.get("_engine") or {}),
+            "stages": {name: self.stage_view(i, name, status.get(name)) for i, name in enumerate(self.names)},
+            "events": list(self.events)[-EVENTS_IN_SNAPSHOT:],
+        }  # fmt: skip
+
+    async def refresh(self) -> dict[str, Any]:
+        try:
+            status: dict[str, Any] | None = await self.status()
+        except (OmniCoreError, ApiError, asyncio.TimeoutError):
+            status = None
+        self.snapshot = self.build_snapshot(status)
+        self.broadcast("status", self.snapshot)
+        return self.snapshot
+
+    async def poll_forever(self) -> None:
+        """Keeps the snapshot (metrics, status page) fresh: every status_poll_interval_s, and
+        at once after each lifecycle call through the server."""
+        self._refresh = asyncio.Event()
+        while not self.closing.is_set():
+            self._refresh.clear()
+            await self.refresh()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._refresh.wait(), self.server.status_poll_interval_s)
+
+    def begin_close(self) -> None:
+        """Server shutdown: end every event stream so connections can close."""
+        self.closing.set()
+        for queue in list(self.subscribers):
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait((None, {}))
+
+
+# ====================================================================== answering
+
+
+def _answer(status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> Answer:
+    return Answer(status, dumps(body), tuple(headers))
+
+
+def error_answer(exc: BaseException, stage: str | None = None) -> Answer:
+    err = to_http(exc, stage=stage)
+    return _answer(err.status, err.body, err.headers.items())
+
+
+def _response(answer: Answer, replayed: bool = False) -> Response:
+    headers = dict(answer.headers)
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return Response(answer.body, status_code=answer.status, headers=headers, media_type=JSON)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_post(state: ServeState, request: Request, route: str, work: Callable[[], Awaitable[Answer]]) -> Response:
+    """Run a POST's work as a task of its own, under its Idempotency-Key if it has one, and
+    answer it unless the client has gone (then only the metrics hear of it)."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+
+        async def once() -> tuple[Answer, bool]:
+            return await work(), False
+
+        task: asyncio.Future = asyncio.ensure_future(once())
+    else:
+        check_key(key)
+        body = await request.body()
+        fp = fingerprint(request.method, request.url.path, request.url.query, body)
+        described = f"{request.method} {request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
+        task = asyncio.ensure_future(state.idempotency.run(key, fp, described, work))
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        state.metrics.http_disconnects.labels(route).inc()
+        # The work goes on to its end; its outcome is counted and kept under its key.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+    if task.exception() is not None:
+        return _response(error_answer(task.exception()))
+    answer, replayed = task.result()
+    if replayed:
+        state.metrics.idempotent_replays.inc()
+    return _response(answer, replayed)
+
+
+def _lifecycle_tid(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    return task_id_for(check_key(key)) if key is not None else None
+
+
+def _timeout(value: float | None) -> float | None:
+    if value is not None and not (0 < value <= 24 * 3600):
+        raise InvalidArgumentError(f"timeout_s must be a positive number of seconds up to 86400, got {value!r}")
+    return value
+
+
+def _split_tags(values: list[str]) -> list[str] | None:
+    tags = [t.strip() for v in values for t in v.split(",") if t.strip()]
+    return tags or None
+
+
+def _only_query(request: Request, allowed: set[str]) -> None:
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown query parameter(s) {unknown} for {request.url.path}; accepted: {sorted(allowed)}",
+                       kind="InvalidArgumentError")  # fmt: skip
+
+
+# ====================================================================== the app
+
+
+class _HttpMetrics:
+    """Counts every HTTP answer by route template, method and code; times it."""
+
+    def __init__(self, app: ASGIApp, state: ServeState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        metrics = self.state.metrics
+        code = 500
+        started = time.perf_counter()
+
+        async def counting_send(message: Message) -> None:
+            nonlocal code
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            await send(message)
+
+        metrics.http_in_flight.inc()
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            metrics.http_in_flight.dec()
+            route = getattr(scope.get("route"), "path", "unmatched")
+            metrics.http_requests.labels(route, scope["method"], str(code)).inc()
+            metrics.http_duration.labels(route, scope["method"]).observe(time.perf_counter() - started)
+
+
+def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None = None) -> FastAPI:
+    """The ASGI app. `engine` is owned by the caller (started before, shut down after)."""
+    state = ServeState(engine, config, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        poller = asyncio.ensure_future(state.poll_forever()) if engine is not None else None
+        try:
+            yield
+        finally:
+            state.begin_close()
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+            state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="omni-core serve", version=API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="HTTP control plane of omni-core: stage lifecycle (sleep, wake, reload, restart), "
+                              "requests, vLLM- and vLLM-Omni-compatible routes, Prometheus metrics and a live "
+                              "status page. Errors: README.md, 'Serving over HTTP'.")  # fmt: skip
+    app.state.serve = state
+
+    def require_key(request: Request) -> None:
+        if not state.key_check.accepts(request.headers.get("authorization")):
+            state.metrics.http_auth_failures.inc()
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                                "server was given (api_key_file or its environment variable)",
+                           kind="Unauthorized", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    control = [Depends(require_key)]
+    health_deps = [] if state.server.public_health else control
+    metrics_deps = [] if state.server.public_metrics else control
+
+    # ------------------------------------------------------------------ error rendering
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return _response(error_answer(exc))
+
+    @app.exception_handler(OmniCoreError)
+    async def _engine_error(request: Request, exc: OmniCoreError) -> Response:
+        return _response(error_answer(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
+        return _response(_answer(400, {"error": {"code": 400, "type": "InvalidArgumentError",
+                                                 "message": f"invalid request: {problems}"}}))  # fmt: skip
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = {404: "NotFound", 405: "MethodNotAllowed", 413: "BodyTooLarge"}.get(exc.status_code, "HTTPError")
+        message = exc.detail if exc.status_code != 404 else (
+            f"no route {request.url.path}; the routes are in /openapi.json")
+        return _response(_answer(exc.status_code, {"error": {"code": exc.status_code, "type": kind,
+                                                             "message": str(message)}}),
+                         )  # fmt: skip
+
+    # ------------------------------------------------------------------ public
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def status_page() -> HTMLResponse:
+        return HTMLResponse(STATUS_PAGE_HTML, headers={"Cache-Control": "no-store"})
+
+    @app.get("/health", dependencies=health_deps, response_model=m.HealthModel, responses=m.ERROR_RESPONSES,
+             tags=["omni-core"])  # fmt: skip
+    async def health() -> Response:
+        try:
+            status = await state.status()
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the engine did not answer a status call within {STATUS_CALL_TIMEOUT_S} s",
+                           kind="EngineUnresponsive") from None  # fmt: skip
+        states = {name: status[name]["state"] for name in state.names if name in status}
+        degraded = any(s == "FAILED" for s in states.values())
+        return JSONResponse({"status": "degraded" if degraded else "ok", "stages": states})
+
+    @app.get("/metrics", dependencies=metrics_deps, include_in_schema=True, tags=["omni-core"],
+             response_class=Response, responses={200: {"content": {"text/plain": {}}}})  # fmt: skip
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ omni-core's own API
+
+    @app.get("/v1/stages", dependencies=control, response_model=m.StagesModel, responses=m.ERROR_RESPONSES,
+             tags=["omni-core"])  # fmt: skip
+    async def list_stages() -> Response:
+        snap = state.build_snapshot(await state.status())
+        return JSONResponse({"stages": list(snap["stages"].values())})
+
+    @app.get("/v1/stages/{name}", dependencies=control, response_model=m.StageModel, responses=m.ERROR_RESPONSES,
+             tags=["omni-core"])  # fmt: skip
+    async def get_stage(name: str) -> Response:
+        state.stage_name(name)
+        status = await state.status()
+        return JSONResponse(state.stage_view(state.names.index(name), name, status.get(name)))
+
+    @app.get("/v1/status", dependencies=control, tags=["omni-core"],
+             description="The status page's data: every stage, rank memory, recent lifecycle events")  # fmt: skip
+    async def status_snapshot() -> Response:
+        return Response(dumps(await state.refresh()), media_type=JSON)
+
+    @app.get("/v1/events", dependencies=control, tags=["omni-core"], response_class=StreamingResponse,
+             description="Server-sent events: `status` (a snapshot like GET /v1/status) and `lifecycle` (one "
+                         "call's outcome). The first message is a snapshot.")  # fmt: skip
+    async def events() -> StreamingResponse:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE_MESSAGES)
+        state.subscribers.add(queue)
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                yield b"retry: 1000\nevent: status\ndata: " + dumps(state.snapshot) + b"\n\n"
+                while not state.closing.is_set():
+                    try:
+                        kind, data = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        yield b": keep-alive\n\n"
+                        continue
+                    if kind is None:
+                        return
+                    yield f"event: {kind}\ndata: ".encode() + dumps(data) + b"\n\n"
+            finally:
+                state.subscribers.discard(queue)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # fmt: skip
+
+    def lifecycle_work(name: str, command: str, call: Callable[[], Any], level: int | None = None
+                       ) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+        async def work() -> Answer:
+            try:
+                report = await state.lifecycle(name, command, call, level=level)
+            except Exception as exc:
+                return error_answer(exc, name)
+            return _answer(200, report_json(report))
+
+        return work
+
+    @app.post("/v1/stages/{name}/sleep", dependencies=control, response_model=m.LifecycleReportModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"])  # fmt: skip
+    async def sleep(name: str, request: Request, body: m.SleepBody | None = None) -> Response:
+        body = body or m.SleepBody()
+        state.stage_name(name)
+        engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
+        call = functools.partial(engine.sleep, name, body.level, body.tags, task_id=tid, timeout_s=timeout_s,
+                                 abort_in_flight=body.abort_in_flight)  # fmt: skip
+        work = lifecycle_work(name, "sleep", call, body.level)
+        return await run_post(state, request, "/v1/stages/{name}/sleep", work)
+
+    @app.post("/v1/stages/{name}/wake", dependencies=control, response_model=m.LifecycleReportModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"])  # fmt: skip
+    async def wake(name: str, request: Request, body: m.WakeBody | None = None) -> Response:
+        body = body or m.WakeBody()
+        state.stage_name(name)
+        engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
+        call = functools.partial(engine.wake, name, body.tags, task_id=tid, timeout_s=timeout_s)
+        return await run_post(state, request, "/v1/stages/{name}/wake", lifecycle_work(name, "wake", call))
+
+    @app.post("/v1/stages/{name}/reload", dependencies=control, response_model=m.LifecycleReportModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"])  # fmt: skip
+    async def reload(name: str, request: Request, body: m.ReloadBody | None = None) -> Response:
+        body = body or m.ReloadBody()
+        state.stage_name(name)
+        state.check_source(body.source)
+        engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
+        call = functools.partial(engine.reload_weights, name, body.source, task_id=tid, timeout_s=timeout_s)
+        return await run_post(state, request, "/v1/stages/{name}/reload", lifecycle_work(name, "reload", call))
+
+    @app.post("/v1/stages/{name}/restart", dependencies=control, response_model=m.RestartModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"],
+              description="Fresh rank processes under a new epoch. With an Idempotency-Key, a retry while the "
+                          "key is kept (idempotency_entries) returns the first answer without restarting "
+                          "again.")  # fmt: skip
+    async def restart(name: str, request: Request) -> Response:
+        state.stage_name(name)
+        engine = state.require_engine()
+
+        async def work() -> Answer:
+            try:
+                await state.lifecycle(name, "restart", functools.partial(engine.restart, name))
+                state.forget(name)
+                state.metrics.restarts.labels(name).inc()
+                st = (await state.status())[name]
+            except Exception as exc:
+                return error_answer(exc, name)
+            return _answer(200, {"stage": name, "state": st["state"], "epoch": st["epoch"]})
+
+        return await run_post(state, request, "/v1/stages/{name}/restart", work)
+
+    @app.post("/v1/stages/{name}/admission", dependencies=control, responses=m.ERROR_RESPONSES, tags=["omni-core"],
+              description="What requests do while the stage is not RUNNING: queue, reject or wake")  # fmt: skip
+    async def admission(name: str, request: Request, body: m.AdmissionBody) -> Response:
+        state.stage_name(name)
+        engine = state.require_engine()
+
+        async def work() -> Answer:
+            try:
+                await state.blocking(engine.set_admission, name, body.policy)
+            except Exception as exc:
+                return error_answer(exc, name)
+            state.poke()
+            return _answer(200, {"stage": name, "admission": body.policy})
+
+        return await run_post(state, request, "/v1/stages/{name}/admission", work)
+
+    @app.post("/v1/stages/{name}/execute", dependencies=control, response_model=m.ExecuteModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"],
+              description="One request to the stage's runner, through its admission policy. With an "
+                          "Idempotency-Key, a retry returns the first answer and does not run it again.")  # fmt: skip
+    async def execute(name: str, request: Request, body: m.ExecuteBody | None = None) -> Response:
+        body = body or m.ExecuteBody()
+        state.stage_name(name)
+        engine, timeout_s = state.require_engine(), _timeout(body.timeout_s)
+        budget_s = (timeout_s or state.specs[name].request_timeout_s) + WAIT_GRACE_S
+
+        async def work() -> Answer:
+            try:
+                future = asyncio.wrap_future(engine.submit(name, body.payload, timeout_s=timeout_s))
+                try:
+                    output = await asyncio.wait_for(asyncio.shield(future), budget_s)
+                except asyncio.TimeoutError:
+                    raise OmniCoreError(f"no answer from the orchestrator within {budget_s:.1f} s; its deadlines "
+                                        "should have fired: this is a bug, please report it") from None  # fmt: skip
+                answer = _answer(200, {"stage": name, "output": output})
+            except Exception as exc:
+                answer = error_answer(exc, name)
+            if answer.status == 504:
+                state.metrics.deadlines.labels(name, "request").inc()
+            state.metrics.requests.labels(name, _outcome(answer.status)).inc()
+            return answer
+
+        return await run_post(state, request, "/v1/stages/{name}/execute", work)
+
+    # ------------------------------------------------------------------ vLLM-compatible
+
+    async def on_targets(names: list[str], command: str, make_call: Callable[[str], Callable[[], Any]],
+                         level: int | None = None) -> tuple[dict[str, Any], Answer | None]:  # fmt: skip
+        """Run one lifecycle command on several stages at once; the first error (in config
+        order) becomes the answer, with every stage's outcome beside it."""
+        outcomes = await asyncio.gather(*(state.lifecycle(n, command, make_call(n), level=level) for n in names),
+                                        return_exceptions=True)  # fmt: skip
+        per_stage: dict[str, Any] = {}
+        first_error: Answer | None = None
+        for name, outcome in zip(names, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                err = to_http(outcome, stage=name)
+                per_stage[name] = err.body
+                if first_error is None:
+                    first_error = Answer(err.status, b"", tuple(err.headers.items()))
+            else:
+                per_stage[name] = report_json(outcome)
+        if first_error is not None:
+            first_body = next(v for v in per_stage.values() if "error" in v)
+            body = dict(first_body, stages=per_stage)
+            return per_stage, Answer(first_error.status, dumps(body), first_error.headers)
+        return per_stage, None
+
+    def sleep_many(names: list[str], level: int, tags: list[str] | None, tid: str | None,
+                   abort_in_flight: bool = False) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+        """vLLM's and vLLM-Omni's sleep: the same command on several stages."""
+        engine = state.require_engine()
+
+        async def work() -> Answer:
+            per_stage, error = await on_targets(names, "sleep", lambda n: functools.partial(
+                engine.sleep, n, level, tags, task_id=tid, abort_in_flight=abort_in_flight), level)
+            return error or _answer(200, {"status": "sleeping", "level": level, "stages": per_stage})
+
+        return work
+
+    def wake_many(names: list[str], tags: list[str] | None, tid: str | None) -> Callable[[], Awaitable[Answer]]:
+        """vLLM's and vLLM-Omni's wake: 'sleeping' while some tags of a stage still sleep."""
+        engine = state.require_engine()
+
+        async def work() -> Answer:
+            per_stage, error = await on_targets(names, "wake", lambda n: functools.partial(
+                engine.wake, n, tags, task_id=tid))
+            if error is not None:
+                return error
+            awake = all(r["state"] in ("RUNNING", "NEEDS_RELOAD") for r in per_stage.values())
+            woken = tags or sorted({t for n in names for t in state.specs[n].tags})
+            return _answer(200, {"status": "awake" if awake else "sleeping", "tags_woken": woken, "stages": per_stage})
+
+        return work
+
+    @app.post("/sleep", dependencies=control, response_model=m.VllmSleepModel, responses=m.ERROR_RESPONSES,
+              tags=["vLLM"], description="vLLM's dev-mode sleep: ?level=1|2&mode=wait|abort&tags=... on the "
+                                         "default stage (or every stage)")  # fmt: skip
+    async def vllm_sleep(request: Request, level: int = 1, mode: str = "wait",
+                         tags: Annotated[list[str] | None, Query()] = None) -> Response:  # fmt: skip
+        _only_query(request, {"level", "mode", "tags"})
+        if mode not in ("wait", "abort"):
+            raise ApiError(400, f"mode {mode!r} is not served; use 'wait' (drain in-flight requests) or 'abort' "
+                                "(fail them now)", kind="InvalidArgumentError")  # fmt: skip
+        work = sleep_many(state.targets(), level, _split_tags(tags or []), _lifecycle_tid(request), mode == "abort")
+        return await run_post(state, request, "/sleep", work)
+
+    @app.post("/wake_up", dependencies=control, response_model=m.VllmWakeModel, responses=m.ERROR_RESPONSES,
+              tags=["vLLM"], description="vLLM's wake_up: ?tags=weights wakes part of the memory")  # fmt: skip
+    async def vllm_wake(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        _only_query(request, {"tags"})
+        work = wake_many(state.targets(), _split_tags(tags or []), _lifecycle_tid(request))
+        return await run_post(state, request, "/wake_up", work)
+
+    @app.get("/is_sleeping", dependencies=control, response_model=m.IsSleepingModel, responses=m.ERROR_RESPONSES,
+             tags=["vLLM"],
+             description="true while the default stage (or any stage) sleeps, fully or in part")  # fmt: skip
+    async def vllm_is_sleeping() -> Response:
+        status = await state.status()
+        sleepy = ("SLEEPING", "PARTIAL", "DRAINING", "TRANSITIONING")
+        asleep = any(status[n]["state"] in sleepy for n in state.targets())
+        return JSONResponse({"is_sleeping": asleep})
+
+    @app.post("/collective_rpc", dependencies=control, response_model=m.CollectiveRpcModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM"],
+              description="Only method 'reload_weights' (kwargs: optional 'source', checked against "
+                          "allowed_reload_sources); any other method would run caller-named code on the "
+                          "ranks")  # fmt: skip
+    async def vllm_collective_rpc(request: Request, body: m.CollectiveRpcBody) -> Response:
+        if body.method != "reload_weights":
+            raise ApiError(400, f"collective_rpc method {body.method!r} is not served; only 'reload_weights' is "
+                                "(any other would run caller-named code on the ranks)",
+                           kind="InvalidArgumentError")  # fmt: skip
+        unknown = sorted(set(body.kwargs) - {"source"})
+        if body.args or unknown:
+            raise ApiError(400, f"reload_weights takes only kwargs {{'source': ...}}; got args {body.args} and "
+                                f"kwargs {unknown}", kind="InvalidArgumentError")  # fmt: skip
+        source = body.kwargs.get("source")
+        if source is not None and not isinstance(source, str):
+            raise ApiError(400, f"source must be a path string, got {source!r}", kind="InvalidArgumentError")
+        state.check_source(source)
+        engine, tid, names, timeout_s = state.require_engine(), _lifecycle_tid(request), state.targets(), _timeout(
+            body.timeout)
+
+        async def work() -> Answer:
+            per_stage, error = await on_targets(names, "reload", lambda n: functools.partial(
+                engine.reload_weights, n, source, task_id=tid, timeout_s=timeout_s))
+            return error or _answer(200, {"results": list(per_stage.values())})
+
+        return await run_post(state, request, "/collective_rpc", work)
+
+    # ------------------------------------------------------------------ vLLM-Omni-compatible
+
+    @app.post("/v1/omni/sleep", dependencies=control, response_model=m.VllmSleepModel, responses=m.ERROR_RESPONSES,
+              tags=["vLLM-Omni"], description="vLLM-Omni's sleep: {\"stage_ids\": [0, 1], \"level\": 2}")  # fmt: skip
+    async def omni_sleep(request: Request, body: m.OmniSleepBody | None = None) -> Response:
+        body = body or m.OmniSleepBody()
+        work = sleep_many(state.stage_list(body.stage_ids), body.level, body.tags, _lifecycle_tid(request))
+        return await run_post(state, request, "/v1/omni/sleep", work)
+
+    @app.post("/v1/omni/wakeup", dependencies=control, response_model=m.VllmWakeModel, responses=m.ERROR_RESPONSES,
+              tags=["vLLM-Omni"], description="vLLM-Omni's wake-up: {\"stage_ids\": [0]}")  # fmt: skip
+    async def omni_wake(request: Request, body: m.OmniWakeBody | None = None) -> Response:
+        body = body or m.OmniWakeBody()
+        work = wake_many(state.stage_list(body.stage_ids), body.tags, _lifecycle_tid(request))
+        return await run_post(state, request, "/v1/omni/wakeup", work)
+
+    # The last added is outermost: metrics see every answer, 413s included; the body limit
+    # still runs before any route reads a byte.
+    app.add_middleware(BodyLimit, max_body_bytes=state.server.max_body_bytes,
+                       on_refused=state.metrics.http_body_refused.inc)  # fmt: skip
+    app.add_middleware(_HttpMetrics, state=state)
+    return app

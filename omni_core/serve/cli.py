@@ -1,0 +1,90 @@
+"""`omni-core serve` and the client verbs `omni-core status|sleep|wake --url URL`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from omni_core.client import OmniClient, ServeError
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.write_openapi:
+        from omni_core.serve.openapi import write_openapi
+
+        print(f"wrote {write_openapi(args.write_openapi)}")
+        return 0
+    if not args.config:
+        print("omni-core serve: --config FILE is required (a TOML stage config; examples/two_stages.toml is one)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from omni_core.config import ConfigError, load_config
+    from omni_core.serve.server import serve, with_overrides
+
+    try:
+        config = with_overrides(load_config(args.config), host=args.host, port=args.port,
+                                api_key_file=args.api_key_file, default_stage=args.default_stage)  # fmt: skip
+        if config.server.default_stage is not None and config.server.default_stage not in config.stage_names:
+            raise ConfigError(args.config, f"--default-stage {config.server.default_stage!r} is not a stage; "
+                                           f"stages are {config.stage_names}")  # fmt: skip
+    except (ConfigError, ValueError) as exc:
+        print(f"omni-core serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(config, log_level=args.log_level)
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _print_stages(stages: list[dict[str, Any]]) -> None:
+    print(f"{'id':<3} {'stage':<16} {'state':<14} {'epoch':>5} {'queued':>6} {'in flight':>9}  ranks")
+    for st in stages:
+        ranks = ", ".join(f"r{rank}: {r['state']} pid {r['pid']}" + ("" if r["alive"] else " (gone)")
+                          for rank, r in st["ranks"].items())  # fmt: skip
+        print(f"{st['stage_id']:<3} {st['name']:<16} {st['state']:<14} {st['epoch']:>5} {st['queued']:>6} "
+              f"{st['in_flight']:>9}  {ranks}")  # fmt: skip
+        if st.get("failure"):
+            print(f"    failure: {st['failure']}")
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    freed = sum(r["freed_bytes"] for r in report["ranks"].values())
+    status = "" if report["status"] == "OK" else f" ({report['status']})"
+    moved = f"{'freed' if freed >= 0 else 'restored'} {_fmt_bytes(abs(freed))}"
+    print(f"{report['stage']}: {report['command']} -> {report['state']}{status} in "
+          f"{report['duration_s'] * 1000:.1f} ms, {moved} over {len(report['ranks'])} rank(s)")  # fmt: skip
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    verb = args.verb
+    try:
+        client = OmniClient(args.url, api_key_file=args.api_key_file)
+        if verb == "status":
+            answer: Any = [client.stage(args.stage)] if args.stage else client.stages()
+        elif verb == "sleep":
+            answer = client.sleep(args.stage, args.level, args.tags, timeout_s=args.timeout_s,
+                                  abort_in_flight=args.abort_in_flight,
+                                  idempotency_key=args.idempotency_key)  # fmt: skip
+        else:
+            answer = client.wake(args.stage, args.tags, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+    except ServeError as exc:
+        print(f"omni-core {verb}: HTTP {exc.status} {exc.type}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    elif verb == "status":
+        _print_stages(answer)
+    else:
+        _print_report(answer)
+    return 0

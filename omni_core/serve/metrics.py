@@ -1,0 +1,161 @@
+"""Prometheus metrics of `omni-core serve` (`GET /metrics`). Every name is documented in
+README.md ("Serving over HTTP", Metrics); `tests/serve/test_metrics.py` checks that the
+README lists exactly the families this module exports.
+
+Two sources: what the server sees happen (lifecycle calls through it, requests, HTTP), kept
+in ordinary counters and histograms; and the engine's own view (`Engine.status()`, polled),
+exported by a collector at scrape time from the latest snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from omni_core.protocol import StageState
+
+# vLLM's sleep_mode_operation_duration_seconds spans 0.01-600 s; the control plane on CPU
+# answers in milliseconds, so the low end starts finer.
+LIFECYCLE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                       60.0, 120.0, 300.0, 600.0)  # fmt: skip
+HTTP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's engine_sleep_state values
+STAGE_STATES = tuple(s.value for s in StageState)
+
+
+def vllm_sleep_state(state: str, last_level: int | None) -> str | None:
+    """vLLM's sleep_state for a stage state: awake when serving, weights_offloaded after a
+    level-1 sleep, discard_all after a level-2 one (until reloaded); None in transitions,
+    FAILED and STOPPED, which vLLM has no value for."""
+    if state == "RUNNING":
+        return "awake"
+    if state == "NEEDS_RELOAD":
+        return "discard_all"
+    if state in ("SLEEPING", "PARTIAL"):
+        return "discard_all" if last_level == 2 else "weights_offloaded"
+    return None
+
+
+class ServeMetrics:
+    """One registry per app, so two servers (or tests) in a process never share counters."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lifecycle_duration = Histogram(
+            "omni_core_lifecycle_duration_seconds", "Sleep, wake, reload and restart calls through the server, "
+            "from call to answer, by stage, command and outcome", ["stage", "command", "outcome"],
+            buckets=LIFECYCLE_BUCKETS_S, registry=r)  # fmt: skip
+        self.lifecycle_in_flight = Gauge(
+            "omni_core_lifecycle_operations_in_flight", "Lifecycle calls through the server not yet answered",
+            ["stage"], registry=r)  # fmt: skip
+        self.freed_bytes = Counter(
+            "omni_core_freed_bytes", "Pool bytes released by sleeps, summed over ranks, by stage and tag",
+            ["stage", "tag"], registry=r)  # fmt: skip
+        self.restored_bytes = Counter(
+            "omni_core_restored_bytes", "Pool bytes brought back by wakes and reloads, summed over ranks",
+            ["stage", "tag"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            "omni_core_requests", "Execute requests through the server by stage and outcome (ok, rejected, "
+            "conflict, invalid, failed, deadline, ...)", ["stage", "outcome"], registry=r)  # fmt: skip
+        self.deadlines = Counter(
+            "omni_core_deadlines_fired", "Deadlines that ended a call through the server (HTTP 504), by stage "
+            "and kind (request, lifecycle)", ["stage", "kind"], registry=r)  # fmt: skip
+        self.restarts = Counter("omni_core_stage_restarts", "Stage restarts through the server", ["stage"], registry=r)
+        self.http_requests = Counter(
+            "omni_core_http_requests", "HTTP requests answered, by route template, method and status code",
+            ["route", "method", "code"], registry=r)  # fmt: skip
+        self.http_duration = Histogram(
+            "omni_core_http_request_duration_seconds", "HTTP request latency by route template",
+            ["route", "method"], buckets=HTTP_BUCKETS_S, registry=r)  # fmt: skip
+        self.http_in_flight = Gauge("omni_core_http_requests_in_flight", "HTTP requests being handled", registry=r)
+        self.http_disconnects = Counter(
+            "omni_core_http_client_disconnects", "Clients that went away before their answer; the call still "
+            "ran to its end and was counted", ["route"], registry=r)  # fmt: skip
+        self.http_auth_failures = Counter(
+            "omni_core_http_auth_failures", "Requests refused for a missing or wrong API key (401)", registry=r)
+        self.http_body_refused = Counter(
+            "omni_core_http_body_too_large", "Requests refused for a body above max_body_bytes (413)", registry=r)
+        self.idempotent_replays = Counter(
+            "omni_core_idempotent_replays", "Requests answered from the Idempotency-Key record, not run again",
+            registry=r)  # fmt: skip
+        r.register(_EngineCollector(snapshot))
+
+
+class _EngineCollector(Collector):
+    """The engine's state as of the latest status snapshot (polled every status_poll_interval_s)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list:
+        return []  # families depend on the snapshot; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        snap = self._snapshot()
+        stages: dict[str, Any] = snap.get("stages", {})
+        state = GaugeMetricFamily("omni_core_stage_state", "1 for the stage's current lifecycle state",
+                                  labels=["stage", "state"])  # fmt: skip
+        sleep_state = GaugeMetricFamily(
+            "omni_core_engine_sleep_state", "vLLM's engine_sleep_state: 1 for the stage's current value "
+            "(awake, weights_offloaded, discard_all); all 0 in transitions, FAILED, STOPPED",
+            labels=["stage", "sleep_state"])  # fmt: skip
+        epoch = GaugeMetricFamily("omni_core_stage_epoch", "The stage's epoch (grows by one per restart)",
+                                  labels=["stage"])  # fmt: skip
+        queued = GaugeMetricFamily("omni_core_requests_queued", "Requests waiting in the stage's queue",
+                                   labels=["stage"])  # fmt: skip
+        in_flight = GaugeMetricFamily("omni_core_requests_in_flight", "Requests sent to the ranks, not yet "
+                                      "answered by all of them", labels=["stage"])  # fmt: skip
+        stage_events = CounterMetricFamily(
+            "omni_core_stage_protocol_events", "The stage core's counters: replies ignored as stale, unknown or "
+            "duplicate, ACKs without a memory report, task retries", labels=["stage", "event"])  # fmt: skip
+        rank_up = GaugeMetricFamily("omni_core_rank_up", "1 while the rank process is alive",
+                                    labels=["stage", "rank"])  # fmt: skip
+        rank_state = GaugeMetricFamily("omni_core_rank_state", "1 for the rank's last known worker state",
+                                       labels=["stage", "rank", "state"])  # fmt: skip
+        pool = GaugeMetricFamily("omni_core_pool_bytes", "Bytes resident in each tagged pool of a rank, as of its "
+                                 "last lifecycle report", labels=["stage", "rank", "tag"])  # fmt: skip
+        process = GaugeMetricFamily(
+            "omni_core_rank_process_memory_bytes", "The rank process's own device memory after its last "
+            "lifecycle command (NVML per process; `source` names the fallback)",
+            labels=["stage", "rank", "source"])  # fmt: skip
+        rss = GaugeMetricFamily("omni_core_rank_resident_memory_bytes", "The rank process's host resident set "
+                                "(RSS), read from /proc", labels=["stage", "rank"])  # fmt: skip
+        host = GaugeMetricFamily("omni_core_host_offloaded_bytes", "Weights bytes a level-1 sleep moved to host "
+                                 "memory and no wake has brought back, per rank", labels=["stage", "rank"])  # fmt: skip
+        for name, stage in stages.items():
+            for s in STAGE_STATES:
+                state.add_metric([name, s], 1.0 if stage["state"] == s else 0.0)
+            current = vllm_sleep_state(stage["state"], stage.get("last_sleep_level"))
+            for s in SLEEP_STATES:
+                sleep_state.add_metric([name, s], 1.0 if current == s else 0.0)
+            epoch.add_metric([name], stage.get("epoch", 0))
+            queued.add_metric([name], stage.get("queued", 0))
+            in_flight.add_metric([name], stage.get("in_flight", 0))
+            for event, value in sorted(stage.get("counters", {}).items()):
+                stage_events.add_metric([name, event], value)
+            for rank, info in stage.get("ranks", {}).items():
+                labels = [name, str(rank)]
+                rank_up.add_metric(labels, 1.0 if info.get("alive") else 0.0)
+                rank_state.add_metric([*labels, str(info.get("state", "-"))], 1.0)
+                for tag, value in sorted(info.get("pool_bytes", {}).items()):
+                    pool.add_metric([*labels, tag], value)
+                if info.get("process_bytes") is not None:
+                    process.add_metric([*labels, info.get("process_bytes_source", "none")], info["process_bytes"])
+                if info.get("rss_bytes") is not None:
+                    rss.add_metric(labels, info["rss_bytes"])
+                host.add_metric(labels, info.get("host_offloaded_bytes", 0))
+        engine_events = CounterMetricFamily(
+            "omni_core_engine_protocol_events", "What strangers and faulty peers tried, each refused and counted: "
+            "undecodable replies (bad_replies), unknown peers, forged Hellos, rebinds refused, rank mismatches, "
+            "late results, send failures, CURVE refusals", labels=["event"])  # fmt: skip
+        for event, value in sorted(snap.get("engine", {}).items()):
+            engine_events.add_metric([event], value)
+        up = GaugeMetricFamily("omni_core_engine_up", "1 while the engine answers status calls")
+        up.add_metric([], 1.0 if snap.get("engine_up") else 0.0)
+        yield from (state, sleep_state, epoch, queued, in_flight, stage_events, rank_up, rank_state, pool, process,
+                    rss, host, engine_events, up)  # fmt: skip

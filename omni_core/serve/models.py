@@ -1,0 +1,185 @@
+"""Request and response bodies of the HTTP API (pydantic, so the OpenAPI schema names them).
+
+Request bodies forbid unknown fields: a client or router that misspells or adds a field
+(production-stack #953 dropped `level`) gets a 400 naming it instead of a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SleepBody(_Strict):
+    level: int = Field(1, description="1: offload weights to host, discard the rest; 2: discard everything")
+    tags: list[str] | None = Field(None, description="tags to put to sleep; null: every tag of the stage")
+    timeout_s: float | None = Field(None, description="deadline of this command; null: the stage's deadline_s")
+    abort_in_flight: bool = Field(False, description="fail in-flight requests now instead of draining them")
+
+
+class WakeBody(_Strict):
+    tags: list[str] | None = Field(None, description="tags to wake; null: every tag asleep")
+    timeout_s: float | None = None
+
+
+class ReloadBody(_Strict):
+    source: str | None = Field(None, description="checkpoint to reload from; must lie under the config's "
+                                                 "allowed_reload_sources. null: the runner's own weights")  # fmt: skip
+    timeout_s: float | None = None
+
+
+class ExecuteBody(_Strict):
+    payload: Any = Field(None, description="the runner's request, e.g. {\"seed\": 1, \"batch\": 2} for synthetic")
+    timeout_s: float | None = Field(None, description="deadline of this request, queueing included; null: the "
+                                                      "stage's request_timeout_s")  # fmt: skip
+
+
+class AdmissionBody(_Strict):
+    policy: str = Field(..., description="queue, reject or wake")
+
+
+class OmniSleepBody(_Strict):
+    """vLLM-Omni's POST /v1/omni/sleep."""
+
+    stage_ids: list[int | str] | None = Field(None, description="stage indices (config order) or names; "
+                                                                "null: every stage")  # fmt: skip
+    level: int = 1
+    tags: list[str] | None = None
+
+
+class OmniWakeBody(_Strict):
+    """vLLM-Omni's POST /v1/omni/wakeup."""
+
+    stage_ids: list[int | str] | None = None
+    tags: list[str] | None = None
+
+
+class CollectiveRpcBody(BaseModel):
+    """vLLM's POST /collective_rpc; only `reload_weights` is served."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = None
+
+
+class RankReportModel(BaseModel):
+    rank: int
+    state: str
+    status: str
+    duration_s: float
+    pool_bytes_before: dict[str, int]
+    pool_bytes_after: dict[str, int]
+    process_bytes_before: int | None
+    process_bytes_after: int | None
+    process_bytes_source: str
+    freed_bytes: int = Field(description="pool bytes released (negative: restored)")
+
+
+class LifecycleReportModel(BaseModel):
+    stage: str
+    task_id: str
+    command: str
+    status: str = Field(description="OK, or ALREADY when nothing had to be done")
+    state: str
+    duration_s: float
+    ranks: dict[str, RankReportModel]
+
+
+class ErrorDetail(BaseModel):
+    code: int
+    type: str = Field(description="the engine's exception type, or the HTTP layer's (e.g. BodyTooLarge)")
+    message: str = Field(description="the same text the Python API raises")
+    stage: str | None = None
+    failures: dict[str, str] | None = Field(None, description="rank -> why, for StageFailedError")
+
+
+class ErrorModel(BaseModel):
+    error: ErrorDetail
+
+
+class RankModel(BaseModel):
+    pid: int | None
+    alive: bool
+    state: str
+    pool_bytes: dict[str, int]
+    process_bytes: int | None
+    process_bytes_source: str
+    rss_bytes: int | None
+    host_offloaded_bytes: int
+
+
+class StageModel(BaseModel):
+    stage_id: int
+    name: str
+    state: str
+    epoch: int
+    task_id: str | None
+    admission: str
+    failure: str | None
+    queued: int
+    in_flight: int
+    counters: dict[str, int]
+    last_sleep_level: int | None
+    tags: list[str]
+    runner: str
+    device: str
+    backend: str
+    host_offloaded_bytes: int
+    ranks: dict[str, RankModel]
+
+
+class StagesModel(BaseModel):
+    stages: list[StageModel]
+
+
+class ExecuteModel(BaseModel):
+    stage: str
+    output: Any = Field(description="rank 0's output; bytes are base64 strings")
+
+
+class RestartModel(BaseModel):
+    stage: str
+    state: str
+    epoch: int
+
+
+class VllmSleepModel(BaseModel):
+    status: str
+    level: int
+    stages: dict[str, LifecycleReportModel]
+
+
+class VllmWakeModel(BaseModel):
+    status: str = Field(description="awake, or sleeping while some tags still sleep")
+    tags_woken: list[str]
+    stages: dict[str, LifecycleReportModel]
+
+
+class IsSleepingModel(BaseModel):
+    is_sleeping: bool
+
+
+class CollectiveRpcModel(BaseModel):
+    results: list[LifecycleReportModel]
+
+
+class HealthModel(BaseModel):
+    status: str = Field(description="ok; degraded while a stage is FAILED")
+    stages: dict[str, str]
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorModel, "description": what}
+    for code, what in {
+        400: "bad argument", 401: "missing or wrong API key", 404: "unknown stage",
+        409: "state conflict, or Idempotency-Key reused for another request", 413: "body too large",
+        429: "queue full", 503: "stage failed or engine closed", 504: "deadline passed",
+    }.items()
+}  # fmt: skip

@@ -1,0 +1,217 @@
+"""The live status page served at `/`: one HTML document, no build step, no external assets.
+
+It reads `GET /v1/events` (server-sent events) through `fetch`, so it can send the API key
+as a header (EventSource cannot); if the stream breaks it polls `GET /v1/status` until the
+stream comes back. When the server has a key, the page asks for it once and keeps it in
+sessionStorage (this tab only). The page itself holds no data, so it is served without a key.
+"""
+
+from __future__ import annotations
+
+STATUS_PAGE_HTML = r"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>omni-core status</title>
+<style>
+  :root { font-family: system-ui, sans-serif; font-size: 14px; color: #1b1f24; background: #f6f8fa; }
+  body { margin: 0 auto; max-width: 1200px; padding: 16px; }
+  header { display: flex; align-items: baseline; gap: 16px; }
+  h1 { font-size: 20px; margin: 0; }
+  #conn { padding: 2px 8px; border-radius: 10px; background: #ddd; }
+  #conn.live { background: #c9f2d4; } #conn.polling { background: #fff1b8; } #conn.down { background: #ffd2d2; }
+  #auth { display: none; margin: 12px 0; } #auth.shown { display: block; }
+  .stage { background: #fff; border: 1px solid #d0d7de; border-radius: 8px; margin: 12px 0; padding: 12px; }
+  .stage h2 { font-size: 16px; margin: 0 0 8px 0; display: flex; gap: 12px; align-items: baseline; }
+  .state { font-weight: 600; padding: 1px 8px; border-radius: 8px; background: #eee; }
+  .state.RUNNING { background: #c9f2d4; } .state.SLEEPING { background: #d6e4ff; }
+  .state.PARTIAL { background: #e6dcff; } .state.NEEDS_RELOAD { background: #ffe7c2; }
+  .state.FAILED { background: #ffd2d2; } .state.DRAINING, .state.TRANSITIONING, .state.WAKING { background: #fff1b8; }
+  .meta { color: #57606a; font-size: 12px; }
+  table { border-collapse: collapse; width: 100%; margin-top: 6px; }
+  th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid #eaeef2; font-variant-numeric: tabular-nums; }
+  .strip { width: 100%; height: 14px; margin-top: 8px; display: block; }
+  #events { list-style: none; padding: 0; margin: 0; font-family: ui-monospace, monospace; font-size: 12px; }
+  #events li { padding: 2px 0; border-bottom: 1px solid #eaeef2; }
+  #events .ok { color: #1a7f37; } #events .bad { color: #cf222e; }
+  .failure { color: #cf222e; }
+</style>
+</head>
+<body>
+<header>
+  <h1>omni-core</h1>
+  <span id="conn" class="down">connecting</span>
+  <span class="meta" id="updated"></span>
+</header>
+<div id="auth">
+  <label>API key <input id="key" type="password" autocomplete="off"></label>
+  <button id="key-save">connect</button>
+  <span class="meta">this server needs a key; it stays in this tab only</span>
+</div>
+<main id="stages"></main>
+<h2 style="font-size:16px">Recent lifecycle events</h2>
+<ol id="events"></ol>
+<script>
+"use strict";
+const STATE_COLORS = {RUNNING: "#2da44e", SLEEPING: "#4f7df0", PARTIAL: "#8250df", NEEDS_RELOAD: "#d4a72c",
+  FAILED: "#cf222e", DRAINING: "#e3b341", TRANSITIONING: "#e3b341", WAKING: "#e3b341", STARTING: "#8c959f",
+  STOPPED: "#57606a", UNKNOWN: "#d0d7de"};
+const STRIP_SPAN_MS = 5 * 60 * 1000;  // the state strip shows the last five minutes
+const history = {};                   // stage -> [[time_ms, state], ...]
+const seenEvents = new Set();
+let key = sessionStorage.getItem("omni-core-key") || "";
+
+function headers() { return key ? {"Authorization": "Bearer " + key} : {}; }
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "-";
+  const units = [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+  for (const [u, s] of units) if (Math.abs(n) >= s) return (n / s).toFixed(1) + " " + u;
+  return n + " B";
+}
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v; else if (k.startsWith("data-")) node.setAttribute(k, v); else node[k] = v;
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+function setConn(kind, text) { const c = document.getElementById("conn"); c.className = kind; c.textContent = text; }
+
+function renderStrip(name) {
+  const svgNS = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(svgNS, "svg");
+  svg.setAttribute("class", "strip"); svg.setAttribute("viewBox", "0 0 1000 14");
+  svg.setAttribute("preserveAspectRatio", "none");
+  const now = Date.now(), points = history[name] || [];
+  for (let i = 0; i < points.length; i++) {
+    const start = Math.max(points[i][0], now - STRIP_SPAN_MS), end = i + 1 < points.length ? points[i + 1][0] : now;
+    if (end <= now - STRIP_SPAN_MS) continue;
+    const rect = document.createElementNS(svgNS, "rect");
+    rect.setAttribute("x", ((start - (now - STRIP_SPAN_MS)) / STRIP_SPAN_MS * 1000).toFixed(1));
+    rect.setAttribute("width", Math.max(1, (end - start) / STRIP_SPAN_MS * 1000).toFixed(1));
+    rect.setAttribute("y", "0"); rect.setAttribute("height", "14");
+    rect.setAttribute("fill", STATE_COLORS[points[i][1]] || "#999");
+    const title = document.createElementNS(svgNS, "title");
+    title.textContent = points[i][1] + " from " + new Date(points[i][0]).toLocaleTimeString();
+    rect.append(title); svg.append(rect);
+  }
+  return svg;
+}
+
+function renderStatus(snap) {
+  const main = document.getElementById("stages");
+  const now = Date.now();
+  main.replaceChildren();
+  for (const st of Object.values(snap.stages || {})) {
+    const h = history[st.name] || (history[st.name] = []);
+    if (!h.length || h[h.length - 1][1] !== st.state) h.push([now, st.state]);
+    while (h.length > 1 && h[1][0] < now - STRIP_SPAN_MS) h.shift();
+    const tags = st.tags || [];
+    const rows = Object.entries(st.ranks || {}).map(([rank, r]) => el("tr", {"data-rank": rank},
+      el("td", {}, rank), el("td", {}, r.pid ?? "-"), el("td", {}, r.alive ? "alive" : "gone"),
+      el("td", {"class": "rank-state"}, r.state),
+      ...tags.map(t => el("td", {"data-tag": t}, fmtBytes((r.pool_bytes || {})[t]))),
+      el("td", {}, fmtBytes(r.process_bytes) + (r.process_bytes_source && r.process_bytes_source !== "none"
+        ? " (" + r.process_bytes_source + ")" : "")),
+      el("td", {}, fmtBytes(r.rss_bytes)), el("td", {}, fmtBytes(r.host_offloaded_bytes))));
+    const table = el("table", {},
+      el("thead", {}, el("tr", {}, el("th", {}, "rank"), el("th", {}, "pid"), el("th", {}, "process"),
+        el("th", {}, "worker state"), ...tags.map(t => el("th", {}, t)), el("th", {}, "device memory"),
+        el("th", {}, "host RSS"), el("th", {}, "host offloaded"))),
+      el("tbody", {}, ...rows));
+    const section = el("section", {"class": "stage", "data-stage": st.name},
+      el("h2", {}, el("span", {}, st.name), el("span", {"class": "state " + st.state, "data-field": "state"}, st.state),
+        el("span", {"class": "meta"}, "id " + st.stage_id + " · epoch " + st.epoch + " · " + st.runner + " on " +
+          st.device + "/" + st.backend + " · admission " + st.admission + " · queued " + st.queued +
+          " · in flight " + st.in_flight + " · host offloaded " + fmtBytes(st.host_offloaded_bytes) +
+          (st.last_sleep_level ? " · last sleep L" + st.last_sleep_level : ""))),
+      st.failure ? el("div", {"class": "failure"}, st.failure) : "",
+      renderStrip(st.name), table);
+    main.append(section);
+  }
+  for (const ev of snap.events || []) addEvent(ev);
+  document.getElementById("updated").textContent = "updated " + new Date((snap.time || 0) * 1000).toLocaleTimeString();
+}
+
+function addEvent(ev) {
+  if (seenEvents.has(ev.id)) return;
+  seenEvents.add(ev.id);
+  const list = document.getElementById("events");
+  const text = new Date(ev.time * 1000).toLocaleTimeString() + "  " + ev.stage + "  " + ev.command +
+    (ev.level ? " L" + ev.level : "") + "  " + ev.outcome + (ev.state ? " -> " + ev.state : "") +
+    (ev.status && ev.status !== "OK" ? " (" + ev.status + ")" : "") + "  " + (ev.duration_s * 1000).toFixed(1) + " ms" +
+    (ev.freed_bytes ? "  freed " + fmtBytes(ev.freed_bytes) : "") + (ev.error ? "  " + ev.error : "");
+  list.prepend(el("li", {"class": ev.outcome === "ok" ? "ok" : "bad", "data-event-id": ev.id,
+    "data-stage": ev.stage, "data-command": ev.command}, text));
+  while (list.children.length > 100) list.lastChild.remove();
+}
+
+function needKey() { document.getElementById("auth").className = "shown"; setConn("down", "API key needed"); }
+
+async function stream() {
+  const response = await fetch("/v1/events", {headers: headers(), cache: "no-store"});
+  if (response.status === 401) { needKey(); return false; }
+  if (!response.ok || !response.body) throw new Error("events: HTTP " + response.status);
+  setConn("live", "live");
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) throw new Error("event stream ended");
+    buffer += decoder.decode(value, {stream: true});
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
+      let kind = "message", data = "";
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) kind = line.slice(7);
+        else if (line.startsWith("data: ")) data += line.slice(6);
+      }
+      if (!data) continue;
+      const parsed = JSON.parse(data);
+      if (kind === "status") renderStatus(parsed); else if (kind === "lifecycle") addEvent(parsed);
+    }
+  }
+}
+
+async function pollOnce() {
+  const response = await fetch("/v1/status", {headers: headers(), cache: "no-store"});
+  if (response.status === 401) { needKey(); return false; }
+  if (!response.ok) throw new Error("status: HTTP " + response.status);
+  renderStatus(await response.json());
+  return true;
+}
+
+async function run() {
+  for (;;) {
+    try {
+      if (await stream() === false) return;
+    } catch (err) {
+      // The stream broke (server restart, proxy): poll until it can be opened again.
+      try { if (await pollOnce() === false) return; setConn("polling", "polling"); }
+      catch (err2) { setConn("down", "disconnected: " + err2.message); }
+      await new Promise(r => setTimeout(r, 2000));
+    }
+  }
+}
+
+document.getElementById("key-save").addEventListener("click", () => {
+  key = document.getElementById("key").value.trim();
+  sessionStorage.setItem("omni-core-key", key);
+  document.getElementById("auth").className = "";
+  run();
+});
+setInterval(() => {  // the strips move with time even when nothing changes
+  for (const name of Object.keys(history)) {
+    const section = document.querySelector('section[data-stage="' + CSS.escape(name) + '"]');
+    const strip = section && section.querySelector("svg.strip");
+    if (strip) strip.replaceWith(renderStrip(name));
+  }
+}, 5000);
+run();
+</script>
+</body>
+</html>
+"""

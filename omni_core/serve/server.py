@@ -1,0 +1,115 @@
+"""Starting and stopping `omni-core serve`: checks first, then the engine, then uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from omni_core.config import OmniConfig
+from omni_core.engine import Engine
+from omni_core.serve.app import create_app
+from omni_core.serve.auth import ServeRefusedError, check_bind, load_api_key
+
+log = logging.getLogger("omni_core.serve")
+GRACEFUL_SHUTDOWN_S = 5.0  # open event streams and calls get this long after SIGINT/SIGTERM
+STARTUP_WAIT_S = 60.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending the app's event streams as soon as shutdown begins (they
+    would otherwise hold their connections until the graceful timeout)."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._app.state.serve.begin_close()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, server_header=False)  # fmt: skip
+
+
+def with_overrides(config: OmniConfig, **overrides: Any) -> OmniConfig:
+    """The config with command-line overrides of [server] (those that are not None)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, **given)) if given else config
+
+
+def serve(config: OmniConfig, *, log_level: str = "info", environ: dict[str, str] | None = None) -> int:
+    """Run until SIGINT/SIGTERM. Refuses to start (exit 2) on an unsafe or broken setup."""
+    server_cfg = config.server
+    try:
+        api_key = load_api_key(server_cfg, os.environ if environ is None else environ)
+        check_bind(server_cfg.host, api_key)
+    except ServeRefusedError as exc:
+        print(f"omni-core serve: {exc}", file=sys.stderr)
+        return 2
+    names = ", ".join(f"{s.name} ({s.ranks} rank{'s' if s.ranks > 1 else ''})" for s in config.stages)
+    print(f"omni-core serve: starting {names} from {config.path}", file=sys.stderr, flush=True)
+    engine = Engine(config.stages, **config.engine)
+    try:
+        app = create_app(engine, config, api_key=api_key)
+        server = _Server(uvicorn_config(app, server_cfg.host, server_cfg.port, log_level), app)
+        auth = "API key required on control routes" if api_key else "no API key (loopback only)"
+        print(f"omni-core serve: http://{_url_host(server_cfg.host)}:{server_cfg.port}/ ({auth}); Ctrl-C stops it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass
+class RunningServer:
+    url: str
+    app: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.app.state.serve.begin_close()
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0,
+                    log_level: str = "warning") -> Iterator[RunningServer]:  # fmt: skip
+    """Run `app` on a real socket in a background thread (tests, embedding). Port 0: any
+    free port; the URL says which."""
+    server = _Server(uvicorn_config(app, host, port, log_level), app)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
+    thread = threading.Thread(target=server.run, name="omni-core-serve", daemon=True)
+    thread.start()
+    started = threading.Event()
+    for _ in range(int(STARTUP_WAIT_S / 0.01)):
+        if server.started or not thread.is_alive():
+            started.set()
+            break
+        threading.Event().wait(0.01)
+    if not server.started:
+        server.should_exit = True
+        raise RuntimeError(f"the HTTP server did not start within {STARTUP_WAIT_S} s (see its log above)")
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    running = RunningServer(f"http://{_url_host(host)}:{bound_port}", app, server, thread)
+    try:
+        yield running
+    finally:
+        running.stop()
