@@ -146,13 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_models)
     from omni_core.serve.cli_args import add_remote_arguments, add_serve_arguments
 
-    p = sub.add_parser("serve", help="HTTP control plane for the stages of a TOML config (README: Serving over HTTP)")
+    # allow_abbrev=False: `--api-key SECRET` must not be taken as `--api-key-file SECRET`.
+    p = sub.add_parser("serve", help="HTTP control plane for the stages of a TOML config (README: Serving over HTTP)",
+                       allow_abbrev=False)  # fmt: skip
     add_serve_arguments(p)
     p.set_defaults(func=_cmd_serve)
     for verb, what in (("status", "state of every stage of a running `omni-core serve`"),
                        ("sleep", "put a stage of a running `omni-core serve` to sleep"),
                        ("wake", "wake a stage of a running `omni-core serve`")):  # fmt: skip
-        p = sub.add_parser(verb, help=what)
+        p = sub.add_parser(verb, help=what, allow_abbrev=False)
         add_remote_arguments(p, verb)
         p.set_defaults(func=_cmd_remote)
     return parser

@@ -1,0 +1,77 @@
+"""TOML stage configs: the examples load, and every mistake is named by file, stage and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_core.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_loads(path: Path) -> None:
+    config = load_config(path)
+    assert config.stages and config.path == str(path)
+
+
+def test_example_matches_stagespec() -> None:
+    config = load_config(ROOT / "examples" / "two_stages.toml")
+    talker, decoder = config.stages
+    assert (talker.name, talker.ranks, talker.backend, talker.runner_args["weights_bytes"]) == ("talker", 2,
+                                                                                                "portable", 4 << 20)
+    assert decoder.admission.value == "wake" and config.server.default_stage == "talker"
+    assert config.server.host == "127.0.0.1"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "stages.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("toml", "expected"), [
+    ('[[stages]]\nname = "a"\nranks = "2"\n',
+     "stage 'a' (stages[0]): field 'ranks': expected an integer, got '2'"),
+    ('[[stages]]\nname = "a"\nrnaks = 2\n',
+     "stage 'a' (stages[0]): field 'rnaks': unknown field in a stage; known fields: ["),
+    ('[[stages]]\nname = "a"\n[[stages]]\nname = "b"\nranks = 0\n',
+     "stage 'b' (stages[1]): field 'ranks': stage 'b': ranks must be 1..64, got 0"),
+    ('[[stages]]\nname = "a"\nbackend = "magic"\n',
+     "stage 'a' (stages[0]): field 'backend': stage 'a': backend 'magic' is not one of"),
+    ('[[stages]]\nname = "a b"\n', "stages[0]): field 'name': stage name 'a b' must be"),
+    ('[[stages]]\nranks = 1\n', "stages[0]: field 'name': every stage needs a name"),
+    ('[[stages]]\nname = "a"\n[[stages]]\nname = "a"\n',
+     "stage 'a' (stages[1]): field 'name': duplicate stage name (also stages[0])"),
+    ('[server]\ndefault_stage = "zz"\n[[stages]]\nname = "a"\n',
+     "field 'default_stage': [server] default_stage 'zz' is not a stage; stages are ['a']"),
+    ('[server]\nport = 70000\n[[stages]]\nname = "a"\n', "field 'port': [server] port must be 0..65535"),
+    ('[server]\napi_key = "x"\n[[stages]]\nname = "a"\n', "field 'api_key': unknown field in [server]"),
+    ('[engine]\ntransport = 3\n[[stages]]\nname = "a"\n', "field 'transport': expected a string, got 3"),
+    ('[server]\n', "needs at least one [[stages]] table"),
+    ('[[stages]\nname = "a"\n', "not valid TOML"),
+    ('stage = 1\n', "unknown top-level key 'stage'"),
+])  # fmt: skip
+def test_errors_name_file_stage_and_field(tmp_path: Path, toml: str, expected: str) -> None:
+    path = _write(tmp_path, toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(str(path) + ": "), message
+    assert expected in message, message
+
+
+def test_missing_file_says_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file; pass the path of a TOML stage configuration"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[server]\napi_key_file = "secret/key"\nallowed_reload_sources = ["ckpt"]\n'
+                            '[[stages]]\nname = "a"\n')  # fmt: skip
+    server = load_config(path).server
+    assert server.api_key_file == str(tmp_path / "secret" / "key")
+    assert server.allowed_reload_sources == (str(tmp_path / "ckpt"),)
