@@ -12,11 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from omni_core.protocol import StageState
+
+# `*_created` series (one per labelled child) double what a scrape carries and nothing here reads
+# them; prometheus_client only offers a process-wide switch.
+disable_created_metrics()
 
 # vLLM's sleep_mode_operation_duration_seconds spans 0.01-600 s; the control plane on CPU
 # answers in milliseconds, so the low end starts finer.

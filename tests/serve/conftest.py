@@ -1,6 +1,6 @@
 """Serve tests run the real thing: rank processes, the engine, uvicorn on a loopback port,
-HTTP through httpx. One engine per module (starting ranks costs seconds on 2 cores); each
-test leaves its stages RUNNING for the next (`settle`)."""
+HTTP through httpx. Engines are shared (starting ranks costs seconds on 2 cores); each test
+that uses `served` starts from RUNNING stages (`settle`)."""
 
 from __future__ import annotations
 
@@ -89,9 +89,10 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served() -> Iterator[Served]:
-    """Two stages: "talker" (2 ranks, queue admission, queue_limit 2) and "decoder" (1 rank)."""
+    """Two stages: "talker" (2 ranks, queue admission, queue_limit 2) and "decoder" (1 rank).
+    One engine for the session: tests start from `settle()`, so none inherits another's sleep."""
     config = make_config(stage_table("talker", ranks=2, queue_limit=2), stage_table("decoder"),
                          default_stage="talker")  # fmt: skip
     with serving(config) as s:

@@ -1,0 +1,92 @@
+"""omni_core.client, the CLI verbs on top of it, the README's client example, and
+`omni-core demo --config`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_core.client import OmniClient, ServeError
+from tests.serve.conftest import PROBE, Served
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _running(served: Served) -> None:
+    served.settle()
+
+
+def test_client_round_trip(served: Served) -> None:
+    client = OmniClient(served.url)
+    assert client.health()["status"] == "ok"
+    assert [s["name"] for s in client.stages()] == ["talker", "decoder"]
+    reference = client.execute("decoder", PROBE)
+    assert client.sleep("decoder", level=2)["state"] == "SLEEPING"
+    assert client.is_sleeping() is False  # vLLM's route looks at the default stage, talker
+    assert client.wake("decoder", idempotency_key="client-wake")["state"] == "NEEDS_RELOAD"
+    assert client.wake("decoder", idempotency_key="client-wake")["task_id"] == "idem-client-wake"
+    assert client.reload_weights("decoder")["state"] == "RUNNING"
+    assert client.execute("decoder", PROBE) == reference
+    assert client.restart("decoder")["epoch"] == client.stage("decoder")["epoch"]
+    with pytest.raises(ServeError) as info:
+        client.sleep("nope")
+    assert (info.value.status, info.value.type) == (404, "InvalidArgumentError")
+    assert str(info.value) == "unknown stage 'nope'; stages are ['decoder', 'talker']"
+
+
+def test_unreachable_server_says_so() -> None:
+    expected = r"cannot reach http://127\.0\.0\.1:9: .*; is `omni-core serve` running there\?"
+    with pytest.raises(ServeError, match=expected):
+        OmniClient("http://127.0.0.1:9", timeout_s=5).stages()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni_core.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
+
+
+def test_cli_verbs(served: Served) -> None:
+    slept = _cli("sleep", "talker", "--level", "1", "--url", served.url)
+    assert slept.returncode == 0, slept.stderr
+    assert re.match(r"talker: Sleep -> SLEEPING in [\d.]+ ms, freed [\d.]+ MiB over 2 rank\(s\)", slept.stdout)
+    status = _cli("status", "--url", served.url)
+    assert status.returncode == 0 and re.search(r"0\s+talker\s+SLEEPING", status.stdout), status.stdout
+    woken = _cli("wake", "talker", "--url", served.url, "--json")
+    assert woken.returncode == 0 and json.loads(woken.stdout)["state"] == "RUNNING"
+    refused = _cli("wake", "nope", "--url", served.url)
+    assert refused.returncode == 1 and "HTTP 404 InvalidArgumentError: unknown stage 'nope'" in refused.stderr
+
+
+def test_readme_client_example_runs(served: Served) -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Serving over HTTP", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace("http://127.0.0.1:8000", served.url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_client"})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[('talker', 'RUNNING'), ('decoder', 'RUNNING')]"
+    assert lines[1].startswith("SLEEPING {'0': ")
+    assert lines[2].startswith("409 InvalidArgumentError stage 'talker' cannot reload weights in RUNNING")
+
+
+def test_demo_config(tmp_path: Path) -> None:
+    config = tmp_path / "one.toml"
+    config.write_text('[[stages]]\nname = "solo"\nbackend = "portable"\n[stages.runner_args]\n'
+                      'weights_bytes = 1048576\ntensor_count = 2\nkv_bytes = 65536\ncpu_threads = 1\n')  # fmt: skip
+    done = _cli("demo", "--config", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"solo\s+reload\s+-> RUNNING .* output identical", done.stdout)
+    assert "verdict: PASS" in done.stdout
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[[stages]]\nname = "solo"\nranks = 0\n')
+    failed = _cli("demo", "--config", str(broken))
+    assert failed.returncode == 2 and "stage 'solo' (stages[0]): field 'ranks'" in failed.stderr
