@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -20,7 +20,7 @@ from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, Omn
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import LifecycleReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
-from omni_core.fsm import StageCore
+from omni_core.fsm.inputs import ReloadCall, SetAdmission, SleepCall, WakeCall
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
 SHUTDOWN_TIMEOUT_S = 15.0
@@ -87,21 +87,16 @@ class Engine:
         """Close admission, drain (or abort) in-flight requests, sleep every rank."""
         if level not in (1, 2):
             raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        tag_tuple = _tags(tags)
         return self._lifecycle(stage, "sleep", task_id, timeout_s,
-                               lambda core, now, tid, dl: core.sleep(tid, level, tag_tuple, now, dl),
-                               abort_in_flight)  # fmt: skip
+                               lambda tid, dl: SleepCall(tid, level, _tags(tags), dl, abort_in_flight))
 
     def wake(self, stage: str, tags: Iterable[str] | str | None = None, *,
              task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
-        tag_tuple = _tags(tags)
-        return self._lifecycle(stage, "wake", task_id, timeout_s,
-                               lambda core, now, tid, dl: core.wake(tid, tag_tuple, now, dl))
+        return self._lifecycle(stage, "wake", task_id, timeout_s, lambda tid, dl: WakeCall(tid, _tags(tags), dl))
 
     def reload_weights(self, stage: str, source: str | None = None, *, task_id: str | None = None,
                        timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
-        return self._lifecycle(stage, "reload", task_id, timeout_s,
-                               lambda core, now, tid, dl: core.reload(tid, source, now, dl))
+        return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
 
     def restart(self, stage: str) -> None:
         """Replace the stage's rank processes with fresh ones under a new epoch."""
@@ -116,7 +111,7 @@ class Engine:
         except ValueError:
             raise InvalidArgumentError(f"admission {policy!r} is not one of "
                                        f"{[p.value for p in AdmissionPolicy]}") from None  # fmt: skip
-        self._wait(self._orch.call(lambda f: self._orch.op_set_admission(f, stage, chosen)), 5.0)
+        self._wait(self._orch.call(lambda f: self._orch.op_set_admission(f, stage, SetAdmission(chosen))), 5.0)
 
     def status(self) -> dict[str, Any]:
         return self._wait(self._orch.call(self._orch.op_status), 5.0)
@@ -139,17 +134,14 @@ class Engine:
             raise InvalidArgumentError(f"unknown stage {stage!r}; stages are {sorted(self._specs)}") from None
 
     def _lifecycle(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None,
-                   call: Any, abort_in_flight: bool = False) -> LifecycleReport:  # fmt: skip
+                   make: Callable[[str, float], SleepCall | WakeCall | ReloadCall]) -> LifecycleReport:  # fmt: skip
+        """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         deadline_s = spec.deadline_s if timeout_s is None else float(timeout_s)
-        tid = task_id or self._orch.new_task_id(kind, stage)
-
-        def bound(core: StageCore, now: float):
-            return call(core, now, tid, deadline_s)
-
-        future = self._orch.call(lambda f: self._orch.op_lifecycle(f, stage, bound, tid, abort_in_flight))
+        event = make(task_id or self._orch.new_task_id(kind, stage), deadline_s)
+        future = self._orch.call(lambda f: self._orch.op_lifecycle(f, stage, event))
         return self._wait(future, deadline_s + spec.request_timeout_s)
 
     def _wait(self, future: Future, budget_s: float) -> Any:

@@ -1,35 +1,32 @@
 """The orchestrator: one thread that owns the ROUTER socket, the rank processes and one
-`StageCore` per stage. Every core call happens on that thread, so the cores need no locks;
-API callers hand it closures through a queue and wait on futures.
+`StageCore` per stage. It is an IO loop and nothing else: it polls the socket, a wake-up
+pipe and every rank's process sentinel; turns what it sees into typed engine inputs
+(`omni_core.fsm.inputs`); hands each to its stage's core (`StageCore.step`); sends the
+commands the core returns and resolves the callers' futures with the outcomes. Admission,
+queues, request aggregation, deadlines and the lifecycle are the core's.
 
-The loop polls the socket, a wake-up pipe and every rank's process sentinel (a dead rank
-is noticed from the OS, not only from a silent socket), then enforces deadlines. It is a
-thin shell: decode, call the core, send what the core returns, resolve futures.
+Every core call happens on this thread, so the cores need no locks; API callers hand it
+inputs through a queue and wait on futures. Only processes the engine spawned may speak for
+a rank: a Hello binds a socket identity once, on a valid proof (protocol.auth).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import os
 import queue
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import msgspec
 import zmq
 
 from omni_core.engine.errors import (
@@ -41,25 +38,16 @@ from omni_core.engine.errors import (
     StageFailedError,
     TaskAbandonedError,
 )
+from omni_core.engine.ranks import RankProcess, reap, spawn_ranks
 from omni_core.engine.report import LifecycleReport
-from omni_core.engine.spec import AdmissionPolicy, StageSpec
+from omni_core.engine.spec import StageSpec
 from omni_core.fsm import StageCommandError, StageCore, StageStep, TaskOutcome
-from omni_core.protocol import (
-    Command,
-    Execute,
-    Hello,
-    Nack,
-    ProtocolError,
-    Result,
-    Shutdown,
-    StageState,
-    decode,
-    encode,
-)
-from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret, verify_hello_proof
+from omni_core.fsm import inputs as I
+from omni_core.fsm.inputs import RequestError, RequestOutcome
+from omni_core.protocol import Command, Hello, ProtocolError, Shutdown, StageState, decode, encode
+from omni_core.protocol.auth import verify_hello_proof
 from omni_core.trace import open_trace
 from omni_core.transport import CurveKeys, is_loopback, make_router
-from omni_core.workers.config import WorkerConfig
 
 log = logging.getLogger("omni_core.engine")
 
@@ -68,75 +56,22 @@ TICK_INTERVAL_S = 0.01  # deadlines are checked at most this often
 # Messages queued per peer before a send fails. Above StageSpec's max_in_flight bound plus
 # the lifecycle commands, so a full queue means an overloaded engine, never a normal burst.
 SOCKET_HWM = 10_000
-TERMINATE_GRACE_S = 3.0
 
-
-@dataclass
-class _Request:
-    task_id: str
-    payload: Any
-    future: Future
-    deadline_at: float
-    replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent
-
-
-class _RankProcess:
-    """One rank: a fresh interpreter running `python -m omni_core.workers` (a spawn that
-    never re-imports the caller's __main__, so a plain script can start an Engine), plus a
-    pollable descriptor that becomes readable when it exits (pidfd), so the loop learns of
-    a death from the OS, not only from a silent socket."""
-
-    def __init__(self, config: WorkerConfig, env: dict[str, str]) -> None:
-        self.rank = config.rank
-        self.epoch = config.epoch
-        # Proves this process's Hello (protocol.auth); handed over in the environment only.
-        self.secret = new_rank_secret()
-        env = dict(env, **{RANK_SECRET_ENV: self.secret.hex()})
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
-            env=env, stdin=subprocess.DEVNULL)  # fmt: skip
-        self.pid = self.popen.pid
-        self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
-        self.identity: bytes | None = None
-        self.expected_exit = False  # we told it to go (Shutdown, restart)
-        self.exit_handled = False  # its end was seen once (sentinel or poll) and acted on
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def join(self, timeout_s: float) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(max(0.0, timeout_s))
-
-    def terminate(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.terminate()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.kill()
-
-    def close_sentinel(self) -> None:
-        if self.sentinel is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.sentinel)
-            self.sentinel = None
+_REQUEST_ERRORS: dict[RequestError, type[OmniCoreError]] = {
+    RequestError.REJECTED: RequestRejectedError, RequestError.FAILED: RequestFailedError,
+    RequestError.ABORTED: RequestFailedError, RequestError.OVERLOADED: RequestFailedError,
+    RequestError.CLOSED: EngineClosedError,
+}  # fmt: skip
 
 
 @dataclass
 class _Stage:
     spec: StageSpec
     core: StageCore
-    procs: list[_RankProcess] = field(default_factory=list)
-    queue: deque[_Request] = field(default_factory=deque)
-    inflight: dict[str, _Request] = field(default_factory=dict)
-    waiters: dict[str, list[Future]] = field(default_factory=dict)
+    procs: list[RankProcess] = field(default_factory=list)
+    waiters: dict[str, list[Future]] = field(default_factory=dict)  # lifecycle task_id -> callers
+    requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
     start_waiters: list[Future] = field(default_factory=list)
-    admission: AdmissionPolicy = AdmissionPolicy.QUEUE
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -146,6 +81,11 @@ def _settle(future: Future, *, result: Any = None, error: BaseException | None =
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _core_for(spec: StageSpec) -> StageCore:
+    return StageCore(spec.name, spec.ranks, tags=spec.tags, policy=spec.admission, queue_limit=spec.queue_limit,
+                     max_in_flight=spec.max_in_flight, wake_deadline_s=spec.deadline_s)  # fmt: skip
 
 
 class Orchestrator:
@@ -168,8 +108,7 @@ class Orchestrator:
             raise InvalidArgumentError(f"tcp on {host!r} leaves the host; it needs curve=True (the default there)")
         self.trace_path = trace_path
         self._trace = open_trace(trace_path, "engine")
-        self._stages = {s.name: _Stage(s, StageCore(s.name, s.ranks, tags=s.tags),
-                                       admission=AdmissionPolicy(s.admission)) for s in specs}  # fmt: skip
+        self._stages = {s.name: _Stage(s, _core_for(s)) for s in specs}
         self.max_frame_bytes = max(s.max_frame_bytes for s in specs)
         self._ctx = zmq.Context()
         self._curve = CurveKeys.generate() if use_curve else None
@@ -184,20 +123,20 @@ class Orchestrator:
                                    curve=self._curve)  # fmt: skip
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._by_identity: dict[bytes, tuple[_Stage, int]] = {}
-        self._sentinels: dict[int, tuple[_Stage, _RankProcess]] = {}
+        self._sentinels: dict[int, tuple[_Stage, RankProcess]] = {}
         self._calls: queue.SimpleQueue[tuple[Callable[[], None], Future]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self._ids = itertools.count(1)
         self._next_tick_at = 0.0
+        self._request_ids = itertools.count(1)
         self._closing: Future | None = None
         self._closing_deadline_at = 0.0
         self._closed = threading.Event()
         # What strangers and faulty peers tried; each attempt is counted, none changes anything.
-        self.counters = {"bad_replies": 0, "unknown_peers": 0, "late_results": 0, "send_failures": 0,
+        self.counters = {"bad_replies": 0, "unknown_peers": 0, "send_failures": 0,
                          "forged_hellos": 0, "rebind_refused": 0, "rank_mismatch": 0}  # fmt: skip
         self.died_of: str | None = None
         self._thread = threading.Thread(target=self._loop, name="omni-core-orchestrator", daemon=True)
@@ -250,94 +189,50 @@ class Orchestrator:
 
     def op_start(self, future: Future, name: str) -> None:
         stage = self.stage(name)
-        stage.core.start(time.monotonic(), stage.spec.start_deadline_s)
-        self._spawn_ranks(stage)
+        self._spawn(stage)
         stage.start_waiters.append(future)
+        self._step(stage, I.Start(stage.spec.start_deadline_s))
 
     def op_execute(self, future: Future, name: str, payload: Any, timeout_s: float | None) -> None:
         stage = self.stage(name)
-        now = time.monotonic()
         budget_s = stage.spec.request_timeout_s if timeout_s is None else float(timeout_s)
-        request = _Request(f"req-{name}-{next(self._ids)}", payload, future, now + budget_s)
-        if stage.core.admits() and len(stage.inflight) < stage.spec.max_in_flight and not stage.queue:
-            self._dispatch(stage, request)
-            return
-        state = stage.core.state
-        if stage.core.admits():  # RUNNING but at max_in_flight: wait in the bounded queue
-            if len(stage.queue) >= stage.spec.queue_limit:
-                raise RequestRejectedError(f"stage {name!r} has {len(stage.inflight)} requests in flight "
-                                           f"(max_in_flight) and {len(stage.queue)} queued (queue_limit); "
-                                           "retry later or raise the limits")  # fmt: skip
-            stage.queue.append(request)
-            return
-        policy = stage.admission
-        if state in (StageState.FAILED, StageState.STOPPED):
-            raise RequestRejectedError(f"stage {name!r} is {state.value}: "
-                                       f"{stage.core.failure or 'stopped'}; restart() it first")  # fmt: skip
-        if policy is AdmissionPolicy.REJECT:
-            raise RequestRejectedError(f"stage {name!r} is {state.value}, not RUNNING, and its "
-                                       "admission policy is 'reject'; wake it first or use "
-                                       "admission='queue' or 'wake'")  # fmt: skip
-        if state is StageState.NEEDS_RELOAD:
-            raise RequestRejectedError(f"stage {name!r} is NEEDS_RELOAD (weights discarded by a "
-                                       "level-2 sleep); call reload_weights() before sending requests")  # fmt: skip
-        if len(stage.queue) >= stage.spec.queue_limit:
-            raise RequestRejectedError(f"stage {name!r} is {state.value} and its queue is full "
-                                       f"({stage.spec.queue_limit} requests); retry later or raise "
-                                       "queue_limit")  # fmt: skip
-        stage.queue.append(request)
-        self._pump(stage)
+        request_id = f"req-{name}-{next(self._request_ids)}"
+        stage.requests[request_id] = future
+        self._step(stage, I.Submit(request_id, payload, budget_s))
 
-    def op_lifecycle(self, future: Future, name: str, call: Callable[[StageCore, float], StageStep],
-                     task_id: str, abort_in_flight: bool = False) -> None:  # fmt: skip
+    def op_lifecycle(self, future: Future, name: str, event: I.SleepCall | I.WakeCall | I.ReloadCall) -> None:
         stage = self.stage(name)
-        now = time.monotonic()
-        stage.waiters.setdefault(task_id, []).append(future)
+        stage.waiters.setdefault(event.task_id, []).append(future)
         try:
-            step = self._core_call(stage, lambda: call(stage.core, now))
+            self._step(stage, event)
         except BaseException:
-            stage.waiters[task_id].remove(future)
-            if not stage.waiters[task_id]:
-                del stage.waiters[task_id]
+            stage.waiters[event.task_id].remove(future)
+            if not stage.waiters[event.task_id]:
+                del stage.waiters[event.task_id]
             raise
-        if abort_in_flight and stage.core.state is StageState.DRAINING:
-            # The callers hear now; the ranks still run these requests, so the Sleep goes
-            # out only once every rank has answered them (retired), never over a running one.
-            for request in stage.inflight.values():
-                _settle(request.future, error=RequestFailedError(
-                    f"request {request.task_id} aborted: stage {name!r} is going to sleep "
-                    "(abort_in_flight=True)"))  # fmt: skip
-        self._apply(stage, step)
 
-    def op_set_admission(self, future: Future, name: str, policy: AdmissionPolicy) -> None:
-        stage = self.stage(name)
-        stage.admission = policy
-        self._pump(stage)
+    def op_set_admission(self, future: Future, name: str, event: I.SetAdmission) -> None:
+        self._step(self.stage(name), event)
         future.set_result(None)
 
     def op_restart(self, future: Future, name: str) -> None:
         stage = self.stage(name)
-        core = stage.core
-        if core.task_id is not None:
-            raise InvalidArgumentError(f"stage {name!r} cannot restart while task {core.task_id!r} "
+        if stage.core.task_id is not None:
+            raise InvalidArgumentError(f"stage {name!r} cannot restart while task {stage.core.task_id!r} "
                                        "is in flight; wait for it to end")  # fmt: skip
-        self._reap_ranks(stage)
-        before = core.state
-        core.restart(time.monotonic(), stage.spec.start_deadline_s)
-        self._trace_state(stage, before, "restart")
-        self._fail_requests(stage, RequestRejectedError(f"stage {name!r} restarted"))
-        self._spawn_ranks(stage)
+        self._reap(stage)
+        self._step(stage, I.Restart(stage.spec.start_deadline_s))
+        self._spawn(stage)
         stage.start_waiters.append(future)
 
     def op_status(self, future: Future) -> None:
-        out = {}
+        out: dict[str, Any] = {}
         for name, stage in self._stages.items():
             core = stage.core
             out[name] = {
                 "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
-                "admission": stage.admission.value,
-                "failure": core.failure, "queued": len(stage.queue),
-                "in_flight": len(stage.inflight), "counters": asdict(core.counters),
+                "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
+                "in_flight": len(core.in_flight), "counters": asdict(core.counters),
                 "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(),
                                    "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-"}
                           for p in stage.procs},
@@ -352,16 +247,12 @@ class Orchestrator:
         self._closing = future
         self._closing_deadline_at = time.monotonic() + timeout_s
         for stage in self._stages.values():
-            self._fail_requests(stage, EngineClosedError("the engine shut down before this request ran"))
             for proc in stage.procs:
                 proc.expected_exit = True
                 if proc.is_alive():
                     self._send(stage, proc.rank, Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}",
                                                           epoch=stage.core.epoch))  # fmt: skip
-            before = stage.core.state
-            step = stage.core.stop(time.monotonic())
-            self._trace_state(stage, before, "shutdown")
-            self._resolve(stage, step.outcome)
+            self._step(stage, I.Stop(), why="shutdown")
 
     # ================================================================ the loop
 
@@ -373,30 +264,9 @@ class Orchestrator:
         finally:
             self._close_resources()
 
-    def _die(self, exc: BaseException) -> None:
-        """The loop itself failed (a bug): every waiting caller hears why at once, every stage
-        fails, and the rank processes are stopped instead of outliving a dead orchestrator."""
-        self.died_of = f"{type(exc).__name__}: {exc}"
-        log.exception("orchestrator loop died; failing every caller and stopping the ranks")
-        error = EngineClosedError(f"the engine's orchestrator failed ({self.died_of}); its ranks were stopped; "
-                                  "create a new Engine (please report this with the log)")  # fmt: skip
-        for stage in self._stages.values():
-            self._fail_requests(stage, error)
-            for future in [f for fs in stage.waiters.values() for f in fs] + stage.start_waiters:
-                _settle(future, error=error)
-            stage.waiters.clear()
-            stage.start_waiters.clear()
-            with contextlib.suppress(Exception):
-                stage.core.on_ranks_unresponsive({r: f"stopped: the orchestrator failed ({self.died_of})"
-                                                  for r in stage.core.ranks}, time.monotonic())  # fmt: skip
-            with contextlib.suppress(Exception):
-                self._reap_ranks(stage)
-        if self._closing is not None:
-            _settle(self._closing, result=None)
-
     def _serve(self) -> None:
         while True:
-            ready = dict(self._poller.poll(self._poll_timeout_ms()))
+            ready = dict(self._poller.poll(int(POLL_INTERVAL_S * 1000)))
             if self._wake_r in ready:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
@@ -408,12 +278,28 @@ class Orchestrator:
             now = time.monotonic()
             if now >= self._next_tick_at:  # deadlines need ms, not a scan per message
                 self._next_tick_at = now + TICK_INTERVAL_S
-                self._tick(now)
+                self._tick()
             if self._closing is not None and self._finish_close():
                 return
 
-    def _poll_timeout_ms(self) -> int:
-        return int(POLL_INTERVAL_S * 1000)
+    def _die(self, exc: BaseException) -> None:
+        """The loop itself failed (a bug): every waiting caller hears why at once, every stage
+        fails, and the rank processes are stopped instead of outliving a dead orchestrator."""
+        self.died_of = f"{type(exc).__name__}: {exc}"
+        log.exception("orchestrator loop died; failing every caller and stopping the ranks")
+        error = EngineClosedError(f"the engine's orchestrator failed ({self.died_of}); its ranks were stopped; "
+                                  "create a new Engine (please report this with the log)")  # fmt: skip
+        for stage in self._stages.values():
+            for future in [*stage.requests.values(), *stage.start_waiters,
+                           *(f for fs in stage.waiters.values() for f in fs)]:  # fmt: skip
+                _settle(future, error=error)
+            stage.requests.clear()
+            stage.waiters.clear()
+            stage.start_waiters.clear()
+            with contextlib.suppress(Exception):
+                reap(stage.procs)
+        if self._closing is not None:
+            _settle(self._closing, result=None)
 
     def _run_calls(self) -> None:
         while True:
@@ -441,9 +327,8 @@ class Orchestrator:
             self.counters["bad_replies"] += 1
             self._trace.event("bad_reply", detail=exc.detail[:200])
             return
-        now = time.monotonic()
         if isinstance(message, Hello):
-            self._on_hello(identity, message, now)
+            self._on_hello(identity, message)
             return
         where = self._by_identity.get(identity)
         if where is None or isinstance(message, Command):
@@ -461,16 +346,9 @@ class Orchestrator:
                               worker_state=getattr(message, "state", None),
                               status=getattr(message, "status", None),
                               reason=getattr(message, "reason", None))  # fmt: skip
-        request = stage.inflight.get(message.task_id)
-        if isinstance(message, Result) or (isinstance(message, Nack) and message.command == "Execute"):
-            if request is None or message.epoch != stage.core.epoch:
-                self.counters["late_results"] += 1
-                return
-            self._on_request_reply(stage, request, rank, message)
-            return
-        self._apply(stage, self._core_call(stage, lambda: stage.core.on_reply(message, now)))
+        self._step(stage, I.Received(message))
 
-    def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
         """Bind a socket identity to a rank, once, and only for a process that proves it is
         the one the engine spawned (protocol.auth). Everything else is counted and dropped."""
         stage = self._stages.get(hello.stage)
@@ -494,7 +372,7 @@ class Orchestrator:
         self._trace.event("recv", task_id=hello.task_id, epoch=hello.epoch, state=stage.core.state.value,
                           stage=stage.spec.name, rank=hello.rank, msg="Hello",
                           worker_state=hello.state.value)  # fmt: skip
-        self._apply(stage, self._core_call(stage, lambda: stage.core.on_hello(hello, now)))
+        self._step(stage, I.Received(hello))
 
     def _on_sentinel(self, fd: int) -> None:
         stage, proc = self._sentinels.pop(fd)
@@ -503,67 +381,49 @@ class Orchestrator:
         proc.join(0.5)
         self._on_rank_exit(stage, proc)
 
-    def _on_rank_exit(self, stage: _Stage, proc: _RankProcess) -> None:
+    def _on_rank_exit(self, stage: _Stage, proc: RankProcess) -> None:
         if proc.exit_handled:
             return
         proc.exit_handled = True
         if proc.expected_exit:
             return
-        code = proc.exitcode
-        detail = f"pid {proc.pid} exited with code {code}"
+        detail = f"pid {proc.pid} exited with code {proc.exitcode}"
         self._trace.event("rank_died", epoch=stage.core.epoch, state=stage.core.state.value,
                           stage=stage.spec.name, rank=proc.rank, detail=detail)  # fmt: skip
-        self._apply(stage, self._core_call(stage, lambda: stage.core.on_rank_died(
-            proc.rank, detail, time.monotonic(), epoch=proc.epoch)))
+        self._step(stage, I.RankExited(proc.rank, detail, proc.epoch))
 
-    def _tick(self, now: float) -> None:
+    def _tick(self) -> None:
         for stage in self._stages.values():
             for proc in stage.procs:  # platforms without pidfd: notice deaths by polling
                 if proc.sentinel is None and not proc.exit_handled and not proc.is_alive():
                     self._on_rank_exit(stage, proc)
-            self._apply(stage, self._core_call(stage, lambda s=stage: s.core.on_tick(now)))
-            silent = self._expire_requests(stage, now)
-            if silent:
-                unresponsive = functools.partial(stage.core.on_ranks_unresponsive, silent, now)
-                self._apply(stage, self._core_call(stage, unresponsive))
-            while stage.queue and now >= stage.queue[0].deadline_at:
-                request = stage.queue.popleft()
-                _settle(request.future, error=RequestRejectedError(
-                    f"request {request.task_id} waited in the queue of stage {stage.spec.name!r} "
-                    f"until its deadline; the stage stayed {stage.core.state.value}"))  # fmt: skip
+            self._step(stage, I.Tick())
 
-    def _expire_requests(self, stage: _Stage, now: float) -> dict[int, str]:
-        """Requests past their deadline: tell their callers, return the ranks that stayed silent."""
-        silent: dict[int, str] = {}
-        for request in [r for r in stage.inflight.values() if now >= r.deadline_at]:
-            missing = [p.rank for p in stage.procs if p.rank not in request.replies]
-            _settle(request.future, error=RequestFailedError(
-                f"request {request.task_id} to stage {stage.spec.name!r}: ranks {missing} gave no "
-                "result before its deadline; the stage fails, since a rank still running a "
-                "request cannot be put to sleep safely"))  # fmt: skip
-            for rank in missing:
-                silent.setdefault(rank, f"no result for request {request.task_id} before its deadline")
-        return silent
+    # ================================================================ stepping the core
 
-    # ================================================================ helpers (loop thread)
-
-    def _core_call(self, stage: _Stage, call: Callable[[], StageStep]) -> StageStep:
+    def _step(self, stage: _Stage, event: I.EngineInput, *, why: str = "core") -> None:
+        """One input into the stage's core, then do what its step says."""
         before = stage.core.state
-        step = call()
-        self._trace_state(stage, before, "core")
-        return step
-
-    def _trace_state(self, stage: _Stage, before: StageState, why: str) -> None:
+        step = stage.core.step(event, time.monotonic())
         after = stage.core.state
         if after is not before and self._trace.enabled:
+            why = "restart" if isinstance(event, I.Restart) else why
             self._trace.event("state", epoch=stage.core.epoch, state=after.value, stage=stage.spec.name,
                               before=before.value, task_id=stage.core.task_id or "", why=why)  # fmt: skip
+        self._apply(stage, step)
 
     def _apply(self, stage: _Stage, step: StageStep) -> None:
+        unsent: dict[str, list[int]] = {}
         for out in step.sends:
-            self._send(stage, out.rank, out.command)
+            if not self._send(stage, out.rank, out.command):
+                unsent.setdefault(out.command.task_id, []).append(out.rank)
         self._resolve(stage, step.outcome)
-        self._pump(stage)
+        for answer in step.requests:
+            self._answer(stage, answer)
+        if step.started is not None:
+            self._started(stage, step.started)
+        for task_id, ranks in unsent.items():
+            self._step(stage, I.SendFailed(task_id, tuple(ranks)))
 
     def _resolve(self, stage: _Stage, outcome: TaskOutcome | None) -> None:
         if outcome is None:
@@ -582,82 +442,22 @@ class Orchestrator:
         for future in stage.waiters.pop(outcome.task_id, []):
             _settle(future, result=result, error=error)
 
-    def _pump(self, stage: _Stage) -> None:
-        """Move the stage's queue forward after anything changed."""
+    def _answer(self, stage: _Stage, answer: RequestOutcome) -> None:
+        future = stage.requests.pop(answer.request_id, None)
+        if future is None:
+            return
+        if answer.error is None:
+            _settle(future, result=answer.output)
+        else:
+            _settle(future, error=_REQUEST_ERRORS[answer.error](answer.detail))
+
+    def _started(self, stage: _Stage, state: StageState) -> None:
         core = stage.core
-        state = core.state
-        if state is StageState.RUNNING:
-            for future in stage.start_waiters:
-                _settle(future, result=None)
-            stage.start_waiters.clear()
-            while stage.queue and core.admits() and len(stage.inflight) < stage.spec.max_in_flight:
-                self._dispatch(stage, stage.queue.popleft())
-        elif state is StageState.FAILED:
-            failed = StageFailedError(stage.spec.name, core.failure, core.failed_ranks)
-            for future in stage.start_waiters:
-                _settle(future, error=failed)
-            stage.start_waiters.clear()
-            self._fail_requests(stage, RequestRejectedError(f"{core.failure}; restart() the stage"))
-        elif state is StageState.NEEDS_RELOAD and stage.queue:
-            self._fail_requests(stage, RequestRejectedError(
-                f"stage {stage.spec.name!r} is NEEDS_RELOAD; call reload_weights() first"))
-        elif (stage.admission is AdmissionPolicy.WAKE and stage.queue and core.task_id is None
-              and state in (StageState.SLEEPING, StageState.PARTIAL)):  # fmt: skip
-            task_id = self.new_task_id("auto-wake", stage.spec.name)
-            now = time.monotonic()
-            self._trace.event("auto_wake", task_id=task_id, epoch=core.epoch, state=state.value,
-                              stage=stage.spec.name)  # fmt: skip
-            self._apply(stage, self._core_call(
-                stage, lambda: core.wake(task_id, None, now, stage.spec.deadline_s)))
-
-    def _dispatch(self, stage: _Stage, request: _Request) -> None:
-        stage.core.request_started()
-        stage.inflight[request.task_id] = request
-        command = Execute(task_id=request.task_id, epoch=stage.core.epoch, payload=request.payload)
-        unsent = [proc.rank for proc in stage.procs if not self._send(stage, proc.rank, command)]
-        if not unsent:
-            return
-        # The engine, not a rank, is at fault: its socket queue to these ranks is full (or they
-        # are gone, which the sentinel reports on its own). The caller hears it now; ranks that
-        # did get the request still answer it, and it retires when they have.
-        _settle(request.future, error=RequestFailedError(
-            f"request {request.task_id} to stage {stage.spec.name!r} could not be sent to ranks {unsent}: "
-            f"the engine is overloaded (socket queue of {SOCKET_HWM} messages full); retry later or "
-            "lower max_in_flight"))  # fmt: skip
-        for rank in unsent:
-            request.replies[rank] = None
-        if len(request.replies) == len(stage.procs):
-            self._retire(stage, request)
-
-    def _on_request_reply(self, stage: _Stage, request: _Request, rank: int, reply: Result | Nack) -> None:
-        request.replies[rank] = reply
-        if len(request.replies) < len(stage.procs):
-            return  # a request retires only when every rank has answered it
-        refusals = {r: m for r, m in sorted(request.replies.items()) if isinstance(m, Nack)}
-        if refusals:
-            named = "; ".join(f"rank {r}: {m.reason.value} in {m.state.value}: {m.detail}"
-                              for r, m in refusals.items())  # fmt: skip
-            _settle(request.future, error=RequestFailedError(
-                f"stage {stage.spec.name!r} refused request {request.task_id} ({named})"))
-        else:  # rank 0's output (ranks of one stage compute the same result); None: never sent
-            results = [m for _, m in sorted(request.replies.items()) if isinstance(m, Result)]
-            if results:
-                _settle(request.future, result=results[0].output)
-        self._retire(stage, request)
-
-    def _retire(self, stage: _Stage, request: _Request) -> None:
-        """Every rank has answered: the request no longer holds the stage's drain open."""
-        if stage.inflight.pop(request.task_id, None) is None:
-            return
-        if stage.core.in_flight_requests > 0:
-            now = time.monotonic()
-            self._apply(stage, self._core_call(stage, lambda: stage.core.request_finished(now)))
-
-    def _fail_requests(self, stage: _Stage, error: OmniCoreError) -> None:
-        for request in list(stage.inflight.values()) + list(stage.queue):
-            _settle(request.future, error=error)
-        stage.inflight.clear()
-        stage.queue.clear()
+        error = None if state is StageState.RUNNING else StageFailedError(
+            stage.spec.name, core.failure or f"stage {stage.spec.name!r} is {state.value}", core.failed_ranks)
+        for future in stage.start_waiters:
+            _settle(future, error=error)
+        stage.start_waiters.clear()
 
     def _send(self, stage: _Stage, rank: int, command: Command) -> bool:
         """Queue one command for a rank; False when it could not be (counted)."""
@@ -677,59 +477,33 @@ class Orchestrator:
             return False
         return True
 
-    def _spawn_ranks(self, stage: _Stage) -> None:
-        spec = stage.spec
-        stage.procs = []
-        master_port = _free_tcp_port()  # for runners that form a torch.distributed group
-        for rank in range(spec.ranks):
-            config = WorkerConfig(address=self.address, rank=rank, epoch=stage.core.epoch,
-                                  stage=spec.name, runner=spec.runner, runner_args=dict(spec.runner_args),
-                                  backend=spec.backend, device=spec.device, tags=spec.tags,
-                                  gpu_memory_fraction=spec.gpu_memory_fraction,
-                                  max_frame_bytes=spec.max_frame_bytes,
-                                  curve_server_key=self._curve.server_public.decode() if self._curve else None,
-                                  trace_path=self.trace_path, parent_pid=os.getpid())  # fmt: skip
-            # torchrun-style variables for runners that form a process group, and the rank's GPU.
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.ranks), LOCAL_RANK=str(rank),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))  # fmt: skip
-            if spec.devices:
-                env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
-            if self._curve is not None:
-                env.update(self._curve.client_env())
-            proc = _RankProcess(config, env)
-            stage.procs.append(proc)
+    # ================================================================ processes
+
+    def _spawn(self, stage: _Stage) -> None:
+        stage.procs = spawn_ranks(stage.spec, epoch=stage.core.epoch, address=self.address,
+                                  trace_path=self.trace_path, curve=self._curve)  # fmt: skip
+        for proc in stage.procs:
             if proc.sentinel is not None:
                 self._sentinels[proc.sentinel] = (stage, proc)
                 self._poller.register(proc.sentinel, zmq.POLLIN)
             self._trace.event("spawn", epoch=stage.core.epoch, state=stage.core.state.value,
-                              stage=spec.name, rank=rank, pid=proc.pid)  # fmt: skip
+                              stage=stage.spec.name, rank=proc.rank, pid=proc.pid)  # fmt: skip
 
-    def _reap_ranks(self, stage: _Stage) -> None:
+    def _reap(self, stage: _Stage) -> None:
+        reap(stage.procs)
         for proc in stage.procs:
-            proc.expected_exit = True
-            if proc.is_alive():
-                proc.terminate()
-        deadline_at = time.monotonic() + TERMINATE_GRACE_S
-        for proc in stage.procs:
-            proc.join(max(0.0, deadline_at - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(TERMINATE_GRACE_S)
-            self._forget(proc)
-
-    def _forget(self, proc: _RankProcess) -> None:
-        if proc.identity is not None:
-            self._by_identity.pop(proc.identity, None)
-        if proc.sentinel is not None and self._sentinels.pop(proc.sentinel, None) is not None:
-            self._poller.unregister(proc.sentinel)
-        proc.close_sentinel()
+            if proc.identity is not None:
+                self._by_identity.pop(proc.identity, None)
+            if proc.sentinel is not None and self._sentinels.pop(proc.sentinel, None) is not None:
+                self._poller.unregister(proc.sentinel)
+            proc.close_sentinel()
 
     def _finish_close(self) -> bool:
         procs = [p for s in self._stages.values() for p in s.procs]
         if any(p.is_alive() for p in procs) and time.monotonic() < self._closing_deadline_at:
             return False
         for stage in self._stages.values():
-            self._reap_ranks(stage)
+            self._reap(stage)
         assert self._closing is not None
         _settle(self._closing, result=None)
         return True
@@ -751,9 +525,3 @@ class Orchestrator:
                 os.close(fd)
         self._trace.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-
-def _free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

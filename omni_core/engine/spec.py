@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.engine.errors import InvalidArgumentError
+from omni_core.fsm.admission import AdmissionPolicy  # the one definition, beside its tables
 from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 
@@ -18,14 +18,6 @@ BACKENDS = ("auto", "portable", "cumem", "fast")
 # (10,000), so the queue never overflows before admission says "wait" or "rejected".
 MAX_IN_FLIGHT_LIMIT = 4096
 MIN_FRAME_BYTES = 64 << 10  # room for every lifecycle message and its error details
-
-
-class AdmissionPolicy(str, enum.Enum):
-    """What a request does when its stage is not RUNNING (P-7)."""
-
-    QUEUE = "queue"  # wait in a bounded queue; served after the next wake
-    REJECT = "reject"  # fail at once with RequestRejectedError
-    WAKE = "wake"  # trigger a wake, then run
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ Which lines become which event (everything else is dropped, and counted):
   `error:<Cmd>` -> Done, EffectError; `state` -> the check of the worker's change;
   `send:<Reply>` -> the check that such a reply left the rank.
 
-Dropped: engine `spawn` (the spec's ranks exist from the start) and `auto_wake` (the wake it
-starts is logged as a `state` line); Status and Shutdown commands and everything carrying
-their task ids (the spec does not model them: they never change residency); everything of
+Dropped: engine `spawn` (the spec's ranks exist from the start) and `auto_wake` (written by
+engines before the core started its own wakes; such a wake is logged as a `state` line);
+Status and Shutdown commands and everything carrying their task ids (the spec does not
+model them: they never change residency); everything of
 the stage from its first Shutdown on (the engine's shutdown ends the trace); a worker's
 `bad_message` with its NACK BAD_MESSAGE and `parent_gone`; any line that names another stage.
 

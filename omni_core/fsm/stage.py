@@ -10,10 +10,15 @@ ignored (P-6). Time comes in as an argument (`now`), never from a clock.
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from omni_core.fsm import inputs as I
+from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
+from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.table import Lifecycle, Transition
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
@@ -22,11 +27,13 @@ from omni_core.protocol import (
     Ack,
     AckStatus,
     Command,
+    Execute,
     Hello,
     Nack,
     NackReason,
     ReloadWeights,
     Reply,
+    Result,
     Sleep,
     Wake,
     WorkerState,
@@ -112,14 +119,38 @@ class TaskOutcome:
 
 @dataclass(frozen=True)
 class StageStep:
+    """What one input produced: commands to send, the lifecycle task's outcome, the answers to
+    requests, and (`started`) the end of a start or restart: RUNNING or FAILED."""
+
     sends: tuple[Outbound, ...] = ()
     outcome: TaskOutcome | None = None
+    requests: tuple[RequestOutcome, ...] = ()
+    started: S | None = None
+
+    def then(self, later: StageStep) -> StageStep:
+        """This step followed by `later` (one input may cause both, e.g. a reply and a dispatch)."""
+        if self.outcome is not None and later.outcome is not None:
+            raise InvariantViolation(f"two task outcomes in one step: {self.outcome} and {later.outcome}")
+        return StageStep(self.sends + later.sends, self.outcome or later.outcome, self.requests + later.requests,
+                         later.started or self.started)  # fmt: skip
+
+
+@dataclass
+class _Request:
+    """One request: in the queue, or sent to every rank and waiting for all their answers."""
+
+    request_id: str
+    payload: Any
+    deadline_at: float
+    replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent to it
+    answered: bool = False  # the caller already heard (aborted, overloaded)
 
 
 @dataclass
 class StageCounters:
     stale_replies_ignored: int = 0
     unknown_replies_ignored: int = 0
+    late_results: int = 0  # request replies for requests no longer in flight
     acks_without_memory_report: int = 0
     duplicate_replies_ignored: int = 0
     retries: int = 0
@@ -152,6 +183,10 @@ class StageCore:
         tags: tuple[str, ...] = DEFAULT_TAGS,
         epoch: int = 0,
         completed_task_entries: int = 256,
+        policy: AdmissionPolicy = AdmissionPolicy.QUEUE,
+        queue_limit: int = 256,
+        max_in_flight: int = 1024,
+        wake_deadline_s: float = 30.0,
     ) -> None:
         if ranks < 1:
             raise StageCommandError(f"stage {name!r} needs at least one rank, got {ranks}")
@@ -162,7 +197,16 @@ class StageCore:
         self.lifecycle: Lifecycle[S] = Lifecycle(S, STAGE_TRANSITIONS, S.STARTING)
         self.residency = Residency(tags)
         self.rank_state: dict[int, WorkerState] = {}
-        self.in_flight_requests = 0
+        self.policy = policy
+        self.queue_limit = queue_limit
+        self.max_in_flight = max_in_flight
+        self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
+        self.queue: deque[_Request] = deque()
+        self.in_flight: dict[str, _Request] = {}
+        self._answers: list[RequestOutcome] = []  # request outcomes of the input being stepped
+        self._anonymous = itertools.count(1)
+        self._auto_wakes = itertools.count(1)
+        self._start_pending = False
         self.counters = StageCounters()
         self.failure = ""
         self.failed_ranks: dict[int, str] = {}
@@ -186,6 +230,215 @@ class StageCore:
     def admits(self) -> bool:
         """Whether a new request may run now (only RUNNING, P-7)."""
         return self.lifecycle.allows("execute")
+
+    @property
+    def in_flight_requests(self) -> int:
+        return len(self.in_flight)
+
+    # ------------------------------------------------------------------ the one entry point
+
+    def step(self, event: I.EngineInput, now: float) -> StageStep:
+        """Take one engine input; return what to send and what to report. Then move the
+        queue on (QUEUE_RULES) and check the invariants. Lifecycle calls that are not legal
+        raise StageCommandError before anything changes."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"StageCore.step takes an engine input (omni_core.fsm.inputs), not {event!r}")
+        self._answers = []
+        step = handler(event, now).then(self._pump(now))
+        step = StageStep(step.sends, step.outcome, step.requests + tuple(self._answers), step.started)
+        self._answers = []
+        self._check_invariants()
+        return step
+
+    @property
+    def _handlers(self) -> dict[type, Any]:
+        return {
+            I.Start: self.on_start, I.Restart: self.on_restart, I.Stop: self.on_stop, I.Submit: self.on_submit,
+            I.SleepCall: self.on_sleep_call, I.WakeCall: self.on_wake_call, I.ReloadCall: self.on_reload_call,
+            I.SetAdmission: self.on_set_admission, I.Tick: self.on_tick_input, I.Received: self.on_received,
+            I.RankExited: self.on_rank_exited, I.SendFailed: self.on_send_failed,
+        }  # fmt: skip
+
+    def on_start(self, event: I.Start, now: float) -> StageStep:
+        self.start(now, event.deadline_s)
+        self._start_pending = True
+        return StageStep()
+
+    def on_restart(self, event: I.Restart, now: float) -> StageStep:
+        self.restart(now, event.deadline_s)
+        self._start_pending = True
+        return StageStep()
+
+    def on_stop(self, event: I.Stop, now: float) -> StageStep:
+        return self.stop(now)
+
+    def on_sleep_call(self, event: I.SleepCall, now: float) -> StageStep:
+        step = self.sleep(event.task_id, event.level, event.tags, now, event.deadline_s)
+        if event.abort_in_flight and self.state is S.DRAINING:
+            # The callers hear now; the ranks still run these requests, so the Sleep goes
+            # out only once every rank has answered them, never over a running one.
+            for request in self.in_flight.values():
+                self._answer(request, RequestError.ABORTED, f"request {request.request_id} aborted: stage "
+                             f"{self.name!r} is going to sleep (abort_in_flight=True)")  # fmt: skip
+        return step
+
+    def on_wake_call(self, event: I.WakeCall, now: float) -> StageStep:
+        return self.wake(event.task_id, event.tags, now, event.deadline_s)
+
+    def on_reload_call(self, event: I.ReloadCall, now: float) -> StageStep:
+        return self.reload(event.task_id, event.source, now, event.deadline_s)
+
+    def on_set_admission(self, event: I.SetAdmission, now: float) -> StageStep:
+        self.policy = AdmissionPolicy(event.policy)
+        return StageStep()
+
+    def on_tick_input(self, event: I.Tick, now: float) -> StageStep:
+        step = self.on_tick(now)
+        silent: dict[int, str] = {}
+        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:
+            missing = [r for r in self.ranks if r not in request.replies]
+            self._answer(request, RequestError.FAILED, f"request {request.request_id} to stage {self.name!r}: "
+                         f"ranks {missing} gave no result before its deadline; the stage fails, since a rank "
+                         "still running a request cannot be put to sleep safely")  # fmt: skip
+            for rank in missing:
+                silent.setdefault(rank, f"no result for request {request.request_id} before its deadline")
+        if silent:
+            step = step.then(self.on_ranks_unresponsive(silent, now))
+        while self.queue and now >= self.queue[0].deadline_at:
+            request = self.queue.popleft()
+            self._answer(request, RequestError.REJECTED, f"request {request.request_id} waited in the queue of "
+                         f"stage {self.name!r} until its deadline; the stage stayed {self.state.value}")  # fmt: skip
+        return step
+
+    def on_received(self, event: I.Received, now: float) -> StageStep:
+        message = event.message
+        if isinstance(message, Hello):
+            return self.on_hello(message, now)
+        request = self.in_flight.get(message.task_id)
+        if request is not None and message.epoch == self.epoch and isinstance(message, (Result, Nack)):
+            return self._on_request_reply(request, message, now)
+        if isinstance(message, Result):
+            self.counters.late_results += 1
+            return StageStep()
+        return self.on_reply(message, now)
+
+    def on_rank_exited(self, event: I.RankExited, now: float) -> StageStep:
+        return self.on_rank_died(event.rank, event.detail, now, epoch=event.epoch)
+
+    def on_send_failed(self, event: I.SendFailed, now: float) -> StageStep:
+        request = self.in_flight.get(event.task_id)
+        if request is None:
+            return StageStep()  # a lifecycle command: its deadline names the rank (P-9)
+        # The engine, not a rank, is at fault: its queue to these ranks is full. The caller
+        # hears now; ranks that got the request still answer, and it retires when they have.
+        self._answer(request, RequestError.OVERLOADED, f"request {request.request_id} to stage {self.name!r} "
+                     f"could not be sent to ranks {list(event.ranks)}: the engine is overloaded (its socket "
+                     "queue is full); retry later or lower max_in_flight")  # fmt: skip
+        for rank in event.ranks:
+            request.replies[rank] = None
+        return self._maybe_retire(request, now)
+
+    # ------------------------------------------------------------------ requests
+
+    def on_submit(self, event: I.Submit, now: float) -> StageStep:
+        request = _Request(event.request_id, event.payload, now + event.timeout_s)
+        decision = admit(self.state, self.policy).decision
+        if decision is Admit.RUN and len(self.in_flight) < self.max_in_flight and not self.queue:
+            return self._dispatch(request)
+        refusal = self._refusal(decision)
+        if refusal:
+            self._answer(request, RequestError.REJECTED, refusal)
+        elif len(self.queue) >= self.queue_limit:
+            self._answer(request, RequestError.REJECTED, self._queue_full())
+        else:
+            self.queue.append(request)
+        return StageStep()
+
+    def _refusal(self, decision: Admit) -> str:
+        name, state = self.name, self.state.value
+        if decision is Admit.REFUSE_FAILED:
+            return f"stage {name!r} is {state}: {self.failure or 'stopped'}; restart() it first"
+        if decision is Admit.REFUSE_POLICY:
+            return (f"stage {name!r} is {state}, not RUNNING, and its admission policy is 'reject'; wake it "
+                    "first or use admission='queue' or 'wake'")
+        if decision is Admit.REFUSE_NEEDS_RELOAD:
+            return (f"stage {name!r} is NEEDS_RELOAD (weights discarded by a level-2 sleep); call "
+                    "reload_weights() before sending requests")
+        return ""
+
+    def _queue_full(self) -> str:
+        if self.state is S.RUNNING:
+            return (f"stage {self.name!r} has {len(self.in_flight)} requests in flight (max_in_flight) and "
+                    f"{len(self.queue)} queued (queue_limit); retry later or raise the limits")
+        return (f"stage {self.name!r} is {self.state.value} and its queue is full ({self.queue_limit} "
+                "requests); retry later or raise queue_limit")
+
+    def _pump(self, now: float) -> StageStep:
+        """Move the queue on after anything changed (QUEUE_RULES), and end a start."""
+        step = StageStep()
+        if self._start_pending and self.state in (S.RUNNING, S.FAILED, S.STOPPED):
+            self._start_pending = False
+            step = StageStep(started=self.state)
+        action = queue_rule(self.state, self.policy).action
+        if action is QueueAction.DISPATCH:
+            while self.queue and len(self.in_flight) < self.max_in_flight:
+                step = step.then(self._dispatch(self.queue.popleft()))
+        elif action is QueueAction.AUTO_WAKE and self.queue and self._task is None:
+            task_id = f"auto-wake-{self.name}-{self.epoch}-{next(self._auto_wakes)}"
+            step = step.then(self.wake(task_id, None, now, self.wake_deadline_s))
+        elif action is QueueAction.REJECT_ALL:
+            if self.state is S.NEEDS_RELOAD:
+                why = f"stage {self.name!r} is NEEDS_RELOAD; call reload_weights() first"
+            else:
+                why = f"{self.failure or f'stage {self.name!r} is {self.state.value}'}; restart() the stage"
+            self._fail_requests(RequestError.REJECTED, why)
+        return step
+
+    def _dispatch(self, request: _Request) -> StageStep:
+        self.lifecycle.fire("execute")  # legal only in RUNNING: the table is the check
+        self.in_flight[request.request_id] = request
+        command = Execute(task_id=request.request_id, epoch=self.epoch, payload=request.payload)
+        return StageStep(sends=tuple(Outbound(rank, command) for rank in self.ranks))
+
+    def _on_request_reply(self, request: _Request, reply: Result | Nack, now: float) -> StageStep:
+        if reply.rank not in self.ranks:
+            self.counters.unknown_replies_ignored += 1
+            return StageStep()
+        request.replies[reply.rank] = reply
+        return self._maybe_retire(request, now)
+
+    def _maybe_retire(self, request: _Request, now: float) -> StageStep:
+        """A request retires only when every rank has answered it: until then a rank may still
+        be running it, and a sleep must not go out over it."""
+        if len(request.replies) < len(self.ranks):
+            return StageStep()
+        refusals = {r: m for r, m in sorted(request.replies.items()) if isinstance(m, Nack)}
+        results = [m for _, m in sorted(request.replies.items()) if isinstance(m, Result)]
+        if refusals:
+            named = "; ".join(f"rank {r}: {m.reason.value} in {m.state.value}: {m.detail}" for r, m in refusals.items())
+            self._answer(request, RequestError.FAILED, f"stage {self.name!r} refused request "
+                         f"{request.request_id} ({named})")  # fmt: skip
+        elif results:  # ranks of one stage compute the same result: rank 0's
+            self._answer(request, None, "", output=results[0].output)
+        return self._retire(request, now)
+
+    def _retire(self, request: _Request, now: float) -> StageStep:
+        del self.in_flight[request.request_id]
+        if self.state is S.DRAINING and not self.in_flight and self._task is not None:
+            return self._send_drained()
+        return StageStep()
+
+    def _answer(self, request: _Request, error: RequestError | None, detail: str, output: Any = None) -> None:
+        if not request.answered:
+            request.answered = True
+            self._answers.append(RequestOutcome(request.request_id, output, error, detail))
+
+    def _fail_requests(self, error: RequestError, detail: str) -> None:
+        for request in list(self.in_flight.values()) + list(self.queue):
+            self._answer(request, error, detail)
+        self.in_flight.clear()
+        self.queue.clear()
 
     # ------------------------------------------------------------------ start / stop
 
@@ -224,7 +477,7 @@ class StageCore:
         self.residency = Residency(self.tags)
         self.rank_state.clear()
         self.failure, self.failed_ranks = "", {}
-        self.in_flight_requests = 0
+        self._fail_requests(RequestError.REJECTED, f"stage {self.name!r} restarted")
         self.start(now, deadline_s)
         self._check_invariants()
         return self.epoch
@@ -235,25 +488,25 @@ class StageCore:
         self.lifecycle.fire("stop")  # first, so the outcome names the state the task ended in
         outcome = self._end_task(False, "stage stopped before the task completed", {}, now) \
             if self._task else None  # fmt: skip
-        self.in_flight_requests = 0
+        self._fail_requests(RequestError.CLOSED, "the engine shut down before this request ran")
         self._check_invariants()
         return StageStep(outcome=outcome)
 
     # ------------------------------------------------------------------ requests (admission)
 
+    # For drivers that aggregate request replies themselves (the reference models, the
+    # lifecycle tests): a request without payload is in flight / the oldest one retired.
+    # The engine submits requests through step(Submit(...)) instead.
+
     def request_started(self) -> None:
         if not self.admits():
             raise StageCommandError(f"stage {self.name!r} admits no request in {self.state.value}")
-        self.lifecycle.fire("execute")
-        self.in_flight_requests += 1
+        self._dispatch(_Request(f"anonymous-{next(self._anonymous)}", None, float("inf")))
 
     def request_finished(self, now: float) -> StageStep:
-        if self.in_flight_requests <= 0:
+        if not self.in_flight:
             raise InvariantViolation(f"stage {self.name!r}: request finished with none in flight")
-        self.in_flight_requests -= 1
-        if self.state is S.DRAINING and self.in_flight_requests == 0:
-            return self._send_drained()
-        return StageStep()
+        return self._retire(next(iter(self.in_flight.values())), now)
 
     # ------------------------------------------------------------------ lifecycle calls
 
@@ -521,7 +774,8 @@ class StageCore:
         self.failed_ranks = dict(failures)
         named = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
         self.failure = f"stage {self.name!r} FAILED ({named})"
-        self.in_flight_requests = 0
+        # Their callers hear it (through step); the ranks are not trusted to answer any more.
+        self._fail_requests(RequestError.REJECTED, f"{self.failure}; restart() the stage")
 
     def _end_task(self, ok: bool, error: str, failures: dict[int, str], now: float, *,
                   refused: bool = False) -> TaskOutcome:  # fmt: skip
@@ -542,7 +796,8 @@ class StageCore:
                 raise InvariantViolation(f"stage {self.name!r} in {state.value}: {what}")
 
         require((self._task is not None) == (state in _IN_TASK), "task in flight iff in a task state")
-        require(self.in_flight_requests >= 0, "negative in-flight count")
+        require(len(self.queue) <= self.queue_limit, "queue over queue_limit")
+        require(all(r.request_id not in self.in_flight for r in self.queue), "a request both queued and in flight")
         if self.in_flight_requests:
             require(state in (S.RUNNING, S.DRAINING), "requests in flight outside RUNNING/DRAINING")
         if state in _SERVING:

@@ -19,7 +19,8 @@ import zmq
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_HWM = 1024
-CURVE_CLIENT_KEYS_ENV = "OMNI_CORE_CURVE_CLIENT_KEYS"  # "public:secret", Z85, set by the engine
+CURVE_CLIENT_KEYS_ENV = "OMNI_CORE_CURVE_CLIENT_KEYS"  # "public,secret", Z85, set by the engine
+_KEY_SEPARATOR = ","  # not in the Z85 alphabet (":" is: it once split a key in two)
 # Linux sun_path is 108 bytes including the NUL; zmq refuses longer ipc:// paths.
 MAX_IPC_PATH_CHARS = 107
 
@@ -49,7 +50,7 @@ class CurveKeys:
 
     def client_env(self) -> dict[str, str]:
         """What a rank needs, for its environment."""
-        return {CURVE_CLIENT_KEYS_ENV: f"{self.client_public.decode()}:{self.client_secret.decode()}"}
+        return {CURVE_CLIENT_KEYS_ENV: f"{self.client_public.decode()}{_KEY_SEPARATOR}{self.client_secret.decode()}"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def curve_client_keys(server_key: str | None) -> CurveClient | None:
     pair = os.environ.pop(CURVE_CLIENT_KEYS_ENV, None)
     if server_key is None:
         return None
-    public, sep, secret = (pair or "").partition(":")
+    public, sep, secret = (pair or "").partition(_KEY_SEPARATOR)
     if not sep or len(public) != 40 or len(secret) != 40:
         raise RuntimeError(f"the engine uses CURVE but {CURVE_CLIENT_KEYS_ENV} is missing or malformed; "
                            "ranks of a CURVE engine must be started by it (or given its client keys)")  # fmt: skip

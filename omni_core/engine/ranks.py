@@ -1,0 +1,111 @@
+"""How ranks start and end on this host: one fresh interpreter per rank.
+
+`python -m omni_core.workers` never re-imports the caller's __main__, so a plain script can
+start an Engine. Each process gets its rank secret (and CURVE keys, when the transport
+leaves the host) through its environment only, and a pollable descriptor that becomes
+readable when it exits (pidfd), so the orchestrator learns of a death from the OS, not only
+from a silent socket. Nothing here decides lifecycle: it starts, watches and stops processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from omni_core.engine.spec import StageSpec
+from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
+from omni_core.transport import CurveKeys
+from omni_core.workers.config import WorkerConfig
+
+TERMINATE_GRACE_S = 3.0
+
+
+class RankProcess:
+    def __init__(self, config: WorkerConfig, env: dict[str, str]) -> None:
+        self.rank = config.rank
+        self.epoch = config.epoch
+        # Proves this process's Hello (protocol.auth); handed over in the environment only.
+        self.secret = new_rank_secret()
+        env = dict(env, **{RANK_SECRET_ENV: self.secret.hex()})
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
+            env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        self.identity: bytes | None = None  # bound by a proven Hello
+        self.expected_exit = False  # we told it to go (Shutdown, restart)
+        self.exit_handled = False  # its end was seen once (sentinel or poll) and acted on
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(max(0.0, timeout_s))
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+
+    def close_sentinel(self) -> None:
+        if self.sentinel is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+            self.sentinel = None
+
+
+def spawn_ranks(spec: StageSpec, *, epoch: int, address: str, trace_path: str | None,
+                curve: CurveKeys | None) -> list[RankProcess]:  # fmt: skip
+    """Start every rank of a stage under `epoch`; they connect to `address` and say Hello."""
+    master_port = free_tcp_port()  # for runners that form a torch.distributed group
+    procs = []
+    for rank in range(spec.ranks):
+        config = WorkerConfig(address=address, rank=rank, epoch=epoch, stage=spec.name, runner=spec.runner,
+                              runner_args=dict(spec.runner_args), backend=spec.backend, device=spec.device,
+                              tags=spec.tags, gpu_memory_fraction=spec.gpu_memory_fraction,
+                              max_frame_bytes=spec.max_frame_bytes,
+                              curve_server_key=curve.server_public.decode() if curve else None,
+                              trace_path=trace_path, parent_pid=os.getpid())  # fmt: skip
+        # torchrun-style variables for runners that form a process group, and the rank's GPU.
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.ranks), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))  # fmt: skip
+        if spec.devices:
+            env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
+        if curve is not None:
+            env.update(curve.client_env())
+        procs.append(RankProcess(config, env))
+    return procs
+
+
+def reap(procs: list[RankProcess]) -> None:
+    """Stop the processes: SIGTERM, a grace period, then SIGKILL."""
+    for proc in procs:
+        proc.expected_exit = True
+        if proc.is_alive():
+            proc.terminate()
+    deadline_at = time.monotonic() + TERMINATE_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline_at - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(TERMINATE_GRACE_S)
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,129 @@
+"""Every input a stage core takes, as a typed value (etcd-raft's `Step(msg)`).
+
+The orchestrator turns API calls, decoded replies, process exits and the passing of time
+into these and hands each to `StageCore.step(input, now)`; the core returns a `StageStep`
+(commands to send, outcomes to report). Because inputs are values, a run can be logged,
+replayed and checked; none of them carries a callable.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from omni_core.fsm.admission import AdmissionPolicy
+from omni_core.protocol import Hello, Reply
+
+
+@dataclass(frozen=True)
+class Start:
+    """The shell spawned the ranks: wait for every Hello for `deadline_s`."""
+
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The shell stopped the old ranks: new epoch, STARTING; it spawns fresh ranks next."""
+
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Shutdown: end the task in flight and every request."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A request for the model; `request_id` names it in the outcome."""
+
+    request_id: str
+    payload: Any
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class SleepCall:
+    task_id: str
+    level: int
+    tags: tuple[str, ...] | None
+    deadline_s: float
+    abort_in_flight: bool = False  # callers of running requests hear now; the drain still waits
+
+
+@dataclass(frozen=True)
+class WakeCall:
+    task_id: str
+    tags: tuple[str, ...] | None
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class ReloadCall:
+    task_id: str
+    source: str | None
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class SetAdmission:
+    policy: AdmissionPolicy
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: deadlines of the task, the start, requests and the queue."""
+
+
+@dataclass(frozen=True)
+class Received:
+    """A reply (or Hello) that arrived on a bound rank's socket; `message.rank` is that rank."""
+
+    message: Reply | Hello
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """A rank process ended; `epoch` is the one it was started in (older ones are fenced)."""
+
+    rank: int
+    detail: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class SendFailed:
+    """The shell could not queue the command of `task_id` for `ranks` (its socket queue is full)."""
+
+    task_id: str
+    ranks: tuple[int, ...]
+
+
+EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | SetAdmission | Tick | Received
+               | RankExited | SendFailed)  # fmt: skip
+
+
+class RequestError(str, enum.Enum):
+    """Why a request got no output; the shell picks the exception class from it."""
+
+    REJECTED = "rejected"  # refused by admission, the queue bound or its deadline in the queue
+    FAILED = "failed"  # a rank refused or raised, or gave no result in time
+    ABORTED = "aborted"  # sleep(abort_in_flight=True)
+    OVERLOADED = "overloaded"  # the engine could not send it
+    CLOSED = "closed"  # the stage stopped
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """The answer to one Submit: rank 0's output, or an error and its kind."""
+
+    request_id: str
+    output: Any = None
+    error: RequestError | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
