@@ -5,7 +5,7 @@ two ranks, and a client thread that keeps calling execute / sleep / wake / reloa
 and checks every answer against a reference. The fuzzer connects strangers to
 `engine.address` and sends replies of every type with mutated fields (the stage's real
 epoch, its real rank pids in Hellos, task ids of the form the engine uses), commands, raw
-bytes, random msgpack, and frames of 2 to 6 parts.
+bytes, random msgpack, and frames of 2 to 5 parts.
 
 The engine answers strangers with nothing, so the oracle is its own accounting: every
 frame a stranger delivers is dropped and counted exactly once, in `status()["_engine"]`

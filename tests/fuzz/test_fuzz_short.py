@@ -33,7 +33,8 @@ def test_worker_survives_fuzzed_frames(tmp_path) -> None:
     report = WorkerFuzzer(config).run()
     assert_clean(report)
     assert report.replies >= report.frames_sent  # one reply per frame, the oracle's on top
-    assert report.frames_by_kind.get("big") == 3
+    if not report.time_boxed:
+        assert report.frames_by_kind.get("big") == 3
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
