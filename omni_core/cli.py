@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _cmd_walkthrough(args: argparse.Namespace) -> int:
@@ -13,10 +14,18 @@ def _cmd_walkthrough(args: argparse.Namespace) -> int:
     return Walkthrough().run()
 
 
-def _cmd_schema(args: argparse.Namespace) -> int:
-    from omni_core.protocol.schema import main as schema_main
+def _write(path: Path, text: str) -> int:
+    """The CLI writes what the sans-IO packages render (they do no file IO themselves)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
+    return 0
 
-    return schema_main([args.path] if args.path else [])
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from omni_core.protocol.schema import render_schema
+
+    return _write(Path(args.path or "specs/messages.schema.json"), render_schema())
 
 
 def _cmd_tables(args: argparse.Namespace) -> int:
@@ -58,10 +67,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
-    from omni_core.fsm.docs import write_lifecycles
+    from omni_core.fsm.docs import render_lifecycles
 
-    print(f"wrote {write_lifecycles()}")
-    return 0
+    return _write(Path("docs/lifecycles.md"), render_lifecycles())
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:

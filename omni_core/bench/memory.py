@@ -687,9 +687,8 @@ def _importable(module: str) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2:])
-    else:
-        from omni_core.cli import main as cli_main
-
-        raise SystemExit(cli_main(["bench", *sys.argv[1:]]))
+    # Only as the benchmark's own child process; people run `omni-core bench` (the CLI
+    # imports this module, so this module does not import the CLI back).
+    if len(sys.argv) < 2 or sys.argv[1] != "--child":
+        raise SystemExit("this module runs as the benchmark's child process; run `omni-core bench` instead")
+    _child(sys.argv[2:])

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from omni_core.fsm.stage import STAGE_TRANSITIONS
 from omni_core.fsm.table import Transition, table_as_mermaid
 from omni_core.fsm.worker import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
-
-DEFAULT_DOCS_PATH = Path("docs/lifecycles.md")
 
 
 def _rows(table: Iterable[Transition]) -> list[str]:
@@ -50,9 +47,3 @@ def render_lifecycles() -> str:
         "",
     ]
     return "\n".join(parts)
-
-
-def write_lifecycles(path: Path = DEFAULT_DOCS_PATH) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_lifecycles())
-    return path
