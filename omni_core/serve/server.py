@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -66,10 +67,23 @@ def serve(config: OmniConfig, *, log_level: str = "info", environ: dict[str, str
         auth = "API key required on control routes" if api_key else "no API key (loopback only)"
         print(f"omni-core serve: http://{_url_host(server_cfg.host)}:{server_cfg.port}/ ({auth}); Ctrl-C stops it",
               file=sys.stderr, flush=True)  # fmt: skip
-        server.run()
+        # uvicorn re-raises the signal that stopped it once it is done; SIGTERM's default
+        # action would end the process before the engine below could stop its ranks.
+        previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+        try:
+            server.run()
+        except (KeyboardInterrupt, SystemExit):
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
+        print("omni-core serve: stopping the engine's ranks", file=sys.stderr, flush=True)
         engine.shutdown()
     return 0
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _url_host(host: str) -> str:
