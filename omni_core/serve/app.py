@@ -101,6 +101,10 @@ class ServeState:
         self.key_check = KeyCheck(api_key)
         self.idempotency = IdempotencyCache(self.server.idempotency_entries, self.server.idempotency_bytes)
         self.executor = ThreadPoolExecutor(max_workers=self.server.lifecycle_threads, thread_name_prefix="omni-serve")
+        # Status calls get threads of their own: a pool full of long drains must not freeze
+        # the status page, the metrics or GET /v1/stages.
+        self.status_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-serve-status")
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.memory: dict[str, dict[int, RankMemory]] = {name: {} for name in self.names}
         self.last_level: dict[str, int | None] = dict.fromkeys(self.names)
         self.events: deque[dict[str, Any]] = deque(maxlen=self.server.events_kept)
@@ -125,7 +129,8 @@ class ServeState:
 
     async def status(self) -> dict[str, Any]:
         engine = self.require_engine()
-        return await asyncio.wait_for(self.blocking(engine.status), STATUS_CALL_TIMEOUT_S)
+        call = asyncio.get_running_loop().run_in_executor(self.status_executor, engine.status)
+        return await asyncio.wait_for(call, STATUS_CALL_TIMEOUT_S)
 
     def stage_name(self, ident: int | str) -> str:
         """A stage named, or given by its index in the config (vLLM-Omni's stage_ids)."""
@@ -291,7 +296,20 @@ class ServeState:
                 await asyncio.wait_for(self._refresh.wait(), self.server.status_poll_interval_s)
 
     def begin_close(self) -> None:
-        """Server shutdown: end every event stream so connections can close."""
+        """Server shutdown: end every event stream so connections can close. Callable from
+        any thread (a test or an embedding program stops the server from its own)."""
+        loop = self.loop
+        if loop is not None and loop.is_running():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                loop.call_soon_threadsafe(self._close_now)
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
         self.closing.set()
         for queue in list(self.subscribers):
             with contextlib.suppress(asyncio.QueueFull):
@@ -421,6 +439,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         poller = asyncio.ensure_future(state.poll_forever()) if engine is not None else None
         try:
             yield
@@ -431,6 +450,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
                 with contextlib.suppress(asyncio.CancelledError):
                     await poller
             state.executor.shutdown(wait=False, cancel_futures=True)
+            state.status_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="omni-core serve", version=API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="HTTP control plane of omni-core: stage lifecycle (sleep, wake, reload, restart), "

@@ -22,6 +22,10 @@ from omni_core.serve.auth import ServeRefusedError, check_bind, load_api_key
 
 log = logging.getLogger("omni_core.serve")
 GRACEFUL_SHUTDOWN_S = 5.0  # open event streams and calls get this long after SIGINT/SIGTERM
+# Idle keep-alive connections are closed after this long. Longer than clients' own expiry
+# (httpx: 5 s, like uvicorn's default), so the client closes first: a request never goes out
+# on a connection the server is closing at that moment (a lost POST, seen under load).
+KEEP_ALIVE_S = 75.0
 STARTUP_WAIT_S = 60.0
 
 
@@ -40,7 +44,8 @@ class _Server(uvicorn.Server):
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, server_header=False)  # fmt: skip
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
+                          server_header=False)  # fmt: skip
 
 
 def with_overrides(config: OmniConfig, **overrides: Any) -> OmniConfig:
