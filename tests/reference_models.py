@@ -139,6 +139,9 @@ class WorkerModel:
         if self.pending is not None:
             if isinstance(cmd, Status):
                 return Expect("ack", status=AckStatus.OK, state=self.state)
+            if isinstance(cmd, Execute):
+                # The stage takes this BUSY as the rank's answer: a copy must get it again (P-1).
+                self.answered[cmd.task_id] = cmd
             return self._nack(NackReason.BUSY)
         if self.state is W.FAILED and not isinstance(cmd, (Shutdown, Status)):
             return self._nack(NackReason.FAILED)

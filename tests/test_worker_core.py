@@ -98,7 +98,9 @@ def test_forbidden_command_is_refused_without_effect(state: WorkerState, name: s
     assert isinstance(nack, Nack)
     assert nack.command == name
     assert nack.state is state
-    assert snapshot(d.w) == before, "a refusal must change nothing"
+    # A refusal changes nothing; only a BUSY to an Execute is remembered (the BUSY hole).
+    recorded = 1 if (state in TRANSIENT and name == "Execute") else 0
+    assert snapshot(d.w)[:4] + (len(d.w.cache) - recorded,) + snapshot(d.w)[5:] == before, "a refusal changed"
     if state in TRANSIENT:
         # A transient state always has an effect in progress: the refusal is BUSY.
         assert nack.reason is NackReason.BUSY
@@ -545,7 +547,24 @@ def test_busy_while_an_effect_is_pending(state: WorkerState) -> None:
             assert isinstance(reply, Ack) and reply.state is state  # answered, not refused
         else:
             assert reply.reason is NackReason.BUSY and "in progress" in reply.detail
-    assert snapshot(d.w) == before
+    assert snapshot(d.w)[:4] == before[:4] and len(d.w.cache) == before[4] + 1  # the Execute's BUSY is kept
+
+
+def test_a_busy_refusal_of_an_execute_is_recorded_so_a_copy_never_runs() -> None:
+    """Issue 11, the BUSY hole: the stage takes BUSY as the rank's answer to the request, so a
+    copy of that Execute arriving after the task in progress must get BUSY again, not run."""
+    d = reach_worker(W.ACTIVE)
+    d.send(Execute(task_id="a", epoch=0))
+    (busy,) = d.send(Execute(task_id="b", epoch=0)).replies
+    assert busy.reason is NackReason.BUSY
+    d.w.on_done("a")
+    again = d.send(Execute(task_id="b", epoch=0))
+    assert again.effect is None and again.replies == (busy,)
+    d.send(Execute(task_id="c", epoch=0))
+    (sleep_busy,) = d.send(Sleep(task_id="s", epoch=0)).replies
+    assert sleep_busy.reason is NackReason.BUSY
+    d.w.on_done("c")
+    assert d.send(Sleep(task_id="s", epoch=0)).effect is not None  # lifecycle refusals stay unrecorded
 
 
 def test_busy_during_execute() -> None:

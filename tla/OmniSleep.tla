@@ -54,6 +54,8 @@ CONSTANTS
      commit_before_all_acks  the stage commits on the first ACK (P-5)
      execute_in_partial      the tables admit Execute in PARTIAL (P-7)
      no_epoch_fence          workers accept commands of an older epoch (P-6)
+     busy_unrecorded         a BUSY refusal of an Execute is not recorded: with an asynchronous
+                             shell a copy runs after the refusal (P-1)
      busy_before_cache       the skeleton's WorkerCore: BUSY checked before the reply cache,
                              so an answered task gets a second verdict (P-1)
      execute_in_needs_reload the tables admit Execute in NEEDS_RELOAD (P-8)
@@ -64,7 +66,7 @@ CONSTANTS
                              ranks may still execute it (P-7)
      no_deadline             the orchestrator has no deadlines (P-9: a lost reply hangs) *)
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
-             "no_epoch_fence", "busy_before_cache", "execute_in_needs_reload", "no_drain",
+             "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline"}
 
 ASSUME Bug \in BugNames
@@ -212,6 +214,8 @@ Out(r, st, pend, reply, cache, apply) ==
 Silent(r) == Out(r, wstate[r], wpend[r], NoMsg, FALSE, FALSE)
 Refuse(r, m, reason) ==      \* refusals are not cached: they had no effect
     Out(r, wstate[r], wpend[r], NackMsg(m.type, m.task, m.epoch, r, reason, wstate[r]), FALSE, FALSE)
+RefuseRecorded(r, m, reason) ==   \* a refusal the stage takes as the answer: kept, so a copy gets it too
+    Out(r, wstate[r], wpend[r], NackMsg(m.type, m.task, m.epoch, r, reason, wstate[r]), TRUE, FALSE)
 Already(r, m, g) ==
     Out(r, WNext(wstate[r], g), wpend[r],
         AckMsg(m.type, m.task, wepoch[r], r, WNext(wstate[r], g), wasleep[r], "ALREADY"), TRUE, FALSE)
@@ -249,6 +253,7 @@ OnCommand(r, m) ==
     ELSE IF wpend[r].task = m.task THEN Silent(r)     \* the terminal reply follows on Done (P-1)
     ELSE IF Busy(r) /\ Bug = "busy_before_cache" THEN Refuse(r, m, "BUSY")
     ELSE IF Cached(r, m.task) /\ Bug # "no_reply_cache" THEN FromCache(r, m)
+    ELSE IF Busy(r) /\ m.type = "Execute" /\ Bug # "busy_unrecorded" THEN RefuseRecorded(r, m, "BUSY")
     ELSE IF Busy(r) THEN Refuse(r, m, "BUSY")
     ELSE IF wstate[r] = "FAILED" THEN Refuse(r, m, "FAILED")
     ELSE CASE m.type = "Sleep" -> OnSleep(r, m)

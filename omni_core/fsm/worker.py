@@ -317,9 +317,15 @@ class WorkerCore:
                                         "large for the reply cache, so the first reply is the only one")  # fmt: skip
                 return WorkerStep(replies=(cached.reply,))
         if self._pending is not None and not isinstance(command, Status):
-            return self._refuse(command, NackReason.BUSY,
+            step = self._refuse(command, NackReason.BUSY,
                                 f"task {self._pending.command.task_id!r} is in progress; "
                                 "retry after its reply")  # fmt: skip
+            if isinstance(command, Execute):
+                # Recorded: the stage takes this BUSY as the rank's answer to the request, so a
+                # copy arriving after the task in progress must get it again, not run (P-1; TLC
+                # found the hole with an asynchronous shell, tla/README.md).
+                self._remember(command, step.replies[0])
+            return step
         if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):
             return self._refuse(command, NackReason.FAILED,
                                 f"worker is FAILED ({self.failure}); only Shutdown or a "
