@@ -46,6 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ORCH = "omni_core/engine/orchestrator.py"
 STAGE_CORE = "omni_core/fsm/stage.py"
+ADMISSION = "omni_core/fsm/admission.py"
 WORKER_CORE = "omni_core/fsm/worker.py"
 SHELL = "omni_core/workers/process.py"
 RANK_MAIN = "omni_core/workers/__main__.py"
@@ -69,10 +70,10 @@ that failed. The baseline is the same tests on the unmutated copy; the canaries 
 and count as caught only when their text shows in the output, which proves that the test process
 and the rank processes ran the copy's code, not the editable install's.
 
-Not in the table: the NEEDS_RELOAD refusal in op_execute on its own. Without it the request is
-queued and `_pump` refuses it within the same call with the same error class (only the message
-differs), an equivalent mutant; `needs-reload-refusal` removes both places, `needs-reload-queued`
-the second alone.
+Not in the table: the NEEDS_RELOAD row of ADMISSION on its own. Without it the request is queued
+and the QUEUE_RULES row refuses it within the same step with the same error class (only the
+message differs), an equivalent mutant; `needs-reload-refusal` changes both rows,
+`needs-reload-queued` the queue rule alone.
 
 Slow catches: `reject-policy` and `needs-reload-refusal` run the demo until its refusal probe's own
 30 s deadline; the deadline mutants wait for the tests' bound of ten times the deadline.
@@ -115,71 +116,67 @@ MUTATIONS: tuple[Mutation, ...] = (
        f'    sys.stderr.write("{CANARY}: the copy\'s rank ran\\n")\n    raise SystemExit(97)\n'
        "    parent_pid = os.getppid()",
        [f"{ENGINE_TESTS}::test_async_engine_round_trip"], marker=f"{CANARY}: the copy's rank ran"),
-    # ------------------------------------------------------------ admission (orchestrator)
+    # ------------------------------------------------------------ admission (tables and stage core)
     _m("reject-policy", "admission 'reject' removed: a request to a sleeping stage is queued instead",
-       ORCH, "        if policy is AdmissionPolicy.REJECT:\n",
-       "        if False:  # mutant: no 'reject' admission\n",
+       ADMISSION, "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,\n",
+       "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE,  # mutant: no 'reject'\n",
        [f"{FIFTY}[reject]", DEMO_TEST]),
     _m("reject-late", "admission 'reject' answers 4 s late (on a timer) instead of at once",
-       ORCH, "        if policy is AdmissionPolicy.REJECT:\n",
-       "        if policy is AdmissionPolicy.REJECT:  # mutant: the refusal comes 4 s late\n"
-       "            late = RequestRejectedError(f\"stage {name!r} is {state.value}: admission policy is 'reject'\")\n"
-       "            threading.Timer(4.0, lambda: _settle(future, error=late)).start()\n"
-       "            return\n",
+       ORCH, "            _settle(future, error=_REQUEST_ERRORS[answer.error](answer.detail))\n",
+       "            late = _REQUEST_ERRORS[answer.error](answer.detail)\n"
+       "            delay_s = 4.0 if \"'reject'\" in answer.detail else 0.0  # mutant: the refusal comes 4 s late\n"
+       "            threading.Timer(delay_s, lambda: _settle(future, error=late)).start()\n",
        [f"{FIFTY}[reject]", DEMO_TEST]),
     _m("queue-full-running", "no queue_limit on a RUNNING stage at max_in_flight",
-       ORCH, "            if len(stage.queue) >= stage.spec.queue_limit:\n"
-             "                raise RequestRejectedError(f\"stage {name!r} has {len(stage.inflight)} ",
-       "            if False:  # mutant: unbounded queue at max_in_flight\n"
-       "                raise RequestRejectedError(f\"stage {name!r} has {len(stage.inflight)} ",
+       STAGE_CORE, "        elif len(self.queue) >= self.queue_limit:\n",
+       "        elif len(self.queue) >= self.queue_limit and self.state is not S.RUNNING:  # mutant\n",
        [f"{ENGINE_TESTS}::test_requests_beyond_max_in_flight_wait_in_the_queue_and_all_complete"]),
     _m("queue-full-asleep", "no queue_limit on a stage that is not RUNNING",
-       ORCH, "        if len(stage.queue) >= stage.spec.queue_limit:\n"
-             "            raise RequestRejectedError(f\"stage {name!r} is {state.value} and its queue is full \"",
-       "        if False:  # mutant: unbounded queue while asleep\n"
-       "            raise RequestRejectedError(f\"stage {name!r} is {state.value} and its queue is full \"",
+       STAGE_CORE, "        elif len(self.queue) >= self.queue_limit:\n",
+       "        elif len(self.queue) >= self.queue_limit and self.state is S.RUNNING:  # mutant\n",
        [ASLEEP_ADMISSION]),
     Mutation("needs-reload-refusal",
-             "NEEDS_RELOAD refuses nothing: neither a new request (op_execute) nor a queued one (_pump)",
-             (Edit(ORCH, "        if state is StageState.NEEDS_RELOAD:\n            raise RequestRejectedError(",
-                   "        if False:  # mutant: NEEDS_RELOAD admits\n            raise RequestRejectedError("),
-              Edit(ORCH, "        elif state is StageState.NEEDS_RELOAD and stage.queue:\n",
-                   "        elif False:  # mutant: queued requests wait in NEEDS_RELOAD\n")),
+             "NEEDS_RELOAD refuses nothing: neither a new request (ADMISSION) nor a queued one (QUEUE_RULES)",
+             (Edit(ADMISSION, "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.REFUSE_NEEDS_RELOAD,\n",
+                   "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n"),
+              Edit(ADMISSION, "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+                   "    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, \"mutant: queued requests wait\"),\n"
+                   "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n")),
              (ASLEEP_ADMISSION, DEMO_TEST)),
     _m("needs-reload-queued", "requests queued before a level-2 wake are not refused when it lands in NEEDS_RELOAD",
-       ORCH, "        elif state is StageState.NEEDS_RELOAD and stage.queue:\n",
-       "        elif False:  # mutant: queued requests wait in NEEDS_RELOAD\n",
+       ADMISSION, "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+       "    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, \"mutant: queued requests wait\"),\n"
+       "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
        [ASLEEP_ADMISSION]),
-    _m("auto-wake", "admission 'wake': a queued request no longer wakes the stage (_pump)",
-       ORCH, "        elif (stage.admission is AdmissionPolicy.WAKE and stage.queue and core.task_id is None",
-       "        elif (False and stage.admission is AdmissionPolicy.WAKE and stage.queue and core.task_id is None",
+    _m("auto-wake", "admission 'wake': a queued request no longer wakes a sleeping stage (QUEUE_RULES)",
+       ADMISSION, "    QueueRow(_ASLEEP, (W,), QueueAction.AUTO_WAKE,",
+       "    QueueRow(_ASLEEP, (W,), QueueAction.HOLD,  # mutant: no auto-wake\n            ",
        [f"{FIFTY}[wake]"]),
-    # ------------------------------------------------------------ deadlines (orchestrator)
-    _m("lifecycle-deadline", "the tick no longer calls core.on_tick: no lifecycle (or start) deadline",
-       ORCH, "            self._apply(stage, self._core_call(stage, lambda s=stage: s.core.on_tick(now)))\n",
-       "            pass  # mutant: no core.on_tick\n",
+    # ------------------------------------------------------------ deadlines (stage core, orchestrator)
+    _m("lifecycle-deadline", "the tick no longer calls on_tick: no lifecycle (or start) deadline",
+       STAGE_CORE, "        step = self.on_tick(now)\n",
+       "        step = StageStep()  # mutant: no on_tick\n",
        [f"{ENGINE_TESTS}::test_silent_rank_ends_in_failed_at_the_deadline_naming_it"]),
-    _m("request-deadline", "_expire_requests never runs: a request a rank never answers has no deadline",
-       ORCH, "            silent = self._expire_requests(stage, now)\n",
-       "            silent: dict[int, str] = {}  # mutant: no request deadline\n",
+    _m("request-deadline", "a request a rank never answers has no deadline",
+       STAGE_CORE, "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:\n",
+       "        for request in []:  # mutant: no request deadline\n",
        [f"{ENGINE_TESTS}::test_a_rank_silent_on_a_request_fails_the_stage_naming_it"]),
     _m("queue-deadline", "a queued request never expires while the stage stays asleep",
-       ORCH, "            while stage.queue and now >= stage.queue[0].deadline_at:\n",
-       "            while False and stage.queue:  # mutant: no queue deadline\n",
+       STAGE_CORE, "        while self.queue and now >= self.queue[0].deadline_at:\n",
+       "        while False and self.queue:  # mutant: no queue deadline\n",
        [f"{ENGINE_TESTS}::test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asleep"]),
     _m("start-deadline", "op_start gives the stage no start-up deadline",
-       ORCH, "        stage.core.start(time.monotonic(), stage.spec.start_deadline_s)\n",
-       "        stage.core.start(time.monotonic(), float(\"inf\"))  # mutant: no start deadline\n",
+       ORCH, "        self._step(stage, I.Start(stage.spec.start_deadline_s))\n",
+       "        self._step(stage, I.Start(float(\"inf\")))  # mutant: no start deadline\n",
        [f"{ENGINE_TESTS}::test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline"]),
     # ------------------------------------------------------------ the drain
     _m("drain-core", "the stage core sends Sleep at once, with requests still in flight",
        STAGE_CORE, "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
        "            step = self._send_drained()  # mutant: no drain\n",
        [f"{DRAIN}[wait]"]),
-    _m("drain-first-answer", "the orchestrator retires a request at its first rank's answer, not the last's",
-       ORCH, "        if len(request.replies) < len(stage.procs):\n            return  # a request retires only",
-       "        if not request.replies:  # mutant: retire at the first answer\n"
-       "            return  # a request retires only",
+    _m("drain-first-answer", "a request retires at its first rank's answer, not the last's",
+       STAGE_CORE, "        if len(request.replies) < len(self.ranks):\n",
+       "        if not request.replies:  # mutant: retire at the first answer\n",
        [f"{DRAIN}[wait]", f"{DRAIN}[abort]"]),
     # ------------------------------------------------------------ worker core
     _m("reply-cache", "a duplicate of an answered command is handled again instead of answered from the cache",
