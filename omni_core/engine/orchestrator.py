@@ -44,7 +44,7 @@ from omni_core.engine.spec import StageSpec
 from omni_core.fsm import StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError, RequestOutcome
-from omni_core.protocol import Command, Hello, ProtocolError, Shutdown, StageState, decode, encode
+from omni_core.protocol import Command, Execute, Hello, ProtocolError, Shutdown, StageState, decode, encode
 from omni_core.protocol.auth import verify_hello_proof
 from omni_core.trace import open_trace
 from omni_core.transport import CurveKeys, is_loopback, make_router
@@ -197,6 +197,13 @@ class Orchestrator:
         stage = self.stage(name)
         budget_s = stage.spec.request_timeout_s if timeout_s is None else float(timeout_s)
         request_id = f"req-{name}-{next(self._request_ids)}"
+        # Refused here, whole: a rank cannot name the task of a frame it refuses unread, so an
+        # oversized request sent on would only end at its deadline (the fuzzer found it).
+        size_bytes = len(encode(Execute(task_id=request_id, epoch=stage.core.epoch, payload=payload)))
+        if size_bytes > stage.spec.max_frame_bytes:
+            raise InvalidArgumentError(f"the request to stage {name!r} encodes to {size_bytes} bytes, over its "
+                                       f"max_frame_bytes of {stage.spec.max_frame_bytes}; send less or raise "
+                                       "StageSpec.max_frame_bytes")  # fmt: skip
         stage.requests[request_id] = future
         self._step(stage, I.Submit(request_id, payload, budget_s))
 

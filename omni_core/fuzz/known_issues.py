@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omni_core.protocol import Message, ReloadWeights
+from omni_core.protocol import Message
 
 
 @dataclass(frozen=True)
@@ -24,48 +24,10 @@ class KnownIssue:
     still_open: Callable[[], bool]
 
 
-def _bad_seed_source(message: Message) -> bool:
-    """A ReloadWeights source the synthetic runner's check lets through but int() refuses:
-    more than 4300 digits, '--5' (lstrip removes both signs), '²' (isdigit, not int)."""
-    if not isinstance(message, ReloadWeights) or not isinstance(message.source, str):
-        return False
-    source = message.source
-    if not source.startswith("seed:") or not source[5:].lstrip("-").isdigit():
-        return False
-    try:
-        int(source[5:])
-    except ValueError:
-        return True
-    return False
-
-
-def _synthetic_reload_still_open() -> bool:
-    import torch
-
-    from omni_core.workers.runner import RunnerArgumentError
-    from omni_core.workers.synthetic import SyntheticRunner
-
-    runner = SyntheticRunner(torch.device("cpu"), weights_bytes=4096, tensor_count=1, kv_bytes=1024, hidden=8)
-    try:
-        runner.reload_weights("seed:--5")
-    except RunnerArgumentError:
-        return False  # refused as an argument: fixed
-    except Exception:
-        return True
-    return False
-
-
-KNOWN_ISSUES: tuple[KnownIssue, ...] = (
-    KnownIssue(
-        name="synthetic-reload-source",
-        summary="SyntheticRunner.reload_weights raises ValueError (not RunnerArgumentError) for 'seed:--5', "
-        "'seed:\u00b2' and 'seed:' + 5000 digits: the worker goes FAILED (BACKEND_ERROR) instead of "
-        "answering INVALID_ARGUMENT",
-        regression_test="tests/fuzz/test_regressions.py::test_synthetic_reload_refuses_unparsable_seed",
-        matches=_bad_seed_source,
-        still_open=_synthetic_reload_still_open,
-    ),
-)
+# Fixed and removed (their regression tests stay in tests/fuzz/test_regressions.py):
+# "synthetic-reload-source": SyntheticRunner refused 'seed:--5', 'seed:²' and 5000 digits with a
+# ValueError, so the worker went FAILED instead of answering INVALID_ARGUMENT.
+KNOWN_ISSUES: tuple[KnownIssue, ...] = ()
 
 
 def open_issues() -> tuple[KnownIssue, ...]:

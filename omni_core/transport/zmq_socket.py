@@ -83,23 +83,27 @@ def is_loopback(host: str) -> bool:
         return False  # a name: assume it may leave the host
 
 
-def _configure(sock: zmq.Socket, hwm: int, max_frame_bytes: int) -> None:
+def _configure(sock: zmq.Socket, hwm: int) -> None:
     if hwm <= 0:
         raise ValueError(f"high-water mark must be > 0 (got {hwm}); an unbounded queue hides overload")
-    if max_frame_bytes <= 0:
-        raise ValueError(f"max_frame_bytes must be > 0 (got {max_frame_bytes})")
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + SOCKET_FRAME_SLACK_BYTES)
 
 
 def make_dealer(ctx: zmq.Context, address: str, *, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve: CurveClient | None = None) -> zmq.Socket:
     """A DEALER connected to `address` (the worker side); with `curve`, encrypted and
-    checking that the server holds the engine's key."""
+    checking that the server holds the engine's key.
+
+    No ZMQ_MAXMSGSIZE here: its only peer is the engine, which bounds what it sends, and
+    libzmq treats an oversized frame as a protocol error after which a connecting socket
+    never reconnects (the fuzzer left a worker alive but deaf). The codec refuses frames
+    over `max_frame_bytes` (NACK BAD_MESSAGE) and the worker keeps serving."""
+    if max_frame_bytes <= 0:
+        raise ValueError(f"max_frame_bytes must be > 0 (got {max_frame_bytes})")
     sock = ctx.socket(zmq.DEALER)
-    _configure(sock, hwm, max_frame_bytes)
+    _configure(sock, hwm)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if curve is not None:
@@ -120,8 +124,13 @@ def make_router(ctx: zmq.Context, address: str, *, hwm: int = DEFAULT_HWM,
     `curve` the socket is a CURVE server; who may connect is decided by a ZAP handler the
     caller runs (see `omni_core.transport.curve_auth`).
     """
+    if max_frame_bytes <= 0:
+        raise ValueError(f"max_frame_bytes must be > 0 (got {max_frame_bytes})")
     sock = ctx.socket(zmq.ROUTER)
-    _configure(sock, hwm, max_frame_bytes)
+    _configure(sock, hwm)
+    # Strangers reach this socket: a frame over the limit (plus room for the envelope) is
+    # dropped with its connection by libzmq before it is read into memory.
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + SOCKET_FRAME_SLACK_BYTES)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if curve is not None:
         sock.curve_server = True

@@ -1,6 +1,8 @@
-"""What the fuzzer found, as exact bytes. Each open bug is xfail(strict=True): the test turns
-red when the bug is fixed, so the marker (and the entry in omni_core/fuzz/known_issues.py)
-goes with the fix.
+"""What the fuzzer found, as exact bytes. An open bug is xfail(strict=True), with an entry in
+omni_core/fuzz/known_issues.py; both go with the fix. The three found so far are fixed:
+unparsable synthetic seeds (now INVALID_ARGUMENT), requests over max_frame_bytes (refused
+at submit) and frames over a worker's socket limit (the worker's socket no longer drops
+them; its codec refuses them).
 
 1. ReloadWeights sources the synthetic runner lets through its check but cannot parse put
    the worker in FAILED (BACKEND_ERROR) instead of a refusal (INVALID_ARGUMENT). Found by
@@ -25,7 +27,6 @@ import torch
 
 from omni_core.engine import Engine, StageSpec
 from omni_core.engine.errors import InvalidArgumentError, RequestRejectedError
-from omni_core.fuzz.known_issues import KNOWN_ISSUES
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Ack,
@@ -50,11 +51,6 @@ RELOAD_FRAMES: dict[str, bytes] = {
     "superscript_two": bytes.fromhex(_HEAD + "667a2d38313335a565706f636800a6736f75726365a7736565643ac2b2"),
     "5000_digits": bytes.fromhex(_HEAD + "667a2d34343730a565706f636800a6736f75726365da138d") + b"seed:" + b"9" * 5000,
 }
-SYNTHETIC_RELOAD_REASON = (
-    "open bug: SyntheticRunner.reload_weights checks source[5:].lstrip('-').isdigit() and then calls int(), "
-    "which raises ValueError for '--5', '\u00b2' and 5000 digits; the worker goes FAILED (BACKEND_ERROR) "
-    "instead of NACK INVALID_ARGUMENT (omni_core/workers/synthetic.py)"
-)
 SMALL = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 64 << 10, "hidden": 32, "cpu_threads": 1}
 
 
@@ -62,11 +58,8 @@ def test_the_frames_are_valid_reload_commands() -> None:
     sources = {name: decode(data).source for name, data in RELOAD_FRAMES.items()}  # type: ignore[attr-defined]
     expected = {"double_minus": "seed:--5", "superscript_two": "seed:\u00b2", "5000_digits": "seed:" + "9" * 5000}
     assert sources == expected
-    issue = next(i for i in KNOWN_ISSUES if i.name == "synthetic-reload-source")
-    assert all(issue.matches(decode(data)) for data in RELOAD_FRAMES.values())
 
 
-@pytest.mark.xfail(strict=True, reason=SYNTHETIC_RELOAD_REASON)
 @pytest.mark.parametrize("name", sorted(RELOAD_FRAMES))
 def test_synthetic_reload_refuses_unparsable_seed(name: str) -> None:
     source = decode(RELOAD_FRAMES[name]).source  # type: ignore[attr-defined]
@@ -85,7 +78,6 @@ def worker() -> Iterator[RawWorker]:
         raw.close()
 
 
-@pytest.mark.xfail(strict=True, reason=SYNTHETIC_RELOAD_REASON)
 def test_worker_refuses_unparsable_reload_source_and_stays_active(worker: RawWorker) -> None:
     for name, data in sorted(RELOAD_FRAMES.items()):
         reply = worker.request(data)
@@ -95,34 +87,19 @@ def test_worker_refuses_unparsable_reload_source_and_stays_active(worker: RawWor
 
 
 # Last in this module: it cuts the shared worker off.
-@pytest.mark.xfail(
-    strict=True,
-    reason="open bug: one frame over max_frame_bytes + 64 KiB makes libzmq drop the "
-    "worker's connection as a protocol error, and a connecting socket never reconnects after "
-    "one; the worker is alive but deaf (omni_core/transport, omni_core/workers/process.py)",
-)
 def test_worker_stays_reachable_after_a_frame_over_the_socket_limit(worker: RawWorker) -> None:
+    """Once libzmq dropped the link on such a frame and the worker never reconnected; now its
+    socket takes the frame and the codec refuses it unread (BAD_MESSAGE, task '-')."""
     limit_bytes = DEFAULT_MAX_FRAME_BYTES  # what the worker runs with
     worker.send(b"\xc6" + (limit_bytes + SOCKET_FRAME_SLACK_BYTES).to_bytes(4, "big")
                 + bytes(limit_bytes + SOCKET_FRAME_SLACK_BYTES))  # fmt: skip
-    deadline_at = time.monotonic() + 8.0  # zmq reconnects within 100 ms when it does at all
-    while time.monotonic() < deadline_at:
-        try:  # the link may take a moment to come back
-            reply = worker.request(encode(Status(task_id="after-drop", epoch=0)), timeout_s=2.0)
-        except Exception:
-            continue
-        assert isinstance(reply, Ack) and reply.task_id == "after-drop"
-        return
-    pytest.fail("the worker never answered again after a frame over its socket limit")
+    refusal = worker.next_message(timeout_s=60.0)
+    assert isinstance(refusal, Nack) and refusal.reason is NackReason.BAD_MESSAGE and refusal.task_id == "-"
+    assert "over the limit" in refusal.detail
+    reply = worker.request(encode(Status(task_id="after-drop", epoch=0)), timeout_s=30.0)
+    assert isinstance(reply, Ack) and reply.task_id == "after-drop"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open bug: Engine.execute sends a request over the stage's max_frame_bytes "
-    "to the ranks; the rank's refusal cannot name the task (or zmq drops the link), so the request "
-    "waits for its deadline and the stage FAILS instead of a refusal at submit "
-    "(omni_core/engine/orchestrator.py)",
-)
 def test_engine_refuses_a_request_over_max_frame_bytes_at_once() -> None:
     limit_bytes = 64 << 10  # StageSpec's smallest limit: the test stays cheap
     spec = StageSpec("big", runner_args=SMALL, backend="portable", max_frame_bytes=limit_bytes,
