@@ -197,7 +197,7 @@ class StageCore:
         self.lifecycle: Lifecycle[S] = Lifecycle(S, STAGE_TRANSITIONS, S.STARTING)
         self.residency = Residency(tags)
         self.rank_state: dict[int, WorkerState] = {}
-        self.policy = policy
+        self.policy = AdmissionPolicy(policy)
         self.queue_limit = queue_limit
         self.max_in_flight = max_in_flight
         self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
