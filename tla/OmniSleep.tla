@@ -110,12 +110,8 @@ Settle(asleep, valid) ==
     ELSE IF Weights \notin asleep /\ ~valid THEN "needs_reload"
     ELSE "partial"
 
-RankState == [active |-> "ACTIVE", partial |-> "PARTIAL", needs_reload |-> "NEEDS_RELOAD"]
-Restored == [active |-> "restored_active", partial |-> "restored_partial",
-             needs_reload |-> "restored_needs_reload"]       \* _SETTLED_AFTER_WAKE
-Reloaded == [active |-> "reloaded_active", partial |-> "reloaded_partial"]
-WakeCommit == [active |-> "woke_running", partial |-> "woke_partial",
-               needs_reload |-> "woke_needs_reload"]
+\* RankState, Restored, Reloaded and WakeCommit (what each settled outcome means for the
+\* ranks and the stage) come from the generated module: fsm/settle.py's SETTLE_ROWS.
 StageOfRank(s) == CASE s = "ACTIVE" -> "RUNNING" [] s = "SLEEPING" -> "SLEEPING"
                     [] s = "PARTIAL" -> "PARTIAL" [] s = "NEEDS_RELOAD" -> "NEEDS_RELOAD"
                     [] OTHER -> NoVal

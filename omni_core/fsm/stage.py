@@ -20,6 +20,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
+from omni_core.fsm.settle import Settled, settle_row
 from omni_core.fsm.table import Lifecycle, Transition
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.fsm.worker import InvariantViolation
@@ -73,10 +74,6 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("stop", (S.STARTING, S.FAILED) + _SERVING + _IN_TASK, S.STOPPED, "shutdown"),
 )  # fmt: skip
 
-_WAKE_TRIGGER = {"active": "woke_running", "partial": "woke_partial",
-                 "needs_reload": "woke_needs_reload"}  # fmt: skip
-_RANK_STATE = {"active": WorkerState.ACTIVE, "partial": WorkerState.PARTIAL,
-               "needs_reload": WorkerState.NEEDS_RELOAD}  # fmt: skip
 _STAGE_STATE_OF_RANK = {WorkerState.ACTIVE: S.RUNNING, WorkerState.SLEEPING: S.SLEEPING,
                         WorkerState.PARTIAL: S.PARTIAL,
                         WorkerState.NEEDS_RELOAD: S.NEEDS_RELOAD}  # fmt: skip
@@ -556,10 +553,10 @@ class StageCore:
             raise StageCommandError(f"stage {self.name!r} cannot wake in {self.state.value}")
         after = Residency(self.tags)
         after.asleep, after.weights_valid = self.residency.asleep - to_wake, self.residency.weights_valid
-        settled = after.settled()
+        row = settle_row(after.settled())
         self._task = _Task(task_id, signature, command, now, now + deadline_s,
-                           expect_state=_RANK_STATE[settled], expect_asleep=after.asleep,
-                           commit_trigger=_WAKE_TRIGGER[settled],
+                           expect_state=row.rank_state, expect_asleep=after.asleep,
+                           commit_trigger=row.stage_commit,
                            apply=lambda res: res.apply_wake(to_wake))  # fmt: skip
         self.lifecycle.fire("wake")
         step = self._send_all()
@@ -576,12 +573,12 @@ class StageCore:
             raise StageCommandError(
                 f"stage {self.name!r} cannot reload weights in {self.state.value}: reload "
                 "follows a level-2 sleep and a wake of 'weights' (state NEEDS_RELOAD)")
-        settled = "active" if not self.residency.asleep else "partial"
+        row = settle_row(Settled.ACTIVE if not self.residency.asleep else Settled.PARTIAL)
         self._task = _Task(task_id, signature,
                            ReloadWeights(task_id=task_id, epoch=self.epoch, source=source),
-                           now, now + deadline_s, expect_state=_RANK_STATE[settled],
+                           now, now + deadline_s, expect_state=row.rank_state,
                            expect_asleep=self.residency.asleep,
-                           commit_trigger=_WAKE_TRIGGER[settled],
+                           commit_trigger=row.stage_commit,
                            apply=lambda res: res.apply_reload())  # fmt: skip
         self.lifecycle.fire("reload")
         step = self._send_all()

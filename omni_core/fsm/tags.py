@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from omni_core.fsm.settle import Settled
+
 WEIGHTS_TAG = "weights"
 KV_CACHE_TAG = "kv_cache"
 DEFAULT_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
@@ -77,10 +79,10 @@ class Residency:
     def weights_resident(self) -> bool:
         return WEIGHTS_TAG not in self.asleep
 
-    def settled(self) -> str:
-        """'active' | 'needs_reload' | 'partial': where a wake or reload ends."""
+    def settled(self) -> Settled:
+        """Where a wake or reload ends (the rows of fsm/settle.py say what that means)."""
         if not self.asleep and self.weights_valid:
-            return "active"
+            return Settled.ACTIVE
         if WEIGHTS_TAG in self.tags and self.weights_resident and not self.weights_valid:
-            return "needs_reload"
-        return "partial"
+            return Settled.NEEDS_RELOAD
+        return Settled.PARTIAL

@@ -24,8 +24,9 @@ from omni_core.fsm.effects import (
     WakeEffect,
 )
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
+from omni_core.fsm.settle import settle_row
 from omni_core.fsm.table import Lifecycle, Transition
-from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.fsm.tags import DEFAULT_TAGS, Residency, SleepPlan, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -79,12 +80,6 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
 )  # fmt: skip
 
-_SETTLED_AFTER_WAKE = {
-    "active": "restored_active",
-    "partial": "restored_partial",
-    "needs_reload": "restored_needs_reload",
-}
-_SETTLED_AFTER_RELOAD = {"active": "reloaded_active", "partial": "reloaded_partial"}
 # A refused reload returns to where it came from (reload is legal from these two only).
 _REFUSED_RELOAD = {W.NEEDS_RELOAD: "reload_refused_needs_reload", W.ACTIVE: "reload_refused_active"}
 
@@ -129,12 +124,14 @@ def command_digest(command: Command) -> bytes:
     return hashlib.blake2b(encode(msgspec.structs.replace(command, epoch=0)), digest_size=16).digest()
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Pending:
+    """The effect the shell performs now: its command and what completing it needs."""
+
     command: Command
-    trigger_after: str = ""
-    plan: Any = None
-    state_before: W | None = None
+    sleep_plan: SleepPlan | None = None  # Sleep: what to offload and discard
+    wake_tags: frozenset[str] = frozenset()  # Wake: the tags it maps back
+    state_before: W | None = None  # ReloadWeights: where a refusal returns to
 
 
 # Digest, names and bookkeeping of one cache entry, counted against the byte budget.
@@ -225,17 +222,17 @@ class WorkerCore:
                                   output=output, duration_s=duration_s)  # fmt: skip
         else:
             if isinstance(command, Sleep):
-                self.residency.apply_sleep(pending.plan)
+                assert pending.sleep_plan is not None
+                self.residency.apply_sleep(pending.sleep_plan)
+                self.lifecycle.fire("offloaded")
             elif isinstance(command, Wake):
-                self.residency.apply_wake(pending.plan)
+                self.residency.apply_wake(pending.wake_tags)
+                self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
             elif isinstance(command, ReloadWeights):
                 self.residency.apply_reload()
-            if pending.trigger_after:
-                trigger = pending.trigger_after
-                if trigger == "settle_wake":
-                    trigger = _SETTLED_AFTER_WAKE[self.residency.settled()]
-                elif trigger == "settle_reload":
-                    trigger = _SETTLED_AFTER_RELOAD[self.residency.settled()]
+                trigger = settle_row(self.residency.settled()).after_reload
+                if trigger is None:
+                    raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
                 self.lifecycle.fire(trigger)
             reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s)
         if not isinstance(command, Status):
@@ -347,7 +344,7 @@ class WorkerCore:
             return self._refuse_state(command)
         plan = plan_sleep(command.level, to_sleep)
         self.lifecycle.fire("sleep")
-        self._pending = _Pending(command, trigger_after="offloaded", plan=plan)
+        self._pending = _Pending(command, sleep_plan=plan)
         return WorkerStep(effect=SleepEffect(command.task_id, command.level,
                                              plan.offload, plan.discard))  # fmt: skip
 
@@ -365,7 +362,7 @@ class WorkerCore:
         if not self.lifecycle.allows("wake"):
             return self._refuse_state(command)
         self.lifecycle.fire("wake")
-        self._pending = _Pending(command, trigger_after="settle_wake", plan=to_wake)
+        self._pending = _Pending(command, wake_tags=frozenset(to_wake))
         return WorkerStep(effect=WakeEffect(command.task_id, to_wake))
 
     def on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
@@ -374,7 +371,7 @@ class WorkerCore:
                                       "level-2 sleep and a wake of 'weights') or ACTIVE")  # fmt: skip
         state_before = self.state
         self.lifecycle.fire("reload")
-        self._pending = _Pending(command, trigger_after="settle_reload", state_before=state_before)
+        self._pending = _Pending(command, state_before=state_before)
         return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
 
     def on_execute(self, command: Execute) -> WorkerStep:

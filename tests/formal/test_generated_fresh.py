@@ -83,3 +83,29 @@ def test_the_spec_cannot_fire_a_trigger_the_table_lacks(tla_copy):
         assert check.run(args, echo=lines.append) == 1
     text = "\n".join(lines)
     assert "FAIL" in text and "fires a trigger its table forbids" in text and '"drained"' in text, text
+
+
+def test_settled_rows_and_admission_tables_are_in_the_module():
+    """Issue 11: the settled outcomes and admission are generated, not restated in the spec."""
+    text = gen_transitions.render()
+    assert 'Restored == [active |-> "restored_active"' in text
+    assert 'WakeCommit == [active |-> "woke_running"' in text
+    assert '<<"NEEDS_RELOAD", "queue", "refuse_needs_reload">>' in text
+    assert '<<"SLEEPING", "wake", "auto_wake">>' in text
+    spec = (gen_transitions.default_path().parent / "OmniSleep.tla").read_text()
+    assert "Restored ==" not in spec and "WakeCommit ==" not in spec  # not copied by hand
+
+
+@pytest.mark.slow
+def test_tlc_refuses_an_admission_row_that_admits_outside_running(tla_copy):
+    """The ASSUMEs tie admission to the stage table: a row that runs requests in SLEEPING is
+    refused by TLC before any state is explored."""
+    generated = tla_copy / "OmniTransitions.tla"
+    generated.write_text(generated.read_text().replace('<<"SLEEPING", "queue", "queue">>',
+                                                       '<<"SLEEPING", "queue", "run">>'))
+    lines: list[str] = []
+    args = _args(tla_copy, regen=False, only=["happy"], no_controls=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gen_transitions, "is_fresh", lambda path=None: True)
+        assert check.run(args, echo=lines.append) == 1
+    assert "FAIL" in "\n".join(lines) and "Assumption" in "\n".join(lines), lines
