@@ -161,7 +161,7 @@ def test_full_sleep_goes_through_vllm_and_restores_offloaded_bytes(setup):
     _, module, backend, ptrs = setup
     assert backend.usage() == {W: 12288, KV: 16384}
     backend.sleep({W}, {KV})
-    assert backend.sleep_paths == ["vllm-sleep"]
+    assert list(backend.sleep_paths) == ["vllm-sleep"]
     assert module.memory == {} and backend.usage() == {W: 0, KV: 0}
     assert backend.host_bytes() == 12288  # weights only; KV discarded
     backend.wake({W, KV})
@@ -184,7 +184,7 @@ def test_partial_sleeps_and_wakes_touch_each_allocation_once(setup):
     backend.sleep({W}, set())  # the rest, with KV already asleep: no double unmap
     assert module.memory == {}
     expected_first = "vllm-sleep-keep-tags" if variant == "keep_tags" else "per-allocation"
-    assert backend.sleep_paths == [expected_first, "per-allocation"]
+    assert list(backend.sleep_paths) == [expected_first, "per-allocation"]
     backend.wake({W})  # partial wake: no double map of anything
     assert set(module.memory) == set(ptrs[W]) and content(module, ptrs[W]) == {0x11}
     backend.wake({KV})

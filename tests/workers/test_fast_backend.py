@@ -175,7 +175,7 @@ def test_level1_round_trip_restores_weights_through_the_prepared_arena(variant, 
     assert stats["arena_bytes"] == 4096 + 8192 + 12288  # exactly the weights, prepared at track()
     assert ops.register_calls == 1 and backend.host_bytes() == 0
     backend.sleep({W}, {KV})
-    assert backend.sleep_paths == ["fast"] and module.memory == {}
+    assert list(backend.sleep_paths) == ["fast"] and module.memory == {}
     assert ops.register_calls == 1  # nothing registered during the sleep
     assert backend.usage() == {W: 0, KV: 0} and backend.host_bytes() == 24576
     # neighbouring allocations travel together, cut at chunk_bytes=5000

@@ -68,7 +68,7 @@ if "OMNI_GPU_CYCLES" in os.environ:
 # releases a partial sleep allocation by allocation; fast releases only the tags asked for.
 PARTIAL_SLEEP_PATHS = {
     "cumem": lambda paths: paths[-2] in ("per-allocation", "vllm-sleep-keep-tags") and paths[-1] == "per-allocation",
-    "fast": lambda paths: paths[-2:] == ["fast", "fast"],
+    "fast": lambda paths: list(paths)[-2:] == ["fast", "fast"],
 }
 RUNNER_ARGS = {"weights_bytes": int(WEIGHTS_GIB * GiB), "tensor_count": TENSORS, "kv_bytes": int(KV_GIB * GiB),
                "hidden": HIDDEN, "dtype": DTYPE, "seed": 1234}  # fmt: skip
@@ -240,7 +240,7 @@ def test_partial_sleeps_release_tag_by_tag(orch, worker, reference, trace_path, 
         paths = [line["sleep_path"] for line in map(json.loads, f) if line["event"] == "done:Sleep"]
     assert PARTIAL_SLEEP_PATHS[backend](paths), paths
     record(f"{backend}:partial_sleep", kv=figures(kv), weights=figures(weights), wake=figures(wake),
-           sleep_paths=paths[-2:], eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
+           sleep_paths=list(paths)[-2:], eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
 
 
 def test_cycles_do_not_leak(orch, worker, reference, backend):

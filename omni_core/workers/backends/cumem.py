@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
@@ -77,6 +78,9 @@ def _load_module(device: torch.device) -> ModuleType:
     return importlib.import_module(CUMEM_MODULE)
 
 
+SLEEP_PATHS_KEPT = 64
+
+
 class CumemBackend(MemoryBackend):
     name = "cumem"
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE,
@@ -90,7 +94,8 @@ class CumemBackend(MemoryBackend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.allocator = self._mod.CuMemAllocator.get_instance()
         self._has_keep_tags = "keep_tags" in inspect.signature(self.allocator.sleep).parameters
-        self.sleep_paths: list[str] = []  # which code path each sleep took (tests, trace)
+        # Which code path each recent sleep took (tests, trace); bounded, a worker sleeps for weeks.
+        self.sleep_paths: deque[str] = deque(maxlen=SLEEP_PATHS_KEPT)
 
     # ------------------------------------------------------------------ allocations
 

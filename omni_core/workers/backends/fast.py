@@ -69,6 +69,15 @@ PREFAULT_PITCH = {"page": 2 * MiB, "64k": 64 * 1024, "full": 0}
 # ---------------------------------------------------------------------- planning (pure)
 
 
+def _nbytes(data: Any) -> int:
+    """Size of one allocation: vLLM's AllocationData.handle is (device, size, d_mem, p_memory)."""
+    return int(data.handle[1])
+
+
+def _device_ptr(data: Any) -> int:
+    return int(data.handle[2])
+
+
 @dataclass(frozen=True)
 class Copy:
     """One asynchronous copy: `nbytes` between device address `device` and host `host`;
@@ -403,7 +412,7 @@ class FastPath:
         with self._lock:
             self._prune_backed()
             allocs = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
-            if all(p in self._slots and self._slots[p].nbytes == d.handle[1] for p, d in allocs):
+            if all(p in self._slots and self._slots[p].nbytes == _nbytes(d) for p, d in allocs):
                 return
             if self._backed:
                 return  # bytes live in the present arena: keep it; late slots cover new allocations
@@ -420,15 +429,15 @@ class FastPath:
                      self.stats.arena_register_s)  # fmt: skip
 
     def _new_arena(self, allocs: list[tuple[int, Any]]) -> HostArena | None:
-        total = sum(d.handle[1] for _, d in allocs)
+        total = sum(_nbytes(d) for _, d in allocs)
         if total == 0:
             return None
         arena = HostArena(total, self.ops, touch=self.touch, mode=self.arena_mode)
         self._arenas.append(arena)
         offset = 0
         for ptr, data in allocs:  # address order: device neighbours are host neighbours
-            self._slots[ptr] = Slot(arena, offset, data.handle[1])
-            offset += data.handle[1]
+            self._slots[ptr] = Slot(arena, offset, _nbytes(data))
+            offset += _nbytes(data)
         warm_up = getattr(self.ops, "warm_up", None)
         if warm_up is not None and not self.is_asleep(*allocs[0]):
             # Streams, events and the first transfer through the new registration cost a few
@@ -447,7 +456,7 @@ class FastPath:
         self._arenas.clear()
 
     def _ensure_slots(self, allocs: list[tuple[int, Any]]) -> None:
-        missing = [(p, d) for p, d in allocs if p not in self._slots or self._slots[p].nbytes != d.handle[1]]
+        missing = [(p, d) for p, d in allocs if p not in self._slots or self._slots[p].nbytes != _nbytes(d)]
         if missing:
             started = time.perf_counter()
             arena = self._new_arena(missing)
@@ -455,7 +464,7 @@ class FastPath:
             self.stats.late_arena_s += time.perf_counter() - started
             log.warning("fast backend: %d allocations (%.3f GiB) to offload were not in the prepared arena; "
                         "registered %.3f s of host memory during this sleep", len(missing),
-                        sum(d.handle[1] for _, d in missing) / 2**30, time.perf_counter() - started)  # fmt: skip
+                        sum(_nbytes(d) for _, d in missing) / 2**30, time.perf_counter() - started)  # fmt: skip
 
     # ------------------------------------------------------------------ sleep / wake
 
@@ -477,7 +486,7 @@ class FastPath:
         copies: list[Copy] = []
         if kept:
             self._ensure_slots(kept)
-            copies = plan_copies([(p, self._slots[p].host, d.handle[1]) for p, d in kept], self.chunk_bytes)
+            copies = plan_copies([(p, self._slots[p].host, _nbytes(d)) for p, d in kept], self.chunk_bytes)
             streams = self.ops.streams
             self.ops.streams_after_current()
             events = []
@@ -494,8 +503,8 @@ class FastPath:
                     self._release(*kept[i], backed=True)
         done = time.perf_counter()
         self.stats.last = {
-            "op": "sleep", "offloaded_bytes": sum(d.handle[1] for _, d in kept),
-            "discarded_bytes": sum(d.handle[1] for _, d in dropped), "allocations": len(allocs),
+            "op": "sleep", "offloaded_bytes": sum(_nbytes(d) for _, d in kept),
+            "discarded_bytes": sum(_nbytes(d) for _, d in dropped), "allocations": len(allocs),
             "copies": len(copies), "wait_prepare_s": waited - started, "discard_s": unmapped - waited,
             "offload_s": done - unmapped, "total_s": done - started,
         }  # fmt: skip
@@ -508,7 +517,7 @@ class FastPath:
             self._mark(ptr, data, asleep=True)
         if backed:
             self._backed.add(ptr)
-            data.cpu_backup_tensor = self._slots[ptr].arena.view(self._slots[ptr].offset, data.handle[1])
+            data.cpu_backup_tensor = self._slots[ptr].arena.view(self._slots[ptr].offset, _nbytes(data))
         else:
             self._backed.discard(ptr)
             data.cpu_backup_tensor = None
@@ -550,9 +559,9 @@ class FastPath:
             slot = self._slots[ptr]
             if run and (run[-1][0] + run[-1][2] != ptr or run[-1][1] + run[-1][2] != slot.host):
                 flush()
-            run.append((ptr, slot.host, data.handle[1]))
-            restored += data.handle[1]
-            run_bytes += data.handle[1]
+            run.append((ptr, slot.host, _nbytes(data)))
+            restored += _nbytes(data)
+            run_bytes += _nbytes(data)
             if run_bytes >= self.chunk_bytes:  # start this run's copies; map the next ones meanwhile
                 flush()
 
@@ -646,7 +655,7 @@ class FastBackend(CumemBackend):
             self.path.wake(tags)
 
     def _is_asleep(self, data: Any) -> bool:
-        return self.path.is_asleep(data.handle[2], data)
+        return self.path.is_asleep(_device_ptr(data), data)
 
     def _host_bytes(self) -> int:
         return self.path.backed_bytes()
