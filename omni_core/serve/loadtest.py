@@ -203,7 +203,8 @@ async def _disconnect_mid_call(client: httpx.AsyncClient, url: str, hold: str, h
                                     route="/v1/stages/{name}/execute"), "the disconnect to be counted")  # fmt: skip
     result.disconnect_counted = True
     assert (await client.post(f"/v1/stages/{hold}/wake")).status_code == 200
-    await _until(lambda: _metric_is(metrics(), "omni_core_requests_total", ran_before + 1, stage=hold, outcome="ok"),
+    ok_before = _metric(before, "omni_core_requests_total", stage=hold, outcome="ok")
+    await _until(lambda: _metric_is(metrics(), "omni_core_requests_total", ok_before + 1, stage=hold, outcome="ok"),
                  "the abandoned request to run")  # fmt: skip
     await _until(lambda: _json_field(hold_stage(), "in_flight", 0), "the held stage to be idle")
     ran_after = _metric(await metrics(), "omni_core_requests_total", stage=hold)
