@@ -100,9 +100,20 @@ function renderStrip(name) {
   return svg;
 }
 
+let seeded = false;
+function seedHistory(snap) {
+  // The strip starts with the server's recent events, not empty at the moment the page opened.
+  for (const ev of [...(snap.events || [])].sort((a, b) => a.time - b.time)) {
+    if (!ev.state || ev.time * 1000 < Date.now() - STRIP_SPAN_MS) continue;
+    const h = history[ev.stage] || (history[ev.stage] = []);
+    if (!h.length || h[h.length - 1][1] !== ev.state) h.push([ev.time * 1000, ev.state]);
+  }
+}
+
 function renderStatus(snap) {
   const main = document.getElementById("stages");
   const now = Date.now();
+  if (!seeded) { seedHistory(snap); seeded = true; }
   main.replaceChildren();
   for (const st of Object.values(snap.stages || {})) {
     const h = history[st.name] || (history[st.name] = []);
@@ -142,7 +153,8 @@ function addEvent(ev) {
   const text = new Date(ev.time * 1000).toLocaleTimeString() + "  " + ev.stage + "  " + ev.command +
     (ev.level ? " L" + ev.level : "") + "  " + ev.outcome + (ev.state ? " -> " + ev.state : "") +
     (ev.status && ev.status !== "OK" ? " (" + ev.status + ")" : "") + "  " + (ev.duration_s * 1000).toFixed(1) + " ms" +
-    (ev.freed_bytes ? "  freed " + fmtBytes(ev.freed_bytes) : "") + (ev.error ? "  " + ev.error : "");
+    (ev.freed_bytes ? (ev.freed_bytes > 0 ? "  freed " : "  restored ") + fmtBytes(Math.abs(ev.freed_bytes)) : "") +
+    (ev.error ? "  " + ev.error : "");
   list.prepend(el("li", {"class": ev.outcome === "ok" ? "ok" : "bad", "data-event-id": ev.id,
     "data-stage": ev.stage, "data-command": ev.command}, text));
   while (list.children.length > 100) list.lastChild.remove();
