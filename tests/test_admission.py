@@ -250,3 +250,22 @@ def test_step_refuses_what_is_not_an_input() -> None:
     with pytest.raises(TypeError, match="engine input"):
         Driver().step("sleep")  # type: ignore[arg-type]
 
+
+
+def test_each_queued_request_expires_at_its_own_deadline_not_behind_the_head() -> None:
+    """Helper-reported bug: only the head of the queue was checked, so a 1 s request waited
+    behind a 30 s one."""
+    d = _asleep(P.QUEUE)
+    d.step(I.Submit("patient", 1, 30.0))
+    d.step(I.Submit("hurried", 1, 1.0))
+    d.now = 1.0
+    assert [a.request_id for a in d.step(I.Tick()).requests] == ["hurried"]
+    assert [r.request_id for r in d.core.queue] == ["patient"]
+
+
+def test_reject_in_needs_reload_says_to_reload_not_to_wake() -> None:
+    d = Driver(policy=P.REJECT)
+    d.run(d.step(I.SleepCall("sl", 2, None, 30.0)))
+    d.run(d.step(I.WakeCall("w", None, 30.0)))
+    (answer,) = d.step(I.Submit("r", 1, 30.0)).requests
+    assert "reload_weights()" in answer.detail and "wake it" not in answer.detail

@@ -41,7 +41,7 @@ from omni_core.engine.errors import (
 from omni_core.engine.ranks import RankProcess, reap, spawn_ranks
 from omni_core.engine.report import LifecycleReport
 from omni_core.engine.spec import StageSpec
-from omni_core.fsm import StageCommandError, StageCore, StageStep, TaskOutcome
+from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.protocol import Command, Execute, Hello, ProtocolError, Shutdown, StageState, decode, encode
@@ -160,6 +160,8 @@ class Orchestrator:
                 fn(future)
             except StageCommandError as exc:
                 _settle(future, error=InvalidArgumentError(str(exc)))
+            except InvariantViolation:
+                raise  # a core left in a state its invariants forbid: the loop dies loudly (_die)
             except BaseException as exc:  # the loop must survive a bad call
                 _settle(future, error=exc)
 
@@ -256,7 +258,9 @@ class Orchestrator:
         for stage in self._stages.values():
             for proc in stage.procs:
                 proc.expected_exit = True
-                if proc.is_alive():
+                if proc.is_alive() and proc.identity is None:
+                    proc.terminate()  # never said Hello: no socket to tell it on, so no grace to wait out
+                elif proc.is_alive():
                     self._send(stage, proc.rank, Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}",
                                                           epoch=stage.core.epoch))  # fmt: skip
             self._step(stage, I.Stop(), why="shutdown")

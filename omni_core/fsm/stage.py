@@ -302,8 +302,10 @@ class StageCore:
                 silent.setdefault(rank, f"no result for request {request.request_id} before its deadline")
         if silent:
             step = step.then(self.on_ranks_unresponsive(silent, now))
-        while self.queue and now >= self.queue[0].deadline_at:
-            request = self.queue.popleft()
+        # Every queued request at its own deadline: a short one must not wait behind a long one.
+        expired = [r for r in self.queue if now >= r.deadline_at]
+        for request in expired:
+            self.queue.remove(request)
             self._answer(request, RequestError.REJECTED, f"request {request.request_id} waited in the queue of "
                          f"stage {self.name!r} until its deadline; the stage stayed {self.state.value}")  # fmt: skip
         return step
@@ -356,6 +358,9 @@ class StageCore:
         name, state = self.name, self.state.value
         if decision is Admit.REFUSE_FAILED:
             return f"stage {name!r} is {state}: {self.failure or 'stopped'}; restart() it first"
+        if decision is Admit.REFUSE_POLICY and self.state is S.NEEDS_RELOAD:
+            return (f"stage {name!r} is NEEDS_RELOAD (weights discarded by a level-2 sleep) and its admission "
+                    "policy is 'reject'; call reload_weights() first")
         if decision is Admit.REFUSE_POLICY:
             return (f"stage {name!r} is {state}, not RUNNING, and its admission policy is 'reject'; wake it "
                     "first or use admission='queue' or 'wake'")

@@ -349,8 +349,6 @@ def test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asle
     assert engine.execute("s", PROBE) == reference
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, reported: queue deadlines are checked at the head of the "
-                   "queue only, so a short deadline waits behind a longer one (head-of-line blocking)")
 def test_a_queued_request_expires_at_its_own_deadline_behind_a_longer_one(engine_factory) -> None:
     engine = engine_factory(small_spec("s"))
     engine.sleep("s")
