@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 pip install -q --only-binary=:all: atheris || echo "atheris has no wheel for this Python: tests/fuzz/test_atheris.py skips"
+# The status page is tested in a real browser (Debian's chromium through Playwright).
+command -v chromium >/dev/null || { apt-get install -y -qq chromium >/dev/null 2>&1 \
+  || { apt-get update -qq && apt-get install -y -qq chromium; } >/dev/null 2>&1; } \
+  || echo "chromium could not be installed: tests/serve/test_browser.py skips"
 ruff check omni_core tests
 started=$(date +%s)
 omni-core check
