@@ -154,8 +154,7 @@ class _Omni(_Method):
 
             chunk = int(options["chunk_mib"]) * MiB if "chunk_mib" in options else None
             self.backend = FastBackend(device, chunk_bytes=chunk, wake_mode=options.get("wake"),
-                                       prepare=options.get("prepare"), arena_mode=options.get("arena"),
-                                       prefault=options.get("prefault"))  # fmt: skip
+                                       prepare=options.get("prepare"), arena_mode=options.get("arena"))  # fmt: skip
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")
             if "streams" in options:

@@ -48,11 +48,6 @@ class DeferredOps:
             raise RuntimeError(f"host range {ptr:#x}+{nbytes} is not in a registered arena")
 
     def _run(self, op) -> None:
-        if op[0] == "touch":  # zeros, as the GPU's memset: harmful if it ran after the copy
-            _, ptr, nbytes, _pitch = op
-            for base, offset, n in list(self._pieces(ptr, nbytes)):
-                self.m.memory[base][offset : offset + n] = bytes(n)
-            return
         dst, src, nbytes, to_device = op
         if to_device:
             self._check_host(src, nbytes)
@@ -70,9 +65,6 @@ class DeferredOps:
     def copy(self, dst: int, src: int, nbytes: int, to_device: bool, stream: str) -> None:
         self.queues[stream].append((dst, src, nbytes, to_device))
         self.copies.append(("h2d" if to_device else "d2h", nbytes))
-
-    def touch(self, ptr: int, nbytes: int, pitch: int, stream: str) -> None:
-        self.queues[stream].append(("touch", ptr, nbytes, pitch))
 
     def record(self, stream: str):
         return (stream, len(self.queues[stream]))
@@ -280,14 +272,3 @@ def test_select_fast_names_itself_when_unavailable():
 def test_bad_wake_mode_is_refused():
     with pytest.raises(ValueError, match="wake mode"):
         make("0.26", wake_mode="sometimes")
-
-
-@pytest.mark.parametrize("prefault", ["page", "full"])
-def test_prefault_runs_before_each_copy_on_its_stream(prefault):
-    module, ops, backend, ptrs = make("0.26", prefault=prefault)
-    before = snapshot(module, ptrs[W])
-    backend.sleep({W}, {KV})
-    backend.wake({W, KV})  # a memset after its copy would leave zeros (the double runs them in order)
-    assert snapshot(module, ptrs[W]) == before
-    touches = sum(1 for q in ops.queues.values() for op in q if op[0] == "touch")
-    assert touches == sum(1 for d, _ in ops.copies if d == "h2d") > 1  # one per restoring copy

@@ -61,9 +61,7 @@ ENV_PREPARE = "OMNI_FAST_PREPARE"  # "load" (default) | "background" | "sleep"
 ENV_CHUNK_MIB = "OMNI_FAST_CHUNK_MIB"
 ENV_WAKE = "OMNI_FAST_WAKE"  # "pipelined" (default) | "map-first"
 ENV_ARENA = "OMNI_FAST_ARENA"  # "register" (default) | "hostalloc"
-ENV_PREFAULT = "OMNI_FAST_PREFAULT"  # "none" (default) | "page" | "64k" | "full"
 # Pitch of the pre-fault writes on wake (0: every byte); see FastPath.wake.
-PREFAULT_PITCH = {"page": 2 * MiB, "64k": 64 * 1024, "full": 0}
 
 
 # ---------------------------------------------------------------------- planning (pure)
@@ -169,14 +167,6 @@ class CudaOps:
     def copy(self, dst: int, src: int, nbytes: int, to_device: bool, stream: Any) -> None:
         rc = self._rt.cudaMemcpyAsync(dst, src, nbytes, _H2D if to_device else _D2H, stream.cuda_stream)
         self._check(rc, f"cudaMemcpyAsync of {nbytes} bytes")
-
-    def touch(self, ptr: int, nbytes: int, pitch: int, stream: Any) -> None:
-        """Write zeros into [ptr, ptr+nbytes): every byte (pitch 0) or one byte per `pitch`."""
-        if pitch <= 0:
-            self._check(self._rt.cudaMemsetAsync(ptr, 0, nbytes, stream.cuda_stream), "cudaMemsetAsync")
-        else:
-            rows = -(-nbytes // pitch)
-            self._check(self._rt.cudaMemset2DAsync(ptr, pitch, 0, 1, rows, stream.cuda_stream), "cudaMemset2DAsync")
 
     def record(self, stream: Any) -> Any:
         event = torch.cuda.Event()
@@ -322,7 +312,6 @@ class FastPath:
         wake_mode: str | None = None,
         touch: bool = True,
         arena_mode: str | None = None,
-        prefault: str | None = None,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
@@ -332,9 +321,6 @@ class FastPath:
             raise ValueError(f"wake mode {self.wake_mode!r}: use 'pipelined' or 'map-first'")
         self.ops = ops if ops is not None else CudaOps(self.device, streams)
         self.touch = touch
-        self.prefault = prefault or os.environ.get(ENV_PREFAULT, "none")
-        if self.prefault not in (*PREFAULT_PITCH, "none"):
-            raise ValueError(f"prefault {self.prefault!r}: use one of {[*PREFAULT_PITCH, 'none']}")
         self.arena_mode = arena_mode or os.environ.get(ENV_ARENA, "register")
         if self.arena_mode not in HostArena.MODES:
             raise ValueError(f"arena mode {self.arena_mode!r}: use one of {HostArena.MODES}")
@@ -534,19 +520,11 @@ class FastPath:
         restored = run_bytes = 0
         map_s = 0.0
 
-        pitch = PREFAULT_PITCH.get(self.prefault)
-
         def flush() -> None:
             nonlocal issued, run_bytes
             for c in plan_copies(run, self.chunk_bytes):
                 if c.nbytes:
                     stream = streams[issued % len(streams)]
-                    if pitch is not None:
-                        # An experiment kept as an option: copies into memory mapped a moment
-                        # ago ran at 49.7 instead of 55.4 GB/s on the H200, 53.4 after a kernel
-                        # had zeroed it; but a memset right before each chunk did not change the
-                        # wake (mapping cost, ~2 ms/GiB, does not overlap with the copies).
-                        self.ops.touch(c.device, c.nbytes, pitch, stream)
                     self.ops.copy(c.device, c.host, c.nbytes, True, stream)
                     issued += 1
             run.clear()
@@ -630,13 +608,12 @@ class FastBackend(CumemBackend):
         chunk_bytes: int | None = None,
         wake_mode: str | None = None,
         arena_mode: str | None = None,
-        prefault: str | None = None,
     ) -> None:
         super().__init__(device, module=module)
         self.arena_tags = arena_tags
         self.prepare_mode = prepare or _prepare_mode()
         self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
-                             wake_mode=wake_mode, arena_mode=arena_mode, prefault=prefault)  # fmt: skip
+                             wake_mode=wake_mode, arena_mode=arena_mode)  # fmt: skip
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         # Called once a tag's tensors are allocated (and after a reload): the weights are
