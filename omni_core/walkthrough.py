@@ -1,135 +1,123 @@
-"""A scripted walk through both lifecycles on the sans-IO cores, printing every transition.
+"""A scripted walk through both lifecycles on the sans-IO cores and the simulated network.
 
-One stage with three ranks: start, sleep (level 1), wake, then a level-2 sleep, wake and
-weight reload. Along the way the network duplicates an ACK, delivers an ACK from an older
-epoch, and the caller retries a task with the same task_id: the output shows each being
-counted and ignored, and the stage committing only on a complete ACK set. No processes, no
-sockets, no memory: this is the protocol logic alone, deterministic by construction.
+One stage with three ranks: start, a level-1 sleep whose ACK the network holds back past the
+deadline (FAILED, naming the rank), a restart after which that ACK arrives from the old epoch
+(counted, ignored), a sleep with a duplicated ACK, ALREADY, a request queued while asleep, a
+wake, a retry answered from the record, a level-2 sleep, wake and weight reload. The script
+is in the scenario language of `tests/testdata/*.txt` and runs on the same simulator
+(`omni_core.fsm.sim`): every message crosses the real codec, time is a controlled clock, and
+the output is the same on every run. No processes, no sockets, no memory.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import TextIO
 
-import msgspec
+from omni_core.fsm.sim import Script, Simulator, parse_blocks
+from omni_core.protocol import StageState
 
-from omni_core.fsm import Outbound, StageCore, StageStep, WorkerCore
-from omni_core.fsm.effects import Effect
-from omni_core.protocol import Hello, MemoryReport, Reply, decode, encode
+SCRIPT = """\
+# == start: every rank says Hello; the stage is RUNNING once all of them have.
+stage ranks={ranks} start-deadline=10s
+
+# == sleep level 1, and the network holds rank {last}'s ACK back past the 5 s deadline:
+# the stage fails naming rank {last}. A missing ACK ends in FAILED, never in a hang.
+sleep task=sleep-0 level=1 deadline=5s
+deliver-all
+done
+delay from=r{last} by=10s
+deliver-all
+tick +5s
+
+# == restart: a new epoch and fresh rank processes. The ACK held back from epoch 0 arrives
+# now and is counted as stale, never applied.
+restart
+tick +5s
+deliver
+
+# == sleep level 1 again. Rank 0's ACK is duplicated and both copies arrive first: the copy
+# is counted and ignored, and the stage commits only on the complete set.
+sleep task=sleep-1 level=1 deadline=5s
+deliver-all
+done
+dup from=r0
+deliver from=r0 n=all
+deliver-all
+
+# == sleep again: every tag is asleep already, so ALREADY and nothing is sent.
+sleep task=sleep-2 level=1
+
+# == a request to the sleeping stage waits in the queue (admission policy `queue`).
+submit req=req-1 payload=42
+
+# == wake: every rank maps its memory back; the queued request runs after the commit.
+wake task=wake-1 deadline=5s
+settle
+
+# == the caller retries wake-1 with the same task_id: answered from the record, nothing sent.
+wake task=wake-1 deadline=5s
+
+# == sleep level 2: every tag is discarded, weights included.
+sleep task=sleep-3 level=2 deadline=5s
+settle
+
+# == wake: memory is back but the weights are garbage, so the stage NEEDS_RELOAD, and a
+# request is refused until the weights are reloaded.
+wake task=wake-2 deadline=5s
+settle
+submit req=req-2 payload=43
+
+# == reload weights: RUNNING again, and requests run.
+reload task=reload-1 deadline=5s
+settle
+submit req=req-3 payload=44
+settle
+status
+"""
 
 
 class Walkthrough:
     def __init__(self, ranks: int = 3, out: TextIO = sys.stdout) -> None:
+        if ranks < 2:
+            raise ValueError("the walkthrough needs two ranks or more (one's ACK is held back, another's copied)")
+        self.ranks = ranks
         self.out = out
-        self.now = 0.0
-        self.stage = StageCore("talker", ranks)
-        self.workers = [WorkerCore(rank) for rank in range(ranks)]
-        self.failures: list[str] = []
-
-    def say(self, node: str, event: str, state: str) -> None:
-        self.out.write(f"{self.now:6.3f}s  {node:<9} {event:<52} {state}\n")
-
-    # ---- plumbing: every message really goes through the codec, as on the wire
-
-    def deliver(self, sends: tuple[Outbound, ...]) -> list[Reply]:
-        replies: list[Reply] = []
-        for out in sends:
-            worker = self.workers[out.rank]
-            command = decode(encode(out.command))
-            before = worker.state.value
-            step = worker.on_command(command)
-            replies += step.replies
-            if step.effect is not None:
-                replies += self.perform(worker, step.effect)
-            self.say(f"rank {out.rank}", f"{type(command).__name__}({command.task_id})",
-                     f"{before} -> {worker.state.value}")  # fmt: skip
-        return [decode(encode(r)) for r in replies]  # type: ignore[misc]
-
-    def perform(self, worker: WorkerCore, effect: Effect) -> tuple[Reply, ...]:
-        self.now += 0.001
-        # A worker shell measures its pools around every effect; the stage trusts no ACK without.
-        memory = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
-        return worker.on_done(effect.task_id, memory=memory, duration_s=0.001).replies
-
-    def feed(self, replies: list[Reply], label: str = "") -> StageStep:
-        step = StageStep()
-        for reply in replies:
-            before = self.stage.state.value
-            got = self.stage.on_reply(reply, self.now)
-            step = got if got.outcome or got.sends else step
-            kind = f"{type(reply).__name__} from rank {reply.rank} ({reply.task_id}, epoch {reply.epoch})"
-            self.say("stage", f"{label}{kind}", f"{before} -> {self.stage.state.value}")
-        return step
-
-    def run_task(self, title: str, call: Callable[[], StageStep], *, duplicate: bool = False,
-                 stale: bool = False) -> None:  # fmt: skip
-        self.out.write(f"\n== {title}\n")
-        before = self.stage.state.value
-        step = call()
-        self.say("stage", f"call -> {len(step.sends)} command(s) out", f"{before} -> {self.stage.state.value}")
-        replies = self.deliver(step.sends)
-        if stale and replies:
-            old = msgspec.structs.replace(replies[0], epoch=self.stage.epoch - 1)
-            self.feed([old], "network replays old-epoch ")
-        if duplicate and replies:
-            # The network delivers the first ACK twice, the copy before the last original.
-            replies.insert(len(replies) - 1, replies[0])
-        final = self.feed(replies)
-        outcome = final.outcome or step.outcome
-        if outcome is None or not outcome.ok:
-            self.failures.append(f"{title}: {outcome}")
-            self.out.write(f"   !! task did not complete: {outcome}\n")
-            return
-        self.out.write(f"   => {outcome.command} {outcome.task_id}: {outcome.status.value}, stage "
-                       f"{outcome.state.value}, {len(outcome.acks)} ACK(s)\n")  # fmt: skip
+        self.script = Script()
 
     def run(self) -> int:
-        self.out.write("omni-core lifecycle walkthrough (sans-IO cores, 3 ranks, in-memory network)\n")
-        self.out.write(f"{'time':>7}  {'node':<9} {'event':<52} state\n")
-        self.stage.start(self.now, 10.0)
-        for worker in self.workers:
-            worker.loaded()
-            hello = Hello(task_id="hello", epoch=self.stage.epoch, rank=worker.rank, pid=0,
-                          device="none", backend="none", tags=worker.tags)  # fmt: skip
-            before = self.stage.state.value
-            self.stage.on_hello(hello, self.now)
-            self.say("stage", f"Hello from rank {worker.rank}", f"{before} -> {self.stage.state.value}")
-        # A restart bumps the epoch, which makes the stale-ACK scene below real.
-        self.stage.stop(self.now)
-        self.stage.restart(self.now, 10.0)
-        self.workers = [WorkerCore(w.rank, epoch=self.stage.epoch) for w in self.workers]
-        self.out.write(f"\n== restart: epoch {self.stage.epoch}\n")
-        for worker in self.workers:
-            worker.loaded()
-            self.stage.on_hello(Hello(task_id="hello", epoch=self.stage.epoch, rank=worker.rank,
-                                      pid=0, device="none", backend="none", tags=worker.tags),
-                                self.now)  # fmt: skip
-        self.say("stage", "all ranks said Hello", self.stage.state.value)
+        self.out.write(f"omni-core lifecycle walkthrough (sans-IO cores, {self.ranks} ranks, simulated network: every "
+                       "message through the codec, a controlled clock)\n")  # fmt: skip
+        blocks, _ = parse_blocks(SCRIPT.format(ranks=self.ranks, last=self.ranks - 1))
+        for block in blocks:
+            notes = [line.removeprefix("#").strip() for line in block.preamble if line.strip()]
+            if notes:
+                self.out.write("\n" + "".join(f"{note}\n" for note in notes))
+            self.out.write(f"> {block.command}\n")
+            self.out.write("".join(f"    {line}\n" for line in self.script.run(block.command)))
+        failures = self.check()
+        self.out.write("\n" + "".join(f"!! {failure}\n" for failure in failures))
+        self.out.write(f"verdict: {'FAIL' if failures else 'PASS'}\n")
+        return 1 if failures else 0
 
-        t = self.now
-        self.run_task("sleep level 1 (one ACK duplicated, one replayed from epoch 0)",
-                      lambda: self.stage.sleep("sleep-1", 1, None, t, 5.0), duplicate=True, stale=True)
-        self.run_task("sleep again: ALREADY, nothing sent",
-                      lambda: self.stage.sleep("sleep-2", 1, None, self.now, 5.0))
-        self.run_task("wake", lambda: self.stage.wake("wake-1", None, self.now, 5.0), duplicate=True)
-        self.run_task("retry of wake-1 with the same task_id: answered from the record",
-                      lambda: self.stage.wake("wake-1", None, self.now, 5.0))
-        self.run_task("sleep level 2", lambda: self.stage.sleep("sleep-3", 2, None, self.now, 5.0))
-        self.run_task("wake: memory back, weights discarded",
-                      lambda: self.stage.wake("wake-2", None, self.now, 5.0))
-        self.run_task("reload weights", lambda: self.stage.reload("reload-1", None, self.now, 5.0))
-
-        c = self.stage.counters
-        self.out.write(f"\nignored: {c.stale_replies_ignored} stale, {c.duplicate_replies_ignored} "
-                       f"duplicate, {c.unknown_replies_ignored} unknown; retries {c.retries}; "
-                       f"final state {self.stage.state.value}\n")  # fmt: skip
-        expected = (c.stale_replies_ignored == 1 and c.duplicate_replies_ignored == 2
-                    and self.stage.state.value == "RUNNING" and not self.failures)  # fmt: skip
-        verdict = "PASS" if expected else "FAIL"
-        self.out.write(f"verdict: {verdict}\n")
-        return 0 if expected else 1
+    def check(self) -> list[str]:
+        """What the walk must show; each miss is named."""
+        sim = self.script.sim
+        assert isinstance(sim, Simulator)
+        stage, counters = sim.stage, sim.stage.counters
+        answers = {rid: (a.error.name if a.error else a.output) for rid, a in sim.answered.items()}
+        first_sleep = sim.outcomes.get("sleep-0")
+        expected = {
+            "final state RUNNING": stage.state is StageState.RUNNING,
+            "one stale ACK ignored": counters.stale_replies_ignored == 1,
+            "one duplicate ACK ignored": counters.duplicate_replies_ignored == 1,
+            "one retry answered from the record": counters.retries == 1,
+            f"sleep-0 failed naming rank {self.ranks - 1} only": first_sleep is not None and not first_sleep.ok
+            and set(first_sleep.failures) == {self.ranks - 1},
+            "req-1 served after the wake, req-2 refused, req-3 served":
+                answers == {"req-1": 42, "req-2": "REJECTED", "req-3": 44},
+        }  # fmt: skip
+        return [what for what, held in expected.items() if not held]
 
 
 def main() -> int:
