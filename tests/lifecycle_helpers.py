@@ -1,5 +1,6 @@
 """Helpers shared by the lifecycle unit tests: drivers that push every message through the
-codec (as on the wire), state builders, and a recorder of the transitions that fired."""
+codec (as on the wire), state builders, and a recorder of the transitions that fired. The
+stage harness runs on the one simulator (`omni_core.fsm.sim`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Lifecycle, StageCore, StageStep, WorkerCore
+from omni_core.fsm.sim import NO_MEMORY as NO_MEMORY  # the lifecycle tests import it from here
+from omni_core.fsm.sim import Simulator
 from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import (
     Command,
     Hello,
-    MemoryReport,
     ReloadWeights,
     Reply,
     Shutdown,
@@ -25,8 +27,6 @@ from omni_core.protocol import (
 )
 
 W = WorkerState
-# What a worker shell reports around an effect; the stage refuses an ACK without one.
-NO_MEMORY = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
 _ids = itertools.count()
 
 
@@ -105,49 +105,62 @@ def _check(d: WorkerDriver, state: WorkerState) -> WorkerDriver:
     return d
 
 
-class StageHarness:
-    """One StageCore and its WorkerCores on a perfect in-memory network (for scripted cases)."""
+class OnSimulator:
+    """A test driver on the one simulator: its stage, ranks and clock by the usual names."""
+
+    sim: Simulator
+
+    @property
+    def stage(self) -> StageCore:
+        return self.sim.stage
+
+    @property
+    def workers(self) -> list[WorkerCore]:
+        return self.sim.workers
+
+    @property
+    def dead(self) -> set[int]:
+        return self.sim.dead
+
+    @property
+    def now(self) -> float:
+        return self.sim.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.sim.now = value
+
+
+class StageHarness(OnSimulator):
+    """One StageCore and its WorkerCores on the simulator (`omni_core.fsm.sim`), for scripted
+    cases that drive the stage core's methods directly: `to_workers` runs a step's commands on
+    the ranks at once (no faults), `feed` hands the replies to the stage."""
 
     def __init__(self, ranks: int = 3, *, deadline_s: float = 10.0, hello: bool = True,
                  **worker_kwargs: object) -> None:  # fmt: skip
-        self.now = 0.0
-        self.stage = StageCore("talker", ranks)
         self.worker_kwargs = worker_kwargs
-        self.workers: list[WorkerCore] = []
-        self.stage.start(self.now, deadline_s)
-        self._spawn(hello=hello)
-
-    def _spawn(self, *, hello: bool = True) -> None:
-        self.workers = [WorkerCore(r, epoch=self.stage.epoch, **self.worker_kwargs)  # type: ignore[arg-type]
-                        for r in self.stage.ranks]  # fmt: skip
-        for w in self.workers:
-            w.loaded()
-            if hello:
-                self.stage.on_hello(self.hello(w.rank), self.now)
+        stage = StageCore("talker", ranks)
+        self.sim = Simulator(stage, record=False, make_worker=lambda rank, epoch: WorkerCore(
+            rank, epoch=epoch, **worker_kwargs))  # type: ignore[arg-type]  # fmt: skip
+        # hello=False: the ranks stay silent; a test feeds their Hellos itself (h.hello()).
+        self.sim.start(deadline_s, hello=hello)
+        self.sim.deliver_all()
 
     def hello(self, rank: int, **fields: object) -> Hello:
-        base: dict = {"task_id": "hello", "epoch": self.stage.epoch, "rank": rank, "pid": 100 + rank,
-                      "device": f"cuda:{rank}", "backend": "portable", "tags": self.stage.tags}  # fmt: skip
-        base.update(fields)
-        return wire(Hello(**base))  # type: ignore[return-value]
+        return wire(self.sim.hello(rank, **fields))  # type: ignore[return-value]
 
     def restart(self) -> int:
-        epoch = self.stage.restart(self.now, 10.0)
-        self._spawn()
-        return epoch
+        self.sim.restart(10.0)
+        self.sim.deliver_all()
+        return self.stage.epoch
 
     def to_workers(self, step: StageStep, *, ranks: set[int] | None = None) -> list[Reply]:
         """Deliver the step's commands (to `ranks` only, if given), perform every effect,
         and return the replies, all through the codec."""
         replies: list[Reply] = []
         for out in step.sends:
-            if ranks is not None and out.rank not in ranks:
-                continue
-            worker = self.workers[out.rank]
-            got = worker.on_command(decode_command(encode(out.command)))
-            replies += got.replies
-            if got.effect is not None:
-                replies += worker.on_done(out.command.task_id, memory=NO_MEMORY).replies
+            if ranks is None or out.rank in ranks:
+                replies += self.sim.run_on_rank(out.rank, out.command)
         return [wire(r) for r in replies]
 
     def feed(self, replies: list[Reply]) -> StageStep:
