@@ -48,3 +48,53 @@ def test_the_file_format_round_trips() -> None:
     assert [(b.preamble, b.command, b.expected) for b in blocks] == [
         (["# a comment", ""], "stage ranks=1", ["line one", "line two"])]
     assert render_blocks(blocks, [b.expected or [] for b in blocks], trailer) == text
+
+
+# Worker transitions the engine never causes, and why; every other one a scenario must show.
+ENGINE_NEVER_CAUSES = {
+    "status": "the engine never sends Status (the conformance suite and the fuzzer do)",
+    "sleep_already": "the stage answers ALREADY itself; a copy of a command gets the rank's cached reply",
+    "wake_already": "the stage answers ALREADY itself; a copy of a command gets the rank's cached reply",
+    "reload@ACTIVE": "the stage reloads only from NEEDS_RELOAD",
+    "reload_refused_active@RELOADING": "the stage reloads only from NEEDS_RELOAD",
+    "fail@ACTIVE": "in a settled state only a Status effect can raise (a failed Execute is the request's error)",
+    "fail@SLEEPING": "in a settled state only a Status effect can raise",
+    "fail@PARTIAL": "in a settled state only a Status effect can raise",
+    "fail@NEEDS_RELOAD": "in a settled state only a Status effect can raise",
+    "shutdown@LOADING": "a simulated runner loads (or fails to) before its Hello",
+    "shutdown_already@STOPPED": "a rank exits after it ACKs its Shutdown",
+}
+
+
+def test_the_scenarios_cover_every_transition_and_admission_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The done-when of the scenario suite: every (trigger, state) of the stage table, every
+    admission row and queue rule, and every worker transition the engine can cause."""
+    from lifecycle_helpers import record_transitions, table_pairs
+
+    from omni_core.fsm import admission, stage
+
+    rows: set[object] = set()
+
+    def recording(lookup):  # type: ignore[no-untyped-def]
+        def wrapped(state, policy):  # type: ignore[no-untyped-def]
+            row = lookup(state, policy)
+            rows.add(row)
+            return row
+
+        return wrapped
+
+    for name in ("admit", "queue_rule"):
+        wrapped = recording(getattr(admission, name))
+        monkeypatch.setattr(admission, name, wrapped)
+        monkeypatch.setattr(stage, name, wrapped, raising=False)
+    with record_transitions() as fired:
+        for path in SCENARIOS:
+            run_blocks(parse_blocks(path.read_text())[0])
+    assert not table_pairs("stage") - fired, f"no scenario shows {sorted(table_pairs('stage') - fired)}"
+    never = {(name, trigger, state) for (name, trigger, state) in table_pairs("worker")
+             if trigger in ENGINE_NEVER_CAUSES or f"{trigger}@{state}" in ENGINE_NEVER_CAUSES}  # fmt: skip
+    missing = table_pairs("worker") - never - fired
+    assert not missing, f"no scenario shows the worker transitions {sorted(missing)}"
+    assert not fired & never, f"the engine did cause {sorted(fired & never)}: update ENGINE_NEVER_CAUSES"
+    unused = [row for row in (*admission.ADMISSION, *admission.QUEUE_RULES) if row not in rows]
+    assert not unused, f"no scenario uses the rows {unused}"
