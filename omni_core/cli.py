@@ -48,10 +48,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"omni-core demo: {exc}", file=sys.stderr)
             return 2
-    from omni_core.demo import main as demo_main
+    if args.synthetic:  # the scenario on synthetic runners, whose traces `omni-core check` validates
+        from omni_core.demo import main as demo_main
 
-    return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib,
-                     trace_path=args.trace)
+        return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib or 64,
+                         trace_path=args.trace)  # fmt: skip
+    if args.weights_mib is not None:
+        print("omni-core demo: --weights-mib sizes the synthetic runners; add --synthetic", file=sys.stderr)
+        return 2
+    from omni_core.demo_real import main as real_demo_main
+
+    return real_demo_main(device=args.device, backend=args.backend, size=args.size, out_dir=args.out,
+                          models_dir=args.models, trace_path=args.trace)  # fmt: skip
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -61,6 +69,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         ranks = args.ranks or [1, 2, 4, 8]
         cycles = args.cycles or (25 if args.short else 250)
         return control_plane_main(ranks, cycles, args.out, " ".join(["omni-core", *sys.argv[1:]]))
+    if args.real_models:
+        from omni_core.bench.real_models import main as real_models_main
+
+        return real_models_main(args)
     from omni_core.bench.memory import main as memory_main  # the GPU memory-path benchmark
 
     return memory_main(args)
@@ -105,10 +117,18 @@ def _cmd_remote(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="two co-located stages on real processes: sleep, wake, reload, admission")
+    p = sub.add_parser("demo", help="a language model and a diffusion stage share one device: sleep, wake, "
+                                    "reload, partial wake, a step-wise request across a sleep (--synthetic: "
+                                    "synthetic runners, admission policies)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu (portable backend) or cuda (best backend available)")
     p.add_argument("--backend", default=None, help="override the backend (portable, cumem, fast, auto)")
-    p.add_argument("--weights-mib", type=int, default=64, help="synthetic weights per rank, MiB")
+    p.add_argument("--size", default="tiny", choices=("tiny", "large"),
+                   help="real models: tiny (CPU, seconds) or large (Qwen2 1.5B + DiT 600M, for a GPU)")
+    p.add_argument("--out", default="omni-core-demo-out", help="real models: folder for the images (PNG)")
+    p.add_argument("--models", default=None,
+                   help="real models: checkpoint cache, made on first use (default ~/.cache/omni-core/models)")
+    p.add_argument("--synthetic", action="store_true", help="the scenario on synthetic runners instead")
+    p.add_argument("--weights-mib", type=int, default=None, help="--synthetic: weights per rank, MiB (default 64)")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
     p.add_argument("--config", default=None, help="a TOML stage config: sleep, wake and reload each of its stages")
     p.set_defaults(func=_cmd_demo)
@@ -126,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="memory path: level-1 cycles per case (default 4)")
     p.add_argument("--case-timeout-s", type=float, default=420.0, help="memory path: limit per (method, workload)")
     p.add_argument("--render", default=None, help="memory path: redraw Markdown and PNG from this memory.json")
+    p.add_argument("--real-models", action="store_true",
+                   help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "
+                        "(--methods cumem,fast; --reps level-1 cycles; --render real_models.json)")  # fmt: skip
+    p.add_argument("--real-size", default="large", choices=("large", "tiny"),
+                   help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
+    p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")
+    p.add_argument("--dit-model", default=None, help="real models: a local diffusers DiT directory (else made)")
+    p.add_argument("--models-dir", default="/tmp/omni-core-models", help="real models: where missing ones are made")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
     p.set_defaults(func=_cmd_walkthrough)

@@ -35,7 +35,8 @@ class _Row:
     freed: str
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that fits: '2.5 GiB' (also used by the real-model demo)."""
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
@@ -68,7 +69,7 @@ class Demo:
 
     def record(self, step: str, report: LifecycleReport) -> None:
         freed = ", ".join(
-            f"r{r}: {'freed' if rr.freed_bytes >= 0 else 'restored'} {_fmt_bytes(abs(rr.freed_bytes))}"
+            f"r{r}: {'freed' if rr.freed_bytes >= 0 else 'restored'} {fmt_bytes(abs(rr.freed_bytes))}"
             for r, rr in report.ranks.items())
         status = "" if report.status == "OK" else f" ({report.status})"
         self.rows.append(_Row(step, report.stage, report.state + status, report.duration_s, freed or "-"))
@@ -166,12 +167,19 @@ class Demo:
         engine.set_admission("talker", "queue")
 
     def print_table(self) -> None:
-        w = self.out.write
-        w(f"\n{'step':<16} {'stage':<8} {'state':<20} {'duration':>10}  memory freed per rank / check\n")
-        w("-" * 100 + "\n")
-        for row in self.rows:
-            w(f"{row.step:<16} {row.stage:<8} {row.state:<20} {row.duration_s * 1000:>8.1f}ms  {row.freed}\n")
-        w("\n")
+        write_table(self.out, [(r.step, r.stage, r.state, r.duration_s, r.freed) for r in self.rows],
+                    "memory freed per rank / check")  # fmt: skip
+
+
+def write_table(out: TextIO, rows: list[tuple[str, str, str, float, str]], last_column: str, *,
+                stage_width: int = 8, rule_width: int = 100) -> None:  # fmt: skip
+    """The lifecycle table: step, stage, state, duration, then what happened (also the real-model demo's)."""
+    w = out.write
+    w(f"\n{'step':<16} {'stage':<{stage_width}} {'state':<20} {'duration':>10}  {last_column}\n")
+    w("-" * rule_width + "\n")
+    for step, stage, state, duration_s, what in rows:
+        w(f"{step:<16} {stage:<{stage_width}} {state:<20} {duration_s * 1000:>8.1f}ms  {what}\n")
+    w("\n")
 
 
 def main(device: str = "cpu", backend: str | None = None, weights_mib: int = 64,
