@@ -436,25 +436,38 @@ def resolve_models(cfg: Config, log: Callable[[str], None] = print) -> tuple[Pat
     return paths[0], paths[1], notes
 
 
-def run_bench(cfg: Config, command: str = "") -> dict[str, Any]:
-    from omni_core.bench.memory import machine_info
-
+def run_bench(cfg: Config, command: str = "",
+              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every backend in turn; `progress` gets the results so far after each one (a run cut
+    off by a time limit still leaves the backends it finished)."""
     llm_dir, dit_dir, made = resolve_models(cfg)
     cfg.llm_model, cfg.dit_model = llm_dir, dit_dir
     started = time.perf_counter()
-    runs = []
+    runs: list[dict[str, Any]] = []
+    data: dict[str, Any] = {}
     for backend in cfg.backends:
         print(f"backend {backend}:", flush=True)
         runs.append(BackendRun(backend, cfg).run(llm_dir, dit_dir))
+        data = _collect(cfg, command, llm_dir, dit_dir, made, runs, time.perf_counter() - started)
+        if progress is not None:
+            progress(data)
+    return data
+
+
+def _collect(cfg: Config, command: str, llm_dir: Path, dit_dir: Path, made: dict[str, str],
+             runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:  # fmt: skip
+    from omni_core.bench.memory import machine_info
+
     data: dict[str, Any] = {
         "command": command, "machine": {**machine_info(), **_versions()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
         "models": {key: f"{made[key]}; {_describe(path)}" for key, path in (("llm", llm_dir), ("dit", dit_dir))},
-        "runs": runs,
-        "wall_s": round(time.perf_counter() - started, 1),
+        "runs": list(runs), "backends_planned": list(cfg.backends), "wall_s": round(wall_s, 1),
     }  # fmt: skip
     ok = [r for r in runs if r["bit_exact"]]
-    data["verdict"] = "PASS" if runs and len(ok) == len(runs) else "FAIL"
+    complete = len(runs) == len(cfg.backends)
+    data["verdict"] = ("PASS" if runs and len(ok) == len(runs) and complete
+                       else "FAIL" if len(ok) < len(runs) else "INCOMPLETE")  # fmt: skip
     refs = {(r["reference"].get("tokens_sha256"), r["reference"].get("image_sha256")) for r in ok}
     if len(ok) > 1:
         data["cross_backend"] = ("The backends agree with each other too: the same token and image digests."
@@ -497,7 +510,7 @@ def main(args: argparse.Namespace) -> int:
                  llm_model=Path(args.llm_model) if args.llm_model else None,
                  dit_model=Path(args.dit_model) if args.dit_model else None,
                  models_dir=Path(args.models_dir), cycles=args.reps or 3)  # fmt: skip
-    data = run_bench(cfg, " ".join(["omni-core", *sys.argv[1:]]))
+    data = run_bench(cfg, " ".join(["omni-core", *sys.argv[1:]]), progress=lambda d: write_outputs(d, out))
     for path in write_outputs(data, out):
         print(f"wrote {path}")
     print(f"verdict: {data['verdict']}")
