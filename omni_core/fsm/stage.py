@@ -390,8 +390,8 @@ class StageCore:
             task_id = f"auto-wake-{self.name}-{self.epoch}-{next(self._auto_wakes)}"
             step = step.then(self.wake(task_id, None, now, self.wake_deadline_s))
         elif action is QueueAction.REJECT_ALL:
-            if self.state is S.NEEDS_RELOAD:
-                why = f"stage {self.name!r} is NEEDS_RELOAD; call reload_weights() first"
+            if self.state is S.NEEDS_RELOAD:  # the same words as a refusal at submit
+                why = self._refusal(Admit.REFUSE_NEEDS_RELOAD)
             else:
                 why = f"{self.failure or f'stage {self.name!r} is {self.state.value}'}; restart() the stage"
             self._fail_requests(RequestError.REJECTED, why)
@@ -436,9 +436,14 @@ class StageCore:
             request.answered = True
             self._answers.append(RequestOutcome(request.request_id, output, error, detail))
 
-    def _fail_requests(self, error: RequestError, detail: str) -> None:
-        for request in list(self.in_flight.values()) + list(self.queue):
-            self._answer(request, error, detail)
+    def _fail_requests(self, queued: RequestError, detail: str, *, running: RequestError | None = None,
+                       running_detail: str = "") -> None:  # fmt: skip
+        """End every request: queued ones never ran (`queued`), those sent to the ranks may
+        have (`running`, default the same) and say so."""
+        for request in self.in_flight.values():
+            self._answer(request, running or queued, running_detail or detail)
+        for request in self.queue:
+            self._answer(request, queued, detail)
         self.in_flight.clear()
         self.queue.clear()
 
@@ -479,7 +484,9 @@ class StageCore:
         self.residency = Residency(self.tags)
         self.rank_state.clear()
         self.failure, self.failed_ranks = "", {}
-        self._fail_requests(RequestError.REJECTED, f"stage {self.name!r} restarted")
+        self._fail_requests(RequestError.REJECTED, f"stage {self.name!r} restarted before this request ran",
+                            running=RequestError.FAILED,
+                            running_detail=f"stage {self.name!r} restarted while this request ran")  # fmt: skip
         self.start(now, deadline_s)
         self._check_invariants()
         return self.epoch
@@ -490,7 +497,8 @@ class StageCore:
         self.lifecycle.fire("stop")  # first, so the outcome names the state the task ended in
         outcome = self._end_task(False, "stage stopped before the task completed", {}, now) \
             if self._task else None  # fmt: skip
-        self._fail_requests(RequestError.CLOSED, "the engine shut down before this request ran")
+        self._fail_requests(RequestError.CLOSED, "the engine shut down before this request ran",
+                            running_detail="the engine shut down while this request ran")
         self._check_invariants()
         return StageStep(outcome=outcome)
 
@@ -777,7 +785,9 @@ class StageCore:
         named = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
         self.failure = f"stage {self.name!r} FAILED ({named})"
         # Their callers hear it (through step); the ranks are not trusted to answer any more.
-        self._fail_requests(RequestError.REJECTED, f"{self.failure}; restart() the stage")
+        self._fail_requests(RequestError.REJECTED, f"{self.failure}; restart() the stage",
+                            running=RequestError.FAILED,
+                            running_detail=f"{self.failure} while this request ran; restart() the stage")  # fmt: skip
 
     def _end_task(self, ok: bool, error: str, failures: dict[int, str], now: float, *,
                   refused: bool = False) -> TaskOutcome:  # fmt: skip
