@@ -221,8 +221,9 @@ class WorkerModel:
             return self._already(cmd)
         if self.state not in IDLE:
             return self._nack(NackReason.INVALID_STATE)
-        # Level 1 keeps a host copy of the weights and drops scratch; level 2 drops all.
-        offload = to_sleep & {WEIGHTS} if cmd.level == 1 else frozenset()
+        # Level 1 keeps a host copy of valid weights and drops scratch; level 2 drops all, and so
+        # does a sleep of weights already invalid (nothing worth copying).
+        offload = to_sleep & {WEIGHTS} if cmd.level == 1 and self.weights_valid else frozenset()
         return self._start(cmd, W.OFFLOADING, ("sleep", cmd.level, offload, to_sleep - offload))
 
     def _wake(self, cmd: Wake) -> Expect:

@@ -789,3 +789,9 @@ def test_every_worker_transition_is_exercised() -> None:
     assert not missing, f"no scenario exercises {sorted(missing)}"
     # Every Transition of the table (each trigger) fired at least once.
     assert {t.trigger for t in WORKER_TRANSITIONS} == {trigger for _, trigger, _ in fired}
+
+
+def test_a_level1_sleep_of_invalid_weights_discards_them_instead_of_copying_garbage() -> None:
+    d = reach_worker(W.NEEDS_RELOAD)
+    step = d.send(Sleep(task_id="s-again", epoch=0, level=1, tags=("weights",)))
+    assert step.effect == SleepEffect("s-again", 1, frozenset(), frozenset({"weights"}))

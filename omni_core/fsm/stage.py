@@ -536,7 +536,7 @@ class StageCore:
             return self._already(task_id, signature, command, "sleep_already", now)
         if not (self.lifecycle.allows("drain") or self.lifecycle.allows("sleep")):
             raise StageCommandError(f"stage {self.name!r} cannot sleep in {self.state.value}")
-        plan = plan_sleep(level, to_sleep)
+        plan = plan_sleep(level, to_sleep, weights_valid=self.residency.weights_valid)
         self._task = _Task(task_id, signature, command, now, now + deadline_s,
                            expect_state=WorkerState.SLEEPING,
                            expect_asleep=self.residency.asleep | to_sleep, commit_trigger="slept",

@@ -44,9 +44,13 @@ class SleepPlan:
         return WEIGHTS_TAG in self.discard
 
 
-def plan_sleep(level: int, tags: frozenset[str]) -> SleepPlan:
-    if level == 1:
+def plan_sleep(level: int, tags: frozenset[str], *, weights_valid: bool = True) -> SleepPlan:
+    """Level 1 keeps a host copy of valid weights only: weights a level-2 sleep already
+    discarded (NEEDS_RELOAD) hold garbage, and copying garbage to the host buys nothing."""
+    if level == 1 and weights_valid:
         return SleepPlan(offload=tags & {WEIGHTS_TAG}, discard=tags - {WEIGHTS_TAG})
+    if level == 1:
+        return SleepPlan(offload=frozenset(), discard=tags)
     if level == 2:
         return SleepPlan(offload=frozenset(), discard=tags)
     raise ValueError(f"sleep level must be 1 or 2, got {level!r}")

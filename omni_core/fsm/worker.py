@@ -342,7 +342,7 @@ class WorkerCore:
             return self._already(command, "sleep_already")
         if not self.lifecycle.allows("sleep"):
             return self._refuse_state(command)
-        plan = plan_sleep(command.level, to_sleep)
+        plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
         self.lifecycle.fire("sleep")
         self._pending = _Pending(command, sleep_plan=plan)
         return WorkerStep(effect=SleepEffect(command.task_id, command.level,
