@@ -192,7 +192,9 @@ async def _disconnect_mid_call(client: httpx.AsyncClient, url: str, hold: str, h
     assert (await client.post(f"/v1/stages/{hold}/sleep", json={"level": 1})).status_code == 200
     parts = urlsplit(url)
     _reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-    body = json.dumps({"payload": {"seed": 1, "batch": 1}}).encode()
+    # A long deadline of its own: on a loaded machine the wait for the disconnect to be seen
+    # must not let the request expire in the queue (a CI run once timed out so).
+    body = json.dumps({"payload": {"seed": 1, "batch": 1}, "timeout_s": 600}).encode()
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     writer.write(f"POST /v1/stages/{hold}/execute HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}Content-Type: "
                  f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
