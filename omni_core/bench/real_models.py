@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_core.demo import fmt_bytes
 from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, StageSpec
 
 GiB = 1 << 30
@@ -50,6 +51,9 @@ LLM_REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]],
                "max_new_tokens": 32, "stop_at_eos": False, "sampling": {"temperature": 0.8, "seed": 1}}  # fmt: skip
 DIT_SCHEDULER = "DPMSolverMultistepScheduler"  # keeps past outputs: step-wise state beyond the latents
 DIT_CLASS, DIT_SEED = 207, 3
+# The weights pool must hold the checkpoint's bytes (safetensors headers aside): weights left
+# outside it stay resident through every sleep, and the outputs then agree for no merit.
+MIN_POOL_OVER_CHECKPOINT = 0.98
 REFUSAL_TIMEOUT_S = 30.0
 AT_ONCE_BOUND_S = REFUSAL_TIMEOUT_S / 10
 
@@ -98,6 +102,7 @@ class BackendRun:
 
     backend: str
     cfg: Config
+    checkpoint_bytes: dict[str, int] = field(default_factory=dict)  # stage -> safetensors bytes
     engine: Engine | None = None
     checks: list[dict[str, Any]] = field(default_factory=list)
     lifecycle: list[dict[str, Any]] = field(default_factory=list)
@@ -232,6 +237,12 @@ class BackendRun:
             for cycle in range(self.cfg.cycles):
                 label = "sleep L1 (first)" if cycle == 0 else "sleep L1"
                 sleep = self.lifecycle_call(stage, label, lambda s=stage: engine.sleep(s, level=1), "SLEEPING")
+                if cycle == 0 and stage in self.checkpoint_bytes:
+                    pool = sleep.ranks[0].pool_bytes_before.get("weights", 0)
+                    self.check(f"{stage} weights pool holds the checkpoint",
+                               pool >= MIN_POOL_OVER_CHECKPOINT * self.checkpoint_bytes[stage],
+                               f"({fmt_bytes(pool)} in the pool, {fmt_bytes(self.checkpoint_bytes[stage])} of "
+                               "tensors in the checkpoint)")  # fmt: skip
                 if other == "dit":
                     self.image(f"while llm sleeps (cycle {cycle + 1})")
                 else:
@@ -447,7 +458,8 @@ def run_bench(cfg: Config, command: str = "",
     data: dict[str, Any] = {}
     for backend in cfg.backends:
         print(f"backend {backend}:", flush=True)
-        runs.append(BackendRun(backend, cfg).run(llm_dir, dit_dir))
+        sizes = {"llm": _safetensors_bytes(llm_dir), "dit": _safetensors_bytes(dit_dir)}
+        runs.append(BackendRun(backend, cfg, checkpoint_bytes=sizes).run(llm_dir, dit_dir))
         data = _collect(cfg, command, llm_dir, dit_dir, made, runs, time.perf_counter() - started)
         if progress is not None:
             progress(data)
@@ -477,10 +489,19 @@ def _collect(cfg: Config, command: str, llm_dir: Path, dit_dir: Path, made: dict
     return data
 
 
+def _safetensors_bytes(directory: Path) -> int:
+    """Tensor data bytes of a checkpoint: each file less its 8-byte length and JSON header."""
+    total = 0
+    for path in directory.rglob("*.safetensors"):
+        with path.open("rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+        total += path.stat().st_size - 8 - header_bytes
+    return total
+
+
 def _describe(directory: Path) -> str:
-    files = [p for p in directory.rglob("*.safetensors")]
-    total = sum(p.stat().st_size for p in files)
-    return f"{total / GiB:.2f} GiB of safetensors in {len(files)} files"
+    files = list(directory.rglob("*.safetensors"))
+    return f"{_safetensors_bytes(directory) / GiB:.2f} GiB of safetensors in {len(files)} files"
 
 
 def write_outputs(data: dict[str, Any], out: Path) -> list[Path]:

@@ -22,6 +22,9 @@ The cache is scratch: each request resets it, so its content after a discard doe
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ log = logging.getLogger("omni_core.runners.transformers")
 DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_BATCH_LIMIT = 1024
+ASYNC_LOAD_SWITCH = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers >= 5: "1" reads every tensor on the calling thread
 PAYLOAD_KEYS = frozenset({"prompt_ids", "prompt", "max_new_tokens", "sampling", "stop_at_eos"})
 
 
@@ -63,6 +67,20 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: Sampling
     stop_at_eos: bool
+
+
+@contextmanager
+def _sequential_loading() -> Iterator[None]:
+    """transformers' switch for loading on the calling thread (read at each from_pretrained)."""
+    before = os.environ.get(ASYNC_LOAD_SWITCH)
+    os.environ[ASYNC_LOAD_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ASYNC_LOAD_SWITCH, None)
+        else:
+            os.environ[ASYNC_LOAD_SWITCH] = before
 
 
 def _is_int(value: Any) -> bool:
@@ -141,9 +159,14 @@ class TransformersRunner(ModelRunner):
 
         hf_logging.disable_progress_bar()
         # device_map puts each tensor on the device as it is read: no full host copy first.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir), local_files_only=True, dtype=self.dtype, device_map=str(self.device),
-            attn_implementation=self.attn_implementation)  # fmt: skip
+        # Read on this thread: a backend's pool (torch.cuda.use_mem_pool) routes only the
+        # calling thread's allocations, and transformers 5 reads on a thread pool by default,
+        # which left a Qwen2 1.5B's weights outside `weights` (2 MiB of 2.9 GiB in the pool,
+        # resident through every sleep; H100, cumem and fast).
+        with _sequential_loading():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.model_dir), local_files_only=True, dtype=self.dtype, device_map=str(self.device),
+                attn_implementation=self.attn_implementation)  # fmt: skip
         model.eval()
         model.requires_grad_(False)
         copied = own_storage([model])

@@ -7,6 +7,7 @@ its pool, track, sleep with the plan the state machine computes, wake, reload.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -175,6 +176,27 @@ def test_static_cache_lives_in_its_pool_for_good(qwen2):
     # Nothing allocated lazily at the first request (outside the pool), nothing replaced.
     assert [t.data_ptr() for t in qwen2.runner.tensors("kv_cache")] == pointers
     assert sum(t.numel() * t.element_size() for t in cache) == qwen2.backend.usage()["kv_cache"]
+
+
+def test_weights_are_read_on_the_loading_thread(checkpoints, monkeypatch):
+    """A backend's pool takes only the calling thread's allocations (torch.cuda.use_mem_pool);
+    tensors materialised on transformers' loader threads would stay outside `weights`."""
+    import threading
+
+    import transformers.core_model_loading as loading
+
+    threads: set[int] = set()
+    original = loading._materialize_copy
+
+    def recording(*args, **kwargs):
+        threads.add(threading.get_ident())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "_materialize_copy", recording)
+    monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
+    Pools(TransformersRunner(CPU, model=str(checkpoints["qwen2"]), max_seq_len=32))
+    assert threads == {threading.get_ident()}
+    assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ  # the switch is the loader's alone
 
 
 def test_auto_cache_length_fits_the_budget(checkpoints):
