@@ -326,9 +326,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             "discarded_GiB": round(sum(v for k, v in pools.items() if k != "weights") / GiB, 3),
             "first_sleep_s": first[0]["rank_s"] if first else None,
             "first_sleep_GBps": first[0]["weights_GBps"] if first else None,
-            "later_sleep_GBps": med([r["weights_GBps"] for r in later]) if later else None,
-            "wake_GBps": med([r["weights_GBps"] for r in wakes]) if wakes else None,
-            "wake_s": med([r["rank_s"] for r in wakes]) if wakes else None,
+            "later_sleep_GBps": round(med([r["weights_GBps"] for r in later]), 2) if later else None,
+            "wake_GBps": round(med([r["weights_GBps"] for r in wakes]), 2) if wakes else None,
+            "wake_s": round(med([r["rank_s"] for r in wakes]), 4) if wakes else None,
             "l2_sleep_ms": round(l2[0]["rank_s"] * 1000, 1) if l2 else None,
             "reload_GBps": reload[0]["weights_GBps"] if reload else None,
         }  # fmt: skip
