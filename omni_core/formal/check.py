@@ -202,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         metavar="FILE",
-        help="instead: validate this JSON-lines trace (omni-core demo --trace) against the spec",
+        help="instead: validate this JSON-lines trace (omni-core demo --synthetic --trace) against the spec",
     )
     parser.add_argument("--stage", metavar="NAME", help="with --trace: only this stage (default: every stage)")
     parser.add_argument(
