@@ -425,8 +425,12 @@ class Orchestrator:
 
     def _apply(self, stage: _Stage, step: StageStep) -> None:
         unsent: dict[str, list[int]] = {}
+        encoded: dict[int, bytes] = {}  # one encode per command, not per rank (a payload may be large)
         for out in step.sends:
-            if not self._send(stage, out.rank, out.command):
+            data = encoded.get(id(out.command))
+            if data is None:
+                data = encoded[id(out.command)] = encode(out.command)
+            if not self._send(stage, out.rank, out.command, data):
                 unsent.setdefault(out.command.task_id, []).append(out.rank)
         self._resolve(stage, step.outcome)
         for answer in step.requests:
@@ -470,8 +474,9 @@ class Orchestrator:
             _settle(future, error=error)
         stage.start_waiters.clear()
 
-    def _send(self, stage: _Stage, rank: int, command: Command) -> bool:
-        """Queue one command for a rank; False when it could not be (counted)."""
+    def _send(self, stage: _Stage, rank: int, command: Command, data: bytes | None = None) -> bool:
+        """Queue one command (`data`: its encoding, when the caller has it) for a rank; False
+        when it could not be (counted)."""
         proc = stage.procs[rank] if rank < len(stage.procs) else None
         if self._trace.enabled:
             self._trace.event("send", task_id=command.task_id, epoch=command.epoch,
@@ -482,7 +487,7 @@ class Orchestrator:
             self.counters["send_failures"] += 1  # the deadline names this rank (P-9)
             return False
         try:
-            self._router.send_multipart([proc.identity, encode(command)], zmq.NOBLOCK)
+            self._router.send_multipart([proc.identity, encode(command) if data is None else data], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             self.counters["send_failures"] += 1
             return False

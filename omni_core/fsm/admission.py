@@ -86,16 +86,26 @@ QUEUE_RULES: tuple[QueueRow, ...] = (
 )  # fmt: skip
 
 
-def _lookup(rows: tuple, state: S, policy: AdmissionPolicy) -> object:
-    found = [row for row in rows if state in row.states and policy in row.policies]
-    if len(found) != 1:  # the tables are total and disjoint; tests/test_admission.py checks
-        raise AssertionError(f"{len(found)} rows for ({state.value}, {policy.value})")
-    return found[0]
+def _index(rows: tuple) -> dict[tuple[S, AdmissionPolicy], object]:
+    """(state, policy) -> its one row, built once at import: the cores consult these on every
+    input. A table that is not total and disjoint fails here (tests/test_admission.py too)."""
+    index: dict[tuple[S, AdmissionPolicy], object] = {}
+    for state in S:
+        for policy in AdmissionPolicy:
+            found = [row for row in rows if state in row.states and policy in row.policies]
+            if len(found) != 1:
+                raise AssertionError(f"{len(found)} rows for ({state.value}, {policy.value})")
+            index[state, policy] = found[0]
+    return index
+
+
+_ADMISSION_BY_KEY = _index(ADMISSION)
+_QUEUE_RULE_BY_KEY = _index(QUEUE_RULES)
 
 
 def admit(state: S, policy: AdmissionPolicy) -> AdmissionRow:
-    return _lookup(ADMISSION, state, policy)  # type: ignore[return-value]
+    return _ADMISSION_BY_KEY[state, policy]  # type: ignore[return-value]
 
 
 def queue_rule(state: S, policy: AdmissionPolicy) -> QueueRow:
-    return _lookup(QUEUE_RULES, state, policy)  # type: ignore[return-value]
+    return _QUEUE_RULE_BY_KEY[state, policy]  # type: ignore[return-value]

@@ -205,6 +205,13 @@ class StageCore:
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
         self.counters = StageCounters()
+        # Built once: step() dispatches every input (each reply, each tick) through it.
+        self._handlers: dict[type, Any] = {
+            I.Start: self.on_start, I.Restart: self.on_restart, I.Stop: self.on_stop, I.Submit: self.on_submit,
+            I.SleepCall: self.on_sleep_call, I.WakeCall: self.on_wake_call, I.ReloadCall: self.on_reload_call,
+            I.SetAdmission: self.on_set_admission, I.Tick: self.on_tick_input, I.Received: self.on_received,
+            I.RankExited: self.on_rank_exited, I.SendFailed: self.on_send_failed,
+        }  # fmt: skip
         self.failure = ""
         self.failed_ranks: dict[int, str] = {}
         self.completed: BoundedCache[str, tuple[tuple[Any, ...], TaskOutcome]] = BoundedCache(
@@ -247,15 +254,6 @@ class StageCore:
         self._answers = []
         self._check_invariants()
         return step
-
-    @property
-    def _handlers(self) -> dict[type, Any]:
-        return {
-            I.Start: self.on_start, I.Restart: self.on_restart, I.Stop: self.on_stop, I.Submit: self.on_submit,
-            I.SleepCall: self.on_sleep_call, I.WakeCall: self.on_wake_call, I.ReloadCall: self.on_reload_call,
-            I.SetAdmission: self.on_set_admission, I.Tick: self.on_tick_input, I.Received: self.on_received,
-            I.RankExited: self.on_rank_exited, I.SendFailed: self.on_send_failed,
-        }  # fmt: skip
 
     def on_start(self, event: I.Start, now: float) -> StageStep:
         self.start(now, event.deadline_s)

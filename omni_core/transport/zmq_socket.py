@@ -92,16 +92,14 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
 
 
 def make_dealer(ctx: zmq.Context, address: str, *, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
-                max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve: CurveClient | None = None) -> zmq.Socket:
+                curve: CurveClient | None = None) -> zmq.Socket:
     """A DEALER connected to `address` (the worker side); with `curve`, encrypted and
     checking that the server holds the engine's key.
 
     No ZMQ_MAXMSGSIZE here: its only peer is the engine, which bounds what it sends, and
     libzmq treats an oversized frame as a protocol error after which a connecting socket
-    never reconnects (the fuzzer left a worker alive but deaf). The codec refuses frames
-    over `max_frame_bytes` (NACK BAD_MESSAGE) and the worker keeps serving."""
-    if max_frame_bytes <= 0:
-        raise ValueError(f"max_frame_bytes must be > 0 (got {max_frame_bytes})")
+    never reconnects (the fuzzer left a worker alive but deaf). The worker's codec refuses
+    frames over its `max_frame_bytes` (NACK BAD_MESSAGE) and it keeps serving."""
     sock = ctx.socket(zmq.DEALER)
     _configure(sock, hwm)
     if identity is not None:

@@ -409,7 +409,7 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     # A random suffix: a stranger cannot connect first under this rank's identity.
     identity = f"{config.stage}/{config.rank}/{secrets.token_hex(8)}".encode()
     sock = make_dealer(ctx, config.address, identity=identity, hwm=config.recv_queue_limit,
-                       max_frame_bytes=config.max_frame_bytes, curve=curve_client_keys(config.curve_server_key))
+                       curve=curve_client_keys(config.curve_server_key))
     worker = WorkerProcess(config, sock, identity=identity, rank_secret=rank_secret)
     code = EXIT_OK
     try:

@@ -170,11 +170,11 @@ def test_a_request_that_cannot_be_sent_fails_at_once_as_overload(engine_factory)
     orch = engine._orch
     real_send = orch._send
 
-    def queue_full_for_rank_1(stage, rank, command):  # the socket's queue to rank 1 is full
+    def queue_full_for_rank_1(stage, rank, command, data=None):  # the socket's queue to rank 1 is full
         if rank == 1 and type(command).__name__ == "Execute":
             orch.counters["send_failures"] += 1
             return False
-        return real_send(stage, rank, command)
+        return real_send(stage, rank, command, data)
 
     orch._send = queue_full_for_rank_1
     started = time.monotonic()
