@@ -25,13 +25,13 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_generation
 from omni_core.runners.weights import (
     ReloadReport,
     WeightSet,
@@ -47,26 +47,8 @@ from omni_core.workers.synthetic import torch_dtype
 log = logging.getLogger("omni_core.runners.transformers")
 
 DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
-DEFAULT_MAX_NEW_TOKENS = 16
 MAX_BATCH_LIMIT = 1024
 ASYNC_LOAD_SWITCH = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers >= 5: "1" reads every tensor on the calling thread
-PAYLOAD_KEYS = frozenset({"prompt_ids", "prompt", "max_new_tokens", "sampling", "stop_at_eos"})
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float | None = None  # None: greedy
-    seed: int = 0
-    top_k: int | None = None
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    rows: list[list[int]]
-    batched: bool  # the payload gave a list of prompts: answer with a list
-    max_new_tokens: int
-    sampling: Sampling
-    stop_at_eos: bool
 
 
 @contextmanager
@@ -81,10 +63,6 @@ def _sequential_loading() -> Iterator[None]:
             os.environ.pop(ASYNC_LOAD_SWITCH, None)
         else:
             os.environ[ASYNC_LOAD_SWITCH] = before
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class TransformersRunner(ModelRunner):
@@ -111,7 +89,7 @@ class TransformersRunner(ModelRunner):
         # bad argument should fail here rather than half-way through loading.
         self.config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
         self.dtype = self._resolve_dtype(dtype)
-        if not _is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH_LIMIT:
+        if not is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise ValueError(f"max_batch must be an int in 1..{MAX_BATCH_LIMIT}, got {max_batch!r}")
         self.max_batch = max_batch
         max_positions = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
@@ -121,7 +99,7 @@ class TransformersRunner(ModelRunner):
             self.max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN)
         elif self.seq_len_auto:
             self.max_seq_len = 0  # sized by fit_caches
-        elif _is_int(max_seq_len) and 2 <= max_seq_len <= max_positions:
+        elif is_int(max_seq_len) and 2 <= max_seq_len <= max_positions:
             self.max_seq_len = max_seq_len
         else:
             raise ValueError(f"max_seq_len must be an int in 2..{max_positions} (the model's max_position_embeddings), "
@@ -246,70 +224,9 @@ class TransformersRunner(ModelRunner):
         return out
 
     def _parse(self, payload: Any) -> GenerationRequest:
-        if not isinstance(payload, dict):
-            raise TypeError(f"TransformersRunner payload must be a dict like {{'prompt_ids': [1, 2, 3], "
-                            f"'max_new_tokens': 8}}, got {type(payload).__name__}")  # fmt: skip
-        unknown = sorted(set(payload) - PAYLOAD_KEYS)
-        if unknown:
-            raise ValueError(f"unknown payload key(s) {unknown}; known: {sorted(PAYLOAD_KEYS)}")
-        if ("prompt_ids" in payload) == ("prompt" in payload):
-            raise ValueError("give exactly one of 'prompt_ids' (token ids) and 'prompt' (text)")
-        if "prompt" in payload:
-            rows, batched = self._encode(payload["prompt"])
-        else:
-            rows, batched = self._ids(payload["prompt_ids"])
-        if not 1 <= len(rows) <= self.max_batch:
-            raise ValueError(f"{len(rows)} prompts in one request; this runner's max_batch is {self.max_batch}")
-        max_new = payload.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        if not _is_int(max_new) or max_new < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
-        longest = max(len(r) for r in rows)
-        if longest + max_new > self.max_seq_len:
-            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new} exceeds the KV cache's "
-                             f"max_seq_len {self.max_seq_len}; shorten the request or raise max_seq_len")  # fmt: skip
-        stop = payload.get("stop_at_eos", True)
-        if not isinstance(stop, bool):
-            raise TypeError(f"stop_at_eos must be a bool, got {stop!r}")
-        return GenerationRequest(rows, batched, max_new, self._sampling(payload.get("sampling", "greedy")), stop)
-
-    def _encode(self, prompt: Any) -> tuple[list[list[int]], bool]:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer, so 'prompt' text cannot be encoded; "
-                             "send 'prompt_ids'")
-        batched = isinstance(prompt, list)
-        texts = prompt if batched else [prompt]
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise TypeError("'prompt' must be a non-empty string or a non-empty list of them")
-        return [list(self.tokenizer(t)["input_ids"]) for t in texts], batched
-
-    def _ids(self, ids: Any) -> tuple[list[list[int]], bool]:
-        if not isinstance(ids, list) or not ids:
-            raise TypeError(f"'prompt_ids' must be a non-empty list of token ids (or of lists of them), got {ids!r}")
-        batched = isinstance(ids[0], list)
-        rows = ids if batched else [ids]
-        vocab = int(self.config.vocab_size)
-        for row in rows:
-            if not isinstance(row, list) or not row or not all(_is_int(i) and 0 <= i < vocab for i in row):
-                raise ValueError(f"every prompt must be a non-empty list of ints in [0, {vocab}) (the vocab size); "
-                                 f"got {str(row)[:200]}")  # fmt: skip
-        return [list(r) for r in rows], batched
-
-    @staticmethod
-    def _sampling(spec: Any) -> Sampling:
-        if spec == "greedy":
-            return Sampling()
-        if not isinstance(spec, dict) or set(spec) - {"temperature", "seed", "top_k"}:
-            raise ValueError(f"sampling must be 'greedy' or {{'temperature': float, 'seed': int, 'top_k': int}}, "
-                             f"got {spec!r}")  # fmt: skip
-        temperature, seed, top_k = spec.get("temperature", 1.0), spec.get("seed", 0), spec.get("top_k")
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-            raise ValueError(f"sampling temperature must be a number > 0 (use 'greedy' for argmax), "
-                             f"got {temperature!r}")
-        if not _is_int(seed) or not 0 <= seed < 2**63:
-            raise ValueError(f"sampling seed must be an int in [0, 2**63), got {seed!r}")
-        if top_k is not None and (not _is_int(top_k) or top_k < 1):
-            raise ValueError(f"sampling top_k must be an int >= 1, got {top_k!r}")
-        return Sampling(float(temperature), seed, top_k)
+        return parse_generation(payload, tokenizer=self.tokenizer, vocab_size=int(self.config.vocab_size),
+                                max_batch=self.max_batch, max_seq_len=self.max_seq_len,
+                                model_dir=self.model_dir)  # fmt: skip
 
     def _generate(self, request: GenerationRequest) -> tuple[list[list[int]], list[str]]:
         rows, device = request.rows, self.device

@@ -27,7 +27,7 @@ import msgspec
 import torch
 import zmq
 
-from omni_core.fsm import KV_CACHE_TAG, WEIGHTS_TAG, WorkerCore
+from omni_core.fsm import WEIGHTS_TAG, WorkerCore
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
@@ -163,14 +163,17 @@ class WorkerProcess:
         self.memory = ProcessMemory(self.device)
         self.runner = load_runner(self.config.runner, self.device, self.config.runner_args)
         fraction = self.config.gpu_memory_fraction if self.device.type == "cuda" else None
+        memory = self.memory
+
+        def available_bytes() -> int:
+            # This process's own use only: stages starting side by side on one GPU each
+            # get their fraction of the card, not of what the others left (vLLM's rule).
+            assert fraction is not None
+            available, _ = memory.determine_available_memory(fraction)
+            return max(0, available - CACHE_HEADROOM_BYTES)
+
+        self.runner.load(self.backend.pool, self.config.tags, available_bytes if fraction is not None else None)
         for tag in self.config.tags:
-            if fraction is not None and tag == KV_CACHE_TAG:
-                # This process's own use only: stages starting side by side on one GPU each
-                # get their fraction of the card, not of what the others left (vLLM's rule).
-                available_bytes, _ = self.memory.determine_available_memory(fraction)
-                self.runner.fit_caches(max(0, available_bytes - CACHE_HEADROOM_BYTES))
-            with self.backend.pool(tag):
-                self.runner.allocate(tag)
             self.backend.track(tag, self.runner.tensors(tag))
         if fraction is not None:
             self._check_budget(fraction)
@@ -290,9 +293,11 @@ class WorkerProcess:
         if backend is None or runner is None:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, SleepEffect):
+            runner.before_sleep(effect.offload, effect.discard)
             backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save())
         elif isinstance(effect, WakeEffect):
             backend.wake(effect.tags)
+            runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering
             # vLLM's use_memory_pool again would replace the MemPool that owns it.

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -26,7 +27,13 @@ BUILTIN_RUNNERS = {
     "synthetic": "omni_core.workers.synthetic:SyntheticRunner",
     "transformers": "omni_core.runners.transformers_runner:TransformersRunner",
     "diffusers": "omni_core.runners.diffusers_runner:DiffusersRunner",
+    "vllm": "omni_core.runners.vllm_runner:VllmRunner",
 }
+
+# `open_pool(tag)`: the context in which allocations belong to `tag` (the backend's pool).
+OpenPool = Callable[[str], AbstractContextManager[None]]
+# `available_bytes()`: what this process may still allocate under its gpu_memory_fraction.
+AvailableBytes = Callable[[], int]
 
 
 class RunnerArgumentError(ValueError):
@@ -77,6 +84,28 @@ class ModelRunner(ABC):
         """Small tensors that a sleep discarding their pool must keep (level 2): values that
         `reload_weights` does not reproduce, e.g. buffers computed at start-up."""
         return {}
+
+    def load(self, open_pool: OpenPool, tags: Iterable[str], available_bytes: AvailableBytes | None) -> None:
+        """Allocate every tag, each inside its pool. The default allocates tag by tag and
+        sizes the caches first when the stage has a memory fraction (`available_bytes` is
+        then given). A runner whose framework allocates several tags in one call (vLLM's
+        worker loads weights, profiles, then allocates its KV cache) overrides this and
+        opens the pools itself, at the points where the framework allocates."""
+        for tag in tags:
+            if available_bytes is not None and tag == KV_CACHE_TAG:
+                self.fit_caches(available_bytes())
+            with open_pool(tag):
+                self.allocate(tag)
+
+    def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        """Called before the backend releases `offload | discard`: drop state that would
+        point into released memory (vLLM: the prefix cache). The default does nothing."""
+        return None
+
+    def after_wake(self, tags: frozenset[str]) -> None:
+        """Called after the backend mapped `tags` back (and restored saved buffers): rebuild
+        what a wake leaves undefined (vLLM: KV-cache scales). The default does nothing."""
+        return None
 
     def allocate(self, tag: str) -> None:
         """Allocate the memory of one tag. Override for tags other than weights/kv_cache."""
