@@ -8,9 +8,11 @@ declares one (pyproject.toml):
     [project.entry-points."vllm.general_plugins"]
     omni_core_fast = "omni_core.vllm_plugin:register"
 
-so with omni-core installed, a vLLM user selects the backend by its name, `omni_fast`
-(`sleep_mode_backend="omni_fast"`; `--sleep-mode-backend omni_fast` where the vLLM version
-exposes the field on the command line), and nothing else changes: the worker's
+so with omni-core installed, a vLLM user selects the backend by its name, `omni_fast`,
+in `ModelConfig.sleep_mode_backend`. vLLM 0.26 has that field but no engine argument or
+command-line flag for it, so the plugin also reads OMNI_CORE_VLLM_SLEEP_BACKEND=omni_fast
+from the environment of vLLM's processes (children inherit it) and then answers for every
+model config that kept the default ("cumem"). Nothing else changes: the worker's
 `sleep(level)` / `wake_up(tags)` land in `OmniFastSleepBackend.suspend` / `resume`, which
 run `omni_core.workers.backends.fast.FastPath` over the worker's own CuMemAllocator
 (weights offloaded into one pre-registered host arena at link speed, the rest released).
@@ -40,6 +42,8 @@ log = logging.getLogger("omni_core.vllm_plugin")
 BACKEND_NAME = "omni_fast"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENV_PREPARE = "OMNI_CORE_VLLM_PREPARE"  # "load" (default) | "first-sleep"
+ENV_SELECT = "OMNI_CORE_VLLM_SLEEP_BACKEND"  # "omni_fast": selected without an engine argument
+VLLM_DEFAULT_BACKEND = "cumem"
 SLEEP_MODULE = "vllm.device_allocator.sleep_mode_backend"
 CUMEM_MODULE = "vllm.device_allocator.cumem"
 OFFLOAD_TAG = "weights"  # vLLM's level 1: offload weights, discard the rest
@@ -60,7 +64,42 @@ def register() -> None:
         return
     with contextlib.suppress(ValueError):  # already registered in this process
         factory.register_backend(BACKEND_NAME, __name__, "OmniFastSleepBackend")
+    _install_env_selection(factory)
     _install_prepare_hook()
+
+
+def _chosen_by_env() -> bool:
+    chosen = os.environ.get(ENV_SELECT, "")
+    if chosen not in ("", BACKEND_NAME, VLLM_DEFAULT_BACKEND):
+        raise ValueError(f"{ENV_SELECT}={chosen!r}: the omni-core plugin selects only {BACKEND_NAME!r} "
+                         f"(or {VLLM_DEFAULT_BACKEND!r}, vLLM's own); unset it or fix the name")  # fmt: skip
+    return chosen == BACKEND_NAME
+
+
+class _Selection:
+    """What SleepModeBackendFactory.create_backend reads of a model config: the name."""
+
+    def __init__(self, sleep_mode_backend: str) -> None:
+        self.sleep_mode_backend = sleep_mode_backend
+
+
+def _install_env_selection(factory: Any) -> None:
+    """Make OMNI_CORE_VLLM_SLEEP_BACKEND=omni_fast select this backend for model configs
+    that kept vLLM's default. A wrapper around SleepModeBackendFactory.create_backend,
+    installed once; an explicit non-default choice in the config is left alone."""
+    original = factory.create_backend
+    if getattr(original, "_omni_core_env_selection", False):
+        return
+
+    def create_backend(model_config: Any) -> Any:
+        if _chosen_by_env() and getattr(model_config, "sleep_mode_backend", None) == VLLM_DEFAULT_BACKEND:
+            # The factory's own path (is_supported, logging) under our name; the config
+            # object itself is not mutated.
+            return original(_Selection(BACKEND_NAME))
+        return original(model_config)
+
+    create_backend._omni_core_env_selection = True  # type: ignore[attr-defined]
+    factory.create_backend = staticmethod(create_backend)
 
 
 def shared_path() -> Any:
@@ -90,7 +129,8 @@ def _selected() -> bool:
         return False
     config = get_current_vllm_config_or_none()
     model = getattr(config, "model_config", None)
-    return getattr(model, "sleep_mode_backend", None) == BACKEND_NAME
+    chosen = getattr(model, "sleep_mode_backend", None)
+    return chosen == BACKEND_NAME or (chosen == VLLM_DEFAULT_BACKEND and _chosen_by_env())
 
 
 def _install_prepare_hook() -> None:

@@ -54,7 +54,7 @@ from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
-from omni_core.workers.runner import ModelRunner, RunnerArgumentError, load_runner
+from omni_core.workers.runner import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 
 log = logging.getLogger("omni_core.worker")
 
@@ -172,7 +172,8 @@ class WorkerProcess:
             available, _ = memory.determine_available_memory(fraction)
             return max(0, available - CACHE_HEADROOM_BYTES)
 
-        self.runner.load(self.backend.pool, self.config.tags, available_bytes if fraction is not None else None)
+        budget = MemoryBudget(fraction, available_bytes) if fraction is not None else None
+        self.runner.load(self.backend.pool, self.config.tags, budget)
         for tag in self.config.tags:
             self.backend.track(tag, self.runner.tensors(tag))
         if fraction is not None:

@@ -17,6 +17,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +33,16 @@ BUILTIN_RUNNERS = {
 
 # `open_pool(tag)`: the context in which allocations belong to `tag` (the backend's pool).
 OpenPool = Callable[[str], AbstractContextManager[None]]
-# `available_bytes()`: what this process may still allocate under its gpu_memory_fraction.
-AvailableBytes = Callable[[], int]
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The stage's share of the device, for runners that size their caches to it."""
+
+    fraction: float  # StageSpec.gpu_memory_fraction
+    # What this process may still allocate now: its fraction of the device minus what this
+    # process holds (NVML per PID), other processes on the GPU not counted, less headroom.
+    available_bytes: Callable[[], int]
 
 
 class RunnerArgumentError(ValueError):
@@ -85,15 +94,15 @@ class ModelRunner(ABC):
         `reload_weights` does not reproduce, e.g. buffers computed at start-up."""
         return {}
 
-    def load(self, open_pool: OpenPool, tags: Iterable[str], available_bytes: AvailableBytes | None) -> None:
+    def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
         """Allocate every tag, each inside its pool. The default allocates tag by tag and
-        sizes the caches first when the stage has a memory fraction (`available_bytes` is
-        then given). A runner whose framework allocates several tags in one call (vLLM's
-        worker loads weights, profiles, then allocates its KV cache) overrides this and
-        opens the pools itself, at the points where the framework allocates."""
+        sizes the caches first when the stage has a memory fraction (`budget` is then
+        given). A runner whose framework allocates several tags in one call (vLLM's worker
+        loads weights, profiles, then allocates its KV cache) overrides this and opens the
+        pools itself, at the points where the framework allocates."""
         for tag in tags:
-            if available_bytes is not None and tag == KV_CACHE_TAG:
-                self.fit_caches(available_bytes())
+            if budget is not None and tag == KV_CACHE_TAG:
+                self.fit_caches(budget.available_bytes())
             with open_pool(tag):
                 self.allocate(tag)
 

@@ -149,6 +149,28 @@ def test_registration_through_the_factory(fake_vllm):
         factory.create_backend(SimpleNamespace(sleep_mode_backend=vllm_plugin.BACKEND_NAME))
 
 
+def test_environment_selects_omni_fast_where_the_config_kept_the_default(fake_vllm, monkeypatch):
+    # vLLM 0.26 has ModelConfig.sleep_mode_backend but no engine argument for it.
+    vllm_plugin.register()
+    vllm_plugin.register()  # the wrapper is installed once, not nested
+    factory = fake_vllm.sleep.SleepModeBackendFactory
+    default = SimpleNamespace(sleep_mode_backend=vllm_plugin.VLLM_DEFAULT_BACKEND)
+    monkeypatch.delenv(vllm_plugin.ENV_SELECT, raising=False)
+    with pytest.raises(AttributeError, match="is_supported"):  # the stand-in's "cumem" (builtins.object)
+        factory.create_backend(default)
+    monkeypatch.setenv(vllm_plugin.ENV_SELECT, vllm_plugin.BACKEND_NAME)
+    with pytest.raises(ValueError, match="'omni_fast' is not supported"):  # the factory's own check, our name
+        factory.create_backend(default)
+    with pytest.raises(ValueError, match="Unsupported sleep-mode backend 'other'"):
+        factory.create_backend(SimpleNamespace(sleep_mode_backend="other"))  # an explicit choice is kept
+    monkeypatch.setattr(vllm_plugin.OmniFastSleepBackend, "is_supported", classmethod(lambda cls: True))
+    assert type(factory.create_backend(default)).__name__ == "OmniFastSleepBackend"
+    assert default.sleep_mode_backend == vllm_plugin.VLLM_DEFAULT_BACKEND  # the config is not mutated
+    monkeypatch.setenv(vllm_plugin.ENV_SELECT, "omni_fats")
+    with pytest.raises(ValueError, match="omni_fats"):
+        factory.create_backend(default)
+
+
 def test_suspend_resume_through_the_factory(fake_vllm, monkeypatch):
     vllm_plugin.register()
     factory = fake_vllm.sleep.SleepModeBackendFactory

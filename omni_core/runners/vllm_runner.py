@@ -1,0 +1,327 @@
+"""A real vLLM engine as an omni-core stage: vLLM's model runner, KV cache and sampler in
+the rank process, the lifecycle in omni-core's hands.
+
+    StageSpec("thinker", runner="vllm", backend="fast", gpu_memory_fraction=0.4,
+              runner_args={"model": "/models/qwen2-1.5b", "max_model_len": 2048})
+
+Integration point: `vllm.LLM` with its engine core in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor; `external_launcher` when the stage
+has several ranks, so each rank is one tensor-parallel shard formed from the torchrun-style
+variables the launcher sets), and our own `worker_cls` (`vllm_worker.OmniVllmWorker`). Why:
+
+- the rank process stays the one process that owns the GPU memory: vLLM's `Worker` is
+  constructed here, so NVML's per-PID figure is this stage's, and the omni-core backend's
+  allocator (vLLM's `CuMemAllocator` singleton under `cumem` and `fast`) is the one vLLM
+  allocates through;
+- the worker class is vLLM's documented extension point (`--worker-cls`) and the narrowest
+  seam: it overrides only where memory is allocated (`_maybe_get_memory_pool_context`,
+  answered by the omni-core backend's `pool(tag)`) and how much KV cache fits
+  (`determine_available_memory`, process-scoped: the stage's fraction minus this process's
+  own use, as vLLM-Omni's `OmniGPUWorkerBase`), and keeps vLLM's loading, profiling,
+  KV-cache layout, scheduling and sampling;
+- `LLM.sleep/wake_up` are not used: omni-core's backend sleeps and wakes the pools, with
+  what vLLM's own sleep does around it done here: the prefix cache reset before a sleep
+  (its blocks would point into released memory), every buffer saved for level 2
+  (`buffers_to_save`, as `Worker.sleep(level=2)`), `post_kv_cache_wake_up` after the KV
+  cache is mapped again, and reloads through `model_runner.reload_weights(weights_path=)`.
+
+The runner needs an allocator backend (`cumem` or `fast`): vLLM's tensors must keep their
+addresses across a sleep, which the portable backend does not promise.
+
+Requests use the same payload as the `transformers` runner (runners/generation.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.generation import GenerationRequest, is_int, parse_generation
+from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers
+from omni_core.workers.runner import MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
+
+log = logging.getLogger("omni_core.runners.vllm")
+
+WORKER_CLS = "omni_core.runners.vllm_worker.OmniVllmWorker"
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_NUM_SEQS = 8
+MAX_NUM_SEQS_LIMIT = 1024
+# Arguments the runner sets itself: a user value would break the lifecycle's ownership.
+OWNED_ENGINE_ARGS = frozenset({
+    "model", "tokenizer", "worker_cls", "enable_sleep_mode", "gpu_memory_utilization", "kv_cache_memory_bytes",
+    "tensor_parallel_size", "distributed_executor_backend", "load_format", "max_model_len", "max_num_seqs",
+    "dtype", "seed", "enforce_eager",
+})  # fmt: skip
+ALLOCATOR_BACKENDS = ("cumem", "fast")
+
+
+@dataclass
+class _Binding:
+    """What the worker class needs from the runner. vLLM constructs its worker by class
+    path with vLLM's own arguments, so the runner hands these over through this one slot
+    for the duration of the engine's construction (same process, same thread)."""
+
+    open_pool: OpenPool
+    budget: MemoryBudget | None
+    worker: Any = None  # the OmniVllmWorker, set by its __init__
+    kv_cache_bytes: int | None = None  # what determine_available_memory granted
+
+
+_binding: _Binding | None = None
+
+
+def current_binding() -> _Binding:
+    if _binding is None:
+        raise RuntimeError("OmniVllmWorker is constructed by VllmRunner.load (runner='vllm'); it cannot be used as "
+                           "a plain vLLM worker_cls outside an omni-core rank")  # fmt: skip
+    return _binding
+
+
+@contextmanager
+def _bound(binding: _Binding) -> Iterator[None]:
+    global _binding
+    _binding = binding
+    try:
+        yield
+    finally:
+        _binding = None
+
+
+def compare_checkpoints(own: Mapping[str, HeaderEntry], other: Mapping[str, HeaderEntry], source: str) -> None:
+    """Refuse a reload source whose tensors differ from the loaded checkpoint's in name,
+    shape or dtype, naming the first difference (vLLM's reload would stop half-way)."""
+    for name in sorted(own):
+        if name not in other:
+            raise RunnerArgumentError(f"reload source {source!r} has no tensor {name!r} (the loaded checkpoint "
+                                      "has it); give a checkpoint of the same architecture")  # fmt: skip
+        mine, theirs = own[name], other[name]
+        if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
+            raise RunnerArgumentError(f"reload source {source!r}: tensor {name!r} is "
+                                      f"{theirs.dtype}{list(theirs.shape)}, the loaded model's is "
+                                      f"{mine.dtype}{list(mine.shape)}")  # fmt: skip
+    extra = sorted(set(other) - set(own))
+    if extra:
+        raise RunnerArgumentError(f"reload source {source!r} has tensor {extra[0]!r} that the loaded checkpoint "
+                                  f"does not ({len(extra)} such); give a checkpoint of the same architecture")
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    finish_reason: str  # vLLM's: "stop", "length", "abort"
+
+
+class VllmEngine:
+    """The seam to vLLM: all the runner asks of `vllm.LLM`, nothing else (CPU tests put a
+    recorded stand-in here; the GPU tests run this)."""
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self._llm = LLM(**engine_kwargs)
+
+    def tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+    def generate(self, rows: list[list[int]], sampling_params: dict[str, Any]) -> list[Completion]:
+        from vllm import SamplingParams
+
+        outputs = self._llm.generate([{"prompt_token_ids": row} for row in rows], SamplingParams(**sampling_params),
+                                     use_tqdm=False)  # fmt: skip
+        return [Completion(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outputs]
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._llm.reset_prefix_cache())
+
+
+class VllmRunner(ModelRunner):
+    engine_factory: Any = VllmEngine  # (engine_kwargs) -> a VllmEngine
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        model: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        attention_backend: str | None = None,
+        engine_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(device)
+        self.model_dir = Path(model).expanduser()
+        config_path = self.model_dir / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"model={model!r} is not a checkpoint directory (no config.json); give a local "
+                             "directory, e.g. one written by `omni-core models make qwen2 tiny DIR`")  # fmt: skip
+        self.config = json.loads(config_path.read_text())
+        positions = int(self.config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
+        if max_model_len is None:
+            max_model_len = min(positions, DEFAULT_MAX_MODEL_LEN)
+        if not is_int(max_model_len) or not 2 <= max_model_len <= positions:
+            raise ValueError(f"max_model_len must be an int in 2..{positions} (max_position_embeddings), "
+                             f"got {max_model_len!r}")  # fmt: skip
+        if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+            raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
+        if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
+        owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
+        if owned:
+            raise ValueError(f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
+                             "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
+                             "stage's (ranks, gpu_memory_fraction, backend)")  # fmt: skip
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.engine_kwargs: dict[str, Any] = {
+            "model": str(self.model_dir), "tokenizer": str(self.model_dir), "dtype": dtype,
+            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "seed": seed,
+            "enforce_eager": enforce_eager, "load_format": "safetensors", "worker_cls": WORKER_CLS,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": self.world_size,
+            "distributed_executor_backend": "external_launcher" if self.world_size > 1 else "uni",
+            **dict(engine_args or {}),
+        }  # fmt: skip
+        if attention_backend is not None:
+            self.engine_kwargs["attention_config"] = {"backend": attention_backend}
+        self.llm: Any = None
+        self.worker: Any = None
+        self.tokenizer: Any = None
+        self.kv_cache_bytes: int | None = None
+        self.own_headers = read_headers(self.model_dir)
+        self.last_reload: ReloadReport | None = None
+
+    # ------------------------------------------------------------------ allocation
+
+    def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
+        tags = list(tags)
+        if sorted(tags) != sorted([WEIGHTS_TAG, KV_CACHE_TAG]):
+            raise ValueError(f"the vllm runner allocates exactly the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's "
+                             f"pools); the stage has {tags}")  # fmt: skip
+        backend_name = getattr(getattr(open_pool, "__self__", None), "name", None)
+        if backend_name is not None and backend_name not in ALLOCATOR_BACKENDS:
+            raise ValueError(f"the vllm runner needs an allocator backend {list(ALLOCATOR_BACKENDS)} (vLLM's tensors "
+                             f"must keep their addresses across a sleep); the stage has backend={backend_name!r}")
+        kwargs = dict(self.engine_kwargs)
+        if budget is not None:
+            # vLLM checks at start-up that this much of the device is free; the KV cache is
+            # then sized by OmniVllmWorker from this process's own use, not device-wide.
+            kwargs["gpu_memory_utilization"] = budget.fraction
+        # The engine core in this process: the rank process owns the memory and the lifecycle.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        binding = _Binding(open_pool, budget)
+        started = time.perf_counter()
+        with _bound(binding):
+            self.llm = self.engine_factory(kwargs)
+        if binding.worker is None:
+            raise RuntimeError(f"vLLM did not construct {WORKER_CLS} in this process; the vllm runner needs the "
+                               "in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)")  # fmt: skip
+        self.worker, self.kv_cache_bytes = binding.worker, binding.kv_cache_bytes
+        self.tokenizer = self.llm.tokenizer()
+        log.info("vllm engine for %s ready in %.1f s: KV cache %s bytes, %s ranks", self.model_dir,
+                 time.perf_counter() - started, self.kv_cache_bytes, self.world_size)  # fmt: skip
+
+
+    def load_weights(self) -> None:
+        raise NotImplementedError("the vllm runner allocates weights and KV cache together in load()")
+
+    def allocate_caches(self) -> None:
+        raise NotImplementedError("the vllm runner allocates weights and KV cache together in load()")
+
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        # Allocator backends (the only ones this runner accepts) see allocations themselves.
+        if tag in (WEIGHTS_TAG, KV_CACHE_TAG):
+            return []
+        raise ValueError(f"the vllm runner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG]}")
+
+    def _model(self) -> torch.nn.Module:
+        if self.worker is None:
+            raise RuntimeError("the vllm engine is not loaded")
+        return self.worker.model_runner.get_model()
+
+    def buffers_to_save(self) -> dict[str, torch.Tensor]:
+        # As vLLM's Worker.sleep(level=2): every buffer, since reload_weights restores
+        # parameters only. The backend copies those whose pool is discarded.
+        return dict(self._model().named_buffers()) if self.worker is not None else {}
+
+    def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        # Cached prefix blocks would point into a KV cache that is about to be released.
+        if KV_CACHE_TAG in offload | discard and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache before the sleep (requests still running?)")
+
+    def after_wake(self, tags: frozenset[str]) -> None:
+        if KV_CACHE_TAG in tags:
+            self.worker.model_runner.post_kv_cache_wake_up()
+
+    def reload_weights(self, source: str | None) -> None:
+        if source is not None and not isinstance(source, str):
+            raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
+        directory = Path(source).expanduser() if source else self.model_dir
+        compare_checkpoints(self.own_headers, read_headers(directory), str(directory))
+        total_bytes = sum(_entry_bytes(e) for e in self.own_headers.values())
+        started = time.perf_counter()
+        self.worker.model_runner.reload_weights(weights_path=str(directory))
+        torch.cuda.synchronize()
+        self.last_reload = ReloadReport(str(directory), total_bytes, len(self.own_headers),
+                                        time.perf_counter() - started)  # fmt: skip
+        log.info("reloaded %s: %.2f GB in %.2f s (%.1f GB/s)", directory, total_bytes / 1e9,
+                 self.last_reload.duration_s, self.last_reload.gb_per_s)  # fmt: skip
+
+    def close(self) -> None:
+        self.llm = self.worker = None
+
+    # ------------------------------------------------------------------ execution
+
+    def execute(self, payload: Any) -> dict[str, Any]:
+        """The transformers runner's payload and result (runners/generation.py), generated by
+        vLLM: greedy is temperature 0; a seeded request is reproducible on its own."""
+        if self.llm is None:
+            raise RuntimeError("VllmRunner.execute before load")
+        request = parse_generation(payload, tokenizer=self.tokenizer, vocab_size=int(self.config["vocab_size"]),
+                                   max_batch=self.max_num_seqs, max_seq_len=self.max_model_len,
+                                   model_dir=self.model_dir)  # fmt: skip
+        completions = self.llm.generate(request.rows, self._sampling_params(request))
+        out: dict[str, Any] = {
+            "token_ids": [c.token_ids for c in completions],
+            "finish_reason": ["stop" if c.finish_reason == "stop" else "length" for c in completions],
+            "prompt_tokens": [len(r) for r in request.rows],
+        }
+        if self.tokenizer is not None:
+            # Decoded here as the transformers runner does (vLLM detokenizes nothing: a
+            # checkpoint's vocabulary may be larger than its tokenizer's).
+            out["text"] = [self.tokenizer.decode(ids) for ids in out["token_ids"]]
+        if not request.batched:
+            out = {key: value[0] for key, value in out.items()}
+        return out
+
+    @staticmethod
+    def _sampling_params(request: GenerationRequest) -> dict[str, Any]:
+        """vLLM's SamplingParams fields: greedy is temperature 0, top_k 0 means all tokens."""
+        sampling = request.sampling
+        greedy = sampling.temperature is None
+        return {"max_tokens": request.max_new_tokens, "ignore_eos": not request.stop_at_eos, "detokenize": False,
+                "temperature": 0.0 if greedy else sampling.temperature,
+                "seed": None if greedy else sampling.seed, "top_k": sampling.top_k or 0}  # fmt: skip
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1,
+                "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
+
+
+def _entry_bytes(entry: HeaderEntry) -> int:
+    count = 1
+    for size in entry.shape:
+        count *= size
+    return count * _DTYPE_BYTES.get(entry.dtype, 2)
