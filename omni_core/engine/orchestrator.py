@@ -44,6 +44,7 @@ from omni_core.engine.spec import StageSpec
 from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError, RequestOutcome
+from omni_core.fsm.trace_records import PeerRefused, RankSpawned, TraceRecord, clip
 from omni_core.protocol import Command, Execute, Hello, ProtocolError, Shutdown, StageState, decode, encode
 from omni_core.protocol.auth import verify_hello_proof
 from omni_core.trace import open_trace
@@ -107,7 +108,7 @@ class Orchestrator:
         if transport == "tcp" and not is_loopback(host) and not use_curve:
             raise InvalidArgumentError(f"tcp on {host!r} leaves the host; it needs curve=True (the default there)")
         self.trace_path = trace_path
-        self._trace = open_trace(trace_path, "engine")
+        self._trace = open_trace(trace_path)
         self._stages = {s.name: _Stage(s, _core_for(s)) for s in specs}
         self.max_frame_bytes = max(s.max_frame_bytes for s in specs)
         self._ctx = zmq.Context()
@@ -256,6 +257,9 @@ class Orchestrator:
         self._closing = future
         self._closing_deadline_at = time.monotonic() + timeout_s
         for stage in self._stages.values():
+            # The core first: its StageStopped record ends the stage's trace before any
+            # rank hears of the shutdown (the spec does not model Shutdown).
+            self._step(stage, I.Stop())
             for proc in stage.procs:
                 proc.expected_exit = True
                 if proc.is_alive() and proc.identity is None:
@@ -263,7 +267,6 @@ class Orchestrator:
                 elif proc.is_alive():
                     self._send(stage, proc.rank, Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}",
                                                           epoch=stage.core.epoch))  # fmt: skip
-            self._step(stage, I.Stop(), why="shutdown")
 
     # ================================================================ the loop
 
@@ -336,7 +339,7 @@ class Orchestrator:
             message = decode(data, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
             self.counters["bad_replies"] += 1
-            self._trace.event("bad_reply", detail=exc.detail[:200])
+            self._trace.write((PeerRefused("bad_reply", detail=clip(exc.detail)),))
             return
         if isinstance(message, Hello):
             self._on_hello(identity, message)
@@ -348,15 +351,8 @@ class Orchestrator:
         stage, rank = where
         if message.rank != rank:  # a rank speaks only for itself: the socket names it, not the body
             self.counters["rank_mismatch"] += 1
-            self._trace.event("rank_mismatch", stage=stage.spec.name, rank=rank, claimed=message.rank)
+            self._write(stage, (PeerRefused("rank_mismatch", rank, f"claimed rank {message.rank}"),))
             return
-        if self._trace.enabled:
-            self._trace.event("recv", task_id=message.task_id, epoch=message.epoch,
-                              state=stage.core.state.value, stage=stage.spec.name, rank=rank,
-                              msg=type(message).__name__,
-                              worker_state=getattr(message, "state", None),
-                              status=getattr(message, "status", None),
-                              reason=getattr(message, "reason", None))  # fmt: skip
         self._step(stage, I.Received(message))
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
@@ -372,17 +368,14 @@ class Orchestrator:
             identity=identity)  # fmt: skip
         if not proven:
             self.counters["forged_hellos"] += 1
-            self._trace.event("forged_hello", stage=stage.spec.name, rank=proc.rank)
+            self._write(stage, (PeerRefused("forged_hello", proc.rank),))
             return
         if proc.identity is not None or identity in self._by_identity:
             self.counters["rebind_refused"] += 1  # a rank's identity, once bound, stays
-            self._trace.event("rebind_refused", stage=stage.spec.name, rank=proc.rank)
+            self._write(stage, (PeerRefused("rebind_refused", proc.rank),))
             return
         proc.identity = identity
         self._by_identity[identity] = (stage, proc.rank)
-        self._trace.event("recv", task_id=hello.task_id, epoch=hello.epoch, state=stage.core.state.value,
-                          stage=stage.spec.name, rank=hello.rank, msg="Hello",
-                          worker_state=hello.state.value)  # fmt: skip
         self._step(stage, I.Received(hello))
 
     def _on_sentinel(self, fd: int) -> None:
@@ -399,8 +392,6 @@ class Orchestrator:
         if proc.expected_exit:
             return
         detail = f"pid {proc.pid} exited with code {proc.exitcode}"
-        self._trace.event("rank_died", epoch=stage.core.epoch, state=stage.core.state.value,
-                          stage=stage.spec.name, rank=proc.rank, detail=detail)  # fmt: skip
         self._step(stage, I.RankExited(proc.rank, detail, proc.epoch))
 
     def _tick(self) -> None:
@@ -412,16 +403,16 @@ class Orchestrator:
 
     # ================================================================ stepping the core
 
-    def _step(self, stage: _Stage, event: I.EngineInput, *, why: str = "core") -> None:
-        """One input into the stage's core, then do what its step says."""
-        before = stage.core.state
+    def _step(self, stage: _Stage, event: I.EngineInput) -> None:
+        """One input into the stage's core, then do what its step says (its records first:
+        each is written before what it describes leaves)."""
         step = stage.core.step(event, time.monotonic())
-        after = stage.core.state
-        if after is not before and self._trace.enabled:
-            why = "restart" if isinstance(event, I.Restart) else why
-            self._trace.event("state", epoch=stage.core.epoch, state=after.value, stage=stage.spec.name,
-                              before=before.value, task_id=stage.core.task_id or "", why=why)  # fmt: skip
+        self._write(stage, step.records)
         self._apply(stage, step)
+
+    def _write(self, stage: _Stage, records: tuple[TraceRecord, ...]) -> None:
+        if self._trace.enabled:
+            self._trace.write(records, stage=stage.spec.name, epoch=stage.core.epoch)
 
     def _apply(self, stage: _Stage, step: StageStep) -> None:
         unsent: dict[str, list[int]] = {}
@@ -478,11 +469,6 @@ class Orchestrator:
         """Queue one command (`data`: its encoding, when the caller has it) for a rank; False
         when it could not be (counted)."""
         proc = stage.procs[rank] if rank < len(stage.procs) else None
-        if self._trace.enabled:
-            self._trace.event("send", task_id=command.task_id, epoch=command.epoch,
-                              state=stage.core.state.value, stage=stage.spec.name, rank=rank,
-                              msg=type(command).__name__, level=getattr(command, "level", None),
-                              tags=getattr(command, "tags", None))  # fmt: skip
         if proc is None or proc.identity is None:
             self.counters["send_failures"] += 1  # the deadline names this rank (P-9)
             return False
@@ -502,8 +488,7 @@ class Orchestrator:
             if proc.sentinel is not None:
                 self._sentinels[proc.sentinel] = (stage, proc)
                 self._poller.register(proc.sentinel, zmq.POLLIN)
-            self._trace.event("spawn", epoch=stage.core.epoch, state=stage.core.state.value,
-                              stage=stage.spec.name, rank=proc.rank, pid=proc.pid)  # fmt: skip
+            self._write(stage, (RankSpawned(proc.rank, proc.pid),))
 
     def _reap(self, stage: _Stage) -> None:
         reap(stage.procs)

@@ -23,6 +23,23 @@ from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.settle import Settled, settle_row
 from omni_core.fsm.table import Lifecycle, Transition
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.fsm.trace_records import (
+    RankDied,
+    RequestAnswered,
+    RequestSubmitted,
+    StageChanged,
+    StageDeadline,
+    StageDispatched,
+    StageIssued,
+    StageReceived,
+    StageRecord,
+    StageRestarted,
+    StageSent,
+    StageStarting,
+    StageStopped,
+    TaskEnded,
+    clip,
+)
 from omni_core.fsm.worker import InvariantViolation
 from omni_core.protocol import (
     Ack,
@@ -79,6 +96,12 @@ _STAGE_STATE_OF_RANK = {WorkerState.ACTIVE: S.RUNNING, WorkerState.SLEEPING: S.S
                         WorkerState.NEEDS_RELOAD: S.NEEDS_RELOAD}  # fmt: skip
 
 
+def _level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
+    """What a trace record says of a command beyond its name: a Sleep's level, the tags."""
+    level = command.level if isinstance(command, Sleep) else 0
+    return level, command.tags if isinstance(command, (Sleep, Wake)) else None
+
+
 class StageCommandError(ValueError):
     """A stage call refused before anything was sent: bad argument or wrong state."""
 
@@ -123,6 +146,8 @@ class StageStep:
     outcome: TaskOutcome | None = None
     requests: tuple[RequestOutcome, ...] = ()
     started: S | None = None
+    # What happened, in program order (omni_core.fsm.trace_records); set by step() only.
+    records: tuple[StageRecord, ...] = field(default=(), compare=False, repr=False)
 
     def then(self, later: StageStep) -> StageStep:
         """This step followed by `later` (one input may cause both, e.g. a reply and a dispatch)."""
@@ -201,6 +226,9 @@ class StageCore:
         self.queue: deque[_Request] = deque()
         self.in_flight: dict[str, _Request] = {}
         self._answers: list[RequestOutcome] = []  # request outcomes of the input being stepped
+        self._records: list[StageRecord] = []  # trace records of the input being stepped
+        self._issued: tuple[Command, bool, float] | None = None  # a task this phase issued: command, already, deadline
+        self._expired_at: float | None = None  # the deadline this phase's tick found passed
         self._anonymous = itertools.count(1)
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
@@ -248,12 +276,83 @@ class StageCore:
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"StageCore.step takes an engine input (omni_core.fsm.inputs), not {event!r}")
-        self._answers = []
-        step = handler(event, now).then(self._pump(now))
-        step = StageStep(step.sends, step.outcome, step.requests + tuple(self._answers), step.started)
-        self._answers = []
+        self._answers, self._records, self._issued, self._expired_at = [], [], None, None
+        head = self._input_record(event, now)
+        if head is not None:
+            self._records.append(head)
+        before = self.state
+        step = handler(event, now)
+        self._record_phase(event, before, step.sends, now)
+        before = self.state
+        pumped = self._pump(now)
+        self._record_phase(None, before, pumped.sends, now)
+        step = step.then(pumped)
+        answers = tuple(self._answers)
+        records = self._records
+        records += [RequestAnswered(a.request_id, a.error.value if a.error else "", clip(a.detail)) for a in answers]
+        if step.outcome is not None:
+            o = step.outcome
+            records.append(TaskEnded(o.task_id, o.command, o.ok, o.state.value, clip(o.error),
+                                     {r: clip(why) for r, why in o.failures.items()}))  # fmt: skip
+        step = StageStep(step.sends, step.outcome, step.requests + answers, step.started, tuple(records))
+        self._answers, self._records = [], []
         self._check_invariants()
         return step
+
+    # ------------------------------------------------------------------ trace records
+
+    def _input_record(self, event: I.EngineInput, now: float) -> StageRecord | None:
+        """The record of an input from outside, with the state it found."""
+        state = self.state.value
+        if isinstance(event, I.Received):
+            m = event.message
+            info = m.status.value if isinstance(m, Ack) else m.reason.value if isinstance(m, Nack) else ""
+            worker_state = m.state.value if isinstance(m, (Ack, Nack, Hello)) else ""
+            return StageReceived(m.epoch, m.rank, m.task_id, type(m).__name__.lower(), state, worker_state, info)
+        if isinstance(event, I.RankExited):
+            fenced = event.epoch != self.epoch or event.rank not in self.ranks
+            return RankDied(self.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
+        if isinstance(event, I.Submit):
+            decision = admit(self.state, self.policy).decision.value
+            return RequestSubmitted(event.request_id, state, decision, now + event.timeout_s)
+        return None
+
+    def _record_phase(self, event: I.EngineInput | None, before: S, sends: tuple[Outbound, ...], now: float) -> None:
+        """The record of what one phase of a step did (the input's handler, or moving the
+        queue on: `event` None), then one per command it sends. A change of state is the
+        action that made it (issue, restart, deadline, stop) or, when it came from an input
+        already recorded (a reply, a death), a StageChanged that logs it."""
+        after, epoch = self.state, self.epoch
+        issued, self._issued = self._issued, None
+        failed = {r: clip(why) for r, why in self.failed_ranks.items()} if after is S.FAILED else {}
+        if issued is not None:
+            command, already, deadline_at = issued
+            self._records.append(StageIssued(epoch, command.task_id, type(command).__name__, before.value,
+                                             after.value, deadline_at, *_level_tags(command), already,
+                                             event is None))  # fmt: skip
+        elif isinstance(event, I.Restart):
+            self._records.append(StageRestarted(epoch, before.value, after.value, self.tags, self._start_deadline_at))
+        elif isinstance(event, I.Start):
+            self._records.append(StageStarting(epoch, self.tags, self._start_deadline_at))
+        elif isinstance(event, I.Stop):
+            if after is not before:
+                self._records.append(StageStopped(epoch, before.value))
+        elif after is not before and isinstance(event, I.Tick):
+            expired_at = self._expired_at if self._expired_at is not None else now
+            self._records.append(StageDeadline(epoch, self.task_id or "", before.value, after.value, expired_at,
+                                               now, failed))  # fmt: skip
+        elif after is not before:
+            self._records.append(StageChanged(epoch, self.task_id or "", before.value, after.value, failed))
+        dispatched: set[str] = set()
+        for out in sends:
+            command = out.command
+            if isinstance(command, Execute) and command.task_id not in dispatched:
+                dispatched.add(command.task_id)
+                request = self.in_flight.get(command.task_id)
+                deadline_at = request.deadline_at if request is not None else now
+                self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at))
+            self._records.append(StageSent(command.epoch, out.rank, command.task_id, type(command).__name__,
+                                           after.value, *_level_tags(command)))  # fmt: skip
 
     def on_start(self, event: I.Start, now: float) -> StageStep:
         self.start(now, event.deadline_s)
@@ -292,6 +391,8 @@ class StageCore:
         step = self.on_tick(now)
         silent: dict[int, str] = {}
         for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:
+            if self._expired_at is None:
+                self._expired_at = request.deadline_at
             missing = [r for r in self.ranks if r not in request.replies]
             self._answer(request, RequestError.FAILED, f"request {request.request_id} to stage {self.name!r}: "
                          f"ranks {missing} gave no result before its deadline; the stage fails, since a rank "
@@ -545,6 +646,7 @@ class StageCore:
         else:
             self.lifecycle.fire("sleep")
             step = self._send_all()
+        self._issued = (command, False, now + deadline_s)
         self._check_invariants()
         return step
 
@@ -571,6 +673,7 @@ class StageCore:
                            apply=lambda res: res.apply_wake(to_wake))  # fmt: skip
         self.lifecycle.fire("wake")
         step = self._send_all()
+        self._issued = (command, False, now + deadline_s)
         self._check_invariants()
         return step
 
@@ -593,6 +696,7 @@ class StageCore:
                            apply=lambda res: res.apply_reload())  # fmt: skip
         self.lifecycle.fire("reload")
         step = self._send_all()
+        self._issued = (self._task.command, False, now + deadline_s)
         self._check_invariants()
         return step
 
@@ -665,11 +769,13 @@ class StageCore:
         """Enforce deadlines (P-9)."""
         step = StageStep()
         if self.state is S.STARTING and now >= self._start_deadline_at:
+            self._expired_at = self._start_deadline_at
             silent = [r for r in self.ranks if r not in self.rank_state]
             step = self._fail_idle({r: "sent no Hello before the start-up deadline" for r in silent},
                                    now)  # fmt: skip
         elif self._task is not None and now >= self._task.deadline_at:
             task = self._task
+            self._expired_at = task.deadline_at
             budget_s = task.deadline_at - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")
@@ -756,6 +862,7 @@ class StageCore:
         outcome = TaskOutcome(task_id, type(command).__name__, True, AckStatus.ALREADY, self.state,
                               MappingProxyType({}), MappingProxyType({}), "", now, now)  # fmt: skip
         self.completed.put(task_id, (signature, outcome))
+        self._issued = (command, True, now)
         return StageStep(outcome=outcome)
 
     def _send_drained(self) -> StageStep:

@@ -9,7 +9,7 @@ same output: the core reads no clock and touches no memory.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -27,12 +27,25 @@ from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_C
 from omni_core.fsm.settle import settle_row
 from omni_core.fsm.table import Lifecycle, Transition
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, SleepPlan, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.fsm.trace_records import (
+    BadMessage,
+    EffectDone,
+    EffectFailed,
+    EffectRefused,
+    ReplySent,
+    WorkerChanged,
+    WorkerReceived,
+    WorkerRecord,
+    WorkerStarted,
+    clip,
+)
 from omni_core.protocol import (
     Ack,
     AckStatus,
     Capability,
     Command,
     Execute,
+    Hello,
     MemoryReport,
     Nack,
     NackReason,
@@ -89,14 +102,24 @@ _REFUSED_RELOAD = {W.NEEDS_RELOAD: "reload_refused_needs_reload", W.ACTIVE: "rel
 MAX_EPOCH_AHEAD = 64
 
 ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
+HELLO_TASK_ID = "hello"  # the task id every Hello carries
+_REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
+
+
+def _sent(reply: Reply, *, to_bad_bytes: bool = False) -> ReplySent:
+    info = reply.status.value if isinstance(reply, Ack) else reply.reason.value if isinstance(reply, Nack) else ""
+    state = reply.state.value if isinstance(reply, (Ack, Nack)) else ""
+    return ReplySent(reply.epoch, reply.task_id, _REPLY_KINDS[type(reply)], state, info, to_bad_bytes)
 
 
 @dataclass(frozen=True)
 class WorkerStep:
-    """Output of one core call: replies to send now, and at most one effect to perform."""
+    """Output of one core call: replies to send now, at most one effect to perform, and the
+    trace records of what happened (the shell writes them before sending the replies)."""
 
     replies: tuple[Reply, ...] = ()
     effect: Effect | None = None
+    records: tuple[WorkerRecord, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass
@@ -186,25 +209,42 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ inputs
 
-    def loaded(self) -> None:
-        """The shell finished loading the runner: LOADING -> ACTIVE."""
+    def loaded(self, backend: str = "") -> WorkerStep:
+        """The shell finished loading the runner: LOADING -> ACTIVE. The records say so and
+        that the Hello goes out (the shell builds it: pid, proof and device are its)."""
         self.lifecycle.fire("loaded")
         self._check_invariants()
+        return self._started(backend, "")
 
-    def load_failed(self, error: str) -> None:
+    def load_failed(self, error: str, backend: str = "") -> WorkerStep:
         self.failure = f"load failed: {error}"
         self.lifecycle.fire("fail")
         self._check_invariants()
+        return self._started(backend, error)
+
+    def _started(self, backend: str, error: str) -> WorkerStep:
+        hello = ReplySent(self.epoch, HELLO_TASK_ID, "hello", self.state.value)
+        return WorkerStep(records=(WorkerStarted(self.state.value, self.tags, backend, clip(error)), hello))
 
     def on_bad_message(self, error: ProtocolError) -> WorkerStep:
         """Bytes that did not decode (P-10): refuse them and keep serving."""
         self.counters.bad_messages += 1
-        return WorkerStep(replies=(self._nack_raw(error),))
+        nack = self._nack_raw(error)
+        head = BadMessage(error.task_id or "", error.epoch if error.epoch is not None else -1, clip(error.detail))
+        return WorkerStep(replies=(nack,), records=(head, _sent(nack, to_bad_bytes=True)))
 
     def on_command(self, command: Command) -> WorkerStep:
+        before = self.state
+        head = WorkerReceived(command.epoch, command.task_id, type(command).__name__, before.value)
         step = self._on_command(command)
         self._check_invariants()
-        return step
+        return self._traced(step, head, before, command.task_id)
+
+    def _traced(self, step: WorkerStep, head: WorkerRecord, before: W, task_id: str) -> WorkerStep:
+        """`step` with its records: what happened, the change of state it made, the replies."""
+        changed = () if self.state is before else (WorkerChanged(task_id, before.value, self.state.value),)
+        records = (head, *changed, *(_sent(r) for r in step.replies))
+        return WorkerStep(step.replies, step.effect, records)
 
     def on_done(
         self,
@@ -213,8 +253,10 @@ class WorkerCore:
         memory: MemoryReport | None = None,
         output: Any = None,
         duration_s: float = 0.0,
+        path: str = "",
     ) -> WorkerStep:
-        """The shell performed the pending effect."""
+        """The shell performed the pending effect (`path`: how the backend did it, traced)."""
+        before = self.state
         pending = self._take_pending(task_id)
         command = pending.command
         if isinstance(command, Execute):
@@ -238,7 +280,8 @@ class WorkerCore:
         if not isinstance(command, Status):
             self._remember(command, reply)
         self._check_invariants()
-        return WorkerStep(replies=(reply,))
+        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, path)
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
     def on_refused(self, task_id: str, detail: str) -> WorkerStep:
         """The runner refused the pending reload's arguments before touching memory: NACK
@@ -246,6 +289,7 @@ class WorkerCore:
         EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
         gets it again instead of passing through RELOADING once more (TLC found that a copy
         judged afresh moved a rank of a NEEDS_RELOAD stage back into RELOADING)."""
+        before = self.state
         pending = self._take_pending(task_id)
         if not isinstance(pending.command, ReloadWeights) or pending.state_before not in _REFUSED_RELOAD:
             raise InvariantViolation(f"only a pending ReloadWeights can be refused, not {pending.command!r}")
@@ -254,18 +298,22 @@ class WorkerCore:
                            f"ReloadWeights task {task_id!r} refused, nothing was written: {detail}")  # fmt: skip
         self._remember(pending.command, reply)
         self._check_invariants()
-        return WorkerStep(replies=(reply,))
+        head = EffectRefused(task_id, "ReloadWeights", self.state.value, clip(detail))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
     def on_error(self, task_id: str, error: str) -> WorkerStep:
         """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
         in every later reply; a failed Execute is only that request's error."""
+        before = self.state
         pending = self._take_pending(task_id)
-        what = f"{type(pending.command).__name__} task {task_id!r} failed: {error}"
+        name = type(pending.command).__name__
+        what = f"{name} task {task_id!r} failed: {error}"
         if isinstance(pending.command, Execute):
             # A request the runner rejects says nothing about the memory: stay ACTIVE.
             reply = self._nack(pending.command, NackReason.EXECUTE_ERROR, what)
             self._remember(pending.command, reply)
-            return WorkerStep(replies=(reply,))
+            head = EffectFailed(task_id, name, self.state.value, clip(error))
+            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
         self.failure = what
         if self.lifecycle.allows("fail"):
             self.lifecycle.fire("fail")
@@ -273,7 +321,8 @@ class WorkerCore:
         if not isinstance(pending.command, Status):  # Status is never cached (as in on_done)
             self._remember(pending.command, reply)
         self._check_invariants()
-        return WorkerStep(replies=(reply,))
+        head = EffectFailed(task_id, name, self.state.value, clip(error))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
     # ------------------------------------------------------------------ handlers
 

@@ -37,7 +37,8 @@ from omni_core.fsm.effects import (
     StatusEffect,
     WakeEffect,
 )
-from omni_core.fsm.worker import WorkerStep
+from omni_core.fsm.trace_records import ParentGone, WorkerRecord
+from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     Capability,
@@ -49,7 +50,7 @@ from omni_core.protocol import (
     encode,
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
-from omni_core.trace import TraceWriter
+from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
@@ -63,7 +64,6 @@ log = logging.getLogger("omni_core.worker")
 # Seen on an H200: 90 MiB over a 42 GiB budget without it.
 CACHE_HEADROOM_BYTES = 512 << 20
 
-HELLO_TASK_ID = "hello"
 # Time given to zmq to deliver the last replies (the Shutdown Ack) before the socket closes.
 FINAL_FLUSH_MS = 2000
 # Failure texts travel in every later reply; keep them well under the protocol's 4096.
@@ -107,8 +107,7 @@ class WorkerProcess:
         self.sock = sock
         self.identity = identity
         self.rank_secret = rank_secret
-        self.trace: TraceWriter | None = (
-            TraceWriter(config.trace_path, f"{config.stage}/{config.rank}") if config.trace_path else None)
+        self.trace = open_trace(config.trace_path, stage=config.stage, rank=config.rank, epoch=config.epoch)
         self.device = torch.device("cpu")
         self.backend: MemoryBackend | None = None
         self.runner: ModelRunner | None = None
@@ -141,12 +140,8 @@ class WorkerProcess:
             except Exception as exc:
                 error = _error_text(exc)
                 log.error("worker %s/%s: loading failed:\n%s", cfg.stage, cfg.rank, traceback.format_exc())
-        if error:
-            self.core.load_failed(error)
-        else:
-            self.core.loaded()
-        self._trace("start", task_id=HELLO_TASK_ID, epoch=cfg.epoch, detail=error or None,
-                    backend=backend_name, process_source=self._figure().source)  # fmt: skip
+        started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name)
+        self._write(started.records)
         device = str(self.device)
         if self.memory is not None and self.memory.physical is not None:
             device = f"{device} ({self.memory.physical.uuid})"
@@ -203,7 +198,7 @@ class WorkerProcess:
                 if self.config.exit_with_parent and os.getppid() != parent:
                     log.error("worker %s/%s: parent process %d is gone; releasing pools and exiting",
                               self.config.stage, self.config.rank, parent)  # fmt: skip
-                    self._trace("parent_gone", task_id=None, epoch=None, parent_pid=parent)
+                    self._write((ParentGone(parent),))
                     self._release()
                     return EXIT_PARENT_GONE
                 continue
@@ -223,21 +218,16 @@ class WorkerProcess:
         try:
             command = decode_command(data, max_frame_bytes=self.config.max_frame_bytes)
         except ProtocolError as err:
-            self._trace("bad_message", task_id=err.task_id, epoch=err.epoch, detail=err.detail[:200])
-            self._send_all(core.on_bad_message(err).replies)
+            self._send_all(core.on_bad_message(err))
             return
-        self._trace("recv:" + type(command).__name__, task_id=command.task_id, epoch=command.epoch)
-        state = core.state
         step = core.on_command(command)
-        self._trace_state(state, command.task_id)
-        self._send_all(step.replies)
+        self._send_all(step)
         if step.effect is not None:
             self._perform(step.effect)
 
     def _perform(self, effect: Effect) -> None:
         core = self.core
         assert core is not None
-        state = core.state
         started = time.perf_counter()
         measured = not isinstance(effect, ExecuteEffect)  # requests stay off NVML's path
         try:
@@ -258,14 +248,9 @@ class WorkerProcess:
         except Exception as exc:
             step = self._on_effect_error(effect, exc)
         else:
-            step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s)
-            if self.trace is not None:
-                paths = getattr(self.backend, "sleep_paths", None)
-                path = paths[-1] if isinstance(effect, SleepEffect) and paths else None
-                self._trace(f"done:{_name(effect)}", task_id=effect.task_id, epoch=core.epoch,
-                            duration_s=round(duration_s, 6), sleep_path=path)  # fmt: skip
-        self._trace_state(state, effect.task_id)
-        self._send_all(step.replies)
+            path = self.backend.last_sleep_path if isinstance(effect, SleepEffect) and self.backend else ""
+            step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s, path=path)
+        self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
 
@@ -274,14 +259,11 @@ class WorkerProcess:
         assert core is not None
         if isinstance(exc, RunnerArgumentError) and isinstance(effect, ReloadEffect):
             # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
-            self._trace("refused:Reload", task_id=effect.task_id, epoch=core.epoch, detail=_error_text(exc)[:200])
             return core.on_refused(effect.task_id, _error_text(exc))
         log.error("worker %s/%s: %s failed:\n%s", self.config.stage, self.config.rank,
                   type(effect).__name__, traceback.format_exc())  # fmt: skip
         if isinstance(effect, ShutdownEffect):
             self.exit_code = EXIT_SHUTDOWN_ERROR
-        self._trace(f"error:{_name(effect)}", task_id=effect.task_id, epoch=core.epoch,
-                    detail=_error_text(exc)[:200])  # fmt: skip
         return core.on_error(effect.task_id, _error_text(exc))
 
     def _apply(self, effect: Effect) -> Any:
@@ -346,26 +328,20 @@ class WorkerProcess:
 
     def _send(self, message: Message) -> None:
         self.sock.send(encode(message))
-        if self.trace is not None:
-            self._trace("send:" + type(message).__name__, task_id=message.task_id, epoch=message.epoch)
 
-    def _send_all(self, messages: tuple[Message, ...]) -> None:
-        for message in messages:
+    def _send_all(self, step: WorkerStep) -> None:
+        """The step's records first (each written before what it describes leaves), then its replies."""
+        self._write(step.records)
+        for message in step.replies:
             self._send(message)
 
-    def _trace(self, event: str, *, task_id: str | None, epoch: int | None, **extra: Any) -> None:
-        if self.trace is not None:
-            state = self.core.state.value if self.core is not None else "LOADING"
-            self.trace.event(event, task_id=task_id, epoch=epoch, state=state, **extra)
-
-    def _trace_state(self, before: Any, task_id: str) -> None:
-        if self.trace is not None and self.core is not None and self.core.state is not before:
-            self._trace("state", task_id=task_id, epoch=self.core.epoch, previous=before.value)
+    def _write(self, records: tuple[WorkerRecord | ParentGone, ...]) -> None:
+        if self.trace.enabled:
+            self.trace.write(records, epoch=self.core.epoch if self.core is not None else self.config.epoch)
 
     def close(self) -> None:
-        if self.trace is not None:
-            self.trace.close()
-            self.trace = None
+        self.trace.close()
+        self.trace = NULL_TRACE
 
     @property
     def hard_exit_required(self) -> bool:
@@ -380,11 +356,6 @@ def _rank_secret(secret_hex: str | None) -> bytes | None:
     except ValueError:
         raise SystemExit(f"{RANK_SECRET_ENV} must be hex (the engine sets it); got {len(secret_hex)} "
                          "characters that are not") from None
-
-
-def _name(effect: Effect) -> str:
-    """'Sleep' for a SleepEffect: trace events name the command, as recv:/send: do."""
-    return type(effect).__name__.removesuffix("Effect")
 
 
 def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:

@@ -125,6 +125,11 @@ class MemoryBackend(ABC):
         self._saved.clear()
 
     @property
+    def last_sleep_path(self) -> str:
+        """How the last sleep moved the memory, where a backend has several ways (traced)."""
+        return ""
+
+    @property
     def hard_exit_required(self) -> bool:
         """True when the process must leave with os._exit after Shutdown because freeing the
         remaining tensors through the normal path is unsafe (see the cumem backend)."""

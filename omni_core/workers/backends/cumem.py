@@ -184,6 +184,10 @@ class CumemBackend(MemoryBackend):
             data.cpu_backup_tensor = None
 
     @property
+    def last_sleep_path(self) -> str:
+        return self.sleep_paths[-1] if self.sleep_paths else ""
+
+    @property
     def hard_exit_required(self) -> bool:
         # Freeing an allocation that is asleep makes the extension unmap a handle that is not
         # mapped (its error state then breaks every later call), and tearing down pluggable
