@@ -15,7 +15,8 @@
 (* `Bug` selects a variant with one known defect (tla/bugs/*.cfg): each    *)
 (* must be rejected by TLC with the invariant it breaks.                   *)
 (*                                                                         *)
-(* Abstractions: tags are {weights, kv_cache}; task ids are 1..MaxTask,    *)
+(* Abstractions: tags are the constant Tags (models: DefaultTags, the      *)
+(* tables' default; a trace: its stage's); task ids are 1..MaxTask,        *)
 (* unique per call (the caller's idempotency key); Status and Shutdown are *)
 (* not modelled (they never change residency); Restart happens from FAILED *)
 (* only and replaces every rank by a fresh process under epoch + 1. The    *)
@@ -41,9 +42,10 @@ CONSTANTS
     MaxEpoch,       \* epochs 0..MaxEpoch; each Restart adds one
     Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource"}
     MaxFaults,      \* at most this many dup/drop/corrupt/crash/error events per behaviour
+    Tags,           \* the stage's tags (StageSpec.tags): strings; "weights" is the one a sleep keeps
     SleepLevels,    \* SUBSET {1, 2}: levels of the sleep() calls the orchestrator may make
-    SleepTags,      \* SUBSET {"all", "weights", "kv_cache"}: their tags ("all": tags=None)
-    WakeTags,       \* SUBSET {"all", "weights", "kv_cache"}: the wake() calls it may make
+    SleepTags,      \* SUBSET ({"all"} \cup Tags): their tags ("all": tags=None)
+    WakeTags,       \* SUBSET ({"all"} \cup Tags): the wake() calls it may make
     Requests,       \* TRUE: it also issues Execute requests (admission)
     MaxRequests,    \* at most this many requests in flight at once (max_in_flight)
     SerialShell,    \* TRUE: a rank takes its next message only after its effect ended
@@ -72,13 +74,12 @@ BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_par
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource"}
 ASSUME SleepLevels \subseteq {1, 2}
-ASSUME SleepTags \cup WakeTags \subseteq {"all", "weights", "kv_cache"}
+ASSUME Tags # {} /\ "all" \notin Tags
+ASSUME SleepTags \cup WakeTags \subseteq {"all"} \cup Tags
 ASSUME MaxTask \in Nat /\ MaxEpoch \in Nat /\ MaxFaults \in Nat /\ MaxRequests \in Nat
 ASSUME SerialShell \in BOOLEAN
 
 Weights == "weights"
-KV == "kv_cache"
-Tags == {Weights, KV}
 Version == 1
 TagSet(name) == IF name = "all" THEN Tags ELSE {name}
 TaskIds == 1..MaxTask

@@ -9,6 +9,10 @@ EXTENDS FiniteSets
 
 NoTransition == "-"
 
+\* A stage's tags when it names none (fsm/tags.py DEFAULT_TAGS): the models' Tags;
+\* trace validation uses the traced stage's own.
+DefaultTags == {"weights", "kv_cache"}
+
 \* ---- worker lifecycle: 51 rows from 19 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}

@@ -18,6 +18,7 @@ from pathlib import Path
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Transition
 from omni_core.fsm.admission import ADMISSION, QUEUE_RULES, AdmissionPolicy
 from omni_core.fsm.settle import SETTLE_ROWS
+from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.protocol import StageState, WorkerState
 
 MODULE = "OmniTransitions"
@@ -157,6 +158,10 @@ def render() -> str:
         "EXTENDS FiniteSets",
         "",
         f'{NO_TRANSITION} == "-"',
+        "",
+        "\\* A stage's tags when it names none (fsm/tags.py DEFAULT_TAGS): the models' Tags;",
+        "\\* trace validation uses the traced stage's own.",
+        _set("DefaultTags", list(DEFAULT_TAGS)),
         "",
         worker,
         "",

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from omni_core.formal import trace_export
 from omni_core.formal.tlc import EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
+from omni_core.fsm.trace_records import TraceLine
+from omni_core.trace import TraceFormatError
 
 ACCEPTED = "TraceAccepted"
 SPEC_INVARIANTS = (
@@ -228,7 +230,7 @@ def validate_stage(trace: trace_export.StageTrace, *, chunk_events: int = trace_
     return verdicts
 
 
-def validate_records(records: list[dict], stage: str | None = None, **kwargs) -> list[TraceVerdict]:
+def validate_records(records: list[TraceLine], stage: str | None = None, **kwargs) -> list[TraceVerdict]:
     stages = [stage] if stage else trace_export.stages_in(records)
     return [v for s in stages for v in validate_stage(trace_export.project(records, s), **kwargs)]
 
@@ -243,7 +245,11 @@ def run(args: argparse.Namespace, echo=print) -> int:
     if not path.is_file():
         echo(f"FAIL no trace file {path}")
         return 2
-    records = trace_export.load(path)
+    try:
+        records = trace_export.load(path)
+    except TraceFormatError as exc:
+        echo(f"FAIL {exc}")
+        return 2
     stages = trace_export.stages_in(records)
     if args.stage and args.stage not in stages:
         echo(f"FAIL stage {args.stage!r} is not in {path} (stages: {', '.join(stages) or 'none'})")

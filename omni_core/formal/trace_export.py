@@ -1,33 +1,27 @@
-"""Project a JSON-lines trace (omni_core/trace.py) onto the events tla/trace/OmniTrace.tla
-replays, one stage at a time, and write them as a TLA+ module (`TraceData`) and a TLC
-configuration.
+"""Project a trace of typed records (omni_core/fsm/trace_records.py) onto the events
+tla/trace/OmniTrace.tla replays, one stage at a time, and write them as a TLA+ module
+(`TraceData`) and a TLC configuration.
 
-Which lines become which event (everything else is dropped, and counted):
+Each record kind is one event kind, and each event kind one action of the trace spec
+(`RECORD_EVENTS`; no line is reinterpreted from its neighbours): StageIssued -> issue
+(IssueSleep/IssueWake/IssueReload), StageDispatched -> dispatch (IssueExecute), StageSent
+-> send, StageReceived -> recv (StageReceive), StageChanged -> state, StageDeadline ->
+deadline (Deadline), StageRestarted -> restart (Restart), RankDied -> died (Crash, then
+RankDied); WorkerStarted -> start (Loaded/LoadFailed), WorkerReceived -> wrecv
+(WorkerReceive), EffectDone/EffectFailed/EffectRefused -> done/error/refused
+(Done/EffectError/Refused), WorkerChanged -> wstate, ReplySent -> wsend. The send, state,
+wstate and wsend events are checks of what the step before them did.
 
-- engine `state` of stage S -> `state`: a lifecycle call (IssueSleep, IssueWake,
-  IssueReload) when it first names its task; Restart (why=restart); a Deadline; or else
-  the check of the change the previous engine step made;
-- engine `send` -> `send`: IssueExecute for a request's first send (several requests may be
-  in flight: the config's MaxRequests is the most the trace has at once), otherwise the
-  check that the command is one a step put on the network;
-- engine `recv` -> `recv`: StageReceive of that reply or Hello;
-- engine `rank_died` -> `died`: Crash (a killed process logs nothing), then RankDied;
-- worker `S/<rank>` `start` -> Loaded, or LoadFailed when it logs FAILED (the runner or the
-  backend raised while loading: a fault of kind "error"); `recv:<Cmd>` -> WorkerReceive; `done:<Cmd>`,
-  `error:<Cmd>` -> Done, EffectError; `state` -> the check of the worker's change;
-  `send:<Reply>` -> the check that such a reply left the rank.
-
-Dropped: engine `spawn` (the spec's ranks exist from the start) and `auto_wake` (written by
-engines before the core started its own wakes; such a wake is logged as a `state` line);
-Status and Shutdown commands and everything carrying their task ids (the spec does not
-model them: they never change residency); everything of
-the stage from its first Shutdown on (the engine's shutdown ends the trace); a worker's
-`bad_message` with its NACK BAD_MESSAGE and `parent_gone`; any line that names another stage.
+Dropped (counted by kind): the kinds the spec does not model (StageStarting, requests'
+submissions and answers, task outcomes, spawns, refused peers, a worker's BadMessage with
+its NACK, ParentGone); a RankDied of another epoch (the core ignored it); Status, Shutdown
+and Profile commands and everything carrying their task ids (they never change residency);
+everything of the stage from its StageStopped on (the engine's shutdown ends the trace).
 
 Task ids become 1, 2, ... in the order the engine first names them (the spec's task
-counter); "hello" is task 0. A `state` line that first names a task carries the command
-(and level, tags) of that task's first send, since the spec issues a command and its sends
-in one step.
+counter); "hello" is task 0. The TLC configuration gets the traced stage's tags
+(StageStarting.tags) as the spec's `Tags`, so a stage with tags of its own is checked with
+them.
 """
 
 from __future__ import annotations
@@ -40,24 +34,32 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from omni_core.fsm import trace_records as T
+from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.trace import read_trace
 
 UNKNOWN = "?"
 HELLO_TASK = "hello"
 MODULE = "TraceData"
-DROPPED_COMMANDS = ("Status", "Shutdown")
-REPLY_KINDS = {"Ack": "ack", "Nack": "nack", "Result": "result", "Hello": "hello"}
-EFFECT_COMMANDS = {"Reload": "ReloadWeights"}  # done:/error: name the effect: ReloadEffect -> "Reload"
+DROPPED_COMMANDS = ("Status", "Shutdown", "Profile")
+RECORD_EVENTS: dict[type, str] = {
+    T.StageIssued: "issue", T.StageDispatched: "dispatch", T.StageSent: "send", T.StageReceived: "recv",
+    T.StageChanged: "state", T.StageDeadline: "deadline", T.StageRestarted: "restart", T.RankDied: "died",
+    T.WorkerStarted: "start", T.WorkerReceived: "wrecv", T.EffectDone: "done", T.EffectFailed: "error",
+    T.EffectRefused: "refused", T.WorkerChanged: "wstate", T.ReplySent: "wsend",
+}  # fmt: skip
 
 
 @dataclass
 class TraceEvent:
     """One projected event. `line` is its 1-based line in the trace file; the other fields
-    are what OmniTrace.tla compares (UNKNOWN / 0 / None where the line says nothing)."""
+    are what OmniTrace.tla compares (UNKNOWN / 0 / None where the record says nothing)."""
 
     kind: str
     line: int
-    record: dict[str, Any] = field(repr=False)
+    record: T.TraceLine = field(repr=False)
     rank: int = -1
     task: int = 0
     epoch: int = 0
@@ -78,12 +80,12 @@ class TraceEvent:
                 f"tg |-> {tags}]")  # fmt: skip
 
     def describe(self) -> str:
-        """The trace line, for reports: `line 37: engine recv Ack rank 1 task sleep-... ...`."""
-        r = self.record
-        keys = ("event", "msg", "rank", "task_id", "epoch", "state", "before", "worker_state", "status",
-                "reason", "previous", "why")  # fmt: skip
-        parts = [f"{k}={r[k]}" for k in keys if r.get(k) not in (None, "")]
-        return f"line {self.line}: {r.get('node', '?')} " + " ".join(parts)
+        """The trace line, for reports: `line 37: talker/engine StageReceived rank=1 task_id=... ...`."""
+        line = self.record
+        who = "engine" if line.is_engine else f"rank{line.rank}"
+        fields = msgspec.structs.asdict(line.record)
+        parts = [f"{k}={v}" for k, v in fields.items() if v not in (None, "", {}, ())]
+        return f"line {self.line}: {line.stage}/{who} {line.kind} " + " ".join(parts)
 
 
 @dataclass
@@ -103,6 +105,7 @@ class StageTrace:
     parts: int = 1
     carried: str | None = None  # a later chunk's initial state: TLA+ record text (trace_check)
     chunk_end: bool = False  # a chunk that is not the last: it must end quiescent
+    tags: tuple[str, ...] = DEFAULT_TAGS  # the stage's tags: the spec's Tags
 
     @property
     def name(self) -> str:
@@ -117,86 +120,76 @@ def _str(value: Any) -> str:
     return json.dumps(str(value))  # a TLA+ string literal: double quotes, backslash escapes
 
 
-def _stage_of(record: dict[str, Any]) -> tuple[str | None, int | None]:
-    """(stage, rank) of a worker line, (stage, None) of an engine line naming a stage."""
-    node = record.get("node", "")
-    if node == "engine":
-        return record.get("stage"), None
-    stage, sep, rank = node.rpartition("/")
-    if sep and rank.isdigit():
-        return stage, int(rank)
-    return None, None
-
-
-def stages_in(records: Iterable[dict[str, Any]]) -> list[str]:
+def stages_in(lines: Iterable[T.TraceLine]) -> list[str]:
     """Stage names in order of first appearance."""
-    seen: dict[str, None] = {}
-    for record in records:
-        stage, _ = _stage_of(record)
-        if stage:
-            seen.setdefault(stage, None)
-    return list(seen)
+    return list(dict.fromkeys(line.stage for line in lines if line.stage))
 
 
-def _lines(records: list[dict[str, Any]], stage: str) -> list[tuple[int, dict[str, Any], int | None]]:
-    """(line number, record, rank or None for the engine) of this stage, up to its shutdown."""
+def _lines(lines: list[T.TraceLine], stage: str) -> list[tuple[int, T.TraceLine]]:
+    """(line number, line) of this stage, up to its StageStopped."""
     out = []
-    for n, record in enumerate(records, start=1):
-        s, rank = _stage_of(record)
-        if s != stage:
+    for n, line in enumerate(lines, start=1):
+        if line.stage != stage:
             continue
-        if record.get("node") == "engine" and record.get("event") == "send" and record.get("msg") == "Shutdown":
+        if isinstance(line.record, T.StageStopped):
             break  # the engine's shutdown ends the stage's trace
-        out.append((n, record, rank))
+        out.append((n, line))
     return out
 
 
-def project(records: list[dict[str, Any]], stage: str) -> StageTrace:
-    lines = _lines(records, stage)
+def _command_of(record: Any) -> str:
+    return getattr(record, "command", "")
+
+
+def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
+    ours = _lines(lines, stage)
     dropped: Counter = Counter()
     # Tasks of commands the spec does not model: their lines go, wherever they are.
-    skip_tasks = {r.get("task_id") for _, r, rank in lines
-                  if (rank is None and r.get("event") == "send" and r.get("msg") in DROPPED_COMMANDS)
-                  or (rank is not None and r.get("event", "").removeprefix("recv:") in DROPPED_COMMANDS)}  # fmt: skip
-    skip_tasks.discard(None)
+    skip_tasks = {line.record.task_id for _, line in ours
+                  if isinstance(line.record, (T.StageSent, T.WorkerReceived))
+                  and line.record.command in DROPPED_COMMANDS}  # fmt: skip
     tasks: dict[str, int] = {}
-    first_send: dict[str, dict[str, Any]] = {}
-    worker_cmd: dict[str, str] = {}
-    for _, r, rank in lines:
-        task = r.get("task_id") or ""
-        if rank is None and r.get("event") == "send":
-            first_send.setdefault(task, r)
-        elif rank is not None and r.get("event", "").startswith("recv:"):
-            worker_cmd.setdefault(task, r["event"].removeprefix("recv:"))
     events: list[TraceEvent] = []
-    ranks = max([rank + 1 for _, _, rank in lines if rank is not None]
-                + [r["rank"] + 1 for _, r, rank in lines if rank is None and isinstance(r.get("rank"), int)]
+    ranks = max([line.rank + 1 for _, line in ours]
+                + [line.record.rank + 1 for _, line in ours if isinstance(line.record, (T.StageSent, T.StageReceived))]
                 + [1])  # fmt: skip
-    skip_next_nack: set[int] = set()
-    for n, r, rank in lines:
-        event = r.get("event", "")
-        task_id = r.get("task_id") or ""
-        if task_id in skip_tasks:
-            dropped["Status/Shutdown"] += 1
+    tags = next((tuple(line.record.tags) for _, line in ours
+                 if isinstance(line.record, (T.StageStarting, T.StageRestarted, T.WorkerStarted))), DEFAULT_TAGS)  # fmt: skip
+    for n, line in ours:
+        record = line.record
+        kind = RECORD_EVENTS.get(type(record))
+        if getattr(record, "task_id", None) in skip_tasks:
+            dropped["Status/Shutdown/Profile"] += 1
             continue
-        if rank is None:
-            ev = _engine_event(n, r, event, task_id, tasks, first_send, worker_cmd)
-        else:
-            if event == "bad_message":
-                skip_next_nack.add(rank)
-                ev = None
-            elif event == "send:Nack" and rank in skip_next_nack:
-                skip_next_nack.discard(rank)
-                dropped["bad_message"] += 1
-                continue
-            else:
-                ev = _worker_event(n, r, rank, event, task_id, tasks)
-        if ev is None:
-            dropped[event or "?"] += 1
+        if kind is None or getattr(record, "fenced", False) or getattr(record, "to_bad_bytes", False):
+            dropped[line.kind] += 1
             continue
-        events.append(ev)
+        events.append(_event(kind, n, line, tasks))
     _note_unmodelled(events)
-    return _finish(stage, events, ranks, tasks, dropped)
+    trace = _finish(stage, events, ranks, tasks, dropped)
+    trace.tags = tags
+    return trace
+
+
+def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> TraceEvent:
+    """The event of one record: the fields its action compares, taken as they are."""
+    r: Any = line.record
+    ev = TraceEvent(kind, n, line, rank=getattr(r, "rank", line.rank), epoch=getattr(r, "epoch", line.epoch))
+    task_id = getattr(r, "task_id", None) or getattr(r, "request_id", "")
+    ev.task = _task_number(task_id, tasks, assign=kind in ("issue", "dispatch", "send"))
+    if line.is_engine:
+        ev.state = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
+        ev.before = getattr(r, "before", UNKNOWN)
+        if kind in ("issue", "send"):
+            ev.cmd, ev.level, ev.tags = r.command, r.level, _wire_tags(r.command, r.tags)
+        elif kind == "recv":
+            ev.cmd, ev.wstate, ev.info = r.reply, r.worker_state or UNKNOWN, r.info or UNKNOWN
+    else:
+        ev.rank = line.rank
+        ev.wstate = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
+        ev.before = getattr(r, "before", UNKNOWN)
+        ev.cmd = getattr(r, "reply", None) or _command_of(r) or UNKNOWN
+    return ev
 
 
 def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, int], dropped: Counter,
@@ -215,29 +208,30 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
         faults.append("error")
     if resent:
         faults.append("dup")
-    if any(e.kind == "state" and (e.state == "FAILED" or (e.before, e.state) == ("DRAINING", "RUNNING"))
-           for e in events):  # fmt: skip
-        faults.append("timeout")  # a deadline may have passed (it logs only the state change)
+    if any(e.kind == "deadline" for e in events):
+        faults.append("timeout")  # a deadline passed: the spec lets one pass while a reply is on its way
+    if any(e.kind == "refused" for e in events):
+        faults.append("badsource")  # a reload source the runner refused
     max_epoch = max([e.epoch for e in events] + [min_epoch])
     return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
                       dropped, max_requests=max_in_flight(events, ranks))  # fmt: skip
 
 
 def max_in_flight(events: Iterable[TraceEvent], ranks: int) -> int:
-    """The most requests in flight at once, as the spec counts them: from a request's first
-    Execute send until the engine has taken a Result or Nack of it from every rank, or the
+    """The most requests in flight at once, as the spec counts them: from a request's
+    dispatch until the engine has taken a Result or Nack of it from every rank, or the
     stage failed or restarted (at least 1)."""
     in_flight: dict[int, set[int]] = {}  # request task -> ranks whose answer the engine took
     most = 1
     for ev in events:
-        if ev.kind == "send" and ev.cmd == "Execute" and ev.task not in in_flight:
+        if ev.kind == "dispatch" and ev.task not in in_flight:
             in_flight[ev.task] = set()
             most = max(most, len(in_flight))
         elif ev.kind == "recv" and ev.task in in_flight and ev.cmd in ("result", "nack"):
             in_flight[ev.task].add(ev.rank)
             if len(in_flight[ev.task]) >= ranks:
                 del in_flight[ev.task]
-        elif ev.kind == "state" and (ev.state == "FAILED" or ev.info == "restart"):
+        elif (ev.kind in ("state", "deadline") and ev.state == "FAILED") or ev.kind == "restart":
             in_flight.clear()
     return most
 
@@ -261,7 +255,7 @@ def _note_unmodelled(events: list[TraceEvent]) -> None:
 
 CHUNK_EVENTS = 400
 SETTLED = ("RUNNING", "SLEEPING", "PARTIAL", "NEEDS_RELOAD")
-ENGINE_KINDS = ("recv", "send", "state", "died")
+ENGINE_KINDS = ("issue", "dispatch", "send", "recv", "state", "deadline", "restart", "died")
 
 
 def _is_commit(ev: TraceEvent) -> bool:
@@ -342,6 +336,7 @@ def part(trace: StageTrace, chunks: list[list[TraceEvent]], index: int) -> Stage
     out = _finish(trace.stage, renumbered, trace.ranks, tasks, trace.dropped if index == 0 else Counter(),
                   max(previous + [0]))  # fmt: skip
     out.part, out.parts, out.chunk_end = index + 1, len(chunks), index + 1 < len(chunks)
+    out.tags = trace.tags
     return out
 
 
@@ -355,72 +350,13 @@ def _task_number(task_id: str, tasks: dict[str, int], *, assign: bool) -> int:
     return tasks[task_id]
 
 
-def _wire_tags(record: dict[str, Any]) -> tuple[str, ...] | None:
-    if "tags" not in record or record.get("msg") not in ("Sleep", "Wake"):
-        return None  # not traced (an older trace), or a command without tags
-    tags = record["tags"]
+def _wire_tags(command: str, tags: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    if command not in ("Sleep", "Wake"):
+        return None  # a command without tags
     return ("all",) if tags is None else tuple(sorted(tags))
 
 
-def _engine_event(n: int, r: dict[str, Any], event: str, task_id: str, tasks: dict[str, int],
-                  first_send: dict[str, dict[str, Any]], worker_cmd: dict[str, str]) -> TraceEvent | None:  # fmt: skip
-    rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
-    epoch = int(r.get("epoch") or 0)
-    state = r.get("state") or UNKNOWN
-    if event == "state":
-        new = bool(task_id) and task_id not in tasks
-        ev = TraceEvent("state", n, r, task=_task_number(task_id, tasks, assign=True), epoch=epoch,
-                        state=state, before=r.get("before") or UNKNOWN, info=r.get("why") or UNKNOWN)  # fmt: skip
-        if new:  # the step that issues this task: what it sends comes from its first send
-            send = first_send.get(task_id)
-            if send is not None:
-                ev.cmd = send.get("msg") or UNKNOWN
-                ev.level = int(send.get("level") or 0) if send.get("msg") == "Sleep" else 0
-                ev.tags = _wire_tags(send)
-            elif task_id in worker_cmd:
-                ev.cmd = worker_cmd[task_id]
-            elif state == "DRAINING":
-                ev.cmd = "Sleep"
-        return ev
-    if event == "send":
-        msg = r.get("msg") or UNKNOWN
-        return TraceEvent("send", n, r, rank=rank, task=_task_number(task_id, tasks, assign=True),
-                          epoch=epoch, cmd=msg, state=state,
-                          level=int(r.get("level") or 0) if msg == "Sleep" else 0, tags=_wire_tags(r))  # fmt: skip
-    if event == "recv":
-        msg = r.get("msg") or UNKNOWN
-        info = r.get("status") if msg == "Ack" else r.get("reason") if msg == "Nack" else None
-        return TraceEvent("recv", n, r, rank=rank, task=_task_number(task_id, tasks, assign=False),
-                          epoch=epoch, cmd=REPLY_KINDS.get(msg, msg), state=state,
-                          wstate=r.get("worker_state") or UNKNOWN, info=info or UNKNOWN)  # fmt: skip
-    if event == "rank_died":
-        return TraceEvent("died", n, r, rank=rank, epoch=epoch, state=state)
-    return None  # spawn, auto_wake, bad_reply
-
-
-def _worker_event(n: int, r: dict[str, Any], rank: int, event: str, task_id: str,
-                  tasks: dict[str, int]) -> TraceEvent | None:  # fmt: skip
-    epoch = int(r.get("epoch") or 0)
-    state = r.get("state") or UNKNOWN
-    task = _task_number(task_id, tasks, assign=False)
-    kind, _, name = event.partition(":")
-    if event == "start":
-        return TraceEvent("start", n, r, rank=rank, epoch=epoch, wstate=state)
-    if event == "state":
-        return TraceEvent("wstate", n, r, rank=rank, task=task, epoch=epoch, wstate=state,
-                          before=r.get("previous") or UNKNOWN)  # fmt: skip
-    if kind == "recv" and name:
-        return TraceEvent("wrecv", n, r, rank=rank, task=task, epoch=epoch, cmd=name, wstate=state)
-    if kind in ("done", "error") and name:
-        return TraceEvent(kind, n, r, rank=rank, task=task, epoch=epoch,
-                          cmd=EFFECT_COMMANDS.get(name, name), wstate=state)  # fmt: skip
-    if kind == "send" and name:
-        return TraceEvent("wsend", n, r, rank=rank, task=task, epoch=epoch,
-                          cmd=REPLY_KINDS.get(name, name), wstate=state)  # fmt: skip
-    return None  # parent_gone, ...
-
-
-def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def load(path: str | os.PathLike[str]) -> list[T.TraceLine]:
     return read_trace(path)
 
 
@@ -442,6 +378,8 @@ def render_module(trace: StageTrace) -> str:
 def render_config(trace: StageTrace, invariants: Iterable[str] = ()) -> str:
     faults = "{" + ", ".join(_str(f) for f in trace.faults) + "}"
     names = "\n    ".join(["TraceAccepted", *invariants])
+    tags = "{" + ", ".join(_str(t) for t in trace.tags) + "}"
+    calls = "{" + ", ".join(_str(t) for t in ("all", *trace.tags)) + "}"  # "all": tags=None
     return f"""\\* GENERATED by omni_core/formal/trace_export.py for stage {trace.stage!r}
 INIT TraceInit
 NEXT TraceNext
@@ -452,8 +390,9 @@ CONSTANTS
     Faults = {faults}
     MaxFaults = {trace.max_faults}
     SleepLevels = {{1, 2}}
-    SleepTags = {{"all", "weights", "kv_cache"}}
-    WakeTags = {{"all", "weights", "kv_cache"}}
+    Tags = {tags}
+    SleepTags = {calls}
+    WakeTags = {calls}
     Requests = TRUE
     MaxRequests = {trace.max_requests}
     SerialShell = TRUE

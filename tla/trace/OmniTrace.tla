@@ -4,22 +4,21 @@
 (* a behaviour of OmniSleep?                                                *)
 (*                                                                         *)
 (* `Trace` (module TraceData, GENERATED per stage or chunk by               *)
-(* omni_core/formal/trace_export.py from the JSON-lines trace) is the       *)
-(* stage's projected events in file order. Each step consumes Trace[i] by   *)
-(* taking the OmniSleep action it names (the spec's own actions, unchanged) *)
-(* and comparing what was logged with the spec's variables: the stage state *)
-(* and epoch on every engine line, the worker state on every worker line,   *)
-(* the reply's kind, state and status on every receipt.                     *)
+(* omni_core/formal/trace_export.py from the typed records of a run,        *)
+(* omni_core/fsm/trace_records.py) is the stage's events in file order.     *)
+(* Each record kind is one action here: a step consumes Trace[i] by taking  *)
+(* the OmniSleep action its kind names (the spec's own actions, unchanged)  *)
+(* and comparing what was recorded with the spec's variables: the stage     *)
+(* state and epoch on every engine record, the worker state on every worker *)
+(* record, the reply's kind, state and status on every receipt.            *)
 (*                                                                         *)
-(* One process's line can come after the line of a step it caused in       *)
-(* another (a worker writes "send:Ack" after sending, the engine may log    *)
-(* the receipt first), so each action is mapped to the line its process    *)
-(* writes BEFORE any message of that action leaves: the engine's "state"   *)
-(* and first "send" lines, the worker's "recv:", "done:" and "start" lines, *)
-(* the engine's "recv" line. Lines written after the step (the engine's     *)
-(* further "send" lines and its "state" line of a change made by a receipt,*)
-(* the worker's "state" and "send:" lines) are checks. The engine writes   *)
-(* them in a fixed order, so the checks are obligations: a stage change    *)
+(* The cores write each record before any message of its action leaves:    *)
+(* the engine's issue, dispatch, recv, deadline, restart and died records, *)
+(* the worker's start, wrecv, done, error and refused records are actions. *)
+(* Records of what a step already did (the engine's send records and the   *)
+(* state record of a change made by a receipt, the worker's wstate and     *)
+(* wsend records) are checks. The cores return them in a fixed order, so   *)
+(* the checks are obligations: a stage change                              *)
 (* must be logged by the next engine line, every command the engine put on *)
 (* the network must be logged as sent before the engine does anything else *)
 (* and before a rank receives it, a worker state change must be logged     *)
@@ -46,8 +45,6 @@ NoOwed == [b |-> NoVal, s |-> NoVal]
 Change(before, after) == IF before = after THEN NoOwed ELSE [b |-> before, s |-> after]
 E == Trace[i]
 TagsOf(tg) == IF tg = {"all"} THEN Tags ELSE tg       \* tags=None on the wire: every tag
-Levels(lvl) == IF lvl = 0 THEN {1, 2} ELSE {lvl}
-TagChoices(tg) == IF tg = {Unlogged} THEN {{Weights}, {KV}, Tags} ELSE {TagsOf(tg)}
 
 (* A long trace is replayed in chunks (trace_export.split). A chunk after the first starts
    from the state the previous one ended in (Carried: TLC printed it, the checker pastes
@@ -82,7 +79,7 @@ WorkerFree(r) == wowed[r] = NoOwed
 -----------------------------------------------------------------------------
 (* ============================== engine lines ============================ *)
 
-(* "recv": the orchestrator takes a reply (Ack, Nack, Result) or a Hello. *)
+(* recv (StageReceived): the orchestrator takes a reply (Ack, Nack, Result) or a Hello. *)
 EngineRecv ==
     /\ E.k = "recv" /\ EngineFree /\ sstate = E.s
     /\ \E m \in net :
@@ -94,58 +91,72 @@ EngineRecv ==
     /\ UNCHANGED wowed
     /\ Advance
 
-(* A lifecycle command: the orchestrator's call, as the spec issues it. *)
-Issue(c, lvl, tg) ==
-    \/ c \in {"Sleep", Unlogged} /\ \E l \in Levels(lvl), t \in TagChoices(tg) : IssueSleep(l, t)
-    \/ c \in {"Wake", Unlogged} /\ \E t \in TagChoices(tg) : IssueWake(t)
-    \/ c \in {"ReloadWeights", Unlogged} /\ IssueReload
+(* An action of the engine's own that leaves the stage in E.s; what it sends is owed. *)
+EngineStep(action) ==
+    /\ EngineFree /\ sstate = E.b
+    /\ action
+    /\ sstate' = E.s /\ sepoch' = E.e
+    /\ OweSends
+    /\ UNCHANGED owedState
 
-(* "state": the stage changed state. Either the change a step already made (owed), or a
-   step of its own: a restart, a new lifecycle task, or a deadline (which logs nothing
-   else). *)
+(* issue (StageIssued): a lifecycle call, as the spec issues it (ALREADY included). *)
+EngineIssue ==
+    /\ E.k = "issue" /\ E.t = nextTask
+    /\ EngineStep(\/ E.c = "Sleep" /\ IssueSleep(E.lvl, TagsOf(E.tg))
+                  \/ E.c = "Wake" /\ IssueWake(TagsOf(E.tg))
+                  \/ E.c = "ReloadWeights" /\ IssueReload)
+    /\ UNCHANGED wowed
+    /\ Advance
+
+(* restart (StageRestarted): fresh ranks under a new epoch; the old processes are gone. *)
+EngineRestart ==
+    /\ E.k = "restart" /\ EngineStep(Restart)
+    /\ wowed' = [r \in Ranks |-> NoOwed]
+    /\ Advance
+
+(* deadline (StageDeadline): a start, a task, a drain or a request ran out of time. *)
+EngineDeadline ==
+    /\ E.k = "deadline" /\ EngineStep(Deadline)
+    /\ UNCHANGED wowed
+    /\ Advance
+
+(* state (StageChanged): logs the change the engine's last step made. *)
 EngineState ==
-    /\ E.k = "state"
-    /\ \/ /\ owedState = [b |-> E.b, s |-> E.s] /\ sepoch = E.e
-          /\ owedState' = NoOwed
-          /\ UNCHANGED <<vars, owedSends, wowed>>
-       \/ /\ EngineFree /\ sstate = E.b
-          /\ \/ /\ E.x = "restart" /\ Restart
-                /\ wowed' = [r \in Ranks |-> NoOwed]     \* the old processes are gone
-             \/ /\ E.x # "restart" /\ E.t = nextTask /\ Issue(E.c, E.lvl, E.tg)
-                /\ UNCHANGED wowed
-             \/ /\ E.x # "restart" /\ E.t # nextTask /\ Deadline
-                /\ UNCHANGED wowed
-          /\ sstate' = E.s /\ sepoch' = E.e
-          /\ owedState' = NoOwed
-          /\ OweSends
+    /\ E.k = "state" /\ owedState = [b |-> E.b, s |-> E.s] /\ sepoch = E.e
+    /\ owedState' = NoOwed
+    /\ UNCHANGED <<vars, owedSends, wowed>>
+    /\ Advance
+
+(* dispatch (StageDispatched): a request goes to every rank at once. *)
+EngineDispatch ==
+    /\ E.k = "dispatch" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ E.t = nextTask
+    /\ IssueExecute
+    /\ OweSends
+    /\ UNCHANGED <<owedState, wowed>>
     /\ Advance
 
 (* A retry with the same task id re-sends the command to the ranks that have not
    answered; an identical message again is what the spec's network duplication is
    (Deliver with keep = TRUE), so a re-send is replayed as one: the copy stays on the
    network when the first one is received (and its cached reply when the engine takes the
-   first), within the "dup" budget the projection counts from the re-sent lines. *)
+   first), within the "dup" budget the projection counts from the re-sent records. *)
 Resent(fits(_)) == "dup" \in Faults /\ \E m \in net \ owedSends : fits(m)
 
-(* "send": the first send of a request issues it (Execute goes to every rank at once);
-   any other send logs one of the commands a step put on the network. *)
+(* send (StageSent): logs one of the commands a step put on the network, or a re-send. *)
 EngineSend ==
     /\ E.k = "send" /\ owedState = NoOwed /\ sstate = E.s /\ sepoch = E.e
     /\ LET fits(m) == /\ m.kind = "cmd" /\ m.type = E.c /\ m.task = E.t /\ m.rank = E.r
                       /\ m.epoch = E.e
                       /\ E.lvl # 0 => m.level = E.lvl
                       /\ E.tg # {Unlogged} => m.tags = TagsOf(E.tg)
-       IN \/ /\ E.c = "Execute" /\ E.t = nextTask /\ owedSends = {}
-             /\ IssueExecute
-             /\ \E m \in net' \ net : fits(m) /\ owedSends' = (net' \ net) \ {m}
-          \/ /\ \E m \in owedSends : fits(m) /\ owedSends' = owedSends \ {m}
+       IN \/ /\ \E m \in owedSends : fits(m) /\ owedSends' = owedSends \ {m}
              /\ UNCHANGED vars
           \/ /\ Resent(fits)
              /\ UNCHANGED <<vars, owedSends>>
     /\ UNCHANGED <<owedState, wowed>>
     /\ Advance
 
-(* "rank_died": the orchestrator saw rank E.r's process end (StageCore.on_rank_died);
+(* died (RankDied): the orchestrator saw rank E.r's process end (StageCore.on_rank_died);
    a stage already FAILED or STOPPED ignores it. *)
 EngineDied ==
     /\ E.k = "died" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ ~alive[E.r]
@@ -165,7 +176,7 @@ HiddenCrash ==
 -----------------------------------------------------------------------------
 (* ============================== worker lines ============================ *)
 
-(* "start": the rank loaded its runner (ACTIVE), or loading raised (FAILED); the Hello,
+(* start (WorkerStarted): the rank loaded its runner (ACTIVE), or loading raised (FAILED); the Hello,
    carrying that state, goes out. *)
 WorkerStart ==
     /\ E.k = "start" /\ WorkerFree(E.r) /\ wepoch[E.r] = E.e
@@ -174,8 +185,8 @@ WorkerStart ==
     /\ UNCHANGED <<owedState, owedSends, wowed>>
     /\ Advance
 
-(* "recv:<Command>": WorkerCore.on_command, logged with the state before it. The engine
-   logs a send before the command leaves, so an unlogged command cannot be received. *)
+(* wrecv (WorkerReceived): WorkerCore.on_command, with the state before it. The engine
+   records a send before the command leaves, so an unrecorded command cannot be received. *)
 WorkerRecv ==
     /\ E.k = "wrecv" /\ WorkerFree(E.r) /\ wstate[E.r] = E.w
     /\ \E m \in net \ owedSends :
@@ -185,7 +196,7 @@ WorkerRecv ==
     /\ UNCHANGED <<owedState, owedSends>>
     /\ Advance
 
-(* "done:<Command>" / "error:<Command>": the effect finished or raised, logged with the
+(* done / error (EffectDone, EffectFailed): the effect finished or raised, with the
    state after it. *)
 WorkerDone ==
     /\ E.k \in {"done", "error"} /\ WorkerFree(E.r)
@@ -196,14 +207,24 @@ WorkerDone ==
     /\ UNCHANGED <<owedState, owedSends>>
     /\ Advance
 
-(* "state" of a worker: logs the change its last step made. *)
+(* refused (EffectRefused): the runner refused the reload's source before writing. *)
+WorkerRefused ==
+    /\ E.k = "refused" /\ WorkerFree(E.r)
+    /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
+    /\ Refused(E.r)
+    /\ wstate'[E.r] = E.w
+    /\ OweWorker(E.r)
+    /\ UNCHANGED <<owedState, owedSends>>
+    /\ Advance
+
+(* wstate (WorkerChanged): logs the change the worker's last step made. *)
 WorkerState ==
     /\ E.k = "wstate" /\ wowed[E.r] = [b |-> E.b, s |-> E.w]
     /\ wowed' = [wowed EXCEPT ![E.r] = NoOwed]
     /\ UNCHANGED <<vars, owedState, owedSends>>
     /\ Advance
 
-(* "send:<Reply>": a reply (or Hello) of that kind for that task left this rank. *)
+(* wsend (ReplySent): a reply (or Hello) of that kind for that task left this rank. *)
 WorkerSend ==
     /\ E.k = "wsend" /\ WorkerFree(E.r)
     /\ IF E.c = "hello"
@@ -216,8 +237,9 @@ WorkerSend ==
 
 TraceNext ==
     \/ /\ i <= Len(Trace)
-       /\ \/ EngineRecv \/ EngineState \/ EngineSend \/ EngineDied
-          \/ WorkerStart \/ WorkerRecv \/ WorkerDone \/ WorkerState \/ WorkerSend
+       /\ \/ EngineRecv \/ EngineIssue \/ EngineRestart \/ EngineDeadline \/ EngineState
+          \/ EngineDispatch \/ EngineSend \/ EngineDied
+          \/ WorkerStart \/ WorkerRecv \/ WorkerDone \/ WorkerRefused \/ WorkerState \/ WorkerSend
     \/ HiddenCrash
 
 TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars>>
