@@ -153,8 +153,8 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     ranks = max([line.rank + 1 for _, line in ours]
                 + [line.record.rank + 1 for _, line in ours if isinstance(line.record, (T.StageSent, T.StageReceived))]
                 + [1])  # fmt: skip
-    tags = next((tuple(line.record.tags) for _, line in ours
-                 if isinstance(line.record, (T.StageStarting, T.StageRestarted, T.WorkerStarted))), DEFAULT_TAGS)  # fmt: skip
+    starts = (T.StageStarting, T.StageRestarted, T.WorkerStarted)  # they name the stage's tags
+    tags = next((tuple(line.record.tags) for _, line in ours if isinstance(line.record, starts)), DEFAULT_TAGS)
     for n, line in ours:
         record = line.record
         kind = RECORD_EVENTS.get(type(record))
