@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import os
 import signal
 import threading
@@ -23,6 +24,7 @@ from omni_core.engine import (
     StageFailedError,
     StageSpec,
 )
+from omni_core.fsm import trace_records as T
 from omni_core.trace import read_trace
 from tests.engine.conftest import (
     AT_ONCE_BOUND_S,
@@ -50,11 +52,15 @@ def test_demo_scenario_passes_and_traces_every_node(tmp_path) -> None:
     for step in ("2 sleep L1", "3 wake", "4 sleep L2", "4 reload", "5 reject", "5 queue", "5 wake"):
         assert step in text
     records = read_trace(trace)
-    nodes = {r["node"] for r in records}
-    assert "engine" in nodes
-    assert len(nodes) >= 4, nodes  # the engine and three ranks
-    states = [r["state"] for r in records if r["node"] == "engine" and r["event"] == "state"]
+    nodes = {(r.stage, r.rank) for r in records}
+    assert {r.pid for r in records if r.is_engine} == {os.getpid()}
+    assert len(nodes) >= 5, nodes  # the engine for each of two stages, and three ranks
+    states = [r.record.after for r in records if isinstance(r.record, (T.StageChanged, T.StageIssued))]
     assert "SLEEPING" in states and "NEEDS_RELOAD" in states
+    for pid in {r.pid for r in records}:  # program order, one clock per process
+        mine = [r for r in records if r.pid == pid]
+        assert [r.seq for r in mine] == list(range(len(mine)))
+        assert all(a.mono_s <= b.mono_s for a, b in itertools.pairwise(mine))
 
 
 def test_rank_killed_mid_sleep_fails_the_stage_naming_it_and_restart_recovers(engine_factory) -> None:
@@ -279,12 +285,13 @@ def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(engi
         assert request.result(timeout=10) == reference
     engine.wake("s")
     assert engine.execute("s", PROBE) == reference
-    events = [r for r in read_trace(trace) if r["node"] == "engine"]
-    executes = [r["task_id"] for r in events if r["event"] == "send" and r["msg"] == "Execute" and r["rank"] == 1]
+    events = [r.record for r in read_trace(trace) if r.is_engine]
+    sent = [r for r in events if isinstance(r, T.StageSent)]
+    executes = [r.task_id for r in sent if r.command == "Execute" and r.rank == 1]
     held = executes[1]  # the request sent while rank 1 was stopped
-    answered_at = next(i for i, r in enumerate(events) if r["event"] == "recv" and r["task_id"] == held
-                       and r["rank"] == 1)  # fmt: skip
-    sleep_sent_at = next(i for i, r in enumerate(events) if r["event"] == "send" and r["msg"] == "Sleep")
+    answered_at = next(i for i, r in enumerate(events) if isinstance(r, T.StageReceived) and r.task_id == held
+                       and r.rank == 1)  # fmt: skip
+    sleep_sent_at = next(i for i, r in enumerate(events) if isinstance(r, T.StageSent) and r.command == "Sleep")
     assert answered_at < sleep_sent_at, "Sleep was sent before rank 1 answered the request in flight"
 
 

@@ -11,9 +11,7 @@ was answered, must be rejected at the tampered line.
 from __future__ import annotations
 
 import asyncio
-import copy
 import io
-import json
 import os
 import signal
 import threading
@@ -25,7 +23,8 @@ from omni_core.demo import Demo
 from omni_core.engine import AsyncEngine, Engine, StageFailedError
 from omni_core.formal import check, trace_check, trace_export
 from omni_core.formal.tlc import TlcNotFoundError, find_jar, find_java
-from omni_core.trace import read_trace
+from omni_core.fsm import trace_records as T
+from omni_core.trace import TraceFormatError, decode_line, encode_line, read_trace
 from tests.engine.conftest import PROBE, rank_pid, resume, small_spec, wait_for
 
 try:
@@ -46,21 +45,29 @@ def demo_trace(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def demo_records(demo_trace) -> list[dict]:
+def demo_records(demo_trace) -> list[T.TraceLine]:
     return read_trace(demo_trace)
 
 
-def _engine_line(record: dict, event: str, stage: str = "talker") -> bool:
-    return record["node"] == "engine" and record.get("stage") == stage and record["event"] == event
+def _copy(lines: list[T.TraceLine]) -> list[T.TraceLine]:
+    return [decode_line(encode_line(line)) for line in lines]
 
 
-def _first_sleeping(records: list[dict]) -> int:
-    """Index of the talker's first state change to SLEEPING (the commit of its first sleep)."""
-    return next(i for i, r in enumerate(records) if _engine_line(r, "state") and r["state"] == "SLEEPING")
+def _engine_line(line: T.TraceLine, kind: type, stage: str = "talker") -> bool:
+    return line.is_engine and line.stage == stage and isinstance(line.record, kind)
 
 
-def _last_ack_before(records: list[dict], index: int) -> int:
-    return max(i for i in range(index) if _engine_line(records[i], "recv") and records[i]["msg"] == "Ack")
+def _first_sleeping(records: list[T.TraceLine]) -> int:
+    """Index of the talker's first commit to SLEEPING (the end of its first sleep)."""
+    return next(i for i, r in enumerate(records) if _engine_line(r, T.StageChanged) and r.record.after == "SLEEPING")
+
+
+def _received(line: T.TraceLine, reply: str, stage: str = "talker") -> bool:
+    return _engine_line(line, T.StageReceived, stage) and line.record.reply == reply
+
+
+def _last_ack_before(records: list[T.TraceLine], index: int) -> int:
+    return max(i for i in range(index) if _received(records[i], "ack"))
 
 
 def _assert_accepted(verdicts: list[trace_check.TraceVerdict]) -> None:
@@ -78,23 +85,28 @@ def test_projection_maps_lines_to_events_and_drops_what_the_spec_does_not_model(
     talker = trace_export.project(demo_records, "talker")
     assert talker.ranks == 2 and talker.max_epoch == 0 and talker.faults == [] and talker.max_faults == 0
     kinds = {e.kind for e in talker.events}
-    assert kinds == {"recv", "send", "state", "start", "wrecv", "wstate", "done", "wsend"}, kinds
-    assert talker.dropped["spawn"] == 2  # the auto-wake is the core's: logged as its state and sends
-    assert not any("shutdown" in (e.record.get("task_id") or "") for e in talker.events)
-    assert not any(e.record.get("node", "").startswith("decoder") for e in talker.events)
-    # Tasks are numbered in the order the engine first names them; a new lifecycle task's
-    # state line carries the command of its first send.
+    assert kinds == {"issue", "dispatch", "send", "recv", "state", "start", "wrecv", "wstate", "done", "wsend"}, kinds
+    # Each event is its record: the kind names the action, nothing is read off other lines.
+    assert all(trace_export.RECORD_EVENTS[type(e.record.record)] == e.kind for e in talker.events)
+    assert talker.dropped["RankSpawned"] == 2 and talker.dropped["StageStarting"] == 1
+    assert not any("shutdown" in getattr(e.record.record, "task_id", "") for e in talker.events)
+    assert {e.record.stage for e in talker.events} == {"talker"}
+    # Tasks are numbered in the order the engine first names them; a lifecycle call is its
+    # own record, with its command, level and tags (ALREADY included: the second sleep).
     assert sorted(talker.tasks.values()) == list(range(1, len(talker.tasks) + 1))
-    issues = [e for e in talker.events if e.kind == "state" and e.cmd != trace_export.UNKNOWN]
-    assert [e.cmd for e in issues] == ["Sleep", "Wake", "Sleep", "Wake", "Sleep", "Wake"]
+    issues = [e for e in talker.events if e.kind == "issue"]
+    assert [e.cmd for e in issues] == ["Sleep", "Sleep", "Wake", "Sleep", "Wake", "Sleep", "Wake"]
+    assert [e.before == e.state for e in issues] == [False, True, False, False, False, False, False]
     assert all(e.level == 1 and e.tags == ("all",) for e in issues if e.cmd == "Sleep")
+    assert issues[-1].record.record.auto  # the request that woke the stage (admission "wake")
     decoder = trace_export.project(demo_records, "decoder")
-    assert [e.level for e in decoder.events if e.kind == "state" and e.cmd == "Sleep"] == [2]
+    assert [e.level for e in decoder.events if e.kind == "issue" and e.cmd == "Sleep"] == [2]
     assert "ReloadWeights" in {e.cmd for e in decoder.events if e.kind == "done"}
     module = trace_export.render_module(talker)
     assert module.startswith("---- MODULE TraceData ----") and module.count("[k |-> ") == len(talker.events)
     config = trace_export.render_config(talker, trace_check.SPEC_INVARIANTS)
     assert "Ranks = {0, 1}" in config and "TraceAccepted" in config and "P5_CommitOnlyOnAllAcks" in config
+    assert 'Tags = {"weights", "kv_cache"}' in config and 'SleepTags = {"all", "weights", "kv_cache"}' in config
 
 
 def test_progress_lines_are_read_back_even_when_tlc_breaks_them() -> None:
@@ -207,8 +219,8 @@ def concurrent_trace(tmp_path_factory) -> Path:
 def test_many_requests_in_flight_across_a_drained_sleep_are_accepted(concurrent_trace) -> None:
     records = read_trace(concurrent_trace)
     trace = trace_export.project(records, "s")
-    changes = [(e.before, e.state) for e in trace.events if e.kind == "state" and e.before != "?"]
-    assert ("RUNNING", "DRAINING") in changes and ("DRAINING", "TRANSITIONING") in changes, changes
+    changes = [(e.kind, e.before, e.state) for e in trace.events if e.kind in ("issue", "state")]
+    assert ("issue", "RUNNING", "DRAINING") in changes and ("state", "DRAINING", "TRANSITIONING") in changes, changes
     assert trace.max_requests >= 4  # the drained ones; the queued ones go out together after the wake
     assert "MaxRequests = " + str(trace.max_requests) in trace_export.render_config(trace)
     assert not any(e.note for e in trace.events)
@@ -223,8 +235,9 @@ def test_a_sleep_released_before_the_last_request_is_answered_is_rejected(concur
     before the engine took the last answer to a request in flight."""
     records = read_trace(concurrent_trace)
     drained = ("DRAINING", "TRANSITIONING")
-    k = next(i for i, r in enumerate(records) if _engine_line(r, "state", "s") and (r["before"], r["state"]) == drained)
-    j = max(i for i in range(k) if _engine_line(records[i], "recv", "s") and records[i]["msg"] == "Result")
+    k = next(i for i, r in enumerate(records)
+             if _engine_line(r, T.StageChanged, "s") and (r.record.before, r.record.after) == drained)  # fmt: skip
+    j = max(i for i in range(k) if _received(records[i], "result", "s"))
     records.insert(j, records.pop(k))
     [verdict] = trace_check.validate_records(records, "s")
     print(verdict.line())
@@ -286,9 +299,9 @@ def test_a_long_trace_is_replayed_in_chunks_each_starting_where_the_last_ended(d
     verdicts = trace_check.validate_records(demo_records, "talker", chunk_events=40)
     assert [v.stage for v in verdicts] == [f"talker [{i}/{len(chunks)}]" for i in range(1, len(chunks) + 1)]
     _assert_accepted(verdicts)
-    records = copy.deepcopy(demo_records)
-    k = max(i for i, r in enumerate(records) if _engine_line(r, "state") and r["state"] == "SLEEPING")
-    records[k]["state"] = "PARTIAL"  # the talker's last commit
+    records = _copy(demo_records)
+    k = max(i for i, r in enumerate(records) if _engine_line(r, T.StageChanged) and r.record.after == "SLEEPING")
+    records[k].record.after = "PARTIAL"  # the talker's last commit
     verdicts = trace_check.validate_records(records, "talker", chunk_events=40)
     assert all(v.accepted for v in verdicts[:-1]) and not verdicts[-1].accepted
     assert len(verdicts) > 1 and verdicts[-1].event.startswith(f"line {k + 1}:"), verdicts[-1].line()
@@ -297,33 +310,33 @@ def test_a_long_trace_is_replayed_in_chunks_each_starting_where_the_last_ended(d
 # ---------------------------------------------------------------- tampered traces are rejected
 
 
-def _state_changed(records: list[dict]) -> tuple[list[dict], int]:
-    """The talker's first commit logs RUNNING instead of SLEEPING."""
-    out = copy.deepcopy(records)
+def _state_changed(records: list[T.TraceLine]) -> tuple[list[T.TraceLine], int]:
+    """The talker's first commit records RUNNING instead of SLEEPING."""
+    out = _copy(records)
     k = _first_sleeping(out)
-    out[k]["state"] = "RUNNING"
+    out[k].record.after = "RUNNING"
     return out, k
 
 
-def _ack_state_changed(records: list[dict]) -> tuple[list[dict], int]:
+def _ack_state_changed(records: list[T.TraceLine]) -> tuple[list[T.TraceLine], int]:
     """The last ACK of that sleep says the rank is ACTIVE."""
-    out = copy.deepcopy(records)
+    out = _copy(records)
     k = _last_ack_before(out, _first_sleeping(out))
-    out[k]["worker_state"] = "ACTIVE"
+    out[k].record.worker_state = "ACTIVE"
     return out, k
 
 
-def _ack_removed(records: list[dict]) -> tuple[list[dict], int]:
+def _ack_removed(records: list[T.TraceLine]) -> tuple[list[T.TraceLine], int]:
     """The last ACK of that sleep is gone: the commit that follows lacks a rank."""
-    out = copy.deepcopy(records)
+    out = _copy(records)
     k = _last_ack_before(out, _first_sleeping(out))
     del out[k]
     return out, _first_sleeping(out)
 
 
-def _swapped(records: list[dict]) -> tuple[list[dict], int]:
-    """The commit to SLEEPING is logged before the last ACK it needs."""
-    out = copy.deepcopy(records)
+def _swapped(records: list[T.TraceLine]) -> tuple[list[T.TraceLine], int]:
+    """The commit to SLEEPING is recorded before the last ACK it needs."""
+    out = _copy(records)
     k = _first_sleeping(out)
     j = _last_ack_before(out, k)
     out.insert(j, out.pop(k))
@@ -347,10 +360,16 @@ def test_a_tampered_demo_trace_is_rejected_at_the_tampered_line(demo_records, ta
 def test_check_cli_exit_codes(demo_records, tmp_path, capsys) -> None:
     records, _ = _swapped(demo_records)
     bad = tmp_path / "swapped.jsonl"
-    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    bad.write_bytes(b"".join(encode_line(r) for r in records))
     assert check.main(["--trace", str(bad), "--stage", "talker"]) == 1
     out = capsys.readouterr().out
     assert "DIVERGED at event" in out and "1 diverged" in out
     assert check.main(["--trace", str(bad), "--stage", "decoder"]) == 0  # the decoder's lines are untouched
     assert check.main(["--trace", str(bad), "--stage", "nope"]) == 2
     assert check.main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
+    old = tmp_path / "old.jsonl"  # a trace from before typed records: refused, saying so
+    old.write_text('{"seq":0,"time":1.0,"node":"engine","event":"state","task_id":"","epoch":0,"state":"RUNNING"}\n')
+    assert check.main(["--trace", str(old)]) == 2
+    assert "before typed records" in capsys.readouterr().out
+    with pytest.raises(TraceFormatError, match=r"old\.jsonl:1"):
+        read_trace(old)

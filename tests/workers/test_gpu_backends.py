@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 
+from omni_core.fsm.trace_records import EffectDone
 from omni_core.protocol import (
     Ack,
     Capability,
@@ -39,6 +40,7 @@ from omni_core.protocol import (
     Wake,
     WorkerState,
 )
+from omni_core.trace import read_trace
 from omni_core.workers.backends import cumem_unavailable_reason
 
 from ._harness import TestOrchestrator
@@ -236,8 +238,8 @@ def test_partial_sleeps_release_tag_by_tag(orch, worker, reference, trace_path, 
     wake = lifecycle(orch, worker, Wake(task_id=tid("w"), epoch=EPOCH), WorkerState.ACTIVE)
     assert run(orch, worker, EAGER).output["data"] == reference["eager"]
     assert run(orch, worker, GRAPH).output["data"] == reference["graph"]
-    with open(trace_path) as f:
-        paths = [line["sleep_path"] for line in map(json.loads, f) if line["event"] == "done:Sleep"]
+    paths = [line.record.path for line in read_trace(trace_path)
+             if isinstance(line.record, EffectDone) and line.record.command == "Sleep"]  # fmt: skip
     assert PARTIAL_SLEEP_PATHS[backend](paths), paths
     record(f"{backend}:partial_sleep", kv=figures(kv), weights=figures(weights), wake=figures(wake),
            sleep_paths=list(paths)[-2:], eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip

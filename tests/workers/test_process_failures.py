@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import msgspec
 import pytest
 
 from omni_core.protocol import Ack, Execute, Nack, NackReason, ReloadWeights, Shutdown, Sleep, Status, Wake, WorkerState
+from omni_core.trace import read_trace
 
 from ._harness import TestOrchestrator
 
@@ -146,5 +146,5 @@ def test_a_worker_whose_parent_dies_exits_on_its_own(orch, tmp_path):
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _gone(pid), f"worker {pid} outlived its parent by 60 s"
-    events = [json.loads(line)["event"] for line in trace.read_text().splitlines()]
-    assert events[0] == "start" and events[-1] == "parent_gone", events  # it ran, then left
+    events = [line.kind for line in read_trace(trace)]
+    assert events[0] == "WorkerStarted" and events[-1] == "ParentGone", events  # it ran, then left

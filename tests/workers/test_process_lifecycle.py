@@ -7,7 +7,6 @@ except the last, which shuts it down.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omni_core.fsm import trace_records as T
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -30,6 +30,7 @@ from omni_core.protocol import (
     Wake,
     WorkerState,
 )
+from omni_core.trace import read_trace
 
 from ._harness import TestOrchestrator
 
@@ -168,11 +169,12 @@ def test_shutdown_exits_cleanly(orch, worker, trace_path):
     reply = ack(orch.request(worker, Shutdown(task_id=tid("bye"), epoch=2)), WorkerState.STOPPED, "Shutdown")
     assert reply.memory is not None
     assert worker.exit_code(timeout_s=15) == 0
-    with open(trace_path) as f:
-        lines = [json.loads(line) for line in f]
-    assert [line["seq"] for line in lines] == list(range(len(lines)))
-    assert {"seq", "time", "node", "event", "task_id", "epoch", "state"} <= set(lines[0])
-    events = {line["event"] for line in lines}
-    assert {"start", "recv:Sleep", "send:Ack", "state", "bad_message", "done:Sleep", "done:Execute"} <= events
-    assert lines[-1]["state"] == "STOPPED" and lines[0]["node"] == "test/0"
-    assert all(line["node"] == "test/0" for line in lines) and os.path.getsize(trace_path) > 0
+    lines = read_trace(trace_path)
+    assert [line.seq for line in lines] == list(range(len(lines)))
+    assert {(line.stage, line.rank, line.epoch) for line in lines} == {("test", 0, 2)}
+    assert len({line.pid for line in lines}) == 1 and lines[0].pid != os.getpid()
+    seen = {(line.kind, getattr(line.record, "command", "")) for line in lines}
+    assert {("WorkerStarted", ""), ("WorkerReceived", "Sleep"), ("WorkerChanged", ""), ("BadMessage", ""),
+            ("EffectDone", "Sleep"), ("EffectDone", "Execute")} <= seen, seen  # fmt: skip
+    assert any(isinstance(line.record, T.ReplySent) and line.record.reply == "ack" for line in lines)
+    assert isinstance(lines[-1].record, T.ReplySent) and lines[-1].record.state == "STOPPED"
