@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for JSON, Markdown (and PNG) results")
     p.add_argument("--methods", action="append",
                    help="memory path: comma-separated methods (default limit,vllm,tms,cumem,fast; options as "
-                        "fast:wake=map-first,chunk_mib=64)")  # fmt: skip
+                        "fast:chunk_mib=64,streams=1)")  # fmt: skip
     p.add_argument("--workloads", action="append", help="memory path: comma-separated (default 1g,8g,32g,mixed)")
     p.add_argument("--reps", type=int, default=None, help="memory path: level-1 cycles per case (default 4)")
     p.add_argument("--case-timeout-s", type=float, default=420.0, help="memory path: limit per (method, workload)")

@@ -80,7 +80,7 @@ DEFAULT_WORKLOADS = ("1g", "8g", "32g", "mixed")
 
 
 def parse_method(spec: str) -> tuple[str, dict[str, str]]:
-    """'fast' or 'fast:wake=map-first,chunk_mib=64' -> ('fast', {...})."""
+    """'fast' or 'fast:chunk_mib=64,streams=1' -> ('fast', {...})."""
     name, _, rest = spec.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {list(METHODS)} (options after ':')")
@@ -153,8 +153,7 @@ class _Omni(_Method):
             from omni_core.workers.backends.fast import FastBackend
 
             chunk = int(options["chunk_mib"]) * MiB if "chunk_mib" in options else None
-            self.backend = FastBackend(device, chunk_bytes=chunk, wake_mode=options.get("wake"),
-                                       prepare=options.get("prepare"), arena_mode=options.get("arena"))  # fmt: skip
+            self.backend = FastBackend(device, chunk_bytes=chunk, prepare=options.get("prepare", "load"))
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")
             if "streams" in options:

@@ -2,7 +2,7 @@
 
 The same 8 GiB (256 allocations of 32 MiB in vLLM's CuMemAllocator) are copied host->device
 with the fast path's copy plan, varying one thing at a time: the host source (the
-registered arena, or a cudaHostAlloc buffer of the same size) and the device destination
+registered arena, or a cudaHostAlloc buffer of the same size, freed at the end) and the device destination
 (mapped long ago and written since, or mapped just now by vLLM's extension and never
 touched). A single copy into a plain cudaMalloc buffer and the device->host direction
 are the references. Prints one JSON object.
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from omni_core.workers.backends.fast import FastBackend, HostArena, plan_copies
+from omni_core.workers.backends.cumem import handle_of
+from omni_core.workers.backends.fast import FastBackend, plan_copies
 
 MiB = 1 << 20
 
@@ -37,14 +38,14 @@ def main(weights_gib: float = 8.0) -> dict[str, Any]:
     path, ops = backend.path, backend.path.ops
     allocs = path.allocations(["weights"])
     slots = path._slots
-    total = sum(d.handle[1] for _, d in allocs)
+    total = sum(handle_of(d).size for _, d in allocs)
     arena = slots[allocs[0][0]].arena
     started = time.perf_counter()
-    pinned = HostArena(total, ops, mode="hostalloc")
+    pinned_ptr = ops.host_alloc(total)
     out: dict[str, Any] = {"bytes": total, "allocations": len(allocs), "hostalloc_s": time.perf_counter() - started}
 
     def copy(base: int, to_device: bool) -> float:
-        spans = [(p, base + slots[p].offset, d.handle[1]) for p, d in allocs]
+        spans = [(p, base + slots[p].offset, handle_of(d).size) for p, d in allocs]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for k, c in enumerate(plan_copies(spans, path.chunk_bytes)):
@@ -65,13 +66,13 @@ def main(weights_gib: float = 8.0) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     out["d2h_arena_GBps"] = copy(arena.ptr, False)
-    out["d2h_hostalloc_GBps"] = copy(pinned.ptr, False)
+    out["d2h_hostalloc_GBps"] = copy(pinned_ptr, False)
     out["h2d_arena_into_warm_GBps"] = copy(arena.ptr, True)
-    out["h2d_hostalloc_into_warm_GBps"] = copy(pinned.ptr, True)
+    out["h2d_hostalloc_into_warm_GBps"] = copy(pinned_ptr, True)
     out["remap_all_s"] = remap()
     out["h2d_arena_into_fresh_GBps"] = copy(arena.ptr, True)
     remap()
-    out["h2d_hostalloc_into_fresh_GBps"] = copy(pinned.ptr, True)
+    out["h2d_hostalloc_into_fresh_GBps"] = copy(pinned_ptr, True)
     remap()
     for w in weights:
         w.zero_()
@@ -85,20 +86,19 @@ def main(weights_gib: float = 8.0) -> dict[str, Any]:
     out["zero_fresh_s"] = time.perf_counter() - t0
     plain = torch.empty(total, dtype=torch.uint8, device=device)
     plain.zero_()
-    for name, base in (("arena", arena.ptr), ("hostalloc", pinned.ptr)):
+    for name, base in (("arena", arena.ptr), ("hostalloc", pinned_ptr)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ops.copy(plain.data_ptr(), base, total, True, ops.streams[0])
         torch.cuda.synchronize()
         out[f"h2d_{name}_one_copy_plain_GBps"] = total / (time.perf_counter() - t0) / 1e9
-    # the backend's own wake, both modes, for reference
-    for mode in ("pipelined", "map-first"):
-        path.wake_mode = mode
-        backend.sleep({"weights"}, set())
-        t0 = time.perf_counter()
-        backend.wake({"weights"})
-        out[f"wake_{mode}_GBps"] = total / (time.perf_counter() - t0) / 1e9
-        out[f"wake_{mode}_map_s"] = path.stats.last["map_s"]
+    # the backend's own wake, for reference
+    backend.sleep({"weights"}, set())
+    t0 = time.perf_counter()
+    backend.wake({"weights"})
+    out["wake_GBps"] = total / (time.perf_counter() - t0) / 1e9
+    out["wake_map_s"] = path.stats.last["map_s"]
+    ops.host_free(pinned_ptr)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 

@@ -159,9 +159,8 @@ def test_plan_copies_refuses_bad_input():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("wake_mode", ["pipelined", "map-first"])
-def test_level1_round_trip_restores_weights_through_the_prepared_arena(variant, wake_mode):
-    module, ops, backend, ptrs = make(variant, wake_mode=wake_mode)
+def test_level1_round_trip_restores_weights_through_the_prepared_arena(variant):
+    module, ops, backend, ptrs = make(variant)
     before = snapshot(module, ptrs[W])
     stats = backend.stats()
     assert stats["arena_bytes"] == 4096 + 8192 + 12288  # exactly the weights, prepared at track()
@@ -269,6 +268,6 @@ def test_select_fast_names_itself_when_unavailable():
         select_backend("fast", torch.device("cpu"))
 
 
-def test_bad_wake_mode_is_refused():
-    with pytest.raises(ValueError, match="wake mode"):
-        make("0.26", wake_mode="sometimes")
+def test_a_prepare_mode_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match=r"prepare='sometimes': use one of \('load', 'background', 'sleep'\)"):
+        make("0.26", prepare="sometimes")

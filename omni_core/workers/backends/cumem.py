@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -79,6 +79,19 @@ def _load_module(device: torch.device) -> ModuleType:
 
 
 SLEEP_PATHS_KEPT = 64
+
+
+class Handle(NamedTuple):
+    """vLLM's `AllocationData.handle`, as its extension's create/unmap calls take it."""
+
+    device: int
+    size: int  # bytes
+    d_mem: int  # the device address the allocation is mapped at
+    p_memory: int  # the physical memory handle (cuMemCreate)
+
+
+def handle_of(data: Any) -> Handle:
+    return Handle(*data.handle)
 
 
 class CumemBackend(MemoryBackend):
@@ -129,7 +142,7 @@ class CumemBackend(MemoryBackend):
     def tag_of(self, tensor: torch.Tensor) -> str | None:
         address = tensor.untyped_storage().data_ptr()
         for ptr, data in self._allocations():
-            if ptr <= address < ptr + data.handle[1]:
+            if ptr <= address < ptr + handle_of(data).size:
                 return data.tag
         return None
 
@@ -155,7 +168,7 @@ class CumemBackend(MemoryBackend):
         for ptr, data in self._allocations(tags):
             if self._is_asleep(data):
                 continue  # released by an earlier partial sleep; unmapping twice breaks the handle
-            size = data.handle[1]
+            size = handle_of(data).size
             if data.tag in offload:
                 host = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=self._pin)
                 self._mod.libcudart.cudaMemcpy(host.data_ptr(), ptr, size)
@@ -172,7 +185,7 @@ class CumemBackend(MemoryBackend):
             self._mark(data, asleep=False)  # versions without flags: keep ours consistent
 
     def _resident_bytes(self, tag: str) -> int:
-        return sum(d.handle[1] for _, d in self._allocations({tag}) if not self._is_asleep(d))
+        return sum(handle_of(d).size for _, d in self._allocations({tag}) if not self._is_asleep(d))
 
     def _host_bytes(self) -> int:
         return sum(d.cpu_backup_tensor.numel() for _, d in self._allocations()

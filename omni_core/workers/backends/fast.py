@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import WEIGHTS_TAG
-from omni_core.workers.backends.cumem import CumemBackend
+from omni_core.workers.backends.cumem import CumemBackend, handle_of
 
 log = logging.getLogger("omni_core.backends.fast")
 
@@ -56,24 +56,16 @@ DEFAULT_STREAMS = 2
 # cudaMemcpyKind and cudaHostRegister flags (driver_types.h)
 _H2D, _D2H = 1, 2
 _HOST_REGISTER_PORTABLE = 1  # usable from every context: the arena may be prepared on another thread
-
-ENV_PREPARE = "OMNI_FAST_PREPARE"  # "load" (default) | "background" | "sleep"
-ENV_CHUNK_MIB = "OMNI_FAST_CHUNK_MIB"
-ENV_WAKE = "OMNI_FAST_WAKE"  # "pipelined" (default) | "map-first"
-ENV_ARENA = "OMNI_FAST_ARENA"  # "register" (default) | "hostalloc"
-# Pitch of the pre-fault writes on wake (0: every byte); see FastPath.wake.
+# When the arena is laid out and registered: at load (the default: never inside a sleep), on
+# a thread after load (the next sleep waits for it), or at the first sleep.
+PREPARE_MODES = ("load", "background", "sleep")
 
 
 # ---------------------------------------------------------------------- planning (pure)
 
 
 def _nbytes(data: Any) -> int:
-    """Size of one allocation: vLLM's AllocationData.handle is (device, size, d_mem, p_memory)."""
-    return int(data.handle[1])
-
-
-def _device_ptr(data: Any) -> int:
-    return int(data.handle[2])
+    return int(handle_of(data).size)
 
 
 @dataclass(frozen=True)
@@ -143,12 +135,9 @@ class CudaOps:
         rt.cudaHostUnregister.argtypes = [vp]
         rt.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), sz, ctypes.c_uint]
         rt.cudaFreeHost.argtypes = [vp]
-        rt.cudaMemsetAsync.argtypes = [vp, ctypes.c_int, sz, vp]
-        rt.cudaMemset2DAsync.argtypes = [vp, sz, ctypes.c_int, sz, sz, vp]
         rt.cudaGetErrorString.argtypes = [ctypes.c_int]
         rt.cudaGetErrorString.restype = ctypes.c_char_p
-        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost,
-                   rt.cudaMemsetAsync, rt.cudaMemset2DAsync):  # fmt: skip
+        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost):
             fn.restype = ctypes.c_int
         self._rt = rt
         self._stream_count = max(1, streams)
@@ -216,31 +205,17 @@ class CudaOps:
 
 
 class HostArena:
-    """One block of page-locked host memory of exactly `nbytes`.
+    """One block of page-locked host memory of exactly `nbytes`: an anonymous mapping,
+    transparent huge pages where the kernel offers them, faulted in by all of torch's CPU
+    threads, then `cudaHostRegister` (cudaHostAlloc of the same bytes was slower to set up
+    and no faster to copy from: bench/results/memory.md)."""
 
-    `register` (default): an anonymous mapping, transparent huge pages where the kernel
-    offers them, faulted in by all of torch's CPU threads, then `cudaHostRegister`.
-    `hostalloc`: `cudaHostAlloc` of the exact size (torch's pinned allocator would round
-    it up to a power of two)."""
-
-    MODES = ("register", "hostalloc")
-
-    def __init__(self, nbytes: int, ops: Any, *, touch: bool = True, mode: str = "register") -> None:
-        if mode not in self.MODES:
-            raise ValueError(f"arena mode {mode!r}: use one of {self.MODES}")
+    def __init__(self, nbytes: int, ops: Any, *, touch: bool = True) -> None:
         started = time.perf_counter()
-        self.nbytes, self.mode = nbytes, mode
+        self.nbytes = nbytes
         self._ops = ops
         size = max(nbytes, 1)
-        self._buffer: Any = None
-        if mode == "hostalloc":
-            self.ptr = ops.host_alloc(size)
-            self._buffer = (ctypes.c_uint8 * size).from_address(self.ptr)
-            self.tensor = torch.frombuffer(self._buffer, dtype=torch.uint8, count=size)
-            self.touch_s, self.register_s = 0.0, time.perf_counter() - started
-            self.registered = True
-            return
-        self._buffer = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+        self._buffer: Any = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
         if hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):  # THP off: 4 KiB pages work, only the fault-in is slower
                 self._buffer.madvise(mmap.MADV_HUGEPAGE)
@@ -261,10 +236,6 @@ class HostArena:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self.registered:
             self.registered = False
-            if self.mode == "hostalloc":
-                self._buffer = None
-                self._ops.host_free(self.ptr)
-                return
             self._ops.unregister(self.ptr)
         with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with it
             self._buffer.close()
@@ -294,6 +265,38 @@ class PathStats:
     last: dict[str, Any] = field(default_factory=dict)
 
 
+class _RestoreCopies:
+    """The host->device copies of a wake: contiguous allocations join one run, and a run
+    goes out (cut into chunks, spread over the streams) once it holds `chunk_bytes` or the
+    next allocation does not continue it."""
+
+    def __init__(self, ops: Any, chunk_bytes: int) -> None:
+        self.ops, self.chunk_bytes = ops, chunk_bytes
+        self.streams = ops.streams
+        self.run: list[tuple[int, int, int]] = []  # (device, host, bytes), contiguous on both sides
+        self.run_bytes = 0
+        self.issued = 0  # copies started
+        self.restored_bytes = 0
+
+    def add(self, device: int, host: int, nbytes: int) -> None:
+        last = self.run[-1] if self.run else None
+        if last is not None and (last[0] + last[2] != device or last[1] + last[2] != host):
+            self.flush()
+        self.run.append((device, host, nbytes))
+        self.restored_bytes += nbytes
+        self.run_bytes += nbytes
+        if self.run_bytes >= self.chunk_bytes:  # start this run's copies; map the next ones meanwhile
+            self.flush()
+
+    def flush(self) -> None:
+        for c in plan_copies(self.run, self.chunk_bytes):
+            if c.nbytes:
+                self.ops.copy(c.device, c.host, c.nbytes, True, self.streams[self.issued % len(self.streams)])
+                self.issued += 1
+        self.run.clear()
+        self.run_bytes = 0
+
+
 # ---------------------------------------------------------------------- the mechanism
 
 
@@ -309,21 +312,13 @@ class FastPath:
         ops: Any = None,
         chunk_bytes: int | None = None,
         streams: int = DEFAULT_STREAMS,
-        wake_mode: str | None = None,
         touch: bool = True,
-        arena_mode: str | None = None,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
-        self.chunk_bytes = chunk_bytes or int(os.environ.get(ENV_CHUNK_MIB, "0")) * MiB or DEFAULT_CHUNK_BYTES
-        self.wake_mode = wake_mode or os.environ.get(ENV_WAKE, "pipelined")
-        if self.wake_mode not in ("pipelined", "map-first"):
-            raise ValueError(f"wake mode {self.wake_mode!r}: use 'pipelined' or 'map-first'")
+        self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
         self.ops = ops if ops is not None else CudaOps(self.device, streams)
         self.touch = touch
-        self.arena_mode = arena_mode or os.environ.get(ENV_ARENA, "register")
-        if self.arena_mode not in HostArena.MODES:
-            raise ValueError(f"arena mode {self.arena_mode!r}: use one of {HostArena.MODES}")
         raw_map = getattr(module, "python_create_and_map", None)
         raw_unmap = getattr(module, "python_unmap_and_release", None)
         self._map = (lambda h: raw_map(*h)) if raw_map is not None else module.create_and_map
@@ -418,7 +413,7 @@ class FastPath:
         total = sum(_nbytes(d) for _, d in allocs)
         if total == 0:
             return None
-        arena = HostArena(total, self.ops, touch=self.touch, mode=self.arena_mode)
+        arena = HostArena(total, self.ops, touch=self.touch)
         self._arenas.append(arena)
         offset = 0
         for ptr, data in allocs:  # address order: device neighbours are host neighbours
@@ -510,65 +505,35 @@ class FastPath:
 
     def wake(self, tags: Iterable[str] | None = None) -> dict[str, Any]:
         """Map every asleep allocation of `tags` (all when None) back at its address and
-        restore the ones with a host copy; returns once the bytes are on the device."""
+        restore the ones with a host copy; returns once the bytes are on the device.
+        Mapping is pipelined with copying: allocation i+1 is mapped while i's bytes travel."""
         started = time.perf_counter()
         allocs = [(p, d) for p, d in self.allocations(tags) if self.is_asleep(p, d)]
-        streams = self.ops.streams
         self.ops.streams_after_current()
-        issued = 0
-        run: list[tuple[int, int, int]] = []
-        restored = run_bytes = 0
+        copies = _RestoreCopies(self.ops, self.chunk_bytes)
         map_s = 0.0
-
-        def flush() -> None:
-            nonlocal issued, run_bytes
-            for c in plan_copies(run, self.chunk_bytes):
-                if c.nbytes:
-                    stream = streams[issued % len(streams)]
-                    self.ops.copy(c.device, c.host, c.nbytes, True, stream)
-                    issued += 1
-            run.clear()
-            run_bytes = 0
-
-        def restore(ptr: int, data: Any) -> None:
-            nonlocal restored, run_bytes
-            if ptr not in self._backed:
-                return
-            slot = self._slots[ptr]
-            if run and (run[-1][0] + run[-1][2] != ptr or run[-1][1] + run[-1][2] != slot.host):
-                flush()
-            run.append((ptr, slot.host, _nbytes(data)))
-            restored += _nbytes(data)
-            run_bytes += _nbytes(data)
-            if run_bytes >= self.chunk_bytes:  # start this run's copies; map the next ones meanwhile
-                flush()
-
-        pipelined = self.wake_mode == "pipelined"
         # Allocations with bytes to restore first, so that their copies start at once; the
         # others (discarded KV) are mapped while the last copies are still in flight.
         order = [a for a in allocs if a[0] in self._backed] + [a for a in allocs if a[0] not in self._backed]
         backed = sum(1 for a in allocs if a[0] in self._backed)
         for k, (ptr, data) in enumerate(order):
-            if k == backed and pipelined:
-                flush()
+            if k == backed:
+                copies.flush()
             t = time.perf_counter()
             self._map(data.handle)
             self._mark(ptr, data, asleep=False)
             map_s += time.perf_counter() - t
-            if pipelined:  # this allocation's bytes travel while the next one is mapped
-                restore(ptr, data)
-        if not pipelined:
-            for ptr, data in order:
-                restore(ptr, data)
-        flush()
+            if ptr in self._backed:
+                copies.add(ptr, self._slots[ptr].host, _nbytes(data))
+        copies.flush()
         self.ops.current_after_streams()
         self.ops.synchronize()
         for ptr, data in allocs:
             self._backed.discard(ptr)
             data.cpu_backup_tensor = None
         done = time.perf_counter()
-        self.stats.last = {"op": "wake", "restored_bytes": restored, "allocations": len(allocs),
-                           "copies": issued, "map_s": map_s, "total_s": done - started}  # fmt: skip
+        self.stats.last = {"op": "wake", "restored_bytes": copies.restored_bytes, "allocations": len(allocs),
+                           "copies": copies.issued, "map_s": map_s, "total_s": done - started}  # fmt: skip
         return self.stats.last
 
     # ------------------------------------------------------------------ figures, teardown
@@ -585,13 +550,6 @@ class FastPath:
         self._drop_arenas()
 
 
-def _prepare_mode() -> str:
-    mode = os.environ.get(ENV_PREPARE, "load")
-    if mode not in ("load", "background", "sleep"):
-        raise ValueError(f"{ENV_PREPARE}={mode!r}: use 'load', 'background' or 'sleep'")
-    return mode
-
-
 class FastBackend(CumemBackend):
     """omni-core's memory backend on `FastPath` (see the module docstring)."""
 
@@ -604,16 +562,15 @@ class FastBackend(CumemBackend):
         module: Any = None,
         ops: Any = None,
         arena_tags: tuple[str, ...] = (WEIGHTS_TAG,),
-        prepare: str | None = None,
+        prepare: str = "load",
         chunk_bytes: int | None = None,
-        wake_mode: str | None = None,
-        arena_mode: str | None = None,
     ) -> None:
         super().__init__(device, module=module)
+        if prepare not in PREPARE_MODES:
+            raise ValueError(f"prepare={prepare!r}: use one of {PREPARE_MODES}")
         self.arena_tags = arena_tags
-        self.prepare_mode = prepare or _prepare_mode()
-        self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
-                             wake_mode=wake_mode, arena_mode=arena_mode)  # fmt: skip
+        self.prepare_mode = prepare
+        self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes)
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         # Called once a tag's tensors are allocated (and after a reload): the weights are
@@ -632,7 +589,7 @@ class FastBackend(CumemBackend):
             self.path.wake(tags)
 
     def _is_asleep(self, data: Any) -> bool:
-        return self.path.is_asleep(_device_ptr(data), data)
+        return self.path.is_asleep(handle_of(data).d_mem, data)
 
     def _host_bytes(self) -> int:
         return self.path.backed_bytes()
