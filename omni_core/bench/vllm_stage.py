@@ -233,6 +233,7 @@ def plain_part(models: dict[str, Path], args: argparse.Namespace) -> dict[str, A
     for backend in ("cumem", "omni_fast"):
         env = dict(os.environ)
         env.pop("OMNI_CORE_VLLM_SLEEP_BACKEND", None)
+        env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM names the sleep-mode backend it created at INFO
         if backend == "omni_fast":
             env["OMNI_CORE_VLLM_SLEEP_BACKEND"] = "omni_fast"
         payload = {"backend": backend, "model": str(models["main"]), "util": args.fraction,
