@@ -97,6 +97,16 @@ def _bound(binding: _Binding) -> Iterator[None]:
         _binding = None
 
 
+def kv_cache_bytes(budget: MemoryBudget, torch_memory_stats: Mapping[str, int]) -> int:
+    """The KV cache a rank may allocate after vLLM's profiling run: what its fraction still
+    allows this process (NVML, its own pid) minus the activation peak that torch's cache
+    has already given back (the profile's peak must fit again at serving time, and memory
+    released since the peak is no longer counted as this process's)."""
+    released_bytes = max(0, torch_memory_stats.get("reserved_bytes.all.peak", 0)
+                         - torch_memory_stats.get("reserved_bytes.all.current", 0))  # fmt: skip
+    return max(0, budget.available_bytes() - released_bytes)
+
+
 def compare_checkpoints(own: Mapping[str, HeaderEntry], other: Mapping[str, HeaderEntry], source: str) -> None:
     """Refuse a reload source whose tensors differ from the loaded checkpoint's in name,
     shape or dtype, naming the first difference (vLLM's reload would stop half-way)."""
@@ -273,7 +283,8 @@ class VllmRunner(ModelRunner):
         total_bytes = sum(_entry_bytes(e) for e in self.own_headers.values())
         started = time.perf_counter()
         self.worker.model_runner.reload_weights(weights_path=str(directory))
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":  # the report times the refill, not its launch
+            torch.cuda.synchronize(self.device)
         self.last_reload = ReloadReport(str(directory), total_bytes, len(self.own_headers),
                                         time.perf_counter() - started)  # fmt: skip
         log.info("reloaded %s: %.2f GB in %.2f s (%.1f GB/s)", directory, total_bytes / 1e9,

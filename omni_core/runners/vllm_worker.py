@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from omni_core.runners.vllm_runner import current_binding
+from omni_core.runners.vllm_runner import current_binding, kv_cache_bytes
 
 
 class OmniVllmWorker(Worker):
@@ -37,11 +37,7 @@ class OmniVllmWorker(Worker):
         if binding.budget is None:  # no fraction: vLLM's own (device-wide) profiling
             binding.kv_cache_bytes = int(super().determine_available_memory())
             return binding.kv_cache_bytes
-        # The profiling run leaves the activation peak in torch's cache (counted by NVML as
-        # this process's) unless something emptied it: add back what was freed since.
         self.model_runner.profile_run()
         torch.cuda.synchronize()
-        stats = torch.cuda.memory_stats()
-        released_bytes = max(0, stats.get("reserved_bytes.all.peak", 0) - stats.get("reserved_bytes.all.current", 0))
-        binding.kv_cache_bytes = max(0, binding.budget.available_bytes() - released_bytes)
+        binding.kv_cache_bytes = kv_cache_bytes(binding.budget, torch.cuda.memory_stats())
         return binding.kv_cache_bytes

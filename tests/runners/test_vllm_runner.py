@@ -1,0 +1,225 @@
+"""The vllm runner on CPU, with vLLM replaced at the narrowest seam (`VllmEngine`).
+
+What runs for real here: argument checks, the engine arguments the runner hands vLLM, the
+order in which vLLM's construction opens omni-core's pools, the KV budget arithmetic, the
+request format and the sampling parameters, the sleep/wake hooks and the reload checks on
+real tiny safetensors checkpoints. vLLM itself runs on the device
+(bench/results/vllm_gpu.md, `python -m omni_core.bench.vllm_stage`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from omni_core.runners import vllm_runner
+from omni_core.runners.vllm_runner import (
+    Completion,
+    VllmRunner,
+    compare_checkpoints,
+    current_binding,
+    kv_cache_bytes,
+)
+from omni_core.runners.weights import read_headers
+from omni_core.workers.backends import PortableBackend
+from omni_core.workers.runner import MemoryBudget, RunnerArgumentError
+
+CPU = torch.device("cpu")
+
+
+class FakeModelRunner:
+    def __init__(self) -> None:
+        self.model = torch.nn.Module()
+        self.model.register_buffer("cos_sin_cache", torch.arange(4.0))
+        self.reloads: list[str] = []
+        self.kv_wakes = 0
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    def reload_weights(self, *, weights_path: str) -> None:
+        self.reloads.append(weights_path)
+
+    def post_kv_cache_wake_up(self) -> None:
+        self.kv_wakes += 1
+
+
+class FakeEngine:
+    """Does what vllm.LLM does with our worker class: load weights inside the weights pool,
+    ask for the KV budget, allocate the KV cache inside its pool, register the worker."""
+
+    made: ClassVar[list[FakeEngine]] = []
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        self.kwargs = engine_kwargs
+        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        self.calls: list[Any] = []
+        self.prefix_resets = 0
+        self.reset_ok = True
+        binding = current_binding()
+        with binding.open_pool("weights"):
+            self.calls.append("weights")
+        if binding.budget is not None:
+            binding.kv_cache_bytes = kv_cache_bytes(binding.budget, {"reserved_bytes.all.peak": 300,
+                                                                     "reserved_bytes.all.current": 100})
+        with binding.open_pool("kv_cache"):
+            self.calls.append("kv_cache")
+        binding.worker = type("Worker", (), {"model_runner": FakeModelRunner()})()
+        FakeEngine.made.append(self)
+
+    def tokenizer(self) -> Any:
+        return None
+
+    def generate(self, rows: list[list[int]], sampling_params: dict[str, Any]) -> list[Completion]:
+        self.calls.append(("generate", rows, sampling_params))
+        return [Completion([r[0] + 1, r[0] + 2], "length") for r in rows]
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_resets += 1
+        return self.reset_ok
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    FakeEngine.made.clear()
+    monkeypatch.setattr(VllmRunner, "engine_factory", FakeEngine)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return FakeEngine
+
+
+@contextmanager
+def _recording_pool(opened: list[str], tag: str):
+    opened.append(tag)
+    yield
+
+
+def _loaded(model: Path, budget: MemoryBudget | None = None, **runner_args: Any) -> tuple[VllmRunner, list[str]]:
+    runner = VllmRunner(CPU, model=str(model), **runner_args)
+    opened: list[str] = []
+    runner.load(lambda tag: _recording_pool(opened, tag), ["weights", "kv_cache"], budget)
+    return runner, opened
+
+
+def test_bad_arguments_are_refused_before_anything_loads(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        VllmRunner(CPU, model=str(tmp_path))
+    with pytest.raises(ValueError, match=r"max_model_len must be an int in 2\.\.256"):
+        VllmRunner(CPU, model=str(checkpoints["qwen2"]), max_model_len=100_000)
+    with pytest.raises(ValueError, match=r"engine_args \['worker_cls'\] are set by the vllm runner"):
+        VllmRunner(CPU, model=str(checkpoints["qwen2"]), engine_args={"worker_cls": "x.Y"})
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VllmRunner(CPU, model=str(checkpoints["qwen2"]), gpu_memory_utilization=1.5)
+
+
+def test_load_hands_vllm_our_worker_and_pools_in_vllms_order(fake_vllm, checkpoints):
+    budget = MemoryBudget(0.4, lambda: 1000)
+    runner, opened = _loaded(checkpoints["qwen2"], budget, max_model_len=128, attention_backend="TRITON_ATTN")
+    engine = fake_vllm.made[-1]
+    assert opened == ["weights", "kv_cache"] and engine.calls == ["weights", "kv_cache"]
+    assert engine.multiprocessing == "0"  # the engine core in this (the rank's) process
+    kwargs = engine.kwargs
+    assert kwargs["worker_cls"] == vllm_runner.WORKER_CLS
+    assert kwargs["distributed_executor_backend"] == "uni" and kwargs["tensor_parallel_size"] == 1
+    assert kwargs["gpu_memory_utilization"] == 0.4  # the stage's fraction, not the runner's default
+    assert kwargs["attention_config"] == {"backend": "TRITON_ATTN"} and kwargs["max_model_len"] == 128
+    # the budget the process has left, minus the activation peak torch's cache gave back
+    assert runner.kv_cache_bytes == 1000 - 200
+    assert runner.tensors("weights") == [] and runner.buffers_to_save().keys() == {"cos_sin_cache"}
+    with pytest.raises(RuntimeError, match=r"constructed by VllmRunner\.load"):
+        current_binding()  # the slot is cleared once the engine exists
+
+
+def test_several_ranks_form_one_tensor_parallel_group(fake_vllm, checkpoints, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _loaded(checkpoints["qwen2"])
+    kwargs = fake_vllm.made[-1].kwargs
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["gpu_memory_utilization"] == 0.9  # no fraction: the runner's own setting
+
+
+def test_kv_budget_never_negative():
+    assert kv_cache_bytes(MemoryBudget(0.5, lambda: 100), {"reserved_bytes.all.peak": 500}) == 0
+    assert kv_cache_bytes(MemoryBudget(0.5, lambda: 100), {}) == 100
+
+
+def test_only_allocator_backends_and_vllms_tags(fake_vllm, checkpoints):
+    runner = VllmRunner(CPU, model=str(checkpoints["qwen2"]))
+    with pytest.raises(ValueError, match="needs an allocator backend"):
+        runner.load(PortableBackend(CPU).pool, ["weights", "kv_cache"], None)
+    with pytest.raises(ValueError, match="exactly the tags"):
+        runner.load(lambda tag: _recording_pool([], tag), ["weights"], None)
+    assert not fake_vllm.made
+
+
+def test_requests_map_onto_vllm_sampling(fake_vllm, checkpoints):
+    runner, _ = _loaded(checkpoints["qwen2"], max_num_seqs=2)
+    engine = fake_vllm.made[-1]
+    out = runner.execute({"prompt_ids": [5, 6, 7], "max_new_tokens": 2})
+    assert out == {"token_ids": [6, 7], "finish_reason": "length", "prompt_tokens": 3}
+    _, rows, params = engine.calls[-1]
+    assert rows == [[5, 6, 7]]
+    assert params == {"max_tokens": 2, "ignore_eos": False, "detokenize": False, "temperature": 0.0, "seed": None,
+                      "top_k": 0}  # fmt: skip
+    batched = runner.execute({"prompt_ids": [[1], [2]], "stop_at_eos": False,
+                              "sampling": {"temperature": 0.7, "seed": 9, "top_k": 5}})  # fmt: skip
+    assert batched["token_ids"] == [[2, 3], [3, 4]]
+    _, _, params = engine.calls[-1]
+    assert (params["temperature"], params["seed"], params["top_k"], params["ignore_eos"]) == (0.7, 9, 5, True)
+    calls = len(engine.calls)
+    with pytest.raises(ValueError, match="max_batch is 2"):
+        runner.execute({"prompt_ids": [[1], [2], [3]]})
+    with pytest.raises(ValueError, match="exceeds the KV cache's max_seq_len"):
+        runner.execute({"prompt_ids": [1], "max_new_tokens": 10_000})
+    assert len(engine.calls) == calls  # refused before vLLM saw them
+
+
+def test_prefix_cache_reset_before_the_kv_cache_goes_and_rebuilt_after(fake_vllm, checkpoints):
+    runner, _ = _loaded(checkpoints["qwen2"])
+    engine, model_runner = fake_vllm.made[-1], runner.worker.model_runner
+    runner.before_sleep(frozenset({"weights"}), frozenset())
+    assert engine.prefix_resets == 0  # the KV cache stays: its prefix blocks stay valid
+    runner.before_sleep(frozenset({"weights"}), frozenset({"kv_cache"}))
+    assert engine.prefix_resets == 1
+    engine.reset_ok = False
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        runner.before_sleep(frozenset(), frozenset({"weights", "kv_cache"}))
+    runner.after_wake(frozenset({"weights"}))
+    assert model_runner.kv_wakes == 0
+    runner.after_wake(frozenset({"kv_cache"}))
+    assert model_runner.kv_wakes == 1
+
+
+def test_reload_checks_every_header_before_vllm_writes(fake_vllm, checkpoints, tmp_path):
+    runner, _ = _loaded(checkpoints["qwen2"])
+    reloads = runner.worker.model_runner.reloads
+    runner.reload_weights(str(checkpoints["qwen2-seed1"]))  # same architecture: an RL weight update
+    runner.reload_weights(None)  # the runner's own checkpoint
+    assert reloads == [str(checkpoints["qwen2-seed1"]), str(checkpoints["qwen2"])]
+    assert runner.last_reload is not None and runner.last_reload.reload_bytes > 0
+    with pytest.raises(RunnerArgumentError, match="has no tensor"):
+        runner.reload_weights(str(checkpoints["llama"]))
+    with pytest.raises(RunnerArgumentError, match="does not exist"):
+        runner.reload_weights(str(tmp_path / "missing"))
+    with pytest.raises(RunnerArgumentError, match="must be a checkpoint directory path"):
+        runner.reload_weights(7)  # type: ignore[arg-type]
+    assert len(reloads) == 2  # none of the refused sources reached vLLM
+
+
+def test_a_reshaped_tensor_is_named(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "reshaped"
+    shutil.copytree(checkpoints["qwen2"], source)
+    tensors = load_file(str(source / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = torch.zeros(3, 3, dtype=tensors[name].dtype)
+    save_file(tensors, str(source / "model.safetensors"))
+    with pytest.raises(RunnerArgumentError, match=rf"tensor '{name}' is .*\[3, 3\], the loaded model's is"):
+        compare_checkpoints(read_headers(checkpoints["qwen2"]), read_headers(source), str(source))
