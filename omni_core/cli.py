@@ -56,10 +56,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.weights_mib is not None:
         print("omni-core demo: --weights-mib sizes the synthetic runners; add --synthetic", file=sys.stderr)
         return 2
+    from omni_core.demo_real import llm_runner_problem
     from omni_core.demo_real import main as real_demo_main
 
+    problem = llm_runner_problem(args.llm_runner, args.device, args.size)
+    if problem:
+        print(f"omni-core demo: {problem}", file=sys.stderr)
+        return 2
     return real_demo_main(device=args.device, backend=args.backend, size=args.size, out_dir=args.out,
-                          models_dir=args.models, trace_path=args.trace)  # fmt: skip
+                          models_dir=args.models, trace_path=args.trace, llm_runner=args.llm_runner)  # fmt: skip
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -73,6 +78,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from omni_core.bench.real_models import main as real_models_main
 
         return real_models_main(args)
+    if args.vllm:
+        from omni_core.bench.vllm_stage import main as vllm_stage_main
+
+        return vllm_stage_main(["--out", args.out or "vllm-stage-results", "--models", args.models_dir])
     from omni_core.bench.memory import main as memory_main  # the GPU memory-path benchmark
 
     return memory_main(args)
@@ -127,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="omni-core-demo-out", help="real models: folder for the images (PNG)")
     p.add_argument("--models", default=None,
                    help="real models: checkpoint cache, made on first use (default ~/.cache/omni-core/models)")
+    p.add_argument("--llm-runner", default="transformers", choices=("transformers", "vllm"),
+                   help="real models: run the language-model stage on transformers or on vLLM (GPU, --size large)")
     p.add_argument("--synthetic", action="store_true", help="the scenario on synthetic runners instead")
     p.add_argument("--weights-mib", type=int, default=None, help="--synthetic: weights per rank, MiB (default 64)")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
@@ -149,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-models", action="store_true",
                    help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "
                         "(--methods cumem,fast; --reps level-1 cycles; --render real_models.json)")  # fmt: skip
+    p.add_argument("--vllm", action="store_true",
+                   help="a vLLM stage through every lifecycle on cumem and fast, two vLLM stages started together "
+                        "on one GPU, and plain vllm.LLM sleep/wake with vLLM's backend beside omni_fast (GPU)")
     p.add_argument("--real-size", default="large", choices=("large", "tiny"),
                    help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
     p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")

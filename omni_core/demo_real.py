@@ -37,6 +37,8 @@ from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, Stag
 # (LLM size, DiT size) of `omni-core models make`, by --size.
 SIZES = {"tiny": ("tiny", "tiny"), "large": ("1.5b", "600m")}
 LLM_FAMILY, DIT_FAMILY = "qwen2", "dit"
+LLM_RUNNERS = ("transformers", "vllm")
+VLLM_FRACTION = 0.3  # the vllm stage's share of the GPU (its KV cache is sized to it)
 SEED = 0  # of the checkpoints' weights
 DIT_CLASSES = 1000  # DiT's class-label embedding rows (num_embeds_ada_norm) at every size
 PROMPT = "a watercolor painting of a fox in the snow"
@@ -139,6 +141,7 @@ class RealDemo:
     out_dir: Path = Path("omni-core-demo-out")
     models_dir: Path = field(default_factory=default_models_dir)
     trace_path: str | None = None
+    llm_runner: str = "transformers"  # or "vllm" (a GPU, the large size)
     out: TextIO = sys.stdout
     rows: list[Row] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
@@ -148,6 +151,9 @@ class RealDemo:
         if self.size not in SIZES:
             raise ValueError(f"size {self.size!r} is not one of {sorted(SIZES)}")
         self.backend = self.backend or ("portable" if self.device == "cpu" else "auto")
+        problem = llm_runner_problem(self.llm_runner, self.device, self.size)
+        if problem:
+            raise ValueError(problem)
         self.out_dir, self.models_dir = Path(self.out_dir), Path(self.models_dir)
         encoding = getattr(self.out, "encoding", None) or "utf-8"
         try:
@@ -169,8 +175,14 @@ class RealDemo:
         common = {"device": self.device, "backend": self.backend, "admission": "reject",
                   "deadline_s": 300.0 if large else 60.0, "start_deadline_s": 600.0 if large else 240.0,
                   "request_timeout_s": 300.0 if large else 60.0}  # fmt: skip
+        llm_stage: dict[str, Any] = {"runner": "transformers", "runner_args": llm_args}
+        if self.llm_runner == "vllm":
+            # vLLM's own model runner, KV cache and sampler; its KV cache sized from the
+            # stage's share of the device (process-scoped), leaving the rest to the DiT.
+            llm_stage = {"runner": "vllm", "runner_args": {"model": str(llm_dir), "max_model_len": 256},
+                         "gpu_memory_fraction": VLLM_FRACTION}  # fmt: skip
         return [
-            StageSpec("llm", runner="transformers", runner_args=llm_args, **common),
+            StageSpec("llm", **llm_stage, **common),
             StageSpec("dit", runner="diffusers", runner_args=dit_args, tags=("weights", "kv_cache", "requests"),
                       **common),
         ]  # fmt: skip
@@ -369,8 +381,18 @@ class RealDemo:
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
+def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
+    """Why the language-model stage cannot run on `llm_runner` here, or None."""
+    if llm_runner not in LLM_RUNNERS:
+        return f"llm_runner {llm_runner!r} is not one of {list(LLM_RUNNERS)}"
+    if llm_runner == "vllm" and (device != "cuda" or size == "tiny"):
+        return ("the vllm language-model stage needs --device cuda and --size large (vLLM runs on a GPU, and its "
+                "attention kernels do not take the tiny model's 16-wide heads)")
+    return None
+
+
 def main(device: str = "cpu", backend: str | None = None, size: str = "tiny", out_dir: str = "omni-core-demo-out",
-         models_dir: str | None = None, trace_path: str | None = None) -> int:  # fmt: skip
+         models_dir: str | None = None, trace_path: str | None = None, llm_runner: str = "transformers") -> int:
     return RealDemo(device=device, backend=backend, size=size, out_dir=Path(out_dir),
                     models_dir=Path(models_dir) if models_dir else default_models_dir(),
-                    trace_path=trace_path).run()  # fmt: skip
+                    trace_path=trace_path, llm_runner=llm_runner).run()  # fmt: skip

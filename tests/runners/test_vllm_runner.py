@@ -223,3 +223,10 @@ def test_a_reshaped_tensor_is_named(checkpoints, tmp_path):
     save_file(tensors, str(source / "model.safetensors"))
     with pytest.raises(RunnerArgumentError, match=rf"tensor '{name}' is .*\[3, 3\], the loaded model's is"):
         compare_checkpoints(read_headers(checkpoints["qwen2"]), read_headers(source), str(source))
+
+
+def test_demo_refuses_vllm_where_it_cannot_run(capsys):
+    from omni_core.cli import main
+
+    assert main(["demo", "--llm-runner", "vllm"]) == 2
+    assert "needs --device cuda and --size large" in capsys.readouterr().err
