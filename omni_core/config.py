@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.engine.errors import InvalidArgumentError
-from omni_core.engine.spec import StageSpec
+from omni_core.engine.spec import RayPlacement, StageSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -81,6 +81,13 @@ STAGE_FIELDS: dict[str, str] = {
     "device": _STR, "backend": _STR, "admission": _STR, "deadline_s": _NUMBER,
     "start_deadline_s": _NUMBER, "request_timeout_s": _NUMBER, "queue_limit": _INT,
     "max_in_flight": _INT, "max_frame_bytes": _INT, "gpu_memory_fraction": _NUMBER, "tags": _STR_LIST,
+    "placement": _TABLE,
+}  # fmt: skip
+# [stages.placement]: RayPlacement's fields a file can give (a PlacementGroup object cannot be
+# written in TOML; a named one can).
+PLACEMENT_FIELDS: dict[str, str] = {
+    "num_cpus": _NUMBER, "num_gpus": _NUMBER, "resources": _TABLE, "strategy": _STR,
+    "placement_group_name": _STR, "bundle_indices": _STR_LIST, "runtime_env": _TABLE,
 }  # fmt: skip
 assert set(STAGE_FIELDS) == {f.name for f in dataclasses.fields(StageSpec)}, "StageSpec changed: update STAGE_FIELDS"
 
@@ -90,7 +97,8 @@ SERVER_FIELDS: dict[str, str] = {
     "allowed_reload_sources": _STR_LIST, "idempotency_entries": _INT, "idempotency_bytes": _INT,
     "status_poll_interval_s": _NUMBER, "lifecycle_threads": _INT, "events_kept": _INT,
 }  # fmt: skip
-ENGINE_FIELDS: dict[str, str] = {"transport": _STR, "host": _STR, "curve": _BOOL, "trace_path": _STR}
+ENGINE_FIELDS: dict[str, str] = {"transport": _STR, "host": _STR, "curve": _BOOL, "trace_path": _STR,
+                                 "launcher": _STR, "ray_address": _STR, "ray_namespace": _STR}  # fmt: skip
 
 
 def _type_ok(value: Any, expected: str) -> bool:
@@ -231,6 +239,10 @@ def _parse_stage(path: str, index: int, raw: Any) -> StageSpec:
         if key in kwargs:
             kwargs[key] = tuple(str(v) for v in kwargs[key])
     try:
+        if "placement" in kwargs:
+            _check_table(path, kwargs["placement"], PLACEMENT_FIELDS, "[stages.placement]", stage=shown_name,
+                         index=index)  # fmt: skip
+            kwargs["placement"] = RayPlacement(**kwargs["placement"])
         return StageSpec(**kwargs)
     except InvalidArgumentError as exc:
         # StageSpec names the field in its message; find which, so the error says it plainly.

@@ -10,8 +10,9 @@ from omni_core.engine.errors import (
     StageFailedError,
     TaskAbandonedError,
 )
+from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.report import LifecycleReport, RankReport
-from omni_core.engine.spec import AdmissionPolicy, StageSpec
+from omni_core.engine.spec import AdmissionPolicy, RayPlacement, StageSpec
 
 __all__ = [
     "AdmissionPolicy",
@@ -20,8 +21,12 @@ __all__ = [
     "EngineClosedError",
     "InvalidArgumentError",
     "LifecycleReport",
+    "LocalLauncher",
     "OmniCoreError",
+    "RankHandle",
+    "RankLauncher",
     "RankReport",
+    "RayPlacement",
     "RequestFailedError",
     "RequestRejectedError",
     "StageFailedError",

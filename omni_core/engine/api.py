@@ -17,6 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError
+from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import LifecycleReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
@@ -41,13 +42,20 @@ class Engine:
     address that leaves the host is encrypted and authenticated with CURVE (`curve=None`
     decides so; `curve=True` forces it on loopback too). Every rank proves in its Hello that
     the engine spawned it, whatever the transport (specs/protocol.md, threat model).
+
+    `launcher`: "local" (child processes, default), "ray" (one Ray actor per rank on the
+    cluster at `ray_address`, placed by each StageSpec's `placement`; tcp + CURVE on the
+    interface Ray reports for this node: docs/ray.md) or a `RankLauncher` object.
     """
 
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc", host: str = "127.0.0.1",
-                 curve: bool | None = None, trace_path: str | None = None) -> None:  # fmt: skip
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str | None = None, host: str | None = None,
+                 curve: bool | None = None, trace_path: str | None = None,
+                 launcher: RankLauncher | str | None = None, ray_address: str | None = "auto",
+                 ray_namespace: str | None = None) -> None:  # fmt: skip
         self._specs = {s.name: s for s in specs}
         self._orch = Orchestrator(self._specs.values(), transport=transport, host=host, curve=curve,
-                                  trace_path=trace_path)  # fmt: skip
+                                  trace_path=trace_path,
+                                  launcher=make_launcher(launcher, ray_address, ray_namespace))  # fmt: skip
         try:
             futures = [self._orch.call(lambda f, n=name: self._orch.op_start(f, n)) for name in self._specs]
             for name, future in zip(self._specs, futures, strict=True):
@@ -152,18 +160,29 @@ class Engine:
                                 "its deadlines should have fired: this is a bug, please report it") from None
 
 
+def make_launcher(launcher: RankLauncher | str | None, ray_address: str | None = "auto",
+                  ray_namespace: str | None = None) -> RankLauncher:  # fmt: skip
+    if launcher is None or launcher == "local":
+        return LocalLauncher()
+    if launcher == "ray":
+        from omni_core.engine.ray_launcher import RayLauncher  # Ray is an optional extra
+
+        return RayLauncher(ray_address, namespace=ray_namespace)
+    if isinstance(launcher, str):
+        raise InvalidArgumentError(f"launcher {launcher!r} is not 'local' or 'ray' (or a RankLauncher object)")
+    return launcher
+
+
 class AsyncEngine:
     """`Engine` for asyncio: `async with AsyncEngine(specs) as engine: await engine.sleep(...)`."""
 
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc", host: str = "127.0.0.1",
-                 curve: bool | None = None, trace_path: str | None = None) -> None:  # fmt: skip
-        self._args = (list(specs), transport, host, curve, trace_path)
+    def __init__(self, specs: Iterable[StageSpec], **engine_kwargs: Any) -> None:
+        self._specs = list(specs)
+        self._kwargs = engine_kwargs  # Engine's keyword arguments, checked when it starts
         self._engine: Engine | None = None
 
     async def __aenter__(self) -> AsyncEngine:
-        specs, transport, host, curve, trace_path = self._args
-        self._engine = await asyncio.to_thread(Engine, specs, transport=transport, host=host, curve=curve,
-                                               trace_path=trace_path)  # fmt: skip
+        self._engine = await asyncio.to_thread(Engine, self._specs, **self._kwargs)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -14,10 +14,14 @@ class InvalidArgumentError(OmniCoreError, ValueError):
 
 
 class StageFailedError(OmniCoreError):
-    """A stage task ended in FAILED (P-9). `failures` maps rank -> why."""
+    """A stage task ended in FAILED (P-9). `failures` maps rank -> why; `nodes` maps each of
+    those ranks to the node it ran on (a host, or a Ray node id and IP), also in the message."""
 
-    def __init__(self, stage: str, message: str, failures: Mapping[int, str] | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, stage: str, message: str, failures: Mapping[int, str] | None = None,
+                 nodes: Mapping[int, str] | None = None) -> None:  # fmt: skip
+        self.nodes = {r: n for r, n in (nodes or {}).items() if r in (failures or {})}
+        where = "; ".join(f"rank {r} on node {n}" for r, n in sorted(self.nodes.items()))
+        super().__init__(f"{message} [{where}]" if where else message)
         self.stage = stage
         self.failures = dict(failures or {})
 

@@ -38,7 +38,7 @@ from omni_core.engine.errors import (
     StageFailedError,
     TaskAbandonedError,
 )
-from omni_core.engine.ranks import RankProcess, reap, spawn_ranks
+from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.report import LifecycleReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
@@ -69,7 +69,7 @@ _REQUEST_ERRORS: dict[RequestError, type[OmniCoreError]] = {
 class _Stage:
     spec: StageSpec
     core: StageCore
-    procs: list[RankProcess] = field(default_factory=list)
+    procs: list[RankHandle] = field(default_factory=list)
     waiters: dict[str, list[Future]] = field(default_factory=dict)  # lifecycle task_id -> callers
     requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
     start_waiters: list[Future] = field(default_factory=list)
@@ -84,20 +84,36 @@ def _settle(future: Future, *, result: Any = None, error: BaseException | None =
         future.set_result(result)
 
 
+def _nodes(stage: _Stage) -> dict[int, str]:
+    return {p.rank: p.node for p in stage.procs}
+
+
 def _core_for(spec: StageSpec) -> StageCore:
     return StageCore(spec.name, spec.ranks, tags=spec.tags, policy=spec.admission, queue_limit=spec.queue_limit,
                      max_in_flight=spec.max_in_flight, wake_deadline_s=spec.deadline_s)  # fmt: skip
 
 
 class Orchestrator:
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str = "ipc", host: str = "127.0.0.1",
-                 curve: bool | None = None, trace_path: str | None = None) -> None:  # fmt: skip
+    def __init__(self, specs: Iterable[StageSpec], *, transport: str | None = None, host: str | None = None,
+                 curve: bool | None = None, trace_path: str | None = None,
+                 launcher: RankLauncher | None = None) -> None:  # fmt: skip
         specs = list(specs)
+        self._launcher: RankLauncher = launcher if launcher is not None else LocalLauncher()
         if not specs:
             raise InvalidArgumentError("an engine needs at least one StageSpec")
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"stage names must be unique, got {names}")
+        if self._launcher.remote:
+            # Ranks elsewhere reach us over tcp on the interface the cluster knows this node
+            # by, always with CURVE: the network between hosts is not ours.
+            if transport not in (None, "tcp") or curve is False:
+                raise InvalidArgumentError(f"the {self._launcher.name} launcher runs ranks on other hosts: "
+                                           "transport must be 'tcp' and curve not False")  # fmt: skip
+            transport, curve = "tcp", True
+            host = host if host is not None else self._launcher.bind_host()
+        transport = transport if transport is not None else "ipc"
+        host = host if host is not None else "127.0.0.1"
         if transport not in ("ipc", "tcp"):
             raise InvalidArgumentError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if transport == "ipc" and (host != "127.0.0.1" or curve):
@@ -124,7 +140,7 @@ class Orchestrator:
                                    curve=self._curve)  # fmt: skip
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._by_identity: dict[bytes, tuple[_Stage, int]] = {}
-        self._sentinels: dict[int, tuple[_Stage, RankProcess]] = {}
+        self._sentinels: dict[int, tuple[_Stage, RankHandle]] = {}
         self._calls: queue.SimpleQueue[tuple[Callable[[], None], Future]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -243,7 +259,7 @@ class Orchestrator:
                 "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
                 "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
-                "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(),
+                "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(), "node": p.node,
                                    "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-"}
                           for p in stage.procs},
             }  # fmt: skip
@@ -311,7 +327,7 @@ class Orchestrator:
             stage.waiters.clear()
             stage.start_waiters.clear()
             with contextlib.suppress(Exception):
-                reap(stage.procs)
+                self._launcher.reap(stage.procs)
         if self._closing is not None:
             _settle(self._closing, result=None)
 
@@ -363,7 +379,10 @@ class Orchestrator:
         if stage is None or proc is None:
             self.counters["unknown_peers"] += 1
             return
-        proven = hello.epoch == proc.epoch and hello.pid == proc.pid and verify_hello_proof(
+        # A rank on another node may say Hello before its launcher learned its pid: the proof
+        # (a secret only that rank was given) is what authenticates; a known pid must match.
+        pid_ok = proc.pid is None or hello.pid == proc.pid
+        proven = hello.epoch == proc.epoch and pid_ok and verify_hello_proof(
             proc.secret, hello.proof, stage=hello.stage, rank=hello.rank, epoch=hello.epoch, pid=hello.pid,
             identity=identity)  # fmt: skip
         if not proven:
@@ -375,6 +394,7 @@ class Orchestrator:
             self._write(stage, (PeerRefused("rebind_refused", proc.rank),))
             return
         proc.identity = identity
+        proc.pid = hello.pid
         self._by_identity[identity] = (stage, proc.rank)
         self._step(stage, I.Received(hello))
 
@@ -385,13 +405,13 @@ class Orchestrator:
         proc.join(0.5)
         self._on_rank_exit(stage, proc)
 
-    def _on_rank_exit(self, stage: _Stage, proc: RankProcess) -> None:
+    def _on_rank_exit(self, stage: _Stage, proc: RankHandle) -> None:
         if proc.exit_handled:
             return
         proc.exit_handled = True
         if proc.expected_exit:
             return
-        detail = f"pid {proc.pid} exited with code {proc.exitcode}"
+        detail = proc.exit_cause()
         self._step(stage, I.RankExited(proc.rank, detail, proc.epoch))
 
     def _tick(self) -> None:
@@ -442,7 +462,7 @@ class Orchestrator:
             result, error = None, InvalidArgumentError(f"stage {name!r}: {outcome.error}; the stage stays "
                                                        f"{outcome.state.value}")  # fmt: skip
         elif outcome.state is StageState.FAILED:
-            result, error = None, StageFailedError(name, outcome.error, outcome.failures)
+            result, error = None, StageFailedError(name, outcome.error, outcome.failures, _nodes(stage))
         else:
             result, error = None, TaskAbandonedError(outcome.error)
         for future in stage.waiters.pop(outcome.task_id, []):
@@ -460,7 +480,8 @@ class Orchestrator:
     def _started(self, stage: _Stage, state: StageState) -> None:
         core = stage.core
         error = None if state is StageState.RUNNING else StageFailedError(
-            stage.spec.name, core.failure or f"stage {stage.spec.name!r} is {state.value}", core.failed_ranks)
+            stage.spec.name, core.failure or f"stage {stage.spec.name!r} is {state.value}", core.failed_ranks,
+            _nodes(stage))
         for future in stage.start_waiters:
             _settle(future, error=error)
         stage.start_waiters.clear()
@@ -482,16 +503,16 @@ class Orchestrator:
     # ================================================================ processes
 
     def _spawn(self, stage: _Stage) -> None:
-        stage.procs = spawn_ranks(stage.spec, epoch=stage.core.epoch, address=self.address,
-                                  trace_path=self.trace_path, curve=self._curve)  # fmt: skip
+        stage.procs = self._launcher.spawn(stage.spec, epoch=stage.core.epoch, address=self.address,
+                                           trace_path=self.trace_path, curve=self._curve)  # fmt: skip
         for proc in stage.procs:
             if proc.sentinel is not None:
                 self._sentinels[proc.sentinel] = (stage, proc)
                 self._poller.register(proc.sentinel, zmq.POLLIN)
-            self._write(stage, (RankSpawned(proc.rank, proc.pid),))
+            self._write(stage, (RankSpawned(proc.rank, proc.pid, proc.node),))
 
     def _reap(self, stage: _Stage) -> None:
-        reap(stage.procs)
+        self._launcher.reap(stage.procs)
         for proc in stage.procs:
             if proc.identity is not None:
                 self._by_identity.pop(proc.identity, None)
@@ -525,4 +546,6 @@ class Orchestrator:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._trace.close()
+        with contextlib.suppress(Exception):  # the launcher's own resources; the ranks are reaped
+            self._launcher.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -38,6 +38,7 @@ class RankProcess:
             env=env, stdin=subprocess.DEVNULL)  # fmt: skip
         self.pid = self.popen.pid
         self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        self.node = f"{socket.gethostname()} (local)"  # where it runs, for error messages
         self.identity: bytes | None = None  # bound by a proven Hello
         self.expected_exit = False  # we told it to go (Shutdown, restart)
         self.exit_handled = False  # its end was seen once (sentinel or poll) and acted on
@@ -48,6 +49,10 @@ class RankProcess:
     @property
     def exitcode(self) -> int | None:
         return self.popen.poll()
+
+    def exit_cause(self) -> str:
+        """Why it ended, for RankExited and the errors built from it."""
+        return f"pid {self.pid} exited with code {self.exitcode}"
 
     def join(self, timeout_s: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):

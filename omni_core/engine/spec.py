@@ -18,6 +18,65 @@ BACKENDS = ("auto", "portable", "cumem", "fast")
 # (10,000), so the queue never overflows before admission says "wait" or "rejected".
 MAX_IN_FLIGHT_LIMIT = 4096
 MIN_FRAME_BYTES = 64 << 10  # room for every lifecycle message and its error details
+# Ray's placement group strategies (ray.util.placement_group), as users of vLLM, verl and
+# OpenRLHF already write them.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """Where a stage's ranks run under `RayLauncher` (the local launcher ignores it).
+
+    One actor per rank, each asking for `num_cpus`, `num_gpus` (fractional: 0.5 lets two
+    ranks of colocated stages share a GPU) and `resources`. By default the launcher makes one
+    placement group per stage (a bundle per rank, `strategy`) and removes it when the stage's
+    ranks go. With `placement_group` (a `ray.util.placement_group.PlacementGroup`) or
+    `placement_group_name` (a named one, e.g. from a TOML file) the ranks go into that group's
+    bundles instead (rank i into `bundle_indices[i]`, default i) and the group is the user's:
+    several stages may share it, and it outlives the engine.
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    strategy: str = "PACK"
+    placement_group: Any = None
+    placement_group_name: str | None = None
+    bundle_indices: tuple[int, ...] | None = None
+    runtime_env: Mapping[str, Any] | None = None  # passed to each rank's actor as given
+
+    def __post_init__(self) -> None:  # TOML gives lists and tables
+        object.__setattr__(self, "resources", dict(self.resources))
+        if self.bundle_indices is not None:
+            object.__setattr__(self, "bundle_indices", tuple(self.bundle_indices))
+
+    def check(self, stage: str, ranks: int) -> None:
+        for what in ("num_cpus", "num_gpus"):
+            value = getattr(self, what)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1024:
+                raise InvalidArgumentError(f"stage {stage!r}: placement {what} must be a number in [0, 1024], "
+                                           f"got {value!r}")  # fmt: skip
+        for key, value in self.resources.items():
+            if not isinstance(key, str) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidArgumentError(f"stage {stage!r}: placement resources must map names to positive "
+                                           f"amounts, got {key!r}: {value!r}")  # fmt: skip
+        if self.num_cpus == 0 and self.num_gpus == 0 and not self.resources:
+            raise InvalidArgumentError(f"stage {stage!r}: a placement bundle must ask for something; give "
+                                       "num_cpus, num_gpus or resources")  # fmt: skip
+        if self.strategy not in PLACEMENT_STRATEGIES:
+            raise InvalidArgumentError(f"stage {stage!r}: placement strategy {self.strategy!r} is not one of "
+                                       f"{list(PLACEMENT_STRATEGIES)}")  # fmt: skip
+        if self.placement_group is not None and self.placement_group_name is not None:
+            raise InvalidArgumentError(f"stage {stage!r}: give placement_group or placement_group_name, not both")
+        user_group = self.placement_group is not None or self.placement_group_name is not None
+        if self.bundle_indices is not None:
+            if not user_group:
+                raise InvalidArgumentError(f"stage {stage!r}: bundle_indices index a placement group of yours; "
+                                           "give placement_group or placement_group_name too")  # fmt: skip
+            if len(self.bundle_indices) != ranks or not all(
+                    isinstance(i, int) and i >= 0 for i in self.bundle_indices):  # fmt: skip
+                raise InvalidArgumentError(f"stage {stage!r}: bundle_indices needs one index >= 0 per rank "
+                                           f"({ranks}), got {self.bundle_indices!r}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,6 +97,7 @@ class StageSpec:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # largest message either side accepts (payloads, results)
     gpu_memory_fraction: float | None = None  # each rank's share of its GPU (own use only)
     tags: tuple[str, ...] = DEFAULT_TAGS
+    placement: RayPlacement | None = None  # on a Ray cluster (RayLauncher); None: its defaults
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -82,3 +142,8 @@ class StageSpec:
                 raise InvalidArgumentError(f"stage {self.name!r}: gpu_memory_fraction applies to "
                                            f"device='cuda', not {self.device!r}")  # fmt: skip
         object.__setattr__(self, "runner_args", dict(self.runner_args))
+        if self.placement is not None:
+            if not isinstance(self.placement, RayPlacement):
+                raise InvalidArgumentError(f"stage {self.name!r}: placement must be a RayPlacement, "
+                                           f"got {type(self.placement).__name__}")  # fmt: skip
+            self.placement.check(self.name, self.ranks)

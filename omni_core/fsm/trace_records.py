@@ -278,7 +278,8 @@ class BadMessage(_Record):
 
 class RankSpawned(_Record):
     rank: int
-    pid: int
+    pid: int | None  # None: a rank started elsewhere (a Ray actor) reports its pid in its Hello
+    node: str = ""  # where it was started or placed, as the launcher knows it then
 
 
 class PeerRefused(_Record):
