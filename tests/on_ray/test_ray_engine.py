@@ -220,3 +220,17 @@ def test_strangers_on_the_cluster_network_reach_nothing(ray_cluster):
         assert engine.execute("sealed", PROBE) == reference
     finally:
         engine.shutdown()
+
+
+def test_the_example_config_runs_on_the_cluster(ray_cluster):
+    """examples/ray_stages.toml through `omni-core demo --config`'s code, attached to the
+    cluster this process is connected to: every stage sleeps, wakes and reloads once."""
+    import io
+    from pathlib import Path
+
+    from omni_core.config import load_config, run_config_demo
+
+    out = io.StringIO()
+    config = load_config(Path(__file__).resolve().parents[2] / "examples" / "ray_stages.toml")
+    assert run_config_demo(config, out) == 0, out.getvalue()
+    wait_for(lambda: not live_rank_actors(), what="no rank actor left after the demo")
