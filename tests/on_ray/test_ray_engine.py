@@ -20,7 +20,9 @@ import zmq
 from omni_core.engine import Engine, InvalidArgumentError, RayPlacement, StageFailedError
 from omni_core.protocol import Hello, encode
 from tests.engine.conftest import PROBE, in_thread, resume, small_spec, wait_for
-from tests.on_ray.conftest import LocalCluster, live_rank_actors, ray
+from tests.on_ray.conftest import RAY_MISSING, LocalCluster, live_rank_actors, ray
+
+pytest.importorskip("ray", reason=RAY_MISSING)
 
 pytestmark = pytest.mark.ray
 
