@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from omni_core.conformance.targets import WorkerFactory, WorkerProcess, launch
-from omni_core.protocol import Command, Hello, Message, ProtocolError, Reply, WorkerState, decode, encode
+from omni_core.protocol import Ack, Command, Hello, Message, Nack, ProtocolError, Reply, WorkerState, decode, encode
 
 POLL_SLICE_MS = 50
 MAX_REPR_CHARS = 700
@@ -40,13 +40,17 @@ class SuiteOptions:
     reply_timeout_s: float = 10.0  # until the one terminal reply of a command
     exit_timeout_s: float = 10.0  # from the Shutdown Ack until the process has exited
     quiet_s: float = 0.3  # how long "no further reply" is watched for
+    case_timeout_s: float = 120.0  # one whole case, however many replies it waits for
     epoch: int = 3  # epoch the workers start in (> 0, so an older one exists)
     execute_payload: Any = field(default_factory=lambda: {"seed": 1, "batch": 1})
+    # A target (string or factory) whose worker fails at start-up and greets in FAILED, to
+    # check that Shutdown leaves FAILED; None: the built-in one for `synthetic`, else skipped.
+    failing_worker: Any = None
 
     def __post_init__(self) -> None:
         if self.epoch < 1:
             raise ValueError(f"epoch must be >= 1 so that an older epoch exists, got {self.epoch}")
-        for name in ("start_timeout_s", "reply_timeout_s", "exit_timeout_s", "quiet_s"):
+        for name in ("start_timeout_s", "reply_timeout_s", "exit_timeout_s", "quiet_s", "case_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}: no receive waits without bound")
 
@@ -54,12 +58,16 @@ class SuiteOptions:
 class CaseFailure(AssertionError):
     """A requirement not met: what was wrong, what the suite sent, what came back."""
 
-    def __init__(self, problem: str, *, sent: Any = None, got: Any = None, expected: Any = None) -> None:
+    def __init__(self, problem: str, *, sent: Any = None, got: Any = None, expected: Any = None,
+                 silent: bool = False) -> None:  # fmt: skip
         super().__init__(problem)
         self.problem = problem
         self.sent = sent
         self.got = got
         self.expected = expected
+        # A live worker let a deadline pass: the runner stops there instead of letting every
+        # later case wait out the same deadline (one clear failure, not ten after minutes).
+        self.silent = silent
 
 
 class CaseSkip(Exception):
@@ -113,6 +121,10 @@ class Peer:
         self.sent: Counter[str] = Counter()
         self.replies: Counter[str] = Counter()
         self.strays: list[Message | Undecodable] = []
+        # The latest first answer (not a copy's) that says the worker's state, so that a
+        # Status contradicting it can be blamed on the right command.
+        self.last_stated: Ack | Nack | None = None
+        self.greeting_state = WorkerState.ACTIVE  # what its Hello must say
 
     def __repr__(self) -> str:
         return f"worker rank {self.rank} (pid {self.process.pid})"
@@ -175,6 +187,14 @@ class Peer:
     def _wait(self, match: Any, sent: Any, timeout_s: float | None) -> Message:
         timeout_s = self.harness.options.reply_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        case_deadline = self.harness.case_deadline
+        if case_deadline is not None and case_deadline < deadline:
+            deadline = case_deadline
+            timeout_s = max(0.0, case_deadline - time.monotonic())
+            if timeout_s <= 0:
+                raise CaseFailure(f"the case ran past its limit of {self.harness.options.case_timeout_s:g} s "
+                                  "(case_timeout_s) before this command was answered", sent=sent,
+                                  silent=True)  # fmt: skip
         while True:
             for i, message in enumerate(self.inbox):
                 if isinstance(message, Undecodable):
@@ -186,9 +206,11 @@ class Peer:
                     return message
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                alive = "still running" if self.process.alive() else f"exited ({self.process.exit_code()})"
-                raise CaseFailure(f"no reply from {self} within {timeout_s:g} s; the process is {alive}",
-                                  sent=sent, got=list(self.inbox) or None)  # fmt: skip
+                running = self.process.alive()
+                alive = "still running" if running else f"exited ({self.process.exit_code()})"
+                what = f"{type(sent).__name__} {sent.task_id!r}" if isinstance(sent, msgspec.Struct) else "it"
+                raise CaseFailure(f"no reply from {self} within {timeout_s:.3g} s to {what}; the process is {alive}",
+                                  sent=sent, got=list(self.inbox) or None, silent=running)  # fmt: skip
             if not self.harness.pump(min(left_ms, POLL_SLICE_MS)) and not self.process.alive():
                 self.harness.pump(0)  # what it sent before dying is still worth matching
                 if not any(match(m) or isinstance(m, Undecodable) for m in self.inbox):
@@ -207,6 +229,8 @@ class Peer:
             self.replies[message.task_id] += 1
             if self.replies[message.task_id] > self.sent[message.task_id]:
                 self.strays.append(message)
+            elif isinstance(message, (Ack, Nack)) and self.sent[message.task_id] == 1:
+                self.last_stated = message  # a copy's reply may be a cached one, of an older state
         elif isinstance(message, Hello):
             self.strays.append(message)  # a second Hello
         self.inbox.append(message)
@@ -231,19 +255,23 @@ class Harness:
         self._starting: list[Peer] = []
         self._unclaimed: list[tuple[bytes, Message | Undecodable]] = []
         self._log_ids = itertools.count()
+        self.case_deadline: float | None = None  # monotonic time the running case must end by
 
     # ------------------------------------------------------------------ starting
 
-    def start(self, ranks: Iterable[int], epoch: int) -> list[Peer]:
-        """Start one worker per rank (all at once) and wait for each one's Hello."""
+    def start(self, ranks: Iterable[int], epoch: int, *, factory: WorkerFactory | None = None,
+              state: WorkerState = WorkerState.ACTIVE) -> list[Peer]:  # fmt: skip
+        """Start one worker per rank (all at once) and wait for each one's Hello, which must
+        say `state` (a worker whose start-up fails greets in FAILED)."""
         peers = []
         for rank in ranks:
             log = os.path.join(self.directory, f"worker-{rank}-{next(self._log_ids)}.log")
             try:
-                process = launch(self.factory, self.address, rank, epoch, log)
+                process = launch(factory or self.factory, self.address, rank, epoch, log)
             except Exception as exc:
                 raise StartError(f"the worker factory failed for rank {rank}: {type(exc).__name__}: {exc}") from exc
             peer = Peer(self, rank, epoch, process)
+            peer.greeting_state = state
             peers.append(peer)
             self._starting.append(peer)
         deadline = time.monotonic() + self.options.start_timeout_s
@@ -289,6 +317,8 @@ class Harness:
                 message: Message | Undecodable = decode(data)
             except ProtocolError as exc:
                 message = Undecodable(bytes(data), exc.detail)
+            except Exception as exc:  # no bytes from a worker may end the suite
+                message = Undecodable(bytes(data), f"{type(exc).__name__}: {str(exc)[:300]}")
             peer = self.peers.get(identity)
             if peer is not None:
                 peer.note(message)
@@ -306,9 +336,9 @@ class Harness:
                 peer = match[0]
                 peer.identity, peer.hello = identity, message
                 self.peers[identity] = peer
-                if message.state is not WorkerState.ACTIVE:
-                    raise StartError(f"{peer} greeted in state {message.state.value}, not ACTIVE: "
-                                     f"{message.detail or '(no detail)'}")  # fmt: skip
+                if message.state is not peer.greeting_state:
+                    raise StartError(f"{peer} greeted in state {message.state.value}, not "
+                                     f"{peer.greeting_state.value}: {message.detail or '(no detail)'}")  # fmt: skip
                 return
         self._unclaimed.append((identity, message))
 

@@ -40,8 +40,9 @@ REQUIREMENTS: dict[str, Requirement] = {
             "the same reply from a bounded reply cache, and MUST NOT take effect a second time. "
             "A different command under an already-used `task_id` MUST be refused with "
             "`Nack TASK_ID_REUSED`. The cache MUST be bounded in entries and in bytes (default 1024 "
-            "entries and 16 MiB, least recently used evicted) and MUST keep a digest of each command, not "
-            "the command; a reply too large to keep is answered on a copy with `Nack REPLY_NOT_KEPT` and "
+            "entries and 16 MiB, least recently used evicted), MUST hold at least the 64 latest answers "
+            "whatever it is configured to, MUST NOT be changed by `Status`, and MUST keep a digest of each "
+            "command, not the command; a reply too large to keep is answered on a copy with `Nack REPLY_NOT_KEPT` and "
             "no effect. Callers retry within that window.",
         ),
         Requirement(
@@ -121,7 +122,10 @@ REQUIREMENTS: dict[str, Requirement] = {
             "`Nack INVALID_STATE` whose detail names the state, and MUST have no effect. A "
             "worker that is busy with another task answers `Nack BUSY`. A command that fails in "
             "the memory backend moves the worker to `FAILED`; from then on every reply's detail "
-            "carries the failure and only `Shutdown` (or a restart) leaves `FAILED`.",
+            "carries the failure and only `Shutdown` (or a restart) leaves `FAILED`. `Status` MUST change "
+            "nothing. `Shutdown` MUST be acknowledged with `Ack state=STOPPED` in every state that is not "
+            "transient (`ACTIVE`, `SLEEPING`, `PARTIAL`, `NEEDS_RELOAD`, `FAILED`), after which the process "
+            "MUST exit with status 0.",
         ),
         Requirement(
             "P-12",

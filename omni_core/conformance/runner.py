@@ -8,20 +8,29 @@ test, the CLI all of them through `run()`.
 
 from __future__ import annotations
 
+import re
 import textwrap
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from omni_core.conformance.cases import REQUIREMENT_ORDER, Case, Ctx, ordered_cases
+from omni_core.conformance.cases import REQUIREMENT_ORDER, Case, Ctx, ordered_cases, run_wide
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, StartError, SuiteOptions, show
 from omni_core.conformance.requirements import REQUIREMENTS, Requirement
-from omni_core.conformance.targets import WorkerFactory, resolve_target
+from omni_core.conformance.targets import WorkerFactory, failing_factory_for, resolve_target
 from omni_core.protocol import PROTOCOL_VERSION, Ack, Status, WorkerState
 
 Outcome = Literal["pass", "fail", "skip"]
+# Characters XML 1.0 cannot carry at all (a worker's output may hold any of them): shown escaped.
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_safe(text: str) -> str:
+    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group(0)):02x}" if ord(m.group(0)) < 256 else
+                        f"\\u{ord(m.group(0)):04x}", text)  # fmt: skip
 
 
 @dataclass
@@ -74,7 +83,8 @@ class SuiteReport:
     notes: list[str] = field(default_factory=list)
 
     def requirements(self) -> list[tuple[Requirement, list[CaseResult]]]:
-        chosen = self.only or REQUIREMENT_ORDER
+        # The run-wide stray check runs under any --only, so its requirement is listed too.
+        chosen = REQUIREMENT_ORDER if self.only is None else {*self.only, *(r.case.req for r in self.results)}
         return [(REQUIREMENTS[r], [x for x in self.results if x.case.req == r]) for r in REQUIREMENT_ORDER
                 if r in chosen]  # fmt: skip
 
@@ -148,15 +158,15 @@ class SuiteReport:
                            skipped=str(sum(r.outcome == "skip" for r in self.results) + len(not_applicable)),
                            time=f"{self.duration_s:.3f}")  # fmt: skip
         props = ET.SubElement(suite, "properties")
-        ET.SubElement(props, "property", name="target", value=self.target)
+        ET.SubElement(props, "property", name="target", value=xml_safe(self.target))
         ET.SubElement(props, "property", name="protocol_version", value=str(PROTOCOL_VERSION))
         for r in self.results:
             tc = ET.SubElement(suite, "testcase", classname=f"conformance.{r.case.req}", name=r.case.name,
                                time=f"{r.duration_s:.3f}")  # fmt: skip
             if r.outcome == "fail":
-                ET.SubElement(tc, "failure", message=f"{r.case.req}: {r.reason}").text = r.details()
+                ET.SubElement(tc, "failure", message=xml_safe(f"{r.case.req}: {r.reason}")).text = xml_safe(r.details())
             elif r.outcome == "skip":
-                ET.SubElement(tc, "skipped", message=r.reason)
+                ET.SubElement(tc, "skipped", message=xml_safe(r.reason))
         for req in not_applicable:
             tc = ET.SubElement(suite, "testcase", classname=f"conformance.{req.id}", name="not_applicable")
             ET.SubElement(tc, "skipped", message=req.why_not)
@@ -176,13 +186,26 @@ class SuiteRunner:
         self.description, self.factory = resolve_target(target)
         self.options = options or SuiteOptions()
         self.only = parse_only(only)
+        failing = self.options.failing_worker
+        self.failing_factory = resolve_target(failing)[1] if failing is not None else failing_factory_for(target)
         self._harness: Harness | None = None
         self._shared: Peer | None = None
         self._start_error: str = ""
         self._strays: list[str] = []
+        self._strays_reported = 0  # how many of them a run-wide check has reported
+        self._silenced: str = ""  # the case in which the worker let a deadline pass, and how
 
     def cases(self) -> list[Case]:
-        return [c for c in ordered_cases() if self.only is None or c.req in self.only]
+        """The chosen requirements' cases, and always the run-wide stray check: a stray reply
+        can follow any command, so a subset must not drop it."""
+        return [c for c in ordered_cases() if self.only is None or c.req in self.only or run_wide(c)]
+
+    def unreported_strays(self) -> list[str]:
+        """Strays no run-wide check has reported yet (the pytest plugin fails on them at
+        teardown when `-k` left that check out)."""
+        if self._harness is not None:
+            self._note_strays(self._harness, "")
+        return self._strays[self._strays_reported:]
 
     # ------------------------------------------------------------------ the shared worker
 
@@ -192,7 +215,7 @@ class SuiteRunner:
         self._discard_shared()
         if self._start_error:
             raise StartError(self._start_error)
-        self._harness = Harness(self.factory, self.options)
+        self._harness = self._new_harness()
         try:
             (self._shared,) = self._harness.start((0,), self.options.epoch)
         except StartError as exc:
@@ -200,6 +223,11 @@ class SuiteRunner:
             self._discard_shared()
             raise StartError(self._start_error) from None
         return self._shared
+
+    def _new_harness(self) -> Harness:
+        harness = Harness(self.factory, self.options)
+        harness.case_deadline = self._case_deadline
+        return harness
 
     def _discard_shared(self) -> None:
         if self._harness is not None:
@@ -226,13 +254,27 @@ class SuiteRunner:
 
     # ------------------------------------------------------------------ cases
 
+    _case_deadline: float | None = None
+
     def run_case(self, case: Case) -> CaseResult:
         started = time.monotonic()
-        result = self._run_case(case)
+        self._case_deadline = started + self.options.case_timeout_s
+        if self._harness is not None:
+            self._harness.case_deadline = self._case_deadline
+        try:
+            result = self._run_case(case)
+        finally:
+            self._case_deadline = None
+            if self._harness is not None:
+                self._harness.case_deadline = None
         result.duration_s = time.monotonic() - started
         return result
 
     def _run_case(self, case: Case) -> CaseResult:
+        if self._silenced and not run_wide(case):
+            # Fail fast: every later case would wait out the same deadline and fail for the
+            # same reason; one clear failure says more than ten.
+            return CaseResult(case, "skip", f"not run: {self._silenced}; fix that first")
         own: Harness | None = None
         worker: Peer | None = None
         try:
@@ -245,9 +287,11 @@ class SuiteRunner:
                 if present:
                     raise CaseSkip(f"worker declares capability {', '.join(map(repr, present))}; "
                                    "this case is for workers without it")  # fmt: skip
-            ctx = Ctx(case, worker, None, self.options, lambda: Harness(self.factory, self.options))
-            if case.scope == "global":
+            ctx = Ctx(case, worker, None, self.options, self._new_harness)
+            ctx.failing_factory = self.failing_factory
+            if run_wide(case):
                 ctx.stray_note = "\n".join(self._strays)
+                self._strays_reported = len(self._strays)
             try:
                 case.run(ctx)
             finally:
@@ -262,6 +306,8 @@ class SuiteRunner:
         except CaseSkip as skip:
             return CaseResult(case, "skip", str(skip))
         except CaseFailure as failure:
+            if failure.silent:
+                self._silenced = f"the worker went silent in {case.id} ({failure.problem.splitlines()[0]})"
             if case.scope in ("shared", "consume"):
                 self._discard_shared()
             return CaseResult(case, "fail", failure.problem.splitlines()[0], failure)
@@ -269,10 +315,17 @@ class SuiteRunner:
             if case.scope in ("shared", "consume"):
                 self._discard_shared()
             return CaseResult(case, "fail", str(exc).splitlines()[0], CaseFailure(str(exc)))
+        except Exception as exc:  # an answer no case foresaw must not end the run
+            if case.scope in ("shared", "consume"):
+                self._discard_shared()
+            problem = (f"the suite could not finish this case: {type(exc).__name__}: {str(exc)[:300]} "
+                       "(an answer the case did not foresee; the details show the last exchange)")  # fmt: skip
+            return CaseResult(case, "fail", problem, CaseFailure(problem, got=traceback.format_exc(limit=4)))
         finally:
             if case.scope == "consume":
                 self._discard_shared()
-            elif case.scope == "shared" and self._shared is not None and not self._still_usable(self._shared):
+            elif case.scope == "shared" and self._shared is not None and (
+                    self._silenced or not self._still_usable(self._shared)):  # fmt: skip
                 self._discard_shared()  # the next case gets a fresh worker
 
     def run(self) -> SuiteReport:

@@ -79,6 +79,20 @@ def reference_worker(address: str, rank: int, epoch: int) -> dict[str, Any]:
     }
 
 
+def failing_reference_worker(address: str, rank: int, epoch: int) -> dict[str, Any]:
+    """The project's worker with a runner that cannot be imported: its start-up fails, so it
+    greets in FAILED and refuses everything but Status and Shutdown (P-11)."""
+    return {**reference_worker(address, rank, epoch), "runner": "omni_core.conformance.no_such_runner:Runner"}
+
+
+def failing_factory_for(target: str | WorkerFactory) -> WorkerFactory | None:
+    """The failing counterpart of a built-in target; None for any other (the user names one
+    with `--failing-worker`, or the case that needs it is skipped)."""
+    if isinstance(target, str) and target.strip() in BUILTIN_TARGETS:
+        return failing_reference_worker
+    return None
+
+
 def command_factory(template: str) -> WorkerFactory:
     """`cmd:` targets: fill the placeholders and run the line through the shell."""
     for needed in ("{address}", "{rank}"):

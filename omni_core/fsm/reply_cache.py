@@ -18,6 +18,9 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 DEFAULT_REPLY_CACHE_ENTRIES = 1024
+# P-2: a worker holds at least this many answers whatever it is configured to (the conformance
+# suite sends a copy of a task after this many newer ones).
+MIN_REPLY_CACHE_ENTRIES = 64
 DEFAULT_REPLY_CACHE_BYTES = 16 << 20
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES
+from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, MIN_REPLY_CACHE_ENTRIES
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 
 
@@ -24,7 +24,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     tags: tuple[str, ...] = ("weights", "kv_cache")
     gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
     trace_path: str | None = None  # append one JSON line per processed message when set
-    reply_cache_entries: int = 1024
+    reply_cache_entries: int = 1024  # at least MIN_REPLY_CACHE_ENTRIES (P-2)
     reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are refused (BAD_MESSAGE) unread
     # The engine ROUTER's CURVE public key (Z85) when the transport leaves the host: the rank
@@ -37,3 +37,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     exit_with_parent: bool = True
     parent_check_interval_s: float = 1.0
     parent_pid: int | None = None  # the process to outlive not; default: the parent at start
+
+    def __post_init__(self) -> None:
+        if self.reply_cache_entries < MIN_REPLY_CACHE_ENTRIES:
+            raise ValueError(f"reply_cache_entries={self.reply_cache_entries} is below {MIN_REPLY_CACHE_ENTRIES}: "
+                             f"a worker must hold its {MIN_REPLY_CACHE_ENTRIES} latest answers for retries (P-2); "
+                             "raise it")  # fmt: skip

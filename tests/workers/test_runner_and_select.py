@@ -101,3 +101,17 @@ def test_select_backend():
 def test_cumem_without_cuda_says_why_and_what_to_do():
     with pytest.raises(BackendUnavailable, match=r"sees no CUDA device.*CUDA build of torch"):
         select_backend("cumem", "cuda")
+
+
+def test_a_reply_cache_below_the_protocol_minimum_is_refused():
+    import msgspec
+
+    from omni_core.fsm.reply_cache import MIN_REPLY_CACHE_ENTRIES
+    from omni_core.workers.config import WorkerConfig
+
+    assert WorkerConfig(address="ipc:///x", rank=0, reply_cache_entries=MIN_REPLY_CACHE_ENTRIES)
+    for build in (lambda: WorkerConfig(address="ipc:///x", rank=0, reply_cache_entries=MIN_REPLY_CACHE_ENTRIES - 1),
+                  lambda: msgspec.json.decode(b'{"address": "x", "rank": 0, "reply_cache_entries": 4}',
+                                              type=WorkerConfig)):  # fmt: skip
+        with pytest.raises((ValueError, msgspec.ValidationError), match="latest answers for retries"):
+            build()
