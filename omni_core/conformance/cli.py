@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '{"seed": 1, "batch": 1})')  # fmt: skip
     p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S", help="deadline of every reply")
     p.add_argument("--start-timeout", type=float, default=60.0, metavar="S", help="deadline of the Hello")
+    p.add_argument("--case-timeout", type=float, default=120.0, metavar="S",
+                   help="limit of one whole case, however many replies it waits for")  # fmt: skip
+    p.add_argument("--failing-worker", metavar="TARGET", default=None,
+                   help="a worker whose start-up fails (it greets in FAILED), to check that Shutdown leaves "
+                        "FAILED; built in for 'synthetic', else that case is skipped")  # fmt: skip
     p.add_argument("--epoch", type=int, default=3, help="epoch the workers are started in (>= 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per case as well")
 
@@ -37,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         only = parse_only(args.only)
         resolve_target(args.worker)
-        fields = {"reply_timeout_s": args.reply_timeout, "start_timeout_s": args.start_timeout, "epoch": args.epoch}
+        if args.failing_worker is not None:
+            resolve_target(args.failing_worker)
+        fields = {"reply_timeout_s": args.reply_timeout, "start_timeout_s": args.start_timeout, "epoch": args.epoch,
+                  "case_timeout_s": args.case_timeout, "failing_worker": args.failing_worker}  # fmt: skip
         if args.payload is not None:
             fields["execute_payload"] = json.loads(args.payload)
         options = SuiteOptions(**fields)

@@ -85,3 +85,8 @@ def conformance_runner(request: pytest.FixtureRequest) -> Iterator[SuiteRunner]:
         pytest.fail(f"{cls.__name__}: {exc}", pytrace=False)
     yield runner
     runner.close()
+    strays = runner.unreported_strays()
+    if strays:
+        # `-k` may have left the run-wide check out; a stray must not pass unseen.
+        pytest.fail("P-1: a worker sent a message that answers no command it was sent (one terminal reply per "
+                    "(task_id, rank)):\n  " + "\n  ".join(strays), pytrace=False)  # fmt: skip

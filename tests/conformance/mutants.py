@@ -32,6 +32,26 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "wrong_version_accepted": ("P-3", "messages of another protocol version are served"),
     "double_reply": ("P-1", "every reply is sent twice"),
     "unknown_tag_half_applied": ("P-11", "a Sleep naming an unknown tag sleeps the known ones, then refuses"),
+    # The escapes of the issue-17 audit, and more plausible slips.
+    "ack_from_plan": ("P-12", "the Sleep Ack reports the plan's empty pools; the release waits for the next command"),
+    "nvml_on_cpu": ("P-12", "the host's used memory reported as the process's own NVML figure"),
+    "status_clears_cache": ("P-2", "a Status empties the reply cache"),
+    "tiny_reply_cache": ("P-2", "a reply cache of 4 entries"),
+    "crash_on_shutdown_asleep": ("P-11", "Shutdown while asleep kills the process (only ever tried in ACTIVE)"),
+    "wake_unknown_tag_already": ("P-11", "a Wake drops tags it does not know; of nothing known, it ACKs ALREADY"),
+    "status_wakes": ("P-11", "a Status of a sleeping worker wakes it first, to report fresh figures"),
+    "invalid_utf8_detail": ("P-10", "a BAD_MESSAGE refusal echoes the bad bytes in its detail (invalid UTF-8)"),
+    "silent_sleep_already": ("P-4", "a Sleep of tags all asleep is dropped without a reply"),
+    "execute_in_partial": ("P-7", "Execute runs whenever the weights are resident, PARTIAL included"),
+    "newer_epoch_not_adopted": ("P-6", "a newer epoch is served but not adopted"),
+    "no_epoch_window": ("P-13", "any epoch ahead is adopted, however far"),
+    "bad_source_fails": ("P-13", "an unusable reload source fails the worker instead of being refused"),
+    "task_id_reuse_served": ("P-2", "the reply cache keys on task_id alone: another command gets the old reply"),
+    "no_hello_proof": ("P-14", "the Hello carries no proof"),
+    "bad_message_no_task_id": ("P-10", "BAD_MESSAGE refusals never name the task, even when it is readable"),
+    "shutdown_exits_nonzero": ("P-4", "the process exits with status 1 after acknowledging Shutdown"),
+    "status_without_memory": ("P-12", "the Status Ack carries no memory report"),
+    "version_detail_one_version": ("P-3", "UNSUPPORTED_VERSION's detail names only the worker's own version"),
 }
 
 # Correct workers with fewer features: the suite must pass them, reporting skips.
@@ -66,6 +86,7 @@ wrong_version_accepted = factory("wrong_version_accepted")
 double_reply = factory("double_reply")
 unknown_tag_half_applied = factory("unknown_tag_half_applied")
 no_capabilities = factory("no_capabilities")
+tiny_reply_cache = factory("tiny_reply_cache")
 
 
 # ---------------------------------------------------------------- the faults (child process only)
@@ -77,7 +98,7 @@ def _install(name: str) -> None:
 
     from omni_core.fsm import worker as fsm_worker
     from omni_core.fsm.effects import ExecuteEffect, SleepEffect
-    from omni_core.protocol import Hello, MemoryReport, NackReason, ProtocolError, Sleep, WorkerState
+    from omni_core.protocol import Hello, MemoryReport, NackReason, ProtocolError, Sleep, WorkerState, encode
     from omni_core.protocol.codec import decode_command
     from omni_core.protocol.messages import AnyCommand
     from omni_core.workers import process
@@ -211,12 +232,189 @@ def _install(name: str) -> None:
                         self.muted = False
             super().handle(data)
 
+    # ------------------------------------------------ the issue-17 audit's escapes, and more
+
+    from omni_core.fsm.effects import ShutdownEffect, StatusEffect
+    from omni_core.fsm.reply_cache import BoundedCache
+    from omni_core.protocol import AckStatus, Nack, Shutdown, Status, Wake
+    from omni_core.workers.accounting import MemoryFigure
+    from omni_core.workers.runner import RunnerArgumentError
+
+    asleep_states = (WorkerState.SLEEPING, WorkerState.PARTIAL, WorkerState.NEEDS_RELOAD)
+
+    def decoded(data: bytes) -> Any:
+        try:
+            return decode_command(data)
+        except ProtocolError:
+            return None
+
+    class AckFromPlanProcess(process_cls):
+        deferred: Any = None  # a release "in flight" that nothing waits for
+
+        def _perform(self, effect: Any) -> None:
+            if isinstance(effect, SleepEffect):
+                usage = self._usage()
+                gone = effect.offload | effect.discard
+                planned = {t: 0 if t in gone else b for t, b in usage.items()}
+                memory = MemoryReport(pool_bytes_before=usage, pool_bytes_after=planned,
+                                      process_bytes_source=self._figure().source)  # fmt: skip
+                self.deferred = effect
+                self._send_all(self.core.on_done(effect.task_id, memory=memory).replies)
+                return None
+            if self.deferred is not None and not isinstance(effect, StatusEffect):
+                self._apply(self.deferred)
+                self.deferred = None
+            return super()._perform(effect)
+
+    class NvmlOnCpuProcess(process_cls):
+        def _figure(self) -> Any:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            return MemoryFigure(info["MemTotal"] - info["MemAvailable"], "nvml")  # whole host, NVML's name
+
+    class StatusClearsCacheCore(core_cls):
+        def on_status(self, command: Any) -> Any:
+            self.cache = BoundedCache(self.cache.max_entries, self.cache.max_bytes)
+            return super().on_status(command)
+
+    class TinyCacheCore(core_cls):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "reply_cache_entries": 4})
+
+    class CrashOnShutdownAsleepProcess(process_cls):
+        def handle(self, data: bytes) -> None:
+            if isinstance(decoded(data), Shutdown) and self.core.state in asleep_states:
+                os._exit(139)  # frees the host copy of the weights a second time
+            super().handle(data)
+
+    class WakeKnownTagsCore(core_cls):
+        def on_wake(self, command: Any) -> Any:
+            if command.tags is not None:
+                command = msgspec.structs.replace(command, tags=tuple(t for t in command.tags if t in self.tags))
+            return super().on_wake(command)
+
+    class MutedProcess(process_cls):
+        """Runs an inner command of its own whose replies nobody sees."""
+
+        muted = False
+
+        def _send_all(self, messages: Any) -> None:
+            if not self.muted:
+                super()._send_all(messages)
+
+        def run_silently(self, command: Any) -> None:
+            self.muted = True
+            try:
+                step = self.core.on_command(command)
+                if step.effect is not None:
+                    self._perform(step.effect)
+            finally:
+                self.muted = False
+
+    class StatusWakesProcess(MutedProcess):
+        def handle(self, data: bytes) -> None:
+            command = decoded(data)
+            if isinstance(command, Status) and self.core.state in asleep_states and not self.core.busy:
+                self.run_silently(Wake(task_id=command.task_id[:100] + "-refresh", epoch=command.epoch))
+            super().handle(data)
+
+    class InvalidUtf8DetailProcess(process_cls):
+        marker = "@@not-utf8@@"
+
+        def _send(self, message: Any) -> None:
+            if isinstance(message, Nack) and message.reason is NackReason.BAD_MESSAGE:
+                data = encode(msgspec.structs.replace(message, detail=self.marker))
+                self.sock.send(data.replace(self.marker.encode(), b"\xff\xfe" + b"?" * (len(self.marker) - 2)))
+                return
+            super()._send(message)
+
+    class SilentSleepAlreadyCore(core_cls):
+        def on_sleep(self, command: Any) -> Any:
+            step = super().on_sleep(command)
+            replies = step.replies
+            if replies and getattr(replies[0], "status", None) is AckStatus.ALREADY:
+                return fsm_worker.WorkerStep()  # "nothing to do", so nothing said
+            return step
+
+    class ExecuteInPartialCore(core_cls):
+        def on_execute(self, command: Any) -> Any:
+            if self.state is WorkerState.PARTIAL and "weights" not in self.residency.asleep:
+                self._pending = fsm_worker._Pending(command)
+                return fsm_worker.WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
+            return super().on_execute(command)
+
+        def _check_invariants(self) -> None:
+            return None  # the real core would catch its own fault
+
+    class EpochNotAdoptedCore(core_cls):
+        def _on_command(self, command: Any) -> Any:
+            epoch = self.epoch
+            step = super()._on_command(command)
+            self.epoch = epoch
+            return step
+
+    class BadSourceFailsProcess(process_cls):
+        def _on_effect_error(self, effect: Any, exc: Exception) -> Any:
+            if isinstance(exc, RunnerArgumentError):
+                exc = RuntimeError(f"reload failed: {exc}")
+            return super()._on_effect_error(effect, exc)
+
+    class NoProofProcess(process_cls):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rank_secret = None
+
+    class NoTaskIdCore(core_cls):
+        def on_bad_message(self, error: Any) -> Any:
+            error.task_id = None
+            return super().on_bad_message(error)
+
+    class ExitsNonzeroProcess(process_cls):
+        def _perform(self, effect: Any) -> None:
+            super()._perform(effect)
+            if isinstance(effect, ShutdownEffect):
+                self.exit_code = 1
+
+    class StatusWithoutMemoryProcess(process_cls):
+        def _perform(self, effect: Any) -> None:
+            if isinstance(effect, StatusEffect):
+                self._send_all(self.core.on_done(effect.task_id).replies)
+                return None
+            return super()._perform(effect)
+
+    class OneVersionProcess(process_cls):
+        def handle(self, data: bytes) -> None:
+            try:
+                decode_command(data)
+            except ProtocolError as err:
+                if err.reason is NackReason.UNSUPPORTED_VERSION:
+                    err.detail = "this protocol version is not supported"
+                    self._send_all(self.core.on_bad_message(err).replies)
+                    return
+            super().handle(data)
+
+    if name == "no_epoch_window":
+        fsm_worker.MAX_EPOCH_AHEAD = 2**64
+        return
+    if name == "task_id_reuse_served":
+        fsm_worker.command_digest = lambda command: b"task id only"
+        return
+
     cores = {"no_reply_cache": NoReplyCacheCore, "execute_while_sleeping": ExecuteAnywhereCore,
-             "stale_epoch_accepted": StaleEpochCore, "level2_wakes_active": Level2ActiveCore}  # fmt: skip
+             "stale_epoch_accepted": StaleEpochCore, "level2_wakes_active": Level2ActiveCore,
+             "status_clears_cache": StatusClearsCacheCore, "tiny_reply_cache": TinyCacheCore,
+             "wake_unknown_tag_already": WakeKnownTagsCore, "silent_sleep_already": SilentSleepAlreadyCore,
+             "execute_in_partial": ExecuteInPartialCore, "newer_epoch_not_adopted": EpochNotAdoptedCore,
+             "bad_message_no_task_id": NoTaskIdCore}  # fmt: skip
     processes = {"ack_before_release": AckBeforeReleaseProcess, "rank0_only": Rank0OnlyProcess,
                  "double_reply": DoubleReplyProcess, "crash_on_second_sleep": CrashOnSecondSleepProcess,
                  "garbage_kills_loop": GarbageKillsLoopProcess, "wrong_version_accepted": WrongVersionProcess,
-                 "unknown_tag_half_applied": HalfAppliedProcess}  # fmt: skip
+                 "unknown_tag_half_applied": HalfAppliedProcess, "ack_from_plan": AckFromPlanProcess,
+                 "nvml_on_cpu": NvmlOnCpuProcess, "crash_on_shutdown_asleep": CrashOnShutdownAsleepProcess,
+                 "status_wakes": StatusWakesProcess, "invalid_utf8_detail": InvalidUtf8DetailProcess,
+                 "bad_source_fails": BadSourceFailsProcess, "no_hello_proof": NoProofProcess,
+                 "shutdown_exits_nonzero": ExitsNonzeroProcess, "status_without_memory": StatusWithoutMemoryProcess,
+                 "version_detail_one_version": OneVersionProcess}  # fmt: skip
     if name == "no_capabilities":
         from omni_core.workers.backends.portable import PortableBackend
 
