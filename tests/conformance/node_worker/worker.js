@@ -1,0 +1,591 @@
+#!/usr/bin/env node
+// An omni-core worker in JavaScript, on Node's standard library alone (net, crypto): what a
+// worker in another language needs to pass `omni-core conformance --worker cmd:...`.
+//
+//   node worker.js --address ipc:///path --rank R --epoch E [--bug NAME] [--fail-start]
+//
+// It speaks ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism, a DEALER socket) itself, so no
+// native zeromq binding is needed, and msgpack (the protocol's encoding) by hand. Its model is
+// simulated in host memory: two tagged pools (weights, kv_cache) as Buffers, level 1 keeps a
+// host copy of the weights, level 2 discards them until ReloadWeights. `--bug NAME` plants one
+// of the faults in BUGS (the conformance tests' mutant corpus); `--fail-start` greets in FAILED.
+"use strict";
+
+const crypto = require("crypto");
+const net = require("net");
+
+const PROTOCOL_VERSION = 1;
+const MAX_FRAME_BYTES = 64 << 20;
+const MAX_TASK_ID_CHARS = 128;
+const MAX_TAGS = 64;
+const MAX_DEPTH = 64;
+const MAX_EPOCH_AHEAD = 64n;
+const MAX_DETAIL_CHARS = 4096;
+const TAGS = ["weights", "kv_cache"];
+const POOL_BYTES = { weights: 256 << 10, kv_cache: 64 << 10 };
+const CAPABILITIES = ["level2", "partial_wake"];
+const SOURCE = "none: no GPU (node.js worker, host memory only)";
+const BUGS = new Set(["tiny_reply_cache", "wake_unknown_tag_already", "crash_on_shutdown_asleep"]);
+const IDLE = ["ACTIVE", "SLEEPING", "PARTIAL", "NEEDS_RELOAD"];
+
+// ---------------------------------------------------------------- arguments
+
+function parseArgs(argv) {
+  const out = { bug: "", failStart: false };
+  for (let i = 0; i < argv.length; i++) {
+    const a = argv[i];
+    if (a === "--fail-start") out.failStart = true;
+    else if (["--address", "--rank", "--epoch", "--bug"].includes(a) && i + 1 < argv.length) out[a.slice(2)] = argv[++i];
+    else throw new Error(`unknown argument ${JSON.stringify(a)}; usage: worker.js --address A --rank R --epoch E`);
+  }
+  if (!out.address || !out.address.startsWith("ipc://") || out.rank === undefined) {
+    throw new Error("--address ipc://PATH and --rank N are required");
+  }
+  if (out.bug && !BUGS.has(out.bug)) throw new Error(`unknown bug ${out.bug}; known: ${[...BUGS].join(", ")}`);
+  return { ...out, rank: Number(out.rank), epoch: BigInt(out.epoch || 0) };
+}
+
+// ---------------------------------------------------------------- msgpack
+
+class Float { constructor(value) { this.value = value; } } // always encoded as float64
+
+class DecodeError extends Error {}
+
+const utf8 = new TextDecoder("utf-8", { fatal: true });
+
+function decodeMsgpack(buf) {
+  let pos = 0;
+  const need = (n) => { if (pos + n > buf.length) throw new DecodeError("truncated msgpack"); };
+  const str = (n) => {
+    need(n);
+    const bytes = buf.subarray(pos, pos + n);
+    pos += n;
+    try { return utf8.decode(bytes); } catch { throw new DecodeError("a string is not valid UTF-8"); }
+  };
+  const bin = (n) => { need(n); const b = Buffer.from(buf.subarray(pos, pos + n)); pos += n; return b; };
+  const int = (v) => (typeof v === "bigint" && v >= BigInt(Number.MIN_SAFE_INTEGER) && v <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(v) : v);
+  function value(depth) {
+    if (depth > MAX_DEPTH) throw new DecodeError("nesting too deep");
+    need(1);
+    const b = buf[pos++];
+    if (b <= 0x7f) return b;
+    if (b >= 0xe0) return b - 0x100;
+    if ((b & 0xe0) === 0xa0) return str(b & 0x1f);
+    if ((b & 0xf0) === 0x90) return array(b & 0x0f, depth);
+    if ((b & 0xf0) === 0x80) return map(b & 0x0f, depth);
+    const u = (n) => { need(n); const v = buf.readUIntBE(pos, n); pos += n; return v; };
+    switch (b) {
+      case 0xc0: return null;
+      case 0xc2: return false;
+      case 0xc3: return true;
+      case 0xc4: return bin(u(1));
+      case 0xc5: return bin(u(2));
+      case 0xc6: return bin(u(4));
+      case 0xca: need(4); pos += 4; return new Float(buf.readFloatBE(pos - 4));
+      case 0xcb: need(8); pos += 8; return new Float(buf.readDoubleBE(pos - 8));
+      case 0xcc: return u(1);
+      case 0xcd: return u(2);
+      case 0xce: return u(4);
+      case 0xcf: need(8); pos += 8; return int(buf.readBigUInt64BE(pos - 8));
+      case 0xd0: need(1); pos += 1; return buf.readInt8(pos - 1);
+      case 0xd1: need(2); pos += 2; return buf.readInt16BE(pos - 2);
+      case 0xd2: need(4); pos += 4; return buf.readInt32BE(pos - 4);
+      case 0xd3: need(8); pos += 8; return int(buf.readBigInt64BE(pos - 8));
+      case 0xd9: return str(u(1));
+      case 0xda: return str(u(2));
+      case 0xdb: return str(u(4));
+      case 0xdc: return array(u(2), depth);
+      case 0xdd: return array(u(4), depth);
+      case 0xde: return map(u(2), depth);
+      case 0xdf: return map(u(4), depth);
+      default: throw new DecodeError(`msgpack type byte 0x${b.toString(16)} is not accepted`);
+    }
+  }
+  function array(n, depth) {
+    if (n > buf.length - pos) throw new DecodeError("truncated msgpack");
+    const out = [];
+    for (let i = 0; i < n; i++) out.push(value(depth + 1));
+    return out;
+  }
+  function map(n, depth) {
+    if (n > buf.length - pos) throw new DecodeError("truncated msgpack");
+    const out = new Map();
+    for (let i = 0; i < n; i++) {
+      const k = value(depth + 1);
+      out.set(k, value(depth + 1));
+    }
+    return out;
+  }
+  const result = value(0);
+  if (pos !== buf.length) throw new DecodeError(`${buf.length - pos} bytes after the message`);
+  return result;
+}
+
+function encodeMsgpack(v) {
+  const parts = [];
+  const head = (bytes) => parts.push(Buffer.from(bytes));
+  function uint(n, small, b8, b16, b32) {
+    if (n < 256) head([b8, n]);
+    else if (n < 65536) head([b16, n >> 8, n & 0xff]);
+    else { const b = Buffer.alloc(5); b[0] = b32; b.writeUInt32BE(n, 1); parts.push(b); }
+  }
+  function enc(x) {
+    if (x === null || x === undefined) head([0xc0]);
+    else if (x === true) head([0xc3]);
+    else if (x === false) head([0xc2]);
+    else if (x instanceof Float) { const b = Buffer.alloc(9); b[0] = 0xcb; b.writeDoubleBE(x.value, 1); parts.push(b); }
+    else if (typeof x === "bigint" || (typeof x === "number" && Number.isInteger(x))) {
+      const n = BigInt(x);
+      if (n >= 0n && n < 128n) head([Number(n)]);
+      else if (n < 0n && n >= -32n) head([Number(n) & 0xff]);
+      else if (n >= 0n) { const b = Buffer.alloc(9); b[0] = 0xcf; b.writeBigUInt64BE(n, 1); parts.push(b); }
+      else { const b = Buffer.alloc(9); b[0] = 0xd3; b.writeBigInt64BE(n, 1); parts.push(b); }
+    } else if (typeof x === "number") enc(new Float(x));
+    else if (typeof x === "string") {
+      const b = Buffer.from(x, "utf8");
+      if (b.length < 32) head([0xa0 | b.length]); else uint(b.length, false, 0xd9, 0xda, 0xdb);
+      parts.push(b);
+    } else if (Buffer.isBuffer(x)) { uint(x.length, false, 0xc4, 0xc5, 0xc6); parts.push(x); }
+    else if (Array.isArray(x)) {
+      if (x.length < 16) head([0x90 | x.length]); else if (x.length < 65536) head([0xdc, x.length >> 8, x.length & 0xff]);
+      else { const b = Buffer.alloc(5); b[0] = 0xdd; b.writeUInt32BE(x.length, 1); parts.push(b); }
+      x.forEach(enc);
+    } else {
+      const entries = x instanceof Map ? [...x.entries()] : Object.entries(x);
+      if (entries.length < 16) head([0x80 | entries.length]); else head([0xde, entries.length >> 8, entries.length & 0xff]);
+      for (const [k, val] of entries) { enc(k); enc(val); }
+    }
+  }
+  enc(v);
+  return Buffer.concat(parts);
+}
+
+// ---------------------------------------------------------------- commands: strict schema
+
+class BadMessage extends Error {
+  constructor(detail, { reason = "BAD_MESSAGE", taskId = null, epoch = null } = {}) {
+    super(detail);
+    Object.assign(this, { detail, reason, taskId, epoch });
+  }
+}
+
+const COMMAND_FIELDS = {
+  Sleep: ["level", "tags"], Wake: ["tags"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
+};
+const REPLY_TYPES = ["Ack", "Nack", "Result", "Hello"];
+const TAG_RE = /^[A-Za-z0-9_.-]+$/;
+
+const isInt = (x) => typeof x === "bigint" || (typeof x === "number" && Number.isInteger(x));
+const readableTaskId = (t) => (typeof t === "string" && t.length > 0 && t.length <= MAX_TASK_ID_CHARS ? t : null);
+const readableEpoch = (e) => (isInt(e) && BigInt(e) >= 0n && BigInt(e) < 2n ** 64n ? BigInt(e) : null);
+
+function parseCommand(data) {
+  let m;
+  try { m = decodeMsgpack(data); } catch (e) {
+    if (e instanceof DecodeError) throw new BadMessage(`undecodable message (${data.length} bytes): ${e.message}`);
+    throw e;
+  }
+  if (!(m instanceof Map)) throw new BadMessage("a message must be a msgpack map");
+  const taskId = readableTaskId(m.get("task_id"));
+  const epoch = readableEpoch(m.get("epoch"));
+  const ids = { taskId, epoch };
+  const v = m.has("v") ? m.get("v") : PROTOCOL_VERSION;
+  if (isInt(v) && Number(v) !== PROTOCOL_VERSION) {
+    throw new BadMessage(`protocol version ${v} is not supported: this peer speaks version ${PROTOCOL_VERSION}; ` +
+      "run the same omni-core protocol version on both ends", { ...ids, reason: "UNSUPPORTED_VERSION" });
+  }
+  const type = m.get("type");
+  if (REPLY_TYPES.includes(type)) throw new BadMessage(`a worker accepts only commands, got a ${type} reply`, ids);
+  if (typeof type !== "string" || !(type in COMMAND_FIELDS)) throw new BadMessage("invalid message: unknown or missing type", ids);
+  const allowed = new Set(["type", "v", "task_id", "epoch", ...COMMAND_FIELDS[type]]);
+  for (const k of m.keys()) if (!allowed.has(k)) throw new BadMessage(`invalid ${type}: unknown field ${JSON.stringify(String(k))}`, ids);
+  if (!isInt(v)) throw new BadMessage(`invalid ${type}: v must be an integer`, ids);
+  if (taskId === null) throw new BadMessage(`invalid ${type}: task_id must be a string of 1-${MAX_TASK_ID_CHARS} characters`, ids);
+  if (epoch === null) throw new BadMessage(`invalid ${type}: epoch must be an integer >= 0`, ids);
+  const cmd = { type, task_id: taskId, epoch };
+  if (type === "Sleep") {
+    const level = m.has("level") ? m.get("level") : 1;
+    if (level !== 1 && level !== 2) throw new BadMessage(`invalid Sleep: level must be 1 or 2, got ${level}`, ids);
+    cmd.level = level;
+  }
+  if (type === "Sleep" || type === "Wake") {
+    const tags = m.has("tags") ? m.get("tags") : null;
+    if (tags !== null && !(Array.isArray(tags) && tags.length >= 1 && tags.length <= MAX_TAGS &&
+        tags.every((t) => typeof t === "string" && t.length <= 64 && TAG_RE.test(t)))) {
+      throw new BadMessage(`invalid ${type}: tags must be null or 1-${MAX_TAGS} tag names`, ids);
+    }
+    cmd.tags = tags;
+  }
+  if (type === "ReloadWeights") {
+    const source = m.has("source") ? m.get("source") : null;
+    if (source !== null && typeof source !== "string") throw new BadMessage("invalid ReloadWeights: source must be a string or null", ids);
+    cmd.source = source;
+  }
+  if (type === "Execute") cmd.payload = m.has("payload") ? m.get("payload") : null;
+  return cmd;
+}
+
+// The digest of a command, epoch left out (a retry across an epoch bump is the same command).
+function digest(cmd) {
+  const { epoch, ...rest } = cmd;
+  return crypto.createHash("sha256").update(encodeMsgpack(JSON.parse(JSON.stringify(rest, (k, x) =>
+    (typeof x === "bigint" ? x.toString() : x instanceof Float ? x.value : Buffer.isBuffer(x) ? x.toString("hex") :
+      x instanceof Map ? Object.fromEntries(x) : x))))).digest("hex");
+}
+
+// ---------------------------------------------------------------- the worker
+
+class Worker {
+  constructor(args, send, exit) {
+    this.rank = args.rank;
+    this.epoch = args.epoch;
+    this.bug = args.bug;
+    this.send = send; // (Buffer) => void
+    this.exit = exit;
+    this.state = args.failStart ? "FAILED" : "ACTIVE";
+    this.failure = args.failStart ? "load failed: --fail-start (a model that could not be loaded)" : "";
+    this.asleep = new Set();
+    this.weightsValid = true;
+    this.pools = args.failStart ? {} : Object.fromEntries(TAGS.map((t) => [t, Buffer.alloc(POOL_BYTES[t])]));
+    this.hostCopy = null; // the weights a level-1 sleep offloaded
+    this.cache = new Map(); // task_id -> {digest, name, reply}, oldest first
+    this.cacheEntries = this.bug === "tiny_reply_cache" ? 4 : 1024;
+    if (!args.failStart) this.fillWeights(7);
+  }
+
+  fillWeights(seed) {
+    const w = this.pools.weights;
+    let x = seed >>> 0;
+    for (let i = 0; i < w.length; i++) { x = (Math.imul(x, 1103515245) + 12345) >>> 0; w[i] = x >>> 24; }
+  }
+
+  usage() {
+    return Object.fromEntries(TAGS.map((t) => [t, this.pools[t] ? this.pools[t].length : 0]));
+  }
+
+  memory(before) {
+    return { pool_bytes_before: before, pool_bytes_after: this.usage(), process_bytes_before: null,
+      process_bytes_after: null, process_bytes_source: SOURCE };
+  }
+
+  detail(text) {
+    const full = this.failure && !text.includes(this.failure) ? `${text}; worker failed earlier: ${this.failure}` : text;
+    return full.slice(0, MAX_DETAIL_CHARS);
+  }
+
+  ack(cmd, status, memory = null, started = null) {
+    const duration = started === null ? 0 : Number(process.hrtime.bigint() - started) / 1e9;
+    return { type: "Ack", v: PROTOCOL_VERSION, task_id: cmd.task_id, epoch: this.epoch, rank: this.rank,
+      command: cmd.type, state: this.state, status, asleep_tags: [...this.asleep].sort(), memory,
+      duration_s: new Float(duration), detail: this.failure };
+  }
+
+  nack(cmd, reason, detail) {
+    return { type: "Nack", v: PROTOCOL_VERSION, task_id: cmd.task_id, epoch: cmd.epoch, rank: this.rank,
+      command: cmd.type, reason, detail: this.detail(detail), state: this.state };
+  }
+
+  reply(message) { const data = encodeMsgpack(message); this.send(data); return data; }
+
+  remember(cmd, data) {
+    this.cache.set(cmd.task_id, { digest: digest(cmd), name: cmd.type, data });
+    while (this.cache.size > this.cacheEntries) this.cache.delete(this.cache.keys().next().value);
+  }
+
+  answer(cmd, message) { this.remember(cmd, this.reply(message)); } // a terminal answer, kept for copies
+
+  refuse(cmd, reason, detail) { this.reply(this.nack(cmd, reason, detail)); } // no effect, not kept
+
+  refuseState(cmd, hint = "") {
+    const text = `${cmd.type} is not allowed in state ${this.state}`;
+    this.refuse(cmd, "INVALID_STATE", hint ? `${text}; ${hint}` : text);
+  }
+
+  onBytes(data) {
+    let cmd;
+    try { cmd = parseCommand(data); } catch (e) {
+      if (!(e instanceof BadMessage)) throw e;
+      this.reply({ type: "Nack", v: PROTOCOL_VERSION, task_id: e.taskId || "-", epoch: e.epoch === null ? this.epoch : e.epoch,
+        rank: this.rank, command: "?", reason: e.reason, detail: this.detail(e.detail), state: this.state });
+      return;
+    }
+    this.onCommand(cmd);
+  }
+
+  onCommand(cmd) {
+    if (cmd.epoch < this.epoch) {
+      return this.refuse(cmd, "STALE_EPOCH", `command epoch ${cmd.epoch} is older than this worker's epoch ${this.epoch}`);
+    }
+    if (cmd.epoch > this.epoch + MAX_EPOCH_AHEAD) {
+      return this.refuse(cmd, "EPOCH_AHEAD", `command epoch ${cmd.epoch} is more than ${MAX_EPOCH_AHEAD} ahead of this ` +
+        `worker's epoch ${this.epoch}; restart the rank under the new epoch`);
+    }
+    this.epoch = cmd.epoch;
+    if (cmd.type !== "Status" && this.cache.has(cmd.task_id)) {
+      const kept = this.cache.get(cmd.task_id);
+      if (kept.digest !== digest(cmd)) {
+        return this.refuse(cmd, "TASK_ID_REUSED", `task_id ${JSON.stringify(cmd.task_id)} was already used for a ` +
+          `different ${kept.name}; use a fresh task_id per command`);
+      }
+      this.cache.delete(cmd.task_id); // least recently used goes first
+      this.cache.set(cmd.task_id, kept);
+      return this.send(kept.data);
+    }
+    if (this.state === "FAILED" && cmd.type !== "Shutdown" && cmd.type !== "Status") {
+      return this.refuse(cmd, "FAILED", `worker is FAILED (${this.failure}); only Shutdown or a restart leaves FAILED`);
+    }
+    return this[`on${cmd.type}`](cmd);
+  }
+
+  resolveTags(cmd) {
+    if (cmd.tags === null) return new Set(TAGS);
+    let wanted = cmd.tags;
+    if (this.bug === "wake_unknown_tag_already" && cmd.type === "Wake") wanted = wanted.filter((t) => TAGS.includes(t));
+    const unknown = wanted.filter((t) => !TAGS.includes(t));
+    if (unknown.length) {
+      this.refuse(cmd, "UNKNOWN_TAG", `unknown tag(s) ${JSON.stringify(unknown)}; this worker has tags ${JSON.stringify(TAGS)}`);
+      return null;
+    }
+    return new Set(wanted);
+  }
+
+  settle() {
+    if (this.asleep.size === 0 && this.weightsValid) return "ACTIVE";
+    if (!this.asleep.has("weights") && !this.weightsValid) return "NEEDS_RELOAD";
+    return "PARTIAL";
+  }
+
+  onSleep(cmd) {
+    const tags = this.resolveTags(cmd);
+    if (tags === null) return undefined;
+    const toSleep = [...tags].filter((t) => !this.asleep.has(t));
+    if (!toSleep.length && ["SLEEPING", "PARTIAL", "NEEDS_RELOAD"].includes(this.state)) {
+      return this.answer(cmd, this.ack(cmd, "ALREADY"));
+    }
+    if (!IDLE.includes(this.state)) return this.refuseState(cmd);
+    const started = process.hrtime.bigint();
+    const before = this.usage();
+    for (const tag of toSleep) {
+      if (tag === "weights" && cmd.level === 1 && this.weightsValid) this.hostCopy = Buffer.from(this.pools.weights);
+      if (tag === "weights" && cmd.level === 2) this.weightsValid = false;
+      this.pools[tag] = null; // released: the pool holds nothing now
+      this.asleep.add(tag);
+    }
+    this.state = "SLEEPING";
+    return this.answer(cmd, this.ack(cmd, "OK", this.memory(before), started));
+  }
+
+  onWake(cmd) {
+    const tags = this.resolveTags(cmd);
+    if (tags === null) return undefined;
+    const toWake = [...tags].filter((t) => this.asleep.has(t));
+    if (!toWake.length && IDLE.includes(this.state)) return this.answer(cmd, this.ack(cmd, "ALREADY"));
+    if (toWake.length !== this.asleep.size && !CAPABILITIES.includes("partial_wake")) {
+      return this.refuse(cmd, "UNSUPPORTED", "this worker does not support partial wake");
+    }
+    if (!["SLEEPING", "PARTIAL", "NEEDS_RELOAD"].includes(this.state)) return this.refuseState(cmd);
+    const started = process.hrtime.bigint();
+    const before = this.usage();
+    for (const tag of toWake) {
+      const restored = Buffer.alloc(POOL_BYTES[tag]);
+      if (tag === "weights" && this.weightsValid && this.hostCopy) { this.hostCopy.copy(restored); this.hostCopy = null; }
+      this.pools[tag] = restored;
+      this.asleep.delete(tag);
+    }
+    this.state = this.settle();
+    return this.answer(cmd, this.ack(cmd, "OK", this.memory(before), started));
+  }
+
+  onReloadWeights(cmd) {
+    if (this.state !== "NEEDS_RELOAD" && this.state !== "ACTIVE") {
+      return this.refuseState(cmd, "ReloadWeights needs NEEDS_RELOAD (after a level-2 sleep and a wake) or ACTIVE");
+    }
+    if (cmd.source !== null && !/^[0-9]{1,9}$/.test(cmd.source)) {
+      // Refused before anything is written; kept, like any answer to an attempted effect.
+      return this.answer(cmd, this.nack(cmd, "INVALID_ARGUMENT", `ReloadWeights task ${JSON.stringify(cmd.task_id)} ` +
+        "refused, nothing was written: this model reloads from a decimal seed (or null for its own)"));
+    }
+    const started = process.hrtime.bigint();
+    const before = this.usage();
+    this.fillWeights(cmd.source === null ? 7 : Number(cmd.source));
+    this.weightsValid = true;
+    this.state = this.settle();
+    return this.answer(cmd, this.ack(cmd, "OK", this.memory(before), started));
+  }
+
+  onExecute(cmd) {
+    if (this.state !== "ACTIVE") {
+      return this.refuseState(cmd, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid");
+    }
+    const started = process.hrtime.bigint();
+    const p = cmd.payload;
+    if (!(p instanceof Map) || !isInt(p.get("seed")) || !isInt(p.get("batch"))) {
+      return this.answer(cmd, this.nack(cmd, "EXECUTE_ERROR", `Execute task ${JSON.stringify(cmd.task_id)} failed: ` +
+        'the payload must be a map {"seed": int, "batch": int}'));
+    }
+    let sum = Number(BigInt(p.get("seed")) % 65521n);
+    for (const byte of this.pools.weights) sum = (sum * 31 + byte) % 1000000007;
+    const duration = Number(process.hrtime.bigint() - started) / 1e9;
+    return this.answer(cmd, { type: "Result", v: PROTOCOL_VERSION, task_id: cmd.task_id, epoch: this.epoch, rank: this.rank,
+      output: { checksum: sum, batch: p.get("batch") }, duration_s: new Float(duration) });
+  }
+
+  onStatus(cmd) {
+    const before = this.usage();
+    this.reply(this.ack(cmd, "OK", this.memory(before))); // never kept: it reports, it changes nothing
+  }
+
+  onShutdown(cmd) {
+    if (this.state === "STOPPED") return this.answer(cmd, this.ack(cmd, "ALREADY"));
+    if (this.bug === "crash_on_shutdown_asleep" && this.asleep.size) process.exit(139); // frees the host copy twice
+    const started = process.hrtime.bigint();
+    const before = this.usage();
+    for (const tag of TAGS) this.pools[tag] = null;
+    this.hostCopy = null;
+    this.state = "STOPPED";
+    this.answer(cmd, this.ack(cmd, "OK", this.memory(before), started));
+    return this.exit(0);
+  }
+}
+
+// ---------------------------------------------------------------- ZMTP 3.0, a DEALER socket
+
+const GREETING_BYTES = 64;
+
+function greeting() {
+  const g = Buffer.alloc(GREETING_BYTES);
+  g[0] = 0xff; g[8] = 0x01; g[9] = 0x7f; // signature
+  g[10] = 3; g[11] = 0; // version 3.0
+  g.write("NULL", 12, "ascii"); // mechanism, zero-padded to 20 bytes; as-server 0; filler
+  return g;
+}
+
+function frame(body, { command = false } = {}) {
+  const long = body.length > 255;
+  const head = Buffer.alloc(long ? 9 : 2);
+  head[0] = (command ? 0x04 : 0) | (long ? 0x02 : 0);
+  if (long) head.writeBigUInt64BE(BigInt(body.length), 1); else head[1] = body.length;
+  return Buffer.concat([head, body]);
+}
+
+function ready(identity) {
+  const prop = (name, value) => {
+    const n = Buffer.from(name, "ascii");
+    const len = Buffer.alloc(4);
+    len.writeUInt32BE(value.length);
+    return Buffer.concat([Buffer.from([n.length]), n, len, value]);
+  };
+  return frame(Buffer.concat([Buffer.from([5]), Buffer.from("READY", "ascii"),
+    prop("Socket-Type", Buffer.from("DEALER")), prop("Identity", identity)]), { command: true });
+}
+
+// Reads ZMTP frames from a byte stream; a frame over the limit is skipped as it streams by,
+// never held, and its message is reported as oversized (P-13).
+class FrameReader {
+  constructor(onMessage, onOversized, onGreeting, onReady) {
+    Object.assign(this, { onMessage, onOversized, onGreeting, onReady, buf: Buffer.alloc(0), greeted: false, parts: [], skip: 0n,
+      skipping: false, oversized: false, more: false });
+  }
+
+  push(chunk) {
+    this.buf = this.buf.length ? Buffer.concat([this.buf, chunk]) : chunk;
+    for (;;) {
+      if (this.skip > 0n) {
+        const n = this.skip < BigInt(this.buf.length) ? Number(this.skip) : this.buf.length;
+        this.buf = this.buf.subarray(n);
+        this.skip -= BigInt(n);
+        if (this.skip > 0n) return;
+        this.endFrame(null);
+        continue;
+      }
+      if (!this.greeted) {
+        if (this.buf.length < GREETING_BYTES) return;
+        if (this.buf[0] !== 0xff || this.buf[9] !== 0x7f || this.buf[10] < 3) throw new Error("peer is not ZMTP 3");
+        this.buf = this.buf.subarray(GREETING_BYTES);
+        this.greeted = true;
+        this.onGreeting();
+        continue;
+      }
+      if (this.buf.length < 2) return;
+      const flags = this.buf[0];
+      const long = (flags & 0x02) !== 0;
+      if (this.buf.length < (long ? 9 : 2)) return;
+      const size = long ? this.buf.readBigUInt64BE(1) : BigInt(this.buf[1]);
+      const headBytes = long ? 9 : 2;
+      this.more = (flags & 0x01) !== 0;
+      if ((flags & 0x04) === 0 && size > BigInt(MAX_FRAME_BYTES)) {
+        this.buf = this.buf.subarray(headBytes);
+        this.skip = size;
+        this.oversized = true;
+        if (size === 0n) this.endFrame(null);
+        continue;
+      }
+      if (BigInt(this.buf.length) < BigInt(headBytes) + size) return;
+      const body = this.buf.subarray(headBytes, headBytes + Number(size));
+      this.buf = this.buf.subarray(headBytes + Number(size));
+      if (flags & 0x04) { // a command: the peer's READY ends the handshake; others (PING) need no answer
+        if (body.length >= 6 && body[0] === 5 && body.subarray(1, 6).toString("ascii") === "READY") this.onReady();
+        continue;
+      }
+      this.endFrame(Buffer.from(body));
+    }
+  }
+
+  endFrame(body) {
+    if (body !== null) this.parts.push(body);
+    if (this.more) return;
+    const parts = this.parts;
+    const oversized = this.oversized;
+    this.parts = [];
+    this.oversized = false;
+    if (oversized) this.onOversized();
+    else if (parts.length) this.onMessage(parts[parts.length - 1]);
+  }
+}
+
+function hexToBytes(hex) {
+  if (!/^([0-9a-fA-F]{2})*$/.test(hex)) throw new Error("OMNI_CORE_RANK_SECRET must be hex");
+  return Buffer.from(hex, "hex");
+}
+
+function helloProof(secret, { stage, rank, epoch, pid, identity }) {
+  const fields = [Buffer.from("omni-core hello v1"), Buffer.from(stage), Buffer.from(String(rank)),
+    Buffer.from(String(epoch)), Buffer.from(String(pid)), identity];
+  const mac = crypto.createHmac("sha256", secret);
+  for (const f of fields) { const len = Buffer.alloc(4); len.writeUInt32BE(f.length); mac.update(len); mac.update(f); }
+  return mac.digest("hex");
+}
+
+function main() {
+  const args = parseArgs(process.argv.slice(2));
+  const secretHex = process.env.OMNI_CORE_RANK_SECRET;
+  delete process.env.OMNI_CORE_RANK_SECRET; // nothing this process starts inherits it
+  const secret = secretHex ? hexToBytes(secretHex) : null;
+  const identity = Buffer.from(`conformance/${args.rank}/${crypto.randomBytes(8).toString("hex")}`);
+  const sock = net.createConnection(args.address.slice("ipc://".length));
+  const send = (data) => { if (!sock.writableEnded) sock.write(frame(data)); };
+  // After the frames already received (a second Shutdown gets its ALREADY), flush and leave.
+  const exit = (code) => setImmediate(() => sock.end(() => process.exit(code)));
+  const worker = new Worker(args, send, exit);
+  const stage = "conformance";
+  const reader = new FrameReader((data) => worker.onBytes(data), () => worker.reply({
+    type: "Nack", v: PROTOCOL_VERSION, task_id: "-", epoch: worker.epoch, rank: worker.rank, command: "?",
+    reason: "BAD_MESSAGE", detail: `frame over the limit of ${MAX_FRAME_BYTES} bytes, dropped unread`, state: worker.state }),
+  () => sock.write(ready(identity)), () => {
+    // The handshake is complete: the first message is the Hello.
+    const pid = process.pid;
+    send(encodeMsgpack({ type: "Hello", v: PROTOCOL_VERSION, task_id: "hello", epoch: args.epoch, rank: args.rank,
+      stage, proof: secret ? helloProof(secret, { stage, rank: args.rank, epoch: args.epoch, pid, identity }) : "",
+      pid, device: "cpu", backend: "node-simulated", tags: TAGS, capabilities: CAPABILITIES, state: worker.state,
+      detail: worker.failure }));
+  });
+  sock.on("connect", () => sock.write(greeting()));
+  sock.on("data", (chunk) => reader.push(chunk));
+  sock.on("error", (err) => { console.error(`worker: socket error: ${err.message}`); process.exit(2); });
+  sock.on("close", () => {
+    if (worker.state !== "STOPPED") console.error(`worker: the orchestrator closed the connection (state ${worker.state}, greeted ${reader.greeted})`);
+    process.exit(worker.state === "STOPPED" ? 0 : 3);
+  });
+}
+
+main();
