@@ -39,7 +39,7 @@ from omni_core.protocol import (
     WorkerState,
     encode,
 )
-from omni_core.protocol.auth import verify_hello_proof
+from omni_core.protocol.auth import RANK_SECRET_ENV, verify_hello_proof
 
 Scope = Literal["shared", "own", "consume", "global"]
 # No runner can read this: the NUL byte is not valid in a path, a seed or a URL.
@@ -544,10 +544,11 @@ def hello_proof(ctx: Ctx) -> None:
     hello = peer.hello
     assert hello is not None and peer.identity is not None
     expected = "proof = hello_proof(secret, stage, rank, epoch, pid, socket identity)"
-    ctx.check(bool(hello.proof), "the Hello carries no proof", got=hello, expected=expected)
+    sent = f"(nothing: started as rank 0 with {RANK_SECRET_ENV} set in its environment)"
+    ctx.check(bool(hello.proof), "the Hello carries no proof", sent=sent, got=hello, expected=expected)
     ok = verify_hello_proof(secret, hello.proof, stage=hello.stage, rank=hello.rank, epoch=hello.epoch,
                             pid=hello.pid, identity=peer.identity)  # fmt: skip
-    ctx.check(ok, "the Hello's proof does not verify with the secret the worker was given", got=hello,
+    ctx.check(ok, "the Hello's proof does not verify with the secret the worker was given", sent=sent, got=hello,
               expected=expected)  # fmt: skip
     ctx.check(hello.rank == 0 and hello.epoch == ctx.options.epoch, "the Hello names another rank or epoch "
               "than the worker was started with", got=hello)  # fmt: skip

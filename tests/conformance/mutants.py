@@ -5,6 +5,7 @@ The suite must catch every one, over the wire, with the requirement named in `MU
 Each is started exactly as a third party's worker would be, through a factory:
 
     python tests/conformance/mutants.py NAME --address ADDR --rank R --epoch E
+    python tests/conformance/mutants.py --score     # the mutation-score table of docs/conformance.md
 
 and the module-level factories (`no_reply_cache`, ...) are what the suite is given, by
 import path or as a callable. This module imports no worker code at import time (only in
@@ -54,6 +55,31 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "version_detail_one_version": ("P-3", "UNSUPPORTED_VERSION's detail names only the worker's own version"),
 }
 
+# The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
+# started over `cmd:` like any third party's: the suite knows nothing of its insides.
+NODE_MUTANTS: dict[str, tuple[str, str]] = {
+    "node_tiny_reply_cache": ("P-2", "JavaScript worker: a reply cache of 4 entries"),
+    "node_wake_unknown_tag_already": ("P-11", "JavaScript worker: a Wake of an unknown tag ACKs ALREADY"),
+    "node_crash_on_shutdown_asleep": ("P-11", "JavaScript worker: Shutdown while asleep kills the process"),
+}
+MUTANTS.update(NODE_MUTANTS)
+NODE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_worker", "worker.js")
+NODE_ARGS = "--address {address} --rank {rank} --epoch {epoch}"
+
+
+def node_target(bug: str = "", *, fail_start: bool = False) -> str:
+    """The JavaScript worker as a `cmd:` target (node on PATH)."""
+    extra = (f" --bug {bug}" if bug else "") + (" --fail-start" if fail_start else "")
+    return f"cmd:node {NODE_WORKER} {NODE_ARGS}{extra}"
+
+
+def target(name: str) -> Any:
+    """What the suite is given for mutant `name`: a factory, or a `cmd:` string."""
+    if name in NODE_MUTANTS:
+        return node_target(name.removeprefix("node_"))
+    return factory(name)
+
+
 # Correct workers with fewer features: the suite must pass them, reporting skips.
 VARIANTS: dict[str, str] = {
     "no_capabilities": "declares no capabilities (no level2, no partial_wake) and refuses what they cover",
@@ -64,7 +90,7 @@ MUTANT_SCRIPT = os.path.abspath(__file__)
 
 def factory(name: str) -> Callable[[str, int, int], list[str]]:
     """How the suite starts mutant `name`: an argv, like any third-party worker."""
-    if name not in MUTANTS and name not in VARIANTS:
+    if name in NODE_MUTANTS or (name not in MUTANTS and name not in VARIANTS):
         raise ValueError(f"unknown mutant {name!r}; known: {sorted(MUTANTS) + sorted(VARIANTS)}")
 
     def start(address: str, rank: int, epoch: int) -> list[str]:
@@ -427,9 +453,38 @@ def _install(name: str) -> None:
         raise ValueError(f"no fault installed for {name!r}")
 
 
+def score(parallel: int = 4) -> str:
+    """Run the whole suite against every mutant and render the mutation-score table of
+    docs/conformance.md: which cases catch each one (all of them, not only the named one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omni_core.conformance import SuiteOptions, run_suite
+
+    options = SuiteOptions(reply_timeout_s=5.0)
+
+    def one(name: str) -> tuple[str, list[str]]:
+        report = run_suite(target(name), options=options)
+        return name, [r.case.id for r in report.results if r.outcome == "fail"]
+
+    with ThreadPoolExecutor(parallel) as pool:
+        caught = dict(pool.map(one, MUTANTS))
+    killed = sum(1 for cases in caught.values() if cases)
+    lines = [f"Mutation score: **{killed} of {len(MUTANTS)}** mutants caught "
+             f"({100 * killed / len(MUTANTS):.0f} %), each by the whole suite:", "",
+             "| mutant | fault | caught by |", "|---|---|---|"]  # fmt: skip
+    for name, (_, fault) in MUTANTS.items():
+        lines.append(f"| `{name}` | {fault} | {', '.join(f'`{c}`' for c in caught[name]) or '**not caught**'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--score"]:
+        print(score())
+        return 0
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("name", choices=sorted(MUTANTS) + sorted(VARIANTS))
+    parser.add_argument("name", choices=sorted(set(MUTANTS) - set(NODE_MUTANTS)) + sorted(VARIANTS))
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--epoch", type=int, default=0)

@@ -1,12 +1,17 @@
-"""Every mutant worker is caught by the suite with the requirement it breaks, over the wire.
+"""Every mutant worker is caught by the suite with the requirement it breaks, over the wire;
+the unmutated workers (this project's, and the JavaScript one over `cmd:`) pass everything.
 
-The mutants run concurrently (each suite run is mostly waiting on its worker), each
-restricted to the requirement expected to catch it; the assertion names the case and the
-problem too, so a mutant "caught" by a timeout of a loaded machine would not pass.
+The runs go concurrently (each is mostly waiting on its worker). A mutant runs against the
+requirement expected to catch it (with the run-wide stray check, which runs under any
+subset), so the corpus stays fast; the assertion names the case and the problem too, so a
+mutant "caught" by a timeout of a loaded machine would not pass. The silent mutant runs the
+whole suite, to show the fail-fast: one failure, every later case not run.
 """
 
 from __future__ import annotations
 
+import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,6 +19,11 @@ import pytest
 from omni_core.conformance import SuiteOptions, SuiteReport, run_suite
 
 from . import mutants
+
+HAVE_NODE = shutil.which("node") is not None
+needs_node = pytest.mark.skipif(not HAVE_NODE, reason="node is not on PATH (scripts/test.sh installs Debian's nodejs)")
+SILENT = "silent_sleep_already"
+FULL_RUNS = {SILENT}  # mutants run against the whole suite
 
 # mutant -> (case that must fail, words of its problem)
 EXPECTED = {
@@ -49,6 +59,9 @@ EXPECTED = {
     "shutdown_exits_nonzero": ("P-4/second_shutdown", "the process exited with code 1 after Shutdown"),
     "status_without_memory": ("P-12/sleep_wake_reports", "the Ack of Status carries no memory report"),
     "version_detail_one_version": ("P-3/unsupported_version", "the detail does not name both versions"),
+    "node_tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest"),
+    "node_wake_unknown_tag_already": ("P-11/wake_unknown_tag_refused", "expected a refusal (UNKNOWN_TAG), got an Ack"),
+    "node_crash_on_shutdown_asleep": ("P-11/shutdown_while_asleep", "Shutdown in SLEEPING: worker rank 0"),
 }
 # Requirements a mutant also fails, besides its own (and why that is right).
 ALSO_FAILS = {
@@ -57,17 +70,28 @@ ALSO_FAILS = {
 }
 OPTIONS = SuiteOptions(reply_timeout_s=5.0)  # rank0_only waits this long for rank 1
 PARALLEL_RUNS = 6
+CLEAN = {"reference": "synthetic", "node_clean": mutants.node_target()}
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[str, SuiteReport]:
-    def one(name: str) -> tuple[str, SuiteReport]:
-        only = None if name in mutants.VARIANTS else [mutants.MUTANTS[name][0]]
-        return name, run_suite(mutants.factory(name), only=only, options=OPTIONS)
+def reports() -> dict[str, tuple[SuiteReport, float]]:
+    def one(name: str) -> tuple[str, tuple[SuiteReport, float]]:
+        started = time.monotonic()
+        if name in CLEAN:
+            failing = mutants.node_target(fail_start=True) if name == "node_clean" else None
+            report = run_suite(CLEAN[name], options=SuiteOptions(reply_timeout_s=5.0, failing_worker=failing))
+        else:
+            only = None if name in mutants.VARIANTS or name in FULL_RUNS else [mutants.MUTANTS[name][0]]
+            report = run_suite(mutants.target(name), only=only, options=OPTIONS)
+        return name, (report, time.monotonic() - started)
 
-    names = [*mutants.MUTANTS, *mutants.VARIANTS]
+    names = [n for n in [*mutants.MUTANTS, *mutants.VARIANTS, *CLEAN]
+             if HAVE_NODE or not (n in mutants.NODE_MUTANTS or n == "node_clean")]  # fmt: skip
+    started = time.monotonic()
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        return dict(pool.map(one, names))
+        out = dict(pool.map(one, names))
+    print(f"\nmutant corpus: {len(names)} suite runs in {time.monotonic() - started:.1f} s")
+    return out
 
 
 def test_every_mutant_has_an_expectation():
@@ -75,9 +99,10 @@ def test_every_mutant_has_an_expectation():
     assert {case.split("/")[0] for case, _ in EXPECTED.values()} == {req for req, _ in mutants.MUTANTS.values()}
 
 
-@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_node) if n in mutants.NODE_MUTANTS else n
+                                  for n in sorted(mutants.MUTANTS)])  # fmt: skip
 def test_mutant_is_caught_by_the_expected_requirement(reports, name):
-    report = reports[name]
+    report = reports[name][0]
     requirement = mutants.MUTANTS[name][0]
     case_id, words = EXPECTED[name]
     rendered = report.render()
@@ -91,8 +116,30 @@ def test_mutant_is_caught_by_the_expected_requirement(reports, name):
     assert f"{requirement:<5} FAIL" in rendered and "summary: FAILED" in rendered
 
 
+@pytest.mark.parametrize("name", ["reference", pytest.param("node_clean", marks=needs_node)])
+def test_the_unmutated_workers_pass_every_case(reports, name):
+    report = reports[name][0]
+    assert not report.failed, report.render()
+    skipped = {r.case.name for r in report.results if r.outcome == "skip"}
+    assert skipped == {"level2_refused_without_capability"}, report.render()  # both declare level2
+    assert {r.case.name for r in report.results if r.outcome == "pass"} >= {
+        "shutdown_from_failed", "shutdown_while_asleep", "duplicate_after_64_newer", "cpu_figure_not_nvml"}
+
+
+def test_a_silent_worker_fails_once_and_fast(reports):
+    """One dropped reply: one failure naming the command, every later case not run (and so
+    one deadline waited out, not one per case)."""
+    report, _ = reports[SILENT]
+    failed = [r for r in report.results if r.outcome == "fail"]
+    assert [r.case.id for r in failed] == ["P-4/sleep_already"], report.render()
+    after = report.results[report.results.index(failed[0]) + 1:]
+    not_run = [r for r in after if r.reason.startswith("not run: the worker went silent in P-4/sleep_already (no "
+                                                       "reply from worker rank 0")]  # fmt: skip
+    assert len(not_run) == len(after) - 1 and after[-1].case.name == "no_stray_replies", report.render()
+
+
 def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
-    report = reports["no_capabilities"]
+    report = reports["no_capabilities"][0]
     rendered = report.render()
     assert not report.failed, rendered
     skipped = {r.case.name: r.reason for r in report.results if r.outcome == "skip"}
@@ -101,6 +148,8 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "level2_wake_needs_reload": "worker does not declare capability 'level2'",
         "reload_report": "worker does not declare capability 'level2'",
         "unusable_reload_source_refused": "worker does not declare capability 'level2'",
+        "shutdown_from_failed": "no failing worker to start: name one whose start-up fails (it greets in FAILED) "
+                                "with --failing-worker TARGET or SuiteOptions(failing_worker=...)",
     }, rendered
     passed = {r.case.name for r in report.results if r.outcome == "pass"}
     assert "level2_refused_without_capability" in passed
