@@ -471,9 +471,10 @@ def score(parallel: int = 4) -> str:
     killed = sum(1 for cases in caught.values() if cases)
     lines = [f"Mutation score: **{killed} of {len(MUTANTS)}** mutants caught "
              f"({100 * killed / len(MUTANTS):.0f} %), each by the whole suite:", "",
-             "| mutant | fault | caught by |", "|---|---|---|"]  # fmt: skip
-    for name, (_, fault) in MUTANTS.items():
-        lines.append(f"| `{name}` | {fault} | {', '.join(f'`{c}`' for c in caught[name]) or '**not caught**'} |")
+             "| mutant | fault | failing cases (whole suite) | held to |", "|---|---|---|---|"]  # fmt: skip
+    for name, (req, fault) in MUTANTS.items():
+        cases = ", ".join(f"`{c}`" for c in caught[name]) or "**not caught**"
+        lines.append(f"| `{name}` | {fault} | {cases} | {req} |")
     return "\n".join(lines)
 
 

@@ -34,6 +34,32 @@ class TestNothingToStart(ConformanceSuite):
 """
 
 
+STRAYS_FILE = f"""
+import sys
+sys.path.insert(0, {str(HERE)!r})
+
+import mutants
+from omni_core.conformance import ConformanceSuite
+
+
+class TestStrays(ConformanceSuite):
+    worker = mutants.double_reply
+    only = "P-3"
+"""
+
+
+def test_a_k_subset_still_fails_on_strays(tmp_path):
+    """`-k` leaves the run-wide check out; the strays fail the class at teardown instead."""
+    (tmp_path / "test_strays.py").write_text(STRAYS_FILE)
+    code, out = finish(start([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-k", "P-3/",
+                              "test_strays.py"], tmp_path))  # fmt: skip
+    assert code == 1, out
+    assert "ERROR at teardown of TestStrays.test_requirement[P-3/unsupported_version]" in out, out
+    assert "P-1: a worker sent a message that answers no command it was sent" in out, out
+    assert "during P-3/greeting" not in out and "during P-3/reply_envelope: Ack(" in out, out
+    assert "3 passed, 1 deselected, 1 error" in out, out
+
+
 def test_plugin_reports_failures_skips_and_usage_errors(tmp_path):
     (tmp_path / "test_third_party.py").write_text(TEST_FILE)
     code, out = finish(start([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
@@ -46,4 +72,4 @@ def test_plugin_reports_failures_skips_and_usage_errors(tmp_path):
     assert "PASSED test_third_party.py::TestNoLevel2::test_requirement[P-8/level2_refused_without_capability]" in out
     assert "TestNothingToStart: set `worker = <target>` or override `start_worker" in out
     assert "ERROR test_third_party.py::TestNothingToStart::test_requirement[P-3/greeting]" in out
-    assert "2 failed, 1 passed, 1 skipped, 3 errors" in out, out
+    assert "4 failed, 3 passed, 1 skipped, 4 errors" in out, out

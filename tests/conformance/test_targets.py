@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -73,6 +74,36 @@ def test_wrong_rank_in_hello_and_no_replies_fail_with_deadlines():
 def test_undecodable_replies_are_reported_as_such():
     report = run_suite(fake("garbage-replies"), only="P-3", options=FAST)
     assert failures(report)["reply_envelope"] == "the worker sent bytes that are not a valid protocol message"
+
+
+@pytest.mark.parametrize("mode", ["bad-utf8-detail", "exit-control"])
+def test_any_bytes_from_a_worker_end_in_a_report_and_a_valid_junit_file(tmp_path, mode):
+    """Invalid UTF-8 in a reply, control bytes in the worker's output: a failure each, and a
+    JUnit file an XML parser reads."""
+    report = run_suite(fake(mode), only="P-3,P-6", options=FAST)
+    assert report.failed and len(report.results) == 6  # P-3, P-6 and the run-wide stray check
+    reasons = failures(report)
+    if mode == "bad-utf8-detail":
+        assert reasons["reply_envelope"] == "the worker sent bytes that are not a valid protocol message"
+    else:
+        assert "exited with code 3 before its Hello" in reasons["greeting"]
+    path = tmp_path / "junit.xml"
+    report.write_junit(str(path))
+    suite = ET.parse(path).getroot()
+    assert suite.get("failures") == str(sum(r.outcome == "fail" for r in report.results))
+    text = path.read_text()
+    assert "\x00" not in text and "\x1b" not in text
+    if mode == "exit-control":
+        assert r"fake worker: \x00\x1b[31m" in text
+
+
+def test_a_case_that_meets_an_unforeseen_answer_fails_alone():
+    """A worker whose Hello lists no tags breaks cases that index its tags: each such case
+    fails saying so, and the run goes on to its report."""
+    report = run_suite(fake("no-tags"), only="P-3,P-4", options=FAST)
+    reasons = failures(report)
+    assert reasons["greeting"] == "Hello lists no memory tags"
+    assert reasons["wake_already"].startswith("the suite could not finish this case: IndexError"), reasons
 
 
 def test_factory_errors_are_failures_not_crashes():
