@@ -68,7 +68,11 @@ def test_wrong_rank_in_hello_and_no_replies_fail_with_deadlines():
     reasons = failures(report)
     assert reasons["greeting"] == "Hello names rank 5, started as 0"
     assert reasons["reply_envelope"].startswith("no reply from worker rank 0 (pid ")
-    assert reasons["reply_envelope"].endswith("within 0.5 s; the process is still running")
+    assert "within 0.5 s to Status 'reply_envelope-status-" in reasons["reply_envelope"], reasons
+    assert reasons["reply_envelope"].endswith("; the process is still running")
+    # Silent while alive: the run stops there instead of waiting out the deadline again.
+    assert next(r for r in report.results if r.case.name == "unsupported_version").reason.startswith(
+        "not run: the worker went silent in P-3/reply_envelope (no reply from worker rank 0")
 
 
 def test_undecodable_replies_are_reported_as_such():
