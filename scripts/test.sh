@@ -14,6 +14,11 @@ command -v chromium >/dev/null || { apt-get install -y -qq chromium >/dev/null 2
 # The Ray launcher's suite needs Ray; installed here, not in setup.sh, so the main job and the
 # demo run without it (tests/on_ray skips cleanly where it is missing).
 pip install -q --disable-pip-version-check -e ".[ray]" || echo "the ray extra did not install: tests/on_ray skips"
+# The conformance suite is also run against a worker in JavaScript (Node's standard library
+# only), over cmd:, as a third party's worker would be.
+command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
+  || { apt-get update -qq && apt-get install -y -qq nodejs; } >/dev/null 2>&1; } \
+  || echo "nodejs could not be installed: the JavaScript worker's conformance tests skip"
 ruff check omni_core tests
 started=$(date +%s)
 omni-core check
