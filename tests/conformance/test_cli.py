@@ -42,7 +42,8 @@ def test_a_failing_worker_exits_1_names_the_requirement_and_writes_junit(tmp_pat
     assert lines[0] == "omni-core conformance (protocol v1) against: conformance.mutants:no_reply_cache"
     # The run-wide stray check (P-1) runs under any --only: a stray can follow any command.
     assert lines[1] == "P-1   PASS  one terminal reply (1 case)", out
-    assert next(x for x in lines if x.startswith("P-2 ")).startswith("P-2   FAIL  idempotent duplicates: duplicate_answered_from_cache: a copy of an "
+    p2 = next(x for x in lines if x.startswith("P-2 "))
+    assert p2.startswith("P-2   FAIL  idempotent duplicates: duplicate_answered_from_cache: a copy of an "
                                "answered Sleep got a different reply (+3 more failing case(s))"), out  # fmt: skip
     assert "P-3   PASS  envelope (3 cases)" in lines, out
     assert not any(x.startswith(("P-4 ", "P-12")) for x in lines), out  # --only
