@@ -184,7 +184,7 @@ def _install(name: str) -> None:
             usage = self._usage()
             memory = MemoryReport(pool_bytes_before=usage, pool_bytes_after=dict(usage),
                                   process_bytes_source="none: mutant")  # fmt: skip
-            self._send_all(self.core.on_done(effect.task_id, memory=memory).replies)
+            self._send_all(self.core.on_done(effect.task_id, memory=memory))
             self._apply(effect)  # the release happens only now
             return None
 
@@ -227,7 +227,7 @@ def _install(name: str) -> None:
                 if err.reason is NackReason.UNSUPPORTED_VERSION:
                     command = lenient.decode(data)
                     step = self.core.on_command(command)
-                    self._send_all(step.replies)
+                    self._send_all(step)
                     if step.effect is not None:
                         self._perform(step.effect)
                     return
@@ -236,9 +236,9 @@ def _install(name: str) -> None:
     class HalfAppliedProcess(process_cls):
         muted = False
 
-        def _send_all(self, messages: Any) -> None:
+        def _send_all(self, step: Any) -> None:
             if not self.muted:
-                super()._send_all(messages)
+                super()._send_all(step)
 
         def handle(self, data: bytes) -> None:
             try:
@@ -285,7 +285,7 @@ def _install(name: str) -> None:
                 memory = MemoryReport(pool_bytes_before=usage, pool_bytes_after=planned,
                                       process_bytes_source=self._figure().source)  # fmt: skip
                 self.deferred = effect
-                self._send_all(self.core.on_done(effect.task_id, memory=memory).replies)
+                self._send_all(self.core.on_done(effect.task_id, memory=memory))
                 return None
             if self.deferred is not None and not isinstance(effect, StatusEffect):
                 self._apply(self.deferred)
@@ -324,9 +324,9 @@ def _install(name: str) -> None:
 
         muted = False
 
-        def _send_all(self, messages: Any) -> None:
+        def _send_all(self, step: Any) -> None:
             if not self.muted:
-                super()._send_all(messages)
+                super()._send_all(step)
 
         def run_silently(self, command: Any) -> None:
             self.muted = True
@@ -404,7 +404,7 @@ def _install(name: str) -> None:
     class StatusWithoutMemoryProcess(process_cls):
         def _perform(self, effect: Any) -> None:
             if isinstance(effect, StatusEffect):
-                self._send_all(self.core.on_done(effect.task_id).replies)
+                self._send_all(self.core.on_done(effect.task_id))
                 return None
             return super()._perform(effect)
 
@@ -415,7 +415,7 @@ def _install(name: str) -> None:
             except ProtocolError as err:
                 if err.reason is NackReason.UNSUPPORTED_VERSION:
                     err.detail = "this protocol version is not supported"
-                    self._send_all(self.core.on_bad_message(err).replies)
+                    self._send_all(self.core.on_bad_message(err))
                     return
             super().handle(data)
 
