@@ -201,6 +201,7 @@ class RayLauncher:
             config = WorkerConfig(address=address, rank=rank, epoch=epoch, stage=spec.name, runner=spec.runner,
                                   runner_args=dict(spec.runner_args), backend=spec.backend, device=spec.device,
                                   tags=spec.tags, gpu_memory_fraction=spec.gpu_memory_fraction,
+                                  verify_clean_sleep=spec.verify_clean_sleep,
                                   max_frame_bytes=spec.max_frame_bytes, curve_server_key=curve.server_public.decode(),
                                   trace_path=trace_path,
                                   # Its parent is a raylet; Ray ends the actor when this driver goes.

@@ -96,6 +96,9 @@ class StageSpec:
     max_in_flight: int = 1024  # requests sent to the ranks and not yet answered by all of them
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # largest message either side accepts (payloads, results)
     gpu_memory_fraction: float | None = None  # each rank's share of its GPU (own use only)
+    # Debug: at each sleep, compare the tags the runner declares read-only with their host copy
+    # (fast backend); a runner that wrote them fails the sleep instead of waking stale.
+    verify_clean_sleep: bool = False
     tags: tuple[str, ...] = DEFAULT_TAGS
     placement: RayPlacement | None = None  # on a Ray cluster (RayLauncher); None: its defaults
 

@@ -131,6 +131,7 @@ def _align(nbytes: int) -> int:
 
 
 class DiffusersRunner(ModelRunner):
+    execute_writes_weights = False  # inference: requests read the weights only
     def __init__(
         self,
         device: torch.device,

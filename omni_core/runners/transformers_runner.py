@@ -66,6 +66,7 @@ def _sequential_loading() -> Iterator[None]:
 
 
 class TransformersRunner(ModelRunner):
+    execute_writes_weights = False  # inference: requests read the weights only
     def __init__(
         self,
         device: torch.device,

@@ -155,6 +155,7 @@ class VllmEngine:
 
 
 class VllmRunner(ModelRunner):
+    execute_writes_weights = False  # inference: requests read the weights only
     engine_factory: Any = VllmEngine  # (engine_kwargs) -> a VllmEngine
 
     def __init__(

@@ -23,6 +23,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     device: str = "cpu"  # torch device inside the process ("cpu", "cuda" = the visible GPU)
     tags: tuple[str, ...] = ("weights", "kv_cache")
     gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
+    verify_clean_sleep: bool = False  # check read-only tags against their host copy at each sleep (debug)
     trace_path: str | None = None  # append one JSON line per processed message when set
     reply_cache_entries: int = 1024  # at least MIN_REPLY_CACHE_ENTRIES (P-2)
     reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES

@@ -169,6 +169,9 @@ class WorkerProcess:
 
         budget = MemoryBudget(fraction, available_bytes) if fraction is not None else None
         self.runner.load(self.backend.pool, self.config.tags, budget)
+        # Before tracking: a backend that copies read-only tags to the host once does it there.
+        self.backend.declare_read_only(self.runner.read_only_tags() & set(self.config.tags),
+                                       verify=self.config.verify_clean_sleep)  # fmt: skip
         for tag in self.config.tags:
             self.backend.track(tag, self.runner.tensors(tag))
         if fraction is not None:
@@ -284,6 +287,7 @@ class WorkerProcess:
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering
             # vLLM's use_memory_pool again would replace the MemPool that owns it.
+            backend.invalidate({WEIGHTS_TAG})  # a host copy of the old weights no longer stands for them
             runner.reload_weights(effect.source)
             if self.device.type == "cuda":
                 # The Ack says the weights are valid: wait for the refill kernels, so that

@@ -89,6 +89,16 @@ class ModelRunner(ABC):
         any tensor is written.
         """
 
+    # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
+    # the safe answer; a wrong "no" brings back stale weights after a wake
+    # (StageSpec.verify_clean_sleep catches it).
+    execute_writes_weights: bool = True
+
+    def read_only_tags(self) -> frozenset[str]:
+        """Tags whose content `execute` never changes. A backend that keeps a host copy of
+        them (`fast`) sleeps them without copying again."""
+        return frozenset() if self.execute_writes_weights else frozenset({WEIGHTS_TAG})
+
     def buffers_to_save(self) -> Mapping[str, torch.Tensor]:
         """Small tensors that a sleep discarding their pool must keep (level 2): values that
         `reload_weights` does not reproduce, e.g. buffers computed at start-up."""

@@ -51,6 +51,7 @@ def _seed_for(seed: int, index: int) -> int:
 
 
 class SyntheticRunner(ModelRunner):
+    execute_writes_weights = False  # inference: requests read the weights only
     def __init__(
         self,
         device: torch.device,

@@ -69,6 +69,17 @@ class MemoryBackend(ABC):
         (portable) need them; allocator backends (cumem) see allocations themselves."""
         return None
 
+    def declare_read_only(self, tags: Iterable[str], *, verify: bool = False) -> None:
+        """The runner's word that execution never writes `tags` (ModelRunner.read_only_tags).
+        A backend that keeps a host copy may then reuse it at the next sleep instead of
+        copying again; with `verify` it checks the word at every such sleep. Others ignore it."""
+        return None
+
+    def invalidate(self, tags: Iterable[str]) -> None:
+        """The content of `tags` is about to change outside execution (a reload): any host
+        copy of it is stale."""
+        return None
+
     # ------------------------------------------------------------------ lifecycle
 
     def sleep(

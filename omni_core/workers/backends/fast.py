@@ -17,6 +17,12 @@ raw pointers and captured CUDA graphs stay valid), but the bytes move differentl
   each offloaded allocation is unmapped the moment the event of its last chunk completes.
 - **Map while copying on wake.** Allocation i+1 is mapped (cuMemCreate/cuMemMap through
   vLLM's extension) while allocation i's bytes are already on the way back.
+- **Clean weights sleep without a copy.** For tags the runner declares unchanged by
+  execution (`ModelRunner.read_only_tags`: inference weights), the arena keeps a valid copy
+  while the tag is awake: made once after load (or after a reload), and still valid after
+  a wake restored from it. A level-1 sleep of such a tag only unmaps. A reload, an
+  in-place update or a discard invalidates the copy; `verify_clean` compares the device
+  bytes with the copy at each clean sleep and refuses the sleep if a runner lied.
 
 The device work goes through vLLM's own extension (`python_create_and_map` /
 `python_unmap_and_release`, or the module's `create_and_map` / `unmap_and_release`
@@ -252,6 +258,11 @@ class Slot:
         return self.arena.ptr + self.offset
 
 
+class CleanCopyMismatch(RuntimeError):
+    """A tag declared read-only (ModelRunner.read_only_tags) changed on the device since
+    its host copy was made: the runner writes it. Nothing was released."""
+
+
 @dataclass
 class PathStats:
     """Figures of the last prepare / sleep / wake (seconds, bytes)."""
@@ -262,6 +273,8 @@ class PathStats:
     arena_register_s: float = 0.0
     late_arena_bytes: int = 0  # offloaded allocations that were not in the prepared arena
     late_arena_s: float = 0.0
+    snapshot_bytes: int = 0  # the last host copy of read-only tags made while awake
+    snapshot_s: float = 0.0
     last: dict[str, Any] = field(default_factory=dict)
 
 
@@ -326,6 +339,11 @@ class FastPath:
         self._slots: dict[int, Slot] = {}
         self._arenas: list[HostArena] = []
         self._backed: set[int] = set()  # allocations whose bytes are in their slot now
+        # Awake allocations whose slot holds exactly their device bytes (tags in clean_tags
+        # only): a sleep releases them without a copy.
+        self._clean: set[int] = set()
+        self.clean_tags: frozenset[str] = frozenset()  # the runner's word: execution never writes these
+        self.verify_clean = False  # compare device bytes with the copy at each clean sleep
         self._unmapped: set[int] = set()  # for allocator versions without a flag
         self._prepare_thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
@@ -391,23 +409,63 @@ class FastPath:
 
     def _prepare(self, tags: tuple[str, ...]) -> None:
         with self._lock:
-            self._prune_backed()
-            allocs = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
-            if all(p in self._slots and self._slots[p].nbytes == _nbytes(d) for p, d in allocs):
-                return
-            if self._backed:
-                return  # bytes live in the present arena: keep it; late slots cover new allocations
-            started = time.perf_counter()
-            self._drop_arenas()
-            arena = self._new_arena(allocs)
-            self.stats.arena_bytes = arena.nbytes if arena else 0
-            self.stats.arena_prepare_s = time.perf_counter() - started
-            self.stats.arena_touch_s = arena.touch_s if arena else 0.0
-            self.stats.arena_register_s = arena.register_s if arena else 0.0
-            log.info("fast backend: host arena of %.3f GiB for %d allocations of %s prepared in %.3f s "
-                     "(fault-in %.3f s, cudaHostRegister %.3f s)", self.stats.arena_bytes / 2**30, len(allocs),
-                     list(tags), self.stats.arena_prepare_s, self.stats.arena_touch_s,
-                     self.stats.arena_register_s)  # fmt: skip
+            self._layout(tags)
+            self._snapshot(tuple(t for t in tags if t in self.clean_tags))
+
+    def _snapshot(self, tags: tuple[str, ...]) -> None:
+        """Copy the mapped, not yet clean allocations of `tags` into their slots and mark them
+        clean: the host copy a later sleep then need not make."""
+        allocs = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d) and p not in self._clean]
+        allocs = [(p, d) for p, d in allocs if p in self._slots and self._slots[p].nbytes == _nbytes(d)]
+        if not allocs:
+            return
+        started = time.perf_counter()
+        copies = plan_copies([(p, self._slots[p].host, _nbytes(d)) for p, d in allocs], self.chunk_bytes)
+        self._copy_out(copies)
+        self._clean.update(p for p, _ in allocs)
+        self.stats.snapshot_bytes = sum(_nbytes(d) for _, d in allocs)
+        self.stats.snapshot_s = time.perf_counter() - started
+        log.info("fast backend: host copy of %.3f GiB of read-only %s made in %.3f s; their sleeps copy nothing",
+                 self.stats.snapshot_bytes / 2**30, list(tags), self.stats.snapshot_s)  # fmt: skip
+
+    def _copy_out(self, copies: list[Copy]) -> list[Any]:
+        """Issue device->host `copies` over the streams; the events, one per copy."""
+        streams = self.ops.streams
+        self.ops.streams_after_current()
+        events = []
+        for k, c in enumerate(copies):
+            stream = streams[k % len(streams)]
+            if c.nbytes:
+                self.ops.copy(c.host, c.device, c.nbytes, False, stream)
+            events.append(self.ops.record(stream))
+        for event in events:
+            self.ops.wait(event)
+        return events
+
+    def invalidate(self, tags: Iterable[str]) -> None:
+        """The device content of `tags` is about to change (a reload, an in-place update):
+        their host copies no longer stand for it."""
+        wanted = set(tags)
+        self._clean -= {p for p, d in self.allocations(wanted)}
+
+    def _layout(self, tags: tuple[str, ...]) -> None:
+        self._prune_backed()
+        allocs = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
+        if all(p in self._slots and self._slots[p].nbytes == _nbytes(d) for p, d in allocs):
+            return
+        if self._backed:
+            return  # bytes live in the present arena: keep it; late slots cover new allocations
+        started = time.perf_counter()
+        self._drop_arenas()
+        arena = self._new_arena(allocs)
+        self.stats.arena_bytes = arena.nbytes if arena else 0
+        self.stats.arena_prepare_s = time.perf_counter() - started
+        self.stats.arena_touch_s = arena.touch_s if arena else 0.0
+        self.stats.arena_register_s = arena.register_s if arena else 0.0
+        log.info("fast backend: host arena of %.3f GiB for %d allocations of %s prepared in %.3f s "
+                 "(fault-in %.3f s, cudaHostRegister %.3f s)", self.stats.arena_bytes / 2**30, len(allocs),
+                 list(tags), self.stats.arena_prepare_s, self.stats.arena_touch_s,
+                 self.stats.arena_register_s)  # fmt: skip
 
     def _new_arena(self, allocs: list[tuple[int, Any]]) -> HostArena | None:
         total = sum(_nbytes(d) for _, d in allocs)
@@ -432,6 +490,7 @@ class FastPath:
                 data.cpu_backup_tensor = None
         self._slots.clear()
         self._backed.clear()
+        self._clean.clear()
         for arena in self._arenas:
             arena.close()
         self._arenas.clear()
@@ -458,11 +517,17 @@ class FastPath:
         self._prune_backed()
         allocs = [(p, d) for p, d in self.allocations(offload | discard) if not self.is_asleep(p, d)]
         dropped = [(p, d) for p, d in allocs if d.tag not in offload]
-        kept = [(p, d) for p, d in allocs if d.tag in offload]
+        clean = [(p, d) for p, d in allocs if d.tag in offload and p in self._clean]
+        kept = [(p, d) for p, d in allocs if d.tag in offload and p not in self._clean]
+        if clean and self.verify_clean:
+            self._verify(clean)  # before anything is released: a refused sleep leaves all mapped
         # Discarded memory first: the caller has synchronized, so nothing is reading it, and
         # the driver's unmap (synchronous for most uses) has no copy to wait for yet.
         for ptr, data in dropped:
             self._release(ptr, data, backed=False)
+        # Clean allocations: their slot already holds their bytes.
+        for ptr, data in clean:
+            self._release(ptr, data, backed=True)
         unmapped = time.perf_counter()
         copies: list[Copy] = []
         if kept:
@@ -485,11 +550,33 @@ class FastPath:
         done = time.perf_counter()
         self.stats.last = {
             "op": "sleep", "offloaded_bytes": sum(_nbytes(d) for _, d in kept),
+            "clean_bytes": sum(_nbytes(d) for _, d in clean),
             "discarded_bytes": sum(_nbytes(d) for _, d in dropped), "allocations": len(allocs),
             "copies": len(copies), "wait_prepare_s": waited - started, "discard_s": unmapped - waited,
             "offload_s": done - unmapped, "total_s": done - started,
         }  # fmt: skip
         return self.stats.last
+
+    def _verify(self, clean: list[tuple[int, Any]]) -> None:
+        """Debug mode: the device bytes of every clean allocation equal its host copy."""
+        total = sum(_nbytes(d) for _, d in clean)
+        scratch = HostArena(total, self.ops, touch=False)
+        try:
+            offsets, offset = [], 0
+            for _, data in clean:
+                offsets.append(offset)
+                offset += _nbytes(data)
+            spans = [(p, scratch.ptr + o, _nbytes(d)) for (p, d), o in zip(clean, offsets, strict=True)]
+            self._copy_out(plan_copies(spans, self.chunk_bytes))
+            for (ptr, data), o in zip(clean, offsets, strict=True):
+                slot = self._slots[ptr]
+                if not torch.equal(scratch.view(o, slot.nbytes), slot.arena.view(slot.offset, slot.nbytes)):
+                    raise CleanCopyMismatch(
+                        f"allocation at {ptr:#x} of tag {data.tag!r} ({slot.nbytes} bytes) changed since its host "
+                        f"copy was made, but the runner declares {data.tag!r} read-only (ModelRunner.read_only_tags); "
+                        "fix the runner's declaration (a runner that writes its weights must not list them)")
+        finally:
+            scratch.close()
 
     def _release(self, ptr: int, data: Any, *, backed: bool) -> None:
         try:
@@ -501,6 +588,7 @@ class FastPath:
             data.cpu_backup_tensor = self._slots[ptr].arena.view(self._slots[ptr].offset, _nbytes(data))
         else:
             self._backed.discard(ptr)
+            self._clean.discard(ptr)
             data.cpu_backup_tensor = None
 
     def wake(self, tags: Iterable[str] | None = None) -> dict[str, Any]:
@@ -529,6 +617,8 @@ class FastPath:
         self.ops.current_after_streams()
         self.ops.synchronize()
         for ptr, data in allocs:
+            if ptr in self._backed and data.tag in self.clean_tags:
+                self._clean.add(ptr)  # the slot still holds what was just restored from it
             self._backed.discard(ptr)
             data.cpu_backup_tensor = None
         done = time.perf_counter()
@@ -588,6 +678,13 @@ class FastBackend(CumemBackend):
         with self._on_device():
             self.path.wake(tags)
 
+    def declare_read_only(self, tags: Iterable[str], *, verify: bool = False) -> None:
+        self.path.clean_tags = frozenset(tags)
+        self.path.verify_clean = verify
+
+    def invalidate(self, tags: Iterable[str]) -> None:
+        self.path.invalidate(tags)
+
     def _is_asleep(self, data: Any) -> bool:
         return self.path.is_asleep(handle_of(data).d_mem, data)
 
@@ -599,7 +696,7 @@ class FastBackend(CumemBackend):
         return {"arena_bytes": self.path.arena_bytes(), "arena_prepare_s": s.arena_prepare_s,
                 "arena_touch_s": s.arena_touch_s, "arena_register_s": s.arena_register_s,
                 "late_arena_bytes": s.late_arena_bytes, "late_arena_s": s.late_arena_s,
-                "last": dict(s.last)}  # fmt: skip
+                "snapshot_bytes": s.snapshot_bytes, "snapshot_s": s.snapshot_s, "last": dict(s.last)}  # fmt: skip
 
     def release(self) -> None:
         super().release()
