@@ -71,6 +71,7 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("1g", (32 * MiB,) * 32, 512 * MiB, "1 GiB weights (32 x 32 MiB) + 0.5 GiB KV"),
         Workload("8g", (32 * MiB,) * 256, 4 * GiB, "8 GiB weights (256 x 32 MiB, bf16 4096x4096) + 4 GiB KV"),
+        Workload("16g", (32 * MiB,) * 512, 4 * GiB, "16 GiB weights (512 x 32 MiB) + 4 GiB KV"),
         Workload("32g", (32 * MiB,) * 1024, 4 * GiB, "32 GiB weights (1024 x 32 MiB) + 4 GiB KV"),
         Workload("mixed", _mixed(), 4 * GiB, "8.06 GiB: 1536 small (128 KiB/1 MiB/3 MiB) + 4 x 1.5 GiB; 4 GiB KV"),
     )
@@ -156,6 +157,9 @@ class _Omni(_Method):
             self.backend = FastBackend(device, chunk_bytes=chunk, prepare=options.get("prepare", "load"))
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")
+            if options.get("clean") not in (None, "0", "false", "no"):
+                # Inference weights: copied into the arena once at load, a sleep only unmaps.
+                self.backend.declare_read_only({"weights"})
             if "streams" in options:
                 from omni_core.workers.backends.fast import CudaOps
 
