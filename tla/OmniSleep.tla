@@ -40,7 +40,7 @@ CONSTANTS
     Ranks,          \* the stage's ranks (model values)
     MaxTask,        \* the orchestrator issues task ids 1..MaxTask (commands and requests)
     MaxEpoch,       \* epochs 0..MaxEpoch; each Restart adds one
-    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource"}
+    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short"}
     MaxFaults,      \* at most this many dup/drop/corrupt/crash/error events per behaviour
     Tags,           \* the stage's tags (StageSpec.tags): strings; "weights" is the one a sleep keeps
     SleepLevels,    \* SUBSET {1, 2}: levels of the sleep() calls the orchestrator may make
@@ -66,13 +66,20 @@ CONSTANTS
                              any request ends, though others are still in flight (P-7)
      early_request_finish    a request ends on its first NACK or at its deadline while other
                              ranks may still execute it (P-7)
-     no_deadline             the orchestrator has no deadlines (P-9: a lost reply hangs) *)
+     no_deadline             the orchestrator has no deadlines (P-9: a lost reply hangs)
+     forget_invalidation     Residency forgets that a level-2 discard invalidates the weights,
+                             in the worker and the stage alike (the cores agree on the lie):
+                             requests run on discarded weights (P-8 over memory, Mem)
+     no_ack_check            the stage commits on ACKs whose state or asleep tags disagree with
+                             what it expects; with "short" in Faults a rank ACKs truthfully a
+                             wake that restored less than asked (P-7 over memory) *)
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
-             "drain_one_request", "early_request_finish", "no_deadline"}
+             "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
+             "no_ack_check"}
 
 ASSUME Bug \in BugNames
-ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource"}
+ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short"}
 ASSUME SleepLevels \subseteq {1, 2}
 ASSUME Tags # {} /\ "all" \notin Tags
 ASSUME SleepTags \cup WakeTags \subseteq {"all"} \cup Tags
@@ -130,13 +137,37 @@ BadBytes(r) == Msg("bad", NoVal, 0, 0, r, 0, {}, NoVal, {}, NoVal)
 NoMsg == Msg("none", NoVal, 0, 0, NoVal, 0, {}, NoVal, {}, NoVal)
 ReplyKinds == {"ack", "nack", "result"}
 
-NoPend == [task |-> 0, type |-> NoVal, level |-> 0, plan |-> {}]
+NoPend == [task |-> 0, type |-> NoVal, level |-> 0, plan |-> {}, offload |-> {}]
 NoReplies == [t \in TaskIds |-> {}]
 NoErrors == [t \in TaskIds |-> FALSE]
 NoCmd == [type |-> NoVal, level |-> 0, tags |-> {}]
 
+(* ---- ghost memory: what each rank's device memory holds per tag, moved only by the
+   memory effects the shell performs (SleepEffect's offload/discard, WakeEffect's tags, a
+   reload), never by the cores' bookkeeping (wasleep, wvalid). The abstract memory spec
+   OmniMemory.tla says which moves exist; MemoryRefined checks that this spec refines it.
+     "valid"    mapped, content usable (weights: the model's values; scratch: mapped at all)
+     "host"     unmapped, a valid host copy waits (an offloaded weights tag)
+     "lost"     unmapped, no copy (discarded)
+     "garbage"  mapped again after a discard: weights that hold no model values until reloaded
+   Scratch tags (kv_cache) hold nothing to preserve, so mapped scratch is "valid": with that,
+   in a correct model mem is a function of (wasleep, wvalid) and adds no distinct states. *)
+MemValues == {"valid", "host", "lost", "garbage"}
+FreshMem == [t \in Tags |-> "valid"]
+(* plan_sleep in fsm/tags.py: the tags a sleep offloads; the rest of its plan is discarded.
+   Carried on the pending effect as SleepEffect carries it (checked against plan_sleep by
+   the agreement check, formal/agree.py). *)
+SleepOffload(level, plan, valid) == IF level = 1 /\ valid THEN plan \cap {Weights} ELSE {}
+(* The memory a set of tags holds, seen from bookkeeping: CarriedInit of the trace spec. *)
+MemFrom(asleep, valid) ==
+    [t \in Tags |-> IF t = Weights
+                    THEN IF t \in asleep THEN (IF valid THEN "host" ELSE "lost")
+                         ELSE (IF valid THEN "valid" ELSE "garbage")
+                    ELSE IF t \in asleep THEN "lost" ELSE "valid"]
+
 VARIABLES
     \* worker ranks (WorkerCore), one entry per rank
+    mem,        \* ghost: what device memory holds, per rank and tag (MemValues)
     wstate, alive, wasleep, wvalid, wepoch, wpend,
     wcache,     \* reply cache: terminal replies by task (P-2)
     replied,    \* history: terminal replies this process sent (P-1)
@@ -155,12 +186,13 @@ VARIABLES
     net, faults,
     broken      \* history: the action-level MUSTs an action broke (empty unless a bug)
 
-workerVars == <<wstate, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied>>
+workerVars == <<mem, wstate, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied>>
 stageVars == <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies,
                sreqErr, failedRanks, outcome>>
 vars == <<workerVars, stageVars, nextTask, net, faults, broken>>
 
 FreshWorkers(e) ==
+    /\ mem' = [r \in Ranks |-> FreshMem]
     /\ wstate' = [r \in Ranks |-> WorkerInitial]
     /\ alive' = [r \in Ranks |-> TRUE]
     /\ wasleep' = [r \in Ranks |-> {}]
@@ -171,6 +203,7 @@ FreshWorkers(e) ==
     /\ replied' = [r \in Ranks |-> {}]
 
 Init ==
+    /\ mem = [r \in Ranks |-> FreshMem]
     /\ wstate = [r \in Ranks |-> WorkerInitial]
     /\ alive = [r \in Ranks |-> TRUE]
     /\ wasleep = [r \in Ranks |-> {}]
@@ -216,8 +249,9 @@ RefuseRecorded(r, m, reason) ==   \* a refusal the stage takes as the answer: ke
 Already(r, m, g) ==
     Out(r, WNext(wstate[r], g), wpend[r],
         AckMsg(m.type, m.task, wepoch[r], r, WNext(wstate[r], g), wasleep[r], "ALREADY"), TRUE, FALSE)
-Start(r, m, g, plan) ==
-    Out(r, WNext(wstate[r], g), [task |-> m.task, type |-> m.type, level |-> m.level, plan |-> plan],
+Start(r, m, g, plan, offload) ==
+    Out(r, WNext(wstate[r], g),
+        [task |-> m.task, type |-> m.type, level |-> m.level, plan |-> plan, offload |-> offload],
         NoMsg, FALSE, TRUE)
 Cached(r, t) == \E c \in wcache[r] : c.task = t
 FromCache(r, m) == Out(r, wstate[r], wpend[r], CHOOSE c \in wcache[r] : c.task = m.task, FALSE, FALSE)
@@ -226,19 +260,19 @@ OnSleep(r, m) ==
     LET toSleep == m.tags \ wasleep[r] IN
     IF toSleep = {} /\ WLegal(wstate[r], "sleep_already") THEN Already(r, m, "sleep_already")
     ELSE IF ~WLegal(wstate[r], "sleep") THEN Refuse(r, m, "INVALID_STATE")
-    ELSE Start(r, m, "sleep", toSleep)
+    ELSE Start(r, m, "sleep", toSleep, SleepOffload(m.level, toSleep, wvalid[r]))
 
 OnWake(r, m) ==
     LET toWake == m.tags \cap wasleep[r] IN
     IF toWake = {} /\ WLegal(wstate[r], "wake_already") THEN Already(r, m, "wake_already")
     ELSE IF ~WLegal(wstate[r], "wake") THEN Refuse(r, m, "INVALID_STATE")
-    ELSE Start(r, m, "wake", toWake)
+    ELSE Start(r, m, "wake", toWake, {})
 
 OnReload(r, m) ==
-    IF ~WLegal(wstate[r], "reload") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "reload", {})
+    IF ~WLegal(wstate[r], "reload") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "reload", {}, {})
 
 OnExecute(r, m) ==
-    IF ~WLegal(wstate[r], "execute") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "execute", {})
+    IF ~WLegal(wstate[r], "execute") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "execute", {}, {})
 
 Busy(r) == wpend[r] # NoPend
 
@@ -288,7 +322,7 @@ WorkerReceive(r, m, keep) ==
                       THEN {"P4"} ELSE {})
                 \cup (IF o.reply.kind = "nack" /\ changed THEN {"P11"} ELSE {})
     /\ faults' = IF keep THEN faults + 1 ELSE faults
-    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, stageVars, nextTask>>
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, stageVars, nextTask>>
 
 (* The runner refused the reload's source before writing anything: WorkerCore.on_refused.
    NACK INVALID_ARGUMENT, back to the state the reload came from; the answer is cached like
@@ -304,16 +338,33 @@ Refused(r) ==
           /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
-    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, faults, broken>>
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, faults, broken>>
 
-(* The shell performed the pending effect: WorkerCore.on_done *)
+(* What the memory effect of p does to one tag holding `held` (ghost): a sleep offloads
+   p.offload and discards the rest of its plan; a wake maps `did` back, restoring a host copy
+   and leaving discarded weights garbage; a reload writes the weights. *)
+MemAfter(p, did, t, held) ==
+    CASE p.type = "Sleep" /\ t \in p.offload -> "host"
+      [] p.type = "Sleep" /\ t \in p.plan -> "lost"
+      [] p.type = "Wake" /\ t \in did -> (IF held = "host" \/ t # Weights THEN "valid" ELSE "garbage")
+      [] p.type = "ReloadWeights" /\ t = Weights -> "valid"
+      [] OTHER -> held
+
+(* The shell performed the pending effect: WorkerCore.on_done. With "short" in Faults a wake
+   may map back less than its plan (a backend that could not map one pool) and the worker
+   ACKs what it holds: an ACK that disagrees with what the stage expects. *)
+DoneSets(r) == IF wpend[r].type = "Wake" /\ FaultOk("short")
+               THEN {d \in SUBSET wpend[r].plan : d # {}}
+               ELSE {wpend[r].plan}
 Done(r) ==
     /\ alive[r] /\ Busy(r) /\ ~BadSourcePending(r)
-    /\ LET p == wpend[r]
+    /\ \E did \in DoneSets(r) :
+       LET p == wpend[r]
            asl == CASE p.type = "Sleep" -> wasleep[r] \cup p.plan
-                    [] p.type = "Wake" -> wasleep[r] \ p.plan
+                    [] p.type = "Wake" -> wasleep[r] \ did
                     [] OTHER -> wasleep[r]
-           val == CASE p.type = "Sleep" -> wvalid[r] /\ ~(p.level = 2 /\ Weights \in p.plan)
+           val == CASE p.type = "Sleep" -> wvalid[r] /\ ~(p.level = 2 /\ Weights \in p.plan
+                                                           /\ Bug # "forget_invalidation")
                     [] p.type = "ReloadWeights" -> TRUE
                     [] OTHER -> wvalid[r]
            g == CASE p.type = "Sleep" -> "offloaded"
@@ -326,11 +377,13 @@ Done(r) ==
        IN /\ wstate' = [wstate EXCEPT ![r] = st]
           /\ wasleep' = [wasleep EXCEPT ![r] = asl]
           /\ wvalid' = [wvalid EXCEPT ![r] = val]
+          /\ mem' = [mem EXCEPT ![r] = [t \in Tags |-> MemAfter(p, did, t, @[t])]]
           /\ wpend' = [wpend EXCEPT ![r] = NoPend]
           /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
-    /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask, faults, broken>>
+          /\ faults' = IF did # p.plan THEN faults + 1 ELSE faults
+    /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask, broken>>
 
 (* The effect raised: WorkerCore.on_error. A lifecycle effect leaves the rank FAILED. *)
 EffectError(r) ==
@@ -345,14 +398,14 @@ EffectError(r) ==
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
     /\ faults' = faults + 1
-    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, broken>>
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, broken>>
 
 (* The shell loaded the runner: Hello carries the rank, its epoch and its state. *)
 Loaded(r) ==
     /\ alive[r] /\ WorkerLegal(wstate[r], "loaded")
     /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "loaded")]
     /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
-    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
                    nextTask, faults, broken>>
 
 (* The backend or the runner raised while loading (WorkerCore.load_failed): the rank is
@@ -362,7 +415,7 @@ LoadFailed(r) ==
     /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "fail")]
     /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
     /\ faults' = faults + 1
-    /\ UNCHANGED <<alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
                    nextTask, broken>>
 
 Crash(r) ==
@@ -370,7 +423,7 @@ Crash(r) ==
     /\ alive' = [alive EXCEPT ![r] = FALSE]
     /\ wpend' = [wpend EXCEPT ![r] = NoPend]
     /\ faults' = faults + 1
-    /\ UNCHANGED <<wstate, wasleep, wvalid, wepoch, wcache, replied, applied, stageVars, nextTask,
+    /\ UNCHANGED <<mem, wstate, wasleep, wvalid, wepoch, wcache, replied, applied, stageVars, nextTask,
                    net, broken>>
 
 -----------------------------------------------------------------------------
@@ -387,7 +440,8 @@ Expect ==
         asl == CASE c.type = "Sleep" -> sasleep \cup c.tags
                  [] c.type = "Wake" -> sasleep \ c.tags
                  [] OTHER -> sasleep
-        val == CASE c.type = "Sleep" -> svalid /\ ~(c.level = 2 /\ Weights \in toSleep)
+        val == CASE c.type = "Sleep" -> svalid /\ ~(c.level = 2 /\ Weights \in toSleep
+                                                     /\ Bug # "forget_invalidation")
                  [] c.type = "ReloadWeights" -> TRUE
                  [] OTHER -> svalid
         set == Settle(asl, val)
@@ -535,7 +589,8 @@ OnReply(m, rest) ==
             ELSE /\ sacks' = said /\ net' = rest
                  /\ UNCHANGED <<sstate, sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
                                 sreqReplies, sreqErr, failedRanks, outcome>>
-        ELSE IF m.kind = "nack" \/ m.state # Expect.wstate \/ m.asleep # Expect.asleep
+        ELSE IF \/ m.kind = "nack"
+                \/ (m.state # Expect.wstate \/ m.asleep # Expect.asleep) /\ Bug # "no_ack_check"
         THEN FailStage({m.rank}, rest)
         ELSE LET acks == sacks \cup {m.rank} IN
              IF acks = Ranks \/ Bug = "commit_before_all_acks" THEN Commit(acks, rest)
@@ -723,6 +778,30 @@ P7_ExecuteOnlyWhenResident ==
 (* P-8: after a level-2 sleep nothing executes until the weights are reloaded. *)
 P8_NoExecuteAfterL2BeforeReload ==
     \A r \in Ranks : Executing(r) => \A q \in Ranks : Live(q) => wvalid[q] /\ wstate[q] # "RELOADING"
+
+(* P-7 and P-8 over what memory holds (the ghost mem), not over the cores' bookkeeping: a
+   Residency that lies (bug model forget_invalidation) or a stage that trusts a disagreeing
+   ACK (no_ack_check) keeps P7/P8 above true while a request runs on memory that is gone. *)
+MemoryEffect(q) == wpend[q].type \in {"Sleep", "Wake", "ReloadWeights"}
+P7_Mem_ExecuteOnMappedMemory ==
+    \A r \in Ranks : Executing(r) =>
+        \A q \in Ranks : Live(q) => (\A t \in Tags : mem[q][t] \in {"valid", "garbage"}) /\ ~MemoryEffect(q)
+P8_Mem_NoExecuteOnGarbageWeights ==
+    \A r \in Ranks : Executing(r) => \A q \in Ranks : Live(q) => \A t \in Tags \cap {Weights} : mem[q][t] = "valid"
+(* The cores' view is an abstraction of memory: a live rank that has not failed holds asleep
+   exactly the unmapped tags, and calls its weights valid exactly when their values are on the
+   device or on the host (so a wake of an offloaded tag restores valid content). *)
+Mem_CoresAgreeWithMemory ==
+    \A r \in Ranks : Live(r) /\ wstate[r] # "FAILED" =>
+        /\ wasleep[r] = {t \in Tags : mem[r][t] \in {"host", "lost"}}
+        /\ \A t \in Tags \cap {Weights} : wvalid[r] <=> mem[r][t] \in {"valid", "host"}
+
+(* OmniSleep refines the abstract memory spec OmniMemory: a dead rank's memory is gone, the
+   ranks running a request are those with an Execute pending. Checked as a property by the
+   model "memory" (no symmetry: TLC checks a property over the full state graph). *)
+MemAbs == [r \in Ranks |-> IF alive[r] THEN mem[r] ELSE [t \in Tags |-> "gone"]]
+Memory == INSTANCE OmniMemory WITH mem <- MemAbs, running <- {r \in Ranks : Executing(r)}
+MemoryRefined == Memory!Spec
 
 (* P-9: a FAILED stage names the ranks that failed it. *)
 P9_FailedNamesRanks == sstate = "FAILED" => failedRanks # {}

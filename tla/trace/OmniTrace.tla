@@ -53,6 +53,7 @@ TagsOf(tg) == IF tg = {"all"} THEN Tags ELSE tg       \* tags=None on the wire: 
 CarriedInit ==
     /\ wstate = Carried.wstate /\ alive = Carried.alive /\ wasleep = Carried.wasleep
     /\ wvalid = Carried.wvalid /\ wepoch = Carried.wepoch
+    /\ mem = [r \in Ranks |-> MemFrom(Carried.wasleep[r], Carried.wvalid[r])]
     /\ wpend = [r \in Ranks |-> NoPend] /\ wcache = [r \in Ranks |-> {}]
     /\ replied = [r \in Ranks |-> {}] /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
     /\ sstate = Carried.sstate /\ sepoch = Carried.sepoch /\ stask = 0 /\ scmd = NoCmd
