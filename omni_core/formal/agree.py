@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_core.formal.tlc import EXIT_OK, run_tlc
+from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import StageCommandError, StageCore
 from omni_core.fsm.tags import Residency, plan_sleep
 from omni_core.fsm.worker import WorkerCore, _CachedReply, _Pending, command_digest
-from omni_core.formal.tlc import EXIT_OK, run_tlc
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -55,7 +56,7 @@ def _tokens(text: str, pos: int) -> Iterator[tuple[str, int]]:
     while True:
         match = _TOKEN.match(text, pos)
         if match is None:
-            raise AgreeParseError(f"unexpected text at {pos}: {text[pos:pos + 60]!r}")
+            raise AgreeParseError(f"unexpected text at {pos}: {text[pos : pos + 60]!r}")
         pos = match.end()
         yield match.group(1), pos
 
@@ -170,9 +171,24 @@ def _reply(reply: Any, cached: Any = None) -> tuple:
     raise TypeError(f"unexpected reply {reply!r}")
 
 
+_CORES: dict[Any, Any] = {}
+
+
+def _reused(factory: Callable[..., Any], *args: Any) -> Any:
+    """One core per factory, its state reset per case: building the lifecycle machine takes
+    milliseconds, and thousands of cases are replayed."""
+    core = _CORES.get((factory, args))
+    if core is None:
+        core = _CORES[(factory, args)] = factory(*args, epoch=_EPOCH)
+    return core
+
+
 def _worker(w: Key, m: Key | None, factory: Callable[..., WorkerCore]) -> tuple[WorkerCore, Any]:
     state, asleep, valid, ptask, ptype, plevel, pplan, cached = w
-    core = factory(0, epoch=_EPOCH)
+    core = _reused(factory, 0)
+    core.epoch, core.failure, core._pending = _EPOCH, "", None
+    core.residency = Residency(core.tags)
+    core.cache = BoundedCache(core.cache.max_entries, core.cache.max_bytes)
     _place(core.lifecycle, WorkerState(state))
     core.residency.asleep, core.residency.weights_valid = frozenset(asleep), valid
     if ptask:
@@ -203,8 +219,13 @@ def worker_recv(w: Key, m: Key, factory: Callable[..., WorkerCore] = WorkerCore)
     if len(replies) > 1:
         raise AssertionError(f"{len(replies)} replies to one command")
     cache_added = core.cache._entries.get(task_id) is not before
-    return (core.state.value, *_pending(core._pending), cache_added, effect is not None,
-            *_reply(replies[0] if replies else None, marker))
+    return (
+        core.state.value,
+        *_pending(core._pending),
+        cache_added,
+        effect is not None,
+        *_reply(replies[0] if replies else None, marker),
+    )
 
 
 def _pending(pending: _Pending | None) -> tuple[str, frozenset[str], frozenset[str]]:
@@ -255,9 +276,15 @@ def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -
     after.asleep, after.weights_valid = stage.residency.asleep, stage.residency.weights_valid
     task.apply(after)
     if after.asleep != task.expect_asleep:
-        raise AssertionError(f"the stage expects asleep {sorted(task.expect_asleep)} but commits {sorted(after.asleep)}")
-    return (stage.state.value, sent, "pending",
-            (task.expect_state.value, task.expect_asleep, after.weights_valid, task.commit_trigger))
+        raise AssertionError(
+            f"the stage expects asleep {sorted(task.expect_asleep)} but commits {sorted(after.asleep)}"
+        )
+    return (
+        stage.state.value,
+        sent,
+        "pending",
+        (task.expect_state.value, task.expect_asleep, after.weights_valid, task.commit_trigger),
+    )
 
 
 # ----------------------------------------------------------------- the comparison

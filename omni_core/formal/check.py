@@ -10,6 +10,10 @@ What it runs is listed in `tla/manifest.json`:
   manifest names. Each is also run as a control with `Bug = "none"`, which must pass: the
   violation comes from the defect, not from the model.
 
+First, the agreement check (formal/agree.py, row "agree"): one step of the spec's actions
+from every small case, replayed on WorkerCore and StageCore, must give the same result;
+this covers what the tables do not (order of checks, settle, plan_sleep, expectations).
+
 Before any of that, `tla/OmniTransitions.tla` must equal what `gen_transitions` renders
 from the tables in `omni_core.fsm`; when it does not, nothing runs and the message says
 which command regenerates it.
@@ -27,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import gen_transitions
+from omni_core.formal import agree, gen_transitions
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -215,6 +219,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-trace-spec", metavar="DIR", help=argparse.SUPPRESS)  # keep the generated files
 
 
+def _selected(name: str, only: list[str] | None) -> bool:
+    return not only or any(fnmatch.fnmatch(name, p) for p in only)
+
+
+def agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
+    """The Python cores against one step of the spec's actions from every small case
+    (formal/agree.py): the order of the worker's checks, settle, plan_sleep, the stage's
+    expectations. Reports the first disagreement and how many there are."""
+    start = time.monotonic()
+    try:
+        table = agree.spec_table(root, timeout_s=timeout_s)
+        found = agree.compare(table)
+    except agree.AgreeParseError as exc:
+        row = Row("agree", "ok", "error", None, time.monotonic() - start, False, str(exc))
+    else:
+        got = "ok" if not found else f"{len(found)} disagree"
+        note = f"first: {found[0]}" if found else ""
+        row = Row("agree", "ok", got, len(table.worker_cases) + len(table.done) + len(table.stage_cases),
+                  time.monotonic() - start, not found, note)  # fmt: skip
+        if not found:
+            row.note = ""
+            echo(f"agree: {agree.counts(table)}")
+    echo(_format_row(row))
+    return row
+
+
 def run(args: argparse.Namespace, echo=print) -> int:
     if getattr(args, "trace", None):
         from omni_core.formal import trace_check
@@ -232,7 +262,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return 2
     data, models = load_manifest(root)
     if args.only:
-        models = [m for m in models if any(fnmatch.fnmatch(m.name, p) for p in args.only)]
+        models = [m for m in models if _selected(m.name, args.only)]
     if args.list:
         for m in models:
             echo(f"{m.name:38} {m.expect:34} {m.config}  {m.about}")
@@ -241,9 +271,11 @@ def run(args: argparse.Namespace, echo=print) -> int:
     echo(header())
     start = time.monotonic()
     try:
-        rows, counts = run_models(models, root, workers=args.workers, timeout_s=args.timeout_s,
+        rows = [agreement_row(root, args.timeout_s, echo)] if _selected("agree", args.only) else []
+        more, counts = run_models(models, root, workers=args.workers, timeout_s=args.timeout_s,
                                   update=args.update_manifest, controls=not args.no_controls,
                                   echo=echo)  # fmt: skip
+        rows += more
     except TlcNotFoundError as exc:
         echo(f"FAIL {exc}")
         return 2
