@@ -80,7 +80,7 @@ class TraceVerdict:
 
 
 def _copy_specs(folder: Path, root: Path) -> Path:
-    for name in ("OmniSleep.tla", "OmniTransitions.tla"):
+    for name in ("OmniSleep.tla", "OmniTransitions.tla", "OmniMemory.tla"):
         shutil.copy(root / name, folder / name)
     shutil.copy(root / "trace" / "OmniTrace.tla", folder / "OmniTrace.tla")
     return folder / "OmniTrace.tla"
