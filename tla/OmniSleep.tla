@@ -18,8 +18,9 @@
 (* Abstractions: tags are the constant Tags (models: DefaultTags, the      *)
 (* tables' default; a trace: its stage's); task ids are 1..MaxTask,        *)
 (* unique per call (the caller's idempotency key); Status and Shutdown are *)
-(* not modelled (they never change residency); Restart happens from FAILED *)
-(* only and replaces every rank by a fresh process under epoch + 1. The    *)
+(* not modelled (they never change residency); Restart happens from every *)
+(* state the stage table allows it and replaces every rank by a fresh      *)
+(* process under epoch + 1, killing the live ones. The                     *)
 (* reply cache is unbounded (the real one evicts after 1024 tasks).        *)
 (*                                                                         *)
 (* Requests: up to MaxRequests Execute requests are in flight at once (the *)
@@ -40,7 +41,7 @@ CONSTANTS
     Ranks,          \* the stage's ranks (model values)
     MaxTask,        \* the orchestrator issues task ids 1..MaxTask (commands and requests)
     MaxEpoch,       \* epochs 0..MaxEpoch; each Restart adds one
-    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short"}
+    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill"}
     MaxFaults,      \* at most this many dup/drop/corrupt/crash/error events per behaviour
     Tags,           \* the stage's tags (StageSpec.tags): strings; "weights" is the one a sleep keeps
     SleepLevels,    \* SUBSET {1, 2}: levels of the sleep() calls the orchestrator may make
@@ -79,7 +80,7 @@ BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_par
              "no_ack_check"}
 
 ASSUME Bug \in BugNames
-ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short"}
+ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill"}
 ASSUME SleepLevels \subseteq {1, 2}
 ASSUME Tags # {} /\ "all" \notin Tags
 ASSUME SleepTags \cup WakeTags \subseteq {"all"} \cup Tags
@@ -657,15 +658,25 @@ RankDied(r) ==
     /\ FailStage({r}, net)
     /\ UNCHANGED <<workerVars, nextTask, faults, broken>>
 
-(* Fresh rank processes under a new epoch; the old messages stay in the network. *)
+(* StageCore.restart: fresh rank processes under a new epoch, from every state the stage
+   table allows (SLegal: RUNNING, SLEEPING, PARTIAL, NEEDS_RELOAD, FAILED, STOPPED; not while
+   a start or a task is under way). The live ranks are killed (FreshWorkers replaces them
+   with their effects unfinished), so a lifecycle task and the requests in flight end failed
+   (Stage._fail_requests); the old messages stay in the network, fenced by the epoch.
+   "kill" in Faults lets a model restart a stage that still serves (live ranks killed);
+   without it a model restarts only after a failure, which keeps the models that do not
+   look at this path (crash) small. The states themselves come from the table. *)
 Restart ==
-    /\ sstate = "FAILED" /\ SLegal(sstate, "restart") /\ sepoch < MaxEpoch
+    /\ SLegal(sstate, "restart") /\ sepoch < MaxEpoch
+    /\ sstate # "FAILED" => "kill" \in Faults
     /\ sstate' = SNext(sstate, "restart")
     /\ sepoch' = sepoch + 1
     /\ sasleep' = {} /\ svalid' = TRUE /\ sacks' = {} /\ sloadFailed' = {} /\ failedRanks' = {}
     /\ FreshWorkers(sepoch + 1)
-    /\ UNCHANGED <<applied, stask, scmd, sreqs, sreqReplies, sreqErr, outcome, nextTask, net,
-                   faults, broken>>
+    /\ outcome' = [t \in TaskIds |-> IF t \in sreqs \cup {stask} THEN "failed" ELSE outcome[t]]
+    /\ stask' = 0 /\ scmd' = NoCmd
+    /\ sreqs' = {} /\ sreqReplies' = NoReplies /\ sreqErr' = NoErrors
+    /\ UNCHANGED <<applied, nextTask, net, faults, broken>>
 
 -----------------------------------------------------------------------------
 (* ================================ network =============================== *)
