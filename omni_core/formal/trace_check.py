@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omni_core.formal import trace_export
@@ -106,7 +106,7 @@ def progress_of(output: str) -> list[tuple[int, str]]:
 def _describe_view(view: str) -> str:
     """`"RUNNING", 0, <<"ACTIVE", ...>>, ...` printed by TraceProgress, in words."""
     return ("[sstate, epoch, worker states, alive, owed stage line, unlogged sends, owed worker "
-            f"lines] = [{view}]")  # fmt: skip
+            f"lines, owed worker replies] = [{view}]")  # fmt: skip
 
 
 def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
@@ -203,7 +203,13 @@ def validate_stage(trace: trace_export.StageTrace, *, chunk_events: int = trace_
                    echo=None, **kwargs) -> list[TraceVerdict]:  # fmt: skip
     """Validate one stage, in chunks when it is long: each chunk starts from the state the
     previous one ended in. Stops at the first chunk that diverges. A chunk that could not
-    end quiescent (its cut was premature) is merged with the next one and run again."""
+    end quiescent (its cut was premature) is merged with the next one and run again.
+
+    A line out of its process's program order (`trace.order_error`) is a divergence of its
+    own: the events before it are replayed, and the first divergent line is reported, that
+    one if everything before it replays."""
+    if trace.order_error is not None:
+        return _validate_up_to_order_error(trace, chunk_events=chunk_events, echo=echo, **kwargs)
     chunks = trace_export.split(trace, chunk_events)
     verdicts: list[TraceVerdict] = []
     carried: str | None = None
@@ -228,6 +234,26 @@ def validate_stage(trace: trace_export.StageTrace, *, chunk_events: int = trace_
                 break
         index += 1
     return verdicts
+
+
+def _validate_up_to_order_error(trace: trace_export.StageTrace, *, echo=None, **kwargs) -> list[TraceVerdict]:
+    assert trace.order_error is not None
+    line, why = trace.order_error
+    before = [e for e in trace.events if e.line < line]
+    index = len(before) + 1
+    prefix = replace(trace, events=before, order_error=None)
+    verdicts = validate_stage(prefix, **kwargs) if before else []
+    if verdicts and not verdicts[-1].accepted and verdicts[-1].reason != OWED_AT_END:
+        if echo is not None:
+            echo(verdicts[-1].line())
+        return verdicts  # the trace diverged before the moved line
+    verdicts = [v for v in verdicts if v.accepted]
+    at = next((e.describe() for e in trace.events if e.line == line), f"line {line}")
+    verdict = TraceVerdict(trace.name, len(trace.events), False, index, at, f"out of program order: {why}",
+                           sum(v.seconds for v in verdicts), None)  # fmt: skip
+    if echo is not None:
+        echo(verdict.line())
+    return verdicts + [verdict]
 
 
 def validate_records(records: list[TraceLine], stage: str | None = None, **kwargs) -> list[TraceVerdict]:

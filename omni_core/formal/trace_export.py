@@ -70,6 +70,9 @@ class TraceEvent:
     info: str = UNKNOWN
     level: int = 0
     tags: tuple[str, ...] | None = None  # None: unknown; ("all",): tags=None on the wire
+    process_epoch: int = 0  # the epoch of the process that wrote the line (a worker's: its own)
+    late_us: int = 0  # a deadline: how far past it the record's clock was (negative: early)
+    failed: tuple[int, ...] | None = None  # a deadline into FAILED: the ranks it names
     note: str = ""  # why this line is outside what the spec models, if it is
 
     def tla(self) -> str:
@@ -77,7 +80,8 @@ class TraceEvent:
         return (f"[k |-> {_str(self.kind)}, r |-> {self.rank}, t |-> {self.task}, e |-> {self.epoch}, "
                 f"c |-> {_str(self.cmd)}, s |-> {_str(self.state)}, b |-> {_str(self.before)}, "
                 f"w |-> {_str(self.wstate)}, x |-> {_str(self.info)}, lvl |-> {self.level}, "
-                f"tg |-> {tags}]")  # fmt: skip
+                f"tg |-> {tags}, pe |-> {self.process_epoch}, late |-> {self.late_us}, "
+                f"fr |-> {{{', '.join(str(r) for r in (self.failed or ()))}}}]")  # fmt: skip
 
     def describe(self) -> str:
         """The trace line, for reports: `line 37: talker/engine StageReceived rank=1 task_id=... ...`."""
@@ -106,6 +110,7 @@ class StageTrace:
     carried: str | None = None  # a later chunk's initial state: TLA+ record text (trace_check)
     chunk_end: bool = False  # a chunk that is not the last: it must end quiescent
     tags: tuple[str, ...] = DEFAULT_TAGS  # the stage's tags: the spec's Tags
+    order_error: tuple[int, str] | None = None  # (line, why): the first line out of program order
 
     @property
     def name(self) -> str:
@@ -155,9 +160,23 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
                 + [1])  # fmt: skip
     starts = (T.StageStarting, T.StageRestarted, T.WorkerStarted)  # they name the stage's tags
     tags = next((tuple(line.record.tags) for _, line in ours if isinstance(line.record, starts)), DEFAULT_TAGS)
+    epoch_now = 0  # the stage's epoch so far, in file order
+    superseded: set[tuple[int, int, str]] = set()  # (rank, epoch, task) of replies dropped below
     for n, line in ours:
         record = line.record
         kind = RECORD_EVENTS.get(type(record))
+        if isinstance(record, T.StageRestarted):
+            epoch_now = record.epoch
+        if not line.is_engine and line.epoch < epoch_now:
+            # A process a restart replaced, still writing until its kill lands: the spec's
+            # Restart replaced it already, and the epoch fences whatever it sends.
+            dropped["superseded by a restart"] += 1
+            if isinstance(record, T.ReplySent):
+                superseded.add((line.rank, record.epoch, record.task_id))
+            continue
+        if isinstance(record, T.StageReceived) and (record.rank, record.epoch, record.task_id) in superseded:
+            dropped["superseded by a restart"] += 1  # a reply whose sending was dropped above
+            continue
         if getattr(record, "task_id", None) in skip_tasks:
             dropped["Status/Shutdown/Profile"] += 1
             continue
@@ -168,13 +187,36 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     _note_unmodelled(events)
     trace = _finish(stage, events, ranks, tasks, dropped)
     trace.tags = tags
+    trace.order_error = program_order(lines, {n for n, _ in ours})
     return trace
+
+
+def program_order(lines: list[T.TraceLine], wanted: set[int] | None = None) -> tuple[int, str] | None:
+    """The first line (1-based, among `wanted`) that breaks its process's program order:
+    each writer (pid, rank, and a worker's epoch) numbers its lines 0, 1, 2, ... (`seq`) on
+    a clock that never goes back (`mono_s`), and they reach the file in that order (one
+    O_APPEND write each). A gap is a line missing, a step back a line moved."""
+    last: dict[tuple[int, int, int], tuple[int, float]] = {}
+    for n, line in enumerate(lines, start=1):
+        key = (line.pid, line.rank, -1 if line.is_engine else line.epoch)
+        seq0, mono0 = last.get(key, (-1, float("-inf")))
+        last[key] = (line.seq, line.mono_s)
+        if wanted is not None and n not in wanted:
+            continue
+        who = f"pid {line.pid} ({'engine' if line.is_engine else f'rank {line.rank} of epoch {line.epoch}'})"
+        if line.seq != seq0 + 1:
+            what = "a line of it is missing before this one" if line.seq > seq0 + 1 else "this line was moved"
+            return n, f"{who} wrote seq {line.seq} after seq {seq0}: {what}"
+        if line.mono_s < mono0:
+            return n, f"{who}'s clock went back from {mono0:.6f} s to {line.mono_s:.6f} s: this line was moved"
+    return None
 
 
 def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> TraceEvent:
     """The event of one record: the fields its action compares, taken as they are."""
     r: Any = line.record
-    ev = TraceEvent(kind, n, line, rank=getattr(r, "rank", line.rank), epoch=getattr(r, "epoch", line.epoch))
+    ev = TraceEvent(kind, n, line, rank=getattr(r, "rank", line.rank), epoch=getattr(r, "epoch", line.epoch),
+                    process_epoch=line.epoch)  # fmt: skip
     task_id = getattr(r, "task_id", None) or getattr(r, "request_id", "")
     ev.task = _task_number(task_id, tasks, assign=kind in ("issue", "dispatch", "send"))
     if line.is_engine:
@@ -184,12 +226,27 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
             ev.cmd, ev.level, ev.tags = r.command, r.level, _wire_tags(r.command, r.tags)
         elif kind == "recv":
             ev.cmd, ev.wstate, ev.info = r.reply, r.worker_state or UNKNOWN, r.info or UNKNOWN
+        elif kind == "deadline":
+            ev.late_us = late_us(min(r.now_s, line.mono_s), r.deadline_at_s)
+            ev.failed = tuple(sorted(int(k) for k in r.failed_ranks))
     else:
         ev.rank = line.rank
         ev.wstate = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
         ev.before = getattr(r, "before", UNKNOWN)
         ev.cmd = getattr(r, "reply", None) or _command_of(r) or UNKNOWN
+        if kind == "wsend":
+            ev.info = r.info or UNKNOWN
     return ev
+
+
+LATE_LIMIT_US = 10**9  # TLC's integers are 32-bit: lateness is clipped to +-1000 s, its sign kept
+
+
+def late_us(now_s: float, deadline_at_s: float) -> int:
+    """Microseconds from the deadline to `now_s` (negative: before it), clipped. Floors
+    both, so a record at its deadline is never judged early."""
+    late = int(now_s * 1e6 // 1) - int(deadline_at_s * 1e6 // 1)
+    return max(-LATE_LIMIT_US, min(LATE_LIMIT_US, late))
 
 
 def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, int], dropped: Counter,
@@ -210,6 +267,8 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
         faults.append("dup")
     if any(e.kind == "deadline" for e in events):
         faults.append("timeout")  # a deadline passed: the spec lets one pass while a reply is on its way
+    if any(e.kind == "restart" and e.before != "FAILED" for e in events):
+        faults.append("kill")  # a restart of a stage that still served: its live ranks were killed
     if any(e.kind == "refused" for e in events):
         faults.append("badsource")  # a reload source the runner refused
     max_epoch = max([e.epoch for e in events] + [min_epoch])

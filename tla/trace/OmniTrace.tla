@@ -36,9 +36,11 @@ VARIABLES
     i,          \* the next trace event to consume
     owedState,  \* a stage change made by a step, not yet logged by a "state" line
     owedSends,  \* commands the orchestrator put on the network, not yet logged as sent
-    wowed       \* per rank: a worker state change not yet logged by its "state" line
+    wowed,      \* per rank: a worker state change not yet logged by its "state" line
+    wreply,     \* per rank: the reply (or Hello) its last step produced, not yet logged as sent
+    unsent      \* replies a rank produced but never logged: it died first, so they never left
 
-traceVars == <<i, owedState, owedSends, wowed>>
+traceVars == <<i, owedState, owedSends, wowed, wreply, unsent>>
 
 Unlogged == "?"
 NoOwed == [b |-> NoVal, s |-> NoVal]
@@ -69,13 +71,22 @@ TraceInit ==
     /\ owedState = NoOwed
     /\ owedSends = {}
     /\ wowed = [r \in Ranks |-> NoOwed]
+    /\ wreply = [r \in Ranks |-> NoMsg]
+    /\ unsent = {}
 
 Advance == i' = i + 1
 EngineFree == owedState = NoOwed /\ owedSends = {}
 OweStage == owedState' = Change(sstate, sstate')
 OweSends == owedSends' = {m \in net' \ net : m.kind = "cmd"}
 OweWorker(r) == wowed' = [wowed EXCEPT ![r] = Change(wstate[r], wstate'[r])]
-WorkerFree(r) == wowed[r] = NoOwed
+WorkerFree(r) == wowed[r] = NoOwed /\ wreply[r] = NoMsg
+(* Every worker line is a step of the live process that wrote it: rank E.r of epoch E.pe.
+   A line after that rank's death (or of a process a restart replaced) matches nothing. *)
+WorkerLive == alive[E.r] /\ wepoch[E.r] = E.pe
+(* The reply a worker step produced: logged (wsend) before that rank's next step. *)
+OweReply(r, m) == wreply' = [wreply EXCEPT ![r] = m]
+NewReply(r) == IF replied'[r] \ replied[r] = {} THEN NoMsg ELSE CHOOSE m \in replied'[r] \ replied[r] : TRUE
+NotYetSent(m) == m \in unsent \/ \E r \in Ranks : wreply[r] = m
 
 -----------------------------------------------------------------------------
 (* ============================== engine lines ============================ *)
@@ -84,12 +95,13 @@ WorkerFree(r) == wowed[r] = NoOwed
 EngineRecv ==
     /\ E.k = "recv" /\ EngineFree /\ sstate = E.s
     /\ \E m \in net :
+          /\ ~NotYetSent(m)     \* a rank logs a reply before it leaves
           /\ m.kind = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
           /\ E.w # Unlogged => m.state = E.w
           /\ E.x # Unlogged => m.info = E.x
           /\ \E keep \in BOOLEAN : StageReceive(m, keep)     \* keep: see Resent
     /\ OweStage /\ OweSends
-    /\ UNCHANGED wowed
+    /\ UNCHANGED <<wowed, wreply, unsent>>
     /\ Advance
 
 (* An action of the engine's own that leaves the stage in E.s; what it sends is owed. *)
@@ -106,26 +118,33 @@ EngineIssue ==
     /\ EngineStep(\/ E.c = "Sleep" /\ IssueSleep(E.lvl, TagsOf(E.tg))
                   \/ E.c = "Wake" /\ IssueWake(TagsOf(E.tg))
                   \/ E.c = "ReloadWeights" /\ IssueReload)
-    /\ UNCHANGED wowed
+    /\ UNCHANGED <<wowed, wreply, unsent>>
     /\ Advance
 
-(* restart (StageRestarted): fresh ranks under a new epoch; the old processes are gone. *)
+(* restart (StageRestarted): fresh ranks under a new epoch, from any state the stage table
+   allows; the old processes are killed, so what they had not logged never left. *)
 EngineRestart ==
     /\ E.k = "restart" /\ EngineStep(Restart)
     /\ wowed' = [r \in Ranks |-> NoOwed]
+    /\ wreply' = [r \in Ranks |-> NoMsg]
+    /\ unsent' = unsent \cup ({wreply[r] : r \in Ranks} \ {NoMsg})
     /\ Advance
 
-(* deadline (StageDeadline): a start, a task, a drain or a request ran out of time. *)
+(* deadline (StageDeadline): a start, a task, a drain or a request ran out of time. It is
+   an obligation of the clock: the record's time (the earlier of the core's `now_s` and the
+   line's stamp) is at or after the deadline it names (E.late: microseconds past it), and a
+   FAILED stage names exactly the ranks that had not answered (E.fr, as FailStage does). *)
 EngineDeadline ==
-    /\ E.k = "deadline" /\ EngineStep(Deadline)
-    /\ UNCHANGED wowed
+    /\ E.k = "deadline" /\ E.late >= 0 /\ EngineStep(Deadline)
+    /\ E.s = "FAILED" => failedRanks' = E.fr
+    /\ UNCHANGED <<wowed, wreply, unsent>>
     /\ Advance
 
 (* state (StageChanged): logs the change the engine's last step made. *)
 EngineState ==
     /\ E.k = "state" /\ owedState = [b |-> E.b, s |-> E.s] /\ sepoch = E.e
     /\ owedState' = NoOwed
-    /\ UNCHANGED <<vars, owedSends, wowed>>
+    /\ UNCHANGED <<vars, owedSends, wowed, wreply, unsent>>
     /\ Advance
 
 (* dispatch (StageDispatched): a request goes to every rank at once. *)
@@ -133,7 +152,7 @@ EngineDispatch ==
     /\ E.k = "dispatch" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ E.t = nextTask
     /\ IssueExecute
     /\ OweSends
-    /\ UNCHANGED <<owedState, wowed>>
+    /\ UNCHANGED <<owedState, wowed, wreply, unsent>>
     /\ Advance
 
 (* A retry with the same task id re-sends the command to the ranks that have not
@@ -154,7 +173,7 @@ EngineSend ==
              /\ UNCHANGED vars
           \/ /\ Resent(fits)
              /\ UNCHANGED <<vars, owedSends>>
-    /\ UNCHANGED <<owedState, wowed>>
+    /\ UNCHANGED <<owedState, wowed, wreply, unsent>>
     /\ Advance
 
 (* died (RankDied): the orchestrator saw rank E.r's process end (StageCore.on_rank_died);
@@ -163,7 +182,7 @@ EngineDied ==
     /\ E.k = "died" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ ~alive[E.r]
     /\ IF sstate \in {"FAILED", "STOPPED"} THEN UNCHANGED vars ELSE RankDied(E.r)
     /\ OweStage /\ OweSends
-    /\ UNCHANGED wowed
+    /\ UNCHANGED <<wowed, wreply, unsent>>
     /\ Advance
 
 (* The kill itself is in no line (a killed process writes nothing): the spec's Crash,
@@ -172,6 +191,8 @@ HiddenCrash ==
     /\ i <= Len(Trace) /\ E.k = "died" /\ alive[E.r]
     /\ Crash(E.r)
     /\ wowed' = [wowed EXCEPT ![E.r] = NoOwed]
+    /\ wreply' = [wreply EXCEPT ![E.r] = NoMsg]
+    /\ unsent' = unsent \cup ({wreply[E.r]} \ {NoMsg})
     /\ UNCHANGED <<i, owedState, owedSends>>
 
 -----------------------------------------------------------------------------
@@ -180,58 +201,64 @@ HiddenCrash ==
 (* start (WorkerStarted): the rank loaded its runner (ACTIVE), or loading raised (FAILED); the Hello,
    carrying that state, goes out. *)
 WorkerStart ==
-    /\ E.k = "start" /\ WorkerFree(E.r) /\ wepoch[E.r] = E.e
+    /\ E.k = "start" /\ WorkerFree(E.r) /\ WorkerLive
     /\ (Loaded(E.r) \/ LoadFailed(E.r))
     /\ wstate'[E.r] = E.w
-    /\ UNCHANGED <<owedState, owedSends, wowed>>
+    /\ OweReply(E.r, HelloMsg(wepoch[E.r], E.r, wstate'[E.r]))
+    /\ UNCHANGED <<owedState, owedSends, wowed, unsent>>
     /\ Advance
 
 (* wrecv (WorkerReceived): WorkerCore.on_command, with the state before it. The engine
    records a send before the command leaves, so an unrecorded command cannot be received. *)
 WorkerRecv ==
-    /\ E.k = "wrecv" /\ WorkerFree(E.r) /\ wstate[E.r] = E.w
+    /\ E.k = "wrecv" /\ WorkerFree(E.r) /\ WorkerLive /\ wstate[E.r] = E.w
     /\ \E m \in net \ owedSends :
           /\ m.kind = "cmd" /\ m.type = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
           /\ \E keep \in BOOLEAN : WorkerReceive(E.r, m, keep)   \* keep: see Resent
+          /\ OweReply(E.r, OnCommand(E.r, m).reply)        \* NoMsg: the answer comes later
     /\ OweWorker(E.r)
-    /\ UNCHANGED <<owedState, owedSends>>
+    /\ UNCHANGED <<owedState, owedSends, unsent>>
     /\ Advance
 
 (* done / error (EffectDone, EffectFailed): the effect finished or raised, with the
    state after it. *)
 WorkerDone ==
-    /\ E.k \in {"done", "error"} /\ WorkerFree(E.r)
+    /\ E.k \in {"done", "error"} /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
     /\ IF E.k = "done" THEN Done(E.r) ELSE EffectError(E.r)
     /\ wstate'[E.r] = E.w
-    /\ OweWorker(E.r)
-    /\ UNCHANGED <<owedState, owedSends>>
+    /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
+    /\ UNCHANGED <<owedState, owedSends, unsent>>
     /\ Advance
 
 (* refused (EffectRefused): the runner refused the reload's source before writing. *)
 WorkerRefused ==
-    /\ E.k = "refused" /\ WorkerFree(E.r)
+    /\ E.k = "refused" /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
     /\ Refused(E.r)
     /\ wstate'[E.r] = E.w
-    /\ OweWorker(E.r)
-    /\ UNCHANGED <<owedState, owedSends>>
+    /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
+    /\ UNCHANGED <<owedState, owedSends, unsent>>
     /\ Advance
 
 (* wstate (WorkerChanged): logs the change the worker's last step made. *)
 WorkerState ==
-    /\ E.k = "wstate" /\ wowed[E.r] = [b |-> E.b, s |-> E.w]
+    /\ E.k = "wstate" /\ WorkerLive /\ wowed[E.r] = [b |-> E.b, s |-> E.w]
     /\ wowed' = [wowed EXCEPT ![E.r] = NoOwed]
-    /\ UNCHANGED <<vars, owedState, owedSends>>
+    /\ UNCHANGED <<vars, owedState, owedSends, wreply, unsent>>
     /\ Advance
 
-(* wsend (ReplySent): a reply (or Hello) of that kind for that task left this rank. *)
+(* wsend (ReplySent): logs the reply (or Hello) this rank's last step produced, after its
+   state line and before its next step: a reply no step of this process produced at this
+   point of its history, or one logged late or never, matches nothing. *)
 WorkerSend ==
-    /\ E.k = "wsend" /\ WorkerFree(E.r)
-    /\ IF E.c = "hello"
-       THEN wepoch[E.r] = E.e /\ wstate[E.r] # "LOADING"     \* Loaded sent it
-       ELSE \E m \in replied[E.r] : m.kind = E.c /\ m.task = E.t /\ m.epoch = E.e
-    /\ UNCHANGED <<vars, owedState, owedSends, wowed>>
+    /\ E.k = "wsend" /\ WorkerLive /\ wowed[E.r] = NoOwed
+    /\ LET m == wreply[E.r] IN
+          /\ m # NoMsg /\ m.kind = E.c /\ m.task = E.t /\ m.epoch = E.e
+          /\ E.w \notin {Unlogged, ""} => m.state = E.w
+          /\ E.x # Unlogged => m.info = E.x
+    /\ wreply' = [wreply EXCEPT ![E.r] = NoMsg]
+    /\ UNCHANGED <<vars, owedState, owedSends, wowed, unsent>>
     /\ Advance
 
 -----------------------------------------------------------------------------
@@ -253,7 +280,9 @@ Quiescent ==
     /\ \A r \in Ranks : wpend[r] = NoPend /\ wowed[r] = NoOwed
     /\ \A m \in net : m.epoch # sepoch             \* older epochs' messages can reach no one
 
-TraceAccepted == ~(i > Len(Trace) /\ owedState = NoOwed /\ owedSends = {} /\ (ChunkEnd => Quiescent))
+TraceAccepted == ~(/\ i > Len(Trace) /\ owedState = NoOwed /\ owedSends = {}
+                   /\ \A r \in Ranks : wreply[r] = NoMsg
+                   /\ ChunkEnd => Quiescent)
 
 (* A state constraint that prints how far each state got (and the spec's view there):
    after a run that does not violate TraceAccepted, the highest index is where the trace
@@ -261,6 +290,7 @@ TraceAccepted == ~(i > Len(Trace) /\ owedState = NoOwed /\ owedSends = {} /\ (Ch
 RankList(f) == [k \in 1..Cardinality(Ranks) |-> f[k - 1]]
 TraceProgress ==
     PrintT(<<"@trace", i, sstate, sepoch, RankList(wstate), RankList(alive), owedState.s,
-             Cardinality(owedSends), RankList([r \in Ranks |-> wowed[r].s])>>)
+             Cardinality(owedSends), RankList([r \in Ranks |-> wowed[r].s]),
+             RankList([r \in Ranks |-> wreply[r].kind])>>)
 
 =============================================================================
