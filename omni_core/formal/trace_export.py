@@ -205,7 +205,7 @@ def program_order(lines: list[T.TraceLine], wanted: set[int] | None = None) -> t
             continue
         who = f"pid {line.pid} ({'engine' if line.is_engine else f'rank {line.rank} of epoch {line.epoch}'})"
         if line.seq != seq0 + 1:
-            what = "a line of it before this one is missing or was moved" if line.seq > seq0 + 1 else "this line was moved"
+            what = "a line before this one is missing or was moved" if line.seq > seq0 + 1 else "this line was moved"
             return n, f"{who} wrote seq {line.seq} after seq {seq0}: {what}"
         if line.mono_s < mono0:
             return n, f"{who}'s clock went back from {mono0:.6f} s to {line.mono_s:.6f} s: this line was moved"
