@@ -14,6 +14,7 @@ from omni_core.fsm import (
     BoundedCache,
     ExecuteEffect,
     InvariantViolation,
+    ProfileEffect,
     ReloadEffect,
     ShutdownEffect,
     SleepEffect,
@@ -31,6 +32,7 @@ from omni_core.protocol import (
     MemoryReport,
     Nack,
     NackReason,
+    Profile,
     ProtocolError,
     ReloadWeights,
     Result,
@@ -54,6 +56,7 @@ TRIGGERS_OF: dict[str, tuple[str, ...]] = {
     "Execute": ("execute",),
     "Status": ("status",),
     "Shutdown": ("shutdown", "shutdown_already"),
+    "Profile": ("profile", "profile_already"),
 }
 COMMANDS: dict[str, Callable[[str, int], Command]] = {
     "Sleep": lambda t, e: Sleep(task_id=t, epoch=e, level=1),
@@ -62,6 +65,7 @@ COMMANDS: dict[str, Callable[[str, int], Command]] = {
     "Execute": lambda t, e: Execute(task_id=t, epoch=e, payload={"prompt": "hi"}),
     "Status": lambda t, e: Status(task_id=t, epoch=e),
     "Shutdown": lambda t, e: Shutdown(task_id=t, epoch=e),
+    "Profile": lambda t, e: Profile(task_id=t, epoch=e, start=True, prefix="p"),
 }
 TRANSIENT = (W.OFFLOADING, W.RESTORING, W.RELOADING)
 
@@ -84,7 +88,8 @@ def test_forbidden_cases_are_what_the_table_says() -> None:
     assert legal_states("Status") == set(W)
     assert legal_states("Shutdown") == set(W) - set(TRANSIENT)
     assert legal_states("Execute") == {W.ACTIVE}
-    assert len(FORBIDDEN) == 6 + 6 + 8 + 9 + 3
+    assert legal_states("Profile") == {W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD}
+    assert len(FORBIDDEN) == 6 + 6 + 8 + 9 + 3 + 6
 
 
 @pytest.mark.parametrize(("state", "name"), FORBIDDEN, ids=[f"{c}-in-{s.value}" for s, c in FORBIDDEN])
@@ -795,3 +800,101 @@ def test_a_level1_sleep_of_invalid_weights_discards_them_instead_of_copying_garb
     d = reach_worker(W.NEEDS_RELOAD)
     step = d.send(Sleep(task_id="s-again", epoch=0, level=1, tags=("weights",)))
     assert step.effect == SleepEffect("s-again", 1, frozenset(), frozenset({"weights"}))
+
+
+# ----------------------------------------------------------------------- Profile (P-15)
+
+IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)
+
+
+def _profile(task_id: str, start: bool, prefix: str | None = None, epoch: int = 0) -> Profile:
+    return Profile(task_id=task_id, epoch=epoch, start=start, prefix=prefix)
+
+
+@pytest.mark.parametrize("state", IDLE)
+def test_profile_start_stop_never_changes_the_state(state: WorkerState) -> None:
+    d = reach_worker(state)
+    before = snapshot(d.w)
+    step = d.send(_profile("p1", True, "wake"))
+    assert step.replies == () and step.effect == ProfileEffect("p1", True, "wake")
+    (ack,) = d.w.on_done("p1", duration_s=0.01).replies
+    ack = wire(ack)
+    assert (ack.command, ack.status, ack.state, ack.trace_paths) == ("Profile", AckStatus.OK, state, ())
+    assert d.w.profiling
+    again = d.run(_profile("p2", True, "other"))  # start while running: ALREADY, nothing starts
+    assert (again.status, again.state) == (AckStatus.ALREADY, state)
+    step = d.send(_profile("p3", False))
+    assert step.effect == ProfileEffect("p3", False, None)
+    (ack,) = d.w.on_done("p3", trace_paths=("/tmp/s-rank0-wake-1.json.gz",)).replies
+    assert wire(ack).trace_paths == ("/tmp/s-rank0-wake-1.json.gz",) and not d.w.profiling
+    none = d.run(_profile("p4", False))  # stop while none runs: ALREADY, no paths
+    assert (none.status, none.trace_paths, none.state) == (AckStatus.ALREADY, (), state)
+    assert snapshot(d.w)[:3] == before[:3]
+
+
+SCENARIOS += [lambda s=s: test_profile_start_stop_never_changes_the_state(s) for s in IDLE]
+
+
+def test_profile_spans_a_sleep_and_a_wake() -> None:
+    d = reach_worker(W.ACTIVE)
+    assert d.run(_profile("on", True, "cycle")).state is W.ACTIVE
+    assert d.run(Sleep(task_id="s", epoch=0, level=1)).state is W.SLEEPING
+    assert d.w.profiling
+    assert d.run(Wake(task_id="w", epoch=0)).state is W.ACTIVE
+    ack = d.run(_profile("off", False), trace_paths=("/x/a.json.gz",))
+    assert (ack.status, ack.state, ack.trace_paths) == (AckStatus.OK, W.ACTIVE, ("/x/a.json.gz",))
+
+
+@pytest.mark.parametrize("prefix", ["a/b", "..", "x..y", "", "x" * 65, "a\x00b", "../etc", "é", "a b"])
+def test_profile_prefix_that_is_no_safe_file_name_is_refused(prefix: str) -> None:
+    d = reach_worker(W.ACTIVE)
+    step = d.send(_profile("bad", True, prefix))
+    assert step.effect is None and not d.w.profiling
+    (nack,) = step.replies
+    assert (nack.reason, nack.state) == (NackReason.INVALID_ARGUMENT, W.ACTIVE)
+    assert "profile prefix" in nack.detail and "[A-Za-z0-9_.-]" in nack.detail
+    # Refusals are not recorded: the same task with a usable prefix goes ahead.
+    assert d.send(_profile("bad", True, "ok")).effect == ProfileEffect("bad", True, "ok")
+
+
+def test_profile_duplicates_are_answered_from_the_cache() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(_profile("on", True))
+    step = d.send(_profile("off", False))
+    assert d.send(_profile("off", False)) == WorkerStep()  # a copy while in progress: silent (P-1)
+    (first,) = d.w.on_done("off", trace_paths=("/p/one.json.gz",)).replies
+    (copy,) = d.send(_profile("off", False)).replies  # after: the same reply, paths included (P-2)
+    assert copy == first and copy.trace_paths == ("/p/one.json.gz",)
+    assert step.effect is not None and not d.w.profiling
+    (reused,) = d.send(_profile("off", True)).replies
+    assert reused.reason is NackReason.TASK_ID_REUSED
+
+
+def test_profile_of_an_older_epoch_is_fenced() -> None:
+    d = reach_worker(W.ACTIVE, epoch=3)
+    (nack,) = d.send(_profile("old", True, epoch=2)).replies
+    assert nack.reason is NackReason.STALE_EPOCH and not d.w.profiling
+
+
+def test_profiler_error_keeps_the_state_and_says_none_runs() -> None:
+    d = reach_worker(W.SLEEPING)
+    d.send(_profile("on", True))
+    (nack,) = d.w.on_error("on", "RuntimeError: profiler already enabled on this thread").replies
+    assert (nack.reason, nack.state) == (NackReason.PROFILE_ERROR, W.SLEEPING)
+    assert "no profile is running" in nack.detail and not d.w.profiling and not d.w.failure
+    assert d.run(Wake(task_id="w", epoch=0)).state is W.ACTIVE  # serving on, not FAILED
+
+
+def test_profile_refused_while_busy_failed_or_after_shutdown() -> None:
+    d = reach_worker(W.OFFLOADING)
+    (busy,) = d.send(_profile("p", True)).replies
+    assert busy.reason is NackReason.BUSY
+    d = reach_worker(W.FAILED)
+    (failed,) = d.send(_profile("p", True)).replies
+    assert failed.reason is NackReason.FAILED and BOOM in failed.detail
+    d = reach_worker(W.ACTIVE)
+    d.run(_profile("on", True))
+    assert d.run(Shutdown(task_id="bye", epoch=0)).state is W.STOPPED
+    assert not d.w.profiling  # the shell dropped it with the process
+    (stopped,) = d.send(_profile("off", False)).replies
+    assert stopped.reason is NackReason.INVALID_STATE and "STOPPED" in stopped.detail

@@ -8,6 +8,7 @@ conformance suite derive from them.
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
+    ProfileEffect,
     ReloadEffect,
     ShutdownEffect,
     SleepEffect,
@@ -61,6 +62,7 @@ __all__ = [
     "Outbound",
     "ReloadEffect",
     "Residency",
+    "ProfileEffect",
     "ShutdownEffect",
     "SleepEffect",
     "StageBusyError",

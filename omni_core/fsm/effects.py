@@ -52,4 +52,14 @@ class ShutdownEffect:
     task_id: str
 
 
-Effect = SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect
+@dataclass(frozen=True)
+class ProfileEffect:
+    """Start the rank's profiler (`start`), or stop it and write its trace; the stop's Ack
+    lists the files (`WorkerCore.on_done(trace_paths=...)`). Touches no memory pool."""
+
+    task_id: str
+    start: bool
+    prefix: str | None
+
+
+Effect = SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect

@@ -17,6 +17,7 @@ import msgspec
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
+    ProfileEffect,
     ReloadEffect,
     ShutdownEffect,
     SleepEffect,
@@ -49,6 +50,7 @@ from omni_core.protocol import (
     MemoryReport,
     Nack,
     NackReason,
+    Profile,
     ProtocolError,
     ReloadWeights,
     Reply,
@@ -58,6 +60,7 @@ from omni_core.protocol import (
     Status,
     Wake,
     encode,
+    profile_prefix_problem,
 )
 from omni_core.protocol import WorkerState as W
 
@@ -87,6 +90,10 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
                "the runner refused the source before writing (INVALID_ARGUMENT)"),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
+    Transition("profile", _IDLE, None,
+               "Profile start (none running) or stop (one running): the profiler only, never the state"),
+    Transition("profile_already", _IDLE, None,
+               "Profile start while one runs, stop while none does: ALREADY, no effect (P-15)"),
     Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
     Transition("shutdown", (W.LOADING, *_IDLE, W.FAILED), W.STOPPED,
                "Shutdown (in a transient state the effect in progress answers first: BUSY)"),
@@ -195,7 +202,10 @@ class WorkerCore:
             Execute: self.on_execute,
             Status: self.on_status,
             Shutdown: self.on_shutdown,
+            Profile: self.on_profile,
         }
+        # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
+        self.profiling = False
 
     # ------------------------------------------------------------------ queries
 
@@ -254,8 +264,10 @@ class WorkerCore:
         output: Any = None,
         duration_s: float = 0.0,
         path: str = "",
+        trace_paths: tuple[str, ...] = (),
     ) -> WorkerStep:
-        """The shell performed the pending effect (`path`: how the backend did it, traced)."""
+        """The shell performed the pending effect (`path`: how the backend did it, traced;
+        `trace_paths`: the files a Profile stop wrote)."""
         before = self.state
         pending = self._take_pending(task_id)
         command = pending.command
@@ -276,7 +288,10 @@ class WorkerCore:
                 if trigger is None:
                     raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
                 self.lifecycle.fire(trigger)
-            reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s)
+            elif isinstance(command, Profile):
+                self.profiling = command.start
+            reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s,
+                              trace_paths=trace_paths if isinstance(command, Profile) else ())
         if not isinstance(command, Status):
             self._remember(command, reply)
         self._check_invariants()
@@ -312,6 +327,16 @@ class WorkerCore:
             # A request the runner rejects says nothing about the memory: stay ACTIVE.
             reply = self._nack(pending.command, NackReason.EXECUTE_ERROR, what)
             self._remember(pending.command, reply)
+            head = EffectFailed(task_id, name, self.state.value, clip(error))
+            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+        if isinstance(pending.command, Profile):
+            # The profiler is not memory: the rank keeps its state and serves on. The shell
+            # drops a profiler that failed, so none runs now, whichever way it failed.
+            self.profiling = False
+            reply = self._nack(pending.command, NackReason.PROFILE_ERROR,
+                               f"{what}; no profile is running on this rank now")  # fmt: skip
+            self._remember(pending.command, reply)
+            self._check_invariants()
             head = EffectFailed(task_id, name, self.state.value, clip(error))
             return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
         self.failure = what
@@ -439,10 +464,27 @@ class WorkerCore:
         self._pending = _Pending(command)
         return WorkerStep(effect=StatusEffect(command.task_id))
 
+    def on_profile(self, command: Profile) -> WorkerStep:
+        if command.start:
+            problem = profile_prefix_problem(command.prefix)
+            if problem is not None:
+                return self._refuse(command, NackReason.INVALID_ARGUMENT, problem)
+        if command.start == self.profiling and self.lifecycle.allows("profile_already"):
+            # Start while running keeps the running profile (and its prefix); stop while none
+            # runs has nothing to write: the Ack's trace_paths is empty.
+            return self._already(command, "profile_already")
+        if not self.lifecycle.allows("profile"):
+            return self._refuse_state(command, "Profile is legal in ACTIVE, SLEEPING, PARTIAL and "
+                                      "NEEDS_RELOAD (a rank that is loading or stopped has no profile)")  # fmt: skip
+        self.lifecycle.fire("profile")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ProfileEffect(command.task_id, command.start, command.prefix))
+
     def on_shutdown(self, command: Shutdown) -> WorkerStep:
         if self.lifecycle.allows("shutdown_already"):
             return self._already(command, "shutdown_already")
         self.lifecycle.fire("shutdown")
+        self.profiling = False  # the shell drops a running profile with the process
         self._pending = _Pending(command)
         return WorkerStep(effect=ShutdownEffect(command.task_id))
 
@@ -476,11 +518,11 @@ class WorkerCore:
         return WorkerStep(replies=(self._nack(command, reason, detail),))
 
     def _ack(self, command: Command, status: AckStatus, *, memory: MemoryReport | None = None,
-             duration_s: float = 0.0) -> Ack:  # fmt: skip
+             duration_s: float = 0.0, trace_paths: tuple[str, ...] = ()) -> Ack:  # fmt: skip
         return Ack(task_id=command.task_id, epoch=self.epoch, rank=self.rank,
                    command=type(command).__name__, state=self.state, status=status,
                    asleep_tags=tuple(sorted(self.residency.asleep)), memory=memory,
-                   duration_s=duration_s, detail=self.failure)  # fmt: skip
+                   duration_s=duration_s, detail=self.failure, trace_paths=trace_paths)  # fmt: skip
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
         return Nack(task_id=command.task_id, epoch=max(command.epoch, 0), rank=self.rank,
@@ -534,3 +576,7 @@ class WorkerCore:
                     "NEEDS_RELOAD needs resident, invalid weights")  # fmt: skip
         if self._pending is not None and isinstance(self._pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
+        if self._pending is not None and isinstance(self._pending.command, Profile):
+            require(state in _IDLE, "Profile pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
+        if self.profiling:
+            require(state not in (W.LOADING, W.STOPPED), "a profile running in LOADING or STOPPED")

@@ -17,6 +17,7 @@ from omni_core.protocol.messages import (
     MemoryReport,
     Message,
     Nack,
+    Profile,
     ReloadWeights,
     Reply,
     Result,
@@ -25,11 +26,13 @@ from omni_core.protocol.messages import (
     Status,
     Wake,
 )
+from omni_core.protocol.profile import MAX_PROFILE_PREFIX_CHARS, profile_prefix_problem
 from omni_core.protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "COMMAND_TYPES",
     "MAX_DETAIL_CHARS",
+    "MAX_PROFILE_PREFIX_CHARS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "REPLY_TYPES",
@@ -47,6 +50,7 @@ __all__ = [
     "Message",
     "Nack",
     "NackReason",
+    "Profile",
     "ProtocolError",
     "ReloadWeights",
     "Reply",
@@ -60,4 +64,5 @@ __all__ = [
     "decode",
     "decode_command",
     "encode",
+    "profile_prefix_problem",
 ]

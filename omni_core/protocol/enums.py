@@ -63,6 +63,7 @@ class NackReason(str, enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the runner cannot use the command's arguments; no effect
     EPOCH_AHEAD = "EPOCH_AHEAD"  # epoch further ahead of the worker's than MAX_EPOCH_AHEAD allows
     REPLY_NOT_KEPT = "REPLY_NOT_KEPT"  # duplicate of an answered task whose reply was too large to keep
+    PROFILE_ERROR = "PROFILE_ERROR"  # the profiler raised (start, export); the lifecycle state is unchanged
 
 
 class Capability(str, enum.Enum):

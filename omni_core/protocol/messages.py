@@ -18,6 +18,9 @@ from omni_core.protocol.version import PROTOCOL_VERSION
 MAX_TASK_ID_CHARS = 128
 MAX_TAGS = 16
 MAX_DETAIL_CHARS = 4096
+MAX_PREFIX_WIRE_CHARS = 1024  # Profile.prefix on the wire; the worker accepts far less
+MAX_TRACE_PATHS = 16  # Ack.trace_paths: a stop lists one trace (two after an automatic cut)
+MAX_PATH_CHARS = 4096
 
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TASK_ID_CHARS)]
 Epoch = Annotated[int, msgspec.Meta(ge=0)]
@@ -80,6 +83,17 @@ class Shutdown(Command, kw_only=True, frozen=True):
     """Release pools and exit cleanly. Legal from every state, FAILED included."""
 
 
+class Profile(Command, kw_only=True, frozen=True):
+    """Start (`start=True`) or stop the rank's profiler. Never changes the lifecycle state, so a
+    profile may span sleeps and wakes. `prefix` becomes part of the trace's file name: the
+    worker refuses anything but 1-64 of [A-Za-z0-9_.-] without '..' (NACK INVALID_ARGUMENT,
+    `omni_core.protocol.profile`); the wire bound below only keeps the frame small. The stop's
+    Ack lists the trace files in `trace_paths`."""
+
+    start: bool
+    prefix: Annotated[str, msgspec.Meta(max_length=MAX_PREFIX_WIRE_CHARS)] | None = None
+
+
 # ---------------------------------------------------------------- replies (worker -> orchestrator)
 
 
@@ -122,6 +136,10 @@ class Ack(Reply, kw_only=True, frozen=True):
     memory: MemoryReport | None = None
     duration_s: Seconds = 0.0
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # FAILED: why
+    # Profile stop: the gzip Chrome traces this rank writes. A path exists once its
+    # compression has finished (written under a temporary name, then renamed).
+    trace_paths: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)], ...],
+                           msgspec.Meta(max_length=MAX_TRACE_PATHS)] = ()
 
 
 class Nack(Reply, kw_only=True, frozen=True):
@@ -155,10 +173,11 @@ class Hello(Reply, kw_only=True, frozen=True):
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why, if not ACTIVE
 
 
-COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown)
+COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile)
 REPLY_TYPES: tuple[type[Reply], ...] = (Ack, Nack, Result, Hello)
 MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
 
-AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown]  # noqa: UP007
+AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile]  # noqa: UP007
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
-AnyMessage = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Ack, Nack, Result, Hello]  # noqa: UP007
+AnyMessage = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
+                   Ack, Nack, Result, Hello]
