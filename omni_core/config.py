@@ -81,7 +81,7 @@ STAGE_FIELDS: dict[str, str] = {
     "device": _STR, "backend": _STR, "admission": _STR, "deadline_s": _NUMBER,
     "start_deadline_s": _NUMBER, "request_timeout_s": _NUMBER, "queue_limit": _INT,
     "max_in_flight": _INT, "max_frame_bytes": _INT, "gpu_memory_fraction": _NUMBER, "tags": _STR_LIST,
-    "placement": _TABLE, "verify_clean_sleep": _BOOL,
+    "placement": _TABLE, "verify_clean_sleep": _BOOL, "profile_dir": _STR, "profile_max_s": _NUMBER,
 }  # fmt: skip
 # [stages.placement]: RayPlacement's fields a file can give (a PlacementGroup object cannot be
 # written in TOML; a named one can).

@@ -20,6 +20,7 @@ from omni_core.protocol import (
     Capability,
     Nack,
     NackReason,
+    Profile,
     Result,
     Sleep,
     StageState,
@@ -540,6 +541,7 @@ CALLS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "reload": (("reload",), lambda h: h.stage.reload("x-reload", None, h.now, 5.0)),
     "request": (("execute",), lambda h: h.stage.request_started()),
     "restart": (("restart",), lambda h: h.stage.restart(h.now, 5.0)),
+    "profile": (("profile",), lambda h: h.stage.profile("x-profile", True, None, h.now, 5.0)),
 }  # fmt: skip
 
 
@@ -623,6 +625,83 @@ SCENARIOS: list[Callable[[], object]] = [
       for s in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED)],
     *[lambda s=s: test_stop_from_every_state(s) for s in S if s is not S.STOPPED],
 ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------- Profile (P-15)
+
+SETTLED = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
+
+
+@pytest.mark.parametrize("state", SETTLED)
+def test_profile_start_and_stop_never_change_the_stage(state: StageState) -> None:
+    h = reach_stage(state)
+    before = _stage_snapshot(h)
+    step = h.stage.profile("p-on", True, "wake", h.now, 5.0)
+    assert [o.rank for o in step.sends] == [0, 1, 2] and h.stage.task_id == "p-on"
+    assert {o.command for o in step.sends} == {Profile(task_id="p-on", epoch=0, start=True, prefix="wake")}
+    on = outcome_of(h.complete(step))
+    assert (on.ok, on.command, on.state, on.status) == (True, "Profile", state, AckStatus.OK)
+    off = outcome_of(h.complete(h.stage.profile("p-off", False, None, h.now, 5.0)))
+    assert off.ok and off.state is state
+    assert {r: a.trace_paths for r, a in off.acks.items()} == {
+        r: (f"/profiles/talker-rank{r}-t0.json.gz",) for r in range(3)}
+    after = _stage_snapshot(h)
+    assert after[:8] == before[:8] and after[9] == before[9]  # counters aside, nothing moved
+
+
+SCENARIOS.extend(lambda s=s: test_profile_start_and_stop_never_change_the_stage(s) for s in SETTLED)
+
+
+def test_profile_refusals_are_the_outcome_not_a_failure() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.profile("p", True, None, h.now, 5.0)
+    replies = h.to_workers(step, ranks={0, 2})
+    busy = Nack(task_id="p", epoch=0, rank=1, command="Profile", reason=NackReason.BUSY,
+                detail="task 'q' is in progress; retry after its reply", state=W.ACTIVE)  # fmt: skip
+    outcome = outcome_of(h.feed([*replies, busy]))
+    assert not outcome.ok and outcome.refused and outcome.state is S.RUNNING
+    assert dict(outcome.refusals) == {1: "NACK BUSY: task 'q' is in progress; retry after its reply"}
+    assert sorted(outcome.acks) == [0, 2] and "ranks [0, 2] did it" in outcome.error
+    assert h.stage.state is S.RUNNING and h.stage.task_id is None and not h.stage.failure
+    # An old worker that does not know Profile (BAD_MESSAGE) is a refusal too; the stage serves on.
+    step = h.stage.profile("p2", False, None, h.now, 5.0)
+    old = [Nack(task_id="p2", epoch=0, rank=r, command="?", reason=NackReason.BAD_MESSAGE,
+                detail="unknown type 'Profile'", state=W.ACTIVE) for r in range(3)]  # fmt: skip
+    assert outcome_of(h.feed(old)).refused and h.stage.admits()
+
+
+def test_a_profile_reply_in_another_state_fails_the_stage_naming_the_rank() -> None:
+    h = reach_stage(S.SLEEPING)
+    h.stage.profile("p", True, None, h.now, 5.0)
+    failed = Nack(task_id="p", epoch=0, rank=2, command="Profile", reason=NackReason.FAILED,
+                  detail="worker is FAILED (x)", state=W.FAILED)  # fmt: skip
+    outcome = outcome_of(h.feed([failed]))
+    assert outcome.state is S.FAILED and list(outcome.failures) == [2]
+    assert "answered Profile in FAILED" in outcome.failures[2]
+
+
+def test_a_profile_in_flight_holds_lifecycle_calls_but_not_requests() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.profile("p", True, None, h.now, 5.0)
+    with pytest.raises(StageBusyError, match="task 'p' is in flight"):
+        h.stage.sleep("s", 1, None, h.now, 5.0)
+    with pytest.raises(StageCommandError, match="a task is in flight"):
+        h.stage.restart(h.now, 5.0)
+    assert h.stage.admits()
+    h.stage.request_started()
+    assert outcome_of(h.complete(step)).ok and h.stage.in_flight_requests == 1
+    with pytest.raises(StageCommandError, match="used for"):
+        h.stage.profile("p", False, None, h.now, 5.0)  # one task id, one command
+
+
+@pytest.mark.parametrize(("start", "prefix", "match"), [
+    (True, "a/b", "characters"), (True, "..", r"contains '\.\.'"), (True, "", "empty"),
+    (True, "x" * 65, "65 characters"), (1, None, "True or False")])  # fmt: skip
+def test_profile_bad_arguments_raise_before_anything_is_sent(start: object, prefix: str, match: str) -> None:
+    h = reach_stage(S.RUNNING)
+    with pytest.raises(StageCommandError, match=match):
+        h.stage.profile("p", start, prefix, h.now, 5.0)  # type: ignore[arg-type]
+    assert h.stage.task_id is None
 
 
 def test_every_stage_transition_is_exercised() -> None:

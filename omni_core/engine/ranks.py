@@ -84,6 +84,7 @@ def spawn_ranks(spec: StageSpec, *, epoch: int, address: str, trace_path: str | 
                               tags=spec.tags, gpu_memory_fraction=spec.gpu_memory_fraction,
                               verify_clean_sleep=spec.verify_clean_sleep,
                               max_frame_bytes=spec.max_frame_bytes,
+                              profile_dir=spec.profile_dir, profile_max_s=spec.profile_max_s,
                               curve_server_key=curve.server_public.decode() if curve else None,
                               trace_path=trace_path, parent_pid=os.getpid())  # fmt: skip
         # torchrun-style variables for runners that form a process group, and the rank's GPU.

@@ -203,7 +203,8 @@ class RayLauncher:
                                   tags=spec.tags, gpu_memory_fraction=spec.gpu_memory_fraction,
                                   verify_clean_sleep=spec.verify_clean_sleep,
                                   max_frame_bytes=spec.max_frame_bytes, curve_server_key=curve.server_public.decode(),
-                                  trace_path=trace_path,
+                                  trace_path=trace_path, profile_dir=spec.profile_dir,
+                                  profile_max_s=spec.profile_max_s,
                                   # Its parent is a raylet; Ray ends the actor when this driver goes.
                                   exit_with_parent=False)  # fmt: skip
             options: dict[str, Any] = {

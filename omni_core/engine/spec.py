@@ -101,6 +101,9 @@ class StageSpec:
     verify_clean_sleep: bool = False
     tags: tuple[str, ...] = DEFAULT_TAGS
     placement: RayPlacement | None = None  # on a Ray cluster (RayLauncher); None: its defaults
+    # Profile traces of every rank (engine.profile); None: $TMPDIR/omni-core-profiles.
+    profile_dir: str | None = None
+    profile_max_s: float = 600.0  # a profile running longer is cut and written by its rank
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -122,7 +125,10 @@ class StageSpec:
             raise InvalidArgumentError(
                 f"stage {self.name!r}: admission {self.admission!r} is not one of "
                 f"{[p.value for p in AdmissionPolicy]}") from None
-        for what in ("deadline_s", "start_deadline_s", "request_timeout_s"):
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
+            raise InvalidArgumentError(f"stage {self.name!r}: profile_dir must be a non-empty path or None, "
+                                       f"got {self.profile_dir!r}")  # fmt: skip
+        for what in ("deadline_s", "start_deadline_s", "request_timeout_s", "profile_max_s"):
             value = getattr(self, what)
             if not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
                 raise InvalidArgumentError(f"stage {self.name!r}: {what} must be in (0, 86400] s, "

@@ -68,6 +68,16 @@ class ReloadCall:
 
 
 @dataclass(frozen=True)
+class ProfileCall:
+    """Start (`start=True`) or stop every rank's profiler; the stage's state never changes."""
+
+    task_id: str
+    start: bool
+    prefix: str | None
+    deadline_s: float
+
+
+@dataclass(frozen=True)
 class SetAdmission:
     policy: AdmissionPolicy
 
@@ -101,8 +111,8 @@ class SendFailed:
     ranks: tuple[int, ...]
 
 
-EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | SetAdmission | Tick | Received
-               | RankExited | SendFailed)  # fmt: skip
+EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | ProfileCall | SetAdmission | Tick
+               | Received | RankExited | SendFailed)  # fmt: skip
 
 
 class RequestError(str, enum.Enum):

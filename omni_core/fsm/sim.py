@@ -31,6 +31,7 @@ from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
+    ProfileEffect,
     ReloadEffect,
     ShutdownEffect,
     SleepEffect,
@@ -49,6 +50,7 @@ from omni_core.protocol import (
     MemoryReport,
     Message,
     Nack,
+    Profile,
     ProtocolError,
     ReloadWeights,
     Result,
@@ -160,10 +162,13 @@ def describe(message: Message) -> str:
         return f"ReloadWeights {head} source={message.source or 'default'}"
     if isinstance(message, Execute):
         return f"Execute {head} payload={message.payload!r}"
+    if isinstance(message, Profile):
+        return f"Profile {head} {'start' if message.start else 'stop'} prefix={message.prefix or '-'}"
     if isinstance(message, Ack):
         detail = f" ({message.detail})" if message.detail else ""
+        paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
         return (f"Ack {message.command} {head} {message.status.value} {message.state.value} "
-                f"asleep={_tags(message.asleep_tags)}{detail}")  # fmt: skip
+                f"asleep={_tags(message.asleep_tags)}{paths}{detail}")  # fmt: skip
     if isinstance(message, Nack):
         return f"Nack {message.command} {head} {message.reason.value} in {message.state.value}: {message.detail}"
     if isinstance(message, Result):
@@ -187,6 +192,9 @@ def describe_input(event: I.EngineInput) -> str:
         return f"WakeCall {event.task_id} tags={_tags(event.tags)} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.ReloadCall):
         return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
+    if isinstance(event, I.ProfileCall):
+        return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
+                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
     if isinstance(event, I.SetAdmission):
         return f"SetAdmission {AdmissionPolicy(event.policy).value}"
     if isinstance(event, I.RankExited):
@@ -211,11 +219,21 @@ def describe_effect(effect: Effect) -> str:
         return "measure memory"
     if isinstance(effect, ShutdownEffect):
         return "release every pool and exit"
+    if isinstance(effect, ProfileEffect):
+        return "start the profiler" if effect.start else "stop the profiler, write its trace"
     return type(effect).__name__
 
 
 _COMMAND_OF_EFFECT = {SleepEffect: "Sleep", WakeEffect: "Wake", ReloadEffect: "ReloadWeights", ExecuteEffect: "Execute",
-                      StatusEffect: "Status", ShutdownEffect: "Shutdown"}  # fmt: skip
+                      StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile"}  # fmt: skip
+
+
+def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:
+    """What a simulated rank's profiler stop writes: one trace, named as a real rank names it
+    (time: the simulated clock)."""
+    if not isinstance(effect, ProfileEffect) or effect.start:
+        return ()
+    return (f"/profiles/{stage}-rank{rank}-t{now:g}.json.gz",)
 
 
 def describe_outcome(outcome: TaskOutcome) -> str:
@@ -575,7 +593,9 @@ class Simulator:
             self.say(f"done {what}")
             if output is _ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
-            step = worker.on_done(effect.task_id, memory=NO_MEMORY, output=output)
+            memory = None if isinstance(effect, ProfileEffect) else NO_MEMORY  # the profiler moves no pool
+            step = worker.on_done(effect.task_id, memory=memory, output=output,
+                                  trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now))  # fmt: skip
         self._report_worker(worker, state, counters, step)
         if isinstance(effect, ShutdownEffect) and error is None:
             self.dead.add(rank)  # the process exits after its last ACK, as it was told to
@@ -590,7 +610,9 @@ class Simulator:
         replies = list(step.replies)
         if step.effect is not None:
             output = step.effect.payload if isinstance(step.effect, ExecuteEffect) else None
-            replies += worker.on_done(step.effect.task_id, memory=NO_MEMORY, output=output).replies
+            memory = None if isinstance(step.effect, ProfileEffect) else NO_MEMORY
+            replies += worker.on_done(step.effect.task_id, memory=memory, output=output, trace_paths=sim_trace_paths(
+                self.stage.name, rank, step.effect, self.now)).replies  # fmt: skip
         return [decode(encode(reply)) for reply in replies]
 
     def crash(self, rank: int, detail: str = "killed by the simulation") -> StageStep | None:
@@ -730,6 +752,7 @@ class Script:
     faults [loss= dup= delay= max-delay= reorder= crash= effect-error=]   seeded fault rates
     sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
     reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
+    profile task= [start=yes|no prefix= deadline=30s]
     restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
     corrupt [SELECT]             deliver-all              settle
@@ -857,6 +880,11 @@ class Script:
     def cmd_reload(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "source", "deadline"})
         self.s.call(I.ReloadCall(args["task"], args.get("source"), parse_duration_s(args.get("deadline", "30s"))))
+
+    def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "start", "prefix", "deadline"})
+        self.s.call(I.ProfileCall(args["task"], _bool(args.get("start", "yes")), args.get("prefix"),
+                                  parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
 
     def cmd_submit(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"req", "payload", "timeout"})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -49,12 +49,14 @@ from omni_core.protocol import (
     Hello,
     Nack,
     NackReason,
+    Profile,
     ReloadWeights,
     Reply,
     Result,
     Sleep,
     Wake,
     WorkerState,
+    profile_prefix_problem,
 )
 from omni_core.protocol import StageState as S
 
@@ -84,6 +86,8 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
                "every rank ACKed; weights mapped but discarded at level 2"),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
+    Transition("profile", _SERVING, None,
+               "Profile sent to every rank; the state never changes, whatever they answer (P-15)"),
     Transition("fail", (S.STARTING,) + _SERVING + _IN_TASK, S.FAILED,
                "NACK, deadline, or a rank died (P-8, P-9)"),
     Transition("restart", _SERVING + (S.FAILED, S.STOPPED), S.STARTING,
@@ -131,6 +135,8 @@ class TaskOutcome:
     started_at: float
     finished_at: float
     refused: bool = False  # every rank refused the arguments; nothing changed (INVALID_ARGUMENT)
+    # Profile: rank -> its NACK; those ranks are where they were, as is the stage.
+    refusals: MappingProxyType[int, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def duration_s(self) -> float:
@@ -237,6 +243,7 @@ class StageCore:
         self._handlers: dict[type, Any] = {
             I.Start: self.on_start, I.Restart: self.on_restart, I.Stop: self.on_stop, I.Submit: self.on_submit,
             I.SleepCall: self.on_sleep_call, I.WakeCall: self.on_wake_call, I.ReloadCall: self.on_reload_call,
+            I.ProfileCall: self.on_profile_call,
             I.SetAdmission: self.on_set_admission, I.Tick: self.on_tick_input, I.Received: self.on_received,
             I.RankExited: self.on_rank_exited, I.SendFailed: self.on_send_failed,
         }  # fmt: skip
@@ -382,6 +389,9 @@ class StageCore:
 
     def on_reload_call(self, event: I.ReloadCall, now: float) -> StageStep:
         return self.reload(event.task_id, event.source, now, event.deadline_s)
+
+    def on_profile_call(self, event: I.ProfileCall, now: float) -> StageStep:
+        return self.profile(event.task_id, event.start, event.prefix, now, event.deadline_s)
 
     def on_set_admission(self, event: I.SetAdmission, now: float) -> StageStep:
         self.policy = AdmissionPolicy(event.policy)
@@ -575,7 +585,7 @@ class StageCore:
 
     def restart(self, now: float, deadline_s: float) -> int:
         """New epoch, back to STARTING; the caller starts fresh rank processes. Returns the epoch."""
-        if not self.lifecycle.allows("restart"):
+        if not self.lifecycle.allows("restart") or self._task is not None:  # a Profile in a settled state
             why = "it is already starting" if self.state is S.STARTING else "a task is in flight; wait for it to end"
             raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: {why}")
         self.lifecycle.fire("restart")
@@ -700,6 +710,31 @@ class StageCore:
         self._check_invariants()
         return step
 
+    def profile(self, task_id: str, start: bool, prefix: str | None, now: float,
+                deadline_s: float) -> StageStep:  # fmt: skip
+        """Start or stop every rank's profiler. A task like the others (one in flight, its
+        deadline, its outcome), but in a settled state and never changing it: requests keep
+        running meanwhile, and the ranks' NACKs are the outcome's refusals, not a failure."""
+        if type(start) is not bool:
+            raise StageCommandError(f"profile start must be True or False, got {start!r}")
+        problem = profile_prefix_problem(prefix) if start else None
+        if problem is not None:
+            raise StageCommandError(f"stage {self.name!r}: {problem}")
+        signature = ("Profile", start, prefix)
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("profile")
+        if not self.lifecycle.allows("profile"):
+            raise StageCommandError(f"stage {self.name!r} cannot profile in {self.state.value}")
+        self._task = _Task(task_id, signature, Profile(task_id=task_id, epoch=self.epoch, start=start,
+                                                       prefix=prefix), now, now + deadline_s,
+                           expect_asleep=self.residency.asleep, commit_trigger="profile")  # fmt: skip
+        self.lifecycle.fire("profile")
+        step = self._send_all()
+        self._check_invariants()
+        return step
+
     # ------------------------------------------------------------------ replies and time
 
     def on_reply(self, reply: Reply, now: float) -> StageStep:
@@ -723,6 +758,8 @@ class StageCore:
                 and isinstance(task.command, ReloadWeights):  # fmt: skip
             task.refusals[reply.rank] = reply.detail
             return self._maybe_commit(now)
+        if isinstance(task.command, Profile):
+            return self._on_profile_reply(task, reply, now)
         if isinstance(reply, Nack):
             return self._fail_task({reply.rank: f"NACK {reply.reason.value} in "
                                                 f"{reply.state.value}: {reply.detail}"}, now)  # fmt: skip
@@ -742,6 +779,40 @@ class StageCore:
                 f"expected {task.expect_state.value} with {sorted(task.expect_asleep)}")}, now)
         task.acks[reply.rank] = reply
         return self._maybe_commit(now)
+
+    def _on_profile_reply(self, task: _Task, reply: Ack | Nack, now: float) -> StageStep:
+        """A rank answering Profile must still be where the stage committed it: a profile
+        changes no state. A refusal that left it there (BUSY, PROFILE_ERROR, a worker that
+        does not know Profile) is that rank's answer; any other state is a divergence and
+        fails the stage as any task would (P-9)."""
+        known = self.rank_state.get(reply.rank)
+        asleep = frozenset(reply.asleep_tags) if isinstance(reply, Ack) else self.residency.asleep
+        if reply.state is not known or asleep != self.residency.asleep:
+            return self._fail_task({reply.rank: (
+                f"answered Profile in {reply.state.value} with asleep tags {sorted(asleep)}; the stage "
+                f"committed it {known.value if known else '-'} with {sorted(self.residency.asleep)}")}, now)
+        if isinstance(reply, Nack):
+            task.refusals[reply.rank] = f"NACK {reply.reason.value}: {reply.detail}"
+        elif reply.command != "Profile":
+            return self._fail_task({reply.rank: f"ACKed a {reply.command!r} for task {task.task_id!r}, "
+                                                "which is a Profile"}, now)  # fmt: skip
+        else:
+            task.acks[reply.rank] = reply
+        if len(task.acks) + len(task.refusals) < len(self.ranks):
+            return StageStep()
+        self.lifecycle.fire(task.commit_trigger)  # internal: the table says the state stays
+        error = ""
+        if task.refusals:
+            named = "; ".join(f"rank {r}: {why}" for r, why in sorted(task.refusals.items()))
+            done = f"; ranks {sorted(task.acks)} did it" if task.acks else ""
+            error = f"stage {self.name!r}: Profile refused by ranks {sorted(task.refusals)} ({named}){done}"
+        statuses = {ack.status for ack in task.acks.values()}
+        outcome = self._end_task(not task.refusals, error, {}, now, refused=bool(task.refusals))
+        if statuses == {AckStatus.ALREADY}:
+            outcome = replace(outcome, status=AckStatus.ALREADY)
+        outcome = replace(outcome, refusals=MappingProxyType(dict(task.refusals)))
+        self.completed.put(task.task_id, (task.signature, outcome))
+        return StageStep(outcome=outcome)
 
     def _maybe_commit(self, now: float) -> StageStep:
         """Once every rank answered: commit on a complete ACK set (P-5), return to the
@@ -784,7 +855,7 @@ class StageCore:
                     f"within {budget_s:.3g} s; sleep abandoned, nothing was sent to the ranks, "
                     f"stage {self.name!r} stays RUNNING", {}, now))  # fmt: skip
             else:
-                silent = [r for r in self.ranks if r not in task.acks]
+                silent = [r for r in self.ranks if r not in task.acks and r not in task.refusals]
                 step = self._fail_task({r: f"no reply to {type(task.command).__name__} within "
                                            f"{budget_s:.3g} s" for r in silent}, now)  # fmt: skip
         self._check_invariants()
@@ -831,8 +902,8 @@ class StageCore:
             self.counters.retries += 1
             if not task.sent:
                 return StageStep()
-            return StageStep(sends=tuple(Outbound(r, task.command)
-                                         for r in self.ranks if r not in task.acks))  # fmt: skip
+            return StageStep(sends=tuple(Outbound(r, task.command) for r in self.ranks
+                                         if r not in task.acks and r not in task.refusals))  # fmt: skip
         done = self.completed.get(task_id)
         if done is not None:
             self._require_same(task_id, done[0], signature)
@@ -912,7 +983,10 @@ class StageCore:
             if not cond:
                 raise InvariantViolation(f"stage {self.name!r} in {state.value}: {what}")
 
-        require((self._task is not None) == (state in _IN_TASK), "task in flight iff in a task state")
+        profiling = self._task is not None and isinstance(self._task.command, Profile)
+        require((self._task is not None and not profiling) == (state in _IN_TASK),
+                "a lifecycle task in flight iff in a task state")  # fmt: skip
+        require(not profiling or state in _SERVING, "a Profile task outside the settled states")
         require(len(self.queue) <= self.queue_limit, "queue over queue_limit")
         require(all(r.request_id not in self.in_flight for r in self.queue), "a request both queued and in flight")
         if self.in_flight_requests:

@@ -25,6 +25,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
     verify_clean_sleep: bool = False  # check read-only tags against their host copy at each sleep (debug)
     trace_path: str | None = None  # append one JSON line per processed message when set
+    profile_dir: str | None = None  # Profile traces; None: omni_core.workers.profiler.default_profile_dir()
+    profile_max_s: float = 600.0  # a profile running longer is cut and written (its events grow in memory)
     reply_cache_entries: int = 1024  # at least MIN_REPLY_CACHE_ENTRIES (P-2)
     reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are refused (BAD_MESSAGE) unread

@@ -31,6 +31,7 @@ from omni_core.fsm import WEIGHTS_TAG, WorkerCore
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
+    ProfileEffect,
     ReloadEffect,
     ShutdownEffect,
     SleepEffect,
@@ -55,6 +56,7 @@ from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
+from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.runner import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 
 log = logging.getLogger("omni_core.worker")
@@ -113,6 +115,8 @@ class WorkerProcess:
         self.runner: ModelRunner | None = None
         self.memory: ProcessMemory | None = None
         self.core: WorkerCore | None = None
+        self.profiler = TraceProfiler(config.profile_dir or default_profile_dir(), config.stage, config.rank,
+                                      max_duration_s=config.profile_max_s)  # fmt: skip
         self.stopped = False
         self.exit_code = EXIT_OK
         self.loop_errors = 0
@@ -126,6 +130,7 @@ class WorkerProcess:
         error = ""
         try:
             self.device = _resolve_device(cfg.device)
+            self.profiler.device_type = self.device.type  # CUDA activity only on a CUDA rank
             self.backend = select_backend(cfg.backend, self.device)
             backend_name, capabilities = self.backend.name, tuple(self.backend.capabilities)
         except Exception as exc:
@@ -197,6 +202,7 @@ class WorkerProcess:
         parent = parent_pid
         interval_ms = max(1, int(self.config.parent_check_interval_s * 1000))
         while not self.stopped:
+            self.profiler.poll()  # cut a profile past profile_max_s, even on a loop with traffic
             if not poller.poll(interval_ms):
                 if self.config.exit_with_parent and os.getppid() != parent:
                     log.error("worker %s/%s: parent process %d is gone; releasing pools and exiting",
@@ -232,7 +238,8 @@ class WorkerProcess:
         core = self.core
         assert core is not None
         started = time.perf_counter()
-        measured = not isinstance(effect, ExecuteEffect)  # requests stay off NVML's path
+        # Requests stay off NVML's path; the profiler moves no pool memory (P-12 asks no report).
+        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect))
         try:
             pools_before = self._usage() if measured else {}
             figure_before = self._figure() if measured else None
@@ -252,7 +259,10 @@ class WorkerProcess:
             step = self._on_effect_error(effect, exc)
         else:
             path = self.backend.last_sleep_path if isinstance(effect, SleepEffect) and self.backend else ""
-            step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s, path=path)
+            trace_paths = output if isinstance(effect, ProfileEffect) else ()
+            output = None if isinstance(effect, ProfileEffect) else output
+            step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s, path=path,
+                                trace_paths=trace_paths)  # fmt: skip
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -273,6 +283,11 @@ class WorkerProcess:
         backend, runner = self.backend, self.runner
         if isinstance(effect, StatusEffect):
             return None
+        if isinstance(effect, ProfileEffect):
+            if effect.start:
+                self.profiler.start(effect.prefix)
+                return ()
+            return self.profiler.stop()
         if isinstance(effect, ShutdownEffect):
             self._release()
             return None
@@ -312,6 +327,7 @@ class WorkerProcess:
         return output
 
     def _release(self) -> None:
+        self.profiler.close()  # a running profile has no one left to ask for it; finish compressing
         backend, runner = self.backend, self.runner
         if backend is not None:
             backend.release()
