@@ -5,13 +5,14 @@ from omni_core.engine.errors import (
     EngineClosedError,
     InvalidArgumentError,
     OmniCoreError,
+    ProfileRefusedError,
     RequestFailedError,
     RequestRejectedError,
     StageFailedError,
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.report import LifecycleReport, RankReport
+from omni_core.engine.report import LifecycleReport, ProfileReport, RankReport
 from omni_core.engine.spec import AdmissionPolicy, RayPlacement, StageSpec
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "LifecycleReport",
     "LocalLauncher",
     "OmniCoreError",
+    "ProfileRefusedError",
+    "ProfileReport",
     "RankHandle",
     "RankLauncher",
     "RankReport",

@@ -19,9 +19,9 @@ from typing import Any
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
-from omni_core.engine.report import LifecycleReport
+from omni_core.engine.report import LifecycleReport, ProfileReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
-from omni_core.fsm.inputs import ReloadCall, SetAdmission, SleepCall, WakeCall
+from omni_core.fsm.inputs import ProfileCall, ReloadCall, SetAdmission, SleepCall, WakeCall
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
 SHUTDOWN_TIMEOUT_S = 15.0
@@ -106,6 +106,28 @@ class Engine:
                        timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
         return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
 
+    def profile(self, stage: str, start: bool = True, prefix: str | None = None, *, task_id: str | None = None,
+                timeout_s: float | None = None, wait_s: float | None = None) -> ProfileReport:  # fmt: skip
+        """Start (`start=True`) or stop the profiler on every rank of `stage`; its state never
+        changes, so a profile may span sleeps and wakes. A stop's report lists each rank's
+        trace (`{stage}-rank{r}-{prefix}-{time}.json.gz` in the stage's `profile_dir`); the
+        ranks compress them after answering. `wait_s`: also wait up to that long until every
+        listed file exists (ranks on this host), else raise naming the missing ones. Ranks
+        that refuse raise `ProfileRefusedError` (the others' paths in its `report`)."""
+        if type(start) is not bool:
+            raise InvalidArgumentError(f"profile start must be True or False, got {start!r}")
+        if wait_s is not None and not (isinstance(wait_s, (int, float)) and wait_s >= 0):
+            raise InvalidArgumentError(f"wait_s must be a number of seconds >= 0 or None, got {wait_s!r}")
+        report: ProfileReport = self._lifecycle(stage, "profile", task_id, timeout_s,
+                                                lambda tid, dl: ProfileCall(tid, start, prefix, dl))  # fmt: skip
+        if wait_s is not None:
+            missing = report.wait_for_files(wait_s)
+            if missing:
+                raise OmniCoreError(f"stage {stage!r}: traces {list(missing)} not written within {wait_s} s "
+                                    "(their ranks compress them in the background; a rank on another host "
+                                    "writes them there); wait longer or check the ranks' logs")  # fmt: skip
+        return report
+
     def restart(self, stage: str) -> None:
         """Replace the stage's rank processes with fresh ones under a new epoch."""
         spec = self._spec(stage)
@@ -142,7 +164,7 @@ class Engine:
             raise InvalidArgumentError(f"unknown stage {stage!r}; stages are {sorted(self._specs)}") from None
 
     def _lifecycle(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None,
-                   make: Callable[[str, float], SleepCall | WakeCall | ReloadCall]) -> LifecycleReport:  # fmt: skip
+                   make: Callable[[str, float], SleepCall | WakeCall | ReloadCall | ProfileCall]) -> Any:  # fmt: skip
         """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -206,6 +228,10 @@ class AsyncEngine:
 
     async def reload_weights(self, stage: str, source: str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reload_weights, stage, source, **kwargs)
+
+    async def profile(self, stage: str, start: bool = True, prefix: str | None = None,
+                      **kwargs: Any) -> ProfileReport:  # fmt: skip
+        return await asyncio.to_thread(self.engine.profile, stage, start, prefix, **kwargs)
 
     async def restart(self, stage: str) -> None:
         await asyncio.to_thread(self.engine.restart, stage)

@@ -26,6 +26,18 @@ class StageFailedError(OmniCoreError):
         self.failures = dict(failures or {})
 
 
+class ProfileRefusedError(OmniCoreError):
+    """Ranks refused a profile start or stop (BUSY, PROFILE_ERROR, a worker without Profile);
+    the stage's state is unchanged. `refusals` maps rank -> its NACK; `report` holds what the
+    other ranks did (their trace paths on a stop), so no trace is lost to the error."""
+
+    def __init__(self, stage: str, message: str, refusals: Mapping[int, str], report: object) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.refusals = dict(refusals)
+        self.report = report
+
+
 class TaskAbandonedError(OmniCoreError):
     """A lifecycle task ended without taking effect, the stage unchanged (e.g. drain timeout)."""
 

@@ -33,13 +33,14 @@ from omni_core.engine.errors import (
     EngineClosedError,
     InvalidArgumentError,
     OmniCoreError,
+    ProfileRefusedError,
     RequestFailedError,
     RequestRejectedError,
     StageFailedError,
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.report import LifecycleReport
+from omni_core.engine.report import LifecycleReport, ProfileReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm import inputs as I
@@ -226,7 +227,8 @@ class Orchestrator:
         stage.requests[request_id] = future
         self._step(stage, I.Submit(request_id, payload, budget_s))
 
-    def op_lifecycle(self, future: Future, name: str, event: I.SleepCall | I.WakeCall | I.ReloadCall) -> None:
+    def op_lifecycle(self, future: Future, name: str,
+                     event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall) -> None:  # fmt: skip
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)
         try:
@@ -455,7 +457,13 @@ class Orchestrator:
         if outcome is None:
             return
         name = stage.spec.name
-        if outcome.ok:
+        if outcome.command == "Profile" and (outcome.ok or outcome.refused):
+            # The core just recorded the task under its signature ("Profile", start, prefix).
+            (_, start, _), _ = stage.core.completed.get(outcome.task_id)  # type: ignore[misc]
+            report = ProfileReport.from_outcome(name, outcome, start)
+            result, error = (report, None) if outcome.ok else (None, ProfileRefusedError(
+                name, f"{outcome.error}; the stage stays {outcome.state.value}", outcome.refusals, report))
+        elif outcome.ok:
             result: Any = LifecycleReport.from_outcome(name, outcome)
             error: BaseException | None = None
         elif outcome.refused:

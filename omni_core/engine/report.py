@@ -1,7 +1,10 @@
-"""What sleep/wake/reload return: the committed state and every rank's own figures."""
+"""What sleep/wake/reload return: the committed state and every rank's own figures; what
+profile returns: every rank's trace files."""
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 
 from omni_core.fsm.stage import TaskOutcome
@@ -56,3 +59,43 @@ class LifecycleReport:
                    status=outcome.status.value, state=outcome.state.value,
                    duration_s=outcome.duration_s,
                    ranks={r: RankReport.from_ack(a) for r, a in sorted(outcome.acks.items())})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProfileReport:
+    """Outcome of one profile start or stop. `status` is ALREADY when every rank was already
+    where the call asked (profiling, or not); `paths` maps rank -> the traces its stop wrote
+    (empty on a start). A path exists once its rank has compressed it (`missing`)."""
+
+    stage: str
+    task_id: str
+    start: bool
+    status: str
+    state: str
+    duration_s: float
+    paths: dict[int, tuple[str, ...]]
+
+    @property
+    def all_paths(self) -> tuple[str, ...]:
+        return tuple(p for _, paths in sorted(self.paths.items()) for p in paths)
+
+    def missing(self) -> tuple[str, ...]:
+        """The traces not (yet) on disk: compression writes a temporary name and renames it,
+        so a path that exists is complete. Seen from this host: ranks on other hosts write
+        theirs there."""
+        return tuple(p for p in self.all_paths if not os.path.exists(p))
+
+    def wait_for_files(self, timeout_s: float, *, poll_s: float = 0.05) -> tuple[str, ...]:
+        """Wait until every trace exists or `timeout_s` passes; return those still missing."""
+        deadline = time.monotonic() + timeout_s
+        missing = self.missing()
+        while missing and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            missing = self.missing()
+        return missing
+
+    @classmethod
+    def from_outcome(cls, stage: str, outcome: TaskOutcome, start: bool) -> ProfileReport:
+        return cls(stage=stage, task_id=outcome.task_id, start=start, status=outcome.status.value,
+                   state=outcome.state.value, duration_s=outcome.duration_s,
+                   paths={r: tuple(a.trace_paths) for r, a in sorted(outcome.acks.items())})  # fmt: skip

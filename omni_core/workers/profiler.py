@@ -35,7 +35,7 @@ log = logging.getLogger("omni_core.worker.profiler")
 MAX_PENDING_COMPRESSIONS = 4
 DEFAULT_PROFILE_MAX_S = 600.0
 _ONE_US = datetime.timedelta(microseconds=1)
-_UTC = datetime.timezone.utc  # noqa: UP017 (datetime.UTC needs Python 3.11; the package runs on 3.10)
+_UTC = datetime.timezone.utc  # not datetime.UTC: that needs Python 3.11, the package runs on 3.10
 
 
 def default_profile_dir() -> str:
