@@ -1,0 +1,82 @@
+"""The P-15 cases (Profile), kept in their own module so they register after the others
+(`omni_core.conformance` imports it) without touching the cases of other requirements."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from omni_core.conformance.cases import Ctx, case
+from omni_core.protocol import Ack, AckStatus, NackReason, Profile, WorkerState
+
+# What a worker must refuse as a file-name part (P-15): a path separator, a parent
+# directory, NUL, the empty string, more than 64 characters.
+BAD_PREFIXES = ("../up", "a/b", "x\0y", "", "p" * 65)
+
+
+def _name(ctx: Ctx, prefix: str) -> re.Pattern[str]:
+    stage = re.escape(ctx.worker.hello.stage if ctx.worker.hello else "")
+    return re.compile(rf"^{stage}-rank{ctx.worker.rank}-{re.escape(prefix)}-\d{{8}}T\d{{6}}\.\d{{6}}Z\.json\.gz$")
+
+
+def _profile(ctx: Ctx, start: bool, prefix: str | None = None, *, state: WorkerState = WorkerState.ACTIVE,
+             status: AckStatus | None = None) -> tuple[Profile, Ack]:  # fmt: skip
+    command = ctx.cmd(Profile, "start" if start else "stop", start=start, prefix=prefix)
+    return command, ctx.ack(ctx.request(command), command, state=state, status=status)
+
+
+@case("P-15", "profile_start_stop_lists_traces", "Profile start, a second start (ALREADY), stop: the stop's Ack "
+      "lists {stage}-rank{r}-{prefix}-{time}.json.gz traces; a copy gets the same Ack; a stop with none "
+      "running is ALREADY with no paths")  # fmt: skip
+def profile_start_stop_lists_traces(ctx: Ctx) -> None:
+    _profile(ctx, True, "conformance", status=AckStatus.OK)
+    _profile(ctx, True, "other", status=AckStatus.ALREADY)
+    ctx.executed_or_runner_error(*ctx.execute())
+    stop, stopped = _profile(ctx, False, status=AckStatus.OK)
+    ctx.check(bool(stopped.trace_paths), "the stop's Ack lists no trace", sent=stop, got=stopped,
+              expected="trace_paths with one path per trace written")  # fmt: skip
+    pattern = _name(ctx, "conformance")
+    for path in stopped.trace_paths:
+        ctx.check(os.path.isabs(path) and bool(pattern.match(os.path.basename(path))),
+                  f"trace path {path!r} is not absolute or not named {{stage}}-rank{{r}}-{{prefix}}-{{time}}.json.gz",
+                  sent=stop, got=stopped, expected=pattern.pattern)  # fmt: skip
+    copy = ctx.request(stop)
+    ctx.check(copy == stopped, "a copy of the answered stop got another reply", sent=stop, got=copy,
+              expected=stopped)  # fmt: skip
+    _, none = _profile(ctx, False, status=AckStatus.ALREADY)
+    ctx.check(none.trace_paths == (), "a stop with no profile running lists traces", got=none,
+              expected="trace_paths empty")  # fmt: skip
+
+
+@case("P-15", "profile_keeps_sleep", "Profile started while ACTIVE, stopped while SLEEPING: every answer in the "
+      "state the worker was in, and it stays asleep")  # fmt: skip
+def profile_keeps_sleep(ctx: Ctx) -> None:
+    _profile(ctx, True, "sleep", status=AckStatus.OK)
+    _, slept = ctx.sleep(1)
+    stop, stopped = _profile(ctx, False, state=slept.state, status=AckStatus.OK)
+    ctx.check(set(stopped.asleep_tags) == set(slept.asleep_tags), "the stop's Ack reports other asleep tags "
+              "than the Sleep left", sent=stop, got=stopped, expected=list(slept.asleep_tags))  # fmt: skip
+    status = ctx.status()
+    ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+              "Profile changed the state or the asleep tags", sent=stop, got=status,
+              expected=f"{slept.state.value} with {list(slept.asleep_tags)} asleep")  # fmt: skip
+    ctx.back_to_active()
+
+
+@case("P-15", "profile_bad_prefix_refused", "Profile start with a prefix that is no safe file-name part ('../', "
+      "'/', NUL, empty, 65 characters): Nack INVALID_ARGUMENT, nothing starts")  # fmt: skip
+def profile_bad_prefix_refused(ctx: Ctx) -> None:
+    for prefix in BAD_PREFIXES:
+        command = ctx.cmd(Profile, "bad", start=True, prefix=prefix)
+        ctx.nack(ctx.request(command), command, NackReason.INVALID_ARGUMENT, state=WorkerState.ACTIVE)
+    _profile(ctx, False, status=AckStatus.ALREADY)  # nothing was started
+
+
+@case("P-15", "profile_stale_epoch_refused", "Profile from an older epoch: Nack STALE_EPOCH, nothing starts")
+def profile_stale_epoch_refused(ctx: Ctx) -> None:
+    old = ctx.worker.epoch - 1
+    command = ctx.cmd(Profile, epoch=old, start=True, prefix="stale")
+    ctx.nack(ctx.request(command), command, NackReason.STALE_EPOCH)
+    status = ctx.status()  # still serving, at its own epoch
+    ctx.check(status.state is WorkerState.ACTIVE, "the worker left ACTIVE after a stale Profile", got=status)
+    _profile(ctx, False, status=AckStatus.ALREADY)
