@@ -103,8 +103,8 @@ def test_forbidden_command_is_refused_without_effect(state: WorkerState, name: s
     assert isinstance(nack, Nack)
     assert nack.command == name
     assert nack.state is state
-    # A refusal changes nothing; only a BUSY to an Execute is remembered (the BUSY hole).
-    recorded = 1 if (state in TRANSIENT and name == "Execute") else 0
+    # A refusal changes nothing; only a BUSY to an Execute or a Profile is remembered (the BUSY hole).
+    recorded = 1 if (state in TRANSIENT and name in ("Execute", "Profile")) else 0
     assert snapshot(d.w)[:4] + (len(d.w.cache) - recorded,) + snapshot(d.w)[5:] == before, "a refusal changed"
     if state in TRANSIENT:
         # A transient state always has an effect in progress: the refusal is BUSY.
@@ -552,7 +552,8 @@ def test_busy_while_an_effect_is_pending(state: WorkerState) -> None:
             assert isinstance(reply, Ack) and reply.state is state  # answered, not refused
         else:
             assert reply.reason is NackReason.BUSY and "in progress" in reply.detail
-    assert snapshot(d.w)[:4] == before[:4] and len(d.w.cache) == before[4] + 1  # the Execute's BUSY is kept
+    # The BUSY refusals of the Execute and the Profile are kept (the stage takes them as answers).
+    assert snapshot(d.w)[:4] == before[:4] and len(d.w.cache) == before[4] + 2
 
 
 def test_a_busy_refusal_of_an_execute_is_recorded_so_a_copy_never_runs() -> None:
@@ -898,3 +899,16 @@ def test_profile_refused_while_busy_failed_or_after_shutdown() -> None:
     assert not d.w.profiling  # the shell dropped it with the process
     (stopped,) = d.send(_profile("off", False)).replies
     assert stopped.reason is NackReason.INVALID_STATE and "STOPPED" in stopped.detail
+
+
+def test_a_busy_refusal_of_a_profile_is_recorded_so_a_copy_never_runs_after_it() -> None:
+    # TLC's find (model profile, asynchronous shell): a rank busy with a request answered a
+    # Profile BUSY, the stage took that as the rank's answer, and a copy arriving after the
+    # request ran the Profile: two verdicts for one task (P-1).
+    d = reach_worker(W.ACTIVE)
+    d.send(Execute(task_id="q", epoch=0))
+    (busy,) = d.send(_profile("p", True)).replies
+    assert busy.reason is NackReason.BUSY
+    d.w.on_done("q")
+    step = d.send(_profile("p", True))
+    assert step.effect is None and step.replies == (busy,) and not d.w.profiling

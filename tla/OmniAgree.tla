@@ -68,6 +68,7 @@ Base(ws, a, v, p, cache, n, ss, sa, sv) ==
     /\ sasleep = sa /\ svalid = sv /\ sreqs = {} /\ sreqReplies = NoReplies /\ sreqErr = NoErrors
     /\ failedRanks = {} /\ outcome = [t \in TaskIds |-> "none"] /\ nextTask = 1
     /\ net = n /\ faults = 0 /\ broken = {}
+    /\ wprof = [r \in Ranks |-> FALSE] /\ sprof = NoProf   \* Profile is not in the agreement cases
     /\ stepped = FALSE
 
 CacheOf(w, m) == IF w.cached THEN {AckMsg(m.type, 2, 1, R, "ACTIVE", {}, CachedMark)} ELSE {}

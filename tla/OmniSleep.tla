@@ -50,6 +50,7 @@ CONSTANTS
     Requests,       \* TRUE: it also issues Execute requests (admission)
     MaxRequests,    \* at most this many requests in flight at once (max_in_flight)
     SerialShell,    \* TRUE: a rank takes its next message only after its effect ended
+    Profiles,       \* TRUE: the orchestrator also starts and stops the ranks' profilers (P-15)
     Bug             \* "none" or the defect of a bug model (see BugNames)
 
 (* Each bug model carries one known defect:
@@ -85,7 +86,7 @@ ASSUME SleepLevels \subseteq {1, 2}
 ASSUME Tags # {} /\ "all" \notin Tags
 ASSUME SleepTags \cup WakeTags \subseteq {"all"} \cup Tags
 ASSUME MaxTask \in Nat /\ MaxEpoch \in Nat /\ MaxFaults \in Nat /\ MaxRequests \in Nat
-ASSUME SerialShell \in BOOLEAN
+ASSUME SerialShell \in BOOLEAN /\ Profiles \in BOOLEAN
 
 Weights == "weights"
 Version == 1
@@ -142,6 +143,14 @@ NoPend == [task |-> 0, type |-> NoVal, level |-> 0, plan |-> {}, offload |-> {}]
 NoReplies == [t \in TaskIds |-> {}]
 NoErrors == [t \in TaskIds |-> FALSE]
 NoCmd == [type |-> NoVal, level |-> 0, tags |-> {}]
+NoProf == [said |-> {}, nacks |-> {}]
+(* Profile on the wire: level 1 is a start, level 0 a stop (the prefix is not modelled: a
+   refused prefix is a refusal without effect, which P11 covers). *)
+ProfileStart(lvl) == lvl = 1
+(* The state a rank of a settled stage is in (the inverse of StageOfRank). *)
+RankOfStage(s) == CASE s = "RUNNING" -> "ACTIVE" [] s = "SLEEPING" -> "SLEEPING"
+                    [] s = "PARTIAL" -> "PARTIAL" [] s = "NEEDS_RELOAD" -> "NEEDS_RELOAD"
+                    [] OTHER -> NoVal
 
 (* ---- ghost memory: what each rank's device memory holds per tag, moved only by the
    memory effects the shell performs (SleepEffect's offload/discard, WakeEffect's tags, a
@@ -170,6 +179,7 @@ VARIABLES
     \* worker ranks (WorkerCore), one entry per rank
     mem,        \* ghost: what device memory holds, per rank and tag (MemValues)
     wstate, alive, wasleep, wvalid, wepoch, wpend,
+    wprof,      \* the rank's profiler runs (P-15): orthogonal to its state
     wcache,     \* reply cache: terminal replies by task (P-2)
     replied,    \* history: terminal replies this process sent (P-1)
     applied,    \* history: how often each rank started the effect of each task (P-2)
@@ -182,14 +192,15 @@ VARIABLES
     sreqs,                \* the Execute requests in flight (task ids)
     sreqReplies, sreqErr, \* per request task: ranks that answered it, whether one refused
     failedRanks,          \* the ranks a FAILED stage names (P-9)
+    sprof,                \* the Profile task in flight: ranks that answered it, ranks that refused
     outcome,              \* per task: "none", "pending", "ok", "failed"
     nextTask,
     net, faults,
     broken      \* history: the action-level MUSTs an action broke (empty unless a bug)
 
-workerVars == <<mem, wstate, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied>>
+workerVars == <<mem, wstate, alive, wasleep, wvalid, wepoch, wpend, wprof, wcache, replied, applied>>
 stageVars == <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies,
-               sreqErr, failedRanks, outcome>>
+               sreqErr, failedRanks, outcome, sprof>>
 vars == <<workerVars, stageVars, nextTask, net, faults, broken>>
 
 FreshWorkers(e) ==
@@ -200,6 +211,7 @@ FreshWorkers(e) ==
     /\ wvalid' = [r \in Ranks |-> TRUE]
     /\ wepoch' = [r \in Ranks |-> e]
     /\ wpend' = [r \in Ranks |-> NoPend]
+    /\ wprof' = [r \in Ranks |-> FALSE]
     /\ wcache' = [r \in Ranks |-> {}]
     /\ replied' = [r \in Ranks |-> {}]
 
@@ -211,6 +223,7 @@ Init ==
     /\ wvalid = [r \in Ranks |-> TRUE]
     /\ wepoch = [r \in Ranks |-> 0]
     /\ wpend = [r \in Ranks |-> NoPend]
+    /\ wprof = [r \in Ranks |-> FALSE]
     /\ wcache = [r \in Ranks |-> {}]
     /\ replied = [r \in Ranks |-> {}]
     /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
@@ -226,6 +239,7 @@ Init ==
     /\ sreqReplies = NoReplies
     /\ sreqErr = NoErrors
     /\ failedRanks = {}
+    /\ sprof = NoProf
     /\ outcome = [t \in TaskIds |-> "none"]
     /\ nextTask = 1
     /\ net = {}
@@ -275,6 +289,14 @@ OnReload(r, m) ==
 OnExecute(r, m) ==
     IF ~WLegal(wstate[r], "execute") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "execute", {}, {})
 
+(* WorkerCore.on_profile: a start while the profiler runs, or a stop while it does not, is
+   ALREADY; otherwise an effect on the profiler alone, legal where the table says (P-15). *)
+OnProfile(r, m) ==
+    IF ProfileStart(m.level) = wprof[r] /\ WLegal(wstate[r], "profile_already")
+    THEN Already(r, m, "profile_already")
+    ELSE IF ~WLegal(wstate[r], "profile") THEN Refuse(r, m, "INVALID_STATE")
+    ELSE Start(r, m, "profile", {}, {})
+
 Busy(r) == wpend[r] # NoPend
 
 OnCommand(r, m) ==
@@ -285,13 +307,15 @@ OnCommand(r, m) ==
     ELSE IF wpend[r].task = m.task THEN Silent(r)     \* the terminal reply follows on Done (P-1)
     ELSE IF Busy(r) /\ Bug = "busy_before_cache" THEN Refuse(r, m, "BUSY")
     ELSE IF Cached(r, m.task) /\ Bug # "no_reply_cache" THEN FromCache(r, m)
-    ELSE IF Busy(r) /\ m.type = "Execute" /\ Bug # "busy_unrecorded" THEN RefuseRecorded(r, m, "BUSY")
+    ELSE IF Busy(r) /\ m.type \in {"Execute", "Profile"} /\ Bug # "busy_unrecorded"   \* the stage's answer
+    THEN RefuseRecorded(r, m, "BUSY")
     ELSE IF Busy(r) THEN Refuse(r, m, "BUSY")
     ELSE IF wstate[r] = "FAILED" THEN Refuse(r, m, "FAILED")
     ELSE CASE m.type = "Sleep" -> OnSleep(r, m)
            [] m.type = "Wake" -> OnWake(r, m)
            [] m.type = "ReloadWeights" -> OnReload(r, m)
            [] m.type = "Execute" -> OnExecute(r, m)
+           [] m.type = "Profile" -> OnProfile(r, m)
 
 Terminal(m) == m.kind \in ReplyKinds /\ m.task # 0
 
@@ -322,8 +346,9 @@ WorkerReceive(r, m, keep) ==
                          \/ o.apply /\ m.type = "Wake" /\ m.tags \cap wasleep[r] = {}
                       THEN {"P4"} ELSE {})
                 \cup (IF o.reply.kind = "nack" /\ changed THEN {"P11"} ELSE {})
+                \cup (IF m.type = "Profile" /\ o.st # wstate[r] THEN {"P15"} ELSE {})
     /\ faults' = IF keep THEN faults + 1 ELSE faults
-    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, stageVars, nextTask>>
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, stageVars, nextTask>>
 
 (* The runner refused the reload's source before writing anything: WorkerCore.on_refused.
    NACK INVALID_ARGUMENT, back to the state the reload came from; the answer is cached like
@@ -339,7 +364,7 @@ Refused(r) ==
           /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
-    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, applied, stageVars, nextTask, faults, broken>>
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, applied, stageVars, nextTask, faults, broken>>
 
 (* What the memory effect of p does to one tag holding `held` (ghost): a sleep offloads
    p.offload and discards the rest of its plan; a wake maps `did` back, restoring a host copy
@@ -372,7 +397,7 @@ Done(r) ==
                   [] p.type = "Wake" -> Restored[Settle(asl, val)]
                   [] p.type = "ReloadWeights" -> Reloaded[Settle(asl, val)]
                   [] OTHER -> "execute"
-           st == IF p.type = "Execute" THEN wstate[r] ELSE WNext(wstate[r], g)
+           st == IF p.type \in {"Execute", "Profile"} THEN wstate[r] ELSE WNext(wstate[r], g)
            reply == IF p.type = "Execute" THEN ResultMsg(p.task, wepoch[r], r)
                     ELSE AckMsg(p.type, p.task, wepoch[r], r, st, asl, "OK")
        IN /\ wstate' = [wstate EXCEPT ![r] = st]
@@ -380,21 +405,28 @@ Done(r) ==
           /\ wvalid' = [wvalid EXCEPT ![r] = val]
           /\ mem' = [mem EXCEPT ![r] = [t \in Tags |-> MemAfter(p, did, t, @[t])]]
           /\ wpend' = [wpend EXCEPT ![r] = NoPend]
+          /\ wprof' = IF p.type = "Profile" THEN [wprof EXCEPT ![r] = ProfileStart(p.level)] ELSE wprof
           /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
           /\ faults' = IF did # p.plan THEN faults + 1 ELSE faults
-    /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask, broken>>
+          /\ broken' = broken \cup (IF p.type = "Profile" /\ \/ <<st, asl, val>> # <<wstate[r], wasleep[r], wvalid[r]>>
+                                                          \/ mem'[r] # mem[r]
+                                    THEN {"P15"} ELSE {})
+    /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask>>
 
 (* The effect raised: WorkerCore.on_error. A lifecycle effect leaves the rank FAILED. *)
 EffectError(r) ==
     /\ alive[r] /\ Busy(r) /\ FaultOk("error")
     /\ LET p == wpend[r]
-           st == IF p.type = "Execute" THEN wstate[r] ELSE WNext(wstate[r], "fail")
+           st == IF p.type \in {"Execute", "Profile"} THEN wstate[r] ELSE WNext(wstate[r], "fail")
            reply == NackMsg(p.type, p.task, wepoch[r], r,
-                            IF p.type = "Execute" THEN "EXECUTE_ERROR" ELSE "BACKEND_ERROR", st)
+                            CASE p.type = "Execute" -> "EXECUTE_ERROR"
+                              [] p.type = "Profile" -> "PROFILE_ERROR"   \* no profile runs after it
+                              [] OTHER -> "BACKEND_ERROR", st)
        IN /\ wstate' = [wstate EXCEPT ![r] = st]
           /\ wpend' = [wpend EXCEPT ![r] = NoPend]
+          /\ wprof' = IF p.type = "Profile" THEN [wprof EXCEPT ![r] = FALSE] ELSE wprof
           /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
@@ -406,7 +438,7 @@ Loaded(r) ==
     /\ alive[r] /\ WorkerLegal(wstate[r], "loaded")
     /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "loaded")]
     /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
-    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wprof, wcache, replied, applied, stageVars,
                    nextTask, faults, broken>>
 
 (* The backend or the runner raised while loading (WorkerCore.load_failed): the rank is
@@ -416,7 +448,7 @@ LoadFailed(r) ==
     /\ wstate' = [wstate EXCEPT ![r] = WorkerNext(@, "fail")]
     /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
     /\ faults' = faults + 1
-    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wcache, replied, applied, stageVars,
+    /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wprof, wcache, replied, applied, stageVars,
                    nextTask, broken>>
 
 Crash(r) ==
@@ -424,7 +456,7 @@ Crash(r) ==
     /\ alive' = [alive EXCEPT ![r] = FALSE]
     /\ wpend' = [wpend EXCEPT ![r] = NoPend]
     /\ faults' = faults + 1
-    /\ UNCHANGED <<mem, wstate, wasleep, wvalid, wepoch, wcache, replied, applied, stageVars, nextTask,
+    /\ UNCHANGED <<mem, wstate, wasleep, wvalid, wepoch, wprof, wcache, replied, applied, stageVars, nextTask,
                    net, broken>>
 
 -----------------------------------------------------------------------------
@@ -472,7 +504,7 @@ IssueSleep(lvl, tg) ==
           /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
-                   workerVars, faults, broken>>
+                   workerVars, faults, broken, sprof>>
 
 IssueWake(tg) ==
     /\ Idle /\ nextTask \in TaskIds
@@ -488,7 +520,7 @@ IssueWake(tg) ==
           /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
-                   workerVars, faults, broken>>
+                   workerVars, faults, broken, sprof>>
 
 (* "badsource" in Faults: the caller may name a source the runner cannot use (level 1 marks
    it on the command, so every rank judges the same source the same way, as a runner does). *)
@@ -502,7 +534,7 @@ IssueReload ==
        /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
-                   workerVars, faults, broken>>
+                   workerVars, faults, broken, sprof>>
 
 (* A request: admitted only where the stage allows "execute" (RUNNING, P-7), while fewer
    than MaxRequests are in flight (the engine queues the others). *)
@@ -515,7 +547,22 @@ IssueExecute ==
        /\ outcome' = Pending(t)
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqReplies,
-                   sreqErr, failedRanks, workerVars, faults, broken>>
+                   sreqErr, failedRanks, workerVars, faults, broken, sprof>>
+
+(* StageCore.profile: a task in a settled state that the answers never move (P-15). It
+   keeps its own record of who answered (sprof), so the settled state's complete ACK set
+   (sacks, P-5) stands while it is in flight; requests keep being admitted meanwhile. *)
+IssueProfile(start) ==
+    /\ Profiles /\ Idle /\ nextTask \in TaskIds /\ SLegal(sstate, "profile")
+    /\ LET t == nextTask IN
+       /\ sstate' = SNext(sstate, "profile")
+       /\ net' = net \cup SendAll("Profile", t, IF start THEN 1 ELSE 0, {})
+       /\ stask' = t /\ scmd' = [type |-> "Profile", level |-> IF start THEN 1 ELSE 0, tags |-> {}]
+       /\ sprof' = NoProf
+       /\ outcome' = Pending(t)
+    /\ nextTask' = nextTask + 1
+    /\ UNCHANGED <<sepoch, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
+                   workerVars, faults, broken>>
 
 (* The stage goes FAILED naming `ranks`; the task and the requests in flight end failed. *)
 FailStage(ranks, netNext) ==
@@ -525,6 +572,7 @@ FailStage(ranks, netNext) ==
     /\ outcome' = [t \in TaskIds |-> IF t \in sreqs \cup {stask} THEN "failed" ELSE outcome[t]]
     /\ stask' = 0 /\ scmd' = NoCmd /\ sacks' = {} /\ sloadFailed' = {}
     /\ sreqs' = {} /\ sreqReplies' = NoReplies /\ sreqErr' = NoErrors
+    /\ sprof' = NoProf
     /\ net' = netNext
     /\ UNCHANGED <<sepoch, sasleep, svalid>>
 
@@ -535,7 +583,7 @@ Commit(acks, netNext) ==
     /\ outcome' = [outcome EXCEPT ![stask] = "ok"]
     /\ stask' = 0 /\ scmd' = NoCmd
     /\ net' = netNext
-    /\ UNCHANGED <<sepoch, sloadFailed, sreqs, sreqReplies, sreqErr, failedRanks>>
+    /\ UNCHANGED <<sepoch, sloadFailed, sreqs, sreqReplies, sreqErr, failedRanks, sprof>>
 
 (* Every rank refused the reload's source: nothing was written, back to NEEDS_RELOAD. *)
 ReloadRefused(said, netNext) ==
@@ -544,7 +592,7 @@ ReloadRefused(said, netNext) ==
     /\ outcome' = [outcome EXCEPT ![stask] = "refused"]
     /\ stask' = 0 /\ scmd' = NoCmd
     /\ net' = netNext
-    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks>>
+    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks, sprof>>
 
 (* Every rank answered request t; a sleep waiting on the drain goes out once none is left
    in flight (with drain_one_request: as soon as any request ends). *)
@@ -557,15 +605,17 @@ EndRequest(t, err, netNext) ==
             /\ net' = netNext \cup SendAll("Sleep", stask, scmd.level, scmd.tags)
             /\ sacks' = {}
        ELSE /\ net' = netNext /\ UNCHANGED <<sstate, sacks>>
-    /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, svalid, failedRanks>>
+    /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, svalid, failedRanks, sprof>>
 
 Ignore(netNext) == net' = netNext /\ UNCHANGED stageVars
 
-ForTask(m) == stask # 0 /\ m.task = stask /\ sstate \in {"TRANSITIONING", "WAKING"}
-              /\ m.kind \in {"ack", "nack"}
+ProfileTask == stask # 0 /\ scmd.type = "Profile"
+ForTask(m) == stask # 0 /\ m.task = stask /\ m.kind \in {"ack", "nack"}
+              /\ (sstate \in {"TRANSITIONING", "WAKING"} \/ (ProfileTask /\ sstate \in Settled))
 ForRequest(m) == m.task \in sreqs /\ m.kind \in {"result", "nack"}
 Unknown(m) == IF m.kind = "hello" THEN sstate # "STARTING" ELSE ~(ForTask(m) \/ ForRequest(m))
-Second(m) == \/ ForTask(m) /\ m.rank \in sacks
+Second(m) == \/ (ForTask(m) /\ ~ProfileTask /\ m.rank \in sacks)
+             \/ (ForTask(m) /\ ProfileTask /\ m.rank \in sprof.said)
              \/ ForRequest(m) /\ m.rank \in sreqReplies[m.task]
 
 OnReply(m, rest) ==
@@ -578,10 +628,25 @@ OnReply(m, rest) ==
            ELSE IF said = Ranks
            THEN /\ sstate' = SNext(sstate, "started") /\ sacks' = said /\ net' = rest
                 /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
-                               sreqReplies, sreqErr, failedRanks, outcome>>
+                               sreqReplies, sreqErr, failedRanks, outcome, sprof>>
            ELSE /\ sacks' = said /\ sloadFailed' = bad /\ net' = rest
                 /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreqs, sreqReplies,
-                               sreqErr, failedRanks, outcome>>
+                               sreqErr, failedRanks, outcome, sprof>>
+    ELSE IF ForTask(m) /\ ProfileTask THEN       \* StageCore._on_profile_reply
+        IF m.rank \in sprof.said THEN Ignore(rest)                     \* duplicate
+        ELSE IF m.state # RankOfStage(sstate) \/ (m.kind = "ack" /\ m.asleep # sasleep)
+        THEN FailStage({m.rank}, rest)          \* the rank is not where the stage committed it
+        ELSE LET said == sprof.said \cup {m.rank}
+                 nacks == IF m.kind = "nack" THEN sprof.nacks \cup {m.rank} ELSE sprof.nacks
+             IN IF said = Ranks
+                THEN /\ sstate' = SNext(sstate, "profile")         \* internal: the state stays
+                     /\ outcome' = [outcome EXCEPT ![stask] = IF nacks = {} THEN "ok" ELSE "refused"]
+                     /\ stask' = 0 /\ scmd' = NoCmd /\ sprof' = NoProf /\ net' = rest
+                     /\ UNCHANGED <<sepoch, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies,
+                                    sreqErr, failedRanks>>
+                ELSE /\ sprof' = [said |-> said, nacks |-> nacks] /\ net' = rest
+                     /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid,
+                                    sreqs, sreqReplies, sreqErr, failedRanks, outcome>>
     ELSE IF ForTask(m) THEN
         IF m.rank \in sacks THEN Ignore(rest)                          \* duplicate
         ELSE IF m.kind = "nack" /\ m.info = "INVALID_ARGUMENT" /\ scmd.type = "ReloadWeights" THEN
@@ -589,7 +654,7 @@ OnReply(m, rest) ==
             IF said = Ranks THEN ReloadRefused(said, rest)
             ELSE /\ sacks' = said /\ net' = rest
                  /\ UNCHANGED <<sstate, sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
-                                sreqReplies, sreqErr, failedRanks, outcome>>
+                                sreqReplies, sreqErr, failedRanks, outcome, sprof>>
         ELSE IF \/ m.kind = "nack"
                 \/ (m.state # Expect.wstate \/ m.asleep # Expect.asleep) /\ Bug # "no_ack_check"
         THEN FailStage({m.rank}, rest)
@@ -597,7 +662,7 @@ OnReply(m, rest) ==
              IF acks = Ranks \/ Bug = "commit_before_all_acks" THEN Commit(acks, rest)
              ELSE /\ sacks' = acks /\ net' = rest
                   /\ UNCHANGED <<sstate, sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
-                                 sreqReplies, sreqErr, failedRanks, outcome>>
+                                 sreqReplies, sreqErr, failedRanks, outcome, sprof>>
     ELSE \* ForRequest(m)
         LET t == m.task IN
         IF m.rank \in sreqReplies[t] THEN Ignore(rest)
@@ -608,7 +673,7 @@ OnReply(m, rest) ==
                 ELSE /\ sreqReplies' = [sreqReplies EXCEPT ![t] = got]
                      /\ sreqErr' = [sreqErr EXCEPT ![t] = err] /\ net' = rest
                      /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid,
-                                    sreqs, failedRanks, outcome>>
+                                    sreqs, failedRanks, outcome, sprof>>
 
 StageReceive(m, keep) ==
     /\ m.kind \in ReplyKinds \cup {"hello"}
@@ -617,6 +682,10 @@ StageReceive(m, keep) ==
     /\ faults' = IF keep THEN faults + 1 ELSE faults
     /\ broken' = broken \cup (IF (m.epoch # sepoch \/ Unknown(m) \/ Second(m)) /\ stageVars' # stageVars
                               THEN {"P6"} ELSE {})
+                         \cup (IF /\ ForTask(m) /\ ProfileTask
+                                  /\ \/ sstate' \notin {sstate, "FAILED"}
+                                     \/ <<sasleep', svalid'>> # <<sasleep, svalid>>
+                              THEN {"P15"} ELSE {})
     /\ UNCHANGED <<workerVars, nextTask>>
 
 (* A reply from r for task t can no longer come: what a well-tuned deadline detects.
@@ -638,13 +707,16 @@ Deadline ==
        \/ /\ sstate \in {"TRANSITIONING", "WAKING"}
           /\ LET lost(r) == Lost(r, stask) IN Expired(Ranks \ sacks, lost)
           /\ FailStage(Ranks \ sacks, net)
+       \/ /\ ProfileTask /\ sstate \in Settled
+          /\ LET lost(r) == Lost(r, stask) IN Expired(Ranks \ sprof.said, lost)
+          /\ FailStage(Ranks \ sprof.said, net)
        \/ /\ sstate = "DRAINING"
           /\ \E t \in sreqs : LET lost(r) == Lost(r, t) IN Expired(Ranks \ sreqReplies[t], lost)
           /\ sstate' = SNext(sstate, "drain_timeout")   \* sleep abandoned, nothing was sent
           /\ outcome' = [outcome EXCEPT ![stask] = "failed"]
           /\ stask' = 0 /\ scmd' = NoCmd
           /\ UNCHANGED <<sepoch, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr,
-                         failedRanks, net>>
+                         failedRanks, net, sprof>>
        \/ \E t \in sreqs :
           /\ LET lost(r) == Lost(r, t) IN Expired(Ranks \ sreqReplies[t], lost)
           /\ IF Bug = "early_request_finish"
@@ -668,6 +740,7 @@ RankDied(r) ==
    look at this path (crash) small. The states themselves come from the table. *)
 Restart ==
     /\ SLegal(sstate, "restart") /\ sepoch < MaxEpoch
+    /\ ~ProfileTask            \* StageCore.restart refuses while a Profile task is in flight
     /\ sstate # "FAILED" => "kill" \in Faults
     /\ sstate' = SNext(sstate, "restart")
     /\ sepoch' = sepoch + 1
@@ -675,7 +748,7 @@ Restart ==
     /\ FreshWorkers(sepoch + 1)
     /\ outcome' = [t \in TaskIds |-> IF t \in sreqs \cup {stask} THEN "failed" ELSE outcome[t]]
     /\ stask' = 0 /\ scmd' = NoCmd
-    /\ sreqs' = {} /\ sreqReplies' = NoReplies /\ sreqErr' = NoErrors
+    /\ sreqs' = {} /\ sreqReplies' = NoReplies /\ sreqErr' = NoErrors /\ sprof' = NoProf
     /\ UNCHANGED <<applied, nextTask, net, faults, broken>>
 
 -----------------------------------------------------------------------------
@@ -700,6 +773,7 @@ Next ==
     \/ \E tg \in WakeTags : IssueWake(TagSet(tg))
     \/ IssueReload
     \/ IssueExecute
+    \/ \E start \in BOOLEAN : IssueProfile(start)
     \/ Deliver(FALSE)
     \/ Deliver(TRUE)                               \* a duplicate: the message stays
     \/ \E m \in net : Drop(m) \/ Corrupt(m)
@@ -739,6 +813,7 @@ TypeOK ==
     /\ \A t \in TaskIds \ sreqs : sreqReplies[t] = {} /\ ~sreqErr[t]
     /\ sacks \subseteq Ranks /\ sloadFailed \subseteq Ranks /\ failedRanks \subseteq Ranks
     /\ outcome \in [TaskIds -> {"none", "pending", "ok", "failed", "refused"}]
+    /\ wprof \in [Ranks -> BOOLEAN] /\ sprof.nacks \subseteq sprof.said /\ sprof.said \subseteq Ranks
     /\ faults \in 0..MaxFaults
 
 Executing(r) == alive[r] /\ wpend[r].type = "Execute"
@@ -823,6 +898,10 @@ P10_BadBytesKeepServing == "P10" \notin broken
 (* P-11: a refused command has no effect. *)
 P11_RefusalHasNoEffect == "P11" \notin broken
 
+(* P-15: a Profile, its effect and its answers never change a rank's state or residency, nor
+   the stage's (a rank found elsewhere than the stage committed it fails the stage, P-9). *)
+P15_ProfileNeverChangesState == "P15" \notin broken
+
 (* The cores' own _check_invariants, mirrored. *)
 WorkerCoreInvariants ==
     \A r \in Ranks : Live(r) =>
@@ -831,8 +910,12 @@ WorkerCoreInvariants ==
         /\ wstate[r] \in {"SLEEPING", "PARTIAL"} => wasleep[r] # {}
         /\ wstate[r] = "NEEDS_RELOAD" => Weights \notin wasleep[r] /\ ~wvalid[r]
         /\ wpend[r].type = "Execute" => wstate[r] = "ACTIVE"
+        /\ wpend[r].type = "Profile" => WLegal(wstate[r], "profile")
+        /\ wprof[r] => wstate[r] \notin {"LOADING", "STOPPED"}
 StageCoreInvariants ==
-    /\ (stask # 0) <=> (sstate \in InTask)
+    /\ (stask # 0 /\ ~ProfileTask) <=> (sstate \in InTask)
+    /\ ProfileTask => sstate \in Settled
+    /\ ~ProfileTask => sprof = NoProf
     /\ sreqs # {} => sstate \in {"RUNNING", "DRAINING"}
     /\ sstate = "RUNNING" => sasleep = {} /\ svalid
 

@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 51 rows from 19 triggers
+\* ---- worker lifecycle: 59 rows from 21 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -22,12 +22,12 @@ WorkerInitial == "LOADING"
 WorkerTriggers == {"loaded", "sleep", "sleep_already", "offloaded", "wake", "wake_already",
                    "restored_active", "restored_partial", "restored_needs_reload", "reload",
                    "reloaded_active", "reloaded_partial", "reload_refused_needs_reload",
-                   "reload_refused_active", "execute", "status", "fail", "shutdown",
-                   "shutdown_already"}
+                   "reload_refused_active", "execute", "status", "profile", "profile_already",
+                   "fail", "shutdown", "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-WorkerInternalTriggers == {"execute", "shutdown_already", "sleep_already", "status",
-                           "wake_already"}
+WorkerInternalTriggers == {"execute", "profile", "profile_already", "shutdown_already",
+                           "sleep_already", "status", "wake_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -67,6 +67,14 @@ WorkerRelation == {
     <<"RELOADING", "status", "RELOADING">>,                         \* Status is legal everywhere and changes nothing
     <<"FAILED", "status", "FAILED">>,                               \* Status is legal everywhere and changes nothing
     <<"STOPPED", "status", "STOPPED">>,                             \* Status is legal everywhere and changes nothing
+    <<"ACTIVE", "profile", "ACTIVE">>,                              \* Profile start (none running) or stop (one running): the profiler only, never the state
+    <<"SLEEPING", "profile", "SLEEPING">>,                          \* Profile start (none running) or stop (one running): the profiler only, never the state
+    <<"PARTIAL", "profile", "PARTIAL">>,                            \* Profile start (none running) or stop (one running): the profiler only, never the state
+    <<"NEEDS_RELOAD", "profile", "NEEDS_RELOAD">>,                  \* Profile start (none running) or stop (one running): the profiler only, never the state
+    <<"ACTIVE", "profile_already", "ACTIVE">>,                      \* Profile start while one runs, stop while none does: ALREADY, no effect (P-15)
+    <<"SLEEPING", "profile_already", "SLEEPING">>,                  \* Profile start while one runs, stop while none does: ALREADY, no effect (P-15)
+    <<"PARTIAL", "profile_already", "PARTIAL">>,                    \* Profile start while one runs, stop while none does: ALREADY, no effect (P-15)
+    <<"NEEDS_RELOAD", "profile_already", "NEEDS_RELOAD">>,          \* Profile start while one runs, stop while none does: ALREADY, no effect (P-15)
     <<"LOADING", "fail", "FAILED">>,                                \* backend or runner raised
     <<"ACTIVE", "fail", "FAILED">>,                                 \* backend or runner raised
     <<"OFFLOADING", "fail", "FAILED">>,                             \* backend or runner raised
@@ -93,7 +101,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 47 rows from 18 triggers
+\* ---- stage lifecycle: 51 rows from 19 triggers
 StageStates == {"STARTING", "RUNNING", "DRAINING", "TRANSITIONING", "SLEEPING", "WAKING",
                 "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -101,10 +109,11 @@ StageInitial == "STARTING"
 
 StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "sleep_already",
                   "slept", "wake", "wake_already", "reload", "reload_refused", "woke_running",
-                  "woke_partial", "woke_needs_reload", "execute", "fail", "restart", "stop"}
+                  "woke_partial", "woke_needs_reload", "execute", "profile", "fail", "restart",
+                  "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-StageInternalTriggers == {"execute", "sleep_already", "wake_already"}
+StageInternalTriggers == {"execute", "profile", "sleep_already", "wake_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
@@ -132,6 +141,10 @@ StageRelation == {
     <<"WAKING", "woke_partial", "PARTIAL">>,             \* every rank ACKed, tags still asleep
     <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,   \* every rank ACKed; weights mapped but discarded at level 2
     <<"RUNNING", "execute", "RUNNING">>,                 \* admission is open only in RUNNING (P-7)
+    <<"RUNNING", "profile", "RUNNING">>,                 \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"SLEEPING", "profile", "SLEEPING">>,               \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"PARTIAL", "profile", "PARTIAL">>,                 \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"NEEDS_RELOAD", "profile", "NEEDS_RELOAD">>,       \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"STARTING", "fail", "FAILED">>,                    \* NACK, deadline, or a rank died (P-8, P-9)
     <<"RUNNING", "fail", "FAILED">>,                     \* NACK, deadline, or a rank died (P-8, P-9)
     <<"SLEEPING", "fail", "FAILED">>,                    \* NACK, deadline, or a rank died (P-8, P-9)

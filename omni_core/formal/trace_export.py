@@ -455,6 +455,7 @@ CONSTANTS
     Requests = TRUE
     MaxRequests = {trace.max_requests}
     SerialShell = TRUE
+    Profiles = FALSE
     Bug = "none"
 CONSTRAINT TraceProgress
 INVARIANTS

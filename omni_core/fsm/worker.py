@@ -391,10 +391,11 @@ class WorkerCore:
             step = self._refuse(command, NackReason.BUSY,
                                 f"task {self._pending.command.task_id!r} is in progress; "
                                 "retry after its reply")  # fmt: skip
-            if isinstance(command, Execute):
-                # Recorded: the stage takes this BUSY as the rank's answer to the request, so a
-                # copy arriving after the task in progress must get it again, not run (P-1; TLC
-                # found the hole with an asynchronous shell, tla/README.md).
+            if isinstance(command, (Execute, Profile)):
+                # Recorded: the stage takes this BUSY as the rank's answer to the request (or
+                # the Profile), so a copy arriving after the task in progress must get it again,
+                # not run (P-1; TLC found the hole with an asynchronous shell, for Execute and
+                # again for Profile: tla/README.md).
                 self._remember(command, step.replies[0])
             return step
         if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):

@@ -387,3 +387,23 @@ def test_check_cli_exit_codes(demo_records, tmp_path, capsys) -> None:
     assert "before typed records" in capsys.readouterr().out
     with pytest.raises(TraceFormatError, match=r"old\.jsonl:1"):
         read_trace(old)
+
+
+@needs_tlc
+def test_a_trace_with_profiles_across_a_sleep_is_accepted(tmp_path) -> None:
+    """Profile start, a request, a sleep and a wake, Profile stop, all traced: the Profile
+    tasks are dropped from the projection (they change no state) and the rest replays."""
+    path = tmp_path / "profile.jsonl"
+    with Engine([small_spec("p", ranks=2, profile_dir=str(tmp_path / "traces"))], trace_path=str(path)) as engine:
+        engine.profile("p", prefix="traced")
+        engine.execute("p", PROBE)
+        engine.sleep("p")
+        engine.wake("p")
+        assert len(engine.profile("p", start=False).all_paths) == 2
+    records = read_trace(path)
+    commands = {getattr(line.record, "command", "") for line in records}
+    assert "Profile" in commands  # the engine's sends and the ranks' receipts and effects name it
+    trace = trace_export.project(records, "p")
+    assert trace.dropped["Status/Shutdown/Profile"] > 0
+    assert not any(e.cmd == "Profile" for e in trace.events)
+    _assert_accepted(trace_check.validate_records(records))
