@@ -48,6 +48,7 @@ from omni_core.protocol import (
     Message,
     Nack,
     NackReason,
+    Profile,
     ReloadWeights,
     Result,
     Shutdown,
@@ -192,6 +193,9 @@ class FrameGenerator:
             return Status(task_id=task_id, epoch=epoch)
         if kind is Shutdown:
             return Shutdown(task_id=task_id, epoch=epoch)
+        if kind is Profile:  # prefixes a worker must refuse (INVALID_ARGUMENT) among usable ones
+            return Profile(task_id=task_id, epoch=epoch, start=rng.random() < 0.5,
+                           prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")))
         rank = rng.randrange(max(1, ctx.ranks) + 1)
         state = rng.choice(list(WorkerState))
         if kind is Ack:
@@ -404,7 +408,7 @@ class FrameGenerator:
         return msgspec.to_builtins(_plain(self.random_value(2)))
 
     def _command_name(self) -> str:
-        return self.rng.choice(("Sleep", "Wake", "ReloadWeights", "Execute", "Status", "Shutdown", "?"))
+        return self.rng.choice(("Sleep", "Wake", "ReloadWeights", "Execute", "Status", "Shutdown", "Profile", "?"))
 
     def _key(self) -> Any:
         rng = self.rng
