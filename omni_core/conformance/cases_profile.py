@@ -12,6 +12,7 @@ from omni_core.protocol import Ack, AckStatus, NackReason, Profile, WorkerState
 # What a worker must refuse as a file-name part (P-15): a path separator, a parent
 # directory, NUL, the empty string, more than 64 characters.
 BAD_PREFIXES = ("../up", "a/b", "x\0y", "", "p" * 65)
+PROFILE = "profile"  # the capability a worker declares when it answers Profile
 
 
 def _name(ctx: Ctx, prefix: str) -> re.Pattern[str]:
@@ -27,7 +28,7 @@ def _profile(ctx: Ctx, start: bool, prefix: str | None = None, *, state: WorkerS
 
 @case("P-15", "profile_start_stop_lists_traces", "Profile start, a second start (ALREADY), stop: the stop's Ack "
       "lists {stage}-rank{r}-{prefix}-{time}.json.gz traces; a copy gets the same Ack; a stop with none "
-      "running is ALREADY with no paths")  # fmt: skip
+      "running is ALREADY with no paths", needs=(PROFILE,))  # fmt: skip
 def profile_start_stop_lists_traces(ctx: Ctx) -> None:
     _profile(ctx, True, "conformance", status=AckStatus.OK)
     _profile(ctx, True, "other", status=AckStatus.ALREADY)
@@ -49,7 +50,7 @@ def profile_start_stop_lists_traces(ctx: Ctx) -> None:
 
 
 @case("P-15", "profile_keeps_sleep", "Profile started while ACTIVE, stopped while SLEEPING: every answer in the "
-      "state the worker was in, and it stays asleep")  # fmt: skip
+      "state the worker was in, and it stays asleep", needs=(PROFILE,))  # fmt: skip
 def profile_keeps_sleep(ctx: Ctx) -> None:
     _profile(ctx, True, "sleep", status=AckStatus.OK)
     _, slept = ctx.sleep(1)
@@ -64,7 +65,7 @@ def profile_keeps_sleep(ctx: Ctx) -> None:
 
 
 @case("P-15", "profile_bad_prefix_refused", "Profile start with a prefix that is no safe file-name part ('../', "
-      "'/', NUL, empty, 65 characters): Nack INVALID_ARGUMENT, nothing starts")  # fmt: skip
+      "'/', NUL, empty, 65 characters): Nack INVALID_ARGUMENT, nothing starts", needs=(PROFILE,))  # fmt: skip
 def profile_bad_prefix_refused(ctx: Ctx) -> None:
     for prefix in BAD_PREFIXES:
         command = ctx.cmd(Profile, "bad", start=True, prefix=prefix)
@@ -72,7 +73,8 @@ def profile_bad_prefix_refused(ctx: Ctx) -> None:
     _profile(ctx, False, status=AckStatus.ALREADY)  # nothing was started
 
 
-@case("P-15", "profile_stale_epoch_refused", "Profile from an older epoch: Nack STALE_EPOCH, nothing starts")
+@case("P-15", "profile_stale_epoch_refused", "Profile from an older epoch: Nack STALE_EPOCH, nothing starts",
+      needs=(PROFILE,))
 def profile_stale_epoch_refused(ctx: Ctx) -> None:
     old = ctx.worker.epoch - 1
     command = ctx.cmd(Profile, epoch=old, start=True, prefix="stale")

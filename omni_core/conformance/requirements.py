@@ -160,33 +160,34 @@ REQUIREMENTS: dict[str, Requirement] = {
             "P-15",
             "Profiling never changes the lifecycle",
             "`Profile(start=true)` starts the worker's profiler, `Profile(start=false)` stops it and "
-            'writes its trace. A worker MUST accept `Profile` exactly where its transition table has '
-            '`profile`/`profile_already`: `ACTIVE`, `SLEEPING`, `PARTIAL` and `NEEDS_RELOAD`, the states '
-            'in which no lifecycle effect runs (a profile is meant to span sleeps and wakes, which is '
-            'what it measures). Anywhere else it MUST refuse it like any command: `Nack BUSY` while an '
-            'effect runs (`OFFLOADING`, `RESTORING`, `RELOADING`), `Nack FAILED` in `FAILED` (restart the '
-            'stage), `Nack INVALID_STATE` in `LOADING` and `STOPPED`. An answer to `Profile` MUST carry '
-            'the state the worker was in when it arrived: neither the command nor its effect changes the '
-            'state or the residency. A start while a profile runs and a stop while none runs MUST be '
-            'answered `Ack status=ALREADY` with no effect (the running profile keeps its prefix; the '
-            "stop's `trace_paths` is empty). A start's `prefix` becomes part of a file name: a worker "
-            'MUST refuse one that is empty, longer than 64 characters, has a character outside '
-            '`[A-Za-z0-9_.-]` or contains `..` with `Nack INVALID_ARGUMENT` naming the problem, before '
-            "starting anything. A stop's `Ack` MUST list in `trace_paths` the absolute paths of the "
-            'traces it wrote, named `{stage}-rank{r}-{prefix}-{time}.json.gz` '
-            '(`{stage}-rank{r}-{time}.json.gz` without a prefix; `time` UTC to the microsecond, strictly '
-            'increasing per rank), so stages, ranks and stops never overwrite each other; a listed path '
-            'MUST appear only once complete (written under another name and renamed), and MAY appear '
-            'after the `Ack`. A failure of the profiler MUST be answered `Nack PROFILE_ERROR`, with no '
-            'profile running afterwards and the state unchanged; it never moves a worker to `FAILED`. At '
-            'most one profile runs per rank, and a worker MUST bound it (omni-core: a profile running '
-            'past `profile_max_s`, default 600 s, is stopped and written, and the next stop lists it). '
-            '`Profile` is idempotent by `task_id` and fenced by epoch like every command (P-2, P-6). A '
-            'stage sends `Profile` to every rank only in a settled state with no task in flight, keeps '
-            "admitting requests meanwhile, and never changes state on the answers: a rank's `Nack` that "
-            'leaves it where the stage committed it (`BUSY`, `PROFILE_ERROR`, `INVALID_ARGUMENT`, '
-            "`BAD_MESSAGE` from a worker that predates `Profile`) is that rank's refusal in the outcome; "
-            'an answer in another state, or none by the deadline, fails the stage naming the rank (P-9).',
+            'writes its trace. A worker that declares the capability `profile` MUST accept `Profile` '
+            'exactly where its transition table has `profile`/`profile_already`: `ACTIVE`, `SLEEPING`, '
+            '`PARTIAL` and `NEEDS_RELOAD`, the states in which no lifecycle effect runs (a profile is '
+            'meant to span sleeps and wakes, which is what it measures). Anywhere else it MUST refuse it '
+            'like any command: `Nack BUSY` while an effect runs (`OFFLOADING`, `RESTORING`, `RELOADING`), '
+            '`Nack FAILED` in `FAILED` (restart the stage), `Nack INVALID_STATE` in `LOADING` and '
+            '`STOPPED`. An answer to `Profile` MUST carry the state the worker was in when it arrived: '
+            'neither the command nor its effect changes the state or the residency. A start while a '
+            'profile runs and a stop while none runs MUST be answered `Ack status=ALREADY` with no effect '
+            "(the running profile keeps its prefix; the stop's `trace_paths` is empty). A start's "
+            '`prefix` becomes part of a file name: a worker MUST refuse one that is empty, longer than 64 '
+            'characters, has a character outside `[A-Za-z0-9_.-]` or contains `..` with `Nack '
+            "INVALID_ARGUMENT` naming the problem, before starting anything. A stop's `Ack` MUST list in "
+            '`trace_paths` the absolute paths of the traces it wrote, named '
+            '`{stage}-rank{r}-{prefix}-{time}.json.gz` (`{stage}-rank{r}-{time}.json.gz` without a '
+            'prefix; `time` UTC to the microsecond, strictly increasing per rank), so stages, ranks and '
+            'stops never overwrite each other; a listed path MUST appear only once complete (written '
+            'under another name and renamed), and MAY appear after the `Ack`. A failure of the profiler '
+            'MUST be answered `Nack PROFILE_ERROR`, with no profile running afterwards and the state '
+            'unchanged; it never moves a worker to `FAILED`. At most one profile runs per rank, and a '
+            'worker MUST bound it (omni-core: a profile running past `profile_max_s`, default 600 s, is '
+            'stopped and written, and the next stop lists it). `Profile` is idempotent by `task_id` and '
+            'fenced by epoch like every command (P-2, P-6). A stage sends `Profile` to every rank only in '
+            'a settled state with no task in flight, keeps admitting requests meanwhile, and never '
+            "changes state on the answers: a rank's `Nack` that leaves it where the stage committed it "
+            '(`BUSY`, `PROFILE_ERROR`, `INVALID_ARGUMENT`, `BAD_MESSAGE` from a worker that predates '
+            "`Profile`) is that rank's refusal in the outcome; an answer in another state, or none by the "
+            'deadline, fails the stage naming the rank (P-9).',
         ),
     )
 }

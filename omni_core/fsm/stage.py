@@ -732,6 +732,7 @@ class StageCore:
                            expect_asleep=self.residency.asleep, commit_trigger="profile")  # fmt: skip
         self.lifecycle.fire("profile")
         step = self._send_all()
+        self._issued = (self._task.command, False, now + deadline_s)
         self._check_invariants()
         return step
 

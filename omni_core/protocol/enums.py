@@ -73,3 +73,4 @@ class Capability(str, enum.Enum):
     PARTIAL_WAKE = "partial_wake"  # supports Wake(tags) for a subset of tags
     STABLE_ADDRESSES = "stable_addresses"  # tensors keep their device addresses across sleep
     CUDA_GRAPHS = "cuda_graphs"  # captured graphs stay valid across sleep
+    PROFILE = "profile"  # answers Profile (start/stop of a profiler, P-15)
