@@ -13,6 +13,9 @@ from omni_core.protocol import Ack, AckStatus, NackReason, Profile, WorkerState
 # directory, NUL, the empty string, more than 64 characters.
 BAD_PREFIXES = ("../up", "a/b", "x\0y", "", "p" * 65)
 PROFILE = "profile"  # the capability a worker declares when it answers Profile
+# A profiler's first start loads its libraries (torch's Kineto: seconds on a loaded machine)
+# and a stop exports the trace: Profile answers get this long, not the suite's reply timeout.
+PROFILE_REPLY_TIMEOUT_S = 60.0
 
 
 def _name(ctx: Ctx, prefix: str) -> re.Pattern[str]:
@@ -23,7 +26,8 @@ def _name(ctx: Ctx, prefix: str) -> re.Pattern[str]:
 def _profile(ctx: Ctx, start: bool, prefix: str | None = None, *, state: WorkerState = WorkerState.ACTIVE,
              status: AckStatus | None = None) -> tuple[Profile, Ack]:  # fmt: skip
     command = ctx.cmd(Profile, "start" if start else "stop", start=start, prefix=prefix)
-    return command, ctx.ack(ctx.request(command), command, state=state, status=status)
+    reply = ctx.worker.request(command, timeout_s=max(ctx.options.reply_timeout_s, PROFILE_REPLY_TIMEOUT_S))
+    return command, ctx.ack(reply, command, state=state, status=status)
 
 
 @case("P-15", "profile_start_stop_lists_traces", "Profile start, a second start (ALREADY), stop: the stop's Ack "
