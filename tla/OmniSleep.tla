@@ -410,8 +410,9 @@ Done(r) ==
           /\ replied' = [replied EXCEPT ![r] = @ \cup {reply}]
           /\ net' = net \cup {reply}
           /\ faults' = IF did # p.plan THEN faults + 1 ELSE faults
-          /\ broken' = broken \cup (IF p.type = "Profile" /\ \/ <<st, asl, val>> # <<wstate[r], wasleep[r], wvalid[r]>>
-                                                          \/ mem'[r] # mem[r]
+          /\ broken' = broken \cup (IF /\ p.type = "Profile"
+                                       /\ \/ <<st, asl, val>> # <<wstate[r], wasleep[r], wvalid[r]>>
+                                          \/ mem'[r] # mem[r]
                                     THEN {"P15"} ELSE {})
     /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask>>
 
