@@ -21,10 +21,9 @@ from omni_core.formal import trace_check, trace_export
 from omni_core.fsm import trace_records as T
 from omni_core.trace import read_trace
 from tests.engine.conftest import PROBE, rank_pid, resume, small_spec, wait_for
-from tests.formal.test_trace_validation import _assert_accepted, _copy, _forged, needs_tlc
 
 # the demo trace fixtures, shared: pytest finds them by name in this module
-from tests.formal.test_trace_validation import demo_records, demo_trace  # noqa: F401
+from tests.formal.test_trace_validation import _assert_accepted, _copy, _forged, demo_records, demo_trace, needs_tlc  # noqa: F401
 
 pytestmark = needs_tlc
 
