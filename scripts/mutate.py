@@ -190,7 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        ["tests/test_worker_core.py::test_stale_epoch_is_refused_and_newer_epoch_adopted"]),
     # ------------------------------------------------------------ worker shell
     _m("shell-bad-message", "the worker shell dies on undecodable bytes instead of NACKing them",
-       SHELL, "            self._send_all(core.on_bad_message(err).replies)\n",
+       SHELL, "            self._send_all(core.on_bad_message(err))\n",
        "            raise  # mutant: garbage kills the rank\n",
        ["tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]"]),
 )  # fmt: skip

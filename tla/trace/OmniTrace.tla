@@ -61,6 +61,7 @@ CarriedInit ==
     /\ wvalid = Carried.wvalid /\ wepoch = Carried.wepoch
     /\ mem = [r \in Ranks |-> MemFrom(Carried.wasleep[r], Carried.wvalid[r])]
     /\ wpend = [r \in Ranks |-> NoPend] /\ wcache = [r \in Ranks |-> {}]
+    /\ wprof = [r \in Ranks |-> FALSE] /\ sprof = NoProf     \* Profile tasks are not replayed
     /\ replied = [r \in Ranks |-> {}] /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
     /\ sstate = Carried.sstate /\ sepoch = Carried.sepoch /\ stask = 0 /\ scmd = NoCmd
     /\ sacks = Carried.sacks /\ sloadFailed = {} /\ sasleep = Carried.sasleep /\ svalid = Carried.svalid
