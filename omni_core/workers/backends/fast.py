@@ -428,8 +428,8 @@ class FastPath:
         log.info("fast backend: host copy of %.3f GiB of read-only %s made in %.3f s; their sleeps copy nothing",
                  self.stats.snapshot_bytes / 2**30, list(tags), self.stats.snapshot_s)  # fmt: skip
 
-    def _copy_out(self, copies: list[Copy]) -> list[Any]:
-        """Issue device->host `copies` over the streams; the events, one per copy."""
+    def _issue_copies_out(self, copies: list[Copy]) -> list[Any]:
+        """Start device->host `copies`, spread over the streams; the events, one per copy."""
         streams = self.ops.streams
         self.ops.streams_after_current()
         events = []
@@ -438,9 +438,12 @@ class FastPath:
             if c.nbytes:
                 self.ops.copy(c.host, c.device, c.nbytes, False, stream)
             events.append(self.ops.record(stream))
-        for event in events:
-            self.ops.wait(event)
         return events
+
+    def _copy_out(self, copies: list[Copy]) -> None:
+        """Device->host `copies`, returning once every one has landed."""
+        for event in self._issue_copies_out(copies):
+            self.ops.wait(event)
 
     def invalidate(self, tags: Iterable[str]) -> None:
         """The device content of `tags` is about to change (a reload, an in-place update):
@@ -533,14 +536,7 @@ class FastPath:
         if kept:
             self._ensure_slots(kept)
             copies = plan_copies([(p, self._slots[p].host, _nbytes(d)) for p, d in kept], self.chunk_bytes)
-            streams = self.ops.streams
-            self.ops.streams_after_current()
-            events = []
-            for k, c in enumerate(copies):
-                stream = streams[k % len(streams)]
-                if c.nbytes:
-                    self.ops.copy(c.host, c.device, c.nbytes, False, stream)
-                events.append(self.ops.record(stream))
+            events = self._issue_copies_out(copies)
             # Events complete in any order across streams; waiting in issue order means that
             # after event k every copy up to k is done, so the allocations ending in k are free.
             for c, event in zip(copies, events, strict=True):
