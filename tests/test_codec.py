@@ -54,7 +54,7 @@ MEMORY = MemoryReport(
 # field that the codec dropped or mangled shows up in the round trip.
 SAMPLES: dict[type[Message], Message] = {
     Sleep: Sleep(task_id="sleep-1", epoch=3, level=2, tags=("weights", "kv_cache")),
-    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",)),
+    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), wait_for_memory_s=2.5),
     ReloadWeights: ReloadWeights(task_id="reload-1", epoch=3, source="/ckpt/step-100"),
     Execute: Execute(task_id="exec-1", epoch=3,
                      payload={"prompt": "hi", "ids": [1, 2, 3], "blob": b"\x00\x01", "t": 0.5}),
@@ -135,6 +135,16 @@ def test_decode_command_refuses_replies(cls: type[Message]) -> None:
 def test_memoryview_and_bytearray_inputs() -> None:
     data = encode(SAMPLES[Sleep])
     assert decode(memoryview(data)) == decode(bytearray(data)) == SAMPLES[Sleep]
+
+
+def test_a_wake_without_waiting_is_the_frame_earlier_workers_know() -> None:
+    # wait_for_memory_s came after protocol v1's first Wake: left off the wire at its default,
+    # so a worker that forbids unknown fields still decodes every Wake that does not wait.
+    plain = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, tags=("weights",))))
+    assert plain == {"type": "Wake", "v": PROTOCOL_VERSION, "task_id": "w", "epoch": 1, "tags": ["weights"]}
+    waiting = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, wait_for_memory_s=3.0)))
+    assert waiting["wait_for_memory_s"] == 3.0 and waiting["v"] == PROTOCOL_VERSION
+    assert decode(encode(Wake(task_id="w", epoch=1))) == Wake(task_id="w", epoch=1)
 
 
 def test_minimal_message_gets_defaults() -> None:

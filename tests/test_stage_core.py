@@ -273,6 +273,56 @@ def test_reload_refused_by_some_ranks_only_fails_naming_them() -> None:
     assert "different weights" in outcome.failures[1]
 
 
+def _no_memory(rank: int, task_id: str, state: W) -> Nack:
+    return Nack(task_id=task_id, epoch=0, rank=rank, command="Wake", reason=NackReason.NO_MEMORY,
+                detail=f"rank {rank}: needed 4 GiB, 1 GiB free after 5 s; held by pid 77 (30 GiB)", state=state)  # fmt: skip
+
+
+def test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started() -> None:
+    """P-16: a swap's incoming stage that never got the memory is exactly where it was."""
+    cases = ((S.SLEEPING, reach_stage(S.SLEEPING), None), (S.PARTIAL, reach_stage(S.PARTIAL), None),
+             (S.NEEDS_RELOAD, needs_reload_with_kv_cache_asleep(), ("kv_cache",)))  # fmt: skip
+    for start, h, tags in cases:
+        asleep = set(h.stage.residency.asleep)
+        step = h.stage.wake("w", tags, h.now, 30.0, wait_for_memory_s=5.0)
+        assert {out.command.wait_for_memory_s for out in step.sends} == {5.0}
+        for rank in (0, 1):
+            assert h.stage.on_reply(wire(_no_memory(rank, "w", W(start.value))), h.now) == StageStep()
+        outcome = outcome_of(h.stage.on_reply(wire(_no_memory(2, "w", W(start.value))), h.now))
+        assert not outcome.ok and outcome.refused and outcome.state is start and h.stage.state is start
+        assert set(outcome.refusals) == {0, 1, 2} and "held by pid 77" in outcome.error
+        assert h.stage.residency.asleep == asleep
+        # A retry of the same task is its recorded refusal; a new one may succeed.
+        assert h.stage.wake("w", tags, h.now, 30.0, wait_for_memory_s=5.0).outcome == outcome
+
+
+def test_wake_refused_for_memory_by_some_ranks_fails_naming_them() -> None:
+    h = reach_stage(S.SLEEPING)
+    step = h.stage.wake("w", None, h.now, 30.0, wait_for_memory_s=5.0)
+    for ack in h.to_workers(step, ranks={0, 2}):
+        h.stage.on_reply(ack, h.now)
+    outcome = outcome_of(h.stage.on_reply(wire(_no_memory(1, "w", W.SLEEPING)), h.now))
+    assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
+    assert "different tags" in outcome.failures[1] and "held by pid 77" in outcome.failures[1]
+
+
+def test_a_no_memory_nack_to_another_command_is_a_failure_not_a_refusal() -> None:
+    h = reach_stage(S.RUNNING)
+    h.stage.sleep("s", 1, None, h.now, 30.0)
+    nack = Nack(task_id="s", epoch=0, rank=0, command="Sleep", reason=NackReason.NO_MEMORY, detail="?",
+                state=W.ACTIVE)  # fmt: skip
+    outcome = outcome_of(h.stage.on_reply(wire(nack), h.now))
+    assert h.stage.state is S.FAILED and not outcome.refused
+
+
+def test_the_wait_for_memory_must_end_before_the_deadline() -> None:
+    h = reach_stage(S.SLEEPING)
+    for wait in (30.0, 31.0, -1.0, float("nan"), 4000.0):
+        with pytest.raises(StageCommandError, match="wait_for_memory_s"):
+            h.stage.wake("w", None, h.now, 30.0 if wait != 4000.0 else 5000.0, wait_for_memory_s=wait)
+    assert h.stage.state is S.SLEEPING
+
+
 # ----------------------------------------------------------------------- ALREADY (P-4)
 
 
@@ -610,6 +660,7 @@ def _fail_from_each_state() -> None:
 
 SCENARIOS: list[Callable[[], object]] = [
     test_reload_refused_by_every_rank_returns_to_needs_reload,
+    test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started,
     test_start_commits_running_only_after_every_hello,
     test_sleep_commits_only_on_the_last_ack,
     test_wake_to_running_partial_and_needs_reload_then_reload,

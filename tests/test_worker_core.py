@@ -259,6 +259,42 @@ def test_only_a_pending_reload_can_be_refused() -> None:
         d.w.on_refused("s", "not a reload")
 
 
+def test_wake_refused_for_memory_returns_to_the_state_it_came_from() -> None:
+    """P-16: a wake that found too little free device memory in time unmapped what it mapped;
+    the rank is where it was, NACK NO_MEMORY, kept for a copy of the task."""
+    level2_then_weights = reach_worker(W.ACTIVE)
+    level2_then_weights.run(Sleep(task_id="l2", epoch=0, level=2))
+    level2_then_weights.run(Wake(task_id="ww", epoch=0, tags=("weights",)))
+    for start, d in ((W.SLEEPING, reach_worker(W.SLEEPING)), (W.PARTIAL, reach_worker(W.PARTIAL)),
+                     (W.NEEDS_RELOAD, level2_then_weights)):  # fmt: skip
+        asleep = frozenset(d.w.residency.asleep)
+        assert d.w.state is start and asleep
+        tags = tuple(sorted(asleep))
+        step = d.send(Wake(task_id="w", epoch=0, tags=tags, wait_for_memory_s=5.0))
+        assert d.w.state is W.RESTORING and step.effect == WakeEffect("w", asleep, 5.0)
+        (nack,) = d.w.on_refused("w", "needed 2 GiB, 1 GiB free; held by pid 42", NackReason.NO_MEMORY).replies
+        assert nack.reason is NackReason.NO_MEMORY and nack.state is start and d.w.state is start
+        assert "held by pid 42" in nack.detail and d.w.residency.asleep == asleep and not d.w.failure
+        again = d.send(Wake(task_id="w", epoch=0, tags=tags, wait_for_memory_s=5.0))
+        assert again.effect is None and again.replies == (nack,) and d.w.state is start
+        (reused,) = d.send(Wake(task_id="w", epoch=0, tags=tags, wait_for_memory_s=9.0)).replies
+        assert reused.reason is NackReason.TASK_ID_REUSED
+
+
+def test_a_refusal_must_carry_the_reason_of_its_command() -> None:
+    d = reach_worker(W.SLEEPING)
+    d.send(Wake(task_id="w", epoch=0))
+    with pytest.raises(InvariantViolation):
+        d.w.on_refused("w", "no room", NackReason.INVALID_ARGUMENT)
+
+
+def test_waiting_for_memory_needs_the_swap_capability() -> None:
+    d = reach_worker(W.SLEEPING, capabilities=(Capability.LEVEL2, Capability.PARTIAL_WAKE))
+    (nack,) = d.send(Wake(task_id="w", epoch=0, wait_for_memory_s=1.0)).replies
+    assert nack.reason is NackReason.UNSUPPORTED and "swap" in nack.detail and d.w.state is W.SLEEPING
+    assert d.send(Wake(task_id="w2", epoch=0)).effect is not None  # without waiting it wakes
+
+
 def test_epochs_far_ahead_are_refused_and_do_not_fence_the_rank() -> None:
     """Issue 10: epoch 2**64-1 once was adopted and the rank refused every normal epoch after."""
     d = reach_worker(W.ACTIVE)
@@ -745,6 +781,7 @@ UNREACHABLE: set[tuple[str, str, str]] = set()
 
 SCENARIOS = [
     test_reload_refused_by_the_runner_returns_to_the_state_it_came_from,
+    test_wake_refused_for_memory_returns_to_the_state_it_came_from,
     test_load_then_level1_sleep_and_wake,
     test_level2_sleep_needs_reload_before_execute,
     test_partial_wake_then_the_rest,

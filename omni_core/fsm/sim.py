@@ -157,7 +157,8 @@ def describe(message: Message) -> str:
     if isinstance(message, Sleep):
         return f"Sleep {head} level={message.level} tags={_tags(message.tags)}"
     if isinstance(message, Wake):
-        return f"Wake {head} tags={_tags(message.tags)}"
+        wait = f" wait_for_memory={fmt_s(message.wait_for_memory_s)}" if message.wait_for_memory_s else ""
+        return f"Wake {head} tags={_tags(message.tags)}{wait}"
     if isinstance(message, ReloadWeights):
         return f"ReloadWeights {head} source={message.source or 'default'}"
     if isinstance(message, Execute):
@@ -189,7 +190,8 @@ def describe_input(event: I.EngineInput) -> str:
         return (f"SleepCall {event.task_id} level={event.level} tags={_tags(event.tags)} "
                 f"deadline={fmt_s(event.deadline_s)}{abort}")  # fmt: skip
     if isinstance(event, I.WakeCall):
-        return f"WakeCall {event.task_id} tags={_tags(event.tags)} deadline={fmt_s(event.deadline_s)}"
+        wait = f" wait_for_memory={fmt_s(event.wait_for_memory_s)}" if event.wait_for_memory_s else ""
+        return f"WakeCall {event.task_id} tags={_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
     if isinstance(event, I.ReloadCall):
         return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.ProfileCall):
@@ -873,9 +875,10 @@ class Script:
                                 abort_in_flight=_bool(args.get("abort", "no"))))  # fmt: skip
 
     def cmd_wake(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"task", "tags", "deadline"})
+        self._only(args, {"task", "tags", "deadline", "wait"})
         self.s.call(I.WakeCall(args["task"], _tag_list(args.get("tags", "all")),
-                               parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+                               parse_duration_s(args.get("deadline", "30s")),
+                               parse_duration_s(args.get("wait", "0s"))))  # fmt: skip
 
     def cmd_reload(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "source", "deadline"})

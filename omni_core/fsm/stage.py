@@ -42,6 +42,7 @@ from omni_core.fsm.trace_records import (
 )
 from omni_core.fsm.worker import InvariantViolation
 from omni_core.protocol import (
+    MAX_WAIT_FOR_MEMORY_S,
     Ack,
     AckStatus,
     Command,
@@ -81,6 +82,12 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("reload", (S.NEEDS_RELOAD,), S.WAKING, "ReloadWeights sent to every rank"),
     Transition("reload_refused", (S.WAKING,), S.NEEDS_RELOAD,
                "every rank refused the source (INVALID_ARGUMENT): nothing was written"),
+    Transition("wake_refused_sleeping", (S.WAKING,), S.SLEEPING,
+               "every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped"),
+    Transition("wake_refused_partial", (S.WAKING,), S.PARTIAL,
+               "every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped"),
+    Transition("wake_refused_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
+               "every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped"),
     Transition("woke_running", (S.WAKING,), S.RUNNING, "every rank ACKed, all resident (P-5)"),
     Transition("woke_partial", (S.WAKING,), S.PARTIAL, "every rank ACKed, tags still asleep"),
     Transition("woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
@@ -197,7 +204,12 @@ class _Task:
     apply: Any = None  # callable(Residency) run on commit
     sent: bool = False
     acks: dict[int, Ack] = field(default_factory=dict)
-    refusals: dict[int, str] = field(default_factory=dict)  # rank -> INVALID_ARGUMENT detail
+    refusals: dict[int, str] = field(default_factory=dict)  # rank -> INVALID_ARGUMENT / NO_MEMORY detail
+    refused_trigger: str = ""  # where every rank refusing returns the stage (ReloadWeights, Wake)
+
+
+# The NACK that is a refusal (the rank is where it was) rather than a failure, per command.
+_REFUSAL = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY}
 
 
 class StageCore:
@@ -385,7 +397,7 @@ class StageCore:
         return step
 
     def on_wake_call(self, event: I.WakeCall, now: float) -> StageStep:
-        return self.wake(event.task_id, event.tags, now, event.deadline_s)
+        return self.wake(event.task_id, event.tags, now, event.deadline_s, wait_for_memory_s=event.wait_for_memory_s)
 
     def on_reload_call(self, event: I.ReloadCall, now: float) -> StageStep:
         return self.reload(event.task_id, event.source, now, event.deadline_s)
@@ -661,14 +673,21 @@ class StageCore:
         return step
 
     def wake(self, task_id: str, tags: tuple[str, ...] | None, now: float,
-             deadline_s: float) -> StageStep:  # fmt: skip
+             deadline_s: float, *, wait_for_memory_s: float = 0.0) -> StageStep:  # fmt: skip
+        """Wake `tags` (every tag: None). With `wait_for_memory_s` each rank may wait that long
+        for free device memory another stage is releasing (a swap, P-16); it must end well
+        before the deadline so that a rank's NO_MEMORY refusal arrives in time."""
+        if not (0 <= wait_for_memory_s < deadline_s) or wait_for_memory_s > MAX_WAIT_FOR_MEMORY_S:
+            raise StageCommandError(
+                f"wait_for_memory_s must be >= 0, below the deadline ({deadline_s} s) and at most "
+                f"{MAX_WAIT_FOR_MEMORY_S:.0f} s, got {wait_for_memory_s!r}; leave the ranks time to map and copy")
         wanted = self._resolve(tags)
-        signature = ("Wake", None if tags is None else tuple(sorted(wanted)))
+        signature = ("Wake", None if tags is None else tuple(sorted(wanted)), float(wait_for_memory_s))
         retried = self._retry(task_id, signature)
         if retried is not None:
             return retried
         self._require_idle("wake")
-        command = Wake(task_id=task_id, epoch=self.epoch, tags=signature[1])
+        command = Wake(task_id=task_id, epoch=self.epoch, tags=signature[1], wait_for_memory_s=signature[2])
         to_wake = wanted & self.residency.asleep
         if not to_wake and self.lifecycle.allows("wake_already"):
             return self._already(task_id, signature, command, "wake_already", now)
@@ -680,7 +699,8 @@ class StageCore:
         self._task = _Task(task_id, signature, command, now, now + deadline_s,
                            expect_state=row.rank_state, expect_asleep=after.asleep,
                            commit_trigger=row.stage_commit,
-                           apply=lambda res: res.apply_wake(to_wake))  # fmt: skip
+                           apply=lambda res: res.apply_wake(to_wake),
+                           refused_trigger=f"wake_refused_{self.state.value.lower()}")  # fmt: skip
         self.lifecycle.fire("wake")
         step = self._send_all()
         self._issued = (command, False, now + deadline_s)
@@ -703,7 +723,7 @@ class StageCore:
                            now, now + deadline_s, expect_state=row.rank_state,
                            expect_asleep=self.residency.asleep,
                            commit_trigger=row.stage_commit,
-                           apply=lambda res: res.apply_reload())  # fmt: skip
+                           apply=lambda res: res.apply_reload(), refused_trigger="reload_refused")  # fmt: skip
         self.lifecycle.fire("reload")
         step = self._send_all()
         self._issued = (self._task.command, False, now + deadline_s)
@@ -755,8 +775,7 @@ class StageCore:
         if reply.rank in task.acks or reply.rank in task.refusals:
             self.counters.duplicate_replies_ignored += 1
             return StageStep()
-        if isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT \
-                and isinstance(task.command, ReloadWeights):  # fmt: skip
+        if isinstance(reply, Nack) and reply.reason is _REFUSAL.get(type(task.command)):
             task.refusals[reply.rank] = reply.detail
             return self._maybe_commit(now)
         if isinstance(task.command, Profile):
@@ -823,14 +842,20 @@ class StageCore:
         if len(task.acks) + len(task.refusals) < len(self.ranks):
             return StageStep()
         if task.refusals and task.acks:
-            return self._fail_task({r: f"refused the source while ranks {sorted(task.acks)} reloaded it "
-                                       f"(ranks now hold different weights): {why}"
+            what = "refused the source while ranks {} reloaded it (ranks now hold different weights)" \
+                if isinstance(task.command, ReloadWeights) else \
+                "found too little free device memory while ranks {} woke (ranks now hold different tags)"  # fmt: skip
+            return self._fail_task({r: f"{what.format(sorted(task.acks))}: {why}"
                                     for r, why in task.refusals.items()}, now)  # fmt: skip
         if task.refusals:
-            self.lifecycle.fire("reload_refused")
+            self.lifecycle.fire(task.refused_trigger)
             details = "; ".join(f"rank {r}: {why}" for r, why in sorted(task.refusals.items()))
-            return StageStep(outcome=self._end_task(False, f"every rank refused the reload, nothing was "
-                                                           f"written ({details})", {}, now, refused=True))  # fmt: skip
+            what = "the reload, nothing was written" if isinstance(task.command, ReloadWeights) \
+                else "the wake for lack of free device memory, nothing stayed mapped"  # fmt: skip
+            outcome = self._end_task(False, f"every rank refused {what} ({details})", {}, now, refused=True)
+            outcome = replace(outcome, refusals=MappingProxyType(dict(task.refusals)))
+            self.completed.put(task.task_id, (task.signature, outcome))  # a retry hears the refusals too
+            return StageStep(outcome=outcome)
         task.apply(self.residency)
         for rank, ack in task.acks.items():
             self.rank_state[rank] = ack.state

@@ -88,6 +88,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
                "the runner refused the source before writing (INVALID_ARGUMENT)"),
     Transition("reload_refused_active", (W.RELOADING,), W.ACTIVE,
                "the runner refused the source before writing (INVALID_ARGUMENT)"),
+    Transition("wake_refused_sleeping", (W.RESTORING,), W.SLEEPING,
+               "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
+    Transition("wake_refused_partial", (W.RESTORING,), W.PARTIAL,
+               "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
+    Transition("wake_refused_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD,
+               "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition("profile", _IDLE, None,
@@ -100,15 +106,23 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
 )  # fmt: skip
 
-# A refused reload returns to where it came from (reload is legal from these two only).
-_REFUSED_RELOAD = {W.NEEDS_RELOAD: "reload_refused_needs_reload", W.ACTIVE: "reload_refused_active"}
+# A refused reload or wake returns to where it came from: (command, state before) -> trigger,
+# and the reason its NACK gives.
+_REFUSED = {
+    (ReloadWeights, W.NEEDS_RELOAD): "reload_refused_needs_reload",
+    (ReloadWeights, W.ACTIVE): "reload_refused_active",
+    (Wake, W.SLEEPING): "wake_refused_sleeping",
+    (Wake, W.PARTIAL): "wake_refused_partial",
+    (Wake, W.NEEDS_RELOAD): "wake_refused_needs_reload",
+}
+_REFUSAL_REASON = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY}
 
 # Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
 # to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
 # rank off from every normal epoch for good.
 MAX_EPOCH_AHEAD = 64
 
-ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
+ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.SWAP)
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
 _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
 
@@ -161,7 +175,7 @@ class _Pending:
     command: Command
     sleep_plan: SleepPlan | None = None  # Sleep: what to offload and discard
     wake_tags: frozenset[str] = frozenset()  # Wake: the tags it maps back
-    state_before: W | None = None  # ReloadWeights: where a refusal returns to
+    state_before: W | None = None  # ReloadWeights, Wake: where a refusal returns to
 
 
 # Digest, names and bookkeeping of one cache entry, counted against the byte budget.
@@ -298,22 +312,32 @@ class WorkerCore:
         head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, path)
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
-    def on_refused(self, task_id: str, detail: str) -> WorkerStep:
-        """The runner refused the pending reload's arguments before touching memory: NACK
-        INVALID_ARGUMENT and return to the state the reload started from. Cached, like an
+    def on_refused(self, task_id: str, detail: str, reason: NackReason | None = None) -> WorkerStep:
+        """The pending effect was refused before it changed anything, and the rank is back in
+        the state the command started from: a ReloadWeights whose source the runner refused
+        before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
+        memory in time and unmapped what it had mapped (NACK NO_MEMORY, P-16). Cached, like an
         EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
         gets it again instead of passing through RELOADING once more (TLC found that a copy
         judged afresh moved a rank of a NEEDS_RELOAD stage back into RELOADING)."""
         before = self.state
         pending = self._take_pending(task_id)
-        if not isinstance(pending.command, ReloadWeights) or pending.state_before not in _REFUSED_RELOAD:
-            raise InvariantViolation(f"only a pending ReloadWeights can be refused, not {pending.command!r}")
-        self.lifecycle.fire(_REFUSED_RELOAD[pending.state_before])
-        reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT,
-                           f"ReloadWeights task {task_id!r} refused, nothing was written: {detail}")  # fmt: skip
+        kind = type(pending.command)
+        trigger = _REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
+        if trigger is None:
+            raise InvariantViolation(f"only a pending ReloadWeights or Wake can be refused, not {pending.command!r} "
+                                     f"(started in {pending.state_before})")  # fmt: skip
+        if reason is not None and reason is not _REFUSAL_REASON[kind]:
+            raise InvariantViolation(f"a {kind.__name__} is refused with {_REFUSAL_REASON[kind].value}, "
+                                     f"not {reason.value}")
+        self.lifecycle.fire(trigger)
+        name = kind.__name__
+        effect = "nothing was written" if kind is ReloadWeights else "nothing it mapped is kept, every tag is as before"
+        reply = self._nack(pending.command, _REFUSAL_REASON[kind],
+                           f"{name} task {task_id!r} refused, {effect}: {detail}")
         self._remember(pending.command, reply)
         self._check_invariants()
-        head = EffectRefused(task_id, "ReloadWeights", self.state.value, clip(detail))
+        head = EffectRefused(task_id, name, self.state.value, clip(detail))
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
     def on_error(self, task_id: str, error: str) -> WorkerStep:
@@ -434,11 +458,15 @@ class WorkerCore:
         if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
                                 "partial wake; wake every asleep tag (tags=None)")  # fmt: skip
+        if command.wait_for_memory_s > 0 and Capability.SWAP not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker cannot wait for free device memory "
+                                "(capability 'swap' not declared); send the Wake with wait_for_memory_s=0")  # fmt: skip
         if not self.lifecycle.allows("wake"):
             return self._refuse_state(command)
+        before = self.state
         self.lifecycle.fire("wake")
-        self._pending = _Pending(command, wake_tags=frozenset(to_wake))
-        return WorkerStep(effect=WakeEffect(command.task_id, to_wake))
+        self._pending = _Pending(command, wake_tags=frozenset(to_wake), state_before=before)
+        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.wait_for_memory_s))
 
     def on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
         if not self.lifecycle.allows("reload"):

@@ -5,6 +5,7 @@ from omni_core.protocol.enums import AckStatus, Capability, NackReason, StageSta
 from omni_core.protocol.messages import (
     COMMAND_TYPES,
     MAX_DETAIL_CHARS,
+    MAX_WAIT_FOR_MEMORY_S,
     MESSAGE_TYPES,
     REPLY_TYPES,
     Ack,
@@ -33,6 +34,7 @@ __all__ = [
     "COMMAND_TYPES",
     "MAX_DETAIL_CHARS",
     "MAX_PROFILE_PREFIX_CHARS",
+    "MAX_WAIT_FOR_MEMORY_S",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "REPLY_TYPES",

@@ -64,8 +64,20 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
 def encode(message: Message) -> bytes:
-    """Serialize one message."""
+    """Serialize one message. Fields added to a message after its first version
+    (`OPTIONAL_ON_WIRE`) are left off while they hold their default, so a peer that predates
+    them gets the frame it knows; every other field, the version `v` included, is always sent."""
+    optional = getattr(message, "OPTIONAL_ON_WIRE", ())
+    if optional and all(getattr(message, f) == _default(type(message), f) for f in optional):
+        fields = {f: getattr(message, f) for f in message.__struct_fields__ if f not in optional}
+        return _encoder.encode({"type": message.__struct_config__.tag, **fields})
     return _encoder.encode(message)
+
+
+def _default(kind: type, name: str) -> Any:
+    # msgspec lines the defaults up with the last fields
+    defaults = dict(zip(reversed(kind.__struct_fields__), reversed(kind.__struct_defaults__), strict=False))
+    return defaults[name]
 
 
 def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:

@@ -64,6 +64,7 @@ class NackReason(str, enum.Enum):
     EPOCH_AHEAD = "EPOCH_AHEAD"  # epoch further ahead of the worker's than MAX_EPOCH_AHEAD allows
     REPLY_NOT_KEPT = "REPLY_NOT_KEPT"  # duplicate of an answered task whose reply was too large to keep
     PROFILE_ERROR = "PROFILE_ERROR"  # the profiler raised (start, export); the lifecycle state is unchanged
+    NO_MEMORY = "NO_MEMORY"  # a Wake found too little free device memory in time; rolled back, state unchanged
 
 
 class Capability(str, enum.Enum):
@@ -74,3 +75,4 @@ class Capability(str, enum.Enum):
     STABLE_ADDRESSES = "stable_addresses"  # tensors keep their device addresses across sleep
     CUDA_GRAPHS = "cuda_graphs"  # captured graphs stay valid across sleep
     PROFILE = "profile"  # answers Profile (start/stop of a profiler, P-15)
+    SWAP = "swap"  # a Wake waits for free device memory (Wake.wait_for_memory_s) and refuses with NO_MEMORY (P-16)

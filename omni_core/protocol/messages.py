@@ -8,7 +8,7 @@ re-sent as-is, and unknown fields are refused so that a typo never passes silent
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -21,6 +21,7 @@ MAX_DETAIL_CHARS = 4096
 MAX_PREFIX_WIRE_CHARS = 1024  # Profile.prefix on the wire; the worker accepts far less
 MAX_TRACE_PATHS = 16  # Ack.trace_paths: a stop lists one trace (two after an automatic cut)
 MAX_PATH_CHARS = 4096
+MAX_WAIT_FOR_MEMORY_S = 3600.0  # Wake.wait_for_memory_s: a swap's wait for another stage to leave
 
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TASK_ID_CHARS)]
 Epoch = Annotated[int, msgspec.Meta(ge=0)]
@@ -57,9 +58,20 @@ class Sleep(Command, kw_only=True, frozen=True):
 
 
 class Wake(Command, kw_only=True, frozen=True):
-    """Map the tags back (and restore what level 1 offloaded). `tags=None` means every tag."""
+    """Map the tags back (and restore what level 1 offloaded). `tags=None` means every tag.
+
+    Before each allocation the rank checks that the device has that much free memory
+    (P-16). `wait_for_memory_s` is how long it may wait for memory another stage is
+    releasing (a swap); when the memory is not there in time it unmaps what this wake
+    mapped and answers NACK NO_MEMORY naming who holds the device, its state unchanged.
+    `wait_for_memory_s` is left off the wire at 0, so a Wake without waiting is the frame
+    every earlier worker knows (a worker lists Capability.SWAP before an engine asks it to
+    wait); see `codec.encode`."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("wait_for_memory_s",)
 
     tags: Tags | None = None
+    wait_for_memory_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_FOR_MEMORY_S)] = 0.0
 
 
 class ReloadWeights(Command, kw_only=True, frozen=True):
