@@ -275,7 +275,8 @@ def test_reload_refused_by_some_ranks_only_fails_naming_them() -> None:
 
 def _no_memory(rank: int, task_id: str, state: W) -> Nack:
     return Nack(task_id=task_id, epoch=0, rank=rank, command="Wake", reason=NackReason.NO_MEMORY,
-                detail=f"rank {rank}: needed 4 GiB, 1 GiB free after 5 s; held by pid 77 (30 GiB)", state=state)  # fmt: skip
+                detail=f"rank {rank}: needed 4 GiB, 1 GiB free after 5 s; held by pid 77 (30 GiB)",
+                state=state)  # fmt: skip
 
 
 def test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started() -> None:
