@@ -266,21 +266,25 @@ class ProcessMemory:
     def measure(self) -> MemoryFigure:
         if self.device.type != "cuda":
             return MemoryFigure(None, f"none: {self.nvml_problem}")
-        if self.nvml is not None and self.physical is not None:
-            try:
-                used = self.nvml.process_bytes(self.physical.handle)
-            except Exception as exc:
-                why = f"NVML query failed: {type(exc).__name__}: {exc}"
-            else:
-                if self.pid in used:
-                    return MemoryFigure(used[self.pid], NVML)
-                why = f"NVML does not list pid {self.pid} (PID namespace?)"
-        else:
-            why = self.nvml_problem
+        used, why = self.device_processes()
+        if not why:
+            if self.pid in used:
+                return MemoryFigure(used[self.pid], NVML)
+            why = f"NVML does not list pid {self.pid} (PID namespace?)"
         import torch
 
         free, total = torch.cuda.mem_get_info(self.device)
         return MemoryFigure(total - free, f"cuda-mem-get-info: device-wide used bytes ({why})")
+
+    def device_processes(self) -> tuple[dict[int, int], str]:
+        """Every process NVML lists on this device with its bytes (pid -> bytes), and why the
+        table is empty when NVML cannot give it ("" when it could)."""
+        if self.nvml is None or self.physical is None:
+            return {}, self.nvml_problem or "NVML unavailable"
+        try:
+            return dict(self.nvml.process_bytes(self.physical.handle)), ""
+        except Exception as exc:
+            return {}, f"NVML query failed: {type(exc).__name__}: {exc}"
 
     def total_bytes(self) -> int:
         if self.nvml is not None and self.physical is not None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from omni_core.workers.backends.portable import PortableBackend
+from omni_core.workers.memory_gate import MemoryGate
 from omni_core.workers.synthetic import SyntheticRunner
 
 FAULT_POINTS = ("load", "reload", "execute")
@@ -55,5 +56,5 @@ class FailingWakeBackend(PortableBackend):
 
     name = "failing-wake"
 
-    def _wake(self, tags: frozenset[str]) -> None:
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
         raise InjectedFault(f"injected fault: cannot map tags {sorted(tags)} back")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_core.protocol import Capability
+from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, WakeRefused
 
 
 class BackendUnavailable(RuntimeError):
@@ -41,6 +42,9 @@ class _SavedBuffer:
 class MemoryBackend(ABC):
     name: str = "?"
     capabilities: tuple[Capability, ...] = ()
+    # `_wake` takes a memory gate and rolls back when it expires (Capability.SWAP). False for
+    # a backend written before the gate: its `_wake(tags)` is called as it was.
+    supports_memory_gate: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -111,12 +115,25 @@ class MemoryBackend(ABC):
         # torch loaded costs ~200 ms per sleep, 100x the protocol's own round trip.
         self._empty_cache()
 
-    def wake(self, tags: Iterable[str]) -> None:
+    def wake(self, tags: Iterable[str], gate: MemoryGate | None = None) -> None:
+        """Map `tags` back. With a `gate`, each allocation waits for free device memory first;
+        when the gate's wait expires, what this wake mapped is unmapped again, the tags stay
+        asleep with their host copies and saved buffers intact, and WakeRefused is raised."""
         tags = frozenset(tags)
         if tags - self.asleep:
             raise BackendStateError(f"tag(s) {sorted(tags - self.asleep)} are not asleep "
                                     f"(asleep: {sorted(self.asleep)})")  # fmt: skip
-        self._wake(tags)
+        if gate is not None and not self.supports_memory_gate:
+            raise BackendStateError(f"backend {self.name!r} cannot wait for device memory (no memory gate); "
+                                    "wake it without wait_for_memory_s")  # fmt: skip
+        try:
+            if self.supports_memory_gate:
+                self._wake(tags, gate)
+            else:
+                self._wake(tags)  # type: ignore[call-arg]  # a backend written before the gate
+        except MemoryWaitExpired as exc:
+            raise WakeRefused(str(exc)) from exc
+        # Only now: a refused wake leaves the saved buffers for the next one.
         self.asleep -= tags
         for name in [n for n, s in self._saved.items() if s.tag in tags]:
             saved = self._saved.pop(name)
@@ -156,7 +173,10 @@ class MemoryBackend(ABC):
     def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None: ...
 
     @abstractmethod
-    def _wake(self, tags: frozenset[str]) -> None: ...
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
+        """Map `tags`, each allocation through `gate.admit` when given. On MemoryWaitExpired:
+        unmap every allocation this call mapped (after its copies landed), leave the host
+        copies as they were, and let the exception go."""
 
     @abstractmethod
     def _resident_bytes(self, tag: str) -> int: ...

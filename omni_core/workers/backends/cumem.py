@@ -30,6 +30,7 @@ import inspect
 from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -37,6 +38,7 @@ import torch
 
 from omni_core.protocol import Capability
 from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
+from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired
 
 CUMEM_MODULE = "vllm.device_allocator.cumem"
 INSTALL_HINT = "install vLLM >= 0.26 with CUDA support: pip install 'omni-core[vllm]'"
@@ -98,6 +100,7 @@ class CumemBackend(MemoryBackend):
     name = "cumem"
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE,
                     Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)  # fmt: skip
+    supports_memory_gate = True  # gated per allocation, before cuMemCreate/cuMemMap
 
     def __init__(self, device: torch.device, *, module: Any = None) -> None:
         """`module` stands in for vllm.device_allocator.cumem (tests pass a fake one)."""
@@ -178,11 +181,37 @@ class CumemBackend(MemoryBackend):
             finally:
                 self._mark(data, asleep=True)
 
-    def _wake(self, tags: frozenset[str]) -> None:
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
         with self._on_device():
-            self.allocator.wake_up(tags=sorted(tags))
+            if gate is None:
+                self.allocator.wake_up(tags=sorted(tags))
+            else:
+                self._wake_gated(tags, gate)
         for _, data in self._allocations(tags):
             self._mark(data, asleep=False)  # versions without flags: keep ours consistent
+
+    def _wake_gated(self, tags: frozenset[str], gate: MemoryGate) -> None:
+        """vLLM's wake_up loop with each map admitted by `gate`; the host copies are dropped
+        only once every allocation is back, so an expired wait can unmap and leave them."""
+        allocs = [(p, d) for p, d in self._allocations(tags) if self._is_asleep(d)]
+        gate.expect(sum(handle_of(d).size for _, d in allocs))
+        mapped: list[tuple[int, Any]] = []
+        try:
+            for ptr, data in allocs:
+                size = handle_of(data).size
+                gate.admit(size, partial(self._mod.create_and_map, data.handle))
+                self._mark(data, asleep=False)
+                mapped.append((ptr, data))
+                if data.cpu_backup_tensor is not None:  # synchronous, as in vLLM's wake_up
+                    self._mod.libcudart.cudaMemcpy(ptr, data.cpu_backup_tensor.data_ptr(), size)
+        except MemoryWaitExpired:
+            for _, data in mapped:
+                self._mod.unmap_and_release(data.handle)
+                self._mark(data, asleep=True)
+                gate.release(handle_of(data).size)
+            raise
+        for _, data in allocs:
+            data.cpu_backup_tensor = None
 
     def _resident_bytes(self, tag: str) -> int:
         return sum(handle_of(d).size for _, d in self._allocations({tag}) if not self._is_asleep(d))

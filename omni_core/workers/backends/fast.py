@@ -47,12 +47,14 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from omni_core.fsm.tags import WEIGHTS_TAG
 from omni_core.workers.backends.cumem import CumemBackend, handle_of
+from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
 log = logging.getLogger("omni_core.backends.fast")
 
@@ -587,12 +589,17 @@ class FastPath:
             self._clean.discard(ptr)
             data.cpu_backup_tensor = None
 
-    def wake(self, tags: Iterable[str] | None = None) -> dict[str, Any]:
+    def wake(self, tags: Iterable[str] | None = None, gate: MemoryGate | None = None) -> dict[str, Any]:
         """Map every asleep allocation of `tags` (all when None) back at its address and
         restore the ones with a host copy; returns once the bytes are on the device.
-        Mapping is pipelined with copying: allocation i+1 is mapped while i's bytes travel."""
+        Mapping is pipelined with copying: allocation i+1 is mapped while i's bytes travel.
+        With a `gate`, each map waits for free device memory; when the wait expires, the
+        copies in flight land, every allocation this wake mapped is unmapped again and
+        MemoryWaitExpired goes up with slots, host copies and flags as before the wake."""
         started = time.perf_counter()
         allocs = [(p, d) for p, d in self.allocations(tags) if self.is_asleep(p, d)]
+        if gate is not None:
+            gate.expect(sum(_nbytes(d) for _, d in allocs))
         self.ops.streams_after_current()
         copies = _RestoreCopies(self.ops, self.chunk_bytes)
         map_s = 0.0
@@ -600,15 +607,21 @@ class FastPath:
         # others (discarded KV) are mapped while the last copies are still in flight.
         order = [a for a in allocs if a[0] in self._backed] + [a for a in allocs if a[0] not in self._backed]
         backed = sum(1 for a in allocs if a[0] in self._backed)
-        for k, (ptr, data) in enumerate(order):
-            if k == backed:
-                copies.flush()
-            t = time.perf_counter()
-            self._map(data.handle)
-            self._mark(ptr, data, asleep=False)
-            map_s += time.perf_counter() - t
-            if ptr in self._backed:
-                copies.add(ptr, self._slots[ptr].host, _nbytes(data))
+        mapped: list[tuple[int, Any]] = []
+        try:
+            for k, (ptr, data) in enumerate(order):
+                if k == backed:
+                    copies.flush()
+                t = time.perf_counter()
+                admit(gate, _nbytes(data), partial(self._map, data.handle))
+                self._mark(ptr, data, asleep=False)
+                mapped.append((ptr, data))
+                map_s += time.perf_counter() - t
+                if ptr in self._backed:
+                    copies.add(ptr, self._slots[ptr].host, _nbytes(data))
+        except MemoryWaitExpired:
+            self._unmap_refused(mapped, gate)
+            raise
         copies.flush()
         self.ops.current_after_streams()
         self.ops.synchronize()
@@ -621,6 +634,19 @@ class FastPath:
         self.stats.last = {"op": "wake", "restored_bytes": copies.restored_bytes, "allocations": len(allocs),
                            "copies": copies.issued, "map_s": map_s, "total_s": done - started}  # fmt: skip
         return self.stats.last
+
+    def _unmap_refused(self, mapped: list[tuple[int, Any]], gate: MemoryGate | None) -> None:
+        """Undo the maps of a refused wake. The issued copies land first (they write into
+        these allocations); the slots keep their bytes, so `_backed` and `_clean` stand."""
+        self.ops.current_after_streams()
+        self.ops.synchronize()
+        for ptr, data in mapped:
+            try:
+                self._unmap(data.handle)
+            finally:
+                self._mark(ptr, data, asleep=True)
+            if gate is not None:
+                gate.release(_nbytes(data))
 
     # ------------------------------------------------------------------ figures, teardown
 
@@ -670,9 +696,9 @@ class FastBackend(CumemBackend):
         with self._on_device():
             self.path.sleep(offload, discard)
 
-    def _wake(self, tags: frozenset[str]) -> None:
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
         with self._on_device():
-            self.path.wake(tags)
+            self.path.wake(tags, gate)
 
     def declare_read_only(self, tags: Iterable[str], *, verify: bool = False) -> None:
         self.path.clean_tags = frozenset(tags)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from omni_core.protocol import Capability
 from omni_core.workers.backends.base import BackendStateError, MemoryBackend
+from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
+from omni_core.workers.simulated_device import SimulatedResidency
 
 
 @dataclass
@@ -37,12 +40,14 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
 class PortableBackend(MemoryBackend):
     name = "portable"
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
+    supports_memory_gate = True  # gated per storage
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         # Keyed by the StorageImpl address: views and aliases of one storage share it, so
         # each storage is released and restored exactly once.
         self._storages: dict[str, dict[int, _Storage]] = {}
+        self.residency: SimulatedResidency | None = None
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         if tag in self.asleep:
@@ -61,6 +66,7 @@ class PortableBackend(MemoryBackend):
                                             "a storage can belong to one pool only")  # fmt: skip
             table[key] = _Storage(storage, storage.nbytes())
         self._storages[tag] = table
+        self._report(self._resident_total())
 
     def tag_of(self, tensor: torch.Tensor) -> str | None:
         key = tensor.untyped_storage()._cdata
@@ -79,19 +85,51 @@ class PortableBackend(MemoryBackend):
             self._synchronize()  # the copies must land before their source is freed
             for entry in self._storages.get(tag, {}).values():
                 entry.storage.resize_(0)
+            self._report(self._resident_total())  # a waiting wake elsewhere may go on
 
-    def _wake(self, tags: frozenset[str]) -> None:
-        for tag in sorted(tags):
-            for entry in self._storages.get(tag, {}).values():
-                entry.storage.resize_(entry.nbytes)
-                view = _bytes_view(entry.storage, entry.nbytes)
-                if entry.host is not None:
-                    view.copy_(entry.host, non_blocking=self._pin)
-                else:
-                    view.zero_()  # discarded: deterministic zeros rather than stale bytes
-            self._synchronize()
-            for entry in self._storages.get(tag, {}).values():
-                entry.host = None
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
+        entries = [e for tag in sorted(tags) for e in self._storages.get(tag, {}).values()]
+        if gate is not None:
+            gate.expect(sum(e.nbytes for e in entries))
+        resident = self._resident_total()
+        mapped: list[_Storage] = []
+        try:
+            for tag in sorted(tags):
+                for entry in self._storages.get(tag, {}).values():
+                    admit(gate, entry.nbytes, partial(entry.storage.resize_, entry.nbytes))
+                    mapped.append(entry)
+                    resident += entry.nbytes
+                    self._report(resident)  # the next allocation's query must see this one
+                    view = _bytes_view(entry.storage, entry.nbytes)
+                    if entry.host is not None:
+                        view.copy_(entry.host, non_blocking=self._pin)
+                    else:
+                        view.zero_()  # discarded: deterministic zeros rather than stale bytes
+                self._synchronize()
+        except MemoryWaitExpired:
+            self._synchronize()  # copies into what is released must have landed
+            for entry in mapped:
+                entry.storage.resize_(0)
+                if gate is not None:
+                    gate.release(entry.nbytes)
+            self._report(self._resident_total())
+            raise
+        # Only once every tag is back: a refused wake keeps every host copy for the next one.
+        for entry in entries:
+            entry.host = None
+
+    def report_to(self, residency: SimulatedResidency | None) -> None:
+        """Write this process's resident bytes to a simulated device on every change (and
+        remove its file at release), so that other ranks' gates see them."""
+        self.residency = residency
+        self._report(self._resident_total())
+
+    def _report(self, resident_bytes: int) -> None:
+        if self.residency is not None:
+            self.residency.report(resident_bytes)
+
+    def _resident_total(self) -> int:
+        return sum(self._resident_bytes(tag) for tag in self._storages)
 
     def _resident_bytes(self, tag: str) -> int:
         return sum(e.storage.nbytes() for e in self._storages.get(tag, {}).values())
@@ -106,3 +144,5 @@ class PortableBackend(MemoryBackend):
             for entry in entries.values():
                 entry.host = None
         self._storages.clear()
+        if self.residency is not None:
+            self.residency.remove()

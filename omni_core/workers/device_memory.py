@@ -1,0 +1,86 @@
+"""Free device memory and who holds it: what a rank's memory gate asks before each map.
+
+Two sources answer the same two questions (`free_bytes`, `holders`):
+
+- `CudaFreeMemory`: the driver's free bytes on the rank's GPU (`torch.cuda.mem_get_info`)
+  and every process NVML lists there (through `ProcessMemory`, the one NVML reader);
+- `SimulatedResidency` (omni_core.workers.simulated_device): a capacity and per-process
+  files, for CPU runs.
+
+`is_out_of_memory` recognises the driver's refusal of a map the gate admitted (a third
+process allocated in between): the gate treats it as "not free yet", never as a failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from omni_core.workers.accounting import ProcessMemory
+from omni_core.workers.simulated_device import Holder, HolderList
+
+# Kept free below what the driver reports, per map: cuMemCreate needs a little beyond the
+# allocation's own bytes (page tables), and other processes' allocators round up. Enough
+# for that, small against any allocation worth a swap.
+CUDA_RESERVE_BYTES = 32 << 20
+# The driver's words for an out-of-memory map: torch's OutOfMemoryError text, cuGetErrorString
+# of CUDA_ERROR_OUT_OF_MEMORY (vLLM's extension raises RuntimeError with it), cudaErrorMemoryAllocation.
+_OOM_MARKERS = ("out of memory", "cuda_error_out_of_memory", "cudaerrormemoryallocation")
+
+
+class FreeMemorySource(Protocol):
+    reserve_bytes: int  # bytes the gate keeps back from what free_bytes() reports
+
+    def free_bytes(self) -> int: ...
+
+    def holders(self) -> HolderList: ...
+
+    def describe(self) -> str: ...  # which device, for messages
+
+
+class SimulatedOutOfMemory(RuntimeError):
+    """A map refused for lack of memory (test doubles of the driver raise it)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when `exc` is the device refusing an allocation for lack of memory."""
+    if isinstance(exc, SimulatedOutOfMemory):
+        return True
+    oom_error = _torch_oom_error()
+    if oom_error is not None and isinstance(exc, oom_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and any(m in text for m in _OOM_MARKERS)
+
+
+def _torch_oom_error() -> type[BaseException] | None:
+    import sys
+
+    torch = sys.modules.get("torch")  # loaded by any backend that can OOM; never imported here
+    return getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+
+
+class CudaFreeMemory:
+    """The free bytes of one CUDA device and the processes holding the rest (NVML)."""
+
+    def __init__(self, memory: ProcessMemory, *, reserve_bytes: int = CUDA_RESERVE_BYTES) -> None:
+        if memory.device.type != "cuda":
+            raise ValueError(f"CudaFreeMemory needs a CUDA device, got {memory.device}")
+        self.memory = memory
+        self.device: Any = memory.device
+        self.reserve_bytes = reserve_bytes
+
+    def free_bytes(self) -> int:
+        import torch
+
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def holders(self) -> HolderList:
+        used, problem = self.memory.device_processes()
+        ours = {self.memory.pid: "this rank"}
+        holders = tuple(Holder(pid, nbytes, ours.get(pid, "")) for pid, nbytes in
+                        sorted(used.items(), key=lambda item: -item[1]))  # fmt: skip
+        return HolderList(holders, problem=problem)
+
+    def describe(self) -> str:
+        physical = self.memory.physical
+        return f"{self.device}" + (f" ({physical.uuid})" if physical is not None else "")
