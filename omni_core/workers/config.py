@@ -10,6 +10,7 @@ import msgspec
 
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, MIN_REPLY_CACHE_ENTRIES
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.workers.simulated_device import SimulatedDevice
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -24,6 +25,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     tags: tuple[str, ...] = ("weights", "kv_cache")
     gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
     verify_clean_sleep: bool = False  # check read-only tags against their host copy at each sleep (debug)
+    # CPU runs of a swap: the device capacity the memory gate waits on (shared per-process
+    # files). None: on CUDA the real free memory, on CPU no gate.
+    simulated_device: SimulatedDevice | None = None
     trace_path: str | None = None  # append one JSON line per processed message when set
     profile_dir: str | None = None  # Profile traces; None: omni_core.workers.profiler.default_profile_dir()
     profile_max_s: float = 600.0  # a profile running longer is cut and written (its events grow in memory)

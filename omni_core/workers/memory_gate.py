@@ -57,7 +57,8 @@ def describe_holders(listing: HolderList) -> str:
     if not listing.holders:
         why = listing.problem or "no process holds any"
         return f"holders unknown ({why})" if listing.problem else f"holders: none listed ({why})"
-    shown = [h.describe() for h in listing.holders[:MAX_HOLDERS_SHOWN]]
+    largest = sorted(listing.holders, key=lambda h: -h.nbytes)
+    shown = [h.describe() for h in largest[:MAX_HOLDERS_SHOWN]]
     more = len(listing.holders) - len(shown)
     text = "holders: " + "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
     if listing.skipped:

@@ -1,0 +1,104 @@
+"""The simulated device: per-process files, free = capacity - live holders, hostile files ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from omni_core.workers.config import WorkerConfig
+from omni_core.workers.simulated_device import MAX_FILE_BYTES, MAX_FILES_READ, SimulatedDevice, SimulatedResidency
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def device(tmp_path) -> SimulatedDevice:
+    return SimulatedDevice(str(tmp_path / "gpu0"), 64 * MiB)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has it (until the kernel reuses it, far later)
+
+
+def test_free_is_capacity_minus_every_live_file(device):
+    assert device.free_bytes() == 64 * MiB  # no directory yet: nobody holds anything
+    talker = SimulatedResidency(device, "talker", 0)
+    talker.report(10 * MiB)
+    device.write("other", 0, os.getppid(), 5 * MiB)  # a third process (alive: our parent)
+    assert device.free_bytes() == 49 * MiB
+    talker.report(3 * MiB)
+    assert device.free_bytes() == 56 * MiB
+    listing = device.holders()
+    assert [(h.pid, h.nbytes, h.label) for h in listing.holders] == [
+        (os.getppid(), 5 * MiB, "stage other rank 0"), (os.getpid(), 3 * MiB, "stage talker rank 0")]
+    talker.remove()
+    assert device.free_bytes() == 59 * MiB
+
+
+def test_writes_are_atomic_renames_and_leave_no_temporary_files(device):
+    residency = SimulatedResidency(device, "dit", 1)
+    for nbytes in (1, 2, 3):
+        residency.report(nbytes * MiB)
+    assert os.listdir(device.directory) == [f"dit-rank1-{os.getpid()}.json"]
+    with open(device.path_of("dit", 1, os.getpid())) as f:
+        assert json.load(f) == {"stage": "dit", "rank": 1, "pid": os.getpid(), "resident_bytes": 3 * MiB}
+
+
+def test_a_dead_process_file_holds_nothing(device):
+    device.write("crashed", 0, dead_pid(), 40 * MiB)
+    assert device.free_bytes() == 64 * MiB and device.holders().holders == ()
+
+
+def test_malformed_absurd_and_foreign_files_are_ignored(device):
+    os.makedirs(device.directory)
+    pid = os.getpid()
+    bad = {
+        f"a-rank0-{pid}.json": b"{not json",
+        f"b-rank0-{pid}.json": b"[1, 2]",
+        f"c-rank0-{pid}.json": json.dumps({"pid": pid, "resident_bytes": 65 * MiB}).encode(),  # > capacity
+        f"d-rank0-{pid}.json": json.dumps({"pid": pid, "resident_bytes": -1}).encode(),
+        f"e-rank0-{pid}.json": json.dumps({"pid": pid + 1, "resident_bytes": MiB}).encode(),  # not its pid
+        f"f-rank0-{pid}.json": json.dumps({"pid": pid, "resident_bytes": "1"}).encode(),
+        f"g-rank0-{pid}.json": b" " * (MAX_FILE_BYTES + 1),
+        "notes.txt": b"hello",
+    }
+    for name, body in bad.items():
+        with open(os.path.join(device.directory, name), "wb") as f:
+            f.write(body)
+    os.mkdir(os.path.join(device.directory, f"h-rank0-{pid}.json"))  # a directory by that name
+    device.write("good", 0, pid, 2 * MiB)
+    assert device.free_bytes() == 62 * MiB
+    listing = device.holders()
+    assert [h.label for h in listing.holders] == ["stage good rank 0"]
+    assert listing.skipped == 8  # every bad file of our name shape is counted, the .txt is not ours
+
+
+def test_at_most_the_cap_of_files_is_read(device, monkeypatch):
+    import omni_core.workers.simulated_device as sim
+
+    monkeypatch.setattr(sim, "MAX_FILES_READ", 5)
+    for rank in range(8):
+        device.write("s", rank, os.getpid(), MiB)
+    holders, skipped = device.read()
+    assert (len(holders), skipped) == (5, 3)
+    assert MAX_FILES_READ == 1024
+
+
+def test_configuration_is_checked_and_travels_in_the_worker_config(tmp_path):
+    with pytest.raises(ValueError, match=r"capacity_bytes must be an integer in 1\.\.2\*\*60"):
+        SimulatedDevice(str(tmp_path), 0)
+    with pytest.raises(ValueError, match="directory must be a non-empty path"):
+        SimulatedDevice("", MiB)
+    config = WorkerConfig(address="ipc:///x", rank=0, simulated_device=SimulatedDevice(str(tmp_path), MiB))
+    back = msgspec.json.decode(msgspec.json.encode(config), type=WorkerConfig)
+    assert back.simulated_device == SimulatedDevice(str(tmp_path), MiB)
+    with pytest.raises(msgspec.ValidationError, match="capacity_bytes"):
+        msgspec.json.decode(b'{"address": "x", "rank": 0, "simulated_device": {"directory": "d", '
+                            b'"capacity_bytes": -5}}', type=WorkerConfig)
