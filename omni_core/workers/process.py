@@ -46,6 +46,7 @@ from omni_core.protocol import (
     Hello,
     MemoryReport,
     Message,
+    NackReason,
     ProtocolError,
     decode_command,
     encode,
@@ -56,8 +57,11 @@ from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
+from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
+from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.runner import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
+from omni_core.workers.simulated_device import SimulatedResidency
 
 log = logging.getLogger("omni_core.worker")
 
@@ -114,6 +118,7 @@ class WorkerProcess:
         self.backend: MemoryBackend | None = None
         self.runner: ModelRunner | None = None
         self.memory: ProcessMemory | None = None
+        self.free_memory: FreeMemorySource | None = None  # what a wake's memory gate asks
         self.core: WorkerCore | None = None
         self.profiler = TraceProfiler(config.profile_dir or default_profile_dir(), config.stage, config.rank,
                                       max_duration_s=config.profile_max_s)  # fmt: skip
@@ -135,6 +140,8 @@ class WorkerProcess:
             backend_name = self.backend.name
             # Every rank of ours can profile (TraceProfiler): declared for the conformance suite.
             capabilities = (*self.backend.capabilities, Capability.PROFILE)
+            if self.backend.supports_memory_gate:  # its wake waits for memory and rolls back (P-16)
+                capabilities = (*capabilities, Capability.SWAP)
         except Exception as exc:
             error = _error_text(exc)
             log.error("worker %s/%s: backend %r unavailable: %s", cfg.stage, cfg.rank, cfg.backend, error)
@@ -175,6 +182,7 @@ class WorkerProcess:
             return max(0, available - CACHE_HEADROOM_BYTES)
 
         budget = MemoryBudget(fraction, available_bytes) if fraction is not None else None
+        self.free_memory = self._free_memory_source()  # before loading: the load is reported too
         self.runner.load(self.backend.pool, self.config.tags, budget)
         # Before tracking: a backend that copies read-only tags to the host once does it there.
         self.backend.declare_read_only(self.runner.read_only_tags() & set(self.config.tags),
@@ -185,6 +193,30 @@ class WorkerProcess:
             self._check_budget(fraction)
         log.info("worker %s/%s loaded: pools %s, process memory %s", self.config.stage,
                  self.config.rank, self.backend.usage(), self._figure())  # fmt: skip
+
+    def _free_memory_source(self) -> FreeMemorySource | None:
+        """What a wake's memory gate asks: the simulated device when configured (the backend
+        reports its bytes there), the GPU's free memory on CUDA, else nothing (no gate)."""
+        assert self.backend is not None and self.memory is not None
+        simulated = self.config.simulated_device
+        if simulated is not None:
+            report_to = getattr(self.backend, "report_to", None)
+            if report_to is None:
+                raise RuntimeError(f"simulated_device needs a backend that reports its bytes (portable); backend "
+                                   f"{self.backend.name!r} does not: use backend='portable' on device='cpu'")
+            residency = SimulatedResidency(simulated, self.config.stage, self.config.rank)
+            report_to(residency)
+            return residency
+        if self.device.type == "cuda":
+            return CudaFreeMemory(self.memory)
+        return None
+
+    def _gate(self, wait_for_memory_s: float) -> MemoryGate | None:
+        """A gate for one wake (its wait starts now), when there is device memory to wait for."""
+        if self.free_memory is None or self.backend is None or not self.backend.supports_memory_gate:
+            return None
+        return MemoryGate(self.free_memory, wait_for_memory_s=wait_for_memory_s,
+                          what=f"stage {self.config.stage} rank {self.config.rank}")  # fmt: skip
 
     def _check_budget(self, fraction: float) -> None:
         assert self.memory is not None
@@ -274,7 +306,12 @@ class WorkerProcess:
         assert core is not None
         if isinstance(exc, RunnerArgumentError) and isinstance(effect, ReloadEffect):
             # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
-            return core.on_refused(effect.task_id, _error_text(exc))
+            return core.on_refused(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT)
+        if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
+            # Rolled back: nothing mapped is kept, the tags sleep as before (NO_MEMORY, P-16).
+            log.warning("worker %s/%s: wake %r refused: %s", self.config.stage, self.config.rank,
+                        effect.task_id, exc)  # fmt: skip
+            return core.on_refused(effect.task_id, str(exc), NackReason.NO_MEMORY)
         log.error("worker %s/%s: %s failed:\n%s", self.config.stage, self.config.rank,
                   type(effect).__name__, traceback.format_exc())  # fmt: skip
         if isinstance(effect, ShutdownEffect):
@@ -299,7 +336,7 @@ class WorkerProcess:
             runner.before_sleep(effect.offload, effect.discard)
             backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save())
         elif isinstance(effect, WakeEffect):
-            backend.wake(effect.tags)
+            backend.wake(effect.tags, self._gate(effect.wait_for_memory_s))
             runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering

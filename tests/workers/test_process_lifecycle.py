@@ -86,7 +86,8 @@ def test_hello_describes_the_worker(worker):
     assert hello.state is WorkerState.ACTIVE
     assert hello.backend == "portable" and hello.device == "cpu"
     assert hello.tags == ("weights", "kv_cache")
-    assert set(hello.capabilities) == {Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.PROFILE}
+    # SWAP: the portable backend gates a wake (here on CPU without a simulated device, nothing to wait for)
+    assert set(hello.capabilities) == {Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.PROFILE, Capability.SWAP}
 
 
 def test_sleep_wake_reload_round_trips_are_bit_exact(orch, worker):
