@@ -36,6 +36,7 @@ from typing import Any
 
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.spec import RayPlacement, StageSpec
+from omni_core.workers.simulated_device import SimulatedDevice
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -82,6 +83,7 @@ STAGE_FIELDS: dict[str, str] = {
     "start_deadline_s": _NUMBER, "request_timeout_s": _NUMBER, "queue_limit": _INT,
     "max_in_flight": _INT, "max_frame_bytes": _INT, "gpu_memory_fraction": _NUMBER, "tags": _STR_LIST,
     "placement": _TABLE, "verify_clean_sleep": _BOOL, "profile_dir": _STR, "profile_max_s": _NUMBER,
+    "simulated_device": _TABLE,
 }  # fmt: skip
 # [stages.placement]: RayPlacement's fields a file can give (a PlacementGroup object cannot be
 # written in TOML; a named one can).
@@ -89,6 +91,9 @@ PLACEMENT_FIELDS: dict[str, str] = {
     "num_cpus": _NUMBER, "num_gpus": _NUMBER, "resources": _TABLE, "strategy": _STR,
     "placement_group_name": _STR, "bundle_indices": _STR_LIST, "runtime_env": _TABLE,
 }  # fmt: skip
+# [stages.simulated_device]: a CPU stand-in for a GPU's capacity (a swap's memory gate).
+SIMULATED_DEVICE_FIELDS: dict[str, str] = {"directory": _STR, "capacity_bytes": _INT}
+assert set(SIMULATED_DEVICE_FIELDS) == set(SimulatedDevice.__struct_fields__), "update SIMULATED_DEVICE_FIELDS"
 assert set(STAGE_FIELDS) == {f.name for f in dataclasses.fields(StageSpec)}, "StageSpec changed: update STAGE_FIELDS"
 
 SERVER_FIELDS: dict[str, str] = {
@@ -212,7 +217,7 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
         raise ConfigError(path, "needs at least one [[stages]] table (name, runner, runner_args, ranks, ...)")
     stages: list[StageSpec] = []
     for index, raw in enumerate(raw_stages):
-        stages.append(_parse_stage(path, index, raw))
+        stages.append(_parse_stage(path, index, raw, base))
     names = [s.name for s in stages]
     for index, name in enumerate(names):
         if name in names[:index]:
@@ -226,7 +231,7 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
     return OmniConfig(stages=tuple(stages), server=server, engine=engine, path=path)
 
 
-def _parse_stage(path: str, index: int, raw: Any) -> StageSpec:
+def _parse_stage(path: str, index: int, raw: Any, base: Path) -> StageSpec:
     if not isinstance(raw, dict):
         raise ConfigError(path, f"expected a [[stages]] table, got {raw!r}", index=index)
     name = raw.get("name")
@@ -243,6 +248,8 @@ def _parse_stage(path: str, index: int, raw: Any) -> StageSpec:
             _check_table(path, kwargs["placement"], PLACEMENT_FIELDS, "[stages.placement]", stage=shown_name,
                          index=index)  # fmt: skip
             kwargs["placement"] = RayPlacement(**kwargs["placement"])
+        if "simulated_device" in kwargs:
+            kwargs["simulated_device"] = _simulated_device(path, kwargs["simulated_device"], base, shown_name, index)
         return StageSpec(**kwargs)
     except InvalidArgumentError as exc:
         # StageSpec names the field in its message; find which, so the error says it plainly.
@@ -251,6 +258,20 @@ def _parse_stage(path: str, index: int, raw: Any) -> StageSpec:
         if "stage name" in message:
             named = "name"
         raise ConfigError(path, message, stage=shown_name, index=index, field_name=named) from None
+
+
+def _simulated_device(path: str, table: dict[str, Any], base: Path, stage: str | None,
+                      index: int) -> SimulatedDevice:  # fmt: skip
+    what = "[stages.simulated_device]"
+    _check_table(path, table, SIMULATED_DEVICE_FIELDS, what, stage=stage, index=index)
+    missing = sorted(set(SIMULATED_DEVICE_FIELDS) - set(table))
+    if missing:
+        raise ConfigError(path, f"{what} needs {missing} (the shared directory and the capacity in bytes)",
+                          stage=stage, index=index, field_name="simulated_device")  # fmt: skip
+    try:
+        return SimulatedDevice(_resolve_path(base, table["directory"]), table["capacity_bytes"])
+    except ValueError as exc:
+        raise ConfigError(path, str(exc), stage=stage, index=index, field_name="simulated_device") from None
 
 
 def _parse_server(path: str, raw: Any, names: list[str], base: Path) -> ServerConfig:

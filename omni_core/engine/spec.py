@@ -11,6 +11,7 @@ from omni_core.engine.errors import InvalidArgumentError
 from omni_core.fsm.admission import AdmissionPolicy  # the one definition, beside its tables
 from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.workers.simulated_device import SimulatedDevice
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 BACKENDS = ("auto", "portable", "cumem", "fast")
@@ -104,6 +105,9 @@ class StageSpec:
     # Profile traces of every rank (engine.profile); None: $TMPDIR/omni-core-profiles.
     profile_dir: str | None = None
     profile_max_s: float = 600.0  # a profile running longer is cut and written by its rank
+    # CPU runs of a swap: the device capacity every rank's memory gate waits on (stages given
+    # the same directory share the "device"). None: on CUDA the real free memory.
+    simulated_device: SimulatedDevice | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -150,6 +154,15 @@ class StageSpec:
             if self.device != "cuda":
                 raise InvalidArgumentError(f"stage {self.name!r}: gpu_memory_fraction applies to "
                                            f"device='cuda', not {self.device!r}")  # fmt: skip
+        if self.simulated_device is not None:
+            if not isinstance(self.simulated_device, SimulatedDevice):
+                raise InvalidArgumentError(f"stage {self.name!r}: simulated_device must be a SimulatedDevice "
+                                           f"(directory, capacity_bytes), got {type(self.simulated_device).__name__}")
+            if self.device != "cpu" or self.backend not in ("auto", "portable"):
+                raise InvalidArgumentError(f"stage {self.name!r}: simulated_device stands in for a GPU's capacity on "
+                                           f"device='cpu' with the portable backend, not device={self.device!r} "
+                                           f"backend={self.backend!r}; on a GPU the real free memory is used: "
+                                           "remove simulated_device")  # fmt: skip
         object.__setattr__(self, "runner_args", dict(self.runner_args))
         if self.placement is not None:
             if not isinstance(self.placement, RayPlacement):

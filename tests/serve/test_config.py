@@ -75,3 +75,32 @@ def test_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     server = load_config(path).server
     assert server.api_key_file == str(tmp_path / "secret" / "key")
     assert server.allowed_reload_sources == (str(tmp_path / "ckpt"),)
+
+
+def test_a_simulated_device_table_becomes_the_stage_s_device(tmp_path: Path) -> None:
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    path = _write(tmp_path, '[[stages]]\nname = "dit"\n[stages.simulated_device]\ndirectory = "gpu0"\n'
+                            'capacity_bytes = 1048576\n')  # fmt: skip
+    (stage,) = load_config(path).stages
+    assert stage.simulated_device == SimulatedDevice(str(tmp_path / "gpu0"), 1 << 20)  # relative to the file
+
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ('directory = "d"\n', "field 'simulated_device': [stages.simulated_device] needs ['capacity_bytes']"),
+    ('directory = "d"\ncapacity_bytes = 0\n', "capacity_bytes must be an integer in 1..2**60, got 0"),
+    ('directory = "d"\ncapacity_bytes = 1\nsize = 2\n', "field 'size': unknown field in [stages.simulated_device]"),
+    ('directory = "d"\ncapacity_bytes = "1G"\n', "field 'capacity_bytes': expected an integer, got '1G'"),
+])  # fmt: skip
+def test_simulated_device_mistakes_are_named(tmp_path: Path, table: str, expected: str) -> None:
+    path = _write(tmp_path, f'[[stages]]\nname = "dit"\n[stages.simulated_device]\n{table}')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_a_simulated_device_is_for_cpu_stages(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[[stages]]\nname = "dit"\ndevice = "cuda"\n[stages.simulated_device]\n'
+                            'directory = "d"\ncapacity_bytes = 1\n')  # fmt: skip
+    with pytest.raises(ConfigError, match="on a GPU the real free memory is used: remove simulated_device"):
+        load_config(path)
