@@ -16,21 +16,14 @@ import pytest
 import torch
 
 from omni_core.protocol import Ack, Capability, Execute, Nack, NackReason, Result, Shutdown, Sleep, Wake, WorkerState
-from omni_core.workers.backends import cumem_unavailable_reason
 
+from . import test_gpu_backends
 from ._harness import TestOrchestrator
 
 GiB, MiB = 1 << 30, 1 << 20
 
 
-def _problem() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    return cumem_unavailable_reason(torch.device("cuda"))
-
-
-_PROBLEM = _problem()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_PROBLEM is not None, reason=f"cumem unusable: {_PROBLEM}")]
+pytestmark = test_gpu_backends.pytestmark  # the gpu marker; skipped where cumem cannot run
 
 # 1 GiB of weights in 64 tensors (16 MiB each) and 512 MiB of KV: small enough to load fast,
 # many allocations so that a refused wake has mapped some before it runs out.
