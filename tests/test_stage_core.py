@@ -316,6 +316,17 @@ def test_a_no_memory_nack_to_another_command_is_a_failure_not_a_refusal() -> Non
     assert h.stage.state is S.FAILED and not outcome.refused
 
 
+def test_waiting_for_memory_needs_every_rank_to_declare_swap() -> None:
+    h = StageHarness(ranks=2, hello=False)
+    h.stage.on_hello(h.hello(0), h.now)
+    h.stage.on_hello(h.hello(1, capabilities=(Capability.LEVEL2,)), h.now)
+    h.complete(h.stage.sleep("s", 1, None, h.now, 30.0))
+    with pytest.raises(StageCommandError, match=r"ranks \[1\] cannot wait .*'swap'"):
+        h.stage.wake("w", None, h.now, 30.0, wait_for_memory_s=5.0)
+    assert h.stage.state is S.SLEEPING
+    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 30.0))).state is S.RUNNING  # no waiting: fine
+
+
 def test_the_wait_for_memory_must_end_before_the_deadline() -> None:
     h = reach_stage(S.SLEEPING)
     for wait in (30.0, 31.0, -1.0, float("nan"), 4000.0):

@@ -4,15 +4,17 @@ from omni_core.engine.api import AsyncEngine, Engine
 from omni_core.engine.errors import (
     EngineClosedError,
     InvalidArgumentError,
+    NoMemoryError,
     OmniCoreError,
     ProfileRefusedError,
     RequestFailedError,
     RequestRejectedError,
     StageFailedError,
+    SwapFailedError,
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.report import LifecycleReport, ProfileReport, RankReport
+from omni_core.engine.report import LifecycleReport, ProfileReport, RankReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, RayPlacement, StageSpec
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "InvalidArgumentError",
+    "NoMemoryError",
     "LifecycleReport",
     "LocalLauncher",
     "OmniCoreError",
@@ -34,5 +37,7 @@ __all__ = [
     "RequestRejectedError",
     "StageFailedError",
     "StageSpec",
+    "SwapFailedError",
+    "SwapReport",
     "TaskAbandonedError",
 ]

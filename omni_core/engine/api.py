@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError
+from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
-from omni_core.engine.report import LifecycleReport, ProfileReport
+from omni_core.engine.report import LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.fsm.inputs import ProfileCall, ReloadCall, SetAdmission, SleepCall, WakeCall
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
+# A swap's incoming ranks wait for memory this share of the deadline by default: the rest
+# is theirs to map and copy, and for a refusal to arrive before the deadline.
+SWAP_MEMORY_WAIT_SHARE = 0.5
 SHUTDOWN_TIMEOUT_S = 15.0
 
 
@@ -102,6 +107,54 @@ class Engine:
              task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
         return self._lifecycle(stage, "wake", task_id, timeout_s, lambda tid, dl: WakeCall(tid, _tags(tags), dl))
 
+    def swap(self, out_stage: str, in_stage: str, *, level: int = 1, tags: Iterable[str] | str | None = None,
+             task_id: str | None = None, timeout_s: float | None = None,
+             memory_wait_s: float | None = None) -> SwapReport:  # fmt: skip
+        """Put `out_stage` to sleep (`level`, `tags`) and wake `in_stage` at the same time, so
+        the host link carries both directions at once (P-16). Each incoming rank maps an
+        allocation only once its device has that much free memory, waiting up to
+        `memory_wait_s` (default: half the deadline) for the outgoing stage to release it; a
+        stage never allocates past the device, whatever the sizes. Task ids are
+        `{task_id}/out` and `{task_id}/in`: a repeated swap gets both recorded outcomes.
+
+        Raises `SwapFailedError` unless both halves complete; its `outgoing`/`incoming` hold
+        each half's report or error (`NoMemoryError` names who holds the memory: the
+        incoming stage is then exactly where it was)."""
+        if out_stage == in_stage:
+            raise InvalidArgumentError(f"a swap needs two stages; got {out_stage!r} twice (use sleep or wake)")
+        if level not in (1, 2):
+            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
+        out_spec, in_spec = self._spec(out_stage), self._spec(in_stage)
+        deadline_s = self._deadline_s(max(out_spec.deadline_s, in_spec.deadline_s), timeout_s)
+        wait_s = SWAP_MEMORY_WAIT_SHARE * deadline_s if memory_wait_s is None else memory_wait_s
+        if not (isinstance(wait_s, (int, float)) and math.isfinite(wait_s) and 0 <= wait_s < deadline_s):
+            raise InvalidArgumentError(f"memory_wait_s must be >= 0 and below the deadline ({deadline_s} s), "
+                                       f"got {memory_wait_s!r}")  # fmt: skip
+        swap_id = task_id or self._orch.new_task_id("swap", f"{out_stage}-{in_stage}")
+        sleep = SleepCall(f"{swap_id}/out", level, _tags(tags), deadline_s)
+        wake = WakeCall(f"{swap_id}/in", None, deadline_s, float(wait_s))
+        out_future: Future = Future()
+        in_future: Future = Future()
+        started = time.perf_counter()
+        issued = self._orch.call(lambda f: self._orch.op_swap(f, out_stage, sleep, out_future, in_stage, wake,
+                                                              in_future))  # fmt: skip
+        budget_s = deadline_s + max(out_spec.request_timeout_s, in_spec.request_timeout_s)
+        self._wait(issued, 5.0)  # raises when the sleep was refused: then nothing was sent
+        halves: dict[str, Any] = {}
+        for name, future in (("outgoing", out_future), ("incoming", in_future)):
+            try:
+                halves[name] = self._wait(future, budget_s)
+            except OmniCoreError as exc:
+                halves[name] = exc
+        duration_s = time.perf_counter() - started
+        out, into = halves["outgoing"], halves["incoming"]
+        if isinstance(out, LifecycleReport) and isinstance(into, LifecycleReport):
+            return SwapReport(swap_id, out, into, duration_s)
+        said = [f"{what} stage {stage!r}: " + (f"{half.state} ({half.status})" if isinstance(half, LifecycleReport)
+                                                 else f"{type(half).__name__}: {half}")
+                for what, stage, half in (("outgoing", out_stage, out), ("incoming", in_stage, into))]  # fmt: skip
+        raise SwapFailedError(f"swap {swap_id!r} did not complete: " + "; ".join(said), out, into)
+
     def reload_weights(self, stage: str, source: str | None = None, *, task_id: str | None = None,
                        timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
         return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
@@ -167,12 +220,16 @@ class Engine:
                    make: Callable[[str, float], SleepCall | WakeCall | ReloadCall | ProfileCall]) -> Any:  # fmt: skip
         """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
-        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        deadline_s = spec.deadline_s if timeout_s is None else float(timeout_s)
+        deadline_s = self._deadline_s(spec.deadline_s, timeout_s)
         event = make(task_id or self._orch.new_task_id(kind, stage), deadline_s)
         future = self._orch.call(lambda f: self._orch.op_lifecycle(f, stage, event))
         return self._wait(future, deadline_s + spec.request_timeout_s)
+
+    @staticmethod
+    def _deadline_s(default_s: float, timeout_s: float | None) -> float:
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        return default_s if timeout_s is None else float(timeout_s)
 
     def _wait(self, future: Future, budget_s: float) -> Any:
         try:
@@ -225,6 +282,9 @@ class AsyncEngine:
 
     async def wake(self, stage: str, tags: Iterable[str] | str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.wake, stage, tags, **kwargs)
+
+    async def swap(self, out_stage: str, in_stage: str, **kwargs: Any) -> SwapReport:
+        return await asyncio.to_thread(self.engine.swap, out_stage, in_stage, **kwargs)
 
     async def reload_weights(self, stage: str, source: str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reload_weights, stage, source, **kwargs)

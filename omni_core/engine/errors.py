@@ -38,6 +38,28 @@ class ProfileRefusedError(OmniCoreError):
         self.report = report
 
 
+class NoMemoryError(OmniCoreError):
+    """Every rank of a stage found too little free device memory for its wake in time
+    (NACK NO_MEMORY, P-16): what they mapped was unmapped again and the stage is where it was.
+    `refusals` maps rank -> its detail: the bytes needed and free, and who holds the device."""
+
+    def __init__(self, stage: str, message: str, refusals: Mapping[int, str]) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.refusals = dict(refusals)
+
+
+class SwapFailedError(OmniCoreError):
+    """A swap did not complete both halves. `outgoing` and `incoming` each hold the half's
+    `LifecycleReport`, or the exception that ended it (a `NoMemoryError` names who holds the
+    memory), or None when that half never started; the states in the message are exact."""
+
+    def __init__(self, message: str, outgoing: object, incoming: object) -> None:
+        super().__init__(message)
+        self.outgoing = outgoing
+        self.incoming = incoming
+
+
 class TaskAbandonedError(OmniCoreError):
     """A lifecycle task ended without taking effect, the stage unchanged (e.g. drain timeout)."""
 

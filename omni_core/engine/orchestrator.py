@@ -32,6 +32,7 @@ import zmq
 from omni_core.engine.errors import (
     EngineClosedError,
     InvalidArgumentError,
+    NoMemoryError,
     OmniCoreError,
     ProfileRefusedError,
     RequestFailedError,
@@ -238,6 +239,23 @@ class Orchestrator:
             if not stage.waiters[event.task_id]:
                 del stage.waiters[event.task_id]
             raise
+
+    def op_swap(self, future: Future, out_name: str, sleep: I.SleepCall, out_future: Future, in_name: str,
+                wake: I.WakeCall, in_future: Future) -> None:  # fmt: skip
+        """Both halves of a swap in one turn of the loop, so that the outgoing stage's copies and
+        the incoming stage's wait for memory start together. The sleep goes first: when it is
+        refused nothing was sent. When the wake is refused the sleep goes on (its outcome comes
+        in `out_future`) and the refusal is this call's error."""
+        self.op_lifecycle(out_future, out_name, sleep)
+        try:
+            self.op_lifecycle(in_future, in_name, wake)
+        except StageCommandError as exc:
+            _settle(in_future, error=InvalidArgumentError(str(exc)))
+        except InvariantViolation:
+            raise
+        except BaseException as exc:  # the sleep goes on; the caller hears both halves
+            _settle(in_future, error=exc)
+        future.set_result(None)
 
     def op_set_admission(self, future: Future, name: str, event: I.SetAdmission) -> None:
         self._step(self.stage(name), event)
@@ -466,6 +484,9 @@ class Orchestrator:
         elif outcome.ok:
             result: Any = LifecycleReport.from_outcome(name, outcome)
             error: BaseException | None = None
+        elif outcome.refused and outcome.command == "Wake":
+            result, error = None, NoMemoryError(name, f"stage {name!r}: {outcome.error}; the stage stays "
+                                                      f"{outcome.state.value}", outcome.refusals)  # fmt: skip
         elif outcome.refused:
             result, error = None, InvalidArgumentError(f"stage {name!r}: {outcome.error}; the stage stays "
                                                        f"{outcome.state.value}")  # fmt: skip

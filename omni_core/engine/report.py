@@ -99,3 +99,14 @@ class ProfileReport:
         return cls(stage=stage, task_id=outcome.task_id, start=start, status=outcome.status.value,
                    state=outcome.state.value, duration_s=outcome.duration_s,
                    paths={r: tuple(a.trace_paths) for r, a in sorted(outcome.acks.items())})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    """Both halves of one `Engine.swap`: the outgoing stage's sleep and the incoming stage's
+    wake, which ran at the same time; `duration_s` is from issuing both to the later end."""
+
+    task_id: str
+    outgoing: LifecycleReport
+    incoming: LifecycleReport
+    duration_s: float

@@ -45,6 +45,7 @@ from omni_core.protocol import (
     MAX_WAIT_FOR_MEMORY_S,
     Ack,
     AckStatus,
+    Capability,
     Command,
     Execute,
     Hello,
@@ -237,6 +238,7 @@ class StageCore:
         self.lifecycle: Lifecycle[S] = Lifecycle(S, STAGE_TRANSITIONS, S.STARTING)
         self.residency = Residency(tags)
         self.rank_state: dict[int, WorkerState] = {}
+        self.rank_capabilities: dict[int, frozenset[Capability]] = {}  # from each rank's Hello
         self.policy = AdmissionPolicy(policy)
         self.queue_limit = queue_limit
         self.max_in_flight = max_in_flight
@@ -586,6 +588,7 @@ class StageCore:
                                                 f"{list(self.tags)}"}, now)  # fmt: skip
         self.rank_state[hello.rank] = hello.state
         self._hello_detail[hello.rank] = hello.detail
+        self.rank_capabilities[hello.rank] = frozenset(hello.capabilities)
         if set(self.rank_state) == set(self.ranks):
             bad = {r: s for r, s in self.rank_state.items() if s is not WorkerState.ACTIVE}
             if bad:
@@ -687,6 +690,10 @@ class StageCore:
         if retried is not None:
             return retried
         self._require_idle("wake")
+        unable = sorted(r for r in self.ranks if Capability.SWAP not in self.rank_capabilities.get(r, ()))
+        if wait_for_memory_s > 0 and unable:
+            raise StageCommandError(f"stage {self.name!r}: ranks {unable} cannot wait for free device memory "
+                                    "(their Hello lists no 'swap' capability); wake with wait_for_memory_s=0")
         command = Wake(task_id=task_id, epoch=self.epoch, tags=signature[1], wait_for_memory_s=signature[2])
         to_wake = wanted & self.residency.asleep
         if not to_wake and self.lifecycle.allows("wake_already"):

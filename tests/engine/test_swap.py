@@ -1,0 +1,125 @@
+"""Engine.swap on CPU: two stages on one simulated device (P-16). The incoming stage maps only
+what the device has free, so the two never hold more than its capacity together; when the
+memory never frees up the swap fails naming who holds it, and both stages are exactly where
+the error says."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from omni_core.engine import Engine, InvalidArgumentError, NoMemoryError, SwapFailedError
+from omni_core.workers.simulated_device import SimulatedDevice
+
+from .conftest import PROBE, MiB, small_spec
+
+# Level 1 keeps 2 MiB of weights per stage on the host; the device fits one stage and a half.
+STAGE_BYTES_BOUND = 3 * MiB  # each stage's resident bytes stay below this (weights, KV, buffers)
+
+
+class Sampler:
+    """Reads the simulated device's used bytes in a loop until stopped; keeps the largest."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        self.device, self.peak_bytes, self.samples = device, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.device.used_bytes())
+            self.samples += 1
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _used_by(device: SimulatedDevice, stage: str) -> int:
+    return sum(h.nbytes for h in device.read()[0] if h.label.startswith(f"stage {stage} "))
+
+
+@pytest.fixture
+def device(tmp_path) -> SimulatedDevice:
+    # Both stages load ACTIVE before the test puts one to sleep: the capacity only binds wakes.
+    return SimulatedDevice(str(tmp_path / "gpu0"), int(1.5 * STAGE_BYTES_BOUND))
+
+
+def test_swap_moves_the_device_from_one_stage_to_the_other_within_its_capacity(device):
+    specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
+    with Engine(specs) as engine:
+        decoder_output = engine.execute("decoder", PROBE)
+        engine.sleep("decoder")
+        talker_output = engine.execute("talker", PROBE)
+        talker_bytes = _used_by(device, "talker")
+        assert 0 < talker_bytes < STAGE_BYTES_BOUND and device.used_bytes() == talker_bytes
+        with Sampler(device) as sampler:
+            report = engine.swap("talker", "decoder", task_id="swap-1")
+        assert sampler.samples > 0 and sampler.peak_bytes <= device.capacity_bytes
+        assert (report.outgoing.state, report.incoming.state) == ("SLEEPING", "RUNNING")
+        assert report.outgoing.task_id == "swap-1/out" and report.incoming.task_id == "swap-1/in"
+        assert report.duration_s >= max(report.outgoing.duration_s, report.incoming.duration_s) * 0.5
+        assert _used_by(device, "talker") == 0 and _used_by(device, "decoder") > 0
+        assert engine.execute("decoder", PROBE) == decoder_output  # restored bit-exact
+
+        # And back, twice: the device changes hands each time, outputs unchanged.
+        for k in range(2):
+            with Sampler(device) as sampler:
+                engine.swap("decoder", "talker", task_id=f"back-{k}")
+            assert sampler.peak_bytes <= device.capacity_bytes
+            assert engine.execute("talker", PROBE) == talker_output
+            engine.swap("talker", "decoder", task_id=f"forth-{k}")
+            assert engine.execute("decoder", PROBE) == decoder_output
+
+        # The same task id again: both recorded outcomes, nothing sent.
+        again = engine.swap("talker", "decoder", task_id="swap-1")
+        assert (again.outgoing, again.incoming) == (report.outgoing, report.incoming)
+
+
+def test_a_swap_whose_memory_never_frees_fails_naming_the_holder_and_leaves_both_stages_exact(device):
+    specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
+    with Engine(specs) as engine:
+        engine.sleep("decoder")
+        # A third process holds almost the whole device: the talker leaving is not enough.
+        device.write("trainer", 0, os.getpid(), device.capacity_bytes - MiB // 2)
+        try:
+            with pytest.raises(SwapFailedError) as caught:
+                engine.swap("talker", "decoder", task_id="swap-x", memory_wait_s=0.5)
+        finally:
+            device.remove("trainer", 0, os.getpid())
+        error = caught.value
+        assert isinstance(error.incoming, NoMemoryError) and set(error.incoming.refusals) == {0}
+        assert f"stage trainer rank 0, pid {os.getpid()}" in str(error.incoming)
+        assert error.outgoing.state == "SLEEPING"
+        assert "incoming stage 'decoder'" in str(error) and "stays SLEEPING" in str(error)
+        status = engine.status()
+        assert status["talker"]["state"] == status["decoder"]["state"] == "SLEEPING"
+        assert _used_by(device, "decoder") == 0  # what its wake mapped was unmapped again
+        # Once the memory is free the decoder wakes; nothing was lost.
+        assert engine.wake("decoder").state == "RUNNING"
+        engine.execute("decoder", PROBE)
+
+
+def test_swap_arguments_are_checked_before_anything_is_sent(device):
+    specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
+    with Engine(specs) as engine:
+        for args, kwargs, what in [
+            (("talker", "talker"), {}, "two stages"),
+            (("talker", "nobody"), {}, "unknown stage"),
+            (("talker", "decoder"), {"level": 3}, "level"),
+            (("talker", "decoder"), {"timeout_s": 10.0, "memory_wait_s": 10.0}, "memory_wait_s"),
+            (("talker", "decoder"), {"memory_wait_s": float("nan")}, "memory_wait_s"),
+        ]:
+            with pytest.raises(InvalidArgumentError, match=what):
+                engine.swap(*args, **kwargs)
+        status = engine.status()
+        assert status["talker"]["state"] == status["decoder"]["state"] == "RUNNING"
+        # An incoming stage that is already awake: its half is ALREADY, the other sleeps.
+        report = engine.swap("talker", "decoder")
+        assert (report.outgoing.state, report.incoming.status) == ("SLEEPING", "ALREADY")
