@@ -46,7 +46,8 @@ def tla_dir() -> Path:
 class Model:
     """One manifest entry. `expect` is "ok", an invariant name, or a temporal property name
     (`kind` "temporal"). `distinct_states` is what TLC reported when the manifest was last
-    written; `control_states` the same for a bug model's control run."""
+    written; `control_states` the same for a bug model's control run. `spec` is the module
+    it checks: the entry's own `spec` key, else the manifest's (OmniSleep.tla)."""
 
     name: str
     config: str
@@ -56,17 +57,19 @@ class Model:
     distinct_states: int | None
     control_states: int | None
     about: str
+    spec: str = ""
 
     @property
     def is_bug(self) -> bool:
         return self.kind in ("bug", "temporal")
 
     @classmethod
-    def from_json(cls, data: dict) -> Model:
+    def from_json(cls, data: dict, default_spec: str = "") -> Model:
         return cls(name=data["name"], config=data["config"], expect=data["expect"],
                    kind=data.get("kind", "model"), workers=int(data.get("workers", 2)),
                    distinct_states=data.get("distinct_states"),
-                   control_states=data.get("control_states"), about=data.get("about", ""))  # fmt: skip
+                   control_states=data.get("control_states"), about=data.get("about", ""),
+                   spec=data.get("spec", default_spec))  # fmt: skip
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Row:
 
 def load_manifest(root: Path) -> tuple[dict, list[Model]]:
     data = json.loads((root / MANIFEST).read_text())
-    return data, [Model.from_json(m) for m in data["models"]]
+    return data, [Model.from_json(m, data["spec"]) for m in data["models"]]
 
 
 _PROPERTIES = re.compile(r"^\s*PROPERT(?:Y|IES)\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.MULTILINE | re.DOTALL)
@@ -131,8 +134,8 @@ def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_
                update: bool, controls: bool, echo=print) -> tuple[list[Row], dict[str, dict]]:  # fmt: skip
     rows: list[Row] = []
     counts: dict[str, dict] = {}
-    spec = root / "OmniSleep.tla"
     for model in models:
+        spec = root / (model.spec or "OmniSleep.tla")
         config = root / model.config
         text = config.read_text()
         result = run_tlc(spec, config, workers=workers or model.workers, timeout_s=timeout_s)
