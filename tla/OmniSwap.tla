@@ -79,6 +79,7 @@ Alloc_1_1 == <<1, 1>>
 Alloc_1_2 == <<1, 2>>
 Alloc_2_1 == <<2, 1>>
 Alloc_2_1_1 == <<2, 1, 1>>
+Alloc_2_2_1 == <<2, 2, 1>>
 
 vars == <<a, pcA, other, moves, pc, next, mapped, budget, waiting, tags>>
 

@@ -171,9 +171,10 @@ def _first_error(output: str) -> str:
 
 def run_tlc(spec: Path, config: Path, *, workers: int = 2, timeout_s: float = 300.0,
             check_deadlock: bool = False, java: str | None = None, jar: Path | None = None,
-            heap_mib: int | None = None) -> TlcResult:  # fmt: skip
+            heap_mib: int | None = None, extra_args: tuple[str, ...] = ()) -> TlcResult:  # fmt: skip
     """Model-check `spec` with `config`. Deadlocks are not errors unless asked for: a model
-    that has issued its last command and delivered every message stops, by design."""
+    that has issued its last command and delivered every message stops, by design.
+    `extra_args` go to TLC before the spec (e.g. `-dump dot FILE`: the state graph)."""
     java = java or find_java()
     jar = jar or find_jar()
     spec, config = Path(spec).resolve(), Path(config).resolve()
@@ -185,7 +186,7 @@ def run_tlc(spec: Path, config: Path, *, workers: int = 2, timeout_s: float = 30
                 str(Path(tmp) / "meta"), "-config", str(config)]  # fmt: skip
         if not check_deadlock:
             cmd.append("-deadlock")  # TLC 2.15: -deadlock turns deadlock checking off
-        cmd.append(spec.name)
+        cmd += [*extra_args, spec.name]
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=spec.parent, capture_output=True, text=True,

@@ -22,6 +22,7 @@ def test_cli_lists_every_manifest_model(capsys):
     for m in models:
         assert m.name in out
         assert (check.tla_dir() / m.config).is_file()
+        assert (check.tla_dir() / m.spec).is_file(), m.spec  # the entry's own spec, else the manifest's
     bugs = {m.name: m.expect for m in models if m.is_bug}
     # The four defects of the issue, with the invariant each must break.
     assert bugs["bug/no_reply_cache"] == "P2_NoTaskAppliedTwice"

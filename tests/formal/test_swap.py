@@ -1,0 +1,121 @@
+"""tla/OmniSwap.tla: the swap models and bug models give their expected results, the
+conditions under which SwapSucceeds is stated are each needed, and a manifest entry names
+its spec module. The models are small: each TLC run is a few seconds, mostly JVM start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from omni_core.formal import check, swap_graph
+from omni_core.formal.tlc import TlcNotFoundError, run_tlc
+
+SPEC = check.tla_dir() / "OmniSwap.tla"
+
+
+def _swap_entries() -> list[check.Model]:
+    _, models = check.load_manifest(check.tla_dir())
+    return [m for m in models if m.spec == "OmniSwap.tla"]
+
+
+def _tlc(config: Path):
+    try:
+        return run_tlc(SPEC, config, workers=1, timeout_s=300)
+    except TlcNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
+    entries = {m.name: m for m in _swap_entries()}
+    assert {"swap", "swap_zero_wait", "swap_succeeds", "swap_two"} <= set(entries)
+    bugs = {name: m.expect for name, m in entries.items() if m.is_bug}
+    assert bugs == {"bug/swap_no_gate": "NoOOMFailure", "bug/swap_oom_fatal": "NoOOMFailure",
+                    "bug/swap_no_rollback": "RefusedExact", "bug/swap_wait_forever": "SwapEnds",
+                    "bug/swap_oom_refund": "SwapEnds"}  # fmt: skip
+    for m in entries.values():
+        assert (check.tla_dir() / m.config).is_file()
+        assert m.distinct_states and (not m.is_bug or m.control_states), m.name
+    _, every = check.load_manifest(check.tla_dir())
+    assert {m.spec for m in every if m not in entries.values()} == {"OmniSleep.tla"}
+
+
+def test_an_entry_without_spec_takes_the_manifests(tmp_path):
+    (tmp_path / check.MANIFEST).write_text(json.dumps({"spec": "Top.tla", "models": [
+        {"name": "a", "config": "a.cfg", "expect": "ok"},
+        {"name": "b", "config": "b.cfg", "expect": "ok", "spec": "Other.tla"}]}))  # fmt: skip
+    _, models = check.load_manifest(tmp_path)
+    assert [m.spec for m in models] == ["Top.tla", "Other.tla"]
+
+
+def test_check_runs_a_swap_bug_and_its_control_on_omniswap():
+    parser = argparse.ArgumentParser()
+    check.add_arguments(parser)
+    lines: list[str] = []
+    try:
+        code = check.run(parser.parse_args(["--only", "bug/swap_no_gate"]), echo=lines.append)
+    except TlcNotFoundError as exc:
+        pytest.skip(str(exc))
+    table = "\n".join(lines)
+    assert code == 0, table
+    assert re.search(r"^bug/swap_no_gate\s+NoOOMFailure\s+NoOOMFailure\s+\d+.*ok$", table, re.MULTILINE), table
+    assert re.search(r"^bug/swap_no_gate \[Bug=none\]\s+ok\s+ok\s+\d+.*ok$", table, re.MULTILINE), table
+
+
+def _variant(tmp_path: Path, config: str, **changes: str) -> Path:
+    text = (check.tla_dir() / config).read_text()
+    for name, value in changes.items():
+        text, n = re.subn(rf"^(\s*{name}\s*=\s*)\S+", rf"\g<1>{value}", text, flags=re.MULTILINE)
+        assert n == 1, name
+    path = tmp_path / Path(config).name
+    path.write_text(text)
+    return path
+
+
+def test_swap_succeeds_holds_on_its_model(tmp_path):
+    result = _tlc(check.tla_dir() / "models/swap_succeeds.cfg")
+    assert result.outcome == "ok", result.error
+
+
+@pytest.mark.parametrize("changes", [
+    {"OtherMax": "2"},            # OtherMax + Reserve + size of B = Cap + 1
+    {"Reserve": "2"},             # the same through the reserve
+    {"AFails": "TRUE"},           # A stops releasing
+    {"DeadlinePasses": "TRUE"},   # B's wait may expire first
+], ids=lambda c: ",".join(c))  # fmt: skip
+def test_each_condition_of_swap_succeeds_is_needed(tmp_path, changes):
+    result = _tlc(_variant(tmp_path, "models/swap_succeeds.cfg", **changes))
+    assert result.outcome == "temporal", (changes, result.got, result.error)
+
+
+def test_swap_ends_needs_the_deadline_when_a_fails(tmp_path):
+    result = _tlc(_variant(tmp_path, "models/swap.cfg", DeadlinePasses="FALSE"))
+    assert result.outcome == "temporal", (result.got, result.error)
+
+
+def test_config_reader_and_step_classification():
+    text = (check.tla_dir() / "models/swap_two.cfg").read_text()
+    model = swap_graph.SwapModel.from_config(text)
+    assert model == swap_graph.SwapModel(cap=4, reserve=0, may_wait=True, allocs={"B": (1, 1), "C": (2,)})
+    with pytest.raises(swap_graph.SwapGraphError, match="not an OmniSwap config"):
+        swap_graph.SwapModel.from_config("CONSTANTS\n    Cap = 4\n")
+
+    def state(pc="acquire", nxt=1, mapped=0, budget=0, waiting=False, a=3, other=0):
+        return {"a": a, "other": other, "pc": {"B": pc, "C": "acquire"}, "next": {"B": nxt, "C": 1},
+                "mapped": {"B": mapped, "C": 0}, "budget": {"B": budget, "C": 0},
+                "waiting": {"B": waiting, "C": False}}  # fmt: skip
+
+    events = swap_graph.step_events
+    assert events(model, "B", state(a=3), state(a=2)) == ()  # A's step
+    assert events(model, "B", state(a=2), state(pc="map", budget=1)) == (("query", 2, "admit"),)
+    assert events(model, "B", state(budget=1, nxt=2, mapped=1), state(pc="map", nxt=2, mapped=1)) == (("admit",),)
+    assert events(model, "B", state(), state(waiting=True)) == (("query", 1, "wait"),)
+    assert events(model, "B", state(waiting=True), state(pc="refused")) == (("expire",),)
+    assert events(model, "B", state(), state(pc="refused")) == (("query", 1, "wait"), ("expire",))
+    assert events(model, "B", state(pc="map"), state(nxt=2, mapped=1)) == (("map", True),)
+    assert events(model, "B", state(pc="map"), state(waiting=True)) == (("map", False),)
+    assert events(model, "B", state(pc="map"), state(pc="failed")) == (("map", False), ("fail",))
