@@ -42,6 +42,8 @@ CONSTANTS
     MayWait,        \* TRUE: the Wake's wait_for_memory_s > 0; FALSE: 0, refused at once
     AFails,         \* TRUE: A's sleep may fail midway and stop releasing
     DeadlinePasses, \* TRUE: an incoming stage's wait may expire
+    LongWait,       \* TRUE: only once A's sleep has ended and the stage's last poll saw the
+                    \*   room there is now (wait_for_memory_s outlasts A's sleep and a poll)
     Bug             \* "none" or the defect of a bug model (see BugNames)
 
 (* Each bug model carries one known defect:
@@ -58,6 +60,7 @@ ASSUME /\ Bug \in BugNames
        /\ SizeA + OtherInit <= Cap
        /\ OtherInit <= OtherMax
        /\ MayWait \in BOOLEAN /\ AFails \in BOOLEAN /\ DeadlinePasses \in BOOLEAN
+       /\ LongWait \in BOOLEAN
 
 VARIABLES
     a,          \* chunks A holds
@@ -80,6 +83,7 @@ Alloc_1_2 == <<1, 2>>
 Alloc_2_1 == <<2, 1>>
 Alloc_2_1_1 == <<2, 1, 1>>
 Alloc_2_2_1 == <<2, 2, 1>>
+Alloc_1_1_1 == <<1, 1, 1>>
 
 vars == <<a, pcA, other, moves, pc, next, mapped, budget, waiting, tags>>
 
@@ -91,6 +95,7 @@ Need(s) == Alloc(s)[next[s]]
 MappedIn == mapped["B"] + (IF "C" \in Incoming THEN mapped["C"] ELSE 0)
 Used == a + other + MappedIn
 Free == Cap - Used
+Room == IF Free > Reserve THEN Free - Reserve ELSE 0    \* what the gate may admit
 Ended(s) == pc[s] \in {"awake", "refused", "failed"}
 
 Init ==
@@ -153,14 +158,13 @@ Admit(s) ==         \* the running budget covers the next allocation: no query
 Query(s) ==         \* the budget does not cover it: read free memory (one poll)
     /\ pc[s] = "acquire" /\ Bug # "no_gate"
     /\ budget[s] < Need(s)
-    /\ LET room == IF Free > Reserve THEN Free - Reserve ELSE 0 IN
-       IF room >= Need(s)
-       THEN /\ budget' = [budget EXCEPT ![s] = room - Need(s)]
+    /\ IF Room >= Need(s)
+       THEN /\ budget' = [budget EXCEPT ![s] = Room - Need(s)]
             /\ pc' = [pc EXCEPT ![s] = "map"]
             /\ waiting' = [waiting EXCEPT ![s] = FALSE]
             /\ UNCHANGED <<mapped, next, tags>>
        ELSE IF MayWait
-            THEN /\ budget' = [budget EXCEPT ![s] = room]
+            THEN /\ budget' = [budget EXCEPT ![s] = Room]
                  /\ waiting' = [waiting EXCEPT ![s] = TRUE]
                  /\ UNCHANGED <<pc, mapped, next, tags>>
             ELSE Rollback(s)        \* wait_for_memory_s = 0: refused at once
@@ -198,6 +202,7 @@ Map(s) ==
 
 Expire(s) ==        \* wait_for_memory_s has passed since the wake began, while waiting
     /\ DeadlinePasses /\ Bug # "wait_forever"
+    /\ LongWait => pcA \in {"asleep", "failed"} /\ budget[s] = Room
     /\ pc[s] = "acquire" /\ waiting[s]
     /\ Rollback(s)
     /\ UNCHANGED <<a, pcA, other, moves>>
@@ -244,6 +249,15 @@ AExact == pcA = "asleep" => a = 0
 
 (* Waking: tags asleep until the last allocation is mapped. *)
 AsleepUntilComplete == \A s \in Incoming : tags[s] = "awake" => pc[s] = "awake"
+
+(* Two incoming stages B and C racing for what A frees, each small enough to fit alone:
+   each keeps what it mapped while it waits for the rest (hold and wait), so both may wait
+   with neither able to finish. The first wait to expire rolls back and lets the other
+   through, so one of them wakes, if the waits outlast A's sleep and a poll after the
+   rollback (LongWait). Otherwise both may be refused: TLC finds it at once without
+   LongWait, and two deadlines that pass within one poll of each other do it on a real
+   device. Checked with and without LongWait by tests/formal/test_swap.py. *)
+NotBothRefused == ~(\A s \in Incoming : pc[s] = "refused")
 
 SwapEnds == <>(pcA \in {"asleep", "failed"} /\ \A s \in Incoming : pc[s] \in {"awake", "refused"})
 

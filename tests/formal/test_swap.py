@@ -119,3 +119,44 @@ def test_config_reader_and_step_classification():
     assert events(model, "B", state(pc="map"), state(nxt=2, mapped=1)) == (("map", True),)
     assert events(model, "B", state(pc="map"), state(waiting=True)) == (("map", False),)
     assert events(model, "B", state(pc="map"), state(pc="failed")) == (("map", False), ("fail",))
+
+
+_RACE = """SPECIFICATION Spec
+CONSTANTS
+    Cap = 4
+    SizeA = 4
+    KvA = 0
+    AllocB <- Alloc_1_1_1
+    AllocC <- Alloc_1_1_1
+    OtherInit = 0
+    OtherMax = 0
+    OtherMoves = 0
+    Reserve = 0
+    MayWait = TRUE
+    AFails = FALSE
+    DeadlinePasses = TRUE
+    LongWait = {long}
+    Bug = "none"
+INVARIANTS
+    TypeOK
+    Capacity
+    RefusedExact
+    AwakeComplete
+    NotBothRefused
+"""
+
+
+def test_two_incoming_stages_hold_and_wait_and_one_wakes_when_the_waits_outlast_a(tmp_path):
+    config = tmp_path / "race.cfg"
+    config.write_text(_RACE.format(long="TRUE"))
+    assert _tlc(config).outcome == "ok"
+    states, _, _ = swap_graph.parse_dot(swap_graph.dump(SPEC, config))
+    # Both hold part of themselves, neither can finish: only a rollback gets one through.
+    assert any(s["mapped"] == {"B": 2, "C": 2} and s["a"] == 0 for s in states.values())
+
+
+def test_two_incoming_stages_may_both_be_refused_when_a_wait_is_short(tmp_path):
+    config = tmp_path / "race.cfg"
+    config.write_text(_RACE.format(long="FALSE"))
+    result = _tlc(config)
+    assert (result.outcome, result.violated) == ("invariant", "NotBothRefused"), result.error
