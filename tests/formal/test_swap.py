@@ -69,7 +69,7 @@ def test_check_runs_a_swap_bug_and_its_control_on_omniswap():
 def _variant(tmp_path: Path, config: str, **changes: str) -> Path:
     text = (check.tla_dir() / config).read_text()
     for name, value in changes.items():
-        text, n = re.subn(rf"^(\s*{name}\s*=\s*)\S+", rf"\g<1>{value}", text, flags=re.MULTILINE)
+        text, n = re.subn(rf"^(\s*{name}\s*(?:=|<-)\s*)\S+", rf"\g<1>{value}", text, flags=re.MULTILINE)
         assert n == 1, name
     path = tmp_path / Path(config).name
     path.write_text(text)
@@ -90,6 +90,13 @@ def test_swap_succeeds_holds_on_its_model(tmp_path):
 def test_each_condition_of_swap_succeeds_is_needed(tmp_path, changes):
     result = _tlc(_variant(tmp_path, "models/swap_succeeds.cfg", **changes))
     assert result.outcome == "temporal", (changes, result.got, result.error)
+
+
+@pytest.mark.parametrize(("cap", "outcome"), [(8, "ok"), (7, "temporal")])
+def test_swap_succeeds_with_two_incoming_stages_when_their_sum_fits(tmp_path, cap, outcome):
+    # OtherMax 1 + Reserve 1 + B 4 + C 2 = 8: the condition is on the incoming stages' sum.
+    result = _tlc(_variant(tmp_path, "models/swap_succeeds.cfg", AllocC="Alloc_1_1", Cap=str(cap)))
+    assert result.outcome == outcome, (cap, result.got, result.error)
 
 
 def test_swap_ends_needs_the_deadline_when_a_fails(tmp_path):
