@@ -52,8 +52,11 @@ CONSTANTS
      no_rollback   an expired wait answers NO_MEMORY but leaves what it mapped (RefusedExact)
      wait_forever  B never gives up waiting (SwapEnds, when A fails)
      oom_refund    an OOM refunds the budget instead of emptying it: B retries the map from
-                   its stale budget, never waits, so never expires (SwapEnds) *)
-BugNames == {"none", "no_gate", "oom_fatal", "no_rollback", "wait_forever", "oom_refund"}
+                   its stale budget, never waits, so never expires (SwapEnds)
+     free_host_early  B frees each host copy as its map lands (as A frees device memory as
+                   its copy lands): a later refusal has nothing left to restore (RefusedExact) *)
+BugNames == {"none", "no_gate", "oom_fatal", "no_rollback", "wait_forever", "oom_refund",
+             "free_host_early"}
 
 ASSUME /\ Bug \in BugNames
        /\ KvA <= SizeA
@@ -72,7 +75,8 @@ VARIABLES
     mapped,     \* chunks this wake has mapped
     budget,     \* the gate's running budget, in chunks
     waiting,    \* its last look found too little room: it is polling, the deadline may pass
-    tags        \* "asleep" or "awake": its tags, as its WorkerCore will report them
+    tags,       \* "asleep" or "awake": its tags, as its WorkerCore will report them
+    host        \* chunks of its host copy still valid (what a later wake restores from)
 
 (* Allocation lists the configs substitute (AllocB <- Alloc_2_1_1): a TLC 2.15 config
    cannot write a tuple. *)
@@ -85,7 +89,7 @@ Alloc_2_1_1 == <<2, 1, 1>>
 Alloc_2_2_1 == <<2, 2, 1>>
 Alloc_1_1_1 == <<1, 1, 1>>
 
-vars == <<a, pcA, other, moves, pc, next, mapped, budget, waiting, tags>>
+vars == <<a, pcA, other, moves, pc, next, mapped, budget, waiting, tags, host>>
 
 Incoming == IF AllocC = <<>> THEN {"B"} ELSE {"B", "C"}
 Alloc(s) == IF s = "B" THEN AllocB ELSE AllocC
@@ -107,6 +111,7 @@ Init ==
     /\ budget = [s \in Incoming |-> 0]
     /\ waiting = [s \in Incoming |-> FALSE]
     /\ tags = [s \in Incoming |-> IF Len(Alloc(s)) = 0 THEN "awake" ELSE "asleep"]
+    /\ host = [s \in Incoming |-> Size(s)]
 
 ----------------------------------------------------------------------------
 (* A: an ordinary Sleep of the fast backend. *)
@@ -114,29 +119,29 @@ DiscardKv ==
     /\ pcA = "kv"
     /\ a' = a - KvA
     /\ pcA' = IF a' = 0 THEN "asleep" ELSE "copying"
-    /\ UNCHANGED <<other, moves, pc, next, mapped, budget, waiting, tags>>
+    /\ UNCHANGED <<other, moves, pc, next, mapped, budget, waiting, tags, host>>
 
 Land ==     \* one weight chunk's copy landed on the host: its device memory is released
     /\ pcA = "copying"
     /\ a' = a - 1
     /\ pcA' = IF a' = 0 THEN "asleep" ELSE "copying"
-    /\ UNCHANGED <<other, moves, pc, next, mapped, budget, waiting, tags>>
+    /\ UNCHANGED <<other, moves, pc, next, mapped, budget, waiting, tags, host>>
 
 AFail ==    \* the sleep fails midway: A keeps what it still holds
     /\ AFails /\ pcA \in {"kv", "copying"}
     /\ pcA' = "failed"
-    /\ UNCHANGED <<a, other, moves, pc, next, mapped, budget, waiting, tags>>
+    /\ UNCHANGED <<a, other, moves, pc, next, mapped, budget, waiting, tags, host>>
 
 (* The third process: the driver refuses its allocations over the capacity too. *)
 OtherAlloc ==
     /\ moves < OtherMoves /\ other < OtherMax /\ Used + 1 <= Cap
     /\ other' = other + 1 /\ moves' = moves + 1
-    /\ UNCHANGED <<a, pcA, pc, next, mapped, budget, waiting, tags>>
+    /\ UNCHANGED <<a, pcA, pc, next, mapped, budget, waiting, tags, host>>
 
 OtherFree ==
     /\ moves < OtherMoves /\ other > 0
     /\ other' = other - 1 /\ moves' = moves + 1
-    /\ UNCHANGED <<a, pcA, pc, next, mapped, budget, waiting, tags>>
+    /\ UNCHANGED <<a, pcA, pc, next, mapped, budget, waiting, tags, host>>
 
 ----------------------------------------------------------------------------
 (* An incoming stage s: its wake's gate and maps. *)
@@ -153,7 +158,7 @@ Admit(s) ==         \* the running budget covers the next allocation: no query
     /\ budget' = [budget EXCEPT ![s] = @ - Need(s)]
     /\ pc' = [pc EXCEPT ![s] = "map"]
     /\ waiting' = [waiting EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<a, pcA, other, moves, next, mapped, tags>>
+    /\ UNCHANGED <<a, pcA, other, moves, next, mapped, tags, host>>
 
 Query(s) ==         \* the budget does not cover it: read free memory (one poll)
     /\ pc[s] = "acquire" /\ Bug # "no_gate"
@@ -168,12 +173,12 @@ Query(s) ==         \* the budget does not cover it: read free memory (one poll)
                  /\ waiting' = [waiting EXCEPT ![s] = TRUE]
                  /\ UNCHANGED <<pc, mapped, next, tags>>
             ELSE Rollback(s)        \* wait_for_memory_s = 0: refused at once
-    /\ UNCHANGED <<a, pcA, other, moves>>
+    /\ UNCHANGED <<a, pcA, other, moves, host>>
 
 Blind(s) ==         \* no_gate: straight to the map
     /\ pc[s] = "acquire" /\ Bug = "no_gate"
     /\ pc' = [pc EXCEPT ![s] = "map"]
-    /\ UNCHANGED <<a, pcA, other, moves, next, mapped, budget, waiting, tags>>
+    /\ UNCHANGED <<a, pcA, other, moves, next, mapped, budget, waiting, tags, host>>
 
 Map(s) ==
     /\ pc[s] = "map"
@@ -198,6 +203,8 @@ Map(s) ==
                  /\ waiting' = [waiting EXCEPT ![s] = TRUE]
                  /\ UNCHANGED <<mapped, next, tags>>
             ELSE Rollback(s)
+    /\ host' = IF Bug = "free_host_early" /\ Used + Need(s) <= Cap
+               THEN [host EXCEPT ![s] = @ - Need(s)] ELSE host
     /\ UNCHANGED <<a, pcA, other, moves>>
 
 Expire(s) ==        \* wait_for_memory_s has passed since the wake began, while waiting
@@ -205,7 +212,7 @@ Expire(s) ==        \* wait_for_memory_s has passed since the wake began, while 
     /\ LongWait => pcA \in {"asleep", "failed"} /\ budget[s] = Room
     /\ pc[s] = "acquire" /\ waiting[s]
     /\ Rollback(s)
-    /\ UNCHANGED <<a, pcA, other, moves>>
+    /\ UNCHANGED <<a, pcA, other, moves, host>>
 
 InStep(s) == Admit(s) \/ Query(s) \/ Blind(s) \/ Map(s) \/ Expire(s)
 
@@ -231,14 +238,16 @@ TypeOK ==
           /\ pc[s] \in {"acquire", "map", "awake", "refused", "failed"}
           /\ next[s] \in 1..(Len(Alloc(s)) + 1)
           /\ mapped[s] \in Nat /\ budget[s] \in Nat /\ waiting[s] \in BOOLEAN
-          /\ tags[s] \in {"asleep", "awake"}
+          /\ tags[s] \in {"asleep", "awake"} /\ host[s] \in 0..Size(s)
 
 Capacity == Used <= Cap
 
 NoOOMFailure == \A s \in Incoming : pc[s] # "failed"
 
-(* A refused wake leaves the stage as before it: nothing of this wake mapped, tags asleep. *)
-RefusedExact == \A s \in Incoming : pc[s] = "refused" => mapped[s] = 0 /\ tags[s] = "asleep"
+(* A refused wake leaves the stage as before it: nothing of this wake mapped, tags asleep,
+   its host copy whole (the next wake restores from it). *)
+RefusedExact == \A s \in Incoming :
+    pc[s] = "refused" => mapped[s] = 0 /\ tags[s] = "asleep" /\ host[s] = Size(s)
 
 BudgetB == \A s \in Incoming : mapped[s] <= Size(s)
 

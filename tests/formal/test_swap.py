@@ -36,7 +36,7 @@ def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
     bugs = {name: m.expect for name, m in entries.items() if m.is_bug}
     assert bugs == {"bug/swap_no_gate": "NoOOMFailure", "bug/swap_oom_fatal": "NoOOMFailure",
                     "bug/swap_no_rollback": "RefusedExact", "bug/swap_wait_forever": "SwapEnds",
-                    "bug/swap_oom_refund": "SwapEnds"}  # fmt: skip
+                    "bug/swap_oom_refund": "SwapEnds", "bug/swap_free_host_early": "RefusedExact"}  # fmt: skip
     for m in entries.values():
         assert (check.tla_dir() / m.config).is_file()
         assert m.distinct_states and (not m.is_bug or m.control_states), m.name
