@@ -11,10 +11,6 @@ queries (none where the spec admits from its budget), admit where the spec admit
 where it waits, and end AWAKE or REFUSED as the spec's stage does. It must also disagree
 with the spec's bug models (oom_fatal, oom_refund), and mutated gates must disagree with the
 spec: so the replay can fail.
-
-Written against the gate's API as the swap design gives it (MemoryGate(source, *,
-wait_for_memory_s, clock, sleep), admit(nbytes, allocate), MemoryWaitExpired); it skips
-while omni_core/workers/memory_gate.py is not in the tree (branch `gate`).
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ import pytest
 
 from omni_core.formal import check, swap_graph
 from omni_core.formal.tlc import TlcNotFoundError
-
-memory_gate = pytest.importorskip("omni_core.workers.memory_gate", reason="the memory gate (branch gate) is not here")
-from omni_core.workers.device_memory import SimulatedOutOfMemory  # noqa: E402
-from omni_core.workers.simulated_device import HolderList  # noqa: E402
+from omni_core.workers import memory_gate
+from omni_core.workers.device_memory import SimulatedOutOfMemory
+from omni_core.workers.simulated_device import HolderList
 
 CHUNK_BYTES = 1 << 20
 WAIT_S = 5.0  # any positive wait: the replay's clock stands still until the spec's deadline
