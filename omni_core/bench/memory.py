@@ -154,7 +154,8 @@ class _Omni(_Method):
             from omni_core.workers.backends.fast import FastBackend
 
             chunk = int(options["chunk_mib"]) * MiB if "chunk_mib" in options else None
-            self.backend = FastBackend(device, chunk_bytes=chunk, prepare=options.get("prepare", "load"))
+            self.backend = FastBackend(device, chunk_bytes=chunk, prepare=options.get("prepare", "load"),
+                                       map_with=options.get("map", "driver"))
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")
             if options.get("clean") not in (None, "0", "false", "no"):

@@ -19,6 +19,10 @@ with the CUDA driver API called directly (ctypes on libcuda; no vLLM needed):
                     virtual ranges: 32 maps instead of 512
 - `sm_copy`         copies done by a kernel reading pinned host memory over UVA (Triton),
                     instead of the copy engines
+- `separate_va`     pipelined, but each allocation in a virtual range of its own (as vLLM's
+                    CuMemAllocator reserves them) instead of one range for all
+- `vllm_ext`        pipelined, mapping through vLLM's `python_create_and_map` (what `fast`
+                    calls) into separate ranges: the extension against the driver called directly
 
 Every variant checks the restored bytes against the host copy (a sample of each allocation).
 
@@ -50,86 +54,19 @@ CHUNK_BYTES = 64 * MiB  # one copy call moves at most this (fast's default chunk
 STREAMS = 2
 SAMPLE_BYTES = 4096  # checked per allocation, at its start and end
 
-_CU_MEM_ALLOCATION_TYPE_PINNED = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]  # fmt: skip
-
-
-class _AllocProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]  # fmt: skip
-
-
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
-class Driver:
-    """cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease on one device."""
-
-    def __init__(self, device_index: int) -> None:
-        self.cu = ctypes.CDLL("libcuda.so.1")
-        u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
-        self.cu.cuMemCreate.argtypes = [ctypes.POINTER(u64), sz, ctypes.POINTER(_AllocProp), u64]
-        self.cu.cuMemMap.argtypes = [u64, sz, sz, u64, u64]
-        self.cu.cuMemSetAccess.argtypes = [u64, sz, ctypes.POINTER(_AccessDesc), sz]
-        self.cu.cuMemUnmap.argtypes = [u64, sz]
-        self.cu.cuMemRelease.argtypes = [u64]
-        self.cu.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), sz, sz, u64, u64]
-        self.cu.cuMemAddressFree.argtypes = [u64, sz]
-        self.cu.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        del vp
-        self.prop = _AllocProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED,
-                               location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, device_index))  # fmt: skip
-        self.access = _AccessDesc(location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, device_index),
-                                  flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE)  # fmt: skip
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            text = ctypes.c_char_p()
-            self.cu.cuGetErrorString(rc, ctypes.byref(text))
-            raise RuntimeError(f"{what}: CUDA driver error {rc} ({(text.value or b'?').decode()})")
-
-    def reserve(self, nbytes: int) -> int:
-        ptr = ctypes.c_uint64()
-        self.check(self.cu.cuMemAddressReserve(ctypes.byref(ptr), nbytes, 2 * MiB, 0, 0), "cuMemAddressReserve")
-        return ptr.value
-
-    def map(self, ptr: int, nbytes: int) -> int:
-        """Create physical memory and map it at `ptr`; returns the handle."""
-        handle = ctypes.c_uint64()
-        self.check(self.cu.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(self.prop), 0), "cuMemCreate")
-        self.check(self.cu.cuMemMap(ptr, nbytes, 0, handle.value, 0), "cuMemMap")
-        self.check(self.cu.cuMemSetAccess(ptr, nbytes, ctypes.byref(self.access), 1), "cuMemSetAccess")
-        return handle.value
-
-    def unmap(self, ptr: int, nbytes: int, handle: int) -> None:
-        self.check(self.cu.cuMemUnmap(ptr, nbytes), "cuMemUnmap")
-        self.check(self.cu.cuMemRelease(handle), "cuMemRelease")
-
-
 class Probe:
     """One device, one host copy of `total_bytes`, one virtual range for the device side."""
 
     def __init__(self, total_bytes: int) -> None:
         import torch
 
+        from omni_core.workers.backends.cuda_driver import CudaDriver
         from omni_core.workers.backends.fast import CudaOps, HostArena
 
         self.torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.ops = CudaOps(self.device, STREAMS)
-        self.driver = Driver(self.device.index)
+        self.driver = CudaDriver()
         self.total_bytes = total_bytes
         self.count = total_bytes // ALLOC_BYTES
         self.host = HostArena(total_bytes, self.ops)
@@ -138,6 +75,10 @@ class Probe:
             self.host.view(i * ALLOC_BYTES, ALLOC_BYTES).view(torch.int64).copy_(pattern + i)
         self.base = self.driver.reserve(total_bytes)
         self.handles: list[tuple[int, int, int]] = []  # (ptr, nbytes, handle) mapped now
+        # One range per allocation, as vLLM reserves them; their host offsets are the same.
+        self.separate = [self.driver.reserve(ALLOC_BYTES) for _ in range(self.count)]
+        self.handle_cells = (ctypes.c_uint64 * self.count)()  # vLLM's extension writes handles here
+        self.vllm_mapped: list[tuple[int, int]] = []
 
     # ---------------------------------------------------------------- memory
 
@@ -145,13 +86,26 @@ class Probe:
         return [(self.base + off, handle_bytes) for off in range(0, self.total_bytes, handle_bytes)]
 
     def map_span(self, ptr: int, nbytes: int) -> None:
-        self.handles.append((ptr, nbytes, self.driver.map(ptr, nbytes)))
+        cell = ctypes.c_uint64()
+        self.driver.map_into(self.device.index, nbytes, ptr, cell)
+        self.handles.append((ptr, nbytes, cell.value))
 
     def unmap_all(self) -> None:
         self.torch.cuda.synchronize(self.device)
         for ptr, nbytes, handle in self.handles:
-            self.driver.unmap(ptr, nbytes, handle)
+            self.driver.unmap_from(nbytes, ptr, handle)
         self.handles.clear()
+        for ptr, i in self.vllm_mapped:
+            self.driver.unmap_from(ALLOC_BYTES, ptr, self.handle_cells[i])
+        self.vllm_mapped.clear()
+
+    def host_of(self, i: int) -> int:
+        return self.host.ptr + i * ALLOC_BYTES
+
+    def copy_to(self, ptr: int, host: int, nbytes: int, k: int) -> None:
+        for off in range(0, nbytes, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, nbytes - off)
+            self.ops.copy(ptr + off, host + off, n, True, self.ops.streams[(k + off // CHUNK_BYTES) % STREAMS])
 
     # ---------------------------------------------------------------- copies
 
@@ -166,14 +120,15 @@ class Probe:
     def finish(self) -> None:
         self.torch.cuda.synchronize(self.device)
 
-    def verify(self) -> None:
+    def verify(self, separate: bool = False) -> None:
         """A sample at the start and end of every allocation equals the host copy."""
         torch = self.torch
         scratch = torch.empty(SAMPLE_BYTES, dtype=torch.uint8, pin_memory=True)
         for i in range(self.count):
             for off in (0, ALLOC_BYTES - SAMPLE_BYTES):
                 at = i * ALLOC_BYTES + off
-                self.ops.copy(scratch.data_ptr(), self.base + at, SAMPLE_BYTES, False, self.ops.streams[0])
+                src = self.separate[i] + off if separate else self.base + at
+                self.ops.copy(scratch.data_ptr(), src, SAMPLE_BYTES, False, self.ops.streams[0])
                 self.finish()
                 if not torch.equal(scratch, self.host.view(at, SAMPLE_BYTES)):
                     raise AssertionError(f"allocation {i} differs from its host copy at offset {off}")
@@ -196,7 +151,9 @@ class Probe:
 
     def close(self) -> None:
         self.unmap_all()
-        self.driver.check(self.driver.cu.cuMemAddressFree(self.base, self.total_bytes), "cuMemAddressFree")
+        self.driver.free_range(self.base, self.total_bytes)
+        for ptr in self.separate:
+            self.driver.free_range(ptr, ALLOC_BYTES)
         self.host.close()
 
 
@@ -278,6 +235,26 @@ def run_variant(probe: Probe, name: str) -> dict[str, Any]:
             probe.finish()
 
         result["total_s"] = _timed(threaded)
+    elif name in ("separate_va", "vllm_ext"):
+        if name == "vllm_ext":
+            from vllm.device_allocator.cumem import python_create_and_map  # what `fast` maps with
+
+        def separate() -> None:
+            for i, ptr in enumerate(probe.separate):
+                if name == "vllm_ext":
+                    python_create_and_map(probe.device.index, ALLOC_BYTES, ptr, ctypes.addressof(probe.handle_cells)
+                                          + 8 * i)  # fmt: skip
+                    probe.vllm_mapped.append((ptr, i))
+                else:
+                    probe.map_span(ptr, ALLOC_BYTES)
+                probe.copy_to(ptr, probe.host_of(i), ALLOC_BYTES, i)
+            probe.finish()
+
+        result["total_s"] = _timed(separate)
+        probe.verify(separate=True)
+        result["gb_per_s"] = probe.total_bytes / result["total_s"] / 1e9
+        probe.unmap_all()
+        return result
     elif name == "sm_copy":
         for ptr, n in small:
             probe.map_span(ptr, n)
@@ -292,7 +269,8 @@ def run_variant(probe: Probe, name: str) -> dict[str, Any]:
     return result
 
 
-VARIANTS = ("copy_only", "map_then_copy", "pipelined", "map_thread", "big_handles", "sm_copy")
+VARIANTS = ("copy_only", "map_then_copy", "pipelined", "map_thread", "big_handles", "sm_copy", "separate_va",
+            "vllm_ext")
 
 
 def _commit() -> str:

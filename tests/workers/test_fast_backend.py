@@ -271,3 +271,12 @@ def test_select_fast_names_itself_when_unavailable():
 def test_a_prepare_mode_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match=r"prepare='sometimes': use one of \('load', 'background', 'sleep'\)"):
         make("0.26", prepare="sometimes")
+
+
+def test_mapping_goes_through_the_driver_only_for_vllms_own_cuda_handles():
+    # On CPU doubles the fake module maps; on CUDA with vLLM's extension the driver does
+    # (cuda_driver.py; the GPU tests run that path). An unknown choice is refused by name.
+    _, _, backend, _ = make("0.26")
+    assert backend.path.map_with == "vllm"
+    with pytest.raises(ValueError, match=r"map_with='ctypes': use one of \('driver', 'vllm'\)"):
+        make("0.26", map_with="ctypes")

@@ -24,9 +24,11 @@ raw pointers and captured CUDA graphs stay valid), but the bytes move differentl
   in-place update or a discard invalidates the copy; `verify_clean` compares the device
   bytes with the copy at each clean sleep and refuses the sleep if a runner lied.
 
-The device work goes through vLLM's own extension (`python_create_and_map` /
-`python_unmap_and_release`, or the module's `create_and_map` / `unmap_and_release`
-wrappers) and vLLM's bookkeeping stays coherent: every allocation's `is_asleep` /
+Allocations are mapped and unmapped with the CUDA driver's calls made directly
+(`cuda_driver.py`: the same calls as vLLM's `python_create_and_map` /
+`python_unmap_and_release`, on vLLM's own handles, but a wake runs at 51.6 GB/s instead of
+46.4-47.7 on an H200, bench/results/wake_ideas.md; `map_with="vllm"` uses the extension),
+and vLLM's bookkeeping stays coherent: every allocation's `is_asleep` /
 `is_mapped` flag is set as vLLM's own loops set it, and an offloaded allocation's
 `cpu_backup_tensor` is a view of its arena slice, so vLLM's `wake_up` could restore it too.
 
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import WEIGHTS_TAG
+from omni_core.workers.backends.cuda_driver import CudaDriver
 from omni_core.workers.backends.cumem import CumemBackend, handle_of
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
@@ -61,6 +64,7 @@ log = logging.getLogger("omni_core.backends.fast")
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 128 * MiB
 DEFAULT_STREAMS = 2
+MAP_WITH = ("driver", "vllm")  # how allocations are mapped and unmapped: cuda_driver.py, or vLLM's extension
 # cudaMemcpyKind and cudaHostRegister flags (driver_types.h)
 _H2D, _D2H = 1, 2
 _HOST_REGISTER_PORTABLE = 1  # usable from every context: the arena may be prepared on another thread
@@ -328,16 +332,27 @@ class FastPath:
         chunk_bytes: int | None = None,
         streams: int = DEFAULT_STREAMS,
         touch: bool = True,
+        map_with: str = "driver",
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
         self.ops = ops if ops is not None else CudaOps(self.device, streams)
         self.touch = touch
+        if map_with not in MAP_WITH:
+            raise ValueError(f"map_with={map_with!r}: use one of {MAP_WITH}")
         raw_map = getattr(module, "python_create_and_map", None)
         raw_unmap = getattr(module, "python_unmap_and_release", None)
         self._map = (lambda h: raw_map(*h)) if raw_map is not None else module.create_and_map
         self._unmap = (lambda h: raw_unmap(*h)) if raw_unmap is not None else module.unmap_and_release
+        # The same driver calls made directly wake faster than through vLLM's extension
+        # (cuda_driver.py); only for vLLM's own CUDA handles (device, size, d_mem, p_memHandle).
+        self.map_with = "driver" if map_with == "driver" and raw_map is not None and self.device.type == "cuda" \
+            and torch.version.hip is None else "vllm"  # fmt: skip
+        if self.map_with == "driver":
+            driver = CudaDriver()
+            self._map = lambda h: driver.create_and_map(*h)
+            self._unmap = lambda h: driver.unmap_and_release(*h)
         self._slots: dict[int, Slot] = {}
         self._arenas: list[HostArena] = []
         self._backed: set[int] = set()  # allocations whose bytes are in their slot now
@@ -676,13 +691,15 @@ class FastBackend(CumemBackend):
         arena_tags: tuple[str, ...] = (WEIGHTS_TAG,),
         prepare: str = "load",
         chunk_bytes: int | None = None,
+        map_with: str = "driver",
     ) -> None:
         super().__init__(device, module=module)
         if prepare not in PREPARE_MODES:
             raise ValueError(f"prepare={prepare!r}: use one of {PREPARE_MODES}")
         self.arena_tags = arena_tags
         self.prepare_mode = prepare
-        self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes)
+        self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
+                             map_with=map_with)
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         # Called once a tag's tensors are allocated (and after a reload): the weights are
