@@ -280,3 +280,47 @@ def test_mapping_goes_through_the_driver_only_for_vllms_own_cuda_handles():
     assert backend.path.map_with == "vllm"
     with pytest.raises(ValueError, match=r"map_with='ctypes': use one of \('driver', 'vllm'\)"):
         make("0.26", map_with="ctypes")
+
+
+class Recorder:
+    """A CopyObserver that keeps what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def copy_issued(self, stream, nbytes: int, to_device: bool) -> None:
+        self.events.append(("copy", stream, nbytes, to_device))
+
+    def mapped(self, nbytes: int, started_s: float) -> None:
+        self.events.append(("map", nbytes, started_s))
+
+    def unmapped(self, nbytes: int) -> None:
+        self.events.append(("unmap", nbytes))
+
+
+def test_an_observer_sees_every_copy_map_and_unmap_with_its_bytes_and_changes_nothing():
+    module, _ops, backend, ptrs = make("0.26")
+    before = snapshot(module, ptrs[W])
+    seen = Recorder()
+    backend.path.observer = seen
+    backend.sleep({W}, {KV})
+    # KV discarded first, then each weight allocation unmapped once its copies landed
+    assert [e for e in seen.events if e[0] == "unmap"] == [("unmap", 16384), ("unmap", 4096), ("unmap", 8192),
+                                                           ("unmap", 12288)]  # fmt: skip
+    copies = [e for e in seen.events if e[0] == "copy"]
+    assert [(n, to_dev) for _, _, n, to_dev in copies] == [(5000, False)] * 4 + [(4576, False)]
+    assert [s for _, s, _, _ in copies] == ["stream0", "stream1"] * 2 + ["stream0"]  # the streams the copies ran on
+    assert seen.events.index(("unmap", 16384)) < seen.events.index(copies[0])  # the discard frees before any copy
+    seen.events.clear()
+    backend.wake({W, KV})
+    maps = [e for e in seen.events if e[0] == "map"]
+    assert sorted(n for _, n, _ in maps) == [4096, 8192, 12288, 16384]
+    assert all(isinstance(t, float) for _, _, t in maps)
+    assert sum(n for kind, _, n, to_dev in (e for e in seen.events if e[0] == "copy") if to_dev) == 24576
+    assert snapshot(module, ptrs[W]) == before
+    # off again: the same cycle runs without calling anything
+    backend.path.observer = None
+    seen.events.clear()
+    backend.sleep({W}, {KV})
+    backend.wake({W, KV})
+    assert seen.events == [] and snapshot(module, ptrs[W]) == before

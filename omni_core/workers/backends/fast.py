@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -71,6 +71,22 @@ _HOST_REGISTER_PORTABLE = 1  # usable from every context: the arena may be prepa
 # When the arena is laid out and registered: at load (the default: never inside a sleep), on
 # a thread after load (the next sleep waits for it), or at the first sleep.
 PREPARE_MODES = ("load", "background", "sleep")
+
+
+class CopyObserver(Protocol):
+    """Watches a FastPath's device work (`FastPath.observer`; None, the default, costs one
+    attribute test per copy or map): the swap benchmark draws each process's bytes in flight
+    and mapped bytes from it. Times are `time.monotonic()`, which is system-wide on Linux,
+    so the timelines of two processes line up."""
+
+    def copy_issued(self, stream: Any, nbytes: int, to_device: bool) -> None:
+        """A copy of `nbytes` was just queued on `stream` (it completes later)."""
+
+    def mapped(self, nbytes: int, started_s: float) -> None:
+        """An allocation of `nbytes` was mapped; the map call began at `started_s`."""
+
+    def unmapped(self, nbytes: int) -> None:
+        """An allocation of `nbytes` was just unmapped (its memory is free again)."""
 
 
 # ---------------------------------------------------------------------- planning (pure)
@@ -289,8 +305,8 @@ class _RestoreCopies:
     goes out (cut into chunks, spread over the streams) once it holds `chunk_bytes` or the
     next allocation does not continue it."""
 
-    def __init__(self, ops: Any, chunk_bytes: int) -> None:
-        self.ops, self.chunk_bytes = ops, chunk_bytes
+    def __init__(self, ops: Any, chunk_bytes: int, observer: CopyObserver | None = None) -> None:
+        self.ops, self.chunk_bytes, self.observer = ops, chunk_bytes, observer
         self.streams = ops.streams
         self.run: list[tuple[int, int, int]] = []  # (device, host, bytes), contiguous on both sides
         self.run_bytes = 0
@@ -310,7 +326,10 @@ class _RestoreCopies:
     def flush(self) -> None:
         for c in plan_copies(self.run, self.chunk_bytes):
             if c.nbytes:
-                self.ops.copy(c.device, c.host, c.nbytes, True, self.streams[self.issued % len(self.streams)])
+                stream = self.streams[self.issued % len(self.streams)]
+                self.ops.copy(c.device, c.host, c.nbytes, True, stream)
+                if self.observer is not None:
+                    self.observer.copy_issued(stream, c.nbytes, True)
                 self.issued += 1
         self.run.clear()
         self.run_bytes = 0
@@ -366,6 +385,7 @@ class FastPath:
         self._prepare_error: BaseException | None = None
         self._lock = threading.Lock()
         self.stats = PathStats()
+        self.observer: CopyObserver | None = None  # off unless a benchmark watches
 
     # ------------------------------------------------------------------ allocation state
 
@@ -454,6 +474,8 @@ class FastPath:
             stream = streams[k % len(streams)]
             if c.nbytes:
                 self.ops.copy(c.host, c.device, c.nbytes, False, stream)
+                if self.observer is not None:
+                    self.observer.copy_issued(stream, c.nbytes, False)
             events.append(self.ops.record(stream))
         return events
 
@@ -592,10 +614,7 @@ class FastPath:
             scratch.close()
 
     def _release(self, ptr: int, data: Any, *, backed: bool) -> None:
-        try:
-            self._unmap(data.handle)
-        finally:
-            self._mark(ptr, data, asleep=True)
+        self._unmap_one(ptr, data)
         if backed:
             self._backed.add(ptr)
             data.cpu_backup_tensor = self._slots[ptr].arena.view(self._slots[ptr].offset, _nbytes(data))
@@ -616,7 +635,7 @@ class FastPath:
         if gate is not None:
             gate.expect(sum(_nbytes(d) for _, d in allocs))
         self.ops.streams_after_current()
-        copies = _RestoreCopies(self.ops, self.chunk_bytes)
+        copies = _RestoreCopies(self.ops, self.chunk_bytes, self.observer)
         map_s = 0.0
         # Allocations with bytes to restore first, so that their copies start at once; the
         # others (discarded KV) are mapped while the last copies are still in flight.
@@ -628,7 +647,7 @@ class FastPath:
                 if k == backed:
                     copies.flush()
                 t = time.perf_counter()
-                admit(gate, _nbytes(data), partial(self._map, data.handle))
+                admit(gate, _nbytes(data), partial(self._map_one, data))
                 self._mark(ptr, data, asleep=False)
                 mapped.append((ptr, data))
                 map_s += time.perf_counter() - t
@@ -656,12 +675,25 @@ class FastPath:
         self.ops.current_after_streams()
         self.ops.synchronize()
         for ptr, data in mapped:
-            try:
-                self._unmap(data.handle)
-            finally:
-                self._mark(ptr, data, asleep=True)
+            self._unmap_one(ptr, data)
             if gate is not None:
                 gate.release(_nbytes(data))
+
+    def _map_one(self, data: Any) -> None:
+        if self.observer is None:
+            self._map(data.handle)
+            return
+        started_s = time.monotonic()
+        self._map(data.handle)
+        self.observer.mapped(_nbytes(data), started_s)
+
+    def _unmap_one(self, ptr: int, data: Any) -> None:
+        try:
+            self._unmap(data.handle)
+        finally:
+            self._mark(ptr, data, asleep=True)
+        if self.observer is not None:
+            self.observer.unmapped(_nbytes(data))
 
     # ------------------------------------------------------------------ figures, teardown
 
