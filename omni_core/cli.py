@@ -78,6 +78,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from omni_core.bench.real_models import main as real_models_main
 
         return real_models_main(args)
+    if args.swap:
+        from omni_core.bench.swap import main as swap_main
+
+        return swap_main(args)
     if args.vllm:
         from omni_core.bench.vllm_stage import main as vllm_stage_main
 
@@ -163,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm", action="store_true",
                    help="a vLLM stage through every lifecycle on cumem and fast, two vLLM stages started together "
                         "on one GPU, and plain vllm.LLM sleep/wake with vLLM's backend beside omni_fast (GPU)")
+    p.add_argument("--swap", action="store_true",
+                   help="one stage sleeps while another wakes on one GPU: link limit, vLLM and omni-core "
+                        "sequential, omni-core swap (dirty/clean weights), Engine.swap; --workloads as pairs "
+                        "A:B[+fill] (default 16g:16g,8g:16g+fill); --render swap_gpu.json")  # fmt: skip
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="--swap: cuda (default) or cpu (a smoke run: portable backend, simulated device, "
+                        "workloads 2m/4m)")  # fmt: skip
+    p.add_argument("--memory-wait-s", type=float, default=60.0,
+                   help="--swap: how long the incoming stage's wake may wait for free memory")
     p.add_argument("--real-size", default="large", choices=("large", "tiny"),
                    help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
     p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")

@@ -224,20 +224,33 @@ def _mem_available() -> int:
     return 0
 
 
-def _fill(tensors: list[Any], torch: Any) -> None:
+def fill_seeded(tensors: list[Any], torch: Any, seed: int = SEED) -> None:
+    """Seeded random bytes in each tensor (`bit_exact` regenerates them to compare)."""
     for i, t in enumerate(tensors):
-        gen = torch.Generator(device=t.device).manual_seed(SEED + i)
+        gen = torch.Generator(device=t.device).manual_seed(seed + i)
         t.view(torch.uint8).random_(0, 256, generator=gen)
 
 
-def _bit_exact(tensors: list[Any], torch: Any) -> bool:
+def bit_exact(tensors: list[Any], torch: Any, seed: int = SEED) -> bool:
+    """True when every tensor still holds the bytes `fill_seeded(tensors, torch, seed)` wrote."""
     for i, t in enumerate(tensors):
-        gen = torch.Generator(device=t.device).manual_seed(SEED + i)
+        gen = torch.Generator(device=t.device).manual_seed(seed + i)
         expected = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, device=t.device)
         expected.random_(0, 256, generator=gen)
         if not torch.equal(t.view(torch.uint8), expected):
             return False
     return True
+
+
+def make_method(name: str, device: Any, options: dict[str, str]) -> _Method:
+    """The method `name` ("vllm", "tms", "cumem", "fast") on `device`, in this process."""
+    if name == "vllm":
+        return _VllmStock(device, options)
+    if name == "tms":
+        return _Tms(device, options)
+    if name in ("cumem", "fast"):
+        return _Omni(device, options, name)
+    raise ValueError(f"no sleep/wake method {name!r}; choose from {[m for m in METHODS if m != 'limit']}")
 
 
 def run_case(spec: str, workload_name: str, reps: int) -> dict[str, Any]:
@@ -253,16 +266,10 @@ def run_case(spec: str, workload_name: str, reps: int) -> dict[str, Any]:
                               "tensors": len(workload.weights)}  # fmt: skip
     if name == "limit":
         return _run_limit(result, workload, reps, torch, device)
-    method: _Method
-    if name == "vllm":
-        method = _VllmStock(device, options)
-    elif name == "tms":
-        method = _Tms(device, options)
-    else:
-        method = _Omni(device, options, name)
+    method = make_method(name, device, options)
     with method.pool("weights"):
         weights = [torch.empty(n // 2, dtype=torch.bfloat16, device=device) for n in workload.weights]
-    _fill(weights, torch)
+    fill_seeded(weights, torch)
     with method.pool("kv_cache"):
         kv = torch.zeros(workload.kv_bytes // 2, dtype=torch.bfloat16, device=device)
     torch.cuda.synchronize()
@@ -291,7 +298,7 @@ def run_case(spec: str, workload_name: str, reps: int) -> dict[str, Any]:
         t3 = time.perf_counter()
         sleeps.append(t1 - t0)
         wakes.append(t3 - t2)
-        exact.append(_bit_exact(weights, torch))
+        exact.append(bit_exact(weights, torch))
         kv.fill_(1)  # mapped again and writable
     result.update(sleep_s=sleeps, wake_s=wakes, freed_bytes=freed, bit_exact=exact,
                   reported=dict(method.reported))  # fmt: skip
@@ -321,7 +328,7 @@ def _run_limit(result: dict[str, Any], workload: Workload, reps: int, torch: Any
     result["prepare_s"] = time.perf_counter() - started  # cudaHostAlloc of the whole buffer
     result["host_bytes"] = available - _mem_available()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    _fill([dev], torch)
+    fill_seeded([dev], torch)
     sleeps, wakes, exact = [], [], []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -337,7 +344,7 @@ def _run_limit(result: dict[str, Any], workload: Workload, reps: int, torch: Any
         t3 = time.perf_counter()
         sleeps.append(t1 - t0)
         wakes.append(t3 - t2)
-        exact.append(_bit_exact([dev], torch))
+        exact.append(bit_exact([dev], torch))
     result.update(offloaded_bytes=nbytes, allocations=1, kv_bytes=0, sleep_s=sleeps, wake_s=wakes,
                   bit_exact=exact, l2_note="a copy, not a sleep")  # fmt: skip
     return result
