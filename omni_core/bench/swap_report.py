@@ -130,7 +130,7 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
     if a_alone is not None and b_alone is not None and forward[0]["kind"] == "swap":
         out["vs_alone"] = out["later_s"] / max(a_alone, b_alone)
         out["vs_b_wake"] = out["later_s"] / b_alone
-    wakes = [w for r in case["rounds"] for w in _wakes(r)] + [r["b"] for r in case["rounds"] if r["kind"] == "alone"]
+    wakes = [w for r in case["rounds"] for w in _wakes(r)]
     exact = [w.get("exact") for w in wakes if "exact" in w]
     out["bit_exact"] = bool(exact) and all(exact)
     out["wakes_checked"] = len(exact)
@@ -207,7 +207,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
             s = summarize(case)
             if not s:
                 continue
-            if "overcommit" in s and (fill or case["method"] in SWAP_METHODS):
+            if "overcommit" in s and case["method"] != "limit" and (fill or case["method"] in SWAP_METHODS):
                 oc = s["overcommit"]
                 rows.append({"pair": pair, "method": case["method"], "target": "zero over-commit", "value": None,
                              "met": oc["ok"], "by": "" if oc["ok"] else _overcommit_text(oc)})  # fmt: skip
