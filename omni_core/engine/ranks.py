@@ -88,14 +88,29 @@ def spawn_ranks(spec: StageSpec, *, epoch: int, address: str, trace_path: str | 
                               curve_server_key=curve.server_public.decode() if curve else None,
                               trace_path=trace_path, parent_pid=os.getpid())  # fmt: skip
         # torchrun-style variables for runners that form a process group, and the rank's GPU.
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.ranks), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))  # fmt: skip
+        env = dict(os.environ, **torchrun_env(rank, spec.ranks, local_rank=local_rank(spec, rank),
+                                              master_addr="127.0.0.1", master_port=master_port))  # fmt: skip
         if spec.devices:
             env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
         if curve is not None:
             env.update(curve.client_env())
         procs.append(RankProcess(config, env))
     return procs
+
+
+def local_rank(spec: StageSpec, rank: int) -> int:
+    """LOCAL_RANK of a local rank: programs open `cuda:LOCAL_RANK` (vLLM's external_launcher,
+    transformers), which counts the devices this process sees. A rank given one device of its
+    own (`devices`) sees it as device 0; without `devices` every rank sees them all."""
+    if spec.devices and "," not in spec.devices[rank]:
+        return 0
+    return rank
+
+
+def torchrun_env(rank: int, world: int, *, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables torchrun sets, from which a rank's runner forms the stage's process group."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
 
 
 def reap(procs: list[RankProcess]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.ranks import free_tcp_port, torchrun_env
 from omni_core.engine.spec import RayPlacement, StageSpec
 from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
 from omni_core.transport import CurveKeys
@@ -63,14 +64,15 @@ class RankActor:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
 
-    def run(self, config_json: bytes, secret_hex: str, curve_env: dict[str, str]) -> int:
-        """The worker loop until Shutdown; its exit code. The secrets go into this process's
-        environment only for `run_worker` to take them out again at once."""
+    def run(self, config_json: bytes, secret_hex: str, env: dict[str, str]) -> int:
+        """The worker loop until Shutdown; its exit code. The secrets (and the torchrun-style
+        variables of the stage's process group) go into this process's environment, the
+        secrets only for `run_worker` to take them out again at once."""
         from omni_core.workers.process import run_worker
 
         config = msgspec.json.decode(config_json, type=WorkerConfig)
         os.environ[RANK_SECRET_ENV] = secret_hex
-        os.environ.update(curve_env)
+        os.environ.update(env)
         try:
             return run_worker(config)
         except SystemExit as exc:  # Ray would take a SystemExit for the actor's own exit
@@ -86,7 +88,7 @@ def _last_line(text: str) -> str:
 class RayRank:
     """One rank's actor, seen by the orchestrator as a `RankHandle`."""
 
-    def __init__(self, ray: Any, actor: Any, config: WorkerConfig, curve_env: dict[str, str],
+    def __init__(self, ray: Any, actor: Any, config: WorkerConfig, env: dict[str, str],
                  where: str) -> None:  # fmt: skip
         self._ray = ray
         self.actor = actor
@@ -105,7 +107,7 @@ class RayRank:
         os.set_blocking(self._sentinel_w, False)
         info = actor.info.remote()
         info.future().add_done_callback(self._on_info)
-        self._run = actor.run.remote(msgspec.json.encode(config), self.secret.hex(), curve_env)
+        self._run = actor.run.remote(msgspec.json.encode(config), self.secret.hex(), env)
         self._done = self._run.future()
         self._done.add_done_callback(self._on_end)
 
@@ -195,6 +197,10 @@ class RayLauncher:
         bundle = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
         bundle = {k: v for k, v in bundle.items() if v}
         group, owned = self._group_for(spec, placement, bundle)
+        # The stage's process group (tensor-parallel runners) meets at a port of the engine's
+        # node: torch's store is served by rank 0, so rank 0 must be placed on this node (a
+        # single-node placement group, as STRICT_PACK, guarantees it).
+        master_addr, master_port = self.bind_host(), free_tcp_port()
         ranks = []
         for rank in range(spec.ranks):
             index = placement.bundle_indices[rank] if placement.bundle_indices else rank
@@ -217,7 +223,11 @@ class RayLauncher:
                 options["runtime_env"] = dict(placement.runtime_env)
             actor = self._actor_class.options(**options).remote()
             where = f"stage {spec.name!r} bundle {index} of placement group {group.id.hex()[:12]}"
-            handle = RayRank(self._ray, actor, config, curve.client_env(), where)
+            # Ray sets each actor's CUDA_VISIBLE_DEVICES to its own GPUs: its first is cuda:0.
+            env = {**curve.client_env(), **torchrun_env(rank, spec.ranks, master_addr=master_addr,
+                                                        master_port=master_port,
+                                                        local_rank=0 if placement.num_gpus else rank)}  # fmt: skip
+            handle = RayRank(self._ray, actor, config, env, where)
             if owned:
                 self._groups[id(handle)] = group
             ranks.append(handle)

@@ -81,3 +81,18 @@ def test_a_remote_launcher_gets_curve_even_on_a_loopback_address():
     finally:
         orch.call(lambda f: orch.op_shutdown(f, 1.0)).result(10)
         orch.join(10)
+
+
+def test_local_rank_counts_the_devices_a_rank_sees() -> None:
+    # vLLM's external_launcher and transformers open cuda:LOCAL_RANK: a rank given a GPU of
+    # its own sees it as cuda:0, and rank 1 opening cuda:1 there would fail.
+    from omni_core.engine.ranks import local_rank, torchrun_env
+
+    own = StageSpec("s", ranks=2, devices=("0", "1"))
+    shared = StageSpec("s", ranks=2)
+    both = StageSpec("s", ranks=2, devices=("0,1", "0,1"))
+    assert [local_rank(own, r) for r in (0, 1)] == [0, 0]
+    assert [local_rank(shared, r) for r in (0, 1)] == [0, 1]
+    assert [local_rank(both, r) for r in (0, 1)] == [0, 1]
+    assert torchrun_env(1, 2, local_rank=0, master_addr="10.0.0.1", master_port=29500) == {
+        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
