@@ -82,6 +82,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from omni_core.bench.swap import main as swap_main
 
         return swap_main(args)
+    if args.multi_gpu:
+        from omni_core.bench.multi_gpu import main as multi_gpu_main
+
+        return multi_gpu_main(args)
     if args.vllm:
         from omni_core.bench.vllm_stage import main as vllm_stage_main
 
@@ -173,9 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "A:B[+fill] (default 16g:16g,8g:16g+fill); --render swap_gpu.json")  # fmt: skip
     p.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="--swap: cuda (default) or cpu (a smoke run: portable backend, simulated device, "
-                        "workloads 2m/4m)")  # fmt: skip
+                        "workloads 2m/4m); --multi-gpu: cuda (two GPUs, default) or cpu (gloo, portable backend, "
+                        "simulated device)")  # fmt: skip
     p.add_argument("--memory-wait-s", type=float, default=60.0,
                    help="--swap: how long the incoming stage's wake may wait for free memory")
+    p.add_argument("--multi-gpu", action="store_true",
+                   help="tensor-parallel (2 ranks) stages on two GPUs: every lifecycle with per-rank NVML and GB/s "
+                        "(--parts tp), through Ray with an actor killed mid-sleep (ray), Engine.swap of two TP "
+                        "stages against sequential (swap); --device cpu: the gloo smoke run")  # fmt: skip
+    p.add_argument("--parts", default=None, help="multi-gpu: comma-separated parts (default tp,ray,swap)")
     p.add_argument("--real-size", default="large", choices=("large", "tiny"),
                    help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
     p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")
