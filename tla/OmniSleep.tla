@@ -74,11 +74,15 @@ CONSTANTS
                              requests run on discarded weights (P-8 over memory, Mem)
      no_ack_check            the stage commits on ACKs whose state or asleep tags disagree with
                              what it expects; with "short" in Faults a rank ACKs truthfully a
-                             wake that restored less than asked (P-7 over memory) *)
+                             wake that restored less than asked (P-7 over memory)
+   and two of the admission queue (OmniAdmission.tla, which extends this module):
+     queue_unbounded         a request is queued even when the queue is at its limit
+     queue_dropped_on_wake   the dispatch after a wake sends the queue's first request and
+                             drops the others unanswered *)
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
-             "no_ack_check"}
+             "no_ack_check", "queue_unbounded", "queue_dropped_on_wake"}
 
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill"}
@@ -537,18 +541,22 @@ IssueReload ==
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
                    workerVars, faults, broken, sprof>>
 
-(* A request: admitted only where the stage allows "execute" (RUNNING, P-7), while fewer
-   than MaxRequests are in flight (the engine queues the others). *)
-IssueExecute ==
-    /\ Requests /\ Cardinality(sreqs) < MaxRequests /\ nextTask \in TaskIds
+(* Request t goes to every rank (StageCore._dispatch): only where the stage allows
+   "execute" (RUNNING, P-7). The caller says where t comes from (nextTask, or the queue). *)
+Dispatch(t) ==
     /\ SLegal(sstate, "execute")
-    /\ LET t == nextTask IN
-       /\ sreqs' = sreqs \cup {t}
-       /\ net' = net \cup SendAll("Execute", t, 0, {})
-       /\ outcome' = Pending(t)
-    /\ nextTask' = nextTask + 1
+    /\ sreqs' = sreqs \cup {t}
+    /\ net' = net \cup SendAll("Execute", t, 0, {})
+    /\ outcome' = Pending(t)
     /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqReplies,
                    sreqErr, failedRanks, workerVars, faults, broken, sprof>>
+
+(* A request while fewer than MaxRequests are in flight; without the admission queue
+   (OmniAdmission.tla models it) a request that could not run now is simply not made. *)
+IssueExecute ==
+    /\ Requests /\ Cardinality(sreqs) < MaxRequests /\ nextTask \in TaskIds
+    /\ Dispatch(nextTask)
+    /\ nextTask' = nextTask + 1
 
 (* StageCore.profile: a task in a settled state that the answers never move (P-15). It
    keeps its own record of who answered (sprof), so the settled state's complete ACK set
@@ -739,7 +747,7 @@ RankDied(r) ==
    "kill" in Faults lets a model restart a stage that still serves (live ranks killed);
    without it a model restarts only after a failure, which keeps the models that do not
    look at this path (crash) small. The states themselves come from the table. *)
-Restart ==
+RestartWith(rejected) ==     \* rejected: queued requests that never ran (OmniAdmission)
     /\ SLegal(sstate, "restart") /\ sepoch < MaxEpoch
     /\ ~ProfileTask            \* StageCore.restart refuses while a Profile task is in flight
     /\ sstate # "FAILED" => "kill" \in Faults
@@ -747,10 +755,12 @@ Restart ==
     /\ sepoch' = sepoch + 1
     /\ sasleep' = {} /\ svalid' = TRUE /\ sacks' = {} /\ sloadFailed' = {} /\ failedRanks' = {}
     /\ FreshWorkers(sepoch + 1)
-    /\ outcome' = [t \in TaskIds |-> IF t \in sreqs \cup {stask} THEN "failed" ELSE outcome[t]]
+    /\ outcome' = [t \in TaskIds |-> IF t \in sreqs \cup {stask} THEN "failed"
+                                     ELSE IF t \in rejected THEN "refused" ELSE outcome[t]]
     /\ stask' = 0 /\ scmd' = NoCmd
     /\ sreqs' = {} /\ sreqReplies' = NoReplies /\ sreqErr' = NoErrors /\ sprof' = NoProf
     /\ UNCHANGED <<applied, nextTask, net, faults, broken>>
+Restart == RestartWith({})
 
 -----------------------------------------------------------------------------
 (* ================================ network =============================== *)
@@ -769,19 +779,24 @@ Deliver(keep) ==
     \E m \in net : \/ \E r \in Ranks : WorkerReceive(r, m, keep)
                    \/ StageReceive(m, keep)
 
-Next ==
+(* The steps of the StageCore (each an input to it), apart from those of the ranks and the
+   network, so that OmniAdmission can run its queue after a stage step and before the next,
+   as StageCore._pump does within the step. Restart is apart: the queue's requests end there. *)
+StageCall ==
     \/ \E lvl \in SleepLevels, tg \in SleepTags : IssueSleep(lvl, TagSet(tg))
     \/ \E tg \in WakeTags : IssueWake(TagSet(tg))
     \/ IssueReload
     \/ IssueExecute
     \/ \E start \in BOOLEAN : IssueProfile(start)
-    \/ Deliver(FALSE)
-    \/ Deliver(TRUE)                               \* a duplicate: the message stays
+    \/ \E m \in net : StageReceive(m, FALSE) \/ StageReceive(m, TRUE)   \* TRUE: a duplicate stays
+    \/ \E r \in Ranks : RankDied(r)
+    \/ Deadline
+ProcessStep ==
+    \/ \E m \in net, r \in Ranks : WorkerReceive(r, m, FALSE) \/ WorkerReceive(r, m, TRUE)
     \/ \E m \in net : Drop(m) \/ Corrupt(m)
     \/ \E r \in Ranks : Loaded(r) \/ LoadFailed(r) \/ Done(r) \/ Refused(r) \/ EffectError(r) \/ Crash(r)
-                       \/ RankDied(r)
-    \/ Deadline
-    \/ Restart
+
+Next == StageCall \/ Restart \/ ProcessStep
 
 (* Progress: messages are delivered, effects finish, ranks load, deadlines pass, deaths are
    seen. One weak-fairness condition on all of them is enough: every such step is finite in
