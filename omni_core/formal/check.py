@@ -10,6 +10,15 @@ What it runs is listed in `tla/manifest.json`:
   manifest names. Each is also run as a control with `Bug = "none"`, which must pass: the
   violation comes from the defect, not from the model.
 
+Models marked `"long": true` (three ranks, epoch 2, six tasks, restarts from serving states,
+the admission queue: tens of minutes on two cores) are skipped unless `--long`, which runs
+only them: a nightly job runs both. Each entry records the `seconds` its last run took
+(`--update-manifest`), so the time of the formal stage is stated, not guessed.
+
+`--coverage` runs the models with TLC's `-coverage` and reports the spec's dead branches
+(formal/coverage.py); the guard-mutation report (formal/guard_mutation.py,
+`--mutate-guards`) says which guard of the spec no invariant needs.
+
 First, the agreement check (formal/agree.py, row "agree"): one step of the spec's actions
 from every small case, replayed on WorkerCore and StageCore, must give the same result;
 this covers what the tables do not (order of checks, settle, plan_sleep, expectations).
@@ -57,7 +66,9 @@ class Model:
     distinct_states: int | None
     control_states: int | None
     about: str
-    spec: str = ""
+    spec: str = ""  # the module the config is for: the entry's own, else the manifest's
+    long: bool = False  # run only by --long
+    seconds: float | None = None  # measured by the last --update-manifest (the manifest says where)
 
     @property
     def is_bug(self) -> bool:
@@ -69,7 +80,8 @@ class Model:
                    kind=data.get("kind", "model"), workers=int(data.get("workers", 2)),
                    distinct_states=data.get("distinct_states"),
                    control_states=data.get("control_states"), about=data.get("about", ""),
-                   spec=data.get("spec", default_spec))  # fmt: skip
+                   spec=data.get("spec", default_spec), long=bool(data.get("long", False)),
+                   seconds=data.get("seconds"))  # fmt: skip
 
 
 @dataclass
@@ -86,6 +98,17 @@ class Row:
 def load_manifest(root: Path) -> tuple[dict, list[Model]]:
     data = json.loads((root / MANIFEST).read_text())
     return data, [Model.from_json(m, data["spec"]) for m in data["models"]]
+
+
+def select(models: list[Model], *, long: bool, only: list[str] | None) -> list[Model]:
+    """The models one run checks: the default list or, with `long`, the long one; `only`
+    (globs) narrows either."""
+    return [m for m in models if m.long == long and _selected(m.name, only)]
+
+
+def stated_seconds(models: list[Model]) -> float:
+    """What the manifest says these models (and bug models' controls) take, as measured."""
+    return sum((m.seconds or 0.0) for m in models)
 
 
 _PROPERTIES = re.compile(r"^\s*PROPERT(?:Y|IES)\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.MULTILINE | re.DOTALL)
@@ -131,20 +154,27 @@ def _states_note(expected: int | None, got: int | None, update: bool) -> tuple[b
 
 
 def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_s: float,
-               update: bool, controls: bool, echo=print) -> tuple[list[Row], dict[str, dict]]:  # fmt: skip
+               update: bool, controls: bool, echo=print,
+               coverage: dict[str, str] | None = None) -> tuple[list[Row], dict[str, dict]]:  # fmt: skip
+    """Run each model (and each bug model's control); with `coverage` (a dict), the models
+    run with TLC's -coverage and their transcripts are kept there by model name."""
     rows: list[Row] = []
     counts: dict[str, dict] = {}
     for model in models:
         spec = root / (model.spec or "OmniSleep.tla")
         config = root / model.config
         text = config.read_text()
-        result = run_tlc(spec, config, workers=workers or model.workers, timeout_s=timeout_s)
+        cover = coverage is not None and not model.is_bug
+        result = run_tlc(spec, config, workers=workers or model.workers, timeout_s=timeout_s,
+                         extra_args=("-coverage", "60") if cover else ())  # fmt: skip
+        if cover:
+            coverage[model.name] = result.output
         got, ok, note = judge(model, result, config_properties(text))
         if ok:
             ok, note = _states_note(model.distinct_states, result.distinct_states, update)
         rows.append(Row(model.name, model.expect, got, result.distinct_states, result.seconds, ok, note))
         echo(_format_row(rows[-1]))
-        counts[model.name] = {"distinct_states": result.distinct_states}
+        counts[model.name] = {"distinct_states": result.distinct_states, "seconds": round(result.seconds, 1)}
         if model.is_bug and controls:
             with tempfile.TemporaryDirectory(prefix="omni-control-") as tmp:
                 control = Path(tmp) / config.name
@@ -158,6 +188,7 @@ def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_
                             cres.seconds, cok, cnote))  # fmt: skip
             echo(_format_row(rows[-1]))
             counts[model.name]["control_states"] = cres.distinct_states
+            counts[model.name]["seconds"] = round(result.seconds + cres.seconds, 1)
     return rows, counts
 
 
@@ -203,7 +234,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="limit per TLC run (default %(default)s)"
     )
-    parser.add_argument("--list", action="store_true", help="list the models and exit")
+    parser.add_argument("--long", action="store_true",
+                        help="run the long models instead (three ranks, epoch 2, admission: tens of minutes)")
+    parser.add_argument("--coverage", action="store_true",
+                        help="run the models with TLC -coverage and report the spec's dead branches")
+    parser.add_argument("--coverage-report", metavar="PATH", type=Path,
+                        help="with --coverage: also write the report here (tla/coverage.md keeps its notes)")
+    parser.add_argument("--mutate-guards", action="store_true",
+                        help="instead: remove each guard of the spec in turn and run the models "
+                        "(formal/guard_mutation.py)")
+    parser.add_argument("--guard-report", metavar="PATH", type=Path,
+                        help="with --mutate-guards: also write the report here (tla/guard_mutation.md keeps "
+                        "its notes)")
+    parser.add_argument("--list", action="store_true",
+                        help="list the models (with --mutate-guards: the guards) and exit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -263,21 +307,28 @@ def run(args: argparse.Namespace, echo=print) -> int:
     elif not gen_transitions.is_fresh(generated):
         echo(f"FAIL {gen_transitions.stale_message(generated)}")
         return 2
+    if getattr(args, "mutate_guards", False):
+        from omni_core.formal import guard_mutation
+
+        return guard_mutation.run(args, root, echo)
     data, models = load_manifest(root)
-    if args.only:
-        models = [m for m in models if _selected(m.name, args.only)]
+    long = getattr(args, "long", False)
+    models = select(models, long=long, only=args.only)
     if args.list:
         for m in models:
             echo(f"{m.name:38} {m.expect:34} {m.config}  {m.about}")
         return 0
     echo(f"{generated.name}: matches omni_core.fsm")
+    echo(f"{'long' if long else 'default'} list: {len(models)} models, {stated_seconds(models):.0f} s "
+         f"as measured ({data.get('measured_on', 'machine not stated')})")  # fmt: skip
     echo(header())
     start = time.monotonic()
+    coverage_out: dict[str, str] | None = {} if getattr(args, "coverage", False) else None
     try:
-        rows = [agreement_row(root, args.timeout_s, echo)] if _selected("agree", args.only) else []
+        rows = [agreement_row(root, args.timeout_s, echo)] if not long and _selected("agree", args.only) else []
         more, counts = run_models(models, root, workers=args.workers, timeout_s=args.timeout_s,
                                   update=args.update_manifest, controls=not args.no_controls,
-                                  echo=echo)  # fmt: skip
+                                  echo=echo, coverage=coverage_out)  # fmt: skip
         rows += more
     except TlcNotFoundError as exc:
         echo(f"FAIL {exc}")
@@ -286,6 +337,8 @@ def run(args: argparse.Namespace, echo=print) -> int:
     bad = [r for r in rows if not r.ok]
     echo(_RULE)
     echo(f"{len(rows)} runs, {len(bad)} failed, {total_s:.1f} s")
+    _report_coverage(root, coverage_out, getattr(args, "coverage_report", None), echo)
+    _report_guard_mutation(root, echo)
     if args.json:
         Path(args.json).write_text(json.dumps({"total_s": total_s, "rows": [r.__dict__ for r in rows]},
                                               indent=2) + "\n")  # fmt: skip
@@ -296,6 +349,26 @@ def run(args: argparse.Namespace, echo=print) -> int:
             write_manifest(root, data, counts)
             echo(f"wrote {root / MANIFEST}")
     return 1 if bad else 0
+
+
+def _report_coverage(root: Path, outputs: dict[str, str] | None, report: Path | None, echo) -> None:
+    from omni_core.formal import coverage
+
+    if outputs is None:
+        echo(coverage.summary_of_report(root / coverage.REPORT))
+        return
+    found = coverage.merge(coverage.parse_coverage(text) for text in outputs.values())
+    dead = coverage.dead_branches(found, root)
+    echo(coverage.format_table(dead, models=sorted(outputs)))
+    if report is not None:
+        coverage.write_report(report, dead, models=sorted(outputs))
+        echo(f"wrote {report}")
+
+
+def _report_guard_mutation(root: Path, echo) -> None:
+    from omni_core.formal import guard_mutation
+
+    echo(guard_mutation.summary_of_report(root / guard_mutation.REPORT))
 
 
 def main(argv: list[str] | None = None) -> int:
