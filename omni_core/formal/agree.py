@@ -81,10 +81,10 @@ def _value(tokens: Iterator[tuple[str, int]], first: str) -> Any:
     raise AgreeParseError(f"unexpected token {first!r}")
 
 
-def parse_lines(output: str) -> list[tuple[Any, ...]]:
+def parse_lines(output: str, tag: str = "AGREE") -> list[tuple[Any, ...]]:
     """Every `<<"AGREE", ...>>` value TLC printed (PrintT wraps long ones over lines)."""
     found = []
-    for match in re.finditer(r'<<\s*"AGREE"', output):
+    for match in re.finditer(rf'<<\s*"{tag}"', output):
         tokens = _tokens(output, match.start())
         first, _ = next(tokens)
         found.append(_value(tokens, first)[1:])

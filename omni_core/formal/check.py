@@ -270,26 +270,45 @@ def _selected(name: str, only: list[str] | None) -> bool:
     return not only or any(fnmatch.fnmatch(name, p) for p in only)
 
 
+def _agreement(name: str, compute, echo) -> Row:
+    """Run one agreement check: `compute()` gives (cases, disagreements, counts line)."""
+    start = time.monotonic()
+    try:
+        cases, found, counts = compute()
+    except agree.AgreeParseError as exc:
+        row = Row(name, "ok", "error", None, time.monotonic() - start, False, str(exc))
+    else:
+        row = Row(name, "ok", "ok" if not found else f"{len(found)} disagree", cases, time.monotonic() - start,
+                  not found, f"first: {found[0]}" if found else "")  # fmt: skip
+        if not found:
+            echo(f"{name}: {counts}")
+    echo(_format_row(row))
+    return row
+
+
 def agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
     """The Python cores against one step of the spec's actions from every small case
     (formal/agree.py): the order of the worker's checks, settle, plan_sleep, the stage's
     expectations. Reports the first disagreement and how many there are."""
-    start = time.monotonic()
-    try:
+
+    def compute():
         table = agree.spec_table(root, timeout_s=timeout_s)
-        found = agree.compare(table)
-    except agree.AgreeParseError as exc:
-        row = Row("agree", "ok", "error", None, time.monotonic() - start, False, str(exc))
-    else:
-        got = "ok" if not found else f"{len(found)} disagree"
-        note = f"first: {found[0]}" if found else ""
-        row = Row("agree", "ok", got, len(table.worker_cases) + len(table.done) + len(table.stage_cases),
-                  time.monotonic() - start, not found, note)  # fmt: skip
-        if not found:
-            row.note = ""
-            echo(f"agree: {agree.counts(table)}")
-    echo(_format_row(row))
-    return row
+        cases = len(table.worker_cases) + len(table.done) + len(table.stage_cases)
+        return cases, agree.compare(table), agree.counts(table)
+
+    return _agreement("agree", compute, echo)
+
+
+def admission_agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
+    """StageCore's admission (on_submit, _pump) against OmniAdmission's first step from every
+    small case (formal/agree_admission.py)."""
+    from omni_core.formal import agree_admission
+
+    def compute():
+        steps = agree_admission.spec_steps(root, timeout_s=timeout_s)
+        return len(steps), agree_admission.compare(steps), f"{len(steps)} cases (state, policy, queued, in flight)"
+
+    return _agreement("agree/admission", compute, echo)
 
 
 def run(args: argparse.Namespace, echo=print) -> int:
@@ -326,6 +345,8 @@ def run(args: argparse.Namespace, echo=print) -> int:
     coverage_out: dict[str, str] | None = {} if getattr(args, "coverage", False) else None
     try:
         rows = [agreement_row(root, args.timeout_s, echo)] if not long and _selected("agree", args.only) else []
+        if not long and _selected("agree/admission", args.only):
+            rows.append(admission_agreement_row(root, args.timeout_s, echo))
         more, counts = run_models(models, root, workers=args.workers, timeout_s=args.timeout_s,
                                   update=args.update_manifest, controls=not args.no_controls,
                                   echo=echo, coverage=coverage_out)  # fmt: skip

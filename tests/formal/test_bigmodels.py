@@ -199,3 +199,52 @@ def test_admission_bug_models_are_rejected_with_their_invariant(name):
     result = run_tlc(root / model.spec, root / model.config, workers=1, timeout_s=300)
     assert (result.exit_code, result.violated) == (EXIT_SAFETY, model.expect), result.error
     assert model.spec == "OmniAdmission.tla"
+
+
+# ---------------------------------------------------------------- admission agreement
+
+
+@pytest.fixture(scope="module")
+def admission_steps():
+    from omni_core.formal import agree_admission
+
+    return agree_admission.spec_steps(check.tla_dir())
+
+
+def test_stage_core_admission_agrees_with_the_spec_in_every_small_case(admission_steps):
+    from omni_core.formal import agree_admission
+
+    assert len(admission_steps) >= 100
+    kinds = set(admission_steps.values())
+    assert {("submit", "run"), ("submit", "queue"), ("submit", "refuse"), ("pump", "dispatch"),
+            ("pump", "auto_wake"), ("pump", "reject_all")} <= kinds  # fmt: skip
+    assert agree_admission.compare(admission_steps) == []
+
+
+def test_a_core_that_ignores_the_queue_limit_disagrees(admission_steps):
+    from omni_core.formal import agree_admission
+    from omni_core.fsm.stage import StageCore
+
+    class Unbounded(StageCore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.queue_limit = 10**6  # the core forgets the bound it was given
+
+    found = agree_admission.compare(admission_steps, Unbounded)
+    assert found and all(d.spec == ("submit", "refuse") and d.code == ("submit", "queue") for d in found)
+
+
+def test_a_core_whose_pump_keeps_the_queue_after_a_level_2_sleep_disagrees(admission_steps):
+    from omni_core.formal import agree_admission
+    from omni_core.fsm.stage import StageCore, StageStep
+    from omni_core.protocol import StageState
+
+    class Keeping(StageCore):
+        def _pump(self, now):
+            if self.state is StageState.NEEDS_RELOAD:
+                return StageStep()  # the queue waits for a reload that may never come
+            return super()._pump(now)
+
+    found = agree_admission.compare(admission_steps, Keeping)
+    assert found and {d.case[0] for d in found} == {"NEEDS_RELOAD"}
+    assert all(d.spec == ("pump", "reject_all") and d.code == ("pump", "none") for d in found)
