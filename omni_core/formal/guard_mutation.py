@@ -41,7 +41,11 @@ MODELS = {
     "OmniSleep.tla": ("happy", "crash", "restart", "duplicates", "corrupt", "admission"),
     "OmniAdmission.tla": ("admission",),
 }  # fmt: skip
-DEFAULT_TIMEOUT_S = 150.0  # per model; a mutant whose state space explodes is reported "timeout"
+# A mutant whose state space explodes is stopped and reported "timeout": after this many times
+# what the unmutated model took in the same session (so a loaded machine does not turn slow
+# runs into timeouts), and never before MIN_TIMEOUT_S.
+TIMEOUT_FACTOR = 6.0
+MIN_TIMEOUT_S = 30.0
 # Conjuncts that choose the model's scope (a config switch, the fault budget), not a rule of
 # the protocol: removing one enables what the model left out on purpose. Listed, not run.
 SCOPE = re.compile(r'^(Requests|Profiles|(keep => )?FaultOk\("\w+"\)|Bug # "\w+"|"\w+" \\in Faults)$')
@@ -298,8 +302,24 @@ def _killed_by(result) -> str | None:
     return None
 
 
-def check_guard(guard: Guard, root: Path, models: dict[str, str], timeout_s: float) -> Verdict:
-    """Run the mutant of `guard` on the models (name -> config) until one fails."""
+def _spec_of(root: Path, config: str) -> str:
+    return "OmniAdmission.tla" if "AdmSpec" in (root / config).read_text() else "OmniSleep.tla"
+
+
+def baselines(root: Path, models: dict[str, str]) -> dict[str, float]:
+    """Seconds each unmutated model takes now: the yardstick of a mutant's time limit."""
+    out = {}
+    for name, config in models.items():
+        result = run_tlc(root / _spec_of(root, config), root / config, workers=2, timeout_s=3600)
+        if result.outcome != "ok":
+            raise RuntimeError(f"the unmutated model {name} does not pass ({result.got}): fix it first")
+        out[name] = result.seconds
+    return out
+
+
+def check_guard(guard: Guard, root: Path, models: dict[str, str], limits_s: dict[str, float]) -> Verdict:
+    """Run the mutant of `guard` on the models (name -> config) until one fails; each run is
+    limited to limits_s[name]."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="omni-mutant-") as tmp:
         work = Path(tmp)
@@ -310,10 +330,10 @@ def check_guard(guard: Guard, root: Path, models: dict[str, str], timeout_s: flo
                 shutil.copytree(root / sub, work / sub)
         (work / guard.module).write_text(mutate((root / guard.module).read_text(), guard))
         for name, config in models.items():
-            spec = "OmniAdmission.tla" if "AdmSpec" in (root / config).read_text() else "OmniSleep.tla"
-            result = run_tlc(work / spec, work / config, workers=2, timeout_s=timeout_s)
+            result = run_tlc(work / _spec_of(root, config), work / config, workers=2, timeout_s=limits_s[name])
             if result.outcome == "timeout":
-                return Verdict(guard, "timeout", f"past {timeout_s:.0f} s", name, time.monotonic() - start)
+                return Verdict(guard, "timeout", f"past {limits_s[name]:.0f} s ({TIMEOUT_FACTOR:.0f}x the model)",
+                               name, time.monotonic() - start)  # fmt: skip
             by = _killed_by(result)
             if by is not None:
                 return Verdict(guard, "killed", by, name, time.monotonic() - start)
@@ -384,14 +404,17 @@ def run(args: argparse.Namespace, root: Path, echo=print) -> int:
         for g in guards:
             echo(f"{g.name:24} {g.module}:{g.line:<5} {g.text[:90]}")
         return 0
-    timeout_s = args.timeout_s if args.timeout_s != 300.0 else DEFAULT_TIMEOUT_S
     start = time.monotonic()
+    wanted = {m: c for g in guards if not SCOPE.match(g.text) for m, c in _models_for(g.module, root).items()}
+    base = baselines(root, wanted)
+    limits = {m: max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * s) for m, s in base.items()}
+    echo("unmutated: " + ", ".join(f"{m} {s:.0f} s" for m, s in base.items()))
     verdicts = []
     for guard in guards:
         if SCOPE.match(guard.text):
             v = Verdict(guard, "scope", "a switch of the model's scope: not mutated", "", 0.0)
         else:
-            v = check_guard(guard, root, _models_for(guard.module, root), timeout_s)
+            v = check_guard(guard, root, _models_for(guard.module, root), limits)
         verdicts.append(v)
         by = v.by if v.result != "survived" else ""
         echo(f"{guard.name:24} {guard.module}:{guard.line:<5} {v.result:9} {by:50.50} "

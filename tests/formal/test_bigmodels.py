@@ -248,3 +248,21 @@ def test_a_core_whose_pump_keeps_the_queue_after_a_level_2_sleep_disagrees(admis
     found = agree_admission.compare(admission_steps, Keeping)
     assert found and {d.case[0] for d in found} == {"NEEDS_RELOAD"}
     assert all(d.spec == ("pump", "reject_all") and d.code == ("pump", "none") for d in found)
+
+
+def test_scope_switches_are_listed_not_mutated():
+    scope = [g.text for g in guard_mutation.all_guards(check.tla_dir()) if guard_mutation.SCOPE.match(g.text)]
+    assert "Requests" in scope and 'FaultOk("crash")' in scope and 'Bug # "no_deadline"' in scope
+    # protocol guards are not scope switches, even where they mention a constant
+    assert not guard_mutation.SCOPE.match('sstate # "FAILED" => "kill" \\in Faults')
+    assert not guard_mutation.SCOPE.match("SerialShell => ~Busy(r)")
+
+
+def test_guard_report_summary_line(tmp_path):
+    report = tmp_path / "guard_mutation.md"
+    g = guard_mutation.Guard("OmniSleep.tla", "Crash", 1, 10, 4, 10, 12, "alive[r]")
+    verdicts = [guard_mutation.Verdict(g, "killed", "P9_FailedNamesRanks", "crash", 3.0),
+                guard_mutation.Verdict(g, "survived", "happy", "", 9.0)]  # fmt: skip
+    guard_mutation.write_report(report, verdicts, 12.0)
+    line = guard_mutation.summary_of_report(report)
+    assert "2 guards, 1 killed, 1 survived" in line, line
