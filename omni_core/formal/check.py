@@ -243,6 +243,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mutate-guards", action="store_true",
                         help="instead: remove each guard of the spec in turn and run the models "
                         "(formal/guard_mutation.py)")
+    parser.add_argument("--mutation-models", action="append", metavar="NAME",
+                        help="with --mutate-guards: run only these of the mutation models (repeatable)")
     parser.add_argument("--guard-report", metavar="PATH", type=Path,
                         help="with --mutate-guards: also write the report here (tla/guard_mutation.md keeps "
                         "its notes)")
