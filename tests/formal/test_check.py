@@ -16,6 +16,7 @@ from omni_core.formal import check
 
 def test_cli_lists_every_manifest_model(capsys):
     assert cli_main(["check", "--list"]) == 0
+    assert cli_main(["check", "--list", "--long"]) == 0  # the long models are listed apart
     out = capsys.readouterr().out
     _, models = check.load_manifest(check.tla_dir())
     assert len(models) >= 7 + 4
