@@ -131,7 +131,17 @@ def dead_branches(cov: Coverage, root: Path) -> list[Dead]:
     never = {d.action for d in found}  # their bodies are dead as a whole: one row says so
     zero = sorted(loc for loc, n in cov.expressions.items() if n == 0 and cov.action_of.get(loc) not in never)
     outer = [loc for loc in zero if not any(o.contains(loc) for o in zero)]
-    found += [Dead("never evaluated", loc, cov.action_of.get(loc, ""), _source(root, loc, cache)) for loc in outer]
+    # One row per source line and action: TLC lists each element of a tuple (an UNCHANGED
+    # list, a definition like stageVars) apart, which says nothing more than the line does.
+    by_line: dict[tuple[str, int, str], Loc] = {}
+    for loc in outer:
+        key = (loc.module, loc.line, cov.action_of.get(loc, ""))
+        first = by_line.setdefault(key, loc)
+        if (loc.col, loc.end_line, loc.end_col) > (first.col, first.end_line, first.end_col):
+            by_line[key] = Loc(loc.module, first.line, min(first.col, loc.col), max(first.end_line, loc.end_line),
+                               max(first.end_col, loc.end_col) if loc.end_line == first.end_line else loc.end_col)
+    found += [Dead("never evaluated", loc, action, _source(root, loc, cache))
+              for (_, _, action), loc in by_line.items()]  # fmt: skip
     return sorted(found, key=lambda d: d.loc)
 
 
