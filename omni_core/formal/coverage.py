@@ -13,6 +13,12 @@ generated was never enabled; an expression with count 0 was never evaluated. The
 expression appears once per action that uses it; a branch is dead when no occurrence in no
 model evaluated it. A dead expression inside a dead one is not listed again.
 
+TLC 2.15 counts the operands of a conjunction written on one line (`/\\ x' = 0 /\\ y' = 1`)
+as never evaluated even where the line ran (the stage's start, `"started"`, shows it: every
+model starts, yet its one-line conjunction reads 0). Such zeros are dropped: a primed
+assignment or UNCHANGED on a line with a second `/\\` is not reported; the line's guard,
+where it has one on its own bullet, is.
+
 `omni-core check --coverage` runs the (non-bug) models with `-coverage` and prints the table;
 `--coverage-report tla/coverage.md` rewrites the committed report, keeping the notes that
 explain each dead branch (formal/reports.py).
@@ -123,13 +129,21 @@ def _source(root: Path, loc: Loc, cache: dict[str, list[str]]) -> str:
     return " ".join(line[loc.col - 1 : end].split())
 
 
+def _uncounted(root: Path, loc: Loc, cache: dict[str, list[str]]) -> bool:
+    """A primed assignment or UNCHANGED inside a one-line conjunction: TLC 2.15 reads it 0."""
+    text = _source(root, loc, cache)
+    line = cache.get(loc.module, [""] * loc.line)[loc.line - 1] if loc.line <= len(cache.get(loc.module, [])) else ""
+    return ("'" in text or text.startswith("UNCHANGED")) and line.count("/\\") >= 2
+
+
 def dead_branches(cov: Coverage, root: Path) -> list[Dead]:
     """Never-enabled actions and never-evaluated expressions (outermost only), in file order."""
     cache: dict[str, list[str]] = {}
     found = [Dead("action never enabled", loc, name, _source(root, loc, cache))
              for (name, loc), n in cov.actions.items() if n == 0]  # fmt: skip
     never = {d.action for d in found}  # their bodies are dead as a whole: one row says so
-    zero = sorted(loc for loc, n in cov.expressions.items() if n == 0 and cov.action_of.get(loc) not in never)
+    zero = sorted(loc for loc, n in cov.expressions.items()
+                  if n == 0 and cov.action_of.get(loc) not in never and not _uncounted(root, loc, cache))  # fmt: skip
     outer = [loc for loc in zero if not any(o.contains(loc) for o in zero)]
     # One row per source line and action: TLC lists each element of a tuple (an UNCHANGED
     # list, a definition like stageVars) apart, which says nothing more than the line does.

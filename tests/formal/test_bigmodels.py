@@ -274,3 +274,12 @@ def test_guard_report_summary_line(tmp_path):
     guard_mutation.write_report(report, verdicts, 12.0)
     line = guard_mutation.summary_of_report(report)
     assert "2 guards, 1 killed, 1 survived" in line, line
+
+
+def test_tlc_215_zeros_for_one_line_conjunctions_of_assignments_are_not_reported(tmp_path):
+    (tmp_path / "M.tla").write_text("---- MODULE M ----\nA ==\n    /\\ x > 0\n    /\\ x' = 0 /\\ y' = 1\n====\n")
+    cov = coverage.Coverage(
+        {coverage.Loc("M", 3, 8, 3, 12): 0, coverage.Loc("M", 4, 8, 4, 13): 0, coverage.Loc("M", 4, 18, 4, 23): 0},
+        {("A", coverage.Loc("M", 2, 1, 2, 1)): 3}, {})
+    dead = coverage.dead_branches(cov, tmp_path)
+    assert [(d.loc.line, d.text) for d in dead] == [(3, "x > 0")]
