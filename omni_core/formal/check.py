@@ -44,6 +44,7 @@ from omni_core.formal import agree, gen_transitions
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 
 DEFAULT_TIMEOUT_S = 300.0
+LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
 MANIFEST = "manifest.json"
 
 
@@ -334,6 +335,8 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return guard_mutation.run(args, root, echo)
     data, models = load_manifest(root)
     long = getattr(args, "long", False)
+    if long and args.timeout_s == DEFAULT_TIMEOUT_S:
+        args.timeout_s = LONG_TIMEOUT_S
     models = select(models, long=long, only=args.only)
     if args.list:
         for m in models:
