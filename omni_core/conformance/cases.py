@@ -95,6 +95,7 @@ class Ctx:
         self._new_harness = new_harness
         self.stray_note: str = ""  # global cases get the run's record here
         self.failing_factory: Callable[[str, int, int], Any] | None = None  # a worker that greets FAILED
+        self.pressure_factory: Callable[[], Any] | None = None  # memory-pressure hooks (P-16)
 
     @property
     def worker(self) -> Peer:
@@ -863,7 +864,7 @@ def run_wide(c: Case) -> bool:
     return c.scope == "global"
 
 
-REQUIREMENT_ORDER = tuple(f"P-{n}" for n in range(1, 16))
+REQUIREMENT_ORDER = tuple(f"P-{n}" for n in range(1, 17))
 _SCOPE_ORDER = {"shared": 0, "own": 1, "consume": 2, "global": 3}
 
 

@@ -30,12 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failing-worker", metavar="TARGET", default=None,
                    help="a worker whose start-up fails (it greets in FAILED), to check that Shutdown leaves "
                         "FAILED; built in for 'synthetic', else that case is skipped")  # fmt: skip
+    p.add_argument("--memory-pressure", metavar="package.module:factory", default=None,
+                   help="a factory of memory-pressure hooks (omni_core.conformance.pressure) that start the "
+                        "worker on a device they can fill, for the P-16 NO_MEMORY case; built in for "
+                        "'synthetic', else that case is skipped")  # fmt: skip
     p.add_argument("--epoch", type=int, default=3, help="epoch the workers are started in (>= 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per case as well")
 
 
 def run(args: argparse.Namespace) -> int:
     from omni_core.conformance.harness import SuiteOptions
+    from omni_core.conformance.pressure import resolve_pressure
     from omni_core.conformance.runner import parse_only, run_suite
     from omni_core.conformance.targets import TargetError, resolve_target
 
@@ -44,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
         resolve_target(args.worker)
         if args.failing_worker is not None:
             resolve_target(args.failing_worker)
+        if args.memory_pressure is not None:
+            resolve_pressure(args.memory_pressure)
         fields = {"reply_timeout_s": args.reply_timeout, "start_timeout_s": args.start_timeout, "epoch": args.epoch,
-                  "case_timeout_s": args.case_timeout, "failing_worker": args.failing_worker}  # fmt: skip
+                  "case_timeout_s": args.case_timeout, "failing_worker": args.failing_worker,
+                  "memory_pressure": args.memory_pressure}  # fmt: skip
         if args.payload is not None:
             fields["execute_payload"] = json.loads(args.payload)
         options = SuiteOptions(**fields)

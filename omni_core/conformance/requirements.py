@@ -189,6 +189,36 @@ REQUIREMENTS: dict[str, Requirement] = {
             "`Profile`) is that rank's refusal in the outcome; an answer in another state, or none by the "
             'deadline, fails the stage naming the rank (P-9).',
         ),
+        Requirement(
+            "P-16",
+            "A wake never allocates past the device",
+            'A worker that declares the capability `swap` MUST, before it maps (or moves to the device) each '
+            "allocation of a `Wake`, check that the device's free memory covers it, and MUST NOT map an "
+            'allocation that it does not cover (a driver out-of-memory on an allocation that was covered counts '
+            'as "not free yet"; a device with no capacity to run out of, such as a CPU, has nothing to check). '
+            '`Wake.wait_for_memory_s` (seconds, 0 to 3600, default 0) bounds how long the worker MAY wait for '
+            'memory that another process is releasing, counted from the start of the wake; with 0 it MUST NOT '
+            'wait, and it MUST NOT refuse for lack of memory before that time has passed. When the memory is not '
+            'free in time the worker MUST roll the wake back: unmap every allocation this wake mapped, keep the '
+            'host copies valid (nothing is invalidated, so a later `Wake` restores the same bytes), return to the'
+            ' state the `Wake` found (`SLEEPING`, `PARTIAL` or `NEEDS_RELOAD`) with the same tags asleep, and '
+            'answer `Nack NO_MEMORY` whose detail names the bytes needed, the bytes free and who holds the device'
+            " memory (each process the driver lists on the device with its pid and bytes; on omni-core's "
+            "simulated device each holder's stage, rank, pid and bytes). The refusal MUST be kept in the reply "
+            'cache like any answer (P-2): a copy of the `Wake` gets it again and has no effect, the same '
+            '`task_id` with another `wait_for_memory_s` is another command (`Nack TASK_ID_REUSED`), and a `Wake` '
+            'under a new `task_id` is judged afresh. A worker that does not declare `swap` MUST refuse a `Wake` '
+            'with `wait_for_memory_s > 0` with `Nack UNSUPPORTED` and no effect (one that predates the field '
+            'refuses it as an unknown field, `Nack BAD_MESSAGE`, P-10), and an orchestrator MUST send '
+            '`wait_for_memory_s > 0` only to a stage whose ranks all declared `swap`. A stage whose ranks all '
+            'refuse `NO_MEMORY` returns to the state the wake started from and reports the refusal naming each '
+            'rank and its detail; when some ranks woke and others refused, the stage MUST end `FAILED` naming '
+            'both (its ranks now hold different tags). A swap (omni-core: `Engine.swap(out, in)`) sends the '
+            "outgoing stage's `Sleep` and the incoming stage's waiting `Wake` together, under the task ids "
+            "`{id}/out` and `{id}/in`, so that a repeated swap is answered from both stages' records; it "
+            "completes only when both halves do, and otherwise reports each stage's exact state and, on "
+            '`NO_MEMORY`, who holds the memory.',
+        ),
     )
 }
 

@@ -19,6 +19,7 @@ from typing import Literal
 
 from omni_core.conformance.cases import REQUIREMENT_ORDER, Case, Ctx, ordered_cases, run_wide
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, StartError, SuiteOptions, show
+from omni_core.conformance.pressure import pressure_for, resolve_pressure
 from omni_core.conformance.requirements import REQUIREMENTS, Requirement
 from omni_core.conformance.targets import WorkerFactory, failing_factory_for, resolve_target
 from omni_core.protocol import PROTOCOL_VERSION, Ack, Status, WorkerState
@@ -188,6 +189,8 @@ class SuiteRunner:
         self.only = parse_only(only)
         failing = self.options.failing_worker
         self.failing_factory = resolve_target(failing)[1] if failing is not None else failing_factory_for(target)
+        pressure = self.options.memory_pressure
+        self.pressure_factory = resolve_pressure(pressure) if pressure is not None else pressure_for(target)
         self._harness: Harness | None = None
         self._shared: Peer | None = None
         self._start_error: str = ""
@@ -289,6 +292,7 @@ class SuiteRunner:
                                    "this case is for workers without it")  # fmt: skip
             ctx = Ctx(case, worker, None, self.options, self._new_harness)
             ctx.failing_factory = self.failing_factory
+            ctx.pressure_factory = self.pressure_factory
             if run_wide(case):
                 ctx.stray_note = "\n".join(self._strays)
                 self._strays_reported = len(self._strays)
