@@ -53,6 +53,12 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "shutdown_exits_nonzero": ("P-4", "the process exits with status 1 after acknowledging Shutdown"),
     "status_without_memory": ("P-12", "the Status Ack carries no memory report"),
     "version_detail_one_version": ("P-3", "UNSUPPORTED_VERSION's detail names only the worker's own version"),
+    # The swap's wake (P-16), run on a simulated device the suite fills (pressure() below).
+    "wake_ignores_free_memory": ("P-16", "a Wake maps every allocation without asking the device: past it when full"),
+    "swap_refuses_wait": ("P-16", "declares 'swap' but refuses every Wake with wait_for_memory_s > 0 (UNSUPPORTED)"),
+    "no_memory_left_restoring": ("P-16", "the NO_MEMORY refusal is sent, but the worker stays RESTORING"),
+    "no_memory_not_cached": ("P-16", "a NO_MEMORY refusal is not kept: a copy sent once memory is free wakes"),
+    "no_memory_keeps_mapped": ("P-16", "a refused wake leaves what it mapped mapped (no rollback)"),
 }
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
@@ -86,6 +92,29 @@ VARIANTS: dict[str, str] = {
 }
 
 MUTANT_SCRIPT = os.path.abspath(__file__)
+
+
+def pressure(name: str) -> Callable[[], Any]:
+    """The memory-pressure hooks for mutant `name`: the mutant, started on a simulated device
+    the suite fills (as the built-in hook does for the reference worker)."""
+    from omni_core.conformance.pressure import SimulatedPressure
+
+    start = factory(name)
+
+    def on_device(address: str, rank: int, epoch: int, device: Any) -> list[str]:
+        return [*start(address, rank, epoch), "--simulated-device", device.directory,
+                "--capacity-bytes", str(device.capacity_bytes)]  # fmt: skip
+
+    return lambda: SimulatedPressure(on_device)
+
+
+def options(name: str, **fields: Any) -> Any:
+    """The suite's options for mutant `name`: its own memory-pressure hook where it has one."""
+    from omni_core.conformance import SuiteOptions
+
+    if name not in NODE_MUTANTS:
+        fields.setdefault("memory_pressure", pressure(name))
+    return SuiteOptions(**fields)
 
 
 def factory(name: str) -> Callable[[str, int, int], list[str]]:
@@ -419,6 +448,49 @@ def _install(name: str) -> None:
                     return
             super().handle(data)
 
+    # ------------------------------------------------ the swap's wake (P-16)
+
+    from omni_core.fsm.effects import WakeEffect
+    from omni_core.workers.backends.portable import PortableBackend
+    from omni_core.workers.memory_gate import MemoryWaitExpired, WakeRefused
+
+    class NoGateProcess(process_cls):
+        def _gate(self, wait_for_memory_s: float) -> Any:
+            return None  # "the device has room": never asked
+
+    class RefusesWaitCore(core_cls):
+        def on_wake(self, command: Any) -> Any:
+            if command.wait_for_memory_s > 0:
+                return self._refuse(command, NackReason.UNSUPPORTED, "waiting for memory is not implemented")
+            return super().on_wake(command)
+
+    class LeftRestoringProcess(process_cls):
+        def _on_effect_error(self, effect: Any, exc: Exception) -> Any:
+            if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
+                # The answer is sent, the core never told: it stays RESTORING, its task pending.
+                return fsm_worker.WorkerStep(replies=(self.core._nack(self.core._pending.command,
+                                                                      NackReason.NO_MEMORY, str(exc)),))
+            return super()._on_effect_error(effect, exc)
+
+    class RefusalNotCachedCore(core_cls):
+        def _remember(self, command: Any, reply: Any) -> None:
+            if not (isinstance(reply, Nack) and reply.reason is NackReason.NO_MEMORY):
+                super()._remember(command, reply)
+
+    def wake_keeping_mapped(self: Any, tags: frozenset[str], gate: Any = None) -> None:
+        try:
+            original_wake(self, tags, gate)
+        except MemoryWaitExpired:
+            # "Rolled back" in the books only: the first allocation it mapped stays mapped.
+            first = next(e for tag in sorted(tags) for e in self._storages.get(tag, {}).values())
+            first.storage.resize_(first.nbytes)
+            self._report(self._resident_total())
+            raise
+
+    if name == "no_memory_keeps_mapped":
+        original_wake = PortableBackend._wake
+        PortableBackend._wake = wake_keeping_mapped
+        return
     if name == "no_epoch_window":
         fsm_worker.MAX_EPOCH_AHEAD = 2**64
         return
@@ -431,7 +503,8 @@ def _install(name: str) -> None:
              "status_clears_cache": StatusClearsCacheCore, "tiny_reply_cache": TinyCacheCore,
              "wake_unknown_tag_already": WakeKnownTagsCore, "silent_sleep_already": SilentSleepAlreadyCore,
              "execute_in_partial": ExecuteInPartialCore, "newer_epoch_not_adopted": EpochNotAdoptedCore,
-             "bad_message_no_task_id": NoTaskIdCore}  # fmt: skip
+             "bad_message_no_task_id": NoTaskIdCore, "swap_refuses_wait": RefusesWaitCore,
+             "no_memory_not_cached": RefusalNotCachedCore}  # fmt: skip
     processes = {"ack_before_release": AckBeforeReleaseProcess, "rank0_only": Rank0OnlyProcess,
                  "double_reply": DoubleReplyProcess, "crash_on_second_sleep": CrashOnSecondSleepProcess,
                  "garbage_kills_loop": GarbageKillsLoopProcess, "wrong_version_accepted": WrongVersionProcess,
@@ -440,11 +513,11 @@ def _install(name: str) -> None:
                  "status_wakes": StatusWakesProcess, "invalid_utf8_detail": InvalidUtf8DetailProcess,
                  "bad_source_fails": BadSourceFailsProcess, "no_hello_proof": NoProofProcess,
                  "shutdown_exits_nonzero": ExitsNonzeroProcess, "status_without_memory": StatusWithoutMemoryProcess,
-                 "version_detail_one_version": OneVersionProcess}  # fmt: skip
+                 "version_detail_one_version": OneVersionProcess, "wake_ignores_free_memory": NoGateProcess,
+                 "no_memory_left_restoring": LeftRestoringProcess}  # fmt: skip
     if name == "no_capabilities":
-        from omni_core.workers.backends.portable import PortableBackend
-
         PortableBackend.capabilities = ()
+        PortableBackend.supports_memory_gate = False  # so no 'swap' either
     elif name in cores:
         process.WorkerCore = cores[name]
     elif name in processes:
@@ -458,12 +531,10 @@ def score(parallel: int = 4) -> str:
     docs/conformance.md: which cases catch each one (all of them, not only the named one)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from omni_core.conformance import SuiteOptions, run_suite
-
-    options = SuiteOptions(reply_timeout_s=5.0)
+    from omni_core.conformance import run_suite
 
     def one(name: str) -> tuple[str, list[str]]:
-        report = run_suite(target(name), options=options)
+        report = run_suite(target(name), options=options(name, reply_timeout_s=5.0))
         return name, [r.case.id for r in report.results if r.outcome == "fail"]
 
     with ThreadPoolExecutor(parallel) as pool:
@@ -489,14 +560,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--epoch", type=int, default=0)
+    parser.add_argument("--simulated-device", metavar="DIR", help="run on a simulated device in DIR (P-16)")
+    parser.add_argument("--capacity-bytes", type=int, default=0, help="the simulated device's capacity")
     args = parser.parse_args(argv)
 
     from omni_core.conformance.targets import reference_worker
     from omni_core.workers.config import WorkerConfig
     from omni_core.workers.process import run_worker
+    from omni_core.workers.simulated_device import SimulatedDevice
 
     _install(args.name)
-    config = WorkerConfig(**reference_worker(args.address, args.rank, args.epoch))
+    fields = reference_worker(args.address, args.rank, args.epoch)
+    if args.simulated_device:
+        fields["simulated_device"] = SimulatedDevice(args.simulated_device, args.capacity_bytes)
+    config = WorkerConfig(**fields)
     return run_worker(config)
 
 

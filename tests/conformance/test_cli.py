@@ -24,6 +24,8 @@ from ._util import HERE, finish, start
         (["--worker", "synthetic", "--payload", "{not json"], "Expecting property name"),
         (["--worker", "synthetic", "--epoch", "0"], "epoch must be >= 1"),
         (["--worker", "synthetic", "--reply-timeout", "0"], "reply_timeout_s must be > 0"),
+        (["--worker", "synthetic", "--memory-pressure", "no_such_module_xyz:hook"],
+         "cannot import 'no_such_module_xyz'"),
     ],
 )
 def test_usage_errors_exit_2_without_starting_anything(capsys, args, words):

@@ -59,6 +59,11 @@ EXPECTED = {
     "shutdown_exits_nonzero": ("P-4/second_shutdown", "the process exited with code 1 after Shutdown"),
     "status_without_memory": ("P-12/sleep_wake_reports", "the Ack of Status carries no memory report"),
     "version_detail_one_version": ("P-3/unsupported_version", "the detail does not name both versions"),
+    "wake_ignores_free_memory": ("P-16/no_memory_rolls_back", "expected a refusal (NO_MEMORY), got an Ack"),
+    "swap_refuses_wait": ("P-16/waiting_wake_acked_and_cached", "Wake was not acknowledged"),
+    "no_memory_left_restoring": ("P-16/no_memory_rolls_back", "the refusal says state RESTORING, not SLEEPING"),
+    "no_memory_not_cached": ("P-16/no_memory_rolls_back", "a copy of the refused Wake"),
+    "no_memory_keeps_mapped": ("P-16/no_memory_rolls_back", "the wake did not unmap what it mapped"),
     "node_tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest"),
     "node_wake_unknown_tag_already": ("P-11/wake_unknown_tag_refused", "expected a refusal (UNKNOWN_TAG), got an Ack"),
     "node_crash_on_shutdown_asleep": ("P-11/shutdown_while_asleep", "Shutdown in SLEEPING: worker rank 0"),
@@ -68,7 +73,7 @@ ALSO_FAILS = {
     # Its '-' refusal of a task it could name answers no task the suite sent: a stray too.
     "bad_message_no_task_id": {"P-1"},
 }
-OPTIONS = SuiteOptions(reply_timeout_s=5.0)  # rank0_only waits this long for rank 1
+# rank0_only waits reply_timeout_s=5 for rank 1; each mutant runs on its own memory-pressure hook (P-16)
 PARALLEL_RUNS = 6
 CLEAN = {"reference": "synthetic", "node_clean": mutants.node_target()}
 
@@ -82,7 +87,7 @@ def reports() -> dict[str, tuple[SuiteReport, float]]:
             report = run_suite(CLEAN[name], options=SuiteOptions(reply_timeout_s=5.0, failing_worker=failing))
         else:
             only = None if name in mutants.VARIANTS or name in FULL_RUNS else [mutants.MUTANTS[name][0]]
-            report = run_suite(mutants.target(name), only=only, options=OPTIONS)
+            report = run_suite(mutants.target(name), only=only, options=mutants.options(name, reply_timeout_s=5.0))
         return name, (report, time.monotonic() - started)
 
     names = [n for n in [*mutants.MUTANTS, *mutants.VARIANTS, *CLEAN]
@@ -124,7 +129,14 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
     expected = {"level2_refused_without_capability"}  # both declare level2
     if name == "node_clean":  # the JavaScript worker has no profiler: it does not declare 'profile' (P-15)
         expected |= {r.case.name for r in report.results if r.case.req == "P-15"}
+        # nor 'swap' (P-16): its refusal of a waiting Wake and the v1 frame are checked, nothing else
+        expected |= {"waiting_wake_acked_and_cached", "no_memory_rolls_back"}
+        assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
+            "v1_wake_frame", "waiting_wake_refused_without_swap"}, report.render()  # fmt: skip
     else:
+        expected |= {"waiting_wake_refused_without_swap"}  # it declares 'swap'
+        assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
+            "v1_wake_frame", "waiting_wake_acked_and_cached", "no_memory_rolls_back"}, report.render()  # fmt: skip
         assert {r.case.name for r in report.results if r.case.req == "P-15" and r.outcome == "pass"} == {
             "profile_start_stop_lists_traces", "profile_keeps_sleep", "profile_bad_prefix_refused",
             "profile_stale_epoch_refused"}, report.render()  # fmt: skip
@@ -155,10 +167,12 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "level2_wake_needs_reload": "worker does not declare capability 'level2'",
         "reload_report": "worker does not declare capability 'level2'",
         "unusable_reload_source_refused": "worker does not declare capability 'level2'",
+        "waiting_wake_acked_and_cached": "worker does not declare capability 'swap'",
+        "no_memory_rolls_back": "worker does not declare capability 'swap'",  # started on its simulated device
         "shutdown_from_failed": "no failing worker to start: name one whose start-up fails (it greets in FAILED) "
                                 "with --failing-worker TARGET or SuiteOptions(failing_worker=...)",
     }, rendered
     passed = {r.case.name for r in report.results if r.outcome == "pass"}
-    assert "level2_refused_without_capability" in passed
+    assert {"level2_refused_without_capability", "waiting_wake_refused_without_swap"} <= passed
     line = "P-8   PASS  level-2 reload rule (1 case, 1 skipped: worker does not declare capability 'level2')"
     assert line in rendered.splitlines(), rendered
