@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
     for verb, what in (("status", "state of every stage of a running `omni-core serve`"),
                        ("sleep", "put a stage of a running `omni-core serve` to sleep"),
-                       ("wake", "wake a stage of a running `omni-core serve`")):  # fmt: skip
+                       ("wake", "wake a stage of a running `omni-core serve`"),
+                       ("swap", "stage OUT of a running `omni-core serve` sleeps while stage IN wakes")):  # fmt: skip
         p = sub.add_parser(verb, help=what, allow_abbrev=False)
         add_remote_arguments(p, verb)
         p.set_defaults(func=_cmd_remote)

@@ -7,6 +7,7 @@ from omni_core.client import OmniClient
 client = OmniClient("http://127.0.0.1:8000", api_key=None)   # or api_key_file=..., or OMNI_CORE_API_KEY
 client.sleep("talker", level=1)                 # -> the LifecycleReport as a dict
 client.wake("talker", idempotency_key="wake-7") # a retry with the same key has no second effect
+client.swap("talker", "decoder")                 # talker sleeps while decoder wakes, both at once
 client.execute("talker", {"seed": 1, "batch": 2})
 client.stages()                                  # state, epoch, ranks, memory of every stage
 ```
@@ -77,6 +78,16 @@ class OmniClient:
              idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
         return self._call("POST", f"/v1/stages/{_seg(stage)}/wake", {"tags": _list(tags), "timeout_s": timeout_s},
                           idempotency_key)  # fmt: skip
+
+    def swap(self, out_stage: str, in_stage: str, *, level: int = 1, tags: Iterable[str] | None = None,
+             memory_wait_s: float | None = None, timeout_s: float | None = None,
+             idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """`out_stage` sleeps while `in_stage` wakes (POST /v1/swap): {task_id, duration_s,
+        outgoing, incoming}. A swap that does not complete raises `ServeError` whose `body`
+        holds both halves (`body["error"]["outgoing"]`, `["incoming"]`)."""
+        body = {"out": out_stage, "in": in_stage, "level": level, "tags": _list(tags), "memory_wait_s": memory_wait_s,
+                "timeout_s": timeout_s}  # fmt: skip
+        return self._call("POST", "/v1/swap", body, idempotency_key)
 
     def reload_weights(self, stage: str, source: str | None = None, *, timeout_s: float | None = None,
                        idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip

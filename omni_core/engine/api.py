@@ -153,7 +153,8 @@ class Engine:
         said = [f"{what} stage {stage!r}: " + (f"{half.state} ({half.status})" if isinstance(half, LifecycleReport)
                                                  else f"{type(half).__name__}: {half}")
                 for what, stage, half in (("outgoing", out_stage, out), ("incoming", in_stage, into))]  # fmt: skip
-        raise SwapFailedError(f"swap {swap_id!r} did not complete: " + "; ".join(said), out, into)
+        raise SwapFailedError(f"swap {swap_id!r} did not complete: " + "; ".join(said), out, into,
+                              out_stage=out_stage, in_stage=in_stage)  # fmt: skip
 
     def reload_weights(self, stage: str, source: str | None = None, *, task_id: str | None = None,
                        timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip

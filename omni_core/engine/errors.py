@@ -52,12 +52,16 @@ class NoMemoryError(OmniCoreError):
 class SwapFailedError(OmniCoreError):
     """A swap did not complete both halves. `outgoing` and `incoming` each hold the half's
     `LifecycleReport`, or the exception that ended it (a `NoMemoryError` names who holds the
-    memory), or None when that half never started; the states in the message are exact."""
+    memory), or None when that half never started; the states in the message are exact.
+    `out_stage`/`in_stage` name the two stages (the HTTP answer shows each half under its name)."""
 
-    def __init__(self, message: str, outgoing: object, incoming: object) -> None:
+    def __init__(self, message: str, outgoing: object, incoming: object, *, out_stage: str = "",
+                 in_stage: str = "") -> None:  # fmt: skip
         super().__init__(message)
         self.outgoing = outgoing
         self.incoming = incoming
+        self.out_stage = out_stage
+        self.in_stage = in_stage
 
 
 class TaskAbandonedError(OmniCoreError):

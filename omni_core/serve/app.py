@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -30,9 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_core.config import OmniConfig
-from omni_core.engine import Engine, LifecycleReport
+from omni_core.engine import Engine, LifecycleReport, SwapReport
 from omni_core.engine.api import WAIT_GRACE_S
-from omni_core.engine.errors import InvalidArgumentError, OmniCoreError
+from omni_core.engine.errors import InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.serve import models as m
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
@@ -41,6 +41,7 @@ from omni_core.serve.idempotency import Answer, IdempotencyCache, check_key, fin
 from omni_core.serve.limits import BodyLimit
 from omni_core.serve.metrics import ServeMetrics
 from omni_core.serve.page import STATUS_PAGE_HTML
+from omni_core.serve.reports import report_json, swap_json
 
 API_VERSION = "1"
 STATUS_CALL_TIMEOUT_S = 10.0  # Engine.status answers from the orchestrator loop in ms; this bounds a stuck one
@@ -62,10 +63,6 @@ def dumps(value: Any) -> bytes:
     return json.dumps(value, default=_json_default, separators=(",", ":")).encode()
 
 
-def report_json(report: LifecycleReport) -> dict[str, Any]:
-    out = asdict(report)
-    out["ranks"] = {str(rank): dict(asdict(rr), freed_bytes=rr.freed_bytes) for rank, rr in report.ranks.items()}
-    return out
 
 
 def _read_rss_bytes(pid: int | None) -> int | None:
@@ -194,6 +191,44 @@ class ServeState:
         else:
             self.record_event(stage, command, "ok", elapsed_s, level=level)
         return result
+
+    async def swap(self, out_stage: str, in_stage: str, call: Callable[[], SwapReport], level: int) -> SwapReport:
+        """Run one blocking swap; time it and count it, and account each half as its stage's
+        sleep or wake (memory figures, events) whether or not the other half completed."""
+        metrics = self.metrics
+        for stage in (out_stage, in_stage):
+            metrics.lifecycle_in_flight.labels(stage).inc()
+        started = time.perf_counter()
+        try:
+            report = await self.blocking(call)
+        except BaseException as exc:
+            elapsed_s = time.perf_counter() - started
+            metrics.swap_duration.labels(out_stage, in_stage, _outcome(to_http(exc).status)).observe(elapsed_s)
+            if isinstance(exc, SwapFailedError):
+                self._note_half(out_stage, "sleep", exc.outgoing, level, elapsed_s)
+                self._note_half(in_stage, "wake", exc.incoming, None, elapsed_s)
+            else:  # refused before anything was sent (unknown tag, a stage busy or FAILED, ...)
+                self.record_event(out_stage, "swap", _outcome(to_http(exc).status), elapsed_s, error=str(exc),
+                                  level=level)  # fmt: skip
+            raise
+        finally:
+            for stage in (out_stage, in_stage):
+                metrics.lifecycle_in_flight.labels(stage).dec()
+            self.poke()
+        metrics.swap_duration.labels(out_stage, in_stage, "ok").observe(time.perf_counter() - started)
+        self._note_half(out_stage, "sleep", report.outgoing, level, report.duration_s)
+        self._note_half(in_stage, "wake", report.incoming, None, report.duration_s)
+        return report
+
+    def _note_half(self, stage: str, command: str, half: object, level: int | None, elapsed_s: float) -> None:
+        if isinstance(half, LifecycleReport):
+            self.note_report(stage, command, half, level)
+            self.record_event(stage, command, "ok", half.duration_s, state=half.state, status=half.status,
+                              level=level, swap=half.task_id.rsplit("/", 1)[0],
+                              freed_bytes=sum(rr.freed_bytes for rr in half.ranks.values()))  # fmt: skip
+        elif isinstance(half, BaseException):
+            self.record_event(stage, command, _outcome(to_http(half).status), elapsed_s, error=str(half),
+                              level=level)  # fmt: skip
 
     def note_report(self, stage: str, command: str, report: LifecycleReport, level: int | None) -> None:
         if command == "sleep" and report.status == "OK":
@@ -602,6 +637,29 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
         call = functools.partial(engine.reload_weights, name, body.source, task_id=tid, timeout_s=timeout_s)
         return await run_post(state, request, "/v1/stages/{name}/reload", lifecycle_work(name, "reload", call))
+
+    @app.post("/v1/swap", dependencies=control, response_model=m.SwapReportModel, responses=m.ERROR_RESPONSES,
+              tags=["omni-core"],
+              description="Put stage `out` to sleep and wake stage `in` at the same time, so the host link "
+                          "carries both directions at once; each incoming rank maps an allocation only once the "
+                          "device has that much free, waiting up to `memory_wait_s` (P-16). A swap that does not "
+                          "complete answers with the failed half's code and both halves in the error "
+                          "(`outgoing`, `incoming`); NoMemoryError's `refusals` name who holds the device. "
+                          "With an Idempotency-Key, a retry gets the first answer.")  # fmt: skip
+    async def swap(request: Request, body: m.SwapBody) -> Response:
+        out_stage, in_stage = state.stage_name(body.out), state.stage_name(body.in_)
+        engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
+        call = functools.partial(engine.swap, out_stage, in_stage, level=body.level, tags=body.tags, task_id=tid,
+                                 timeout_s=timeout_s, memory_wait_s=body.memory_wait_s)  # fmt: skip
+
+        async def work() -> Answer:
+            try:
+                report = await state.swap(out_stage, in_stage, call, body.level)
+            except Exception as exc:
+                return error_answer(exc)
+            return _answer(200, swap_json(report))
+
+        return await run_post(state, request, "/v1/swap", work)
 
     @app.post("/v1/stages/{name}/restart", dependencies=control, response_model=m.RestartModel,
               responses=m.ERROR_RESPONSES, tags=["omni-core"],

@@ -73,10 +73,16 @@ def run_remote(args: argparse.Namespace) -> int:
             answer = client.sleep(args.stage, args.level, args.tags, timeout_s=args.timeout_s,
                                   abort_in_flight=args.abort_in_flight,
                                   idempotency_key=args.idempotency_key)  # fmt: skip
+        elif verb == "swap":
+            answer = client.swap(args.out_stage, args.in_stage, level=args.level, tags=args.tags,
+                                 memory_wait_s=args.memory_wait_s, timeout_s=args.timeout_s,
+                                 idempotency_key=args.idempotency_key)  # fmt: skip
         else:
             answer = client.wake(args.stage, args.tags, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
     except ServeError as exc:
         print(f"omni-core {verb}: HTTP {exc.status} {exc.type}: {exc}", file=sys.stderr)
+        for line in _error_lines(exc.body.get("error") or {}):
+            print(f"  {line}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
@@ -85,6 +91,27 @@ def run_remote(args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=2))
     elif verb == "status":
         _print_stages(answer)
+    elif verb == "swap":
+        for half in ("outgoing", "incoming"):
+            _print_report(answer[half])
+        print(f"swap {answer['task_id']}: both halves done in {answer['duration_s'] * 1000:.1f} ms")
     else:
         _print_report(answer)
     return 0
+
+
+def _error_lines(error: dict[str, Any]) -> list[str]:
+    """What an error body says beyond its message: each rank's NO_MEMORY refusal (who holds
+    the device), and a failed swap's two halves, each its state or its error."""
+    lines = [f"rank {rank}: {why}" for rank, why in (error.get("refusals") or {}).items()]
+    for name in ("outgoing", "incoming"):
+        half = error.get(name)
+        if not half:
+            continue
+        if half.get("report"):
+            report = half["report"]
+            lines.append(f"{name} {half['stage']}: {report['command']} -> {report['state']} ({report['status']})")
+        elif half.get("error"):
+            lines.append(f"{name} {half['stage']}: {half['error'].get('type')}: {half['error'].get('message')}")
+            lines += [f"  {line}" for line in _error_lines(half["error"])]
+    return lines

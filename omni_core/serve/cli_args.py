@@ -1,4 +1,4 @@
-"""Arguments of `omni-core serve` and of the client verbs `status`, `sleep`, `wake`.
+"""Arguments of `omni-core serve` and of the client verbs `status`, `sleep`, `wake`, `swap`.
 
 Kept free of the server's dependencies: `omni-core --help` builds every parser.
 There is deliberately no `--api-key`: a key on the command line is readable by every user of
@@ -37,9 +37,17 @@ def add_remote_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     if verb == "status":
         p.add_argument("stage", nargs="?", default=None, help="one stage (default: all)")
         return
-    p.add_argument("stage", help="stage name")
-    p.add_argument("--tags", action="append", default=None, help="tag to act on (repeatable; default: all)")
+    if verb == "swap":
+        p.add_argument("out_stage", metavar="OUT", help="the stage to put to sleep")
+        p.add_argument("in_stage", metavar="IN", help="the stage to wake while OUT sleeps")
+        p.add_argument("--memory-wait-s", type=float, default=None,
+                       help="how long IN's ranks may wait for free device memory (default: half the deadline)")
+    else:
+        p.add_argument("stage", help="stage name")
+    p.add_argument("--tags", action="append", default=None,
+                   help="tag to act on (repeatable; default: all)" + ("; of OUT" if verb == "swap" else ""))
     p.add_argument("--idempotency-key", default=None, help="a retry with the same key has no second effect")
-    if verb == "sleep":
+    if verb in ("sleep", "swap"):
         p.add_argument("--level", type=int, default=1, choices=(1, 2), help="1: offload weights; 2: discard all")
+    if verb == "sleep":
         p.add_argument("--abort-in-flight", action="store_true", help="fail in-flight requests instead of draining")

@@ -18,7 +18,12 @@ cause on a real engine, so a reworded message fails a test instead of changing a
 - 413: request body larger than `max_body_bytes`
 - 429: queue full (`queue_limit`): retry later (`Retry-After`)
 - 503: stage FAILED (restart it), including a lifecycle command whose ranks stayed silent
-  past its deadline; engine shut down; engine overloaded (socket queue full)
+  past its deadline; engine shut down; engine overloaded (socket queue full); too little free
+  device memory for a wake in time (`NoMemoryError`: the stage is where it was, `refusals`
+  names who holds the device; retry once that memory is freed)
+- a swap that did not complete (`SwapFailedError`): the code of the half that failed (the
+  incoming one's when both did), the body carries both halves (`outgoing`, `incoming`), each
+  its report or its error, so both stages' states are in the answer
 - 504: a deadline passed: in-flight requests did not drain before a sleep's deadline
   (nothing was sent; the stage stays RUNNING), a request got no result in time, a queued
   request waited until its deadline, the orchestrator did not answer
@@ -30,15 +35,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_core.engine import LifecycleReport
 from omni_core.engine.errors import (
     EngineClosedError,
     InvalidArgumentError,
+    NoMemoryError,
     OmniCoreError,
     RequestFailedError,
     RequestRejectedError,
     StageFailedError,
+    SwapFailedError,
     TaskAbandonedError,
 )
+from omni_core.serve.reports import report_json
 
 RETRY_AFTER_S = 1  # what a 429 or an overloaded 503 tells the client to wait
 
@@ -73,7 +82,8 @@ def _status_for(exc: BaseException) -> int:
             return 503
         if "refused the reload" in message:  # every rank said INVALID_ARGUMENT: nothing was written
             return 400
-        if any(needle in message for needle in ("must be", "unknown tag", "is not one of", "tags must")):
+        if any(needle in message for needle in ("must be", "unknown tag", "is not one of", "tags must",
+                                                "needs two stages")):
             return 400
         return 409  # the state forbids it, a task is in flight, a task_id reused for another command
     if isinstance(exc, RequestRejectedError):
@@ -98,6 +108,10 @@ def _status_for(exc: BaseException) -> int:
         return 409
     if isinstance(exc, StageFailedError):
         return 503
+    if isinstance(exc, NoMemoryError):  # the memory is someone else's for now; nothing changed here
+        return 503
+    if isinstance(exc, SwapFailedError):
+        return _status_for(_failed_half(exc))
     if isinstance(exc, TaskAbandonedError):
         return 504 if "within" in message else 409
     if isinstance(exc, EngineClosedError):
@@ -105,6 +119,23 @@ def _status_for(exc: BaseException) -> int:
     if isinstance(exc, OmniCoreError):  # the API's own wait ran out: the orchestrator is stuck
         return 504
     return 500
+
+
+def _failed_half(exc: SwapFailedError) -> BaseException:
+    """The half whose error a failed swap answers with: the incoming one's when both failed
+    (a swap is for the incoming stage), else whichever failed."""
+    for half in (exc.incoming, exc.outgoing):
+        if isinstance(half, BaseException):
+            return half
+    return OmniCoreError(str(exc))  # both reported, yet failed: our own bug, answered as such (504)
+
+
+def _half_json(stage: str, half: object) -> dict[str, Any] | None:
+    if isinstance(half, LifecycleReport):
+        return {"stage": stage, "report": report_json(half)}
+    if isinstance(half, BaseException):
+        return {"stage": stage, "error": to_http(half, stage=stage).body["error"]}
+    return None  # that half never started
 
 
 def to_http(exc: BaseException, *, stage: str | None = None) -> HttpError:
@@ -119,6 +150,13 @@ def to_http(exc: BaseException, *, stage: str | None = None) -> HttpError:
     if isinstance(exc, StageFailedError):
         error["stage"] = exc.stage
         error["failures"] = {str(rank): why for rank, why in exc.failures.items()}
+    if isinstance(exc, NoMemoryError):
+        error["stage"] = exc.stage
+        error["refusals"] = {str(rank): why for rank, why in exc.refusals.items()}
+    if isinstance(exc, SwapFailedError):
+        error.pop("stage", None)  # two stages: each half names its own
+        error["outgoing"] = _half_json(exc.out_stage, exc.outgoing)
+        error["incoming"] = _half_json(exc.in_stage, exc.incoming)
     headers: dict[str, str] = {}
     if isinstance(exc, ApiError):
         error.update(exc.extra)

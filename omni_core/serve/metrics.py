@@ -54,6 +54,10 @@ class ServeMetrics:
             "omni_core_lifecycle_duration_seconds", "Sleep, wake, reload and restart calls through the server, "
             "from call to answer, by stage, command and outcome", ["stage", "command", "outcome"],
             buckets=LIFECYCLE_BUCKETS_S, registry=r)  # fmt: skip
+        self.swap_duration = Histogram(
+            "omni_core_swap_duration_seconds", "Swaps through the server (one stage sleeps while another wakes), "
+            "from call to answer, by outgoing stage, incoming stage and outcome", ["out_stage", "in_stage", "outcome"],
+            buckets=LIFECYCLE_BUCKETS_S, registry=r)  # fmt: skip
         self.lifecycle_in_flight = Gauge(
             "omni_core_lifecycle_operations_in_flight", "Lifecycle calls through the server not yet answered",
             ["stage"], registry=r)  # fmt: skip

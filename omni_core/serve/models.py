@@ -33,6 +33,20 @@ class ReloadBody(_Strict):
     timeout_s: float | None = None
 
 
+class SwapBody(_Strict):
+    """POST /v1/swap: `out` sleeps while `in` wakes, both at once (P-16)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    out: str = Field(..., description="the stage to put to sleep")
+    in_: str = Field(..., alias="in", description="the stage to wake (every tag asleep)")
+    level: int = Field(1, description="the outgoing stage's sleep level: 1 offloads weights to host, 2 discards all")
+    tags: list[str] | None = Field(None, description="the outgoing stage's tags to put to sleep; null: every tag")
+    memory_wait_s: float | None = Field(None, description="how long each incoming rank may wait for free device "
+                                                          "memory; null: half the deadline")  # fmt: skip
+    timeout_s: float | None = Field(None, description="deadline of both halves; null: the longer of the two "
+                                                      "stages' deadline_s")  # fmt: skip
+
+
 class ExecuteBody(_Strict):
     payload: Any = Field(None, description="the runner's request, e.g. {\"seed\": 1, \"batch\": 2} for synthetic")
     timeout_s: float | None = Field(None, description="deadline of this request, queueing included; null: the "
@@ -92,12 +106,22 @@ class LifecycleReportModel(BaseModel):
     ranks: dict[str, RankReportModel]
 
 
+class SwapHalfModel(BaseModel):
+    stage: str
+    report: LifecycleReportModel | None = Field(None, description="the half's report, when it completed")
+    error: dict[str, Any] | None = Field(None, description="the half's error (an ErrorDetail), when it did not")
+
+
 class ErrorDetail(BaseModel):
     code: int
     type: str = Field(description="the engine's exception type, or the HTTP layer's (e.g. BodyTooLarge)")
     message: str = Field(description="the same text the Python API raises")
     stage: str | None = None
     failures: dict[str, str] | None = Field(None, description="rank -> why, for StageFailedError")
+    refusals: dict[str, str] | None = Field(None, description="rank -> its NO_MEMORY detail (bytes needed and "
+                                                              "free, who holds the device), for NoMemoryError")
+    outgoing: SwapHalfModel | None = Field(None, description="a swap's sleeping half, for SwapFailedError")
+    incoming: SwapHalfModel | None = Field(None, description="a swap's waking half, for SwapFailedError")
 
 
 class ErrorModel(BaseModel):
@@ -133,6 +157,13 @@ class StageModel(BaseModel):
     backend: str
     host_offloaded_bytes: int
     ranks: dict[str, RankModel]
+
+
+class SwapReportModel(BaseModel):
+    task_id: str = Field(description="the swap's id; its halves ran as {task_id}/out and {task_id}/in")
+    duration_s: float = Field(description="from issuing both halves to the later one's end")
+    outgoing: LifecycleReportModel
+    incoming: LifecycleReportModel
 
 
 class StagesModel(BaseModel):
@@ -180,6 +211,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for code, what in {
         400: "bad argument", 401: "missing or wrong API key", 404: "unknown stage",
         409: "state conflict, or Idempotency-Key reused for another request", 413: "body too large",
-        429: "queue full", 503: "stage failed or engine closed", 504: "deadline passed",
+        429: "queue full", 503: "stage failed, engine closed, or too little free device memory (NoMemoryError)",
+        504: "deadline passed",
     }.items()
 }  # fmt: skip

@@ -15,7 +15,7 @@ def test_committed_schema_is_fresh() -> None:
 
 def test_schema_has_every_route_family() -> None:
     paths = set(json.loads(render())["paths"])
-    own = {"/v1/stages", "/v1/stages/{name}", "/health", "/metrics"} | {
+    own = {"/v1/stages", "/v1/stages/{name}", "/health", "/metrics", "/v1/swap"} | {
         f"/v1/stages/{{name}}/{verb}" for verb in ("sleep", "wake", "reload", "restart", "execute")}
     vllm = {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"}
     omni = {"/v1/omni/sleep", "/v1/omni/wakeup"}
