@@ -33,3 +33,15 @@ def test_embedding_example_runs() -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
     assert out.getvalue().startswith("SLEEPING ")
+
+
+def test_swap_example_runs() -> None:
+    code = _python_block("## Swapping two stages")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_swap"})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("SLEEPING RUNNING swap-talker-decoder-") and lines[0].endswith("/in"), lines
+    assert lines[1] == "SLEEPING NoMemoryError SLEEPING", lines
+    assert "refused, nothing it mapped is kept" in lines[2] and "holders: stage trainer rank 0, pid" in lines[2]
+    assert lines[3] == "RUNNING", lines

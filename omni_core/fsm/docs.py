@@ -45,5 +45,36 @@ def render_lifecycles() -> str:
         "",
         *_rows(STAGE_TRANSITIONS),
         "",
+        *_swap_section(),
     ]
     return "\n".join(parts)
+
+
+def _refused(table: Iterable[Transition]) -> str:
+    """The wake_refused_* rows of a table, as `trigger` (FROM -> TO)."""
+    rows = [t for t in table if t.trigger.startswith("wake_refused_") and t.dest is not None]
+    return ", ".join(f"`{t.trigger}` ({'/'.join(s.value for s in t.sources)} -> {t.dest.value})"  # type: ignore[union-attr]
+                     for t in rows)  # fmt: skip
+
+
+def _swap_section() -> list[str]:
+    return [
+        "## A swap: one stage sleeps while another wakes (P-16)",
+        "",
+        "`Engine.swap(out, in)` issues the outgoing stage's `Sleep` and the incoming stage's `Wake`",
+        "in one turn of the orchestrator's loop, so the host link carries both directions at once.",
+        "The two stages keep their own lifecycles above; nothing couples them but the device's",
+        "free memory. The outgoing ranks sleep as always, releasing each allocation as its copy",
+        "lands. The incoming ranks' `Wake` carries `wait_for_memory_s`: before each allocation a",
+        "rank's memory gate checks that the device has it free (a running budget, one query when",
+        "there is room) and otherwise polls until it is or the wait has passed; so a stage never",
+        "allocates past the device, whatever the sizes or a third process on it. When the wait",
+        "passes, the rank unmaps what this wake mapped, keeps its host copies, and answers `NACK",
+        f"NO_MEMORY` naming who holds the device: worker {_refused(WORKER_TRANSITIONS)}.",
+        "When every rank refused, the stage goes back where the wake started:",
+        f"{_refused(STAGE_TRANSITIONS)}; when some ranks woke and others refused, it takes `fail`",
+        "naming both (its ranks now hold different tags). The refusal is kept like any answer, so",
+        "a repeated swap (task ids `{id}/out`, `{id}/in`) is answered from the stages' records.",
+        "The swap on one device is model-checked in `tla/OmniSwap.tla`.",
+        "",
+    ]
