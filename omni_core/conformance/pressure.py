@@ -25,10 +25,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omni_core.conformance.targets import BUILTIN_TARGETS, TargetError, WorkerFactory, import_factory, reference_worker
-from omni_core.workers.simulated_device import SimulatedDevice
+
+if TYPE_CHECKING:  # the suite imports no worker code (tests/conformance/test_targets.py): only a hook that runs does
+    from omni_core.workers.simulated_device import SimulatedDevice
 
 # Far above the reference worker's 320 KiB, far below any real device: the squeeze, not the
 # capacity, is what a case runs out of.
@@ -48,7 +50,7 @@ class MemoryPressure(Protocol):
 
 PressureFactory = Callable[[], MemoryPressure]
 # (address, rank, epoch, device) -> what `targets.launch` accepts, the worker on `device`
-DeviceWorker = Callable[[str, int, int, SimulatedDevice], Any]
+DeviceWorker = Callable[[str, int, int, "SimulatedDevice"], Any]
 
 
 def reference_on_device(address: str, rank: int, epoch: int, device: SimulatedDevice) -> dict[str, Any]:
@@ -63,6 +65,8 @@ class SimulatedPressure:
 
     def __init__(self, start: DeviceWorker = reference_on_device, *,
                  capacity_bytes: int = SIMULATED_CAPACITY_BYTES) -> None:  # fmt: skip
+        from omni_core.workers.simulated_device import SimulatedDevice
+
         self.directory = tempfile.mkdtemp(prefix="omni-conf-device-", dir="/tmp")
         self.device = SimulatedDevice(self.directory, capacity_bytes)
         self._start = start

@@ -56,6 +56,7 @@ from omni_core.protocol import (
     Status,
     Wake,
     WorkerState,
+    encode,
 )
 from omni_core.protocol.messages import MAX_TAGS, MAX_TASK_ID_CHARS
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
@@ -595,9 +596,9 @@ def write_seed_corpus(directory: str | os.PathLike[str], seed: int = 0) -> None:
 
 
 def _pairs(message: Message) -> list[list[Any]]:
-    """The message as msgspec would write it, as mutable [key, value] pairs in wire order."""
-    builtins = msgspec.to_builtins(message, builtin_types=(bytes, bytearray, memoryview))
-    return [[key, value] for key, value in builtins.items()]
+    """The message as the codec writes it (fields added after v1 left off at their default,
+    `codec.encode`), as mutable [key, value] pairs in wire order."""
+    return [[key, value] for key, value in msgspec.msgpack.decode(encode(message)).items()]
 
 
 def _pairs_map(pairs: list[list[Any]]) -> Map:
