@@ -38,7 +38,6 @@ import ctypes
 import json
 import platform
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -273,14 +272,6 @@ VARIANTS = ("copy_only", "map_then_copy", "pipelined", "map_thread", "big_handle
             "vllm_ext")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/wake_ideas")
@@ -290,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="the commit measured (the device's .git may be stale)")
     args = parser.parse_args(argv)
     import torch
+
+    from omni_core.bench.memory import _shell
 
     if not torch.cuda.is_available():
         print("wake_ideas: no CUDA device; this probe measures a GPU's host link", file=sys.stderr)
@@ -312,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                     break
     finally:
         probe.close()
+    commit = args.commit or _shell(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
     meta = {"machine": f"{platform.node()} {torch.cuda.get_device_name()}", "torch": torch.__version__,
-            "commit": args.commit or _commit(), "command": " ".join(["python -m omni_core.bench.wake_ideas",
+            "commit": commit, "command": " ".join(["python -m omni_core.bench.wake_ideas",
                                                                       *(argv or sys.argv[1:])]),
             "bytes": args.gib * GiB, "alloc_bytes": ALLOC_BYTES, "chunk_bytes": CHUNK_BYTES,
             "streams": STREAMS}  # fmt: skip
