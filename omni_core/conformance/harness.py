@@ -147,6 +147,23 @@ class Peer:
         self.sent[command.task_id] += 1
         self._send(encode(command))
 
+    def send_unless_gone(self, command: Command) -> bool:
+        """Send `command`; False when the worker has already closed its socket (it may be exiting).
+
+        Only for a command that may legitimately find the worker gone, such as a second Shutdown:
+        a worker can answer the first and disconnect before the suite's next send is scheduled.
+        """
+        assert self.identity is not None, "send before Hello"
+        try:
+            self.harness.sock.send_multipart([self.identity, encode(command)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise CaseFailure(f"cannot send to {self}: {exc}", sent=command) from None
+            return False
+        self.epoch = max(self.epoch, command.epoch)
+        self.sent[command.task_id] += 1
+        return True
+
     def send_raw(self, data: bytes, expect_task_id: str = "-") -> None:
         """Bytes that are not a valid command; one refusal under `expect_task_id` is due."""
         self.sent[expect_task_id] += 1
