@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--parts tp), through Ray with an actor killed mid-sleep (ray), Engine.swap of two TP "
                         "stages against sequential (swap); --device cpu: the gloo smoke run")  # fmt: skip
     p.add_argument("--parts", default=None, help="multi-gpu: comma-separated parts (default tp,ray,swap)")
+    p.add_argument("--runners", default=None,
+                   help="multi-gpu: the TP stages of parts tp and ray (default vllm,transformers,synthetic)")
     p.add_argument("--real-size", default="large", choices=("large", "tiny"),
                    help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
     p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")

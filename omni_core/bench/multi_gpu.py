@@ -7,10 +7,12 @@ Three parts, each with a fresh Engine, every output compared with the one taken 
   rank: the ACK's own NVML figure (the source is recorded and checked to be NVML on a GPU)
   and sleep/wake GB/s from its weights pool bytes over its own command time; per stage the
   aggregate GB/s (both ranks' bytes over the stage's time: both GPUs' links at once). Runs
-  each language-model stage that can run here: `vllm` (real Qwen2 weights, TP through vLLM's
-  external_launcher) where vLLM imports, and the synthetic tensor-parallel runner (Megatron
-  MLP blocks, all-reduce over NCCL or gloo, output checked bit for bit).
-- `ray`: the same stage through `Engine(launcher="ray")`, one actor per rank in a STRICT_PACK
+  each language-model stage that can run here (`--runners`): `vllm` (real Qwen2 weights, TP
+  through vLLM's external_launcher) where vLLM imports, `transformers` (the same checkpoint
+  sharded by transformers' own plan; a tiny Qwen2 on CPU), and the synthetic
+  tensor-parallel runner (Megatron MLP blocks, all-reduce over NCCL or gloo, output checked
+  bit for bit).
+- `ray`: the vllm and synthetic stages through `Engine(launcher="ray")`, one actor per rank in a STRICT_PACK
   placement group (one GPU each). Rank 1's actor is killed (`ray.kill`) while the stage
   sleeps: the stage must be FAILED naming rank 1 and its node; a restart brings it back
   RUNNING with the same output. Reports "skipped: ray not importable" where Ray is absent.
@@ -23,9 +25,8 @@ The CPU smoke mode (`--device cpu`, CI) runs the same parts on gloo with small s
 weights, and the swap on a SimulatedDevice that cannot hold both stages at once; parts that
 need a GPU (the vllm stage) skip and say why.
 
-The `transformers` runner has no tensor parallelism (yet): the issue's TP=2 on real weights
-runs on the `vllm` runner here. Writes multi_gpu.json and multi_gpu.md under --out, after
-every part (a run cut off by its time limit keeps what it finished).
+Writes multi_gpu.json and multi_gpu.md under --out, after every part (a run cut off by its
+time limit keeps what it finished).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, Stag
 from omni_core.engine.spec import RayPlacement
 
 PARTS = ("tp", "ray", "swap")
+RUNNERS = ("vllm", "transformers", "synthetic")  # the TP stages parts tp and ray may run
 GiB = 1 << 30
 TP_RUNNER = "omni_core.workers.tensor_parallel:TensorParallelRunner"
 LLM_REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]], "max_new_tokens": 24,
@@ -63,6 +65,7 @@ POLL_S = 0.001
 class Config:
     device: str = "cuda"  # "cuda": two GPUs; "cpu": gloo, portable backend, simulated device
     parts: tuple[str, ...] = PARTS
+    runners: tuple[str, ...] = RUNNERS
     models_dir: Path = Path("/tmp/omni-core-models")
     llm_size: str = "1.5b"  # the vllm stage's Qwen2 checkpoint (omni-core models make)
     backend: str = "cumem"  # on CUDA: the allocator backend of every stage
@@ -76,6 +79,9 @@ class Config:
         unknown = sorted(set(self.parts) - set(PARTS))
         if unknown:
             raise ValueError(f"unknown part(s) {unknown}; the parts are {list(PARTS)}")
+        unknown = sorted(set(self.runners) - set(RUNNERS))
+        if unknown:
+            raise ValueError(f"unknown runner(s) {unknown}; the TP runners are {list(RUNNERS)}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         cuda = self.device == "cuda"
@@ -158,7 +164,7 @@ def stage_gbps(report: LifecycleReport) -> float | None:
 class StagePlan:
     """A TP=2 stage to drive: its spec and its probe request."""
 
-    kind: str  # "vllm" | "synthetic"
+    kind: str  # "vllm" | "transformers" | "synthetic"
     spec: StageSpec
     probe: dict[str, Any]
 
@@ -198,22 +204,43 @@ def vllm_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
     return StagePlan("vllm", spec, LLM_REQUEST)
 
 
-def llm_checkpoint(cfg: Config) -> Path:
+def transformers_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
+    cuda = cfg.device == "cuda"
+    args: dict[str, Any] = {"model": str(model), "max_batch": 2, "max_seq_len": 256,
+                            **({"dtype": "bfloat16"} if cuda else {"cpu_threads": 1})}  # fmt: skip
+    devices = ("0", "1") if cuda and "placement" not in extra else None
+    spec = StageSpec(name, runner="transformers", runner_args=args, devices=devices, **{**common_args(cfg), **extra})
+    return StagePlan("transformers", spec, LLM_REQUEST)
+
+
+def llm_checkpoint(cfg: Config, size: str | None = None) -> Path:
     from omni_core.demo_real import cached_checkpoint
 
-    path, made_s = cached_checkpoint(cfg.models_dir, "qwen2", cfg.llm_size, log=lambda m: print(m, flush=True))
-    print(f"qwen2 {cfg.llm_size}: {path} ({f'made in {made_s:.1f} s' if made_s else 'cached'})", flush=True)
+    size = size or cfg.llm_size
+    path, made_s = cached_checkpoint(cfg.models_dir, "qwen2", size, log=lambda m: print(m, flush=True))
+    print(f"qwen2 {size}: {path} ({f'made in {made_s:.1f} s' if made_s else 'cached'})", flush=True)
     return path
 
 
-def tp_plans(cfg: Config, log: Log, **extra: Any) -> list[StagePlan]:
+def tp_plans(cfg: Config, log: Log, runners: tuple[str, ...] | None = None, **extra: Any) -> list[StagePlan]:
+    wanted = [r for r in cfg.runners if runners is None or r in runners]
     plans = []
-    problem = vllm_problem(cfg)
-    if problem is None:
-        plans.append(vllm_plan(cfg, "llm", llm_checkpoint(cfg), **extra))
-    else:
-        log.check("vllm TP=2 stage skipped", True, f"({problem})")
-    plans.append(synthetic_plan(cfg, "tp", cfg.tp_args, **extra))
+    if "vllm" in wanted:
+        problem = vllm_problem(cfg)
+        if problem is None:
+            plans.append(vllm_plan(cfg, "llm", llm_checkpoint(cfg), **extra))
+        else:
+            log.check("vllm TP=2 stage skipped", True, f"({problem})")
+    if "transformers" in wanted:
+        try:
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            log.check("transformers TP=2 stage skipped", True, f"(transformers not importable: {exc})")
+        else:  # the real 1.5B on GPUs; on CPU a tiny one, which runs in seconds
+            size = cfg.llm_size if cfg.device == "cuda" else "tiny"
+            plans.append(transformers_plan(cfg, "hf", llm_checkpoint(cfg, size), **extra))
+    if "synthetic" in wanted:
+        plans.append(synthetic_plan(cfg, "tp", cfg.tp_args, **extra))
     return plans
 
 
@@ -359,7 +386,8 @@ def part_ray(cfg: Config) -> dict[str, Any]:
                  log_to_driver=False, object_store_memory=200 << 20)  # fmt: skip
     try:
         stages = []
-        for plan in tp_plans(cfg, log, placement=placement):
+        # The Ray run committed in bench/results/multi_gpu_ray is of these two.
+        for plan in tp_plans(cfg, log, runners=("vllm", "synthetic"), placement=placement):
             print(f"ray: stage {plan.spec.name} ({plan.kind}, 2 actors, STRICT_PACK)", flush=True)
             stages.append(run_engine(log, [plan.spec], lambda e, p=plan: drive_ray(e, p, log, cfg),
                                      launcher="ray"))  # fmt: skip
@@ -570,6 +598,7 @@ def run_bench(cfg: Config, command: str, out: Path | None = None) -> dict[str, A
 def main(args: argparse.Namespace) -> int:
     device = getattr(args, "device", None) or "cuda"
     parts = tuple(p for p in (args.parts or ",".join(PARTS)).split(",") if p)
+    runners = tuple(r for r in (getattr(args, "runners", None) or ",".join(RUNNERS)).split(",") if r)
     if device == "cuda":
         import torch
 
@@ -577,7 +606,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"omni-core bench --multi-gpu: {torch.cuda.device_count()} CUDA device(s) visible; this needs "
                   "two GPUs (or --device cpu for the CPU smoke run)", file=sys.stderr)  # fmt: skip
             return 2
-    cfg = Config(device=device, parts=parts, models_dir=Path(args.models_dir),
+    cfg = Config(device=device, parts=parts, runners=runners, models_dir=Path(args.models_dir),
                  attention_backend=os.environ.get("VLLM_BUNDLE_ATTN_BACKEND"),
                  cycles=getattr(args, "reps", None) or 2)  # fmt: skip
     out = Path(args.out or "multi-gpu-results")

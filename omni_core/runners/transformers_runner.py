@@ -16,6 +16,14 @@
   every header; `last_reload` keeps bytes, duration and GB/s.
 - `buffers_to_save`: the non-persistent buffers (rotary frequencies), which no checkpoint holds.
 
+Tensor parallel: a stage of several ranks (WORLD_SIZE > 1, set by the engine) is one model
+sharded across them with transformers' own plan (`tp_plan="auto"`: attention heads and MLP
+columns split, norms replicated; Qwen2, Llama and the other architectures transformers ships
+a plan for). Each rank joins the stage's process group (NCCL, gloo on CPU), holds its shard of
+every weight and its heads of the KV cache, and runs every request; the logits are gathered,
+so every rank picks the same tokens and returns the same result. A reload cuts each rank's
+shard from the checkpoint on the host, as the plan does.
+
 The cache is scratch: each request resets it, so its content after a discard does not matter.
 """
 
@@ -43,6 +51,7 @@ from omni_core.runners.weights import (
 )
 from omni_core.workers.runner import ModelRunner, RunnerArgumentError
 from omni_core.workers.synthetic import torch_dtype
+from omni_core.workers.tensor_parallel import join_process_group
 
 log = logging.getLogger("omni_core.runners.transformers")
 
@@ -65,6 +74,28 @@ def _sequential_loading() -> Iterator[None]:
             os.environ[ASYNC_LOAD_SWITCH] = before
 
 
+def _auto_tp_plan() -> dict[str, Any]:
+    """transformers' own sharding plan, asked for the way the installed version takes it."""
+    try:  # newer transformers take it in a DistributedConfig (there a bare tp_plan= is deprecated)
+        from transformers.distributed import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_plan="auto")}
+    except (ImportError, TypeError):
+        return {"tp_plan": "auto"}
+
+
+def check_placements(model: torch.nn.Module) -> None:
+    """Refuse a sharding the runner cannot reload: every DTensor Shard(dim) or Replicate."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, DTensor):
+            odd = [p for p in tensor.placements if type(p) is not Shard and not isinstance(p, Replicate)]
+            if odd:
+                raise ValueError(f"transformers' tensor-parallel plan placed {name!r} as {odd[0]}; this runner "
+                                 "reloads Shard and Replicate placements only; run this model with one rank")
+
+
 class TransformersRunner(ModelRunner):
     execute_writes_weights = False  # inference: requests read the weights only
     def __init__(
@@ -77,6 +108,7 @@ class TransformersRunner(ModelRunner):
         max_seq_len: int | str | None = None,
         attn_implementation: str = "sdpa",
         cpu_threads: int | None = None,
+        init_timeout_s: float = 120.0,
     ) -> None:
         super().__init__(device)
         from transformers import AutoConfig
@@ -107,6 +139,19 @@ class TransformersRunner(ModelRunner):
                              f"'auto' or None, got {max_seq_len!r}")  # fmt: skip
         self.attn_implementation = attn_implementation
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.world > 1:
+            heads = int(self.config.num_attention_heads)
+            if heads % self.world or self.kv_heads % self.world:
+                raise ValueError(f"a stage of {self.world} ranks shards the model's attention heads: "
+                                 f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
+                                 f"{self.world}; use a number of ranks that divides them")  # fmt: skip
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if self.device.type == "cuda" and self.device.index not in (None, local_rank):
+                raise ValueError(f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
+                                 f"but this rank's device is {self.device}")  # fmt: skip
+            join_process_group(self.device, init_timeout_s)
+        self.local_kv_heads = self.kv_heads // self.world  # the heads of the cache this rank holds
         self.head_dim = int(getattr(self.config, "head_dim", None)
                             or self.config.hidden_size // self.config.num_attention_heads)  # fmt: skip
         self.tokenizer = self._load_tokenizer()
@@ -142,10 +187,17 @@ class TransformersRunner(ModelRunner):
         # calling thread's allocations, and transformers 5 reads on a thread pool by default,
         # which left a Qwen2 1.5B's weights outside `weights` (2 MiB of 2.9 GiB in the pool,
         # resident through every sleep; H100, cumem and fast).
+        placement: dict[str, Any] = {"device_map": str(self.device)}
+        if self.world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            placement = {"device_mesh": init_device_mesh(self.device.type, (self.world,)), **_auto_tp_plan()}
         with _sequential_loading():
             model = AutoModelForCausalLM.from_pretrained(
-                str(self.model_dir), local_files_only=True, dtype=self.dtype, device_map=str(self.device),
-                attn_implementation=self.attn_implementation)  # fmt: skip
+                str(self.model_dir), local_files_only=True, dtype=self.dtype,
+                attn_implementation=self.attn_implementation, **placement)  # fmt: skip
+        if self.world > 1:
+            check_placements(model)
         model.eval()
         model.requires_grad_(False)
         copied = own_storage([model])
@@ -161,7 +213,8 @@ class TransformersRunner(ModelRunner):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.config.num_hidden_layers * self.kv_heads * self.head_dim * self.dtype.itemsize * self.max_batch
+        layers = self.config.num_hidden_layers
+        return 2 * layers * self.local_kv_heads * self.head_dim * self.dtype.itemsize * self.max_batch
 
     def allocate_caches(self) -> None:
         from transformers import StaticCache
@@ -171,7 +224,7 @@ class TransformersRunner(ModelRunner):
                              "none was set or too little was left; set StageSpec.gpu_memory_fraction or give "
                              "max_seq_len")
         cache = StaticCache(config=self.config, max_cache_len=self.max_seq_len)
-        cache.early_initialization(batch_size=self.max_batch, num_heads=self.kv_heads, head_dim=self.head_dim,
+        cache.early_initialization(batch_size=self.max_batch, num_heads=self.local_kv_heads, head_dim=self.head_dim,
                                    dtype=self.dtype, device=self.device)  # fmt: skip
         self.cache = cache
 
@@ -197,6 +250,8 @@ class TransformersRunner(ModelRunner):
 
     def close(self) -> None:
         self.model = self.cache = self.weights = None
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     # ------------------------------------------------------------------ execution
 

@@ -180,10 +180,11 @@ class WeightSet:
             for path, items in by_file.items():
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for target, name in items:
-                        source = f.get_tensor(name)
-                        target.tensor.copy_(source)  # casts when the runner computes in another dtype
-                        reload_bytes += source.numel() * source.element_size()
-        devices = {t.tensor.device for t, _, _ in steps if t.tensor.device.type == "cuda"}
+                        piece = rank_shard(target.tensor, f.get_tensor(name))
+                        local_tensor(target.tensor).copy_(piece)  # casts when the runner computes in another dtype
+                        reload_bytes += piece.numel() * piece.element_size()
+        devices = {local_tensor(t.tensor).device for t, _, _ in steps}
+        devices = {d for d in devices if d.type == "cuda"}
         for device in devices:  # the copies are asynchronous from pinned memory only, but be exact
             torch.cuda.synchronize(device)
         report = ReloadReport(str(directory), reload_bytes, len(steps), time.perf_counter() - started)
@@ -195,15 +196,54 @@ class WeightSet:
         return [t.tensor for targets in self.folders.values() for t in targets]
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory this rank holds for `tensor`: a DTensor's own shard (the very tensor object,
+    not a view, so that replacing its `.data` replaces the shard), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def rank_shard(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor `full` for `target`: for a tensor-parallel
+    DTensor the block its placements give this rank, otherwise `full`.
+
+    Cut on the host as DTensor cuts (`torch.chunk` along a Shard's dim): every rank reads the
+    checkpoint itself, so no communication, and the whole tensor never lands on the device
+    (a temporary there would come out of the pool being reloaded).
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(target, DTensor):
+        return full
+    mesh, piece = target.device_mesh, full
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError(f"this rank is not in the device mesh of a tensor of shape {tuple(target.shape)}")
+    for mesh_dim, placement in enumerate(target.placements):
+        if type(placement) is Shard:
+            chunks = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
+        elif not isinstance(placement, Replicate):
+            raise RuntimeError(f"cannot reload a tensor of shape {tuple(target.shape)} placed as {placement}: "
+                               "only Shard and Replicate placements are supported (checked at load)")  # fmt: skip
+    if tuple(piece.shape) != tuple(target.to_local().shape):
+        raise RuntimeError(f"the shard of a tensor of shape {tuple(full.shape)} is {tuple(piece.shape)} here, "
+                           f"the model's is {tuple(target.to_local().shape)}")  # fmt: skip
+    return piece
+
+
 def module_tensors(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
-    """Every parameter and buffer, each once (tied weights share one tensor)."""
+    """Every parameter and buffer, each once (tied weights share one tensor); of a
+    tensor-parallel model each rank's shard, which is the memory a backend sleeps and wakes."""
     seen: set[int] = set()
     out = []
     for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
-                out.append(tensor)
+                out.append(local_tensor(tensor))
     return out
 
 

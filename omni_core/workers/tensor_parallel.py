@@ -46,29 +46,39 @@ def make_input(seed: int, batch: int, hidden: int, dtype: torch.dtype, device: t
     return torch.randn(batch, hidden, generator=gen).to(device=device, dtype=dtype)
 
 
+def stage_rank_and_world(who: str) -> tuple[int, int]:
+    """This rank's RANK and the stage's WORLD_SIZE, as the engine (or torchrun) sets them."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"{who} needs {missing} in the environment; the omni-core engine sets them for "
+                           "every rank of a stage (or run under torchrun)")  # fmt: skip
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def join_process_group(device: torch.device, init_timeout_s: float) -> None:
+    """Join the stage's process group (NCCL on CUDA, gloo on CPU) at MASTER_ADDR:MASTER_PORT."""
+    rank, world = stage_rank_and_world("joining the stage's process group")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=rank, world_size=world, timeout=datetime.timedelta(seconds=init_timeout_s))
+
+
 class TensorParallelRunner(ModelRunner):
     def __init__(self, device: torch.device, *, hidden: int = 256, layers: int = 4, dtype: str = "float32",
                  seed: int = 0, kv_rows: int = 64, init_timeout_s: float = 120.0,
                  cpu_threads: int | None = None) -> None:  # fmt: skip
         super().__init__(device)
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise RuntimeError(f"TensorParallelRunner needs {missing} in the environment; the omni-core "
-                               "engine sets them for every rank of a stage (or run under torchrun)")  # fmt: skip
-        self.rank = int(os.environ["RANK"])
-        self.world = int(os.environ["WORLD_SIZE"])
+        self.rank, self.world = stage_rank_and_world("TensorParallelRunner")
         if hidden % self.world:
             raise ValueError(f"hidden={hidden} must be divisible by the stage's {self.world} ranks")
         if cpu_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(cpu_threads)
         self.hidden, self.layers, self.seed, self.kv_rows = hidden, layers, seed, kv_rows
         self.dtype = torch_dtype(dtype)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            rank=self.rank, world_size=self.world, timeout=datetime.timedelta(seconds=init_timeout_s))
+        join_process_group(self.device, init_timeout_s)
         self.w_in: list[torch.Tensor] = []
         self.w_out: list[torch.Tensor] = []
         self.kv: torch.Tensor | None = None

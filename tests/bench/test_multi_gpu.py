@@ -17,7 +17,8 @@ from omni_core.workers.tensor_parallel import reference_output
 
 def test_cpu_smoke_runs_tp_and_swap_and_every_output_stays_exact(tmp_path, capsys):
     out = tmp_path / "results"
-    assert cli_main(["bench", "--multi-gpu", "--device", "cpu", "--parts", "tp,swap", "--out", str(out)]) == 0
+    assert cli_main(["bench", "--multi-gpu", "--device", "cpu", "--parts", "tp,swap", "--out", str(out),
+                     "--models-dir", str(tmp_path / "models")]) == 0  # fmt: skip
     data = json.loads((out / "multi_gpu.json").read_text())
     assert data["verdict"] == "PASS" and set(data["parts"]) == {"tp", "swap"}
     assert (out / "multi_gpu.md").read_text().startswith("# Tensor-parallel stages on two GPUs")
@@ -26,16 +27,19 @@ def test_cpu_smoke_runs_tp_and_swap_and_every_output_stays_exact(tmp_path, capsy
     names = [c["what"] for c in tp["checks"]]
     skipped = next(c for c in tp["checks"] if c["what"] == "vllm TP=2 stage skipped")
     assert "needs CUDA" in skipped["detail"]
-    for expected in ("tp in PARTIAL refuses a request naming PARTIAL",
-                     "tp in NEEDS_RELOAD refuses a request naming NEEDS_RELOAD",
-                     "tp output after L2 + reload identical", "tp output after partial wake identical"):
-        assert expected in names, names
+    for stage in ("hf", "tp"):  # the transformers runner sharded by its own plan; the synthetic one
+        for expected in (f"{stage} in PARTIAL refuses a request naming PARTIAL",
+                         f"{stage} in NEEDS_RELOAD refuses a request naming NEEDS_RELOAD",
+                         f"{stage} output after L2 + reload identical", f"{stage} output after partial wake identical"):
+            assert expected in names, names
+    stages = {s["stage"]: s for s in tp["stages"]}
+    assert stages["hf"]["kind"] == "transformers" and stages["tp"]["kind"] == "synthetic"
     assert {r["rank"] for r in tp["lifecycle"]} == {0, 1}
     assert all(r["weights_bytes"] > 0 for r in tp["lifecycle"])
     # The stage's output is the model computed in one process from the same shards: the two
     # ranks really split the layers and all-reduced.
     expected = reference_output(multi_gpu.TP_PROBE, world=2, hidden=64, layers=3, seed=0)
-    assert tp["stages"][0]["reference"] == hashlib.sha256(tensor_bytes(expected)).hexdigest()
+    assert stages["tp"]["reference"] == hashlib.sha256(tensor_bytes(expected)).hexdigest()
 
     swap = data["parts"]["swap"]
     hows = [m["how"] for m in swap["moves"]]
@@ -81,6 +85,8 @@ def test_unknown_part_and_device_are_named():
         multi_gpu.Config(parts=("tp", "sawp"))
     with pytest.raises(ValueError, match="device"):
         multi_gpu.Config(device="tpu")
+    with pytest.raises(ValueError, match=r"unknown runner\(s\) \['vlm'\]"):
+        multi_gpu.Config(runners=("vlm",))
 
 
 @pytest.mark.ray
