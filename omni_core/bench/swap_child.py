@@ -153,6 +153,14 @@ class RecordingResidency(SimulatedResidency):
     def report(self, resident_bytes: int) -> None:
         changed = resident_bytes != self.resident_bytes
         super().report(resident_bytes)
+        self._record(changed, resident_bytes)
+
+    def claim(self, resident_bytes: int) -> None:  # a wake's map
+        changed = resident_bytes != self.resident_bytes
+        super().claim(resident_bytes)
+        self._record(changed, resident_bytes)
+
+    def _record(self, changed: bool, resident_bytes: int) -> None:
         if changed and self.series is not None:
             self.series.append((time.monotonic(), resident_bytes))
 

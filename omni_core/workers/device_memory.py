@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from omni_core.workers.accounting import ProcessMemory
-from omni_core.workers.simulated_device import Holder, HolderList
+from omni_core.workers.simulated_device import Holder, HolderList, SimulatedOutOfMemory
 
 # Kept free below what the driver reports, per map: cuMemCreate needs a little beyond the
 # allocation's own bytes (page tables), and other processes' allocators round up. Enough
@@ -35,10 +35,6 @@ class FreeMemorySource(Protocol):
     def holders(self) -> HolderList: ...
 
     def describe(self) -> str: ...  # which device, for messages
-
-
-class SimulatedOutOfMemory(RuntimeError):
-    """A map refused for lack of memory (test doubles of the driver raise it)."""
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

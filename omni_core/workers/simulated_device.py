@@ -13,6 +13,13 @@ nothing), so is any file that is not one of ours or does not parse: the director
 shared, and what is in it is not trusted. A test adds a file of its own to play a third
 process on the GPU.
 
+A wake's map is checked as a driver checks it (`claim`): under an exclusive lock on the
+directory, the bytes every other live file holds plus this process's new figure
+must fit the capacity, or the map fails with SimulatedOutOfMemory (which the memory gate
+treats like a driver's OOM: not free yet). Without it two ranks admitted on the same free
+figure would both map past the capacity. Loading and sleeping only report (a test may start
+more stages than the device holds and sleep one, as the swap smoke runs do).
+
 Plain data (a msgspec Struct): it travels inside `WorkerConfig` to every rank and sits in
 `StageSpec` as given. No torch here; the engine imports it.
 """
@@ -20,6 +27,7 @@ Plain data (a msgspec Struct): it travels inside `WorkerConfig` to every rank an
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -36,6 +44,10 @@ MAX_FILE_BYTES = 4096
 # Beyond any device that exists (and msgpack's int range): a capacity past it is a typo.
 MAX_CAPACITY_BYTES = 1 << 60
 _FILE_RE = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]{1,64})-rank(?P<rank>\d{1,6})-(?P<pid>\d{1,10})\.json$")
+
+
+class SimulatedOutOfMemory(RuntimeError):
+    """A map refused for lack of memory: by a simulated device, or a test's driver double."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,22 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 os.unlink(tmp)
             raise
 
+    def claim(self, stage: str, rank: int, pid: int, resident_bytes: int) -> None:
+        """Set this process's resident bytes if they fit beside every other live holder's, as
+        one step against the other processes (an exclusive lock); SimulatedOutOfMemory if not."""
+        os.makedirs(self.directory, exist_ok=True)
+        lock = os.open(self.directory, os.O_RDONLY)  # the directory itself: no lock file to clean up
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes
+            others = sum(h.nbytes for h in self.read()[0] if h.pid != pid)
+            if others + resident_bytes > self.capacity_bytes:
+                raise SimulatedOutOfMemory(
+                    f"out of memory on the simulated device {self.directory}: {stage} rank {rank} would hold "
+                    f"{resident_bytes} bytes beside {others} held by others, over its {self.capacity_bytes}")
+            self.write(stage, rank, pid, resident_bytes)
+        finally:
+            os.close(lock)
+
     def remove(self, stage: str, rank: int, pid: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_of(stage, rank, pid))
@@ -183,6 +211,11 @@ class SimulatedResidency:
         if resident_bytes != self.resident_bytes:  # a write per change, none for a no-op
             self.device.write(self.stage, self.rank, self.pid, resident_bytes)
             self.resident_bytes = resident_bytes
+
+    def claim(self, resident_bytes: int) -> None:
+        """A wake's map: the new figure only if the device holds it (SimulatedOutOfMemory)."""
+        self.device.claim(self.stage, self.rank, self.pid, resident_bytes)
+        self.resident_bytes = resident_bytes
 
     def remove(self) -> None:
         self.device.remove(self.stage, self.rank, self.pid)

@@ -159,6 +159,44 @@ def test_a_refused_level2_wake_keeps_the_saved_buffers_for_the_next_one(sim):
     assert runner.execute(PAYLOAD)["data"] == out["data"]
 
 
+class StaleFigure:
+    """A free-memory source that answers what was free before another process mapped: two
+    ranks admitted on one figure, the race the simulated device's claim settles."""
+
+    reserve_bytes = 0
+
+    def __init__(self, residency: SimulatedResidency, free_bytes: int) -> None:
+        self.residency, self.free = residency, free_bytes
+
+    def free_bytes(self) -> int:
+        return self.free
+
+    def holders(self) -> HolderList:
+        return self.residency.holders()
+
+    def describe(self) -> str:
+        return self.residency.describe()
+
+
+def test_two_wakes_admitted_on_one_free_figure_never_hold_more_than_the_device(sim):
+    backend, _runner, residency = loaded(sim)
+    full = resident(backend)
+    backend.sleep({W}, {KV})
+    # Another process maps 3 MiB after this rank's gate read "4 MiB free": the device, like a
+    # driver, refuses the maps past its capacity, and the gate waits on them until it expires.
+    sim.claim("talker", 0, os.getppid(), 3 * MiB)
+    clock = Clock()
+    gate = MemoryGate(StaleFigure(residency, 4 * MiB), wait_for_memory_s=1.0, what="stage dit rank 0",
+                      clock=clock, sleep=clock.sleep)  # fmt: skip
+    refusal = r"the driver refused a map the free figure allowed \(SimulatedOutOfMemory: out of memory on the"
+    with pytest.raises(WakeRefused, match=refusal):
+        backend.wake({W, KV}, gate)
+    assert sim.used_bytes() == 3 * MiB and residency.resident_bytes == 0 == resident(backend)
+    sim.claim("talker", 0, os.getppid(), 0)
+    backend.wake({W, KV}, MemoryGate(residency, wait_for_memory_s=0.0))
+    assert resident(backend) == full and sim.used_bytes() == full
+
+
 def test_a_backend_without_the_gate_refuses_to_be_given_one(sim):
     from omni_core.workers.backends.base import BackendStateError
     from omni_core.workers.backends.portable import PortableBackend as Base

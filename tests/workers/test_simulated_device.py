@@ -11,7 +11,13 @@ import msgspec
 import pytest
 
 from omni_core.workers.config import WorkerConfig
-from omni_core.workers.simulated_device import MAX_FILE_BYTES, MAX_FILES_READ, SimulatedDevice, SimulatedResidency
+from omni_core.workers.simulated_device import (
+    MAX_FILE_BYTES,
+    MAX_FILES_READ,
+    SimulatedDevice,
+    SimulatedOutOfMemory,
+    SimulatedResidency,
+)
 
 MiB = 1 << 20
 
@@ -102,3 +108,17 @@ def test_configuration_is_checked_and_travels_in_the_worker_config(tmp_path):
     with pytest.raises(msgspec.ValidationError, match="capacity_bytes"):
         msgspec.json.decode(b'{"address": "x", "rank": 0, "simulated_device": {"directory": "d", '
                             b'"capacity_bytes": -5}}', type=WorkerConfig)
+
+
+def test_a_claim_must_fit_beside_the_other_holders_and_writes_nothing_when_refused(tmp_path):
+    device = SimulatedDevice(str(tmp_path / "gpu1"), 1000)
+    mine, theirs = SimulatedResidency(device, "a", 0), SimulatedResidency(device, "b", 0, pid=os.getppid())
+    mine.claim(600)
+    with pytest.raises(SimulatedOutOfMemory, match=r"b rank 0 would hold 600 bytes beside 600 held by others"):
+        theirs.claim(600)
+    assert theirs.resident_bytes is None and device.used_bytes() == 600  # refused: no file written
+    mine.claim(device.capacity_bytes)  # its own figure is replaced, not added to
+    mine.claim(100)
+    theirs.claim(device.capacity_bytes - 100)
+    assert device.free_bytes() == 0 and os.listdir(device.directory) != []
+    assert not any(name.startswith(".") for name in os.listdir(device.directory))  # no lock file left

@@ -96,10 +96,9 @@ class PortableBackend(MemoryBackend):
         try:
             for tag in sorted(tags):
                 for entry in self._storages.get(tag, {}).values():
-                    admit(gate, entry.nbytes, partial(entry.storage.resize_, entry.nbytes))
+                    admit(gate, entry.nbytes, partial(self._map, entry, resident + entry.nbytes))
                     mapped.append(entry)
                     resident += entry.nbytes
-                    self._report(resident)  # the next allocation's query must see this one
                     view = _bytes_view(entry.storage, entry.nbytes)
                     if entry.host is not None:
                         view.copy_(entry.host, non_blocking=self._pin)
@@ -117,6 +116,14 @@ class PortableBackend(MemoryBackend):
         # Only once every tag is back: a refused wake keeps every host copy for the next one.
         for entry in entries:
             entry.host = None
+
+    def _map(self, entry: _Storage, resident_after: int) -> None:
+        """Give a storage its memory back. On a simulated device the new figure is claimed
+        first, so the next allocation's query sees it and the device refuses it past its
+        capacity (SimulatedOutOfMemory, which the gate waits on like a driver's OOM)."""
+        if self.residency is not None:
+            self.residency.claim(resident_after)
+        entry.storage.resize_(entry.nbytes)
 
     def report_to(self, residency: SimulatedResidency | None) -> None:
         """Write this process's resident bytes to a simulated device on every change (and
