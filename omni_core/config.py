@@ -51,6 +51,9 @@ DEFAULT_API_KEY_ENV = "OMNI_CORE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # execute payloads are small control messages, not tensors
 MAX_BODY_BYTES_LIMIT = 1 << 30
 MIN_API_KEY_CHARS = 16  # shorter keys can be guessed over a network in reasonable time
+# A stage configuration is a few KiB; past this, the path is wrong (a model file, a log) and
+# parsing it whole would only spend memory and time before failing.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class ConfigError(InvalidArgumentError):
@@ -193,7 +196,15 @@ def load_config(path: str | os.PathLike[str]) -> OmniConfig:
         raise ConfigError(shown, "reading TOML on Python 3.10 needs tomli: pip install 'omni-core[serve]'")
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(shown, f"over {MAX_CONFIG_BYTES} bytes; a stage configuration is a few KiB: is this "
+                                     "the right file?")  # fmt: skip
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(shown, f"not UTF-8 text, so not TOML ({exc}); is this the right file?") from None
+    except IsADirectoryError:
+        raise ConfigError(shown, "is a directory; pass the path of a TOML stage configuration file") from None
     except FileNotFoundError:
         raise ConfigError(shown, "no such file; pass the path of a TOML stage configuration "
                                  "(examples/two_stages.toml is one)") from None  # fmt: skip

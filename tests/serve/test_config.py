@@ -69,6 +69,21 @@ def test_missing_file_says_what_to_pass(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.toml")
 
 
+def test_a_huge_binary_or_directory_path_is_refused_before_parsing(tmp_path: Path) -> None:
+    from omni_core.config import MAX_CONFIG_BYTES
+
+    huge = tmp_path / "huge.toml"
+    huge.write_text('[[stages]]\nname = "a"\n' + "# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
+    with pytest.raises(ConfigError, match=f"over {MAX_CONFIG_BYTES} bytes; a stage configuration is a few KiB"):
+        load_config(huge)
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x80\xff\x00" * 10)
+    with pytest.raises(ConfigError, match="not UTF-8 text, so not TOML"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="is a directory; pass the path of a TOML stage configuration file"):
+        load_config(tmp_path)
+
+
 def test_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     path = _write(tmp_path, '[server]\napi_key_file = "secret/key"\nallowed_reload_sources = ["ckpt"]\n'
                             '[[stages]]\nname = "a"\n')  # fmt: skip
