@@ -149,4 +149,14 @@ Adm_QueueOnlyWhileWaiting ==
         /\ sstate \notin {"NEEDS_RELOAD", "FAILED", "STOPPED"}
         /\ sstate = "RUNNING" => Cardinality(sreqs) = MaxRequests
 
+(* A queued request leaves the queue refused only where a rule refuses it: QueueRules says
+   reject_all for the state and policy, its own deadline passed (it alone leaves), or the
+   stage restarted (a new epoch refuses the queue). Not where the pump should dispatch. *)
+Adm_QueueRefusedOnlyByARule ==
+    [][\A t \in QSet :
+         outcome'[t] = "refused" =>
+             \/ QueueAction = "reject_all"
+             \/ "timeout" \in Faults /\ QSet' = QSet \ {t}
+             \/ sepoch' # sepoch]_allVars
+
 =============================================================================

@@ -487,12 +487,20 @@ Expect ==
         wstate |-> IF c.type = "Sleep" THEN "SLEEPING" ELSE RankState[set],
         trigger |-> IF c.type = "Sleep" THEN "slept" ELSE WakeCommit[set]]
 
+(* The stage's own ALREADY answer (no round trip) must be true of memory, not only of its
+   bookkeeping: a Sleep answered ALREADY leaves no tag of the call mapped on a live rank, a Wake
+   answered ALREADY none unmapped (the `mem` ghost: "host" and "lost" are unmapped). *)
+AlreadyUntrue(type, tg) ==
+    \E r \in Ranks, x \in tg :
+        alive[r] /\ (mem[r][x] \in {"host", "lost"}) = (type = "Wake")
+
 IssueSleep(lvl, tg) ==
     /\ Idle /\ nextTask \in TaskIds
     /\ LET t == nextTask IN
        \/ /\ tg \subseteq sasleep /\ SLegal(sstate, "sleep_already")      \* ALREADY (P-4)
           /\ sstate' = SNext(sstate, "sleep_already")
           /\ outcome' = [outcome EXCEPT ![t] = "ok"]
+          /\ broken' = broken \cup (IF AlreadyUntrue("Sleep", tg) THEN {"P4"} ELSE {})
           /\ UNCHANGED <<stask, scmd, sacks, net>>
        \/ /\ ~(tg \subseteq sasleep) /\ SLegal(sstate, "drain")           \* admission closed
           /\ LET drained == sreqs = {} \/ Bug = "no_drain" IN
@@ -502,14 +510,16 @@ IssueSleep(lvl, tg) ==
              /\ sacks' = IF drained THEN {} ELSE sacks    \* reset when the Sleep goes out
           /\ stask' = t /\ scmd' = [type |-> "Sleep", level |-> lvl, tags |-> tg]
           /\ outcome' = Pending(t)
+          /\ UNCHANGED broken
        \/ /\ ~(tg \subseteq sasleep) /\ ~SLegal(sstate, "drain") /\ SLegal(sstate, "sleep")
           /\ sstate' = SNext(sstate, "sleep")
           /\ net' = net \cup SendAll("Sleep", t, lvl, tg)
           /\ stask' = t /\ scmd' = [type |-> "Sleep", level |-> lvl, tags |-> tg] /\ sacks' = {}
           /\ outcome' = Pending(t)
+          /\ UNCHANGED broken
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
-                   workerVars, faults, broken, sprof>>
+                   workerVars, faults, sprof>>
 
 IssueWake(tg) ==
     /\ Idle /\ nextTask \in TaskIds
@@ -517,15 +527,17 @@ IssueWake(tg) ==
        \/ /\ tg \cap sasleep = {} /\ SLegal(sstate, "wake_already")      \* ALREADY (P-4)
           /\ sstate' = SNext(sstate, "wake_already")
           /\ outcome' = [outcome EXCEPT ![t] = "ok"]
+          /\ broken' = broken \cup (IF AlreadyUntrue("Wake", tg) THEN {"P4"} ELSE {})
           /\ UNCHANGED <<stask, scmd, sacks, net>>
        \/ /\ tg \cap sasleep # {} /\ SLegal(sstate, "wake")
           /\ sstate' = SNext(sstate, "wake")
           /\ net' = net \cup SendAll("Wake", t, 0, tg)
           /\ stask' = t /\ scmd' = [type |-> "Wake", level |-> 0, tags |-> tg] /\ sacks' = {}
           /\ outcome' = Pending(t)
+          /\ UNCHANGED broken
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
-                   workerVars, faults, broken, sprof>>
+                   workerVars, faults, sprof>>
 
 (* "badsource" in Faults: the caller may name a source the runner cannot use (level 1 marks
    it on the command, so every rank judges the same source the same way, as a runner does). *)
@@ -855,7 +867,8 @@ P3_MessagesCarryIds ==
         /\ m.v = Version /\ m.task \in TaskIds \cup {0} /\ m.epoch \in Epochs
         /\ (m.kind \in ReplyKinds \cup {"hello"} => m.rank \in Ranks)
 
-(* P-4: Sleep of asleep tags / Wake of resident tags is an ALREADY no-op. *)
+(* P-4: Sleep of asleep tags / Wake of resident tags is an ALREADY no-op; the stage answers
+   ALREADY itself only where that is true of every live rank's memory (AlreadyUntrue). *)
 P4_AlreadyIsNoOp == "P4" \notin broken
 
 (* P-5: the stage commits a settled state only on a complete set of agreeing ACKs. *)
