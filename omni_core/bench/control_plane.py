@@ -12,12 +12,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from omni_core.engine import Engine, StageSpec
+from omni_core.provenance import git_commit
 
 EMPTY_MODEL = {"weights_bytes": 64, "tensor_count": 1, "hidden": 4, "kv_bytes": 16, "cpu_threads": 1}
 TARGET_P50_MS, TARGET_P99_MS = 2.0, 10.0  # at 8 ranks on the 2-core CI machine (issue 7)
@@ -53,11 +53,7 @@ def measure(ranks: int, cycles: int, warmup: int = 20) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip() or "unknown"  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = git_commit()
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "commit": commit}  # fmt: skip
 

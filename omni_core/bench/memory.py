@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_core.provenance import git_commit, git_dirty, run_quietly
+
 MiB, GiB = 1 << 20, 1 << 30
 SEED = 20_240_607
 TARGET_GBPS = 50.0
@@ -452,21 +454,11 @@ def _run_child(spec: str, workload: str, reps: int, timeout_s: float) -> dict[st
     return result
 
 
-def _shell(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                             "platform": platform.platform(),
-                            "commit": _shell(["git", "rev-parse", "HEAD"]) or "unknown",
-                            "dirty": bool(_shell(["git", "status", "--porcelain", "-uno"]))}  # fmt: skip
-    if os.environ.get("OMNI_COMMIT"):  # a copy of the tree without its history (the device machine)
-        info["commit"], info["dirty"] = os.environ["OMNI_COMMIT"], os.environ.get("OMNI_COMMIT_DIRTY") == "1"
-    info["gpu"] = _shell(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.max,"
+                            "commit": git_commit(), "dirty": git_dirty()}  # fmt: skip
+    info["gpu"] = run_quietly(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.max,"
                           "pcie.link.width.max", "--format=csv,noheader"])  # fmt: skip
     try:
         with open("/proc/meminfo") as f:

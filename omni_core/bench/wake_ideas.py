@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from omni_core.bench.memory import _shell
+    from omni_core.provenance import git_commit
 
     if not torch.cuda.is_available():
         print("wake_ideas: no CUDA device; this probe measures a GPU's host link", file=sys.stderr)
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
     finally:
         probe.close()
-    commit = args.commit or _shell(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    commit = args.commit or git_commit(short=True)
     meta = {"machine": f"{platform.node()} {torch.cuda.get_device_name()}", "torch": torch.__version__,
             "commit": commit, "command": " ".join(["python -m omni_core.bench.wake_ideas",
                                                                       *(argv or sys.argv[1:])]),

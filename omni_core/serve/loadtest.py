@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_core.provenance import git_commit
+
 SEEDS = 8  # distinct payloads, each with a reference output taken before the load
 RETRY_EVERY = 10  # every tenth request of a client is sent twice with the same key
 HTTP_TIMEOUT_S = 300.0  # far above any engine deadline: a lost answer shows as an error, not a hang
@@ -377,14 +379,6 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {system}"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def render_markdown(result: LoadResult, command: str, ranks: int) -> str:
     def row(name: str, p: dict[str, float]) -> str:
         return (f"| {name} | {p.get('n', 0)} | {p.get('p50', 0):.1f} | {p.get('p90', 0):.1f} | {p.get('p99', 0):.1f} "
@@ -395,7 +389,7 @@ def render_markdown(result: LoadResult, command: str, ranks: int) -> str:
         "# `omni-core serve` under load and faults",
         "",
         f"- machine: {_machine()}",
-        f"- commit: {_commit()}",
+        f"- commit: {git_commit(short=True)}",
         f"- host load average (1 min) before / after the load: "
         f"{' / '.join(f'{x:.1f}' for x in result.load_average)} (the machine is shared; 2 cores)",
         f"- command: `{command}`",
