@@ -41,7 +41,8 @@ CONSTANTS
     Ranks,          \* the stage's ranks (model values)
     MaxTask,        \* the orchestrator issues task ids 1..MaxTask (commands and requests)
     MaxEpoch,       \* epochs 0..MaxEpoch; each Restart adds one
-    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill"}
+    Faults,         \* SUBSET {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill",
+                    \*         "nomemory"}
     MaxFaults,      \* at most this many dup/drop/corrupt/crash/error events per behaviour
     Tags,           \* the stage's tags (StageSpec.tags): strings; "weights" is the one a sleep keeps
     SleepLevels,    \* SUBSET {1, 2}: levels of the sleep() calls the orchestrator may make
@@ -75,6 +76,9 @@ CONSTANTS
      no_ack_check            the stage commits on ACKs whose state or asleep tags disagree with
                              what it expects; with "short" in Faults a rank ACKs truthfully a
                              wake that restored less than asked (P-7 over memory)
+     commit_beside_no_memory the stage commits a waiting wake that some ranks refused
+                             NO_MEMORY because the others ACKed: its ranks then hold different
+                             tags (P-5: a commit needs every rank's ACK)
    and two of the admission queue (OmniAdmission.tla, which extends this module):
      queue_unbounded         a request is queued even when the queue is at its limit
      queue_dropped_on_wake   the dispatch after a wake sends the queue's first request and
@@ -82,10 +86,11 @@ CONSTANTS
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
-             "no_ack_check", "queue_unbounded", "queue_dropped_on_wake"}
+             "no_ack_check", "queue_unbounded", "queue_dropped_on_wake", "commit_beside_no_memory"}
 
 ASSUME Bug \in BugNames
-ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill"}
+ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill",
+                         "nomemory"}
 ASSUME SleepLevels \subseteq {1, 2}
 ASSUME Tags # {} /\ "all" \notin Tags
 ASSUME SleepTags \cup WakeTags \subseteq {"all"} \cup Tags
@@ -197,6 +202,7 @@ VARIABLES
     sreqReplies, sreqErr, \* per request task: ranks that answered it, whether one refused
     failedRanks,          \* the ranks a FAILED stage names (P-9)
     sprof,                \* the Profile task in flight: ranks that answered it, ranks that refused
+                          \* (a waiting Wake's NO_MEMORY refusals too: no Profile runs meanwhile)
     outcome,              \* per task: "none", "pending", "ok", "failed"
     nextTask,
     net, faults,
@@ -268,9 +274,19 @@ RefuseRecorded(r, m, reason) ==   \* a refusal the stage takes as the answer: ke
 Already(r, m, g) ==
     Out(r, WNext(wstate[r], g), wpend[r],
         AckMsg(m.type, m.task, wepoch[r], r, WNext(wstate[r], g), wasleep[r], "ALREADY"), TRUE, FALSE)
+(* "nomemory" in Faults: a Wake may wait for free device memory (P-16; level 1 on the wire) and be
+   refused NO_MEMORY, back where it came from. That state is kept in the pending (or in flight)
+   wake's level, 2..4, so that the shapes of wpend and scmd stay those of every other model. *)
+WaitLevel(s) == CASE s = "SLEEPING" -> 2 [] s = "PARTIAL" -> 3 [] OTHER -> 4
+RefusedWake(level) == CASE level = 2 -> "wake_refused_sleeping"
+                        [] level = 3 -> "wake_refused_partial"
+                        [] OTHER -> "wake_refused_needs_reload"
+WakeWaits == IF "nomemory" \in Faults THEN {0, 1} ELSE {0}
+
 Start(r, m, g, plan, offload) ==
     Out(r, WNext(wstate[r], g),
-        [task |-> m.task, type |-> m.type, level |-> m.level, plan |-> plan, offload |-> offload],
+        [task |-> m.task, type |-> m.type, plan |-> plan, offload |-> offload,
+         level |-> IF m.type = "Wake" /\ m.level = 1 THEN WaitLevel(wstate[r]) ELSE m.level],
         NoMsg, FALSE, TRUE)
 Cached(r, t) == \E c \in wcache[r] : c.task = t
 FromCache(r, m) == Out(r, wstate[r], wpend[r], CHOOSE c \in wcache[r] : c.task = m.task, FALSE, FALSE)
@@ -354,15 +370,20 @@ WorkerReceive(r, m, keep) ==
     /\ faults' = IF keep THEN faults + 1 ELSE faults
     /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, stageVars, nextTask>>
 
-(* The runner refused the reload's source before writing anything: WorkerCore.on_refused.
-   NACK INVALID_ARGUMENT, back to the state the reload came from; the answer is cached like
-   any terminal reply of an attempted effect, so a copy of the task gets it again (P-2). *)
+(* The effect was refused before it changed anything: WorkerCore.on_refused. The runner refused
+   the reload's source before writing (NACK INVALID_ARGUMENT), or a waiting wake found too little
+   free memory in time and unmapped what it had mapped (NACK NO_MEMORY; memory as before): back
+   to the state the command came from; the answer is cached like any terminal reply of an
+   attempted effect, so a copy of the task gets it again (P-2). A waiting wake may also finish. *)
 BadSourcePending(r) == wpend[r].type = "ReloadWeights" /\ wpend[r].level = 1
+NoMemoryPossible(r) == wpend[r].type = "Wake" /\ wpend[r].level > 0 /\ "nomemory" \in Faults
 Refused(r) ==
-    /\ alive[r] /\ Busy(r) /\ BadSourcePending(r)
+    /\ alive[r] /\ Busy(r) /\ (BadSourcePending(r) \/ NoMemoryPossible(r))
     /\ LET p == wpend[r]
-           st == WNext(wstate[r], IF wvalid[r] THEN "reload_refused_active" ELSE "reload_refused_needs_reload")
-           reply == NackMsg(p.type, p.task, wepoch[r], r, "INVALID_ARGUMENT", st)
+           wake == p.type = "Wake"
+           st == WNext(wstate[r], IF wake THEN RefusedWake(p.level)
+                                  ELSE IF wvalid[r] THEN "reload_refused_active" ELSE "reload_refused_needs_reload")
+           reply == NackMsg(p.type, p.task, wepoch[r], r, IF wake THEN "NO_MEMORY" ELSE "INVALID_ARGUMENT", st)
        IN /\ wstate' = [wstate EXCEPT ![r] = st]
           /\ wpend' = [wpend EXCEPT ![r] = NoPend]
           /\ wcache' = [wcache EXCEPT ![r] = @ \cup {reply}]
@@ -531,8 +552,10 @@ IssueWake(tg) ==
           /\ UNCHANGED <<stask, scmd, sacks, net>>
        \/ /\ tg \cap sasleep # {} /\ SLegal(sstate, "wake")
           /\ sstate' = SNext(sstate, "wake")
-          /\ net' = net \cup SendAll("Wake", t, 0, tg)
-          /\ stask' = t /\ scmd' = [type |-> "Wake", level |-> 0, tags |-> tg] /\ sacks' = {}
+          /\ \E wait \in WakeWaits :      \* Engine.swap's wake waits for memory (P-16)
+             /\ net' = net \cup SendAll("Wake", t, wait, tg)
+             /\ scmd' = [type |-> "Wake", level |-> IF wait = 1 THEN WaitLevel(sstate) ELSE 0, tags |-> tg]
+          /\ stask' = t /\ sacks' = {}
           /\ outcome' = Pending(t)
           /\ UNCHANGED broken
     /\ nextTask' = nextTask + 1
@@ -606,6 +629,16 @@ Commit(acks, netNext) ==
     /\ net' = netNext
     /\ UNCHANGED <<sepoch, sloadFailed, sreqs, sreqReplies, sreqErr, failedRanks, sprof>>
 
+(* Every rank refused the waiting wake for lack of memory: nothing stayed mapped, back to the
+   state the wake came from (StageCore._maybe_commit, refused_trigger). *)
+WakeRefused(said, netNext) ==
+    /\ sstate' = SNext(sstate, RefusedWake(scmd.level))
+    /\ sacks' = said
+    /\ outcome' = [outcome EXCEPT ![stask] = "refused"]
+    /\ stask' = 0 /\ scmd' = NoCmd /\ sprof' = NoProf
+    /\ net' = netNext
+    /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks>>
+
 (* Every rank refused the reload's source: nothing was written, back to NEEDS_RELOAD. *)
 ReloadRefused(said, netNext) ==
     /\ sstate' = SNext(sstate, "reload_refused")
@@ -631,6 +664,7 @@ EndRequest(t, err, netNext) ==
 Ignore(netNext) == net' = netNext /\ UNCHANGED stageVars
 
 ProfileTask == stask # 0 /\ scmd.type = "Profile"
+WaitingWakeTask == stask # 0 /\ scmd.type = "Wake" /\ scmd.level > 0
 ForTask(m) == stask # 0 /\ m.task = stask /\ m.kind \in {"ack", "nack"}
               /\ (sstate \in {"TRANSITIONING", "WAKING"} \/ (ProfileTask /\ sstate \in Settled))
 ForRequest(m) == m.task \in sreqs /\ m.kind \in {"result", "nack"}
@@ -669,7 +703,17 @@ OnReply(m, rest) ==
                      /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid,
                                     sreqs, sreqReplies, sreqErr, failedRanks, outcome>>
     ELSE IF ForTask(m) THEN
-        IF m.rank \in sacks THEN Ignore(rest)                          \* duplicate
+        IF m.rank \in sacks \cup sprof.nacks THEN Ignore(rest)         \* duplicate
+        ELSE IF m.kind = "nack" /\ m.info = "NO_MEMORY" /\ scmd.type = "Wake" /\ scmd.level > 0 THEN
+            \* a waiting wake's refusals, kept in sprof (no Profile runs meanwhile): every rank
+            \* refused -> back; some woke and some refused -> FAILED naming the refusing ranks
+            LET refused == sprof.nacks \cup {m.rank} IN
+            IF sacks \cup refused # Ranks
+            THEN /\ sprof' = [said |-> sprof.said \cup {m.rank}, nacks |-> refused] /\ net' = rest
+                 /\ UNCHANGED <<sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqs,
+                                sreqReplies, sreqErr, failedRanks, outcome>>
+            ELSE IF sacks = {} THEN WakeRefused(refused, rest)
+            ELSE FailStage(refused, rest)
         ELSE IF m.kind = "nack" /\ m.info = "INVALID_ARGUMENT" /\ scmd.type = "ReloadWeights" THEN
             LET said == sacks \cup {m.rank} IN      \* StageCore._maybe_commit: all refused?
             IF said = Ranks THEN ReloadRefused(said, rest)
@@ -680,7 +724,9 @@ OnReply(m, rest) ==
                 \/ (m.state # Expect.wstate \/ m.asleep # Expect.asleep) /\ Bug # "no_ack_check"
         THEN FailStage({m.rank}, rest)
         ELSE LET acks == sacks \cup {m.rank} IN
-             IF acks = Ranks \/ Bug = "commit_before_all_acks" THEN Commit(acks, rest)
+             IF acks \cup sprof.nacks = Ranks \/ Bug = "commit_before_all_acks"
+             THEN IF sprof.nacks = {} \/ Bug = "commit_beside_no_memory" THEN Commit(acks, rest)
+                  ELSE FailStage(sprof.nacks, rest)
              ELSE /\ sacks' = acks /\ net' = rest
                   /\ UNCHANGED <<sstate, sepoch, stask, scmd, sloadFailed, sasleep, svalid, sreqs,
                                  sreqReplies, sreqErr, failedRanks, outcome, sprof>>
@@ -944,7 +990,8 @@ WorkerCoreInvariants ==
 StageCoreInvariants ==
     /\ (stask # 0 /\ ~ProfileTask) <=> (sstate \in InTask)
     /\ ProfileTask => sstate \in Settled
-    /\ ~ProfileTask => sprof = NoProf
+    /\ ~ProfileTask /\ ~WaitingWakeTask => sprof = NoProf
+    /\ WaitingWakeTask => sprof.said = sprof.nacks       \* only its NO_MEMORY refusals are kept
     /\ sreqs # {} => sstate \in {"RUNNING", "DRAINING"}
     /\ sstate = "RUNNING" => sasleep = {} /\ svalid
 

@@ -269,8 +269,11 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
         faults.append("timeout")  # a deadline passed: the spec lets one pass while a reply is on its way
     if any(e.kind == "restart" and e.before != "FAILED" for e in events):
         faults.append("kill")  # a restart of a stage that still served: its live ranks were killed
-    if any(e.kind == "refused" for e in events):
+    refused = {e.cmd for e in events if e.kind == "refused"}
+    if "ReloadWeights" in refused:
         faults.append("badsource")  # a reload source the runner refused
+    if "Wake" in refused:
+        faults.append("nomemory")  # a waiting wake that found too little free memory (P-16)
     max_epoch = max([e.epoch for e in events] + [min_epoch])
     return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
                       dropped, max_requests=max_in_flight(events, ranks))  # fmt: skip

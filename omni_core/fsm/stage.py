@@ -109,8 +109,12 @@ _STAGE_STATE_OF_RANK = {WorkerState.ACTIVE: S.RUNNING, WorkerState.SLEEPING: S.S
 
 
 def _level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
-    """What a trace record says of a command beyond its name: a Sleep's level, the tags."""
-    level = command.level if isinstance(command, Sleep) else 0
+    """What a trace record says of a command beyond its name: a Sleep's level (for a Wake, 1
+    when it waits for free memory, P-16, as the spec marks it), the tags."""
+    if isinstance(command, Sleep):
+        level = command.level
+    else:
+        level = 1 if isinstance(command, Wake) and command.wait_for_memory_s > 0 else 0
     return level, command.tags if isinstance(command, (Sleep, Wake)) else None
 
 

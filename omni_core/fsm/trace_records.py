@@ -84,7 +84,7 @@ class StageIssued(_Record):
     before: str
     after: str
     deadline_at_s: float
-    level: int = 0
+    level: int = 0  # a Sleep's level; a Wake's 1 when it waits for free memory (P-16)
     tags: tuple[str, ...] | None = None
     already: bool = False
     auto: bool = False
@@ -107,7 +107,7 @@ class StageSent(_Record):
     task_id: str
     command: str
     state: str
-    level: int = 0
+    level: int = 0  # as StageIssued.level
     tags: tuple[str, ...] | None = None
 
 

@@ -407,3 +407,31 @@ def test_a_trace_with_profiles_across_a_sleep_is_accepted(tmp_path) -> None:
     assert trace.dropped["Status/Shutdown/Profile"] > 0
     assert not any(e.cmd == "Profile" for e in trace.events)
     _assert_accepted(trace_check.validate_records(records))
+
+
+@needs_tlc
+def test_a_swap_whose_wake_is_refused_for_lack_of_memory_is_accepted(tmp_path) -> None:
+    """Engine.swap on a simulated device that a third process fills: the incoming stage's
+    waiting wake is refused NO_MEMORY by its rank and goes back to SLEEPING (the spec's
+    "nomemory" fault, a level-1 Wake on the wire), then a swap that fits succeeds."""
+    from omni_core.engine import SwapFailedError
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    device = SimulatedDevice(str(tmp_path / "gpu0"), 9 << 20)
+    path = tmp_path / "swap.jsonl"
+    specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
+    with Engine(specs, trace_path=str(path)) as engine:
+        engine.sleep("decoder")
+        device.write("trainer", 0, os.getpid(), device.capacity_bytes - (1 << 19))
+        try:
+            with pytest.raises(SwapFailedError):
+                engine.swap("talker", "decoder", task_id="refused", memory_wait_s=0.2)
+        finally:
+            device.remove("trainer", 0, os.getpid())
+        assert engine.swap("talker", "decoder", task_id="fits").incoming.state == "RUNNING"
+    records = read_trace(path)
+    decoder = trace_export.project(records, "decoder")
+    assert "nomemory" in decoder.faults and "badsource" not in decoder.faults
+    assert [e.level for e in decoder.events if e.kind == "issue" and e.cmd == "Wake"] == [1, 1]
+    assert sum(e.kind == "wsend" and e.info == "NO_MEMORY" for e in decoder.events) == 1
+    _assert_accepted(trace_check.validate_records(records))
