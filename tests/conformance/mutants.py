@@ -54,7 +54,7 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "status_without_memory": ("P-12", "the Status Ack carries no memory report"),
     "version_detail_one_version": ("P-3", "UNSUPPORTED_VERSION's detail names only the worker's own version"),
     # The swap's wake (P-16), run on a simulated device the suite fills (pressure() below).
-    "wake_ignores_free_memory": ("P-16", "a Wake maps every allocation without asking the device: past it when full"),
+    "wake_ignores_free_memory": ("P-16", "a Wake maps without asking the device: full, the map fails, FAILED"),
     "swap_refuses_wait": ("P-16", "declares 'swap' but refuses every Wake with wait_for_memory_s > 0 (UNSUPPORTED)"),
     "no_memory_left_restoring": ("P-16", "the NO_MEMORY refusal is sent, but the worker stays RESTORING"),
     "no_memory_not_cached": ("P-16", "a NO_MEMORY refusal is not kept: a copy sent once memory is free wakes"),

@@ -59,7 +59,7 @@ EXPECTED = {
     "shutdown_exits_nonzero": ("P-4/second_shutdown", "the process exited with code 1 after Shutdown"),
     "status_without_memory": ("P-12/sleep_wake_reports", "the Ack of Status carries no memory report"),
     "version_detail_one_version": ("P-3/unsupported_version", "the detail does not name both versions"),
-    "wake_ignores_free_memory": ("P-16/no_memory_rolls_back", "expected a refusal (NO_MEMORY), got an Ack"),
+    "wake_ignores_free_memory": ("P-16/no_memory_rolls_back", "refused with BACKEND_ERROR, not NO_MEMORY"),
     "swap_refuses_wait": ("P-16/waiting_wake_acked_and_cached", "Wake was not acknowledged"),
     "no_memory_left_restoring": ("P-16/no_memory_rolls_back", "the refusal says state RESTORING, not SLEEPING"),
     "no_memory_not_cached": ("P-16/no_memory_rolls_back", "a copy of the refused Wake"),
