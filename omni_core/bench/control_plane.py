@@ -53,9 +53,8 @@ def measure(ranks: int, cycles: int, warmup: int = 20) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    commit = git_commit()
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "commit": commit}  # fmt: skip
+            "platform": platform.platform(), "commit": git_commit()}  # fmt: skip
 
 
 def render_markdown(results: list[dict[str, Any]], machine: dict[str, Any], command: str) -> str:

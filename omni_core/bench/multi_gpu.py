@@ -185,10 +185,14 @@ def common_args(cfg: Config) -> dict[str, Any]:
             "request_timeout_s": 300.0}  # fmt: skip
 
 
-def synthetic_plan(cfg: Config, name: str, args: dict[str, Any], **extra: Any) -> StagePlan:
+def two_rank_spec(cfg: Config, name: str, runner: str, args: dict[str, Any], **extra: Any) -> StageSpec:
+    """A TP=2 stage with the common arguments: rank r on GPU r (unless Ray places it)."""
     devices = ("0", "1") if cfg.device == "cuda" and "placement" not in extra else None
-    spec = StageSpec(name, runner=TP_RUNNER, runner_args=args, devices=devices, **{**common_args(cfg), **extra})
-    return StagePlan("synthetic", spec, TP_PROBE)
+    return StageSpec(name, runner=runner, runner_args=args, devices=devices, **{**common_args(cfg), **extra})
+
+
+def synthetic_plan(cfg: Config, name: str, args: dict[str, Any], **extra: Any) -> StagePlan:
+    return StagePlan("synthetic", two_rank_spec(cfg, name, TP_RUNNER, args, **extra), TP_PROBE)
 
 
 def vllm_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
@@ -205,12 +209,9 @@ def vllm_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
 
 
 def transformers_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
-    cuda = cfg.device == "cuda"
     args: dict[str, Any] = {"model": str(model), "max_batch": 2, "max_seq_len": 256,
-                            **({"dtype": "bfloat16"} if cuda else {"cpu_threads": 1})}  # fmt: skip
-    devices = ("0", "1") if cuda and "placement" not in extra else None
-    spec = StageSpec(name, runner="transformers", runner_args=args, devices=devices, **{**common_args(cfg), **extra})
-    return StagePlan("transformers", spec, LLM_REQUEST)
+                            **({"dtype": "bfloat16"} if cfg.device == "cuda" else {"cpu_threads": 1})}  # fmt: skip
+    return StagePlan("transformers", two_rank_spec(cfg, name, "transformers", args, **extra), LLM_REQUEST)
 
 
 def llm_checkpoint(cfg: Config, size: str | None = None) -> Path:

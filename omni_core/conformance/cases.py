@@ -341,7 +341,7 @@ def second_shutdown(ctx: Ctx) -> None:
     ctx.ack(peer.reply(first.task_id, sent=first), first, state=WorkerState.STOPPED, status=AckStatus.OK)
     replies = peer.collect(ctx.options.quiet_s)
     code = peer.process.wait(ctx.options.exit_timeout_s)
-    answers = [m for m in replies if second_delivered and getattr(m, "task_id", None) == second.task_id]
+    answers = [m for m in replies if getattr(m, "task_id", None) == second.task_id] if second_delivered else []
     if answers:
         ctx.ack(answers[0], second, state=WorkerState.STOPPED, status=AckStatus.ALREADY)
     else:

@@ -152,13 +152,9 @@ class Peer:
 
         Only for a command that may legitimately find the worker gone, such as a second Shutdown:
         a worker can answer the first and disconnect before the suite's next send is scheduled.
+        A command never delivered owes no reply, so it is not counted.
         """
-        assert self.identity is not None, "send before Hello"
-        try:
-            self.harness.sock.send_multipart([self.identity, encode(command)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise CaseFailure(f"cannot send to {self}: {exc}", sent=command) from None
+        if not self._send(encode(command), gone_ok=True):
             return False
         self.epoch = max(self.epoch, command.epoch)
         self.sent[command.task_id] += 1
@@ -169,14 +165,19 @@ class Peer:
         self.sent[expect_task_id] += 1
         self._send(data)
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes, *, gone_ok: bool = False) -> bool:
+        """Put `data` on the worker's socket; False only when `gone_ok` and the worker's socket
+        is gone (ROUTER_MANDATORY says EHOSTUNREACH), a CaseFailure for any other failure."""
         assert self.identity is not None, "send before Hello"
         try:
             self.harness.sock.send_multipart([self.identity, data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
+            if gone_ok and exc.errno == zmq.EHOSTUNREACH:
+                return False
             code = self.process.exit_code()
             raise CaseFailure(f"cannot send to {self}: {exc} (process exit code {code})", sent=data,
                               got=f"process exit code {code}{self._output()}") from None  # fmt: skip
+        return True
 
     # ------------------------------------------------------------------ receiving
 

@@ -113,8 +113,10 @@ def _level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
     when it waits for free memory, P-16, as the spec marks it), the tags."""
     if isinstance(command, Sleep):
         level = command.level
+    elif isinstance(command, Wake) and command.wait_for_memory_s > 0:
+        level = 1
     else:
-        level = 1 if isinstance(command, Wake) and command.wait_for_memory_s > 0 else 0
+        level = 0
     return level, command.tags if isinstance(command, (Sleep, Wake)) else None
 
 

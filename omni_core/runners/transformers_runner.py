@@ -43,6 +43,7 @@ from omni_core.runners.generation import GenerationRequest, Sampling, is_int, pa
 from omni_core.runners.weights import (
     ReloadReport,
     WeightSet,
+    check_placements,
     check_resident,
     module_tensors,
     non_persistent_buffers,
@@ -82,18 +83,6 @@ def _auto_tp_plan() -> dict[str, Any]:
         return {"distributed_config": DistributedConfig(tp_plan="auto")}
     except (ImportError, TypeError):
         return {"tp_plan": "auto"}
-
-
-def check_placements(model: torch.nn.Module) -> None:
-    """Refuse a sharding the runner cannot reload: every DTensor Shard(dim) or Replicate."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if isinstance(tensor, DTensor):
-            odd = [p for p in tensor.placements if type(p) is not Shard and not isinstance(p, Replicate)]
-            if odd:
-                raise ValueError(f"transformers' tensor-parallel plan placed {name!r} as {odd[0]}; this runner "
-                                 "reloads Shard and Replicate placements only; run this model with one rank")
 
 
 class TransformersRunner(ModelRunner):

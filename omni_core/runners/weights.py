@@ -183,8 +183,7 @@ class WeightSet:
                         piece = rank_shard(target.tensor, f.get_tensor(name))
                         local_tensor(target.tensor).copy_(piece)  # casts when the runner computes in another dtype
                         reload_bytes += piece.numel() * piece.element_size()
-        devices = {local_tensor(t.tensor).device for t, _, _ in steps}
-        devices = {d for d in devices if d.type == "cuda"}
+        devices = {d for d in (local_tensor(t.tensor).device for t, _, _ in steps) if d.type == "cuda"}
         for device in devices:  # the copies are asynchronous from pinned memory only, but be exact
             torch.cuda.synchronize(device)
         report = ReloadReport(str(directory), reload_bytes, len(steps), time.perf_counter() - started)
@@ -204,6 +203,25 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def _unreloadable(placements: Iterable[object]) -> list[object]:
+    """The placements `rank_shard` cannot cut: all but Shard(dim) (exactly, not a strided
+    subclass) and Replicate."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [p for p in placements if type(p) is not Shard and not isinstance(p, Replicate)]
+
+
+def check_placements(model: torch.nn.Module) -> None:
+    """Refuse at load a tensor-parallel sharding a reload could not reproduce."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        odd = _unreloadable(tensor.placements) if isinstance(tensor, DTensor) else []
+        if odd:
+            raise ValueError(f"transformers' tensor-parallel plan placed {name!r} as {odd[0]}; this runner "
+                             "reloads Shard and Replicate placements only; run this model with one rank")
+
+
 def rank_shard(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of a checkpoint tensor `full` for `target`: for a tensor-parallel
     DTensor the block its placements give this rank, otherwise `full`.
@@ -212,22 +230,23 @@ def rank_shard(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     checkpoint itself, so no communication, and the whole tensor never lands on the device
     (a temporary there would come out of the pool being reloaded).
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(target, DTensor):
         return full
+    odd = _unreloadable(target.placements)
+    if odd:
+        raise RuntimeError(f"cannot reload a tensor of shape {tuple(target.shape)} placed as {odd[0]}: only "
+                           "Shard and Replicate placements are supported (checked at load)")  # fmt: skip
     mesh, piece = target.device_mesh, full
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise RuntimeError(f"this rank is not in the device mesh of a tensor of shape {tuple(target.shape)}")
     for mesh_dim, placement in enumerate(target.placements):
-        if type(placement) is Shard:
+        if type(placement) is Shard:  # Replicate: the whole tensor along this mesh dimension
             chunks = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
             index = coordinate[mesh_dim]
             piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
-        elif not isinstance(placement, Replicate):
-            raise RuntimeError(f"cannot reload a tensor of shape {tuple(target.shape)} placed as {placement}: "
-                               "only Shard and Replicate placements are supported (checked at load)")  # fmt: skip
     if tuple(piece.shape) != tuple(target.to_local().shape):
         raise RuntimeError(f"the shard of a tensor of shape {tuple(full.shape)} is {tuple(piece.shape)} here, "
                            f"the model's is {tuple(target.to_local().shape)}")  # fmt: skip

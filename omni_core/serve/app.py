@@ -63,8 +63,6 @@ def dumps(value: Any) -> bytes:
     return json.dumps(value, default=_json_default, separators=(",", ":")).encode()
 
 
-
-
 def _read_rss_bytes(pid: int | None) -> int | None:
     """Host resident memory of a rank process (Linux /proc; None elsewhere or once it is gone)."""
     if not pid:

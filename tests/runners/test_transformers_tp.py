@@ -10,6 +10,7 @@ another checkpoint and back.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from omni_core import Engine, StageSpec
 from omni_core.runners.transformers_runner import TransformersRunner
@@ -77,3 +78,30 @@ def test_heads_that_do_not_divide_are_refused_before_loading(checkpoints, monkey
     with pytest.raises(ValueError, match=r"a stage of 3 ranks shards the model's attention heads: 4 query and 2 "
                                          r"key/value heads must both be divisible by 3"):  # fmt: skip
         TransformersRunner(CPU, model=str(checkpoints["qwen2"]), **LLM_ARGS)
+
+
+def test_a_sharding_a_reload_could_not_cut_is_refused_at_load(tmp_path):
+    """Shard(dim) and Replicate are what `rank_shard` reproduces; anything else (here a Partial
+    sum) is refused when the model loads, naming the tensor, not half-way through a reload."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from omni_core.runners.weights import check_placements, rank_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Module()
+        model.a = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)]))
+        model.b = torch.nn.Parameter(DTensor.from_local(torch.ones(3), mesh, [Replicate()]))
+        check_placements(model)  # both reloadable
+        assert torch.equal(rank_shard(model.a, torch.arange(8.0).reshape(4, 2)), torch.arange(8.0).reshape(4, 2))
+        model.c = torch.nn.Parameter(DTensor.from_local(torch.ones(2), mesh, [Partial()]))
+        refused = r"placed 'c' as P(artial)?\(sum\); this runner reloads Shard and Replicate"
+        with pytest.raises(ValueError, match=refused):
+            check_placements(model)
+        with pytest.raises(RuntimeError, match=r"placed as P(artial)?\(sum\): only Shard and Replicate"):
+            rank_shard(model.c, torch.ones(2))
+    finally:
+        dist.destroy_process_group()
