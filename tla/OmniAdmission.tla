@@ -97,7 +97,7 @@ AutoWake ==
     /\ UNCHANGED admVars
 
 RejectQueued ==
-    /\ RejectDue
+    /\ RejectDue \/ (Bug = "queue_refused_anywhere" /\ squeue # <<>>)
     /\ outcome' = [t \in TaskIds |-> IF t \in QSet THEN "refused" ELSE outcome[t]]
     /\ squeue' = <<>>
     /\ UNCHANGED <<workerVars, sstate, sepoch, stask, scmd, sacks, sloadFailed, sasleep, svalid, sreqs,

@@ -76,17 +76,22 @@ CONSTANTS
      no_ack_check            the stage commits on ACKs whose state or asleep tags disagree with
                              what it expects; with "short" in Faults a rank ACKs truthfully a
                              wake that restored less than asked (P-7 over memory)
+     already_untrue          the stage answers a wake ALREADY without checking that its tags are
+                             resident (P-4 over memory: AlreadyUntrue)
      commit_beside_no_memory the stage commits a waiting wake that some ranks refused
                              NO_MEMORY because the others ACKed: its ranks then hold different
                              tags (P-5: a commit needs every rank's ACK)
    and two of the admission queue (OmniAdmission.tla, which extends this module):
      queue_unbounded         a request is queued even when the queue is at its limit
      queue_dropped_on_wake   the dispatch after a wake sends the queue's first request and
-                             drops the others unanswered *)
+                             drops the others unanswered
+     queue_refused_anywhere  the pump refuses the queue wherever it runs, where it should
+                             dispatch too (Adm_QueueRefusedOnlyByARule) *)
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
-             "no_ack_check", "queue_unbounded", "queue_dropped_on_wake", "commit_beside_no_memory"}
+             "no_ack_check", "queue_unbounded", "queue_dropped_on_wake", "commit_beside_no_memory",
+             "already_untrue", "queue_refused_anywhere"}
 
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill",
@@ -545,7 +550,8 @@ IssueSleep(lvl, tg) ==
 IssueWake(tg) ==
     /\ Idle /\ nextTask \in TaskIds
     /\ LET t == nextTask IN
-       \/ /\ tg \cap sasleep = {} /\ SLegal(sstate, "wake_already")      \* ALREADY (P-4)
+       \/ /\ tg \cap sasleep = {} \/ Bug = "already_untrue"
+          /\ SLegal(sstate, "wake_already")                               \* ALREADY (P-4)
           /\ sstate' = SNext(sstate, "wake_already")
           /\ outcome' = [outcome EXCEPT ![t] = "ok"]
           /\ broken' = broken \cup (IF AlreadyUntrue("Wake", tg) THEN {"P4"} ELSE {})

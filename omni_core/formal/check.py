@@ -141,6 +141,8 @@ def judge(model: Model, result: TlcResult, properties: list[str]) -> tuple[str, 
         ok = result.outcome == "ok" and result.exit_code == EXIT_OK
     elif model.kind == "temporal":
         ok = result.outcome == "temporal" and result.exit_code == EXIT_LIVENESS and got == model.expect
+    elif result.outcome == "action_property":  # a PROPERTIES entry [][A]_v: TLC names it, exits 13
+        ok = result.exit_code == EXIT_LIVENESS and got == model.expect
     else:
         ok = result.outcome == "invariant" and result.exit_code == EXIT_SAFETY and got == model.expect
     note = "" if ok else (result.error or f"exit {result.exit_code}")

