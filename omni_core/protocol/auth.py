@@ -34,4 +34,6 @@ def hello_proof(secret: bytes, *, stage: str, rank: int, epoch: int, pid: int, i
 def verify_hello_proof(secret: bytes, proof: str, *, stage: str, rank: int, epoch: int, pid: int,
                        identity: bytes) -> bool:  # fmt: skip
     expected = hello_proof(secret, stage=stage, rank=rank, epoch=epoch, pid=pid, identity=identity)
-    return hmac.compare_digest(expected, proof)
+    # Compared as bytes: compare_digest raises TypeError on a str holding non-ASCII, and the
+    # proof is the attacker's text (a raise here would end the engine's loop).
+    return hmac.compare_digest(expected.encode(), proof.encode("utf-8", "surrogatepass"))

@@ -232,3 +232,19 @@ def test_curve_keys_survive_the_environment_whatever_their_characters(monkeypatc
         client = curve_client_keys(keys.server_public.decode())
         assert client is not None and (client.client_public, client.client_secret) == (
             keys.client_public, keys.client_secret)
+
+
+@pytest.mark.parametrize("proof", ["é" * 64, "☃", "\x00" * 64, "ab" * 31 + "ü"])
+def test_a_hello_with_a_non_ascii_proof_is_refused_not_fatal(engine_factory, tmp_path, proof):
+    """Issue 23 defect 1: compare_digest(str, str) raised TypeError on non-ASCII text and
+    the raise ended the engine's loop. The Hello is counted as forged; the engine serves on."""
+    engine = engine_factory(small_spec("talker", ranks=1))
+    reference = engine.execute("talker", PROBE)
+    status = engine.status()["talker"]
+    hello = Hello(task_id="hello", epoch=status["epoch"], rank=0, stage="talker", pid=status["ranks"][0]["pid"],
+                  proof=proof, device="cpu", backend="portable", tags=TAGS)  # fmt: skip
+    stranger(engine.address, [(None, [encode(hello)])], tmp_path)
+    wait_counted(engine, "forged_hellos", 1)
+    assert engine.execute("talker", PROBE) == reference
+    engine.sleep("talker")
+    engine.wake("talker")
