@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, StageSpec
+from omni_core.units import fmt_bytes
 
 MiB = 1 << 20
 # A refused request carries this long a deadline of its own, so a refusal that came from a
@@ -33,16 +34,6 @@ class _Row:
     state: str
     duration_s: float
     freed: str
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes in the largest binary unit that fits: '2.5 GiB' (also used by the real-model demo)."""
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.1f} {unit}"
-    return f"{sign}{n} B"
 
 
 class Demo:

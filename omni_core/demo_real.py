@@ -99,16 +99,20 @@ def cached_checkpoint(models_dir: Path, family: str, size: str, *, seed: int = S
     return target, info.duration_s
 
 
-def memory_text(report: LifecycleReport) -> str:
+def memory_text(report: LifecycleReport, *, over_link: bool = False) -> str:
     """Per rank: pool bytes freed (or restored) and, where measured, the process's own GPU
-    memory before -> after (NVML, this pid only)."""
+    memory before -> after (NVML, this pid only). `over_link`: the weights crossed the host
+    link (a level-1 sleep, or the wake after one), so their rate is shown too."""
     parts = []
     for r, rr in report.ranks.items():
+        moved_bytes = abs(rr.pool_bytes_before.get("weights", 0) - rr.pool_bytes_after.get("weights", 0))
         if report.command == "ReloadWeights":  # frees nothing: it writes into the mapped weights
             text = f"r{r}: {fmt_bytes(rr.pool_bytes_after.get('weights', 0))} of weights refilled from the checkpoint"
         else:
             verb = "freed" if rr.freed_bytes >= 0 else "restored"
             text = f"r{r}: {verb} {fmt_bytes(abs(rr.freed_bytes))}"
+            if over_link and moved_bytes and rr.duration_s > 0:
+                text += f" (weights {fmt_bytes(moved_bytes)} at {moved_bytes / rr.duration_s / 1e9:.1f} GB/s)"
         if rr.process_bytes_before is not None and rr.process_bytes_after is not None:
             source = rr.process_bytes_source.split(":")[0]
             text += (f", process {fmt_bytes(rr.process_bytes_before)} -> {fmt_bytes(rr.process_bytes_after)}"
@@ -202,9 +206,10 @@ class RealDemo:
     def note(self, step: str, stage: str, state: str, duration_s: float, what: str) -> None:
         self.rows.append(Row(step, stage, state, duration_s, what))
 
-    def record(self, step: str, report: LifecycleReport) -> LifecycleReport:
+    def record(self, step: str, report: LifecycleReport, *, over_link: bool = False) -> LifecycleReport:
         status = "" if report.status == "OK" else f" ({report.status})"
-        self.rows.append(Row(step, report.stage, report.state + status, report.duration_s, memory_text(report)))
+        what = memory_text(report, over_link=over_link)
+        self.rows.append(Row(step, report.stage, report.state + status, report.duration_s, what))
         return report
 
     def check(self, what: str, ok: bool) -> str:
@@ -279,6 +284,10 @@ class RealDemo:
         began = time.perf_counter()
         with Engine(self.specs(llm_dir, dit_dir), trace_path=self.trace_path) as engine:
             w(f"started 2 stages (1 rank each) in {time.perf_counter() - began:.1f} s\n")
+            for name, stage in engine.status().items():
+                for rank in stage["ranks"].values() if not name.startswith("_") else ():
+                    w(f"  {name}: backend {rank['backend']}" + (f" ({rank['backend_reason']})\n"
+                                                                if rank["backend_reason"] else "\n"))  # fmt: skip
             self.scenario(engine)
         self.print_table()
         self.write_sheet()
@@ -296,12 +305,12 @@ class RealDemo:
         self.image(engine, "1 serve", "00-reference.png", dit)
 
         # Level 1, taking turns: the LLM hands the device to the DiT and gets it back.
-        self.expect_state(self.record("2 sleep L1", engine.sleep("llm", level=1)), "SLEEPING")
+        self.expect_state(self.record("2 sleep L1", engine.sleep("llm", level=1), over_link=True), "SLEEPING")
         self.image(engine, "2 serve", "01-while-llm-sleeps.png", dit)
-        self.expect_state(self.record("2 sleep L1", engine.sleep("dit", level=1)), "SLEEPING")
-        self.expect_state(self.record("2 wake", engine.wake("llm")), "RUNNING")
+        self.expect_state(self.record("2 sleep L1", engine.sleep("dit", level=1), over_link=True), "SLEEPING")
+        self.expect_state(self.record("2 wake", engine.wake("llm"), over_link=True), "RUNNING")
         self.tokens(engine, "2 serve", tokens)
-        self.expect_state(self.record("2 wake", engine.wake("dit")), "RUNNING")
+        self.expect_state(self.record("2 wake", engine.wake("dit"), over_link=True), "RUNNING")
         self.image(engine, "2 serve", "02-after-dit-L1.png", dit)
 
         # Level 2: weights discarded; nothing runs until they are reloaded from the checkpoint.
@@ -316,8 +325,9 @@ class RealDemo:
                 self.tokens(engine, "3 serve", tokens)
 
         # Partial wake: the weights are back, the rest is not; the stage refuses work until it is.
-        self.expect_state(self.record("4 sleep L1", engine.sleep("dit", level=1)), "SLEEPING")
-        self.expect_state(self.record("4 wake weights", engine.wake("dit", tags=["weights"])), "PARTIAL")
+        self.expect_state(self.record("4 sleep L1", engine.sleep("dit", level=1), over_link=True), "SLEEPING")
+        partial = engine.wake("dit", tags=["weights"])
+        self.expect_state(self.record("4 wake weights", partial, over_link=True), "PARTIAL")
         self.refused_at_once("4 serve", engine, "dit", dit, "PARTIAL", "PARTIAL")
         self.expect_state(self.record("4 wake rest", engine.wake("dit", tags=["kv_cache", "requests"])), "RUNNING")
         self.image(engine, "4 serve", "04-after-partial-wake.png", dit)
@@ -330,11 +340,11 @@ class RealDemo:
         half = steps // 2
         _, t = self.timed(lambda: engine.execute("dit", {"op": "step", "request_id": request_id, "steps": half}))
         self.note("5 step", "dit", "RUNNING", t, f"{half} of {steps} steps done")
-        report = self.expect_state(self.record("5 sleep L1", engine.sleep("dit", level=1)), "SLEEPING")
+        report = self.expect_state(self.record("5 sleep L1", engine.sleep("dit", level=1), over_link=True), "SLEEPING")
         held = all(rr.pool_bytes_before.get("requests", 0) > 0 for rr in report.ranks.values())
         self.check("the step-wise request's state was in the 'requests' pool at the sleep", held)
         self.tokens(engine, "5 serve", tokens)  # the LLM's turn while the DiT sleeps
-        self.expect_state(self.record("5 wake", engine.wake("dit")), "RUNNING")
+        self.expect_state(self.record("5 wake", engine.wake("dit"), over_link=True), "RUNNING")
         self.image(engine, "5 finish", "05-stepwise-across-L1.png", {"op": "finish", "request_id": request_id},
                    stage_op=f"{request_id} finished: ")  # fmt: skip
 

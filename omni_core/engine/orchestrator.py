@@ -75,6 +75,7 @@ class _Stage:
     waiters: dict[str, list[Future]] = field(default_factory=dict)  # lifecycle task_id -> callers
     requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
     start_waiters: list[Future] = field(default_factory=list)
+    backends: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (name, why), from its Hello
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -280,7 +281,9 @@ class Orchestrator:
                 "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
                 "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(), "node": p.node,
-                                   "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-"}
+                                   "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-",
+                                   "backend": stage.backends.get(p.rank, ("-", ""))[0],
+                                   "backend_reason": stage.backends.get(p.rank, ("-", ""))[1]}
                           for p in stage.procs},
             }  # fmt: skip
         out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0)
@@ -415,6 +418,7 @@ class Orchestrator:
             return
         proc.identity = identity
         proc.pid = hello.pid
+        stage.backends[proc.rank] = (hello.backend, hello.backend_reason)
         self._by_identity[identity] = (stage, proc.rank)
         self._step(stage, I.Received(hello))
 
@@ -542,6 +546,7 @@ class Orchestrator:
 
     def _reap(self, stage: _Stage) -> None:
         self._launcher.reap(stage.procs)
+        stage.backends.clear()
         for proc in stage.procs:
             if proc.identity is not None:
                 self._by_identity.pop(proc.identity, None)

@@ -179,6 +179,7 @@ class Hello(Reply, kw_only=True, frozen=True):
     pid: Annotated[int, msgspec.Meta(ge=0)]
     device: str
     backend: str
+    backend_reason: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why `auto` chose it
     tags: tuple[Tag, ...]
     capabilities: tuple[Capability, ...] = ()
     state: WorkerState = WorkerState.ACTIVE

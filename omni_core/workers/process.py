@@ -154,6 +154,8 @@ class WorkerProcess:
             except Exception as exc:
                 error = _error_text(exc)
                 log.error("worker %s/%s: loading failed:\n%s", cfg.stage, cfg.rank, traceback.format_exc())
+        if self.backend is not None:  # `auto` decides between fast and cumem at load
+            backend_name = self.backend.name
         started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name)
         self._write(started.records)
         device = str(self.device)
@@ -163,7 +165,9 @@ class WorkerProcess:
         proof = "" if self.rank_secret is None else hello_proof(
             self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid, identity=self.identity)
         self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=pid, stage=cfg.stage,
-                         proof=proof, device=device, backend=backend_name, tags=cfg.tags,
+                         proof=proof, device=device, backend=backend_name,
+                         backend_reason=self.backend.choice_reason[:MAX_DETAIL_CHARS] if self.backend else "",
+                         tags=cfg.tags,
                          capabilities=capabilities, state=self.core.state,
                          detail=error[:MAX_DETAIL_CHARS]))  # fmt: skip
 

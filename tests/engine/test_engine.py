@@ -406,3 +406,14 @@ def test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline() -> None:
         Engine([spec])
     assert time.monotonic() - started >= start_deadline_s
     assert caught.value.failures == {0: "sent no Hello before the start-up deadline"}, caught.value.failures
+
+
+def test_each_rank_reports_the_backend_auto_chose_and_why(engine_factory) -> None:
+    """The Hello carries the backend a rank runs and, under `auto`, why it was chosen; the
+    stage's status shows both (here: no CUDA, so `portable`, naming what `cumem` lacked)."""
+    engine = engine_factory(small_spec("s", backend="auto"))
+    rank = engine.status()["s"]["ranks"][0]
+    assert rank["backend"] == "portable"
+    assert rank["backend_reason"].startswith("auto chose 'portable'") and "CUDA" in rank["backend_reason"]
+    engine.restart("s")
+    assert engine.status()["s"]["ranks"][0]["backend"] == "portable"

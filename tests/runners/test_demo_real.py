@@ -41,6 +41,15 @@ def test_demo_passes_through_every_lifecycle(demo_run) -> None:
     assert "✗" not in text
 
 
+def test_demo_names_each_backend_and_the_link_rate_of_each_level_1_move(demo_run) -> None:
+    _, text, _ = demo_run
+    assert "  llm: backend portable" in text and "  dit: backend portable" in text
+    rows = text.splitlines()
+    over_link = [r for r in rows if r.startswith(("2 sleep L1", "2 wake", "5 sleep L1", "5 wake", "4 wake weights"))]
+    assert len(over_link) == 7 and all(" GB/s)" in r for r in over_link), over_link
+    assert not any(" GB/s" in r for r in rows if r.startswith(("3 sleep L2", "3 wake", "4 wake rest")))
+
+
 def test_demo_writes_the_same_image_after_every_sleep(demo_run) -> None:
     _, _, out = demo_run
     pngs = {name: (out / name).read_bytes() for name in IMAGES}

@@ -18,6 +18,14 @@ import torch
 
 from omni_core.workers.backends import BackendUnavailable, select_backend
 from omni_core.workers.backends.fast import FastBackend, plan_copies
+from omni_core.workers.backends.host_room import (
+    GiB,
+    HostMemory,
+    choose_arena,
+    host_arena_lock,
+    margin_bytes,
+    read_host_memory,
+)
 
 from .test_cumem_versions import GARBAGE, KV, VARIANTS, FakeCumemModule, W, content
 
@@ -324,3 +332,90 @@ def test_an_observer_sees_every_copy_map_and_unmap_with_its_bytes_and_changes_no
     backend.sleep({W}, {KV})
     backend.wake({W, KV})
     assert seen.events == [] and snapshot(module, ptrs[W]) == before
+
+
+# ---------------------------------------------------------------------- auto: fast when the host can hold the arena
+
+WEIGHT_BYTES = 4096 + 8192 + 12288  # make()'s weights: the arena `auto` must find room for
+
+
+def host(available_bytes: int, total_bytes: int = 64 * GiB):
+    return lambda: HostMemory(total_bytes, available_bytes)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_auto_registers_the_arena_when_the_host_holds_it_with_the_margin(variant):
+    room = WEIGHT_BYTES + margin_bytes(64 * GiB)
+    module, ops, backend, ptrs = make(variant, host_memory=host(room))
+    before = snapshot(module, ptrs[W])
+    assert backend.name == "fast" and backend.arena_choice.fits and ops.register_calls == 1
+    assert backend.choice_reason.startswith("auto chose 'fast': the pinned weight arena needs 24.0 KiB")
+    assert backend.stats()["choice_reason"] == backend.choice_reason
+    backend.sleep({W}, {KV})
+    backend.wake({W, KV})
+    assert list(backend.sleep_paths) == ["fast"] and snapshot(module, ptrs[W]) == before
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_auto_runs_as_cumem_when_the_host_lacks_room_for_the_arena(variant):
+    room = WEIGHT_BYTES + margin_bytes(64 * GiB) - 1  # one byte short
+    module, ops, backend, ptrs = make(variant, host_memory=host(room))
+    before = snapshot(module, ptrs[W])
+    assert backend.name == "cumem" and not backend.arena_choice.fits
+    assert ops.register_calls == 0 and backend.stats()["arena_bytes"] == 0  # nothing pinned at load
+    assert "auto chose 'cumem'" in backend.choice_reason and "backend='fast'" in backend.choice_reason
+    backend.sleep({W}, {KV})
+    assert backend.sleep_paths[-1] != "fast" and ops.copies == []  # vLLM's own path moved the bytes
+    assert backend.host_bytes() == WEIGHT_BYTES
+    backend.wake({W, KV})
+    assert snapshot(module, ptrs[W]) == before
+    backend.track(W, [])  # a reload's track: the choice stands, still no arena
+    assert ops.register_calls == 0 and backend.name == "cumem"
+
+
+def test_auto_counts_the_arenas_of_stages_registered_before_it():
+    """Each rank reads the host's memory under the host-wide lock, after the arenas registered
+    before it took their bytes: the second of two stages that fit only alone runs as cumem."""
+    available = [WEIGHT_BYTES + margin_bytes(64 * GiB) + 100]
+
+    def shrinking() -> HostMemory:  # what /proc/meminfo would say after each registration
+        return HostMemory(64 * GiB, available[0])
+
+    first = make("flags", host_memory=shrinking)[2]
+    available[0] -= first.stats()["arena_bytes"]
+    second = make("flags", host_memory=shrinking)[2]
+    assert (first.name, second.name) == ("fast", "cumem")
+
+
+def test_the_host_memory_figures_and_the_margin():
+    assert margin_bytes(8 * GiB) == 4 * GiB and margin_bytes(512 * GiB) == int(51.2 * GiB)
+    assert choose_arena(GiB, HostMemory(64 * GiB, 64 * GiB)).fits
+    assert not choose_arena(58 * GiB, HostMemory(64 * GiB, 64 * GiB)).fits  # 6.4 GiB margin
+
+
+def test_read_host_memory_parses_meminfo_and_names_a_bad_file(tmp_path):
+    good = tmp_path / "meminfo"
+    good.write_text("MemTotal:       65536 kB\nMemFree:   100 kB\nMemAvailable:   32768 kB\n")
+    assert read_host_memory(str(good)) == HostMemory(65536 * 1024, 32768 * 1024)
+    bad = tmp_path / "bad"
+    bad.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(RuntimeError, match="MemAvailable"):
+        read_host_memory(str(bad))
+    assert read_host_memory().available_bytes > 0  # this machine's own
+
+
+def test_the_host_arena_lock_is_exclusive_and_released(tmp_path):
+    import fcntl
+    import os
+
+    with host_arena_lock(str(tmp_path)):
+        fd = os.open(tmp_path / "omni-core-host-arena.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again once the holder left
+    os.close(fd)
+
+
+def test_auto_with_a_prepare_mode_that_cannot_hold_the_lock_is_refused():
+    with pytest.raises(ValueError, match="prepare='load'"):
+        make("flags", host_memory=host(64 * GiB), prepare="background")

@@ -45,6 +45,8 @@ class MemoryBackend(ABC):
     # `_wake` takes a memory gate and rolls back when it expires (Capability.SWAP). False for
     # a backend written before the gate: its `_wake(tags)` is called as it was.
     supports_memory_gate: bool = False
+    # Why this backend runs, when `auto` chose it (the Hello and the stage's status carry it).
+    choice_reason: str = ""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

@@ -57,6 +57,12 @@ import torch
 from omni_core.fsm.tags import WEIGHTS_TAG
 from omni_core.workers.backends.cuda_driver import CudaDriver
 from omni_core.workers.backends.cumem import CumemBackend, handle_of
+from omni_core.workers.backends.host_room import (
+    ArenaChoice,
+    HostMemorySource,
+    choose_arena,
+    host_arena_lock,
+)
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
 log = logging.getLogger("omni_core.backends.fast")
@@ -710,7 +716,11 @@ class FastPath:
 
 
 class FastBackend(CumemBackend):
-    """omni-core's memory backend on `FastPath` (see the module docstring)."""
+    """omni-core's memory backend on `FastPath` (see the module docstring).
+
+    With `host_memory` given (the `auto` choice), the arena is registered only when the host
+    can hold it (`host_room`); when it cannot, this backend runs as `cumem` on the same
+    allocations, and `name` and `choice_reason` say so."""
 
     name = "fast"
 
@@ -724,28 +734,62 @@ class FastBackend(CumemBackend):
         prepare: str = "load",
         chunk_bytes: int | None = None,
         map_with: str = "driver",
+        host_memory: HostMemorySource | None = None,
     ) -> None:
         super().__init__(device, module=module)
         if prepare not in PREPARE_MODES:
             raise ValueError(f"prepare={prepare!r}: use one of {PREPARE_MODES}")
+        if host_memory is not None and prepare != "load":
+            raise ValueError(f"prepare={prepare!r} with a host-memory check: the check holds the host's "
+                             "arena lock through registration, so use prepare='load'")  # fmt: skip
         self.arena_tags = arena_tags
         self.prepare_mode = prepare
         self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
-                             map_with=map_with)
+                             map_with=map_with)  # fmt: skip
+        self._host_memory = host_memory
+        self.arena_choice: ArenaChoice | None = None
+
+    @property
+    def _fast(self) -> bool:
+        return self.arena_choice is None or self.arena_choice.fits
 
     def track(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         # Called once a tag's tensors are allocated (and after a reload): the weights are
         # final, so their arena can be laid out and registered now, before any sleep.
-        if tag in self.arena_tags and self.prepare_mode != "sleep":
+        if tag not in self.arena_tags or self.prepare_mode == "sleep":
+            return
+        if self._host_memory is not None and self.arena_choice is None:
+            self._choose()
+            return
+        if self._fast:
             with self._on_device():
                 self.path.prepare(self.arena_tags, background=self.prepare_mode == "background")
 
+    def _choose(self) -> None:
+        assert self._host_memory is not None
+        with host_arena_lock():
+            arena_bytes = sum(_nbytes(d) for _, d in self.path.allocations(self.arena_tags))
+            self.arena_choice = choose_arena(arena_bytes, self._host_memory())
+            self.choice_reason = self.arena_choice.reason
+            if self.arena_choice.fits:
+                with self._on_device():
+                    self.path.prepare(self.arena_tags)
+        if not self.arena_choice.fits:
+            self.name = "cumem"
+        log.info("%s", self.choice_reason)
+
     def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        if not self._fast:
+            super()._sleep(offload, discard)
+            return
         self.sleep_paths.append("fast")
         with self._on_device():
             self.path.sleep(offload, discard)
 
     def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
+        if not self._fast:
+            super()._wake(tags, gate)
+            return
         with self._on_device():
             self.path.wake(tags, gate)
 
@@ -757,17 +801,20 @@ class FastBackend(CumemBackend):
         self.path.invalidate(tags)
 
     def _is_asleep(self, data: Any) -> bool:
+        if not self._fast:
+            return super()._is_asleep(data)
         return self.path.is_asleep(handle_of(data).d_mem, data)
 
     def _host_bytes(self) -> int:
-        return self.path.backed_bytes()
+        return self.path.backed_bytes() if self._fast else super()._host_bytes()
 
     def stats(self) -> dict[str, Any]:
         s = self.path.stats
         return {"arena_bytes": self.path.arena_bytes(), "arena_prepare_s": s.arena_prepare_s,
                 "arena_touch_s": s.arena_touch_s, "arena_register_s": s.arena_register_s,
                 "late_arena_bytes": s.late_arena_bytes, "late_arena_s": s.late_arena_s,
-                "snapshot_bytes": s.snapshot_bytes, "snapshot_s": s.snapshot_s, "last": dict(s.last)}  # fmt: skip
+                "snapshot_bytes": s.snapshot_bytes, "snapshot_s": s.snapshot_s, "last": dict(s.last),
+                "choice_reason": self.choice_reason}  # fmt: skip
 
     def release(self) -> None:
         super().release()

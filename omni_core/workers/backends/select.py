@@ -10,10 +10,31 @@ import torch
 
 from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
 from omni_core.workers.backends.cumem import CumemBackend, cumem_unavailable_reason
+from omni_core.workers.backends.host_room import read_host_memory
 from omni_core.workers.backends.portable import PortableBackend
 from omni_core.workers.runner import import_object
 
 BUILTIN_BACKENDS = ("auto", "cumem", "portable", "fast")
+
+
+def _auto(device: torch.device) -> MemoryBackend:
+    """`fast` where vLLM's allocator works and the host can hold the pinned weight arena
+    (decided at load, when the weights' size is known: `FastBackend(host_memory=...)` runs as
+    `cumem` otherwise); `portable` where the allocator cannot work. Either way the backend's
+    `choice_reason` says why, and the Hello carries it."""
+    unavailable = cumem_unavailable_reason(device)
+    if unavailable is not None:
+        backend: MemoryBackend = PortableBackend(device)
+        backend.choice_reason = f"auto chose 'portable' (addresses not kept): {unavailable}"
+        return backend
+    from omni_core.workers.backends.fast import FastBackend
+
+    try:
+        return FastBackend(device, host_memory=read_host_memory)
+    except RuntimeError as exc:  # BackendUnavailable, or no CUDA runtime library to call
+        backend = CumemBackend(device)
+        backend.choice_reason = f"auto chose 'cumem': the fast path cannot run here ({exc})"
+        return backend
 
 
 def select_backend(name: str, device: torch.device | str) -> MemoryBackend:
@@ -21,9 +42,7 @@ def select_backend(name: str, device: torch.device | str) -> MemoryBackend:
     subclass taking the device, e.g. a test double or a user's own backend)."""
     device = torch.device(device)
     if name == "auto":
-        # cumem whenever it can work: it keeps addresses (CUDA graphs stay valid), portable
-        # does not. The reason it was passed over is in the Hello's backend name only.
-        return CumemBackend(device) if cumem_unavailable_reason(device) is None else PortableBackend(device)
+        return _auto(device)
     if name == "cumem":
         return CumemBackend(device)  # raises BackendUnavailable naming the missing piece
     if name == "portable":
