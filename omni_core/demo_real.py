@@ -112,7 +112,9 @@ def memory_text(report: LifecycleReport, *, over_link: bool = False) -> str:
             verb = "freed" if rr.freed_bytes >= 0 else "restored"
             text = f"r{r}: {verb} {fmt_bytes(abs(rr.freed_bytes))}"
             if over_link and moved_bytes and rr.duration_s > 0:
-                text += f" (weights {fmt_bytes(moved_bytes)} at {moved_bytes / rr.duration_s / 1e9:.1f} GB/s)"
+                # A clean sleep (the host copy made at load still stands) only unmaps: its rate
+                # is effective, not the link's.
+                text += f" (weights {fmt_bytes(moved_bytes)}, {moved_bytes / rr.duration_s / 1e9:.1f} GB/s)"
         if rr.process_bytes_before is not None and rr.process_bytes_after is not None:
             source = rr.process_bytes_source.split(":")[0]
             text += (f", process {fmt_bytes(rr.process_bytes_before)} -> {fmt_bytes(rr.process_bytes_after)}"
