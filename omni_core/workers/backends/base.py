@@ -14,13 +14,14 @@ reloaded from their source, but buffers computed at start-up are not in that sou
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from omni_core.protocol import Capability
+from omni_core.workers.backends.lanes import Link
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, WakeRefused
 
 
@@ -45,6 +46,8 @@ class MemoryBackend(ABC):
     # `_wake` takes a memory gate and rolls back when it expires (Capability.SWAP). False for
     # a backend written before the gate: its `_wake(tags)` is called as it was.
     supports_memory_gate: bool = False
+    # `_sleep`/`_wake` take a link plan (lanes.Link) and spread their copies over it.
+    supports_links: bool = False
     # Why this backend runs, when `auto` chose it (the Hello and the stage's status carry it).
     choice_reason: str = ""
 
@@ -94,8 +97,12 @@ class MemoryBackend(ABC):
         discard: Iterable[str],
         *,
         buffers: Mapping[str, torch.Tensor] | None = None,
+        links: Sequence[Link] = (),
     ) -> None:
+        """Release `offload | discard`, copying `offload` to the host first; `links` is the
+        command's link plan (a backend with `supports_links` spreads the copies over them)."""
         offload, discard = frozenset(offload), frozenset(discard)
+        self._check_links(links)
         tags = offload | discard
         if offload & discard:
             raise BackendStateError(f"tags {sorted(offload & discard)} asked to be both offloaded and discarded")
@@ -111,17 +118,22 @@ class MemoryBackend(ABC):
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self._pin)
                 host.copy_(tensor)
                 self._saved[name] = _SavedBuffer(tensor, host, tag)
-        self._sleep(offload, discard)
+        if links:
+            self._sleep(offload, discard, links)  # type: ignore[call-arg]  # supports_links backends
+        else:
+            self._sleep(offload, discard)
         self.asleep |= tags
         # No gc.collect() here: backends free storage explicitly, and a full collection with
         # torch loaded costs ~200 ms per sleep, 100x the protocol's own round trip.
         self._empty_cache()
 
-    def wake(self, tags: Iterable[str], gate: MemoryGate | None = None) -> None:
+    def wake(self, tags: Iterable[str], gate: MemoryGate | None = None, links: Sequence[Link] = ()) -> None:
         """Map `tags` back. With a `gate`, each allocation waits for free device memory first;
         when the gate's wait expires, what this wake mapped is unmapped again, the tags stay
-        asleep with their host copies and saved buffers intact, and WakeRefused is raised."""
+        asleep with their host copies and saved buffers intact, and WakeRefused is raised.
+        `links`: the command's link plan, as for sleep."""
         tags = frozenset(tags)
+        self._check_links(links)
         if tags - self.asleep:
             raise BackendStateError(f"tag(s) {sorted(tags - self.asleep)} are not asleep "
                                     f"(asleep: {sorted(self.asleep)})")  # fmt: skip
@@ -129,7 +141,9 @@ class MemoryBackend(ABC):
             raise BackendStateError(f"backend {self.name!r} cannot wait for device memory (no memory gate); "
                                     "wake it without wait_for_memory_s")  # fmt: skip
         try:
-            if self.supports_memory_gate:
+            if links:
+                self._wake(tags, gate, links)  # type: ignore[call-arg]  # supports_links backends
+            elif self.supports_memory_gate:
                 self._wake(tags, gate)
             else:
                 self._wake(tags)  # type: ignore[call-arg]  # a backend written before the gate
@@ -141,6 +155,13 @@ class MemoryBackend(ABC):
             saved = self._saved.pop(name)
             saved.tensor.copy_(saved.host)
         self._synchronize()
+
+    def _check_links(self, links: Sequence[Link]) -> None:
+        if links and not self.supports_links:
+            raise BackendStateError(
+                f"backend {self.name!r} copies over its own link only, but the command plans {len(links)} "
+                "links; plan links only for ranks whose Hello declares multi_path"
+            )
 
     def usage(self) -> dict[str, int]:
         """Device bytes resident per tag (0 for a tag that is asleep)."""

@@ -63,6 +63,15 @@ from omni_core.workers.backends.host_room import (
     choose_arena,
     host_arena_lock,
 )
+from omni_core.workers.backends.lanes import (
+    DEFAULT_SLOT_BYTES,
+    DirectLane,
+    Lane,
+    LanePicker,
+    Link,
+    RelayFailed,
+    RelayLane,
+)
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
 log = logging.getLogger("omni_core.backends.fast")
@@ -72,7 +81,8 @@ DEFAULT_CHUNK_BYTES = 128 * MiB
 DEFAULT_STREAMS = 2
 MAP_WITH = ("driver", "vllm")  # how allocations are mapped and unmapped: cuda_driver.py, or vLLM's extension
 # cudaMemcpyKind and cudaHostRegister flags (driver_types.h)
-_H2D, _D2H = 1, 2
+_H2D, _D2H, _DEFAULT = 1, 2, 4
+_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _HOST_REGISTER_PORTABLE = 1  # usable from every context: the arena may be prepared on another thread
 # When the arena is laid out and registered: at load (the default: never inside a sleep), on
 # a thread after load (the next sleep waits for it), or at the first sleep.
@@ -171,11 +181,18 @@ class CudaOps:
         rt.cudaFreeHost.argtypes = [vp]
         rt.cudaGetErrorString.argtypes = [ctypes.c_int]
         rt.cudaGetErrorString.restype = ctypes.c_char_p
-        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost):
+        rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), sz]
+        rt.cudaFree.argtypes = [vp]
+        rt.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
+        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost,
+                   rt.cudaMalloc, rt.cudaFree, rt.cudaDeviceEnablePeerAccess):  # fmt: skip
             fn.restype = ctypes.c_int
         self._rt = rt
         self._stream_count = max(1, streams)
         self._streams: list[torch.cuda.Stream] | None = None
+        self._peer_streams: dict[int, torch.cuda.Stream] = {}
+        self._hop_streams: dict[int, torch.cuda.Stream] = {}
+        self._staging: dict[int, int] = {}  # peer index -> its staging buffer (cudaMalloc on the peer)
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -195,6 +212,59 @@ class CudaOps:
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+    # -- relays through a peer GPU (lanes.RelayLane)
+
+    def peer_stream(self, peer: int) -> Any:
+        if peer not in self._peer_streams:
+            self._peer_streams[peer] = torch.cuda.Stream(device=torch.device("cuda", peer))
+        return self._peer_streams[peer]
+
+    def hop_stream(self, peer: int) -> Any:
+        if peer not in self._hop_streams:
+            self._hop_streams[peer] = torch.cuda.Stream(device=self.device)
+        return self._hop_streams[peer]
+
+    def _enable_peer_access(self, peer: int) -> None:
+        own = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if not torch.cuda.can_device_access_peer(own, peer):
+            raise RuntimeError(f"cuda:{own} cannot access cuda:{peer} peer to peer (no NVLink or P2P between "
+                               "them): plan this copy on the direct link alone")  # fmt: skip
+        for here, there in ((own, peer), (peer, own)):
+            with torch.cuda.device(here):
+                rc = self._rt.cudaDeviceEnablePeerAccess(there, 0)
+                if rc == _PEER_ACCESS_ALREADY_ENABLED:
+                    self._rt.cudaGetLastError()  # the runtime keeps the code as its last error: clear it
+                else:
+                    self._check(rc, f"cudaDeviceEnablePeerAccess(cuda:{here} -> cuda:{there})")
+
+    def staging(self, peer: int, nbytes: int) -> int:
+        """`nbytes` of device memory on `peer`, held until release_staging(peer)."""
+        self.release_staging(peer)
+        self._enable_peer_access(peer)
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(peer):
+            rc = self._rt.cudaMalloc(ctypes.byref(ptr), nbytes)
+            self._check(rc, f"cudaMalloc of {nbytes} staging bytes on cuda:{peer}")
+        self._staging[peer] = int(ptr.value or 0)
+        return self._staging[peer]
+
+    def release_staging(self, peer: int) -> None:
+        ptr = self._staging.pop(peer, None)
+        if ptr is not None:
+            with torch.cuda.device(peer):
+                self._check(self._rt.cudaFree(ptr), f"cudaFree of the staging buffer on cuda:{peer}")
+
+    def copy_any(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """A copy between any two addresses of the unified address space (host, this device, a peer)."""
+        rc = self._rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, stream.cuda_stream)
+        self._check(rc, f"cudaMemcpyAsync of {nbytes} bytes through a peer")
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def after_current(self, stream: Any) -> None:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def wait(self, event: Any) -> None:
         event.synchronize()
@@ -308,12 +378,11 @@ class PathStats:
 
 class _RestoreCopies:
     """The host->device copies of a wake: contiguous allocations join one run, and a run
-    goes out (cut into chunks, spread over the streams) once it holds `chunk_bytes` or the
+    goes out (cut into chunks, spread over the lanes) once it holds `chunk_bytes` or the
     next allocation does not continue it."""
 
-    def __init__(self, ops: Any, chunk_bytes: int, observer: CopyObserver | None = None) -> None:
-        self.ops, self.chunk_bytes, self.observer = ops, chunk_bytes, observer
-        self.streams = ops.streams
+    def __init__(self, lanes: LanePicker, chunk_bytes: int, observer: CopyObserver | None = None) -> None:
+        self.lanes, self.chunk_bytes, self.observer = lanes, chunk_bytes, observer
         self.run: list[tuple[int, int, int]] = []  # (device, host, bytes), contiguous on both sides
         self.run_bytes = 0
         self.issued = 0  # copies started
@@ -332,13 +401,30 @@ class _RestoreCopies:
     def flush(self) -> None:
         for c in plan_copies(self.run, self.chunk_bytes):
             if c.nbytes:
-                stream = self.streams[self.issued % len(self.streams)]
-                self.ops.copy(c.device, c.host, c.nbytes, True, stream)
+                lane = self.lanes.pick(c.nbytes)
+                lane.copy(c.device, c.host, c.nbytes, True)
                 if self.observer is not None:
-                    self.observer.copy_issued(stream, c.nbytes, True)
+                    self.observer.copy_issued(getattr(lane, "stream", lane.name), c.nbytes, True)
                 self.issued += 1
         self.run.clear()
         self.run_bytes = 0
+
+
+def _wait_on(ops: Any, lane: Lane, event: Any) -> None:
+    try:
+        ops.wait(event)
+    except Exception as exc:
+        if isinstance(lane, RelayLane):
+            raise RelayFailed(lane.peer, exc) from exc
+        raise
+
+
+def _synchronize_lanes(ops: Any, relays: list[RelayLane]) -> None:
+    """Every lane's copies have landed: a relay's last hop runs on the rank's device, so its
+    synchronize covers a wake; each relay's own tail is waited on first to name a failure."""
+    for relay in relays:
+        _wait_on(ops, relay, relay.record())
+    ops.synchronize()
 
 
 # ---------------------------------------------------------------------- the mechanism
@@ -392,6 +478,7 @@ class FastPath:
         self._lock = threading.Lock()
         self.stats = PathStats()
         self.observer: CopyObserver | None = None  # off unless a benchmark watches
+        self.relay_slot_bytes = DEFAULT_SLOT_BYTES  # each staging buffer on a peer (DEFAULT_SLOTS of them)
 
     # ------------------------------------------------------------------ allocation state
 
@@ -471,24 +558,48 @@ class FastPath:
         log.info("fast backend: host copy of %.3f GiB of read-only %s made in %.3f s; their sleeps copy nothing",
                  self.stats.snapshot_bytes / 2**30, list(tags), self.stats.snapshot_s)  # fmt: skip
 
-    def _issue_copies_out(self, copies: list[Copy]) -> list[Any]:
-        """Start device->host `copies`, spread over the streams; the events, one per copy."""
-        streams = self.ops.streams
+    def _issue_copies_out(self, copies: list[Copy], lanes: LanePicker | None = None) -> list[tuple[Lane, Any]]:
+        """Start device->host `copies`, spread over the lanes (the direct streams when None);
+        each copy's lane and the event after it."""
+        lanes = lanes or self._lanes(())[0]
         self.ops.streams_after_current()
         events = []
-        for k, c in enumerate(copies):
-            stream = streams[k % len(streams)]
+        for c in copies:
+            lane = lanes.pick(c.nbytes)
             if c.nbytes:
-                self.ops.copy(c.host, c.device, c.nbytes, False, stream)
+                lane.copy(c.host, c.device, c.nbytes, False)
                 if self.observer is not None:
-                    self.observer.copy_issued(stream, c.nbytes, False)
-            events.append(self.ops.record(stream))
+                    self.observer.copy_issued(getattr(lane, "stream", lane.name), c.nbytes, False)
+            events.append((lane, lane.record()))
         return events
 
     def _copy_out(self, copies: list[Copy]) -> None:
         """Device->host `copies`, returning once every one has landed."""
-        for event in self._issue_copies_out(copies):
+        for _, event in self._issue_copies_out(copies):
             self.ops.wait(event)
+
+    def _lanes(self, links: Sequence[Link]) -> tuple[LanePicker, list[RelayLane]]:
+        """The lanes of one sleep or wake: the direct streams with the own link's share (all
+        of it without a plan), and a relay through each planned peer."""
+        own_share = sum(link.share for link in links if link.peer is None) if links else 1.0
+        direct = [DirectLane(self.ops, stream, i) for i, stream in enumerate(self.ops.streams)]
+        lanes: list[tuple[Lane, float]] = [(d, own_share / len(direct)) for d in direct] if own_share > 0 else []
+        relays: list[RelayLane] = []
+        try:
+            for link in links:
+                if link.peer is not None and link.share > 0:
+                    slot_bytes = min(self.relay_slot_bytes, self.chunk_bytes)
+                    relays.append(RelayLane(self.ops, link.peer, slot_bytes=slot_bytes))
+                    lanes.append((relays[-1], link.share))
+        except Exception as exc:
+            self._close_relays(relays)
+            raise RelayFailed(link.peer, exc) from exc
+        return LanePicker(lanes), relays
+
+    def _close_relays(self, relays: list[RelayLane]) -> None:
+        for relay in relays:
+            with contextlib.suppress(Exception):  # a peer that failed may refuse its cudaFree too
+                relay.close()
 
     def invalidate(self, tags: Iterable[str]) -> None:
         """The device content of `tags` is about to change (a reload, an in-place update):
@@ -556,9 +667,23 @@ class FastPath:
 
     # ------------------------------------------------------------------ sleep / wake
 
-    def sleep(self, offload: Iterable[str], discard: Iterable[str]) -> dict[str, Any]:
-        """Release every mapped allocation of `offload | discard`; copy `offload` first."""
+    def sleep(self, offload: Iterable[str], discard: Iterable[str], links: Sequence[Link] = ()) -> dict[str, Any]:
+        """Release every mapped allocation of `offload | discard`; copy `offload` first, over
+        the planned `links` (the own link alone when empty). A relay that fails finishes the
+        sleep on the own link: an allocation is released only once its bytes have landed."""
         offload, discard = frozenset(offload), frozenset(discard)
+        if not links:
+            return self._sleep(offload, discard, ())
+        try:
+            return self._sleep(offload, discard, links)
+        except RelayFailed as exc:
+            log.warning("fast backend: %s; finishing the sleep on the own link", exc)
+            self.ops.synchronize()
+            last = self._sleep(offload, discard, ())
+            last["relay_failed"] = str(exc)
+            return last
+
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[Link]) -> dict[str, Any]:
         started = time.perf_counter()
         self.wait_prepared()
         waited = time.perf_counter()
@@ -578,23 +703,29 @@ class FastPath:
             self._release(ptr, data, backed=True)
         unmapped = time.perf_counter()
         copies: list[Copy] = []
+        by_lane: dict[str, int] = {}
         if kept:
             self._ensure_slots(kept)
             copies = plan_copies([(p, self._slots[p].host, _nbytes(d)) for p, d in kept], self.chunk_bytes)
-            events = self._issue_copies_out(copies)
-            # Events complete in any order across streams; waiting in issue order means that
-            # after event k every copy up to k is done, so the allocations ending in k are free.
-            for c, event in zip(copies, events, strict=True):
-                self.ops.wait(event)
-                for i in c.completes:
-                    self._release(*kept[i], backed=True)
+            lanes, relays = self._lanes(links)
+            try:
+                events = self._issue_copies_out(copies, lanes)
+                # Events complete in any order across lanes; waiting in issue order means that
+                # after event k every copy up to k is done, so the allocations ending in k are free.
+                for c, (lane, event) in zip(copies, events, strict=True):
+                    _wait_on(self.ops, lane, event)
+                    for i in c.completes:
+                        self._release(*kept[i], backed=True)
+            finally:
+                self._close_relays(relays)
+            by_lane = lanes.bytes_by_lane()
         done = time.perf_counter()
         self.stats.last = {
             "op": "sleep", "offloaded_bytes": sum(_nbytes(d) for _, d in kept),
             "clean_bytes": sum(_nbytes(d) for _, d in clean),
             "discarded_bytes": sum(_nbytes(d) for _, d in dropped), "allocations": len(allocs),
             "copies": len(copies), "wait_prepare_s": waited - started, "discard_s": unmapped - waited,
-            "offload_s": done - unmapped, "total_s": done - started,
+            "offload_s": done - unmapped, "total_s": done - started, "bytes_by_lane": by_lane,
         }  # fmt: skip
         return self.stats.last
 
@@ -629,19 +760,34 @@ class FastPath:
             self._clean.discard(ptr)
             data.cpu_backup_tensor = None
 
-    def wake(self, tags: Iterable[str] | None = None, gate: MemoryGate | None = None) -> dict[str, Any]:
+    def wake(self, tags: Iterable[str] | None = None, gate: MemoryGate | None = None,
+             links: Sequence[Link] = ()) -> dict[str, Any]:  # fmt: skip
         """Map every asleep allocation of `tags` (all when None) back at its address and
-        restore the ones with a host copy; returns once the bytes are on the device.
-        Mapping is pipelined with copying: allocation i+1 is mapped while i's bytes travel.
-        With a `gate`, each map waits for free device memory; when the wait expires, the
-        copies in flight land, every allocation this wake mapped is unmapped again and
-        MemoryWaitExpired goes up with slots, host copies and flags as before the wake."""
+        restore the ones with a host copy, over the planned `links` (the own link alone when
+        empty); returns once the bytes are on the device. Mapping is pipelined with copying:
+        allocation i+1 is mapped while i's bytes travel. With a `gate`, each map waits for
+        free device memory; when the wait expires, the copies in flight land, every
+        allocation this wake mapped is unmapped again and MemoryWaitExpired goes up with
+        slots, host copies and flags as before the wake. A relay that fails is rolled back
+        the same way and the wake runs again on the own link (the host copies still stand)."""
+        if not links:
+            return self._wake(tags, gate, ())
+        try:
+            return self._wake(tags, gate, links)
+        except RelayFailed as exc:
+            log.warning("fast backend: %s; running the wake again on the own link", exc)
+            last = self._wake(tags, gate, ())
+            last["relay_failed"] = str(exc)
+            return last
+
+    def _wake(self, tags: Iterable[str] | None, gate: MemoryGate | None, links: Sequence[Link]) -> dict[str, Any]:
         started = time.perf_counter()
         allocs = [(p, d) for p, d in self.allocations(tags) if self.is_asleep(p, d)]
         if gate is not None:
             gate.expect(sum(_nbytes(d) for _, d in allocs))
         self.ops.streams_after_current()
-        copies = _RestoreCopies(self.ops, self.chunk_bytes, self.observer)
+        lanes, relays = self._lanes(links)
+        copies = _RestoreCopies(lanes, self.chunk_bytes, self.observer)
         map_s = 0.0
         # Allocations with bytes to restore first, so that their copies start at once; the
         # others (discarded KV) are mapped while the last copies are still in flight.
@@ -659,12 +805,14 @@ class FastPath:
                 map_s += time.perf_counter() - t
                 if ptr in self._backed:
                     copies.add(ptr, self._slots[ptr].host, _nbytes(data))
-        except MemoryWaitExpired:
+            copies.flush()
+            self.ops.current_after_streams()
+            _synchronize_lanes(self.ops, relays)
+        except (MemoryWaitExpired, RelayFailed):
             self._unmap_refused(mapped, gate)
             raise
-        copies.flush()
-        self.ops.current_after_streams()
-        self.ops.synchronize()
+        finally:
+            self._close_relays(relays)
         for ptr, data in allocs:
             if ptr in self._backed and data.tag in self.clean_tags:
                 self._clean.add(ptr)  # the slot still holds what was just restored from it
@@ -672,7 +820,8 @@ class FastPath:
             data.cpu_backup_tensor = None
         done = time.perf_counter()
         self.stats.last = {"op": "wake", "restored_bytes": copies.restored_bytes, "allocations": len(allocs),
-                           "copies": copies.issued, "map_s": map_s, "total_s": done - started}  # fmt: skip
+                           "copies": copies.issued, "map_s": map_s, "total_s": done - started,
+                           "bytes_by_lane": lanes.bytes_by_lane()}  # fmt: skip
         return self.stats.last
 
     def _unmap_refused(self, mapped: list[tuple[int, Any]], gate: MemoryGate | None) -> None:
@@ -778,20 +927,24 @@ class FastBackend(CumemBackend):
             self.name = "cumem"
         log.info("%s", self.choice_reason)
 
-    def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+    @property
+    def supports_links(self) -> bool:  # type: ignore[override]
+        return self._fast
+
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[Link] = ()) -> None:
         if not self._fast:
             super()._sleep(offload, discard)
             return
-        self.sleep_paths.append("fast")
+        self.sleep_paths.append("fast" if not links else f"fast over {len(links)} links")
         with self._on_device():
-            self.path.sleep(offload, discard)
+            self.path.sleep(offload, discard, links)
 
-    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None, links: Sequence[Link] = ()) -> None:
         if not self._fast:
             super()._wake(tags, gate)
             return
         with self._on_device():
-            self.path.wake(tags, gate)
+            self.path.wake(tags, gate, links)
 
     def declare_read_only(self, tags: Iterable[str], *, verify: bool = False) -> None:
         self.path.clean_tags = frozenset(tags)
