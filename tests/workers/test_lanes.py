@@ -152,7 +152,8 @@ class ScheduledOps:
     def release_staging(self, peer: int) -> None:
         base = STAGING_BASE + peer * (1 << 32)
         for s, q in self.queues.items():  # freeing what a queued copy will touch: a use after free
-            pending = [op for op in q[self.done[s] :] if op[0] == "copy" and base <= max(op[1], op[2]) < base + (1 << 32)]
+            queued = q[self.done[s] :]
+            pending = [op for op in queued if op[0] == "copy" and base <= max(op[1], op[2]) < base + (1 << 32)]
             assert not pending, f"staging on cuda:{peer} freed while {len(pending)} copies on {s} still use it"
         self.staging_memory.pop(base, None)
 
@@ -204,7 +205,7 @@ def test_sleep_and_wake_through_a_peer_move_every_byte_in_any_stream_order(seed)
 
 
 def test_a_peer_alone_carries_everything_when_the_plan_gives_the_own_link_no_share():
-    module, ops, backend, weights = make(3)
+    module, _, backend, weights = make(3)
     before = [bytes(module.memory[p]) for p in weights]
     backend.sleep({W}, {KV}, links=(Link(1, 1.0),))
     assert backend.path.stats.last["bytes_by_lane"] == {"relay/1": sum(SIZES)}
