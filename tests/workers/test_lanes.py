@@ -244,7 +244,7 @@ def test_a_peer_without_room_for_staging_leaves_the_command_on_the_own_link():
     backend.sleep({W}, {KV}, links=PLAN)
     assert "out of memory" in backend.path.stats.last["relay_failed"]
     backend.wake({W, KV}, links=PLAN)
-    assert [bytes(module.memory[p]) for p in weights] == before
+    assert [bytes(module.memory[p]) for p in weights] == before and ops.staging_memory == {}
 
 
 def test_the_picker_splits_by_share_and_refuses_a_plan_without_a_positive_share():
