@@ -21,6 +21,7 @@ from omni_core.protocol import (
     Capability,
     Execute,
     Hello,
+    LinkShare,
     MemoryReport,
     Message,
     Nack,
@@ -53,8 +54,9 @@ MEMORY = MemoryReport(
 # One instance per type with every field set to something other than its default, so a
 # field that the codec dropped or mangled shows up in the round trip.
 SAMPLES: dict[type[Message], Message] = {
-    Sleep: Sleep(task_id="sleep-1", epoch=3, level=2, tags=("weights", "kv_cache")),
-    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), wait_for_memory_s=2.5),
+    Sleep: Sleep(task_id="sleep-1", epoch=3, level=2, tags=("weights", "kv_cache"),
+                 links=(LinkShare(None, 1.0), LinkShare(1, 0.5))),
+    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), wait_for_memory_s=2.5, links=(LinkShare(3, 2.0),)),
     ReloadWeights: ReloadWeights(task_id="reload-1", epoch=3, source="/ckpt/step-100"),
     Execute: Execute(task_id="exec-1", epoch=3,
                      payload={"prompt": "hi", "ids": [1, 2, 3], "blob": b"\x00\x01", "t": 0.5}),
@@ -70,7 +72,7 @@ SAMPLES: dict[type[Message], Message] = {
     Result: Result(task_id="exec-1", epoch=3, rank=0, output=[[1.5, -2.0], {"tokens": 7}],
                    duration_s=0.125),
     Hello: Hello(task_id="hello", epoch=3, rank=1, stage="talker", proof="ab" * 32, pid=4242, device="cuda:1",
-                 backend="portable",
+                 backend="portable", backend_reason="auto chose 'portable'", relay_peers=(1, 2),
                  tags=("weights", "kv_cache"), capabilities=(Capability.LEVEL2,),
                  state=WorkerState.FAILED, detail="load failed: out of memory"),
 }  # fmt: skip
@@ -145,6 +147,24 @@ def test_a_wake_without_waiting_is_the_frame_earlier_workers_know() -> None:
     waiting = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, wait_for_memory_s=3.0)))
     assert waiting["wait_for_memory_s"] == 3.0 and waiting["v"] == PROTOCOL_VERSION
     assert decode(encode(Wake(task_id="w", epoch=1))) == Wake(task_id="w", epoch=1)
+
+
+def test_each_optional_field_is_left_off_alone_while_at_its_default() -> None:
+    # A Wake with a link plan but no wait, and a Sleep without a plan: only what is set travels.
+    planned = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, links=(LinkShare(1, 1.0),))))
+    assert "wait_for_memory_s" not in planned and planned["links"] == [{"peer": 1, "share": 1.0}]
+    assert "links" not in msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1, level=2)))
+
+
+@pytest.mark.parametrize("link", [{"peer": -1, "share": 1.0}, {"peer": 64, "share": 1.0}, {"peer": 1, "share": 0},
+                                  {"peer": 1, "share": 1e9}, {"peer": 1, "share": 1.0, "lane": 2}])  # fmt: skip
+def test_a_link_plan_out_of_bounds_is_refused_at_decode(link) -> None:
+    frame = raw_encode({"type": "Sleep", "v": PROTOCOL_VERSION, "task_id": "t", "epoch": 0, "links": [link]})
+    with pytest.raises(ProtocolError):
+        decode(frame)
+    nine = raw_encode({"type": "Wake", "v": PROTOCOL_VERSION, "task_id": "t", "epoch": 0, "links": [{}] * 9})
+    with pytest.raises(ProtocolError, match="8"):
+        decode(nine)
 
 
 def test_minimal_message_gets_defaults() -> None:

@@ -29,6 +29,7 @@ from omni_core.protocol import (
     Capability,
     Command,
     Execute,
+    LinkShare,
     MemoryReport,
     Nack,
     NackReason,
@@ -293,6 +294,17 @@ def test_waiting_for_memory_needs_the_swap_capability() -> None:
     (nack,) = d.send(Wake(task_id="w", epoch=0, wait_for_memory_s=1.0)).replies
     assert nack.reason is NackReason.UNSUPPORTED and "swap" in nack.detail and d.w.state is W.SLEEPING
     assert d.send(Wake(task_id="w2", epoch=0)).effect is not None  # without waiting it wakes
+
+
+def test_a_link_plan_needs_the_multi_path_capability_and_reaches_the_effect() -> None:
+    plan = (LinkShare(None, 1.0), LinkShare(1, 1.0))
+    for command, start in ((Sleep(task_id="s", epoch=0, links=plan), W.ACTIVE),
+                           (Wake(task_id="w", epoch=0, links=plan), W.SLEEPING)):  # fmt: skip
+        without = reach_worker(start, capabilities=(Capability.LEVEL2, Capability.PARTIAL_WAKE))
+        (nack,) = without.send(command).replies
+        assert nack.reason is NackReason.UNSUPPORTED and "multi_path" in nack.detail and without.w.state is start
+        planned = reach_worker(start, capabilities=(Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.MULTI_PATH))
+        assert planned.send(command).effect.links == plan
 
 
 def test_epochs_far_ahead_are_refused_and_do_not_fence_the_rank() -> None:

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from omni_core.engine.errors import (
@@ -41,13 +42,26 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
+from omni_core.engine.link_plan import LinkLedger, rank_view
 from omni_core.engine.report import LifecycleReport, ProfileReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.trace_records import PeerRefused, RankSpawned, TraceRecord, clip
-from omni_core.protocol import Command, Execute, Hello, ProtocolError, Shutdown, StageState, decode, encode
+from omni_core.protocol import (
+    Capability,
+    Command,
+    Execute,
+    Hello,
+    ProtocolError,
+    Shutdown,
+    Sleep,
+    StageState,
+    Wake,
+    decode,
+    encode,
+)
 from omni_core.protocol.auth import verify_hello_proof
 from omni_core.trace import open_trace
 from omni_core.transport import CurveKeys, is_loopback, make_router
@@ -75,7 +89,7 @@ class _Stage:
     waiters: dict[str, list[Future]] = field(default_factory=dict)  # lifecycle task_id -> callers
     requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
     start_waiters: list[Future] = field(default_factory=list)
-    backends: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (name, why), from its Hello
+    hellos: dict[int, Hello] = field(default_factory=dict)  # each rank's proven Hello of this epoch
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -156,6 +170,8 @@ class Orchestrator:
         self._closing_deadline_at = 0.0
         self._closed = threading.Event()
         # What strangers and faulty peers tried; each attempt is counted, none changes anything.
+        self._links = LinkLedger()
+        self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.counters = {"bad_replies": 0, "unknown_peers": 0, "send_failures": 0,
                          "forged_hellos": 0, "rebind_refused": 0, "rank_mismatch": 0}  # fmt: skip
         self.died_of: str | None = None
@@ -282,8 +298,9 @@ class Orchestrator:
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
                 "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(), "node": p.node,
                                    "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-",
-                                   "backend": stage.backends.get(p.rank, ("-", ""))[0],
-                                   "backend_reason": stage.backends.get(p.rank, ("-", ""))[1]}
+                                   "backend": stage.hellos[p.rank].backend if p.rank in stage.hellos else "-",
+                                   "backend_reason": stage.hellos[p.rank].backend_reason if p.rank in stage.hellos
+                                   else ""}
                           for p in stage.procs},
             }  # fmt: skip
         out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0)
@@ -418,7 +435,7 @@ class Orchestrator:
             return
         proc.identity = identity
         proc.pid = hello.pid
-        stage.backends[proc.rank] = (hello.backend, hello.backend_reason)
+        stage.hellos[proc.rank] = hello
         self._by_identity[identity] = (stage, proc.rank)
         self._step(stage, I.Received(hello))
 
@@ -462,11 +479,14 @@ class Orchestrator:
         unsent: dict[str, list[int]] = {}
         encoded: dict[int, bytes] = {}  # one encode per command, not per rank (a payload may be large)
         for out in step.sends:
-            data = encoded.get(id(out.command))
+            command = self._with_links(stage, out.rank, out.command)
+            data = encoded.get(id(command))
             if data is None:
-                data = encoded[id(out.command)] = encode(out.command)
-            if not self._send(stage, out.rank, out.command, data):
-                unsent.setdefault(out.command.task_id, []).append(out.rank)
+                data = encoded[id(command)] = encode(command)
+            if not self._send(stage, out.rank, command, data):
+                unsent.setdefault(command.task_id, []).append(out.rank)
+        if step.outcome is not None:
+            self._links.release(stage.spec.name, step.outcome.task_id)
         self._resolve(stage, step.outcome)
         for answer in step.requests:
             self._answer(stage, answer)
@@ -474,6 +494,21 @@ class Orchestrator:
             self._started(stage, step.started)
         for task_id, ranks in unsent.items():
             self._step(stage, I.SendFailed(task_id, tuple(ranks)))
+
+    def _with_links(self, stage: _Stage, rank: int, command: Command) -> Command:
+        """A Sleep or Wake with the rank's link plan (P-18), planned once per task over the
+        node's idle GPUs (engine/link_plan.py); every other command as it is."""
+        if not isinstance(command, (Sleep, Wake)) or not stage.spec.multi_path:
+            return command
+        views = {r: rank_view(stage.spec.devices[r] if stage.spec.devices else None, self._engine_visible,
+                              stage.spec.device, hello.relay_peers)
+                 for r, hello in stage.hellos.items() if Capability.MULTI_PATH in hello.capabilities}  # fmt: skip
+        busy = {rank_view(other.spec.devices[r] if other.spec.devices else None, self._engine_visible,
+                          other.spec.device).own_gpu
+                for other in self._stages.values() if other is not stage and other.core.task_id is not None
+                for r in range(other.spec.ranks)}  # fmt: skip
+        links = self._links.plan(stage.spec.name, command.task_id, views, busy).links.get(rank)
+        return msgspec.structs.replace(command, links=links) if links else command
 
     def _resolve(self, stage: _Stage, outcome: TaskOutcome | None) -> None:
         if outcome is None:
@@ -546,7 +581,8 @@ class Orchestrator:
 
     def _reap(self, stage: _Stage) -> None:
         self._launcher.reap(stage.procs)
-        stage.backends.clear()
+        stage.hellos.clear()
+        self._links.release(stage.spec.name)
         for proc in stage.procs:
             if proc.identity is not None:
                 self._by_identity.pop(proc.identity, None)

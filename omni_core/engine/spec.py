@@ -108,6 +108,9 @@ class StageSpec:
     # CPU runs of a swap: the device capacity every rank's memory gate waits on (stages given
     # the same directory share the "device"). None: on CUDA the real free memory.
     simulated_device: SimulatedDevice | None = None
+    # Plan links for this stage's sleeps and wakes (P-18): ranks that declare multi_path relay
+    # copies through idle peer GPUs they see (list them in `devices`, own GPU first).
+    multi_path: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -120,7 +123,7 @@ class StageSpec:
                 raise InvalidArgumentError(
                     f"stage {self.name!r}: {len(self.devices)} devices for {self.ranks} ranks; "
                     "give one CUDA_VISIBLE_DEVICES entry per rank")
-        if self.backend not in BACKENDS:
+        if self.backend not in BACKENDS and ":" not in self.backend:  # or a MemoryBackend's import path
             raise InvalidArgumentError(f"stage {self.name!r}: backend {self.backend!r} is not one "
                                        f"of {list(BACKENDS)}")  # fmt: skip
         try:

@@ -6,16 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omni_core.protocol import LinkShare
+
 
 @dataclass(frozen=True)
 class SleepEffect:
     """Offload `offload` tags to host, discard `discard` tags. At level 2 save the runner's
-    small buffers first (they are restored on wake)."""
+    small buffers first (they are restored on wake). `links`: the command's link plan."""
 
     task_id: str
     level: int
     offload: frozenset[str]
     discard: frozenset[str]
+    links: tuple[LinkShare, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class WakeEffect:
     task_id: str
     tags: frozenset[str]
     wait_for_memory_s: float = 0.0
+    links: tuple[LinkShare, ...] = ()
 
 
 @dataclass(frozen=True)

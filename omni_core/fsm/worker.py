@@ -124,6 +124,8 @@ MAX_EPOCH_AHEAD = 64
 
 ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.SWAP)
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
+_NO_LINKS = ("this worker copies over its own host link only (capability 'multi_path' not declared); "
+             "send the command without links")  # fmt: skip
 _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
 
 
@@ -436,6 +438,8 @@ class WorkerCore:
         if command.level == 2 and Capability.LEVEL2 not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
                                 "level-2 sleep (capability 'level2' not declared); use level=1")  # fmt: skip
+        if command.links and Capability.MULTI_PATH not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
         to_sleep = tags - self.residency.asleep
         if not to_sleep and self.lifecycle.allows("sleep_already"):
             return self._already(command, "sleep_already")
@@ -445,7 +449,7 @@ class WorkerCore:
         self.lifecycle.fire("sleep")
         self._pending = _Pending(command, sleep_plan=plan)
         return WorkerStep(effect=SleepEffect(command.task_id, command.level,
-                                             plan.offload, plan.discard))  # fmt: skip
+                                             plan.offload, plan.discard, command.links))  # fmt: skip
 
     def on_wake(self, command: Wake) -> WorkerStep:
         try:
@@ -458,6 +462,8 @@ class WorkerCore:
         if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
                                 "partial wake; wake every asleep tag (tags=None)")  # fmt: skip
+        if command.links and Capability.MULTI_PATH not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
         if command.wait_for_memory_s > 0 and Capability.SWAP not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, "this worker cannot wait for free device memory "
                                 "(capability 'swap' not declared); send the Wake with wait_for_memory_s=0")  # fmt: skip
@@ -466,7 +472,7 @@ class WorkerCore:
         before = self.state
         self.lifecycle.fire("wake")
         self._pending = _Pending(command, wake_tags=frozenset(to_wake), state_before=before)
-        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.wait_for_memory_s))
+        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.wait_for_memory_s, command.links))
 
     def on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
         if not self.lifecycle.allows("reload"):

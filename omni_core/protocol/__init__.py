@@ -5,6 +5,7 @@ from omni_core.protocol.enums import AckStatus, Capability, NackReason, StageSta
 from omni_core.protocol.messages import (
     COMMAND_TYPES,
     MAX_DETAIL_CHARS,
+    MAX_LINKS,
     MAX_WAIT_FOR_MEMORY_S,
     MESSAGE_TYPES,
     REPLY_TYPES,
@@ -15,6 +16,7 @@ from omni_core.protocol.messages import (
     Command,
     Execute,
     Hello,
+    LinkShare,
     MemoryReport,
     Message,
     Nack,
@@ -33,6 +35,7 @@ from omni_core.protocol.version import PROTOCOL_VERSION
 __all__ = [
     "COMMAND_TYPES",
     "MAX_DETAIL_CHARS",
+    "MAX_LINKS",
     "MAX_PROFILE_PREFIX_CHARS",
     "MAX_WAIT_FOR_MEMORY_S",
     "MESSAGE_TYPES",
@@ -48,6 +51,7 @@ __all__ = [
     "Command",
     "Execute",
     "Hello",
+    "LinkShare",
     "MemoryReport",
     "Message",
     "Nack",

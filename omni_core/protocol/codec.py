@@ -65,11 +65,13 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 def encode(message: Message) -> bytes:
     """Serialize one message. Fields added to a message after its first version
-    (`OPTIONAL_ON_WIRE`) are left off while they hold their default, so a peer that predates
-    them gets the frame it knows; every other field, the version `v` included, is always sent."""
+    (`OPTIONAL_ON_WIRE`) are left off, each, while it holds its default, so a peer that
+    predates them gets the frame it knows; every other field, the version `v` included, is
+    always sent."""
     optional = getattr(message, "OPTIONAL_ON_WIRE", ())
-    if optional and all(getattr(message, f) == _default(type(message), f) for f in optional):
-        fields = {f: getattr(message, f) for f in message.__struct_fields__ if f not in optional}
+    left_off = {f for f in optional if getattr(message, f) == _default(type(message), f)}
+    if left_off:
+        fields = {f: getattr(message, f) for f in message.__struct_fields__ if f not in left_off}
         return _encoder.encode({"type": message.__struct_config__.tag, **fields})
     return _encoder.encode(message)
 

@@ -22,6 +22,9 @@ MAX_PREFIX_WIRE_CHARS = 1024  # Profile.prefix on the wire; the worker accepts f
 MAX_TRACE_PATHS = 16  # Ack.trace_paths: a stop lists one trace (two after an automatic cut)
 MAX_PATH_CHARS = 4096
 MAX_WAIT_FOR_MEMORY_S = 3600.0  # Wake.wait_for_memory_s: a swap's wait for another stage to leave
+MAX_LINKS = 8  # a link plan's paths: the own link and up to seven peers of one node
+MAX_DEVICE_INDEX = 63
+MAX_LINK_SHARE = 1000.0
 
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TASK_ID_CHARS)]
 Epoch = Annotated[int, msgspec.Meta(ge=0)]
@@ -49,12 +52,30 @@ class Command(Message, kw_only=True, frozen=True):
     """A message the orchestrator sends to a worker; each gets exactly one terminal reply."""
 
 
+class LinkShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One path of a command's link plan (P-18): `peer` is the CUDA device index, as the rank
+    sees it, of a GPU whose host link carries `share` of the bytes, relayed over NVLink/P2P;
+    None is the rank's own link. Shares are relative (1:1 splits the bytes in halves)."""
+
+    peer: Annotated[int, msgspec.Meta(ge=0, le=MAX_DEVICE_INDEX)] | None = None
+    share: Annotated[float, msgspec.Meta(gt=0, le=MAX_LINK_SHARE)] = 1.0
+
+
+# A Sleep's or Wake's link plan; empty: the own link alone (every worker's behaviour).
+Links = Annotated[tuple[LinkShare, ...], msgspec.Meta(max_length=MAX_LINKS)]
+
+
 class Sleep(Command, kw_only=True, frozen=True):
     """Release GPU memory. Level 1 offloads `weights` to host and discards the rest; level 2
-    discards everything except the runner's small buffers. `tags=None` means every tag."""
+    discards everything except the runner's small buffers. `tags=None` means every tag.
+    `links` (sent only to a worker that declares Capability.MULTI_PATH, left off the wire
+    when empty) spreads the offload's copies over the planned host links."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("links",)
 
     level: Literal[1, 2] = 1
     tags: Tags | None = None
+    links: Links = ()
 
 
 class Wake(Command, kw_only=True, frozen=True):
@@ -68,10 +89,11 @@ class Wake(Command, kw_only=True, frozen=True):
     every earlier worker knows (a worker lists Capability.SWAP before an engine asks it to
     wait); see `codec.encode`."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("wait_for_memory_s",)
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("wait_for_memory_s", "links")
 
     tags: Tags | None = None
     wait_for_memory_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_FOR_MEMORY_S)] = 0.0
+    links: Links = ()  # as for Sleep: the restore's copies over the planned host links
 
 
 class ReloadWeights(Command, kw_only=True, frozen=True):
@@ -180,6 +202,9 @@ class Hello(Reply, kw_only=True, frozen=True):
     device: str
     backend: str
     backend_reason: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why `auto` chose it
+    # CUDA device indices (as this rank sees them) it can relay copies through (P2P works).
+    relay_peers: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DEVICE_INDEX)], ...],
+                           msgspec.Meta(max_length=MAX_LINKS)] = ()  # fmt: skip
     tags: tuple[Tag, ...]
     capabilities: tuple[Capability, ...] = ()
     state: WorkerState = WorkerState.ACTIVE

@@ -42,6 +42,7 @@ from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
+    MAX_LINKS,
     Capability,
     Hello,
     MemoryReport,
@@ -154,8 +155,13 @@ class WorkerProcess:
             except Exception as exc:
                 error = _error_text(exc)
                 log.error("worker %s/%s: loading failed:\n%s", cfg.stage, cfg.rank, traceback.format_exc())
+        relay_peers: tuple[int, ...] = ()
         if self.backend is not None:  # `auto` decides between fast and cumem at load
             backend_name = self.backend.name
+            relay_peers = self.backend.relay_peers()[:MAX_LINKS] if self.backend.supports_links and not error else ()
+            if relay_peers:  # declared only now: whether the backend relays is known after load
+                capabilities = (*capabilities, Capability.MULTI_PATH)
+                self.core.capabilities = frozenset(capabilities)
         started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name)
         self._write(started.records)
         device = str(self.device)
@@ -167,6 +173,7 @@ class WorkerProcess:
         self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=pid, stage=cfg.stage,
                          proof=proof, device=device, backend=backend_name,
                          backend_reason=self.backend.choice_reason[:MAX_DETAIL_CHARS] if self.backend else "",
+                         relay_peers=relay_peers,
                          tags=cfg.tags,
                          capabilities=capabilities, state=self.core.state,
                          detail=error[:MAX_DETAIL_CHARS]))  # fmt: skip
@@ -338,9 +345,9 @@ class WorkerProcess:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, SleepEffect):
             runner.before_sleep(effect.offload, effect.discard)
-            backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save())
+            backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save(), links=effect.links)
         elif isinstance(effect, WakeEffect):
-            backend.wake(effect.tags, self._gate(effect.wait_for_memory_s))
+            backend.wake(effect.tags, self._gate(effect.wait_for_memory_s), links=effect.links)
             runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering

@@ -47,8 +47,8 @@ def _shapes(total_bytes: int) -> list[tuple[int, ...]]:
 
 
 def probe(weights_bytes: int, cycles: int) -> dict:
+    from omni_core.protocol import LinkShare
     from omni_core.workers.backends.fast import FastBackend
-    from omni_core.workers.backends.lanes import Link
 
     backend = FastBackend(torch.device("cuda", 0))
     backend.declare_read_only(())  # every sleep copies
@@ -66,7 +66,7 @@ def probe(weights_bytes: int, cycles: int) -> dict:
     out: dict = {"bytes": moved, "tensors": len(tensors), "runs": []}
     for cycle in range(cycles):
         for name, plan in PLANS.items():
-            links = tuple(Link(peer, share) for peer, share in plan)
+            links = tuple(LinkShare(peer, share) for peer, share in plan)
             started = time.perf_counter()
             backend.sleep({"weights"}, {"kv_cache"}, links=links)
             sleep_s = time.perf_counter() - started

@@ -17,9 +17,10 @@ import random
 import pytest
 import torch
 
+from omni_core.protocol import LinkShare
 from omni_core.workers.backends.base import BackendStateError
 from omni_core.workers.backends.fast import FastBackend
-from omni_core.workers.backends.lanes import LanePicker, Link, RelayFailed
+from omni_core.workers.backends.lanes import LanePicker, RelayFailed
 from omni_core.workers.backends.portable import PortableBackend
 
 from .test_cumem_versions import KV, FakeCumemModule, W
@@ -184,7 +185,7 @@ def make(seed: int, **ops_kwargs):
     return module, ops, backend, weights
 
 
-PLAN = (Link(None, 1.0), Link(1, 1.0))
+PLAN = (LinkShare(None, 1.0), LinkShare(1, 1.0))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -207,9 +208,9 @@ def test_sleep_and_wake_through_a_peer_move_every_byte_in_any_stream_order(seed)
 def test_a_peer_alone_carries_everything_when_the_plan_gives_the_own_link_no_share():
     module, _, backend, weights = make(3)
     before = [bytes(module.memory[p]) for p in weights]
-    backend.sleep({W}, {KV}, links=(Link(1, 1.0),))
+    backend.sleep({W}, {KV}, links=(LinkShare(1, 1.0),))
     assert backend.path.stats.last["bytes_by_lane"] == {"relay/1": sum(SIZES)}
-    backend.wake({W, KV}, links=(Link(1, 1.0), Link(2, 1.0)))
+    backend.wake({W, KV}, links=(LinkShare(1, 1.0), LinkShare(2, 1.0)))
     assert [bytes(module.memory[p]) for p in weights] == before
     lanes = backend.path.stats.last["bytes_by_lane"]
     assert set(lanes) == {"relay/1", "relay/2"} and min(lanes.values()) > 0

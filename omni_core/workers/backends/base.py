@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_core.protocol import Capability
-from omni_core.workers.backends.lanes import Link
+from omni_core.protocol import Capability, LinkShare
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, WakeRefused
 
 
@@ -46,7 +45,7 @@ class MemoryBackend(ABC):
     # `_wake` takes a memory gate and rolls back when it expires (Capability.SWAP). False for
     # a backend written before the gate: its `_wake(tags)` is called as it was.
     supports_memory_gate: bool = False
-    # `_sleep`/`_wake` take a link plan (lanes.Link) and spread their copies over it.
+    # `_sleep`/`_wake` take a link plan (protocol.LinkShare) and spread their copies over it.
     supports_links: bool = False
     # Why this backend runs, when `auto` chose it (the Hello and the stage's status carry it).
     choice_reason: str = ""
@@ -97,7 +96,7 @@ class MemoryBackend(ABC):
         discard: Iterable[str],
         *,
         buffers: Mapping[str, torch.Tensor] | None = None,
-        links: Sequence[Link] = (),
+        links: Sequence[LinkShare] = (),
     ) -> None:
         """Release `offload | discard`, copying `offload` to the host first; `links` is the
         command's link plan (a backend with `supports_links` spreads the copies over them)."""
@@ -127,7 +126,7 @@ class MemoryBackend(ABC):
         # torch loaded costs ~200 ms per sleep, 100x the protocol's own round trip.
         self._empty_cache()
 
-    def wake(self, tags: Iterable[str], gate: MemoryGate | None = None, links: Sequence[Link] = ()) -> None:
+    def wake(self, tags: Iterable[str], gate: MemoryGate | None = None, links: Sequence[LinkShare] = ()) -> None:
         """Map `tags` back. With a `gate`, each allocation waits for free device memory first;
         when the gate's wait expires, what this wake mapped is unmapped again, the tags stay
         asleep with their host copies and saved buffers intact, and WakeRefused is raised.
@@ -156,7 +155,11 @@ class MemoryBackend(ABC):
             saved.tensor.copy_(saved.host)
         self._synchronize()
 
-    def _check_links(self, links: Sequence[Link]) -> None:
+    def relay_peers(self) -> tuple[int, ...]:
+        """The device indices (as this process sees them) a link plan may relay through."""
+        return ()
+
+    def _check_links(self, links: Sequence[LinkShare]) -> None:
         if links and not self.supports_links:
             raise BackendStateError(
                 f"backend {self.name!r} copies over its own link only, but the command plans {len(links)} "

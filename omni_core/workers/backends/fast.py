@@ -55,6 +55,7 @@ from typing import Any, Protocol
 import torch
 
 from omni_core.fsm.tags import WEIGHTS_TAG
+from omni_core.protocol import LinkShare
 from omni_core.workers.backends.cuda_driver import CudaDriver
 from omni_core.workers.backends.cumem import CumemBackend, handle_of
 from omni_core.workers.backends.host_room import (
@@ -68,7 +69,6 @@ from omni_core.workers.backends.lanes import (
     DirectLane,
     Lane,
     LanePicker,
-    Link,
     RelayFailed,
     RelayLane,
 )
@@ -578,7 +578,7 @@ class FastPath:
         for _, event in self._issue_copies_out(copies):
             self.ops.wait(event)
 
-    def _lanes(self, links: Sequence[Link]) -> tuple[LanePicker, list[RelayLane]]:
+    def _lanes(self, links: Sequence[LinkShare]) -> tuple[LanePicker, list[RelayLane]]:
         """The lanes of one sleep or wake: the direct streams with the own link's share (all
         of it without a plan), and a relay through each planned peer."""
         own_share = sum(link.share for link in links if link.peer is None) if links else 1.0
@@ -667,7 +667,7 @@ class FastPath:
 
     # ------------------------------------------------------------------ sleep / wake
 
-    def sleep(self, offload: Iterable[str], discard: Iterable[str], links: Sequence[Link] = ()) -> dict[str, Any]:
+    def sleep(self, offload: Iterable[str], discard: Iterable[str], links: Sequence[LinkShare] = ()) -> dict[str, Any]:
         """Release every mapped allocation of `offload | discard`; copy `offload` first, over
         the planned `links` (the own link alone when empty). A relay that fails finishes the
         sleep on the own link: an allocation is released only once its bytes have landed."""
@@ -683,7 +683,7 @@ class FastPath:
             last["relay_failed"] = str(exc)
             return last
 
-    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[Link]) -> dict[str, Any]:
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[LinkShare]) -> dict[str, Any]:
         started = time.perf_counter()
         self.wait_prepared()
         waited = time.perf_counter()
@@ -761,7 +761,7 @@ class FastPath:
             data.cpu_backup_tensor = None
 
     def wake(self, tags: Iterable[str] | None = None, gate: MemoryGate | None = None,
-             links: Sequence[Link] = ()) -> dict[str, Any]:  # fmt: skip
+             links: Sequence[LinkShare] = ()) -> dict[str, Any]:  # fmt: skip
         """Map every asleep allocation of `tags` (all when None) back at its address and
         restore the ones with a host copy, over the planned `links` (the own link alone when
         empty); returns once the bytes are on the device. Mapping is pipelined with copying:
@@ -780,7 +780,7 @@ class FastPath:
             last["relay_failed"] = str(exc)
             return last
 
-    def _wake(self, tags: Iterable[str] | None, gate: MemoryGate | None, links: Sequence[Link]) -> dict[str, Any]:
+    def _wake(self, tags: Iterable[str] | None, gate: MemoryGate | None, links: Sequence[LinkShare]) -> dict[str, Any]:
         started = time.perf_counter()
         allocs = [(p, d) for p, d in self.allocations(tags) if self.is_asleep(p, d)]
         if gate is not None:
@@ -931,7 +931,16 @@ class FastBackend(CumemBackend):
     def supports_links(self) -> bool:  # type: ignore[override]
         return self._fast
 
-    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[Link] = ()) -> None:
+    def relay_peers(self) -> tuple[int, ...]:
+        """The other GPUs this process sees that its device reaches peer to peer
+        (CUDA_VISIBLE_DEVICES decides what it sees)."""
+        own = self.device.index
+        if self.device.type != "cuda" or own is None:
+            return ()
+        peers = range(torch.cuda.device_count())
+        return tuple(p for p in peers if p != own and torch.cuda.can_device_access_peer(own, p))
+
+    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[LinkShare] = ()) -> None:
         if not self._fast:
             super()._sleep(offload, discard)
             return
@@ -939,7 +948,7 @@ class FastBackend(CumemBackend):
         with self._on_device():
             self.path.sleep(offload, discard, links)
 
-    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None, links: Sequence[Link] = ()) -> None:
+    def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None, links: Sequence[LinkShare] = ()) -> None:
         if not self._fast:
             super()._wake(tags, gate)
             return

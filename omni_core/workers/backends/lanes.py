@@ -24,7 +24,6 @@ runtime on a GPU, a scheduler that runs streams in random order in the CPU tests
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 MiB = 1 << 20
@@ -120,15 +119,6 @@ class RelayLane:
                 self.ops.wait(self.ops.record(stream))
         finally:
             self.ops.release_staging(self.peer)
-
-
-@dataclass(frozen=True)
-class Link:
-    """One path in a command's link plan: `peer` None is the rank's own link; `share` is the
-    part of the bytes it should carry (shares need not sum to one)."""
-
-    peer: int | None
-    share: float
 
 
 class LanePicker:
