@@ -1,4 +1,4 @@
-"""`omni-core bench --control-plane`: what the protocol itself costs.
+"""`python -m benchmarks --control-plane`: what the protocol itself costs.
 
 A stage of N rank processes with the portable backend and an empty model (one 64-byte
 weight tensor, so every sleep and wake takes the whole path: API call, orchestrator,

@@ -1,4 +1,4 @@
-"""`omni-core bench`: sleep/wake of the memory path, every method side by side on one GPU.
+"""`python -m benchmarks`: sleep/wake of the memory path, every method side by side on one GPU.
 
 One invocation measures, on the same workloads and the same machine:
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import child_env
 from omni_core.provenance import git_commit, git_dirty, run_quietly
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -435,10 +436,10 @@ def targets(results: list[dict[str, Any]], method: str = "fast") -> list[dict[st
 
 
 def _run_child(spec: str, workload: str, reps: int, timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "omni_core.bench.memory", "--child", spec, workload, str(reps)]
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--child", spec, workload, str(reps)]
     started = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env())
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-1500:]
         return {"method": spec, "workload": workload, "error": f"timed out after {timeout_s} s",
@@ -628,7 +629,7 @@ def _cuda_problem() -> str | None:
         return "torch is not importable"
     if not torch.cuda.is_available():
         return (f"torch {torch.__version__} sees no CUDA device; the memory benchmark runs on a GPU "
-                "(`omni-core bench --control-plane` runs on CPU)")  # fmt: skip
+                "(`python -m benchmarks --control-plane` runs on CPU)")  # fmt: skip
     return None
 
 
@@ -649,7 +650,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     problem = _cuda_problem()
     if problem:
-        print(f"omni-core bench: {problem}", file=sys.stderr)
+        print(f"python -m benchmarks: {problem}", file=sys.stderr)
         return 2
     reps = args.reps or (2 if args.short else 4)
     started = time.perf_counter()
@@ -689,8 +690,8 @@ def _importable(module: str) -> bool:
 
 
 if __name__ == "__main__":
-    # Only as the benchmark's own child process; people run `omni-core bench` (the CLI
-    # imports this module, so this module does not import the CLI back).
+    # Only as the benchmark's own child process; people run `python -m benchmarks` (which
+    # imports this module, so this module does not import it back).
     if len(sys.argv) < 2 or sys.argv[1] != "--child":
-        raise SystemExit("this module runs as the benchmark's child process; run `omni-core bench` instead")
+        raise SystemExit("this module runs as the benchmark's child process; run `python -m benchmarks` instead")
     _child(sys.argv[2:])

@@ -1,4 +1,4 @@
-"""`omni-core bench --multi-gpu`: tensor-parallel stages on two GPUs (issue 18).
+"""`python -m benchmarks --multi-gpu`: tensor-parallel stages on two GPUs (issue 18).
 
 Three parts, each with a fresh Engine, every output compared with the one taken first:
 
@@ -387,7 +387,7 @@ def part_ray(cfg: Config) -> dict[str, Any]:
                  log_to_driver=False, object_store_memory=200 << 20)  # fmt: skip
     try:
         stages = []
-        # The Ray run committed in bench/results/multi_gpu_ray is of these two.
+        # The Ray run committed in benchmarks/results/multi_gpu_ray is of these two.
         for plan in tp_plans(cfg, log, runners=("vllm", "synthetic"), placement=placement):
             print(f"ray: stage {plan.spec.name} ({plan.kind}, 2 actors, STRICT_PACK)", flush=True)
             stages.append(run_engine(log, [plan.spec], lambda e, p=plan: drive_ray(e, p, log, cfg),
@@ -571,7 +571,7 @@ RUNS: dict[str, Callable[[Config], dict[str, Any]]] = {"tp": part_tp, "ray": par
 
 
 def run_bench(cfg: Config, command: str, out: Path | None = None) -> dict[str, Any]:
-    from omni_core.bench.memory import machine_info
+    from benchmarks.memory import machine_info
 
     started = time.perf_counter()
     data: dict[str, Any] = {"command": command, "machine": machine_info(), "gpus": gpus(), "versions": versions(),
@@ -604,7 +604,7 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         if torch.cuda.device_count() < 2:
-            print(f"omni-core bench --multi-gpu: {torch.cuda.device_count()} CUDA device(s) visible; this needs "
+            print(f"python -m benchmarks --multi-gpu: {torch.cuda.device_count()} CUDA device(s) visible; this needs "
                   "two GPUs (or --device cpu for the CPU smoke run)", file=sys.stderr)  # fmt: skip
             return 2
     cfg = Config(device=device, parts=parts, runners=runners, models_dir=Path(args.models_dir),

@@ -1,4 +1,4 @@
-"""`omni-core bench --real-models`: a real LLM stage and a real DiT stage co-located on one GPU.
+"""`python -m benchmarks --real-models`: a real LLM stage and a real DiT stage co-located on one GPU.
 
 Issue 12, item 6. Two stages of one rank each share one GPU, each under its own
 `gpu_memory_fraction`: `llm` (the `transformers` runner, Qwen2 1.5B in bfloat16, its KV cache
@@ -468,7 +468,7 @@ def run_bench(cfg: Config, command: str = "",
 
 def _collect(cfg: Config, command: str, llm_dir: Path, dit_dir: Path, made: dict[str, str],
              runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:  # fmt: skip
-    from omni_core.bench.memory import machine_info
+    from benchmarks.memory import machine_info
 
     data: dict[str, Any] = {
         "command": command, "machine": {**machine_info(), **_versions()},
@@ -523,7 +523,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"omni-core bench --real-models: torch {torch.__version__} sees no CUDA device; this benchmark runs "
+        print(f"python -m benchmarks --real-models: torch {torch.__version__} sees no CUDA device; this benchmark runs "
               "on a GPU (the CPU lifecycle tests are in tests/runners)", file=sys.stderr)  # fmt: skip
         return 2
     backends = tuple(b for group in (args.methods or [",".join(BACKENDS)]) for b in group.split(",") if b)

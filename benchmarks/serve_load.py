@@ -7,7 +7,7 @@ abandoned call still ran to its end.
 
 `tests/serve/test_load.py` runs a reduced count in CI; the full run is a benchmark:
 
-    python -m omni_core.serve.loadtest --clients 50 --cycles 100 --out bench/results/serve.md
+    python -m benchmarks.serve_load --clients 50 --cycles 100 --out benchmarks/results/serve.md
 """
 
 from __future__ import annotations
@@ -432,7 +432,7 @@ def render_markdown(result: LoadResult, command: str, ranks: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_core.serve.loadtest", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--cycles", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=1, help="rank processes of the loaded stage")
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.terminate()
             server.wait(60)
-    command = "python -m omni_core.serve.loadtest " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])
     text = render_markdown(result, command.strip(), args.ranks)
     print(text)
     if args.out:

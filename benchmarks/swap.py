@@ -1,7 +1,7 @@
-"""`omni-core bench --swap`: one stage sleeps while another wakes, on one GPU (issue 14 item 4).
+"""`python -m benchmarks --swap`: one stage sleeps while another wakes, on one GPU (issue 14 item 4).
 
 A swap is two processes sharing one host link and one device, so each case runs two fresh
-stage processes (omni_core.bench.swap_child), A (outgoing, loaded and awake) and B
+stage processes (benchmarks.swap_child), A (outgoing, loaded and awake) and B
 (incoming, loaded then put to sleep), and drives them through rounds:
 
 - `limit`: pinned copies of the same bytes, device->host in A and host->device in B: each
@@ -16,7 +16,7 @@ stage processes (omni_core.bench.swap_child), A (outgoing, loaded and awake) and
 - `engine-swap`: `Engine.swap` between two stages of the synthetic runner laid out like the
   workload (its weights are read-only, so this is the clean swap with the protocol's cost).
 
-A pair `A:B` names the two workloads (bench/memory.py's WORKLOADS: "8g", "16g", "mixed"...);
+A pair `A:B` names the two workloads (benchmarks/memory.py's WORKLOADS: "8g", "16g", "mixed"...);
 `+fill` adds a third process that takes the device's free memory but (B - A + a margin), so
 that B cannot wake until A has released most of its memory: there, every swap is checked for
 over-commit (the device's used bytes sampled every ~1 ms from NVML, both processes' own
@@ -33,7 +33,7 @@ device, tiny workloads: swap_cpu.*) that CI runs. `--render swap_gpu.json` redra
 On the lent GPU (carry [".device"], built by `bash ../shared/device/bundle.sh`), about 5 min
 on an H100 with the defaults (16g:16g and 8g:16g+fill, every method, 4 swaps per case):
 
-    source .device/setup.sh && OMNI_COMMIT=<sha> python3 -m omni_core.cli bench --swap --out $OUT
+    source .device/setup.sh && OMNI_COMMIT=<sha> python3 -m benchmarks --swap --out $OUT
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omni_core.bench.memory import machine_info
-from omni_core.bench.swap_child import READY_PREFIX, REPLY_PREFIX, SMOKE_WORKLOADS, ChildSpec, workload_of
-from omni_core.bench.swap_report import (
+from benchmarks import child_env
+from benchmarks.memory import machine_info
+from benchmarks.swap_child import READY_PREFIX, REPLY_PREFIX, SMOKE_WORKLOADS, ChildSpec, workload_of
+from benchmarks.swap_report import (
     op_s,
     parse_pair,
     render_markdown,
@@ -105,9 +106,9 @@ class Child:
         self.name = f"{spec.role} ({spec.kind}, {spec.workload})"
         self.log_path = log_dir / f"{spec.role}-{spec.kind}-{spec.workload}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
-        cmd = [sys.executable, "-m", "omni_core.bench.swap_child", spec.to_json()]
+        cmd = [sys.executable, "-m", "benchmarks.swap_child", spec.to_json()]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1)  # fmt: skip
+                                     text=True, bufsize=1, env=child_env())  # fmt: skip
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name=f"swap-bench-{spec.role}", daemon=True).start()
 
@@ -546,7 +547,7 @@ def _problem(pairs: list[str], methods: list[str], device: str) -> str | None:
         except ValueError as exc:
             return str(exc)
     if device == "cuda":
-        from omni_core.bench.memory import _cuda_problem
+        from benchmarks.memory import _cuda_problem
 
         return _cuda_problem()
     small = [p for p in pairs if any(n not in SMOKE_WORKLOADS for n in parse_pair(p)[:2])]
@@ -567,7 +568,7 @@ def main(args: argparse.Namespace) -> int:
     methods = _split(args.methods, METHODS)
     problem = _problem(pairs, methods, device)
     if problem:
-        print(f"omni-core bench --swap: {problem}", file=sys.stderr)
+        print(f"python -m benchmarks --swap: {problem}", file=sys.stderr)
         return 2
     reps = args.reps or (2 if args.short else 4)
     command = " ".join(["omni-core", *sys.argv[1:]])

@@ -1,7 +1,7 @@
-"""One process of `omni-core bench --swap`: a stage (or the filler) on the shared device.
+"""One process of `python -m benchmarks --swap`: a stage (or the filler) on the shared device.
 
 A swap is two processes sharing one host link and one device, so every stage of a case is
-its own process, started fresh by the parent (omni_core.bench.swap) with a JSON `ChildSpec`
+its own process, started fresh by the parent (benchmarks.swap) with a JSON `ChildSpec`
 as argument. It loads its workload (seeded random weights and a KV cache, in the method's
 pools), prints `SWAP-READY {...}`, then runs one JSON command per stdin line and prints one
 `SWAP-REPLY {...}` line per command:
@@ -33,7 +33,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from omni_core.bench.memory import WORKLOADS, Workload, bit_exact, fill_seeded, make_method
+from benchmarks.memory import WORKLOADS, Workload, bit_exact, fill_seeded, make_method
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.simulated_device import SimulatedDevice, SimulatedResidency
 
@@ -81,7 +81,7 @@ SMOKE_WORKLOADS: dict[str, Workload] = {
 
 
 def workload_of(name: str) -> Workload:
-    """A workload of bench/memory.py, or one of the tiny CPU smoke workloads."""
+    """A workload of benchmarks/memory.py, or one of the tiny CPU smoke workloads."""
     found = WORKLOADS.get(name) or SMOKE_WORKLOADS.get(name)
     if found is None:
         raise ValueError(f"unknown workload {name!r}; choose from {[*WORKLOADS, *SMOKE_WORKLOADS]}")
@@ -256,7 +256,7 @@ class Stage:
 
 
 class PooledStage(Stage):
-    """vLLM's stock allocator or omni-core's fast backend (bench/memory.py's methods)."""
+    """vLLM's stock allocator or omni-core's fast backend (benchmarks/memory.py's methods)."""
 
     def load(self) -> None:
         torch = self.torch
@@ -524,7 +524,7 @@ def main(argv: list[str]) -> None:
         _emit(READY_PREFIX, {"error": f"{type(exc).__name__}: {exc}"[:2000]})
     sys.stdout.flush()
     # vLLM's pools can abort in interpreter teardown (pytorch/pytorch#145168): the replies
-    # are out, the driver reclaims the rest (as bench/memory.py's children do).
+    # are out, the driver reclaims the rest (as benchmarks/memory.py's children do).
     os._exit(0)
 
 

@@ -1,8 +1,8 @@
-"""`omni-core bench --swap`: from the rounds each case recorded to figures, targets, the
+"""`python -m benchmarks --swap`: from the rounds each case recorded to figures, targets, the
 Markdown table and the timeline PNG. Pure data in, text/PNG out; nothing here touches a
 device, so CI checks every branch of it on recorded results.
 
-Definitions (decimal GB, as bench/memory.py):
+Definitions (decimal GB, as benchmarks/memory.py):
 - a swap's time: from the earlier start of the two operations to the later end, on the
   system-wide monotonic clock both processes read;
 - a sequential cycle's time: the outgoing sleep's time plus the incoming wake's, each

@@ -2,7 +2,7 @@
 
 The same seed sends the same frames (`omni_core.fuzz.generate`); a time box only guards
 against a machine far slower than ours, and stops the run early with the same frames as a
-prefix. Long runs: `python -m omni_core.fuzz` (bench/results/fuzz.md).
+prefix. Long runs: `python -m omni_core.fuzz` (benchmarks/results/fuzz.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ What runs for real here: argument checks, the engine arguments the runner hands 
 order in which vLLM's construction opens omni-core's pools, the KV budget arithmetic, the
 request format and the sampling parameters, the sleep/wake hooks and the reload checks on
 real tiny safetensors checkpoints. vLLM itself runs on the device
-(bench/results/vllm_gpu.md, `python -m omni_core.bench.vllm_stage`).
+(benchmarks/results/vllm_gpu.md, `python -m benchmarks.vllm_stage`).
 """
 
 from __future__ import annotations
