@@ -10,8 +10,9 @@ one, drop that one) or drawn from a seeded generator (`Faults`), so a run is a f
 its seed and its script. Nothing here reads a clock, the environment or a socket: time is
 `Simulator.now` and moves only through `advance`.
 
-Three users share it: the data-driven scenarios (`tests/testdata/*.txt`, through `Script`),
-the walkthrough (`omni-core walkthrough`) and the stateful tests of the stage core.
+Three users share it: the data-driven scenarios (`tests/testdata/*.txt`, through
+`omni_core.testing.script`), the walkthrough (`omni-core walkthrough`) and the stateful tests
+of the stage core.
 
 The network addresses ranks, not processes: a command still in flight when its rank restarts
 reaches the new process, which must fence it (P-6). A ZMQ ROUTER would drop it; the harsher
@@ -21,13 +22,11 @@ network is the better test.
 from __future__ import annotations
 
 import dataclasses
-import shlex
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from omni_core.fsm import inputs as I
-from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
@@ -42,25 +41,26 @@ from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm.worker import WorkerCore, WorkerStep
 from omni_core.protocol import (
-    Ack,
-    Capability,
     Command,
-    Execute,
     Hello,
     MemoryReport,
     Message,
-    Nack,
-    Profile,
     ProtocolError,
-    ReloadWeights,
-    Result,
     Shutdown,
-    Sleep,
-    Wake,
     decode,
     decode_command,
     encode,
 )
+from omni_core.testing.describe import (
+    describe,
+    describe_effect,
+    describe_input,
+    describe_outcome,
+    fmt_address,
+    fmt_s,
+    fmt_tags,
+)
+from omni_core.testing.rng import SplitMix64
 
 # What a worker shell reports around an effect; the stage trusts no ACK without one (P-12).
 # The simulated ranks hold no memory, so the pools are empty.
@@ -72,32 +72,6 @@ SETTLE_MAX_STEPS = 100_000
 class SimulationError(RuntimeError):
     """The caller asked for something the simulation cannot do (no such message, no effect in
     progress): a mistake in the script, not a finding about the cores."""
-
-
-class SplitMix64:
-    """A seeded generator (Steele, Lea and Flood's SplitMix64). The sans-IO packages import
-    no `random`; this is the whole of their randomness, and a seed fixes all of it."""
-
-    _MASK = (1 << 64) - 1
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed & self._MASK
-
-    def next_u64(self) -> int:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & self._MASK
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self._MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self._MASK
-        return z ^ (z >> 31)
-
-    def random(self) -> float:
-        """Uniform in [0, 1)."""
-        return (self.next_u64() >> 11) / float(1 << 53)
-
-    def randrange(self, n: int) -> int:
-        if n < 1:
-            raise ValueError(f"randrange({n})")
-        return self.next_u64() % n  # the bias (n / 2**64) is far below what a scenario sees
 
 
 @dataclass(frozen=True)
@@ -133,97 +107,10 @@ class Envelope:
 
     @property
     def route(self) -> str:
-        return f"{_addr(self.sender)}->{_addr(self.to)}"
+        return f"{fmt_address(self.sender)}->{fmt_address(self.to)}"
 
     def line(self) -> str:
         return f"#{self.id} {self.route} {self.text}{' [corrupted]' if self.corrupt else ''}"
-
-
-def _addr(rank: int | None) -> str:
-    return "stage" if rank is None else f"r{rank}"
-
-
-def fmt_s(seconds: float) -> str:
-    return f"{seconds:g}s"
-
-
-def _tags(tags: Iterable[str] | None) -> str:
-    return "all" if tags is None else "[" + ",".join(tags) + "]"
-
-
-def describe(message: Message) -> str:
-    """One line per message, the same for every run."""
-    head = f"{message.task_id} e{message.epoch}"
-    if isinstance(message, Sleep):
-        return f"Sleep {head} level={message.level} tags={_tags(message.tags)}"
-    if isinstance(message, Wake):
-        wait = f" wait_for_memory={fmt_s(message.wait_for_memory_s)}" if message.wait_for_memory_s else ""
-        return f"Wake {head} tags={_tags(message.tags)}{wait}"
-    if isinstance(message, ReloadWeights):
-        return f"ReloadWeights {head} source={message.source or 'default'}"
-    if isinstance(message, Execute):
-        return f"Execute {head} payload={message.payload!r}"
-    if isinstance(message, Profile):
-        return f"Profile {head} {'start' if message.start else 'stop'} prefix={message.prefix or '-'}"
-    if isinstance(message, Ack):
-        detail = f" ({message.detail})" if message.detail else ""
-        paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
-        return (f"Ack {message.command} {head} {message.status.value} {message.state.value} "
-                f"asleep={_tags(message.asleep_tags)}{paths}{detail}")  # fmt: skip
-    if isinstance(message, Nack):
-        return f"Nack {message.command} {head} {message.reason.value} in {message.state.value}: {message.detail}"
-    if isinstance(message, Result):
-        return f"Result {head} output={message.output!r}"
-    if isinstance(message, Hello):
-        detail = f": {message.detail}" if message.detail else ""
-        return f"Hello e{message.epoch} {message.state.value} tags={_tags(message.tags)}{detail}"
-    return f"{type(message).__name__} {head}"
-
-
-def describe_input(event: I.EngineInput) -> str:
-    if isinstance(event, (I.Start, I.Restart)):
-        return f"{type(event).__name__} deadline={fmt_s(event.deadline_s)}"
-    if isinstance(event, I.Submit):
-        return f"Submit {event.request_id} payload={event.payload!r} timeout={fmt_s(event.timeout_s)}"
-    if isinstance(event, I.SleepCall):
-        abort = " abort_in_flight" if event.abort_in_flight else ""
-        return (f"SleepCall {event.task_id} level={event.level} tags={_tags(event.tags)} "
-                f"deadline={fmt_s(event.deadline_s)}{abort}")  # fmt: skip
-    if isinstance(event, I.WakeCall):
-        wait = f" wait_for_memory={fmt_s(event.wait_for_memory_s)}" if event.wait_for_memory_s else ""
-        return f"WakeCall {event.task_id} tags={_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
-    if isinstance(event, I.ReloadCall):
-        return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
-    if isinstance(event, I.ProfileCall):
-        return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
-                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
-    if isinstance(event, I.SetAdmission):
-        return f"SetAdmission {AdmissionPolicy(event.policy).value}"
-    if isinstance(event, I.RankExited):
-        return f"RankExited r{event.rank} e{event.epoch}: {event.detail}"
-    if isinstance(event, I.SendFailed):
-        return f"SendFailed {event.task_id} ranks={list(event.ranks)}"
-    if isinstance(event, I.Received):
-        return f"Received {describe(event.message)}"
-    return type(event).__name__
-
-
-def describe_effect(effect: Effect) -> str:
-    if isinstance(effect, SleepEffect):
-        return f"offload {_tags(sorted(effect.offload))}, discard {_tags(sorted(effect.discard))}"
-    if isinstance(effect, WakeEffect):
-        return f"map back {_tags(sorted(effect.tags))}"
-    if isinstance(effect, ReloadEffect):
-        return f"reload weights from {effect.source or 'the default source'}"
-    if isinstance(effect, ExecuteEffect):
-        return f"run request {effect.task_id}"
-    if isinstance(effect, StatusEffect):
-        return "measure memory"
-    if isinstance(effect, ShutdownEffect):
-        return "release every pool and exit"
-    if isinstance(effect, ProfileEffect):
-        return "start the profiler" if effect.start else "stop the profiler, write its trace"
-    return type(effect).__name__
 
 
 _COMMAND_OF_EFFECT = {SleepEffect: "Sleep", WakeEffect: "Wake", ReloadEffect: "ReloadWeights", ExecuteEffect: "Execute",
@@ -238,15 +125,6 @@ def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[
     return (f"/profiles/{stage}-rank{rank}-t{now:g}.json.gz",)
 
 
-def describe_outcome(outcome: TaskOutcome) -> str:
-    head = f"{outcome.command} {outcome.task_id}"
-    if outcome.ok:
-        return (f"{head}: {outcome.status.value}, stage {outcome.state.value}, ACKs from {sorted(outcome.acks)}, "
-                f"took {fmt_s(outcome.duration_s)}")  # fmt: skip
-    verdict = "refused" if outcome.refused else "failed"
-    return f"{head}: {verdict}, stage {outcome.state.value}: {outcome.error}"
-
-
 def _counters(counters: object) -> dict[str, int]:
     return dataclasses.asdict(counters)  # type: ignore[call-overload]
 
@@ -255,7 +133,7 @@ def _changed(node: str, before: dict[str, int], after: dict[str, int]) -> list[s
     return [f"  {node} counter {key} {before[key]} -> {value}" for key, value in after.items() if value != before[key]]
 
 
-_ECHO = object()  # perform(): an Execute answers with its own payload
+ECHO = object()  # perform(): an Execute answers with its own payload
 
 
 class Simulator:
@@ -575,7 +453,7 @@ class Simulator:
         return sorted(r for r in self.effects if r not in self.dead)
 
     def perform(self, rank: int, *, error: str | None = None, refuse: str | None = None,
-                output: Any = _ECHO) -> WorkerStep:  # fmt: skip
+                output: Any = ECHO) -> WorkerStep:  # fmt: skip
         """Rank `rank`'s shell finishes its effect: done (an Execute answers with its payload
         unless `output` is given), raised in the backend (`error`), or, for a reload, refused
         by the runner before touching memory (`refuse`)."""
@@ -593,7 +471,7 @@ class Simulator:
             step = worker.on_error(effect.task_id, error)
         else:
             self.say(f"done {what}")
-            if output is _ECHO:
+            if output is ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
             memory = None if isinstance(effect, ProfileEffect) else NO_MEMORY  # the profiler moves no pool
             step = worker.on_done(effect.task_id, memory=memory, output=output,
@@ -658,7 +536,7 @@ class Simulator:
 
     def status_lines(self) -> list[str]:
         stage = self.stage
-        asleep = _tags(sorted(stage.residency.asleep))
+        asleep = fmt_tags(sorted(stage.residency.asleep))
         weights = "valid" if stage.residency.weights_valid else "invalid"
         lines = [f"t={fmt_s(self.now)} stage {stage.state.value} epoch {stage.epoch} policy {stage.policy.value} "
                  f"task {stage.task_id or '-'} asleep {asleep} weights {weights}",
@@ -685,381 +563,3 @@ class Simulator:
             held = f" (held until t={fmt_s(envelope.deliver_at)})" if envelope.deliver_at > self.now else ""
             lines.append(f"  in flight: {envelope.line()}{held}")
         return lines
-
-
-# ==================================================================== scenario scripts
-
-
-class ScriptError(ValueError):
-    """A scenario line the interpreter cannot run (unknown command, bad argument)."""
-
-
-def parse_duration_s(text: str) -> float:
-    """'30s', '+5s', '250ms', '1.5' (seconds) -> seconds."""
-    text = text.lstrip("+")
-    try:
-        if text.endswith("ms"):
-            return float(text[:-2]) / 1000.0
-        return float(text.removesuffix("s"))
-    except ValueError:
-        raise ScriptError(f"not a duration: {text!r} (write 30s, 250ms)") from None
-
-
-def _value(text: str) -> Any:
-    """A payload or output from a script: an int if it reads as one, else the text."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
-def _rank(text: str) -> int:
-    try:
-        return int(text.removeprefix("r"))
-    except ValueError:
-        raise ScriptError(f"not a rank: {text!r} (write 1 or r1)") from None
-
-
-def _address(text: str) -> int | None:
-    return None if text == "stage" else _rank(text)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ScriptError(f"not a yes/no: {text!r}")
-
-
-def _load_errors(args: dict[str, str]) -> dict[int, str]:
-    """`load-error=1:ModuleNotFoundError...`: rank 1's runner fails to load with that error."""
-    if "load-error" not in args:
-        return {}
-    rank, _, error = args["load-error"].partition(":")
-    return {_rank(rank): error or "the runner failed to load"}
-
-
-def _tag_list(text: str) -> tuple[str, ...] | None:
-    return None if text == "all" else tuple(t for t in text.split(",") if t)
-
-
-class Script:
-    """The scenario language: one command per line, run on a Simulator, answered with the
-    transcript of what happened. The commands (arguments `key=value`, durations as `30s`):
-
-    stage ranks=N [name= policy=queue|reject|wake queue-limit= max-in-flight= tags=a,b
-          start-deadline= wake-deadline= hello=deliver|hold|none capabilities=level2,partial_wake
-          shell=serial|async load-error=RANK:TEXT seed= + the fault options below]   a fresh simulation
-    faults [loss= dup= delay= max-delay= reorder= crash= effect-error=]   seeded fault rates
-    sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
-    reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
-    profile task= [start=yes|no prefix= deadline=30s]
-    restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
-    deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
-    corrupt [SELECT]             deliver-all              settle
-          SELECT: id= from=stage|rN to=stage|rN rank=N (from or to) type=Ack task=ID
-    done [rank=N] [output=]      error rank=N [msg=]       refuse rank=N [msg=]
-    crash rank=N [detail=]       block rank=N              unblock rank=N        status
-    """
-
-    def __init__(self) -> None:
-        self.sim: Simulator | None = None
-        self.start_deadline_s = 10.0
-
-    def run(self, line: str) -> list[str]:
-        words = shlex.split(line)
-        if not words:
-            raise ScriptError("empty command")
-        name, rest = words[0], words[1:]
-        args = dict(w.split("=", 1) for w in rest if "=" in w)
-        bare = [w for w in rest if "=" not in w]
-        handler = getattr(self, "cmd_" + name.replace("-", "_"), None)
-        if handler is None:
-            raise ScriptError(f"unknown command {name!r}")
-        if name != "stage" and self.sim is None:
-            raise ScriptError(f"{name}: no stage yet (start with `stage ranks=N`)")
-        try:
-            extra = handler(args, bare)
-        except StageCommandError:
-            extra = None  # recorded by Simulator.call; the scenario goes on
-        except SimulationError as exc:
-            extra = [f"error: {exc}"]
-        except ScriptError:
-            raise
-        except (KeyError, ValueError) as exc:  # a missing argument, a policy or number that is none
-            raise ScriptError(f"{name}: bad or missing argument: {exc}") from exc
-        lines = (self.sim.take_lines() if self.sim is not None else []) + (extra or [])
-        return lines or ["ok"]
-
-    @property
-    def s(self) -> Simulator:
-        assert self.sim is not None
-        return self.sim
-
-    # ---------------------------------------------------------------- set-up
-
-    def cmd_stage(self, args: dict[str, str], bare: list[str]) -> None:
-        known = {"ranks", "name", "policy", "queue-limit", "max-in-flight", "tags", "start-deadline",
-                 "wake-deadline", "hello", "capabilities", "shell", "load-error", "seed", *_FAULT_KEYS}  # fmt: skip
-        self._only(args, known)
-        tags = _tag_list(args["tags"]) if "tags" in args else None
-        core: dict[str, Any] = {"policy": AdmissionPolicy(args.get("policy", "queue"))}
-        if tags:
-            core["tags"] = tags
-        if "queue-limit" in args:
-            core["queue_limit"] = int(args["queue-limit"])
-        if "max-in-flight" in args:
-            core["max_in_flight"] = int(args["max-in-flight"])
-        if "wake-deadline" in args:
-            core["wake_deadline_s"] = parse_duration_s(args["wake-deadline"])
-        stage = StageCore(args.get("name", "talker"), int(args.get("ranks", "1")), **core)
-        capabilities = tuple(Capability(c) for c in args["capabilities"].split(",") if c) \
-            if "capabilities" in args else None  # fmt: skip
-
-        def make_worker(rank: int, epoch: int) -> WorkerCore:
-            if capabilities is None:
-                return WorkerCore(rank, tags=stage.tags, epoch=epoch)
-            return WorkerCore(rank, tags=stage.tags, epoch=epoch, capabilities=capabilities)
-
-        shell = args.get("shell", "serial")
-        if shell not in ("serial", "async"):
-            raise ScriptError(f"shell={shell}: serial or async")
-        self.sim = Simulator(stage, make_worker=make_worker, seed=int(args.get("seed", "0")),
-                             faults=self._faults(Faults(), args), serial_shell=shell == "serial")  # fmt: skip
-        self.sim.load_errors = _load_errors(args)
-        self.start_deadline_s = parse_duration_s(args.get("start-deadline", "10s"))
-        self.sim.say(f"stage {stage.name!r}: {len(stage.ranks)} rank(s), tags {_tags(stage.tags)}, policy "
-                     f"{stage.policy.value}, queue_limit {stage.queue_limit}, max_in_flight {stage.max_in_flight}, "
-                     f"{shell} rank shells")  # fmt: skip
-        self._start(lambda hello: self.s.start(self.start_deadline_s, hello=hello), args.get("hello", "deliver"))
-
-    def _start(self, start: Callable[[bool], StageStep], hello: str) -> None:
-        if hello not in ("deliver", "hold", "none"):
-            raise ScriptError(f"hello={hello}: deliver, hold or none")
-        start(hello != "none")
-        if hello == "deliver":
-            for envelope in self.s.find(kind="Hello", deliverable=True):
-                if envelope.epoch == self.s.stage.epoch:
-                    self.s.deliver(envelope)
-
-    def cmd_faults(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, set(_FAULT_KEYS))
-        self.s.faults = self._faults(self.s.faults, args)
-        f = self.s.faults
-        self.s.say(f"faults: loss {f.loss:g}, duplicate {f.duplicate:g}, delay {f.delay:g} (up to "
-                   f"{fmt_s(f.max_delay_s)}), reorder {'on' if f.reorder else 'off'}, crash {f.crash:g}, "
-                   f"effect error {f.effect_error:g}")  # fmt: skip
-
-    @staticmethod
-    def _faults(base: Faults, args: dict[str, str]) -> Faults:
-        changes: dict[str, Any] = {}
-        for key, field in _FAULT_KEYS.items():
-            if key in args:
-                changes[field] = _bool(args[key]) if field == "reorder" else \
-                    parse_duration_s(args[key]) if field == "max_delay_s" else float(args[key])  # fmt: skip
-        return dataclasses.replace(base, **changes)
-
-    @staticmethod
-    def _only(args: dict[str, str], known: set[str]) -> None:
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ScriptError(f"unknown argument(s) {unknown}; known: {sorted(known)}")
-
-    # ---------------------------------------------------------------- engine inputs
-
-    def cmd_sleep(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"task", "level", "tags", "deadline", "abort"})
-        self.s.call(I.SleepCall(args["task"], int(args.get("level", "1")), _tag_list(args.get("tags", "all")),
-                                parse_duration_s(args.get("deadline", "30s")),
-                                abort_in_flight=_bool(args.get("abort", "no"))))  # fmt: skip
-
-    def cmd_wake(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"task", "tags", "deadline", "wait"})
-        self.s.call(I.WakeCall(args["task"], _tag_list(args.get("tags", "all")),
-                               parse_duration_s(args.get("deadline", "30s")),
-                               parse_duration_s(args.get("wait", "0s"))))  # fmt: skip
-
-    def cmd_reload(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"task", "source", "deadline"})
-        self.s.call(I.ReloadCall(args["task"], args.get("source"), parse_duration_s(args.get("deadline", "30s"))))
-
-    def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"task", "start", "prefix", "deadline"})
-        self.s.call(I.ProfileCall(args["task"], _bool(args.get("start", "yes")), args.get("prefix"),
-                                  parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
-
-    def cmd_submit(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"req", "payload", "timeout"})
-        self.s.call(I.Submit(args["req"], _value(args.get("payload", "0")),
-                             parse_duration_s(args.get("timeout", "30s"))))  # fmt: skip
-
-    def cmd_set_admission(self, args: dict[str, str], bare: list[str]) -> None:
-        if len(bare) != 1:
-            raise ScriptError("set-admission queue|reject|wake")
-        self.s.call(I.SetAdmission(AdmissionPolicy(bare[0])))
-
-    def cmd_restart(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"hello", "deadline", "load-error"})
-        deadline_s = parse_duration_s(args.get("deadline", fmt_s(self.start_deadline_s)))
-        self.s.load_errors = _load_errors(args)
-        self._start(lambda hello: self.s.restart(deadline_s, hello=hello), args.get("hello", "deliver"))
-
-    def cmd_stop(self, args: dict[str, str], bare: list[str]) -> None:
-        self.s.stop()
-
-    def cmd_tick(self, args: dict[str, str], bare: list[str]) -> None:
-        self.s.advance(parse_duration_s(bare[0]) if bare else 0.0)
-
-    # ---------------------------------------------------------------- the network
-
-    def _select(self, args: dict[str, str], *, deliverable: bool = False) -> list[Envelope]:
-        self._only(args, {"id", "from", "to", "rank", "type", "task", "n", "by"})
-        found = self.s.find(id=int(args["id"]) if "id" in args else None,
-                            sender=_address(args["from"]) if "from" in args else "any",
-                            to=_address(args["to"]) if "to" in args else "any",
-                            rank=_rank(args["rank"]) if "rank" in args else None,
-                            kind=args.get("type"), task_id=args.get("task"), deliverable=deliverable)  # fmt: skip
-        if not found:
-            raise SimulationError(f"no message in flight matches {args}")
-        count = args.get("n", "1")
-        return found if count == "all" else found[: int(count)]
-
-    def cmd_deliver(self, args: dict[str, str], bare: list[str]) -> None:
-        for envelope in self._select(args, deliverable=True):
-            if envelope in self.s.network:  # an earlier delivery may not have consumed it
-                self.s.deliver(envelope)
-
-    def cmd_deliver_all(self, args: dict[str, str], bare: list[str]) -> None:
-        if not self.s.deliver_all():
-            self.s.say("nothing may arrive now")
-
-    def cmd_settle(self, args: dict[str, str], bare: list[str]) -> None:
-        if not self.s.settle():
-            self.s.say("nothing to do")
-
-    def cmd_drop(self, args: dict[str, str], bare: list[str]) -> None:
-        for envelope in self._select(args):
-            self.s.drop(envelope)
-
-    def cmd_dup(self, args: dict[str, str], bare: list[str]) -> None:
-        for envelope in self._select(args):
-            self.s.duplicate(envelope)
-
-    def cmd_delay(self, args: dict[str, str], bare: list[str]) -> None:
-        if "by" not in args:
-            raise ScriptError("delay needs by=DURATION")
-        for envelope in self._select(args):
-            self.s.delay(envelope, parse_duration_s(args["by"]))
-
-    def cmd_corrupt(self, args: dict[str, str], bare: list[str]) -> None:
-        for envelope in self._select(args):
-            self.s.corrupt(envelope)
-
-    # ---------------------------------------------------------------- the ranks
-
-    def cmd_done(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"rank", "output"})
-        ranks = [_rank(args["rank"])] if "rank" in args else self.s.busy_ranks()
-        if not ranks:
-            raise SimulationError("no rank is performing an effect")
-        for rank in ranks:
-            self.s.perform(rank, output=_value(args["output"]) if "output" in args else _ECHO)
-
-    def cmd_error(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"rank", "msg"})
-        self.s.perform(_rank(args["rank"]), error=args.get("msg", "CUDA error: an illegal memory access"))
-
-    def cmd_refuse(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"rank", "msg"})
-        self.s.perform(_rank(args["rank"]), refuse=args.get("msg", "no checkpoint at that source"))
-
-    def cmd_crash(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"rank", "detail"})
-        self.s.crash(_rank(args["rank"]), args.get("detail", "SIGKILL"))
-
-    def cmd_block(self, args: dict[str, str], bare: list[str]) -> None:
-        rank = _rank(args["rank"])
-        self.s.blocked.add(rank)
-        self.s.say(f"block r{rank}: the engine's send queue to r{rank} is full")
-
-    def cmd_unblock(self, args: dict[str, str], bare: list[str]) -> None:
-        rank = _rank(args["rank"])
-        self.s.blocked.discard(rank)
-        self.s.say(f"unblock r{rank}")
-
-    def cmd_status(self, args: dict[str, str], bare: list[str]) -> list[str]:
-        return self.s.status_lines()
-
-
-_FAULT_KEYS = {"loss": "loss", "dup": "duplicate", "delay": "delay", "max-delay": "max_delay_s",
-               "reorder": "reorder", "crash": "crash", "effect-error": "effect_error"}  # fmt: skip
-
-
-# ==================================================================== the file format
-
-
-@dataclass
-class Block:
-    """One command of a scenario file: the comment and blank lines before it, the command,
-    and (in a file with golden output) the lines expected after `----`."""
-
-    preamble: list[str]
-    command: str
-    expected: list[str] | None = None
-
-
-def parse_blocks(text: str) -> tuple[list[Block], list[str]]:
-    """etcd's datadriven layout: `# comments`, a command line, `----`, the expected output
-    up to a blank line. A file without `----` lines (the walkthrough) is commands only.
-    Returns the blocks and the trailing comment lines."""
-    lines = text.splitlines()
-    blocks: list[Block] = []
-    preamble: list[str] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if not line.strip() or line.lstrip().startswith("#"):
-            preamble.append(line)
-            i += 1
-            continue
-        block = Block(preamble, line.strip())
-        preamble = []
-        i += 1
-        if i < len(lines) and lines[i] == "----":
-            i += 1
-            block.expected = []
-            while i < len(lines) and lines[i].strip():
-                block.expected.append(lines[i])
-                i += 1
-        blocks.append(block)
-    return blocks, preamble
-
-
-def render_blocks(blocks: list[Block], outputs: list[list[str]], trailer: list[str]) -> str:
-    """The file again with `outputs` as the expected sections (the --rewrite mode)."""
-    out: list[str] = []
-    for index, (block, got) in enumerate(zip(blocks, outputs, strict=True)):
-        preamble = list(block.preamble)
-        while index and preamble and not preamble[0].strip():
-            preamble.pop(0)  # one blank line between blocks, written below
-        out += [*preamble, block.command, "----", *got, ""]
-    while out and not out[-1].strip():
-        out.pop()
-    trailer = list(trailer)
-    while trailer and not trailer[0].strip():
-        trailer.pop(0)
-    out += ([""] + trailer) if trailer else []
-    return "\n".join(out) + "\n"
-
-
-def run_blocks(blocks: list[Block]) -> list[list[str]]:
-    """Each block's command on one Script, in order: its transcript lines."""
-    script = Script()
-    outputs = []
-    for number, block in enumerate(blocks, 1):
-        try:
-            outputs.append(script.run(block.command))
-        except ScriptError as exc:
-            raise ScriptError(f"command {number} ({block.command!r}): {exc}") from exc
-    return outputs

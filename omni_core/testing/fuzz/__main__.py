@@ -1,7 +1,7 @@
-"""`python -m omni_core.fuzz`: see `omni_core.fuzz.cli`."""
+"""`python -m omni_core.testing.fuzz`: see `omni_core.testing.fuzz.cli`."""
 
 import sys
 
-from omni_core.fuzz.cli import main
+from omni_core.testing.fuzz.cli import main
 
 sys.exit(main())

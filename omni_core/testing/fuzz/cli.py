@@ -1,4 +1,4 @@
-"""`python -m omni_core.fuzz --target worker|engine --frames N --seed S [--time-box-s T] [--out DIR]`.
+"""`python -m omni_core.testing.fuzz --target worker|engine --frames N --seed S [--time-box-s T] [--out DIR]`.
 
 Prints a progress line every few seconds (frames/s), then a summary: frames sent, replies,
 crashes, hangs, memory before/after, duration. Writes the report as JSON to --out. Exit
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from omni_core.fuzz.common import MAX_RSS_GROWTH_BYTES, FuzzReport, write_report
+from omni_core.testing.fuzz.common import MAX_RSS_GROWTH_BYTES, FuzzReport, write_report
 
 
 def _emit(line: str) -> None:
@@ -19,7 +19,7 @@ def _emit(line: str) -> None:
 
 def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
     if args.target == "worker":
-        from omni_core.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
+        from omni_core.testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
 
         config = WorkerFuzzConfig(seed=args.seed, frames=args.frames, time_box_s=args.time_box_s, transport=transport,
                                   probe_every_frames=args.probe_every, big_every_frames=args.big_every,
@@ -28,7 +28,7 @@ def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
                                   progress_interval_s=args.progress_s, out_dir=args.out,
                                   withhold_known_issues=not args.send_known_issues)  # fmt: skip
         return WorkerFuzzer(config, emit=_emit).run()
-    from omni_core.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
+    from omni_core.testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
 
     config = EngineFuzzConfig(seed=args.seed, frames=args.frames, time_box_s=args.time_box_s, transport=transport,
                               probe_every_frames=args.probe_every * 5, big_every_frames=args.big_every,
@@ -38,7 +38,7 @@ def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_core.fuzz", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m omni_core.testing.fuzz", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--target", choices=("worker", "engine"), required=True)
     parser.add_argument("--frames", type=int, default=10_000, help="fuzzed frames to send (default 10000)")

@@ -1,6 +1,6 @@
 """Engine direction: stranger DEALER sockets send fuzzed frames to a real engine's ROUTER.
 
-The engine runs in its own process (`omni_core.fuzz.engine_host`): one synthetic stage of
+The engine runs in its own process (`omni_core.testing.fuzz.engine_host`): one synthetic stage of
 two ranks, and a client thread that keeps calling execute / sleep / wake / reload_weights
 and checks every answer against a reference. The fuzzer connects strangers to
 `engine.address` and sends replies of every type with mutated fields (the stage's real
@@ -33,10 +33,10 @@ from typing import Any
 
 import zmq
 
-from omni_core.fuzz.common import MAX_RSS_GROWTH_BYTES, Finding, FuzzReport, Progress, count, log_tail
-from omni_core.fuzz.engine_host import LINE_PREFIX, STAGE
-from omni_core.fuzz.generate import FrameGenerator, FuzzContext, GeneratorConfig
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.testing.fuzz.common import MAX_RSS_GROWTH_BYTES, Finding, FuzzReport, Progress, count, log_tail
+from omni_core.testing.fuzz.engine_host import LINE_PREFIX, STAGE
+from omni_core.testing.fuzz.generate import FrameGenerator, FuzzContext, GeneratorConfig
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
 # Counters a stranger's frame may land in; each frame in exactly one of them.
@@ -71,7 +71,8 @@ class _Host:
         self.log_path = log_path
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_core.fuzz.engine_host", "--transport", transport, "--ranks", str(ranks)],
+                [sys.executable, "-m", "omni_core.testing.fuzz.engine_host", "--transport", transport,
+                 "--ranks", str(ranks)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)  # fmt: skip
 
     def read(self, timeout_s: float) -> dict[str, Any]:

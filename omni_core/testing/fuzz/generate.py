@@ -21,20 +21,6 @@ from typing import Any
 import msgspec
 
 from omni_core.fsm.tags import DEFAULT_TAGS
-from omni_core.fuzz.msgpack_writer import (
-    INT_WIDTHS,
-    LENGTH_WIDTHS,
-    Arr,
-    Bin,
-    Deep,
-    Ext,
-    Float,
-    Int,
-    Map,
-    Raw,
-    Str,
-    pack,
-)
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     MESSAGE_TYPES,
@@ -59,6 +45,20 @@ from omni_core.protocol import (
     encode,
 )
 from omni_core.protocol.messages import MAX_TAGS, MAX_TASK_ID_CHARS
+from omni_core.testing.fuzz.msgpack_writer import (
+    INT_WIDTHS,
+    LENGTH_WIDTHS,
+    Arr,
+    Bin,
+    Deep,
+    Ext,
+    Float,
+    Int,
+    Map,
+    Raw,
+    Str,
+    pack,
+)
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
 INT_EDGES: tuple[int, ...] = (

@@ -38,20 +38,6 @@ import zmq
 
 from omni_core.conformance.targets import REFERENCE_RUNNER_ARGS
 from omni_core.fsm.worker import MAX_EPOCH_AHEAD
-from omni_core.fuzz.common import (
-    FINDING_BYTES_KEPT,
-    MAX_RSS_GROWTH_BYTES,
-    Finding,
-    FuzzReport,
-    Progress,
-    count,
-    cpu_seconds,
-    log_tail,
-    peak_rss_bytes,
-    rss_bytes,
-)
-from omni_core.fuzz.generate import Frame, FrameGenerator, FuzzContext, GeneratorConfig
-from omni_core.fuzz.known_issues import open_issues
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Ack,
@@ -73,6 +59,20 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.testing.fuzz.common import (
+    FINDING_BYTES_KEPT,
+    MAX_RSS_GROWTH_BYTES,
+    Finding,
+    FuzzReport,
+    Progress,
+    count,
+    cpu_seconds,
+    log_tail,
+    peak_rss_bytes,
+    rss_bytes,
+)
+from omni_core.testing.fuzz.generate import Frame, FrameGenerator, FuzzContext, GeneratorConfig
+from omni_core.testing.fuzz.known_issues import open_issues
 from omni_core.transport import ipc_address, make_router
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
@@ -99,7 +99,7 @@ class WorkerFuzzConfig:
     runner_args: dict[str, Any] = field(default_factory=lambda: dict(REFERENCE_RUNNER_ARGS))
     progress_interval_s: float = 5.0
     out_dir: str | None = None  # reproducers of findings are written here
-    # Withhold frames that trigger a reported, still-open bug (omni_core.fuzz.known_issues),
+    # Withhold frames that trigger a reported, still-open bug (omni_core.testing.fuzz.known_issues),
     # counted in the report; a fixed bug's frames are sent again automatically.
     withhold_known_issues: bool = True
 
