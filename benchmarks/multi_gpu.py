@@ -52,7 +52,7 @@ from omni_core.engine.spec import RayPlacement
 PARTS = ("tp", "ray", "swap")
 RUNNERS = ("vllm", "transformers", "synthetic")  # the TP stages parts tp and ray may run
 GiB = 1 << 30
-TP_RUNNER = "omni_core.workers.tensor_parallel:TensorParallelRunner"
+TP_RUNNER = "omni_core.runners.tensor_parallel:TensorParallelRunner"
 LLM_REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]], "max_new_tokens": 24,
                "stop_at_eos": False}  # fmt: skip
 TP_PROBE = {"seed": 9, "batch": 4}

@@ -25,7 +25,7 @@ import torch
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 
 BUILTIN_RUNNERS = {
-    "synthetic": "omni_core.workers.synthetic:SyntheticRunner",
+    "synthetic": "omni_core.runners.synthetic:SyntheticRunner",
     "transformers": "omni_core.runners.transformers_runner:TransformersRunner",
     "diffusers": "omni_core.runners.diffusers_runner:DiffusersRunner",
     "vllm": "omni_core.runners.vllm_runner:VllmRunner",
@@ -150,11 +150,23 @@ class ModelRunner(ABC):
         return None
 
 
+# Modules of this package that moved: a stage spec naming the old path is told the new one.
+MOVED_MODULES = {
+    "omni_core.workers.synthetic": "omni_core.runners.synthetic",
+    "omni_core.workers.tensor_parallel": "omni_core.runners.tensor_parallel",
+    "omni_core.workers.runner": "omni_core.runners.base",
+    "omni_core.workers.testing": "omni_core.testing.faults",
+}
+
+
 def import_object(path: str) -> Any:
     """Resolve `package.module:Name`, with an error that says what to fix."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"import path {path!r} must look like 'package.module:ClassName'")
+    if module_name in MOVED_MODULES:
+        raise ImportError(f"module {module_name!r} named by {path!r} has moved: name it "
+                          f"'{MOVED_MODULES[module_name]}:{attr}'")  # fmt: skip
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -171,7 +183,7 @@ def load_runner_class(name: str) -> type[ModelRunner]:
     cls = import_object(BUILTIN_RUNNERS.get(name, name))
     if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
         raise TypeError(f"runner {name!r} resolves to {cls!r}, which is not a subclass of "
-                        "omni_core.workers.runner.ModelRunner")  # fmt: skip
+                        "omni_core.runners.base.ModelRunner")  # fmt: skip
     return cls
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.workers.runner import ModelRunner, RunnerArgumentError
+from omni_core.runners.base import ModelRunner, RunnerArgumentError
 
 MiB = 1 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

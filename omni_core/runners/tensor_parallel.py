@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.workers.runner import ModelRunner
-from omni_core.workers.synthetic import MAX_BATCH, tensor_bytes, torch_dtype
+from omni_core.runners.base import ModelRunner
+from omni_core.runners.synthetic import MAX_BATCH, tensor_bytes, torch_dtype
 
 
 def _shard_seed(seed: int, layer: int, which: int, rank: int) -> int:

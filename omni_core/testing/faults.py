@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers.backends.portable import PortableBackend
 from omni_core.workers.memory_gate import MemoryGate
-from omni_core.workers.synthetic import SyntheticRunner
 
 FAULT_POINTS = ("load", "reload", "execute")
 

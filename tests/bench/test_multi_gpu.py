@@ -11,8 +11,8 @@ import pytest
 
 from benchmarks import multi_gpu
 from benchmarks.__main__ import main as cli_main
-from omni_core.workers.synthetic import tensor_bytes
-from omni_core.workers.tensor_parallel import reference_output
+from omni_core.runners.synthetic import tensor_bytes
+from omni_core.runners.tensor_parallel import reference_output
 
 
 def test_cpu_smoke_runs_tp_and_swap_and_every_output_stays_exact(tmp_path, capsys):

@@ -38,9 +38,9 @@ from omni_core.protocol import (
     decode,
     encode,
 )
+from omni_core.runners.base import RunnerArgumentError
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
-from omni_core.workers.runner import RunnerArgumentError
-from omni_core.workers.synthetic import SyntheticRunner
 
 from ._worker import RawWorker
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omni_core.runners import vllm_runner
+from omni_core.runners.base import MemoryBudget, RunnerArgumentError
 from omni_core.runners.vllm_runner import (
     Completion,
     VllmRunner,
@@ -28,7 +29,6 @@ from omni_core.runners.vllm_runner import (
 )
 from omni_core.runners.weights import read_headers
 from omni_core.workers.backends import PortableBackend
-from omni_core.workers.runner import MemoryBudget, RunnerArgumentError
 
 CPU = torch.device("cpu")
 

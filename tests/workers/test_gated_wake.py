@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers.backends import CumemBackend, PortableBackend
 from omni_core.workers.backends.fast import FastBackend
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.simulated_device import HolderList, SimulatedDevice, SimulatedResidency
-from omni_core.workers.synthetic import SyntheticRunner
 
 from .test_cumem_versions import VARIANTS, FakeCumemModule
 from .test_fast_backend import DeferredOps

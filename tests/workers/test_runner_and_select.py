@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni_core.runners.base import ModelRunner, load_runner, load_runner_class
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.testing.faults import FailingWakeBackend, FaultyRunner
 from omni_core.workers.backends import BackendUnavailable, PortableBackend, select_backend
-from omni_core.workers.runner import ModelRunner, load_runner, load_runner_class
-from omni_core.workers.synthetic import SyntheticRunner
 
 CPU = torch.device("cpu")
 ARGS = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 32 << 10, "hidden": 32}
@@ -31,9 +31,13 @@ def test_runners_by_name_and_import_path():
     ("path", "message"),
     [
         ("no_such_pkg.mod:Runner", "cannot import module 'no_such_pkg.mod'"),
-        ("omni_core.workers.synthetic:Nope", "has no attribute 'Nope'"),
-        ("omni_core.workers.synthetic", "must look like 'package.module:ClassName'"),
-        ("omni_core.workers.synthetic:tensor_bytes", "not a subclass of omni_core.workers.runner.ModelRunner"),
+        ("omni_core.runners.synthetic:Nope", "has no attribute 'Nope'"),
+        ("omni_core.runners.synthetic", "must look like 'package.module:ClassName'"),
+        ("omni_core.runners.synthetic:tensor_bytes", "not a subclass of omni_core.runners.base.ModelRunner"),
+        # a spec written before the runners moved to omni_core.runners is told where they went
+        ("omni_core.workers.synthetic:SyntheticRunner",
+         "has moved: name it 'omni_core.runners.synthetic:SyntheticRunner'"),
+        ("omni_core.workers.tensor_parallel:TensorParallelRunner", "'omni_core.runners.tensor_parallel:TensorParal"),
     ],
 )
 def test_bad_runner_paths_say_what_to_fix(path, message):
