@@ -20,7 +20,7 @@ from omni_core.engine import Engine, StageSpec
 from omni_core.provenance import git_commit
 
 EMPTY_MODEL = {"weights_bytes": 64, "tensor_count": 1, "hidden": 4, "kv_bytes": 16, "cpu_threads": 1}
-TARGET_P50_MS, TARGET_P99_MS = 2.0, 10.0  # at 8 ranks on the 2-core CI machine (issue 7)
+TARGET_P50_MS, TARGET_P99_MS = 2.0, 10.0  # at 8 ranks on the 2-core CI machine
 
 
 def _percentile(sorted_ms: list[float], q: float) -> float:

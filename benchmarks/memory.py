@@ -21,7 +21,7 @@ discarded). GB/s = bytes of the weights' allocations / seconds (decimal GB, as t
 anchors). Host bytes = the drop of MemAvailable between the loaded state (before any
 arena) and the first sleep, i.e. whatever the method pinned or copied into.
 
-Writes memory.json (everything), memory.md (the tables and the targets of issue 7) and
+Writes memory.json (everything), memory.md (the tables and the targets) and
 memory.png (when matplotlib is importable; `--render memory.json` redraws both later).
 """
 
@@ -405,7 +405,7 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def targets(results: list[dict[str, Any]], method: str = "fast") -> list[dict[str, Any]]:
-    """Issue 7's targets for `method`, per workload: met, or missed by how much."""
+    """The targets for `method`, per workload: met, or missed by how much."""
     rows = []
     for r in results:
         if parse_method(r["method"])[0] != method or r.get("error"):

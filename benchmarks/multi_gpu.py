@@ -1,4 +1,4 @@
-"""`python -m benchmarks --multi-gpu`: tensor-parallel stages on two GPUs (issue 18).
+"""`python -m benchmarks --multi-gpu`: tensor-parallel stages on two GPUs.
 
 Three parts, each with a fresh Engine, every output compared with the one taken first:
 

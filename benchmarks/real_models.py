@@ -1,6 +1,6 @@
 """`python -m benchmarks --real-models`: a real LLM stage and a real DiT stage co-located on one GPU.
 
-Issue 12, item 6. Two stages of one rank each share one GPU, each under its own
+Two stages of one rank each share one GPU, each under its own
 `gpu_memory_fraction`: `llm` (the `transformers` runner, Qwen2 1.5B in bfloat16, its KV cache
 sized by the fraction) and `dit` (the `diffusers` runner, a 600M-parameter class-conditional
 DiT pipeline in float32, step-wise requests in a pool of their own). For each memory backend

@@ -1,4 +1,4 @@
-"""`python -m benchmarks --swap`: one stage sleeps while another wakes, on one GPU (issue 14 item 4).
+"""`python -m benchmarks --swap`: one stage sleeps while another wakes, on one GPU.
 
 A swap is two processes sharing one host link and one device, so each case runs two fresh
 stage processes (benchmarks.swap_child), A (outgoing, loaded and awake) and B

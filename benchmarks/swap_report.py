@@ -173,7 +173,7 @@ def _case(results: list[dict[str, Any]], pair: str, method: str) -> dict[str, An
 
 
 def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 14's targets, met or missed by how much: the timing targets on pairs of two
+    """The targets, met or missed by how much: the timing targets on pairs of two
     equal stages without a filler; zero over-commit on every swap (binding where filled);
     bit-exactness everywhere."""
     rows: list[dict[str, Any]] = []

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.vllm_stage`: a real vLLM under omni-core, on the lent GPU (issue 13).
+"""`python -m benchmarks.vllm_stage`: a real vLLM under omni-core, on the lent GPU.
 
 Three parts, each its own processes (vLLM's allocator is one per process):
 

@@ -1,4 +1,4 @@
-"""A real vLLM stage on the GPU through every lifecycle, on cumem and fast (issue 13).
+"""A real vLLM stage on the GPU through every lifecycle, on cumem and fast.
 
 Runs benchmarks/vllm_stage's `stage` part: a Qwen2-1.5B-shaped checkpoint (made here, seeded) in a
 `vllm` stage, greedy tokens identical after L1 x2, L2 + reload, a partial wake, a weight

@@ -1,4 +1,4 @@
-"""Clean-weights sleep (issue 14, item 1): a level-1 sleep of weights the runner declares
+"""Clean-weights sleep: a level-1 sleep of weights the runner declares
 read-only releases them without copying, because the host arena already holds them.
 
 On the fast backend's CPU doubles (test_fast_backend.DeferredOps over the CuMemAllocator

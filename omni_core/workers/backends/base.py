@@ -42,8 +42,8 @@ class _SavedBuffer:
 class MemoryBackend(ABC):
     name: str = "?"
     capabilities: tuple[Capability, ...] = ()
-    # `_wake` takes a memory gate and rolls back when it expires (Capability.SWAP). False for
-    # a backend written before the gate: its `_wake(tags)` is called as it was.
+    # `_wake` honours a memory gate and rolls back when it expires (Capability.SWAP). False: a
+    # wake given a gate is refused, and `_wake` is only ever called with none.
     supports_memory_gate: bool = False
 
     def __init__(self, device: torch.device) -> None:
@@ -127,10 +127,7 @@ class MemoryBackend(ABC):
             raise BackendStateError(f"backend {self.name!r} cannot wait for device memory (no memory gate); "
                                     "wake it without wait_for_memory_s")  # fmt: skip
         try:
-            if self.supports_memory_gate:
-                self._wake(tags, gate)
-            else:
-                self._wake(tags)  # type: ignore[call-arg]  # a backend written before the gate
+            self._wake(tags, gate)
         except MemoryWaitExpired as exc:
             raise WakeRefused(str(exc)) from exc
         # Only now: a refused wake leaves the saved buffers for the next one.
