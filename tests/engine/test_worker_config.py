@@ -1,13 +1,15 @@
-"""One WorkerConfig builder for every launcher: each field a rank shares with its StageSpec
-comes from the spec, whichever launcher starts the rank."""
+"""What a rank is started with, declared once: one WorkerConfig builder for every launcher
+(each field a rank shares with its StageSpec comes from the spec), and one list of backend
+names for the spec and the worker that selects the backend."""
 
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from omni_core.engine import StageSpec
+from omni_core.engine import InvalidArgumentError, StageSpec
 from omni_core.engine.ranks import worker_config
-from omni_core.workers.config import WorkerConfig
+from omni_core.workers.config import BUILTIN_BACKENDS, WorkerConfig
 
 SPEC = StageSpec("talker", runner="synthetic", runner_args={"weights_bytes": 4096}, ranks=2, backend="portable",
                  gpu_memory_fraction=None, verify_clean_sleep=True, max_frame_bytes=1 << 20,
@@ -33,3 +35,14 @@ def test_what_only_a_launcher_knows_is_its_own() -> None:
     assert (local.parent_pid, local.exit_with_parent) == (42, True)
     assert (ray.parent_pid, ray.exit_with_parent) == (None, False)
     assert msgspec.structs.replace(local, parent_pid=None, exit_with_parent=False) == ray
+
+
+def test_a_stage_takes_every_backend_a_worker_can_select() -> None:
+    from omni_core.workers.backends import select
+
+    assert select.BUILTIN_BACKENDS is BUILTIN_BACKENDS  # one list of names
+    for name in (*BUILTIN_BACKENDS, "omni_core.testing.faults:FailingWakeBackend"):
+        assert StageSpec("s", backend=name).backend == name
+    for name in ("magic", "omni_core.testing.faults:", ":FailingWakeBackend", 3):
+        with pytest.raises(InvalidArgumentError, match="backend"):
+            StageSpec("s", backend=name)

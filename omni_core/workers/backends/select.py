@@ -12,8 +12,7 @@ from omni_core.runners.base import import_object
 from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
 from omni_core.workers.backends.cumem import CumemBackend, cumem_unavailable_reason
 from omni_core.workers.backends.portable import PortableBackend
-
-BUILTIN_BACKENDS = ("auto", "cumem", "portable", "fast")
+from omni_core.workers.config import BUILTIN_BACKENDS
 
 
 def select_backend(name: str, device: torch.device | str) -> MemoryBackend:
