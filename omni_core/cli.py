@@ -68,31 +68,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.control_plane:
-        from omni_core.bench.control_plane import main as control_plane_main
-
-        ranks = args.ranks or [1, 2, 4, 8]
-        cycles = args.cycles or (25 if args.short else 250)
-        return control_plane_main(ranks, cycles, args.out, " ".join(["omni-core", *sys.argv[1:]]))
-    if args.real_models:
-        from omni_core.bench.real_models import main as real_models_main
-
-        return real_models_main(args)
-    if args.swap:
-        from omni_core.bench.swap import main as swap_main
-
-        return swap_main(args)
-    if args.multi_gpu:
-        from omni_core.bench.multi_gpu import main as multi_gpu_main
-
-        return multi_gpu_main(args)
-    if args.vllm:
-        from omni_core.bench.vllm_stage import main as vllm_stage_main
-
-        return vllm_stage_main(["--out", args.out or "vllm-stage-results", "--models", args.models_dir])
-    from omni_core.bench.memory import main as memory_main  # the GPU memory-path benchmark
-
-    return memory_main(args)
+    # The benchmarks are not installed with the package: they live beside their results.
+    print("omni-core bench: the benchmarks are not part of the installed package; from the root of a "
+          "checkout of omni-core run `python -m benchmarks --help` (results in benchmarks/results)",
+          file=sys.stderr)  # fmt: skip
+    return 2
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
@@ -151,48 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
     p.add_argument("--config", default=None, help="a TOML stage config: sleep, wake and reload each of its stages")
     p.set_defaults(func=_cmd_demo)
-    p = sub.add_parser("bench", help="benchmarks: memory path on a GPU, or --control-plane on CPU")
-    p.add_argument("--control-plane", action="store_true",
-                   help="sleep/wake round trips of a stage with N rank processes (portable, empty model)")
-    p.add_argument("--ranks", type=int, action="append", help="rank count (repeatable; default 1 2 4 8)")
-    p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")
-    p.add_argument("--short", action="store_true", help="few cycles: a smoke run for CI")
-    p.add_argument("--out", default=None, help="folder for JSON, Markdown (and PNG) results")
-    p.add_argument("--methods", action="append",
-                   help="memory path: comma-separated methods (default limit,vllm,tms,cumem,fast; options as "
-                        "fast:chunk_mib=64,streams=1)")  # fmt: skip
-    p.add_argument("--workloads", action="append", help="memory path: comma-separated (default 1g,8g,32g,mixed)")
-    p.add_argument("--reps", type=int, default=None, help="memory path: level-1 cycles per case (default 4)")
-    p.add_argument("--case-timeout-s", type=float, default=420.0, help="memory path: limit per (method, workload)")
-    p.add_argument("--render", default=None, help="memory path: redraw Markdown and PNG from this memory.json")
-    p.add_argument("--real-models", action="store_true",
-                   help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "
-                        "(--methods cumem,fast; --reps level-1 cycles; --render real_models.json)")  # fmt: skip
-    p.add_argument("--vllm", action="store_true",
-                   help="a vLLM stage through every lifecycle on cumem and fast, two vLLM stages started together "
-                        "on one GPU, and plain vllm.LLM sleep/wake with vLLM's backend beside omni_fast (GPU)")
-    p.add_argument("--swap", action="store_true",
-                   help="one stage sleeps while another wakes on one GPU: link limit, vLLM and omni-core "
-                        "sequential, omni-core swap (dirty/clean weights), Engine.swap; --workloads as pairs "
-                        "A:B[+fill] (default 16g:16g,8g:16g+fill); --render swap_gpu.json")  # fmt: skip
-    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
-                   help="--swap: cuda (default) or cpu (a smoke run: portable backend, simulated device, "
-                        "workloads 2m/4m); --multi-gpu: cuda (two GPUs, default) or cpu (gloo, portable backend, "
-                        "simulated device)")  # fmt: skip
-    p.add_argument("--memory-wait-s", type=float, default=60.0,
-                   help="--swap: how long the incoming stage's wake may wait for free memory")
-    p.add_argument("--multi-gpu", action="store_true",
-                   help="tensor-parallel (2 ranks) stages on two GPUs: every lifecycle with per-rank NVML and GB/s "
-                        "(--parts tp), through Ray with an actor killed mid-sleep (ray), Engine.swap of two TP "
-                        "stages against sequential (swap); --device cpu: the gloo smoke run")  # fmt: skip
-    p.add_argument("--parts", default=None, help="multi-gpu: comma-separated parts (default tp,ray,swap)")
-    p.add_argument("--runners", default=None,
-                   help="multi-gpu: the TP stages of parts tp and ray (default vllm,transformers,synthetic)")
-    p.add_argument("--real-size", default="large", choices=("large", "tiny"),
-                   help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
-    p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")
-    p.add_argument("--dit-model", default=None, help="real models: a local diffusers DiT directory (else made)")
-    p.add_argument("--models-dir", default="/tmp/omni-core-models", help="real models: where missing ones are made")
+    # Every argument of the old command is taken (none parsed as an option) and answered with where it went.
+    p = sub.add_parser("bench", help="moved: run `python -m benchmarks` from a checkout", add_help=False,
+                       prefix_chars="+")  # fmt: skip
+    p.add_argument("arguments", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
     p.set_defaults(func=_cmd_walkthrough)

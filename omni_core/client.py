@@ -23,7 +23,6 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -110,10 +109,6 @@ class OmniClient:
 
     def is_sleeping(self) -> bool:
         return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
-
-    @staticmethod
-    def new_idempotency_key() -> str:
-        return uuid.uuid4().hex
 
     # ------------------------------------------------------------------ transport
 

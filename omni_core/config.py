@@ -32,7 +32,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.spec import RayPlacement, StageSpec
@@ -79,15 +80,33 @@ _TABLE = "a table"
 _STR_LIST = "a list of strings"
 _BOOL = "true or false"
 
-# StageSpec's fields and what TOML value each takes; StageSpec itself checks the ranges.
-STAGE_FIELDS: dict[str, str] = {
-    "name": _STR, "runner": _STR, "runner_args": _TABLE, "ranks": _INT, "devices": _STR_LIST,
-    "device": _STR, "backend": _STR, "admission": _STR, "deadline_s": _NUMBER,
-    "start_deadline_s": _NUMBER, "request_timeout_s": _NUMBER, "queue_limit": _INT,
-    "max_in_flight": _INT, "max_frame_bytes": _INT, "gpu_memory_fraction": _NUMBER, "tags": _STR_LIST,
-    "placement": _TABLE, "verify_clean_sleep": _BOOL, "profile_dir": _STR, "profile_max_s": _NUMBER,
-    "simulated_device": _TABLE,
-}  # fmt: skip
+
+def _toml_kind(hint: Any) -> str:
+    """What TOML value a field annotated `hint` takes (None is written by leaving it out)."""
+    if get_origin(hint) in (Union, UnionType):
+        kinds = {_toml_kind(h) for h in get_args(hint) if h is not type(None)}
+        assert len(kinds) == 1, f"a field of type {hint} takes {kinds} in TOML: pick one"
+        return kinds.pop()
+    origin = get_origin(hint) or hint
+    if origin is bool:
+        return _BOOL
+    if origin is int:
+        return _INT
+    if origin is float:
+        return _NUMBER
+    if isinstance(origin, type) and issubclass(origin, str):  # str, and enums of str (AdmissionPolicy)
+        return _STR
+    if origin is tuple:
+        return _STR_LIST
+    if origin in (dict, Mapping) or dataclasses.is_dataclass(origin) or hasattr(origin, "__struct_fields__"):
+        return _TABLE
+    raise AssertionError(f"no TOML value for a field of type {hint}")
+
+
+# StageSpec's fields and what TOML value each takes, from StageSpec's own annotations (a field
+# is declared once, there); StageSpec itself checks the ranges.
+_STAGE_HINTS = get_type_hints(StageSpec)
+STAGE_FIELDS: dict[str, str] = {f.name: _toml_kind(_STAGE_HINTS[f.name]) for f in dataclasses.fields(StageSpec)}
 # [stages.placement]: RayPlacement's fields a file can give (a PlacementGroup object cannot be
 # written in TOML; a named one can).
 PLACEMENT_FIELDS: dict[str, str] = {
@@ -97,7 +116,6 @@ PLACEMENT_FIELDS: dict[str, str] = {
 # [stages.simulated_device]: a CPU stand-in for a GPU's capacity (a swap's memory gate).
 SIMULATED_DEVICE_FIELDS: dict[str, str] = {"directory": _STR, "capacity_bytes": _INT}
 assert set(SIMULATED_DEVICE_FIELDS) == set(SimulatedDevice.__struct_fields__), "update SIMULATED_DEVICE_FIELDS"
-assert set(STAGE_FIELDS) == {f.name for f in dataclasses.fields(StageSpec)}, "StageSpec changed: update STAGE_FIELDS"
 
 SERVER_FIELDS: dict[str, str] = {
     "host": _STR, "port": _INT, "default_stage": _STR, "api_key_file": _STR, "api_key_env": _STR,

@@ -17,7 +17,7 @@ canary mutants that crash on purpose prove that both the test process and the ra
 processes (`python -m omni_core.workers`) run the copy's code.
 
     .venv/bin/python scripts/mutate.py --list              # the table; non-zero if a snippet is stale
-    .venv/bin/python scripts/mutate.py --out bench/results/mutation.md
+    .venv/bin/python scripts/mutate.py --out benchmarks/results/mutation.md
     .venv/bin/python scripts/mutate.py --only reject-policy --only auto-wake
     .venv/bin/python scripts/mutate.py --ref HEAD          # mutate the committed tree, not the working tree
 

@@ -1,6 +1,6 @@
 """Helpers shared by the lifecycle unit tests: drivers that push every message through the
 codec (as on the wire), state builders, and a recorder of the transitions that fired. The
-stage harness runs on the one simulator (`omni_core.fsm.sim`)."""
+stage harness runs on the one simulator (`omni_core.testing.network`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Lifecycle, StageCore, StageStep, WorkerCore
-from omni_core.fsm.sim import NO_MEMORY as NO_MEMORY  # the lifecycle tests import it from here
-from omni_core.fsm.sim import Simulator
 from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import (
     Command,
@@ -25,6 +23,8 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.testing.network import NO_MEMORY as NO_MEMORY  # the lifecycle tests import it from here
+from omni_core.testing.network import Simulator
 
 W = WorkerState
 _ids = itertools.count()
@@ -132,7 +132,7 @@ class OnSimulator:
 
 
 class StageHarness(OnSimulator):
-    """One StageCore and its WorkerCores on the simulator (`omni_core.fsm.sim`), for scripted
+    """One StageCore and its WorkerCores on the simulator (`omni_core.testing.network`), for scripted
     cases that drive the stage core's methods directly: `to_workers` runs a step's commands on
     the ranks at once (no faults), `feed` hands the replies to the stage."""
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-from omni_core.cli import main
+from benchmarks.__main__ import main
+from omni_core.cli import main as cli_main
 
 
 def test_control_plane_bench_short_mode(tmp_path, capsys) -> None:
-    assert main(["bench", "--control-plane", "--short", "--ranks", "1", "--ranks", "2",
+    assert main(["--control-plane", "--short", "--ranks", "1", "--ranks", "2",
                  "--cycles", "10", "--out", str(tmp_path)]) == 0  # fmt: skip
     data = json.loads((tmp_path / "control_plane.json").read_text())
     assert [r["ranks"] for r in data["results"]] == [1, 2]
@@ -18,3 +19,8 @@ def test_control_plane_bench_short_mode(tmp_path, capsys) -> None:
     table = (tmp_path / "control_plane.md").read_text()
     assert "| 2 | 20 |" in table
     assert "ranks 2: p50" in capsys.readouterr().out
+
+
+def test_the_installed_cli_names_where_the_benchmarks_went(capsys) -> None:
+    assert cli_main(["bench", "--control-plane"]) == 2
+    assert "python -m benchmarks" in capsys.readouterr().err

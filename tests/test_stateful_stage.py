@@ -1,4 +1,4 @@
-"""One StageCore with N ranks (real WorkerCores) on the one simulator (`omni_core.fsm.sim`),
+"""One StageCore with N ranks (real WorkerCores) on the one simulator (`omni_core.testing.network`),
 whose network hypothesis drives to deliver in any order, duplicate, drop, and replay replies
 from older epochs or for unknown tasks; plus time, dead ranks, restarts, requests and API
 calls with fresh or reused task_ids, every engine input through `StageCore.step`. Compared
@@ -37,7 +37,6 @@ from reference_models import (
 
 from omni_core.fsm import StageBusyError, StageCommandError, StageCore, StageStep, TaskOutcome, WorkerCore
 from omni_core.fsm import inputs as I
-from omni_core.fsm.sim import Envelope, Simulator
 from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import (
     Ack,
@@ -52,6 +51,7 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.testing.network import Envelope, Simulator
 
 S = StageState
 W = WorkerState

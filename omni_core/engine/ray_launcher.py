@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from omni_core.engine.errors import InvalidArgumentError
-from omni_core.engine.ranks import free_tcp_port, torchrun_env
+from omni_core.engine.ranks import free_tcp_port, torchrun_env, worker_config
 from omni_core.engine.spec import RayPlacement, StageSpec
 from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
 from omni_core.transport import CurveKeys
@@ -204,15 +204,9 @@ class RayLauncher:
         ranks = []
         for rank in range(spec.ranks):
             index = placement.bundle_indices[rank] if placement.bundle_indices else rank
-            config = WorkerConfig(address=address, rank=rank, epoch=epoch, stage=spec.name, runner=spec.runner,
-                                  runner_args=dict(spec.runner_args), backend=spec.backend, device=spec.device,
-                                  tags=spec.tags, gpu_memory_fraction=spec.gpu_memory_fraction,
-                                  verify_clean_sleep=spec.verify_clean_sleep, simulated_device=spec.simulated_device,
-                                  max_frame_bytes=spec.max_frame_bytes, curve_server_key=curve.server_public.decode(),
-                                  trace_path=trace_path, profile_dir=spec.profile_dir,
-                                  profile_max_s=spec.profile_max_s,
-                                  # Its parent is a raylet; Ray ends the actor when this driver goes.
-                                  exit_with_parent=False)  # fmt: skip
+            # Its parent is a raylet; Ray ends the actor when this driver goes.
+            config = worker_config(spec, rank=rank, epoch=epoch, address=address, trace_path=trace_path,
+                                   curve=curve, exit_with_parent=False)  # fmt: skip
             options: dict[str, Any] = {
                 "num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus,
                 "resources": dict(placement.resources) or None,

@@ -11,10 +11,10 @@ from omni_core.engine.errors import InvalidArgumentError
 from omni_core.fsm.admission import AdmissionPolicy  # the one definition, beside its tables
 from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.workers.config import backend_name_problem
 from omni_core.workers.simulated_device import SimulatedDevice
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-BACKENDS = ("auto", "portable", "cumem", "fast")
 # Requests in flight per stage, at most: below the orchestrator's per-rank socket queue
 # (10,000), so the queue never overflows before admission says "wait" or "rejected".
 MAX_IN_FLIGHT_LIMIT = 4096
@@ -123,9 +123,9 @@ class StageSpec:
                 raise InvalidArgumentError(
                     f"stage {self.name!r}: {len(self.devices)} devices for {self.ranks} ranks; "
                     "give one CUDA_VISIBLE_DEVICES entry per rank")
-        if self.backend not in BACKENDS and ":" not in self.backend:  # or a MemoryBackend's import path
-            raise InvalidArgumentError(f"stage {self.name!r}: backend {self.backend!r} is not one "
-                                       f"of {list(BACKENDS)}")  # fmt: skip
+        problem = backend_name_problem(self.backend)
+        if problem:
+            raise InvalidArgumentError(f"stage {self.name!r}: {problem}")
         try:
             object.__setattr__(self, "admission", AdmissionPolicy(self.admission))
         except ValueError:

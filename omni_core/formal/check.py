@@ -41,50 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_core.formal import agree, gen_transitions
+from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 
 DEFAULT_TIMEOUT_S = 300.0
 LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
-MANIFEST = "manifest.json"
-
-
-def tla_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "tla"
-
-
-@dataclass(frozen=True)
-class Model:
-    """One manifest entry. `expect` is "ok", an invariant name, or a temporal property name
-    (`kind` "temporal"). `distinct_states` is what TLC reported when the manifest was last
-    written; `control_states` the same for a bug model's control run. `spec` is the module
-    it checks: the entry's own `spec` key, else the manifest's (OmniSleep.tla)."""
-
-    name: str
-    config: str
-    expect: str
-    kind: str  # "model", "bug" or "temporal" (a bug model that breaks a temporal property)
-    workers: int
-    distinct_states: int | None
-    control_states: int | None
-    about: str
-    spec: str = ""  # the module the config is for: the entry's own, else the manifest's
-    long: bool = False  # run only by --long
-    seconds: float | None = None  # measured by the last --update-manifest (the manifest says where)
-
-    @property
-    def is_bug(self) -> bool:
-        return self.kind in ("bug", "temporal")
-
-    @classmethod
-    def from_json(cls, data: dict, default_spec: str = "") -> Model:
-        return cls(name=data["name"], config=data["config"], expect=data["expect"],
-                   kind=data.get("kind", "model"), workers=int(data.get("workers", 2)),
-                   distinct_states=data.get("distinct_states"),
-                   control_states=data.get("control_states"), about=data.get("about", ""),
-                   spec=data.get("spec", default_spec), long=bool(data.get("long", False)),
-                   seconds=data.get("seconds"))  # fmt: skip
-
-
 @dataclass
 class Row:
     model: str
@@ -94,11 +55,6 @@ class Row:
     seconds: float
     ok: bool
     note: str = ""
-
-
-def load_manifest(root: Path) -> tuple[dict, list[Model]]:
-    data = json.loads((root / MANIFEST).read_text())
-    return data, [Model.from_json(m, data["spec"]) for m in data["models"]]
 
 
 def select(models: list[Model], *, long: bool, only: list[str] | None) -> list[Model]:

@@ -176,10 +176,6 @@ def render() -> str:
     ])  # fmt: skip
 
 
-class StaleError(RuntimeError):
-    pass
-
-
 def stale_message(path: Path) -> str:
     return (f"{path} is stale: the transition tables in omni_core/fsm changed since it was "
             f"generated. Run: {REGEN_COMMAND}")  # fmt: skip

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_core.formal.manifest import load_manifest
 from omni_core.formal.reports import summary_line, write_keeping_notes
 from omni_core.formal.tlc import run_tlc
 
@@ -342,8 +343,6 @@ def check_guard(guard: Guard, root: Path, models: dict[str, str], limits_s: dict
 
 def _models_for(module: str, root: Path, only: list[str] | None = None) -> dict[str, str]:
     """The models a mutant of `module` runs (MODELS), narrowed to `only` where given."""
-    from omni_core.formal.check import load_manifest
-
     _, entries = load_manifest(root)
     configs = {m.name: m.config for m in entries}
     return {name: configs[name] for name in MODELS[module] if name in configs and (not only or name in only)}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omni_core.formal import trace_export
+from omni_core.formal.manifest import tla_dir
 from omni_core.formal.tlc import EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.fsm.trace_records import TraceLine
 from omni_core.trace import TraceFormatError
@@ -43,10 +44,6 @@ OWED_AT_END = (
 )
 _PROGRESS = re.compile(r'^<<\s*"@trace",\s*(\d+),\s*(.*?)\s*>>$')
 _TRACE_I = re.compile(r"^/\\ i = (\d+)\s*$", re.MULTILINE)
-
-
-def tla_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "tla"
 
 
 @dataclass

@@ -211,7 +211,7 @@ def _check_target(target: Path, force: bool) -> None:
 def make_checkpoint(family: str, size: str, directory: str | Path, *, seed: int = 0, dtype: str | None = None,
                     force: bool = False) -> CheckpointInfo:  # fmt: skip
     """Write FAMILY at SIZE into `directory`; deterministic given `seed` (and dtype)."""
-    from omni_core.workers.synthetic import torch_dtype
+    from omni_core.runners.synthetic import torch_dtype
 
     fam, spec = lookup(family, size)
     dtype_name = dtype or spec.dtype

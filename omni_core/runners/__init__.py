@@ -1,4 +1,5 @@
-"""Runners for real models: `transformers` (causal LMs) and `diffusers` (diffusion pipelines,
-step-wise). Registered as builtin runner names in `omni_core.workers.runner.BUILTIN_RUNNERS`;
-transformers and diffusers are imported only when one of them is loaded (`pip install
-omni-core[models]`)."""
+"""Where a model plugs into a worker: the runner interface and its registry (`base`), and
+every runner: `synthetic` and its tensor-parallel form (tests, benchmarks), `transformers`
+(causal LMs), `diffusers` (diffusion pipelines, step-wise) and `vllm`. The builtin names are
+in `omni_core.runners.base.BUILTIN_RUNNERS`; transformers, diffusers and vllm are imported
+only when one of their runners is loaded (`pip install omni-core[models]`)."""

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.base import ModelRunner, RunnerArgumentError
+from omni_core.runners.synthetic import tensor_bytes, torch_dtype
 from omni_core.runners.weights import (
     ReloadReport,
     WeightSet,
@@ -64,8 +66,6 @@ from omni_core.runners.weights import (
     own_storage,
     torch_threads,
 )
-from omni_core.workers.runner import ModelRunner, RunnerArgumentError
-from omni_core.workers.synthetic import tensor_bytes, torch_dtype
 
 log = logging.getLogger("omni_core.runners.diffusers")
 

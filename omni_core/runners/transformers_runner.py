@@ -39,7 +39,10 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.base import ModelRunner, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_generation
+from omni_core.runners.synthetic import torch_dtype
+from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
     ReloadReport,
     WeightSet,
@@ -50,9 +53,6 @@ from omni_core.runners.weights import (
     own_storage,
     torch_threads,
 )
-from omni_core.workers.runner import ModelRunner, RunnerArgumentError
-from omni_core.workers.synthetic import torch_dtype
-from omni_core.workers.tensor_parallel import join_process_group
 
 log = logging.getLogger("omni_core.runners.transformers")
 

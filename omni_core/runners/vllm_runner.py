@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.base import MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_generation
 from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers
-from omni_core.workers.runner import MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 
 log = logging.getLogger("omni_core.runners.vllm")
 

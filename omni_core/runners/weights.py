@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from omni_core.workers.runner import RunnerArgumentError
+from omni_core.runners.base import RunnerArgumentError
 
 log = logging.getLogger("omni_core.runners")
 

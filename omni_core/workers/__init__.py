@@ -1,4 +1,5 @@
-"""Worker process: memory backends, process-scoped GPU accounting, model runners.
+"""Worker process: memory backends, process-scoped GPU accounting; it runs a model through
+`omni_core.runners`.
 
 Importing this package is cheap; torch and zmq load with the submodules that need them.
 """

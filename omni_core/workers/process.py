@@ -53,6 +53,7 @@ from omni_core.protocol import (
     encode,
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
+from omni_core.runners.base import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
@@ -61,7 +62,6 @@ from omni_core.workers.config import WorkerConfig
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
-from omni_core.workers.runner import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 from omni_core.workers.simulated_device import SimulatedResidency
 
 log = logging.getLogger("omni_core.worker")

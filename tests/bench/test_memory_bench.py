@@ -1,6 +1,6 @@
-"""`omni-core bench` (memory path) on CPU: argument handling, the summary and target
+"""`python -m benchmarks` (memory path) on CPU: argument handling, the summary and target
 arithmetic, and the Markdown/PNG rendering from a results file. The measurement itself
-needs a GPU and runs on the device machine (bench/results/memory.md)."""
+needs a GPU and runs on the device machine (benchmarks/results/memory.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from omni_core.bench import memory
-from omni_core.cli import main as cli_main
+from benchmarks import memory
+from benchmarks.__main__ import main as cli_main
 
 GB = 1e9
 
@@ -29,7 +29,7 @@ def case(method: str, workload: str = "8g", *, sleep_gbps=(52.0, 54.0, 53.0), wa
 
 
 def data(results):
-    return {"command": "omni-core bench", "machine": {"gpu": "NVIDIA H200, 143771 MiB", "cpus": 16},
+    return {"command": "python -m benchmarks", "machine": {"gpu": "NVIDIA H200, 143771 MiB", "cpus": 16},
             "reps": 3, "workloads": ["8g", "mixed"], "methods": [], "results": results, "wall_s": 12.0}  # fmt: skip
 
 
@@ -99,19 +99,19 @@ def test_png_is_drawn_when_matplotlib_is_present(tmp_path):
 def test_render_from_a_results_file(tmp_path, capsys):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(data([case("limit", l2_s=None), case("fast")])))
-    assert cli_main(["bench", "--render", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert cli_main(["--render", str(path), "--out", str(tmp_path / "out")]) == 0
     assert "omni-core fast" in (tmp_path / "out" / "memory.md").read_text()
     assert json.loads((tmp_path / "out" / "memory.json").read_text())["results"][1]["method"] == "fast"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_the_bench_says_why_and_writes_nothing(tmp_path, capsys):
-    assert cli_main(["bench", "--workloads", "1g", "--out", str(tmp_path / "x")]) == 2
+    assert cli_main(["--workloads", "1g", "--out", str(tmp_path / "x")]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_unknown_names_are_refused(tmp_path, capsys):
-    assert cli_main(["bench", "--workloads", "64g", "--out", str(tmp_path)]) == 2
+    assert cli_main(["--workloads", "64g", "--out", str(tmp_path)]) == 2
     assert "unknown workload(s) ['64g']" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown method"):
-        cli_main(["bench", "--methods", "limit,mmap", "--out", str(tmp_path)])
+        cli_main(["--methods", "limit,mmap", "--out", str(tmp_path)])

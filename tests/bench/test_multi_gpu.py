@@ -1,6 +1,6 @@
-"""`omni-core bench --multi-gpu` on CPU: the smoke run CI takes (two gloo ranks per stage,
+"""`python -m benchmarks --multi-gpu` on CPU: the smoke run CI takes (two gloo ranks per stage,
 the swap on a simulated device), and the verdict and summary arithmetic. The GPU run is the
-device machine's (bench/results/)."""
+device machine's (benchmarks/results/)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import json
 
 import pytest
 
-from omni_core.bench import multi_gpu
-from omni_core.cli import main as cli_main
-from omni_core.workers.synthetic import tensor_bytes
-from omni_core.workers.tensor_parallel import reference_output
+from benchmarks import multi_gpu
+from benchmarks.__main__ import main as cli_main
+from omni_core.runners.synthetic import tensor_bytes
+from omni_core.runners.tensor_parallel import reference_output
 
 
 def test_cpu_smoke_runs_tp_and_swap_and_every_output_stays_exact(tmp_path, capsys):
     out = tmp_path / "results"
-    assert cli_main(["bench", "--multi-gpu", "--device", "cpu", "--parts", "tp,swap", "--out", str(out),
+    assert cli_main(["--multi-gpu", "--device", "cpu", "--parts", "tp,swap", "--out", str(out),
                      "--models-dir", str(tmp_path / "models")]) == 0  # fmt: skip
     data = json.loads((out / "multi_gpu.json").read_text())
     assert data["verdict"] == "PASS" and set(data["parts"]) == {"tp", "swap"}

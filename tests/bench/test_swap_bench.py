@@ -1,7 +1,7 @@
-"""`omni-core bench --swap` on CPU: pairs, the filler's arithmetic, the over-commit evidence,
+"""`python -m benchmarks --swap` on CPU: pairs, the filler's arithmetic, the over-commit evidence,
 the figures and targets from recorded rounds, the Markdown and the timeline PNG, and one
 smoke run through real stage processes (portable backend, simulated device). The GPU
-figures come from the device run (bench/results/swap_gpu.md)."""
+figures come from the device run (benchmarks/results/swap_gpu.md)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from omni_core.bench import swap, swap_report
-from omni_core.bench.memory import WORKLOADS
-from omni_core.cli import main as cli_main
+from benchmarks import swap, swap_report
+from benchmarks.__main__ import main as cli_main
+from benchmarks.memory import WORKLOADS
 
 GiB = 1 << 30
 
@@ -48,7 +48,7 @@ def case(pair: str, method: str, rounds: list[dict], **extra) -> dict:
 
 
 def dataset(results: list[dict], pairs=("16g:16g",)) -> dict:
-    return {"command": "omni-core bench --swap", "device": "cuda",
+    return {"command": "python -m benchmarks --swap", "device": "cuda",
             "machine": {"gpu": "NVIDIA H100 80GB HBM3, 81559 MiB"}, "reps": 4, "pairs": list(pairs),
             "methods": [], "results": results, "wall_s": 200.0}  # fmt: skip
 
@@ -94,7 +94,7 @@ def test_methods_that_cannot_run_say_why():
 
 
 def test_unknown_methods_and_big_workloads_on_cpu_are_refused(tmp_path, capsys):
-    base = ["bench", "--swap", "--device", "cpu", "--out", str(tmp_path / "x")]
+    base = ["--swap", "--device", "cpu", "--out", str(tmp_path / "x")]
     assert cli_main([*base, "--methods", "omni-swap,limit"]) == 2
     assert "unknown swap method(s) ['omni-swap']" in capsys.readouterr().err
     assert cli_main([*base, "--workloads", "16g:16g"]) == 2
@@ -212,7 +212,7 @@ def test_markdown_and_png_from_recorded_rounds(tmp_path):
 def test_cpu_smoke_swap_waits_for_the_outgoing_stage_and_never_over_commits(tmp_path):
     """Two portable stages and a filler on a simulated device: B's wake must wait for A's memory."""
     out = tmp_path / "out"
-    rc = cli_main(["bench", "--swap", "--device", "cpu", "--workloads", "2m:4m+fill", "--methods",
+    rc = cli_main(["--swap", "--device", "cpu", "--workloads", "2m:4m+fill", "--methods",
                    "omni-swap-dirty", "--reps", "2", "--out", str(out)])  # fmt: skip
     data = json.loads((out / "swap_cpu.json").read_text())
     assert rc == 0, data

@@ -292,8 +292,8 @@ def _install(name: str) -> None:
     from omni_core.fsm.effects import ShutdownEffect, StatusEffect
     from omni_core.fsm.reply_cache import BoundedCache
     from omni_core.protocol import AckStatus, Nack, Shutdown, Status, Wake
+    from omni_core.runners.base import RunnerArgumentError
     from omni_core.workers.accounting import MemoryFigure
-    from omni_core.workers.runner import RunnerArgumentError
 
     asleep_states = (WorkerState.SLEEPING, WorkerState.PARTIAL, WorkerState.NEEDS_RELOAD)
 

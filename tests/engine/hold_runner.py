@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from omni_core.workers.synthetic import SyntheticRunner
+from omni_core.runners.synthetic import SyntheticRunner
 
 
 class HoldRunner(SyntheticRunner):

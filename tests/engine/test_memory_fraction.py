@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_core.engine import Engine, InvalidArgumentError, StageSpec
-from omni_core.workers.synthetic import SyntheticRunner
+from omni_core.runners.synthetic import SyntheticRunner
 
 GiB = 1 << 30
 

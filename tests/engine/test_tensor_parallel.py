@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from omni_core.workers.synthetic import tensor_bytes
-from omni_core.workers.tensor_parallel import reference_output
+from omni_core.runners.synthetic import tensor_bytes
+from omni_core.runners.tensor_parallel import reference_output
 from tests.engine.conftest import small_spec
 
 TP_ARGS = {"hidden": 64, "layers": 3, "seed": 5, "kv_rows": 16, "cpu_threads": 1}
@@ -17,7 +17,7 @@ PROBE = {"seed": 9, "batch": 4}
 
 
 def _run_cycle(engine_factory, device: str, devices: tuple[str, ...] | None, args: dict) -> dict:
-    spec = small_spec("tp", ranks=2, runner="omni_core.workers.tensor_parallel:TensorParallelRunner",
+    spec = small_spec("tp", ranks=2, runner="omni_core.runners.tensor_parallel:TensorParallelRunner",
                       runner_args=args, device=device, devices=devices,
                       backend="portable" if device == "cpu" else "auto")  # fmt: skip
     engine = engine_factory(spec)

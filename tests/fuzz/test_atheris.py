@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from omni_core.fuzz.generate import write_seed_corpus
+from omni_core.testing.fuzz.generate import write_seed_corpus
 
 pytest.importorskip("atheris")
 
 
 def test_codec_survives_coverage_guided_inputs(tmp_path) -> None:
     write_seed_corpus(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "omni_core.fuzz.atheris_codec", "-atheris_runs=20000",
+    result = subprocess.run([sys.executable, "-m", "omni_core.testing.fuzz.atheris_codec", "-atheris_runs=20000",
                              "-max_len=4096", str(tmp_path)], capture_output=True, text=True, timeout=240)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert re.search(r"Done 20000 (runs|in)", result.stderr), result.stderr[-2000:]

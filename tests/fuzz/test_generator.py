@@ -9,15 +9,6 @@ import math
 import msgspec
 import pytest
 
-from omni_core.fuzz.generate import (
-    MUTATION_NAMES,
-    FrameGenerator,
-    FuzzContext,
-    GeneratorConfig,
-    _pairs,
-    _pairs_map,
-)
-from omni_core.fuzz.msgpack_writer import INT_WIDTHS, Arr, Bin, Deep, Ext, Float, Int, Map, Raw, Str, pack
 from omni_core.protocol import (
     MESSAGE_TYPES,
     NackReason,
@@ -27,6 +18,15 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.testing.fuzz.generate import (
+    MUTATION_NAMES,
+    FrameGenerator,
+    FuzzContext,
+    GeneratorConfig,
+    _pairs,
+    _pairs_map,
+)
+from omni_core.testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Bin, Deep, Ext, Float, Int, Map, Raw, Str, pack
 
 CTX = FuzzContext(epoch=3, stage="fz", ranks=2, pids=(101, 102), task_ids=("req-fz-1", "fz-sleep-1"))
 

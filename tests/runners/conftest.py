@@ -17,8 +17,8 @@ pytest.importorskip("diffusers", reason="needs the models extra: pip install -e 
 
 from omni_core.fsm.tags import plan_sleep
 from omni_core.models import make_checkpoint
+from omni_core.runners.base import ModelRunner
 from omni_core.workers.backends import PortableBackend
-from omni_core.workers.runner import ModelRunner
 
 CPU = torch.device("cpu")
 # (family, seed) of every checkpoint the tests use; seed 1 is "another checkpoint of the

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from omni_core.runners.base import RunnerArgumentError, load_runner_class
 from omni_core.runners.diffusers_runner import DiffusersRunner, RequestLostError
+from omni_core.runners.synthetic import tensor_bytes
 from omni_core.runners.weights import own_storage
-from omni_core.workers.runner import RunnerArgumentError, load_runner_class
-from omni_core.workers.synthetic import tensor_bytes
 
 from .conftest import CPU, Pools
 

@@ -1,6 +1,6 @@
 """A Qwen2 stage and a DiT stage co-located on one GPU, per memory backend (cumem, fast):
 every lifecycle bit-identical, each rank's NVML figure down at every sleep and back at wake.
-`omni_core.bench.real_models` does the run; this test asserts on what it recorded.
+`benchmarks.real_models` does the run; this test asserts on what it recorded.
 
 Skipped without CUDA. On the lent device machine (../shared/DESIGN.md, "Running on the GPU"):
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_core.bench.real_models import BACKENDS, Config, run_bench, write_outputs
+from benchmarks.real_models import BACKENDS, Config, run_bench, write_outputs
 from omni_core.workers.backends import cumem_unavailable_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

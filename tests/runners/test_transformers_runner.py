@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from omni_core.runners.base import RunnerArgumentError, load_runner_class
+from omni_core.runners.synthetic import tensor_bytes
 from omni_core.runners.transformers_runner import TransformersRunner
 from omni_core.runners.weights import own_storage
-from omni_core.workers.runner import RunnerArgumentError, load_runner_class
-from omni_core.workers.synthetic import tensor_bytes
 
 from .conftest import CPU, Pools
 

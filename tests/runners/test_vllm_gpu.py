@@ -1,10 +1,10 @@
-"""A real vLLM stage on the GPU through every lifecycle, on cumem and fast (issue 13).
+"""A real vLLM stage on the GPU through every lifecycle, on cumem and fast.
 
-Runs bench/vllm_stage's `stage` part: a Qwen2-1.5B-shaped checkpoint (made here, seeded) in a
+Runs benchmarks/vllm_stage's `stage` part: a Qwen2-1.5B-shaped checkpoint (made here, seeded) in a
 `vllm` stage, greedy tokens identical after L1 x2, L2 + reload, a partial wake, a weight
 update and back, and a refused reload of another shape. Needs CUDA and vLLM (the device's
 trimmed bundle: ../shared/device/VLLM.md); its output is committed in
-bench/results/vllm_gpu.md.
+benchmarks/results/vllm_gpu.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_vllm_stage_through_every_lifecycle(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm", reason="needs vLLM (on the device: source .vllm/setup-vllm.sh)")
-    from omni_core.bench.vllm_stage import main
+    from benchmarks.vllm_stage import main
 
     rc = main(["--parts", "stage", "--out", str(tmp_path), "--models", str(tmp_path / "models")])
     data = json.loads((tmp_path / "vllm_stage.json").read_text())

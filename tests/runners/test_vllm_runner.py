@@ -4,7 +4,7 @@ What runs for real here: argument checks, the engine arguments the runner hands 
 order in which vLLM's construction opens omni-core's pools, the KV budget arithmetic, the
 request format and the sampling parameters, the sleep/wake hooks and the reload checks on
 real tiny safetensors checkpoints. vLLM itself runs on the device
-(bench/results/vllm_gpu.md, `python -m omni_core.bench.vllm_stage`).
+(benchmarks/results/vllm_gpu.md, `python -m benchmarks.vllm_stage`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omni_core.runners import vllm_runner
+from omni_core.runners.base import MemoryBudget, RunnerArgumentError
 from omni_core.runners.vllm_runner import (
     Completion,
     VllmRunner,
@@ -28,7 +29,6 @@ from omni_core.runners.vllm_runner import (
 )
 from omni_core.runners.weights import read_headers
 from omni_core.workers.backends import PortableBackend
-from omni_core.workers.runner import MemoryBudget, RunnerArgumentError
 
 CPU = torch.device("cpu")
 

@@ -1,5 +1,5 @@
 """The load and fault test, reduced for CI (10 clients, 10 sleep/wake cycles); the full run
-(50 clients, 100 cycles) is the benchmark in bench/results/serve.md."""
+(50 clients, 100 cycles) is the benchmark in benchmarks/results/serve.md."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from omni_core.serve.loadtest import DOCUMENTED, run_load
+from benchmarks.serve_load import DOCUMENTED, run_load
 from tests.serve.conftest import Served
 
 CI_CLIENTS = 10
@@ -29,7 +29,7 @@ def test_every_request_answered_exactly_once_under_sleep_wake_cycles(served: Ser
 
 def test_the_checks_can_fail() -> None:
     """A result that lost a request, ran one twice or dropped a disconnect is reported."""
-    from omni_core.serve.loadtest import LoadResult
+    from benchmarks.serve_load import LoadResult
 
     clean = LoadResult(1, 1, requests=5, retries=1, answered_attempts=6, statuses={"200": 5}, server_runs=5,
                        server_replays=1, server_execute_answers=7, disconnect_counted=True,

@@ -1,4 +1,4 @@
-"""Clean-weights sleep (issue 14, item 1): a level-1 sleep of weights the runner declares
+"""Clean-weights sleep: a level-1 sleep of weights the runner declares
 read-only releases them without copying, because the host arena already holds them.
 
 On the fast backend's CPU doubles (test_fast_backend.DeferredOps over the CuMemAllocator
@@ -13,12 +13,12 @@ import torch
 import zmq
 
 from omni_core.fsm.effects import ReloadEffect
+from omni_core.runners.base import ModelRunner
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers import process as worker_process
 from omni_core.workers.backends.fast import CleanCopyMismatch, FastBackend
 from omni_core.workers.backends.portable import PortableBackend
 from omni_core.workers.config import WorkerConfig
-from omni_core.workers.runner import ModelRunner
-from omni_core.workers.synthetic import SyntheticRunner
 
 from .test_cumem_versions import GARBAGE, KV, FakeCumemModule, W, content
 from .test_fast_backend import DeferredOps, snapshot

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers.backends import CumemBackend, PortableBackend
 from omni_core.workers.backends.fast import FastBackend
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.simulated_device import HolderList, SimulatedDevice, SimulatedResidency
-from omni_core.workers.synthetic import SyntheticRunner
 
 from .test_cumem_versions import VARIANTS, FakeCumemModule
 from .test_fast_backend import DeferredOps
@@ -201,18 +201,15 @@ def test_a_backend_without_the_gate_refuses_to_be_given_one(sim):
     from omni_core.workers.backends.base import BackendStateError
     from omni_core.workers.backends.portable import PortableBackend as Base
 
-    class OldStyle(Base):  # a third-party backend written before the gate
+    class Ungated(Base):  # a third-party backend that cannot wait for memory
         supports_memory_gate = False
 
-        def _wake(self, tags):  # type: ignore[override]
-            super()._wake(tags)
-
-    backend = OldStyle(torch.device("cpu"))
+    backend = Ungated(torch.device("cpu"))
     backend.track(W, [torch.ones(4)])
     backend.sleep({W}, set())
     with pytest.raises(BackendStateError, match="cannot wait for device memory"):
         backend.wake({W}, MemoryGate(SimulatedResidency(sim, "x", 0), wait_for_memory_s=1.0))
-    backend.wake({W})  # the old call still works
+    backend.wake({W})  # a wake without a gate still works
     assert backend.asleep == set()
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers.backends import BackendStateError, PortableBackend
-from omni_core.workers.synthetic import SyntheticRunner
 
 W, KV = "weights", "kv_cache"
 PAYLOAD = {"seed": 3, "batch": 4}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni_core.runners.base import ModelRunner, load_runner, load_runner_class
+from omni_core.runners.synthetic import SyntheticRunner
+from omni_core.testing.faults import FailingWakeBackend, FaultyRunner
 from omni_core.workers.backends import BackendUnavailable, PortableBackend, select_backend
-from omni_core.workers.runner import ModelRunner, load_runner, load_runner_class
-from omni_core.workers.synthetic import SyntheticRunner
-from omni_core.workers.testing import FailingWakeBackend, FaultyRunner
 
 CPU = torch.device("cpu")
 ARGS = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 32 << 10, "hidden": 32}
@@ -22,7 +22,7 @@ def ready(runner: ModelRunner) -> ModelRunner:
 
 def test_runners_by_name_and_import_path():
     assert load_runner_class("synthetic") is SyntheticRunner
-    assert load_runner_class("omni_core.workers.testing:FaultyRunner") is FaultyRunner
+    assert load_runner_class("omni_core.testing.faults:FaultyRunner") is FaultyRunner
     runner = load_runner("synthetic", CPU, {"seed": 3, **ARGS})
     assert isinstance(runner, SyntheticRunner) and runner.seed == 3
 
@@ -31,9 +31,13 @@ def test_runners_by_name_and_import_path():
     ("path", "message"),
     [
         ("no_such_pkg.mod:Runner", "cannot import module 'no_such_pkg.mod'"),
-        ("omni_core.workers.synthetic:Nope", "has no attribute 'Nope'"),
-        ("omni_core.workers.synthetic", "must look like 'package.module:ClassName'"),
-        ("omni_core.workers.synthetic:tensor_bytes", "not a subclass of omni_core.workers.runner.ModelRunner"),
+        ("omni_core.runners.synthetic:Nope", "has no attribute 'Nope'"),
+        ("omni_core.runners.synthetic", "must look like 'package.module:ClassName'"),
+        ("omni_core.runners.synthetic:tensor_bytes", "not a subclass of omni_core.runners.base.ModelRunner"),
+        # a spec written before the runners moved to omni_core.runners is told where they went
+        ("omni_core.workers.synthetic:SyntheticRunner",
+         "has moved: name it 'omni_core.runners.synthetic:SyntheticRunner'"),
+        ("omni_core.workers.tensor_parallel:TensorParallelRunner", "'omni_core.runners.tensor_parallel:TensorParal"),
     ],
 )
 def test_bad_runner_paths_say_what_to_fix(path, message):
@@ -86,7 +90,7 @@ def test_faulty_runner_validates_its_fault_points():
 def test_select_backend():
     assert isinstance(select_backend("auto", CPU), PortableBackend)  # no CUDA here
     assert isinstance(select_backend("portable", "cpu"), PortableBackend)
-    assert isinstance(select_backend("omni_core.workers.testing:FailingWakeBackend", CPU), FailingWakeBackend)
+    assert isinstance(select_backend("omni_core.testing.faults:FailingWakeBackend", CPU), FailingWakeBackend)
     with pytest.raises(BackendUnavailable, match=r"cumem.*configured for device 'cpu'.*use backend 'portable'"):
         select_backend("cumem", CPU)
     with pytest.raises(BackendUnavailable, match=r"backend 'fast' is unavailable.*configured for device 'cpu'"):
@@ -94,7 +98,7 @@ def test_select_backend():
     with pytest.raises(BackendUnavailable, match=r"unknown backend 'mmap'; choose one of"):
         select_backend("mmap", CPU)
     with pytest.raises(TypeError, match=r"not a subclass of omni_core\.workers\.backends\.MemoryBackend"):
-        select_backend("omni_core.workers.testing:FaultyRunner", CPU)
+        select_backend("omni_core.testing.faults:FaultyRunner", CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

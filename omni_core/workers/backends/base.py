@@ -42,8 +42,8 @@ class _SavedBuffer:
 class MemoryBackend(ABC):
     name: str = "?"
     capabilities: tuple[Capability, ...] = ()
-    # `_wake` takes a memory gate and rolls back when it expires (Capability.SWAP). False for
-    # a backend written before the gate: its `_wake(tags)` is called as it was.
+    # `_wake` honours a memory gate and rolls back when it expires (Capability.SWAP). False: a
+    # wake given a gate is refused, and `_wake` is only ever called with none.
     supports_memory_gate: bool = False
     # `_sleep`/`_wake` take a link plan (protocol.LinkShare) and spread their copies over it.
     supports_links: bool = False
@@ -142,10 +142,8 @@ class MemoryBackend(ABC):
         try:
             if links:
                 self._wake(tags, gate, links)  # type: ignore[call-arg]  # supports_links backends
-            elif self.supports_memory_gate:
-                self._wake(tags, gate)
             else:
-                self._wake(tags)  # type: ignore[call-arg]  # a backend written before the gate
+                self._wake(tags, gate)
         except MemoryWaitExpired as exc:
             raise WakeRefused(str(exc)) from exc
         # Only now: a refused wake leaves the saved buffers for the next one.

@@ -3,7 +3,7 @@
 vLLM's CuMemAllocator maps and unmaps through its C extension (`python_create_and_map`,
 `python_unmap_and_release`). The same three driver calls made from here wake 16 GiB of
 realistic weights at 51.6 GB/s on an H200 where the extension reaches 46.4-47.7 GB/s, with
-everything else equal (bench/results/wake_ideas.md): so the `fast` path maps with these. The
+everything else equal (benchmarks/results/wake_gpu.md): so the `fast` path maps with these. The
 allocation handle is vLLM's: (device, size, d_mem, p_memHandle), where p_memHandle points at
 the cell that holds the physical handle, so either side can release what the other created.
 """

@@ -27,7 +27,7 @@ raw pointers and captured CUDA graphs stay valid), but the bytes move differentl
 Allocations are mapped and unmapped with the CUDA driver's calls made directly
 (`cuda_driver.py`: the same calls as vLLM's `python_create_and_map` /
 `python_unmap_and_release`, on vLLM's own handles, but a wake runs at 51.6 GB/s instead of
-46.4-47.7 on an H200, bench/results/wake_ideas.md; `map_with="vllm"` uses the extension),
+46.4-47.7 on an H200, benchmarks/results/wake_gpu.md; `map_with="vllm"` uses the extension),
 and vLLM's bookkeeping stays coherent: every allocation's `is_asleep` /
 `is_mapped` flag is set as vLLM's own loops set it, and an offloaded allocation's
 `cpu_backup_tensor` is a view of its arena slice, so vLLM's `wake_up` could restore it too.
@@ -312,7 +312,7 @@ class HostArena:
     """One block of page-locked host memory of exactly `nbytes`: an anonymous mapping,
     transparent huge pages where the kernel offers them, faulted in by all of torch's CPU
     threads, then `cudaHostRegister` (cudaHostAlloc of the same bytes was slower to set up
-    and no faster to copy from: bench/results/memory.md)."""
+    and no faster to copy from: benchmarks/results/memory.md)."""
 
     def __init__(self, nbytes: int, ops: Any, *, touch: bool = True) -> None:
         started = time.perf_counter()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from omni_core.runners.base import import_object
 from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
 from omni_core.workers.backends.cumem import CumemBackend, cumem_unavailable_reason
 from omni_core.workers.backends.host_room import read_host_memory
 from omni_core.workers.backends.portable import PortableBackend
-from omni_core.workers.runner import import_object
-
-BUILTIN_BACKENDS = ("auto", "cumem", "portable", "fast")
+from omni_core.workers.config import BUILTIN_BACKENDS
 
 
 def _auto(device: torch.device) -> MemoryBackend:

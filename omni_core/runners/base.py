@@ -1,0 +1,191 @@
+"""How a user's model plugs into a worker.
+
+A runner owns the model's tensors; the worker owns the memory they live in. The worker
+calls `allocate(tag)` once per tag inside the backend's pool of that tag (so `weights`
+land in the weights pool and caches in `kv_cache`), then `tensors(tag)` so a backend that
+moves tensors (portable) knows what to move. After that the runner keeps references to
+its tensors for life: backends restore memory *into the same tensor objects*, so a runner
+must never cache a copy or a `.data_ptr()` it did not get from its own tensors.
+
+Runners are chosen by import path, `package.module:Class`, so users bring their own;
+"synthetic" names the built-in `SyntheticRunner`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+
+BUILTIN_RUNNERS = {
+    "synthetic": "omni_core.runners.synthetic:SyntheticRunner",
+    "transformers": "omni_core.runners.transformers_runner:TransformersRunner",
+    "diffusers": "omni_core.runners.diffusers_runner:DiffusersRunner",
+    "vllm": "omni_core.runners.vllm_runner:VllmRunner",
+}
+
+# `open_pool(tag)`: the context in which allocations belong to `tag` (the backend's pool).
+OpenPool = Callable[[str], AbstractContextManager[None]]
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The stage's share of the device, for runners that size their caches to it."""
+
+    fraction: float  # StageSpec.gpu_memory_fraction
+    # What this process may still allocate now: its fraction of the device minus what this
+    # process holds (NVML per PID), other processes on the GPU not counted, less headroom.
+    available_bytes: Callable[[], int]
+
+
+class RunnerArgumentError(ValueError):
+    """The runner cannot honour a command because of its arguments (an unusable reload
+    source, a checkpoint of another architecture). Raise it *before* touching any tensor:
+    the worker answers NACK INVALID_ARGUMENT with the message and stays in its previous
+    state. Any other exception from `reload_weights` means the weights may be half written
+    and moves the rank to FAILED."""
+
+
+class ModelRunner(ABC):
+    """A model as a worker sees it. Subclass and name it by import path in WorkerConfig.runner.
+
+    `__init__(device, **runner_args)` must not allocate device memory: allocation happens in
+    `allocate`, inside the right pool.
+    """
+
+    def __init__(self, device: torch.device, **runner_args: Any) -> None:
+        self.device = device
+
+    @abstractmethod
+    def load_weights(self) -> None:
+        """Create and fill the weight tensors (runs inside the `weights` pool)."""
+
+    @abstractmethod
+    def allocate_caches(self) -> None:
+        """Create the KV cache / scratch tensors (runs inside the `kv_cache` pool)."""
+
+    @abstractmethod
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        """Every tensor holding memory of `tag`; the portable backend releases exactly these."""
+
+    @abstractmethod
+    def execute(self, payload: Any) -> Any:
+        """Run one request; the result must be msgpack-serialisable. Runs only when ACTIVE."""
+
+    @abstractmethod
+    def reload_weights(self, source: str | None) -> None:
+        """Refill the weights in place (after a level-2 sleep, or to swap weights).
+
+        `source` is runner-specific; None means the runner's own. Write into the existing
+        tensors (this runs outside any pool): other code (CUDA graphs, the backend) holds
+        their addresses. A source the runner cannot use raises `RunnerArgumentError` before
+        any tensor is written.
+        """
+
+    # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
+    # the safe answer; a wrong "no" brings back stale weights after a wake
+    # (StageSpec.verify_clean_sleep catches it).
+    execute_writes_weights: bool = True
+
+    def read_only_tags(self) -> frozenset[str]:
+        """Tags whose content `execute` never changes. A backend that keeps a host copy of
+        them (`fast`) sleeps them without copying again."""
+        return frozenset() if self.execute_writes_weights else frozenset({WEIGHTS_TAG})
+
+    def buffers_to_save(self) -> Mapping[str, torch.Tensor]:
+        """Small tensors that a sleep discarding their pool must keep (level 2): values that
+        `reload_weights` does not reproduce, e.g. buffers computed at start-up."""
+        return {}
+
+    def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
+        """Allocate every tag, each inside its pool. The default allocates tag by tag and
+        sizes the caches first when the stage has a memory fraction (`budget` is then
+        given). A runner whose framework allocates several tags in one call (vLLM's worker
+        loads weights, profiles, then allocates its KV cache) overrides this and opens the
+        pools itself, at the points where the framework allocates."""
+        for tag in tags:
+            if budget is not None and tag == KV_CACHE_TAG:
+                self.fit_caches(budget.available_bytes())
+            with open_pool(tag):
+                self.allocate(tag)
+
+    def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        """Called before the backend releases `offload | discard`: drop state that would
+        point into released memory (vLLM: the prefix cache). The default does nothing."""
+        return None
+
+    def after_wake(self, tags: frozenset[str]) -> None:
+        """Called after the backend mapped `tags` back (and restored saved buffers): rebuild
+        what a wake leaves undefined (vLLM: KV-cache scales). The default does nothing."""
+        return None
+
+    def allocate(self, tag: str) -> None:
+        """Allocate the memory of one tag. Override for tags other than weights/kv_cache."""
+        if tag == WEIGHTS_TAG:
+            self.load_weights()
+        elif tag == KV_CACHE_TAG:
+            self.allocate_caches()
+        else:
+            raise ValueError(
+                f"{type(self).__name__} has no allocation for tag {tag!r}; override "
+                f"ModelRunner.allocate or configure only tags {[WEIGHTS_TAG, KV_CACHE_TAG]}"
+            )
+
+    def fit_caches(self, available_bytes: int) -> None:
+        """Called before `allocate_caches` when the stage has a `gpu_memory_fraction`: the
+        bytes this process may still allocate (its fraction of the device minus what it
+        already holds, other processes on the GPU not counted). Size the caches to it; the
+        default keeps the configured size, and the worker refuses to start if that overshoots."""
+        return None
+
+    def close(self) -> None:
+        """Drop every tensor reference (Shutdown). The default does nothing."""
+        return None
+
+
+# Modules of this package that moved: a stage spec naming the old path is told the new one.
+MOVED_MODULES = {
+    "omni_core.workers.synthetic": "omni_core.runners.synthetic",
+    "omni_core.workers.tensor_parallel": "omni_core.runners.tensor_parallel",
+    "omni_core.workers.runner": "omni_core.runners.base",
+    "omni_core.workers.testing": "omni_core.testing.faults",
+}
+
+
+def import_object(path: str) -> Any:
+    """Resolve `package.module:Name`, with an error that says what to fix."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"import path {path!r} must look like 'package.module:ClassName'")
+    if module_name in MOVED_MODULES:
+        raise ImportError(f"module {module_name!r} named by {path!r} has moved: name it "
+                          f"'{MOVED_MODULES[module_name]}:{attr}'")  # fmt: skip
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import module {module_name!r} named by {path!r}: {exc}; "
+                          "is the package installed in the worker's environment?") from exc  # fmt: skip
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+
+
+def load_runner_class(name: str) -> type[ModelRunner]:
+    """The runner class for WorkerConfig.runner: 'synthetic' or 'package.module:Class'."""
+    cls = import_object(BUILTIN_RUNNERS.get(name, name))
+    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
+        raise TypeError(f"runner {name!r} resolves to {cls!r}, which is not a subclass of "
+                        "omni_core.runners.base.ModelRunner")  # fmt: skip
+    return cls
+
+
+def load_runner(name: str, device: torch.device, runner_args: Mapping[str, Any]) -> ModelRunner:
+    return load_runner_class(name)(device, **dict(runner_args))

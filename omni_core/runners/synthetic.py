@@ -1,0 +1,239 @@
+"""The built-in synthetic runner: a plain torch model whose output proves the memory came back.
+
+Weights are `tensor_count` matrices of shape (rows, hidden) whose total is about
+`weights_bytes`, filled from `seed`. A request {"seed": s, "batch": b} draws an input
+from s and passes it through every weight matrix in turn, writing each layer's result into
+the KV cache and reading it back from there. So:
+
+- every weight element is read: a missing or wrong restore changes the output;
+- the KV cache is scratch (written before it is read): its content after a discard does
+  not matter, but its memory must be mapped;
+- a `calibration` buffer, drawn at load time and *not* refilled by `reload_weights`, scales
+  the input: a level-2 sleep that loses `buffers_to_save()` changes the output after reload.
+
+The output is deterministic for a given input, seed and device, so "output after wake
+equals output before sleep" is checked bit for bit (`data` holds the raw bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.runners.base import ModelRunner, RunnerArgumentError
+
+MiB = 1 << 20
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a runner argument names; the synthetic runners support these three."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+MAX_BATCH = 1024
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a tensor (copied to CPU), without needing numpy."""
+    host = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size()) if host.numel() else b""
+
+
+def _seed_for(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) % (1 << 63)
+
+
+class SyntheticRunner(ModelRunner):
+    execute_writes_weights = False  # inference: requests read the weights only
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        weights_bytes: int = 4 * MiB,
+        tensor_count: int = 16,
+        kv_bytes: int | str = 1 * MiB,  # or "auto": all that gpu_memory_fraction leaves
+        hidden: int = 128,
+        dtype: str = "float32",
+        seed: int = 0,
+        cpu_threads: int | None = None,
+    ) -> None:
+        super().__init__(device)
+        if cpu_threads is not None and torch.device(device).type == "cpu":
+            # Tiny matmuls on a busy machine: several intra-op threads wait on each other
+            # for whole scheduler slices (20 ms per op seen on 2 loaded cores).
+            torch.set_num_threads(cpu_threads)
+        self.dtype = torch_dtype(dtype)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if tensor_count < 1 or hidden < 1:
+            raise ValueError(f"tensor_count ({tensor_count}) and hidden ({hidden}) must be >= 1")
+        self.rows = weights_bytes // (tensor_count * hidden * elem)
+        if self.rows < 1:
+            raise ValueError(f"weights_bytes={weights_bytes} is too small for {tensor_count} tensors "
+                             f"of hidden={hidden} {dtype}; need >= {tensor_count * hidden * elem}")  # fmt: skip
+        self._row_bytes = hidden * elem
+        if kv_bytes == "auto":
+            self.kv_rows = 0  # sized by fit_caches
+        elif isinstance(kv_bytes, int):
+            self.kv_rows = kv_bytes // self._row_bytes
+            if self.kv_rows < 1:
+                raise ValueError(f"kv_bytes={kv_bytes} is below one row of hidden={hidden} {dtype}")
+        else:
+            raise ValueError(f"kv_bytes must be a byte count or 'auto', got {kv_bytes!r}")
+        self.kv_auto = kv_bytes == "auto"
+        self.tensor_count = tensor_count
+        self.hidden = hidden
+        self.seed = seed
+        self.weights: list[torch.Tensor] = []
+        self.calibration: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def weights_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights)
+
+    # ------------------------------------------------------------------ allocation
+
+    def load_weights(self) -> None:
+        self.weights = [torch.empty(self.rows, self.hidden, dtype=self.dtype, device=self.device)
+                        for _ in range(self.tensor_count)]  # fmt: skip
+        self._fill(self.seed)
+        gen = torch.Generator(device="cpu").manual_seed(_seed_for(self.seed, 1 << 32))
+        calib = 1.0 + 0.5 * torch.rand(self.hidden, generator=gen)
+        self.calibration = calib.to(device=self.device, dtype=self.dtype)
+
+    def fit_caches(self, available_bytes: int) -> None:
+        if self.kv_auto:
+            self.kv_rows = available_bytes // self._row_bytes
+
+    def allocate_caches(self) -> None:
+        if self.kv_rows < 1:
+            raise ValueError("kv_bytes='auto' sizes the KV cache from the stage's gpu_memory_fraction, "
+                             "but none was set or nothing was left; set StageSpec.gpu_memory_fraction "
+                             "or give kv_bytes in bytes")  # fmt: skip
+        self.kv = torch.zeros(self.kv_rows, self.hidden, dtype=self.dtype, device=self.device)
+
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == WEIGHTS_TAG:
+            return [*self.weights, *([self.calibration] if self.calibration is not None else [])]
+        if tag == KV_CACHE_TAG:
+            return [self.kv] if self.kv is not None else []
+        raise ValueError(f"SyntheticRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG]}")
+
+    def buffers_to_save(self) -> Mapping[str, torch.Tensor]:
+        return {"calibration": self.calibration} if self.calibration is not None else {}
+
+    def reload_weights(self, source: str | None) -> None:
+        self._fill(self.seed if source is None else _parse_seed(source))
+
+    def _fill(self, seed: int) -> None:
+        # One generator per tensor on the device itself: the same values at load and at
+        # every reload, and no multi-GiB detour through host memory.
+        std = 1.0 / math.sqrt(math.sqrt(self.rows * self.hidden))
+        with torch.no_grad():
+            for i, w in enumerate(self.weights):
+                gen = torch.Generator(device=self.device).manual_seed(_seed_for(seed, i))
+                w.normal_(0.0, std, generator=gen)
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self.weights = []
+        self.calibration = None
+        self.kv = None
+
+    # ------------------------------------------------------------------ execution
+
+    def _check_resident(self) -> None:
+        # A released tensor reads freed memory (a crash on CPU, garbage on GPU); refuse
+        # with a message instead. Cheap: one storage size per tensor.
+        for tag in (WEIGHTS_TAG, KV_CACHE_TAG):
+            for t in self.tensors(tag):
+                if t.untyped_storage().nbytes() < t.numel() * t.element_size():
+                    raise RuntimeError(f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: "
+                                       "its pool is asleep; wake it before Execute")  # fmt: skip
+        if not self.weights or self.kv is None or self.calibration is None:
+            raise RuntimeError("SyntheticRunner.execute before load_weights/allocate_caches")
+
+    def _input(self, seed: int, batch: int) -> torch.Tensor:
+        gen = torch.Generator(device="cpu").manual_seed(_seed_for(seed, 7))
+        return torch.randn(batch, self.hidden, generator=gen).to(device=self.device, dtype=self.dtype)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.kv is not None and self.calibration is not None
+        batch = x.shape[0]
+        slots = self.kv_rows // batch
+        x = x * self.calibration
+        for i, w in enumerate(self.weights):
+            y = (x @ w.T) @ w
+            start = (i % slots) * batch
+            cache = self.kv[start : start + batch]
+            cache.copy_(y)  # write, then read back: the KV pool must be mapped
+            x = x + torch.tanh(cache)
+        return x
+
+    def execute(self, payload: Any) -> dict[str, Any]:
+        if not isinstance(payload, dict):
+            raise TypeError(f"SyntheticRunner payload must be a dict like {{'seed': 1, 'batch': 2}}, got {payload!r}")
+        seed = int(payload.get("seed", 0))
+        batch = int(payload.get("batch", 1))
+        limit = min(MAX_BATCH, self.kv_rows)
+        if not 1 <= batch <= limit:
+            raise ValueError(f"batch must be in 1..{limit} (KV rows {self.kv_rows}), got {batch}")
+        self._check_resident()
+        x = self._input(seed, batch)
+        with torch.no_grad():
+            out = self._graph_forward(x) if payload.get("graph") else self._forward(x)
+        data = tensor_bytes(out)
+        return {
+            "shape": list(out.shape),
+            "dtype": str(out.dtype).removeprefix("torch."),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "data": data,
+            "graph": bool(payload.get("graph")),
+        }
+
+    def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Replay a CUDA graph captured at the first call of this batch size: the graph keeps
+        the weight and KV addresses it saw, so it is only valid on a backend with stable
+        addresses (cumem), which is the point of testing it."""
+        if self.device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
+        batch = x.shape[0]
+        if batch not in self._graphs:
+            static_in = x.clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(static_in)  # warm-up outside capture (cuBLAS handles, workspaces)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._forward(static_in)
+            self._graphs[batch] = (graph, static_in, static_out)
+        graph, static_in, static_out = self._graphs[batch]
+        static_in.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        return static_out.clone()
+
+
+def _parse_seed(source: str) -> int:
+    """'seed:<int>' to the int; anything else is the caller's mistake, refused before any write
+    (the fuzzer found '--5', '²' and 5000 digits passing a str.isdigit() check into int())."""
+    digits = source[5:] if source.startswith("seed:") else None
+    try:
+        if digits is None or len(digits) > 20:  # a seed is a 64-bit value
+            raise ValueError
+        return int(digits, 10)
+    except ValueError:
+        raise RunnerArgumentError(f"SyntheticRunner reloads from 'seed:<int>' (at most 20 digits) or None "
+                                  f"(its own seed), got {source[:80]!r}") from None

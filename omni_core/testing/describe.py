@@ -1,0 +1,117 @@
+"""One line per message, engine input, effect and task outcome: the words of the simulator's
+transcripts, the same for every run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from omni_core.fsm import inputs as I
+from omni_core.fsm.admission import AdmissionPolicy
+from omni_core.fsm.effects import (
+    Effect,
+    ExecuteEffect,
+    ProfileEffect,
+    ReloadEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    WakeEffect,
+)
+from omni_core.fsm.stage import TaskOutcome
+from omni_core.protocol import Ack, Execute, Hello, Message, Nack, Profile, ReloadWeights, Result, Sleep, Wake
+
+
+def fmt_address(rank: int | None) -> str:
+    return "stage" if rank is None else f"r{rank}"
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def fmt_tags(tags: Iterable[str] | None) -> str:
+    return "all" if tags is None else "[" + ",".join(tags) + "]"
+
+
+def describe(message: Message) -> str:
+    """One line per message, the same for every run."""
+    head = f"{message.task_id} e{message.epoch}"
+    if isinstance(message, Sleep):
+        return f"Sleep {head} level={message.level} tags={fmt_tags(message.tags)}"
+    if isinstance(message, Wake):
+        wait = f" wait_for_memory={fmt_s(message.wait_for_memory_s)}" if message.wait_for_memory_s else ""
+        return f"Wake {head} tags={fmt_tags(message.tags)}{wait}"
+    if isinstance(message, ReloadWeights):
+        return f"ReloadWeights {head} source={message.source or 'default'}"
+    if isinstance(message, Execute):
+        return f"Execute {head} payload={message.payload!r}"
+    if isinstance(message, Profile):
+        return f"Profile {head} {'start' if message.start else 'stop'} prefix={message.prefix or '-'}"
+    if isinstance(message, Ack):
+        detail = f" ({message.detail})" if message.detail else ""
+        paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
+        return (f"Ack {message.command} {head} {message.status.value} {message.state.value} "
+                f"asleep={fmt_tags(message.asleep_tags)}{paths}{detail}")  # fmt: skip
+    if isinstance(message, Nack):
+        return f"Nack {message.command} {head} {message.reason.value} in {message.state.value}: {message.detail}"
+    if isinstance(message, Result):
+        return f"Result {head} output={message.output!r}"
+    if isinstance(message, Hello):
+        detail = f": {message.detail}" if message.detail else ""
+        return f"Hello e{message.epoch} {message.state.value} tags={fmt_tags(message.tags)}{detail}"
+    return f"{type(message).__name__} {head}"
+
+
+def describe_input(event: I.EngineInput) -> str:
+    if isinstance(event, (I.Start, I.Restart)):
+        return f"{type(event).__name__} deadline={fmt_s(event.deadline_s)}"
+    if isinstance(event, I.Submit):
+        return f"Submit {event.request_id} payload={event.payload!r} timeout={fmt_s(event.timeout_s)}"
+    if isinstance(event, I.SleepCall):
+        abort = " abort_in_flight" if event.abort_in_flight else ""
+        return (f"SleepCall {event.task_id} level={event.level} tags={fmt_tags(event.tags)} "
+                f"deadline={fmt_s(event.deadline_s)}{abort}")  # fmt: skip
+    if isinstance(event, I.WakeCall):
+        wait = f" wait_for_memory={fmt_s(event.wait_for_memory_s)}" if event.wait_for_memory_s else ""
+        return f"WakeCall {event.task_id} tags={fmt_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
+    if isinstance(event, I.ReloadCall):
+        return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
+    if isinstance(event, I.ProfileCall):
+        return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
+                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
+    if isinstance(event, I.SetAdmission):
+        return f"SetAdmission {AdmissionPolicy(event.policy).value}"
+    if isinstance(event, I.RankExited):
+        return f"RankExited r{event.rank} e{event.epoch}: {event.detail}"
+    if isinstance(event, I.SendFailed):
+        return f"SendFailed {event.task_id} ranks={list(event.ranks)}"
+    if isinstance(event, I.Received):
+        return f"Received {describe(event.message)}"
+    return type(event).__name__
+
+
+def describe_effect(effect: Effect) -> str:
+    if isinstance(effect, SleepEffect):
+        return f"offload {fmt_tags(sorted(effect.offload))}, discard {fmt_tags(sorted(effect.discard))}"
+    if isinstance(effect, WakeEffect):
+        return f"map back {fmt_tags(sorted(effect.tags))}"
+    if isinstance(effect, ReloadEffect):
+        return f"reload weights from {effect.source or 'the default source'}"
+    if isinstance(effect, ExecuteEffect):
+        return f"run request {effect.task_id}"
+    if isinstance(effect, StatusEffect):
+        return "measure memory"
+    if isinstance(effect, ShutdownEffect):
+        return "release every pool and exit"
+    if isinstance(effect, ProfileEffect):
+        return "start the profiler" if effect.start else "stop the profiler, write its trace"
+    return type(effect).__name__
+
+
+def describe_outcome(outcome: TaskOutcome) -> str:
+    head = f"{outcome.command} {outcome.task_id}"
+    if outcome.ok:
+        return (f"{head}: {outcome.status.value}, stage {outcome.state.value}, ACKs from {sorted(outcome.acks)}, "
+                f"took {fmt_s(outcome.duration_s)}")  # fmt: skip
+    verdict = "refused" if outcome.refused else "failed"
+    return f"{head}: {verdict}, stage {outcome.state.value}: {outcome.error}"

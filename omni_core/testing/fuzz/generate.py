@@ -1,0 +1,660 @@
+"""Structure-aware frame generation: valid messages of every type, mutated field by field,
+plus random msgpack, raw bytes, replays and reorderings of valid commands.
+
+Everything random comes from one `random.Random(seed)`: the same seed and the same context
+(`FuzzContext`: the target's epoch, task ids it would find plausible) give the same frames.
+Nothing here iterates a set or a dict built from hashes of strings, so PYTHONHASHSEED does
+not change the sequence either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import string
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from omni_core.fsm.tags import DEFAULT_TAGS
+from omni_core.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    AckStatus,
+    Capability,
+    Execute,
+    Hello,
+    MemoryReport,
+    Message,
+    Nack,
+    NackReason,
+    Profile,
+    ReloadWeights,
+    Result,
+    Shutdown,
+    Sleep,
+    Status,
+    Wake,
+    WorkerState,
+    encode,
+)
+from omni_core.protocol.messages import MAX_TAGS, MAX_TASK_ID_CHARS
+from omni_core.testing.fuzz.msgpack_writer import (
+    INT_WIDTHS,
+    LENGTH_WIDTHS,
+    Arr,
+    Bin,
+    Deep,
+    Ext,
+    Float,
+    Int,
+    Map,
+    Raw,
+    Str,
+    pack,
+)
+from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+
+INT_EDGES: tuple[int, ...] = (
+    0, 1, -1, 2, 127, 128, -32, -33, 255, 256, -128, -129, 65535, 65536, -32768, -32769,
+    2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**32 - 1, 2**32, 2**53 + 1,
+    2**63 - 1, 2**63, 2**64 - 1, -(2**63),
+)  # fmt: skip
+FLOAT_EDGES: tuple[float, ...] = (
+    math.nan, -math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1.7976931348623157e308, -1.0, 1e-300, 3.4e38,
+)  # fmt: skip
+# Byte sequences that are not UTF-8: lone continuation bytes, truncated sequences,
+# overlong forms, UTF-16 surrogates, code points above U+10FFFF, bytes never valid.
+BAD_UTF8: tuple[bytes, ...] = (
+    b"\xff", b"\xfe", b"\x80", b"\xbf", b"\xc3\x28", b"\xa0\xa1", b"\xe2\x28\xa1", b"\xe2\x82",
+    b"\xf0\x28\x8c\xbc", b"\xf0\x90\x28\xbc", b"\xf8\xa1\xa1\xa1\xa1", b"\xfc\xa1\xa1\xa1\xa1\xa1",
+    b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xc0\xaf", b"\xc0\x80", b"\xe0\x80\xaf", b"\xf4\x90\x80\x80", b"\xf0",
+)  # fmt: skip
+TASK_ID_EDGES: tuple[str, ...] = (
+    "", "x" * MAX_TASK_ID_CHARS, "x" * (MAX_TASK_ID_CHARS + 1), "\u00e9" * MAX_TASK_ID_CHARS,
+    "\U0001f600" * MAX_TASK_ID_CHARS, "\x00", "-", "hello", "?", " ", "a\nb", "\ud7ff", "x" * 100_000,
+)  # fmt: skip
+TAG_EDGES: tuple[Any, ...] = (
+    (), ("weights",) * (MAX_TAGS + 1), ("weights", "weights"), ("nope",), ("",), ("a" * 64,), ("a" * 65,),
+    ("wei ghts",), ("weights\x00",), ("WEIGHTS",), ("../etc",), (("weights",),), ("kv_cache", 7), "weights",
+)  # fmt: skip
+# Reload sources: a runner must serve or refuse each (INVALID_ARGUMENT), never fail on one.
+# Digits str.isdigit() accepts but int() does not (superscripts), other scripts' digits,
+# more digits than int() converts, doubled signs.
+SOURCE_EDGES: tuple[Any, ...] = (None, "seed:7", "seed:-3", "seed:", "seed:99999999999999999999999", "",
+                                 "/ckpt/step-1", "seed:" + "9" * 5000, "x" * 70_000, "seed:\u00b2",
+                                 "seed:\u0663", "seed:--5", "seed: 5", "seed:5\x00")  # fmt: skip
+
+ALNUM = string.ascii_letters + string.digits + "_.-"
+
+
+@dataclass
+class FuzzContext:
+    """What the target would find plausible: its stage, epoch, ranks and live task ids."""
+
+    epoch: int = 0
+    stage: str = "stage"
+    ranks: int = 1
+    pids: tuple[int, ...] = ()
+    task_ids: tuple[str, ...] = ()
+    tags: tuple[str, ...] = DEFAULT_TAGS
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One zmq message: its parts (the receiver's payload is the last one) and how it was made."""
+
+    parts: tuple[bytes, ...]
+    kind: str
+    mutations: tuple[str, ...] = ()
+
+    @property
+    def payload(self) -> bytes:
+        return self.parts[-1] if self.parts else b""
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+
+# Relative weights of the strategies; `big` is off unless asked for (64 MiB frames are slow).
+DEFAULT_MIX: dict[str, float] = {
+    "mutated": 58.0,
+    "valid": 8.0,
+    "replay": 7.0,
+    "reorder": 2.0,
+    "random_value": 8.0,
+    "raw_bytes": 7.0,
+    "multipart": 5.0,
+    "deep": 1.0,
+    "lying_header": 4.0,
+}
+
+
+@dataclass
+class GeneratorConfig:
+    direction: str = "worker"  # "worker": mostly commands; "engine": mostly replies
+    big_frame_rate: float = 0.0  # share of frames that are near or over the frame limit
+    socket_drop_frames: bool = False  # include frames over the socket's own limit (connection reset)
+    mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
+    history_frames: int = 256  # valid frames kept for replays and reorderings
+
+
+class FrameGenerator:
+    """`next(ctx)` gives the next frame; `remember_valid(data)` offers a valid command for
+    replays (the oracle's own commands, so duplicates of real traffic get sent)."""
+
+    def __init__(self, seed: int, config: GeneratorConfig | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.config = config or GeneratorConfig()
+        self._history: deque[bytes] = deque(maxlen=self.config.history_frames)
+        self._queued: deque[Frame] = deque()
+        self._serial = 0
+        names = list(self.config.mix)
+        self._names = names
+        self._weights = [self.config.mix[n] for n in names]
+
+    # ------------------------------------------------------------------ public
+
+    def remember_valid(self, data: bytes) -> None:
+        self._history.append(data)
+
+    def next(self, ctx: FuzzContext) -> Frame:
+        if self._queued:
+            return self._queued.popleft()
+        rng = self.rng
+        if self.config.big_frame_rate and rng.random() < self.config.big_frame_rate:
+            return self._big(ctx)
+        kind = rng.choices(self._names, self._weights)[0]
+        return getattr(self, "_" + kind)(ctx)
+
+    def valid_message(self, ctx: FuzzContext, kind: type[Message] | None = None) -> Message:
+        """A valid message of `kind` (random type if None), fields drawn around `ctx`."""
+        rng = self.rng
+        if kind is None:
+            kind = self._pick_type()
+        task_id = self._task_id(ctx)
+        epoch = ctx.epoch
+        if kind is Sleep:
+            return Sleep(task_id=task_id, epoch=epoch, level=rng.choice((1, 2)), tags=self._tags(ctx))
+        if kind is Wake:
+            return Wake(task_id=task_id, epoch=epoch, tags=self._tags(ctx))
+        if kind is ReloadWeights:
+            return ReloadWeights(task_id=task_id, epoch=epoch, source=rng.choice((None, None, "seed:7", "seed:-3")))
+        if kind is Execute:
+            return Execute(task_id=task_id, epoch=epoch, payload=self._payload())
+        if kind is Status:
+            return Status(task_id=task_id, epoch=epoch)
+        if kind is Shutdown:
+            return Shutdown(task_id=task_id, epoch=epoch)
+        if kind is Profile:  # prefixes a worker must refuse (INVALID_ARGUMENT) among usable ones
+            return Profile(task_id=task_id, epoch=epoch, start=rng.random() < 0.5,
+                           prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")))
+        rank = rng.randrange(max(1, ctx.ranks) + 1)
+        state = rng.choice(list(WorkerState))
+        if kind is Ack:
+            memory = None if rng.random() < 0.5 else MemoryReport(
+                pool_bytes_before={t: rng.randrange(1 << 30) for t in ctx.tags},
+                pool_bytes_after={t: 0 for t in ctx.tags}, process_bytes_before=rng.randrange(1 << 34),
+                process_bytes_after=None, process_bytes_source=rng.choice(("nvml", "torch", "none")))  # fmt: skip
+            return Ack(task_id=task_id, epoch=epoch, rank=rank, command=self._command_name(), state=state,
+                       status=rng.choice(list(AckStatus)), asleep_tags=tuple(rng.sample(ctx.tags, rng.randrange(3))),
+                       memory=memory, duration_s=rng.random())  # fmt: skip
+        if kind is Nack:
+            return Nack(task_id=task_id, epoch=epoch, rank=rank, command=self._command_name(),
+                        reason=rng.choice(list(NackReason)), detail="fuzz", state=state)  # fmt: skip
+        if kind is Result:
+            return Result(task_id=task_id, epoch=epoch, rank=rank, output=self._payload(), duration_s=rng.random())
+        pid = ctx.pids[rng.randrange(1 << 16) % len(ctx.pids)] if ctx.pids and rng.random() < 0.7 else 4242
+        return Hello(task_id="hello", epoch=epoch, rank=rank, stage=ctx.stage if rng.random() < 0.8 else "other",
+                     proof="".join(rng.choice("0123456789abcdef") for _ in range(64)), pid=pid, device="cpu",
+                     backend="portable", tags=ctx.tags, capabilities=(Capability.LEVEL2,), state=state)  # fmt: skip
+
+    # ------------------------------------------------------------------ strategies
+
+    def _valid(self, ctx: FuzzContext) -> Frame:
+        message = self.valid_message(ctx)
+        return Frame((pack(_pairs_map(_pairs(message))),), "valid", (type(message).__name__,))
+
+    def _mutated(self, ctx: FuzzContext) -> Frame:
+        rng = self.rng
+        message = self.valid_message(ctx)
+        pairs = _pairs(message)
+        names = [type(message).__name__]
+        for _ in range(1 + min(3, int(rng.expovariate(1.0)))):
+            mutation = rng.choice(_FIELD_MUTATIONS)
+            names.append(mutation.__name__.removeprefix("_m_"))
+            mutation(self, pairs, ctx)
+        top: Any = _pairs_map(pairs)
+        if rng.random() < 0.1:
+            top = Map(top.pairs, claimed_len=len(top.pairs) + rng.choice((-1, 1, 2, 1 << 20, 2**32 - 1)),
+                      width=rng.choice(LENGTH_WIDTHS))  # fmt: skip
+            names.append("map_len_lie")
+        data = pack(top)
+        data, extra = self._byte_level(data)
+        return Frame((data,), "mutated", tuple(names + extra))
+
+    def _replay(self, ctx: FuzzContext) -> Frame:
+        if not self._history:
+            return self._valid(ctx)
+        data = self._history[self.rng.randrange(len(self._history))]
+        return Frame((data,), "replay")
+
+    def _reorder(self, ctx: FuzzContext) -> Frame:
+        if len(self._history) < 2:
+            return self._valid(ctx)
+        rng = self.rng
+        count = rng.randrange(2, min(8, len(self._history)) + 1)
+        batch = list(self._history)[-count:]
+        rng.shuffle(batch)
+        if rng.random() < 0.5:
+            batch.insert(rng.randrange(len(batch) + 1), batch[rng.randrange(len(batch))])  # and a duplicate
+        self._queued.extend(Frame((data,), "reorder") for data in batch[1:])
+        return Frame((batch[0],), "reorder")
+
+    def _random_value(self, ctx: FuzzContext) -> Frame:
+        rng = self.rng
+        if rng.random() < 0.6:  # a map that looks like a message: type tag, random fields
+            pairs: list[list[Any]] = [["type", rng.choice(_TAGS + ("Bogus", ""))]]
+            for _ in range(rng.randrange(8)):
+                pairs.append([self._key(), self.random_value(3)])
+            value: Any = _pairs_map(pairs)
+        else:
+            value = self.random_value(4)
+        return Frame((pack(value),), "random_value")
+
+    def _raw_bytes(self, ctx: FuzzContext) -> Frame:
+        rng = self.rng
+        size = rng.choice((0, 1, 2, 3, 8, 16, 64, 256, 4096))
+        data = rng.randbytes(rng.randrange(size + 1))
+        if data and rng.random() < 0.5:  # start like a map so the decoder reads further in
+            data = bytes((rng.choice((0x80 | rng.randrange(16), 0xDE, 0xDF, 0xC1, 0xD4, 0xC7)),)) + data
+        return Frame((data,), "raw_bytes")
+
+    def _multipart(self, ctx: FuzzContext) -> Frame:
+        rng = self.rng
+        inner = self._mutated(ctx) if rng.random() < 0.5 else self._valid(ctx)
+        choice = rng.randrange(4)
+        if choice == 0:
+            parts: tuple[bytes, ...] = (b"", inner.payload)  # REQ-style empty delimiter
+        elif choice == 1:
+            parts = (inner.payload, inner.payload)
+        elif choice == 2:
+            parts = tuple(rng.randbytes(rng.randrange(8)) for _ in range(rng.randrange(1, 5))) + (inner.payload,)
+        else:
+            parts = (inner.payload, b"")
+        return Frame(parts, "multipart", inner.mutations)
+
+    def _deep(self, ctx: FuzzContext) -> Frame:
+        rng = self.rng
+        depth = rng.choice((64, 200, 1000, 5000, 100_000))
+        deep = Deep(depth, leaf=self.random_value(1), as_map=rng.random() < 0.3)
+        if rng.random() < 0.5:  # inside an otherwise valid Execute: payload is Any
+            pairs = _pairs(Execute(task_id=self._task_id(ctx), epoch=ctx.epoch))
+            _set(pairs, "payload", deep)
+            return Frame((pack(_pairs_map(pairs)),), "deep", (f"payload_depth_{depth}",))
+        return Frame((pack(deep),), "deep", (f"top_depth_{depth}",))
+
+    def _lying_header(self, ctx: FuzzContext) -> Frame:
+        """A header that claims more (or less) than follows: str/bin/array/map/ext."""
+        rng = self.rng
+        pairs = _pairs(self.valid_message(ctx))
+        claim = rng.choice((0, 1, 127, 128, 65535, 65536, 2**31, 2**32 - 1))
+        index = rng.randrange(len(pairs))
+        value = pairs[index][1]
+        kind = rng.randrange(5)
+        if kind == 0:
+            node: Any = Str(_as_bytes(value), claimed_len=claim, width=rng.choice(LENGTH_WIDTHS))
+        elif kind == 1:
+            node = Bin(_as_bytes(value), claimed_len=claim, width=rng.choice(LENGTH_WIDTHS))
+        elif kind == 2:
+            node = Arr((value,), claimed_len=claim, width=rng.choice(LENGTH_WIDTHS))
+        elif kind == 3:
+            node = Map(((value, value),), claimed_len=claim, width=rng.choice(LENGTH_WIDTHS))
+        else:
+            node = Ext(rng.randrange(-128, 128), _as_bytes(value), claimed_len=claim)
+        pairs[index][1] = node
+        data = pack(_pairs_map(pairs))
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(len(data) + 1)]
+        return Frame((data,), "lying_header", (f"{type(node).__name__}_claims_{claim}",))
+
+    def _big(self, ctx: FuzzContext) -> Frame:
+        """Frames at and around the frame limit: a valid Execute just under it, BAD_MESSAGE just
+        over it, and (when enabled) one over the socket's own limit, which zmq refuses by
+        dropping the connection."""
+        rng = self.rng
+        limit = ctx.max_frame_bytes
+        sizes = [limit - 1, limit, limit + 1, limit + SOCKET_FRAME_SLACK_BYTES // 2, 1 << 20, 8 << 20]
+        if self.config.socket_drop_frames:
+            sizes.append(limit + SOCKET_FRAME_SLACK_BYTES + 1)
+        target = rng.choice(sizes)
+        head = pack(_pairs_map(_pairs(Execute(task_id=self._task_id(ctx), epoch=ctx.epoch))))
+        bare = rng.random() < 0.3
+        # Execute's payload is the last field: re-open it, either as {"seed":1,"batch":1,"blob":
+        # bin} (a request the runner serves) or as a bare bin (one it refuses, naming it), sized
+        # so the whole frame is exactly `target` bytes.
+        prefix = head[:-1] + (b"" if bare else b"\x83\xa4seed\x01\xa5batch\x01\xa4blob")
+        blob_bytes = max(0, target - len(prefix) - 5)
+        data = prefix + b"\xc6" + blob_bytes.to_bytes(4, "big") + bytes(blob_bytes)
+        return Frame((data,), "big", (f"size_{len(data)}", "bare_bin" if bare else "dict"))
+
+    # ------------------------------------------------------------------ pieces
+
+    def random_value(self, depth: int) -> Any:
+        rng = self.rng
+        kind = rng.randrange(12 if depth > 0 else 9)
+        if kind == 0:
+            return None
+        if kind == 1:
+            return rng.random() < 0.5
+        if kind == 2:
+            return Int(rng.choice(INT_EDGES), rng.choice((None, *INT_WIDTHS)))
+        if kind == 3:
+            return Float(rng.choice(FLOAT_EDGES), single=rng.random() < 0.3)
+        if kind == 4:
+            return self._text()
+        if kind == 5:
+            return Str(self._bad_utf8(self._text()), width=rng.choice((None, *LENGTH_WIDTHS)))
+        if kind == 6:
+            return rng.randbytes(rng.randrange(32))
+        if kind == 7:
+            return Ext(rng.choice((-1, -128, 0, 1, 127)), rng.randbytes(rng.choice((0, 1, 4, 8, 12, 16, 17))))
+        if kind == 8:
+            return rng.randrange(-(2**63), 2**64)
+        if kind == 9:
+            return Arr(tuple(self.random_value(depth - 1) for _ in range(rng.randrange(6))))
+        if kind == 10:
+            return Map(tuple((self._key(), self.random_value(depth - 1)) for _ in range(rng.randrange(6))))
+        # non-str keys: ints, arrays, nil, binary (a str-keyed Struct must refuse them)
+        return Map(tuple((self.random_value(0), self.random_value(depth - 1)) for _ in range(rng.randrange(4))))
+
+    def _pick_type(self) -> type[Message]:
+        rng = self.rng
+        # The receiver's own direction most of the time; the other direction is a BAD_MESSAGE.
+        commands = self.config.direction == "worker"
+        pool = MESSAGE_TYPES[:6] if commands else MESSAGE_TYPES[6:]
+        if rng.random() < 0.15:
+            pool = MESSAGE_TYPES
+        return rng.choice(pool)
+
+    def _task_id(self, ctx: FuzzContext) -> str:
+        rng = self.rng
+        roll = rng.random()
+        if ctx.task_ids and roll < 0.3:
+            return ctx.task_ids[rng.randrange(1 << 30) % len(ctx.task_ids)]
+        self._serial += 1
+        return f"fz-{self._serial}"
+
+    def _tags(self, ctx: FuzzContext) -> tuple[str, ...] | None:
+        rng = self.rng
+        if rng.random() < 0.5:
+            return None
+        return tuple(rng.sample(ctx.tags, rng.randrange(1, len(ctx.tags) + 1)))
+
+    def _payload(self) -> Any:
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.5:
+            return {"seed": rng.randrange(100), "batch": rng.randrange(1, 4)}
+        if roll < 0.7:
+            return {"seed": rng.choice(INT_EDGES), "batch": rng.choice((0, 1, -1, 1024, 1025, 2**63))}
+        return msgspec.to_builtins(_plain(self.random_value(2)))
+
+    def _command_name(self) -> str:
+        return self.rng.choice(("Sleep", "Wake", "ReloadWeights", "Execute", "Status", "Shutdown", "Profile", "?"))
+
+    def _key(self) -> Any:
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.5:
+            return rng.choice(_FIELD_NAMES)
+        if roll < 0.8:
+            return "".join(rng.choice(ALNUM) for _ in range(rng.randrange(1, 12)))
+        return Str(self._bad_utf8(rng.choice(_FIELD_NAMES)))
+
+    def _text(self) -> str:
+        rng = self.rng
+        if rng.random() < 0.3:
+            return rng.choice(("", "\x00", "\u00e9t\u00e9", "\U0001f600", "\ud7ff\ue000", "a" * 300))
+        return "".join(rng.choice(ALNUM) for _ in range(rng.randrange(20)))
+
+    def _bad_utf8(self, text: str) -> bytes:
+        rng = self.rng
+        data = text.encode()
+        at = int(rng.random() * (len(data) + 1))
+        return data[:at] + rng.choice(BAD_UTF8) + data[at:]
+
+    def _byte_level(self, data: bytes) -> tuple[bytes, list[str]]:
+        """Occasional byte-level damage on top of the structural mutations."""
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.04 and data:
+            return data[: rng.randrange(len(data))], ["truncated"]
+        if roll < 0.07:
+            return data + rng.randbytes(rng.randrange(1, 9)), ["trailing_bytes"]
+        if roll < 0.11 and data:
+            damaged = bytearray(data)
+            for _ in range(rng.randrange(1, 4)):
+                damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
+            return bytes(damaged), ["bit_flips"]
+        return data, []
+
+
+# ---------------------------------------------------------------------- field mutations
+#
+# Each takes the message as a list of [key, value] pairs (mutable, in wire order) and
+# changes it in place. Pair 0 is the type tag.
+
+
+def _m_bad_utf8_value(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    paths = _str_paths(pairs)
+    if not paths:
+        return
+    path = paths[gen.rng.randrange(len(paths))]
+    _replace_at(pairs, path, lambda s: Str(gen._bad_utf8(s)))
+
+
+def _m_bad_utf8_key(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    index = gen.rng.randrange(len(pairs))
+    pairs[index][0] = Str(gen._bad_utf8(str(pairs[index][0])))
+
+
+def _m_int_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    ints = [i for i, (_, v) in enumerate(pairs) if isinstance(v, int) and not isinstance(v, bool)]
+    index = rng.choice(ints) if ints and rng.random() < 0.8 else rng.randrange(len(pairs))
+    pairs[index][1] = Int(rng.choice(INT_EDGES), rng.choice((None, None, *INT_WIDTHS)))
+
+
+def _m_epoch(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    choice = rng.choice((ctx.epoch - 1, ctx.epoch + 1, ctx.epoch + 64, ctx.epoch + 65, 0, -1, 2**63, 2**64 - 1))
+    _set(pairs, "epoch", choice if choice >= -(2**63) else -1)
+
+
+def _m_enum_unknown(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    key = rng.choice(("state", "status", "reason", "command", "level", "capabilities", "type"))
+    value = rng.choice(("", "active", "ACTIVE ", "SLEEPING\x00", "UNKNOWN", 0, 3, -1, None, ["ACTIVE"], "level2x"))
+    _set(pairs, key, value)
+
+
+def _m_extra_field(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    pairs.insert(gen.rng.randrange(1, len(pairs) + 1), [gen._key(), gen.random_value(2)])
+
+
+def _m_duplicate_key(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    key, value = pairs[rng.randrange(len(pairs))]
+    pairs.insert(rng.randrange(len(pairs) + 1), [key, value if rng.random() < 0.5 else gen.random_value(1)])
+
+
+def _m_wrong_type(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    pairs[gen.rng.randrange(len(pairs))][1] = gen.random_value(2)
+
+
+def _m_retag(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    tag = rng.choice((*_TAGS, "sleep", "Message", "Command", "Reply", "MemoryReport", "", 7, None,
+                      Str(b"Sl\xffeep"), ["Sleep"]))  # fmt: skip
+    pairs[0][1] = tag
+    if rng.random() < 0.2:  # the tag somewhere else than first
+        pairs.append(pairs.pop(0))
+
+
+def _m_version(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    value = rng.choice((PROTOCOL_VERSION + 1, PROTOCOL_VERSION - 1, 0, -1, 2, 99, 2**64 - 1, "1", 1.0, None, True))
+    _set(pairs, "v", value)
+
+
+def _m_drop_field(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    if pairs:
+        pairs.pop(gen.rng.randrange(len(pairs)))
+
+
+def _m_noncanonical(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    """Same values in wider headers: must still decode to the same message."""
+    rng = gen.rng
+    for pair in pairs:
+        value = pair[1]
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31:
+            pair[1] = Int(value, rng.choice(("u32", "u64", "i64")))
+        elif isinstance(value, str):
+            pair[1] = Str(value.encode(), width=rng.choice(("16", "32")))
+        elif isinstance(value, float):
+            pair[1] = Float(value, single=value == 0.0)
+
+
+def _m_float_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    key = rng.choice(("duration_s", "payload", "output", "epoch", "level"))
+    _set(pairs, key, Float(rng.choice(FLOAT_EDGES), single=rng.random() < 0.3))
+
+
+def _m_task_id_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    _set(pairs, "task_id", gen.rng.choice(TASK_ID_EDGES))
+
+
+def _m_tags_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    _set(pairs, rng.choice(("tags", "tags", "asleep_tags", "capabilities")), rng.choice(TAG_EDGES))
+
+
+def _m_source_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    _set(pairs, "source", gen.rng.choice(SOURCE_EDGES))
+
+
+def _m_ext(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    # -1 with 4, 8 or 12 bytes is a valid timestamp; other lengths are not.
+    node = Ext(rng.choice((-1, -1, 0, 5, 127, -128)), rng.randbytes(rng.choice((0, 1, 4, 8, 12, 16, 300))))
+    if rng.random() < 0.5:
+        _set(pairs, "payload", node)
+    else:
+        pairs[rng.randrange(len(pairs))][1] = node
+
+
+def _m_detail_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
+    rng = gen.rng
+    _set(pairs, rng.choice(("detail", "proof", "stage", "device", "backend")),
+         rng.choice(("x" * 4096, "x" * 4097, "\u00e9" * 4096, "y" * 129, "z" * 65, "")))  # fmt: skip
+
+
+_FIELD_MUTATIONS = (
+    _m_bad_utf8_value, _m_bad_utf8_value, _m_bad_utf8_key, _m_int_edge, _m_int_edge, _m_epoch, _m_epoch,
+    _m_enum_unknown, _m_extra_field, _m_duplicate_key, _m_wrong_type, _m_wrong_type, _m_retag, _m_version,
+    _m_drop_field, _m_drop_field, _m_noncanonical, _m_float_edge, _m_task_id_edge, _m_tags_edge, _m_source_edge,
+    _m_ext, _m_detail_edge,
+)  # fmt: skip
+_TAGS: tuple[str, ...] = tuple(t.__name__ for t in MESSAGE_TYPES)
+_FIELD_NAMES: tuple[str, ...] = tuple(sorted({f.name for t in MESSAGE_TYPES for f in msgspec.structs.fields(t)}))
+MUTATION_NAMES: tuple[str, ...] = tuple(sorted({m.__name__.removeprefix("_m_") for m in _FIELD_MUTATIONS}))
+
+
+def write_seed_corpus(directory: str | os.PathLike[str], seed: int = 0) -> None:
+    """One valid message of every type and a few generated frames, one file each: the starting
+    points of a coverage-guided fuzzer (atheris/libFuzzer corpus directory)."""
+    path = Path(directory)
+    generator = FrameGenerator(seed)
+    ctx = FuzzContext(epoch=3, pids=(4242,), task_ids=("t-1",))
+    for kind in MESSAGE_TYPES:
+        (path / f"valid-{kind.__name__}").write_bytes(msgspec.msgpack.encode(generator.valid_message(ctx, kind)))
+    for index in range(32):
+        (path / f"generated-{index}").write_bytes(generator.next(ctx).payload)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _pairs(message: Message) -> list[list[Any]]:
+    """The message as the codec writes it (fields added after v1 left off at their default,
+    `codec.encode`), as mutable [key, value] pairs in wire order."""
+    return [[key, value] for key, value in msgspec.msgpack.decode(encode(message)).items()]
+
+
+def _pairs_map(pairs: list[list[Any]]) -> Map:
+    return Map(tuple((key, value) for key, value in pairs))
+
+
+def _set(pairs: list[list[Any]], key: str, value: Any) -> None:
+    for pair in pairs:
+        if pair[0] == key:
+            pair[1] = value
+            return
+    pairs.append([key, value])
+
+
+def _str_paths(pairs: list[list[Any]]) -> list[tuple[int, ...]]:
+    """Where the str leaves are: (pair index,) or (pair index, item index) inside tuples/lists."""
+    paths: list[tuple[int, ...]] = []
+    for i, (_, value) in enumerate(pairs):
+        if isinstance(value, str):
+            paths.append((i,))
+        elif isinstance(value, (list, tuple)):
+            paths.extend((i, j) for j, item in enumerate(value) if isinstance(item, str))
+    return paths
+
+
+def _replace_at(pairs: list[list[Any]], path: tuple[int, ...], make: Any) -> None:
+    if len(path) == 1:
+        pairs[path[0]][1] = make(pairs[path[0]][1])
+        return
+    items = list(pairs[path[0]][1])
+    items[path[1]] = make(items[path[1]])
+    pairs[path[0]][1] = Arr(tuple(items))
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return pack(value)
+
+
+def _plain(value: Any) -> Any:
+    """A node tree as plain values msgspec can encode (used for valid payloads)."""
+    if isinstance(value, Int):
+        return value.value
+    if isinstance(value, Float):
+        return value.value
+    if isinstance(value, Str):
+        return value.data.decode("utf-8", "replace")
+    if isinstance(value, Arr):
+        return [_plain(v) for v in value.items]
+    if isinstance(value, Map):
+        return {str(_plain(k)): _plain(v) for k, v in value.pairs}
+    if isinstance(value, (Ext, Bin, Raw)):
+        return bytes(value.data)
+    if isinstance(value, Deep):
+        return None
+    return value

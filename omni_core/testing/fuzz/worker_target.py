@@ -1,0 +1,639 @@
+"""Worker direction: fuzzed frames into a real worker process, checked by an oracle.
+
+The fuzzer binds a ROUTER, starts `python -m omni_core.workers` (synthetic runner, CPU,
+portable backend), receives its Hello and then sends frames in batches, several in flight
+at once. The worker handles one frame at a time and answers in order, so every frame's
+expected reply is known before it is sent, from the protocol's own codec:
+
+- bytes that do not decode: one NACK with the reason the codec names (BAD_MESSAGE or
+  UNSUPPORTED_VERSION), `command="?"` and the task_id the envelope revealed (or "-");
+- a valid command (the mutator's untouched fields, replays and reorderings of real
+  commands): exactly one reply with its task_id, an Ack/Result or a Nack naming it. Its
+  state is tracked, and the epoch it moves the worker to is followed (the core's fencing
+  rule), so the oracle's own commands stay in the current epoch. A valid Shutdown in the
+  worker's epoch window is withheld: it would end the process by design.
+
+Between batches the oracle runs lockstep: a Status probe (the hang check), a return to
+ACTIVE (wake, reload) where fuzzed commands left the worker elsewhere, an Execute whose
+result must equal the reference taken at start, and every few rounds a full sleep/wake
+cycle. The worker's RSS is sampled at each round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from omni_core.conformance.targets import REFERENCE_RUNNER_ARGS
+from omni_core.fsm.worker import MAX_EPOCH_AHEAD
+from omni_core.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Ack,
+    Command,
+    Execute,
+    Hello,
+    Message,
+    Nack,
+    NackReason,
+    ProtocolError,
+    ReloadWeights,
+    Result,
+    Shutdown,
+    Sleep,
+    Status,
+    Wake,
+    WorkerState,
+    decode,
+    decode_command,
+    encode,
+)
+from omni_core.testing.fuzz.common import (
+    FINDING_BYTES_KEPT,
+    MAX_RSS_GROWTH_BYTES,
+    Finding,
+    FuzzReport,
+    Progress,
+    count,
+    cpu_seconds,
+    log_tail,
+    peak_rss_bytes,
+    rss_bytes,
+)
+from omni_core.testing.fuzz.generate import Frame, FrameGenerator, FuzzContext, GeneratorConfig
+from omni_core.testing.fuzz.known_issues import open_issues
+from omni_core.transport import ipc_address, make_router
+from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+
+REFERENCE_PAYLOAD = {"seed": 11, "batch": 2}
+START_TIMEOUT_S = 120.0  # torch import and model load on a loaded 2-core machine
+MAX_RESTARTS = 5  # after a crash or hang the worker is replaced; more means stop and report
+
+
+@dataclass
+class WorkerFuzzConfig:
+    seed: int = 0
+    frames: int = 10_000
+    time_box_s: float | None = None
+    transport: str = "ipc"  # "ipc" | "tcp" (loopback)
+    probe_every_frames: int = 200  # fuzzed frames between two oracle rounds
+    lifecycle_every_rounds: int = 8  # a sleep/wake cycle every this many rounds (levels alternate)
+    window_frames: int = 128  # fuzzed frames in flight before the fuzzer waits for replies
+    reply_timeout_s: float = 30.0  # generous: a reply later than this is a hang
+    big_every_frames: int = 0  # every N-th frame is at or over the frame limit (0: none)
+    socket_drop_frames: bool = False  # big frames may exceed the socket's own limit too
+    warmup_frames: int = 2_000  # RSS "before" is taken at the first round after this many frames
+    max_rss_growth_bytes: int = MAX_RSS_GROWTH_BYTES
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    runner_args: dict[str, Any] = field(default_factory=lambda: dict(REFERENCE_RUNNER_ARGS))
+    progress_interval_s: float = 5.0
+    out_dir: str | None = None  # reproducers of findings are written here
+    # Withhold frames that trigger a reported, still-open bug (omni_core.testing.fuzz.known_issues),
+    # counted in the report; a fixed bug's frames are sent again automatically.
+    withhold_known_issues: bool = True
+
+
+@dataclass
+class _Expect:
+    """The one reply a sent frame must get."""
+
+    frame: Frame
+    task_id: str
+    command: str  # "?" for bytes that do not decode
+    reason: NackReason | None = None  # the codec's reason, for bytes that do not decode
+    message: Command | None = None  # the decoded command, when it decoded
+    oracle: bool = False
+
+
+class _Hang(Exception):
+    pass
+
+
+class _Crash(Exception):
+    pass
+
+
+class WorkerFuzzer:
+    def __init__(self, config: WorkerFuzzConfig, *, emit: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.emit = emit
+        self.report = FuzzReport.for_run("worker", config)
+        self.generator = FrameGenerator(
+            config.seed, GeneratorConfig(direction="worker", socket_drop_frames=config.socket_drop_frames)
+        )
+        self.directory = tempfile.mkdtemp(prefix="omni-fz-", dir="/tmp")
+        self.ctx = zmq.Context()
+        address = ipc_address(self.directory) if config.transport == "ipc" else "tcp://127.0.0.1:*"
+        self.sock = make_router(self.ctx, address, max_frame_bytes=config.max_frame_bytes)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.proc: subprocess.Popen | None = None
+        self.identity: bytes = b""
+        self.log_path = os.path.join(self.directory, "worker.log")
+        self.expect: deque[_Expect] = deque()
+        self.epoch = 0  # the worker's epoch, followed by the core's fencing rule
+        self.state = WorkerState.ACTIVE  # last state a reply reported
+        self.weights_dirty = False  # a fuzzed ReloadWeights refilled them from another source
+        self.reference: Any = None
+        self.rounds = 0
+        self._oracle_serial = 0
+        self._withheld = 0
+        self._restarts = 0
+        self._nack_reasons: dict[str, int] = {}
+        self._rss_samples: list[tuple[int, int]] = []
+        self._oracle_reply: Message | None = None
+        self._cpu_started_s = time.process_time()
+        self._open_issues = open_issues() if config.withhold_known_issues else ()
+        self._withheld_known: dict[str, int] = {}
+
+    # ================================================================ run
+
+    def run(self) -> FuzzReport:
+        cfg, report = self.config, self.report
+        started_at = time.monotonic()
+        fuzz_started_at = started_at
+        try:
+            self._start_worker()
+            report.rss_start_bytes = rss_bytes(self._pid)
+            fuzz_started_at = time.monotonic()  # frames/s counts the fuzzing, not torch's import
+            report.extra["startup_s"] = round(fuzz_started_at - started_at, 2)
+            deadline_at = started_at + cfg.time_box_s if cfg.time_box_s else None
+            progress = Progress(self.emit, cfg.progress_interval_s)
+            while report.frames_sent < cfg.frames:
+                if deadline_at is not None and time.monotonic() >= deadline_at:
+                    report.time_boxed = True
+                    break
+                if self._restarts > MAX_RESTARTS:
+                    break
+                try:
+                    self._fuzz_batch(min(cfg.probe_every_frames, cfg.frames - report.frames_sent))
+                    self._sync()
+                    self._oracle_round()
+                except (_Hang, _Crash):
+                    self._recover()
+                progress.maybe(report.frames_sent, self._progress_extra)
+            try:
+                self._sync()
+                self._oracle_round(final=True)
+            except (_Hang, _Crash):
+                self._recover()
+        finally:
+            ended_at = time.monotonic()
+            report.duration_s = ended_at - started_at
+            report.frames_per_s = report.frames_sent / max(ended_at - fuzz_started_at, 1e-9)
+            self._finish()
+        return report
+
+    def _progress_extra(self) -> str:
+        r = self.report
+        rss = rss_bytes(self._pid) if self.proc else None
+        return (f"{r.replies} replies, {r.crashes} crashes, {r.hangs} hangs, {r.violations} violations, "
+                f"worker RSS {0 if rss is None else rss >> 20} MiB, epoch {self.epoch}")  # fmt: skip
+
+    @property
+    def _pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    # ================================================================ the worker process
+
+    def _start_worker(self) -> None:
+        cfg = self.config
+        config = {"address": self.address, "rank": 0, "epoch": self.epoch, "stage": "fuzz", "runner": "synthetic",
+                  "runner_args": cfg.runner_args, "backend": "portable", "device": "cpu",
+                  "max_frame_bytes": cfg.max_frame_bytes, "parent_check_interval_s": 0.5,
+                  "parent_pid": os.getpid()}  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "omni_core.workers", "--config",
+                                          msgspec.json.encode(config).decode()],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+        deadline_at = time.monotonic() + START_TIMEOUT_S
+        while True:
+            left_ms = int((deadline_at - time.monotonic()) * 1000)
+            if left_ms <= 0 or self.proc.poll() is not None:
+                raise RuntimeError(f"the worker did not say Hello (exit code {self.proc.poll()}):\n{self._log_tail()}")
+            if not self.sock.poll(min(left_ms, 200)):
+                continue
+            identity, *parts = self.sock.recv_multipart()
+            message = decode(parts[-1])
+            if isinstance(message, Hello):
+                self.identity = identity
+                self.state = message.state
+                break
+        self.expect.clear()
+        self.state = WorkerState.ACTIVE
+        self.weights_dirty = False
+        reply = self._lockstep(Execute(task_id=self._task_id("ref"), epoch=self.epoch, payload=REFERENCE_PAYLOAD))
+        if not isinstance(reply, Result):
+            raise RuntimeError(f"the worker's first Execute was not a Result: {reply!r}")
+        if self.reference is None:
+            self.reference = reply.output
+            self.report.valid_answered += 1
+        elif reply.output != self.reference:
+            self._violation("wrong_result", "after a restart the reference request gave another output")
+        else:
+            self.report.valid_answered += 1
+
+    def _recover(self) -> None:
+        """After a crash or a hang: record it, replace the worker, go on (fresh epoch)."""
+        self._restarts += 1
+        self.report.extra["worker_restarts"] = self._restarts
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self._restarts > MAX_RESTARTS:
+            return
+        self.epoch += 1
+        self._start_worker()
+
+    def _log_tail(self, lines: int = 30) -> str:
+        return log_tail(self.log_path, lines)
+
+    def _finish(self) -> None:
+        report = self.report
+        if self.proc is not None and self.proc.poll() is None:
+            report.rss_after_bytes = report.rss_after_bytes or rss_bytes(self._pid)
+            report.extra["worker_peak_rss_bytes"] = peak_rss_bytes(self._pid)
+            report.extra["worker_cpu_s"] = cpu_seconds(self._pid)
+            try:  # a clean end: Shutdown must be answered too
+                self.expect.clear()
+                reply = self._lockstep(Shutdown(task_id=self._task_id("shutdown"), epoch=self.epoch))
+                self._expect_ack(reply, "Shutdown", WorkerState.STOPPED)
+                self.proc.wait(15)
+            except (_Hang, _Crash, subprocess.TimeoutExpired):
+                pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            elif self.proc.returncode != 0:
+                self._violation("exit_code", f"the worker exited with {self.proc.returncode} after Shutdown")
+        report.settle_memory()
+        report.replies_by_type.update({f"Nack:{k}": v for k, v in sorted(self._nack_reasons.items())})
+        report.extra["shutdowns_withheld"] = self._withheld
+        report.extra["known_issues_open"] = [issue.name for issue in self._open_issues]
+        report.extra["withheld_known_issue_frames"] = dict(self._withheld_known)
+        report.extra["epoch_final"] = self.epoch
+        report.extra["oracle_rounds"] = self.rounds
+        report.extra["fuzzer_cpu_s"] = round(time.process_time() - self._cpu_started_s, 1)
+        step = max(1, len(self._rss_samples) // 200)  # at most ~200 points, evenly spread
+        report.extra["rss_samples"] = self._rss_samples[::step] + self._rss_samples[-1:]
+        self.sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ================================================================ fuzzed frames
+
+    def _fuzz_batch(self, frames: int) -> None:
+        cfg, report = self.config, self.report
+        sent = 0
+        while sent < frames:
+            while len(self.expect) >= cfg.window_frames:
+                self._receive(block=True)
+            ctx = FuzzContext(epoch=self.epoch, stage="fuzz", ranks=1, tags=("weights", "kv_cache"),
+                              task_ids=self._recent_task_ids, max_frame_bytes=cfg.max_frame_bytes)  # fmt: skip
+            number = report.frames_sent + 1
+            if cfg.big_every_frames and number % cfg.big_every_frames == 0:
+                frame = self.generator._big(ctx)
+            else:
+                frame = self.generator.next(ctx)
+            expect = self._expectation(frame)
+            if expect is None:
+                continue
+            if len(frame.payload) > cfg.max_frame_bytes + SOCKET_FRAME_SLACK_BYTES:
+                # zmq refuses it by dropping the connection: no reply, and what was in flight
+                # may be lost with it. Sent alone, then the worker must come back.
+                self._sync()
+                self._send(frame.parts)
+                count(report.frames_by_kind, frame.kind)
+                report.frames_sent += 1
+                sent += 1
+                report.extra["socket_dropped_frames"] = report.extra.get("socket_dropped_frames", 0) + 1
+                self._resync_after_drop()
+                continue
+            self._send(frame.parts)
+            count(report.frames_by_kind, frame.kind)
+            report.frames_sent += 1
+            sent += 1
+            self.expect.append(expect)
+            self._receive(block=False)
+
+    def _expectation(self, frame: Frame) -> _Expect | None:
+        """The reply this frame must get (None: withhold the frame). Follows the epoch."""
+        try:
+            command = decode_command(frame.payload, max_frame_bytes=self.config.max_frame_bytes)
+        except ProtocolError as err:
+            return _Expect(frame, err.task_id or "-", "?", reason=err.reason)
+        except Exception as exc:  # the codec itself broke its contract (P-10)
+            self._violation("codec_raised", f"decode_command raised {type(exc).__name__}: {exc}", frame)
+            return None
+        accepted = self.epoch <= command.epoch <= self.epoch + MAX_EPOCH_AHEAD
+        if isinstance(command, Shutdown) and accepted:
+            self._withheld += 1
+            return None
+        for issue in self._open_issues:
+            if accepted and issue.matches(command):
+                count(self._withheld_known, issue.name)
+                return None
+        if accepted:
+            self.epoch = command.epoch
+        return _Expect(frame, command.task_id, type(command).__name__, message=command)
+
+    def _resync_after_drop(self) -> None:
+        """After zmq dropped the connection: the worker reconnects; a probe must get through."""
+        deadline_at = time.monotonic() + self.config.reply_timeout_s
+        while time.monotonic() < deadline_at:
+            self._check_alive()
+            status = Status(task_id=self._task_id("resync"), epoch=self.epoch)
+            try:
+                self.sock.send_multipart([self.identity, encode(status)], zmq.NOBLOCK)
+            except zmq.ZMQError:  # not reconnected yet (ROUTER_MANDATORY)
+                time.sleep(0.05)
+                continue
+            if self.sock.poll(1000):
+                _, *parts = self.sock.recv_multipart()
+                reply = self._decode_reply(parts[-1])
+                if reply is not None and reply.task_id == status.task_id:
+                    self.report.replies += 1
+                    return
+        self.report.hangs += 1
+        self.report.add_finding(Finding("hang", "no answer after a frame over the socket limit dropped the link"))
+        raise _Hang
+
+    # ================================================================ replies
+
+    def _receive(self, *, block: bool) -> None:
+        """Take replies off the socket and match them against what was expected."""
+        timeout_ms = int(self.config.reply_timeout_s * 1000) if block else 0
+        waited_ms = 0
+        while True:
+            slice_ms = min(timeout_ms - waited_ms, 500) if block else 0
+            if self.sock.poll(max(slice_ms, 0)):
+                break
+            if not block:
+                return
+            waited_ms += slice_ms
+            self._check_alive()
+            if waited_ms >= timeout_ms:
+                self._on_hang()
+        while True:
+            try:
+                identity, *parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if identity != self.identity:
+                self._violation("stranger", f"a message from identity {identity!r}, not the worker's")
+                continue
+            reply = self._decode_reply(parts[-1])
+            if reply is not None:
+                self._match(reply)
+
+    def _decode_reply(self, data: bytes) -> Message | None:
+        self.report.replies += 1
+        try:
+            reply = decode(data)
+        except ProtocolError as err:
+            self._violation("undecodable_reply", f"the worker sent bytes our codec refuses: {err.detail}",
+                            Frame((data,), "reply"))  # fmt: skip
+            return None
+        count(self.report.replies_by_type, type(reply).__name__)
+        if isinstance(reply, Nack):
+            count(self._nack_reasons, reply.reason.value)
+        return reply
+
+    def _match(self, reply: Message) -> None:
+        for index, expect in enumerate(self.expect):
+            if _matches(expect, reply):
+                for _ in range(index):  # frames before it got no reply
+                    missed = self.expect.popleft()
+                    self._violation("missing_reply", f"no reply to a frame expecting {missed.command} "
+                                    f"task_id={missed.task_id!r}", missed.frame)  # fmt: skip
+                self.expect.popleft()
+                self._check_reply(expect, reply)
+                return
+        self._violation("unexpected_reply", f"a reply no frame asked for: {_short(reply)}")
+
+    def _check_reply(self, expect: _Expect, reply: Message) -> None:
+        if expect.oracle:
+            self._oracle_reply = reply
+        if expect.command == "?":
+            if not (isinstance(reply, Nack) and reply.reason is expect.reason):
+                self._violation("wrong_reply", f"bytes the codec refuses ({expect.reason}) got {_short(reply)}",
+                                expect.frame)  # fmt: skip
+            self._follow_state(reply)
+            return
+        if isinstance(reply, Nack) and reply.reason in (NackReason.BAD_MESSAGE, NackReason.UNSUPPORTED_VERSION):
+            self._violation("wrong_reply", f"a valid {expect.command} was refused as {reply.reason.value}: "
+                            f"{reply.detail[:200]}", expect.frame)  # fmt: skip
+        if isinstance(reply, Result) and expect.command != "Execute":
+            self._violation("wrong_reply", f"a Result for a {expect.command}", expect.frame)
+        if isinstance(reply, Nack) and reply.reason is NackReason.BACKEND_ERROR:
+            # A command's arguments put the rank in FAILED: the runner or backend raised where
+            # it should have refused (INVALID_ARGUMENT) or served. This frame is the reproducer.
+            self._violation("backend_error", f"{expect.command} left the worker FAILED: {reply.detail[:600]}",
+                            expect.frame)  # fmt: skip
+        self._follow_state(reply)
+        command = expect.message
+        if isinstance(command, ReloadWeights) and isinstance(reply, Ack) and command.source is not None:
+            self.weights_dirty = True
+
+    def _follow_state(self, reply: Message) -> None:
+        if isinstance(reply, (Ack, Nack)):
+            self.state = reply.state
+        elif isinstance(reply, Result):
+            self.state = WorkerState.ACTIVE
+
+    def _sync(self) -> None:
+        """Wait until every frame in flight has its reply."""
+        while self.expect:
+            self._receive(block=True)
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            self.report.crashes += 1
+            last = [e.frame for e in list(self.expect)[-8:]]
+            self.report.add_finding(Finding("crash", f"the worker exited with code {code}; last log lines:\n"
+                                            f"{self._log_tail()}", *_frames_hex(last)))  # fmt: skip
+            self._write_reproducer("crash", last)
+            self.expect.clear()
+            raise _Crash
+
+    def _on_hang(self) -> None:
+        self.report.hangs += 1
+        waiting = list(self.expect)
+        self.report.add_finding(
+            Finding(
+                "hang",
+                f"no reply in {self.config.reply_timeout_s} s; {len(waiting)} frames waiting",
+                *_frames_hex([e.frame for e in waiting[:8]]),
+            )
+        )
+        self._write_reproducer("hang", [e.frame for e in waiting])
+        self.expect.clear()
+        raise _Hang
+
+    # ================================================================ the oracle
+
+    def _oracle_round(self, *, final: bool = False) -> None:
+        self.rounds += 1
+        status = self._lockstep(Status(task_id=self._task_id("probe"), epoch=self.epoch))
+        self._expect_ack(status, "Status")
+        self._to_active()
+        self._check_execute()
+        if self.rounds % self.config.lifecycle_every_rounds == 0:
+            level = 1 if (self.rounds // self.config.lifecycle_every_rounds) % 2 else 2
+            reply = self._lockstep(Sleep(task_id=self._task_id("sleep"), epoch=self.epoch, level=level))
+            self._expect_ack(reply, "Sleep", WorkerState.SLEEPING)
+            reply = self._lockstep(Wake(task_id=self._task_id("wake"), epoch=self.epoch))
+            self._expect_ack(reply, "Wake", WorkerState.ACTIVE if level == 1 else WorkerState.NEEDS_RELOAD)
+            if level == 2:
+                reply = self._lockstep(ReloadWeights(task_id=self._task_id("reload"), epoch=self.epoch))
+                self._expect_ack(reply, "ReloadWeights", WorkerState.ACTIVE)
+            self._check_execute()
+        self._sample_rss(final)
+
+    def _to_active(self) -> None:
+        """Undo what fuzzed (valid) commands did: wake, reload, until ACTIVE with the seed's weights."""
+        for _ in range(4):
+            if self.state is WorkerState.ACTIVE and not self.weights_dirty:
+                return
+            if self.state in (WorkerState.SLEEPING, WorkerState.PARTIAL):
+                reply = self._lockstep(Wake(task_id=self._task_id("wake"), epoch=self.epoch))
+                self._expect_ack(reply, "Wake")
+            elif self.state is WorkerState.NEEDS_RELOAD or (self.state is WorkerState.ACTIVE and self.weights_dirty):
+                reply = self._lockstep(ReloadWeights(task_id=self._task_id("reload"), epoch=self.epoch))
+                if self._expect_ack(reply, "ReloadWeights"):
+                    self.weights_dirty = False
+            else:
+                self._violation("worker_state", f"the worker is {self.state.value} after fuzzed frames; "
+                                f"log:\n{self._log_tail(10)}")  # fmt: skip
+                raise _Crash
+        self._violation("worker_state", f"the worker did not return to ACTIVE (now {self.state.value})")
+
+    def _check_execute(self) -> None:
+        reply = self._lockstep(Execute(task_id=self._task_id("exec"), epoch=self.epoch, payload=REFERENCE_PAYLOAD))
+        if not isinstance(reply, Result):
+            self._violation("wrong_reply", f"the reference Execute got {_short(reply)}")
+        elif reply.output != self.reference:
+            self._violation("wrong_result", "the reference Execute's output differs from the reference")
+        else:
+            self.report.valid_answered += 1
+
+    def _expect_ack(self, reply: Message, command: str, state: WorkerState | None = None) -> bool:
+        ok = isinstance(reply, Ack) and reply.command == command and (state is None or reply.state is state)
+        if ok:
+            self.report.valid_answered += 1
+        else:
+            want = f"Ack {command}" + (f" -> {state.value}" if state else "")
+            self._violation("wrong_reply", f"the oracle's {command} (epoch {self.epoch}) got {_short(reply)}, "
+                            f"expected {want}")  # fmt: skip
+        return ok
+
+    def _lockstep(self, command: Command) -> Message:
+        """Send one of the oracle's commands and wait for its one reply."""
+        data = encode(command)
+        self.report.valid_commands += 1
+        self.generator.remember_valid(data)
+        self._oracle_reply = None
+        self._send((data,))
+        self.expect.append(_Expect(Frame((data,), "oracle"), command.task_id, type(command).__name__,
+                                   message=command, oracle=True))  # fmt: skip
+        self._sync()
+        reply = self._oracle_reply
+        if reply is None:  # its expectation was passed over: a violation is recorded already
+            raise _Hang
+        return reply
+
+    def _send(self, parts: tuple[bytes, ...]) -> None:
+        self.report.bytes_sent += sum(len(p) for p in parts)
+        deadline_at = time.monotonic() + self.config.reply_timeout_s
+        while True:
+            try:
+                self.sock.send_multipart([self.identity, *parts], zmq.NOBLOCK)
+                return
+            except zmq.Again:  # the worker's queue is full: wait for replies, it is reading
+                if time.monotonic() > deadline_at:
+                    self._on_hang()
+                self._receive(block=False)
+                time.sleep(0.001)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the link is gone (ROUTER_MANDATORY)
+                self._check_alive()
+                if time.monotonic() > deadline_at:
+                    self.report.add_finding(Finding("hang", f"cannot reach the worker: {exc}"))
+                    self.report.hangs += 1
+                    raise _Hang from None
+                time.sleep(0.01)
+
+    def _sample_rss(self, final: bool) -> None:
+        rss = rss_bytes(self._pid)
+        if rss is None:
+            return
+        report = self.report
+        self._rss_samples.append((report.frames_sent, rss))
+        if report.rss_before_bytes is None and report.frames_sent >= self.config.warmup_frames:
+            report.rss_before_bytes = rss
+        if report.rss_before_bytes is not None:
+            report.rss_max_bytes = max(report.rss_max_bytes or 0, rss)
+        if final:
+            report.rss_after_bytes = rss
+
+    # ================================================================ helpers
+
+    @property
+    def _recent_task_ids(self) -> tuple[str, ...]:
+        """Task ids the worker knows: the oracle's recent ones (duplicates of real tasks)."""
+        serial = self._oracle_serial
+        return tuple(f"{kind}-{n}" for n in range(max(0, serial - 4), serial + 1)
+                     for kind in ("probe", "exec", "sleep", "wake"))  # fmt: skip
+
+    def _task_id(self, kind: str) -> str:
+        self._oracle_serial += 1
+        return f"{kind}-{self._oracle_serial}"
+
+    def _violation(self, kind: str, detail: str, frame: Frame | None = None) -> None:
+        self.report.violations += 1
+        count(self.report.extra.setdefault("violations_by_kind", {}), kind)
+        self.report.add_finding(Finding(kind, detail, *_frames_hex([frame] if frame else [])))
+        if frame is not None:
+            self._write_reproducer(kind, [frame])
+
+    def _write_reproducer(self, kind: str, frames: list[Frame]) -> None:
+        if not self.config.out_dir or not frames:
+            return
+        directory = os.path.join(self.config.out_dir, "reproducers")
+        os.makedirs(directory, exist_ok=True)
+        for frame in frames[-16:]:
+            digest = hashlib.sha256(b"".join(frame.parts)).hexdigest()[:16]
+            with open(os.path.join(directory, f"worker-{kind}-{digest}.msgpack"), "wb") as out:
+                out.write(msgspec.msgpack.encode(list(frame.parts)))
+
+
+def _matches(expect: _Expect, reply: Message) -> bool:
+    if reply.task_id != expect.task_id:
+        return False
+    if isinstance(reply, Result):
+        return expect.command == "Execute"
+    return getattr(reply, "command", None) == expect.command
+
+
+def _short(message: Message) -> str:
+    text = repr(message)
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def _frames_hex(frames: list[Frame]) -> tuple[list[str], str]:
+    if not frames:
+        return [], ""
+    frame = frames[-1]
+    digest = hashlib.sha256(b"".join(frame.parts)).hexdigest()
+    return [p[:FINDING_BYTES_KEPT].hex() for p in frame.parts], digest
