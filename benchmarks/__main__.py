@@ -31,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
         from benchmarks.multi_gpu import main as multi_gpu_main
 
         return multi_gpu_main(args)
+    if args.multi_path:
+        from benchmarks.multi_path import main as multi_path_main
+
+        args.command_line = " ".join([PROG, *sys.argv[1:]])
+        return multi_path_main(args)
     if args.vllm:
         from benchmarks.vllm_stage import main as vllm_stage_main
 
@@ -55,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="memory path: level-1 cycles per case (default 4)")
     p.add_argument("--case-timeout-s", type=float, default=420.0, help="memory path: limit per (method, workload)")
     p.add_argument("--render", default=None, help="memory path: redraw Markdown and PNG from this memory.json")
+    p.add_argument("--multi-path", action="store_true",
+                   help="a stage's sleep and wake over 1..N GPUs' host links through Engine, a peer stage serving "
+                        "on a lending GPU (--gib weights, --reps cycles)")  # fmt: skip
+    p.add_argument("--gib", type=float, default=16.0, help="multi-path: GiB of bf16 weights of the stage")
     p.add_argument("--real-models", action="store_true",
                    help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "
                         "(--methods cumem,fast; --reps level-1 cycles; --render real_models.json)")  # fmt: skip
