@@ -275,3 +275,17 @@ def test_a_backend_without_links_refuses_a_plan_naming_the_capability():
 def test_relay_failed_names_the_peer_and_the_cause():
     error = RelayFailed(3, RuntimeError("CUDA error 700"))
     assert "cuda:3" in str(error) and "CUDA error 700" in str(error) and error.peer == 3
+
+
+def test_warming_a_relay_at_load_moves_a_byte_there_and_back_and_frees_its_staging():
+    module, ops, backend, weights = make(8)
+    before = [bytes(module.memory[p]) for p in weights]
+    backend.path.warm_relays([1, 2])
+    assert ops.relay_copies == 8 and ops.staging_memory == {}  # 2 hops each way, per peer
+    assert [bytes(module.memory[p]) for p in weights] == before
+
+
+def test_a_peer_that_cannot_relay_is_logged_at_warm_up_not_raised(caplog):
+    _, ops, backend, _ = make(9, fail_staging=True)
+    backend.path.warm_relays([1])
+    assert "cuda:1 cannot relay" in caplog.text and ops.staging_memory == {}

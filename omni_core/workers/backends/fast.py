@@ -77,6 +77,7 @@ from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 log = logging.getLogger("omni_core.backends.fast")
 
 MiB = 1 << 20
+WARM_SLOT_BYTES = 2 * MiB  # the staging of a load-time relay warm-up
 DEFAULT_CHUNK_BYTES = 128 * MiB
 DEFAULT_STREAMS = 2
 MAP_WITH = ("driver", "vllm")  # how allocations are mapped and unmapped: cuda_driver.py, or vLLM's extension
@@ -596,6 +597,28 @@ class FastPath:
             raise RelayFailed(link.peer, exc) from exc
         return LanePicker(lanes), relays
 
+    def warm_relays(self, peers: Iterable[int]) -> None:
+        """Open each peer's context, enable peer access both ways and send a byte through a
+        relay and back, at load: a first sleep over k links then runs at their speed instead
+        of paying for k contexts (each costs the peer about 0.5 GiB of device memory from
+        now on). A peer that cannot relay is only logged: its commands fall back then."""
+        awake = [(p, d) for p, d in self.allocations() if p in self._slots and not self.is_asleep(p, d)]
+        if not awake:
+            return
+        device, host = awake[0][0], self._slots[awake[0][0]].host
+        for peer in peers:
+            try:
+                lane = RelayLane(self.ops, peer, slot_bytes=WARM_SLOT_BYTES, slots=1)
+                try:  # device -> host -> device: the byte comes back as it was
+                    for dst, src, to_device in ((host, device, False), (device, host, True)):
+                        lane.copy(dst, src, 1, to_device)
+                        self.ops.wait(lane.record())
+                finally:
+                    lane.close()
+            except Exception as exc:
+                log.warning("fast backend: cuda:%s cannot relay this rank's copies (%s: %s); plans through it "
+                            "will run on the own link", peer, type(exc).__name__, exc)  # fmt: skip
+
     def _close_relays(self, relays: list[RelayLane]) -> None:
         for relay in relays:
             with contextlib.suppress(Exception):  # a peer that failed may refuse its cudaFree too
@@ -913,6 +936,11 @@ class FastBackend(CumemBackend):
         if self._fast:
             with self._on_device():
                 self.path.prepare(self.arena_tags, background=self.prepare_mode == "background")
+                self._warm_relays()
+
+    def _warm_relays(self) -> None:
+        if self.prepare_mode == "load" and self.supports_links:
+            self.path.warm_relays(self.relay_peers())
 
     def _choose(self) -> None:
         assert self._host_memory is not None
@@ -923,6 +951,7 @@ class FastBackend(CumemBackend):
             if self.arena_choice.fits:
                 with self._on_device():
                     self.path.prepare(self.arena_tags)
+                    self._warm_relays()
         if not self.arena_choice.fits:
             self.name = "cumem"
         log.info("%s", self.choice_reason)
