@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_transitions
+from omni_core.formal import agree, gen_link_plans, gen_transitions
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 
@@ -281,11 +281,16 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return trace_check.run(args, echo)
     root = args.tla_dir or tla_dir()
     generated = root / f"{gen_transitions.MODULE}.tla"
+    plans = root / f"{gen_link_plans.MODULE}.tla"
     if args.regen:
         changed = gen_transitions.write(generated)
         echo(f"{generated}: {'regenerated' if changed else 'already up to date'}")
+        echo(f"{plans}: {'regenerated' if gen_link_plans.write(plans) else 'already up to date'}")
     elif not gen_transitions.is_fresh(generated):
         echo(f"FAIL {gen_transitions.stale_message(generated)}")
+        return 2
+    elif not gen_link_plans.is_fresh(plans):
+        echo(f"FAIL {gen_link_plans.stale_message(plans)}")
         return 2
     if getattr(args, "mutate_guards", False):
         from omni_core.formal import guard_mutation

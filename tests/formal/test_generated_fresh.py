@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_core.formal import check, gen_transitions
+from omni_core.engine.link_plan import LinkPlan
+from omni_core.formal import check, gen_link_plans, gen_transitions
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Transition
 
 
@@ -109,3 +110,19 @@ def test_tlc_refuses_an_admission_row_that_admits_outside_running(tla_copy):
         mp.setattr(gen_transitions, "is_fresh", lambda path=None: True)
         assert check.run(args, echo=lines.append) == 1
     assert "FAIL" in "\n".join(lines) and "Assumption" in "\n".join(lines), lines
+
+
+def test_the_committed_link_plan_table_is_the_planners():
+    path = gen_link_plans.default_path()
+    assert gen_link_plans.is_fresh(path), gen_link_plans.stale_message(path)
+
+
+def test_a_changed_planner_makes_the_link_plan_table_stale(monkeypatch, tmp_path):
+    path = tmp_path / "LinkPlanTable.tla"
+    gen_link_plans.write(path)
+    assert gen_link_plans.is_fresh(path)
+    never_lends = lambda ranks, busy: LinkPlan({}, frozenset())  # noqa: E731
+    monkeypatch.setattr(gen_link_plans, "plan_links", never_lends)
+    assert not gen_link_plans.is_fresh(path) and "gen_link_plans" in gen_link_plans.stale_message(path)
+    rows = gen_link_plans.rows()
+    assert len(rows) == 3 * 16 * 16 and all(lent == frozenset() for *_, lent in rows)
