@@ -165,7 +165,7 @@ class _Omni(_Method):
                 # Inference weights: copied into the arena once at load, a sleep only unmaps.
                 self.backend.declare_read_only({"weights"})
             if "streams" in options:
-                from omni_core.workers.backends.fast import CudaOps
+                from omni_core.workers.backends.cuda_ops import CudaOps
 
                 self.backend.path.ops = CudaOps(self.backend.device, int(options["streams"]))
         else:

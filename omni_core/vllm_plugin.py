@@ -14,7 +14,7 @@ command-line flag for it, so the plugin also reads OMNI_CORE_VLLM_SLEEP_BACKEND=
 from the environment of vLLM's processes (children inherit it) and then answers for every
 model config that kept the default ("cumem"). Nothing else changes: the worker's
 `sleep(level)` / `wake_up(tags)` land in `OmniFastSleepBackend.suspend` / `resume`, which
-run `omni_core.workers.backends.fast.FastPath` over the worker's own CuMemAllocator
+run `omni_core.workers.backends.fast_path.FastPath` over the worker's own CuMemAllocator
 (weights offloaded into one pre-registered host arena at link speed, the rest released).
 
 The arena is laid out when the worker's `kv_cache` pool closes (the weights are final by
@@ -109,7 +109,7 @@ def shared_path() -> Any:
         if _path is None:
             import importlib
 
-            from omni_core.workers.backends.fast import FastPath
+            from omni_core.workers.backends.fast_path import FastPath
 
             cumem = importlib.import_module(CUMEM_MODULE)
             device = torch.device("cuda", torch.cuda.current_device())

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from omni_core.workers.backends import BackendUnavailable, select_backend
-from omni_core.workers.backends.fast import FastBackend, plan_copies
+from omni_core.workers.backends.copy_plan import plan_copies
+from omni_core.workers.backends.fast import FastBackend
 from omni_core.workers.backends.host_room import (
     GiB,
     HostMemory,

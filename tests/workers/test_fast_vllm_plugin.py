@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from omni_core import vllm_plugin
-from omni_core.workers.backends.fast import FastPath
+from omni_core.workers.backends.fast_path import FastPath
 
 from .test_cumem_versions import GARBAGE, KV, FakeCumemModule, W, content
 from .test_fast_backend import DeferredOps
