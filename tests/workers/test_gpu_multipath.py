@@ -27,7 +27,14 @@ PLANS = {  # name -> [(peer or None, share)]
     "1:1": [(None, 1.0), (1, 1.0)],
     "peer 0.9": [(None, 1.0), (1, 0.9)],
     "peer 1.1": [(None, 1.0), (1, 1.1)],
+    "3 links": [(None, 1.0), (1, 1.0), (2, 1.0)],  # only where a third GPU is seen
+    "4 links": [(None, 1.0), (1, 1.0), (2, 1.0), (3, 1.0)],
 }
+
+
+def _plans() -> dict[str, list]:
+    n = torch.cuda.device_count()
+    return {name: plan for name, plan in PLANS.items() if all(p is None or p < n for p, _ in plan)}
 
 
 def _shapes(total_bytes: int) -> list[tuple[int, ...]]:
@@ -65,7 +72,7 @@ def probe(weights_bytes: int, cycles: int) -> dict:
     torch.cuda.synchronize(1)
     out: dict = {"bytes": moved, "tensors": len(tensors), "runs": []}
     for cycle in range(cycles):
-        for name, plan in PLANS.items():
+        for name, plan in _plans().items():
             links = tuple(LinkShare(peer, share) for peer, share in plan)
             started = time.perf_counter()
             backend.sleep({"weights"}, {"kv_cache"}, links=links)
@@ -76,10 +83,11 @@ def probe(weights_bytes: int, cycles: int) -> dict:
             torch.cuda.synchronize(0)
             wake_s = time.perf_counter() - started
             exact = all(torch.equal(t.to("cuda:1"), r) for t, r in zip(tensors, reference, strict=True))
+            wake_stats = dict(backend.path.stats.last)
             out["runs"].append({"cycle": cycle, "plan": name, "sleep_gbps": moved / sleep_s / 1e9,
                                 "wake_gbps": moved / wake_s / 1e9, "exact": exact, "sleep_lanes": sleep_lanes,
-                                "wake_lanes": backend.path.stats.last.get("bytes_by_lane", {}),
-                                "relay_failed": backend.path.stats.last.get("relay_failed", "")})  # fmt: skip
+                                "wake_lanes": wake_stats.get("bytes_by_lane", {}), "wake_map_s": wake_stats["map_s"],
+                                "wake_s": wake_s, "relay_failed": wake_stats.get("relay_failed", "")})  # fmt: skip
     return out
 
 
@@ -113,7 +121,60 @@ def test_sleep_and_wake_over_two_links_are_bit_exact_and_faster_than_one():
             json.dump(figures, f, indent=1)
     for run in figures["runs"]:
         print(f"cycle {run['cycle']} {run['plan']:>9}: sleep {run['sleep_gbps']:6.1f} GB/s, wake "
-              f"{run['wake_gbps']:6.1f} GB/s, exact {run['exact']} {run['relay_failed']}")  # fmt: skip
+              f"{run['wake_gbps']:6.1f} GB/s (maps {run['wake_map_s'] * 1e3:.0f} of {run['wake_s'] * 1e3:.0f} ms), "
+              f"exact {run['exact']} {run['relay_failed']}")  # fmt: skip
     assert all(run["exact"] and not run["relay_failed"] for run in figures["runs"])
-    best = {p: max(r["wake_gbps"] for r in figures["runs"] if r["plan"] == p) for p in PLANS}
+    best = {p: max(r["wake_gbps"] for r in figures["runs"] if r["plan"] == p) for p in _plans()}
     assert best["1:1"] > 1.3 * best["direct"], best
+
+
+def host_side(gib: float) -> dict:
+    """k GPUs copying at once, each over its own link only (pinned host buffers, no relay):
+    whether the host side (memory, root complex) caps what k links carry together."""
+    import threading
+
+    n = torch.cuda.device_count()
+    nbytes = int(gib * GiB)
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+    devices = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
+    out = {}
+    for k in range(1, n + 1):
+        for direction in ("h2d", "d2h"):
+            barrier = threading.Barrier(k)
+
+            def copy(i: int, direction=direction, barrier=barrier) -> None:
+                stream = torch.cuda.Stream(device=f"cuda:{i}")
+                barrier.wait()
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        (devices[i].copy_(hosts[i], non_blocking=True) if direction == "h2d"
+                         else hosts[i].copy_(devices[i], non_blocking=True))  # fmt: skip
+                stream.synchronize()
+
+            threads = [threading.Thread(target=copy, args=(i,)) for i in range(k)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            out[f"{direction} x{k}"] = 2 * k * nbytes / (time.perf_counter() - started) / 1e9
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_PROBLEM is not None, reason=f"{_PROBLEM}")
+def test_what_k_links_carry_together_without_relays():
+    code = (
+        "import json, os, sys; from tests.workers.test_gpu_multipath import host_side; "
+        "print('PROBE', json.dumps(host_side(4))); sys.stdout.flush(); os._exit(0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(lines[-1].removeprefix("PROBE "))
+    if os.environ.get("OMNI_MULTIPATH_OUT"):
+        with open(os.environ["OMNI_MULTIPATH_OUT"] + ".host.json", "w") as f:
+            json.dump(figures, f, indent=1)
+    for name, gbps in figures.items():
+        print(f"{name}: {gbps:.1f} GB/s")
+    assert figures["h2d x1"] > 20
