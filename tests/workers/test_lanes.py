@@ -191,7 +191,6 @@ PLAN = (LinkShare(None, 1.0), LinkShare(1, 1.0))
 @pytest.mark.parametrize("seed", range(12))
 def test_sleep_and_wake_through_a_peer_move_every_byte_in_any_stream_order(seed):
     module, ops, backend, weights = make(seed)
-    backend.path.map_threads = 1 + seed % 3  # mappers ahead of the copies, or none
     before = [bytes(module.memory[p]) for p in weights]
     backend.sleep({W}, {KV}, links=PLAN)
     assert all(p not in module.memory for p in weights)
@@ -290,36 +289,3 @@ def test_a_peer_that_cannot_relay_is_logged_at_warm_up_not_raised(caplog):
     _, ops, backend, _ = make(9, fail_staging=True)
     backend.path.warm_relays([1])
     assert "cuda:1 cannot relay" in caplog.text and ops.staging_memory == {}
-
-
-@pytest.mark.parametrize("fail_at", [1, 4])
-def test_maps_run_ahead_are_rolled_back_with_the_rest_when_a_relay_fails(fail_at):
-    module, ops, backend, weights = make(10)
-    backend.path.map_threads = 3
-    before = [bytes(module.memory[p]) for p in weights]
-    backend.sleep({W}, {KV})
-    ops.fail_relay_at, ops.relay_copies = fail_at, 0
-    backend.wake({W, KV}, links=PLAN)
-    assert "relay through cuda:1 failed" in backend.path.stats.last["relay_failed"]
-    assert [bytes(module.memory[p]) for p in weights] == before
-
-
-def test_a_map_that_fails_ahead_leaves_no_mapping_behind_unaccounted():
-    module, _, backend, _ = make(11)
-    backend.path.map_threads = 3
-    backend.sleep({W}, {KV})
-    real_map = backend.path._map
-    calls = []
-
-    def failing_third(handle):
-        calls.append(handle)
-        if len(calls) == 3:
-            raise RuntimeError("CUDA error 2 (out of memory)")
-        real_map(handle)
-
-    backend.path._map = failing_third
-    with pytest.raises(RuntimeError, match="out of memory"):
-        backend.wake({W, KV})
-    table = backend.allocator.pointer_to_data
-    for ptr, data in table.items():  # every allocation's flag says what the device holds
-        assert (ptr in module.memory) == (not backend.path.is_asleep(ptr, data)), hex(ptr)

@@ -45,7 +45,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -158,7 +157,6 @@ class FastPath:
         self.stats = PathStats()
         self.observer: CopyObserver | None = None  # off unless a benchmark watches
         self.relay_slot_bytes = DEFAULT_SLOT_BYTES  # each staging buffer on a peer (DEFAULT_SLOTS of them)
-        self.map_threads = 1  # threads mapping a wake's allocations ahead of its copies
 
     # ------------------------------------------------------------------ allocation state
 
@@ -496,21 +494,12 @@ class FastPath:
         order = [a for a in allocs if a[0] in self._backed] + [a for a in allocs if a[0] not in self._backed]
         backed = sum(1 for a in allocs if a[0] in self._backed)
         mapped: list[tuple[int, Any]] = []
-        # Over several links the maps, not the copies, set a wake's pace (90-95 % of it in
-        # the map loop on 4 GPUs): `map_threads` mappers run ahead of the copies. Not with a
-        # memory gate, whose admissions must follow the order of the maps.
-        mappers = ThreadPoolExecutor(self.map_threads, initializer=self._bind_thread) \
-            if self.map_threads > 1 and gate is None and len(order) > 1 else None  # fmt: skip
-        ahead = [mappers.submit(self._map_one, data) for _, data in order] if mappers else []
         try:
             for k, (ptr, data) in enumerate(order):
                 if k == backed:
                     copies.flush()
                 t = time.perf_counter()
-                if mappers:
-                    ahead[k].result()
-                else:
-                    admit(gate, nbytes_of(data), partial(self._map_one, data))
+                admit(gate, nbytes_of(data), partial(self._map_one, data))
                 self._mark(ptr, data, asleep=False)
                 mapped.append((ptr, data))
                 map_s += time.perf_counter() - t
@@ -519,20 +508,10 @@ class FastPath:
             copies.flush()
             self.ops.current_after_streams()
             _synchronize_lanes(self.ops, relays)
-        except BaseException as exc:
-            if mappers:  # maps that ran ahead and landed belong to this wake too
-                mappers.shutdown(wait=True, cancel_futures=True)
-                for (ptr, data), future in zip(order, ahead, strict=True):
-                    if (ptr, data) not in mapped and future.done() and not future.cancelled() \
-                            and future.exception() is None:  # fmt: skip
-                        self._mark(ptr, data, asleep=False)
-                        mapped.append((ptr, data))
-            if isinstance(exc, (MemoryWaitExpired, RelayFailed)):
-                self._unmap_refused(mapped, gate)
+        except (MemoryWaitExpired, RelayFailed):
+            self._unmap_refused(mapped, gate)
             raise
         finally:
-            if mappers:
-                mappers.shutdown(wait=True)
             self._close_relays(relays)
         for ptr, data in allocs:
             if ptr in self._backed and data.tag in self.clean_tags:
@@ -544,10 +523,6 @@ class FastPath:
                            "copies": copies.issued, "map_s": map_s, "total_s": done - started,
                            "bytes_by_lane": lanes.bytes_by_lane()}  # fmt: skip
         return self.stats.last
-
-    def _bind_thread(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
 
     def _unmap_refused(self, mapped: list[tuple[int, Any]], gate: MemoryGate | None) -> None:
         """Undo the maps of a refused wake. The issued copies land first (they write into
