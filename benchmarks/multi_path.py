@@ -29,7 +29,10 @@ from omni_core.runners.synthetic import SyntheticRunner
 
 GiB = 1 << 30
 TENSORS_PER_16_GIB = 291  # Llama-8B's tensor count for 16 GB of bf16
-PEER_REQUEST = {"seed": 3, "batch": 512}
+# The peer's requests are GPU-bound: ~18 TFLOP each against a 4 MB output (an 8 MB output
+# with a tenth of the work made the first run's peer host-bound: its rate fell with the
+# host's memory traffic, not with the lent link).
+PEER_REQUEST = {"seed": 3, "batch": 256}
 
 
 class DirtySyntheticRunner(SyntheticRunner):
@@ -49,7 +52,7 @@ def _big(gib: float, gpus: int) -> StageSpec:
 
 
 def _peer() -> StageSpec:
-    args = {"weights_bytes": 4 * GiB, "tensor_count": 16, "hidden": 8192, "dtype": "bfloat16",
+    args = {"weights_bytes": 32 * GiB, "tensor_count": 64, "hidden": 8192, "dtype": "bfloat16",
             "kv_bytes": GiB, "seed": 5}  # fmt: skip
     return StageSpec("peer", runner="synthetic", runner_args=args, device="cuda", devices=("1",), backend="fast",
                      start_deadline_s=600.0, request_timeout_s=300.0)  # fmt: skip
