@@ -1,6 +1,14 @@
 """Sans-IO wire protocol: message types, codec, version, reasons. Imports no sockets, no torch."""
 
-from omni_core.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, decode_command, encode
+from omni_core.protocol.codec import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    ProtocolError,
+    decode,
+    decode_command,
+    encode,
+    payload_problem,
+)
 from omni_core.protocol.enums import AckStatus, Capability, NackReason, StageState, WorkerState
 from omni_core.protocol.messages import (
     COMMAND_TYPES,
@@ -44,6 +52,7 @@ __all__ = [
     "AnyMessage",
     "AnyReply",
     "DEFAULT_MAX_FRAME_BYTES",
+    "MAX_PAYLOAD_DEPTH",
     "Capability",
     "Command",
     "Execute",
@@ -66,5 +75,6 @@ __all__ = [
     "decode",
     "decode_command",
     "encode",
+    "payload_problem",
     "profile_prefix_problem",
 ]
