@@ -21,6 +21,8 @@ CAUSES = frozenset({
     "StageCommandError",
 })  # fmt: skip
 OTHER = "other"
+# The words every such log line holds: a fuzzer reading a rank's log finds them there.
+LOG_MARK = "raised while handling"
 # One log line per cause at most this often: a peer that sends a million bad frames writes
 # a handful of lines, each with the count so far.
 LOG_INTERVAL_S = 60.0
@@ -61,7 +63,7 @@ class FrameErrors:
         self._logged_at[cause] = now
         unlogged = self._unlogged.pop(cause, 0)
         self._log.error(
-            "%s: %s raised while handling %s; the frame was dropped and the loop serves on (%d of this cause so "
+            "%s: %s " + LOG_MARK + " %s; the frame was dropped and the loop serves on (%d of this cause so "
             "far, %d since the last line; at most one line per cause every %.0f s). If a peer of yours sent it, "
             "check that peer; otherwise this is a bug in omni-core: please report it with this line",
             self.loop, cause, handling, self.counts[cause], unlogged, self._interval_s,

@@ -50,8 +50,10 @@ from omni_core.fuzz.common import (
     peak_rss_bytes,
     rss_bytes,
 )
-from omni_core.fuzz.generate import Frame, FrameGenerator, FuzzContext, GeneratorConfig
+from omni_core.fuzz.generate import Frame, FuzzContext
 from omni_core.fuzz.known_issues import open_issues
+from omni_core.fuzz.schema import make_generator
+from omni_core.isolation import LOG_MARK
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Ack,
@@ -102,6 +104,8 @@ class WorkerFuzzConfig:
     # Withhold frames that trigger a reported, still-open bug (omni_core.fuzz.known_issues),
     # counted in the report; a fixed bug's frames are sent again automatically.
     withhold_known_issues: bool = True
+    # Share of frames derived from the wire schema (omni_core.fuzz.schema); 0: hand-built only.
+    schema_share: float = 0.0
 
 
 @dataclass
@@ -129,9 +133,8 @@ class WorkerFuzzer:
         self.config = config
         self.emit = emit
         self.report = FuzzReport.for_run("worker", config)
-        self.generator = FrameGenerator(
-            config.seed, GeneratorConfig(direction="worker", socket_drop_frames=config.socket_drop_frames)
-        )
+        self.generator = make_generator(config.seed, "worker", config.schema_share,
+                                        socket_drop_frames=config.socket_drop_frames)  # fmt: skip
         self.directory = tempfile.mkdtemp(prefix="omni-fz-", dir="/tmp")
         self.ctx = zmq.Context()
         address = ipc_address(self.directory) if config.transport == "ipc" else "tcp://127.0.0.1:*"
@@ -277,6 +280,12 @@ class WorkerFuzzer:
                 self.proc.wait(10)
             elif self.proc.returncode != 0:
                 self._violation("exit_code", f"the worker exited with {self.proc.returncode} after Shutdown")
+        # The worker answers a frame whose handling raised (isolation) and logs it: still a bug.
+        raised = log_tail(self.log_path, 1_000_000).count(LOG_MARK)
+        report.extra["handler_raised_log_lines"] = raised
+        if raised:
+            self._violation("handler_raised", f"{raised} frame(s) raised in a handler of the worker's loop (caught "
+                            f"and answered by its isolation; see the log):\n{self._log_tail()}")  # fmt: skip
         report.settle_memory()
         report.replies_by_type.update({f"Nack:{k}": v for k, v in sorted(self._nack_reasons.items())})
         report.extra["shutdowns_withheld"] = self._withheld

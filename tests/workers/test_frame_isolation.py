@@ -7,6 +7,7 @@ handler can be replaced by one that raises once."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import torch
 import zmq
 
 from omni_core.fsm import InvariantViolation
+from omni_core.isolation import FrameErrors
 from omni_core.protocol import (
     MAX_PAYLOAD_DEPTH,
     PROTOCOL_VERSION,
@@ -207,3 +209,23 @@ def test_a_payload_or_result_too_deep_is_answered_never_dropped(peer):
     assert isinstance(peer.execute({"deep": MAX_PAYLOAD_DEPTH}), Result)
     peer.serves(reference)
     assert peer.worker.frame_errors.total == 0  # refused by design, nothing escaped a handler
+
+
+def test_frame_errors_count_by_closed_cause_and_log_once_per_interval(caplog):
+    now = [0.0]
+    errors = FrameErrors("loop", logging.getLogger("test.isolation"), log_interval_s=60.0, clock=lambda: now[0])
+
+    class Made(Exception):  # a class name no peer can add to the labels
+        pass
+
+    with caplog.at_level(logging.ERROR, logger="test.isolation"):
+        for n in range(1000):
+            now[0] = n * 0.01
+            errors.record(Made(f"name {n}") if n % 2 else ValueError(n), "a frame")
+        assert set(errors.counts) == {"other", "ValueError"} and errors.total == 1000
+        assert len(caplog.records) == 2  # one line per cause in the first minute
+        now[0] = 61.0
+        errors.record(ValueError("again"), "a frame")
+        assert len(caplog.records) == 3 and "500 of this cause" not in caplog.records[-1].getMessage()
+        assert "501 of this cause so far, 499 since the last line" in caplog.records[-1].getMessage()
+    assert errors.as_counters() == {"frame_errors": 1001, "frame_errors_ValueError": 501, "frame_errors_other": 500}
