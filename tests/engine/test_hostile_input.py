@@ -8,7 +8,13 @@ import signal
 
 import pytest
 
-from omni_core.engine import InvalidPayloadError, PayloadTooLargeError, RestartInProgressError, StageFailedError
+from omni_core.engine import (
+    InvalidArgumentError,
+    InvalidPayloadError,
+    PayloadTooLargeError,
+    RestartInProgressError,
+    StageFailedError,
+)
 from omni_core.protocol import MAX_PAYLOAD_DEPTH
 from tests.engine.conftest import LONG_TIMEOUT_S, PROBE, in_thread, rank_pid, small_spec, wait_for
 
@@ -57,6 +63,9 @@ def test_payloads_the_wire_cannot_carry_are_refused_naming_why(engine_factory) -
     # At the limit, and the largest integers msgpack holds, travel; the stage serves on.
     assert engine.execute("talker", dict(PROBE, pad=nested(MAX_PAYLOAD_DEPTH - 1))) is not None
     assert engine.execute("talker", dict(PROBE, big=[2**64 - 1, -(2**63)])) is not None
+    for source in ("/ckpt/a\x00b", b"/ckpt", 7):
+        with pytest.raises(InvalidArgumentError, match="reload source must be a path string without NUL"):
+            engine.reload_weights("talker", source)  # type: ignore[arg-type]
     assert engine.status()["talker"]["state"] == "RUNNING"
     assert engine.execute("talker", PROBE) == reference
 
