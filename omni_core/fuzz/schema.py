@@ -77,6 +77,10 @@ WRONG_TYPES: tuple[Any, ...] = (
 # Depths of a payload around the protocol's limit, and far beyond any stack.
 DEPTHS = (MAX_PAYLOAD_DEPTH - 1, MAX_PAYLOAD_DEPTH, MAX_PAYLOAD_DEPTH + 1, 500, 986, 1000, 5000, 100_000)
 SCHEMA_SHARE_DEFAULT = 0.5
+# A schema frame stays under this (and under the frame limit): a frame over the socket's own
+# limit makes libzmq drop the link (frames at and over the limit are the "big" strategy's).
+SCHEMA_FRAME_BUDGET_BYTES = 1 << 20
+MAX_DRAWS = 4  # hostile values drawn for one field before a frame over the budget gives way
 
 
 def _fields(cls: type[msgspec.Struct]) -> tuple[mi.Field, ...]:
@@ -111,9 +115,17 @@ class SchemaFrameGenerator(FrameGenerator):
     # ------------------------------------------------------------------ the strategy
 
     def _schema(self, ctx: FuzzContext) -> Frame:
-        rng = self.rng
         cls, field = self.targets[self._turn % len(self.targets)]
         self._turn += 1
+        budget_bytes = min(ctx.max_frame_bytes, SCHEMA_FRAME_BUDGET_BYTES)
+        for _ in range(MAX_DRAWS):
+            frame = self._schema_frame(ctx, cls, field)
+            if frame.size_bytes <= budget_bytes:
+                return frame
+        return Frame((pack_pairs(_pairs(self.valid_message(ctx, cls))),), "schema", (f"{cls.__name__}.valid",))
+
+    def _schema_frame(self, ctx: FuzzContext, cls: type[Message], field: mi.Field) -> Frame:
+        rng = self.rng
         pairs = _pairs(self.valid_message(ctx, cls))
         names = [f"{cls.__name__}.{field.name}"]
         value, label = self.hostile(field.type, rng)
