@@ -81,6 +81,8 @@ from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 REFERENCE_PAYLOAD = {"seed": 11, "batch": 2}
 START_TIMEOUT_S = 120.0  # torch import and model load on a loaded 2-core machine
 MAX_RESTARTS = 5  # after a crash or hang the worker is replaced; more means stop and report
+# The kinds of the oracle's own task ids ("exec-17"): `_task_id(kind)`.
+ORACLE_KINDS = frozenset({"ref", "probe", "exec", "sleep", "wake", "reload", "resync", "shutdown"})
 
 
 @dataclass
@@ -150,6 +152,7 @@ class WorkerFuzzer:
         self.reference: Any = None
         self.rounds = 0
         self._oracle_serial = 0
+        self._ids_taken: set[str] = set()  # oracle-shaped ids beyond the serial that fuzzed frames used
         self._withheld = 0
         self._restarts = 0
         self._nack_reasons: dict[str, int] = {}
@@ -355,6 +358,8 @@ class WorkerFuzzer:
                 return None
         if accepted:
             self.epoch = command.epoch
+        if _serial_of(command.task_id) > self._oracle_serial:
+            self._ids_taken.add(command.task_id)  # the oracle must not use it later
         return _Expect(frame, command.task_id, type(command).__name__, message=command)
 
     def _resync_after_drop(self) -> None:
@@ -606,8 +611,14 @@ class WorkerFuzzer:
                      for kind in ("probe", "exec", "sleep", "wake"))  # fmt: skip
 
     def _task_id(self, kind: str) -> str:
-        self._oracle_serial += 1
-        return f"{kind}-{self._oracle_serial}"
+        """A fresh id for the oracle, never one a fuzzed frame already gave the worker (a bit
+        flip can turn a plausible id into one the oracle is about to use)."""
+        while True:
+            self._oracle_serial += 1
+            task_id = f"{kind}-{self._oracle_serial}"
+            if task_id not in self._ids_taken:
+                self._ids_taken = {t for t in self._ids_taken if _serial_of(t) > self._oracle_serial}
+                return task_id
 
     def _violation(self, kind: str, detail: str, frame: Frame | None = None) -> None:
         self.report.violations += 1
@@ -625,6 +636,12 @@ class WorkerFuzzer:
             digest = hashlib.sha256(b"".join(frame.parts)).hexdigest()[:16]
             with open(os.path.join(directory, f"worker-{kind}-{digest}.msgpack"), "wb") as out:
                 out.write(msgspec.msgpack.encode(list(frame.parts)))
+
+
+def _serial_of(task_id: str) -> int:
+    """N of an id of the oracle's shape "kind-N" (0 for any other id)."""
+    kind, _, number = task_id.rpartition("-")
+    return int(number) if kind in ORACLE_KINDS and number.isascii() and number.isdigit() and len(number) < 12 else 0
 
 
 def _matches(expect: _Expect, reply: Message) -> bool:

@@ -12,10 +12,10 @@ import msgspec
 import msgspec.inspect as mi
 
 from omni_core.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
-from omni_core.fuzz.generate import FuzzContext
+from omni_core.fuzz.generate import Frame, FuzzContext
 from omni_core.fuzz.schema import SchemaFrameGenerator, make_generator
 from omni_core.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
-from omni_core.protocol import MESSAGE_TYPES, Hello, ProtocolError, decode
+from omni_core.protocol import MESSAGE_TYPES, Hello, ProtocolError, Wake, decode, encode
 from tests.fuzz.test_fuzz_short import assert_clean
 
 SEED = 20261126
@@ -98,3 +98,18 @@ def test_engine_survives_schema_frames() -> None:
     counters = report.extra["engine_counters"]
     assert counters.get("frame_errors", 0) == 0, counters
     assert counters["forged_hellos"] > 0  # Hellos with hostile proofs reached the proof check
+
+
+def test_the_worker_oracle_never_reuses_an_id_a_fuzzed_frame_gave_the_worker() -> None:
+    """A bit flip made a fuzzed Wake of "exec-3897" before the oracle's Execute of that id:
+    the worker rightly refused the Execute (TASK_ID_REUSED), a false violation."""
+    fuzzer = WorkerFuzzer(WorkerFuzzConfig(seed=SEED))
+    try:
+        fuzzer._oracle_serial = 3
+        for task_id in ("exec-5", "fz-99", "probe-2"):
+            assert fuzzer._expectation(Frame((encode(Wake(task_id=task_id, epoch=0)),), "schema")) is not None
+        assert [fuzzer._task_id("exec") for _ in range(3)] == ["exec-4", "exec-6", "exec-7"]
+        assert fuzzer._ids_taken == set()  # pruned once the serial passed them: bounded
+    finally:
+        fuzzer.sock.close(0)
+        fuzzer.ctx.term()
