@@ -158,6 +158,9 @@ class Engine:
 
     def reload_weights(self, stage: str, source: str | None = None, *, task_id: str | None = None,
                        timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+        if source is not None and (not isinstance(source, str) or "\x00" in source):
+            raise InvalidArgumentError(f"the reload source must be a path string without NUL characters, got "
+                                       f"{source!r:.200}; nothing was sent")  # fmt: skip
         return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
 
     def profile(self, stage: str, start: bool = True, prefix: str | None = None, *, task_id: str | None = None,

@@ -13,6 +13,20 @@ class InvalidArgumentError(OmniCoreError, ValueError):
     """A call was refused before anything was sent (unknown stage, level 3, unknown tag...)."""
 
 
+class RestartInProgressError(InvalidArgumentError):
+    """A restart was refused because the stage is already starting (a restart or the first
+    start in progress); the one in progress goes on untouched. A state conflict (HTTP 409)."""
+
+
+class InvalidPayloadError(InvalidArgumentError):
+    """A request payload the protocol cannot carry: nested deeper than MAX_PAYLOAD_DEPTH, an
+    integer outside msgpack's range, or a value msgspec cannot encode (HTTP 400 or 422)."""
+
+
+class PayloadTooLargeError(InvalidArgumentError):
+    """A request encodes to more bytes than the stage's max_frame_bytes (HTTP 413)."""
+
+
 class StageFailedError(OmniCoreError):
     """A stage task ended in FAILED (P-9). `failures` maps rank -> why; `nodes` maps each of
     those ranks to the node it ran on (a host, or a Ray node id and IP), also in the message."""

@@ -33,11 +33,14 @@ import zmq
 from omni_core.engine.errors import (
     EngineClosedError,
     InvalidArgumentError,
+    InvalidPayloadError,
     NoMemoryError,
     OmniCoreError,
+    PayloadTooLargeError,
     ProfileRefusedError,
     RequestFailedError,
     RequestRejectedError,
+    RestartInProgressError,
     StageFailedError,
     TaskAbandonedError,
 )
@@ -49,20 +52,26 @@ from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, Stag
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.trace_records import PeerRefused, RankSpawned, TraceRecord, clip
+from omni_core.isolation import FrameErrors
 from omni_core.protocol import (
+    Ack,
     Capability,
     Command,
     Execute,
     Hello,
+    Nack,
     ProtocolError,
     Shutdown,
     Sleep,
     StageState,
     Wake,
+    WorkerState,
     decode,
     encode,
+    payload_problem,
 )
 from omni_core.protocol.auth import verify_hello_proof
+from omni_core.protocol.codec import wire_int_problem
 from omni_core.trace import open_trace
 from omni_core.transport import CurveKeys, is_loopback, make_router
 
@@ -73,6 +82,9 @@ TICK_INTERVAL_S = 0.01  # deadlines are checked at most this often
 # Messages queued per peer before a send fails. Above StageSpec's max_in_flight bound plus
 # the lifecycle commands, so a full queue means an overloaded engine, never a normal burst.
 SOCKET_HWM = 10_000
+
+# A rank's state in status() once its process is gone (beside WorkerState's values).
+RANK_EXITED = "EXITED"
 
 _REQUEST_ERRORS: dict[RequestError, type[OmniCoreError]] = {
     RequestError.REJECTED: RequestRejectedError, RequestError.FAILED: RequestFailedError,
@@ -90,6 +102,10 @@ class _Stage:
     requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
     start_waiters: list[Future] = field(default_factory=list)
     hellos: dict[int, Hello] = field(default_factory=dict)  # each rank's proven Hello of this epoch
+    # rank -> the state its own latest reply named (Hello, Ack, Nack). The core keeps the
+    # committed state; after a task failed part-way the ranks may be elsewhere, and status
+    # shows where they said they are.
+    reported: dict[int, WorkerState] = field(default_factory=dict)
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -174,6 +190,8 @@ class Orchestrator:
         self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.counters = {"bad_replies": 0, "unknown_peers": 0, "send_failures": 0,
                          "forged_hellos": 0, "rebind_refused": 0, "rank_mismatch": 0}  # fmt: skip
+        # What the loop caught while handling one frame, exit or tick, by cause (bounded labels).
+        self.frame_errors = FrameErrors("orchestrator", log)
         self.died_of: str | None = None
         self._thread = threading.Thread(target=self._loop, name="omni-core-orchestrator", daemon=True)
         self._thread.start()
@@ -237,9 +255,19 @@ class Orchestrator:
         request_id = f"req-{name}-{next(self._request_ids)}"
         # Refused here, whole: a rank cannot name the task of a frame it refuses unread, so an
         # oversized request sent on would only end at its deadline (the fuzzer found it).
-        size_bytes = len(encode(Execute(task_id=request_id, epoch=stage.core.epoch, payload=payload)))
+        problem = payload_problem(payload)
+        if problem is not None:
+            raise InvalidPayloadError(f"the request to stage {name!r} was not sent: {problem}")
+        try:
+            size_bytes = len(encode(Execute(task_id=request_id, epoch=stage.core.epoch, payload=payload)))
+        except OverflowError as exc:
+            raise InvalidPayloadError(f"the request to stage {name!r} was not sent: {wire_int_problem(exc)}") from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidPayloadError(f"the request to stage {name!r} was not sent: its payload cannot be encoded "
+                                      f"({type(exc).__name__}: {str(exc)[:200]}); a payload must be made of dict, "
+                                      "list, str, bytes, int, float, bool and None") from None  # fmt: skip
         if size_bytes > stage.spec.max_frame_bytes:
-            raise InvalidArgumentError(f"the request to stage {name!r} encodes to {size_bytes} bytes, over its "
+            raise PayloadTooLargeError(f"the request to stage {name!r} encodes to {size_bytes} bytes, over its "
                                        f"max_frame_bytes of {stage.spec.max_frame_bytes}; send less or raise "
                                        "StageSpec.max_frame_bytes")  # fmt: skip
         stage.requests[request_id] = future
@@ -283,8 +311,18 @@ class Orchestrator:
         if stage.core.task_id is not None:
             raise InvalidArgumentError(f"stage {name!r} cannot restart while task {stage.core.task_id!r} "
                                        "is in flight; wait for it to end")  # fmt: skip
+        # The core decides first: a refused restart leaves the ranks of the one in progress
+        # alone (reaping them first killed that restart's fresh ranks).
+        try:
+            self._step(stage, I.Restart(stage.spec.start_deadline_s))
+        except StageCommandError as exc:
+            if stage.core.state is StageState.STARTING:
+                raise RestartInProgressError(
+                    f"stage {name!r} is already starting (epoch {stage.core.epoch}): a restart or its first start "
+                    "is in progress and goes on; wait for it (status shows STARTING, then RUNNING or FAILED) "
+                    "instead of restarting again") from exc  # fmt: skip
+            raise
         self._reap(stage)
-        self._step(stage, I.Restart(stage.spec.start_deadline_s))
         self._spawn(stage)
         stage.start_waiters.append(future)
 
@@ -296,15 +334,27 @@ class Orchestrator:
                 "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
                 "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
-                "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(), "node": p.node,
-                                   "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-",
-                                   "backend": stage.hellos[p.rank].backend if p.rank in stage.hellos else "-",
-                                   "backend_reason": stage.hellos[p.rank].backend_reason if p.rank in stage.hellos
-                                   else ""}
-                          for p in stage.procs},
+                "ranks": {p.rank: self._rank_status(stage, p) for p in stage.procs},
             }  # fmt: skip
-        out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0)
+        out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0,
+                              **self.frame_errors.as_counters())  # fmt: skip
         future.set_result(out)
+
+    @staticmethod
+    def _rank_status(stage: _Stage, proc: RankHandle) -> dict[str, Any]:
+        """`state`: where the rank is, as far as the engine knows: EXITED once its process is
+        gone, else the state its latest reply named; `committed_state`: the state the stage
+        last committed for it (the two differ after a task failed part-way)."""
+        alive = proc.is_alive()
+        committed = stage.core.rank_state.get(proc.rank)
+        reported = stage.reported.get(proc.rank)
+        known = reported or committed
+        state = RANK_EXITED if not alive else known.value if known else "-"
+        hello = stage.hellos.get(proc.rank)
+        return {"pid": proc.pid, "alive": alive, "node": proc.node, "state": state,
+                "committed_state": committed.value if committed else "-",
+                "backend": hello.backend if hello else "-",
+                "backend_reason": hello.backend_reason if hello else ""}  # fmt: skip
 
     def op_shutdown(self, future: Future, timeout_s: float) -> None:
         if self._closing is not None:
@@ -344,11 +394,12 @@ class Orchestrator:
             if self._router in ready:
                 self._receive_all()
             for fd in [fd for fd in ready if fd in self._sentinels]:
-                self._on_sentinel(fd)
+                self._isolated("a rank's exit", self._on_sentinel, fd)
             now = time.monotonic()
             if now >= self._next_tick_at:  # deadlines need ms, not a scan per message
                 self._next_tick_at = now + TICK_INTERVAL_S
-                self._tick()
+                for stage in self._stages.values():
+                    self._isolated(f"the deadline tick of stage {stage.spec.name!r}", self._tick, stage)
             if self._closing is not None and self._finish_close():
                 return
 
@@ -379,16 +430,30 @@ class Orchestrator:
                 return
             run()
 
+    def _isolated(self, handling: str, handler: Callable[..., None], *args: Any) -> None:
+        """One frame's (or one exit's, one tick's) handling: whatever it raises ends here,
+        counted by cause and logged at a bounded rate (omni_core.isolation); the frame is
+        dropped. A violated invariant of a core is the one exception: the loop dies loudly."""
+        try:
+            handler(*args)
+        except InvariantViolation:
+            raise
+        except Exception as exc:
+            self.frame_errors.record(exc, handling)
+
     def _receive_all(self) -> None:
         while True:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            except zmq.ZMQError as exc:
+                self.frame_errors.record(exc, "receiving a frame")
+                return
             if len(frames) != 2:
                 self.counters["bad_replies"] += 1
                 continue
-            self._on_frames(frames[0], frames[1])
+            self._isolated("a frame from a peer", self._on_frames, frames[0], frames[1])
 
     def _on_frames(self, identity: bytes, data: bytes) -> None:
         try:
@@ -409,6 +474,8 @@ class Orchestrator:
             self.counters["rank_mismatch"] += 1
             self._write(stage, (PeerRefused("rank_mismatch", rank, f"claimed rank {message.rank}"),))
             return
+        if isinstance(message, (Ack, Nack)):
+            stage.reported[rank] = message.state
         self._step(stage, I.Received(message))
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
@@ -437,6 +504,7 @@ class Orchestrator:
         proc.pid = hello.pid
         stage.hellos[proc.rank] = hello
         self._by_identity[identity] = (stage, proc.rank)
+        stage.reported[proc.rank] = hello.state
         self._step(stage, I.Received(hello))
 
     def _on_sentinel(self, fd: int) -> None:
@@ -455,12 +523,11 @@ class Orchestrator:
         detail = proc.exit_cause()
         self._step(stage, I.RankExited(proc.rank, detail, proc.epoch))
 
-    def _tick(self) -> None:
-        for stage in self._stages.values():
-            for proc in stage.procs:  # platforms without pidfd: notice deaths by polling
-                if proc.sentinel is None and not proc.exit_handled and not proc.is_alive():
-                    self._on_rank_exit(stage, proc)
-            self._step(stage, I.Tick())
+    def _tick(self, stage: _Stage) -> None:
+        for proc in stage.procs:  # platforms without pidfd: notice deaths by polling
+            if proc.sentinel is None and not proc.exit_handled and not proc.is_alive():
+                self._on_rank_exit(stage, proc)
+        self._step(stage, I.Tick())
 
     # ================================================================ stepping the core
 
@@ -580,6 +647,7 @@ class Orchestrator:
             self._write(stage, (RankSpawned(proc.rank, proc.pid, proc.node),))
 
     def _reap(self, stage: _Stage) -> None:
+        stage.reported.clear()
         self._launcher.reap(stage.procs)
         stage.hellos.clear()
         self._links.release(stage.spec.name)

@@ -1,6 +1,14 @@
 """Sans-IO wire protocol: message types, codec, version, reasons. Imports no sockets, no torch."""
 
-from omni_core.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, decode_command, encode
+from omni_core.protocol.codec import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    ProtocolError,
+    decode,
+    decode_command,
+    encode,
+    payload_problem,
+)
 from omni_core.protocol.enums import AckStatus, Capability, NackReason, StageState, WorkerState
 from omni_core.protocol.messages import (
     COMMAND_TYPES,
@@ -47,6 +55,7 @@ __all__ = [
     "AnyMessage",
     "AnyReply",
     "DEFAULT_MAX_FRAME_BYTES",
+    "MAX_PAYLOAD_DEPTH",
     "Capability",
     "Command",
     "Execute",
@@ -70,5 +79,6 @@ __all__ = [
     "decode",
     "decode_command",
     "encode",
+    "payload_problem",
     "profile_prefix_problem",
 ]

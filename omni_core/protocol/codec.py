@@ -9,17 +9,31 @@ task.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
 
 from omni_core.protocol.enums import NackReason
-from omni_core.protocol.messages import MAX_TASK_ID_CHARS, AnyMessage, Command, Message
+from omni_core.protocol.envelope_scan import scan_envelope
+from omni_core.protocol.messages import MAX_TASK_ID_CHARS, AnyMessage, Command, Execute, Message
 from omni_core.protocol.version import PROTOCOL_VERSION
 
 # The largest frame a peer accepts unless configured otherwise (StageSpec.max_frame_bytes):
 # room for a request payload or a result with images, far below what would hurt a host.
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
+# How deep a payload (Execute.payload, Result.output) may nest: declared once, checked by the
+# Python API before sending and by every decoder. Well below Python's recursion limit (1000 by
+# default) and msgspec's, which cap encoding and decoding alike: a worker encodes a payload
+# again for its reply cache's digest, deeper in its stack than where the payload was decoded,
+# so a payload near the decoder's limit once decoded and then could not be answered.
+MAX_PAYLOAD_DEPTH = 128
+_CONTAINERS = (list, tuple, set, frozenset)
+# Exact types only: a subclass of these is rare in a payload and is still walked from the top.
+_NESTED_TYPES = frozenset({dict, *_CONTAINERS})
+# A depth is measured up to here and named "more than" beyond: the walk stays short.
+_DEPTH_MEASURED = 8 * MAX_PAYLOAD_DEPTH
+
 # Every failure msgspec can raise on hostile input. UnicodeDecodeError (invalid UTF-8 in a
 # str field) is not a msgspec.DecodeError; RecursionError guards deep nesting; Overflow and
 # Memory errors cover integers and lengths beyond what the host can represent.
@@ -94,7 +108,43 @@ def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAU
         raise _explain(data, exc) from None
     if message.v != PROTOCOL_VERSION:
         raise _unsupported_version(message.v, message.task_id, message.epoch)
+    carried = message.payload if isinstance(message, Execute) else getattr(message, "output", None)
+    problem = payload_problem(carried) if isinstance(carried, (dict, *_CONTAINERS)) else None
+    if problem is not None:
+        raise ProtocolError(f"invalid {type(message).__name__}: {problem}", task_id=message.task_id,
+                            epoch=message.epoch)  # fmt: skip
     return message
+
+
+def payload_problem(value: Any) -> str | None:
+    """Why `value` cannot travel as a payload or output (nested deeper than
+    MAX_PAYLOAD_DEPTH), or None. Iterative, so a hostile depth cannot exhaust the stack here;
+    the children of a container are filtered in C (itertools), as a payload may hold millions
+    of scalars. Integers outside msgpack's range are the encoder's to refuse (OverflowError)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack and deepest <= _DEPTH_MEASURED:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = [*item.keys(), *item.values()]
+        elif isinstance(item, _CONTAINERS):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        nested = itertools.compress(children, map(_NESTED_TYPES.__contains__, map(type, children)))
+        stack.extend(zip(nested, itertools.repeat(depth + 1)))
+    if deepest <= MAX_PAYLOAD_DEPTH:
+        return None
+    found = f"more than {_DEPTH_MEASURED}" if deepest > _DEPTH_MEASURED else str(deepest)
+    return (f"a payload must be at most MAX_PAYLOAD_DEPTH={MAX_PAYLOAD_DEPTH} levels deep; this one nests {found} "
+            "levels: flatten it")  # fmt: skip
+
+
+def wire_int_problem(exc: OverflowError) -> str:
+    """The refusal of a payload whose integer msgpack cannot hold (the encoder's OverflowError)."""
+    return (f"an integer in the payload is outside msgpack's range: integers must be within [-2**63, 2**64 - 1] "
+            f"({exc}); send a larger one as a string")  # fmt: skip
 
 
 def decode_command(data: bytes | bytearray | memoryview, *,
@@ -130,11 +180,29 @@ def _wire_epoch(epoch: object) -> int | None:
     return epoch if ok else None  # type: ignore[return-value]
 
 
+def envelope_of(data: bytes | bytearray | memoryview) -> tuple[str | None, int | None]:
+    """The task_id and epoch a frame names, where they are valid on the wire; never raises.
+    For answering a frame whose handling failed after it decoded."""
+    envelope = _read_envelope(data)
+    return (None, None) if envelope is None else (_wire_task_id(envelope.task_id), _wire_epoch(envelope.epoch))
+
+
+def _read_envelope(data: bytes | bytearray | memoryview) -> _Envelope | None:
+    """The envelope, decoded by msgspec, or (a frame nested too deep for msgspec at this
+    stack depth) read without recursion, so every process reads the same one."""
+    try:
+        return _envelope_decoder.decode(data)
+    except _DECODE_FAILURES as exc:
+        if not (isinstance(exc, RecursionError) or "too deep" in str(exc)):
+            return None  # broken bytes, not deep ones: nothing to read
+    scanned = scan_envelope(data)
+    return _Envelope(**scanned) if scanned else None
+
+
 def _explain(data: bytes | bytearray | memoryview, exc: Exception) -> ProtocolError:
     """Turn a strict-decode failure into the most useful ProtocolError we can."""
-    try:
-        envelope = _envelope_decoder.decode(data)
-    except _DECODE_FAILURES:
+    envelope = _read_envelope(data)
+    if envelope is None:
         return ProtocolError(f"undecodable message ({len(data)} bytes): {_describe(exc)}")
     task_id, epoch = _wire_task_id(envelope.task_id), _wire_epoch(envelope.epoch)
     version = envelope.v

@@ -48,7 +48,7 @@ import torch
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_generation
-from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers
+from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
 
 log = logging.getLogger("omni_core.runners.vllm")
 
@@ -279,7 +279,8 @@ class VllmRunner(ModelRunner):
     def reload_weights(self, source: str | None) -> None:
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
-        directory = Path(source).expanduser() if source else self.model_dir
+        # Resolved once: vLLM opens the very directory whose headers were compared.
+        directory = resolved(Path(source).expanduser()) if source else self.model_dir
         compare_checkpoints(self.own_headers, read_headers(directory), str(directory))
         total_bytes = sum(_entry_bytes(e) for e in self.own_headers.values())
         started = time.perf_counter()

@@ -10,10 +10,12 @@ which the worker answers with NACK INVALID_ARGUMENT, weights untouched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +55,52 @@ class _Target:
     source_dtype: str = ""  # dtype in the runner's own checkpoint; a reload must match it
 
 
+def resolved(path: Path | str) -> Path:
+    """`path` with every symlink resolved, once: a reload checks, plans and reads this path and
+    never resolves the caller's again (a link swapped in between would be followed)."""
+    try:
+        return Path(os.path.realpath(path))
+    except (ValueError, OSError) as exc:  # a NUL in the path, a loop of links
+        raise RunnerArgumentError(f"the reload source {str(path)!r} is not a usable path ({exc}); "
+                                  "give a checkpoint directory path") from None  # fmt: skip
+
+
+@contextlib.contextmanager
+def opened_without_links(path: Path) -> Iterator[str]:
+    """A name that opens exactly the file at the resolved `path`: it is opened one component at
+    a time, refusing a symlink at each (O_NOFOLLOW), and read through /proc/self/fd. A path
+    that became a link after it was resolved is refused (RunnerArgumentError), not followed.
+    Where /proc/self/fd is missing, only the last component is checked."""
+    fd = -1
+    try:
+        if os.path.isdir("/proc/self/fd"):
+            fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            parts = path.parts[1:]
+            for index, part in enumerate(parts):
+                last = index == len(parts) - 1
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if last else os.O_DIRECTORY)
+                next_fd = os.open(part, flags, dir_fd=fd)
+                os.close(fd)
+                fd = next_fd
+            yield f"/proc/self/fd/{fd}"
+        else:  # pragma: no cover - Linux has /proc
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            yield str(path)
+    except OSError as exc:
+        raise RunnerArgumentError(f"cannot open {str(path)!r} without following a symlink ({exc}): the source "
+                                  "changed after it was checked; reload again from a directory nobody swaps") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def safetensors_files(directory: Path) -> list[Path]:
+    """The resolved paths of the checkpoint's files (symlinks, as in a hub cache, resolved once)."""
+    directory = resolved(directory)
     if not directory.is_dir():
         raise RunnerArgumentError(f"weights directory {str(directory)!r} does not exist or is not a directory; "
                                   "give a local checkpoint directory (config + *.safetensors)")  # fmt: skip
-    files = sorted(directory.glob("*.safetensors"))
+    files = [resolved(f) for f in sorted(directory.glob("*.safetensors"))]
     if not files:
         raise RunnerArgumentError(f"{str(directory)!r} holds no *.safetensors file; reloads read safetensors "
                                   "only (convert a .bin checkpoint with save_pretrained(safe_serialization=True))")
@@ -71,7 +114,7 @@ def read_headers(directory: Path) -> dict[str, HeaderEntry]:
     headers: dict[str, HeaderEntry] = {}
     for path in safetensors_files(directory):
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with opened_without_links(path) as name_of_file, safe_open(name_of_file, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     if name in headers:
                         raise RunnerArgumentError(f"tensor {name!r} is in both {headers[name].file.name} and "
@@ -176,9 +219,12 @@ class WeightSet:
         by_file: dict[Path, list[tuple[_Target, str]]] = {}
         for target, name, entry in steps:
             by_file.setdefault(entry.file, []).append((target, name))
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as files:
+            # Every file opened before the first write: a source swapped since the plan is
+            # refused while the weights are still untouched.
+            opened = {path: files.enter_context(opened_without_links(path)) for path in by_file}
             for path, items in by_file.items():
-                with safe_open(str(path), framework="pt", device="cpu") as f:
+                with safe_open(opened[path], framework="pt", device="cpu") as f:
                     for target, name in items:
                         piece = rank_shard(target.tensor, f.get_tensor(name))
                         local_tensor(target.tensor).copy_(piece)  # casts when the runner computes in another dtype

@@ -4,7 +4,9 @@ Start-up selects the memory backend, loads the runner into its tagged pools and 
 Hello. Then the loop: receive bytes, decode (bad bytes -> NACK BAD_MESSAGE, keep going),
 hand the command to the core, perform the one effect it returns through the backend or
 the runner, and send the core's replies. Every decision about legality, idempotence and
-fencing is the core's; this module only does the IO and the memory operations.
+fencing is the core's; this module only does the IO and the memory operations. Whatever
+one frame's handling raises is caught around that frame (`handle_isolated`,
+omni_core.isolation): counted, and the frame's task answered, never the loop's end.
 
 An exception in a lifecycle effect moves the worker to FAILED; the core then answers
 every later command with the reason until Shutdown. A failed start-up (backend missing,
@@ -27,7 +29,7 @@ import msgspec
 import torch
 import zmq
 
-from omni_core.fsm import WEIGHTS_TAG, WorkerCore
+from omni_core.fsm import WEIGHTS_TAG, InvariantViolation, WorkerCore
 from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
@@ -40,6 +42,7 @@ from omni_core.fsm.effects import (
 )
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
+from omni_core.isolation import FrameErrors, cause_of
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     MAX_LINKS,
@@ -51,8 +54,10 @@ from omni_core.protocol import (
     ProtocolError,
     decode_command,
     encode,
+    payload_problem,
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
+from omni_core.protocol.codec import envelope_of
 from omni_core.runners.base import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
@@ -125,7 +130,9 @@ class WorkerProcess:
                                       max_duration_s=config.profile_max_s)  # fmt: skip
         self.stopped = False
         self.exit_code = EXIT_OK
-        self.loop_errors = 0
+        # What the loop caught while handling frames, by cause (omni_core.isolation).
+        self.frame_errors = FrameErrors(f"worker {config.stage}/{config.rank}", log)
+        self._answered: set[str] | None = None  # task_ids this frame answered, while handling one
 
     # ------------------------------------------------------------------ start-up
 
@@ -256,15 +263,59 @@ class WorkerProcess:
                     self._release()
                     return EXIT_PARENT_GONE
                 continue
-            frames = self.sock.recv_multipart(copy=False)
-            # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
             try:
-                self.handle(frames[-1].buffer)
-            except Exception:  # last resort: no input may end the loop (the bug is logged)
-                self.loop_errors += 1
-                log.exception("worker %s/%s: unexpected error handling a frame; still serving",
-                              self.config.stage, self.config.rank)  # fmt: skip
+                frames = self.sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                self.frame_errors.record(exc, "receiving a frame")
+                continue
+            # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
+            self.handle_isolated(frames[-1].buffer)
         return self.exit_code
+
+    def handle_isolated(self, data: bytes | memoryview) -> None:
+        """`handle` one frame; whatever it raises ends here (omni_core.isolation): counted by
+        cause, logged at a bounded rate, and the frame's task answered with a NACK naming the
+        cause unless this frame already answered it. Only a violated invariant of the core
+        ends the loop: the process exits with it, and the engine names the dead rank."""
+        core = self.core
+        assert core is not None
+        busy_before = core.busy
+        self._answered = set()
+        try:
+            self.handle(data)
+        except InvariantViolation:
+            log.critical("worker %s/%s: the worker core violated its invariants; exiting",
+                         self.config.stage, self.config.rank, exc_info=True)  # fmt: skip
+            raise
+        except Exception as exc:
+            self.frame_errors.record(exc, f"a frame of {len(data)} bytes")
+            self._answer_failed_frame(data, exc, became_busy=core.busy and not busy_before)
+        finally:
+            self._answered = None
+
+    def _answer_failed_frame(self, data: bytes | memoryview, exc: Exception, *, became_busy: bool) -> None:
+        """After a frame's handling raised, its task still gets its one reply (P-1), now rather
+        than at the stage's deadline: the command's effect failed when the core had taken it
+        on (EXECUTE_ERROR for a request, BACKEND_ERROR and FAILED for a lifecycle command, as
+        any failed effect), else NACK BAD_MESSAGE. Nothing when this frame answered already."""
+        core = self.core
+        assert core is not None and self._answered is not None
+        cause = f"{cause_of(exc)}: {str(exc)[:300]}"
+        try:
+            task_id, epoch = envelope_of(data)
+            if task_id is not None and task_id in self._answered:
+                return
+            if became_busy and task_id is not None:
+                step = core.on_error(task_id, f"the worker failed while handling it ({cause})")
+            else:
+                step = core.on_bad_message(ProtocolError(
+                    f"this worker could not handle the frame ({cause}); it was dropped and the worker serves on: "
+                    "check the sender, or report a bug with the worker's log", task_id=task_id, epoch=epoch))
+            self._send_all(step)
+        except InvariantViolation:
+            raise
+        except Exception as again:  # the socket itself failing: counted, the loop goes on
+            self.frame_errors.record(again, "answering a frame whose handling failed")
 
     def handle(self, data: bytes | memoryview) -> None:
         core = self.core
@@ -369,6 +420,9 @@ class WorkerProcess:
     def _checked_output(self, output: Any) -> Any:
         """A result must travel: serialisable and within the frame limit, else it is this
         request's error (EXECUTE_ERROR), never a crash of the loop at send time."""
+        problem = payload_problem(output)
+        if problem is not None:
+            raise ValueError(f"the result cannot be sent: {problem.replace('payload', 'result')}")
         size_bytes = len(encode_output(output))
         limit_bytes = self.config.max_frame_bytes - RESULT_ENVELOPE_BYTES
         if size_bytes > limit_bytes:
@@ -398,6 +452,8 @@ class WorkerProcess:
 
     def _send(self, message: Message) -> None:
         self.sock.send(encode(message))
+        if self._answered is not None:
+            self._answered.add(message.task_id)
 
     def _send_all(self, step: WorkerStep) -> None:
         """The step's records first (each written before what it describes leaves), then its replies."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from omni_core.engine import EngineClosedError, InvalidArgumentError, RequestFailedError
+from omni_core.fsm import InvariantViolation
 from omni_core.protocol import (
     Ack,
     Hello,
@@ -196,8 +197,8 @@ def test_an_orchestrator_that_dies_fails_every_caller_and_stops_its_ranks(engine
         sleeping = in_thread(lambda: engine.sleep("doomed", timeout_s=60.0))
         wait_for(lambda: engine.status()["doomed"]["state"] == "TRANSITIONING", what="TRANSITIONING")
 
-        def boom() -> None:
-            raise RuntimeError("injected bug in the loop")
+        def boom(stage) -> None:  # only a violated invariant ends the loop; any other raise is isolated
+            raise InvariantViolation("injected bug in the loop")
 
         started = time.monotonic()
         engine._orch._tick = boom

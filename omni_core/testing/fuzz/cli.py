@@ -26,14 +26,16 @@ def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
                                   socket_drop_frames=args.socket_drop_frames, warmup_frames=args.warmup_frames,
                                   max_rss_growth_bytes=args.max_rss_growth_mib << 20,
                                   progress_interval_s=args.progress_s, out_dir=args.out,
-                                  withhold_known_issues=not args.send_known_issues)  # fmt: skip
+                                  withhold_known_issues=not args.send_known_issues,
+                                  schema_share=args.schema_share)  # fmt: skip
         return WorkerFuzzer(config, emit=_emit).run()
     from omni_core.testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
 
     config = EngineFuzzConfig(seed=args.seed, frames=args.frames, time_box_s=args.time_box_s, transport=transport,
                               probe_every_frames=args.probe_every * 5, big_every_frames=args.big_every,
                               warmup_frames=args.warmup_frames, max_rss_growth_bytes=args.max_rss_growth_mib << 20,
-                              progress_interval_s=args.progress_s, out_dir=args.out)  # fmt: skip
+                              progress_interval_s=args.progress_s, out_dir=args.out,
+                              schema_share=args.schema_share)  # fmt: skip
     return EngineFuzzer(config, emit=_emit).run()
 
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="worker: also send frames that trigger reported open bugs (known_issues.py)")  # fmt: skip
     parser.add_argument("--warmup-frames", type=int, default=2_000, help="RSS 'before' is taken after these")
     parser.add_argument("--max-rss-growth-mib", type=int, default=MAX_RSS_GROWTH_BYTES >> 20)
+    parser.add_argument("--schema-share", type=float, default=0.0,
+                        help="share of frames derived from the wire schema (fuzz/schema.py), 0 to 1")  # fmt: skip
     parser.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
     transports = ("ipc", "tcp") if args.transport == "both" else (args.transport,)

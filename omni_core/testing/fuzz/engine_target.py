@@ -36,7 +36,8 @@ import zmq
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 from omni_core.testing.fuzz.common import MAX_RSS_GROWTH_BYTES, Finding, FuzzReport, Progress, count, log_tail
 from omni_core.testing.fuzz.engine_host import LINE_PREFIX, STAGE
-from omni_core.testing.fuzz.generate import FrameGenerator, FuzzContext, GeneratorConfig
+from omni_core.testing.fuzz.generate import FuzzContext
+from omni_core.testing.fuzz.schema import make_generator
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
 # Counters a stranger's frame may land in; each frame in exactly one of them.
@@ -62,6 +63,8 @@ class EngineFuzzConfig:
     send_timeout_s: float = 30.0  # a send blocked this long (the engine stopped reading) is a hang
     progress_interval_s: float = 5.0
     out_dir: str | None = None
+    # Share of frames derived from the wire schema (omni_core.testing.fuzz.schema); 0: hand-built only.
+    schema_share: float = 0.0
 
 
 class _Host:
@@ -117,7 +120,7 @@ class EngineFuzzer:
         self.config = config
         self.emit = emit
         self.report = FuzzReport.for_run("engine", config)
-        self.generator = FrameGenerator(config.seed, GeneratorConfig(direction="engine"))
+        self.generator = make_generator(config.seed, "engine", config.schema_share)
         # Stranger choice and churn from their own stream: the frames stay those of the seed.
         self.rng = random.Random(config.seed ^ 0x5EED)
         self.ctx = zmq.Context()
@@ -298,6 +301,11 @@ class EngineFuzzer:
                 self._violation("rank_restarted", f"rank {rank}: was pid {pid}, now {info}", once=f"rank{rank}")
         if stage["state"] == "FAILED":
             self._violation("stage_failed", f"stage {STAGE} FAILED: {stage.get('failure')}", once="failed")
+        raised = status["_engine"].get("frame_errors", 0) - self.base_counters.get("frame_errors", 0)
+        if raised > 0:  # caught by the loop's isolation, but a handler raised: a bug to report
+            causes = {k: v for k, v in status["_engine"].items() if k.startswith("frame_errors_")}
+            self._violation("handler_raised", f"{raised} frame(s) raised in a handler of the engine's loop: "
+                            f"{causes}", once="handler_raised")  # fmt: skip
         refused = self._refused(status["_engine"])
         if refused > self.counted_frames:
             self._violation("counters", f"{refused} frames refused but only {self.counted_frames} sent by strangers: "

@@ -38,6 +38,7 @@ import zmq
 
 from omni_core.conformance.targets import REFERENCE_RUNNER_ARGS
 from omni_core.fsm.worker import MAX_EPOCH_AHEAD
+from omni_core.isolation import LOG_MARK
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Ack,
@@ -71,14 +72,17 @@ from omni_core.testing.fuzz.common import (
     peak_rss_bytes,
     rss_bytes,
 )
-from omni_core.testing.fuzz.generate import Frame, FrameGenerator, FuzzContext, GeneratorConfig
+from omni_core.testing.fuzz.generate import Frame, FuzzContext
 from omni_core.testing.fuzz.known_issues import open_issues
+from omni_core.testing.fuzz.schema import make_generator
 from omni_core.transport import ipc_address, make_router
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
 REFERENCE_PAYLOAD = {"seed": 11, "batch": 2}
 START_TIMEOUT_S = 120.0  # torch import and model load on a loaded 2-core machine
 MAX_RESTARTS = 5  # after a crash or hang the worker is replaced; more means stop and report
+# The kinds of the oracle's own task ids ("exec-17"): `_task_id(kind)`.
+ORACLE_KINDS = frozenset({"ref", "probe", "exec", "sleep", "wake", "reload", "resync", "shutdown"})
 
 
 @dataclass
@@ -102,6 +106,8 @@ class WorkerFuzzConfig:
     # Withhold frames that trigger a reported, still-open bug (omni_core.testing.fuzz.known_issues),
     # counted in the report; a fixed bug's frames are sent again automatically.
     withhold_known_issues: bool = True
+    # Share of frames derived from the wire schema (omni_core.testing.fuzz.schema); 0: hand-built only.
+    schema_share: float = 0.0
 
 
 @dataclass
@@ -129,9 +135,8 @@ class WorkerFuzzer:
         self.config = config
         self.emit = emit
         self.report = FuzzReport.for_run("worker", config)
-        self.generator = FrameGenerator(
-            config.seed, GeneratorConfig(direction="worker", socket_drop_frames=config.socket_drop_frames)
-        )
+        self.generator = make_generator(config.seed, "worker", config.schema_share,
+                                        socket_drop_frames=config.socket_drop_frames)  # fmt: skip
         self.directory = tempfile.mkdtemp(prefix="omni-fz-", dir="/tmp")
         self.ctx = zmq.Context()
         address = ipc_address(self.directory) if config.transport == "ipc" else "tcp://127.0.0.1:*"
@@ -147,6 +152,7 @@ class WorkerFuzzer:
         self.reference: Any = None
         self.rounds = 0
         self._oracle_serial = 0
+        self._ids_taken: set[str] = set()  # oracle-shaped ids beyond the serial that fuzzed frames used
         self._withheld = 0
         self._restarts = 0
         self._nack_reasons: dict[str, int] = {}
@@ -277,6 +283,12 @@ class WorkerFuzzer:
                 self.proc.wait(10)
             elif self.proc.returncode != 0:
                 self._violation("exit_code", f"the worker exited with {self.proc.returncode} after Shutdown")
+        # The worker answers a frame whose handling raised (isolation) and logs it: still a bug.
+        raised = log_tail(self.log_path, 1_000_000).count(LOG_MARK)
+        report.extra["handler_raised_log_lines"] = raised
+        if raised:
+            self._violation("handler_raised", f"{raised} frame(s) raised in a handler of the worker's loop (caught "
+                            f"and answered by its isolation; see the log):\n{self._log_tail()}")  # fmt: skip
         report.settle_memory()
         report.replies_by_type.update({f"Nack:{k}": v for k, v in sorted(self._nack_reasons.items())})
         report.extra["shutdowns_withheld"] = self._withheld
@@ -346,6 +358,8 @@ class WorkerFuzzer:
                 return None
         if accepted:
             self.epoch = command.epoch
+        if _serial_of(command.task_id) > self._oracle_serial:
+            self._ids_taken.add(command.task_id)  # the oracle must not use it later
         return _Expect(frame, command.task_id, type(command).__name__, message=command)
 
     def _resync_after_drop(self) -> None:
@@ -597,8 +611,14 @@ class WorkerFuzzer:
                      for kind in ("probe", "exec", "sleep", "wake"))  # fmt: skip
 
     def _task_id(self, kind: str) -> str:
-        self._oracle_serial += 1
-        return f"{kind}-{self._oracle_serial}"
+        """A fresh id for the oracle, never one a fuzzed frame already gave the worker (a bit
+        flip can turn a plausible id into one the oracle is about to use)."""
+        while True:
+            self._oracle_serial += 1
+            task_id = f"{kind}-{self._oracle_serial}"
+            if task_id not in self._ids_taken:
+                self._ids_taken = {t for t in self._ids_taken if _serial_of(t) > self._oracle_serial}
+                return task_id
 
     def _violation(self, kind: str, detail: str, frame: Frame | None = None) -> None:
         self.report.violations += 1
@@ -616,6 +636,12 @@ class WorkerFuzzer:
             digest = hashlib.sha256(b"".join(frame.parts)).hexdigest()[:16]
             with open(os.path.join(directory, f"worker-{kind}-{digest}.msgpack"), "wb") as out:
                 out.write(msgspec.msgpack.encode(list(frame.parts)))
+
+
+def _serial_of(task_id: str) -> int:
+    """N of an id of the oracle's shape "kind-N" (0 for any other id)."""
+    kind, _, number = task_id.rpartition("-")
+    return int(number) if kind in ORACLE_KINDS and number.isascii() and number.isdigit() and len(number) < 12 else 0
 
 
 def _matches(expect: _Expect, reply: Message) -> bool:

@@ -1,0 +1,55 @@
+"""The envelope of a frame too deep for msgspec names the same task at any stack depth."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from omni_core.protocol import ProtocolError, decode_command
+from omni_core.protocol.envelope_scan import MAX_SCAN_ITEMS, scan_envelope
+
+
+def deep_execute(depth: int) -> bytes:
+    """An Execute whose payload is `depth` one-item arrays, written byte by byte (msgspec's
+    own encoder, like its decoder, gives up at some depth of the caller's stack)."""
+    head = msgspec.msgpack.encode({"type": "Execute", "v": 1, "task_id": "deep-1", "epoch": 2})
+    return b"\x85" + head[1:] + msgspec.msgpack.encode("payload") + b"\x91" * depth + b"\x00"
+
+
+def refusal_at_stack_depth(frame: bytes, frames_below: int) -> ProtocolError:
+    if frames_below:
+        return refusal_at_stack_depth(frame, frames_below - 1)
+    with pytest.raises(ProtocolError) as info:
+        decode_command(frame)
+    return info.value
+
+
+@pytest.mark.parametrize("depth", [200, 987, 5000])
+def test_a_deep_frame_names_its_task_at_any_stack_depth(depth):
+    frame = deep_execute(depth)
+    for below in (0, 100, 400):
+        error = refusal_at_stack_depth(frame, below)
+        assert (error.task_id, error.epoch) == ("deep-1", 2), (below, str(error))
+
+
+def test_the_scanner_reads_every_msgpack_kind_before_the_envelope_and_skips_them():
+    skipped = [b"\x00" * 300, 1.5, -(2**63), 2**64 - 1, "é" * 40, None, True, {"k": [1, {"x": b"y"}]},
+               msgspec.msgpack.Ext(5, b"abc"), msgspec.msgpack.Ext(1, b"a"), list(range(70000))]  # fmt: skip
+    frame = msgspec.msgpack.encode({"payload": skipped, "type": "Sleep", "v": 1, "task_id": "t", "epoch": 9})
+    assert scan_envelope(frame) == {"type": "Sleep", "v": 1, "task_id": "t", "epoch": 9}
+
+
+HOSTILE = [b"", b"\x91", b"\xc1", b"\xdf\xff\xff\xff\xff", b"\x81\xa7task_id\xdb\xff\xff\xff\xff",
+           msgspec.msgpack.encode([1, 2]), msgspec.msgpack.encode("str")]  # fmt: skip
+
+
+@pytest.mark.parametrize("frame", HOSTILE)
+def test_hostile_bytes_give_an_empty_envelope_never_a_raise(frame):
+    assert scan_envelope(frame) == {}
+
+
+def test_the_scan_gives_up_after_its_item_budget():
+    frame = msgspec.msgpack.encode({"payload": [0] * (MAX_SCAN_ITEMS + 5), "task_id": "late"})
+    assert scan_envelope(frame) == {}
+    frame = msgspec.msgpack.encode({"task_id": "early", "payload": [0] * (MAX_SCAN_ITEMS + 5)})
+    assert scan_envelope(frame) == {"task_id": "early"}
