@@ -13,7 +13,9 @@ from omni_core.fsm.effects import (
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import (
@@ -72,7 +74,9 @@ __all__ = [
     "StatusEffect",
     "TaskOutcome",
     "Transition",
+    "UpdateEffect",
     "WakeEffect",
+    "WeightGroupEffect",
     "WorkerCore",
     "WorkerStep",
     "export_mermaid",

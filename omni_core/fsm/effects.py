@@ -36,6 +36,26 @@ class ReloadEffect:
 
 
 @dataclass(frozen=True)
+class UpdateEffect:
+    """Write the weights of `source` in place as `version` (P-17): check every name, shape and
+    dtype and open every handle first (a problem then: `RunnerArgumentError`, nothing written,
+    `WorkerCore.on_refused`); any failure after writing began is `WorkerCore.on_error`, which
+    leaves the rank NEEDS_RELOAD at its old version. Invalidate host copies of the weights."""
+
+    task_id: str
+    version: int
+    source: Any  # omni_core.protocol.weights.WeightSource
+
+
+@dataclass(frozen=True)
+class WeightGroupEffect:
+    """Join the trainer's weight group (`InitWeightGroup`): group rank `rank_offset + rank`."""
+
+    task_id: str
+    command: Any  # omni_core.protocol.InitWeightGroup
+
+
+@dataclass(frozen=True)
 class ExecuteEffect:
     task_id: str
     payload: Any
@@ -65,4 +85,5 @@ class ProfileEffect:
     prefix: str | None
 
 
-Effect = SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect
+Effect = (SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect
+          | UpdateEffect | WeightGroupEffect)

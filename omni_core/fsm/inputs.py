@@ -69,6 +69,30 @@ class ReloadCall:
 
 
 @dataclass(frozen=True)
+class UpdateCall:
+    """Replace the weights as `version` from `source` (an omni_core.protocol WeightSource, P-17)."""
+
+    task_id: str
+    version: int
+    source: Any
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class WeightGroupCall:
+    """Every rank joins the trainer's weight group (an omni_core.protocol InitWeightGroup's fields)."""
+
+    task_id: str
+    group: str
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int
+    backend: str
+    deadline_s: float
+
+
+@dataclass(frozen=True)
 class ProfileCall:
     """Start (`start=True`) or stop every rank's profiler; the stage's state never changes."""
 
@@ -113,7 +137,7 @@ class SendFailed:
 
 
 EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | ProfileCall | SetAdmission | Tick
-               | Received | RankExited | SendFailed)  # fmt: skip
+               | Received | RankExited | SendFailed | UpdateCall | WeightGroupCall)  # fmt: skip
 
 
 class RequestError(str, enum.Enum):

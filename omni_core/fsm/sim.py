@@ -36,7 +36,9 @@ from omni_core.fsm.effects import (
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep, TaskOutcome
@@ -45,8 +47,10 @@ from omni_core.protocol import (
     Ack,
     Capability,
     Command,
+    DiskSource,
     Execute,
     Hello,
+    InitWeightGroup,
     MemoryReport,
     Message,
     Nack,
@@ -56,11 +60,14 @@ from omni_core.protocol import (
     Result,
     Shutdown,
     Sleep,
+    UpdateWeights,
     Wake,
     decode,
     decode_command,
     encode,
+    source_kind,
 )
+from omni_core.protocol.weights import source_tensors
 
 # What a worker shell reports around an effect; the stage trusts no ACK without one (P-12).
 # The simulated ranks hold no memory, so the pools are empty.
@@ -165,19 +172,34 @@ def describe(message: Message) -> str:
         return f"Execute {head} payload={message.payload!r}"
     if isinstance(message, Profile):
         return f"Profile {head} {'start' if message.start else 'stop'} prefix={message.prefix or '-'}"
+    if isinstance(message, UpdateWeights):
+        return f"UpdateWeights {head} version={message.version} source={_source(message.source)}"
+    if isinstance(message, InitWeightGroup):
+        return (f"InitWeightGroup {head} group={message.group} {message.address}:{message.port} "
+                f"world={message.world_size} offset={message.rank_offset} {message.backend}")  # fmt: skip
+    version = f" v{message.weights_version}" if getattr(message, "weights_version", 0) else ""
     if isinstance(message, Ack):
         detail = f" ({message.detail})" if message.detail else ""
         paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
         return (f"Ack {message.command} {head} {message.status.value} {message.state.value} "
-                f"asleep={_tags(message.asleep_tags)}{paths}{detail}")  # fmt: skip
+                f"asleep={_tags(message.asleep_tags)}{version}{paths}{detail}")  # fmt: skip
     if isinstance(message, Nack):
-        return f"Nack {message.command} {head} {message.reason.value} in {message.state.value}: {message.detail}"
+        reason, state = message.reason.value, message.state.value
+        return f"Nack {message.command} {head} {reason} in {state}{version}: {message.detail}"
     if isinstance(message, Result):
-        return f"Result {head} output={message.output!r}"
+        return f"Result {head} output={message.output!r}{version}"
     if isinstance(message, Hello):
         detail = f": {message.detail}" if message.detail else ""
         return f"Hello e{message.epoch} {message.state.value} tags={_tags(message.tags)}{detail}"
     return f"{type(message).__name__} {head}"
+
+
+def _source(source: Any) -> str:
+    """A weight source in one line: its kind and what names it (a path, a bucket count)."""
+    kind = source_kind(source)
+    if isinstance(source, DiskSource):
+        return f"{kind}:{source.path}"
+    return f"{kind}:{len(source_tensors(source))} tensors"
 
 
 def describe_input(event: I.EngineInput) -> str:
@@ -194,6 +216,12 @@ def describe_input(event: I.EngineInput) -> str:
         return f"WakeCall {event.task_id} tags={_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
     if isinstance(event, I.ReloadCall):
         return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
+    if isinstance(event, I.UpdateCall):
+        return (f"UpdateCall {event.task_id} version={event.version} source={_source(event.source)} "
+                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
+    if isinstance(event, I.WeightGroupCall):
+        return (f"WeightGroupCall {event.task_id} group={event.group} {event.address}:{event.port} "
+                f"world={event.world_size} offset={event.rank_offset} {event.backend}")  # fmt: skip
     if isinstance(event, I.ProfileCall):
         return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
                 f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
@@ -215,6 +243,10 @@ def describe_effect(effect: Effect) -> str:
         return f"map back {_tags(sorted(effect.tags))}"
     if isinstance(effect, ReloadEffect):
         return f"reload weights from {effect.source or 'the default source'}"
+    if isinstance(effect, UpdateEffect):
+        return f"write weights version {effect.version} from {_source(effect.source)}"
+    if isinstance(effect, WeightGroupEffect):
+        return f"join weight group {effect.command.group}"
     if isinstance(effect, ExecuteEffect):
         return f"run request {effect.task_id}"
     if isinstance(effect, StatusEffect):
@@ -227,7 +259,8 @@ def describe_effect(effect: Effect) -> str:
 
 
 _COMMAND_OF_EFFECT = {SleepEffect: "Sleep", WakeEffect: "Wake", ReloadEffect: "ReloadWeights", ExecuteEffect: "Execute",
-                      StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile"}  # fmt: skip
+                      StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile",
+                      UpdateEffect: "UpdateWeights", WeightGroupEffect: "InitWeightGroup"}  # fmt: skip
 
 
 def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:
@@ -595,7 +628,7 @@ class Simulator:
             self.say(f"done {what}")
             if output is _ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
-            memory = None if isinstance(effect, ProfileEffect) else NO_MEMORY  # the profiler moves no pool
+            memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect)) else NO_MEMORY  # no pool moved
             step = worker.on_done(effect.task_id, memory=memory, output=output,
                                   trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now))  # fmt: skip
         self._report_worker(worker, state, counters, step)
@@ -754,6 +787,7 @@ class Script:
     faults [loss= dup= delay= max-delay= reorder= crash= effect-error=]   seeded fault rates
     sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
     reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
+    update task= version= [source=PATH deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
     profile task= [start=yes|no prefix= deadline=30s]
     restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
@@ -883,6 +917,17 @@ class Script:
     def cmd_reload(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "source", "deadline"})
         self.s.call(I.ReloadCall(args["task"], args.get("source"), parse_duration_s(args.get("deadline", "30s"))))
+
+    def cmd_update(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "version", "source", "deadline"})
+        self.s.call(I.UpdateCall(args["task"], int(args["version"]), DiskSource(path=args.get("source", "/ckpt")),
+                                 parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+
+    def cmd_weight_group(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "port", "world", "offset", "deadline"})
+        self.s.call(I.WeightGroupCall(args["task"], "rl", "127.0.0.1", int(args.get("port", "29500")),
+                                      int(args.get("world", "3")), int(args.get("offset", "1")), "gloo",
+                                      parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
 
     def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "start", "prefix", "deadline"})

@@ -41,9 +41,13 @@ from omni_core.protocol import (
     PROTOCOL_VERSION,
     Ack,
     AckStatus,
+    Bucket,
     Capability,
+    CollectiveSource,
+    DiskSource,
     Execute,
     Hello,
+    InitWeightGroup,
     MemoryReport,
     Message,
     Nack,
@@ -51,9 +55,12 @@ from omni_core.protocol import (
     Profile,
     ReloadWeights,
     Result,
+    ShmSource,
     Shutdown,
     Sleep,
     Status,
+    TensorSpec,
+    UpdateWeights,
     Wake,
     WorkerState,
     encode,
@@ -197,6 +204,18 @@ class FrameGenerator:
         if kind is Profile:  # prefixes a worker must refuse (INVALID_ARGUMENT) among usable ones
             return Profile(task_id=task_id, epoch=epoch, start=rng.random() < 0.5,
                            prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")))
+        if kind is UpdateWeights:  # handles no sender keeps alive: a rank must refuse them, not hang
+            spec = TensorSpec(name=rng.choice(("w0", "model.w", "x" * 256)), dtype=rng.choice(("float32", "bfloat16")),
+                              shape=(rng.randrange(5), rng.randrange(5)))
+            bucket = Bucket(handle=rng.choice(("/dev/shm/omni-fuzz-gone", "../../etc/passwd", "x")),
+                            nbytes=spec.nbytes + rng.randrange(64), sender_pid=rng.randrange(1, 1 << 22),
+                            tensors=(spec,))
+            source = rng.choice((DiskSource(path="/nonexistent/ckpt"), ShmSource(buckets=(bucket,)),
+                                 CollectiveSource(tensors=(spec,))))
+            return UpdateWeights(task_id=task_id, epoch=epoch, version=rng.randrange(1, 1 << 20), source=source)
+        if kind is InitWeightGroup:  # a rendezvous no trainer serves: it must give up at timeout_s
+            return InitWeightGroup(task_id=task_id, epoch=epoch, group="fuzz", address="127.0.0.1",
+                                   port=rng.randrange(20000, 60000), world_size=2, rank_offset=1, timeout_s=0.2)
         rank = rng.randrange(max(1, ctx.ranks) + 1)
         state = rng.choice(list(WorkerState))
         if kind is Ack:
@@ -409,7 +428,8 @@ class FrameGenerator:
         return msgspec.to_builtins(_plain(self.random_value(2)))
 
     def _command_name(self) -> str:
-        return self.rng.choice(("Sleep", "Wake", "ReloadWeights", "Execute", "Status", "Shutdown", "Profile", "?"))
+        return self.rng.choice(("Sleep", "Wake", "ReloadWeights", "Execute", "Status", "Shutdown", "Profile",
+                                "UpdateWeights", "InitWeightGroup", "?"))
 
     def _key(self) -> Any:
         rng = self.rng

@@ -15,6 +15,7 @@ from omni_core.protocol.messages import (
     Command,
     Execute,
     Hello,
+    InitWeightGroup,
     MemoryReport,
     Message,
     Nack,
@@ -25,10 +26,21 @@ from omni_core.protocol.messages import (
     Shutdown,
     Sleep,
     Status,
+    UpdateWeights,
     Wake,
 )
 from omni_core.protocol.profile import MAX_PROFILE_PREFIX_CHARS, profile_prefix_problem
 from omni_core.protocol.version import PROTOCOL_VERSION
+from omni_core.protocol.weights import (
+    Bucket,
+    CollectiveSource,
+    DiskSource,
+    IpcSource,
+    ShmSource,
+    TensorSpec,
+    WeightSource,
+    source_kind,
+)
 
 __all__ = [
     "COMMAND_TYPES",
@@ -39,6 +51,16 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REPLY_TYPES",
     "Ack",
+    "Bucket",
+    "CollectiveSource",
+    "DiskSource",
+    "InitWeightGroup",
+    "IpcSource",
+    "ShmSource",
+    "TensorSpec",
+    "UpdateWeights",
+    "WeightSource",
+    "source_kind",
     "AckStatus",
     "AnyCommand",
     "AnyMessage",
