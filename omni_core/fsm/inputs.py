@@ -90,6 +90,7 @@ class WeightGroupCall:
     rank_offset: int
     backend: str
     deadline_s: float
+    group_timeout_s: float = 300.0  # each rank's rendezvous and every later broadcast
 
 
 @dataclass(frozen=True)

@@ -845,7 +845,8 @@ class StageCore:
         try:
             command = InitWeightGroup(task_id=call.task_id, epoch=self.epoch, group=call.group,
                                       address=call.address, port=call.port, world_size=call.world_size,
-                                      rank_offset=call.rank_offset, backend=call.backend)  # type: ignore[arg-type]
+                                      rank_offset=call.rank_offset, backend=call.backend,  # type: ignore[arg-type]
+                                      timeout_s=call.group_timeout_s)
             command = msgspec.convert(msgspec.to_builtins(command), InitWeightGroup)  # the wire's bounds
         except (TypeError, ValueError, msgspec.ValidationError) as exc:
             raise StageCommandError(f"stage {self.name!r}: invalid weight group: {exc}") from None
@@ -853,7 +854,7 @@ class StageCore:
             raise StageCommandError(f"stage {self.name!r}: world_size {call.world_size} has no room for "
                                     f"{len(self.ranks)} ranks from rank_offset {call.rank_offset}")  # fmt: skip
         signature = ("InitWeightGroup", call.group, call.address, call.port, call.world_size, call.rank_offset,
-                     call.backend)  # fmt: skip
+                     call.backend, call.group_timeout_s)  # fmt: skip
         retried = self._retry(call.task_id, signature)
         if retried is not None:
             return retried

@@ -36,7 +36,9 @@ from omni_core.fsm.effects import (
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
@@ -62,6 +64,7 @@ from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.runner import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 from omni_core.workers.simulated_device import SimulatedResidency
+from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
 
@@ -120,6 +123,7 @@ class WorkerProcess:
         self.memory: ProcessMemory | None = None
         self.free_memory: FreeMemorySource | None = None  # what a wake's memory gate asks
         self.core: WorkerCore | None = None
+        self.receiver = WeightReceiver(torch.device("cpu"), config.rank)  # on the rank's device once resolved
         self.profiler = TraceProfiler(config.profile_dir or default_profile_dir(), config.stage, config.rank,
                                       max_duration_s=config.profile_max_s)  # fmt: skip
         self.stopped = False
@@ -154,6 +158,12 @@ class WorkerProcess:
             except Exception as exc:
                 error = _error_text(exc)
                 log.error("worker %s/%s: loading failed:\n%s", cfg.stage, cfg.rank, traceback.format_exc())
+        if not error and self.runner is not None:
+            # P-17: every runner updates from disk (its reload); shm, ipc and collective need the
+            # runner's update_weights, else the receiver refuses them (INVALID_ARGUMENT).
+            capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
+            self.core.capabilities = frozenset(capabilities)
+        self.receiver.device = self.device
         started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name)
         self._write(started.records)
         device = str(self.device)
@@ -165,7 +175,7 @@ class WorkerProcess:
         self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=pid, stage=cfg.stage,
                          proof=proof, device=device, backend=backend_name, tags=cfg.tags,
                          capabilities=capabilities, state=self.core.state,
-                         detail=error[:MAX_DETAIL_CHARS]))  # fmt: skip
+                         detail=error[:MAX_DETAIL_CHARS], weights_version=self.core.weights_version))  # fmt: skip
 
     def _load(self) -> None:
         assert self.backend is not None
@@ -273,7 +283,7 @@ class WorkerProcess:
         assert core is not None
         started = time.perf_counter()
         # Requests stay off NVML's path; the profiler moves no pool memory (P-12 asks no report).
-        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect))
+        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect, WeightGroupEffect))
         try:
             pools_before = self._usage() if measured else {}
             figure_before = self._figure() if measured else None
@@ -304,7 +314,7 @@ class WorkerProcess:
     def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
         core = self.core
         assert core is not None
-        if isinstance(exc, RunnerArgumentError) and isinstance(effect, ReloadEffect):
+        if isinstance(exc, RunnerArgumentError) and isinstance(effect, (ReloadEffect, UpdateEffect)):
             # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
             return core.on_refused(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT)
         if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
@@ -330,6 +340,9 @@ class WorkerProcess:
         if isinstance(effect, ShutdownEffect):
             self._release()
             return None
+        if isinstance(effect, WeightGroupEffect):
+            self.receiver.join(effect.command)
+            return None
         if backend is None or runner is None:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, SleepEffect):
@@ -349,6 +362,15 @@ class WorkerProcess:
                 torch.cuda.synchronize(self.device)
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+        elif isinstance(effect, UpdateEffect):
+            # As a reload: in place, outside any pool. Invalidated first, so that a host copy of
+            # the previous version never comes back at a wake, even when the update fails midway.
+            backend.invalidate({WEIGHTS_TAG})
+            self.receiver.apply(effect.source, runner)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the Ack commits the version: every copy landed
+            if WEIGHTS_TAG in self.config.tags:
+                backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
         elif isinstance(effect, ExecuteEffect):
             return self._checked_output(runner.execute(effect.payload))
         else:  # pragma: no cover - the core emits only the effects above
@@ -366,6 +388,7 @@ class WorkerProcess:
         return output
 
     def _release(self) -> None:
+        self.receiver.close()
         self.profiler.close()  # a running profile has no one left to ask for it; finish compressing
         backend, runner = self.backend, self.runner
         if backend is not None:
