@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import threading
 from collections.abc import Mapping
@@ -41,14 +42,32 @@ from omni_core.protocol.weights import (
     ShmSource,
     TensorSpec,
 )
-from omni_core.workers.weight_receiver import SHM_DIR, _IpcArgs, dtype_name
+from omni_core.workers.weight_receiver import SHM_DIR, _IpcArgs, dtype_name, sender_alive
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+_BUCKET_FILE = re.compile(r"^omni-weights-(\d+)-[0-9a-f]{8}-\d+$")
 _ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary: any dtype's view is aligned
 
 
 class WeightSenderError(ValueError):
     """The tensors cannot be shared as asked (too many, a dtype the wire has no name for)."""
+
+
+def sweep_stale(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove the bucket files of senders that no longer run (a process killed before its
+    release() leaves them in host memory); returns their names. A live pid's are kept."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        match = _BUCKET_FILE.match(name)
+        if match and int(match.group(1)) != os.getpid() and not sender_alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                (shm_dir / name).unlink()
+                removed.append(name)
+    return removed
 
 
 def _named(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -97,6 +116,7 @@ class WeightSender:
         self.bucket_bytes = bucket_bytes
         self.shm_dir = shm_dir
         self.prefix = f"omni-weights-{os.getpid()}-{secrets.token_hex(4)}"
+        self.swept = sweep_stale(shm_dir)  # what killed senders before this one left behind
         self._signature: tuple[Any, ...] | None = None
         self._buckets: list[torch.Tensor] = []  # flat uint8 bucket tensors (shm-mapped or on the device)
         self._paths: list[Path] = []

@@ -31,6 +31,7 @@ from omni_core.protocol import (
     ProtocolError,
     ReloadWeights,
     Result,
+    ShareWeights,
     ShmSource,
     Shutdown,
     Sleep,
@@ -70,7 +71,10 @@ SAMPLES: dict[type[Message], Message] = {
              status=AckStatus.ALREADY, asleep_tags=("kv_cache", "weights"), memory=MEMORY,
              duration_s=0.25, detail="worker FAILED earlier",
              trace_paths=("/tmp/omni-core-profiles/talker-rank2-wake-20261123T154801.123456Z.json.gz",),
-             weights_version=12),
+             weights_version=12, shared=ShmSource(buckets=(Bucket(
+                 handle="/dev/shm/omni-weights-77-ab-1", nbytes=16, sender_pid=77,
+                 tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),)),))),
+    ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
     UpdateWeights: UpdateWeights(task_id="update-1", epoch=3, version=12, source=ShmSource(buckets=(
         Bucket(handle="/dev/shm/omni-weights-4242-0", nbytes=96, sender_pid=4242, tensors=(
             TensorSpec(name="model.w", dtype="bfloat16", shape=(4, 8), offset_bytes=0),

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from omni_core.fsm import StageCommandError
-from omni_core.fsm.effects import UpdateEffect
+from omni_core.fsm.effects import ShareEffect, UpdateEffect
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -19,6 +19,7 @@ from omni_core.protocol import (
     ProtocolError,
     ReloadWeights,
     Result,
+    ShareWeights,
     ShmSource,
     Sleep,
     StageState,
@@ -229,3 +230,20 @@ def test_the_stage_refuses_a_stale_version_before_sending() -> None:
     with pytest.raises(StageCommandError, match="version 4 is not above the stage's version 4"):
         h.stage.update_weights("u2", 4, DISK, h.now, 5.0)
     assert h.stage.update_weights("u1", 4, DISK, h.now, 5.0).outcome.status is AckStatus.OK  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("state", [W.SLEEPING, W.NEEDS_RELOAD, W.PARTIAL])
+def test_share_needs_valid_weights_awake(state: WorkerState) -> None:
+    d = reach_worker(state)  # PARTIAL here has the weights asleep
+    reply = d.run(ShareWeights(task_id="sh", epoch=0))
+    assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_STATE and d.w.state is state
+
+
+def test_a_share_acks_the_buckets_and_changes_nothing() -> None:
+    d = reach_worker(W.ACTIVE)
+    source = ShmSource(buckets=(Bucket(handle="/dev/shm/x", nbytes=16, sender_pid=1,
+                                       tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),)),))
+    step = d.send(ShareWeights(task_id="sh", epoch=0, bucket_bytes=4096))
+    assert step.effect == ShareEffect("sh", 4096) and d.w.state is W.ACTIVE
+    (ack,) = d.w.on_done("sh", shared=source).replies
+    assert isinstance(ack, Ack) and ack.shared == source and decode(encode(ack)) == ack and d.w.state is W.ACTIVE

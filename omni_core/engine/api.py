@@ -29,6 +29,7 @@ from omni_core.fsm.inputs import (
     ProfileCall,
     ReloadCall,
     SetAdmission,
+    ShareCall,
     SleepCall,
     UpdateCall,
     WakeCall,
@@ -200,6 +201,31 @@ class Engine:
         return self._lifecycle(stage, "weight-group", task_id, timeout_s, lambda tid, dl: WeightGroupCall(
             tid, group, address, port, world_size, rank_offset, backend, dl, group_timeout_s))  # fmt: skip
 
+    def transfer_weights(self, from_stage: str, to_stage: str, *, version: int, task_id: str | None = None,
+                         timeout_s: float | None = None, bucket_bytes: int = 256 << 20) -> LifecycleReport:  # fmt: skip
+        """The trainer is a stage: its rank 0 shares its weights (ShareWeights, host shared memory
+        or CUDA IPC on its node) and `to_stage` takes them as weights `version`, as
+        `update_weights` does. Both stages on one node; the trainer's weights awake (RUNNING, or
+        PARTIAL with 'weights' awake), the rollout's resident. Task ids `{task_id}/share` and
+        `{task_id}/update`: a repeated transfer gets both recorded outcomes. The trainer keeps the
+        buckets until its next share (refilled in place when the layout is the same)."""
+        if from_stage == to_stage:
+            raise InvalidArgumentError(f"a transfer needs two stages; got {from_stage!r} twice")
+        self._spec(to_stage)
+        status = self.status()
+        nodes = {stage: {r["node"] for r in status[stage]["ranks"].values()} for stage in (from_stage, to_stage)}
+        if len(nodes[from_stage] | nodes[to_stage]) > 1:
+            raise InvalidArgumentError(f"stages {from_stage!r} (nodes {sorted(nodes[from_stage])}) and {to_stage!r} "
+                                       f"(nodes {sorted(nodes[to_stage])}) are not on one node; shared buckets do "
+                                       "not cross nodes: use a weight group (init_weight_group, collective)")
+        tid = task_id or self._orch.new_task_id("transfer", f"{from_stage}-{to_stage}")
+        shared = self._lifecycle(from_stage, "share", f"{tid}/share", timeout_s,
+                                 lambda t, dl: ShareCall(t, bucket_bytes, dl))  # fmt: skip
+        source = shared.ranks[0].shared if 0 in shared.ranks else None
+        if source is None:
+            raise OmniCoreError(f"stage {from_stage!r} rank 0 shared no weights for task {tid!r}/share")
+        return self.update_weights(to_stage, source, version=version, task_id=f"{tid}/update", timeout_s=timeout_s)
+
     def profile(self, stage: str, start: bool = True, prefix: str | None = None, *, task_id: str | None = None,
                 timeout_s: float | None = None, wait_s: float | None = None) -> ProfileReport:  # fmt: skip
         """Start (`start=True`) or stop the profiler on every rank of `stage`; its state never
@@ -259,7 +285,7 @@ class Engine:
 
     def _lifecycle(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None,
                    make: Callable[[str, float], SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall
-                                  | WeightGroupCall]) -> Any:  # fmt: skip
+                                  | WeightGroupCall | ShareCall]) -> Any:  # fmt: skip
         """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
         deadline_s = self._deadline_s(spec.deadline_s, timeout_s)
@@ -348,6 +374,9 @@ class AsyncEngine:
 
     async def update_weights(self, stage: str, source: WeightSource | str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.update_weights, stage, source, **kwargs)
+
+    async def transfer_weights(self, from_stage: str, to_stage: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.transfer_weights, from_stage, to_stage, **kwargs)
 
     async def init_weight_group(self, stage: str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.init_weight_group, stage, **kwargs)

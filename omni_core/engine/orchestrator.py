@@ -231,7 +231,7 @@ class Orchestrator:
 
     def op_lifecycle(self, future: Future, name: str,
                      event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall | I.UpdateCall
-                     | I.WeightGroupCall) -> None:  # fmt: skip
+                     | I.WeightGroupCall | I.ShareCall) -> None:  # fmt: skip
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)
         try:
@@ -488,7 +488,7 @@ class Orchestrator:
         elif outcome.ok:
             result: Any = LifecycleReport.from_outcome(name, outcome, stage.core.weights_version)
             error: BaseException | None = None
-        elif outcome.command == "InitWeightGroup" and outcome.refused:
+        elif outcome.command in ("InitWeightGroup", "ShareWeights") and outcome.refused:
             result, error = None, InvalidArgumentError(f"{outcome.error}; the stage stays {outcome.state.value}")
         elif outcome.command == "UpdateWeights" and outcome.state is StageState.NEEDS_RELOAD and not outcome.refused:
             result, error = None, WeightUpdateFailedError(name, outcome.error, stage.core.weights_version,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from omni_core.fsm.stage import TaskOutcome
 from omni_core.protocol import Ack
@@ -23,6 +24,7 @@ class RankReport:
     process_bytes_after: int | None = None
     process_bytes_source: str = "none"
     weights_version: int = 0  # the version this rank held after the command (P-17)
+    shared: Any = None  # ShareWeights: the ShmSource/IpcSource holding this rank's weights
 
     @property
     def freed_bytes(self) -> int:
@@ -39,6 +41,7 @@ class RankReport:
             process_bytes_before=m.process_bytes_before if m else None,
             process_bytes_after=m.process_bytes_after if m else None,
             process_bytes_source=m.process_bytes_source if m else "none", weights_version=ack.weights_version,
+            shared=ack.shared,
         )  # fmt: skip
 
 

@@ -56,6 +56,15 @@ class WeightGroupEffect:
 
 
 @dataclass(frozen=True)
+class ShareEffect:
+    """Copy the runner's weights into shared buckets of at most `bucket_bytes`; the Ack lists
+    them (`WorkerCore.on_done(shared=...)`). Moves no pool memory, changes no state."""
+
+    task_id: str
+    bucket_bytes: int
+
+
+@dataclass(frozen=True)
 class ExecuteEffect:
     task_id: str
     payload: Any
@@ -86,4 +95,4 @@ class ProfileEffect:
 
 
 Effect = (SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect
-          | UpdateEffect | WeightGroupEffect)
+          | UpdateEffect | WeightGroupEffect | ShareEffect)

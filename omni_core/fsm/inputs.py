@@ -94,6 +94,15 @@ class WeightGroupCall:
 
 
 @dataclass(frozen=True)
+class ShareCall:
+    """Every rank shares its weights in buckets of at most `bucket_bytes` (a trainer stage)."""
+
+    task_id: str
+    bucket_bytes: int
+    deadline_s: float
+
+
+@dataclass(frozen=True)
 class ProfileCall:
     """Start (`start=True`) or stop every rank's profiler; the stage's state never changes."""
 
@@ -138,7 +147,7 @@ class SendFailed:
 
 
 EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | ProfileCall | SetAdmission | Tick
-               | Received | RankExited | SendFailed | UpdateCall | WeightGroupCall)  # fmt: skip
+               | Received | RankExited | SendFailed | UpdateCall | WeightGroupCall | ShareCall)  # fmt: skip
 
 
 class RequestError(str, enum.Enum):

@@ -33,6 +33,7 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
@@ -58,6 +59,7 @@ from omni_core.protocol import (
     ProtocolError,
     ReloadWeights,
     Result,
+    ShareWeights,
     Shutdown,
     Sleep,
     UpdateWeights,
@@ -177,6 +179,8 @@ def describe(message: Message) -> str:
     if isinstance(message, InitWeightGroup):
         return (f"InitWeightGroup {head} group={message.group} {message.address}:{message.port} "
                 f"world={message.world_size} offset={message.rank_offset} {message.backend}")  # fmt: skip
+    if isinstance(message, ShareWeights):
+        return f"ShareWeights {head} bucket_bytes={message.bucket_bytes}"
     version = f" v{message.weights_version}" if getattr(message, "weights_version", 0) else ""
     if isinstance(message, Ack):
         detail = f" ({message.detail})" if message.detail else ""
@@ -222,6 +226,8 @@ def describe_input(event: I.EngineInput) -> str:
     if isinstance(event, I.WeightGroupCall):
         return (f"WeightGroupCall {event.task_id} group={event.group} {event.address}:{event.port} "
                 f"world={event.world_size} offset={event.rank_offset} {event.backend}")  # fmt: skip
+    if isinstance(event, I.ShareCall):
+        return f"ShareCall {event.task_id} bucket_bytes={event.bucket_bytes} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.ProfileCall):
         return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
                 f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
@@ -247,6 +253,8 @@ def describe_effect(effect: Effect) -> str:
         return f"write weights version {effect.version} from {_source(effect.source)}"
     if isinstance(effect, WeightGroupEffect):
         return f"join weight group {effect.command.group}"
+    if isinstance(effect, ShareEffect):
+        return f"share the weights in buckets of {effect.bucket_bytes} bytes"
     if isinstance(effect, ExecuteEffect):
         return f"run request {effect.task_id}"
     if isinstance(effect, StatusEffect):
@@ -260,7 +268,8 @@ def describe_effect(effect: Effect) -> str:
 
 _COMMAND_OF_EFFECT = {SleepEffect: "Sleep", WakeEffect: "Wake", ReloadEffect: "ReloadWeights", ExecuteEffect: "Execute",
                       StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile",
-                      UpdateEffect: "UpdateWeights", WeightGroupEffect: "InitWeightGroup"}  # fmt: skip
+                      UpdateEffect: "UpdateWeights", WeightGroupEffect: "InitWeightGroup",
+                      ShareEffect: "ShareWeights"}  # fmt: skip
 
 
 def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:
@@ -628,7 +637,7 @@ class Simulator:
             self.say(f"done {what}")
             if output is _ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
-            memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect)) else NO_MEMORY  # no pool moved
+            memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)) else NO_MEMORY
             step = worker.on_done(effect.task_id, memory=memory, output=output,
                                   trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now))  # fmt: skip
         self._report_worker(worker, state, counters, step)
@@ -788,6 +797,7 @@ class Script:
     sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
     reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
     update task= version= [source=PATH deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
+    share task= [bucket-bytes=1024 deadline=30s]
     profile task= [start=yes|no prefix= deadline=30s]
     restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
@@ -928,6 +938,11 @@ class Script:
         self.s.call(I.WeightGroupCall(args["task"], "rl", "127.0.0.1", int(args.get("port", "29500")),
                                       int(args.get("world", "3")), int(args.get("offset", "1")), "gloo",
                                       parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+
+    def cmd_share(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "bucket-bytes", "deadline"})
+        self.s.call(I.ShareCall(args["task"], int(args.get("bucket-bytes", "1024")),
+                                parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
 
     def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "start", "prefix", "deadline"})

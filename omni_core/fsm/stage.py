@@ -58,6 +58,7 @@ from omni_core.protocol import (
     ReloadWeights,
     Reply,
     Result,
+    ShareWeights,
     Sleep,
     UpdateWeights,
     Wake,
@@ -113,6 +114,8 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
                "every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before"),
     Transition("weight_group", _SERVING, None,
                "InitWeightGroup sent to every rank; the state never changes, whatever they answer"),
+    Transition("share", (S.RUNNING, S.PARTIAL), None,
+               "ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on"),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition("profile", _SERVING, None,
                "Profile sent to every rank; the state never changes, whatever they answer (P-15)"),
@@ -242,7 +245,7 @@ class _Task:
 _REFUSAL = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY,
             UpdateWeights: NackReason.INVALID_ARGUMENT}
 # Tasks in a settled state that never change it: every NACK is that rank's refusal.
-_STATELESS = (Profile, InitWeightGroup)
+_STATELESS = (Profile, InitWeightGroup, ShareWeights)
 
 
 class StageCore:
@@ -293,7 +296,7 @@ class StageCore:
             I.Start: self.on_start, I.Restart: self.on_restart, I.Stop: self.on_stop, I.Submit: self.on_submit,
             I.SleepCall: self.on_sleep_call, I.WakeCall: self.on_wake_call, I.ReloadCall: self.on_reload_call,
             I.ProfileCall: self.on_profile_call, I.UpdateCall: self.on_update_call,
-            I.WeightGroupCall: self.on_weight_group_call,
+            I.WeightGroupCall: self.on_weight_group_call, I.ShareCall: self.on_share_call,
             I.SetAdmission: self.on_set_admission, I.Tick: self.on_tick_input, I.Received: self.on_received,
             I.RankExited: self.on_rank_exited, I.SendFailed: self.on_send_failed,
         }  # fmt: skip
@@ -445,6 +448,9 @@ class StageCore:
 
     def on_weight_group_call(self, event: I.WeightGroupCall, now: float) -> StageStep:
         return self.init_weight_group(event, now)
+
+    def on_share_call(self, event: I.ShareCall, now: float) -> StageStep:
+        return self.share_weights(event.task_id, event.bucket_bytes, now, event.deadline_s)
 
     def on_profile_call(self, event: I.ProfileCall, now: float) -> StageStep:
         return self.profile(event.task_id, event.start, event.prefix, now, event.deadline_s)
@@ -836,6 +842,31 @@ class StageCore:
             self.lifecycle.fire("update")
             step = self._send_all()
         self._issued = (self._task.command, False, now + deadline_s)
+        self._check_invariants()
+        return step
+
+    def share_weights(self, task_id: str, bucket_bytes: int, now: float, deadline_s: float) -> StageStep:
+        """Every rank shares its weights (a trainer stage, for `transfer_weights`); like a
+        Profile, a task that never changes the state: requests keep running meanwhile."""
+        try:
+            command = msgspec.convert({"type": "ShareWeights", "task_id": task_id, "epoch": self.epoch,
+                                       "bucket_bytes": bucket_bytes}, ShareWeights)  # fmt: skip
+        except msgspec.ValidationError as exc:
+            raise StageCommandError(f"stage {self.name!r}: invalid share: {exc}") from None
+        signature = ("ShareWeights", bucket_bytes)
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("share weights")
+        if not self.lifecycle.allows("share") or not (self.residency.weights_resident
+                                                      and self.residency.weights_valid):  # fmt: skip
+            raise StageCommandError(f"stage {self.name!r} cannot share weights in {self.state.value}: valid "
+                                    "weights must be awake (RUNNING, or PARTIAL with 'weights' awake)")
+        self._task = _Task(task_id, signature, command, now, now + deadline_s, expect_asleep=self.residency.asleep,
+                           commit_trigger="share", expect_version=self.weights_version)  # fmt: skip
+        self.lifecycle.fire("share")
+        step = self._send_all()
+        self._issued = (command, False, now + deadline_s)
         self._check_invariants()
         return step
 

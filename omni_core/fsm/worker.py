@@ -19,6 +19,7 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
@@ -58,6 +59,7 @@ from omni_core.protocol import (
     ReloadWeights,
     Reply,
     Result,
+    ShareWeights,
     Shutdown,
     Sleep,
     Status,
@@ -110,6 +112,8 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
                "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before"),
     Transition("weight_group", _IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
     Transition("weight_group_already", _IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),
+    Transition("share", (W.ACTIVE, W.PARTIAL), None,
+               "ShareWeights with valid weights awake: copied into shared buckets; the state never changes"),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition("profile", _IDLE, None,
@@ -245,6 +249,7 @@ class WorkerCore:
             Profile: self.on_profile,
             UpdateWeights: self.on_update_weights,
             InitWeightGroup: self.on_init_weight_group,
+            ShareWeights: self.on_share_weights,
         }
         # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
         self.profiling = False
@@ -307,6 +312,7 @@ class WorkerCore:
         duration_s: float = 0.0,
         path: str = "",
         trace_paths: tuple[str, ...] = (),
+        shared: Any = None,
     ) -> WorkerStep:
         """The shell performed the pending effect (`path`: how the backend did it, traced;
         `trace_paths`: the files a Profile stop wrote)."""
@@ -337,7 +343,8 @@ class WorkerCore:
             elif isinstance(command, Profile):
                 self.profiling = command.start
             reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s,
-                              trace_paths=trace_paths if isinstance(command, Profile) else ())
+                              trace_paths=trace_paths if isinstance(command, Profile) else (),
+                              shared=shared if isinstance(command, ShareWeights) else None)
         if not isinstance(command, Status):
             self._remember(command, reply)
         self._check_invariants()
@@ -398,10 +405,11 @@ class WorkerCore:
             self._check_invariants()
             head = EffectFailed(task_id, name, self.state.value, clip(error))
             return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-        if isinstance(pending.command, InitWeightGroup):
-            # No memory moved: the rank keeps its state and has no group.
-            reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT,
-                               f"{what}; this rank joined no weight group")  # fmt: skip
+        if isinstance(pending.command, (InitWeightGroup, ShareWeights)):
+            # No pool memory moved: the rank keeps its state (and has no group, or shares nothing).
+            after = "this rank joined no weight group" if isinstance(pending.command, InitWeightGroup) \
+                else "this rank shares no weights now"  # fmt: skip
+            reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT, f"{what}; {after}")
             self._remember(pending.command, reply)
             head = EffectFailed(task_id, name, self.state.value, clip(error))
             return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
@@ -565,6 +573,18 @@ class WorkerCore:
         self._pending = _Pending(command)
         return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
 
+    def on_share_weights(self, command: ShareWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not share weights "
+                                "(capability 'weight_update' not declared)")  # fmt: skip
+        res = self.residency
+        if not self.lifecycle.allows("share") or not (res.weights_resident and res.weights_valid):
+            return self._refuse_state(command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL "
+                                      "with 'weights' awake")  # fmt: skip
+        self.lifecycle.fire("share")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
+
     def on_execute(self, command: Execute) -> WorkerStep:
         if not self.lifecycle.allows("execute"):
             return self._refuse_state(command, "Execute runs only in ACTIVE, where every tag "
@@ -635,12 +655,12 @@ class WorkerCore:
         return WorkerStep(replies=(self._nack(command, reason, detail),))
 
     def _ack(self, command: Command, status: AckStatus, *, memory: MemoryReport | None = None,
-             duration_s: float = 0.0, trace_paths: tuple[str, ...] = ()) -> Ack:  # fmt: skip
+             duration_s: float = 0.0, trace_paths: tuple[str, ...] = (), shared: Any = None) -> Ack:  # fmt: skip
         return Ack(task_id=command.task_id, epoch=self.epoch, rank=self.rank,
                    command=type(command).__name__, state=self.state, status=status,
                    asleep_tags=tuple(sorted(self.residency.asleep)), memory=memory,
                    duration_s=duration_s, detail=self.failure, trace_paths=trace_paths,
-                   weights_version=self.weights_version)  # fmt: skip
+                   weights_version=self.weights_version, shared=shared)  # fmt: skip
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
         return Nack(task_id=command.task_id, epoch=max(command.epoch, 0), rank=self.rank,
@@ -697,6 +717,9 @@ class WorkerCore:
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
         if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
             require(state in _IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
+        if self._pending is not None and isinstance(self._pending.command, ShareWeights):
+            require(state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
+                    "ShareWeights pending without valid weights awake")
         if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
             require(self._pending.command.version > self.weights_version, "an update pending at or below the version")

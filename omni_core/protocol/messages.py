@@ -14,7 +14,15 @@ import msgspec
 
 from omni_core.protocol.enums import AckStatus, Capability, NackReason, WorkerState
 from omni_core.protocol.version import PROTOCOL_VERSION
-from omni_core.protocol.weights import MAX_HOST_CHARS, NewWeightsVersion, WeightSource, WeightsVersion
+from omni_core.protocol.weights import (
+    MAX_BUCKET_BYTES,
+    MAX_HOST_CHARS,
+    IpcSource,
+    NewWeightsVersion,
+    ShmSource,
+    WeightSource,
+    WeightsVersion,
+)
 
 MAX_TASK_ID_CHARS = 128
 MAX_TAGS = 16
@@ -117,6 +125,16 @@ class InitWeightGroup(Command, kw_only=True, frozen=True):
                              "group rank 0 is the trainer, the stage's ranks follow it")
 
 
+class ShareWeights(Command, kw_only=True, frozen=True):
+    """Share this rank's weights with another stage on the same node (a trainer stage's half of
+    `Engine.transfer_weights`): the rank copies them into buckets of at most `bucket_bytes`
+    (host shared memory, or CUDA IPC on a GPU) and lists them in its Ack's `shared`, which the
+    engine sends on as an `UpdateWeights` source. The buckets live until the next ShareWeights
+    or Shutdown. Legal in ACTIVE and PARTIAL with valid weights awake; never changes the state."""
+
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKET_BYTES)] = 256 << 20
+
+
 class Execute(Command, kw_only=True, frozen=True):
     """Run one request on the model. Legal only in ACTIVE (P-7)."""
 
@@ -179,7 +197,7 @@ class Ack(Reply, kw_only=True, frozen=True):
     version of the weights the rank holds (0: its own source, never updated; P-17); left off
     the wire at 0, so an Ack without updates is the frame every earlier peer knows."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared")
 
     command: str
     state: WorkerState
@@ -193,6 +211,7 @@ class Ack(Reply, kw_only=True, frozen=True):
     trace_paths: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)], ...],
                            msgspec.Meta(max_length=MAX_TRACE_PATHS)] = ()
     weights_version: WeightsVersion = 0
+    shared: ShmSource | IpcSource | None = None  # ShareWeights: the buckets holding this rank's weights
 
 
 class Nack(Reply, kw_only=True, frozen=True):
@@ -237,12 +256,12 @@ class Hello(Reply, kw_only=True, frozen=True):
 
 
 COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,
-                                            UpdateWeights, InitWeightGroup)
+                                            UpdateWeights, InitWeightGroup, ShareWeights)
 REPLY_TYPES: tuple[type[Reply], ...] = (Ack, Nack, Result, Hello)
 MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
 
 AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
-                   UpdateWeights, InitWeightGroup]
+                   UpdateWeights, InitWeightGroup, ShareWeights]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
 AnyMessage = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
-                   UpdateWeights, InitWeightGroup, Ack, Nack, Result, Hello]
+                   UpdateWeights, InitWeightGroup, ShareWeights, Ack, Nack, Result, Hello]

@@ -249,6 +249,14 @@ class TransformersRunner(ModelRunner):
             raise RuntimeError("update_weights before load_weights")
         self.weights.write(named)
 
+    def weights_to_share(self) -> dict[str, torch.Tensor]:
+        if self.weights is None:
+            raise RuntimeError("weights_to_share before load_weights")
+        if self.world > 1:
+            raise RunnerArgumentError("a tensor-parallel stage holds shards, not whole weights: share from a "
+                                      "stage of one rank")  # fmt: skip
+        return self.weights.named()
+
     def close(self) -> None:
         self.model = self.cache = self.weights = None
         if self.world > 1 and torch.distributed.is_initialized():

@@ -198,6 +198,11 @@ class WeightSet:
         return {(f"{folder}/{name}" if folder else name): target
                 for folder, targets in self.folders.items() for target in targets for name in target.names}
 
+    def named(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of every weight (tied weights once, under their first name)."""
+        return {(f"{folder}/{t.names[0]}" if folder else t.names[0]): t.tensor
+                for folder, targets in self.folders.items() for t in targets}
+
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> full (unsharded) shape and dtype of every tensor an update may write: the
         state_dict names (tied weights under each of theirs), `folder/name` in a sub-folder."""

@@ -33,6 +33,7 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
@@ -56,6 +57,7 @@ from omni_core.protocol import (
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
 from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
+from omni_core.weights_sender import WeightSender
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
@@ -124,6 +126,7 @@ class WorkerProcess:
         self.free_memory: FreeMemorySource | None = None  # what a wake's memory gate asks
         self.core: WorkerCore | None = None
         self.receiver = WeightReceiver(torch.device("cpu"), config.rank)  # on the rank's device once resolved
+        self.sender: WeightSender | None = None  # this rank's shared weights (ShareWeights), until the next
         self.profiler = TraceProfiler(config.profile_dir or default_profile_dir(), config.stage, config.rank,
                                       max_duration_s=config.profile_max_s)  # fmt: skip
         self.stopped = False
@@ -283,7 +286,7 @@ class WorkerProcess:
         assert core is not None
         started = time.perf_counter()
         # Requests stay off NVML's path; the profiler moves no pool memory (P-12 asks no report).
-        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect, WeightGroupEffect))
+        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect, WeightGroupEffect, ShareEffect))
         try:
             pools_before = self._usage() if measured else {}
             figure_before = self._figure() if measured else None
@@ -304,9 +307,10 @@ class WorkerProcess:
         else:
             path = self.backend.last_sleep_path if isinstance(effect, SleepEffect) and self.backend else ""
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
-            output = None if isinstance(effect, ProfileEffect) else output
+            shared = output if isinstance(effect, ShareEffect) else None
+            output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
             step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s, path=path,
-                                trace_paths=trace_paths)  # fmt: skip
+                                trace_paths=trace_paths, shared=shared)  # fmt: skip
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -371,6 +375,12 @@ class WorkerProcess:
                 torch.cuda.synchronize(self.device)  # the Ack commits the version: every copy landed
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+        elif isinstance(effect, ShareEffect):
+            if self.sender is None or self.sender.bucket_bytes != effect.bucket_bytes:
+                if self.sender is not None:
+                    self.sender.close()
+                self.sender = WeightSender(bucket_bytes=effect.bucket_bytes)
+            return self.sender.share(runner.weights_to_share())
         elif isinstance(effect, ExecuteEffect):
             return self._checked_output(runner.execute(effect.payload))
         else:  # pragma: no cover - the core emits only the effects above
@@ -389,6 +399,8 @@ class WorkerProcess:
 
     def _release(self) -> None:
         self.receiver.close()
+        if self.sender is not None:
+            self.sender.close()
         self.profiler.close()  # a running profile has no one left to ask for it; finish compressing
         backend, runner = self.backend, self.runner
         if backend is not None:

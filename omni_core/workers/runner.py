@@ -103,6 +103,12 @@ class ModelRunner(ABC):
         shared memory and are valid only during this call, so copy, never keep them."""
         raise NotImplementedError(f"{type(self).__name__} takes no weight updates")
 
+    def weights_to_share(self) -> Mapping[str, torch.Tensor]:
+        """Name -> the full tensor of every weight, for another stage on the node (a trainer
+        stage's side of `Engine.transfer_weights`); the names are `weight_specs`' names. Read
+        only, during the ShareWeights; a runner that cannot raises RunnerArgumentError."""
+        raise RunnerArgumentError(f"{type(self).__name__} cannot share its weights; implement weights_to_share")
+
     @property
     def supports_weight_update(self) -> bool:
         return type(self).update_weights is not ModelRunner.update_weights

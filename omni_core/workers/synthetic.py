@@ -144,9 +144,8 @@ class SyntheticRunner(ModelRunner):
             for name, tensor in named:
                 self.weights[int(name[1:])].copy_(tensor)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under the names an update uses (copies on the host), for a trainer."""
-        return {f"w{i}": w.detach().to("cpu", copy=True) for i, w in enumerate(self.weights)}
+    def weights_to_share(self) -> dict[str, torch.Tensor]:
+        return {f"w{i}": w for i, w in enumerate(self.weights)}
 
     def _fill(self, seed: int) -> None:
         # One generator per tensor on the device itself: the same values at load and at

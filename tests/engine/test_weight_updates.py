@@ -179,3 +179,28 @@ def test_a_trainer_process_that_dies_mid_broadcast_leaves_the_stage_needs_reload
         assert engine.update_weights("r", sender.share(v1), version=1).state == "RUNNING"
     ref.update_weights(v1.items())
     assert digest(engine, "r") == ref.execute(PROBE)["sha256"]
+
+
+def test_a_trainer_stage_transfers_its_weights_to_a_rollout_stage(engine_factory) -> None:
+    """`Engine.transfer_weights`: the trainer stage's rank 0 shares (ShareWeights), the rollout
+    takes them as a version; the trainer's state never moves and a copy of the task is answered
+    from both stages' records."""
+    engine = engine_factory(small_spec("policy"), small_spec("rollout"))
+    trainer, rollout = reference(seed=len("policy")), reference(seed=len("rollout"))
+    report = engine.transfer_weights("policy", "rollout", version=1, task_id="t1")
+    assert (report.state, report.weights_version, report.task_id) == ("RUNNING", 1, "t1/update")
+    rollout.update_weights(trainer.weights_to_share().items())
+    assert digest(engine, "rollout") == rollout.execute(PROBE)["sha256"] != reference(len("rollout")).execute(
+        PROBE)["sha256"]  # fmt: skip
+    assert engine.status()["policy"]["state"] == "RUNNING"
+    assert engine.transfer_weights("policy", "rollout", version=1, task_id="t1").weights_version == 1
+    with pytest.raises(InvalidArgumentError, match="not above the stage's version 1"):
+        engine.transfer_weights("policy", "rollout", version=1)
+    engine.sleep("policy", 1)
+    with pytest.raises(InvalidArgumentError, match="cannot share weights in SLEEPING"):
+        engine.transfer_weights("policy", "rollout", version=2)
+    engine.wake("policy", "weights")  # PARTIAL with the weights awake: enough to share
+    assert engine.transfer_weights("policy", "rollout", version=2).weights_version == 2
+    engine.sleep("rollout", 1)
+    engine.wake("rollout")
+    assert digest(engine, "rollout") == rollout.execute(PROBE)["sha256"]

@@ -154,3 +154,21 @@ def test_the_worker_invalidates_the_host_copy_before_an_update_writes(monkeypatc
         sock.close(linger=0)
         peer.close(linger=0)
         context.term()
+
+
+def test_a_new_sender_sweeps_the_buckets_of_killed_senders(tmp_path) -> None:
+    from omni_core.weights_sender import sweep_stale
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    dead = tmp_path / f"omni-weights-{child}-0123abcd-1"
+    live = tmp_path / f"omni-weights-{os.getppid()}-0123abcd-1"
+    other = tmp_path / "someone-else"
+    for path in (dead, live, other):
+        path.write_bytes(b"x")
+    assert sweep_stale(tmp_path) == [dead.name]
+    assert not dead.exists() and live.exists() and other.exists()
+    with WeightSender(shm_dir=tmp_path) as sender:
+        assert sender.swept == []
