@@ -219,6 +219,22 @@ REQUIREMENTS: dict[str, Requirement] = {
             "completes only when both halves do, and otherwise reports each stage's exact state and, on "
             '`NO_MEMORY`, who holds the memory.',
         ),
+        Requirement(
+            "P-17",
+            "Versioned weight updates",
+            "`UpdateWeights(version, source)` replaces a rank's weights in place. `version` is an integer chosen "
+            'by the caller (1 to 2^63-1); `source` is one of `disk` (a safetensors directory, read as '
+            '`ReloadWeights` reads it), `shm` (buckets of host shared memory a sender process filled), `ipc` (the '
+            "same buckets as CUDA IPC handles of the sender's device memory) or `collective` (tensors that root 0 "
+            'of the group set up by `InitWeightGroup` broadcasts, in the order listed). Everything is bounded and '
+            'checked on decode, else `Nack BAD_MESSAGE` (P-10): at most 4096 buckets and 16384 tensors per '
+            'update, names of 1-256 characters, each at most once per update, at most 8 dimensions, a dtype from '
+            "the schema's list, every tensor inside its bucket (`offset_bytes + nbytes <= bucket nbytes`). Each "
+            'bucket names its `sender_pid`, the process that keeps it alive.',
+            worker=False,
+            why_not="the suite has no P-17 cases yet (an update's refusals, version, invalidation); the "
+                    "engine's tests check it (tests/engine/test_weight_updates.py)",
+        ),
     )
 }
 
