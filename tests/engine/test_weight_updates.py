@@ -204,3 +204,19 @@ def test_a_trainer_stage_transfers_its_weights_to_a_rollout_stage(engine_factory
     engine.sleep("rollout", 1)
     engine.wake("rollout")
     assert digest(engine, "rollout") == rollout.execute(PROBE)["sha256"]
+
+
+def test_the_async_engine_updates_and_transfers() -> None:
+    import asyncio
+
+    from omni_core.engine import AsyncEngine
+
+    async def main() -> tuple[int, int, dict]:
+        async with AsyncEngine([small_spec("r"), small_spec("pol")]) as engine:
+            with WeightSender() as sender:
+                first = await engine.update_weights("r", sender.share(new_weights(reference(1), 41)), version=1)
+            second = await engine.transfer_weights("pol", "r", version=2)
+            return first.weights_version, second.weights_version, await engine.status()
+
+    first, second, status = asyncio.run(main())
+    assert (first, second, status["r"]["weights_version"], status["r"]["ranks"][0]["weights_version"]) == (1, 2, 2, 2)
