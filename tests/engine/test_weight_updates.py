@@ -4,6 +4,8 @@ model holding the same weights, through sleeps and wakes; every refusal leaves t
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from omni_core.engine.errors import InvalidArgumentError, WeightUpdateFailedErro
 from omni_core.protocol import ShmSource
 from omni_core.weights_sender import WeightSender
 from omni_core.workers.synthetic import SyntheticRunner
-from tests.engine.conftest import PROBE, SMALL_RUNNER, small_spec
+from tests.engine.conftest import PROBE, SMALL_RUNNER, in_thread, rank_pid, resume, small_spec, wait_for
 
 
 def reference(seed: int) -> SyntheticRunner:
@@ -220,3 +222,30 @@ def test_the_async_engine_updates_and_transfers() -> None:
 
     first, second, status = asyncio.run(main())
     assert (first, second, status["r"]["weights_version"], status["r"]["ranks"][0]["weights_version"]) == (1, 2, 2, 2)
+
+
+def test_requests_around_an_update_run_on_one_version_each(engine_factory) -> None:
+    """A request in flight when the update comes finishes on the old weights (the update
+    drains first); one submitted during the update waits (admission 'queue') and runs on the
+    new weights; none sees a mix. The rank is frozen (SIGSTOP) to hold the first one open."""
+    engine = engine_factory(small_spec("r"))
+    ref = reference(seed=1)
+    old = ref.execute(PROBE)["sha256"]
+    pid = rank_pid(engine, "r", 0)
+    with WeightSender() as sender:
+        v1 = new_weights(ref, 51)
+        source = sender.share(v1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            before = engine.submit("r", PROBE, timeout_s=60.0)
+            wait_for(lambda: engine.status()["r"]["in_flight"] == 1, what="the request in flight")
+            updating = in_thread(lambda: engine.update_weights("r", source, version=1, timeout_s=60.0))
+            wait_for(lambda: engine.status()["r"]["state"] == "DRAINING", what="DRAINING")
+            during = engine.submit("r", PROBE, timeout_s=60.0)
+            wait_for(lambda: engine.status()["r"]["queued"] == 1, what="the second request queued")
+        finally:
+            resume(pid)
+        assert updating.result(60).weights_version == 1
+    ref.update_weights(v1.items())
+    assert before.result(60)["sha256"] == old
+    assert during.result(60)["sha256"] == ref.execute(PROBE)["sha256"] != old
