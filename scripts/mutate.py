@@ -171,7 +171,9 @@ MUTATIONS: tuple[Mutation, ...] = (
        [f"{ENGINE_TESTS}::test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline"]),
     # ------------------------------------------------------------ the drain
     _m("drain-core", "the stage core sends Sleep at once, with requests still in flight",
-       STAGE_CORE, "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
+       STAGE_CORE, "            self.lifecycle.fire(\"drain\")\n"
+                   "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
+       "            self.lifecycle.fire(\"drain\")\n"
        "            step = self._send_drained()  # mutant: no drain\n",
        [f"{DRAIN}[wait]"]),
     _m("drain-first-answer", "a request retires at its first rank's answer, not the last's",

@@ -767,6 +767,16 @@ def test_profile_bad_arguments_raise_before_anything_is_sent(start: object, pref
     assert h.stage.task_id is None
 
 
+def _weights_update_scenario() -> None:
+    """The P-17 rows (update, its refusals and failure, weight groups): tests/testdata/weights_update.txt."""
+    from omni_core.testing.scenario import parse_blocks, run_blocks
+
+    run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "weights_update.txt").read_text())[0])
+
+
+SCENARIOS.append(_weights_update_scenario)
+
+
 def test_every_stage_transition_is_exercised() -> None:
     with record_transitions() as fired:
         for scenario in SCENARIOS:

@@ -4,6 +4,7 @@ cache, fencing, capabilities, BUSY, failures. Every message goes through the cod
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -831,6 +832,16 @@ def _wake_from_needs_reload_with_tags_asleep() -> None:
 
 
 SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
+
+
+def _weights_update_scenario() -> None:
+    """The P-17 rows (update, its refusals and failure, weight groups): tests/testdata/weights_update.txt."""
+    from omni_core.testing.scenario import parse_blocks, run_blocks
+
+    run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "weights_update.txt").read_text())[0])
+
+
+SCENARIOS.append(_weights_update_scenario)
 
 
 def test_every_worker_transition_is_exercised() -> None:

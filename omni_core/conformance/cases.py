@@ -866,7 +866,7 @@ def run_wide(c: Case) -> bool:
     return c.scope == "global"
 
 
-REQUIREMENT_ORDER = tuple(f"P-{n}" for n in range(1, 17))
+REQUIREMENT_ORDER = tuple(f"P-{n}" for n in range(1, 19))
 _SCOPE_ORDER = {"shared": 0, "own": 1, "consume": 2, "global": 3}
 
 

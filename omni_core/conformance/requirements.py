@@ -219,6 +219,46 @@ REQUIREMENTS: dict[str, Requirement] = {
             "completes only when both halves do, and otherwise reports each stage's exact state and, on "
             '`NO_MEMORY`, who holds the memory.',
         ),
+        Requirement(
+            "P-17",
+            "Versioned weight updates",
+            "`UpdateWeights(version, source)` replaces a rank's weights in place. `version` is an integer chosen "
+            'by the caller (1 to 2^63-1); `source` is one of `disk` (a safetensors directory, read as '
+            '`ReloadWeights` reads it), `shm` (buckets of host shared memory a sender process filled), `ipc` (the '
+            "same buckets as CUDA IPC handles of the sender's device memory) or `collective` (tensors that root 0 "
+            'of the group set up by `InitWeightGroup` broadcasts, in the order listed). Everything is bounded and '
+            'checked on decode, else `Nack BAD_MESSAGE` (P-10): at most 4096 buckets and 16384 tensors per '
+            'update, names of 1-256 characters, each at most once per update, at most 8 dimensions, a dtype from '
+            "the schema's list, every tensor inside its bucket (`offset_bytes + nbytes <= bucket nbytes`). Each "
+            'bucket names its `sender_pid`, the process that keeps it alive.',
+            worker=False,
+            why_not="the suite has no P-17 cases yet (an update's refusals, version, invalidation); the "
+                    "engine's tests check it (tests/engine/test_weight_updates.py)",
+        ),
+        Requirement(
+            "P-18",
+            'A link plan moves the same bytes over more links',
+            'A `Sleep` or `Wake` MAY carry `links`, a link plan of at most 8 paths, each `{peer, share}`: `peer` '
+            "null is the rank's own host link, an integer is the CUDA device index (as the rank sees it) of a "
+            'peer GPU whose host link carries `share` of the bytes (a positive relative weight), relayed to or '
+            "from the rank's device over NVLink/P2P through staging buffers on the peer. An orchestrator MUST "
+            'send `links` only to a rank whose `Hello` declared the capability `multi_path` and listed the peer '
+            "in `Hello.relay_peers`, MUST lend a GPU's link to one command at a time, and MUST NOT lend the GPU "
+            'of a stage that has a lifecycle command in flight or of the commanding stage itself; it plans each '
+            'task once, so a resent command carries the same plan. A worker that does not declare `multi_path` '
+            'MUST refuse a command with `links` with `Nack UNSUPPORTED` and no effect. A worker that declares it '
+            'MUST leave exactly the state, tags and bytes the same command without `links` would (P-4, P-12), and '
+            'MUST treat a relay that fails (no room for staging on the peer, a refused copy, a peer that errs) as '
+            'a reason to finish on its own link: a sleep releases an allocation only once its bytes have landed '
+            "on the host; a wake rolls back what it mapped (as P-16's refusal does, host copies kept) and runs "
+            'again on its own link. Staging memory on a peer is held only while the command runs. The plan is '
+            'left off the wire when empty, so a command without one is the frame every version-1 worker knows. '
+            "omni-core's planner: `omni_core/engine/link_plan.py`; its relays: "
+            '`omni_core/workers/backends/lanes.py`.',
+            worker=False,
+            why_not="the suite has no P-18 cases yet (a plan refused without multi_path, the same bytes with one); "
+            "the worker side is tested in tests/test_worker_core.py and tests/workers/test_lanes.py",
+        ),
     )
 }
 

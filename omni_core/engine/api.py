@@ -18,12 +18,25 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import msgspec
+
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
-from omni_core.fsm.inputs import ProfileCall, ReloadCall, SetAdmission, SleepCall, WakeCall
+from omni_core.fsm.inputs import (
+    ProfileCall,
+    ReloadCall,
+    SetAdmission,
+    ShareCall,
+    SleepCall,
+    UpdateCall,
+    WakeCall,
+    WeightGroupCall,
+)
+from omni_core.protocol import DiskSource
+from omni_core.protocol.weights import WeightSource
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
 # A swap's incoming ranks wait for memory this share of the deadline by default: the rest
@@ -163,6 +176,59 @@ class Engine:
                                        f"{source!r:.200}; nothing was sent")  # fmt: skip
         return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
 
+    def update_weights(self, stage: str, source: WeightSource | str, *, version: int, task_id: str | None = None,
+                       timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+        """Replace the stage's weights with `source` as weights `version` (P-17): a checkpoint
+        directory (a str, or `DiskSource`), or what `omni_core.weights_sender.WeightSender`
+        shares (`ShmSource`, `IpcSource`, `CollectiveSource`). `version` must be above the
+        stage's (its `weights_version` in `status()`). In RUNNING the stage drains first
+        (requests queue or are refused per its admission policy) and commits only once every
+        rank holds the new version. Raises `InvalidArgumentError` when refused (nothing was
+        written, the version unchanged), `WeightUpdateFailedError` when every rank failed once
+        writing began (the stage is NEEDS_RELOAD at its old version), `StageFailedError` when
+        the ranks ended apart. The sender's buckets must stay alive until this returns."""
+        if type(version) is not int or version < 1:
+            raise InvalidArgumentError(f"version must be an int >= 1, got {version!r}")
+        checked = _checked_source(DiskSource(path=source) if isinstance(source, str) else source)
+        return self._lifecycle(stage, "update", task_id, timeout_s,
+                               lambda tid, dl: UpdateCall(tid, version, checked, dl))
+
+    def init_weight_group(self, stage: str, *, address: str, port: int, world_size: int, rank_offset: int = 1,
+                          backend: str = "gloo", group: str = "weights", group_timeout_s: float = 300.0,
+                          task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+        """Every rank of `stage` joins the trainer's weight group (the trainer is group rank 0 and
+        serves the rendezvous at address:port: `WeightSender.init_group`, called meanwhile); rank r
+        is group rank `rank_offset + r`. Then `update_weights(stage, CollectiveSource(...))`.
+        `group_timeout_s` bounds the rendezvous and each later broadcast: a trainer that
+        vanishes mid-broadcast fails the update (UPDATE_FAILED) after at most that long."""
+        return self._lifecycle(stage, "weight-group", task_id, timeout_s, lambda tid, dl: WeightGroupCall(
+            tid, group, address, port, world_size, rank_offset, backend, dl, group_timeout_s))  # fmt: skip
+
+    def transfer_weights(self, from_stage: str, to_stage: str, *, version: int, task_id: str | None = None,
+                         timeout_s: float | None = None, bucket_bytes: int = 256 << 20) -> LifecycleReport:  # fmt: skip
+        """The trainer is a stage: its rank 0 shares its weights (ShareWeights, host shared memory
+        or CUDA IPC on its node) and `to_stage` takes them as weights `version`, as
+        `update_weights` does. Both stages on one node; the trainer's weights awake (RUNNING, or
+        PARTIAL with 'weights' awake), the rollout's resident. Task ids `{task_id}/share` and
+        `{task_id}/update`: a repeated transfer gets both recorded outcomes. The trainer keeps the
+        buckets until its next share (refilled in place when the layout is the same)."""
+        if from_stage == to_stage:
+            raise InvalidArgumentError(f"a transfer needs two stages; got {from_stage!r} twice")
+        self._spec(to_stage)
+        status = self.status()
+        nodes = {stage: {r["node"] for r in status[stage]["ranks"].values()} for stage in (from_stage, to_stage)}
+        if len(nodes[from_stage] | nodes[to_stage]) > 1:
+            raise InvalidArgumentError(f"stages {from_stage!r} (nodes {sorted(nodes[from_stage])}) and {to_stage!r} "
+                                       f"(nodes {sorted(nodes[to_stage])}) are not on one node; shared buckets do "
+                                       "not cross nodes: use a weight group (init_weight_group, collective)")
+        tid = task_id or self._orch.new_task_id("transfer", f"{from_stage}-{to_stage}")
+        shared = self._lifecycle(from_stage, "share", f"{tid}/share", timeout_s,
+                                 lambda t, dl: ShareCall(t, bucket_bytes, dl))  # fmt: skip
+        source = shared.ranks[0].shared if 0 in shared.ranks else None
+        if source is None:
+            raise OmniCoreError(f"stage {from_stage!r} rank 0 shared no weights for task {tid!r}/share")
+        return self.update_weights(to_stage, source, version=version, task_id=f"{tid}/update", timeout_s=timeout_s)
+
     def profile(self, stage: str, start: bool = True, prefix: str | None = None, *, task_id: str | None = None,
                 timeout_s: float | None = None, wait_s: float | None = None) -> ProfileReport:  # fmt: skip
         """Start (`start=True`) or stop the profiler on every rank of `stage`; its state never
@@ -221,7 +287,8 @@ class Engine:
             raise InvalidArgumentError(f"unknown stage {stage!r}; stages are {sorted(self._specs)}") from None
 
     def _lifecycle(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None,
-                   make: Callable[[str, float], SleepCall | WakeCall | ReloadCall | ProfileCall]) -> Any:  # fmt: skip
+                   make: Callable[[str, float], SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall
+                                  | WeightGroupCall | ShareCall]) -> Any:  # fmt: skip
         """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
         deadline_s = self._deadline_s(spec.deadline_s, timeout_s)
@@ -241,6 +308,21 @@ class Engine:
         except FutureTimeout:
             raise OmniCoreError(f"no answer from the orchestrator within {budget_s + WAIT_GRACE_S:.1f} s; "
                                 "its deadlines should have fired: this is a bug, please report it") from None
+
+
+def _checked_source(source: object) -> WeightSource:
+    """The source as the wire will carry it: every bound checked here, so a bad one is the
+    caller's InvalidArgumentError and never a rank's BAD_MESSAGE."""
+    try:
+        probe = msgspec.convert(msgspec.to_builtins({"source": source}), _SourceProbe)
+    except (msgspec.ValidationError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"weight source {type(source).__name__}: {exc}; build it with "
+                                   "omni_core.weights_sender.WeightSender or DiskSource(path=...)") from None
+    return probe.source
+
+
+class _SourceProbe(msgspec.Struct, forbid_unknown_fields=True):
+    source: WeightSource
 
 
 def make_launcher(launcher: RankLauncher | str | None, ray_address: str | None = "auto",
@@ -292,6 +374,15 @@ class AsyncEngine:
 
     async def reload_weights(self, stage: str, source: str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reload_weights, stage, source, **kwargs)
+
+    async def update_weights(self, stage: str, source: WeightSource | str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.update_weights, stage, source, **kwargs)
+
+    async def transfer_weights(self, from_stage: str, to_stage: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.transfer_weights, from_stage, to_stage, **kwargs)
+
+    async def init_weight_group(self, stage: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.init_weight_group, stage, **kwargs)
 
     async def profile(self, stage: str, start: bool = True, prefix: str | None = None,
                       **kwargs: Any) -> ProfileReport:  # fmt: skip

@@ -78,6 +78,18 @@ class SwapFailedError(OmniCoreError):
         self.in_stage = in_stage
 
 
+class WeightUpdateFailedError(OmniCoreError):
+    """Every rank failed a weight update once writing began (NACK UPDATE_FAILED, P-17): the
+    stage is NEEDS_RELOAD at `version`, the version it held; nothing runs until an update or a
+    reload completes. `failures` maps rank -> why."""
+
+    def __init__(self, stage: str, message: str, version: int, failures: Mapping[int, str]) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.version = version
+        self.failures = dict(failures)
+
+
 class TaskAbandonedError(OmniCoreError):
     """A lifecycle task ended without taking effect, the stage unchanged (e.g. drain timeout)."""
 

@@ -43,6 +43,7 @@ from omni_core.engine.errors import (
     RestartInProgressError,
     StageFailedError,
     TaskAbandonedError,
+    WeightUpdateFailedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.link_plan import LinkLedger, rank_view
@@ -274,7 +275,8 @@ class Orchestrator:
         self._step(stage, I.Submit(request_id, payload, budget_s))
 
     def op_lifecycle(self, future: Future, name: str,
-                     event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall) -> None:  # fmt: skip
+                     event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall | I.UpdateCall
+                     | I.WeightGroupCall | I.ShareCall) -> None:  # fmt: skip
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)
         try:
@@ -334,6 +336,7 @@ class Orchestrator:
                 "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
                 "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
+                "weights_version": core.weights_version,
                 "ranks": {p.rank: self._rank_status(stage, p) for p in stage.procs},
             }  # fmt: skip
         out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0,
@@ -353,6 +356,7 @@ class Orchestrator:
         hello = stage.hellos.get(proc.rank)
         return {"pid": proc.pid, "alive": alive, "node": proc.node, "state": state,
                 "committed_state": committed.value if committed else "-",
+                "weights_version": stage.core.rank_versions.get(proc.rank, 0),
                 "backend": hello.backend if hello else "-",
                 "backend_reason": hello.backend_reason if hello else ""}  # fmt: skip
 
@@ -588,8 +592,13 @@ class Orchestrator:
             result, error = (report, None) if outcome.ok else (None, ProfileRefusedError(
                 name, f"{outcome.error}; the stage stays {outcome.state.value}", outcome.refusals, report))
         elif outcome.ok:
-            result: Any = LifecycleReport.from_outcome(name, outcome)
+            result: Any = LifecycleReport.from_outcome(name, outcome, stage.core.weights_version)
             error: BaseException | None = None
+        elif outcome.command in ("InitWeightGroup", "ShareWeights") and outcome.refused:
+            result, error = None, InvalidArgumentError(f"{outcome.error}; the stage stays {outcome.state.value}")
+        elif outcome.command == "UpdateWeights" and outcome.state is StageState.NEEDS_RELOAD and not outcome.refused:
+            result, error = None, WeightUpdateFailedError(name, outcome.error, stage.core.weights_version,
+                                                          outcome.failures)  # fmt: skip
         elif outcome.refused and outcome.command == "Wake":
             result, error = None, NoMemoryError(name, f"stage {name!r}: {outcome.error}; the stage stays "
                                                       f"{outcome.state.value}", outcome.refusals)  # fmt: skip

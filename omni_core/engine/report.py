@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from omni_core.fsm.stage import TaskOutcome
 from omni_core.protocol import Ack
@@ -22,6 +23,8 @@ class RankReport:
     process_bytes_before: int | None = None
     process_bytes_after: int | None = None
     process_bytes_source: str = "none"
+    weights_version: int = 0  # the version this rank held after the command (P-17)
+    shared: Any = None  # ShareWeights: the ShmSource/IpcSource holding this rank's weights
 
     @property
     def freed_bytes(self) -> int:
@@ -37,7 +40,8 @@ class RankReport:
             pool_bytes_after=dict(m.pool_bytes_after) if m else {},
             process_bytes_before=m.process_bytes_before if m else None,
             process_bytes_after=m.process_bytes_after if m else None,
-            process_bytes_source=m.process_bytes_source if m else "none",
+            process_bytes_source=m.process_bytes_source if m else "none", weights_version=ack.weights_version,
+            shared=ack.shared,
         )  # fmt: skip
 
 
@@ -52,13 +56,15 @@ class LifecycleReport:
     state: str
     duration_s: float
     ranks: dict[int, RankReport]
+    weights_version: int = 0  # the stage's weights version after the task (P-17)
 
     @classmethod
-    def from_outcome(cls, stage: str, outcome: TaskOutcome) -> LifecycleReport:
+    def from_outcome(cls, stage: str, outcome: TaskOutcome, weights_version: int = 0) -> LifecycleReport:
         return cls(stage=stage, task_id=outcome.task_id, command=outcome.command,
                    status=outcome.status.value, state=outcome.state.value,
                    duration_s=outcome.duration_s,
-                   ranks={r: RankReport.from_ack(a) for r, a in sorted(outcome.acks.items())})  # fmt: skip
+                   ranks={r: RankReport.from_ack(a) for r, a in sorted(outcome.acks.items())},
+                   weights_version=weights_version)  # fmt: skip
 
 
 @dataclass(frozen=True)

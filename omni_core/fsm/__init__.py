@@ -10,10 +10,13 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import (
@@ -63,6 +66,7 @@ __all__ = [
     "ReloadEffect",
     "Residency",
     "ProfileEffect",
+    "ShareEffect",
     "ShutdownEffect",
     "SleepEffect",
     "StageBusyError",
@@ -72,7 +76,9 @@ __all__ = [
     "StatusEffect",
     "TaskOutcome",
     "Transition",
+    "UpdateEffect",
     "WakeEffect",
+    "WeightGroupEffect",
     "WorkerCore",
     "WorkerStep",
     "export_mermaid",

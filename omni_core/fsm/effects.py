@@ -40,6 +40,35 @@ class ReloadEffect:
 
 
 @dataclass(frozen=True)
+class UpdateEffect:
+    """Write the weights of `source` in place as `version` (P-17): check every name, shape and
+    dtype and open every handle first (a problem then: `RunnerArgumentError`, nothing written,
+    `WorkerCore.on_refused`); any failure after writing began is `WorkerCore.on_error`, which
+    leaves the rank NEEDS_RELOAD at its old version. Invalidate host copies of the weights."""
+
+    task_id: str
+    version: int
+    source: Any  # omni_core.protocol.weights.WeightSource
+
+
+@dataclass(frozen=True)
+class WeightGroupEffect:
+    """Join the trainer's weight group (`InitWeightGroup`): group rank `rank_offset + rank`."""
+
+    task_id: str
+    command: Any  # omni_core.protocol.InitWeightGroup
+
+
+@dataclass(frozen=True)
+class ShareEffect:
+    """Copy the runner's weights into shared buckets of at most `bucket_bytes`; the Ack lists
+    them (`WorkerCore.on_done(shared=...)`). Moves no pool memory, changes no state."""
+
+    task_id: str
+    bucket_bytes: int
+
+
+@dataclass(frozen=True)
 class ExecuteEffect:
     task_id: str
     payload: Any
@@ -69,4 +98,5 @@ class ProfileEffect:
     prefix: str | None
 
 
-Effect = SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect
+Effect = (SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect
+          | UpdateEffect | WeightGroupEffect | ShareEffect)

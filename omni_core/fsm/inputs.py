@@ -69,6 +69,40 @@ class ReloadCall:
 
 
 @dataclass(frozen=True)
+class UpdateCall:
+    """Replace the weights as `version` from `source` (an omni_core.protocol WeightSource, P-17)."""
+
+    task_id: str
+    version: int
+    source: Any
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class WeightGroupCall:
+    """Every rank joins the trainer's weight group (an omni_core.protocol InitWeightGroup's fields)."""
+
+    task_id: str
+    group: str
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int
+    backend: str
+    deadline_s: float
+    group_timeout_s: float = 300.0  # each rank's rendezvous and every later broadcast
+
+
+@dataclass(frozen=True)
+class ShareCall:
+    """Every rank shares its weights in buckets of at most `bucket_bytes` (a trainer stage)."""
+
+    task_id: str
+    bucket_bytes: int
+    deadline_s: float
+
+
+@dataclass(frozen=True)
 class ProfileCall:
     """Start (`start=True`) or stop every rank's profiler; the stage's state never changes."""
 
@@ -113,7 +147,7 @@ class SendFailed:
 
 
 EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | ProfileCall | SetAdmission | Tick
-               | Received | RankExited | SendFailed)  # fmt: skip
+               | Received | RankExited | SendFailed | UpdateCall | WeightGroupCall | ShareCall)  # fmt: skip
 
 
 class RequestError(str, enum.Enum):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
+
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
 from omni_core.fsm.inputs import RequestError, RequestOutcome
@@ -49,14 +51,18 @@ from omni_core.protocol import (
     Command,
     Execute,
     Hello,
+    InitWeightGroup,
     Nack,
     NackReason,
     Profile,
     ReloadWeights,
     Reply,
     Result,
+    ShareWeights,
     Sleep,
+    UpdateWeights,
     Wake,
+    WeightSource,
     WorkerState,
     profile_prefix_problem,
 )
@@ -93,6 +99,23 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("woke_partial", (S.WAKING,), S.PARTIAL, "every rank ACKed, tags still asleep"),
     Transition("woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
                "every rank ACKed; weights mapped but discarded at level 2"),
+    Transition("update_drain", (S.RUNNING,), S.DRAINING,
+               "update_weights(): admission closed (queued or refused per policy), in-flight requests finish"),
+    Transition("update_drained", (S.DRAINING,), S.WAKING, "no request in flight: UpdateWeights sent to every rank"),
+    Transition("update", (S.PARTIAL, S.NEEDS_RELOAD), S.WAKING,
+               "UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)"),
+    Transition("update_refused_running", (S.WAKING,), S.RUNNING,
+               "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged"),
+    Transition("update_refused_partial", (S.WAKING,), S.PARTIAL,
+               "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged"),
+    Transition("update_refused_needs_reload", (S.WAKING,), S.NEEDS_RELOAD,
+               "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged"),
+    Transition("update_failed", (S.WAKING,), S.NEEDS_RELOAD,
+               "every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before"),
+    Transition("weight_group", _SERVING, None,
+               "InitWeightGroup sent to every rank; the state never changes, whatever they answer"),
+    Transition("share", (S.RUNNING, S.PARTIAL), None,
+               "ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on"),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition("profile", _SERVING, None,
                "Profile sent to every rank; the state never changes, whatever they answer (P-15)"),
@@ -213,10 +236,16 @@ class _Task:
     acks: dict[int, Ack] = field(default_factory=dict)
     refusals: dict[int, str] = field(default_factory=dict)  # rank -> INVALID_ARGUMENT / NO_MEMORY detail
     refused_trigger: str = ""  # where every rank refusing returns the stage (ReloadWeights, Wake)
+    drained_trigger: str = "drained"  # fired once a drain for this task ends (sleep, update)
+    expect_version: int = 0  # the weights version every ACK must report (P-17)
+    update_failures: dict[int, str] = field(default_factory=dict)  # rank -> UPDATE_FAILED detail
 
 
 # The NACK that is a refusal (the rank is where it was) rather than a failure, per command.
-_REFUSAL = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY}
+_REFUSAL = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY,
+            UpdateWeights: NackReason.INVALID_ARGUMENT}
+# Tasks in a settled state that never change it: every NACK is that rank's refusal.
+_STATELESS = (Profile, InitWeightGroup, ShareWeights)
 
 
 class StageCore:
@@ -245,6 +274,9 @@ class StageCore:
         self.residency = Residency(tags)
         self.rank_state: dict[int, WorkerState] = {}
         self.rank_capabilities: dict[int, frozenset[Capability]] = {}  # from each rank's Hello
+        # The weights version every rank holds (P-17): from the Hellos, then each committed ACK set.
+        self.weights_version = 0
+        self.rank_versions: dict[int, int] = {}
         self.policy = AdmissionPolicy(policy)
         self.queue_limit = queue_limit
         self.max_in_flight = max_in_flight
@@ -263,7 +295,8 @@ class StageCore:
         self._handlers: dict[type, Any] = {
             I.Start: self.on_start, I.Restart: self.on_restart, I.Stop: self.on_stop, I.Submit: self.on_submit,
             I.SleepCall: self.on_sleep_call, I.WakeCall: self.on_wake_call, I.ReloadCall: self.on_reload_call,
-            I.ProfileCall: self.on_profile_call,
+            I.ProfileCall: self.on_profile_call, I.UpdateCall: self.on_update_call,
+            I.WeightGroupCall: self.on_weight_group_call, I.ShareCall: self.on_share_call,
             I.SetAdmission: self.on_set_admission, I.Tick: self.on_tick_input, I.Received: self.on_received,
             I.RankExited: self.on_rank_exited, I.SendFailed: self.on_send_failed,
         }  # fmt: skip
@@ -410,6 +443,15 @@ class StageCore:
     def on_reload_call(self, event: I.ReloadCall, now: float) -> StageStep:
         return self.reload(event.task_id, event.source, now, event.deadline_s)
 
+    def on_update_call(self, event: I.UpdateCall, now: float) -> StageStep:
+        return self.update_weights(event.task_id, event.version, event.source, now, event.deadline_s)
+
+    def on_weight_group_call(self, event: I.WeightGroupCall, now: float) -> StageStep:
+        return self.init_weight_group(event, now)
+
+    def on_share_call(self, event: I.ShareCall, now: float) -> StageStep:
+        return self.share_weights(event.task_id, event.bucket_bytes, now, event.deadline_s)
+
     def on_profile_call(self, event: I.ProfileCall, now: float) -> StageStep:
         return self.profile(event.task_id, event.start, event.prefix, now, event.deadline_s)
 
@@ -546,10 +588,20 @@ class StageCore:
             return StageStep()
         refusals = {r: m for r, m in sorted(request.replies.items()) if isinstance(m, Nack)}
         results = [m for _, m in sorted(request.replies.items()) if isinstance(m, Result)]
+        mixed = {r: m.weights_version for r, m in sorted(request.replies.items())
+                 if isinstance(m, Result) and m.weights_version != self.weights_version}  # fmt: skip
         if refusals:
             named = "; ".join(f"rank {r}: {m.reason.value} in {m.state.value}: {m.detail}" for r, m in refusals.items())
             self._answer(request, RequestError.FAILED, f"stage {self.name!r} refused request "
                          f"{request.request_id} ({named})")  # fmt: skip
+        elif mixed:  # P-17: never a result of weights other than the stage's committed version
+            self._answer(request, RequestError.FAILED, f"stage {self.name!r}: ranks {sorted(mixed)} answered request "
+                         f"{request.request_id} with weights versions {mixed}, not the stage's version "
+                         f"{self.weights_version}; the result is discarded")  # fmt: skip
+            del self.in_flight[request.request_id]
+            why = {r: f"answered request {request.request_id} with weights version {v}; the stage committed "
+                      f"version {self.weights_version}" for r, v in mixed.items()}  # fmt: skip
+            return self._fail_task(why, now) if self._task else self._fail_idle(why, now)
         elif results:  # ranks of one stage compute the same result: rank 0's
             self._answer(request, None, "", output=results[0].output)
         return self._retire(request, now)
@@ -595,7 +647,14 @@ class StageCore:
         self.rank_state[hello.rank] = hello.state
         self._hello_detail[hello.rank] = hello.detail
         self.rank_capabilities[hello.rank] = frozenset(hello.capabilities)
+        self.rank_versions[hello.rank] = hello.weights_version
         if set(self.rank_state) == set(self.ranks):
+            versions = set(self.rank_versions.values())
+            if len(versions) > 1:
+                return self._fail_idle({r: f"started with weights version {v}; the ranks hold different weights "
+                                        f"({dict(sorted(self.rank_versions.items()))})"
+                                        for r, v in self.rank_versions.items()}, now)  # fmt: skip
+            self.weights_version = versions.pop()
             bad = {r: s for r, s in self.rank_state.items() if s is not WorkerState.ACTIVE}
             if bad:
                 return self._fail_idle({r: f"started in {s.value}, not ACTIVE: {self._hello_detail.get(r, '')}"
@@ -613,6 +672,7 @@ class StageCore:
         self.epoch += 1
         self.residency = Residency(self.tags)
         self.rank_state.clear()
+        self.rank_versions.clear()
         self.failure, self.failed_ranks = "", {}
         self._fail_requests(RequestError.REJECTED, f"stage {self.name!r} restarted before this request ran",
                             running=RequestError.FAILED,
@@ -670,6 +730,7 @@ class StageCore:
         self._task = _Task(task_id, signature, command, now, now + deadline_s,
                            expect_state=WorkerState.SLEEPING,
                            expect_asleep=self.residency.asleep | to_sleep, commit_trigger="slept",
+                           expect_version=self.weights_version,
                            apply=lambda res: res.apply_sleep(plan))  # fmt: skip
         if self.lifecycle.allows("drain"):
             self.lifecycle.fire("drain")
@@ -711,7 +772,7 @@ class StageCore:
         row = settle_row(after.settled())
         self._task = _Task(task_id, signature, command, now, now + deadline_s,
                            expect_state=row.rank_state, expect_asleep=after.asleep,
-                           commit_trigger=row.stage_commit,
+                           commit_trigger=row.stage_commit, expect_version=self.weights_version,
                            apply=lambda res: res.apply_wake(to_wake),
                            refused_trigger=f"wake_refused_{self.state.value.lower()}")  # fmt: skip
         self.lifecycle.fire("wake")
@@ -736,10 +797,107 @@ class StageCore:
                            now, now + deadline_s, expect_state=row.rank_state,
                            expect_asleep=self.residency.asleep,
                            commit_trigger=row.stage_commit,
-                           apply=lambda res: res.apply_reload(), refused_trigger="reload_refused")  # fmt: skip
+                           apply=lambda res: res.apply_reload(), refused_trigger="reload_refused",
+                           expect_version=0)  # fmt: skip  # the runner's own weights: no update's version
         self.lifecycle.fire("reload")
         step = self._send_all()
         self._issued = (self._task.command, False, now + deadline_s)
+        self._check_invariants()
+        return step
+
+    def update_weights(self, task_id: str, version: int, source: WeightSource, now: float,
+                       deadline_s: float) -> StageStep:  # fmt: skip
+        """Replace every rank's weights with `source` as `version` (P-17). In RUNNING the stage
+        drains first (requests queue or are refused per the admission policy); it commits only
+        when every rank ACKs the new version, and no request runs until then."""
+        if type(version) is not int or version < 1:
+            raise StageCommandError(f"weights version must be an int >= 1, got {version!r}")
+        signature = ("UpdateWeights", version, source)
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("update weights")
+        if version <= self.weights_version:
+            raise StageCommandError(f"stage {self.name!r}: weights version {version} is not above the stage's "
+                                    f"version {self.weights_version}; send a higher version")  # fmt: skip
+        unable = sorted(r for r in self.ranks if Capability.WEIGHT_UPDATE not in self.rank_capabilities.get(r, ()))
+        if unable:
+            raise StageCommandError(f"stage {self.name!r}: ranks {unable} take no weight updates (their Hello lists "
+                                    "no 'weight_update' capability); use reload_weights()")  # fmt: skip
+        drain = self.lifecycle.allows("update_drain")
+        if not (drain or self.lifecycle.allows("update")) or not self.residency.weights_resident:
+            raise StageCommandError(f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
+                                    "must be resident (RUNNING, PARTIAL with 'weights' awake, or NEEDS_RELOAD)")
+        row = settle_row(Settled.ACTIVE if not self.residency.asleep else Settled.PARTIAL)
+        self._task = _Task(task_id, signature, UpdateWeights(task_id=task_id, epoch=self.epoch, version=version,
+                                                             source=source),
+                           now, now + deadline_s, expect_state=row.rank_state, expect_asleep=self.residency.asleep,
+                           commit_trigger=row.stage_commit, apply=lambda res: res.apply_reload(),
+                           refused_trigger=f"update_refused_{self.state.value.lower()}",
+                           drained_trigger="update_drained", expect_version=version)  # fmt: skip
+        if drain:
+            self.lifecycle.fire("update_drain")
+            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()
+        else:
+            self.lifecycle.fire("update")
+            step = self._send_all()
+        self._issued = (self._task.command, False, now + deadline_s)
+        self._check_invariants()
+        return step
+
+    def share_weights(self, task_id: str, bucket_bytes: int, now: float, deadline_s: float) -> StageStep:
+        """Every rank shares its weights (a trainer stage, for `transfer_weights`); like a
+        Profile, a task that never changes the state: requests keep running meanwhile."""
+        try:
+            command = msgspec.convert({"type": "ShareWeights", "task_id": task_id, "epoch": self.epoch,
+                                       "bucket_bytes": bucket_bytes}, ShareWeights)  # fmt: skip
+        except msgspec.ValidationError as exc:
+            raise StageCommandError(f"stage {self.name!r}: invalid share: {exc}") from None
+        signature = ("ShareWeights", bucket_bytes)
+        retried = self._retry(task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("share weights")
+        if not self.lifecycle.allows("share") or not (self.residency.weights_resident
+                                                      and self.residency.weights_valid):  # fmt: skip
+            raise StageCommandError(f"stage {self.name!r} cannot share weights in {self.state.value}: valid "
+                                    "weights must be awake (RUNNING, or PARTIAL with 'weights' awake)")
+        self._task = _Task(task_id, signature, command, now, now + deadline_s, expect_asleep=self.residency.asleep,
+                           commit_trigger="share", expect_version=self.weights_version)  # fmt: skip
+        self.lifecycle.fire("share")
+        step = self._send_all()
+        self._issued = (command, False, now + deadline_s)
+        self._check_invariants()
+        return step
+
+    def init_weight_group(self, call: I.WeightGroupCall, now: float) -> StageStep:
+        """Every rank joins the trainer's weight group; like a Profile, a task that never
+        changes the state, and the ranks' NACKs are the outcome's refusals."""
+        try:
+            command = InitWeightGroup(task_id=call.task_id, epoch=self.epoch, group=call.group,
+                                      address=call.address, port=call.port, world_size=call.world_size,
+                                      rank_offset=call.rank_offset, backend=call.backend,  # type: ignore[arg-type]
+                                      timeout_s=call.group_timeout_s)
+            command = msgspec.convert(msgspec.to_builtins(command), InitWeightGroup)  # the wire's bounds
+        except (TypeError, ValueError, msgspec.ValidationError) as exc:
+            raise StageCommandError(f"stage {self.name!r}: invalid weight group: {exc}") from None
+        if call.rank_offset + len(self.ranks) > call.world_size:
+            raise StageCommandError(f"stage {self.name!r}: world_size {call.world_size} has no room for "
+                                    f"{len(self.ranks)} ranks from rank_offset {call.rank_offset}")  # fmt: skip
+        signature = ("InitWeightGroup", call.group, call.address, call.port, call.world_size, call.rank_offset,
+                     call.backend, call.group_timeout_s)  # fmt: skip
+        retried = self._retry(call.task_id, signature)
+        if retried is not None:
+            return retried
+        self._require_idle("join a weight group")
+        if not self.lifecycle.allows("weight_group"):
+            raise StageCommandError(f"stage {self.name!r} cannot join a weight group in {self.state.value}")
+        self._task = _Task(call.task_id, signature, command, now, now + call.deadline_s,
+                           expect_asleep=self.residency.asleep, commit_trigger="weight_group",
+                           expect_version=self.weights_version)  # fmt: skip
+        self.lifecycle.fire("weight_group")
+        step = self._send_all()
+        self._issued = (command, False, now + call.deadline_s)
         self._check_invariants()
         return step
 
@@ -762,7 +920,8 @@ class StageCore:
             raise StageCommandError(f"stage {self.name!r} cannot profile in {self.state.value}")
         self._task = _Task(task_id, signature, Profile(task_id=task_id, epoch=self.epoch, start=start,
                                                        prefix=prefix), now, now + deadline_s,
-                           expect_asleep=self.residency.asleep, commit_trigger="profile")  # fmt: skip
+                           expect_asleep=self.residency.asleep, commit_trigger="profile",
+                           expect_version=self.weights_version)  # fmt: skip
         self.lifecycle.fire("profile")
         step = self._send_all()
         self._issued = (self._task.command, False, now + deadline_s)
@@ -791,8 +950,12 @@ class StageCore:
         if isinstance(reply, Nack) and reply.reason is _REFUSAL.get(type(task.command)):
             task.refusals[reply.rank] = reply.detail
             return self._maybe_commit(now)
-        if isinstance(task.command, Profile):
+        if isinstance(task.command, _STATELESS):
             return self._on_profile_reply(task, reply, now)
+        if isinstance(reply, Nack) and reply.reason is NackReason.UPDATE_FAILED \
+                and isinstance(task.command, UpdateWeights) and reply.state is WorkerState.NEEDS_RELOAD:  # fmt: skip
+            task.update_failures[reply.rank] = f"at weights version {reply.weights_version}: {reply.detail}"
+            return self._maybe_commit(now)
         if isinstance(reply, Nack):
             return self._fail_task({reply.rank: f"NACK {reply.reason.value} in "
                                                 f"{reply.state.value}: {reply.detail}"}, now)  # fmt: skip
@@ -805,6 +968,10 @@ class StageCore:
             # without it is not a conforming worker's and is not trusted to commit.
             self.counters.acks_without_memory_report += 1
             return self._fail_task({reply.rank: f"ACKed {command} without a memory report"}, now)
+        if reply.weights_version != task.expect_version:
+            return self._fail_task({reply.rank: (
+                f"ACKed {command} at weights version {reply.weights_version}; the stage expected version "
+                f"{task.expect_version} on every rank")}, now)  # fmt: skip
         asleep = frozenset(reply.asleep_tags)
         if reply.state is not task.expect_state or asleep != task.expect_asleep:
             return self._fail_task({reply.rank: (
@@ -814,7 +981,7 @@ class StageCore:
         return self._maybe_commit(now)
 
     def _on_profile_reply(self, task: _Task, reply: Ack | Nack, now: float) -> StageStep:
-        """A rank answering Profile must still be where the stage committed it: a profile
+        """A rank answering Profile (or InitWeightGroup) must still be where the stage committed it: a profile
         changes no state. A refusal that left it there (BUSY, PROFILE_ERROR, a worker that
         does not know Profile) is that rank's answer; any other state is a divergence and
         fails the stage as any task would (P-9)."""
@@ -826,9 +993,9 @@ class StageCore:
                 f"committed it {known.value if known else '-'} with {sorted(self.residency.asleep)}")}, now)
         if isinstance(reply, Nack):
             task.refusals[reply.rank] = f"NACK {reply.reason.value}: {reply.detail}"
-        elif reply.command != "Profile":
+        elif reply.command != type(task.command).__name__:
             return self._fail_task({reply.rank: f"ACKed a {reply.command!r} for task {task.task_id!r}, "
-                                                "which is a Profile"}, now)  # fmt: skip
+                                                f"which is a {type(task.command).__name__}"}, now)  # fmt: skip
         else:
             task.acks[reply.rank] = reply
         if len(task.acks) + len(task.refusals) < len(self.ranks):
@@ -838,7 +1005,8 @@ class StageCore:
         if task.refusals:
             named = "; ".join(f"rank {r}: {why}" for r, why in sorted(task.refusals.items()))
             done = f"; ranks {sorted(task.acks)} did it" if task.acks else ""
-            error = f"stage {self.name!r}: Profile refused by ranks {sorted(task.refusals)} ({named}){done}"
+            kind = type(task.command).__name__
+            error = f"stage {self.name!r}: {kind} refused by ranks {sorted(task.refusals)} ({named}){done}"
         statuses = {ack.status for ack in task.acks.values()}
         outcome = self._end_task(not task.refusals, error, {}, now, refused=bool(task.refusals))
         if statuses == {AckStatus.ALREADY}:
@@ -852,19 +1020,36 @@ class StageCore:
         previous state when every rank refused the arguments, fail when they disagree."""
         task = self._task
         assert task is not None
-        if len(task.acks) + len(task.refusals) < len(self.ranks):
+        failed = task.update_failures
+        if len(task.acks) + len(task.refusals) + len(failed) < len(self.ranks):
             return StageStep()
+        if failed and len(failed) == len(self.ranks):
+            # Every rank is NEEDS_RELOAD at the version it held: the stage follows, never serving.
+            self.residency.weights_valid = False
+            for rank in self.ranks:
+                self.rank_state[rank] = WorkerState.NEEDS_RELOAD
+            self.lifecycle.fire("update_failed")
+            details = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+            error = (f"stage {self.name!r}: every rank failed the update to weights version {task.expect_version} "
+                     f"({details}); the stage is NEEDS_RELOAD at version {self.weights_version}: update again "
+                     "or reload")  # fmt: skip
+            return StageStep(outcome=self._end_task(False, error, dict(failed), now))
+        if failed:
+            done = f"ranks {sorted(task.acks)} now hold version {task.expect_version}" if task.acks else \
+                f"ranks {sorted(task.refusals)} refused it and hold version {self.weights_version}"  # fmt: skip
+            return self._fail_task({r: f"failed the update while {done} (ranks now hold different weights): {why}"
+                                    for r, why in failed.items()}, now)  # fmt: skip
         if task.refusals and task.acks:
-            what = "refused the source while ranks {} reloaded it (ranks now hold different weights)" \
-                if isinstance(task.command, ReloadWeights) else \
-                "found too little free device memory while ranks {} woke (ranks now hold different tags)"  # fmt: skip
+            what = "found too little free device memory while ranks {} woke (ranks now hold different tags)" \
+                if isinstance(task.command, Wake) else "refused the source while ranks {} %s it (ranks now hold " \
+                "different weights)" % ("wrote" if isinstance(task.command, UpdateWeights) else "reloaded")  # fmt: skip
             return self._fail_task({r: f"{what.format(sorted(task.acks))}: {why}"
                                     for r, why in task.refusals.items()}, now)  # fmt: skip
         if task.refusals:
             self.lifecycle.fire(task.refused_trigger)
             details = "; ".join(f"rank {r}: {why}" for r, why in sorted(task.refusals.items()))
-            what = "the reload, nothing was written" if isinstance(task.command, ReloadWeights) \
-                else "the wake for lack of free device memory, nothing stayed mapped"  # fmt: skip
+            what = "the wake for lack of free device memory, nothing stayed mapped" if isinstance(task.command, Wake) \
+                else f"the {'update' if isinstance(task.command, UpdateWeights) else 'reload'}, nothing was written"
             outcome = self._end_task(False, f"every rank refused {what} ({details})", {}, now, refused=True)
             outcome = replace(outcome, refusals=MappingProxyType(dict(task.refusals)))
             self.completed.put(task.task_id, (task.signature, outcome))  # a retry hears the refusals too
@@ -872,6 +1057,8 @@ class StageCore:
         task.apply(self.residency)
         for rank, ack in task.acks.items():
             self.rank_state[rank] = ack.state
+            self.rank_versions[rank] = ack.weights_version
+        self.weights_version = task.expect_version
         self.lifecycle.fire(task.commit_trigger)
         return StageStep(outcome=self._end_task(True, "", {}, now))
 
@@ -889,9 +1076,10 @@ class StageCore:
             budget_s = task.deadline_at - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")
+                what = "update" if isinstance(task.command, UpdateWeights) else "sleep"
                 step = StageStep(outcome=self._end_task(
                     False, f"{self.in_flight_requests} in-flight request(s) did not finish "
-                    f"within {budget_s:.3g} s; sleep abandoned, nothing was sent to the ranks, "
+                    f"within {budget_s:.3g} s; {what} abandoned, nothing was sent to the ranks, "
                     f"stage {self.name!r} stays RUNNING", {}, now))  # fmt: skip
             else:
                 silent = [r for r in self.ranks if r not in task.acks and r not in task.refusals]
@@ -976,7 +1164,8 @@ class StageCore:
         return StageStep(outcome=outcome)
 
     def _send_drained(self) -> StageStep:
-        self.lifecycle.fire("drained")
+        assert self._task is not None
+        self.lifecycle.fire(self._task.drained_trigger)
         return self._send_all()
 
     def _send_all(self) -> StageStep:
@@ -1022,7 +1211,7 @@ class StageCore:
             if not cond:
                 raise InvariantViolation(f"stage {self.name!r} in {state.value}: {what}")
 
-        profiling = self._task is not None and isinstance(self._task.command, Profile)
+        profiling = self._task is not None and isinstance(self._task.command, _STATELESS)
         require((self._task is not None and not profiling) == (state in _IN_TASK),
                 "a lifecycle task in flight iff in a task state")  # fmt: skip
         require(not profiling or state in _SERVING, "a Profile task outside the settled states")
@@ -1039,3 +1228,6 @@ class StageCore:
         if state is S.RUNNING:
             require(not self.residency.asleep and self.residency.weights_valid,
                     "RUNNING with tags asleep or weights invalid")  # fmt: skip
+            # P-17: requests run only while every rank holds the stage's one version.
+            mixed = {r: v for r, v in self.rank_versions.items() if v != self.weights_version}
+            require(not mixed, f"ranks hold weights versions {mixed}, not the stage's {self.weights_version}")

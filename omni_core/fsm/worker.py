@@ -19,10 +19,13 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
 from omni_core.fsm.settle import settle_row
@@ -47,6 +50,7 @@ from omni_core.protocol import (
     Command,
     Execute,
     Hello,
+    InitWeightGroup,
     MemoryReport,
     Nack,
     NackReason,
@@ -55,9 +59,11 @@ from omni_core.protocol import (
     ReloadWeights,
     Reply,
     Result,
+    ShareWeights,
     Shutdown,
     Sleep,
     Status,
+    UpdateWeights,
     Wake,
     encode,
     profile_prefix_problem,
@@ -94,6 +100,20 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
                "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
     Transition("wake_refused_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD,
                "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
+    Transition("update", (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD), W.RELOADING,
+               "UpdateWeights above the current version, weights resident (P-17); settles as a reload does"),
+    Transition("update_refused_active", (W.RELOADING,), W.ACTIVE,
+               "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged"),
+    Transition("update_refused_partial", (W.RELOADING,), W.PARTIAL,
+               "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged"),
+    Transition("update_refused_needs_reload", (W.RELOADING,), W.NEEDS_RELOAD,
+               "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged"),
+    Transition("update_failed", (W.RELOADING,), W.NEEDS_RELOAD,
+               "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before"),
+    Transition("weight_group", _IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
+    Transition("weight_group_already", _IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),
+    Transition("share", (W.ACTIVE, W.PARTIAL), None,
+               "ShareWeights with valid weights awake: copied into shared buckets; the state never changes"),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition("profile", _IDLE, None,
@@ -114,15 +134,20 @@ _REFUSED = {
     (Wake, W.SLEEPING): "wake_refused_sleeping",
     (Wake, W.PARTIAL): "wake_refused_partial",
     (Wake, W.NEEDS_RELOAD): "wake_refused_needs_reload",
+    (UpdateWeights, W.ACTIVE): "update_refused_active",
+    (UpdateWeights, W.PARTIAL): "update_refused_partial",
+    (UpdateWeights, W.NEEDS_RELOAD): "update_refused_needs_reload",
 }
-_REFUSAL_REASON = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY}
+_REFUSAL_REASON = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY,
+                   UpdateWeights: NackReason.INVALID_ARGUMENT}
 
 # Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
 # to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
 # rank off from every normal epoch for good.
 MAX_EPOCH_AHEAD = 64
 
-ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.SWAP)
+ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.SWAP,
+                                           Capability.WEIGHT_UPDATE)
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
 _NO_LINKS = ("this worker copies over its own host link only (capability 'multi_path' not declared); "
              "send the command without links")  # fmt: skip
@@ -200,8 +225,13 @@ class WorkerCore:
         capabilities: tuple[Capability, ...] = ALL_CAPABILITIES,
         reply_cache_entries: int = DEFAULT_REPLY_CACHE_ENTRIES,
         reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES,
+        weights_version: int = 0,
     ) -> None:
         self.rank = rank
+        # The version of the weights held (or, in NEEDS_RELOAD, held last): 0 is the runner's
+        # own source; an update sets it once every bucket is written (P-17).
+        self.weights_version = weights_version
+        self.weight_group: InitWeightGroup | None = None  # the group joined, as asked
         self.tags = tags
         self.epoch = epoch
         self.capabilities = frozenset(capabilities)
@@ -219,6 +249,9 @@ class WorkerCore:
             Status: self.on_status,
             Shutdown: self.on_shutdown,
             Profile: self.on_profile,
+            UpdateWeights: self.on_update_weights,
+            InitWeightGroup: self.on_init_weight_group,
+            ShareWeights: self.on_share_weights,
         }
         # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
         self.profiling = False
@@ -281,6 +314,7 @@ class WorkerCore:
         duration_s: float = 0.0,
         path: str = "",
         trace_paths: tuple[str, ...] = (),
+        shared: Any = None,
     ) -> WorkerStep:
         """The shell performed the pending effect (`path`: how the backend did it, traced;
         `trace_paths`: the files a Profile stop wrote)."""
@@ -288,8 +322,8 @@ class WorkerCore:
         pending = self._take_pending(task_id)
         command = pending.command
         if isinstance(command, Execute):
-            reply: Reply = Result(task_id=task_id, epoch=self.epoch, rank=self.rank,
-                                  output=output, duration_s=duration_s)  # fmt: skip
+            reply: Reply = Result(task_id=task_id, epoch=self.epoch, rank=self.rank, output=output,
+                                  duration_s=duration_s, weights_version=self.weights_version)  # fmt: skip
         else:
             if isinstance(command, Sleep):
                 assert pending.sleep_plan is not None
@@ -298,16 +332,21 @@ class WorkerCore:
             elif isinstance(command, Wake):
                 self.residency.apply_wake(pending.wake_tags)
                 self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
-            elif isinstance(command, ReloadWeights):
+            elif isinstance(command, (ReloadWeights, UpdateWeights)):
                 self.residency.apply_reload()
                 trigger = settle_row(self.residency.settled()).after_reload
                 if trigger is None:
                     raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
                 self.lifecycle.fire(trigger)
+                # A reload brings the runner's own weights back: no update's version stands for them.
+                self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
+            elif isinstance(command, InitWeightGroup):
+                self.weight_group = command
             elif isinstance(command, Profile):
                 self.profiling = command.start
             reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s,
-                              trace_paths=trace_paths if isinstance(command, Profile) else ())
+                              trace_paths=trace_paths if isinstance(command, Profile) else (),
+                              shared=shared if isinstance(command, ShareWeights) else None)
         if not isinstance(command, Status):
             self._remember(command, reply)
         self._check_invariants()
@@ -327,14 +366,15 @@ class WorkerCore:
         kind = type(pending.command)
         trigger = _REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
         if trigger is None:
-            raise InvariantViolation(f"only a pending ReloadWeights or Wake can be refused, not {pending.command!r} "
+            raise InvariantViolation(f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
+                                     f"{pending.command!r} "
                                      f"(started in {pending.state_before})")  # fmt: skip
         if reason is not None and reason is not _REFUSAL_REASON[kind]:
             raise InvariantViolation(f"a {kind.__name__} is refused with {_REFUSAL_REASON[kind].value}, "
                                      f"not {reason.value}")
         self.lifecycle.fire(trigger)
         name = kind.__name__
-        effect = "nothing was written" if kind is ReloadWeights else "nothing it mapped is kept, every tag is as before"
+        effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
         reply = self._nack(pending.command, _REFUSAL_REASON[kind],
                            f"{name} task {task_id!r} refused, {effect}: {detail}")
         self._remember(pending.command, reply)
@@ -352,6 +392,26 @@ class WorkerCore:
         if isinstance(pending.command, Execute):
             # A request the runner rejects says nothing about the memory: stay ACTIVE.
             reply = self._nack(pending.command, NackReason.EXECUTE_ERROR, what)
+            self._remember(pending.command, reply)
+            head = EffectFailed(task_id, name, self.state.value, clip(error))
+            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+        if isinstance(pending.command, UpdateWeights):
+            # Writing began: the weights are neither the old version nor the new one. They stay
+            # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
+            self.residency.weights_valid = False
+            self.lifecycle.fire("update_failed")
+            reply = self._nack(pending.command, NackReason.UPDATE_FAILED,
+                               f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
+                               f"version {self.weights_version}: update again or reload")  # fmt: skip
+            self._remember(pending.command, reply)
+            self._check_invariants()
+            head = EffectFailed(task_id, name, self.state.value, clip(error))
+            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+        if isinstance(pending.command, (InitWeightGroup, ShareWeights)):
+            # No pool memory moved: the rank keeps its state (and has no group, or shares nothing).
+            after = "this rank joined no weight group" if isinstance(pending.command, InitWeightGroup) \
+                else "this rank shares no weights now"  # fmt: skip
+            reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT, f"{what}; {after}")
             self._remember(pending.command, reply)
             head = EffectFailed(task_id, name, self.state.value, clip(error))
             return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
@@ -483,6 +543,54 @@ class WorkerCore:
         self._pending = _Pending(command, state_before=state_before)
         return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
 
+    def on_update_weights(self, command: UpdateWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not take weight updates "
+                                "(capability 'weight_update' not declared); use ReloadWeights")  # fmt: skip
+        if not self.lifecycle.allows("update") or not self.residency.weights_resident:
+            return self._refuse_state(command, "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
+                                      "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first")  # fmt: skip
+        if command.version <= self.weights_version:
+            return self._refuse(command, NackReason.STALE_VERSION,
+                                f"weights version {command.version} is not above this rank's version "
+                                f"{self.weights_version}; send a higher version (nothing was written)")  # fmt: skip
+        state_before = self.state
+        self.lifecycle.fire("update")
+        self._pending = _Pending(command, state_before=state_before)
+        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source))
+
+    def on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not take weight updates "
+                                "(capability 'weight_update' not declared)")  # fmt: skip
+        joined = self.weight_group
+        same = joined is not None and msgspec.structs.replace(joined, task_id=command.task_id,
+                                                              epoch=command.epoch) == command  # fmt: skip
+        if same and self.lifecycle.allows("weight_group_already"):
+            return self._already(command, "weight_group_already")
+        if not self.lifecycle.allows("weight_group"):
+            return self._refuse_state(command, "InitWeightGroup is legal in ACTIVE, SLEEPING, PARTIAL and "
+                                      "NEEDS_RELOAD")  # fmt: skip
+        if joined is not None:
+            return self._refuse(command, NackReason.INVALID_ARGUMENT,
+                                f"this rank already joined weight group {joined.group!r} at "
+                                f"{joined.address}:{joined.port}; restart the stage to join another")  # fmt: skip
+        self.lifecycle.fire("weight_group")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
+
+    def on_share_weights(self, command: ShareWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not share weights "
+                                "(capability 'weight_update' not declared)")  # fmt: skip
+        res = self.residency
+        if not self.lifecycle.allows("share") or not (res.weights_resident and res.weights_valid):
+            return self._refuse_state(command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL "
+                                      "with 'weights' awake")  # fmt: skip
+        self.lifecycle.fire("share")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
+
     def on_execute(self, command: Execute) -> WorkerStep:
         if not self.lifecycle.allows("execute"):
             return self._refuse_state(command, "Execute runs only in ACTIVE, where every tag "
@@ -553,16 +661,18 @@ class WorkerCore:
         return WorkerStep(replies=(self._nack(command, reason, detail),))
 
     def _ack(self, command: Command, status: AckStatus, *, memory: MemoryReport | None = None,
-             duration_s: float = 0.0, trace_paths: tuple[str, ...] = ()) -> Ack:  # fmt: skip
+             duration_s: float = 0.0, trace_paths: tuple[str, ...] = (), shared: Any = None) -> Ack:  # fmt: skip
         return Ack(task_id=command.task_id, epoch=self.epoch, rank=self.rank,
                    command=type(command).__name__, state=self.state, status=status,
                    asleep_tags=tuple(sorted(self.residency.asleep)), memory=memory,
-                   duration_s=duration_s, detail=self.failure, trace_paths=trace_paths)  # fmt: skip
+                   duration_s=duration_s, detail=self.failure, trace_paths=trace_paths,
+                   weights_version=self.weights_version, shared=shared)  # fmt: skip
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
         return Nack(task_id=command.task_id, epoch=max(command.epoch, 0), rank=self.rank,
                     command=type(command).__name__, reason=reason,
-                    detail=self._with_failure(detail), state=self.state)  # fmt: skip
+                    detail=self._with_failure(detail), state=self.state,
+                    weights_version=self.weights_version)  # fmt: skip
 
     def _nack_raw(self, error: ProtocolError) -> Nack:
         return Nack(task_id=error.task_id or "-", epoch=self.epoch if error.epoch is None else error.epoch,
@@ -611,7 +721,13 @@ class WorkerCore:
                     "NEEDS_RELOAD needs resident, invalid weights")  # fmt: skip
         if self._pending is not None and isinstance(self._pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
-        if self._pending is not None and isinstance(self._pending.command, Profile):
-            require(state in _IDLE, "Profile pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
+        if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
+            require(state in _IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
+        if self._pending is not None and isinstance(self._pending.command, ShareWeights):
+            require(state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
+                    "ShareWeights pending without valid weights awake")
+        if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
+            require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
+            require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
         if self.profiling:
             require(state not in (W.LOADING, W.STOPPED), "a profile running in LOADING or STOPPED")

@@ -24,6 +24,7 @@ from omni_core.protocol.messages import (
     Command,
     Execute,
     Hello,
+    InitWeightGroup,
     LinkShare,
     MemoryReport,
     Message,
@@ -32,13 +33,25 @@ from omni_core.protocol.messages import (
     ReloadWeights,
     Reply,
     Result,
+    ShareWeights,
     Shutdown,
     Sleep,
     Status,
+    UpdateWeights,
     Wake,
 )
 from omni_core.protocol.profile import MAX_PROFILE_PREFIX_CHARS, profile_prefix_problem
 from omni_core.protocol.version import PROTOCOL_VERSION
+from omni_core.protocol.weights import (
+    Bucket,
+    CollectiveSource,
+    DiskSource,
+    IpcSource,
+    ShmSource,
+    TensorSpec,
+    WeightSource,
+    source_kind,
+)
 
 __all__ = [
     "COMMAND_TYPES",
@@ -50,6 +63,17 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REPLY_TYPES",
     "Ack",
+    "Bucket",
+    "CollectiveSource",
+    "DiskSource",
+    "InitWeightGroup",
+    "IpcSource",
+    "ShareWeights",
+    "ShmSource",
+    "TensorSpec",
+    "UpdateWeights",
+    "WeightSource",
+    "source_kind",
     "AckStatus",
     "AnyCommand",
     "AnyMessage",

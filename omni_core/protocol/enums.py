@@ -65,6 +65,8 @@ class NackReason(str, enum.Enum):
     REPLY_NOT_KEPT = "REPLY_NOT_KEPT"  # duplicate of an answered task whose reply was too large to keep
     PROFILE_ERROR = "PROFILE_ERROR"  # the profiler raised (start, export); the lifecycle state is unchanged
     NO_MEMORY = "NO_MEMORY"  # a Wake found too little free device memory in time; rolled back, state unchanged
+    STALE_VERSION = "STALE_VERSION"  # UpdateWeights.version not above the rank's; nothing written (P-17)
+    UPDATE_FAILED = "UPDATE_FAILED"  # an update failed after writing began; NEEDS_RELOAD at the old version (P-17)
 
 
 class Capability(str, enum.Enum):
@@ -77,3 +79,4 @@ class Capability(str, enum.Enum):
     PROFILE = "profile"  # answers Profile (start/stop of a profiler, P-15)
     SWAP = "swap"  # a Wake waits for free device memory (Wake.wait_for_memory_s) and refuses with NO_MEMORY (P-16)
     MULTI_PATH = "multi_path"  # Sleep/Wake take a link plan (`links`) and relay through peer GPUs (P-18)
+    WEIGHT_UPDATE = "weight_update"  # answers UpdateWeights and InitWeightGroup (P-17)

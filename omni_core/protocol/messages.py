@@ -14,6 +14,15 @@ import msgspec
 
 from omni_core.protocol.enums import AckStatus, Capability, NackReason, WorkerState
 from omni_core.protocol.version import PROTOCOL_VERSION
+from omni_core.protocol.weights import (
+    MAX_BUCKET_BYTES,
+    MAX_HOST_CHARS,
+    IpcSource,
+    NewWeightsVersion,
+    ShmSource,
+    WeightSource,
+    WeightsVersion,
+)
 
 MAX_TASK_ID_CHARS = 128
 MAX_TAGS = 16
@@ -103,6 +112,51 @@ class ReloadWeights(Command, kw_only=True, frozen=True):
     source: str | None = None
 
 
+class UpdateWeights(Command, kw_only=True, frozen=True):
+    """Replace the weights in place with those of `source`, as weights version `version` (P-17).
+
+    `version` is the caller's and must be above the rank's current one (else NACK
+    STALE_VERSION naming both). Legal where the weights are resident: ACTIVE, PARTIAL with
+    `weights` awake, NEEDS_RELOAD (where it replaces the reload). The rank checks every name,
+    shape and dtype and opens every handle before it writes anything (a refusal: NACK
+    INVALID_ARGUMENT, state and version unchanged); every bucket written, it commits the new
+    version and ACKs it. A failure once writing began leaves it NEEDS_RELOAD at the version it
+    was at (NACK UPDATE_FAILED)."""
+
+    version: NewWeightsVersion
+    source: WeightSource
+
+
+class InitWeightGroup(Command, kw_only=True, frozen=True):
+    """Join the process group a trainer broadcasts updates from (`CollectiveSource`). The
+    trainer is group rank 0 and serves the rendezvous at `address:port`; this rank is
+    `rank_offset + rank` of `world_size`. Never changes the lifecycle state. Joining the same
+    group again is ALREADY; another group while one is joined is INVALID_ARGUMENT."""
+
+    group: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_CHARS)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=65536)]
+    rank_offset: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0
+
+    def __post_init__(self) -> None:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}: "
+                             "group rank 0 is the trainer, the stage's ranks follow it")
+
+
+class ShareWeights(Command, kw_only=True, frozen=True):
+    """Share this rank's weights with another stage on the same node (a trainer stage's half of
+    `Engine.transfer_weights`): the rank copies them into buckets of at most `bucket_bytes`
+    (host shared memory, or CUDA IPC on a GPU) and lists them in its Ack's `shared`, which the
+    engine sends on as an `UpdateWeights` source. The buckets live until the next ShareWeights
+    or Shutdown. Legal in ACTIVE and PARTIAL with valid weights awake; never changes the state."""
+
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKET_BYTES)] = 256 << 20
+
+
 class Execute(Command, kw_only=True, frozen=True):
     """Run one request on the model. Legal only in ACTIVE (P-7)."""
 
@@ -161,7 +215,11 @@ class Reply(Message, kw_only=True, frozen=True):
 
 class Ack(Reply, kw_only=True, frozen=True):
     """The command completed. `state` is the worker's state after it; `asleep_tags` the tags
-    not resident now. `status` is ALREADY when nothing needed doing."""
+    not resident now. `status` is ALREADY when nothing needed doing. `weights_version` is the
+    version of the weights the rank holds (0: its own source, never updated; P-17); left off
+    the wire at 0, so an Ack without updates is the frame every earlier peer knows."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared")
 
     command: str
     state: WorkerState
@@ -174,22 +232,31 @@ class Ack(Reply, kw_only=True, frozen=True):
     # compression has finished (written under a temporary name, then renamed).
     trace_paths: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)], ...],
                            msgspec.Meta(max_length=MAX_TRACE_PATHS)] = ()
+    weights_version: WeightsVersion = 0
+    shared: ShmSource | IpcSource | None = None  # ShareWeights: the buckets holding this rank's weights
 
 
 class Nack(Reply, kw_only=True, frozen=True):
-    """The command was refused and had no effect; `state` is the worker's state now."""
+    """The command was refused and had no effect; `state` is the worker's state now, and
+    `weights_version` the version it holds (or held last, in NEEDS_RELOAD)."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
 
     command: str
     reason: NackReason
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""
     state: WorkerState
+    weights_version: WeightsVersion = 0
 
 
 class Result(Reply, kw_only=True, frozen=True):
-    """Output of an Execute."""
+    """Output of an Execute; `weights_version` names the weights that produced it."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
 
     output: Any = None
     duration_s: Seconds = 0.0
+    weights_version: WeightsVersion = 0
 
 
 class Hello(Reply, kw_only=True, frozen=True):
@@ -209,13 +276,18 @@ class Hello(Reply, kw_only=True, frozen=True):
     capabilities: tuple[Capability, ...] = ()
     state: WorkerState = WorkerState.ACTIVE
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why, if not ACTIVE
+    weights_version: WeightsVersion = 0
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
 
 
-COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile)
+COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,
+                                            UpdateWeights, InitWeightGroup, ShareWeights)
 REPLY_TYPES: tuple[type[Reply], ...] = (Ack, Nack, Result, Hello)
 MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
 
-AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile]  # noqa: UP007
+AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
+                   UpdateWeights, InitWeightGroup, ShareWeights]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
 AnyMessage = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
-                   Ack, Nack, Result, Hello]
+                   UpdateWeights, InitWeightGroup, ShareWeights, Ack, Nack, Result, Hello]

@@ -89,6 +89,30 @@ class ModelRunner(ABC):
         any tensor is written.
         """
 
+    def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (full shape, dtype) of every weight an update may write (P-17): the names a
+        trainer's state_dict uses, the unsharded shapes (a tensor-parallel rank takes its
+        shard in `update_weights`). An update naming anything else is refused before writing."""
+        raise NotImplementedError(f"{type(self).__name__} takes no weight updates; override weight_specs "
+                                  "and update_weights")  # fmt: skip
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write each full tensor into the weight of that name, in place (the addresses stay:
+        CUDA graphs and the backend hold them). Names, shapes and dtypes were checked against
+        `weight_specs` before the first call; the tensors may live in another process's
+        shared memory and are valid only during this call, so copy, never keep them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no weight updates")
+
+    def weights_to_share(self) -> Mapping[str, torch.Tensor]:
+        """Name -> the full tensor of every weight, for another stage on the node (a trainer
+        stage's side of `Engine.transfer_weights`); the names are `weight_specs`' names. Read
+        only, during the ShareWeights; a runner that cannot raises RunnerArgumentError."""
+        raise RunnerArgumentError(f"{type(self).__name__} cannot share its weights; implement weights_to_share")
+
+    @property
+    def supports_weight_update(self) -> bool:
+        return type(self).update_weights is not ModelRunner.update_weights
+
     # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
     # the safe answer; a wrong "no" brings back stale weights after a wake
     # (StageSpec.verify_clean_sleep catches it).

@@ -48,6 +48,7 @@ import json
 import logging
 import secrets
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,27 @@ class DiffusersRunner(ModelRunner):
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a pipeline directory path, got {source!r}")
         self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+        self._weights_changed()
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """`component/name` (e.g. `transformer/proj_out.weight`) -> shape and dtype."""
+        if self.weights is None:
+            raise RuntimeError("weight_specs before load_weights")
+        return self.weights.specs()
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.weights is None:
+            raise RuntimeError("update_weights before load_weights")
+        self.weights.write(named)
+        self._weights_changed()
+
+    def weights_to_share(self) -> dict[str, torch.Tensor]:
+        if self.weights is None:
+            raise RuntimeError("weights_to_share before load_weights")
+        return self.weights.named()
+
+    def _weights_changed(self) -> None:
+        """What was derived from the old weights goes: cached prompt embeddings, requests."""
         self.generation += 1
         self.prompt_cache.clear()
         for request_id in list(self.requests):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -134,6 +134,18 @@ class SyntheticRunner(ModelRunner):
 
     def reload_weights(self, source: str | None) -> None:
         self._fill(self.seed if source is None else _parse_seed(source))
+
+    def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        # The calibration buffer is not a weight: like a reload, an update leaves it alone.
+        return {f"w{i}": ((self.rows, self.hidden), self.dtype) for i in range(self.tensor_count)}
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in named:
+                self.weights[int(name[1:])].copy_(tensor)
+
+    def weights_to_share(self) -> dict[str, torch.Tensor]:
+        return {f"w{i}": w for i, w in enumerate(self.weights)}
 
     def _fill(self, seed: int) -> None:
         # One generator per tensor on the device itself: the same values at load and at

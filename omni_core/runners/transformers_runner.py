@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,26 @@ class TransformersRunner(ModelRunner):
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
         self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.weights is None:
+            raise RuntimeError("weight_specs before load_weights")
+        return self.weights.specs()
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A trainer's state_dict tensors (full, in the model's dtype); a tensor-parallel rank
+        keeps its shard of each, cut as the plan cuts it (`rank_shard`)."""
+        if self.weights is None:
+            raise RuntimeError("update_weights before load_weights")
+        self.weights.write(named)
+
+    def weights_to_share(self) -> dict[str, torch.Tensor]:
+        if self.weights is None:
+            raise RuntimeError("weights_to_share before load_weights")
+        if self.world > 1:
+            raise RunnerArgumentError("a tensor-parallel stage holds shards, not whole weights: share from a "
+                                      "stage of one rank")  # fmt: skip
+        return self.weights.named()
 
     def close(self) -> None:
         self.model = self.cache = self.weights = None

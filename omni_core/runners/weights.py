@@ -240,6 +240,33 @@ class WeightSet:
     def tensors(self) -> list[torch.Tensor]:
         return [t.tensor for targets in self.folders.values() for t in targets]
 
+    def _by_name(self) -> dict[str, _Target]:
+        return {(f"{folder}/{name}" if folder else name): target
+                for folder, targets in self.folders.items() for target in targets for name in target.names}
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of every weight (tied weights once, under their first name)."""
+        return {(f"{folder}/{t.names[0]}" if folder else t.names[0]): t.tensor
+                for folder, targets in self.folders.items() for t in targets}
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> full (unsharded) shape and dtype of every tensor an update may write: the
+        state_dict names (tied weights under each of theirs), `folder/name` in a sub-folder."""
+        return {name: (tuple(t.tensor.shape), t.tensor.dtype) for name, t in self._by_name().items()}
+
+    def write(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy full tensors in place, each rank its shard (as a reload cuts it); the names,
+        shapes and dtypes were checked against `specs`. Returns the bytes written here."""
+        targets = self._by_name()
+        written_bytes = 0
+        with torch.no_grad():
+            for name, full in named:
+                target = targets[name]
+                piece = rank_shard(target.tensor, full)
+                local_tensor(target.tensor).copy_(piece)
+                written_bytes += piece.numel() * piece.element_size()
+        return written_bytes
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The memory this rank holds for `tensor`: a DTensor's own shard (the very tensor object,

@@ -4,6 +4,7 @@ transcripts, the same for every run."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
@@ -12,13 +13,33 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.stage import TaskOutcome
-from omni_core.protocol import Ack, Execute, Hello, Message, Nack, Profile, ReloadWeights, Result, Sleep, Wake
+from omni_core.protocol import (
+    Ack,
+    DiskSource,
+    Execute,
+    Hello,
+    InitWeightGroup,
+    Message,
+    Nack,
+    Profile,
+    ReloadWeights,
+    Result,
+    ShareWeights,
+    Sleep,
+    UpdateWeights,
+    Wake,
+    source_kind,
+)
+from omni_core.protocol.weights import source_tensors
 
 
 def fmt_address(rank: int | None) -> str:
@@ -47,19 +68,36 @@ def describe(message: Message) -> str:
         return f"Execute {head} payload={message.payload!r}"
     if isinstance(message, Profile):
         return f"Profile {head} {'start' if message.start else 'stop'} prefix={message.prefix or '-'}"
+    if isinstance(message, UpdateWeights):
+        return f"UpdateWeights {head} version={message.version} source={_source(message.source)}"
+    if isinstance(message, InitWeightGroup):
+        return (f"InitWeightGroup {head} group={message.group} {message.address}:{message.port} "
+                f"world={message.world_size} offset={message.rank_offset} {message.backend}")  # fmt: skip
+    if isinstance(message, ShareWeights):
+        return f"ShareWeights {head} bucket_bytes={message.bucket_bytes}"
+    version = f" v{message.weights_version}" if getattr(message, "weights_version", 0) else ""
     if isinstance(message, Ack):
         detail = f" ({message.detail})" if message.detail else ""
         paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
         return (f"Ack {message.command} {head} {message.status.value} {message.state.value} "
-                f"asleep={fmt_tags(message.asleep_tags)}{paths}{detail}")  # fmt: skip
+                f"asleep={fmt_tags(message.asleep_tags)}{version}{paths}{detail}")  # fmt: skip
     if isinstance(message, Nack):
-        return f"Nack {message.command} {head} {message.reason.value} in {message.state.value}: {message.detail}"
+        reason, state = message.reason.value, message.state.value
+        return f"Nack {message.command} {head} {reason} in {state}{version}: {message.detail}"
     if isinstance(message, Result):
-        return f"Result {head} output={message.output!r}"
+        return f"Result {head} output={message.output!r}{version}"
     if isinstance(message, Hello):
         detail = f": {message.detail}" if message.detail else ""
         return f"Hello e{message.epoch} {message.state.value} tags={fmt_tags(message.tags)}{detail}"
     return f"{type(message).__name__} {head}"
+
+
+def _source(source: Any) -> str:
+    """A weight source in one line: its kind and what names it (a path, a bucket count)."""
+    kind = source_kind(source)
+    if isinstance(source, DiskSource):
+        return f"{kind}:{source.path}"
+    return f"{kind}:{len(source_tensors(source))} tensors"
 
 
 def describe_input(event: I.EngineInput) -> str:
@@ -76,6 +114,14 @@ def describe_input(event: I.EngineInput) -> str:
         return f"WakeCall {event.task_id} tags={fmt_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
     if isinstance(event, I.ReloadCall):
         return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
+    if isinstance(event, I.UpdateCall):
+        return (f"UpdateCall {event.task_id} version={event.version} source={_source(event.source)} "
+                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
+    if isinstance(event, I.WeightGroupCall):
+        return (f"WeightGroupCall {event.task_id} group={event.group} {event.address}:{event.port} "
+                f"world={event.world_size} offset={event.rank_offset} {event.backend}")  # fmt: skip
+    if isinstance(event, I.ShareCall):
+        return f"ShareCall {event.task_id} bucket_bytes={event.bucket_bytes} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.ProfileCall):
         return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
                 f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
@@ -97,6 +143,12 @@ def describe_effect(effect: Effect) -> str:
         return f"map back {fmt_tags(sorted(effect.tags))}"
     if isinstance(effect, ReloadEffect):
         return f"reload weights from {effect.source or 'the default source'}"
+    if isinstance(effect, UpdateEffect):
+        return f"write weights version {effect.version} from {_source(effect.source)}"
+    if isinstance(effect, WeightGroupEffect):
+        return f"join weight group {effect.command.group}"
+    if isinstance(effect, ShareEffect):
+        return f"share the weights in buckets of {effect.bucket_bytes} bytes"
     if isinstance(effect, ExecuteEffect):
         return f"run request {effect.task_id}"
     if isinstance(effect, StatusEffect):

@@ -32,10 +32,13 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep, TaskOutcome
@@ -114,7 +117,9 @@ class Envelope:
 
 
 _COMMAND_OF_EFFECT = {SleepEffect: "Sleep", WakeEffect: "Wake", ReloadEffect: "ReloadWeights", ExecuteEffect: "Execute",
-                      StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile"}  # fmt: skip
+                      StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile",
+                      UpdateEffect: "UpdateWeights", WeightGroupEffect: "InitWeightGroup",
+                      ShareEffect: "ShareWeights"}  # fmt: skip
 
 
 def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:
@@ -473,7 +478,7 @@ class Simulator:
             self.say(f"done {what}")
             if output is ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
-            memory = None if isinstance(effect, ProfileEffect) else NO_MEMORY  # the profiler moves no pool
+            memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)) else NO_MEMORY
             step = worker.on_done(effect.task_id, memory=memory, output=output,
                                   trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now))  # fmt: skip
         self._report_worker(worker, state, counters, step)

@@ -12,7 +12,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep
 from omni_core.fsm.worker import WorkerCore
-from omni_core.protocol import Capability
+from omni_core.protocol import Capability, DiskSource
 from omni_core.testing.describe import fmt_s, fmt_tags
 from omni_core.testing.network import ECHO, Envelope, Faults, SimulationError, Simulator
 
@@ -81,6 +81,8 @@ class Script:
     faults [loss= dup= delay= max-delay= reorder= crash= effect-error=]   seeded fault rates
     sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
     reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
+    update task= version= [source=PATH deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
+    share task= [bucket-bytes=1024 deadline=30s]
     profile task= [start=yes|no prefix= deadline=30s]
     restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
@@ -210,6 +212,22 @@ class Script:
     def cmd_reload(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "source", "deadline"})
         self.s.call(I.ReloadCall(args["task"], args.get("source"), parse_duration_s(args.get("deadline", "30s"))))
+
+    def cmd_update(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "version", "source", "deadline"})
+        self.s.call(I.UpdateCall(args["task"], int(args["version"]), DiskSource(path=args.get("source", "/ckpt")),
+                                 parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+
+    def cmd_weight_group(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "port", "world", "offset", "deadline"})
+        self.s.call(I.WeightGroupCall(args["task"], "rl", "127.0.0.1", int(args.get("port", "29500")),
+                                      int(args.get("world", "3")), int(args.get("offset", "1")), "gloo",
+                                      parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+
+    def cmd_share(self, args: dict[str, str], bare: list[str]) -> None:
+        self._only(args, {"task", "bucket-bytes", "deadline"})
+        self.s.call(I.ShareCall(args["task"], int(args.get("bucket-bytes", "1024")),
+                                parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
 
     def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "start", "prefix", "deadline"})

@@ -35,10 +35,13 @@ from omni_core.fsm.effects import (
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
+    ShareEffect,
     ShutdownEffect,
     SleepEffect,
     StatusEffect,
+    UpdateEffect,
     WakeEffect,
+    WeightGroupEffect,
 )
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
@@ -61,6 +64,7 @@ from omni_core.protocol.codec import envelope_of
 from omni_core.runners.base import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
 from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
+from omni_core.weights_sender import WeightSender
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
@@ -68,6 +72,7 @@ from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.simulated_device import SimulatedResidency
+from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
 
@@ -126,6 +131,8 @@ class WorkerProcess:
         self.memory: ProcessMemory | None = None
         self.free_memory: FreeMemorySource | None = None  # what a wake's memory gate asks
         self.core: WorkerCore | None = None
+        self.receiver = WeightReceiver(torch.device("cpu"), config.rank)  # on the rank's device once resolved
+        self.sender: WeightSender | None = None  # this rank's shared weights (ShareWeights), until the next
         self.profiler = TraceProfiler(config.profile_dir or default_profile_dir(), config.stage, config.rank,
                                       max_duration_s=config.profile_max_s)  # fmt: skip
         self.stopped = False
@@ -169,6 +176,12 @@ class WorkerProcess:
             if relay_peers:  # declared only now: whether the backend relays is known after load
                 capabilities = (*capabilities, Capability.MULTI_PATH)
                 self.core.capabilities = frozenset(capabilities)
+        if not error and self.runner is not None:
+            # P-17: every runner updates from disk (its reload); shm, ipc and collective need the
+            # runner's update_weights, else the receiver refuses them (INVALID_ARGUMENT).
+            capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
+            self.core.capabilities = frozenset(capabilities)
+        self.receiver.device = self.device
         started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name)
         self._write(started.records)
         device = str(self.device)
@@ -183,7 +196,7 @@ class WorkerProcess:
                          relay_peers=relay_peers,
                          tags=cfg.tags,
                          capabilities=capabilities, state=self.core.state,
-                         detail=error[:MAX_DETAIL_CHARS]))  # fmt: skip
+                         detail=error[:MAX_DETAIL_CHARS], weights_version=self.core.weights_version))  # fmt: skip
 
     def _load(self) -> None:
         assert self.backend is not None
@@ -335,7 +348,7 @@ class WorkerProcess:
         assert core is not None
         started = time.perf_counter()
         # Requests stay off NVML's path; the profiler moves no pool memory (P-12 asks no report).
-        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect))
+        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect, WeightGroupEffect, ShareEffect))
         try:
             pools_before = self._usage() if measured else {}
             figure_before = self._figure() if measured else None
@@ -356,9 +369,10 @@ class WorkerProcess:
         else:
             path = self.backend.last_sleep_path if isinstance(effect, SleepEffect) and self.backend else ""
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
-            output = None if isinstance(effect, ProfileEffect) else output
+            shared = output if isinstance(effect, ShareEffect) else None
+            output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
             step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s, path=path,
-                                trace_paths=trace_paths)  # fmt: skip
+                                trace_paths=trace_paths, shared=shared)  # fmt: skip
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -366,7 +380,7 @@ class WorkerProcess:
     def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
         core = self.core
         assert core is not None
-        if isinstance(exc, RunnerArgumentError) and isinstance(effect, ReloadEffect):
+        if isinstance(exc, RunnerArgumentError) and isinstance(effect, (ReloadEffect, UpdateEffect)):
             # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
             return core.on_refused(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT)
         if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
@@ -392,6 +406,9 @@ class WorkerProcess:
         if isinstance(effect, ShutdownEffect):
             self._release()
             return None
+        if isinstance(effect, WeightGroupEffect):
+            self.receiver.join(effect.command)
+            return None
         if backend is None or runner is None:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, SleepEffect):
@@ -411,6 +428,21 @@ class WorkerProcess:
                 torch.cuda.synchronize(self.device)
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+        elif isinstance(effect, UpdateEffect):
+            # As a reload: in place, outside any pool. Invalidated first, so that a host copy of
+            # the previous version never comes back at a wake, even when the update fails midway.
+            backend.invalidate({WEIGHTS_TAG})
+            self.receiver.apply(effect.source, runner)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the Ack commits the version: every copy landed
+            if WEIGHTS_TAG in self.config.tags:
+                backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+        elif isinstance(effect, ShareEffect):
+            if self.sender is None or self.sender.bucket_bytes != effect.bucket_bytes:
+                if self.sender is not None:
+                    self.sender.close()
+                self.sender = WeightSender(bucket_bytes=effect.bucket_bytes)
+            return self.sender.share(runner.weights_to_share())
         elif isinstance(effect, ExecuteEffect):
             return self._checked_output(runner.execute(effect.payload))
         else:  # pragma: no cover - the core emits only the effects above
@@ -431,6 +463,9 @@ class WorkerProcess:
         return output
 
     def _release(self) -> None:
+        self.receiver.close()
+        if self.sender is not None:
+            self.sender.close()
         self.profiler.close()  # a running profile has no one left to ask for it; finish compressing
         backend, runner = self.backend, self.runner
         if backend is not None:

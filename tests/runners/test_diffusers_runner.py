@@ -262,3 +262,24 @@ def test_an_op_that_fails_half_way_ends_its_request(checkpoints, monkeypatch):
         runner.execute({"op": "step", "request_id": started["request_id"], "steps": 3})
     with pytest.raises(RequestLostError, match=r"its step op failed \(RuntimeError: CUDA out of memory"):
         runner.execute({"op": "step", "request_id": started["request_id"]})
+
+
+def test_a_shared_memory_update_equals_the_other_checkpoint_and_drops_derived_state(checkpoints):
+    """P-17 for a pipeline: `component/name` tensors over shm buckets; the images equal the
+    other checkpoint's, and what came from the old weights (the generation) moves on."""
+    from safetensors.torch import load_file
+
+    from omni_core.weights_sender import WeightSender
+    from omni_core.workers.weight_receiver import WeightReceiver
+
+    pools, other = runner_in_pools(checkpoints["dit"]), runner_in_pools(checkpoints["dit-seed1"])
+    runner = pools.runner
+    original, generation = runner.execute(DIT)["sha256"], runner.generation
+    trained = {f"{folder}/{name}": tensor for folder in runner.weights.folders
+               for path in sorted((checkpoints["dit-seed1"] / folder).glob("*.safetensors"))
+               for name, tensor in load_file(path).items()}  # fmt: skip
+    assert set(trained) <= set(runner.weight_specs())
+    with WeightSender() as sender:
+        WeightReceiver(CPU, 0).apply(sender.share(trained), runner)
+    assert runner.execute(DIT)["sha256"] == other.runner.execute(DIT)["sha256"] != original
+    assert runner.generation == generation + 1

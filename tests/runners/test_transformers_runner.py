@@ -237,3 +237,25 @@ def test_bad_runner_arguments(checkpoints, tmp_path):
         TransformersRunner(CPU, model=str(checkpoints["qwen2"]), max_seq_len=1000)
     with pytest.raises(ValueError, match="dtype 'fp8' is not supported"):
         TransformersRunner(CPU, model=str(checkpoints["qwen2"]), dtype="fp8")
+
+
+def test_a_shared_memory_update_equals_a_model_loaded_with_those_weights(checkpoints):
+    """P-17 in one process: a trainer's state_dict through shm buckets into the runner, checked
+    first (a wrong shape writes nothing), then greedy tokens equal the other checkpoint's."""
+    from omni_core.weights_sender import WeightSender
+    from omni_core.workers.weight_receiver import WeightReceiver
+
+    pools, other = runner_in_pools(checkpoints["qwen2"]), runner_in_pools(checkpoints["qwen2-seed1"])
+    runner, receiver = pools.runner, WeightReceiver(CPU, 0)
+    trained = load_file(checkpoints["qwen2-seed1"] / "model.safetensors")
+    before = weights_digest(runner)
+    with WeightSender(bucket_bytes=64 << 10) as sender:
+        bad = dict(trained, **{"model.norm.weight": torch.ones(65)})
+        with pytest.raises(RunnerArgumentError, match=r"'model.norm.weight' is float32 \[65\], the model's is"):
+            receiver.apply(sender.share(bad), runner)
+        assert weights_digest(runner) == before
+        source = sender.share(trained)
+        assert len(source.buckets) > 1
+        receiver.apply(source, runner)
+    assert weights_digest(runner) == weights_digest(other.runner)
+    assert runner.execute(GREEDY)["token_ids"] == other.runner.execute(GREEDY)["token_ids"]

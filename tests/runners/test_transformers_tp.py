@@ -73,6 +73,28 @@ def test_sleep_levels_and_reloads_keep_the_tokens(engine, unsharded, checkpoints
     assert expected(unsharded, "qwen2-seed1", SAMPLED) != tokens  # the update above changed something
 
 
+def test_a_trainers_update_reaches_each_rank_as_its_shard(engine, unsharded, checkpoints):
+    """P-17 on a tensor-parallel stage: the full tensors of a state_dict over shm; each rank
+    keeps its shard; the tokens equal one process loaded with those weights, also after a
+    sleep and wake (the wake brings back the update, not the load)."""
+    from safetensors.torch import load_file
+
+    from omni_core.weights_sender import WeightSender
+
+    with WeightSender() as sender:
+        trained = load_file(checkpoints["qwen2-seed1"] / "model.safetensors")
+        version = engine.status()["tp"]["weights_version"] + 1
+        report = engine.update_weights("tp", sender.share(trained), version=version)
+        assert report.weights_version == version and {r.weights_version for r in report.ranks.values()} == {version}
+        assert engine.execute("tp", SAMPLED)["token_ids"] == expected(unsharded, "qwen2-seed1", SAMPLED)
+        engine.sleep("tp", level=1)
+        engine.wake("tp")
+        assert engine.execute("tp", SAMPLED)["token_ids"] == expected(unsharded, "qwen2-seed1", SAMPLED)
+        back = load_file(checkpoints["qwen2"] / "model.safetensors")
+        engine.update_weights("tp", sender.share(back), version=version + 1)
+        assert engine.execute("tp", GREEDY)["token_ids"] == expected(unsharded, "qwen2", GREEDY)
+
+
 def test_heads_that_do_not_divide_are_refused_before_loading(checkpoints, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"a stage of 3 ranks shards the model's attention heads: 4 query and 2 "

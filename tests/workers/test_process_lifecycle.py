@@ -86,8 +86,11 @@ def test_hello_describes_the_worker(worker):
     assert hello.state is WorkerState.ACTIVE
     assert hello.backend == "portable" and hello.device == "cpu"
     assert hello.tags == ("weights", "kv_cache")
-    # SWAP: the portable backend gates a wake (here on CPU without a simulated device, nothing to wait for)
-    assert set(hello.capabilities) == {Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.PROFILE, Capability.SWAP}
+    # SWAP: the portable backend gates a wake (here on CPU without a simulated device, nothing to wait for);
+    # WEIGHT_UPDATE: the synthetic runner takes weight updates (P-17)
+    assert set(hello.capabilities) == {Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.PROFILE, Capability.SWAP,
+                                       Capability.WEIGHT_UPDATE}
+    assert hello.weights_version == 0
 
 
 def test_sleep_wake_reload_round_trips_are_bit_exact(orch, worker):

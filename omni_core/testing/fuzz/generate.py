@@ -27,9 +27,13 @@ from omni_core.protocol import (
     PROTOCOL_VERSION,
     Ack,
     AckStatus,
+    Bucket,
     Capability,
+    CollectiveSource,
+    DiskSource,
     Execute,
     Hello,
+    InitWeightGroup,
     MemoryReport,
     Message,
     Nack,
@@ -37,9 +41,13 @@ from omni_core.protocol import (
     Profile,
     ReloadWeights,
     Result,
+    ShareWeights,
+    ShmSource,
     Shutdown,
     Sleep,
     Status,
+    TensorSpec,
+    UpdateWeights,
     Wake,
     WorkerState,
     encode,
@@ -60,6 +68,11 @@ from omni_core.testing.fuzz.msgpack_writer import (
     pack,
 )
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+
+# The types drawn on the main stream; the weight commands come from a side stream (valid_message).
+_WEIGHT_TYPES: tuple[type[Message], ...] = (UpdateWeights, InitWeightGroup, ShareWeights)
+_DRAWN_TYPES: tuple[type[Message], ...] = tuple(t for t in MESSAGE_TYPES if t not in _WEIGHT_TYPES)
+WEIGHT_COMMAND_SHARE = 0.05
 
 INT_EDGES: tuple[int, ...] = (
     0, 1, -1, 2, 127, 128, -32, -33, 255, 256, -128, -129, 65535, 65536, -32768, -32769,
@@ -153,6 +166,7 @@ class FrameGenerator:
 
     def __init__(self, seed: int, config: GeneratorConfig | None = None) -> None:
         self.rng = random.Random(seed)
+        self._side = random.Random(seed * 7919 + 17)  # the weight commands' own stream (valid_message)
         self.config = config or GeneratorConfig()
         self._history: deque[bytes] = deque(maxlen=self.config.history_frames)
         self._queued: deque[Frame] = deque()
@@ -176,7 +190,37 @@ class FrameGenerator:
         return getattr(self, "_" + kind)(ctx)
 
     def valid_message(self, ctx: FuzzContext, kind: type[Message] | None = None) -> Message:
-        """A valid message of `kind` (random type if None), fields drawn around `ctx`."""
+        """A valid message of `kind` (random type if None), fields drawn around `ctx`. The weight
+        commands (P-17) replace a share of the random ones from a side stream, after the message
+        they replace was drawn: a seed gives the same frames of every other type as before."""
+        swap = kind is None and self._side.random() < WEIGHT_COMMAND_SHARE
+        message = self._valid_message(ctx, kind)
+        if swap:
+            side = self._side
+            return self._weight_message(message.task_id, message.epoch, side.choice(_WEIGHT_TYPES), side)
+        return message
+
+    def _weight_message(self, task_id: str, epoch: int, kind: type[Message], rng: random.Random) -> Message:
+        if kind is UpdateWeights:  # handles no sender keeps alive: a rank must refuse them, not hang
+            spec = TensorSpec(name=rng.choice(("w0", "model.w", "x" * 256)), dtype=rng.choice(("float32", "bfloat16")),
+                              shape=(rng.randrange(5), rng.randrange(5)))
+            bucket = Bucket(handle=rng.choice(("/dev/shm/omni-fuzz-gone", "../../etc/passwd", "x")),
+                            nbytes=spec.nbytes + rng.randrange(64), sender_pid=rng.randrange(1, 1 << 22),
+                            tensors=(spec,))
+            source = rng.choice((DiskSource(path="/nonexistent/ckpt"), ShmSource(buckets=(bucket,)),
+                                 CollectiveSource(tensors=(spec,))))
+            return UpdateWeights(task_id=task_id, epoch=epoch, version=rng.randrange(1, 1 << 20), source=source)
+        if kind is ShareWeights:
+            return ShareWeights(task_id=task_id, epoch=epoch, bucket_bytes=rng.choice((1, 4096, 256 << 20)))
+        if kind is InitWeightGroup:
+            # nccl: a CPU rank refuses it before any rendezvous. A gloo one would wait for a
+            # trainer up to timeout_s, blocking the rank as a waiting Wake does (not fuzzed either).
+            return InitWeightGroup(task_id=task_id, epoch=epoch, group="fuzz", address="127.0.0.1",
+                                   port=rng.randrange(20000, 60000), world_size=2, rank_offset=1, backend="nccl",
+                                   timeout_s=0.2)
+        raise TypeError(f"not a weight command: {kind!r}")
+
+    def _valid_message(self, ctx: FuzzContext, kind: type[Message] | None) -> Message:
         rng = self.rng
         if kind is None:
             kind = self._pick_type()
@@ -197,6 +241,8 @@ class FrameGenerator:
         if kind is Profile:  # prefixes a worker must refuse (INVALID_ARGUMENT) among usable ones
             return Profile(task_id=task_id, epoch=epoch, start=rng.random() < 0.5,
                            prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")))
+        if kind in _WEIGHT_TYPES:
+            return self._weight_message(task_id, epoch, kind, rng)
         rank = rng.randrange(max(1, ctx.ranks) + 1)
         state = rng.choice(list(WorkerState))
         if kind is Ack:
@@ -380,9 +426,9 @@ class FrameGenerator:
         rng = self.rng
         # The receiver's own direction most of the time; the other direction is a BAD_MESSAGE.
         commands = self.config.direction == "worker"
-        pool = MESSAGE_TYPES[:6] if commands else MESSAGE_TYPES[6:]
+        pool = _DRAWN_TYPES[:6] if commands else _DRAWN_TYPES[6:]
         if rng.random() < 0.15:
-            pool = MESSAGE_TYPES
+            pool = _DRAWN_TYPES
         return rng.choice(pool)
 
     def _task_id(self, ctx: FuzzContext) -> str:

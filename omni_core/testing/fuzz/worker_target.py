@@ -48,6 +48,7 @@ from omni_core.protocol import (
     Message,
     Nack,
     NackReason,
+    Profile,
     ProtocolError,
     ReloadWeights,
     Result,
@@ -514,7 +515,18 @@ class WorkerFuzzer:
                 reply = self._lockstep(ReloadWeights(task_id=self._task_id("reload"), epoch=self.epoch))
                 self._expect_ack(reply, "ReloadWeights", WorkerState.ACTIVE)
             self._check_execute()
+        if self.report.rss_before_bytes is None and self.report.frames_sent >= self.config.warmup_frames:
+            self._warm_profiler()
         self._sample_rss(final)
+
+    def _warm_profiler(self) -> None:
+        """Start and stop the rank's profiler once before the RSS baseline: torch's profiler sets
+        itself up at its first start (about 70 MiB on CPU, kept for the process's life), which
+        counted as growth whenever a fuzzed Profile happened to start it after the warm-up."""
+        for start in (True, False):
+            reply = self._lockstep(Profile(task_id=self._task_id("profile"), epoch=self.epoch, start=start,
+                                           prefix="warmup" if start else None))  # fmt: skip
+            self._expect_ack(reply, "Profile")
 
     def _to_active(self) -> None:
         """Undo what fuzzed (valid) commands did: wake, reload, until ACTIVE with the seed's weights."""

@@ -1,0 +1,249 @@
+"""P-17 in the sans-IO cores: the weights version through a rank's and a stage's lifecycle."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from omni_core.fsm import StageCommandError
+from omni_core.fsm.effects import ShareEffect, UpdateEffect
+from omni_core.protocol import (
+    Ack,
+    AckStatus,
+    Bucket,
+    Capability,
+    DiskSource,
+    Execute,
+    Nack,
+    NackReason,
+    ProtocolError,
+    ReloadWeights,
+    Result,
+    ShareWeights,
+    ShmSource,
+    Sleep,
+    StageState,
+    TensorSpec,
+    UpdateWeights,
+    Wake,
+    WorkerState,
+    decode,
+    encode,
+)
+from tests.lifecycle_helpers import reach_worker
+from tests.test_stage_core import reach_stage
+
+S, W = StageState, WorkerState
+DISK = DiskSource(path="/ckpt")
+
+
+def update(task_id: str, version: int, source: object = DISK) -> UpdateWeights:
+    return UpdateWeights(task_id=task_id, epoch=0, version=version, source=source)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------- wire
+
+
+def _shm(nbytes: int, *specs: TensorSpec) -> ShmSource:
+    return ShmSource(buckets=(Bucket(handle="/dev/shm/x", nbytes=nbytes, sender_pid=1, tensors=specs),))
+
+
+def test_update_round_trips_and_bounds_are_checked_on_decode() -> None:
+    good = update("u", 3, _shm(32, TensorSpec(name="w", dtype="float32", shape=(2, 2)),
+                               TensorSpec(name="b", dtype="bfloat16", shape=(8,), offset_bytes=16)))  # fmt: skip
+    assert decode(encode(good)) == good
+    def raw(tensors: list[dict], nbytes: int, version: int = 3) -> bytes:
+        bucket = {"handle": "/dev/shm/x", "nbytes": nbytes, "sender_pid": 1, "tensors": tensors}
+        return msgspec.msgpack.encode({"type": "UpdateWeights", "task_id": "u", "epoch": 0, "version": version,
+                                       "source": {"type": "shm", "buckets": [bucket]}})
+
+    w = {"name": "w", "dtype": "float32", "shape": [2, 2]}
+    for bad, match in [(raw([w], 8), "ends past its bucket"),
+                       (raw([w, {**w, "offset_bytes": 16}], 64), "appears twice"),
+                       (raw([w], 64, version=0), ">= 1"),
+                       (raw([{**w, "shape": [1] * 9}], 64), "length <= 8"),
+                       (raw([{**w, "dtype": "complex64"}], 64), "dtype")]:  # fmt: skip
+        with pytest.raises(ProtocolError, match=match):
+            decode(bad)
+
+
+def test_a_reply_without_a_version_is_the_frame_earlier_peers_know() -> None:
+    ack = Ack(task_id="t", epoch=0, rank=0, command="Sleep", state=W.ACTIVE)
+    assert b"weights_version" not in encode(ack)
+    assert b"weights_version" in encode(msgspec.structs.replace(ack, weights_version=2))
+    assert decode(encode(msgspec.structs.replace(ack, weights_version=2))).weights_version == 2  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------- worker
+
+
+@pytest.mark.parametrize("state", [W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD])
+def test_an_update_is_taken_where_the_weights_are_resident(state: WorkerState) -> None:
+    d = reach_worker(W.SLEEPING if state is W.PARTIAL else state)
+    if state is W.PARTIAL:  # reach_worker's PARTIAL has the weights asleep: this one has them awake
+        d.run(Wake(task_id="w-weights", epoch=0, tags=("weights",)))
+        assert d.w.state is W.PARTIAL
+    before = d.w.state
+    step = d.send(update("u1", 1))
+    assert step.effect == UpdateEffect("u1", 1, DISK) and d.w.state is W.RELOADING
+    reply = d.w.on_done("u1").replies[0]
+    assert isinstance(reply, Ack) and reply.weights_version == 1 and d.w.weights_version == 1
+    assert d.w.state is (W.ACTIVE if before in (W.ACTIVE, W.NEEDS_RELOAD) and not d.w.residency.asleep else W.PARTIAL)
+
+
+@pytest.mark.parametrize("state", [W.SLEEPING, W.PARTIAL, W.LOADING, W.FAILED])
+def test_an_update_is_refused_where_the_weights_are_not_resident(state: WorkerState) -> None:
+    d = reach_worker(state)  # PARTIAL here: kv_cache awake, weights asleep
+    reply = d.run(update("u1", 1))
+    assert isinstance(reply, Nack) and reply.reason in (NackReason.INVALID_STATE, NackReason.FAILED)
+    assert d.w.state is state and d.w.weights_version == 0
+
+
+def test_a_version_not_above_the_current_is_refused_naming_both() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(update("u5", 5))
+    for version in (5, 4):
+        reply = d.run(update(f"again-{version}", version))
+        assert isinstance(reply, Nack) and reply.reason is NackReason.STALE_VERSION
+        assert f"version {version} is not above this rank's version 5" in reply.detail
+        assert reply.weights_version == 5 and d.w.state is W.ACTIVE
+
+
+def test_a_retry_of_an_update_is_answered_from_the_cache_without_a_second_write() -> None:
+    d = reach_worker(W.ACTIVE)
+    first = d.run(update("u1", 1))
+    step = d.send(update("u1", 1))
+    assert step.effect is None and step.replies == (first,)
+    assert isinstance(d.run(update("u1", 2)), Nack)  # the same task_id for another update: TASK_ID_REUSED
+
+
+def test_refused_before_writing_keeps_state_and_version() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(update("u1", 1))
+    d.send(update("u2", 2))
+    (reply,) = d.w.on_refused("u2", "tensor 'w0' has shape (4, 4), the model's is (4, 8)").replies
+    assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT and "'w0'" in reply.detail
+    assert d.w.state is W.ACTIVE and d.w.weights_version == 1 and d.w.residency.weights_valid
+
+
+def test_a_failure_once_writing_began_leaves_needs_reload_at_the_old_version() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(update("u1", 1))
+    d.send(update("u2", 2))
+    (reply,) = d.w.on_error("u2", "sender pid 4242 exited mid-update").replies
+    assert isinstance(reply, Nack) and reply.reason is NackReason.UPDATE_FAILED
+    assert reply.state is W.NEEDS_RELOAD and reply.weights_version == 1 and "still at weights version 1" in reply.detail
+    assert isinstance(d.run(Execute(task_id="x", epoch=0)), Nack)  # nothing runs on half-written weights
+    assert d.run(update("u2-again", 2)).weights_version == 2 and d.w.state is W.ACTIVE  # type: ignore[attr-defined]
+
+
+def test_a_reload_brings_back_the_runners_own_weights_as_version_0() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(update("u1", 3))
+    assert d.run(ReloadWeights(task_id="r", epoch=0)).weights_version == 0  # type: ignore[attr-defined]
+
+
+def test_results_and_sleeps_carry_the_version() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.run(update("u1", 7))
+    assert isinstance(result := d.run(Execute(task_id="x", epoch=0)), Result) and result.weights_version == 7
+    assert d.run(Sleep(task_id="s", epoch=0, level=2)).weights_version == 7  # type: ignore[attr-defined]
+
+
+def test_a_worker_without_the_capability_refuses_updates() -> None:
+    d = reach_worker(W.ACTIVE, capabilities=(Capability.LEVEL2,))
+    reply = d.run(update("u1", 1))
+    assert isinstance(reply, Nack) and reply.reason is NackReason.UNSUPPORTED and d.w.state is W.ACTIVE
+
+
+# ----------------------------------------------------------------------- stage
+
+
+def test_in_running_the_update_drains_first_and_requests_wait_until_every_rank_acked() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    st = h.stage
+    st.request_started()
+    step = st.update_weights("u1", 1, DISK, h.now, 5.0)
+    assert not step.sends and st.state is S.DRAINING and not st.admits()
+    sent = st.request_finished(h.now)
+    assert st.state is S.WAKING and {type(o.command) for o in sent.sends} == {UpdateWeights}
+    replies = h.to_workers(sent)
+    h.feed(replies[:1])
+    assert st.state is S.WAKING and not st.admits() and st.weights_version == 0  # one rank is not a commit
+    outcome = h.feed(replies[1:]).outcome
+    assert outcome is not None and outcome.ok and st.state is S.RUNNING and st.weights_version == 1
+
+
+def test_an_update_drain_that_times_out_stays_running_and_sends_nothing() -> None:
+    h = reach_stage(S.RUNNING, ranks=1)
+    h.stage.request_started()
+    h.stage.update_weights("u1", 1, DISK, h.now, 5.0)
+    step = h.stage.on_tick(h.now + 6.0)
+    assert step.outcome is not None and not step.outcome.ok and "update abandoned" in step.outcome.error
+    assert h.stage.state is S.RUNNING and h.stage.weights_version == 0
+
+
+def test_an_ack_at_another_version_fails_the_stage_naming_both() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    step = h.stage.update_weights("u1", 2, DISK, h.now, 5.0)
+    replies = h.to_workers(step)
+    forged = msgspec.structs.replace(replies[1], weights_version=9)
+    outcome = h.feed([replies[0], forged]).outcome
+    assert outcome is not None and h.stage.state is S.FAILED
+    assert "at weights version 9; the stage expected version 2" in outcome.error
+
+
+def test_a_result_from_another_version_is_never_served() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    h.stage.request_started()
+    request = next(iter(h.stage.in_flight))
+    from omni_core.fsm import inputs as I
+
+    good = Result(task_id=request, epoch=0, rank=0, output=1)
+    stale = Result(task_id=request, epoch=0, rank=1, output=2, weights_version=3)
+    h.stage.step(I.Received(good), h.now)
+    step = h.stage.step(I.Received(stale), h.now)
+    assert h.stage.state is S.FAILED and "weights version 3" in h.stage.failure
+    assert all(r.output is None for r in step.requests)
+
+
+def test_ranks_starting_at_different_versions_fail_the_start() -> None:
+    h = reach_stage(S.STARTING, ranks=2)
+    h.hello(0, weights_version=1)
+    h.hello(1, weights_version=2)
+    h.stage.on_hello(h.hello(0, weights_version=1), h.now)
+    h.stage.on_hello(h.hello(1, weights_version=2), h.now)
+    assert h.stage.state is S.FAILED and "different weights" in h.stage.failure
+
+
+@pytest.mark.parametrize("state", [S.SLEEPING, S.FAILED, S.STOPPED])
+def test_the_stage_refuses_an_update_where_the_weights_are_not_resident(state: StageState) -> None:
+    h = reach_stage(state, ranks=1)
+    with pytest.raises(StageCommandError):
+        h.stage.update_weights("u1", 1, DISK, h.now, 5.0)
+    assert h.stage.state is state
+
+
+def test_the_stage_refuses_a_stale_version_before_sending() -> None:
+    h = reach_stage(S.RUNNING, ranks=1)
+    h.complete(h.stage.update_weights("u1", 4, DISK, h.now, 5.0))
+    with pytest.raises(StageCommandError, match="version 4 is not above the stage's version 4"):
+        h.stage.update_weights("u2", 4, DISK, h.now, 5.0)
+    assert h.stage.update_weights("u1", 4, DISK, h.now, 5.0).outcome.status is AckStatus.OK  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("state", [W.SLEEPING, W.NEEDS_RELOAD, W.PARTIAL])
+def test_share_needs_valid_weights_awake(state: WorkerState) -> None:
+    d = reach_worker(state)  # PARTIAL here has the weights asleep
+    reply = d.run(ShareWeights(task_id="sh", epoch=0))
+    assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_STATE and d.w.state is state
+
+
+def test_a_share_acks_the_buckets_and_changes_nothing() -> None:
+    d = reach_worker(W.ACTIVE)
+    source = ShmSource(buckets=(Bucket(handle="/dev/shm/x", nbytes=16, sender_pid=1,
+                                       tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),)),))
+    step = d.send(ShareWeights(task_id="sh", epoch=0, bucket_bytes=4096))
+    assert step.effect == ShareEffect("sh", 4096) and d.w.state is W.ACTIVE
+    (ack,) = d.w.on_done("sh", shared=source).replies
+    assert isinstance(ack, Ack) and ack.shared == source and decode(encode(ack)) == ack and d.w.state is W.ACTIVE

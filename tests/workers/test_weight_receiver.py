@@ -1,0 +1,174 @@
+"""The rank's receiver (P-17) on CPU: every refusal before the first write, and the worker
+invalidating the backend's host copy of the weights before an update writes them."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from typing import ClassVar
+
+import pytest
+import torch
+import zmq
+
+from omni_core.fsm.effects import UpdateEffect
+from omni_core.protocol import CollectiveSource, IpcSource, ShmSource, TensorSpec
+from omni_core.runners.base import RunnerArgumentError
+from omni_core.runners.synthetic import SyntheticRunner
+from omni_core.weights_sender import WeightSender
+from omni_core.workers import process as worker_process
+from omni_core.workers.config import WorkerConfig
+from omni_core.workers.weight_receiver import WeightReceiver, _IpcArgs
+
+from .test_clean_sleep import RecordingBackend
+
+W = "weights"
+
+
+class RecordingRunner(SyntheticRunner):
+    """Records every write, so a test sees what happened before the first one."""
+
+    writes: ClassVar[list[str]] = []
+
+    def update_weights(self, named):  # type: ignore[no-untyped-def]
+        for name, tensor in named:
+            RecordingRunner.writes.append(name)
+            super().update_weights([(name, tensor)])
+
+
+@pytest.fixture
+def runner() -> RecordingRunner:
+    RecordingRunner.writes = []
+    r = RecordingRunner(torch.device("cpu"), weights_bytes=4096, tensor_count=2, hidden=16, kv_bytes=1024)
+    r.load_weights()
+    r.allocate_caches()
+    return r
+
+
+def weights_like(runner: SyntheticRunner, value: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full(shape, value, dtype=dtype) for n, (shape, dtype) in runner.weight_specs().items()}
+
+
+def test_shm_buckets_are_written_and_reopened_only_when_they_change(runner: RecordingRunner) -> None:
+    receiver = WeightReceiver(torch.device("cpu"), 0)
+    with WeightSender(bucket_bytes=1024) as sender:  # one 1 KiB tensor per bucket
+        source = sender.share(weights_like(runner, 0.5))
+        assert len(source.buckets) == 2
+        receiver.apply(source, runner)
+        assert all(torch.equal(w, torch.full_like(w, 0.5)) for w in runner.weights)
+        receiver.apply(sender.share(weights_like(runner, 0.25)), runner)  # same buckets, refilled
+        assert all(torch.equal(w, torch.full_like(w, 0.25)) for w in runner.weights)
+        assert receiver.reopened == 2 and sender.reused == 1
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda s: {**s, "w0": torch.zeros(2, 2)}, r"tensor 'w0' is float32 \[2, 2\]"),
+    (lambda s: {**s, "w9": torch.zeros(16, 16)}, "'w9' is not a weight of this model"),
+    (lambda s: {**s, "w1": s["w1"].double()}, "is float64"),
+])  # fmt: skip
+def test_a_mismatch_anywhere_is_refused_before_the_first_write(runner: RecordingRunner, change, match) -> None:
+    before = [w.clone() for w in runner.weights]
+    with WeightSender() as sender, pytest.raises(RunnerArgumentError, match=match):
+        WeightReceiver(torch.device("cpu"), 0).apply(sender.share(change(weights_like(runner, 1.0))), runner)
+    assert RecordingRunner.writes == [] and all(torch.equal(a, b) for a, b in zip(before, runner.weights, strict=True))
+
+
+def test_a_bucket_of_a_dead_sender_is_refused_by_pid(runner: RecordingRunner) -> None:
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    with WeightSender() as sender:
+        source = sender.share(weights_like(runner, 1.0))
+        forged = ShmSource(buckets=tuple(b.__class__(handle=b.handle, nbytes=b.nbytes, sender_pid=child,
+                                                     tensors=b.tensors) for b in source.buckets))  # fmt: skip
+        with pytest.raises(RunnerArgumentError, match=f"sender pid {child} .* no longer runs"):
+            WeightReceiver(torch.device("cpu"), 0).apply(forged, runner)
+    assert RecordingRunner.writes == []
+
+
+@pytest.mark.parametrize("handle", ["/etc/passwd", "/dev/shm/../etc/passwd", "..", "/dev/shm/a/b"])
+def test_a_handle_outside_the_shared_memory_directory_is_refused(runner: RecordingRunner, handle: str) -> None:
+    with WeightSender() as sender:
+        bucket = sender.share(weights_like(runner, 1.0)).buckets[0]
+        bad = ShmSource(buckets=(bucket.__class__(handle=handle, nbytes=bucket.nbytes, sender_pid=os.getpid(),
+                                                  tensors=bucket.tensors),))  # fmt: skip
+        with pytest.raises(RunnerArgumentError, match="not a file directly under /dev/shm"):
+            WeightReceiver(torch.device("cpu"), 0).apply(bad, runner)
+
+
+def test_ipc_on_a_cpu_rank_and_a_broadcast_without_a_group_are_refused(runner: RecordingRunner) -> None:
+    receiver = WeightReceiver(torch.device("cpu"), 0)
+    with WeightSender() as sender:
+        buckets = sender.share(weights_like(runner, 1.0)).buckets
+        with pytest.raises(RunnerArgumentError, match="CUDA IPC handles; this rank is on cpu"):
+            receiver.apply(IpcSource(buckets=buckets), runner)
+    spec = TensorSpec(name="w0", dtype="float32", shape=tuple(runner.weights[0].shape))
+    with pytest.raises(RunnerArgumentError, match="send InitWeightGroup first"):
+        receiver.apply(CollectiveSource(tensors=(spec,)), runner)
+    assert RecordingRunner.writes == []
+
+
+def test_an_ipc_handle_may_name_no_code() -> None:
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, ("true",))
+
+    hostile = base64.b64encode(pickle.dumps((Evil(),))).decode()
+    with pytest.raises(pickle.UnpicklingError, match="may not name"):
+        _IpcArgs.loads(hostile)
+    assert _IpcArgs.loads(_IpcArgs.dumps((torch.float32, (4,), 0))) == (torch.float32, (4,), 0)
+
+
+def test_the_worker_invalidates_the_host_copy_before_an_update_writes(monkeypatch) -> None:
+    """A `fast` backend keeps a clean host copy of read-only weights: an update that does not
+    invalidate it wakes the previous version (test_clean_sleep shows what invalidate does)."""
+    backend = RecordingBackend(torch.device("cpu"))
+    monkeypatch.setattr(worker_process, "select_backend", lambda name, device: backend)
+    context = zmq.Context()
+    sock, peer = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    sock.bind("inproc://weight-update")
+    peer.connect("inproc://weight-update")
+    try:
+        config = WorkerConfig(address="inproc://unused", rank=0, runner="tests.workers.test_weight_receiver:"
+                              "RecordingRunner", runner_args={"weights_bytes": 4096, "tensor_count": 2,
+                                                               "hidden": 16, "kv_bytes": 1024})  # fmt: skip
+        worker = worker_process.WorkerProcess(config, sock)
+        worker.start()
+        original = backend.invalidate
+        writes = type(worker.runner).writes  # the class the worker imported by its path
+        writes.clear()
+
+        def invalidate(tags) -> None:  # type: ignore[no-untyped-def]
+            assert writes == [], "invalidated after the update wrote"
+            original(tags)
+
+        backend.invalidate = invalidate  # type: ignore[method-assign]
+        assert worker.runner is not None
+        with WeightSender() as sender:
+            source = sender.share(weights_like(worker.runner, 2.0))  # type: ignore[arg-type]
+            worker._apply(UpdateEffect(task_id="u1", version=1, source=source))
+        assert backend.calls[-1] == ("invalidate", frozenset({W})) and writes == ["w0", "w1"]
+    finally:
+        sock.close(linger=0)
+        peer.close(linger=0)
+        context.term()
+
+
+def test_a_new_sender_sweeps_the_buckets_of_killed_senders(tmp_path) -> None:
+    from omni_core.weights_sender import sweep_stale
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    dead = tmp_path / f"omni-weights-{child}-0123abcd-1"
+    live = tmp_path / f"omni-weights-{os.getppid()}-0123abcd-1"
+    other = tmp_path / "someone-else"
+    for path in (dead, live, other):
+        path.write_bytes(b"x")
+    assert sweep_stale(tmp_path) == [dead.name]
+    assert not dead.exists() and live.exists() and other.exists()
+    with WeightSender(shm_dir=tmp_path) as sender:
+        assert sender.swept == []
