@@ -240,10 +240,12 @@ class ServeState:
                 mem.process_bytes, mem.process_bytes_source = rr.process_bytes_after, rr.process_bytes_source
             for tag in rr.pool_bytes_before.keys() | rr.pool_bytes_after.keys():
                 delta = rr.pool_bytes_before.get(tag, 0) - rr.pool_bytes_after.get(tag, 0)
+                # A rank's report names the tags; only the stage's own become label values.
+                label = tag if tag in self.specs[stage].tags else "other"
                 if delta > 0:
-                    self.metrics.freed_bytes.labels(stage, tag).inc(delta)
+                    self.metrics.freed_bytes.labels(stage, label).inc(delta)
                 elif delta < 0:
-                    self.metrics.restored_bytes.labels(stage, tag).inc(-delta)
+                    self.metrics.restored_bytes.labels(stage, label).inc(-delta)
             weights_freed = rr.pool_bytes_before.get("weights", 0) - rr.pool_bytes_after.get("weights", 0)
             weights_back = command in ("wake", "reload") and rr.pool_bytes_after.get("weights", 0) > 0
             if command == "sleep" and level == 1 and weights_freed > 0:
@@ -435,8 +437,19 @@ def _only_query(request: Request, allowed: set[str]) -> None:
 # ====================================================================== the app
 
 
+# The method label comes from this set, never from the request: a client choosing the
+# label text could create series without end (one per made-up method).
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in KNOWN_METHODS else "other"
+
+
 class _HttpMetrics:
-    """Counts every HTTP answer by route template, method and code; times it."""
+    """Counts every HTTP answer by route template, method and code; times it. Every label
+    comes from a closed set: route templates ("unmatched" else), known methods ("other"
+    else) and the status code the app chose."""
 
     def __init__(self, app: ASGIApp, state: ServeState) -> None:
         self.app = app
@@ -461,9 +474,11 @@ class _HttpMetrics:
             await self.app(scope, receive, counting_send)
         finally:
             metrics.http_in_flight.dec()
-            route = getattr(scope.get("route"), "path", "unmatched")
-            metrics.http_requests.labels(route, scope["method"], str(code)).inc()
-            metrics.http_duration.labels(route, scope["method"]).observe(time.perf_counter() - started)
+            route = getattr(scope.get("route"), "path", None)
+            route = route if isinstance(route, str) else "unmatched"
+            method = method_label(scope["method"])
+            metrics.http_requests.labels(route, method, str(code)).inc()
+            metrics.http_duration.labels(route, method).observe(time.perf_counter() - started)
 
 
 def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None = None) -> FastAPI:
