@@ -5,6 +5,7 @@ a 4xx JSON error naming what to change."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +13,7 @@ from starlette.testclient import TestClient
 
 from omni_core.serve import create_app
 from omni_core.serve.idempotency import Answer, IdempotencyCache, fingerprint
-from tests.serve.conftest import make_config, stage_table
+from tests.serve.conftest import make_config, serving, stage_table
 
 BASE_URL = "http://127.0.0.1:8000"
 
@@ -74,3 +75,53 @@ def test_idempotency_record_counts_every_byte_it_keeps() -> None:
     asyncio.run(keyed_requests())
     assert 0 < len(cache) < 200  # the budget evicted; the newest are kept
     assert "key-199" in cache._entries
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "field"), [
+    ("POST", "/v1/stages/talker/sleep", {"level": "1"}, 422, "body.level"),  # never converted
+    ("POST", "/v1/stages/talker/sleep", {"level": 1.0}, 422, "body.level"),
+    ("POST", "/v1/omni/sleep", {"stage_ids": [True]}, 422, "body.stage_ids"),  # true is not stage 1
+    ("POST", "/v1/omni/wakeup", {"stage_ids": [0], "tags": "weights"}, 422, "body.tags"),
+    ("POST", "/v1/stages/talker/execute", {"payload": {"n": 2**64}}, 422, "payload.n"),
+    ("POST", "/v1/stages/talker/execute", {"payload": [-(2**63) - 1]}, 422, "payload[0]"),
+    ("POST", "/v1/stages/talker/execute", {"payload": {"s": "\ud800"}}, 422, "payload.s"),
+    ("POST", "/v1/stages/talker/reload", {"source": "/tmp/ckpt\x00"}, 400, "source"),
+    ("POST", "/v1/stages/talker/reload", {"source": "/tmp/\udcff\ud800"}, 400, "source"),
+    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"source": "a\x00b"}}, 400, "source"),
+    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"source": 7}}, 422, "kwargs.source"),
+    ("POST", "/sleep?level=1&lvl=2", None, 422, "lvl"),
+    ("POST", "/v1/stages/talker/wake?pad=1", None, 422, "pad"),
+])  # fmt: skip
+def test_bad_input_is_a_4xx_naming_the_field(client: TestClient, method: str, path: str, body: object,
+                                             status: int, field: str) -> None:  # fmt: skip
+    content = json.dumps(body).encode() if body is not None else b""  # \u escapes: lone surrogates travel
+    answer = client.request(method, path, content=content, headers={"Content-Type": "application/json"})
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == status and field in error["message"], error
+
+
+def test_deep_nesting_is_refused_by_depth(client: TestClient) -> None:
+    nested: object = 1
+    for _ in range(200):
+        nested = [nested]
+    answer = client.post("/v1/stages/talker/execute", json={"payload": nested})
+    assert answer.status_code == 422 and "nested deeper than" in answer.json()["error"]["message"], answer.text
+    raw = b'{"payload": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # deeper than Python's recursion limit
+    answer = client.post("/v1/stages/talker/execute", content=raw, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "could not be read as JSON" in answer.json()["error"]["message"], answer.text
+
+
+def test_a_body_that_is_not_json_is_400(client: TestClient) -> None:
+    answer = client.post("/v1/stages/talker/sleep", content=b'{"level": ', headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"], answer.text
+
+
+def test_a_request_over_the_frame_limit_is_413() -> None:
+    config = make_config(stage_table("small", max_frame_bytes=64 << 10))
+    with serving(config) as small:
+        answer = small.client.post("/v1/stages/small/execute", json={"payload": {"blob": "x" * (100 << 10)}})
+        assert answer.status_code == 413, answer.text
+        assert "max_frame_bytes" in answer.json()["error"]["message"]
+        fits = small.client.post("/v1/stages/small/execute", json={"payload": {"seed": 1, "batch": 1}})
+        assert fits.status_code == 200, fits.text
