@@ -37,10 +37,11 @@ from omni_core.serve import models as m
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
 from omni_core.serve.errors import outcome_label as _outcome
+from omni_core.serve.guard import BrowserGuard, BrowserPolicy
 from omni_core.serve.idempotency import Answer, IdempotencyCache, check_key, fingerprint, task_id_for
 from omni_core.serve.limits import BodyLimit
 from omni_core.serve.metrics import ServeMetrics
-from omni_core.serve.page import STATUS_PAGE_HTML
+from omni_core.serve.page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
 from omni_core.serve.reports import report_json, swap_json
 from omni_core.serve.strict import check_path_text, check_wire_value
 
@@ -566,7 +567,8 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def status_page() -> HTMLResponse:
-        return HTMLResponse(STATUS_PAGE_HTML, headers={"Cache-Control": "no-store"})
+        return HTMLResponse(STATUS_PAGE_HTML, headers={"Cache-Control": "no-store",
+                                                       "Content-Security-Policy": STATUS_PAGE_CSP})  # fmt: skip
 
     @app.get("/health", dependencies=health_deps, response_model=m.HealthModel, responses=m.ERROR_RESPONSES,
              tags=["omni-core"])  # fmt: skip
@@ -886,5 +888,8 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     # still runs before any route reads a byte.
     app.add_middleware(BodyLimit, max_body_bytes=state.server.max_body_bytes,
                        on_refused=state.metrics.http_body_refused.inc)  # fmt: skip
+    policy = BrowserPolicy(state.server.host, state.server.allowed_hosts, state.server.allowed_origins)
+    app.add_middleware(BrowserGuard, policy=policy,
+                       on_refused=lambda reason: state.metrics.http_refused.labels(reason).inc())  # fmt: skip
     app.add_middleware(_HttpMetrics, state=state)
     return app

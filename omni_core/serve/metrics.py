@@ -86,6 +86,10 @@ class ServeMetrics:
             "ran to its end and was counted", ["route"], registry=r)  # fmt: skip
         self.http_auth_failures = Counter(
             "omni_core_http_auth_failures", "Requests refused for a missing or wrong API key (401)", registry=r)
+        self.http_refused = Counter(
+            "omni_core_http_requests_refused", "Requests refused before any route ran: a foreign Host (403), a "
+            "foreign Origin on a state-changing route (403), a body that is not JSON there (415), by reason",
+            ["reason"], registry=r)  # fmt: skip
         self.http_body_refused = Counter(
             "omni_core_http_body_too_large", "Requests refused for a body above max_body_bytes (413)", registry=r)
         self.idempotent_replays = Counter(

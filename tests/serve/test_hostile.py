@@ -125,3 +125,81 @@ def test_a_request_over_the_frame_limit_is_413() -> None:
         assert "max_frame_bytes" in answer.json()["error"]["message"]
         fits = small.client.post("/v1/stages/small/execute", json={"payload": {"seed": 1, "batch": 1}})
         assert fits.status_code == 200, fits.text
+
+
+# ------------------------------------------------------------------ browsers: Host, Origin, content type
+
+SECURITY_HEADERS = {"x-content-type-options": "nosniff", "x-frame-options": "DENY"}
+
+
+def _refused(answer: object, status: int, kind: str, words: str) -> None:
+    assert answer.status_code == status, answer.text  # type: ignore[attr-defined]
+    error = answer.json()["error"]  # type: ignore[attr-defined]
+    assert error["type"] == kind and words in error["message"], error
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil",
+                                  "10.1.2.3:8000", "[2001:db8::1]:8000"])  # fmt: skip
+def test_a_foreign_host_is_refused(client: TestClient, host: str) -> None:
+    for method, path in (("GET", "/v1/stages"), ("GET", "/"), ("POST", "/sleep?level=1"), ("GET", "/metrics")):
+        _refused(client.request(method, path, headers={"Host": host}), 403, "ForeignHost", "allowed_hosts")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost:8000", "LOCALHOST.", "[::1]:8000", "127.9.9.9"])
+def test_loopback_hosts_are_served(client: TestClient, host: str) -> None:
+    assert client.get("/metrics", headers={"Host": host}).status_code == 200
+
+
+def test_configured_hosts_and_a_wildcard_bind() -> None:
+    config = make_config(stage_table("talker"), allowed_hosts=["omni.internal"], host="0.0.0.0")
+    with TestClient(create_app(None, config), base_url=BASE_URL) as c:
+        assert c.get("/metrics", headers={"Host": "omni.internal:8000"}).status_code == 200
+        assert c.get("/metrics", headers={"Host": "10.1.2.3:8000"}).status_code == 200  # an address is no rebinding
+        _refused(c.get("/metrics", headers={"Host": "evil.example"}), 403, "ForeignHost", "--allowed-host")
+    with TestClient(create_app(None, make_config(stage_table("talker"), allowed_hosts=["*"])), base_url=BASE_URL) as c:
+        assert c.get("/metrics", headers={"Host": "anything.example"}).status_code == 200
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "http://127.0.0.1:9999", "http://127.0.0.1", "null",
+                                    "http://localhost:8000.evil.example"])  # fmt: skip
+def test_a_foreign_origin_cannot_change_anything(client: TestClient, origin: str) -> None:
+    for path in ("/sleep?level=1", "/v1/stages/talker/restart", "/v1/omni/sleep", "/wake_up"):
+        _refused(client.post(path, headers={"Origin": origin}), 403, "CrossOriginRefused", "allowed_origins")
+    assert client.get("/metrics", headers={"Origin": origin}).status_code == 200  # reading is the browser's to stop
+
+
+def test_the_own_origin_and_configured_ones_pass() -> None:
+    config = make_config(stage_table("talker"), allowed_origins=["http://dash.example:3000"])
+    with TestClient(create_app(None, config), base_url=BASE_URL) as c:
+        for origin in ("http://127.0.0.1:8000", "http://dash.example:3000"):
+            # past the guard: the route runs (and has no engine here)
+            assert c.post("/sleep?level=1", headers={"Origin": origin}).status_code == 503
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "multipart/form-data; boundary=x",
+                                          "application/x-www-form-urlencoded", "application/xml"])  # fmt: skip
+def test_state_changing_routes_take_only_json(client: TestClient, content_type: str) -> None:
+    for path in ("/sleep?level=1", "/v1/stages/talker/sleep", "/v1/stages/talker/restart"):
+        answer = client.post(path, content=b'{"level": 2}', headers={"Content-Type": content_type})
+        _refused(answer, 415, "UnsupportedMediaType", "application/json")
+    bare = client.post("/v1/stages/talker/sleep", content=b'{"level": 2}', headers={"Content-Type": ""})
+    _refused(bare, 415, "UnsupportedMediaType", "needs 'Content-Type: application/json'")
+
+
+def test_bodyless_posts_stay_open_for_vllm_clients(client: TestClient) -> None:
+    # POST /sleep?level=1 with no body and no Content-Type (vLLM's and SGLang's clients) passes
+    # the guard (no engine here, so 503); a browser's no-cors POST would carry an Origin.
+    assert client.post("/sleep?level=1").status_code == 503
+    assert client.post("/v1/stages/talker/sleep", json={"level": 1}).status_code == 503
+
+
+def test_every_answer_carries_the_security_headers(client: TestClient) -> None:
+    answers = [client.get("/"), client.get("/metrics"), client.get("/nope"), client.post("/sleep?level=1"),
+               client.get("/v1/stages", headers={"Host": "evil.example"}), client.get("/openapi.json")]
+    for answer in answers:
+        for name, value in SECURITY_HEADERS.items():
+            assert answer.headers.get(name) == value, (answer.request.url, dict(answer.headers))
+        assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+    page = client.get("/")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'sha256-" in csp and "unsafe" not in csp
