@@ -104,7 +104,7 @@ SERVER_FIELDS: dict[str, str] = {
     "public_health": _BOOL, "public_metrics": _BOOL, "max_body_bytes": _INT,
     "allowed_reload_sources": _STR_LIST, "idempotency_entries": _INT, "idempotency_bytes": _INT,
     "status_poll_interval_s": _NUMBER, "lifecycle_threads": _INT, "events_kept": _INT,
-    "allowed_hosts": _STR_LIST, "allowed_origins": _STR_LIST, "header_timeout_s": _NUMBER, "keep_alive_s": _NUMBER,
+    "allowed_hosts": _STR_LIST, "allowed_origins": _STR_LIST, "read_timeout_s": _NUMBER, "keep_alive_s": _NUMBER,
     "max_connections": _INT,
 }  # fmt: skip
 ENGINE_FIELDS: dict[str, str] = {"transport": _STR, "host": _STR, "curve": _BOOL, "trace_path": _STR,
@@ -164,10 +164,12 @@ class ServerConfig:
     # the bind address, and page origins besides the server's own; "*" turns a check off.
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
-    # Connections: a request's headers must arrive within header_timeout_s of its first
-    # byte; an idle keep-alive connection closes after keep_alive_s; max_connections 0: the
-    # descriptor limit less room for the ranks' sockets.
-    header_timeout_s: float = 10.0
+    # Connections: a request (headers and body) must arrive within read_timeout_s of its
+    # first byte, or of the connection's opening; an idle keep-alive connection closes after
+    # keep_alive_s (longer than clients' own expiry, httpx's 5 s, so the client closes first:
+    # a request never goes out on a connection the server is closing at that moment, a lost
+    # POST seen under load); max_connections 0: the descriptor limit less room for the ranks.
+    read_timeout_s: float = 10.0
     keep_alive_s: float = 75.0
     max_connections: int = 0
 
@@ -179,7 +181,7 @@ class ServerConfig:
         for what in ("idempotency_entries", "idempotency_bytes", "lifecycle_threads", "events_kept"):
             if getattr(self, what) < 1:
                 raise InvalidArgumentError(f"{what} must be >= 1, got {getattr(self, what)}")
-        for what in ("header_timeout_s", "keep_alive_s"):
+        for what in ("read_timeout_s", "keep_alive_s"):
             if not 0 < getattr(self, what) <= 3600:
                 raise InvalidArgumentError(f"{what} must be in (0, 3600] s, got {getattr(self, what)}")
         if self.max_connections < 0:

@@ -90,6 +90,12 @@ class ServeMetrics:
             "omni_core_http_requests_refused", "Requests refused before any route ran: a foreign Host (403), a "
             "foreign Origin on a state-changing route (403), a body that is not JSON there (415), by reason",
             ["reason"], registry=r)  # fmt: skip
+        self.http_connections_open = Gauge("omni_core_http_connections_open", "HTTP connections held",
+                                           registry=r)  # fmt: skip
+        self.http_connections_closed = Counter(
+            "omni_core_http_connections_closed", "Connections the server closed on its own: read_timeout (the "
+            "request did not arrive within read_timeout_s), limit_evicted (the longest waiting, to make room at "
+            "max_connections), limit_refused (full of busy connections)", ["reason"], registry=r)  # fmt: skip
         self.http_body_refused = Counter(
             "omni_core_http_body_too_large", "Requests refused for a body above max_body_bytes (413)", registry=r)
         self.idempotent_replays = Counter(
