@@ -856,7 +856,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         source = body.kwargs.get("source")
         if source is not None and not isinstance(source, str):
             raise ApiError(422, f"kwargs.source must be a path string, got a {type(source).__name__}",
-                           kind="InvalidArgumentError", extra={"field": "kwargs.source"})  # fmt: skip
+                           kind="InvalidArgumentError", extra={"fields": ["kwargs.source"]})  # fmt: skip
         source = state.check_source(source)
         engine, tid, names, timeout_s = state.require_engine(), _lifecycle_tid(request), state.targets(), _timeout(
             body.timeout)

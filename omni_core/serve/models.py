@@ -119,6 +119,8 @@ class ErrorDetail(BaseModel):
     type: str = Field(description="the engine's exception type, or the HTTP layer's (e.g. BodyTooLarge)")
     message: str = Field(description="the same text the Python API raises")
     stage: str | None = None
+    fields: list[str] | None = Field(None, description="the request fields refused (a 422, a 400 on source), "
+                                                       "each named in the message too")  # fmt: skip
     failures: dict[str, str] | None = Field(None, description="rank -> why, for StageFailedError")
     refusals: dict[str, str] | None = Field(None, description="rank -> its NO_MEMORY detail (bytes needed and "
                                                               "free, who holds the device), for NoMemoryError")
