@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
-    # strict: no silent conversion ("1" is not the level 1, true is not the stage id 1)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: no silent conversion ("1" is not the level 1, true is not the stage id 1); no
+    # NaN or Infinity (Python's JSON reader takes them; no deadline or wait means them)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SleepBody(_Strict):
@@ -38,7 +39,7 @@ class ReloadBody(_Strict):
 class SwapBody(_Strict):
     """POST /v1/swap: `out` sleeps while `in` wakes, both at once (P-16)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
     out: str = Field(..., description="the stage to put to sleep")
     in_: str = Field(..., alias="in", description="the stage to wake (every tag asleep)")
     level: int = Field(1, description="the outgoing stage's sleep level: 1 offloads weights to host, 2 discards all")
@@ -78,7 +79,7 @@ class OmniWakeBody(_Strict):
 class CollectiveRpcBody(BaseModel):
     """vLLM's POST /collective_rpc; only `reload_weights` is served."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     method: str
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)

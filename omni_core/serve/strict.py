@@ -8,6 +8,7 @@ failing deep in the engine as a 500.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -28,7 +29,11 @@ def _unfit(value: Any, where: str) -> tuple[str, str]:
         item, path, depth = stack.pop()
         if depth > MAX_PAYLOAD_DEPTH:
             return path, f"{path} is nested deeper than {MAX_PAYLOAD_DEPTH} levels"
-        if isinstance(item, bool) or item is None or isinstance(item, float):
+        if isinstance(item, bool) or item is None:
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):  # Python's JSON reader takes NaN and Infinity; JSON has neither
+                return path, f"{path} is {item}, which JSON has no number for"
             continue
         if isinstance(item, int):
             if not MIN_WIRE_INT <= item <= MAX_WIRE_INT:
@@ -64,7 +69,7 @@ def check_wire_value(value: Any, field: str) -> None:
     path, problem = _unfit(value, field)
     if problem:
         raise ApiError(422, f"{problem}; send {field} as JSON the protocol carries (integers within 64 bits, "
-                            f"UTF-8 text, at most {MAX_PAYLOAD_DEPTH} levels deep)",
+                            f"finite numbers, UTF-8 text, at most {MAX_PAYLOAD_DEPTH} levels deep)",
                        kind="UnsupportedValue", extra={"fields": [path]})  # fmt: skip
 
 
