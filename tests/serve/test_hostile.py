@@ -206,3 +206,22 @@ def test_every_answer_carries_the_security_headers(client: TestClient) -> None:
     page = client.get("/")
     csp = page.headers["content-security-policy"]
     assert "default-src 'none'" in csp and "script-src 'sha256-" in csp and "unsafe" not in csp
+
+
+def test_the_browser_settings_come_from_the_command_line() -> None:
+    import argparse
+
+    from omni_core.serve.cli import _tuple
+    from omni_core.serve.cli_args import add_serve_arguments
+    from omni_core.serve.server import with_overrides
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--allowed-host", "omni.internal", "--allowed-host", "10.0.0.5",
+                              "--allowed-origin", "http://dash.example:3000"])  # fmt: skip
+    config = with_overrides(make_config(stage_table("talker")), allowed_hosts=_tuple(args.allowed_host),
+                            allowed_origins=_tuple(args.allowed_origin))  # fmt: skip
+    assert config.server.allowed_hosts == ("omni.internal", "10.0.0.5")
+    assert config.server.allowed_origins == ("http://dash.example:3000",)
+    with TestClient(create_app(None, config), base_url=BASE_URL) as c:
+        assert c.get("/metrics", headers={"Host": "omni.internal"}).status_code == 200
