@@ -236,6 +236,8 @@ def main() -> int:
     p.add_argument("--recover-s", type=float, default=120.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip  # the code the run starts with
     config = _config()
     tally = Tally()
     samples: list[tuple[float, int, int]] = []
@@ -271,8 +273,6 @@ def main() -> int:
     finally:
         engine.shutdown()
     wedged = [s for s, st in final.items() if st != "RUNNING"]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
     sent = sum(n for k, n in tally.sent.items() if not k.startswith("fault"))
     answered = sum(tally.answered.values())
     faults = {k.removeprefix("fault "): n for k, n in tally.sent.items() if k.startswith("fault")}

@@ -106,6 +106,8 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the markdown report here")
     args = p.parse_args()
 
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip  # the code the server starts with
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,8 +147,6 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
         log_lines = log_path.read_text(errors="replace").count("\n")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
     server_errors = sum(n for s, n in tally.by_status.items() if s >= 500)
     five_hundreds = tally.by_status.get(500, 0)
     growth = rss_after - rss_before
