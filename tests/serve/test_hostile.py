@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from omni_core.serve import create_app
 from omni_core.serve.idempotency import Answer, IdempotencyCache, fingerprint
-from tests.serve.conftest import make_config, serving, stage_table
+from tests.serve.conftest import Served, make_config, serving, stage_table
 
 BASE_URL = "http://127.0.0.1:8000"
 
@@ -225,3 +225,30 @@ def test_the_browser_settings_come_from_the_command_line() -> None:
     assert config.server.allowed_origins == ("http://dash.example:3000",)
     with TestClient(create_app(None, config), base_url=BASE_URL) as c:
         assert c.get("/metrics", headers={"Host": "omni.internal"}).status_code == 200
+
+
+def test_the_ranks_get_the_reload_path_that_was_checked(served: Served) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="omni-")  # short: the rank's refusal quotes 80 characters of the path
+    try:
+        allowed = os.path.join(root, "ok")
+        os.makedirs(os.path.join(allowed, "real"))
+        os.symlink(os.path.join(allowed, "real"), os.path.join(allowed, "link"))
+        served.settle()
+        config = make_config(stage_table("talker", ranks=2, queue_limit=2), stage_table("decoder"),
+                             allowed_reload_sources=[allowed])  # fmt: skip
+        with serving(config, engine=served.engine) as s:
+            assert s.client.post("/v1/stages/decoder/sleep", json={"level": 2}).status_code == 200
+            assert s.client.post("/v1/stages/decoder/wake").status_code == 200  # NEEDS_RELOAD
+            answer = s.client.post("/v1/stages/decoder/reload", json={"source": os.path.join(allowed, "link")})
+            # The synthetic runner refuses any path (it takes "seed:N"), quoting what it was given:
+            # the resolved path, so a link swapped after the check would not be followed.
+            assert answer.status_code == 400, answer.text
+            message = answer.json()["error"]["message"]
+            assert os.path.join(allowed, "real") in message and "link" not in message, message
+    finally:
+        served.settle()
+        shutil.rmtree(root)
