@@ -252,3 +252,26 @@ def test_the_ranks_get_the_reload_path_that_was_checked(served: Served) -> None:
     finally:
         served.settle()
         shutil.rmtree(root)
+
+
+def test_a_rank_reporting_made_up_tags_adds_no_series() -> None:
+    from prometheus_client import generate_latest
+
+    from omni_core.serve.metrics import ServeMetrics
+
+    def snapshot(tags: int) -> dict:
+        pool = {f"made-up-{i}": i for i in range(tags)} | {"weights": 7}
+        rank = {"alive": True, "state": "ACTIVE" + "x" * 500, "pool_bytes": pool, "process_bytes": 1,
+                "process_bytes_source": "s" * 5000}  # fmt: skip
+        return {"engine_up": True, "engine": {}, "stages": {"talker": {
+            "state": "RUNNING", "tags": ["weights", "kv_cache"], "ranks": {"0": rank}}}}  # fmt: skip
+
+    def lines(tags: int) -> list[str]:
+        text = generate_latest(ServeMetrics(lambda: snapshot(tags)).registry).decode()
+        return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+    assert len(lines(1)) == len(lines(1000))
+    pool = [line for line in lines(1000) if line.startswith("omni_core_pool_bytes")]
+    assert sorted(pool) == ['omni_core_pool_bytes{rank="0",stage="talker",tag="other"} 499500.0',
+                            'omni_core_pool_bytes{rank="0",stage="talker",tag="weights"} 7.0']  # fmt: skip
+    assert max(len(line) for line in lines(1)) < 300
