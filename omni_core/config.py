@@ -122,6 +122,8 @@ SERVER_FIELDS: dict[str, str] = {
     "public_health": _BOOL, "public_metrics": _BOOL, "max_body_bytes": _INT,
     "allowed_reload_sources": _STR_LIST, "idempotency_entries": _INT, "idempotency_bytes": _INT,
     "status_poll_interval_s": _NUMBER, "lifecycle_threads": _INT, "events_kept": _INT,
+    "allowed_hosts": _STR_LIST, "allowed_origins": _STR_LIST, "read_timeout_s": _NUMBER, "keep_alive_s": _NUMBER,
+    "max_connections": _INT,
 }  # fmt: skip
 ENGINE_FIELDS: dict[str, str] = {"transport": _STR, "host": _STR, "curve": _BOOL, "trace_path": _STR,
                                  "launcher": _STR, "ray_address": _STR, "ray_namespace": _STR}  # fmt: skip
@@ -176,6 +178,18 @@ class ServerConfig:
     status_poll_interval_s: float = 0.5
     lifecycle_threads: int = 16
     events_kept: int = 200
+    # Browser-facing checks (README, "Security by default"): Host names besides loopback and
+    # the bind address, and page origins besides the server's own; "*" turns a check off.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    # Connections: a request (headers and body) must arrive within read_timeout_s of its
+    # first byte, or of the connection's opening; an idle keep-alive connection closes after
+    # keep_alive_s (longer than clients' own expiry, httpx's 5 s, so the client closes first:
+    # a request never goes out on a connection the server is closing at that moment, a lost
+    # POST seen under load); max_connections 0: the descriptor limit less room for the ranks.
+    read_timeout_s: float = 10.0
+    keep_alive_s: float = 75.0
+    max_connections: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -185,6 +199,12 @@ class ServerConfig:
         for what in ("idempotency_entries", "idempotency_bytes", "lifecycle_threads", "events_kept"):
             if getattr(self, what) < 1:
                 raise InvalidArgumentError(f"{what} must be >= 1, got {getattr(self, what)}")
+        for what in ("read_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, what) <= 3600:
+                raise InvalidArgumentError(f"{what} must be in (0, 3600] s, got {getattr(self, what)}")
+        if self.max_connections < 0:
+            raise InvalidArgumentError(f"max_connections must be >= 0 (0: from the descriptor limit), "
+                                       f"got {self.max_connections}")  # fmt: skip
         if not 0.05 <= self.status_poll_interval_s <= 60:
             raise InvalidArgumentError(f"status_poll_interval_s must be in [0.05, 60] s, "
                                        f"got {self.status_poll_interval_s}")  # fmt: skip
@@ -312,6 +332,9 @@ def _parse_server(path: str, raw: Any, names: list[str], base: Path) -> ServerCo
                           field_name="default_stage")  # fmt: skip
     if "api_key_file" in kwargs:
         kwargs["api_key_file"] = _resolve_path(base, kwargs["api_key_file"])
+    for key in ("allowed_hosts", "allowed_origins"):
+        if key in kwargs:
+            kwargs[key] = tuple(str(v) for v in kwargs[key])
     if "allowed_reload_sources" in kwargs:
         kwargs["allowed_reload_sources"] = tuple(_resolve_path(base, str(p)) for p in kwargs["allowed_reload_sources"])
     try:

@@ -37,11 +37,13 @@ from omni_core.serve import models as m
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
 from omni_core.serve.errors import outcome_label as _outcome
+from omni_core.serve.guard import BrowserGuard, BrowserPolicy
 from omni_core.serve.idempotency import Answer, IdempotencyCache, check_key, fingerprint, task_id_for
 from omni_core.serve.limits import BodyLimit
 from omni_core.serve.metrics import ServeMetrics
-from omni_core.serve.page import STATUS_PAGE_HTML
+from omni_core.serve.page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
 from omni_core.serve.reports import report_json, swap_json
+from omni_core.serve.strict import check_path_text, check_wire_value
 
 API_VERSION = "1"
 STATUS_CALL_TIMEOUT_S = 10.0  # Engine.status answers from the orchestrator loop in ms; this bounds a stuck one
@@ -147,16 +149,19 @@ class ServeState:
         """What vLLM's routes act on: the configured default stage, or every stage."""
         return [self.server.default_stage] if self.server.default_stage else list(self.names)
 
-    def check_source(self, source: str | None) -> None:
-        """A reload source is a path the ranks will open: only the config may widen that."""
+    def check_source(self, source: str | None) -> str | None:
+        """A reload source is a path the ranks will open: only the config may widen that.
+        Returns the path resolved, which is what the ranks get: the one that was checked, so
+        a symlink swapped after the check is not followed out of the allowed roots."""
         if source is None:
-            return
+            return None
+        check_path_text(source, "source")
         allowed = self.server.allowed_reload_sources
         real = os.path.realpath(source)
         for root in allowed:
             with contextlib.suppress(ValueError):
                 if os.path.commonpath([real, root]) == root:
-                    return
+                    return real
         raise ApiError(403, f"reload source {source!r} is not under the config's allowed_reload_sources "
                             f"({list(allowed) or 'none'}); the server opens no path a caller names unless the "
                             "operator lists it under [server] allowed_reload_sources",
@@ -240,10 +245,12 @@ class ServeState:
                 mem.process_bytes, mem.process_bytes_source = rr.process_bytes_after, rr.process_bytes_source
             for tag in rr.pool_bytes_before.keys() | rr.pool_bytes_after.keys():
                 delta = rr.pool_bytes_before.get(tag, 0) - rr.pool_bytes_after.get(tag, 0)
+                # A rank's report names the tags; only the stage's own become label values.
+                label = tag if tag in self.specs[stage].tags else "other"
                 if delta > 0:
-                    self.metrics.freed_bytes.labels(stage, tag).inc(delta)
+                    self.metrics.freed_bytes.labels(stage, label).inc(delta)
                 elif delta < 0:
-                    self.metrics.restored_bytes.labels(stage, tag).inc(-delta)
+                    self.metrics.restored_bytes.labels(stage, label).inc(-delta)
             weights_freed = rr.pool_bytes_before.get("weights", 0) - rr.pool_bytes_after.get("weights", 0)
             weights_back = command in ("wake", "reload") and rr.pool_bytes_after.get("weights", 0) > 0
             if command == "sleep" and level == 1 and weights_freed > 0:
@@ -425,18 +432,35 @@ def _split_tags(values: list[str]) -> list[str] | None:
     return tags or None
 
 
-def _only_query(request: Request, allowed: set[str]) -> None:
+def _known_query_only(request: Request) -> None:
+    """Every route refuses query parameters it does not declare, as bodies refuse unknown
+    fields: a router that renames `level` gets told, not a default."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    allowed = {p.alias for p in dependant.query_params} if dependant is not None else set()
     unknown = sorted(set(request.query_params) - allowed)
     if unknown:
-        raise ApiError(400, f"unknown query parameter(s) {unknown} for {request.url.path}; accepted: {sorted(allowed)}",
-                       kind="InvalidArgumentError")  # fmt: skip
+        raise ApiError(422, f"unknown query parameter(s) {[u[:100] for u in unknown[:10]]} for {request.url.path}; "
+                            f"accepted: {sorted(allowed)}", kind="InvalidArgumentError",
+                       extra={"fields": [f"query.{u[:100]}" for u in unknown[:10]]})  # fmt: skip
 
 
 # ====================================================================== the app
 
 
+# The method label comes from this set, never from the request: a client choosing the
+# label text could create series without end (one per made-up method).
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in KNOWN_METHODS else "other"
+
+
 class _HttpMetrics:
-    """Counts every HTTP answer by route template, method and code; times it."""
+    """Counts every HTTP answer by route template, method and code; times it. Every label
+    comes from a closed set: route templates ("unmatched" else), known methods ("other"
+    else) and the status code the app chose."""
 
     def __init__(self, app: ASGIApp, state: ServeState) -> None:
         self.app = app
@@ -461,9 +485,11 @@ class _HttpMetrics:
             await self.app(scope, receive, counting_send)
         finally:
             metrics.http_in_flight.dec()
-            route = getattr(scope.get("route"), "path", "unmatched")
-            metrics.http_requests.labels(route, scope["method"], str(code)).inc()
-            metrics.http_duration.labels(route, scope["method"]).observe(time.perf_counter() - started)
+            route = getattr(scope.get("route"), "path", None)
+            route = route if isinstance(route, str) else "unmatched"
+            method = method_label(scope["method"])
+            metrics.http_requests.labels(route, method, str(code)).inc()
+            metrics.http_duration.labels(route, method).observe(time.perf_counter() - started)
 
 
 def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None = None) -> FastAPI:
@@ -486,6 +512,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             state.status_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="omni-core serve", version=API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  dependencies=[Depends(_known_query_only)], responses=m.EVERY_ROUTE_ERRORS,
                   description="HTTP control plane of omni-core: stage lifecycle (sleep, wake, reload, restart), "
                               "requests, vLLM- and vLLM-Omni-compatible routes, Prometheus metrics and a live "
                               "status page. Errors: README.md, 'Serving over HTTP'.")  # fmt: skip
@@ -514,15 +541,24 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
-        return _response(_answer(400, {"error": {"code": 400, "type": "InvalidArgumentError",
-                                                 "message": f"invalid request: {problems}"}}))  # fmt: skip
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _response(error_answer(ApiError(400, "the body is not valid JSON; send a JSON object (the "
+                                                        "schema is in /openapi.json)", kind="InvalidJSON")))
+        fields = [".".join(str(p) for p in e.get("loc", ())) for e in errors]
+        problems = "; ".join(f"{where}: {e.get('msg')}" for where, e in zip(fields, errors, strict=True))
+        return _response(error_answer(ApiError(
+            422, f"invalid request: {problems}; send each field with the JSON type /openapi.json gives it "
+                 "(nothing is converted)", kind="InvalidArgumentError", extra={"fields": fields})))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = {404: "NotFound", 405: "MethodNotAllowed", 413: "BodyTooLarge"}.get(exc.status_code, "HTTPError")
         message = exc.detail if exc.status_code != 404 else (
             f"no route {request.url.path}; the routes are in /openapi.json")
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
+            kind, message = "InvalidJSON", ("the body could not be read as JSON (nested too deep, or a number too "
+                                            "long for the parser); send a JSON object as /openapi.json gives it")
         return _response(_answer(exc.status_code, {"error": {"code": exc.status_code, "type": kind,
                                                              "message": str(message)}}),
                          )  # fmt: skip
@@ -531,7 +567,8 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def status_page() -> HTMLResponse:
-        return HTMLResponse(STATUS_PAGE_HTML, headers={"Cache-Control": "no-store"})
+        return HTMLResponse(STATUS_PAGE_HTML, headers={"Cache-Control": "no-store",
+                                                       "Content-Security-Policy": STATUS_PAGE_CSP})  # fmt: skip
 
     @app.get("/health", dependencies=health_deps, response_model=m.HealthModel, responses=m.ERROR_RESPONSES,
              tags=["omni-core"])  # fmt: skip
@@ -631,9 +668,9 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     async def reload(name: str, request: Request, body: m.ReloadBody | None = None) -> Response:
         body = body or m.ReloadBody()
         state.stage_name(name)
-        state.check_source(body.source)
+        source = state.check_source(body.source)
         engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
-        call = functools.partial(engine.reload_weights, name, body.source, task_id=tid, timeout_s=timeout_s)
+        call = functools.partial(engine.reload_weights, name, source, task_id=tid, timeout_s=timeout_s)
         return await run_post(state, request, "/v1/stages/{name}/reload", lifecycle_work(name, "reload", call))
 
     @app.post("/v1/swap", dependencies=control, response_model=m.SwapReportModel, responses=m.ERROR_RESPONSES,
@@ -703,6 +740,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     async def execute(name: str, request: Request, body: m.ExecuteBody | None = None) -> Response:
         body = body or m.ExecuteBody()
         state.stage_name(name)
+        check_wire_value(body.payload, "payload")
         engine, timeout_s = state.require_engine(), _timeout(body.timeout_s)
         budget_s = (timeout_s or state.specs[name].request_timeout_s) + WAIT_GRACE_S
 
@@ -780,7 +818,6 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
                                          "default stage (or every stage)")  # fmt: skip
     async def vllm_sleep(request: Request, level: int = 1, mode: str = "wait",
                          tags: Annotated[list[str] | None, Query()] = None) -> Response:  # fmt: skip
-        _only_query(request, {"level", "mode", "tags"})
         if mode not in ("wait", "abort"):
             raise ApiError(400, f"mode {mode!r} is not served; use 'wait' (drain in-flight requests) or 'abort' "
                                 "(fail them now)", kind="InvalidArgumentError")  # fmt: skip
@@ -790,7 +827,6 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     @app.post("/wake_up", dependencies=control, response_model=m.VllmWakeModel, responses=m.ERROR_RESPONSES,
               tags=["vLLM"], description="vLLM's wake_up: ?tags=weights wakes part of the memory")  # fmt: skip
     async def vllm_wake(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
-        _only_query(request, {"tags"})
         work = wake_many(state.targets(), _split_tags(tags or []), _lifecycle_tid(request))
         return await run_post(state, request, "/wake_up", work)
 
@@ -819,8 +855,9 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
                                 f"kwargs {unknown}", kind="InvalidArgumentError")  # fmt: skip
         source = body.kwargs.get("source")
         if source is not None and not isinstance(source, str):
-            raise ApiError(400, f"source must be a path string, got {source!r}", kind="InvalidArgumentError")
-        state.check_source(source)
+            raise ApiError(422, f"kwargs.source must be a path string, got a {type(source).__name__}",
+                           kind="InvalidArgumentError", extra={"fields": ["kwargs.source"]})  # fmt: skip
+        source = state.check_source(source)
         engine, tid, names, timeout_s = state.require_engine(), _lifecycle_tid(request), state.targets(), _timeout(
             body.timeout)
 
@@ -851,5 +888,8 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     # still runs before any route reads a byte.
     app.add_middleware(BodyLimit, max_body_bytes=state.server.max_body_bytes,
                        on_refused=state.metrics.http_body_refused.inc)  # fmt: skip
+    policy = BrowserPolicy(state.server.host, state.server.allowed_hosts, state.server.allowed_origins)
+    app.add_middleware(BrowserGuard, policy=policy,
+                       on_refused=lambda reason: state.metrics.http_refused.labels(reason).inc())  # fmt: skip
     app.add_middleware(_HttpMetrics, state=state)
     return app

@@ -25,7 +25,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         config = with_overrides(load_config(args.config), host=args.host, port=args.port,
-                                api_key_file=args.api_key_file, default_stage=args.default_stage)  # fmt: skip
+                                api_key_file=args.api_key_file, default_stage=args.default_stage,
+                                allowed_hosts=_tuple(args.allowed_host),
+                                allowed_origins=_tuple(args.allowed_origin))  # fmt: skip
         if config.server.default_stage is not None and config.server.default_stage not in config.stage_names:
             raise ConfigError(args.config, f"--default-stage {config.server.default_stage!r} is not a stage; "
                                            f"stages are {config.stage_names}")  # fmt: skip
@@ -33,6 +35,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"omni-core serve: {exc}", file=sys.stderr)
         return 2
     return serve(config, log_level=args.log_level)
+
+
+def _tuple(values: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(values) if values else None
 
 
 def _fmt_bytes(n: int | None) -> str:

@@ -22,6 +22,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, help="file holding the API key (else [server] api_key_file, "
                                                         "else the OMNI_CORE_API_KEY environment variable)")  # fmt: skip
     p.add_argument("--default-stage", default=None, help="the stage vLLM's /sleep, /wake_up ... act on")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="a Host name the server answers to besides loopback and the bind address (repeatable; "
+                        "'*': any, which opens it to DNS rebinding)")  # fmt: skip
+    p.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a page origin (scheme://host:port) that may send state-changing requests (repeatable; "
+                        "'*': any)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--write-openapi", default=None, metavar="PATH",
                    help="write the OpenAPI schema (specs/openapi.json) and exit; starts nothing")  # fmt: skip

@@ -7,15 +7,21 @@ status code a client can branch on without parsing it. Some types cover several 
 cause is told apart by the engine's own wording; `tests/serve/test_errors.py` provokes each
 cause on a real engine, so a reworded message fails a test instead of changing a code.
 
-- 400: a bad argument (level, tags, timeout, body fields); a reload source every rank
-  refused; a request payload the runner raised on (EXECUTE_ERROR)
+- 400: a bad argument (level, tags, timeout); a body that is not JSON; a reload source every
+  rank refused, or one no file path can hold (NUL); a request payload the runner raised on
+  (EXECUTE_ERROR)
 - 401: no or wrong API key (when the server has one)
-- 403: a reload `source` outside the config's `allowed_reload_sources`
+- 403: a reload `source` outside the config's `allowed_reload_sources`; a foreign Host or
+  Origin header (cross-site request, DNS rebinding)
 - 404: unknown stage, or a stage id out of range
 - 409: state conflict: the stage's state forbids the command, another task is in flight,
   an Idempotency-Key reused for another request, a request refused by admission `reject`
   or by NEEDS_RELOAD, a request aborted by a sleep with `abort_in_flight` / `mode=abort`
-- 413: request body larger than `max_body_bytes`
+- 413: request body larger than `max_body_bytes`; a request that encodes over the stage's
+  `max_frame_bytes`
+- 415: a state-changing request whose body is not `application/json`
+- 422: a field of the wrong JSON type (nothing is converted), unknown, missing, or holding a
+  value the protocol cannot carry (an integer beyond 64 bits, a lone surrogate, deep nesting)
 - 429: queue full (`queue_limit`): retry later (`Retry-After`)
 - 503: stage FAILED (restart it), including a lifecycle command whose ranks stayed silent
   past its deadline; engine shut down; engine overloaded (socket queue full); too little free
@@ -78,6 +84,8 @@ def _status_for(exc: BaseException) -> int:
     if isinstance(exc, InvalidArgumentError):
         if "unknown stage" in message:
             return 404
+        if "max_frame_bytes" in message:  # the request is too large for the wire: nothing was sent
+            return 413
         if "is FAILED" in message:  # a lifecycle command to a failed stage: restart it first
             return 503
         if "refused the reload" in message:  # every rank said INVALID_ARGUMENT: nothing was written

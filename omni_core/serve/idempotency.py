@@ -21,6 +21,10 @@ from omni_core.serve.errors import ApiError
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")  # fits the protocol's 128-char task id with a prefix
 TASK_ID_PREFIX = "idem-"
 NOT_KEPT_SHARE = 16  # an answer larger than 1/16 of the byte budget is not kept, only its fact
+DESCRIBED_CHARS = 200  # what a 409 tells of the first request; a query string can be 16 KiB
+# Per entry, beyond the bytes of its strings: the entry, its future and the dict slot. An
+# estimate on the high side, so the budget errs towards keeping less.
+ENTRY_OVERHEAD_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,10 @@ class Answer:
     status: int
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+
+
+def answer_bytes(answer: Answer) -> int:
+    return len(answer.body) + sum(len(k) + len(v) for k, v in answer.headers)
 
 
 @dataclass
@@ -78,7 +86,13 @@ class IdempotencyCache:
             self.replays += 1
             return await asyncio.shield(entry.task), True
         task = asyncio.ensure_future(work())
+        if len(described) > DESCRIBED_CHARS:
+            described = described[:DESCRIBED_CHARS] + "..."
         entry = _Entry(fp, described, task)
+        # Everything the entry keeps counts, from the moment it is kept: key, fingerprint,
+        # description; the answer is added once there is one.
+        entry.size_bytes = len(key) + len(fp) + len(described) + ENTRY_OVERHEAD_BYTES
+        self._bytes += entry.size_bytes
         self._entries[key] = entry
         task.add_done_callback(lambda t, k=key, e=entry: self._settled(k, e, t))
         return await asyncio.shield(task), False
@@ -90,9 +104,10 @@ class IdempotencyCache:
         # A 429 means nothing ran: the retry should get its chance instead of the refusal.
         if answer is None or answer.status == 429:
             del self._entries[key]
+            self._bytes -= entry.size_bytes
             return
-        if len(answer.body) > self.max_bytes // NOT_KEPT_SHARE:
-            size = len(answer.body)
+        size = answer_bytes(answer)
+        if size > self.max_bytes // NOT_KEPT_SHARE:
             done: asyncio.Future = asyncio.get_running_loop().create_future()
             done.set_exception(ApiError(409, f"the request with Idempotency-Key {key!r} ran once; its answer "
                                              f"({size} bytes) was too large to keep, so a retry cannot repeat it",
@@ -100,8 +115,8 @@ class IdempotencyCache:
             done.exception()  # retrieved: only retries see it
             entry.task = done
         else:
-            entry.size_bytes = len(answer.body)
-            self._bytes += entry.size_bytes
+            entry.size_bytes += size
+            self._bytes += size
         self._evict()
 
     def _evict(self) -> None:

@@ -29,6 +29,7 @@ LIFECYCLE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 HTTP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's engine_sleep_state values
 STAGE_STATES = tuple(s.value for s in StageState)
+LABEL_CHARS = 64  # a label value a rank reports (its state, its memory source) is cut to this
 
 
 def vllm_sleep_state(state: str, last_level: int | None) -> str | None:
@@ -86,6 +87,16 @@ class ServeMetrics:
             "ran to its end and was counted", ["route"], registry=r)  # fmt: skip
         self.http_auth_failures = Counter(
             "omni_core_http_auth_failures", "Requests refused for a missing or wrong API key (401)", registry=r)
+        self.http_refused = Counter(
+            "omni_core_http_requests_refused", "Requests refused before any route ran: a foreign Host (403), a "
+            "foreign Origin on a state-changing route (403), a body that is not JSON there (415), by reason",
+            ["reason"], registry=r)  # fmt: skip
+        self.http_connections_open = Gauge("omni_core_http_connections_open", "HTTP connections held",
+                                           registry=r)  # fmt: skip
+        self.http_connections_closed = Counter(
+            "omni_core_http_connections_closed", "Connections the server closed on its own: read_timeout (the "
+            "request did not arrive within read_timeout_s), limit_evicted (the longest waiting, to make room at "
+            "max_connections), limit_refused (full of busy connections)", ["reason"], registry=r)  # fmt: skip
         self.http_body_refused = Counter(
             "omni_core_http_body_too_large", "Requests refused for a body above max_body_bytes (413)", registry=r)
         self.idempotent_replays = Counter(
@@ -146,14 +157,21 @@ class _EngineCollector(Collector):
             in_flight.add_metric([name], stage.get("in_flight", 0))
             for event, value in sorted(stage.get("counters", {}).items()):
                 stage_events.add_metric([name, event], value)
+            own_tags = set(stage.get("tags", ()))
             for rank, info in stage.get("ranks", {}).items():
                 labels = [name, str(rank)]
                 rank_up.add_metric(labels, 1.0 if info.get("alive") else 0.0)
-                rank_state.add_metric([*labels, str(info.get("state", "-"))], 1.0)
-                for tag, value in sorted(info.get("pool_bytes", {}).items()):
+                rank_state.add_metric([*labels, str(info.get("state", "-"))[:LABEL_CHARS]], 1.0)
+                # A rank's report names its tags: only the stage's own become label values.
+                by_tag: dict[str, float] = {}
+                for tag, value in info.get("pool_bytes", {}).items():
+                    label = tag if tag in own_tags else "other"
+                    by_tag[label] = by_tag.get(label, 0) + value
+                for tag, value in sorted(by_tag.items()):
                     pool.add_metric([*labels, tag], value)
                 if info.get("process_bytes") is not None:
-                    process.add_metric([*labels, info.get("process_bytes_source", "none")], info["process_bytes"])
+                    source = str(info.get("process_bytes_source", "none"))[:LABEL_CHARS]
+                    process.add_metric([*labels, source], info["process_bytes"])
                 if info.get("rss_bytes") is not None:
                     rss.add_metric(labels, info["rss_bytes"])
                 host.add_metric(labels, info.get("host_offloaded_bytes", 0))

@@ -1,7 +1,8 @@
 """Request and response bodies of the HTTP API (pydantic, so the OpenAPI schema names them).
 
 Request bodies forbid unknown fields: a client or router that misspells or adds a field
-(production-stack #953 dropped `level`) gets a 400 naming it instead of a silent default.
+(production-stack #953 dropped `level`) gets a 422 naming it instead of a silent default; and
+they are strict: a value of the wrong JSON type is refused (422), never converted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no silent conversion ("1" is not the level 1, true is not the stage id 1); no
+    # NaN or Infinity (Python's JSON reader takes them; no deadline or wait means them)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SleepBody(_Strict):
@@ -36,7 +39,7 @@ class ReloadBody(_Strict):
 class SwapBody(_Strict):
     """POST /v1/swap: `out` sleeps while `in` wakes, both at once (P-16)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
     out: str = Field(..., description="the stage to put to sleep")
     in_: str = Field(..., alias="in", description="the stage to wake (every tag asleep)")
     level: int = Field(1, description="the outgoing stage's sleep level: 1 offloads weights to host, 2 discards all")
@@ -76,7 +79,7 @@ class OmniWakeBody(_Strict):
 class CollectiveRpcBody(BaseModel):
     """vLLM's POST /collective_rpc; only `reload_weights` is served."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     method: str
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -117,6 +120,8 @@ class ErrorDetail(BaseModel):
     type: str = Field(description="the engine's exception type, or the HTTP layer's (e.g. BodyTooLarge)")
     message: str = Field(description="the same text the Python API raises")
     stage: str | None = None
+    fields: list[str] | None = Field(None, description="the request fields refused (a 422, a 400 on source), "
+                                                       "each named in the message too")  # fmt: skip
     failures: dict[str, str] | None = Field(None, description="rank -> why, for StageFailedError")
     refusals: dict[str, str] | None = Field(None, description="rank -> its NO_MEMORY detail (bytes needed and "
                                                               "free, who holds the device), for NoMemoryError")
@@ -209,9 +214,16 @@ class HealthModel(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorModel, "description": what}
     for code, what in {
-        400: "bad argument", 401: "missing or wrong API key", 404: "unknown stage",
-        409: "state conflict, or Idempotency-Key reused for another request", 413: "body too large",
+        400: "bad argument, or a body that is not JSON", 401: "missing or wrong API key",
+        403: "a foreign Host or Origin, or a reload source outside allowed_reload_sources", 404: "unknown stage",
+        409: "state conflict, or Idempotency-Key reused for another request",
+        413: "body above max_body_bytes, or a request over the stage's max_frame_bytes",
+        415: "a state-changing request with a body that is not application/json",
+        422: "a field of the wrong type, unknown, missing or not carried by the wire (the message names it)",
         429: "queue full", 503: "stage failed, engine closed, or too little free device memory (NoMemoryError)",
         504: "deadline passed",
     }.items()
 }  # fmt: skip
+# What any route may answer, whatever it takes: the Host/Origin guard's 403, the 415 of a
+# state-changing request with a non-JSON body, the 422 of an unknown query parameter.
+EVERY_ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {code: ERROR_RESPONSES[code] for code in (403, 415, 422)}

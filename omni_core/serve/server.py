@@ -19,13 +19,10 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine
 from omni_core.serve.app import create_app
 from omni_core.serve.auth import ServeRefusedError, check_bind, load_api_key
+from omni_core.serve.connections import ConnectionGuard, connection_limit, guarded_protocol, install_log_limits
 
 log = logging.getLogger("omni_core.serve")
 GRACEFUL_SHUTDOWN_S = 5.0  # open event streams and calls get this long after SIGINT/SIGTERM
-# Idle keep-alive connections are closed after this long. Longer than clients' own expiry
-# (httpx: 5 s, like uvicorn's default), so the client closes first: a request never goes out
-# on a connection the server is closing at that moment (a lost POST, seen under load).
-KEEP_ALIVE_S = 75.0
 STARTUP_WAIT_S = 60.0
 
 
@@ -43,9 +40,17 @@ class _Server(uvicorn.Server):
 
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for `app`, with the connection guard of its [server] config."""
+    state = app.state.serve
+    server_cfg = state.server
+    ranks = sum(spec.ranks for spec in state.config.stages)
+    guard = ConnectionGuard(server_cfg.read_timeout_s, connection_limit(server_cfg.max_connections, ranks),
+                            on_closed=lambda reason: state.metrics.http_connections_closed.labels(reason).inc(),
+                            on_count=state.metrics.http_connections_open.set)  # fmt: skip
+    install_log_limits()
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
-                          server_header=False)  # fmt: skip
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=server_cfg.keep_alive_s,
+                          server_header=False, http=guarded_protocol(guard))  # fmt: skip
 
 
 def with_overrides(config: OmniConfig, **overrides: Any) -> OmniConfig:

@@ -60,16 +60,18 @@ def test_level2_needs_reload_then_serves(served: Served) -> None:
     assert served.client.post("/v1/stages/decoder/execute", json={"payload": PROBE}).json() == reference
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    ({"level": 3}, "sleep level must be 1 or 2, got 3"),
-    ({"tags": ["nope"]}, "unknown tag(s) ['nope']"),
-    ({"timeout_s": -1}, "timeout_s must be a positive number"),
-    ({"level": 1, "surprise": True}, "surprise"),  # unknown fields are refused, never dropped
-    ({"level": "one"}, "level"),
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    ({"level": 3}, 400, "sleep level must be 1 or 2, got 3"),
+    ({"tags": ["nope"]}, 400, "unknown tag(s) ['nope']"),
+    ({"timeout_s": -1}, 400, "timeout_s must be a positive number"),
+    ({"level": 1, "surprise": True}, 422, "surprise"),  # unknown fields are refused, never dropped
+    ({"level": "one"}, 422, "level"),
+    ({"level": "1"}, 422, "level"),  # strict: never converted
+    ({"level": True}, 422, "level"),
 ])  # fmt: skip
-def test_bad_arguments_are_400_with_the_engine_text(served: Served, body: dict, needle: str) -> None:
+def test_bad_arguments_are_refused_with_the_engine_text(served: Served, body: dict, status: int, needle: str) -> None:
     answer = served.client.post("/v1/stages/talker/sleep", json=body)
-    assert answer.status_code == 400, answer.text
+    assert answer.status_code == status, answer.text
     assert needle in answer.json()["error"]["message"]
     assert served.stage("talker")["state"] == "RUNNING"
 

@@ -3,16 +3,21 @@ A sleep issued through the API must show on the page without a reload."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.serve.conftest import API_KEY, Served, make_config, serving, stage_table
+from tests.serve.conftest import API_KEY, Served, make_config, metric_value, serving, stage_table
 
 CHROMIUM = os.environ.get("OMNI_CORE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 UI_TIMEOUT_MS = 30_000  # the page updates within ~0.5 s; the bound only turns a hang into a failure
+REBOUND = "rebound.test"
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
 if not os.path.exists(CHROMIUM):
@@ -26,7 +31,9 @@ if not os.path.exists(CHROMIUM):
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        # rebound.test resolves to loopback in this browser only: a DNS rebinding without DNS
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"])
         yield browser
         browser.close()
 
@@ -77,3 +84,91 @@ def test_the_page_asks_for_the_key(served: Served, browser: object) -> None:
         expect(page.locator('section[data-stage="decoder"] [data-field="state"]')).to_have_text(
             "RUNNING", timeout=UI_TIMEOUT_MS)
         page.close()
+
+
+# A page of another origin that tries what a no-cors fetch allows: POSTs without a body, with
+# text/plain, with a form, with a typeless Blob holding JSON. Each answer is opaque to the page;
+# only the server's state says whether one of them worked.
+ATTACK_PAGE = """<!doctype html><title>attack</title><script>
+const target = %s;
+const posts = [
+  ["/sleep?level=1", {}],
+  ["/v1/stages/talker/restart", {}],
+  ["/v1/stages/decoder/restart", {body: "{}"}],
+  ["/v1/omni/sleep", {body: JSON.stringify({stage_ids: [0, 1], level: 2})}],
+  ["/v1/stages/decoder/sleep", {body: new Blob([JSON.stringify({level: 2})])}],
+  ["/v1/stages/talker/sleep", {body: new URLSearchParams({level: "2"})}],
+  ["/v1/stages/decoder/restart", {body: new FormData()}],
+];
+Promise.allSettled(posts.map(([path, init]) =>
+    fetch(target + path, {mode: "no-cors", method: "POST", credentials: "include", ...init})))
+  .then(results => { document.title = "sent " + results.length; });
+</script>"""
+
+
+@contextlib.contextmanager
+def other_origin(page_html: str) -> Iterator[str]:
+    """A second HTTP server on another port (so another origin) serving one page."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = page_html.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _states(served: Served) -> dict[str, tuple[str, int]]:
+    return {s["name"]: (s["state"], s["epoch"]) for s in served.client.get("/v1/stages").json()["stages"]}
+
+
+def test_a_page_of_another_origin_changes_nothing(served: Served, browser: object) -> None:
+    before = _states(served)
+    refused_before = sum(metric_value(served.client.get("/metrics").text, "omni_core_http_requests_refused_total",
+                                      reason=r) for r in ("origin", "content_type"))  # fmt: skip
+    with other_origin(ATTACK_PAGE % json.dumps(served.url)) as attacker:
+        page = browser.new_page()  # type: ignore[attr-defined]
+        page.goto(attacker)
+        sync_api.expect(page).to_have_title("sent 7", timeout=UI_TIMEOUT_MS)
+        page.close()
+    refused = sum(metric_value(served.client.get("/metrics").text, "omni_core_http_requests_refused_total",
+                               reason=r) for r in ("origin", "content_type"))  # fmt: skip
+    assert refused - refused_before == 7  # every POST reached the server and was refused
+    assert _states(served) == before  # no sleep, no restart (a restart would raise the epoch)
+
+
+def test_a_rebound_name_is_refused(served: Served, browser: object) -> None:
+    port = served.url.rsplit(":", 1)[1]
+    page = browser.new_page()  # type: ignore[attr-defined]
+    answer = page.goto(f"http://{REBOUND}:{port}/v1/stages")
+    assert answer is not None and answer.status == 403 and "ForeignHost" in answer.text()
+    assert page.goto(f"{served.url}/v1/stages").status == 200  # the same server under its own name
+    page.close()
+
+
+def test_the_page_runs_under_its_content_security_policy(served: Served, browser: object) -> None:
+    page = browser.new_page()  # type: ignore[attr-defined]
+    violations: list[str] = []
+    page.on("console", lambda msg: violations.append(msg.text) if "Content Security Policy" in msg.text else None)
+    answer = page.goto(served.url + "/")
+    assert "script-src 'sha256-" in answer.headers["content-security-policy"]
+    assert answer.headers["x-frame-options"] == "DENY"
+    sync_api.expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)  # the script ran
+    sync_api.expect(page.locator('section[data-stage="talker"] [data-field="state"]')).to_have_text(
+        "RUNNING", timeout=UI_TIMEOUT_MS)
+    assert violations == []
+    page.close()

@@ -128,8 +128,8 @@ def test_cli_names_who_holds_the_device(talker_in: Served, device: SimulatedDevi
 
 
 @pytest.mark.parametrize(("body", "status", "words"), [
-    ({"out": "talker"}, 400, "in: Field required"),
-    ({"out": "talker", "in": "decoder", "bogus": 1}, 400, "bogus: Extra inputs are not permitted"),
+    ({"out": "talker"}, 422, "in: Field required"),
+    ({"out": "talker", "in": "decoder", "bogus": 1}, 422, "bogus: Extra inputs are not permitted"),
     ({"out": "talker", "in": "talker"}, 400, "a swap needs two stages"),
     ({"out": "nope", "in": "decoder"}, 404, "unknown stage 'nope'"),
     ({"out": "talker", "in": "decoder", "level": 3}, 400, "sleep level must be 1 or 2"),

@@ -1,0 +1,327 @@
+#!/usr/bin/env python
+"""Chaos run: mixed lifecycle traffic over HTTP and the Python API on two synthetic stages,
+with rank kills, stops, restarts (concurrent ones too), slow clients and bad requests injected
+at random; then every stage must come back to RUNNING.
+
+    .venv/bin/python scripts/chaos_http.py --minutes 10 --out bench/results/chaos_http.md
+
+Counts calls sent and answered, wrong answers (a 500, an error that is not a JSON error body, a
+request output that differs from the stage's reference output, a Python API exception that is
+not the engine's own), lost ones (no answer within the client's timeout), and stages left
+wedged (not RUNNING within --recover-s after the chaos stops); samples the process's RSS and
+descriptors over time. Exit 1 when a target is missed. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from omni_core.config import parse_config  # noqa: E402
+from omni_core.engine import Engine  # noqa: E402
+from omni_core.engine.errors import OmniCoreError  # noqa: E402
+from omni_core.serve import create_app, serve_in_thread  # noqa: E402
+from omni_core.serve.app import dumps  # noqa: E402
+
+STAGES = ("talker", "decoder")
+PAYLOADS = [{"seed": s, "batch": 2} for s in range(4)]
+CLIENT_TIMEOUT_S = 120.0  # far above every deadline below: no answer by then is lost
+RUNNER = {"weights_bytes": 2 << 20, "tensor_count": 4, "kv_bytes": 1 << 18, "cpu_threads": 1}
+
+
+def _config() -> Any:
+    stage = {"backend": "portable", "deadline_s": 10.0, "start_deadline_s": 30.0, "request_timeout_s": 20.0,
+             "queue_limit": 16}  # fmt: skip
+    return parse_config({"server": {"read_timeout_s": 2.0}, "stages": [
+        {"name": "talker", "ranks": 2, "runner_args": dict(RUNNER, seed=1), **stage},
+        {"name": "decoder", "ranks": 1, "runner_args": dict(RUNNER, seed=2), **stage}]}, "<chaos>")  # fmt: skip
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent = Counter()
+        self.answered = Counter()
+        self.wrong: list[str] = []
+        self.lost: list[str] = []
+        self.statuses = Counter()
+
+    def note(self, kind: str, *, answered: bool, wrong: str = "", status: object = None) -> None:
+        with self.lock:
+            self.sent[kind] += 1
+            if answered:
+                self.answered[kind] += 1
+                self.statuses[f"{kind} {status}"] += 1
+            else:
+                self.lost.append(kind)
+            if wrong and len(self.wrong) < 100:
+                self.wrong.append(f"{kind}: {wrong}")
+
+
+def _http_error_ok(response: httpx.Response) -> str:
+    if response.status_code < 400:
+        return ""
+    if response.status_code == 500:
+        return f"500: {response.text[:300]}"
+    try:
+        error = response.json()["error"]
+        assert error["code"] == response.status_code and error["message"]
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"{response.status_code} without a JSON error: {response.text[:200]}"
+    return ""
+
+
+def http_worker(url: str, tally: Tally, refs: dict[tuple[str, int], Any], stop: threading.Event, seed: int) -> None:
+    rng = random.Random(seed)
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+        while not stop.is_set():
+            stage = rng.choice(STAGES)
+            action = rng.choices(["execute", "sleep", "wake", "status", "restart", "reload"], [8, 2, 2, 3, 1, 1])[0]
+            headers = {"Idempotency-Key": f"chaos-{seed}-{rng.getrandbits(48):x}"} if rng.random() < 0.3 else {}
+            try:
+                if action == "execute":
+                    i = rng.randrange(len(PAYLOADS))
+                    r = client.post(f"/v1/stages/{stage}/execute", json={"payload": PAYLOADS[i]}, headers=headers)
+                    wrong = _http_error_ok(r)
+                    if r.status_code == 200 and r.json()["output"] != json.loads(dumps(refs[(stage, i)])):
+                        wrong = f"execute output differs from the reference for payload {i}"
+                elif action == "sleep":
+                    r = client.post(f"/v1/stages/{stage}/sleep", json={"level": rng.choice([1, 2])}, headers=headers)
+                    wrong = _http_error_ok(r)
+                elif action == "wake":
+                    r = client.post(f"/v1/stages/{stage}/wake", headers=headers)
+                    wrong = _http_error_ok(r)
+                elif action == "reload":
+                    r = client.post(f"/v1/stages/{stage}/reload", headers=headers)
+                    wrong = _http_error_ok(r)
+                elif action == "restart":
+                    r = client.post(f"/v1/stages/{stage}/restart", headers=headers)
+                    wrong = _http_error_ok(r)
+                else:
+                    r = client.get("/v1/stages")
+                    wrong = _http_error_ok(r)
+                tally.note(f"http {action}", answered=True, wrong=wrong, status=r.status_code)
+            except httpx.TimeoutException:
+                tally.note(f"http {action}", answered=False)
+            except httpx.HTTPError as exc:
+                tally.note(f"http {action}", answered=True, wrong=f"transport error {exc!r}", status="transport")
+
+
+def api_worker(engine: Engine, tally: Tally, refs: dict[tuple[str, int], Any], stop: threading.Event,
+               seed: int) -> None:  # fmt: skip
+    rng = random.Random(seed)
+    while not stop.is_set():
+        stage = rng.choice(STAGES)
+        action = rng.choices(["execute", "sleep", "wake"], [6, 1, 1])[0]
+        try:
+            if action == "execute":
+                i = rng.randrange(len(PAYLOADS))
+                out = engine.execute(stage, PAYLOADS[i])
+                wrong = "" if out == refs[(stage, i)] else f"execute output differs for payload {i}"
+            elif action == "sleep":
+                engine.sleep(stage, level=rng.choice([1, 2]))
+                wrong = ""
+            else:
+                engine.wake(stage)
+                wrong = ""
+            tally.note(f"api {action}", answered=True, wrong=wrong, status="ok")
+        except OmniCoreError as exc:
+            tally.note(f"api {action}", answered=True, status=type(exc).__name__)
+            stop.wait(0.05)  # pacing: a refused caller retries, it does not spin
+        except Exception as exc:  # anything else escaping the API is a wrong answer
+            tally.note(f"api {action}", answered=True, wrong=f"{type(exc).__name__}: {exc}", status="bug")
+
+
+def injector(url: str, engine: Engine, tally: Tally, stop: threading.Event, seed: int) -> None:
+    rng = random.Random(seed)
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    while not stop.wait(rng.uniform(1.0, 4.0)):
+        fault = rng.choice(["kill", "stop", "restart2", "slow", "garbage", "foreign"])
+        tally.sent[f"fault {fault}"] += 1
+        if fault in ("kill", "stop"):
+            pids = [info.get("pid") for st in engine.status().values() if isinstance(st, dict) and "ranks" in st
+                    for info in st["ranks"].values() if info.get("alive") and info.get("pid")]  # fmt: skip
+            if not pids:
+                continue
+            pid = rng.choice(pids)
+            try:
+                os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                if fault == "stop":
+                    threading.Timer(rng.uniform(1.0, 15.0), lambda p=pid: _cont(p)).start()
+            except ProcessLookupError:
+                pass
+        elif fault == "restart2":  # two restarts of one stage at once, as two racing clients would
+            stage = rng.choice(STAGES)
+            for _ in range(2):
+                threading.Thread(target=_post, args=(url, f"/v1/stages/{stage}/restart", tally), daemon=True).start()
+        elif fault == "slow":
+            socks = [socket.create_connection((host, int(port))) for _ in range(20)]
+            for s in socks:
+                s.sendall(b"POST /v1/stages/talker/sleep HTTP/1.1\r\nHost: 127")
+            threading.Timer(30.0, lambda ss=socks: [s.close() for s in ss]).start()
+        elif fault == "garbage":
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(rng.randbytes(rng.randint(1, 4000)) + b"\r\n\r\n")
+        else:
+            r = httpx.post(url + "/v1/stages/talker/sleep", headers={"Host": "evil.example", "Origin": "http://x"})
+            tally.note("http foreign", answered=True, wrong="" if r.status_code == 403 else f"{r.status_code}",
+                       status=r.status_code)  # fmt: skip
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def _post(url: str, path: str, tally: Tally) -> None:
+    try:
+        r = httpx.post(url + path, timeout=CLIENT_TIMEOUT_S)
+        tally.note("http restart (concurrent)", answered=True, wrong=_http_error_ok(r), status=r.status_code)
+    except httpx.TimeoutException:
+        tally.note("http restart (concurrent)", answered=False)
+
+
+def recover(engine: Engine, stage: str, deadline_s: float) -> str:
+    """Bring a stage back to RUNNING as an operator would; its state after, RUNNING if done."""
+    until = time.monotonic() + deadline_s
+    state = "?"
+    while time.monotonic() < until:
+        state = engine.status()[stage]["state"]
+        try:
+            if state == "RUNNING":
+                return state
+            if state in ("FAILED", "STOPPED"):
+                engine.restart(stage)
+            elif state in ("SLEEPING", "PARTIAL"):
+                engine.wake(stage)
+            elif state == "NEEDS_RELOAD":
+                engine.reload_weights(stage)
+            else:
+                time.sleep(0.5)  # a transition in progress ends at its deadline
+        except OmniCoreError:
+            time.sleep(0.5)
+    return state
+
+
+def _sample(samples: list[tuple[float, int, int]], started: float) -> None:
+    with open("/proc/self/status", encoding="ascii") as f:
+        rss = int(next(line for line in f if line.startswith("VmRSS")).split()[1]) * 1024
+    samples.append((time.monotonic() - started, rss, len(os.listdir("/proc/self/fd"))))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--http-clients", type=int, default=6)
+    p.add_argument("--api-clients", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--recover-s", type=float, default=120.0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip  # the code the run starts with
+    config = _config()
+    tally = Tally()
+    samples: list[tuple[float, int, int]] = []
+    engine = Engine(config.stages)
+    try:
+        refs = {(s, i): engine.execute(s, payload) for s in STAGES for i, payload in enumerate(PAYLOADS)}
+        app = create_app(engine, config)
+        with serve_in_thread(app) as running:
+            stop = threading.Event()
+            started = time.monotonic()
+            threads = [threading.Thread(target=http_worker, args=(running.url, tally, refs, stop, args.seed + i))
+                       for i in range(args.http_clients)]  # fmt: skip
+            threads += [threading.Thread(target=api_worker, args=(engine, tally, refs, stop, args.seed + 100 + i))
+                        for i in range(args.api_clients)]  # fmt: skip
+            threads.append(threading.Thread(target=injector, args=(running.url, engine, tally, stop, args.seed)))
+            for t in threads:
+                t.start()
+            while time.monotonic() - started < args.minutes * 60:
+                _sample(samples, started)
+                stop.wait(10.0)
+            stop.set()
+            for t in threads:
+                t.join(CLIENT_TIMEOUT_S + 30)
+            stuck_threads = sum(t.is_alive() for t in threads)
+            for pid_state in engine.status().values():  # let every stopped rank go on, so recovery can see it
+                for info in (pid_state.get("ranks") or {}).values() if isinstance(pid_state, dict) else ():
+                    if info.get("pid"):
+                        _cont(info["pid"])
+            final = {s: recover(engine, s, args.recover_s) for s in STAGES}
+            _sample(samples, started)
+            answers_ok = all(engine.execute(s, PAYLOADS[0]) == refs[(s, 0)] for s in STAGES
+                             if final[s] == "RUNNING")  # fmt: skip
+    finally:
+        engine.shutdown()
+    wedged = [s for s, st in final.items() if st != "RUNNING"]
+    sent = sum(n for k, n in tally.sent.items() if not k.startswith("fault"))
+    answered = sum(tally.answered.values())
+    faults = {k.removeprefix("fault "): n for k, n in tally.sent.items() if k.startswith("fault")}
+    targets = [
+        ("wrong answers", str(len(tally.wrong)), not tally.wrong),
+        ("lost calls", str(len(tally.lost)), not tally.lost),
+        ("stages left wedged", f"{len(wedged)} {wedged or ''}", not wedged),
+        ("client threads stuck at the end", str(stuck_threads), stuck_threads == 0),
+        ("outputs after recovery equal the reference", str(answers_ok), answers_ok),
+    ]
+    lines = [
+        "# Chaos run over HTTP and the Python API",
+        "",
+        f"- command: `.venv/bin/python scripts/chaos_http.py --minutes {args.minutes:g} --http-clients "
+        f"{args.http_clients} --api-clients {args.api_clients} --seed {args.seed}`",
+        f"- commit: {commit}; machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs shared, "
+        f"Python {platform.python_version()})",
+        "- stages: talker (2 ranks) and decoder (1 rank), synthetic runner, portable backend, deadline_s 10",
+        f"- faults injected: {dict(sorted(faults.items()))}",
+        f"- calls sent: {sent}; answered: {answered}; lost: {len(tally.lost)}; wrong: {len(tally.wrong)}",
+        f"- final states after recovery: {final}",
+        "",
+        "## Answers by call and outcome",
+        "",
+        *[f"- {k}: {n}" for k, n in sorted(tally.statuses.items())],
+        "",
+        "## Wrong answers",
+        "",
+        *([f"- {w}" for w in tally.wrong[:30]] or ["none"]),
+        "",
+        "## RSS and descriptors of the server process (engine, HTTP server, clients) over time",
+        "",
+        "| t (s) | RSS (MiB) | descriptors |",
+        "|---|---|---|",
+        *[f"| {t:.0f} | {rss / 2**20:.1f} | {fds} |" for t, rss, fds in samples],
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        *[f"| {name} | {measured} | {'yes' if met else 'no'} |" for name, measured, met in targets],
+        "",
+    ]  # fmt: skip
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0 if all(met for _, _, met in targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
