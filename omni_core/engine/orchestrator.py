@@ -279,6 +279,7 @@ class Orchestrator:
                 "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
                 "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
+                "asleep_tags": sorted(core.residency.asleep), "weights_valid": core.residency.weights_valid,
                 "ranks": {p.rank: {"pid": p.pid, "alive": p.is_alive(), "node": p.node,
                                    "state": core.rank_state[p.rank].value if p.rank in core.rank_state else "-"}
                           for p in stage.procs},
