@@ -599,8 +599,15 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
             kind, message = "InvalidJSON", ("the body could not be read as JSON (nested too deep, or a number too "
                                             "long for the parser); send a JSON object as /openapi.json gives it")
+        allow = (exc.headers or {}).get("Allow")
+        if exc.status_code == 405 and allow:
+            # SGLang also takes GET on its state-changing routes; here a GET never changes state,
+            # since a GET is what any web page can send without the browser guards seeing it.
+            message = (f"{method_label(request.method)} is not allowed on {request.url.path}; use {allow} (a GET "
+                       "never changes state here: any web page can send one)")  # fmt: skip
+        headers = {"Allow": allow} if allow else {}
         return _response(_answer(exc.status_code, {"error": {"code": exc.status_code, "type": kind,
-                                                             "message": str(message)}}),
+                                                             "message": str(message)}}, headers.items()),
                          )  # fmt: skip
 
     # ------------------------------------------------------------------ public

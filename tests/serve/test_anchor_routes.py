@@ -236,9 +236,13 @@ def test_sglang_errors_say_success_false(served: Served) -> None:
     assert served.stage("talker")["state"] == "RUNNING"
 
 
-def test_sglang_flush_cache_is_not_served(served: Served) -> None:
+def test_sglang_flush_cache_is_not_served_and_get_changes_nothing(served: Served) -> None:
     _refused(served.client.post("/flush_cache"), 501, "no protocol command reaches a runner's prefix cache")
-    assert served.client.get("/flush_cache").status_code == 405  # a GET must not change anything
+    for route in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
+        got = served.client.get(route)  # SGLang takes GET too; here a GET never changes anything
+        assert got.status_code == 405 and got.headers["allow"] == "POST", got.text
+        assert "GET is not allowed on " + route + "; use POST" in got.json()["error"]["message"]
+    assert served.stage("talker")["state"] == "RUNNING"
 
 
 # ------------------------------------------------------------------ health, metrics, guards
