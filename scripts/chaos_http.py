@@ -3,7 +3,7 @@
 with rank kills, stops, restarts (concurrent ones too), slow clients and bad requests injected
 at random; then every stage must come back to RUNNING.
 
-    .venv/bin/python scripts/chaos_http.py --minutes 10 --out bench/results/chaos_http.md
+    .venv/bin/python scripts/chaos_http.py --minutes 10 --out benchmarks/results/chaos_http.md
 
 Counts calls sent and answered, wrong answers (a 500, an error that is not a JSON error body, a
 request output that differs from the stage's reference output, a Python API exception that is

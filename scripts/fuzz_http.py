@@ -3,7 +3,7 @@
 fuzzed over a socket from its OpenAPI document (tests/serve/http_fuzz.py: every route, schema
 cases and hostile ones) round after round with a new seed, until the time is up.
 
-    .venv/bin/python scripts/fuzz_http.py --minutes 10 --out bench/results/fuzz_http.md
+    .venv/bin/python scripts/fuzz_http.py --minutes 10 --out benchmarks/results/fuzz_http.md
 
 Reports requests, answers by status, 5xx (500s apart), hangs (no answer within
 --request-timeout-s), problems found, and the server's RSS and descriptors before and after.

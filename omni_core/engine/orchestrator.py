@@ -337,6 +337,7 @@ class Orchestrator:
                 "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
                 "in_flight": len(core.in_flight), "counters": asdict(core.counters),
                 "weights_version": core.weights_version,
+                "asleep_tags": sorted(core.residency.asleep), "weights_valid": core.residency.weights_valid,
                 "ranks": {p.rank: self._rank_status(stage, p) for p in stage.procs},
             }  # fmt: skip
         out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0,

@@ -50,6 +50,10 @@ STATUS_CALL_TIMEOUT_S = 10.0  # Engine.status answers from the orchestrator loop
 SSE_KEEPALIVE_S = 15.0  # proxies close idle streams; a comment line keeps them open
 SSE_QUEUE_MESSAGES = 256  # a subscriber this far behind is dropped (it reconnects and gets a fresh snapshot)
 EVENTS_IN_SNAPSHOT = 50
+# /health answers 503 while a stage is in one of these (vLLM and SGLang answer 503 when their
+# engine is dead, so a probe restarts or routes around it); a sleeping stage is healthy.
+UNHEALTHY_STATES = frozenset({"FAILED", "STOPPED"})
+MAX_REASON_CHARS = 500  # a failure reason quoted in /health; the full text is in GET /v1/stages/{name}
 JSON = "application/json"
 
 
@@ -141,9 +145,9 @@ class ServeState:
                            kind="InvalidArgumentError")  # fmt: skip
         return ident
 
-    def stage_list(self, ids: list[int | str] | None) -> list[str]:
-        """vLLM-Omni's stage_ids as names; None: every stage."""
-        return list(self.names) if ids is None else [self.stage_name(i) for i in ids]
+    def stage_list(self, ids: list[int | str]) -> list[str]:
+        """vLLM-Omni's stage_ids as names, each once (a stage named twice would race itself)."""
+        return list(dict.fromkeys(self.stage_name(i) for i in ids))
 
     def targets(self) -> list[str]:
         """What vLLM's routes act on: the configured default stage, or every stage."""
@@ -304,6 +308,7 @@ class ServeState:
             "task_id": st.get("task_id"), "admission": str(st.get("admission", spec.admission.value)),
             "failure": st.get("failure") or None, "queued": st.get("queued", 0), "in_flight": st.get("in_flight", 0),
             "counters": dict(st.get("counters") or {}), "last_sleep_level": self.last_level[name],
+            "asleep_tags": list(st.get("asleep_tags") or []), "weights_valid": bool(st.get("weights_valid", True)),
             "tags": list(spec.tags), "runner": spec.runner, "device": spec.device, "backend": spec.backend,
             "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()), "ranks": ranks,
         }  # fmt: skip
@@ -430,6 +435,41 @@ def _timeout(value: float | None) -> float | None:
 def _split_tags(values: list[str]) -> list[str] | None:
     tags = [t.strip() for v in values for t in v.split(",") if t.strip()]
     return tags or None
+
+
+def _once(field: str, in_query: Any, in_body: Any, default: Any) -> Any:
+    """A vLLM route's parameter from its query string or its JSON body; both is ambiguous."""
+    if in_query is not None and in_body is not None:
+        raise ApiError(422, f"{field} is given both in the query string and in the JSON body; give it once",
+                       kind="InvalidArgumentError", extra={"fields": [f"query.{field}", f"body.{field}"]})  # fmt: skip
+    return in_query if in_query is not None else in_body if in_body is not None else default
+
+
+def _check_sleep_mode(mode: str) -> None:
+    if mode == "keep":
+        raise ApiError(400, "mode 'keep' (hold in-flight requests through the sleep and resume them after the "
+                            "wake) is not served: omni-core has no lifecycle that keeps requests across a sleep; "
+                            "use mode=wait (they finish first) or mode=abort (they fail now)",
+                       kind="InvalidArgumentError", extra={"fields": ["mode"]})  # fmt: skip
+    if mode not in ("abort", "wait"):
+        raise ApiError(400, f"mode {mode[:40]!r} is not one of 'abort' (fail in-flight requests now, vLLM's "
+                            "default) or 'wait' (drain them first)", kind="InvalidArgumentError",
+                       extra={"fields": ["mode"]})  # fmt: skip
+
+
+# A stage in these states has memory released, or is releasing or restoring it: vLLM's
+# is_sleeping stays true until every tag is back and the weights are valid again.
+NOT_AWAKE_STATES = frozenset({"DRAINING", "TRANSITIONING", "SLEEPING", "WAKING", "PARTIAL", "NEEDS_RELOAD"})
+NO_PAUSE = ("not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
+            "(its sleep closes admission and releases memory)")  # fmt: skip
+NO_CACHE_RESET = ("not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
+                  "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)")
+
+
+def not_awake(stage_status: dict[str, Any]) -> bool:
+    """Whether a stage (as Engine.status gives it) has anything asleep, or invalid weights."""
+    return (stage_status.get("state") in NOT_AWAKE_STATES or bool(stage_status.get("asleep_tags"))
+            or stage_status.get("weights_valid") is False)  # fmt: skip
 
 
 def _known_query_only(request: Request) -> None:
@@ -559,8 +599,15 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
             kind, message = "InvalidJSON", ("the body could not be read as JSON (nested too deep, or a number too "
                                             "long for the parser); send a JSON object as /openapi.json gives it")
+        allow = (exc.headers or {}).get("Allow")
+        if exc.status_code == 405 and allow:
+            # SGLang also takes GET on its state-changing routes; here a GET never changes state,
+            # since a GET is what any web page can send without the browser guards seeing it.
+            message = (f"{method_label(request.method)} is not allowed on {request.url.path}; use {allow} (a GET "
+                       "never changes state here: any web page can send one)")  # fmt: skip
+        headers = {"Allow": allow} if allow else {}
         return _response(_answer(exc.status_code, {"error": {"code": exc.status_code, "type": kind,
-                                                             "message": str(message)}}),
+                                                             "message": str(message)}}, headers.items()),
                          )  # fmt: skip
 
     # ------------------------------------------------------------------ public
@@ -579,8 +626,16 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             raise ApiError(503, f"the engine did not answer a status call within {STATUS_CALL_TIMEOUT_S} s",
                            kind="EngineUnresponsive") from None  # fmt: skip
         states = {name: status[name]["state"] for name in state.names if name in status}
-        degraded = any(s == "FAILED" for s in states.values())
-        return JSONResponse({"status": "degraded" if degraded else "ok", "stages": states})
+        failed = [name for name, st in states.items() if st in UNHEALTHY_STATES]
+        if not failed:
+            return JSONResponse({"status": "ok", "stages": states, "failed": []})
+        first = failed[0]
+        why = str(status[first].get("failure") or "no reason recorded")[:MAX_REASON_CHARS]
+        also = f"; also FAILED or STOPPED: {failed[1:]}" if len(failed) > 1 else ""
+        error = {"code": 503, "type": "StageFailed", "stage": first,
+                 "message": f"stage {first!r} is {states[first]} ({why}); restart it: POST "
+                            f"/v1/stages/{first}/restart{also}"}  # fmt: skip
+        return JSONResponse({"status": "failed", "stages": states, "failed": failed, "error": error}, status_code=503)
 
     @app.get("/metrics", dependencies=metrics_deps, include_in_schema=True, tags=["omni-core"],
              response_class=Response, responses={200: {"content": {"text/plain": {}}}})  # fmt: skip
@@ -786,58 +841,98 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             return per_stage, Answer(first_error.status, dumps(body), first_error.headers)
         return per_stage, None
 
-    def sleep_many(names: list[str], level: int, tags: list[str] | None, tid: str | None,
-                   abort_in_flight: bool = False) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
-        """vLLM's and vLLM-Omni's sleep: the same command on several stages."""
-        engine = state.require_engine()
+    def on_many(names: list[str], command: str, make_call: Callable[[str], Callable[[], Any]],
+                shape: Callable[[dict[str, Any]], Any], level: int | None = None) -> Callable[[], Awaitable[Answer]]:
+        """The work of an anchor's route: one command on several stages, answered in the
+        anchor's shape (`shape` of the reports per stage) or with the first error."""
 
         async def work() -> Answer:
-            per_stage, error = await on_targets(names, "sleep", lambda n: functools.partial(
-                engine.sleep, n, level, tags, task_id=tid, abort_in_flight=abort_in_flight), level)
-            return error or _answer(200, {"status": "sleeping", "level": level, "stages": per_stage})
+            per_stage, error = await on_targets(names, command, make_call, level)
+            return error or _answer(200, shape(per_stage))
 
         return work
 
-    def wake_many(names: list[str], tags: list[str] | None, tid: str | None) -> Callable[[], Awaitable[Answer]]:
-        """vLLM's and vLLM-Omni's wake: 'sleeping' while some tags of a stage still sleep."""
+    def sleep_call(level: int, tags: list[str] | None, tid: str | None,
+                   abort_in_flight: bool = False) -> Callable[[str], Callable[[], Any]]:  # fmt: skip
         engine = state.require_engine()
+        return lambda n: functools.partial(engine.sleep, n, level, tags, task_id=tid, abort_in_flight=abort_in_flight)
 
-        async def work() -> Answer:
-            per_stage, error = await on_targets(names, "wake", lambda n: functools.partial(
-                engine.wake, n, tags, task_id=tid))
-            if error is not None:
-                return error
-            awake = all(r["state"] in ("RUNNING", "NEEDS_RELOAD") for r in per_stage.values())
+    def wake_call(tags: list[str] | None, tid: str | None) -> Callable[[str], Callable[[], Any]]:
+        engine = state.require_engine()
+        return lambda n: functools.partial(engine.wake, n, tags, task_id=tid)
+
+    def woken_shape(names: list[str], tags: list[str] | None) -> Callable[[dict[str, Any]], Any]:
+        def shape(per_stage: dict[str, Any]) -> Any:
+            # RUNNING is the only state with every tag resident and the weights valid.
+            awake = all(r["state"] == "RUNNING" for r in per_stage.values())
             woken = tags or sorted({t for n in names for t in state.specs[n].tags})
-            return _answer(200, {"status": "awake" if awake else "sleeping", "tags_woken": woken, "stages": per_stage})
+            return {"status": "awake" if awake else "sleeping", "tags_woken": woken, "stages": per_stage}
 
-        return work
+        return shape
 
     @app.post("/sleep", dependencies=control, response_model=m.VllmSleepModel, responses=m.ERROR_RESPONSES,
-              tags=["vLLM"], description="vLLM's dev-mode sleep: ?level=1|2&mode=wait|abort&tags=... on the "
-                                         "default stage (or every stage)")  # fmt: skip
-    async def vllm_sleep(request: Request, level: int = 1, mode: str = "wait",
+              tags=["vLLM"],
+              description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
+                          "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
+                          "({\"level\": 2}), not both. mode: abort (vLLM's default: in-flight requests fail at "
+                          "once with 409), wait (they finish first); keep is refused (400).")  # fmt: skip
+    async def vllm_sleep(request: Request, body: m.VllmSleepBody | None = None, level: int | None = None,
+                         mode: str | None = None,
                          tags: Annotated[list[str] | None, Query()] = None) -> Response:  # fmt: skip
-        if mode not in ("wait", "abort"):
-            raise ApiError(400, f"mode {mode!r} is not served; use 'wait' (drain in-flight requests) or 'abort' "
-                                "(fail them now)", kind="InvalidArgumentError")  # fmt: skip
-        work = sleep_many(state.targets(), level, _split_tags(tags or []), _lifecycle_tid(request), mode == "abort")
+        body = body or m.VllmSleepBody()
+        chosen_level = _once("level", level, body.level, 1)
+        chosen_mode = _once("mode", mode, body.mode, "abort")
+        chosen_tags = _once("tags", _split_tags(tags or []), body.tags or None, None)
+        _check_sleep_mode(chosen_mode)
+        names = state.targets()
+        work = on_many(names, "sleep", sleep_call(chosen_level, chosen_tags, _lifecycle_tid(request),
+                                                  chosen_mode == "abort"),
+                       lambda per: {"status": "sleeping", "level": chosen_level, "mode": chosen_mode, "stages": per},
+                       chosen_level)  # fmt: skip
         return await run_post(state, request, "/sleep", work)
 
     @app.post("/wake_up", dependencies=control, response_model=m.VllmWakeModel, responses=m.ERROR_RESPONSES,
-              tags=["vLLM"], description="vLLM's wake_up: ?tags=weights wakes part of the memory")  # fmt: skip
-    async def vllm_wake(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
-        work = wake_many(state.targets(), _split_tags(tags or []), _lifecycle_tid(request))
+              tags=["vLLM"],
+              description="vLLM's wake_up: ?tags=weights (repeatable, or comma-separated) or {\"tags\": "
+                          "[\"weights\"]} wakes part of the memory; neither: every tag asleep")  # fmt: skip
+    async def vllm_wake(request: Request, body: m.VllmWakeBody | None = None,
+                        tags: Annotated[list[str] | None, Query()] = None) -> Response:  # fmt: skip
+        body = body or m.VllmWakeBody()
+        chosen_tags = _once("tags", _split_tags(tags or []), body.tags or None, None)
+        names = state.targets()
+        work = on_many(names, "wake", wake_call(chosen_tags, _lifecycle_tid(request)), woken_shape(names, chosen_tags))
         return await run_post(state, request, "/wake_up", work)
 
     @app.get("/is_sleeping", dependencies=control, response_model=m.IsSleepingModel, responses=m.ERROR_RESPONSES,
              tags=["vLLM"],
-             description="true while the default stage (or any stage) sleeps, fully or in part")  # fmt: skip
+             description="true until every tag of the default stage (or of every stage) is back and its weights "
+                         "are valid: SLEEPING, PARTIAL, NEEDS_RELOAD and the transitions between them are asleep")
     async def vllm_is_sleeping() -> Response:
         status = await state.status()
-        sleepy = ("SLEEPING", "PARTIAL", "DRAINING", "TRANSITIONING")
-        asleep = any(status[n]["state"] in sleepy for n in state.targets())
-        return JSONResponse({"is_sleeping": asleep})
+        return JSONResponse({"is_sleeping": any(not_awake(status[n]) for n in state.targets())})
+
+    @app.post("/pause", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["vLLM"],
+              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    async def vllm_pause(mode: str = "abort", wait_for_inflight_requests: bool = False,
+                         clear_cache: bool = True) -> Response:  # fmt: skip
+        raise ApiError(501, NO_PAUSE + "; use POST /sleep?mode=wait (drain, then release the memory) and "
+                            "POST /wake_up, or POST /sleep?mode=abort", kind="NotServed")  # fmt: skip
+
+    @app.post("/resume", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["vLLM"],
+              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    async def vllm_resume() -> Response:
+        raise ApiError(501, NO_PAUSE + ", so there is nothing to resume; POST /wake_up wakes a sleeping stage",
+                       kind="NotServed")  # fmt: skip
+
+    @app.get("/is_paused", dependencies=control, response_model=m.IsPausedModel, responses=m.ERROR_RESPONSES,
+             tags=["vLLM"], description="false: this server never pauses (POST /pause answers 501)")  # fmt: skip
+    async def vllm_is_paused() -> Response:
+        return JSONResponse({"is_paused": False})
+
+    @app.post("/reset_prefix_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["vLLM"],
+              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    async def vllm_reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
+        raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
 
     @app.post("/collective_rpc", dependencies=control, response_model=m.CollectiveRpcModel,
               responses=m.ERROR_RESPONSES, tags=["vLLM"],
@@ -860,29 +955,98 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         source = state.check_source(source)
         engine, tid, names, timeout_s = state.require_engine(), _lifecycle_tid(request), state.targets(), _timeout(
             body.timeout)
-
-        async def work() -> Answer:
-            per_stage, error = await on_targets(names, "reload", lambda n: functools.partial(
-                engine.reload_weights, n, source, task_id=tid, timeout_s=timeout_s))
-            return error or _answer(200, {"results": list(per_stage.values())})
-
+        work = on_many(names, "reload", lambda n: functools.partial(engine.reload_weights, n, source, task_id=tid,
+                                                                    timeout_s=timeout_s),
+                       lambda per: {"results": list(per.values())})  # fmt: skip
         return await run_post(state, request, "/collective_rpc", work)
 
     # ------------------------------------------------------------------ vLLM-Omni-compatible
 
-    @app.post("/v1/omni/sleep", dependencies=control, response_model=m.VllmSleepModel, responses=m.ERROR_RESPONSES,
-              tags=["vLLM-Omni"], description="vLLM-Omni's sleep: {\"stage_ids\": [0, 1], \"level\": 2}")  # fmt: skip
-    async def omni_sleep(request: Request, body: m.OmniSleepBody | None = None) -> Response:
-        body = body or m.OmniSleepBody()
-        work = sleep_many(state.stage_list(body.stage_ids), body.level, body.tags, _lifecycle_tid(request))
+    def omni_shape(per_stage: dict[str, Any]) -> dict[str, Any]:
+        """vLLM-Omni's answer: SUCCESS and one OmniACK-shaped entry per rank; a stage that had
+        nothing to do (ALREADY, answered without asking its ranks) gets one with rank null."""
+        acks: list[dict[str, Any]] = []
+        for name, report in per_stage.items():
+            stage_id = state.names.index(name)
+            ranks = list(report["ranks"].values()) or [{"rank": None, "status": report["status"], "freed_bytes": 0,
+                                                        "state": report["state"]}]  # fmt: skip
+            acks.extend({"task_id": report["task_id"], "status": rr["status"], "stage_id": stage_id,
+                         "rank": rr["rank"], "freed_bytes": rr["freed_bytes"],
+                         "metadata": {"stage": name, "state": rr["state"]}} for rr in ranks)  # fmt: skip
+        return {"status": "SUCCESS", "acks": acks, "stages": per_stage}
+
+    @app.post("/v1/omni/sleep", dependencies=control, response_model=m.OmniLifecycleModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM-Omni"],
+              description="vLLM-Omni's sleep: {\"stage_ids\": [0, 1], \"level\": 2}; stage_ids required and not "
+                          "empty, level 2 unless given (its OmniSleepRequest)")  # fmt: skip
+    async def omni_sleep(request: Request, body: m.OmniSleepBody) -> Response:
+        names = state.stage_list(body.stage_ids)
+        work = on_many(names, "sleep", sleep_call(body.level, body.tags, _lifecycle_tid(request)), omni_shape,
+                       body.level)  # fmt: skip
         return await run_post(state, request, "/v1/omni/sleep", work)
 
-    @app.post("/v1/omni/wakeup", dependencies=control, response_model=m.VllmWakeModel, responses=m.ERROR_RESPONSES,
-              tags=["vLLM-Omni"], description="vLLM-Omni's wake-up: {\"stage_ids\": [0]}")  # fmt: skip
-    async def omni_wake(request: Request, body: m.OmniWakeBody | None = None) -> Response:
-        body = body or m.OmniWakeBody()
-        work = wake_many(state.stage_list(body.stage_ids), body.tags, _lifecycle_tid(request))
+    @app.post("/v1/omni/wakeup", dependencies=control, response_model=m.OmniLifecycleModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM-Omni"],
+              description="vLLM-Omni's wake-up: {\"stage_ids\": [0]}; SKIPPED when none of them sleeps")  # fmt: skip
+    async def omni_wake(request: Request, body: m.OmniWakeBody) -> Response:
+        names = state.stage_list(body.stage_ids)
+        wake = on_many(names, "wake", wake_call(body.tags, _lifecycle_tid(request)), omni_shape)
+
+        async def work() -> Answer:
+            try:
+                status = await state.status()
+            except Exception as exc:
+                return error_answer(exc)
+            if not any(not_awake(status[n]) for n in names):
+                return _answer(200, {"status": "SKIPPED", "acks": [], "stages": {},
+                                     "message": f"none of the stages {names} sleeps; nothing was woken"})
+            return await wake()
+
         return await run_post(state, request, "/v1/omni/wakeup", work)
+
+    # ------------------------------------------------------------------ SGLang-compatible
+
+    def sglang_work(command: str, names: list[str], make_call: Callable[[str], Callable[[], Any]],
+                    done: str, level: int | None = None) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+        """SGLang's answer, {"success", "message"}, on errors too (beside omni-core's error)."""
+
+        async def work() -> Answer:
+            per_stage, error = await on_targets(names, command, make_call, level)
+            if error is None:
+                return _answer(200, {"success": True, "message": done, "stages": per_stage})
+            body = json.loads(error.body)
+            return Answer(error.status, dumps(dict(body, success=False, message=body["error"]["message"])),
+                          error.headers)  # fmt: skip
+
+        return work
+
+    @app.post("/release_memory_occupation", dependencies=control, response_model=m.SglangMemoryModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's release on the default stage (or every stage): {\"tags\": [\"kv_cache\"]} "
+                          "or no body (every tag). In-flight requests finish first. level (omni-core's "
+                          "addition): 1 keeps the weights in host memory, 2 discards them. POST only: a GET "
+                          "that frees memory could be sent by any web page.")  # fmt: skip
+    async def sglang_release(request: Request, body: m.SglangReleaseBody | None = None) -> Response:
+        body = body or m.SglangReleaseBody()
+        names, tags = state.targets(), body.tags or None
+        work = sglang_work("sleep", names, sleep_call(body.level, tags, _lifecycle_tid(request)),
+                           f"released {tags or 'every tag'} of {names} (level {body.level})", body.level)
+        return await run_post(state, request, "/release_memory_occupation", work)
+
+    @app.post("/resume_memory_occupation", dependencies=control, response_model=m.SglangMemoryModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's resume: {\"tags\": [\"weights\"]} or no body (every tag asleep)")  # fmt: skip
+    async def sglang_resume(request: Request, body: m.SglangMemoryBody | None = None) -> Response:
+        body = body or m.SglangMemoryBody()
+        names, tags = state.targets(), body.tags or None
+        work = sglang_work("wake", names, wake_call(tags, _lifecycle_tid(request)),
+                           f"resumed {tags or 'every tag asleep'} of {names}")
+        return await run_post(state, request, "/resume_memory_occupation", work)
+
+    @app.post("/flush_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["SGLang"],
+              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    async def sglang_flush_cache(timeout: float = 0.0) -> Response:
+        raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
 
     # The last added is outermost: metrics see every answer, 413s included; the body limit
     # still runs before any route reads a byte.

@@ -32,16 +32,15 @@ STAGE_STATES = tuple(s.value for s in StageState)
 LABEL_CHARS = 64  # a label value a rank reports (its state, its memory source) is cut to this
 
 
-def vllm_sleep_state(state: str, last_level: int | None) -> str | None:
-    """vLLM's sleep_state for a stage state: awake when serving, weights_offloaded after a
-    level-1 sleep, discard_all after a level-2 one (until reloaded); None in transitions,
+def vllm_sleep_state(state: str, weights_valid: bool) -> str | None:
+    """vLLM's sleep_state for a stage state: awake when serving (RUNNING: every tag resident,
+    weights valid), weights_offloaded while asleep with the weights kept on the host (level 1),
+    discard_all while the weights are discarded (level 2, until reloaded); None in transitions,
     FAILED and STOPPED, which vLLM has no value for."""
     if state == "RUNNING":
         return "awake"
-    if state == "NEEDS_RELOAD":
-        return "discard_all"
-    if state in ("SLEEPING", "PARTIAL"):
-        return "discard_all" if last_level == 2 else "weights_offloaded"
+    if state in ("SLEEPING", "PARTIAL", "NEEDS_RELOAD"):
+        return "weights_offloaded" if weights_valid else "discard_all"
     return None
 
 
@@ -123,6 +122,13 @@ class _EngineCollector(Collector):
             "omni_core_engine_sleep_state", "vLLM's engine_sleep_state: 1 for the stage's current value "
             "(awake, weights_offloaded, discard_all); all 0 in transitions, FAILED, STOPPED",
             labels=["stage", "sleep_state"])  # fmt: skip
+        # The same values under vLLM's own name and labels, so a vLLM dashboard finds them: each
+        # stage is one of vLLM's engines (model_name: the stage's name from the config; engine:
+        # its index, as vLLM-Omni's stage_ids). No label comes from a request.
+        vllm_sleep = GaugeMetricFamily(
+            "vllm:engine_sleep_state", "vLLM's engine sleep state, one engine per stage: awake = 1 while the "
+            "stage serves; weights_offloaded = 1 after a level-1 sleep; discard_all = 1 after a level-2 one",
+            labels=["model_name", "engine", "sleep_state"])  # fmt: skip
         epoch = GaugeMetricFamily("omni_core_stage_epoch", "The stage's epoch (grows by one per restart)",
                                   labels=["stage"])  # fmt: skip
         queued = GaugeMetricFamily("omni_core_requests_queued", "Requests waiting in the stage's queue",
@@ -149,9 +155,10 @@ class _EngineCollector(Collector):
         for name, stage in stages.items():
             for s in STAGE_STATES:
                 state.add_metric([name, s], 1.0 if stage["state"] == s else 0.0)
-            current = vllm_sleep_state(stage["state"], stage.get("last_sleep_level"))
+            current = vllm_sleep_state(stage["state"], stage.get("weights_valid", True))
             for s in SLEEP_STATES:
                 sleep_state.add_metric([name, s], 1.0 if current == s else 0.0)
+                vllm_sleep.add_metric([name, str(stage.get("stage_id", 0)), s], 1.0 if current == s else 0.0)
             epoch.add_metric([name], stage.get("epoch", 0))
             queued.add_metric([name], stage.get("queued", 0))
             in_flight.add_metric([name], stage.get("in_flight", 0))
@@ -183,5 +190,5 @@ class _EngineCollector(Collector):
             engine_events.add_metric([event], value)
         up = GaugeMetricFamily("omni_core_engine_up", "1 while the engine answers status calls")
         up.add_metric([], 1.0 if snap.get("engine_up") else 0.0)
-        yield from (state, sleep_state, epoch, queued, in_flight, stage_events, rank_up, rank_state, pool, process,
-                    rss, host, engine_events, up)  # fmt: skip
+        yield from (state, sleep_state, vllm_sleep, epoch, queued, in_flight, stage_events, rank_up, rank_state, pool,
+                    process, rss, host, engine_events, up)  # fmt: skip

@@ -60,20 +60,48 @@ class AdmissionBody(_Strict):
     policy: str = Field(..., description="queue, reject or wake")
 
 
-class OmniSleepBody(_Strict):
-    """vLLM-Omni's POST /v1/omni/sleep."""
+class VllmSleepBody(_Strict):
+    """vLLM's POST /sleep, as a JSON body; the same fields as its query string."""
 
-    stage_ids: list[int | str] | None = Field(None, description="stage indices (config order) or names; "
-                                                                "null: every stage")  # fmt: skip
-    level: int = 1
-    tags: list[str] | None = None
+    level: int | None = Field(None, description="1 or 2; null: the query's level, else 1")
+    mode: str | None = Field(None, description="abort (fail in-flight requests), wait (drain them) or keep "
+                                               "(refused: see docs/http_routes.md); null: the query's, else abort")
+    tags: list[str] | None = Field(None, description="tags to put to sleep; null: every tag of the stage")
+
+
+class VllmWakeBody(_Strict):
+    """vLLM's POST /wake_up, as a JSON body; the same field as its query string."""
+
+    tags: list[str] | None = Field(None, description="tags to wake; null: every tag asleep")
+
+
+class OmniSleepBody(_Strict):
+    """vLLM-Omni's POST /v1/omni/sleep (its OmniSleepRequest: stage_ids required and not
+    empty, level 2 unless given)."""
+
+    stage_ids: list[int | str] = Field(..., min_length=1, description="stage indices (config order) or names; "
+                                                                       "at least one")  # fmt: skip
+    level: int = Field(2, description="1: offload weights to host, discard the rest; 2: discard everything")
+    tags: list[str] | None = Field(None, description="omni-core's addition: tags to put to sleep; null: every tag")
 
 
 class OmniWakeBody(_Strict):
-    """vLLM-Omni's POST /v1/omni/wakeup."""
+    """vLLM-Omni's POST /v1/omni/wakeup (its OmniWakeupRequest: stage_ids required and not empty)."""
 
-    stage_ids: list[int | str] | None = None
-    tags: list[str] | None = None
+    stage_ids: list[int | str] = Field(..., min_length=1, description="stage indices (config order) or names; "
+                                                                       "at least one")  # fmt: skip
+    tags: list[str] | None = Field(None, description="omni-core's addition: tags to wake; null: every tag asleep")
+
+
+class SglangMemoryBody(_Strict):
+    """SGLang's POST /release_memory_occupation and /resume_memory_occupation."""
+
+    tags: list[str] | None = Field(None, description="tags to release or resume; null: every tag")
+
+
+class SglangReleaseBody(SglangMemoryBody):
+    level: int = Field(1, description="omni-core's addition: 1 keeps the weights in host memory (SGLang's "
+                                      "--enable-weights-cpu-backup), 2 discards them (SGLang's default)")
 
 
 class CollectiveRpcBody(BaseModel):
@@ -156,6 +184,8 @@ class StageModel(BaseModel):
     in_flight: int
     counters: dict[str, int]
     last_sleep_level: int | None
+    asleep_tags: list[str] = Field(description="the stage's tags not resident on its ranks")
+    weights_valid: bool = Field(description="false after a level-2 sleep until the weights are reloaded")
     tags: list[str]
     runner: str
     device: str
@@ -187,28 +217,62 @@ class RestartModel(BaseModel):
 
 
 class VllmSleepModel(BaseModel):
-    status: str
+    status: str = Field(description="sleeping")
     level: int
+    mode: str = Field(description="abort or wait: what happened to in-flight requests")
     stages: dict[str, LifecycleReportModel]
 
 
 class VllmWakeModel(BaseModel):
-    status: str = Field(description="awake, or sleeping while some tags still sleep")
+    status: str = Field(description="awake once every tag of every stage is back and the weights are valid; "
+                                    "else sleeping")
     tags_woken: list[str]
     stages: dict[str, LifecycleReportModel]
 
 
 class IsSleepingModel(BaseModel):
-    is_sleeping: bool
+    is_sleeping: bool = Field(description="true until every tag of every stage vLLM's routes act on is back and "
+                                          "its weights are valid (PARTIAL and NEEDS_RELOAD are asleep)")
+
+
+class IsPausedModel(BaseModel):
+    is_paused: bool = Field(description="always false: this server has no pause (POST /pause answers 501)")
 
 
 class CollectiveRpcModel(BaseModel):
     results: list[LifecycleReportModel]
 
 
+class OmniAckModel(BaseModel):
+    """One rank's answer, in the fields of vLLM-Omni's OmniACK."""
+
+    task_id: str
+    status: str = Field(description="OK, or ALREADY when nothing had to be done")
+    stage_id: int
+    rank: int | None = Field(description="null when the stage had nothing to do and asked no rank (ALREADY)")
+    freed_bytes: int = Field(description="pool bytes released (negative: restored)")
+    metadata: dict[str, Any] = Field(description="stage (its name) and state (the rank's state)")
+
+
+class OmniLifecycleModel(BaseModel):
+    status: str = Field(description="SUCCESS; SKIPPED for a wake-up of stages none of which sleeps")
+    acks: list[OmniAckModel] = Field(description="one per rank of every stage acted on; empty when SKIPPED")
+    message: str | None = Field(None, description="why nothing was done, when SKIPPED")
+    stages: dict[str, LifecycleReportModel] = Field(description="omni-core's report per stage")
+
+
+class SglangMemoryModel(BaseModel):
+    success: bool
+    message: str
+    stages: dict[str, LifecycleReportModel]
+
+
 class HealthModel(BaseModel):
-    status: str = Field(description="ok; degraded while a stage is FAILED")
+    status: str = Field(description="ok while no stage is FAILED or STOPPED (a sleeping stage is healthy); "
+                                    "else failed, with the answer 503")
     stages: dict[str, str]
+    failed: list[str] = Field(default_factory=list, description="the stages FAILED or STOPPED")
+    error: ErrorDetail | None = Field(None, description="on a 503: the first failed stage and what to do")
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -227,3 +291,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 # What any route may answer, whatever it takes: the Host/Origin guard's 403, the 415 of a
 # state-changing request with a non-JSON body, the 422 of an unknown query parameter.
 EVERY_ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {code: ERROR_RESPONSES[code] for code in (403, 415, 422)}
+# An anchor's route whose effect omni-core has no lifecycle for: a 501 that says why, never a
+# 200 that did nothing.
+NOT_SERVED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    501: {"model": ErrorModel, "description": "not served by omni-core: the message says why and what to use"},
+    401: ERROR_RESPONSES[401],
+}

@@ -32,7 +32,7 @@ def test_vllm_sleep_wake_on_the_default_stage(served: Served) -> None:
 
 def test_vllm_level2_then_collective_rpc_reload(served: Served) -> None:
     assert served.client.post("/sleep", params={"level": 2, "mode": "abort"}).json()["level"] == 2
-    assert served.client.post("/wake_up").json()["status"] == "awake"
+    assert served.client.post("/wake_up").json()["status"] == "sleeping"  # the weights are not back yet
     assert served.stage("talker")["state"] == "NEEDS_RELOAD"
     reloaded = served.client.post("/collective_rpc", json={"method": "reload_weights"})
     assert reloaded.status_code == 200, reloaded.text
@@ -42,7 +42,7 @@ def test_vllm_level2_then_collective_rpc_reload(served: Served) -> None:
 @pytest.mark.parametrize(("query", "status", "needle"), [
     ("level=3", 400, "sleep level must be 1 or 2, got 3"),
     ("level=one", 422, "level"),
-    ("mode=keep", 400, "mode 'keep' is not served"),
+    ("mode=keep", 400, "mode 'keep' (hold in-flight requests through the sleep"),
     ("level=1&levle=2", 422, "unknown query parameter(s) ['levle']"),  # a misspelt or dropped parameter is loud
 ])  # fmt: skip
 def test_vllm_bad_sleep_parameters_are_refused(served: Served, query: str, status: int, needle: str) -> None:

@@ -17,9 +17,11 @@ def test_schema_has_every_route_family() -> None:
     paths = set(json.loads(render())["paths"])
     own = {"/v1/stages", "/v1/stages/{name}", "/health", "/metrics", "/v1/swap"} | {
         f"/v1/stages/{{name}}/{verb}" for verb in ("sleep", "wake", "reload", "restart", "execute")}
-    vllm = {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"}
+    vllm = {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/pause", "/resume", "/is_paused",
+            "/reset_prefix_cache"}
     omni = {"/v1/omni/sleep", "/v1/omni/wakeup"}
-    assert own | vllm | omni <= paths
+    sglang = {"/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"}
+    assert own | vllm | omni | sglang <= paths
 
 
 def test_error_codes_are_documented() -> None:

@@ -1,0 +1,322 @@
+"""Each anchor's lifecycle routes, sent the request shapes its clients send (query strings,
+JSON bodies, defaults, empty lists, unknown fields), answered in the anchor's shape and codes.
+docs/http_routes.md lists every route with the test here that covers it.
+
+The anchors, as read from their sources: vLLM's dev-mode routes (`/sleep?level=&mode=` with
+mode abort by default, `/wake_up?tags=`, `/is_sleeping`, `/pause`, `/resume`, `/is_paused`,
+`/reset_prefix_cache`), vLLM-Omni's `OmniSleepRequest` (`stage_ids` required, at least one;
+`level` 2 unless given) and its answers (`{"status": "SUCCESS", "acks": [...]}`, "SKIPPED"
+for a wake-up of stages none of which sleeps), SGLang's `/release_memory_occupation` and
+`/resume_memory_occupation` (`tags`), `/flush_cache`, and a /health that answers 503 when
+the engine is dead."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from omni_core.engine.errors import RequestFailedError
+from omni_core.serve.openapi import openapi_schema
+from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, resume
+from tests.serve.conftest import PROBE, Served, metric_value, wait_for
+
+
+@pytest.fixture(autouse=True)
+def _running(served: Served) -> None:
+    served.settle()
+
+
+def _is_sleeping(served: Served) -> bool:
+    answer = served.client.get("/is_sleeping")
+    assert answer.status_code == 200, answer.text
+    return answer.json()["is_sleeping"]
+
+
+def _refused(answer: httpx.Response, status: int, needle: str) -> dict[str, Any]:
+    assert answer.status_code == status and needle in answer.json()["error"]["message"], answer.text
+    return answer.json()
+
+
+# ------------------------------------------------------------------ vLLM
+
+
+def test_vllm_is_sleeping_until_every_tag_is_back(served: Served) -> None:
+    """Level 2, wake weights, reload: kv_cache is still released, so vLLM's client is told
+    the engine sleeps, and every wake_up answer says so until the last tag is back."""
+    assert served.client.post("/sleep?level=2").status_code == 200
+    assert _is_sleeping(served)
+    woken = served.client.post("/wake_up?tags=weights").json()
+    assert woken["status"] == "sleeping" and woken["tags_woken"] == ["weights"], woken
+    assert _is_sleeping(served)
+    reloaded = served.client.post("/collective_rpc", json={"method": "reload_weights"})
+    assert reloaded.status_code == 200, reloaded.text
+    talker = served.stage("talker")
+    assert talker["asleep_tags"] == ["kv_cache"] and talker["weights_valid"], talker
+    assert _is_sleeping(served), "kv_cache is still released"
+    last = served.client.post("/wake_up?tags=kv_cache").json()
+    assert last["status"] == "awake" and not _is_sleeping(served)
+
+
+def test_vllm_wake_after_level2_is_not_awake(served: Served) -> None:
+    """NEEDS_RELOAD has every tag mapped and the weights discarded: not awake."""
+    served.client.post("/sleep", params={"level": 2})
+    woken = served.client.post("/wake_up")
+    assert woken.status_code == 200 and woken.json()["status"] == "sleeping", woken.text
+    assert served.stage("talker")["state"] == "NEEDS_RELOAD" and _is_sleeping(served)
+    served.client.post("/collective_rpc", json={"method": "reload_weights"})
+    assert not _is_sleeping(served)
+
+
+def test_vllm_json_bodies_are_honoured(served: Served) -> None:
+    slept = served.client.post("/sleep", json={"level": 2})
+    assert slept.status_code == 200 and slept.json()["level"] == 2, slept.text
+    talker = served.stage("talker")
+    assert talker["state"] == "SLEEPING" and talker["weights_valid"] is False, talker
+    served.engine.wake("talker")
+    served.engine.reload_weights("talker")
+    served.client.post("/sleep", json={"level": 1, "mode": "wait"})
+    woken = served.client.post("/wake_up", json={"tags": ["weights"]})
+    assert woken.status_code == 200 and woken.json()["tags_woken"] == ["weights"], woken.text
+    talker = served.stage("talker")
+    assert talker["state"] == "PARTIAL" and talker["asleep_tags"] == ["kv_cache"], talker
+
+
+@pytest.mark.parametrize(("route", "params", "body", "field"), [
+    ("/sleep", {}, {"levle": 2}, "levle"),
+    ("/sleep", {}, {"level": "2"}, "level"),  # nothing converted
+    ("/sleep", {"level": 1}, {"level": 2}, "level"),  # given twice: which one?
+    ("/wake_up", {}, {"tag": ["weights"]}, "tag"),
+    ("/wake_up", {"tags": "weights"}, {"tags": ["weights"]}, "tags"),
+])  # fmt: skip
+def test_vllm_bodies_are_strict(served: Served, route: str, params: dict[str, Any], body: dict[str, Any],
+                                field: str) -> None:  # fmt: skip
+    served.engine.sleep("talker", 1)  # so that a wake_up that went through would show
+    answer = served.client.post(route, params=params, json=body)
+    assert answer.status_code == 422, answer.text
+    assert any(field in f for f in answer.json()["error"]["fields"]), answer.text
+    assert served.stage("talker")["state"] == "SLEEPING"
+
+
+@pytest.mark.parametrize("mode", [None, "abort", "wait"])
+def test_vllm_sleep_mode_abort_is_the_default(served: Served, mode: str | None) -> None:
+    """vLLM's /sleep aborts in-flight requests unless told mode=wait: with rank 1 stopped
+    mid-request, an abort answers the request at once (409 aborted) while the sleep waits
+    for the rank; wait leaves the request running and it completes."""
+    reference = served.engine.execute("talker", PROBE)
+    busy = served.stage("talker")["ranks"]["1"]["pid"]
+    os.kill(busy, signal.SIGSTOP)
+    try:
+        request = served.engine.submit("talker", PROBE, timeout_s=LONG_TIMEOUT_S)
+        wait_for(lambda: served.stage("talker")["in_flight"] == 1, what="request in flight")
+        params = {} if mode is None else {"mode": mode}
+        sleeping = in_thread(lambda: served.client.post("/sleep", params=params))
+        wait_for(lambda: served.stage("talker")["state"] == "DRAINING", what="the sleep to close admission")
+        if mode == "wait":
+            assert not request.done()
+        else:
+            wait_for(request.done, what="the abort to answer the request")
+            with pytest.raises(RequestFailedError, match="aborted"):
+                request.result()
+    finally:
+        resume(busy)
+    answer = sleeping.result(timeout=60)
+    assert answer.status_code == 200 and answer.json()["mode"] == (mode or "abort"), answer.text
+    if mode == "wait":
+        assert request.result(timeout=10) == reference
+
+
+@pytest.mark.parametrize(("query", "status", "needle"), [
+    ("mode=keep", 400, "mode 'keep' (hold in-flight requests"),
+    ("mode=pause", 400, "is not one of 'abort'"),
+    ("level=3", 400, "sleep level must be 1 or 2, got 3"),
+])  # fmt: skip
+def test_vllm_sleep_modes_not_served_are_refused(served: Served, query: str, status: int, needle: str) -> None:
+    _refused(served.client.post(f"/sleep?{query}"), status, needle)
+    assert served.stage("talker")["state"] == "RUNNING"
+
+
+def test_vllm_pause_resume_and_cache_reset_are_not_served(served: Served) -> None:
+    """No lifecycle keeps memory with admission closed, and no command reaches a prefix
+    cache: 501 naming why and what to use, never a 200 that did nothing."""
+    for route in ("/pause", "/pause?mode=wait", "/resume"):
+        body = _refused(served.client.post(route), 501, "no lifecycle that closes a stage's admission")
+        assert body["error"]["type"] == "NotServed"
+    assert served.client.get("/is_paused").json() == {"is_paused": False}
+    _refused(served.client.post("/reset_prefix_cache?reset_external=true"), 501, "POST /sleep?tags=kv_cache")
+    _refused(served.client.post("/pause?mdoe=wait"), 422, "unknown query parameter(s) ['mdoe']")
+    assert {s["state"] for s in served.client.get("/v1/stages").json()["stages"]} == {"RUNNING"}
+
+
+# ------------------------------------------------------------------ vLLM-Omni
+
+
+def test_omni_sleep_defaults_to_level_2_and_answers_acks(served: Served) -> None:
+    slept = served.client.post("/v1/omni/sleep", json={"stage_ids": [1]})
+    assert slept.status_code == 200, slept.text
+    body = slept.json()
+    assert body["status"] == "SUCCESS" and list(body["stages"]) == ["decoder"]
+    assert [(a["stage_id"], a["rank"], a["status"]) for a in body["acks"]] == [(1, 0, "OK")]
+    assert body["acks"][0]["freed_bytes"] > 0 and body["acks"][0]["metadata"]["state"] == "SLEEPING"
+    decoder = served.stage("decoder")
+    assert decoder["state"] == "SLEEPING" and decoder["weights_valid"] is False, decoder  # level 2
+
+
+def test_omni_acks_one_per_rank_of_each_stage_once(served: Served) -> None:
+    slept = served.client.post("/v1/omni/sleep", json={"stage_ids": [0, "decoder", 0], "level": 1})
+    assert slept.status_code == 200, slept.text
+    acks = sorted((a["stage_id"], a["rank"]) for a in slept.json()["acks"])
+    assert acks == [(0, 0), (0, 1), (1, 0)]
+    woken = served.client.post("/v1/omni/wakeup", json={"stage_ids": [0, 1]}).json()
+    assert woken["status"] == "SUCCESS" and len(woken["acks"]) == 3
+    assert {s["state"] for s in served.client.get("/v1/stages").json()["stages"]} == {"RUNNING"}
+
+
+@pytest.mark.parametrize("route", ["/v1/omni/sleep", "/v1/omni/wakeup"])
+@pytest.mark.parametrize("body", [{}, {"stage_ids": []}, {"level": 1}], ids=["empty", "no-stage", "no-ids"])
+def test_omni_refuses_empty_targets(served: Served, route: str, body: dict[str, Any]) -> None:
+    if route.endswith("wakeup") and "level" in body:
+        body = {"tags": ["weights"]}
+    served.engine.sleep("decoder", 1)  # a wake-up that went through would show
+    answer = served.client.post(route, json=body)
+    assert answer.status_code == 422 and "stage_ids" in answer.text, answer.text
+    assert served.stage("talker")["state"] == "RUNNING" and served.stage("decoder")["state"] == "SLEEPING"
+
+
+def test_omni_wakeup_of_awake_stages_is_skipped(served: Served) -> None:
+    before = served.client.get("/metrics").text
+    answer = served.client.post("/v1/omni/wakeup", json={"stage_ids": [0, 1]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "SKIPPED" and answer.json()["acks"] == []
+    after = served.client.get("/metrics").text
+    count = "omni_core_lifecycle_duration_seconds_count"
+    for stage in ("talker", "decoder"):  # no wake was sent
+        assert (metric_value(after, count, stage=stage, command="wake")
+                == metric_value(before, count, stage=stage, command="wake"))
+    served.engine.sleep("decoder", 1)  # one of them asleep: both are woken, as vLLM-Omni does
+    answer = served.client.post("/v1/omni/wakeup", json={"stage_ids": [0, 1]})
+    assert answer.json()["status"] == "SUCCESS", answer.text
+    assert {a["metadata"]["stage"]: a["status"] for a in answer.json()["acks"]} == {"talker": "ALREADY",
+                                                                                   "decoder": "OK"}
+
+
+# ------------------------------------------------------------------ SGLang
+
+
+def test_sglang_release_and_resume_with_tags(served: Served) -> None:
+    released = served.client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+    assert released.status_code == 200 and released.json()["success"] is True, released.text
+    assert served.stage("talker")["asleep_tags"] == ["kv_cache"] and _is_sleeping(served)
+    resumed = served.client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+    assert resumed.status_code == 200 and resumed.json()["success"] is True, resumed.text
+    assert served.stage("talker")["state"] == "RUNNING"
+    assert served.client.post("/release_memory_occupation").json()["success"] is True  # no body: every tag
+    assert served.stage("talker")["asleep_tags"] == ["kv_cache", "weights"]
+    served.client.post("/resume_memory_occupation")
+    assert served.stage("talker")["state"] == "RUNNING"  # level 1 kept the weights
+    assert served.engine.execute("talker", PROBE) is not None
+
+
+def test_sglang_release_level_2_needs_a_reload(served: Served) -> None:
+    served.client.post("/release_memory_occupation", json={"level": 2})
+    served.client.post("/resume_memory_occupation", json={})
+    assert served.stage("talker")["state"] == "NEEDS_RELOAD" and _is_sleeping(served)
+
+
+def test_sglang_errors_say_success_false(served: Served) -> None:
+    answer = served.client.post("/release_memory_occupation", json={"tags": ["cuda_graph"]})
+    body = _refused(answer, 400, "unknown tag")
+    assert body["success"] is False and "unknown tag" in body["message"]
+    assert served.client.post("/release_memory_occupation", json={"tag": ["weights"]}).status_code == 422
+    assert served.stage("talker")["state"] == "RUNNING"
+
+
+def test_sglang_flush_cache_is_not_served_and_get_changes_nothing(served: Served) -> None:
+    _refused(served.client.post("/flush_cache"), 501, "no protocol command reaches a runner's prefix cache")
+    for route in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
+        got = served.client.get(route)  # SGLang takes GET too; here a GET never changes anything
+        assert got.status_code == 405 and got.headers["allow"] == "POST", got.text
+        assert "GET is not allowed on " + route + "; use POST" in got.json()["error"]["message"]
+    assert served.stage("talker")["state"] == "RUNNING"
+
+
+# ------------------------------------------------------------------ health, metrics, guards
+
+
+def test_health_is_503_naming_the_failed_stage(served: Served) -> None:
+    assert served.client.get("/health").json() == {"status": "ok", "stages": {"talker": "RUNNING",
+                                                                              "decoder": "RUNNING"}, "failed": []}
+    served.engine.sleep("talker", 1)
+    assert served.client.get("/health").status_code == 200  # asleep is healthy
+    os.kill(served.stage("decoder")["ranks"]["0"]["pid"], signal.SIGKILL)
+    wait_for(lambda: served.stage("decoder")["state"] == "FAILED", what="decoder FAILED after its rank died")
+    answer = served.client.get("/health")
+    assert answer.status_code == 503, answer.text
+    body = answer.json()
+    assert body["status"] == "failed" and body["failed"] == ["decoder"] and body["error"]["stage"] == "decoder"
+    assert "POST /v1/stages/decoder/restart" in body["error"]["message"]
+    served.settle()
+    assert served.client.get("/health").status_code == 200
+
+
+def _vllm_state(served: Served, engine: str) -> str:
+    text = served.client.get("/metrics").text
+    values = [s for s in ("awake", "weights_offloaded", "discard_all")
+              if metric_value(text, "vllm:engine_sleep_state", engine=engine, sleep_state=s) == 1]  # fmt: skip
+    return values[0] if len(values) == 1 else f"none of them ({values})"
+
+
+def test_vllm_sleep_state_metric_under_vllms_name(served: Served) -> None:
+    wait_for(lambda: metric_value(served.client.get("/metrics").text, "vllm:engine_sleep_state",
+                                  model_name="decoder", engine="1", sleep_state="awake") == 1,
+             what="decoder awake under vLLM's labels")  # fmt: skip
+    served.engine.sleep("decoder", 1)
+    wait_for(lambda: _vllm_state(served, "1") == "weights_offloaded", what="weights_offloaded")
+    served.engine.wake("decoder", ["weights"])  # PARTIAL: still asleep
+    wait_for(lambda: _vllm_state(served, "1") == "weights_offloaded", what="weights_offloaded while PARTIAL")
+    served.engine.wake("decoder")
+    served.engine.sleep("decoder", 2)
+    wait_for(lambda: _vllm_state(served, "1") == "discard_all", what="discard_all")
+    assert _vllm_state(served, "0") == "awake"
+
+
+@pytest.mark.parametrize("route", ["/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up",
+                                   "/v1/omni/sleep", "/pause"])  # fmt: skip
+def test_anchor_routes_keep_the_browser_guards(served: Served, route: str) -> None:
+    served.engine.sleep("decoder", 1)
+    form = served.client.post(route, content=b"tags=weights",
+                              headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert form.status_code == 415, form.text
+    foreign = served.client.post(route, headers={"Origin": "http://evil.example"})
+    assert foreign.status_code == 403, foreign.text
+    rebound = served.client.post(route, headers={"Host": "evil.example"})
+    assert rebound.status_code == 403, rebound.text
+    assert served.stage("talker")["state"] == "RUNNING" and served.stage("decoder")["state"] == "SLEEPING"
+
+
+# ------------------------------------------------------------------ the table in the docs
+
+ROUTES_DOC = Path(__file__).resolve().parents[2] / "docs" / "http_routes.md"
+ANCHOR_TAGS = {"vLLM", "vLLM-Omni", "SGLang"}
+
+
+def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
+    """docs/http_routes.md lists every route tagged with an anchor, and each test it names
+    exists, so the table cannot drift from the code."""
+    text = ROUTES_DOC.read_text(encoding="utf-8")
+    schema = openapi_schema()["paths"]
+    anchored = {path for path, ops in schema.items()
+                if any(ANCHOR_TAGS & set(op.get("tags", [])) for op in ops.values())}  # fmt: skip
+    first_cells = [line.split("|")[1] for line in text.splitlines() if line.startswith("| ")]
+    table_paths = {path for cell in first_cells for path in re.findall(r"`(?:GET|POST) (/[\w/]+)", cell)}
+    assert anchored <= table_paths, f"routes missing from docs/http_routes.md: {sorted(anchored - table_paths)}"
+    named = set(re.findall(r"`(test_[a-z0-9_]+)`", text))
+    here = Path(__file__).parent
+    defined = {name for f in ("test_anchor_routes.py", "test_compat.py")
+               for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)}
+    assert named and named <= defined, f"tests named in docs/http_routes.md but not defined: {named - defined}"
