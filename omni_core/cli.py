@@ -81,6 +81,31 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     return _write(Path("docs/lifecycles.md"), render_lifecycles())
 
 
+def _cmd_examples(args: argparse.Namespace) -> int:
+    from omni_core.resources import data_dir, data_file
+
+    found = sorted(data_dir("examples").glob("*.toml"))
+    if args.name:
+        name = args.name.removesuffix(".toml")
+        if name not in {p.stem for p in found}:
+            print(f"omni-core examples: no example named {name!r}; there are {', '.join(p.stem for p in found)} "
+                  "(omni-core examples lists them)", file=sys.stderr)  # fmt: skip
+            return 2
+        sys.stdout.write(data_file("examples", f"{name}.toml").read_text())
+        return 0
+    if args.json:
+        print(json.dumps([{"name": p.stem, "path": str(p), "about": _first_comment(p)} for p in found], indent=2))
+        return 0
+    for path in found:
+        print(f"{path.stem:<18} {path}\n    {_first_comment(path)}")
+    return 0
+
+
+def _first_comment(path: Path) -> str:
+    first = path.read_text().splitlines()[:1]
+    return first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     from omni_core.conformance.cli import run
 
@@ -113,6 +138,8 @@ def _cmd_remote(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the version, where the package is installed, and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="a language model and a diffusion stage share one device: sleep, wake, "
                                     "reload, partial wake, a step-wise request across a sleep (--synthetic: "
@@ -146,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tables)
     p = sub.add_parser("docs", help="regenerate docs/lifecycles.md from the transition tables")
     p.set_defaults(func=_cmd_docs)
+    p = sub.add_parser("examples", help="list the example stage configs this install carries, or print one "
+                                        "(omni-core examples two_stages > stages.toml)")  # fmt: skip
+    p.add_argument("name", nargs="?", default=None, help="an example to print (two_stages, ray_stages, ...)")
+    p.add_argument("--json", action="store_true", help="list them as JSON")
+    p.set_defaults(func=_cmd_examples)
     p = sub.add_parser("conformance", help="run the protocol conformance suite against a worker (docs/conformance.md)")
     from omni_core.conformance.cli import add_arguments
 
@@ -178,9 +210,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    import platform
+
+    import omni_core
+
+    return f"omni-core {omni_core.__version__} ({Path(omni_core.__file__).parent}, Python {platform.python_version()})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args))
+    from omni_core.resources import MissingDataError
+
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, where it is caught, not at the interpreter's exit
+        return code
+    except MissingDataError as exc:
+        print(f"omni-core {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`omni-core tables | head -1`): nothing more can be said to it.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        _quiet_stdout()
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+
+
+def _quiet_stdout() -> None:
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no real file (a test's StringIO)
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

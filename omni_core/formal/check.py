@@ -43,6 +43,7 @@ from pathlib import Path
 from omni_core.formal import agree, gen_transitions
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
+from omni_core.resources import MissingDataError
 
 DEFAULT_TIMEOUT_S = 300.0
 LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
@@ -279,7 +280,15 @@ def run(args: argparse.Namespace, echo=print) -> int:
         if args.timeout_s == DEFAULT_TIMEOUT_S:
             args.timeout_s = trace_check.DEFAULT_TIMEOUT_S
         return trace_check.run(args, echo)
-    root = args.tla_dir or tla_dir()
+    try:
+        root = args.tla_dir or tla_dir()
+    except MissingDataError as exc:
+        echo(f"FAIL {exc}")
+        return 2
+    if not (root / MANIFEST).is_file():
+        echo(f"FAIL {root / MANIFEST} is missing: the list of models to check is part of the spec; restore tla/ "
+             "(git checkout -- tla/ in a checkout; reinstall omni-core otherwise)")
+        return 2
     generated = root / f"{gen_transitions.MODULE}.tla"
     if args.regen:
         changed = gen_transitions.write(generated)

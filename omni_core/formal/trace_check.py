@@ -28,6 +28,7 @@ from omni_core.formal import trace_export
 from omni_core.formal.manifest import tla_dir
 from omni_core.formal.tlc import EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.fsm.trace_records import TraceLine
+from omni_core.resources import MissingDataError
 from omni_core.trace import TraceFormatError
 
 ACCEPTED = "TraceAccepted"
@@ -76,10 +77,16 @@ class TraceVerdict:
         return text
 
 
+SPEC_FILES = ("OmniSleep.tla", "OmniTransitions.tla", "OmniMemory.tla", "trace/OmniTrace.tla")  # what a replay needs
+
+
+def missing_spec_files(root: Path) -> list[Path]:
+    return [root / name for name in SPEC_FILES if not (root / name).is_file()]
+
+
 def _copy_specs(folder: Path, root: Path) -> Path:
-    for name in ("OmniSleep.tla", "OmniTransitions.tla", "OmniMemory.tla"):
-        shutil.copy(root / name, folder / name)
-    shutil.copy(root / "trace" / "OmniTrace.tla", folder / "OmniTrace.tla")
+    for name in SPEC_FILES:
+        shutil.copy(root / name, folder / Path(name).name)
     return folder / "OmniTrace.tla"
 
 
@@ -269,6 +276,16 @@ def run(args: argparse.Namespace, echo=print) -> int:
         echo(f"FAIL no trace file {path}")
         return 2
     try:
+        root = args.tla_dir or tla_dir()
+    except MissingDataError as exc:
+        echo(f"FAIL {exc}")
+        return 2
+    missing = missing_spec_files(root)
+    if missing:
+        echo(f"FAIL the spec a trace is replayed on is incomplete: missing {', '.join(map(str, missing))}; "
+             "reinstall omni-core (its wheel carries tla/) or restore tla/ in the checkout (git checkout -- tla/)")
+        return 2
+    try:
         records = trace_export.load(path)
     except TraceFormatError as exc:
         echo(f"FAIL {exc}")
@@ -284,7 +301,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     try:
         for stage in [args.stage] if args.stage else stages:
             trace = trace_export.project(records, stage)
-            found = validate_stage(trace, chunk_events=args.chunk_events, echo=echo, root=args.tla_dir,
+            found = validate_stage(trace, chunk_events=args.chunk_events, echo=echo, root=root,
                                    timeout_s=args.timeout_s, keep=keep)  # fmt: skip
             verdicts += found
             dropped = ", ".join(f"{k} {v}" for k, v in sorted(trace.dropped.items()))

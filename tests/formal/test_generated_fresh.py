@@ -109,3 +109,35 @@ def test_tlc_refuses_an_admission_row_that_admits_outside_running(tla_copy):
         mp.setattr(gen_transitions, "is_fresh", lambda path=None: True)
         assert check.run(args, echo=lines.append) == 1
     assert "FAIL" in "\n".join(lines) and "Assumption" in "\n".join(lines), lines
+
+
+def test_check_calls_a_missing_generated_module_missing_not_stale(tla_copy) -> None:
+    (tla_copy / f"{gen_transitions.MODULE}.tla").unlink()
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, list=True), echo=lines.append) == 2
+    assert len(lines) == 1 and "is missing" in lines[0] and "stale" not in lines[0], lines
+
+
+def test_check_names_a_missing_manifest(tla_copy) -> None:
+    (tla_copy / "manifest.json").unlink()
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, list=True), echo=lines.append) == 2
+    assert "manifest.json is missing" in lines[0], lines
+
+
+def test_check_without_any_spec_says_where_it_looked(monkeypatch, tmp_path) -> None:
+    from omni_core import resources
+
+    monkeypatch.setattr(resources, "candidates", lambda name, package_dir=None: (tmp_path / "a", tmp_path / "b"))
+    lines: list[str] = []
+    assert check.run(_args(None, list=True), echo=lines.append) == 2
+    assert lines[0].startswith("FAIL ") and "is not in this install" in lines[0], lines
+
+
+def test_check_trace_names_a_missing_spec_file_instead_of_a_traceback(tla_copy, tmp_path) -> None:
+    (tla_copy / "trace" / "OmniTrace.tla").unlink()
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text("")
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, trace=str(trace)), echo=lines.append) == 2
+    assert "missing" in lines[-1] and "OmniTrace.tla" in lines[-1], lines
