@@ -92,7 +92,10 @@ def cached_checkpoint(models_dir: Path, family: str, size: str, *, seed: int = S
             return target, 0.0
     log(f"making {family} {size} (seeded random weights) in {target} ...")
     # force: a directory without its marker is what an interrupted earlier run left.
-    info = make_checkpoint(family, size, target, seed=seed, force=True)
+    from omni_core.progress import Progress
+
+    with Progress(f"making {family} {size}", unit="M params", scale=1e6) as progress:  # a terminal only
+        info = make_checkpoint(family, size, target, seed=seed, force=True, progress=progress)
     # The marker goes last and outside the checkpoint, so loaders never see it and a
     # directory without one is never taken for complete.
     marker.write_text(json.dumps({**expected, "params": info.params, "file_bytes": info.file_bytes}))
