@@ -40,14 +40,31 @@ def _cmd_tables(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from omni_core.workers.config import device_problem
+
     if args.config:  # the stages of a config file instead of the built-in scenario
         from omni_core.config import ConfigError, load_config, run_config_demo
 
         try:
-            return run_config_demo(load_config(args.config))
+            config = load_config(args.config)
         except ConfigError as exc:
             print(f"omni-core demo: {exc}", file=sys.stderr)
             return 2
+        # Ranks started elsewhere (launcher = "ray") use their node's devices, not this machine's.
+        local = config.engine.get("launcher", "local") == "local"
+        for stage in config.stages if local else ():
+            problem = device_problem(stage.device)
+            if problem:
+                print(f"omni-core demo: {args.config}: stage {stage.name!r}: device = {stage.device!r}: {problem}; "
+                      'set the TOML key `device` of that [[stages]] table to "cpu", or run where the GPU is',
+                      file=sys.stderr)  # fmt: skip
+                return 2
+        return run_config_demo(config)
+    problem = device_problem(args.device)
+    if problem:
+        print(f"omni-core demo: --device {args.device}: {problem}; use --device cpu, or run on a machine with an "
+              "NVIDIA GPU and a CUDA build of torch", file=sys.stderr)  # fmt: skip
+        return 2
     if args.synthetic:  # the scenario on synthetic runners, whose traces `omni-core check` validates
         from omni_core.demo import main as demo_main
 

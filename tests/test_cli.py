@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import omni_core
+import omni_core.resources
 from omni_core.cli import main as cli_main
 from omni_core.progress import Progress
 
@@ -88,3 +89,29 @@ def test_examples_lists_and_prints_the_shipped_configs(capsys) -> None:
     assert capsys.readouterr().out == Path(listed["two_stages"]["path"]).read_text()
     assert cli_main(["examples", "nope"]) == 2
     assert "no example named 'nope'; there are" in capsys.readouterr().err
+
+
+def _no_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the error is for machines without it")
+
+
+def test_demo_on_cuda_without_cuda_is_one_line_naming_the_option(capsys) -> None:
+    _no_cuda()
+    assert cli_main(["demo", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("omni-core demo: --device cuda: 'cuda' needs a CUDA GPU") and "--device cpu" in err, err
+
+
+def test_demo_of_a_cuda_config_without_cuda_names_the_toml_key(tmp_path, capsys) -> None:
+    _no_cuda()
+    config = tmp_path / "cuda.toml"
+    config.write_text(omni_core.resources.data_file("examples", "two_stages.toml").read_text()
+                      .replace('device = "cpu"', 'device = "cuda"'))  # fmt: skip
+    assert cli_main(["demo", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "stage 'talker': device = 'cuda'" in err and "TOML key `device`" in err, err
