@@ -147,6 +147,75 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+# Client verbs for the stage calls that `serve/cli.py`'s verbs (status, sleep, wake, swap) leave out.
+CLIENT_VERBS = {
+    "reload": "reload a stage's weights on a running `omni-core serve` (after a level-2 sleep: NEEDS_RELOAD)",
+    "restart": "restart every rank of a stage of a running `omni-core serve` (a FAILED stage; new epoch)",
+    "execute": "run one request on a stage of a running `omni-core serve`; prints rank 0's output as JSON",
+}
+# What the engine's refusals ask for, as the command an operator types.
+_FIXES = (("reload_weights()", "omni-core reload {stage}"), ("restart()", "omni-core restart {stage}"))
+
+
+def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
+    import os
+
+    from omni_core.serve.cli_args import DEFAULT_URL, URL_ENV
+
+    p.add_argument("stage", help="stage name")
+    p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL),
+                   help=f"where `omni-core serve` listens (default ${URL_ENV}, else {DEFAULT_URL})")  # fmt: skip
+    p.add_argument("--api-key-file", default=None, help="file holding the API key (else OMNI_CORE_API_KEY)")
+    p.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    p.add_argument("--idempotency-key", default=None, help="a retry with the same key has no second effect")
+    if verb != "restart":
+        p.add_argument("--timeout-s", type=float, default=None, help="deadline of the command (server side)")
+    if verb == "reload":
+        p.add_argument("--source", default=None, help="checkpoint to load (default: the stage's own)")
+    if verb == "execute":
+        p.add_argument("--payload", default=None, metavar="JSON", help='the request, as JSON: \'{"seed": 1}\'')
+    p.set_defaults(verb=verb)
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from omni_core.client import OmniClient, ServeError
+
+    verb = args.verb
+    payload = None
+    if getattr(args, "payload", None) is not None:
+        try:
+            payload = json.loads(args.payload)
+        except ValueError as exc:
+            print(f"omni-core execute: --payload is not JSON ({exc}): {args.payload[:200]!r}", file=sys.stderr)
+            return 2
+    try:
+        client = OmniClient(args.url, api_key_file=args.api_key_file)
+        if verb == "reload":
+            answer = client.reload_weights(args.stage, args.source, timeout_s=args.timeout_s,
+                                           idempotency_key=args.idempotency_key)  # fmt: skip
+        elif verb == "restart":
+            answer = client.restart(args.stage, idempotency_key=args.idempotency_key)
+        else:
+            answer = client.execute(args.stage, payload, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+    except ServeError as exc:
+        print(f"omni-core {verb}: HTTP {exc.status} {exc.type}: {exc}", file=sys.stderr)
+        fixes = [fix.format(stage=args.stage) for asked, fix in _FIXES if asked in str(exc)]
+        if fixes:
+            print(f"  to fix: {fixes[0]} --url {args.url}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
+        return 2
+    if args.json or verb == "execute":
+        print(json.dumps(answer, indent=2))
+    elif verb == "reload":
+        print(f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
+              f"{answer['duration_s'] * 1000:.1f} ms")  # fmt: skip
+    else:
+        print(f"{answer['stage']}: restarted -> {answer['state']}, epoch {answer['epoch']}")
+    return 0
+
+
 def _cmd_remote(args: argparse.Namespace) -> int:
     from omni_core.serve.cli import run_remote
 
@@ -224,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=what, allow_abbrev=False)
         add_remote_arguments(p, verb)
         p.set_defaults(func=_cmd_remote)
+    for verb, what in CLIENT_VERBS.items():
+        p = sub.add_parser(verb, help=what, allow_abbrev=False)
+        _add_client_arguments(p, verb)
+        p.set_defaults(func=_cmd_client)
     return parser
 
 

@@ -96,8 +96,11 @@ def test_check_trace_from_the_installed_wheel(installed) -> None:
     trace = work / "demo.jsonl"
     _run([str(bin_dir / "omni-core"), "demo", "--synthetic", "--weights-mib", "1", "--trace", str(trace)], work, env)
     # One stage keeps the TLC part short; the whole trace is checked by scripts/test.sh.
-    out = _run([str(bin_dir / "omni-core"), "check", "--trace", str(trace), "--stage", "decoder"], work, env).stdout
-    assert "decoder" in out and "accepted" in out and "0 diverged" in out, out
+    done = _run([str(bin_dir / "omni-core"), "check", "--trace", str(trace), "--stage", "decoder", "--json", "-"],
+                work, env)  # fmt: skip
+    assert "decoder" in done.stderr and "0 diverged" in done.stderr, done.stderr  # the text, beside the JSON
+    report = json.loads(done.stdout)
+    assert report["accepted"] is True and [v["stage"] for v in report["verdicts"]] == ["decoder"], report
     listed = _run([str(bin_dir / "omni-core"), "check", "--list"], work, env).stdout
     assert listed.startswith("happy ") or "\nhappy " in listed, listed  # rc 0: not refused as stale or missing
 

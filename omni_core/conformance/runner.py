@@ -123,6 +123,24 @@ class SuiteReport:
         note = f", {len(skipped)} skipped: " + "; ".join(sorted({r.reason for r in skipped})) if skipped else ""
         return f"{head} ({len(passed)} case{'s' if len(passed) != 1 else ''}{note})"
 
+    def to_json(self) -> dict:
+        """The report as data (`omni-core conformance --json`): a verdict per requirement and
+        each case's outcome, with a failure's details as the text report words them."""
+        return {
+            "target": self.target,
+            "protocol_version": PROTOCOL_VERSION,
+            "passed": not self.failed,
+            "duration_s": round(self.duration_s, 3),
+            "notes": list(self.notes),
+            "requirements": [
+                {"id": req.id, "title": req.title, "verdict": self.verdict(req, results),
+                 "cases": [{"name": r.case.name, "title": r.case.title, "outcome": r.outcome, "reason": r.reason,
+                            "duration_s": round(r.duration_s, 3),
+                            "details": r.details() if r.outcome == "fail" else None} for r in results]}
+                for req, results in self.requirements()
+            ],
+        }  # fmt: skip
+
     def render(self, verbose: bool = False) -> str:
         out = [f"omni-core conformance (protocol v{PROTOCOL_VERSION}) against: {self.target}"]
         reqs = self.requirements()

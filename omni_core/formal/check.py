@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_transitions
+from omni_core.formal import agree, gen_transitions, reports
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.resources import MissingDataError
@@ -210,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its notes)")
     parser.add_argument("--list", action="store_true",
                         help="list the models (with --mutate-guards: the guards) and exit")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--json", metavar="PATH", help="also write the results (with --trace: each stage's verdict) "
+                        "as JSON here; `-`: on stdout, the text on stderr")
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--trace",
@@ -274,6 +275,7 @@ def admission_agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
 
 
 def run(args: argparse.Namespace, echo=print) -> int:
+    echo = reports.text_echo(getattr(args, "json", None), echo)
     if getattr(args, "trace", None):
         from omni_core.formal import trace_check
 
@@ -333,8 +335,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     _report_coverage(root, coverage_out, getattr(args, "coverage_report", None), echo)
     _report_guard_mutation(root, echo)
     if args.json:
-        Path(args.json).write_text(json.dumps({"total_s": total_s, "rows": [r.__dict__ for r in rows]},
-                                              indent=2) + "\n")  # fmt: skip
+        reports.write_json(args.json, {"total_s": total_s, "rows": [r.__dict__ for r in rows]})
     if args.update_manifest:
         if bad:
             echo("manifest NOT updated: some runs did not give the expected result")

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from omni_core.formal import trace_export
+from omni_core.formal import reports, trace_export
 from omni_core.formal.manifest import tla_dir
 from omni_core.formal.tlc import EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.fsm.trace_records import TraceLine
@@ -62,6 +62,11 @@ class TraceVerdict:
     states: int | None
     spec_view: str = ""
     result: TlcResult | None = None
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "events": self.events, "accepted": self.accepted, "index": self.index,
+                "event": self.event, "reason": self.reason, "seconds": round(self.seconds, 3), "states": self.states,
+                "spec_view": self.spec_view}  # fmt: skip
 
     def line(self) -> str:
         head = f"{self.stage:<16} {self.events:>5} events  "
@@ -311,5 +316,10 @@ def run(args: argparse.Namespace, echo=print) -> int:
         echo(f"FAIL {exc}")
         return 2
     bad = [v for v in verdicts if not v.accepted]
-    echo(f"{len(verdicts)} TLC run(s), {len(bad)} diverged, {time.monotonic() - start:.1f} s")
+    total_s = time.monotonic() - start
+    echo(f"{len(verdicts)} TLC run(s), {len(bad)} diverged, {total_s:.1f} s")
+    if getattr(args, "json", None):
+        reports.write_json(args.json, {"trace": str(path), "total_s": round(total_s, 3),
+                                       "accepted": not bad and bool(verdicts),
+                                       "verdicts": [v.to_json() for v in verdicts]})  # fmt: skip
     return 1 if bad or not verdicts else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -141,3 +142,12 @@ def test_check_trace_names_a_missing_spec_file_instead_of_a_traceback(tla_copy, 
     lines: list[str] = []
     assert check.run(_args(tla_copy, trace=str(trace)), echo=lines.append) == 2
     assert "missing" in lines[-1] and "OmniTrace.tla" in lines[-1], lines
+
+
+@pytest.mark.slow
+def test_check_json_on_stdout_and_the_table_on_stderr(tla_copy, capsys):
+    assert check.run(_args(tla_copy, only=["happy"], json="-")) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["rows"]
+    assert [(r["model"], r["ok"]) for r in rows] == [("happy", True)]
+    assert "happy" in captured.err and "1 runs, 0 failed" in captured.err
