@@ -45,6 +45,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.config:  # the stages of a config file instead of the built-in scenario
         from omni_core.config import ConfigError, load_config, run_config_demo
 
+        if args.json:
+            print("omni-core demo: --json is for the built-in scenarios; --config prints its steps as text "
+                  "(its exit status says whether every stage passed)", file=sys.stderr)  # fmt: skip
+            return 2
+
         try:
             config = load_config(args.config)
         except ConfigError as exc:
@@ -69,7 +74,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from omni_core.demo import main as demo_main
 
         return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib or 64,
-                         trace_path=args.trace)  # fmt: skip
+                         trace_path=args.trace, json_out=args.json)  # fmt: skip
     if args.weights_mib is not None:
         print("omni-core demo: --weights-mib sizes the synthetic runners; add --synthetic", file=sys.stderr)
         return 2
@@ -81,7 +86,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"omni-core demo: {problem}", file=sys.stderr)
         return 2
     return real_demo_main(device=args.device, backend=args.backend, size=args.size, out_dir=args.out,
-                          models_dir=args.models, trace_path=args.trace, llm_runner=args.llm_runner)  # fmt: skip
+                          models_dir=args.models, trace_path=args.trace, llm_runner=args.llm_runner,
+                          json_out=args.json)  # fmt: skip
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -243,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-mib", type=int, default=None, help="--synthetic: weights per rank, MiB (default 64)")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
     p.add_argument("--config", default=None, help="a TOML stage config: sleep, wake and reload each of its stages")
+    p.add_argument("--json", action="store_true",
+                   help="print the steps and verdict as JSON on stdout (the narration goes to stderr)")
     p.set_defaults(func=_cmd_demo)
     # Every argument of the old command is taken (none parsed as an option) and answered with where it went.
     p = sub.add_parser("bench", help="moved: run `python -m benchmarks` from a checkout", add_help=False,

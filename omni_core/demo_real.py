@@ -382,7 +382,11 @@ class RealDemo:
         sheet.save(self.out_dir / "contact-sheet.png", optimize=True)
 
     def write_summary(self) -> None:
-        summary = {
+        (self.out_dir / "summary.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """The run as data: `summary.json` beside the images, and `omni-core demo --json`."""
+        return {
             "verdict": "PASS" if not self.mismatches else "FAIL",
             "mismatches": self.mismatches,
             "device": self.device,
@@ -393,7 +397,6 @@ class RealDemo:
                        for i in self.images],
             "steps": [vars(row) for row in self.rows],
         }  # fmt: skip
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
@@ -407,7 +410,14 @@ def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
 
 
 def main(device: str = "cpu", backend: str | None = None, size: str = "tiny", out_dir: str = "omni-core-demo-out",
-         models_dir: str | None = None, trace_path: str | None = None, llm_runner: str = "transformers") -> int:
-    return RealDemo(device=device, backend=backend, size=size, out_dir=Path(out_dir),
+         models_dir: str | None = None, trace_path: str | None = None, llm_runner: str = "transformers",
+         json_out: bool = False) -> int:  # fmt: skip
+    """`json_out`: the narration on stderr, `RealDemo.summary()` as JSON on stdout."""
+    demo = RealDemo(device=device, backend=backend, size=size, out_dir=Path(out_dir),
                     models_dir=Path(models_dir) if models_dir else default_models_dir(),
-                    trace_path=trace_path, llm_runner=llm_runner).run()  # fmt: skip
+                    trace_path=trace_path, llm_runner=llm_runner,
+                    out=sys.stderr if json_out else sys.stdout)  # fmt: skip
+    code = demo.run()
+    if json_out:
+        print(json.dumps(demo.summary(), indent=2))
+    return code

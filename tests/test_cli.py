@@ -115,3 +115,15 @@ def test_demo_of_a_cuda_config_without_cuda_names_the_toml_key(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "stage 'talker': device = 'cuda'" in err and "TOML key `device`" in err, err
+
+
+def test_demo_json_puts_the_steps_on_stdout_and_the_narration_on_stderr(capsys) -> None:
+    assert cli_main(["demo", "--synthetic", "--weights-mib", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["verdict"] == "PASS" and summary["mismatches"] == [] and summary["weights_mib"] == 1
+    assert {"2 sleep L1", "4 reload"} <= {step["step"] for step in summary["steps"]}
+    assert "verdict: PASS" in captured.err
+    config = str(omni_core.resources.data_file("examples", "two_stages.toml"))
+    assert cli_main(["demo", "--config", config, "--json"]) == 2
+    assert "--json is for the built-in scenarios" in capsys.readouterr().err
