@@ -50,7 +50,11 @@ class Progress:
         if self.total <= 0:
             return f"{self.label}: starting{suffix}"
         percent = min(100, int(100 * self.done / self.total))
-        shown = f"{self.done / self.scale:.2f} of {self.total / self.scale:.2f}{' ' + self.unit if self.unit else ''}"
+        if self.scale == 1:  # a count of things (cases, files): whole numbers
+            shown = f"{self.done} of {self.total}"
+        else:
+            shown = f"{self.done / self.scale:.2f} of {self.total / self.scale:.2f}"
+        shown += f" {self.unit}" if self.unit else ""
         return f"{self.label}: {percent:3d}% ({shown}){suffix}"
 
     def _draw(self, *, force: bool = False, suffix: str = "") -> None:

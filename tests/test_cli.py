@@ -127,3 +127,13 @@ def test_demo_json_puts_the_steps_on_stdout_and_the_narration_on_stderr(capsys) 
     config = str(omni_core.resources.data_file("examples", "two_stages.toml"))
     assert cli_main(["demo", "--config", config, "--json"]) == 2
     assert "--json is for the built-in scenarios" in capsys.readouterr().err
+
+
+def test_conformance_counts_its_cases_on_the_progress_line() -> None:
+    from omni_core.conformance.runner import run_suite
+
+    stream = Terminal()
+    progress = Progress("conformance", unit="cases", stream=stream)
+    report = run_suite("synthetic", only="P-3", progress=progress)
+    assert progress.total == progress.done == len(report.results) > 1
+    assert f"conformance: 100% ({progress.total} of {progress.total} cases)" in stream.getvalue()

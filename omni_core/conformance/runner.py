@@ -22,6 +22,7 @@ from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, 
 from omni_core.conformance.pressure import pressure_for, resolve_pressure
 from omni_core.conformance.requirements import REQUIREMENTS, Requirement
 from omni_core.conformance.targets import WorkerFactory, failing_factory_for, resolve_target
+from omni_core.progress import Progress
 from omni_core.protocol import PROTOCOL_VERSION, Ack, Status, WorkerState
 
 Outcome = Literal["pass", "fail", "skip"]
@@ -350,10 +351,18 @@ class SuiteRunner:
                     self._silenced or not self._still_usable(self._shared)):  # fmt: skip
                 self._discard_shared()  # the next case gets a fresh worker
 
-    def run(self) -> SuiteReport:
+    def run(self, progress: Progress | None = None) -> SuiteReport:
+        """Every case; `progress` (omni_core.progress) counts them as they end."""
         started = time.monotonic()
+        cases = list(self.cases())
+        if progress is not None:
+            progress.add_total(len(cases))
+        results = []
         try:
-            results = [self.run_case(case) for case in self.cases()]
+            for case in cases:
+                results.append(self.run_case(case))
+                if progress is not None:
+                    progress.advance(1)
         finally:
             self.close()
         return SuiteReport(self.description, results, self.only, time.monotonic() - started)
@@ -363,6 +372,6 @@ class SuiteRunner:
 
 
 def run_suite(target: str | WorkerFactory, *, only: str | Iterable[str] | None = None,
-              options: SuiteOptions | None = None) -> SuiteReport:  # fmt: skip
+              options: SuiteOptions | None = None, progress: Progress | None = None) -> SuiteReport:  # fmt: skip
     """Run the suite against `target` (see `omni_core.conformance.targets`) and report."""
-    return SuiteRunner(target, options=options, only=only).run()
+    return SuiteRunner(target, options=options, only=only).run(progress)
