@@ -31,7 +31,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 def _cmd_tables(args: argparse.Namespace) -> int:
     from omni_core.fsm import export_mermaid, export_tables
 
-    if args.format == "json":
+    if args.format == "json" or args.json:
         print(json.dumps(export_tables(), indent=2))
     else:
         for name, diagram in export_mermaid().items():
@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_schema)
     p = sub.add_parser("tables", help="print the transition tables (json or mermaid)")
     p.add_argument("--format", choices=("json", "mermaid"), default="mermaid")
+    p.add_argument("--json", action="store_true", help="the same as --format json")
     p.set_defaults(func=_cmd_tables)
     p = sub.add_parser("docs", help="regenerate docs/lifecycles.md from the transition tables")
     p.set_defaults(func=_cmd_docs)

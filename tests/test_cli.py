@@ -137,3 +137,10 @@ def test_conformance_counts_its_cases_on_the_progress_line() -> None:
     report = run_suite("synthetic", only="P-3", progress=progress)
     assert progress.total == progress.done == len(report.results) > 1
     assert f"conformance: 100% ({progress.total} of {progress.total} cases)" in stream.getvalue()
+
+
+def test_tables_json_is_the_tables_as_data(capsys) -> None:
+    assert cli_main(["tables", "--json"]) == 0
+    as_flag = capsys.readouterr().out
+    assert cli_main(["tables", "--format", "json"]) == 0
+    assert json.loads(as_flag) == json.loads(capsys.readouterr().out)

@@ -96,6 +96,7 @@ def test_a_swap_whose_memory_never_frees_fails_naming_the_holder_and_leaves_both
         error = caught.value
         assert isinstance(error.incoming, NoMemoryError) and set(error.incoming.refusals) == {0}
         assert f"stage trainer rank 0, pid {os.getpid()}" in str(error.incoming)
+        assert "To fix: free what the holders keep" in str(error.incoming)  # and what to type
         assert error.outgoing.state == "SLEEPING"
         assert "incoming stage 'decoder'" in str(error) and "stays SLEEPING" in str(error)
         status = engine.status()
