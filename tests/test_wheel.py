@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import time
 import urllib.error
 import urllib.request
@@ -40,14 +41,20 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float = 300
     return done
 
 
+def _copy_sources(tmp: Path) -> Path:
+    """A copy, so a build leaves no build/ or egg-info in the checkout."""
+    source = tmp / "source"
+    source.mkdir()
+    for name in SOURCES:
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, source / name)
+    return source
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     """(the fresh venv's bin folder, a work folder outside the checkout, its environment)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    source = tmp / "source"  # a copy, so the build leaves no build/ or egg-info in the checkout
-    source.mkdir()
-    for name in SOURCES:
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, source / name)
+    source = _copy_sources(tmp)
     dist = tmp / "dist"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                             "-w", str(dist), str(source)], capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -142,3 +149,15 @@ def test_serve_from_the_installed_wheel_answers_health(installed) -> None:
             server.kill()
             output, _ = server.communicate()
     assert server.returncode == 0, output[-3000:]
+
+
+def test_the_sdist_carries_what_the_wheel_copies_in(tmp_path) -> None:
+    """`python -m build` makes the wheel from the sdist: the shipped folders must be in it."""
+    source = _copy_sources(tmp_path)
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp_path / 'dist')!r}))"
+    name = _run([sys.executable, "-c", code], source, dict(os.environ)).stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / "dist" / name) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    for relative in ("setup.py", "omni_core/py.typed", "tla/manifest.json", "tla/trace/OmniTrace.tla",
+                     "specs/protocol.md", "examples/two_stages.toml"):  # fmt: skip
+        assert relative in names, relative
