@@ -31,6 +31,7 @@ which command regenerates it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import re
@@ -310,6 +311,8 @@ def run(args: argparse.Namespace, echo=print) -> int:
     if args.list:
         for m in models:
             echo(f"{m.name:38} {m.expect:34} {m.config}  {m.about}")
+        if args.json:
+            reports.write_json(args.json, {"models": [dataclasses.asdict(m) for m in models]})
         return 0
     echo(f"{generated.name}: matches omni_core.fsm")
     echo(f"{'long' if long else 'default'} list: {len(models)} models, {stated_seconds(models):.0f} s "

@@ -151,3 +151,11 @@ def test_check_json_on_stdout_and_the_table_on_stderr(tla_copy, capsys):
     rows = json.loads(captured.out)["rows"]
     assert [(r["model"], r["ok"]) for r in rows] == [("happy", True)]
     assert "happy" in captured.err and "1 runs, 0 failed" in captured.err
+
+
+def test_check_list_json(tla_copy, capsys):
+    assert check.run(_args(tla_copy, list=True, json="-")) == 0
+    captured = capsys.readouterr()
+    models = {m["name"]: m for m in json.loads(captured.out)["models"]}
+    assert models["happy"]["expect"] == "ok" and models["happy"]["config"] == "models/happy.cfg"
+    assert captured.err.startswith("happy ") or "\nhappy " in captured.err
