@@ -571,7 +571,7 @@ def render_png(data: dict[str, Any], path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no PNG (pip install matplotlib; then --render memory.json)"
+        return "matplotlib is not installed: no PNG (pip install -e '.[bench]'; then --render memory.json)"
     workloads = [w for w in data["workloads"] if any(r["workload"] == w for r in data["results"])]
     methods = [m for m in dict.fromkeys(r["method"] for r in data["results"]) if parse_method(m)[0] != "limit"]
     panels = (("first L1 sleep", "first_sleep_GBps"), ("later L1 sleeps (median)", "later_sleep_GBps_median"),

@@ -371,7 +371,7 @@ def render_png(data: dict[str, Any], path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no PNG (pip install matplotlib; then --swap --render swap_*.json)"
+        return "matplotlib is not installed: no PNG (pip install -e '.[bench]'; then --swap --render swap_*.json)"
     drawn = [(pair, found) for pair in data["pairs"] if (found := timeline_round(data, pair))]
     if not drawn:
         return "no swap round to draw (every swap case skipped or failed)"

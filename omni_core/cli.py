@@ -31,7 +31,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 def _cmd_tables(args: argparse.Namespace) -> int:
     from omni_core.fsm import export_mermaid, export_tables
 
-    if args.format == "json":
+    if args.format == "json" or args.json:
         print(json.dumps(export_tables(), indent=2))
     else:
         for name, diagram in export_mermaid().items():
@@ -40,19 +40,41 @@ def _cmd_tables(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from omni_core.workers.config import device_problem
+
     if args.config:  # the stages of a config file instead of the built-in scenario
         from omni_core.config import ConfigError, load_config, run_config_demo
 
+        if args.json:
+            print("omni-core demo: --json is for the built-in scenarios; --config prints its steps as text "
+                  "(its exit status says whether every stage passed)", file=sys.stderr)  # fmt: skip
+            return 2
+
         try:
-            return run_config_demo(load_config(args.config))
+            config = load_config(args.config)
         except ConfigError as exc:
             print(f"omni-core demo: {exc}", file=sys.stderr)
             return 2
+        # Ranks started elsewhere (launcher = "ray") use their node's devices, not this machine's.
+        local = config.engine.get("launcher", "local") == "local"
+        for stage in config.stages if local else ():
+            problem = device_problem(stage.device)
+            if problem:
+                print(f"omni-core demo: {args.config}: stage {stage.name!r}: device = {stage.device!r}: {problem}; "
+                      'set the TOML key `device` of that [[stages]] table to "cpu", or run where the GPU is',
+                      file=sys.stderr)  # fmt: skip
+                return 2
+        return run_config_demo(config)
+    problem = device_problem(args.device)
+    if problem:
+        print(f"omni-core demo: --device {args.device}: {problem}; use --device cpu, or run on a machine with an "
+              "NVIDIA GPU and a CUDA build of torch", file=sys.stderr)  # fmt: skip
+        return 2
     if args.synthetic:  # the scenario on synthetic runners, whose traces `omni-core check` validates
         from omni_core.demo import main as demo_main
 
         return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib or 64,
-                         trace_path=args.trace)  # fmt: skip
+                         trace_path=args.trace, json_out=args.json)  # fmt: skip
     if args.weights_mib is not None:
         print("omni-core demo: --weights-mib sizes the synthetic runners; add --synthetic", file=sys.stderr)
         return 2
@@ -64,7 +86,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"omni-core demo: {problem}", file=sys.stderr)
         return 2
     return real_demo_main(device=args.device, backend=args.backend, size=args.size, out_dir=args.out,
-                          models_dir=args.models, trace_path=args.trace, llm_runner=args.llm_runner)  # fmt: skip
+                          models_dir=args.models, trace_path=args.trace, llm_runner=args.llm_runner,
+                          json_out=args.json)  # fmt: skip
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -79,6 +102,31 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     from omni_core.fsm.docs import render_lifecycles
 
     return _write(Path("docs/lifecycles.md"), render_lifecycles())
+
+
+def _cmd_examples(args: argparse.Namespace) -> int:
+    from omni_core.resources import data_dir, data_file
+
+    found = sorted(data_dir("examples").glob("*.toml"))
+    if args.name:
+        name = args.name.removesuffix(".toml")
+        if name not in {p.stem for p in found}:
+            print(f"omni-core examples: no example named {name!r}; there are {', '.join(p.stem for p in found)} "
+                  "(omni-core examples lists them)", file=sys.stderr)  # fmt: skip
+            return 2
+        sys.stdout.write(data_file("examples", f"{name}.toml").read_text())
+        return 0
+    if args.json:
+        print(json.dumps([{"name": p.stem, "path": str(p), "about": _first_comment(p)} for p in found], indent=2))
+        return 0
+    for path in found:
+        print(f"{path.stem:<18} {path}\n    {_first_comment(path)}")
+    return 0
+
+
+def _first_comment(path: Path) -> str:
+    first = path.read_text().splitlines()[:1]
+    return first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
@@ -105,6 +153,75 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+# Client verbs for the stage calls that `serve/cli.py`'s verbs (status, sleep, wake, swap) leave out.
+CLIENT_VERBS = {
+    "reload": "reload a stage's weights on a running `omni-core serve` (after a level-2 sleep: NEEDS_RELOAD)",
+    "restart": "restart every rank of a stage of a running `omni-core serve` (a FAILED stage; new epoch)",
+    "execute": "run one request on a stage of a running `omni-core serve`; prints rank 0's output as JSON",
+}
+# What the engine's refusals ask for, as the command an operator types.
+_FIXES = (("reload_weights()", "omni-core reload {stage}"), ("restart()", "omni-core restart {stage}"))
+
+
+def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
+    import os
+
+    from omni_core.serve.cli_args import DEFAULT_URL, URL_ENV
+
+    p.add_argument("stage", help="stage name")
+    p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL),
+                   help=f"where `omni-core serve` listens (default ${URL_ENV}, else {DEFAULT_URL})")  # fmt: skip
+    p.add_argument("--api-key-file", default=None, help="file holding the API key (else OMNI_CORE_API_KEY)")
+    p.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    p.add_argument("--idempotency-key", default=None, help="a retry with the same key has no second effect")
+    if verb != "restart":
+        p.add_argument("--timeout-s", type=float, default=None, help="deadline of the command (server side)")
+    if verb == "reload":
+        p.add_argument("--source", default=None, help="checkpoint to load (default: the stage's own)")
+    if verb == "execute":
+        p.add_argument("--payload", default=None, metavar="JSON", help='the request, as JSON: \'{"seed": 1}\'')
+    p.set_defaults(verb=verb)
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from omni_core.client import OmniClient, ServeError
+
+    verb = args.verb
+    payload = None
+    if getattr(args, "payload", None) is not None:
+        try:
+            payload = json.loads(args.payload)
+        except ValueError as exc:
+            print(f"omni-core execute: --payload is not JSON ({exc}): {args.payload[:200]!r}", file=sys.stderr)
+            return 2
+    try:
+        client = OmniClient(args.url, api_key_file=args.api_key_file)
+        if verb == "reload":
+            answer = client.reload_weights(args.stage, args.source, timeout_s=args.timeout_s,
+                                           idempotency_key=args.idempotency_key)  # fmt: skip
+        elif verb == "restart":
+            answer = client.restart(args.stage, idempotency_key=args.idempotency_key)
+        else:
+            answer = client.execute(args.stage, payload, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+    except ServeError as exc:
+        print(f"omni-core {verb}: HTTP {exc.status} {exc.type}: {exc}", file=sys.stderr)
+        fixes = [fix.format(stage=args.stage) for asked, fix in _FIXES if asked in str(exc)]
+        if fixes:
+            print(f"  to fix: {fixes[0]} --url {args.url}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
+        return 2
+    if args.json or verb == "execute":
+        print(json.dumps(answer, indent=2))
+    elif verb == "reload":
+        print(f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
+              f"{answer['duration_s'] * 1000:.1f} ms")  # fmt: skip
+    else:
+        print(f"{answer['stage']}: restarted -> {answer['state']}, epoch {answer['epoch']}")
+    return 0
+
+
 def _cmd_remote(args: argparse.Namespace) -> int:
     from omni_core.serve.cli import run_remote
 
@@ -113,6 +230,8 @@ def _cmd_remote(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the version, where the package is installed, and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="a language model and a diffusion stage share one device: sleep, wake, "
                                     "reload, partial wake, a step-wise request across a sleep (--synthetic: "
@@ -130,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-mib", type=int, default=None, help="--synthetic: weights per rank, MiB (default 64)")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
     p.add_argument("--config", default=None, help="a TOML stage config: sleep, wake and reload each of its stages")
+    p.add_argument("--json", action="store_true",
+                   help="print the steps and verdict as JSON on stdout (the narration goes to stderr)")
     p.set_defaults(func=_cmd_demo)
     # Every argument of the old command is taken (none parsed as an option) and answered with where it went.
     p = sub.add_parser("bench", help="moved: run `python -m benchmarks` from a checkout", add_help=False,
@@ -143,9 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_schema)
     p = sub.add_parser("tables", help="print the transition tables (json or mermaid)")
     p.add_argument("--format", choices=("json", "mermaid"), default="mermaid")
+    p.add_argument("--json", action="store_true", help="the same as --format json")
     p.set_defaults(func=_cmd_tables)
     p = sub.add_parser("docs", help="regenerate docs/lifecycles.md from the transition tables")
     p.set_defaults(func=_cmd_docs)
+    p = sub.add_parser("examples", help="list the example stage configs this install carries, or print one "
+                                        "(omni-core examples two_stages > stages.toml)")  # fmt: skip
+    p.add_argument("name", nargs="?", default=None, help="an example to print (two_stages, ray_stages, ...)")
+    p.add_argument("--json", action="store_true", help="list them as JSON")
+    p.set_defaults(func=_cmd_examples)
     p = sub.add_parser("conformance", help="run the protocol conformance suite against a worker (docs/conformance.md)")
     from omni_core.conformance.cli import add_arguments
 
@@ -175,12 +302,50 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=what, allow_abbrev=False)
         add_remote_arguments(p, verb)
         p.set_defaults(func=_cmd_remote)
+    for verb, what in CLIENT_VERBS.items():
+        p = sub.add_parser(verb, help=what, allow_abbrev=False)
+        _add_client_arguments(p, verb)
+        p.set_defaults(func=_cmd_client)
     return parser
 
 
+def _version() -> str:
+    import platform
+
+    import omni_core
+
+    return f"omni-core {omni_core.__version__} ({Path(omni_core.__file__).parent}, Python {platform.python_version()})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args))
+    from omni_core.resources import MissingDataError
+
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, where it is caught, not at the interpreter's exit
+        return code
+    except MissingDataError as exc:
+        print(f"omni-core {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`omni-core tables | head -1`): nothing more can be said to it.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        _quiet_stdout()
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+
+
+def _quiet_stdout() -> None:
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no real file (a test's StringIO)
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and a one-line verdict; exits non-zero on any mismatch.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -157,6 +158,12 @@ class Demo:
         self.note("5 wake", "talker", state, t, "request woke the stage, identical: " + str(out == talker_ref))
         engine.set_admission("talker", "queue")
 
+    def summary(self) -> dict[str, Any]:
+        """The run as data (`omni-core demo --synthetic --json`)."""
+        return {"verdict": "PASS" if not self.mismatches else "FAIL", "mismatches": self.mismatches,
+                "device": self.device, "backend": self.backend, "weights_mib": self.weights_mib,
+                "steps": [vars(row) for row in self.rows]}  # fmt: skip
+
     def print_table(self) -> None:
         write_table(self.out, [(r.step, r.stage, r.state, r.duration_s, r.freed) for r in self.rows],
                     "memory freed per rank / check")  # fmt: skip
@@ -174,5 +181,11 @@ def write_table(out: TextIO, rows: list[tuple[str, str, str, float, str]], last_
 
 
 def main(device: str = "cpu", backend: str | None = None, weights_mib: int = 64,
-         trace_path: str | None = None) -> int:  # fmt: skip
-    return Demo(device=device, backend=backend, weights_mib=weights_mib, trace_path=trace_path).run()
+         trace_path: str | None = None, json_out: bool = False) -> int:  # fmt: skip
+    """`json_out`: the table and verdict on stderr, `Demo.summary()` as JSON on stdout."""
+    demo = Demo(device=device, backend=backend, weights_mib=weights_mib, trace_path=trace_path,
+                out=sys.stderr if json_out else sys.stdout)  # fmt: skip
+    code = demo.run()
+    if json_out:
+        print(json.dumps(demo.summary(), indent=2))
+    return code

@@ -92,7 +92,10 @@ def cached_checkpoint(models_dir: Path, family: str, size: str, *, seed: int = S
             return target, 0.0
     log(f"making {family} {size} (seeded random weights) in {target} ...")
     # force: a directory without its marker is what an interrupted earlier run left.
-    info = make_checkpoint(family, size, target, seed=seed, force=True)
+    from omni_core.progress import Progress
+
+    with Progress(f"making {family} {size}", unit="M params", scale=1e6) as progress:  # a terminal only
+        info = make_checkpoint(family, size, target, seed=seed, force=True, progress=progress)
     # The marker goes last and outside the checkpoint, so loaders never see it and a
     # directory without one is never taken for complete.
     marker.write_text(json.dumps({**expected, "params": info.params, "file_bytes": info.file_bytes}))
@@ -379,7 +382,11 @@ class RealDemo:
         sheet.save(self.out_dir / "contact-sheet.png", optimize=True)
 
     def write_summary(self) -> None:
-        summary = {
+        (self.out_dir / "summary.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """The run as data: `summary.json` beside the images, and `omni-core demo --json`."""
+        return {
             "verdict": "PASS" if not self.mismatches else "FAIL",
             "mismatches": self.mismatches,
             "device": self.device,
@@ -390,7 +397,6 @@ class RealDemo:
                        for i in self.images],
             "steps": [vars(row) for row in self.rows],
         }  # fmt: skip
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
@@ -404,7 +410,14 @@ def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
 
 
 def main(device: str = "cpu", backend: str | None = None, size: str = "tiny", out_dir: str = "omni-core-demo-out",
-         models_dir: str | None = None, trace_path: str | None = None, llm_runner: str = "transformers") -> int:
-    return RealDemo(device=device, backend=backend, size=size, out_dir=Path(out_dir),
+         models_dir: str | None = None, trace_path: str | None = None, llm_runner: str = "transformers",
+         json_out: bool = False) -> int:  # fmt: skip
+    """`json_out`: the narration on stderr, `RealDemo.summary()` as JSON on stdout."""
+    demo = RealDemo(device=device, backend=backend, size=size, out_dir=Path(out_dir),
                     models_dir=Path(models_dir) if models_dir else default_models_dir(),
-                    trace_path=trace_path, llm_runner=llm_runner).run()  # fmt: skip
+                    trace_path=trace_path, llm_runner=llm_runner,
+                    out=sys.stderr if json_out else sys.stdout)  # fmt: skip
+    code = demo.run()
+    if json_out:
+        print(json.dumps(demo.summary(), indent=2))
+    return code

@@ -9,4 +9,5 @@ PY=${PYTHON:-python3}
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
-python -m pip install -q --disable-pip-version-check -e ".[test,models,serve]"
+# -c: the exact versions CI runs (pyproject.toml states the ranges a user's environment may meet).
+python -m pip install -q --disable-pip-version-check -c scripts/constraints.txt -e ".[test,models,serve]"

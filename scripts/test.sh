@@ -13,7 +13,7 @@ command -v chromium >/dev/null || { apt-get install -y -qq chromium >/dev/null 2
   || echo "chromium could not be installed: tests/serve/test_browser.py skips"
 # The Ray launcher's suite needs Ray; installed here, not in setup.sh, so the main job and the
 # demo run without it (tests/on_ray skips cleanly where it is missing).
-pip install -q --disable-pip-version-check -e ".[ray]" || echo "the ray extra did not install: tests/on_ray skips"
+pip install -q --disable-pip-version-check -c scripts/constraints.txt -e ".[ray]" || echo "the ray extra did not install: tests/on_ray skips"
 # The conformance suite is also run against a worker in JavaScript (Node's standard library
 # only), over cmd:, as a third party's worker would be.
 command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \

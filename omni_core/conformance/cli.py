@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'synthetic', else that case is skipped")  # fmt: skip
     p.add_argument("--epoch", type=int, default=3, help="epoch the workers are started in (>= 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per case as well")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    p.add_argument("--quiet", action="store_true", help="no progress line (it is shown only on a terminal anyway)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,11 +62,17 @@ def run(args: argparse.Namespace) -> int:
     except (TargetError, ValueError) as exc:
         print(f"omni-core conformance: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report = run_suite(args.worker, only=only, options=options)
-    print(report.render(verbose=args.verbose), flush=True)
+    from omni_core.progress import Progress
+
+    with Progress("conformance", unit="cases", enabled=False if args.quiet else None) as progress:
+        report = run_suite(args.worker, only=only, options=options, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2), flush=True)
+    else:
+        print(report.render(verbose=args.verbose), flush=True)
     if args.junit:
         report.write_junit(args.junit)
-        print(f"wrote {args.junit}")
+        print(f"wrote {args.junit}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_FAILED if report.failed else EXIT_PASSED
 
 

@@ -1,7 +1,8 @@
 """The requirements of `specs/protocol.md`, as the suite quotes them on failure.
 
-The text is a verbatim copy of the normative paragraphs (the spec file is not shipped in
-the wheel); `tests/conformance/test_requirements.py` fails when the two drift apart.
+The text is a verbatim copy of the normative paragraphs, so the suite quotes them without
+parsing Markdown at run time (the wheel also carries specs/protocol.md: omni_core.resources);
+`tests/conformance/test_requirements.py` fails when the two drift apart.
 `worker` says whether a worker can be checked against the requirement at all: P-5 and P-9
 bind the orchestrator (a stage), so the suite lists them as not applicable.
 """

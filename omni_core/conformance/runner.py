@@ -22,6 +22,7 @@ from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, 
 from omni_core.conformance.pressure import pressure_for, resolve_pressure
 from omni_core.conformance.requirements import REQUIREMENTS, Requirement
 from omni_core.conformance.targets import WorkerFactory, failing_factory_for, resolve_target
+from omni_core.progress import Progress
 from omni_core.protocol import PROTOCOL_VERSION, Ack, Status, WorkerState
 
 Outcome = Literal["pass", "fail", "skip"]
@@ -122,6 +123,24 @@ class SuiteReport:
             return f"{head}: " + "; ".join(sorted({r.reason for r in skipped})) if skipped else f"{head}: no cases"
         note = f", {len(skipped)} skipped: " + "; ".join(sorted({r.reason for r in skipped})) if skipped else ""
         return f"{head} ({len(passed)} case{'s' if len(passed) != 1 else ''}{note})"
+
+    def to_json(self) -> dict:
+        """The report as data (`omni-core conformance --json`): a verdict per requirement and
+        each case's outcome, with a failure's details as the text report words them."""
+        return {
+            "target": self.target,
+            "protocol_version": PROTOCOL_VERSION,
+            "passed": not self.failed,
+            "duration_s": round(self.duration_s, 3),
+            "notes": list(self.notes),
+            "requirements": [
+                {"id": req.id, "title": req.title, "verdict": self.verdict(req, results),
+                 "cases": [{"name": r.case.name, "title": r.case.title, "outcome": r.outcome, "reason": r.reason,
+                            "duration_s": round(r.duration_s, 3),
+                            "details": r.details() if r.outcome == "fail" else None} for r in results]}
+                for req, results in self.requirements()
+            ],
+        }  # fmt: skip
 
     def render(self, verbose: bool = False) -> str:
         out = [f"omni-core conformance (protocol v{PROTOCOL_VERSION}) against: {self.target}"]
@@ -332,10 +351,18 @@ class SuiteRunner:
                     self._silenced or not self._still_usable(self._shared)):  # fmt: skip
                 self._discard_shared()  # the next case gets a fresh worker
 
-    def run(self) -> SuiteReport:
+    def run(self, progress: Progress | None = None) -> SuiteReport:
+        """Every case; `progress` (omni_core.progress) counts them as they end."""
         started = time.monotonic()
+        cases = list(self.cases())
+        if progress is not None:
+            progress.add_total(len(cases))
+        results = []
         try:
-            results = [self.run_case(case) for case in self.cases()]
+            for case in cases:
+                results.append(self.run_case(case))
+                if progress is not None:
+                    progress.advance(1)
         finally:
             self.close()
         return SuiteReport(self.description, results, self.only, time.monotonic() - started)
@@ -345,6 +372,6 @@ class SuiteRunner:
 
 
 def run_suite(target: str | WorkerFactory, *, only: str | Iterable[str] | None = None,
-              options: SuiteOptions | None = None) -> SuiteReport:  # fmt: skip
+              options: SuiteOptions | None = None, progress: Progress | None = None) -> SuiteReport:  # fmt: skip
     """Run the suite against `target` (see `omni_core.conformance.targets`) and report."""
-    return SuiteRunner(target, options=options, only=only).run()
+    return SuiteRunner(target, options=options, only=only).run(progress)

@@ -602,7 +602,10 @@ class Orchestrator:
                                                           outcome.failures)  # fmt: skip
         elif outcome.refused and outcome.command == "Wake":
             result, error = None, NoMemoryError(name, f"stage {name!r}: {outcome.error}; the stage stays "
-                                                      f"{outcome.state.value}", outcome.refusals)  # fmt: skip
+                                                      f"{outcome.state.value}. To fix: free what the holders keep "
+                                                      "(put that stage to sleep: `omni-core sleep STAGE`, "
+                                                      "Engine.sleep; or end that process), then wake it again",
+                                                outcome.refusals)  # fmt: skip
         elif outcome.refused:
             result, error = None, InvalidArgumentError(f"stage {name!r}: {outcome.error}; the stage stays "
                                                        f"{outcome.state.value}")  # fmt: skip

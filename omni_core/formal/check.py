@@ -31,6 +31,7 @@ which command regenerates it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import re
@@ -40,9 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_link_plans, gen_transitions
+from omni_core.formal import agree, gen_link_plans, gen_transitions, reports
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
+from omni_core.resources import MissingDataError
 
 DEFAULT_TIMEOUT_S = 300.0
 LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
@@ -209,7 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its notes)")
     parser.add_argument("--list", action="store_true",
                         help="list the models (with --mutate-guards: the guards) and exit")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--json", metavar="PATH", help="also write the results (with --trace: each stage's verdict) "
+                        "as JSON here; `-`: on stdout, the text on stderr")
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--trace",
@@ -273,13 +276,22 @@ def admission_agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
 
 
 def run(args: argparse.Namespace, echo=print) -> int:
+    echo = reports.text_echo(getattr(args, "json", None), echo)
     if getattr(args, "trace", None):
         from omni_core.formal import trace_check
 
         if args.timeout_s == DEFAULT_TIMEOUT_S:
             args.timeout_s = trace_check.DEFAULT_TIMEOUT_S
         return trace_check.run(args, echo)
-    root = args.tla_dir or tla_dir()
+    try:
+        root = args.tla_dir or tla_dir()
+    except MissingDataError as exc:
+        echo(f"FAIL {exc}")
+        return 2
+    if not (root / MANIFEST).is_file():
+        echo(f"FAIL {root / MANIFEST} is missing: the list of models to check is part of the spec; restore tla/ "
+             "(git checkout -- tla/ in a checkout; reinstall omni-core otherwise)")
+        return 2
     generated = root / f"{gen_transitions.MODULE}.tla"
     plans = root / f"{gen_link_plans.MODULE}.tla"
     if args.regen:
@@ -304,6 +316,8 @@ def run(args: argparse.Namespace, echo=print) -> int:
     if args.list:
         for m in models:
             echo(f"{m.name:38} {m.expect:34} {m.config}  {m.about}")
+        if args.json:
+            reports.write_json(args.json, {"models": [dataclasses.asdict(m) for m in models]})
         return 0
     echo(f"{generated.name}: matches omni_core.fsm")
     echo(f"{'long' if long else 'default'} list: {len(models)} models, {stated_seconds(models):.0f} s "
@@ -329,8 +343,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     _report_coverage(root, coverage_out, getattr(args, "coverage_report", None), echo)
     _report_guard_mutation(root, echo)
     if args.json:
-        Path(args.json).write_text(json.dumps({"total_s": total_s, "rows": [r.__dict__ for r in rows]},
-                                              indent=2) + "\n")  # fmt: skip
+        reports.write_json(args.json, {"total_s": total_s, "rows": [r.__dict__ for r in rows]})
     if args.update_manifest:
         if bad:
             echo("manifest NOT updated: some runs did not give the expected result")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from omni_core.engine.link_plan import RankView, plan_links
+from omni_core.formal.manifest import tla_dir
 
 MODULE = "LinkPlanTable"
 REGEN_COMMAND = "python -m omni_core.formal.gen_link_plans"
@@ -29,7 +30,8 @@ TOPOLOGY = {"a": ("0", ("1", "2", "3")), "b": ("1", ("0", "2")), "c": ("2", ())}
 
 
 def default_path() -> Path:
-    return Path(__file__).resolve().parents[2] / "tla" / f"{MODULE}.tla"
+    """`tla/LinkPlanTable.tla` of the checkout this package lives in, or of the wheel's copy."""
+    return tla_dir() / f"{MODULE}.tla"
 
 
 def _set(values) -> str:
@@ -76,7 +78,10 @@ def is_fresh(path: Path | None = None) -> bool:
 
 
 def stale_message(path: Path) -> str:
-    return f"{path} differs from what the link planner renders; run `{REGEN_COMMAND}`"
+    if not path.is_file():
+        return (f"{path} is missing: this install of omni-core has no link plan table there. In a checkout: "
+                f"git checkout -- tla/ (or {REGEN_COMMAND}); an installed omni-core: reinstall it from a wheel")
+    return f"{path} differs from what the link planner (omni_core/engine/link_plan.py) renders; run {REGEN_COMMAND}"
 
 
 def write(path: Path | None = None) -> bool:

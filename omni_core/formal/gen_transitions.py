@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from omni_core.formal.manifest import tla_dir
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Transition
 from omni_core.fsm.admission import ADMISSION, QUEUE_RULES, AdmissionPolicy
 from omni_core.fsm.settle import SETTLE_ROWS
@@ -27,8 +28,8 @@ NO_TRANSITION = "NoTransition"
 
 
 def default_path() -> Path:
-    """`tla/OmniTransitions.tla` of the checkout this package lives in."""
-    return Path(__file__).resolve().parents[2] / "tla" / f"{MODULE}.tla"
+    """`tla/OmniTransitions.tla` of the checkout this package lives in, or of the wheel's copy."""
+    return tla_dir() / f"{MODULE}.tla"
 
 
 def _q(value: str) -> str:
@@ -177,6 +178,12 @@ def render() -> str:
 
 
 def stale_message(path: Path) -> str:
+    """Why `path` is not fresh: missing (an install without the spec, a deleted file) is said
+    as missing, since regenerating it would not bring back the rest of the spec."""
+    if not path.is_file():
+        return (f"{path} is missing: this install of omni-core has no generated transitions module "
+                f"there. In a checkout: git checkout -- tla/ (or {REGEN_COMMAND}); an installed "
+                "omni-core: reinstall it from a wheel, which carries the spec.")  # fmt: skip
     return (f"{path} is stale: the transition tables in omni_core/fsm changed since it was "
             f"generated. Run: {REGEN_COMMAND}")  # fmt: skip
 

@@ -7,11 +7,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_core.resources import data_dir
+
 MANIFEST = "manifest.json"
 
 
 def tla_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "tla"
+    """The spec folder: the checkout's `tla/`, or the copy an installed wheel carries. Raises
+    `omni_core.resources.MissingDataError` (a FileNotFoundError) naming both places when neither is there."""
+    return data_dir("tla")
 
 
 @dataclass(frozen=True)

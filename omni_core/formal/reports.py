@@ -6,8 +6,13 @@ after `NOTES_MARKER` (why a branch is dead, why a guard survives) is kept across
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from pathlib import Path
+from typing import Any
+
+JSON_STDOUT = "-"  # `--json -`: the JSON on stdout, the text report on stderr
 
 NOTES_MARKER = "<!-- notes: kept when the table above is regenerated -->"
 
@@ -26,3 +31,20 @@ def summary_line(path: Path, pattern: re.Pattern[str], what: str, rerun: str) ->
         return f"{what}: no report at {path}; run {rerun}"
     match = pattern.search(path.read_text())
     return match if match is not None else f"{what}: {path} has no summary line; run {rerun}"
+
+
+def write_json(target: str, data: Any) -> None:
+    """`omni-core check --json PATH`: the results as JSON in PATH, or on stdout for `-`."""
+    text = json.dumps(data, indent=2) + "\n"
+    if target == JSON_STDOUT:
+        sys.stdout.write(text)
+    else:
+        Path(target).write_text(text)
+
+
+def text_echo(json_target: str | None, echo: Any) -> Any:
+    """Where the text report goes: stderr when the JSON takes stdout (and the caller left the
+    text on stdout too), else `echo`."""
+    if json_target == JSON_STDOUT and echo is print:
+        return lambda line: print(line, file=sys.stderr)
+    return echo

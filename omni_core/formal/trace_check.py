@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from omni_core.formal import trace_export
+from omni_core.formal import reports, trace_export
 from omni_core.formal.manifest import tla_dir
 from omni_core.formal.tlc import EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.fsm.trace_records import TraceLine
+from omni_core.resources import MissingDataError
 from omni_core.trace import TraceFormatError
 
 ACCEPTED = "TraceAccepted"
@@ -62,6 +63,11 @@ class TraceVerdict:
     spec_view: str = ""
     result: TlcResult | None = None
 
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "events": self.events, "accepted": self.accepted, "index": self.index,
+                "event": self.event, "reason": self.reason, "seconds": round(self.seconds, 3), "states": self.states,
+                "spec_view": self.spec_view}  # fmt: skip
+
     def line(self) -> str:
         head = f"{self.stage:<16} {self.events:>5} events  "
         timing = f"  ({self.seconds:.1f} s, {self.states if self.states is not None else '-'} states)"
@@ -76,10 +82,16 @@ class TraceVerdict:
         return text
 
 
+SPEC_FILES = ("OmniSleep.tla", "OmniTransitions.tla", "OmniMemory.tla", "trace/OmniTrace.tla")  # what a replay needs
+
+
+def missing_spec_files(root: Path) -> list[Path]:
+    return [root / name for name in SPEC_FILES if not (root / name).is_file()]
+
+
 def _copy_specs(folder: Path, root: Path) -> Path:
-    for name in ("OmniSleep.tla", "OmniTransitions.tla", "OmniMemory.tla"):
-        shutil.copy(root / name, folder / name)
-    shutil.copy(root / "trace" / "OmniTrace.tla", folder / "OmniTrace.tla")
+    for name in SPEC_FILES:
+        shutil.copy(root / name, folder / Path(name).name)
     return folder / "OmniTrace.tla"
 
 
@@ -269,6 +281,16 @@ def run(args: argparse.Namespace, echo=print) -> int:
         echo(f"FAIL no trace file {path}")
         return 2
     try:
+        root = args.tla_dir or tla_dir()
+    except MissingDataError as exc:
+        echo(f"FAIL {exc}")
+        return 2
+    missing = missing_spec_files(root)
+    if missing:
+        echo(f"FAIL the spec a trace is replayed on is incomplete: missing {', '.join(map(str, missing))}; "
+             "reinstall omni-core (its wheel carries tla/) or restore tla/ in the checkout (git checkout -- tla/)")
+        return 2
+    try:
         records = trace_export.load(path)
     except TraceFormatError as exc:
         echo(f"FAIL {exc}")
@@ -284,7 +306,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     try:
         for stage in [args.stage] if args.stage else stages:
             trace = trace_export.project(records, stage)
-            found = validate_stage(trace, chunk_events=args.chunk_events, echo=echo, root=args.tla_dir,
+            found = validate_stage(trace, chunk_events=args.chunk_events, echo=echo, root=root,
                                    timeout_s=args.timeout_s, keep=keep)  # fmt: skip
             verdicts += found
             dropped = ", ".join(f"{k} {v}" for k, v in sorted(trace.dropped.items()))
@@ -294,5 +316,10 @@ def run(args: argparse.Namespace, echo=print) -> int:
         echo(f"FAIL {exc}")
         return 2
     bad = [v for v in verdicts if not v.accepted]
-    echo(f"{len(verdicts)} TLC run(s), {len(bad)} diverged, {time.monotonic() - start:.1f} s")
+    total_s = time.monotonic() - start
+    echo(f"{len(verdicts)} TLC run(s), {len(bad)} diverged, {total_s:.1f} s")
+    if getattr(args, "json", None):
+        reports.write_json(args.json, {"trace": str(path), "total_s": round(total_s, 3),
+                                       "accepted": not bad and bool(verdicts),
+                                       "verdicts": [v.to_json() for v in verdicts]})  # fmt: skip
     return 1 if bad or not verdicts else 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 from omni_core.models.catalog import FAMILIES, ModelSpecError
@@ -18,21 +20,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default 0)")
     p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the size's)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing same names")
+    p.add_argument("--quiet", action="store_true", help="no progress line (it is shown only on a terminal anyway)")
+    for p in sub.choices.values():
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.models_command == "list":
+        if args.json:
+            sizes = {f.name: [{"size": s.name, "params": s.nominal_params, "dtype": s.dtype} for s in f.sizes.values()]
+                     for f in FAMILIES.values()}  # fmt: skip
+            print(json.dumps([{"family": f.name, "description": f.description, "sizes": sizes[f.name]}
+                              for f in FAMILIES.values()], indent=2))  # fmt: skip
+            return 0
         for family in FAMILIES.values():
             print(f"{family.name:6} {family.description}")
             for size in family.sizes.values():
                 print(f"       {size.name:5} {size.nominal_params / 1e6:10.2f}M params, {size.dtype}")
         return 0
     from omni_core.models.make import make_checkpoint
+    from omni_core.progress import Progress
 
+    progress = Progress(f"{args.family} {args.size}", unit="M params", scale=1e6,
+                        enabled=False if args.quiet else None)  # fmt: skip
     try:
-        info = make_checkpoint(args.family, args.size, args.dir, seed=args.seed, dtype=args.dtype, force=args.force)
+        with progress:
+            info = make_checkpoint(args.family, args.size, args.dir, seed=args.seed, dtype=args.dtype,
+                                   force=args.force, progress=progress)  # fmt: skip
     except ModelSpecError as exc:
         print(f"omni-core models make: error: {exc}", file=sys.stderr)
         return 2
-    print(info.summary())
+    print(json.dumps(dataclasses.asdict(info), indent=2) if args.json else info.summary())
     return 0

@@ -28,6 +28,7 @@ import torch
 
 from omni_core.models.catalog import DIFFUSION, Family, ModelSpecError, Size, lookup
 from omni_core.models.tokenizer import write_clip_tokenizer, write_tokenizer
+from omni_core.progress import Progress
 
 # Above this the vocabulary is a real model's (150k): padding the small tokenizer with that
 # many reserved tokens would only bloat tokenizer.json; ids past its end decode to "".
@@ -82,9 +83,11 @@ def seeded_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: torch.dty
     return value.to(dtype).contiguous()
 
 
-def seeded_state_dict(module: torch.nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def seeded_state_dict(module: torch.nn.Module, seed: int, dtype: torch.dtype,
+                      progress: Progress | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Values for every persistent tensor of a (meta) module. Tied parameters appear once,
-    under their first name, as `save_pretrained` writes them."""
+    under their first name, as `save_pretrained` writes them. `progress` advances by each
+    tensor's elements."""
     params = dict(module.named_parameters())
     aliases = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     buffers = sorted(set(module.state_dict()) - aliases)
@@ -93,7 +96,12 @@ def seeded_state_dict(module: torch.nn.Module, seed: int, dtype: torch.dtype) ->
         # break; none of the catalog's models has one.
         raise RuntimeError(f"{type(module).__name__} has persistent buffers {buffers}; the seeded writer "
                            "fills parameters only")  # fmt: skip
-    return {name: seeded_tensor(seed, name, tuple(p.shape), dtype) for name, p in params.items()}
+    tensors = {}
+    for name, p in params.items():
+        tensors[name] = seeded_tensor(seed, name, tuple(p.shape), dtype)
+        if progress is not None:
+            progress.advance(p.numel())
+    return tensors
 
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -140,26 +148,39 @@ def param_count(family: str, size: str) -> int:
         modules = list(_meta_diffusion(family, spec).values())
     else:
         modules = [_meta_llm(_llm_config(spec, {"eos_token": 0}, torch.float32))]
+    return _unique_params(modules)
+
+
+def _unique_params(modules: list[torch.nn.Module]) -> int:
     return sum(p.numel() for module in modules for p in module.parameters())
 
 
-def _write_llm(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype) -> int:
+def _write_llm(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype,
+               progress: Progress | None = None) -> int:  # fmt: skip
     from transformers import GenerationConfig
 
     vocab = size.configs["model"]["vocab_size"]
     token_ids = write_tokenizer(directory, family.name, vocab if vocab <= PAD_TOKENIZER_UP_TO else None)
     config = _llm_config(size, token_ids, dtype)
-    tensors = seeded_state_dict(_meta_llm(config), seed, dtype)
+    model = _meta_llm(config)
+    if progress is not None:
+        progress.add_total(_unique_params([model]))
+    tensors = seeded_state_dict(model, seed, dtype, progress)
+    if progress is not None:
+        progress.note("writing model.safetensors")
     config.save_pretrained(str(directory))
     GenerationConfig.from_model_config(config).save_pretrained(str(directory))
     _write_safetensors(tensors, directory / "model.safetensors")
     return sum(t.numel() for t in tensors.values())
 
 
-def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype) -> int:
+def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype,
+                     progress: Progress | None = None) -> int:  # fmt: skip
     import diffusers
 
     components = _meta_diffusion(family.name, size)
+    if progress is not None:
+        progress.add_total(_unique_params(list(components.values())))
     scheduler_fields = dict(size.configs["scheduler"])
     scheduler = getattr(diffusers, scheduler_fields.pop("_class_name")).from_config(scheduler_fields)
     extra: dict[str, Any] = {}
@@ -180,7 +201,7 @@ def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dty
     for name, module in components.items():
         folder = directory / name
         # The component's name keeps the seeds of two components with equal tensor names apart.
-        tensors = seeded_state_dict(module, tensor_seed(seed, name), dtype)
+        tensors = seeded_state_dict(module, tensor_seed(seed, name), dtype, progress)
         if COMPONENT_CLASSES[family.name][name][0] == "transformers":
             module.config.save_pretrained(str(folder))
             _write_safetensors(tensors, folder / "model.safetensors")
@@ -209,8 +230,9 @@ def _check_target(target: Path, force: bool) -> None:
 
 
 def make_checkpoint(family: str, size: str, directory: str | Path, *, seed: int = 0, dtype: str | None = None,
-                    force: bool = False) -> CheckpointInfo:  # fmt: skip
-    """Write FAMILY at SIZE into `directory`; deterministic given `seed` (and dtype)."""
+                    force: bool = False, progress: Progress | None = None) -> CheckpointInfo:  # fmt: skip
+    """Write FAMILY at SIZE into `directory`; deterministic given `seed` (and dtype).
+    `progress` counts the parameters generated (omni_core.progress: stderr, terminals only)."""
     from omni_core.runners.synthetic import torch_dtype
 
     fam, spec = lookup(family, size)
@@ -228,7 +250,7 @@ def make_checkpoint(family: str, size: str, directory: str | Path, *, seed: int 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         writer = _write_diffusion if fam.kind == DIFFUSION else _write_llm
-        params = writer(fam, spec, staging, seed, torch_type)
+        params = writer(fam, spec, staging, seed, torch_type, progress)
         _readable_by_all(staging)
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
         file_bytes = sum((staging / f).stat().st_size for f in files)

@@ -28,6 +28,28 @@ def backend_name_problem(name: object) -> str | None:
             "'package.module:Class' of a MemoryBackend")  # fmt: skip
 
 
+def device_problem(name: str) -> str | None:
+    """What stops a process on this machine from using the torch device `name`, or None: no
+    such device type, a CPU-only torch, fewer GPUs than the index. Said without the caller's
+    parameter name, which the caller adds (`--device`, the TOML key `device`)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        return f"{name!r} is not a torch device ({exc})"
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (f"{name!r} needs a CUDA GPU, and torch {torch.__version__} ({build}) sees none "
+                "(torch.cuda.is_available() is False)")  # fmt: skip
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return f"{name!r} names GPU {device.index}, and torch sees {count} (CUDA_VISIBLE_DEVICES selects them)"
+    return None
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     address: str  # orchestrator ROUTER address, e.g. ipc:///tmp/omni-xyz.sock or tcp://127.0.0.1:5555
     rank: int

@@ -67,7 +67,7 @@ from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.weights_sender import WeightSender
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
-from omni_core.workers.config import WorkerConfig
+from omni_core.workers.config import WorkerConfig, device_problem
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
@@ -109,6 +109,10 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _resolve_device(name: str) -> torch.device:
+    problem = device_problem(name)
+    if problem:  # torch's own words ("Torch not compiled with CUDA enabled") name no setting
+        raise ValueError(f"device {problem}; set the stage's device (StageSpec.device, the TOML key `device` of "
+                         'its [[stages]] table) to "cpu", or start it where that device is')  # fmt: skip
     device = torch.device(name)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())

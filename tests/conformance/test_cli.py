@@ -3,6 +3,7 @@ import path, through the installed console script, with JUnit output."""
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -61,3 +62,18 @@ def test_a_failing_worker_exits_1_names_the_requirement_and_writes_junit(tmp_pat
                            "duplicate_after_64_newer"}  # fmt: skip
     assert failed["task_id_reused"].get("message").startswith("P-2: expected a refusal (TASK_ID_REUSED)")
     assert "sent:     Sleep(v=1, task_id='task_id_reused-execute-" in failed["task_id_reused"].text
+
+
+def test_json_report_of_a_failing_worker(tmp_path):
+    proc = start(["omni-core", "conformance", "--worker", "conformance.mutants:no_reply_cache", "--only", "P-2",
+                  "--json", "--reply-timeout", "8"], HERE.parent)  # fmt: skip
+    code, out = finish(proc)
+    assert code == 1, out
+    report = json.loads(out)
+    assert report["target"] == "conformance.mutants:no_reply_cache" and report["passed"] is False
+    verdicts = {r["id"]: r for r in report["requirements"]}
+    assert verdicts["P-2"]["verdict"] == "FAIL" and verdicts["P-1"]["verdict"] == "PASS"
+    failed = {c["name"]: c for c in verdicts["P-2"]["cases"] if c["outcome"] == "fail"}
+    assert "task_id_reused" in failed
+    assert failed["task_id_reused"]["details"].startswith("P-2")
+    assert "requirement P-2 (Idempotent duplicates)" in failed["task_id_reused"]["details"]

@@ -96,6 +96,7 @@ def test_a_swap_whose_memory_never_frees_fails_naming_the_holder_and_leaves_both
         error = caught.value
         assert isinstance(error.incoming, NoMemoryError) and set(error.incoming.refusals) == {0}
         assert f"stage trainer rank 0, pid {os.getpid()}" in str(error.incoming)
+        assert "To fix: free what the holders keep" in str(error.incoming)  # and what to type
         assert error.outgoing.state == "SLEEPING"
         assert "incoming stage 'decoder'" in str(error) and "stays SLEEPING" in str(error)
         status = engine.status()
@@ -115,11 +116,14 @@ def test_swap_arguments_are_checked_before_anything_is_sent(device):
             (("talker", "decoder"), {"level": 3}, "level"),
             (("talker", "decoder"), {"timeout_s": 10.0, "memory_wait_s": 10.0}, "memory_wait_s"),
             (("talker", "decoder"), {"memory_wait_s": float("nan")}, "memory_wait_s"),
+            # Below the deadline but past the protocol's limit: still named as the caller's parameter.
+            (("talker", "decoder"), {"timeout_s": 10_000.0, "memory_wait_s": 4000.0}, "memory_wait_s must be"),
         ]:
             with pytest.raises(InvalidArgumentError, match=what):
                 engine.swap(*args, **kwargs)
         status = engine.status()
         assert status["talker"]["state"] == status["decoder"]["state"] == "RUNNING"
-        # An incoming stage that is already awake: its half is ALREADY, the other sleeps.
-        report = engine.swap("talker", "decoder")
+        # An incoming stage that is already awake: its half is ALREADY, the other sleeps. A long
+        # deadline's default memory wait (half of it) is capped at the protocol's limit.
+        report = engine.swap("talker", "decoder", timeout_s=10_000.0)
         assert (report.outgoing.state, report.incoming.status) == ("SLEEPING", "ALREADY")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -126,3 +127,52 @@ def test_a_changed_planner_makes_the_link_plan_table_stale(monkeypatch, tmp_path
     assert not gen_link_plans.is_fresh(path) and "gen_link_plans" in gen_link_plans.stale_message(path)
     rows = gen_link_plans.rows()
     assert len(rows) == 3 * 16 * 16 and all(lent == frozenset() for *_, lent in rows)
+
+
+def test_check_calls_a_missing_generated_module_missing_not_stale(tla_copy) -> None:
+    (tla_copy / f"{gen_transitions.MODULE}.tla").unlink()
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, list=True), echo=lines.append) == 2
+    assert len(lines) == 1 and "is missing" in lines[0] and "stale" not in lines[0], lines
+
+
+def test_check_names_a_missing_manifest(tla_copy) -> None:
+    (tla_copy / "manifest.json").unlink()
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, list=True), echo=lines.append) == 2
+    assert "manifest.json is missing" in lines[0], lines
+
+
+def test_check_without_any_spec_says_where_it_looked(monkeypatch, tmp_path) -> None:
+    from omni_core import resources
+
+    monkeypatch.setattr(resources, "candidates", lambda name, package_dir=None: (tmp_path / "a", tmp_path / "b"))
+    lines: list[str] = []
+    assert check.run(_args(None, list=True), echo=lines.append) == 2
+    assert lines[0].startswith("FAIL ") and "is not in this install" in lines[0], lines
+
+
+def test_check_trace_names_a_missing_spec_file_instead_of_a_traceback(tla_copy, tmp_path) -> None:
+    (tla_copy / "trace" / "OmniTrace.tla").unlink()
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text("")
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, trace=str(trace)), echo=lines.append) == 2
+    assert "missing" in lines[-1] and "OmniTrace.tla" in lines[-1], lines
+
+
+@pytest.mark.slow
+def test_check_json_on_stdout_and_the_table_on_stderr(tla_copy, capsys):
+    assert check.run(_args(tla_copy, only=["happy"], json="-")) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["rows"]
+    assert [(r["model"], r["ok"]) for r in rows] == [("happy", True)]
+    assert "happy" in captured.err and "1 runs, 0 failed" in captured.err
+
+
+def test_check_list_json(tla_copy, capsys):
+    assert check.run(_args(tla_copy, list=True, json="-")) == 0
+    captured = capsys.readouterr()
+    models = {m["name"]: m for m in json.loads(captured.out)["models"]}
+    assert models["happy"]["expect"] == "ok" and models["happy"]["config"] == "models/happy.cfg"
+    assert captured.err.startswith("happy ") or "\nhappy " in captured.err

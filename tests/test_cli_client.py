@@ -1,0 +1,37 @@
+"""`omni-core reload | restart | execute STAGE --url URL` against a real `omni-core serve`."""
+
+from __future__ import annotations
+
+import json
+
+from omni_core.cli import main as cli_main
+from tests.serve.conftest import make_config, serving, stage_table
+
+
+def test_reload_restart_and_execute_from_the_command_line(capsys) -> None:
+    with serving(make_config(stage_table("talker"))) as served:
+        url = ["--url", served.url]
+        assert cli_main(["execute", "talker", "--payload", '{"seed": 1, "batch": 1}', *url]) == 0
+        first = json.loads(capsys.readouterr().out)
+        assert first is not None
+
+        served.engine.sleep("talker", level=2)
+        served.engine.wake("talker")
+        assert served.engine.status()["talker"]["state"] == "NEEDS_RELOAD"
+        # Refused, with the command that fixes it.
+        assert cli_main(["execute", "talker", "--payload", '{"seed": 1, "batch": 1}', *url]) == 1
+        err = capsys.readouterr().err
+        assert "NEEDS_RELOAD" in err and f"to fix: omni-core reload talker --url {served.url}" in err, err
+
+        assert cli_main(["reload", "talker", *url]) == 0
+        assert "-> RUNNING (OK)" in capsys.readouterr().out
+        assert cli_main(["execute", "talker", "--payload", '{"seed": 1, "batch": 1}', *url]) == 0
+        assert json.loads(capsys.readouterr().out) == first  # the same weights, reloaded
+
+        epoch = served.engine.status()["talker"]["epoch"]
+        assert cli_main(["restart", "talker", "--json", *url]) == 0
+        restarted = json.loads(capsys.readouterr().out)
+        assert restarted["state"] == "RUNNING" and restarted["epoch"] == epoch + 1
+
+        assert cli_main(["execute", "talker", "--payload", "{seed", *url]) == 2
+        assert "--payload is not JSON" in capsys.readouterr().err
