@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 62 rows from 24 triggers
+\* ---- worker lifecycle: 79 rows from 32 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -23,12 +23,15 @@ WorkerTriggers == {"loaded", "sleep", "sleep_already", "offloaded", "wake", "wak
                    "restored_active", "restored_partial", "restored_needs_reload", "reload",
                    "reloaded_active", "reloaded_partial", "reload_refused_needs_reload",
                    "reload_refused_active", "wake_refused_sleeping", "wake_refused_partial",
-                   "wake_refused_needs_reload", "execute", "status", "profile",
-                   "profile_already", "fail", "shutdown", "shutdown_already"}
+                   "wake_refused_needs_reload", "update", "update_refused_active",
+                   "update_refused_partial", "update_refused_needs_reload", "update_failed",
+                   "weight_group", "weight_group_already", "share", "execute", "status",
+                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-WorkerInternalTriggers == {"execute", "profile", "profile_already", "shutdown_already",
-                           "sleep_already", "status", "wake_already"}
+WorkerInternalTriggers == {"execute", "profile", "profile_already", "share", "shutdown_already",
+                           "sleep_already", "status", "wake_already", "weight_group",
+                           "weight_group_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -60,6 +63,23 @@ WorkerRelation == {
     <<"RESTORING", "wake_refused_sleeping", "SLEEPING">>,           \* too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again
     <<"RESTORING", "wake_refused_partial", "PARTIAL">>,             \* too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again
     <<"RESTORING", "wake_refused_needs_reload", "NEEDS_RELOAD">>,   \* too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again
+    <<"ACTIVE", "update", "RELOADING">>,                            \* UpdateWeights above the current version, weights resident (P-17); settles as a reload does
+    <<"PARTIAL", "update", "RELOADING">>,                           \* UpdateWeights above the current version, weights resident (P-17); settles as a reload does
+    <<"NEEDS_RELOAD", "update", "RELOADING">>,                      \* UpdateWeights above the current version, weights resident (P-17); settles as a reload does
+    <<"RELOADING", "update_refused_active", "ACTIVE">>,             \* a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged
+    <<"RELOADING", "update_refused_partial", "PARTIAL">>,           \* a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged
+    <<"RELOADING", "update_refused_needs_reload", "NEEDS_RELOAD">>, \* a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged
+    <<"RELOADING", "update_failed", "NEEDS_RELOAD">>,               \* the update failed once writing began (UPDATE_FAILED): weights invalid, version as before
+    <<"ACTIVE", "weight_group", "ACTIVE">>,                         \* InitWeightGroup: join the trainer's group; the state never changes
+    <<"SLEEPING", "weight_group", "SLEEPING">>,                     \* InitWeightGroup: join the trainer's group; the state never changes
+    <<"PARTIAL", "weight_group", "PARTIAL">>,                       \* InitWeightGroup: join the trainer's group; the state never changes
+    <<"NEEDS_RELOAD", "weight_group", "NEEDS_RELOAD">>,             \* InitWeightGroup: join the trainer's group; the state never changes
+    <<"ACTIVE", "weight_group_already", "ACTIVE">>,                 \* InitWeightGroup for the group already joined: ALREADY
+    <<"SLEEPING", "weight_group_already", "SLEEPING">>,             \* InitWeightGroup for the group already joined: ALREADY
+    <<"PARTIAL", "weight_group_already", "PARTIAL">>,               \* InitWeightGroup for the group already joined: ALREADY
+    <<"NEEDS_RELOAD", "weight_group_already", "NEEDS_RELOAD">>,     \* InitWeightGroup for the group already joined: ALREADY
+    <<"ACTIVE", "share", "ACTIVE">>,                                \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
+    <<"PARTIAL", "share", "PARTIAL">>,                              \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
     <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7)
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
     <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
@@ -105,7 +125,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 54 rows from 22 triggers
+\* ---- stage lifecycle: 68 rows from 31 triggers
 StageStates == {"STARTING", "RUNNING", "DRAINING", "TRANSITIONING", "SLEEPING", "WAKING",
                 "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -114,68 +134,85 @@ StageInitial == "STARTING"
 StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "sleep_already",
                   "slept", "wake", "wake_already", "reload", "reload_refused",
                   "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
-                  "woke_running", "woke_partial", "woke_needs_reload", "execute", "profile",
-                  "fail", "restart", "stop"}
+                  "woke_running", "woke_partial", "woke_needs_reload", "update_drain",
+                  "update_drained", "update", "update_refused_running", "update_refused_partial",
+                  "update_refused_needs_reload", "update_failed", "weight_group", "share",
+                  "execute", "profile", "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-StageInternalTriggers == {"execute", "profile", "sleep_already", "wake_already"}
+StageInternalTriggers == {"execute", "profile", "share", "sleep_already", "wake_already",
+                          "weight_group"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
-    <<"STARTING", "started", "RUNNING">>,                      \* every rank said Hello
-    <<"RUNNING", "drain", "DRAINING">>,                        \* sleep(): admission closed
-    <<"DRAINING", "drained", "TRANSITIONING">>,                \* no request in flight: Sleep sent to every rank
-    <<"DRAINING", "drain_timeout", "RUNNING">>,                \* requests did not drain by the deadline; nothing was sent, sleep abandoned
-    <<"SLEEPING", "sleep", "TRANSITIONING">>,                  \* sleep more tags; nothing executes here, so nothing to drain
-    <<"PARTIAL", "sleep", "TRANSITIONING">>,                   \* sleep more tags; nothing executes here, so nothing to drain
-    <<"NEEDS_RELOAD", "sleep", "TRANSITIONING">>,              \* sleep more tags; nothing executes here, so nothing to drain
-    <<"SLEEPING", "sleep_already", "SLEEPING">>,               \* every requested tag already asleep: ALREADY (P-4)
-    <<"PARTIAL", "sleep_already", "PARTIAL">>,                 \* every requested tag already asleep: ALREADY (P-4)
-    <<"NEEDS_RELOAD", "sleep_already", "NEEDS_RELOAD">>,       \* every requested tag already asleep: ALREADY (P-4)
-    <<"TRANSITIONING", "slept", "SLEEPING">>,                  \* every rank ACKed the Sleep (P-5)
-    <<"SLEEPING", "wake", "WAKING">>,                          \* Wake sent to every rank
-    <<"PARTIAL", "wake", "WAKING">>,                           \* Wake sent to every rank
-    <<"NEEDS_RELOAD", "wake", "WAKING">>,                      \* Wake sent to every rank
-    <<"RUNNING", "wake_already", "RUNNING">>,                  \* every requested tag resident: ALREADY (P-4)
-    <<"SLEEPING", "wake_already", "SLEEPING">>,                \* every requested tag resident: ALREADY (P-4)
-    <<"PARTIAL", "wake_already", "PARTIAL">>,                  \* every requested tag resident: ALREADY (P-4)
-    <<"NEEDS_RELOAD", "wake_already", "NEEDS_RELOAD">>,        \* every requested tag resident: ALREADY (P-4)
-    <<"NEEDS_RELOAD", "reload", "WAKING">>,                    \* ReloadWeights sent to every rank
-    <<"WAKING", "reload_refused", "NEEDS_RELOAD">>,            \* every rank refused the source (INVALID_ARGUMENT): nothing was written
-    <<"WAKING", "wake_refused_sleeping", "SLEEPING">>,         \* every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped
-    <<"WAKING", "wake_refused_partial", "PARTIAL">>,           \* every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped
-    <<"WAKING", "wake_refused_needs_reload", "NEEDS_RELOAD">>, \* every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped
-    <<"WAKING", "woke_running", "RUNNING">>,                   \* every rank ACKed, all resident (P-5)
-    <<"WAKING", "woke_partial", "PARTIAL">>,                   \* every rank ACKed, tags still asleep
-    <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,         \* every rank ACKed; weights mapped but discarded at level 2
-    <<"RUNNING", "execute", "RUNNING">>,                       \* admission is open only in RUNNING (P-7)
-    <<"RUNNING", "profile", "RUNNING">>,                       \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
-    <<"SLEEPING", "profile", "SLEEPING">>,                     \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
-    <<"PARTIAL", "profile", "PARTIAL">>,                       \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
-    <<"NEEDS_RELOAD", "profile", "NEEDS_RELOAD">>,             \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
-    <<"STARTING", "fail", "FAILED">>,                          \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"RUNNING", "fail", "FAILED">>,                           \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"SLEEPING", "fail", "FAILED">>,                          \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"PARTIAL", "fail", "FAILED">>,                           \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"NEEDS_RELOAD", "fail", "FAILED">>,                      \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"DRAINING", "fail", "FAILED">>,                          \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"TRANSITIONING", "fail", "FAILED">>,                     \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"WAKING", "fail", "FAILED">>,                            \* NACK, deadline, or a rank died (P-8, P-9)
-    <<"RUNNING", "restart", "STARTING">>,                      \* fresh rank processes under a new epoch
-    <<"SLEEPING", "restart", "STARTING">>,                     \* fresh rank processes under a new epoch
-    <<"PARTIAL", "restart", "STARTING">>,                      \* fresh rank processes under a new epoch
-    <<"NEEDS_RELOAD", "restart", "STARTING">>,                 \* fresh rank processes under a new epoch
-    <<"FAILED", "restart", "STARTING">>,                       \* fresh rank processes under a new epoch
-    <<"STOPPED", "restart", "STARTING">>,                      \* fresh rank processes under a new epoch
-    <<"STARTING", "stop", "STOPPED">>,                         \* shutdown
-    <<"FAILED", "stop", "STOPPED">>,                           \* shutdown
-    <<"RUNNING", "stop", "STOPPED">>,                          \* shutdown
-    <<"SLEEPING", "stop", "STOPPED">>,                         \* shutdown
-    <<"PARTIAL", "stop", "STOPPED">>,                          \* shutdown
-    <<"NEEDS_RELOAD", "stop", "STOPPED">>,                     \* shutdown
-    <<"DRAINING", "stop", "STOPPED">>,                         \* shutdown
-    <<"TRANSITIONING", "stop", "STOPPED">>,                    \* shutdown
-    <<"WAKING", "stop", "STOPPED">>                            \* shutdown
+    <<"STARTING", "started", "RUNNING">>,                        \* every rank said Hello
+    <<"RUNNING", "drain", "DRAINING">>,                          \* sleep(): admission closed
+    <<"DRAINING", "drained", "TRANSITIONING">>,                  \* no request in flight: Sleep sent to every rank
+    <<"DRAINING", "drain_timeout", "RUNNING">>,                  \* requests did not drain by the deadline; nothing was sent, sleep abandoned
+    <<"SLEEPING", "sleep", "TRANSITIONING">>,                    \* sleep more tags; nothing executes here, so nothing to drain
+    <<"PARTIAL", "sleep", "TRANSITIONING">>,                     \* sleep more tags; nothing executes here, so nothing to drain
+    <<"NEEDS_RELOAD", "sleep", "TRANSITIONING">>,                \* sleep more tags; nothing executes here, so nothing to drain
+    <<"SLEEPING", "sleep_already", "SLEEPING">>,                 \* every requested tag already asleep: ALREADY (P-4)
+    <<"PARTIAL", "sleep_already", "PARTIAL">>,                   \* every requested tag already asleep: ALREADY (P-4)
+    <<"NEEDS_RELOAD", "sleep_already", "NEEDS_RELOAD">>,         \* every requested tag already asleep: ALREADY (P-4)
+    <<"TRANSITIONING", "slept", "SLEEPING">>,                    \* every rank ACKed the Sleep (P-5)
+    <<"SLEEPING", "wake", "WAKING">>,                            \* Wake sent to every rank
+    <<"PARTIAL", "wake", "WAKING">>,                             \* Wake sent to every rank
+    <<"NEEDS_RELOAD", "wake", "WAKING">>,                        \* Wake sent to every rank
+    <<"RUNNING", "wake_already", "RUNNING">>,                    \* every requested tag resident: ALREADY (P-4)
+    <<"SLEEPING", "wake_already", "SLEEPING">>,                  \* every requested tag resident: ALREADY (P-4)
+    <<"PARTIAL", "wake_already", "PARTIAL">>,                    \* every requested tag resident: ALREADY (P-4)
+    <<"NEEDS_RELOAD", "wake_already", "NEEDS_RELOAD">>,          \* every requested tag resident: ALREADY (P-4)
+    <<"NEEDS_RELOAD", "reload", "WAKING">>,                      \* ReloadWeights sent to every rank
+    <<"WAKING", "reload_refused", "NEEDS_RELOAD">>,              \* every rank refused the source (INVALID_ARGUMENT): nothing was written
+    <<"WAKING", "wake_refused_sleeping", "SLEEPING">>,           \* every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped
+    <<"WAKING", "wake_refused_partial", "PARTIAL">>,             \* every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped
+    <<"WAKING", "wake_refused_needs_reload", "NEEDS_RELOAD">>,   \* every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped
+    <<"WAKING", "woke_running", "RUNNING">>,                     \* every rank ACKed, all resident (P-5)
+    <<"WAKING", "woke_partial", "PARTIAL">>,                     \* every rank ACKed, tags still asleep
+    <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,           \* every rank ACKed; weights mapped but discarded at level 2
+    <<"RUNNING", "update_drain", "DRAINING">>,                   \* update_weights(): admission closed (queued or refused per policy), in-flight requests finish
+    <<"DRAINING", "update_drained", "WAKING">>,                  \* no request in flight: UpdateWeights sent to every rank
+    <<"PARTIAL", "update", "WAKING">>,                           \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
+    <<"NEEDS_RELOAD", "update", "WAKING">>,                      \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
+    <<"WAKING", "update_refused_running", "RUNNING">>,           \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_refused_partial", "PARTIAL">>,           \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_refused_needs_reload", "NEEDS_RELOAD">>, \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_failed", "NEEDS_RELOAD">>,               \* every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before
+    <<"RUNNING", "weight_group", "RUNNING">>,                    \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
+    <<"SLEEPING", "weight_group", "SLEEPING">>,                  \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
+    <<"PARTIAL", "weight_group", "PARTIAL">>,                    \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
+    <<"NEEDS_RELOAD", "weight_group", "NEEDS_RELOAD">>,          \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
+    <<"RUNNING", "share", "RUNNING">>,                           \* ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on
+    <<"PARTIAL", "share", "PARTIAL">>,                           \* ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on
+    <<"RUNNING", "execute", "RUNNING">>,                         \* admission is open only in RUNNING (P-7)
+    <<"RUNNING", "profile", "RUNNING">>,                         \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"SLEEPING", "profile", "SLEEPING">>,                       \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"PARTIAL", "profile", "PARTIAL">>,                         \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"NEEDS_RELOAD", "profile", "NEEDS_RELOAD">>,               \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"STARTING", "fail", "FAILED">>,                            \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"RUNNING", "fail", "FAILED">>,                             \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"SLEEPING", "fail", "FAILED">>,                            \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"PARTIAL", "fail", "FAILED">>,                             \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"NEEDS_RELOAD", "fail", "FAILED">>,                        \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"DRAINING", "fail", "FAILED">>,                            \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"TRANSITIONING", "fail", "FAILED">>,                       \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"WAKING", "fail", "FAILED">>,                              \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"RUNNING", "restart", "STARTING">>,                        \* fresh rank processes under a new epoch
+    <<"SLEEPING", "restart", "STARTING">>,                       \* fresh rank processes under a new epoch
+    <<"PARTIAL", "restart", "STARTING">>,                        \* fresh rank processes under a new epoch
+    <<"NEEDS_RELOAD", "restart", "STARTING">>,                   \* fresh rank processes under a new epoch
+    <<"FAILED", "restart", "STARTING">>,                         \* fresh rank processes under a new epoch
+    <<"STOPPED", "restart", "STARTING">>,                        \* fresh rank processes under a new epoch
+    <<"STARTING", "stop", "STOPPED">>,                           \* shutdown
+    <<"FAILED", "stop", "STOPPED">>,                             \* shutdown
+    <<"RUNNING", "stop", "STOPPED">>,                            \* shutdown
+    <<"SLEEPING", "stop", "STOPPED">>,                           \* shutdown
+    <<"PARTIAL", "stop", "STOPPED">>,                            \* shutdown
+    <<"NEEDS_RELOAD", "stop", "STOPPED">>,                       \* shutdown
+    <<"DRAINING", "stop", "STOPPED">>,                           \* shutdown
+    <<"TRANSITIONING", "stop", "STOPPED">>,                      \* shutdown
+    <<"WAKING", "stop", "STOPPED">>                              \* shutdown
 }
 
 StageTable == [g \in StageTriggers |-> [s \in StageStates |->
