@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
 
         args.command_line = " ".join([PROG, *sys.argv[1:]])
         return multi_path_main(args)
+    if args.weight_sync:
+        from benchmarks.weight_sync import main as weight_sync_main
+
+        args.command_line = " ".join([PROG, *sys.argv[1:]])
+        return weight_sync_main(args)
     if args.vllm:
         from benchmarks.vllm_stage import main as vllm_stage_main
 
@@ -63,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-path", action="store_true",
                    help="a stage's sleep and wake over 1..N GPUs' host links through Engine, a peer stage serving "
                         "on a lending GPU (--gib weights, --reps cycles)")  # fmt: skip
+    p.add_argument("--weight-sync", action="store_true",
+                   help="versioned weight updates (P-17) from this process into a rollout stage: CUDA IPC on the same "
+                        "and the peer GPU, an NCCL group, 3 and 16 GB bf16, outputs checked after each")  # fmt: skip
     p.add_argument("--gib", type=float, default=16.0, help="multi-path: GiB of bf16 weights of the stage")
     p.add_argument("--real-models", action="store_true",
                    help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "

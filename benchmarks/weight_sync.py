@@ -1,0 +1,179 @@
+"""`python -m benchmarks --weight-sync`: versioned weight updates (P-17) from a trainer process
+into a rollout stage, through `Engine.update_weights`, on one or two GPUs.
+
+The bench process is the trainer (a process omni-core did not start): it holds the new weights
+as CUDA tensors and shares them with `WeightSender` (CUDA IPC buckets). For 1.5B-shaped (3 GB,
+254 tensors) and 8B-shaped (16 GB, 291 tensors) bf16 weights: an update from the same GPU
+(first: the rank opens the handles; then again with new values: the handles are reused), from
+the peer GPU over NVLink when there is one, and through an NCCL weight group from the peer.
+After each update the rollout's output digest must equal that of a plain runner loaded with
+the same weights in this process, and again after a level-1 sleep and wake (the backend's
+clean host copy must not bring back an older version). Writes weight_sync.json/.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.engine import Engine, StageSpec
+from omni_core.provenance import git_commit, git_dirty
+from omni_core.runners.synthetic import SyntheticRunner
+from omni_core.weights_sender import WeightSender
+
+GiB = 1 << 30
+SHAPES = {"3g": (3.09e9, 254), "16g": (16.06e9, 291)}  # bytes, tensors (Qwen2-1.5B, Llama-8B counts)
+PROBE = {"seed": 1, "batch": 4}
+
+
+def _args(nbytes: float, tensors: int) -> dict[str, Any]:
+    return {"weights_bytes": int(nbytes), "tensor_count": tensors, "hidden": 4096, "dtype": "bfloat16",
+            "kv_bytes": GiB // 4, "seed": 3}  # fmt: skip
+
+
+def _trainer_weights(args: dict[str, Any], device: str, step: int) -> dict[str, torch.Tensor]:
+    shapes = SyntheticRunner(torch.device("cpu"), **args).weight_specs()
+    g = torch.Generator(device=device).manual_seed(1000 + step)
+    return {name: torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+            for name, (shape, _) in shapes.items()}  # fmt: skip
+
+
+def _reference(args: dict[str, Any], weights: dict[str, torch.Tensor]) -> str:
+    runner = SyntheticRunner(torch.device("cuda", 0), **args)
+    runner.load_weights()
+    runner.allocate_caches()
+    runner.update_weights((n, t.to("cuda:0")) for n, t in weights.items())
+    digest = runner.execute(PROBE)["sha256"]
+    runner.close()
+    torch.cuda.empty_cache()
+    return digest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    def __init__(self, engine: Engine, args: dict[str, Any], nbytes: int, log: Any) -> None:
+        self.engine, self.args, self.nbytes, self.log = engine, args, nbytes, log
+        self.version = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def check(self, weights: dict[str, torch.Tensor]) -> dict[str, bool]:
+        expected = _reference(self.args, weights)
+        served = self.engine.execute("rollout", PROBE)["sha256"] == expected
+        self.engine.sleep("rollout", level=1)
+        self.engine.wake("rollout")
+        after_wake = self.engine.execute("rollout", PROBE)["sha256"] == expected
+        return {"exact": served, "exact_after_sleep_wake": after_wake}
+
+    def update(self, case: str, source: Any, share_s: float, weights: dict[str, torch.Tensor],
+               during: Any = None) -> None:  # fmt: skip
+        self.version += 1
+        started = time.perf_counter()
+        report = self.engine.update_weights("rollout", source, version=self.version)
+        wall_s = time.perf_counter() - started
+        if during is not None:
+            during.join(300)
+        rank_s = report.ranks[0].duration_s
+        row = {"case": case, "version": self.version, "share_s": share_s, "update_wall_s": wall_s,
+               "rank_s": rank_s, "gbps_wall": self.nbytes / wall_s / 1e9, **self.check(weights)}  # fmt: skip
+        self.rows.append(row)
+        self.log(f"{case}: update {wall_s * 1e3:.1f} ms through Engine (rank {rank_s * 1e3:.1f} ms, "
+                 f"{row['gbps_wall']:.0f} GB/s), share {share_s * 1e3:.1f} ms, exact {row['exact']}, "
+                 f"after sleep/wake {row['exact_after_sleep_wake']}")  # fmt: skip
+
+
+def run_shape(name: str, log: Any) -> dict[str, Any]:
+    nbytes, tensors = SHAPES[name]
+    args = _args(nbytes, tensors)
+    two = torch.cuda.device_count() > 1
+    spec = StageSpec("rollout", runner="synthetic", runner_args=args, device="cuda", backend="fast",
+                     devices=("0,1",) if two else ("0",), deadline_s=300.0, start_deadline_s=600.0)  # fmt: skip
+    with Engine([spec]) as engine, WeightSender() as sender:
+        weights = _trainer_weights(args, "cuda:0", 1)
+        moved = sum(t.numel() * t.element_size() for t in weights.values())
+        run = Run(engine, args, moved, log)
+        same_gpu = ((1, "same GPU, ipc, first (opens handles)"), (2, "same GPU, ipc, again (handles reused)"))
+        for step, case in same_gpu:
+            weights = _trainer_weights(args, "cuda:0", step)
+            started = time.perf_counter()
+            source = sender.share(weights)
+            run.update(case, source, time.perf_counter() - started, weights)
+        if two:
+            sender.release()
+            del weights
+            torch.cuda.empty_cache()
+            for step, case in ((3, "peer GPU, ipc, first"), (4, "peer GPU, ipc, again")):
+                weights = _trainer_weights(args, "cuda:1", step)
+                started = time.perf_counter()
+                source = sender.share(weights)
+                run.update(case, source, time.perf_counter() - started, weights)
+            sender.release()
+            try:
+                port = _free_port()
+                joining = threading.Thread(target=sender.init_group, args=("127.0.0.1", port, 2),
+                                           kwargs={"backend": "nccl"}, daemon=True)  # fmt: skip
+                joining.start()
+                engine.init_weight_group("rollout", address="127.0.0.1", port=port, world_size=2, backend="nccl")
+                joining.join(60)
+                for step, case in ((5, "peer GPU, nccl broadcast, first"), (6, "peer GPU, nccl broadcast, again")):
+                    weights = _trainer_weights(args, "cuda:1", step)
+                    source = sender.collective_source(weights)
+                    run.update(case, source, 0.0, weights, during=sender.broadcast_in_thread(weights))
+            except Exception as exc:  # reported, not hidden: the other rows stand
+                log(f"nccl weight group: {type(exc).__name__}: {exc}")
+                run.rows.append({"case": "peer GPU, nccl broadcast", "error": f"{type(exc).__name__}: {exc}"})
+    return {"shape": name, "bytes": moved, "tensors": tensors, "rows": run.rows}
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = ["# Weight sync: versioned updates from a trainer into a rollout stage (P-17)", "", "| | |", "|---|---|"]
+    for key in ("machine", "commit", "command"):
+        lines.append(f"| {key} | {results[key]} |")
+    lines += ["", "| shape | case | update through Engine | rank's own time | GB/s (Engine) | trainer's share | "
+              "exact | exact after sleep+wake |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for shape in results["shapes"]:
+        for r in shape["rows"]:
+            if "error" in r:
+                lines.append(f"| {shape['shape']} | {r['case']} | error: {r['error'][:120]} | | | | | |")
+                continue
+            lines.append(f"| {shape['shape']} | {r['case']} | {r['update_wall_s'] * 1e3:.1f} ms | "
+                         f"{r['rank_s'] * 1e3:.1f} ms | {r['gbps_wall']:.0f} | {r['share_s'] * 1e3:.1f} ms | "
+                         f"{r['exact']} | {r['exact_after_sleep_wake']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("--weight-sync needs a CUDA GPU (CUDA IPC and NCCL); on CPU the same API runs over shared memory "
+              "and gloo: tests/engine/test_weight_updates.py")  # fmt: skip
+        return 2
+    out = Path(args.out or "weight-sync-results")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        with (out / "weight_sync.log").open("a") as f:
+            f.write(line + "\n")
+
+    names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+    results: dict[str, Any] = {
+        "machine": f"{torch.cuda.device_count()} x {', '.join(names)}; {platform.node()}",
+        "commit": f"{git_commit()}{' (dirty)' if git_dirty() else ''}", "command": args.command_line, "shapes": [],
+    }  # fmt: skip
+    for name in SHAPES:
+        results["shapes"].append(run_shape(name, log))
+        (out / "weight_sync.json").write_text(json.dumps(results, indent=1))
+    (out / "weight_sync.md").write_text(render(results))
+    return 0
