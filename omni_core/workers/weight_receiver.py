@@ -242,8 +242,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """Unpickles the arguments of rebuild_cuda_tensor only: plain values, torch dtypes and
     storage classes; any other global (a hostile handle's os.system) is refused."""
 
+    # reduce_tensor names the storage class it shared: TypedStorage for a CUDA tensor (seen on
+    # torch 2.11 with an H100), UntypedStorage on other builds.
     _ALLOWED: ClassVar[set[tuple[str, str]]] = {("torch", "Tensor"), ("torch", "Size"), ("torch", "UntypedStorage"),
-                ("torch.storage", "UntypedStorage"), ("torch", "device")}
+                ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+                ("torch", "TypedStorage"), ("torch", "device")}  # fmt: skip
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and hasattr(torch, name) and isinstance(getattr(torch, name), torch.dtype):
