@@ -81,7 +81,14 @@ class Run:
                during: Any = None) -> None:  # fmt: skip
         self.version += 1
         started = time.perf_counter()
-        report = self.engine.update_weights("rollout", source, version=self.version)
+        try:
+            report = self.engine.update_weights("rollout", source, version=self.version)
+        except Exception as exc:  # recorded: the stage is NEEDS_RELOAD and the next update replaces the reload
+            self.log(f"{case}: {type(exc).__name__}: {exc}")
+            self.rows.append({"case": case, "version": self.version, "error": f"{type(exc).__name__}: {exc}"})
+            if during is not None:
+                during.join(300)
+            return
         wall_s = time.perf_counter() - started
         if during is not None:
             during.join(300)

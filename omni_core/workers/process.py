@@ -439,8 +439,9 @@ class WorkerProcess:
             self.receiver.apply(effect.source, runner)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the Ack commits the version: every copy landed
-            if WEIGHTS_TAG in self.config.tags:
-                backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+            # No track(): the tensors were written in place (same allocations), and a fresh host
+            # copy of read-only weights made here costs the update a device->host copy of every
+            # byte (3 GB: ~60 ms against ~10 for the update itself); the next sleep copies.
         elif isinstance(effect, ShareEffect):
             if self.sender is None or self.sender.bucket_bytes != effect.bucket_bytes:
                 if self.sender is not None:
