@@ -138,6 +138,8 @@ class WeightReceiver:
                 raise RunnerArgumentError(f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
                                           "share host buckets (shm) or broadcast (collective) instead")
             views = [self._open_ipc(bucket) for bucket in source.buckets]
+            if any(v.device != self.device for v in views):  # the trainer's GPU is a peer of ours
+                views = list(self._staged(views))
             runner.update_weights(self._tensors(source.buckets, views))
         elif isinstance(source, CollectiveSource):
             if self.group is None:
@@ -145,6 +147,20 @@ class WeightReceiver:
             runner.update_weights(self._broadcast(source.tensors))
         else:  # pragma: no cover - the wire type admits only these
             raise RunnerArgumentError(f"unknown weight source {source!r}")
+
+    def _staged(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Each bucket on a peer GPU brought to this rank's GPU with cudaMemcpyPeerAsync, one at a
+        time (a plain copy_ of IPC-opened memory on another device fails with 'invalid argument' on
+        torch 2.11: seen on 2 x H100)."""
+        from omni_core.workers.backends.cuda_ops import peer_copy
+
+        for view in views:
+            if view.device == self.device:
+                yield view
+                continue
+            staged = torch.empty(view.numel(), dtype=torch.uint8, device=self.device)
+            peer_copy(staged, view)
+            yield staged
 
     @staticmethod
     def _tensors(buckets: tuple[Bucket, ...], views: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

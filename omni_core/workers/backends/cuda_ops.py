@@ -164,3 +164,28 @@ class CudaOps:
 
     def host_free(self, ptr: int) -> None:
         self._check(self._rt.cudaFreeHost(ptr), "cudaFreeHost")
+
+
+_peer_runtime: Any = None
+
+
+def peer_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` (on one GPU, memory of this process or opened over CUDA IPC) into `dst` (on
+    another) with cudaMemcpyPeerAsync on dst's current stream, then wait for it."""
+    global _peer_runtime
+    if _peer_runtime is None:
+        rt = ctypes.CDLL(_find_cudart())
+        vp = ctypes.c_void_p
+        rt.cudaMemcpyPeerAsync.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int, ctypes.c_size_t, vp]
+        rt.cudaMemcpyPeerAsync.restype = ctypes.c_int
+        _peer_runtime = rt
+    nbytes = src.numel() * src.element_size()
+    if dst.numel() * dst.element_size() < nbytes:
+        raise ValueError(f"peer copy of {nbytes} bytes into a tensor of {dst.numel() * dst.element_size()}")
+    stream = torch.cuda.current_stream(dst.device)
+    rc = _peer_runtime.cudaMemcpyPeerAsync(dst.data_ptr(), dst.device.index, src.data_ptr(), src.device.index,
+                                           nbytes, stream.cuda_stream)  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cudaMemcpyPeerAsync of {nbytes} bytes from cuda:{src.device.index} to "
+                           f"cuda:{dst.device.index} failed: CUDA error {rc}")  # fmt: skip
+    stream.synchronize()
