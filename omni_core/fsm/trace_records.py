@@ -32,8 +32,9 @@ monotonic clock (`time.monotonic()`, one clock for every process of a host: the 
 core's `now`, and so every `deadline_at_s`, is on it too). A deadline names the task or
 request whose issue set it (`StageDeadline.task_id`; "" for the start's), and the issue
 says the timeout its call asked for (`StageIssued.timeout_s`), so the check can hold the
-clock across records. A new command (Profile, ...) needs no new kind: WorkerReceived / EffectDone / ReplySent name the command; a fact only it
-has (a profile written) is one more Struct in `TraceRecord`.
+clock across records. A new command (Profile, ...) needs no new kind: WorkerReceived /
+EffectDone / ReplySent name the command; a fact only it has (a profile written) is one
+more Struct in `TraceRecord`.
 """
 
 from __future__ import annotations
