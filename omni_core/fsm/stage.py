@@ -796,7 +796,9 @@ class StageCore:
         if reply.rank in task.acks or reply.rank in task.refusals:
             self.counters.duplicate_replies_ignored += 1
             return StageStep()
-        if isinstance(reply, Nack) and reply.reason is _REFUSAL.get(type(task.command)):
+        if isinstance(reply, Nack) and reply.reason is _REFUSAL.get(type(task.command)) \
+                and not (isinstance(task.command, Wake) and task.command.wait_for_memory_s <= 0):  # fmt: skip
+            # NO_MEMORY refuses only a wake that may wait (P-16); to any other it is a failure.
             task.refusals[reply.rank] = reply.detail
             return self._maybe_commit(now)
         if isinstance(task.command, Profile):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
 import pytest
 
 from omni_core.formal import agree, check
@@ -13,7 +14,7 @@ from omni_core.formal.tlc import TlcNotFoundError
 from omni_core.fsm.settle import Settled, settle_row
 from omni_core.fsm.stage import StageCore
 from omni_core.fsm.worker import WorkerCore
-from omni_core.protocol import Execute, NackReason, Status
+from omni_core.protocol import Ack, Execute, Nack, NackReason, Status, Wake
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,55 @@ def test_the_cores_agree_with_the_spec_in_every_case(table):
     infos = {v[7] for v in table.recv.values()}
     assert {"STALE_EPOCH", "BUSY", "INVALID_STATE", "FAILED", "ALREADY", "CACHED", "-"} <= infos
     assert {v[0] for v in table.issue.values()} >= {"TRANSITIONING", "WAKING", "SLEEPING", "RUNNING"}
+    # replies: every kind, every outcome, some wrong in state, tags, epoch or task
+    assert len(table.reply) > 3000
+    assert {x[1] for _, _, x in table.reply} >= {"OK", "ALREADY", "INVALID_STATE", "INVALID_ARGUMENT", "NO_MEMORY"}
+    assert {v[2] for v in table.reply.values()} == {"ok", "failed", "refused", "pending"}
+    assert {x[5] for _, _, x in table.reply} == {0, 1, 2} and {x[4] for _, _, x in table.reply} == {1, 3}
     assert agree.compare(table) == []
+
+
+class NoAsleepCheck(StageCore):
+    """StageCore without its check of the asleep tags in an ACK: each ACK is read as if it
+    named the tags the stage expects."""
+
+    def _on_reply(self, reply, now):
+        task = self._task
+        if isinstance(reply, Ack) and task is not None:
+            reply = msgspec.structs.replace(reply, asleep_tags=tuple(sorted(task.expect_asleep)))
+        return super()._on_reply(reply, now)
+
+
+class NoEpochFence(StageCore):
+    """StageCore taking replies of any epoch as its own."""
+
+    def _on_reply(self, reply, now):
+        return super()._on_reply(msgspec.structs.replace(reply, epoch=self.epoch), now)
+
+
+class AnyWakeRefused(StageCore):
+    """StageCore taking NO_MEMORY as a refusal of any wake, not only of one that may wait."""
+
+    def _on_reply(self, reply, now):
+        task = self._task
+        if isinstance(reply, Nack) and task is not None and isinstance(task.command, Wake):
+            task.command = msgspec.structs.replace(task.command, wait_for_memory_s=1.0)
+        return super()._on_reply(reply, now)
+
+
+@pytest.mark.parametrize("core", [NoAsleepCheck, NoEpochFence, AnyWakeRefused], ids=lambda c: c.__name__)
+def test_a_stage_that_mishandles_replies_is_caught(table, core):
+    found = agree.compare(table, stage=core)
+    assert found, f"{core.__name__} went unnoticed"
+    assert {d.what for d in found} == {"stage reply"}, found[0]
+    first = found[0]
+    kind, info, _, _, _, epoch = first.case[2]
+    if core is NoAsleepCheck:
+        assert kind == "ack" and first.spec[0] == "FAILED" and first.code[0] != "FAILED"
+    elif core is NoEpochFence:
+        assert epoch != 1 and first.spec[2] == "pending"
+    else:
+        assert info == "NO_MEMORY" and first.spec[2] == "failed" and first.code[2] == "refused"
 
 
 def test_busy_before_the_reply_cache_is_caught(table, monkeypatch):
