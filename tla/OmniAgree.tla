@@ -52,6 +52,7 @@ Shapes == {[type |-> "Sleep", level |-> l, tags |-> TagSet(g)] : l \in {1, 2}, g
 Commands(w) ==
     {CmdMsg(s.type, t, e, R, s.level, s.tags) : s \in Shapes, t \in (IF w.cached THEN {2, 3} ELSE {3}),
                                                 e \in {0, 1}}
+    \cup {CmdMsg("Execute", 3, e, R, 0, {}) : e \in {1 + MaxEpochAhead, 2 + MaxEpochAhead}}   \* the window's edge
     \cup (IF w.pend = NoPend THEN {}      \* a copy of the command in progress: the same command
           ELSE {CmdMsg(w.pend.type, 1, e, R, w.pend.level, w.pend.plan) : e \in {0, 1}})
 
