@@ -68,6 +68,21 @@ def profile_keeps_sleep(ctx: Ctx) -> None:
     ctx.back_to_active()
 
 
+@case("P-15", "profile_start_while_asleep", "Profile started while SLEEPING and stopped there: every answer in "
+      "SLEEPING with the same asleep tags; the worker does not wake", needs=(PROFILE,))  # fmt: skip
+def profile_start_while_asleep(ctx: Ctx) -> None:
+    _, slept = ctx.sleep(1)
+    start, started = _profile(ctx, True, "asleep", state=slept.state, status=AckStatus.OK)
+    ctx.check(set(started.asleep_tags) == set(slept.asleep_tags), "the start's Ack reports other asleep tags than "
+              "the Sleep left", sent=start, got=started, expected=list(slept.asleep_tags))  # fmt: skip
+    status = ctx.status()
+    ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+              "a Profile start changed the state or the asleep tags", sent=start, got=status,
+              expected=f"{slept.state.value} with {list(slept.asleep_tags)} asleep")  # fmt: skip
+    _profile(ctx, False, state=slept.state, status=AckStatus.OK)
+    ctx.back_to_active()
+
+
 @case("P-15", "profile_bad_prefix_refused", "Profile start with a prefix that is no safe file-name part ('../', "
       "'/', NUL, empty, 65 characters): Nack INVALID_ARGUMENT, nothing starts", needs=(PROFILE,))  # fmt: skip
 def profile_bad_prefix_refused(ctx: Ctx) -> None:
