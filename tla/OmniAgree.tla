@@ -11,10 +11,18 @@
 (*                                                                         *)
 (* One rank (r1) at epoch 1: a command of epoch 0 is stale. Task 1 is the  *)
 (* pending effect's, task 2 the cached one's, task 3 a fresh one.          *)
+(*                                                                         *)
+(* Replies too: after a lifecycle call that sent something, a second step  *)
+(* takes one reply with StageReceive (well-formed, wrong state or asleep   *)
+(* tags, another epoch, an unknown task, each refusal): what the stage     *)
+(* does with an ACK is the spec's, not only what it sends.                 *)
 (***************************************************************************)
 EXTENDS OmniSleep, Sequences
 
-VARIABLE stepped    \* one step per case: the cases are the initial states
+VARIABLES
+    stepped,    \* one step per case: the cases are the initial states
+    rcase,      \* a reply case: the reply the stage takes after the call (NoReply: none)
+    delivered   \* that reply taken
 
 R == CHOOSE r \in Ranks : TRUE
 CachedMark == "CACHED"   \* the reply a cache hit must return unchanged
@@ -44,6 +52,7 @@ Shapes == {[type |-> "Sleep", level |-> l, tags |-> TagSet(g)] : l \in {1, 2}, g
 Commands(w) ==
     {CmdMsg(s.type, t, e, R, s.level, s.tags) : s \in Shapes, t \in (IF w.cached THEN {2, 3} ELSE {3}),
                                                 e \in {0, 1}}
+    \cup {CmdMsg("Execute", 3, e, R, 0, {}) : e \in {1 + MaxEpochAhead, 2 + MaxEpochAhead}}   \* the window's edge
     \cup (IF w.pend = NoPend THEN {}      \* a copy of the command in progress: the same command
           ELSE {CmdMsg(w.pend.type, 1, e, R, w.pend.level, w.pend.plan) : e \in {0, 1}})
 
@@ -69,27 +78,46 @@ Base(ws, a, v, p, cache, n, ss, sa, sv) ==
     /\ failedRanks = {} /\ outcome = [t \in TaskIds |-> "none"] /\ nextTask = 1
     /\ net = n /\ faults = 0 /\ broken = {}
     /\ wprof = [r \in Ranks |-> FALSE] /\ sprof = NoProf   \* Profile is not in the agreement cases
-    /\ stepped = FALSE
+    /\ stepped = FALSE /\ delivered = FALSE
+
+NoReply == [from |-> "-", kind |-> "none", info |-> "-", state |-> "-", asleep |-> {}, task |-> 0, epoch |-> 0]
+ReplyRec(from, k, i, st, a, t, e) == [from |-> from, kind |-> k, info |-> i, state |-> st, asleep |-> a, task |-> t,
+                                      epoch |-> e]
+(* Well-formed in shape, every state and asleep set; another epoch and an unknown task; each
+   refusal. Task 1 is the call's, epoch 1 the stage's. *)
+Replies(from) ==
+    {ReplyRec(from, "ack", i, st, a, 1, 1) : i \in {"OK", "ALREADY"},
+                                            st \in {"ACTIVE", "SLEEPING", "PARTIAL", "NEEDS_RELOAD"}, a \in SUBSET Tags}
+    \cup {ReplyRec(from, "ack", "OK", x[1], x[2], y[1], y[2]) : x \in {<<"ACTIVE", {}>>, <<"SLEEPING", Tags>>},
+                                                                y \in {<<1, 0>>, <<1, 2>>, <<3, 1>>}}
+    \cup {ReplyRec(from, "nack", i, st, {}, 1, 1) : i \in {"INVALID_STATE", "INVALID_ARGUMENT", "NO_MEMORY", "BUSY"},
+                                                  st \in {"ACTIVE", "SLEEPING"}}
+ReplyMsg(x) == Msg(x.kind, scmd.type, x.task, x.epoch, R, 0, {}, x.state, x.asleep, x.info)
 
 CacheOf(w, m) == IF w.cached THEN {AckMsg(m.type, 2, 1, R, "ACTIVE", {}, CachedMark)} ELSE {}
 
+CallMsg(c) == [CmdMsg(c.type, 0, 0, R, c.level, c.tags) EXCEPT !.kind = "call"]
 AgreeInit ==
     \/ \E w \in ConsistentCases : \E m \in Commands(w) :
-          Base(w.st, w.asl, w.val, w.pend, CacheOf(w, m), {m}, "RUNNING", {}, TRUE)
+          Base(w.st, w.asl, w.val, w.pend, CacheOf(w, m), {m}, "RUNNING", {}, TRUE) /\ rcase = NoReply
     \/ \E s \in StageCases : \E c \in Calls :
           /\ GoodStage(s)
-          /\ Base("ACTIVE", {}, TRUE, NoPend, {}, {[CmdMsg(c.type, 0, 0, R, c.level, c.tags) EXCEPT !.kind = "call"]},
-                  s.st, s.asl, s.val)
+          /\ Base("ACTIVE", {}, TRUE, NoPend, {}, {CallMsg(c)}, s.st, s.asl, s.val)
+          /\ rcase \in {NoReply} \cup Replies(s.st)
 
 Call == CHOOSE m \in net : TRUE
+TheCall == CHOOSE m \in net : m.kind = "call"
 AgreeNext ==
-    /\ ~stepped /\ stepped' = TRUE
-    /\ \/ \E m \in net : m.kind = "cmd" /\ WorkerReceive(R, m, FALSE)
-       \/ \E m \in net : m.kind = "cmd" /\ Done(R)
-       \/ /\ Call.kind = "call"
-          /\ \/ Call.type = "Sleep" /\ IssueSleep(Call.level, Call.tags)
-             \/ Call.type = "Wake" /\ IssueWake(Call.tags)
-             \/ Call.type = "ReloadWeights" /\ IssueReload
+    \/ /\ ~stepped /\ stepped' = TRUE /\ UNCHANGED <<rcase, delivered>>
+       /\ \/ \E m \in net : m.kind = "cmd" /\ WorkerReceive(R, m, FALSE)
+          \/ \E m \in net : m.kind = "cmd" /\ Done(R)
+          \/ /\ Call.kind = "call"
+             /\ \/ Call.type = "Sleep" /\ IssueSleep(Call.level, Call.tags)
+                \/ Call.type = "Wake" /\ IssueWake(Call.tags)
+                \/ Call.type = "ReloadWeights" /\ IssueReload
+    \/ /\ stepped /\ ~delivered /\ rcase # NoReply /\ stask # 0    \* the call sent something
+       /\ delivered' = TRUE /\ UNCHANGED <<stepped, rcase>>
+       /\ StageReceive(ReplyMsg(rcase), FALSE)
 
 (* ---- what is printed: flat tuples of strings, numbers, booleans and sets *)
 WCase == <<wstate[R], wasleep[R], wvalid[R], wpend[R].task, wpend[R].type, wpend[R].level, wpend[R].plan,
@@ -110,7 +138,11 @@ PrintCases ==
 PrintSteps ==
     LET m == CHOOSE y \in net : TRUE
         sent == {x \in net' : x.kind \notin {"cmd", "call"}}
-    IN IF m.kind = "call" THEN
+    IN IF delivered' /\ ~delivered THEN
+          PrintT(<<"AGREE", "reply", <<rcase.from, sasleep, svalid>>, <<TheCall.type, TheCall.level, TheCall.tags>>,
+                   <<rcase.kind, rcase.info, rcase.state, rcase.asleep, rcase.task, rcase.epoch>>,
+                   <<sstate', failedRanks' # {}, outcome'[1], sasleep', svalid'>>>>)
+       ELSE IF m.kind = "call" THEN
           PrintT(<<"AGREE", "issue", SCase, <<m.type, m.level, m.tags>>,
                    <<sstate', {x.type : x \in {y \in net' : y.kind = "cmd"}}, outcome'[1],
                      IF stask' = 0 THEN <<"-", {}, FALSE, "-">>

@@ -323,12 +323,18 @@ OnProfile(r, m) ==
     ELSE Start(r, m, "profile", {}, {})
 
 Busy(r) == wpend[r] # NoPend
+(* P-13: a worker refuses a command more than this many epochs ahead of its own (EPOCH_AHEAD),
+   its epoch unchanged. The protocol's number, written here and not generated from the code,
+   so that a worker core with another window disagrees (formal/agree.py); the models' epochs
+   stay far below it, so no model's state count depends on it. *)
+MaxEpochAhead == 64
 
 OnCommand(r, m) ==
     IF m.kind = "bad" THEN      \* P-10: refuse the bytes, keep serving
         Out(r, wstate[r], wpend[r], NackMsg(NoVal, 0, wepoch[r], r, "BAD_MESSAGE", wstate[r]),
             FALSE, FALSE)
     ELSE IF m.epoch < wepoch[r] /\ Bug # "no_epoch_fence" THEN Refuse(r, m, "STALE_EPOCH")
+    ELSE IF m.epoch > wepoch[r] + MaxEpochAhead THEN Refuse(r, m, "EPOCH_AHEAD")   \* P-13
     ELSE IF wpend[r].task = m.task THEN Silent(r)     \* the terminal reply follows on Done (P-1)
     ELSE IF Busy(r) /\ Bug = "busy_before_cache" THEN Refuse(r, m, "BUSY")
     ELSE IF Cached(r, m.task) /\ Bug # "no_reply_cache" THEN FromCache(r, m)

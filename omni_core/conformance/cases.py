@@ -11,6 +11,7 @@ case requires: a worker that does not declare them gets a reported skip, never a
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from omni_core.protocol.auth import RANK_SECRET_ENV, verify_hello_proof
 
 Scope = Literal["shared", "own", "consume", "global"]
 # No runner can read this: the NUL byte is not valid in a path, a seed or a URL.
+EPOCH_WINDOW = 64  # P-13's words, not the implementation's constant: a worker that widens it fails
 UNUSABLE_SOURCE = "\0omni-core-conformance: no runner can use this source"
 WEIGHTS = "weights"
 LEVEL2 = "level2"
@@ -499,23 +501,34 @@ def epoch_far_ahead_refused(ctx: Ctx) -> None:
         # Raw, so the harness does not adopt the refused epoch for its later commands.
         peer.send_raw(encode(command), command.task_id)
         ctx.nack(peer.reply(command.task_id, sent=command), command, NackReason.EPOCH_AHEAD)
+    # Just past the window P-13 states (64), not only far past it: a wider window is a fault.
+    command = ctx.cmd(Status, epoch=epoch + EPOCH_WINDOW + 1)
+    peer.send_raw(encode(command), command.task_id)
+    ctx.nack(peer.reply(command.task_id, sent=command), command, NackReason.EPOCH_AHEAD)
     status = ctx.status()  # at its own epoch: not fenced off by the refused one
     ctx.check(status.epoch == epoch and status.state is WorkerState.ACTIVE and not status.asleep_tags,
               "after a refused far-ahead epoch the worker is not serving its own epoch, unchanged",
               got=status, expected=f"Status Ack at epoch {epoch}, ACTIVE, nothing asleep")  # fmt: skip
 
 
-@case("P-13", "oversized_frame_refused", "a frame over 64 MiB: refused (Nack BAD_MESSAGE or dropped by the "
-      "socket), the worker goes on serving")  # fmt: skip
+@case("P-13", "oversized_frame_refused", "a frame over 64 MiB: Nack BAD_MESSAGE before the answer to the next "
+      "command, and the worker goes on serving")  # fmt: skip
 def oversized_frame_refused(ctx: Ctx) -> None:
     peer = ctx.worker
     command = ctx.cmd(Execute, payload=b"\0" * (DEFAULT_MAX_FRAME_BYTES + 1))
     peer.send_raw(encode(command), "-")  # unread, so the refusal cannot name the task
     sent = f"an Execute of {DEFAULT_MAX_FRAME_BYTES + 1} payload bytes"
-    for reply in peer.collect(2.0):
-        ctx.check(isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE and reply.task_id == "-",
-                  "an oversized frame was not refused unread", sent=sent, got=reply,
-                  expected="Nack BAD_MESSAGE with task_id '-', or nothing")  # fmt: skip
+    # Not "nothing within a while": a worker answers in order, so the refusal comes before
+    # its answer to the Status sent after the frame, however slow it is.
+    status = ctx.cmd(Status)
+    ctx.ack(ctx.request(status), status)
+    early = peer.collect(0.0)
+    want = "one Nack BAD_MESSAGE with task_id '-', before the answer to the Status sent after the frame"
+    ctx.check(len(early) == 1, f"{len(early)} replies to an oversized frame before the answer to the next command",
+              sent=[sent, status], got=early or None, expected=want)  # fmt: skip
+    reply = early[0]
+    ctx.check(isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE and reply.task_id == "-",
+              "an oversized frame was not refused unread", sent=sent, got=reply, expected=want)  # fmt: skip
     ctx.executed_or_runner_error(*ctx.execute())
 
 
@@ -532,6 +545,24 @@ def unusable_reload_source_refused(ctx: Ctx) -> None:
         ctx.skip("the runner accepted a reload source no runner can use; it may treat every source as its own")
     ctx.nack(reply, bad, NackReason.INVALID_ARGUMENT, state=woke.state)
     ctx.back_to_active()
+
+
+@case("P-13", "reload_refused_in_active_no_effect", "ReloadWeights from an unusable source in ACTIVE: Nack "
+      "INVALID_ARGUMENT, still ACTIVE, and Execute's output unchanged (nothing was written)")  # fmt: skip
+def reload_refused_in_active_no_effect(ctx: Ctx) -> None:
+    first_run, first = ctx.execute()
+    ctx.executed_or_runner_error(first_run, first)
+    bad = ctx.cmd(ReloadWeights, source=UNUSABLE_SOURCE)
+    reply = ctx.request(bad)
+    if isinstance(reply, Ack):
+        ctx.skip("the runner accepted a reload source no runner can use; it may treat every source as its own")
+    ctx.nack(reply, bad, NackReason.INVALID_ARGUMENT, state=WorkerState.ACTIVE)
+    last_run, last = ctx.execute()
+    ctx.executed_or_runner_error(last_run, last)
+    if isinstance(first, Result):
+        ctx.check(isinstance(last, Result) and last.output == first.output, "Execute's output changed across the "
+                  "refused reload: it wrote the weights before refusing the source", sent=[first_run, bad, last_run],
+                  got=last, expected=first)  # fmt: skip
 
 
 # ============================================================================ P-14 authenticated ranks
@@ -555,6 +586,27 @@ def hello_proof(ctx: Ctx) -> None:
               expected=expected)  # fmt: skip
     ctx.check(hello.rank == 0 and hello.epoch == ctx.options.epoch, "the Hello names another rank or epoch "
               "than the worker was started with", got=hello)  # fmt: skip
+    started = peer.process.pid
+    if started is not None and os.path.isdir("/proc"):
+        ctx.check(_descends_from(hello.pid, started), f"the Hello names pid {hello.pid}, which is neither the "
+                  f"process the suite started ({started}) nor one of its descendants: a valid proof over another "
+                  "process's pid", sent=sent, got=hello, expected=f"pid {started} or a descendant")  # fmt: skip
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is `ancestor` or a process below it (Linux /proc; a factory may start
+    the worker through a shell or a launcher)."""
+    for _ in range(64):  # a bound on the walk: a launcher chain is never that deep
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # ppid: after the command name
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
 
 
 # ============================================================================ P-11 no half-applied

@@ -59,12 +59,27 @@ def profile_keeps_sleep(ctx: Ctx) -> None:
     _profile(ctx, True, "sleep", status=AckStatus.OK)
     _, slept = ctx.sleep(1)
     stop, stopped = _profile(ctx, False, state=slept.state, status=AckStatus.OK)
-    ctx.check(set(stopped.asleep_tags) == set(slept.asleep_tags), "the stop's Ack reports other asleep tags "
-              "than the Sleep left", sent=stop, got=stopped, expected=list(slept.asleep_tags))  # fmt: skip
+    _still_asleep(ctx, "stop", stop, stopped, slept)
+    ctx.back_to_active()
+
+
+def _still_asleep(ctx: Ctx, what: str, sent: Profile, answer: Ack, slept: Ack) -> None:
+    """The Profile's Ack, and a Status after it, show the worker where the Sleep left it."""
+    ctx.check(set(answer.asleep_tags) == set(slept.asleep_tags), f"the {what}'s Ack reports other asleep tags "
+              "than the Sleep left", sent=sent, got=answer, expected=list(slept.asleep_tags))  # fmt: skip
     status = ctx.status()
     ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
-              "Profile changed the state or the asleep tags", sent=stop, got=status,
+              f"the Profile {what} changed the state or the asleep tags", sent=sent, got=status,
               expected=f"{slept.state.value} with {list(slept.asleep_tags)} asleep")  # fmt: skip
+
+
+@case("P-15", "profile_start_while_asleep", "Profile started while SLEEPING and stopped there: every answer in "
+      "SLEEPING with the same asleep tags; the worker does not wake", needs=(PROFILE,))  # fmt: skip
+def profile_start_while_asleep(ctx: Ctx) -> None:
+    _, slept = ctx.sleep(1)
+    start, started = _profile(ctx, True, "asleep", state=slept.state, status=AckStatus.OK)
+    _still_asleep(ctx, "start", start, started, slept)
+    _profile(ctx, False, state=slept.state, status=AckStatus.OK)
     ctx.back_to_active()
 
 

@@ -10,6 +10,7 @@ gets the waiting wake's Ack and cache, and, where a memory-pressure hook can fil
 from __future__ import annotations
 
 import contextlib
+import time
 
 import msgspec
 
@@ -99,7 +100,12 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
         # Room for part of the wake: what it maps before it runs out must be unmapped again.
         holder = pressure.squeeze(needed_bytes // 2)
         wake = ctx.cmd(Wake, "squeezed", peer=peer, wait_for_memory_s=SHORT_WAIT_S)
+        sent_at_s = time.monotonic()
         refused = ctx.nack(ctx.request(wake, peer), wake, NackReason.NO_MEMORY, state=slept.state)
+        waited_s = time.monotonic() - sent_at_s  # at least the worker's wait: it answers after it
+        ctx.check(waited_s >= SHORT_WAIT_S, f"refused NO_MEMORY after {waited_s:.3f} s of a {SHORT_WAIT_S:g} s "
+                  "wait: the memory could have been given back in the time left", sent=wake, got=refused,
+                  expected=f"no refusal before {SHORT_WAIT_S:g} s")  # fmt: skip
         ctx.check(not holder or holder in refused.detail, f"the NO_MEMORY detail does not name the holder "
                   f"({holder})", sent=wake, got=refused, expected=f"a detail naming {holder}")  # fmt: skip
         status_cmd, status = ctx.status_exchange(peer)

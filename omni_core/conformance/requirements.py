@@ -139,8 +139,8 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-13",
             "Bounded, refusable input",
-            "A worker MUST refuse a frame over its frame limit (default 64 MiB) with `Nack BAD_MESSAGE` "
-            "(or by the socket dropping it) without reading it into memory, and MUST refuse a command "
+            "A worker MUST refuse a frame over its frame limit (default 64 MiB) with `Nack BAD_MESSAGE`, "
+            "before it answers any later command, without reading it into memory, and MUST refuse a command "
             "whose epoch is more than 64 ahead of its own with `Nack EPOCH_AHEAD`, its epoch unchanged. "
             "A command whose arguments the runner cannot use (an unusable reload source) MUST be refused "
             "with `Nack INVALID_ARGUMENT` before anything is written, leaving the worker in the state it "

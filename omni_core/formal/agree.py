@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omni_core.formal.tlc import EXIT_OK, run_tlc
+from omni_core.fsm import inputs as I
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import StageCommandError, StageCore
 from omni_core.fsm.tags import Residency, plan_sleep
@@ -27,7 +28,9 @@ from omni_core.protocol import (
     Ack,
     AckStatus,
     Execute,
+    MemoryReport,
     Nack,
+    NackReason,
     ReloadWeights,
     Result,
     Sleep,
@@ -103,6 +106,7 @@ class SpecTable:
     done: dict[Key, tuple]  # W -> outcome
     stage_cases: list[Key]  # (S, C)
     issue: dict[Key, tuple]  # (S, C) -> outcome; absent: the spec has no such step
+    reply: dict[Key, tuple] = field(default_factory=dict)  # (S, C, X) -> what the stage did with reply X
 
 
 def table_from_lines(lines: list[tuple[Any, ...]]) -> SpecTable:
@@ -114,8 +118,13 @@ def table_from_lines(lines: list[tuple[Any, ...]]) -> SpecTable:
         elif kind == "scase":
             table.stage_cases.append(tuple(rest))
         else:
-            target = {"recv": table.recv, "done": table.done, "issue": table.issue}[kind]
-            key, value = (rest[0], rest[1]) if kind == "done" else (tuple(rest[:2]), rest[2])
+            target = {"recv": table.recv, "done": table.done, "issue": table.issue, "reply": table.reply}[kind]
+            if kind == "done":
+                key, value = rest[0], rest[1]
+            elif kind == "reply":
+                key, value = tuple(rest[:3]), rest[3]
+            else:
+                key, value = tuple(rest[:2]), rest[2]
             if target.get(key, value) != value:
                 raise AgreeParseError(f"the spec gives two results for {kind} {key}: {target[key]} and {value}")
             target[key] = value
@@ -254,17 +263,20 @@ def _stage(s: Key, factory: Callable[..., StageCore]) -> StageCore:
     return stage
 
 
+def _call(stage: StageCore, c: Key) -> Any:
+    kind, level, tags = c
+    if kind == "Sleep":
+        return stage.sleep("1", level, _tags(tags), 0.0, 10.0)
+    if kind == "Wake":
+        return stage.wake("1", _tags(tags), 0.0, 10.0)
+    return stage.reload("1", None, 0.0, 10.0)
+
+
 def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -> tuple | None:
     """What the stage does with the call; None where it refuses it (the spec has no step)."""
     stage = _stage(s, factory)
-    kind, level, tags = c
     try:
-        if kind == "Sleep":
-            step = stage.sleep("1", level, _tags(tags), 0.0, 10.0)
-        elif kind == "Wake":
-            step = stage.wake("1", _tags(tags), 0.0, 10.0)
-        else:
-            step = stage.reload("1", None, 0.0, 10.0)
+        step = _call(stage, c)
     except StageCommandError:
         return None
     sent = frozenset(type(o.command).__name__ for o in step.sends)
@@ -285,6 +297,30 @@ def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -
         "pending",
         (task.expect_state.value, task.expect_asleep, after.weights_valid, task.commit_trigger),
     )
+
+
+def _reply_message(command: str, x: Key) -> Ack | Nack:
+    kind, info, state, asleep, task, epoch = x
+    if kind == "nack":
+        return Nack(task_id=str(task), epoch=epoch, rank=0, command=command, reason=NackReason(info), detail="agree",
+                    state=WorkerState(state))  # fmt: skip
+    memory = MemoryReport(pool_bytes_before={}, pool_bytes_after={}, process_bytes_source="none: agreement case")
+    return Ack(task_id=str(task), epoch=epoch, rank=0, command=command, state=WorkerState(state),
+               status=AckStatus(info), asleep_tags=_tags(asleep), memory=memory)  # fmt: skip
+
+
+def stage_reply(s: Key, c: Key, x: Key, factory: Callable[..., StageCore] = StageCore) -> tuple | None:
+    """What the stage does with reply `x` to the call `c` it sent from settled case `s`: its
+    state, whether it names failed ranks, the task's outcome, the residency it holds."""
+    stage = _stage(s, factory)
+    _call(stage, c)
+    if stage._task is None:
+        return None  # nothing was sent: the spec takes no reply either
+    step = stage.step(I.Received(_reply_message(c[0], x)), 0.5)
+    o = step.outcome
+    outcome = "pending" if o is None else "ok" if o.ok else "refused" if o.refused else "failed"
+    return (stage.state.value, bool(stage.failed_ranks), outcome, stage.residency.asleep,
+            stage.residency.weights_valid)  # fmt: skip
 
 
 # ----------------------------------------------------------------- the comparison
@@ -322,9 +358,11 @@ def compare(table: SpecTable, *, worker: Callable[..., WorkerCore] = WorkerCore,
         check("Done", w, table.done[w], lambda w=w: worker_done(w, worker))
     for s, c in sorted(set(table.stage_cases), key=repr):
         check("stage call", (s, c), table.issue.get((s, c)), lambda s=s, c=c: stage_issue(s, c, stage))
+    for s, c, x in sorted(table.reply, key=repr):
+        check("stage reply", (s, c, x), table.reply[(s, c, x)], lambda s=s, c=c, x=x: stage_reply(s, c, x, stage))
     return out
 
 
 def counts(table: SpecTable) -> str:
     return (f"{len(set(table.worker_cases))} worker commands, {len(table.done)} effect completions, "
-            f"{len(set(table.stage_cases))} stage calls")  # fmt: skip
+            f"{len(set(table.stage_cases))} stage calls, {len(table.reply)} replies to them")  # fmt: skip

@@ -257,7 +257,7 @@ def agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
 
     def compute():
         table = agree.spec_table(root, timeout_s=timeout_s)
-        cases = len(table.worker_cases) + len(table.done) + len(table.stage_cases)
+        cases = len(table.worker_cases) + len(table.done) + len(set(table.stage_cases)) + len(table.reply)
         return cases, agree.compare(table), agree.counts(table)
 
     return _agreement("agree", compute, echo)

@@ -142,8 +142,10 @@ def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
             index = n
         else:
             index = reached
-            note = trace.events[index - 1].note
-            reason = f"outside the model: {note}" if note else "no spec action matches this event"
+            event = trace.events[index - 1]
+            reason = (f"refuted by the records around it: {event.refuted}" if event.refuted
+                      else f"outside the model: {event.note}" if event.note
+                      else "no spec action matches this event")  # fmt: skip
         return TraceVerdict(trace.name, n, False, index, at(index), reason, result.seconds,
                             result.distinct_states, _describe_view(view), result=result)  # fmt: skip
     if result.outcome == "timeout":
@@ -177,8 +179,8 @@ def validate_part(trace: trace_export.StageTrace, *, root: Path | None = None,
     return judge(trace, result)
 
 
-CARRIED = ("wstate", "alive", "wasleep", "wvalid", "wepoch", "sstate", "sepoch", "sacks", "sasleep", "svalid",
-           "failedRanks")  # fmt: skip
+CARRIED = ("wstate", "alive", "wasleep", "wvalid", "wepoch", "wprof", "sstate", "sepoch", "sacks", "sasleep",
+           "svalid", "failedRanks")  # fmt: skip
 _STATE_HEADER = re.compile(r"^State \d+: .*$", re.MULTILINE)
 
 

@@ -14,9 +14,16 @@ wstate and wsend events are checks of what the step before them did.
 
 Dropped (counted by kind): the kinds the spec does not model (StageStarting, requests'
 submissions and answers, task outcomes, spawns, refused peers, a worker's BadMessage with
-its NACK, ParentGone); a RankDied of another epoch (the core ignored it); Status, Shutdown
-and Profile commands and everything carrying their task ids (they never change residency);
-everything of the stage from its StageStopped on (the engine's shutdown ends the trace).
+its NACK, ParentGone); a RankDied of another epoch (the core ignored it); the lines of a
+process a restart replaced, until its death is recorded; everything of the stage from its
+StageStopped on (the engine's shutdown ends the trace, and only it sends Shutdown). No
+line is dropped for what it names: Profile tasks are replayed (IssueProfile) and a rank's
+Status is checked to change nothing (P-7), so relabelling a line hides nothing.
+
+Refuted (kind "refuted", which no action takes, with the reason): a line of a process
+after its death was recorded; a deadline that no earlier line of its task set, that is not
+the deadline that line set, that fired before it, or whose issue's deadline is not the
+issue's time plus the timeout the call asked for (`_DeadlineClock`).
 
 Task ids become 1, 2, ... in the order the engine first names them (the spec's task
 counter); "hello" is task 0. The TLC configuration gets the traced stage's tags
@@ -43,7 +50,7 @@ from omni_core.trace import read_trace
 UNKNOWN = "?"
 HELLO_TASK = "hello"
 MODULE = "TraceData"
-DROPPED_COMMANDS = ("Status", "Shutdown", "Profile")
+REFUTED = "refuted"  # an event kind no action of the trace spec takes
 RECORD_EVENTS: dict[type, str] = {
     T.StageIssued: "issue", T.StageDispatched: "dispatch", T.StageSent: "send", T.StageReceived: "recv",
     T.StageChanged: "state", T.StageDeadline: "deadline", T.StageRestarted: "restart", T.RankDied: "died",
@@ -74,6 +81,7 @@ class TraceEvent:
     late_us: int = 0  # a deadline: how far past it the record's clock was (negative: early)
     failed: tuple[int, ...] | None = None  # a deadline into FAILED: the ranks it names
     note: str = ""  # why this line is outside what the spec models, if it is
+    refuted: str = ""  # why the records around this line show it is no behaviour (kind REFUTED)
 
     def tla(self) -> str:
         tags = "{" + ", ".join(_str(t) for t in (self.tags if self.tags is not None else (UNKNOWN,))) + "}"
@@ -149,10 +157,6 @@ def _command_of(record: Any) -> str:
 def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     ours = _lines(lines, stage)
     dropped: Counter = Counter()
-    # Tasks of commands the spec does not model: their lines go, wherever they are.
-    skip_tasks = {line.record.task_id for _, line in ours
-                  if isinstance(line.record, (T.StageSent, T.WorkerReceived))
-                  and line.record.command in DROPPED_COMMANDS}  # fmt: skip
     tasks: dict[str, int] = {}
     events: list[TraceEvent] = []
     ranks = max([line.rank + 1 for _, line in ours]
@@ -162,11 +166,21 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     tags = next((tuple(line.record.tags) for _, line in ours if isinstance(line.record, starts)), DEFAULT_TAGS)
     epoch_now = 0  # the stage's epoch so far, in file order
     superseded: set[tuple[int, int, str]] = set()  # (rank, epoch, task) of replies dropped below
+    deaths: dict[tuple[int, int], int] = {}  # (rank, process epoch) -> the line recording its death
+    clock = _DeadlineClock(lines)
     for n, line in ours:
         record = line.record
         kind = RECORD_EVENTS.get(type(record))
         if isinstance(record, T.StageRestarted):
             epoch_now = record.epoch
+        if not line.is_engine and (line.rank, line.epoch) in deaths:
+            # A process writes nothing after it ended, and its end is recorded only after it
+            # ended: this line is not the dead process's. Kept, so the replay stops here.
+            events.append(_refuted(kind or "dead", n, line, tasks, f"rank {line.rank} of epoch {line.epoch} "
+                                   f"wrote this after its death was recorded (line {deaths[line.rank, line.epoch]})"))
+            continue
+        if isinstance(record, T.RankDied):
+            deaths.setdefault((record.rank, record.process_epoch), n)
         if not line.is_engine and line.epoch < epoch_now:
             # A process a restart replaced, still writing until its kill lands: the spec's
             # Restart replaced it already, and the epoch fences whatever it sends.
@@ -177,18 +191,81 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         if isinstance(record, T.StageReceived) and (record.rank, record.epoch, record.task_id) in superseded:
             dropped["superseded by a restart"] += 1  # a reply whose sending was dropped above
             continue
-        if getattr(record, "task_id", None) in skip_tasks:
-            dropped["Status/Shutdown/Profile"] += 1
-            continue
         if kind is None or getattr(record, "fenced", False) or getattr(record, "to_bad_bytes", False):
             dropped[line.kind] += 1
             continue
-        events.append(_event(kind, n, line, tasks))
+        event = _event(kind, n, line, tasks)
+        if isinstance(record, (T.StageIssued, T.StageDispatched, T.StageStarting, T.StageRestarted)):
+            clock.set_by(n, line)
+        elif isinstance(record, T.StageDeadline):
+            why = clock.check(n, line)
+            if why:
+                event = _refuted(kind, n, line, tasks, why)
+        events.append(event)
     _note_unmodelled(events)
     trace = _finish(stage, events, ranks, tasks, dropped)
     trace.tags = tags
     trace.order_error = program_order(lines, {n for n, _ in ours})
     return trace
+
+
+def _refuted(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int], why: str) -> TraceEvent:
+    """An event that the records around it already show is no behaviour: no action takes it."""
+    event = _event(kind, n, line, tasks) if kind in RECORD_EVENTS.values() else TraceEvent(kind, n, line)
+    event.kind, event.refuted = REFUTED, why
+    return event
+
+
+CLOCK_SLACK_S = 1e-6  # float rounding of `now + timeout_s`; far below any deadline a caller can set
+
+
+class _DeadlineClock:
+    """Ties every deadline to the record that set it and checks it against the clock across
+    records. The engine reads its clock for a step after writing the previous step's lines
+    and before writing this one's, so a deadline set at `now` by an issue satisfies
+    previous engine line's stamp + timeout <= deadline_at <= issue line's stamp + timeout; it
+    fires no earlier than that deadline by both the core's clock and the line's stamp."""
+
+    def __init__(self, lines: list[T.TraceLine]) -> None:
+        self._lines = lines
+        self._set: dict[str, tuple[int, float]] = {}  # task id ("" for a start) -> (line, deadline_at_s)
+        self._bad: dict[str, str] = {}  # task id -> why the deadline its issue set is not its timeout
+
+    def _previous_stamp(self, n: int) -> float:
+        pid = self._lines[n - 1].pid
+        return next((line.mono_s for line in reversed(self._lines[: n - 1]) if line.pid == pid and line.is_engine),
+                    float("-inf"))  # fmt: skip
+
+    def set_by(self, n: int, line: T.TraceLine) -> None:
+        r: Any = line.record
+        key = getattr(r, "task_id", None) or getattr(r, "request_id", "")
+        self._set[key] = (n, r.deadline_at_s)
+        self._bad.pop(key, None)
+        timeout_s = getattr(r, "timeout_s", 0.0)
+        if timeout_s > 0 and not r.already:
+            # An issue the queue started (auto) shares its step with the input that moved the
+            # queue, whose lines come first: only the upper bound holds for it.
+            low = float("-inf") if r.auto else self._previous_stamp(n) + timeout_s
+            high = line.mono_s + timeout_s
+            if not low - CLOCK_SLACK_S <= r.deadline_at_s <= high + CLOCK_SLACK_S:
+                self._bad[key] = (f"the deadline {r.deadline_at_s:.6f} s set at line {n} is not its issue time "
+                                  f"plus its timeout of {timeout_s:g} s (between {low:.6f} and {high:.6f} s)")
+
+    def check(self, n: int, line: T.TraceLine) -> str:
+        r: Any = line.record
+        key = r.task_id if r.before != "STARTING" else ""
+        if key not in self._set:
+            return f"a deadline of task {r.task_id!r}, which no earlier line of this stage set"
+        at, deadline_at_s = self._set[key]
+        if key in self._bad:
+            return self._bad[key]
+        if abs(r.deadline_at_s - deadline_at_s) > CLOCK_SLACK_S:
+            return (f"a deadline at {r.deadline_at_s:.6f} s; the one line {at} set for this task is at "
+                    f"{deadline_at_s:.6f} s")
+        fired_s = min(r.now_s, line.mono_s)
+        if fired_s < deadline_at_s:
+            return f"a deadline fired at {fired_s:.6f} s, before the {deadline_at_s:.6f} s line {at} set"
+        return ""
 
 
 def program_order(lines: list[T.TraceLine], wanted: set[int] | None = None) -> tuple[int, str] | None:
@@ -272,8 +349,10 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
     refused = {e.cmd for e in events if e.kind == "refused"}
     if "ReloadWeights" in refused:
         faults.append("badsource")  # a reload source the runner refused
-    if "Wake" in refused:
-        faults.append("nomemory")  # a waiting wake that found too little free memory (P-16)
+    if "Wake" in refused or any(e.kind in ("issue", "send") and e.cmd == "Wake" and e.level == 1 for e in events):
+        # A wake that waits for free memory (P-16: level 1 on the wire, Engine.swap's), refused
+        # NO_MEMORY or not: the spec sends a waiting Wake only where it may also be refused.
+        faults.append("nomemory")
     max_epoch = max([e.epoch for e in events] + [min_epoch])
     return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
                       dropped, max_requests=max_in_flight(events, ranks))  # fmt: skip
@@ -458,7 +537,7 @@ CONSTANTS
     Requests = TRUE
     MaxRequests = {trace.max_requests}
     SerialShell = TRUE
-    Profiles = FALSE
+    Profiles = TRUE
     Bug = "none"
 CONSTRAINT TraceProgress
 INVARIANTS

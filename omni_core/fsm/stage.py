@@ -133,11 +133,14 @@ _STAGE_STATE_OF_RANK = {WorkerState.ACTIVE: S.RUNNING, WorkerState.SLEEPING: S.S
 
 def _level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
     """What a trace record says of a command beyond its name: a Sleep's level (for a Wake, 1
-    when it waits for free memory, P-16, as the spec marks it), the tags."""
+    when it waits for free memory, P-16, as the spec marks it; for a Profile, 1 for a start),
+    the tags."""
     if isinstance(command, Sleep):
         level = command.level
     elif isinstance(command, Wake) and command.wait_for_memory_s > 0:
         level = 1
+    elif isinstance(command, Profile) and command.start:
+        level = 1  # as the spec marks a Profile start on the wire
     else:
         level = 0
     return level, command.tags if isinstance(command, (Sleep, Wake)) else None
@@ -287,6 +290,7 @@ class StageCore:
         self._records: list[StageRecord] = []  # trace records of the input being stepped
         self._issued: tuple[Command, bool, float] | None = None  # a task this phase issued: command, already, deadline
         self._expired_at: float | None = None  # the deadline this phase's tick found passed
+        self._expired_task = ""  # the task or request whose deadline that was ("": the start's)
         self._anonymous = itertools.count(1)
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
@@ -337,6 +341,7 @@ class StageCore:
         if handler is None:
             raise TypeError(f"StageCore.step takes an engine input (omni_core.fsm.inputs), not {event!r}")
         self._answers, self._records, self._issued, self._expired_at = [], [], None, None
+        self._expired_task = ""
         head = self._input_record(event, now)
         if head is not None:
             self._records.append(head)
@@ -387,9 +392,12 @@ class StageCore:
         failed = {r: clip(why) for r, why in self.failed_ranks.items()} if after is S.FAILED else {}
         if issued is not None:
             command, already, deadline_at = issued
+            # The caller's timeout as the input gave it, not as the core used it: the trace
+            # check compares the two (a deadline in the wrong unit fails there).
+            timeout_s = self.wake_deadline_s if event is None else getattr(event, "deadline_s", 0.0)
             self._records.append(StageIssued(epoch, command.task_id, type(command).__name__, before.value,
                                              after.value, deadline_at, *_level_tags(command), already,
-                                             event is None))  # fmt: skip
+                                             event is None, timeout_s))  # fmt: skip
         elif isinstance(event, I.Restart):
             self._records.append(StageRestarted(epoch, before.value, after.value, self.tags, self._start_deadline_at))
         elif isinstance(event, I.Start):
@@ -399,7 +407,7 @@ class StageCore:
                 self._records.append(StageStopped(epoch, before.value))
         elif after is not before and isinstance(event, I.Tick):
             expired_at = self._expired_at if self._expired_at is not None else now
-            self._records.append(StageDeadline(epoch, self.task_id or "", before.value, after.value, expired_at,
+            self._records.append(StageDeadline(epoch, self._expired_task, before.value, after.value, expired_at,
                                                now, failed))  # fmt: skip
         elif after is not before:
             self._records.append(StageChanged(epoch, self.task_id or "", before.value, after.value, failed))
@@ -464,7 +472,7 @@ class StageCore:
         silent: dict[int, str] = {}
         for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:
             if self._expired_at is None:
-                self._expired_at = request.deadline_at
+                self._expired_at, self._expired_task = request.deadline_at, request.request_id
             missing = [r for r in self.ranks if r not in request.replies]
             self._answer(request, RequestError.FAILED, f"request {request.request_id} to stage {self.name!r}: "
                          f"ranks {missing} gave no result before its deadline; the stage fails, since a rank "
@@ -947,7 +955,9 @@ class StageCore:
         if reply.rank in task.acks or reply.rank in task.refusals:
             self.counters.duplicate_replies_ignored += 1
             return StageStep()
-        if isinstance(reply, Nack) and reply.reason is _REFUSAL.get(type(task.command)):
+        if isinstance(reply, Nack) and reply.reason is _REFUSAL.get(type(task.command)) \
+                and not (isinstance(task.command, Wake) and task.command.wait_for_memory_s <= 0):  # fmt: skip
+            # NO_MEMORY refuses only a wake that may wait (P-16); to any other it is a failure.
             task.refusals[reply.rank] = reply.detail
             return self._maybe_commit(now)
         if isinstance(task.command, _STATELESS):
@@ -1072,7 +1082,7 @@ class StageCore:
                                    now)  # fmt: skip
         elif self._task is not None and now >= self._task.deadline_at:
             task = self._task
-            self._expired_at = task.deadline_at
+            self._expired_at, self._expired_task = task.deadline_at, task.task_id
             budget_s = task.deadline_at - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")

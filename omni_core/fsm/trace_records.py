@@ -29,9 +29,12 @@ PeerRefused, ParentGone.
 Every line of the file is a `TraceLine`: the record plus who wrote it (stage, rank, the
 process's epoch, pid), its per-process sequence number (program order) and the process's
 monotonic clock (`time.monotonic()`, one clock for every process of a host: the stage
-core's `now`, and so every `deadline_at_s`, is on it too). A new command (Profile, ...)
-needs no new kind: WorkerReceived / EffectDone / ReplySent name the command; a fact only it
-has (a profile written) is one more Struct in `TraceRecord`.
+core's `now`, and so every `deadline_at_s`, is on it too). A deadline names the task or
+request whose issue set it (`StageDeadline.task_id`; "" for the start's), and the issue
+says the timeout its call asked for (`StageIssued.timeout_s`), so the check can hold the
+clock across records. A new command (Profile, ...) needs no new kind: WorkerReceived /
+EffectDone / ReplySent name the command; a fact only it has (a profile written) is one
+more Struct in `TraceRecord`.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class StageIssued(_Record):
     tags: tuple[str, ...] | None = None
     already: bool = False
     auto: bool = False
+    timeout_s: float = 0.0  # the deadline the call asked for: deadline_at_s is the issue's now plus it
 
 
 class StageDispatched(_Record):
@@ -137,8 +141,8 @@ class StageChanged(_Record):
 
 
 class StageDeadline(_Record):
-    """A deadline passed (`deadline_at_s`, seen at `now_s`): a start, a task, a drain or a
-    request; the stage went `before` -> `after`, naming `failed_ranks`."""
+    """A deadline passed (`deadline_at_s`, seen at `now_s`): a start (`task_id` ""), a task,
+    a drain or a request (its id); the stage went `before` -> `after`, naming `failed_ranks`."""
 
     epoch: int
     task_id: str

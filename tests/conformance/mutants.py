@@ -59,6 +59,12 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "no_memory_left_restoring": ("P-16", "the NO_MEMORY refusal is sent, but the worker stays RESTORING"),
     "no_memory_not_cached": ("P-16", "a NO_MEMORY refusal is not kept: a copy sent once memory is free wakes"),
     "no_memory_keeps_mapped": ("P-16", "a refused wake leaves what it mapped mapped (no rollback)"),
+    # The conformance escapes of the issue-25 audit.
+    "reload_refused_zeroes": ("P-13", "a refused bad-source reload in ACTIVE zeroes the weights first"),
+    "hello_other_pid": ("P-14", "the Hello names its parent's pid, with a valid proof over that pid"),
+    "profile_wakes": ("P-15", "a Profile start while asleep wakes the worker first"),
+    "no_memory_early": ("P-16", "a wake that may wait under 1 s gives up after 10 ms"),
+    "epoch_window_5000": ("P-13", "an epoch up to 5000 ahead is adopted (the window is 64)"),
 }
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
@@ -487,6 +493,44 @@ def _install(name: str) -> None:
             self._report(self._resident_total())
             raise
 
+    # ------------------------------------------------ the issue-25 audit's escapes
+
+    from omni_core.fsm.effects import ReloadEffect
+    from omni_core.protocol import Profile
+    from omni_core.protocol.auth import hello_proof
+
+    class ReloadZeroesProcess(process_cls):
+        def _apply(self, effect: Any) -> Any:
+            if isinstance(effect, ReloadEffect) and self.runner is not None:
+                for tensor in self.runner.weights:  # the synthetic runner's weight matrices
+                    tensor.zero_()  # "cleared for the new weights", before the source was checked
+            return super()._apply(effect)
+
+    class HelloOtherPidProcess(process_cls):
+        def _send(self, message: Any) -> None:
+            if isinstance(message, Hello) and self.rank_secret is not None:
+                cfg, pid = self.config, os.getppid()
+                proof = hello_proof(self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid,
+                                    identity=self.identity)  # fmt: skip
+                message = msgspec.structs.replace(message, pid=pid, proof=proof)
+            super()._send(message)
+
+    class ProfileWakesProcess(MutedProcess):
+        def handle(self, data: bytes) -> None:
+            command = decoded(data)
+            if isinstance(command, Profile) and command.start and self.core.state in asleep_states \
+                    and not self.core.busy:  # fmt: skip
+                self.run_silently(Wake(task_id=command.task_id[:100] + "-warm", epoch=command.epoch))
+            super().handle(data)
+
+    class NoMemoryEarlyProcess(process_cls):
+        def _gate(self, wait_for_memory_s: float) -> Any:
+            # Short waits only: a long one still waits (and passes the suite's silence check).
+            return super()._gate(0.01 if wait_for_memory_s < 1.0 else wait_for_memory_s)
+
+    if name == "epoch_window_5000":
+        fsm_worker.MAX_EPOCH_AHEAD = 5000
+        return
     if name == "no_memory_keeps_mapped":
         original_wake = PortableBackend._wake
         PortableBackend._wake = wake_keeping_mapped
@@ -514,7 +558,9 @@ def _install(name: str) -> None:
                  "bad_source_fails": BadSourceFailsProcess, "no_hello_proof": NoProofProcess,
                  "shutdown_exits_nonzero": ExitsNonzeroProcess, "status_without_memory": StatusWithoutMemoryProcess,
                  "version_detail_one_version": OneVersionProcess, "wake_ignores_free_memory": NoGateProcess,
-                 "no_memory_left_restoring": LeftRestoringProcess}  # fmt: skip
+                 "no_memory_left_restoring": LeftRestoringProcess, "reload_refused_zeroes": ReloadZeroesProcess,
+                 "hello_other_pid": HelloOtherPidProcess, "profile_wakes": ProfileWakesProcess,
+                 "no_memory_early": NoMemoryEarlyProcess}  # fmt: skip
     if name == "no_capabilities":
         PortableBackend.capabilities = ()
         PortableBackend.supports_memory_gate = False  # so no 'swap' either

@@ -64,6 +64,12 @@ EXPECTED = {
     "no_memory_left_restoring": ("P-16/no_memory_rolls_back", "the refusal says state RESTORING, not SLEEPING"),
     "no_memory_not_cached": ("P-16/no_memory_rolls_back", "a copy of the refused Wake"),
     "no_memory_keeps_mapped": ("P-16/no_memory_rolls_back", "the wake did not unmap what it mapped"),
+    "reload_refused_zeroes": ("P-13/reload_refused_in_active_no_effect", "Execute's output changed across the "
+                              "refused reload"),
+    "hello_other_pid": ("P-14/hello_proof", "the Hello names pid"),
+    "profile_wakes": ("P-15/profile_start_while_asleep", "Profile ended in state ACTIVE"),
+    "no_memory_early": ("P-16/no_memory_rolls_back", "refused NO_MEMORY after"),
+    "epoch_window_5000": ("P-13/epoch_far_ahead_refused", "expected a refusal (EPOCH_AHEAD), got an Ack"),
     "node_tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest"),
     "node_wake_unknown_tag_already": ("P-11/wake_unknown_tag_refused", "expected a refusal (UNKNOWN_TAG), got an Ack"),
     "node_crash_on_shutdown_asleep": ("P-11/shutdown_while_asleep", "Shutdown in SLEEPING: worker rank 0"),
@@ -138,8 +144,8 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
         assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
             "v1_wake_frame", "waiting_wake_acked_and_cached", "no_memory_rolls_back"}, report.render()  # fmt: skip
         assert {r.case.name for r in report.results if r.case.req == "P-15" and r.outcome == "pass"} == {
-            "profile_start_stop_lists_traces", "profile_keeps_sleep", "profile_bad_prefix_refused",
-            "profile_stale_epoch_refused"}, report.render()  # fmt: skip
+            "profile_start_stop_lists_traces", "profile_keeps_sleep", "profile_start_while_asleep",
+            "profile_bad_prefix_refused", "profile_stale_epoch_refused"}, report.render()  # fmt: skip
     assert skipped == expected, report.render()
     assert {r.case.name for r in report.results if r.outcome == "pass"} >= {
         "shutdown_from_failed", "shutdown_while_asleep", "duplicate_after_64_newer", "cpu_figure_not_nvml"}

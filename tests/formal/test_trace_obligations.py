@@ -158,10 +158,8 @@ def test_a_dead_rank_that_keeps_logging_is_rejected(crash_trace) -> None:
     _rejected_at(records, "talker", died + 1)
 
 
-@pytest.fixture(scope="module")
-def deadline_trace(tmp_path_factory) -> Path:
-    """Rank 1 frozen during a sleep with a short deadline: StageDeadline, FAILED naming it."""
-    path = tmp_path_factory.mktemp("deadline") / "deadline.jsonl"
+def frozen_sleep_trace(path: Path, timeout_s: float) -> Path:
+    """Rank 1 frozen during a sleep of `timeout_s`: StageDeadline, FAILED naming it."""
     engine = Engine([small_spec("talker", ranks=2)], trace_path=str(path))
     frozen = 0
     try:
@@ -169,12 +167,17 @@ def deadline_trace(tmp_path_factory) -> Path:
         frozen = rank_pid(engine, "talker", 1)
         os.kill(frozen, signal.SIGSTOP)
         with pytest.raises(StageFailedError):
-            engine.sleep("talker", level=1, timeout_s=DEADLINE_S)
+            engine.sleep("talker", level=1, timeout_s=timeout_s)
     finally:
         if frozen:
             resume(frozen)
         engine.shutdown()
     return path
+
+
+@pytest.fixture(scope="module")
+def deadline_trace(tmp_path_factory) -> Path:
+    return frozen_sleep_trace(tmp_path_factory.mktemp("deadline") / "deadline.jsonl", DEADLINE_S)
 
 
 def _deadline_line(records: list[T.TraceLine]) -> int:

@@ -392,7 +392,7 @@ def test_check_cli_exit_codes(demo_records, tmp_path, capsys) -> None:
 @needs_tlc
 def test_a_trace_with_profiles_across_a_sleep_is_accepted(tmp_path) -> None:
     """Profile start, a request, a sleep and a wake, Profile stop, all traced: the Profile
-    tasks are dropped from the projection (they change no state) and the rest replays."""
+    tasks replay as the spec's IssueProfile (P-15: they change no state), start and stop."""
     path = tmp_path / "profile.jsonl"
     with Engine([small_spec("p", ranks=2, profile_dir=str(tmp_path / "traces"))], trace_path=str(path)) as engine:
         engine.profile("p", prefix="traced")
@@ -404,8 +404,8 @@ def test_a_trace_with_profiles_across_a_sleep_is_accepted(tmp_path) -> None:
     commands = {getattr(line.record, "command", "") for line in records}
     assert "Profile" in commands  # the engine's sends and the ranks' receipts and effects name it
     trace = trace_export.project(records, "p")
-    assert trace.dropped["Status/Shutdown/Profile"] > 0
-    assert not any(e.cmd == "Profile" for e in trace.events)
+    assert [e.level for e in trace.events if e.kind == "issue" and e.cmd == "Profile"] == [1, 0]
+    assert {e.kind for e in trace.events if e.cmd == "Profile"} >= {"issue", "send", "wrecv", "done"}
     _assert_accepted(trace_check.validate_records(records))
 
 

@@ -42,12 +42,14 @@ VARIABLES
     owedSends,  \* commands the orchestrator put on the network, not yet logged as sent
     wowed,      \* per rank: a worker state change not yet logged by its "state" line
     wreply,     \* per rank: the reply (or Hello) its last step produced, not yet logged as sent
-    unsent      \* replies a rank produced but never logged: it died first, so they never left
+    unsent,     \* replies a rank produced but never logged: it died first, so they never left
+    wstat       \* per rank: the Status task whose effect runs (NoStatus: none)
 
-traceVars == <<i, owedState, owedSends, wowed, wreply, unsent>>
+traceVars == <<i, owedState, owedSends, wowed, wreply, unsent, wstat>>
 
 Unlogged == "?"
 NoOwed == [b |-> NoVal, s |-> NoVal]
+NoStatus == -100      \* task numbers are >= -1 (-1: a task the engine never named)
 Change(before, after) == IF before = after THEN NoOwed ELSE [b |-> before, s |-> after]
 E == Trace[i]
 TagsOf(tg) == IF tg = {"all"} THEN Tags ELSE tg       \* tags=None on the wire: every tag
@@ -61,7 +63,7 @@ CarriedInit ==
     /\ wvalid = Carried.wvalid /\ wepoch = Carried.wepoch
     /\ mem = [r \in Ranks |-> MemFrom(Carried.wasleep[r], Carried.wvalid[r])]
     /\ wpend = [r \in Ranks |-> NoPend] /\ wcache = [r \in Ranks |-> {}]
-    /\ wprof = [r \in Ranks |-> FALSE] /\ sprof = NoProf     \* Profile tasks are not replayed
+    /\ wprof = Carried.wprof /\ sprof = NoProf     \* a chunk ends with no task in flight
     /\ replied = [r \in Ranks |-> {}] /\ applied = [r \in Ranks |-> [t \in TaskIds |-> 0]]
     /\ sstate = Carried.sstate /\ sepoch = Carried.sepoch /\ stask = 0 /\ scmd = NoCmd
     /\ sacks = Carried.sacks /\ sloadFailed = {} /\ sasleep = Carried.sasleep /\ svalid = Carried.svalid
@@ -78,13 +80,15 @@ TraceInit ==
     /\ wowed = [r \in Ranks |-> NoOwed]
     /\ wreply = [r \in Ranks |-> NoMsg]
     /\ unsent = {}
+    /\ wstat = [r \in Ranks |-> NoStatus]
 
 Advance == i' = i + 1
 EngineFree == owedState = NoOwed /\ owedSends = {}
 OweStage == owedState' = Change(sstate, sstate')
 OweSends == owedSends' = {m \in net' \ net : m.kind = "cmd"}
 OweWorker(r) == wowed' = [wowed EXCEPT ![r] = Change(wstate[r], wstate'[r])]
-WorkerFree(r) == wowed[r] = NoOwed /\ wreply[r] = NoMsg
+WorkerFree(r) == wowed[r] = NoOwed /\ wreply[r] = NoMsg /\ wstat[r] = NoStatus
+StatusAck(r) == AckMsg("Status", E.t, wepoch[r], r, wstate[r], wasleep[r], "OK")
 (* Every worker line is a step of the live process that wrote it: rank E.r of epoch E.pe.
    A line after that rank's death (or of a process a restart replaced) matches nothing. *)
 WorkerLive == alive[E.r] /\ wepoch[E.r] = E.pe
@@ -106,7 +110,7 @@ EngineRecv ==
           /\ E.x # Unlogged => m.info = E.x
           /\ \E keep \in BOOLEAN : StageReceive(m, keep)     \* keep: see Resent
     /\ OweStage /\ OweSends
-    /\ UNCHANGED <<wowed, wreply, unsent>>
+    /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* An action of the engine's own that leaves the stage in E.s; what it sends is owed. *)
@@ -121,9 +125,11 @@ EngineStep(action) ==
 EngineIssue ==
     /\ E.k = "issue" /\ E.t = nextTask
     /\ EngineStep(\/ E.c = "Sleep" /\ IssueSleep(E.lvl, TagsOf(E.tg))
-                  \/ E.c = "Wake" /\ IssueWake(TagsOf(E.tg))
-                  \/ E.c = "ReloadWeights" /\ IssueReload)
-    /\ UNCHANGED <<wowed, wreply, unsent>>
+                  \/ /\ E.c = "Wake" /\ IssueWake(TagsOf(E.tg))
+                     /\ stask' # 0 => ((scmd'.level > 0) = (E.lvl = 1))   \* a waiting wake (P-16): level 1
+                  \/ E.c = "ReloadWeights" /\ IssueReload
+                  \/ E.c = "Profile" /\ IssueProfile(E.lvl = 1))   \* P-15: never changes state
+    /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* restart (StageRestarted): fresh ranks under a new epoch, from any state the stage table
@@ -133,6 +139,7 @@ EngineRestart ==
     /\ wowed' = [r \in Ranks |-> NoOwed]
     /\ wreply' = [r \in Ranks |-> NoMsg]
     /\ unsent' = unsent \cup ({wreply[r] : r \in Ranks} \ {NoMsg})
+    /\ wstat' = [r \in Ranks |-> NoStatus]
     /\ Advance
 
 (* deadline (StageDeadline): a start, a task, a drain or a request ran out of time. It is
@@ -140,16 +147,20 @@ EngineRestart ==
    line's stamp) is at or after the deadline it names (E.late: microseconds past it), and a
    FAILED stage names exactly the ranks that had not answered (E.fr, as FailStage does). *)
 EngineDeadline ==
-    /\ E.k = "deadline" /\ E.late >= 0 /\ EngineStep(Deadline)
+    /\ E.k = "deadline" /\ E.late >= 0
+    /\ \/ sstate = "STARTING" /\ E.t = 0          \* the deadline names what set it: the start,
+       \/ stask # 0 /\ E.t = stask                \* the task in flight,
+       \/ E.t \in sreqs                           \* or a request in flight
+    /\ EngineStep(Deadline)
     /\ E.s = "FAILED" => failedRanks' = E.fr
-    /\ UNCHANGED <<wowed, wreply, unsent>>
+    /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* state (StageChanged): logs the change the engine's last step made. *)
 EngineState ==
     /\ E.k = "state" /\ owedState = [b |-> E.b, s |-> E.s] /\ sepoch = E.e
     /\ owedState' = NoOwed
-    /\ UNCHANGED <<vars, owedSends, wowed, wreply, unsent>>
+    /\ UNCHANGED <<vars, owedSends, wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* dispatch (StageDispatched): a request goes to every rank at once. *)
@@ -157,7 +168,7 @@ EngineDispatch ==
     /\ E.k = "dispatch" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ E.t = nextTask
     /\ IssueExecute
     /\ OweSends
-    /\ UNCHANGED <<owedState, wowed, wreply, unsent>>
+    /\ UNCHANGED <<owedState, wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* A retry with the same task id re-sends the command to the ranks that have not
@@ -178,7 +189,7 @@ EngineSend ==
              /\ UNCHANGED vars
           \/ /\ Resent(fits)
              /\ UNCHANGED <<vars, owedSends>>
-    /\ UNCHANGED <<owedState, wowed, wreply, unsent>>
+    /\ UNCHANGED <<owedState, wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* died (RankDied): the orchestrator saw rank E.r's process end (StageCore.on_rank_died);
@@ -187,7 +198,7 @@ EngineDied ==
     /\ E.k = "died" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ ~alive[E.r]
     /\ IF sstate \in {"FAILED", "STOPPED"} THEN UNCHANGED vars ELSE RankDied(E.r)
     /\ OweStage /\ OweSends
-    /\ UNCHANGED <<wowed, wreply, unsent>>
+    /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* The kill itself is in no line (a killed process writes nothing): the spec's Crash,
@@ -198,6 +209,7 @@ HiddenCrash ==
     /\ wowed' = [wowed EXCEPT ![E.r] = NoOwed]
     /\ wreply' = [wreply EXCEPT ![E.r] = NoMsg]
     /\ unsent' = unsent \cup ({wreply[E.r]} \ {NoMsg})
+    /\ wstat' = [wstat EXCEPT ![E.r] = NoStatus]
     /\ UNCHANGED <<i, owedState, owedSends>>
 
 -----------------------------------------------------------------------------
@@ -210,7 +222,7 @@ WorkerStart ==
     /\ (Loaded(E.r) \/ LoadFailed(E.r))
     /\ wstate'[E.r] = E.w
     /\ OweReply(E.r, HelloMsg(wepoch[E.r], E.r, wstate'[E.r]))
-    /\ UNCHANGED <<owedState, owedSends, wowed, unsent>>
+    /\ UNCHANGED <<owedState, owedSends, wowed, unsent, wstat>>
     /\ Advance
 
 (* wrecv (WorkerReceived): WorkerCore.on_command, with the state before it. The engine
@@ -222,7 +234,7 @@ WorkerRecv ==
           /\ \E keep \in BOOLEAN : WorkerReceive(E.r, m, keep)   \* keep: see Resent
           /\ OweReply(E.r, OnCommand(E.r, m).reply)        \* NoMsg: the answer comes later
     /\ OweWorker(E.r)
-    /\ UNCHANGED <<owedState, owedSends, unsent>>
+    /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
     /\ Advance
 
 (* done / error (EffectDone, EffectFailed): the effect finished or raised, with the
@@ -233,7 +245,7 @@ WorkerDone ==
     /\ IF E.k = "done" THEN Done(E.r) ELSE EffectError(E.r)
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
-    /\ UNCHANGED <<owedState, owedSends, unsent>>
+    /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
     /\ Advance
 
 (* refused (EffectRefused): the runner refused the reload's source before writing. *)
@@ -243,14 +255,33 @@ WorkerRefused ==
     /\ Refused(E.r)
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
-    /\ UNCHANGED <<owedState, owedSends, unsent>>
+    /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
+    /\ Advance
+
+(* Status (P-7: legal everywhere, changes nothing), which only a client other than the engine
+   sends (the engine never does): a busy rank answers at once from what it knows; an idle one
+   runs a Status effect (its done line) and answers after it, taking nothing else meanwhile
+   (a command that reached it then would be answered BUSY, which is not modelled). *)
+WorkerStatus ==
+    /\ E.k = "wrecv" /\ E.c = "Status" /\ WorkerFree(E.r) /\ WorkerLive /\ wstate[E.r] = E.w
+    /\ IF Busy(E.r) THEN OweReply(E.r, StatusAck(E.r)) /\ UNCHANGED wstat
+                    ELSE wstat' = [wstat EXCEPT ![E.r] = E.t] /\ UNCHANGED wreply
+    /\ UNCHANGED <<vars, owedState, owedSends, wowed, unsent>>
+    /\ Advance
+
+WorkerStatusDone ==
+    /\ E.k = "done" /\ E.c = "Status" /\ WorkerLive /\ wstat[E.r] = E.t /\ wstat[E.r] # NoStatus
+    /\ wowed[E.r] = NoOwed /\ wreply[E.r] = NoMsg /\ wstate[E.r] = E.w
+    /\ wstat' = [wstat EXCEPT ![E.r] = NoStatus]
+    /\ OweReply(E.r, StatusAck(E.r))
+    /\ UNCHANGED <<vars, owedState, owedSends, wowed, unsent>>
     /\ Advance
 
 (* wstate (WorkerChanged): logs the change the worker's last step made. *)
 WorkerState ==
     /\ E.k = "wstate" /\ WorkerLive /\ wowed[E.r] = [b |-> E.b, s |-> E.w]
     /\ wowed' = [wowed EXCEPT ![E.r] = NoOwed]
-    /\ UNCHANGED <<vars, owedState, owedSends, wreply, unsent>>
+    /\ UNCHANGED <<vars, owedState, owedSends, wreply, unsent, wstat>>
     /\ Advance
 
 (* wsend (ReplySent): logs the reply (or Hello) this rank's last step produced, after its
@@ -263,7 +294,7 @@ WorkerSend ==
           /\ E.w \notin {Unlogged, ""} => m.state = E.w
           /\ E.x # Unlogged => m.info = E.x
     /\ wreply' = [wreply EXCEPT ![E.r] = NoMsg]
-    /\ UNCHANGED <<vars, owedState, owedSends, wowed, unsent>>
+    /\ UNCHANGED <<vars, owedState, owedSends, wowed, unsent, wstat>>
     /\ Advance
 
 -----------------------------------------------------------------------------
@@ -273,6 +304,7 @@ TraceNext ==
        /\ \/ EngineRecv \/ EngineIssue \/ EngineRestart \/ EngineDeadline \/ EngineState
           \/ EngineDispatch \/ EngineSend \/ EngineDied
           \/ WorkerStart \/ WorkerRecv \/ WorkerDone \/ WorkerRefused \/ WorkerState \/ WorkerSend
+          \/ WorkerStatus \/ WorkerStatusDone
     \/ HiddenCrash
 
 TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars>>
@@ -282,7 +314,7 @@ TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars>>
    TLC's "Invariant TraceAccepted is violated" means ACCEPTED. *)
 Quiescent ==
     /\ stask = 0 /\ sreqs = {}
-    /\ \A r \in Ranks : wpend[r] = NoPend /\ wowed[r] = NoOwed
+    /\ \A r \in Ranks : wpend[r] = NoPend /\ wowed[r] = NoOwed /\ wstat[r] = NoStatus
     /\ \A m \in net : m.epoch # sepoch             \* older epochs' messages can reach no one
 
 TraceAccepted == ~(/\ i > Len(Trace) /\ owedState = NoOwed /\ owedSends = {}

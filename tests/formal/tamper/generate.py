@@ -1,0 +1,429 @@
+"""The tamper corpus: legal traces of real runs, and copies tampered the way a careful forger
+would, each class of the checks' known escapes and of the plain edits they must catch.
+
+    python -m tests.formal.tamper.generate --record   # run the scenarios: legal/*.jsonl (slow)
+    python -m tests.formal.tamper.generate            # tampered/*.jsonl and manifest.json
+
+Every tampered copy has each process's lines renumbered 0, 1, ... in file order on a clock
+that never goes back (`_forged`), so only content gives it away. The tampering is
+deterministic: the same legal traces give the same bytes (tests/formal/test_tamper_corpus.py
+checks the committed output is fresh, and that TLC rejects every tampered trace and accepts
+every legal one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_core.fsm import trace_records as T
+from omni_core.trace import encode_line, read_trace
+from tests.formal.test_trace_validation import _copy, _forged
+
+HERE = Path(__file__).resolve().parent
+LEGAL = HERE / "legal"
+TAMPERED = HERE / "tampered"
+MANIFEST = HERE / "manifest.json"
+
+Lines = list[T.TraceLine]
+
+
+# ---------------------------------------------------------------- legal traces (real runs)
+
+
+def _record_demo(path: Path) -> None:
+    import io
+
+    from omni_core.demo import Demo
+
+    out = io.StringIO()
+    assert Demo(weights_mib=4, trace_path=str(path), out=out).run() == 0, out.getvalue()
+
+
+def _record_swap(path: Path) -> None:
+    """A swap that fits, then one whose wake a third process's memory refuses, then one more."""
+    from omni_core.engine import Engine, SwapFailedError
+    from omni_core.workers.simulated_device import SimulatedDevice
+    from tests.engine.conftest import small_spec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        device = SimulatedDevice(str(Path(tmp) / "gpu0"), 9 << 20)
+        specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
+        with Engine(specs, trace_path=str(path)) as engine:
+            engine.sleep("decoder")
+            engine.swap("talker", "decoder", task_id="fits")
+            device.write("trainer", 0, os.getpid(), device.capacity_bytes - (1 << 19))
+            try:
+                engine.swap("decoder", "talker", task_id="refused", memory_wait_s=0.2)
+                raise AssertionError("the swap into a full device was not refused")
+            except SwapFailedError:
+                pass
+            finally:
+                device.remove("trainer", 0, os.getpid())
+            engine.swap("decoder", "talker", task_id="again")
+
+
+def _record_deadline(path: Path) -> None:
+    from tests.formal.test_trace_obligations import frozen_sleep_trace
+
+    frozen_sleep_trace(path, 2.0)
+
+
+def _record_restart(path: Path) -> None:
+    """Rank 1 killed, FAILED, restart under epoch 1, a request, a sleep and a wake."""
+    from omni_core.engine import Engine
+    from tests.engine.conftest import PROBE, rank_pid, small_spec, wait_for
+
+    with Engine([small_spec("talker", ranks=2)], trace_path=str(path)) as engine:
+        engine.execute("talker", PROBE)
+        os.kill(rank_pid(engine, "talker", 1), signal.SIGKILL)
+        wait_for(lambda: engine.status()["talker"]["state"] == "FAILED", what="FAILED")
+        engine.restart("talker")
+        engine.execute("talker", PROBE)
+        engine.sleep("talker")
+        engine.wake("talker")
+
+
+def _record_profile(path: Path) -> None:
+    from omni_core.engine import Engine
+    from tests.engine.conftest import PROBE, small_spec
+
+    with (tempfile.TemporaryDirectory() as tmp,
+          Engine([small_spec("p", ranks=2, profile_dir=tmp)], trace_path=str(path)) as engine):  # fmt: skip
+        engine.profile("p", prefix="traced")
+        engine.execute("p", PROBE)
+        engine.sleep("p")
+        engine.wake("p")
+        engine.profile("p", start=False)
+
+
+SCENARIOS: dict[str, Callable[[Path], None]] = {
+    "demo": _record_demo, "swap": _record_swap, "deadline": _record_deadline, "restart": _record_restart,
+    "profile": _record_profile,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- finding lines
+
+
+def _engine(line: T.TraceLine, kind: type, stage: str) -> bool:
+    return line.is_engine and line.stage == stage and isinstance(line.record, kind)
+
+
+def _worker(line: T.TraceLine, kind: type, stage: str) -> bool:
+    return not line.is_engine and line.stage == stage and isinstance(line.record, kind)
+
+
+def _first(lines: Lines, test: Callable[[T.TraceLine], bool], start: int = 0) -> int:
+    return next(i for i in range(start, len(lines)) if test(lines[i]))
+
+
+def _commit(lines: Lines, stage: str, after: str) -> int:
+    return _first(lines, lambda r: _engine(r, T.StageChanged, stage) and r.record.after == after)
+
+
+def _last_ack_before(lines: Lines, stage: str, k: int) -> int:
+    return max(i for i in range(k) if _engine(lines[i], T.StageReceived, stage) and lines[i].record.reply == "ack")
+
+
+def _task_lines(lines: Lines, task_id: str) -> list[int]:
+    return [i for i, r in enumerate(lines) if getattr(r.record, "task_id", None) == task_id]
+
+
+# ---------------------------------------------------------------- tamper classes
+# Each takes a copy of a legal trace and returns it tampered, with the stage it is about.
+
+
+def commit_state(lines: Lines) -> str:
+    """The first commit to SLEEPING recorded as RUNNING."""
+    lines[_commit(lines, "talker", "SLEEPING")].record.after = "RUNNING"
+    return "talker"
+
+
+def ack_worker_state(lines: Lines) -> str:
+    """The last ACK of the first sleep says its rank is ACTIVE (engine and rank alike)."""
+    k = _last_ack_before(lines, "talker", _commit(lines, "talker", "SLEEPING"))
+    ack = lines[k].record
+    ack.worker_state = "ACTIVE"
+    sent = max(i for i in range(k) if _worker(lines[i], T.ReplySent, "talker") and lines[i].rank == ack.rank
+               and lines[i].record.task_id == ack.task_id)  # fmt: skip
+    lines[sent].record.state = "ACTIVE"
+    return "talker"
+
+
+def ack_removed(lines: Lines) -> str:
+    """The last ACK of the first sleep is gone: the commit lacks a rank."""
+    del lines[_last_ack_before(lines, "talker", _commit(lines, "talker", "SLEEPING"))]
+    return "talker"
+
+
+def commit_before_last_ack(lines: Lines) -> str:
+    k = _commit(lines, "talker", "SLEEPING")
+    lines.insert(_last_ack_before(lines, "talker", k), lines.pop(k))
+    return "talker"
+
+
+def worker_reply_deleted(lines: Lines) -> str:
+    """A rank's Result is gone (the engine still takes it)."""
+    del lines[_first(lines, lambda r: _worker(r, T.ReplySent, "talker") and r.record.reply == "result")]
+    return "talker"
+
+
+def worker_state_lie(lines: Lines) -> str:
+    """A rank logs its sleep as ending ACTIVE instead of SLEEPING."""
+    k = _first(lines, lambda r: _worker(r, T.WorkerChanged, "talker") and r.record.after == "SLEEPING")
+    lines[k].record.after = "ACTIVE"
+    return "talker"
+
+
+def ack_status_already(lines: Lines) -> str:
+    """A real sleep's ACK (rank and engine alike) says ALREADY: nothing happened."""
+    k = _last_ack_before(lines, "talker", _commit(lines, "talker", "SLEEPING"))
+    ack = lines[k].record
+    ack.info = "ALREADY"
+    for i in _task_lines(lines, ack.task_id):
+        if _worker(lines[i], T.ReplySent, "talker") and lines[i].rank == ack.rank:
+            lines[i].record.info = "ALREADY"
+    return "talker"
+
+
+def _edit_issue(lines: Lines, stage: str, fits: Callable[[T.StageIssued], bool], **fields: object) -> str:
+    """The first issue of `stage` that `fits`, and the sends of its task, given `fields`."""
+    k = _first(lines, lambda r: _engine(r, T.StageIssued, stage) and fits(r.record))
+    for i in _task_lines(lines, lines[k].record.task_id):
+        if isinstance(lines[i].record, (T.StageIssued, T.StageSent)):
+            for name, value in fields.items():
+                setattr(lines[i].record, name, value)
+    return stage
+
+
+def sleep_level_lie(lines: Lines) -> str:
+    """The decoder's level-2 sleep recorded as level 1 (issue and sends): its weights would
+    survive, yet the rank wakes needing a reload."""
+    return _edit_issue(lines, "decoder", lambda r: r.level == 2, level=1)
+
+
+def sleep_tags_lie(lines: Lines) -> str:
+    """The first sleep recorded as of kv_cache only (issue and sends)."""
+    return _edit_issue(lines, "talker", lambda r: r.command == "Sleep", tags=("kv_cache",))
+
+
+def reply_other_epoch(lines: Lines) -> str:
+    """The last ACK of the first sleep (rank and engine alike) is of epoch 1."""
+    k = _last_ack_before(lines, "talker", _commit(lines, "talker", "SLEEPING"))
+    ack = lines[k].record
+    for i in _task_lines(lines, ack.task_id):
+        r = lines[i]
+        if (r.is_engine and isinstance(r.record, T.StageReceived) and r.record.rank == ack.rank) or (
+                _worker(r, T.ReplySent, "talker") and r.rank == ack.rank):  # fmt: skip
+            r.record.epoch = 1
+    return "talker"
+
+
+def wake_answered_asleep(lines: Lines) -> str:
+    """A rank answers a Wake still SLEEPING (its reply and the engine's receipt alike)."""
+    k = _first(lines, lambda r: _engine(r, T.StageIssued, "talker") and r.record.command == "Wake")
+    task = lines[k].record.task_id
+    for i in _task_lines(lines, task):
+        r = lines[i]
+        if _worker(r, T.ReplySent, "talker") and r.rank == 0:
+            r.record.state = "SLEEPING"
+        if _engine(r, T.StageReceived, "talker") and r.record.rank == 0:
+            r.record.worker_state = "SLEEPING"
+    return "talker"
+
+
+def _relabel_pair(lines: Lines, label: str) -> str:
+    """One send of a sleep and one of the wake after it relabelled: the pair would vanish
+    from a projection that dropped every task naming such a command."""
+    issues = [i for i, r in enumerate(lines) if _engine(r, T.StageIssued, "talker") and not r.record.already]
+    for a, b in itertools.pairwise(issues):
+        if lines[a].record.command == "Sleep" and lines[b].record.command == "Wake":
+            for k in (a, b):
+                task = lines[k].record.task_id
+                lines[_first(lines, lambda r, t=task: _engine(r, T.StageSent, "talker") and r.record.task_id == t)
+                      ].record.command = label  # fmt: skip
+            return "talker"
+    raise LookupError("no sleep followed by a wake")
+
+
+def relabel_profile(lines: Lines) -> str:
+    """One send of a sleep and one of the wake after it relabelled Profile."""
+    return _relabel_pair(lines, "Profile")
+
+
+def relabel_status(lines: Lines) -> str:
+    """One send of a sleep and one of the wake after it relabelled Status."""
+    return _relabel_pair(lines, "Status")
+
+
+def relabel_shutdown(lines: Lines) -> str:
+    """One send of a sleep and one of the wake after it relabelled Shutdown."""
+    return _relabel_pair(lines, "Shutdown")
+
+
+def commit_deleted(lines: Lines) -> str:
+    """The first commit to SLEEPING is gone; everything after it stays. (A trace cut short
+    at its end is a prefix of a behaviour, as a killed engine leaves one: accepted.)"""
+    del lines[_commit(lines, "talker", "SLEEPING")]
+    return "talker"
+
+
+def deadline_premature(lines: Lines) -> str:
+    """The deadline's own line made consistent with firing at the engine's previous line."""
+    k = _first(lines, lambda r: _engine(r, T.StageDeadline, "talker"))
+    early_s = max(r.mono_s for r in lines[:k] if r.is_engine)
+    lines[k].mono_s = lines[k].record.now_s = lines[k].record.deadline_at_s = early_s
+    return "talker"
+
+
+def deadline_untied(lines: Lines) -> str:
+    lines[_first(lines, lambda r: _engine(r, T.StageDeadline, "talker"))].record.task_id = ""
+    return "talker"
+
+
+def deadline_wrong_ranks(lines: Lines) -> str:
+    """The deadline names the rank that answered, not the silent one."""
+    k = _first(lines, lambda r: _engine(r, T.StageDeadline, "talker"))
+    lines[k].record.failed_ranks = {0: "no answer within the deadline"}
+    return "talker"
+
+
+def dead_rank_after_restart(lines: Lines) -> str:
+    """The killed rank 1 of epoch 0 'runs' the epoch-1 request beside the new rank 1."""
+    died = _first(lines, lambda r: _engine(r, T.RankDied, "talker"))
+    dead = next(r for r in lines[:died] if not r.is_engine and r.rank == 1 and r.epoch == 0)
+    new = [i for i, r in enumerate(lines) if not r.is_engine and r.rank == 1 and r.epoch == 1
+           and getattr(r.record, "task_id", "").startswith("req-")]  # fmt: skip
+    for offset, i in enumerate(new):
+        ghost = _copy([lines[i + offset]])[0]
+        ghost.pid, ghost.epoch = dead.pid, 0
+        lines.insert(i + offset + 1, ghost)
+    return "talker"
+
+
+def dead_rank_before_restart(lines: Lines) -> str:
+    """The killed rank logs its last reply again right after its death was recorded."""
+    died = _first(lines, lambda r: _engine(r, T.RankDied, "talker"))
+    victim = lines[died].record.rank
+    last = max(i for i in range(died) if _worker(lines[i], T.ReplySent, "talker") and lines[i].rank == victim)
+    lines.insert(died + 1, _copy([lines[last]])[0])
+    return "talker"
+
+
+def swap_wake_level_lie(lines: Lines) -> str:
+    """The swap's incoming wake recorded as not waiting for memory, though it was sent so."""
+    k = _first(lines, lambda r: _engine(r, T.StageIssued, "decoder") and r.record.command == "Wake"
+               and r.record.level == 1)  # fmt: skip
+    lines[k].record.level = 0
+    return "decoder"
+
+
+def refused_wake_committed(lines: Lines) -> str:
+    """The wake every rank refused NO_MEMORY is recorded as committing RUNNING."""
+    k = _first(lines, lambda r: _engine(r, T.StageChanged, "talker") and r.record.before == "WAKING"
+               and r.record.after == "SLEEPING")  # fmt: skip
+    lines[k].record.after = "RUNNING"
+    return "talker"
+
+
+def profile_start_as_stop(lines: Lines) -> str:
+    """The Profile start recorded as a stop (issue and sends)."""
+    return _edit_issue(lines, "p", lambda r: r.command == "Profile", level=0)
+
+
+def profile_changes_state(lines: Lines) -> str:
+    """A rank logs a change of state after its Profile effect (P-15: none happens)."""
+    k = _first(lines, lambda r: _worker(r, T.EffectDone, "p") and r.record.command == "Profile")
+    done = lines[k]
+    change = _copy([done])[0]
+    change.record = T.WorkerChanged(done.record.task_id, "ACTIVE", "SLEEPING")
+    lines.insert(k + 1, change)
+    return "p"
+
+
+# name -> (legal trace it tampers, what it does)
+CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
+    "commit_state": ("demo", commit_state),
+    "ack_worker_state": ("demo", ack_worker_state),
+    "ack_removed": ("demo", ack_removed),
+    "commit_before_last_ack": ("demo", commit_before_last_ack),
+    "worker_reply_deleted": ("demo", worker_reply_deleted),
+    "worker_state_lie": ("demo", worker_state_lie),
+    "ack_status_already": ("demo", ack_status_already),
+    "sleep_level_lie": ("demo", sleep_level_lie),
+    "sleep_tags_lie": ("demo", sleep_tags_lie),
+    "reply_other_epoch": ("demo", reply_other_epoch),
+    "wake_answered_asleep": ("demo", wake_answered_asleep),
+    "relabel_profile": ("demo", relabel_profile),
+    "relabel_status": ("demo", relabel_status),
+    "relabel_shutdown": ("demo", relabel_shutdown),
+    "commit_deleted": ("demo", commit_deleted),
+    "deadline_premature": ("deadline", deadline_premature),
+    "deadline_untied": ("deadline", deadline_untied),
+    "deadline_wrong_ranks": ("deadline", deadline_wrong_ranks),
+    "dead_rank_after_restart": ("restart", dead_rank_after_restart),
+    "dead_rank_before_restart": ("restart", dead_rank_before_restart),
+    "swap_wake_level_lie": ("swap", swap_wake_level_lie),
+    "refused_wake_committed": ("swap", refused_wake_committed),
+    "profile_start_as_stop": ("profile", profile_start_as_stop),
+    "profile_changes_state": ("profile", profile_changes_state),
+}
+
+
+def _bytes(lines: Lines) -> bytes:
+    return b"".join(encode_line(line) for line in lines)
+
+
+def tampered() -> dict[str, tuple[str, str, bytes]]:
+    """name -> (legal source, stage, the tampered trace's bytes)."""
+    out = {}
+    for name, (source, tamper) in CLASSES.items():
+        lines = _copy(read_trace(LEGAL / f"{source}.jsonl"))
+        stage = tamper(lines)
+        out[name] = (source, stage, _bytes(_forged(lines)))
+    return out
+
+
+def manifest(made: dict[str, tuple[str, str, bytes]]) -> dict:
+    """What the corpus holds, for readers and for the CI test: each tampered trace's source,
+    the stage it is about and what was done to it."""
+    def what(name: str) -> str:
+        doc = CLASSES[name][1].__doc__ or name.replace("_", " ")
+        return " ".join(doc.split())
+
+    return {"legal": sorted(SCENARIOS),
+            "tampered": {name: {"source": source, "stage": stage, "what": what(name)}
+                         for name, (source, stage, _) in made.items()}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record", action="store_true", help="run the scenarios again (legal/*.jsonl)")
+    args = parser.parse_args(argv)
+    if args.record:
+        LEGAL.mkdir(parents=True, exist_ok=True)
+        for name, record in SCENARIOS.items():
+            path = LEGAL / f"{name}.jsonl"
+            path.unlink(missing_ok=True)
+            record(path)
+            print(f"recorded {path.relative_to(HERE)}: {len(read_trace(path))} lines")
+    TAMPERED.mkdir(parents=True, exist_ok=True)
+    for old in TAMPERED.glob("*.jsonl"):
+        old.unlink()
+    made = tampered()
+    for name, (_, _, data) in made.items():
+        (TAMPERED / f"{name}.jsonl").write_bytes(data)
+    MANIFEST.write_text(json.dumps(manifest(made), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(CLASSES)} tampered traces and {MANIFEST.relative_to(HERE)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

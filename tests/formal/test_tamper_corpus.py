@@ -1,0 +1,46 @@
+"""The tamper corpus (tests/formal/tamper): every legal trace of a real run is accepted by
+TLC, every tampered copy rejected, each where the replay stops on content (a divergence, a
+refuted line, a broken invariant, a line out of order or a step owed at the end), never by
+a TLC error or a timeout. The committed tampered traces are what the generator makes from
+the committed legal ones today."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni_core.formal import trace_check
+from omni_core.trace import read_trace
+from tests.formal.tamper import generate
+from tests.formal.test_trace_validation import needs_tlc
+
+CORPUS = json.loads(generate.MANIFEST.read_text())
+REJECTIONS = ("no spec action matches this event", "refuted by the records around it", "the replay breaks",
+              "out of program order", trace_check.OWED_AT_END)  # fmt: skip
+
+
+def test_the_corpus_is_what_the_generator_makes() -> None:
+    made = generate.tampered()
+    assert generate.manifest(made) == CORPUS, "run: python -m tests.formal.tamper.generate"
+    assert sorted(p.stem for p in generate.TAMPERED.glob("*.jsonl")) == sorted(made)
+    for name, (_, _, data) in made.items():
+        assert (generate.TAMPERED / f"{name}.jsonl").read_bytes() == data, name
+
+
+@needs_tlc
+@pytest.mark.parametrize("name", CORPUS["legal"])
+def test_a_legal_trace_is_accepted(name: str) -> None:
+    verdicts = trace_check.validate_records(read_trace(generate.LEGAL / f"{name}.jsonl"))
+    assert verdicts and all(v.accepted for v in verdicts), "\n".join(v.line() for v in verdicts)
+
+
+@needs_tlc
+@pytest.mark.parametrize("name", sorted(CORPUS["tampered"]))
+def test_a_tampered_trace_is_rejected(name: str) -> None:
+    entry = CORPUS["tampered"][name]
+    verdicts = trace_check.validate_records(read_trace(generate.TAMPERED / f"{name}.jsonl"), entry["stage"])
+    verdict = verdicts[-1]
+    print(verdict.line())
+    assert not verdict.accepted, f"{name} ({entry['what']}) was accepted"
+    assert verdict.reason.startswith(REJECTIONS), verdict.line()
