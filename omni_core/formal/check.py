@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_link_plans, gen_transitions, reports
+from omni_core.formal import agree, gen_link_plans, gen_transitions, gen_versions, reports
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.resources import MissingDataError
@@ -181,7 +181,8 @@ def write_manifest(root: Path, data: dict, counts: dict[str, dict]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--regen", action="store_true", help="rewrite tla/OmniTransitions.tla from omni_core.fsm first")
+    parser.add_argument("--regen", action="store_true",
+                        help="rewrite the generated modules (OmniTransitions, LinkPlanTable, VersionTable) first")
     parser.add_argument(
         "--update-manifest", action="store_true", help="record the state counts TLC reports in tla/manifest.json"
     )
@@ -294,15 +295,20 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return 2
     generated = root / f"{gen_transitions.MODULE}.tla"
     plans = root / f"{gen_link_plans.MODULE}.tla"
+    versions = root / f"{gen_versions.MODULE}.tla"
     if args.regen:
         changed = gen_transitions.write(generated)
         echo(f"{generated}: {'regenerated' if changed else 'already up to date'}")
         echo(f"{plans}: {'regenerated' if gen_link_plans.write(plans) else 'already up to date'}")
+        echo(f"{versions}: {'regenerated' if gen_versions.write(versions) else 'already up to date'}")
     elif not gen_transitions.is_fresh(generated):
         echo(f"FAIL {gen_transitions.stale_message(generated)}")
         return 2
     elif not gen_link_plans.is_fresh(plans):
         echo(f"FAIL {gen_link_plans.stale_message(plans)}")
+        return 2
+    elif not gen_versions.is_fresh(versions):
+        echo(f"FAIL {gen_versions.stale_message(versions)}")
         return 2
     if getattr(args, "mutate_guards", False):
         from omni_core.formal import guard_mutation

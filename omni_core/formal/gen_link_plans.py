@@ -13,13 +13,10 @@ tests/formal/test_generated_fresh.py fail while the committed file is stale.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import sys
-from pathlib import Path
 
 from omni_core.engine.link_plan import RankView, plan_links
-from omni_core.formal.manifest import tla_dir
+from omni_core.formal.generated import Generated
 
 MODULE = "LinkPlanTable"
 REGEN_COMMAND = "python -m omni_core.formal.gen_link_plans"
@@ -27,11 +24,6 @@ GPUS = ("0", "1", "2", "3")
 # Stage -> (home GPU, GPUs it reaches peer to peer): a stage with three peers, one with a
 # peer that is another stage's home, one with no P2P at all, and GPU 3 with no stage.
 TOPOLOGY = {"a": ("0", ("1", "2", "3")), "b": ("1", ("0", "2")), "c": ("2", ())}
-
-
-def default_path() -> Path:
-    """`tla/LinkPlanTable.tla` of the checkout this package lives in, or of the wheel's copy."""
-    return tla_dir() / f"{MODULE}.tla"
 
 
 def _set(values) -> str:
@@ -72,41 +64,16 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def is_fresh(path: Path | None = None) -> bool:
-    path = path or default_path()
-    return path.is_file() and path.read_text() == render()
-
-
-def stale_message(path: Path) -> str:
-    if not path.is_file():
-        return (f"{path} is missing: this install of omni-core has no link plan table there. In a checkout: "
-                f"git checkout -- tla/ (or {REGEN_COMMAND}); an installed omni-core: reinstall it from a wheel")
-    return f"{path} differs from what the link planner (omni_core/engine/link_plan.py) renders; run {REGEN_COMMAND}"
-
-
-def write(path: Path | None = None) -> bool:
-    """Write the module; True when the file changed."""
-    path = path or default_path()
-    text = render()
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.write_text(text)
-    return True
+# The renderer is looked up when called, so a patched planner or table renders anew.
+_GENERATED = Generated(MODULE, REGEN_COMMAND,
+                       "the link planner (omni_core/engine/link_plan.py)",
+                       "link plan table", lambda: render())
+default_path, is_fresh, stale_message, write = (_GENERATED.default_path, _GENERATED.is_fresh,
+                                                _GENERATED.stale_message, _GENERATED.write)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m omni_core.formal.{MODULE}", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
-    args = parser.parse_args(argv)
-    path = default_path()
-    if args.check:
-        if is_fresh(path):
-            print(f"{path}: up to date")
-            return 0
-        print(stale_message(path), file=sys.stderr)
-        return 1
-    print(f"{path}: {'written' if write(path) else 'unchanged'}")
-    return 0
+    return _GENERATED.main(argv, __doc__ or "")
 
 
 if __name__ == "__main__":

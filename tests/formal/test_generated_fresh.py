@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from omni_core.engine.link_plan import LinkPlan
-from omni_core.formal import check, gen_link_plans, gen_transitions
+from omni_core.formal import check, gen_link_plans, gen_transitions, gen_versions
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Transition
+from omni_core.protocol import StageState
 
 
 def test_committed_module_matches_the_tables():
@@ -102,15 +103,24 @@ def test_settled_rows_and_admission_tables_are_in_the_module():
 def test_tlc_refuses_an_admission_row_that_admits_outside_running(tla_copy):
     """The ASSUMEs tie admission to the stage table: a row that runs requests in SLEEPING is
     refused by TLC before any state is explored."""
-    generated = tla_copy / "OmniTransitions.tla"
-    generated.write_text(generated.read_text().replace('<<"SLEEPING", "queue", "queue">>',
-                                                       '<<"SLEEPING", "queue", "run">>'))
+    _assert_tlc_refuses_the_edited_module(tla_copy, gen_transitions, "happy",
+                                          '<<"SLEEPING", "queue", "queue">>', '<<"SLEEPING", "queue", "run">>')
+
+
+def _assert_tlc_refuses_the_edited_module(tla_copy: Path, generator, model: str, old: str, new: str) -> None:
+    """With `old` replaced by `new` in the generated module, `model` fails an ASSUME."""
+    generated = tla_copy / f"{generator.MODULE}.tla"
+    original = generated.read_text()
+    assert old in original
+    generated.write_text(original.replace(old, new))
     lines: list[str] = []
-    args = _args(tla_copy, regen=False, only=["happy"], no_controls=True)
+    args = _args(tla_copy, regen=False, only=[model], no_controls=True)
+    # The edited module is "stale" against its source, so point the check past that guard.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gen_transitions, "is_fresh", lambda path=None: True)
+        mp.setattr(generator, "is_fresh", lambda path=None: True)
         assert check.run(args, echo=lines.append) == 1
     assert "FAIL" in "\n".join(lines) and "Assumption" in "\n".join(lines), lines
+    generated.write_text(original)
 
 
 def test_the_committed_link_plan_table_is_the_planners():
@@ -127,6 +137,56 @@ def test_a_changed_planner_makes_the_link_plan_table_stale(monkeypatch, tmp_path
     assert not gen_link_plans.is_fresh(path) and "gen_link_plans" in gen_link_plans.stale_message(path)
     rows = gen_link_plans.rows()
     assert len(rows) == 3 * 16 * 16 and all(lent == frozenset() for *_, lent in rows)
+
+
+def test_the_committed_version_table_is_the_cores():
+    path = gen_versions.default_path()
+    assert gen_versions.is_fresh(path), gen_versions.stale_message(path)
+
+
+def test_every_update_row_of_both_tables_is_in_the_version_table():
+    text = gen_versions.render()
+    for table in (WORKER_TRANSITIONS, STAGE_TRANSITIONS):
+        for t in table:
+            if t.trigger.startswith("update"):
+                for src in t.sources:
+                    assert f'<<"{src.value}", "{t.trigger}", "{(t.dest or src).value}">>' in text, (t.trigger, src)
+    assert 'UpdateSettle == [rank |-> "reloaded_active", stage |-> "woke_running"]' in text
+    assert 'StageRefused == [RUNNING |-> "update_refused_running"' in text
+
+
+def test_a_changed_update_row_makes_the_version_table_stale(monkeypatch, tmp_path):
+    path = tmp_path / "VersionTable.tla"
+    gen_versions.write(path)
+    assert gen_versions.is_fresh(path)
+    failed = next(t for t in STAGE_TRANSITIONS if t.trigger == "update_failed")
+    to_running = Transition("update_failed", failed.sources, StageState.RUNNING, "a failed update serves")
+    monkeypatch.setattr(gen_versions, "STAGE_TRANSITIONS",
+                        tuple(to_running if t is failed else t for t in STAGE_TRANSITIONS))
+    assert not gen_versions.is_fresh(path) and "gen_versions" in gen_versions.stale_message(path)
+    assert gen_versions.main(["--check"]) == 1  # the committed file is stale against these tables too
+    assert gen_versions.write(path) and gen_versions.is_fresh(path)
+    assert '<<"WAKING", "update_failed", "RUNNING">>' in path.read_text()
+
+
+def test_check_refuses_to_run_on_a_stale_version_table(tla_copy):
+    table = tla_copy / f"{gen_versions.MODULE}.tla"
+    table.write_text(table.read_text().replace('    <<"ACTIVE", "execute", "ACTIVE">>\n', ""))
+    lines: list[str] = []
+    assert check.run(_args(tla_copy, list=True), echo=lines.append) == 2
+    assert len(lines) == 1 and "differs" in lines[0] and "gen_versions" in lines[0], lines
+    lines.clear()
+    assert check.run(_args(tla_copy, list=True, regen=True), echo=lines.append) == 0
+    assert gen_versions.is_fresh(table)
+
+
+@pytest.mark.slow
+def test_tlc_refuses_a_version_table_where_a_failed_update_serves(tla_copy):
+    """The ASSUMEs tie OmniVersions to the rows: an update that fails into RUNNING, or a stage
+    that executes while an update is in flight, is refused before any state is explored."""
+    for old, new in (('<<"WAKING", "update_failed", "NEEDS_RELOAD">>', '<<"WAKING", "update_failed", "RUNNING">>'),
+                     ('<<"RUNNING", "execute", "RUNNING">>', '<<"WAKING", "execute", "WAKING">>')):
+        _assert_tlc_refuses_the_edited_module(tla_copy, gen_versions, "versions", old, new)
 
 
 def test_check_calls_a_missing_generated_module_missing_not_stale(tla_copy) -> None:
