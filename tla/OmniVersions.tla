@@ -18,7 +18,8 @@
 (* Every worker and stage step comes from VersionTable.tla, GENERATED     *)
 (* from omni_core/fsm (omni_core.formal.gen_versions): firing a trigger   *)
 (* the tables lack stops TLC, and the ASSUMEs below check what this spec  *)
-(* relies on of the rows.                                                 *)
+(* relies on of the rows; SettleRows, the StageCore's own answer to every *)
+(* combination of ranks' answers, must be what the spec's Rule says.      *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets, TLC, VersionTable
 
@@ -103,20 +104,28 @@ RankFail(r) ==
     /\ UNCHANGED <<stage, committed, task, from, target, version, served, woke>>
 
 Acked == {r \in Ranks : answer[r] = "ack"}
+Range(f) == {f[x] : x \in DOMAIN f}
 
-\* The stage settles once every rank answered (P-5): commit on a complete ACK set, return
-\* where it started when all refused, NEEDS_RELOAD when all failed, FAILED when they differ.
+\* Where the stage goes on the answers so far, and whether it commits the update: it waits
+\* until every rank answered (P-5), then commits on a complete ACK set, returns where it
+\* started when all refused, is NEEDS_RELOAD when all failed and FAILED when they differ.
+Rule(start, answers) ==
+    CASE "none" \in Range(answers) -> <<"WAKING", FALSE>>
+      [] Range(answers) = {"ack"} -> <<S("WAKING", UpdateSettle.stage), TRUE>>
+      [] Range(answers) = {"refused"} -> <<S("WAKING", StageRefused[start]), FALSE>>
+      [] Range(answers) = {"failed"} -> <<S("WAKING", "update_failed"), FALSE>>
+      [] OTHER -> <<S("WAKING", "fail"), FALSE>>
+
+\* The stage core settles every combination of answers of 2 ranks as Rule does.
+ASSUME \A row \in SettleRows : Rule(row[1], row[2]) = <<row[3], row[4]>>
+
 Settle ==
     /\ task /\ stage = "WAKING"
-    /\ IF Bug = "commit_early" /\ Acked # {}
-       THEN stage' = S(stage, UpdateSettle.stage) /\ committed' = target
-       ELSE /\ pending = {}
-            /\ CASE Acked = Ranks -> stage' = S(stage, UpdateSettle.stage) /\ committed' = target
-                 [] \A r \in Ranks : answer[r] = "refused" ->
-                        stage' = S(stage, StageRefused[from]) /\ UNCHANGED committed
-                 [] \A r \in Ranks : answer[r] = "failed" ->
-                        stage' = S(stage, "update_failed") /\ UNCHANGED committed
-                 [] OTHER -> stage' = S(stage, "fail") /\ UNCHANGED committed
+    /\ LET rule == IF Bug = "commit_early" /\ Acked # {} THEN <<S(stage, UpdateSettle.stage), TRUE>>
+                   ELSE Rule(from, answer)
+       IN /\ rule[1] # "WAKING"
+          /\ stage' = rule[1]
+          /\ committed' = IF rule[2] THEN target ELSE committed
     /\ task' = FALSE
     /\ UNCHANGED <<from, target, pending, answer, wstate, version, host, served, woke>>
 

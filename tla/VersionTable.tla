@@ -61,4 +61,33 @@ WakeSettle == [rank |-> "restored_active", stage |-> "woke_running"]
 \* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)
 WorkerRefused == [ACTIVE |-> "update_refused_active", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
 StageRefused == [RUNNING |-> "update_refused_running", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
+
+\* The stage core's answer to an update of 2 ranks: <<state it started in, each rank's answer
+\* ("none": not yet), the StageCore's state then, whether it committed the new version>>
+SettleRows == {
+    <<"RUNNING", <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"RUNNING", <<"ack", "ack">>, "RUNNING", TRUE>>,
+    <<"RUNNING", <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"RUNNING", <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"RUNNING", <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"RUNNING", <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"RUNNING", <<"refused", "refused">>, "RUNNING", FALSE>>,
+    <<"RUNNING", <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"RUNNING", <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"RUNNING", <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"RUNNING", <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"RUNNING", <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", <<"ack", "ack">>, "RUNNING", TRUE>>,
+    <<"NEEDS_RELOAD", <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", <<"refused", "refused">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>
+}
 ================================================================================

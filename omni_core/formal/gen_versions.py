@@ -15,11 +15,25 @@ stale.
 
 from __future__ import annotations
 
+import itertools
+
 from omni_core.formal.generated import Generated
-from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS
+from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, StageCore
 from omni_core.fsm.settle import Settled, settle_row
 from omni_core.fsm.worker import _REFUSED
-from omni_core.protocol import UpdateWeights
+from omni_core.protocol import (
+    Ack,
+    Capability,
+    DiskSource,
+    Hello,
+    MemoryReport,
+    Nack,
+    NackReason,
+    Reply,
+    StageState,
+    UpdateWeights,
+    WorkerState,
+)
 
 MODULE = "VersionTable"
 REGEN_COMMAND = "python -m omni_core.formal.gen_versions"
@@ -29,6 +43,65 @@ WORKER_TRIGGERS = ("update", "update_refused_active", "update_refused_partial", 
 STAGE_TRIGGERS = ("update_drain", "update_drained", "update", "update_refused_running", "update_refused_partial",
                   "update_refused_needs_reload", "update_failed", "woke_running", "execute", "drain", "drained",
                   "slept", "wake", "fail")
+
+
+ANSWERS = ("ack", "refused", "failed")  # what a rank answers an update: written, refused before writing, failed
+SETTLE_FROM = ("RUNNING", "NEEDS_RELOAD")  # the settled states OmniVersions updates from
+
+
+def _stage_at(start: str) -> StageCore:
+    """A StageCore of 2 ranks in `start`, reached by legal calls: the Hellos (and, for
+    NEEDS_RELOAD, an update every rank failed)."""
+    stage = StageCore("versions", 2)
+    stage.start(0.0, 10.0)
+    for rank in (0, 1):
+        stage.on_hello(Hello(task_id="hello", epoch=stage.epoch, rank=rank, pid=100 + rank, device="cpu",
+                             backend="portable", tags=stage.tags, capabilities=(Capability.WEIGHT_UPDATE,)), 0.0)
+    if start == "NEEDS_RELOAD":
+        _update(stage, ("failed", "failed"))
+    if stage.state.value != start:
+        raise AssertionError(f"the stage core did not reach {start} (it is {stage.state.value})")
+    return stage
+
+
+def _reply(stage: StageCore, task_id: str, rank: int, answer: str, version: int, before: WorkerState) -> Reply:
+    common = {"task_id": task_id, "epoch": stage.epoch, "rank": rank, "command": "UpdateWeights"}
+    if answer == "ack":
+        memory = MemoryReport(pool_bytes_before={}, pool_bytes_after={}, process_bytes_source="none: a model row")
+        return Ack(**common, state=WorkerState.ACTIVE, weights_version=version, memory=memory)
+    if answer == "refused":
+        return Nack(**common, reason=NackReason.INVALID_ARGUMENT, state=before, weights_version=stage.weights_version)
+    return Nack(**common, reason=NackReason.UPDATE_FAILED, state=WorkerState.NEEDS_RELOAD,
+                weights_version=stage.weights_version)
+
+
+def _update(stage: StageCore, answers: tuple[str, ...]) -> list[tuple[str, bool]]:
+    """Update `stage` to the next version and feed rank i's answer `answers[i]`; after each
+    reply, the stage's state and whether it committed the version."""
+    version = stage.weights_version + 1
+    before = WorkerState.ACTIVE if stage.state is StageState.RUNNING else WorkerState(stage.state.value)
+    task_id = f"update-{stage.state.value}-{version}"
+    stage.update_weights(task_id, version, DiskSource(path="/model"), 0.0, 10.0)
+    after = []
+    for rank, answer in enumerate(answers):
+        stage.on_reply(_reply(stage, task_id, rank, answer, version, before), 0.0)
+        after.append((stage.state.value, stage.weights_version == version))
+    return after
+
+
+def settle_rows() -> list[tuple[str, tuple[str, str], str, bool]]:
+    """(state the update started in, each rank's answer or "none" while it has not answered,
+    the stage core's state then, whether it committed the version), for every combination."""
+    rows: dict[tuple[str, tuple[str, str], str, bool], None] = {}  # ordered, each row once
+    for start, answers in itertools.product(SETTLE_FROM, itertools.product(ANSWERS, repeat=2)):
+        (first, first_committed), (last, committed) = _update(_stage_at(start), answers)
+        rows[(start, (answers[0], "none"), first, first_committed)] = None
+        rows[(start, answers, last, committed)] = None
+    return list(rows)
+
+
+def _settle_row(start: str, answers: tuple[str, str], after: str, committed: bool) -> str:
+    return f'    <<"{start}", <<"{answers[0]}", "{answers[1]}">>, "{after}", {str(committed).upper()}>>'
 
 
 def _rows(table, triggers: tuple[str, ...]) -> list[str]:
@@ -69,6 +142,12 @@ def render() -> str:
         "\\* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)",
         f"WorkerRefused == {_record(worker_refused)}",
         f"StageRefused == {_record(stage_refused)}",
+        "",
+        "\\* The stage core's answer to an update of 2 ranks: <<state it started in, each rank's answer",
+        "\\* (\"none\": not yet), the StageCore's state then, whether it committed the new version>>",
+        "SettleRows == {",
+        ",\n".join(_settle_row(*row) for row in settle_rows()),
+        "}",
         "=" * 80,
         "",
     ]

@@ -11,7 +11,7 @@ import pytest
 
 from omni_core.engine.link_plan import LinkPlan
 from omni_core.formal import check, gen_link_plans, gen_transitions, gen_versions
-from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, Transition
+from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, StageCore, StageStep, Transition
 from omni_core.protocol import StageState
 
 
@@ -167,6 +167,46 @@ def test_a_changed_update_row_makes_the_version_table_stale(monkeypatch, tmp_pat
     assert gen_versions.main(["--check"]) == 1  # the committed file is stale against these tables too
     assert gen_versions.write(path) and gen_versions.is_fresh(path)
     assert '<<"WAKING", "update_failed", "RUNNING">>' in path.read_text()
+
+
+class _CommitsOnTheFirstAck(StageCore):
+    """A stage core with the bug OmniVersions' commit_early models: the first ACK stands in
+    for every rank's."""
+
+    def _maybe_commit(self, now: float) -> StageStep:
+        task = self._task
+        if task is not None and task.acks:
+            first = next(iter(task.acks.values()))
+            task.acks.update({rank: first for rank in self.ranks})
+        return super()._maybe_commit(now)
+
+
+def test_the_settle_rows_are_the_stage_cores_answers():
+    rows = {(start, answers): (after, committed) for start, answers, after, committed in gen_versions.settle_rows()}
+    assert len(rows) == 2 * (3 + 9)  # from RUNNING and NEEDS_RELOAD: one answer so far, then both
+    for start in ("RUNNING", "NEEDS_RELOAD"):
+        assert rows[(start, ("ack", "none"))] == ("WAKING", False)  # one rank is not a commit
+        assert rows[(start, ("ack", "ack"))] == ("RUNNING", True)
+        assert rows[(start, ("refused", "refused"))] == (start, False)
+        assert rows[(start, ("failed", "failed"))] == ("NEEDS_RELOAD", False)
+        assert rows[(start, ("ack", "failed"))] == rows[(start, ("refused", "ack"))] == ("FAILED", False)
+
+
+def test_a_core_that_commits_on_the_first_ack_makes_the_version_table_stale(monkeypatch, tla_copy):
+    path = tla_copy / f"{gen_versions.MODULE}.tla"
+    monkeypatch.setattr(gen_versions, "StageCore", _CommitsOnTheFirstAck)
+    assert not gen_versions.is_fresh(path)
+    assert gen_versions.write(path)
+    assert '<<"RUNNING", <<"ack", "none">>, "RUNNING", TRUE>>' in path.read_text()
+
+
+@pytest.mark.slow
+def test_tlc_refuses_a_stage_core_that_commits_on_the_first_ack(tla_copy):
+    """The ASSUME over SettleRows: the spec's commit rule is the StageCore's, so a core that
+    commits before every rank ACKed stops TLC before any state is explored."""
+    _assert_tlc_refuses_the_edited_module(tla_copy, gen_versions, "versions",
+                                          '<<"RUNNING", <<"ack", "none">>, "WAKING", FALSE>>',
+                                          '<<"RUNNING", <<"ack", "none">>, "RUNNING", TRUE>>')
 
 
 def test_check_refuses_to_run_on_a_stale_version_table(tla_copy):
