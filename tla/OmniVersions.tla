@@ -161,7 +161,11 @@ Next ==
 
 Spec == Init /\ [][Next]_vars
 
+StatesOf(rows) == {row[1] : row \in rows} \cup {row[3] : row \in rows}
+
 TypeOK ==
+    /\ stage \in StatesOf(StageRows) /\ from \in StatesOf(StageRows)
+    /\ wstate \in [Ranks -> StatesOf(WorkerRows)]
     /\ committed \in Versions /\ target \in Versions /\ task \in BOOLEAN /\ woke \in BOOLEAN
     /\ pending \subseteq Ranks
     /\ answer \in [Ranks -> {"none", "ack", "refused", "failed"}]
