@@ -159,7 +159,9 @@ class Engine:
         issued = self._orch.call(lambda f: self._orch.op_swap(f, out_stage, sleep, out_future, in_stage, wake,
                                                               in_future))  # fmt: skip
         budget_s = deadline_s + max(out_spec.request_timeout_s, in_spec.request_timeout_s)
-        self._wait(issued, 5.0)  # raises when the sleep was refused: then nothing was sent
+        # Raises when the sleep was refused, or the swap waited for its incoming stage's device
+        # past its deadline (one incoming wake per device at a time): then nothing was sent.
+        self._wait(issued, deadline_s)
         halves: dict[str, Any] = {}
         for name, future in (("outgoing", out_future), ("incoming", in_future)):
             try:
