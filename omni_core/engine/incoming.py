@@ -54,6 +54,9 @@ class SwapCall:
     in_future: Future
 
     def shortened(self, remaining_s: float) -> SwapCall:
+        """The swap issued after waiting: the caller's deadline still holds, so both halves get
+        what is left of it, and the wake's wait for memory keeps its share (below the deadline,
+        as the protocol requires; 0 stays 0)."""
         share = self.wake.wait_for_memory_s / self.wake.deadline_s
         wake = replace(self.wake, deadline_s=remaining_s, wait_for_memory_s=share * remaining_s)
         return replace(self, sleep=replace(self.sleep, deadline_s=remaining_s), wake=wake)
