@@ -20,7 +20,8 @@
 (* allocation (Admit vs Query); an OOM on an admitted map (a third process *)
 (* raced it) empties the budget and waits again; while waiting it polls   *)
 (* until the deadline (Expire), then rolls back and answers NO_MEMORY.    *)
-(* Optionally a second incoming stage C races B for what A frees.          *)
+(* Optionally a second incoming stage C races B for what A frees, or      *)
+(* (OneIncoming) starts only once B's wake has ended, as the engine does. *)
 (*                                                                         *)
 (* Abstractions: a chunk is the unit of every allocation; polling with    *)
 (* backoff is one Query step that may repeat; the deadline is a step that *)
@@ -44,6 +45,10 @@ CONSTANTS
     DeadlinePasses, \* TRUE: an incoming stage's wait may expire
     LongWait,       \* TRUE: only once A's sleep has ended and the stage's last poll saw the
                     \*   room there is now (wait_for_memory_s outlasts A's sleep and a poll)
+    WaitOutlastsA,  \* TRUE: a stage's wait expires only once A's sleep has ended (its
+                    \*   wait_for_memory_s outlasts A's sleep; LongWait without the poll)
+    OneIncoming,    \* TRUE: the engine admits one incoming wake per device at a time: C's
+                    \*   wake starts only once B's has ended
     Bug             \* "none" or the defect of a bug model (see BugNames)
 
 (* Each bug model carries one known defect:
@@ -54,16 +59,18 @@ CONSTANTS
      oom_refund    an OOM refunds the budget instead of emptying it: B retries the map from
                    its stale budget, never waits, so never expires (SwapEnds)
      free_host_early  B frees each host copy as its map lands (as A frees device memory as
-                   its copy lands): a later refusal has nothing left to restore (RefusedExact) *)
+                   its copy lands): a later refusal has nothing left to restore (RefusedExact)
+     two_incoming  the engine issues C's wake while B's is in flight, OneIncoming or not: the
+                   model is then OneIncoming = FALSE's (NotBothRefused) *)
 BugNames == {"none", "no_gate", "oom_fatal", "no_rollback", "wait_forever", "oom_refund",
-             "free_host_early"}
+             "free_host_early", "two_incoming"}
 
 ASSUME /\ Bug \in BugNames
        /\ KvA <= SizeA
        /\ SizeA + OtherInit <= Cap
        /\ OtherInit <= OtherMax
        /\ MayWait \in BOOLEAN /\ AFails \in BOOLEAN /\ DeadlinePasses \in BOOLEAN
-       /\ LongWait \in BOOLEAN
+       /\ LongWait \in BOOLEAN /\ WaitOutlastsA \in BOOLEAN /\ OneIncoming \in BOOLEAN
 
 VARIABLES
     a,          \* chunks A holds
@@ -210,11 +217,16 @@ Map(s) ==
 Expire(s) ==        \* wait_for_memory_s has passed since the wake began, while waiting
     /\ DeadlinePasses /\ Bug # "wait_forever"
     /\ LongWait => pcA \in {"asleep", "failed"} /\ budget[s] = Room
+    /\ WaitOutlastsA => pcA \in {"asleep", "failed"}
     /\ pc[s] = "acquire" /\ waiting[s]
     /\ Rollback(s)
     /\ UNCHANGED <<a, pcA, other, moves, host>>
 
-InStep(s) == Admit(s) \/ Query(s) \/ Blind(s) \/ Map(s) \/ Expire(s)
+(* One incoming wake per device at a time (the engine's swap slots, engine/incoming.py):
+   C's wake is issued once B's has ended. *)
+Issued(s) == OneIncoming /\ Bug # "two_incoming" /\ s = "C" => Ended("B")
+
+InStep(s) == Issued(s) /\ (Admit(s) \/ Query(s) \/ Blind(s) \/ Map(s) \/ Expire(s))
 
 Next ==
     \/ DiscardKv \/ Land \/ AFail \/ OtherAlloc \/ OtherFree
@@ -227,8 +239,9 @@ Spec == Init /\ [][Next]_vars
 FairSpec ==
     /\ Spec
     /\ WF_vars(DiscardKv) /\ WF_vars(Land)
-    /\ \A s \in Incoming : WF_vars(Admit(s)) /\ WF_vars(Query(s)) /\ WF_vars(Blind(s))
-                           /\ WF_vars(Map(s)) /\ WF_vars(Expire(s))
+    /\ \A s \in Incoming : WF_vars(Issued(s) /\ Admit(s)) /\ WF_vars(Issued(s) /\ Query(s))
+                           /\ WF_vars(Issued(s) /\ Blind(s)) /\ WF_vars(Issued(s) /\ Map(s))
+                           /\ WF_vars(Issued(s) /\ Expire(s))
 
 ----------------------------------------------------------------------------
 TypeOK ==
@@ -265,7 +278,11 @@ AsleepUntilComplete == \A s \in Incoming : tags[s] = "awake" => pc[s] = "awake"
    through, so one of them wakes, if the waits outlast A's sleep and a poll after the
    rollback (LongWait). Otherwise both may be refused: TLC finds it at once without
    LongWait, and two deadlines that pass within one poll of each other do it on a real
-   device. Checked with and without LongWait by tests/formal/test_swap.py. *)
+   device. Checked with and without LongWait by tests/formal/test_swap.py. So the engine
+   admits one incoming wake per device at a time (OneIncoming): C's wake starts once B's has
+   ended, and one of them wakes whenever the waits outlast A's sleep, however close their
+   deadlines (WaitOutlastsA, no poll needed): models/swap_two_serial.cfg holds it as an
+   invariant, bugs/swap_two_incoming.cfg (C issued while B waits) violates it. *)
 NotBothRefused == ~(\A s \in Incoming : pc[s] = "refused")
 
 SwapEnds == <>(pcA \in {"asleep", "failed"} /\ \A s \in Incoming : pc[s] \in {"awake", "refused"})

@@ -218,7 +218,11 @@ REQUIREMENTS: dict[str, Requirement] = {
             "outgoing stage's `Sleep` and the incoming stage's waiting `Wake` together, under the task ids "
             "`{id}/out` and `{id}/in`, so that a repeated swap is answered from both stages' records; it "
             "completes only when both halves do, and otherwise reports each stage's exact state and, on "
-            '`NO_MEMORY`, who holds the memory.',
+            '`NO_MEMORY`, who holds the memory. The orchestrator admits one incoming wake per device at a time: '
+            "a swap whose incoming stage runs on a device (a GPU of any of its ranks) where another swap's "
+            'waiting `Wake` is in flight is sent once that `Wake` has ended, within its own deadline, or refused '
+            'with nothing sent (two incoming stages that each keep what they mapped while they wait could '
+            'otherwise both be refused: `tla/OmniSwap.tla`, `NotBothRefused`).',
         ),
         Requirement(
             "P-17",

@@ -128,7 +128,12 @@ class Engine:
         allocation only once its device has that much free memory, waiting up to
         `memory_wait_s` (default: half the deadline) for the outgoing stage to release it; a
         stage never allocates past the device, whatever the sizes. Task ids are
-        `{task_id}/out` and `{task_id}/in`: a repeated swap gets both recorded outcomes.
+        `{task_id}/out` and `{task_id}/in`: a repeated swap gets both recorded outcomes. One
+        incoming wake per device at a time: while another swap's incoming stage is waking
+        on a device `in_stage` runs on, this swap waits for that wake to end (`status()`
+        lists it under `swaps_waiting`), then goes out with what is left of its deadline;
+        it raises `TaskAbandonedError`, nothing sent, when its deadline passes first or 16
+        swaps wait already.
 
         Raises `SwapFailedError` unless both halves complete; its `outgoing`/`incoming` hold
         each half's report or error (`NoMemoryError` names who holds the memory: the
@@ -159,7 +164,9 @@ class Engine:
         issued = self._orch.call(lambda f: self._orch.op_swap(f, out_stage, sleep, out_future, in_stage, wake,
                                                               in_future))  # fmt: skip
         budget_s = deadline_s + max(out_spec.request_timeout_s, in_spec.request_timeout_s)
-        self._wait(issued, 5.0)  # raises when the sleep was refused: then nothing was sent
+        # Raises when the sleep was refused, or the swap waited for its incoming stage's device
+        # past its deadline (one incoming wake per device at a time): then nothing was sent.
+        self._wait(issued, deadline_s)
         halves: dict[str, Any] = {}
         for name, future in (("outgoing", out_future), ("incoming", in_future)):
             try:

@@ -45,6 +45,7 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
     WeightUpdateFailedError,
 )
+from omni_core.engine.incoming import IncomingSlots, SwapCall, stage_devices
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.link_plan import LinkLedger, rank_view
 from omni_core.engine.report import LifecycleReport, ProfileReport
@@ -189,6 +190,7 @@ class Orchestrator:
         # What strangers and faulty peers tried; each attempt is counted, none changes anything.
         self._links = LinkLedger()
         self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self._incoming: IncomingSlots[SwapCall] = IncomingSlots()
         self.counters = {"bad_replies": 0, "unknown_peers": 0, "send_failures": 0,
                          "forged_hellos": 0, "rebind_refused": 0, "rank_mismatch": 0}  # fmt: skip
         # What the loop caught while handling one frame, exit or tick, by cause (bounded labels).
@@ -290,19 +292,50 @@ class Orchestrator:
     def op_swap(self, future: Future, out_name: str, sleep: I.SleepCall, out_future: Future, in_name: str,
                 wake: I.WakeCall, in_future: Future) -> None:  # fmt: skip
         """Both halves of a swap in one turn of the loop, so that the outgoing stage's copies and
-        the incoming stage's wait for memory start together. The sleep goes first: when it is
-        refused nothing was sent. When the wake is refused the sleep goes on (its outcome comes
-        in `out_future`) and the refusal is this call's error."""
-        self.op_lifecycle(out_future, out_name, sleep)
+        the incoming stage's wait for memory start together; `future` settles once they are
+        sent. A waiting wake holds its devices until it ends (engine/incoming.py): a swap
+        into a held device waits for it first, within its deadline."""
+        self.stage(out_name)
+        swap = SwapCall(future, out_name, sleep, out_future, in_name, wake, in_future)
+        waits = wake.wait_for_memory_s > 0
+        devices = stage_devices(self.stage(in_name).spec, self._engine_visible) if waits else frozenset()
+        key = (in_name, wake.task_id)
+        swap_id = wake.task_id.removesuffix("/in")
+        if self._incoming.offer(key, swap_id, devices, time.monotonic(), wake.deadline_s, swap):
+            self._swap_now(key, swap)
+
+    def _swap_now(self, key: tuple[str, str], swap: SwapCall) -> None:
+        """The sleep goes first: when it is refused nothing was sent. When the wake is refused
+        the sleep goes on (its outcome comes in `out_future`) and the refusal is the wake's."""
         try:
-            self.op_lifecycle(in_future, in_name, wake)
-        except StageCommandError as exc:
-            _settle(in_future, error=InvalidArgumentError(str(exc)))
+            self.op_lifecycle(swap.out_future, swap.out_name, swap.sleep)
+        except InvariantViolation:
+            raise
+        except BaseException as exc:
+            self._incoming.release(key)
+            _settle(swap.future, error=InvalidArgumentError(str(exc)) if isinstance(exc, StageCommandError) else exc)
+            return
+        try:
+            self.op_lifecycle(swap.in_future, swap.in_name, swap.wake)
         except InvariantViolation:
             raise
         except BaseException as exc:  # the sleep goes on; the caller hears both halves
-            _settle(in_future, error=exc)
-        future.set_result(None)
+            self._incoming.release(key)
+            _settle(swap.in_future, error=InvalidArgumentError(str(exc)) if isinstance(exc, StageCommandError) else exc)
+        _settle(swap.future, result=None)
+
+    def _advance_swaps(self) -> None:
+        """Issue the waiting swaps whose devices are free, with what is left of their deadline
+        (the wait for memory keeps its share of it); refuse those whose deadline passed."""
+        while True:
+            now = time.monotonic()
+            due, expired = self._incoming.advance(now)
+            for entry in expired:
+                _settle(entry.item.future, error=self._incoming.expired_error(entry))
+            if not due:
+                return
+            for entry in due:
+                self._swap_now(entry.key, entry.item.shortened(entry.deadline_at_s - now))
 
     def op_set_admission(self, future: Future, name: str, event: I.SetAdmission) -> None:
         self._step(self.stage(name), event)
@@ -339,6 +372,7 @@ class Orchestrator:
                 "weights_version": core.weights_version,
                 "asleep_tags": sorted(core.residency.asleep), "weights_valid": core.residency.weights_valid,
                 "ranks": {p.rank: self._rank_status(stage, p) for p in stage.procs},
+                "swaps_waiting": self._incoming.waiting(name),
             }  # fmt: skip
         out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0,
                               **self.frame_errors.as_counters())  # fmt: skip
@@ -367,6 +401,8 @@ class Orchestrator:
             return
         self._closing = future
         self._closing_deadline_at = time.monotonic() + timeout_s
+        for entry in self._incoming.drain():
+            _settle(entry.item.future, error=EngineClosedError("the engine shut down before this swap could start"))
         for stage in self._stages.values():
             # The core first: its StageStopped record ends the stage's trace before any
             # rank hears of the shutdown (the spec does not model Shutdown).
@@ -405,6 +441,7 @@ class Orchestrator:
                 self._next_tick_at = now + TICK_INTERVAL_S
                 for stage in self._stages.values():
                     self._isolated(f"the deadline tick of stage {stage.spec.name!r}", self._tick, stage)
+            self._advance_swaps()
             if self._closing is not None and self._finish_close():
                 return
 
@@ -421,6 +458,8 @@ class Orchestrator:
                 _settle(future, error=error)
             stage.requests.clear()
             stage.waiters.clear()
+            for entry in self._incoming.drain():
+                _settle(entry.item.future, error=error)
             stage.start_waiters.clear()
             with contextlib.suppress(Exception):
                 self._launcher.reap(stage.procs)
@@ -559,6 +598,7 @@ class Orchestrator:
                 unsent.setdefault(command.task_id, []).append(out.rank)
         if step.outcome is not None:
             self._links.release(stage.spec.name, step.outcome.task_id)
+            self._incoming.release((stage.spec.name, step.outcome.task_id))
         self._resolve(stage, step.outcome)
         for answer in step.requests:
             self._answer(stage, answer)

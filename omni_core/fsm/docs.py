@@ -75,6 +75,11 @@ def _swap_section() -> list[str]:
         f"{_refused(STAGE_TRANSITIONS)}; when some ranks woke and others refused, it takes `fail`",
         "naming both (its ranks now hold different tags). The refusal is kept like any answer, so",
         "a repeated swap (task ids `{id}/out`, `{id}/in`) is answered from the stages' records.",
-        "The swap on one device is model-checked in `tla/OmniSwap.tla`.",
+        "The orchestrator admits one incoming wake per device at a time: a swap into a device where",
+        "another swap's incoming stage is still waking waits for that wake to end (at most 16 wait;",
+        "`status()` lists them under `swaps_waiting`), then goes out with what is left of its",
+        "deadline, or is refused when the deadline passes first; otherwise two incoming stages that",
+        "each hold part of themselves could both be refused. The swap on one device is",
+        "model-checked in `tla/OmniSwap.tla`.",
         "",
     ]

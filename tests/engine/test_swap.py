@@ -11,9 +11,14 @@ import threading
 import pytest
 
 from omni_core.engine import Engine, InvalidArgumentError, NoMemoryError, SwapFailedError
+from omni_core.engine.errors import TaskAbandonedError
+from omni_core.formal import trace_check
+from omni_core.formal.tlc import TlcNotFoundError
+from omni_core.fsm.trace_records import ENGINE_RANK, StageIssued, TaskEnded
+from omni_core.trace import read_trace
 from omni_core.workers.simulated_device import SimulatedDevice
 
-from .conftest import PROBE, MiB, small_spec
+from .conftest import PROBE, MiB, in_thread, small_spec, wait_for
 
 # Level 1 keeps 2 MiB of weights per stage on the host; the device fits one stage and a half.
 STAGE_BYTES_BOUND = 3 * MiB  # each stage's resident bytes stay below this (weights, KV, buffers)
@@ -127,3 +132,47 @@ def test_swap_arguments_are_checked_before_anything_is_sent(device):
         # deadline's default memory wait (half of it) is capped at the protocol's limit.
         report = engine.swap("talker", "decoder", timeout_s=10_000.0)
         assert (report.outgoing.state, report.incoming.status) == ("SLEEPING", "ALREADY")
+
+
+def test_two_swaps_into_one_device_take_turns_one_incoming_wake_at_a_time(device, tmp_path):
+    """Two incoming wakes on one device can both hold part of themselves and both be refused
+    (tla/OmniSwap.tla, NotBothRefused): the second swap waits until the first's wake ended."""
+    trace = tmp_path / "trace.jsonl"
+    specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
+    with Engine(specs, trace_path=str(trace)) as engine:
+        talker_output = engine.execute("talker", PROBE)
+        engine.sleep("decoder")
+        # A third process holds the device: the first swap's incoming wake waits, in flight.
+        device.write("trainer", 0, os.getpid(), device.capacity_bytes - MiB // 2)
+        try:
+            first = in_thread(lambda: engine.swap("talker", "decoder", task_id="swap-1", timeout_s=60.0,
+                                                  memory_wait_s=30.0))  # fmt: skip
+            wait_for(lambda: engine.status()["decoder"]["task_id"] == "swap-1/in", what="the first swap's wake")
+            # A swap into the same device waits for it, and is refused at its own deadline
+            # naming the swap it waited for; nothing of it was sent.
+            with pytest.raises(TaskAbandonedError, match=r"swap 'swap-late' did not start within its deadline .*"
+                                                         r"incoming wake of swap 'swap-1' into stage 'decoder'"):
+                engine.swap("decoder", "talker", task_id="swap-late", timeout_s=1.0)
+            second = in_thread(lambda: engine.swap("decoder", "talker", task_id="swap-2", timeout_s=60.0))
+            wait_for(lambda: [w["swap"] for w in engine.status()["talker"]["swaps_waiting"]] == ["swap-2"],
+                     what="the second swap waiting for the device")  # fmt: skip
+            assert not first.done() and not second.done()
+        finally:
+            device.remove("trainer", 0, os.getpid())
+        one, two = first.result(90), second.result(90)
+        assert (one.outgoing.state, one.incoming.state) == ("SLEEPING", "RUNNING")  # the device held the decoder
+        assert (two.outgoing.state, two.incoming.state) == ("SLEEPING", "RUNNING")  # then the talker
+        assert engine.status()["talker"]["swaps_waiting"] == []
+        assert engine.execute("talker", PROBE) == talker_output
+    engine_lines = [line for line in read_trace(trace) if line.rank == ENGINE_RANK]
+    order = [(type(line.record).__name__, line.record.task_id) for line in engine_lines
+             if isinstance(line.record, (StageIssued, TaskEnded)) and line.record.task_id.startswith("swap")]
+    assert not any(task.startswith("swap-late") for _, task in order)  # never issued
+    assert order.index(("TaskEnded", "swap-1/in")) < order.index(("StageIssued", "swap-2/out"))
+    # The second swap went out with what was left of its deadline: the trace checker (TLC)
+    # accepts every stage's replay, the late issue's deadline included.
+    try:
+        verdicts = trace_check.validate_records(read_trace(trace))
+    except TlcNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert verdicts and all(v.accepted for v in verdicts), [v.line() for v in verdicts]

@@ -32,11 +32,12 @@ def _tlc(config: Path):
 
 def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
     entries = {m.name: m for m in _swap_entries()}
-    assert {"swap", "swap_zero_wait", "swap_succeeds", "swap_two"} <= set(entries)
+    assert {"swap", "swap_zero_wait", "swap_succeeds", "swap_two", "swap_two_serial"} <= set(entries)
     bugs = {name: m.expect for name, m in entries.items() if m.is_bug}
     assert bugs == {"bug/swap_no_gate": "NoOOMFailure", "bug/swap_oom_fatal": "NoOOMFailure",
                     "bug/swap_no_rollback": "RefusedExact", "bug/swap_wait_forever": "SwapEnds",
-                    "bug/swap_oom_refund": "SwapEnds", "bug/swap_free_host_early": "RefusedExact"}  # fmt: skip
+                    "bug/swap_oom_refund": "SwapEnds", "bug/swap_free_host_early": "RefusedExact",
+                    "bug/swap_two_incoming": "NotBothRefused"}  # fmt: skip
     for m in entries.values():
         assert (check.tla_dir() / m.config).is_file()
         assert m.distinct_states and (not m.is_bug or m.control_states), m.name
@@ -145,6 +146,8 @@ CONSTANTS
     AFails = FALSE
     DeadlinePasses = TRUE
     LongWait = {long}
+    WaitOutlastsA = {outlasts}
+    OneIncoming = {one}
     Bug = "none"
 INVARIANTS
     TypeOK
@@ -157,7 +160,7 @@ INVARIANTS
 
 def test_two_incoming_stages_hold_and_wait_and_one_wakes_when_the_waits_outlast_a(tmp_path):
     config = tmp_path / "race.cfg"
-    config.write_text(_RACE.format(long="TRUE"))
+    config.write_text(_RACE.format(long="TRUE", outlasts="FALSE", one="FALSE"))
     assert _tlc(config).outcome == "ok"
     states, _, _ = swap_graph.parse_dot(swap_graph.dump(SPEC, config))
     # Both hold part of themselves, neither can finish: only a rollback gets one through.
@@ -166,6 +169,35 @@ def test_two_incoming_stages_hold_and_wait_and_one_wakes_when_the_waits_outlast_
 
 def test_two_incoming_stages_may_both_be_refused_when_a_wait_is_short(tmp_path):
     config = tmp_path / "race.cfg"
-    config.write_text(_RACE.format(long="FALSE"))
+    config.write_text(_RACE.format(long="FALSE", outlasts="FALSE", one="FALSE"))
     result = _tlc(config)
     assert (result.outcome, result.violated) == ("invariant", "NotBothRefused"), result.error
+
+
+@pytest.mark.parametrize(("outlasts", "one", "outcome"), [
+    ("TRUE", "FALSE", "invariant"),   # waits that outlast A's sleep: both still refused when racing
+    ("TRUE", "TRUE", "ok"),           # one incoming wake per device at a time: one wakes
+    ("FALSE", "TRUE", "invariant"),   # each wait ends before A's sleep: each refusal is for A
+], ids=["racing", "one_incoming", "waits_shorter_than_a"])  # fmt: skip
+def test_one_incoming_wake_per_device_keeps_one_of_two_stages_from_refusal(tmp_path, outlasts, one, outcome):
+    # The race's constants without LongWait: with OneIncoming = FALSE both are refused even when
+    # every wait outlasts A's sleep (the two deadlines pass together); with it, C's wake starts
+    # once B's ended and one of them wakes. No order helps a wait that ends before A's sleep.
+    config = tmp_path / "race.cfg"
+    config.write_text(_RACE.format(long="FALSE", outlasts=outlasts, one=one))
+    result = _tlc(config)
+    assert result.outcome == outcome, (result.got, result.error)
+    if outcome == "invariant":
+        assert result.violated == "NotBothRefused", result.error
+
+
+def test_the_serial_model_is_the_race_with_one_incoming_wake_and_the_bug_model_without_it():
+    serial = (check.tla_dir() / "models/swap_two_serial.cfg").read_text()
+    bug = (check.tla_dir() / "bugs/swap_two_incoming.cfg").read_text()
+    race = _RACE.format(long="FALSE", outlasts="TRUE", one="TRUE")
+
+    def constants(text: str) -> str:
+        return text[text.index("CONSTANTS"):text.index("INVARIANTS")]
+
+    assert constants(serial) == constants(race)
+    assert constants(bug) == constants(race).replace('Bug = "none"', 'Bug = "two_incoming"')

@@ -1,0 +1,99 @@
+"""engine/incoming.py: one incoming wake per device at a time, first come first served,
+bounded, each waiting swap refused once its deadline passes (naming what it waited for)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from omni_core.engine import StageSpec
+from omni_core.engine.errors import TaskAbandonedError
+from omni_core.engine.incoming import IncomingSlots, SwapCall, stage_devices
+from omni_core.fsm.inputs import SleepCall, WakeCall
+from omni_core.workers.simulated_device import SimulatedDevice
+
+GPU0, GPU1 = frozenset({"gpu:0"}), frozenset({"gpu:1"})
+
+
+def test_stage_devices_per_rank_gpu_simulated_directory_or_none():
+    sim = SimulatedDevice("/tmp/dev/./gpu0", 1 << 20)
+    assert stage_devices(StageSpec("a", simulated_device=sim), None) == {"simulated:/tmp/dev/gpu0"}
+    assert stage_devices(StageSpec("a"), "0,1") == frozenset()  # CPU: nothing to run out of
+    assert stage_devices(StageSpec("a", ranks=2, device="cuda", devices=("3,4", "5")), None) == {"gpu:3", "gpu:5"}
+    assert stage_devices(StageSpec("a", device="cuda:1"), "6,7") == {"gpu:7"}
+    assert stage_devices(StageSpec("a", device="cuda:1"), None) == {"gpu:1"}
+
+
+def test_a_second_swap_into_a_held_device_waits_until_the_first_wake_ends():
+    slots: IncomingSlots[str] = IncomingSlots()
+    assert slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, "first")
+    assert slots.offer(("x", "s0/in"), "s0", GPU1, 0.0, 10.0, "other GPU")  # another device: at once
+    assert not slots.offer(("c", "s2/in"), "s2", GPU0, 1.0, 10.0, "second")
+    assert not slots.offer(("a", "s3/in"), "s3", GPU0, 1.0, 10.0, "third")
+    assert slots.waiting("c") == [{"swap": "s2", "behind": "device gpu:0, held by the incoming wake of swap "
+                                                         "'s1' into stage 'b'"}]  # fmt: skip
+    assert slots.advance(5.0) == ([], [])
+    slots.release(("b", "other/in"))  # another task of stage b ending frees nothing
+    slots.release(("x", "s0/in"))
+    assert slots.advance(5.0) == ([], [])
+    slots.release(("b", "s1/in"))
+    due, expired = slots.advance(5.0)
+    assert [e.item for e in due] == ["second"] and expired == []  # one at a time, in arrival order
+    assert slots.waiting("a")[0]["behind"].endswith("swap 's2' into stage 'c'")
+    slots.release(due[0].key)
+    assert [e.item for e in slots.advance(5.0)[0]] == ["third"]
+
+
+def test_first_come_first_served_on_a_shared_device():
+    slots: IncomingSlots[str] = IncomingSlots()
+    assert slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, "first")
+    assert not slots.offer(("c", "s2/in"), "s2", GPU0 | GPU1, 0.0, 10.0, "both")
+    # GPU1 is free, but s2 came first and waits for it too: s3 waits behind it.
+    assert not slots.offer(("d", "s3/in"), "s3", GPU1, 0.0, 10.0, "gpu1")
+    assert "for which swap 's2' waits already" in slots.waiting("d")[0]["behind"]
+    slots.release(("b", "s1/in"))
+    assert [e.item for e in slots.advance(1.0)[0]] == ["both"]
+
+
+def test_a_waiting_swap_is_refused_at_its_deadline_naming_the_swap_it_waited_for():
+    slots: IncomingSlots[str] = IncomingSlots()
+    assert slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, "first")
+    assert not slots.offer(("c", "s2/in"), "s2", GPU0, 2.0, 3.0, "second")
+    assert slots.advance(4.9) == ([], [])
+    due, expired = slots.advance(5.0)
+    assert due == [] and [e.item for e in expired] == ["second"] and slots.waiting("c") == []
+    message = str(slots.expired_error(expired[0]))
+    assert "swap 's2' did not start within its deadline of 3.000 s" in message
+    assert "held by the incoming wake of swap 's1' into stage 'b'" in message
+    # Even when the device frees at the same moment, a swap past its deadline is not issued.
+    assert not slots.offer(("c", "s3/in"), "s3", GPU0, 5.0, 1.0, "late")
+    slots.release(("b", "s1/in"))
+    assert [e.item for e in slots.advance(6.0)[1]] == ["late"]
+
+
+def test_the_queue_is_bounded_and_drained_at_shutdown():
+    slots: IncomingSlots[int] = IncomingSlots(limit=2)
+    assert slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, 0)
+    for k in (1, 2):
+        assert not slots.offer(("c", f"q{k}/in"), f"q{k}", GPU0, 0.0, 10.0, k)
+    with pytest.raises(TaskAbandonedError, match=r"swap 'q3' refused: 2 swaps already wait .*device gpu:0, held by "
+                                                 r"the incoming wake of swap 's1'"):  # fmt: skip
+        slots.offer(("c", "q3/in"), "q3", GPU0, 0.0, 10.0, 3)
+    assert [e.item for e in slots.drain()] == [1, 2] and slots.waiting("c") == []
+
+
+def test_a_copy_of_a_wake_in_flight_waits_for_it():
+    slots: IncomingSlots[str] = IncomingSlots()
+    assert slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, "first")
+    assert not slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, "copy")
+    slots.release(("b", "s1/in"))
+    assert [e.item for e in slots.advance(1.0)[0]] == ["copy"]
+
+
+def test_a_swap_issued_late_gets_what_is_left_of_its_deadline_and_keeps_the_waits_share():
+    call = SwapCall(Future(), "a", SleepCall("s/out", 1, None, 10.0), Future(), "b", WakeCall("s/in", None, 10.0, 4.0),
+                    Future())  # fmt: skip
+    late = call.shortened(2.5)
+    assert (late.sleep.deadline_s, late.wake.deadline_s, late.wake.wait_for_memory_s) == (2.5, 2.5, 1.0)
+    assert (late.sleep.task_id, late.wake.task_id, late.future) == ("s/out", "s/in", call.future)
