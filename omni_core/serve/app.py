@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -33,6 +34,7 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine, LifecycleReport, SwapReport
 from omni_core.engine.api import WAIT_GRACE_S
 from omni_core.engine.errors import InvalidArgumentError, OmniCoreError, SwapFailedError
+from omni_core.protocol import DiskSource, WeightSource
 from omni_core.serve import models as m
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
@@ -171,6 +173,25 @@ class ServeState:
                             "operator lists it under [server] allowed_reload_sources",
                        kind="SourceNotAllowed")  # fmt: skip
 
+    def weight_source(self, source: str | dict[str, Any]) -> WeightSource:
+        """The body's `source` as the protocol's type: a path is a disk source; an object is
+        decoded strictly (no conversion, no unknown field) and a disk path in it is checked
+        against allowed_reload_sources like a reload's."""
+        if isinstance(source, str):
+            return DiskSource(path=self.check_source(source) or source)
+        check_wire_value(source, "source")
+        try:
+            decoded = msgspec.convert(source, WeightSource, strict=True)  # type: ignore[arg-type]
+        except msgspec.ValidationError as exc:
+            # msgspec names the place as `$.buckets[0].nbytes`: say it from the body's root.
+            where = str(exc).replace("$", "source", 1) if "$" in str(exc) else f"source: {exc}"
+            raise ApiError(422, f"weight source refused: {where}; send a path, {{\"type\": \"disk\", \"path\": ...}} "
+                                "or msgspec.to_builtins of what WeightSender shares", kind="RequestValidationError",
+                           extra={"fields": ["source"]}) from None  # fmt: skip
+        if isinstance(decoded, DiskSource):
+            return DiskSource(path=self.check_source(decoded.path) or decoded.path)
+        return decoded
+
     async def lifecycle(self, stage: str, command: str, call: Callable[[], Any], *, level: int | None = None) -> Any:
         """Run one blocking lifecycle call; time it, count it, remember its memory figures."""
         metrics = self.metrics
@@ -301,7 +322,7 @@ class ServeState:
                 "pool_bytes": dict(mem.pool_bytes), "process_bytes": mem.process_bytes,
                 "process_bytes_source": mem.process_bytes_source,
                 "rss_bytes": _read_rss_bytes(info.get("pid")) if info.get("alive") else None,
-                "host_offloaded_bytes": mem.host_offloaded_bytes,
+                "host_offloaded_bytes": mem.host_offloaded_bytes, "weights_version": info.get("weights_version", 0),
             }  # fmt: skip
         return {
             "stage_id": index, "name": name, "state": st.get("state", "UNKNOWN"), "epoch": st.get("epoch", 0),
@@ -309,6 +330,7 @@ class ServeState:
             "failure": st.get("failure") or None, "queued": st.get("queued", 0), "in_flight": st.get("in_flight", 0),
             "counters": dict(st.get("counters") or {}), "last_sleep_level": self.last_level[name],
             "asleep_tags": list(st.get("asleep_tags") or []), "weights_valid": bool(st.get("weights_valid", True)),
+            "weights_version": st.get("weights_version", 0),
             "tags": list(spec.tags), "runner": spec.runner, "device": spec.device, "backend": spec.backend,
             "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()), "ranks": ranks,
         }  # fmt: skip
@@ -728,6 +750,22 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         call = functools.partial(engine.reload_weights, name, source, task_id=tid, timeout_s=timeout_s)
         return await run_post(state, request, "/v1/stages/{name}/reload", lifecycle_work(name, "reload", call))
 
+    @app.post("/v1/stages/{name}/update_weights", dependencies=control, response_model=m.LifecycleReportModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"],
+              description="Replace the stage's weights with `source` as weights `version` (P-17), in any state "
+                          "with the weights resident; RUNNING drains first. A version not above the stage's is "
+                          "409 naming both; a bad source 422 (its field) or 400 (the ranks refused it, nothing "
+                          "written); a failed update 503 with the stage NEEDS_RELOAD at its old version. With an "
+                          "Idempotency-Key, a retry gets the first answer.")  # fmt: skip
+    async def update_weights(name: str, request: Request, body: m.UpdateWeightsBody) -> Response:
+        state.stage_name(name)
+        source = state.weight_source(body.source)
+        engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
+        call = functools.partial(engine.update_weights, name, source, version=body.version, task_id=tid,
+                                 timeout_s=timeout_s)  # fmt: skip
+        work = lifecycle_work(name, "update", call)
+        return await run_post(state, request, "/v1/stages/{name}/update_weights", work)
+
     @app.post("/v1/swap", dependencies=control, response_model=m.SwapReportModel, responses=m.ERROR_RESPONSES,
               tags=["omni-core"],
               description="Put stage `out` to sleep and wake stage `in` at the same time, so the host link "
@@ -1007,13 +1045,14 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     # ------------------------------------------------------------------ SGLang-compatible
 
     def sglang_work(command: str, names: list[str], make_call: Callable[[str], Callable[[], Any]],
-                    done: str, level: int | None = None) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
-        """SGLang's answer, {"success", "message"}, on errors too (beside omni-core's error)."""
+                    done: str, level: int | None = None, **extra: Any) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+        """SGLang's answer, {"success", "message"} (and `extra`), on errors too (beside omni-core's
+        error)."""
 
         async def work() -> Answer:
             per_stage, error = await on_targets(names, command, make_call, level)
             if error is None:
-                return _answer(200, {"success": True, "message": done, "stages": per_stage})
+                return _answer(200, {"success": True, "message": done, **extra, "stages": per_stage})
             body = json.loads(error.body)
             return Answer(error.status, dumps(dict(body, success=False, message=body["error"]["message"])),
                           error.headers)  # fmt: skip
@@ -1042,6 +1081,34 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         work = sglang_work("wake", names, wake_call(tags, _lifecycle_tid(request)),
                            f"resumed {tags or 'every tag asleep'} of {names}")
         return await run_post(state, request, "/resume_memory_occupation", work)
+
+    @app.post("/update_weights_from_disk", dependencies=control, response_model=m.SglangUpdateModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's update from disk on the default stage (or every stage): {\"model_path\", "
+                          "\"weight_version\"}; weight_version is required (a decimal integer above the "
+                          "stage's), model_path must lie under allowed_reload_sources. In-flight requests finish "
+                          "first (abort_all_requests: false only).")  # fmt: skip
+    async def sglang_update_from_disk(request: Request, body: m.SglangUpdateFromDiskBody) -> Response:
+        if body.load_format not in (None, "safetensors"):
+            raise ApiError(400, f"load_format {body.load_format!r} is not read here; the ranks read safetensors "
+                                "checkpoints: send null or 'safetensors'",
+                           extra={"fields": ["load_format"]})  # fmt: skip
+        if body.abort_all_requests:
+            raise ApiError(400, "abort_all_requests true is not served: an update drains in-flight requests; send "
+                                "false, or abort them first with POST /sleep?mode=abort",
+                           extra={"fields": ["abort_all_requests"]})  # fmt: skip
+        text = body.weight_version
+        if not (text.isascii() and text.isdigit() and 0 < len(text) <= 19 and int(text) >= 1):
+            raise ApiError(422, f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
+                                "omni-core's weights versions are monotonic integers",
+                           kind="RequestValidationError", extra={"fields": ["weight_version"]})  # fmt: skip
+        version, source = int(text), state.weight_source(body.model_path)
+        names, tid, engine = state.targets(), _lifecycle_tid(request), state.require_engine()
+        work = sglang_work("update", names, lambda n: functools.partial(engine.update_weights, n, source,
+                                                                        version=version, task_id=tid),
+                           f"updated {names} to weights version {version} from {body.model_path}",
+                           num_paused_requests=0)  # fmt: skip
+        return await run_post(state, request, "/update_weights_from_disk", work)
 
     @app.post("/flush_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["SGLang"],
               description="Not served (501): see docs/http_routes.md")  # fmt: skip
