@@ -34,7 +34,7 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine, LifecycleReport, SwapReport
 from omni_core.engine.api import WAIT_GRACE_S
 from omni_core.engine.errors import InvalidArgumentError, OmniCoreError, SwapFailedError
-from omni_core.protocol import DiskSource, WeightSource
+from omni_core.protocol import CollectiveSource, DiskSource, WeightSource
 from omni_core.serve import models as m
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
@@ -486,6 +486,30 @@ NO_PAUSE = ("not served: omni-core has no lifecycle that closes a stage's admiss
             "(its sleep closes admission and releases memory)")  # fmt: skip
 NO_CACHE_RESET = ("not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
                   "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)")
+
+
+def _decimal_version(text: str) -> int:
+    """SGLang's weight_version is a string; omni-core's versions are monotonic integers."""
+    if not (text.isascii() and text.isdigit() and 0 < len(text) <= 19 and int(text) >= 1):
+        raise ApiError(422, f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
+                            "omni-core's weights versions are monotonic integers",
+                       kind="RequestValidationError", extra={"fields": ["weight_version"]})  # fmt: skip
+    return int(text)
+
+
+def _collective(names: list[str], dtypes: list[str], shapes: list[list[int]], fields: tuple[str, str, str]
+                ) -> CollectiveSource:  # fmt: skip
+    """An anchor's three parallel lists as the broadcast's typed source, decoded strictly."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ApiError(422, f"{', '.join(fields)} must be lists of one length (got {len(names)}, {len(dtypes)}, "
+                            f"{len(shapes)}): entry i describes tensor i",
+                       kind="RequestValidationError", extra={"fields": list(fields)})  # fmt: skip
+    tensors = [{"name": n, "dtype": d, "shape": sh} for n, d, sh in zip(names, dtypes, shapes, strict=True)]
+    try:
+        return msgspec.convert({"type": "collective", "tensors": tensors}, CollectiveSource, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, f"{'/'.join(fields)} refused: {exc} (tensors[i] is entry i of the lists)",
+                       kind="RequestValidationError", extra={"fields": list(fields)}) from None  # fmt: skip
 
 
 def not_awake(stage_status: dict[str, Any]) -> bool:
@@ -1097,18 +1121,92 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             raise ApiError(400, "abort_all_requests true is not served: an update drains in-flight requests; send "
                                 "false, or abort them first with POST /sleep?mode=abort",
                            extra={"fields": ["abort_all_requests"]})  # fmt: skip
-        text = body.weight_version
-        if not (text.isascii() and text.isdigit() and 0 < len(text) <= 19 and int(text) >= 1):
-            raise ApiError(422, f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
-                                "omni-core's weights versions are monotonic integers",
-                           kind="RequestValidationError", extra={"fields": ["weight_version"]})  # fmt: skip
-        version, source = int(text), state.weight_source(body.model_path)
-        names, tid, engine = state.targets(), _lifecycle_tid(request), state.require_engine()
-        work = sglang_work("update", names, lambda n: functools.partial(engine.update_weights, n, source,
-                                                                        version=version, task_id=tid),
+        version, source = _decimal_version(body.weight_version), state.weight_source(body.model_path)
+        names, tid = state.targets(), _lifecycle_tid(request)
+        work = sglang_work("update", names, update_call(source, version, tid),
                            f"updated {names} to weights version {version} from {body.model_path}",
                            num_paused_requests=0)  # fmt: skip
         return await run_post(state, request, "/update_weights_from_disk", work)
+
+    def update_call(source: WeightSource, version: int, tid: str | None) -> Callable[[str], Callable[[], Any]]:
+        engine = state.require_engine()
+        return lambda n: functools.partial(engine.update_weights, n, source, version=version, task_id=tid)
+
+    def group_call(address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str,
+                   tid: str | None) -> Callable[[str], Callable[[], Any]]:  # fmt: skip
+        engine = state.require_engine()
+        # vLLM's init_info names no backend (its server's config does): NCCL on a GPU stage, gloo else.
+        return lambda n: functools.partial(
+            engine.init_weight_group, n, address=address, port=port, world_size=world_size, rank_offset=rank_offset,
+            backend=backend or ("nccl" if state.specs[n].device.startswith("cuda") else "gloo"), group=group,
+            task_id=tid)  # fmt: skip
+
+    @app.post("/init_weight_transfer_engine", dependencies=control, response_model=m.VllmMessageModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM"],
+              description="vLLM's weight-transfer init on the default stage (or every stage): {\"init_info\": "
+                          "{master_address, master_port, rank_offset, world_size}}; every rank joins the "
+                          "trainer's group (NCCL on a GPU stage, gloo on CPU). Then POST /update_weights.")  # fmt: skip
+    async def vllm_init_weight_transfer(request: Request, body: m.VllmInitWeightTransferBody) -> Response:
+        info, names = body.init_info, state.targets()
+        make = group_call(info.master_address, info.master_port, info.world_size, info.rank_offset, None, "weights",
+                          _lifecycle_tid(request))  # fmt: skip
+        work = on_many(names, "weight-group", make, lambda per: {"message": "Weight transfer initialized",
+                                                                "stages": per})  # fmt: skip
+        return await run_post(state, request, "/init_weight_transfer_engine", work)
+
+    @app.post("/update_weights", dependencies=control, response_model=m.VllmMessageModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM"],
+              description="vLLM's weight update over the group /init_weight_transfer_engine set up: "
+                          "{\"update_info\": {names, dtype_names, shapes, packed: false}, \"version\": N}; the "
+                          "trainer broadcasts each tensor whole, in order. `version` is omni-core's addition and "
+                          "required. ipc_handles_pickled is not taken: a pickle from the network runs code; send "
+                          "an ipc source to POST /v1/stages/{name}/update_weights instead.")  # fmt: skip
+    async def vllm_update_weights(request: Request, body: m.VllmUpdateWeightsBody) -> Response:
+        info = body.update_info
+        if info.packed:
+            raise ApiError(400, "update_info.packed true is not served: the ranks take each tensor broadcast whole, "
+                                "in order; send packed: false", extra={"fields": ["update_info.packed"]})  # fmt: skip
+        source = _collective(info.names, info.dtype_names, info.shapes,
+                             ("update_info.names", "update_info.dtype_names", "update_info.shapes"))  # fmt: skip
+        names = state.targets()
+        work = on_many(names, "update", update_call(source, body.version, _lifecycle_tid(request)),
+                       lambda per: {"message": "Weights updated", "stages": per})  # fmt: skip
+        return await run_post(state, request, "/update_weights", work)
+
+    @app.post("/init_weights_update_group", dependencies=control, response_model=m.SglangResultModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's weight-group init on the default stage (or every stage): master_address, "
+                          "master_port, rank_offset, world_size, group_name, backend (nccl or gloo).")  # fmt: skip
+    async def sglang_init_group(request: Request, body: m.SglangInitGroupBody) -> Response:
+        if body.backend not in ("nccl", "gloo"):
+            raise ApiError(400, f"backend {body.backend!r} is not served; send 'nccl' (GPU) or 'gloo' (CPU)",
+                           extra={"fields": ["backend"]})  # fmt: skip
+        names = state.targets()
+        make = group_call(body.master_address, body.master_port, body.world_size, body.rank_offset, body.backend,
+                          body.group_name, _lifecycle_tid(request))  # fmt: skip
+        work = sglang_work("weight-group", names, make, f"{names} joined weight group {body.group_name!r}")
+        return await run_post(state, request, "/init_weights_update_group", work)
+
+    @app.post("/update_weights_from_distributed", dependencies=control, response_model=m.SglangResultModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's update by broadcast over the group /init_weights_update_group set up: names, "
+                          "dtypes, shapes (parallel lists, each tensor whole, in order) and weight_version "
+                          "(required here: a decimal integer above the stage's).")  # fmt: skip
+    async def sglang_update_from_distributed(request: Request, body: m.SglangUpdateFromDistributedBody) -> Response:
+        version = _decimal_version(body.weight_version)
+        source = _collective(body.names, body.dtypes, body.shapes, ("names", "dtypes", "shapes"))
+        names = state.targets()
+        work = sglang_work("update", names, update_call(source, version, _lifecycle_tid(request)),
+                           f"updated {names} to weights version {version} by broadcast")  # fmt: skip
+        return await run_post(state, request, "/update_weights_from_distributed", work)
+
+    @app.post("/update_weights_from_tensor", dependencies=control, responses=m.NOT_SERVED_RESPONSES,
+              tags=["SGLang"], description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    async def sglang_update_from_tensor() -> Response:
+        raise ApiError(501, "update_weights_from_tensor is not served: its serialized_named_tensors are pickles, "
+                            "and unpickling bytes from the network runs code. Share the tensors with "
+                            "omni_core.weights_sender.WeightSender (CUDA IPC or shared memory) and POST its source "
+                            "to /v1/stages/{name}/update_weights (or Engine.update_weights)", kind="NotServed")
 
     @app.post("/flush_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["SGLang"],
               description="Not served (501): see docs/http_routes.md")  # fmt: skip

@@ -58,6 +58,57 @@ class SglangUpdateFromDiskBody(_Strict):
                                                  "stage's (omni-core's versions are monotonic integers)")  # fmt: skip
 
 
+class VllmInitInfo(_Strict):
+    master_address: str = Field(..., description="the trainer's rendezvous host (it is group rank 0)")
+    master_port: int = Field(..., description="the trainer's rendezvous port")
+    rank_offset: int = Field(1, description="group rank of the stage's rank 0")
+    world_size: int = Field(..., description="the trainer plus every rank of the stage")
+
+
+class VllmInitWeightTransferBody(_Strict):
+    """vLLM's POST /init_weight_transfer_engine (its NCCL backend's init_info)."""
+
+    init_info: VllmInitInfo
+
+
+class VllmUpdateInfo(_Strict):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool = Field(False, description="false only: each tensor broadcast whole, in this order")
+
+
+class VllmUpdateWeightsBody(_Strict):
+    """vLLM's POST /update_weights (its NCCL backend's update_info), plus omni-core's version."""
+
+    update_info: VllmUpdateInfo
+    version: int = Field(..., ge=1, le=(1 << 63) - 1, description="omni-core's addition, required: the new "
+                                                                  "weights version, above the stage's")  # fmt: skip
+
+
+class SglangInitGroupBody(_Strict):
+    """SGLang's POST /init_weights_update_group (InitWeightsUpdateGroupReqInput)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class SglangUpdateFromDistributedBody(_Strict):
+    """SGLang's POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the "
+                                                 "stage's")  # fmt: skip
+
+
 class SwapBody(_Strict):
     """POST /v1/swap: `out` sleeps while `in` wakes, both at once (P-16)."""
 
@@ -300,6 +351,17 @@ class SglangUpdateModel(BaseModel):
     success: bool
     message: str
     num_paused_requests: int = Field(0, description="always 0: requests are drained, never paused")
+    stages: dict[str, LifecycleReportModel]
+
+
+class SglangResultModel(BaseModel):
+    success: bool
+    message: str
+    stages: dict[str, LifecycleReportModel]
+
+
+class VllmMessageModel(BaseModel):
+    message: str
     stages: dict[str, LifecycleReportModel]
 
 

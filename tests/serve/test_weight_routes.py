@@ -4,8 +4,10 @@ error codes, and `omni-core update-weights`."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,3 +175,80 @@ def test_client_and_cli_update_weights(weights_served: Served, checkpoints: Path
                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert stale.returncode == 1 and f"is not above the stage's version {version + 1}" in stale.stderr, stale.stderr
     assert _version(served) == version + 1
+
+
+def _lists(weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
+    source = WeightSender.collective_source(weights)
+    return ([t.name for t in source.tensors], [t.dtype for t in source.tensors],
+            [list(t.shape) for t in source.tensors])  # fmt: skip
+
+
+def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_served: Served) -> None:
+    served = weights_served
+    version = _version(served)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = WeightSender()
+    # SGLang's default group_name, which the ranks join under and the rendezvous keys carry.
+    joined = threading.Thread(target=sender.init_group, args=("127.0.0.1", port, 2),
+                              kwargs={"timeout_s": 60, "group": "weight_update_group"})  # fmt: skip
+    joined.start()
+    answer = served.client.post("/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+    joined.join(60)
+    assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
+    try:
+        v1 = _new_weights(41)
+        names, dtypes, shapes = _lists(v1)
+        thread = sender.broadcast_in_thread(v1)
+        answer = served.client.post("/update_weights_from_distributed", json={
+            "names": names, "dtypes": dtypes, "shapes": shapes, "weight_version": str(version + 1)})
+        thread.join(60)
+        assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
+        assert _version(served) == version + 1
+        after_sglang = _digest(served)
+        v2 = _new_weights(42)
+        thread = sender.broadcast_in_thread(v2)
+        answer = served.client.post("/update_weights", json={
+            "update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}, "version": version + 2})
+        thread.join(60)
+        assert answer.status_code == 200 and answer.json()["message"] == "Weights updated", answer.text
+        assert _version(served) == version + 2 and _digest(served) != after_sglang
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize(("route", "body", "code", "field"), [
+    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": [], "shapes": [[1]]}, "version": 9}, 422,
+     "update_info.dtype_names"),
+    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]]}}, 422,
+     "version"),
+    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float33"], "shapes": [[1]]},
+                         "version": 9}, 422, "update_info.dtype_names"),
+    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]],
+                                         "packed": True}, "version": 9}, 400, "packed"),
+    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]],
+                                         "ipc_handles_pickled": "gASV"}, "version": 9}, 422, "ipc_handles_pickled"),
+    ("/init_weight_transfer_engine", {"init_info": {}}, 422, "master_address"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                    "world_size": 2, "backend": "mpi"}, 400, "backend"),
+    ("/update_weights_from_distributed", {"names": ["w0"], "dtypes": ["float32"], "shapes": [[1]],
+                                          "weight_version": "next"}, 422, "weight_version"),
+    ("/update_weights_from_distributed", {"names": ["w0", "w0"], "dtypes": ["float32"] * 2, "shapes": [[1]] * 2,
+                                          "weight_version": "9"}, 422, "names"),
+])  # fmt: skip
+def test_broadcast_routes_refuse_what_they_cannot_carry(weights_served: Served, route: str, body: dict, code: int,
+                                                        field: str) -> None:  # fmt: skip
+    version = _version(weights_served)
+    answer = weights_served.client.post(route, json=body)
+    assert answer.status_code == code and field in answer.text, answer.text
+    assert _version(weights_served) == version
+
+
+def test_sglang_update_from_tensor_is_not_served_saying_what_to_use(weights_served: Served) -> None:
+    answer = weights_served.client.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": ["gASV"], "load_format": None, "flush_cache": True})
+    assert answer.status_code == 501, answer.text
+    message = answer.json()["error"]["message"]
+    assert "pickle" in message and "/v1/stages/{name}/update_weights" in message
