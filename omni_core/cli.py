@@ -156,6 +156,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 # Client verbs for the stage calls that `serve/cli.py`'s verbs (status, sleep, wake, swap) leave out.
 CLIENT_VERBS = {
     "reload": "reload a stage's weights on a running `omni-core serve` (after a level-2 sleep: NEEDS_RELOAD)",
+    "update-weights": "load new weights as a version above the stage's, from a checkpoint, on a running "
+                      "`omni-core serve` (any state with the weights resident; RUNNING drains first)",
     "restart": "restart every rank of a stage of a running `omni-core serve` (a FAILED stage; new epoch)",
     "execute": "run one request on a stage of a running `omni-core serve`; prints rank 0's output as JSON",
 }
@@ -178,6 +180,10 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
         p.add_argument("--timeout-s", type=float, default=None, help="deadline of the command (server side)")
     if verb == "reload":
         p.add_argument("--source", default=None, help="checkpoint to load (default: the stage's own)")
+    if verb == "update-weights":
+        p.add_argument("--version", type=int, required=True, dest="weights_version",
+                       help="the new weights version, above the stage's (`omni-core status`)")  # fmt: skip
+        p.add_argument("--source", required=True, help="checkpoint directory (under allowed_reload_sources)")
     if verb == "execute":
         p.add_argument("--payload", default=None, metavar="JSON", help='the request, as JSON: \'{"seed": 1}\'')
     p.set_defaults(verb=verb)
@@ -199,6 +205,9 @@ def _cmd_client(args: argparse.Namespace) -> int:
         if verb == "reload":
             answer = client.reload_weights(args.stage, args.source, timeout_s=args.timeout_s,
                                            idempotency_key=args.idempotency_key)  # fmt: skip
+        elif verb == "update-weights":
+            answer = client.update_weights(args.stage, args.source, version=args.weights_version,
+                                           timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)  # fmt: skip
         elif verb == "restart":
             answer = client.restart(args.stage, idempotency_key=args.idempotency_key)
         else:
@@ -217,6 +226,9 @@ def _cmd_client(args: argparse.Namespace) -> int:
     elif verb == "reload":
         print(f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
               f"{answer['duration_s'] * 1000:.1f} ms")  # fmt: skip
+    elif verb == "update-weights":
+        print(f"{answer['stage']}: weights version {answer['weights_version']} -> {answer['state']} "
+              f"({answer['status']}) in {answer['duration_s'] * 1000:.1f} ms")  # fmt: skip
     else:
         print(f"{answer['stage']}: restarted -> {answer['state']}, epoch {answer['epoch']}")
     return 0

@@ -93,6 +93,13 @@ class OmniClient:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/reload", {"source": source, "timeout_s": timeout_s},
                           idempotency_key)  # fmt: skip
 
+    def update_weights(self, stage: str, source: str | dict[str, Any], *, version: int, timeout_s: float | None = None,
+                       idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """New weights as `version` (above the stage's): a checkpoint path, or a typed source
+        (`msgspec.to_builtins` of what `WeightSender` shares)."""
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/update_weights",
+                          {"version": version, "source": source, "timeout_s": timeout_s}, idempotency_key)  # fmt: skip
+
     def restart(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", {}, idempotency_key)
 

@@ -16,6 +16,7 @@ See docs/conformance.md.
 
 from omni_core.conformance import cases_profile as _cases_profile  # noqa: F401 (registers the P-15 cases)
 from omni_core.conformance import cases_swap as _cases_swap  # noqa: F401 (registers the P-16 cases)
+from omni_core.conformance import cases_weights as _cases_weights  # noqa: F401 (registers the P-17 cases)
 from omni_core.conformance.cases import CASES, Case
 from omni_core.conformance.harness import CaseFailure, CaseSkip, SuiteOptions
 from omni_core.conformance.requirements import REQUIREMENTS, Requirement

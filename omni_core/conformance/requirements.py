@@ -236,9 +236,6 @@ REQUIREMENTS: dict[str, Requirement] = {
             'update, names of 1-256 characters, each at most once per update, at most 8 dimensions, a dtype from '
             "the schema's list, every tensor inside its bucket (`offset_bytes + nbytes <= bucket nbytes`). Each "
             'bucket names its `sender_pid`, the process that keeps it alive.',
-            worker=False,
-            why_not="the suite has no P-17 cases yet (an update's refusals, version, invalidation); the "
-                    "engine's tests check it (tests/engine/test_weight_updates.py)",
         ),
         Requirement(
             "P-18",

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -33,6 +34,7 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine, LifecycleReport, SwapReport
 from omni_core.engine.api import WAIT_GRACE_S
 from omni_core.engine.errors import InvalidArgumentError, OmniCoreError, SwapFailedError
+from omni_core.protocol import CollectiveSource, DiskSource, WeightSource
 from omni_core.serve import models as m
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
@@ -171,6 +173,25 @@ class ServeState:
                             "operator lists it under [server] allowed_reload_sources",
                        kind="SourceNotAllowed")  # fmt: skip
 
+    def weight_source(self, source: str | dict[str, Any]) -> WeightSource:
+        """The body's `source` as the protocol's type: a path is a disk source; an object is
+        decoded strictly (no conversion, no unknown field) and a disk path in it is checked
+        against allowed_reload_sources like a reload's."""
+        if isinstance(source, str):
+            return DiskSource(path=self.check_source(source) or source)
+        check_wire_value(source, "source")
+        try:
+            decoded = msgspec.convert(source, WeightSource, strict=True)  # type: ignore[arg-type]
+        except msgspec.ValidationError as exc:
+            # msgspec names the place as `$.buckets[0].nbytes`: say it from the body's root.
+            where = str(exc).replace("$", "source", 1) if "$" in str(exc) else f"source: {exc}"
+            raise ApiError(422, f"weight source refused: {where}; send a path, {{\"type\": \"disk\", \"path\": ...}} "
+                                "or msgspec.to_builtins of what WeightSender shares", kind="RequestValidationError",
+                           extra={"fields": ["source"]}) from None  # fmt: skip
+        if isinstance(decoded, DiskSource):
+            return DiskSource(path=self.check_source(decoded.path) or decoded.path)
+        return decoded
+
     async def lifecycle(self, stage: str, command: str, call: Callable[[], Any], *, level: int | None = None) -> Any:
         """Run one blocking lifecycle call; time it, count it, remember its memory figures."""
         metrics = self.metrics
@@ -301,7 +322,7 @@ class ServeState:
                 "pool_bytes": dict(mem.pool_bytes), "process_bytes": mem.process_bytes,
                 "process_bytes_source": mem.process_bytes_source,
                 "rss_bytes": _read_rss_bytes(info.get("pid")) if info.get("alive") else None,
-                "host_offloaded_bytes": mem.host_offloaded_bytes,
+                "host_offloaded_bytes": mem.host_offloaded_bytes, "weights_version": info.get("weights_version", 0),
             }  # fmt: skip
         return {
             "stage_id": index, "name": name, "state": st.get("state", "UNKNOWN"), "epoch": st.get("epoch", 0),
@@ -309,6 +330,7 @@ class ServeState:
             "failure": st.get("failure") or None, "queued": st.get("queued", 0), "in_flight": st.get("in_flight", 0),
             "counters": dict(st.get("counters") or {}), "last_sleep_level": self.last_level[name],
             "asleep_tags": list(st.get("asleep_tags") or []), "weights_valid": bool(st.get("weights_valid", True)),
+            "weights_version": st.get("weights_version", 0),
             "tags": list(spec.tags), "runner": spec.runner, "device": spec.device, "backend": spec.backend,
             "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()), "ranks": ranks,
         }  # fmt: skip
@@ -464,6 +486,30 @@ NO_PAUSE = ("not served: omni-core has no lifecycle that closes a stage's admiss
             "(its sleep closes admission and releases memory)")  # fmt: skip
 NO_CACHE_RESET = ("not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
                   "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)")
+
+
+def _decimal_version(text: str) -> int:
+    """SGLang's weight_version is a string; omni-core's versions are monotonic integers."""
+    if not (text.isascii() and text.isdigit() and 0 < len(text) <= 19 and int(text) >= 1):
+        raise ApiError(422, f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
+                            "omni-core's weights versions are monotonic integers",
+                       kind="RequestValidationError", extra={"fields": ["weight_version"]})  # fmt: skip
+    return int(text)
+
+
+def _collective(names: list[str], dtypes: list[str], shapes: list[list[int]], fields: tuple[str, str, str]
+                ) -> CollectiveSource:  # fmt: skip
+    """An anchor's three parallel lists as the broadcast's typed source, decoded strictly."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ApiError(422, f"{', '.join(fields)} must be lists of one length (got {len(names)}, {len(dtypes)}, "
+                            f"{len(shapes)}): entry i describes tensor i",
+                       kind="RequestValidationError", extra={"fields": list(fields)})  # fmt: skip
+    tensors = [{"name": n, "dtype": d, "shape": sh} for n, d, sh in zip(names, dtypes, shapes, strict=True)]
+    try:
+        return msgspec.convert({"type": "collective", "tensors": tensors}, CollectiveSource, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, f"{'/'.join(fields)} refused: {exc} (tensors[i] is entry i of the lists)",
+                       kind="RequestValidationError", extra={"fields": list(fields)}) from None  # fmt: skip
 
 
 def not_awake(stage_status: dict[str, Any]) -> bool:
@@ -727,6 +773,22 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
         call = functools.partial(engine.reload_weights, name, source, task_id=tid, timeout_s=timeout_s)
         return await run_post(state, request, "/v1/stages/{name}/reload", lifecycle_work(name, "reload", call))
+
+    @app.post("/v1/stages/{name}/update_weights", dependencies=control, response_model=m.LifecycleReportModel,
+              responses=m.ERROR_RESPONSES, tags=["omni-core"],
+              description="Replace the stage's weights with `source` as weights `version` (P-17), in any state "
+                          "with the weights resident; RUNNING drains first. A version not above the stage's is "
+                          "409 naming both; a bad source 422 (its field) or 400 (the ranks refused it, nothing "
+                          "written); a failed update 503 with the stage NEEDS_RELOAD at its old version. With an "
+                          "Idempotency-Key, a retry gets the first answer.")  # fmt: skip
+    async def update_weights(name: str, request: Request, body: m.UpdateWeightsBody) -> Response:
+        state.stage_name(name)
+        source = state.weight_source(body.source)
+        engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
+        call = functools.partial(engine.update_weights, name, source, version=body.version, task_id=tid,
+                                 timeout_s=timeout_s)  # fmt: skip
+        work = lifecycle_work(name, "update", call)
+        return await run_post(state, request, "/v1/stages/{name}/update_weights", work)
 
     @app.post("/v1/swap", dependencies=control, response_model=m.SwapReportModel, responses=m.ERROR_RESPONSES,
               tags=["omni-core"],
@@ -1007,13 +1069,14 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     # ------------------------------------------------------------------ SGLang-compatible
 
     def sglang_work(command: str, names: list[str], make_call: Callable[[str], Callable[[], Any]],
-                    done: str, level: int | None = None) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
-        """SGLang's answer, {"success", "message"}, on errors too (beside omni-core's error)."""
+                    done: str, level: int | None = None, **extra: Any) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+        """SGLang's answer, {"success", "message"} (and `extra`), on errors too (beside omni-core's
+        error)."""
 
         async def work() -> Answer:
             per_stage, error = await on_targets(names, command, make_call, level)
             if error is None:
-                return _answer(200, {"success": True, "message": done, "stages": per_stage})
+                return _answer(200, {"success": True, "message": done, **extra, "stages": per_stage})
             body = json.loads(error.body)
             return Answer(error.status, dumps(dict(body, success=False, message=body["error"]["message"])),
                           error.headers)  # fmt: skip
@@ -1042,6 +1105,108 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         work = sglang_work("wake", names, wake_call(tags, _lifecycle_tid(request)),
                            f"resumed {tags or 'every tag asleep'} of {names}")
         return await run_post(state, request, "/resume_memory_occupation", work)
+
+    @app.post("/update_weights_from_disk", dependencies=control, response_model=m.SglangUpdateModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's update from disk on the default stage (or every stage): {\"model_path\", "
+                          "\"weight_version\"}; weight_version is required (a decimal integer above the "
+                          "stage's), model_path must lie under allowed_reload_sources. In-flight requests finish "
+                          "first (abort_all_requests: false only).")  # fmt: skip
+    async def sglang_update_from_disk(request: Request, body: m.SglangUpdateFromDiskBody) -> Response:
+        if body.load_format not in (None, "safetensors"):
+            raise ApiError(400, f"load_format {body.load_format!r} is not read here; the ranks read safetensors "
+                                "checkpoints: send null or 'safetensors'",
+                           extra={"fields": ["load_format"]})  # fmt: skip
+        if body.abort_all_requests:
+            raise ApiError(400, "abort_all_requests true is not served: an update drains in-flight requests; send "
+                                "false, or abort them first with POST /sleep?mode=abort",
+                           extra={"fields": ["abort_all_requests"]})  # fmt: skip
+        version, source = _decimal_version(body.weight_version), state.weight_source(body.model_path)
+        names, tid = state.targets(), _lifecycle_tid(request)
+        work = sglang_work("update", names, update_call(source, version, tid),
+                           f"updated {names} to weights version {version} from {body.model_path}",
+                           num_paused_requests=0)  # fmt: skip
+        return await run_post(state, request, "/update_weights_from_disk", work)
+
+    def update_call(source: WeightSource, version: int, tid: str | None) -> Callable[[str], Callable[[], Any]]:
+        engine = state.require_engine()
+        return lambda n: functools.partial(engine.update_weights, n, source, version=version, task_id=tid)
+
+    def group_call(address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str,
+                   tid: str | None) -> Callable[[str], Callable[[], Any]]:  # fmt: skip
+        engine = state.require_engine()
+        # vLLM's init_info names no backend (its server's config does): NCCL on a GPU stage, gloo else.
+        return lambda n: functools.partial(
+            engine.init_weight_group, n, address=address, port=port, world_size=world_size, rank_offset=rank_offset,
+            backend=backend or ("nccl" if state.specs[n].device.startswith("cuda") else "gloo"), group=group,
+            task_id=tid)  # fmt: skip
+
+    @app.post("/init_weight_transfer_engine", dependencies=control, response_model=m.VllmMessageModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM"],
+              description="vLLM's weight-transfer init on the default stage (or every stage): {\"init_info\": "
+                          "{master_address, master_port, rank_offset, world_size}}; every rank joins the "
+                          "trainer's group (NCCL on a GPU stage, gloo on CPU). Then POST /update_weights.")  # fmt: skip
+    async def vllm_init_weight_transfer(request: Request, body: m.VllmInitWeightTransferBody) -> Response:
+        info, names = body.init_info, state.targets()
+        make = group_call(info.master_address, info.master_port, info.world_size, info.rank_offset, None, "weights",
+                          _lifecycle_tid(request))  # fmt: skip
+        work = on_many(names, "weight-group", make, lambda per: {"message": "Weight transfer initialized",
+                                                                "stages": per})  # fmt: skip
+        return await run_post(state, request, "/init_weight_transfer_engine", work)
+
+    @app.post("/update_weights", dependencies=control, response_model=m.VllmMessageModel,
+              responses=m.ERROR_RESPONSES, tags=["vLLM"],
+              description="vLLM's weight update over the group /init_weight_transfer_engine set up: "
+                          "{\"update_info\": {names, dtype_names, shapes, packed: false}, \"version\": N}; the "
+                          "trainer broadcasts each tensor whole, in order. `version` is omni-core's addition and "
+                          "required. ipc_handles_pickled is not taken: a pickle from the network runs code; send "
+                          "an ipc source to POST /v1/stages/{name}/update_weights instead.")  # fmt: skip
+    async def vllm_update_weights(request: Request, body: m.VllmUpdateWeightsBody) -> Response:
+        info = body.update_info
+        if info.packed:
+            raise ApiError(400, "update_info.packed true is not served: the ranks take each tensor broadcast whole, "
+                                "in order; send packed: false", extra={"fields": ["update_info.packed"]})  # fmt: skip
+        source = _collective(info.names, info.dtype_names, info.shapes,
+                             ("update_info.names", "update_info.dtype_names", "update_info.shapes"))  # fmt: skip
+        names = state.targets()
+        work = on_many(names, "update", update_call(source, body.version, _lifecycle_tid(request)),
+                       lambda per: {"message": "Weights updated", "stages": per})  # fmt: skip
+        return await run_post(state, request, "/update_weights", work)
+
+    @app.post("/init_weights_update_group", dependencies=control, response_model=m.SglangResultModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's weight-group init on the default stage (or every stage): master_address, "
+                          "master_port, rank_offset, world_size, group_name, backend (nccl or gloo).")  # fmt: skip
+    async def sglang_init_group(request: Request, body: m.SglangInitGroupBody) -> Response:
+        if body.backend not in ("nccl", "gloo"):
+            raise ApiError(400, f"backend {body.backend!r} is not served; send 'nccl' (GPU) or 'gloo' (CPU)",
+                           extra={"fields": ["backend"]})  # fmt: skip
+        names = state.targets()
+        make = group_call(body.master_address, body.master_port, body.world_size, body.rank_offset, body.backend,
+                          body.group_name, _lifecycle_tid(request))  # fmt: skip
+        work = sglang_work("weight-group", names, make, f"{names} joined weight group {body.group_name!r}")
+        return await run_post(state, request, "/init_weights_update_group", work)
+
+    @app.post("/update_weights_from_distributed", dependencies=control, response_model=m.SglangResultModel,
+              responses=m.ERROR_RESPONSES, tags=["SGLang"],
+              description="SGLang's update by broadcast over the group /init_weights_update_group set up: names, "
+                          "dtypes, shapes (parallel lists, each tensor whole, in order) and weight_version "
+                          "(required here: a decimal integer above the stage's).")  # fmt: skip
+    async def sglang_update_from_distributed(request: Request, body: m.SglangUpdateFromDistributedBody) -> Response:
+        version = _decimal_version(body.weight_version)
+        source = _collective(body.names, body.dtypes, body.shapes, ("names", "dtypes", "shapes"))
+        names = state.targets()
+        work = sglang_work("update", names, update_call(source, version, _lifecycle_tid(request)),
+                           f"updated {names} to weights version {version} by broadcast")  # fmt: skip
+        return await run_post(state, request, "/update_weights_from_distributed", work)
+
+    @app.post("/update_weights_from_tensor", dependencies=control, responses=m.NOT_SERVED_RESPONSES,
+              tags=["SGLang"], description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    async def sglang_update_from_tensor() -> Response:
+        raise ApiError(501, "update_weights_from_tensor is not served: its serialized_named_tensors are pickles, "
+                            "and unpickling bytes from the network runs code. Share the tensors with "
+                            "omni_core.weights_sender.WeightSender (CUDA IPC or shared memory) and POST its source "
+                            "to /v1/stages/{name}/update_weights (or Engine.update_weights)", kind="NotServed")
 
     @app.post("/flush_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["SGLang"],
               description="Not served (501): see docs/http_routes.md")  # fmt: skip

@@ -7,15 +7,16 @@ status code a client can branch on without parsing it. Some types cover several 
 cause is told apart by the engine's own wording; `tests/serve/test_errors.py` provokes each
 cause on a real engine, so a reworded message fails a test instead of changing a code.
 
-- 400: a bad argument (level, tags, timeout); a body that is not JSON; a reload source every
-  rank refused, or one no file path can hold (NUL); a request payload the runner raised on
-  (EXECUTE_ERROR)
+- 400: a bad argument (level, tags, timeout); a body that is not JSON; a reload or update
+  source every rank refused (nothing written, the version unchanged), or one no file path
+  can hold (NUL); a request payload the runner raised on (EXECUTE_ERROR)
 - 401: no or wrong API key (when the server has one)
 - 403: a reload `source` outside the config's `allowed_reload_sources`; a foreign Host or
   Origin header (cross-site request, DNS rebinding)
 - 404: unknown stage, or a stage id out of range
 - 409: state conflict: the stage's state forbids the command, another task is in flight,
-  an Idempotency-Key reused for another request, a request refused by admission `reject`
+  a weights version not above the stage's (both named), an Idempotency-Key reused for
+  another request, a request refused by admission `reject`
   or by NEEDS_RELOAD, a request aborted by a sleep with `abort_in_flight` / `mode=abort`
 - 413: request body larger than `max_body_bytes`; a request that encodes over the stage's
   `max_frame_bytes`
@@ -26,7 +27,9 @@ cause on a real engine, so a reworded message fails a test instead of changing a
 - 503: stage FAILED (restart it), including a lifecycle command whose ranks stayed silent
   past its deadline; engine shut down; engine overloaded (socket queue full); too little free
   device memory for a wake in time (`NoMemoryError`: the stage is where it was, `refusals`
-  names who holds the device; retry once that memory is freed)
+  names who holds the device; retry once that memory is freed); a weight update every rank
+  failed once writing began (`WeightUpdateFailedError`: `state` NEEDS_RELOAD at
+  `weights_version`, the version it held; `failures` per rank; update again or reload)
 - a swap that did not complete (`SwapFailedError`): the code of the half that failed (the
   incoming one's when both did), the body carries both halves (`outgoing`, `incoming`), each
   its report or its error, so both stages' states are in the answer
@@ -52,6 +55,7 @@ from omni_core.engine.errors import (
     StageFailedError,
     SwapFailedError,
     TaskAbandonedError,
+    WeightUpdateFailedError,
 )
 from omni_core.serve.reports import report_json
 
@@ -88,8 +92,8 @@ def _status_for(exc: BaseException) -> int:
             return 413
         if "is FAILED" in message:  # a lifecycle command to a failed stage: restart it first
             return 503
-        if "refused the reload" in message:  # every rank said INVALID_ARGUMENT: nothing was written
-            return 400
+        if "refused the reload" in message or "refused the update" in message:
+            return 400  # every rank said INVALID_ARGUMENT: nothing was written
         if any(needle in message for needle in ("must be", "unknown tag", "is not one of", "tags must",
                                                 "needs two stages")):
             return 400
@@ -115,6 +119,8 @@ def _status_for(exc: BaseException) -> int:
             return 503
         return 409
     if isinstance(exc, StageFailedError):
+        return 503
+    if isinstance(exc, WeightUpdateFailedError):  # NEEDS_RELOAD at its old version: update again or reload
         return 503
     if isinstance(exc, NoMemoryError):  # the memory is someone else's for now; nothing changed here
         return 503
@@ -158,6 +164,9 @@ def to_http(exc: BaseException, *, stage: str | None = None) -> HttpError:
     if isinstance(exc, StageFailedError):
         error["stage"] = exc.stage
         error["failures"] = {str(rank): why for rank, why in exc.failures.items()}
+    if isinstance(exc, WeightUpdateFailedError):
+        error.update(stage=exc.stage, state="NEEDS_RELOAD", weights_version=exc.version,
+                     failures={str(rank): why for rank, why in exc.failures.items()})  # fmt: skip
     if isinstance(exc, NoMemoryError):
         error["stage"] = exc.stage
         error["refusals"] = {str(rank): why for rank, why in exc.refusals.items()}

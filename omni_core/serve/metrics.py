@@ -131,6 +131,8 @@ class _EngineCollector(Collector):
             labels=["model_name", "engine", "sleep_state"])  # fmt: skip
         epoch = GaugeMetricFamily("omni_core_stage_epoch", "The stage's epoch (grows by one per restart)",
                                   labels=["stage"])  # fmt: skip
+        version = GaugeMetricFamily("omni_core_weights_version", "The weights version the stage committed "
+                                    "last (P-17; 0: as loaded at start)", labels=["stage"])  # fmt: skip
         queued = GaugeMetricFamily("omni_core_requests_queued", "Requests waiting in the stage's queue",
                                    labels=["stage"])  # fmt: skip
         in_flight = GaugeMetricFamily("omni_core_requests_in_flight", "Requests sent to the ranks, not yet "
@@ -160,6 +162,7 @@ class _EngineCollector(Collector):
                 sleep_state.add_metric([name, s], 1.0 if current == s else 0.0)
                 vllm_sleep.add_metric([name, str(stage.get("stage_id", 0)), s], 1.0 if current == s else 0.0)
             epoch.add_metric([name], stage.get("epoch", 0))
+            version.add_metric([name], stage.get("weights_version", 0))
             queued.add_metric([name], stage.get("queued", 0))
             in_flight.add_metric([name], stage.get("in_flight", 0))
             for event, value in sorted(stage.get("counters", {}).items()):
@@ -190,5 +193,5 @@ class _EngineCollector(Collector):
             engine_events.add_metric([event], value)
         up = GaugeMetricFamily("omni_core_engine_up", "1 while the engine answers status calls")
         up.add_metric([], 1.0 if snap.get("engine_up") else 0.0)
-        yield from (state, sleep_state, vllm_sleep, epoch, queued, in_flight, stage_events, rank_up, rank_state, pool,
-                    process, rss, host, engine_events, up)  # fmt: skip
+        yield from (state, sleep_state, vllm_sleep, epoch, version, queued, in_flight, stage_events, rank_up,
+                    rank_state, pool, process, rss, host, engine_events, up)  # fmt: skip

@@ -36,6 +36,79 @@ class ReloadBody(_Strict):
     timeout_s: float | None = None
 
 
+class UpdateWeightsBody(_Strict):
+    """POST /v1/stages/{name}/update_weights: new weights as `version` (P-17)."""
+
+    version: int = Field(..., ge=1, le=(1 << 63) - 1,
+                         description="the new weights version: above the stage's `weights_version`")  # fmt: skip
+    source: str | dict[str, Any] = Field(..., description="a checkpoint path (under allowed_reload_sources), or a "
+                                                          "typed source: {\"type\": \"disk\", \"path\"}, or the "
+                                                          "shm, ipc or collective source a WeightSender made "
+                                                          "(msgspec.to_builtins of it), decoded strictly")  # fmt: skip
+    timeout_s: float | None = None
+
+
+class SglangUpdateFromDiskBody(_Strict):
+    """SGLang's POST /update_weights_from_disk (UpdateWeightFromDiskReqInput)."""
+
+    model_path: str = Field(..., description="the checkpoint; must lie under allowed_reload_sources")
+    load_format: str | None = Field(None, description="only null or 'safetensors' (what the ranks read)")
+    abort_all_requests: bool = Field(False, description="false only: in-flight requests finish (the stage drains)")
+    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the "
+                                                 "stage's (omni-core's versions are monotonic integers)")  # fmt: skip
+
+
+class VllmInitInfo(_Strict):
+    master_address: str = Field(..., description="the trainer's rendezvous host (it is group rank 0)")
+    master_port: int = Field(..., description="the trainer's rendezvous port")
+    rank_offset: int = Field(1, description="group rank of the stage's rank 0")
+    world_size: int = Field(..., description="the trainer plus every rank of the stage")
+
+
+class VllmInitWeightTransferBody(_Strict):
+    """vLLM's POST /init_weight_transfer_engine (its NCCL backend's init_info)."""
+
+    init_info: VllmInitInfo
+
+
+class VllmUpdateInfo(_Strict):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool = Field(False, description="false only: each tensor broadcast whole, in this order")
+
+
+class VllmUpdateWeightsBody(_Strict):
+    """vLLM's POST /update_weights (its NCCL backend's update_info), plus omni-core's version."""
+
+    update_info: VllmUpdateInfo
+    version: int = Field(..., ge=1, le=(1 << 63) - 1, description="omni-core's addition, required: the new "
+                                                                  "weights version, above the stage's")  # fmt: skip
+
+
+class SglangInitGroupBody(_Strict):
+    """SGLang's POST /init_weights_update_group (InitWeightsUpdateGroupReqInput)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class SglangUpdateFromDistributedBody(_Strict):
+    """SGLang's POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the "
+                                                 "stage's")  # fmt: skip
+
+
 class SwapBody(_Strict):
     """POST /v1/swap: `out` sleeps while `in` wakes, both at once (P-16)."""
 
@@ -135,6 +208,7 @@ class LifecycleReportModel(BaseModel):
     state: str
     duration_s: float
     ranks: dict[str, RankReportModel]
+    weights_version: int = Field(0, description="the stage's weights version after the task (P-17)")
 
 
 class SwapHalfModel(BaseModel):
@@ -155,6 +229,9 @@ class ErrorDetail(BaseModel):
                                                               "free, who holds the device), for NoMemoryError")
     outgoing: SwapHalfModel | None = Field(None, description="a swap's sleeping half, for SwapFailedError")
     incoming: SwapHalfModel | None = Field(None, description="a swap's waking half, for SwapFailedError")
+    state: str | None = Field(None, description="NEEDS_RELOAD, for WeightUpdateFailedError")
+    weights_version: int | None = Field(None, description="the version the stage still holds, for "
+                                                          "WeightUpdateFailedError")  # fmt: skip
 
 
 class ErrorModel(BaseModel):
@@ -170,6 +247,7 @@ class RankModel(BaseModel):
     process_bytes_source: str
     rss_bytes: int | None
     host_offloaded_bytes: int
+    weights_version: int = Field(0, description="the weights version the rank reported last (P-17)")
 
 
 class StageModel(BaseModel):
@@ -186,6 +264,8 @@ class StageModel(BaseModel):
     last_sleep_level: int | None
     asleep_tags: list[str] = Field(description="the stage's tags not resident on its ranks")
     weights_valid: bool = Field(description="false after a level-2 sleep until the weights are reloaded")
+    weights_version: int = Field(0, description="the weights version the stage committed last (P-17; 0: as "
+                                                "loaded at start); requests run only on it")  # fmt: skip
     tags: list[str]
     runner: str
     device: str
@@ -263,6 +343,24 @@ class OmniLifecycleModel(BaseModel):
 
 class SglangMemoryModel(BaseModel):
     success: bool
+    message: str
+    stages: dict[str, LifecycleReportModel]
+
+
+class SglangUpdateModel(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int = Field(0, description="always 0: requests are drained, never paused")
+    stages: dict[str, LifecycleReportModel]
+
+
+class SglangResultModel(BaseModel):
+    success: bool
+    message: str
+    stages: dict[str, LifecycleReportModel]
+
+
+class VllmMessageModel(BaseModel):
     message: str
     stages: dict[str, LifecycleReportModel]
 

@@ -141,7 +141,8 @@ function renderStatus(snap) {
       el("h2", {}, el("span", {}, st.name), el("span", {"class": "state " + st.state, "data-field": "state"}, st.state),
         el("span", {"class": "meta"}, "id " + st.stage_id + " · epoch " + st.epoch + " · " + st.runner + " on " +
           st.device + "/" + st.backend + " · admission " + st.admission + " · queued " + st.queued +
-          " · in flight " + st.in_flight + " · host offloaded " + fmtBytes(st.host_offloaded_bytes) +
+          " · in flight " + st.in_flight + " · weights v" + st.weights_version +
+          " · host offloaded " + fmtBytes(st.host_offloaded_bytes) +
           (st.last_sleep_level ? " · last sleep L" + st.last_sleep_level : ""))),
       st.failure ? el("div", {"class": "failure"}, st.failure) : "",
       renderStrip(st.name), table);

@@ -65,6 +65,7 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "profile_wakes": ("P-15", "a Profile start while asleep wakes the worker first"),
     "no_memory_early": ("P-16", "a wake that may wait under 1 s gives up after 10 ms"),
     "epoch_window_5000": ("P-13", "an epoch up to 5000 ahead is adopted (the window is 64)"),
+    "stale_version_accepted": ("P-17", "an UpdateWeights to a version not above the held one is applied"),
 }
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
@@ -483,6 +484,18 @@ def _install(name: str) -> None:
             if not (isinstance(reply, Nack) and reply.reason is NackReason.NO_MEMORY):
                 super()._remember(command, reply)
 
+    class StaleVersionCore(core_cls):
+        def on_update_weights(self, command: Any) -> Any:
+            # The version fence forgotten: the check sees version 0, every update goes ahead.
+            held, self.weights_version = self.weights_version, 0
+            try:
+                return super().on_update_weights(command)
+            finally:
+                self.weights_version = held
+
+        def _check_invariants(self) -> None:
+            return None  # the real core would catch its own fault
+
     def wake_keeping_mapped(self: Any, tags: frozenset[str], gate: Any = None) -> None:
         try:
             original_wake(self, tags, gate)
@@ -548,7 +561,8 @@ def _install(name: str) -> None:
              "wake_unknown_tag_already": WakeKnownTagsCore, "silent_sleep_already": SilentSleepAlreadyCore,
              "execute_in_partial": ExecuteInPartialCore, "newer_epoch_not_adopted": EpochNotAdoptedCore,
              "bad_message_no_task_id": NoTaskIdCore, "swap_refuses_wait": RefusesWaitCore,
-             "no_memory_not_cached": RefusalNotCachedCore}  # fmt: skip
+             "no_memory_not_cached": RefusalNotCachedCore,
+             "stale_version_accepted": StaleVersionCore}  # fmt: skip
     processes = {"ack_before_release": AckBeforeReleaseProcess, "rank0_only": Rank0OnlyProcess,
                  "double_reply": DoubleReplyProcess, "crash_on_second_sleep": CrashOnSecondSleepProcess,
                  "garbage_kills_loop": GarbageKillsLoopProcess, "wrong_version_accepted": WrongVersionProcess,

@@ -70,6 +70,7 @@ EXPECTED = {
     "profile_wakes": ("P-15/profile_start_while_asleep", "Profile ended in state ACTIVE"),
     "no_memory_early": ("P-16/no_memory_rolls_back", "refused NO_MEMORY after"),
     "epoch_window_5000": ("P-13/epoch_far_ahead_refused", "expected a refusal (EPOCH_AHEAD), got an Ack"),
+    "stale_version_accepted": ("P-17/stale_version_refused", "not STALE_VERSION"),
     "node_tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest"),
     "node_wake_unknown_tag_already": ("P-11/wake_unknown_tag_refused", "expected a refusal (UNKNOWN_TAG), got an Ack"),
     "node_crash_on_shutdown_asleep": ("P-11/shutdown_while_asleep", "Shutdown in SLEEPING: worker rank 0"),
@@ -175,6 +176,8 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "unusable_reload_source_refused": "worker does not declare capability 'level2'",
         "waiting_wake_acked_and_cached": "worker does not declare capability 'swap'",
         "no_memory_rolls_back": "worker does not declare capability 'swap'",  # started on its simulated device
+        "update_refused_without_weight_update": "worker declares capability 'weight_update'; this case is for "
+                                                "workers without it",  # every runner updates from disk
         "shutdown_from_failed": "no failing worker to start: name one whose start-up fails (it greets in FAILED) "
                                 "with --failing-worker TARGET or SuiteOptions(failing_worker=...)",
     }, rendered

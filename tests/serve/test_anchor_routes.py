@@ -317,6 +317,6 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
     assert anchored <= table_paths, f"routes missing from docs/http_routes.md: {sorted(anchored - table_paths)}"
     named = set(re.findall(r"`(test_[a-z0-9_]+)`", text))
     here = Path(__file__).parent
-    defined = {name for f in ("test_anchor_routes.py", "test_compat.py")
+    defined = {name for f in ("test_anchor_routes.py", "test_compat.py", "test_weight_routes.py")
                for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)}
     assert named and named <= defined, f"tests named in docs/http_routes.md but not defined: {named - defined}"
