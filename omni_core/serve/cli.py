@@ -34,7 +34,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"omni-core serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config, log_level=args.log_level)
+    return serve(config, log_level=args.log_level, log_json=args.log_json)
 
 
 def _tuple(values: list[str] | None) -> tuple[str, ...] | None:

@@ -546,6 +546,10 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+        if os.environ.get("OMNI_CORE_LOG_JSON") == "1":  # under `omni-core serve --log-json`: JSON lines too
+            from omni_core.serve.logs import JsonFormatter
+
+            logging.getLogger().handlers[0].setFormatter(JsonFormatter())
     # The secret leaves the environment at once, so nothing the runner spawns inherits it.
     rank_secret = _rank_secret(os.environ.pop(RANK_SECRET_ENV, None))
     ctx = zmq.Context()
