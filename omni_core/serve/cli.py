@@ -93,6 +93,10 @@ def run_remote(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
         return 2
+    if getattr(answer, "replayed", False):
+        print(f"omni-core {verb}: replayed: this is the answer to the first request with Idempotency-Key "
+              f"{args.idempotency_key!r}; nothing ran again, and the stage may have changed since "
+              "(omni-core status shows it now)", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(answer, indent=2))
     elif verb == "status":
