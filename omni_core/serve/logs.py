@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 LOGGERS = ("omni_core", "uvicorn")  # uvicorn.error propagates to uvicorn; the access log is off
-LOG_JSON_ENV = "OMNI_CORE_LOG_JSON"  # rank processes inherit it and log JSON lines as well
+LOG_FORMAT_ENV = "OMNI_CORE_LOG_FORMAT"  # "text" or "json": rank processes inherit it and log alike
 EVENT_ATTR = "omni_event"  # a record's structured fields: `log.info(msg, extra={EVENT_ATTR: {...}})`
 
 
@@ -56,6 +56,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, separators=(",", ":"))
 
 
+def formatter_for(name: str | None) -> logging.Formatter | None:
+    """The formatter a rank process uses under `serve` (`OMNI_CORE_LOG_FORMAT`); None elsewhere."""
+    kind = {"json": JsonFormatter, "text": TextFormatter}.get(name or "")
+    return kind() if kind is not None else None
+
+
 @contextlib.contextmanager
 def configured(*, json_lines: bool = False, level: str = "info", stream: IO[str] | None = None) -> Iterator[None]:
     """omni-core's and uvicorn's loggers sent to one handler on `stream` (stderr) at `level`,
@@ -63,9 +69,8 @@ def configured(*, json_lines: bool = False, level: str = "info", stream: IO[str]
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
     saved = []
-    env_before = os.environ.get(LOG_JSON_ENV)
-    if json_lines:
-        os.environ[LOG_JSON_ENV] = "1"
+    env_before = os.environ.get(LOG_FORMAT_ENV)
+    os.environ[LOG_FORMAT_ENV] = "json" if json_lines else "text"
     for name in LOGGERS:
         logger = logging.getLogger(name)
         saved.append((logger, logger.level, logger.propagate))
@@ -80,6 +85,6 @@ def configured(*, json_lines: bool = False, level: str = "info", stream: IO[str]
             logger.setLevel(old_level)
             logger.propagate = old_propagate
         if env_before is None:
-            os.environ.pop(LOG_JSON_ENV, None)
+            os.environ.pop(LOG_FORMAT_ENV, None)
         else:
-            os.environ[LOG_JSON_ENV] = env_before
+            os.environ[LOG_FORMAT_ENV] = env_before
