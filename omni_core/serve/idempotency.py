@@ -97,9 +97,12 @@ def _body_fields(body: bytes) -> dict[str, str]:
         parsed = body
     if parsed is None:
         return {}
-    if not isinstance(parsed, dict):
-        return {RAW_BODY: hashlib.sha256(body).hexdigest()[:32]}
-    return {name: _digest(value) for name, value in parsed.items() if value is not None}
+    if isinstance(parsed, dict):
+        try:
+            return {name: _digest(value) for name, value in parsed.items() if value is not None}
+        except RecursionError:  # nested deeper than the canonical form can walk: the bytes decide
+            pass
+    return {RAW_BODY: hashlib.sha256(body).hexdigest()[:32]}
 
 
 def _digest(value: object) -> str:
