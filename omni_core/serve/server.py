@@ -136,6 +136,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
+        if family == socket.AF_INET6:  # as asyncio's own listener: "::" is IPv6 only, not IPv4 too
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(sockaddr)
         sock.listen(LISTEN_BACKLOG)
     except OSError as exc:

@@ -21,6 +21,7 @@ import pytest
 
 import omni_core.serve.server as server_module
 from omni_core.cli import main
+from omni_core.serve.auth import ServeRefusedError
 from omni_core.serve.logs import JsonFormatter, TextFormatter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +43,16 @@ def test_a_port_in_use_ends_serve_in_one_line_before_any_rank_starts(monkeypatch
     assert len(err.splitlines()) == 1, err
     assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err
     assert "pass another --port" in err and "stop the other process" in err
+
+
+@pytest.mark.parametrize(("host", "words"), [
+    ("192.0.2.1", "cannot listen on 192.0.2.1:0: "),  # TEST-NET-1: no address of this machine
+    ("no-such-host.invalid", "the host 'no-such-host.invalid' does not resolve"),
+])  # fmt: skip
+def test_an_address_that_is_not_this_machines_is_refused_naming_it(host: str, words: str) -> None:
+    with pytest.raises(ServeRefusedError, match=r"pass (a )?--host") as info:
+        server_module.bind_listener(host, 0)
+    assert words in str(info.value)
 
 
 def test_formatters_keep_one_event_on_one_line() -> None:
