@@ -25,7 +25,6 @@ from omni_core.serve.logs import EVENT_ATTR
 from omni_core.serve.logs import configured as logs_configured
 
 log = logging.getLogger("omni_core.serve")
-EVENT = EVENT_ATTR
 LISTEN_BACKLOG = 2048  # uvicorn's default
 GRACEFUL_SHUTDOWN_S = 5.0  # open event streams and calls get this long after SIGINT/SIGTERM
 STARTUP_WAIT_S = 60.0
@@ -84,12 +83,12 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
         check_bind(server_cfg.host, api_key)
         listener = bind_listener(server_cfg.host, server_cfg.port)
     except ServeRefusedError as exc:
-        log.error("%s", exc, extra={EVENT: {"event": "refused"}})
+        log.error("%s", exc, extra={EVENT_ATTR: {"event": "refused"}})
         return 2
     url = f"http://{_url_host(server_cfg.host)}:{listener.getsockname()[1]}/"
     names = ", ".join(f"{s.name} ({s.ranks} rank{'s' if s.ranks > 1 else ''})" for s in config.stages)
     log.info("starting %s from %s", names, config.path,
-             extra={EVENT: {"event": "starting", "config": str(config.path), "stages": config.stage_names}})
+             extra={EVENT_ATTR: {"event": "starting", "config": str(config.path), "stages": config.stage_names}})
     try:
         engine = Engine(config.stages, **config.engine)
     except BaseException:
@@ -101,7 +100,7 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
         server = _Server(uvicorn_config(app, server_cfg.host, server_cfg.port, log_level, log_config=None), app)
         auth = "API key required on control routes" if api_key else "no API key (loopback only)"
         log.info("listening on %s (%s); Ctrl-C stops it", url, auth,
-                 extra={EVENT: {"event": "listening", "url": url}})  # fmt: skip
+                 extra={EVENT_ATTR: {"event": "listening", "url": url}})  # fmt: skip
         # uvicorn re-raises the signal that stopped it once it is done; SIGTERM's default
         # action would end the process before the engine below could stop its ranks.
         previous = signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -113,13 +112,13 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
             signal.signal(signal.SIGTERM, previous)
     finally:
         listener.close()
-        log.info("stopping the engine's ranks", extra={EVENT: {"event": "stopping"}})
+        log.info("stopping the engine's ranks", extra={EVENT_ATTR: {"event": "stopping"}})
         engine.shutdown()
     if server is not None and not server.started and not server.signalled:
         log.error("the HTTP server did not start (its error is logged above); nothing was served",
-                  extra={EVENT: {"event": "failed_to_start"}})  # fmt: skip
+                  extra={EVENT_ATTR: {"event": "failed_to_start"}})  # fmt: skip
         return 1
-    log.info("stopped", extra={EVENT: {"event": "stopped"}})
+    log.info("stopped", extra={EVENT_ATTR: {"event": "stopped"}})
     return 0
 
 
