@@ -121,6 +121,9 @@ class ServeState:
         self.closing = asyncio.Event()
         self._refresh: asyncio.Event | None = None
         self._event_ids = itertools.count(1)
+        # What the log already said per stage ("state") and per rank: two refreshes may end
+        # out of order, and a change must still be one line. One entry per stage and rank.
+        self.logged: dict[tuple[str, str], Any] = {}
 
     # ------------------------------------------------------------------ engine calls
 
@@ -333,7 +336,7 @@ class ServeState:
         except (OmniCoreError, ApiError, asyncio.TimeoutError):
             status = None
         previous, self.snapshot = self.snapshot, self.build_snapshot(status)
-        _log_changes(previous, self.snapshot)
+        _log_changes(previous, self.snapshot, self.logged)
         self.broadcast("status", self.snapshot)
         return self.snapshot
 
@@ -388,22 +391,27 @@ def _log_event(event: dict[str, Any]) -> None:
         log.warning("%s failed (%s) after %s: %s", what, event["outcome"], took, event.get("error", ""), extra=extra)
 
 
-def _log_changes(before: dict[str, Any], after: dict[str, Any]) -> None:
+def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tuple[str, str], Any]) -> None:
     """What the engine did on its own, seen between two status snapshots: a stage that became
-    FAILED or STOPPED, a rank process that is gone, the engine no longer answering."""
+    FAILED or STOPPED, a rank process that is gone, the engine no longer answering. `logged`
+    holds what was said, so each is said once."""
     if before["engine_up"] and not after["engine_up"]:
         log.error("the engine did not answer a status call; if it persists, restart `omni-core serve`",
                   extra={EVENT_ATTR: {"event": "engine_unresponsive"}})  # fmt: skip
     for name, now in after["stages"].items():
         then = before["stages"].get(name) or {}
-        if now["state"] in UNHEALTHY_STATES and then.get("state") != now["state"]:
+        failed = (now["epoch"], now["state"]) if now["state"] in UNHEALTHY_STATES else None
+        if failed is not None and then.get("state") != now["state"] and logged.get((name, "state")) != failed:
+            logged[(name, "state")] = failed
             log.error("stage %r is %s: %s; restart it: omni-core restart %s", name, now["state"],
                       now.get("failure") or "no reason recorded", name,
                       extra={EVENT_ATTR: {"event": "stage_failed", "stage": name, "state": now["state"],
                                           "epoch": now["epoch"], "failure": now.get("failure")}})  # fmt: skip
         for rank, info in now["ranks"].items():
             old = (then.get("ranks") or {}).get(rank)
-            if old is not None and old["alive"] and not info["alive"] and old["pid"] == info["pid"]:
+            gone = old is not None and old["alive"] and not info["alive"] and old["pid"] == info["pid"]
+            if gone and logged.get((name, rank)) != info["pid"]:
+                logged[(name, rank)] = info["pid"]
                 log.error("stage %r rank %s (pid %s) is gone: its process exited while the stage is %s",
                           name, rank, info["pid"], now["state"],
                           extra={EVENT_ATTR: {"event": "rank_gone", "stage": name, "rank": int(rank),

@@ -154,3 +154,23 @@ def test_serve_logs_every_lifecycle_event_failure_and_dead_rank_as_json(tmp_path
     log.until("stopped")
     assert child.returncode == 0
     assert [e for e in log.seen if e.get("event") == "lifecycle" and e["command"] == "sleep"] == [slept]  # once each
+
+
+def _snapshot(state: str, alive: bool, epoch: int = 1, pid: int = 41) -> dict[str, Any]:
+    rank = {"pid": pid, "alive": alive}
+    return {"engine_up": True, "stages": {"solo": {"state": state, "epoch": epoch, "failure": "rank 0: died",
+                                                   "ranks": {"0": rank}}}}  # fmt: skip
+
+
+def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_order(caplog) -> None:
+    from omni_core.serve.app import _log_changes
+
+    logged: dict[tuple[str, str], Any] = {}
+    running, failed = _snapshot("RUNNING", True), _snapshot("FAILED", False)
+    with caplog.at_level(logging.INFO, logger="omni_core.serve.events"):
+        for before, after in [(running, failed), (failed, running), (running, failed), (failed, failed)]:
+            _log_changes(before, after, logged)
+        assert [r.omni_event["event"] for r in caplog.records] == ["stage_failed", "rank_gone"]
+        _log_changes(_snapshot("RUNNING", True, 2, 42), _snapshot("FAILED", False, 2, 42), logged)  # a new epoch
+    assert [(r.omni_event["event"], r.omni_event.get("pid")) for r in caplog.records[2:]] == [
+        ("stage_failed", None), ("rank_gone", 42)]  # fmt: skip
