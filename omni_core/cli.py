@@ -221,6 +221,9 @@ def _cmd_client(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
         return 2
+    from omni_core.serve.cli import say_if_replayed
+
+    say_if_replayed(verb, answer, args.idempotency_key)
     if args.json or verb == "execute":
         print(json.dumps(answer, indent=2))
     elif verb == "reload":

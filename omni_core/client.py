@@ -12,6 +12,12 @@ client.execute("talker", {"seed": 1, "batch": 2})
 client.stages()                                  # state, epoch, ranks, memory of every stage
 ```
 
+A JSON object answer is a `Reply`, a dict whose `replayed` is True when the server answered
+a retried `Idempotency-Key` from its record (its `Idempotent-Replayed` header): nothing ran
+again, and the stage may have moved on since. Use a fresh key per intent; reuse one only to
+retry the same call. Bodies carry only the fields given (no nulls), so a call and the same
+call sent with curl are one request under one key.
+
 An error answer raises `ServeError` with the server's status code, error type and the
 engine's own message (`exc.status`, `exc.type`, `str(exc)`).
 """
@@ -28,6 +34,12 @@ from typing import Any
 
 DEFAULT_TIMEOUT_S = 120.0  # above the default lifecycle deadline (30 s) plus its drain
 API_KEY_ENV = "OMNI_CORE_API_KEY"
+
+
+class Reply(dict):
+    """The server's JSON object; `replayed`: answered from the Idempotency-Key record."""
+
+    replayed: bool = False
 
 
 class ServeError(Exception):
@@ -70,7 +82,7 @@ class OmniClient:
     def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | None = None, *,
               timeout_s: float | None = None, abort_in_flight: bool = False,
               idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
-        body = {"level": level, "tags": _list(tags), "timeout_s": timeout_s, "abort_in_flight": abort_in_flight}
+        body = {"level": level, "tags": _list(tags), "timeout_s": timeout_s, "abort_in_flight": abort_in_flight or None}
         return self._call("POST", f"/v1/stages/{_seg(stage)}/sleep", body, idempotency_key)
 
     def wake(self, stage: str, tags: Iterable[str] | None = None, *, timeout_s: float | None = None,
@@ -120,6 +132,10 @@ class OmniClient:
     # ------------------------------------------------------------------ transport
 
     def _call(self, method: str, path: str, body: Any = None, idempotency_key: str | None = None) -> Any:
+        # Only the fields given: null is every such field's default, and a body with nulls
+        # would not be the one a user sends by hand under the same Idempotency-Key.
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items() if v is not None}
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
         if data is not None:
@@ -131,7 +147,11 @@ class OmniClient:
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read() or b"null")
+                answer = json.loads(response.read() or b"null")
+                if isinstance(answer, dict):
+                    answer = Reply(answer)
+                    answer.replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+                return answer
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:

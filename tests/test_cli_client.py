@@ -33,5 +33,13 @@ def test_reload_restart_and_execute_from_the_command_line(capsys) -> None:
         restarted = json.loads(capsys.readouterr().out)
         assert restarted["state"] == "RUNNING" and restarted["epoch"] == epoch + 1
 
+        restart = ["restart", "talker", "--idempotency-key", "cli-restart-1", *url]
+        assert cli_main(restart) == 0
+        assert "replayed" not in capsys.readouterr().err
+        assert cli_main(restart) == 0
+        again = capsys.readouterr()
+        assert "replayed: this is the answer to the first request with Idempotency-Key 'cli-restart-1'" in again.err
+        assert served.engine.status()["talker"]["epoch"] == epoch + 2  # one restart for the key, not two
+
         assert cli_main(["execute", "talker", "--payload", "{seed", *url]) == 2
         assert "--payload is not JSON" in capsys.readouterr().err

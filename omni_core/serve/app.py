@@ -14,6 +14,7 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -42,6 +43,7 @@ from omni_core.serve.errors import outcome_label as _outcome
 from omni_core.serve.guard import BrowserGuard, BrowserPolicy
 from omni_core.serve.idempotency import Answer, IdempotencyCache, check_key, fingerprint, task_id_for
 from omni_core.serve.limits import BodyLimit
+from omni_core.serve.logs import EVENT_ATTR
 from omni_core.serve.metrics import ServeMetrics
 from omni_core.serve.page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
 from omni_core.serve.reports import report_json, swap_json
@@ -57,6 +59,9 @@ EVENTS_IN_SNAPSHOT = 50
 UNHEALTHY_STATES = frozenset({"FAILED", "STOPPED"})
 MAX_REASON_CHARS = 500  # a failure reason quoted in /health; the full text is in GET /v1/stages/{name}
 JSON = "application/json"
+# Not "omni_core.serve", whose messages are rate-limited (peers can cause them): every
+# lifecycle event, failure and dead rank gets its line.
+log = logging.getLogger("omni_core.serve.events")
 
 
 def _json_default(value: Any) -> Any:
@@ -118,6 +123,9 @@ class ServeState:
         self.closing = asyncio.Event()
         self._refresh: asyncio.Event | None = None
         self._event_ids = itertools.count(1)
+        # What the log already said per stage ("state") and per rank: two refreshes may end
+        # out of order, and a change must still be one line. One entry per stage and rank.
+        self.logged: dict[tuple[str, str], Any] = {}
 
     # ------------------------------------------------------------------ engine calls
 
@@ -296,6 +304,7 @@ class ServeState:
                  **{k: v for k, v in details.items() if v is not None}}  # fmt: skip
         self.events.append(event)
         self.broadcast("lifecycle", event)
+        _log_event(event)
 
     def broadcast(self, kind: str, data: dict[str, Any]) -> None:
         for queue in list(self.subscribers):
@@ -348,7 +357,8 @@ class ServeState:
             status: dict[str, Any] | None = await self.status()
         except (OmniCoreError, ApiError, asyncio.TimeoutError):
             status = None
-        self.snapshot = self.build_snapshot(status)
+        previous, self.snapshot = self.snapshot, self.build_snapshot(status)
+        _log_changes(previous, self.snapshot, self.logged)
         self.broadcast("status", self.snapshot)
         return self.snapshot
 
@@ -381,6 +391,53 @@ class ServeState:
         for queue in list(self.subscribers):
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait((None, {}))
+
+
+# ====================================================================== the operator's log
+
+
+def _log_event(event: dict[str, Any]) -> None:
+    """One line per lifecycle call through the server: its outcome, state and bytes moved."""
+    fields = dict(event, event="lifecycle")
+    if "level" in fields:  # a log line's `level` is its severity
+        fields["sleep_level"] = fields.pop("level")
+    extra = {EVENT_ATTR: fields}
+    what = f"stage {event['stage']!r}: {event['command']}" + (f" level {event['level']}" if "level" in event else "")
+    took = f"{event['duration_s'] * 1000:.1f} ms"
+    if event["outcome"] == "ok":
+        freed = event.get("freed_bytes")
+        moved = "" if not freed else f", {'freed' if freed > 0 else 'restored'} {abs(freed)} bytes"
+        state = f" -> {event['state']} ({event['status']})" if "state" in event else ""
+        log.info("%s%s in %s%s", what, state, took, moved, extra=extra)
+    else:
+        log.warning("%s failed (%s) after %s: %s", what, event["outcome"], took, event.get("error", ""), extra=extra)
+
+
+def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tuple[str, str], Any]) -> None:
+    """What the engine did on its own, seen between two status snapshots: a stage that became
+    FAILED or STOPPED, a rank process that is gone, the engine no longer answering. `logged`
+    holds what was said, so each is said once."""
+    if before["engine_up"] and not after["engine_up"]:
+        log.error("the engine did not answer a status call; if it persists, restart `omni-core serve`",
+                  extra={EVENT_ATTR: {"event": "engine_unresponsive"}})  # fmt: skip
+    for name, now in after["stages"].items():
+        then = before["stages"].get(name) or {}
+        failed = (now["epoch"], now["state"]) if now["state"] in UNHEALTHY_STATES else None
+        if failed is not None and then.get("state") != now["state"] and logged.get((name, "state")) != failed:
+            logged[(name, "state")] = failed
+            log.error("stage %r is %s: %s; restart it: omni-core restart %s", name, now["state"],
+                      now.get("failure") or "no reason recorded", name,
+                      extra={EVENT_ATTR: {"event": "stage_failed", "stage": name, "state": now["state"],
+                                          "epoch": now["epoch"], "failure": now.get("failure")}})  # fmt: skip
+        for rank, info in now["ranks"].items():
+            old = (then.get("ranks") or {}).get(rank)
+            gone = old is not None and old["alive"] and not info["alive"] and old["pid"] == info["pid"]
+            if gone and logged.get((name, rank)) != info["pid"]:
+                logged[(name, rank)] = info["pid"]
+                log.error("stage %r rank %s (pid %s) is gone: its process exited while the stage is %s",
+                          name, rank, info["pid"], now["state"],
+                          extra={EVENT_ATTR: {"event": "rank_gone", "stage": name, "rank": int(rank),
+                                              "pid": info["pid"], "state": now["state"]}})  # fmt: skip
 
 
 # ====================================================================== answering

@@ -34,7 +34,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"omni-core serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config, log_level=args.log_level)
+    return serve(config, log_level=args.log_level, log_json=args.log_json)
 
 
 def _tuple(values: list[str] | None) -> tuple[str, ...] | None:
@@ -93,6 +93,7 @@ def run_remote(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
         return 2
+    say_if_replayed(verb, answer, args.idempotency_key)
     if args.json:
         print(json.dumps(answer, indent=2))
     elif verb == "status":
@@ -104,6 +105,14 @@ def run_remote(args: argparse.Namespace) -> int:
     else:
         _print_report(answer)
     return 0
+
+
+def say_if_replayed(verb: str, answer: Any, key: str | None) -> None:
+    """A client verb's answer that the server took from its Idempotency-Key record says so."""
+    if getattr(answer, "replayed", False):
+        print(f"omni-core {verb}: replayed: this is the answer to the first request with Idempotency-Key "
+              f"{key!r}; nothing ran again, and the stage may have changed since (omni-core status shows it "
+              "now)", file=sys.stderr)  # fmt: skip
 
 
 def _error_lines(error: dict[str, Any]) -> list[str]:

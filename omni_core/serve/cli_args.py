@@ -29,6 +29,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a page origin (scheme://host:port) that may send state-changing requests (repeatable; "
                         "'*': any)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-json", action="store_true",
+                   help="log one JSON object per line (time, level, logger, message and the event's fields: "
+                        "stage, command, outcome, rank, pid, ...) instead of text")  # fmt: skip
     p.add_argument("--write-openapi", default=None, metavar="PATH",
                    help="write the OpenAPI schema (specs/openapi.json) and exit; starts nothing")  # fmt: skip
 

@@ -546,6 +546,12 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+        if os.environ.get("OMNI_CORE_LOG_FORMAT"):  # under `omni-core serve`: its format (--log-json: JSON)
+            from omni_core.serve.logs import formatter_for
+
+            formatter = formatter_for(os.environ["OMNI_CORE_LOG_FORMAT"])
+            if formatter is not None:
+                logging.getLogger().handlers[0].setFormatter(formatter)
     # The secret leaves the environment at once, so nothing the runner spawns inherits it.
     rank_secret = _rank_secret(os.environ.pop(RANK_SECRET_ENV, None))
     ctx = zmq.Context()

@@ -69,13 +69,26 @@ def test_readme_client_example_runs(served: Served) -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text.split("## Serving over HTTP", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace("http://127.0.0.1:8000", served.url)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {"__name__": "readme_client"})
-    lines = out.getvalue().splitlines()
-    assert lines[0] == "[('talker', 'RUNNING'), ('decoder', 'RUNNING')]"
-    assert lines[1].startswith("SLEEPING {'0': ")
-    assert lines[2].startswith("409 InvalidArgumentError stage 'talker' cannot reload weights in RUNNING")
+    for _ in range(2):  # run again as a user would: its keys are fresh, so nothing is an old answer
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "README.md", "exec"), {"__name__": "readme_client"})
+        lines = out.getvalue().splitlines()
+        assert lines[0] == "[('talker', 'RUNNING'), ('decoder', 'RUNNING')]"
+        assert lines[1].startswith("SLEEPING False {'0': "), lines
+        assert lines[2] == "SLEEPING True", lines
+        assert lines[3].startswith("409 InvalidArgumentError stage 'talker' cannot reload weights in RUNNING")
+
+
+def test_client_says_when_an_answer_is_a_replay(served: Served) -> None:
+    client = OmniClient(served.url)
+    first = client.sleep("decoder", idempotency_key="replay-seen-sleep")
+    assert first["state"] == "SLEEPING" and first.replayed is False
+    client.wake("decoder")
+    again = client.sleep("decoder", idempotency_key="replay-seen-sleep")
+    assert again == first and again.replayed is True  # the old SLEEPING while the stage runs: said so
+    now = client.stage("decoder")
+    assert now["state"] == "RUNNING" and now.replayed is False
 
 
 def test_demo_config_runs_the_example(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ def _kept_bytes(cache: IdempotencyCache) -> int:
     """What the record really holds, counted here from its entries, not by its own count."""
     total = 0
     for key, entry in cache._entries.items():
-        total += len(key) + len(entry.fingerprint) + len(entry.described)
+        fp = entry.fingerprint
+        total += len(key) + len(fp.digest) + sum(len(k) + len(v) for k, v in fp.fields) + len(entry.described)
         if entry.task.done() and entry.task.exception() is None:
             answer = entry.task.result()
             total += len(answer.body) + sum(len(k) + len(v) for k, v in answer.headers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from collections.abc import Iterator
 
@@ -112,6 +113,27 @@ def test_a_third_process_holding_the_device_fails_the_swap_naming_it(talker_in: 
     talker_in.engine.wake("talker")
     code, _, err = _cli("swap", "talker", "decoder", "--url", talker_in.url)  # with the device free it goes
     assert code == 0, err
+
+
+def test_the_readme_curl_swap_and_its_cli_twin_are_one_request(talker_in: Served) -> None:
+    """The README's pair under one key: the CLI's retry is a replay, not a 409 (it used to add
+    nulls and 10.0), and the same key with another body is a 409 naming the field."""
+    curl_body = b'{"out": "talker", "in": "decoder", "level": 1, "memory_wait_s": 10}'
+    key = {"Idempotency-Key": "readme-swap-7", "Content-Type": "application/json"}
+    first = talker_in.client.post("/v1/swap", content=curl_body, headers=key)
+    assert first.status_code == 200, first.text
+    code, out, err = _cli("swap", "talker", "decoder", "--memory-wait-s", "10", "--idempotency-key", "readme-swap-7",
+                          "--url", talker_in.url, "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out) == first.json()
+    assert "replayed: this is the answer to the first request with Idempotency-Key 'readme-swap-7'" in err
+    assert talker_in.stage("decoder")["state"] == "RUNNING"  # nothing ran twice: no swap back
+    code, _, err = _cli("swap", "talker", "decoder", "--memory-wait-s", "5", "--idempotency-key", "readme-swap-7",
+                        "--url", talker_in.url)  # fmt: skip
+    assert code == 1
+    assert "HTTP 409 IdempotencyKeyReused" in err and "with another body: field(s) ['memory_wait_s'] differ" in err
+    other = talker_in.client.post("/v1/swap", content=curl_body.replace(b"10", b"5"), headers=key)
+    assert other.status_code == 409 and other.json()["error"]["fields"] == ["body.memory_wait_s"]
 
 
 def test_cli_names_who_holds_the_device(talker_in: Served, device: SimulatedDevice) -> None:

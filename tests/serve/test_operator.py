@@ -1,0 +1,176 @@
+"""`omni-core serve` as an operator meets it: a port in use ends it at once, and its log has
+one line per lifecycle event, failure and dead rank (`--log-json`: one JSON object each)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import omni_core.serve.server as server_module
+from omni_core.cli import main
+from omni_core.serve.auth import ServeRefusedError
+from omni_core.serve.logs import JsonFormatter, TextFormatter
+
+ROOT = Path(__file__).resolve().parents[2]
+LOG_WAIT_S = 120.0  # only turns a hang into a failure; each line comes in well under a second
+
+
+def test_a_port_in_use_ends_serve_in_one_line_before_any_rank_starts(monkeypatch, capsys) -> None:
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rank was started although the port is taken")
+
+    monkeypatch.setattr(server_module, "Engine", no_engine)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["serve", "--config", str(ROOT / "examples/two_stages.toml"), "--port", str(port)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err
+    assert "pass another --port" in err and "stop the other process" in err
+
+
+@pytest.mark.parametrize(("host", "words"), [
+    ("192.0.2.1", "cannot listen on 192.0.2.1:0: "),  # TEST-NET-1: no address of this machine
+    ("no-such-host.invalid", "the host 'no-such-host.invalid' does not resolve"),
+])  # fmt: skip
+def test_an_address_that_is_not_this_machines_is_refused_naming_it(host: str, words: str) -> None:
+    with pytest.raises(ServeRefusedError, match=r"pass (a )?--host") as info:
+        server_module.bind_listener(host, 0)
+    assert words in str(info.value)
+
+
+def test_formatters_keep_one_event_on_one_line() -> None:
+    try:
+        raise ValueError("first\nsecond")
+    except ValueError:
+        record = logging.LogRecord("omni_core.serve", logging.ERROR, __file__, 1, "rank said:\n%s", ("boom",),
+                                   sys.exc_info())  # fmt: skip
+    record.omni_event = {"event": "rank_gone", "stage": "talker", "rank": 1, "level": "not the level"}
+    text = TextFormatter().format(record)
+    assert "\n" not in text and "ERROR omni_core.serve: rank said: | boom" in text and "first | second" in text
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert (parsed["level"], parsed["event"], parsed["stage"], parsed["rank"]) == ("ERROR", "rank_gone", "talker", 1)
+    assert parsed["message"] == "rank said:\nboom" and "ValueError: first" in parsed["exception"]
+
+
+CONFIG = """
+[[stages]]
+name = "solo"
+runner = "synthetic"
+ranks = 2
+device = "cpu"
+backend = "portable"
+deadline_s = 30.0
+[stages.runner_args]
+weights_bytes = 2097152
+tensor_count = 4
+kv_bytes = 262144
+cpu_threads = 1
+"""
+
+
+class _Lines:
+    """A child's stderr, one parsed JSON line at a time, read on a thread of its own."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in stream], daemon=True).start()
+
+    def until(self, event: str, **fields: Any) -> dict[str, Any]:
+        def wanted(parsed: dict[str, Any]) -> bool:
+            return parsed.get("event") == event and all(parsed.get(k) == v for k, v in fields.items())
+
+        for parsed in self.seen:  # one status poll may bring several lines
+            if wanted(parsed):
+                return parsed
+        deadline = time.monotonic() + LOG_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                raw = self.lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            self.raw.append(raw)
+            parsed = json.loads(raw)  # every line is one JSON object, or this fails
+            self.seen.append(parsed)
+            if wanted(parsed):
+                return parsed
+        raise AssertionError(f"no {event} {fields} in the log within {LOG_WAIT_S} s: {self.raw}")
+
+
+@pytest.mark.slow
+def test_serve_logs_every_lifecycle_event_failure_and_dead_rank_as_json(tmp_path: Path) -> None:
+    config = tmp_path / "solo.toml"
+    config.write_text(CONFIG)
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_CORE_API_KEY"}
+    child = subprocess.Popen([sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config), "--port", "0",
+                              "--log-json"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    log = _Lines(child.stderr)
+    try:
+        url = log.until("listening")["url"]
+        with httpx.Client(base_url=url, timeout=120) as client:
+            assert client.post("/v1/stages/solo/sleep", json={"level": 1}).status_code == 200
+            slept = log.until("lifecycle", command="sleep")
+            assert (slept["stage"], slept["outcome"], slept["state"]) == ("solo", "ok", "SLEEPING")
+            assert slept["freed_bytes"] > 0 and slept["sleep_level"] == 1 and slept["level"] == "INFO"
+            assert client.post("/v1/stages/solo/wake").status_code == 200
+            assert log.until("lifecycle", command="wake")["state"] == "RUNNING"
+            refused = client.post("/v1/stages/solo/reload")  # RUNNING: nothing to reload
+            assert refused.status_code == 409
+            failed = log.until("lifecycle", command="reload")
+            assert failed["level"] == "WARNING" and failed["outcome"] != "ok" and "cannot reload" in failed["error"]
+            pid = client.get("/v1/stages/solo").json()["ranks"]["1"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            gone = log.until("rank_gone", stage="solo", rank=1)
+            assert gone["pid"] == pid and gone["level"] == "ERROR"
+            down = log.until("stage_failed", stage="solo")
+            assert down["state"] == "FAILED" and down["failure"] and "omni-core restart solo" in down["message"]
+    finally:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    log.until("stopped")
+    assert child.returncode == 0
+    assert [e for e in log.seen if e.get("event") == "lifecycle" and e["command"] == "sleep"] == [slept]  # once each
+
+
+def _snapshot(state: str, alive: bool, epoch: int = 1, pid: int = 41) -> dict[str, Any]:
+    rank = {"pid": pid, "alive": alive}
+    return {"engine_up": True, "stages": {"solo": {"state": state, "epoch": epoch, "failure": "rank 0: died",
+                                                   "ranks": {"0": rank}}}}  # fmt: skip
+
+
+def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_order(caplog) -> None:
+    from omni_core.serve.app import _log_changes
+
+    logged: dict[tuple[str, str], Any] = {}
+    running, failed = _snapshot("RUNNING", True), _snapshot("FAILED", False)
+    with caplog.at_level(logging.INFO, logger="omni_core.serve.events"):
+        for before, after in [(running, failed), (failed, running), (running, failed), (failed, failed)]:
+            _log_changes(before, after, logged)
+        assert [r.omni_event["event"] for r in caplog.records] == ["stage_failed", "rank_gone"]
+        _log_changes(_snapshot("RUNNING", True, 2, 42), _snapshot("FAILED", False, 2, 42), logged)  # a new epoch
+    assert [(r.omni_event["event"], r.omni_event.get("pid")) for r in caplog.records[2:]] == [
+        ("stage_failed", None), ("rank_gone", 42)]  # fmt: skip
