@@ -93,7 +93,7 @@ def run_remote(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"omni-core {verb}: cannot read the API key file: {exc}", file=sys.stderr)
         return 2
-    say_if_replayed(verb, answer, args.idempotency_key)
+    say_if_replayed(verb, answer, getattr(args, "idempotency_key", None))  # status takes no key
     if args.json:
         print(json.dumps(answer, indent=2))
     elif verb == "status":
