@@ -15,6 +15,7 @@ from omni_core.conformance.cases import UNUSABLE_SOURCE, Ctx, case
 from omni_core.protocol import (
     Ack,
     DiskSource,
+    Nack,
     NackReason,
     Result,
     ShareWeights,
@@ -58,11 +59,14 @@ def _same_output(ctx: Ctx, first: tuple, what: str) -> None:
 
 
 @case("P-17", "update_refused_without_weight_update", "no 'weight_update' declared: UpdateWeights is refused "
-      "UNSUPPORTED, nothing changes", unless=(WEIGHT_UPDATE,))  # fmt: skip
+      "UNSUPPORTED (BAD_MESSAGE from a worker that predates the message: an unknown type, P-10), nothing "
+      "changes", unless=(WEIGHT_UPDATE,))  # fmt: skip
 def update_refused_without_weight_update(ctx: Ctx) -> None:
     first = ctx.execute()
     update = ctx.cmd(UpdateWeights, version=1, source=DiskSource(path=MISSING_PATH))
-    ctx.nack(ctx.request(update), update, NackReason.UNSUPPORTED, state=WorkerState.ACTIVE)
+    reply = ctx.request(update)
+    known = isinstance(reply, Nack) and reply.reason is NackReason.UNSUPPORTED
+    ctx.nack(reply, update, NackReason.UNSUPPORTED if known else NackReason.BAD_MESSAGE, state=WorkerState.ACTIVE)
     _same_output(ctx, first, "after a refused UpdateWeights")
 
 

@@ -114,11 +114,13 @@ def test_a_runner_that_cannot_load_says_hello_failed_and_why(orch, workers):
 def test_cumem_where_it_cannot_work_fails_at_start_up_with_the_reason(orch, workers):
     w = workers["cumem_on_cpu"]
     assert w.hello.state is WorkerState.FAILED and w.hello.backend == "cumem" and w.hello.capabilities == ()
+    # The device is checked before the backend: on a machine without CUDA the reason is the
+    # device setting (the backend could not run there either), named with the fix.
     reply = failed_reply(orch.request(w, Sleep(task_id="s", epoch=0)), "Sleep", NackReason.FAILED,
-                         "backend 'cumem' is unavailable", "sees no CUDA device")  # fmt: skip
-    assert "use backend 'portable'" in reply.detail  # ... and what to do instead
+                         "device 'cuda' needs a CUDA GPU", "sees none")  # fmt: skip
+    assert 'to "cpu"' in reply.detail and "device" in reply.detail  # ... and what to do instead
     shut_down(orch, w)
-    assert "backend 'cumem' is unavailable" in w.process.stderr.read()
+    assert "backend 'cumem' unavailable" in w.process.stderr.read()
 
 
 def _gone(pid: int) -> bool:
