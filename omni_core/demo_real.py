@@ -289,10 +289,11 @@ class RealDemo:
         began = time.perf_counter()
         with Engine(self.specs(llm_dir, dit_dir), trace_path=self.trace_path) as engine:
             w(f"started 2 stages (1 rank each) in {time.perf_counter() - began:.1f} s\n")
-            for name, stage in engine.status().items():
-                for rank in stage["ranks"].values() if not name.startswith("_") else ():
-                    w(f"  {name}: backend {rank['backend']}" + (f" ({rank['backend_reason']})\n"
-                                                                if rank["backend_reason"] else "\n"))  # fmt: skip
+            status = engine.status()
+            for name in ("llm", "dit"):
+                for rank in status[name]["ranks"].values():
+                    why = f" ({rank['backend_reason']})" if rank["backend_reason"] else ""
+                    w(f"  {name}: backend {rank['backend']}{why}\n")
             self.scenario(engine)
         self.print_table()
         self.write_sheet()

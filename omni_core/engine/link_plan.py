@@ -91,6 +91,10 @@ class LinkLedger:
         self.lent: dict[str, tuple[str, str]] = {}  # GPU -> (stage, task_id)
         self._plans: dict[tuple[str, str], LinkPlan] = {}
 
+    def planned(self, stage: str, task_id: str) -> LinkPlan | None:
+        """The task's plan if it was made already (a resent command, another rank's send)."""
+        return self._plans.get((stage, task_id))
+
     def plan(self, stage: str, task_id: str, ranks: Mapping[int, RankView], busy_gpus: Iterable[str]) -> LinkPlan:
         key = (stage, task_id)
         if key not in self._plans:

@@ -47,7 +47,7 @@ from omni_core.engine.errors import (
 )
 from omni_core.engine.incoming import IncomingSlots, SwapCall, stage_devices
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.link_plan import LinkLedger, rank_view
+from omni_core.engine.link_plan import LinkLedger, RankView, rank_view
 from omni_core.engine.report import LifecycleReport, ProfileReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
@@ -612,15 +612,19 @@ class Orchestrator:
         node's idle GPUs (engine/link_plan.py); every other command as it is."""
         if not isinstance(command, (Sleep, Wake)) or not stage.spec.multi_path:
             return command
-        views = {r: rank_view(stage.spec.devices[r] if stage.spec.devices else None, self._engine_visible,
-                              stage.spec.device, hello.relay_peers)
-                 for r, hello in stage.hellos.items() if Capability.MULTI_PATH in hello.capabilities}  # fmt: skip
-        busy = {rank_view(other.spec.devices[r] if other.spec.devices else None, self._engine_visible,
-                          other.spec.device).own_gpu
-                for other in self._stages.values() if other is not stage and other.core.task_id is not None
-                for r in range(other.spec.ranks)}  # fmt: skip
-        links = self._links.plan(stage.spec.name, command.task_id, views, busy).links.get(rank)
+        plan = self._links.planned(stage.spec.name, command.task_id)
+        if plan is None:  # the task's first send: every rank's view and the busy GPUs, once
+            views = {r: self._rank_view(stage.spec, r, hello.relay_peers)
+                     for r, hello in stage.hellos.items() if Capability.MULTI_PATH in hello.capabilities}  # fmt: skip
+            busy = {self._rank_view(other.spec, r).own_gpu
+                    for other in self._stages.values() if other is not stage and other.core.task_id is not None
+                    for r in range(other.spec.ranks)}  # fmt: skip
+            plan = self._links.plan(stage.spec.name, command.task_id, views, busy)
+        links = plan.links.get(rank)
         return msgspec.structs.replace(command, links=links) if links else command
+
+    def _rank_view(self, spec: StageSpec, rank: int, relay_peers: tuple[int, ...] = ()) -> RankView:
+        return rank_view(spec.devices[rank] if spec.devices else None, self._engine_visible, spec.device, relay_peers)
 
     def _resolve(self, stage: _Stage, outcome: TaskOutcome | None) -> None:
         if outcome is None:

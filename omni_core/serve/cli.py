@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from omni_core.client import OmniClient, ServeError
+from omni_core.units import fmt_bytes
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -42,12 +43,7 @@ def _tuple(values: list[str] | None) -> tuple[str, ...] | None:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+    return "-" if n is None else fmt_bytes(n)
 
 
 def _print_stages(stages: list[dict[str, Any]]) -> None:

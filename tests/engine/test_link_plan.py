@@ -64,7 +64,9 @@ def test_views_from_the_spec_the_engine_environment_or_indices():
 
 def test_the_ledger_plans_a_task_once_lends_each_gpu_once_and_releases_at_the_end():
     ledger = LinkLedger()
+    assert ledger.planned("a", "t1") is None
     first = ledger.plan("a", "t1", {0: four_gpus(0)}, busy_gpus={"0"})
+    assert ledger.planned("a", "t1") is first
     assert ledger.plan("a", "t1", {0: four_gpus(0)}, busy_gpus={"0", "1", "2"}) is first  # a resend
     assert ledger.plan("b", "t2", {0: four_gpus(1)}, busy_gpus={"0"}).links == {}  # all lent to a's task
     ledger.release("a", "t1")
