@@ -65,11 +65,15 @@ def render() -> str:
 
 
 # The renderer is looked up when called, so a patched planner or table renders anew.
-_GENERATED = Generated(MODULE, REGEN_COMMAND,
-                       "the link planner (omni_core/engine/link_plan.py)",
-                       "link plan table", lambda: render())
-default_path, is_fresh, stale_message, write = (_GENERATED.default_path, _GENERATED.is_fresh,
-                                                _GENERATED.stale_message, _GENERATED.write)
+_GENERATED = Generated(
+    MODULE, REGEN_COMMAND, "the link planner (omni_core/engine/link_plan.py)", "link plan table", lambda: render()
+)
+default_path, is_fresh, stale_message, write = (
+    _GENERATED.default_path,
+    _GENERATED.is_fresh,
+    _GENERATED.stale_message,
+    _GENERATED.write,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
