@@ -9,6 +9,7 @@ same output: the core reads no clock and touches no memory.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,9 +269,13 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ inputs
 
-    def loaded(self, backend: str = "") -> WorkerStep:
+    def loaded(self, backend: str = "", capabilities: Iterable[Capability] | None = None) -> WorkerStep:
         """The shell finished loading the runner: LOADING -> ACTIVE. The records say so and
-        that the Hello goes out (the shell builds it: pid, proof and device are its)."""
+        that the Hello goes out (the shell builds it: pid, proof and device are its).
+        `capabilities`, when given, are the ones the load settled (a backend chosen at load
+        relays through peers or not; a loaded runner takes weight updates)."""
+        if capabilities is not None:
+            self.capabilities = frozenset(capabilities)
         self.lifecycle.fire("loaded")
         self._check_invariants()
         return self._started(backend, "")

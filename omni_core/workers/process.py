@@ -179,14 +179,12 @@ class WorkerProcess:
             relay_peers = self.backend.relay_peers()[:MAX_LINKS] if self.backend.supports_links and not error else ()
             if relay_peers:  # declared only now: whether the backend relays is known after load
                 capabilities = (*capabilities, Capability.MULTI_PATH)
-                self.core.capabilities = frozenset(capabilities)
         if not error and self.runner is not None:
             # P-17: every runner updates from disk (its reload); shm, ipc and collective need the
             # runner's update_weights, else the receiver refuses them (INVALID_ARGUMENT).
             capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
-            self.core.capabilities = frozenset(capabilities)
         self.receiver.device = self.device
-        started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name)
+        started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name, capabilities)
         self._write(started.records)
         device = str(self.device)
         if self.memory is not None and self.memory.physical is not None:
