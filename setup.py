@@ -27,8 +27,10 @@ class BuildPyWithData(build_py):
         for name in SHIPPED:
             source = ROOT / name
             if not source.is_dir():
-                raise SystemExit(f"setup.py: {source} is missing; a wheel without it cannot check traces "
-                                 "or serve the examples (build from a full checkout or its sdist)")  # fmt: skip
+                raise SystemExit(
+                    f"setup.py: {source} is missing; a wheel without it cannot check traces "
+                    "or serve the examples (build from a full checkout or its sdist)"
+                )
             shutil.copytree(source, target / name, ignore=SKIP, dirs_exist_ok=True)
 
 

@@ -52,51 +52,90 @@ def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="benchmarks: memory path on a GPU, or --control-plane on CPU")
-    p.add_argument("--control-plane", action="store_true",
-                   help="sleep/wake round trips of a stage with N rank processes (portable, empty model)")
+    p.add_argument(
+        "--control-plane",
+        action="store_true",
+        help="sleep/wake round trips of a stage with N rank processes (portable, empty model)",
+    )
     p.add_argument("--ranks", type=int, action="append", help="rank count (repeatable; default 1 2 4 8)")
     p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")
     p.add_argument("--short", action="store_true", help="few cycles: a smoke run for CI")
     p.add_argument("--out", default=None, help="folder for JSON, Markdown (and PNG) results")
-    p.add_argument("--methods", action="append",
-                   help="memory path: comma-separated methods (default limit,vllm,tms,cumem,fast; options as "
-                        "fast:chunk_mib=64,streams=1)")  # fmt: skip
+    p.add_argument(
+        "--methods",
+        action="append",
+        help="memory path: comma-separated methods (default limit,vllm,tms,cumem,fast; options as "
+        "fast:chunk_mib=64,streams=1)",
+    )
     p.add_argument("--workloads", action="append", help="memory path: comma-separated (default 1g,8g,32g,mixed)")
     p.add_argument("--reps", type=int, default=None, help="memory path: level-1 cycles per case (default 4)")
     p.add_argument("--case-timeout-s", type=float, default=420.0, help="memory path: limit per (method, workload)")
     p.add_argument("--render", default=None, help="memory path: redraw Markdown and PNG from this memory.json")
-    p.add_argument("--multi-path", action="store_true",
-                   help="a stage's sleep and wake over 1..N GPUs' host links through Engine, a peer stage serving "
-                        "on a lending GPU (--gib weights, --reps cycles)")  # fmt: skip
-    p.add_argument("--weight-sync", action="store_true",
-                   help="versioned weight updates (P-17) from this process into a rollout stage: CUDA IPC on the same "
-                        "and the peer GPU, an NCCL group, 3 and 16 GB bf16, outputs checked after each")  # fmt: skip
+    p.add_argument(
+        "--multi-path",
+        action="store_true",
+        help="a stage's sleep and wake over 1..N GPUs' host links through Engine, a peer stage serving "
+        "on a lending GPU (--gib weights, --reps cycles)",
+    )
+    p.add_argument(
+        "--weight-sync",
+        action="store_true",
+        help="versioned weight updates (P-17) from this process into a rollout stage: CUDA IPC on the same "
+        "and the peer GPU, an NCCL group, 3 and 16 GB bf16, outputs checked after each",
+    )
     p.add_argument("--gib", type=float, default=16.0, help="multi-path: GiB of bf16 weights of the stage")
-    p.add_argument("--real-models", action="store_true",
-                   help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "
-                        "(--methods cumem,fast; --reps level-1 cycles; --render real_models.json)")  # fmt: skip
-    p.add_argument("--vllm", action="store_true",
-                   help="a vLLM stage through every lifecycle on cumem and fast, two vLLM stages started together "
-                        "on one GPU, and plain vllm.LLM sleep/wake with vLLM's backend beside omni_fast (GPU)")
-    p.add_argument("--swap", action="store_true",
-                   help="one stage sleeps while another wakes on one GPU: link limit, vLLM and omni-core "
-                        "sequential, omni-core swap (dirty/clean weights), Engine.swap; --workloads as pairs "
-                        "A:B[+fill] (default 16g:16g,8g:16g+fill); --render swap_gpu.json")  # fmt: skip
-    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
-                   help="--swap: cuda (default) or cpu (a smoke run: portable backend, simulated device, "
-                        "workloads 2m/4m); --multi-gpu: cuda (two GPUs, default) or cpu (gloo, portable backend, "
-                        "simulated device)")  # fmt: skip
-    p.add_argument("--memory-wait-s", type=float, default=60.0,
-                   help="--swap: how long the incoming stage's wake may wait for free memory")
-    p.add_argument("--multi-gpu", action="store_true",
-                   help="tensor-parallel (2 ranks) stages on two GPUs: every lifecycle with per-rank NVML and GB/s "
-                        "(--parts tp), through Ray with an actor killed mid-sleep (ray), Engine.swap of two TP "
-                        "stages against sequential (swap); --device cpu: the gloo smoke run")  # fmt: skip
+    p.add_argument(
+        "--real-models",
+        action="store_true",
+        help="a Qwen2 LLM and a DiT stage co-located on one GPU through every lifecycle, per backend "
+        "(--methods cumem,fast; --reps level-1 cycles; --render real_models.json)",
+    )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="a vLLM stage through every lifecycle on cumem and fast, two vLLM stages started together "
+        "on one GPU, and plain vllm.LLM sleep/wake with vLLM's backend beside omni_fast (GPU)",
+    )
+    p.add_argument(
+        "--swap",
+        action="store_true",
+        help="one stage sleeps while another wakes on one GPU: link limit, vLLM and omni-core "
+        "sequential, omni-core swap (dirty/clean weights), Engine.swap; --workloads as pairs "
+        "A:B[+fill] (default 16g:16g,8g:16g+fill); --render swap_gpu.json",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=("cuda", "cpu"),
+        help="--swap: cuda (default) or cpu (a smoke run: portable backend, simulated device, "
+        "workloads 2m/4m); --multi-gpu: cuda (two GPUs, default) or cpu (gloo, portable backend, "
+        "simulated device)",
+    )
+    p.add_argument(
+        "--memory-wait-s",
+        type=float,
+        default=60.0,
+        help="--swap: how long the incoming stage's wake may wait for free memory",
+    )
+    p.add_argument(
+        "--multi-gpu",
+        action="store_true",
+        help="tensor-parallel (2 ranks) stages on two GPUs: every lifecycle with per-rank NVML and GB/s "
+        "(--parts tp), through Ray with an actor killed mid-sleep (ray), Engine.swap of two TP "
+        "stages against sequential (swap); --device cpu: the gloo smoke run",
+    )
     p.add_argument("--parts", default=None, help="multi-gpu: comma-separated parts (default tp,ray,swap)")
-    p.add_argument("--runners", default=None,
-                   help="multi-gpu: the TP stages of parts tp and ray (default vllm,transformers,synthetic)")
-    p.add_argument("--real-size", default="large", choices=("large", "tiny"),
-                   help="real models: large (Qwen2 1.5B + DiT 600M) or tiny")
+    p.add_argument(
+        "--runners",
+        default=None,
+        help="multi-gpu: the TP stages of parts tp and ray (default vllm,transformers,synthetic)",
+    )
+    p.add_argument(
+        "--real-size",
+        default="large",
+        choices=("large", "tiny"),
+        help="real models: large (Qwen2 1.5B + DiT 600M) or tiny",
+    )
     p.add_argument("--llm-model", default=None, help="real models: a local transformers directory (else made)")
     p.add_argument("--dit-model", default=None, help="real models: a local diffusers DiT directory (else made)")
     p.add_argument("--models-dir", default="/tmp/omni-core-models", help="real models: where missing ones are made")

@@ -29,8 +29,7 @@ def _percentile(sorted_ms: list[float], q: float) -> float:
 
 
 def measure(ranks: int, cycles: int, warmup: int = 20) -> dict[str, Any]:
-    spec = StageSpec(f"cp{ranks}", runner_args=EMPTY_MODEL, ranks=ranks, backend="portable",
-                     deadline_s=10.0)  # fmt: skip
+    spec = StageSpec(f"cp{ranks}", runner_args=EMPTY_MODEL, ranks=ranks, backend="portable", deadline_s=10.0)
     sleep_ms: list[float] = []
     wake_ms: list[float] = []
     with Engine([spec]) as engine:
@@ -45,16 +44,25 @@ def measure(ranks: int, cycles: int, warmup: int = 20) -> dict[str, Any]:
                 wake_ms.append((woke - slept) * 1e3)
     both = sorted(sleep_ms + wake_ms)
     return {
-        "ranks": ranks, "samples": len(both),
-        "p50_ms": _percentile(both, 0.50), "p99_ms": _percentile(both, 0.99),
-        "mean_ms": statistics.fmean(both), "max_ms": both[-1],
-        "sleep_p50_ms": _percentile(sorted(sleep_ms), 0.5), "wake_p50_ms": _percentile(sorted(wake_ms), 0.5),
-    }  # fmt: skip
+        "ranks": ranks,
+        "samples": len(both),
+        "p50_ms": _percentile(both, 0.50),
+        "p99_ms": _percentile(both, 0.99),
+        "mean_ms": statistics.fmean(both),
+        "max_ms": both[-1],
+        "sleep_p50_ms": _percentile(sorted(sleep_ms), 0.5),
+        "wake_p50_ms": _percentile(sorted(wake_ms), 0.5),
+    }
 
 
 def _machine() -> dict[str, Any]:
-    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "commit": git_commit()}  # fmt: skip
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "commit": git_commit(),
+    }
 
 
 def render_markdown(results: list[dict[str, Any]], machine: dict[str, Any], command: str) -> str:
@@ -68,14 +76,19 @@ def render_markdown(results: list[dict[str, Any]], machine: dict[str, Any], comm
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['ranks']} | {r['samples']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                     f"{r['mean_ms']:.2f} | {r['max_ms']:.2f} | {r['sleep_p50_ms']:.2f} | {r['wake_p50_ms']:.2f} |")
+        lines.append(
+            f"| {r['ranks']} | {r['samples']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{r['mean_ms']:.2f} | {r['max_ms']:.2f} | {r['sleep_p50_ms']:.2f} | {r['wake_p50_ms']:.2f} |"
+        )
     eight = [r for r in results if r["ranks"] == 8]
     if eight:
         r = eight[0]
         ok = r["p50_ms"] <= TARGET_P50_MS and r["p99_ms"] <= TARGET_P99_MS
-        lines += ["", f"target at 8 ranks: p50 <= {TARGET_P50_MS} ms and p99 <= {TARGET_P99_MS} ms: "
-                      f"{'met' if ok else 'MISSED'} (p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)"]
+        lines += [
+            "",
+            f"target at 8 ranks: p50 <= {TARGET_P50_MS} ms and p99 <= {TARGET_P99_MS} ms: "
+            f"{'met' if ok else 'MISSED'} (p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -85,16 +98,20 @@ def main(ranks: list[int], cycles: int, out_dir: str | None, command: str) -> in
         started = time.perf_counter()
         result = measure(n, cycles)
         results.append(result)
-        print(f"ranks {n}: p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms over "
-              f"{result['samples']} round trips ({time.perf_counter() - started:.1f} s)", flush=True)
+        print(
+            f"ranks {n}: p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms over "
+            f"{result['samples']} round trips ({time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
     machine = _machine()
     text = render_markdown(results, machine, command)
     print(text)
     if out_dir:
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "control_plane.json").write_text(json.dumps({"machine": machine, "command": command,
-                                                             "results": results}, indent=2) + "\n")
+        (path / "control_plane.json").write_text(
+            json.dumps({"machine": machine, "command": command, "results": results}, indent=2) + "\n"
+        )
         (path / "control_plane.md").write_text(text)
         print(f"wrote {path / 'control_plane.json'} and {path / 'control_plane.md'}")
     return 0

@@ -157,8 +157,9 @@ class _Omni(_Method):
             from omni_core.workers.backends.fast import FastBackend
 
             chunk = int(options["chunk_mib"]) * MiB if "chunk_mib" in options else None
-            self.backend = FastBackend(device, chunk_bytes=chunk, prepare=options.get("prepare", "load"),
-                                       map_with=options.get("map", "driver"))
+            self.backend = FastBackend(
+                device, chunk_bytes=chunk, prepare=options.get("prepare", "load"), map_with=options.get("map", "driver")
+            )
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")
             if options.get("clean") not in (None, "0", "false", "no"):
@@ -264,9 +265,13 @@ def run_case(spec: str, workload_name: str, reps: int) -> dict[str, Any]:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     torch.cuda.init()
-    result: dict[str, Any] = {"method": spec, "workload": workload_name, "reps": reps,
-                              "weights_tensor_bytes": workload.weights_bytes,
-                              "tensors": len(workload.weights)}  # fmt: skip
+    result: dict[str, Any] = {
+        "method": spec,
+        "workload": workload_name,
+        "reps": reps,
+        "weights_tensor_bytes": workload.weights_bytes,
+        "tensors": len(workload.weights),
+    }
     if name == "limit":
         return _run_limit(result, workload, reps, torch, device)
     method = make_method(name, device, options)
@@ -303,8 +308,7 @@ def run_case(spec: str, workload_name: str, reps: int) -> dict[str, Any]:
         wakes.append(t3 - t2)
         exact.append(bit_exact(weights, torch))
         kv.fill_(1)  # mapped again and writable
-    result.update(sleep_s=sleeps, wake_s=wakes, freed_bytes=freed, bit_exact=exact,
-                  reported=dict(method.reported))  # fmt: skip
+    result.update(sleep_s=sleeps, wake_s=wakes, freed_bytes=freed, bit_exact=exact, reported=dict(method.reported))
     try:
         free_before = torch.cuda.mem_get_info(device)[0]
         torch.cuda.synchronize()
@@ -348,8 +352,15 @@ def _run_limit(result: dict[str, Any], workload: Workload, reps: int, torch: Any
         sleeps.append(t1 - t0)
         wakes.append(t3 - t2)
         exact.append(bit_exact([dev], torch))
-    result.update(offloaded_bytes=nbytes, allocations=1, kv_bytes=0, sleep_s=sleeps, wake_s=wakes,
-                  bit_exact=exact, l2_note="a copy, not a sleep")  # fmt: skip
+    result.update(
+        offloaded_bytes=nbytes,
+        allocations=1,
+        kv_bytes=0,
+        sleep_s=sleeps,
+        wake_s=wakes,
+        bit_exact=exact,
+        l2_note="a copy, not a sleep",
+    )
     return result
 
 
@@ -384,14 +395,18 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
     wake = [_gbps(n, s) for s in r["wake_s"]]
     later = sleep[1:] or sleep
     out = {
-        "first_sleep_GBps": sleep[0], "first_sleep_s": r["sleep_s"][0],
-        "later_sleep_GBps_median": statistics.median(later), "later_sleep_GBps_min": min(later),
+        "first_sleep_GBps": sleep[0],
+        "first_sleep_s": r["sleep_s"][0],
+        "later_sleep_GBps_median": statistics.median(later),
+        "later_sleep_GBps_min": min(later),
         "later_sleep_GBps_max": max(later),
-        "first_wake_GBps": wake[0], "wake_GBps_median": statistics.median(wake), "wake_GBps_min": min(wake),
+        "first_wake_GBps": wake[0],
+        "wake_GBps_median": statistics.median(wake),
+        "wake_GBps_min": min(wake),
         "wake_GBps_max": max(wake),
         "bit_exact": all(r.get("bit_exact", [False])),
         "host_ratio": r["host_bytes"] / n if r.get("host_bytes") is not None and n else None,
-    }  # fmt: skip
+    }
     reported = r.get("reported_first_sleep") or {}
     if "arena_bytes" in reported and n:
         out["arena_ratio"] = reported["arena_bytes"] / n
@@ -425,13 +440,29 @@ def targets(results: list[dict[str, Any]], method: str = "fast") -> list[dict[st
         checks.append(("bit-exact after every wake", 1.0 if s["bit_exact"] else 0.0, 1.0, ">="))
         for label, value, bound, op in checks:
             if value is None:
-                rows.append({"workload": r["workload"], "method": r["method"], "target": label, "value": None,
-                             "met": False, "by": "not measured"})  # fmt: skip
+                rows.append(
+                    {
+                        "workload": r["workload"],
+                        "method": r["method"],
+                        "target": label,
+                        "value": None,
+                        "met": False,
+                        "by": "not measured",
+                    }
+                )
                 continue
             met = {"<=": value <= bound, ">=": value >= bound, "<": value < bound}[op]
             by = "" if met else f"{abs(value - bound):.3g} ({abs(value - bound) / bound:.0%})"
-            rows.append({"workload": r["workload"], "method": r["method"], "target": label, "value": value,
-                         "met": met, "by": by})  # fmt: skip
+            rows.append(
+                {
+                    "workload": r["workload"],
+                    "method": r["method"],
+                    "target": label,
+                    "value": value,
+                    "met": met,
+                    "by": by,
+                }
+            )
     return rows
 
 
@@ -442,12 +473,20 @@ def _run_child(spec: str, workload: str, reps: int, timeout_s: float) -> dict[st
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env())
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-1500:]
-        return {"method": spec, "workload": workload, "error": f"timed out after {timeout_s} s",
-                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}  # fmt: skip
+        return {
+            "method": spec,
+            "workload": workload,
+            "error": f"timed out after {timeout_s} s",
+            "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
+        }
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if not lines:
-        return {"method": spec, "workload": workload, "error": f"exit code {proc.returncode}, no result",
-                "stderr_tail": proc.stderr[-1500:]}  # fmt: skip
+        return {
+            "method": spec,
+            "workload": workload,
+            "error": f"exit code {proc.returncode}, no result",
+            "stderr_tail": proc.stderr[-1500:],
+        }
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     result["process_s"] = time.perf_counter() - started
     if result.get("error"):
@@ -456,11 +495,21 @@ def _run_child(spec: str, workload: str, reps: int, timeout_s: float) -> dict[st
 
 
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                            "platform": platform.platform(),
-                            "commit": git_commit(), "dirty": git_dirty()}  # fmt: skip
-    info["gpu"] = run_quietly(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.max,"
-                          "pcie.link.width.max", "--format=csv,noheader"])  # fmt: skip
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "commit": git_commit(),
+        "dirty": git_dirty(),
+    }
+    info["gpu"] = run_quietly(
+        [
+            "nvidia-smi",
+            "--query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max",
+            "--format=csv,noheader",
+        ]
+    )
     try:
         with open("/proc/meminfo") as f:
             info["host_memory_GiB"] = round(int(f.readline().split()[1]) / 2**20, 1)
@@ -483,8 +532,13 @@ def machine_info() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- rendering
 
-LABELS = {"limit": "host-link limit (pinned copy)", "vllm": "vLLM CuMemAllocator (stock)",
-          "tms": "torch_memory_saver", "cumem": "omni-core cumem", "fast": "omni-core fast"}  # fmt: skip
+LABELS = {
+    "limit": "host-link limit (pinned copy)",
+    "vllm": "vLLM CuMemAllocator (stock)",
+    "tms": "torch_memory_saver",
+    "cumem": "omni-core cumem",
+    "fast": "omni-core fast",
+}
 
 
 def _label(spec: str) -> str:
@@ -514,16 +568,18 @@ def render_markdown(data: dict[str, Any]) -> str:
         "median [min-max]. Host = MemAvailable drop from the loaded state to the first sleep, over the "
         "offloaded bytes (fast: its arena, exactly sized, in brackets).",
         "",
-    ]  # fmt: skip
+    ]
     for name in data["workloads"]:
         w = WORKLOADS.get(name)
         rows = [r for r in data["results"] if r["workload"] == name]
         if not rows:
             continue
         lines += [f"## {name}: {w.description if w else name}", ""]
-        lines += ["| method | first L1 sleep GB/s (s) | later L1 sleeps GB/s | L1 wake GB/s | L2 sleep ms | "
-                  "L2 wake ms | host / offloaded | bit-exact | allocations | notes |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "| method | first L1 sleep GB/s (s) | later L1 sleeps GB/s | L1 wake GB/s | L2 sleep ms | "
+            "L2 wake ms | host / offloaded | bit-exact | allocations | notes |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             s = summarize(r)
             if not s:
@@ -545,7 +601,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 f"{s['wake_GBps_median']:.1f} [{s['wake_GBps_min']:.1f}-{s['wake_GBps_max']:.1f}] | "
                 f"{_f(s.get('l2_sleep_ms'))} | {_f(s.get('l2_wake_ms'))} | {host} | "
                 f"{'yes' if s['bit_exact'] else '**NO**'} | {r.get('allocations', '')} | {'; '.join(notes)} |"
-            )  # fmt: skip
+            )
         lines.append("")
     rows = targets(data["results"])
     if rows:
@@ -574,8 +630,11 @@ def render_png(data: dict[str, Any], path: Path) -> str | None:
         return "matplotlib is not installed: no PNG (pip install -e '.[bench]'; then --render memory.json)"
     workloads = [w for w in data["workloads"] if any(r["workload"] == w for r in data["results"])]
     methods = [m for m in dict.fromkeys(r["method"] for r in data["results"]) if parse_method(m)[0] != "limit"]
-    panels = (("first L1 sleep", "first_sleep_GBps"), ("later L1 sleeps (median)", "later_sleep_GBps_median"),
-              ("L1 wake (median)", "wake_GBps_median"))  # fmt: skip
+    panels = (
+        ("first L1 sleep", "first_sleep_GBps"),
+        ("later L1 sleeps (median)", "later_sleep_GBps_median"),
+        ("L1 wake (median)", "wake_GBps_median"),
+    )
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), sharey=True)
     width = 0.8 / max(1, len(methods))
     for ax, (title, key) in zip(axes, panels, strict=True):
@@ -588,13 +647,20 @@ def render_png(data: dict[str, Any], path: Path) -> str | None:
             bars = ax.bar(xs, values, width, label=_label(method))
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         for i, w in enumerate(workloads):
-            r = next((r for r in data["results"]
-                      if r["workload"] == w and parse_method(r["method"])[0] == "limit"), None)  # fmt: skip
+            r = next(
+                (r for r in data["results"] if r["workload"] == w and parse_method(r["method"])[0] == "limit"), None
+            )
             s = summarize(r) if r else {}
             if s:
                 limit = s["wake_GBps_median"] if "wake" in key else s["later_sleep_GBps_median"]
-                ax.hlines(limit, i - 0.45, i + 0.45, colors="black", linewidth=2,
-                          label="host-link limit (pinned copy)" if i == 0 else None)  # fmt: skip
+                ax.hlines(
+                    limit,
+                    i - 0.45,
+                    i + 0.45,
+                    colors="black",
+                    linewidth=2,
+                    label="host-link limit (pinned copy)" if i == 0 else None,
+                )
         ax.axhline(TARGET_GBPS, color="red", linestyle="--", linewidth=1, label="target 50 GB/s")
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(title)
@@ -628,8 +694,10 @@ def _cuda_problem() -> str | None:
     except ImportError:
         return "torch is not importable"
     if not torch.cuda.is_available():
-        return (f"torch {torch.__version__} sees no CUDA device; the memory benchmark runs on a GPU "
-                "(`python -m benchmarks --control-plane` runs on CPU)")  # fmt: skip
+        return (
+            f"torch {torch.__version__} sees no CUDA device; the memory benchmark runs on a GPU "
+            "(`python -m benchmarks --control-plane` runs on CPU)"
+        )
     return None
 
 
@@ -658,24 +726,42 @@ def main(args: argparse.Namespace) -> int:
     for workload in workloads:
         for method in methods:
             if parse_method(method)[0] == "tms" and not _importable("torch_memory_saver"):
-                results.append({"method": method, "workload": workload,
-                                "error": "torch_memory_saver is not installed"})  # fmt: skip
+                results.append({"method": method, "workload": workload, "error": "torch_memory_saver is not installed"})
                 continue
             r = _run_child(method, workload, reps, args.case_timeout_s)
             results.append(r)
-            partial = {"command": " ".join(["omni-core", *sys.argv[1:]]), "machine": {}, "reps": reps,
-                       "workloads": workloads, "methods": methods, "results": results, "partial": True}  # fmt: skip
+            partial = {
+                "command": " ".join(["omni-core", *sys.argv[1:]]),
+                "machine": {},
+                "reps": reps,
+                "workloads": workloads,
+                "methods": methods,
+                "results": results,
+                "partial": True,
+            }
             out.mkdir(parents=True, exist_ok=True)
             (out / "memory.json").write_text(json.dumps(partial, indent=1, sort_keys=True) + "\n")
             s = summarize(r)
-            print(f"{workload:>6} {method:<28} " + (
-                f"first {s['first_sleep_GBps']:6.1f}  later {s['later_sleep_GBps_median']:6.1f}  "
-                f"wake {s['wake_GBps_median']:6.1f} GB/s  L2 {_f(s.get('l2_sleep_ms'))} ms  "
-                f"host x{_f(s.get('host_ratio'), '{:.3f}')}  exact {s['bit_exact']}"
-                if s else f"error: {r.get('error')}"), flush=True)  # fmt: skip
-    data = {"command": " ".join(["omni-core", *sys.argv[1:]]), "machine": machine_info(), "reps": reps,
-            "workloads": workloads, "methods": methods, "results": results,
-            "wall_s": time.perf_counter() - started}  # fmt: skip
+            print(
+                f"{workload:>6} {method:<28} "
+                + (
+                    f"first {s['first_sleep_GBps']:6.1f}  later {s['later_sleep_GBps_median']:6.1f}  "
+                    f"wake {s['wake_GBps_median']:6.1f} GB/s  L2 {_f(s.get('l2_sleep_ms'))} ms  "
+                    f"host x{_f(s.get('host_ratio'), '{:.3f}')}  exact {s['bit_exact']}"
+                    if s
+                    else f"error: {r.get('error')}"
+                ),
+                flush=True,
+            )
+    data = {
+        "command": " ".join(["omni-core", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "reps": reps,
+        "workloads": workloads,
+        "methods": methods,
+        "results": results,
+        "wall_s": time.perf_counter() - started,
+    }
     for path in write_outputs(data, out):
         print(f"wrote {path}")
     broken = [r for r in results if r.get("error") and "not installed" not in r["error"]]

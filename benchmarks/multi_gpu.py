@@ -53,8 +53,7 @@ PARTS = ("tp", "ray", "swap")
 RUNNERS = ("vllm", "transformers", "synthetic")  # the TP stages parts tp and ray may run
 GiB = 1 << 30
 TP_RUNNER = "omni_core.runners.tensor_parallel:TensorParallelRunner"
-LLM_REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]], "max_new_tokens": 24,
-               "stop_at_eos": False}  # fmt: skip
+LLM_REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]], "max_new_tokens": 24, "stop_at_eos": False}
 TP_PROBE = {"seed": 9, "batch": 4}
 REFUSAL_TIMEOUT_S = 30.0
 KILL_WAIT_S = 60.0  # for the killed actor's stage to be declared FAILED
@@ -86,11 +85,16 @@ class Config:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         cuda = self.device == "cuda"
         # On a GPU: 2.1 GB of bf16 weights per rank (tp), 4.3 GB per rank and stage (swap).
-        self.tp_args = self.tp_args or ({"hidden": 8192, "layers": 16, "dtype": "bfloat16", "kv_rows": 64}
-                                        if cuda else {"hidden": 64, "layers": 3, "kv_rows": 16, "cpu_threads": 1})
-        self.swap_args = self.swap_args or ({"hidden": 8192, "layers": 32, "dtype": "bfloat16", "kv_rows": 64}
-                                            if cuda else {"hidden": 256, "layers": 4, "kv_rows": 16,
-                                                          "cpu_threads": 1})  # fmt: skip
+        self.tp_args = self.tp_args or (
+            {"hidden": 8192, "layers": 16, "dtype": "bfloat16", "kv_rows": 64}
+            if cuda
+            else {"hidden": 64, "layers": 3, "kv_rows": 16, "cpu_threads": 1}
+        )
+        self.swap_args = self.swap_args or (
+            {"hidden": 8192, "layers": 32, "dtype": "bfloat16", "kv_rows": 64}
+            if cuda
+            else {"hidden": 256, "layers": 4, "kv_rows": 16, "cpu_threads": 1}
+        )
 
 
 def gbps(nbytes: int, seconds: float) -> float | None:
@@ -120,20 +124,25 @@ class Log:
         print(f"  [{self.part} {elapsed_s:6.1f}s] {'ok  ' if ok else 'MISS'} {what} {detail}".rstrip(), flush=True)
         return ok
 
-    def lifecycle(self, stage: str, what: str, report: LifecycleReport, expect: str, *,
-                  nvml: bool) -> LifecycleReport:  # fmt: skip
+    def lifecycle(self, stage: str, what: str, report: LifecycleReport, expect: str, *, nvml: bool) -> LifecycleReport:
         rows = rank_rows(stage, what, report)
         self.rows.extend(rows)
         total = sum(r["weights_bytes"] for r in rows)
         rates = ", ".join(f"rank {r['rank']} {r['weights_GBps']} GB/s" for r in rows if r["weights_GBps"])
-        self.check(f"{stage} {what} -> {expect}", report.state == expect,
-                   f"(got {report.state}; {report.duration_s * 1000:.1f} ms; {total / 1e9:.2f} GB weights"
-                   f"{'; ' + rates if rates else ''})")  # fmt: skip
+        self.check(
+            f"{stage} {what} -> {expect}",
+            report.state == expect,
+            f"(got {report.state}; {report.duration_s * 1000:.1f} ms; {total / 1e9:.2f} GB weights"
+            f"{'; ' + rates if rates else ''})",
+        )
         if nvml:
             sources = {r["rank"]: r["process_source"] for r in rows}
-            self.check(f"{stage} {what}: each rank's ACK carries its own NVML figure",
-                       all(str(s).startswith("nvml") for s in sources.values())
-                       and all(r["process_after"] is not None for r in rows), f"{sources}")  # fmt: skip
+            self.check(
+                f"{stage} {what}: each rank's ACK carries its own NVML figure",
+                all(str(s).startswith("nvml") for s in sources.values())
+                and all(r["process_after"] is not None for r in rows),
+                f"{sources}",
+            )
         return report
 
 
@@ -142,18 +151,31 @@ def rank_rows(stage: str, what: str, report: LifecycleReport) -> list[dict[str, 
     for rank, rr in sorted(report.ranks.items()):
         weights = max(rr.pool_bytes_before.get("weights", 0), rr.pool_bytes_after.get("weights", 0))
         moves = what.startswith(("sleep L1", "wake L1", "wake weights", "reload", "swap", "sequential"))
-        rows.append({"stage": stage, "what": what, "rank": rank, "state": rr.state, "stage_s": report.duration_s,
-                     "rank_s": rr.duration_s, "weights_bytes": weights, "pool_before": rr.pool_bytes_before,
-                     "pool_after": rr.pool_bytes_after, "process_before": rr.process_bytes_before,
-                     "process_after": rr.process_bytes_after, "process_source": rr.process_bytes_source,
-                     "weights_GBps": gbps(weights, rr.duration_s) if moves else None})  # fmt: skip
+        rows.append(
+            {
+                "stage": stage,
+                "what": what,
+                "rank": rank,
+                "state": rr.state,
+                "stage_s": report.duration_s,
+                "rank_s": rr.duration_s,
+                "weights_bytes": weights,
+                "pool_before": rr.pool_bytes_before,
+                "pool_after": rr.pool_bytes_after,
+                "process_before": rr.process_bytes_before,
+                "process_after": rr.process_bytes_after,
+                "process_source": rr.process_bytes_source,
+                "weights_GBps": gbps(weights, rr.duration_s) if moves else None,
+            }
+        )
     return rows
 
 
 def stage_gbps(report: LifecycleReport) -> float | None:
     """Both ranks' weights over the stage's time: the two GPUs' links at once."""
-    total = sum(max(r.pool_bytes_before.get("weights", 0), r.pool_bytes_after.get("weights", 0))
-                for r in report.ranks.values())  # fmt: skip
+    total = sum(
+        max(r.pool_bytes_before.get("weights", 0), r.pool_bytes_after.get("weights", 0)) for r in report.ranks.values()
+    )
     return gbps(total, report.duration_s)
 
 
@@ -180,9 +202,15 @@ def vllm_problem(cfg: Config) -> str | None:
 
 
 def common_args(cfg: Config) -> dict[str, Any]:
-    return {"ranks": 2, "device": cfg.device, "backend": cfg.backend if cfg.device == "cuda" else "portable",
-            "admission": "reject", "deadline_s": 300.0, "start_deadline_s": 600.0,
-            "request_timeout_s": 300.0}  # fmt: skip
+    return {
+        "ranks": 2,
+        "device": cfg.device,
+        "backend": cfg.backend if cfg.device == "cuda" else "portable",
+        "admission": "reject",
+        "deadline_s": 300.0,
+        "start_deadline_s": 600.0,
+        "request_timeout_s": 300.0,
+    }
 
 
 def two_rank_spec(cfg: Config, name: str, runner: str, args: dict[str, Any], **extra: Any) -> StageSpec:
@@ -196,21 +224,35 @@ def synthetic_plan(cfg: Config, name: str, args: dict[str, Any], **extra: Any) -
 
 
 def vllm_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
-    args: dict[str, Any] = {"model": str(model), "max_model_len": 1024, "max_num_seqs": 4,
-                            # Each rank sees only its own GPU: vLLM's custom all-reduce maps its
-                            # peer's memory over CUDA IPC, which needs the peer visible; NCCL does not.
-                            "engine_args": {"disable_custom_all_reduce": True}}  # fmt: skip
+    args: dict[str, Any] = {
+        "model": str(model),
+        "max_model_len": 1024,
+        "max_num_seqs": 4,
+        # Each rank sees only its own GPU: vLLM's custom all-reduce maps its
+        # peer's memory over CUDA IPC, which needs the peer visible; NCCL does not.
+        "engine_args": {"disable_custom_all_reduce": True},
+    }
     if cfg.attention_backend:
         args["attention_backend"] = cfg.attention_backend
     devices = ("0", "1") if "placement" not in extra else None
-    spec = StageSpec(name, runner="vllm", runner_args=args, devices=devices, gpu_memory_fraction=cfg.fraction,
-                     **{**common_args(cfg), "backend": cfg.backend, **extra})  # fmt: skip
+    spec = StageSpec(
+        name,
+        runner="vllm",
+        runner_args=args,
+        devices=devices,
+        gpu_memory_fraction=cfg.fraction,
+        **{**common_args(cfg), "backend": cfg.backend, **extra},
+    )
     return StagePlan("vllm", spec, LLM_REQUEST)
 
 
 def transformers_plan(cfg: Config, name: str, model: Path, **extra: Any) -> StagePlan:
-    args: dict[str, Any] = {"model": str(model), "max_batch": 2, "max_seq_len": 256,
-                            **({"dtype": "bfloat16"} if cfg.device == "cuda" else {"cpu_threads": 1})}  # fmt: skip
+    args: dict[str, Any] = {
+        "model": str(model),
+        "max_batch": 2,
+        "max_seq_len": 256,
+        **({"dtype": "bfloat16"} if cfg.device == "cuda" else {"cpu_threads": 1}),
+    }
     return StagePlan("transformers", two_rank_spec(cfg, name, "transformers", args, **extra), LLM_REQUEST)
 
 
@@ -252,8 +294,9 @@ def refused(engine: Engine, plan: StagePlan, state: str, log: Log) -> bool:
     try:
         engine.execute(plan.spec.name, plan.probe, timeout_s=REFUSAL_TIMEOUT_S)
     except RequestRejectedError as exc:
-        return log.check(f"{plan.spec.name} in {state} refuses a request naming {state}", state in str(exc),
-                         f"({str(exc)[:120]})")  # fmt: skip
+        return log.check(
+            f"{plan.spec.name} in {state} refuses a request naming {state}", state in str(exc), f"({str(exc)[:120]})"
+        )
     return log.check(f"{plan.spec.name} in {state} refuses a request naming {state}", False, "(it was served)")
 
 
@@ -262,8 +305,13 @@ def drive_tp(engine: Engine, plan: StagePlan, log: Log, cfg: Config) -> dict[str
     name, nvml = plan.spec.name, cfg.device == "cuda"
     started = time.perf_counter()
     reference = digest(engine.execute(name, plan.probe))
-    result: dict[str, Any] = {"stage": name, "kind": plan.kind, "reference": reference,
-                              "request_s": round(time.perf_counter() - started, 3), "stage_GBps": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "stage": name,
+        "kind": plan.kind,
+        "reference": reference,
+        "request_s": round(time.perf_counter() - started, 3),
+        "stage_GBps": [],
+    }
 
     def same(what: str) -> bool:
         got = digest(engine.execute(name, plan.probe))
@@ -301,8 +349,9 @@ def part_tp(cfg: Config) -> dict[str, Any]:
     return {"checks": log.checks, "lifecycle": log.rows, "stages": stages}
 
 
-def run_engine(log: Log, specs: list[StageSpec], body: Callable[[Engine], dict[str, Any]],
-               **engine_args: Any) -> dict[str, Any]:  # fmt: skip
+def run_engine(
+    log: Log, specs: list[StageSpec], body: Callable[[Engine], dict[str, Any]], **engine_args: Any
+) -> dict[str, Any]:
     """One Engine around `body`; an exception becomes a failed check with its traceback."""
     started = time.perf_counter()
     try:
@@ -312,8 +361,11 @@ def run_engine(log: Log, specs: list[StageSpec], body: Callable[[Engine], dict[s
             return {**body(engine), "start_s": start_s, "wall_s": round(time.perf_counter() - started, 2)}
     except Exception as exc:
         log.check(f"engine of {[s.name for s in specs]} ran to the end", False, f"{type(exc).__name__}: {exc}")
-        return {"stages": [s.name for s in specs], "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+        return {
+            "stages": [s.name for s in specs],
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
 
 
 # ---------------------------------------------------------------------- part ray
@@ -345,12 +397,22 @@ def kill_during_sleep(engine: Engine, name: str, rank: int, log: Log) -> dict[st
         time.sleep(0.05)
     status = engine.status()[name]
     failure = str(status.get("failure") or "")
-    log.check(f"{name} rank {rank} killed while the stage was {seen}", True, f"(sleep call: "
-              f"{outcome.get('error', 'completed')[:160]})")  # fmt: skip
-    log.check(f"{name} FAILED naming rank {rank} and its node", status["state"] == "FAILED"
-              and f"rank {rank}" in failure and actor.node in failure, f"({failure[:200]})")  # fmt: skip
-    return {"state_at_kill": seen, "sleep_outcome": outcome.get("error", "completed"), "failure": failure,
-            "node": actor.node}  # fmt: skip
+    log.check(
+        f"{name} rank {rank} killed while the stage was {seen}",
+        True,
+        f"(sleep call: {outcome.get('error', 'completed')[:160]})",
+    )
+    log.check(
+        f"{name} FAILED naming rank {rank} and its node",
+        status["state"] == "FAILED" and f"rank {rank}" in failure and actor.node in failure,
+        f"({failure[:200]})",
+    )
+    return {
+        "state_at_kill": seen,
+        "sleep_outcome": outcome.get("error", "completed"),
+        "failure": failure,
+        "node": actor.node,
+    }
 
 
 def drive_ray(engine: Engine, plan: StagePlan, log: Log, cfg: Config) -> dict[str, Any]:
@@ -367,11 +429,21 @@ def drive_ray(engine: Engine, plan: StagePlan, log: Log, cfg: Config) -> dict[st
     engine.restart(name)
     restart_s = round(time.perf_counter() - started, 2)
     status = engine.status()[name]
-    log.check(f"{name} restarted -> RUNNING in a new epoch", status["state"] == "RUNNING"
-              and status["epoch"] == epoch + 1, f"({status['state']}, epoch {status['epoch']}, {restart_s} s)")
+    log.check(
+        f"{name} restarted -> RUNNING in a new epoch",
+        status["state"] == "RUNNING" and status["epoch"] == epoch + 1,
+        f"({status['state']}, epoch {status['epoch']}, {restart_s} s)",
+    )
     log.check(f"{name} output after the restart identical", digest(engine.execute(name, plan.probe)) == reference)
-    return {"stage": name, "kind": plan.kind, "reference": reference, "nodes": nodes, "restart_s": restart_s,
-            "sleep_GBps": stage_gbps(sleep), **killed}  # fmt: skip
+    return {
+        "stage": name,
+        "kind": plan.kind,
+        "reference": reference,
+        "nodes": nodes,
+        "restart_s": restart_s,
+        "sleep_GBps": stage_gbps(sleep),
+        **killed,
+    }
 
 
 def part_ray(cfg: Config) -> dict[str, Any]:
@@ -383,15 +455,19 @@ def part_ray(cfg: Config) -> dict[str, Any]:
     placement = RayPlacement(num_cpus=1, num_gpus=1 if cfg.device == "cuda" else 0, strategy="STRICT_PACK")
     own = not ray.is_initialized()
     if own:  # a one-node cluster of this machine's GPUs
-        ray.init(num_cpus=4, num_gpus=2 if cfg.device == "cuda" else 0, include_dashboard=False,
-                 log_to_driver=False, object_store_memory=200 << 20)  # fmt: skip
+        ray.init(
+            num_cpus=4,
+            num_gpus=2 if cfg.device == "cuda" else 0,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=200 << 20,
+        )
     try:
         stages = []
         # The Ray run committed in benchmarks/results/multi_gpu_ray is of these two.
         for plan in tp_plans(cfg, log, runners=("vllm", "synthetic"), placement=placement):
             print(f"ray: stage {plan.spec.name} ({plan.kind}, 2 actors, STRICT_PACK)", flush=True)
-            stages.append(run_engine(log, [plan.spec], lambda e, p=plan: drive_ray(e, p, log, cfg),
-                                     launcher="ray"))  # fmt: skip
+            stages.append(run_engine(log, [plan.spec], lambda e, p=plan: drive_ray(e, p, log, cfg), launcher="ray"))
     finally:
         if own:
             ray.shutdown()
@@ -426,17 +502,27 @@ def drive_swap(engine: Engine, log: Log, cfg: Config) -> dict[str, Any]:
     return {"reference": reference, "moves": moves, "summary": summarize_moves(moves)}
 
 
-def move_figures(how: str, out: str, into: str, halves: tuple[LifecycleReport, LifecycleReport],
-                 wall_s: float) -> dict[str, Any]:  # fmt: skip
+def move_figures(
+    how: str, out: str, into: str, halves: tuple[LifecycleReport, LifecycleReport], wall_s: float
+) -> dict[str, Any]:
     """Per GPU (= rank index: rank r of both stages is on GPU r): the bytes both stages'
     ranks there moved (out to host, in to device) over the whole move's time."""
     per_gpu = {}
     for rank in sorted(halves[0].ranks):
-        moved = sum(max(h.ranks[rank].pool_bytes_before.get("weights", 0),
-                        h.ranks[rank].pool_bytes_after.get("weights", 0)) for h in halves)  # fmt: skip
+        moved = sum(
+            max(h.ranks[rank].pool_bytes_before.get("weights", 0), h.ranks[rank].pool_bytes_after.get("weights", 0))
+            for h in halves
+        )
         per_gpu[rank] = {"bytes": moved, "GBps": gbps(moved, wall_s)}
-    return {"how": how, "out": out, "in": into, "wall_s": round(wall_s, 4), "out_s": halves[0].duration_s,
-            "in_s": halves[1].duration_s, "per_gpu": per_gpu}  # fmt: skip
+    return {
+        "how": how,
+        "out": out,
+        "in": into,
+        "wall_s": round(wall_s, 4),
+        "out_s": halves[0].duration_s,
+        "in_s": halves[1].duration_s,
+        "per_gpu": per_gpu,
+    }
 
 
 def summarize_moves(moves: list[dict[str, Any]]) -> dict[str, Any]:
@@ -446,9 +532,10 @@ def summarize_moves(moves: list[dict[str, Any]]) -> dict[str, Any]:
         if not rows:
             continue
         gpus = sorted(rows[0]["per_gpu"])
-        out[how] = {"median_s": round(statistics.median(m["wall_s"] for m in rows), 4),
-                    "GBps_per_gpu": {g: round(statistics.median(m["per_gpu"][g]["GBps"] or 0 for m in rows), 2)
-                                     for g in gpus}}  # fmt: skip
+        out[how] = {
+            "median_s": round(statistics.median(m["wall_s"] for m in rows), 4),
+            "GBps_per_gpu": {g: round(statistics.median(m["per_gpu"][g]["GBps"] or 0 for m in rows), 2) for g in gpus},
+        }
     if "swap" in out and "sequential" in out and out["swap"]["median_s"] > 0:
         out["speedup"] = round(out["sequential"]["median_s"] / out["swap"]["median_s"], 2)
     return out
@@ -467,8 +554,9 @@ def part_swap(cfg: Config) -> dict[str, Any]:
         hidden, layers = cfg.swap_args["hidden"], cfg.swap_args["layers"]
         stage_bytes = 2 * layers * 2 * hidden * hidden // 2 * 4 + 2 * cfg.swap_args["kv_rows"] * hidden * 4
         extra["simulated_device"] = SimulatedDevice(str(Path(workdir) / "gpu"), int(1.5 * stage_bytes))
-    plans = [synthetic_plan(cfg, name, {**cfg.swap_args, "seed": seed}, **extra)
-             for name, seed in (("a", 11), ("b", 12))]  # fmt: skip
+    plans = [
+        synthetic_plan(cfg, name, {**cfg.swap_args, "seed": seed}, **extra) for name, seed in (("a", 11), ("b", 12))
+    ]
     print(f"swap: stages a and b (synthetic TP=2 each, {cfg.device})", flush=True)
     result = run_engine(log, [p.spec for p in plans], lambda e: drive_swap(e, log, cfg))
     return {"checks": log.checks, "lifecycle": log.rows, **result}
@@ -498,8 +586,9 @@ def gpus() -> list[str]:
 
 def verdict(data: dict[str, Any]) -> str:
     ran = [p for p in data["parts"].values() if "checks" in p]
-    if any(not c["ok"] for p in ran for c in p["checks"]) or any("error" in s for p in ran
-                                                                   for s in p.get("stages", [p])):  # fmt: skip
+    if any(not c["ok"] for p in ran for c in p["checks"]) or any(
+        "error" in s for p in ran for s in p.get("stages", [p])
+    ):
         return "FAIL"
     if len(data["parts"]) < len(data["config"]["parts"]):
         return "INCOMPLETE"
@@ -508,48 +597,72 @@ def verdict(data: dict[str, Any]) -> str:
 
 def render_markdown(data: dict[str, Any]) -> str:
     m, parts = data["machine"], data["parts"]
-    lines = ["# Tensor-parallel stages on two GPUs (issue 18)", "", "| | |", "|---|---|",
-             f"| machine | {m.get('host')}; GPUs: {', '.join(data['gpus']) or 'none'}; {m.get('cpus')} CPUs |",
-             f"| versions | {', '.join(f'{k} {v}' for k, v in data['versions'].items())} |",
-             f"| commit | `{m.get('commit')}`{' (+ uncommitted changes)' if m.get('dirty') else ''} |",
-             f"| command | `{data['command']}` |", f"| device | {data['config']['device']} |",
-             f"| wall | {data['wall_s']} s |", f"| verdict | {data['verdict']} |", ""]  # fmt: skip
+    lines = [
+        "# Tensor-parallel stages on two GPUs (issue 18)",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| machine | {m.get('host')}; GPUs: {', '.join(data['gpus']) or 'none'}; {m.get('cpus')} CPUs |",
+        f"| versions | {', '.join(f'{k} {v}' for k, v in data['versions'].items())} |",
+        f"| commit | `{m.get('commit')}`{' (+ uncommitted changes)' if m.get('dirty') else ''} |",
+        f"| command | `{data['command']}` |",
+        f"| device | {data['config']['device']} |",
+        f"| wall | {data['wall_s']} s |",
+        f"| verdict | {data['verdict']} |",
+        "",
+    ]
     for name, part in parts.items():
         lines += [f"## {name}", ""]
         if "skipped" in part:
             lines += [f"skipped: {part['skipped']}", ""]
             continue
         missed = [c["what"] for c in part["checks"] if not c["ok"]]
-        lines += [f"checks: {len(part['checks']) - len(missed)}/{len(part['checks'])} ok; missed: "
-                  f"{'; '.join(missed) or 'none'}", ""]  # fmt: skip
+        lines += [
+            f"checks: {len(part['checks']) - len(missed)}/{len(part['checks'])} ok; missed: "
+            f"{'; '.join(missed) or 'none'}",
+            "",
+        ]
         for stage in part.get("stages", []):
             if "error" in stage:
                 lines += [f"error: `{stage['error']}`", ""]
         if name in ("tp", "ray"):
-            lines += ["| stage | step | rank | state | rank s | weights GB | GB/s | process before -> after GiB "
-                      "| source |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [
+                "| stage | step | rank | state | rank s | weights GB | GB/s | process before -> after GiB | source |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in part["lifecycle"]:
-                lines.append(f"| {r['stage']} | {r['what']} | {r['rank']} | {r['state']} | {r['rank_s']:.4f} | "
-                             f"{r['weights_bytes'] / 1e9:.2f} | {r['weights_GBps'] or '-'} | "
-                             f"{_gib(r['process_before'])} -> {_gib(r['process_after'])} | "
-                             f"{str(r['process_source']).split(':')[0]} |")  # fmt: skip
+                lines.append(
+                    f"| {r['stage']} | {r['what']} | {r['rank']} | {r['state']} | {r['rank_s']:.4f} | "
+                    f"{r['weights_bytes'] / 1e9:.2f} | {r['weights_GBps'] or '-'} | "
+                    f"{_gib(r['process_before'])} -> {_gib(r['process_after'])} | "
+                    f"{str(r['process_source']).split(':')[0]} |"
+                )
             for stage in part.get("stages", []):
                 for s in stage.get("stage_GBps", []):
                     if s["GBps"] and s["what"].startswith(("sleep L1", "wake L1")):
-                        lines.append(f"\n{stage['stage']} {s['what']}: both ranks together {s['GBps']} GB/s "
-                                     f"({s['stage_s'] * 1000:.1f} ms)")  # fmt: skip
+                        lines.append(
+                            f"\n{stage['stage']} {s['what']}: both ranks together {s['GBps']} GB/s "
+                            f"({s['stage_s'] * 1000:.1f} ms)"
+                        )
             for stage in part.get("stages", []):
                 if "failure" in stage:
-                    lines += ["", f"{stage['stage']}: killed rank 1 while {stage['state_at_kill']}; "
-                              f"failure: `{stage['failure'][:300]}`; restart {stage['restart_s']} s"]
+                    lines += [
+                        "",
+                        f"{stage['stage']}: killed rank 1 while {stage['state_at_kill']}; "
+                        f"failure: `{stage['failure'][:300]}`; restart {stage['restart_s']} s",
+                    ]
         if name == "swap" and "summary" in part:
-            lines += ["| how | out -> in | wall s | out s | in s | GB/s GPU 0 | GB/s GPU 1 |",
-                      "|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [
+                "| how | out -> in | wall s | out s | in s | GB/s GPU 0 | GB/s GPU 1 |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for mv in part["moves"]:
                 g = mv["per_gpu"]
-                lines.append(f"| {mv['how']} | {mv['out']} -> {mv['in']} | {mv['wall_s']} | {mv['out_s']:.4f} | "
-                             f"{mv['in_s']:.4f} | {g.get(0, g.get('0', {})).get('GBps')} | "
-                             f"{g.get(1, g.get('1', {})).get('GBps')} |")  # fmt: skip
+                lines.append(
+                    f"| {mv['how']} | {mv['out']} -> {mv['in']} | {mv['wall_s']} | {mv['out_s']:.4f} | "
+                    f"{mv['in_s']:.4f} | {g.get(0, g.get('0', {})).get('GBps')} | "
+                    f"{g.get(1, g.get('1', {})).get('GBps')} |"
+                )
             lines += ["", f"summary: `{json.dumps(part['summary'])}`"]
         lines.append("")
     return "\n".join(lines)
@@ -574,17 +687,25 @@ def run_bench(cfg: Config, command: str, out: Path | None = None) -> dict[str, A
     from benchmarks.memory import machine_info
 
     started = time.perf_counter()
-    data: dict[str, Any] = {"command": command, "machine": machine_info(), "gpus": gpus(), "versions": versions(),
-                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-                            "parts": {}}  # fmt: skip
+    data: dict[str, Any] = {
+        "command": command,
+        "machine": machine_info(),
+        "gpus": gpus(),
+        "versions": versions(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
+        "parts": {},
+    }
     for part in cfg.parts:
         part_started = time.perf_counter()
         print(f"part {part}:", flush=True)
         try:
             data["parts"][part] = RUNS[part](cfg)
         except Exception as exc:
-            data["parts"][part] = {"checks": [{"what": f"part {part} ran", "ok": False, "detail": str(exc)}],
-                                   "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            data["parts"][part] = {
+                "checks": [{"what": f"part {part} ran", "ok": False, "detail": str(exc)}],
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
         data["parts"][part]["wall_s"] = round(time.perf_counter() - part_started, 2)
         data["wall_s"] = round(time.perf_counter() - started, 1)
         data["verdict"] = verdict(data)
@@ -604,12 +725,20 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         if torch.cuda.device_count() < 2:
-            print(f"python -m benchmarks --multi-gpu: {torch.cuda.device_count()} CUDA device(s) visible; this needs "
-                  "two GPUs (or --device cpu for the CPU smoke run)", file=sys.stderr)  # fmt: skip
+            print(
+                f"python -m benchmarks --multi-gpu: {torch.cuda.device_count()} CUDA device(s) visible; this needs "
+                "two GPUs (or --device cpu for the CPU smoke run)",
+                file=sys.stderr,
+            )
             return 2
-    cfg = Config(device=device, parts=parts, runners=runners, models_dir=Path(args.models_dir),
-                 attention_backend=os.environ.get("VLLM_BUNDLE_ATTN_BACKEND"),
-                 cycles=getattr(args, "reps", None) or 2)  # fmt: skip
+    cfg = Config(
+        device=device,
+        parts=parts,
+        runners=runners,
+        models_dir=Path(args.models_dir),
+        attention_backend=os.environ.get("VLLM_BUNDLE_ATTN_BACKEND"),
+        cycles=getattr(args, "reps", None) or 2,
+    )
     out = Path(args.out or "multi-gpu-results")
     data = run_bench(cfg, " ".join(["omni-core", *sys.argv[1:]]), out)
     for path in write_outputs(data, out):

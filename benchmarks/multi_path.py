@@ -45,17 +45,45 @@ class DirtySyntheticRunner(SyntheticRunner):
 def _big(gib: float, gpus: int) -> StageSpec:
     devices = ",".join(str(i) for i in range(gpus))
     count = max(8, round(TENSORS_PER_16_GIB * gib / 16))
-    args = {"weights_bytes": int(gib * GiB), "tensor_count": count, "hidden": 4096, "dtype": "bfloat16",
-            "kv_bytes": GiB, "seed": 11}  # fmt: skip
-    return StageSpec("big", runner="benchmarks.multi_path:DirtySyntheticRunner", runner_args=args, device="cuda",
-                     devices=(devices,), backend="fast", deadline_s=300.0, start_deadline_s=600.0)  # fmt: skip
+    args = {
+        "weights_bytes": int(gib * GiB),
+        "tensor_count": count,
+        "hidden": 4096,
+        "dtype": "bfloat16",
+        "kv_bytes": GiB,
+        "seed": 11,
+    }
+    return StageSpec(
+        "big",
+        runner="benchmarks.multi_path:DirtySyntheticRunner",
+        runner_args=args,
+        device="cuda",
+        devices=(devices,),
+        backend="fast",
+        deadline_s=300.0,
+        start_deadline_s=600.0,
+    )
 
 
 def _peer() -> StageSpec:
-    args = {"weights_bytes": 32 * GiB, "tensor_count": 64, "hidden": 8192, "dtype": "bfloat16",
-            "kv_bytes": GiB, "seed": 5}  # fmt: skip
-    return StageSpec("peer", runner="synthetic", runner_args=args, device="cuda", devices=("1",), backend="fast",
-                     start_deadline_s=600.0, request_timeout_s=300.0)  # fmt: skip
+    args = {
+        "weights_bytes": 32 * GiB,
+        "tensor_count": 64,
+        "hidden": 8192,
+        "dtype": "bfloat16",
+        "kv_bytes": GiB,
+        "seed": 5,
+    }
+    return StageSpec(
+        "peer",
+        runner="synthetic",
+        runner_args=args,
+        device="cuda",
+        devices=("1",),
+        backend="fast",
+        start_deadline_s=600.0,
+        request_timeout_s=300.0,
+    )
 
 
 class PeerLoad:
@@ -97,11 +125,20 @@ def run_links(k: int, gib: float, cycles: int, log: Any) -> dict[str, Any]:
             ended = time.monotonic()
             exact = engine.execute("big", {"seed": 1, "batch": 4})["sha256"] == reference
             (sleep_bytes, sleep_s), (wake_bytes, wake_s) = _moved(sleep), _moved(wake)
-            runs.append({"cycle": cycle, "sleep_gbps": sleep_bytes / sleep_s / 1e9,
-                         "wake_gbps": wake_bytes / wake_s / 1e9, "bytes": sleep_bytes, "exact": exact,
-                         "window": (started, ended)})  # fmt: skip
-            log(f"k={k} cycle {cycle}: sleep {runs[-1]['sleep_gbps']:.1f} GB/s, wake {runs[-1]['wake_gbps']:.1f} GB/s, "
-                f"exact {exact}")  # fmt: skip
+            runs.append(
+                {
+                    "cycle": cycle,
+                    "sleep_gbps": sleep_bytes / sleep_s / 1e9,
+                    "wake_gbps": wake_bytes / wake_s / 1e9,
+                    "bytes": sleep_bytes,
+                    "exact": exact,
+                    "window": (started, ended),
+                }
+            )
+            log(
+                f"k={k} cycle {cycle}: sleep {runs[-1]['sleep_gbps']:.1f} GB/s, wake {runs[-1]['wake_gbps']:.1f} GB/s, "
+                f"exact {exact}"
+            )
         peer = {}
         if load is not None:
             load.stop.set()
@@ -119,16 +156,22 @@ def render(results: dict[str, Any]) -> str:
     lines = ["# Multi-path sleep and wake through `Engine` (issue 28)", "", "| | |", "|---|---|"]
     for key in ("machine", "commit", "command"):
         lines.append(f"| {key} | {results[key]} |")
-    lines += ["", "| links | first sleep GB/s | later sleeps GB/s | wakes GB/s | bit-exact | peer req/s alone | "
-              "peer req/s during copies |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| links | first sleep GB/s | later sleeps GB/s | wakes GB/s | bit-exact | peer req/s alone | "
+        "peer req/s during copies |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for case in results["cases"]:
         runs = case["runs"]
         later = [r["sleep_gbps"] for r in runs[1:]] or [runs[0]["sleep_gbps"]]
         wakes = [r["wake_gbps"] for r in runs]
         peer = case["peer"]
-        lines.append(f"| {case['links']} | {runs[0]['sleep_gbps']:.1f} | {min(later):.1f}-{max(later):.1f} | "
-                     f"{min(wakes):.1f}-{max(wakes):.1f} | {all(r['exact'] for r in runs)} | "
-                     f"{peer.get('alone_rps', 0):.1f} | {peer.get('during_rps', 0):.1f} |")  # fmt: skip
+        lines.append(
+            f"| {case['links']} | {runs[0]['sleep_gbps']:.1f} | {min(later):.1f}-{max(later):.1f} | "
+            f"{min(wakes):.1f}-{max(wakes):.1f} | {all(r['exact'] for r in runs)} | "
+            f"{peer.get('alone_rps', 0):.1f} | {peer.get('during_rps', 0):.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -150,8 +193,9 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "machine": f"{gpus} x {', '.join(sorted(names))}; {platform.node()}",
         "commit": f"{git_commit()}{' (dirty)' if git_dirty() else ''}",
-        "command": args.command_line, "cases": [],
-    }  # fmt: skip
+        "command": args.command_line,
+        "cases": [],
+    }
     for k in range(1, gpus + 1):
         results["cases"].append(run_links(k, args.gib, args.reps or 3, log))
         (out / "multi_path.json").write_text(json.dumps(results, indent=1))

@@ -47,8 +47,12 @@ SIZES = {"large": ("1.5b", "600m"), "tiny": ("tiny", "tiny")}
 # Seeded sampling: a weight that came back wrong changes the drawn tokens even where the
 # argmax would survive it. A batch of two prompts: the KV cache's rows both matter.
 # Ids below 512, the tiny models' vocabulary, so the same request runs at every size.
-LLM_REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]],
-               "max_new_tokens": 32, "stop_at_eos": False, "sampling": {"temperature": 0.8, "seed": 1}}  # fmt: skip
+LLM_REQUEST = {
+    "prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]],
+    "max_new_tokens": 32,
+    "stop_at_eos": False,
+    "sampling": {"temperature": 0.8, "seed": 1},
+}
 DIT_SCHEDULER = "DPMSolverMultistepScheduler"  # keeps past outputs: step-wise state beyond the latents
 DIT_CLASS, DIT_SEED = 207, 3
 # The weights pool must hold the checkpoint's bytes (safetensors headers aside): weights left
@@ -117,19 +121,30 @@ class BackendRun:
         print(f"  [{self.backend}] {'ok  ' if ok else 'MISS'} {what} {detail}".rstrip(), flush=True)
         return ok
 
-    def lifecycle_call(self, stage: str, what: str, fn: Callable[[], LifecycleReport],
-                       expect: str) -> LifecycleReport:  # fmt: skip
+    def lifecycle_call(self, stage: str, what: str, fn: Callable[[], LifecycleReport], expect: str) -> LifecycleReport:
         report = fn()
         self.check(f"{stage} {what} -> {expect}", report.state == expect, f"(got {report.state})")
         for rank, rr in report.ranks.items():
             weights = max(rr.pool_bytes_before.get("weights", 0), rr.pool_bytes_after.get("weights", 0))
-            self.lifecycle.append({
-                "stage": stage, "what": what, "rank": rank, "state": report.state, "stage_s": report.duration_s,
-                "rank_s": rr.duration_s, "weights_bytes": weights, "pool_before": rr.pool_bytes_before,
-                "pool_after": rr.pool_bytes_after, "process_before": rr.process_bytes_before,
-                "process_after": rr.process_bytes_after, "process_source": rr.process_bytes_source,
-                "weights_GBps": _gbps(weights, rr.duration_s) if what.startswith(("sleep L1", "wake", "reload"))
-                else None})  # fmt: skip
+            self.lifecycle.append(
+                {
+                    "stage": stage,
+                    "what": what,
+                    "rank": rank,
+                    "state": report.state,
+                    "stage_s": report.duration_s,
+                    "rank_s": rr.duration_s,
+                    "weights_bytes": weights,
+                    "pool_before": rr.pool_bytes_before,
+                    "pool_after": rr.pool_bytes_after,
+                    "process_before": rr.process_bytes_before,
+                    "process_after": rr.process_bytes_after,
+                    "process_source": rr.process_bytes_source,
+                    "weights_GBps": _gbps(weights, rr.duration_s)
+                    if what.startswith(("sleep L1", "wake", "reload"))
+                    else None,
+                }
+            )
         return report
 
     def tokens(self, what: str) -> bool:
@@ -162,43 +177,84 @@ class BackendRun:
             self.engine.execute(stage, payload, timeout_s=REFUSAL_TIMEOUT_S)
         except RequestRejectedError as exc:
             elapsed_s = time.perf_counter() - started
-            return self.check(f"{stage} in {state} refuses a request at once", state in str(exc)
-                              and elapsed_s < AT_ONCE_BOUND_S, f"({elapsed_s * 1000:.1f} ms)")  # fmt: skip
+            return self.check(
+                f"{stage} in {state} refuses a request at once",
+                state in str(exc) and elapsed_s < AT_ONCE_BOUND_S,
+                f"({elapsed_s * 1000:.1f} ms)",
+            )
         return self.check(f"{stage} in {state} refuses a request at once", False, "(it was served)")
 
-    def audit_cycle(self, stage: str, level: int, sleep: LifecycleReport, wake: LifecycleReport,
-                    reload: LifecycleReport | None = None) -> None:  # fmt: skip
+    def audit_cycle(
+        self,
+        stage: str,
+        level: int,
+        sleep: LifecycleReport,
+        wake: LifecycleReport,
+        reload: LifecycleReport | None = None,
+    ) -> None:
         """active -> sleeping -> active, per rank, from the ranks' own NVML figures."""
         back = reload or wake
         for rank, s in sleep.ranks.items():
             w = back.ranks[rank]
             freed = s.freed_bytes
-            drop = (s.process_bytes_before - s.process_bytes_after
-                    if s.process_bytes_before is not None and s.process_bytes_after is not None else None)  # fmt: skip
-            self.audit.append({
-                "stage": stage, "level": level, "rank": rank, "active_before": s.process_bytes_before,
-                "sleeping": s.process_bytes_after, "active_after": w.process_bytes_after,
-                "pool_before": s.pool_bytes_before, "pool_asleep": s.pool_bytes_after,
-                "pool_after": w.pool_bytes_after, "pool_freed": freed, "process_drop": drop,
-                "drop_over_freed": round(drop / freed, 3) if drop is not None and freed > 0 else None,
-                "source": s.process_bytes_source})  # fmt: skip
+            drop = (
+                s.process_bytes_before - s.process_bytes_after
+                if s.process_bytes_before is not None and s.process_bytes_after is not None
+                else None
+            )
+            self.audit.append(
+                {
+                    "stage": stage,
+                    "level": level,
+                    "rank": rank,
+                    "active_before": s.process_bytes_before,
+                    "sleeping": s.process_bytes_after,
+                    "active_after": w.process_bytes_after,
+                    "pool_before": s.pool_bytes_before,
+                    "pool_asleep": s.pool_bytes_after,
+                    "pool_after": w.pool_bytes_after,
+                    "pool_freed": freed,
+                    "process_drop": drop,
+                    "drop_over_freed": round(drop / freed, 3) if drop is not None and freed > 0 else None,
+                    "source": s.process_bytes_source,
+                }
+            )
 
     # ------------------------------------------------------------------ the run
 
     def specs(self, llm_dir: Path, dit_dir: Path) -> list[StageSpec]:
         cuda = self.cfg.device == "cuda"
-        common: dict[str, Any] = {"device": self.cfg.device, "backend": self.backend, "admission": "reject",
-                                  "deadline_s": 300.0, "start_deadline_s": 600.0,
-                                  "request_timeout_s": 300.0}  # fmt: skip
-        llm_args: dict[str, Any] = {"model": str(llm_dir), "max_batch": self.cfg.llm_max_batch,
-                                    "max_seq_len": "auto" if cuda else 128}  # fmt: skip
+        common: dict[str, Any] = {
+            "device": self.cfg.device,
+            "backend": self.backend,
+            "admission": "reject",
+            "deadline_s": 300.0,
+            "start_deadline_s": 600.0,
+            "request_timeout_s": 300.0,
+        }
+        llm_args: dict[str, Any] = {
+            "model": str(llm_dir),
+            "max_batch": self.cfg.llm_max_batch,
+            "max_seq_len": "auto" if cuda else 128,
+        }
         dit_args: dict[str, Any] = {"model": str(dit_dir), "scheduler": DIT_SCHEDULER, "max_requests": 2}
         return [
-            StageSpec("llm", runner="transformers", runner_args=llm_args,
-                      gpu_memory_fraction=self.cfg.llm_fraction if cuda else None, **common),
-            StageSpec("dit", runner="diffusers", runner_args=dit_args, tags=("weights", "kv_cache", "requests"),
-                      gpu_memory_fraction=self.cfg.dit_fraction if cuda else None, **common),
-        ]  # fmt: skip
+            StageSpec(
+                "llm",
+                runner="transformers",
+                runner_args=llm_args,
+                gpu_memory_fraction=self.cfg.llm_fraction if cuda else None,
+                **common,
+            ),
+            StageSpec(
+                "dit",
+                runner="diffusers",
+                runner_args=dit_args,
+                tags=("weights", "kv_cache", "requests"),
+                gpu_memory_fraction=self.cfg.dit_fraction if cuda else None,
+                **common,
+            ),
+        ]
 
     def run(self, llm_dir: Path, dit_dir: Path) -> dict[str, Any]:
         result: dict[str, Any] = {"backend": self.backend}
@@ -216,9 +272,15 @@ class BackendRun:
             print(f"  [{self.backend}] ERROR {result['error']}", flush=True)
         finally:
             self.engine = None
-        result.update(wall_s=round(time.perf_counter() - started, 2), device_used_before=device_before,
-                      checks=self.checks, lifecycle=self.lifecycle, audit=self.audit,
-                      asleep_together=self.asleep_together, reference=self.reference)  # fmt: skip
+        result.update(
+            wall_s=round(time.perf_counter() - started, 2),
+            device_used_before=device_before,
+            checks=self.checks,
+            lifecycle=self.lifecycle,
+            audit=self.audit,
+            asleep_together=self.asleep_together,
+            reference=self.reference,
+        )
         result["bit_exact"] = bool(self.checks) and all(c["ok"] for c in self.checks) and "error" not in result
         return result
 
@@ -239,10 +301,12 @@ class BackendRun:
                 sleep = self.lifecycle_call(stage, label, lambda s=stage: engine.sleep(s, level=1), "SLEEPING")
                 if cycle == 0 and stage in self.checkpoint_bytes:
                     pool = sleep.ranks[0].pool_bytes_before.get("weights", 0)
-                    self.check(f"{stage} weights pool holds the checkpoint",
-                               pool >= MIN_POOL_OVER_CHECKPOINT * self.checkpoint_bytes[stage],
-                               f"({fmt_bytes(pool)} in the pool, {fmt_bytes(self.checkpoint_bytes[stage])} of "
-                               "tensors in the checkpoint)")  # fmt: skip
+                    self.check(
+                        f"{stage} weights pool holds the checkpoint",
+                        pool >= MIN_POOL_OVER_CHECKPOINT * self.checkpoint_bytes[stage],
+                        f"({fmt_bytes(pool)} in the pool, {fmt_bytes(self.checkpoint_bytes[stage])} of "
+                        "tensors in the checkpoint)",
+                    )
                 if other == "dit":
                     self.image(f"while llm sleeps (cycle {cycle + 1})")
                 else:
@@ -281,21 +345,30 @@ class BackendRun:
         self.check("step-wise request state in the 'requests' pool at the sleep", held > 0, f"({held} bytes)")
         self.tokens("while dit sleeps mid-request")
         self.lifecycle_call("dit", "wake L1 (step-wise)", lambda: engine.wake("dit"), "RUNNING")
-        self.image("step-wise request interrupted by L1",
-                   {"op": "finish", "request_id": begun["request_id"]})  # fmt: skip
+        self.image("step-wise request interrupted by L1", {"op": "finish", "request_id": begun["request_id"]})
 
         # Both asleep at once: what stays in use on the device.
         for level in (1, 2):
-            reports = {s: self.lifecycle_call(s, f"sleep L{level} (both)",
-                                              lambda s=s, lv=level: engine.sleep(s, level=lv), "SLEEPING")
-                       for s in ("llm", "dit")}  # fmt: skip
-            self.asleep_together.append({
-                "level": level, "device_used": device_used_bytes(),
-                "ranks": {s: {"process_asleep": r.ranks[0].process_bytes_after,
-                              "source": r.ranks[0].process_bytes_source} for s, r in reports.items()}})  # fmt: skip
+            reports = {
+                s: self.lifecycle_call(
+                    s, f"sleep L{level} (both)", lambda s=s, lv=level: engine.sleep(s, level=lv), "SLEEPING"
+                )
+                for s in ("llm", "dit")
+            }
+            self.asleep_together.append(
+                {
+                    "level": level,
+                    "device_used": device_used_bytes(),
+                    "ranks": {
+                        s: {"process_asleep": r.ranks[0].process_bytes_after, "source": r.ranks[0].process_bytes_source}
+                        for s, r in reports.items()
+                    },
+                }
+            )
             for s in ("llm", "dit"):
-                self.lifecycle_call(s, f"wake L{level} (both)", lambda s=s: engine.wake(s),
-                                    "RUNNING" if level == 1 else "NEEDS_RELOAD")  # fmt: skip
+                self.lifecycle_call(
+                    s, f"wake L{level} (both)", lambda s=s: engine.wake(s), "RUNNING" if level == 1 else "NEEDS_RELOAD"
+                )
                 if level == 2:
                     self.lifecycle_call(s, "reload (both)", lambda s=s: engine.reload_weights(s), "RUNNING")
         self.tokens("after both slept (L1, L2)")
@@ -331,7 +404,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             "wake_s": round(med([r["rank_s"] for r in wakes]), 4) if wakes else None,
             "l2_sleep_ms": round(l2[0]["rank_s"] * 1000, 1) if l2 else None,
             "reload_GBps": reload[0]["weights_GBps"] if reload else None,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -349,7 +422,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines = [
         "# Real models co-located on one GPU: Qwen2 LLM + DiT, every lifecycle bit for bit (issue 12, item 6)",
         "",
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| machine | {m.get('gpu') or '?'}; {m.get('cpus')} CPUs, {m.get('host_memory_GiB')} GiB host memory; "
         f"torch {m.get('torch')}, transformers {m.get('transformers')}, diffusers {m.get('diffusers')}, "
         f"vLLM allocator {m.get('vllm')} |",
@@ -367,30 +441,44 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
         "| backend | checks | misses | start | tokens sha256 | image tensor sha256 | error |",
         "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for run in data["runs"]:
         checks = run.get("checks", [])
         missed = [c["what"] for c in checks if not c["ok"]]
         ref = run.get("reference", {})
-        lines.append(f"| {run['backend']} | {len(checks) - len(missed)}/{len(checks)} | "
-                     f"{'; '.join(missed) or 'none'} | {_v(run.get('start_s'), '{:.1f} s')} | "
-                     f"`{ref.get('tokens_sha256', '-')[:16]}` | `{ref.get('image_sha256', '-')[:16]}` | "
-                     f"{run.get('error', '') or '-'} |")  # fmt: skip
+        lines.append(
+            f"| {run['backend']} | {len(checks) - len(missed)}/{len(checks)} | "
+            f"{'; '.join(missed) or 'none'} | {_v(run.get('start_s'), '{:.1f} s')} | "
+            f"`{ref.get('tokens_sha256', '-')[:16]}` | `{ref.get('image_sha256', '-')[:16]}` | "
+            f"{run.get('error', '') or '-'} |"
+        )
     if data.get("cross_backend"):
         lines += ["", data["cross_backend"]]
-    lines += ["", "## Sleep and wake per stage (weights pool bytes over the rank's own command time; GB = 1e9 B)", "",
-              "| backend | stage | weights GiB | other pools GiB (discarded) | first L1 sleep | later L1 sleeps | "
-              "L1 wake | L2 sleep | reload from safetensors |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Sleep and wake per stage (weights pool bytes over the rank's own command time; GB = 1e9 B)",
+        "",
+        "| backend | stage | weights GiB | other pools GiB (discarded) | first L1 sleep | later L1 sleeps | "
+        "L1 wake | L2 sleep | reload from safetensors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in data["runs"]:
         for stage, s in summarize(run).items():
-            lines.append(f"| {run['backend']} | {stage} | {s['weights_GiB']} | {s['discarded_GiB']} | "
-                         f"{_v(s['first_sleep_s'], '{:.3f} s')} ({_v(s['first_sleep_GBps'])} GB/s) | "
-                         f"{_v(s['later_sleep_GBps'])} GB/s | {_v(s['wake_GBps'])} GB/s "
-                         f"({_v(s['wake_s'], '{:.3f} s')}) | {_v(s['l2_sleep_ms'])} ms | "
-                         f"{_v(s['reload_GBps'])} GB/s |")  # fmt: skip
-    lines += ["", "## Full-cycle memory audit (each rank's own GPU memory, GiB: active -> sleeping -> active)", "",
-              "| backend | stage | level | active | sleeping | active again | pool freed | process drop | "
-              "drop / freed | source |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines.append(
+                f"| {run['backend']} | {stage} | {s['weights_GiB']} | {s['discarded_GiB']} | "
+                f"{_v(s['first_sleep_s'], '{:.3f} s')} ({_v(s['first_sleep_GBps'])} GB/s) | "
+                f"{_v(s['later_sleep_GBps'])} GB/s | {_v(s['wake_GBps'])} GB/s "
+                f"({_v(s['wake_s'], '{:.3f} s')}) | {_v(s['l2_sleep_ms'])} ms | "
+                f"{_v(s['reload_GBps'])} GB/s |"
+            )
+    lines += [
+        "",
+        "## Full-cycle memory audit (each rank's own GPU memory, GiB: active -> sleeping -> active)",
+        "",
+        "| backend | stage | level | active | sleeping | active again | pool freed | process drop | "
+        "drop / freed | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in data["runs"]:
         seen: set[tuple[str, int]] = set()
         for a in run.get("audit", []):
@@ -398,19 +486,32 @@ def render_markdown(data: dict[str, Any]) -> str:
             if key in seen:  # one row per stage and level: the later cycles read the same
                 continue
             seen.add(key)
-            lines.append(f"| {run['backend']} | {a['stage']} | L{a['level']} | {_gib(a['active_before'])} | "
-                         f"{_gib(a['sleeping'])} | {_gib(a['active_after'])} | {_gib(a['pool_freed'])} | "
-                         f"{_gib(a['process_drop'])} | {_v(a['drop_over_freed'])} | {a['source'].split(':')[0]} |")
-    lines += ["", "## Memory left in use while asleep", "",
-              "| backend | both asleep at | llm rank | dit rank | device used (NVML, all processes) | "
-              "device used, both active |", "|---|---|---|---|---|---|"]  # fmt: skip
+            lines.append(
+                f"| {run['backend']} | {a['stage']} | L{a['level']} | {_gib(a['active_before'])} | "
+                f"{_gib(a['sleeping'])} | {_gib(a['active_after'])} | {_gib(a['pool_freed'])} | "
+                f"{_gib(a['process_drop'])} | {_v(a['drop_over_freed'])} | {a['source'].split(':')[0]} |"
+            )
+    lines += [
+        "",
+        "## Memory left in use while asleep",
+        "",
+        "| backend | both asleep at | llm rank | dit rank | device used (NVML, all processes) | "
+        "device used, both active |",
+        "|---|---|---|---|---|---|",
+    ]
     for run in data["runs"]:
         for t in run.get("asleep_together", []):
-            lines.append(f"| {run['backend']} | L{t['level']} | {_gib(t['ranks']['llm']['process_asleep'])} | "
-                         f"{_gib(t['ranks']['dit']['process_asleep'])} | {_gib(t['device_used'])} | "
-                         f"{_gib(run.get('device_used_loaded'))} |")
-    lines += ["", "Every check, per backend, in order: `real_models.json` (`runs[].checks`); every lifecycle call "
-              "with its per-rank pool and NVML figures: `runs[].lifecycle`.", ""]
+            lines.append(
+                f"| {run['backend']} | L{t['level']} | {_gib(t['ranks']['llm']['process_asleep'])} | "
+                f"{_gib(t['ranks']['dit']['process_asleep'])} | {_gib(t['device_used'])} | "
+                f"{_gib(run.get('device_used_loaded'))} |"
+            )
+    lines += [
+        "",
+        "Every check, per backend, in order: `real_models.json` (`runs[].checks`); every lifecycle call "
+        "with its per-rank pool and NVML figures: `runs[].lifecycle`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -435,8 +536,10 @@ def resolve_models(cfg: Config, log: Callable[[str], None] = print) -> tuple[Pat
     llm_size, dit_size = SIZES[cfg.size]
     notes: dict[str, str] = {}
     paths = []
-    for family, size, given, key in (("qwen2", llm_size, cfg.llm_model, "llm"), ("dit", dit_size, cfg.dit_model,
-                                                                                "dit")):  # fmt: skip
+    for family, size, given, key in (
+        ("qwen2", llm_size, cfg.llm_model, "llm"),
+        ("dit", dit_size, cfg.dit_model, "dit"),
+    ):
         if given is not None:
             paths.append(Path(given))
             notes[key] = "given"
@@ -447,8 +550,9 @@ def resolve_models(cfg: Config, log: Callable[[str], None] = print) -> tuple[Pat
     return paths[0], paths[1], notes
 
 
-def run_bench(cfg: Config, command: str = "",
-              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def run_bench(
+    cfg: Config, command: str = "", progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Every backend in turn; `progress` gets the results so far after each one (a run cut
     off by a time limit still leaves the backends it finished)."""
     llm_dir, dit_dir, made = resolve_models(cfg)
@@ -466,26 +570,39 @@ def run_bench(cfg: Config, command: str = "",
     return data
 
 
-def _collect(cfg: Config, command: str, llm_dir: Path, dit_dir: Path, made: dict[str, str],
-             runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:  # fmt: skip
+def _collect(
+    cfg: Config,
+    command: str,
+    llm_dir: Path,
+    dit_dir: Path,
+    made: dict[str, str],
+    runs: list[dict[str, Any]],
+    wall_s: float,
+) -> dict[str, Any]:
     from benchmarks.memory import machine_info
 
     data: dict[str, Any] = {
-        "command": command, "machine": {**machine_info(), **_versions()},
+        "command": command,
+        "machine": {**machine_info(), **_versions()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
         "models": {key: f"{made[key]}; {_describe(path)}" for key, path in (("llm", llm_dir), ("dit", dit_dir))},
-        "runs": list(runs), "backends_planned": list(cfg.backends), "wall_s": round(wall_s, 1),
-    }  # fmt: skip
+        "runs": list(runs),
+        "backends_planned": list(cfg.backends),
+        "wall_s": round(wall_s, 1),
+    }
     ok = [r for r in runs if r["bit_exact"]]
     complete = len(runs) == len(cfg.backends)
-    data["verdict"] = ("PASS" if runs and len(ok) == len(runs) and complete
-                       else "FAIL" if len(ok) < len(runs) else "INCOMPLETE")  # fmt: skip
+    data["verdict"] = (
+        "PASS" if runs and len(ok) == len(runs) and complete else "FAIL" if len(ok) < len(runs) else "INCOMPLETE"
+    )
     refs = {(r["reference"].get("tokens_sha256"), r["reference"].get("image_sha256")) for r in ok}
     if len(ok) > 1:
-        data["cross_backend"] = ("The backends agree with each other too: the same token and image digests."
-                                 if len(refs) == 1 else
-                                 f"The backends' reference outputs differ from each other ({len(refs)} distinct "
-                                 "digest pairs); each is bit-exact through its own lifecycles.")  # fmt: skip
+        data["cross_backend"] = (
+            "The backends agree with each other too: the same token and image digests."
+            if len(refs) == 1
+            else f"The backends' reference outputs differ from each other ({len(refs)} distinct "
+            "digest pairs); each is bit-exact through its own lifecycles."
+        )
     return data
 
 
@@ -523,14 +640,21 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"python -m benchmarks --real-models: torch {torch.__version__} sees no CUDA device; this benchmark runs "
-              "on a GPU (the CPU lifecycle tests are in tests/runners)", file=sys.stderr)  # fmt: skip
+        print(
+            f"python -m benchmarks --real-models: torch {torch.__version__} sees no CUDA device; this benchmark runs "
+            "on a GPU (the CPU lifecycle tests are in tests/runners)",
+            file=sys.stderr,
+        )
         return 2
     backends = tuple(b for group in (args.methods or [",".join(BACKENDS)]) for b in group.split(",") if b)
-    cfg = Config(backends=backends, size=args.real_size,
-                 llm_model=Path(args.llm_model) if args.llm_model else None,
-                 dit_model=Path(args.dit_model) if args.dit_model else None,
-                 models_dir=Path(args.models_dir), cycles=args.reps or 3)  # fmt: skip
+    cfg = Config(
+        backends=backends,
+        size=args.real_size,
+        llm_model=Path(args.llm_model) if args.llm_model else None,
+        dit_model=Path(args.dit_model) if args.dit_model else None,
+        models_dir=Path(args.models_dir),
+        cycles=args.reps or 3,
+    )
     data = run_bench(cfg, " ".join(["omni-core", *sys.argv[1:]]), progress=lambda d: write_outputs(d, out))
     for path in write_outputs(data, out):
         print(f"wrote {path}")

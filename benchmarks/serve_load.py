@@ -88,12 +88,16 @@ class LoadResult:
         # A send lost to a connection error may or may not have reached the server; its
         # repeat (same key) is then a replay or the first run. Hence ranges, never more.
         if not self.retries <= self.server_replays <= self.retries + self.transport_retries:
-            out.append(f"the server replayed {self.server_replays:.0f} answers for {self.retries} retries "
-                       f"(+ up to {self.transport_retries} after connection errors)")  # fmt: skip
+            out.append(
+                f"the server replayed {self.server_replays:.0f} answers for {self.retries} retries "
+                f"(+ up to {self.transport_retries} after connection errors)"
+            )
         answered = self.answered_attempts + 1  # + the disconnected client's call
         if not answered <= self.server_execute_answers <= answered + self.transport_retries:
-            out.append(f"{self.server_execute_answers:.0f} HTTP answers on execute for {answered} answered calls "
-                       f"(+ up to {self.transport_retries} lost to connection errors)")  # fmt: skip
+            out.append(
+                f"{self.server_execute_answers:.0f} HTTP answers on execute for {answered} answered calls "
+                f"(+ up to {self.transport_retries} lost to connection errors)"
+            )
         if not self.disconnect_counted:
             out.append("the disconnected client was not counted")
         if not self.disconnected_call_ran_once:
@@ -130,8 +134,11 @@ class _Connection:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.netloc}\r\n{self.fixed}{extra}Content-Type: "
-                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.netloc}\r\n{self.fixed}{extra}Content-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         await self.writer.drain()
         status_line = await self.reader.readline()
         if not status_line:
@@ -159,13 +166,23 @@ def percentiles_ms(samples_s: list[float]) -> dict[str, float]:
     def pct(p: float) -> float:
         return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] * 1000
 
-    return {"n": len(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99), "max": ordered[-1] * 1000,
-            "mean": statistics.fmean(ordered) * 1000}  # fmt: skip
+    return {
+        "n": len(ordered),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": ordered[-1] * 1000,
+        "mean": statistics.fmean(ordered) * 1000,
+    }
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 async def _until(check: Any, what: str, timeout_s: float = 120.0) -> None:
@@ -178,10 +195,12 @@ async def _until(check: Any, what: str, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-async def _disconnect_mid_call(client: httpx.AsyncClient, url: str, hold: str, headers: dict[str, str],
-                               result: LoadResult, run: str) -> None:  # fmt: skip
+async def _disconnect_mid_call(
+    client: httpx.AsyncClient, url: str, hold: str, headers: dict[str, str], result: LoadResult, run: str
+) -> None:
     """Put `hold` to sleep, send it a request over a raw socket (it waits in the queue: mid
     call), hang up, wake the stage: the request must still run once and be counted."""
+
     async def metrics() -> str:
         return (await client.get("/metrics")).text
 
@@ -198,18 +217,27 @@ async def _disconnect_mid_call(client: httpx.AsyncClient, url: str, hold: str, h
     # must not let the request expire in the queue (a CI run once timed out so).
     body = json.dumps({"payload": {"seed": 1, "batch": 1}, "timeout_s": 600}).encode()
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    writer.write(f"POST /v1/stages/{hold}/execute HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}Content-Type: "
-                 f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    writer.write(
+        f"POST /v1/stages/{hold}/execute HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}Content-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     await writer.drain()
     await _until(lambda: _json_field(hold_stage(), "queued", 1), "the held request to be queued")
     writer.close()  # the client goes away while its request waits
-    await _until(lambda: _metric_is(metrics(), "omni_core_http_client_disconnects_total", gone_before + 1,
-                                    route="/v1/stages/{name}/execute"), "the disconnect to be counted")  # fmt: skip
+    await _until(
+        lambda: _metric_is(
+            metrics(), "omni_core_http_client_disconnects_total", gone_before + 1, route="/v1/stages/{name}/execute"
+        ),
+        "the disconnect to be counted",
+    )
     result.disconnect_counted = True
     assert (await client.post(f"/v1/stages/{hold}/wake")).status_code == 200
     ok_before = _metric(before, "omni_core_requests_total", stage=hold, outcome="ok")
-    await _until(lambda: _metric_is(metrics(), "omni_core_requests_total", ok_before + 1, stage=hold, outcome="ok"),
-                 "the abandoned request to run")  # fmt: skip
+    await _until(
+        lambda: _metric_is(metrics(), "omni_core_requests_total", ok_before + 1, stage=hold, outcome="ok"),
+        "the abandoned request to run",
+    )
     await _until(lambda: _json_field(hold_stage(), "in_flight", 0), "the held stage to be idle")
     ran_after = _metric(await metrics(), "omni_core_requests_total", stage=hold)
     result.disconnected_call_ran_once = ran_after == ran_before + 1
@@ -223,8 +251,9 @@ async def _metric_is(text_awaitable: Any, name: str, value: float, **labels: str
     return _metric(await text_awaitable, name, **labels) == value
 
 
-async def run_load(url: str, *, stage: str, hold: str, clients: int, cycles: int, api_key: str | None = None,
-                   run: str | None = None) -> LoadResult:  # fmt: skip
+async def run_load(
+    url: str, *, stage: str, hold: str, clients: int, cycles: int, api_key: str | None = None, run: str | None = None
+) -> LoadResult:
     """The load and fault run against a server at `url` with stages `stage` (load) and `hold`
     (the disconnect); both must be RUNNING with admission 'queue'."""
     run = run or f"load{os.getpid()}-{time.monotonic_ns()}"
@@ -257,8 +286,9 @@ async def run_load(url: str, *, stage: str, hold: str, clients: int, cycles: int
                 for k in range(cycles):
                     for verb, sink in (("sleep", sleeps), ("wake", wakes)):
                         started = time.perf_counter()
-                        answer = await client.post(f"/v1/stages/{stage}/{verb}",
-                                                   headers={"Idempotency-Key": f"{run}-cycle{k}-{verb}"})  # fmt: skip
+                        answer = await client.post(
+                            f"/v1/stages/{stage}/{verb}", headers={"Idempotency-Key": f"{run}-cycle{k}-{verb}"}
+                        )
                         sink.append(time.perf_counter() - started)
                         if answer.status_code != 200:
                             result.cycle_failures.append(f"{verb} {k}: {answer.status_code} {answer.text[:200]}")
@@ -313,8 +343,11 @@ async def run_load(url: str, *, stage: str, hold: str, clients: int, cycles: int
                 conn.close()
 
         started = time.perf_counter()
-        await asyncio.gather(cycler(), *(requester(i) for i in range(clients)),
-                             _disconnect_mid_call(client, url, hold, headers, result, run))  # fmt: skip
+        await asyncio.gather(
+            cycler(),
+            *(requester(i) for i in range(clients)),
+            _disconnect_mid_call(client, url, hold, headers, result, run),
+        )
         result.wall_s = time.perf_counter() - started
         result.load_average.append(os.getloadavg()[0])
         after = (await client.get("/metrics")).text
@@ -328,8 +361,11 @@ async def run_load(url: str, *, stage: str, hold: str, clients: int, cycles: int
     result.server_replays = delta("omni_core_idempotent_replays_total")
     result.server_execute_answers = delta("omni_core_http_requests_total", route="/v1/stages/{name}/execute")
     result.statuses = {str(k): v for k, v in sorted(statuses.items())}
-    result.execute_ms, result.sleep_ms, result.wake_ms = (percentiles_ms(latencies), percentiles_ms(sleeps),
-                                                          percentiles_ms(wakes))  # fmt: skip
+    result.execute_ms, result.sleep_ms, result.wake_ms = (
+        percentiles_ms(latencies),
+        percentiles_ms(sleeps),
+        percentiles_ms(wakes),
+    )
     return result
 
 
@@ -381,54 +417,62 @@ def _machine() -> str:
 
 def render_markdown(result: LoadResult, command: str, ranks: int) -> str:
     def row(name: str, p: dict[str, float]) -> str:
-        return (f"| {name} | {p.get('n', 0)} | {p.get('p50', 0):.1f} | {p.get('p90', 0):.1f} | {p.get('p99', 0):.1f} "
-                f"| {p.get('max', 0):.1f} |")  # fmt: skip
+        return (
+            f"| {name} | {p.get('n', 0)} | {p.get('p50', 0):.1f} | {p.get('p90', 0):.1f} | {p.get('p99', 0):.1f} "
+            f"| {p.get('max', 0):.1f} |"
+        )
 
     problems = result.problems()
-    return "\n".join([
-        "# `omni-core serve` under load and faults",
-        "",
-        f"- machine: {_machine()}",
-        f"- commit: {git_commit(short=True)}",
-        f"- host load average (1 min) before / after the load: "
-        f"{' / '.join(f'{x:.1f}' for x in result.load_average)} (the machine is shared; 2 cores)",
-        f"- command: `{command}`",
-        f"- setup: `omni-core serve` in its own process; stage `load` ({ranks} rank(s), synthetic runner, 2 MiB, "
-        "portable backend, admission queue) takes the load; stage `hold` takes the disconnect",
-        f"- load: {result.clients} HTTP clients (one keep-alive connection each, a minimal asyncio HTTP/1.1 client "
-        "in one process), each sending execute requests back to back "
-        f"until another client has cycled `load` through sleep (level 1) and wake {result.cycles} times; every "
-        f"{RETRY_EVERY}th request is sent twice with the same Idempotency-Key; one client sends a request to the "
-        "sleeping `hold` stage over a raw socket and hangs up while it waits",
-        "",
-        "- CI runs the same test reduced (`tests/serve/test_load.py`: 10 clients, 10 cycles, 1-2 s); this is the "
-        "full run",
-        "",
-        f"**Verdict: {'PASS' if not problems else 'FAIL: ' + '; '.join(problems)}**",
-        "",
-        f"- {result.requests} requests + {result.retries} retries in {result.wall_s:.1f} s "
-        f"({(result.requests + result.retries) / max(result.wall_s, 1e-9):.0f} answers/s); statuses {result.statuses}",
-        f"- every answer checked: {result.wrong_outputs} outputs differing from the reference, "
-        f"{result.retry_mismatches} retries answered differently, {len(result.transport_errors)} without an answer; "
-        f"{result.transport_retries} sends repeated with their key after a connection error "
-        f"{result.transport_notes[:3] if result.transport_notes else ''}",
-        f"- the server ran {result.server_runs:.0f} requests for {result.requests} sent (none lost, none twice), "
-        f"served {result.server_replays:.0f} retries from the Idempotency-Key record, answered "
-        f"{result.server_execute_answers:.0f} execute calls ({result.requests} + {result.retries} + 1 disconnected)",
-        f"- disconnect counted: {result.disconnect_counted}; the abandoned call ran exactly once after the wake: "
-        f"{result.disconnected_call_ran_once}; stage idle afterwards: {result.stage_idle_after}",
-        f"- sleep/wake cycles failed: {len(result.cycle_failures)}",
-        "",
-        "Latency, milliseconds, client side (requests include time queued while the stage sleeps):",
-        "",
-        "| call | n | p50 | p90 | p99 | max |",
-        "|---|---|---|---|---|---|",
-        row("execute, one client alone, before the load", result.baseline_ms),
-        row("execute", result.execute_ms),
-        row("sleep (level 1, drains in-flight requests)", result.sleep_ms),
-        row("wake", result.wake_ms),
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# `omni-core serve` under load and faults",
+            "",
+            f"- machine: {_machine()}",
+            f"- commit: {git_commit(short=True)}",
+            f"- host load average (1 min) before / after the load: "
+            f"{' / '.join(f'{x:.1f}' for x in result.load_average)} (the machine is shared; 2 cores)",
+            f"- command: `{command}`",
+            f"- setup: `omni-core serve` in its own process; stage `load` ({ranks} rank(s), synthetic runner, 2 MiB, "
+            "portable backend, admission queue) takes the load; stage `hold` takes the disconnect",
+            f"- load: {result.clients} HTTP clients (one keep-alive connection each, a minimal asyncio HTTP/1.1 client "
+            "in one process), each sending execute requests back to back "
+            f"until another client has cycled `load` through sleep (level 1) and wake {result.cycles} times; every "
+            f"{RETRY_EVERY}th request is sent twice with the same Idempotency-Key; one client sends a request to the "
+            "sleeping `hold` stage over a raw socket and hangs up while it waits",
+            "",
+            "- CI runs the same test reduced (`tests/serve/test_load.py`: 10 clients, 10 cycles, 1-2 s); this is the "
+            "full run",
+            "",
+            f"**Verdict: {'PASS' if not problems else 'FAIL: ' + '; '.join(problems)}**",
+            "",
+            f"- {result.requests} requests + {result.retries} retries in {result.wall_s:.1f} s "
+            f"({(result.requests + result.retries) / max(result.wall_s, 1e-9):.0f} answers/s); "
+            f"statuses {result.statuses}",
+            f"- every answer checked: {result.wrong_outputs} outputs differing from the reference, "
+            f"{result.retry_mismatches} retries answered differently, "
+            f"{len(result.transport_errors)} without an answer; "
+            f"{result.transport_retries} sends repeated with their key after a connection error "
+            f"{result.transport_notes[:3] if result.transport_notes else ''}",
+            f"- the server ran {result.server_runs:.0f} requests for {result.requests} sent "
+            "(none lost, none twice), "
+            f"served {result.server_replays:.0f} retries from the Idempotency-Key record, answered "
+            f"{result.server_execute_answers:.0f} execute calls "
+            f"({result.requests} + {result.retries} + 1 disconnected)",
+            f"- disconnect counted: {result.disconnect_counted}; the abandoned call ran exactly once after the wake: "
+            f"{result.disconnected_call_ran_once}; stage idle afterwards: {result.stage_idle_after}",
+            f"- sleep/wake cycles failed: {len(result.cycle_failures)}",
+            "",
+            "Latency, milliseconds, client side (requests include time queued while the stage sleeps):",
+            "",
+            "| call | n | p50 | p90 | p99 | max |",
+            "|---|---|---|---|---|---|",
+            row("execute, one client alone, before the load", result.baseline_ms),
+            row("execute", result.execute_ms),
+            row("sleep (level 1, drains in-flight requests)", result.sleep_ms),
+            row("wake", result.wake_ms),
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "load.toml"
         config.write_text(BENCH_CONFIG.format(port=port, ranks=args.ranks))
-        server = subprocess.Popen([sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config),
-                                   "--log-level", "warning"])  # fmt: skip
+        server = subprocess.Popen(
+            [sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config), "--log-level", "warning"]
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 300

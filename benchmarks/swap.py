@@ -71,10 +71,15 @@ METHODS = ("limit", "vllm-seq", "omni-seq", "omni-swap-dirty", "omni-swap-clean"
 DEFAULT_PAIRS = {"cuda": ("16g:16g", "8g:16g+fill"), "cpu": ("4m:4m", "2m:4m+fill")}
 # The child process kind of each method, per device; a method missing here is skipped with its reason.
 KINDS = {
-    "cuda": {"limit": "limit", "vllm-seq": "vllm", "omni-seq": "fast", "omni-swap-dirty": "fast",
-             "omni-swap-clean": "fast-clean"},
+    "cuda": {
+        "limit": "limit",
+        "vllm-seq": "vllm",
+        "omni-seq": "fast",
+        "omni-swap-dirty": "fast",
+        "omni-swap-clean": "fast-clean",
+    },
     "cpu": {"omni-seq": "portable", "omni-swap-dirty": "portable"},
-}  # fmt: skip
+}
 CPU_SKIPS = {
     "limit": "the host link's limit is a GPU figure (pinned copies over PCIe/NVLink)",
     "vllm-seq": "vLLM's CuMemAllocator needs CUDA",
@@ -107,8 +112,9 @@ class Child:
         self.log_path = log_dir / f"{spec.role}-{spec.kind}-{spec.workload}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         cmd = [sys.executable, "-m", "benchmarks.swap_child", spec.to_json()]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1, env=child_env())  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1, env=child_env()
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name=f"swap-bench-{spec.role}", daemon=True).start()
 
@@ -129,11 +135,11 @@ class Child:
         try:
             line = self._lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise CaseError(f"{self.name} said nothing for {timeout_s:.0f} s; its stderr ends: "
-                            f"{self.stderr_tail(600)!r}") from None  # fmt: skip
+            raise CaseError(
+                f"{self.name} said nothing for {timeout_s:.0f} s; its stderr ends: {self.stderr_tail(600)!r}"
+            ) from None
         if line is None:
-            raise CaseError(f"{self.name} exited (code {self.proc.poll()}); its stderr ends: "
-                            f"{self.stderr_tail(600)!r}")  # fmt: skip
+            raise CaseError(f"{self.name} exited (code {self.proc.poll()}); its stderr ends: {self.stderr_tail(600)!r}")
         if not line.startswith(prefix):
             raise CaseError(f"{self.name} answered out of turn: {line[:200]!r}")
         payload = json.loads(line[len(prefix) :])
@@ -184,8 +190,9 @@ class NvmlDevice:
         from omni_core.workers.accounting import PynvmlApi, parse_cuda_visible_devices, resolve_physical_device
 
         self.api = PynvmlApi()
-        self.physical = resolve_physical_device(parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")),
-                                                0, self.api)  # fmt: skip
+        self.physical = resolve_physical_device(
+            parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")), 0, self.api
+        )
         self._info = pynvml.nvmlDeviceGetMemoryInfo
         self.total_bytes = int(self._info(self.physical.handle).total)
 
@@ -248,18 +255,31 @@ class Sampler:
             lo, hi = window[0] - 0.005, window[1] + 0.005
             series = [s for s in series if lo <= s[0] <= hi]
         span = (self.series[-1][0] - self.series[0][0]) if len(self.series) > 1 else 0.0
-        return {"count": self.count, "max_used": self.max_used, "total": self.reader.total_bytes,
-                "period_ms": span / (len(self.series) - 1) * 1e3 if len(self.series) > 1 else None,
-                "process_max": {str(k): v for k, v in self.process_max.items()},
-                "series": [[round(t, 6), u] for t, u in series]}  # fmt: skip
+        return {
+            "count": self.count,
+            "max_used": self.max_used,
+            "total": self.reader.total_bytes,
+            "period_ms": span / (len(self.series) - 1) * 1e3 if len(self.series) > 1 else None,
+            "process_max": {str(k): v for k, v in self.process_max.items()},
+            "series": [[round(t, 6), u] for t, u in series],
+        }
 
 
 # ---------------------------------------------------------------------- configuration
 
 
 class Config:
-    def __init__(self, device: str, pairs: list[str], methods: list[str], reps: int, memory_wait_s: float,
-                 load_timeout_s: float, op_timeout_s: float, work_dir: Path) -> None:  # fmt: skip
+    def __init__(
+        self,
+        device: str,
+        pairs: list[str],
+        methods: list[str],
+        reps: int,
+        memory_wait_s: float,
+        load_timeout_s: float,
+        op_timeout_s: float,
+        work_dir: Path,
+    ) -> None:
         self.device, self.pairs, self.methods, self.reps = device, pairs, methods, reps
         self.memory_wait_s, self.load_timeout_s, self.op_timeout_s = memory_wait_s, load_timeout_s, op_timeout_s
         self.work_dir = work_dir
@@ -352,14 +372,29 @@ def run_stage_case(pair: str, method: str, cfg: Config, started: float) -> dict[
     kind = KINDS[cfg.device][method]
     case_dir = cfg.case_dir(pair, method)
     sim = simulated_device(case_dir, a_name, b_name) if cfg.device == "cpu" else None
-    common = {"kind": kind, "device": cfg.device, "dirty": kind != "fast-clean",
-              "sim_directory": sim.directory if sim else None, "sim_capacity_bytes": sim.capacity_bytes if sim else 0}
-    specs = [ChildSpec("a", workload=a_name, seed=SEEDS["a"], **common),
-             ChildSpec("b", workload=b_name, seed=SEEDS["b"], start_asleep=True, **common)]  # fmt: skip
+    common = {
+        "kind": kind,
+        "device": cfg.device,
+        "dirty": kind != "fast-clean",
+        "sim_directory": sim.directory if sim else None,
+        "sim_capacity_bytes": sim.capacity_bytes if sim else 0,
+    }
+    specs = [
+        ChildSpec("a", workload=a_name, seed=SEEDS["a"], **common),
+        ChildSpec("b", workload=b_name, seed=SEEDS["b"], start_asleep=True, **common),
+    ]
     fill_here = fill and method != "limit"  # the limit's copies allocate nothing during a round
     if fill_here:
-        specs.append(ChildSpec("filler", "filler", b_name, cfg.device, sim_directory=common["sim_directory"],
-                               sim_capacity_bytes=common["sim_capacity_bytes"]))  # fmt: skip
+        specs.append(
+            ChildSpec(
+                "filler",
+                "filler",
+                b_name,
+                cfg.device,
+                sim_directory=common["sim_directory"],
+                sim_capacity_bytes=common["sim_capacity_bytes"],
+            )
+        )
     case: dict[str, Any] = {"pair": pair, "method": method, "kind": kind, "rounds": [], "notes": []}
     if fill and not fill_here:
         case["notes"].append("no filler: pinned copies allocate nothing during a round")
@@ -375,8 +410,13 @@ def run_stage_case(pair: str, method: str, cfg: Config, started: float) -> dict[
             leave = fill_leave_bytes(a_name, b_name, cfg.device)
             case["fill"] = children[2].ask({"op": "fill", "leave_free_bytes": leave}, cfg.op_timeout_s)
             case["fill"]["leave_free_bytes"] = leave
-            _progress(started, pair, method, f"filler holds {size_text(case['fill']['filled_bytes'])}; "
-                      f"{size_text(case['fill']['free_after'])} free for B's {size_text(stage_bytes(b_name))}")
+            _progress(
+                started,
+                pair,
+                method,
+                f"filler holds {size_text(case['fill']['filled_bytes'])}; "
+                f"{size_text(case['fill']['free_after'])} free for B's {size_text(stage_bytes(b_name))}",
+            )
         gate = cfg.memory_wait_s if method in GATED else None
         for rep in range(cfg.reps):
             if method in SWAP_ROUNDS:
@@ -411,13 +451,18 @@ def synthetic_args(name: str, seed: int, device: str) -> dict[str, Any] | str:
     w = workload_of(name)
     sizes = set(w.weights)
     if len(sizes) != 1:
-        return (f"workload {name} mixes {len(sizes)} tensor sizes; the synthetic runner's weights are "
-                "equal matrices")  # fmt: skip
+        return f"workload {name} mixes {len(sizes)} tensor sizes; the synthetic runner's weights are equal matrices"
     size, hidden = sizes.pop(), 4096
     while hidden > 1 and size % (2 * hidden):
         hidden //= 2
-    args: dict[str, Any] = {"weights_bytes": w.weights_bytes, "tensor_count": len(w.weights), "hidden": hidden,
-                            "dtype": "bfloat16", "kv_bytes": w.kv_bytes, "seed": seed}  # fmt: skip
+    args: dict[str, Any] = {
+        "weights_bytes": w.weights_bytes,
+        "tensor_count": len(w.weights),
+        "hidden": hidden,
+        "dtype": "bfloat16",
+        "kv_bytes": w.kv_bytes,
+        "seed": seed,
+    }
     if device == "cpu":
         args["cpu_threads"] = 1
     return args
@@ -427,9 +472,15 @@ def run_engine_case(pair: str, cfg: Config, started: float) -> dict[str, Any]:
     from omni_core.engine import Engine, OmniCoreError, StageSpec
 
     a_name, b_name, fill = parse_pair(pair)
-    case: dict[str, Any] = {"pair": pair, "method": "engine-swap", "kind": "engine", "rounds": [],
-                            "notes": ["synthetic runner: weights read-only, so A's sleeps copy nothing "
-                                      "(the clean swap, through the protocol)"]}  # fmt: skip
+    case: dict[str, Any] = {
+        "pair": pair,
+        "method": "engine-swap",
+        "kind": "engine",
+        "rounds": [],
+        "notes": [
+            "synthetic runner: weights read-only, so A's sleeps copy nothing (the clean swap, through the protocol)"
+        ],
+    }
     args = {role: synthetic_args(name, SEEDS[role], cfg.device) for role, name in (("a", a_name), ("b", b_name))}
     reasons = [v for v in args.values() if isinstance(v, str)]
     if reasons:
@@ -438,9 +489,20 @@ def run_engine_case(pair: str, cfg: Config, started: float) -> dict[str, Any]:
     case_dir = cfg.case_dir(pair, "engine-swap")
     sim = simulated_device(case_dir, a_name, b_name) if cfg.device == "cpu" else None
     backend = "fast" if cfg.device == "cuda" else "portable"
-    specs = [StageSpec(f"swap-{role}", runner="synthetic", runner_args=args[role], device=cfg.device, backend=backend,
-                       deadline_s=max(300.0, 2 * cfg.memory_wait_s), start_deadline_s=cfg.load_timeout_s,
-                       request_timeout_s=cfg.op_timeout_s, simulated_device=sim) for role in ("a", "b")]  # fmt: skip
+    specs = [
+        StageSpec(
+            f"swap-{role}",
+            runner="synthetic",
+            runner_args=args[role],
+            device=cfg.device,
+            backend=backend,
+            deadline_s=max(300.0, 2 * cfg.memory_wait_s),
+            start_deadline_s=cfg.load_timeout_s,
+            request_timeout_s=cfg.op_timeout_s,
+            simulated_device=sim,
+        )
+        for role in ("a", "b")
+    ]
     filler: Child | None = None
     try:
         t0 = time.monotonic()
@@ -459,22 +521,38 @@ def run_engine_case(pair: str, cfg: Config, started: float) -> dict[str, Any]:
             engine.sleep("swap-b")
             reader = device_reader(cfg, sim)
             if fill:
-                filler = Child(ChildSpec("filler", "filler", b_name, cfg.device,
-                                         sim_directory=sim.directory if sim else None,
-                                         sim_capacity_bytes=sim.capacity_bytes if sim else 0), case_dir)  # fmt: skip
+                filler = Child(
+                    ChildSpec(
+                        "filler",
+                        "filler",
+                        b_name,
+                        cfg.device,
+                        sim_directory=sim.directory if sim else None,
+                        sim_capacity_bytes=sim.capacity_bytes if sim else 0,
+                    ),
+                    case_dir,
+                )
                 filler.ready(cfg.load_timeout_s)
                 leave = fill_leave_bytes(a_name, b_name, cfg.device)
-                case["fill"] = {**filler.ask({"op": "fill", "leave_free_bytes": leave}, cfg.op_timeout_s),
-                                "leave_free_bytes": leave}  # fmt: skip
+                case["fill"] = {
+                    **filler.ask({"op": "fill", "leave_free_bytes": leave}, cfg.op_timeout_s),
+                    "leave_free_bytes": leave,
+                }
             for rep in range(cfg.reps):
                 with Sampler(reader) as sampler:
                     t = time.monotonic()
-                    report = engine.swap("swap-a", "swap-b", task_id=f"bench-swap-{rep}",
-                                         memory_wait_s=cfg.memory_wait_s)  # fmt: skip
+                    report = engine.swap(
+                        "swap-a", "swap-b", task_id=f"bench-swap-{rep}", memory_wait_s=cfg.memory_wait_s
+                    )
                     window = (t, time.monotonic())
-                rnd = {"kind": "swap", "rep": rep, "time_s": report.duration_s, "a": _half(report.outgoing, "sleep"),
-                       "b": {**_half(report.incoming, "wake"), "exact": same("swap-b")},
-                       "samples": sampler.summary(window)}  # fmt: skip
+                rnd = {
+                    "kind": "swap",
+                    "rep": rep,
+                    "time_s": report.duration_s,
+                    "a": _half(report.outgoing, "sleep"),
+                    "b": {**_half(report.incoming, "wake"), "exact": same("swap-b")},
+                    "samples": sampler.summary(window),
+                }
                 rnd["reset"] = reset()
                 case["rounds"].append(rnd)
                 _progress(started, pair, "engine-swap", f"rep {rep}: {_round_text(rnd)}")
@@ -498,8 +576,14 @@ def _half(report: Any, op: str) -> dict[str, Any]:
     own duration; copied bytes: the weights that moved, none for a clean sleep)."""
     rank = report.ranks[0]
     weights = rank.pool_bytes_after.get("weights", 0) if op == "wake" else 0
-    return {"op": op, "start_s": 0.0, "end_s": rank.duration_s, "stage_s": report.duration_s,
-            "copied_bytes": weights, "state": report.state}  # fmt: skip
+    return {
+        "op": op,
+        "start_s": 0.0,
+        "end_s": rank.duration_s,
+        "stage_s": report.duration_s,
+        "copied_bytes": weights,
+        "state": report.state,
+    }
 
 
 # ---------------------------------------------------------------------- main
@@ -573,14 +657,30 @@ def main(args: argparse.Namespace) -> int:
     reps = args.reps or (2 if args.short else 4)
     command = " ".join(["omni-core", *sys.argv[1:]])
     work_dir = Path(tempfile.mkdtemp(prefix="omni-swap-bench-"))
-    cfg = Config(device, pairs, methods, reps, args.memory_wait_s, min(args.case_timeout_s, 600.0),
-                 min(args.case_timeout_s, 180.0), work_dir)  # fmt: skip
+    cfg = Config(
+        device,
+        pairs,
+        methods,
+        reps,
+        args.memory_wait_s,
+        min(args.case_timeout_s, 600.0),
+        min(args.case_timeout_s, 180.0),
+        work_dir,
+    )
     started = time.monotonic()
     results: list[dict[str, Any]] = []
-    data: dict[str, Any] = {"command": command, "device": device, "machine": {}, "reps": reps, "pairs": pairs,
-                            "methods": methods, "results": results, "memory_wait_s": args.memory_wait_s,
-                            "workloads": {n: workload_of(n).description for p in pairs for n in parse_pair(p)[:2]},
-                            "partial": True}  # fmt: skip
+    data: dict[str, Any] = {
+        "command": command,
+        "device": device,
+        "machine": {},
+        "reps": reps,
+        "pairs": pairs,
+        "methods": methods,
+        "results": results,
+        "memory_wait_s": args.memory_wait_s,
+        "workloads": {n: workload_of(n).description for p in pairs for n in parse_pair(p)[:2]},
+        "partial": True,
+    }
     js = outputs(device)[0]
     for pair in pairs:
         for method in methods:
@@ -593,20 +693,30 @@ def main(args: argparse.Namespace) -> int:
                 case = run_stage_case(pair, method, cfg, started)
             results.append(case)
             s = summarize(case)
-            _progress(started, pair, method, (case.get("skipped") and f"skipped: {case['skipped']}") or (
-                f"first {s['first_s']:.3f} s, later {s['later_s']:.3f} s, exact {s['bit_exact']}" if s else
-                f"error: {case.get('error', 'no rounds')[:200]}"))  # fmt: skip
+            _progress(
+                started,
+                pair,
+                method,
+                (case.get("skipped") and f"skipped: {case['skipped']}")
+                or (
+                    f"first {s['first_s']:.3f} s, later {s['later_s']:.3f} s, exact {s['bit_exact']}"
+                    if s
+                    else f"error: {case.get('error', 'no rounds')[:200]}"
+                ),
+            )
             out.mkdir(parents=True, exist_ok=True)
             (out / js).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     data.update(machine=machine_info(), wall_s=time.monotonic() - started, partial=False)
     for path in write_outputs(data, out):
         print(f"wrote {path}")
     failed = [c for c in results if c.get("error")]
-    bad = [c for c in results
-           if (s := summarize(c)) and (not s["bit_exact"] or not s.get("overcommit", {"ok": True})["ok"])]  # fmt: skip
+    bad = [
+        c
+        for c in results
+        if (s := summarize(c)) and (not s["bit_exact"] or not s.get("overcommit", {"ok": True})["ok"])
+    ]
     if not failed and not bad:
         shutil.rmtree(work_dir, ignore_errors=True)
     else:
         print(f"child logs kept in {work_dir}", file=sys.stderr)
     return 1 if failed or bad else 0
-

@@ -176,8 +176,12 @@ class CountingGate(MemoryGate):
         super().driver_refused(nbytes, error)
 
     def figures(self) -> dict[str, Any]:
-        return {"queries": self.queries, "waited_s": self.waited_s, "driver_refusals": self.refusals,
-                "admitted_bytes": self.admitted_bytes}  # fmt: skip
+        return {
+            "queries": self.queries,
+            "waited_s": self.waited_s,
+            "driver_refusals": self.refusals,
+            "admitted_bytes": self.admitted_bytes,
+        }
 
 
 # ---------------------------------------------------------------------- stages
@@ -228,8 +232,9 @@ class Stage:
         """Start recording the next op's timeline (None: op-level figures only)."""
         return None
 
-    def timeline(self, watcher: Any, start_s: float, end_s: float, copied: int,
-                 resident: tuple[int | None, int | None]) -> dict[str, Any]:  # fmt: skip
+    def timeline(
+        self, watcher: Any, start_s: float, end_s: float, copied: int, resident: tuple[int | None, int | None]
+    ) -> dict[str, Any]:
         """Copies and mapped bytes of the op just done: the watcher's when there is one,
         else one copy spanning the op."""
         return {"copies": [[start_s, end_s, copied, 0]] if copied else [], "mapped": [], "per_copy": False}
@@ -250,9 +255,15 @@ class Stage:
         self.synchronize()
 
     def ready(self) -> dict[str, Any]:
-        return {"role": self.spec.role, "kind": self.spec.kind, "pid": os.getpid(), "weights_bytes": self.weights_bytes,
-                "tensors": len(self.workload.weights), "loaded_bytes": self.loaded_bytes,
-                "prepare_s": self.prepare_s}  # fmt: skip
+        return {
+            "role": self.spec.role,
+            "kind": self.spec.kind,
+            "pid": os.getpid(),
+            "weights_bytes": self.weights_bytes,
+            "tensors": len(self.workload.weights),
+            "loaded_bytes": self.loaded_bytes,
+            "prepare_s": self.prepare_s,
+        }
 
 
 class PooledStage(Stage):
@@ -266,8 +277,9 @@ class PooledStage(Stage):
         name = "vllm" if self.spec.kind == "vllm" else "fast"
         self.method = make_method(name, self.device, options)
         with self.method.pool("weights"):
-            self.weights = [torch.empty(n // 2, dtype=torch.bfloat16, device=self.device)
-                            for n in self.workload.weights]  # fmt: skip
+            self.weights = [
+                torch.empty(n // 2, dtype=torch.bfloat16, device=self.device) for n in self.workload.weights
+            ]
         fill_seeded(self.weights, torch, self.spec.seed)
         with self.method.pool("kv_cache"):
             self.kv = torch.zeros(self.workload.kv_bytes // 2, dtype=torch.bfloat16, device=self.device)
@@ -312,8 +324,9 @@ class PooledStage(Stage):
         self.method.backend.path.observer = watcher
         return watcher
 
-    def timeline(self, watcher: Any, start_s: float, end_s: float, copied: int,
-                 resident: tuple[int | None, int | None]) -> dict[str, Any]:  # fmt: skip
+    def timeline(
+        self, watcher: Any, start_s: float, end_s: float, copied: int, resident: tuple[int | None, int | None]
+    ) -> dict[str, Any]:
         if watcher is None:
             return super().timeline(watcher, start_s, end_s, copied, resident)
         self.method.backend.path.observer = None
@@ -388,8 +401,9 @@ class PortableStage(Stage):
         self.residency.series = []
         return self.residency
 
-    def timeline(self, watcher: Any, start_s: float, end_s: float, copied: int,
-                 resident: tuple[int | None, int | None]) -> dict[str, Any]:  # fmt: skip
+    def timeline(
+        self, watcher: Any, start_s: float, end_s: float, copied: int, resident: tuple[int | None, int | None]
+    ) -> dict[str, Any]:
         out = super().timeline(watcher, start_s, end_s, copied, resident)
         out["mapped"] = [[t, n] for t, n in (self.residency.series or [])]
         self.residency.series = None
@@ -399,8 +413,13 @@ class PortableStage(Stage):
         self.residency.remove()
 
 
-STAGES: dict[str, type[Stage]] = {"limit": LimitStage, "vllm": PooledStage, "fast": PooledStage,
-                                  "fast-clean": PooledStage, "portable": PortableStage}  # fmt: skip
+STAGES: dict[str, type[Stage]] = {
+    "limit": LimitStage,
+    "vllm": PooledStage,
+    "fast": PooledStage,
+    "fast-clean": PooledStage,
+    "portable": PortableStage,
+}
 
 
 def run_op(stage: Stage, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -419,23 +438,36 @@ def run_op(stage: Stage, cmd: dict[str, Any]) -> dict[str, Any]:
             copied = stage.sleep()
         else:
             if gate_wait_s is not None:
-                gate = CountingGate(stage.free_source(), wait_for_memory_s=float(gate_wait_s),
-                                    what=f"the wake of stage {stage.spec.role}")  # fmt: skip
+                gate = CountingGate(
+                    stage.free_source(),
+                    wait_for_memory_s=float(gate_wait_s),
+                    what=f"the wake of stage {stage.spec.role}",
+                )
             copied = stage.wake(gate)
         stage.synchronize()
     except WakeRefused as exc:
         if watcher is not None:
             stage.timeline(watcher, start_s, time.monotonic(), 0, (resident_before, None))  # detach
-        return {"op": op, "refused": str(exc), "gate": gate.figures() if gate else None,
-                "start_s": start_s, "end_s": time.monotonic()}  # fmt: skip
+        return {
+            "op": op,
+            "refused": str(exc),
+            "gate": gate.figures() if gate else None,
+            "start_s": start_s,
+            "end_s": time.monotonic(),
+        }
     end_s = time.monotonic()
     resident_after = stage.resident_bytes()
     reply: dict[str, Any] = {
-        "op": op, "start_s": start_s, "end_s": end_s, "copied_bytes": copied, "resident_before": resident_before,
-        "resident_after": resident_after, "free_before": free_before,
+        "op": op,
+        "start_s": start_s,
+        "end_s": end_s,
+        "copied_bytes": copied,
+        "resident_before": resident_before,
+        "resident_after": resident_after,
+        "free_before": free_before,
         "gate": gate.figures() if gate is not None else None,
         "timeline": stage.timeline(watcher, start_s, end_s, copied, (resident_before, resident_after)),
-    }  # fmt: skip
+    }
     if op == "sleep" and isinstance(stage, LimitStage):
         stage.after_sleep()
     if op == "wake":

@@ -89,10 +89,14 @@ def overcommit(rnd: dict[str, Any]) -> dict[str, Any]:
     grew past the free memory at the start (allocator records); (2) the device's sampled used
     bytes never passed its total; (3) the driver never refused a map the gate admitted."""
     a, b, samples = rnd["a"], rnd["b"], rnd.get("samples") or {}
-    out: dict[str, Any] = {"free_before": b.get("free_before"), "growth": allocator_peak_growth(a, b),
-                           "max_used": samples.get("max_used"), "total": samples.get("total"),
-                           "samples": samples.get("count", 0),
-                           "driver_refusals": (b.get("gate") or {}).get("driver_refusals")}  # fmt: skip
+    out: dict[str, Any] = {
+        "free_before": b.get("free_before"),
+        "growth": allocator_peak_growth(a, b),
+        "max_used": samples.get("max_used"),
+        "total": samples.get("total"),
+        "samples": samples.get("count", 0),
+        "driver_refusals": (b.get("gate") or {}).get("driver_refusals"),
+    }
     checks = []
     if out["growth"] is not None and out["free_before"] is not None:
         checks.append(out["growth"] <= out["free_before"])
@@ -116,11 +120,15 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
     times = [round_time_s(r) for r in forward]
     later = times[1:] or times
     out: dict[str, Any] = {
-        "first_s": times[0], "later_s": statistics.median(later), "later_min_s": min(later),
-        "later_max_s": max(later), "reps": len(times),
-        "later_GBps": statistics.median([round_copied_bytes(r) / round_time_s(r) / 1e9
-                                         for r in forward[1:] or forward]),
-    }  # fmt: skip
+        "first_s": times[0],
+        "later_s": statistics.median(later),
+        "later_min_s": min(later),
+        "later_max_s": max(later),
+        "reps": len(times),
+        "later_GBps": statistics.median(
+            [round_copied_bytes(r) / round_time_s(r) / 1e9 for r in forward[1:] or forward]
+        ),
+    }
     alone = [r for r in case.get("rounds", []) if r["kind"] == "alone"]
     if not alone:  # a sequential case: its own later rounds (the first may pin) are the alone figures
         alone = [r for r in forward if r["kind"] == "seq"][1:] or forward
@@ -138,14 +146,15 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
     if swaps:
         checks = [overcommit(r) for r in swaps]
         out["overcommit"] = {
-            "ok": all(c["ok"] for c in checks), "rounds": len(checks),
+            "ok": all(c["ok"] for c in checks),
+            "rounds": len(checks),
             "max_used": max((c["max_used"] for c in checks if c["max_used"] is not None), default=None),
             "total": next((c["total"] for c in checks if c["total"]), None),
             "max_growth": max((c["growth"] for c in checks if c["growth"] is not None), default=None),
             "free_before": min((c["free_before"] for c in checks if c["free_before"] is not None), default=None),
             "driver_refusals": sum(c["driver_refusals"] or 0 for c in checks),
             "waited_s": max(((r["b"].get("gate") or {}).get("waited_s", 0.0) for r in swaps), default=0.0),
-        }  # fmt: skip
+        }
         timed = [r for r in swaps if "time_s" not in r]  # the engine's swaps start in its own loop
         if timed:
             out["skew_ms"] = max(abs(r["a"]["start_s"] - r["b"]["start_s"]) * 1e3 for r in timed)
@@ -163,9 +172,13 @@ def _limit_figures(case: dict[str, Any]) -> dict[str, Any]:
         return _median([r["copied_bytes"] / op_s(r) / 1e9 for r in replies])
 
     d2h, h2d = gbps([r["a"] for r in duplex]), gbps([r["b"] for r in duplex])
-    return {"d2h_alone_GBps": gbps([r["a"] for r in alone]), "h2d_alone_GBps": gbps([r["b"] for r in alone]),
-            "duplex_d2h_GBps": d2h, "duplex_h2d_GBps": h2d,
-            "duplex_total_GBps": d2h + h2d if d2h is not None and h2d is not None else None}  # fmt: skip
+    return {
+        "d2h_alone_GBps": gbps([r["a"] for r in alone]),
+        "h2d_alone_GBps": gbps([r["b"] for r in alone]),
+        "duplex_d2h_GBps": d2h,
+        "duplex_h2d_GBps": h2d,
+        "duplex_total_GBps": d2h + h2d if d2h is not None and h2d is not None else None,
+    }
 
 
 def _case(results: list[dict[str, Any]], pair: str, method: str) -> dict[str, Any] | None:
@@ -180,8 +193,9 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
 
     def row(pair: str, method: str, label: str, value: float | None, bound: float, op: str) -> None:
         if value is None:
-            rows.append({"pair": pair, "method": method, "target": label, "value": None, "met": False,
-                         "by": "not measured"})  # fmt: skip
+            rows.append(
+                {"pair": pair, "method": method, "target": label, "value": None, "met": False, "by": "not measured"}
+            )
             return
         met = value <= bound if op == "<=" else value >= bound
         by = "" if met else f"{abs(value - bound):.3g} ({abs(value - bound) / bound:.0%})"
@@ -196,21 +210,47 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
             if not s or not equal:
                 continue
             if method == "omni-swap-dirty":
-                row(pair, method, f"swap <= {TARGET_DIRTY_VS_ALONE} x max(A sleep, B wake) alone",
-                    s.get("vs_alone"), TARGET_DIRTY_VS_ALONE, "<=")  # fmt: skip
-                row(pair, method, f"swap >= {TARGET_DIRTY_VS_SEQ} x faster than omni-seq",
-                    seq["later_s"] / s["later_s"] if seq else None, TARGET_DIRTY_VS_SEQ, ">=")  # fmt: skip
+                row(
+                    pair,
+                    method,
+                    f"swap <= {TARGET_DIRTY_VS_ALONE} x max(A sleep, B wake) alone",
+                    s.get("vs_alone"),
+                    TARGET_DIRTY_VS_ALONE,
+                    "<=",
+                )
+                row(
+                    pair,
+                    method,
+                    f"swap >= {TARGET_DIRTY_VS_SEQ} x faster than omni-seq",
+                    seq["later_s"] / s["later_s"] if seq else None,
+                    TARGET_DIRTY_VS_SEQ,
+                    ">=",
+                )
             else:
-                row(pair, method, f"swap <= {TARGET_CLEAN_VS_WAKE} x B's wake alone", s.get("vs_b_wake"),
-                    TARGET_CLEAN_VS_WAKE, "<=")  # fmt: skip
+                row(
+                    pair,
+                    method,
+                    f"swap <= {TARGET_CLEAN_VS_WAKE} x B's wake alone",
+                    s.get("vs_b_wake"),
+                    TARGET_CLEAN_VS_WAKE,
+                    "<=",
+                )
         for case in (c for c in data["results"] if c["pair"] == pair):
             s = summarize(case)
             if not s:
                 continue
             if "overcommit" in s and case["method"] != "limit" and (fill or case["method"] in SWAP_METHODS):
                 oc = s["overcommit"]
-                rows.append({"pair": pair, "method": case["method"], "target": "zero over-commit", "value": None,
-                             "met": oc["ok"], "by": "" if oc["ok"] else _overcommit_text(oc)})  # fmt: skip
+                rows.append(
+                    {
+                        "pair": pair,
+                        "method": case["method"],
+                        "target": "zero over-commit",
+                        "value": None,
+                        "met": oc["ok"],
+                        "by": "" if oc["ok"] else _overcommit_text(oc),
+                    }
+                )
             row(pair, case["method"], "bit-exact after every wake", 1.0 if s["bit_exact"] else 0.0, 1.0, ">=")
     return rows
 
@@ -244,8 +284,11 @@ def _overcommit_text(oc: dict[str, Any]) -> str:
     if not oc:
         return "-"
     used = f"max used {size_text(oc['max_used'])} of {size_text(oc['total'])}" if oc.get("max_used") is not None else ""
-    growth = (f"mapped +{size_text(oc['max_growth'])} with {size_text(oc['free_before'])} free"
-              if oc.get("max_growth") is not None else "")  # fmt: skip
+    growth = (
+        f"mapped +{size_text(oc['max_growth'])} with {size_text(oc['free_before'])} free"
+        if oc.get("max_growth") is not None
+        else ""
+    )
     parts = [p for p in (used, growth, f"driver refusals {oc['driver_refusals']}") if p]
     return ("none: " if oc["ok"] else "**OVER-COMMIT**: ") + "; ".join(parts)
 
@@ -268,7 +311,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         "every ~1 ms, the processes' own mapped bytes (maps counted from their start, unmaps from their end), "
         "and the driver's refusals of maps the memory gate admitted.",
         "",
-    ]  # fmt: skip
+    ]
     for pair in data["pairs"]:
         a, b, fill = parse_pair(pair)
         cases = [c for c in data["results"] if c["pair"] == pair]
@@ -278,8 +321,11 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines += [f"## A = {a}, B = {b}{' + filler (B must wait for A)' if fill else ''}", ""]
         if what:
             lines += [f"A: {what.get(a, a)}. B: {what.get(b, b)}.", ""]
-        lines += ["| method | first s | later s | later GB/s | A sleep alone s | B wake alone s | vs alone | "
-                  "vs seq | bit-exact | over-commit | notes |", "|---" * 11 + "|"]  # fmt: skip
+        lines += [
+            "| method | first s | later s | later GB/s | A sleep alone s | B wake alone s | vs alone | "
+            "vs seq | bit-exact | over-commit | notes |",
+            "|---" * 11 + "|",
+        ]
         seq = summarize(_case(data["results"], pair, "omni-seq") or {})
         for case in cases:
             label = LABELS.get(case["method"], case["method"])
@@ -298,17 +344,27 @@ def render_markdown(data: dict[str, Any]) -> str:
             if s.get("overcommit", {}).get("waited_s"):
                 notes.append(f"B's gate waited up to {s['overcommit']['waited_s'] * 1e3:.0f} ms")
             if case["method"] == "limit":
-                g = {k: _f(s[k], "{:.1f}") for k in ("d2h_alone_GBps", "h2d_alone_GBps", "duplex_d2h_GBps",
-                                                     "duplex_h2d_GBps", "duplex_total_GBps")}  # fmt: skip
-                notes.append(f"D2H alone {g['d2h_alone_GBps']}, H2D alone {g['h2d_alone_GBps']}, duplex "
-                             f"{g['duplex_d2h_GBps']} + {g['duplex_h2d_GBps']} = {g['duplex_total_GBps']} GB/s")
+                g = {
+                    k: _f(s[k], "{:.1f}")
+                    for k in (
+                        "d2h_alone_GBps",
+                        "h2d_alone_GBps",
+                        "duplex_d2h_GBps",
+                        "duplex_h2d_GBps",
+                        "duplex_total_GBps",
+                    )
+                }
+                notes.append(
+                    f"D2H alone {g['d2h_alone_GBps']}, H2D alone {g['h2d_alone_GBps']}, duplex "
+                    f"{g['duplex_d2h_GBps']} + {g['duplex_h2d_GBps']} = {g['duplex_total_GBps']} GB/s"
+                )
             later = f"{s['later_s']:.3f} [{s['later_min_s']:.3f}-{s['later_max_s']:.3f}]"
             exact = f"{'yes' if s['bit_exact'] else '**NO**'} ({s['wakes_checked']})"
             lines.append(
                 f"| {label} | {s['first_s']:.3f} | {later} | {s['later_GBps']:.1f} | {_f(s['a_alone_s'])} | "
                 f"{_f(s['b_alone_s'])} | {_f(s.get('vs_alone'), '{:.2f}')} | {_f(vs_seq, '{:.2f}')} | {exact} | "
                 f"{_overcommit_text(s.get('overcommit', {}))} | {'; '.join(notes)} |"
-            )  # fmt: skip
+            )
         lines.append("")
     rows = targets(data)
     if rows:
@@ -390,13 +446,18 @@ def render_png(data: dict[str, Any], path: Path) -> str | None:
         ax.plot(xs, rb, label="B wake: host->device", color="tab:blue")
         ax.plot(xs, [x + y for x, y in zip(ra, rb, strict=True)], label="both", color="black", linewidth=0.8)
         limit = summarize(_case(data["results"], pair, "limit") or {})
-        for key, style, text in (("d2h_alone_GBps", ":", "D2H alone"), ("h2d_alone_GBps", "--", "H2D alone"),
-                                 ("duplex_total_GBps", "-.", "duplex (both ways)")):  # fmt: skip
+        for key, style, text in (
+            ("d2h_alone_GBps", ":", "D2H alone"),
+            ("h2d_alone_GBps", "--", "H2D alone"),
+            ("duplex_total_GBps", "-.", "duplex (both ways)"),
+        ):
             if limit.get(key):
                 ax.axhline(limit[key], color="grey", linestyle=style, linewidth=1, label=f"link: {text}")
         per_copy = a["timeline"].get("per_copy") and b["timeline"].get("per_copy")
-        ax.set_title(f"{pair}: {method}, one swap ({span * 1e3:.0f} ms)"
-                     + ("" if per_copy else " — op-level, no per-copy events"))  # fmt: skip
+        ax.set_title(
+            f"{pair}: {method}, one swap ({span * 1e3:.0f} ms)"
+            + ("" if per_copy else " — op-level, no per-copy events")
+        )
         ax.set_xlabel("ms since the swap began")
         ax.set_ylabel("GB/s")
         ax.grid(alpha=0.3)
@@ -411,11 +472,22 @@ def render_png(data: dict[str, Any], path: Path) -> str | None:
                 continue
             pts = [(reply["start_s"], start), *[(t, v) for t, v in series]]
             pts.append((max(reply["end_s"], pts[-1][0]), pts[-1][1]))  # the level holds to the op's end
-            ax.step([(t - t0) * 1e3 for t, _ in pts], [v / unit for _, v in pts], where="post", color=color,
-                    label=f"{side} mapped (its allocator)")  # fmt: skip
+            ax.step(
+                [(t - t0) * 1e3 for t, _ in pts],
+                [v / unit for _, v in pts],
+                where="post",
+                color=color,
+                label=f"{side} mapped (its allocator)",
+            )
         if samples.get("series"):
-            ax.plot([(t - t0) * 1e3 for t, _ in samples["series"]], [u / unit for _, u in samples["series"]],
-                    ".", markersize=2, color="black", label="device used (sampled)")  # fmt: skip
+            ax.plot(
+                [(t - t0) * 1e3 for t, _ in samples["series"]],
+                [u / unit for _, u in samples["series"]],
+                ".",
+                markersize=2,
+                color="black",
+                label="device used (sampled)",
+            )
         if samples.get("total"):
             ax.axhline(samples["total"] / unit, color="red", linewidth=1, label="device total")
         ax.set_xlabel("ms since the swap began")

@@ -32,8 +32,7 @@ from typing import Any
 
 from omni_core.engine import Engine, RequestRejectedError, StageSpec
 
-REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]], "max_new_tokens": 24,
-           "stop_at_eos": False}  # fmt: skip
+REQUEST = {"prompt_ids": [[17, 42, 101, 7, 300, 5], [250, 33, 98, 411]], "max_new_tokens": 24, "stop_at_eos": False}
 BACKENDS = ("cumem", "fast")
 # Steps that move the weights pool's bytes over the host link (GB/s are computed for these).
 COPYING_STEPS = ("sleep L1 #", "wake L1 #", "wake weights", "reload")
@@ -69,16 +68,29 @@ class Checks:
 
 
 def _runner_args(model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": str(model), "max_model_len": args.max_model_len, "max_num_seqs": 4,
-            "attention_backend": args.attention_backend}  # fmt: skip
+    return {
+        "model": str(model),
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": 4,
+        "attention_backend": args.attention_backend,
+    }
 
 
 def stage_part(backend: str, models: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     checks, lifecycle = Checks(f"stage/{backend}"), []
     result: dict[str, Any] = {"backend": backend}
-    spec = StageSpec("llm", runner="vllm", backend=backend, device="cuda", gpu_memory_fraction=args.fraction,
-                     runner_args=_runner_args(models["main"], args), deadline_s=300.0, start_deadline_s=600.0,
-                     request_timeout_s=300.0, admission="reject")  # fmt: skip
+    spec = StageSpec(
+        "llm",
+        runner="vllm",
+        backend=backend,
+        device="cuda",
+        gpu_memory_fraction=args.fraction,
+        runner_args=_runner_args(models["main"], args),
+        deadline_s=300.0,
+        start_deadline_s=600.0,
+        request_timeout_s=300.0,
+        admission="reject",
+    )
     started = time.perf_counter()
     try:
         with Engine([spec]) as engine:
@@ -95,12 +107,22 @@ def stage_part(backend: str, models: dict[str, Path], args: argparse.Namespace) 
                 checks.check(f"{what} -> {expect}", report.state == expect, f"(got {report.state})")
                 rank = report.ranks[0]
                 weights = max(rank.pool_bytes_before.get("weights", 0), rank.pool_bytes_after.get("weights", 0))
-                lifecycle.append({"what": what, "state": report.state, "stage_s": round(report.duration_s, 4),
-                                  "rank_s": round(rank.duration_s, 4), "pool_before": rank.pool_bytes_before,
-                                  "pool_after": rank.pool_bytes_after, "process_before": rank.process_bytes_before,
-                                  "process_after": rank.process_bytes_after, "source": rank.process_bytes_source,
-                                  "weights_GBps": round(weights / rank.duration_s / 1e9, 1)
-                                  if rank.duration_s > 0 and what.startswith(COPYING_STEPS) else None})  # fmt: skip
+                lifecycle.append(
+                    {
+                        "what": what,
+                        "state": report.state,
+                        "stage_s": round(report.duration_s, 4),
+                        "rank_s": round(rank.duration_s, 4),
+                        "pool_before": rank.pool_bytes_before,
+                        "pool_after": rank.pool_bytes_after,
+                        "process_before": rank.process_bytes_before,
+                        "process_after": rank.process_bytes_after,
+                        "source": rank.process_bytes_source,
+                        "weights_GBps": round(weights / rank.duration_s / 1e9, 1)
+                        if rank.duration_s > 0 and what.startswith(COPYING_STEPS)
+                        else None,
+                    }
+                )
                 return report
 
             for cycle in (1, 2):
@@ -150,10 +172,20 @@ def stage_part(backend: str, models: dict[str, Path], args: argparse.Namespace) 
 def concurrent_part(models: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     checks = Checks("concurrent")
     result: dict[str, Any] = {"fraction": args.concurrent_fraction}
-    specs = [StageSpec(name, runner="vllm", backend="cumem", device="cuda",
-                       gpu_memory_fraction=args.concurrent_fraction, runner_args=_runner_args(models["main"], args),
-                       deadline_s=300.0, start_deadline_s=600.0, request_timeout_s=300.0)
-             for name in ("a", "b")]  # fmt: skip
+    specs = [
+        StageSpec(
+            name,
+            runner="vllm",
+            backend="cumem",
+            device="cuda",
+            gpu_memory_fraction=args.concurrent_fraction,
+            runner_args=_runner_args(models["main"], args),
+            deadline_s=300.0,
+            start_deadline_s=600.0,
+            request_timeout_s=300.0,
+        )
+        for name in ("a", "b")
+    ]
     started = time.perf_counter()
     try:
         with Engine(specs) as engine:
@@ -166,19 +198,31 @@ def concurrent_part(models: dict[str, Path], args: argparse.Namespace) -> dict[s
                 rank = report.ranks[0]
                 kv_bytes = rank.pool_bytes_before.get("kv_cache", 0)
                 budget = int(total * args.concurrent_fraction) if total else None
-                result[name] = {"kv_cache_bytes": kv_bytes, "process_bytes": rank.process_bytes_before,
-                                "source": rank.process_bytes_source, "budget_bytes": budget,
-                                "tokens_sha": _sha(out)}  # fmt: skip
+                result[name] = {
+                    "kv_cache_bytes": kv_bytes,
+                    "process_bytes": rank.process_bytes_before,
+                    "source": rank.process_bytes_source,
+                    "budget_bytes": budget,
+                    "tokens_sha": _sha(out),
+                }
                 engine.wake(name)
                 if budget is not None and rank.process_bytes_before is not None:
-                    checks.check(f"stage {name} holds at most its fraction", rank.process_bytes_before <= budget,
-                                 f"({rank.process_bytes_before / 2**30:.2f} of {budget / 2**30:.2f} GiB)")
-                    checks.check(f"stage {name}'s KV cache uses its fraction (>= 80 % of what is left)",
-                                 kv_bytes >= 0.8 * (budget - (rank.process_bytes_before - kv_bytes)) - (1 << 30),
-                                 f"(KV {kv_bytes / 2**30:.2f} GiB)")  # fmt: skip
+                    checks.check(
+                        f"stage {name} holds at most its fraction",
+                        rank.process_bytes_before <= budget,
+                        f"({rank.process_bytes_before / 2**30:.2f} of {budget / 2**30:.2f} GiB)",
+                    )
+                    checks.check(
+                        f"stage {name}'s KV cache uses its fraction (>= 80 % of what is left)",
+                        kv_bytes >= 0.8 * (budget - (rank.process_bytes_before - kv_bytes)) - (1 << 30),
+                        f"(KV {kv_bytes / 2**30:.2f} GiB)",
+                    )
             a, b = result["a"]["kv_cache_bytes"], result["b"]["kv_cache_bytes"]
-            checks.check("both stages got the same KV size (within 5 %)", abs(a - b) <= 0.05 * max(a, b),
-                         f"({a / 2**30:.2f} and {b / 2**30:.2f} GiB)")  # fmt: skip
+            checks.check(
+                "both stages got the same KV size (within 5 %)",
+                abs(a - b) <= 0.05 * max(a, b),
+                f"({a / 2**30:.2f} and {b / 2**30:.2f} GiB)",
+            )
             checks.check("both stages generate the same tokens", result["a"]["tokens_sha"] == result["b"]["tokens_sha"])
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -236,14 +280,25 @@ def plain_part(models: dict[str, Path], args: argparse.Namespace) -> dict[str, A
         env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM names the sleep-mode backend it created at INFO
         if backend == "omni_fast":
             env["OMNI_CORE_VLLM_SLEEP_BACKEND"] = "omni_fast"
-        payload = {"backend": backend, "model": str(models["main"]), "util": args.fraction,
-                   "max_model_len": args.max_model_len, "attention_backend": args.attention_backend,
-                   "prompts": REQUEST["prompt_ids"], "max_tokens": REQUEST["max_new_tokens"]}  # fmt: skip
+        payload = {
+            "backend": backend,
+            "model": str(models["main"]),
+            "util": args.fraction,
+            "max_model_len": args.max_model_len,
+            "attention_backend": args.attention_backend,
+            "prompts": REQUEST["prompt_ids"],
+            "max_tokens": REQUEST["max_new_tokens"],
+        }
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", PLAIN_SCRIPT, json.dumps(payload)], env=env, text=True,
-                              capture_output=True, timeout=420)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", PLAIN_SCRIPT, json.dumps(payload)],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=420,
+        )
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PLAIN_RESULT ")), None)
-        run: dict[str, Any] = json.loads(line[len("PLAIN_RESULT "):]) if line else {"backend": backend}
+        run: dict[str, Any] = json.loads(line[len("PLAIN_RESULT ") :]) if line else {"backend": backend}
         run["wall_s"] = round(time.perf_counter() - started, 1)
         run["rc"] = proc.returncode
         chosen = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "sleep-mode backend" in ln]
@@ -256,17 +311,30 @@ def plain_part(models: dict[str, Path], args: argparse.Namespace) -> dict[str, A
         for row in run.get("rows", []):
             checks.check(f"{backend}: tokens identical after {row['what']}", row["same_tokens"])
         if backend == "omni_fast":
-            checks.check("omni_fast was the backend vLLM used", bool(run["selected_log"])
-                         and "omni_fast" in run["selected_log"], str(run["selected_log"]))  # fmt: skip
+            checks.check(
+                "omni_fast was the backend vLLM used",
+                bool(run["selected_log"]) and "omni_fast" in run["selected_log"],
+                str(run["selected_log"]),
+            )
     return {"runs": runs, "checks": checks.rows, "ok": all(c["ok"] for c in checks.rows)}
 
 
 def render(data: dict[str, Any]) -> str:
-    lines = [f"# vLLM under omni-core ({data['device']})", "", f"command: `{data['command']}`", "",
-             f"commit {data['commit']}, {data['versions']}", ""]  # fmt: skip
+    lines = [
+        f"# vLLM under omni-core ({data['device']})",
+        "",
+        f"command: `{data['command']}`",
+        "",
+        f"commit {data['commit']}, {data['versions']}",
+        "",
+    ]
     for run in data.get("stage", []):
-        lines += [f"## `vllm` stage, backend {run['backend']} (start {run.get('start_s')} s)", "",
-                  "| step | state | rank s | weights GB/s | process GiB before -> after |", "|---|---|---|---|---|"]
+        lines += [
+            f"## `vllm` stage, backend {run['backend']} (start {run.get('start_s')} s)",
+            "",
+            "| step | state | rank s | weights GB/s | process GiB before -> after |",
+            "|---|---|---|---|---|",
+        ]
         for row in run["lifecycle"]:
             pb, pa = row["process_before"], row["process_after"]
             mem = f"{pb / 2**30:.2f} -> {pa / 2**30:.2f}" if pb is not None and pa is not None else "-"
@@ -276,17 +344,31 @@ def render(data: dict[str, Any]) -> str:
             lines += [f"error: `{run['error']}`", ""]
     conc = data.get("concurrent")
     if conc:
-        lines += ["## Two `vllm` stages started together on one GPU", "", "```", json.dumps(
-            {k: conc.get(k) for k in ("fraction", "start_both_s", "device_total_bytes", "a", "b", "error")},
-            indent=1), "```", ""]  # fmt: skip
+        lines += [
+            "## Two `vllm` stages started together on one GPU",
+            "",
+            "```",
+            json.dumps(
+                {k: conc.get(k) for k in ("fraction", "start_both_s", "device_total_bytes", "a", "b", "error")},
+                indent=1,
+            ),
+            "```",
+            "",
+        ]
     plain = data.get("plain")
     if plain:
-        lines += ["## Plain `vllm.LLM`: stock cumem vs the omni_fast plugin", "",
-                  "| backend | step | sleep s | wake s | reload s | same tokens |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Plain `vllm.LLM`: stock cumem vs the omni_fast plugin",
+            "",
+            "| backend | step | sleep s | wake s | reload s | same tokens |",
+            "|---|---|---|---|---|---|",
+        ]
         for run in plain["runs"]:
             for row in run.get("rows", []):
-                lines.append(f"| {run['backend']} | {row['what']} | {row['sleep_s']} | {row['wake_s']} | "
-                             f"{row['reload_s'] or ''} | {row['same_tokens']} |")  # fmt: skip
+                lines.append(
+                    f"| {run['backend']} | {row['what']} | {row['sleep_s']} | {row['wake_s']} | "
+                    f"{row['reload_s'] or ''} | {row['same_tokens']} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -306,8 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    data: dict[str, Any] = {"command": " ".join(sys.argv), "commit": args.commit,
-                            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"}
+    data: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "commit": args.commit,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
+    }
     try:
         import vllm
 
@@ -316,15 +401,21 @@ def main(argv: list[str] | None = None) -> int:
         data["versions"] = f"vllm unavailable ({exc})"
     models = make_models(args.models, args.size)
     parts = args.parts.split(",")
-    runs = {"stage": lambda: [stage_part(b, models, args) for b in BACKENDS],
-            "concurrent": lambda: concurrent_part(models, args), "plain": lambda: plain_part(models, args)}
+    runs = {
+        "stage": lambda: [stage_part(b, models, args) for b in BACKENDS],
+        "concurrent": lambda: concurrent_part(models, args),
+        "plain": lambda: plain_part(models, args),
+    }
     for part in parts:
         data[part] = runs[part]()
         # Written after every part: a run cut short by its time limit keeps what it measured.
         (args.out / "vllm_stage.json").write_text(json.dumps(data, indent=1, default=str))
         (args.out / "vllm_stage.md").write_text(render(data))
-    ok = all(r["ok"] for r in data.get("stage", [])) and data.get("concurrent", {"ok": True})["ok"] and \
-        data.get("plain", {"ok": True})["ok"]
+    ok = (
+        all(r["ok"] for r in data.get("stage", []))
+        and data.get("concurrent", {"ok": True})["ok"]
+        and data.get("plain", {"ok": True})["ok"]
+    )
     print("VLLM_STAGE_OK" if ok else "VLLM_STAGE_MISS", flush=True)
     return 0 if ok else 1
 

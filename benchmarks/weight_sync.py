@@ -35,15 +35,23 @@ PROBE = {"seed": 1, "batch": 4}
 
 
 def _args(nbytes: float, tensors: int) -> dict[str, Any]:
-    return {"weights_bytes": int(nbytes), "tensor_count": tensors, "hidden": 4096, "dtype": "bfloat16",
-            "kv_bytes": GiB // 4, "seed": 3}  # fmt: skip
+    return {
+        "weights_bytes": int(nbytes),
+        "tensor_count": tensors,
+        "hidden": 4096,
+        "dtype": "bfloat16",
+        "kv_bytes": GiB // 4,
+        "seed": 3,
+    }
 
 
 def _trainer_weights(args: dict[str, Any], device: str, step: int) -> dict[str, torch.Tensor]:
     shapes = SyntheticRunner(torch.device("cpu"), **args).weight_specs()
     g = torch.Generator(device=device).manual_seed(1000 + step)
-    return {name: torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
-            for name, (shape, _) in shapes.items()}  # fmt: skip
+    return {
+        name: torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+        for name, (shape, _) in shapes.items()
+    }
 
 
 def _reference(args: dict[str, Any], weights: dict[str, torch.Tensor]) -> str:
@@ -77,8 +85,9 @@ class Run:
         after_wake = self.engine.execute("rollout", PROBE)["sha256"] == expected
         return {"exact": served, "exact_after_sleep_wake": after_wake}
 
-    def update(self, case: str, source: Any, share_s: float, weights: dict[str, torch.Tensor],
-               during: Any = None) -> None:  # fmt: skip
+    def update(
+        self, case: str, source: Any, share_s: float, weights: dict[str, torch.Tensor], during: Any = None
+    ) -> None:
         self.version += 1
         started = time.perf_counter()
         try:
@@ -93,20 +102,37 @@ class Run:
         if during is not None:
             during.join(300)
         rank_s = report.ranks[0].duration_s
-        row = {"case": case, "version": self.version, "share_s": share_s, "update_wall_s": wall_s,
-               "rank_s": rank_s, "gbps_wall": self.nbytes / wall_s / 1e9, **self.check(weights)}  # fmt: skip
+        row = {
+            "case": case,
+            "version": self.version,
+            "share_s": share_s,
+            "update_wall_s": wall_s,
+            "rank_s": rank_s,
+            "gbps_wall": self.nbytes / wall_s / 1e9,
+            **self.check(weights),
+        }
         self.rows.append(row)
-        self.log(f"{case}: update {wall_s * 1e3:.1f} ms through Engine (rank {rank_s * 1e3:.1f} ms, "
-                 f"{row['gbps_wall']:.0f} GB/s), share {share_s * 1e3:.1f} ms, exact {row['exact']}, "
-                 f"after sleep/wake {row['exact_after_sleep_wake']}")  # fmt: skip
+        self.log(
+            f"{case}: update {wall_s * 1e3:.1f} ms through Engine (rank {rank_s * 1e3:.1f} ms, "
+            f"{row['gbps_wall']:.0f} GB/s), share {share_s * 1e3:.1f} ms, exact {row['exact']}, "
+            f"after sleep/wake {row['exact_after_sleep_wake']}"
+        )
 
 
 def run_shape(name: str, log: Any) -> dict[str, Any]:
     nbytes, tensors = SHAPES[name]
     args = _args(nbytes, tensors)
     two = torch.cuda.device_count() > 1
-    spec = StageSpec("rollout", runner="synthetic", runner_args=args, device="cuda", backend="fast",
-                     devices=("0,1",) if two else ("0",), deadline_s=300.0, start_deadline_s=600.0)  # fmt: skip
+    spec = StageSpec(
+        "rollout",
+        runner="synthetic",
+        runner_args=args,
+        device="cuda",
+        backend="fast",
+        devices=("0,1",) if two else ("0",),
+        deadline_s=300.0,
+        start_deadline_s=600.0,
+    )
     with Engine([spec]) as engine, WeightSender() as sender:
         weights = _trainer_weights(args, "cuda:0", 1)
         moved = sum(t.numel() * t.element_size() for t in weights.values())
@@ -129,8 +155,9 @@ def run_shape(name: str, log: Any) -> dict[str, Any]:
             sender.release()
             try:
                 port = _free_port()
-                joining = threading.Thread(target=sender.init_group, args=("127.0.0.1", port, 2),
-                                           kwargs={"backend": "nccl"}, daemon=True)  # fmt: skip
+                joining = threading.Thread(
+                    target=sender.init_group, args=("127.0.0.1", port, 2), kwargs={"backend": "nccl"}, daemon=True
+                )
                 joining.start()
                 engine.init_weight_group("rollout", address="127.0.0.1", port=port, world_size=2, backend="nccl")
                 joining.join(60)
@@ -148,23 +175,31 @@ def render(results: dict[str, Any]) -> str:
     lines = ["# Weight sync: versioned updates from a trainer into a rollout stage (P-17)", "", "| | |", "|---|---|"]
     for key in ("machine", "commit", "command"):
         lines.append(f"| {key} | {results[key]} |")
-    lines += ["", "| shape | case | update through Engine | rank's own time | GB/s (Engine) | trainer's share | "
-              "exact | exact after sleep+wake |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| shape | case | update through Engine | rank's own time | GB/s (Engine) | trainer's share | "
+        "exact | exact after sleep+wake |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for shape in results["shapes"]:
         for r in shape["rows"]:
             if "error" in r:
                 lines.append(f"| {shape['shape']} | {r['case']} | error: {r['error'][:120]} | | | | | |")
                 continue
-            lines.append(f"| {shape['shape']} | {r['case']} | {r['update_wall_s'] * 1e3:.1f} ms | "
-                         f"{r['rank_s'] * 1e3:.1f} ms | {r['gbps_wall']:.0f} | {r['share_s'] * 1e3:.1f} ms | "
-                         f"{r['exact']} | {r['exact_after_sleep_wake']} |")  # fmt: skip
+            lines.append(
+                f"| {shape['shape']} | {r['case']} | {r['update_wall_s'] * 1e3:.1f} ms | "
+                f"{r['rank_s'] * 1e3:.1f} ms | {r['gbps_wall']:.0f} | {r['share_s'] * 1e3:.1f} ms | "
+                f"{r['exact']} | {r['exact_after_sleep_wake']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("--weight-sync needs a CUDA GPU (CUDA IPC and NCCL); on CPU the same API runs over shared memory "
-              "and gloo: tests/engine/test_weight_updates.py")  # fmt: skip
+        print(
+            "--weight-sync needs a CUDA GPU (CUDA IPC and NCCL); on CPU the same API runs over shared memory "
+            "and gloo: tests/engine/test_weight_updates.py"
+        )
         return 2
     out = Path(args.out or "weight-sync-results")
     out.mkdir(parents=True, exist_ok=True)
@@ -177,8 +212,10 @@ def main(args: argparse.Namespace) -> int:
     names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
     results: dict[str, Any] = {
         "machine": f"{torch.cuda.device_count()} x {', '.join(names)}; {platform.node()}",
-        "commit": f"{git_commit()}{' (dirty)' if git_dirty() else ''}", "command": args.command_line, "shapes": [],
-    }  # fmt: skip
+        "commit": f"{git_commit()}{' (dirty)' if git_dirty() else ''}",
+        "command": args.command_line,
+        "shapes": [],
+    }
     for name in SHAPES:
         results["shapes"].append(run_shape(name, log))
         (out / "weight_sync.json").write_text(json.dumps(results, indent=1))

@@ -41,7 +41,7 @@ NEW_TOKENS = 8
 def greedy(model: Any, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def train_step(model: Any, optimizer: torch.optim.Optimizer, tokens: list[int]) -> float:
@@ -66,9 +66,16 @@ def run(iterations: int = 3, workdir: str | None = None, lr: float = 0.5) -> lis
     trainer = AutoModelForCausalLM.from_pretrained(str(checkpoint), local_files_only=True)
     own_storage([trainer])  # as the runner holds its weights: CPU kernels pick their path by alignment
     optimizer = torch.optim.SGD(trainer.parameters(), lr=lr)
-    rollout = StageSpec("rollout", runner="transformers", backend="portable", admission="queue",
-                        runner_args={"model": str(checkpoint), "max_seq_len": 64, "max_batch": 1, "cpu_threads": 1},
-                        deadline_s=60.0, start_deadline_s=240.0, request_timeout_s=60.0)  # fmt: skip
+    rollout = StageSpec(
+        "rollout",
+        runner="transformers",
+        backend="portable",
+        admission="queue",
+        runner_args={"model": str(checkpoint), "max_seq_len": 64, "max_batch": 1, "cpu_threads": 1},
+        deadline_s=60.0,
+        start_deadline_s=240.0,
+        request_timeout_s=60.0,
+    )
     history: list[dict[str, Any]] = []
     request = {"prompt_ids": PROMPT, "max_new_tokens": NEW_TOKENS, "stop_at_eos": False}
     with Engine([rollout]) as engine, WeightSender() as sender:
@@ -82,9 +89,17 @@ def run(iterations: int = 3, workdir: str | None = None, lr: float = 0.5) -> lis
             engine.sleep("rollout", level=1)
             engine.wake("rollout")
             after_wake = engine.execute("rollout", request)["token_ids"]
-            history.append({"step": step, "loss": round(loss, 4), "version": report.weights_version,
-                            "update_s": round(report.duration_s, 4), "tokens": tokens,
-                            "equal_to_trainer": tokens == reference, "equal_after_wake": after_wake == tokens})
+            history.append(
+                {
+                    "step": step,
+                    "loss": round(loss, 4),
+                    "version": report.weights_version,
+                    "update_s": round(report.duration_s, 4),
+                    "tokens": tokens,
+                    "equal_to_trainer": tokens == reference,
+                    "equal_after_wake": after_wake == tokens,
+                }
+            )
             if tokens != reference or after_wake != tokens:
                 raise AssertionError(f"step {step}: rollout {tokens}, after wake {after_wake}, trainer {reference}")
         history.append({"status": engine.status()["rollout"]["weights_version"]})

@@ -46,8 +46,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from omni_core.config import ConfigError, load_config, run_config_demo
 
         if args.json:
-            print("omni-core demo: --json is for the built-in scenarios; --config prints its steps as text "
-                  "(its exit status says whether every stage passed)", file=sys.stderr)  # fmt: skip
+            print(
+                "omni-core demo: --json is for the built-in scenarios; --config prints its steps as text "
+                "(its exit status says whether every stage passed)",
+                file=sys.stderr,
+            )
             return 2
 
         try:
@@ -60,21 +63,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         for stage in config.stages if local else ():
             problem = device_problem(stage.device)
             if problem:
-                print(f"omni-core demo: {args.config}: stage {stage.name!r}: device = {stage.device!r}: {problem}; "
-                      'set the TOML key `device` of that [[stages]] table to "cpu", or run where the GPU is',
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"omni-core demo: {args.config}: stage {stage.name!r}: device = {stage.device!r}: {problem}; "
+                    'set the TOML key `device` of that [[stages]] table to "cpu", or run where the GPU is',
+                    file=sys.stderr,
+                )
                 return 2
         return run_config_demo(config)
     problem = device_problem(args.device)
     if problem:
-        print(f"omni-core demo: --device {args.device}: {problem}; use --device cpu, or run on a machine with an "
-              "NVIDIA GPU and a CUDA build of torch", file=sys.stderr)  # fmt: skip
+        print(
+            f"omni-core demo: --device {args.device}: {problem}; use --device cpu, or run on a machine with an "
+            "NVIDIA GPU and a CUDA build of torch",
+            file=sys.stderr,
+        )
         return 2
     if args.synthetic:  # the scenario on synthetic runners, whose traces `omni-core check` validates
         from omni_core.demo import main as demo_main
 
-        return demo_main(device=args.device, backend=args.backend, weights_mib=args.weights_mib or 64,
-                         trace_path=args.trace, json_out=args.json)  # fmt: skip
+        return demo_main(
+            device=args.device,
+            backend=args.backend,
+            weights_mib=args.weights_mib or 64,
+            trace_path=args.trace,
+            json_out=args.json,
+        )
     if args.weights_mib is not None:
         print("omni-core demo: --weights-mib sizes the synthetic runners; add --synthetic", file=sys.stderr)
         return 2
@@ -85,16 +98,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if problem:
         print(f"omni-core demo: {problem}", file=sys.stderr)
         return 2
-    return real_demo_main(device=args.device, backend=args.backend, size=args.size, out_dir=args.out,
-                          models_dir=args.models, trace_path=args.trace, llm_runner=args.llm_runner,
-                          json_out=args.json)  # fmt: skip
+    return real_demo_main(
+        device=args.device,
+        backend=args.backend,
+        size=args.size,
+        out_dir=args.out,
+        models_dir=args.models,
+        trace_path=args.trace,
+        llm_runner=args.llm_runner,
+        json_out=args.json,
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     # The benchmarks are not installed with the package: they live beside their results.
-    print("omni-core bench: the benchmarks are not part of the installed package; from the root of a "
-          "checkout of omni-core run `python -m benchmarks --help` (results in benchmarks/results)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        "omni-core bench: the benchmarks are not part of the installed package; from the root of a "
+        "checkout of omni-core run `python -m benchmarks --help` (results in benchmarks/results)",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -111,8 +133,11 @@ def _cmd_examples(args: argparse.Namespace) -> int:
     if args.name:
         name = args.name.removesuffix(".toml")
         if name not in {p.stem for p in found}:
-            print(f"omni-core examples: no example named {name!r}; there are {', '.join(p.stem for p in found)} "
-                  "(omni-core examples lists them)", file=sys.stderr)  # fmt: skip
+            print(
+                f"omni-core examples: no example named {name!r}; there are {', '.join(p.stem for p in found)} "
+                "(omni-core examples lists them)",
+                file=sys.stderr,
+            )
             return 2
         sys.stdout.write(data_file("examples", f"{name}.toml").read_text())
         return 0
@@ -157,7 +182,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 CLIENT_VERBS = {
     "reload": "reload a stage's weights on a running `omni-core serve` (after a level-2 sleep: NEEDS_RELOAD)",
     "update-weights": "load new weights as a version above the stage's, from a checkpoint, on a running "
-                      "`omni-core serve` (any state with the weights resident; RUNNING drains first)",
+    "`omni-core serve` (any state with the weights resident; RUNNING drains first)",
     "restart": "restart every rank of a stage of a running `omni-core serve` (a FAILED stage; new epoch)",
     "execute": "run one request on a stage of a running `omni-core serve`; prints rank 0's output as JSON",
 }
@@ -171,8 +196,11 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     from omni_core.serve.cli_args import DEFAULT_URL, URL_ENV
 
     p.add_argument("stage", help="stage name")
-    p.add_argument("--url", default=os.environ.get(URL_ENV, DEFAULT_URL),
-                   help=f"where `omni-core serve` listens (default ${URL_ENV}, else {DEFAULT_URL})")  # fmt: skip
+    p.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"where `omni-core serve` listens (default ${URL_ENV}, else {DEFAULT_URL})",
+    )
     p.add_argument("--api-key-file", default=None, help="file holding the API key (else OMNI_CORE_API_KEY)")
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")
     p.add_argument("--idempotency-key", default=None, help="a retry with the same key has no second effect")
@@ -181,11 +209,16 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     if verb == "reload":
         p.add_argument("--source", default=None, help="checkpoint to load (default: the stage's own)")
     if verb == "update-weights":
-        p.add_argument("--version", type=int, required=True, dest="weights_version",
-                       help="the new weights version, above the stage's (`omni-core status`)")  # fmt: skip
+        p.add_argument(
+            "--version",
+            type=int,
+            required=True,
+            dest="weights_version",
+            help="the new weights version, above the stage's (`omni-core status`)",
+        )
         p.add_argument("--source", required=True, help="checkpoint directory (under allowed_reload_sources)")
     if verb == "execute":
-        p.add_argument("--payload", default=None, metavar="JSON", help='the request, as JSON: \'{"seed": 1}\'')
+        p.add_argument("--payload", default=None, metavar="JSON", help="the request, as JSON: '{\"seed\": 1}'")
     p.set_defaults(verb=verb)
 
 
@@ -203,11 +236,17 @@ def _cmd_client(args: argparse.Namespace) -> int:
     try:
         client = OmniClient(args.url, api_key_file=args.api_key_file)
         if verb == "reload":
-            answer = client.reload_weights(args.stage, args.source, timeout_s=args.timeout_s,
-                                           idempotency_key=args.idempotency_key)  # fmt: skip
+            answer = client.reload_weights(
+                args.stage, args.source, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key
+            )
         elif verb == "update-weights":
-            answer = client.update_weights(args.stage, args.source, version=args.weights_version,
-                                           timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)  # fmt: skip
+            answer = client.update_weights(
+                args.stage,
+                args.source,
+                version=args.weights_version,
+                timeout_s=args.timeout_s,
+                idempotency_key=args.idempotency_key,
+            )
         elif verb == "restart":
             answer = client.restart(args.stage, idempotency_key=args.idempotency_key)
         else:
@@ -227,11 +266,15 @@ def _cmd_client(args: argparse.Namespace) -> int:
     if args.json or verb == "execute":
         print(json.dumps(answer, indent=2))
     elif verb == "reload":
-        print(f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
-              f"{answer['duration_s'] * 1000:.1f} ms")  # fmt: skip
+        print(
+            f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
+            f"{answer['duration_s'] * 1000:.1f} ms"
+        )
     elif verb == "update-weights":
-        print(f"{answer['stage']}: weights version {answer['weights_version']} -> {answer['state']} "
-              f"({answer['status']}) in {answer['duration_s'] * 1000:.1f} ms")  # fmt: skip
+        print(
+            f"{answer['stage']}: weights version {answer['weights_version']} -> {answer['state']} "
+            f"({answer['status']}) in {answer['duration_s'] * 1000:.1f} ms"
+        )
     else:
         print(f"{answer['stage']}: restarted -> {answer['state']}, epoch {answer['epoch']}")
     return 0
@@ -245,31 +288,53 @@ def _cmd_remote(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-core", description=__doc__)
-    parser.add_argument("--version", action="version", version=_version(),
-                        help="print the version, where the package is installed, and exit")  # fmt: skip
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=_version(),
+        help="print the version, where the package is installed, and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="a language model and a diffusion stage share one device: sleep, wake, "
-                                    "reload, partial wake, a step-wise request across a sleep (--synthetic: "
-                                    "synthetic runners, admission policies)")  # fmt: skip
+    p = sub.add_parser(
+        "demo",
+        help="a language model and a diffusion stage share one device: sleep, wake, "
+        "reload, partial wake, a step-wise request across a sleep (--synthetic: "
+        "synthetic runners, admission policies)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (portable backend) or cuda (best backend available)")
     p.add_argument("--backend", default=None, help="override the backend (portable, cumem, fast, auto)")
-    p.add_argument("--size", default="tiny", choices=("tiny", "large"),
-                   help="real models: tiny (CPU, seconds) or large (Qwen2 1.5B + DiT 600M, for a GPU)")
+    p.add_argument(
+        "--size",
+        default="tiny",
+        choices=("tiny", "large"),
+        help="real models: tiny (CPU, seconds) or large (Qwen2 1.5B + DiT 600M, for a GPU)",
+    )
     p.add_argument("--out", default="omni-core-demo-out", help="real models: folder for the images (PNG)")
-    p.add_argument("--models", default=None,
-                   help="real models: checkpoint cache, made on first use (default ~/.cache/omni-core/models)")
-    p.add_argument("--llm-runner", default="transformers", choices=("transformers", "vllm"),
-                   help="real models: run the language-model stage on transformers or on vLLM (GPU, --size large)")
+    p.add_argument(
+        "--models",
+        default=None,
+        help="real models: checkpoint cache, made on first use (default ~/.cache/omni-core/models)",
+    )
+    p.add_argument(
+        "--llm-runner",
+        default="transformers",
+        choices=("transformers", "vllm"),
+        help="real models: run the language-model stage on transformers or on vLLM (GPU, --size large)",
+    )
     p.add_argument("--synthetic", action="store_true", help="the scenario on synthetic runners instead")
     p.add_argument("--weights-mib", type=int, default=None, help="--synthetic: weights per rank, MiB (default 64)")
     p.add_argument("--trace", default=None, help="append a JSON-lines trace of every message here")
     p.add_argument("--config", default=None, help="a TOML stage config: sleep, wake and reload each of its stages")
-    p.add_argument("--json", action="store_true",
-                   help="print the steps and verdict as JSON on stdout (the narration goes to stderr)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the steps and verdict as JSON on stdout (the narration goes to stderr)",
+    )
     p.set_defaults(func=_cmd_demo)
     # Every argument of the old command is taken (none parsed as an option) and answered with where it went.
-    p = sub.add_parser("bench", help="moved: run `python -m benchmarks` from a checkout", add_help=False,
-                       prefix_chars="+")  # fmt: skip
+    p = sub.add_parser(
+        "bench", help="moved: run `python -m benchmarks` from a checkout", add_help=False, prefix_chars="+"
+    )
     p.add_argument("arguments", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
@@ -283,8 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tables)
     p = sub.add_parser("docs", help="regenerate docs/lifecycles.md from the transition tables")
     p.set_defaults(func=_cmd_docs)
-    p = sub.add_parser("examples", help="list the example stage configs this install carries, or print one "
-                                        "(omni-core examples two_stages > stages.toml)")  # fmt: skip
+    p = sub.add_parser(
+        "examples",
+        help="list the example stage configs this install carries, or print one "
+        "(omni-core examples two_stages > stages.toml)",
+    )
     p.add_argument("name", nargs="?", default=None, help="an example to print (two_stages, ray_stages, ...)")
     p.add_argument("--json", action="store_true", help="list them as JSON")
     p.set_defaults(func=_cmd_examples)
@@ -306,14 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
     from omni_core.serve.cli_args import add_remote_arguments, add_serve_arguments
 
     # allow_abbrev=False: `--api-key SECRET` must not be taken as `--api-key-file SECRET`.
-    p = sub.add_parser("serve", help="HTTP control plane for the stages of a TOML config (README: Serving over HTTP)",
-                       allow_abbrev=False)  # fmt: skip
+    p = sub.add_parser(
+        "serve",
+        help="HTTP control plane for the stages of a TOML config (README: Serving over HTTP)",
+        allow_abbrev=False,
+    )
     add_serve_arguments(p)
     p.set_defaults(func=_cmd_serve)
-    for verb, what in (("status", "state of every stage of a running `omni-core serve`"),
-                       ("sleep", "put a stage of a running `omni-core serve` to sleep"),
-                       ("wake", "wake a stage of a running `omni-core serve`"),
-                       ("swap", "stage OUT of a running `omni-core serve` sleeps while stage IN wakes")):  # fmt: skip
+    for verb, what in (
+        ("status", "state of every stage of a running `omni-core serve`"),
+        ("sleep", "put a stage of a running `omni-core serve` to sleep"),
+        ("wake", "wake a stage of a running `omni-core serve`"),
+        ("swap", "stage OUT of a running `omni-core serve` sleeps while stage IN wakes"),
+    ):
         p = sub.add_parser(verb, help=what, allow_abbrev=False)
         add_remote_arguments(p, verb)
         p.set_defaults(func=_cmd_remote)

@@ -62,8 +62,14 @@ def read_api_key(api_key_file: str | None = None, environ: dict[str, str] | None
 
 
 class OmniClient:
-    def __init__(self, url: str, *, api_key: str | None = None, api_key_file: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        api_key_file: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key if api_key is not None else read_api_key(api_key_file)
         self.timeout_s = timeout_s
@@ -79,38 +85,84 @@ class OmniClient:
     def stage(self, name: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/stages/{_seg(name)}")
 
-    def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | None = None, *,
-              timeout_s: float | None = None, abort_in_flight: bool = False,
-              idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def sleep(
+        self,
+        stage: str,
+        level: int = 1,
+        tags: Iterable[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+        abort_in_flight: bool = False,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
         body = {"level": level, "tags": _list(tags), "timeout_s": timeout_s, "abort_in_flight": abort_in_flight or None}
         return self._call("POST", f"/v1/stages/{_seg(stage)}/sleep", body, idempotency_key)
 
-    def wake(self, stage: str, tags: Iterable[str] | None = None, *, timeout_s: float | None = None,
-             idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
-        return self._call("POST", f"/v1/stages/{_seg(stage)}/wake", {"tags": _list(tags), "timeout_s": timeout_s},
-                          idempotency_key)  # fmt: skip
+    def wake(
+        self,
+        stage: str,
+        tags: Iterable[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        return self._call(
+            "POST", f"/v1/stages/{_seg(stage)}/wake", {"tags": _list(tags), "timeout_s": timeout_s}, idempotency_key
+        )
 
-    def swap(self, out_stage: str, in_stage: str, *, level: int = 1, tags: Iterable[str] | None = None,
-             memory_wait_s: float | None = None, timeout_s: float | None = None,
-             idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def swap(
+        self,
+        out_stage: str,
+        in_stage: str,
+        *,
+        level: int = 1,
+        tags: Iterable[str] | None = None,
+        memory_wait_s: float | None = None,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
         """`out_stage` sleeps while `in_stage` wakes (POST /v1/swap): {task_id, duration_s,
         outgoing, incoming}. A swap that does not complete raises `ServeError` whose `body`
         holds both halves (`body["error"]["outgoing"]`, `["incoming"]`)."""
-        body = {"out": out_stage, "in": in_stage, "level": level, "tags": _list(tags), "memory_wait_s": memory_wait_s,
-                "timeout_s": timeout_s}  # fmt: skip
+        body = {
+            "out": out_stage,
+            "in": in_stage,
+            "level": level,
+            "tags": _list(tags),
+            "memory_wait_s": memory_wait_s,
+            "timeout_s": timeout_s,
+        }
         return self._call("POST", "/v1/swap", body, idempotency_key)
 
-    def reload_weights(self, stage: str, source: str | None = None, *, timeout_s: float | None = None,
-                       idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
-        return self._call("POST", f"/v1/stages/{_seg(stage)}/reload", {"source": source, "timeout_s": timeout_s},
-                          idempotency_key)  # fmt: skip
+    def reload_weights(
+        self,
+        stage: str,
+        source: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        return self._call(
+            "POST", f"/v1/stages/{_seg(stage)}/reload", {"source": source, "timeout_s": timeout_s}, idempotency_key
+        )
 
-    def update_weights(self, stage: str, source: str | dict[str, Any], *, version: int, timeout_s: float | None = None,
-                       idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def update_weights(
+        self,
+        stage: str,
+        source: str | dict[str, Any],
+        *,
+        version: int,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
         """New weights as `version` (above the stage's): a checkpoint path, or a typed source
         (`msgspec.to_builtins` of what `WeightSender` shares)."""
-        return self._call("POST", f"/v1/stages/{_seg(stage)}/update_weights",
-                          {"version": version, "source": source, "timeout_s": timeout_s}, idempotency_key)  # fmt: skip
+        return self._call(
+            "POST",
+            f"/v1/stages/{_seg(stage)}/update_weights",
+            {"version": version, "source": source, "timeout_s": timeout_s},
+            idempotency_key,
+        )
 
     def restart(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", {}, idempotency_key)
@@ -118,8 +170,9 @@ class OmniClient:
     def set_admission(self, stage: str, policy: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/admission", {"policy": policy})
 
-    def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None,
-                idempotency_key: str | None = None) -> Any:  # fmt: skip
+    def execute(
+        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, idempotency_key: str | None = None
+    ) -> Any:
         """Rank 0's output (bytes arrive as base64 strings)."""
         body = {"payload": payload, "timeout_s": timeout_s}
         return self._call("POST", f"/v1/stages/{_seg(stage)}/execute", body, idempotency_key)["output"]
@@ -159,11 +212,13 @@ class OmniClient:
                 error = parsed["error"]
                 raise ServeError(exc.code, str(error.get("type")), str(error.get("message")), parsed) from None
             except (ValueError, KeyError, TypeError):
-                raise ServeError(exc.code, "HTTPError", f"HTTP {exc.code} from {method} {path}: "
-                                                       f"{raw[:500].decode(errors='replace')}") from None  # fmt: skip
+                raise ServeError(
+                    exc.code, "HTTPError", f"HTTP {exc.code} from {method} {path}: {raw[:500].decode(errors='replace')}"
+                ) from None
         except urllib.error.URLError as exc:
-            raise ServeError(0, "Unreachable", f"cannot reach {self.url}: {exc.reason}; is `omni-core serve` "
-                                               "running there?") from None  # fmt: skip
+            raise ServeError(
+                0, "Unreachable", f"cannot reach {self.url}: {exc.reason}; is `omni-core serve` running there?"
+            ) from None
 
 
 def _seg(name: str) -> str:

@@ -60,8 +60,15 @@ MAX_CONFIG_BYTES = 1 << 20
 class ConfigError(InvalidArgumentError):
     """A configuration file cannot be used. `path`, `stage` and `field` say where."""
 
-    def __init__(self, path: str, message: str, *, stage: str | None = None, index: int | None = None,
-                 field_name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        message: str,
+        *,
+        stage: str | None = None,
+        index: int | None = None,
+        field_name: str | None = None,
+    ) -> None:
         where = [path]
         if index is not None:
             where.append(f"stage {stage!r} (stages[{index}])" if stage else f"stages[{index}]")
@@ -110,23 +117,48 @@ STAGE_FIELDS: dict[str, str] = {f.name: _toml_kind(_STAGE_HINTS[f.name]) for f i
 # [stages.placement]: RayPlacement's fields a file can give (a PlacementGroup object cannot be
 # written in TOML; a named one can).
 PLACEMENT_FIELDS: dict[str, str] = {
-    "num_cpus": _NUMBER, "num_gpus": _NUMBER, "resources": _TABLE, "strategy": _STR,
-    "placement_group_name": _STR, "bundle_indices": _STR_LIST, "runtime_env": _TABLE,
-}  # fmt: skip
+    "num_cpus": _NUMBER,
+    "num_gpus": _NUMBER,
+    "resources": _TABLE,
+    "strategy": _STR,
+    "placement_group_name": _STR,
+    "bundle_indices": _STR_LIST,
+    "runtime_env": _TABLE,
+}
 # [stages.simulated_device]: a CPU stand-in for a GPU's capacity (a swap's memory gate).
 SIMULATED_DEVICE_FIELDS: dict[str, str] = {"directory": _STR, "capacity_bytes": _INT}
 assert set(SIMULATED_DEVICE_FIELDS) == set(SimulatedDevice.__struct_fields__), "update SIMULATED_DEVICE_FIELDS"
 
 SERVER_FIELDS: dict[str, str] = {
-    "host": _STR, "port": _INT, "default_stage": _STR, "api_key_file": _STR, "api_key_env": _STR,
-    "public_health": _BOOL, "public_metrics": _BOOL, "max_body_bytes": _INT,
-    "allowed_reload_sources": _STR_LIST, "idempotency_entries": _INT, "idempotency_bytes": _INT,
-    "status_poll_interval_s": _NUMBER, "lifecycle_threads": _INT, "events_kept": _INT,
-    "allowed_hosts": _STR_LIST, "allowed_origins": _STR_LIST, "read_timeout_s": _NUMBER, "keep_alive_s": _NUMBER,
+    "host": _STR,
+    "port": _INT,
+    "default_stage": _STR,
+    "api_key_file": _STR,
+    "api_key_env": _STR,
+    "public_health": _BOOL,
+    "public_metrics": _BOOL,
+    "max_body_bytes": _INT,
+    "allowed_reload_sources": _STR_LIST,
+    "idempotency_entries": _INT,
+    "idempotency_bytes": _INT,
+    "status_poll_interval_s": _NUMBER,
+    "lifecycle_threads": _INT,
+    "events_kept": _INT,
+    "allowed_hosts": _STR_LIST,
+    "allowed_origins": _STR_LIST,
+    "read_timeout_s": _NUMBER,
+    "keep_alive_s": _NUMBER,
     "max_connections": _INT,
-}  # fmt: skip
-ENGINE_FIELDS: dict[str, str] = {"transport": _STR, "host": _STR, "curve": _BOOL, "trace_path": _STR,
-                                 "launcher": _STR, "ray_address": _STR, "ray_namespace": _STR}  # fmt: skip
+}
+ENGINE_FIELDS: dict[str, str] = {
+    "transport": _STR,
+    "host": _STR,
+    "curve": _BOOL,
+    "trace_path": _STR,
+    "launcher": _STR,
+    "ray_address": _STR,
+    "ray_namespace": _STR,
+}
 
 
 def _type_ok(value: Any, expected: str) -> bool:
@@ -145,15 +177,26 @@ def _type_ok(value: Any, expected: str) -> bool:
     raise AssertionError(expected)
 
 
-def _check_table(path: str, table: Mapping[str, Any], fields: Mapping[str, str], what: str, *,
-                 stage: str | None = None, index: int | None = None) -> None:  # fmt: skip
+def _check_table(
+    path: str,
+    table: Mapping[str, Any],
+    fields: Mapping[str, str],
+    what: str,
+    *,
+    stage: str | None = None,
+    index: int | None = None,
+) -> None:
     for key, value in table.items():
         if key not in fields:
-            raise ConfigError(path, f"unknown field in {what}; known fields: {sorted(fields)}",
-                              stage=stage, index=index, field_name=key)  # fmt: skip
+            raise ConfigError(
+                path,
+                f"unknown field in {what}; known fields: {sorted(fields)}",
+                stage=stage,
+                index=index,
+                field_name=key,
+            )
         if not _type_ok(value, fields[key]):
-            raise ConfigError(path, f"expected {fields[key]}, got {value!r}", stage=stage, index=index,
-                              field_name=key)  # fmt: skip
+            raise ConfigError(path, f"expected {fields[key]}, got {value!r}", stage=stage, index=index, field_name=key)
 
 
 # ------------------------------------------------------------------ the parsed file
@@ -203,11 +246,13 @@ class ServerConfig:
             if not 0 < getattr(self, what) <= 3600:
                 raise InvalidArgumentError(f"{what} must be in (0, 3600] s, got {getattr(self, what)}")
         if self.max_connections < 0:
-            raise InvalidArgumentError(f"max_connections must be >= 0 (0: from the descriptor limit), "
-                                       f"got {self.max_connections}")  # fmt: skip
+            raise InvalidArgumentError(
+                f"max_connections must be >= 0 (0: from the descriptor limit), got {self.max_connections}"
+            )
         if not 0.05 <= self.status_poll_interval_s <= 60:
-            raise InvalidArgumentError(f"status_poll_interval_s must be in [0.05, 60] s, "
-                                       f"got {self.status_poll_interval_s}")  # fmt: skip
+            raise InvalidArgumentError(
+                f"status_poll_interval_s must be in [0.05, 60] s, got {self.status_poll_interval_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -236,16 +281,18 @@ def load_config(path: str | os.PathLike[str]) -> OmniConfig:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:
-            raise ConfigError(shown, f"over {MAX_CONFIG_BYTES} bytes; a stage configuration is a few KiB: is this "
-                                     "the right file?")  # fmt: skip
+            raise ConfigError(
+                shown, f"over {MAX_CONFIG_BYTES} bytes; a stage configuration is a few KiB: is this the right file?"
+            )
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(shown, f"not UTF-8 text, so not TOML ({exc}); is this the right file?") from None
     except IsADirectoryError:
         raise ConfigError(shown, "is a directory; pass the path of a TOML stage configuration file") from None
     except FileNotFoundError:
-        raise ConfigError(shown, "no such file; pass the path of a TOML stage configuration "
-                                 "(examples/two_stages.toml is one)") from None  # fmt: skip
+        raise ConfigError(
+            shown, "no such file; pass the path of a TOML stage configuration (examples/two_stages.toml is one)"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(shown, f"not valid TOML: {exc}") from None
     return parse_config(data, shown, base=Path(path).resolve().parent)
@@ -256,8 +303,9 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
     base = base or Path.cwd()
     for key in data:
         if key not in ("server", "engine", "stages"):
-            raise ConfigError(path, f"unknown top-level key {key!r}; a config has [server], [engine] and "
-                                    "[[stages]] tables")  # fmt: skip
+            raise ConfigError(
+                path, f"unknown top-level key {key!r}; a config has [server], [engine] and [[stages]] tables"
+            )
     for key in ("server", "engine"):
         if not isinstance(data.get(key, {}), dict):
             raise ConfigError(path, f"[{key}] must be a table, got {data[key]!r}")
@@ -270,8 +318,13 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
     names = [s.name for s in stages]
     for index, name in enumerate(names):
         if name in names[:index]:
-            raise ConfigError(path, f"duplicate stage name (also stages[{names.index(name)}]); names must be unique",
-                              stage=name, index=index, field_name="name")  # fmt: skip
+            raise ConfigError(
+                path,
+                f"duplicate stage name (also stages[{names.index(name)}]); names must be unique",
+                stage=name,
+                index=index,
+                field_name="name",
+            )
     server = _parse_server(path, data.get("server", {}), names, base)
     engine = dict(data.get("engine", {}))
     _check_table(path, engine, ENGINE_FIELDS, "[engine]")
@@ -294,8 +347,9 @@ def _parse_stage(path: str, index: int, raw: Any, base: Path) -> StageSpec:
             kwargs[key] = tuple(str(v) for v in kwargs[key])
     try:
         if "placement" in kwargs:
-            _check_table(path, kwargs["placement"], PLACEMENT_FIELDS, "[stages.placement]", stage=shown_name,
-                         index=index)  # fmt: skip
+            _check_table(
+                path, kwargs["placement"], PLACEMENT_FIELDS, "[stages.placement]", stage=shown_name, index=index
+            )
             kwargs["placement"] = RayPlacement(**kwargs["placement"])
         if "simulated_device" in kwargs:
             kwargs["simulated_device"] = _simulated_device(path, kwargs["simulated_device"], base, shown_name, index)
@@ -309,14 +363,18 @@ def _parse_stage(path: str, index: int, raw: Any, base: Path) -> StageSpec:
         raise ConfigError(path, message, stage=shown_name, index=index, field_name=named) from None
 
 
-def _simulated_device(path: str, table: dict[str, Any], base: Path, stage: str | None,
-                      index: int) -> SimulatedDevice:  # fmt: skip
+def _simulated_device(path: str, table: dict[str, Any], base: Path, stage: str | None, index: int) -> SimulatedDevice:
     what = "[stages.simulated_device]"
     _check_table(path, table, SIMULATED_DEVICE_FIELDS, what, stage=stage, index=index)
     missing = sorted(set(SIMULATED_DEVICE_FIELDS) - set(table))
     if missing:
-        raise ConfigError(path, f"{what} needs {missing} (the shared directory and the capacity in bytes)",
-                          stage=stage, index=index, field_name="simulated_device")  # fmt: skip
+        raise ConfigError(
+            path,
+            f"{what} needs {missing} (the shared directory and the capacity in bytes)",
+            stage=stage,
+            index=index,
+            field_name="simulated_device",
+        )
     try:
         return SimulatedDevice(_resolve_path(base, table["directory"]), table["capacity_bytes"])
     except ValueError as exc:
@@ -328,8 +386,9 @@ def _parse_server(path: str, raw: Any, names: list[str], base: Path) -> ServerCo
     kwargs = dict(raw)
     default = kwargs.get("default_stage")
     if default is not None and default not in names:
-        raise ConfigError(path, f"[server] default_stage {default!r} is not a stage; stages are {names}",
-                          field_name="default_stage")  # fmt: skip
+        raise ConfigError(
+            path, f"[server] default_stage {default!r} is not a stage; stages are {names}", field_name="default_stage"
+        )
     if "api_key_file" in kwargs:
         kwargs["api_key_file"] = _resolve_path(base, kwargs["api_key_file"])
     for key in ("allowed_hosts", "allowed_origins"):
@@ -367,11 +426,13 @@ def run_config_demo(config: OmniConfig, out: Any = None) -> int:
         for spec in config.stages:
             probe = spec.runner == "synthetic"
             reference = engine.execute(spec.name, SYNTHETIC_PROBE) if probe else None
-            steps = [("sleep L1", lambda n=spec.name: engine.sleep(n, level=1)),
-                     ("wake", lambda n=spec.name: engine.wake(n)),
-                     ("sleep L2", lambda n=spec.name: engine.sleep(n, level=2)),
-                     ("wake", lambda n=spec.name: engine.wake(n)),
-                     ("reload", lambda n=spec.name: engine.reload_weights(n))]  # fmt: skip
+            steps = [
+                ("sleep L1", lambda n=spec.name: engine.sleep(n, level=1)),
+                ("wake", lambda n=spec.name: engine.wake(n)),
+                ("sleep L2", lambda n=spec.name: engine.sleep(n, level=2)),
+                ("wake", lambda n=spec.name: engine.wake(n)),
+                ("reload", lambda n=spec.name: engine.reload_weights(n)),
+            ]
             for step, call in steps:
                 report = call()
                 freed_bytes = sum(r.freed_bytes for r in report.ranks.values())
@@ -381,8 +442,10 @@ def run_config_demo(config: OmniConfig, out: Any = None) -> int:
                     check = "  output identical" if same else "  OUTPUT DIFFERS"
                     if not same:
                         failures.append(f"{spec.name}: output after {step} differs")
-                out.write(f"{spec.name:<16} {step:<9} -> {report.state:<13} {report.duration_s * 1000:8.1f} ms  "
-                          f"freed {freed_bytes:>12} B{check}\n")  # fmt: skip
+                out.write(
+                    f"{spec.name:<16} {step:<9} -> {report.state:<13} {report.duration_s * 1000:8.1f} ms  "
+                    f"freed {freed_bytes:>12} B{check}\n"
+                )
     verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
     out.write(f"verdict: {verdict} ({time.perf_counter() - started:.1f} s)\n")
     return 0 if not failures else 1

@@ -38,8 +38,15 @@ class _Row:
 
 
 class Demo:
-    def __init__(self, *, device: str = "cpu", backend: str | None = None, weights_mib: int = 64,
-                 trace_path: str | None = None, out: TextIO = sys.stdout) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        device: str = "cpu",
+        backend: str | None = None,
+        weights_mib: int = 64,
+        trace_path: str | None = None,
+        out: TextIO = sys.stdout,
+    ) -> None:
         self.device = device
         self.backend = backend or ("portable" if device == "cpu" else "auto")
         self.weights_mib = weights_mib
@@ -50,8 +57,13 @@ class Demo:
 
     def specs(self) -> list[StageSpec]:
         def runner_args(seed: int, tensors: int) -> dict[str, Any]:
-            return {"weights_bytes": self.weights_mib * MiB, "tensor_count": tensors,
-                    "kv_bytes": self.weights_mib * MiB // 4, "seed": seed, "cpu_threads": 1}  # fmt: skip
+            return {
+                "weights_bytes": self.weights_mib * MiB,
+                "tensor_count": tensors,
+                "kv_bytes": self.weights_mib * MiB // 4,
+                "seed": seed,
+                "cpu_threads": 1,
+            }
 
         common = {"device": self.device, "backend": self.backend, "deadline_s": 60.0}
         return [
@@ -62,7 +74,8 @@ class Demo:
     def record(self, step: str, report: LifecycleReport) -> None:
         freed = ", ".join(
             f"r{r}: {'freed' if rr.freed_bytes >= 0 else 'restored'} {fmt_bytes(abs(rr.freed_bytes))}"
-            for r, rr in report.ranks.items())
+            for r, rr in report.ranks.items()
+        )
         status = "" if report.status == "OK" else f" ({report.status})"
         self.rows.append(_Row(step, report.stage, report.state + status, report.duration_s, freed or "-"))
 
@@ -78,8 +91,7 @@ class Demo:
         value = fn()
         return value, time.perf_counter() - started
 
-    def refused_at_once(self, what: str, engine: Engine, stage: str, probe: dict,
-                        needle: str) -> tuple[bool, float]:  # fmt: skip
+    def refused_at_once(self, what: str, engine: Engine, stage: str, probe: dict, needle: str) -> tuple[bool, float]:
         """Send a request that must be refused by admission, and time the refusal: it must
         come well before the request's own deadline and say why (`needle`)."""
         started = time.perf_counter()
@@ -88,16 +100,20 @@ class Demo:
         except RequestRejectedError as exc:
             elapsed_s = time.perf_counter() - started
             self.check(f"{what}: refusal names the cause ({needle!r} not in {str(exc)!r})", needle in str(exc))
-            self.check(f"{what}: refused in {elapsed_s:.2f} s, not at once (< {AT_ONCE_BOUND_S:.1f} s)",
-                       elapsed_s < AT_ONCE_BOUND_S)  # fmt: skip
+            self.check(
+                f"{what}: refused in {elapsed_s:.2f} s, not at once (< {AT_ONCE_BOUND_S:.1f} s)",
+                elapsed_s < AT_ONCE_BOUND_S,
+            )
             return needle in str(exc) and elapsed_s < AT_ONCE_BOUND_S, elapsed_s
         self.check(f"{what}: the request was served", False)
         return False, time.perf_counter() - started
 
     def run(self) -> int:
         w = self.out.write
-        w(f"omni-core demo: 2 stages on one device ({self.device}, backend {self.backend}), "
-          f"synthetic runners with {self.weights_mib} MiB of weights per rank\n")  # fmt: skip
+        w(
+            f"omni-core demo: 2 stages on one device ({self.device}, backend {self.backend}), "
+            f"synthetic runners with {self.weights_mib} MiB of weights per rank\n"
+        )
         started = time.perf_counter()
         with Engine(self.specs(), trace_path=self.trace_path) as engine:
             w(f"started 3 rank processes in {time.perf_counter() - started:.2f} s\n")
@@ -126,8 +142,7 @@ class Demo:
 
         self.record("4 sleep L2", engine.sleep("decoder", level=2))
         self.record("4 wake", engine.wake("decoder"))
-        ok, t = self.refused_at_once("decoder refuses requests before reload", engine, "decoder", probe,
-                                     "NEEDS_RELOAD")  # fmt: skip
+        ok, t = self.refused_at_once("decoder refuses requests before reload", engine, "decoder", probe, "NEEDS_RELOAD")
         self.note("4 serve", "decoder", "NEEDS_RELOAD", t, f"request refused at once until reload: {ok}")
         self.record("4 reload", engine.reload_weights("decoder"))
         out, t = self.timed(lambda: engine.execute("decoder", probe))
@@ -160,17 +175,31 @@ class Demo:
 
     def summary(self) -> dict[str, Any]:
         """The run as data (`omni-core demo --synthetic --json`)."""
-        return {"verdict": "PASS" if not self.mismatches else "FAIL", "mismatches": self.mismatches,
-                "device": self.device, "backend": self.backend, "weights_mib": self.weights_mib,
-                "steps": [vars(row) for row in self.rows]}  # fmt: skip
+        return {
+            "verdict": "PASS" if not self.mismatches else "FAIL",
+            "mismatches": self.mismatches,
+            "device": self.device,
+            "backend": self.backend,
+            "weights_mib": self.weights_mib,
+            "steps": [vars(row) for row in self.rows],
+        }
 
     def print_table(self) -> None:
-        write_table(self.out, [(r.step, r.stage, r.state, r.duration_s, r.freed) for r in self.rows],
-                    "memory freed per rank / check")  # fmt: skip
+        write_table(
+            self.out,
+            [(r.step, r.stage, r.state, r.duration_s, r.freed) for r in self.rows],
+            "memory freed per rank / check",
+        )
 
 
-def write_table(out: TextIO, rows: list[tuple[str, str, str, float, str]], last_column: str, *,
-                stage_width: int = 8, rule_width: int = 100) -> None:  # fmt: skip
+def write_table(
+    out: TextIO,
+    rows: list[tuple[str, str, str, float, str]],
+    last_column: str,
+    *,
+    stage_width: int = 8,
+    rule_width: int = 100,
+) -> None:
     """The lifecycle table: step, stage, state, duration, then what happened (also the real-model demo's)."""
     w = out.write
     w(f"\n{'step':<16} {'stage':<{stage_width}} {'state':<20} {'duration':>10}  {last_column}\n")
@@ -180,11 +209,21 @@ def write_table(out: TextIO, rows: list[tuple[str, str, str, float, str]], last_
     w("\n")
 
 
-def main(device: str = "cpu", backend: str | None = None, weights_mib: int = 64,
-         trace_path: str | None = None, json_out: bool = False) -> int:  # fmt: skip
+def main(
+    device: str = "cpu",
+    backend: str | None = None,
+    weights_mib: int = 64,
+    trace_path: str | None = None,
+    json_out: bool = False,
+) -> int:
     """`json_out`: the table and verdict on stderr, `Demo.summary()` as JSON on stdout."""
-    demo = Demo(device=device, backend=backend, weights_mib=weights_mib, trace_path=trace_path,
-                out=sys.stderr if json_out else sys.stdout)  # fmt: skip
+    demo = Demo(
+        device=device,
+        backend=backend,
+        weights_mib=weights_mib,
+        trace_path=trace_path,
+        out=sys.stderr if json_out else sys.stdout,
+    )
     code = demo.run()
     if json_out:
         print(json.dumps(demo.summary(), indent=2))

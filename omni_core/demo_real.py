@@ -44,8 +44,12 @@ DIT_CLASSES = 1000  # DiT's class-label embedding rows (num_embeds_ada_norm) at 
 PROMPT = "a watercolor painting of a fox in the snow"
 # Seeded sampling rather than greedy: a weight that came back wrong changes the drawn tokens
 # even where it would not change the argmax.
-LLM_REQUEST = {"prompt": PROMPT, "max_new_tokens": 12, "stop_at_eos": False,
-               "sampling": {"temperature": 0.8, "seed": 1}}  # fmt: skip
+LLM_REQUEST = {
+    "prompt": PROMPT,
+    "max_new_tokens": 12,
+    "stop_at_eos": False,
+    "sampling": {"temperature": 0.8, "seed": 1},
+}
 # DPM-Solver keeps past model outputs between steps: a step-wise request interrupted by a
 # sleep must bring those back too, not only its latents.
 DIT_SCHEDULER = "DPMSolverMultistepScheduler"
@@ -74,8 +78,9 @@ def class_label_of(token_ids: list[int]) -> int:
     return sum(token_ids) % DIT_CLASSES
 
 
-def cached_checkpoint(models_dir: Path, family: str, size: str, *, seed: int = SEED,
-                      log: Callable[[str], None] = lambda _: None) -> tuple[Path, float]:  # fmt: skip
+def cached_checkpoint(
+    models_dir: Path, family: str, size: str, *, seed: int = SEED, log: Callable[[str], None] = lambda _: None
+) -> tuple[Path, float]:
     """The checkpoint directory of FAMILY at SIZE under `models_dir`, made on first use.
     Returns (path, seconds spent making it: 0 when reused)."""
     from omni_core.models import make_checkpoint
@@ -120,8 +125,7 @@ def memory_text(report: LifecycleReport, *, over_link: bool = False) -> str:
                 text += f" (weights {fmt_bytes(moved_bytes)}, {moved_bytes / rr.duration_s / 1e9:.1f} GB/s)"
         if rr.process_bytes_before is not None and rr.process_bytes_after is not None:
             source = rr.process_bytes_source.split(":")[0]
-            text += (f", process {fmt_bytes(rr.process_bytes_before)} -> {fmt_bytes(rr.process_bytes_after)}"
-                     f" ({source})")
+            text += f", process {fmt_bytes(rr.process_bytes_before)} -> {fmt_bytes(rr.process_bytes_after)} ({source})"
         parts.append(text)
     return "; ".join(parts) or "-"
 
@@ -181,20 +185,29 @@ class RealDemo:
         dit_args = {"model": str(dit_dir), "scheduler": DIT_SCHEDULER, "max_requests": 2, **threads}
         # reject: a request to a stage that cannot serve is refused at once rather than queued,
         # so the table shows the refusal.
-        common = {"device": self.device, "backend": self.backend, "admission": "reject",
-                  "deadline_s": 300.0 if large else 60.0, "start_deadline_s": 600.0 if large else 240.0,
-                  "request_timeout_s": 300.0 if large else 60.0}  # fmt: skip
+        common = {
+            "device": self.device,
+            "backend": self.backend,
+            "admission": "reject",
+            "deadline_s": 300.0 if large else 60.0,
+            "start_deadline_s": 600.0 if large else 240.0,
+            "request_timeout_s": 300.0 if large else 60.0,
+        }
         llm_stage: dict[str, Any] = {"runner": "transformers", "runner_args": llm_args}
         if self.llm_runner == "vllm":
             # vLLM's own model runner, KV cache and sampler; its KV cache sized from the
             # stage's share of the device (process-scoped), leaving the rest to the DiT.
-            llm_stage = {"runner": "vllm", "runner_args": {"model": str(llm_dir), "max_model_len": 256},
-                         "gpu_memory_fraction": VLLM_FRACTION}  # fmt: skip
+            llm_stage = {
+                "runner": "vllm",
+                "runner_args": {"model": str(llm_dir), "max_model_len": 256},
+                "gpu_memory_fraction": VLLM_FRACTION,
+            }
         return [
             StageSpec("llm", **llm_stage, **common),
-            StageSpec("dit", runner="diffusers", runner_args=dit_args, tags=("weights", "kv_cache", "requests"),
-                      **common),
-        ]  # fmt: skip
+            StageSpec(
+                "dit", runner="diffusers", runner_args=dit_args, tags=("weights", "kv_cache", "requests"), **common
+            ),
+        ]
 
     def checkpoints(self) -> tuple[Path, Path]:
         llm_size, dit_size = SIZES[self.size]
@@ -202,8 +215,10 @@ class RealDemo:
         llm_dir, llm_s = cached_checkpoint(self.models_dir, LLM_FAMILY, llm_size, log=lambda s: w(s + "\n"))
         dit_dir, dit_s = cached_checkpoint(self.models_dir, DIT_FAMILY, dit_size, log=lambda s: w(s + "\n"))
         made = llm_s + dit_s
-        w(f"checkpoints: {llm_dir.name}, {dit_dir.name} in {self.models_dir} "
-          f"({f'made in {made:.1f} s' if made else 'reused'})\n")  # fmt: skip
+        w(
+            f"checkpoints: {llm_dir.name}, {dit_dir.name} in {self.models_dir} "
+            f"({f'made in {made:.1f} s' if made else 'reused'})\n"
+        )
         return llm_dir, dit_dir
 
     # ------------------------------------------------------------------ bookkeeping
@@ -261,8 +276,9 @@ class RealDemo:
         self.note(step, "dit", "RUNNING", t, what)
         return image
 
-    def refused_at_once(self, step: str, engine: Engine, stage: str, payload: dict[str, Any],
-                        state: str, needle: str) -> None:  # fmt: skip
+    def refused_at_once(
+        self, step: str, engine: Engine, stage: str, payload: dict[str, Any], state: str, needle: str
+    ) -> None:
         """A request the stage must refuse at once, saying why (`needle`)."""
         started = time.perf_counter()
         try:
@@ -281,8 +297,10 @@ class RealDemo:
     def run(self) -> int:
         w = self.out.write
         llm_size, dit_size = SIZES[self.size]
-        w(f"omni-core demo: {LLM_FAMILY} {llm_size} (tokens) -> {DIT_FAMILY} {dit_size} (image) on one device "
-          f"({self.device}, backend {self.backend}); images in {self.out_dir}/\n")  # fmt: skip
+        w(
+            f"omni-core demo: {LLM_FAMILY} {llm_size} (tokens) -> {DIT_FAMILY} {dit_size} (image) on one device "
+            f"({self.device}, backend {self.backend}); images in {self.out_dir}/\n"
+        )
         started = time.perf_counter()
         llm_dir, dit_dir = self.checkpoints()
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -299,8 +317,10 @@ class RealDemo:
         self.write_sheet()
         self.write_summary()
         verdict = "PASS" if not self.mismatches else "FAIL: " + "; ".join(self.mismatches)
-        w(f"verdict: {verdict} ({len(self.rows)} steps, {len(self.images)} images, "
-          f"{time.perf_counter() - started:.1f} s)\n")  # fmt: skip
+        w(
+            f"verdict: {verdict} ({len(self.rows)} steps, {len(self.images)} images, "
+            f"{time.perf_counter() - started:.1f} s)\n"
+        )
         return 0 if not self.mismatches else 1
 
     def scenario(self, engine: Engine) -> None:
@@ -351,14 +371,24 @@ class RealDemo:
         self.check("the step-wise request's state was in the 'requests' pool at the sleep", held)
         self.tokens(engine, "5 serve", tokens)  # the LLM's turn while the DiT sleeps
         self.expect_state(self.record("5 wake", engine.wake("dit"), over_link=True), "RUNNING")
-        self.image(engine, "5 finish", "05-stepwise-across-L1.png", {"op": "finish", "request_id": request_id},
-                   stage_op=f"{request_id} finished: ")  # fmt: skip
+        self.image(
+            engine,
+            "5 finish",
+            "05-stepwise-across-L1.png",
+            {"op": "finish", "request_id": request_id},
+            stage_op=f"{request_id} finished: ",
+        )
 
     # ------------------------------------------------------------------ output
 
     def print_table(self) -> None:
-        write_table(self.out, [(r.step, r.stage, r.state, r.duration_s, r.what) for r in self.rows],
-                    "memory per rank / check", stage_width=6, rule_width=110)  # fmt: skip
+        write_table(
+            self.out,
+            [(r.step, r.stage, r.state, r.duration_s, r.what) for r in self.rows],
+            "memory per rank / check",
+            stage_width=6,
+            rule_width=110,
+        )
 
     def write_sheet(self) -> None:
         """All images side by side, scaled up (nearest neighbour), each over its file name:
@@ -394,10 +424,12 @@ class RealDemo:
             "backend": self.backend,
             "size": self.size,
             "prompt": PROMPT,
-            "images": [{"file": i.name, "tensor_sha256": i.sha256, "png_sha256": hashlib.sha256(i.png).hexdigest()}
-                       for i in self.images],
+            "images": [
+                {"file": i.name, "tensor_sha256": i.sha256, "png_sha256": hashlib.sha256(i.png).hexdigest()}
+                for i in self.images
+            ],
             "steps": [vars(row) for row in self.rows],
-        }  # fmt: skip
+        }
 
 
 def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
@@ -405,19 +437,34 @@ def llm_runner_problem(llm_runner: str, device: str, size: str) -> str | None:
     if llm_runner not in LLM_RUNNERS:
         return f"llm_runner {llm_runner!r} is not one of {list(LLM_RUNNERS)}"
     if llm_runner == "vllm" and (device != "cuda" or size == "tiny"):
-        return ("the vllm language-model stage needs --device cuda and --size large (vLLM runs on a GPU, and its "
-                "attention kernels do not take the tiny model's 16-wide heads)")
+        return (
+            "the vllm language-model stage needs --device cuda and --size large (vLLM runs on a GPU, and its "
+            "attention kernels do not take the tiny model's 16-wide heads)"
+        )
     return None
 
 
-def main(device: str = "cpu", backend: str | None = None, size: str = "tiny", out_dir: str = "omni-core-demo-out",
-         models_dir: str | None = None, trace_path: str | None = None, llm_runner: str = "transformers",
-         json_out: bool = False) -> int:  # fmt: skip
+def main(
+    device: str = "cpu",
+    backend: str | None = None,
+    size: str = "tiny",
+    out_dir: str = "omni-core-demo-out",
+    models_dir: str | None = None,
+    trace_path: str | None = None,
+    llm_runner: str = "transformers",
+    json_out: bool = False,
+) -> int:
     """`json_out`: the narration on stderr, `RealDemo.summary()` as JSON on stdout."""
-    demo = RealDemo(device=device, backend=backend, size=size, out_dir=Path(out_dir),
-                    models_dir=Path(models_dir) if models_dir else default_models_dir(),
-                    trace_path=trace_path, llm_runner=llm_runner,
-                    out=sys.stderr if json_out else sys.stdout)  # fmt: skip
+    demo = RealDemo(
+        device=device,
+        backend=backend,
+        size=size,
+        out_dir=Path(out_dir),
+        models_dir=Path(models_dir) if models_dir else default_models_dir(),
+        trace_path=trace_path,
+        llm_runner=llm_runner,
+        out=sys.stderr if json_out else sys.stdout,
+    )
     code = demo.run()
     if json_out:
         print(json.dumps(demo.summary(), indent=2))

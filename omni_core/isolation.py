@@ -14,12 +14,31 @@ from collections.abc import Callable
 
 # The labels a failure is counted under: its class name when it is one of these, else
 # "other". A closed set, so no peer can grow the counters (or a metric built from them).
-CAUSES = frozenset({
-    "ProtocolError", "DecodeError", "ValidationError", "EncodeError", "TypeError", "ValueError", "KeyError",
-    "IndexError", "AttributeError", "UnicodeError", "UnicodeDecodeError", "UnicodeEncodeError", "RecursionError",
-    "OverflowError", "MemoryError", "ZMQError", "Again", "OSError", "RuntimeError", "AssertionError",
-    "StageCommandError",
-})  # fmt: skip
+CAUSES = frozenset(
+    {
+        "ProtocolError",
+        "DecodeError",
+        "ValidationError",
+        "EncodeError",
+        "TypeError",
+        "ValueError",
+        "KeyError",
+        "IndexError",
+        "AttributeError",
+        "UnicodeError",
+        "UnicodeDecodeError",
+        "UnicodeEncodeError",
+        "RecursionError",
+        "OverflowError",
+        "MemoryError",
+        "ZMQError",
+        "Again",
+        "OSError",
+        "RuntimeError",
+        "AssertionError",
+        "StageCommandError",
+    }
+)
 OTHER = "other"
 # The words every such log line holds: a fuzzer reading a rank's log finds them there.
 LOG_MARK = "raised while handling"
@@ -36,8 +55,14 @@ def cause_of(exc: BaseException) -> str:
 class FrameErrors:
     """What one loop caught while handling frames: counts by cause, rate-limited logging."""
 
-    def __init__(self, loop: str, logger: logging.Logger, *, log_interval_s: float = LOG_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: str,
+        logger: logging.Logger,
+        *,
+        log_interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.loop = loop
         self.counts: dict[str, int] = {}
         self._log = logger
@@ -66,8 +91,14 @@ class FrameErrors:
             "%s: %s " + LOG_MARK + " %s; the frame was dropped and the loop serves on (%d of this cause so "
             "far, %d since the last line; at most one line per cause every %.0f s). If a peer of yours sent it, "
             "check that peer; otherwise this is a bug in omni-core: please report it with this line",
-            self.loop, cause, handling, self.counts[cause], unlogged, self._interval_s,
-            exc_info=(type(exc), exc, exc.__traceback__))  # fmt: skip
+            self.loop,
+            cause,
+            handling,
+            self.counts[cause],
+            unlogged,
+            self._interval_s,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
         return cause
 
     def as_counters(self, prefix: str = "frame_errors") -> dict[str, int]:

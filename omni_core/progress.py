@@ -15,8 +15,15 @@ REDRAW_S = 0.2  # at most five redraws a second: a terminal over ssh stays respo
 class Progress:
     """Counts `done` towards `total` (set or raised with `add_total`) and redraws one line."""
 
-    def __init__(self, label: str, *, unit: str = "", scale: float = 1.0, stream: TextIO | None = None,
-                 enabled: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        label: str,
+        *,
+        unit: str = "",
+        scale: float = 1.0,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+    ) -> None:
         self.label = label
         self.unit = unit
         self.scale = scale  # shown values are divided by it (1e9 with unit "G params")

@@ -50,7 +50,9 @@ def data_file(name: str, relative: str, package_dir: Path | None = None) -> Path
     """One file inside a shipped folder; raises MissingDataError when the folder or it is missing."""
     path = data_dir(name, package_dir) / relative
     if not path.is_file():
-        raise MissingDataError(f"{path} is missing from {_WHAT[name]} of this install of omni-core; "
-                               "reinstall omni-core or restore it from a checkout (git checkout -- "
-                               f"{name}/{relative}).")  # fmt: skip
+        raise MissingDataError(
+            f"{path} is missing from {_WHAT[name]} of this install of omni-core; "
+            "reinstall omni-core or restore it from a checkout (git checkout -- "
+            f"{name}/{relative})."
+        )
     return path

@@ -38,8 +38,9 @@ class TraceWriter:
 
     enabled = True
 
-    def __init__(self, path: str | os.PathLike[str], *, stage: str = "", rank: int = ENGINE_RANK,
-                 epoch: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, path: str | os.PathLike[str], *, stage: str = "", rank: int = ENGINE_RANK, epoch: int = 0
+    ) -> None:
         self.path = os.fspath(path)
         self.stage, self.rank, self.epoch = stage, rank, epoch
         self.pid = os.getpid()
@@ -48,8 +49,15 @@ class TraceWriter:
 
     def write(self, records: Iterable[TraceRecord], *, stage: str | None = None, epoch: int | None = None) -> None:
         for record in records:
-            line = TraceLine(self._seq, time.monotonic(), self.pid, self.stage if stage is None else stage,
-                             self.rank, self.epoch if epoch is None else epoch, record)  # fmt: skip
+            line = TraceLine(
+                self._seq,
+                time.monotonic(),
+                self.pid,
+                self.stage if stage is None else stage,
+                self.rank,
+                self.epoch if epoch is None else epoch,
+                record,
+            )
             data = _encoder.encode(line)
             if len(data) > MAX_TRACE_LINE_BYTES:  # never expected: details are clipped at the source
                 line.record = Truncated(type(record).__name__, len(data))
@@ -85,8 +93,9 @@ def read_trace(path: str | os.PathLike[str]) -> list[TraceLine]:
     TraceFormatError naming its number."""
     size_bytes = os.path.getsize(path)
     if size_bytes > MAX_TRACE_FILE_BYTES:
-        raise TraceFormatError(f"{path} is {size_bytes} bytes, over the {MAX_TRACE_FILE_BYTES} a trace may have; "
-                               "trace a shorter run")  # fmt: skip
+        raise TraceFormatError(
+            f"{path} is {size_bytes} bytes, over the {MAX_TRACE_FILE_BYTES} a trace may have; trace a shorter run"
+        )
     lines: list[TraceLine] = []
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -99,8 +108,11 @@ def decode_line(raw: bytes, number: int = 0, path: str | os.PathLike[str] = "") 
     try:
         return _decoder.decode(raw)
     except msgspec.ValidationError as exc:
-        hint = (" (a trace from before typed records, with an 'event' field: trace the run again)"
-                if b'"event"' in raw else "")  # fmt: skip
+        hint = (
+            " (a trace from before typed records, with an 'event' field: trace the run again)"
+            if b'"event"' in raw
+            else ""
+        )
         raise TraceFormatError(f"{path}:{number}: not a trace line: {exc}{hint}") from None
     except msgspec.DecodeError as exc:
         raise TraceFormatError(f"{path}:{number}: not JSON: {exc}") from None

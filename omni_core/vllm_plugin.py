@@ -71,8 +71,10 @@ def register() -> None:
 def _chosen_by_env() -> bool:
     chosen = os.environ.get(ENV_SELECT, "")
     if chosen not in ("", BACKEND_NAME, VLLM_DEFAULT_BACKEND):
-        raise ValueError(f"{ENV_SELECT}={chosen!r}: the omni-core plugin selects only {BACKEND_NAME!r} "
-                         f"(or {VLLM_DEFAULT_BACKEND!r}, vLLM's own); unset it or fix the name")  # fmt: skip
+        raise ValueError(
+            f"{ENV_SELECT}={chosen!r}: the omni-core plugin selects only {BACKEND_NAME!r} "
+            f"(or {VLLM_DEFAULT_BACKEND!r}, vLLM's own); unset it or fix the name"
+        )
     return chosen == BACKEND_NAME
 
 

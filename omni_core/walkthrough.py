@@ -88,8 +88,10 @@ class Walkthrough:
         self.script = Script()
 
     def run(self) -> int:
-        self.out.write(f"omni-core lifecycle walkthrough (sans-IO cores, {self.ranks} ranks, simulated network: every "
-                       "message through the codec, a controlled clock)\n")  # fmt: skip
+        self.out.write(
+            f"omni-core lifecycle walkthrough (sans-IO cores, {self.ranks} ranks, simulated network: every "
+            "message through the codec, a controlled clock)\n"
+        )
         blocks, _ = parse_blocks(SCRIPT.format(ranks=self.ranks, last=self.ranks - 1))
         for block in blocks:
             notes = [line.removeprefix("#").strip() for line in block.preamble if line.strip()]
@@ -114,11 +116,12 @@ class Walkthrough:
             "one stale ACK ignored": counters.stale_replies_ignored == 1,
             "one duplicate ACK ignored": counters.duplicate_replies_ignored == 1,
             "one retry answered from the record": counters.retries == 1,
-            f"sleep-0 failed naming rank {self.ranks - 1} only": first_sleep is not None and not first_sleep.ok
+            f"sleep-0 failed naming rank {self.ranks - 1} only": first_sleep is not None
+            and not first_sleep.ok
             and set(first_sleep.failures) == {self.ranks - 1},
-            "req-1 served after the wake, req-2 refused, req-3 served":
-                answers == {"req-1": 42, "req-2": "REJECTED", "req-3": 44},
-        }  # fmt: skip
+            "req-1 served after the wake, req-2 refused, req-3 served": answers
+            == {"req-1": 42, "req-2": "REJECTED", "req-3": 44},
+        }
         return [what for what, held in expected.items() if not held]
 
 

@@ -81,8 +81,12 @@ def _named(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, t
 
 def _spec(name: str, tensor: torch.Tensor, offset_bytes: int = 0) -> TensorSpec:
     try:
-        return TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),  # type: ignore[arg-type]
-                          offset_bytes=offset_bytes)
+        return TensorSpec(
+            name=name,
+            dtype=dtype_name(tensor.dtype),
+            shape=tuple(tensor.shape),  # type: ignore[arg-type]
+            offset_bytes=offset_bytes,
+        )
     except Exception as exc:  # pragma: no cover - msgspec validates on decode, not here
         raise WeightSenderError(f"tensor {name!r}: {exc}") from None
 
@@ -102,8 +106,9 @@ def _layout(named: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[int
         size = offset + nbytes
     buckets.append((size, members))
     if len(buckets) > MAX_UPDATE_BUCKETS:
-        raise WeightSenderError(f"{len(buckets)} buckets, over the {MAX_UPDATE_BUCKETS} one update may carry; "
-                                "raise bucket_bytes")
+        raise WeightSenderError(
+            f"{len(buckets)} buckets, over the {MAX_UPDATE_BUCKETS} one update may carry; raise bucket_bytes"
+        )
     return buckets
 
 
@@ -190,8 +195,16 @@ class WeightSender:
 
     # ------------------------------------------------------------------ broadcast
 
-    def init_group(self, address: str, port: int, world_size: int, *, backend: str = "gloo",
-                   group: str = "weights", timeout_s: float = 300.0) -> None:  # fmt: skip
+    def init_group(
+        self,
+        address: str,
+        port: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        group: str = "weights",
+        timeout_s: float = 300.0,
+    ) -> None:
         """Serve the rendezvous at address:port and join as group rank 0; returns once every rank
         joined (call it while `Engine.init_weight_group` runs, e.g. in a thread)."""
         import torch.distributed as dist

@@ -48,11 +48,23 @@ RUNNER = {"weights_bytes": 2 << 20, "tensor_count": 4, "kv_bytes": 1 << 18, "cpu
 
 
 def _config() -> Any:
-    stage = {"backend": "portable", "deadline_s": 10.0, "start_deadline_s": 30.0, "request_timeout_s": 20.0,
-             "queue_limit": 16}  # fmt: skip
-    return parse_config({"server": {"read_timeout_s": 2.0}, "stages": [
-        {"name": "talker", "ranks": 2, "runner_args": dict(RUNNER, seed=1), **stage},
-        {"name": "decoder", "ranks": 1, "runner_args": dict(RUNNER, seed=2), **stage}]}, "<chaos>")  # fmt: skip
+    stage = {
+        "backend": "portable",
+        "deadline_s": 10.0,
+        "start_deadline_s": 30.0,
+        "request_timeout_s": 20.0,
+        "queue_limit": 16,
+    }
+    return parse_config(
+        {
+            "server": {"read_timeout_s": 2.0},
+            "stages": [
+                {"name": "talker", "ranks": 2, "runner_args": dict(RUNNER, seed=1), **stage},
+                {"name": "decoder", "ranks": 1, "runner_args": dict(RUNNER, seed=2), **stage},
+            ],
+        },
+        "<chaos>",
+    )
 
 
 class Tally:
@@ -125,8 +137,9 @@ def http_worker(url: str, tally: Tally, refs: dict[tuple[str, int], Any], stop: 
                 tally.note(f"http {action}", answered=True, wrong=f"transport error {exc!r}", status="transport")
 
 
-def api_worker(engine: Engine, tally: Tally, refs: dict[tuple[str, int], Any], stop: threading.Event,
-               seed: int) -> None:  # fmt: skip
+def api_worker(
+    engine: Engine, tally: Tally, refs: dict[tuple[str, int], Any], stop: threading.Event, seed: int
+) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
         stage = rng.choice(STAGES)
@@ -157,8 +170,13 @@ def injector(url: str, engine: Engine, tally: Tally, stop: threading.Event, seed
         fault = rng.choice(["kill", "stop", "restart2", "slow", "garbage", "foreign"])
         tally.sent[f"fault {fault}"] += 1
         if fault in ("kill", "stop"):
-            pids = [info.get("pid") for st in engine.status().values() if isinstance(st, dict) and "ranks" in st
-                    for info in st["ranks"].values() if info.get("alive") and info.get("pid")]  # fmt: skip
+            pids = [
+                info.get("pid")
+                for st in engine.status().values()
+                if isinstance(st, dict) and "ranks" in st
+                for info in st["ranks"].values()
+                if info.get("alive") and info.get("pid")
+            ]
             if not pids:
                 continue
             pid = rng.choice(pids)
@@ -182,8 +200,12 @@ def injector(url: str, engine: Engine, tally: Tally, stop: threading.Event, seed
                 s.sendall(rng.randbytes(rng.randint(1, 4000)) + b"\r\n\r\n")
         else:
             r = httpx.post(url + "/v1/stages/talker/sleep", headers={"Host": "evil.example", "Origin": "http://x"})
-            tally.note("http foreign", answered=True, wrong="" if r.status_code == 403 else f"{r.status_code}",
-                       status=r.status_code)  # fmt: skip
+            tally.note(
+                "http foreign",
+                answered=True,
+                wrong="" if r.status_code == 403 else f"{r.status_code}",
+                status=r.status_code,
+            )
 
 
 def _cont(pid: int) -> None:
@@ -236,8 +258,9 @@ def main() -> int:
     p.add_argument("--recover-s", type=float, default=120.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip  # the code the run starts with
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()  # the code the run starts with
     config = _config()
     tally = Tally()
     samples: list[tuple[float, int, int]] = []
@@ -248,10 +271,14 @@ def main() -> int:
         with serve_in_thread(app) as running:
             stop = threading.Event()
             started = time.monotonic()
-            threads = [threading.Thread(target=http_worker, args=(running.url, tally, refs, stop, args.seed + i))
-                       for i in range(args.http_clients)]  # fmt: skip
-            threads += [threading.Thread(target=api_worker, args=(engine, tally, refs, stop, args.seed + 100 + i))
-                        for i in range(args.api_clients)]  # fmt: skip
+            threads = [
+                threading.Thread(target=http_worker, args=(running.url, tally, refs, stop, args.seed + i))
+                for i in range(args.http_clients)
+            ]
+            threads += [
+                threading.Thread(target=api_worker, args=(engine, tally, refs, stop, args.seed + 100 + i))
+                for i in range(args.api_clients)
+            ]
             threads.append(threading.Thread(target=injector, args=(running.url, engine, tally, stop, args.seed)))
             for t in threads:
                 t.start()
@@ -268,8 +295,7 @@ def main() -> int:
                         _cont(info["pid"])
             final = {s: recover(engine, s, args.recover_s) for s in STAGES}
             _sample(samples, started)
-            answers_ok = all(engine.execute(s, PAYLOADS[0]) == refs[(s, 0)] for s in STAGES
-                             if final[s] == "RUNNING")  # fmt: skip
+            answers_ok = all(engine.execute(s, PAYLOADS[0]) == refs[(s, 0)] for s in STAGES if final[s] == "RUNNING")
     finally:
         engine.shutdown()
     wedged = [s for s, st in final.items() if st != "RUNNING"]
@@ -315,7 +341,7 @@ def main() -> int:
         "|---|---|---|",
         *[f"| {name} | {measured} | {'yes' if met else 'no'} |" for name, measured, met in targets],
         "",
-    ]  # fmt: skip
+    ]
     report = "\n".join(lines)
     print(report)
     if args.out:

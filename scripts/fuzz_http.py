@@ -106,8 +106,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the markdown report here")
     args = p.parse_args()
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip  # the code the server starts with
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()  # the code the server starts with
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,8 +116,11 @@ def main() -> int:
         config.write_text(CONFIG.format(port=port))
         log_path = Path(tmp) / "serve.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([str(ROOT / ".venv/bin/omni-core"), "serve", "--config", str(config),
-                                     "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            proc = subprocess.Popen(
+                [str(ROOT / ".venv/bin/omni-core"), "serve", "--config", str(config), "--log-level", "warning"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             _wait_up(url, proc)
             rss_before, fds_before = _rss_bytes(proc.pid), _fds(proc.pid)
@@ -134,11 +138,21 @@ def main() -> int:
             until = started + args.minutes * 60
             rounds = 0
             while time.monotonic() < until:
-                http_fuzz.fuzz(schema, call, stage_names=["talker", "decoder"], seed=args.seed + rounds,
-                               examples_per_route=args.examples_per_route, tally=tally, until=until)  # fmt: skip
+                http_fuzz.fuzz(
+                    schema,
+                    call,
+                    stage_names=["talker", "decoder"],
+                    seed=args.seed + rounds,
+                    examples_per_route=args.examples_per_route,
+                    tally=tally,
+                    until=until,
+                )
                 rounds += 1
-                print(f"round {rounds}: {tally.requests} requests, {len(tally.problems)} problems, "
-                      f"{tally.hangs} hangs, RSS {_rss_bytes(proc.pid) >> 20} MiB", flush=True)  # fmt: skip
+                print(
+                    f"round {rounds}: {tally.requests} requests, {len(tally.problems)} problems, "
+                    f"{tally.hangs} hangs, RSS {_rss_bytes(proc.pid) >> 20} MiB",
+                    flush=True,
+                )
             elapsed_s = time.monotonic() - started
             alive = proc.poll() is None
             health = httpx.get(url + "/health", timeout=10.0).status_code if alive else None
@@ -155,9 +169,12 @@ def main() -> int:
         ("no hang (answer within the request timeout)", str(tally.hangs), tally.hangs == 0),
         ("every error a JSON body naming what went wrong", f"{len(tally.problems)} problems", not tally.problems),
         ("the server alive and healthy at the end", f"alive={alive}, /health {health}", alive and health == 200),
-        (f"server RSS growth under {RSS_GROWTH_TARGET_BYTES >> 20} MiB", f"{growth / 2**20:+.1f} MiB",
-         alive and growth < RSS_GROWTH_TARGET_BYTES),
-    ]  # fmt: skip
+        (
+            f"server RSS growth under {RSS_GROWTH_TARGET_BYTES >> 20} MiB",
+            f"{growth / 2**20:+.1f} MiB",
+            alive and growth < RSS_GROWTH_TARGET_BYTES,
+        ),
+    ]
     statuses = ", ".join(f"{s}: {n}" for s, n in sorted(tally.by_status.items()))
     lines = [
         "# HTTP fuzz campaign (Schemathesis, every route)",
@@ -185,7 +202,7 @@ def main() -> int:
         "|---|---|---|",
         *[f"| {name} | {measured} | {'yes' if met else 'no'} |" for name, measured, met in targets],
         "",
-    ]  # fmt: skip
+    ]
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -54,8 +54,9 @@ RANK_MAIN = "omni_core/workers/__main__.py"
 ENGINE_TESTS = "tests/engine/test_engine.py"
 DEMO_TEST = f"{ENGINE_TESTS}::test_demo_scenario_passes_and_traces_every_node"
 FIFTY = f"{ENGINE_TESTS}::test_fifty_concurrent_requests_across_a_sleep_wake_cycle"
-ASLEEP_ADMISSION = (f"{ENGINE_TESTS}::"
-                    "test_a_sleeping_stage_refuses_beyond_its_queue_and_everything_while_it_needs_a_reload")
+ASLEEP_ADMISSION = (
+    f"{ENGINE_TESTS}::test_a_sleeping_stage_refuses_beyond_its_queue_and_everything_while_it_needs_a_reload"
+)
 DRAIN = f"{ENGINE_TESTS}::test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight"
 
 # pytest-timeout per test in a mutant's run: a mutant that removes a deadline may hang a test,
@@ -100,102 +101,184 @@ class Mutation:
         return ", ".join(sorted({e.path for e in self.edits}))
 
 
-def _m(name: str, what: str, path: str, original: str, replacement: str, tests: Iterable[str],
-       marker: str = "") -> Mutation:  # fmt: skip
+def _m(
+    name: str, what: str, path: str, original: str, replacement: str, tests: Iterable[str], marker: str = ""
+) -> Mutation:
     return Mutation(name, what, (Edit(path, original, replacement),), tuple(tests), marker)
 
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ------------------------------------------------------------ canaries: the copy is what runs
-    _m("canary-test-process", "crash on purpose in Orchestrator.__init__ (proves the test process imports the copy)",
-       ORCH, "        specs = list(specs)\n",
-       f'        raise RuntimeError("{CANARY}: the copy\'s orchestrator ran")\n',
-       [f"{ENGINE_TESTS}::test_async_engine_round_trip"], marker=f"{CANARY}: the copy's orchestrator ran"),
-    _m("canary-rank-process", "crash on purpose in `python -m omni_core.workers` (proves the ranks import the copy)",
-       RANK_MAIN, "    parent_pid = os.getppid()",
-       f'    sys.stderr.write("{CANARY}: the copy\'s rank ran\\n")\n    raise SystemExit(97)\n'
-       "    parent_pid = os.getppid()",
-       [f"{ENGINE_TESTS}::test_async_engine_round_trip"], marker=f"{CANARY}: the copy's rank ran"),
+    _m(
+        "canary-test-process",
+        "crash on purpose in Orchestrator.__init__ (proves the test process imports the copy)",
+        ORCH,
+        "        specs = list(specs)\n",
+        f'        raise RuntimeError("{CANARY}: the copy\'s orchestrator ran")\n',
+        [f"{ENGINE_TESTS}::test_async_engine_round_trip"],
+        marker=f"{CANARY}: the copy's orchestrator ran",
+    ),
+    _m(
+        "canary-rank-process",
+        "crash on purpose in `python -m omni_core.workers` (proves the ranks import the copy)",
+        RANK_MAIN,
+        "    parent_pid = os.getppid()",
+        f'    sys.stderr.write("{CANARY}: the copy\'s rank ran\\n")\n    raise SystemExit(97)\n'
+        "    parent_pid = os.getppid()",
+        [f"{ENGINE_TESTS}::test_async_engine_round_trip"],
+        marker=f"{CANARY}: the copy's rank ran",
+    ),
     # ------------------------------------------------------------ admission (tables and stage core)
-    _m("reject-policy", "admission 'reject' removed: a request to a sleeping stage is queued instead",
-       ADMISSION, "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,\n",
-       "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE,  # mutant: no 'reject'\n",
-       [f"{FIFTY}[reject]", DEMO_TEST]),
-    _m("reject-late", "admission 'reject' answers 4 s late (on a timer) instead of at once",
-       ORCH, "            _settle(future, error=_REQUEST_ERRORS[answer.error](answer.detail))\n",
-       "            late = _REQUEST_ERRORS[answer.error](answer.detail)\n"
-       "            delay_s = 4.0 if \"'reject'\" in answer.detail else 0.0  # mutant: the refusal comes 4 s late\n"
-       "            threading.Timer(delay_s, lambda: _settle(future, error=late)).start()\n",
-       [f"{FIFTY}[reject]", DEMO_TEST]),
-    _m("queue-full-running", "no queue_limit on a RUNNING stage at max_in_flight",
-       STAGE_CORE, "        elif len(self.queue) >= self.queue_limit:\n",
-       "        elif len(self.queue) >= self.queue_limit and self.state is not S.RUNNING:  # mutant\n",
-       [f"{ENGINE_TESTS}::test_requests_beyond_max_in_flight_wait_in_the_queue_and_all_complete"]),
-    _m("queue-full-asleep", "no queue_limit on a stage that is not RUNNING",
-       STAGE_CORE, "        elif len(self.queue) >= self.queue_limit:\n",
-       "        elif len(self.queue) >= self.queue_limit and self.state is S.RUNNING:  # mutant\n",
-       [ASLEEP_ADMISSION]),
-    Mutation("needs-reload-refusal",
-             "NEEDS_RELOAD refuses nothing: neither a new request (ADMISSION) nor a queued one (QUEUE_RULES)",
-             (Edit(ADMISSION, "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.REFUSE_NEEDS_RELOAD,\n",
-                   "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n"),
-              Edit(ADMISSION, "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
-                   "    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, \"mutant: queued requests wait\"),\n"
-                   "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n")),
-             (ASLEEP_ADMISSION, DEMO_TEST)),
-    _m("needs-reload-queued", "requests queued before a level-2 wake are not refused when it lands in NEEDS_RELOAD",
-       ADMISSION, "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
-       "    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, \"mutant: queued requests wait\"),\n"
-       "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
-       [ASLEEP_ADMISSION]),
-    _m("auto-wake", "admission 'wake': a queued request no longer wakes a sleeping stage (QUEUE_RULES)",
-       ADMISSION, "    QueueRow(_ASLEEP, (W,), QueueAction.AUTO_WAKE,",
-       "    QueueRow(_ASLEEP, (W,), QueueAction.HOLD,  # mutant: no auto-wake\n            ",
-       [f"{FIFTY}[wake]"]),
+    _m(
+        "reject-policy",
+        "admission 'reject' removed: a request to a sleeping stage is queued instead",
+        ADMISSION,
+        "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,\n",
+        "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE,  # mutant: no 'reject'\n",
+        [f"{FIFTY}[reject]", DEMO_TEST],
+    ),
+    _m(
+        "reject-late",
+        "admission 'reject' answers 4 s late (on a timer) instead of at once",
+        ORCH,
+        "            _settle(future, error=_REQUEST_ERRORS[answer.error](answer.detail))\n",
+        "            late = _REQUEST_ERRORS[answer.error](answer.detail)\n"
+        "            delay_s = 4.0 if \"'reject'\" in answer.detail else 0.0  # mutant: the refusal comes 4 s late\n"
+        "            threading.Timer(delay_s, lambda: _settle(future, error=late)).start()\n",
+        [f"{FIFTY}[reject]", DEMO_TEST],
+    ),
+    _m(
+        "queue-full-running",
+        "no queue_limit on a RUNNING stage at max_in_flight",
+        STAGE_CORE,
+        "        elif len(self.queue) >= self.queue_limit:\n",
+        "        elif len(self.queue) >= self.queue_limit and self.state is not S.RUNNING:  # mutant\n",
+        [f"{ENGINE_TESTS}::test_requests_beyond_max_in_flight_wait_in_the_queue_and_all_complete"],
+    ),
+    _m(
+        "queue-full-asleep",
+        "no queue_limit on a stage that is not RUNNING",
+        STAGE_CORE,
+        "        elif len(self.queue) >= self.queue_limit:\n",
+        "        elif len(self.queue) >= self.queue_limit and self.state is S.RUNNING:  # mutant\n",
+        [ASLEEP_ADMISSION],
+    ),
+    Mutation(
+        "needs-reload-refusal",
+        "NEEDS_RELOAD refuses nothing: neither a new request (ADMISSION) nor a queued one (QUEUE_RULES)",
+        (
+            Edit(
+                ADMISSION,
+                "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.REFUSE_NEEDS_RELOAD,\n",
+                "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n",
+            ),
+            Edit(
+                ADMISSION,
+                "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+                '    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, "mutant: queued requests wait"),\n'
+                "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+            ),
+        ),
+        (ASLEEP_ADMISSION, DEMO_TEST),
+    ),
+    _m(
+        "needs-reload-queued",
+        "requests queued before a level-2 wake are not refused when it lands in NEEDS_RELOAD",
+        ADMISSION,
+        "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+        '    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, "mutant: queued requests wait"),\n'
+        "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+        [ASLEEP_ADMISSION],
+    ),
+    _m(
+        "auto-wake",
+        "admission 'wake': a queued request no longer wakes a sleeping stage (QUEUE_RULES)",
+        ADMISSION,
+        "    QueueRow(_ASLEEP, (W,), QueueAction.AUTO_WAKE,",
+        "    QueueRow(_ASLEEP, (W,), QueueAction.HOLD,  # mutant: no auto-wake\n            ",
+        [f"{FIFTY}[wake]"],
+    ),
     # ------------------------------------------------------------ deadlines (stage core, orchestrator)
-    _m("lifecycle-deadline", "the tick no longer calls on_tick: no lifecycle (or start) deadline",
-       STAGE_CORE, "        step = self.on_tick(now)\n",
-       "        step = StageStep()  # mutant: no on_tick\n",
-       [f"{ENGINE_TESTS}::test_silent_rank_ends_in_failed_at_the_deadline_naming_it"]),
-    _m("request-deadline", "a request a rank never answers has no deadline",
-       STAGE_CORE, "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:\n",
-       "        for request in []:  # mutant: no request deadline\n",
-       [f"{ENGINE_TESTS}::test_a_rank_silent_on_a_request_fails_the_stage_naming_it"]),
-    _m("queue-deadline", "a queued request never expires while the stage stays asleep",
-       STAGE_CORE, "        expired = [r for r in self.queue if now >= r.deadline_at]\n",
-       "        expired = []  # mutant: no queue deadline\n",
-       [f"{ENGINE_TESTS}::test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asleep"]),
-    _m("start-deadline", "op_start gives the stage no start-up deadline",
-       ORCH, "        self._step(stage, I.Start(stage.spec.start_deadline_s))\n",
-       "        self._step(stage, I.Start(float(\"inf\")))  # mutant: no start deadline\n",
-       [f"{ENGINE_TESTS}::test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline"]),
+    _m(
+        "lifecycle-deadline",
+        "the tick no longer calls on_tick: no lifecycle (or start) deadline",
+        STAGE_CORE,
+        "        step = self.on_tick(now)\n",
+        "        step = StageStep()  # mutant: no on_tick\n",
+        [f"{ENGINE_TESTS}::test_silent_rank_ends_in_failed_at_the_deadline_naming_it"],
+    ),
+    _m(
+        "request-deadline",
+        "a request a rank never answers has no deadline",
+        STAGE_CORE,
+        "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:\n",
+        "        for request in []:  # mutant: no request deadline\n",
+        [f"{ENGINE_TESTS}::test_a_rank_silent_on_a_request_fails_the_stage_naming_it"],
+    ),
+    _m(
+        "queue-deadline",
+        "a queued request never expires while the stage stays asleep",
+        STAGE_CORE,
+        "        expired = [r for r in self.queue if now >= r.deadline_at]\n",
+        "        expired = []  # mutant: no queue deadline\n",
+        [f"{ENGINE_TESTS}::test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asleep"],
+    ),
+    _m(
+        "start-deadline",
+        "op_start gives the stage no start-up deadline",
+        ORCH,
+        "        self._step(stage, I.Start(stage.spec.start_deadline_s))\n",
+        '        self._step(stage, I.Start(float("inf")))  # mutant: no start deadline\n',
+        [f"{ENGINE_TESTS}::test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline"],
+    ),
     # ------------------------------------------------------------ the drain
-    _m("drain-core", "the stage core sends Sleep at once, with requests still in flight",
-       STAGE_CORE, "            self.lifecycle.fire(\"drain\")\n"
-                   "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
-       "            self.lifecycle.fire(\"drain\")\n"
-       "            step = self._send_drained()  # mutant: no drain\n",
-       [f"{DRAIN}[wait]"]),
-    _m("drain-first-answer", "a request retires at its first rank's answer, not the last's",
-       STAGE_CORE, "        if len(request.replies) < len(self.ranks):\n",
-       "        if not request.replies:  # mutant: retire at the first answer\n",
-       [f"{DRAIN}[wait]", f"{DRAIN}[abort]"]),
+    _m(
+        "drain-core",
+        "the stage core sends Sleep at once, with requests still in flight",
+        STAGE_CORE,
+        '            self.lifecycle.fire("drain")\n'
+        "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
+        '            self.lifecycle.fire("drain")\n            step = self._send_drained()  # mutant: no drain\n',
+        [f"{DRAIN}[wait]"],
+    ),
+    _m(
+        "drain-first-answer",
+        "a request retires at its first rank's answer, not the last's",
+        STAGE_CORE,
+        "        if len(request.replies) < len(self.ranks):\n",
+        "        if not request.replies:  # mutant: retire at the first answer\n",
+        [f"{DRAIN}[wait]", f"{DRAIN}[abort]"],
+    ),
     # ------------------------------------------------------------ worker core
-    _m("reply-cache", "a duplicate of an answered command is handled again instead of answered from the cache",
-       WORKER_CORE, "            cached = self.cache.get(command.task_id)\n",
-       "            cached = None  # mutant: no reply cache\n",
-       ["tests/test_worker_core.py::test_duplicate_after_completion_has_no_second_effect",
-        "tests/test_worker_core.py::test_same_command_from_a_newer_epoch_is_still_a_duplicate"]),
-    _m("epoch-fence", "a command from an older epoch is obeyed (and lowers the worker's epoch)",
-       WORKER_CORE, "        if command.epoch < self.epoch:\n",
-       "        if False:  # mutant: no epoch fence\n",
-       ["tests/test_worker_core.py::test_stale_epoch_is_refused_and_newer_epoch_adopted"]),
+    _m(
+        "reply-cache",
+        "a duplicate of an answered command is handled again instead of answered from the cache",
+        WORKER_CORE,
+        "            cached = self.cache.get(command.task_id)\n",
+        "            cached = None  # mutant: no reply cache\n",
+        [
+            "tests/test_worker_core.py::test_duplicate_after_completion_has_no_second_effect",
+            "tests/test_worker_core.py::test_same_command_from_a_newer_epoch_is_still_a_duplicate",
+        ],
+    ),
+    _m(
+        "epoch-fence",
+        "a command from an older epoch is obeyed (and lowers the worker's epoch)",
+        WORKER_CORE,
+        "        if command.epoch < self.epoch:\n",
+        "        if False:  # mutant: no epoch fence\n",
+        ["tests/test_worker_core.py::test_stale_epoch_is_refused_and_newer_epoch_adopted"],
+    ),
     # ------------------------------------------------------------ worker shell
-    _m("shell-bad-message", "the worker shell dies on undecodable bytes instead of NACKing them",
-       SHELL, "            self._send_all(core.on_bad_message(err))\n",
-       "            raise  # mutant: garbage kills the rank\n",
-       ["tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]"]),
-)  # fmt: skip
+    _m(
+        "shell-bad-message",
+        "the worker shell dies on undecodable bytes instead of NACKing them",
+        SHELL,
+        "            self._send_all(core.on_bad_message(err))\n",
+        "            raise  # mutant: garbage kills the rank\n",
+        ["tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]"],
+    ),
+)
 
 
 # ============================================================================ the source tree
@@ -209,14 +292,16 @@ def source_files(ref: str | None) -> dict[str, bytes] | None:
     """The files of a commit, or None for the working tree (read from disk)."""
     if ref is None:
         return None
-    names = subprocess.run(["git", "ls-tree", "-r", "-z", "--name-only", ref], cwd=REPO, check=True,
-                           capture_output=True).stdout.split(b"\0")  # fmt: skip
+    names = subprocess.run(
+        ["git", "ls-tree", "-r", "-z", "--name-only", ref], cwd=REPO, check=True, capture_output=True
+    ).stdout.split(b"\0")
     wanted = {e.path for m in MUTATIONS for e in m.edits} | {t.split("::")[0] for m in MUTATIONS for t in m.tests}
     out = {}
     for name in filter(None, (n.decode() for n in names)):
         if name in wanted:
-            out[name] = subprocess.run(["git", "show", f"{ref}:{name}"], cwd=REPO, check=True,
-                                       capture_output=True).stdout  # fmt: skip
+            out[name] = subprocess.run(
+                ["git", "show", f"{ref}:{name}"], cwd=REPO, check=True, capture_output=True
+            ).stdout
     return out
 
 
@@ -266,12 +351,17 @@ def copy_tree(dest: Path, ref: str | None) -> None:
     """The repository without .git, .venv and what git ignores (caches, build outputs)."""
     dest.mkdir(parents=True)
     if ref is not None:
-        archive = subprocess.run(["git", "archive", "--format=tar", ref], cwd=REPO, check=True,
-                                 capture_output=True).stdout  # fmt: skip
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", ref], cwd=REPO, check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
         return
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, check=True, capture_output=True).stdout.split(b"\0")  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
     for name in filter(None, (n.decode() for n in listed)):
         source = REPO / name
         if source.is_file():  # a tracked file deleted in the working tree is not copied
@@ -308,15 +398,27 @@ def check_imports(root: Path) -> None:
         "rank process": "import omni_core.workers.__main__ as m; print(m.__file__)",
     }
     for who, code in probes.items():
-        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=run_env(root), check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=root, env=run_env(root), check=True, capture_output=True, text=True
+        ).stdout.strip()
         if not Path(out).resolve().is_relative_to(root.resolve()):
             raise SystemExit(f"ERROR: the {who} imports omni_core from {out}, not from the copy {root}")
 
 
 def pytest_command(tests: Sequence[str], junit: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-            f"--timeout={PER_TEST_TIMEOUT_S}", f"--junitxml={junit}", *tests]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        f"--timeout={PER_TEST_TIMEOUT_S}",
+        f"--junitxml={junit}",
+        *tests,
+    ]
 
 
 def failed_tests(junit: Path) -> tuple[list[str], int, str]:
@@ -344,8 +446,14 @@ def failed_tests(junit: Path) -> tuple[list[str], int, str]:
 def run_tests(root: Path, tests: Sequence[str], log: Path) -> tuple[int, str, list[str], int, str]:
     junit = log.with_suffix(".xml")
     try:
-        proc = subprocess.run(pytest_command(tests, junit), cwd=root, env=run_env(root), capture_output=True,
-                              text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+        proc = subprocess.run(
+            pytest_command(tests, junit),
+            cwd=root,
+            env=run_env(root),
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
         code, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         code = -1
@@ -368,8 +476,13 @@ def run_mutation(mutation: Mutation, pristine: Path, work: Path) -> Outcome:
     if code == 0:
         return Outcome(mutation.name, "SURVIVED", [], f"{count} tests passed", duration_s)
     if mutation.marker and mutation.marker not in output:
-        return Outcome(mutation.name, "ERROR", failed, f"tests failed but the canary text {mutation.marker!r} "
-                       "never showed: the copy's code may not be what ran", duration_s)  # fmt: skip
+        return Outcome(
+            mutation.name,
+            "ERROR",
+            failed,
+            f"tests failed but the canary text {mutation.marker!r} never showed: the copy's code may not be what ran",
+            duration_s,
+        )
     if failed:
         return Outcome(mutation.name, "CAUGHT", failed, first, duration_s)
     tail = " | ".join(output.strip().splitlines()[-3:])[:300]
@@ -380,19 +493,23 @@ def run_mutation(mutation: Mutation, pristine: Path, work: Path) -> Outcome:
 
 
 def describe_commit(ref: str | None) -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", ref or "HEAD"], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", ref or "HEAD"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
     if ref is not None:
         return f"{head} (committed tree, --ref {ref})"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
     return f"{head}" + (" + uncommitted changes in the working tree" if dirty else " (clean working tree)")
 
 
 def machine() -> str:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{platform.node()}: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, load average at start {load}")  # fmt: skip
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, load average at start {load}"
+    )
 
 
 def markdown(outcomes: Sequence[Outcome], header: dict[str, str]) -> str:
@@ -403,8 +520,10 @@ def markdown(outcomes: Sequence[Outcome], header: dict[str, str]) -> str:
     for o in outcomes:
         m = by_name.get(o.name)
         caught = "<br>".join(f"`{t.split('::', 1)[1]}`" for t in o.caught_by) or o.detail.replace("|", "\\|")
-        lines.append(f"| `{o.name}` | {m.files if m else '-'} | {m.what if m else '-'} | **{o.result}** | "
-                     f"{caught} | {o.duration_s:.1f} s |")  # fmt: skip
+        lines.append(
+            f"| `{o.name}` | {m.files if m else '-'} | {m.what if m else '-'} | **{o.result}** | "
+            f"{caught} | {o.duration_s:.1f} s |"
+        )
     lines += ["", NOTES.rstrip("\n"), "", "Tests run per mutation (node ids):", ""]
     for o in outcomes:
         m = by_name.get(o.name)
@@ -450,9 +569,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_table(selected, tree)
 
     started = time.monotonic()
-    header = {"machine": machine(), "commit": describe_commit(args.ref),
-              "command": shlex.join(["python", "scripts/mutate.py", *(argv if argv is not None else sys.argv[1:])]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}  # fmt: skip
+    header = {
+        "machine": machine(),
+        "commit": describe_commit(args.ref),
+        "command": shlex.join(["python", "scripts/mutate.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     outcomes: list[Outcome] = []
     runnable = []
     for m in selected:
@@ -480,8 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in runnable:
             outcome = run_mutation(m, pristine, work)
             outcomes.append(outcome)
-            print(f"{m.name}: {outcome.result} in {outcome.duration_s:.1f} s "
-                  f"{', '.join(outcome.caught_by) or outcome.detail}", flush=True)  # fmt: skip
+            print(
+                f"{m.name}: {outcome.result} in {outcome.duration_s:.1f} s "
+                f"{', '.join(outcome.caught_by) or outcome.detail}",
+                flush=True,
+            )
     finally:
         if args.keep:
             print(f"copies and logs kept in {work}")

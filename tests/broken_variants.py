@@ -11,9 +11,17 @@ from omni_core.fsm.worker import WorkerStep
 from omni_core.protocol import Command, Reply
 
 # Deterministic and without shrinking: we only need to know that a failure is found.
-BROKEN = settings(max_examples=500, stateful_step_count=30, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False,
-                  suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
+BROKEN = settings(
+    max_examples=500,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    report_multiple_bugs=False,
+    suppress_health_check=list(HealthCheck),
+    print_blob=False,
+)
 
 
 class ForgetfulCache(BoundedCache):

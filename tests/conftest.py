@@ -39,5 +39,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 def pytest_addoption(parser) -> None:  # type: ignore[no-untyped-def]
     # etcd-raft's datadriven `-rewrite`: tests/test_scenarios.py writes what the scenarios do now
     # into the expected sections of tests/testdata/*.txt; review the diff before committing it.
-    parser.addoption("--rewrite", action="store_true", default=False,
-                     help="rewrite the expected output of tests/testdata/*.txt scenarios")  # fmt: skip
+    parser.addoption(
+        "--rewrite",
+        action="store_true",
+        default=False,
+        help="rewrite the expected output of tests/testdata/*.txt scenarios",
+    )

@@ -136,12 +136,14 @@ class StageHarness(OnSimulator):
     cases that drive the stage core's methods directly: `to_workers` runs a step's commands on
     the ranks at once (no faults), `feed` hands the replies to the stage."""
 
-    def __init__(self, ranks: int = 3, *, deadline_s: float = 10.0, hello: bool = True,
-                 **worker_kwargs: object) -> None:  # fmt: skip
+    def __init__(
+        self, ranks: int = 3, *, deadline_s: float = 10.0, hello: bool = True, **worker_kwargs: object
+    ) -> None:
         self.worker_kwargs = worker_kwargs
         stage = StageCore("talker", ranks)
-        self.sim = Simulator(stage, record=False, make_worker=lambda rank, epoch: WorkerCore(
-            rank, epoch=epoch, **worker_kwargs))  # type: ignore[arg-type]  # fmt: skip
+        self.sim = Simulator(
+            stage, record=False, make_worker=lambda rank, epoch: WorkerCore(rank, epoch=epoch, **worker_kwargs)
+        )  # type: ignore[arg-type]
         # hello=False: the ranks stay silent; a test feeds their Hellos itself (h.hello()).
         self.sim.start(deadline_s, hello=hello)
         self.sim.deliver_all()

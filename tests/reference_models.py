@@ -256,8 +256,7 @@ class WorkerModel:
 
 # ============================================================================ stage
 
-STAGE_OF = {W.ACTIVE: S.RUNNING, W.SLEEPING: S.SLEEPING, W.PARTIAL: S.PARTIAL,
-            W.NEEDS_RELOAD: S.NEEDS_RELOAD}  # fmt: skip
+STAGE_OF = {W.ACTIVE: S.RUNNING, W.SLEEPING: S.SLEEPING, W.PARTIAL: S.PARTIAL, W.NEEDS_RELOAD: S.NEEDS_RELOAD}
 SETTLED = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
 SOME_ASLEEP = (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
 
@@ -314,8 +313,7 @@ class StageModel:
 
     # ---------------------------------------------------------------- API calls
 
-    def sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, now: float,
-              deadline_s: float) -> Call:  # fmt: skip
+    def sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, now: float, deadline_s: float) -> Call:
         wanted = self._resolve(tags)
         if wanted is None:
             return Call("raise")
@@ -329,8 +327,14 @@ class StageModel:
         if self.state not in SETTLED:
             return Call("raise")
         discards_weights = level == 2 and WEIGHTS in to_sleep
-        self.task = StageTask(task_id, signature, now + deadline_s, W.SLEEPING,
-                              self.asleep | to_sleep, self.weights_valid and not discards_weights)  # fmt: skip
+        self.task = StageTask(
+            task_id,
+            signature,
+            now + deadline_s,
+            W.SLEEPING,
+            self.asleep | to_sleep,
+            self.weights_valid and not discards_weights,
+        )
         if self.state is S.RUNNING:
             self.state = S.DRAINING  # admission closed; Sleep goes out once requests finish
             if self.requests:
@@ -351,8 +355,14 @@ class StageModel:
         if self.state not in SOME_ASLEEP:
             return Call("raise")
         after = self.asleep - to_wake
-        self.task = StageTask(task_id, signature, now + deadline_s,
-                              settle(after, self.weights_valid, self.tags), after, self.weights_valid)  # fmt: skip
+        self.task = StageTask(
+            task_id,
+            signature,
+            now + deadline_s,
+            settle(after, self.weights_valid, self.tags),
+            after,
+            self.weights_valid,
+        )
         return Call("begin", sends=self._send())
 
     def reload(self, task_id: str, source: str | None, now: float, deadline_s: float) -> Call:
@@ -362,8 +372,9 @@ class StageModel:
             return early
         if self.state is not S.NEEDS_RELOAD:
             return Call("raise")
-        self.task = StageTask(task_id, signature, now + deadline_s,
-                              settle(self.asleep, True, self.tags), self.asleep, True)  # fmt: skip
+        self.task = StageTask(
+            task_id, signature, now + deadline_s, settle(self.asleep, True, self.tags), self.asleep, True
+        )
         return Call("begin", sends=self._send())
 
     def request_started(self) -> bool:
@@ -401,8 +412,9 @@ class StageModel:
             self.state = S.RUNNING
         return "ok"
 
-    def reply(self, *, epoch: int, task_id: str, rank: int, is_nack: bool,
-              state: WorkerState | None, asleep: frozenset[str]) -> Delivery:  # fmt: skip
+    def reply(
+        self, *, epoch: int, task_id: str, rank: int, is_nack: bool, state: WorkerState | None, asleep: frozenset[str]
+    ) -> Delivery:
         if epoch != self.epoch:
             return Delivery("stale")
         task = self.task

@@ -54,8 +54,9 @@ class Driver:
         started = StageStep()
         for w in self.workers:
             w.loaded()
-            hello = Hello(task_id="hello", epoch=0, rank=w.rank, pid=1, device="cpu", backend="portable",
-                          tags=self.core.tags)  # fmt: skip
+            hello = Hello(
+                task_id="hello", epoch=0, rank=w.rank, pid=1, device="cpu", backend="portable", tags=self.core.tags
+            )
             started = self.step(I.Received(hello))
         assert started.started is S.RUNNING
 
@@ -210,8 +211,15 @@ def test_a_rank_silent_on_a_request_fails_the_request_and_the_stage_naming_it() 
 def test_a_refusal_from_one_rank_fails_the_request_naming_it() -> None:
     d = Driver()
     step = d.step(I.Submit("r", 1, 30.0))
-    refusal = Nack(task_id="r", epoch=0, rank=1, command="Execute", reason=NackReason.EXECUTE_ERROR,
-                   detail="bad payload", state=WorkerState.ACTIVE)  # fmt: skip
+    refusal = Nack(
+        task_id="r",
+        epoch=0,
+        rank=1,
+        command="Execute",
+        reason=NackReason.EXECUTE_ERROR,
+        detail="bad payload",
+        state=WorkerState.ACTIVE,
+    )
     d.feed(d.deliver(step, ranks={0}))
     (answer,) = d.step(I.Received(wire(refusal))).requests
     assert answer.error is RequestError.FAILED and "rank 1: EXECUTE_ERROR" in answer.detail
@@ -250,7 +258,6 @@ def test_stop_and_restart_answer_every_request() -> None:
 def test_step_refuses_what_is_not_an_input() -> None:
     with pytest.raises(TypeError, match="engine input"):
         Driver().step("sleep")  # type: ignore[arg-type]
-
 
 
 def test_each_queued_request_expires_at_its_own_deadline_not_behind_the_head() -> None:

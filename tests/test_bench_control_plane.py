@@ -9,8 +9,10 @@ from omni_core.cli import main as cli_main
 
 
 def test_control_plane_bench_short_mode(tmp_path, capsys) -> None:
-    assert main(["--control-plane", "--short", "--ranks", "1", "--ranks", "2",
-                 "--cycles", "10", "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert (
+        main(["--control-plane", "--short", "--ranks", "1", "--ranks", "2", "--cycles", "10", "--out", str(tmp_path)])
+        == 0
+    )
     data = json.loads((tmp_path / "control_plane.json").read_text())
     assert [r["ranks"] for r in data["results"]] == [1, 2]
     for result in data["results"]:

@@ -33,8 +33,7 @@ def test_version_names_the_release_and_where_it_is_installed(capsys) -> None:
 
 def test_a_closed_pipe_ends_quietly() -> None:
     """`omni-core tables --format json | head -0`: the reader is gone before anything is written."""
-    proc = subprocess.Popen([*OMNI_CORE, "tables", "--format", "json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen([*OMNI_CORE, "tables", "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
@@ -109,8 +108,11 @@ def test_demo_on_cuda_without_cuda_is_one_line_naming_the_option(capsys) -> None
 def test_demo_of_a_cuda_config_without_cuda_names_the_toml_key(tmp_path, capsys) -> None:
     _no_cuda()
     config = tmp_path / "cuda.toml"
-    config.write_text(omni_core.resources.data_file("examples", "two_stages.toml").read_text()
-                      .replace('device = "cpu"', 'device = "cuda"'))  # fmt: skip
+    config.write_text(
+        omni_core.resources.data_file("examples", "two_stages.toml")
+        .read_text()
+        .replace('device = "cpu"', 'device = "cuda"')
+    )
     assert cli_main(["demo", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -60,38 +60,106 @@ MEMORY = MemoryReport(
 # One instance per type with every field set to something other than its default, so a
 # field that the codec dropped or mangled shows up in the round trip.
 SAMPLES: dict[type[Message], Message] = {
-    Sleep: Sleep(task_id="sleep-1", epoch=3, level=2, tags=("weights", "kv_cache"),
-                 links=(LinkShare(None, 1.0), LinkShare(1, 0.5))),
+    Sleep: Sleep(
+        task_id="sleep-1",
+        epoch=3,
+        level=2,
+        tags=("weights", "kv_cache"),
+        links=(LinkShare(None, 1.0), LinkShare(1, 0.5)),
+    ),
     Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), wait_for_memory_s=2.5, links=(LinkShare(3, 2.0),)),
     ReloadWeights: ReloadWeights(task_id="reload-1", epoch=3, source="/ckpt/step-100"),
-    Execute: Execute(task_id="exec-1", epoch=3,
-                     payload={"prompt": "hi", "ids": [1, 2, 3], "blob": b"\x00\x01", "t": 0.5}),
+    Execute: Execute(
+        task_id="exec-1", epoch=3, payload={"prompt": "hi", "ids": [1, 2, 3], "blob": b"\x00\x01", "t": 0.5}
+    ),
     Status: Status(task_id="status-1", epoch=4),
     Shutdown: Shutdown(task_id="shutdown-1", epoch=5),
     Profile: Profile(task_id="profile-1", epoch=5, start=True, prefix="wake.l1"),
-    Ack: Ack(task_id="sleep-1", epoch=3, rank=2, command="Sleep", state=WorkerState.SLEEPING,
-             status=AckStatus.ALREADY, asleep_tags=("kv_cache", "weights"), memory=MEMORY,
-             duration_s=0.25, detail="worker FAILED earlier",
-             trace_paths=("/tmp/omni-core-profiles/talker-rank2-wake-20261123T154801.123456Z.json.gz",),
-             weights_version=12, shared=ShmSource(buckets=(Bucket(
-                 handle="/dev/shm/omni-weights-77-ab-1", nbytes=16, sender_pid=77,
-                 tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),)),))),
+    Ack: Ack(
+        task_id="sleep-1",
+        epoch=3,
+        rank=2,
+        command="Sleep",
+        state=WorkerState.SLEEPING,
+        status=AckStatus.ALREADY,
+        asleep_tags=("kv_cache", "weights"),
+        memory=MEMORY,
+        duration_s=0.25,
+        detail="worker FAILED earlier",
+        trace_paths=("/tmp/omni-core-profiles/talker-rank2-wake-20261123T154801.123456Z.json.gz",),
+        weights_version=12,
+        shared=ShmSource(
+            buckets=(
+                Bucket(
+                    handle="/dev/shm/omni-weights-77-ab-1",
+                    nbytes=16,
+                    sender_pid=77,
+                    tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),),
+                ),
+            )
+        ),
+    ),
     ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
-    UpdateWeights: UpdateWeights(task_id="update-1", epoch=3, version=12, source=ShmSource(buckets=(
-        Bucket(handle="/dev/shm/omni-weights-4242-0", nbytes=96, sender_pid=4242, tensors=(
-            TensorSpec(name="model.w", dtype="bfloat16", shape=(4, 8), offset_bytes=0),
-            TensorSpec(name="model.b", dtype="float32", shape=(8,), offset_bytes=64))),))),
-    InitWeightGroup: InitWeightGroup(task_id="group-1", epoch=3, group="rl", address="10.0.0.2", port=29555,
-                                     world_size=3, rank_offset=1, backend="nccl", timeout_s=60.0),
-    Nack: Nack(task_id="wake-1", epoch=3, rank=1, command="Wake", reason=NackReason.BUSY,
-               detail="task 'sleep-1' is in progress", state=WorkerState.OFFLOADING, weights_version=11),
-    Result: Result(task_id="exec-1", epoch=3, rank=0, output=[[1.5, -2.0], {"tokens": 7}],
-                   duration_s=0.125, weights_version=12),
-    Hello: Hello(task_id="hello", epoch=3, rank=1, stage="talker", proof="ab" * 32, pid=4242, device="cuda:1",
-                 backend="portable", backend_reason="auto chose 'portable'", relay_peers=(1, 2),
-                 tags=("weights", "kv_cache"), capabilities=(Capability.LEVEL2,),
-                 state=WorkerState.FAILED, detail="load failed: out of memory", weights_version=3),
-}  # fmt: skip
+    UpdateWeights: UpdateWeights(
+        task_id="update-1",
+        epoch=3,
+        version=12,
+        source=ShmSource(
+            buckets=(
+                Bucket(
+                    handle="/dev/shm/omni-weights-4242-0",
+                    nbytes=96,
+                    sender_pid=4242,
+                    tensors=(
+                        TensorSpec(name="model.w", dtype="bfloat16", shape=(4, 8), offset_bytes=0),
+                        TensorSpec(name="model.b", dtype="float32", shape=(8,), offset_bytes=64),
+                    ),
+                ),
+            )
+        ),
+    ),
+    InitWeightGroup: InitWeightGroup(
+        task_id="group-1",
+        epoch=3,
+        group="rl",
+        address="10.0.0.2",
+        port=29555,
+        world_size=3,
+        rank_offset=1,
+        backend="nccl",
+        timeout_s=60.0,
+    ),
+    Nack: Nack(
+        task_id="wake-1",
+        epoch=3,
+        rank=1,
+        command="Wake",
+        reason=NackReason.BUSY,
+        detail="task 'sleep-1' is in progress",
+        state=WorkerState.OFFLOADING,
+        weights_version=11,
+    ),
+    Result: Result(
+        task_id="exec-1", epoch=3, rank=0, output=[[1.5, -2.0], {"tokens": 7}], duration_s=0.125, weights_version=12
+    ),
+    Hello: Hello(
+        task_id="hello",
+        epoch=3,
+        rank=1,
+        stage="talker",
+        proof="ab" * 32,
+        pid=4242,
+        device="cuda:1",
+        backend="portable",
+        backend_reason="auto chose 'portable'",
+        relay_peers=(1, 2),
+        tags=("weights", "kv_cache"),
+        capabilities=(Capability.LEVEL2,),
+        state=WorkerState.FAILED,
+        detail="load failed: out of memory",
+        weights_version=3,
+    ),
+}
 
 
 def _field_default(field: msgspec.structs.FieldInfo) -> object:
@@ -110,8 +178,7 @@ def test_samples_cover_every_message_type_and_every_field() -> None:
                 continue  # any other value is another protocol version
             value = getattr(sample, field.name)
             assert value != _field_default(field), (
-                f"SAMPLES[{cls.__name__}].{field.name} is its default: set it, so the round "
-                "trip checks that field"
+                f"SAMPLES[{cls.__name__}].{field.name} is its default: set it, so the round trip checks that field"
             )
     fields = msgspec.structs.fields(MemoryReport)
     assert all(getattr(MEMORY, f.name) != _field_default(f) for f in fields)
@@ -172,8 +239,16 @@ def test_each_optional_field_is_left_off_alone_while_at_its_default() -> None:
     assert "links" not in msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1, level=2)))
 
 
-@pytest.mark.parametrize("link", [{"peer": -1, "share": 1.0}, {"peer": 64, "share": 1.0}, {"peer": 1, "share": 0},
-                                  {"peer": 1, "share": 1e9}, {"peer": 1, "share": 1.0, "lane": 2}])  # fmt: skip
+@pytest.mark.parametrize(
+    "link",
+    [
+        {"peer": -1, "share": 1.0},
+        {"peer": 64, "share": 1.0},
+        {"peer": 1, "share": 0},
+        {"peer": 1, "share": 1e9},
+        {"peer": 1, "share": 1.0, "lane": 2},
+    ],
+)
 def test_a_link_plan_out_of_bounds_is_refused_at_decode(link) -> None:
     frame = raw_encode({"type": "Sleep", "v": PROTOCOL_VERSION, "task_id": "t", "epoch": 0, "links": [link]})
     with pytest.raises(ProtocolError):
@@ -262,10 +337,14 @@ def test_wrong_types_name_the_field_and_keep_the_task_id(fields: dict, where: st
 
 @pytest.mark.parametrize(
     ("fields", "where"),
-    [({"task_id": 5}, "$.task_id"), ({"task_id": ""}, "$.task_id"),
-     ({"task_id": "x" * (MAX_TASK_ID_CHARS + 1)}, "$.task_id"), ({"task_id": _DROP}, "task_id")],
+    [
+        ({"task_id": 5}, "$.task_id"),
+        ({"task_id": ""}, "$.task_id"),
+        ({"task_id": "x" * (MAX_TASK_ID_CHARS + 1)}, "$.task_id"),
+        ({"task_id": _DROP}, "task_id"),
+    ],
     ids=["int-task-id", "empty-task-id", "long-task-id", "no-task-id"],
-)  # fmt: skip
+)
 def test_bad_task_id(fields: dict, where: str) -> None:
     err = _refused(_wire(**fields))
     assert err.reason is NackReason.BAD_MESSAGE
@@ -343,11 +422,16 @@ def test_deeply_nested_payload_is_a_protocol_error() -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"task_id": "x" * 500, "level": 3}, {"epoch": True, "level": 3}, {"epoch": -5, "level": 3},
-     {"v": 9, "epoch": True}, {"v": 9, "task_id": "x" * 500}, {"task_id": ["t"], "level": 3}],
-    ids=["long-task-id", "bool-epoch", "negative-epoch", "v9-bool-epoch", "v9-long-task-id",
-         "list-task-id"],
-)  # fmt: skip
+    [
+        {"task_id": "x" * 500, "level": 3},
+        {"epoch": True, "level": 3},
+        {"epoch": -5, "level": 3},
+        {"v": 9, "epoch": True},
+        {"v": 9, "task_id": "x" * 500},
+        {"task_id": ["t"], "level": 3},
+    ],
+    ids=["long-task-id", "bool-epoch", "negative-epoch", "v9-bool-epoch", "v9-long-task-id", "list-task-id"],
+)
 def test_refusal_built_from_the_error_is_valid_on_the_wire(fields: dict) -> None:
     """P-10: the NACK a worker sends for bad bytes must itself decode at the other end."""
     err = _refused(_wire(**fields))
@@ -369,13 +453,18 @@ def _bad_message_nack(err: ProtocolError) -> Nack:
 # ----------------------------------------------------------------------- properties
 
 _scalars = (
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20) | st.binary(max_size=20)
-)  # fmt: skip
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
 msgpack_values = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=10) | st.integers(-5, 5), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10) | st.integers(-5, 5), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -395,11 +484,15 @@ _memory = st.none() | st.builds(
     process_bytes_source=st.sampled_from(["nvml", "torch", "none"]),
 )
 _json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=10) | st.binary(max_size=10),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=10)
+    | st.binary(max_size=10),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8,
-)  # fmt: skip
+)
 
 valid_messages = st.one_of(
     st.builds(Sleep, task_id=_task_id, epoch=_epoch, level=st.sampled_from([1, 2]), tags=_tags),
@@ -408,18 +501,44 @@ valid_messages = st.one_of(
     st.builds(Execute, task_id=_task_id, epoch=_epoch, payload=_json_like),
     st.builds(Status, task_id=_task_id, epoch=_epoch),
     st.builds(Shutdown, task_id=_task_id, epoch=_epoch),
-    st.builds(Ack, task_id=_task_id, epoch=_epoch, rank=_rank, command=st.sampled_from(["Sleep", "Wake"]),
-              state=_state, status=st.sampled_from(AckStatus), asleep_tags=st.lists(_tag).map(tuple),
-              memory=_memory, duration_s=_seconds, detail=st.text(max_size=50)),
-    st.builds(Nack, task_id=_task_id, epoch=_epoch, rank=_rank, command=st.text(max_size=10),
-              reason=st.sampled_from(NackReason), detail=st.text(max_size=50), state=_state),
+    st.builds(
+        Ack,
+        task_id=_task_id,
+        epoch=_epoch,
+        rank=_rank,
+        command=st.sampled_from(["Sleep", "Wake"]),
+        state=_state,
+        status=st.sampled_from(AckStatus),
+        asleep_tags=st.lists(_tag).map(tuple),
+        memory=_memory,
+        duration_s=_seconds,
+        detail=st.text(max_size=50),
+    ),
+    st.builds(
+        Nack,
+        task_id=_task_id,
+        epoch=_epoch,
+        rank=_rank,
+        command=st.text(max_size=10),
+        reason=st.sampled_from(NackReason),
+        detail=st.text(max_size=50),
+        state=_state,
+    ),
     st.builds(Result, task_id=_task_id, epoch=_epoch, rank=_rank, output=_json_like, duration_s=_seconds),
-    st.builds(Hello, task_id=_task_id, epoch=_epoch, rank=_rank, pid=st.integers(0, 2**31),
-              device=st.text(max_size=10), backend=st.sampled_from(["portable", "cumem", "fast"]),
-              tags=st.lists(_tag, max_size=3).map(tuple),
-              capabilities=st.lists(st.sampled_from(Capability), max_size=2).map(tuple),
-              state=_state, detail=st.text(max_size=30)),
-)  # fmt: skip
+    st.builds(
+        Hello,
+        task_id=_task_id,
+        epoch=_epoch,
+        rank=_rank,
+        pid=st.integers(0, 2**31),
+        device=st.text(max_size=10),
+        backend=st.sampled_from(["portable", "cumem", "fast"]),
+        tags=st.lists(_tag, max_size=3).map(tuple),
+        capabilities=st.lists(st.sampled_from(Capability), max_size=2).map(tuple),
+        state=_state,
+        detail=st.text(max_size=30),
+    ),
+)
 
 
 def check_decode(data: bytes) -> Message | None:
@@ -469,10 +588,15 @@ def test_property_arbitrary_msgpack_objects_only_ever_raise_protocol_error(value
     check_decode(raw_encode(value))
 
 
-@given(st.dictionaries(st.sampled_from(["type", "v", "task_id", "epoch", "level", "tags", "rank",
-                                        "state", "command", "reason", "payload", "x"]),
-                       msgpack_values | st.sampled_from([t.__name__ for t in MESSAGE_TYPES]),
-                       max_size=8))  # fmt: skip
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["type", "v", "task_id", "epoch", "level", "tags", "rank", "state", "command", "reason", "payload", "x"]
+        ),
+        msgpack_values | st.sampled_from([t.__name__ for t in MESSAGE_TYPES]),
+        max_size=8,
+    )
+)
 def test_property_random_maps_with_protocol_keys(value: dict) -> None:
     check_decode(raw_encode(value))
 
@@ -480,8 +604,7 @@ def test_property_random_maps_with_protocol_keys(value: dict) -> None:
 _mutations = st.sampled_from(["drop", "set", "add", "retag", "version"])
 
 
-@given(valid_messages, st.lists(st.tuples(_mutations, st.integers(0, 100), msgpack_values),
-                                min_size=1, max_size=3))  # fmt: skip
+@given(valid_messages, st.lists(st.tuples(_mutations, st.integers(0, 100), msgpack_values), min_size=1, max_size=3))
 def test_property_mutated_valid_messages_only_ever_raise_protocol_error(
     message: Message, mutations: list[tuple[str, int, object]]
 ) -> None:

@@ -12,8 +12,9 @@ def test_lifecycle_docs_are_generated_from_the_tables() -> None:
 
 def test_every_requirement_is_numbered_and_a_must() -> None:
     text = (ROOT / "specs" / "protocol.md").read_text()
-    numbers = [int(line.split("**P-")[1].split(" ")[0].rstrip("."))
-               for line in text.splitlines() if line.startswith("**P-")]  # fmt: skip
+    numbers = [
+        int(line.split("**P-")[1].split(" ")[0].rstrip(".")) for line in text.splitlines() if line.startswith("**P-")
+    ]
     assert numbers == list(range(1, len(numbers) + 1)), numbers
     for n in numbers:
         block = text.split(f"**P-{n} ")[1].split("**P-")[0]

@@ -33,14 +33,32 @@ def test_a_deep_frame_names_its_task_at_any_stack_depth(depth):
 
 
 def test_the_scanner_reads_every_msgpack_kind_before_the_envelope_and_skips_them():
-    skipped = [b"\x00" * 300, 1.5, -(2**63), 2**64 - 1, "é" * 40, None, True, {"k": [1, {"x": b"y"}]},
-               msgspec.msgpack.Ext(5, b"abc"), msgspec.msgpack.Ext(1, b"a"), list(range(70000))]  # fmt: skip
+    skipped = [
+        b"\x00" * 300,
+        1.5,
+        -(2**63),
+        2**64 - 1,
+        "é" * 40,
+        None,
+        True,
+        {"k": [1, {"x": b"y"}]},
+        msgspec.msgpack.Ext(5, b"abc"),
+        msgspec.msgpack.Ext(1, b"a"),
+        list(range(70000)),
+    ]
     frame = msgspec.msgpack.encode({"payload": skipped, "type": "Sleep", "v": 1, "task_id": "t", "epoch": 9})
     assert scan_envelope(frame) == {"type": "Sleep", "v": 1, "task_id": "t", "epoch": 9}
 
 
-HOSTILE = [b"", b"\x91", b"\xc1", b"\xdf\xff\xff\xff\xff", b"\x81\xa7task_id\xdb\xff\xff\xff\xff",
-           msgspec.msgpack.encode([1, 2]), msgspec.msgpack.encode("str")]  # fmt: skip
+HOSTILE = [
+    b"",
+    b"\x91",
+    b"\xc1",
+    b"\xdf\xff\xff\xff\xff",
+    b"\x81\xa7task_id\xdb\xff\xff\xff\xff",
+    msgspec.msgpack.encode([1, 2]),
+    msgspec.msgpack.encode("str"),
+]
 
 
 @pytest.mark.parametrize("frame", HOSTILE)

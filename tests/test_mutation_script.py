@@ -31,8 +31,9 @@ def mutate():
 
 
 def test_list_finds_every_snippet_and_test_in_the_current_sources(mutate) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--list"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--list"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     for mutation in mutate.MUTATIONS:
         assert mutation.name in done.stdout
@@ -41,9 +42,22 @@ def test_list_finds_every_snippet_and_test_in_the_current_sources(mutate) -> Non
 
 def test_the_table_covers_every_guarantee_the_issue_names(mutate) -> None:
     names = {m.name for m in mutate.MUTATIONS}
-    required = {"reject-policy", "queue-full-running", "queue-full-asleep", "needs-reload-refusal", "auto-wake",
-                "lifecycle-deadline", "request-deadline", "queue-deadline", "start-deadline",
-                "reply-cache", "epoch-fence", "drain-core", "canary-test-process", "canary-rank-process"}  # fmt: skip
+    required = {
+        "reject-policy",
+        "queue-full-running",
+        "queue-full-asleep",
+        "needs-reload-refusal",
+        "auto-wake",
+        "lifecycle-deadline",
+        "request-deadline",
+        "queue-deadline",
+        "start-deadline",
+        "reply-cache",
+        "epoch-fence",
+        "drain-core",
+        "canary-test-process",
+        "canary-rank-process",
+    }
     assert required <= names, required - names
     assert len(names) == len(mutate.MUTATIONS), "mutation names must be unique"
 
@@ -53,13 +67,18 @@ def test_a_missing_snippet_is_an_error_not_a_skip(mutate, tmp_path) -> None:
     (tmp_path / "omni_core" / "x.py").write_text("a = 1\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text("def test_x():\n    pass\n")
-    stale = mutate.Mutation("stale", "-", (mutate.Edit("omni_core/x.py", "a = 2\n", "a = 3\n"),),
-                            ("tests/test_x.py::test_x", "tests/test_x.py::test_gone"))  # fmt: skip
+    stale = mutate.Mutation(
+        "stale",
+        "-",
+        (mutate.Edit("omni_core/x.py", "a = 2\n", "a = 3\n"),),
+        ("tests/test_x.py::test_x", "tests/test_x.py::test_gone"),
+    )
     found = mutate.problems(stale, None, tmp_path)
     assert any("found 0 times" in p for p in found), found
     assert any("defines no test test_gone" in p for p in found), found
-    fresh = mutate.Mutation("fresh", "-", (mutate.Edit("omni_core/x.py", "a = 1\n", "a = 3\n"),),
-                            ("tests/test_x.py::test_x",))  # fmt: skip
+    fresh = mutate.Mutation(
+        "fresh", "-", (mutate.Edit("omni_core/x.py", "a = 1\n", "a = 3\n"),), ("tests/test_x.py::test_x",)
+    )
     assert mutate.problems(fresh, None, tmp_path) == []
     copy = tmp_path / "copy"
     (copy / "omni_core").mkdir(parents=True)

@@ -22,8 +22,13 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 CONSTRAINTS = ROOT / "scripts" / "constraints.txt"
 SELF = "omni-core"
 # Imported under another name than the distribution's.
-DISTRIBUTION_OF = {"pynvml": "nvidia-ml-py", "prometheus_client": "prometheus-client", "zmq": "pyzmq",
-                   "torch_memory_saver": "torch-memory-saver", "yaml": "pyyaml"}  # fmt: skip
+DISTRIBUTION_OF = {
+    "pynvml": "nvidia-ml-py",
+    "prometheus_client": "prometheus-client",
+    "zmq": "pyzmq",
+    "torch_memory_saver": "torch-memory-saver",
+    "yaml": "pyyaml",
+}
 # Brought by the device machine's bundle (scripts/device/bundle.sh), not by any extra a CPU
 # checkout installs: the comparisons the GPU benchmarks draw.
 DEVICE_ONLY = {"torch-memory-saver"}

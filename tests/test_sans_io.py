@@ -16,16 +16,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "omni_core"
 SANS_IO_DIRS = (PACKAGE / "protocol", PACKAGE / "fsm")
 
 FORBIDDEN_MODULES = ("torch", "zmq", "socket", "asyncio", "time", "threading", "os", "random")
-FORBIDDEN_LOADED = ("torch", "zmq", "socket", "asyncio", "omni_core.workers", "omni_core.engine",
-                    "omni_core.transport")
+FORBIDDEN_LOADED = ("torch", "zmq", "socket", "asyncio", "omni_core.workers", "omni_core.engine", "omni_core.transport")
 
 
 def test_importing_the_cores_loads_no_io_modules() -> None:
-    code = (
-        "import json, sys\n"
-        "import omni_core.protocol, omni_core.fsm\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
+    code = "import json, sys\nimport omni_core.protocol, omni_core.fsm\nprint(json.dumps(sorted(sys.modules)))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout)
     offenders = sorted(m for m in loaded for bad in FORBIDDEN_LOADED if m == bad or m.startswith(bad + "."))
@@ -47,18 +42,25 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.lineno, node.module))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id == "__import__" and node.args
-              and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "__import__"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             found.append((node.lineno, str(node.args[0].value)))
     return found
 
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_io_imports_in_the_cores(path: Path) -> None:
-    bad = [f"line {line}: import {name}" for line, name in _imports(path)
-           if name.split(".")[0] in FORBIDDEN_MODULES
-           or name.startswith(("omni_core.workers", "omni_core.engine", "omni_core.transport"))]  # fmt: skip
+    bad = [
+        f"line {line}: import {name}"
+        for line, name in _imports(path)
+        if name.split(".")[0] in FORBIDDEN_MODULES
+        or name.startswith(("omni_core.workers", "omni_core.engine", "omni_core.transport"))
+    ]
     assert not bad, f"{path.relative_to(PACKAGE.parent)} is sans-IO but has {bad}"
 
 

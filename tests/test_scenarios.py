@@ -37,8 +37,11 @@ def test_scenario(path: Path, request: pytest.FixtureRequest) -> None:
     missing = [b.command for b in blocks if b.expected is None]
     assert not missing, f"{path.name}: commands without `----` and output (run with --rewrite): {missing}"
     if now != text:
-        diff = "".join(difflib.unified_diff(text.splitlines(True), now.splitlines(True), f"{path.name} (expected)",
-                                            f"{path.name} (now)"))  # fmt: skip
+        diff = "".join(
+            difflib.unified_diff(
+                text.splitlines(True), now.splitlines(True), f"{path.name} (expected)", f"{path.name} (now)"
+            )
+        )
         raise AssertionError(f"scenario output changed (pytest {Path(__file__).name} --rewrite to accept):\n{diff}")
 
 
@@ -46,7 +49,8 @@ def test_the_file_format_round_trips() -> None:
     text = "# a comment\n\nstage ranks=1\n----\nline one\nline two\n\n# trailing note\n"
     blocks, trailer = parse_blocks(text)
     assert [(b.preamble, b.command, b.expected) for b in blocks] == [
-        (["# a comment", ""], "stage ranks=1", ["line one", "line two"])]
+        (["# a comment", ""], "stage ranks=1", ["line one", "line two"])
+    ]
     assert render_blocks(blocks, [b.expected or [] for b in blocks], trailer) == text
 
 
@@ -91,8 +95,11 @@ def test_the_scenarios_cover_every_transition_and_admission_rule(monkeypatch: py
         for path in SCENARIOS:
             run_blocks(parse_blocks(path.read_text())[0])
     assert not table_pairs("stage") - fired, f"no scenario shows {sorted(table_pairs('stage') - fired)}"
-    never = {(name, trigger, state) for (name, trigger, state) in table_pairs("worker")
-             if trigger in ENGINE_NEVER_CAUSES or f"{trigger}@{state}" in ENGINE_NEVER_CAUSES}  # fmt: skip
+    never = {
+        (name, trigger, state)
+        for (name, trigger, state) in table_pairs("worker")
+        if trigger in ENGINE_NEVER_CAUSES or f"{trigger}@{state}" in ENGINE_NEVER_CAUSES
+    }
     missing = table_pairs("worker") - never - fired
     assert not missing, f"no scenario shows the worker transitions {sorted(missing)}"
     assert not fired & never, f"the engine did cause {sorted(fired & never)}: update ENGINE_NEVER_CAUSES"

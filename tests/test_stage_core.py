@@ -228,8 +228,7 @@ def test_ack_without_a_memory_report_fails_naming_the_rank() -> None:
     """Issue 10: an ACK that moved memory must say how much; one without is not trusted."""
     h = reach_stage(S.RUNNING)
     h.stage.sleep("s", 1, None, h.now, 5.0)
-    bare = Ack(task_id="s", epoch=0, rank=2, command="Sleep", state=W.SLEEPING,
-               asleep_tags=("kv_cache", "weights"))  # fmt: skip
+    bare = Ack(task_id="s", epoch=0, rank=2, command="Sleep", state=W.SLEEPING, asleep_tags=("kv_cache", "weights"))
     outcome = outcome_of(h.stage.on_reply(wire(bare), h.now))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {2}
     assert "without a memory report" in outcome.failures[2]
@@ -239,15 +238,29 @@ def test_ack_without_a_memory_report_fails_naming_the_rank() -> None:
 def test_ack_for_another_command_fails_naming_the_rank() -> None:
     h = reach_stage(S.RUNNING)
     h.stage.sleep("s", 1, None, h.now, 5.0)
-    confused = Ack(task_id="s", epoch=0, rank=0, command="Wake", state=W.SLEEPING,
-                   asleep_tags=("kv_cache", "weights"), memory=NO_MEMORY)  # fmt: skip
+    confused = Ack(
+        task_id="s",
+        epoch=0,
+        rank=0,
+        command="Wake",
+        state=W.SLEEPING,
+        asleep_tags=("kv_cache", "weights"),
+        memory=NO_MEMORY,
+    )
     outcome = outcome_of(h.stage.on_reply(wire(confused), h.now))
     assert h.stage.state is S.FAILED and "'Wake'" in outcome.failures[0]
 
 
 def _refusal(rank: int) -> Nack:
-    return Nack(task_id="r", epoch=0, rank=rank, command="ReloadWeights", reason=NackReason.INVALID_ARGUMENT,
-                detail="no such checkpoint", state=W.NEEDS_RELOAD)  # fmt: skip
+    return Nack(
+        task_id="r",
+        epoch=0,
+        rank=rank,
+        command="ReloadWeights",
+        reason=NackReason.INVALID_ARGUMENT,
+        detail="no such checkpoint",
+        state=W.NEEDS_RELOAD,
+    )
 
 
 def test_reload_refused_by_every_rank_returns_to_needs_reload() -> None:
@@ -274,15 +287,24 @@ def test_reload_refused_by_some_ranks_only_fails_naming_them() -> None:
 
 
 def _no_memory(rank: int, task_id: str, state: W) -> Nack:
-    return Nack(task_id=task_id, epoch=0, rank=rank, command="Wake", reason=NackReason.NO_MEMORY,
-                detail=f"rank {rank}: needed 4 GiB, 1 GiB free after 5 s; held by pid 77 (30 GiB)",
-                state=state)  # fmt: skip
+    return Nack(
+        task_id=task_id,
+        epoch=0,
+        rank=rank,
+        command="Wake",
+        reason=NackReason.NO_MEMORY,
+        detail=f"rank {rank}: needed 4 GiB, 1 GiB free after 5 s; held by pid 77 (30 GiB)",
+        state=state,
+    )
 
 
 def test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started() -> None:
     """P-16: a swap's incoming stage that never got the memory is exactly where it was."""
-    cases = ((S.SLEEPING, reach_stage(S.SLEEPING), None), (S.PARTIAL, reach_stage(S.PARTIAL), None),
-             (S.NEEDS_RELOAD, needs_reload_with_kv_cache_asleep(), ("kv_cache",)))  # fmt: skip
+    cases = (
+        (S.SLEEPING, reach_stage(S.SLEEPING), None),
+        (S.PARTIAL, reach_stage(S.PARTIAL), None),
+        (S.NEEDS_RELOAD, needs_reload_with_kv_cache_asleep(), ("kv_cache",)),
+    )
     for start, h, tags in cases:
         asleep = set(h.stage.residency.asleep)
         step = h.stage.wake("w", tags, h.now, 30.0, wait_for_memory_s=5.0)
@@ -310,8 +332,7 @@ def test_wake_refused_for_memory_by_some_ranks_fails_naming_them() -> None:
 def test_a_no_memory_nack_to_another_command_is_a_failure_not_a_refusal() -> None:
     h = reach_stage(S.RUNNING)
     h.stage.sleep("s", 1, None, h.now, 30.0)
-    nack = Nack(task_id="s", epoch=0, rank=0, command="Sleep", reason=NackReason.NO_MEMORY, detail="?",
-                state=W.ACTIVE)  # fmt: skip
+    nack = Nack(task_id="s", epoch=0, rank=0, command="Sleep", reason=NackReason.NO_MEMORY, detail="?", state=W.ACTIVE)
     outcome = outcome_of(h.stage.on_reply(wire(nack), h.now))
     assert h.stage.state is S.FAILED and not outcome.refused
 
@@ -448,8 +469,9 @@ def test_deadline_while_waking() -> None:
     assert "no reply to Wake" in outcome.error
 
 
-@pytest.mark.parametrize("state", [S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.DRAINING,
-                                   S.TRANSITIONING, S.WAKING])  # fmt: skip
+@pytest.mark.parametrize(
+    "state", [S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.DRAINING, S.TRANSITIONING, S.WAKING]
+)
 def test_rank_death_fails_the_stage(state: StageState) -> None:
     h = reach_stage(state)
     step = h.stage.on_rank_died(2, "SIGKILL (exit -9)", h.now)
@@ -515,8 +537,7 @@ def test_unknown_duplicate_and_foreign_replies_are_counted_not_applied() -> None
 
 def test_replies_while_draining_are_unknown() -> None:
     h = reach_stage(S.DRAINING)
-    ack = Ack(task_id="drain", epoch=0, rank=0, command="Sleep", state=W.SLEEPING,
-              asleep_tags=("kv_cache", "weights"))  # fmt: skip
+    ack = Ack(task_id="drain", epoch=0, rank=0, command="Sleep", state=W.SLEEPING, asleep_tags=("kv_cache", "weights"))
     assert h.stage.on_reply(ack, h.now) == StageStep() and h.stage.state is S.DRAINING
     assert h.stage.counters.unknown_replies_ignored == 1
 
@@ -575,10 +596,12 @@ def test_different_command_with_the_same_task_id_raises(finished: bool) -> None:
     if finished:
         h.complete(step)
     state = h.stage.state
-    for call in (lambda: h.stage.sleep("s", 2, None, h.now, 5.0),
-                 lambda: h.stage.sleep("s", 1, ("weights",), h.now, 5.0),
-                 lambda: h.stage.wake("s", None, h.now, 5.0),
-                 lambda: h.stage.reload("s", None, h.now, 5.0)):  # fmt: skip
+    for call in (
+        lambda: h.stage.sleep("s", 2, None, h.now, 5.0),
+        lambda: h.stage.sleep("s", 1, ("weights",), h.now, 5.0),
+        lambda: h.stage.wake("s", None, h.now, 5.0),
+        lambda: h.stage.reload("s", None, h.now, 5.0),
+    ):
         with pytest.raises(StageCommandError, match="task_id 's' was used for") as info:
             call()
         assert not isinstance(info.value, StageBusyError)
@@ -597,14 +620,16 @@ def test_another_task_while_one_is_in_flight_is_busy() -> None:
 
 CALLS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "sleep": (("drain", "sleep", "sleep_already"), lambda h: h.stage.sleep("x-sleep", 1, None, h.now, 5.0)),
-    "sleep-level2": (("drain", "sleep", "sleep_already"),
-                     lambda h: h.stage.sleep("x-sleep2", 2, ("kv_cache",), h.now, 5.0)),
+    "sleep-level2": (
+        ("drain", "sleep", "sleep_already"),
+        lambda h: h.stage.sleep("x-sleep2", 2, ("kv_cache",), h.now, 5.0),
+    ),
     "wake": (("wake", "wake_already"), lambda h: h.stage.wake("x-wake", None, h.now, 5.0)),
     "reload": (("reload",), lambda h: h.stage.reload("x-reload", None, h.now, 5.0)),
     "request": (("execute",), lambda h: h.stage.request_started()),
     "restart": (("restart",), lambda h: h.stage.restart(h.now, 5.0)),
     "profile": (("profile",), lambda h: h.stage.profile("x-profile", True, None, h.now, 5.0)),
-}  # fmt: skip
+}
 
 
 def _legal(triggers: tuple[str, ...]) -> set[StageState]:
@@ -616,9 +641,18 @@ REFUSED = [(s, name) for name, (triggers, _) in CALLS.items() for s in S if s no
 
 def _stage_snapshot(h: StageHarness) -> tuple:
     st = h.stage
-    return (st.state, st.epoch, st.task_id, st.residency.asleep, st.residency.weights_valid,
-            st.in_flight_requests, dict(st.rank_state), st.failure, dataclasses.asdict(st.counters),
-            [w.state for w in h.workers])  # fmt: skip
+    return (
+        st.state,
+        st.epoch,
+        st.task_id,
+        st.residency.asleep,
+        st.residency.weights_valid,
+        st.in_flight_requests,
+        dict(st.rank_state),
+        st.failure,
+        dataclasses.asdict(st.counters),
+        [w.state for w in h.workers],
+    )
 
 
 @pytest.mark.parametrize(("state", "call"), REFUSED, ids=[f"{c}-in-{s.value}" for s, c in REFUSED])
@@ -684,10 +718,12 @@ SCENARIOS: list[Callable[[], object]] = [
     test_sleep_drains_in_flight_requests_first,
     test_drain_timeout_goes_back_to_running_with_a_failed_outcome,
     _fail_from_each_state,
-    *[lambda s=s: test_restart_bumps_the_epoch_and_starts_fresh(s)
-      for s in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED)],
+    *[
+        lambda s=s: test_restart_bumps_the_epoch_and_starts_fresh(s)
+        for s in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED)
+    ],
     *[lambda s=s: test_stop_from_every_state(s) for s in S if s is not S.STOPPED],
-]  # fmt: skip
+]
 
 
 # ----------------------------------------------------------------------- Profile (P-15)
@@ -707,7 +743,8 @@ def test_profile_start_and_stop_never_change_the_stage(state: StageState) -> Non
     off = outcome_of(h.complete(h.stage.profile("p-off", False, None, h.now, 5.0)))
     assert off.ok and off.state is state
     assert {r: a.trace_paths for r, a in off.acks.items()} == {
-        r: (f"/profiles/talker-rank{r}-t0.json.gz",) for r in range(3)}
+        r: (f"/profiles/talker-rank{r}-t0.json.gz",) for r in range(3)
+    }
     after = _stage_snapshot(h)
     assert after[:8] == before[:8] and after[9] == before[9]  # counters aside, nothing moved
 
@@ -719,8 +756,15 @@ def test_profile_refusals_are_the_outcome_not_a_failure() -> None:
     h = reach_stage(S.RUNNING)
     step = h.stage.profile("p", True, None, h.now, 5.0)
     replies = h.to_workers(step, ranks={0, 2})
-    busy = Nack(task_id="p", epoch=0, rank=1, command="Profile", reason=NackReason.BUSY,
-                detail="task 'q' is in progress; retry after its reply", state=W.ACTIVE)  # fmt: skip
+    busy = Nack(
+        task_id="p",
+        epoch=0,
+        rank=1,
+        command="Profile",
+        reason=NackReason.BUSY,
+        detail="task 'q' is in progress; retry after its reply",
+        state=W.ACTIVE,
+    )
     outcome = outcome_of(h.feed([*replies, busy]))
     assert not outcome.ok and outcome.refused and outcome.state is S.RUNNING
     assert dict(outcome.refusals) == {1: "NACK BUSY: task 'q' is in progress; retry after its reply"}
@@ -728,16 +772,33 @@ def test_profile_refusals_are_the_outcome_not_a_failure() -> None:
     assert h.stage.state is S.RUNNING and h.stage.task_id is None and not h.stage.failure
     # An old worker that does not know Profile (BAD_MESSAGE) is a refusal too; the stage serves on.
     step = h.stage.profile("p2", False, None, h.now, 5.0)
-    old = [Nack(task_id="p2", epoch=0, rank=r, command="?", reason=NackReason.BAD_MESSAGE,
-                detail="unknown type 'Profile'", state=W.ACTIVE) for r in range(3)]  # fmt: skip
+    old = [
+        Nack(
+            task_id="p2",
+            epoch=0,
+            rank=r,
+            command="?",
+            reason=NackReason.BAD_MESSAGE,
+            detail="unknown type 'Profile'",
+            state=W.ACTIVE,
+        )
+        for r in range(3)
+    ]
     assert outcome_of(h.feed(old)).refused and h.stage.admits()
 
 
 def test_a_profile_reply_in_another_state_fails_the_stage_naming_the_rank() -> None:
     h = reach_stage(S.SLEEPING)
     h.stage.profile("p", True, None, h.now, 5.0)
-    failed = Nack(task_id="p", epoch=0, rank=2, command="Profile", reason=NackReason.FAILED,
-                  detail="worker is FAILED (x)", state=W.FAILED)  # fmt: skip
+    failed = Nack(
+        task_id="p",
+        epoch=0,
+        rank=2,
+        command="Profile",
+        reason=NackReason.FAILED,
+        detail="worker is FAILED (x)",
+        state=W.FAILED,
+    )
     outcome = outcome_of(h.feed([failed]))
     assert outcome.state is S.FAILED and list(outcome.failures) == [2]
     assert "answered Profile in FAILED" in outcome.failures[2]
@@ -757,9 +818,16 @@ def test_a_profile_in_flight_holds_lifecycle_calls_but_not_requests() -> None:
         h.stage.profile("p", False, None, h.now, 5.0)  # one task id, one command
 
 
-@pytest.mark.parametrize(("start", "prefix", "match"), [
-    (True, "a/b", "characters"), (True, "..", r"contains '\.\.'"), (True, "", "empty"),
-    (True, "x" * 65, "65 characters"), (1, None, "True or False")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("start", "prefix", "match"),
+    [
+        (True, "a/b", "characters"),
+        (True, "..", r"contains '\.\.'"),
+        (True, "", "empty"),
+        (True, "x" * 65, "65 characters"),
+        (1, None, "True or False"),
+    ],
+)
 def test_profile_bad_arguments_raise_before_anything_is_sent(start: object, prefix: str, match: str) -> None:
     h = reach_stage(S.RUNNING)
     with pytest.raises(StageCommandError, match=match):
@@ -807,6 +875,9 @@ def test_walkthrough_matches_the_golden_output() -> None:
     if text != golden:
         import difflib
 
-        diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True),
-                                            "golden/walkthrough.txt", "walkthrough now"))  # fmt: skip
+        diff = "".join(
+            difflib.unified_diff(
+                golden.splitlines(True), text.splitlines(True), "golden/walkthrough.txt", "walkthrough now"
+            )
+        )
         raise AssertionError(f"walkthrough output changed (OMNI_UPDATE_GOLDEN=1 to accept):\n{diff}")

@@ -22,10 +22,18 @@ def test_every_stage_field_has_its_toml_value() -> None:
     assert STAGE_FIELDS["placement"] == STAGE_FIELDS["simulated_device"] == STAGE_FIELDS["runner_args"] == "a table"
 
 
-@pytest.mark.parametrize(("hint", "kind"), [
-    (bool, "true or false"), (int, "an integer"), (float | None, "a number"), (str | None, "a string"),
-    (tuple[str, ...], "a list of strings"), (Mapping[str, Any], "a table"), (dict[str, int] | None, "a table"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hint", "kind"),
+    [
+        (bool, "true or false"),
+        (int, "an integer"),
+        (float | None, "a number"),
+        (str | None, "a string"),
+        (tuple[str, ...], "a list of strings"),
+        (Mapping[str, Any], "a table"),
+        (dict[str, int] | None, "a table"),
+    ],
+)
 def test_toml_values_by_annotation(hint: Any, kind: str) -> None:
     assert _toml_kind(hint) == kind
 

@@ -57,8 +57,18 @@ S = StageState
 W = WorkerState
 TAGS = ("weights", "kv_cache", "scratch")
 START_DEADLINE_S = 10.0
-TAG_CHOICES = [None, None, None, ("weights",), ("kv_cache",), ("scratch",), ("weights", "kv_cache"),
-               ("kv_cache", "scratch"), ("kv_cache", "weights", "scratch"), ("lora",)]  # fmt: skip
+TAG_CHOICES = [
+    None,
+    None,
+    None,
+    ("weights",),
+    ("kv_cache",),
+    ("scratch",),
+    ("weights", "kv_cache"),
+    ("kv_cache", "scratch"),
+    ("kv_cache", "weights", "scratch"),
+    ("lora",),
+]
 POOL = [f"a{i}" for i in range(5)]
 RANK_OF_STAGE = {stage: rank for rank, stage in STAGE_OF.items()}
 MAX_IN_FLIGHT = 40  # messages in the simulated network: duplication stops here
@@ -94,8 +104,7 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
     @initialize(ranks=st.integers(1, 4), hellos_now=st.sampled_from([True, True, True, False]))
     def start(self, ranks: int, hellos_now: bool) -> None:
         # Asynchronous rank shells: a command may meet a busy worker core (the harsher test).
-        self.sim = Simulator(self.make_stage(ranks), make_worker=self.make_worker, serial_shell=False,
-                             record=False)  # fmt: skip
+        self.sim = Simulator(self.make_stage(ranks), make_worker=self.make_worker, serial_shell=False, record=False)
         self.model = StageModel(ranks, TAGS, start_deadline_at=self.sim.now + START_DEADLINE_S)
         self.sim.start(START_DEADLINE_S)
         self._spawned(hellos_now)
@@ -149,8 +158,13 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
                 fail_one = False
 
     @precondition(lambda self: self.stage.state is not S.STARTING or self.stage.epoch > 0)
-    @rule(stale=st.booleans(), rank=st.integers(0, 3), current_task=st.booleans(), nack=st.booleans(),
-          back=st.integers(1, 3))  # fmt: skip
+    @rule(
+        stale=st.booleans(),
+        rank=st.integers(0, 3),
+        current_task=st.booleans(),
+        nack=st.booleans(),
+        back=st.integers(1, 3),
+    )
     def inject_reply(self, stale: bool, rank: int, current_task: bool, nack: bool, back: int) -> None:
         """A reply from an older epoch (a rank process of before a restart), possibly naming
         the current task and reporting exactly the state the stage waits for; or a reply of
@@ -169,8 +183,15 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
         state = task.expect_state if task is not None else W.SLEEPING
         asleep = tuple(sorted(task.expect_asleep)) if task is not None else TAGS
         if nack:
-            return Nack(task_id=task_id, epoch=epoch, rank=rank, command="Sleep", reason=NackReason.BUSY,
-                        detail="forged", state=state)  # fmt: skip
+            return Nack(
+                task_id=task_id,
+                epoch=epoch,
+                rank=rank,
+                command="Sleep",
+                reason=NackReason.BUSY,
+                detail="forged",
+                state=state,
+            )
         return Ack(task_id=task_id, epoch=epoch, rank=rank, command="Sleep", state=state, asleep_tags=asleep)
 
     # ------------------------------------------------------------------ time, deaths, restarts
@@ -194,8 +215,11 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             named = starting_silent if before is S.STARTING else silent
             # P-9: FAILED, naming exactly the ranks that stayed silent.
             require(self.stage.state is S.FAILED, "P-9", f"deadline passed, stage still {self.stage.state.value}")
-            require(set(self.stage.failed_ranks) == named, "P-9",
-                    f"deadline: stage names ranks {sorted(self.stage.failed_ranks)}, silent were {sorted(named)}")
+            require(
+                set(self.stage.failed_ranks) == named,
+                "P-9",
+                f"deadline: stage names ranks {sorted(self.stage.failed_ranks)}, silent were {sorted(named)}",
+            )
             for rank in named:  # type: ignore[union-attr]
                 require(f"rank {rank}" in self.stage.failure, "P-9", f"rank {rank} not named: {self.stage.failure}")
             if before is not S.STARTING:
@@ -203,8 +227,11 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
                 require(not outcome.ok and set(outcome.failures) == named, "P-9", f"deadline outcome {outcome}")
         else:  # drain timeout: nothing was sent, back to RUNNING
             outcome = self._outcome(step)
-            require(not outcome.ok and self.stage.state is S.RUNNING and not step.sends, "model",
-                    f"drain timeout gave {step} in {self.stage.state.value}")  # fmt: skip
+            require(
+                not outcome.ok and self.stage.state is S.RUNNING and not step.sends,
+                "model",
+                f"drain timeout gave {step} in {self.stage.state.value}",
+            )
 
     @precondition(lambda self: len(self.dead) < len(self.stage.ranks))
     @rule(rank=st.integers(0, 3))
@@ -218,8 +245,11 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             if not quiet(step):
                 raise ModelMismatch(f"rank death in {self.stage.state.value} gave {step}")
             return
-        require(self.stage.state is S.FAILED and set(self.stage.failed_ranks) == {rank}, "P-9",
-                f"rank {rank} died: stage {self.stage.state.value}, names {sorted(self.stage.failed_ranks)}")
+        require(
+            self.stage.state is S.FAILED and set(self.stage.failed_ranks) == {rank},
+            "P-9",
+            f"rank {rank} died: stage {self.stage.state.value}, names {sorted(self.stage.failed_ranks)}",
+        )
         require(f"rank {rank}" in self.stage.failure and "SIGKILL" in self.stage.failure, "P-9", self.stage.failure)
         if step.outcome is not None:
             self._record(step.outcome)
@@ -267,9 +297,13 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
         self._check_sends(step, sends)
         self.sim.apply(step)
 
-    @rule(kind=st.sampled_from(["sleep", "wake", "reload", "retry", "retry"]), task=st.integers(0, 9),
-          level=st.sampled_from([1, 1, 2]), tags=st.sampled_from(TAG_CHOICES),
-          deadline_s=st.sampled_from([2.0, 5.0, 30.0]))  # fmt: skip
+    @rule(
+        kind=st.sampled_from(["sleep", "wake", "reload", "retry", "retry"]),
+        task=st.integers(0, 9),
+        level=st.sampled_from([1, 1, 2]),
+        tags=st.sampled_from(TAG_CHOICES),
+        deadline_s=st.sampled_from([2.0, 5.0, 30.0]),
+    )
     def api(self, kind: str, task: int, level: int, tags: tuple[str, ...] | None, deadline_s: float) -> None:
         """An API call with a pooled (so reused) or fresh task_id; "retry" repeats the last
         call exactly, with its task_id (in flight: re-send to silent ranks; ended: the record)."""
@@ -286,23 +320,39 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
 
     def api_sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, deadline_s: float) -> None:
         self.last_call = ("sleep", task_id, level, tags, deadline_s)
-        self._api(task_id, self.model.sleep(task_id, level, tags, self.now, deadline_s),
-                  lambda: self.sim.call(I.SleepCall(task_id, level, tags, deadline_s)))  # fmt: skip
+        self._api(
+            task_id,
+            self.model.sleep(task_id, level, tags, self.now, deadline_s),
+            lambda: self.sim.call(I.SleepCall(task_id, level, tags, deadline_s)),
+        )
 
     def api_wake(self, task_id: str, tags: tuple[str, ...] | None, deadline_s: float) -> None:
         self.last_call = ("wake", task_id, 1, tags, deadline_s)
-        self._api(task_id, self.model.wake(task_id, tags, self.now, deadline_s),
-                  lambda: self.sim.call(I.WakeCall(task_id, tags, deadline_s)))  # fmt: skip
+        self._api(
+            task_id,
+            self.model.wake(task_id, tags, self.now, deadline_s),
+            lambda: self.sim.call(I.WakeCall(task_id, tags, deadline_s)),
+        )
 
     def api_reload(self, task_id: str, source: str | None, deadline_s: float) -> None:
         self.last_call = ("reload", task_id, 1 if source is None else 2, None, deadline_s)
-        self._api(task_id, self.model.reload(task_id, source, self.now, deadline_s),
-                  lambda: self.sim.call(I.ReloadCall(task_id, source, deadline_s)))  # fmt: skip
+        self._api(
+            task_id,
+            self.model.reload(task_id, source, self.now, deadline_s),
+            lambda: self.sim.call(I.ReloadCall(task_id, source, deadline_s)),
+        )
 
-    @rule(pick=st.integers(0, 3), level=st.sampled_from([1, 2]), tags=st.sampled_from(TAG_CHOICES[:-1]),
-          task=st.integers(0, 9), settle_now=st.sampled_from([True, True, False]), seed=st.integers(0, 2**16))
-    def progress(self, pick: int, level: int, tags: tuple[str, ...] | None, task: int, settle_now: bool,
-                 seed: int) -> None:  # fmt: skip
+    @rule(
+        pick=st.integers(0, 3),
+        level=st.sampled_from([1, 2]),
+        tags=st.sampled_from(TAG_CHOICES[:-1]),
+        task=st.integers(0, 9),
+        settle_now=st.sampled_from([True, True, False]),
+        seed=st.integers(0, 2**16),
+    )
+    def progress(
+        self, pick: int, level: int, tags: tuple[str, ...] | None, task: int, settle_now: bool, seed: int
+    ) -> None:
         """The call that usually moves the stage on from where it is, so runs get deep
         (level-2 sleep, partial wake, reload, retries) between the chaos rules."""
         state = self.model.state
@@ -344,13 +394,19 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             raise ModelMismatch(f"stage accepted a call the model refuses, in {before[0].value}: {step}")
         if expect.kind == "recorded":
             recorded = self.outcomes.get(task_id)
-            require(step.outcome is not None and step.outcome is recorded and not step.sends, "P-1",
-                    f"retry of ended task {task_id!r} gave {step}, not its one outcome {recorded}")  # fmt: skip
+            require(
+                step.outcome is not None and step.outcome is recorded and not step.sends,
+                "P-1",
+                f"retry of ended task {task_id!r} gave {step}, not its one outcome {recorded}",
+            )
             return
         if expect.kind == "already":
             outcome = self._outcome(step)
-            require(outcome.ok and outcome.status is AckStatus.ALREADY and not step.sends, "P-4",
-                    f"nothing to do must be ALREADY with nothing sent: {step}")  # fmt: skip
+            require(
+                outcome.ok and outcome.status is AckStatus.ALREADY and not step.sends,
+                "P-4",
+                f"nothing to do must be ALREADY with nothing sent: {step}",
+            )
             return
         self._check_sends(step, expect.sends)
 
@@ -380,9 +436,13 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
         stale = command.epoch < worker.epoch
         step = self.sim.deliver(envelope)
         if stale:
-            require(isinstance(step, WorkerStep) and len(step.replies) == 1
-                    and step.replies[0].reason is NackReason.STALE_EPOCH, "P-6",
-                    f"rank {worker.rank} (epoch {worker.epoch}) answered {command!r} with {step}")  # fmt: skip
+            require(
+                isinstance(step, WorkerStep)
+                and len(step.replies) == 1
+                and step.replies[0].reason is NackReason.STALE_EPOCH,
+                "P-6",
+                f"rank {worker.rank} (epoch {worker.epoch}) answered {command!r} with {step}",
+            )
 
     def _finish(self, rank: int, fail: bool) -> None:
         self.sim.perform(rank, error="CUDA error: an illegal memory access" if fail else None)
@@ -395,8 +455,11 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
         step = deliver()
         require(quiet(step) and step.started in (None, self.stage.state), "model", f"Hello gave {step}")
         if expect == "stale":
-            require(self.stage.state is before and self.stage.counters.stale_replies_ignored == stale_before + 1,
-                    "P-6", f"Hello {hello!r} must be counted and ignored in {before.value}")  # fmt: skip
+            require(
+                self.stage.state is before and self.stage.counters.stale_replies_ignored == stale_before + 1,
+                "P-6",
+                f"Hello {hello!r} must be counted and ignored in {before.value}",
+            )
         self._check_all_ranks_commit()
 
     def _reply(self, reply: Reply, deliver: Callable[[], StageStep]) -> None:
@@ -406,24 +469,38 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
         current = stage.task_id
         if isinstance(reply, Ack) and reply.epoch == stage.epoch and reply.task_id == current:
             self.acked_by.setdefault((stage.epoch, reply.task_id), set()).add(reply.rank)
-        expect = self.model.reply(epoch=reply.epoch, task_id=reply.task_id, rank=reply.rank,
-                                  is_nack=isinstance(reply, Nack), state=getattr(reply, "state", None),
-                                  asleep=frozenset(getattr(reply, "asleep_tags", ())))  # fmt: skip
+        expect = self.model.reply(
+            epoch=reply.epoch,
+            task_id=reply.task_id,
+            rank=reply.rank,
+            is_nack=isinstance(reply, Nack),
+            state=getattr(reply, "state", None),
+            asleep=frozenset(getattr(reply, "asleep_tags", ())),
+        )
         step = deliver()
 
         # P-6 first: what must be ignored is ignored, and counted once under the right name.
-        counter = {"stale": "stale_replies_ignored", "unknown": "unknown_replies_ignored",
-                   "duplicate": "duplicate_replies_ignored"}.get(expect.kind)  # fmt: skip
+        counter = {
+            "stale": "stale_replies_ignored",
+            "unknown": "unknown_replies_ignored",
+            "duplicate": "duplicate_replies_ignored",
+        }.get(expect.kind)
         if counter is not None:
             rose = {k: v - counters[k] for k, v in dataclasses.asdict(stage.counters).items() if v != counters[k]}
-            require(quiet(step) and self._snapshot() == before and rose == {counter: 1}, "P-6",
-                    f"{expect.kind} reply {reply!r} must change nothing and count once as {counter}; "
-                    f"got {step}, counters {rose}, state {before[0].value} -> {stage.state.value}")  # fmt: skip
+            require(
+                quiet(step) and self._snapshot() == before and rose == {counter: 1},
+                "P-6",
+                f"{expect.kind} reply {reply!r} must change nothing and count once as {counter}; "
+                f"got {step}, counters {rose}, state {before[0].value} -> {stage.state.value}",
+            )
         # P-5: a commit needs an ACK of this task, in this epoch, from every rank.
         if step.outcome is not None and step.outcome.ok:
             acked = self.acked_by.get((stage.epoch, step.outcome.task_id), set())
-            require(acked == set(stage.ranks), "P-5",
-                    f"committed {stage.state.value} with ACKs from ranks {sorted(acked)} of {list(stage.ranks)}")
+            require(
+                acked == set(stage.ranks),
+                "P-5",
+                f"committed {stage.state.value} with ACKs from ranks {sorted(acked)} of {list(stage.ranks)}",
+            )
         self._check_all_ranks_commit()
 
         if counter is not None or expect.kind == "ack":
@@ -435,9 +512,14 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             if not outcome.ok or outcome.state is not self.model.state or set(outcome.acks) != set(stage.ranks):
                 raise ModelMismatch(f"{reply!r}: expected a commit to {self.model.state.value}, got {outcome}")
         else:  # fail: a NACK (or an ACK in the wrong state) ends the task naming the rank
-            require(stage.state is S.FAILED and not outcome.ok and set(outcome.failures) == set(expect.ranks)
-                    and f"rank {reply.rank}" in stage.failure, "P-9",
-                    f"{reply!r} must fail the stage naming rank {reply.rank}: {outcome}")  # fmt: skip
+            require(
+                stage.state is S.FAILED
+                and not outcome.ok
+                and set(outcome.failures) == set(expect.ranks)
+                and f"rank {reply.rank}" in stage.failure,
+                "P-9",
+                f"{reply!r} must fail the stage naming rank {reply.rank}: {outcome}",
+            )
 
     def _outcome(self, step: StageStep) -> TaskOutcome:
         if step.outcome is None:
@@ -447,18 +529,32 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
 
     def _record(self, outcome: TaskOutcome) -> None:
         """A task ends once: a second outcome for the same task_id is a second terminal answer."""
-        require(outcome.task_id not in self.outcomes, "P-1",
-                f"task {outcome.task_id!r} ended twice: {self.outcomes.get(outcome.task_id)} and {outcome}")
-        require(outcome.state is self.stage.state, "model",
-                f"outcome names {outcome.state.value}, stage is {self.stage.state.value}")  # fmt: skip
+        require(
+            outcome.task_id not in self.outcomes,
+            "P-1",
+            f"task {outcome.task_id!r} ended twice: {self.outcomes.get(outcome.task_id)} and {outcome}",
+        )
+        require(
+            outcome.state is self.stage.state,
+            "model",
+            f"outcome names {outcome.state.value}, stage is {self.stage.state.value}",
+        )
         self.outcomes[outcome.task_id] = outcome
 
     # ------------------------------------------------------------------ checks
 
     def _snapshot(self) -> tuple:
         st_ = self.stage
-        return (st_.state, st_.epoch, st_.task_id, st_.residency.asleep, st_.residency.weights_valid,
-                st_.in_flight_requests, dict(st_.rank_state), st_.failure)  # fmt: skip
+        return (
+            st_.state,
+            st_.epoch,
+            st_.task_id,
+            st_.residency.asleep,
+            st_.residency.weights_valid,
+            st_.in_flight_requests,
+            dict(st_.rank_state),
+            st_.failure,
+        )
 
     def _check_all_ranks_commit(self) -> None:
         """P-5: a settled stage state is what every rank of this epoch really is."""
@@ -469,17 +565,25 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
         for rank in stage.ranks:
             worker = self.workers[rank]
             require(rank not in self.dead, "P-5", f"stage {stage.state.value} with rank {rank} dead")
-            require(worker.epoch == stage.epoch and worker.state is want and not worker.busy
-                    and worker.residency.asleep == stage.residency.asleep, "P-5",
-                    f"stage {stage.state.value} (asleep {sorted(stage.residency.asleep)}) but rank {rank} is "
-                    f"{worker.state.value} (asleep {sorted(worker.residency.asleep)}, busy {worker.busy})")  # fmt: skip
+            require(
+                worker.epoch == stage.epoch
+                and worker.state is want
+                and not worker.busy
+                and worker.residency.asleep == stage.residency.asleep,
+                "P-5",
+                f"stage {stage.state.value} (asleep {sorted(stage.residency.asleep)}) but rank {rank} is "
+                f"{worker.state.value} (asleep {sorted(worker.residency.asleep)}, busy {worker.busy})",
+            )
 
     def _check_admission(self) -> None:
         """P-7: a request is admitted only while every rank is ACTIVE."""
         if self.stage.admits():
             for rank in self.stage.ranks:
-                require(rank not in self.dead and self.workers[rank].state is W.ACTIVE, "P-7",
-                        f"stage admits requests but rank {rank} is {self.workers[rank].state.value}")  # fmt: skip
+                require(
+                    rank not in self.dead and self.workers[rank].state is W.ACTIVE,
+                    "P-7",
+                    f"stage admits requests but rank {rank} is {self.workers[rank].state.value}",
+                )
 
     @invariant()
     def properties_hold(self) -> None:
@@ -489,8 +593,14 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
     @invariant()
     def agrees_with_the_model(self) -> None:
         st_, m = self.stage, self.model
-        got = (st_.state, st_.epoch, st_.residency.asleep, st_.residency.weights_valid, st_.in_flight_requests,
-               st_.task_id)  # fmt: skip
+        got = (
+            st_.state,
+            st_.epoch,
+            st_.residency.asleep,
+            st_.residency.weights_valid,
+            st_.in_flight_requests,
+            st_.task_id,
+        )
         want = (m.state, m.epoch, m.asleep, m.weights_valid, m.requests, m.task.task_id if m.task else None)
         if got != want:
             raise ModelMismatch(f"stage {got} != model {want}")
@@ -504,21 +614,30 @@ def test_stage_against_the_reference_model() -> None:
 
 # ============================================================================ broken variants
 
+
 def _machine_with(stage_cls: type[StageCore] = StageCore, worker_cls: type[WorkerCore] = WorkerCore):  # type: ignore[no-untyped-def]
-    return type(f"StageMachineWith{stage_cls.__name__}{worker_cls.__name__}", (StageMachine,), {
-        "make_stage": staticmethod(lambda ranks: stage_cls("talker", ranks, tags=TAGS)),
-        "make_worker": staticmethod(lambda rank, epoch: worker_cls(rank, tags=TAGS, epoch=epoch)),
-    })  # fmt: skip
+    return type(
+        f"StageMachineWith{stage_cls.__name__}{worker_cls.__name__}",
+        (StageMachine,),
+        {
+            "make_stage": staticmethod(lambda ranks: stage_cls("talker", ranks, tags=TAGS)),
+            "make_worker": staticmethod(lambda rank, epoch: worker_cls(rank, tags=TAGS, epoch=epoch)),
+        },
+    )
 
 
 @pytest.mark.parametrize(
     ("stage_cls", "worker_cls", "prop"),
-    [(NoEpochFenceStage, WorkerCore, "P-6"), (CommitsOnFirstAckStage, WorkerCore, "P-5"),
-     (StageCore, NoEpochFenceWorker, "P-6")],
+    [
+        (NoEpochFenceStage, WorkerCore, "P-6"),
+        (CommitsOnFirstAckStage, WorkerCore, "P-5"),
+        (StageCore, NoEpochFenceWorker, "P-6"),
+    ],
     ids=["stage-without-epoch-fence", "stage-commits-on-first-ack", "workers-without-epoch-fence"],
-)  # fmt: skip
-def test_broken_stage_is_caught_by_the_invariants(stage_cls: type[StageCore], worker_cls: type[WorkerCore],
-                                                  prop: str) -> None:  # fmt: skip
+)
+def test_broken_stage_is_caught_by_the_invariants(
+    stage_cls: type[StageCore], worker_cls: type[WorkerCore], prop: str
+) -> None:
     with pytest.raises(PropertyViolation) as info:
         run_state_machine_as_test(_machine_with(stage_cls, worker_cls), settings=BROKEN)
     assert info.value.prop == prop, info.value

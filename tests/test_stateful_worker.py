@@ -56,9 +56,20 @@ from omni_core.protocol import (
 
 W = WorkerState
 TAGS = ("weights", "kv_cache", "scratch")
-TAG_CHOICES = [None, None, None, ("weights",), ("kv_cache",), ("scratch",), ("weights", "kv_cache"),
-               ("kv_cache", "scratch"), ("scratch", "weights"), ("kv_cache", "weights", "scratch"),
-               ("kv_cache", "kv_cache"), ("weights", "lora")]  # fmt: skip
+TAG_CHOICES = [
+    None,
+    None,
+    None,
+    ("weights",),
+    ("kv_cache",),
+    ("scratch",),
+    ("weights", "kv_cache"),
+    ("kv_cache", "scratch"),
+    ("scratch", "weights"),
+    ("kv_cache", "weights", "scratch"),
+    ("kv_cache", "kv_cache"),
+    ("weights", "lora"),
+]
 KINDS = ["sleep"] * 5 + ["wake"] * 5 + ["reload"] * 3 + ["execute"] * 4 + ["status"] * 2 + ["shutdown"]
 # What usually moves a worker on from each state: the `progress` rule draws from these, so
 # runs get deep (level-2 sleep, partial wake, reload) instead of bouncing off refusals.
@@ -106,9 +117,12 @@ class WorkerMachine(RuleBasedStateMachine):
         self.effects: dict[str, int] = {}  # non-Status effects emitted, by task_id
         self.weights_garbage = False  # a level-2 sleep discarded the weights; no reload since
 
-    @initialize(level2=st.sampled_from([True, True, True, False]),
-                partial_wake=st.sampled_from([True, True, True, False]), epoch=st.integers(0, 2),
-                loaded=st.sampled_from([True] * 5 + [False]))  # fmt: skip
+    @initialize(
+        level2=st.sampled_from([True, True, True, False]),
+        partial_wake=st.sampled_from([True, True, True, False]),
+        epoch=st.integers(0, 2),
+        loaded=st.sampled_from([True] * 5 + [False]),
+    )
     def start(self, level2: bool, partial_wake: bool, epoch: int, loaded: bool) -> None:
         caps = tuple(c for c, on in ((Capability.LEVEL2, level2), (Capability.PARTIAL_WAKE, partial_wake)) if on)
         self.worker = self.make_worker(tags=TAGS, epoch=epoch, capabilities=caps)
@@ -129,16 +143,27 @@ class WorkerMachine(RuleBasedStateMachine):
             self.model.load_failed(text)
             self.worker.load_failed(text)
 
-    @rule(kind=st.sampled_from(KINDS), tags=st.sampled_from(TAG_CHOICES), level=st.sampled_from([1, 1, 2]),
-          task=st.integers(0, 11), epoch_delta=st.sampled_from([0] * 12 + [1, -1]),
-          finish_now=st.sampled_from([True, True, False]))  # fmt: skip
-    def send(self, kind: str, tags: tuple[str, ...] | None, level: int, task: int, epoch_delta: int,
-             finish_now: bool) -> None:  # fmt: skip
+    @rule(
+        kind=st.sampled_from(KINDS),
+        tags=st.sampled_from(TAG_CHOICES),
+        level=st.sampled_from([1, 1, 2]),
+        task=st.integers(0, 11),
+        epoch_delta=st.sampled_from([0] * 12 + [1, -1]),
+        finish_now=st.sampled_from([True, True, False]),
+    )
+    def send(
+        self, kind: str, tags: tuple[str, ...] | None, level: int, task: int, epoch_delta: int, finish_now: bool
+    ) -> None:
         self._send(kind, tags, level, task, epoch_delta, finish_now)
 
     @precondition(lambda self: self.model.state in PROGRESS)
-    @rule(pick=st.integers(0, 4), tags=st.sampled_from(TAG_CHOICES[:-1]), level=st.sampled_from([1, 2]),
-          task=st.integers(0, 11), finish_now=st.sampled_from([True, True, False]))  # fmt: skip
+    @rule(
+        pick=st.integers(0, 4),
+        tags=st.sampled_from(TAG_CHOICES[:-1]),
+        level=st.sampled_from([1, 2]),
+        task=st.integers(0, 11),
+        finish_now=st.sampled_from([True, True, False]),
+    )
     def progress(self, pick: int, tags: tuple[str, ...] | None, level: int, task: int, finish_now: bool) -> None:
         options = PROGRESS[self.model.state]
         self._send(options[pick % len(options)], tags, level, task, 0, finish_now)
@@ -153,8 +178,9 @@ class WorkerMachine(RuleBasedStateMachine):
         self.effects.clear()
         self.weights_garbage = False
 
-    def _send(self, kind: str, tags: tuple[str, ...] | None, level: int, task: int, epoch_delta: int,
-              finish_now: bool) -> None:  # fmt: skip
+    def _send(
+        self, kind: str, tags: tuple[str, ...] | None, level: int, task: int, epoch_delta: int, finish_now: bool
+    ) -> None:
         task_id = POOL[task] if task < len(POOL) else f"fresh-{next(self._fresh)}"
         epoch = max(0, self.model.epoch + epoch_delta)
         command: Command = {
@@ -190,8 +216,11 @@ class WorkerMachine(RuleBasedStateMachine):
         else:
             expect = self.model.done()
             step = self.worker.on_done(command.task_id, output=output, duration_s=0.5)
-        require(step.effect is None and len(step.replies) == 1, "P-1",
-                f"completing {command!r} must give exactly one reply, got {step}")  # fmt: skip
+        require(
+            step.effect is None and len(step.replies) == 1,
+            "P-1",
+            f"completing {command!r} must give exactly one reply, got {step}",
+        )
         (reply,) = step.replies
         self._compare(expect, command, step.replies, None)
         if isinstance(reply, Result):
@@ -218,9 +247,11 @@ class WorkerMachine(RuleBasedStateMachine):
             step = self.worker.on_bad_message(err)
             require(len(step.replies) == 1 and step.effect is None, "P-10", f"bad bytes gave {step}")
             (nack,) = step.replies
-            require(isinstance(nack, Nack) and nack.reason in (NackReason.BAD_MESSAGE,
-                                                               NackReason.UNSUPPORTED_VERSION),
-                    "P-10", f"bad bytes answered with {nack!r}")  # fmt: skip
+            require(
+                isinstance(nack, Nack) and nack.reason in (NackReason.BAD_MESSAGE, NackReason.UNSUPPORTED_VERSION),
+                "P-10",
+                f"bad bytes answered with {nack!r}",
+            )
             require((self.worker.state, self.worker.busy) == before, "P-10", "bad bytes changed the worker")
             self._check_failure_text(step.replies)
 
@@ -238,25 +269,41 @@ class WorkerMachine(RuleBasedStateMachine):
 
         require(len(replies) + (effect is not None) <= 1, "P-1", f"{command!r} got {step}")
         if stale:
-            require(effect is None and len(replies) == 1 and isinstance(replies[0], Nack)
-                    and replies[0].reason is NackReason.STALE_EPOCH, "P-6",
-                    f"{command!r} from epoch {command.epoch} < {model.epoch} got {step}")  # fmt: skip
+            require(
+                effect is None
+                and len(replies) == 1
+                and isinstance(replies[0], Nack)
+                and replies[0].reason is NackReason.STALE_EPOCH,
+                "P-6",
+                f"{command!r} from epoch {command.epoch} < {model.epoch} got {step}",
+            )
         elif in_flight is not None and in_flight.task_id == command.task_id:
             if same_command(in_flight, command):
-                require(not replies and effect is None, "P-1",
-                        f"a copy of the task in progress was answered on its own: {step}")  # fmt: skip
+                require(
+                    not replies and effect is None,
+                    "P-1",
+                    f"a copy of the task in progress was answered on its own: {step}",
+                )
             else:
-                require(len(replies) == 1 and getattr(replies[0], "reason", None) is NackReason.TASK_ID_REUSED,
-                        "P-2", f"{command!r} reuses the task_id in progress, got {step}")  # fmt: skip
+                require(
+                    len(replies) == 1 and getattr(replies[0], "reason", None) is NackReason.TASK_ID_REUSED,
+                    "P-2",
+                    f"{command!r} reuses the task_id in progress, got {step}",
+                )
         elif recorded is not None and not isinstance(command, Status):
             require(effect is None, "P-2", f"second effect {effect!r} for answered task {command.task_id!r}")
             if same_command(recorded[0], command):
-                require(len(replies) == 1 and replies[0] is recorded[1], "P-2",
-                        f"duplicate of {command.task_id!r} got {replies}, "
-                        f"not the recorded {recorded[1]!r}")  # fmt: skip
+                require(
+                    len(replies) == 1 and replies[0] is recorded[1],
+                    "P-2",
+                    f"duplicate of {command.task_id!r} got {replies}, not the recorded {recorded[1]!r}",
+                )
             else:
-                require(len(replies) == 1 and getattr(replies[0], "reason", None) is NackReason.TASK_ID_REUSED,
-                        "P-2", f"{command!r} reuses answered task_id, got {step}")  # fmt: skip
+                require(
+                    len(replies) == 1 and getattr(replies[0], "reason", None) is NackReason.TASK_ID_REUSED,
+                    "P-2",
+                    f"{command!r} reuses answered task_id, got {step}",
+                )
         if effect is not None and not isinstance(effect, StatusEffect):
             self.effects[command.task_id] = self.effects.get(command.task_id, 0) + 1
             require(self.effects[command.task_id] == 1, "P-2", f"second effect for {command.task_id!r}")
@@ -264,9 +311,14 @@ class WorkerMachine(RuleBasedStateMachine):
             require(state_before is W.ACTIVE, "P-7", f"Execute ran in {state_before.value}")
             require(not self.weights_garbage, "P-8", "Execute ran after a level-2 sleep, before a reload")
         if expect.kind == "ack" and expect.status is AckStatus.ALREADY:
-            require(len(replies) == 1 and isinstance(replies[0], Ack)
-                    and replies[0].status is AckStatus.ALREADY and effect is None, "P-4",
-                    f"{command!r} has nothing to do and must be an ALREADY no-op, got {step}")  # fmt: skip
+            require(
+                len(replies) == 1
+                and isinstance(replies[0], Ack)
+                and replies[0].status is AckStatus.ALREADY
+                and effect is None,
+                "P-4",
+                f"{command!r} has nothing to do and must be an ALREADY no-op, got {step}",
+            )
 
         self._compare(expect, command, replies, effect)
         if expect.kind == "ack" and expect.status is AckStatus.ALREADY:
@@ -276,8 +328,7 @@ class WorkerMachine(RuleBasedStateMachine):
         if expect.kind != "cached":
             self._check_failure_text(replies)
 
-    def _compare(self, expect: Expect, command: Command, replies: tuple[Reply, ...],
-                 effect: Effect | None) -> None:  # fmt: skip
+    def _compare(self, expect: Expect, command: Command, replies: tuple[Reply, ...], effect: Effect | None) -> None:
         what = f"{command!r} in model state {self.model.state.value}"
         if expect.kind in ("ignore", "effect"):
             if replies:
@@ -309,10 +360,15 @@ class WorkerMachine(RuleBasedStateMachine):
                 raise PropertyViolation("P-11", f"INVALID_STATE does not name the state: {reply!r}")
         elif expect.kind == "ack":
             asleep = tuple(sorted(self.model.asleep))
-            if (not isinstance(reply, Ack) or reply.status is not expect.status or reply.state is not expect.state
-                    or reply.asleep_tags != asleep):  # fmt: skip
-                raise ModelMismatch(f"{what}: expected Ack {expect.status} in {expect.state} with {asleep}, "
-                                    f"got {reply!r}")  # fmt: skip
+            if (
+                not isinstance(reply, Ack)
+                or reply.status is not expect.status
+                or reply.state is not expect.state
+                or reply.asleep_tags != asleep
+            ):
+                raise ModelMismatch(
+                    f"{what}: expected Ack {expect.status} in {expect.state} with {asleep}, got {reply!r}"
+                )
 
     def _check_failure_text(self, replies: tuple[Reply, ...]) -> None:
         """P-11: once the worker failed, every new reply says why."""
@@ -330,18 +386,24 @@ class WorkerMachine(RuleBasedStateMachine):
         if w.state is not m.state:
             raise ModelMismatch(f"worker in {w.state.value}, model in {m.state.value}")
         if w.residency.asleep != m.asleep or w.residency.weights_valid != m.weights_valid:
-            raise ModelMismatch(f"worker asleep={sorted(w.residency.asleep)} valid={w.residency.weights_valid}, "
-                                f"model asleep={sorted(m.asleep)} valid={m.weights_valid}")  # fmt: skip
+            raise ModelMismatch(
+                f"worker asleep={sorted(w.residency.asleep)} valid={w.residency.weights_valid}, "
+                f"model asleep={sorted(m.asleep)} valid={m.weights_valid}"
+            )
         if w.busy != (m.pending is not None) or w.epoch != m.epoch:
-            raise ModelMismatch(f"worker busy={w.busy} epoch={w.epoch}, model pending={m.pending} "
-                                f"epoch={m.epoch}")  # fmt: skip
+            raise ModelMismatch(f"worker busy={w.busy} epoch={w.epoch}, model pending={m.pending} epoch={m.epoch}")
 
     @invariant()
     def execution_only_when_resident(self) -> None:
         pending = self.model.pending
         if pending is not None and isinstance(pending.command, Execute):
-            require(self.worker.state is W.ACTIVE and not self.worker.residency.asleep
-                    and self.worker.residency.weights_valid, "P-7", "Execute in flight outside ACTIVE")  # fmt: skip
+            require(
+                self.worker.state is W.ACTIVE
+                and not self.worker.residency.asleep
+                and self.worker.residency.weights_valid,
+                "P-7",
+                "Execute in flight outside ACTIVE",
+            )
         if self.weights_garbage:
             require(self.worker.state is not W.ACTIVE, "P-8", "ACTIVE with discarded weights")
 
@@ -354,13 +416,20 @@ def test_worker_against_the_reference_model() -> None:
 
 # ============================================================================ broken variants
 
+
 def _machine_with(worker_cls: type[WorkerCore]) -> type[WorkerMachine]:
-    return type(f"WorkerMachineWith{worker_cls.__name__}", (WorkerMachine,),
-                {"make_worker": staticmethod(lambda **kw: worker_cls(0, **kw))})  # fmt: skip
+    return type(
+        f"WorkerMachineWith{worker_cls.__name__}",
+        (WorkerMachine,),
+        {"make_worker": staticmethod(lambda **kw: worker_cls(0, **kw))},
+    )
 
 
-@pytest.mark.parametrize(("worker_cls", "prop"), [(NoReplyCacheWorker, "P-2"), (NoEpochFenceWorker, "P-6")],
-                         ids=["no-reply-cache", "no-epoch-fence"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("worker_cls", "prop"),
+    [(NoReplyCacheWorker, "P-2"), (NoEpochFenceWorker, "P-6")],
+    ids=["no-reply-cache", "no-epoch-fence"],
+)
 def test_broken_worker_is_caught_by_the_invariants(worker_cls: type[WorkerCore], prop: str) -> None:
     with pytest.raises(PropertyViolation) as info:
         run_state_machine_as_test(_machine_with(worker_cls), settings=BROKEN)

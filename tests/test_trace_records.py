@@ -46,10 +46,17 @@ def test_a_sleep_is_issued_sent_received_and_committed_in_that_order() -> None:
     issued, *sent = step.records[:3]
     assert kinds(step.records) == ["StageIssued", "StageSent", "StageSent"]
     assert (issued.command, issued.level, issued.tags, issued.before, issued.after) == (
-        "Sleep", 1, None, "RUNNING", "TRANSITIONING")
+        "Sleep",
+        1,
+        None,
+        "RUNNING",
+        "TRANSITIONING",
+    )
     assert issued.deadline_at_s == 7.0 and not issued.already and not issued.auto
     assert [(s.rank, s.command, s.task_id, s.state) for s in sent] == [
-        (0, "Sleep", "t1", "TRANSITIONING"), (1, "Sleep", "t1", "TRANSITIONING")]
+        (0, "Sleep", "t1", "TRANSITIONING"),
+        (1, "Sleep", "t1", "TRANSITIONING"),
+    ]
     first, last = answer(stage, workers, step.sends, now=3.0)
     assert kinds(first.records) == ["StageReceived"] and first.records[0].info == "OK"
     assert kinds(last.records) == ["StageReceived", "StageChanged", "TaskEnded"]
@@ -67,7 +74,11 @@ def test_a_deadline_names_the_silent_ranks_and_when_it_passed() -> None:
     deadline = step.records[0]
     assert kinds(step.records) == ["StageDeadline", "TaskEnded"]
     assert (deadline.before, deadline.after, deadline.deadline_at_s, deadline.now_s) == (
-        "TRANSITIONING", "FAILED", 7.0, 7.5)
+        "TRANSITIONING",
+        "FAILED",
+        7.0,
+        7.5,
+    )
     assert sorted(deadline.failed_ranks) == [0, 1] and "within 5 s" in deadline.failed_ranks[0]
     restart = stage.step(I.Restart(deadline_s=10.0), now=8.0)
     assert kinds(restart.records) == ["StageRestarted"]
@@ -92,13 +103,25 @@ def test_a_commit_and_the_wake_it_lets_admission_start_are_two_records() -> None
     submitted = stage.step(I.Submit("r1", {"x": 1}, timeout_s=30.0), now=2.1)
     assert kinds(submitted.records) == ["RequestSubmitted"] and submitted.records[0].admission == "queue"
     *_, last = answer(stage, workers, step.sends, now=3.0)
-    assert kinds(last.records) == ["StageReceived", "StageChanged", "StageIssued", "StageSent", "StageSent",
-                                   "TaskEnded"]  # fmt: skip
+    assert kinds(last.records) == [
+        "StageReceived",
+        "StageChanged",
+        "StageIssued",
+        "StageSent",
+        "StageSent",
+        "TaskEnded",
+    ]
     issued = last.records[2]
     assert (issued.command, issued.before, issued.after, issued.auto) == ("Wake", "SLEEPING", "WAKING", True)
     *_, woke = answer(stage, workers, last.sends, now=4.0)
-    assert kinds(woke.records) == ["StageReceived", "StageChanged", "StageDispatched", "StageSent", "StageSent",
-                                   "TaskEnded"]  # fmt: skip
+    assert kinds(woke.records) == [
+        "StageReceived",
+        "StageChanged",
+        "StageDispatched",
+        "StageSent",
+        "StageSent",
+        "TaskEnded",
+    ]
     assert (woke.records[2].request_id, woke.records[2].deadline_at_s) == ("r1", 32.1)
 
 
@@ -110,8 +133,11 @@ def test_worker_records_name_the_command_its_states_and_each_reply() -> None:
     assert (step.records[0].command, step.records[0].state) == ("Sleep", "ACTIVE")
     done = w.on_done("s", memory=REPORT, duration_s=0.5, path="per-allocation")
     assert kinds(done.records) == ["EffectDone", "WorkerChanged", "ReplySent"]
-    assert (done.records[0].state, done.records[0].path, done.records[1].after) == ("SLEEPING", "per-allocation",
-                                                                                     "SLEEPING")  # fmt: skip
+    assert (done.records[0].state, done.records[0].path, done.records[1].after) == (
+        "SLEEPING",
+        "per-allocation",
+        "SLEEPING",
+    )
     assert (done.records[2].reply, done.records[2].info, done.records[2].state) == ("ack", "OK", "SLEEPING")
     refused = w.on_command(ReloadWeights(task_id="r", epoch=0))
     assert kinds(refused.records) == ["WorkerReceived", "ReplySent"] and refused.records[1].info == "INVALID_STATE"
@@ -126,7 +152,10 @@ def test_a_refused_reload_and_a_failed_effect_are_records_of_their_own() -> None
     refused = w.on_refused("r", "no such checkpoint")
     assert kinds(refused.records) == ["EffectRefused", "WorkerChanged", "ReplySent"]
     assert (refused.records[0].command, refused.records[1].before, refused.records[1].after) == (
-        "ReloadWeights", "RELOADING", "ACTIVE")
+        "ReloadWeights",
+        "RELOADING",
+        "ACTIVE",
+    )
     w.on_command(Sleep(task_id="s", epoch=0, level=1))
     failed = w.on_error("s", "x" * 1000)
     assert kinds(failed.records) == ["EffectFailed", "WorkerChanged", "ReplySent"]

@@ -49,20 +49,37 @@ def _shm(nbytes: int, *specs: TensorSpec) -> ShmSource:
 
 
 def test_update_round_trips_and_bounds_are_checked_on_decode() -> None:
-    good = update("u", 3, _shm(32, TensorSpec(name="w", dtype="float32", shape=(2, 2)),
-                               TensorSpec(name="b", dtype="bfloat16", shape=(8,), offset_bytes=16)))  # fmt: skip
+    good = update(
+        "u",
+        3,
+        _shm(
+            32,
+            TensorSpec(name="w", dtype="float32", shape=(2, 2)),
+            TensorSpec(name="b", dtype="bfloat16", shape=(8,), offset_bytes=16),
+        ),
+    )
     assert decode(encode(good)) == good
+
     def raw(tensors: list[dict], nbytes: int, version: int = 3) -> bytes:
         bucket = {"handle": "/dev/shm/x", "nbytes": nbytes, "sender_pid": 1, "tensors": tensors}
-        return msgspec.msgpack.encode({"type": "UpdateWeights", "task_id": "u", "epoch": 0, "version": version,
-                                       "source": {"type": "shm", "buckets": [bucket]}})
+        return msgspec.msgpack.encode(
+            {
+                "type": "UpdateWeights",
+                "task_id": "u",
+                "epoch": 0,
+                "version": version,
+                "source": {"type": "shm", "buckets": [bucket]},
+            }
+        )
 
     w = {"name": "w", "dtype": "float32", "shape": [2, 2]}
-    for bad, match in [(raw([w], 8), "ends past its bucket"),
-                       (raw([w, {**w, "offset_bytes": 16}], 64), "appears twice"),
-                       (raw([w], 64, version=0), ">= 1"),
-                       (raw([{**w, "shape": [1] * 9}], 64), "length <= 8"),
-                       (raw([{**w, "dtype": "complex64"}], 64), "dtype")]:  # fmt: skip
+    for bad, match in [
+        (raw([w], 8), "ends past its bucket"),
+        (raw([w, {**w, "offset_bytes": 16}], 64), "appears twice"),
+        (raw([w], 64, version=0), ">= 1"),
+        (raw([{**w, "shape": [1] * 9}], 64), "length <= 8"),
+        (raw([{**w, "dtype": "complex64"}], 64), "dtype"),
+    ]:
         with pytest.raises(ProtocolError, match=match):
             decode(bad)
 
@@ -241,8 +258,16 @@ def test_share_needs_valid_weights_awake(state: WorkerState) -> None:
 
 def test_a_share_acks_the_buckets_and_changes_nothing() -> None:
     d = reach_worker(W.ACTIVE)
-    source = ShmSource(buckets=(Bucket(handle="/dev/shm/x", nbytes=16, sender_pid=1,
-                                       tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),)),))
+    source = ShmSource(
+        buckets=(
+            Bucket(
+                handle="/dev/shm/x",
+                nbytes=16,
+                sender_pid=1,
+                tensors=(TensorSpec(name="w0", dtype="float32", shape=(2, 2)),),
+            ),
+        )
+    )
     step = d.send(ShareWeights(task_id="sh", epoch=0, bucket_bytes=4096))
     assert step.effect == ShareEffect("sh", 4096) and d.w.state is W.ACTIVE
     (ack,) = d.w.on_done("sh", shared=source).replies

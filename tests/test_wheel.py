@@ -56,19 +56,43 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     tmp = tmp_path_factory.mktemp("wheel")
     source = _copy_sources(tmp)
     dist = tmp / "dist"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(dist), str(source)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     wheels = sorted(dist.glob("omni_core-*.whl"))
     if build.returncode != 0 or not wheels:
-        pytest.skip(f"the wheel could not be built here (pip wheel exited {build.returncode}; setuptools>=77 and "
-                    f"wheel are needed without build isolation): {build.stderr[-500:]}")  # fmt: skip
+        pytest.skip(
+            f"the wheel could not be built here (pip wheel exited {build.returncode}; setuptools>=77 and "
+            f"wheel are needed without build isolation): {build.stderr[-500:]}"
+        )
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp, dict(os.environ))
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-          str(wheels[0])], tmp, dict(os.environ))  # fmt: skip
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheels[0]),
+        ],
+        tmp,
+        dict(os.environ),
+    )
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(purelib) / "omni_core_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     work = tmp / "elsewhere"
     work.mkdir()
@@ -79,15 +103,23 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
 
 def test_the_wheel_carries_the_spec_the_schemas_and_the_examples(installed) -> None:
     bin_dir, work, env = installed
-    code = ("import json, omni_core.resources as r, omni_core\n"
-            "print(json.dumps({'package': omni_core.__file__, **{n: str(r.data_dir(n)) for n in r.SHIPPED}}))")
+    code = (
+        "import json, omni_core.resources as r, omni_core\n"
+        "print(json.dumps({'package': omni_core.__file__, **{n: str(r.data_dir(n)) for n in r.SHIPPED}}))"
+    )
     where = json.loads(_run([str(bin_dir / "python"), "-c", code], work, env).stdout)
     package = Path(where.pop("package")).parent
     assert not package.is_relative_to(ROOT), f"omni_core was imported from the checkout: {package}"
     for name, path in where.items():
         assert Path(path) == package / "_data" / name, (name, path)
-    for relative in ("tla/manifest.json", "tla/trace/OmniTrace.tla", "specs/protocol.md",
-                     "specs/messages.schema.json", "specs/openapi.json", "examples/two_stages.toml"):  # fmt: skip
+    for relative in (
+        "tla/manifest.json",
+        "tla/trace/OmniTrace.tla",
+        "specs/protocol.md",
+        "specs/messages.schema.json",
+        "specs/openapi.json",
+        "examples/two_stages.toml",
+    ):
         assert (package / "_data" / relative).is_file(), relative
     assert (package / "py.typed").is_file()
     assert "omni-core 0.1.0" in _run([str(bin_dir / "omni-core"), "--version"], work, env).stdout
@@ -103,8 +135,9 @@ def test_check_trace_from_the_installed_wheel(installed) -> None:
     trace = work / "demo.jsonl"
     _run([str(bin_dir / "omni-core"), "demo", "--synthetic", "--weights-mib", "1", "--trace", str(trace)], work, env)
     # One stage keeps the TLC part short; the whole trace is checked by scripts/test.sh.
-    done = _run([str(bin_dir / "omni-core"), "check", "--trace", str(trace), "--stage", "decoder", "--json", "-"],
-                work, env)  # fmt: skip
+    done = _run(
+        [str(bin_dir / "omni-core"), "check", "--trace", str(trace), "--stage", "decoder", "--json", "-"], work, env
+    )
     assert "decoder" in done.stderr and "0 diverged" in done.stderr, done.stderr  # the text, beside the JSON
     report = json.loads(done.stdout)
     assert report["accepted"] is True and [v["stage"] for v in report["verdicts"]] == ["decoder"], report
@@ -158,6 +191,12 @@ def test_the_sdist_carries_what_the_wheel_copies_in(tmp_path) -> None:
     name = _run([sys.executable, "-c", code], source, dict(os.environ)).stdout.strip().splitlines()[-1]
     with tarfile.open(tmp_path / "dist" / name) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
-    for relative in ("setup.py", "omni_core/py.typed", "tla/manifest.json", "tla/trace/OmniTrace.tla",
-                     "specs/protocol.md", "examples/two_stages.toml"):  # fmt: skip
+    for relative in (
+        "setup.py",
+        "omni_core/py.typed",
+        "tla/manifest.json",
+        "tla/trace/OmniTrace.tla",
+        "specs/protocol.md",
+        "examples/two_stages.toml",
+    ):
         assert relative in names, relative

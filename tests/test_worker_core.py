@@ -77,8 +77,7 @@ def legal_states(command: str) -> set[WorkerState]:
 
 
 def snapshot(w: WorkerCore) -> tuple:
-    return (w.state, w.residency.asleep, w.residency.weights_valid, w.busy, len(w.cache),
-            w.failure, w.epoch)  # fmt: skip
+    return (w.state, w.residency.asleep, w.residency.weights_valid, w.busy, len(w.cache), w.failure, w.epoch)
 
 
 FORBIDDEN = [(s, c) for c in COMMANDS for s in W if s not in legal_states(c)]
@@ -267,8 +266,11 @@ def test_wake_refused_for_memory_returns_to_the_state_it_came_from() -> None:
     level2_then_weights = reach_worker(W.ACTIVE)
     level2_then_weights.run(Sleep(task_id="l2", epoch=0, level=2))
     level2_then_weights.run(Wake(task_id="ww", epoch=0, tags=("weights",)))
-    for start, d in ((W.SLEEPING, reach_worker(W.SLEEPING)), (W.PARTIAL, reach_worker(W.PARTIAL)),
-                     (W.NEEDS_RELOAD, level2_then_weights)):  # fmt: skip
+    for start, d in (
+        (W.SLEEPING, reach_worker(W.SLEEPING)),
+        (W.PARTIAL, reach_worker(W.PARTIAL)),
+        (W.NEEDS_RELOAD, level2_then_weights),
+    ):
         asleep = frozenset(d.w.residency.asleep)
         assert d.w.state is start and asleep
         tags = tuple(sorted(asleep))
@@ -299,8 +301,10 @@ def test_waiting_for_memory_needs_the_swap_capability() -> None:
 
 def test_a_link_plan_needs_the_multi_path_capability_and_reaches_the_effect() -> None:
     plan = (LinkShare(None, 1.0), LinkShare(1, 1.0))
-    for command, start in ((Sleep(task_id="s", epoch=0, links=plan), W.ACTIVE),
-                           (Wake(task_id="w", epoch=0, links=plan), W.SLEEPING)):  # fmt: skip
+    for command, start in (
+        (Sleep(task_id="s", epoch=0, links=plan), W.ACTIVE),
+        (Wake(task_id="w", epoch=0, links=plan), W.SLEEPING),
+    ):
         without = reach_worker(start, capabilities=(Capability.LEVEL2, Capability.PARTIAL_WAKE))
         (nack,) = without.send(command).replies
         assert nack.reason is NackReason.UNSUPPORTED and "multi_path" in nack.detail and without.w.state is start
@@ -464,8 +468,7 @@ def test_task_id_reused_while_in_progress() -> None:
     """P-2: a different command under the task_id in progress is refused, not swallowed."""
     d = reach_worker(W.ACTIVE)
     assert d.send(Sleep(task_id="t", epoch=0)).effect is not None
-    for other in (Wake(task_id="t", epoch=0), Sleep(task_id="t", epoch=0, level=2),
-                  Status(task_id="t", epoch=0)):  # fmt: skip
+    for other in (Wake(task_id="t", epoch=0), Sleep(task_id="t", epoch=0, level=2), Status(task_id="t", epoch=0)):
         step = d.send(other)
         assert step.effect is None
         (nack,) = step.replies
@@ -557,8 +560,7 @@ def test_stale_epoch_wins_over_busy() -> None:
 
 
 def test_unknown_tag_names_the_valid_ones() -> None:
-    for command in (Sleep(task_id="s", epoch=0, tags=("weights", "lora")),
-                    Wake(task_id="w", epoch=0, tags=("lora",))):  # fmt: skip
+    for command in (Sleep(task_id="s", epoch=0, tags=("weights", "lora")), Wake(task_id="w", epoch=0, tags=("lora",))):
         d = reach_worker(W.SLEEPING)
         (nack,) = d.send(command).replies
         assert nack.reason is NackReason.UNKNOWN_TAG
@@ -668,8 +670,10 @@ def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None
     assert d.w.state is W.STOPPED
     (ack,) = d.w.on_done("bye").replies
     assert BOOM in ack.detail
-    for reply in (d.send(Wake(task_id="w9", epoch=1)).replies[0],  # INVALID_STATE in STOPPED
-                  d.run(Shutdown(task_id="bye2", epoch=1))):  # ALREADY
+    for reply in (
+        d.send(Wake(task_id="w9", epoch=1)).replies[0],  # INVALID_STATE in STOPPED
+        d.run(Shutdown(task_id="bye2", epoch=1)),
+    ):  # ALREADY
         assert BOOM in reply.detail, reply
     assert step.effect == ShutdownEffect("bye")
 
@@ -745,8 +749,7 @@ def test_load_failure() -> None:
 
 def test_bad_bytes_get_bad_message_and_the_worker_goes_on() -> None:
     d = reach_worker(W.ACTIVE)
-    for data in (b"\xc1", msgspec.msgpack.encode({"type": "Sleep", "v": 1, "task_id": "t9", "epoch": 0,
-                                                  "level": 5})):  # fmt: skip
+    for data in (b"\xc1", msgspec.msgpack.encode({"type": "Sleep", "v": 1, "task_id": "t9", "epoch": 0, "level": 5})):
         try:
             decode(data)
         except ProtocolError as err:
@@ -774,9 +777,14 @@ def test_same_inputs_same_outputs() -> None:
         d = WorkerDriver()
         d.w.loaded()
         out = []
-        for cmd in (Sleep(task_id="a", epoch=0, level=2), Wake(task_id="b", epoch=0),
-                    ReloadWeights(task_id="c", epoch=0), Execute(task_id="d", epoch=0),
-                    Sleep(task_id="a", epoch=0), Status(task_id="e", epoch=3)):  # fmt: skip
+        for cmd in (
+            Sleep(task_id="a", epoch=0, level=2),
+            Wake(task_id="b", epoch=0),
+            ReloadWeights(task_id="c", epoch=0),
+            Execute(task_id="d", epoch=0),
+            Sleep(task_id="a", epoch=0),
+            Status(task_id="e", epoch=3),
+        ):
             step = d.send(cmd)
             out.append(step)
             if step.effect is not None:
@@ -792,30 +800,34 @@ def test_same_inputs_same_outputs() -> None:
 # table stopped listing Shutdown from the transient states, which answer BUSY.
 UNREACHABLE: set[tuple[str, str, str]] = set()
 
-SCENARIOS = [
-    test_reload_refused_by_the_runner_returns_to_the_state_it_came_from,
-    test_wake_refused_for_memory_returns_to_the_state_it_came_from,
-    test_load_then_level1_sleep_and_wake,
-    test_level2_sleep_needs_reload_before_execute,
-    test_partial_wake_then_the_rest,
-    test_level2_partial_wake_of_weights_then_reload_ends_partial,
-    test_level2_wake_of_scratch_only_stays_partial,
-    test_sleep_more_tags_from_each_asleep_state,
-    test_reload_while_active_swaps_weights_in_place,
-    test_status_everywhere_changes_nothing_and_is_never_cached,
-    test_shutdown_from_active_then_already,
-    test_shutdown_while_loading,
-    test_backend_error_fails_the_worker_and_every_later_reply_says_why,
-    test_load_failure,
-    test_execute_error_stays_active,
-    test_reload_while_active_swaps_weights_in_place,
-] + [lambda s=s: test_sleep_of_asleep_tags_is_already(s) for s in (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)] \
-  + [lambda s=s: test_wake_of_resident_tags_is_already(s) for s in (W.ACTIVE, W.SLEEPING, W.PARTIAL,
-                                                                    W.NEEDS_RELOAD)] \
-  + [lambda s=s: test_effect_error_in_each_transient_state(s) for s in TRANSIENT] \
-  + [lambda s=s: test_status_measurement_error_fails_the_worker(s)
-     for s in (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD, W.LOADING)] \
-  + [lambda: _shutdown_from_every_settled_state()]  # fmt: skip
+SCENARIOS = (
+    [
+        test_reload_refused_by_the_runner_returns_to_the_state_it_came_from,
+        test_wake_refused_for_memory_returns_to_the_state_it_came_from,
+        test_load_then_level1_sleep_and_wake,
+        test_level2_sleep_needs_reload_before_execute,
+        test_partial_wake_then_the_rest,
+        test_level2_partial_wake_of_weights_then_reload_ends_partial,
+        test_level2_wake_of_scratch_only_stays_partial,
+        test_sleep_more_tags_from_each_asleep_state,
+        test_reload_while_active_swaps_weights_in_place,
+        test_status_everywhere_changes_nothing_and_is_never_cached,
+        test_shutdown_from_active_then_already,
+        test_shutdown_while_loading,
+        test_backend_error_fails_the_worker_and_every_later_reply_says_why,
+        test_load_failure,
+        test_execute_error_stays_active,
+        test_reload_while_active_swaps_weights_in_place,
+    ]
+    + [lambda s=s: test_sleep_of_asleep_tags_is_already(s) for s in (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)]
+    + [lambda s=s: test_wake_of_resident_tags_is_already(s) for s in (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)]
+    + [lambda s=s: test_effect_error_in_each_transient_state(s) for s in TRANSIENT]
+    + [
+        lambda s=s: test_status_measurement_error_fails_the_worker(s)
+        for s in (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD, W.LOADING)
+    ]
+    + [lambda: _shutdown_from_every_settled_state()]
+)
 
 
 def _shutdown_from_every_settled_state() -> None:

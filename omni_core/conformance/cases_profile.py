@@ -23,38 +23,63 @@ def _name(ctx: Ctx, prefix: str) -> re.Pattern[str]:
     return re.compile(rf"^{stage}-rank{ctx.worker.rank}-{re.escape(prefix)}-\d{{8}}T\d{{6}}\.\d{{6}}Z\.json\.gz$")
 
 
-def _profile(ctx: Ctx, start: bool, prefix: str | None = None, *, state: WorkerState = WorkerState.ACTIVE,
-             status: AckStatus | None = None) -> tuple[Profile, Ack]:  # fmt: skip
+def _profile(
+    ctx: Ctx,
+    start: bool,
+    prefix: str | None = None,
+    *,
+    state: WorkerState = WorkerState.ACTIVE,
+    status: AckStatus | None = None,
+) -> tuple[Profile, Ack]:
     command = ctx.cmd(Profile, "start" if start else "stop", start=start, prefix=prefix)
     reply = ctx.worker.request(command, timeout_s=max(ctx.options.reply_timeout_s, PROFILE_REPLY_TIMEOUT_S))
     return command, ctx.ack(reply, command, state=state, status=status)
 
 
-@case("P-15", "profile_start_stop_lists_traces", "Profile start, a second start (ALREADY), stop: the stop's Ack "
-      "lists {stage}-rank{r}-{prefix}-{time}.json.gz traces; a copy gets the same Ack; a stop with none "
-      "running is ALREADY with no paths", needs=(PROFILE,))  # fmt: skip
+@case(
+    "P-15",
+    "profile_start_stop_lists_traces",
+    "Profile start, a second start (ALREADY), stop: the stop's Ack "
+    "lists {stage}-rank{r}-{prefix}-{time}.json.gz traces; a copy gets the same Ack; a stop with none "
+    "running is ALREADY with no paths",
+    needs=(PROFILE,),
+)
 def profile_start_stop_lists_traces(ctx: Ctx) -> None:
     _profile(ctx, True, "conformance", status=AckStatus.OK)
     _profile(ctx, True, "other", status=AckStatus.ALREADY)
     ctx.executed_or_runner_error(*ctx.execute())
     stop, stopped = _profile(ctx, False, status=AckStatus.OK)
-    ctx.check(bool(stopped.trace_paths), "the stop's Ack lists no trace", sent=stop, got=stopped,
-              expected="trace_paths with one path per trace written")  # fmt: skip
+    ctx.check(
+        bool(stopped.trace_paths),
+        "the stop's Ack lists no trace",
+        sent=stop,
+        got=stopped,
+        expected="trace_paths with one path per trace written",
+    )
     pattern = _name(ctx, "conformance")
     for path in stopped.trace_paths:
-        ctx.check(os.path.isabs(path) and bool(pattern.match(os.path.basename(path))),
-                  f"trace path {path!r} is not absolute or not named {{stage}}-rank{{r}}-{{prefix}}-{{time}}.json.gz",
-                  sent=stop, got=stopped, expected=pattern.pattern)  # fmt: skip
+        ctx.check(
+            os.path.isabs(path) and bool(pattern.match(os.path.basename(path))),
+            f"trace path {path!r} is not absolute or not named {{stage}}-rank{{r}}-{{prefix}}-{{time}}.json.gz",
+            sent=stop,
+            got=stopped,
+            expected=pattern.pattern,
+        )
     copy = ctx.request(stop)
-    ctx.check(copy == stopped, "a copy of the answered stop got another reply", sent=stop, got=copy,
-              expected=stopped)  # fmt: skip
+    ctx.check(copy == stopped, "a copy of the answered stop got another reply", sent=stop, got=copy, expected=stopped)
     _, none = _profile(ctx, False, status=AckStatus.ALREADY)
-    ctx.check(none.trace_paths == (), "a stop with no profile running lists traces", got=none,
-              expected="trace_paths empty")  # fmt: skip
+    ctx.check(
+        none.trace_paths == (), "a stop with no profile running lists traces", got=none, expected="trace_paths empty"
+    )
 
 
-@case("P-15", "profile_keeps_sleep", "Profile started while ACTIVE, stopped while SLEEPING: every answer in the "
-      "state the worker was in, and it stays asleep", needs=(PROFILE,))  # fmt: skip
+@case(
+    "P-15",
+    "profile_keeps_sleep",
+    "Profile started while ACTIVE, stopped while SLEEPING: every answer in the "
+    "state the worker was in, and it stays asleep",
+    needs=(PROFILE,),
+)
 def profile_keeps_sleep(ctx: Ctx) -> None:
     _profile(ctx, True, "sleep", status=AckStatus.OK)
     _, slept = ctx.sleep(1)
@@ -65,16 +90,30 @@ def profile_keeps_sleep(ctx: Ctx) -> None:
 
 def _still_asleep(ctx: Ctx, what: str, sent: Profile, answer: Ack, slept: Ack) -> None:
     """The Profile's Ack, and a Status after it, show the worker where the Sleep left it."""
-    ctx.check(set(answer.asleep_tags) == set(slept.asleep_tags), f"the {what}'s Ack reports other asleep tags "
-              "than the Sleep left", sent=sent, got=answer, expected=list(slept.asleep_tags))  # fmt: skip
+    ctx.check(
+        set(answer.asleep_tags) == set(slept.asleep_tags),
+        f"the {what}'s Ack reports other asleep tags than the Sleep left",
+        sent=sent,
+        got=answer,
+        expected=list(slept.asleep_tags),
+    )
     status = ctx.status()
-    ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
-              f"the Profile {what} changed the state or the asleep tags", sent=sent, got=status,
-              expected=f"{slept.state.value} with {list(slept.asleep_tags)} asleep")  # fmt: skip
+    ctx.check(
+        status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+        f"the Profile {what} changed the state or the asleep tags",
+        sent=sent,
+        got=status,
+        expected=f"{slept.state.value} with {list(slept.asleep_tags)} asleep",
+    )
 
 
-@case("P-15", "profile_start_while_asleep", "Profile started while SLEEPING and stopped there: every answer in "
-      "SLEEPING with the same asleep tags; the worker does not wake", needs=(PROFILE,))  # fmt: skip
+@case(
+    "P-15",
+    "profile_start_while_asleep",
+    "Profile started while SLEEPING and stopped there: every answer in "
+    "SLEEPING with the same asleep tags; the worker does not wake",
+    needs=(PROFILE,),
+)
 def profile_start_while_asleep(ctx: Ctx) -> None:
     _, slept = ctx.sleep(1)
     start, started = _profile(ctx, True, "asleep", state=slept.state, status=AckStatus.OK)
@@ -83,8 +122,13 @@ def profile_start_while_asleep(ctx: Ctx) -> None:
     ctx.back_to_active()
 
 
-@case("P-15", "profile_bad_prefix_refused", "Profile start with a prefix that is no safe file-name part ('../', "
-      "'/', NUL, empty, 65 characters): Nack INVALID_ARGUMENT, nothing starts", needs=(PROFILE,))  # fmt: skip
+@case(
+    "P-15",
+    "profile_bad_prefix_refused",
+    "Profile start with a prefix that is no safe file-name part ('../', "
+    "'/', NUL, empty, 65 characters): Nack INVALID_ARGUMENT, nothing starts",
+    needs=(PROFILE,),
+)
 def profile_bad_prefix_refused(ctx: Ctx) -> None:
     for prefix in BAD_PREFIXES:
         command = ctx.cmd(Profile, "bad", start=True, prefix=prefix)
@@ -92,8 +136,12 @@ def profile_bad_prefix_refused(ctx: Ctx) -> None:
     _profile(ctx, False, status=AckStatus.ALREADY)  # nothing was started
 
 
-@case("P-15", "profile_stale_epoch_refused", "Profile from an older epoch: Nack STALE_EPOCH, nothing starts",
-      needs=(PROFILE,))
+@case(
+    "P-15",
+    "profile_stale_epoch_refused",
+    "Profile from an older epoch: Nack STALE_EPOCH, nothing starts",
+    needs=(PROFILE,),
+)
 def profile_stale_epoch_refused(ctx: Ctx) -> None:
     old = ctx.worker.epoch - 1
     command = ctx.cmd(Profile, epoch=old, start=True, prefix="stale")

@@ -29,26 +29,39 @@ LONG_WAIT_S = 60.0
 
 def _v1_wake(task_id: str, epoch: int) -> bytes:
     """A Wake exactly as a worker that predates P-16 knows it: no wait_for_memory_s key."""
-    return msgspec.msgpack.encode({"type": "Wake", "v": PROTOCOL_VERSION, "task_id": task_id, "epoch": epoch,
-                                   "tags": None})  # fmt: skip
+    return msgspec.msgpack.encode(
+        {"type": "Wake", "v": PROTOCOL_VERSION, "task_id": task_id, "epoch": epoch, "tags": None}
+    )
 
 
-@case("P-16", "v1_wake_frame", "a Wake frame without wait_for_memory_s (the frame of every v1 worker) wakes a "
-      "sleeping worker as before")  # fmt: skip
+@case(
+    "P-16",
+    "v1_wake_frame",
+    "a Wake frame without wait_for_memory_s (the frame of every v1 worker) wakes a sleeping worker as before",
+)
 def v1_wake_frame(ctx: Ctx) -> None:
     peer = ctx.worker
     ctx.sleep(1)
     wake = ctx.cmd(Wake, "v1")  # what the raw frame says, to check the answer against
     peer.send_raw(_v1_wake(wake.task_id, wake.epoch), wake.task_id)
     woke = ctx.ack(peer.reply(wake.task_id, sent=wake), wake)
-    ctx.check(woke.state is WorkerState.ACTIVE, f"the v1 Wake of every tag ended in {woke.state.value}", sent=wake,
-              got=woke, expected="Ack with state ACTIVE")  # fmt: skip
+    ctx.check(
+        woke.state is WorkerState.ACTIVE,
+        f"the v1 Wake of every tag ended in {woke.state.value}",
+        sent=wake,
+        got=woke,
+        expected="Ack with state ACTIVE",
+    )
     ctx.executed_or_runner_error(*ctx.execute())
 
 
-@case("P-16", "waiting_wake_refused_without_swap", "no 'swap' declared: a Wake with wait_for_memory_s > 0 is "
-      "refused UNSUPPORTED (BAD_MESSAGE naming the field from a worker that predates it), nothing wakes",
-      unless=(SWAP,))  # fmt: skip
+@case(
+    "P-16",
+    "waiting_wake_refused_without_swap",
+    "no 'swap' declared: a Wake with wait_for_memory_s > 0 is "
+    "refused UNSUPPORTED (BAD_MESSAGE naming the field from a worker that predates it), nothing wakes",
+    unless=(SWAP,),
+)
 def waiting_wake_refused_without_swap(ctx: Ctx) -> None:
     _, slept = ctx.sleep(1)
     command = ctx.cmd(Wake, "waits", wait_for_memory_s=ROOMY_WAIT_S)
@@ -57,35 +70,51 @@ def waiting_wake_refused_without_swap(ctx: Ctx) -> None:
     if not predates:
         ctx.nack(reply, command, NackReason.UNSUPPORTED, state=slept.state)
     status = ctx.status()
-    ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags), "the refused "
-              "waiting Wake woke tags", sent=command, got=status,
-              expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}")  # fmt: skip
+    ctx.check(
+        status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+        "the refused waiting Wake woke tags",
+        sent=command,
+        got=status,
+        expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}",
+    )
     ctx.back_to_active()
 
 
-@case("P-16", "waiting_wake_acked_and_cached", "'swap' declared, memory free: a Wake with wait_for_memory_s > 0 "
-      "is acknowledged ACTIVE; its copy gets the same Ack; the task_id with another wait is TASK_ID_REUSED",
-      needs=(SWAP,))  # fmt: skip
+@case(
+    "P-16",
+    "waiting_wake_acked_and_cached",
+    "'swap' declared, memory free: a Wake with wait_for_memory_s > 0 "
+    "is acknowledged ACTIVE; its copy gets the same Ack; the task_id with another wait is TASK_ID_REUSED",
+    needs=(SWAP,),
+)
 def waiting_wake_acked_and_cached(ctx: Ctx) -> None:
     ctx.sleep(1)
     wake = ctx.cmd(Wake, "waits", wait_for_memory_s=ROOMY_WAIT_S)
     woke = ctx.ack(ctx.request(wake), wake, state=WorkerState.ACTIVE, status=AckStatus.OK)
     again = ctx.request(wake)
-    ctx.check(again == woke, "a copy of an answered waiting Wake got a different reply", sent=wake, got=again,
-              expected=woke)  # fmt: skip
+    ctx.check(
+        again == woke, "a copy of an answered waiting Wake got a different reply", sent=wake, got=again, expected=woke
+    )
     other = msgspec.structs.replace(wake, wait_for_memory_s=ROOMY_WAIT_S + 1)
     ctx.nack(ctx.request(other), other, NackReason.TASK_ID_REUSED)
     ctx.executed_or_runner_error(*ctx.execute())
 
 
-@case("P-16", "no_memory_rolls_back", "a device held by another process: a waiting Wake is refused NO_MEMORY "
-      "naming the holder, back in SLEEPING with the pools released, the refusal cached (also once memory is "
-      "free); a Wake that may wait goes on only once the memory is given back, and Execute's output is "
-      "unchanged", scope="own")  # fmt: skip
+@case(
+    "P-16",
+    "no_memory_rolls_back",
+    "a device held by another process: a waiting Wake is refused NO_MEMORY "
+    "naming the holder, back in SLEEPING with the pools released, the refusal cached (also once memory is "
+    "free); a Wake that may wait goes on only once the memory is given back, and Execute's output is "
+    "unchanged",
+    scope="own",
+)
 def no_memory_rolls_back(ctx: Ctx) -> None:
     if ctx.pressure_factory is None:
-        ctx.skip("no memory-pressure hook to fill the worker's device: give one with --memory-pressure "
-                 "package.module:factory or SuiteOptions(memory_pressure=...) (docs/conformance.md)")  # fmt: skip
+        ctx.skip(
+            "no memory-pressure hook to fill the worker's device: give one with --memory-pressure "
+            "package.module:factory or SuiteOptions(memory_pressure=...) (docs/conformance.md)"
+        )
     with contextlib.closing(ctx.pressure_factory()) as pressure:
         (peer,) = ctx.own_harness().start([0], ctx.options.epoch, factory=pressure.worker)
         if SWAP not in peer.capabilities:
@@ -103,42 +132,81 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
         sent_at_s = time.monotonic()
         refused = ctx.nack(ctx.request(wake, peer), wake, NackReason.NO_MEMORY, state=slept.state)
         waited_s = time.monotonic() - sent_at_s  # at least the worker's wait: it answers after it
-        ctx.check(waited_s >= SHORT_WAIT_S, f"refused NO_MEMORY after {waited_s:.3f} s of a {SHORT_WAIT_S:g} s "
-                  "wait: the memory could have been given back in the time left", sent=wake, got=refused,
-                  expected=f"no refusal before {SHORT_WAIT_S:g} s")  # fmt: skip
-        ctx.check(not holder or holder in refused.detail, f"the NO_MEMORY detail does not name the holder "
-                  f"({holder})", sent=wake, got=refused, expected=f"a detail naming {holder}")  # fmt: skip
+        ctx.check(
+            waited_s >= SHORT_WAIT_S,
+            f"refused NO_MEMORY after {waited_s:.3f} s of a {SHORT_WAIT_S:g} s "
+            "wait: the memory could have been given back in the time left",
+            sent=wake,
+            got=refused,
+            expected=f"no refusal before {SHORT_WAIT_S:g} s",
+        )
+        ctx.check(
+            not holder or holder in refused.detail,
+            f"the NO_MEMORY detail does not name the holder ({holder})",
+            sent=wake,
+            got=refused,
+            expected=f"a detail naming {holder}",
+        )
         status_cmd, status = ctx.status_exchange(peer)
-        ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
-                  "after the NO_MEMORY refusal the worker is not where the Wake found it", sent=[wake, status_cmd],
-                  got=status, expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}")  # fmt: skip
+        ctx.check(
+            status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+            "after the NO_MEMORY refusal the worker is not where the Wake found it",
+            sent=[wake, status_cmd],
+            got=status,
+            expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}",
+        )
         kept = {t: status.memory.pool_bytes_after.get(t, 0) for t in slept.asleep_tags} if status.memory else {}
-        ctx.check(status.memory is not None and not any(kept.values()), f"after the NO_MEMORY refusal the pools "
-                  f"of asleep tags still hold {kept}: the wake did not unmap what it mapped",
-                  sent=[wake, status_cmd], got=status, expected="pool_bytes_after 0 for every asleep tag")  # fmt: skip
+        ctx.check(
+            status.memory is not None and not any(kept.values()),
+            f"after the NO_MEMORY refusal the pools "
+            f"of asleep tags still hold {kept}: the wake did not unmap what it mapped",
+            sent=[wake, status_cmd],
+            got=status,
+            expected="pool_bytes_after 0 for every asleep tag",
+        )
         again = ctx.request(wake, peer)
-        ctx.check(again == refused, "a copy of the refused Wake got a different reply", sent=wake, got=again,
-                  expected=refused)  # fmt: skip
+        ctx.check(
+            again == refused, "a copy of the refused Wake got a different reply", sent=wake, got=again, expected=refused
+        )
         pressure.relieve()
         later = ctx.request(wake, peer)  # the memory is there now: still the recorded refusal, no effect
-        ctx.check(later == refused, "a copy of the refused Wake, sent once the memory was free, got a different "
-                  "reply: the refusal was not kept in the reply cache", sent=wake, got=later,
-                  expected=refused)  # fmt: skip
+        ctx.check(
+            later == refused,
+            "a copy of the refused Wake, sent once the memory was free, got a different "
+            "reply: the refusal was not kept in the reply cache",
+            sent=wake,
+            got=later,
+            expected=refused,
+        )
         status = ctx.status(peer)
-        ctx.check(status.state is slept.state, f"a copy of the refused Wake took effect ({status.state.value})",
-                  sent=wake, got=status, expected=slept.state.value)  # fmt: skip
+        ctx.check(
+            status.state is slept.state,
+            f"a copy of the refused Wake took effect ({status.state.value})",
+            sent=wake,
+            got=status,
+            expected=slept.state.value,
+        )
         pressure.squeeze(needed_bytes // 2)
         waiting = ctx.cmd(Wake, "waits", peer=peer, wait_for_memory_s=LONG_WAIT_S)
         peer.send(waiting)
         early = [m for m in peer.collect(ctx.options.quiet_s) if getattr(m, "task_id", None) == waiting.task_id]
-        ctx.check(not early, f"a Wake that may wait {LONG_WAIT_S:g} s was answered while the device had only "
-                  f"{needed_bytes // 2} of the {needed_bytes} bytes it needs free: it mapped past the device (Ack) "
-                  "or did not wait (Nack)", sent=waiting, got=early, expected="no answer until the memory is "
-                  "given back")  # fmt: skip
+        ctx.check(
+            not early,
+            f"a Wake that may wait {LONG_WAIT_S:g} s was answered while the device had only "
+            f"{needed_bytes // 2} of the {needed_bytes} bytes it needs free: it mapped past the device (Ack) "
+            "or did not wait (Nack)",
+            sent=waiting,
+            got=early,
+            expected="no answer until the memory is given back",
+        )
         pressure.relieve()
         ctx.ack(peer.reply(waiting.task_id, sent=waiting), waiting, state=WorkerState.ACTIVE, status=AckStatus.OK)
         last_run, last = ctx.execute(peer)
         if isinstance(first, Result):
-            ctx.check(isinstance(last, Result) and last.output == first.output, "Execute's output changed across "
-                      "the refused wake: the host copies did not stay valid", sent=[first_run, last_run],
-                      got=last, expected=first)  # fmt: skip
+            ctx.check(
+                isinstance(last, Result) and last.output == first.output,
+                "Execute's output changed across the refused wake: the host copies did not stay valid",
+                sent=[first_run, last_run],
+                got=last,
+                expected=first,
+            )

@@ -39,13 +39,23 @@ def _self_update(ctx: Ctx, version: int) -> tuple[UpdateWeights, Ack]:
     must succeed without a trainer, and must leave Execute's output as it was."""
     share = ctx.cmd(ShareWeights, bucket_bytes=SHARE_BUCKET_BYTES)
     shared = ctx.ack(ctx.request(share), share)
-    ctx.check(shared.shared is not None, "ShareWeights was acknowledged without the buckets it filled", sent=share,
-              got=shared, expected="Ack with `shared` listing the buckets")  # fmt: skip
+    ctx.check(
+        shared.shared is not None,
+        "ShareWeights was acknowledged without the buckets it filled",
+        sent=share,
+        got=shared,
+        expected="Ack with `shared` listing the buckets",
+    )
     assert shared.shared is not None
     update = ctx.cmd(UpdateWeights, f"v{version}", version=version, source=shared.shared)
     done = ctx.ack(ctx.request(update), update, state=WorkerState.ACTIVE)
-    ctx.check(done.weights_version == version, f"the update's Ack reports weights version {done.weights_version}, "
-              f"not {version}", sent=update, got=done, expected=f"Ack with weights_version {version}")  # fmt: skip
+    ctx.check(
+        done.weights_version == version,
+        f"the update's Ack reports weights version {done.weights_version}, not {version}",
+        sent=update,
+        got=done,
+        expected=f"Ack with weights_version {version}",
+    )
     return update, done
 
 
@@ -54,13 +64,23 @@ def _same_output(ctx: Ctx, first: tuple, what: str) -> None:
     last_run, last = ctx.execute()
     ctx.executed_or_runner_error(last_run, last)
     if isinstance(first_reply, Result):
-        ctx.check(isinstance(last, Result) and last.output == first_reply.output, f"Execute's output changed {what}",
-                  sent=[first_run, last_run], got=last, expected=first_reply)  # fmt: skip
+        ctx.check(
+            isinstance(last, Result) and last.output == first_reply.output,
+            f"Execute's output changed {what}",
+            sent=[first_run, last_run],
+            got=last,
+            expected=first_reply,
+        )
 
 
-@case("P-17", "update_refused_without_weight_update", "no 'weight_update' declared: UpdateWeights is refused "
-      "UNSUPPORTED (BAD_MESSAGE from a worker that predates the message: an unknown type, P-10), nothing "
-      "changes", unless=(WEIGHT_UPDATE,))  # fmt: skip
+@case(
+    "P-17",
+    "update_refused_without_weight_update",
+    "no 'weight_update' declared: UpdateWeights is refused "
+    "UNSUPPORTED (BAD_MESSAGE from a worker that predates the message: an unknown type, P-10), nothing "
+    "changes",
+    unless=(WEIGHT_UPDATE,),
+)
 def update_refused_without_weight_update(ctx: Ctx) -> None:
     first = ctx.execute()
     update = ctx.cmd(UpdateWeights, version=1, source=DiskSource(path=MISSING_PATH))
@@ -70,9 +90,14 @@ def update_refused_without_weight_update(ctx: Ctx) -> None:
     _same_output(ctx, first, "after a refused UpdateWeights")
 
 
-@case("P-17", "stale_version_refused", "'weight_update' declared: an update to a version not above the "
-      "worker's MUST be refused STALE_VERSION naming both versions, with no effect (rule 3): the version and "
-      "Execute's output unchanged", needs=(WEIGHT_UPDATE,))  # fmt: skip
+@case(
+    "P-17",
+    "stale_version_refused",
+    "'weight_update' declared: an update to a version not above the "
+    "worker's MUST be refused STALE_VERSION naming both versions, with no effect (rule 3): the version and "
+    "Execute's output unchanged",
+    needs=(WEIGHT_UPDATE,),
+)
 def stale_version_refused(ctx: Ctx) -> None:
     first = ctx.execute()
     ctx.executed_or_runner_error(*first)
@@ -83,34 +108,55 @@ def stale_version_refused(ctx: Ctx) -> None:
     for stale in (held, held - 1):
         update = ctx.cmd(UpdateWeights, f"stale{stale}", version=stale, source=DiskSource(path=MISSING_PATH))
         refused = ctx.nack(ctx.request(update), update, NackReason.STALE_VERSION, state=WorkerState.ACTIVE)
-        ctx.check(str(stale) in refused.detail and str(held) in refused.detail, f"the STALE_VERSION detail does "
-                  f"not name both versions ({stale} sent, {held} held)", sent=update, got=refused,
-                  expected=f"a detail naming {stale} and {held}")  # fmt: skip
+        ctx.check(
+            str(stale) in refused.detail and str(held) in refused.detail,
+            f"the STALE_VERSION detail does not name both versions ({stale} sent, {held} held)",
+            sent=update,
+            got=refused,
+            expected=f"a detail naming {stale} and {held}",
+        )
     status = ctx.status()
-    ctx.check(status.weights_version == held, f"after the stale updates the worker reports weights version "
-              f"{status.weights_version}, not {held}", got=status, expected=held)  # fmt: skip
+    ctx.check(
+        status.weights_version == held,
+        f"after the stale updates the worker reports weights version {status.weights_version}, not {held}",
+        got=status,
+        expected=held,
+    )
     _same_output(ctx, first, "across updates that wrote the weights it already held")
 
 
-@case("P-17", "update_refused_sleeping", "'weight_update' declared: UpdateWeights while SLEEPING (the weights "
-      "not resident) is refused INVALID_STATE naming the state, nothing wakes, the version unchanged",
-      needs=(WEIGHT_UPDATE,))  # fmt: skip
+@case(
+    "P-17",
+    "update_refused_sleeping",
+    "'weight_update' declared: UpdateWeights while SLEEPING (the weights "
+    "not resident) is refused INVALID_STATE naming the state, nothing wakes, the version unchanged",
+    needs=(WEIGHT_UPDATE,),
+)
 def update_refused_sleeping(ctx: Ctx) -> None:
     current = _version(ctx)
     _, slept = ctx.sleep(1)
     update = ctx.cmd(UpdateWeights, version=current + 1, source=DiskSource(path=MISSING_PATH))
     ctx.nack(ctx.request(update), update, NackReason.INVALID_STATE, state=slept.state, names_state=True)
     status = ctx.status()
-    ctx.check(status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags)
-              and (status.weights_version or 0) == current, "the refused UpdateWeights changed the state, the "
-              "asleep tags or the version", sent=update, got=status,
-              expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}, version {current}")  # fmt: skip
+    ctx.check(
+        status.state is slept.state
+        and set(status.asleep_tags) == set(slept.asleep_tags)
+        and (status.weights_version or 0) == current,
+        "the refused UpdateWeights changed the state, the asleep tags or the version",
+        sent=update,
+        got=status,
+        expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}, version {current}",
+    )
     ctx.back_to_active()
 
 
-@case("P-17", "unreadable_disk_source_refused", "'weight_update' declared: UpdateWeights from a disk path that "
-      "does not exist is refused INVALID_ARGUMENT, still ACTIVE, the version and Execute's output unchanged",
-      needs=(WEIGHT_UPDATE,))  # fmt: skip
+@case(
+    "P-17",
+    "unreadable_disk_source_refused",
+    "'weight_update' declared: UpdateWeights from a disk path that "
+    "does not exist is refused INVALID_ARGUMENT, still ACTIVE, the version and Execute's output unchanged",
+    needs=(WEIGHT_UPDATE,),
+)
 def unreadable_disk_source_refused(ctx: Ctx) -> None:
     first = ctx.execute()
     ctx.executed_or_runner_error(*first)
@@ -119,23 +165,41 @@ def unreadable_disk_source_refused(ctx: Ctx) -> None:
         update = ctx.cmd(UpdateWeights, version=current + 1, source=DiskSource(path=path))
         ctx.nack(ctx.request(update), update, NackReason.INVALID_ARGUMENT, state=WorkerState.ACTIVE)
     status = ctx.status()
-    ctx.check((status.weights_version or 0) == current, f"after refused updates the worker reports weights version "
-              f"{status.weights_version}, not {current}", got=status, expected=current)  # fmt: skip
+    ctx.check(
+        (status.weights_version or 0) == current,
+        f"after refused updates the worker reports weights version {status.weights_version}, not {current}",
+        got=status,
+        expected=current,
+    )
     _same_output(ctx, first, "after an UpdateWeights refused before writing")
 
 
-@case("P-17", "update_answered_from_cache", "'weight_update' declared: a copy of an acknowledged UpdateWeights "
-      "gets the same Ack and is not applied again (no STALE_VERSION, the version unchanged); its task_id with "
-      "another version is TASK_ID_REUSED", needs=(WEIGHT_UPDATE,))  # fmt: skip
+@case(
+    "P-17",
+    "update_answered_from_cache",
+    "'weight_update' declared: a copy of an acknowledged UpdateWeights "
+    "gets the same Ack and is not applied again (no STALE_VERSION, the version unchanged); its task_id with "
+    "another version is TASK_ID_REUSED",
+    needs=(WEIGHT_UPDATE,),
+)
 def update_answered_from_cache(ctx: Ctx) -> None:
     current = _version(ctx)
     update, done = _self_update(ctx, current + 1)
     again = ctx.request(update)
-    ctx.check(again == done, "a copy of an acknowledged UpdateWeights got a different reply", sent=update, got=again,
-              expected=done)  # fmt: skip
+    ctx.check(
+        again == done,
+        "a copy of an acknowledged UpdateWeights got a different reply",
+        sent=update,
+        got=again,
+        expected=done,
+    )
     other = UpdateWeights(task_id=update.task_id, epoch=update.epoch, version=current + 5, source=update.source)
     ctx.nack(ctx.request(other), other, NackReason.TASK_ID_REUSED)
     status = ctx.status()
-    ctx.check(status.weights_version == current + 1, f"after the copies the worker reports weights version "
-              f"{status.weights_version}, not {current + 1}", got=status, expected=current + 1)  # fmt: skip
+    ctx.check(
+        status.weights_version == current + 1,
+        f"after the copies the worker reports weights version {status.weights_version}, not {current + 1}",
+        got=status,
+        expected=current + 1,
+    )
     ctx.executed_or_runner_error(*ctx.execute())

@@ -10,30 +10,48 @@ EXIT_PASSED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-TARGET_HELP = ("the worker under test: 'synthetic' (this project's reference worker), "
-               "'cmd:<shell command with {address} {rank} {epoch}>', or 'package.module:factory' "
-               "(a callable (address, rank, epoch) returning an argv, a shell command, a WorkerConfig "
-               "or a started process)")  # fmt: skip
+TARGET_HELP = (
+    "the worker under test: 'synthetic' (this project's reference worker), "
+    "'cmd:<shell command with {address} {rank} {epoch}>', or 'package.module:factory' "
+    "(a callable (address, rank, epoch) returning an argv, a shell command, a WorkerConfig "
+    "or a started process)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", required=True, metavar="TARGET", help=TARGET_HELP)
     p.add_argument("--junit", metavar="FILE", help="also write the results as JUnit XML")
     p.add_argument("--only", metavar="P-n,...", help="check only these requirements, e.g. P-3,P-7")
-    p.add_argument("--payload", metavar="JSON", default=None,
-                   help="Execute payload the worker's model accepts (default: the synthetic runner's "
-                        '{"seed": 1, "batch": 1})')  # fmt: skip
+    p.add_argument(
+        "--payload",
+        metavar="JSON",
+        default=None,
+        help='Execute payload the worker\'s model accepts (default: the synthetic runner\'s {"seed": 1, "batch": 1})',
+    )
     p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S", help="deadline of every reply")
     p.add_argument("--start-timeout", type=float, default=60.0, metavar="S", help="deadline of the Hello")
-    p.add_argument("--case-timeout", type=float, default=120.0, metavar="S",
-                   help="limit of one whole case, however many replies it waits for")  # fmt: skip
-    p.add_argument("--failing-worker", metavar="TARGET", default=None,
-                   help="a worker whose start-up fails (it greets in FAILED), to check that Shutdown leaves "
-                        "FAILED; built in for 'synthetic', else that case is skipped")  # fmt: skip
-    p.add_argument("--memory-pressure", metavar="package.module:factory", default=None,
-                   help="a factory of memory-pressure hooks (omni_core.conformance.pressure) that start the "
-                        "worker on a device they can fill, for the P-16 NO_MEMORY case; built in for "
-                        "'synthetic', else that case is skipped")  # fmt: skip
+    p.add_argument(
+        "--case-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="limit of one whole case, however many replies it waits for",
+    )
+    p.add_argument(
+        "--failing-worker",
+        metavar="TARGET",
+        default=None,
+        help="a worker whose start-up fails (it greets in FAILED), to check that Shutdown leaves "
+        "FAILED; built in for 'synthetic', else that case is skipped",
+    )
+    p.add_argument(
+        "--memory-pressure",
+        metavar="package.module:factory",
+        default=None,
+        help="a factory of memory-pressure hooks (omni_core.conformance.pressure) that start the "
+        "worker on a device they can fill, for the P-16 NO_MEMORY case; built in for "
+        "'synthetic', else that case is skipped",
+    )
     p.add_argument("--epoch", type=int, default=3, help="epoch the workers are started in (>= 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per case as well")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
@@ -53,9 +71,14 @@ def run(args: argparse.Namespace) -> int:
             resolve_target(args.failing_worker)
         if args.memory_pressure is not None:
             resolve_pressure(args.memory_pressure)
-        fields = {"reply_timeout_s": args.reply_timeout, "start_timeout_s": args.start_timeout, "epoch": args.epoch,
-                  "case_timeout_s": args.case_timeout, "failing_worker": args.failing_worker,
-                  "memory_pressure": args.memory_pressure}  # fmt: skip
+        fields = {
+            "reply_timeout_s": args.reply_timeout,
+            "start_timeout_s": args.start_timeout,
+            "epoch": args.epoch,
+            "case_timeout_s": args.case_timeout,
+            "failing_worker": args.failing_worker,
+            "memory_pressure": args.memory_pressure,
+        }
         if args.payload is not None:
             fields["execute_payload"] = json.loads(args.payload)
         options = SuiteOptions(**fields)

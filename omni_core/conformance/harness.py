@@ -61,8 +61,9 @@ class SuiteOptions:
 class CaseFailure(AssertionError):
     """A requirement not met: what was wrong, what the suite sent, what came back."""
 
-    def __init__(self, problem: str, *, sent: Any = None, got: Any = None, expected: Any = None,
-                 silent: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, problem: str, *, sent: Any = None, got: Any = None, expected: Any = None, silent: bool = False
+    ) -> None:
         super().__init__(problem)
         self.problem = problem
         self.sent = sent
@@ -175,8 +176,11 @@ class Peer:
             if gone_ok and exc.errno == zmq.EHOSTUNREACH:
                 return False
             code = self.process.exit_code()
-            raise CaseFailure(f"cannot send to {self}: {exc} (process exit code {code})", sent=data,
-                              got=f"process exit code {code}{self._output()}") from None  # fmt: skip
+            raise CaseFailure(
+                f"cannot send to {self}: {exc} (process exit code {code})",
+                sent=data,
+                got=f"process exit code {code}{self._output()}",
+            ) from None
         return True
 
     # ------------------------------------------------------------------ receiving
@@ -213,15 +217,19 @@ class Peer:
             deadline = case_deadline
             timeout_s = max(0.0, case_deadline - time.monotonic())
             if timeout_s <= 0:
-                raise CaseFailure(f"the case ran past its limit of {self.harness.options.case_timeout_s:g} s "
-                                  "(case_timeout_s) before this command was answered", sent=sent,
-                                  silent=True)  # fmt: skip
+                raise CaseFailure(
+                    f"the case ran past its limit of {self.harness.options.case_timeout_s:g} s "
+                    "(case_timeout_s) before this command was answered",
+                    sent=sent,
+                    silent=True,
+                )
         while True:
             for i, message in enumerate(self.inbox):
                 if isinstance(message, Undecodable):
                     del self.inbox[i]
-                    raise CaseFailure("the worker sent bytes that are not a valid protocol message",
-                                      sent=sent, got=message)  # fmt: skip
+                    raise CaseFailure(
+                        "the worker sent bytes that are not a valid protocol message", sent=sent, got=message
+                    )
                 if match(message):
                     del self.inbox[i]
                     return message
@@ -230,14 +238,21 @@ class Peer:
                 running = self.process.alive()
                 alive = "still running" if running else f"exited ({self.process.exit_code()})"
                 what = f"{type(sent).__name__} {sent.task_id!r}" if isinstance(sent, msgspec.Struct) else "it"
-                raise CaseFailure(f"no reply from {self} within {timeout_s:.3g} s to {what}; the process is {alive}",
-                                  sent=sent, got=list(self.inbox) or None, silent=running)  # fmt: skip
+                raise CaseFailure(
+                    f"no reply from {self} within {timeout_s:.3g} s to {what}; the process is {alive}",
+                    sent=sent,
+                    got=list(self.inbox) or None,
+                    silent=running,
+                )
             if not self.harness.pump(min(left_ms, POLL_SLICE_MS)) and not self.process.alive():
                 self.harness.pump(0)  # what it sent before dying is still worth matching
                 if not any(match(m) or isinstance(m, Undecodable) for m in self.inbox):
                     code = self.process.exit_code()
-                    raise CaseFailure(f"{self} died with exit code {code} instead of replying", sent=sent,
-                                      got=f"process exit, code {code}{self._output()}")  # fmt: skip
+                    raise CaseFailure(
+                        f"{self} died with exit code {code} instead of replying",
+                        sent=sent,
+                        got=f"process exit, code {code}{self._output()}",
+                    )
 
     def _output(self) -> str:
         """The end of the worker's output, on lines of its own (the first line stays short)."""
@@ -280,8 +295,14 @@ class Harness:
 
     # ------------------------------------------------------------------ starting
 
-    def start(self, ranks: Iterable[int], epoch: int, *, factory: WorkerFactory | None = None,
-              state: WorkerState = WorkerState.ACTIVE) -> list[Peer]:  # fmt: skip
+    def start(
+        self,
+        ranks: Iterable[int],
+        epoch: int,
+        *,
+        factory: WorkerFactory | None = None,
+        state: WorkerState = WorkerState.ACTIVE,
+    ) -> list[Peer]:
         """Start one worker per rank (all at once) and wait for each one's Hello, which must
         say `state` (a worker whose start-up fails greets in FAILED)."""
         peers = []
@@ -302,12 +323,15 @@ class Harness:
                     if peer.hello is None and not peer.process.alive():
                         self.pump(0)
                         if peer.hello is None:
-                            raise StartError(f"{peer} exited with code {peer.process.exit_code()} before "
-                                             f"its Hello{peer._output()}")  # fmt: skip
+                            raise StartError(
+                                f"{peer} exited with code {peer.process.exit_code()} before its Hello{peer._output()}"
+                            )
                 if time.monotonic() > deadline:
                     late = [p.rank for p in peers if p.hello is None]
-                    raise StartError(f"no Hello from rank(s) {late} within {self.options.start_timeout_s:g} s "
-                                     f"(address {self.address}){peers[0]._output()}")  # fmt: skip
+                    raise StartError(
+                        f"no Hello from rank(s) {late} within {self.options.start_timeout_s:g} s "
+                        f"(address {self.address}){peers[0]._output()}"
+                    )
                 self.pump(POLL_SLICE_MS)
                 self._check_unclaimed()
         except StartError:
@@ -322,8 +346,10 @@ class Harness:
         if not self._unclaimed:
             return
         identity, message = self._unclaimed[0]
-        raise StartError(f"the first message from a new worker (identity {identity!r}) was not a Hello "
-                         f"for a rank being started ({[p.rank for p in self._starting]}): {show(message)}")
+        raise StartError(
+            f"the first message from a new worker (identity {identity!r}) was not a Hello "
+            f"for a rank being started ({[p.rank for p in self._starting]}): {show(message)}"
+        )
 
     # ------------------------------------------------------------------ receiving
 
@@ -358,8 +384,10 @@ class Harness:
                 peer.identity, peer.hello = identity, message
                 self.peers[identity] = peer
                 if message.state is not peer.greeting_state:
-                    raise StartError(f"{peer} greeted in state {message.state.value}, not "
-                                     f"{peer.greeting_state.value}: {message.detail or '(no detail)'}")  # fmt: skip
+                    raise StartError(
+                        f"{peer} greeted in state {message.state.value}, not "
+                        f"{peer.greeting_state.value}: {message.detail or '(no detail)'}"
+                    )
                 return
         self._unclaimed.append((identity, message))
 

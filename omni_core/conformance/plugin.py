@@ -45,8 +45,7 @@ class ConformanceSuite:
         list, a shell command string, a WorkerConfig/dict, or a started process."""
         raise NotImplementedError
 
-    def test_requirement(self, conformance_case: Case, conformance_runner: SuiteRunner,
-                         record_property: Any) -> None:  # fmt: skip
+    def test_requirement(self, conformance_case: Case, conformance_runner: SuiteRunner, record_property: Any) -> None:
         record_property("requirement", conformance_case.req)
         result = conformance_runner.run_case(conformance_case)
         if result.outcome == "skip":
@@ -59,8 +58,10 @@ def _target(cls: type[ConformanceSuite]) -> str | WorkerFactory:
     if cls.start_worker is not ConformanceSuite.start_worker:
         return cls().start_worker
     if cls.worker is None:
-        pytest.fail(f"{cls.__name__}: set `worker = <target>` or override "
-                    "`start_worker(self, address, rank, epoch)`", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"{cls.__name__}: set `worker = <target>` or override `start_worker(self, address, rank, epoch)`",
+            pytrace=False,
+        )
     target = cls.worker
     # A plain function stored on the class comes back bound; the factory takes no self.
     return getattr(target, "__func__", target)
@@ -90,5 +91,8 @@ def conformance_runner(request: pytest.FixtureRequest) -> Iterator[SuiteRunner]:
     strays = runner.unreported_strays()
     if strays:
         # `-k` may have left the run-wide check out; a stray must not pass unseen.
-        pytest.fail("P-1: a worker sent a message that answers no command it was sent (one terminal reply per "
-                    "(task_id, rank)):\n  " + "\n  ".join(strays), pytrace=False)  # fmt: skip
+        pytest.fail(
+            "P-1: a worker sent a message that answers no command it was sent (one terminal reply per "
+            "(task_id, rank)):\n  " + "\n  ".join(strays),
+            pytrace=False,
+        )

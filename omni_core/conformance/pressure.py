@@ -55,16 +55,19 @@ DeviceWorker = Callable[[str, int, int, "SimulatedDevice"], Any]
 
 def reference_on_device(address: str, rank: int, epoch: int, device: SimulatedDevice) -> dict[str, Any]:
     """The reference worker's configuration, on the simulated `device`."""
-    return {**reference_worker(address, rank, epoch),
-            "simulated_device": {"directory": device.directory, "capacity_bytes": device.capacity_bytes}}  # fmt: skip
+    return {
+        **reference_worker(address, rank, epoch),
+        "simulated_device": {"directory": device.directory, "capacity_bytes": device.capacity_bytes},
+    }
 
 
 class SimulatedPressure:
     """A simulated device in a fresh private directory; `squeeze` writes one holder's file
     (this process's pid, stage `conformance-pressure`) sized to leave `free_bytes` free."""
 
-    def __init__(self, start: DeviceWorker = reference_on_device, *,
-                 capacity_bytes: int = SIMULATED_CAPACITY_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self, start: DeviceWorker = reference_on_device, *, capacity_bytes: int = SIMULATED_CAPACITY_BYTES
+    ) -> None:
         from omni_core.workers.simulated_device import SimulatedDevice
 
         self.directory = tempfile.mkdtemp(prefix="omni-conf-device-", dir="/tmp")

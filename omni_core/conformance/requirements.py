@@ -27,12 +27,12 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-1",
             "One terminal reply",
-            'For every command a worker receives, it MUST send exactly one terminal reply (`Ack`, '
-            '`Nack` or `Result`) per (task_id, rank). A copy of a command that arrives while its '
-            'task is still in progress MUST NOT produce a reply of its own; the one terminal reply '
-            'follows when the task completes. A refusal (`Nack` without effect) is not recorded, so'
-            ' a copy of a refused command is judged afresh and MAY be refused again; it MUST NOT be'
-            ' refused and later take effect under the same task_id from the same state.',
+            "For every command a worker receives, it MUST send exactly one terminal reply (`Ack`, "
+            "`Nack` or `Result`) per (task_id, rank). A copy of a command that arrives while its "
+            "task is still in progress MUST NOT produce a reply of its own; the one terminal reply "
+            "follows when the task completes. A refusal (`Nack` without effect) is not recorded, so"
+            " a copy of a refused command is judged afresh and MAY be refused again; it MUST NOT be"
+            " refused and later take effect under the same task_id from the same state.",
         ),
         Requirement(
             "P-2",
@@ -57,11 +57,11 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-4",
             "ALREADY no-ops",
-            'A `Sleep` whose tags are all asleep and a `Wake` whose tags are all resident MUST be '
-            'answered with `Ack status=ALREADY`, MUST have no effect, and MUST NOT crash or fail '
-            'the worker or the stage. A second `Shutdown` MUST be answered with `Ack '
-            'status=ALREADY` while the worker still runs; a worker that has already exited after '
-            'the first MUST have exited cleanly (status 0).',
+            "A `Sleep` whose tags are all asleep and a `Wake` whose tags are all resident MUST be "
+            "answered with `Ack status=ALREADY`, MUST have no effect, and MUST NOT crash or fail "
+            "the worker or the stage. A second `Shutdown` MUST be answered with `Ack "
+            "status=ALREADY` while the worker still runs; a worker that has already exited after "
+            "the first MUST have exited cleanly (status 0).",
         ),
         Requirement(
             "P-5",
@@ -83,12 +83,12 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-7",
             "Execution only when resident",
-            'A worker MUST execute a request only in `ACTIVE`: every tag resident and the weights '
-            'valid. In every other state `Execute` MUST be refused: with `Nack INVALID_STATE` '
-            'naming the state, or `Nack BUSY` while another task is in progress, or `Nack FAILED` '
-            'in `FAILED`. A stage MUST admit a request only while `RUNNING`; while not, requests '
+            "A worker MUST execute a request only in `ACTIVE`: every tag resident and the weights "
+            "valid. In every other state `Execute` MUST be refused: with `Nack INVALID_STATE` "
+            "naming the state, or `Nack BUSY` while another task is in progress, or `Nack FAILED` "
+            "in `FAILED`. A stage MUST admit a request only while `RUNNING`; while not, requests "
             "are queued (bounded), rejected with a clear error, or trigger a wake, per the stage's "
-            'admission policy, and none is lost.',
+            "admission policy, and none is lost.",
         ),
         Requirement(
             "P-8",
@@ -106,8 +106,7 @@ REQUIREMENTS: dict[str, Requirement] = {
             "`FAILED` stage leaves `FAILED` only by a restart, which starts fresh ranks under a "
             "new epoch.",
             worker=False,
-            why_not="a stage (orchestrator) requirement; the suite itself puts a deadline on "
-            "every receive",
+            why_not="a stage (orchestrator) requirement; the suite itself puts a deadline on every receive",
         ),
         Requirement(
             "P-10",
@@ -161,102 +160,102 @@ REQUIREMENTS: dict[str, Requirement] = {
             "P-15",
             "Profiling never changes the lifecycle",
             "`Profile(start=true)` starts the worker's profiler, `Profile(start=false)` stops it and "
-            'writes its trace. A worker that declares the capability `profile` MUST accept `Profile` '
-            'exactly where its transition table has `profile`/`profile_already`: `ACTIVE`, `SLEEPING`, '
-            '`PARTIAL` and `NEEDS_RELOAD`, the states in which no lifecycle effect runs (a profile is '
-            'meant to span sleeps and wakes, which is what it measures). Anywhere else it MUST refuse it '
-            'like any command: `Nack BUSY` while an effect runs (`OFFLOADING`, `RESTORING`, `RELOADING`), '
-            '`Nack FAILED` in `FAILED` (restart the stage), `Nack INVALID_STATE` in `LOADING` and '
-            '`STOPPED`. An answer to `Profile` MUST carry the state the worker was in when it arrived: '
-            'neither the command nor its effect changes the state or the residency. A start while a '
-            'profile runs and a stop while none runs MUST be answered `Ack status=ALREADY` with no effect '
+            "writes its trace. A worker that declares the capability `profile` MUST accept `Profile` "
+            "exactly where its transition table has `profile`/`profile_already`: `ACTIVE`, `SLEEPING`, "
+            "`PARTIAL` and `NEEDS_RELOAD`, the states in which no lifecycle effect runs (a profile is "
+            "meant to span sleeps and wakes, which is what it measures). Anywhere else it MUST refuse it "
+            "like any command: `Nack BUSY` while an effect runs (`OFFLOADING`, `RESTORING`, `RELOADING`), "
+            "`Nack FAILED` in `FAILED` (restart the stage), `Nack INVALID_STATE` in `LOADING` and "
+            "`STOPPED`. An answer to `Profile` MUST carry the state the worker was in when it arrived: "
+            "neither the command nor its effect changes the state or the residency. A start while a "
+            "profile runs and a stop while none runs MUST be answered `Ack status=ALREADY` with no effect "
             "(the running profile keeps its prefix; the stop's `trace_paths` is empty). A start's "
-            '`prefix` becomes part of a file name: a worker MUST refuse one that is empty, longer than 64 '
-            'characters, has a character outside `[A-Za-z0-9_.-]` or contains `..` with `Nack '
+            "`prefix` becomes part of a file name: a worker MUST refuse one that is empty, longer than 64 "
+            "characters, has a character outside `[A-Za-z0-9_.-]` or contains `..` with `Nack "
             "INVALID_ARGUMENT` naming the problem, before starting anything. A stop's `Ack` MUST list in "
-            '`trace_paths` the absolute paths of the traces it wrote, named '
-            '`{stage}-rank{r}-{prefix}-{time}.json.gz` (`{stage}-rank{r}-{time}.json.gz` without a '
-            'prefix; `time` UTC to the microsecond, strictly increasing per rank), so stages, ranks and '
-            'stops never overwrite each other; a listed path MUST appear only once complete (written '
-            'under another name and renamed), and MAY appear after the `Ack`. A failure of the profiler '
-            'MUST be answered `Nack PROFILE_ERROR`, with no profile running afterwards and the state '
-            'unchanged; it never moves a worker to `FAILED`. At most one profile runs per rank, and a '
-            'worker MUST bound it (omni-core: a profile running past `profile_max_s`, default 600 s, is '
-            'stopped and written, and the next stop lists it). `Profile` is idempotent by `task_id` and '
-            'fenced by epoch like every command (P-2, P-6). A stage sends `Profile` to every rank only in '
-            'a settled state with no task in flight, keeps admitting requests meanwhile, and never '
+            "`trace_paths` the absolute paths of the traces it wrote, named "
+            "`{stage}-rank{r}-{prefix}-{time}.json.gz` (`{stage}-rank{r}-{time}.json.gz` without a "
+            "prefix; `time` UTC to the microsecond, strictly increasing per rank), so stages, ranks and "
+            "stops never overwrite each other; a listed path MUST appear only once complete (written "
+            "under another name and renamed), and MAY appear after the `Ack`. A failure of the profiler "
+            "MUST be answered `Nack PROFILE_ERROR`, with no profile running afterwards and the state "
+            "unchanged; it never moves a worker to `FAILED`. At most one profile runs per rank, and a "
+            "worker MUST bound it (omni-core: a profile running past `profile_max_s`, default 600 s, is "
+            "stopped and written, and the next stop lists it). `Profile` is idempotent by `task_id` and "
+            "fenced by epoch like every command (P-2, P-6). A stage sends `Profile` to every rank only in "
+            "a settled state with no task in flight, keeps admitting requests meanwhile, and never "
             "changes state on the answers: a rank's `Nack` that leaves it where the stage committed it "
-            '(`BUSY`, `PROFILE_ERROR`, `INVALID_ARGUMENT`, `BAD_MESSAGE` from a worker that predates '
+            "(`BUSY`, `PROFILE_ERROR`, `INVALID_ARGUMENT`, `BAD_MESSAGE` from a worker that predates "
             "`Profile`) is that rank's refusal in the outcome; an answer in another state, or none by the "
-            'deadline, fails the stage naming the rank (P-9).',
+            "deadline, fails the stage naming the rank (P-9).",
         ),
         Requirement(
             "P-16",
             "A wake never allocates past the device",
-            'A worker that declares the capability `swap` MUST, before it maps (or moves to the device) each '
+            "A worker that declares the capability `swap` MUST, before it maps (or moves to the device) each "
             "allocation of a `Wake`, check that the device's free memory covers it, and MUST NOT map an "
-            'allocation that it does not cover (a driver out-of-memory on an allocation that was covered counts '
+            "allocation that it does not cover (a driver out-of-memory on an allocation that was covered counts "
             'as "not free yet"; a device with no capacity to run out of, such as a CPU, has nothing to check). '
-            '`Wake.wait_for_memory_s` (seconds, 0 to 3600, default 0) bounds how long the worker MAY wait for '
-            'memory that another process is releasing, counted from the start of the wake; with 0 it MUST NOT '
-            'wait, and it MUST NOT refuse for lack of memory before that time has passed. When the memory is not '
-            'free in time the worker MUST roll the wake back: unmap every allocation this wake mapped, keep the '
-            'host copies valid (nothing is invalidated, so a later `Wake` restores the same bytes), return to the'
-            ' state the `Wake` found (`SLEEPING`, `PARTIAL` or `NEEDS_RELOAD`) with the same tags asleep, and '
-            'answer `Nack NO_MEMORY` whose detail names the bytes needed, the bytes free and who holds the device'
+            "`Wake.wait_for_memory_s` (seconds, 0 to 3600, default 0) bounds how long the worker MAY wait for "
+            "memory that another process is releasing, counted from the start of the wake; with 0 it MUST NOT "
+            "wait, and it MUST NOT refuse for lack of memory before that time has passed. When the memory is not "
+            "free in time the worker MUST roll the wake back: unmap every allocation this wake mapped, keep the "
+            "host copies valid (nothing is invalidated, so a later `Wake` restores the same bytes), return to the"
+            " state the `Wake` found (`SLEEPING`, `PARTIAL` or `NEEDS_RELOAD`) with the same tags asleep, and "
+            "answer `Nack NO_MEMORY` whose detail names the bytes needed, the bytes free and who holds the device"
             " memory (each process the driver lists on the device with its pid and bytes; on omni-core's "
             "simulated device each holder's stage, rank, pid and bytes). The refusal MUST be kept in the reply "
-            'cache like any answer (P-2): a copy of the `Wake` gets it again and has no effect, the same '
-            '`task_id` with another `wait_for_memory_s` is another command (`Nack TASK_ID_REUSED`), and a `Wake` '
-            'under a new `task_id` is judged afresh. A worker that does not declare `swap` MUST refuse a `Wake` '
-            'with `wait_for_memory_s > 0` with `Nack UNSUPPORTED` and no effect (one that predates the field '
-            'refuses it as an unknown field, `Nack BAD_MESSAGE`, P-10), and an orchestrator MUST send '
-            '`wait_for_memory_s > 0` only to a stage whose ranks all declared `swap`. A stage whose ranks all '
-            'refuse `NO_MEMORY` returns to the state the wake started from and reports the refusal naming each '
-            'rank and its detail; when some ranks woke and others refused, the stage MUST end `FAILED` naming '
-            'both (its ranks now hold different tags). A swap (omni-core: `Engine.swap(out, in)`) sends the '
+            "cache like any answer (P-2): a copy of the `Wake` gets it again and has no effect, the same "
+            "`task_id` with another `wait_for_memory_s` is another command (`Nack TASK_ID_REUSED`), and a `Wake` "
+            "under a new `task_id` is judged afresh. A worker that does not declare `swap` MUST refuse a `Wake` "
+            "with `wait_for_memory_s > 0` with `Nack UNSUPPORTED` and no effect (one that predates the field "
+            "refuses it as an unknown field, `Nack BAD_MESSAGE`, P-10), and an orchestrator MUST send "
+            "`wait_for_memory_s > 0` only to a stage whose ranks all declared `swap`. A stage whose ranks all "
+            "refuse `NO_MEMORY` returns to the state the wake started from and reports the refusal naming each "
+            "rank and its detail; when some ranks woke and others refused, the stage MUST end `FAILED` naming "
+            "both (its ranks now hold different tags). A swap (omni-core: `Engine.swap(out, in)`) sends the "
             "outgoing stage's `Sleep` and the incoming stage's waiting `Wake` together, under the task ids "
             "`{id}/out` and `{id}/in`, so that a repeated swap is answered from both stages' records; it "
             "completes only when both halves do, and otherwise reports each stage's exact state and, on "
-            '`NO_MEMORY`, who holds the memory. The orchestrator admits one incoming wake per device at a time: '
+            "`NO_MEMORY`, who holds the memory. The orchestrator admits one incoming wake per device at a time: "
             "a swap whose incoming stage runs on a device (a GPU of any of its ranks) where another swap's "
-            'waiting `Wake` is in flight is sent once that `Wake` has ended, within its own deadline, or refused '
-            'with nothing sent (two incoming stages that each keep what they mapped while they wait could '
-            'otherwise both be refused: `tla/OmniSwap.tla`, `NotBothRefused`).',
+            "waiting `Wake` is in flight is sent once that `Wake` has ended, within its own deadline, or refused "
+            "with nothing sent (two incoming stages that each keep what they mapped while they wait could "
+            "otherwise both be refused: `tla/OmniSwap.tla`, `NotBothRefused`).",
         ),
         Requirement(
             "P-17",
             "Versioned weight updates",
             "`UpdateWeights(version, source)` replaces a rank's weights in place. `version` is an integer chosen "
-            'by the caller (1 to 2^63-1); `source` is one of `disk` (a safetensors directory, read as '
-            '`ReloadWeights` reads it), `shm` (buckets of host shared memory a sender process filled), `ipc` (the '
+            "by the caller (1 to 2^63-1); `source` is one of `disk` (a safetensors directory, read as "
+            "`ReloadWeights` reads it), `shm` (buckets of host shared memory a sender process filled), `ipc` (the "
             "same buckets as CUDA IPC handles of the sender's device memory) or `collective` (tensors that root 0 "
-            'of the group set up by `InitWeightGroup` broadcasts, in the order listed). Everything is bounded and '
-            'checked on decode, else `Nack BAD_MESSAGE` (P-10): at most 4096 buckets and 16384 tensors per '
-            'update, names of 1-256 characters, each at most once per update, at most 8 dimensions, a dtype from '
+            "of the group set up by `InitWeightGroup` broadcasts, in the order listed). Everything is bounded and "
+            "checked on decode, else `Nack BAD_MESSAGE` (P-10): at most 4096 buckets and 16384 tensors per "
+            "update, names of 1-256 characters, each at most once per update, at most 8 dimensions, a dtype from "
             "the schema's list, every tensor inside its bucket (`offset_bytes + nbytes <= bucket nbytes`). Each "
-            'bucket names its `sender_pid`, the process that keeps it alive.',
+            "bucket names its `sender_pid`, the process that keeps it alive.",
         ),
         Requirement(
             "P-18",
-            'A link plan moves the same bytes over more links',
-            'A `Sleep` or `Wake` MAY carry `links`, a link plan of at most 8 paths, each `{peer, share}`: `peer` '
+            "A link plan moves the same bytes over more links",
+            "A `Sleep` or `Wake` MAY carry `links`, a link plan of at most 8 paths, each `{peer, share}`: `peer` "
             "null is the rank's own host link, an integer is the CUDA device index (as the rank sees it) of a "
-            'peer GPU whose host link carries `share` of the bytes (a positive relative weight), relayed to or '
+            "peer GPU whose host link carries `share` of the bytes (a positive relative weight), relayed to or "
             "from the rank's device over NVLink/P2P through staging buffers on the peer. An orchestrator MUST "
-            'send `links` only to a rank whose `Hello` declared the capability `multi_path` and listed the peer '
+            "send `links` only to a rank whose `Hello` declared the capability `multi_path` and listed the peer "
             "in `Hello.relay_peers`, MUST lend a GPU's link to one command at a time, and MUST NOT lend the GPU "
-            'of a stage that has a lifecycle command in flight or of the commanding stage itself; it plans each '
-            'task once, so a resent command carries the same plan. A worker that does not declare `multi_path` '
-            'MUST refuse a command with `links` with `Nack UNSUPPORTED` and no effect. A worker that declares it '
-            'MUST leave exactly the state, tags and bytes the same command without `links` would (P-4, P-12), and '
-            'MUST treat a relay that fails (no room for staging on the peer, a refused copy, a peer that errs) as '
-            'a reason to finish on its own link: a sleep releases an allocation only once its bytes have landed '
+            "of a stage that has a lifecycle command in flight or of the commanding stage itself; it plans each "
+            "task once, so a resent command carries the same plan. A worker that does not declare `multi_path` "
+            "MUST refuse a command with `links` with `Nack UNSUPPORTED` and no effect. A worker that declares it "
+            "MUST leave exactly the state, tags and bytes the same command without `links` would (P-4, P-12), and "
+            "MUST treat a relay that fails (no room for staging on the peer, a refused copy, a peer that errs) as "
+            "a reason to finish on its own link: a sleep releases an allocation only once its bytes have landed "
             "on the host; a wake rolls back what it mapped (as P-16's refusal does, host copies kept) and runs "
-            'again on its own link. Staging memory on a peer is held only while the command runs. The plan is '
-            'left off the wire when empty, so a command without one is the frame every version-1 worker knows. '
+            "again on its own link. Staging memory on a peer is held only while the command runs. The plan is "
+            "left off the wire when empty, so a command without one is the frame every version-1 worker knows. "
             "omni-core's planner: `omni_core/engine/link_plan.py`; its relays: "
-            '`omni_core/workers/backends/lanes.py`.',
+            "`omni_core/workers/backends/lanes.py`.",
             worker=False,
             why_not="the suite has no P-18 cases yet (a plan refused without multi_path, the same bytes with one); "
             "the worker side is tested in tests/test_worker_core.py and tests/workers/test_lanes.py",

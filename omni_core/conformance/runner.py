@@ -31,8 +31,9 @@ _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def xml_safe(text: str) -> str:
-    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group(0)):02x}" if ord(m.group(0)) < 256 else
-                        f"\\u{ord(m.group(0)):04x}", text)  # fmt: skip
+    return _NOT_XML.sub(
+        lambda m: f"\\x{ord(m.group(0)):02x}" if ord(m.group(0)) < 256 else f"\\u{ord(m.group(0)):04x}", text
+    )
 
 
 @dataclass
@@ -46,10 +47,12 @@ class CaseResult:
     def details(self) -> str:
         """The failure as the suite reports it: requirement quoted, what was sent, what came back."""
         req = REQUIREMENTS[self.case.req]
-        lines = [f"{self.case.id}: {self.case.title}",
-                 f"  requirement {req.id} ({req.title}):",
-                 *textwrap.wrap(f'"{req.text}"', 100, initial_indent="    ", subsequent_indent="    "),
-                 f"  problem:  {self.failure.problem if self.failure else self.reason}"]  # fmt: skip
+        lines = [
+            f"{self.case.id}: {self.case.title}",
+            f"  requirement {req.id} ({req.title}):",
+            *textwrap.wrap(f'"{req.text}"', 100, initial_indent="    ", subsequent_indent="    "),
+            f"  problem:  {self.failure.problem if self.failure else self.reason}",
+        ]
         failure = self.failure
         if failure is not None and (failure.sent is not None or failure.got is not None):
             for label, value in (("sent", failure.sent), ("got", failure.got), ("expected", failure.expected)):
@@ -87,8 +90,9 @@ class SuiteReport:
     def requirements(self) -> list[tuple[Requirement, list[CaseResult]]]:
         # The run-wide stray check runs under any --only, so its requirement is listed too.
         chosen = REQUIREMENT_ORDER if self.only is None else {*self.only, *(r.case.req for r in self.results)}
-        return [(REQUIREMENTS[r], [x for x in self.results if x.case.req == r]) for r in REQUIREMENT_ORDER
-                if r in chosen]  # fmt: skip
+        return [
+            (REQUIREMENTS[r], [x for x in self.results if x.case.req == r]) for r in REQUIREMENT_ORDER if r in chosen
+        ]
 
     @staticmethod
     def verdict(req: Requirement, results: list[CaseResult]) -> Literal["PASS", "FAIL", "SKIP", "N/A"]:
@@ -134,13 +138,25 @@ class SuiteReport:
             "duration_s": round(self.duration_s, 3),
             "notes": list(self.notes),
             "requirements": [
-                {"id": req.id, "title": req.title, "verdict": self.verdict(req, results),
-                 "cases": [{"name": r.case.name, "title": r.case.title, "outcome": r.outcome, "reason": r.reason,
+                {
+                    "id": req.id,
+                    "title": req.title,
+                    "verdict": self.verdict(req, results),
+                    "cases": [
+                        {
+                            "name": r.case.name,
+                            "title": r.case.title,
+                            "outcome": r.outcome,
+                            "reason": r.reason,
                             "duration_s": round(r.duration_s, 3),
-                            "details": r.details() if r.outcome == "fail" else None} for r in results]}
+                            "details": r.details() if r.outcome == "fail" else None,
+                        }
+                        for r in results
+                    ],
+                }
                 for req, results in self.requirements()
             ],
-        }  # fmt: skip
+        }
 
     def render(self, verbose: bool = False) -> str:
         out = [f"omni-core conformance (protocol v{PROTOCOL_VERSION}) against: {self.target}"]
@@ -149,8 +165,10 @@ class SuiteReport:
             out.append(self.line(req, results))
             if verbose:
                 for r in results:
-                    out.append(f"        {r.outcome.upper():<4}  {r.case.name}: {r.reason or r.case.title} "
-                               f"({r.duration_s:.2f} s)")  # fmt: skip
+                    out.append(
+                        f"        {r.outcome.upper():<4}  {r.case.name}: {r.reason or r.case.title} "
+                        f"({r.duration_s:.2f} s)"
+                    )
         failures = [r for r in self.results if r.outcome == "fail"]
         if failures:
             out.append("")
@@ -163,26 +181,33 @@ class SuiteReport:
         n = {v: sum(1 for _, x in counted if x == v) for v in ("PASS", "FAIL", "SKIP", "N/A")}
         cases = {o: sum(1 for r in self.results if r.outcome == o) for o in ("pass", "fail", "skip")}
         checked = len(counted) - n["N/A"]
-        out.append(f"summary: {'FAILED' if self.failed else 'PASSED'}: {checked} requirement"
-                   f"{'s' if checked != 1 else ''} checked: "
-                   f"{n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped ({n['N/A']} not applicable "
-                   f"to a worker); {len(self.results)} cases: {cases['pass']} passed, {cases['fail']} failed, "
-                   f"{cases['skip']} skipped; {self.duration_s:.1f} s")  # fmt: skip
+        out.append(
+            f"summary: {'FAILED' if self.failed else 'PASSED'}: {checked} requirement"
+            f"{'s' if checked != 1 else ''} checked: "
+            f"{n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped ({n['N/A']} not applicable "
+            f"to a worker); {len(self.results)} cases: {cases['pass']} passed, {cases['fail']} failed, "
+            f"{cases['skip']} skipped; {self.duration_s:.1f} s"
+        )
         return "\n".join(out)
 
     def junit_xml(self) -> str:
         not_applicable = [req for req, _ in self.requirements() if not req.worker]
-        suite = ET.Element("testsuite", name="omni-core conformance",
-                           tests=str(len(self.results) + len(not_applicable)),
-                           failures=str(sum(r.outcome == "fail" for r in self.results)), errors="0",
-                           skipped=str(sum(r.outcome == "skip" for r in self.results) + len(not_applicable)),
-                           time=f"{self.duration_s:.3f}")  # fmt: skip
+        suite = ET.Element(
+            "testsuite",
+            name="omni-core conformance",
+            tests=str(len(self.results) + len(not_applicable)),
+            failures=str(sum(r.outcome == "fail" for r in self.results)),
+            errors="0",
+            skipped=str(sum(r.outcome == "skip" for r in self.results) + len(not_applicable)),
+            time=f"{self.duration_s:.3f}",
+        )
         props = ET.SubElement(suite, "properties")
         ET.SubElement(props, "property", name="target", value=xml_safe(self.target))
         ET.SubElement(props, "property", name="protocol_version", value=str(PROTOCOL_VERSION))
         for r in self.results:
-            tc = ET.SubElement(suite, "testcase", classname=f"conformance.{r.case.req}", name=r.case.name,
-                               time=f"{r.duration_s:.3f}")  # fmt: skip
+            tc = ET.SubElement(
+                suite, "testcase", classname=f"conformance.{r.case.req}", name=r.case.name, time=f"{r.duration_s:.3f}"
+            )
             if r.outcome == "fail":
                 ET.SubElement(tc, "failure", message=xml_safe(f"{r.case.req}: {r.reason}")).text = xml_safe(r.details())
             elif r.outcome == "skip":
@@ -201,8 +226,13 @@ class SuiteReport:
 class SuiteRunner:
     """Cases against one target. `run_case` one at a time (pytest), or `run()` for all."""
 
-    def __init__(self, target: str | WorkerFactory, *, options: SuiteOptions | None = None,
-                 only: str | Iterable[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: str | WorkerFactory,
+        *,
+        options: SuiteOptions | None = None,
+        only: str | Iterable[str] | None = None,
+    ) -> None:
         self.description, self.factory = resolve_target(target)
         self.options = options or SuiteOptions()
         self.only = parse_only(only)
@@ -227,7 +257,7 @@ class SuiteRunner:
         teardown when `-k` left that check out)."""
         if self._harness is not None:
             self._note_strays(self._harness, "")
-        return self._strays[self._strays_reported:]
+        return self._strays[self._strays_reported :]
 
     # ------------------------------------------------------------------ the shared worker
 
@@ -307,8 +337,10 @@ class SuiteRunner:
                     raise CaseSkip(f"worker does not declare capability {', '.join(map(repr, missing))}")
                 present = [c for c in case.unless if c in worker.capabilities]
                 if present:
-                    raise CaseSkip(f"worker declares capability {', '.join(map(repr, present))}; "
-                                   "this case is for workers without it")  # fmt: skip
+                    raise CaseSkip(
+                        f"worker declares capability {', '.join(map(repr, present))}; "
+                        "this case is for workers without it"
+                    )
             ctx = Ctx(case, worker, None, self.options, self._new_harness)
             ctx.failing_factory = self.failing_factory
             ctx.pressure_factory = self.pressure_factory
@@ -341,14 +373,19 @@ class SuiteRunner:
         except Exception as exc:  # an answer no case foresaw must not end the run
             if case.scope in ("shared", "consume"):
                 self._discard_shared()
-            problem = (f"the suite could not finish this case: {type(exc).__name__}: {str(exc)[:300]} "
-                       "(an answer the case did not foresee; the details show the last exchange)")  # fmt: skip
+            problem = (
+                f"the suite could not finish this case: {type(exc).__name__}: {str(exc)[:300]} "
+                "(an answer the case did not foresee; the details show the last exchange)"
+            )
             return CaseResult(case, "fail", problem, CaseFailure(problem, got=traceback.format_exc(limit=4)))
         finally:
             if case.scope == "consume":
                 self._discard_shared()
-            elif case.scope == "shared" and self._shared is not None and (
-                    self._silenced or not self._still_usable(self._shared)):  # fmt: skip
+            elif (
+                case.scope == "shared"
+                and self._shared is not None
+                and (self._silenced or not self._still_usable(self._shared))
+            ):
                 self._discard_shared()  # the next case gets a fresh worker
 
     def run(self, progress: Progress | None = None) -> SuiteReport:
@@ -371,7 +408,12 @@ class SuiteRunner:
         self._discard_shared()
 
 
-def run_suite(target: str | WorkerFactory, *, only: str | Iterable[str] | None = None,
-              options: SuiteOptions | None = None, progress: Progress | None = None) -> SuiteReport:  # fmt: skip
+def run_suite(
+    target: str | WorkerFactory,
+    *,
+    only: str | Iterable[str] | None = None,
+    options: SuiteOptions | None = None,
+    progress: Progress | None = None,
+) -> SuiteReport:
     """Run the suite against `target` (see `omni_core.conformance.targets`) and report."""
     return SuiteRunner(target, options=options, only=only).run(progress)

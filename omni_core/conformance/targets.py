@@ -97,8 +97,10 @@ def command_factory(template: str) -> WorkerFactory:
     """`cmd:` targets: fill the placeholders and run the line through the shell."""
     for needed in ("{address}", "{rank}"):
         if needed not in template:
-            raise TargetError(f"cmd: target {template!r} lacks the {needed} placeholder; the worker "
-                              "must learn where to connect and which rank it is")  # fmt: skip
+            raise TargetError(
+                f"cmd: target {template!r} lacks the {needed} placeholder; the worker "
+                "must learn where to connect and which rank it is"
+            )
 
     def start(address: str, rank: int, epoch: int) -> str:
         # Literal replacement, not str.format: a command line may hold JSON braces. Unquoted:
@@ -113,8 +115,7 @@ def command_factory(template: str) -> WorkerFactory:
 def import_factory(path: str) -> WorkerFactory:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise TargetError(f"worker target {path!r} is not 'synthetic', 'cmd:<command>' or "
-                          "'package.module:factory'")  # fmt: skip
+        raise TargetError(f"worker target {path!r} is not 'synthetic', 'cmd:<command>' or 'package.module:factory'")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -222,15 +223,24 @@ def launch(factory: WorkerFactory, address: str, rank: int, epoch: int, output_p
     elif isinstance(spec, Sequence) and spec and all(isinstance(a, str) for a in spec):
         argv, shell, what = list(spec), False, " ".join(spec)
     else:
-        raise TargetError(f"the factory returned {spec!r}; return an argv list, a shell command string, "
-                          "a WorkerConfig/dict, or a started process")  # fmt: skip
+        raise TargetError(
+            f"the factory returned {spec!r}; return an argv list, a shell command string, "
+            "a WorkerConfig/dict, or a started process"
+        )
     # Like an engine, the suite hands each worker a rank secret it must prove its Hello with.
     secret = new_rank_secret()
     env = dict(os.environ, **{RANK_SECRET_ENV: secret.hex()})
     with open(output_path, "ab") as out:
         try:
-            proc = subprocess.Popen(argv, shell=shell, stdin=subprocess.DEVNULL, stdout=out, env=env,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                argv,
+                shell=shell,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                env=env,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as exc:
             raise TargetError(f"cannot start {what!r}: {exc}") from exc
     return WorkerProcess(what, proc, output_path=output_path, own_session=True, rank_secret=secret)

@@ -66,14 +66,27 @@ class Engine:
     interface Ray reports for this node: docs/ray.md) or a `RankLauncher` object.
     """
 
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str | None = None, host: str | None = None,
-                 curve: bool | None = None, trace_path: str | None = None,
-                 launcher: RankLauncher | str | None = None, ray_address: str | None = "auto",
-                 ray_namespace: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        specs: Iterable[StageSpec],
+        *,
+        transport: str | None = None,
+        host: str | None = None,
+        curve: bool | None = None,
+        trace_path: str | None = None,
+        launcher: RankLauncher | str | None = None,
+        ray_address: str | None = "auto",
+        ray_namespace: str | None = None,
+    ) -> None:
         self._specs = {s.name: s for s in specs}
-        self._orch = Orchestrator(self._specs.values(), transport=transport, host=host, curve=curve,
-                                  trace_path=trace_path,
-                                  launcher=make_launcher(launcher, ray_address, ray_namespace))  # fmt: skip
+        self._orch = Orchestrator(
+            self._specs.values(),
+            transport=transport,
+            host=host,
+            curve=curve,
+            trace_path=trace_path,
+            launcher=make_launcher(launcher, ray_address, ray_namespace),
+        )
         try:
             futures = [self._orch.call(lambda f, n=name: self._orch.op_start(f, n)) for name in self._specs]
             for name, future in zip(self._specs, futures, strict=True):
@@ -102,27 +115,51 @@ class Engine:
 
     def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         spec = self._spec(stage)
-        return self._wait(self.submit(stage, payload, timeout_s=timeout_s),
-                          timeout_s if timeout_s is not None else spec.request_timeout_s)  # fmt: skip
+        return self._wait(
+            self.submit(stage, payload, timeout_s=timeout_s),
+            timeout_s if timeout_s is not None else spec.request_timeout_s,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
-    def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | str | None = None, *,
-              task_id: str | None = None, timeout_s: float | None = None,
-              abort_in_flight: bool = False) -> LifecycleReport:  # fmt: skip
+    def sleep(
+        self,
+        stage: str,
+        level: int = 1,
+        tags: Iterable[str] | str | None = None,
+        *,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+        abort_in_flight: bool = False,
+    ) -> LifecycleReport:
         """Close admission, drain (or abort) in-flight requests, sleep every rank."""
         if level not in (1, 2):
             raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        return self._lifecycle(stage, "sleep", task_id, timeout_s,
-                               lambda tid, dl: SleepCall(tid, level, _tags(tags), dl, abort_in_flight))
+        return self._lifecycle(
+            stage, "sleep", task_id, timeout_s, lambda tid, dl: SleepCall(tid, level, _tags(tags), dl, abort_in_flight)
+        )
 
-    def wake(self, stage: str, tags: Iterable[str] | str | None = None, *,
-             task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+    def wake(
+        self,
+        stage: str,
+        tags: Iterable[str] | str | None = None,
+        *,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LifecycleReport:
         return self._lifecycle(stage, "wake", task_id, timeout_s, lambda tid, dl: WakeCall(tid, _tags(tags), dl))
 
-    def swap(self, out_stage: str, in_stage: str, *, level: int = 1, tags: Iterable[str] | str | None = None,
-             task_id: str | None = None, timeout_s: float | None = None,
-             memory_wait_s: float | None = None) -> SwapReport:  # fmt: skip
+    def swap(
+        self,
+        out_stage: str,
+        in_stage: str,
+        *,
+        level: int = 1,
+        tags: Iterable[str] | str | None = None,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+        memory_wait_s: float | None = None,
+    ) -> SwapReport:
         """Put `out_stage` to sleep (`level`, `tags`) and wake `in_stage` at the same time, so
         the host link carries both directions at once (P-16). Each incoming rank maps an
         allocation only once its device has that much free memory, waiting up to
@@ -148,21 +185,27 @@ class Engine:
             wait_s = min(SWAP_MEMORY_WAIT_SHARE * deadline_s, MAX_WAIT_FOR_MEMORY_S)
         else:
             wait_s = memory_wait_s
-        if not (isinstance(wait_s, (int, float)) and math.isfinite(wait_s) and 0 <= wait_s < deadline_s
-                and wait_s <= MAX_WAIT_FOR_MEMORY_S):  # fmt: skip
+        if not (
+            isinstance(wait_s, (int, float))
+            and math.isfinite(wait_s)
+            and 0 <= wait_s < deadline_s
+            and wait_s <= MAX_WAIT_FOR_MEMORY_S
+        ):
             # Said in the caller's words: the Wake's own field is wait_for_memory_s.
             raise InvalidArgumentError(
                 f"memory_wait_s must be >= 0, below the swap's deadline ({deadline_s} s: timeout_s, else the larger "
                 f"deadline_s of the two stages) and at most {MAX_WAIT_FOR_MEMORY_S:.0f} s, got {memory_wait_s!r}; "
-                "pass a smaller memory_wait_s or a longer timeout_s")
+                "pass a smaller memory_wait_s or a longer timeout_s"
+            )
         swap_id = task_id or self._orch.new_task_id("swap", f"{out_stage}-{in_stage}")
         sleep = SleepCall(f"{swap_id}/out", level, _tags(tags), deadline_s)
         wake = WakeCall(f"{swap_id}/in", None, deadline_s, float(wait_s))
         out_future: Future = Future()
         in_future: Future = Future()
         started = time.perf_counter()
-        issued = self._orch.call(lambda f: self._orch.op_swap(f, out_stage, sleep, out_future, in_stage, wake,
-                                                              in_future))  # fmt: skip
+        issued = self._orch.call(
+            lambda f: self._orch.op_swap(f, out_stage, sleep, out_future, in_stage, wake, in_future)
+        )
         budget_s = deadline_s + max(out_spec.request_timeout_s, in_spec.request_timeout_s)
         # Raises when the sleep was refused, or the swap waited for its incoming stage's device
         # past its deadline (one incoming wake per device at a time): then nothing was sent.
@@ -177,21 +220,37 @@ class Engine:
         out, into = halves["outgoing"], halves["incoming"]
         if isinstance(out, LifecycleReport) and isinstance(into, LifecycleReport):
             return SwapReport(swap_id, out, into, duration_s)
-        said = [f"{what} stage {stage!r}: " + (f"{half.state} ({half.status})" if isinstance(half, LifecycleReport)
-                                                 else f"{type(half).__name__}: {half}")
-                for what, stage, half in (("outgoing", out_stage, out), ("incoming", in_stage, into))]  # fmt: skip
-        raise SwapFailedError(f"swap {swap_id!r} did not complete: " + "; ".join(said), out, into,
-                              out_stage=out_stage, in_stage=in_stage)  # fmt: skip
+        said = [
+            f"{what} stage {stage!r}: "
+            + (
+                f"{half.state} ({half.status})"
+                if isinstance(half, LifecycleReport)
+                else f"{type(half).__name__}: {half}"
+            )
+            for what, stage, half in (("outgoing", out_stage, out), ("incoming", in_stage, into))
+        ]
+        raise SwapFailedError(
+            f"swap {swap_id!r} did not complete: " + "; ".join(said), out, into, out_stage=out_stage, in_stage=in_stage
+        )
 
-    def reload_weights(self, stage: str, source: str | None = None, *, task_id: str | None = None,
-                       timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+    def reload_weights(
+        self, stage: str, source: str | None = None, *, task_id: str | None = None, timeout_s: float | None = None
+    ) -> LifecycleReport:
         if source is not None and (not isinstance(source, str) or "\x00" in source):
-            raise InvalidArgumentError(f"the reload source must be a path string without NUL characters, got "
-                                       f"{source!r:.200}; nothing was sent")  # fmt: skip
+            raise InvalidArgumentError(
+                f"the reload source must be a path string without NUL characters, got {source!r:.200}; nothing was sent"
+            )
         return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
 
-    def update_weights(self, stage: str, source: WeightSource | str, *, version: int, task_id: str | None = None,
-                       timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+    def update_weights(
+        self,
+        stage: str,
+        source: WeightSource | str,
+        *,
+        version: int,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LifecycleReport:
         """Replace the stage's weights with `source` as weights `version` (P-17): a checkpoint
         directory (a str, or `DiskSource`), or what `omni_core.weights_sender.WeightSender`
         shares (`ShmSource`, `IpcSource`, `CollectiveSource`). `version` must be above the
@@ -204,22 +263,49 @@ class Engine:
         if type(version) is not int or version < 1:
             raise InvalidArgumentError(f"version must be an int >= 1, got {version!r}")
         checked = _checked_source(DiskSource(path=source) if isinstance(source, str) else source)
-        return self._lifecycle(stage, "update", task_id, timeout_s,
-                               lambda tid, dl: UpdateCall(tid, version, checked, dl))
+        return self._lifecycle(
+            stage, "update", task_id, timeout_s, lambda tid, dl: UpdateCall(tid, version, checked, dl)
+        )
 
-    def init_weight_group(self, stage: str, *, address: str, port: int, world_size: int, rank_offset: int = 1,
-                          backend: str = "gloo", group: str = "weights", group_timeout_s: float = 300.0,
-                          task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:  # fmt: skip
+    def init_weight_group(
+        self,
+        stage: str,
+        *,
+        address: str,
+        port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        group: str = "weights",
+        group_timeout_s: float = 300.0,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LifecycleReport:
         """Every rank of `stage` joins the trainer's weight group (the trainer is group rank 0 and
         serves the rendezvous at address:port: `WeightSender.init_group`, called meanwhile); rank r
         is group rank `rank_offset + r`. Then `update_weights(stage, CollectiveSource(...))`.
         `group_timeout_s` bounds the rendezvous and each later broadcast: a trainer that
         vanishes mid-broadcast fails the update (UPDATE_FAILED) after at most that long."""
-        return self._lifecycle(stage, "weight-group", task_id, timeout_s, lambda tid, dl: WeightGroupCall(
-            tid, group, address, port, world_size, rank_offset, backend, dl, group_timeout_s))  # fmt: skip
+        return self._lifecycle(
+            stage,
+            "weight-group",
+            task_id,
+            timeout_s,
+            lambda tid, dl: WeightGroupCall(
+                tid, group, address, port, world_size, rank_offset, backend, dl, group_timeout_s
+            ),
+        )
 
-    def transfer_weights(self, from_stage: str, to_stage: str, *, version: int, task_id: str | None = None,
-                         timeout_s: float | None = None, bucket_bytes: int = 256 << 20) -> LifecycleReport:  # fmt: skip
+    def transfer_weights(
+        self,
+        from_stage: str,
+        to_stage: str,
+        *,
+        version: int,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+        bucket_bytes: int = 256 << 20,
+    ) -> LifecycleReport:
         """The trainer is a stage: its rank 0 shares its weights (ShareWeights, host shared memory
         or CUDA IPC on its node) and `to_stage` takes them as weights `version`, as
         `update_weights` does. Both stages on one node; the trainer's weights awake (RUNNING, or
@@ -232,19 +318,30 @@ class Engine:
         status = self.status()
         nodes = {stage: {r["node"] for r in status[stage]["ranks"].values()} for stage in (from_stage, to_stage)}
         if len(nodes[from_stage] | nodes[to_stage]) > 1:
-            raise InvalidArgumentError(f"stages {from_stage!r} (nodes {sorted(nodes[from_stage])}) and {to_stage!r} "
-                                       f"(nodes {sorted(nodes[to_stage])}) are not on one node; shared buckets do "
-                                       "not cross nodes: use a weight group (init_weight_group, collective)")
+            raise InvalidArgumentError(
+                f"stages {from_stage!r} (nodes {sorted(nodes[from_stage])}) and {to_stage!r} "
+                f"(nodes {sorted(nodes[to_stage])}) are not on one node; shared buckets do "
+                "not cross nodes: use a weight group (init_weight_group, collective)"
+            )
         tid = task_id or self._orch.new_task_id("transfer", f"{from_stage}-{to_stage}")
-        shared = self._lifecycle(from_stage, "share", f"{tid}/share", timeout_s,
-                                 lambda t, dl: ShareCall(t, bucket_bytes, dl))  # fmt: skip
+        shared = self._lifecycle(
+            from_stage, "share", f"{tid}/share", timeout_s, lambda t, dl: ShareCall(t, bucket_bytes, dl)
+        )
         source = shared.ranks[0].shared if 0 in shared.ranks else None
         if source is None:
             raise OmniCoreError(f"stage {from_stage!r} rank 0 shared no weights for task {tid!r}/share")
         return self.update_weights(to_stage, source, version=version, task_id=f"{tid}/update", timeout_s=timeout_s)
 
-    def profile(self, stage: str, start: bool = True, prefix: str | None = None, *, task_id: str | None = None,
-                timeout_s: float | None = None, wait_s: float | None = None) -> ProfileReport:  # fmt: skip
+    def profile(
+        self,
+        stage: str,
+        start: bool = True,
+        prefix: str | None = None,
+        *,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+        wait_s: float | None = None,
+    ) -> ProfileReport:
         """Start (`start=True`) or stop the profiler on every rank of `stage`; its state never
         changes, so a profile may span sleeps and wakes. A stop's report lists each rank's
         trace (`{stage}-rank{r}-{prefix}-{time}.json.gz` in the stage's `profile_dir`); the
@@ -255,14 +352,17 @@ class Engine:
             raise InvalidArgumentError(f"profile start must be True or False, got {start!r}")
         if wait_s is not None and not (isinstance(wait_s, (int, float)) and wait_s >= 0):
             raise InvalidArgumentError(f"wait_s must be a number of seconds >= 0 or None, got {wait_s!r}")
-        report: ProfileReport = self._lifecycle(stage, "profile", task_id, timeout_s,
-                                                lambda tid, dl: ProfileCall(tid, start, prefix, dl))  # fmt: skip
+        report: ProfileReport = self._lifecycle(
+            stage, "profile", task_id, timeout_s, lambda tid, dl: ProfileCall(tid, start, prefix, dl)
+        )
         if wait_s is not None:
             missing = report.wait_for_files(wait_s)
             if missing:
-                raise OmniCoreError(f"stage {stage!r}: traces {list(missing)} not written within {wait_s} s "
-                                    "(their ranks compress them in the background; a rank on another host "
-                                    "writes them there); wait longer or check the ranks' logs")  # fmt: skip
+                raise OmniCoreError(
+                    f"stage {stage!r}: traces {list(missing)} not written within {wait_s} s "
+                    "(their ranks compress them in the background; a rank on another host "
+                    "writes them there); wait longer or check the ranks' logs"
+                )
         return report
 
     def restart(self, stage: str) -> None:
@@ -276,8 +376,9 @@ class Engine:
         try:
             chosen = AdmissionPolicy(policy)
         except ValueError:
-            raise InvalidArgumentError(f"admission {policy!r} is not one of "
-                                       f"{[p.value for p in AdmissionPolicy]}") from None  # fmt: skip
+            raise InvalidArgumentError(
+                f"admission {policy!r} is not one of {[p.value for p in AdmissionPolicy]}"
+            ) from None
         self._wait(self._orch.call(lambda f: self._orch.op_set_admission(f, stage, SetAdmission(chosen))), 5.0)
 
     def status(self) -> dict[str, Any]:
@@ -300,9 +401,16 @@ class Engine:
         except KeyError:
             raise InvalidArgumentError(f"unknown stage {stage!r}; stages are {sorted(self._specs)}") from None
 
-    def _lifecycle(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None,
-                   make: Callable[[str, float], SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall
-                                  | WeightGroupCall | ShareCall]) -> Any:  # fmt: skip
+    def _lifecycle(
+        self,
+        stage: str,
+        kind: str,
+        task_id: str | None,
+        timeout_s: float | None,
+        make: Callable[
+            [str, float], SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall | WeightGroupCall | ShareCall
+        ],
+    ) -> Any:
         """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
         deadline_s = self._deadline_s(spec.deadline_s, timeout_s)
@@ -320,8 +428,10 @@ class Engine:
         try:
             return future.result(budget_s + WAIT_GRACE_S)
         except FutureTimeout:
-            raise OmniCoreError(f"no answer from the orchestrator within {budget_s + WAIT_GRACE_S:.1f} s; "
-                                "its deadlines should have fired: this is a bug, please report it") from None
+            raise OmniCoreError(
+                f"no answer from the orchestrator within {budget_s + WAIT_GRACE_S:.1f} s; "
+                "its deadlines should have fired: this is a bug, please report it"
+            ) from None
 
 
 def _checked_source(source: object) -> WeightSource:
@@ -330,8 +440,10 @@ def _checked_source(source: object) -> WeightSource:
     try:
         probe = msgspec.convert(msgspec.to_builtins({"source": source}), _SourceProbe)
     except (msgspec.ValidationError, TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"weight source {type(source).__name__}: {exc}; build it with "
-                                   "omni_core.weights_sender.WeightSender or DiskSource(path=...)") from None
+        raise InvalidArgumentError(
+            f"weight source {type(source).__name__}: {exc}; build it with "
+            "omni_core.weights_sender.WeightSender or DiskSource(path=...)"
+        ) from None
     return probe.source
 
 
@@ -339,8 +451,9 @@ class _SourceProbe(msgspec.Struct, forbid_unknown_fields=True):
     source: WeightSource
 
 
-def make_launcher(launcher: RankLauncher | str | None, ray_address: str | None = "auto",
-                  ray_namespace: str | None = None) -> RankLauncher:  # fmt: skip
+def make_launcher(
+    launcher: RankLauncher | str | None, ray_address: str | None = "auto", ray_namespace: str | None = None
+) -> RankLauncher:
     if launcher is None or launcher == "local":
         return LocalLauncher()
     if launcher == "ray":
@@ -376,8 +489,9 @@ class AsyncEngine:
     async def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         return await asyncio.wrap_future(self.engine.submit(stage, payload, timeout_s=timeout_s))
 
-    async def sleep(self, stage: str, level: int = 1, tags: Iterable[str] | str | None = None,
-                    **kwargs: Any) -> LifecycleReport:  # fmt: skip
+    async def sleep(
+        self, stage: str, level: int = 1, tags: Iterable[str] | str | None = None, **kwargs: Any
+    ) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.sleep, stage, level, tags, **kwargs)
 
     async def wake(self, stage: str, tags: Iterable[str] | str | None = None, **kwargs: Any) -> LifecycleReport:
@@ -398,8 +512,7 @@ class AsyncEngine:
     async def init_weight_group(self, stage: str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.init_weight_group, stage, **kwargs)
 
-    async def profile(self, stage: str, start: bool = True, prefix: str | None = None,
-                      **kwargs: Any) -> ProfileReport:  # fmt: skip
+    async def profile(self, stage: str, start: bool = True, prefix: str | None = None, **kwargs: Any) -> ProfileReport:
         return await asyncio.to_thread(self.engine.profile, stage, start, prefix, **kwargs)
 
     async def restart(self, stage: str) -> None:

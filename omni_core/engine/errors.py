@@ -31,8 +31,13 @@ class StageFailedError(OmniCoreError):
     """A stage task ended in FAILED (P-9). `failures` maps rank -> why; `nodes` maps each of
     those ranks to the node it ran on (a host, or a Ray node id and IP), also in the message."""
 
-    def __init__(self, stage: str, message: str, failures: Mapping[int, str] | None = None,
-                 nodes: Mapping[int, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stage: str,
+        message: str,
+        failures: Mapping[int, str] | None = None,
+        nodes: Mapping[int, str] | None = None,
+    ) -> None:
         self.nodes = {r: n for r, n in (nodes or {}).items() if r in (failures or {})}
         where = "; ".join(f"rank {r} on node {n}" for r, n in sorted(self.nodes.items()))
         super().__init__(f"{message} [{where}]" if where else message)
@@ -69,8 +74,9 @@ class SwapFailedError(OmniCoreError):
     memory), or None when that half never started; the states in the message are exact.
     `out_stage`/`in_stage` name the two stages (the HTTP answer shows each half under its name)."""
 
-    def __init__(self, message: str, outgoing: object, incoming: object, *, out_stage: str = "",
-                 in_stage: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, message: str, outgoing: object, incoming: object, *, out_stage: str = "", in_stage: str = ""
+    ) -> None:
         super().__init__(message)
         self.outgoing = outgoing
         self.incoming = incoming

@@ -37,8 +37,10 @@ def stage_devices(spec: StageSpec, engine_visible: str | None) -> frozenset[str]
         return frozenset({f"simulated:{os.path.normpath(spec.simulated_device.directory)}"})
     if not spec.device.startswith("cuda"):
         return frozenset()
-    return frozenset(f"gpu:{rank_view(spec.devices[r] if spec.devices else None, engine_visible, spec.device).own_gpu}"
-                     for r in range(spec.ranks))  # fmt: skip
+    return frozenset(
+        f"gpu:{rank_view(spec.devices[r] if spec.devices else None, engine_visible, spec.device).own_gpu}"
+        for r in range(spec.ranks)
+    )
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,9 @@ class IncomingSlots(Generic[Item]):
         self._held: dict[Key, frozenset[str]] = {}
         self._queue: deque[WaitingSwap[Item]] = deque()
 
-    def offer(self, key: Key, swap_id: str, devices: frozenset[str], now_s: float, deadline_s: float,
-              item: Item) -> bool:  # fmt: skip
+    def offer(
+        self, key: Key, swap_id: str, devices: frozenset[str], now_s: float, deadline_s: float, item: Item
+    ) -> bool:
         """True: the devices are this swap's now, issue it (and `release(key)` when its wake
         ends). False: it waits (`advance` hands it back). Raises TaskAbandonedError when
         `limit` swaps wait already."""
@@ -97,7 +100,8 @@ class IncomingSlots(Generic[Item]):
         if len(self._queue) >= self.limit:
             raise TaskAbandonedError(
                 f"swap {swap_id!r} refused: {len(self._queue)} swaps already wait for a device and it would wait "
-                f"for {entry.behind}; nothing was sent, both stages are unchanged; retry once that swap ended")
+                f"for {entry.behind}; nothing was sent, both stages are unchanged; retry once that swap ended"
+            )
         self._queue.append(entry)
         return False
 
@@ -132,7 +136,8 @@ class IncomingSlots(Generic[Item]):
         return TaskAbandonedError(
             f"swap {entry.swap_id!r} did not start within its deadline of "
             f"{entry.deadline_at_s - entry.queued_at_s:.3f} s: it waited for {entry.behind} (one incoming wake per "
-            "device at a time); nothing was sent, both stages are unchanged; retry it, or give it a longer timeout_s")
+            "device at a time); nothing was sent, both stages are unchanged; retry it, or give it a longer timeout_s"
+        )
 
     def drain(self) -> list[WaitingSwap[Item]]:
         """Every waiting swap, removed (the engine is shutting down)."""

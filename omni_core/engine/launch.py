@@ -55,8 +55,9 @@ class RankLauncher(Protocol):
 
     def bind_host(self) -> str: ...
 
-    def spawn(self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None,
-              curve: CurveKeys | None) -> list[RankHandle]: ...  # fmt: skip
+    def spawn(
+        self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+    ) -> list[RankHandle]: ...
 
     def reap(self, ranks: list[RankHandle]) -> None:
         """Stop the ranks (grace, then force) and release what was made for them."""
@@ -74,8 +75,9 @@ class LocalLauncher:
     def bind_host(self) -> str:
         return "127.0.0.1"
 
-    def spawn(self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None,
-              curve: CurveKeys | None) -> list[RankHandle]:  # fmt: skip
+    def spawn(
+        self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+    ) -> list[RankHandle]:
         return list(local_ranks.spawn_ranks(spec, epoch=epoch, address=address, trace_path=trace_path, curve=curve))
 
     def reap(self, ranks: list[RankHandle]) -> None:

@@ -40,8 +40,9 @@ class RankView:
         return self.visible[self.own]
 
 
-def rank_view(devices_entry: str | None, engine_visible: str | None, device: str,
-              relay_peers: Iterable[int] = ()) -> RankView:  # fmt: skip
+def rank_view(
+    devices_entry: str | None, engine_visible: str | None, device: str, relay_peers: Iterable[int] = ()
+) -> RankView:
     """A rank's view from its stage spec: `devices_entry` (its CUDA_VISIBLE_DEVICES, when the
     spec places it), else the engine's own CUDA_VISIBLE_DEVICES, else every GPU by index."""
     entries = devices_entry if devices_entry is not None else engine_visible
@@ -78,8 +79,13 @@ def plan_links(ranks: Mapping[int, RankView], busy_gpus: Iterable[str]) -> LinkP
                 peers.append(LinkShare(index, PEER_SHARE))
         if peers:
             links[rank] = (LinkShare(None, OWN_SHARE), *peers)
-    lent = frozenset(view.visible[s.peer] for rank, plan in links.items()
-                     for view in (ranks[rank],) for s in plan if s.peer is not None)  # fmt: skip
+    lent = frozenset(
+        view.visible[s.peer]
+        for rank, plan in links.items()
+        for view in (ranks[rank],)
+        for s in plan
+        if s.peer is not None
+    )
     return LinkPlan(links, lent)
 
 

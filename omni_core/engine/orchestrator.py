@@ -89,10 +89,12 @@ SOCKET_HWM = 10_000
 RANK_EXITED = "EXITED"
 
 _REQUEST_ERRORS: dict[RequestError, type[OmniCoreError]] = {
-    RequestError.REJECTED: RequestRejectedError, RequestError.FAILED: RequestFailedError,
-    RequestError.ABORTED: RequestFailedError, RequestError.OVERLOADED: RequestFailedError,
+    RequestError.REJECTED: RequestRejectedError,
+    RequestError.FAILED: RequestFailedError,
+    RequestError.ABORTED: RequestFailedError,
+    RequestError.OVERLOADED: RequestFailedError,
     RequestError.CLOSED: EngineClosedError,
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -124,14 +126,28 @@ def _nodes(stage: _Stage) -> dict[int, str]:
 
 
 def _core_for(spec: StageSpec) -> StageCore:
-    return StageCore(spec.name, spec.ranks, tags=spec.tags, policy=spec.admission, queue_limit=spec.queue_limit,
-                     max_in_flight=spec.max_in_flight, wake_deadline_s=spec.deadline_s)  # fmt: skip
+    return StageCore(
+        spec.name,
+        spec.ranks,
+        tags=spec.tags,
+        policy=spec.admission,
+        queue_limit=spec.queue_limit,
+        max_in_flight=spec.max_in_flight,
+        wake_deadline_s=spec.deadline_s,
+    )
 
 
 class Orchestrator:
-    def __init__(self, specs: Iterable[StageSpec], *, transport: str | None = None, host: str | None = None,
-                 curve: bool | None = None, trace_path: str | None = None,
-                 launcher: RankLauncher | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        specs: Iterable[StageSpec],
+        *,
+        transport: str | None = None,
+        host: str | None = None,
+        curve: bool | None = None,
+        trace_path: str | None = None,
+        launcher: RankLauncher | None = None,
+    ) -> None:
         specs = list(specs)
         self._launcher: RankLauncher = launcher if launcher is not None else LocalLauncher()
         if not specs:
@@ -143,8 +159,10 @@ class Orchestrator:
             # Ranks elsewhere reach us over tcp on the interface the cluster knows this node
             # by, always with CURVE: the network between hosts is not ours.
             if transport not in (None, "tcp") or curve is False:
-                raise InvalidArgumentError(f"the {self._launcher.name} launcher runs ranks on other hosts: "
-                                           "transport must be 'tcp' and curve not False")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"the {self._launcher.name} launcher runs ranks on other hosts: "
+                    "transport must be 'tcp' and curve not False"
+                )
             transport, curve = "tcp", True
             host = host if host is not None else self._launcher.bind_host()
         transport = transport if transport is not None else "ipc"
@@ -171,8 +189,9 @@ class Orchestrator:
             self._curve_gate = CurveGate(self._ctx, self._curve)
         self._tmpdir = tempfile.mkdtemp(prefix="omni-core-")
         bind = f"ipc://{self._tmpdir}/router.sock" if transport == "ipc" else f"tcp://{host}:*"
-        self._router = make_router(self._ctx, bind, hwm=SOCKET_HWM, max_frame_bytes=self.max_frame_bytes,
-                                   curve=self._curve)  # fmt: skip
+        self._router = make_router(
+            self._ctx, bind, hwm=SOCKET_HWM, max_frame_bytes=self.max_frame_bytes, curve=self._curve
+        )
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._by_identity: dict[bytes, tuple[_Stage, int]] = {}
         self._sentinels: dict[int, tuple[_Stage, RankHandle]] = {}
@@ -191,8 +210,14 @@ class Orchestrator:
         self._links = LinkLedger()
         self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._incoming: IncomingSlots[SwapCall] = IncomingSlots()
-        self.counters = {"bad_replies": 0, "unknown_peers": 0, "send_failures": 0,
-                         "forged_hellos": 0, "rebind_refused": 0, "rank_mismatch": 0}  # fmt: skip
+        self.counters = {
+            "bad_replies": 0,
+            "unknown_peers": 0,
+            "send_failures": 0,
+            "forged_hellos": 0,
+            "rebind_refused": 0,
+            "rank_mismatch": 0,
+        }
         # What the loop caught while handling one frame, exit or tick, by cause (bounded labels).
         self.frame_errors = FrameErrors("orchestrator", log)
         self.died_of: str | None = None
@@ -205,8 +230,11 @@ class Orchestrator:
         """Run `fn(future)` on the loop thread; exceptions it raises settle the future."""
         future: Future = Future()
         if self.died_of is not None:
-            future.set_exception(EngineClosedError(f"the engine's orchestrator failed ({self.died_of}); "
-                                                   "its ranks were stopped; create a new Engine"))  # fmt: skip
+            future.set_exception(
+                EngineClosedError(
+                    f"the engine's orchestrator failed ({self.died_of}); its ranks were stopped; create a new Engine"
+                )
+            )
             return future
         if self._closed.is_set() or self._closing is not None:
             future.set_exception(EngineClosedError("the engine is shut down; create a new Engine"))
@@ -266,19 +294,26 @@ class Orchestrator:
         except OverflowError as exc:
             raise InvalidPayloadError(f"the request to stage {name!r} was not sent: {wire_int_problem(exc)}") from None
         except (TypeError, ValueError, RecursionError) as exc:
-            raise InvalidPayloadError(f"the request to stage {name!r} was not sent: its payload cannot be encoded "
-                                      f"({type(exc).__name__}: {str(exc)[:200]}); a payload must be made of dict, "
-                                      "list, str, bytes, int, float, bool and None") from None  # fmt: skip
+            raise InvalidPayloadError(
+                f"the request to stage {name!r} was not sent: its payload cannot be encoded "
+                f"({type(exc).__name__}: {str(exc)[:200]}); a payload must be made of dict, "
+                "list, str, bytes, int, float, bool and None"
+            ) from None
         if size_bytes > stage.spec.max_frame_bytes:
-            raise PayloadTooLargeError(f"the request to stage {name!r} encodes to {size_bytes} bytes, over its "
-                                       f"max_frame_bytes of {stage.spec.max_frame_bytes}; send less or raise "
-                                       "StageSpec.max_frame_bytes")  # fmt: skip
+            raise PayloadTooLargeError(
+                f"the request to stage {name!r} encodes to {size_bytes} bytes, over its "
+                f"max_frame_bytes of {stage.spec.max_frame_bytes}; send less or raise "
+                "StageSpec.max_frame_bytes"
+            )
         stage.requests[request_id] = future
         self._step(stage, I.Submit(request_id, payload, budget_s))
 
-    def op_lifecycle(self, future: Future, name: str,
-                     event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall | I.UpdateCall
-                     | I.WeightGroupCall | I.ShareCall) -> None:  # fmt: skip
+    def op_lifecycle(
+        self,
+        future: Future,
+        name: str,
+        event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall | I.UpdateCall | I.WeightGroupCall | I.ShareCall,
+    ) -> None:
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)
         try:
@@ -289,8 +324,16 @@ class Orchestrator:
                 del stage.waiters[event.task_id]
             raise
 
-    def op_swap(self, future: Future, out_name: str, sleep: I.SleepCall, out_future: Future, in_name: str,
-                wake: I.WakeCall, in_future: Future) -> None:  # fmt: skip
+    def op_swap(
+        self,
+        future: Future,
+        out_name: str,
+        sleep: I.SleepCall,
+        out_future: Future,
+        in_name: str,
+        wake: I.WakeCall,
+        in_future: Future,
+    ) -> None:
         """Both halves of a swap in one turn of the loop, so that the outgoing stage's copies and
         the incoming stage's wait for memory start together; `future` settles once they are
         sent. A waiting wake holds its devices until it ends (engine/incoming.py): a swap
@@ -344,8 +387,9 @@ class Orchestrator:
     def op_restart(self, future: Future, name: str) -> None:
         stage = self.stage(name)
         if stage.core.task_id is not None:
-            raise InvalidArgumentError(f"stage {name!r} cannot restart while task {stage.core.task_id!r} "
-                                       "is in flight; wait for it to end")  # fmt: skip
+            raise InvalidArgumentError(
+                f"stage {name!r} cannot restart while task {stage.core.task_id!r} is in flight; wait for it to end"
+            )
         # The core decides first: a refused restart leaves the ranks of the one in progress
         # alone (reaping them first killed that restart's fresh ranks).
         try:
@@ -355,7 +399,8 @@ class Orchestrator:
                 raise RestartInProgressError(
                     f"stage {name!r} is already starting (epoch {stage.core.epoch}): a restart or its first start "
                     "is in progress and goes on; wait for it (status shows STARTING, then RUNNING or FAILED) "
-                    "instead of restarting again") from exc  # fmt: skip
+                    "instead of restarting again"
+                ) from exc
             raise
         self._reap(stage)
         self._spawn(stage)
@@ -366,16 +411,25 @@ class Orchestrator:
         for name, stage in self._stages.items():
             core = stage.core
             out[name] = {
-                "state": core.state.value, "epoch": core.epoch, "task_id": core.task_id,
-                "admission": core.policy.value, "failure": core.failure, "queued": len(core.queue),
-                "in_flight": len(core.in_flight), "counters": asdict(core.counters),
+                "state": core.state.value,
+                "epoch": core.epoch,
+                "task_id": core.task_id,
+                "admission": core.policy.value,
+                "failure": core.failure,
+                "queued": len(core.queue),
+                "in_flight": len(core.in_flight),
+                "counters": asdict(core.counters),
                 "weights_version": core.weights_version,
-                "asleep_tags": sorted(core.residency.asleep), "weights_valid": core.residency.weights_valid,
+                "asleep_tags": sorted(core.residency.asleep),
+                "weights_valid": core.residency.weights_valid,
                 "ranks": {p.rank: self._rank_status(stage, p) for p in stage.procs},
                 "swaps_waiting": self._incoming.waiting(name),
-            }  # fmt: skip
-        out["_engine"] = dict(self.counters, curve_refused=self._curve_gate.refused if self._curve_gate else 0,
-                              **self.frame_errors.as_counters())  # fmt: skip
+            }
+        out["_engine"] = dict(
+            self.counters,
+            curve_refused=self._curve_gate.refused if self._curve_gate else 0,
+            **self.frame_errors.as_counters(),
+        )
         future.set_result(out)
 
     @staticmethod
@@ -389,11 +443,16 @@ class Orchestrator:
         known = reported or committed
         state = RANK_EXITED if not alive else known.value if known else "-"
         hello = stage.hellos.get(proc.rank)
-        return {"pid": proc.pid, "alive": alive, "node": proc.node, "state": state,
-                "committed_state": committed.value if committed else "-",
-                "weights_version": stage.core.rank_versions.get(proc.rank, 0),
-                "backend": hello.backend if hello else "-",
-                "backend_reason": hello.backend_reason if hello else ""}  # fmt: skip
+        return {
+            "pid": proc.pid,
+            "alive": alive,
+            "node": proc.node,
+            "state": state,
+            "committed_state": committed.value if committed else "-",
+            "weights_version": stage.core.rank_versions.get(proc.rank, 0),
+            "backend": hello.backend if hello else "-",
+            "backend_reason": hello.backend_reason if hello else "",
+        }
 
     def op_shutdown(self, future: Future, timeout_s: float) -> None:
         if self._closing is not None:
@@ -412,8 +471,11 @@ class Orchestrator:
                 if proc.is_alive() and proc.identity is None:
                     proc.terminate()  # never said Hello: no socket to tell it on, so no grace to wait out
                 elif proc.is_alive():
-                    self._send(stage, proc.rank, Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}",
-                                                          epoch=stage.core.epoch))  # fmt: skip
+                    self._send(
+                        stage,
+                        proc.rank,
+                        Shutdown(task_id=f"shutdown-{stage.core.epoch}-{proc.rank}", epoch=stage.core.epoch),
+                    )
 
     # ================================================================ the loop
 
@@ -450,11 +512,16 @@ class Orchestrator:
         fails, and the rank processes are stopped instead of outliving a dead orchestrator."""
         self.died_of = f"{type(exc).__name__}: {exc}"
         log.exception("orchestrator loop died; failing every caller and stopping the ranks")
-        error = EngineClosedError(f"the engine's orchestrator failed ({self.died_of}); its ranks were stopped; "
-                                  "create a new Engine (please report this with the log)")  # fmt: skip
+        error = EngineClosedError(
+            f"the engine's orchestrator failed ({self.died_of}); its ranks were stopped; "
+            "create a new Engine (please report this with the log)"
+        )
         for stage in self._stages.values():
-            for future in [*stage.requests.values(), *stage.start_waiters,
-                           *(f for fs in stage.waiters.values() for f in fs)]:  # fmt: skip
+            for future in [
+                *stage.requests.values(),
+                *stage.start_waiters,
+                *(f for fs in stage.waiters.values() for f in fs),
+            ]:
                 _settle(future, error=error)
             stage.requests.clear()
             stage.waiters.clear()
@@ -533,9 +600,19 @@ class Orchestrator:
         # A rank on another node may say Hello before its launcher learned its pid: the proof
         # (a secret only that rank was given) is what authenticates; a known pid must match.
         pid_ok = proc.pid is None or hello.pid == proc.pid
-        proven = hello.epoch == proc.epoch and pid_ok and verify_hello_proof(
-            proc.secret, hello.proof, stage=hello.stage, rank=hello.rank, epoch=hello.epoch, pid=hello.pid,
-            identity=identity)  # fmt: skip
+        proven = (
+            hello.epoch == proc.epoch
+            and pid_ok
+            and verify_hello_proof(
+                proc.secret,
+                hello.proof,
+                stage=hello.stage,
+                rank=hello.rank,
+                epoch=hello.epoch,
+                pid=hello.pid,
+                identity=identity,
+            )
+        )
         if not proven:
             self.counters["forged_hellos"] += 1
             self._write(stage, (PeerRefused("forged_hello", proc.rank),))
@@ -614,11 +691,17 @@ class Orchestrator:
             return command
         plan = self._links.planned(stage.spec.name, command.task_id)
         if plan is None:  # the task's first send: every rank's view and the busy GPUs, once
-            views = {r: self._rank_view(stage.spec, r, hello.relay_peers)
-                     for r, hello in stage.hellos.items() if Capability.MULTI_PATH in hello.capabilities}  # fmt: skip
-            busy = {self._rank_view(other.spec, r).own_gpu
-                    for other in self._stages.values() if other is not stage and other.core.task_id is not None
-                    for r in range(other.spec.ranks)}  # fmt: skip
+            views = {
+                r: self._rank_view(stage.spec, r, hello.relay_peers)
+                for r, hello in stage.hellos.items()
+                if Capability.MULTI_PATH in hello.capabilities
+            }
+            busy = {
+                self._rank_view(other.spec, r).own_gpu
+                for other in self._stages.values()
+                if other is not stage and other.core.task_id is not None
+                for r in range(other.spec.ranks)
+            }
             plan = self._links.plan(stage.spec.name, command.task_id, views, busy)
         links = plan.links.get(rank)
         return msgspec.structs.replace(command, links=links) if links else command
@@ -634,25 +717,43 @@ class Orchestrator:
             # The core just recorded the task under its signature ("Profile", start, prefix).
             (_, start, _), _ = stage.core.completed.get(outcome.task_id)  # type: ignore[misc]
             report = ProfileReport.from_outcome(name, outcome, start)
-            result, error = (report, None) if outcome.ok else (None, ProfileRefusedError(
-                name, f"{outcome.error}; the stage stays {outcome.state.value}", outcome.refusals, report))
+            result, error = (
+                (report, None)
+                if outcome.ok
+                else (
+                    None,
+                    ProfileRefusedError(
+                        name, f"{outcome.error}; the stage stays {outcome.state.value}", outcome.refusals, report
+                    ),
+                )
+            )
         elif outcome.ok:
             result: Any = LifecycleReport.from_outcome(name, outcome, stage.core.weights_version)
             error: BaseException | None = None
         elif outcome.command in ("InitWeightGroup", "ShareWeights") and outcome.refused:
             result, error = None, InvalidArgumentError(f"{outcome.error}; the stage stays {outcome.state.value}")
         elif outcome.command == "UpdateWeights" and outcome.state is StageState.NEEDS_RELOAD and not outcome.refused:
-            result, error = None, WeightUpdateFailedError(name, outcome.error, stage.core.weights_version,
-                                                          outcome.failures)  # fmt: skip
+            result, error = (
+                None,
+                WeightUpdateFailedError(name, outcome.error, stage.core.weights_version, outcome.failures),
+            )
         elif outcome.refused and outcome.command == "Wake":
-            result, error = None, NoMemoryError(name, f"stage {name!r}: {outcome.error}; the stage stays "
-                                                      f"{outcome.state.value}. To fix: free what the holders keep "
-                                                      "(put that stage to sleep: `omni-core sleep STAGE`, "
-                                                      "Engine.sleep; or end that process), then wake it again",
-                                                outcome.refusals)  # fmt: skip
+            result, error = (
+                None,
+                NoMemoryError(
+                    name,
+                    f"stage {name!r}: {outcome.error}; the stage stays "
+                    f"{outcome.state.value}. To fix: free what the holders keep "
+                    "(put that stage to sleep: `omni-core sleep STAGE`, "
+                    "Engine.sleep; or end that process), then wake it again",
+                    outcome.refusals,
+                ),
+            )
         elif outcome.refused:
-            result, error = None, InvalidArgumentError(f"stage {name!r}: {outcome.error}; the stage stays "
-                                                       f"{outcome.state.value}")  # fmt: skip
+            result, error = (
+                None,
+                InvalidArgumentError(f"stage {name!r}: {outcome.error}; the stage stays {outcome.state.value}"),
+            )
         elif outcome.state is StageState.FAILED:
             result, error = None, StageFailedError(name, outcome.error, outcome.failures, _nodes(stage))
         else:
@@ -671,9 +772,16 @@ class Orchestrator:
 
     def _started(self, stage: _Stage, state: StageState) -> None:
         core = stage.core
-        error = None if state is StageState.RUNNING else StageFailedError(
-            stage.spec.name, core.failure or f"stage {stage.spec.name!r} is {state.value}", core.failed_ranks,
-            _nodes(stage))
+        error = (
+            None
+            if state is StageState.RUNNING
+            else StageFailedError(
+                stage.spec.name,
+                core.failure or f"stage {stage.spec.name!r} is {state.value}",
+                core.failed_ranks,
+                _nodes(stage),
+            )
+        )
         for future in stage.start_waiters:
             _settle(future, error=error)
         stage.start_waiters.clear()
@@ -695,8 +803,9 @@ class Orchestrator:
     # ================================================================ processes
 
     def _spawn(self, stage: _Stage) -> None:
-        stage.procs = self._launcher.spawn(stage.spec, epoch=stage.core.epoch, address=self.address,
-                                           trace_path=self.trace_path, curve=self._curve)  # fmt: skip
+        stage.procs = self._launcher.spawn(
+            stage.spec, epoch=stage.core.epoch, address=self.address, trace_path=self.trace_path, curve=self._curve
+        )
         for proc in stage.procs:
             if proc.sentinel is not None:
                 self._sentinels[proc.sentinel] = (stage, proc)

@@ -35,7 +35,9 @@ class RankProcess:
         env = dict(env, **{RANK_SECRET_ENV: self.secret.hex()})
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
-            env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         self.pid = self.popen.pid
         self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
         self.node = f"{socket.gethostname()} (local)"  # where it runs, for error messages
@@ -73,32 +75,59 @@ class RankProcess:
             self.sentinel = None
 
 
-def worker_config(spec: StageSpec, *, rank: int, epoch: int, address: str, trace_path: str | None,
-                  curve: CurveKeys | None, parent_pid: int | None = None,
-                  exit_with_parent: bool = True) -> WorkerConfig:  # fmt: skip
+def worker_config(
+    spec: StageSpec,
+    *,
+    rank: int,
+    epoch: int,
+    address: str,
+    trace_path: str | None,
+    curve: CurveKeys | None,
+    parent_pid: int | None = None,
+    exit_with_parent: bool = True,
+) -> WorkerConfig:
     """What one rank of `spec` is started with, for every launcher. Only the launcher knows the
     last two: the process the rank must not outlive, or that it should outlive its parent."""
-    return WorkerConfig(address=address, rank=rank, epoch=epoch, stage=spec.name, runner=spec.runner,
-                        runner_args=dict(spec.runner_args), backend=spec.backend, device=spec.device,
-                        tags=spec.tags, gpu_memory_fraction=spec.gpu_memory_fraction,
-                        verify_clean_sleep=spec.verify_clean_sleep, simulated_device=spec.simulated_device,
-                        max_frame_bytes=spec.max_frame_bytes, profile_dir=spec.profile_dir,
-                        profile_max_s=spec.profile_max_s,
-                        curve_server_key=curve.server_public.decode() if curve else None,
-                        trace_path=trace_path, parent_pid=parent_pid, exit_with_parent=exit_with_parent)  # fmt: skip
+    return WorkerConfig(
+        address=address,
+        rank=rank,
+        epoch=epoch,
+        stage=spec.name,
+        runner=spec.runner,
+        runner_args=dict(spec.runner_args),
+        backend=spec.backend,
+        device=spec.device,
+        tags=spec.tags,
+        gpu_memory_fraction=spec.gpu_memory_fraction,
+        verify_clean_sleep=spec.verify_clean_sleep,
+        simulated_device=spec.simulated_device,
+        max_frame_bytes=spec.max_frame_bytes,
+        profile_dir=spec.profile_dir,
+        profile_max_s=spec.profile_max_s,
+        curve_server_key=curve.server_public.decode() if curve else None,
+        trace_path=trace_path,
+        parent_pid=parent_pid,
+        exit_with_parent=exit_with_parent,
+    )
 
 
-def spawn_ranks(spec: StageSpec, *, epoch: int, address: str, trace_path: str | None,
-                curve: CurveKeys | None) -> list[RankProcess]:  # fmt: skip
+def spawn_ranks(
+    spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+) -> list[RankProcess]:
     """Start every rank of a stage under `epoch`; they connect to `address` and say Hello."""
     master_port = free_tcp_port()  # for runners that form a torch.distributed group
     procs = []
     for rank in range(spec.ranks):
-        config = worker_config(spec, rank=rank, epoch=epoch, address=address, trace_path=trace_path, curve=curve,
-                               parent_pid=os.getpid())  # fmt: skip
+        config = worker_config(
+            spec, rank=rank, epoch=epoch, address=address, trace_path=trace_path, curve=curve, parent_pid=os.getpid()
+        )
         # torchrun-style variables for runners that form a process group, and the rank's GPU.
-        env = dict(os.environ, **torchrun_env(rank, spec.ranks, local_rank=local_rank(spec, rank),
-                                              master_addr="127.0.0.1", master_port=master_port))  # fmt: skip
+        env = dict(
+            os.environ,
+            **torchrun_env(
+                rank, spec.ranks, local_rank=local_rank(spec, rank), master_addr="127.0.0.1", master_port=master_port
+            ),
+        )
         if spec.devices:
             env["CUDA_VISIBLE_DEVICES"] = spec.devices[rank]
         if curve is not None:
@@ -118,8 +147,13 @@ def local_rank(spec: StageSpec, rank: int) -> int:
 
 def torchrun_env(rank: int, world: int, *, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
     """The variables torchrun sets, from which a rank's runner forms the stage's process group."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
 
 
 def reap(procs: list[RankProcess]) -> None:

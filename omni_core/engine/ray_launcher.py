@@ -42,8 +42,10 @@ log = logging.getLogger("omni_core.engine.ray")
 
 TERMINATE_GRACE_S = 3.0
 MAX_CAUSE_CHARS = 400  # Ray's death messages run to many lines; the reason is the last
-RAY_MISSING = ("the Ray launcher needs Ray on this machine and on every node: "
-               "pip install 'omni-core[ray]' (it pins the tested version)")  # fmt: skip
+RAY_MISSING = (
+    "the Ray launcher needs Ray on this machine and on every node: "
+    "pip install 'omni-core[ray]' (it pins the tested version)"
+)
 
 
 def import_ray() -> Any:
@@ -61,8 +63,11 @@ class RankActor:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+        }
 
     def run(self, config_json: bytes, secret_hex: str, env: dict[str, str]) -> int:
         """The worker loop until Shutdown; its exit code. The secrets (and the torchrun-style
@@ -88,8 +93,7 @@ def _last_line(text: str) -> str:
 class RayRank:
     """One rank's actor, seen by the orchestrator as a `RankHandle`."""
 
-    def __init__(self, ray: Any, actor: Any, config: WorkerConfig, env: dict[str, str],
-                 where: str) -> None:  # fmt: skip
+    def __init__(self, ray: Any, actor: Any, config: WorkerConfig, env: dict[str, str], where: str) -> None:
         self._ray = ray
         self.actor = actor
         self.rank = config.rank
@@ -166,13 +170,21 @@ class RayLauncher:
     name = "ray"
     remote = True
 
-    def __init__(self, address: str | None = "auto", *, namespace: str | None = None,
-                 runtime_env: dict[str, Any] | None = None, grace_s: float = TERMINATE_GRACE_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str | None = "auto",
+        *,
+        namespace: str | None = None,
+        runtime_env: dict[str, Any] | None = None,
+        grace_s: float = TERMINATE_GRACE_S,
+    ) -> None:
         ray = import_ray()
         if isinstance(address, str) and address.startswith("ray://"):
-            raise InvalidArgumentError(f"address {address!r}: Ray Client cannot host the engine (its ranks "
-                                       "must reach the orchestrator); run the engine on a cluster node with "
-                                       "address='auto' or the GCS address host:port")  # fmt: skip
+            raise InvalidArgumentError(
+                f"address {address!r}: Ray Client cannot host the engine (its ranks "
+                "must reach the orchestrator); run the engine on a cluster node with "
+                "address='auto' or the GCS address host:port"
+            )
         self._ray = ray
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
@@ -186,13 +198,13 @@ class RayLauncher:
     def bind_host(self) -> str:
         return self._ray.util.get_node_ip_address()
 
-    def spawn(self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None,
-              curve: CurveKeys | None) -> list[RayRank]:  # fmt: skip
+    def spawn(
+        self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+    ) -> list[RayRank]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if curve is None:
-            raise InvalidArgumentError("ranks on a Ray cluster talk to the engine over CURVE; curve=False "
-                                       "is refused")  # fmt: skip
+            raise InvalidArgumentError("ranks on a Ray cluster talk to the engine over CURVE; curve=False is refused")
         placement = spec.placement or RayPlacement()
         bundle = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
         bundle = {k: v for k, v in bundle.items() if v}
@@ -205,22 +217,38 @@ class RayLauncher:
         for rank in range(spec.ranks):
             index = placement.bundle_indices[rank] if placement.bundle_indices else rank
             # Its parent is a raylet; Ray ends the actor when this driver goes.
-            config = worker_config(spec, rank=rank, epoch=epoch, address=address, trace_path=trace_path,
-                                   curve=curve, exit_with_parent=False)  # fmt: skip
+            config = worker_config(
+                spec,
+                rank=rank,
+                epoch=epoch,
+                address=address,
+                trace_path=trace_path,
+                curve=curve,
+                exit_with_parent=False,
+            )
             options: dict[str, Any] = {
-                "num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus,
+                "num_cpus": placement.num_cpus,
+                "num_gpus": placement.num_gpus,
                 "resources": dict(placement.resources) or None,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                "name": None, "lifetime": None,  # owned by this driver: it dies with it
-            }  # fmt: skip
+                "name": None,
+                "lifetime": None,  # owned by this driver: it dies with it
+            }
             if placement.runtime_env is not None:
                 options["runtime_env"] = dict(placement.runtime_env)
             actor = self._actor_class.options(**options).remote()
             where = f"stage {spec.name!r} bundle {index} of placement group {group.id.hex()[:12]}"
             # Ray sets each actor's CUDA_VISIBLE_DEVICES to its own GPUs: its first is cuda:0.
-            env = {**curve.client_env(), **torchrun_env(rank, spec.ranks, master_addr=master_addr,
-                                                        master_port=master_port,
-                                                        local_rank=0 if placement.num_gpus else rank)}  # fmt: skip
+            env = {
+                **curve.client_env(),
+                **torchrun_env(
+                    rank,
+                    spec.ranks,
+                    master_addr=master_addr,
+                    master_port=master_port,
+                    local_rank=0 if placement.num_gpus else rank,
+                ),
+            }
             handle = RayRank(self._ray, actor, config, env, where)
             if owned:
                 self._groups[id(handle)] = group
@@ -238,9 +266,11 @@ class RayLauncher:
             try:
                 return get_placement_group(placement.placement_group_name), False
             except ValueError:
-                raise InvalidArgumentError(f"stage {spec.name!r}: no placement group named "
-                                           f"{placement.placement_group_name!r} in this Ray namespace; create it "
-                                           "first (ray.util.placement_group(..., name=...))") from None  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {spec.name!r}: no placement group named "
+                    f"{placement.placement_group_name!r} in this Ray namespace; create it "
+                    "first (ray.util.placement_group(..., name=...))"
+                ) from None
         return placement_group([dict(bundle) for _ in range(spec.ranks)], strategy=placement.strategy), True
 
     def reap(self, ranks: list[Any]) -> None:

@@ -35,14 +35,18 @@ class RankReport:
     def from_ack(cls, ack: Ack) -> RankReport:
         m = ack.memory
         return cls(
-            rank=ack.rank, state=ack.state.value, status=ack.status.value, duration_s=ack.duration_s,
+            rank=ack.rank,
+            state=ack.state.value,
+            status=ack.status.value,
+            duration_s=ack.duration_s,
             pool_bytes_before=dict(m.pool_bytes_before) if m else {},
             pool_bytes_after=dict(m.pool_bytes_after) if m else {},
             process_bytes_before=m.process_bytes_before if m else None,
             process_bytes_after=m.process_bytes_after if m else None,
-            process_bytes_source=m.process_bytes_source if m else "none", weights_version=ack.weights_version,
+            process_bytes_source=m.process_bytes_source if m else "none",
+            weights_version=ack.weights_version,
             shared=ack.shared,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -60,11 +64,16 @@ class LifecycleReport:
 
     @classmethod
     def from_outcome(cls, stage: str, outcome: TaskOutcome, weights_version: int = 0) -> LifecycleReport:
-        return cls(stage=stage, task_id=outcome.task_id, command=outcome.command,
-                   status=outcome.status.value, state=outcome.state.value,
-                   duration_s=outcome.duration_s,
-                   ranks={r: RankReport.from_ack(a) for r, a in sorted(outcome.acks.items())},
-                   weights_version=weights_version)  # fmt: skip
+        return cls(
+            stage=stage,
+            task_id=outcome.task_id,
+            command=outcome.command,
+            status=outcome.status.value,
+            state=outcome.state.value,
+            duration_s=outcome.duration_s,
+            ranks={r: RankReport.from_ack(a) for r, a in sorted(outcome.acks.items())},
+            weights_version=weights_version,
+        )
 
 
 @dataclass(frozen=True)
@@ -102,9 +111,15 @@ class ProfileReport:
 
     @classmethod
     def from_outcome(cls, stage: str, outcome: TaskOutcome, start: bool) -> ProfileReport:
-        return cls(stage=stage, task_id=outcome.task_id, start=start, status=outcome.status.value,
-                   state=outcome.state.value, duration_s=outcome.duration_s,
-                   paths={r: tuple(a.trace_paths) for r, a in sorted(outcome.acks.items())})  # fmt: skip
+        return cls(
+            stage=stage,
+            task_id=outcome.task_id,
+            start=start,
+            status=outcome.status.value,
+            state=outcome.state.value,
+            duration_s=outcome.duration_s,
+            paths={r: tuple(a.trace_paths) for r, a in sorted(outcome.acks.items())},
+        )
 
 
 @dataclass(frozen=True)

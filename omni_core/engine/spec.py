@@ -55,29 +55,36 @@ class RayPlacement:
         for what in ("num_cpus", "num_gpus"):
             value = getattr(self, what)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1024:
-                raise InvalidArgumentError(f"stage {stage!r}: placement {what} must be a number in [0, 1024], "
-                                           f"got {value!r}")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {stage!r}: placement {what} must be a number in [0, 1024], got {value!r}"
+                )
         for key, value in self.resources.items():
             if not isinstance(key, str) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidArgumentError(f"stage {stage!r}: placement resources must map names to positive "
-                                           f"amounts, got {key!r}: {value!r}")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {stage!r}: placement resources must map names to positive amounts, got {key!r}: {value!r}"
+                )
         if self.num_cpus == 0 and self.num_gpus == 0 and not self.resources:
-            raise InvalidArgumentError(f"stage {stage!r}: a placement bundle must ask for something; give "
-                                       "num_cpus, num_gpus or resources")  # fmt: skip
+            raise InvalidArgumentError(
+                f"stage {stage!r}: a placement bundle must ask for something; give num_cpus, num_gpus or resources"
+            )
         if self.strategy not in PLACEMENT_STRATEGIES:
-            raise InvalidArgumentError(f"stage {stage!r}: placement strategy {self.strategy!r} is not one of "
-                                       f"{list(PLACEMENT_STRATEGIES)}")  # fmt: skip
+            raise InvalidArgumentError(
+                f"stage {stage!r}: placement strategy {self.strategy!r} is not one of {list(PLACEMENT_STRATEGIES)}"
+            )
         if self.placement_group is not None and self.placement_group_name is not None:
             raise InvalidArgumentError(f"stage {stage!r}: give placement_group or placement_group_name, not both")
         user_group = self.placement_group is not None or self.placement_group_name is not None
         if self.bundle_indices is not None:
             if not user_group:
-                raise InvalidArgumentError(f"stage {stage!r}: bundle_indices index a placement group of yours; "
-                                           "give placement_group or placement_group_name too")  # fmt: skip
-            if len(self.bundle_indices) != ranks or not all(
-                    isinstance(i, int) and i >= 0 for i in self.bundle_indices):  # fmt: skip
-                raise InvalidArgumentError(f"stage {stage!r}: bundle_indices needs one index >= 0 per rank "
-                                           f"({ranks}), got {self.bundle_indices!r}")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {stage!r}: bundle_indices index a placement group of yours; "
+                    "give placement_group or placement_group_name too"
+                )
+            if len(self.bundle_indices) != ranks or not all(isinstance(i, int) and i >= 0 for i in self.bundle_indices):
+                raise InvalidArgumentError(
+                    f"stage {stage!r}: bundle_indices needs one index >= 0 per rank "
+                    f"({ranks}), got {self.bundle_indices!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,8 @@ class StageSpec:
             if len(self.devices) != self.ranks:
                 raise InvalidArgumentError(
                     f"stage {self.name!r}: {len(self.devices)} devices for {self.ranks} ranks; "
-                    "give one CUDA_VISIBLE_DEVICES entry per rank")
+                    "give one CUDA_VISIBLE_DEVICES entry per rank"
+                )
         problem = backend_name_problem(self.backend)
         if problem:
             raise InvalidArgumentError(f"stage {self.name!r}: {problem}")
@@ -130,45 +138,55 @@ class StageSpec:
             object.__setattr__(self, "admission", AdmissionPolicy(self.admission))
         except ValueError:
             raise InvalidArgumentError(
-                f"stage {self.name!r}: admission {self.admission!r} is not one of "
-                f"{[p.value for p in AdmissionPolicy]}") from None
+                f"stage {self.name!r}: admission {self.admission!r} is not one of {[p.value for p in AdmissionPolicy]}"
+            ) from None
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
-            raise InvalidArgumentError(f"stage {self.name!r}: profile_dir must be a non-empty path or None, "
-                                       f"got {self.profile_dir!r}")  # fmt: skip
+            raise InvalidArgumentError(
+                f"stage {self.name!r}: profile_dir must be a non-empty path or None, got {self.profile_dir!r}"
+            )
         for what in ("deadline_s", "start_deadline_s", "request_timeout_s", "profile_max_s"):
             value = getattr(self, what)
             if not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
-                raise InvalidArgumentError(f"stage {self.name!r}: {what} must be in (0, 86400] s, "
-                                           f"got {value!r}")  # fmt: skip
+                raise InvalidArgumentError(f"stage {self.name!r}: {what} must be in (0, 86400] s, got {value!r}")
         if not isinstance(self.queue_limit, int) or not 0 <= self.queue_limit <= 1_000_000:
             raise InvalidArgumentError(f"stage {self.name!r}: queue_limit must be 0..1e6")
         if not isinstance(self.max_in_flight, int) or not 1 <= self.max_in_flight <= MAX_IN_FLIGHT_LIMIT:
-            raise InvalidArgumentError(f"stage {self.name!r}: max_in_flight must be 1..{MAX_IN_FLIGHT_LIMIT} "
-                                       f"(socket queues bound it), got {self.max_in_flight!r}")  # fmt: skip
+            raise InvalidArgumentError(
+                f"stage {self.name!r}: max_in_flight must be 1..{MAX_IN_FLIGHT_LIMIT} "
+                f"(socket queues bound it), got {self.max_in_flight!r}"
+            )
         if not isinstance(self.max_frame_bytes, int) or not MIN_FRAME_BYTES <= self.max_frame_bytes <= 1 << 31:
-            raise InvalidArgumentError(f"stage {self.name!r}: max_frame_bytes must be {MIN_FRAME_BYTES}..2**31, "
-                                       f"got {self.max_frame_bytes!r}")  # fmt: skip
+            raise InvalidArgumentError(
+                f"stage {self.name!r}: max_frame_bytes must be {MIN_FRAME_BYTES}..2**31, got {self.max_frame_bytes!r}"
+            )
         if not self.tags or len(set(self.tags)) != len(self.tags):
             raise InvalidArgumentError(f"stage {self.name!r}: tags must be distinct and non-empty")
         if self.gpu_memory_fraction is not None:
             if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:
-                raise InvalidArgumentError(f"stage {self.name!r}: gpu_memory_fraction must be in (0, 1], "
-                                           f"got {self.gpu_memory_fraction!r}")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {self.name!r}: gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}"
+                )
             if self.device != "cuda":
-                raise InvalidArgumentError(f"stage {self.name!r}: gpu_memory_fraction applies to "
-                                           f"device='cuda', not {self.device!r}")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {self.name!r}: gpu_memory_fraction applies to device='cuda', not {self.device!r}"
+                )
         if self.simulated_device is not None:
             if not isinstance(self.simulated_device, SimulatedDevice):
-                raise InvalidArgumentError(f"stage {self.name!r}: simulated_device must be a SimulatedDevice "
-                                           f"(directory, capacity_bytes), got {type(self.simulated_device).__name__}")
+                raise InvalidArgumentError(
+                    f"stage {self.name!r}: simulated_device must be a SimulatedDevice "
+                    f"(directory, capacity_bytes), got {type(self.simulated_device).__name__}"
+                )
             if self.device != "cpu" or self.backend not in ("auto", "portable"):
-                raise InvalidArgumentError(f"stage {self.name!r}: simulated_device stands in for a GPU's capacity on "
-                                           f"device='cpu' with the portable backend, not device={self.device!r} "
-                                           f"backend={self.backend!r}; on a GPU the real free memory is used: "
-                                           "remove simulated_device")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {self.name!r}: simulated_device stands in for a GPU's capacity on "
+                    f"device='cpu' with the portable backend, not device={self.device!r} "
+                    f"backend={self.backend!r}; on a GPU the real free memory is used: "
+                    "remove simulated_device"
+                )
         object.__setattr__(self, "runner_args", dict(self.runner_args))
         if self.placement is not None:
             if not isinstance(self.placement, RayPlacement):
-                raise InvalidArgumentError(f"stage {self.name!r}: placement must be a RayPlacement, "
-                                           f"got {type(self.placement).__name__}")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"stage {self.name!r}: placement must be a RayPlacement, got {type(self.placement).__name__}"
+                )
             self.placement.check(self.name, self.ranks)

@@ -212,8 +212,15 @@ def _worker(w: Key, m: Key | None, factory: Callable[..., WorkerCore]) -> tuple[
     marker = None
     if cached and m is not None:
         command = _command(m[:3] + (2, _EPOCH))
-        marker = Ack(task_id="2", epoch=_EPOCH, rank=0, command=type(command).__name__, state=WorkerState.ACTIVE,
-                     status=AckStatus.ALREADY, asleep_tags=())  # fmt: skip
+        marker = Ack(
+            task_id="2",
+            epoch=_EPOCH,
+            rank=0,
+            command=type(command).__name__,
+            state=WorkerState.ACTIVE,
+            status=AckStatus.ALREADY,
+            asleep_tags=(),
+        )
         core.cache.put("2", _CachedReply(command_digest(command), type(command).__name__, marker), 256)
     return core, marker
 
@@ -282,8 +289,12 @@ def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -
     sent = frozenset(type(o.command).__name__ for o in step.sends)
     task = stage._task
     if task is None:
-        return (stage.state.value, sent, "ok" if step.outcome and step.outcome.ok else "none",
-                (_NONE, frozenset(), False, _NONE))  # fmt: skip
+        return (
+            stage.state.value,
+            sent,
+            "ok" if step.outcome and step.outcome.ok else "none",
+            (_NONE, frozenset(), False, _NONE),
+        )
     after = Residency(stage.tags)
     after.asleep, after.weights_valid = stage.residency.asleep, stage.residency.weights_valid
     task.apply(after)
@@ -302,11 +313,26 @@ def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -
 def _reply_message(command: str, x: Key) -> Ack | Nack:
     kind, info, state, asleep, task, epoch = x
     if kind == "nack":
-        return Nack(task_id=str(task), epoch=epoch, rank=0, command=command, reason=NackReason(info), detail="agree",
-                    state=WorkerState(state))  # fmt: skip
+        return Nack(
+            task_id=str(task),
+            epoch=epoch,
+            rank=0,
+            command=command,
+            reason=NackReason(info),
+            detail="agree",
+            state=WorkerState(state),
+        )
     memory = MemoryReport(pool_bytes_before={}, pool_bytes_after={}, process_bytes_source="none: agreement case")
-    return Ack(task_id=str(task), epoch=epoch, rank=0, command=command, state=WorkerState(state),
-               status=AckStatus(info), asleep_tags=_tags(asleep), memory=memory)  # fmt: skip
+    return Ack(
+        task_id=str(task),
+        epoch=epoch,
+        rank=0,
+        command=command,
+        state=WorkerState(state),
+        status=AckStatus(info),
+        asleep_tags=_tags(asleep),
+        memory=memory,
+    )
 
 
 def stage_reply(s: Key, c: Key, x: Key, factory: Callable[..., StageCore] = StageCore) -> tuple | None:
@@ -319,8 +345,7 @@ def stage_reply(s: Key, c: Key, x: Key, factory: Callable[..., StageCore] = Stag
     step = stage.step(I.Received(_reply_message(c[0], x)), 0.5)
     o = step.outcome
     outcome = "pending" if o is None else "ok" if o.ok else "refused" if o.refused else "failed"
-    return (stage.state.value, bool(stage.failed_ranks), outcome, stage.residency.asleep,
-            stage.residency.weights_valid)  # fmt: skip
+    return (stage.state.value, bool(stage.failed_ranks), outcome, stage.residency.asleep, stage.residency.weights_valid)
 
 
 # ----------------------------------------------------------------- the comparison
@@ -337,8 +362,9 @@ class Disagreement:
         return f"{self.what} in {self.case}: the spec gives {self.spec}, the code {self.code}"
 
 
-def compare(table: SpecTable, *, worker: Callable[..., WorkerCore] = WorkerCore,
-            stage: Callable[..., StageCore] = StageCore) -> list[Disagreement]:  # fmt: skip
+def compare(
+    table: SpecTable, *, worker: Callable[..., WorkerCore] = WorkerCore, stage: Callable[..., StageCore] = StageCore
+) -> list[Disagreement]:
     """Every case where the code and the spec differ, in a stable order (first: the case to fix)."""
     out: list[Disagreement] = []
 
@@ -364,5 +390,7 @@ def compare(table: SpecTable, *, worker: Callable[..., WorkerCore] = WorkerCore,
 
 
 def counts(table: SpecTable) -> str:
-    return (f"{len(set(table.worker_cases))} worker commands, {len(table.done)} effect completions, "
-            f"{len(set(table.stage_cases))} stage calls, {len(table.reply)} replies to them")  # fmt: skip
+    return (
+        f"{len(set(table.worker_cases))} worker commands, {len(table.done)} effect completions, "
+        f"{len(set(table.stage_cases))} stage calls, {len(table.reply)} replies to them"
+    )

@@ -40,26 +40,37 @@ def spec_steps(root: Path, *, timeout_s: float = 300.0) -> dict[Case, tuple[str,
     cases = {tuple(line[1]) for line in lines if line[0] == "case"}
     steps = {tuple(line[1]): (line[2], line[3]) for line in lines if line[0] == "step"}
     if not cases or cases != set(steps):
-        raise AgreeParseError(f"TLC on {SPEC} printed {len(cases)} cases and {len(steps)} steps; every case "
-                              f"needs one step (is PrintSteps in {CONFIG}?)")  # fmt: skip
+        raise AgreeParseError(
+            f"TLC on {SPEC} printed {len(cases)} cases and {len(steps)} steps; every case "
+            f"needs one step (is PrintSteps in {CONFIG}?)"
+        )
     return steps
 
 
 def _core(case: Case, factory: Callable[..., StageCore]) -> StageCore:
     state, policy, queued, in_flight = case
-    core = factory("agree", 1, policy=AdmissionPolicy(policy), queue_limit=QUEUE_LIMIT,
-                   max_in_flight=MAX_IN_FLIGHT)  # fmt: skip
+    core = factory("agree", 1, policy=AdmissionPolicy(policy), queue_limit=QUEUE_LIMIT, max_in_flight=MAX_IN_FLIGHT)
     stage_state = StageState(state)
     _place(core.lifecycle, stage_state)
     tags = frozenset(core.tags)
     core.residency.asleep = {StageState.SLEEPING: tags, StageState.PARTIAL: tags - {"weights"}}.get(
-        stage_state, frozenset())
+        stage_state, frozenset()
+    )
     core.residency.weights_valid = stage_state is not StageState.NEEDS_RELOAD
     core.rank_state = {0: WorkerState.ACTIVE}
     if stage_state in _IN_TASK:  # a sleep under way, as the spec's case has
         command = Sleep(task_id="task", epoch=core.epoch, level=1, tags=None)
-        core._task = _Task("task", ("Sleep", 1, None), command, 0.0, 60.0, expect_state=WorkerState.SLEEPING,
-                           expect_asleep=tags, commit_trigger="slept", apply=lambda res: None)  # fmt: skip
+        core._task = _Task(
+            "task",
+            ("Sleep", 1, None),
+            command,
+            0.0,
+            60.0,
+            expect_state=WorkerState.SLEEPING,
+            expect_asleep=tags,
+            commit_trigger="slept",
+            apply=lambda res: None,
+        )
     for i in range(queued):
         core.queue.append(_Request(f"q{i}", None, float("inf")))
     for i in range(in_flight):
@@ -87,8 +98,7 @@ def code_step(case: Case, step: str, factory: Callable[..., StageCore] = StageCo
     return "submit", "refuse" if len(core._answers) > before else "none"
 
 
-def compare(steps: dict[Case, tuple[str, str]],
-            factory: Callable[..., StageCore] = StageCore) -> list[Disagreement]:  # fmt: skip
+def compare(steps: dict[Case, tuple[str, str]], factory: Callable[..., StageCore] = StageCore) -> list[Disagreement]:
     out = []
     for case in sorted(steps):
         spec = steps[case]

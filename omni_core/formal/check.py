@@ -48,6 +48,8 @@ from omni_core.resources import MissingDataError
 
 DEFAULT_TIMEOUT_S = 300.0
 LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
+
+
 @dataclass
 class Row:
     model: str
@@ -110,13 +112,23 @@ def judge(model: Model, result: TlcResult, properties: list[str]) -> tuple[str, 
 def _states_note(expected: int | None, got: int | None, update: bool) -> tuple[bool, str]:
     if update or expected is None or expected == got:
         return True, ""
-    return False, (f"distinct states changed: manifest {expected}, TLC {got} (if the model changed "
-                   "on purpose: omni-core check --update-manifest)")  # fmt: skip
+    return False, (
+        f"distinct states changed: manifest {expected}, TLC {got} (if the model changed "
+        "on purpose: omni-core check --update-manifest)"
+    )
 
 
-def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_s: float,
-               update: bool, controls: bool, echo=print,
-               coverage: dict[str, str] | None = None) -> tuple[list[Row], dict[str, dict]]:  # fmt: skip
+def run_models(
+    models: list[Model],
+    root: Path,
+    *,
+    workers: int | None,
+    timeout_s: float,
+    update: bool,
+    controls: bool,
+    echo=print,
+    coverage: dict[str, str] | None = None,
+) -> tuple[list[Row], dict[str, dict]]:
     """Run each model (and each bug model's control); with `coverage` (a dict), the models
     run with TLC's -coverage and their transcripts are kept there by model name."""
     rows: list[Row] = []
@@ -126,8 +138,13 @@ def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_
         config = root / model.config
         text = config.read_text()
         cover = coverage is not None and not model.is_bug
-        result = run_tlc(spec, config, workers=workers or model.workers, timeout_s=timeout_s,
-                         extra_args=("-coverage", "60") if cover else ())  # fmt: skip
+        result = run_tlc(
+            spec,
+            config,
+            workers=workers or model.workers,
+            timeout_s=timeout_s,
+            extra_args=("-coverage", "60") if cover else (),
+        )
         if cover:
             coverage[model.name] = result.output
         got, ok, note = judge(model, result, config_properties(text))
@@ -145,8 +162,7 @@ def run_models(models: list[Model], root: Path, *, workers: int | None, timeout_
             cnote = "" if cok else (cres.error or f"{cres.got} (exit {cres.exit_code})")
             if cok:
                 cok, cnote = _states_note(model.control_states, cres.distinct_states, update)
-            rows.append(Row(f"{model.name} [Bug=none]", "ok", cres.got, cres.distinct_states,
-                            cres.seconds, cok, cnote))  # fmt: skip
+            rows.append(Row(f"{model.name} [Bug=none]", "ok", cres.got, cres.distinct_states, cres.seconds, cok, cnote))
             echo(_format_row(rows[-1]))
             counts[model.name]["control_states"] = cres.distinct_states
             counts[model.name]["seconds"] = round(result.seconds + cres.seconds, 1)
@@ -159,14 +175,19 @@ _RULE = "-" * (sum(_WIDTHS) + 2 * (len(_WIDTHS) - 1))
 
 
 def _line(cells: tuple[str, ...]) -> str:
-    padded = [c.ljust(w) if i < 3 else c.rjust(w)
-              for i, (c, w) in enumerate(zip(cells, _WIDTHS, strict=True))]  # fmt: skip
+    padded = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, _WIDTHS, strict=True))]
     return "  ".join(padded).rstrip()
 
 
 def _format_row(row: Row) -> str:
-    cells = (row.model, row.expected, row.got, "-" if row.states is None else str(row.states),
-             f"{row.seconds:.1f}", "ok" if row.ok else "FAIL")  # fmt: skip
+    cells = (
+        row.model,
+        row.expected,
+        row.got,
+        "-" if row.states is None else str(row.states),
+        f"{row.seconds:.1f}",
+        "ok" if row.ok else "FAIL",
+    )
     return _line(cells) + (f"\n    {row.note}" if row.note else "")
 
 
@@ -181,8 +202,11 @@ def write_manifest(root: Path, data: dict, counts: dict[str, dict]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--regen", action="store_true",
-                        help="rewrite the generated modules (OmniTransitions, LinkPlanTable, VersionTable) first")
+    parser.add_argument(
+        "--regen",
+        action="store_true",
+        help="rewrite the generated modules (OmniTransitions, LinkPlanTable, VersionTable) first",
+    )
     parser.add_argument(
         "--update-manifest", action="store_true", help="record the state counts TLC reports in tla/manifest.json"
     )
@@ -196,24 +220,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="limit per TLC run (default %(default)s)"
     )
-    parser.add_argument("--long", action="store_true",
-                        help="run the long models instead (three ranks, epoch 2, admission: tens of minutes)")
-    parser.add_argument("--coverage", action="store_true",
-                        help="run the models with TLC -coverage and report the spec's dead branches")
-    parser.add_argument("--coverage-report", metavar="PATH", type=Path,
-                        help="with --coverage: also write the report here (tla/coverage.md keeps its notes)")
-    parser.add_argument("--mutate-guards", action="store_true",
-                        help="instead: remove each guard of the spec in turn and run the models "
-                        "(formal/guard_mutation.py)")
-    parser.add_argument("--mutation-models", action="append", metavar="NAME",
-                        help="with --mutate-guards: run only these of the mutation models (repeatable)")
-    parser.add_argument("--guard-report", metavar="PATH", type=Path,
-                        help="with --mutate-guards: also write the report here (tla/guard_mutation.md keeps "
-                        "its notes)")
-    parser.add_argument("--list", action="store_true",
-                        help="list the models (with --mutate-guards: the guards) and exit")
-    parser.add_argument("--json", metavar="PATH", help="also write the results (with --trace: each stage's verdict) "
-                        "as JSON here; `-`: on stdout, the text on stderr")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="run the long models instead (three ranks, epoch 2, admission: tens of minutes)",
+    )
+    parser.add_argument(
+        "--coverage", action="store_true", help="run the models with TLC -coverage and report the spec's dead branches"
+    )
+    parser.add_argument(
+        "--coverage-report",
+        metavar="PATH",
+        type=Path,
+        help="with --coverage: also write the report here (tla/coverage.md keeps its notes)",
+    )
+    parser.add_argument(
+        "--mutate-guards",
+        action="store_true",
+        help="instead: remove each guard of the spec in turn and run the models (formal/guard_mutation.py)",
+    )
+    parser.add_argument(
+        "--mutation-models",
+        action="append",
+        metavar="NAME",
+        help="with --mutate-guards: run only these of the mutation models (repeatable)",
+    )
+    parser.add_argument(
+        "--guard-report",
+        metavar="PATH",
+        type=Path,
+        help="with --mutate-guards: also write the report here (tla/guard_mutation.md keeps its notes)",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the models (with --mutate-guards: the guards) and exit"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results (with --trace: each stage's verdict) "
+        "as JSON here; `-`: on stdout, the text on stderr",
+    )
     parser.add_argument("--tla-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--trace",
@@ -243,8 +289,15 @@ def _agreement(name: str, compute, echo) -> Row:
     except agree.AgreeParseError as exc:
         row = Row(name, "ok", "error", None, time.monotonic() - start, False, str(exc))
     else:
-        row = Row(name, "ok", "ok" if not found else f"{len(found)} disagree", cases, time.monotonic() - start,
-                  not found, f"first: {found[0]}" if found else "")  # fmt: skip
+        row = Row(
+            name,
+            "ok",
+            "ok" if not found else f"{len(found)} disagree",
+            cases,
+            time.monotonic() - start,
+            not found,
+            f"first: {found[0]}" if found else "",
+        )
         if not found:
             echo(f"{name}: {counts}")
     echo(_format_row(row))
@@ -290,8 +343,10 @@ def run(args: argparse.Namespace, echo=print) -> int:
         echo(f"FAIL {exc}")
         return 2
     if not (root / MANIFEST).is_file():
-        echo(f"FAIL {root / MANIFEST} is missing: the list of models to check is part of the spec; restore tla/ "
-             "(git checkout -- tla/ in a checkout; reinstall omni-core otherwise)")
+        echo(
+            f"FAIL {root / MANIFEST} is missing: the list of models to check is part of the spec; restore tla/ "
+            "(git checkout -- tla/ in a checkout; reinstall omni-core otherwise)"
+        )
         return 2
     generated = root / f"{gen_transitions.MODULE}.tla"
     plans = root / f"{gen_link_plans.MODULE}.tla"
@@ -326,8 +381,10 @@ def run(args: argparse.Namespace, echo=print) -> int:
             reports.write_json(args.json, {"models": [dataclasses.asdict(m) for m in models]})
         return 0
     echo(f"{generated.name}: matches omni_core.fsm")
-    echo(f"{'long' if long else 'default'} list: {len(models)} models, {stated_seconds(models):.0f} s "
-         f"as measured ({data.get('measured_on', 'machine not stated')})")  # fmt: skip
+    echo(
+        f"{'long' if long else 'default'} list: {len(models)} models, {stated_seconds(models):.0f} s "
+        f"as measured ({data.get('measured_on', 'machine not stated')})"
+    )
     echo(header())
     start = time.monotonic()
     coverage_out: dict[str, str] | None = {} if getattr(args, "coverage", False) else None
@@ -335,9 +392,16 @@ def run(args: argparse.Namespace, echo=print) -> int:
         rows = [agreement_row(root, args.timeout_s, echo)] if not long and _selected("agree", args.only) else []
         if not long and _selected("agree/admission", args.only):
             rows.append(admission_agreement_row(root, args.timeout_s, echo))
-        more, counts = run_models(models, root, workers=args.workers, timeout_s=args.timeout_s,
-                                  update=args.update_manifest, controls=not args.no_controls,
-                                  echo=echo, coverage=coverage_out)  # fmt: skip
+        more, counts = run_models(
+            models,
+            root,
+            workers=args.workers,
+            timeout_s=args.timeout_s,
+            update=args.update_manifest,
+            controls=not args.no_controls,
+            echo=echo,
+            coverage=coverage_out,
+        )
         rows += more
     except TlcNotFoundError as exc:
         echo(f"FAIL {exc}")

@@ -30,9 +30,11 @@ class Generated:
 
     def stale_message(self, path: Path) -> str:
         if not path.is_file():
-            return (f"{path} is missing: this install of omni-core has no {self.holds} there. In a checkout: "
-                    f"git checkout -- tla/ (or {self.regen_command}); an installed omni-core: reinstall it from a "
-                    "wheel")
+            return (
+                f"{path} is missing: this install of omni-core has no {self.holds} there. In a checkout: "
+                f"git checkout -- tla/ (or {self.regen_command}); an installed omni-core: reinstall it from a "
+                "wheel"
+            )
         return f"{path} differs from what {self.source} renders; run {self.regen_command}"
 
     def write(self, path: Path | None = None) -> bool:

@@ -43,12 +43,19 @@ class Model:
 
     @classmethod
     def from_json(cls, data: dict, default_spec: str = "") -> Model:
-        return cls(name=data["name"], config=data["config"], expect=data["expect"],
-                   kind=data.get("kind", "model"), workers=int(data.get("workers", 2)),
-                   distinct_states=data.get("distinct_states"),
-                   control_states=data.get("control_states"), about=data.get("about", ""),
-                   spec=data.get("spec", default_spec), long=bool(data.get("long", False)),
-                   seconds=data.get("seconds"))  # fmt: skip
+        return cls(
+            name=data["name"],
+            config=data["config"],
+            expect=data["expect"],
+            kind=data.get("kind", "model"),
+            workers=int(data.get("workers", 2)),
+            distinct_states=data.get("distinct_states"),
+            control_states=data.get("control_states"),
+            about=data.get("about", ""),
+            spec=data.get("spec", default_spec),
+            long=bool(data.get("long", False)),
+            seconds=data.get("seconds"),
+        )
 
 
 def load_manifest(root: Path) -> tuple[dict, list[Model]]:

@@ -66,8 +66,10 @@ def find_java() -> str:
         return str(Path(java_home) / "bin" / "java")
     found = shutil.which("java")
     if not found:
-        raise TlcNotFoundError(f"no java on PATH (TLC needs Java 11+; apt-get install "
-                               f"openjdk-17-jre-headless) and neither {JAVA_ENV} nor JAVA_HOME set")  # fmt: skip
+        raise TlcNotFoundError(
+            f"no java on PATH (TLC needs Java 11+; apt-get install "
+            f"openjdk-17-jre-headless) and neither {JAVA_ENV} nor JAVA_HOME set"
+        )
     return found
 
 
@@ -97,8 +99,9 @@ class TlcResult:
         return self.outcome
 
 
-_FINAL_COUNTS = re.compile(r"^(\d+) states generated, (\d+) distinct states found, \d+ states left on queue",
-                           re.MULTILINE)  # fmt: skip
+_FINAL_COUNTS = re.compile(
+    r"^(\d+) states generated, (\d+) distinct states found, \d+ states left on queue", re.MULTILINE
+)
 _PROGRESS_COUNTS = re.compile(r"([\d,]+) states generated \([^)]*\), ([\d,]+) distinct states found")
 _INVARIANT = re.compile(r"^Error: Invariant (\S+) is violated", re.MULTILINE)
 _ACTION_PROPERTY = re.compile(r"^Error: Action property (\S+) is violated", re.MULTILINE)
@@ -169,9 +172,18 @@ def _first_error(output: str) -> str:
     return " ".join(tail)[:500]
 
 
-def run_tlc(spec: Path, config: Path, *, workers: int = 2, timeout_s: float = 300.0,
-            check_deadlock: bool = False, java: str | None = None, jar: Path | None = None,
-            heap_mib: int | None = None, extra_args: tuple[str, ...] = ()) -> TlcResult:  # fmt: skip
+def run_tlc(
+    spec: Path,
+    config: Path,
+    *,
+    workers: int = 2,
+    timeout_s: float = 300.0,
+    check_deadlock: bool = False,
+    java: str | None = None,
+    jar: Path | None = None,
+    heap_mib: int | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> TlcResult:
     """Model-check `spec` with `config`. Deadlocks are not errors unless asked for: a model
     that has issued its last command and delivered every message stops, by design.
     `extra_args` go to TLC before the spec (e.g. `-dump dot FILE`: the state graph)."""
@@ -182,15 +194,23 @@ def run_tlc(spec: Path, config: Path, *, workers: int = 2, timeout_s: float = 30
         cmd = [java, "-XX:+UseParallelGC", f"-Djava.io.tmpdir={tmp}"]
         if heap_mib:
             cmd.append(f"-Xmx{heap_mib}m")
-        cmd += ["-cp", str(jar), "tlc2.TLC", "-workers", str(workers), "-metadir",
-                str(Path(tmp) / "meta"), "-config", str(config)]  # fmt: skip
+        cmd += [
+            "-cp",
+            str(jar),
+            "tlc2.TLC",
+            "-workers",
+            str(workers),
+            "-metadir",
+            str(Path(tmp) / "meta"),
+            "-config",
+            str(config),
+        ]
         if not check_deadlock:
             cmd.append("-deadlock")  # TLC 2.15: -deadlock turns deadlock checking off
         cmd += [*extra_args, spec.name]
         start = time.monotonic()
         try:
-            proc = subprocess.run(cmd, cwd=spec.parent, capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)  # fmt: skip
+            proc = subprocess.run(cmd, cwd=spec.parent, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired as exc:
             out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             result = parse_output(out, -1, time.monotonic() - start)

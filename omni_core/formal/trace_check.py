@@ -33,12 +33,23 @@ from omni_core.trace import TraceFormatError
 
 ACCEPTED = "TraceAccepted"
 SPEC_INVARIANTS = (
-    "TypeOK", "P1_OneTerminalReplyPerTask", "P2_NoTaskAppliedTwice", "P3_MessagesCarryIds",
-    "P4_AlreadyIsNoOp", "P5_CommitOnlyOnAllAcks", "P5_SleepingOnlyIfEveryRankAsleep",
-    "P5_RanksAgreeWithStage", "P6_StaleNeverChangesState", "P7_ExecuteOnlyWhenResident",
-    "P8_NoExecuteAfterL2BeforeReload", "P9_FailedNamesRanks", "P10_BadBytesKeepServing",
-    "P11_RefusalHasNoEffect", "WorkerCoreInvariants", "StageCoreInvariants",
-)  # fmt: skip
+    "TypeOK",
+    "P1_OneTerminalReplyPerTask",
+    "P2_NoTaskAppliedTwice",
+    "P3_MessagesCarryIds",
+    "P4_AlreadyIsNoOp",
+    "P5_CommitOnlyOnAllAcks",
+    "P5_SleepingOnlyIfEveryRankAsleep",
+    "P5_RanksAgreeWithStage",
+    "P6_StaleNeverChangesState",
+    "P7_ExecuteOnlyWhenResident",
+    "P8_NoExecuteAfterL2BeforeReload",
+    "P9_FailedNamesRanks",
+    "P10_BadBytesKeepServing",
+    "P11_RefusalHasNoEffect",
+    "WorkerCoreInvariants",
+    "StageCoreInvariants",
+)
 DEFAULT_TIMEOUT_S = 120.0
 OWED_AT_END = (
     "the trace ends with a step still owed (a logged state change or send; for a chunk, something still in flight)"
@@ -64,9 +75,17 @@ class TraceVerdict:
     result: TlcResult | None = None
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "events": self.events, "accepted": self.accepted, "index": self.index,
-                "event": self.event, "reason": self.reason, "seconds": round(self.seconds, 3), "states": self.states,
-                "spec_view": self.spec_view}  # fmt: skip
+        return {
+            "stage": self.stage,
+            "events": self.events,
+            "accepted": self.accepted,
+            "index": self.index,
+            "event": self.event,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 3),
+            "states": self.states,
+            "spec_view": self.spec_view,
+        }
 
     def line(self) -> str:
         head = f"{self.stage:<16} {self.events:>5} events  "
@@ -114,8 +133,10 @@ def progress_of(output: str) -> list[tuple[int, str]]:
 
 def _describe_view(view: str) -> str:
     """`"RUNNING", 0, <<"ACTIVE", ...>>, ...` printed by TraceProgress, in words."""
-    return ("[sstate, epoch, worker states, alive, owed stage line, unlogged sends, owed worker "
-            f"lines, owed worker replies] = [{view}]")  # fmt: skip
+    return (
+        "[sstate, epoch, worker states, alive, owed stage line, unlogged sends, owed worker "
+        f"lines, owed worker replies] = [{view}]"
+    )
 
 
 def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
@@ -128,14 +149,23 @@ def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
         return trace.events[index - 1].describe() if 1 <= index <= n else ""
 
     if result.outcome == "invariant" and result.violated == ACCEPTED and result.exit_code == EXIT_SAFETY:
-        return TraceVerdict(trace.name, n, True, None, "", "accepted", result.seconds,
-                            result.distinct_states, result=result)  # fmt: skip
+        return TraceVerdict(
+            trace.name, n, True, None, "", "accepted", result.seconds, result.distinct_states, result=result
+        )
     if result.outcome in ("invariant", "action_property"):
         states = _TRACE_I.findall(result.output)
         index = int(states[-1]) - 1 if states else reached  # the event whose step broke it
-        return TraceVerdict(trace.name, n, False, index, at(index),
-                            f"the replay breaks {result.violated}", result.seconds,
-                            result.distinct_states, result=result)  # fmt: skip
+        return TraceVerdict(
+            trace.name,
+            n,
+            False,
+            index,
+            at(index),
+            f"the replay breaks {result.violated}",
+            result.seconds,
+            result.distinct_states,
+            result=result,
+        )
     if result.outcome == "ok":
         if reached > n:
             reason = OWED_AT_END
@@ -143,24 +173,62 @@ def judge(trace: trace_export.StageTrace, result: TlcResult) -> TraceVerdict:
         else:
             index = reached
             event = trace.events[index - 1]
-            reason = (f"refuted by the records around it: {event.refuted}" if event.refuted
-                      else f"outside the model: {event.note}" if event.note
-                      else "no spec action matches this event")  # fmt: skip
-        return TraceVerdict(trace.name, n, False, index, at(index), reason, result.seconds,
-                            result.distinct_states, _describe_view(view), result=result)  # fmt: skip
+            reason = (
+                f"refuted by the records around it: {event.refuted}"
+                if event.refuted
+                else f"outside the model: {event.note}"
+                if event.note
+                else "no spec action matches this event"
+            )
+        return TraceVerdict(
+            trace.name,
+            n,
+            False,
+            index,
+            at(index),
+            reason,
+            result.seconds,
+            result.distinct_states,
+            _describe_view(view),
+            result=result,
+        )
     if result.outcome == "timeout":
         done = f"replayed {min(reached, n + 1) - 1} of {n} events"
-        return TraceVerdict(trace.name, n, False, None, "", f"{result.error} ({done}; a smaller "
-                            "--chunk-events keeps each run short)", result.seconds, None, result=result)  # fmt: skip
+        return TraceVerdict(
+            trace.name,
+            n,
+            False,
+            None,
+            "",
+            f"{result.error} ({done}; a smaller --chunk-events keeps each run short)",
+            result.seconds,
+            None,
+            result=result,
+        )
     reason = result.error or f"TLC {result.outcome} (exit {result.exit_code})"
     if not progress:  # TLC stopped before the first state (a parse or configuration error)
         return TraceVerdict(trace.name, n, False, None, "", reason, result.seconds, None, result=result)
-    return TraceVerdict(trace.name, n, False, reached, at(reached), reason, result.seconds,
-                        result.distinct_states, _describe_view(view) if view else "", result=result)  # fmt: skip
+    return TraceVerdict(
+        trace.name,
+        n,
+        False,
+        reached,
+        at(reached),
+        reason,
+        result.seconds,
+        result.distinct_states,
+        _describe_view(view) if view else "",
+        result=result,
+    )
 
 
-def validate_part(trace: trace_export.StageTrace, *, root: Path | None = None,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, keep: Path | None = None) -> TraceVerdict:  # fmt: skip
+def validate_part(
+    trace: trace_export.StageTrace,
+    *,
+    root: Path | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    keep: Path | None = None,
+) -> TraceVerdict:
     """One TLC run over one stage (or chunk); `keep` also leaves the generated files there."""
     root = root or tla_dir()
     if not trace.events:
@@ -179,8 +247,20 @@ def validate_part(trace: trace_export.StageTrace, *, root: Path | None = None,
     return judge(trace, result)
 
 
-CARRIED = ("wstate", "alive", "wasleep", "wvalid", "wepoch", "wprof", "sstate", "sepoch", "sacks", "sasleep",
-           "svalid", "failedRanks")  # fmt: skip
+CARRIED = (
+    "wstate",
+    "alive",
+    "wasleep",
+    "wvalid",
+    "wepoch",
+    "wprof",
+    "sstate",
+    "sepoch",
+    "sacks",
+    "sasleep",
+    "svalid",
+    "failedRanks",
+)
 _STATE_HEADER = re.compile(r"^State \d+: .*$", re.MULTILINE)
 
 
@@ -210,8 +290,9 @@ def carried_state(output: str) -> str | None:
     return "[" + ", ".join(f"{k} |-> {values[k]}" for k in CARRIED) + "]"
 
 
-def validate_stage(trace: trace_export.StageTrace, *, chunk_events: int = trace_export.CHUNK_EVENTS,
-                   echo=None, **kwargs) -> list[TraceVerdict]:  # fmt: skip
+def validate_stage(
+    trace: trace_export.StageTrace, *, chunk_events: int = trace_export.CHUNK_EVENTS, echo=None, **kwargs
+) -> list[TraceVerdict]:
     """Validate one stage, in chunks when it is long: each chunk starts from the state the
     previous one ended in. Stops at the first chunk that diverges. A chunk that could not
     end quiescent (its cut was premature) is merged with the next one and run again.
@@ -229,8 +310,7 @@ def validate_stage(trace: trace_export.StageTrace, *, chunk_events: int = trace_
         piece = trace_export.part(trace, chunks, index)
         piece.carried = carried
         verdict = validate_part(piece, **kwargs)
-        if (not verdict.accepted and piece.chunk_end and verdict.reason == OWED_AT_END
-                and index + 1 < len(chunks)):  # fmt: skip
+        if not verdict.accepted and piece.chunk_end and verdict.reason == OWED_AT_END and index + 1 < len(chunks):
             chunks[index : index + 2] = [chunks[index] + chunks[index + 1]]
             continue
         verdicts.append(verdict)
@@ -260,8 +340,16 @@ def _validate_up_to_order_error(trace: trace_export.StageTrace, *, echo=None, **
         return verdicts  # the trace diverged before the moved line
     verdicts = [v for v in verdicts if v.accepted]
     at = next((e.describe() for e in trace.events if e.line == line), f"line {line}")
-    verdict = TraceVerdict(trace.name, len(trace.events), False, index, at, f"out of program order: {why}",
-                           sum(v.seconds for v in verdicts), None)  # fmt: skip
+    verdict = TraceVerdict(
+        trace.name,
+        len(trace.events),
+        False,
+        index,
+        at,
+        f"out of program order: {why}",
+        sum(v.seconds for v in verdicts),
+        None,
+    )
     if echo is not None:
         echo(verdict.line())
     return verdicts + [verdict]
@@ -289,8 +377,10 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return 2
     missing = missing_spec_files(root)
     if missing:
-        echo(f"FAIL the spec a trace is replayed on is incomplete: missing {', '.join(map(str, missing))}; "
-             "reinstall omni-core (its wheel carries tla/) or restore tla/ in the checkout (git checkout -- tla/)")
+        echo(
+            f"FAIL the spec a trace is replayed on is incomplete: missing {', '.join(map(str, missing))}; "
+            "reinstall omni-core (its wheel carries tla/) or restore tla/ in the checkout (git checkout -- tla/)"
+        )
         return 2
     try:
         records = trace_export.load(path)
@@ -308,8 +398,9 @@ def run(args: argparse.Namespace, echo=print) -> int:
     try:
         for stage in [args.stage] if args.stage else stages:
             trace = trace_export.project(records, stage)
-            found = validate_stage(trace, chunk_events=args.chunk_events, echo=echo, root=root,
-                                   timeout_s=args.timeout_s, keep=keep)  # fmt: skip
+            found = validate_stage(
+                trace, chunk_events=args.chunk_events, echo=echo, root=root, timeout_s=args.timeout_s, keep=keep
+            )
             verdicts += found
             dropped = ", ".join(f"{k} {v}" for k, v in sorted(trace.dropped.items()))
             if found and not found[-1].accepted and dropped:
@@ -321,7 +412,13 @@ def run(args: argparse.Namespace, echo=print) -> int:
     total_s = time.monotonic() - start
     echo(f"{len(verdicts)} TLC run(s), {len(bad)} diverged, {total_s:.1f} s")
     if getattr(args, "json", None):
-        reports.write_json(args.json, {"trace": str(path), "total_s": round(total_s, 3),
-                                       "accepted": not bad and bool(verdicts),
-                                       "verdicts": [v.to_json() for v in verdicts]})  # fmt: skip
+        reports.write_json(
+            args.json,
+            {
+                "trace": str(path),
+                "total_s": round(total_s, 3),
+                "accepted": not bad and bool(verdicts),
+                "verdicts": [v.to_json() for v in verdicts],
+            },
+        )
     return 1 if bad or not verdicts else 0

@@ -52,11 +52,22 @@ HELLO_TASK = "hello"
 MODULE = "TraceData"
 REFUTED = "refuted"  # an event kind no action of the trace spec takes
 RECORD_EVENTS: dict[type, str] = {
-    T.StageIssued: "issue", T.StageDispatched: "dispatch", T.StageSent: "send", T.StageReceived: "recv",
-    T.StageChanged: "state", T.StageDeadline: "deadline", T.StageRestarted: "restart", T.RankDied: "died",
-    T.WorkerStarted: "start", T.WorkerReceived: "wrecv", T.EffectDone: "done", T.EffectFailed: "error",
-    T.EffectRefused: "refused", T.WorkerChanged: "wstate", T.ReplySent: "wsend",
-}  # fmt: skip
+    T.StageIssued: "issue",
+    T.StageDispatched: "dispatch",
+    T.StageSent: "send",
+    T.StageReceived: "recv",
+    T.StageChanged: "state",
+    T.StageDeadline: "deadline",
+    T.StageRestarted: "restart",
+    T.RankDied: "died",
+    T.WorkerStarted: "start",
+    T.WorkerReceived: "wrecv",
+    T.EffectDone: "done",
+    T.EffectFailed: "error",
+    T.EffectRefused: "refused",
+    T.WorkerChanged: "wstate",
+    T.ReplySent: "wsend",
+}
 
 
 @dataclass
@@ -85,11 +96,13 @@ class TraceEvent:
 
     def tla(self) -> str:
         tags = "{" + ", ".join(_str(t) for t in (self.tags if self.tags is not None else (UNKNOWN,))) + "}"
-        return (f"[k |-> {_str(self.kind)}, r |-> {self.rank}, t |-> {self.task}, e |-> {self.epoch}, "
-                f"c |-> {_str(self.cmd)}, s |-> {_str(self.state)}, b |-> {_str(self.before)}, "
-                f"w |-> {_str(self.wstate)}, x |-> {_str(self.info)}, lvl |-> {self.level}, "
-                f"tg |-> {tags}, pe |-> {self.process_epoch}, late |-> {self.late_us}, "
-                f"fr |-> {{{', '.join(str(r) for r in (self.failed or ()))}}}]")  # fmt: skip
+        return (
+            f"[k |-> {_str(self.kind)}, r |-> {self.rank}, t |-> {self.task}, e |-> {self.epoch}, "
+            f"c |-> {_str(self.cmd)}, s |-> {_str(self.state)}, b |-> {_str(self.before)}, "
+            f"w |-> {_str(self.wstate)}, x |-> {_str(self.info)}, lvl |-> {self.level}, "
+            f"tg |-> {tags}, pe |-> {self.process_epoch}, late |-> {self.late_us}, "
+            f"fr |-> {{{', '.join(str(r) for r in (self.failed or ()))}}}]"
+        )
 
     def describe(self) -> str:
         """The trace line, for reports: `line 37: talker/engine StageReceived rank=1 task_id=... ...`."""
@@ -159,9 +172,11 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     dropped: Counter = Counter()
     tasks: dict[str, int] = {}
     events: list[TraceEvent] = []
-    ranks = max([line.rank + 1 for _, line in ours]
-                + [line.record.rank + 1 for _, line in ours if isinstance(line.record, (T.StageSent, T.StageReceived))]
-                + [1])  # fmt: skip
+    ranks = max(
+        [line.rank + 1 for _, line in ours]
+        + [line.record.rank + 1 for _, line in ours if isinstance(line.record, (T.StageSent, T.StageReceived))]
+        + [1]
+    )
     starts = (T.StageStarting, T.StageRestarted, T.WorkerStarted)  # they name the stage's tags
     tags = next((tuple(line.record.tags) for _, line in ours if isinstance(line.record, starts)), DEFAULT_TAGS)
     epoch_now = 0  # the stage's epoch so far, in file order
@@ -176,8 +191,16 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         if not line.is_engine and (line.rank, line.epoch) in deaths:
             # A process writes nothing after it ended, and its end is recorded only after it
             # ended: this line is not the dead process's. Kept, so the replay stops here.
-            events.append(_refuted(kind or "dead", n, line, tasks, f"rank {line.rank} of epoch {line.epoch} "
-                                   f"wrote this after its death was recorded (line {deaths[line.rank, line.epoch]})"))
+            events.append(
+                _refuted(
+                    kind or "dead",
+                    n,
+                    line,
+                    tasks,
+                    f"rank {line.rank} of epoch {line.epoch} "
+                    f"wrote this after its death was recorded (line {deaths[line.rank, line.epoch]})",
+                )
+            )
             continue
         if isinstance(record, T.RankDied):
             deaths.setdefault((record.rank, record.process_epoch), n)
@@ -233,8 +256,10 @@ class _DeadlineClock:
 
     def _previous_stamp(self, n: int) -> float:
         pid = self._lines[n - 1].pid
-        return next((line.mono_s for line in reversed(self._lines[: n - 1]) if line.pid == pid and line.is_engine),
-                    float("-inf"))  # fmt: skip
+        return next(
+            (line.mono_s for line in reversed(self._lines[: n - 1]) if line.pid == pid and line.is_engine),
+            float("-inf"),
+        )
 
     def set_by(self, n: int, line: T.TraceLine) -> None:
         r: Any = line.record
@@ -248,8 +273,10 @@ class _DeadlineClock:
             low = float("-inf") if r.auto else self._previous_stamp(n) + timeout_s
             high = line.mono_s + timeout_s
             if not low - CLOCK_SLACK_S <= r.deadline_at_s <= high + CLOCK_SLACK_S:
-                self._bad[key] = (f"the deadline {r.deadline_at_s:.6f} s set at line {n} is not its issue time "
-                                  f"plus its timeout of {timeout_s:g} s (between {low:.6f} and {high:.6f} s)")
+                self._bad[key] = (
+                    f"the deadline {r.deadline_at_s:.6f} s set at line {n} is not its issue time "
+                    f"plus its timeout of {timeout_s:g} s (between {low:.6f} and {high:.6f} s)"
+                )
 
     def check(self, n: int, line: T.TraceLine) -> str:
         r: Any = line.record
@@ -260,8 +287,10 @@ class _DeadlineClock:
         if key in self._bad:
             return self._bad[key]
         if abs(r.deadline_at_s - deadline_at_s) > CLOCK_SLACK_S:
-            return (f"a deadline at {r.deadline_at_s:.6f} s; the one line {at} set for this task is at "
-                    f"{deadline_at_s:.6f} s")
+            return (
+                f"a deadline at {r.deadline_at_s:.6f} s; the one line {at} set for this task is at "
+                f"{deadline_at_s:.6f} s"
+            )
         fired_s = min(r.now_s, line.mono_s)
         if fired_s < deadline_at_s:
             return f"a deadline fired at {fired_s:.6f} s, before the {deadline_at_s:.6f} s line {at} set"
@@ -292,8 +321,14 @@ def program_order(lines: list[T.TraceLine], wanted: set[int] | None = None) -> t
 def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> TraceEvent:
     """The event of one record: the fields its action compares, taken as they are."""
     r: Any = line.record
-    ev = TraceEvent(kind, n, line, rank=getattr(r, "rank", line.rank), epoch=getattr(r, "epoch", line.epoch),
-                    process_epoch=line.epoch)  # fmt: skip
+    ev = TraceEvent(
+        kind,
+        n,
+        line,
+        rank=getattr(r, "rank", line.rank),
+        epoch=getattr(r, "epoch", line.epoch),
+        process_epoch=line.epoch,
+    )
     task_id = getattr(r, "task_id", None) or getattr(r, "request_id", "")
     ev.task = _task_number(task_id, tasks, assign=kind in ("issue", "dispatch", "send"))
     if line.is_engine:
@@ -326,8 +361,9 @@ def late_us(now_s: float, deadline_at_s: float) -> int:
     return max(-LATE_LIMIT_US, min(LATE_LIMIT_US, late))
 
 
-def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, int], dropped: Counter,
-            min_epoch: int = 0) -> StageTrace:  # fmt: skip
+def _finish(
+    stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, int], dropped: Counter, min_epoch: int = 0
+) -> StageTrace:
     """The constants of the TLC model for these events."""
     died = sum(1 for e in events if e.kind == "died")
     errors = sum(1 for e in events if e.kind == "error" or (e.kind == "start" and e.wstate == "FAILED"))
@@ -354,8 +390,17 @@ def _finish(stage: str, events: list[TraceEvent], ranks: int, tasks: dict[str, i
         # NO_MEMORY or not: the spec sends a waiting Wake only where it may also be refused.
         faults.append("nomemory")
     max_epoch = max([e.epoch for e in events] + [min_epoch])
-    return StageTrace(stage, events, ranks, tasks, max_epoch, faults, died + errors + resent + taken_twice,
-                      dropped, max_requests=max_in_flight(events, ranks))  # fmt: skip
+    return StageTrace(
+        stage,
+        events,
+        ranks,
+        tasks,
+        max_epoch,
+        faults,
+        died + errors + resent + taken_twice,
+        dropped,
+        max_requests=max_in_flight(events, ranks),
+    )
 
 
 def max_in_flight(events: Iterable[TraceEvent], ranks: int) -> int:
@@ -390,8 +435,9 @@ def _note_unmodelled(events: list[TraceEvent]) -> None:
     is reported as such and not as a protocol error."""
     for ev in events:
         if ev.kind == "start" and ev.wstate not in STARTED:
-            ev.note = (f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or "
-                       "FAILED (LoadFailed)")  # fmt: skip
+            ev.note = (
+                f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
+            )
 
 
 CHUNK_EVENTS = 400
@@ -469,13 +515,13 @@ def part(trace: StageTrace, chunks: list[list[TraceEvent]], index: int) -> Stage
     if len(chunks) == 1:
         return trace
     offset = max([e.task for c in chunks[:index] for e in c] + [0])
-    renumbered = [replace(e, task=e.task - offset if e.task > offset else (0 if e.task == 0 else -1))
-                  for e in events]  # fmt: skip
+    renumbered = [replace(e, task=e.task - offset if e.task > offset else (0 if e.task == 0 else -1)) for e in events]
     count = max([e.task for e in renumbered] + [0])
     tasks = {t: n - offset for t, n in trace.tasks.items() if offset < n <= offset + count}
     previous = [e.epoch for c in chunks[:index] for e in c]
-    out = _finish(trace.stage, renumbered, trace.ranks, tasks, trace.dropped if index == 0 else Counter(),
-                  max(previous + [0]))  # fmt: skip
+    out = _finish(
+        trace.stage, renumbered, trace.ranks, tasks, trace.dropped if index == 0 else Counter(), max(previous + [0])
+    )
     out.part, out.parts, out.chunk_end = index + 1, len(chunks), index + 1 < len(chunks)
     out.tags = trace.tags
     return out
@@ -506,14 +552,16 @@ def render_module(trace: StageTrace) -> str:
     carried = trace.carried or "[none |-> TRUE]"
     first = trace.events[0].line if trace.events else 0
     last = trace.events[-1].line if trace.events else 0
-    return (f"---- MODULE {MODULE} ----\n"
-            f"\\* GENERATED by omni_core/formal/trace_export.py: stage {trace.stage!r}, chunk {trace.part} of "
-            f"{trace.parts}, {len(trace.events)} events (trace lines {first}..{last}). Do not edit.\n"
-            f"EXTENDS Integers, TLC\n"
-            f"FromStart == {'FALSE' if trace.carried else 'TRUE'}\n"
-            f"ChunkEnd == {'TRUE' if trace.chunk_end else 'FALSE'}\n"
-            f"Carried == {carried}\n"
-            f"Trace == <<\n    {body}\n>>\n====\n")  # fmt: skip
+    return (
+        f"---- MODULE {MODULE} ----\n"
+        f"\\* GENERATED by omni_core/formal/trace_export.py: stage {trace.stage!r}, chunk {trace.part} of "
+        f"{trace.parts}, {len(trace.events)} events (trace lines {first}..{last}). Do not edit.\n"
+        f"EXTENDS Integers, TLC\n"
+        f"FromStart == {'FALSE' if trace.carried else 'TRUE'}\n"
+        f"ChunkEnd == {'TRUE' if trace.chunk_end else 'FALSE'}\n"
+        f"Carried == {carried}\n"
+        f"Trace == <<\n    {body}\n>>\n====\n"
+    )
 
 
 def render_config(trace: StageTrace, invariants: Iterable[str] = ()) -> str:

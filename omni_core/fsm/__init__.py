@@ -37,11 +37,9 @@ from omni_core.protocol import StageState, WorkerState
 def export_tables() -> dict[str, dict]:
     """Both tables as plain data: `{lifecycle: {"initial": ..., "transitions": {...}}}`."""
     return {
-        "worker": {"initial": WorkerState.LOADING.value,
-                   "transitions": table_as_dict(WORKER_TRANSITIONS)},
-        "stage": {"initial": StageState.STARTING.value,
-                  "transitions": table_as_dict(STAGE_TRANSITIONS)},
-    }  # fmt: skip
+        "worker": {"initial": WorkerState.LOADING.value, "transitions": table_as_dict(WORKER_TRANSITIONS)},
+        "stage": {"initial": StageState.STARTING.value, "transitions": table_as_dict(STAGE_TRANSITIONS)},
+    }
 
 
 def export_mermaid() -> dict[str, str]:

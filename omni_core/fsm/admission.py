@@ -67,13 +67,18 @@ Q, R, W = AdmissionPolicy.QUEUE, AdmissionPolicy.REJECT, AdmissionPolicy.WAKE
 ADMISSION: tuple[AdmissionRow, ...] = (
     AdmissionRow((S.RUNNING,), _ALL, Admit.RUN, "admission is open only in RUNNING (P-7)"),
     AdmissionRow(_ENDED, _ALL, Admit.REFUSE_FAILED, "nothing runs until restart()"),
-    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,
-                 "not RUNNING, and the policy refuses at once"),
-    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.REFUSE_NEEDS_RELOAD,
-                 "weights discarded by a level-2 sleep: only reload_weights() helps (P-8)"),
+    AdmissionRow(
+        _BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY, "not RUNNING, and the policy refuses at once"
+    ),
+    AdmissionRow(
+        (S.NEEDS_RELOAD,),
+        (Q, W),
+        Admit.REFUSE_NEEDS_RELOAD,
+        "weights discarded by a level-2 sleep: only reload_weights() helps (P-8)",
+    ),
     AdmissionRow(_BUSY + _ASLEEP, (Q,), Admit.QUEUE, "wait for the next RUNNING"),
     AdmissionRow(_BUSY + _ASLEEP, (W,), Admit.QUEUE, "wait; the queue rules wake a sleeping stage"),
-)  # fmt: skip
+)
 
 QUEUE_RULES: tuple[QueueRow, ...] = (
     QueueRow((S.RUNNING,), _ALL, QueueAction.DISPATCH, "serve the queue, up to max_in_flight"),
@@ -81,9 +86,13 @@ QUEUE_RULES: tuple[QueueRow, ...] = (
     QueueRow(_ASLEEP, (Q,), QueueAction.HOLD, "wait for a wake() from the caller"),
     QueueRow(_ASLEEP, (W,), QueueAction.AUTO_WAKE, "the policy wakes the stage for its queue"),
     QueueRow(_ASLEEP, (R,), QueueAction.HOLD, "queued before the policy changed: they keep their place"),
-    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,
-             "nothing queued can run before reload_weights() or restart()"),
-)  # fmt: skip
+    QueueRow(
+        (S.NEEDS_RELOAD,) + _ENDED,
+        _ALL,
+        QueueAction.REJECT_ALL,
+        "nothing queued can run before reload_weights() or restart()",
+    ),
+)
 
 
 def _index(rows: tuple) -> dict[tuple[S, AdmissionPolicy], object]:

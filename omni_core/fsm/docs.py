@@ -53,8 +53,10 @@ def render_lifecycles() -> str:
 def _refused(table: Iterable[Transition]) -> str:
     """The wake_refused_* rows of a table, as `trigger` (FROM -> TO)."""
     rows = [t for t in table if t.trigger.startswith("wake_refused_") and t.dest is not None]
-    return ", ".join(f"`{t.trigger}` ({'/'.join(s.value for s in t.sources)} -> {t.dest.value})"  # type: ignore[union-attr]
-                     for t in rows)  # fmt: skip
+    return ", ".join(
+        f"`{t.trigger}` ({'/'.join(s.value for s in t.sources)} -> {t.dest.value})"  # type: ignore[union-attr]
+        for t in rows
+    )
 
 
 def _swap_section() -> list[str]:

@@ -98,5 +98,15 @@ class ProfileEffect:
     prefix: str | None
 
 
-Effect = (SleepEffect | WakeEffect | ReloadEffect | ExecuteEffect | StatusEffect | ShutdownEffect | ProfileEffect
-          | UpdateEffect | WeightGroupEffect | ShareEffect)
+Effect = (
+    SleepEffect
+    | WakeEffect
+    | ReloadEffect
+    | ExecuteEffect
+    | StatusEffect
+    | ShutdownEffect
+    | ProfileEffect
+    | UpdateEffect
+    | WeightGroupEffect
+    | ShareEffect
+)

@@ -146,8 +146,24 @@ class SendFailed:
     ranks: tuple[int, ...]
 
 
-EngineInput = (Start | Restart | Stop | Submit | SleepCall | WakeCall | ReloadCall | ProfileCall | SetAdmission | Tick
-               | Received | RankExited | SendFailed | UpdateCall | WeightGroupCall | ShareCall)  # fmt: skip
+EngineInput = (
+    Start
+    | Restart
+    | Stop
+    | Submit
+    | SleepCall
+    | WakeCall
+    | ReloadCall
+    | ProfileCall
+    | SetAdmission
+    | Tick
+    | Received
+    | RankExited
+    | SendFailed
+    | UpdateCall
+    | WeightGroupCall
+    | ShareCall
+)
 
 
 class RequestError(str, enum.Enum):

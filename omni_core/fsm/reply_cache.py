@@ -31,8 +31,9 @@ class CacheStats:
 
 
 class BoundedCache(Generic[K, V]):
-    def __init__(self, max_entries: int = DEFAULT_REPLY_CACHE_ENTRIES,
-                 max_bytes: int = DEFAULT_REPLY_CACHE_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self, max_entries: int = DEFAULT_REPLY_CACHE_ENTRIES, max_bytes: int = DEFAULT_REPLY_CACHE_BYTES
+    ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if max_bytes < 1:

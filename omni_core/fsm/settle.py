@@ -32,13 +32,21 @@ class SettleRow:
 
 
 SETTLE_ROWS: tuple[SettleRow, ...] = (
-    SettleRow(Settled.ACTIVE, WorkerState.ACTIVE, StageState.RUNNING,
-              "restored_active", "reloaded_active", "woke_running"),
-    SettleRow(Settled.PARTIAL, WorkerState.PARTIAL, StageState.PARTIAL,
-              "restored_partial", "reloaded_partial", "woke_partial"),
-    SettleRow(Settled.NEEDS_RELOAD, WorkerState.NEEDS_RELOAD, StageState.NEEDS_RELOAD,
-              "restored_needs_reload", None, "woke_needs_reload"),
-)  # fmt: skip
+    SettleRow(
+        Settled.ACTIVE, WorkerState.ACTIVE, StageState.RUNNING, "restored_active", "reloaded_active", "woke_running"
+    ),
+    SettleRow(
+        Settled.PARTIAL, WorkerState.PARTIAL, StageState.PARTIAL, "restored_partial", "reloaded_partial", "woke_partial"
+    ),
+    SettleRow(
+        Settled.NEEDS_RELOAD,
+        WorkerState.NEEDS_RELOAD,
+        StageState.NEEDS_RELOAD,
+        "restored_needs_reload",
+        None,
+        "woke_needs_reload",
+    ),
+)
 
 _BY_OUTCOME = {row.settled: row for row in SETTLE_ROWS}
 

@@ -49,9 +49,7 @@ class Lifecycle(Generic[S]):
         self._machine = Machine(
             model=self._model,
             states=list(states),
-            transitions=[
-                {"trigger": t.trigger, "source": list(t.sources), "dest": t.dest} for t in table
-            ],
+            transitions=[{"trigger": t.trigger, "source": list(t.sources), "dest": t.dest} for t in table],
             initial=initial,
             auto_transitions=False,
             ignore_invalid_triggers=False,

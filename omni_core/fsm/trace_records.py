@@ -306,11 +306,24 @@ class Truncated(_Record):
     size_bytes: int
 
 
-StageRecord = (StageStarting | StageRestarted | StageIssued | StageDispatched | StageSent | StageReceived
-               | StageChanged | StageDeadline | RankDied | StageStopped | RequestSubmitted | RequestAnswered
-               | TaskEnded)  # fmt: skip
-WorkerRecord = (WorkerStarted | WorkerReceived | WorkerChanged | EffectDone | EffectFailed | EffectRefused
-                | ReplySent | BadMessage)  # fmt: skip
+StageRecord = (
+    StageStarting
+    | StageRestarted
+    | StageIssued
+    | StageDispatched
+    | StageSent
+    | StageReceived
+    | StageChanged
+    | StageDeadline
+    | RankDied
+    | StageStopped
+    | RequestSubmitted
+    | RequestAnswered
+    | TaskEnded
+)
+WorkerRecord = (
+    WorkerStarted | WorkerReceived | WorkerChanged | EffectDone | EffectFailed | EffectRefused | ReplySent | BadMessage
+)
 TraceRecord = StageRecord | WorkerRecord | RankSpawned | PeerRefused | ParentGone | Truncated
 
 

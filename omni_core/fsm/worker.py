@@ -71,61 +71,114 @@ from omni_core.protocol import (
 )
 from omni_core.protocol import WorkerState as W
 
-_ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL,
-          W.NEEDS_RELOAD, W.RELOADING)  # fmt: skip
+_ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL, W.NEEDS_RELOAD, W.RELOADING)
 _IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)  # may accept a lifecycle command
 
 WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("loaded", (W.LOADING,), W.ACTIVE, "runner loaded weights and caches"),
     Transition("sleep", _IDLE, W.OFFLOADING, "Sleep for tags not yet asleep"),
-    Transition("sleep_already", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), None,
-               "Sleep whose tags are all asleep: ALREADY, no effect (P-4)"),
+    Transition(
+        "sleep_already",
+        (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD),
+        None,
+        "Sleep whose tags are all asleep: ALREADY, no effect (P-4)",
+    ),
     Transition("offloaded", (W.OFFLOADING,), W.SLEEPING, "backend released the tags"),
-    Transition("wake", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), W.RESTORING,
-               "Wake for tags that are asleep"),
+    Transition("wake", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), W.RESTORING, "Wake for tags that are asleep"),
     Transition("wake_already", _IDLE, None, "Wake whose tags are all resident: ALREADY (P-4)"),
     Transition("restored_active", (W.RESTORING,), W.ACTIVE, "all resident, weights valid"),
     Transition("restored_partial", (W.RESTORING,), W.PARTIAL, "some tags still asleep"),
-    Transition("restored_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD,
-               "weights mapped but discarded by a level-2 sleep"),
+    Transition(
+        "restored_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD, "weights mapped but discarded by a level-2 sleep"
+    ),
     Transition("reload", (W.NEEDS_RELOAD, W.ACTIVE), W.RELOADING, "ReloadWeights"),
     Transition("reloaded_active", (W.RELOADING,), W.ACTIVE, "weights valid, all resident"),
     Transition("reloaded_partial", (W.RELOADING,), W.PARTIAL, "weights valid, tags asleep"),
-    Transition("reload_refused_needs_reload", (W.RELOADING,), W.NEEDS_RELOAD,
-               "the runner refused the source before writing (INVALID_ARGUMENT)"),
-    Transition("reload_refused_active", (W.RELOADING,), W.ACTIVE,
-               "the runner refused the source before writing (INVALID_ARGUMENT)"),
-    Transition("wake_refused_sleeping", (W.RESTORING,), W.SLEEPING,
-               "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
-    Transition("wake_refused_partial", (W.RESTORING,), W.PARTIAL,
-               "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
-    Transition("wake_refused_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD,
-               "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again"),
-    Transition("update", (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD), W.RELOADING,
-               "UpdateWeights above the current version, weights resident (P-17); settles as a reload does"),
-    Transition("update_refused_active", (W.RELOADING,), W.ACTIVE,
-               "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged"),
-    Transition("update_refused_partial", (W.RELOADING,), W.PARTIAL,
-               "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged"),
-    Transition("update_refused_needs_reload", (W.RELOADING,), W.NEEDS_RELOAD,
-               "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged"),
-    Transition("update_failed", (W.RELOADING,), W.NEEDS_RELOAD,
-               "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before"),
+    Transition(
+        "reload_refused_needs_reload",
+        (W.RELOADING,),
+        W.NEEDS_RELOAD,
+        "the runner refused the source before writing (INVALID_ARGUMENT)",
+    ),
+    Transition(
+        "reload_refused_active",
+        (W.RELOADING,),
+        W.ACTIVE,
+        "the runner refused the source before writing (INVALID_ARGUMENT)",
+    ),
+    Transition(
+        "wake_refused_sleeping",
+        (W.RESTORING,),
+        W.SLEEPING,
+        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
+    ),
+    Transition(
+        "wake_refused_partial",
+        (W.RESTORING,),
+        W.PARTIAL,
+        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
+    ),
+    Transition(
+        "wake_refused_needs_reload",
+        (W.RESTORING,),
+        W.NEEDS_RELOAD,
+        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
+    ),
+    Transition(
+        "update",
+        (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD),
+        W.RELOADING,
+        "UpdateWeights above the current version, weights resident (P-17); settles as a reload does",
+    ),
+    Transition(
+        "update_refused_active",
+        (W.RELOADING,),
+        W.ACTIVE,
+        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        "update_refused_partial",
+        (W.RELOADING,),
+        W.PARTIAL,
+        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        "update_refused_needs_reload",
+        (W.RELOADING,),
+        W.NEEDS_RELOAD,
+        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        "update_failed",
+        (W.RELOADING,),
+        W.NEEDS_RELOAD,
+        "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before",
+    ),
     Transition("weight_group", _IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
     Transition("weight_group_already", _IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),
-    Transition("share", (W.ACTIVE, W.PARTIAL), None,
-               "ShareWeights with valid weights awake: copied into shared buckets; the state never changes"),
+    Transition(
+        "share",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "ShareWeights with valid weights awake: copied into shared buckets; the state never changes",
+    ),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
-    Transition("profile", _IDLE, None,
-               "Profile start (none running) or stop (one running): the profiler only, never the state"),
-    Transition("profile_already", _IDLE, None,
-               "Profile start while one runs, stop while none does: ALREADY, no effect (P-15)"),
+    Transition(
+        "profile", _IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"
+    ),
+    Transition(
+        "profile_already", _IDLE, None, "Profile start while one runs, stop while none does: ALREADY, no effect (P-15)"
+    ),
     Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
-    Transition("shutdown", (W.LOADING, *_IDLE, W.FAILED), W.STOPPED,
-               "Shutdown (in a transient state the effect in progress answers first: BUSY)"),
+    Transition(
+        "shutdown",
+        (W.LOADING, *_IDLE, W.FAILED),
+        W.STOPPED,
+        "Shutdown (in a transient state the effect in progress answers first: BUSY)",
+    ),
     Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
-)  # fmt: skip
+)
 
 # A refused reload or wake returns to where it came from: (command, state before) -> trigger,
 # and the reason its NACK gives.
@@ -139,19 +192,28 @@ _REFUSED = {
     (UpdateWeights, W.PARTIAL): "update_refused_partial",
     (UpdateWeights, W.NEEDS_RELOAD): "update_refused_needs_reload",
 }
-_REFUSAL_REASON = {ReloadWeights: NackReason.INVALID_ARGUMENT, Wake: NackReason.NO_MEMORY,
-                   UpdateWeights: NackReason.INVALID_ARGUMENT}
+_REFUSAL_REASON = {
+    ReloadWeights: NackReason.INVALID_ARGUMENT,
+    Wake: NackReason.NO_MEMORY,
+    UpdateWeights: NackReason.INVALID_ARGUMENT,
+}
 
 # Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
 # to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
 # rank off from every normal epoch for good.
 MAX_EPOCH_AHEAD = 64
 
-ALL_CAPABILITIES: tuple[Capability, ...] = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.SWAP,
-                                           Capability.WEIGHT_UPDATE)
+ALL_CAPABILITIES: tuple[Capability, ...] = (
+    Capability.LEVEL2,
+    Capability.PARTIAL_WAKE,
+    Capability.SWAP,
+    Capability.WEIGHT_UPDATE,
+)
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
-_NO_LINKS = ("this worker copies over its own host link only (capability 'multi_path' not declared); "
-             "send the command without links")  # fmt: skip
+_NO_LINKS = (
+    "this worker copies over its own host link only (capability 'multi_path' not declared); "
+    "send the command without links"
+)
 _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
 
 
@@ -327,8 +389,14 @@ class WorkerCore:
         pending = self._take_pending(task_id)
         command = pending.command
         if isinstance(command, Execute):
-            reply: Reply = Result(task_id=task_id, epoch=self.epoch, rank=self.rank, output=output,
-                                  duration_s=duration_s, weights_version=self.weights_version)  # fmt: skip
+            reply: Reply = Result(
+                task_id=task_id,
+                epoch=self.epoch,
+                rank=self.rank,
+                output=output,
+                duration_s=duration_s,
+                weights_version=self.weights_version,
+            )
         else:
             if isinstance(command, Sleep):
                 assert pending.sleep_plan is not None
@@ -349,9 +417,14 @@ class WorkerCore:
                 self.weight_group = command
             elif isinstance(command, Profile):
                 self.profiling = command.start
-            reply = self._ack(command, AckStatus.OK, memory=memory, duration_s=duration_s,
-                              trace_paths=trace_paths if isinstance(command, Profile) else (),
-                              shared=shared if isinstance(command, ShareWeights) else None)
+            reply = self._ack(
+                command,
+                AckStatus.OK,
+                memory=memory,
+                duration_s=duration_s,
+                trace_paths=trace_paths if isinstance(command, Profile) else (),
+                shared=shared if isinstance(command, ShareWeights) else None,
+            )
         if not isinstance(command, Status):
             self._remember(command, reply)
         self._check_invariants()
@@ -371,17 +444,21 @@ class WorkerCore:
         kind = type(pending.command)
         trigger = _REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
         if trigger is None:
-            raise InvariantViolation(f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
-                                     f"{pending.command!r} "
-                                     f"(started in {pending.state_before})")  # fmt: skip
+            raise InvariantViolation(
+                f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
+                f"{pending.command!r} "
+                f"(started in {pending.state_before})"
+            )
         if reason is not None and reason is not _REFUSAL_REASON[kind]:
-            raise InvariantViolation(f"a {kind.__name__} is refused with {_REFUSAL_REASON[kind].value}, "
-                                     f"not {reason.value}")
+            raise InvariantViolation(
+                f"a {kind.__name__} is refused with {_REFUSAL_REASON[kind].value}, not {reason.value}"
+            )
         self.lifecycle.fire(trigger)
         name = kind.__name__
         effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
-        reply = self._nack(pending.command, _REFUSAL_REASON[kind],
-                           f"{name} task {task_id!r} refused, {effect}: {detail}")
+        reply = self._nack(
+            pending.command, _REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
+        )
         self._remember(pending.command, reply)
         self._check_invariants()
         head = EffectRefused(task_id, name, self.state.value, clip(detail))
@@ -405,17 +482,23 @@ class WorkerCore:
             # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
             self.residency.weights_valid = False
             self.lifecycle.fire("update_failed")
-            reply = self._nack(pending.command, NackReason.UPDATE_FAILED,
-                               f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
-                               f"version {self.weights_version}: update again or reload")  # fmt: skip
+            reply = self._nack(
+                pending.command,
+                NackReason.UPDATE_FAILED,
+                f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
+                f"version {self.weights_version}: update again or reload",
+            )
             self._remember(pending.command, reply)
             self._check_invariants()
             head = EffectFailed(task_id, name, self.state.value, clip(error))
             return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
         if isinstance(pending.command, (InitWeightGroup, ShareWeights)):
             # No pool memory moved: the rank keeps its state (and has no group, or shares nothing).
-            after = "this rank joined no weight group" if isinstance(pending.command, InitWeightGroup) \
-                else "this rank shares no weights now"  # fmt: skip
+            after = (
+                "this rank joined no weight group"
+                if isinstance(pending.command, InitWeightGroup)
+                else "this rank shares no weights now"
+            )
             reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT, f"{what}; {after}")
             self._remember(pending.command, reply)
             head = EffectFailed(task_id, name, self.state.value, clip(error))
@@ -424,8 +507,9 @@ class WorkerCore:
             # The profiler is not memory: the rank keeps its state and serves on. The shell
             # drops a profiler that failed, so none runs now, whichever way it failed.
             self.profiling = False
-            reply = self._nack(pending.command, NackReason.PROFILE_ERROR,
-                               f"{what}; no profile is running on this rank now")  # fmt: skip
+            reply = self._nack(
+                pending.command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now"
+            )
             self._remember(pending.command, reply)
             self._check_invariants()
             head = EffectFailed(task_id, name, self.state.value, clip(error))
@@ -445,21 +529,29 @@ class WorkerCore:
     def _on_command(self, command: Command) -> WorkerStep:
         if command.epoch < self.epoch:
             self.counters.stale_epoch_refused += 1
-            return self._refuse(command, NackReason.STALE_EPOCH,
-                                f"command epoch {command.epoch} is older than this worker's "
-                                f"epoch {self.epoch}; a newer orchestrator has fenced it")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.STALE_EPOCH,
+                f"command epoch {command.epoch} is older than this worker's "
+                f"epoch {self.epoch}; a newer orchestrator has fenced it",
+            )
         if command.epoch > self.epoch + MAX_EPOCH_AHEAD:
             self.counters.epoch_ahead_refused += 1
-            return self._refuse(command, NackReason.EPOCH_AHEAD,
-                                f"command epoch {command.epoch} is more than {MAX_EPOCH_AHEAD} ahead of "
-                                f"this worker's epoch {self.epoch}; restart the rank under the new epoch")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.EPOCH_AHEAD,
+                f"command epoch {command.epoch} is more than {MAX_EPOCH_AHEAD} ahead of "
+                f"this worker's epoch {self.epoch}; restart the rank under the new epoch",
+            )
         self.epoch = command.epoch
         if self._pending is not None and self._pending.command.task_id == command.task_id:
             original = self._pending.command
             if msgspec.structs.replace(command, epoch=original.epoch) != original:
-                return self._refuse(command, NackReason.TASK_ID_REUSED,
-                                    f"task_id {command.task_id!r} is in progress for "
-                                    f"{original!r}; use a fresh task_id per command")  # fmt: skip
+                return self._refuse(
+                    command,
+                    NackReason.TASK_ID_REUSED,
+                    f"task_id {command.task_id!r} is in progress for {original!r}; use a fresh task_id per command",
+                )
             # The terminal reply follows when the effect completes; answering now too
             # would be a second reply for the task (P-1).
             self.counters.duplicates_in_flight_ignored += 1
@@ -469,19 +561,27 @@ class WorkerCore:
             cached = self.cache.get(command.task_id)
             if cached is not None:
                 if command_digest(command) != cached.command_digest:
-                    return self._refuse(command, NackReason.TASK_ID_REUSED,
-                                        f"task_id {command.task_id!r} was already used for a different "
-                                        f"{cached.command_name}; use a fresh task_id per command")  # fmt: skip
+                    return self._refuse(
+                        command,
+                        NackReason.TASK_ID_REUSED,
+                        f"task_id {command.task_id!r} was already used for a different "
+                        f"{cached.command_name}; use a fresh task_id per command",
+                    )
                 self.counters.duplicates_answered_from_cache += 1
                 if cached.reply is None:
-                    return self._refuse(command, NackReason.REPLY_NOT_KEPT,
-                                        f"task {command.task_id!r} was answered already; its reply was too "
-                                        "large for the reply cache, so the first reply is the only one")  # fmt: skip
+                    return self._refuse(
+                        command,
+                        NackReason.REPLY_NOT_KEPT,
+                        f"task {command.task_id!r} was answered already; its reply was too "
+                        "large for the reply cache, so the first reply is the only one",
+                    )
                 return WorkerStep(replies=(cached.reply,))
         if self._pending is not None and not isinstance(command, Status):
-            step = self._refuse(command, NackReason.BUSY,
-                                f"task {self._pending.command.task_id!r} is in progress; "
-                                "retry after its reply")  # fmt: skip
+            step = self._refuse(
+                command,
+                NackReason.BUSY,
+                f"task {self._pending.command.task_id!r} is in progress; retry after its reply",
+            )
             if isinstance(command, (Execute, Profile)):
                 # Recorded: the stage takes this BUSY as the rank's answer to the request (or
                 # the Profile), so a copy arriving after the task in progress must get it again,
@@ -490,9 +590,11 @@ class WorkerCore:
                 self._remember(command, step.replies[0])
             return step
         if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):
-            return self._refuse(command, NackReason.FAILED,
-                                f"worker is FAILED ({self.failure}); only Shutdown or a "
-                                "restart leaves FAILED")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.FAILED,
+                f"worker is FAILED ({self.failure}); only Shutdown or a restart leaves FAILED",
+            )
         return self._handlers[type(command)](command)
 
     def on_sleep(self, command: Sleep) -> WorkerStep:
@@ -501,8 +603,11 @@ class WorkerCore:
         except UnknownTagError as exc:
             return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
         if command.level == 2 and Capability.LEVEL2 not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
-                                "level-2 sleep (capability 'level2' not declared); use level=1")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not support level-2 sleep (capability 'level2' not declared); use level=1",
+            )
         if command.links and Capability.MULTI_PATH not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
         to_sleep = tags - self.residency.asleep
@@ -513,8 +618,7 @@ class WorkerCore:
         plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
         self.lifecycle.fire("sleep")
         self._pending = _Pending(command, sleep_plan=plan)
-        return WorkerStep(effect=SleepEffect(command.task_id, command.level,
-                                             plan.offload, plan.discard, command.links))  # fmt: skip
+        return WorkerStep(effect=SleepEffect(command.task_id, command.level, plan.offload, plan.discard, command.links))
 
     def on_wake(self, command: Wake) -> WorkerStep:
         try:
@@ -525,13 +629,20 @@ class WorkerCore:
         if not to_wake and self.lifecycle.allows("wake_already"):
             return self._already(command, "wake_already")
         if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not support "
-                                "partial wake; wake every asleep tag (tags=None)")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not support partial wake; wake every asleep tag (tags=None)",
+            )
         if command.links and Capability.MULTI_PATH not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
         if command.wait_for_memory_s > 0 and Capability.SWAP not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, "this worker cannot wait for free device memory "
-                                "(capability 'swap' not declared); send the Wake with wait_for_memory_s=0")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker cannot wait for free device memory "
+                "(capability 'swap' not declared); send the Wake with wait_for_memory_s=0",
+            )
         if not self.lifecycle.allows("wake"):
             return self._refuse_state(command)
         before = self.state
@@ -541,8 +652,9 @@ class WorkerCore:
 
     def on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
         if not self.lifecycle.allows("reload"):
-            return self._refuse_state(command, "ReloadWeights needs NEEDS_RELOAD (after a "
-                                      "level-2 sleep and a wake of 'weights') or ACTIVE")  # fmt: skip
+            return self._refuse_state(
+                command, "ReloadWeights needs NEEDS_RELOAD (after a level-2 sleep and a wake of 'weights') or ACTIVE"
+            )
         state_before = self.state
         self.lifecycle.fire("reload")
         self._pending = _Pending(command, state_before=state_before)
@@ -550,15 +662,24 @@ class WorkerCore:
 
     def on_update_weights(self, command: UpdateWeights) -> WorkerStep:
         if Capability.WEIGHT_UPDATE not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not take weight updates "
-                                "(capability 'weight_update' not declared); use ReloadWeights")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not take weight updates (capability 'weight_update' not declared); use ReloadWeights",
+            )
         if not self.lifecycle.allows("update") or not self.residency.weights_resident:
-            return self._refuse_state(command, "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
-                                      "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first")  # fmt: skip
+            return self._refuse_state(
+                command,
+                "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
+                "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first",
+            )
         if command.version <= self.weights_version:
-            return self._refuse(command, NackReason.STALE_VERSION,
-                                f"weights version {command.version} is not above this rank's version "
-                                f"{self.weights_version}; send a higher version (nothing was written)")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.STALE_VERSION,
+                f"weights version {command.version} is not above this rank's version "
+                f"{self.weights_version}; send a higher version (nothing was written)",
+            )
         state_before = self.state
         self.lifecycle.fire("update")
         self._pending = _Pending(command, state_before=state_before)
@@ -566,40 +687,52 @@ class WorkerCore:
 
     def on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
         if Capability.WEIGHT_UPDATE not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not take weight updates "
-                                "(capability 'weight_update' not declared)")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not take weight updates (capability 'weight_update' not declared)",
+            )
         joined = self.weight_group
-        same = joined is not None and msgspec.structs.replace(joined, task_id=command.task_id,
-                                                              epoch=command.epoch) == command  # fmt: skip
+        same = (
+            joined is not None
+            and msgspec.structs.replace(joined, task_id=command.task_id, epoch=command.epoch) == command
+        )
         if same and self.lifecycle.allows("weight_group_already"):
             return self._already(command, "weight_group_already")
         if not self.lifecycle.allows("weight_group"):
-            return self._refuse_state(command, "InitWeightGroup is legal in ACTIVE, SLEEPING, PARTIAL and "
-                                      "NEEDS_RELOAD")  # fmt: skip
+            return self._refuse_state(command, "InitWeightGroup is legal in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD")
         if joined is not None:
-            return self._refuse(command, NackReason.INVALID_ARGUMENT,
-                                f"this rank already joined weight group {joined.group!r} at "
-                                f"{joined.address}:{joined.port}; restart the stage to join another")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.INVALID_ARGUMENT,
+                f"this rank already joined weight group {joined.group!r} at "
+                f"{joined.address}:{joined.port}; restart the stage to join another",
+            )
         self.lifecycle.fire("weight_group")
         self._pending = _Pending(command)
         return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
 
     def on_share_weights(self, command: ShareWeights) -> WorkerStep:
         if Capability.WEIGHT_UPDATE not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, "this worker does not share weights "
-                                "(capability 'weight_update' not declared)")  # fmt: skip
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not share weights (capability 'weight_update' not declared)",
+            )
         res = self.residency
         if not self.lifecycle.allows("share") or not (res.weights_resident and res.weights_valid):
-            return self._refuse_state(command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL "
-                                      "with 'weights' awake")  # fmt: skip
+            return self._refuse_state(
+                command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake"
+            )
         self.lifecycle.fire("share")
         self._pending = _Pending(command)
         return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
 
     def on_execute(self, command: Execute) -> WorkerStep:
         if not self.lifecycle.allows("execute"):
-            return self._refuse_state(command, "Execute runs only in ACTIVE, where every tag "
-                                      "is resident and the weights are valid")  # fmt: skip
+            return self._refuse_state(
+                command, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid"
+            )
         self.lifecycle.fire("execute")
         self._pending = _Pending(command)
         return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
@@ -622,8 +755,11 @@ class WorkerCore:
             # runs has nothing to write: the Ack's trace_paths is empty.
             return self._already(command, "profile_already")
         if not self.lifecycle.allows("profile"):
-            return self._refuse_state(command, "Profile is legal in ACTIVE, SLEEPING, PARTIAL and "
-                                      "NEEDS_RELOAD (a rank that is loading or stopped has no profile)")  # fmt: skip
+            return self._refuse_state(
+                command,
+                "Profile is legal in ACTIVE, SLEEPING, PARTIAL and "
+                "NEEDS_RELOAD (a rank that is loading or stopped has no profile)",
+            )
         self.lifecycle.fire("profile")
         self._pending = _Pending(command)
         return WorkerStep(effect=ProfileEffect(command.task_id, command.start, command.prefix))
@@ -665,24 +801,54 @@ class WorkerCore:
         # (e.g. Execute after a wake) deserves a fresh answer. Stale epochs stay stale.
         return WorkerStep(replies=(self._nack(command, reason, detail),))
 
-    def _ack(self, command: Command, status: AckStatus, *, memory: MemoryReport | None = None,
-             duration_s: float = 0.0, trace_paths: tuple[str, ...] = (), shared: Any = None) -> Ack:  # fmt: skip
-        return Ack(task_id=command.task_id, epoch=self.epoch, rank=self.rank,
-                   command=type(command).__name__, state=self.state, status=status,
-                   asleep_tags=tuple(sorted(self.residency.asleep)), memory=memory,
-                   duration_s=duration_s, detail=self.failure, trace_paths=trace_paths,
-                   weights_version=self.weights_version, shared=shared)  # fmt: skip
+    def _ack(
+        self,
+        command: Command,
+        status: AckStatus,
+        *,
+        memory: MemoryReport | None = None,
+        duration_s: float = 0.0,
+        trace_paths: tuple[str, ...] = (),
+        shared: Any = None,
+    ) -> Ack:
+        return Ack(
+            task_id=command.task_id,
+            epoch=self.epoch,
+            rank=self.rank,
+            command=type(command).__name__,
+            state=self.state,
+            status=status,
+            asleep_tags=tuple(sorted(self.residency.asleep)),
+            memory=memory,
+            duration_s=duration_s,
+            detail=self.failure,
+            trace_paths=trace_paths,
+            weights_version=self.weights_version,
+            shared=shared,
+        )
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
-        return Nack(task_id=command.task_id, epoch=max(command.epoch, 0), rank=self.rank,
-                    command=type(command).__name__, reason=reason,
-                    detail=self._with_failure(detail), state=self.state,
-                    weights_version=self.weights_version)  # fmt: skip
+        return Nack(
+            task_id=command.task_id,
+            epoch=max(command.epoch, 0),
+            rank=self.rank,
+            command=type(command).__name__,
+            reason=reason,
+            detail=self._with_failure(detail),
+            state=self.state,
+            weights_version=self.weights_version,
+        )
 
     def _nack_raw(self, error: ProtocolError) -> Nack:
-        return Nack(task_id=error.task_id or "-", epoch=self.epoch if error.epoch is None else error.epoch,
-                    rank=self.rank, command="?", reason=error.reason,
-                    detail=self._with_failure(error.detail), state=self.state)  # fmt: skip
+        return Nack(
+            task_id=error.task_id or "-",
+            epoch=self.epoch if error.epoch is None else error.epoch,
+            rank=self.rank,
+            command="?",
+            reason=error.reason,
+            detail=self._with_failure(error.detail),
+            state=self.state,
+        )
 
     def _with_failure(self, detail: str) -> str:
         """After a failure every reply says what failed (P-11), whatever else it says."""
@@ -722,15 +888,16 @@ class WorkerCore:
         if state is W.PARTIAL:
             require(bool(asleep), "PARTIAL with nothing asleep")
         if state is W.NEEDS_RELOAD:
-            require(res.weights_resident and not res.weights_valid,
-                    "NEEDS_RELOAD needs resident, invalid weights")  # fmt: skip
+            require(res.weights_resident and not res.weights_valid, "NEEDS_RELOAD needs resident, invalid weights")
         if self._pending is not None and isinstance(self._pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
         if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
             require(state in _IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
         if self._pending is not None and isinstance(self._pending.command, ShareWeights):
-            require(state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
-                    "ShareWeights pending without valid weights awake")
+            require(
+                state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
+                "ShareWeights pending without valid weights awake",
+            )
         if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
             require(self._pending.command.version > self.weights_version, "an update pending at or below the version")

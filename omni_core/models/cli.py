@@ -28,10 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.models_command == "list":
         if args.json:
-            sizes = {f.name: [{"size": s.name, "params": s.nominal_params, "dtype": s.dtype} for s in f.sizes.values()]
-                     for f in FAMILIES.values()}  # fmt: skip
-            print(json.dumps([{"family": f.name, "description": f.description, "sizes": sizes[f.name]}
-                              for f in FAMILIES.values()], indent=2))  # fmt: skip
+            sizes = {
+                f.name: [{"size": s.name, "params": s.nominal_params, "dtype": s.dtype} for s in f.sizes.values()]
+                for f in FAMILIES.values()
+            }
+            print(
+                json.dumps(
+                    [
+                        {"family": f.name, "description": f.description, "sizes": sizes[f.name]}
+                        for f in FAMILIES.values()
+                    ],
+                    indent=2,
+                )
+            )
             return 0
         for family in FAMILIES.values():
             print(f"{family.name:6} {family.description}")
@@ -41,12 +50,12 @@ def run(args: argparse.Namespace) -> int:
     from omni_core.models.make import make_checkpoint
     from omni_core.progress import Progress
 
-    progress = Progress(f"{args.family} {args.size}", unit="M params", scale=1e6,
-                        enabled=False if args.quiet else None)  # fmt: skip
+    progress = Progress(f"{args.family} {args.size}", unit="M params", scale=1e6, enabled=False if args.quiet else None)
     try:
         with progress:
-            info = make_checkpoint(args.family, args.size, args.dir, seed=args.seed, dtype=args.dtype,
-                                   force=args.force, progress=progress)  # fmt: skip
+            info = make_checkpoint(
+                args.family, args.size, args.dir, seed=args.seed, dtype=args.dtype, force=args.force, progress=progress
+            )
     except ModelSpecError as exc:
         print(f"omni-core models make: error: {exc}", file=sys.stderr)
         return 2

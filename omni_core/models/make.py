@@ -39,8 +39,11 @@ SAFETENSORS_METADATA = {"format": "pt"}  # transformers warns on files without i
 COMPONENT_CLASSES = {
     "dit": {"transformer": ("diffusers", "DiTTransformer2DModel"), "vae": ("diffusers", "AutoencoderKL")},
     "ddpm": {"unet": ("diffusers", "UNet2DModel")},
-    "sd": {"unet": ("diffusers", "UNet2DConditionModel"), "vae": ("diffusers", "AutoencoderKL"),
-           "text_encoder": ("transformers", "CLIPTextModel")},
+    "sd": {
+        "unet": ("diffusers", "UNet2DConditionModel"),
+        "vae": ("diffusers", "AutoencoderKL"),
+        "text_encoder": ("transformers", "CLIPTextModel"),
+    },
 }
 PIPELINE_CLASSES = {"dit": "DiTPipeline", "ddpm": "DDPMPipeline", "sd": "StableDiffusionPipeline"}
 DIT_CLASSES = 1000
@@ -59,9 +62,11 @@ class CheckpointInfo:
     duration_s: float
 
     def summary(self) -> str:
-        return (f"{self.family} {self.size}: {self.params / 1e6:.2f}M params, {self.dtype}, seed {self.seed}, "
-                f"{self.file_bytes / 2**20:.1f} MiB in {len(self.files)} files, {self.duration_s:.1f} s "
-                f"-> {self.path}")  # fmt: skip
+        return (
+            f"{self.family} {self.size}: {self.params / 1e6:.2f}M params, {self.dtype}, seed {self.seed}, "
+            f"{self.file_bytes / 2**20:.1f} MiB in {len(self.files)} files, {self.duration_s:.1f} s "
+            f"-> {self.path}"
+        )
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -83,8 +88,9 @@ def seeded_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: torch.dty
     return value.to(dtype).contiguous()
 
 
-def seeded_state_dict(module: torch.nn.Module, seed: int, dtype: torch.dtype,
-                      progress: Progress | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def seeded_state_dict(
+    module: torch.nn.Module, seed: int, dtype: torch.dtype, progress: Progress | None = None
+) -> dict[str, torch.Tensor]:
     """Values for every persistent tensor of a (meta) module. Tied parameters appear once,
     under their first name, as `save_pretrained` writes them. `progress` advances by each
     tensor's elements."""
@@ -94,8 +100,9 @@ def seeded_state_dict(module: torch.nn.Module, seed: int, dtype: torch.dtype,
     if buffers:
         # A persistent buffer holds computed values (not weights) that random numbers would
         # break; none of the catalog's models has one.
-        raise RuntimeError(f"{type(module).__name__} has persistent buffers {buffers}; the seeded writer "
-                           "fills parameters only")  # fmt: skip
+        raise RuntimeError(
+            f"{type(module).__name__} has persistent buffers {buffers}; the seeded writer fills parameters only"
+        )
     tensors = {}
     for name, p in params.items():
         tensors[name] = seeded_tensor(seed, name, tuple(p.shape), dtype)
@@ -116,8 +123,14 @@ def _llm_config(size: Size, token_ids: dict[str, int], dtype: torch.dtype) -> An
     fields = dict(size.configs["model"])
     eos = token_ids["eos_token"]
     bos = token_ids.get("bos_token", eos)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=bos, eos_token_id=eos,
-                                pad_token_id=eos, dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+    return AutoConfig.for_model(
+        fields.pop("model_type"),
+        **fields,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        dtype=str(dtype).removeprefix("torch."),
+    )
 
 
 def _meta_llm(config: Any) -> torch.nn.Module:
@@ -155,8 +168,9 @@ def _unique_params(modules: list[torch.nn.Module]) -> int:
     return sum(p.numel() for module in modules for p in module.parameters())
 
 
-def _write_llm(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype,
-               progress: Progress | None = None) -> int:  # fmt: skip
+def _write_llm(
+    family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype, progress: Progress | None = None
+) -> int:
     from transformers import GenerationConfig
 
     vocab = size.configs["model"]["vocab_size"]
@@ -174,8 +188,9 @@ def _write_llm(family: Family, size: Size, directory: Path, seed: int, dtype: to
     return sum(t.numel() for t in tensors.values())
 
 
-def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype,
-                     progress: Progress | None = None) -> int:  # fmt: skip
+def _write_diffusion(
+    family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype, progress: Progress | None = None
+) -> int:
     import diffusers
 
     components = _meta_diffusion(family.name, size)
@@ -189,8 +204,12 @@ def _write_diffusion(family: Family, size: Size, directory: Path, seed: int, dty
         from transformers import CLIPTokenizer
 
         # No safety checker: its own 1.2 GB CLIP vision model would dwarf a tiny pipeline.
-        extra = {"tokenizer": CLIPTokenizer.from_pretrained(str(directory / "tokenizer")), "safety_checker": None,
-                 "feature_extractor": None, "requires_safety_checker": False}  # fmt: skip
+        extra = {
+            "tokenizer": CLIPTokenizer.from_pretrained(str(directory / "tokenizer")),
+            "safety_checker": None,
+            "feature_extractor": None,
+            "requires_safety_checker": False,
+        }
     pipeline = getattr(diffusers, PIPELINE_CLASSES[family.name])(**components, scheduler=scheduler, **extra)
     if family.name == "dit":
         # DiTPipeline takes id2label from model_index.json but does not register it itself.
@@ -225,12 +244,22 @@ def _check_target(target: Path, force: bool) -> None:
     if target.exists() and not target.is_dir():
         raise ModelSpecError(f"{target} exists and is not a directory; give a directory path")
     if target.is_dir() and any(target.iterdir()) and not force:
-        raise ModelSpecError(f"{target} is not empty; choose an empty or new directory, or pass --force "
-                             "(force=True) to write over the files of the same names")  # fmt: skip
+        raise ModelSpecError(
+            f"{target} is not empty; choose an empty or new directory, or pass --force "
+            "(force=True) to write over the files of the same names"
+        )
 
 
-def make_checkpoint(family: str, size: str, directory: str | Path, *, seed: int = 0, dtype: str | None = None,
-                    force: bool = False, progress: Progress | None = None) -> CheckpointInfo:  # fmt: skip
+def make_checkpoint(
+    family: str,
+    size: str,
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> CheckpointInfo:
     """Write FAMILY at SIZE into `directory`; deterministic given `seed` (and dtype).
     `progress` counts the parameters generated (omni_core.progress: stderr, terminals only)."""
     from omni_core.runners.synthetic import torch_dtype
@@ -262,5 +291,14 @@ def make_checkpoint(family: str, size: str, directory: str | Path, *, seed: int 
             entry.replace(destination)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return CheckpointInfo(family=family, size=size, path=str(target), seed=seed, dtype=dtype_name, params=params,
-                          file_bytes=file_bytes, files=tuple(files), duration_s=time.perf_counter() - started)
+    return CheckpointInfo(
+        family=family,
+        size=size,
+        path=str(target),
+        seed=seed,
+        dtype=dtype_name,
+        params=params,
+        file_bytes=file_bytes,
+        files=tuple(files),
+        duration_s=time.perf_counter() - started,
+    )

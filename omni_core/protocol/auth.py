@@ -31,8 +31,9 @@ def hello_proof(secret: bytes, *, stage: str, rank: int, epoch: int, pid: int, i
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def verify_hello_proof(secret: bytes, proof: str, *, stage: str, rank: int, epoch: int, pid: int,
-                       identity: bytes) -> bool:  # fmt: skip
+def verify_hello_proof(
+    secret: bytes, proof: str, *, stage: str, rank: int, epoch: int, pid: int, identity: bytes
+) -> bool:
     expected = hello_proof(secret, stage=stage, rank=rank, epoch=epoch, pid=pid, identity=identity)
     # Compared as bytes: compare_digest raises TypeError on a str holding non-ASCII, and the
     # proof is the attacker's text (a raise here would end the engine's loop).

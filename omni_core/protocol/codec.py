@@ -37,8 +37,16 @@ _DEPTH_MEASURED = 8 * MAX_PAYLOAD_DEPTH
 # Every failure msgspec can raise on hostile input. UnicodeDecodeError (invalid UTF-8 in a
 # str field) is not a msgspec.DecodeError; RecursionError guards deep nesting; Overflow and
 # Memory errors cover integers and lengths beyond what the host can represent.
-_DECODE_FAILURES = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError,
-                    OverflowError, MemoryError, ValueError, TypeError)  # fmt: skip
+_DECODE_FAILURES = (
+    msgspec.DecodeError,
+    msgspec.ValidationError,
+    UnicodeDecodeError,
+    RecursionError,
+    OverflowError,
+    MemoryError,
+    ValueError,
+    TypeError,
+)
 
 
 class ProtocolError(ValueError):
@@ -100,8 +108,10 @@ def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAU
     """Parse one message; raise `ProtocolError` naming what was wrong with the bytes."""
     size_bytes = len(data)
     if size_bytes > max_frame_bytes:
-        raise ProtocolError(f"frame of {size_bytes} bytes is over the limit of {max_frame_bytes} bytes; "
-                            "send smaller payloads or raise max_frame_bytes on both ends")  # fmt: skip
+        raise ProtocolError(
+            f"frame of {size_bytes} bytes is over the limit of {max_frame_bytes} bytes; "
+            "send smaller payloads or raise max_frame_bytes on both ends"
+        )
     try:
         message = _decoder.decode(data)
     except _DECODE_FAILURES as exc:
@@ -111,8 +121,9 @@ def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAU
     carried = message.payload if isinstance(message, Execute) else getattr(message, "output", None)
     problem = payload_problem(carried) if isinstance(carried, (dict, *_CONTAINERS)) else None
     if problem is not None:
-        raise ProtocolError(f"invalid {type(message).__name__}: {problem}", task_id=message.task_id,
-                            epoch=message.epoch)  # fmt: skip
+        raise ProtocolError(
+            f"invalid {type(message).__name__}: {problem}", task_id=message.task_id, epoch=message.epoch
+        )
     return message
 
 
@@ -137,18 +148,21 @@ def payload_problem(value: Any) -> str | None:
     if deepest <= MAX_PAYLOAD_DEPTH:
         return None
     found = f"more than {_DEPTH_MEASURED}" if deepest > _DEPTH_MEASURED else str(deepest)
-    return (f"a payload must be at most MAX_PAYLOAD_DEPTH={MAX_PAYLOAD_DEPTH} levels deep; this one nests {found} "
-            "levels: flatten it")  # fmt: skip
+    return (
+        f"a payload must be at most MAX_PAYLOAD_DEPTH={MAX_PAYLOAD_DEPTH} levels deep; this one nests {found} "
+        "levels: flatten it"
+    )
 
 
 def wire_int_problem(exc: OverflowError) -> str:
     """The refusal of a payload whose integer msgpack cannot hold (the encoder's OverflowError)."""
-    return (f"an integer in the payload is outside msgpack's range: integers must be within [-2**63, 2**64 - 1] "
-            f"({exc}); send a larger one as a string")  # fmt: skip
+    return (
+        f"an integer in the payload is outside msgpack's range: integers must be within [-2**63, 2**64 - 1] "
+        f"({exc}); send a larger one as a string"
+    )
 
 
-def decode_command(data: bytes | bytearray | memoryview, *,
-                   max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Command:  # fmt: skip
+def decode_command(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Command:
     """Parse bytes a worker received; anything but a command is a BAD_MESSAGE."""
     message = decode(data, max_frame_bytes=max_frame_bytes)
     if not isinstance(message, Command):

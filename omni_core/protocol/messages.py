@@ -44,9 +44,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class Message(
-    msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True, forbid_unknown_fields=True
-):
+class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Fields every message has."""
 
     v: int = PROTOCOL_VERSION
@@ -143,8 +141,10 @@ class InitWeightGroup(Command, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         if self.rank_offset >= self.world_size:
-            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}: "
-                             "group rank 0 is the trainer, the stage's ranks follow it")
+            raise ValueError(
+                f"rank_offset {self.rank_offset} must be below world_size {self.world_size}: "
+                "group rank 0 is the trainer, the stage's ranks follow it"
+            )
 
 
 class ShareWeights(Command, kw_only=True, frozen=True):
@@ -201,10 +201,7 @@ class MemoryReport(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     def freed_bytes(self) -> dict[str, int]:
         """Bytes released per tag (negative when a tag grew, e.g. on wake)."""
         tags = self.pool_bytes_before.keys() | self.pool_bytes_after.keys()
-        return {
-            tag: self.pool_bytes_before.get(tag, 0) - self.pool_bytes_after.get(tag, 0)
-            for tag in sorted(tags)
-        }
+        return {tag: self.pool_bytes_before.get(tag, 0) - self.pool_bytes_after.get(tag, 0) for tag in sorted(tags)}
 
 
 class Reply(Message, kw_only=True, frozen=True):
@@ -230,8 +227,9 @@ class Ack(Reply, kw_only=True, frozen=True):
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # FAILED: why
     # Profile stop: the gzip Chrome traces this rank writes. A path exists once its
     # compression has finished (written under a temporary name, then renamed).
-    trace_paths: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)], ...],
-                           msgspec.Meta(max_length=MAX_TRACE_PATHS)] = ()
+    trace_paths: Annotated[
+        tuple[Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)], ...], msgspec.Meta(max_length=MAX_TRACE_PATHS)
+    ] = ()
     weights_version: WeightsVersion = 0
     shared: ShmSource | IpcSource | None = None  # ShareWeights: the buckets holding this rank's weights
 
@@ -270,8 +268,9 @@ class Hello(Reply, kw_only=True, frozen=True):
     backend: str
     backend_reason: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why `auto` chose it
     # CUDA device indices (as this rank sees them) it can relay copies through (P2P works).
-    relay_peers: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DEVICE_INDEX)], ...],
-                           msgspec.Meta(max_length=MAX_LINKS)] = ()  # fmt: skip
+    relay_peers: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DEVICE_INDEX)], ...], msgspec.Meta(max_length=MAX_LINKS)
+    ] = ()
     tags: tuple[Tag, ...]
     capabilities: tuple[Capability, ...] = ()
     state: WorkerState = WorkerState.ACTIVE
@@ -281,13 +280,47 @@ class Hello(Reply, kw_only=True, frozen=True):
     OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
 
 
-COMMAND_TYPES: tuple[type[Command], ...] = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,
-                                            UpdateWeights, InitWeightGroup, ShareWeights)
+COMMAND_TYPES: tuple[type[Command], ...] = (
+    Sleep,
+    Wake,
+    ReloadWeights,
+    Execute,
+    Status,
+    Shutdown,
+    Profile,
+    UpdateWeights,
+    InitWeightGroup,
+    ShareWeights,
+)
 REPLY_TYPES: tuple[type[Reply], ...] = (Ack, Nack, Result, Hello)
 MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
 
-AnyCommand = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
-                   UpdateWeights, InitWeightGroup, ShareWeights]
+AnyCommand = Union[  # noqa: UP007
+    Sleep,
+    Wake,
+    ReloadWeights,
+    Execute,
+    Status,
+    Shutdown,
+    Profile,
+    UpdateWeights,
+    InitWeightGroup,
+    ShareWeights,
+]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
-AnyMessage = Union[Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile,  # noqa: UP007
-                   UpdateWeights, InitWeightGroup, ShareWeights, Ack, Nack, Result, Hello]
+AnyMessage = Union[  # noqa: UP007
+    Sleep,
+    Wake,
+    ReloadWeights,
+    Execute,
+    Status,
+    Shutdown,
+    Profile,
+    UpdateWeights,
+    InitWeightGroup,
+    ShareWeights,
+    Ack,
+    Nack,
+    Result,
+    Hello,
+]

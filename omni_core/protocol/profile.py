@@ -15,8 +15,7 @@ def profile_prefix_problem(prefix: str | None) -> str | None:
     and what would be accepted."""
     if prefix is None:
         return None
-    accepted = (f"use 1-{MAX_PROFILE_PREFIX_CHARS} characters of [A-Za-z0-9_.-] without '..', "
-                "or no prefix (None)")
+    accepted = f"use 1-{MAX_PROFILE_PREFIX_CHARS} characters of [A-Za-z0-9_.-] without '..', or no prefix (None)"
     if not isinstance(prefix, str):
         return f"profile prefix must be a string, got {type(prefix).__name__}; {accepted}"
     if not prefix:

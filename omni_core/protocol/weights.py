@@ -32,9 +32,19 @@ MAX_WEIGHTS_VERSION = (1 << 63) - 1
 
 # dtype names as torch prints them without "torch."; the receiver maps them to torch dtypes.
 DTYPE_BYTES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}  # fmt: skip
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 WeightsVersion = Annotated[int, msgspec.Meta(ge=0, le=MAX_WEIGHTS_VERSION)]
 NewWeightsVersion = Annotated[int, msgspec.Meta(ge=1, le=MAX_WEIGHTS_VERSION)]
@@ -42,8 +52,20 @@ TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TENSOR_NAM
 Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BUCKET_BYTES)]
 Handle = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDLE_CHARS)]
-DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-                "float8_e4m3fn", "float8_e5m2"]  # fmt: skip
+DType = Literal[
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+]
 
 
 class _Strict(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -80,8 +102,10 @@ class Bucket(_Strict):
     def __post_init__(self) -> None:
         for spec in self.tensors:
             if spec.offset_bytes + spec.nbytes > self.nbytes:
-                raise ValueError(f"tensor {spec.name!r} ({spec.nbytes} bytes at offset {spec.offset_bytes}) "
-                                 f"ends past its bucket of {self.nbytes} bytes")
+                raise ValueError(
+                    f"tensor {spec.name!r} ({spec.nbytes} bytes at offset {spec.offset_bytes}) "
+                    f"ends past its bucket of {self.nbytes} bytes"
+                )
 
 
 Buckets = Annotated[tuple[Bucket, ...], msgspec.Meta(min_length=1, max_length=MAX_UPDATE_BUCKETS)]
@@ -97,8 +121,10 @@ def _unique_names(groups: tuple[tuple[TensorSpec, ...], ...]) -> None:
                 raise ValueError(f"tensor {spec.name!r} appears twice in one update; send each tensor once")
             seen.add(spec.name)
     if count > MAX_UPDATE_TENSORS:
-        raise ValueError(f"{count} tensors in one update, over the limit of {MAX_UPDATE_TENSORS}; "
-                         "split it into several versions or fewer, larger tensors")
+        raise ValueError(
+            f"{count} tensors in one update, over the limit of {MAX_UPDATE_TENSORS}; "
+            "split it into several versions or fewer, larger tensors"
+        )
 
 
 class DiskSource(_Strict, tag="disk"):

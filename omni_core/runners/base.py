@@ -93,8 +93,9 @@ class ModelRunner(ABC):
         """Name -> (full shape, dtype) of every weight an update may write (P-17): the names a
         trainer's state_dict uses, the unsharded shapes (a tensor-parallel rank takes its
         shard in `update_weights`). An update naming anything else is refused before writing."""
-        raise NotImplementedError(f"{type(self).__name__} takes no weight updates; override weight_specs "
-                                  "and update_weights")  # fmt: skip
+        raise NotImplementedError(
+            f"{type(self).__name__} takes no weight updates; override weight_specs and update_weights"
+        )
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write each full tensor into the weight of that name, in place (the addresses stay:
@@ -189,13 +190,16 @@ def import_object(path: str) -> Any:
     if not sep or not module_name or not attr:
         raise ValueError(f"import path {path!r} must look like 'package.module:ClassName'")
     if module_name in MOVED_MODULES:
-        raise ImportError(f"module {module_name!r} named by {path!r} has moved: name it "
-                          f"'{MOVED_MODULES[module_name]}:{attr}'")  # fmt: skip
+        raise ImportError(
+            f"module {module_name!r} named by {path!r} has moved: name it '{MOVED_MODULES[module_name]}:{attr}'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"cannot import module {module_name!r} named by {path!r}: {exc}; "
-                          "is the package installed in the worker's environment?") from exc  # fmt: skip
+        raise ImportError(
+            f"cannot import module {module_name!r} named by {path!r}: {exc}; "
+            "is the package installed in the worker's environment?"
+        ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -206,8 +210,9 @@ def load_runner_class(name: str) -> type[ModelRunner]:
     """The runner class for WorkerConfig.runner: 'synthetic' or 'package.module:Class'."""
     cls = import_object(BUILTIN_RUNNERS.get(name, name))
     if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
-        raise TypeError(f"runner {name!r} resolves to {cls!r}, which is not a subclass of "
-                        "omni_core.runners.base.ModelRunner")  # fmt: skip
+        raise TypeError(
+            f"runner {name!r} resolves to {cls!r}, which is not a subclass of omni_core.runners.base.ModelRunner"
+        )
     return cls
 
 

@@ -133,6 +133,7 @@ def _align(nbytes: int) -> int:
 
 class DiffusersRunner(ModelRunner):
     execute_writes_weights = False  # inference: requests read the weights only
+
     def __init__(
         self,
         device: torch.device,
@@ -151,8 +152,10 @@ class DiffusersRunner(ModelRunner):
         self.model_dir = Path(model).expanduser()
         index_path = self.model_dir / "model_index.json"
         if not index_path.is_file():
-            raise ValueError(f"model={model!r} is not a diffusers pipeline directory (no model_index.json); give a "
-                             "local directory, e.g. one written by `omni-core models make dit tiny DIR`")  # fmt: skip
+            raise ValueError(
+                f"model={model!r} is not a diffusers pipeline directory (no model_index.json); give a "
+                "local directory, e.g. one written by `omni-core models make dit tiny DIR`"
+            )
         pipeline_class = _read_json(index_path).get("_class_name")
         if pipeline_class not in PIPELINES:
             raise ValueError(f"{model!r} holds a {pipeline_class}; this runner executes {sorted(PIPELINES)}")
@@ -163,11 +166,16 @@ class DiffusersRunner(ModelRunner):
             import diffusers
 
             if not isinstance(getattr(diffusers, scheduler, None), type) or not scheduler.endswith("Scheduler"):
-                raise ValueError(f"scheduler={scheduler!r} is not a diffusers scheduler class "
-                                 "(e.g. DDIMScheduler, DPMSolverMultistepScheduler)")  # fmt: skip
-        limits = (("max_requests", max_requests, 1, 4096), ("max_steps", max_steps, 1, MAX_STEPS_LIMIT),
-                  ("state_tensors", state_tensors, 2, 64),
-                  ("prompt_cache_entries", prompt_cache_entries, 0, MAX_PROMPT_CACHE_ENTRIES))  # fmt: skip
+                raise ValueError(
+                    f"scheduler={scheduler!r} is not a diffusers scheduler class "
+                    "(e.g. DDIMScheduler, DPMSolverMultistepScheduler)"
+                )
+        limits = (
+            ("max_requests", max_requests, 1, 4096),
+            ("max_steps", max_steps, 1, MAX_STEPS_LIMIT),
+            ("state_tensors", state_tensors, 2, 64),
+            ("prompt_cache_entries", prompt_cache_entries, 0, MAX_PROMPT_CACHE_ENTRIES),
+        )
         for name, value, low, high in limits:
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
@@ -211,8 +219,11 @@ class DiffusersRunner(ModelRunner):
         # supports it ("cuda", "cpu"); elsewhere the host copy is dropped after the move.
         direct = self.device.type in ("cuda", "cpu") and self.device.index in (None, 0)
         pipeline = DiffusionPipeline.from_pretrained(
-            str(self.model_dir), local_files_only=True, dtype=self.dtype,
-            device_map=self.device.type if direct else None)  # fmt: skip
+            str(self.model_dir),
+            local_files_only=True,
+            dtype=self.dtype,
+            device_map=self.device.type if direct else None,
+        )
         if not direct:
             pipeline.to(self.device)
         if self.scheduler_class is not None:
@@ -286,8 +297,11 @@ class DiffusersRunner(ModelRunner):
         self.generation += 1
         self.prompt_cache.clear()
         for request_id in list(self.requests):
-            self._lose(request_id, "the weights were reloaded while it was in flight (a level-2 sleep discarded "
-                                   "its state, or a weight update changed the model under it)")  # fmt: skip
+            self._lose(
+                request_id,
+                "the weights were reloaded while it was in flight (a level-2 sleep discarded "
+                "its state, or a weight update changed the model under it)",
+            )
 
     def close(self) -> None:
         self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
@@ -298,8 +312,10 @@ class DiffusersRunner(ModelRunner):
 
     def execute(self, payload: Any) -> dict[str, Any]:
         if not isinstance(payload, dict):
-            raise TypeError(f"DiffusersRunner payload must be a dict like {{'class_label': 1, 'seed': 0, "
-                            f"'steps': 10}}, got {type(payload).__name__}")  # fmt: skip
+            raise TypeError(
+                f"DiffusersRunner payload must be a dict like {{'class_label': 1, 'seed': 0, "
+                f"'steps': 10}}, got {type(payload).__name__}"
+            )
         op = payload.get("op")
         if op is not None and op not in OPS:
             raise ValueError(f"unknown op {op!r}; ops are {list(OPS)} (or none: one call, the whole image)")
@@ -352,14 +368,17 @@ class DiffusersRunner(ModelRunner):
 
     def _start(self, payload: dict[str, Any]) -> dict[str, Any]:
         if self.slab is None:
-            raise ValueError("step-wise requests keep their state in the 'requests' pool, which this stage does not "
-                             "have; add 'requests' to StageSpec.tags, or send the request without 'op'")  # fmt: skip
+            raise ValueError(
+                "step-wise requests keep their state in the 'requests' pool, which this stage does not "
+                "have; add 'requests' to StageSpec.tags, or send the request without 'op'"
+            )
         request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind] | {"op"})
         used = {r.slot for r in self.requests.values()}
         free = [slot for slot in range(self.max_requests) if slot not in used]
         if not free:
-            raise RuntimeError(f"all {self.max_requests} request slots are in use; finish or cancel a request "
-                               "(or raise max_requests)")  # fmt: skip
+            raise RuntimeError(
+                f"all {self.max_requests} request slots are in use; finish or cancel a request (or raise max_requests)"
+            )
         self._next_id += 1
         request.request_id = f"r{self._next_id}"
         request.slot, request.canary, request.generation = free[0], secrets.randbits(62) + 1, self.generation
@@ -369,8 +388,7 @@ class DiffusersRunner(ModelRunner):
         return self._progress(request)
 
     def _progress(self, request: _Request) -> dict[str, Any]:
-        return {"request_id": request.request_id, "steps_done": request.steps_done,
-                "steps_total": request.steps_total}  # fmt: skip
+        return {"request_id": request.request_id, "steps_done": request.steps_done, "steps_total": request.steps_total}
 
     def _new_request(self, payload: dict[str, Any], allowed: frozenset[str]) -> _Request:
         self._check_keys(payload, allowed)
@@ -428,9 +446,13 @@ class DiffusersRunner(ModelRunner):
             raise TypeError(f"clear must be a bool, got {clear!r}")
         if clear:
             self.prompt_cache.clear()
-        return {"entries": len(self.prompt_cache), "capacity": self.prompt_cache_entries,
-                "hits": self.prompt_cache_hits, "misses": self.prompt_cache_misses,
-                "host_bytes": sum(t.numel() * t.element_size() for t in self.prompt_cache.values())}  # fmt: skip
+        return {
+            "entries": len(self.prompt_cache),
+            "capacity": self.prompt_cache_entries,
+            "hits": self.prompt_cache_hits,
+            "misses": self.prompt_cache_misses,
+            "host_bytes": sum(t.numel() * t.element_size() for t in self.prompt_cache.values()),
+        }
 
     def _class_label(self, label: Any) -> int:
         classes = int(self.modules["transformer"].config.num_embeds_ada_norm)
@@ -450,8 +472,7 @@ class DiffusersRunner(ModelRunner):
 
         denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
         dtype = request.embeddings.dtype if request.embeddings is not None else denoiser.dtype
-        latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device,
-                               dtype=dtype)  # fmt: skip
+        latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device, dtype=dtype)
         if self.kind == "sd":
             return latents * request.scheduler.init_noise_sigma
         if self.kind == "dit" and request.guidance_scale > 1:
@@ -511,15 +532,27 @@ class DiffusersRunner(ModelRunner):
         model_output = self.modules["unet"](sample, t).sample
         return request.scheduler.step(model_output, t, sample, generator=request.generator).prev_sample
 
-    def _sd_step(self, request: _Request, latents: torch.Tensor, t: torch.Tensor, embeddings: torch.Tensor,
-                 step_kwargs: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+    def _sd_step(
+        self,
+        request: _Request,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        embeddings: torch.Tensor,
+        step_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
         # StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale).
         scheduler, guided = request.scheduler, request.guidance_scale > 1
         model_input = torch.cat([latents] * 2) if guided else latents
         model_input = scheduler.scale_model_input(model_input, t)
-        noise_pred = self.modules["unet"](model_input, t, encoder_hidden_states=embeddings, timestep_cond=None,
-                                          cross_attention_kwargs=None, added_cond_kwargs=None,
-                                          return_dict=False)[0]  # fmt: skip
+        noise_pred = self.modules["unet"](
+            model_input,
+            t,
+            encoder_hidden_states=embeddings,
+            timestep_cond=None,
+            cross_attention_kwargs=None,
+            added_cond_kwargs=None,
+            return_dict=False,
+        )[0]
         if guided:
             noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
             noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
@@ -559,14 +592,17 @@ class DiffusersRunner(ModelRunner):
             if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) == latent and value.dim() == sample.dim():
                 out.append((name, None, value))
             elif isinstance(value, list):
-                out.extend((name, i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)
-                           and tuple(v.shape[1:]) == latent and v.dim() == sample.dim())  # fmt: skip
+                out.extend(
+                    (name, i, v)
+                    for i, v in enumerate(value)
+                    if isinstance(v, torch.Tensor) and tuple(v.shape[1:]) == latent and v.dim() == sample.dim()
+                )
         return out
 
     def _slot_view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         assert self.slab is not None
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-        return self.slab[slot, offset: offset + nbytes].view(dtype).view(shape)
+        return self.slab[slot, offset : offset + nbytes].view(dtype).view(shape)
 
     def _header(self, slot: int) -> torch.Tensor:
         return self._slot_view(slot, 0, (3,), torch.int64)
@@ -577,9 +613,11 @@ class DiffusersRunner(ModelRunner):
         needed = HEADER_BYTES + sum(_align(t.numel() * t.element_size()) for _, _, t in state)
         if needed > self.slot_bytes:
             self._lose(request.request_id, f"its state needs {needed} bytes, a slot holds {self.slot_bytes}")
-            raise RuntimeError(f"request {request.request_id}: the scheduler keeps {len(state)} latent-shaped "
-                               f"tensors ({needed} bytes), more than a request slot holds ({self.slot_bytes}); "
-                               "raise the runner's state_tensors")  # fmt: skip
+            raise RuntimeError(
+                f"request {request.request_id}: the scheduler keeps {len(state)} latent-shaped "
+                f"tensors ({needed} bytes), more than a request slot holds ({self.slot_bytes}); "
+                "raise the runner's state_tensors"
+            )
         offset, parked = HEADER_BYTES, []
         for attribute, index, tensor in state:
             self._slot_view(request.slot, offset, tuple(tensor.shape), tensor.dtype).copy_(tensor)
@@ -621,8 +659,9 @@ class DiffusersRunner(ModelRunner):
         header = self._header(request.slot).tolist()
         expected = [request.canary, request.generation, request.steps_done]
         if request.generation != self.generation or header != expected:
-            self._lose(request_id, "its state in the 'requests' pool did not survive (discarded by a sleep and "
-                                   "not restored)")  # fmt: skip
+            self._lose(
+                request_id, "its state in the 'requests' pool did not survive (discarded by a sleep and not restored)"
+            )
             raise RequestLostError(f"request {request_id} was aborted: {self.lost[request_id]}; start it again")
         return request
 

@@ -41,13 +41,16 @@ class GenerationRequest:
     stop_at_eos: bool
 
 
-def parse_generation(payload: Any, *, tokenizer: Any, vocab_size: int, max_batch: int, max_seq_len: int,
-                     model_dir: Path) -> GenerationRequest:  # fmt: skip
+def parse_generation(
+    payload: Any, *, tokenizer: Any, vocab_size: int, max_batch: int, max_seq_len: int, model_dir: Path
+) -> GenerationRequest:
     """Check a payload against the runner's limits (`max_batch` prompts, `max_seq_len`
     tokens of prompt + generation); text needs a tokenizer."""
     if not isinstance(payload, dict):
-        raise TypeError(f"the payload must be a dict like {{'prompt_ids': [1, 2, 3], 'max_new_tokens': 8}}, "
-                        f"got {type(payload).__name__}")  # fmt: skip
+        raise TypeError(
+            f"the payload must be a dict like {{'prompt_ids': [1, 2, 3], 'max_new_tokens': 8}}, "
+            f"got {type(payload).__name__}"
+        )
     unknown = sorted(set(payload) - PAYLOAD_KEYS)
     if unknown:
         raise ValueError(f"unknown payload key(s) {unknown}; known: {sorted(PAYLOAD_KEYS)}")
@@ -64,8 +67,10 @@ def parse_generation(payload: Any, *, tokenizer: Any, vocab_size: int, max_batch
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
     longest = max(len(r) for r in rows)
     if longest + max_new > max_seq_len:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new} exceeds the KV cache's "
-                         f"max_seq_len {max_seq_len}; shorten the request or raise max_seq_len")  # fmt: skip
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new} exceeds the KV cache's "
+            f"max_seq_len {max_seq_len}; shorten the request or raise max_seq_len"
+        )
     stop = payload.get("stop_at_eos", True)
     if not isinstance(stop, bool):
         raise TypeError(f"stop_at_eos must be a bool, got {stop!r}")
@@ -89,8 +94,10 @@ def _ids(ids: Any, vocab_size: int) -> tuple[list[list[int]], bool]:
     rows = ids if batched else [ids]
     for row in rows:
         if not isinstance(row, list) or not row or not all(is_int(i) and 0 <= i < vocab_size for i in row):
-            raise ValueError(f"every prompt must be a non-empty list of ints in [0, {vocab_size}) (the vocab "
-                             f"size); got {str(row)[:200]}")  # fmt: skip
+            raise ValueError(
+                f"every prompt must be a non-empty list of ints in [0, {vocab_size}) (the vocab "
+                f"size); got {str(row)[:200]}"
+            )
     return [list(r) for r in rows], batched
 
 
@@ -98,8 +105,9 @@ def parse_sampling(spec: Any) -> Sampling:
     if spec == "greedy":
         return Sampling()
     if not isinstance(spec, dict) or set(spec) - {"temperature", "seed", "top_k"}:
-        raise ValueError(f"sampling must be 'greedy' or {{'temperature': float, 'seed': int, 'top_k': int}}, "
-                         f"got {spec!r}")  # fmt: skip
+        raise ValueError(
+            f"sampling must be 'greedy' or {{'temperature': float, 'seed': int, 'top_k': int}}, got {spec!r}"
+        )
     temperature, seed, top_k = spec.get("temperature", 1.0), spec.get("seed", 0), spec.get("top_k")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
         raise ValueError(f"sampling temperature must be a number > 0 (use 'greedy' for argmax), got {temperature!r}")

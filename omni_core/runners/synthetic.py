@@ -37,6 +37,8 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
 MAX_BATCH = 1024
 
 
@@ -52,6 +54,7 @@ def _seed_for(seed: int, index: int) -> int:
 
 class SyntheticRunner(ModelRunner):
     execute_writes_weights = False  # inference: requests read the weights only
+
     def __init__(
         self,
         device: torch.device,
@@ -75,8 +78,10 @@ class SyntheticRunner(ModelRunner):
             raise ValueError(f"tensor_count ({tensor_count}) and hidden ({hidden}) must be >= 1")
         self.rows = weights_bytes // (tensor_count * hidden * elem)
         if self.rows < 1:
-            raise ValueError(f"weights_bytes={weights_bytes} is too small for {tensor_count} tensors "
-                             f"of hidden={hidden} {dtype}; need >= {tensor_count * hidden * elem}")  # fmt: skip
+            raise ValueError(
+                f"weights_bytes={weights_bytes} is too small for {tensor_count} tensors "
+                f"of hidden={hidden} {dtype}; need >= {tensor_count * hidden * elem}"
+            )
         self._row_bytes = hidden * elem
         if kv_bytes == "auto":
             self.kv_rows = 0  # sized by fit_caches
@@ -104,8 +109,9 @@ class SyntheticRunner(ModelRunner):
     # ------------------------------------------------------------------ allocation
 
     def load_weights(self) -> None:
-        self.weights = [torch.empty(self.rows, self.hidden, dtype=self.dtype, device=self.device)
-                        for _ in range(self.tensor_count)]  # fmt: skip
+        self.weights = [
+            torch.empty(self.rows, self.hidden, dtype=self.dtype, device=self.device) for _ in range(self.tensor_count)
+        ]
         self._fill(self.seed)
         gen = torch.Generator(device="cpu").manual_seed(_seed_for(self.seed, 1 << 32))
         calib = 1.0 + 0.5 * torch.rand(self.hidden, generator=gen)
@@ -117,9 +123,11 @@ class SyntheticRunner(ModelRunner):
 
     def allocate_caches(self) -> None:
         if self.kv_rows < 1:
-            raise ValueError("kv_bytes='auto' sizes the KV cache from the stage's gpu_memory_fraction, "
-                             "but none was set or nothing was left; set StageSpec.gpu_memory_fraction "
-                             "or give kv_bytes in bytes")  # fmt: skip
+            raise ValueError(
+                "kv_bytes='auto' sizes the KV cache from the stage's gpu_memory_fraction, "
+                "but none was set or nothing was left; set StageSpec.gpu_memory_fraction "
+                "or give kv_bytes in bytes"
+            )
         self.kv = torch.zeros(self.kv_rows, self.hidden, dtype=self.dtype, device=self.device)
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
@@ -170,8 +178,10 @@ class SyntheticRunner(ModelRunner):
         for tag in (WEIGHTS_TAG, KV_CACHE_TAG):
             for t in self.tensors(tag):
                 if t.untyped_storage().nbytes() < t.numel() * t.element_size():
-                    raise RuntimeError(f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: "
-                                       "its pool is asleep; wake it before Execute")  # fmt: skip
+                    raise RuntimeError(
+                        f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: "
+                        "its pool is asleep; wake it before Execute"
+                    )
         if not self.weights or self.kv is None or self.calibration is None:
             raise RuntimeError("SyntheticRunner.execute before load_weights/allocate_caches")
 
@@ -247,5 +257,6 @@ def _parse_seed(source: str) -> int:
             raise ValueError
         return int(digits, 10)
     except ValueError:
-        raise RunnerArgumentError(f"SyntheticRunner reloads from 'seed:<int>' (at most 20 digits) or None "
-                                  f"(its own seed), got {source[:80]!r}") from None
+        raise RunnerArgumentError(
+            f"SyntheticRunner reloads from 'seed:<int>' (at most 20 digits) or None (its own seed), got {source[:80]!r}"
+        ) from None

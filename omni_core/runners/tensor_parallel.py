@@ -33,8 +33,9 @@ def _shard_seed(seed: int, layer: int, which: int, rank: int) -> int:
     return (seed * 1_000_003 + layer * 101 + which * 11 + rank) % (1 << 63)
 
 
-def make_shard(seed: int, layer: int, which: int, rank: int, rows: int, cols: int,
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # fmt: skip
+def make_shard(
+    seed: int, layer: int, which: int, rank: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The shard (layer, which: 0 = w_in, 1 = w_out) of `rank`, on `device`."""
     gen = torch.Generator(device="cpu").manual_seed(_shard_seed(seed, layer, which, rank))
     std = 1.0 / (rows * cols) ** 0.25
@@ -50,8 +51,10 @@ def stage_rank_and_world(who: str) -> tuple[int, int]:
     """This rank's RANK and the stage's WORLD_SIZE, as the engine (or torchrun) sets them."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(f"{who} needs {missing} in the environment; the omni-core engine sets them for "
-                           "every rank of a stage (or run under torchrun)")  # fmt: skip
+        raise RuntimeError(
+            f"{who} needs {missing} in the environment; the omni-core engine sets them for "
+            "every rank of a stage (or run under torchrun)"
+        )
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
@@ -62,14 +65,27 @@ def join_process_group(device: torch.device, init_timeout_s: float) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        rank=rank, world_size=world, timeout=datetime.timedelta(seconds=init_timeout_s))
+        backend,
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=init_timeout_s),
+    )
 
 
 class TensorParallelRunner(ModelRunner):
-    def __init__(self, device: torch.device, *, hidden: int = 256, layers: int = 4, dtype: str = "float32",
-                 seed: int = 0, kv_rows: int = 64, init_timeout_s: float = 120.0,
-                 cpu_threads: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        hidden: int = 256,
+        layers: int = 4,
+        dtype: str = "float32",
+        seed: int = 0,
+        kv_rows: int = 64,
+        init_timeout_s: float = 120.0,
+        cpu_threads: int | None = None,
+    ) -> None:
         super().__init__(device)
         self.rank, self.world = stage_rank_and_world("TensorParallelRunner")
         if hidden % self.world:
@@ -107,10 +123,12 @@ class TensorParallelRunner(ModelRunner):
         shard = self.hidden // self.world
         with torch.no_grad():
             for layer in range(self.layers):
-                self.w_in[layer].copy_(make_shard(seed, layer, 0, self.rank, shard, self.hidden,
-                                                  self.dtype, self.device))  # fmt: skip
-                self.w_out[layer].copy_(make_shard(seed, layer, 1, self.rank, self.hidden, shard,
-                                                   self.dtype, self.device))  # fmt: skip
+                self.w_in[layer].copy_(
+                    make_shard(seed, layer, 0, self.rank, shard, self.hidden, self.dtype, self.device)
+                )
+                self.w_out[layer].copy_(
+                    make_shard(seed, layer, 1, self.rank, self.hidden, shard, self.dtype, self.device)
+                )
 
     def execute(self, payload: Any) -> dict[str, Any]:
         if not isinstance(payload, dict):
@@ -128,9 +146,14 @@ class TensorParallelRunner(ModelRunner):
                 cache.copy_(partial)  # the KV pool must be mapped to run
                 x = x + cache
         data = tensor_bytes(x)
-        return {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
-                "sha256": hashlib.sha256(data).hexdigest(), "data": data,
-                "rank": self.rank, "world": self.world}  # fmt: skip
+        return {
+            "shape": list(x.shape),
+            "dtype": str(x.dtype).removeprefix("torch."),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "data": data,
+            "rank": self.rank,
+            "world": self.world,
+        }
 
     def close(self) -> None:
         self.w_in, self.w_out, self.kv = [], [], None
@@ -138,8 +161,9 @@ class TensorParallelRunner(ModelRunner):
             dist.destroy_process_group()
 
 
-def reference_output(payload: Mapping[str, Any], *, world: int, hidden: int = 256, layers: int = 4,
-                     seed: int = 0, dtype: str = "float32") -> torch.Tensor:  # fmt: skip
+def reference_output(
+    payload: Mapping[str, Any], *, world: int, hidden: int = 256, layers: int = 4, seed: int = 0, dtype: str = "float32"
+) -> torch.Tensor:
     """The same model computed in one process on CPU, summing the shards' partials in rank
     order: what the stage must return."""
     elem_type = torch_dtype(dtype)

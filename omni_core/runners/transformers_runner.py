@@ -87,6 +87,7 @@ def _auto_tp_plan() -> dict[str, Any]:
 
 class TransformersRunner(ModelRunner):
     execute_writes_weights = False  # inference: requests read the weights only
+
     def __init__(
         self,
         device: torch.device,
@@ -105,8 +106,10 @@ class TransformersRunner(ModelRunner):
         torch_threads(torch.device(device), cpu_threads)
         self.model_dir = Path(model).expanduser()
         if not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"model={model!r} is not a transformers checkpoint directory (no config.json); give "
-                             "a local directory, e.g. one written by `omni-core models make qwen2 tiny DIR`")
+            raise ValueError(
+                f"model={model!r} is not a transformers checkpoint directory (no config.json); give "
+                "a local directory, e.g. one written by `omni-core models make qwen2 tiny DIR`"
+            )
         # Host-side only: the config (and the tokenizer below) hold no device memory, and a
         # bad argument should fail here rather than half-way through loading.
         self.config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
@@ -124,25 +127,32 @@ class TransformersRunner(ModelRunner):
         elif is_int(max_seq_len) and 2 <= max_seq_len <= max_positions:
             self.max_seq_len = max_seq_len
         else:
-            raise ValueError(f"max_seq_len must be an int in 2..{max_positions} (the model's max_position_embeddings), "
-                             f"'auto' or None, got {max_seq_len!r}")  # fmt: skip
+            raise ValueError(
+                f"max_seq_len must be an int in 2..{max_positions} (the model's max_position_embeddings), "
+                f"'auto' or None, got {max_seq_len!r}"
+            )
         self.attn_implementation = attn_implementation
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world > 1:
             heads = int(self.config.num_attention_heads)
             if heads % self.world or self.kv_heads % self.world:
-                raise ValueError(f"a stage of {self.world} ranks shards the model's attention heads: "
-                                 f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
-                                 f"{self.world}; use a number of ranks that divides them")  # fmt: skip
+                raise ValueError(
+                    f"a stage of {self.world} ranks shards the model's attention heads: "
+                    f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
+                    f"{self.world}; use a number of ranks that divides them"
+                )
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             if self.device.type == "cuda" and self.device.index not in (None, local_rank):
-                raise ValueError(f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
-                                 f"but this rank's device is {self.device}")  # fmt: skip
+                raise ValueError(
+                    f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
+                    f"but this rank's device is {self.device}"
+                )
             join_process_group(self.device, init_timeout_s)
         self.local_kv_heads = self.kv_heads // self.world  # the heads of the cache this rank holds
-        self.head_dim = int(getattr(self.config, "head_dim", None)
-                            or self.config.hidden_size // self.config.num_attention_heads)  # fmt: skip
+        self.head_dim = int(
+            getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        )
         self.tokenizer = self._load_tokenizer()
         self.model: Any = None
         self.cache: Any = None
@@ -183,8 +193,12 @@ class TransformersRunner(ModelRunner):
             placement = {"device_mesh": init_device_mesh(self.device.type, (self.world,)), **_auto_tp_plan()}
         with _sequential_loading():
             model = AutoModelForCausalLM.from_pretrained(
-                str(self.model_dir), local_files_only=True, dtype=self.dtype,
-                attn_implementation=self.attn_implementation, **placement)  # fmt: skip
+                str(self.model_dir),
+                local_files_only=True,
+                dtype=self.dtype,
+                attn_implementation=self.attn_implementation,
+                **placement,
+            )
         if self.world > 1:
             check_placements(model)
         model.eval()
@@ -209,12 +223,19 @@ class TransformersRunner(ModelRunner):
         from transformers import StaticCache
 
         if self.max_seq_len < 2:
-            raise ValueError("max_seq_len='auto' sizes the KV cache from the stage's gpu_memory_fraction, but "
-                             "none was set or too little was left; set StageSpec.gpu_memory_fraction or give "
-                             "max_seq_len")
+            raise ValueError(
+                "max_seq_len='auto' sizes the KV cache from the stage's gpu_memory_fraction, but "
+                "none was set or too little was left; set StageSpec.gpu_memory_fraction or give "
+                "max_seq_len"
+            )
         cache = StaticCache(config=self.config, max_cache_len=self.max_seq_len)
-        cache.early_initialization(batch_size=self.max_batch, num_heads=self.local_kv_heads, head_dim=self.head_dim,
-                                   dtype=self.dtype, device=self.device)  # fmt: skip
+        cache.early_initialization(
+            batch_size=self.max_batch,
+            num_heads=self.local_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.cache = cache
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
@@ -223,8 +244,12 @@ class TransformersRunner(ModelRunner):
         if tag == KV_CACHE_TAG:
             if self.cache is None:
                 return []
-            return [value for layer in self.cache.layers for value in vars(layer).values()
-                    if isinstance(value, torch.Tensor)]  # fmt: skip
+            return [
+                value
+                for layer in self.cache.layers
+                for value in vars(layer).values()
+                if isinstance(value, torch.Tensor)
+            ]
         raise ValueError(f"TransformersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG]}")
 
     def buffers_to_save(self) -> dict[str, torch.Tensor]:
@@ -253,8 +278,9 @@ class TransformersRunner(ModelRunner):
         if self.weights is None:
             raise RuntimeError("weights_to_share before load_weights")
         if self.world > 1:
-            raise RunnerArgumentError("a tensor-parallel stage holds shards, not whole weights: share from a "
-                                      "stage of one rank")  # fmt: skip
+            raise RunnerArgumentError(
+                "a tensor-parallel stage holds shards, not whole weights: share from a stage of one rank"
+            )
         return self.weights.named()
 
     def close(self) -> None:
@@ -280,8 +306,11 @@ class TransformersRunner(ModelRunner):
         check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), KV_CACHE_TAG: self.tensors(KV_CACHE_TAG)})
         with torch.no_grad():
             tokens, reasons = self._generate(request)
-        out: dict[str, Any] = {"token_ids": tokens, "finish_reason": reasons,
-                               "prompt_tokens": [len(r) for r in request.rows]}  # fmt: skip
+        out: dict[str, Any] = {
+            "token_ids": tokens,
+            "finish_reason": reasons,
+            "prompt_tokens": [len(r) for r in request.rows],
+        }
         if self.tokenizer is not None:
             out["text"] = [self.tokenizer.decode(t) for t in tokens]
         if not request.batched:
@@ -289,9 +318,14 @@ class TransformersRunner(ModelRunner):
         return out
 
     def _parse(self, payload: Any) -> GenerationRequest:
-        return parse_generation(payload, tokenizer=self.tokenizer, vocab_size=int(self.config.vocab_size),
-                                max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                                model_dir=self.model_dir)  # fmt: skip
+        return parse_generation(
+            payload,
+            tokenizer=self.tokenizer,
+            vocab_size=int(self.config.vocab_size),
+            max_batch=self.max_batch,
+            max_seq_len=self.max_seq_len,
+            model_dir=self.model_dir,
+        )
 
     def _generate(self, request: GenerationRequest) -> tuple[list[list[int]], list[str]]:
         rows, device = request.rows, self.device
@@ -305,8 +339,8 @@ class TransformersRunner(ModelRunner):
         ids = torch.full((self.max_batch, length), pad, dtype=torch.long)
         mask = torch.zeros((self.max_batch, length), dtype=torch.long)
         for i, row in enumerate(filled):  # left padding: every row's last token is at the end
-            ids[i, length - len(row):] = torch.tensor(row)
-            mask[i, length - len(row):] = 1
+            ids[i, length - len(row) :] = torch.tensor(row)
+            mask[i, length - len(row) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generator = None
@@ -316,8 +350,14 @@ class TransformersRunner(ModelRunner):
         real = torch.arange(self.max_batch, device=device) < len(rows)
         finished = torch.zeros(self.max_batch, dtype=torch.bool, device=device)
         produced: list[torch.Tensor] = []
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         for step in range(request.max_new_tokens):
             token = self._choose(out.logits[:, -1].float(), request.sampling, generator)
             token = torch.where(finished, torch.full_like(token, pad), token)
@@ -330,8 +370,14 @@ class TransformersRunner(ModelRunner):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         table = torch.stack(produced, dim=1).tolist()
         done = finished.tolist()
         tokens, reasons = [], []

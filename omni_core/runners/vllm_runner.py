@@ -57,11 +57,24 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_SEQS = 8
 MAX_NUM_SEQS_LIMIT = 1024
 # Arguments the runner sets itself: a user value would break the lifecycle's ownership.
-OWNED_ENGINE_ARGS = frozenset({
-    "model", "tokenizer", "worker_cls", "enable_sleep_mode", "gpu_memory_utilization", "kv_cache_memory_bytes",
-    "tensor_parallel_size", "distributed_executor_backend", "load_format", "max_model_len", "max_num_seqs",
-    "dtype", "seed", "enforce_eager",
-})  # fmt: skip
+OWNED_ENGINE_ARGS = frozenset(
+    {
+        "model",
+        "tokenizer",
+        "worker_cls",
+        "enable_sleep_mode",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
+        "load_format",
+        "max_model_len",
+        "max_num_seqs",
+        "dtype",
+        "seed",
+        "enforce_eager",
+    }
+)
 ALLOCATOR_BACKENDS = ("cumem", "fast")
 
 
@@ -82,8 +95,10 @@ _binding: _Binding | None = None
 
 def current_binding() -> _Binding:
     if _binding is None:
-        raise RuntimeError("OmniVllmWorker is constructed by VllmRunner.load (runner='vllm'); it cannot be used as "
-                           "a plain vLLM worker_cls outside an omni-core rank")  # fmt: skip
+        raise RuntimeError(
+            "OmniVllmWorker is constructed by VllmRunner.load (runner='vllm'); it cannot be used as "
+            "a plain vLLM worker_cls outside an omni-core rank"
+        )
     return _binding
 
 
@@ -102,8 +117,10 @@ def kv_cache_bytes(budget: MemoryBudget, torch_memory_stats: Mapping[str, int]) 
     allows this process (NVML, its own pid) minus the activation peak that torch's cache
     has already given back (the profile's peak must fit again at serving time, and memory
     released since the peak is no longer counted as this process's)."""
-    released_bytes = max(0, torch_memory_stats.get("reserved_bytes.all.peak", 0)
-                         - torch_memory_stats.get("reserved_bytes.all.current", 0))  # fmt: skip
+    released_bytes = max(
+        0,
+        torch_memory_stats.get("reserved_bytes.all.peak", 0) - torch_memory_stats.get("reserved_bytes.all.current", 0),
+    )
     return max(0, budget.available_bytes() - released_bytes)
 
 
@@ -112,17 +129,23 @@ def compare_checkpoints(own: Mapping[str, HeaderEntry], other: Mapping[str, Head
     shape or dtype, naming the first difference (vLLM's reload would stop half-way)."""
     for name in sorted(own):
         if name not in other:
-            raise RunnerArgumentError(f"reload source {source!r} has no tensor {name!r} (the loaded checkpoint "
-                                      "has it); give a checkpoint of the same architecture")  # fmt: skip
+            raise RunnerArgumentError(
+                f"reload source {source!r} has no tensor {name!r} (the loaded checkpoint "
+                "has it); give a checkpoint of the same architecture"
+            )
         mine, theirs = own[name], other[name]
         if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
-            raise RunnerArgumentError(f"reload source {source!r}: tensor {name!r} is "
-                                      f"{theirs.dtype}{list(theirs.shape)}, the loaded model's is "
-                                      f"{mine.dtype}{list(mine.shape)}")  # fmt: skip
+            raise RunnerArgumentError(
+                f"reload source {source!r}: tensor {name!r} is "
+                f"{theirs.dtype}{list(theirs.shape)}, the loaded model's is "
+                f"{mine.dtype}{list(mine.shape)}"
+            )
     extra = sorted(set(other) - set(own))
     if extra:
-        raise RunnerArgumentError(f"reload source {source!r} has tensor {extra[0]!r} that the loaded checkpoint "
-                                  f"does not ({len(extra)} such); give a checkpoint of the same architecture")
+        raise RunnerArgumentError(
+            f"reload source {source!r} has tensor {extra[0]!r} that the loaded checkpoint "
+            f"does not ({len(extra)} such); give a checkpoint of the same architecture"
+        )
 
 
 @dataclass(frozen=True)
@@ -146,8 +169,9 @@ class VllmEngine:
     def generate(self, rows: list[list[int]], sampling_params: dict[str, Any]) -> list[Completion]:
         from vllm import SamplingParams
 
-        outputs = self._llm.generate([{"prompt_token_ids": row} for row in rows], SamplingParams(**sampling_params),
-                                     use_tqdm=False)  # fmt: skip
+        outputs = self._llm.generate(
+            [{"prompt_token_ids": row} for row in rows], SamplingParams(**sampling_params), use_tqdm=False
+        )
         return [Completion(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outputs]
 
     def reset_prefix_cache(self) -> bool:
@@ -176,35 +200,46 @@ class VllmRunner(ModelRunner):
         self.model_dir = Path(model).expanduser()
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
-            raise ValueError(f"model={model!r} is not a checkpoint directory (no config.json); give a local "
-                             "directory, e.g. one written by `omni-core models make qwen2 tiny DIR`")  # fmt: skip
+            raise ValueError(
+                f"model={model!r} is not a checkpoint directory (no config.json); give a local "
+                "directory, e.g. one written by `omni-core models make qwen2 tiny DIR`"
+            )
         self.config = json.loads(config_path.read_text())
         positions = int(self.config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
         if max_model_len is None:
             max_model_len = min(positions, DEFAULT_MAX_MODEL_LEN)
         if not is_int(max_model_len) or not 2 <= max_model_len <= positions:
-            raise ValueError(f"max_model_len must be an int in 2..{positions} (max_position_embeddings), "
-                             f"got {max_model_len!r}")  # fmt: skip
+            raise ValueError(
+                f"max_model_len must be an int in 2..{positions} (max_position_embeddings), got {max_model_len!r}"
+            )
         if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
             raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
         if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
         owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
         if owned:
-            raise ValueError(f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
-                             "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
-                             "stage's (ranks, gpu_memory_fraction, backend)")  # fmt: skip
+            raise ValueError(
+                f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
+                "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
+                "stage's (ranks, gpu_memory_fraction, backend)"
+            )
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.engine_kwargs: dict[str, Any] = {
-            "model": str(self.model_dir), "tokenizer": str(self.model_dir), "dtype": dtype,
-            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "seed": seed,
-            "enforce_eager": enforce_eager, "load_format": "safetensors", "worker_cls": WORKER_CLS,
+            "model": str(self.model_dir),
+            "tokenizer": str(self.model_dir),
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "seed": seed,
+            "enforce_eager": enforce_eager,
+            "load_format": "safetensors",
+            "worker_cls": WORKER_CLS,
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": self.world_size,
             "distributed_executor_backend": "external_launcher" if self.world_size > 1 else "uni",
             **dict(engine_args or {}),
-        }  # fmt: skip
+        }
         if attention_backend is not None:
             self.engine_kwargs["attention_config"] = {"backend": attention_backend}
         self.llm: Any = None
@@ -219,12 +254,16 @@ class VllmRunner(ModelRunner):
     def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
         tags = list(tags)
         if sorted(tags) != sorted([WEIGHTS_TAG, KV_CACHE_TAG]):
-            raise ValueError(f"the vllm runner allocates exactly the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's "
-                             f"pools); the stage has {tags}")  # fmt: skip
+            raise ValueError(
+                f"the vllm runner allocates exactly the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's "
+                f"pools); the stage has {tags}"
+            )
         backend_name = getattr(getattr(open_pool, "__self__", None), "name", None)
         if backend_name is not None and backend_name not in ALLOCATOR_BACKENDS:
-            raise ValueError(f"the vllm runner needs an allocator backend {list(ALLOCATOR_BACKENDS)} (vLLM's tensors "
-                             f"must keep their addresses across a sleep); the stage has backend={backend_name!r}")
+            raise ValueError(
+                f"the vllm runner needs an allocator backend {list(ALLOCATOR_BACKENDS)} (vLLM's tensors "
+                f"must keep their addresses across a sleep); the stage has backend={backend_name!r}"
+            )
         kwargs = dict(self.engine_kwargs)
         if budget is not None:
             # vLLM checks at start-up that this much of the device is free; the KV cache is
@@ -237,13 +276,19 @@ class VllmRunner(ModelRunner):
         with _bound(binding):
             self.llm = self.engine_factory(kwargs)
         if binding.worker is None:
-            raise RuntimeError(f"vLLM did not construct {WORKER_CLS} in this process; the vllm runner needs the "
-                               "in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)")  # fmt: skip
+            raise RuntimeError(
+                f"vLLM did not construct {WORKER_CLS} in this process; the vllm runner needs the "
+                "in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
         self.worker, self.kv_cache_bytes = binding.worker, binding.kv_cache_bytes
         self.tokenizer = self.llm.tokenizer()
-        log.info("vllm engine for %s ready in %.1f s: KV cache %s bytes, %s ranks", self.model_dir,
-                 time.perf_counter() - started, self.kv_cache_bytes, self.world_size)  # fmt: skip
-
+        log.info(
+            "vllm engine for %s ready in %.1f s: KV cache %s bytes, %s ranks",
+            self.model_dir,
+            time.perf_counter() - started,
+            self.kv_cache_bytes,
+            self.world_size,
+        )
 
     def load_weights(self) -> None:
         raise NotImplementedError("the vllm runner allocates weights and KV cache together in load()")
@@ -287,10 +332,16 @@ class VllmRunner(ModelRunner):
         self.worker.model_runner.reload_weights(weights_path=str(directory))
         if self.device.type == "cuda":  # the report times the refill, not its launch
             torch.cuda.synchronize(self.device)
-        self.last_reload = ReloadReport(str(directory), total_bytes, len(self.own_headers),
-                                        time.perf_counter() - started)  # fmt: skip
-        log.info("reloaded %s: %.2f GB in %.2f s (%.1f GB/s)", directory, total_bytes / 1e9,
-                 self.last_reload.duration_s, self.last_reload.gb_per_s)  # fmt: skip
+        self.last_reload = ReloadReport(
+            str(directory), total_bytes, len(self.own_headers), time.perf_counter() - started
+        )
+        log.info(
+            "reloaded %s: %.2f GB in %.2f s (%.1f GB/s)",
+            directory,
+            total_bytes / 1e9,
+            self.last_reload.duration_s,
+            self.last_reload.gb_per_s,
+        )
 
     def close(self) -> None:
         self.llm = self.worker = None
@@ -302,9 +353,14 @@ class VllmRunner(ModelRunner):
         vLLM: greedy is temperature 0; a seeded request is reproducible on its own."""
         if self.llm is None:
             raise RuntimeError("VllmRunner.execute before load")
-        request = parse_generation(payload, tokenizer=self.tokenizer, vocab_size=int(self.config["vocab_size"]),
-                                   max_batch=self.max_num_seqs, max_seq_len=self.max_model_len,
-                                   model_dir=self.model_dir)  # fmt: skip
+        request = parse_generation(
+            payload,
+            tokenizer=self.tokenizer,
+            vocab_size=int(self.config["vocab_size"]),
+            max_batch=self.max_num_seqs,
+            max_seq_len=self.max_model_len,
+            model_dir=self.model_dir,
+        )
         completions = self.llm.generate(request.rows, self._sampling_params(request))
         out: dict[str, Any] = {
             "token_ids": [c.token_ids for c in completions],
@@ -324,13 +380,30 @@ class VllmRunner(ModelRunner):
         """vLLM's SamplingParams fields: greedy is temperature 0, top_k 0 means all tokens."""
         sampling = request.sampling
         greedy = sampling.temperature is None
-        return {"max_tokens": request.max_new_tokens, "ignore_eos": not request.stop_at_eos, "detokenize": False,
-                "temperature": 0.0 if greedy else sampling.temperature,
-                "seed": None if greedy else sampling.seed, "top_k": sampling.top_k or 0}  # fmt: skip
+        return {
+            "max_tokens": request.max_new_tokens,
+            "ignore_eos": not request.stop_at_eos,
+            "detokenize": False,
+            "temperature": 0.0 if greedy else sampling.temperature,
+            "seed": None if greedy else sampling.seed,
+            "top_k": sampling.top_k or 0,
+        }
 
 
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1,
-                "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
+_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def _entry_bytes(entry: HeaderEntry) -> int:

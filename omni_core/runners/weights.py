@@ -61,8 +61,9 @@ def resolved(path: Path | str) -> Path:
     try:
         return Path(os.path.realpath(path))
     except (ValueError, OSError) as exc:  # a NUL in the path, a loop of links
-        raise RunnerArgumentError(f"the reload source {str(path)!r} is not a usable path ({exc}); "
-                                  "give a checkpoint directory path") from None  # fmt: skip
+        raise RunnerArgumentError(
+            f"the reload source {str(path)!r} is not a usable path ({exc}); give a checkpoint directory path"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -87,8 +88,10 @@ def opened_without_links(path: Path) -> Iterator[str]:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             yield str(path)
     except OSError as exc:
-        raise RunnerArgumentError(f"cannot open {str(path)!r} without following a symlink ({exc}): the source "
-                                  "changed after it was checked; reload again from a directory nobody swaps") from None
+        raise RunnerArgumentError(
+            f"cannot open {str(path)!r} without following a symlink ({exc}): the source "
+            "changed after it was checked; reload again from a directory nobody swaps"
+        ) from None
     finally:
         if fd >= 0:
             os.close(fd)
@@ -98,12 +101,16 @@ def safetensors_files(directory: Path) -> list[Path]:
     """The resolved paths of the checkpoint's files (symlinks, as in a hub cache, resolved once)."""
     directory = resolved(directory)
     if not directory.is_dir():
-        raise RunnerArgumentError(f"weights directory {str(directory)!r} does not exist or is not a directory; "
-                                  "give a local checkpoint directory (config + *.safetensors)")  # fmt: skip
+        raise RunnerArgumentError(
+            f"weights directory {str(directory)!r} does not exist or is not a directory; "
+            "give a local checkpoint directory (config + *.safetensors)"
+        )
     files = [resolved(f) for f in sorted(directory.glob("*.safetensors"))]
     if not files:
-        raise RunnerArgumentError(f"{str(directory)!r} holds no *.safetensors file; reloads read safetensors "
-                                  "only (convert a .bin checkpoint with save_pretrained(safe_serialization=True))")
+        raise RunnerArgumentError(
+            f"{str(directory)!r} holds no *.safetensors file; reloads read safetensors "
+            "only (convert a .bin checkpoint with save_pretrained(safe_serialization=True))"
+        )
     return files
 
 
@@ -117,8 +124,10 @@ def read_headers(directory: Path) -> dict[str, HeaderEntry]:
             with opened_without_links(path) as name_of_file, safe_open(name_of_file, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     if name in headers:
-                        raise RunnerArgumentError(f"tensor {name!r} is in both {headers[name].file.name} and "
-                                                  f"{path.name} under {str(directory)!r}")  # fmt: skip
+                        raise RunnerArgumentError(
+                            f"tensor {name!r} is in both {headers[name].file.name} and "
+                            f"{path.name} under {str(directory)!r}"
+                        )
                     piece = f.get_slice(name)
                     headers[name] = HeaderEntry(path, tuple(piece.get_shape()), piece.get_dtype())
         except RunnerArgumentError:
@@ -178,8 +187,9 @@ class WeightSet:
             steps.extend(self._match(folder, targets, headers, directory, check_dtype=True))
         return steps
 
-    def _match(self, folder: str, targets: list[_Target], headers: dict[str, HeaderEntry], directory: Path,
-               check_dtype: bool) -> list[tuple[_Target, str, HeaderEntry]]:  # fmt: skip
+    def _match(
+        self, folder: str, targets: list[_Target], headers: dict[str, HeaderEntry], directory: Path, check_dtype: bool
+    ) -> list[tuple[_Target, str, HeaderEntry]]:
         where = f"{folder}/" if folder else ""
         problems: list[str] = []
         steps = []
@@ -193,8 +203,9 @@ class WeightSet:
             if entry.shape != shape:
                 problems.append(f"tensor {where}{name!r} has shape {list(entry.shape)}, the model's is {list(shape)}")
             elif check_dtype and entry.dtype != target.source_dtype:
-                problems.append(f"tensor {where}{name!r} is {entry.dtype}, the loaded checkpoint's is "
-                                f"{target.source_dtype}")  # fmt: skip
+                problems.append(
+                    f"tensor {where}{name!r} is {entry.dtype}, the loaded checkpoint's is {target.source_dtype}"
+                )
             else:
                 steps.append((target, name, entry))
         known = {n for t in targets for n in t.names}
@@ -203,10 +214,15 @@ class WeightSet:
             ours = _model_type(self.own_directory) if self.own_directory is not None else None
             theirs = _model_type(directory)
             hint = f" (the source is a {theirs!r})" if theirs and theirs != ours else ""
-            more = f"; and {len(problems) - 1} more problem(s): {problems[1:1 + MAX_PROBLEMS_SHOWN]}" if len(
-                problems) > 1 else ""  # fmt: skip
-            raise RunnerArgumentError(f"cannot load weights from {str(directory)!r}{hint}: {problems[0]}{more}; "
-                                      "it must be a checkpoint of the same architecture and dtype")  # fmt: skip
+            more = (
+                f"; and {len(problems) - 1} more problem(s): {problems[1 : 1 + MAX_PROBLEMS_SHOWN]}"
+                if len(problems) > 1
+                else ""
+            )
+            raise RunnerArgumentError(
+                f"cannot load weights from {str(directory)!r}{hint}: {problems[0]}{more}; "
+                "it must be a checkpoint of the same architecture and dtype"
+            )
         return steps
 
     def load(self, directory: Path) -> ReloadReport:
@@ -233,21 +249,34 @@ class WeightSet:
         for device in devices:  # the copies are asynchronous from pinned memory only, but be exact
             torch.cuda.synchronize(device)
         report = ReloadReport(str(directory), reload_bytes, len(steps), time.perf_counter() - started)
-        log.info("reloaded %d tensors, %.1f MiB from %s in %.3f s (%.2f GB/s)", report.tensors,
-                 reload_bytes / 2**20, directory, report.duration_s, report.gb_per_s)  # fmt: skip
+        log.info(
+            "reloaded %d tensors, %.1f MiB from %s in %.3f s (%.2f GB/s)",
+            report.tensors,
+            reload_bytes / 2**20,
+            directory,
+            report.duration_s,
+            report.gb_per_s,
+        )
         return report
 
     def tensors(self) -> list[torch.Tensor]:
         return [t.tensor for targets in self.folders.values() for t in targets]
 
     def _by_name(self) -> dict[str, _Target]:
-        return {(f"{folder}/{name}" if folder else name): target
-                for folder, targets in self.folders.items() for target in targets for name in target.names}
+        return {
+            (f"{folder}/{name}" if folder else name): target
+            for folder, targets in self.folders.items()
+            for target in targets
+            for name in target.names
+        }
 
     def named(self) -> dict[str, torch.Tensor]:
         """Name -> tensor of every weight (tied weights once, under their first name)."""
-        return {(f"{folder}/{t.names[0]}" if folder else t.names[0]): t.tensor
-                for folder, targets in self.folders.items() for t in targets}
+        return {
+            (f"{folder}/{t.names[0]}" if folder else t.names[0]): t.tensor
+            for folder, targets in self.folders.items()
+            for t in targets
+        }
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> full (unsharded) shape and dtype of every tensor an update may write: the
@@ -291,8 +320,10 @@ def check_placements(model: torch.nn.Module) -> None:
     for name, tensor in model.state_dict(keep_vars=True).items():
         odd = _unreloadable(tensor.placements) if isinstance(tensor, DTensor) else []
         if odd:
-            raise ValueError(f"transformers' tensor-parallel plan placed {name!r} as {odd[0]}; this runner "
-                             "reloads Shard and Replicate placements only; run this model with one rank")
+            raise ValueError(
+                f"transformers' tensor-parallel plan placed {name!r} as {odd[0]}; this runner "
+                "reloads Shard and Replicate placements only; run this model with one rank"
+            )
 
 
 def rank_shard(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -309,8 +340,10 @@ def rank_shard(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return full
     odd = _unreloadable(target.placements)
     if odd:
-        raise RuntimeError(f"cannot reload a tensor of shape {tuple(target.shape)} placed as {odd[0]}: only "
-                           "Shard and Replicate placements are supported (checked at load)")  # fmt: skip
+        raise RuntimeError(
+            f"cannot reload a tensor of shape {tuple(target.shape)} placed as {odd[0]}: only "
+            "Shard and Replicate placements are supported (checked at load)"
+        )
     mesh, piece = target.device_mesh, full
     coordinate = mesh.get_coordinate()
     if coordinate is None:
@@ -321,8 +354,10 @@ def rank_shard(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
             index = coordinate[mesh_dim]
             piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
     if tuple(piece.shape) != tuple(target.to_local().shape):
-        raise RuntimeError(f"the shard of a tensor of shape {tuple(full.shape)} is {tuple(piece.shape)} here, "
-                           f"the model's is {tuple(target.to_local().shape)}")  # fmt: skip
+        raise RuntimeError(
+            f"the shard of a tensor of shape {tuple(full.shape)} is {tuple(piece.shape)} here, "
+            f"the model's is {tuple(target.to_local().shape)}"
+        )
     return piece
 
 
@@ -374,8 +409,10 @@ def check_resident(tensors_by_tag: Mapping[str, Iterable[torch.Tensor]]) -> None
     for tag, tensors in tensors_by_tag.items():
         for t in tensors:
             if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
-                raise RuntimeError(f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: its pool is "
-                                   "asleep; wake the stage (every tag) before executing")  # fmt: skip
+                raise RuntimeError(
+                    f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: its pool is "
+                    "asleep; wake the stage (every tag) before executing"
+                )
 
 
 def torch_threads(device: torch.device, cpu_threads: int | None) -> None:

@@ -116,8 +116,13 @@ class ServeState:
         self.memory: dict[str, dict[int, RankMemory]] = {name: {} for name in self.names}
         self.last_level: dict[str, int | None] = dict.fromkeys(self.names)
         self.events: deque[dict[str, Any]] = deque(maxlen=self.server.events_kept)
-        self.snapshot: dict[str, Any] = {"time": time.time(), "engine_up": False, "engine": {}, "stages": {},
-                                         "events": []}  # fmt: skip
+        self.snapshot: dict[str, Any] = {
+            "time": time.time(),
+            "engine_up": False,
+            "engine": {},
+            "stages": {},
+            "events": [],
+        }
         self.subscribers: set[asyncio.Queue] = set()
         self.metrics = ServeMetrics(lambda: self.snapshot)
         self.closing = asyncio.Event()
@@ -148,11 +153,15 @@ class ServeState:
         if isinstance(ident, int) and not isinstance(ident, bool):
             if 0 <= ident < len(self.names):
                 return self.names[ident]
-            raise ApiError(404, f"unknown stage id {ident}; stage ids are 0..{len(self.names) - 1} "
-                                f"({dict(enumerate(self.names))})", kind="InvalidArgumentError")  # fmt: skip
+            raise ApiError(
+                404,
+                f"unknown stage id {ident}; stage ids are 0..{len(self.names) - 1} ({dict(enumerate(self.names))})",
+                kind="InvalidArgumentError",
+            )
         if ident not in self.specs:
-            raise ApiError(404, f"unknown stage {ident!r}; stages are {sorted(self.specs)}",
-                           kind="InvalidArgumentError")  # fmt: skip
+            raise ApiError(
+                404, f"unknown stage {ident!r}; stages are {sorted(self.specs)}", kind="InvalidArgumentError"
+            )
         return ident
 
     def stage_list(self, ids: list[int | str]) -> list[str]:
@@ -176,10 +185,13 @@ class ServeState:
             with contextlib.suppress(ValueError):
                 if os.path.commonpath([real, root]) == root:
                     return real
-        raise ApiError(403, f"reload source {source!r} is not under the config's allowed_reload_sources "
-                            f"({list(allowed) or 'none'}); the server opens no path a caller names unless the "
-                            "operator lists it under [server] allowed_reload_sources",
-                       kind="SourceNotAllowed")  # fmt: skip
+        raise ApiError(
+            403,
+            f"reload source {source!r} is not under the config's allowed_reload_sources "
+            f"({list(allowed) or 'none'}); the server opens no path a caller names unless the "
+            "operator lists it under [server] allowed_reload_sources",
+            kind="SourceNotAllowed",
+        )
 
     def weight_source(self, source: str | dict[str, Any]) -> WeightSource:
         """The body's `source` as the protocol's type: a path is a disk source; an object is
@@ -193,9 +205,13 @@ class ServeState:
         except msgspec.ValidationError as exc:
             # msgspec names the place as `$.buckets[0].nbytes`: say it from the body's root.
             where = str(exc).replace("$", "source", 1) if "$" in str(exc) else f"source: {exc}"
-            raise ApiError(422, f"weight source refused: {where}; send a path, {{\"type\": \"disk\", \"path\": ...}} "
-                                "or msgspec.to_builtins of what WeightSender shares", kind="RequestValidationError",
-                           extra={"fields": ["source"]}) from None  # fmt: skip
+            raise ApiError(
+                422,
+                f'weight source refused: {where}; send a path, {{"type": "disk", "path": ...}} '
+                "or msgspec.to_builtins of what WeightSender shares",
+                kind="RequestValidationError",
+                extra={"fields": ["source"]},
+            ) from None
         if isinstance(decoded, DiskSource):
             return DiskSource(path=self.check_source(decoded.path) or decoded.path)
         return decoded
@@ -222,8 +238,16 @@ class ServeState:
         metrics.lifecycle_duration.labels(stage, command, "ok").observe(elapsed_s)
         if isinstance(result, LifecycleReport):
             self.note_report(stage, command, result, level)
-            self.record_event(stage, command, "ok", elapsed_s, state=result.state, status=result.status, level=level,
-                              freed_bytes=sum(rr.freed_bytes for rr in result.ranks.values()))  # fmt: skip
+            self.record_event(
+                stage,
+                command,
+                "ok",
+                elapsed_s,
+                state=result.state,
+                status=result.status,
+                level=level,
+                freed_bytes=sum(rr.freed_bytes for rr in result.ranks.values()),
+            )
         else:
             self.record_event(stage, command, "ok", elapsed_s, level=level)
         return result
@@ -244,8 +268,9 @@ class ServeState:
                 self._note_half(out_stage, "sleep", exc.outgoing, level, elapsed_s)
                 self._note_half(in_stage, "wake", exc.incoming, None, elapsed_s)
             else:  # refused before anything was sent (unknown tag, a stage busy or FAILED, ...)
-                self.record_event(out_stage, "swap", _outcome(to_http(exc).status), elapsed_s, error=str(exc),
-                                  level=level)  # fmt: skip
+                self.record_event(
+                    out_stage, "swap", _outcome(to_http(exc).status), elapsed_s, error=str(exc), level=level
+                )
             raise
         finally:
             for stage in (out_stage, in_stage):
@@ -259,12 +284,19 @@ class ServeState:
     def _note_half(self, stage: str, command: str, half: object, level: int | None, elapsed_s: float) -> None:
         if isinstance(half, LifecycleReport):
             self.note_report(stage, command, half, level)
-            self.record_event(stage, command, "ok", half.duration_s, state=half.state, status=half.status,
-                              level=level, swap=half.task_id.rsplit("/", 1)[0],
-                              freed_bytes=sum(rr.freed_bytes for rr in half.ranks.values()))  # fmt: skip
+            self.record_event(
+                stage,
+                command,
+                "ok",
+                half.duration_s,
+                state=half.state,
+                status=half.status,
+                level=level,
+                swap=half.task_id.rsplit("/", 1)[0],
+                freed_bytes=sum(rr.freed_bytes for rr in half.ranks.values()),
+            )
         elif isinstance(half, BaseException):
-            self.record_event(stage, command, _outcome(to_http(half).status), elapsed_s, error=str(half),
-                              level=level)  # fmt: skip
+            self.record_event(stage, command, _outcome(to_http(half).status), elapsed_s, error=str(half), level=level)
 
     def note_report(self, stage: str, command: str, report: LifecycleReport, level: int | None) -> None:
         if command == "sleep" and report.status == "OK":
@@ -299,9 +331,15 @@ class ServeState:
     # ------------------------------------------------------------------ events and snapshots
 
     def record_event(self, stage: str, command: str, outcome: str, duration_s: float, **details: Any) -> None:
-        event = {"id": next(self._event_ids), "time": time.time(), "stage": stage, "command": command,
-                 "outcome": outcome, "duration_s": duration_s,
-                 **{k: v for k, v in details.items() if v is not None}}  # fmt: skip
+        event = {
+            "id": next(self._event_ids),
+            "time": time.time(),
+            "stage": stage,
+            "command": command,
+            "outcome": outcome,
+            "duration_s": duration_s,
+            **{k: v for k, v in details.items() if v is not None},
+        }
         self.events.append(event)
         self.broadcast("lifecycle", event)
         _log_event(event)
@@ -327,30 +365,48 @@ class ServeState:
         for rank, info in (st.get("ranks") or {}).items():
             mem = self.memory[name].get(int(rank), RankMemory())
             ranks[str(rank)] = {
-                "pid": info.get("pid"), "alive": bool(info.get("alive")), "state": str(info.get("state", "-")),
-                "pool_bytes": dict(mem.pool_bytes), "process_bytes": mem.process_bytes,
+                "pid": info.get("pid"),
+                "alive": bool(info.get("alive")),
+                "state": str(info.get("state", "-")),
+                "pool_bytes": dict(mem.pool_bytes),
+                "process_bytes": mem.process_bytes,
                 "process_bytes_source": mem.process_bytes_source,
                 "rss_bytes": _read_rss_bytes(info.get("pid")) if info.get("alive") else None,
-                "host_offloaded_bytes": mem.host_offloaded_bytes, "weights_version": info.get("weights_version", 0),
-            }  # fmt: skip
+                "host_offloaded_bytes": mem.host_offloaded_bytes,
+                "weights_version": info.get("weights_version", 0),
+            }
         return {
-            "stage_id": index, "name": name, "state": st.get("state", "UNKNOWN"), "epoch": st.get("epoch", 0),
-            "task_id": st.get("task_id"), "admission": str(st.get("admission", spec.admission.value)),
-            "failure": st.get("failure") or None, "queued": st.get("queued", 0), "in_flight": st.get("in_flight", 0),
-            "counters": dict(st.get("counters") or {}), "last_sleep_level": self.last_level[name],
-            "asleep_tags": list(st.get("asleep_tags") or []), "weights_valid": bool(st.get("weights_valid", True)),
+            "stage_id": index,
+            "name": name,
+            "state": st.get("state", "UNKNOWN"),
+            "epoch": st.get("epoch", 0),
+            "task_id": st.get("task_id"),
+            "admission": str(st.get("admission", spec.admission.value)),
+            "failure": st.get("failure") or None,
+            "queued": st.get("queued", 0),
+            "in_flight": st.get("in_flight", 0),
+            "counters": dict(st.get("counters") or {}),
+            "last_sleep_level": self.last_level[name],
+            "asleep_tags": list(st.get("asleep_tags") or []),
+            "weights_valid": bool(st.get("weights_valid", True)),
             "weights_version": st.get("weights_version", 0),
-            "tags": list(spec.tags), "runner": spec.runner, "device": spec.device, "backend": spec.backend,
-            "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()), "ranks": ranks,
-        }  # fmt: skip
+            "tags": list(spec.tags),
+            "runner": spec.runner,
+            "device": spec.device,
+            "backend": spec.backend,
+            "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()),
+            "ranks": ranks,
+        }
 
     def build_snapshot(self, status: dict[str, Any] | None) -> dict[str, Any]:
         status = status or {}
         return {
-            "time": time.time(), "engine_up": bool(status), "engine": dict(status.get("_engine") or {}),
+            "time": time.time(),
+            "engine_up": bool(status),
+            "engine": dict(status.get("_engine") or {}),
             "stages": {name: self.stage_view(i, name, status.get(name)) for i, name in enumerate(self.names)},
             "events": list(self.events)[-EVENTS_IN_SNAPSHOT:],
-        }  # fmt: skip
+        }
 
     async def refresh(self) -> dict[str, Any]:
         try:
@@ -418,26 +474,52 @@ def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tup
     FAILED or STOPPED, a rank process that is gone, the engine no longer answering. `logged`
     holds what was said, so each is said once."""
     if before["engine_up"] and not after["engine_up"]:
-        log.error("the engine did not answer a status call; if it persists, restart `omni-core serve`",
-                  extra={EVENT_ATTR: {"event": "engine_unresponsive"}})  # fmt: skip
+        log.error(
+            "the engine did not answer a status call; if it persists, restart `omni-core serve`",
+            extra={EVENT_ATTR: {"event": "engine_unresponsive"}},
+        )
     for name, now in after["stages"].items():
         then = before["stages"].get(name) or {}
         failed = (now["epoch"], now["state"]) if now["state"] in UNHEALTHY_STATES else None
         if failed is not None and then.get("state") != now["state"] and logged.get((name, "state")) != failed:
             logged[(name, "state")] = failed
-            log.error("stage %r is %s: %s; restart it: omni-core restart %s", name, now["state"],
-                      now.get("failure") or "no reason recorded", name,
-                      extra={EVENT_ATTR: {"event": "stage_failed", "stage": name, "state": now["state"],
-                                          "epoch": now["epoch"], "failure": now.get("failure")}})  # fmt: skip
+            log.error(
+                "stage %r is %s: %s; restart it: omni-core restart %s",
+                name,
+                now["state"],
+                now.get("failure") or "no reason recorded",
+                name,
+                extra={
+                    EVENT_ATTR: {
+                        "event": "stage_failed",
+                        "stage": name,
+                        "state": now["state"],
+                        "epoch": now["epoch"],
+                        "failure": now.get("failure"),
+                    }
+                },
+            )
         for rank, info in now["ranks"].items():
             old = (then.get("ranks") or {}).get(rank)
             gone = old is not None and old["alive"] and not info["alive"] and old["pid"] == info["pid"]
             if gone and logged.get((name, rank)) != info["pid"]:
                 logged[(name, rank)] = info["pid"]
-                log.error("stage %r rank %s (pid %s) is gone: its process exited while the stage is %s",
-                          name, rank, info["pid"], now["state"],
-                          extra={EVENT_ATTR: {"event": "rank_gone", "stage": name, "rank": int(rank),
-                                              "pid": info["pid"], "state": now["state"]}})  # fmt: skip
+                log.error(
+                    "stage %r rank %s (pid %s) is gone: its process exited while the stage is %s",
+                    name,
+                    rank,
+                    info["pid"],
+                    now["state"],
+                    extra={
+                        EVENT_ATTR: {
+                            "event": "rank_gone",
+                            "stage": name,
+                            "rank": int(rank),
+                            "pid": info["pid"],
+                            "state": now["state"],
+                        }
+                    },
+                )
 
 
 # ====================================================================== answering
@@ -519,60 +601,92 @@ def _split_tags(values: list[str]) -> list[str] | None:
 def _once(field: str, in_query: Any, in_body: Any, default: Any) -> Any:
     """A vLLM route's parameter from its query string or its JSON body; both is ambiguous."""
     if in_query is not None and in_body is not None:
-        raise ApiError(422, f"{field} is given both in the query string and in the JSON body; give it once",
-                       kind="InvalidArgumentError", extra={"fields": [f"query.{field}", f"body.{field}"]})  # fmt: skip
+        raise ApiError(
+            422,
+            f"{field} is given both in the query string and in the JSON body; give it once",
+            kind="InvalidArgumentError",
+            extra={"fields": [f"query.{field}", f"body.{field}"]},
+        )
     return in_query if in_query is not None else in_body if in_body is not None else default
 
 
 def _check_sleep_mode(mode: str) -> None:
     if mode == "keep":
-        raise ApiError(400, "mode 'keep' (hold in-flight requests through the sleep and resume them after the "
-                            "wake) is not served: omni-core has no lifecycle that keeps requests across a sleep; "
-                            "use mode=wait (they finish first) or mode=abort (they fail now)",
-                       kind="InvalidArgumentError", extra={"fields": ["mode"]})  # fmt: skip
+        raise ApiError(
+            400,
+            "mode 'keep' (hold in-flight requests through the sleep and resume them after the "
+            "wake) is not served: omni-core has no lifecycle that keeps requests across a sleep; "
+            "use mode=wait (they finish first) or mode=abort (they fail now)",
+            kind="InvalidArgumentError",
+            extra={"fields": ["mode"]},
+        )
     if mode not in ("abort", "wait"):
-        raise ApiError(400, f"mode {mode[:40]!r} is not one of 'abort' (fail in-flight requests now, vLLM's "
-                            "default) or 'wait' (drain them first)", kind="InvalidArgumentError",
-                       extra={"fields": ["mode"]})  # fmt: skip
+        raise ApiError(
+            400,
+            f"mode {mode[:40]!r} is not one of 'abort' (fail in-flight requests now, vLLM's "
+            "default) or 'wait' (drain them first)",
+            kind="InvalidArgumentError",
+            extra={"fields": ["mode"]},
+        )
 
 
 # A stage in these states has memory released, or is releasing or restoring it: vLLM's
 # is_sleeping stays true until every tag is back and the weights are valid again.
 NOT_AWAKE_STATES = frozenset({"DRAINING", "TRANSITIONING", "SLEEPING", "WAKING", "PARTIAL", "NEEDS_RELOAD"})
-NO_PAUSE = ("not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
-            "(its sleep closes admission and releases memory)")  # fmt: skip
-NO_CACHE_RESET = ("not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
-                  "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)")
+NO_PAUSE = (
+    "not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
+    "(its sleep closes admission and releases memory)"
+)
+NO_CACHE_RESET = (
+    "not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
+    "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)"
+)
 
 
 def _decimal_version(text: str) -> int:
     """SGLang's weight_version is a string; omni-core's versions are monotonic integers."""
     if not (text.isascii() and text.isdigit() and 0 < len(text) <= 19 and int(text) >= 1):
-        raise ApiError(422, f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
-                            "omni-core's weights versions are monotonic integers",
-                       kind="RequestValidationError", extra={"fields": ["weight_version"]})  # fmt: skip
+        raise ApiError(
+            422,
+            f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
+            "omni-core's weights versions are monotonic integers",
+            kind="RequestValidationError",
+            extra={"fields": ["weight_version"]},
+        )
     return int(text)
 
 
-def _collective(names: list[str], dtypes: list[str], shapes: list[list[int]], fields: tuple[str, str, str]
-                ) -> CollectiveSource:  # fmt: skip
+def _collective(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], fields: tuple[str, str, str]
+) -> CollectiveSource:
     """An anchor's three parallel lists as the broadcast's typed source, decoded strictly."""
     if not len(names) == len(dtypes) == len(shapes):
-        raise ApiError(422, f"{', '.join(fields)} must be lists of one length (got {len(names)}, {len(dtypes)}, "
-                            f"{len(shapes)}): entry i describes tensor i",
-                       kind="RequestValidationError", extra={"fields": list(fields)})  # fmt: skip
+        raise ApiError(
+            422,
+            f"{', '.join(fields)} must be lists of one length (got {len(names)}, {len(dtypes)}, "
+            f"{len(shapes)}): entry i describes tensor i",
+            kind="RequestValidationError",
+            extra={"fields": list(fields)},
+        )
     tensors = [{"name": n, "dtype": d, "shape": sh} for n, d, sh in zip(names, dtypes, shapes, strict=True)]
     try:
         return msgspec.convert({"type": "collective", "tensors": tensors}, CollectiveSource, strict=True)
     except msgspec.ValidationError as exc:
-        raise ApiError(422, f"{'/'.join(fields)} refused: {exc} (tensors[i] is entry i of the lists)",
-                       kind="RequestValidationError", extra={"fields": list(fields)}) from None  # fmt: skip
+        raise ApiError(
+            422,
+            f"{'/'.join(fields)} refused: {exc} (tensors[i] is entry i of the lists)",
+            kind="RequestValidationError",
+            extra={"fields": list(fields)},
+        ) from None
 
 
 def not_awake(stage_status: dict[str, Any]) -> bool:
     """Whether a stage (as Engine.status gives it) has anything asleep, or invalid weights."""
-    return (stage_status.get("state") in NOT_AWAKE_STATES or bool(stage_status.get("asleep_tags"))
-            or stage_status.get("weights_valid") is False)  # fmt: skip
+    return (
+        stage_status.get("state") in NOT_AWAKE_STATES
+        or bool(stage_status.get("asleep_tags"))
+        or stage_status.get("weights_valid") is False
+    )
 
 
 def _known_query_only(request: Request) -> None:
@@ -583,9 +697,13 @@ def _known_query_only(request: Request) -> None:
     allowed = {p.alias for p in dependant.query_params} if dependant is not None else set()
     unknown = sorted(set(request.query_params) - allowed)
     if unknown:
-        raise ApiError(422, f"unknown query parameter(s) {[u[:100] for u in unknown[:10]]} for {request.url.path}; "
-                            f"accepted: {sorted(allowed)}", kind="InvalidArgumentError",
-                       extra={"fields": [f"query.{u[:100]}" for u in unknown[:10]]})  # fmt: skip
+        raise ApiError(
+            422,
+            f"unknown query parameter(s) {[u[:100] for u in unknown[:10]]} for {request.url.path}; "
+            f"accepted: {sorted(allowed)}",
+            kind="InvalidArgumentError",
+            extra={"fields": [f"query.{u[:100]}" for u in unknown[:10]]},
+        )
 
 
 # ====================================================================== the app
@@ -654,19 +772,30 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             state.executor.shutdown(wait=False, cancel_futures=True)
             state.status_executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="omni-core serve", version=API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  dependencies=[Depends(_known_query_only)], responses=m.EVERY_ROUTE_ERRORS,
-                  description="HTTP control plane of omni-core: stage lifecycle (sleep, wake, reload, restart), "
-                              "requests, vLLM- and vLLM-Omni-compatible routes, Prometheus metrics and a live "
-                              "status page. Errors: README.md, 'Serving over HTTP'.")  # fmt: skip
+    app = FastAPI(
+        title="omni-core serve",
+        version=API_VERSION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        dependencies=[Depends(_known_query_only)],
+        responses=m.EVERY_ROUTE_ERRORS,
+        description="HTTP control plane of omni-core: stage lifecycle (sleep, wake, reload, restart), "
+        "requests, vLLM- and vLLM-Omni-compatible routes, Prometheus metrics and a live "
+        "status page. Errors: README.md, 'Serving over HTTP'.",
+    )
     app.state.serve = state
 
     def require_key(request: Request) -> None:
         if not state.key_check.accepts(request.headers.get("authorization")):
             state.metrics.http_auth_failures.inc()
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
-                                "server was given (api_key_file or its environment variable)",
-                           kind="Unauthorized", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                "server was given (api_key_file or its environment variable)",
+                kind="Unauthorized",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     control = [Depends(require_key)]
     health_deps = [] if state.server.public_health else control
@@ -686,48 +815,84 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return _response(error_answer(ApiError(400, "the body is not valid JSON; send a JSON object (the "
-                                                        "schema is in /openapi.json)", kind="InvalidJSON")))
+            return _response(
+                error_answer(
+                    ApiError(
+                        400,
+                        "the body is not valid JSON; send a JSON object (the schema is in /openapi.json)",
+                        kind="InvalidJSON",
+                    )
+                )
+            )
         fields = [".".join(str(p) for p in e.get("loc", ())) for e in errors]
         problems = "; ".join(f"{where}: {e.get('msg')}" for where, e in zip(fields, errors, strict=True))
-        return _response(error_answer(ApiError(
-            422, f"invalid request: {problems}; send each field with the JSON type /openapi.json gives it "
-                 "(nothing is converted)", kind="InvalidArgumentError", extra={"fields": fields})))
+        return _response(
+            error_answer(
+                ApiError(
+                    422,
+                    f"invalid request: {problems}; send each field with the JSON type /openapi.json gives it "
+                    "(nothing is converted)",
+                    kind="InvalidArgumentError",
+                    extra={"fields": fields},
+                )
+            )
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = {404: "NotFound", 405: "MethodNotAllowed", 413: "BodyTooLarge"}.get(exc.status_code, "HTTPError")
-        message = exc.detail if exc.status_code != 404 else (
-            f"no route {request.url.path}; the routes are in /openapi.json")
+        message = (
+            exc.detail if exc.status_code != 404 else (f"no route {request.url.path}; the routes are in /openapi.json")
+        )
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
-            kind, message = "InvalidJSON", ("the body could not be read as JSON (nested too deep, or a number too "
-                                            "long for the parser); send a JSON object as /openapi.json gives it")
+            kind, message = (
+                "InvalidJSON",
+                (
+                    "the body could not be read as JSON (nested too deep, or a number too "
+                    "long for the parser); send a JSON object as /openapi.json gives it"
+                ),
+            )
         allow = (exc.headers or {}).get("Allow")
         if exc.status_code == 405 and allow:
             # SGLang also takes GET on its state-changing routes; here a GET never changes state,
             # since a GET is what any web page can send without the browser guards seeing it.
-            message = (f"{method_label(request.method)} is not allowed on {request.url.path}; use {allow} (a GET "
-                       "never changes state here: any web page can send one)")  # fmt: skip
+            message = (
+                f"{method_label(request.method)} is not allowed on {request.url.path}; use {allow} (a GET "
+                "never changes state here: any web page can send one)"
+            )
         headers = {"Allow": allow} if allow else {}
-        return _response(_answer(exc.status_code, {"error": {"code": exc.status_code, "type": kind,
-                                                             "message": str(message)}}, headers.items()),
-                         )  # fmt: skip
+        return _response(
+            _answer(
+                exc.status_code,
+                {"error": {"code": exc.status_code, "type": kind, "message": str(message)}},
+                headers.items(),
+            ),
+        )
 
     # ------------------------------------------------------------------ public
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def status_page() -> HTMLResponse:
-        return HTMLResponse(STATUS_PAGE_HTML, headers={"Cache-Control": "no-store",
-                                                       "Content-Security-Policy": STATUS_PAGE_CSP})  # fmt: skip
+        return HTMLResponse(
+            STATUS_PAGE_HTML, headers={"Cache-Control": "no-store", "Content-Security-Policy": STATUS_PAGE_CSP}
+        )
 
-    @app.get("/health", dependencies=health_deps, response_model=m.HealthModel, responses=m.ERROR_RESPONSES,
-             tags=["omni-core"])  # fmt: skip
+    @app.get(
+        "/health",
+        dependencies=health_deps,
+        response_model=m.HealthModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+    )
     async def health() -> Response:
         try:
             status = await state.status()
         except asyncio.TimeoutError:
-            raise ApiError(503, f"the engine did not answer a status call within {STATUS_CALL_TIMEOUT_S} s",
-                           kind="EngineUnresponsive") from None  # fmt: skip
+            raise ApiError(
+                503,
+                f"the engine did not answer a status call within {STATUS_CALL_TIMEOUT_S} s",
+                kind="EngineUnresponsive",
+            ) from None
         states = {name: status[name]["state"] for name in state.names if name in status}
         failed = [name for name, st in states.items() if st in UNHEALTHY_STATES]
         if not failed:
@@ -735,39 +900,67 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         first = failed[0]
         why = str(status[first].get("failure") or "no reason recorded")[:MAX_REASON_CHARS]
         also = f"; also FAILED or STOPPED: {failed[1:]}" if len(failed) > 1 else ""
-        error = {"code": 503, "type": "StageFailed", "stage": first,
-                 "message": f"stage {first!r} is {states[first]} ({why}); restart it: POST "
-                            f"/v1/stages/{first}/restart{also}"}  # fmt: skip
+        error = {
+            "code": 503,
+            "type": "StageFailed",
+            "stage": first,
+            "message": f"stage {first!r} is {states[first]} ({why}); restart it: POST /v1/stages/{first}/restart{also}",
+        }
         return JSONResponse({"status": "failed", "stages": states, "failed": failed, "error": error}, status_code=503)
 
-    @app.get("/metrics", dependencies=metrics_deps, include_in_schema=True, tags=["omni-core"],
-             response_class=Response, responses={200: {"content": {"text/plain": {}}}})  # fmt: skip
+    @app.get(
+        "/metrics",
+        dependencies=metrics_deps,
+        include_in_schema=True,
+        tags=["omni-core"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------ omni-core's own API
 
-    @app.get("/v1/stages", dependencies=control, response_model=m.StagesModel, responses=m.ERROR_RESPONSES,
-             tags=["omni-core"])  # fmt: skip
+    @app.get(
+        "/v1/stages",
+        dependencies=control,
+        response_model=m.StagesModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+    )
     async def list_stages() -> Response:
         snap = state.build_snapshot(await state.status())
         return JSONResponse({"stages": list(snap["stages"].values())})
 
-    @app.get("/v1/stages/{name}", dependencies=control, response_model=m.StageModel, responses=m.ERROR_RESPONSES,
-             tags=["omni-core"])  # fmt: skip
+    @app.get(
+        "/v1/stages/{name}",
+        dependencies=control,
+        response_model=m.StageModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+    )
     async def get_stage(name: str) -> Response:
         state.stage_name(name)
         status = await state.status()
         return JSONResponse(state.stage_view(state.names.index(name), name, status.get(name)))
 
-    @app.get("/v1/status", dependencies=control, tags=["omni-core"],
-             description="The status page's data: every stage, rank memory, recent lifecycle events")  # fmt: skip
+    @app.get(
+        "/v1/status",
+        dependencies=control,
+        tags=["omni-core"],
+        description="The status page's data: every stage, rank memory, recent lifecycle events",
+    )
     async def status_snapshot() -> Response:
         return Response(dumps(await state.refresh()), media_type=JSON)
 
-    @app.get("/v1/events", dependencies=control, tags=["omni-core"], response_class=StreamingResponse,
-             description="Server-sent events: `status` (a snapshot like GET /v1/status) and `lifecycle` (one "
-                         "call's outcome). The first message is a snapshot.")  # fmt: skip
+    @app.get(
+        "/v1/events",
+        dependencies=control,
+        tags=["omni-core"],
+        response_class=StreamingResponse,
+        description="Server-sent events: `status` (a snapshot like GET /v1/status) and `lifecycle` (one "
+        "call's outcome). The first message is a snapshot.",
+    )
     async def events() -> StreamingResponse:
         queue: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE_MESSAGES)
         state.subscribers.add(queue)
@@ -787,11 +980,13 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             finally:
                 state.subscribers.discard(queue)
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # fmt: skip
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        )
 
-    def lifecycle_work(name: str, command: str, call: Callable[[], Any], level: int | None = None
-                       ) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+    def lifecycle_work(
+        name: str, command: str, call: Callable[[], Any], level: int | None = None
+    ) -> Callable[[], Awaitable[Answer]]:
         async def work() -> Answer:
             try:
                 report = await state.lifecycle(name, command, call, level=level)
@@ -801,19 +996,36 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         return work
 
-    @app.post("/v1/stages/{name}/sleep", dependencies=control, response_model=m.LifecycleReportModel,
-              responses=m.ERROR_RESPONSES, tags=["omni-core"])  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/sleep",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+    )
     async def sleep(name: str, request: Request, body: m.SleepBody | None = None) -> Response:
         body = body or m.SleepBody()
         state.stage_name(name)
         engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
-        call = functools.partial(engine.sleep, name, body.level, body.tags, task_id=tid, timeout_s=timeout_s,
-                                 abort_in_flight=body.abort_in_flight)  # fmt: skip
+        call = functools.partial(
+            engine.sleep,
+            name,
+            body.level,
+            body.tags,
+            task_id=tid,
+            timeout_s=timeout_s,
+            abort_in_flight=body.abort_in_flight,
+        )
         work = lifecycle_work(name, "sleep", call, body.level)
         return await run_post(state, request, "/v1/stages/{name}/sleep", work)
 
-    @app.post("/v1/stages/{name}/wake", dependencies=control, response_model=m.LifecycleReportModel,
-              responses=m.ERROR_RESPONSES, tags=["omni-core"])  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/wake",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+    )
     async def wake(name: str, request: Request, body: m.WakeBody | None = None) -> Response:
         body = body or m.WakeBody()
         state.stage_name(name)
@@ -821,8 +1033,13 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         call = functools.partial(engine.wake, name, body.tags, task_id=tid, timeout_s=timeout_s)
         return await run_post(state, request, "/v1/stages/{name}/wake", lifecycle_work(name, "wake", call))
 
-    @app.post("/v1/stages/{name}/reload", dependencies=control, response_model=m.LifecycleReportModel,
-              responses=m.ERROR_RESPONSES, tags=["omni-core"])  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/reload",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+    )
     async def reload(name: str, request: Request, body: m.ReloadBody | None = None) -> Response:
         body = body or m.ReloadBody()
         state.stage_name(name)
@@ -831,35 +1048,54 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         call = functools.partial(engine.reload_weights, name, source, task_id=tid, timeout_s=timeout_s)
         return await run_post(state, request, "/v1/stages/{name}/reload", lifecycle_work(name, "reload", call))
 
-    @app.post("/v1/stages/{name}/update_weights", dependencies=control, response_model=m.LifecycleReportModel,
-              responses=m.ERROR_RESPONSES, tags=["omni-core"],
-              description="Replace the stage's weights with `source` as weights `version` (P-17), in any state "
-                          "with the weights resident; RUNNING drains first. A version not above the stage's is "
-                          "409 naming both; a bad source 422 (its field) or 400 (the ranks refused it, nothing "
-                          "written); a failed update 503 with the stage NEEDS_RELOAD at its old version. With an "
-                          "Idempotency-Key, a retry gets the first answer.")  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/update_weights",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Replace the stage's weights with `source` as weights `version` (P-17), in any state "
+        "with the weights resident; RUNNING drains first. A version not above the stage's is "
+        "409 naming both; a bad source 422 (its field) or 400 (the ranks refused it, nothing "
+        "written); a failed update 503 with the stage NEEDS_RELOAD at its old version. With an "
+        "Idempotency-Key, a retry gets the first answer.",
+    )
     async def update_weights(name: str, request: Request, body: m.UpdateWeightsBody) -> Response:
         state.stage_name(name)
         source = state.weight_source(body.source)
         engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
-        call = functools.partial(engine.update_weights, name, source, version=body.version, task_id=tid,
-                                 timeout_s=timeout_s)  # fmt: skip
+        call = functools.partial(
+            engine.update_weights, name, source, version=body.version, task_id=tid, timeout_s=timeout_s
+        )
         work = lifecycle_work(name, "update", call)
         return await run_post(state, request, "/v1/stages/{name}/update_weights", work)
 
-    @app.post("/v1/swap", dependencies=control, response_model=m.SwapReportModel, responses=m.ERROR_RESPONSES,
-              tags=["omni-core"],
-              description="Put stage `out` to sleep and wake stage `in` at the same time, so the host link "
-                          "carries both directions at once; each incoming rank maps an allocation only once the "
-                          "device has that much free, waiting up to `memory_wait_s` (P-16). A swap that does not "
-                          "complete answers with the failed half's code and both halves in the error "
-                          "(`outgoing`, `incoming`); NoMemoryError's `refusals` name who holds the device. "
-                          "With an Idempotency-Key, a retry gets the first answer.")  # fmt: skip
+    @app.post(
+        "/v1/swap",
+        dependencies=control,
+        response_model=m.SwapReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Put stage `out` to sleep and wake stage `in` at the same time, so the host link "
+        "carries both directions at once; each incoming rank maps an allocation only once the "
+        "device has that much free, waiting up to `memory_wait_s` (P-16). A swap that does not "
+        "complete answers with the failed half's code and both halves in the error "
+        "(`outgoing`, `incoming`); NoMemoryError's `refusals` name who holds the device. "
+        "With an Idempotency-Key, a retry gets the first answer.",
+    )
     async def swap(request: Request, body: m.SwapBody) -> Response:
         out_stage, in_stage = state.stage_name(body.out), state.stage_name(body.in_)
         engine, tid, timeout_s = state.require_engine(), _lifecycle_tid(request), _timeout(body.timeout_s)
-        call = functools.partial(engine.swap, out_stage, in_stage, level=body.level, tags=body.tags, task_id=tid,
-                                 timeout_s=timeout_s, memory_wait_s=body.memory_wait_s)  # fmt: skip
+        call = functools.partial(
+            engine.swap,
+            out_stage,
+            in_stage,
+            level=body.level,
+            tags=body.tags,
+            task_id=tid,
+            timeout_s=timeout_s,
+            memory_wait_s=body.memory_wait_s,
+        )
 
         async def work() -> Answer:
             try:
@@ -870,11 +1106,16 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         return await run_post(state, request, "/v1/swap", work)
 
-    @app.post("/v1/stages/{name}/restart", dependencies=control, response_model=m.RestartModel,
-              responses=m.ERROR_RESPONSES, tags=["omni-core"],
-              description="Fresh rank processes under a new epoch. With an Idempotency-Key, a retry while the "
-                          "key is kept (idempotency_entries) returns the first answer without restarting "
-                          "again.")  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/restart",
+        dependencies=control,
+        response_model=m.RestartModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Fresh rank processes under a new epoch. With an Idempotency-Key, a retry while the "
+        "key is kept (idempotency_entries) returns the first answer without restarting "
+        "again.",
+    )
     async def restart(name: str, request: Request) -> Response:
         state.stage_name(name)
         engine = state.require_engine()
@@ -891,8 +1132,13 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         return await run_post(state, request, "/v1/stages/{name}/restart", work)
 
-    @app.post("/v1/stages/{name}/admission", dependencies=control, responses=m.ERROR_RESPONSES, tags=["omni-core"],
-              description="What requests do while the stage is not RUNNING: queue, reject or wake")  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/admission",
+        dependencies=control,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="What requests do while the stage is not RUNNING: queue, reject or wake",
+    )
     async def admission(name: str, request: Request, body: m.AdmissionBody) -> Response:
         state.stage_name(name)
         engine = state.require_engine()
@@ -907,10 +1153,15 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         return await run_post(state, request, "/v1/stages/{name}/admission", work)
 
-    @app.post("/v1/stages/{name}/execute", dependencies=control, response_model=m.ExecuteModel,
-              responses=m.ERROR_RESPONSES, tags=["omni-core"],
-              description="One request to the stage's runner, through its admission policy. With an "
-                          "Idempotency-Key, a retry returns the first answer and does not run it again.")  # fmt: skip
+    @app.post(
+        "/v1/stages/{name}/execute",
+        dependencies=control,
+        response_model=m.ExecuteModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="One request to the stage's runner, through its admission policy. With an "
+        "Idempotency-Key, a retry returns the first answer and does not run it again.",
+    )
     async def execute(name: str, request: Request, body: m.ExecuteBody | None = None) -> Response:
         body = body or m.ExecuteBody()
         state.stage_name(name)
@@ -924,8 +1175,10 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
                 try:
                     output = await asyncio.wait_for(asyncio.shield(future), budget_s)
                 except asyncio.TimeoutError:
-                    raise OmniCoreError(f"no answer from the orchestrator within {budget_s:.1f} s; its deadlines "
-                                        "should have fired: this is a bug, please report it") from None  # fmt: skip
+                    raise OmniCoreError(
+                        f"no answer from the orchestrator within {budget_s:.1f} s; its deadlines "
+                        "should have fired: this is a bug, please report it"
+                    ) from None
                 answer = _answer(200, {"stage": name, "output": output})
             except Exception as exc:
                 answer = error_answer(exc, name)
@@ -938,12 +1191,14 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
     # ------------------------------------------------------------------ vLLM-compatible
 
-    async def on_targets(names: list[str], command: str, make_call: Callable[[str], Callable[[], Any]],
-                         level: int | None = None) -> tuple[dict[str, Any], Answer | None]:  # fmt: skip
+    async def on_targets(
+        names: list[str], command: str, make_call: Callable[[str], Callable[[], Any]], level: int | None = None
+    ) -> tuple[dict[str, Any], Answer | None]:
         """Run one lifecycle command on several stages at once; the first error (in config
         order) becomes the answer, with every stage's outcome beside it."""
-        outcomes = await asyncio.gather(*(state.lifecycle(n, command, make_call(n), level=level) for n in names),
-                                        return_exceptions=True)  # fmt: skip
+        outcomes = await asyncio.gather(
+            *(state.lifecycle(n, command, make_call(n), level=level) for n in names), return_exceptions=True
+        )
         per_stage: dict[str, Any] = {}
         first_error: Answer | None = None
         for name, outcome in zip(names, outcomes, strict=True):
@@ -960,8 +1215,13 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             return per_stage, Answer(first_error.status, dumps(body), first_error.headers)
         return per_stage, None
 
-    def on_many(names: list[str], command: str, make_call: Callable[[str], Callable[[], Any]],
-                shape: Callable[[dict[str, Any]], Any], level: int | None = None) -> Callable[[], Awaitable[Answer]]:
+    def on_many(
+        names: list[str],
+        command: str,
+        make_call: Callable[[str], Callable[[], Any]],
+        shape: Callable[[dict[str, Any]], Any],
+        level: int | None = None,
+    ) -> Callable[[], Awaitable[Answer]]:
         """The work of an anchor's route: one command on several stages, answered in the
         anchor's shape (`shape` of the reports per stage) or with the first error."""
 
@@ -971,8 +1231,9 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         return work
 
-    def sleep_call(level: int, tags: list[str] | None, tid: str | None,
-                   abort_in_flight: bool = False) -> Callable[[str], Callable[[], Any]]:  # fmt: skip
+    def sleep_call(
+        level: int, tags: list[str] | None, tid: str | None, abort_in_flight: bool = False
+    ) -> Callable[[str], Callable[[], Any]]:
         engine = state.require_engine()
         return lambda n: functools.partial(engine.sleep, n, level, tags, task_id=tid, abort_in_flight=abort_in_flight)
 
@@ -989,94 +1250,166 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         return shape
 
-    @app.post("/sleep", dependencies=control, response_model=m.VllmSleepModel, responses=m.ERROR_RESPONSES,
-              tags=["vLLM"],
-              description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
-                          "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
-                          "({\"level\": 2}), not both. mode: abort (vLLM's default: in-flight requests fail at "
-                          "once with 409), wait (they finish first); keep is refused (400).")  # fmt: skip
-    async def vllm_sleep(request: Request, body: m.VllmSleepBody | None = None, level: int | None = None,
-                         mode: str | None = None,
-                         tags: Annotated[list[str] | None, Query()] = None) -> Response:  # fmt: skip
+    @app.post(
+        "/sleep",
+        dependencies=control,
+        response_model=m.VllmSleepModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
+        "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
+        '({"level": 2}), not both. mode: abort (vLLM\'s default: in-flight requests fail at '
+        "once with 409), wait (they finish first); keep is refused (400).",
+    )
+    async def vllm_sleep(
+        request: Request,
+        body: m.VllmSleepBody | None = None,
+        level: int | None = None,
+        mode: str | None = None,
+        tags: Annotated[list[str] | None, Query()] = None,
+    ) -> Response:
         body = body or m.VllmSleepBody()
         chosen_level = _once("level", level, body.level, 1)
         chosen_mode = _once("mode", mode, body.mode, "abort")
         chosen_tags = _once("tags", _split_tags(tags or []), body.tags or None, None)
         _check_sleep_mode(chosen_mode)
         names = state.targets()
-        work = on_many(names, "sleep", sleep_call(chosen_level, chosen_tags, _lifecycle_tid(request),
-                                                  chosen_mode == "abort"),
-                       lambda per: {"status": "sleeping", "level": chosen_level, "mode": chosen_mode, "stages": per},
-                       chosen_level)  # fmt: skip
+        work = on_many(
+            names,
+            "sleep",
+            sleep_call(chosen_level, chosen_tags, _lifecycle_tid(request), chosen_mode == "abort"),
+            lambda per: {"status": "sleeping", "level": chosen_level, "mode": chosen_mode, "stages": per},
+            chosen_level,
+        )
         return await run_post(state, request, "/sleep", work)
 
-    @app.post("/wake_up", dependencies=control, response_model=m.VllmWakeModel, responses=m.ERROR_RESPONSES,
-              tags=["vLLM"],
-              description="vLLM's wake_up: ?tags=weights (repeatable, or comma-separated) or {\"tags\": "
-                          "[\"weights\"]} wakes part of the memory; neither: every tag asleep")  # fmt: skip
-    async def vllm_wake(request: Request, body: m.VllmWakeBody | None = None,
-                        tags: Annotated[list[str] | None, Query()] = None) -> Response:  # fmt: skip
+    @app.post(
+        "/wake_up",
+        dependencies=control,
+        response_model=m.VllmWakeModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description='vLLM\'s wake_up: ?tags=weights (repeatable, or comma-separated) or {"tags": '
+        '["weights"]} wakes part of the memory; neither: every tag asleep',
+    )
+    async def vllm_wake(
+        request: Request, body: m.VllmWakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
+    ) -> Response:
         body = body or m.VllmWakeBody()
         chosen_tags = _once("tags", _split_tags(tags or []), body.tags or None, None)
         names = state.targets()
         work = on_many(names, "wake", wake_call(chosen_tags, _lifecycle_tid(request)), woken_shape(names, chosen_tags))
         return await run_post(state, request, "/wake_up", work)
 
-    @app.get("/is_sleeping", dependencies=control, response_model=m.IsSleepingModel, responses=m.ERROR_RESPONSES,
-             tags=["vLLM"],
-             description="true until every tag of the default stage (or of every stage) is back and its weights "
-                         "are valid: SLEEPING, PARTIAL, NEEDS_RELOAD and the transitions between them are asleep")
+    @app.get(
+        "/is_sleeping",
+        dependencies=control,
+        response_model=m.IsSleepingModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="true until every tag of the default stage (or of every stage) is back and its weights "
+        "are valid: SLEEPING, PARTIAL, NEEDS_RELOAD and the transitions between them are asleep",
+    )
     async def vllm_is_sleeping() -> Response:
         status = await state.status()
         return JSONResponse({"is_sleeping": any(not_awake(status[n]) for n in state.targets())})
 
-    @app.post("/pause", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["vLLM"],
-              description="Not served (501): see docs/http_routes.md")  # fmt: skip
-    async def vllm_pause(mode: str = "abort", wait_for_inflight_requests: bool = False,
-                         clear_cache: bool = True) -> Response:  # fmt: skip
-        raise ApiError(501, NO_PAUSE + "; use POST /sleep?mode=wait (drain, then release the memory) and "
-                            "POST /wake_up, or POST /sleep?mode=abort", kind="NotServed")  # fmt: skip
+    @app.post(
+        "/pause",
+        dependencies=control,
+        responses=m.NOT_SERVED_RESPONSES,
+        tags=["vLLM"],
+        description="Not served (501): see docs/http_routes.md",
+    )
+    async def vllm_pause(
+        mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
+    ) -> Response:
+        raise ApiError(
+            501,
+            NO_PAUSE + "; use POST /sleep?mode=wait (drain, then release the memory) and "
+            "POST /wake_up, or POST /sleep?mode=abort",
+            kind="NotServed",
+        )
 
-    @app.post("/resume", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["vLLM"],
-              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    @app.post(
+        "/resume",
+        dependencies=control,
+        responses=m.NOT_SERVED_RESPONSES,
+        tags=["vLLM"],
+        description="Not served (501): see docs/http_routes.md",
+    )
     async def vllm_resume() -> Response:
-        raise ApiError(501, NO_PAUSE + ", so there is nothing to resume; POST /wake_up wakes a sleeping stage",
-                       kind="NotServed")  # fmt: skip
+        raise ApiError(
+            501, NO_PAUSE + ", so there is nothing to resume; POST /wake_up wakes a sleeping stage", kind="NotServed"
+        )
 
-    @app.get("/is_paused", dependencies=control, response_model=m.IsPausedModel, responses=m.ERROR_RESPONSES,
-             tags=["vLLM"], description="false: this server never pauses (POST /pause answers 501)")  # fmt: skip
+    @app.get(
+        "/is_paused",
+        dependencies=control,
+        response_model=m.IsPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="false: this server never pauses (POST /pause answers 501)",
+    )
     async def vllm_is_paused() -> Response:
         return JSONResponse({"is_paused": False})
 
-    @app.post("/reset_prefix_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["vLLM"],
-              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    @app.post(
+        "/reset_prefix_cache",
+        dependencies=control,
+        responses=m.NOT_SERVED_RESPONSES,
+        tags=["vLLM"],
+        description="Not served (501): see docs/http_routes.md",
+    )
     async def vllm_reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
         raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
 
-    @app.post("/collective_rpc", dependencies=control, response_model=m.CollectiveRpcModel,
-              responses=m.ERROR_RESPONSES, tags=["vLLM"],
-              description="Only method 'reload_weights' (kwargs: optional 'source', checked against "
-                          "allowed_reload_sources); any other method would run caller-named code on the "
-                          "ranks")  # fmt: skip
+    @app.post(
+        "/collective_rpc",
+        dependencies=control,
+        response_model=m.CollectiveRpcModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="Only method 'reload_weights' (kwargs: optional 'source', checked against "
+        "allowed_reload_sources); any other method would run caller-named code on the "
+        "ranks",
+    )
     async def vllm_collective_rpc(request: Request, body: m.CollectiveRpcBody) -> Response:
         if body.method != "reload_weights":
-            raise ApiError(400, f"collective_rpc method {body.method!r} is not served; only 'reload_weights' is "
-                                "(any other would run caller-named code on the ranks)",
-                           kind="InvalidArgumentError")  # fmt: skip
+            raise ApiError(
+                400,
+                f"collective_rpc method {body.method!r} is not served; only 'reload_weights' is "
+                "(any other would run caller-named code on the ranks)",
+                kind="InvalidArgumentError",
+            )
         unknown = sorted(set(body.kwargs) - {"source"})
         if body.args or unknown:
-            raise ApiError(400, f"reload_weights takes only kwargs {{'source': ...}}; got args {body.args} and "
-                                f"kwargs {unknown}", kind="InvalidArgumentError")  # fmt: skip
+            raise ApiError(
+                400,
+                f"reload_weights takes only kwargs {{'source': ...}}; got args {body.args} and kwargs {unknown}",
+                kind="InvalidArgumentError",
+            )
         source = body.kwargs.get("source")
         if source is not None and not isinstance(source, str):
-            raise ApiError(422, f"kwargs.source must be a path string, got a {type(source).__name__}",
-                           kind="InvalidArgumentError", extra={"fields": ["kwargs.source"]})  # fmt: skip
+            raise ApiError(
+                422,
+                f"kwargs.source must be a path string, got a {type(source).__name__}",
+                kind="InvalidArgumentError",
+                extra={"fields": ["kwargs.source"]},
+            )
         source = state.check_source(source)
-        engine, tid, names, timeout_s = state.require_engine(), _lifecycle_tid(request), state.targets(), _timeout(
-            body.timeout)
-        work = on_many(names, "reload", lambda n: functools.partial(engine.reload_weights, n, source, task_id=tid,
-                                                                    timeout_s=timeout_s),
-                       lambda per: {"results": list(per.values())})  # fmt: skip
+        engine, tid, names, timeout_s = (
+            state.require_engine(),
+            _lifecycle_tid(request),
+            state.targets(),
+            _timeout(body.timeout),
+        )
+        work = on_many(
+            names,
+            "reload",
+            lambda n: functools.partial(engine.reload_weights, n, source, task_id=tid, timeout_s=timeout_s),
+            lambda per: {"results": list(per.values())},
+        )
         return await run_post(state, request, "/collective_rpc", work)
 
     # ------------------------------------------------------------------ vLLM-Omni-compatible
@@ -1087,26 +1420,46 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         acks: list[dict[str, Any]] = []
         for name, report in per_stage.items():
             stage_id = state.names.index(name)
-            ranks = list(report["ranks"].values()) or [{"rank": None, "status": report["status"], "freed_bytes": 0,
-                                                        "state": report["state"]}]  # fmt: skip
-            acks.extend({"task_id": report["task_id"], "status": rr["status"], "stage_id": stage_id,
-                         "rank": rr["rank"], "freed_bytes": rr["freed_bytes"],
-                         "metadata": {"stage": name, "state": rr["state"]}} for rr in ranks)  # fmt: skip
+            ranks = list(report["ranks"].values()) or [
+                {"rank": None, "status": report["status"], "freed_bytes": 0, "state": report["state"]}
+            ]
+            acks.extend(
+                {
+                    "task_id": report["task_id"],
+                    "status": rr["status"],
+                    "stage_id": stage_id,
+                    "rank": rr["rank"],
+                    "freed_bytes": rr["freed_bytes"],
+                    "metadata": {"stage": name, "state": rr["state"]},
+                }
+                for rr in ranks
+            )
         return {"status": "SUCCESS", "acks": acks, "stages": per_stage}
 
-    @app.post("/v1/omni/sleep", dependencies=control, response_model=m.OmniLifecycleModel,
-              responses=m.ERROR_RESPONSES, tags=["vLLM-Omni"],
-              description="vLLM-Omni's sleep: {\"stage_ids\": [0, 1], \"level\": 2}; stage_ids required and not "
-                          "empty, level 2 unless given (its OmniSleepRequest)")  # fmt: skip
+    @app.post(
+        "/v1/omni/sleep",
+        dependencies=control,
+        response_model=m.OmniLifecycleModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM-Omni"],
+        description='vLLM-Omni\'s sleep: {"stage_ids": [0, 1], "level": 2}; stage_ids required and not '
+        "empty, level 2 unless given (its OmniSleepRequest)",
+    )
     async def omni_sleep(request: Request, body: m.OmniSleepBody) -> Response:
         names = state.stage_list(body.stage_ids)
-        work = on_many(names, "sleep", sleep_call(body.level, body.tags, _lifecycle_tid(request)), omni_shape,
-                       body.level)  # fmt: skip
+        work = on_many(
+            names, "sleep", sleep_call(body.level, body.tags, _lifecycle_tid(request)), omni_shape, body.level
+        )
         return await run_post(state, request, "/v1/omni/sleep", work)
 
-    @app.post("/v1/omni/wakeup", dependencies=control, response_model=m.OmniLifecycleModel,
-              responses=m.ERROR_RESPONSES, tags=["vLLM-Omni"],
-              description="vLLM-Omni's wake-up: {\"stage_ids\": [0]}; SKIPPED when none of them sleeps")  # fmt: skip
+    @app.post(
+        "/v1/omni/wakeup",
+        dependencies=control,
+        response_model=m.OmniLifecycleModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM-Omni"],
+        description='vLLM-Omni\'s wake-up: {"stage_ids": [0]}; SKIPPED when none of them sleeps',
+    )
     async def omni_wake(request: Request, body: m.OmniWakeBody) -> Response:
         names = state.stage_list(body.stage_ids)
         wake = on_many(names, "wake", wake_call(body.tags, _lifecycle_tid(request)), omni_shape)
@@ -1117,16 +1470,29 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             except Exception as exc:
                 return error_answer(exc)
             if not any(not_awake(status[n]) for n in names):
-                return _answer(200, {"status": "SKIPPED", "acks": [], "stages": {},
-                                     "message": f"none of the stages {names} sleeps; nothing was woken"})
+                return _answer(
+                    200,
+                    {
+                        "status": "SKIPPED",
+                        "acks": [],
+                        "stages": {},
+                        "message": f"none of the stages {names} sleeps; nothing was woken",
+                    },
+                )
             return await wake()
 
         return await run_post(state, request, "/v1/omni/wakeup", work)
 
     # ------------------------------------------------------------------ SGLang-compatible
 
-    def sglang_work(command: str, names: list[str], make_call: Callable[[str], Callable[[], Any]],
-                    done: str, level: int | None = None, **extra: Any) -> Callable[[], Awaitable[Answer]]:  # fmt: skip
+    def sglang_work(
+        command: str,
+        names: list[str],
+        make_call: Callable[[str], Callable[[], Any]],
+        done: str,
+        level: int | None = None,
+        **extra: Any,
+    ) -> Callable[[], Awaitable[Answer]]:
         """SGLang's answer, {"success", "message"} (and `extra`), on errors too (beside omni-core's
         error)."""
 
@@ -1135,147 +1501,257 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
             if error is None:
                 return _answer(200, {"success": True, "message": done, **extra, "stages": per_stage})
             body = json.loads(error.body)
-            return Answer(error.status, dumps(dict(body, success=False, message=body["error"]["message"])),
-                          error.headers)  # fmt: skip
+            return Answer(
+                error.status, dumps(dict(body, success=False, message=body["error"]["message"])), error.headers
+            )
 
         return work
 
-    @app.post("/release_memory_occupation", dependencies=control, response_model=m.SglangMemoryModel,
-              responses=m.ERROR_RESPONSES, tags=["SGLang"],
-              description="SGLang's release on the default stage (or every stage): {\"tags\": [\"kv_cache\"]} "
-                          "or no body (every tag). In-flight requests finish first. level (omni-core's "
-                          "addition): 1 keeps the weights in host memory, 2 discards them. POST only: a GET "
-                          "that frees memory could be sent by any web page.")  # fmt: skip
+    @app.post(
+        "/release_memory_occupation",
+        dependencies=control,
+        response_model=m.SglangMemoryModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description='SGLang\'s release on the default stage (or every stage): {"tags": ["kv_cache"]} '
+        "or no body (every tag). In-flight requests finish first. level (omni-core's "
+        "addition): 1 keeps the weights in host memory, 2 discards them. POST only: a GET "
+        "that frees memory could be sent by any web page.",
+    )
     async def sglang_release(request: Request, body: m.SglangReleaseBody | None = None) -> Response:
         body = body or m.SglangReleaseBody()
         names, tags = state.targets(), body.tags or None
-        work = sglang_work("sleep", names, sleep_call(body.level, tags, _lifecycle_tid(request)),
-                           f"released {tags or 'every tag'} of {names} (level {body.level})", body.level)
+        work = sglang_work(
+            "sleep",
+            names,
+            sleep_call(body.level, tags, _lifecycle_tid(request)),
+            f"released {tags or 'every tag'} of {names} (level {body.level})",
+            body.level,
+        )
         return await run_post(state, request, "/release_memory_occupation", work)
 
-    @app.post("/resume_memory_occupation", dependencies=control, response_model=m.SglangMemoryModel,
-              responses=m.ERROR_RESPONSES, tags=["SGLang"],
-              description="SGLang's resume: {\"tags\": [\"weights\"]} or no body (every tag asleep)")  # fmt: skip
+    @app.post(
+        "/resume_memory_occupation",
+        dependencies=control,
+        response_model=m.SglangMemoryModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description='SGLang\'s resume: {"tags": ["weights"]} or no body (every tag asleep)',
+    )
     async def sglang_resume(request: Request, body: m.SglangMemoryBody | None = None) -> Response:
         body = body or m.SglangMemoryBody()
         names, tags = state.targets(), body.tags or None
-        work = sglang_work("wake", names, wake_call(tags, _lifecycle_tid(request)),
-                           f"resumed {tags or 'every tag asleep'} of {names}")
+        work = sglang_work(
+            "wake", names, wake_call(tags, _lifecycle_tid(request)), f"resumed {tags or 'every tag asleep'} of {names}"
+        )
         return await run_post(state, request, "/resume_memory_occupation", work)
 
-    @app.post("/update_weights_from_disk", dependencies=control, response_model=m.SglangUpdateModel,
-              responses=m.ERROR_RESPONSES, tags=["SGLang"],
-              description="SGLang's update from disk on the default stage (or every stage): {\"model_path\", "
-                          "\"weight_version\"}; weight_version is required (a decimal integer above the "
-                          "stage's), model_path must lie under allowed_reload_sources. In-flight requests finish "
-                          "first (abort_all_requests: false only).")  # fmt: skip
+    @app.post(
+        "/update_weights_from_disk",
+        dependencies=control,
+        response_model=m.SglangUpdateModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description='SGLang\'s update from disk on the default stage (or every stage): {"model_path", '
+        '"weight_version"}; weight_version is required (a decimal integer above the '
+        "stage's), model_path must lie under allowed_reload_sources. In-flight requests finish "
+        "first (abort_all_requests: false only).",
+    )
     async def sglang_update_from_disk(request: Request, body: m.SglangUpdateFromDiskBody) -> Response:
         if body.load_format not in (None, "safetensors"):
-            raise ApiError(400, f"load_format {body.load_format!r} is not read here; the ranks read safetensors "
-                                "checkpoints: send null or 'safetensors'",
-                           extra={"fields": ["load_format"]})  # fmt: skip
+            raise ApiError(
+                400,
+                f"load_format {body.load_format!r} is not read here; the ranks read safetensors "
+                "checkpoints: send null or 'safetensors'",
+                extra={"fields": ["load_format"]},
+            )
         if body.abort_all_requests:
-            raise ApiError(400, "abort_all_requests true is not served: an update drains in-flight requests; send "
-                                "false, or abort them first with POST /sleep?mode=abort",
-                           extra={"fields": ["abort_all_requests"]})  # fmt: skip
+            raise ApiError(
+                400,
+                "abort_all_requests true is not served: an update drains in-flight requests; send "
+                "false, or abort them first with POST /sleep?mode=abort",
+                extra={"fields": ["abort_all_requests"]},
+            )
         version, source = _decimal_version(body.weight_version), state.weight_source(body.model_path)
         names, tid = state.targets(), _lifecycle_tid(request)
-        work = sglang_work("update", names, update_call(source, version, tid),
-                           f"updated {names} to weights version {version} from {body.model_path}",
-                           num_paused_requests=0)  # fmt: skip
+        work = sglang_work(
+            "update",
+            names,
+            update_call(source, version, tid),
+            f"updated {names} to weights version {version} from {body.model_path}",
+            num_paused_requests=0,
+        )
         return await run_post(state, request, "/update_weights_from_disk", work)
 
     def update_call(source: WeightSource, version: int, tid: str | None) -> Callable[[str], Callable[[], Any]]:
         engine = state.require_engine()
         return lambda n: functools.partial(engine.update_weights, n, source, version=version, task_id=tid)
 
-    def group_call(address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str,
-                   tid: str | None) -> Callable[[str], Callable[[], Any]]:  # fmt: skip
+    def group_call(
+        address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str, tid: str | None
+    ) -> Callable[[str], Callable[[], Any]]:
         engine = state.require_engine()
         # vLLM's init_info names no backend (its server's config does): NCCL on a GPU stage, gloo else.
         return lambda n: functools.partial(
-            engine.init_weight_group, n, address=address, port=port, world_size=world_size, rank_offset=rank_offset,
-            backend=backend or ("nccl" if state.specs[n].device.startswith("cuda") else "gloo"), group=group,
-            task_id=tid)  # fmt: skip
+            engine.init_weight_group,
+            n,
+            address=address,
+            port=port,
+            world_size=world_size,
+            rank_offset=rank_offset,
+            backend=backend or ("nccl" if state.specs[n].device.startswith("cuda") else "gloo"),
+            group=group,
+            task_id=tid,
+        )
 
-    @app.post("/init_weight_transfer_engine", dependencies=control, response_model=m.VllmMessageModel,
-              responses=m.ERROR_RESPONSES, tags=["vLLM"],
-              description="vLLM's weight-transfer init on the default stage (or every stage): {\"init_info\": "
-                          "{master_address, master_port, rank_offset, world_size}}; every rank joins the "
-                          "trainer's group (NCCL on a GPU stage, gloo on CPU). Then POST /update_weights.")  # fmt: skip
+    @app.post(
+        "/init_weight_transfer_engine",
+        dependencies=control,
+        response_model=m.VllmMessageModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description='vLLM\'s weight-transfer init on the default stage (or every stage): {"init_info": '
+        "{master_address, master_port, rank_offset, world_size}}; every rank joins the "
+        "trainer's group (NCCL on a GPU stage, gloo on CPU). Then POST /update_weights.",
+    )
     async def vllm_init_weight_transfer(request: Request, body: m.VllmInitWeightTransferBody) -> Response:
         info, names = body.init_info, state.targets()
-        make = group_call(info.master_address, info.master_port, info.world_size, info.rank_offset, None, "weights",
-                          _lifecycle_tid(request))  # fmt: skip
-        work = on_many(names, "weight-group", make, lambda per: {"message": "Weight transfer initialized",
-                                                                "stages": per})  # fmt: skip
+        make = group_call(
+            info.master_address,
+            info.master_port,
+            info.world_size,
+            info.rank_offset,
+            None,
+            "weights",
+            _lifecycle_tid(request),
+        )
+        work = on_many(
+            names, "weight-group", make, lambda per: {"message": "Weight transfer initialized", "stages": per}
+        )
         return await run_post(state, request, "/init_weight_transfer_engine", work)
 
-    @app.post("/update_weights", dependencies=control, response_model=m.VllmMessageModel,
-              responses=m.ERROR_RESPONSES, tags=["vLLM"],
-              description="vLLM's weight update over the group /init_weight_transfer_engine set up: "
-                          "{\"update_info\": {names, dtype_names, shapes, packed: false}, \"version\": N}; the "
-                          "trainer broadcasts each tensor whole, in order. `version` is omni-core's addition and "
-                          "required. ipc_handles_pickled is not taken: a pickle from the network runs code; send "
-                          "an ipc source to POST /v1/stages/{name}/update_weights instead.")  # fmt: skip
+    @app.post(
+        "/update_weights",
+        dependencies=control,
+        response_model=m.VllmMessageModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="vLLM's weight update over the group /init_weight_transfer_engine set up: "
+        '{"update_info": {names, dtype_names, shapes, packed: false}, "version": N}; the '
+        "trainer broadcasts each tensor whole, in order. `version` is omni-core's addition and "
+        "required. ipc_handles_pickled is not taken: a pickle from the network runs code; send "
+        "an ipc source to POST /v1/stages/{name}/update_weights instead.",
+    )
     async def vllm_update_weights(request: Request, body: m.VllmUpdateWeightsBody) -> Response:
         info = body.update_info
         if info.packed:
-            raise ApiError(400, "update_info.packed true is not served: the ranks take each tensor broadcast whole, "
-                                "in order; send packed: false", extra={"fields": ["update_info.packed"]})  # fmt: skip
-        source = _collective(info.names, info.dtype_names, info.shapes,
-                             ("update_info.names", "update_info.dtype_names", "update_info.shapes"))  # fmt: skip
+            raise ApiError(
+                400,
+                "update_info.packed true is not served: the ranks take each tensor broadcast whole, "
+                "in order; send packed: false",
+                extra={"fields": ["update_info.packed"]},
+            )
+        source = _collective(
+            info.names,
+            info.dtype_names,
+            info.shapes,
+            ("update_info.names", "update_info.dtype_names", "update_info.shapes"),
+        )
         names = state.targets()
-        work = on_many(names, "update", update_call(source, body.version, _lifecycle_tid(request)),
-                       lambda per: {"message": "Weights updated", "stages": per})  # fmt: skip
+        work = on_many(
+            names,
+            "update",
+            update_call(source, body.version, _lifecycle_tid(request)),
+            lambda per: {"message": "Weights updated", "stages": per},
+        )
         return await run_post(state, request, "/update_weights", work)
 
-    @app.post("/init_weights_update_group", dependencies=control, response_model=m.SglangResultModel,
-              responses=m.ERROR_RESPONSES, tags=["SGLang"],
-              description="SGLang's weight-group init on the default stage (or every stage): master_address, "
-                          "master_port, rank_offset, world_size, group_name, backend (nccl or gloo).")  # fmt: skip
+    @app.post(
+        "/init_weights_update_group",
+        dependencies=control,
+        response_model=m.SglangResultModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description="SGLang's weight-group init on the default stage (or every stage): master_address, "
+        "master_port, rank_offset, world_size, group_name, backend (nccl or gloo).",
+    )
     async def sglang_init_group(request: Request, body: m.SglangInitGroupBody) -> Response:
         if body.backend not in ("nccl", "gloo"):
-            raise ApiError(400, f"backend {body.backend!r} is not served; send 'nccl' (GPU) or 'gloo' (CPU)",
-                           extra={"fields": ["backend"]})  # fmt: skip
+            raise ApiError(
+                400,
+                f"backend {body.backend!r} is not served; send 'nccl' (GPU) or 'gloo' (CPU)",
+                extra={"fields": ["backend"]},
+            )
         names = state.targets()
-        make = group_call(body.master_address, body.master_port, body.world_size, body.rank_offset, body.backend,
-                          body.group_name, _lifecycle_tid(request))  # fmt: skip
+        make = group_call(
+            body.master_address,
+            body.master_port,
+            body.world_size,
+            body.rank_offset,
+            body.backend,
+            body.group_name,
+            _lifecycle_tid(request),
+        )
         work = sglang_work("weight-group", names, make, f"{names} joined weight group {body.group_name!r}")
         return await run_post(state, request, "/init_weights_update_group", work)
 
-    @app.post("/update_weights_from_distributed", dependencies=control, response_model=m.SglangResultModel,
-              responses=m.ERROR_RESPONSES, tags=["SGLang"],
-              description="SGLang's update by broadcast over the group /init_weights_update_group set up: names, "
-                          "dtypes, shapes (parallel lists, each tensor whole, in order) and weight_version "
-                          "(required here: a decimal integer above the stage's).")  # fmt: skip
+    @app.post(
+        "/update_weights_from_distributed",
+        dependencies=control,
+        response_model=m.SglangResultModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description="SGLang's update by broadcast over the group /init_weights_update_group set up: names, "
+        "dtypes, shapes (parallel lists, each tensor whole, in order) and weight_version "
+        "(required here: a decimal integer above the stage's).",
+    )
     async def sglang_update_from_distributed(request: Request, body: m.SglangUpdateFromDistributedBody) -> Response:
         version = _decimal_version(body.weight_version)
         source = _collective(body.names, body.dtypes, body.shapes, ("names", "dtypes", "shapes"))
         names = state.targets()
-        work = sglang_work("update", names, update_call(source, version, _lifecycle_tid(request)),
-                           f"updated {names} to weights version {version} by broadcast")  # fmt: skip
+        work = sglang_work(
+            "update",
+            names,
+            update_call(source, version, _lifecycle_tid(request)),
+            f"updated {names} to weights version {version} by broadcast",
+        )
         return await run_post(state, request, "/update_weights_from_distributed", work)
 
-    @app.post("/update_weights_from_tensor", dependencies=control, responses=m.NOT_SERVED_RESPONSES,
-              tags=["SGLang"], description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    @app.post(
+        "/update_weights_from_tensor",
+        dependencies=control,
+        responses=m.NOT_SERVED_RESPONSES,
+        tags=["SGLang"],
+        description="Not served (501): see docs/http_routes.md",
+    )
     async def sglang_update_from_tensor() -> Response:
-        raise ApiError(501, "update_weights_from_tensor is not served: its serialized_named_tensors are pickles, "
-                            "and unpickling bytes from the network runs code. Share the tensors with "
-                            "omni_core.weights_sender.WeightSender (CUDA IPC or shared memory) and POST its source "
-                            "to /v1/stages/{name}/update_weights (or Engine.update_weights)", kind="NotServed")
+        raise ApiError(
+            501,
+            "update_weights_from_tensor is not served: its serialized_named_tensors are pickles, "
+            "and unpickling bytes from the network runs code. Share the tensors with "
+            "omni_core.weights_sender.WeightSender (CUDA IPC or shared memory) and POST its source "
+            "to /v1/stages/{name}/update_weights (or Engine.update_weights)",
+            kind="NotServed",
+        )
 
-    @app.post("/flush_cache", dependencies=control, responses=m.NOT_SERVED_RESPONSES, tags=["SGLang"],
-              description="Not served (501): see docs/http_routes.md")  # fmt: skip
+    @app.post(
+        "/flush_cache",
+        dependencies=control,
+        responses=m.NOT_SERVED_RESPONSES,
+        tags=["SGLang"],
+        description="Not served (501): see docs/http_routes.md",
+    )
     async def sglang_flush_cache(timeout: float = 0.0) -> Response:
         raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
 
     # The last added is outermost: metrics see every answer, 413s included; the body limit
     # still runs before any route reads a byte.
-    app.add_middleware(BodyLimit, max_body_bytes=state.server.max_body_bytes,
-                       on_refused=state.metrics.http_body_refused.inc)  # fmt: skip
+    app.add_middleware(
+        BodyLimit, max_body_bytes=state.server.max_body_bytes, on_refused=state.metrics.http_body_refused.inc
+    )
     policy = BrowserPolicy(state.server.host, state.server.allowed_hosts, state.server.allowed_origins)
-    app.add_middleware(BrowserGuard, policy=policy,
-                       on_refused=lambda reason: state.metrics.http_refused.labels(reason).inc())  # fmt: skip
+    app.add_middleware(
+        BrowserGuard, policy=policy, on_refused=lambda reason: state.metrics.http_refused.labels(reason).inc()
+    )
     app.add_middleware(_HttpMetrics, state=state)
     return app

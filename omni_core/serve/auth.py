@@ -33,8 +33,10 @@ def load_api_key(server: ServerConfig, environ: Mapping[str, str] | None = None)
                 key = f.read().strip()
             mode = os.stat(server.api_key_file).st_mode
         except OSError as exc:
-            raise ServeRefusedError(f"cannot read api_key_file {server.api_key_file!r}: {exc}; "
-                                    "create it with the key on one line (chmod 600)") from None  # fmt: skip
+            raise ServeRefusedError(
+                f"cannot read api_key_file {server.api_key_file!r}: {exc}; "
+                "create it with the key on one line (chmod 600)"
+            ) from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             log.warning("api_key_file %s is readable by other users; chmod 600 it", server.api_key_file)
         source = f"api_key_file {server.api_key_file!r}"
@@ -44,9 +46,11 @@ def load_api_key(server: ServerConfig, environ: Mapping[str, str] | None = None)
             return None
         source = f"environment variable {server.api_key_env}"
     if len(key) < MIN_API_KEY_CHARS:
-        raise ServeRefusedError(f"the API key in {source} has {len(key)} characters; use at least "
-                                f"{MIN_API_KEY_CHARS}, e.g. from "
-                                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")  # fmt: skip
+        raise ServeRefusedError(
+            f"the API key in {source} has {len(key)} characters; use at least "
+            f"{MIN_API_KEY_CHARS}, e.g. from "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
     return key
 
 
@@ -68,7 +72,8 @@ def check_bind(host: str, api_key: str | None) -> None:
         raise ServeRefusedError(
             f"refusing to listen on {host!r} without an API key: anyone who reaches it could sleep, "
             "restart or reload your stages. Put a key in a file and pass --api-key-file FILE (or set "
-            "api_key_file in [server], or the OMNI_CORE_API_KEY environment variable), or listen on 127.0.0.1")
+            "api_key_file in [server], or the OMNI_CORE_API_KEY environment variable), or listen on 127.0.0.1"
+        )
 
 
 class KeyCheck:

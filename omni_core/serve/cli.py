@@ -18,20 +18,29 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"wrote {write_openapi(args.write_openapi)}")
         return 0
     if not args.config:
-        print("omni-core serve: --config FILE is required (a TOML stage config; examples/two_stages.toml is one)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "omni-core serve: --config FILE is required (a TOML stage config; examples/two_stages.toml is one)",
+            file=sys.stderr,
+        )
         return 2
     from omni_core.config import ConfigError, load_config
     from omni_core.serve.server import serve, with_overrides
 
     try:
-        config = with_overrides(load_config(args.config), host=args.host, port=args.port,
-                                api_key_file=args.api_key_file, default_stage=args.default_stage,
-                                allowed_hosts=_tuple(args.allowed_host),
-                                allowed_origins=_tuple(args.allowed_origin))  # fmt: skip
+        config = with_overrides(
+            load_config(args.config),
+            host=args.host,
+            port=args.port,
+            api_key_file=args.api_key_file,
+            default_stage=args.default_stage,
+            allowed_hosts=_tuple(args.allowed_host),
+            allowed_origins=_tuple(args.allowed_origin),
+        )
         if config.server.default_stage is not None and config.server.default_stage not in config.stage_names:
-            raise ConfigError(args.config, f"--default-stage {config.server.default_stage!r} is not a stage; "
-                                           f"stages are {config.stage_names}")  # fmt: skip
+            raise ConfigError(
+                args.config,
+                f"--default-stage {config.server.default_stage!r} is not a stage; stages are {config.stage_names}",
+            )
     except (ConfigError, ValueError) as exc:
         print(f"omni-core serve: {exc}", file=sys.stderr)
         return 2
@@ -49,10 +58,14 @@ def _fmt_bytes(n: int | None) -> str:
 def _print_stages(stages: list[dict[str, Any]]) -> None:
     print(f"{'id':<3} {'stage':<16} {'state':<14} {'epoch':>5} {'queued':>6} {'in flight':>9}  ranks")
     for st in stages:
-        ranks = ", ".join(f"r{rank}: {r['state']} pid {r['pid']}" + ("" if r["alive"] else " (gone)")
-                          for rank, r in st["ranks"].items())  # fmt: skip
-        print(f"{st['stage_id']:<3} {st['name']:<16} {st['state']:<14} {st['epoch']:>5} {st['queued']:>6} "
-              f"{st['in_flight']:>9}  {ranks}")  # fmt: skip
+        ranks = ", ".join(
+            f"r{rank}: {r['state']} pid {r['pid']}" + ("" if r["alive"] else " (gone)")
+            for rank, r in st["ranks"].items()
+        )
+        print(
+            f"{st['stage_id']:<3} {st['name']:<16} {st['state']:<14} {st['epoch']:>5} {st['queued']:>6} "
+            f"{st['in_flight']:>9}  {ranks}"
+        )
         if st.get("failure"):
             print(f"    failure: {st['failure']}")
 
@@ -61,8 +74,10 @@ def _print_report(report: dict[str, Any]) -> None:
     freed = sum(r["freed_bytes"] for r in report["ranks"].values())
     status = "" if report["status"] == "OK" else f" ({report['status']})"
     moved = f"{'freed' if freed >= 0 else 'restored'} {_fmt_bytes(abs(freed))}"
-    print(f"{report['stage']}: {report['command']} -> {report['state']}{status} in "
-          f"{report['duration_s'] * 1000:.1f} ms, {moved} over {len(report['ranks'])} rank(s)")  # fmt: skip
+    print(
+        f"{report['stage']}: {report['command']} -> {report['state']}{status} in "
+        f"{report['duration_s'] * 1000:.1f} ms, {moved} over {len(report['ranks'])} rank(s)"
+    )
 
 
 def run_remote(args: argparse.Namespace) -> int:
@@ -72,13 +87,24 @@ def run_remote(args: argparse.Namespace) -> int:
         if verb == "status":
             answer: Any = [client.stage(args.stage)] if args.stage else client.stages()
         elif verb == "sleep":
-            answer = client.sleep(args.stage, args.level, args.tags, timeout_s=args.timeout_s,
-                                  abort_in_flight=args.abort_in_flight,
-                                  idempotency_key=args.idempotency_key)  # fmt: skip
+            answer = client.sleep(
+                args.stage,
+                args.level,
+                args.tags,
+                timeout_s=args.timeout_s,
+                abort_in_flight=args.abort_in_flight,
+                idempotency_key=args.idempotency_key,
+            )
         elif verb == "swap":
-            answer = client.swap(args.out_stage, args.in_stage, level=args.level, tags=args.tags,
-                                 memory_wait_s=args.memory_wait_s, timeout_s=args.timeout_s,
-                                 idempotency_key=args.idempotency_key)  # fmt: skip
+            answer = client.swap(
+                args.out_stage,
+                args.in_stage,
+                level=args.level,
+                tags=args.tags,
+                memory_wait_s=args.memory_wait_s,
+                timeout_s=args.timeout_s,
+                idempotency_key=args.idempotency_key,
+            )
         else:
             answer = client.wake(args.stage, args.tags, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
     except ServeError as exc:
@@ -106,9 +132,12 @@ def run_remote(args: argparse.Namespace) -> int:
 def say_if_replayed(verb: str, answer: Any, key: str | None) -> None:
     """A client verb's answer that the server took from its Idempotency-Key record says so."""
     if getattr(answer, "replayed", False):
-        print(f"omni-core {verb}: replayed: this is the answer to the first request with Idempotency-Key "
-              f"{key!r}; nothing ran again, and the stage may have changed since (omni-core status shows it "
-              "now)", file=sys.stderr)  # fmt: skip
+        print(
+            f"omni-core {verb}: replayed: this is the answer to the first request with Idempotency-Key "
+            f"{key!r}; nothing ran again, and the stage may have changed since (omni-core status shows it "
+            "now)",
+            file=sys.stderr,
+        )
 
 
 def _error_lines(error: dict[str, Any]) -> list[str]:

@@ -38,10 +38,14 @@ RESERVED_FDS = 128
 FDS_PER_RANK = 8
 MAX_CONNECTIONS_CAP = 10_000
 MIN_CONNECTIONS = 16
-REFUSED_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                  b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s")  # fmt: skip
-REFUSED_BODY = (b'{"error":{"code":503,"type":"TooManyConnections","message":"the server holds max_connections '
-                b'connections, each busy with a request; retry in a second, or raise [server] max_connections"}}')
+REFUSED_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s"
+)
+REFUSED_BODY = (
+    b'{"error":{"code":503,"type":"TooManyConnections","message":"the server holds max_connections '
+    b'connections, each busy with a request; retry in a second, or raise [server] max_connections"}}'
+)
 
 
 def connection_limit(configured: int, ranks: int) -> int:
@@ -53,8 +57,13 @@ def connection_limit(configured: int, ranks: int) -> int:
     if configured == 0:
         return ceiling
     if configured > ceiling:
-        log.warning("max_connections %d is above what the descriptor limit (ulimit -n %d) leaves for HTTP; using "
-                    "%d. Raise `ulimit -n` to allow more", configured, soft, ceiling)  # fmt: skip
+        log.warning(
+            "max_connections %d is above what the descriptor limit (ulimit -n %d) leaves for HTTP; using "
+            "%d. Raise `ulimit -n` to allow more",
+            configured,
+            soft,
+            ceiling,
+        )
         return ceiling
     return configured
 
@@ -101,8 +110,13 @@ class ConnectionGuard:
     """What the protocol instances of one server share: the open connections, those waiting
     for their request (oldest first), the limits and the counters."""
 
-    def __init__(self, read_timeout_s: float, max_connections: int, on_closed: Callable[[str], None] | None = None,
-                 on_count: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        read_timeout_s: float,
+        max_connections: int,
+        on_closed: Callable[[str], None] | None = None,
+        on_count: Callable[[int], None] | None = None,
+    ) -> None:
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.on_closed = on_closed  # metrics: a connection closed by the guard, by reason
@@ -123,8 +137,11 @@ class ConnectionGuard:
         while self.waiting:
             oldest, _ = self.waiting.popitem(last=False)
             if oldest.transport is not None and not oldest.transport.is_closing():
-                oldest.drop("limit_evicted", f"closed a connection that had waited longest for its request: the "
-                                             f"server holds max_connections ({self.max_connections})")  # fmt: skip
+                oldest.drop(
+                    "limit_evicted",
+                    f"closed a connection that had waited longest for its request: the "
+                    f"server holds max_connections ({self.max_connections})",
+                )
                 return True
         return False
 
@@ -139,9 +156,11 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             super().connection_made(transport)
             if len(guard.open) >= guard.max_connections and not guard.make_room():
                 guard.closed_by_guard("limit_refused")
-                log.warning("refused a connection: the server holds max_connections (%d) connections, each busy "
-                            "with a request; raise [server] max_connections (and ulimit -n) if this is load",
-                            guard.max_connections)  # fmt: skip
+                log.warning(
+                    "refused a connection: the server holds max_connections (%d) connections, each busy "
+                    "with a request; raise [server] max_connections (and ulimit -n) if this is load",
+                    guard.max_connections,
+                )
                 transport.write(REFUSED_ANSWER % (len(REFUSED_BODY), REFUSED_BODY))
                 transport.close()
                 return
@@ -195,9 +214,12 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             self._read_timer = None
             guard.waiting.pop(self, None)
             if self._waiting_for_request():
-                self.drop("read_timeout", f"closed a connection whose request did not arrive within read_timeout_s "
-                                          f"({guard.read_timeout_s} s); a client that needs longer can raise "
-                                          "[server] read_timeout_s")  # fmt: skip
+                self.drop(
+                    "read_timeout",
+                    f"closed a connection whose request did not arrive within read_timeout_s "
+                    f"({guard.read_timeout_s} s); a client that needs longer can raise "
+                    "[server] read_timeout_s",
+                )
 
         def drop(self, reason: str, why: str) -> None:
             guard.closed_by_guard(reason)

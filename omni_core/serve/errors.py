@@ -65,8 +65,15 @@ RETRY_AFTER_S = 1  # what a 429 or an overloaded 503 tells the client to wait
 class ApiError(Exception):
     """An error the HTTP layer raises itself (auth, body size, idempotency, access)."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "ApiError", headers: dict[str, str] | None = None,
-                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "ApiError",
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
@@ -94,8 +101,9 @@ def _status_for(exc: BaseException) -> int:
             return 503
         if "refused the reload" in message or "refused the update" in message:
             return 400  # every rank said INVALID_ARGUMENT: nothing was written
-        if any(needle in message for needle in ("must be", "unknown tag", "is not one of", "tags must",
-                                                "needs two stages")):
+        if any(
+            needle in message for needle in ("must be", "unknown tag", "is not one of", "tags must", "needs two stages")
+        ):
             return 400
         return 409  # the state forbids it, a task is in flight, a task_id reused for another command
     if isinstance(exc, RequestRejectedError):
@@ -156,8 +164,11 @@ def to_http(exc: BaseException, *, stage: str | None = None) -> HttpError:
     """The status, JSON body and headers for an exception; the message text is the engine's."""
     status = _status_for(exc)
     kind = exc.kind if isinstance(exc, ApiError) else type(exc).__name__
-    message = str(exc) if status != 500 else (
-        f"internal error ({type(exc).__name__}: {exc}); this is a bug in omni-core serve, please report it")
+    message = (
+        str(exc)
+        if status != 500
+        else (f"internal error ({type(exc).__name__}: {exc}); this is a bug in omni-core serve, please report it")
+    )
     error: dict[str, Any] = {"code": status, "type": kind, "message": message}
     if stage is not None:
         error["stage"] = stage
@@ -165,8 +176,12 @@ def to_http(exc: BaseException, *, stage: str | None = None) -> HttpError:
         error["stage"] = exc.stage
         error["failures"] = {str(rank): why for rank, why in exc.failures.items()}
     if isinstance(exc, WeightUpdateFailedError):
-        error.update(stage=exc.stage, state="NEEDS_RELOAD", weights_version=exc.version,
-                     failures={str(rank): why for rank, why in exc.failures.items()})  # fmt: skip
+        error.update(
+            stage=exc.stage,
+            state="NEEDS_RELOAD",
+            weights_version=exc.version,
+            failures={str(rank): why for rank, why in exc.failures.items()},
+        )
     if isinstance(exc, NoMemoryError):
         error["stage"] = exc.stage
         error["refusals"] = {str(rank): why for rank, why in exc.refusals.items()}
@@ -185,5 +200,13 @@ def to_http(exc: BaseException, *, stage: str | None = None) -> HttpError:
 
 def outcome_label(status: int) -> str:
     """The `outcome` label of request and lifecycle metrics for an HTTP status."""
-    return {200: "ok", 400: "invalid", 403: "forbidden", 404: "unknown_stage", 409: "conflict", 429: "rejected",
-            503: "failed", 504: "deadline"}.get(status, "error")  # fmt: skip
+    return {
+        200: "ok",
+        400: "invalid",
+        403: "forbidden",
+        404: "unknown_stage",
+        409: "conflict",
+        429: "rejected",
+        503: "failed",
+        504: "deadline",
+    }.get(status, "error")

@@ -108,33 +108,58 @@ class BrowserPolicy:
         host_header = headers.get(b"host", b"").decode("latin-1")
         host, port = split_host_port(host_header)
         if host_header and not self.host_ok(host):
-            return Refusal(403, "host", "ForeignHost", (
-                f"Host {host_header[:100]!r} does not name this server (it answers to {sorted(self.hosts)}"
-                f"{' and any IP address' if self.wildcard_bind else ''}): a page whose DNS name points here (DNS "
-                "rebinding) is refused. If you reach the server under this name, add it to [server] allowed_hosts "
-                "or pass --allowed-host"))  # fmt: skip
+            return Refusal(
+                403,
+                "host",
+                "ForeignHost",
+                (
+                    f"Host {host_header[:100]!r} does not name this server (it answers to {sorted(self.hosts)}"
+                    f"{' and any IP address' if self.wildcard_bind else ''}): a page whose DNS name points here (DNS "
+                    "rebinding) is refused. If you reach the server under this name, add it to [server] allowed_hosts "
+                    "or pass --allowed-host"
+                ),
+            )
         if method in SAFE_METHODS:
             return None
         origin = headers.get(b"origin")
         if origin is not None:
             text = origin.decode("latin-1").strip().rstrip("/").lower()
             if not (self.any_origin or text in self.origins or self._same_origin(text, host, port)):
-                return Refusal(403, "origin", "CrossOriginRefused", (
-                    f"Origin {text[:100]!r} is not this server's: a {method[:10]} from another site's page is "
-                    "refused. To allow a page of that origin to change stages, add it to [server] allowed_origins "
-                    "or pass --allowed-origin"))  # fmt: skip
+                return Refusal(
+                    403,
+                    "origin",
+                    "CrossOriginRefused",
+                    (
+                        f"Origin {text[:100]!r} is not this server's: a {method[:10]} from another site's page is "
+                        "refused. To allow a page of that origin to change stages, add it to [server] allowed_origins "
+                        "or pass --allowed-origin"
+                    ),
+                )
         content_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if content_type:
             if content_type in JSON_TYPES or content_type.endswith("+json"):
                 return None
-            return Refusal(415, "content_type", "UnsupportedMediaType", (
-                f"Content-Type {content_type[:100]!r} is refused on {method[:10]} routes: they take application/json "
-                "(a page of another site can send text/plain, forms and multipart without asking). Send "
-                "'Content-Type: application/json', or no body and no Content-Type"))  # fmt: skip
+            return Refusal(
+                415,
+                "content_type",
+                "UnsupportedMediaType",
+                (
+                    f"Content-Type {content_type[:100]!r} is refused on {method[:10]} routes: "
+                    "they take application/json "
+                    "(a page of another site can send text/plain, forms and multipart without asking). Send "
+                    "'Content-Type: application/json', or no body and no Content-Type"
+                ),
+            )
         if _has_body(headers):
-            return Refusal(415, "content_type", "UnsupportedMediaType", (
-                f"a {method[:10]} with a body needs 'Content-Type: application/json' (a body without a type is "
-                "what a page of another site can send); send the header, or no body"))  # fmt: skip
+            return Refusal(
+                415,
+                "content_type",
+                "UnsupportedMediaType",
+                (
+                    f"a {method[:10]} with a body needs 'Content-Type: application/json' (a body without a type is "
+                    "what a page of another site can send); send the header, or no body"
+                ),
+            )
         return None
 
     @staticmethod
@@ -194,7 +219,11 @@ class BrowserGuard:
             self.on_refused(refusal.reason)
         error = {"code": refusal.status, "type": refusal.kind, "message": refusal.message}
         body = json.dumps({"error": error}).encode()
-        await send_with_headers({"type": "http.response.start", "status": refusal.status,
-                                 "headers": [(b"content-type", b"application/json"),
-                                             (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send_with_headers(
+            {
+                "type": "http.response.start",
+                "status": refusal.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send_with_headers({"type": "http.response.body", "body": body})

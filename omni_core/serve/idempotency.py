@@ -69,8 +69,11 @@ class _Entry:
 
 def check_key(key: str) -> str:
     if not KEY_PATTERN.match(key):
-        raise ApiError(400, f"Idempotency-Key {key[:120]!r} must be 1-100 characters of [A-Za-z0-9_.:-] "
-                            "(a UUID fits)", kind="InvalidIdempotencyKey")  # fmt: skip
+        raise ApiError(
+            400,
+            f"Idempotency-Key {key[:120]!r} must be 1-100 characters of [A-Za-z0-9_.:-] (a UUID fits)",
+            kind="InvalidIdempotencyKey",
+        )
     return key
 
 
@@ -132,14 +135,21 @@ def _shortened(described: str) -> str:
 def _reused(key: str, entry: _Entry, fp: Fingerprint, described: str) -> ApiError:
     described = _shortened(described)
     if entry.described != described:
-        return ApiError(409, f"Idempotency-Key {key!r} was used for {entry.described}, now for {described}; "
-                             "use a fresh key per request", kind="IdempotencyKeyReused")  # fmt: skip
+        return ApiError(
+            409,
+            f"Idempotency-Key {key!r} was used for {entry.described}, now for {described}; use a fresh key per request",
+            kind="IdempotencyKeyReused",
+        )
     fields = _differing(entry.fingerprint, fp)
     what = f"field(s) {fields} differ" if fields else "its body differs"
-    return ApiError(409, f"Idempotency-Key {key!r} was used for {described} with another body: {what} (a null "
-                         "field counts as absent; key order, spacing and 10 vs 10.0 do not count). A retry must "
-                         "send the same body; a new intent needs a fresh key", kind="IdempotencyKeyReused",
-                    extra={"fields": [f"body.{name}" for name in fields]})  # fmt: skip
+    return ApiError(
+        409,
+        f"Idempotency-Key {key!r} was used for {described} with another body: {what} (a null "
+        "field counts as absent; key order, spacing and 10 vs 10.0 do not count). A retry must "
+        "send the same body; a new intent needs a fresh key",
+        kind="IdempotencyKeyReused",
+        extra={"fields": [f"body.{name}" for name in fields]},
+    )
 
 
 class IdempotencyCache:
@@ -153,8 +163,9 @@ class IdempotencyCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def run(self, key: str, fp: Fingerprint, described: str,
-                  work: Callable[[], Awaitable[Answer]]) -> tuple[Answer, bool]:  # fmt: skip
+    async def run(
+        self, key: str, fp: Fingerprint, described: str, work: Callable[[], Awaitable[Answer]]
+    ) -> tuple[Answer, bool]:
         """`work()`'s answer for the first request with `key`, and the same answer for later
         ones; the flag says whether this one was such a replay."""
         entry = self._entries.get(key)
@@ -170,8 +181,13 @@ class IdempotencyCache:
         entry = _Entry(fp, described, task)
         # Everything the entry keeps counts, from the moment it is kept: key, fingerprint,
         # description; the answer is added once there is one.
-        entry.size_bytes = (len(key) + len(fp.digest) + sum(len(k) + len(v) for k, v in fp.fields) + len(described)
-                            + ENTRY_OVERHEAD_BYTES)  # fmt: skip
+        entry.size_bytes = (
+            len(key)
+            + len(fp.digest)
+            + sum(len(k) + len(v) for k, v in fp.fields)
+            + len(described)
+            + ENTRY_OVERHEAD_BYTES
+        )
         self._bytes += entry.size_bytes
         self._entries[key] = entry
         task.add_done_callback(lambda t, k=key, e=entry: self._settled(k, e, t))
@@ -189,9 +205,14 @@ class IdempotencyCache:
         size = answer_bytes(answer)
         if size > self.max_bytes // NOT_KEPT_SHARE:
             done: asyncio.Future = asyncio.get_running_loop().create_future()
-            done.set_exception(ApiError(409, f"the request with Idempotency-Key {key!r} ran once; its answer "
-                                             f"({size} bytes) was too large to keep, so a retry cannot repeat it",
-                                        kind="AnswerNotKept"))  # fmt: skip
+            done.set_exception(
+                ApiError(
+                    409,
+                    f"the request with Idempotency-Key {key!r} ran once; its answer "
+                    f"({size} bytes) was too large to keep, so a retry cannot repeat it",
+                    kind="AnswerNotKept",
+                )
+            )
             done.exception()  # retrieved: only retries see it
             entry.task = done
         else:

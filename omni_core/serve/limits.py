@@ -10,8 +10,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 def too_large_message(max_body_bytes: int, what: str) -> str:
-    return (f"request body {what} exceeds max_body_bytes ({max_body_bytes}); send less, or raise "
-            "max_body_bytes in [server]")
+    return (
+        f"request body {what} exceeds max_body_bytes ({max_body_bytes}); send less, or raise max_body_bytes in [server]"
+    )
 
 
 class BodyTooLargeError(HTTPException):
@@ -23,8 +24,9 @@ class BodyTooLargeError(HTTPException):
 
 
 def _too_large_body(max_body_bytes: int, what: str) -> bytes:
-    return json.dumps({"error": {"code": 413, "type": "BodyTooLarge",
-                                 "message": too_large_message(max_body_bytes, what)}}).encode()
+    return json.dumps(
+        {"error": {"code": 413, "type": "BodyTooLarge", "message": too_large_message(max_body_bytes, what)}}
+    ).encode()
 
 
 class BodyLimit:
@@ -60,8 +62,9 @@ class BodyLimit:
                 if seen_bytes > self.max_body_bytes:
                     if self.on_refused is not None:
                         self.on_refused()
-                    raise BodyTooLargeError(too_large_message(
-                        self.max_body_bytes, f"of more than {self.max_body_bytes} bytes (chunked)"))
+                    raise BodyTooLargeError(
+                        too_large_message(self.max_body_bytes, f"of more than {self.max_body_bytes} bytes (chunked)")
+                    )
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -83,7 +86,15 @@ class BodyLimit:
 
     async def _send_413(self, send: Send, what: str) -> None:
         body = _too_large_body(self.max_body_bytes, what)
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

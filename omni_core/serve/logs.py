@@ -45,8 +45,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and the event's fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {"time": _utc(record), "level": record.levelname, "logger": record.name,
-                                "message": record.getMessage()}  # fmt: skip
+        line: dict[str, Any] = {
+            "time": _utc(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         event = getattr(record, EVENT_ATTR, None)
         if isinstance(event, dict):
             line.update({k: v for k, v in event.items() if k not in line})

@@ -24,8 +24,26 @@ disable_created_metrics()
 
 # vLLM's sleep_mode_operation_duration_seconds spans 0.01-600 s; the control plane on CPU
 # answers in milliseconds, so the low end starts finer.
-LIFECYCLE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                       60.0, 120.0, 300.0, 600.0)  # fmt: skip
+LIFECYCLE_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 HTTP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's engine_sleep_state values
 STAGE_STATES = tuple(s.value for s in StageState)
@@ -51,56 +69,100 @@ class ServeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.lifecycle_duration = Histogram(
-            "omni_core_lifecycle_duration_seconds", "Sleep, wake, reload and restart calls through the server, "
-            "from call to answer, by stage, command and outcome", ["stage", "command", "outcome"],
-            buckets=LIFECYCLE_BUCKETS_S, registry=r)  # fmt: skip
+            "omni_core_lifecycle_duration_seconds",
+            "Sleep, wake, reload and restart calls through the server, "
+            "from call to answer, by stage, command and outcome",
+            ["stage", "command", "outcome"],
+            buckets=LIFECYCLE_BUCKETS_S,
+            registry=r,
+        )
         self.swap_duration = Histogram(
-            "omni_core_swap_duration_seconds", "Swaps through the server (one stage sleeps while another wakes), "
-            "from call to answer, by outgoing stage, incoming stage and outcome", ["out_stage", "in_stage", "outcome"],
-            buckets=LIFECYCLE_BUCKETS_S, registry=r)  # fmt: skip
+            "omni_core_swap_duration_seconds",
+            "Swaps through the server (one stage sleeps while another wakes), "
+            "from call to answer, by outgoing stage, incoming stage and outcome",
+            ["out_stage", "in_stage", "outcome"],
+            buckets=LIFECYCLE_BUCKETS_S,
+            registry=r,
+        )
         self.lifecycle_in_flight = Gauge(
-            "omni_core_lifecycle_operations_in_flight", "Lifecycle calls through the server not yet answered",
-            ["stage"], registry=r)  # fmt: skip
+            "omni_core_lifecycle_operations_in_flight",
+            "Lifecycle calls through the server not yet answered",
+            ["stage"],
+            registry=r,
+        )
         self.freed_bytes = Counter(
-            "omni_core_freed_bytes", "Pool bytes released by sleeps, summed over ranks, by stage and tag",
-            ["stage", "tag"], registry=r)  # fmt: skip
+            "omni_core_freed_bytes",
+            "Pool bytes released by sleeps, summed over ranks, by stage and tag",
+            ["stage", "tag"],
+            registry=r,
+        )
         self.restored_bytes = Counter(
-            "omni_core_restored_bytes", "Pool bytes brought back by wakes and reloads, summed over ranks",
-            ["stage", "tag"], registry=r)  # fmt: skip
+            "omni_core_restored_bytes",
+            "Pool bytes brought back by wakes and reloads, summed over ranks",
+            ["stage", "tag"],
+            registry=r,
+        )
         self.requests = Counter(
-            "omni_core_requests", "Execute requests through the server by stage and outcome (ok, rejected, "
-            "conflict, invalid, failed, deadline, ...)", ["stage", "outcome"], registry=r)  # fmt: skip
+            "omni_core_requests",
+            "Execute requests through the server by stage and outcome (ok, rejected, "
+            "conflict, invalid, failed, deadline, ...)",
+            ["stage", "outcome"],
+            registry=r,
+        )
         self.deadlines = Counter(
-            "omni_core_deadlines_fired", "Deadlines that ended a call through the server (HTTP 504), by stage "
-            "and kind (request, lifecycle)", ["stage", "kind"], registry=r)  # fmt: skip
+            "omni_core_deadlines_fired",
+            "Deadlines that ended a call through the server (HTTP 504), by stage and kind (request, lifecycle)",
+            ["stage", "kind"],
+            registry=r,
+        )
         self.restarts = Counter("omni_core_stage_restarts", "Stage restarts through the server", ["stage"], registry=r)
         self.http_requests = Counter(
-            "omni_core_http_requests", "HTTP requests answered, by route template, method and status code",
-            ["route", "method", "code"], registry=r)  # fmt: skip
+            "omni_core_http_requests",
+            "HTTP requests answered, by route template, method and status code",
+            ["route", "method", "code"],
+            registry=r,
+        )
         self.http_duration = Histogram(
-            "omni_core_http_request_duration_seconds", "HTTP request latency by route template",
-            ["route", "method"], buckets=HTTP_BUCKETS_S, registry=r)  # fmt: skip
+            "omni_core_http_request_duration_seconds",
+            "HTTP request latency by route template",
+            ["route", "method"],
+            buckets=HTTP_BUCKETS_S,
+            registry=r,
+        )
         self.http_in_flight = Gauge("omni_core_http_requests_in_flight", "HTTP requests being handled", registry=r)
         self.http_disconnects = Counter(
-            "omni_core_http_client_disconnects", "Clients that went away before their answer; the call still "
-            "ran to its end and was counted", ["route"], registry=r)  # fmt: skip
+            "omni_core_http_client_disconnects",
+            "Clients that went away before their answer; the call still ran to its end and was counted",
+            ["route"],
+            registry=r,
+        )
         self.http_auth_failures = Counter(
-            "omni_core_http_auth_failures", "Requests refused for a missing or wrong API key (401)", registry=r)
+            "omni_core_http_auth_failures", "Requests refused for a missing or wrong API key (401)", registry=r
+        )
         self.http_refused = Counter(
-            "omni_core_http_requests_refused", "Requests refused before any route ran: a foreign Host (403), a "
+            "omni_core_http_requests_refused",
+            "Requests refused before any route ran: a foreign Host (403), a "
             "foreign Origin on a state-changing route (403), a body that is not JSON there (415), by reason",
-            ["reason"], registry=r)  # fmt: skip
-        self.http_connections_open = Gauge("omni_core_http_connections_open", "HTTP connections held",
-                                           registry=r)  # fmt: skip
+            ["reason"],
+            registry=r,
+        )
+        self.http_connections_open = Gauge("omni_core_http_connections_open", "HTTP connections held", registry=r)
         self.http_connections_closed = Counter(
-            "omni_core_http_connections_closed", "Connections the server closed on its own: read_timeout (the "
+            "omni_core_http_connections_closed",
+            "Connections the server closed on its own: read_timeout (the "
             "request did not arrive within read_timeout_s), limit_evicted (the longest waiting, to make room at "
-            "max_connections), limit_refused (full of busy connections)", ["reason"], registry=r)  # fmt: skip
+            "max_connections), limit_refused (full of busy connections)",
+            ["reason"],
+            registry=r,
+        )
         self.http_body_refused = Counter(
-            "omni_core_http_body_too_large", "Requests refused for a body above max_body_bytes (413)", registry=r)
+            "omni_core_http_body_too_large", "Requests refused for a body above max_body_bytes (413)", registry=r
+        )
         self.idempotent_replays = Counter(
-            "omni_core_idempotent_replays", "Requests answered from the Idempotency-Key record, not run again",
-            registry=r)  # fmt: skip
+            "omni_core_idempotent_replays",
+            "Requests answered from the Idempotency-Key record, not run again",
+            registry=r,
+        )
         r.register(_EngineCollector(snapshot))
 
 
@@ -116,44 +178,71 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Any]:
         snap = self._snapshot()
         stages: dict[str, Any] = snap.get("stages", {})
-        state = GaugeMetricFamily("omni_core_stage_state", "1 for the stage's current lifecycle state",
-                                  labels=["stage", "state"])  # fmt: skip
+        state = GaugeMetricFamily(
+            "omni_core_stage_state", "1 for the stage's current lifecycle state", labels=["stage", "state"]
+        )
         sleep_state = GaugeMetricFamily(
-            "omni_core_engine_sleep_state", "vLLM's engine_sleep_state: 1 for the stage's current value "
+            "omni_core_engine_sleep_state",
+            "vLLM's engine_sleep_state: 1 for the stage's current value "
             "(awake, weights_offloaded, discard_all); all 0 in transitions, FAILED, STOPPED",
-            labels=["stage", "sleep_state"])  # fmt: skip
+            labels=["stage", "sleep_state"],
+        )
         # The same values under vLLM's own name and labels, so a vLLM dashboard finds them: each
         # stage is one of vLLM's engines (model_name: the stage's name from the config; engine:
         # its index, as vLLM-Omni's stage_ids). No label comes from a request.
         vllm_sleep = GaugeMetricFamily(
-            "vllm:engine_sleep_state", "vLLM's engine sleep state, one engine per stage: awake = 1 while the "
+            "vllm:engine_sleep_state",
+            "vLLM's engine sleep state, one engine per stage: awake = 1 while the "
             "stage serves; weights_offloaded = 1 after a level-1 sleep; discard_all = 1 after a level-2 one",
-            labels=["model_name", "engine", "sleep_state"])  # fmt: skip
-        epoch = GaugeMetricFamily("omni_core_stage_epoch", "The stage's epoch (grows by one per restart)",
-                                  labels=["stage"])  # fmt: skip
-        version = GaugeMetricFamily("omni_core_weights_version", "The weights version the stage committed "
-                                    "last (P-17; 0: as loaded at start)", labels=["stage"])  # fmt: skip
-        queued = GaugeMetricFamily("omni_core_requests_queued", "Requests waiting in the stage's queue",
-                                   labels=["stage"])  # fmt: skip
-        in_flight = GaugeMetricFamily("omni_core_requests_in_flight", "Requests sent to the ranks, not yet "
-                                      "answered by all of them", labels=["stage"])  # fmt: skip
+            labels=["model_name", "engine", "sleep_state"],
+        )
+        epoch = GaugeMetricFamily(
+            "omni_core_stage_epoch", "The stage's epoch (grows by one per restart)", labels=["stage"]
+        )
+        version = GaugeMetricFamily(
+            "omni_core_weights_version",
+            "The weights version the stage committed last (P-17; 0: as loaded at start)",
+            labels=["stage"],
+        )
+        queued = GaugeMetricFamily(
+            "omni_core_requests_queued", "Requests waiting in the stage's queue", labels=["stage"]
+        )
+        in_flight = GaugeMetricFamily(
+            "omni_core_requests_in_flight",
+            "Requests sent to the ranks, not yet answered by all of them",
+            labels=["stage"],
+        )
         stage_events = CounterMetricFamily(
-            "omni_core_stage_protocol_events", "The stage core's counters: replies ignored as stale, unknown or "
-            "duplicate, ACKs without a memory report, task retries", labels=["stage", "event"])  # fmt: skip
-        rank_up = GaugeMetricFamily("omni_core_rank_up", "1 while the rank process is alive",
-                                    labels=["stage", "rank"])  # fmt: skip
-        rank_state = GaugeMetricFamily("omni_core_rank_state", "1 for the rank's last known worker state",
-                                       labels=["stage", "rank", "state"])  # fmt: skip
-        pool = GaugeMetricFamily("omni_core_pool_bytes", "Bytes resident in each tagged pool of a rank, as of its "
-                                 "last lifecycle report", labels=["stage", "rank", "tag"])  # fmt: skip
+            "omni_core_stage_protocol_events",
+            "The stage core's counters: replies ignored as stale, unknown or "
+            "duplicate, ACKs without a memory report, task retries",
+            labels=["stage", "event"],
+        )
+        rank_up = GaugeMetricFamily("omni_core_rank_up", "1 while the rank process is alive", labels=["stage", "rank"])
+        rank_state = GaugeMetricFamily(
+            "omni_core_rank_state", "1 for the rank's last known worker state", labels=["stage", "rank", "state"]
+        )
+        pool = GaugeMetricFamily(
+            "omni_core_pool_bytes",
+            "Bytes resident in each tagged pool of a rank, as of its last lifecycle report",
+            labels=["stage", "rank", "tag"],
+        )
         process = GaugeMetricFamily(
-            "omni_core_rank_process_memory_bytes", "The rank process's own device memory after its last "
+            "omni_core_rank_process_memory_bytes",
+            "The rank process's own device memory after its last "
             "lifecycle command (NVML per process; `source` names the fallback)",
-            labels=["stage", "rank", "source"])  # fmt: skip
-        rss = GaugeMetricFamily("omni_core_rank_resident_memory_bytes", "The rank process's host resident set "
-                                "(RSS), read from /proc", labels=["stage", "rank"])  # fmt: skip
-        host = GaugeMetricFamily("omni_core_host_offloaded_bytes", "Weights bytes a level-1 sleep moved to host "
-                                 "memory and no wake has brought back, per rank", labels=["stage", "rank"])  # fmt: skip
+            labels=["stage", "rank", "source"],
+        )
+        rss = GaugeMetricFamily(
+            "omni_core_rank_resident_memory_bytes",
+            "The rank process's host resident set (RSS), read from /proc",
+            labels=["stage", "rank"],
+        )
+        host = GaugeMetricFamily(
+            "omni_core_host_offloaded_bytes",
+            "Weights bytes a level-1 sleep moved to host memory and no wake has brought back, per rank",
+            labels=["stage", "rank"],
+        )
         for name, stage in stages.items():
             for s in STAGE_STATES:
                 state.add_metric([name, s], 1.0 if stage["state"] == s else 0.0)
@@ -186,12 +275,31 @@ class _EngineCollector(Collector):
                     rss.add_metric(labels, info["rss_bytes"])
                 host.add_metric(labels, info.get("host_offloaded_bytes", 0))
         engine_events = CounterMetricFamily(
-            "omni_core_engine_protocol_events", "What strangers and faulty peers tried, each refused and counted: "
+            "omni_core_engine_protocol_events",
+            "What strangers and faulty peers tried, each refused and counted: "
             "undecodable replies (bad_replies), unknown peers, forged Hellos, rebinds refused, rank mismatches, "
-            "late results, send failures, CURVE refusals", labels=["event"])  # fmt: skip
+            "late results, send failures, CURVE refusals",
+            labels=["event"],
+        )
         for event, value in sorted(snap.get("engine", {}).items()):
             engine_events.add_metric([event], value)
         up = GaugeMetricFamily("omni_core_engine_up", "1 while the engine answers status calls")
         up.add_metric([], 1.0 if snap.get("engine_up") else 0.0)
-        yield from (state, sleep_state, vllm_sleep, epoch, version, queued, in_flight, stage_events, rank_up,
-                    rank_state, pool, process, rss, host, engine_events, up)  # fmt: skip
+        yield from (
+            state,
+            sleep_state,
+            vllm_sleep,
+            epoch,
+            version,
+            queued,
+            in_flight,
+            stage_events,
+            rank_up,
+            rank_state,
+            pool,
+            process,
+            rss,
+            host,
+            engine_events,
+            up,
+        )

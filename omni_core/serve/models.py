@@ -31,20 +31,27 @@ class WakeBody(_Strict):
 
 
 class ReloadBody(_Strict):
-    source: str | None = Field(None, description="checkpoint to reload from; must lie under the config's "
-                                                 "allowed_reload_sources. null: the runner's own weights")  # fmt: skip
+    source: str | None = Field(
+        None,
+        description="checkpoint to reload from; must lie under the config's "
+        "allowed_reload_sources. null: the runner's own weights",
+    )
     timeout_s: float | None = None
 
 
 class UpdateWeightsBody(_Strict):
     """POST /v1/stages/{name}/update_weights: new weights as `version` (P-17)."""
 
-    version: int = Field(..., ge=1, le=(1 << 63) - 1,
-                         description="the new weights version: above the stage's `weights_version`")  # fmt: skip
-    source: str | dict[str, Any] = Field(..., description="a checkpoint path (under allowed_reload_sources), or a "
-                                                          "typed source: {\"type\": \"disk\", \"path\"}, or the "
-                                                          "shm, ipc or collective source a WeightSender made "
-                                                          "(msgspec.to_builtins of it), decoded strictly")  # fmt: skip
+    version: int = Field(
+        ..., ge=1, le=(1 << 63) - 1, description="the new weights version: above the stage's `weights_version`"
+    )
+    source: str | dict[str, Any] = Field(
+        ...,
+        description="a checkpoint path (under allowed_reload_sources), or a "
+        'typed source: {"type": "disk", "path"}, or the '
+        "shm, ipc or collective source a WeightSender made "
+        "(msgspec.to_builtins of it), decoded strictly",
+    )
     timeout_s: float | None = None
 
 
@@ -54,8 +61,11 @@ class SglangUpdateFromDiskBody(_Strict):
     model_path: str = Field(..., description="the checkpoint; must lie under allowed_reload_sources")
     load_format: str | None = Field(None, description="only null or 'safetensors' (what the ranks read)")
     abort_all_requests: bool = Field(False, description="false only: in-flight requests finish (the stage drains)")
-    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the "
-                                                 "stage's (omni-core's versions are monotonic integers)")  # fmt: skip
+    weight_version: str = Field(
+        ...,
+        description="required here: the new version, a decimal integer above the "
+        "stage's (omni-core's versions are monotonic integers)",
+    )
 
 
 class VllmInitInfo(_Strict):
@@ -82,8 +92,12 @@ class VllmUpdateWeightsBody(_Strict):
     """vLLM's POST /update_weights (its NCCL backend's update_info), plus omni-core's version."""
 
     update_info: VllmUpdateInfo
-    version: int = Field(..., ge=1, le=(1 << 63) - 1, description="omni-core's addition, required: the new "
-                                                                  "weights version, above the stage's")  # fmt: skip
+    version: int = Field(
+        ...,
+        ge=1,
+        le=(1 << 63) - 1,
+        description="omni-core's addition, required: the new weights version, above the stage's",
+    )
 
 
 class SglangInitGroupBody(_Strict):
@@ -105,8 +119,7 @@ class SglangUpdateFromDistributedBody(_Strict):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
-    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the "
-                                                 "stage's")  # fmt: skip
+    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the stage's")
 
 
 class SwapBody(_Strict):
@@ -117,16 +130,19 @@ class SwapBody(_Strict):
     in_: str = Field(..., alias="in", description="the stage to wake (every tag asleep)")
     level: int = Field(1, description="the outgoing stage's sleep level: 1 offloads weights to host, 2 discards all")
     tags: list[str] | None = Field(None, description="the outgoing stage's tags to put to sleep; null: every tag")
-    memory_wait_s: float | None = Field(None, description="how long each incoming rank may wait for free device "
-                                                          "memory; null: half the deadline")  # fmt: skip
-    timeout_s: float | None = Field(None, description="deadline of both halves; null: the longer of the two "
-                                                      "stages' deadline_s")  # fmt: skip
+    memory_wait_s: float | None = Field(
+        None, description="how long each incoming rank may wait for free device memory; null: half the deadline"
+    )
+    timeout_s: float | None = Field(
+        None, description="deadline of both halves; null: the longer of the two stages' deadline_s"
+    )
 
 
 class ExecuteBody(_Strict):
-    payload: Any = Field(None, description="the runner's request, e.g. {\"seed\": 1, \"batch\": 2} for synthetic")
-    timeout_s: float | None = Field(None, description="deadline of this request, queueing included; null: the "
-                                                      "stage's request_timeout_s")  # fmt: skip
+    payload: Any = Field(None, description='the runner\'s request, e.g. {"seed": 1, "batch": 2} for synthetic')
+    timeout_s: float | None = Field(
+        None, description="deadline of this request, queueing included; null: the stage's request_timeout_s"
+    )
 
 
 class AdmissionBody(_Strict):
@@ -137,8 +153,11 @@ class VllmSleepBody(_Strict):
     """vLLM's POST /sleep, as a JSON body; the same fields as its query string."""
 
     level: int | None = Field(None, description="1 or 2; null: the query's level, else 1")
-    mode: str | None = Field(None, description="abort (fail in-flight requests), wait (drain them) or keep "
-                                               "(refused: see docs/http_routes.md); null: the query's, else abort")
+    mode: str | None = Field(
+        None,
+        description="abort (fail in-flight requests), wait (drain them) or keep "
+        "(refused: see docs/http_routes.md); null: the query's, else abort",
+    )
     tags: list[str] | None = Field(None, description="tags to put to sleep; null: every tag of the stage")
 
 
@@ -152,8 +171,9 @@ class OmniSleepBody(_Strict):
     """vLLM-Omni's POST /v1/omni/sleep (its OmniSleepRequest: stage_ids required and not
     empty, level 2 unless given)."""
 
-    stage_ids: list[int | str] = Field(..., min_length=1, description="stage indices (config order) or names; "
-                                                                       "at least one")  # fmt: skip
+    stage_ids: list[int | str] = Field(
+        ..., min_length=1, description="stage indices (config order) or names; at least one"
+    )
     level: int = Field(2, description="1: offload weights to host, discard the rest; 2: discard everything")
     tags: list[str] | None = Field(None, description="omni-core's addition: tags to put to sleep; null: every tag")
 
@@ -161,8 +181,9 @@ class OmniSleepBody(_Strict):
 class OmniWakeBody(_Strict):
     """vLLM-Omni's POST /v1/omni/wakeup (its OmniWakeupRequest: stage_ids required and not empty)."""
 
-    stage_ids: list[int | str] = Field(..., min_length=1, description="stage indices (config order) or names; "
-                                                                       "at least one")  # fmt: skip
+    stage_ids: list[int | str] = Field(
+        ..., min_length=1, description="stage indices (config order) or names; at least one"
+    )
     tags: list[str] | None = Field(None, description="omni-core's addition: tags to wake; null: every tag asleep")
 
 
@@ -173,8 +194,11 @@ class SglangMemoryBody(_Strict):
 
 
 class SglangReleaseBody(SglangMemoryBody):
-    level: int = Field(1, description="omni-core's addition: 1 keeps the weights in host memory (SGLang's "
-                                      "--enable-weights-cpu-backup), 2 discards them (SGLang's default)")
+    level: int = Field(
+        1,
+        description="omni-core's addition: 1 keeps the weights in host memory (SGLang's "
+        "--enable-weights-cpu-backup), 2 discards them (SGLang's default)",
+    )
 
 
 class CollectiveRpcBody(BaseModel):
@@ -222,16 +246,20 @@ class ErrorDetail(BaseModel):
     type: str = Field(description="the engine's exception type, or the HTTP layer's (e.g. BodyTooLarge)")
     message: str = Field(description="the same text the Python API raises")
     stage: str | None = None
-    fields: list[str] | None = Field(None, description="the request fields refused (a 422, a 400 on source), "
-                                                       "each named in the message too")  # fmt: skip
+    fields: list[str] | None = Field(
+        None, description="the request fields refused (a 422, a 400 on source), each named in the message too"
+    )
     failures: dict[str, str] | None = Field(None, description="rank -> why, for StageFailedError")
-    refusals: dict[str, str] | None = Field(None, description="rank -> its NO_MEMORY detail (bytes needed and "
-                                                              "free, who holds the device), for NoMemoryError")
+    refusals: dict[str, str] | None = Field(
+        None,
+        description="rank -> its NO_MEMORY detail (bytes needed and free, who holds the device), for NoMemoryError",
+    )
     outgoing: SwapHalfModel | None = Field(None, description="a swap's sleeping half, for SwapFailedError")
     incoming: SwapHalfModel | None = Field(None, description="a swap's waking half, for SwapFailedError")
     state: str | None = Field(None, description="NEEDS_RELOAD, for WeightUpdateFailedError")
-    weights_version: int | None = Field(None, description="the version the stage still holds, for "
-                                                          "WeightUpdateFailedError")  # fmt: skip
+    weights_version: int | None = Field(
+        None, description="the version the stage still holds, for WeightUpdateFailedError"
+    )
 
 
 class ErrorModel(BaseModel):
@@ -264,8 +292,11 @@ class StageModel(BaseModel):
     last_sleep_level: int | None
     asleep_tags: list[str] = Field(description="the stage's tags not resident on its ranks")
     weights_valid: bool = Field(description="false after a level-2 sleep until the weights are reloaded")
-    weights_version: int = Field(0, description="the weights version the stage committed last (P-17; 0: as "
-                                                "loaded at start); requests run only on it")  # fmt: skip
+    weights_version: int = Field(
+        0,
+        description="the weights version the stage committed last (P-17; 0: as "
+        "loaded at start); requests run only on it",
+    )
     tags: list[str]
     runner: str
     device: str
@@ -304,15 +335,18 @@ class VllmSleepModel(BaseModel):
 
 
 class VllmWakeModel(BaseModel):
-    status: str = Field(description="awake once every tag of every stage is back and the weights are valid; "
-                                    "else sleeping")
+    status: str = Field(
+        description="awake once every tag of every stage is back and the weights are valid; else sleeping"
+    )
     tags_woken: list[str]
     stages: dict[str, LifecycleReportModel]
 
 
 class IsSleepingModel(BaseModel):
-    is_sleeping: bool = Field(description="true until every tag of every stage vLLM's routes act on is back and "
-                                          "its weights are valid (PARTIAL and NEEDS_RELOAD are asleep)")
+    is_sleeping: bool = Field(
+        description="true until every tag of every stage vLLM's routes act on is back and "
+        "its weights are valid (PARTIAL and NEEDS_RELOAD are asleep)"
+    )
 
 
 class IsPausedModel(BaseModel):
@@ -366,8 +400,10 @@ class VllmMessageModel(BaseModel):
 
 
 class HealthModel(BaseModel):
-    status: str = Field(description="ok while no stage is FAILED or STOPPED (a sleeping stage is healthy); "
-                                    "else failed, with the answer 503")
+    status: str = Field(
+        description="ok while no stage is FAILED or STOPPED (a sleeping stage is healthy); "
+        "else failed, with the answer 503"
+    )
     stages: dict[str, str]
     failed: list[str] = Field(default_factory=list, description="the stages FAILED or STOPPED")
     error: ErrorDetail | None = Field(None, description="on a 503: the first failed stage and what to do")
@@ -376,16 +412,19 @@ class HealthModel(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorModel, "description": what}
     for code, what in {
-        400: "bad argument, or a body that is not JSON", 401: "missing or wrong API key",
-        403: "a foreign Host or Origin, or a reload source outside allowed_reload_sources", 404: "unknown stage",
+        400: "bad argument, or a body that is not JSON",
+        401: "missing or wrong API key",
+        403: "a foreign Host or Origin, or a reload source outside allowed_reload_sources",
+        404: "unknown stage",
         409: "state conflict, or Idempotency-Key reused for another request",
         413: "body above max_body_bytes, or a request over the stage's max_frame_bytes",
         415: "a state-changing request with a body that is not application/json",
         422: "a field of the wrong type, unknown, missing or not carried by the wire (the message names it)",
-        429: "queue full", 503: "stage failed, engine closed, or too little free device memory (NoMemoryError)",
+        429: "queue full",
+        503: "stage failed, engine closed, or too little free device memory (NoMemoryError)",
         504: "deadline passed",
     }.items()
-}  # fmt: skip
+}
 # What any route may answer, whatever it takes: the Host/Origin guard's 403, the 415 of a
 # state-changing request with a non-JSON body, the 422 of an unknown query parameter.
 EVERY_ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {code: ERROR_RESPONSES[code] for code in (403, 415, 422)}

@@ -243,6 +243,8 @@ def _inline_hashes(tag: str) -> str:
 
 
 # Nothing but the page's own script and style, and fetches to this server; never framed.
-STATUS_PAGE_CSP = (f"default-src 'none'; script-src {_inline_hashes('script')}; style-src {_inline_hashes('style')}; "
-                   "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-                   "frame-ancestors 'none'")  # fmt: skip
+STATUS_PAGE_CSP = (
+    f"default-src 'none'; script-src {_inline_hashes('script')}; style-src {_inline_hashes('style')}; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)

@@ -16,5 +16,9 @@ def report_json(report: LifecycleReport) -> dict[str, Any]:
 
 
 def swap_json(report: SwapReport) -> dict[str, Any]:
-    return {"task_id": report.task_id, "duration_s": report.duration_s, "outgoing": report_json(report.outgoing),
-            "incoming": report_json(report.incoming)}  # fmt: skip
+    return {
+        "task_id": report.task_id,
+        "duration_s": report.duration_s,
+        "outgoing": report_json(report.outgoing),
+        "incoming": report_json(report.incoming),
+    }

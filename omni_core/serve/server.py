@@ -45,21 +45,34 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info",
-                   log_config: Any = uvicorn.config.LOGGING_CONFIG) -> uvicorn.Config:  # fmt: skip
+def uvicorn_config(
+    app: Any, host: str, port: int, log_level: str = "info", log_config: Any = uvicorn.config.LOGGING_CONFIG
+) -> uvicorn.Config:
     """uvicorn's settings for `app`, with the connection guard of its [server] config.
     `log_config=None`: uvicorn leaves its loggers to the caller's handlers."""
     state = app.state.serve
     server_cfg = state.server
     ranks = sum(spec.ranks for spec in state.config.stages)
-    guard = ConnectionGuard(server_cfg.read_timeout_s, connection_limit(server_cfg.max_connections, ranks),
-                            on_closed=lambda reason: state.metrics.http_connections_closed.labels(reason).inc(),
-                            on_count=state.metrics.http_connections_open.set)  # fmt: skip
+    guard = ConnectionGuard(
+        server_cfg.read_timeout_s,
+        connection_limit(server_cfg.max_connections, ranks),
+        on_closed=lambda reason: state.metrics.http_connections_closed.labels(reason).inc(),
+        on_count=state.metrics.http_connections_open.set,
+    )
     install_log_limits()
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
-                          access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=server_cfg.keep_alive_s,
-                          server_header=False, http=guarded_protocol(guard))  # fmt: skip
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=server_cfg.keep_alive_s,
+        server_header=False,
+        http=guarded_protocol(guard),
+    )
 
 
 def with_overrides(config: OmniConfig, **overrides: Any) -> OmniConfig:
@@ -68,8 +81,9 @@ def with_overrides(config: OmniConfig, **overrides: Any) -> OmniConfig:
     return dataclasses.replace(config, server=dataclasses.replace(config.server, **given)) if given else config
 
 
-def serve(config: OmniConfig, *, log_level: str = "info", log_json: bool = False,
-          environ: dict[str, str] | None = None) -> int:  # fmt: skip
+def serve(
+    config: OmniConfig, *, log_level: str = "info", log_json: bool = False, environ: dict[str, str] | None = None
+) -> int:
     """Run until SIGINT/SIGTERM. Refuses to start (exit 2) on an unsafe or broken setup, and
     on an address it cannot listen on: the socket is bound before any rank starts."""
     with logs_configured(json_lines=log_json, level=log_level):
@@ -87,8 +101,12 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
         return 2
     url = f"http://{_url_host(server_cfg.host)}:{listener.getsockname()[1]}/"
     names = ", ".join(f"{s.name} ({s.ranks} rank{'s' if s.ranks > 1 else ''})" for s in config.stages)
-    log.info("starting %s from %s", names, config.path,
-             extra={EVENT_ATTR: {"event": "starting", "config": str(config.path), "stages": config.stage_names}})
+    log.info(
+        "starting %s from %s",
+        names,
+        config.path,
+        extra={EVENT_ATTR: {"event": "starting", "config": str(config.path), "stages": config.stage_names}},
+    )
     try:
         engine = Engine(config.stages, **config.engine)
     except BaseException:
@@ -99,8 +117,9 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
         app = create_app(engine, config, api_key=api_key)
         server = _Server(uvicorn_config(app, server_cfg.host, server_cfg.port, log_level, log_config=None), app)
         auth = "API key required on control routes" if api_key else "no API key (loopback only)"
-        log.info("listening on %s (%s); Ctrl-C stops it", url, auth,
-                 extra={EVENT_ATTR: {"event": "listening", "url": url}})  # fmt: skip
+        log.info(
+            "listening on %s (%s); Ctrl-C stops it", url, auth, extra={EVENT_ATTR: {"event": "listening", "url": url}}
+        )
         # uvicorn re-raises the signal that stopped it once it is done; SIGTERM's default
         # action would end the process before the engine below could stop its ranks.
         previous = signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -115,8 +134,10 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
         log.info("stopping the engine's ranks", extra={EVENT_ATTR: {"event": "stopping"}})
         engine.shutdown()
     if server is not None and not server.started and not server.signalled:
-        log.error("the HTTP server did not start (its error is logged above); nothing was served",
-                  extra={EVENT_ATTR: {"event": "failed_to_start"}})  # fmt: skip
+        log.error(
+            "the HTTP server did not start (its error is logged above); nothing was served",
+            extra={EVENT_ATTR: {"event": "failed_to_start"}},
+        )
         return 1
     log.info("stopped", extra={EVENT_ATTR: {"event": "stopped"}})
     return 0
@@ -127,11 +148,14 @@ def bind_listener(host: str, port: int) -> socket.socket:
     in a line, not after every rank has loaded its weights."""
     address = f"{_url_host(host)}:{port}"
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except (socket.gaierror, UnicodeError) as exc:
-        raise ServeRefusedError(f"cannot listen on {address}: the host {host!r} does not resolve ({exc}); "
-                                "pass --host with an address of this machine") from None  # fmt: skip
+        raise ServeRefusedError(
+            f"cannot listen on {address}: the host {host!r} does not resolve ({exc}); "
+            "pass --host with an address of this machine"
+        ) from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
@@ -142,12 +166,16 @@ def bind_listener(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            why = (f"cannot listen on {address}: the address is already in use (another `omni-core serve` or "
-                   f"another program holds it; `ss -ltnp 'sport = :{port}'` names it); pass another --port "
-                   "(or set [server] port), or stop the other process")  # fmt: skip
+            why = (
+                f"cannot listen on {address}: the address is already in use (another `omni-core serve` or "
+                f"another program holds it; `ss -ltnp 'sport = :{port}'` names it); pass another --port "
+                "(or set [server] port), or stop the other process"
+            )
         elif exc.errno == errno.EACCES:
-            why = (f"cannot listen on {address}: permission denied (ports below 1024 need privileges); "
-                   "pass a --port of 1024 or above")  # fmt: skip
+            why = (
+                f"cannot listen on {address}: permission denied (ports below 1024 need privileges); "
+                "pass a --port of 1024 or above"
+            )
         else:
             why = f"cannot listen on {address}: {exc.strerror or exc}; pass a --host that is an address of this machine"
         raise ServeRefusedError(why) from None
@@ -176,8 +204,9 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0,
-                    log_level: str = "warning") -> Iterator[RunningServer]:  # fmt: skip
+def serve_in_thread(
+    app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> Iterator[RunningServer]:
     """Run `app` on a real socket in a background thread (tests, embedding). Port 0: any
     free port; the URL says which."""
     server = _Server(uvicorn_config(app, host, port, log_level), app)

@@ -37,8 +37,9 @@ def _unfit(value: Any, where: str) -> tuple[str, str]:
             continue
         if isinstance(item, int):
             if not MIN_WIRE_INT <= item <= MAX_WIRE_INT:
-                return path, (f"{path} is an integer of {item.bit_length()} bits, outside the wire's "
-                              "[-2**63, 2**64 - 1]")  # fmt: skip
+                return path, (
+                    f"{path} is an integer of {item.bit_length()} bits, outside the wire's [-2**63, 2**64 - 1]"
+                )
         elif isinstance(item, str):
             problem = _unfit_text(item)
             if problem:
@@ -68,19 +69,31 @@ def check_wire_value(value: Any, field: str) -> None:
     """422 naming `field` (and the place inside it) when the protocol cannot carry `value`."""
     path, problem = _unfit(value, field)
     if problem:
-        raise ApiError(422, f"{problem}; send {field} as JSON the protocol carries (integers within 64 bits, "
-                            f"finite numbers, UTF-8 text, at most {MAX_PAYLOAD_DEPTH} levels deep)",
-                       kind="UnsupportedValue", extra={"fields": [path]})  # fmt: skip
+        raise ApiError(
+            422,
+            f"{problem}; send {field} as JSON the protocol carries (integers within 64 bits, "
+            f"finite numbers, UTF-8 text, at most {MAX_PAYLOAD_DEPTH} levels deep)",
+            kind="UnsupportedValue",
+            extra={"fields": [path]},
+        )
 
 
 def check_path_text(path: str, field: str) -> None:
     """400 naming `field` when `path` holds what no OS path can (NUL, a lone surrogate)."""
     if "\0" in path:
-        raise ApiError(400, f"{field} holds a NUL character, which no file path can; send the checkpoint's path",
-                       kind="InvalidArgumentError", extra={"fields": [field]})  # fmt: skip
+        raise ApiError(
+            400,
+            f"{field} holds a NUL character, which no file path can; send the checkpoint's path",
+            kind="InvalidArgumentError",
+            extra={"fields": [field]},
+        )
     try:
         os.fsencode(path)
     except UnicodeError:
-        raise ApiError(400, f"{field} holds characters this system cannot put in a file path (a lone surrogate?); "
-                            "send the checkpoint's path as UTF-8 text", kind="InvalidArgumentError",
-                       extra={"fields": [field]}) from None  # fmt: skip
+        raise ApiError(
+            400,
+            f"{field} holds characters this system cannot put in a file path (a lone surrogate?); "
+            "send the checkpoint's path as UTF-8 text",
+            kind="InvalidArgumentError",
+            extra={"fields": [field]},
+        ) from None

@@ -71,16 +71,20 @@ def describe(message: Message) -> str:
     if isinstance(message, UpdateWeights):
         return f"UpdateWeights {head} version={message.version} source={_source(message.source)}"
     if isinstance(message, InitWeightGroup):
-        return (f"InitWeightGroup {head} group={message.group} {message.address}:{message.port} "
-                f"world={message.world_size} offset={message.rank_offset} {message.backend}")  # fmt: skip
+        return (
+            f"InitWeightGroup {head} group={message.group} {message.address}:{message.port} "
+            f"world={message.world_size} offset={message.rank_offset} {message.backend}"
+        )
     if isinstance(message, ShareWeights):
         return f"ShareWeights {head} bucket_bytes={message.bucket_bytes}"
     version = f" v{message.weights_version}" if getattr(message, "weights_version", 0) else ""
     if isinstance(message, Ack):
         detail = f" ({message.detail})" if message.detail else ""
         paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
-        return (f"Ack {message.command} {head} {message.status.value} {message.state.value} "
-                f"asleep={fmt_tags(message.asleep_tags)}{version}{paths}{detail}")  # fmt: skip
+        return (
+            f"Ack {message.command} {head} {message.status.value} {message.state.value} "
+            f"asleep={fmt_tags(message.asleep_tags)}{version}{paths}{detail}"
+        )
     if isinstance(message, Nack):
         reason, state = message.reason.value, message.state.value
         return f"Nack {message.command} {head} {reason} in {state}{version}: {message.detail}"
@@ -107,24 +111,32 @@ def describe_input(event: I.EngineInput) -> str:
         return f"Submit {event.request_id} payload={event.payload!r} timeout={fmt_s(event.timeout_s)}"
     if isinstance(event, I.SleepCall):
         abort = " abort_in_flight" if event.abort_in_flight else ""
-        return (f"SleepCall {event.task_id} level={event.level} tags={fmt_tags(event.tags)} "
-                f"deadline={fmt_s(event.deadline_s)}{abort}")  # fmt: skip
+        return (
+            f"SleepCall {event.task_id} level={event.level} tags={fmt_tags(event.tags)} "
+            f"deadline={fmt_s(event.deadline_s)}{abort}"
+        )
     if isinstance(event, I.WakeCall):
         wait = f" wait_for_memory={fmt_s(event.wait_for_memory_s)}" if event.wait_for_memory_s else ""
         return f"WakeCall {event.task_id} tags={fmt_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
     if isinstance(event, I.ReloadCall):
         return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.UpdateCall):
-        return (f"UpdateCall {event.task_id} version={event.version} source={_source(event.source)} "
-                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
+        return (
+            f"UpdateCall {event.task_id} version={event.version} source={_source(event.source)} "
+            f"deadline={fmt_s(event.deadline_s)}"
+        )
     if isinstance(event, I.WeightGroupCall):
-        return (f"WeightGroupCall {event.task_id} group={event.group} {event.address}:{event.port} "
-                f"world={event.world_size} offset={event.rank_offset} {event.backend}")  # fmt: skip
+        return (
+            f"WeightGroupCall {event.task_id} group={event.group} {event.address}:{event.port} "
+            f"world={event.world_size} offset={event.rank_offset} {event.backend}"
+        )
     if isinstance(event, I.ShareCall):
         return f"ShareCall {event.task_id} bucket_bytes={event.bucket_bytes} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.ProfileCall):
-        return (f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
-                f"deadline={fmt_s(event.deadline_s)}")  # fmt: skip
+        return (
+            f"ProfileCall {event.task_id} {'start' if event.start else 'stop'} prefix={event.prefix or '-'} "
+            f"deadline={fmt_s(event.deadline_s)}"
+        )
     if isinstance(event, I.SetAdmission):
         return f"SetAdmission {AdmissionPolicy(event.policy).value}"
     if isinstance(event, I.RankExited):
@@ -163,7 +175,9 @@ def describe_effect(effect: Effect) -> str:
 def describe_outcome(outcome: TaskOutcome) -> str:
     head = f"{outcome.command} {outcome.task_id}"
     if outcome.ok:
-        return (f"{head}: {outcome.status.value}, stage {outcome.state.value}, ACKs from {sorted(outcome.acks)}, "
-                f"took {fmt_s(outcome.duration_s)}")  # fmt: skip
+        return (
+            f"{head}: {outcome.status.value}, stage {outcome.state.value}, ACKs from {sorted(outcome.acks)}, "
+            f"took {fmt_s(outcome.duration_s)}"
+        )
     verdict = "refused" if outcome.refused else "failed"
     return f"{head}: {verdict}, stage {outcome.state.value}: {outcome.error}"

@@ -26,8 +26,7 @@ class InjectedFault(RuntimeError):
 class FaultyRunner(SyntheticRunner):
     """SyntheticRunner that raises `InjectedFault` at the points named in `fail_on`."""
 
-    def __init__(self, device: torch.device, *, fail_on: list[str] | tuple[str, ...] = (),
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, device: torch.device, *, fail_on: list[str] | tuple[str, ...] = (), **kwargs: Any) -> None:
         unknown = sorted(set(fail_on) - set(FAULT_POINTS))
         if unknown:
             raise ValueError(f"unknown fault point(s) {unknown}; choose from {list(FAULT_POINTS)}")

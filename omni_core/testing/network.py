@@ -116,10 +116,18 @@ class Envelope:
         return f"#{self.id} {self.route} {self.text}{' [corrupted]' if self.corrupt else ''}"
 
 
-_COMMAND_OF_EFFECT = {SleepEffect: "Sleep", WakeEffect: "Wake", ReloadEffect: "ReloadWeights", ExecuteEffect: "Execute",
-                      StatusEffect: "Status", ShutdownEffect: "Shutdown", ProfileEffect: "Profile",
-                      UpdateEffect: "UpdateWeights", WeightGroupEffect: "InitWeightGroup",
-                      ShareEffect: "ShareWeights"}  # fmt: skip
+_COMMAND_OF_EFFECT = {
+    SleepEffect: "Sleep",
+    WakeEffect: "Wake",
+    ReloadEffect: "ReloadWeights",
+    ExecuteEffect: "Execute",
+    StatusEffect: "Status",
+    ShutdownEffect: "Shutdown",
+    ProfileEffect: "Profile",
+    UpdateEffect: "UpdateWeights",
+    WeightGroupEffect: "InitWeightGroup",
+    ShareEffect: "ShareWeights",
+}
 
 
 def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:
@@ -231,11 +239,22 @@ class Simulator:
     def hello(self, rank: int, **fields: Any) -> Hello:
         """What rank `rank`'s process says first; `fields` override (a forged or odd Hello)."""
         worker = self.workers[rank] if 0 <= rank < len(self.workers) else None
-        base: dict[str, Any] = {"task_id": "hello", "epoch": self.stage.epoch, "rank": rank, "pid": 100 + rank,
-                                "device": f"cuda:{rank}", "backend": "portable", "tags": self.stage.tags}  # fmt: skip
+        base: dict[str, Any] = {
+            "task_id": "hello",
+            "epoch": self.stage.epoch,
+            "rank": rank,
+            "pid": 100 + rank,
+            "device": f"cuda:{rank}",
+            "backend": "portable",
+            "tags": self.stage.tags,
+        }
         if worker is not None:
-            base.update(tags=worker.tags, state=worker.state, detail=self.load_errors.get(rank, ""),
-                        capabilities=tuple(sorted(worker.capabilities, key=lambda c: c.value)))  # fmt: skip
+            base.update(
+                tags=worker.tags,
+                state=worker.state,
+                detail=self.load_errors.get(rank, ""),
+                capabilities=tuple(sorted(worker.capabilities, key=lambda c: c.value)),
+            )
         base.update(fields)
         return Hello(**base)
 
@@ -271,8 +290,10 @@ class Simulator:
         unsent: dict[str, list[int]] = {}
         for out in step.sends:
             if out.rank in self.blocked:
-                self.say(f"  send failed: stage->r{out.rank} {describe(out.command)}: the engine's queue to "
-                         f"r{out.rank} is full")  # fmt: skip
+                self.say(
+                    f"  send failed: stage->r{out.rank} {describe(out.command)}: the engine's queue to "
+                    f"r{out.rank} is full"
+                )
                 unsent.setdefault(out.command.task_id, []).append(out.rank)
             else:
                 self.send(None, out.rank, out.command)
@@ -284,8 +305,9 @@ class Simulator:
             self.say(f"  failure: {failure}")
         for answer in step.requests:
             if answer.request_id in self.answered:
-                raise SimulationError(f"request {answer.request_id} answered twice: {self.answered[answer.request_id]} "
-                                      f"and {answer}")  # fmt: skip
+                raise SimulationError(
+                    f"request {answer.request_id} answered twice: {self.answered[answer.request_id]} and {answer}"
+                )
             self.answered[answer.request_id] = answer
             if answer.ok:
                 self.say(f"  answer {answer.request_id}: output {answer.output!r}")
@@ -334,8 +356,9 @@ class Simulator:
     def _envelope(self, sender: int | None, to: int | None, data: bytes, message: Message) -> Envelope:
         self._ids += 1
         text = describe(message) if self.record else ""
-        return Envelope(self._ids, sender, to, data, type(message).__name__, message.task_id, message.epoch, text,
-                        self.now)  # fmt: skip
+        return Envelope(
+            self._ids, sender, to, data, type(message).__name__, message.task_id, message.epoch, text, self.now
+        )
 
     def deliverable(self) -> list[Envelope]:
         """Messages that may arrive now, oldest first: not held back, and (serial shell) not
@@ -343,16 +366,30 @@ class Simulator:
         busy = self.effects if self.serial_shell else {}
         return [e for e in self.network if e.deliver_at <= self.now and (e.to is None or e.to not in busy)]
 
-    def find(self, *, id: int | None = None, sender: int | str | None = "any", to: int | str | None = "any",
-             rank: int | None = None, kind: str | None = None, task_id: str | None = None,
-             deliverable: bool = False) -> list[Envelope]:  # fmt: skip
+    def find(
+        self,
+        *,
+        id: int | None = None,
+        sender: int | str | None = "any",
+        to: int | str | None = "any",
+        rank: int | None = None,
+        kind: str | None = None,
+        task_id: str | None = None,
+        deliverable: bool = False,
+    ) -> list[Envelope]:
         """Messages in flight that match every given field ("any": not a criterion); `rank`
         matches a message from or to that rank."""
         found = self.deliverable() if deliverable else list(self.network)
-        return [e for e in found
-                if (id is None or e.id == id) and (sender == "any" or e.sender == sender)
-                and (to == "any" or e.to == to) and (rank is None or rank in (e.sender, e.to))
-                and (kind is None or e.kind == kind) and (task_id is None or e.task_id == task_id)]  # fmt: skip
+        return [
+            e
+            for e in found
+            if (id is None or e.id == id)
+            and (sender == "any" or e.sender == sender)
+            and (to == "any" or e.to == to)
+            and (rank is None or rank in (e.sender, e.to))
+            and (kind is None or e.kind == kind)
+            and (task_id is None or e.task_id == task_id)
+        ]
 
     def _take(self, envelope: Envelope) -> Envelope:
         for index, candidate in enumerate(self.network):
@@ -389,8 +426,9 @@ class Simulator:
         copy = dataclasses.replace(envelope, id=self._ids)
         self.network.append(copy)
         self.counters["duplicated"] += 1
-        self.say(f"  network duplicates #{envelope.id} as #{copy.id}" if seeded
-                 else f"dup {envelope.line()} as #{copy.id}")  # fmt: skip
+        self.say(
+            f"  network duplicates #{envelope.id} as #{copy.id}" if seeded else f"dup {envelope.line()} as #{copy.id}"
+        )
         return copy
 
     def delay(self, envelope: Envelope, by_s: float) -> None:
@@ -403,8 +441,9 @@ class Simulator:
     def corrupt(self, envelope: Envelope) -> None:
         """Flip the message into bytes no decoder accepts (P-10)."""
         index = self.network.index(envelope)
-        self.network[index] = bad = dataclasses.replace(envelope, data=envelope.data[: len(envelope.data) // 2],
-                                                        corrupt=True)  # fmt: skip
+        self.network[index] = bad = dataclasses.replace(
+            envelope, data=envelope.data[: len(envelope.data) // 2], corrupt=True
+        )
         self.say(f"corrupt {bad.line()}")
 
     def _to_stage(self, envelope: Envelope) -> StageStep | None:
@@ -413,8 +452,9 @@ class Simulator:
         except ProtocolError as exc:
             # The engine's shell counts and drops what it cannot read; the core never sees it.
             self.counters["bad_replies"] += 1
-            self.say(f"  engine drops undecodable bytes ({exc.reason.value}); bad_replies "
-                     f"{self.counters['bad_replies']}")  # fmt: skip
+            self.say(
+                f"  engine drops undecodable bytes ({exc.reason.value}); bad_replies {self.counters['bad_replies']}"
+            )
             return None
         return self.call(I.Received(message))  # type: ignore[arg-type]
 
@@ -457,8 +497,9 @@ class Simulator:
         """Live ranks whose shell is performing an effect."""
         return sorted(r for r in self.effects if r not in self.dead)
 
-    def perform(self, rank: int, *, error: str | None = None, refuse: str | None = None,
-                output: Any = ECHO) -> WorkerStep:  # fmt: skip
+    def perform(
+        self, rank: int, *, error: str | None = None, refuse: str | None = None, output: Any = ECHO
+    ) -> WorkerStep:
         """Rank `rank`'s shell finishes its effect: done (an Execute answers with its payload
         unless `output` is given), raised in the backend (`error`), or, for a reload, refused
         by the runner before touching memory (`refuse`)."""
@@ -479,8 +520,12 @@ class Simulator:
             if output is ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
             memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)) else NO_MEMORY
-            step = worker.on_done(effect.task_id, memory=memory, output=output,
-                                  trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now))  # fmt: skip
+            step = worker.on_done(
+                effect.task_id,
+                memory=memory,
+                output=output,
+                trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now),
+            )
         self._report_worker(worker, state, counters, step)
         if isinstance(effect, ShutdownEffect) and error is None:
             self.dead.add(rank)  # the process exits after its last ACK, as it was told to
@@ -496,8 +541,12 @@ class Simulator:
         if step.effect is not None:
             output = step.effect.payload if isinstance(step.effect, ExecuteEffect) else None
             memory = None if isinstance(step.effect, ProfileEffect) else NO_MEMORY
-            replies += worker.on_done(step.effect.task_id, memory=memory, output=output, trace_paths=sim_trace_paths(
-                self.stage.name, rank, step.effect, self.now)).replies  # fmt: skip
+            replies += worker.on_done(
+                step.effect.task_id,
+                memory=memory,
+                output=output,
+                trace_paths=sim_trace_paths(self.stage.name, rank, step.effect, self.now),
+            ).replies
         return [decode(encode(reply)) for reply in replies]
 
     def crash(self, rank: int, detail: str = "killed by the simulation") -> StageStep | None:
@@ -543,11 +592,13 @@ class Simulator:
         stage = self.stage
         asleep = fmt_tags(sorted(stage.residency.asleep))
         weights = "valid" if stage.residency.weights_valid else "invalid"
-        lines = [f"t={fmt_s(self.now)} stage {stage.state.value} epoch {stage.epoch} policy {stage.policy.value} "
-                 f"task {stage.task_id or '-'} asleep {asleep} weights {weights}",
-                 f"  requests: {len(stage.in_flight)} in flight {sorted(stage.in_flight)}, {len(stage.queue)} queued "
-                 f"{[r.request_id for r in stage.queue]}; {len(self.answered)} of {len(self.submitted)} "
-                 "answered"]  # fmt: skip
+        lines = [
+            f"t={fmt_s(self.now)} stage {stage.state.value} epoch {stage.epoch} policy {stage.policy.value} "
+            f"task {stage.task_id or '-'} asleep {asleep} weights {weights}",
+            f"  requests: {len(stage.in_flight)} in flight {sorted(stage.in_flight)}, {len(stage.queue)} queued "
+            f"{[r.request_id for r in stage.queue]}; {len(self.answered)} of {len(self.submitted)} "
+            "answered",
+        ]
         if stage.failure:
             lines.append(f"  failure: {stage.failure}")
         ranks = []

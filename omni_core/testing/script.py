@@ -129,8 +129,22 @@ class Script:
     # ---------------------------------------------------------------- set-up
 
     def cmd_stage(self, args: dict[str, str], bare: list[str]) -> None:
-        known = {"ranks", "name", "policy", "queue-limit", "max-in-flight", "tags", "start-deadline",
-                 "wake-deadline", "hello", "capabilities", "shell", "load-error", "seed", *_FAULT_KEYS}  # fmt: skip
+        known = {
+            "ranks",
+            "name",
+            "policy",
+            "queue-limit",
+            "max-in-flight",
+            "tags",
+            "start-deadline",
+            "wake-deadline",
+            "hello",
+            "capabilities",
+            "shell",
+            "load-error",
+            "seed",
+            *_FAULT_KEYS,
+        }
         self._only(args, known)
         tags = _tag_list(args["tags"]) if "tags" in args else None
         core: dict[str, Any] = {"policy": AdmissionPolicy(args.get("policy", "queue"))}
@@ -143,8 +157,9 @@ class Script:
         if "wake-deadline" in args:
             core["wake_deadline_s"] = parse_duration_s(args["wake-deadline"])
         stage = StageCore(args.get("name", "talker"), int(args.get("ranks", "1")), **core)
-        capabilities = tuple(Capability(c) for c in args["capabilities"].split(",") if c) \
-            if "capabilities" in args else None  # fmt: skip
+        capabilities = (
+            tuple(Capability(c) for c in args["capabilities"].split(",") if c) if "capabilities" in args else None
+        )
 
         def make_worker(rank: int, epoch: int) -> WorkerCore:
             if capabilities is None:
@@ -154,13 +169,20 @@ class Script:
         shell = args.get("shell", "serial")
         if shell not in ("serial", "async"):
             raise ScriptError(f"shell={shell}: serial or async")
-        self.sim = Simulator(stage, make_worker=make_worker, seed=int(args.get("seed", "0")),
-                             faults=self._faults(Faults(), args), serial_shell=shell == "serial")  # fmt: skip
+        self.sim = Simulator(
+            stage,
+            make_worker=make_worker,
+            seed=int(args.get("seed", "0")),
+            faults=self._faults(Faults(), args),
+            serial_shell=shell == "serial",
+        )
         self.sim.load_errors = _load_errors(args)
         self.start_deadline_s = parse_duration_s(args.get("start-deadline", "10s"))
-        self.sim.say(f"stage {stage.name!r}: {len(stage.ranks)} rank(s), tags {fmt_tags(stage.tags)}, policy "
-                     f"{stage.policy.value}, queue_limit {stage.queue_limit}, max_in_flight {stage.max_in_flight}, "
-                     f"{shell} rank shells")  # fmt: skip
+        self.sim.say(
+            f"stage {stage.name!r}: {len(stage.ranks)} rank(s), tags {fmt_tags(stage.tags)}, policy "
+            f"{stage.policy.value}, queue_limit {stage.queue_limit}, max_in_flight {stage.max_in_flight}, "
+            f"{shell} rank shells"
+        )
         self._start(lambda hello: self.s.start(self.start_deadline_s, hello=hello), args.get("hello", "deliver"))
 
     def _start(self, start: Callable[[bool], StageStep], hello: str) -> None:
@@ -176,17 +198,24 @@ class Script:
         self._only(args, set(_FAULT_KEYS))
         self.s.faults = self._faults(self.s.faults, args)
         f = self.s.faults
-        self.s.say(f"faults: loss {f.loss:g}, duplicate {f.duplicate:g}, delay {f.delay:g} (up to "
-                   f"{fmt_s(f.max_delay_s)}), reorder {'on' if f.reorder else 'off'}, crash {f.crash:g}, "
-                   f"effect error {f.effect_error:g}")  # fmt: skip
+        self.s.say(
+            f"faults: loss {f.loss:g}, duplicate {f.duplicate:g}, delay {f.delay:g} (up to "
+            f"{fmt_s(f.max_delay_s)}), reorder {'on' if f.reorder else 'off'}, crash {f.crash:g}, "
+            f"effect error {f.effect_error:g}"
+        )
 
     @staticmethod
     def _faults(base: Faults, args: dict[str, str]) -> Faults:
         changes: dict[str, Any] = {}
         for key, field in _FAULT_KEYS.items():
             if key in args:
-                changes[field] = _bool(args[key]) if field == "reorder" else \
-                    parse_duration_s(args[key]) if field == "max_delay_s" else float(args[key])  # fmt: skip
+                changes[field] = (
+                    _bool(args[key])
+                    if field == "reorder"
+                    else parse_duration_s(args[key])
+                    if field == "max_delay_s"
+                    else float(args[key])
+                )
         return dataclasses.replace(base, **changes)
 
     @staticmethod
@@ -199,15 +228,26 @@ class Script:
 
     def cmd_sleep(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "level", "tags", "deadline", "abort"})
-        self.s.call(I.SleepCall(args["task"], int(args.get("level", "1")), _tag_list(args.get("tags", "all")),
-                                parse_duration_s(args.get("deadline", "30s")),
-                                abort_in_flight=_bool(args.get("abort", "no"))))  # fmt: skip
+        self.s.call(
+            I.SleepCall(
+                args["task"],
+                int(args.get("level", "1")),
+                _tag_list(args.get("tags", "all")),
+                parse_duration_s(args.get("deadline", "30s")),
+                abort_in_flight=_bool(args.get("abort", "no")),
+            )
+        )
 
     def cmd_wake(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "tags", "deadline", "wait"})
-        self.s.call(I.WakeCall(args["task"], _tag_list(args.get("tags", "all")),
-                               parse_duration_s(args.get("deadline", "30s")),
-                               parse_duration_s(args.get("wait", "0s"))))  # fmt: skip
+        self.s.call(
+            I.WakeCall(
+                args["task"],
+                _tag_list(args.get("tags", "all")),
+                parse_duration_s(args.get("deadline", "30s")),
+                parse_duration_s(args.get("wait", "0s")),
+            )
+        )
 
     def cmd_reload(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "source", "deadline"})
@@ -215,29 +255,54 @@ class Script:
 
     def cmd_update(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "version", "source", "deadline"})
-        self.s.call(I.UpdateCall(args["task"], int(args["version"]), DiskSource(path=args.get("source", "/ckpt")),
-                                 parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+        self.s.call(
+            I.UpdateCall(
+                args["task"],
+                int(args["version"]),
+                DiskSource(path=args.get("source", "/ckpt")),
+                parse_duration_s(args.get("deadline", "30s")),
+            )
+        )
 
     def cmd_weight_group(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "port", "world", "offset", "deadline"})
-        self.s.call(I.WeightGroupCall(args["task"], "rl", "127.0.0.1", int(args.get("port", "29500")),
-                                      int(args.get("world", "3")), int(args.get("offset", "1")), "gloo",
-                                      parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+        self.s.call(
+            I.WeightGroupCall(
+                args["task"],
+                "rl",
+                "127.0.0.1",
+                int(args.get("port", "29500")),
+                int(args.get("world", "3")),
+                int(args.get("offset", "1")),
+                "gloo",
+                parse_duration_s(args.get("deadline", "30s")),
+            )
+        )
 
     def cmd_share(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "bucket-bytes", "deadline"})
-        self.s.call(I.ShareCall(args["task"], int(args.get("bucket-bytes", "1024")),
-                                parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+        self.s.call(
+            I.ShareCall(
+                args["task"], int(args.get("bucket-bytes", "1024")), parse_duration_s(args.get("deadline", "30s"))
+            )
+        )
 
     def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "start", "prefix", "deadline"})
-        self.s.call(I.ProfileCall(args["task"], _bool(args.get("start", "yes")), args.get("prefix"),
-                                  parse_duration_s(args.get("deadline", "30s"))))  # fmt: skip
+        self.s.call(
+            I.ProfileCall(
+                args["task"],
+                _bool(args.get("start", "yes")),
+                args.get("prefix"),
+                parse_duration_s(args.get("deadline", "30s")),
+            )
+        )
 
     def cmd_submit(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"req", "payload", "timeout"})
-        self.s.call(I.Submit(args["req"], _value(args.get("payload", "0")),
-                             parse_duration_s(args.get("timeout", "30s"))))  # fmt: skip
+        self.s.call(
+            I.Submit(args["req"], _value(args.get("payload", "0")), parse_duration_s(args.get("timeout", "30s")))
+        )
 
     def cmd_set_admission(self, args: dict[str, str], bare: list[str]) -> None:
         if len(bare) != 1:
@@ -260,11 +325,15 @@ class Script:
 
     def _select(self, args: dict[str, str], *, deliverable: bool = False) -> list[Envelope]:
         self._only(args, {"id", "from", "to", "rank", "type", "task", "n", "by"})
-        found = self.s.find(id=int(args["id"]) if "id" in args else None,
-                            sender=_address(args["from"]) if "from" in args else "any",
-                            to=_address(args["to"]) if "to" in args else "any",
-                            rank=_rank(args["rank"]) if "rank" in args else None,
-                            kind=args.get("type"), task_id=args.get("task"), deliverable=deliverable)  # fmt: skip
+        found = self.s.find(
+            id=int(args["id"]) if "id" in args else None,
+            sender=_address(args["from"]) if "from" in args else "any",
+            to=_address(args["to"]) if "to" in args else "any",
+            rank=_rank(args["rank"]) if "rank" in args else None,
+            kind=args.get("type"),
+            task_id=args.get("task"),
+            deliverable=deliverable,
+        )
         if not found:
             raise SimulationError(f"no message in flight matches {args}")
         count = args.get("n", "1")
@@ -337,5 +406,12 @@ class Script:
         return self.s.status_lines()
 
 
-_FAULT_KEYS = {"loss": "loss", "dup": "duplicate", "delay": "delay", "max-delay": "max_delay_s",
-               "reorder": "reorder", "crash": "crash", "effect-error": "effect_error"}  # fmt: skip
+_FAULT_KEYS = {
+    "loss": "loss",
+    "dup": "duplicate",
+    "delay": "delay",
+    "max-delay": "max_delay_s",
+    "reorder": "reorder",
+    "crash": "crash",
+    "effect-error": "effect_error",
+}

@@ -68,8 +68,10 @@ def curve_client_keys(server_key: str | None) -> CurveClient | None:
         return None
     public, sep, secret = (pair or "").partition(_KEY_SEPARATOR)
     if not sep or len(public) != 40 or len(secret) != 40:
-        raise RuntimeError(f"the engine uses CURVE but {CURVE_CLIENT_KEYS_ENV} is missing or malformed; "
-                           "ranks of a CURVE engine must be started by it (or given its client keys)")  # fmt: skip
+        raise RuntimeError(
+            f"the engine uses CURVE but {CURVE_CLIENT_KEYS_ENV} is missing or malformed; "
+            "ranks of a CURVE engine must be started by it (or given its client keys)"
+        )
     return CurveClient(server_key.encode(), public.encode(), secret.encode())
 
 
@@ -91,8 +93,14 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
 
 
-def make_dealer(ctx: zmq.Context, address: str, *, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
-                curve: CurveClient | None = None) -> zmq.Socket:
+def make_dealer(
+    ctx: zmq.Context,
+    address: str,
+    *,
+    identity: bytes | None = None,
+    hwm: int = DEFAULT_HWM,
+    curve: CurveClient | None = None,
+) -> zmq.Socket:
     """A DEALER connected to `address` (the worker side); with `curve`, encrypted and
     checking that the server holds the engine's key.
 
@@ -112,8 +120,14 @@ def make_dealer(ctx: zmq.Context, address: str, *, identity: bytes | None = None
     return sock
 
 
-def make_router(ctx: zmq.Context, address: str, *, hwm: int = DEFAULT_HWM,
-                max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve: CurveKeys | None = None) -> zmq.Socket:
+def make_router(
+    ctx: zmq.Context,
+    address: str,
+    *,
+    hwm: int = DEFAULT_HWM,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    curve: CurveKeys | None = None,
+) -> zmq.Socket:
     """A ROUTER bound to `address` (the orchestrator side).
 
     ROUTER_MANDATORY makes a send to an identity that is not connected raise

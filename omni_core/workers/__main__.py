@@ -20,8 +20,10 @@ def parse_config(text: str) -> WorkerConfig:
     try:
         return msgspec.json.decode(raw, type=WorkerConfig)
     except msgspec.DecodeError as exc:
-        raise SystemExit(f"--config is not a valid WorkerConfig: {exc}. Example: "
-                         '--config \'{"address": "ipc:///tmp/omni.sock", "rank": 0}\'') from None
+        raise SystemExit(
+            f"--config is not a valid WorkerConfig: {exc}. Example: "
+            '--config \'{"address": "ipc:///tmp/omni.sock", "rank": 0}\''
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

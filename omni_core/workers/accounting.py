@@ -116,15 +116,15 @@ def _match_uuid(wanted: str, candidates: list[tuple[str, Any]], what: str) -> tu
         return prefixed[0]
     known = ", ".join(c[0] for c in candidates) or "none"
     if len(prefixed) > 1:
-        raise DeviceResolutionError(f"{what} {wanted!r} is a prefix of several devices ({known}); "
-                                    "give more of the UUID")  # fmt: skip
-    raise DeviceResolutionError(f"{what} {wanted!r} matches no device NVML sees (it sees: {known}); "
-                                "check `nvidia-smi -L`")  # fmt: skip
+        raise DeviceResolutionError(
+            f"{what} {wanted!r} is a prefix of several devices ({known}); give more of the UUID"
+        )
+    raise DeviceResolutionError(
+        f"{what} {wanted!r} matches no device NVML sees (it sees: {known}); check `nvidia-smi -L`"
+    )
 
 
-def resolve_physical_device(
-    entries: list[VisibleDevice] | None, local_index: int, nvml: NvmlApi
-) -> PhysicalDevice:
+def resolve_physical_device(entries: list[VisibleDevice] | None, local_index: int, nvml: NvmlApi) -> PhysicalDevice:
     """The NVML handle of the device this process calls `cuda:<local_index>`.
 
     Index entries are NVML indices, which match CUDA's only with CUDA_DEVICE_ORDER=PCI_BUS_ID
@@ -240,8 +240,14 @@ def available_memory_bytes(total_bytes: int, fraction: float, process_bytes: int
 class ProcessMemory:
     """Measures this process's GPU memory on one torch device, saying which source it used."""
 
-    def __init__(self, device: Any, *, nvml: NvmlApi | None = None, pid: int | None = None,
-                 visible_devices: str | Literal["env"] | None = "env") -> None:  # fmt: skip
+    def __init__(
+        self,
+        device: Any,
+        *,
+        nvml: NvmlApi | None = None,
+        pid: int | None = None,
+        visible_devices: str | Literal["env"] | None = "env",
+    ) -> None:
         import torch
 
         self.device = torch.device(device)

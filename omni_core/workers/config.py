@@ -24,8 +24,10 @@ def backend_name_problem(name: object) -> str | None:
     module, sep, attr = name.partition(":")
     if name in BUILTIN_BACKENDS or (sep and module and attr):
         return None
-    return (f"backend {name!r} is not one of {list(BUILTIN_BACKENDS)} nor an import path "
-            "'package.module:Class' of a MemoryBackend")  # fmt: skip
+    return (
+        f"backend {name!r} is not one of {list(BUILTIN_BACKENDS)} nor an import path "
+        "'package.module:Class' of a MemoryBackend"
+    )
 
 
 def device_problem(name: str) -> str | None:
@@ -42,8 +44,10 @@ def device_problem(name: str) -> str | None:
         return None
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        return (f"{name!r} needs a CUDA GPU, and torch {torch.__version__} ({build}) sees none "
-                "(torch.cuda.is_available() is False)")  # fmt: skip
+        return (
+            f"{name!r} needs a CUDA GPU, and torch {torch.__version__} ({build}) sees none "
+            "(torch.cuda.is_available() is False)"
+        )
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         return f"{name!r} names GPU {device.index}, and torch sees {count} (CUDA_VISIBLE_DEVICES selects them)"
@@ -84,6 +88,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
 
     def __post_init__(self) -> None:
         if self.reply_cache_entries < MIN_REPLY_CACHE_ENTRIES:
-            raise ValueError(f"reply_cache_entries={self.reply_cache_entries} is below {MIN_REPLY_CACHE_ENTRIES}: "
-                             f"a worker must hold its {MIN_REPLY_CACHE_ENTRIES} latest answers for retries (P-2); "
-                             "raise it")  # fmt: skip
+            raise ValueError(
+                f"reply_cache_entries={self.reply_cache_entries} is below {MIN_REPLY_CACHE_ENTRIES}: "
+                f"a worker must hold its {MIN_REPLY_CACHE_ENTRIES} latest answers for retries (P-2); "
+                "raise it"
+            )

@@ -73,8 +73,9 @@ class CudaFreeMemory:
     def holders(self) -> HolderList:
         used, problem = self.memory.device_processes()
         ours = {self.memory.pid: "this rank"}
-        holders = tuple(Holder(pid, nbytes, ours.get(pid, "")) for pid, nbytes in
-                        sorted(used.items(), key=lambda item: -item[1]))  # fmt: skip
+        holders = tuple(
+            Holder(pid, nbytes, ours.get(pid, "")) for pid, nbytes in sorted(used.items(), key=lambda item: -item[1])
+        )
         return HolderList(holders, problem=problem)
 
     def describe(self) -> str:

@@ -37,8 +37,9 @@ T = TypeVar("T")
 class MemoryWaitExpired(RuntimeError):
     """The device did not free enough memory within the wake's `wait_for_memory_s`."""
 
-    def __init__(self, message: str, *, needed_bytes: int, free_bytes: int, waited_s: float,
-                 holders: HolderList) -> None:  # fmt: skip
+    def __init__(
+        self, message: str, *, needed_bytes: int, free_bytes: int, waited_s: float, holders: HolderList
+    ) -> None:
         super().__init__(message)
         self.needed_bytes, self.free_bytes, self.waited_s, self.holders = needed_bytes, free_bytes, waited_s, holders
 
@@ -72,9 +73,17 @@ class MemoryGate:
     """Admits a wake's allocations as the device's free memory allows. One per wake: the
     wait is measured from its construction (the wake's start)."""
 
-    def __init__(self, source: FreeMemorySource, *, wait_for_memory_s: float, what: str = "this wake",
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 min_backoff_s: float = MIN_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        source: FreeMemorySource,
+        *,
+        wait_for_memory_s: float,
+        what: str = "this wake",
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        min_backoff_s: float = MIN_BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
         if wait_for_memory_s < 0:
             raise ValueError(f"wait_for_memory_s must be >= 0, got {wait_for_memory_s}")
         if not 0 < min_backoff_s <= max_backoff_s:
@@ -167,17 +176,28 @@ class MemoryGate:
         holders = self.source.holders()
         waited_s = now - self.started_s
         reserve = self.source.reserve_bytes
-        total = f" (the wake maps {_gib(self.wake_bytes)} in all, {_gib(self.admitted_bytes)} mapped so far)" \
-            if self.wake_bytes else ""  # fmt: skip
-        refused = f"; the driver refused a map the free figure allowed ({self._driver_refusal})" \
-            if self._driver_refusal else ""  # fmt: skip
-        when = ("refused at once (wait_for_memory_s=0)" if self.wait_for_memory_s == 0
-                else f"after waiting {waited_s:.3f} s (wait_for_memory_s={self.wait_for_memory_s:g})")  # fmt: skip
-        message = (f"{self.what} needed {nbytes} bytes ({_gib(nbytes)}) for its next allocation{total}, "
-                   f"{free} bytes ({_gib(free)}) free on {self.source.describe()}"
-                   f"{f' less a reserve of {_gib(reserve)}' if reserve else ''}: {when}{refused}; "
-                   f"{describe_holders(holders)}. Put a stage holding that memory to sleep first, "
-                   "or give the wake more time (wait_for_memory_s)")  # fmt: skip
+        total = (
+            f" (the wake maps {_gib(self.wake_bytes)} in all, {_gib(self.admitted_bytes)} mapped so far)"
+            if self.wake_bytes
+            else ""
+        )
+        refused = (
+            f"; the driver refused a map the free figure allowed ({self._driver_refusal})"
+            if self._driver_refusal
+            else ""
+        )
+        when = (
+            "refused at once (wait_for_memory_s=0)"
+            if self.wait_for_memory_s == 0
+            else f"after waiting {waited_s:.3f} s (wait_for_memory_s={self.wait_for_memory_s:g})"
+        )
+        message = (
+            f"{self.what} needed {nbytes} bytes ({_gib(nbytes)}) for its next allocation{total}, "
+            f"{free} bytes ({_gib(free)}) free on {self.source.describe()}"
+            f"{f' less a reserve of {_gib(reserve)}' if reserve else ''}: {when}{refused}; "
+            f"{describe_holders(holders)}. Put a stage holding that memory to sleep first, "
+            "or give the wake more time (wait_for_memory_s)"
+        )
         return MemoryWaitExpired(message, needed_bytes=nbytes, free_bytes=free, waited_s=waited_s, holders=holders)
 
 

@@ -99,8 +99,10 @@ def encode_output(output: Any) -> bytes:
     try:
         return msgspec.msgpack.encode(output)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"the runner's result cannot be sent: {exc}; return msgpack-serialisable "
-                        "values (dict, list, str, bytes, int, float, bool, None)") from None
+        raise TypeError(
+            f"the runner's result cannot be sent: {exc}; return msgpack-serialisable "
+            "values (dict, list, str, bytes, int, float, bool, None)"
+        ) from None
 
 
 def _error_text(exc: BaseException) -> str:
@@ -111,8 +113,10 @@ def _error_text(exc: BaseException) -> str:
 def _resolve_device(name: str) -> torch.device:
     problem = device_problem(name)
     if problem:  # torch's own words ("Torch not compiled with CUDA enabled") name no setting
-        raise ValueError(f"device {problem}; set the stage's device (StageSpec.device, the TOML key `device` of "
-                         'its [[stages]] table) to "cpu", or start it where that device is')  # fmt: skip
+        raise ValueError(
+            f"device {problem}; set the stage's device (StageSpec.device, the TOML key `device` of "
+            'its [[stages]] table) to "cpu", or start it where that device is'
+        )
     device = torch.device(name)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
@@ -122,8 +126,9 @@ def _resolve_device(name: str) -> torch.device:
 class WorkerProcess:
     """One rank: backend, runner, core and socket. `start()` then `serve()`."""
 
-    def __init__(self, config: WorkerConfig, sock: zmq.Socket, *, identity: bytes = b"",
-                 rank_secret: bytes | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: WorkerConfig, sock: zmq.Socket, *, identity: bytes = b"", rank_secret: bytes | None = None
+    ) -> None:
         self.config = config
         self.sock = sock
         self.identity = identity
@@ -137,8 +142,9 @@ class WorkerProcess:
         self.core: WorkerCore | None = None
         self.receiver = WeightReceiver(torch.device("cpu"), config.rank)  # on the rank's device once resolved
         self.sender: WeightSender | None = None  # this rank's shared weights (ShareWeights), until the next
-        self.profiler = TraceProfiler(config.profile_dir or default_profile_dir(), config.stage, config.rank,
-                                      max_duration_s=config.profile_max_s)  # fmt: skip
+        self.profiler = TraceProfiler(
+            config.profile_dir or default_profile_dir(), config.stage, config.rank, max_duration_s=config.profile_max_s
+        )
         self.stopped = False
         self.exit_code = EXIT_OK
         # What the loop caught while handling frames, by cause (omni_core.isolation).
@@ -164,9 +170,14 @@ class WorkerProcess:
         except Exception as exc:
             error = _error_text(exc)
             log.error("worker %s/%s: backend %r unavailable: %s", cfg.stage, cfg.rank, cfg.backend, error)
-        self.core = WorkerCore(cfg.rank, tags=cfg.tags, epoch=cfg.epoch, capabilities=capabilities,
-                               reply_cache_entries=cfg.reply_cache_entries,
-                               reply_cache_bytes=cfg.reply_cache_bytes)  # fmt: skip
+        self.core = WorkerCore(
+            cfg.rank,
+            tags=cfg.tags,
+            epoch=cfg.epoch,
+            capabilities=capabilities,
+            reply_cache_entries=cfg.reply_cache_entries,
+            reply_cache_bytes=cfg.reply_cache_bytes,
+        )
         if not error:
             try:
                 self._load()
@@ -190,15 +201,32 @@ class WorkerProcess:
         if self.memory is not None and self.memory.physical is not None:
             device = f"{device} ({self.memory.physical.uuid})"
         pid = os.getpid()
-        proof = "" if self.rank_secret is None else hello_proof(
-            self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid, identity=self.identity)
-        self._send(Hello(task_id=HELLO_TASK_ID, epoch=cfg.epoch, rank=cfg.rank, pid=pid, stage=cfg.stage,
-                         proof=proof, device=device, backend=backend_name,
-                         backend_reason=self.backend.choice_reason[:MAX_DETAIL_CHARS] if self.backend else "",
-                         relay_peers=relay_peers,
-                         tags=cfg.tags,
-                         capabilities=capabilities, state=self.core.state,
-                         detail=error[:MAX_DETAIL_CHARS], weights_version=self.core.weights_version))  # fmt: skip
+        proof = (
+            ""
+            if self.rank_secret is None
+            else hello_proof(
+                self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid, identity=self.identity
+            )
+        )
+        self._send(
+            Hello(
+                task_id=HELLO_TASK_ID,
+                epoch=cfg.epoch,
+                rank=cfg.rank,
+                pid=pid,
+                stage=cfg.stage,
+                proof=proof,
+                device=device,
+                backend=backend_name,
+                backend_reason=self.backend.choice_reason[:MAX_DETAIL_CHARS] if self.backend else "",
+                relay_peers=relay_peers,
+                tags=cfg.tags,
+                capabilities=capabilities,
+                state=self.core.state,
+                detail=error[:MAX_DETAIL_CHARS],
+                weights_version=self.core.weights_version,
+            )
+        )
 
     def _load(self) -> None:
         assert self.backend is not None
@@ -218,14 +246,20 @@ class WorkerProcess:
         self.free_memory = self._free_memory_source()  # before loading: the load is reported too
         self.runner.load(self.backend.pool, self.config.tags, budget)
         # Before tracking: a backend that copies read-only tags to the host once does it there.
-        self.backend.declare_read_only(self.runner.read_only_tags() & set(self.config.tags),
-                                       verify=self.config.verify_clean_sleep)  # fmt: skip
+        self.backend.declare_read_only(
+            self.runner.read_only_tags() & set(self.config.tags), verify=self.config.verify_clean_sleep
+        )
         for tag in self.config.tags:
             self.backend.track(tag, self.runner.tensors(tag))
         if fraction is not None:
             self._check_budget(fraction)
-        log.info("worker %s/%s loaded: pools %s, process memory %s", self.config.stage,
-                 self.config.rank, self.backend.usage(), self._figure())  # fmt: skip
+        log.info(
+            "worker %s/%s loaded: pools %s, process memory %s",
+            self.config.stage,
+            self.config.rank,
+            self.backend.usage(),
+            self._figure(),
+        )
 
     def _free_memory_source(self) -> FreeMemorySource | None:
         """What a wake's memory gate asks: the simulated device when configured (the backend
@@ -235,8 +269,10 @@ class WorkerProcess:
         if simulated is not None:
             report_to = getattr(self.backend, "report_to", None)
             if report_to is None:
-                raise RuntimeError(f"simulated_device needs a backend that reports its bytes (portable); backend "
-                                   f"{self.backend.name!r} does not: use backend='portable' on device='cpu'")
+                raise RuntimeError(
+                    f"simulated_device needs a backend that reports its bytes (portable); backend "
+                    f"{self.backend.name!r} does not: use backend='portable' on device='cpu'"
+                )
             residency = SimulatedResidency(simulated, self.config.stage, self.config.rank)
             report_to(residency)
             return residency
@@ -248,8 +284,11 @@ class WorkerProcess:
         """A gate for one wake (its wait starts now), when there is device memory to wait for."""
         if self.free_memory is None or self.backend is None or not self.backend.supports_memory_gate:
             return None
-        return MemoryGate(self.free_memory, wait_for_memory_s=wait_for_memory_s,
-                          what=f"stage {self.config.stage} rank {self.config.rank}")  # fmt: skip
+        return MemoryGate(
+            self.free_memory,
+            wait_for_memory_s=wait_for_memory_s,
+            what=f"stage {self.config.stage} rank {self.config.rank}",
+        )
 
     def _check_budget(self, fraction: float) -> None:
         assert self.memory is not None
@@ -259,7 +298,8 @@ class WorkerProcess:
             raise RuntimeError(
                 f"this rank holds {figure.process_bytes / 2**30:.2f} GiB of GPU memory ({figure.source}), "
                 f"over its budget gpu_memory_fraction={fraction} x {self.memory.total_bytes() / 2**30:.1f} GiB "
-                f"= {budget_bytes / 2**30:.2f} GiB; shrink the model/caches or raise gpu_memory_fraction")
+                f"= {budget_bytes / 2**30:.2f} GiB; shrink the model/caches or raise gpu_memory_fraction"
+            )
 
     # ------------------------------------------------------------------ loop
 
@@ -272,8 +312,12 @@ class WorkerProcess:
             self.profiler.poll()  # cut a profile past profile_max_s, even on a loop with traffic
             if not poller.poll(interval_ms):
                 if self.config.exit_with_parent and os.getppid() != parent:
-                    log.error("worker %s/%s: parent process %d is gone; releasing pools and exiting",
-                              self.config.stage, self.config.rank, parent)  # fmt: skip
+                    log.error(
+                        "worker %s/%s: parent process %d is gone; releasing pools and exiting",
+                        self.config.stage,
+                        self.config.rank,
+                        parent,
+                    )
                     self._write((ParentGone(parent),))
                     self._release()
                     return EXIT_PARENT_GONE
@@ -299,8 +343,12 @@ class WorkerProcess:
         try:
             self.handle(data)
         except InvariantViolation:
-            log.critical("worker %s/%s: the worker core violated its invariants; exiting",
-                         self.config.stage, self.config.rank, exc_info=True)  # fmt: skip
+            log.critical(
+                "worker %s/%s: the worker core violated its invariants; exiting",
+                self.config.stage,
+                self.config.rank,
+                exc_info=True,
+            )
             raise
         except Exception as exc:
             self.frame_errors.record(exc, f"a frame of {len(data)} bytes")
@@ -323,9 +371,14 @@ class WorkerProcess:
             if became_busy and task_id is not None:
                 step = core.on_error(task_id, f"the worker failed while handling it ({cause})")
             else:
-                step = core.on_bad_message(ProtocolError(
-                    f"this worker could not handle the frame ({cause}); it was dropped and the worker serves on: "
-                    "check the sender, or report a bug with the worker's log", task_id=task_id, epoch=epoch))
+                step = core.on_bad_message(
+                    ProtocolError(
+                        f"this worker could not handle the frame ({cause}); it was dropped and the worker serves on: "
+                        "check the sender, or report a bug with the worker's log",
+                        task_id=task_id,
+                        epoch=epoch,
+                    )
+                )
             self._send_all(step)
         except InvariantViolation:
             raise
@@ -373,8 +426,15 @@ class WorkerProcess:
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
             shared = output if isinstance(effect, ShareEffect) else None
             output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
-            step = core.on_done(effect.task_id, memory=memory, output=output, duration_s=duration_s, path=path,
-                                trace_paths=trace_paths, shared=shared)  # fmt: skip
+            step = core.on_done(
+                effect.task_id,
+                memory=memory,
+                output=output,
+                duration_s=duration_s,
+                path=path,
+                trace_paths=trace_paths,
+                shared=shared,
+            )
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -387,11 +447,15 @@ class WorkerProcess:
             return core.on_refused(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT)
         if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
             # Rolled back: nothing mapped is kept, the tags sleep as before (NO_MEMORY, P-16).
-            log.warning("worker %s/%s: wake %r refused: %s", self.config.stage, self.config.rank,
-                        effect.task_id, exc)  # fmt: skip
+            log.warning("worker %s/%s: wake %r refused: %s", self.config.stage, self.config.rank, effect.task_id, exc)
             return core.on_refused(effect.task_id, str(exc), NackReason.NO_MEMORY)
-        log.error("worker %s/%s: %s failed:\n%s", self.config.stage, self.config.rank,
-                  type(effect).__name__, traceback.format_exc())  # fmt: skip
+        log.error(
+            "worker %s/%s: %s failed:\n%s",
+            self.config.stage,
+            self.config.rank,
+            type(effect).__name__,
+            traceback.format_exc(),
+        )
         if isinstance(effect, ShutdownEffect):
             self.exit_code = EXIT_SHUTDOWN_ERROR
         return core.on_error(effect.task_id, _error_text(exc))
@@ -461,8 +525,10 @@ class WorkerProcess:
         size_bytes = len(encode_output(output))
         limit_bytes = self.config.max_frame_bytes - RESULT_ENVELOPE_BYTES
         if size_bytes > limit_bytes:
-            raise ValueError(f"the result is {size_bytes} bytes, over the {limit_bytes} bytes a frame may "
-                             "carry (max_frame_bytes); return less or raise max_frame_bytes")  # fmt: skip
+            raise ValueError(
+                f"the result is {size_bytes} bytes, over the {limit_bytes} bytes a frame may "
+                "carry (max_frame_bytes); return less or raise max_frame_bytes"
+            )
         return output
 
     def _release(self) -> None:
@@ -518,8 +584,9 @@ def _rank_secret(secret_hex: str | None) -> bytes | None:
     try:
         return bytes.fromhex(secret_hex)
     except ValueError:
-        raise SystemExit(f"{RANK_SECRET_ENV} must be hex (the engine sets it); got {len(secret_hex)} "
-                         "characters that are not") from None
+        raise SystemExit(
+            f"{RANK_SECRET_ENV} must be hex (the engine sets it); got {len(secret_hex)} characters that are not"
+        ) from None
 
 
 def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:
@@ -542,8 +609,9 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     elif parent_pid is None:
         parent_pid = os.getppid()
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         if os.environ.get("OMNI_CORE_LOG_FORMAT"):  # under `omni-core serve`: its format (--log-json: JSON)
             from omni_core.serve.logs import formatter_for
 
@@ -555,8 +623,13 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     ctx = zmq.Context()
     # A random suffix: a stranger cannot connect first under this rank's identity.
     identity = f"{config.stage}/{config.rank}/{secrets.token_hex(8)}".encode()
-    sock = make_dealer(ctx, config.address, identity=identity, hwm=config.recv_queue_limit,
-                       curve=curve_client_keys(config.curve_server_key))
+    sock = make_dealer(
+        ctx,
+        config.address,
+        identity=identity,
+        hwm=config.recv_queue_limit,
+        curve=curve_client_keys(config.curve_server_key),
+    )
     worker = WorkerProcess(config, sock, identity=identity, rank_secret=rank_secret)
     code = EXIT_OK
     try:

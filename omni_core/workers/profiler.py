@@ -63,11 +63,18 @@ def _torch_profiler(device_type: str) -> Any:
 class TraceProfiler:
     """Start/stop of one rank's profiler and the background compression of its traces."""
 
-    def __init__(self, directory: str, stage: str, rank: int, *, device_type: str = "cpu",
-                 max_duration_s: float = DEFAULT_PROFILE_MAX_S,
-                 make_profiler: Callable[[str], Any] = _torch_profiler,
-                 clock: Callable[[], float] = time.monotonic,
-                 utc_now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(_UTC)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: str,
+        stage: str,
+        rank: int,
+        *,
+        device_type: str = "cpu",
+        max_duration_s: float = DEFAULT_PROFILE_MAX_S,
+        make_profiler: Callable[[str], Any] = _torch_profiler,
+        clock: Callable[[], float] = time.monotonic,
+        utc_now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(_UTC),
+    ) -> None:
         if max_duration_s <= 0:
             raise ValueError(f"profile max_duration_s must be > 0, got {max_duration_s!r}")
         self.directory = os.path.abspath(directory)
@@ -89,8 +96,9 @@ class TraceProfiler:
 
     def start(self, prefix: str | None) -> None:
         if self._profiler is not None or self._cut_paths:
-            raise RuntimeError("a profile is already running on this rank (or its cut trace is not yet "
-                               "collected); stop it first")  # fmt: skip
+            raise RuntimeError(
+                "a profile is already running on this rank (or its cut trace is not yet collected); stop it first"
+            )
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         profiler = self._make_profiler(self.device_type)
         profiler.start()
@@ -110,8 +118,14 @@ class TraceProfiler:
         if self._profiler is not None and self._clock() - self._started_at >= self.max_duration_s:
             path = self._stop_and_export()
             self._cut_paths.append(path)
-            log.warning("profile of %s rank %d ran %.0f s, its limit (profile_max_s): cut and written to %s; "
-                        "the next Profile stop lists it", self.stage, self.rank, self.max_duration_s, path)
+            log.warning(
+                "profile of %s rank %d ran %.0f s, its limit (profile_max_s): cut and written to %s; "
+                "the next Profile stop lists it",
+                self.stage,
+                self.rank,
+                self.max_duration_s,
+                path,
+            )
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Drop a running profile (nobody is left to ask for it) and let queued compressions

@@ -94,10 +94,14 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str) or not self.directory:
             raise ValueError(f"simulated_device.directory must be a non-empty path, got {self.directory!r}")
-        if (not isinstance(self.capacity_bytes, int) or isinstance(self.capacity_bytes, bool)
-                or not 0 < self.capacity_bytes <= MAX_CAPACITY_BYTES):  # fmt: skip
-            raise ValueError(f"simulated_device.capacity_bytes must be an integer in 1..2**60, "
-                             f"got {self.capacity_bytes!r}")  # fmt: skip
+        if (
+            not isinstance(self.capacity_bytes, int)
+            or isinstance(self.capacity_bytes, bool)
+            or not 0 < self.capacity_bytes <= MAX_CAPACITY_BYTES
+        ):
+            raise ValueError(
+                f"simulated_device.capacity_bytes must be an integer in 1..2**60, got {self.capacity_bytes!r}"
+            )
 
     # ------------------------------------------------------------------ reading
 
@@ -186,7 +190,8 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if others + resident_bytes > self.capacity_bytes:
                 raise SimulatedOutOfMemory(
                     f"out of memory on the simulated device {self.directory}: {stage} rank {rank} would hold "
-                    f"{resident_bytes} bytes beside {others} held by others, over its {self.capacity_bytes}")
+                    f"{resident_bytes} bytes beside {others} held by others, over its {self.capacity_bytes}"
+                )
             self.write(stage, rank, pid, resident_bytes)
         finally:
             os.close(lock)

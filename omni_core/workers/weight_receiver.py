@@ -45,10 +45,19 @@ SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 MAX_OPEN_BUCKETS = 256  # mappings kept for the next update of the same buckets
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-}  # fmt: skip
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,8 +78,10 @@ def shm_path(handle: str) -> Path:
     """The bucket file a shm handle names; anything but a plain name under SHM_DIR is refused."""
     name = handle.removeprefix(str(SHM_DIR) + "/")
     if not _SHM_NAME.match(name) or name in (".", ".."):
-        raise RunnerArgumentError(f"shm handle {handle[:120]!r} is not a file directly under {SHM_DIR}; "
-                                  "share buckets with omni_core.weights_sender")  # fmt: skip
+        raise RunnerArgumentError(
+            f"shm handle {handle[:120]!r} is not a file directly under {SHM_DIR}; "
+            "share buckets with omni_core.weights_sender"
+        )
     return SHM_DIR / name
 
 
@@ -84,8 +95,10 @@ def check_specs(runner: ModelRunner, specs: tuple[TensorSpec, ...]) -> None:
             raise RunnerArgumentError(f"tensor {spec.name!r} is not a weight of this model{hint}; nothing was written")
         shape, dtype = expected[spec.name]
         if tuple(spec.shape) != tuple(shape) or spec.dtype != dtype_name(dtype):
-            raise RunnerArgumentError(f"tensor {spec.name!r} is {spec.dtype} {list(spec.shape)}, the model's is "
-                                      f"{dtype_name(dtype)} {list(shape)}; nothing was written")  # fmt: skip
+            raise RunnerArgumentError(
+                f"tensor {spec.name!r} is {spec.dtype} {list(spec.shape)}, the model's is "
+                f"{dtype_name(dtype)} {list(shape)}; nothing was written"
+            )
 
 
 class WeightReceiver:
@@ -107,8 +120,10 @@ class WeightReceiver:
 
         self.group_rank = command.rank_offset + self.rank
         if self.group_rank >= command.world_size:
-            raise RunnerArgumentError(f"group rank {self.group_rank} (rank_offset {command.rank_offset} + rank "
-                                      f"{self.rank}) is outside world_size {command.world_size}")  # fmt: skip
+            raise RunnerArgumentError(
+                f"group rank {self.group_rank} (rank_offset {command.rank_offset} + rank "
+                f"{self.rank}) is outside world_size {command.world_size}"
+            )
         if command.backend == "nccl" and self.device.type != "cuda":
             raise RunnerArgumentError(f"an nccl weight group needs a CUDA rank; this rank is on {self.device}")
         timeout = timedelta(seconds=command.timeout_s)
@@ -135,8 +150,10 @@ class WeightReceiver:
             runner.update_weights(self._tensors(source.buckets, views))
         elif isinstance(source, IpcSource):
             if self.device.type != "cuda":
-                raise RunnerArgumentError(f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
-                                          "share host buckets (shm) or broadcast (collective) instead")
+                raise RunnerArgumentError(
+                    f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
+                    "share host buckets (shm) or broadcast (collective) instead"
+                )
             views = [self._open_ipc(bucket) for bucket in source.buckets]
             if any(v.device != self.device for v in views):  # the trainer's GPU is a peer of ours
                 views = list(self._staged(views))
@@ -172,16 +189,22 @@ class WeightReceiver:
     def _open_shm(self, bucket: Bucket) -> torch.Tensor:
         path = shm_path(bucket.handle)
         if not sender_alive(bucket.sender_pid):
-            raise RunnerArgumentError(f"sender pid {bucket.sender_pid} of bucket {path.name} no longer runs; "
-                                      "its buckets are not trusted; nothing was written")  # fmt: skip
+            raise RunnerArgumentError(
+                f"sender pid {bucket.sender_pid} of bucket {path.name} no longer runs; "
+                "its buckets are not trusted; nothing was written"
+            )
         try:
             stat = path.stat()
         except OSError as exc:
-            raise RunnerArgumentError(f"bucket {path.name} of sender pid {bucket.sender_pid} cannot be opened "
-                                      f"({exc.strerror}); the sender released it or never made it") from None
+            raise RunnerArgumentError(
+                f"bucket {path.name} of sender pid {bucket.sender_pid} cannot be opened "
+                f"({exc.strerror}); the sender released it or never made it"
+            ) from None
         if stat.st_size < bucket.nbytes:
-            raise RunnerArgumentError(f"bucket {path.name} of sender pid {bucket.sender_pid} holds {stat.st_size} "
-                                      f"bytes, the update announces {bucket.nbytes}")  # fmt: skip
+            raise RunnerArgumentError(
+                f"bucket {path.name} of sender pid {bucket.sender_pid} holds {stat.st_size} "
+                f"bytes, the update announces {bucket.nbytes}"
+            )
         key = (str(path), stat.st_ino, bucket.nbytes)
         view = self._open.get(key)
         if view is None:
@@ -202,8 +225,9 @@ class WeightReceiver:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         if not sender_alive(bucket.sender_pid):
-            raise RunnerArgumentError(f"sender pid {bucket.sender_pid} of an ipc bucket no longer runs; "
-                                      "nothing was written")  # fmt: skip
+            raise RunnerArgumentError(
+                f"sender pid {bucket.sender_pid} of an ipc bucket no longer runs; nothing was written"
+            )
         key = (bucket.handle, bucket.sender_pid, bucket.nbytes)
         view = self._open.get(key)
         if view is None:
@@ -211,12 +235,15 @@ class WeightReceiver:
                 args = _IpcArgs.loads(bucket.handle)
                 view = rebuild_cuda_tensor(*args)
             except Exception as exc:
-                raise RunnerArgumentError(f"CUDA IPC handle of sender pid {bucket.sender_pid} cannot be opened: "
-                                          f"{type(exc).__name__}: {exc}") from None
+                raise RunnerArgumentError(
+                    f"CUDA IPC handle of sender pid {bucket.sender_pid} cannot be opened: {type(exc).__name__}: {exc}"
+                ) from None
             if view.numel() * view.element_size() < bucket.nbytes:
-                raise RunnerArgumentError(f"ipc bucket of sender pid {bucket.sender_pid} holds "
-                                          f"{view.numel() * view.element_size()} bytes, the update announces "
-                                          f"{bucket.nbytes}")  # fmt: skip
+                raise RunnerArgumentError(
+                    f"ipc bucket of sender pid {bucket.sender_pid} holds "
+                    f"{view.numel() * view.element_size()} bytes, the update announces "
+                    f"{bucket.nbytes}"
+                )
             self.reopened += 1
             self._open[key] = view
             while len(self._open) > MAX_OPEN_BUCKETS:
@@ -260,9 +287,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     # reduce_tensor names the storage class it shared: TypedStorage for a CUDA tensor (seen on
     # torch 2.11 with an H100), UntypedStorage on other builds.
-    _ALLOWED: ClassVar[set[tuple[str, str]]] = {("torch", "Tensor"), ("torch", "Size"), ("torch", "UntypedStorage"),
-                ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-                ("torch", "TypedStorage"), ("torch", "device")}  # fmt: skip
+    _ALLOWED: ClassVar[set[tuple[str, str]]] = {
+        ("torch", "Tensor"),
+        ("torch", "Size"),
+        ("torch", "UntypedStorage"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+        ("torch", "TypedStorage"),
+        ("torch", "device"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and hasattr(torch, name) and isinstance(getattr(torch, name), torch.dtype):

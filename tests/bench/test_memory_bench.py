@@ -15,13 +15,31 @@ from benchmarks.__main__ import main as cli_main
 GB = 1e9
 
 
-def case(method: str, workload: str = "8g", *, sleep_gbps=(52.0, 54.0, 53.0), wake_gbps=(51.0, 52.0, 50.5),
-         nbytes: int = 8 * 2**30, host_ratio: float = 1.001, l2_s: float | None = 0.05, exact=True,
-         **extra):  # fmt: skip
-    r = {"method": method, "workload": workload, "offloaded_bytes": nbytes, "kv_bytes": 4 * 2**30,
-         "sleep_s": [nbytes / (g * GB) for g in sleep_gbps], "wake_s": [nbytes / (g * GB) for g in wake_gbps],
-         "bit_exact": [exact] * len(sleep_gbps), "host_bytes": int(host_ratio * nbytes), "allocations": 256,
-         "freed_bytes": [nbytes + 4 * 2**30] * len(sleep_gbps), "prepare_s": 1.5}  # fmt: skip
+def case(
+    method: str,
+    workload: str = "8g",
+    *,
+    sleep_gbps=(52.0, 54.0, 53.0),
+    wake_gbps=(51.0, 52.0, 50.5),
+    nbytes: int = 8 * 2**30,
+    host_ratio: float = 1.001,
+    l2_s: float | None = 0.05,
+    exact=True,
+    **extra,
+):
+    r = {
+        "method": method,
+        "workload": workload,
+        "offloaded_bytes": nbytes,
+        "kv_bytes": 4 * 2**30,
+        "sleep_s": [nbytes / (g * GB) for g in sleep_gbps],
+        "wake_s": [nbytes / (g * GB) for g in wake_gbps],
+        "bit_exact": [exact] * len(sleep_gbps),
+        "host_bytes": int(host_ratio * nbytes),
+        "allocations": 256,
+        "freed_bytes": [nbytes + 4 * 2**30] * len(sleep_gbps),
+        "prepare_s": 1.5,
+    }
     if l2_s is not None:
         r.update(l2_sleep_s=l2_s, l2_wake_s=0.03, l2_bytes=nbytes + 4 * 2**30)
     r.update(extra)
@@ -29,8 +47,15 @@ def case(method: str, workload: str = "8g", *, sleep_gbps=(52.0, 54.0, 53.0), wa
 
 
 def data(results):
-    return {"command": "python -m benchmarks", "machine": {"gpu": "NVIDIA H200, 143771 MiB", "cpus": 16},
-            "reps": 3, "workloads": ["8g", "mixed"], "methods": [], "results": results, "wall_s": 12.0}  # fmt: skip
+    return {
+        "command": "python -m benchmarks",
+        "machine": {"gpu": "NVIDIA H200, 143771 MiB", "cpus": 16},
+        "reps": 3,
+        "workloads": ["8g", "mixed"],
+        "methods": [],
+        "results": results,
+        "wall_s": 12.0,
+    }
 
 
 def test_parse_method_and_options():
@@ -63,8 +88,9 @@ def test_summary_separates_first_sleep_and_reports_medians():
 def test_targets_met_and_missed_say_by_how_much():
     met = memory.targets([case("fast")])
     assert met and all(t["met"] for t in met), met
-    missed = memory.targets([case("fast", sleep_gbps=(49.0, 51.0), wake_gbps=(40.0, 51.0), l2_s=0.2,
-                                  host_ratio=1.2, exact=False)])  # fmt: skip
+    missed = memory.targets(
+        [case("fast", sleep_gbps=(49.0, 51.0), wake_gbps=(40.0, 51.0), l2_s=0.2, host_ratio=1.2, exact=False)]
+    )
     by = {t["target"]: t for t in missed}
     assert not by["L1 first sleep >= 50 GB/s"]["met"] and by["L1 first sleep >= 50 GB/s"]["by"] == "1 (2%)"
     assert by["L1 later sleeps (each) >= 50 GB/s"]["met"]
@@ -79,9 +105,17 @@ def test_targets_met_and_missed_say_by_how_much():
 
 def test_markdown_has_every_method_and_the_targets():
     tms = {"method": "tms", "workload": "8g", "error": "torch_memory_saver is not installed"}
-    md = memory.render_markdown(data([case("limit", l2_s=None, l2_note="a copy, not a sleep"),
-                                      case("vllm", sleep_gbps=(2.4, 30.0)), case("fast"), tms,
-                                      case("fast", "mixed", sleep_gbps=(45.0, 47.0))]))  # fmt: skip
+    md = memory.render_markdown(
+        data(
+            [
+                case("limit", l2_s=None, l2_note="a copy, not a sleep"),
+                case("vllm", sleep_gbps=(2.4, 30.0)),
+                case("fast"),
+                tms,
+                case("fast", "mixed", sleep_gbps=(45.0, 47.0)),
+            ]
+        )
+    )
     assert "host-link limit (pinned copy)" in md and "vLLM CuMemAllocator (stock)" in md
     assert "| omni-core fast | 52.0 (0.165) |" in md
     assert "error: torch_memory_saver is not installed" in md
@@ -90,8 +124,13 @@ def test_markdown_has_every_method_and_the_targets():
 
 def test_png_is_drawn_when_matplotlib_is_present(tmp_path):
     pytest.importorskip("matplotlib")
-    results = [case("limit", l2_s=None), case("vllm", sleep_gbps=(2.4, 30.0)), case("fast"),
-               case("limit", "mixed", l2_s=None), case("fast", "mixed")]  # fmt: skip
+    results = [
+        case("limit", l2_s=None),
+        case("vllm", sleep_gbps=(2.4, 30.0)),
+        case("fast"),
+        case("limit", "mixed", l2_s=None),
+        case("fast", "mixed"),
+    ]
     assert memory.render_png(data(results), tmp_path / "m.png") is None
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -17,8 +17,22 @@ from omni_core.runners.tensor_parallel import reference_output
 
 def test_cpu_smoke_runs_tp_and_swap_and_every_output_stays_exact(tmp_path, capsys):
     out = tmp_path / "results"
-    assert cli_main(["--multi-gpu", "--device", "cpu", "--parts", "tp,swap", "--out", str(out),
-                     "--models-dir", str(tmp_path / "models")]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "--multi-gpu",
+                "--device",
+                "cpu",
+                "--parts",
+                "tp,swap",
+                "--out",
+                str(out),
+                "--models-dir",
+                str(tmp_path / "models"),
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "multi_gpu.json").read_text())
     assert data["verdict"] == "PASS" and set(data["parts"]) == {"tp", "swap"}
     assert (out / "multi_gpu.md").read_text().startswith("# Tensor-parallel stages on two GPUs")
@@ -28,9 +42,12 @@ def test_cpu_smoke_runs_tp_and_swap_and_every_output_stays_exact(tmp_path, capsy
     skipped = next(c for c in tp["checks"] if c["what"] == "vllm TP=2 stage skipped")
     assert "needs CUDA" in skipped["detail"]
     for stage in ("hf", "tp"):  # the transformers runner sharded by its own plan; the synthetic one
-        for expected in (f"{stage} in PARTIAL refuses a request naming PARTIAL",
-                         f"{stage} in NEEDS_RELOAD refuses a request naming NEEDS_RELOAD",
-                         f"{stage} output after L2 + reload identical", f"{stage} output after partial wake identical"):
+        for expected in (
+            f"{stage} in PARTIAL refuses a request naming PARTIAL",
+            f"{stage} in NEEDS_RELOAD refuses a request naming NEEDS_RELOAD",
+            f"{stage} output after L2 + reload identical",
+            f"{stage} output after partial wake identical",
+        ):
             assert expected in names, names
     stages = {s["stage"]: s for s in tp["stages"]}
     assert stages["hf"]["kind"] == "transformers" and stages["tp"]["kind"] == "synthetic"
@@ -68,8 +85,9 @@ def test_swap_summary_is_per_gpu_and_compares_with_sequential():
     def move(how: str, wall_s: float) -> dict:
         return {"how": how, "wall_s": wall_s, "per_gpu": {0: {"GBps": 10 / wall_s}, 1: {"GBps": 8 / wall_s}}}
 
-    summary = multi_gpu.summarize_moves([move("sequential", 2.0), move("swap", 1.0), move("sequential", 4.0),
-                                         move("swap", 1.0)])  # fmt: skip
+    summary = multi_gpu.summarize_moves(
+        [move("sequential", 2.0), move("swap", 1.0), move("sequential", 4.0), move("swap", 1.0)]
+    )
     assert summary["sequential"]["median_s"] == 3.0 and summary["swap"]["median_s"] == 1.0
     assert summary["swap"]["GBps_per_gpu"] == {0: 10.0, 1: 8.0}
     assert summary["speedup"] == 3.0

@@ -16,31 +16,78 @@ from benchmarks.memory import WORKLOADS
 GiB = 1 << 30
 
 
-def reply(op: str, start: float, end: float, copied: int, *, resident: int | None = None,
-          mapped=(), exact: bool = True, gate=None, free: int | None = None, copies=None) -> dict:  # fmt: skip
-    r = {"op": op, "start_s": start, "end_s": end, "copied_bytes": copied, "resident_before": resident,
-         "free_before": free, "gate": gate,
-         "timeline": {"copies": copies if copies is not None else [[start, end, copied, 0]],
-                      "mapped": [list(m) for m in mapped], "per_copy": copies is not None}}  # fmt: skip
+def reply(
+    op: str,
+    start: float,
+    end: float,
+    copied: int,
+    *,
+    resident: int | None = None,
+    mapped=(),
+    exact: bool = True,
+    gate=None,
+    free: int | None = None,
+    copies=None,
+) -> dict:
+    r = {
+        "op": op,
+        "start_s": start,
+        "end_s": end,
+        "copied_bytes": copied,
+        "resident_before": resident,
+        "free_before": free,
+        "gate": gate,
+        "timeline": {
+            "copies": copies if copies is not None else [[start, end, copied, 0]],
+            "mapped": [list(m) for m in mapped],
+            "per_copy": copies is not None,
+        },
+    }
     if op == "wake":
         r["exact"] = exact
     return r
 
 
-def swap_round(t: float, a_s: float, b_s: float, nbytes: int = 16 * GiB, *, exact=True, used=70 * GiB,
-               total=80 * GiB, refusals=0, a_mapped=(), b_mapped=(), b_free=40 * GiB) -> dict:  # fmt: skip
-    return {"kind": "swap",
-            "a": reply("sleep", t, t + a_s, nbytes, resident=20 * GiB, mapped=a_mapped),
-            "b": reply("wake", t, t + b_s, nbytes, resident=0, mapped=b_mapped, exact=exact, free=b_free,
-                       gate={"driver_refusals": refusals, "waited_s": 0.05, "queries": 3}),
-            "reset": [reply("sleep", t + 1, t + 1.2, nbytes), reply("wake", t + 1.3, t + 1.6, nbytes)],
-            "samples": {"count": 300, "max_used": used, "total": total, "series": [[t, used]]}}  # fmt: skip
+def swap_round(
+    t: float,
+    a_s: float,
+    b_s: float,
+    nbytes: int = 16 * GiB,
+    *,
+    exact=True,
+    used=70 * GiB,
+    total=80 * GiB,
+    refusals=0,
+    a_mapped=(),
+    b_mapped=(),
+    b_free=40 * GiB,
+) -> dict:
+    return {
+        "kind": "swap",
+        "a": reply("sleep", t, t + a_s, nbytes, resident=20 * GiB, mapped=a_mapped),
+        "b": reply(
+            "wake",
+            t,
+            t + b_s,
+            nbytes,
+            resident=0,
+            mapped=b_mapped,
+            exact=exact,
+            free=b_free,
+            gate={"driver_refusals": refusals, "waited_s": 0.05, "queries": 3},
+        ),
+        "reset": [reply("sleep", t + 1, t + 1.2, nbytes), reply("wake", t + 1.3, t + 1.6, nbytes)],
+        "samples": {"count": 300, "max_used": used, "total": total, "series": [[t, used]]},
+    }
 
 
 def seq_round(t: float, a_s: float, b_s: float, kind: str = "seq", nbytes: int = 16 * GiB) -> dict:
-    return {"kind": kind, "a": reply("sleep", t, t + a_s, nbytes), "b": reply("wake", t + a_s + 0.01,
-            t + a_s + 0.01 + b_s, nbytes), "reset": [reply("sleep", t + 1, t + 1.2, nbytes),
-                                                     reply("wake", t + 1.3, t + 1.6, nbytes)]}  # fmt: skip
+    return {
+        "kind": kind,
+        "a": reply("sleep", t, t + a_s, nbytes),
+        "b": reply("wake", t + a_s + 0.01, t + a_s + 0.01 + b_s, nbytes),
+        "reset": [reply("sleep", t + 1, t + 1.2, nbytes), reply("wake", t + 1.3, t + 1.6, nbytes)],
+    }
 
 
 def case(pair: str, method: str, rounds: list[dict], **extra) -> dict:
@@ -48,9 +95,16 @@ def case(pair: str, method: str, rounds: list[dict], **extra) -> dict:
 
 
 def dataset(results: list[dict], pairs=("16g:16g",)) -> dict:
-    return {"command": "python -m benchmarks --swap", "device": "cuda",
-            "machine": {"gpu": "NVIDIA H100 80GB HBM3, 81559 MiB"}, "reps": 4, "pairs": list(pairs),
-            "methods": [], "results": results, "wall_s": 200.0}  # fmt: skip
+    return {
+        "command": "python -m benchmarks --swap",
+        "device": "cuda",
+        "machine": {"gpu": "NVIDIA H100 80GB HBM3, 81559 MiB"},
+        "reps": 4,
+        "pairs": list(pairs),
+        "methods": [],
+        "results": results,
+        "wall_s": 200.0,
+    }
 
 
 # ---------------------------------------------------------------------- configuration
@@ -118,8 +172,9 @@ def test_allocator_growth_counts_a_map_from_its_start_and_an_unmap_from_its_end(
     assert swap_report.allocator_peak_growth(reply("sleep", 0, 1, 0), fits) is None  # no figure of A's
 
 
-@pytest.mark.parametrize(("change", "ok"), [({}, True), ({"refusals": 1}, False), ({"used": 81 * GiB}, False),
-                                            ({"b_free": 5}, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "ok"), [({}, True), ({"refusals": 1}, False), ({"used": 81 * GiB}, False), ({"b_free": 5}, False)]
+)
 def test_each_piece_of_over_commit_evidence_can_fail_the_round(change, ok):
     mapped = {"a_mapped": [(0.5, 0)], "b_mapped": [(0.4, 20 * GiB)]}  # B maps it all before A lets go
     result = swap_report.overcommit(swap_round(0.0, 0.4, 0.5, **mapped, **change))
@@ -133,16 +188,27 @@ def test_each_piece_of_over_commit_evidence_can_fail_the_round(change, ok):
 def _equal_pair_results(dirty_s=0.40, clean_s=0.33, seq=(0.30, 0.35)):
     first = 0.9
     return [
-        case("16g:16g", "limit", [swap_round(i, 0.32, 0.32) for i in range(4)]
-             + [seq_round(10 + i, 0.31, 0.31, "alone") for i in range(2)]),
+        case(
+            "16g:16g",
+            "limit",
+            [swap_round(i, 0.32, 0.32) for i in range(4)] + [seq_round(10 + i, 0.31, 0.31, "alone") for i in range(2)],
+        ),
         case("16g:16g", "omni-seq", [seq_round(i, *seq) for i in range(4)]),
-        case("16g:16g", "omni-swap-dirty", [swap_round(0, first, first)]
-             + [swap_round(i, dirty_s, dirty_s) for i in range(1, 4)]
-             + [seq_round(10 + i, 0.30, 0.35, "alone") for i in range(2)]),
-        case("16g:16g", "omni-swap-clean", [swap_round(i, 0.01, clean_s) for i in range(4)]
-             + [seq_round(10 + i, 0.01, 0.32, "alone") for i in range(2)]),
+        case(
+            "16g:16g",
+            "omni-swap-dirty",
+            [swap_round(0, first, first)]
+            + [swap_round(i, dirty_s, dirty_s) for i in range(1, 4)]
+            + [seq_round(10 + i, 0.30, 0.35, "alone") for i in range(2)],
+        ),
+        case(
+            "16g:16g",
+            "omni-swap-clean",
+            [swap_round(i, 0.01, clean_s) for i in range(4)]
+            + [seq_round(10 + i, 0.01, 0.32, "alone") for i in range(2)],
+        ),
         case("16g:16g", "vllm-seq", [], skipped="vllm is not importable"),
-    ]  # fmt: skip
+    ]
 
 
 def test_summary_reports_the_first_swap_apart_and_ratios_against_alone():
@@ -212,8 +278,21 @@ def test_markdown_and_png_from_recorded_rounds(tmp_path):
 def test_cpu_smoke_swap_waits_for_the_outgoing_stage_and_never_over_commits(tmp_path):
     """Two portable stages and a filler on a simulated device: B's wake must wait for A's memory."""
     out = tmp_path / "out"
-    rc = cli_main(["--swap", "--device", "cpu", "--workloads", "2m:4m+fill", "--methods",
-                   "omni-swap-dirty", "--reps", "2", "--out", str(out)])  # fmt: skip
+    rc = cli_main(
+        [
+            "--swap",
+            "--device",
+            "cpu",
+            "--workloads",
+            "2m:4m+fill",
+            "--methods",
+            "omni-swap-dirty",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads((out / "swap_cpu.json").read_text())
     assert rc == 0, data
     (result,) = data["results"]

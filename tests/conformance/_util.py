@@ -22,8 +22,16 @@ def env() -> dict[str, str]:
 
 
 def start(args: list[str] | str, cwd: Path, *, shell: bool = False) -> subprocess.Popen:
-    return subprocess.Popen(args, cwd=cwd, env=env(), shell=shell, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, executable="/bin/bash" if shell else None)  # fmt: skip
+    return subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env(),
+        shell=shell,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        executable="/bin/bash" if shell else None,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 120) -> tuple[int, str]:

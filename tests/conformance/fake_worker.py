@@ -1,6 +1,6 @@
 """A worker that misbehaves at start-up, for tests of the suite's own robustness (no torch).
 
-    python fake_worker.py MODE ADDRESS RANK EPOCH
+python fake_worker.py MODE ADDRESS RANK EPOCH
 """
 
 from __future__ import annotations
@@ -28,22 +28,44 @@ def main() -> int:
     if mode == "ack-first":
         sock.send(encode(Ack(task_id="x", epoch=epoch, rank=rank, command="Status", state=WorkerState.ACTIVE)))
     elif mode == "wrong-rank":
-        sock.send(encode(Hello(task_id="hello", epoch=epoch, rank=rank + 5, pid=1, device="cpu", backend="fake",
-                               tags=("weights",))))  # fmt: skip
+        sock.send(
+            encode(
+                Hello(
+                    task_id="hello", epoch=epoch, rank=rank + 5, pid=1, device="cpu", backend="fake", tags=("weights",)
+                )
+            )
+        )
     elif mode == "bad-utf8-detail":  # every answer a Nack whose detail is not UTF-8
         sock.send(encode(hello))
         while True:
             sock.recv()
-            nack = Nack(task_id="-", epoch=epoch, rank=rank, command="?", reason=NackReason.BAD_MESSAGE,
-                        detail="@@@@", state=WorkerState.ACTIVE)  # fmt: skip
+            nack = Nack(
+                task_id="-",
+                epoch=epoch,
+                rank=rank,
+                command="?",
+                reason=NackReason.BAD_MESSAGE,
+                detail="@@@@",
+                state=WorkerState.ACTIVE,
+            )
             sock.send(encode(nack).replace(b"@@@@", b"\xff\xfe\x00\x1b"))
     elif mode == "no-tags":  # a Hello without tags, then "ALREADY" to every command
         sock.send(encode(Hello(task_id="hello", epoch=epoch, rank=rank, pid=1, device="cpu", backend="fake", tags=())))
         while True:
             command = decode(sock.recv())
             name = type(command).__name__
-            sock.send(encode(Ack(task_id=command.task_id, epoch=command.epoch, rank=rank, command=name,
-                                 state=WorkerState.ACTIVE, status=AckStatus.ALREADY)))  # fmt: skip
+            sock.send(
+                encode(
+                    Ack(
+                        task_id=command.task_id,
+                        epoch=command.epoch,
+                        rank=rank,
+                        command=name,
+                        state=WorkerState.ACTIVE,
+                        status=AckStatus.ALREADY,
+                    )
+                )
+            )
     elif mode == "garbage-replies":
         sock.send(encode(hello))
         while True:

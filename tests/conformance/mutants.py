@@ -109,8 +109,13 @@ def pressure(name: str) -> Callable[[], Any]:
     start = factory(name)
 
     def on_device(address: str, rank: int, epoch: int, device: Any) -> list[str]:
-        return [*start(address, rank, epoch), "--simulated-device", device.directory,
-                "--capacity-bytes", str(device.capacity_bytes)]  # fmt: skip
+        return [
+            *start(address, rank, epoch),
+            "--simulated-device",
+            device.directory,
+            "--capacity-bytes",
+            str(device.capacity_bytes),
+        ]
 
     return lambda: SimulatedPressure(on_device)
 
@@ -218,8 +223,9 @@ def _install(name: str) -> None:
             if not isinstance(effect, SleepEffect):
                 return super()._perform(effect)
             usage = self._usage()
-            memory = MemoryReport(pool_bytes_before=usage, pool_bytes_after=dict(usage),
-                                  process_bytes_source="none: mutant")  # fmt: skip
+            memory = MemoryReport(
+                pool_bytes_before=usage, pool_bytes_after=dict(usage), process_bytes_source="none: mutant"
+            )
             self._send_all(self.core.on_done(effect.task_id, memory=memory))
             self._apply(effect)  # the release happens only now
             return None
@@ -318,8 +324,9 @@ def _install(name: str) -> None:
                 usage = self._usage()
                 gone = effect.offload | effect.discard
                 planned = {t: 0 if t in gone else b for t, b in usage.items()}
-                memory = MemoryReport(pool_bytes_before=usage, pool_bytes_after=planned,
-                                      process_bytes_source=self._figure().source)  # fmt: skip
+                memory = MemoryReport(
+                    pool_bytes_before=usage, pool_bytes_after=planned, process_bytes_source=self._figure().source
+                )
                 self.deferred = effect
                 self._send_all(self.core.on_done(effect.task_id, memory=memory))
                 return None
@@ -475,8 +482,9 @@ def _install(name: str) -> None:
         def _on_effect_error(self, effect: Any, exc: Exception) -> Any:
             if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
                 # The answer is sent, the core never told: it stays RESTORING, its task pending.
-                return fsm_worker.WorkerStep(replies=(self.core._nack(self.core._pending.command,
-                                                                      NackReason.NO_MEMORY, str(exc)),))
+                return fsm_worker.WorkerStep(
+                    replies=(self.core._nack(self.core._pending.command, NackReason.NO_MEMORY, str(exc)),)
+                )
             return super()._on_effect_error(effect, exc)
 
     class RefusalNotCachedCore(core_cls):
@@ -523,16 +531,21 @@ def _install(name: str) -> None:
         def _send(self, message: Any) -> None:
             if isinstance(message, Hello) and self.rank_secret is not None:
                 cfg, pid = self.config, os.getppid()
-                proof = hello_proof(self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid,
-                                    identity=self.identity)  # fmt: skip
+                proof = hello_proof(
+                    self.rank_secret, stage=cfg.stage, rank=cfg.rank, epoch=cfg.epoch, pid=pid, identity=self.identity
+                )
                 message = msgspec.structs.replace(message, pid=pid, proof=proof)
             super()._send(message)
 
     class ProfileWakesProcess(MutedProcess):
         def handle(self, data: bytes) -> None:
             command = decoded(data)
-            if isinstance(command, Profile) and command.start and self.core.state in asleep_states \
-                    and not self.core.busy:  # fmt: skip
+            if (
+                isinstance(command, Profile)
+                and command.start
+                and self.core.state in asleep_states
+                and not self.core.busy
+            ):
                 self.run_silently(Wake(task_id=command.task_id[:100] + "-warm", epoch=command.epoch))
             super().handle(data)
 
@@ -555,26 +568,47 @@ def _install(name: str) -> None:
         fsm_worker.command_digest = lambda command: b"task id only"
         return
 
-    cores = {"no_reply_cache": NoReplyCacheCore, "execute_while_sleeping": ExecuteAnywhereCore,
-             "stale_epoch_accepted": StaleEpochCore, "level2_wakes_active": Level2ActiveCore,
-             "status_clears_cache": StatusClearsCacheCore, "tiny_reply_cache": TinyCacheCore,
-             "wake_unknown_tag_already": WakeKnownTagsCore, "silent_sleep_already": SilentSleepAlreadyCore,
-             "execute_in_partial": ExecuteInPartialCore, "newer_epoch_not_adopted": EpochNotAdoptedCore,
-             "bad_message_no_task_id": NoTaskIdCore, "swap_refuses_wait": RefusesWaitCore,
-             "no_memory_not_cached": RefusalNotCachedCore,
-             "stale_version_accepted": StaleVersionCore}  # fmt: skip
-    processes = {"ack_before_release": AckBeforeReleaseProcess, "rank0_only": Rank0OnlyProcess,
-                 "double_reply": DoubleReplyProcess, "crash_on_second_sleep": CrashOnSecondSleepProcess,
-                 "garbage_kills_loop": GarbageKillsLoopProcess, "wrong_version_accepted": WrongVersionProcess,
-                 "unknown_tag_half_applied": HalfAppliedProcess, "ack_from_plan": AckFromPlanProcess,
-                 "nvml_on_cpu": NvmlOnCpuProcess, "crash_on_shutdown_asleep": CrashOnShutdownAsleepProcess,
-                 "status_wakes": StatusWakesProcess, "invalid_utf8_detail": InvalidUtf8DetailProcess,
-                 "bad_source_fails": BadSourceFailsProcess, "no_hello_proof": NoProofProcess,
-                 "shutdown_exits_nonzero": ExitsNonzeroProcess, "status_without_memory": StatusWithoutMemoryProcess,
-                 "version_detail_one_version": OneVersionProcess, "wake_ignores_free_memory": NoGateProcess,
-                 "no_memory_left_restoring": LeftRestoringProcess, "reload_refused_zeroes": ReloadZeroesProcess,
-                 "hello_other_pid": HelloOtherPidProcess, "profile_wakes": ProfileWakesProcess,
-                 "no_memory_early": NoMemoryEarlyProcess}  # fmt: skip
+    cores = {
+        "no_reply_cache": NoReplyCacheCore,
+        "execute_while_sleeping": ExecuteAnywhereCore,
+        "stale_epoch_accepted": StaleEpochCore,
+        "level2_wakes_active": Level2ActiveCore,
+        "status_clears_cache": StatusClearsCacheCore,
+        "tiny_reply_cache": TinyCacheCore,
+        "wake_unknown_tag_already": WakeKnownTagsCore,
+        "silent_sleep_already": SilentSleepAlreadyCore,
+        "execute_in_partial": ExecuteInPartialCore,
+        "newer_epoch_not_adopted": EpochNotAdoptedCore,
+        "bad_message_no_task_id": NoTaskIdCore,
+        "swap_refuses_wait": RefusesWaitCore,
+        "no_memory_not_cached": RefusalNotCachedCore,
+        "stale_version_accepted": StaleVersionCore,
+    }
+    processes = {
+        "ack_before_release": AckBeforeReleaseProcess,
+        "rank0_only": Rank0OnlyProcess,
+        "double_reply": DoubleReplyProcess,
+        "crash_on_second_sleep": CrashOnSecondSleepProcess,
+        "garbage_kills_loop": GarbageKillsLoopProcess,
+        "wrong_version_accepted": WrongVersionProcess,
+        "unknown_tag_half_applied": HalfAppliedProcess,
+        "ack_from_plan": AckFromPlanProcess,
+        "nvml_on_cpu": NvmlOnCpuProcess,
+        "crash_on_shutdown_asleep": CrashOnShutdownAsleepProcess,
+        "status_wakes": StatusWakesProcess,
+        "invalid_utf8_detail": InvalidUtf8DetailProcess,
+        "bad_source_fails": BadSourceFailsProcess,
+        "no_hello_proof": NoProofProcess,
+        "shutdown_exits_nonzero": ExitsNonzeroProcess,
+        "status_without_memory": StatusWithoutMemoryProcess,
+        "version_detail_one_version": OneVersionProcess,
+        "wake_ignores_free_memory": NoGateProcess,
+        "no_memory_left_restoring": LeftRestoringProcess,
+        "reload_refused_zeroes": ReloadZeroesProcess,
+        "hello_other_pid": HelloOtherPidProcess,
+        "profile_wakes": ProfileWakesProcess,
+        "no_memory_early": NoMemoryEarlyProcess,
+    }
     if name == "no_capabilities":
         PortableBackend.capabilities = ()
         PortableBackend.supports_memory_gate = False  # so no 'swap' either
@@ -600,9 +634,13 @@ def score(parallel: int = 4) -> str:
     with ThreadPoolExecutor(parallel) as pool:
         caught = dict(pool.map(one, MUTANTS))
     killed = sum(1 for cases in caught.values() if cases)
-    lines = [f"Mutation score: **{killed} of {len(MUTANTS)}** mutants caught "
-             f"({100 * killed / len(MUTANTS):.0f} %), each by the whole suite:", "",
-             "| mutant | fault | failing cases (whole suite) | held to |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Mutation score: **{killed} of {len(MUTANTS)}** mutants caught "
+        f"({100 * killed / len(MUTANTS):.0f} %), each by the whole suite:",
+        "",
+        "| mutant | fault | failing cases (whole suite) | held to |",
+        "|---|---|---|---|",
+    ]
     for name, (req, fault) in MUTANTS.items():
         cases = ", ".join(f"`{c}`" for c in caught[name]) or "**not caught**"
         lines.append(f"| `{name}` | {fault} | {cases} | {req} |")

@@ -67,7 +67,10 @@ def test_factory_target_writes_junit(ran):
     assert (suite.get("tests"), suite.get("skipped")) == (str(len(cases)), "8")
     assert {(c.get("classname"), c.get("name")) for c in cases} >= {(f"conformance.{c.req}", c.name) for c in CASES}
     assert {c.get("classname") for c in cases if c.get("name") == "not_applicable"} == {
-        "conformance.P-5", "conformance.P-9", "conformance.P-18"}  # fmt: skip
+        "conformance.P-5",
+        "conformance.P-9",
+        "conformance.P-18",
+    }
 
 
 def test_pytest_subclass_runs_one_test_per_case(ran):

@@ -38,8 +38,10 @@ EXPECTED = {
     "wrong_version_accepted": ("P-3/unsupported_version", "expected a refusal (UNSUPPORTED_VERSION), got an Ack"),
     "double_reply": ("P-1/one_reply_per_rank", "sent more than one reply per task"),
     "unknown_tag_half_applied": ("P-11/unknown_tag_no_effect", "the refusal says state SLEEPING, not ACTIVE"),
-    "ack_from_plan": ("P-12/status_while_asleep_shows_release", "the Sleep was acknowledged before its memory was "
-                      "released"),
+    "ack_from_plan": (
+        "P-12/status_while_asleep_shows_release",
+        "the Sleep was acknowledged before its memory was released",
+    ),
     "nvml_on_cpu": ("P-12/cpu_figure_not_nvml", "labels its process figure 'nvml'"),
     "status_clears_cache": ("P-2/status_keeps_reply_cache", "the Status emptied or changed the reply cache"),
     "tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest answers"),
@@ -64,8 +66,10 @@ EXPECTED = {
     "no_memory_left_restoring": ("P-16/no_memory_rolls_back", "the refusal says state RESTORING, not SLEEPING"),
     "no_memory_not_cached": ("P-16/no_memory_rolls_back", "a copy of the refused Wake"),
     "no_memory_keeps_mapped": ("P-16/no_memory_rolls_back", "the wake did not unmap what it mapped"),
-    "reload_refused_zeroes": ("P-13/reload_refused_in_active_no_effect", "Execute's output changed across the "
-                              "refused reload"),
+    "reload_refused_zeroes": (
+        "P-13/reload_refused_in_active_no_effect",
+        "Execute's output changed across the refused reload",
+    ),
     "hello_other_pid": ("P-14/hello_proof", "the Hello names pid"),
     "profile_wakes": ("P-15/profile_start_while_asleep", "Profile ended in state ACTIVE"),
     "no_memory_early": ("P-16/no_memory_rolls_back", "refused NO_MEMORY after"),
@@ -97,8 +101,11 @@ def reports() -> dict[str, tuple[SuiteReport, float]]:
             report = run_suite(mutants.target(name), only=only, options=mutants.options(name, reply_timeout_s=5.0))
         return name, (report, time.monotonic() - started)
 
-    names = [n for n in [*mutants.MUTANTS, *mutants.VARIANTS, *CLEAN]
-             if HAVE_NODE or not (n in mutants.NODE_MUTANTS or n == "node_clean")]  # fmt: skip
+    names = [
+        n
+        for n in [*mutants.MUTANTS, *mutants.VARIANTS, *CLEAN]
+        if HAVE_NODE or not (n in mutants.NODE_MUTANTS or n == "node_clean")
+    ]
     started = time.monotonic()
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
         out = dict(pool.map(one, names))
@@ -111,8 +118,9 @@ def test_every_mutant_has_an_expectation():
     assert {case.split("/")[0] for case, _ in EXPECTED.values()} == {req for req, _ in mutants.MUTANTS.values()}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_node) if n in mutants.NODE_MUTANTS else n
-                                  for n in sorted(mutants.MUTANTS)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=needs_node) if n in mutants.NODE_MUTANTS else n for n in sorted(mutants.MUTANTS)]
+)
 def test_mutant_is_caught_by_the_expected_requirement(reports, name):
     report = reports[name][0]
     requirement = mutants.MUTANTS[name][0]
@@ -140,20 +148,34 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
         expected |= {"waiting_wake_acked_and_cached", "no_memory_rolls_back"}
         # nor 'weight_update' (P-17): only its refusal of UpdateWeights is checked (an unknown type to it)
         expected |= {r.case.name for r in report.results if r.case.req == "P-17"} - {
-            "update_refused_without_weight_update"}  # fmt: skip
+            "update_refused_without_weight_update"
+        }
         assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
-            "v1_wake_frame", "waiting_wake_refused_without_swap"}, report.render()  # fmt: skip
+            "v1_wake_frame",
+            "waiting_wake_refused_without_swap",
+        }, report.render()
     else:
         expected |= {"waiting_wake_refused_without_swap"}  # it declares 'swap'
         expected |= {"update_refused_without_weight_update"}  # and 'weight_update'
         assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
-            "v1_wake_frame", "waiting_wake_acked_and_cached", "no_memory_rolls_back"}, report.render()  # fmt: skip
+            "v1_wake_frame",
+            "waiting_wake_acked_and_cached",
+            "no_memory_rolls_back",
+        }, report.render()
         assert {r.case.name for r in report.results if r.case.req == "P-15" and r.outcome == "pass"} == {
-            "profile_start_stop_lists_traces", "profile_keeps_sleep", "profile_start_while_asleep",
-            "profile_bad_prefix_refused", "profile_stale_epoch_refused"}, report.render()  # fmt: skip
+            "profile_start_stop_lists_traces",
+            "profile_keeps_sleep",
+            "profile_start_while_asleep",
+            "profile_bad_prefix_refused",
+            "profile_stale_epoch_refused",
+        }, report.render()
     assert skipped == expected, report.render()
     assert {r.case.name for r in report.results if r.outcome == "pass"} >= {
-        "shutdown_from_failed", "shutdown_while_asleep", "duplicate_after_64_newer", "cpu_figure_not_nvml"}
+        "shutdown_from_failed",
+        "shutdown_while_asleep",
+        "duplicate_after_64_newer",
+        "cpu_figure_not_nvml",
+    }
 
 
 def test_a_silent_worker_fails_once_and_fast(reports):
@@ -162,9 +184,12 @@ def test_a_silent_worker_fails_once_and_fast(reports):
     report, _ = reports[SILENT]
     failed = [r for r in report.results if r.outcome == "fail"]
     assert [r.case.id for r in failed] == ["P-4/sleep_already"], report.render()
-    after = report.results[report.results.index(failed[0]) + 1:]
-    not_run = [r for r in after if r.reason.startswith("not run: the worker went silent in P-4/sleep_already (no "
-                                                       "reply from worker rank 0")]  # fmt: skip
+    after = report.results[report.results.index(failed[0]) + 1 :]
+    not_run = [
+        r
+        for r in after
+        if r.reason.startswith("not run: the worker went silent in P-4/sleep_already (no reply from worker rank 0")
+    ]
     assert len(not_run) == len(after) - 1 and after[-1].case.name == "no_stray_replies", report.render()
 
 
@@ -181,9 +206,9 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "waiting_wake_acked_and_cached": "worker does not declare capability 'swap'",
         "no_memory_rolls_back": "worker does not declare capability 'swap'",  # started on its simulated device
         "update_refused_without_weight_update": "worker declares capability 'weight_update'; this case is for "
-                                                "workers without it",  # every runner updates from disk
+        "workers without it",  # every runner updates from disk
         "shutdown_from_failed": "no failing worker to start: name one whose start-up fails (it greets in FAILED) "
-                                "with --failing-worker TARGET or SuiteOptions(failing_worker=...)",
+        "with --failing-worker TARGET or SuiteOptions(failing_worker=...)",
     }, rendered
     passed = {r.case.name for r in report.results if r.outcome == "pass"}
     assert {"level2_refused_without_capability", "waiting_wake_refused_without_swap"} <= passed

@@ -51,8 +51,11 @@ class TestStrays(ConformanceSuite):
 def test_a_k_subset_still_fails_on_strays(tmp_path):
     """`-k` leaves the run-wide check out; the strays fail the class at teardown instead."""
     (tmp_path / "test_strays.py").write_text(STRAYS_FILE)
-    code, out = finish(start([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-k", "P-3/",
-                              "test_strays.py"], tmp_path))  # fmt: skip
+    code, out = finish(
+        start(
+            [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-k", "P-3/", "test_strays.py"], tmp_path
+        )
+    )
     assert code == 1, out
     assert "ERROR at teardown of TestStrays.test_requirement[P-3/unsupported_version]" in out, out
     assert "P-1: a worker sent a message that answers no command it was sent" in out, out
@@ -62,8 +65,9 @@ def test_a_k_subset_still_fails_on_strays(tmp_path):
 
 def test_plugin_reports_failures_skips_and_usage_errors(tmp_path):
     (tmp_path / "test_third_party.py").write_text(TEST_FILE)
-    code, out = finish(start([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
-                              "test_third_party.py"], tmp_path))  # fmt: skip
+    code, out = finish(
+        start([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "test_third_party.py"], tmp_path)
+    )
     assert code == 1, out
     assert "FAILED test_third_party.py::TestBroken::test_requirement[P-2/duplicate_answered_from_cache]" in out
     assert "FAILED test_third_party.py::TestBroken::test_requirement[P-2/task_id_reused]" in out

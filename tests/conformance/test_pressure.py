@@ -59,8 +59,9 @@ def test_only_the_builtin_targets_get_a_builtin_hook_and_a_named_one_wins():
     assert pressure_for("synthetic") is SimulatedPressure and pressure_for("reference") is SimulatedPressure
     assert pressure_for("cmd:./worker {address} {rank}") is None
     assert SuiteRunner("cmd:./w {address} {rank}").pressure_factory is None
-    named = SuiteRunner("synthetic", options=SuiteOptions(memory_pressure="omni_core.conformance.pressure:"
-                                                                          "SimulatedPressure"))  # fmt: skip
+    named = SuiteRunner(
+        "synthetic", options=SuiteOptions(memory_pressure="omni_core.conformance.pressure:SimulatedPressure")
+    )
     assert named.pressure_factory is SimulatedPressure
     with pytest.raises(TargetError, match="memory_pressure must be"):
         resolve_pressure("")

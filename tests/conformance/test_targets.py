@@ -43,8 +43,14 @@ def test_a_worker_that_exits_before_hello_is_reported_once_with_its_output():
     report = run_suite(fake("exit"), only="P-3,P-4", options=FAST)
     assert time.monotonic() - started < 10  # started once; later cases reuse the start error
     reasons = failures(report)
-    assert set(reasons) == {"greeting", "reply_envelope", "unsupported_version", "sleep_already", "wake_already",
-                            "second_shutdown"}  # fmt: skip
+    assert set(reasons) == {
+        "greeting",
+        "reply_envelope",
+        "unsupported_version",
+        "sleep_already",
+        "wake_already",
+        "second_shutdown",
+    }
     assert all("exited with code 3 before its Hello" in r for r in reasons.values()), reasons
     greeting = next(r for r in report.results if r.case.name == "greeting")
     assert "fake worker: giving up" in greeting.details()
@@ -72,7 +78,8 @@ def test_wrong_rank_in_hello_and_no_replies_fail_with_deadlines():
     assert reasons["reply_envelope"].endswith("; the process is still running")
     # Silent while alive: the run stops there instead of waiting out the deadline again.
     assert next(r for r in report.results if r.case.name == "unsupported_version").reason.startswith(
-        "not run: the worker went silent in P-3/reply_envelope (no reply from worker rank 0")
+        "not run: the worker went silent in P-3/reply_envelope (no reply from worker rank 0"
+    )
 
 
 def test_undecodable_replies_are_reported_as_such():
@@ -116,16 +123,21 @@ def test_factory_errors_are_failures_not_crashes():
 
     report = run_suite(broken, only="P-6", options=FAST)
     assert set(failures(report).values()) == {
-        "the worker did not start: the worker factory failed for rank 0: RuntimeError: no GPU here"}
+        "the worker did not start: the worker factory failed for rank 0: RuntimeError: no GPU here"
+    }
     report = run_suite(lambda a, r, e: 42, only="P-6", options=FAST)
     assert "the factory returned 42; return an argv list" in next(iter(failures(report).values()))
 
 
 def test_a_factory_may_return_a_worker_config():
     def config(address, rank, epoch):
-        return WorkerConfig(address=address, rank=rank, epoch=epoch, backend="portable",
-                            runner_args={"weights_bytes": 1 << 16, "tensor_count": 2, "kv_bytes": 1 << 14,
-                                         "hidden": 16})  # fmt: skip
+        return WorkerConfig(
+            address=address,
+            rank=rank,
+            epoch=epoch,
+            backend="portable",
+            runner_args={"weights_bytes": 1 << 16, "tensor_count": 2, "kv_bytes": 1 << 14, "hidden": 16},
+        )
 
     report = run_suite(config, only="P-6")
     assert not report.failed, report.render()

@@ -26,8 +26,14 @@ AT_ONCE_BOUND_S = LONG_TIMEOUT_S / 10
 
 
 def small_spec(name: str, ranks: int = 1, **overrides) -> StageSpec:
-    args = {"runner_args": dict(SMALL_RUNNER, seed=len(name)), "ranks": ranks, "backend": "portable",
-            "deadline_s": 30.0, "start_deadline_s": 120.0, "request_timeout_s": 60.0}  # fmt: skip
+    args = {
+        "runner_args": dict(SMALL_RUNNER, seed=len(name)),
+        "ranks": ranks,
+        "backend": "portable",
+        "deadline_s": 30.0,
+        "start_deadline_s": 120.0,
+        "request_timeout_s": 60.0,
+    }
     args.update(overrides)
     return StageSpec(name, **args)
 

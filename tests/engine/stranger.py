@@ -23,7 +23,7 @@ def main(address: str, frames_path: str, curve_keys: str | None = None) -> int:
         if entry.get("identity"):
             sock.setsockopt(zmq.IDENTITY, bytes.fromhex(entry["identity"]))
         if curve_keys:  # a CURVE client with keys of its own: not the engine's
-            server_public, = curve_keys.split(",")
+            (server_public,) = curve_keys.split(",")
             public, secret = zmq.curve_keypair()
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public.encode(), public, secret
         sock.connect(address)

@@ -102,7 +102,8 @@ def test_silent_rank_ends_in_failed_at_the_deadline_naming_it(engine_factory) ->
     try:
         started = time.monotonic()
         error = in_thread(lambda: engine.sleep("solo", timeout_s=deadline_s)).exception(
-            timeout=deadline_s * DEADLINE_MARGIN)
+            timeout=deadline_s * DEADLINE_MARGIN
+        )
         elapsed_s = time.monotonic() - started
         assert isinstance(error, StageFailedError), error
         assert elapsed_s >= deadline_s, elapsed_s  # the deadline ended it, nothing earlier
@@ -126,8 +127,7 @@ def test_retries_with_the_same_task_id_are_idempotent(engine_factory) -> None:
         engine.wake("s", task_id="sleep-A")
     # Concurrent retries of one wake: both callers get the one outcome.
     results: list[object] = []
-    threads = [threading.Thread(target=lambda: results.append(engine.wake("s", task_id="wake-A")))
-               for _ in range(2)]  # fmt: skip
+    threads = [threading.Thread(target=lambda: results.append(engine.wake("s", task_id="wake-A"))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -254,8 +254,9 @@ def test_a_rank_that_cannot_load_fails_the_start_with_its_reason() -> None:
 
 
 @pytest.mark.parametrize("abort", [False, True], ids=["wait", "abort"])
-def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(engine_factory, tmp_path,
-                                                                           abort: bool) -> None:  # fmt: skip
+def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(
+    engine_factory, tmp_path, abort: bool
+) -> None:
     """The drain: with abort_in_flight the caller hears at once, without it the caller gets
     its result; either way no Sleep goes out while a rank still runs the request."""
     trace = tmp_path / "trace.jsonl"
@@ -289,8 +290,9 @@ def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(engi
     sent = [r for r in events if isinstance(r, T.StageSent)]
     executes = [r.task_id for r in sent if r.command == "Execute" and r.rank == 1]
     held = executes[1]  # the request sent while rank 1 was stopped
-    answered_at = next(i for i, r in enumerate(events) if isinstance(r, T.StageReceived) and r.task_id == held
-                       and r.rank == 1)  # fmt: skip
+    answered_at = next(
+        i for i, r in enumerate(events) if isinstance(r, T.StageReceived) and r.task_id == held and r.rank == 1
+    )
     sleep_sent_at = next(i for i, r in enumerate(events) if isinstance(r, T.StageSent) and r.command == "Sleep")
     assert answered_at < sleep_sent_at, "Sleep was sent before rank 1 answered the request in flight"
 
@@ -399,8 +401,12 @@ def test_a_sleeping_stage_refuses_beyond_its_queue_and_everything_while_it_needs
 def test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline() -> None:
     start_deadline_s = 1.0
     # The rank holds ten deadlines long, then exits: only the start deadline can name it first.
-    spec = small_spec("mute", runner="tests.engine.hold_runner:HoldRunner", start_deadline_s=start_deadline_s,
-                      runner_args={"hold_s": start_deadline_s * DEADLINE_MARGIN})  # fmt: skip
+    spec = small_spec(
+        "mute",
+        runner="tests.engine.hold_runner:HoldRunner",
+        start_deadline_s=start_deadline_s,
+        runner_args={"hold_s": start_deadline_s * DEADLINE_MARGIN},
+    )
     started = time.monotonic()
     with pytest.raises(StageFailedError) as caught:
         Engine([spec])

@@ -75,8 +75,10 @@ def test_status_shows_where_the_surviving_rank_is_after_a_rank_died_mid_sleep(en
     victim = rank_pid(engine, "talker", 1)
     os.kill(victim, signal.SIGSTOP)  # frozen: rank 0 sleeps, rank 1 never answers
     sleeping = in_thread(lambda: engine.sleep("talker", level=1, timeout_s=LONG_TIMEOUT_S))
-    wait_for(lambda: engine.status()["talker"]["ranks"][0]["state"] == "SLEEPING",
-             what="rank 0's Ack SLEEPING shown while the task waits for rank 1")  # fmt: skip
+    wait_for(
+        lambda: engine.status()["talker"]["ranks"][0]["state"] == "SLEEPING",
+        what="rank 0's Ack SLEEPING shown while the task waits for rank 1",
+    )
     os.kill(victim, signal.SIGKILL)
     assert isinstance(sleeping.exception(timeout=LONG_TIMEOUT_S + 30), StageFailedError)
     wait_for(lambda: not engine.status()["talker"]["ranks"][1]["alive"], what="rank 1 seen dead")

@@ -31,8 +31,9 @@ def test_a_second_swap_into_a_held_device_waits_until_the_first_wake_ends():
     assert slots.offer(("x", "s0/in"), "s0", GPU1, 0.0, 10.0, "other GPU")  # another device: at once
     assert not slots.offer(("c", "s2/in"), "s2", GPU0, 1.0, 10.0, "second")
     assert not slots.offer(("a", "s3/in"), "s3", GPU0, 1.0, 10.0, "third")
-    assert slots.waiting("c") == [{"swap": "s2", "behind": "device gpu:0, held by the incoming wake of swap "
-                                                         "'s1' into stage 'b'"}]  # fmt: skip
+    assert slots.waiting("c") == [
+        {"swap": "s2", "behind": "device gpu:0, held by the incoming wake of swap 's1' into stage 'b'"}
+    ]
     assert slots.advance(5.0) == ([], [])
     slots.release(("b", "other/in"))  # another task of stage b ending frees nothing
     slots.release(("x", "s0/in"))
@@ -77,8 +78,11 @@ def test_the_queue_is_bounded_and_drained_at_shutdown():
     assert slots.offer(("b", "s1/in"), "s1", GPU0, 0.0, 10.0, 0)
     for k in (1, 2):
         assert not slots.offer(("c", f"q{k}/in"), f"q{k}", GPU0, 0.0, 10.0, k)
-    with pytest.raises(TaskAbandonedError, match=r"swap 'q3' refused: 2 swaps already wait .*device gpu:0, held by "
-                                                 r"the incoming wake of swap 's1'"):  # fmt: skip
+    with pytest.raises(
+        TaskAbandonedError,
+        match=r"swap 'q3' refused: 2 swaps already wait .*device gpu:0, held by "
+        r"the incoming wake of swap 's1'",
+    ):
         slots.offer(("c", "q3/in"), "q3", GPU0, 0.0, 10.0, 3)
     assert [e.item for e in slots.drain()] == [1, 2] and slots.waiting("c") == []
 
@@ -92,8 +96,9 @@ def test_a_copy_of_a_wake_in_flight_waits_for_it():
 
 
 def test_a_swap_issued_late_gets_what_is_left_of_its_deadline_and_keeps_the_waits_share():
-    call = SwapCall(Future(), "a", SleepCall("s/out", 1, None, 10.0), Future(), "b", WakeCall("s/in", None, 10.0, 4.0),
-                    Future())  # fmt: skip
+    call = SwapCall(
+        Future(), "a", SleepCall("s/out", 1, None, 10.0), Future(), "b", WakeCall("s/in", None, 10.0, 4.0), Future()
+    )
     late = call.shortened(2.5)
     assert (late.sleep.deadline_s, late.wake.deadline_s, late.wake.wait_for_memory_s) == (2.5, 2.5, 1.0)
     assert (late.sleep.task_id, late.wake.task_id, late.future) == ("s/out", "s/in", call.future)

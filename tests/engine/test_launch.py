@@ -23,37 +23,53 @@ def test_without_ray_the_ray_launcher_says_which_extra_to_install(monkeypatch):
         make_launcher("slurm")
 
 
-@pytest.mark.parametrize(("placement", "complaint"), [
-    (RayPlacement(num_gpus=-1), "num_gpus"),
-    (RayPlacement(num_cpus=0), "must ask for something"),
-    (RayPlacement(strategy="CLOSE"), "strategy"),
-    (RayPlacement(resources={"node_a": 0}), "positive"),
-    (RayPlacement(bundle_indices=(0, 1)), "placement group of yours"),
-    (RayPlacement(placement_group_name="pg", bundle_indices=(0,)), "one index >= 0 per rank"),
-    (RayPlacement(placement_group_name="pg", placement_group=object()), "not both"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("placement", "complaint"),
+    [
+        (RayPlacement(num_gpus=-1), "num_gpus"),
+        (RayPlacement(num_cpus=0), "must ask for something"),
+        (RayPlacement(strategy="CLOSE"), "strategy"),
+        (RayPlacement(resources={"node_a": 0}), "positive"),
+        (RayPlacement(bundle_indices=(0, 1)), "placement group of yours"),
+        (RayPlacement(placement_group_name="pg", bundle_indices=(0,)), "one index >= 0 per rank"),
+        (RayPlacement(placement_group_name="pg", placement_group=object()), "not both"),
+    ],
+)
 def test_placement_mistakes_are_refused_when_the_spec_is_built(placement, complaint):
     with pytest.raises(InvalidArgumentError, match=complaint):
         StageSpec("s", ranks=2, placement=placement)
 
 
 def test_fractional_gpus_and_a_users_bundles_are_accepted():
-    spec = StageSpec("s", ranks=2, placement=RayPlacement(num_gpus=0.5, placement_group_name="pg",
-                                                          bundle_indices=[3, 3]))  # fmt: skip
+    spec = StageSpec(
+        "s", ranks=2, placement=RayPlacement(num_gpus=0.5, placement_group_name="pg", bundle_indices=[3, 3])
+    )
     assert spec.placement is not None and spec.placement.bundle_indices == (3, 3)
 
 
 def test_a_config_file_places_stages_on_ray():
-    config = parse_config({
-        "engine": {"launcher": "ray", "ray_address": "auto"},
-        "stages": [{"name": "llm", "ranks": 2, "placement": {
-            "num_gpus": 0.5, "strategy": "STRICT_PACK", "resources": {"node_a": 1},
-            "runtime_env": {"env_vars": {"HF_HOME": "/models"}}}}],
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "engine": {"launcher": "ray", "ray_address": "auto"},
+            "stages": [
+                {
+                    "name": "llm",
+                    "ranks": 2,
+                    "placement": {
+                        "num_gpus": 0.5,
+                        "strategy": "STRICT_PACK",
+                        "resources": {"node_a": 1},
+                        "runtime_env": {"env_vars": {"HF_HOME": "/models"}},
+                    },
+                }
+            ],
+        }
+    )
     placement = config.stages[0].placement
     assert config.engine == {"launcher": "ray", "ray_address": "auto"}
-    assert placement == RayPlacement(num_gpus=0.5, strategy="STRICT_PACK", resources={"node_a": 1},
-                                     runtime_env={"env_vars": {"HF_HOME": "/models"}})  # fmt: skip
+    assert placement == RayPlacement(
+        num_gpus=0.5, strategy="STRICT_PACK", resources={"node_a": 1}, runtime_env={"env_vars": {"HF_HOME": "/models"}}
+    )
     with pytest.raises(ConfigError, match=r"stage 'llm' \(stages\[0\]\): field 'num_gpu'"):
         parse_config({"stages": [{"name": "llm", "placement": {"num_gpu": 1}}]})
     with pytest.raises(ConfigError, match="bundle_indices"):
@@ -95,4 +111,9 @@ def test_local_rank_counts_the_devices_a_rank_sees() -> None:
     assert [local_rank(shared, r) for r in (0, 1)] == [0, 1]
     assert [local_rank(both, r) for r in (0, 1)] == [0, 1]
     assert torchrun_env(1, 2, local_rank=0, master_addr="10.0.0.1", master_port=29500) == {
-        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }

@@ -37,8 +37,9 @@ def test_an_idle_peer_gpu_is_lent_to_the_sleep_and_the_wake(engine_factory, logs
 
 def test_a_peer_whose_stage_is_in_a_lifecycle_command_is_not_lent(engine_factory, logs, monkeypatch):
     monkeypatch.setenv("OMNI_TEST_LINKS_LOG", str(logs / "both.jsonl"))
-    engine = engine_factory(small_spec("a", backend=BACKEND, devices=("0,1",)),
-                            small_spec("b", backend=BACKEND, devices=("1,0",)))  # fmt: skip
+    engine = engine_factory(
+        small_spec("a", backend=BACKEND, devices=("0,1",)), small_spec("b", backend=BACKEND, devices=("1,0",))
+    )
     pid_b = rank_pid(engine, "b", 0)
     os.kill(pid_b, signal.SIGSTOP)  # b's sleep stays in flight: its GPU's link is busy
     try:

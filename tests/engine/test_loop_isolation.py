@@ -52,9 +52,19 @@ def stranger_sends(engine: Engine, frame: bytes, identity: bytes = b"stranger") 
 
 def forged_hello(engine: Engine) -> bytes:
     status = engine.status()["talker"]
-    return encode(Hello(task_id="hello", epoch=status["epoch"], rank=0, stage="talker",
-                        pid=status["ranks"][0]["pid"], proof="ab" * 32, device="cpu", backend="portable",
-                        tags=TAGS))  # fmt: skip
+    return encode(
+        Hello(
+            task_id="hello",
+            epoch=status["epoch"],
+            rank=0,
+            stage="talker",
+            pid=status["ranks"][0]["pid"],
+            proof="ab" * 32,
+            device="cpu",
+            backend="portable",
+            tags=TAGS,
+        )
+    )
 
 
 def request_result_received(*args: Any) -> bool:
@@ -70,20 +80,24 @@ HANDLERS: dict[str, tuple[Callable[..., bool], Trigger]] = {
     "verify_hello_proof": (lambda *_, **__: True, lambda e: stranger_sends(e, forged_hello(e))),
     # A rank's Result for a request: the request is lost to the fault and ends at its deadline.
     "_step": (request_result_received, lambda e: e.submit("talker", PROBE, timeout_s=3.0)),
-    "_apply": (lambda stage, step: any(a.error is None for a in step.requests),
-               lambda e: e.submit("talker", PROBE, timeout_s=3.0)),
+    "_apply": (
+        lambda stage, step: any(a.error is None for a in step.requests),
+        lambda e: e.submit("talker", PROBE, timeout_s=3.0),
+    ),
     "_answer": (lambda stage, answer: answer.error is None, lambda e: e.submit("talker", PROBE, timeout_s=3.0)),
     # The last Ack of a sleep: the stage commits, only the caller's answer is lost.
-    "_resolve": (lambda stage, outcome: outcome is not None and outcome.command == "Sleep",
-                 lambda e: e._orch.call(lambda f: e._orch.op_lifecycle(f, "talker", I.SleepCall("iso-sleep", 1, None,
-                                                                                                  20.0)))),
+    "_resolve": (
+        lambda stage, outcome: outcome is not None and outcome.command == "Sleep",
+        lambda e: e._orch.call(lambda f: e._orch.op_lifecycle(f, "talker", I.SleepCall("iso-sleep", 1, None, 20.0))),
+    ),
     "_on_sentinel": (lambda *_: True, lambda e: os.kill(rank_pid(e, "victim", 0), signal.SIGKILL)),
     "_tick": (lambda *_: True, lambda e: None),
-}  # fmt: skip
+}
 
 
-def raise_once(original: Callable[..., Any], name: str, when: Callable[..., bool],
-               error: BaseException | None = None) -> Callable[..., Any]:  # fmt: skip
+def raise_once(
+    original: Callable[..., Any], name: str, when: Callable[..., bool], error: BaseException | None = None
+) -> Callable[..., Any]:
     fired: list[bool] = []
 
     def fault(*args: Any, **kwargs: Any) -> Any:

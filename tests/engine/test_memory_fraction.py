@@ -22,8 +22,7 @@ def test_fraction_is_validated() -> None:
 
 
 def test_synthetic_runner_sizes_an_auto_kv_cache_to_what_it_is_given() -> None:
-    runner = SyntheticRunner(torch.device("cpu"), weights_bytes=1 << 16, tensor_count=2, hidden=16,
-                             kv_bytes="auto")  # fmt: skip
+    runner = SyntheticRunner(torch.device("cpu"), weights_bytes=1 << 16, tensor_count=2, hidden=16, kv_bytes="auto")
     with pytest.raises(ValueError, match="gpu_memory_fraction"):
         runner.allocate_caches()
     runner.fit_caches(16 * 4 * 100)  # 100 rows of 16 float32
@@ -38,8 +37,9 @@ def test_synthetic_runner_sizes_an_auto_kv_cache_to_what_it_is_given() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_stages_start_side_by_side_within_their_fractions() -> None:
     args = {"weights_bytes": 2 * GiB, "tensor_count": 64, "hidden": 4096, "dtype": "bfloat16", "kv_bytes": "auto"}
-    specs = [StageSpec(name, runner_args=args, device="cuda", gpu_memory_fraction=0.3, backend="auto")
-             for name in ("a", "b")]  # fmt: skip
+    specs = [
+        StageSpec(name, runner_args=args, device="cuda", gpu_memory_fraction=0.3, backend="auto") for name in ("a", "b")
+    ]
     total = torch.cuda.mem_get_info()[1]
     with Engine(specs) as engine:
         lines = []
@@ -47,9 +47,11 @@ def test_two_stages_start_side_by_side_within_their_fractions() -> None:
         for name, report in reports.items():
             rank = report.ranks[0]
             kv = rank.pool_bytes_before.get("kv_cache", 0)
-            lines.append(f"stage {name}: weights {rank.pool_bytes_before.get('weights', 0) / GiB:.2f} GiB, "
-                         f"kv_cache {kv / GiB:.2f} GiB, process {rank.process_bytes_before / GiB:.2f} GiB "
-                         f"({rank.process_bytes_source}), budget {0.3 * total / GiB:.2f} GiB")
+            lines.append(
+                f"stage {name}: weights {rank.pool_bytes_before.get('weights', 0) / GiB:.2f} GiB, "
+                f"kv_cache {kv / GiB:.2f} GiB, process {rank.process_bytes_before / GiB:.2f} GiB "
+                f"({rank.process_bytes_source}), budget {0.3 * total / GiB:.2f} GiB"
+            )
             # Its own use only: each got (nearly) the whole 30 %, not 30 % minus the other stage.
             assert rank.process_bytes_before <= 0.3 * total
             assert rank.process_bytes_before >= 0.25 * total, lines

@@ -39,12 +39,14 @@ TAGS = ("weights", "kv_cache")
 MEMORY = MemoryReport(pool_bytes_before={"weights": 1, "kv_cache": 1}, pool_bytes_after={"weights": 0, "kv_cache": 0})
 
 
-def stranger(address: str, entries: list[tuple[bytes | None, list[bytes]]], tmp_path: Path,
-             curve_server_key: str | None = None) -> None:  # fmt: skip
+def stranger(
+    address: str, entries: list[tuple[bytes | None, list[bytes]]], tmp_path: Path, curve_server_key: str | None = None
+) -> None:
     """Send `entries` (identity, frames) from another process, one DEALER per entry."""
     path = tmp_path / f"frames-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps([{"identity": i.hex() if i else None, "frames": [f.hex() for f in frames]}
-                                for i, frames in entries]))  # fmt: skip
+    path.write_text(
+        json.dumps([{"identity": i.hex() if i else None, "frames": [f.hex() for f in frames]} for i, frames in entries])
+    )
     argv = [sys.executable, "-m", "tests.engine.stranger", address, str(path)]
     if curve_server_key:
         argv.append(curve_server_key)
@@ -69,10 +71,29 @@ def test_strangers_change_nothing_and_every_attempt_is_counted(engine_factory, t
 
     # 1. Hellos for each rank with the real stage, rank, epoch and pid, but no or a made-up proof,
     # from fresh identities and from identities that guess the ranks' naming.
-    hellos = [(identity, [encode(Hello(task_id="hello", epoch=epoch, rank=r, stage="talker", pid=pids[r],
-                                       proof=proof, device="cpu", backend="portable", tags=TAGS))])
-              for r in (0, 1) for proof in ("", "ab" * 32)
-              for identity in (None, f"talker/{r}/{proof[:2]}".encode())]  # fmt: skip
+    hellos = [
+        (
+            identity,
+            [
+                encode(
+                    Hello(
+                        task_id="hello",
+                        epoch=epoch,
+                        rank=r,
+                        stage="talker",
+                        pid=pids[r],
+                        proof=proof,
+                        device="cpu",
+                        backend="portable",
+                        tags=TAGS,
+                    )
+                )
+            ],
+        )
+        for r in (0, 1)
+        for proof in ("", "ab" * 32)
+        for identity in (None, f"talker/{r}/{proof[:2]}".encode())
+    ]
     stranger(engine.address, hellos, tmp_path)
     wait_counted(engine, "forged_hellos", len(hellos))
     assert engine.execute("talker", PROBE) == reference
@@ -83,10 +104,29 @@ def test_strangers_change_nothing_and_every_attempt_is_counted(engine_factory, t
     try:
         sleeping = in_thread(lambda: engine.sleep("talker", task_id="sleep-attacked", timeout_s=60.0))
         wait_for(lambda: engine.status()["talker"]["state"] == "TRANSITIONING", what="TRANSITIONING")
-        forged = [Ack(task_id="sleep-attacked", epoch=epoch, rank=r, command="Sleep", state=WorkerState.SLEEPING,
-                      asleep_tags=TAGS, memory=MEMORY) for r in (0, 1)]  # fmt: skip
-        forged.append(Nack(task_id="sleep-attacked", epoch=epoch, rank=1, command="Sleep",
-                           reason=NackReason.BACKEND_ERROR, detail="forged", state=WorkerState.FAILED))  # fmt: skip
+        forged = [
+            Ack(
+                task_id="sleep-attacked",
+                epoch=epoch,
+                rank=r,
+                command="Sleep",
+                state=WorkerState.SLEEPING,
+                asleep_tags=TAGS,
+                memory=MEMORY,
+            )
+            for r in (0, 1)
+        ]
+        forged.append(
+            Nack(
+                task_id="sleep-attacked",
+                epoch=epoch,
+                rank=1,
+                command="Sleep",
+                reason=NackReason.BACKEND_ERROR,
+                detail="forged",
+                state=WorkerState.FAILED,
+            )
+        )
         before = counters(engine)["unknown_peers"]
         stranger(engine.address, [(None, [encode(m)]) for m in forged], tmp_path)
         wait_counted(engine, "unknown_peers", before + len(forged))
@@ -104,13 +144,28 @@ def test_strangers_change_nothing_and_every_attempt_is_counted(engine_factory, t
     try:
         request = engine.submit("talker", PROBE, timeout_s=60.0)
         wait_for(lambda: engine.status()["talker"]["in_flight"] == 1, what="request in flight")
-        results = [Result(task_id=f"req-talker-{n}", epoch=epoch, rank=r, output={"forged": True})
-                   for n in range(1, 40) for r in (0, 1)]  # fmt: skip
-        replays = [Ack(task_id="sleep-attacked", epoch=epoch, rank=r, command="Sleep", state=WorkerState.SLEEPING,
-                       asleep_tags=TAGS, duration_s=report.ranks[r].duration_s, memory=MemoryReport(
-                           pool_bytes_before=report.ranks[r].pool_bytes_before,
-                           pool_bytes_after=report.ranks[r].pool_bytes_after,
-                           process_bytes_source=report.ranks[r].process_bytes_source)) for r in (0, 1)]  # fmt: skip
+        results = [
+            Result(task_id=f"req-talker-{n}", epoch=epoch, rank=r, output={"forged": True})
+            for n in range(1, 40)
+            for r in (0, 1)
+        ]
+        replays = [
+            Ack(
+                task_id="sleep-attacked",
+                epoch=epoch,
+                rank=r,
+                command="Sleep",
+                state=WorkerState.SLEEPING,
+                asleep_tags=TAGS,
+                duration_s=report.ranks[r].duration_s,
+                memory=MemoryReport(
+                    pool_bytes_before=report.ranks[r].pool_bytes_before,
+                    pool_bytes_after=report.ranks[r].pool_bytes_after,
+                    process_bytes_source=report.ranks[r].process_bytes_source,
+                ),
+            )
+            for r in (0, 1)
+        ]
         before = counters(engine)["unknown_peers"]
         stranger(engine.address, [(None, [encode(m) for m in results + replays])], tmp_path)
         # One DEALER sent them all as one multi-part message: one bad frame set, not N peers.
@@ -135,8 +190,15 @@ def test_a_rank_speaks_only_for_itself(engine_factory):
     orch = engine._orch
     identity_of_rank_0 = orch._stages["pair"].procs[0].identity
     epoch = engine.status()["pair"]["epoch"]
-    lie = Nack(task_id="anything", epoch=epoch, rank=1, command="Sleep", reason=NackReason.BACKEND_ERROR,
-               detail="rank 0 speaking for rank 1", state=WorkerState.FAILED)  # fmt: skip
+    lie = Nack(
+        task_id="anything",
+        epoch=epoch,
+        rank=1,
+        command="Sleep",
+        reason=NackReason.BACKEND_ERROR,
+        detail="rank 0 speaking for rank 1",
+        state=WorkerState.FAILED,
+    )
     orch.call(lambda f: f.set_result(orch._on_frames(identity_of_rank_0, encode(lie)))).result(10)
     assert counters(engine)["rank_mismatch"] == 1
     assert engine.status()["pair"]["state"] == "RUNNING" and engine.execute("pair", PROBE) == reference
@@ -232,7 +294,9 @@ def test_curve_keys_survive_the_environment_whatever_their_characters(monkeypatc
         monkeypatch.setenv(CURVE_CLIENT_KEYS_ENV, keys.client_env()[CURVE_CLIENT_KEYS_ENV])
         client = curve_client_keys(keys.server_public.decode())
         assert client is not None and (client.client_public, client.client_secret) == (
-            keys.client_public, keys.client_secret)
+            keys.client_public,
+            keys.client_secret,
+        )
 
 
 @pytest.mark.parametrize("proof", ["é" * 64, "☃", "\x00" * 64, "ab" * 31 + "ü"])
@@ -242,8 +306,17 @@ def test_a_hello_with_a_non_ascii_proof_is_refused_not_fatal(engine_factory, tmp
     engine = engine_factory(small_spec("talker", ranks=1))
     reference = engine.execute("talker", PROBE)
     status = engine.status()["talker"]
-    hello = Hello(task_id="hello", epoch=status["epoch"], rank=0, stage="talker", pid=status["ranks"][0]["pid"],
-                  proof=proof, device="cpu", backend="portable", tags=TAGS)  # fmt: skip
+    hello = Hello(
+        task_id="hello",
+        epoch=status["epoch"],
+        rank=0,
+        stage="talker",
+        pid=status["ranks"][0]["pid"],
+        proof=proof,
+        device="cpu",
+        backend="portable",
+        tags=TAGS,
+    )
     stranger(engine.address, [(None, [encode(hello)])], tmp_path)
     wait_counted(engine, "forged_hellos", 1)
     assert engine.execute("talker", PROBE) == reference

@@ -145,17 +145,23 @@ def test_two_swaps_into_one_device_take_turns_one_incoming_wake_at_a_time(device
         # A third process holds the device: the first swap's incoming wake waits, in flight.
         device.write("trainer", 0, os.getpid(), device.capacity_bytes - MiB // 2)
         try:
-            first = in_thread(lambda: engine.swap("talker", "decoder", task_id="swap-1", timeout_s=60.0,
-                                                  memory_wait_s=30.0))  # fmt: skip
+            first = in_thread(
+                lambda: engine.swap("talker", "decoder", task_id="swap-1", timeout_s=60.0, memory_wait_s=30.0)
+            )
             wait_for(lambda: engine.status()["decoder"]["task_id"] == "swap-1/in", what="the first swap's wake")
             # A swap into the same device waits for it, and is refused at its own deadline
             # naming the swap it waited for; nothing of it was sent.
-            with pytest.raises(TaskAbandonedError, match=r"swap 'swap-late' did not start within its deadline .*"
-                                                         r"incoming wake of swap 'swap-1' into stage 'decoder'"):
+            with pytest.raises(
+                TaskAbandonedError,
+                match=r"swap 'swap-late' did not start within its deadline .*"
+                r"incoming wake of swap 'swap-1' into stage 'decoder'",
+            ):
                 engine.swap("decoder", "talker", task_id="swap-late", timeout_s=1.0)
             second = in_thread(lambda: engine.swap("decoder", "talker", task_id="swap-2", timeout_s=60.0))
-            wait_for(lambda: [w["swap"] for w in engine.status()["talker"]["swaps_waiting"]] == ["swap-2"],
-                     what="the second swap waiting for the device")  # fmt: skip
+            wait_for(
+                lambda: [w["swap"] for w in engine.status()["talker"]["swaps_waiting"]] == ["swap-2"],
+                what="the second swap waiting for the device",
+            )
             assert not first.done() and not second.done()
         finally:
             device.remove("trainer", 0, os.getpid())
@@ -165,8 +171,11 @@ def test_two_swaps_into_one_device_take_turns_one_incoming_wake_at_a_time(device
         assert engine.status()["talker"]["swaps_waiting"] == []
         assert engine.execute("talker", PROBE) == talker_output
     engine_lines = [line for line in read_trace(trace) if line.rank == ENGINE_RANK]
-    order = [(type(line.record).__name__, line.record.task_id) for line in engine_lines
-             if isinstance(line.record, (StageIssued, TaskEnded)) and line.record.task_id.startswith("swap")]
+    order = [
+        (type(line.record).__name__, line.record.task_id)
+        for line in engine_lines
+        if isinstance(line.record, (StageIssued, TaskEnded)) and line.record.task_id.startswith("swap")
+    ]
     assert not any(task.startswith("swap-late") for _, task in order)  # never issued
     assert order.index(("TaskEnded", "swap-1/in")) < order.index(("StageIssued", "swap-2/out"))
     # The second swap went out with what was left of its deadline: the trace checker (TLC)

@@ -17,9 +17,15 @@ PROBE = {"seed": 9, "batch": 4}
 
 
 def _run_cycle(engine_factory, device: str, devices: tuple[str, ...] | None, args: dict) -> dict:
-    spec = small_spec("tp", ranks=2, runner="omni_core.runners.tensor_parallel:TensorParallelRunner",
-                      runner_args=args, device=device, devices=devices,
-                      backend="portable" if device == "cpu" else "auto")  # fmt: skip
+    spec = small_spec(
+        "tp",
+        ranks=2,
+        runner="omni_core.runners.tensor_parallel:TensorParallelRunner",
+        runner_args=args,
+        device=device,
+        devices=devices,
+        backend="portable" if device == "cpu" else "auto",
+    )
     engine = engine_factory(spec)
     before = engine.execute("tp", PROBE)
     figures = {"sleep_l1": engine.sleep("tp", level=1)}
@@ -54,9 +60,11 @@ def test_tensor_parallel_stage_on_two_gpus_over_nccl(engine_factory) -> None:
     lines = []
     for name, report in result["figures"].items():
         for rank, rr in report.ranks.items():
-            lines.append(f"{name} rank {rank}: state {rr.state}, pool freed {rr.freed_bytes} B, process "
-                         f"{rr.process_bytes_before} -> {rr.process_bytes_after} B ({rr.process_bytes_source}), "
-                         f"{rr.duration_s * 1000:.1f} ms")
+            lines.append(
+                f"{name} rank {rank}: state {rr.state}, pool freed {rr.freed_bytes} B, process "
+                f"{rr.process_bytes_before} -> {rr.process_bytes_after} B ({rr.process_bytes_source}), "
+                f"{rr.duration_s * 1000:.1f} ms"
+            )
     out = os.environ.get("OMNI_GPU_RESULTS")
     if out:
         with open(out, "a") as handle:

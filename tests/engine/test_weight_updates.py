@@ -34,8 +34,10 @@ def reference(seed: int) -> SyntheticRunner:
 
 def new_weights(runner: SyntheticRunner, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=gen, dtype=dtype) * 0.05
-            for name, (shape, dtype) in runner.weight_specs().items()}  # fmt: skip
+    return {
+        name: torch.randn(shape, generator=gen, dtype=dtype) * 0.05
+        for name, (shape, dtype) in runner.weight_specs().items()
+    }
 
 
 def digest(engine: Engine, stage: str) -> str:
@@ -132,8 +134,7 @@ def test_a_dead_sender_or_a_gone_bucket_is_refused_by_name_before_writing(engine
     assert (status["state"], status["weights_version"]) == ("RUNNING", 0) and digest(engine, "r") == before
 
 
-def test_a_gloo_broadcast_reaches_every_rank_and_a_trainer_that_dies_midway_leaves_needs_reload(
-        engine_factory) -> None:  # fmt: skip
+def test_a_gloo_broadcast_reaches_every_rank_and_a_trainer_that_dies_midway_leaves_needs_reload(engine_factory) -> None:
     engine = engine_factory(small_spec("r", ranks=2))
     ref = reference(seed=1)
     port = free_port()
@@ -162,14 +163,20 @@ def test_a_trainer_process_that_dies_mid_broadcast_leaves_the_stage_needs_reload
     port = free_port()
     v1 = new_weights(ref, 31)
     # A trainer omni-core did not start: joins, sends the first tensor of the update, dies.
-    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import os, torch
         from omni_core.weights_sender import WeightSender
         s = WeightSender()
         s.init_group("127.0.0.1", {port}, 2, timeout_s=60)
         s.broadcast({{"w0": torch.zeros({list(v1["w0"].shape)})}})
         os._exit(0)
-    """)])
+    """),
+        ]
+    )
     engine.init_weight_group("r", address="127.0.0.1", port=port, world_size=2, group_timeout_s=10)
     with pytest.raises(WeightUpdateFailedError, match="NEEDS_RELOAD at version 0") as failed:
         engine.update_weights("r", WeightSender.collective_source(v1), version=1, timeout_s=60)
@@ -192,8 +199,11 @@ def test_a_trainer_stage_transfers_its_weights_to_a_rollout_stage(engine_factory
     report = engine.transfer_weights("policy", "rollout", version=1, task_id="t1")
     assert (report.state, report.weights_version, report.task_id) == ("RUNNING", 1, "t1/update")
     rollout.update_weights(trainer.weights_to_share().items())
-    assert digest(engine, "rollout") == rollout.execute(PROBE)["sha256"] != reference(len("rollout")).execute(
-        PROBE)["sha256"]  # fmt: skip
+    assert (
+        digest(engine, "rollout")
+        == rollout.execute(PROBE)["sha256"]
+        != reference(len("rollout")).execute(PROBE)["sha256"]
+    )
     assert engine.status()["policy"]["state"] == "RUNNING"
     assert engine.transfer_weights("policy", "rollout", version=1, task_id="t1").weights_version == 1
     with pytest.raises(InvalidArgumentError, match="not above the stage's version 1"):

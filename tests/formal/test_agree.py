@@ -29,8 +29,12 @@ def table() -> agree.SpecTable:
 def busy_before_cache(self, command):
     """The skeleton's order: BUSY answered before the reply cache is consulted."""
     pending = self._pending
-    if (command.epoch >= self.epoch and pending is not None and not isinstance(command, Status)
-            and pending.command.task_id != command.task_id):  # fmt: skip
+    if (
+        command.epoch >= self.epoch
+        and pending is not None
+        and not isinstance(command, Status)
+        and pending.command.task_id != command.task_id
+    ):
         step = self._refuse(command, NackReason.BUSY, "busy")
         if isinstance(command, Execute):
             self._remember(command, step.replies[0])  # as worker.py records it

@@ -53,9 +53,13 @@ def test_a_long_model_has_three_ranks_two_epochs_six_tasks_serving_restarts_and_
     found = []
     for m in check.select(models, long=True, only=None):
         config = check.tla_dir() / m.config
-        if (_ranks(config) >= 3 and int(_constant(config, "MaxEpoch")) >= 2
-                and int(_constant(config, "MaxTask")) >= 6 and '"kill"' in _constant(config, "Faults")
-                and m.spec == "OmniAdmission.tla"):  # fmt: skip
+        if (
+            _ranks(config) >= 3
+            and int(_constant(config, "MaxEpoch")) >= 2
+            and int(_constant(config, "MaxTask")) >= 6
+            and '"kill"' in _constant(config, "Faults")
+            and m.spec == "OmniAdmission.tla"
+        ):
             found.append(m.name)
     assert found
 
@@ -73,8 +77,9 @@ def test_the_new_models_state_their_measured_seconds_so_the_ci_time_is_stated():
 def test_manifest_entry_defaults(tmp_path):
     m = check.Model.from_json({"name": "x", "config": "c.cfg", "expect": "ok"}, "Spec.tla")
     assert (m.spec, m.long, m.seconds) == ("Spec.tla", False, None)
-    m = check.Model.from_json({"name": "x", "config": "c.cfg", "expect": "ok", "long": True,
-                               "spec": "OmniAdmission.tla", "seconds": 12.5})  # fmt: skip
+    m = check.Model.from_json(
+        {"name": "x", "config": "c.cfg", "expect": "ok", "long": True, "spec": "OmniAdmission.tla", "seconds": 12.5}
+    )
     assert (m.spec, m.long, m.seconds) == ("OmniAdmission.tla", True, 12.5)
 
 
@@ -108,8 +113,10 @@ def test_dead_branches_list_never_enabled_actions_and_outermost_unevaluated_expr
 
 def test_merging_two_runs_revives_a_branch_one_of_them_took():
     text = (DATA / "tlc215_coverage.txt").read_text()
-    other = text.replace("<Refused line 357, col 1 to line 357, col 10 of module OmniSleep>: 0:0",
-                         "<Refused line 357, col 1 to line 357, col 10 of module OmniSleep>: 3:4")  # fmt: skip
+    other = text.replace(
+        "<Refused line 357, col 1 to line 357, col 10 of module OmniSleep>: 0:0",
+        "<Refused line 357, col 1 to line 357, col 10 of module OmniSleep>: 3:4",
+    )
     merged = coverage.merge([coverage.parse_coverage(text), coverage.parse_coverage(other)])
     assert merged.actions[("Refused", coverage.Loc("OmniSleep", 357, 1, 357, 10))] == 4
 
@@ -173,8 +180,17 @@ def test_a_mutant_replaces_exactly_one_guard_by_true():
 
 def test_the_spec_has_guards_in_every_action_kind():
     names = {g.name.split("#")[0] for g in guard_mutation.all_guards(check.tla_dir())}
-    assert {"WorkerReceive", "Done", "IssueSleep", "Deadline", "RestartWith", "Submit", "DispatchQueued",
-            "AutoWake", "RejectQueued"} <= names  # fmt: skip
+    assert {
+        "WorkerReceive",
+        "Done",
+        "IssueSleep",
+        "Deadline",
+        "RestartWith",
+        "Submit",
+        "DispatchQueued",
+        "AutoWake",
+        "RejectQueued",
+    } <= names
 
 
 def test_only_selects_guards_by_action_and_number(capsys):
@@ -224,8 +240,14 @@ def test_stage_core_admission_agrees_with_the_spec_in_every_small_case(admission
 
     assert len(admission_steps) >= 100
     kinds = set(admission_steps.values())
-    assert {("submit", "run"), ("submit", "queue"), ("submit", "refuse"), ("pump", "dispatch"),
-            ("pump", "auto_wake"), ("pump", "reject_all")} <= kinds  # fmt: skip
+    assert {
+        ("submit", "run"),
+        ("submit", "queue"),
+        ("submit", "refuse"),
+        ("pump", "dispatch"),
+        ("pump", "auto_wake"),
+        ("pump", "reject_all"),
+    } <= kinds
     assert agree_admission.compare(admission_steps) == []
 
 
@@ -269,8 +291,10 @@ def test_scope_switches_are_listed_not_mutated():
 def test_guard_report_summary_line(tmp_path):
     report = tmp_path / "guard_mutation.md"
     g = guard_mutation.Guard("OmniSleep.tla", "Crash", 1, 10, 4, 10, 12, "alive[r]")
-    verdicts = [guard_mutation.Verdict(g, "killed", "P9_FailedNamesRanks", "crash", 3.0),
-                guard_mutation.Verdict(g, "survived", "happy", "", 9.0)]  # fmt: skip
+    verdicts = [
+        guard_mutation.Verdict(g, "killed", "P9_FailedNamesRanks", "crash", 3.0),
+        guard_mutation.Verdict(g, "survived", "happy", "", 9.0),
+    ]
     guard_mutation.write_report(report, verdicts, 12.0)
     line = guard_mutation.summary_of_report(report)
     assert "2 guards, 1 killed, 1 survived" in line, line
@@ -280,6 +304,8 @@ def test_tlc_215_zeros_for_one_line_conjunctions_of_assignments_are_not_reported
     (tmp_path / "M.tla").write_text("---- MODULE M ----\nA ==\n    /\\ x > 0\n    /\\ x' = 0 /\\ y' = 1\n====\n")
     cov = coverage.Coverage(
         {coverage.Loc("M", 3, 8, 3, 12): 0, coverage.Loc("M", 4, 8, 4, 13): 0, coverage.Loc("M", 4, 18, 4, 23): 0},
-        {("A", coverage.Loc("M", 2, 1, 2, 1)): 3}, {})
+        {("A", coverage.Loc("M", 2, 1, 2, 1)): 3},
+        {},
+    )
     dead = coverage.dead_branches(cov, tmp_path)
     assert [(d.loc.line, d.text) for d in dead] == [(3, "x > 0")]

@@ -103,8 +103,9 @@ def test_settled_rows_and_admission_tables_are_in_the_module():
 def test_tlc_refuses_an_admission_row_that_admits_outside_running(tla_copy):
     """The ASSUMEs tie admission to the stage table: a row that runs requests in SLEEPING is
     refused by TLC before any state is explored."""
-    _assert_tlc_refuses_the_edited_module(tla_copy, gen_transitions, "happy",
-                                          '<<"SLEEPING", "queue", "queue">>', '<<"SLEEPING", "queue", "run">>')
+    _assert_tlc_refuses_the_edited_module(
+        tla_copy, gen_transitions, "happy", '<<"SLEEPING", "queue", "queue">>', '<<"SLEEPING", "queue", "run">>'
+    )
 
 
 def _assert_tlc_refuses_the_edited_module(tla_copy: Path, generator, model: str, old: str, new: str) -> None:
@@ -161,8 +162,9 @@ def test_a_changed_update_row_makes_the_version_table_stale(monkeypatch, tmp_pat
     assert gen_versions.is_fresh(path)
     failed = next(t for t in STAGE_TRANSITIONS if t.trigger == "update_failed")
     to_running = Transition("update_failed", failed.sources, StageState.RUNNING, "a failed update serves")
-    monkeypatch.setattr(gen_versions, "STAGE_TRANSITIONS",
-                        tuple(to_running if t is failed else t for t in STAGE_TRANSITIONS))
+    monkeypatch.setattr(
+        gen_versions, "STAGE_TRANSITIONS", tuple(to_running if t is failed else t for t in STAGE_TRANSITIONS)
+    )
     assert not gen_versions.is_fresh(path) and "gen_versions" in gen_versions.stale_message(path)
     assert gen_versions.main(["--check"]) == 1  # the committed file is stale against these tables too
     assert gen_versions.write(path) and gen_versions.is_fresh(path)
@@ -204,9 +206,13 @@ def test_a_core_that_commits_on_the_first_ack_makes_the_version_table_stale(monk
 def test_tlc_refuses_a_stage_core_that_commits_on_the_first_ack(tla_copy):
     """The ASSUME over SettleRows: the spec's commit rule is the StageCore's, so a core that
     commits before every rank ACKed stops TLC before any state is explored."""
-    _assert_tlc_refuses_the_edited_module(tla_copy, gen_versions, "versions",
-                                          '<<"RUNNING", <<"ack", "none">>, "WAKING", FALSE>>',
-                                          '<<"RUNNING", <<"ack", "none">>, "RUNNING", TRUE>>')
+    _assert_tlc_refuses_the_edited_module(
+        tla_copy,
+        gen_versions,
+        "versions",
+        '<<"RUNNING", <<"ack", "none">>, "WAKING", FALSE>>',
+        '<<"RUNNING", <<"ack", "none">>, "RUNNING", TRUE>>',
+    )
 
 
 def test_check_refuses_to_run_on_a_stale_version_table(tla_copy):
@@ -224,8 +230,10 @@ def test_check_refuses_to_run_on_a_stale_version_table(tla_copy):
 def test_tlc_refuses_a_version_table_where_a_failed_update_serves(tla_copy):
     """The ASSUMEs tie OmniVersions to the rows: an update that fails into RUNNING, or a stage
     that executes while an update is in flight, is refused before any state is explored."""
-    for old, new in (('<<"WAKING", "update_failed", "NEEDS_RELOAD">>', '<<"WAKING", "update_failed", "RUNNING">>'),
-                     ('<<"RUNNING", "execute", "RUNNING">>', '<<"WAKING", "execute", "WAKING">>')):
+    for old, new in (
+        ('<<"WAKING", "update_failed", "NEEDS_RELOAD">>', '<<"WAKING", "update_failed", "RUNNING">>'),
+        ('<<"RUNNING", "execute", "RUNNING">>', '<<"WAKING", "execute", "WAKING">>'),
+    ):
         _assert_tlc_refuses_the_edited_module(tla_copy, gen_versions, "versions", old, new)
 
 

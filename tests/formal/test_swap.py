@@ -34,10 +34,15 @@ def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
     entries = {m.name: m for m in _swap_entries()}
     assert {"swap", "swap_zero_wait", "swap_succeeds", "swap_two", "swap_two_serial"} <= set(entries)
     bugs = {name: m.expect for name, m in entries.items() if m.is_bug}
-    assert bugs == {"bug/swap_no_gate": "NoOOMFailure", "bug/swap_oom_fatal": "NoOOMFailure",
-                    "bug/swap_no_rollback": "RefusedExact", "bug/swap_wait_forever": "SwapEnds",
-                    "bug/swap_oom_refund": "SwapEnds", "bug/swap_free_host_early": "RefusedExact",
-                    "bug/swap_two_incoming": "NotBothRefused"}  # fmt: skip
+    assert bugs == {
+        "bug/swap_no_gate": "NoOOMFailure",
+        "bug/swap_oom_fatal": "NoOOMFailure",
+        "bug/swap_no_rollback": "RefusedExact",
+        "bug/swap_wait_forever": "SwapEnds",
+        "bug/swap_oom_refund": "SwapEnds",
+        "bug/swap_free_host_early": "RefusedExact",
+        "bug/swap_two_incoming": "NotBothRefused",
+    }
     for m in entries.values():
         assert (check.tla_dir() / m.config).is_file()
         assert m.distinct_states and (not m.is_bug or m.control_states), m.name
@@ -48,9 +53,17 @@ def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
 
 
 def test_an_entry_without_spec_takes_the_manifests(tmp_path):
-    (tmp_path / check.MANIFEST).write_text(json.dumps({"spec": "Top.tla", "models": [
-        {"name": "a", "config": "a.cfg", "expect": "ok"},
-        {"name": "b", "config": "b.cfg", "expect": "ok", "spec": "Other.tla"}]}))  # fmt: skip
+    (tmp_path / check.MANIFEST).write_text(
+        json.dumps(
+            {
+                "spec": "Top.tla",
+                "models": [
+                    {"name": "a", "config": "a.cfg", "expect": "ok"},
+                    {"name": "b", "config": "b.cfg", "expect": "ok", "spec": "Other.tla"},
+                ],
+            }
+        )
+    )
     _, models = check.load_manifest(tmp_path)
     assert [m.spec for m in models] == ["Top.tla", "Other.tla"]
 
@@ -84,12 +97,16 @@ def test_swap_succeeds_holds_on_its_model(tmp_path):
     assert result.outcome == "ok", result.error
 
 
-@pytest.mark.parametrize("changes", [
-    {"OtherMax": "2"},            # OtherMax + Reserve + size of B = Cap + 1
-    {"Reserve": "2"},             # the same through the reserve
-    {"AFails": "TRUE"},           # A stops releasing
-    {"DeadlinePasses": "TRUE"},   # B's wait may expire first
-], ids=lambda c: ",".join(c))  # fmt: skip
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"OtherMax": "2"},  # OtherMax + Reserve + size of B = Cap + 1
+        {"Reserve": "2"},  # the same through the reserve
+        {"AFails": "TRUE"},  # A stops releasing
+        {"DeadlinePasses": "TRUE"},  # B's wait may expire first
+    ],
+    ids=lambda c: ",".join(c),
+)
 def test_each_condition_of_swap_succeeds_is_needed(tmp_path, changes):
     result = _tlc(_variant(tmp_path, "models/swap_succeeds.cfg", **changes))
     assert result.outcome == "temporal", (changes, result.got, result.error)
@@ -115,9 +132,15 @@ def test_config_reader_and_step_classification():
         swap_graph.SwapModel.from_config("CONSTANTS\n    Cap = 4\n")
 
     def state(pc="acquire", nxt=1, mapped=0, budget=0, waiting=False, a=3, other=0):
-        return {"a": a, "other": other, "pc": {"B": pc, "C": "acquire"}, "next": {"B": nxt, "C": 1},
-                "mapped": {"B": mapped, "C": 0}, "budget": {"B": budget, "C": 0},
-                "waiting": {"B": waiting, "C": False}}  # fmt: skip
+        return {
+            "a": a,
+            "other": other,
+            "pc": {"B": pc, "C": "acquire"},
+            "next": {"B": nxt, "C": 1},
+            "mapped": {"B": mapped, "C": 0},
+            "budget": {"B": budget, "C": 0},
+            "waiting": {"B": waiting, "C": False},
+        }
 
     events = swap_graph.step_events
     assert events(model, "B", state(a=3), state(a=2)) == ()  # A's step
@@ -174,11 +197,15 @@ def test_two_incoming_stages_may_both_be_refused_when_a_wait_is_short(tmp_path):
     assert (result.outcome, result.violated) == ("invariant", "NotBothRefused"), result.error
 
 
-@pytest.mark.parametrize(("outlasts", "one", "outcome"), [
-    ("TRUE", "FALSE", "invariant"),   # waits that outlast A's sleep: both still refused when racing
-    ("TRUE", "TRUE", "ok"),           # one incoming wake per device at a time: one wakes
-    ("FALSE", "TRUE", "invariant"),   # each wait ends before A's sleep: each refusal is for A
-], ids=["racing", "one_incoming", "waits_shorter_than_a"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("outlasts", "one", "outcome"),
+    [
+        ("TRUE", "FALSE", "invariant"),  # waits that outlast A's sleep: both still refused when racing
+        ("TRUE", "TRUE", "ok"),  # one incoming wake per device at a time: one wakes
+        ("FALSE", "TRUE", "invariant"),  # each wait ends before A's sleep: each refusal is for A
+    ],
+    ids=["racing", "one_incoming", "waits_shorter_than_a"],
+)
 def test_one_incoming_wake_per_device_keeps_one_of_two_stages_from_refusal(tmp_path, outlasts, one, outcome):
     # The race's constants without LongWait: with OneIncoming = FALSE both are refused even when
     # every wait outlasts A's sleep (the two deadlines pass together); with it, C's wake starts
@@ -197,7 +224,7 @@ def test_the_serial_model_is_the_race_with_one_incoming_wake_and_the_bug_model_w
     race = _RACE.format(long="FALSE", outlasts="TRUE", one="TRUE")
 
     def constants(text: str) -> str:
-        return text[text.index("CONSTANTS"):text.index("INVARIANTS")]
+        return text[text.index("CONSTANTS") : text.index("INVARIANTS")]
 
     assert constants(serial) == constants(race)
     assert constants(bug) == constants(race).replace('Bug = "none"', 'Bug = "two_incoming"')

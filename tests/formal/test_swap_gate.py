@@ -56,8 +56,9 @@ class Replay:
     def _take(self, kind: str) -> tuple:
         event = self._peek()
         if event[0] != kind:
-            raise Disagree(f"the gate did {kind!r} where the spec's next step is {event} "
-                           f"(step {self.at} of {self.events})")  # fmt: skip
+            raise Disagree(
+                f"the gate did {kind!r} where the spec's next step is {event} (step {self.at} of {self.events})"
+            )
         self.at += 1
         return event
 
@@ -102,8 +103,9 @@ class Replay:
 def replay(events: tuple[tuple, ...], model: swap_graph.SwapModel, stage: str, gate_class=None) -> str:
     """Play one behaviour through a MemoryGate; the outcome, or raise Disagree."""
     source = Replay(events, model.reserve)
-    gate = (gate_class or memory_gate.MemoryGate)(source, wait_for_memory_s=WAIT_S if model.may_wait else 0.0,
-                                                  clock=source.clock, sleep=source.sleep)  # fmt: skip
+    gate = (gate_class or memory_gate.MemoryGate)(
+        source, wait_for_memory_s=WAIT_S if model.may_wait else 0.0, clock=source.clock, sleep=source.sleep
+    )
     try:
         for chunks in model.allocs[stage]:
             gate.admit(chunks * CHUNK_BYTES, source.allocate)
@@ -140,8 +142,10 @@ def _graph(config: str, bug: str | None = None):
 
 @pytest.fixture(scope="module")
 def graphs() -> dict[str, tuple]:
-    return {name: _graph(f"models/{name}.cfg") for name in ("swap", "swap_zero_wait", "swap_two", "swap_succeeds",
-                                                                 "swap_two_serial")}
+    return {
+        name: _graph(f"models/{name}.cfg")
+        for name in ("swap", "swap_zero_wait", "swap_two", "swap_succeeds", "swap_two_serial")
+    }
 
 
 @pytest.mark.parametrize("name", ["swap", "swap_zero_wait", "swap_two", "swap_succeeds", "swap_two_serial"])
@@ -158,8 +162,10 @@ def test_every_behaviour_of_the_spec_replays_on_the_gate(graphs, name):
 
 
 def test_the_models_cover_budget_admissions_ooms_and_immediate_refusals(graphs):
-    every = {name: {e for s in model.allocs for events in swap_graph.behaviours(model, dot, s) for e in events}
-             for name, (model, dot) in graphs.items()}  # fmt: skip
+    every = {
+        name: {e for s in model.allocs for events in swap_graph.behaviours(model, dot, s) for e in events}
+        for name, (model, dot) in graphs.items()
+    }
     assert ("admit",) in every["swap"] and ("map", False) in every["swap"]
     assert any(e[0] == "query" and e[2] == "admit" for e in every["swap_two"])
     assert ("expire",) in every["swap_zero_wait"] and ("map", False) in every["swap_zero_wait"]
@@ -189,8 +195,9 @@ def _mutant_gates():
 
     class NoWaitAfterOom(gate):  # an OOM ends the wake at once
         def driver_refused(self, nbytes: int, error: BaseException) -> None:
-            raise memory_gate.MemoryWaitExpired("mutant", needed_bytes=nbytes, free_bytes=0, waited_s=0.0,
-                                                holders=HolderList(()))  # fmt: skip
+            raise memory_gate.MemoryWaitExpired(
+                "mutant", needed_bytes=nbytes, free_bytes=0, waited_s=0.0, holders=HolderList(())
+            )
 
     return {"NoBudget": NoBudget, "RefundOnOom": RefundOnOom, "NoWaitAfterOom": NoWaitAfterOom}
 

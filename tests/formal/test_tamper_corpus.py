@@ -16,8 +16,13 @@ from tests.formal.tamper import generate
 from tests.formal.test_trace_validation import needs_tlc
 
 CORPUS = json.loads(generate.MANIFEST.read_text())
-REJECTIONS = ("no spec action matches this event", "refuted by the records around it", "the replay breaks",
-              "out of program order", trace_check.OWED_AT_END)  # fmt: skip
+REJECTIONS = (
+    "no spec action matches this event",
+    "refuted by the records around it",
+    "the replay breaks",
+    "out of program order",
+    trace_check.OWED_AT_END,
+)
 
 
 def test_the_corpus_is_what_the_generator_makes() -> None:

@@ -51,6 +51,7 @@ def test_a_successful_swap_is_accepted(tmp_path, level: int) -> None:
 
 # ---------------------------------------------------------------- deadlines tied to their issue
 
+
 def _line_of(records: list[T.TraceLine], kind: type) -> int:
     return next(i for i, r in enumerate(records) if r.is_engine and isinstance(r.record, kind))
 
@@ -112,10 +113,19 @@ def test_a_relabelled_send_hides_no_task(demo_records, label: str) -> None:  # n
     records = _copy(demo_records)
     talker = [i for i, r in enumerate(records) if r.is_engine and r.stage == "talker"]
     issues = [i for i in talker if isinstance(records[i].record, T.StageIssued) and not records[i].record.already]
-    pair = next((a, b) for a, b in itertools.pairwise(issues)
-                if records[a].record.command == "Sleep" and records[b].record.command == "Wake")  # fmt: skip
-    sent = [next(i for i in talker if isinstance(records[i].record, T.StageSent)
-                 and records[i].record.task_id == records[k].record.task_id) for k in pair]  # fmt: skip
+    pair = next(
+        (a, b)
+        for a, b in itertools.pairwise(issues)
+        if records[a].record.command == "Sleep" and records[b].record.command == "Wake"
+    )
+    sent = [
+        next(
+            i
+            for i in talker
+            if isinstance(records[i].record, T.StageSent) and records[i].record.task_id == records[k].record.task_id
+        )
+        for k in pair
+    ]
     for i in sent:
         records[i].record.command = label
     _rejected_at(_forged(records), "talker", sent[0])
@@ -143,8 +153,11 @@ def test_a_dead_rank_answering_after_a_restart_is_rejected(tmp_path) -> None:
     records = _copy(records)
     died = _line_of(records, T.RankDied)
     dead = next(r for r in records[:died] if not r.is_engine and r.rank == 1 and r.epoch == 0)
-    new = [i for i, r in enumerate(records) if not r.is_engine and r.rank == 1 and r.epoch == 1
-           and getattr(r.record, "task_id", "").startswith("req-")]  # fmt: skip
+    new = [
+        i
+        for i, r in enumerate(records)
+        if not r.is_engine and r.rank == 1 and r.epoch == 1 and getattr(r.record, "task_id", "").startswith("req-")
+    ]
     assert new, "rank 1 of epoch 1 ran no request"
     for offset, i in enumerate(new):
         ghost = _copy([records[i + offset]])[0]

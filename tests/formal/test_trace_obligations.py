@@ -55,9 +55,15 @@ def restart_trace(tmp_path_factory) -> Path:
         frozen = rank_pid(engine, "talker", 1)
         os.kill(frozen, signal.SIGSTOP)
         future = engine.submit("talker", PROBE)
-        wait_for(lambda: any(_worker(r, 0, T.ReplySent, "talker") and r.record.reply == "result"
-                             and r.record.task_id != "req-talker-1" for r in read_trace(path)),
-                 what="rank 0 answered the second request")  # fmt: skip
+        wait_for(
+            lambda: any(
+                _worker(r, 0, T.ReplySent, "talker")
+                and r.record.reply == "result"
+                and r.record.task_id != "req-talker-1"
+                for r in read_trace(path)
+            ),
+            what="rank 0 answered the second request",
+        )
         engine.restart("talker")
         with pytest.raises(RequestFailedError, match="restarted while this request ran"):
             future.result(timeout=30)
@@ -96,19 +102,31 @@ def test_without_kill_a_restart_from_running_is_not_a_behaviour_of_the_spec(rest
 
 def _reply_line(records: list[T.TraceLine], stage: str, rank: int, reply: str) -> int:
     """A worker's reply that is followed by more lines of that process (a later task)."""
-    return next(i for i, r in enumerate(records) if _worker(r, rank, T.ReplySent, stage)
-                and r.record.reply == reply and r.record.task_id != "hello"
-                and any(_worker(q, rank, T.WorkerReceived, stage) for q in records[i + 1:]))  # fmt: skip
+    return next(
+        i
+        for i, r in enumerate(records)
+        if _worker(r, rank, T.ReplySent, stage)
+        and r.record.reply == reply
+        and r.record.task_id != "hello"
+        and any(_worker(q, rank, T.WorkerReceived, stage) for q in records[i + 1 :])
+    )
 
 
 def _first_use(records: list[T.TraceLine], start: int, gone: T.TraceLine) -> int:
     """The first line from `start` on that needs the reply logged: the engine taking it, or
     the next line of the process that wrote it."""
     task = gone.record.task_id
-    return next(i for i in range(start, len(records))
-                if (records[i].is_engine and isinstance(records[i].record, T.StageReceived)
-                    and records[i].record.task_id == task and records[i].record.rank == gone.rank)
-                or (records[i].pid == gone.pid and not records[i].is_engine))  # fmt: skip
+    return next(
+        i
+        for i in range(start, len(records))
+        if (
+            records[i].is_engine
+            and isinstance(records[i].record, T.StageReceived)
+            and records[i].record.task_id == task
+            and records[i].record.rank == gone.rank
+        )
+        or (records[i].pid == gone.pid and not records[i].is_engine)
+    )
 
 
 def test_a_deleted_worker_reply_is_rejected_where_it_is_owed(demo_records) -> None:  # noqa: F811

@@ -123,9 +123,11 @@ def test_projection_maps_lines_to_events_and_drops_what_the_spec_does_not_model(
 
 
 def test_progress_lines_are_read_back_even_when_tlc_breaks_them() -> None:
-    output = ('<<"@trace", 3, "RUNNING", 0, <<"ACTIVE">>, <<TRUE>>, "-", 0, <<"-">>>>\n'
-              '<< "@trace",\n   18,\n   "TRANSITIONING",\n   0,\n   <<"OFFLOADING">>,\n   <<TRUE>>,\n'
-              '   "-",\n   0,\n   <<"OFFLOADING">> >>\n')  # fmt: skip
+    output = (
+        '<<"@trace", 3, "RUNNING", 0, <<"ACTIVE">>, <<TRUE>>, "-", 0, <<"-">>>>\n'
+        '<< "@trace",\n   18,\n   "TRANSITIONING",\n   0,\n   <<"OFFLOADING">>,\n   <<TRUE>>,\n'
+        '   "-",\n   0,\n   <<"OFFLOADING">> >>\n'
+    )
     assert [i for i, _ in trace_check.progress_of(output)] == [3, 18]
 
 
@@ -248,8 +250,11 @@ def test_a_sleep_released_before_the_last_request_is_answered_is_rejected(concur
     before the engine took the last answer to a request in flight."""
     records = read_trace(concurrent_trace)
     drained = ("DRAINING", "TRANSITIONING")
-    k = next(i for i, r in enumerate(records)
-             if _engine_line(r, T.StageChanged, "s") and (r.record.before, r.record.after) == drained)  # fmt: skip
+    k = next(
+        i
+        for i, r in enumerate(records)
+        if _engine_line(r, T.StageChanged, "s") and (r.record.before, r.record.after) == drained
+    )
     j = max(i for i in range(k) if _received(records[i], "result", "s"))
     records.insert(j, records.pop(k))
     _forged(records)
@@ -358,8 +363,11 @@ def _swapped(records: list[T.TraceLine]) -> tuple[list[T.TraceLine], int]:
 
 
 @needs_tlc
-@pytest.mark.parametrize("tamper", [_state_changed, _ack_state_changed, _ack_removed, _swapped],
-                         ids=["state-changed", "ack-state-changed", "ack-removed", "swapped"])  # fmt: skip
+@pytest.mark.parametrize(
+    "tamper",
+    [_state_changed, _ack_state_changed, _ack_removed, _swapped],
+    ids=["state-changed", "ack-state-changed", "ack-removed", "swapped"],
+)
 def test_a_tampered_demo_trace_is_rejected_at_the_tampered_line(demo_records, tamper) -> None:
     records, k = tamper(demo_records)
     [verdict] = trace_check.validate_records(records, "talker")

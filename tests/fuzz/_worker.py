@@ -25,11 +25,21 @@ class RawWorker:
         self.ctx = zmq.Context()
         self.sock = make_router(self.ctx, ipc_address(self.directory))
         address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        config = {"address": address, "rank": 0, "stage": "regress", "runner": "synthetic",
-                  "runner_args": REFERENCE_RUNNER_ARGS, "backend": "portable", "device": "cpu",
-                  "parent_check_interval_s": 0.5, "parent_pid": os.getpid()}  # fmt: skip
-        self.proc = subprocess.Popen([sys.executable, "-m", "omni_core.workers", "--config",
-                                      msgspec.json.encode(config).decode()], stdin=subprocess.DEVNULL)  # fmt: skip
+        config = {
+            "address": address,
+            "rank": 0,
+            "stage": "regress",
+            "runner": "synthetic",
+            "runner_args": REFERENCE_RUNNER_ARGS,
+            "backend": "portable",
+            "device": "cpu",
+            "parent_check_interval_s": 0.5,
+            "parent_pid": os.getpid(),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
+            stdin=subprocess.DEVNULL,
+        )
         hello = self.next_message(START_TIMEOUT_S)
         assert isinstance(hello, Hello), hello
         self.hello = hello

@@ -19,8 +19,19 @@ pytest.importorskip("atheris")
 
 def test_codec_survives_coverage_guided_inputs(tmp_path) -> None:
     write_seed_corpus(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "omni_core.testing.fuzz.atheris_codec", "-atheris_runs=20000",
-                             "-max_len=4096", str(tmp_path)], capture_output=True, text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omni_core.testing.fuzz.atheris_codec",
+            "-atheris_runs=20000",
+            "-max_len=4096",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert re.search(r"Done 20000 (runs|in)", result.stderr), result.stderr[-2000:]
     # Guided, not blind: the codec's Python paths are instrumented and new edges were found.

@@ -38,8 +38,19 @@ def test_the_generator_reaches_every_field_with_values_from_its_type() -> None:
         frames = [generator.next(ctx) for _ in range(20 * len(generator.targets))]
         assert set(generator.fields_hit) == every_field()
         labels = {m for f in frames for m in f.mutations}
-        for kind in ("str_len_129", "str_mb_len_128", "str_surrogate", "str_bad_utf8", "str_hostile", "int_bound",
-                     "float_edge", "enum", "wrong_type", "tag", "unknown_field"):  # fmt: skip
+        for kind in (
+            "str_len_129",
+            "str_mb_len_128",
+            "str_surrogate",
+            "str_bad_utf8",
+            "str_hostile",
+            "int_bound",
+            "float_edge",
+            "enum",
+            "wrong_type",
+            "tag",
+            "unknown_field",
+        ):
             assert any(label.startswith(kind) for label in labels), (direction, kind)
         decoded = 0
         for frame in frames:

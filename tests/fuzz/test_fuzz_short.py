@@ -28,8 +28,7 @@ def assert_clean(report: FuzzReport) -> None:
 
 
 def test_worker_survives_fuzzed_frames(tmp_path) -> None:
-    config = WorkerFuzzConfig(seed=SEED, frames=15_000, time_box_s=60.0, big_every_frames=5_000,
-                              out_dir=str(tmp_path))  # fmt: skip
+    config = WorkerFuzzConfig(seed=SEED, frames=15_000, time_box_s=60.0, big_every_frames=5_000, out_dir=str(tmp_path))
     report = WorkerFuzzer(config).run()
     assert_clean(report)
     assert report.replies >= report.frames_sent  # one reply per frame, the oracle's on top
@@ -39,13 +38,13 @@ def test_worker_survives_fuzzed_frames(tmp_path) -> None:
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_engine_refuses_and_counts_frames_from_strangers(transport: str) -> None:
-    config = EngineFuzzConfig(seed=SEED, frames=8_000, time_box_s=40.0, transport=transport,
-                              big_every_frames=4_000)  # fmt: skip
+    config = EngineFuzzConfig(seed=SEED, frames=8_000, time_box_s=40.0, transport=transport, big_every_frames=4_000)
     report = EngineFuzzer(config).run()
     assert_clean(report)
     counters = report.extra["engine_counters"]
-    refused = sum(counters[k] for k in ("bad_replies", "unknown_peers", "rebind_refused", "forged_hellos",
-                                        "rank_mismatch"))  # fmt: skip
+    refused = sum(
+        counters[k] for k in ("bad_replies", "unknown_peers", "rebind_refused", "forged_hellos", "rank_mismatch")
+    )
     assert refused == report.frames_sent == report.extra["frames_counted_by_engine"]
     assert counters["bad_replies"] > 0 and counters["unknown_peers"] > 0 and counters["rank_mismatch"] == 0
     assert report.extra["client"]["executes_ok"] > 0

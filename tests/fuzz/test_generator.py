@@ -31,10 +31,43 @@ from omni_core.testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Bin, Deep, Ex
 CTX = FuzzContext(epoch=3, stage="fz", ranks=2, pids=(101, 102), task_ids=("req-fz-1", "fz-sleep-1"))
 
 
-@pytest.mark.parametrize("value", [None, True, False, 0, 1, -1, 127, 128, -32, -33, 255, 256, 65536, -129,
-                                   2**32, 2**63, 2**64 - 1, -(2**63), 0.5, math.inf, "", "a" * 31, "a" * 32,
-                                   "\u00e9t\u00e9", "x" * 70_000, b"", b"\x00" * 300, [], [1, [2, [3]]],
-                                   list(range(16)), {"a": 1}, {str(i): i for i in range(16)}])  # fmt: skip
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        False,
+        0,
+        1,
+        -1,
+        127,
+        128,
+        -32,
+        -33,
+        255,
+        256,
+        65536,
+        -129,
+        2**32,
+        2**63,
+        2**64 - 1,
+        -(2**63),
+        0.5,
+        math.inf,
+        "",
+        "a" * 31,
+        "a" * 32,
+        "\u00e9t\u00e9",
+        "x" * 70_000,
+        b"",
+        b"\x00" * 300,
+        [],
+        [1, [2, [3]]],
+        list(range(16)),
+        {"a": 1},
+        {str(i): i for i in range(16)},
+    ],
+)
 def test_plain_values_are_written_as_msgspec_writes_them(value: object) -> None:
     assert pack(value) == msgspec.msgpack.encode(value)
 
@@ -105,8 +138,17 @@ def test_the_mix_covers_every_strategy_type_and_mutation() -> None:
         if frame.kind == "mutated":
             types[frame.mutations[0]] += 1
             mutations.update(frame.mutations[1:])
-    assert set(kinds) >= {"mutated", "valid", "replay", "reorder", "random_value", "raw_bytes", "multipart",
-                          "deep", "lying_header"}  # fmt: skip
+    assert set(kinds) >= {
+        "mutated",
+        "valid",
+        "replay",
+        "reorder",
+        "random_value",
+        "raw_bytes",
+        "multipart",
+        "deep",
+        "lying_header",
+    }
     assert set(types) == {t.__name__ for t in MESSAGE_TYPES}
     assert set(MUTATION_NAMES) <= set(mutations)
 

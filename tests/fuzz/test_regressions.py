@@ -91,8 +91,11 @@ def test_worker_stays_reachable_after_a_frame_over_the_socket_limit(worker: RawW
     """Once libzmq dropped the link on such a frame and the worker never reconnected; now its
     socket takes the frame and the codec refuses it unread (BAD_MESSAGE, task '-')."""
     limit_bytes = DEFAULT_MAX_FRAME_BYTES  # what the worker runs with
-    worker.send(b"\xc6" + (limit_bytes + SOCKET_FRAME_SLACK_BYTES).to_bytes(4, "big")
-                + bytes(limit_bytes + SOCKET_FRAME_SLACK_BYTES))  # fmt: skip
+    worker.send(
+        b"\xc6"
+        + (limit_bytes + SOCKET_FRAME_SLACK_BYTES).to_bytes(4, "big")
+        + bytes(limit_bytes + SOCKET_FRAME_SLACK_BYTES)
+    )
     refusal = worker.next_message(timeout_s=60.0)
     assert isinstance(refusal, Nack) and refusal.reason is NackReason.BAD_MESSAGE and refusal.task_id == "-"
     assert "over the limit" in refusal.detail
@@ -102,8 +105,14 @@ def test_worker_stays_reachable_after_a_frame_over_the_socket_limit(worker: RawW
 
 def test_engine_refuses_a_request_over_max_frame_bytes_at_once() -> None:
     limit_bytes = 64 << 10  # StageSpec's smallest limit: the test stays cheap
-    spec = StageSpec("big", runner_args=SMALL, backend="portable", max_frame_bytes=limit_bytes,
-                     request_timeout_s=3.0, deadline_s=10.0)  # fmt: skip
+    spec = StageSpec(
+        "big",
+        runner_args=SMALL,
+        backend="portable",
+        max_frame_bytes=limit_bytes,
+        request_timeout_s=3.0,
+        deadline_s=10.0,
+    )
     with Engine([spec]) as engine:
         for blob_bytes in (limit_bytes + 4096, limit_bytes + SOCKET_FRAME_SLACK_BYTES + 4096):
             started = time.monotonic()

@@ -36,8 +36,9 @@ class LocalCluster:
         return self.nodes[name].node_id
 
     def add(self, name: str, **resources: float) -> Any:
-        node = self.cluster.add_node(num_cpus=NODE_CPUS, resources={name: 10, **resources},
-                                     object_store_memory=OBJECT_STORE_BYTES)  # fmt: skip
+        node = self.cluster.add_node(
+            num_cpus=NODE_CPUS, resources={name: 10, **resources}, object_store_memory=OBJECT_STORE_BYTES
+        )
         self.cluster.wait_for_nodes()
         self.nodes[name] = node
         return node
@@ -48,10 +49,19 @@ class LocalCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[LocalCluster]:
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
-                           "health_check_initial_delay_ms": 0}})  # fmt: skip
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+            "_system_config": {
+                "health_check_period_ms": 500,
+                "health_check_failure_threshold": 4,
+                "health_check_initial_delay_ms": 0,
+            },
+        },
+    )
     local = LocalCluster(cluster, {})
     try:
         for name in ("node_a", "node_b"):
@@ -68,5 +78,8 @@ def live_rank_actors() -> list[dict]:
     API would need the dashboard, which these nodes do not run)."""
     from ray._private import state
 
-    return [a for a in state.actors().values()
-            if a.get("ActorClassName", "").endswith("RankActor") and a.get("State") != "DEAD"]  # fmt: skip
+    return [
+        a
+        for a in state.actors().values()
+        if a.get("ActorClassName", "").endswith("RankActor") and a.get("State") != "DEAD"
+    ]

@@ -95,8 +95,9 @@ def _validate(trace) -> None:
 
 
 def test_a_killed_actor_fails_exactly_its_stage_naming_rank_and_node(ray_cluster):
-    engine = ray_engine(small_spec("talker", ranks=2, placement=on("node_a")),
-                        small_spec("decoder", placement=on("node_b")))  # fmt: skip
+    engine = ray_engine(
+        small_spec("talker", ranks=2, placement=on("node_a")), small_spec("decoder", placement=on("node_b"))
+    )
     try:
         reference = engine.execute("talker", PROBE)
         node = node_of(engine, "talker", 1)
@@ -171,8 +172,10 @@ def test_two_stages_share_a_users_placement_group_with_fractional_bundles(ray_cl
     group = placement_group([{"CPU": 1, "node_b": 1}], strategy="STRICT_PACK", name="colocated")
     ray.get(group.ready(), timeout=60)
     half = {"num_cpus": 0.5, "resources": {"node_b": 0.5}, "bundle_indices": (0,)}
-    engine = ray_engine(small_spec("actor", placement=RayPlacement(placement_group=group, **half)),
-                        small_spec("critic", placement=RayPlacement(placement_group_name="colocated", **half)))
+    engine = ray_engine(
+        small_spec("actor", placement=RayPlacement(placement_group=group, **half)),
+        small_spec("critic", placement=RayPlacement(placement_group_name="colocated", **half)),
+    )
     try:
         assert placed_on(ray_cluster, engine, "actor", 0, "node_b")
         assert node_of(engine, "actor", 0) == node_of(engine, "critic", 0)
@@ -201,18 +204,36 @@ def test_strangers_on_the_cluster_network_reach_nothing(ray_cluster):
             outsider = ctx.socket(zmq.DEALER)
             public, secret = zmq.curve_keypair()
             outsider.curve_serverkey, outsider.curve_publickey, outsider.curve_secretkey = (
-                keys.server_public, public, secret)  # fmt: skip
+                keys.server_public,
+                public,
+                secret,
+            )
             outsider.connect(engine.address)
             outsider.send(b"\xff not msgpack")
             wait_for(lambda: engine.status()["_engine"]["curve_refused"] >= 1, what="the outsider refused")
 
             insider = ctx.socket(zmq.DEALER)
             insider.curve_serverkey, insider.curve_publickey, insider.curve_secretkey = (
-                keys.server_public, keys.client_public, keys.client_secret)  # fmt: skip
+                keys.server_public,
+                keys.client_public,
+                keys.client_secret,
+            )
             insider.connect(engine.address)
-            insider.send(encode(Hello(task_id="hello", epoch=status["epoch"], rank=0, stage="sealed",
-                                      pid=status["ranks"][0]["pid"], proof="ab" * 32, device="cpu",
-                                      backend="portable", tags=TAGS)))  # fmt: skip
+            insider.send(
+                encode(
+                    Hello(
+                        task_id="hello",
+                        epoch=status["epoch"],
+                        rank=0,
+                        stage="sealed",
+                        pid=status["ranks"][0]["pid"],
+                        proof="ab" * 32,
+                        device="cpu",
+                        backend="portable",
+                        tags=TAGS,
+                    )
+                )
+            )
             wait_for(lambda: engine.status()["_engine"]["forged_hellos"] >= 1, what="the forged Hello counted")
         finally:
             ctx.destroy(linger=0)

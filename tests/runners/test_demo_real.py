@@ -16,10 +16,27 @@ import pytest
 from omni_core.cli import main as cli_main
 from omni_core.demo_real import MARKER, RealDemo, cached_checkpoint, class_label_of
 
-STEPS = ("2 sleep L1", "2 wake", "3 sleep L2", "3 wake", "3 reload", "4 wake weights", "4 wake rest",
-         "5 start", "5 step", "5 sleep L1", "5 finish")  # fmt: skip
-IMAGES = ("00-reference.png", "01-while-llm-sleeps.png", "02-after-dit-L1.png", "03-after-dit-L2-reload.png",
-          "04-after-partial-wake.png", "05-stepwise-across-L1.png")  # fmt: skip
+STEPS = (
+    "2 sleep L1",
+    "2 wake",
+    "3 sleep L2",
+    "3 wake",
+    "3 reload",
+    "4 wake weights",
+    "4 wake rest",
+    "5 start",
+    "5 step",
+    "5 sleep L1",
+    "5 finish",
+)
+IMAGES = (
+    "00-reference.png",
+    "01-while-llm-sleeps.png",
+    "02-after-dit-L1.png",
+    "03-after-dit-L2-reload.png",
+    "04-after-partial-wake.png",
+    "05-stepwise-across-L1.png",
+)
 
 
 @pytest.fixture(scope="module")

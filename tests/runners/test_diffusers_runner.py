@@ -40,23 +40,34 @@ def test_registered_as_builtin():
     assert load_runner_class("diffusers") is DiffusersRunner
 
 
-@pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", None, DIT), ("dit", DPM_SOLVER, DIT),
-                                                               ("ddpm", None, DDPM), ("sd", None, SD)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "scheduler", "request_"),
+    [("dit", None, DIT), ("dit", DPM_SOLVER, DIT), ("ddpm", None, DDPM), ("sd", None, SD)],
+)
 def test_one_call_equals_the_stock_pipeline(family, scheduler, request_, checkpoints):
     import diffusers
 
     pools = runner_in_pools(checkpoints[family], scheduler=scheduler)
     out = pools.runner.execute(dict(request_))
     pipeline = diffusers.DiffusionPipeline.from_pretrained(str(checkpoints[family]), local_files_only=True)
-    own_storage([component for name, component in pipeline.components.items()
-                 if name in ("transformer", "vae", "unet", "text_encoder")])
+    own_storage(
+        [
+            component
+            for name, component in pipeline.components.items()
+            if name in ("transformer", "vae", "unet", "text_encoder")
+        ]
+    )
     if scheduler:
         pipeline.scheduler = getattr(diffusers, scheduler).from_config(pipeline.scheduler.config)
     pipeline.set_progress_bar_config(disable=True)
-    kwargs = {"dit": {"class_labels": [DIT["class_label"]]}, "ddpm": {},
-              "sd": {"prompt": SD["prompt"], "negative_prompt": SD["negative_prompt"]}}[family]
-    images = pipeline(generator=torch.Generator().manual_seed(request_["seed"]), num_inference_steps=8,
-                      output_type="pt", **kwargs).images  # fmt: skip
+    kwargs = {
+        "dit": {"class_labels": [DIT["class_label"]]},
+        "ddpm": {},
+        "sd": {"prompt": SD["prompt"], "negative_prompt": SD["negative_prompt"]},
+    }[family]
+    images = pipeline(
+        generator=torch.Generator().manual_seed(request_["seed"]), num_inference_steps=8, output_type="pt", **kwargs
+    ).images
     assert out["sha256"] == hashlib.sha256(tensor_bytes(images)).hexdigest()
     assert out["shape"] == [1, 3, 16, 16] and out["dtype"] == "float32"
     png = Image.open(io.BytesIO(out["png"]))
@@ -65,8 +76,9 @@ def test_one_call_equals_the_stock_pipeline(family, scheduler, request_, checkpo
     assert pools.runner.execute({**request_, "seed": 2})["sha256"] != out["sha256"]
 
 
-@pytest.mark.parametrize(("family", "scheduler", "request_"), [("dit", DPM_SOLVER, DIT), ("ddpm", None, DDPM),
-                                                               ("sd", DPM_SOLVER, SD)])
+@pytest.mark.parametrize(
+    ("family", "scheduler", "request_"), [("dit", DPM_SOLVER, DIT), ("ddpm", None, DDPM), ("sd", DPM_SOLVER, SD)]
+)
 def test_stepwise_request_survives_a_level1_sleep_bit_identical(family, scheduler, request_, checkpoints):
     pools = runner_in_pools(checkpoints[family], scheduler=scheduler)
     runner = pools.runner
@@ -99,8 +111,10 @@ def test_level2_sleep_aborts_stepwise_requests(dit):
     dit.wake()
     dit.reload()
     for op in ("step", "finish"):
-        with pytest.raises(RequestLostError, match=f"request {started['request_id']} was aborted: the weights "
-                                                   "were reloaded while it was in flight"):  # fmt: skip
+        with pytest.raises(
+            RequestLostError,
+            match=f"request {started['request_id']} was aborted: the weights were reloaded while it was in flight",
+        ):
             runner.execute({"op": op, "request_id": started["request_id"]})
     again = runner.execute({"op": "start", **DIT})
     assert runner.execute({"op": "finish", "request_id": again["request_id"]})["sha256"] == whole
@@ -176,8 +190,11 @@ def test_unusable_reload_is_refused_before_any_write(checkpoints, tmp_path):
     tensors = load_file(vae_file)
     tensors["decoder.conv_out.weight"] = tensors["decoder.conv_out.weight"][:2].clone()
     save_file(tensors, str(vae_file), metadata={"format": "pt"})
-    with pytest.raises(RunnerArgumentError, match=r"tensor vae/'decoder.conv_out.weight' has shape \[2, 8, 3, 3\], "
-                                                  r"the model's is \[3, 8, 3, 3\]"):  # fmt: skip
+    with pytest.raises(
+        RunnerArgumentError,
+        match=r"tensor vae/'decoder.conv_out.weight' has shape \[2, 8, 3, 3\], "
+        r"the model's is \[3, 8, 3, 3\]",
+    ):
         pools.runner.reload_weights(str(broken))
     with pytest.raises(RunnerArgumentError, match=r"ddpm.*transformer' does not exist"):
         pools.runner.reload_weights(str(checkpoints["ddpm"]))
@@ -275,9 +292,12 @@ def test_a_shared_memory_update_equals_the_other_checkpoint_and_drops_derived_st
     pools, other = runner_in_pools(checkpoints["dit"]), runner_in_pools(checkpoints["dit-seed1"])
     runner = pools.runner
     original, generation = runner.execute(DIT)["sha256"], runner.generation
-    trained = {f"{folder}/{name}": tensor for folder in runner.weights.folders
-               for path in sorted((checkpoints["dit-seed1"] / folder).glob("*.safetensors"))
-               for name, tensor in load_file(path).items()}  # fmt: skip
+    trained = {
+        f"{folder}/{name}": tensor
+        for folder in runner.weights.folders
+        for path in sorted((checkpoints["dit-seed1"] / folder).glob("*.safetensors"))
+        for name, tensor in load_file(path).items()
+    }
     assert set(trained) <= set(runner.weight_specs())
     with WeightSender() as sender:
         WeightReceiver(CPU, 0).apply(sender.share(trained), runner)

@@ -17,22 +17,39 @@ from omni_core.runners.transformers_runner import TransformersRunner
 from .conftest import CPU, Pools
 
 LLM_ARGS = {"max_seq_len": 64, "max_batch": 2, "cpu_threads": 1}
-SAMPLED = {"prompt_ids": [5, 6, 7, 8, 9], "max_new_tokens": 12, "stop_at_eos": False,
-           "sampling": {"temperature": 1.0, "seed": 3}}  # fmt: skip
+SAMPLED = {
+    "prompt_ids": [5, 6, 7, 8, 9],
+    "max_new_tokens": 12,
+    "stop_at_eos": False,
+    "sampling": {"temperature": 1.0, "seed": 3},
+}
 DIT = {"class_label": 7, "seed": 4, "steps": 6}
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
-    common = {"backend": "portable", "admission": "reject", "deadline_s": 60.0, "start_deadline_s": 240.0,
-              "request_timeout_s": 60.0}  # fmt: skip
+    common = {
+        "backend": "portable",
+        "admission": "reject",
+        "deadline_s": 60.0,
+        "start_deadline_s": 240.0,
+        "request_timeout_s": 60.0,
+    }
     specs = [
-        StageSpec("llm", runner="transformers", runner_args={"model": str(checkpoints["qwen2"]), **LLM_ARGS},
-                  **common),
-        StageSpec("dit", runner="diffusers", tags=("weights", "kv_cache", "requests"),
-                  runner_args={"model": str(checkpoints["dit"]), "scheduler": "DPMSolverMultistepScheduler",
-                               "max_requests": 4, "cpu_threads": 1}, **common),
-    ]  # fmt: skip
+        StageSpec("llm", runner="transformers", runner_args={"model": str(checkpoints["qwen2"]), **LLM_ARGS}, **common),
+        StageSpec(
+            "dit",
+            runner="diffusers",
+            tags=("weights", "kv_cache", "requests"),
+            runner_args={
+                "model": str(checkpoints["dit"]),
+                "scheduler": "DPMSolverMultistepScheduler",
+                "max_requests": 4,
+                "cpu_threads": 1,
+            },
+            **common,
+        ),
+    ]
     engine = Engine(specs)
     yield engine
     engine.shutdown()
@@ -95,8 +112,11 @@ def test_level2_sleep_aborts_stepwise_requests(engine):
     started = engine.execute("dit", {"op": "start", **DIT})
     engine.execute("dit", {"op": "step", "request_id": started["request_id"], "steps": 2})
     reload_after_level2(engine, "dit")
-    with pytest.raises(RequestFailedError, match=f"RequestLostError: request {started['request_id']} was aborted: "
-                                                 "the weights were reloaded while it was in flight"):  # fmt: skip
+    with pytest.raises(
+        RequestFailedError,
+        match=f"RequestLostError: request {started['request_id']} was aborted: "
+        "the weights were reloaded while it was in flight",
+    ):
         engine.execute("dit", {"op": "finish", "request_id": started["request_id"]})
 
 

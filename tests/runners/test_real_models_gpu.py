@@ -36,8 +36,13 @@ def test_llm_and_dit_co_located_bit_exact_through_every_lifecycle(tmp_path) -> N
     if reason:
         pytest.skip(f"cumem and fast need vLLM's allocator: {reason}")
     size = os.environ.get("OMNI_REAL_MODELS_SIZE", "tiny")
-    cfg = Config(backends=BACKENDS, size=size, models_dir=Path(os.environ.get("OMNI_MODELS_DIR", tmp_path)),
-                 cycles=2, dit_steps=6 if size == "tiny" else 20)  # fmt: skip
+    cfg = Config(
+        backends=BACKENDS,
+        size=size,
+        models_dir=Path(os.environ.get("OMNI_MODELS_DIR", tmp_path)),
+        cycles=2,
+        dit_steps=6 if size == "tiny" else 20,
+    )
     data = run_bench(cfg, f"pytest {__file__} (size {size})")
     if os.environ.get("OMNI_GPU_RESULTS_DIR"):
         write_outputs(data, Path(os.environ["OMNI_GPU_RESULTS_DIR"]))

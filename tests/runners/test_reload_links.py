@@ -16,8 +16,9 @@ from omni_core.runners.weights import WeightSet, opened_without_links, resolved
 
 def checkpoint(directory: Path, value: float) -> Path:
     directory.mkdir(parents=True)
-    save_file({"weight": torch.full((4, 4), value), "bias": torch.full((4,), value)},
-              str(directory / "model.safetensors"))  # fmt: skip
+    save_file(
+        {"weight": torch.full((4, 4), value), "bias": torch.full((4,), value)}, str(directory / "model.safetensors")
+    )
     return directory
 
 
@@ -61,8 +62,10 @@ def test_a_link_in_the_source_is_resolved_once_and_read_there(weights, tmp_path)
     assert float(module.weight.detach()[0, 0]) == 3.0 and report.tensors == 2
     with opened_without_links(resolved(real / "model.safetensors")) as name:
         assert os.path.samefile(name, real / "model.safetensors")
-    with pytest.raises(RunnerArgumentError, match="without following a symlink"), \
-            opened_without_links(tmp_path / "link" / "model.safetensors"):
+    with (
+        pytest.raises(RunnerArgumentError, match="without following a symlink"),
+        opened_without_links(tmp_path / "link" / "model.safetensors"),
+    ):
         pass
 
 

@@ -23,8 +23,12 @@ from omni_core.runners.weights import own_storage
 from .conftest import CPU, Pools
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
-SAMPLED = {"prompt_ids": PROMPT, "max_new_tokens": 12, "sampling": {"temperature": 1.0, "seed": 7},
-           "stop_at_eos": False}  # fmt: skip
+SAMPLED = {
+    "prompt_ids": PROMPT,
+    "max_new_tokens": 12,
+    "sampling": {"temperature": 1.0, "seed": 7},
+    "stop_at_eos": False,
+}
 GREEDY = {"prompt_ids": PROMPT, "max_new_tokens": 12, "stop_at_eos": False}
 
 
@@ -54,8 +58,9 @@ def test_greedy_equals_generate_and_batch_rows_equal_single_prompts(qwen2, check
 
     reference = AutoModelForCausalLM.from_pretrained(str(checkpoints["qwen2"]), local_files_only=True)
     own_storage([reference])  # as the runner: CPU kernels choose their path by the weights' alignment
-    expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=None)[0, len(PROMPT):].tolist()  # fmt: skip
+    expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None)[
+        0, len(PROMPT) :
+    ].tolist()
     out = qwen2.runner.execute(GREEDY)
     assert out["token_ids"] == expected and out["finish_reason"] == "length" and out["prompt_tokens"] == 7
     prompts = [PROMPT, [40, 41], [100, 3, 4, 5]]  # unequal lengths: left padding and a mask

@@ -24,9 +24,17 @@ SAMPLED = {**GREEDY, "sampling": {"temperature": 1.0, "seed": 3}}
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
-    spec = StageSpec("tp", runner="transformers", ranks=2, backend="portable", admission="reject",
-                     runner_args={"model": str(checkpoints["qwen2"]), **LLM_ARGS}, deadline_s=60.0,
-                     start_deadline_s=240.0, request_timeout_s=60.0)  # fmt: skip
+    spec = StageSpec(
+        "tp",
+        runner="transformers",
+        ranks=2,
+        backend="portable",
+        admission="reject",
+        runner_args={"model": str(checkpoints["qwen2"]), **LLM_ARGS},
+        deadline_s=60.0,
+        start_deadline_s=240.0,
+        request_timeout_s=60.0,
+    )
     engine = Engine([spec])
     yield engine
     engine.shutdown()
@@ -35,8 +43,10 @@ def engine(checkpoints):
 @pytest.fixture(scope="module")
 def unsharded(checkpoints) -> dict[str, Pools]:
     """The same checkpoints in one process: what the sharded stage must compute."""
-    return {name: Pools(TransformersRunner(CPU, model=str(checkpoints[name]), **LLM_ARGS))
-            for name in ("qwen2", "qwen2-seed1")}  # fmt: skip
+    return {
+        name: Pools(TransformersRunner(CPU, model=str(checkpoints[name]), **LLM_ARGS))
+        for name in ("qwen2", "qwen2-seed1")
+    }
 
 
 def expected(unsharded: dict[str, Pools], name: str, payload: dict) -> list[int]:
@@ -46,8 +56,10 @@ def expected(unsharded: dict[str, Pools], name: str, payload: dict) -> list[int]
 def test_each_rank_holds_a_shard_and_the_tokens_equal_one_process(engine, unsharded):
     assert engine.execute("tp", GREEDY)["token_ids"] == expected(unsharded, "qwen2", GREEDY)
     assert engine.execute("tp", SAMPLED)["token_ids"] == expected(unsharded, "qwen2", SAMPLED)
-    whole = {tag: sum(t.untyped_storage().nbytes() for t in unsharded["qwen2"].runner.tensors(tag))
-             for tag in ("weights", "kv_cache")}  # fmt: skip
+    whole = {
+        tag: sum(t.untyped_storage().nbytes() for t in unsharded["qwen2"].runner.tensors(tag))
+        for tag in ("weights", "kv_cache")
+    }
     report = engine.sleep("tp", level=1)
     engine.wake("tp")
     assert len(report.ranks) == 2
@@ -61,8 +73,9 @@ def test_each_rank_holds_a_shard_and_the_tokens_equal_one_process(engine, unshar
 def test_sleep_levels_and_reloads_keep_the_tokens(engine, unsharded, checkpoints):
     tokens = engine.execute("tp", SAMPLED)["token_ids"]
     report = engine.sleep("tp", level=1)
-    assert report.state == "SLEEPING" and all(r.pool_bytes_after == {"weights": 0, "kv_cache": 0}
-                                              for r in report.ranks.values())  # fmt: skip
+    assert report.state == "SLEEPING" and all(
+        r.pool_bytes_after == {"weights": 0, "kv_cache": 0} for r in report.ranks.values()
+    )
     assert engine.wake("tp").state == "RUNNING"
     assert engine.execute("tp", SAMPLED)["token_ids"] == tokens
     for source, name in ((None, "qwen2"), (str(checkpoints["qwen2-seed1"]), "qwen2-seed1"), (None, "qwen2")):
@@ -97,8 +110,11 @@ def test_a_trainers_update_reaches_each_rank_as_its_shard(engine, unsharded, che
 
 def test_heads_that_do_not_divide_are_refused_before_loading(checkpoints, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match=r"a stage of 3 ranks shards the model's attention heads: 4 query and 2 "
-                                         r"key/value heads must both be divisible by 3"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"a stage of 3 ranks shards the model's attention heads: 4 query and 2 "
+        r"key/value heads must both be divisible by 3",
+    ):
         TransformersRunner(CPU, model=str(checkpoints["qwen2"]), **LLM_ARGS)
 
 

@@ -66,8 +66,9 @@ class FakeEngine:
         with binding.open_pool("weights"):
             self.calls.append("weights")
         if binding.budget is not None:
-            binding.kv_cache_bytes = kv_cache_bytes(binding.budget, {"reserved_bytes.all.peak": 300,
-                                                                     "reserved_bytes.all.current": 100})
+            binding.kv_cache_bytes = kv_cache_bytes(
+                binding.budget, {"reserved_bytes.all.peak": 300, "reserved_bytes.all.current": 100}
+            )
         with binding.open_pool("kv_cache"):
             self.calls.append("kv_cache")
         binding.worker = type("Worker", (), {"model_runner": FakeModelRunner()})()
@@ -165,10 +166,17 @@ def test_requests_map_onto_vllm_sampling(fake_vllm, checkpoints):
     assert out == {"token_ids": [6, 7], "finish_reason": "length", "prompt_tokens": 3}
     _, rows, params = engine.calls[-1]
     assert rows == [[5, 6, 7]]
-    assert params == {"max_tokens": 2, "ignore_eos": False, "detokenize": False, "temperature": 0.0, "seed": None,
-                      "top_k": 0}  # fmt: skip
-    batched = runner.execute({"prompt_ids": [[1], [2]], "stop_at_eos": False,
-                              "sampling": {"temperature": 0.7, "seed": 9, "top_k": 5}})  # fmt: skip
+    assert params == {
+        "max_tokens": 2,
+        "ignore_eos": False,
+        "detokenize": False,
+        "temperature": 0.0,
+        "seed": None,
+        "top_k": 0,
+    }
+    batched = runner.execute(
+        {"prompt_ids": [[1], [2]], "stop_at_eos": False, "sampling": {"temperature": 0.7, "seed": 9, "top_k": 5}}
+    )
     assert batched["token_ids"] == [[2, 3], [3, 4]]
     _, _, params = engine.calls[-1]
     assert (params["temperature"], params["seed"], params["top_k"], params["ignore_eos"]) == (0.7, 9, 5, True)

@@ -27,8 +27,14 @@ HTTP_TIMEOUT_S = 120.0  # far above any deadline here: a hang fails on the engin
 
 
 def stage_table(name: str, ranks: int = 1, **overrides: Any) -> dict[str, Any]:
-    table = {"name": name, "ranks": ranks, "backend": "portable", "runner_args": dict(SMALL_RUNNER, seed=len(name)),
-             "deadline_s": 30.0, "request_timeout_s": 60.0}  # fmt: skip
+    table = {
+        "name": name,
+        "ranks": ranks,
+        "backend": "portable",
+        "runner_args": dict(SMALL_RUNNER, seed=len(name)),
+        "deadline_s": 30.0,
+        "request_timeout_s": 60.0,
+    }
     table.update(overrides)
     return table
 
@@ -93,7 +99,6 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 def served() -> Iterator[Served]:
     """Two stages: "talker" (2 ranks, queue admission, queue_limit 2) and "decoder" (1 rank).
     One engine for the session: tests start from `settle()`, so none inherits another's sleep."""
-    config = make_config(stage_table("talker", ranks=2, queue_limit=2), stage_table("decoder"),
-                         default_stage="talker")  # fmt: skip
+    config = make_config(stage_table("talker", ranks=2, queue_limit=2), stage_table("decoder"), default_stage="talker")
     with serving(config) as s:
         yield s

@@ -28,8 +28,11 @@ from schemathesis.generation import GenerationMode
 # joins a process group at the address the body names and waits for its rendezvous, so each
 # fuzzed example would wait out a group timeout; their bodies' decoding is tested in
 # tests/serve/test_weight_routes.py.
-SKIPPED_ROUTES = {("GET", "/v1/events"), ("POST", "/init_weight_transfer_engine"),
-                  ("POST", "/init_weights_update_group")}
+SKIPPED_ROUTES = {
+    ("GET", "/v1/events"),
+    ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/init_weights_update_group"),
+}
 # 503/504: the engine's (failed, overloaded, deadline); 501: an anchor's route omni-core does not
 # serve (NotServed, docs/http_routes.md), on purpose and saying why.
 ENGINE_5XX = {501, 503, 504}
@@ -96,8 +99,10 @@ class Tally:
 
 def _describe(case: Any) -> str:
     body = case.body if not isinstance(case.body, type(schemathesis.core.NOT_SET)) else None
-    return (f"{case.method} {case.formatted_path} query={case.query!r:.200} body={body!r:.300} "
-            f"headers={case.headers!r:.200}")  # fmt: skip
+    return (
+        f"{case.method} {case.formatted_path} query={case.query!r:.200} body={body!r:.300} "
+        f"headers={case.headers!r:.200}"
+    )
 
 
 def operations(schema: Any) -> Iterator[Any]:
@@ -117,11 +122,15 @@ def _nested(depth: int) -> Any:
 # What a schema does not say but a wire or an OS cannot take: integers past 64 bits, control
 # characters (NUL), nesting past the limits; put into one field of an otherwise generated body.
 HOSTILE_VALUES = st.one_of(
-    st.integers(min_value=2**63 - 2, max_value=2**80), st.integers(min_value=-(2**80), max_value=-(2**63) + 2),
+    st.integers(min_value=2**63 - 2, max_value=2**80),
+    st.integers(min_value=-(2**80), max_value=-(2**63) + 2),
     st.text(st.characters(categories=["Cc"]), min_size=1, max_size=4),
     st.text(max_size=8).map(lambda text: f"/tmp/{text}\x00"),
     st.integers(min_value=50, max_value=1200).map(_nested),
-    st.booleans(), st.just(None), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=3),
+    st.booleans(),
+    st.just(None),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=3),
 )
 
 
@@ -151,15 +160,25 @@ def strategies_for(operation: Any, stage_names: list[str]) -> list[st.SearchStra
     names: list[dict[str, str] | None] = [None]
     if "{name}" in operation.path:
         names += [{"name": name} for name in stage_names]
-    schema_cases = st.one_of([operation.as_strategy(generation_mode=mode, path_parameters=path)
-                              for mode in modes for path in names])  # fmt: skip
-    hostile_cases = st.one_of([operation.as_strategy(path_parameters=path).flatmap(_with_hostile_field)
-                               for path in names[1:] or names])  # fmt: skip
+    schema_cases = st.one_of(
+        [operation.as_strategy(generation_mode=mode, path_parameters=path) for mode in modes for path in names]
+    )
+    hostile_cases = st.one_of(
+        [operation.as_strategy(path_parameters=path).flatmap(_with_hostile_field) for path in names[1:] or names]
+    )
     return [schema_cases, hostile_cases]
 
 
-def fuzz(schema: Any, call: Callable[[Any], tuple[int | None, bytes]], *, stage_names: list[str], seed: int,
-         examples_per_route: int, tally: Tally, until: float | None = None) -> Tally:  # fmt: skip
+def fuzz(
+    schema: Any,
+    call: Callable[[Any], tuple[int | None, bytes]],
+    *,
+    stage_names: list[str],
+    seed: int,
+    examples_per_route: int,
+    tally: Tally,
+    until: float | None = None,
+) -> Tally:
     """Run every operation's cases through `call` (returns status and body, status None on a
     hang); answers go to `tally`. `until` (a time.monotonic deadline) stops early."""
     for operation in operations(schema):
@@ -169,17 +188,36 @@ def fuzz(schema: Any, call: Callable[[Any], tuple[int | None, bytes]], *, stage_
     return tally
 
 
-def _fuzz_one(operation: Any, call: Callable[[Any], tuple[int | None, bytes]], stage_names: list[str], seed: int,
-              examples: int, tally: Tally, until: float | None) -> None:  # fmt: skip
+def _fuzz_one(
+    operation: Any,
+    call: Callable[[Any], tuple[int | None, bytes]],
+    stage_names: list[str],
+    seed: int,
+    examples: int,
+    tally: Tally,
+    until: float | None,
+) -> None:
     for strategy in strategies_for(operation, stage_names):
         _fuzz_cases(f"{operation.method.upper()} {operation.path}", strategy, call, seed, examples, tally, until)
 
 
-def _fuzz_cases(route: str, strategy: st.SearchStrategy, call: Callable[[Any], tuple[int | None, bytes]], seed: int,
-                examples: int, tally: Tally, until: float | None) -> None:  # fmt: skip
+def _fuzz_cases(
+    route: str,
+    strategy: st.SearchStrategy,
+    call: Callable[[Any], tuple[int | None, bytes]],
+    seed: int,
+    examples: int,
+    tally: Tally,
+    until: float | None,
+) -> None:
     @hypothesis.seed(seed)
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=[hypothesis.Phase.generate])  # fmt: skip
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[hypothesis.Phase.generate],
+    )
     @hypothesis.given(strategy)
     def run(case: Any) -> None:
         if until is not None and time.monotonic() > until:

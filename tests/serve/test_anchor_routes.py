@@ -87,15 +87,19 @@ def test_vllm_json_bodies_are_honoured(served: Served) -> None:
     assert talker["state"] == "PARTIAL" and talker["asleep_tags"] == ["kv_cache"], talker
 
 
-@pytest.mark.parametrize(("route", "params", "body", "field"), [
-    ("/sleep", {}, {"levle": 2}, "levle"),
-    ("/sleep", {}, {"level": "2"}, "level"),  # nothing converted
-    ("/sleep", {"level": 1}, {"level": 2}, "level"),  # given twice: which one?
-    ("/wake_up", {}, {"tag": ["weights"]}, "tag"),
-    ("/wake_up", {"tags": "weights"}, {"tags": ["weights"]}, "tags"),
-])  # fmt: skip
-def test_vllm_bodies_are_strict(served: Served, route: str, params: dict[str, Any], body: dict[str, Any],
-                                field: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("route", "params", "body", "field"),
+    [
+        ("/sleep", {}, {"levle": 2}, "levle"),
+        ("/sleep", {}, {"level": "2"}, "level"),  # nothing converted
+        ("/sleep", {"level": 1}, {"level": 2}, "level"),  # given twice: which one?
+        ("/wake_up", {}, {"tag": ["weights"]}, "tag"),
+        ("/wake_up", {"tags": "weights"}, {"tags": ["weights"]}, "tags"),
+    ],
+)
+def test_vllm_bodies_are_strict(
+    served: Served, route: str, params: dict[str, Any], body: dict[str, Any], field: str
+) -> None:
     served.engine.sleep("talker", 1)  # so that a wake_up that went through would show
     answer = served.client.post(route, params=params, json=body)
     assert answer.status_code == 422, answer.text
@@ -131,11 +135,14 @@ def test_vllm_sleep_mode_abort_is_the_default(served: Served, mode: str | None) 
         assert request.result(timeout=10) == reference
 
 
-@pytest.mark.parametrize(("query", "status", "needle"), [
-    ("mode=keep", 400, "mode 'keep' (hold in-flight requests"),
-    ("mode=pause", 400, "is not one of 'abort'"),
-    ("level=3", 400, "sleep level must be 1 or 2, got 3"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("query", "status", "needle"),
+    [
+        ("mode=keep", 400, "mode 'keep' (hold in-flight requests"),
+        ("mode=pause", 400, "is not one of 'abort'"),
+        ("level=3", 400, "sleep level must be 1 or 2, got 3"),
+    ],
+)
 def test_vllm_sleep_modes_not_served_are_refused(served: Served, query: str, status: int, needle: str) -> None:
     _refused(served.client.post(f"/sleep?{query}"), status, needle)
     assert served.stage("talker")["state"] == "RUNNING"
@@ -196,13 +203,16 @@ def test_omni_wakeup_of_awake_stages_is_skipped(served: Served) -> None:
     after = served.client.get("/metrics").text
     count = "omni_core_lifecycle_duration_seconds_count"
     for stage in ("talker", "decoder"):  # no wake was sent
-        assert (metric_value(after, count, stage=stage, command="wake")
-                == metric_value(before, count, stage=stage, command="wake"))
+        assert metric_value(after, count, stage=stage, command="wake") == metric_value(
+            before, count, stage=stage, command="wake"
+        )
     served.engine.sleep("decoder", 1)  # one of them asleep: both are woken, as vLLM-Omni does
     answer = served.client.post("/v1/omni/wakeup", json={"stage_ids": [0, 1]})
     assert answer.json()["status"] == "SUCCESS", answer.text
-    assert {a["metadata"]["stage"]: a["status"] for a in answer.json()["acks"]} == {"talker": "ALREADY",
-                                                                                   "decoder": "OK"}
+    assert {a["metadata"]["stage"]: a["status"] for a in answer.json()["acks"]} == {
+        "talker": "ALREADY",
+        "decoder": "OK",
+    }
 
 
 # ------------------------------------------------------------------ SGLang
@@ -249,8 +259,11 @@ def test_sglang_flush_cache_is_not_served_and_get_changes_nothing(served: Served
 
 
 def test_health_is_503_naming_the_failed_stage(served: Served) -> None:
-    assert served.client.get("/health").json() == {"status": "ok", "stages": {"talker": "RUNNING",
-                                                                              "decoder": "RUNNING"}, "failed": []}
+    assert served.client.get("/health").json() == {
+        "status": "ok",
+        "stages": {"talker": "RUNNING", "decoder": "RUNNING"},
+        "failed": [],
+    }
     served.engine.sleep("talker", 1)
     assert served.client.get("/health").status_code == 200  # asleep is healthy
     os.kill(served.stage("decoder")["ranks"]["0"]["pid"], signal.SIGKILL)
@@ -266,15 +279,28 @@ def test_health_is_503_naming_the_failed_stage(served: Served) -> None:
 
 def _vllm_state(served: Served, engine: str) -> str:
     text = served.client.get("/metrics").text
-    values = [s for s in ("awake", "weights_offloaded", "discard_all")
-              if metric_value(text, "vllm:engine_sleep_state", engine=engine, sleep_state=s) == 1]  # fmt: skip
+    values = [
+        s
+        for s in ("awake", "weights_offloaded", "discard_all")
+        if metric_value(text, "vllm:engine_sleep_state", engine=engine, sleep_state=s) == 1
+    ]
     return values[0] if len(values) == 1 else f"none of them ({values})"
 
 
 def test_vllm_sleep_state_metric_under_vllms_name(served: Served) -> None:
-    wait_for(lambda: metric_value(served.client.get("/metrics").text, "vllm:engine_sleep_state",
-                                  model_name="decoder", engine="1", sleep_state="awake") == 1,
-             what="decoder awake under vLLM's labels")  # fmt: skip
+    wait_for(
+        lambda: (
+            metric_value(
+                served.client.get("/metrics").text,
+                "vllm:engine_sleep_state",
+                model_name="decoder",
+                engine="1",
+                sleep_state="awake",
+            )
+            == 1
+        ),
+        what="decoder awake under vLLM's labels",
+    )
     served.engine.sleep("decoder", 1)
     wait_for(lambda: _vllm_state(served, "1") == "weights_offloaded", what="weights_offloaded")
     served.engine.wake("decoder", ["weights"])  # PARTIAL: still asleep
@@ -285,12 +311,15 @@ def test_vllm_sleep_state_metric_under_vllms_name(served: Served) -> None:
     assert _vllm_state(served, "0") == "awake"
 
 
-@pytest.mark.parametrize("route", ["/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up",
-                                   "/v1/omni/sleep", "/pause"])  # fmt: skip
+@pytest.mark.parametrize(
+    "route",
+    ["/release_memory_occupation", "/resume_memory_occupation", "/sleep", "/wake_up", "/v1/omni/sleep", "/pause"],
+)
 def test_anchor_routes_keep_the_browser_guards(served: Served, route: str) -> None:
     served.engine.sleep("decoder", 1)
-    form = served.client.post(route, content=b"tags=weights",
-                              headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    form = served.client.post(
+        route, content=b"tags=weights", headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
     assert form.status_code == 415, form.text
     foreign = served.client.post(route, headers={"Origin": "http://evil.example"})
     assert foreign.status_code == 403, foreign.text
@@ -310,13 +339,17 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
     exists, so the table cannot drift from the code."""
     text = ROUTES_DOC.read_text(encoding="utf-8")
     schema = openapi_schema()["paths"]
-    anchored = {path for path, ops in schema.items()
-                if any(ANCHOR_TAGS & set(op.get("tags", [])) for op in ops.values())}  # fmt: skip
+    anchored = {
+        path for path, ops in schema.items() if any(ANCHOR_TAGS & set(op.get("tags", [])) for op in ops.values())
+    }
     first_cells = [line.split("|")[1] for line in text.splitlines() if line.startswith("| ")]
     table_paths = {path for cell in first_cells for path in re.findall(r"`(?:GET|POST) (/[\w/]+)", cell)}
     assert anchored <= table_paths, f"routes missing from docs/http_routes.md: {sorted(anchored - table_paths)}"
     named = set(re.findall(r"`(test_[a-z0-9_]+)`", text))
     here = Path(__file__).parent
-    defined = {name for f in ("test_anchor_routes.py", "test_compat.py", "test_weight_routes.py")
-               for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)}
+    defined = {
+        name
+        for f in ("test_anchor_routes.py", "test_compat.py", "test_weight_routes.py")
+        for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)
+    }
     assert named and named <= defined, f"tests named in docs/http_routes.md but not defined: {named - defined}"

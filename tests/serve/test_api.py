@@ -21,8 +21,10 @@ def _running(served: Served) -> None:
 
 def test_stages_list_and_one_stage(served: Served) -> None:
     stages = served.client.get("/v1/stages").json()["stages"]
-    assert [(s["stage_id"], s["name"], s["state"]) for s in stages] == [(0, "talker", "RUNNING"),
-                                                                        (1, "decoder", "RUNNING")]  # fmt: skip
+    assert [(s["stage_id"], s["name"], s["state"]) for s in stages] == [
+        (0, "talker", "RUNNING"),
+        (1, "decoder", "RUNNING"),
+    ]
     talker = served.stage("talker")
     assert set(talker["ranks"]) == {"0", "1"} and all(r["alive"] for r in talker["ranks"].values())
     assert talker["tags"] == ["weights", "kv_cache"]
@@ -60,15 +62,18 @@ def test_level2_needs_reload_then_serves(served: Served) -> None:
     assert served.client.post("/v1/stages/decoder/execute", json={"payload": PROBE}).json() == reference
 
 
-@pytest.mark.parametrize(("body", "status", "needle"), [
-    ({"level": 3}, 400, "sleep level must be 1 or 2, got 3"),
-    ({"tags": ["nope"]}, 400, "unknown tag(s) ['nope']"),
-    ({"timeout_s": -1}, 400, "timeout_s must be a positive number"),
-    ({"level": 1, "surprise": True}, 422, "surprise"),  # unknown fields are refused, never dropped
-    ({"level": "one"}, 422, "level"),
-    ({"level": "1"}, 422, "level"),  # strict: never converted
-    ({"level": True}, 422, "level"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"level": 3}, 400, "sleep level must be 1 or 2, got 3"),
+        ({"tags": ["nope"]}, 400, "unknown tag(s) ['nope']"),
+        ({"timeout_s": -1}, 400, "timeout_s must be a positive number"),
+        ({"level": 1, "surprise": True}, 422, "surprise"),  # unknown fields are refused, never dropped
+        ({"level": "one"}, 422, "level"),
+        ({"level": "1"}, 422, "level"),  # strict: never converted
+        ({"level": True}, 422, "level"),
+    ],
+)
 def test_bad_arguments_are_refused_with_the_engine_text(served: Served, body: dict, status: int, needle: str) -> None:
     answer = served.client.post("/v1/stages/talker/sleep", json=body)
     assert answer.status_code == status, answer.text
@@ -101,8 +106,9 @@ def test_queue_full_is_429_and_queued_requests_are_served(served: Served) -> Non
     """talker has queue_limit 2: two requests wait for the wake, a third is refused at once."""
     served.client.post("/v1/stages/talker/sleep", json={"level": 1})
     with ThreadPoolExecutor(2) as pool:
-        queued = [pool.submit(served.client.post, "/v1/stages/talker/execute", json={"payload": PROBE})
-                  for _ in range(2)]  # fmt: skip
+        queued = [
+            pool.submit(served.client.post, "/v1/stages/talker/execute", json={"payload": PROBE}) for _ in range(2)
+        ]
         wait_for(lambda: served.stage("talker")["queued"] == 2, what="two queued requests")
         refused = served.client.post("/v1/stages/talker/execute", json={"payload": PROBE})
         assert refused.status_code == 429, refused.text

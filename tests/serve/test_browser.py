@@ -22,18 +22,24 @@ REBOUND = "rebound.test"
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
 if not os.path.exists(CHROMIUM):
     if os.environ.get("OMNI_CORE_REQUIRE_BROWSER"):
-        raise RuntimeError(f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (Debian) or set "
-                           "OMNI_CORE_CHROMIUM")  # fmt: skip
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium; OMNI_CORE_REQUIRE_BROWSER=1 makes this "
-                "an error)", allow_module_level=True)  # fmt: skip
+        raise RuntimeError(
+            f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (Debian) or set OMNI_CORE_CHROMIUM"
+        )
+    pytest.skip(
+        f"no Chromium at {CHROMIUM} (apt-get install -y chromium; OMNI_CORE_REQUIRE_BROWSER=1 makes this an error)",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     with sync_api.sync_playwright() as pw:
         # rebound.test resolves to loopback in this browser only: a DNS rebinding without DNS
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"],
+        )
         yield browser
         browser.close()
 
@@ -59,7 +65,8 @@ def test_a_sleep_through_the_api_shows_on_the_page(served: Served, browser: obje
     event = page.locator('#events li[data-stage="talker"][data-command="sleep"]').first
     expect(event).to_contain_text("ok -> SLEEPING", timeout=UI_TIMEOUT_MS)
     expect(page.locator('section[data-stage="talker"] tr[data-rank="0"] td[data-tag="weights"]')).to_have_text(
-        "0 B", timeout=UI_TIMEOUT_MS)
+        "0 B", timeout=UI_TIMEOUT_MS
+    )
     meta = page.locator('section[data-stage="talker"] .meta')
     expect(meta).to_contain_text("host offloaded 4.0 MiB")  # 2 ranks x 2 MiB of weights
 
@@ -82,7 +89,8 @@ def test_the_page_asks_for_the_key(served: Served, browser: object) -> None:
         page.click("#key-save")
         expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)
         expect(page.locator('section[data-stage="decoder"] [data-field="state"]')).to_have_text(
-            "RUNNING", timeout=UI_TIMEOUT_MS)
+            "RUNNING", timeout=UI_TIMEOUT_MS
+        )
         page.close()
 
 
@@ -138,15 +146,19 @@ def _states(served: Served) -> dict[str, tuple[str, int]]:
 
 def test_a_page_of_another_origin_changes_nothing(served: Served, browser: object) -> None:
     before = _states(served)
-    refused_before = sum(metric_value(served.client.get("/metrics").text, "omni_core_http_requests_refused_total",
-                                      reason=r) for r in ("origin", "content_type"))  # fmt: skip
+    refused_before = sum(
+        metric_value(served.client.get("/metrics").text, "omni_core_http_requests_refused_total", reason=r)
+        for r in ("origin", "content_type")
+    )
     with other_origin(ATTACK_PAGE % json.dumps(served.url)) as attacker:
         page = browser.new_page()  # type: ignore[attr-defined]
         page.goto(attacker)
         sync_api.expect(page).to_have_title("sent 7", timeout=UI_TIMEOUT_MS)
         page.close()
-    refused = sum(metric_value(served.client.get("/metrics").text, "omni_core_http_requests_refused_total",
-                               reason=r) for r in ("origin", "content_type"))  # fmt: skip
+    refused = sum(
+        metric_value(served.client.get("/metrics").text, "omni_core_http_requests_refused_total", reason=r)
+        for r in ("origin", "content_type")
+    )
     assert refused - refused_before == 7  # every POST reached the server and was refused
     assert _states(served) == before  # no sleep, no restart (a restart would raise the epoch)
 
@@ -169,6 +181,7 @@ def test_the_page_runs_under_its_content_security_policy(served: Served, browser
     assert answer.headers["x-frame-options"] == "DENY"
     sync_api.expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)  # the script ran
     sync_api.expect(page.locator('section[data-stage="talker"] [data-field="state"]')).to_have_text(
-        "RUNNING", timeout=UI_TIMEOUT_MS)
+        "RUNNING", timeout=UI_TIMEOUT_MS
+    )
     assert violations == []
     page.close()

@@ -49,8 +49,9 @@ def test_unreachable_server_says_so() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omni_core.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "omni_core.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_cli_verbs(served: Served) -> None:

@@ -39,12 +39,15 @@ def test_vllm_level2_then_collective_rpc_reload(served: Served) -> None:
     assert [r["state"] for r in reloaded.json()["results"]] == ["RUNNING"]
 
 
-@pytest.mark.parametrize(("query", "status", "needle"), [
-    ("level=3", 400, "sleep level must be 1 or 2, got 3"),
-    ("level=one", 422, "level"),
-    ("mode=keep", 400, "mode 'keep' (hold in-flight requests through the sleep"),
-    ("level=1&levle=2", 422, "unknown query parameter(s) ['levle']"),  # a misspelt or dropped parameter is loud
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("query", "status", "needle"),
+    [
+        ("level=3", 400, "sleep level must be 1 or 2, got 3"),
+        ("level=one", 422, "level"),
+        ("mode=keep", 400, "mode 'keep' (hold in-flight requests through the sleep"),
+        ("level=1&levle=2", 422, "unknown query parameter(s) ['levle']"),  # a misspelt or dropped parameter is loud
+    ],
+)
 def test_vllm_bad_sleep_parameters_are_refused(served: Served, query: str, status: int, needle: str) -> None:
     answer = served.client.post(f"/sleep?{query}")
     assert answer.status_code == status and needle in answer.json()["error"]["message"], answer.text

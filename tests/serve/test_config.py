@@ -21,8 +21,12 @@ def test_every_example_loads(path: Path) -> None:
 def test_example_matches_stagespec() -> None:
     config = load_config(ROOT / "examples" / "two_stages.toml")
     talker, decoder = config.stages
-    assert (talker.name, talker.ranks, talker.backend, talker.runner_args["weights_bytes"]) == ("talker", 2,
-                                                                                                "portable", 4 << 20)
+    assert (talker.name, talker.ranks, talker.backend, talker.runner_args["weights_bytes"]) == (
+        "talker",
+        2,
+        "portable",
+        4 << 20,
+    )
     assert decoder.admission.value == "wake" and config.server.default_stage == "talker"
     assert config.server.host == "127.0.0.1"
 
@@ -33,28 +37,40 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("toml", "expected"), [
-    ('[[stages]]\nname = "a"\nranks = "2"\n',
-     "stage 'a' (stages[0]): field 'ranks': expected an integer, got '2'"),
-    ('[[stages]]\nname = "a"\nrnaks = 2\n',
-     "stage 'a' (stages[0]): field 'rnaks': unknown field in a stage; known fields: ["),
-    ('[[stages]]\nname = "a"\n[[stages]]\nname = "b"\nranks = 0\n',
-     "stage 'b' (stages[1]): field 'ranks': stage 'b': ranks must be 1..64, got 0"),
-    ('[[stages]]\nname = "a"\nbackend = "magic"\n',
-     "stage 'a' (stages[0]): field 'backend': stage 'a': backend 'magic' is not one of"),
-    ('[[stages]]\nname = "a b"\n', "stages[0]): field 'name': stage name 'a b' must be"),
-    ('[[stages]]\nranks = 1\n', "stages[0]: field 'name': every stage needs a name"),
-    ('[[stages]]\nname = "a"\n[[stages]]\nname = "a"\n',
-     "stage 'a' (stages[1]): field 'name': duplicate stage name (also stages[0])"),
-    ('[server]\ndefault_stage = "zz"\n[[stages]]\nname = "a"\n',
-     "field 'default_stage': [server] default_stage 'zz' is not a stage; stages are ['a']"),
-    ('[server]\nport = 70000\n[[stages]]\nname = "a"\n', "field 'port': [server] port must be 0..65535"),
-    ('[server]\napi_key = "x"\n[[stages]]\nname = "a"\n', "field 'api_key': unknown field in [server]"),
-    ('[engine]\ntransport = 3\n[[stages]]\nname = "a"\n', "field 'transport': expected a string, got 3"),
-    ('[server]\n', "needs at least one [[stages]] table"),
-    ('[[stages]\nname = "a"\n', "not valid TOML"),
-    ('stage = 1\n', "unknown top-level key 'stage'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ('[[stages]]\nname = "a"\nranks = "2"\n', "stage 'a' (stages[0]): field 'ranks': expected an integer, got '2'"),
+        (
+            '[[stages]]\nname = "a"\nrnaks = 2\n',
+            "stage 'a' (stages[0]): field 'rnaks': unknown field in a stage; known fields: [",
+        ),
+        (
+            '[[stages]]\nname = "a"\n[[stages]]\nname = "b"\nranks = 0\n',
+            "stage 'b' (stages[1]): field 'ranks': stage 'b': ranks must be 1..64, got 0",
+        ),
+        (
+            '[[stages]]\nname = "a"\nbackend = "magic"\n',
+            "stage 'a' (stages[0]): field 'backend': stage 'a': backend 'magic' is not one of",
+        ),
+        ('[[stages]]\nname = "a b"\n', "stages[0]): field 'name': stage name 'a b' must be"),
+        ("[[stages]]\nranks = 1\n", "stages[0]: field 'name': every stage needs a name"),
+        (
+            '[[stages]]\nname = "a"\n[[stages]]\nname = "a"\n',
+            "stage 'a' (stages[1]): field 'name': duplicate stage name (also stages[0])",
+        ),
+        (
+            '[server]\ndefault_stage = "zz"\n[[stages]]\nname = "a"\n',
+            "field 'default_stage': [server] default_stage 'zz' is not a stage; stages are ['a']",
+        ),
+        ('[server]\nport = 70000\n[[stages]]\nname = "a"\n', "field 'port': [server] port must be 0..65535"),
+        ('[server]\napi_key = "x"\n[[stages]]\nname = "a"\n', "field 'api_key': unknown field in [server]"),
+        ('[engine]\ntransport = 3\n[[stages]]\nname = "a"\n', "field 'transport': expected a string, got 3"),
+        ("[server]\n", "needs at least one [[stages]] table"),
+        ('[[stages]\nname = "a"\n', "not valid TOML"),
+        ("stage = 1\n", "unknown top-level key 'stage'"),
+    ],
+)
 def test_errors_name_file_stage_and_field(tmp_path: Path, toml: str, expected: str) -> None:
     path = _write(tmp_path, toml)
     with pytest.raises(ConfigError) as info:
@@ -85,8 +101,9 @@ def test_a_huge_binary_or_directory_path_is_refused_before_parsing(tmp_path: Pat
 
 
 def test_paths_are_relative_to_the_file(tmp_path: Path) -> None:
-    path = _write(tmp_path, '[server]\napi_key_file = "secret/key"\nallowed_reload_sources = ["ckpt"]\n'
-                            '[[stages]]\nname = "a"\n')  # fmt: skip
+    path = _write(
+        tmp_path, '[server]\napi_key_file = "secret/key"\nallowed_reload_sources = ["ckpt"]\n[[stages]]\nname = "a"\n'
+    )
     server = load_config(path).server
     assert server.api_key_file == str(tmp_path / "secret" / "key")
     assert server.allowed_reload_sources == (str(tmp_path / "ckpt"),)
@@ -95,18 +112,22 @@ def test_paths_are_relative_to_the_file(tmp_path: Path) -> None:
 def test_a_simulated_device_table_becomes_the_stage_s_device(tmp_path: Path) -> None:
     from omni_core.workers.simulated_device import SimulatedDevice
 
-    path = _write(tmp_path, '[[stages]]\nname = "dit"\n[stages.simulated_device]\ndirectory = "gpu0"\n'
-                            'capacity_bytes = 1048576\n')  # fmt: skip
+    path = _write(
+        tmp_path, '[[stages]]\nname = "dit"\n[stages.simulated_device]\ndirectory = "gpu0"\ncapacity_bytes = 1048576\n'
+    )
     (stage,) = load_config(path).stages
     assert stage.simulated_device == SimulatedDevice(str(tmp_path / "gpu0"), 1 << 20)  # relative to the file
 
 
-@pytest.mark.parametrize(("table", "expected"), [
-    ('directory = "d"\n', "field 'simulated_device': [stages.simulated_device] needs ['capacity_bytes']"),
-    ('directory = "d"\ncapacity_bytes = 0\n', "capacity_bytes must be an integer in 1..2**60, got 0"),
-    ('directory = "d"\ncapacity_bytes = 1\nsize = 2\n', "field 'size': unknown field in [stages.simulated_device]"),
-    ('directory = "d"\ncapacity_bytes = "1G"\n', "field 'capacity_bytes': expected an integer, got '1G'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ('directory = "d"\n', "field 'simulated_device': [stages.simulated_device] needs ['capacity_bytes']"),
+        ('directory = "d"\ncapacity_bytes = 0\n', "capacity_bytes must be an integer in 1..2**60, got 0"),
+        ('directory = "d"\ncapacity_bytes = 1\nsize = 2\n', "field 'size': unknown field in [stages.simulated_device]"),
+        ('directory = "d"\ncapacity_bytes = "1G"\n', "field 'capacity_bytes': expected an integer, got '1G'"),
+    ],
+)
 def test_simulated_device_mistakes_are_named(tmp_path: Path, table: str, expected: str) -> None:
     path = _write(tmp_path, f'[[stages]]\nname = "dit"\n[stages.simulated_device]\n{table}')
     with pytest.raises(ConfigError) as info:
@@ -115,7 +136,9 @@ def test_simulated_device_mistakes_are_named(tmp_path: Path, table: str, expecte
 
 
 def test_a_simulated_device_is_for_cpu_stages(tmp_path: Path) -> None:
-    path = _write(tmp_path, '[[stages]]\nname = "dit"\ndevice = "cuda"\n[stages.simulated_device]\n'
-                            'directory = "d"\ncapacity_bytes = 1\n')  # fmt: skip
+    path = _write(
+        tmp_path,
+        '[[stages]]\nname = "dit"\ndevice = "cuda"\n[stages.simulated_device]\ndirectory = "d"\ncapacity_bytes = 1\n',
+    )
     with pytest.raises(ConfigError, match="on a GPU the real free memory is used: remove simulated_device"):
         load_config(path)

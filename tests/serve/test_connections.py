@@ -58,8 +58,10 @@ def test_half_open_connections_are_closed_and_callers_still_served(served: Serve
         partial = [_open(keyed.url, b"GET /v1/sta") for _ in range(40)]  # part of a request line
         headers = [_open(keyed.url, b"GET /v1/stages HTTP/1.1\r\nHost: 127.0.0.1\r\n") for _ in range(10)]
         silent = [_open(keyed.url, b"") for _ in range(10)]  # connected, nothing sent
-        half_body = (b"POST /v1/stages/talker/sleep HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: 100\r\n\r\n{\"lev")  # fmt: skip
+        half_body = (
+            b"POST /v1/stages/talker/sleep HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+            b'\r\nContent-Length: 100\r\n\r\n{"lev'
+        )
         body = [_open(keyed.url, half_body) for _ in range(5)]
         answer = keyed.client.get("/v1/stages")  # meanwhile, an authenticated call is served
         assert answer.status_code == 200, answer.text

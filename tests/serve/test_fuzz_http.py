@@ -23,9 +23,11 @@ EXAMPLES_PER_ROUTE = 30  # of each kind: schema cases, hostile cases
 @pytest.fixture(scope="module")
 def fuzzed_app() -> Iterator[Any]:
     # ASGI in process: the transport names the host "testserver", which this config allows.
-    config = make_config(stage_table("talker", deadline_s=10.0, request_timeout_s=10.0),
-                         stage_table("decoder", deadline_s=10.0, request_timeout_s=10.0),
-                         allowed_hosts=["testserver"])  # fmt: skip
+    config = make_config(
+        stage_table("talker", deadline_s=10.0, request_timeout_s=10.0),
+        stage_table("decoder", deadline_s=10.0, request_timeout_s=10.0),
+        allowed_hosts=["testserver"],
+    )
     engine = Engine(config.stages)
     try:
         yield create_app(engine, config), config
@@ -41,8 +43,14 @@ def test_every_route_answers_fuzzed_requests_without_a_500(fuzzed_app: tuple[Any
         response = case.call()
         return response.status_code, response.content
 
-    tally = http_fuzz.fuzz(schema, call, stage_names=config.stage_names, seed=SEED,
-                           examples_per_route=EXAMPLES_PER_ROUTE, tally=http_fuzz.Tally())  # fmt: skip
+    tally = http_fuzz.fuzz(
+        schema,
+        call,
+        stage_names=config.stage_names,
+        seed=SEED,
+        examples_per_route=EXAMPLES_PER_ROUTE,
+        tally=http_fuzz.Tally(),
+    )
     assert tally.problems == []
     assert tally.requests >= 20 * EXAMPLES_PER_ROUTE  # every route was reached, not skipped
     assert {200, 404, 422} <= set(tally.by_status)  # valid, unknown-stage and refused cases all ran
@@ -55,6 +63,8 @@ def test_the_checks_catch_bad_answers() -> None:
     assert "without a JSON error body" in problem(400, b"Internal Server Error")
     assert "malformed" in problem(409, b'{"error": {"code": 400, "type": "X", "message": "m"}}')
     assert "does not name" in problem(422, b'{"error": {"code": 422, "type": "X", "message": "bad"}}')
-    assert problem(422, b'{"error": {"code": 422, "type": "X", "message": "body.level: no", '
-                        b'"fields": ["body.level"]}}') == ""  # fmt: skip
+    assert (
+        problem(422, b'{"error": {"code": 422, "type": "X", "message": "body.level: no", "fields": ["body.level"]}}')
+        == ""
+    )
     assert problem(503, b'{"error": {"code": 503, "type": "StageFailedError", "message": "restart it"}}') == ""

@@ -78,26 +78,30 @@ def test_idempotency_record_counts_every_byte_it_keeps() -> None:
     assert "key-199" in cache._entries
 
 
-@pytest.mark.parametrize(("method", "path", "body", "status", "field"), [
-    ("POST", "/v1/stages/talker/sleep", {"level": "1"}, 422, "body.level"),  # never converted
-    ("POST", "/v1/stages/talker/sleep", {"level": 1.0}, 422, "body.level"),
-    ("POST", "/v1/omni/sleep", {"stage_ids": [True]}, 422, "body.stage_ids"),  # true is not stage 1
-    ("POST", "/v1/omni/wakeup", {"stage_ids": [0], "tags": "weights"}, 422, "body.tags"),
-    ("POST", "/v1/stages/talker/execute", {"payload": {"n": 2**64}}, 422, "payload.n"),
-    ("POST", "/v1/stages/talker/execute", {"payload": [-(2**63) - 1]}, 422, "payload[0]"),
-    ("POST", "/v1/stages/talker/execute", {"payload": {"s": "\ud800"}}, 422, "payload.s"),
-    ("POST", "/v1/stages/talker/execute", {"payload": {"x": float("nan")}}, 422, "payload.x"),
-    ("POST", "/v1/stages/talker/sleep", {"timeout_s": float("inf")}, 422, "body.timeout_s"),
-    ("POST", "/v1/swap", {"out": "talker", "in": "decoder", "memory_wait_s": float("nan")}, 422, "memory_wait_s"),
-    ("POST", "/v1/stages/talker/reload", {"source": "/tmp/ckpt\x00"}, 400, "source"),
-    ("POST", "/v1/stages/talker/reload", {"source": "/tmp/\udcff\ud800"}, 400, "source"),
-    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"source": "a\x00b"}}, 400, "source"),
-    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"source": 7}}, 422, "kwargs.source"),
-    ("POST", "/sleep?level=1&lvl=2", None, 422, "lvl"),
-    ("POST", "/v1/stages/talker/wake?pad=1", None, 422, "pad"),
-])  # fmt: skip
-def test_bad_input_is_a_4xx_naming_the_field(client: TestClient, method: str, path: str, body: object,
-                                             status: int, field: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "field"),
+    [
+        ("POST", "/v1/stages/talker/sleep", {"level": "1"}, 422, "body.level"),  # never converted
+        ("POST", "/v1/stages/talker/sleep", {"level": 1.0}, 422, "body.level"),
+        ("POST", "/v1/omni/sleep", {"stage_ids": [True]}, 422, "body.stage_ids"),  # true is not stage 1
+        ("POST", "/v1/omni/wakeup", {"stage_ids": [0], "tags": "weights"}, 422, "body.tags"),
+        ("POST", "/v1/stages/talker/execute", {"payload": {"n": 2**64}}, 422, "payload.n"),
+        ("POST", "/v1/stages/talker/execute", {"payload": [-(2**63) - 1]}, 422, "payload[0]"),
+        ("POST", "/v1/stages/talker/execute", {"payload": {"s": "\ud800"}}, 422, "payload.s"),
+        ("POST", "/v1/stages/talker/execute", {"payload": {"x": float("nan")}}, 422, "payload.x"),
+        ("POST", "/v1/stages/talker/sleep", {"timeout_s": float("inf")}, 422, "body.timeout_s"),
+        ("POST", "/v1/swap", {"out": "talker", "in": "decoder", "memory_wait_s": float("nan")}, 422, "memory_wait_s"),
+        ("POST", "/v1/stages/talker/reload", {"source": "/tmp/ckpt\x00"}, 400, "source"),
+        ("POST", "/v1/stages/talker/reload", {"source": "/tmp/\udcff\ud800"}, 400, "source"),
+        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"source": "a\x00b"}}, 400, "source"),
+        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"source": 7}}, 422, "kwargs.source"),
+        ("POST", "/sleep?level=1&lvl=2", None, 422, "lvl"),
+        ("POST", "/v1/stages/talker/wake?pad=1", None, 422, "pad"),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_the_field(
+    client: TestClient, method: str, path: str, body: object, status: int, field: str
+) -> None:
     content = json.dumps(body).encode() if body is not None else b""  # \u escapes: lone surrogates travel
     answer = client.request(method, path, content=content, headers={"Content-Type": "application/json"})
     assert answer.status_code == status, answer.text
@@ -142,8 +146,17 @@ def _refused(answer: object, status: int, kind: str, words: str) -> None:
     assert error["type"] == kind and words in error["message"], error
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil",
-                                  "10.1.2.3:8000", "[2001:db8::1]:8000"])  # fmt: skip
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example",
+        "evil.example:8000",
+        "127.0.0.1.evil.example",
+        "localhost.evil",
+        "10.1.2.3:8000",
+        "[2001:db8::1]:8000",
+    ],
+)
 def test_a_foreign_host_is_refused(client: TestClient, host: str) -> None:
     for method, path in (("GET", "/v1/stages"), ("GET", "/"), ("POST", "/sleep?level=1"), ("GET", "/metrics")):
         _refused(client.request(method, path, headers={"Host": host}), 403, "ForeignHost", "allowed_hosts")
@@ -164,8 +177,10 @@ def test_configured_hosts_and_a_wildcard_bind() -> None:
         assert c.get("/metrics", headers={"Host": "anything.example"}).status_code == 200
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "http://127.0.0.1:9999", "http://127.0.0.1", "null",
-                                    "http://localhost:8000.evil.example"])  # fmt: skip
+@pytest.mark.parametrize(
+    "origin",
+    ["http://evil.example", "http://127.0.0.1:9999", "http://127.0.0.1", "null", "http://localhost:8000.evil.example"],
+)
 def test_a_foreign_origin_cannot_change_anything(client: TestClient, origin: str) -> None:
     for path in ("/sleep?level=1", "/v1/stages/talker/restart", "/v1/omni/sleep", "/wake_up"):
         _refused(client.post(path, headers={"Origin": origin}), 403, "CrossOriginRefused", "allowed_origins")
@@ -180,8 +195,16 @@ def test_the_own_origin_and_configured_ones_pass() -> None:
             assert c.post("/sleep?level=1", headers={"Origin": origin}).status_code == 503
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "multipart/form-data; boundary=x",
-                                          "application/x-www-form-urlencoded", "application/xml"])  # fmt: skip
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "multipart/form-data; boundary=x",
+        "application/x-www-form-urlencoded",
+        "application/xml",
+    ],
+)
 def test_state_changing_routes_take_only_json(client: TestClient, content_type: str) -> None:
     for path in ("/sleep?level=1", "/v1/stages/talker/sleep", "/v1/stages/talker/restart"):
         answer = client.post(path, content=b'{"level": 2}', headers={"Content-Type": content_type})
@@ -198,8 +221,14 @@ def test_bodyless_posts_stay_open_for_vllm_clients(client: TestClient) -> None:
 
 
 def test_every_answer_carries_the_security_headers(client: TestClient) -> None:
-    answers = [client.get("/"), client.get("/metrics"), client.get("/nope"), client.post("/sleep?level=1"),
-               client.get("/v1/stages", headers={"Host": "evil.example"}), client.get("/openapi.json")]
+    answers = [
+        client.get("/"),
+        client.get("/metrics"),
+        client.get("/nope"),
+        client.post("/sleep?level=1"),
+        client.get("/v1/stages", headers={"Host": "evil.example"}),
+        client.get("/openapi.json"),
+    ]
     for answer in answers:
         for name, value in SECURITY_HEADERS.items():
             assert answer.headers.get(name) == value, (answer.request.url, dict(answer.headers))
@@ -218,10 +247,21 @@ def test_the_browser_settings_come_from_the_command_line() -> None:
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args(["--allowed-host", "omni.internal", "--allowed-host", "10.0.0.5",
-                              "--allowed-origin", "http://dash.example:3000"])  # fmt: skip
-    config = with_overrides(make_config(stage_table("talker")), allowed_hosts=_tuple(args.allowed_host),
-                            allowed_origins=_tuple(args.allowed_origin))  # fmt: skip
+    args = parser.parse_args(
+        [
+            "--allowed-host",
+            "omni.internal",
+            "--allowed-host",
+            "10.0.0.5",
+            "--allowed-origin",
+            "http://dash.example:3000",
+        ]
+    )
+    config = with_overrides(
+        make_config(stage_table("talker")),
+        allowed_hosts=_tuple(args.allowed_host),
+        allowed_origins=_tuple(args.allowed_origin),
+    )
     assert config.server.allowed_hosts == ("omni.internal", "10.0.0.5")
     assert config.server.allowed_origins == ("http://dash.example:3000",)
     with TestClient(create_app(None, config), base_url=BASE_URL) as c:
@@ -239,8 +279,9 @@ def test_the_ranks_get_the_reload_path_that_was_checked(served: Served) -> None:
         os.makedirs(os.path.join(allowed, "real"))
         os.symlink(os.path.join(allowed, "real"), os.path.join(allowed, "link"))
         served.settle()
-        config = make_config(stage_table("talker", ranks=2, queue_limit=2), stage_table("decoder"),
-                             allowed_reload_sources=[allowed])  # fmt: skip
+        config = make_config(
+            stage_table("talker", ranks=2, queue_limit=2), stage_table("decoder"), allowed_reload_sources=[allowed]
+        )
         with serving(config, engine=served.engine) as s:
             assert s.client.post("/v1/stages/decoder/sleep", json={"level": 2}).status_code == 200
             assert s.client.post("/v1/stages/decoder/wake").status_code == 200  # NEEDS_RELOAD
@@ -262,10 +303,18 @@ def test_a_rank_reporting_made_up_tags_adds_no_series() -> None:
 
     def snapshot(tags: int) -> dict:
         pool = {f"made-up-{i}": i for i in range(tags)} | {"weights": 7}
-        rank = {"alive": True, "state": "ACTIVE" + "x" * 500, "pool_bytes": pool, "process_bytes": 1,
-                "process_bytes_source": "s" * 5000}  # fmt: skip
-        return {"engine_up": True, "engine": {}, "stages": {"talker": {
-            "state": "RUNNING", "tags": ["weights", "kv_cache"], "ranks": {"0": rank}}}}  # fmt: skip
+        rank = {
+            "alive": True,
+            "state": "ACTIVE" + "x" * 500,
+            "pool_bytes": pool,
+            "process_bytes": 1,
+            "process_bytes_source": "s" * 5000,
+        }
+        return {
+            "engine_up": True,
+            "engine": {},
+            "stages": {"talker": {"state": "RUNNING", "tags": ["weights", "kv_cache"], "ranks": {"0": rank}}},
+        }
 
     def lines(tags: int) -> list[str]:
         text = generate_latest(ServeMetrics(lambda: snapshot(tags)).registry).decode()
@@ -273,6 +322,8 @@ def test_a_rank_reporting_made_up_tags_adds_no_series() -> None:
 
     assert len(lines(1)) == len(lines(1000))
     pool = [line for line in lines(1000) if line.startswith("omni_core_pool_bytes")]
-    assert sorted(pool) == ['omni_core_pool_bytes{rank="0",stage="talker",tag="other"} 499500.0',
-                            'omni_core_pool_bytes{rank="0",stage="talker",tag="weights"} 7.0']  # fmt: skip
+    assert sorted(pool) == [
+        'omni_core_pool_bytes{rank="0",stage="talker",tag="other"} 499500.0',
+        'omni_core_pool_bytes{rank="0",stage="talker",tag="weights"} 7.0',
+    ]
     assert max(len(line) for line in lines(1)) < 300

@@ -17,21 +17,27 @@ def _fp(body: bytes, query: str = "", path: str = "/v1/swap") -> str:
     return fingerprint("POST", path, query, body).digest
 
 
-@pytest.mark.parametrize("same", [
-    b'{"in":"decoder","out":"talker","level":1,"memory_wait_s":10.0,"tags":null,"timeout_s":null}',  # the old CLI
-    b'{\n  "memory_wait_s": 10, "level": 1,\n  "out": "talker", "in": "decoder"\n}',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "same",
+    [
+        b'{"in":"decoder","out":"talker","level":1,"memory_wait_s":10.0,"tags":null,"timeout_s":null}',  # the old CLI
+        b'{\n  "memory_wait_s": 10, "level": 1,\n  "out": "talker", "in": "decoder"\n}',
+    ],
+)
 def test_nulls_key_order_spacing_and_integral_floats_do_not_count(same: bytes) -> None:
     assert _fp(same) == _fp(SWAP)
 
 
-@pytest.mark.parametrize("other", [
-    b'{"out": "talker", "in": "decoder", "level": 1, "memory_wait_s": 5}',
-    b'{"out": "talker", "in": "decoder", "level": 2, "memory_wait_s": 10}',
-    b'{"out": "talker", "in": "decoder", "level": 1, "memory_wait_s": 10, "tags": ["weights"]}',
-    b'{"out": "talker", "in": "decoder", "level": 1}',
-    b'[1, 2]',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "other",
+    [
+        b'{"out": "talker", "in": "decoder", "level": 1, "memory_wait_s": 5}',
+        b'{"out": "talker", "in": "decoder", "level": 2, "memory_wait_s": 10}',
+        b'{"out": "talker", "in": "decoder", "level": 1, "memory_wait_s": 10, "tags": ["weights"]}',
+        b'{"out": "talker", "in": "decoder", "level": 1}',
+        b"[1, 2]",
+    ],
+)
 def test_a_different_value_or_field_counts(other: bytes) -> None:
     assert _fp(other) != _fp(SWAP)
 

@@ -31,18 +31,32 @@ def test_the_checks_can_fail() -> None:
     """A result that lost a request, ran one twice or dropped a disconnect is reported."""
     from benchmarks.serve_load import LoadResult
 
-    clean = LoadResult(1, 1, requests=5, retries=1, answered_attempts=6, statuses={"200": 5}, server_runs=5,
-                       server_replays=1, server_execute_answers=7, disconnect_counted=True,
-                       disconnected_call_ran_once=True, stage_idle_after=True)  # fmt: skip
+    clean = LoadResult(
+        1,
+        1,
+        requests=5,
+        retries=1,
+        answered_attempts=6,
+        statuses={"200": 5},
+        server_runs=5,
+        server_replays=1,
+        server_execute_answers=7,
+        disconnect_counted=True,
+        disconnected_call_ran_once=True,
+        stage_idle_after=True,
+    )
     assert clean.problems() == []
-    for change, needle in (({"server_runs": 6}, "ran 6 requests for 5"), ({"server_runs": 4}, "ran 4 requests"),
-                           ({"statuses": {"200": 4, "500": 1}}, "undocumented statuses"),
-                           ({"wrong_outputs": 1}, "another request's output"),
-                           ({"server_replays": 0}, "replayed 0 answers for 1 retries"),
-                           ({"server_replays": 2}, "replayed 2 answers for 1 retries"),
-                           ({"server_execute_answers": 6}, "6 HTTP answers on execute for 7 answered calls"),
-                           ({"transport_errors": ["k: ReadError"]}, "1 requests got no HTTP answer"),
-                           ({"disconnected_call_ran_once": False}, "did not run exactly once"),
-                           ({"stage_idle_after": False}, "still queued or in flight")):  # fmt: skip
+    for change, needle in (
+        ({"server_runs": 6}, "ran 6 requests for 5"),
+        ({"server_runs": 4}, "ran 4 requests"),
+        ({"statuses": {"200": 4, "500": 1}}, "undocumented statuses"),
+        ({"wrong_outputs": 1}, "another request's output"),
+        ({"server_replays": 0}, "replayed 0 answers for 1 retries"),
+        ({"server_replays": 2}, "replayed 2 answers for 1 retries"),
+        ({"server_execute_answers": 6}, "6 HTTP answers on execute for 7 answered calls"),
+        ({"transport_errors": ["k: ReadError"]}, "1 requests got no HTTP answer"),
+        ({"disconnected_call_ran_once": False}, "did not run exactly once"),
+        ({"stage_idle_after": False}, "still queued or in flight"),
+    ):
         broken = LoadResult(**{**clean.__dict__, **change})
         assert any(needle in p for p in broken.problems()), (change, broken.problems())

@@ -26,8 +26,11 @@ def _metrics(served: Served) -> str:
 
 def _sleep_state(served: Served, stage: str) -> str:
     text = _metrics(served)
-    values = [s for s in ("awake", "weights_offloaded", "discard_all")
-              if metric_value(text, "omni_core_engine_sleep_state", stage=stage, sleep_state=s) == 1]  # fmt: skip
+    values = [
+        s
+        for s in ("awake", "weights_offloaded", "discard_all")
+        if metric_value(text, "omni_core_engine_sleep_state", stage=stage, sleep_state=s) == 1
+    ]
     return values[0] if len(values) == 1 else f"none of them ({values})"
 
 
@@ -51,19 +54,27 @@ def test_durations_bytes_and_host_memory(served: Served) -> None:
     weights_bytes = sum(r["pool_bytes_before"]["weights"] for r in report["ranks"].values())
     wait_for(lambda: served.stage("talker")["host_offloaded_bytes"] == weights_bytes, what="host bytes")
     during = _metrics(served)
-    assert (metric_value(during, "omni_core_freed_bytes_total", stage="talker", tag="weights")
-            - metric_value(before, "omni_core_freed_bytes_total", stage="talker", tag="weights")) == weights_bytes
+    assert (
+        metric_value(during, "omni_core_freed_bytes_total", stage="talker", tag="weights")
+        - metric_value(before, "omni_core_freed_bytes_total", stage="talker", tag="weights")
+    ) == weights_bytes
     assert metric_value(during, "omni_core_host_offloaded_bytes", stage="talker") == weights_bytes
     assert metric_value(during, "omni_core_pool_bytes", stage="talker", tag="weights") == 0
     count = "omni_core_lifecycle_duration_seconds_count"
-    assert (metric_value(during, count, stage="talker", command="sleep", outcome="ok")
-            == metric_value(before, count, stage="talker", command="sleep", outcome="ok") + 1)
+    assert (
+        metric_value(during, count, stage="talker", command="sleep", outcome="ok")
+        == metric_value(before, count, stage="talker", command="sleep", outcome="ok") + 1
+    )
     served.client.post("/v1/stages/talker/wake")
-    wait_for(lambda: metric_value(_metrics(served), "omni_core_host_offloaded_bytes", stage="talker") == 0,
-             what="host bytes back to 0 after the wake")  # fmt: skip
+    wait_for(
+        lambda: metric_value(_metrics(served), "omni_core_host_offloaded_bytes", stage="talker") == 0,
+        what="host bytes back to 0 after the wake",
+    )
     after = _metrics(served)
-    assert (metric_value(after, "omni_core_restored_bytes_total", stage="talker", tag="weights")
-            - metric_value(during, "omni_core_restored_bytes_total", stage="talker", tag="weights")) == weights_bytes
+    assert (
+        metric_value(after, "omni_core_restored_bytes_total", stage="talker", tag="weights")
+        - metric_value(during, "omni_core_restored_bytes_total", stage="talker", tag="weights")
+    ) == weights_bytes
     assert metric_value(after, "omni_core_pool_bytes", stage="talker", tag="weights") == weights_bytes
 
 
@@ -73,14 +84,18 @@ def test_engine_view(served: Served) -> None:
     assert metric_value(text, "omni_core_rank_up", stage="talker") == 2
     assert metric_value(text, "omni_core_stage_state", stage="talker", state="RUNNING") == 1
     assert metric_value(text, "omni_core_rank_resident_memory_bytes", stage="decoder", rank="0") > 0
-    events = {s.labels["event"] for f in text_string_to_metric_families(text) for s in f.samples
-              if s.name == "omni_core_engine_protocol_events_total"}  # fmt: skip
+    events = {
+        s.labels["event"]
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "omni_core_engine_protocol_events_total"
+    }
     assert {"bad_replies", "forged_hellos", "unknown_peers"} <= events
 
 
 def _documented() -> set[str]:
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("### Metrics"):]
+    section = text[text.index("### Metrics") :]
     section = section[: section.index("\n## ", 1)] if "\n## " in section else section
     return set(re.findall(r"`(omni_core_[a-z_]+|vllm:[a-z_]+)`", section))
 
@@ -89,5 +104,7 @@ def test_readme_documents_every_family(served: Served) -> None:
     served.client.post("/v1/stages/decoder/sleep")  # touch the labelled families once
     served.client.post("/v1/stages/decoder/wake")
     exported = {f.name for f in text_string_to_metric_families(_metrics(served))}
-    assert exported == _documented(), (f"README.md '### Metrics' is out of date; missing: {exported - _documented()}, "
-                                       f"extra: {_documented() - exported}")  # fmt: skip
+    assert exported == _documented(), (
+        f"README.md '### Metrics' is out of date; missing: {exported - _documented()}, "
+        f"extra: {_documented() - exported}"
+    )

@@ -45,10 +45,13 @@ def test_a_port_in_use_ends_serve_in_one_line_before_any_rank_starts(monkeypatch
     assert "pass another --port" in err and "stop the other process" in err
 
 
-@pytest.mark.parametrize(("host", "words"), [
-    ("192.0.2.1", "cannot listen on 192.0.2.1:0: "),  # TEST-NET-1: no address of this machine
-    ("no-such-host.invalid", "the host 'no-such-host.invalid' does not resolve"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("host", "words"),
+    [
+        ("192.0.2.1", "cannot listen on 192.0.2.1:0: "),  # TEST-NET-1: no address of this machine
+        ("no-such-host.invalid", "the host 'no-such-host.invalid' does not resolve"),
+    ],
+)
 def test_an_address_that_is_not_this_machines_is_refused_naming_it(host: str, words: str) -> None:
     with pytest.raises(ServeRefusedError, match=r"pass (a )?--host") as info:
         server_module.bind_listener(host, 0)
@@ -59,8 +62,9 @@ def test_formatters_keep_one_event_on_one_line() -> None:
     try:
         raise ValueError("first\nsecond")
     except ValueError:
-        record = logging.LogRecord("omni_core.serve", logging.ERROR, __file__, 1, "rank said:\n%s", ("boom",),
-                                   sys.exc_info())  # fmt: skip
+        record = logging.LogRecord(
+            "omni_core.serve", logging.ERROR, __file__, 1, "rank said:\n%s", ("boom",), sys.exc_info()
+        )
     record.omni_event = {"event": "rank_gone", "stage": "talker", "rank": 1, "level": "not the level"}
     text = TextFormatter().format(record)
     assert "\n" not in text and "ERROR omni_core.serve: rank said: | boom" in text and "first | second" in text
@@ -122,9 +126,14 @@ def test_serve_logs_every_lifecycle_event_failure_and_dead_rank_as_json(tmp_path
     config = tmp_path / "solo.toml"
     config.write_text(CONFIG)
     env = {k: v for k, v in os.environ.items() if k != "OMNI_CORE_API_KEY"}
-    child = subprocess.Popen([sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config), "--port", "0",
-                              "--log-json"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config), "--port", "0", "--log-json"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = _Lines(child.stderr)
     try:
         url = log.until("listening")["url"]
@@ -158,8 +167,10 @@ def test_serve_logs_every_lifecycle_event_failure_and_dead_rank_as_json(tmp_path
 
 def _snapshot(state: str, alive: bool, epoch: int = 1, pid: int = 41) -> dict[str, Any]:
     rank = {"pid": pid, "alive": alive}
-    return {"engine_up": True, "stages": {"solo": {"state": state, "epoch": epoch, "failure": "rank 0: died",
-                                                   "ranks": {"0": rank}}}}  # fmt: skip
+    return {
+        "engine_up": True,
+        "stages": {"solo": {"state": state, "epoch": epoch, "failure": "rank 0: died", "ranks": {"0": rank}}},
+    }
 
 
 def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_order(caplog) -> None:
@@ -173,4 +184,6 @@ def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_o
         assert [r.omni_event["event"] for r in caplog.records] == ["stage_failed", "rank_gone"]
         _log_changes(_snapshot("RUNNING", True, 2, 42), _snapshot("FAILED", False, 2, 42), logged)  # a new epoch
     assert [(r.omni_event["event"], r.omni_event.get("pid")) for r in caplog.records[2:]] == [
-        ("stage_failed", None), ("rank_gone", 42)]  # fmt: skip
+        ("stage_failed", None),
+        ("rank_gone", 42),
+    ]

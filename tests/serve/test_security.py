@@ -33,9 +33,20 @@ def test_key_check_is_exact() -> None:
     assert KeyCheck(None).accepts(None)  # no key configured: loopback-only server, open
 
 
-@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("127.3.2.1", True), ("::1", True),
-                                                ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
-                                                ("::", False), ("10.0.0.5", False), ("myhost", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("myhost", False),
+    ],
+)
 def test_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
@@ -62,8 +73,9 @@ def test_keys_come_from_a_file_or_the_environment(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omni_core.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "omni_core.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env
+    )
 
 
 def test_cli_refuses_a_public_bind_without_a_key_before_starting_anything() -> None:
@@ -93,8 +105,12 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 def _routes(app: object) -> list[tuple[str, str]]:
     schema = app.openapi()  # type: ignore[attr-defined]
-    return sorted((method.upper(), path.replace("{name}", "solo")) for path, ops in schema["paths"].items()
-                  for method in ops if path not in PUBLIC)  # fmt: skip
+    return sorted(
+        (method.upper(), path.replace("{name}", "solo"))
+        for path, ops in schema["paths"].items()
+        for method in ops
+        if path not in PUBLIC
+    )
 
 
 def test_every_control_route_needs_the_key(keyed: Served) -> None:
@@ -136,8 +152,9 @@ def test_oversized_bodies_are_413(keyed: Served) -> None:
             yield b"x" * 1024
         yield b'"}}'
 
-    chunked = keyed.client.post("/v1/stages/solo/execute", content=chunks(),
-                                headers={"Content-Type": "application/json"})  # fmt: skip
+    chunked = keyed.client.post(
+        "/v1/stages/solo/execute", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert chunked.status_code == 413, chunked.text
     assert keyed.client.post("/v1/stages/solo/execute", json={"payload": {"seed": 1}}).status_code == 200
 
@@ -154,7 +171,11 @@ def test_reload_sources_only_from_the_config(keyed: Served) -> None:
 
 
 def test_collective_rpc_runs_no_other_method(keyed: Served) -> None:
-    for body in ({"method": "execute_model"}, {"method": "__init__"}, {"method": "reload_weights", "args": ["x"]},
-                 {"method": "reload_weights", "kwargs": {"load_format": "dummy"}}):  # fmt: skip
+    for body in (
+        {"method": "execute_model"},
+        {"method": "__init__"},
+        {"method": "reload_weights", "args": ["x"]},
+        {"method": "reload_weights", "kwargs": {"load_format": "dummy"}},
+    ):
         answer = keyed.client.post("/collective_rpc", json=body)
         assert answer.status_code == 400, (body, answer.text)

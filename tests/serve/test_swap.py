@@ -55,8 +55,9 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_swap_route_moves_the_device_and_a_retry_is_answered_from_the_record(talker_in: Served,
-                                                                            device: SimulatedDevice) -> None:
+def test_swap_route_moves_the_device_and_a_retry_is_answered_from_the_record(
+    talker_in: Served, device: SimulatedDevice
+) -> None:
     http = talker_in.client
     headers = {"Idempotency-Key": "swap-http-1"}
     body = {"out": "talker", "in": "decoder", "memory_wait_s": 5.0}
@@ -64,8 +65,10 @@ def test_swap_route_moves_the_device_and_a_retry_is_answered_from_the_record(tal
     assert first.status_code == 200, first.text
     answer = first.json()
     assert (answer["outgoing"]["state"], answer["incoming"]["state"]) == ("SLEEPING", "RUNNING")
-    assert (answer["outgoing"]["task_id"], answer["incoming"]["task_id"]) == (f"{answer['task_id']}/out",
-                                                                             f"{answer['task_id']}/in")
+    assert (answer["outgoing"]["task_id"], answer["incoming"]["task_id"]) == (
+        f"{answer['task_id']}/out",
+        f"{answer['task_id']}/in",
+    )
     assert answer["outgoing"]["ranks"]["0"]["freed_bytes"] > 0 > answer["incoming"]["ranks"]["0"]["freed_bytes"]
     assert device.used_bytes() <= CAPACITY_BYTES
     again = http.post("/v1/swap", json=body, headers=headers)
@@ -73,11 +76,17 @@ def test_swap_route_moves_the_device_and_a_retry_is_answered_from_the_record(tal
     assert talker_in.stage("decoder")["state"] == "RUNNING"
     decoder_output = talker_in.engine.execute("decoder", PROBE)
     metrics = http.get("/metrics").text
-    assert metric_value(metrics, "omni_core_swap_duration_seconds_count", out_stage="talker", in_stage="decoder",
-                        outcome="ok") == 1  # the replay ran nothing
+    assert (
+        metric_value(
+            metrics, "omni_core_swap_duration_seconds_count", out_stage="talker", in_stage="decoder", outcome="ok"
+        )
+        == 1
+    )  # the replay ran nothing
     events = http.get("/v1/status").json()["events"]
     assert {(e["stage"], e["command"], e.get("swap")) for e in events[-2:]} == {
-        ("talker", "sleep", answer["task_id"]), ("decoder", "wake", answer["task_id"])}  # fmt: skip
+        ("talker", "sleep", answer["task_id"]),
+        ("decoder", "wake", answer["task_id"]),
+    }
     # And back, through the client and the CLI.
     back = OmniClient(talker_in.url).swap("decoder", "talker", idempotency_key="swap-http-2")
     assert (back["outgoing"]["state"], back["incoming"]["state"]) == ("SLEEPING", "RUNNING")
@@ -89,8 +98,9 @@ def test_swap_route_moves_the_device_and_a_retry_is_answered_from_the_record(tal
     assert lines[2].startswith("swap ") and "both halves done" in lines[2]
 
 
-def test_a_third_process_holding_the_device_fails_the_swap_naming_it(talker_in: Served,
-                                                                     device: SimulatedDevice) -> None:
+def test_a_third_process_holding_the_device_fails_the_swap_naming_it(
+    talker_in: Served, device: SimulatedDevice
+) -> None:
     device.write(INTRUDER, 0, os.getpid(), CAPACITY_BYTES)  # the whole device: the talker leaving frees nothing
     try:
         answer = talker_in.client.post("/v1/swap", json={"out": "talker", "in": "decoder", "memory_wait_s": 0.2})
@@ -106,8 +116,16 @@ def test_a_third_process_holding_the_device_fails_the_swap_naming_it(talker_in: 
         assert f"stage {INTRUDER} rank 0, pid {os.getpid()}" in refusal, refusal
         assert talker_in.stage("decoder")["state"] == "SLEEPING"  # exactly where it was
         metrics = talker_in.client.get("/metrics").text
-        assert metric_value(metrics, "omni_core_swap_duration_seconds_count", out_stage="talker",
-                            in_stage="decoder", outcome="failed") == 1
+        assert (
+            metric_value(
+                metrics,
+                "omni_core_swap_duration_seconds_count",
+                out_stage="talker",
+                in_stage="decoder",
+                outcome="failed",
+            )
+            == 1
+        )
     finally:
         device.remove(INTRUDER, 0, os.getpid())
     talker_in.engine.wake("talker")
@@ -122,14 +140,33 @@ def test_the_readme_curl_swap_and_its_cli_twin_are_one_request(talker_in: Served
     key = {"Idempotency-Key": "readme-swap-7", "Content-Type": "application/json"}
     first = talker_in.client.post("/v1/swap", content=curl_body, headers=key)
     assert first.status_code == 200, first.text
-    code, out, err = _cli("swap", "talker", "decoder", "--memory-wait-s", "10", "--idempotency-key", "readme-swap-7",
-                          "--url", talker_in.url, "--json")  # fmt: skip
+    code, out, err = _cli(
+        "swap",
+        "talker",
+        "decoder",
+        "--memory-wait-s",
+        "10",
+        "--idempotency-key",
+        "readme-swap-7",
+        "--url",
+        talker_in.url,
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out) == first.json()
     assert "replayed: this is the answer to the first request with Idempotency-Key 'readme-swap-7'" in err
     assert talker_in.stage("decoder")["state"] == "RUNNING"  # nothing ran twice: no swap back
-    code, _, err = _cli("swap", "talker", "decoder", "--memory-wait-s", "5", "--idempotency-key", "readme-swap-7",
-                        "--url", talker_in.url)  # fmt: skip
+    code, _, err = _cli(
+        "swap",
+        "talker",
+        "decoder",
+        "--memory-wait-s",
+        "5",
+        "--idempotency-key",
+        "readme-swap-7",
+        "--url",
+        talker_in.url,
+    )
     assert code == 1
     assert "HTTP 409 IdempotencyKeyReused" in err and "with another body: field(s) ['memory_wait_s'] differ" in err
     other = talker_in.client.post("/v1/swap", content=curl_body.replace(b"10", b"5"), headers=key)
@@ -149,16 +186,19 @@ def test_cli_names_who_holds_the_device(talker_in: Served, device: SimulatedDevi
     assert "  rank 0: " in err and f"pid {os.getpid()}" in err
 
 
-@pytest.mark.parametrize(("body", "status", "words"), [
-    ({"out": "talker"}, 422, "in: Field required"),
-    ({"out": "talker", "in": "decoder", "bogus": 1}, 422, "bogus: Extra inputs are not permitted"),
-    ({"out": "talker", "in": "talker"}, 400, "a swap needs two stages"),
-    ({"out": "nope", "in": "decoder"}, 404, "unknown stage 'nope'"),
-    ({"out": "talker", "in": "decoder", "level": 3}, 400, "sleep level must be 1 or 2"),
-    ({"out": "talker", "in": "decoder", "memory_wait_s": -1}, 400, "memory_wait_s must be >= 0"),
-    ({"out": "talker", "in": "decoder", "timeout_s": 0}, 400, "timeout_s must be a positive number"),
-    ({"out": "talker", "in": "decoder", "tags": ["nope"]}, 400, "unknown tag"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"out": "talker"}, 422, "in: Field required"),
+        ({"out": "talker", "in": "decoder", "bogus": 1}, 422, "bogus: Extra inputs are not permitted"),
+        ({"out": "talker", "in": "talker"}, 400, "a swap needs two stages"),
+        ({"out": "nope", "in": "decoder"}, 404, "unknown stage 'nope'"),
+        ({"out": "talker", "in": "decoder", "level": 3}, 400, "sleep level must be 1 or 2"),
+        ({"out": "talker", "in": "decoder", "memory_wait_s": -1}, 400, "memory_wait_s must be >= 0"),
+        ({"out": "talker", "in": "decoder", "timeout_s": 0}, 400, "timeout_s must be a positive number"),
+        ({"out": "talker", "in": "decoder", "tags": ["nope"]}, 400, "unknown tag"),
+    ],
+)
 def test_bad_arguments_are_refused_naming_the_field(talker_in: Served, body, status, words) -> None:
     answer = talker_in.client.post("/v1/swap", json=body)
     assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
@@ -174,4 +214,3 @@ def test_client_error_carries_both_halves(talker_in: Served, device: SimulatedDe
         device.remove(INTRUDER, 0, os.getpid())
     assert (info.value.status, info.value.type) == (503, "SwapFailedError")
     assert info.value.body["error"]["incoming"]["error"]["type"] == "NoMemoryError"
-

@@ -49,8 +49,10 @@ def _digest(served: Served) -> str:
 def _new_weights(seed: int) -> dict[str, torch.Tensor]:
     runner = SyntheticRunner(torch.device("cpu"), **dict(SMALL_RUNNER, seed=len("solo")))
     gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=gen, dtype=dtype) * 0.05
-            for name, (shape, dtype) in runner.weight_specs().items()}  # fmt: skip
+    return {
+        name: torch.randn(shape, generator=gen, dtype=dtype) * 0.05
+        for name, (shape, dtype) in runner.weight_specs().items()
+    }
 
 
 def test_a_sender_source_as_json_updates_the_stage_and_the_version_shows(weights_served: Served) -> None:
@@ -62,16 +64,17 @@ def test_a_sender_source_as_json_updates_the_stage_and_the_version_shows(weights
         answer = served.client.post(ROUTE, json=body, headers={"Idempotency-Key": f"upd-{version}"})
         assert answer.status_code == 200, answer.text
         report = answer.json()
-        assert (report["command"], report["state"], report["weights_version"]) == ("UpdateWeights", "RUNNING",
-                                                                                   version)  # fmt: skip
+        assert (report["command"], report["state"], report["weights_version"]) == ("UpdateWeights", "RUNNING", version)
         # A retry with the same key is answered from the cache: same task, no second update
         # (a second one at the same version would be refused as stale).
         again = served.client.post(ROUTE, json=body, headers={"Idempotency-Key": f"upd-{version}"})
         assert again.status_code == 200 and again.json()["task_id"] == report["task_id"], again.text
     assert _version(served) == version and _digest(served) != before
     assert served.client.get("/v1/stages").json()["stages"][0]["weights_version"] == version
-    wait_for(lambda: metric_value(served.client.get("/metrics").text, "omni_core_weights_version",
-                                  stage="solo") == version, what=f"omni_core_weights_version at {version}")  # fmt: skip
+    wait_for(
+        lambda: metric_value(served.client.get("/metrics").text, "omni_core_weights_version", stage="solo") == version,
+        what=f"omni_core_weights_version at {version}",
+    )
 
 
 def test_a_stale_version_is_409_naming_both_versions(weights_served: Served) -> None:
@@ -90,18 +93,21 @@ def test_a_stale_version_is_409_naming_both_versions(weights_served: Served) -> 
     assert _version(served) == current and _digest(served) == before
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"version": "2", "source": "x"}, "version"),  # nothing is converted
-    ({"version": 0, "source": "x"}, "version"),
-    ({"version": 1 << 64, "source": "x"}, "version"),
-    ({"source": "x"}, "version"),
-    ({"version": 5}, "source"),
-    ({"version": 5, "source": {"type": "tape", "path": "x"}}, "source"),
-    ({"version": 5, "source": {"type": "shm", "buckets": "x"}}, "source"),
-    ({"version": 5, "source": {"type": "disk", "path": "x", "extra": 1}}, "source"),
-    ({"version": 5, "source": {"type": "disk", "path": 7}}, "source"),
-    ({"version": 5, "source": "x", "colour": "red"}, "colour"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"version": "2", "source": "x"}, "version"),  # nothing is converted
+        ({"version": 0, "source": "x"}, "version"),
+        ({"version": 1 << 64, "source": "x"}, "version"),
+        ({"source": "x"}, "version"),
+        ({"version": 5}, "source"),
+        ({"version": 5, "source": {"type": "tape", "path": "x"}}, "source"),
+        ({"version": 5, "source": {"type": "shm", "buckets": "x"}}, "source"),
+        ({"version": 5, "source": {"type": "disk", "path": "x", "extra": 1}}, "source"),
+        ({"version": 5, "source": {"type": "disk", "path": 7}}, "source"),
+        ({"version": 5, "source": "x", "colour": "red"}, "colour"),
+    ],
+)
 def test_a_malformed_body_is_422_naming_the_field(weights_served: Served, body: dict, field: str) -> None:
     answer = weights_served.client.post(ROUTE, json=body)
     assert answer.status_code == 422, answer.text
@@ -110,7 +116,8 @@ def test_a_malformed_body_is_422_naming_the_field(weights_served: Served, body: 
 
 
 def test_a_disk_source_is_checked_then_refused_by_the_ranks_without_effect(
-        weights_served: Served, checkpoints: Path) -> None:  # fmt: skip
+    weights_served: Served, checkpoints: Path
+) -> None:
     served = weights_served
     before, version = _digest(served), _version(served)
     outside = served.client.post(ROUTE, json={"version": version + 1, "source": "/etc"})
@@ -125,34 +132,49 @@ def test_a_disk_source_is_checked_then_refused_by_the_ranks_without_effect(
 
 
 def test_sglang_update_from_disk_keeps_its_shape_and_refuses_what_it_cannot_honour(
-        weights_served: Served, checkpoints: Path) -> None:  # fmt: skip
+    weights_served: Served, checkpoints: Path
+) -> None:
     served = weights_served
     version, path = _version(served), str(checkpoints / "missing")
-    refused = served.client.post("/update_weights_from_disk", json={"model_path": path,
-                                                                    "weight_version": str(version + 1)})  # fmt: skip
+    refused = served.client.post(
+        "/update_weights_from_disk", json={"model_path": path, "weight_version": str(version + 1)}
+    )
     assert refused.status_code == 400, refused.text
     assert refused.json()["success"] is False and "refused the update" in refused.json()["message"]
     stale = served.client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": str(version)})
     assert stale.status_code == (409 if version else 422), stale.text
-    for body, field in (({"model_path": path}, "weight_version"),
-                        ({"model_path": path, "weight_version": "v2"}, "weight_version"),
-                        ({"model_path": path, "weight_version": 2}, "weight_version"),
-                        ({"model_path": path, "weight_version": "9", "load_format": "gguf"}, "load_format"),
-                        ({"model_path": path, "weight_version": "9", "abort_all_requests": True}, "abort_all_requests"),
-                        ({"model_path": path, "weight_version": "9", "token_step": 1}, "token_step")):  # fmt: skip
+    for body, field in (
+        ({"model_path": path}, "weight_version"),
+        ({"model_path": path, "weight_version": "v2"}, "weight_version"),
+        ({"model_path": path, "weight_version": 2}, "weight_version"),
+        ({"model_path": path, "weight_version": "9", "load_format": "gguf"}, "load_format"),
+        ({"model_path": path, "weight_version": "9", "abort_all_requests": True}, "abort_all_requests"),
+        ({"model_path": path, "weight_version": "9", "token_step": 1}, "token_step"),
+    ):
         answer = served.client.post("/update_weights_from_disk", json=body)
         assert answer.status_code in (400, 422) and field in answer.text, (body, answer.text)
     assert _version(served) == version
 
 
 def test_a_failed_update_says_needs_reload_at_the_old_version() -> None:
-    error = to_http(WeightUpdateFailedError("solo", "stage 'solo': every rank failed the update to weights version 4 "
-                                                    "(rank 0: sender gone); the stage is NEEDS_RELOAD at version 3: "
-                                                    "update again or reload", 3, {0: "sender gone"}))  # fmt: skip
+    error = to_http(
+        WeightUpdateFailedError(
+            "solo",
+            "stage 'solo': every rank failed the update to weights version 4 "
+            "(rank 0: sender gone); the stage is NEEDS_RELOAD at version 3: "
+            "update again or reload",
+            3,
+            {0: "sender gone"},
+        )
+    )
     assert error.status == 503
     body = error.body["error"]
     assert (body["stage"], body["state"], body["weights_version"], body["failures"]) == (
-        "solo", "NEEDS_RELOAD", 3, {"0": "sender gone"})
+        "solo",
+        "NEEDS_RELOAD",
+        3,
+        {"0": "sender gone"},
+    )
     assert "update again or reload" in body["message"]
 
 
@@ -168,19 +190,32 @@ def test_client_and_cli_update_weights(weights_served: Served, checkpoints: Path
         client.update_weights("solo", str(checkpoints / "missing"), version=version + 2)
     assert info.value.status == 400
     cli = [sys.executable, "-m", "omni_core.cli", "update-weights", "solo", "--url", served.url]
-    done = subprocess.run([*cli, "--version", str(version + 2), "--source", str(checkpoints / "missing")],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [*cli, "--version", str(version + 2), "--source", str(checkpoints / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 1 and "HTTP 400 InvalidArgumentError" in done.stderr, done.stderr
-    stale = subprocess.run([*cli, "--version", str(version + 1), "--source", str(checkpoints), "--json"],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    stale = subprocess.run(
+        [*cli, "--version", str(version + 1), "--source", str(checkpoints), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert stale.returncode == 1 and f"is not above the stage's version {version + 1}" in stale.stderr, stale.stderr
     assert _version(served) == version + 1
 
 
 def _lists(weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
     source = WeightSender.collective_source(weights)
-    return ([t.name for t in source.tensors], [t.dtype for t in source.tensors],
-            [list(t.shape) for t in source.tensors])  # fmt: skip
+    return (
+        [t.name for t in source.tensors],
+        [t.dtype for t in source.tensors],
+        [list(t.shape) for t in source.tensors],
+    )
 
 
 def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_served: Served) -> None:
@@ -191,27 +226,34 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         port = s.getsockname()[1]
     sender = WeightSender()
     # SGLang's default group_name, which the ranks join under and the rendezvous keys carry.
-    joined = threading.Thread(target=sender.init_group, args=("127.0.0.1", port, 2),
-                              kwargs={"timeout_s": 60, "group": "weight_update_group"})  # fmt: skip
+    joined = threading.Thread(
+        target=sender.init_group, args=("127.0.0.1", port, 2), kwargs={"timeout_s": 60, "group": "weight_update_group"}
+    )
     joined.start()
-    answer = served.client.post("/init_weights_update_group", json={
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+    answer = served.client.post(
+        "/init_weights_update_group",
+        json={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"},
+    )
     joined.join(60)
     assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
     try:
         v1 = _new_weights(41)
         names, dtypes, shapes = _lists(v1)
         thread = sender.broadcast_in_thread(v1)
-        answer = served.client.post("/update_weights_from_distributed", json={
-            "names": names, "dtypes": dtypes, "shapes": shapes, "weight_version": str(version + 1)})
+        answer = served.client.post(
+            "/update_weights_from_distributed",
+            json={"names": names, "dtypes": dtypes, "shapes": shapes, "weight_version": str(version + 1)},
+        )
         thread.join(60)
         assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
         assert _version(served) == version + 1
         after_sglang = _digest(served)
         v2 = _new_weights(42)
         thread = sender.broadcast_in_thread(v2)
-        answer = served.client.post("/update_weights", json={
-            "update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}, "version": version + 2})
+        answer = served.client.post(
+            "/update_weights",
+            json={"update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}, "version": version + 2},
+        )
         thread.join(60)
         assert answer.status_code == 200 and answer.json()["message"] == "Weights updated", answer.text
         assert _version(served) == version + 2 and _digest(served) != after_sglang
@@ -219,27 +261,74 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         sender.close()
 
 
-@pytest.mark.parametrize(("route", "body", "code", "field"), [
-    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": [], "shapes": [[1]]}, "version": 9}, 422,
-     "update_info.dtype_names"),
-    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]]}}, 422,
-     "version"),
-    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float33"], "shapes": [[1]]},
-                         "version": 9}, 422, "update_info.dtype_names"),
-    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]],
-                                         "packed": True}, "version": 9}, 400, "packed"),
-    ("/update_weights", {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]],
-                                         "ipc_handles_pickled": "gASV"}, "version": 9}, 422, "ipc_handles_pickled"),
-    ("/init_weight_transfer_engine", {"init_info": {}}, 422, "master_address"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                    "world_size": 2, "backend": "mpi"}, 400, "backend"),
-    ("/update_weights_from_distributed", {"names": ["w0"], "dtypes": ["float32"], "shapes": [[1]],
-                                          "weight_version": "next"}, 422, "weight_version"),
-    ("/update_weights_from_distributed", {"names": ["w0", "w0"], "dtypes": ["float32"] * 2, "shapes": [[1]] * 2,
-                                          "weight_version": "9"}, 422, "names"),
-])  # fmt: skip
-def test_broadcast_routes_refuse_what_they_cannot_carry(weights_served: Served, route: str, body: dict, code: int,
-                                                        field: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("route", "body", "code", "field"),
+    [
+        (
+            "/update_weights",
+            {"update_info": {"names": ["w0"], "dtype_names": [], "shapes": [[1]]}, "version": 9},
+            422,
+            "update_info.dtype_names",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]]}},
+            422,
+            "version",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": ["w0"], "dtype_names": ["float33"], "shapes": [[1]]}, "version": 9},
+            422,
+            "update_info.dtype_names",
+        ),
+        (
+            "/update_weights",
+            {
+                "update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]], "packed": True},
+                "version": 9,
+            },
+            400,
+            "packed",
+        ),
+        (
+            "/update_weights",
+            {
+                "update_info": {
+                    "names": ["w0"],
+                    "dtype_names": ["float32"],
+                    "shapes": [[1]],
+                    "ipc_handles_pickled": "gASV",
+                },
+                "version": 9,
+            },
+            422,
+            "ipc_handles_pickled",
+        ),
+        ("/init_weight_transfer_engine", {"init_info": {}}, 422, "master_address"),
+        (
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "mpi"},
+            400,
+            "backend",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["w0"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": "next"},
+            422,
+            "weight_version",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["w0", "w0"], "dtypes": ["float32"] * 2, "shapes": [[1]] * 2, "weight_version": "9"},
+            422,
+            "names",
+        ),
+    ],
+)
+def test_broadcast_routes_refuse_what_they_cannot_carry(
+    weights_served: Served, route: str, body: dict, code: int, field: str
+) -> None:
     version = _version(weights_served)
     answer = weights_served.client.post(route, json=body)
     assert answer.status_code == code and field in answer.text, answer.text
@@ -247,8 +336,10 @@ def test_broadcast_routes_refuse_what_they_cannot_carry(weights_served: Served, 
 
 
 def test_sglang_update_from_tensor_is_not_served_saying_what_to_use(weights_served: Served) -> None:
-    answer = weights_served.client.post("/update_weights_from_tensor", json={
-        "serialized_named_tensors": ["gASV"], "load_format": None, "flush_cache": True})
+    answer = weights_served.client.post(
+        "/update_weights_from_tensor",
+        json={"serialized_named_tensors": ["gASV"], "load_format": None, "flush_cache": True},
+    )
     assert answer.status_code == 501, answer.text
     message = answer.json()["error"]["message"]
     assert "pickle" in message and "/v1/stages/{name}/update_weights" in message

@@ -67,8 +67,14 @@ class TestOrchestrator:
     # ------------------------------------------------------------------ workers
 
     def config(self, rank: int, **overrides: Any) -> WorkerConfig:
-        fields: dict[str, Any] = {"address": self.address, "rank": rank, "stage": "test",
-                                  "backend": "portable", "device": "cpu", "parent_check_interval_s": 0.5}  # fmt: skip
+        fields: dict[str, Any] = {
+            "address": self.address,
+            "rank": rank,
+            "stage": "test",
+            "backend": "portable",
+            "device": "cpu",
+            "parent_check_interval_s": 0.5,
+        }
         fields.update(overrides)
         return WorkerConfig(**fields)
 

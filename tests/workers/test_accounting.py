@@ -66,11 +66,13 @@ class FakeNvml:
 def nvml() -> FakeNvml:
     mig_a = FakeDevice(MIG_A, total=40 * GiB, mig_ids=(1, 0), processes={4242: 3 * GiB})
     mig_b = FakeDevice(MIG_B, total=40 * GiB, mig_ids=(2, 0))
-    return FakeNvml([
-        FakeDevice(GPU0, processes={4242: 5 * GiB, 999: 30 * GiB}),
-        FakeDevice(GPU1, migs=[mig_a, mig_b]),
-        FakeDevice(GPU2),
-    ])  # fmt: skip
+    return FakeNvml(
+        [
+            FakeDevice(GPU0, processes={4242: 5 * GiB, 999: 30 * GiB}),
+            FakeDevice(GPU1, migs=[mig_a, mig_b]),
+            FakeDevice(GPU2),
+        ]
+    )
 
 
 # ---------------------------------------------------------------- parsing

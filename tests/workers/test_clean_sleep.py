@@ -143,8 +143,9 @@ class TrainerRunner(SyntheticRunner):
     execute_writes_weights = True
 
 
-@pytest.mark.parametrize(("runner", "declared"), [("synthetic", {W}),
-                                                  ("tests.workers.test_clean_sleep:TrainerRunner", set())])
+@pytest.mark.parametrize(
+    ("runner", "declared"), [("synthetic", {W}), ("tests.workers.test_clean_sleep:TrainerRunner", set())]
+)
 def test_the_worker_passes_the_runners_word_and_invalidates_before_a_reload(monkeypatch, runner, declared):
     assert ModelRunner.execute_writes_weights  # a user's runner claims nothing unless it says so
     backend = RecordingBackend(torch.device("cpu"))
@@ -154,8 +155,13 @@ def test_the_worker_passes_the_runners_word_and_invalidates_before_a_reload(monk
     sock.bind("inproc://clean-sleep")
     peer.connect("inproc://clean-sleep")  # takes the worker's Hello
     try:
-        config = WorkerConfig(address="inproc://unused", rank=0, runner=runner, verify_clean_sleep=True,
-                              runner_args={"weights_bytes": 65536, "kv_bytes": 8192})  # fmt: skip
+        config = WorkerConfig(
+            address="inproc://unused",
+            rank=0,
+            runner=runner,
+            verify_clean_sleep=True,
+            runner_args={"weights_bytes": 65536, "kv_bytes": 8192},
+        )
         worker = worker_process.WorkerProcess(config, sock)
         worker.start()
         assert backend.calls == [("declare", frozenset(declared), True)]

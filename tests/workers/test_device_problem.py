@@ -24,8 +24,13 @@ def test_cuda_without_cuda_says_which_torch_sees_none() -> None:
 
 @needs_no_cuda
 def test_a_rank_on_a_missing_device_fails_naming_the_stage_setting() -> None:
-    spec = StageSpec(name="s", runner="synthetic", device="cuda", backend="portable",
-                     runner_args={"weights_bytes": 4096, "kv_bytes": 4096})  # fmt: skip
+    spec = StageSpec(
+        name="s",
+        runner="synthetic",
+        device="cuda",
+        backend="portable",
+        runner_args={"weights_bytes": 4096, "kv_bytes": 4096},
+    )
     with pytest.raises(StageFailedError) as caught, Engine([spec]):
         pass
     text = str(caught.value)

@@ -127,10 +127,13 @@ def snapshot(module, ptrs):
 def test_plan_copies_joins_neighbours_and_cuts_chunks():
     copies = plan_copies([(0, 100, 4), (4, 104, 4), (20, 108, 4), (24, 200, 3)], 3)
     assert [(c.device, c.host, c.nbytes, c.completes) for c in copies] == [
-        (0, 100, 3, ()), (3, 103, 3, (0,)), (6, 106, 2, (1,)),  # one run of 8 bytes in 3 copies
-        (20, 108, 3, ()), (23, 111, 1, (2,)),  # device gap: a run of its own
+        (0, 100, 3, ()),
+        (3, 103, 3, (0,)),
+        (6, 106, 2, (1,)),  # one run of 8 bytes in 3 copies
+        (20, 108, 3, ()),
+        (23, 111, 1, (2,)),  # device gap: a run of its own
         (24, 200, 3, (3,)),  # host gap: a run of its own
-    ]  # fmt: skip
+    ]
 
 
 def test_plan_copies_covers_every_byte_once_and_completes_every_span_once():
@@ -314,8 +317,12 @@ def test_an_observer_sees_every_copy_map_and_unmap_with_its_bytes_and_changes_no
     backend.path.observer = seen
     backend.sleep({W}, {KV})
     # KV discarded first, then each weight allocation unmapped once its copies landed
-    assert [e for e in seen.events if e[0] == "unmap"] == [("unmap", 16384), ("unmap", 4096), ("unmap", 8192),
-                                                           ("unmap", 12288)]  # fmt: skip
+    assert [e for e in seen.events if e[0] == "unmap"] == [
+        ("unmap", 16384),
+        ("unmap", 4096),
+        ("unmap", 8192),
+        ("unmap", 12288),
+    ]
     copies = [e for e in seen.events if e[0] == "copy"]
     assert [(n, to_dev) for _, _, n, to_dev in copies] == [(5000, False)] * 4 + [(4576, False)]
     assert [s for _, s, _, _ in copies] == ["stream0", "stream1"] * 2 + ["stream0"]  # the streams the copies ran on

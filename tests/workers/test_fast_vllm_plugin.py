@@ -102,13 +102,18 @@ def fake_vllm(monkeypatch):
     cumem.CuMemAllocator.use_memory_pool = type(cumem.CuMemAllocator.get_instance()).use_memory_pool
     config_mod = types.ModuleType("vllm.config")
     config_mod.get_current_vllm_config_or_none = lambda: None
-    for name, mod in {"vllm": types.ModuleType("vllm"), "vllm.device_allocator": types.ModuleType("x"),
-                      vllm_plugin.SLEEP_MODULE: sleep_mod, vllm_plugin.CUMEM_MODULE: cumem_mod,
-                      "vllm.config": config_mod}.items():  # fmt: skip
+    for name, mod in {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.device_allocator": types.ModuleType("x"),
+        vllm_plugin.SLEEP_MODULE: sleep_mod,
+        vllm_plugin.CUMEM_MODULE: cumem_mod,
+        "vllm.config": config_mod,
+    }.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delitem(vars(vllm_plugin), "OmniFastSleepBackend", raising=False)
-    path = FastPath(cumem.CuMemAllocator.get_instance(), cumem, torch.device("cpu"), ops=DeferredOps(cumem),
-                    chunk_bytes=5000)  # fmt: skip
+    path = FastPath(
+        cumem.CuMemAllocator.get_instance(), cumem, torch.device("cpu"), ops=DeferredOps(cumem), chunk_bytes=5000
+    )
     monkeypatch.setattr(vllm_plugin, "_path", path)
     return SimpleNamespace(sleep=sleep_mod, cumem=cumem, config=config_mod, path=path)
 

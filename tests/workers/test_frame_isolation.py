@@ -100,9 +100,16 @@ def peer() -> Iterator[Peer]:
     address = f"inproc://isolation-{next(_ids)}"
     sock.bind(address)
     theirs.connect(address)
-    config = WorkerConfig(address="inproc://unused", rank=0, backend="portable", device="cpu",
-                          runner="tests.workers.test_frame_isolation:DeepRunner", runner_args=SMALL,
-                          exit_with_parent=False, parent_check_interval_s=0.05)  # fmt: skip
+    config = WorkerConfig(
+        address="inproc://unused",
+        rank=0,
+        backend="portable",
+        device="cpu",
+        runner="tests.workers.test_frame_isolation:DeepRunner",
+        runner_args=SMALL,
+        exit_with_parent=False,
+        parent_check_interval_s=0.05,
+    )
     worker = worker_process.WorkerProcess(config, theirs)
     ended: dict[str, BaseException | int] = {}
 
@@ -157,8 +164,7 @@ HANDLERS = [
 
 
 @pytest.mark.parametrize(("where", "name", "reason"), HANDLERS, ids=[h[1] for h in HANDLERS])
-def test_an_exception_in_any_handler_is_counted_answered_and_the_loop_serves_on(peer, monkeypatch, where, name,
-                                                                                 reason):  # fmt: skip
+def test_an_exception_in_any_handler_is_counted_answered_and_the_loop_serves_on(peer, monkeypatch, where, name, reason):
     reference = peer.execute(PROBE).output
     owner = {"module": worker_process, "core": peer.worker.core, "worker": peer.worker}[where]
     monkeypatch.setattr(owner, name, raise_once(getattr(owner, name), name))
@@ -197,8 +203,11 @@ def test_a_payload_or_result_too_deep_is_answered_never_dropped(peer):
     for depth in (MAX_PAYLOAD_DEPTH + 1, 986):
         # Written as raw msgpack: encoding 986 levels from the test's own deep stack would fail.
         deep = msgspec.Raw(b"\x91" * (depth - 1) + b"\x90")
-        peer.send_raw(msgspec.msgpack.encode({"type": "Execute", "v": PROTOCOL_VERSION, "task_id": f"deep{depth}",
-                                              "epoch": 0, "payload": deep}))  # fmt: skip
+        peer.send_raw(
+            msgspec.msgpack.encode(
+                {"type": "Execute", "v": PROTOCOL_VERSION, "task_id": f"deep{depth}", "epoch": 0, "payload": deep}
+            )
+        )
         reply = peer.receive()
         assert reply.task_id == f"deep{depth}", reply
         assert isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE, reply

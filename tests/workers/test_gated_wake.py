@@ -32,8 +32,9 @@ WEIGHTS_BYTES, KV_BYTES, TENSORS = MiB, 256 * KiB, 8
 
 def loaded(device: SimulatedDevice) -> tuple[PortableBackend, SyntheticRunner, SimulatedResidency]:
     backend = PortableBackend(torch.device("cpu"))
-    runner = SyntheticRunner(torch.device("cpu"), weights_bytes=WEIGHTS_BYTES, tensor_count=TENSORS,
-                             kv_bytes=KV_BYTES, hidden=64)  # fmt: skip
+    runner = SyntheticRunner(
+        torch.device("cpu"), weights_bytes=WEIGHTS_BYTES, tensor_count=TENSORS, kv_bytes=KV_BYTES, hidden=64
+    )
     for tag in (W, KV):
         with backend.pool(tag):
             runner.allocate(tag)
@@ -93,8 +94,9 @@ def test_a_wake_that_does_not_fit_waits_until_another_process_shrinks(sim):
     assert runner.execute(PAYLOAD)["data"] == out["data"]
 
 
-def refused_wake(sim: SimulatedDevice, backend: PortableBackend, residency: SimulatedResidency,
-                 tags: set[str], wait_s: float = 2.0) -> WakeRefused:  # fmt: skip
+def refused_wake(
+    sim: SimulatedDevice, backend: PortableBackend, residency: SimulatedResidency, tags: set[str], wait_s: float = 2.0
+) -> WakeRefused:
     clock = Clock()
     gate = MemoryGate(residency, wait_for_memory_s=wait_s, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
     with pytest.raises(WakeRefused) as info:
@@ -186,8 +188,9 @@ def test_two_wakes_admitted_on_one_free_figure_never_hold_more_than_the_device(s
     # driver, refuses the maps past its capacity, and the gate waits on them until it expires.
     sim.claim("talker", 0, os.getppid(), 3 * MiB)
     clock = Clock()
-    gate = MemoryGate(StaleFigure(residency, 4 * MiB), wait_for_memory_s=1.0, what="stage dit rank 0",
-                      clock=clock, sleep=clock.sleep)  # fmt: skip
+    gate = MemoryGate(
+        StaleFigure(residency, 4 * MiB), wait_for_memory_s=1.0, what="stage dit rank 0", clock=clock, sleep=clock.sleep
+    )
     refusal = r"the driver refused a map the free figure allowed \(SimulatedOutOfMemory: out of memory on the"
     with pytest.raises(WakeRefused, match=refusal):
         backend.wake({W, KV}, gate)

@@ -54,8 +54,13 @@ def probe(case: str, weights_bytes: int) -> dict:
     torch.cuda.synchronize()
     wake_s = time.perf_counter() - started
     exact = all(torch.equal(t.cpu(), r) for t, r in zip(tensors, reference, strict=True))
-    return {"name": backend.name, "reason": backend.choice_reason, "exact": exact,
-            "sleep_gbps": weights_bytes / sleep_s / 1e9, "wake_gbps": weights_bytes / wake_s / 1e9}  # fmt: skip
+    return {
+        "name": backend.name,
+        "reason": backend.choice_reason,
+        "exact": exact,
+        "sleep_gbps": weights_bytes / sleep_s / 1e9,
+        "wake_gbps": weights_bytes / wake_s / 1e9,
+    }
 
 
 def _run(case: str, weights_bytes: int) -> dict:

@@ -72,8 +72,14 @@ PARTIAL_SLEEP_PATHS = {
     "cumem": lambda paths: paths[-2] in ("per-allocation", "vllm-sleep-keep-tags") and paths[-1] == "per-allocation",
     "fast": lambda paths: list(paths)[-2:] == ["fast", "fast"],
 }
-RUNNER_ARGS = {"weights_bytes": int(WEIGHTS_GIB * GiB), "tensor_count": TENSORS, "kv_bytes": int(KV_GIB * GiB),
-               "hidden": HIDDEN, "dtype": DTYPE, "seed": 1234}  # fmt: skip
+RUNNER_ARGS = {
+    "weights_bytes": int(WEIGHTS_GIB * GiB),
+    "tensor_count": TENSORS,
+    "kv_bytes": int(KV_GIB * GiB),
+    "hidden": HIDDEN,
+    "dtype": DTYPE,
+    "seed": 1234,
+}
 EAGER = {"seed": 7, "batch": 4}
 GRAPH = {"seed": 7, "batch": 4, "graph": True}
 EPOCH = 1
@@ -113,8 +119,7 @@ def trace_path(tmp_path_factory, backend):
 @pytest.fixture(scope="module")
 def worker(orch, trace_path, backend):
     started = time.perf_counter()
-    w = orch.spawn(0, backend=backend, device="cuda", runner_args=RUNNER_ARGS, epoch=EPOCH,
-                   trace_path=str(trace_path))  # fmt: skip
+    w = orch.spawn(0, backend=backend, device="cuda", runner_args=RUNNER_ARGS, epoch=EPOCH, trace_path=str(trace_path))
     orch.wait_hello(w, timeout_s=300)
     w.start_s = time.perf_counter() - started
     return w
@@ -147,10 +152,16 @@ def lifecycle(orch, worker, command, state: WorkerState) -> Ack:
 
 def figures(ack: Ack) -> dict:
     m = ack.memory
-    return {"command": ack.command, "state": ack.state.value, "duration_s": round(ack.duration_s, 4),
-            "pool_bytes_before": m.pool_bytes_before, "pool_bytes_after": m.pool_bytes_after,
-            "process_bytes_before": m.process_bytes_before, "process_bytes_after": m.process_bytes_after,
-            "process_bytes_source": m.process_bytes_source}  # fmt: skip
+    return {
+        "command": ack.command,
+        "state": ack.state.value,
+        "duration_s": round(ack.duration_s, 4),
+        "pool_bytes_before": m.pool_bytes_before,
+        "pool_bytes_after": m.pool_bytes_after,
+        "process_bytes_before": m.process_bytes_before,
+        "process_bytes_after": m.process_bytes_after,
+        "process_bytes_source": m.process_bytes_source,
+    }
 
 
 def pool_freed(ack: Ack) -> int:
@@ -171,8 +182,16 @@ def test_hello_and_loaded_figures(orch, worker, backend):
     assert status.memory.process_bytes_after >= sum(pools.values())
     # No CUDA call in this (test) process: its own context would count where NVML cannot
     # separate processes.
-    record(f"{backend}:loaded", device=hello.device, torch=torch.__version__, start_s=round(worker.start_s, 2),
-           tensors=TENSORS, dtype=DTYPE, hidden=HIDDEN, **figures(status))  # fmt: skip
+    record(
+        f"{backend}:loaded",
+        device=hello.device,
+        torch=torch.__version__,
+        start_s=round(worker.start_s, 2),
+        tensors=TENSORS,
+        dtype=DTYPE,
+        hidden=HIDDEN,
+        **figures(status),
+    )
 
 
 def test_level1_round_trip_is_bit_exact_and_graphs_replay(orch, worker, reference, backend):
@@ -185,11 +204,16 @@ def test_level1_round_trip_is_bit_exact_and_graphs_replay(orch, worker, referenc
     assert wake.memory.pool_bytes_after == sleep.memory.pool_bytes_before
     assert run(orch, worker, EAGER).output["data"] == reference["eager"]
     assert run(orch, worker, GRAPH).output["data"] == reference["graph"]  # captured before the sleep
-    record(f"{backend}:level1", sleep=figures(sleep), wake=figures(wake),
-           process_freed_over_pool_freed=round(process_freed(sleep) / pool_freed(sleep), 5),
-           weights_sleep_GBps=round(sleep.memory.pool_bytes_before["weights"] / sleep.duration_s / 1e9, 2),
-           weights_wake_GBps=round(wake.memory.pool_bytes_after["weights"] / wake.duration_s / 1e9, 2),
-           eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
+    record(
+        f"{backend}:level1",
+        sleep=figures(sleep),
+        wake=figures(wake),
+        process_freed_over_pool_freed=round(process_freed(sleep) / pool_freed(sleep), 5),
+        weights_sleep_GBps=round(sleep.memory.pool_bytes_before["weights"] / sleep.duration_s / 1e9, 2),
+        weights_wake_GBps=round(wake.memory.pool_bytes_after["weights"] / wake.duration_s / 1e9, 2),
+        eager_bit_exact=True,
+        graph_bit_exact=True,
+    )
 
 
 def test_partial_wake_refuses_execute(orch, worker, reference, backend):
@@ -216,33 +240,52 @@ def test_level2_sleep_wake_reload_is_bit_exact(orch, worker, reference, backend)
     reload = lifecycle(orch, worker, ReloadWeights(task_id=tid("r"), epoch=EPOCH), WorkerState.ACTIVE)
     assert run(orch, worker, EAGER).output["data"] == reference["eager"]
     assert run(orch, worker, GRAPH).output["data"] == reference["graph"]
-    record(f"{backend}:level2", sleep=figures(sleep), asleep=figures(asleep), wake=figures(wake),
-           reload=figures(reload), in_use_while_asleep_GiB=round(in_use / GiB, 3),
-           eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
+    record(
+        f"{backend}:level2",
+        sleep=figures(sleep),
+        asleep=figures(asleep),
+        wake=figures(wake),
+        reload=figures(reload),
+        in_use_while_asleep_GiB=round(in_use / GiB, 3),
+        eager_bit_exact=True,
+        graph_bit_exact=True,
+    )
 
 
 def test_partial_sleeps_release_tag_by_tag(orch, worker, reference, trace_path, backend):
     """Sleep kv_cache alone, then weights with kv_cache asleep: each sleep releases only
     the tag asked for, through the path PARTIAL_SLEEP_PATHS names for the backend."""
-    kv = lifecycle(orch, worker, Sleep(task_id=tid("skv"), epoch=EPOCH, level=1, tags=("kv_cache",)),
-                   WorkerState.SLEEPING)  # fmt: skip
+    kv = lifecycle(
+        orch, worker, Sleep(task_id=tid("skv"), epoch=EPOCH, level=1, tags=("kv_cache",)), WorkerState.SLEEPING
+    )
     assert kv.memory.pool_bytes_after["kv_cache"] == 0
     assert kv.memory.pool_bytes_after["weights"] == kv.memory.pool_bytes_before["weights"]
     assert process_freed(kv) >= 0.99 * pool_freed(kv), figures(kv)
     refused = request(orch, worker, Execute(task_id=tid("exec"), epoch=EPOCH, payload=EAGER))
     assert isinstance(refused, Nack) and refused.reason is NackReason.INVALID_STATE
-    weights = lifecycle(orch, worker, Sleep(task_id=tid("sw"), epoch=EPOCH, level=1, tags=("weights",)),
-                        WorkerState.SLEEPING)  # fmt: skip
+    weights = lifecycle(
+        orch, worker, Sleep(task_id=tid("sw"), epoch=EPOCH, level=1, tags=("weights",)), WorkerState.SLEEPING
+    )
     assert sum(weights.memory.pool_bytes_after.values()) == 0
     assert process_freed(weights) >= 0.99 * pool_freed(weights), figures(weights)
     wake = lifecycle(orch, worker, Wake(task_id=tid("w"), epoch=EPOCH), WorkerState.ACTIVE)
     assert run(orch, worker, EAGER).output["data"] == reference["eager"]
     assert run(orch, worker, GRAPH).output["data"] == reference["graph"]
-    paths = [line.record.path for line in read_trace(trace_path)
-             if isinstance(line.record, EffectDone) and line.record.command == "Sleep"]  # fmt: skip
+    paths = [
+        line.record.path
+        for line in read_trace(trace_path)
+        if isinstance(line.record, EffectDone) and line.record.command == "Sleep"
+    ]
     assert PARTIAL_SLEEP_PATHS[backend](paths), paths
-    record(f"{backend}:partial_sleep", kv=figures(kv), weights=figures(weights), wake=figures(wake),
-           sleep_paths=list(paths)[-2:], eager_bit_exact=True, graph_bit_exact=True)  # fmt: skip
+    record(
+        f"{backend}:partial_sleep",
+        kv=figures(kv),
+        weights=figures(weights),
+        wake=figures(wake),
+        sleep_paths=list(paths)[-2:],
+        eager_bit_exact=True,
+        graph_bit_exact=True,
+    )
 
 
 def test_cycles_do_not_leak(orch, worker, reference, backend):
@@ -259,12 +302,18 @@ def test_cycles_do_not_leak(orch, worker, reference, backend):
     assert run(orch, worker, EAGER).output["data"] == reference["eager"]
     assert run(orch, worker, GRAPH).output["data"] == reference["graph"]
     weights = int(WEIGHTS_GIB * GiB)
-    record(f"{backend}:cycles", cycles=CYCLES[backend], process_bytes_after_wake=after_wake,
-           drift_MiB=round(drift / MiB, 2),
-           sleep_GBps=[round(weights / s / 1e9, 1) for s in sleeps_s],
-           wake_GBps=[round(weights / s / 1e9, 1) for s in wakes_s],
-           spread_MiB=round(spread / MiB, 2), sleep_s=sleeps_s, wake_s=wakes_s,
-           source=wake.memory.process_bytes_source)  # fmt: skip
+    record(
+        f"{backend}:cycles",
+        cycles=CYCLES[backend],
+        process_bytes_after_wake=after_wake,
+        drift_MiB=round(drift / MiB, 2),
+        sleep_GBps=[round(weights / s / 1e9, 1) for s in sleeps_s],
+        wake_GBps=[round(weights / s / 1e9, 1) for s in wakes_s],
+        spread_MiB=round(spread / MiB, 2),
+        sleep_s=sleeps_s,
+        wake_s=wakes_s,
+        source=wake.memory.process_bytes_source,
+    )
 
 
 def test_shutdown_exits_cleanly(orch, worker, backend):

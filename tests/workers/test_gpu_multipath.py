@@ -40,8 +40,17 @@ def _plans() -> dict[str, list]:
 def _shapes(total_bytes: int) -> list[tuple[int, ...]]:
     """Llama-8B-like layers (bf16): q, k, v, o, gate, up, down, two norms per layer."""
     hidden, inter, kv = 4096, 14336, 1024
-    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
-             (hidden, inter), (hidden,), (hidden,)]  # fmt: skip
+    layer = [
+        (hidden, hidden),
+        (kv, hidden),
+        (kv, hidden),
+        (hidden, hidden),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
+        (hidden,),
+        (hidden,),
+    ]
     shapes, used = [], 0
     while used < total_bytes:
         for shape in layer:
@@ -84,10 +93,20 @@ def probe(weights_bytes: int, cycles: int) -> dict:
             wake_s = time.perf_counter() - started
             exact = all(torch.equal(t.to("cuda:1"), r) for t, r in zip(tensors, reference, strict=True))
             wake_stats = dict(backend.path.stats.last)
-            out["runs"].append({"cycle": cycle, "plan": name, "sleep_gbps": moved / sleep_s / 1e9,
-                                "wake_gbps": moved / wake_s / 1e9, "exact": exact, "sleep_lanes": sleep_lanes,
-                                "wake_lanes": wake_stats.get("bytes_by_lane", {}), "wake_map_s": wake_stats["map_s"],
-                                "wake_s": wake_s, "relay_failed": wake_stats.get("relay_failed", "")})  # fmt: skip
+            out["runs"].append(
+                {
+                    "cycle": cycle,
+                    "plan": name,
+                    "sleep_gbps": moved / sleep_s / 1e9,
+                    "wake_gbps": moved / wake_s / 1e9,
+                    "exact": exact,
+                    "sleep_lanes": sleep_lanes,
+                    "wake_lanes": wake_stats.get("bytes_by_lane", {}),
+                    "wake_map_s": wake_stats["map_s"],
+                    "wake_s": wake_s,
+                    "relay_failed": wake_stats.get("relay_failed", ""),
+                }
+            )
     return out
 
 
@@ -120,9 +139,11 @@ def test_sleep_and_wake_over_two_links_are_bit_exact_and_faster_than_one():
         with open(os.environ["OMNI_MULTIPATH_OUT"], "w") as f:
             json.dump(figures, f, indent=1)
     for run in figures["runs"]:
-        print(f"cycle {run['cycle']} {run['plan']:>9}: sleep {run['sleep_gbps']:6.1f} GB/s, wake "
-              f"{run['wake_gbps']:6.1f} GB/s (maps {run['wake_map_s'] * 1e3:.0f} of {run['wake_s'] * 1e3:.0f} ms), "
-              f"exact {run['exact']} {run['relay_failed']}")  # fmt: skip
+        print(
+            f"cycle {run['cycle']} {run['plan']:>9}: sleep {run['sleep_gbps']:6.1f} GB/s, wake "
+            f"{run['wake_gbps']:6.1f} GB/s (maps {run['wake_map_s'] * 1e3:.0f} of {run['wake_s'] * 1e3:.0f} ms), "
+            f"exact {run['exact']} {run['relay_failed']}"
+        )
     assert all(run["exact"] and not run["relay_failed"] for run in figures["runs"])
     best = {p: max(r["wake_gbps"] for r in figures["runs"] if r["plan"] == p) for p in _plans()}
     assert best["1:1"] > 1.3 * best["direct"], best
@@ -147,8 +168,11 @@ def host_side(gib: float) -> dict:
                 barrier.wait()
                 with torch.cuda.stream(stream):
                     for _ in range(2):
-                        (devices[i].copy_(hosts[i], non_blocking=True) if direction == "h2d"
-                         else hosts[i].copy_(devices[i], non_blocking=True))  # fmt: skip
+                        (
+                            devices[i].copy_(hosts[i], non_blocking=True)
+                            if direction == "h2d"
+                            else hosts[i].copy_(devices[i], non_blocking=True)
+                        )
                 stream.synchronize()
 
             threads = [threading.Thread(target=copy, args=(i,)) for i in range(k)]

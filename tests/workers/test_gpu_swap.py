@@ -27,8 +27,14 @@ pytestmark = test_gpu_backends.pytestmark  # the gpu marker; skipped where cumem
 
 # 1 GiB of weights in 64 tensors (16 MiB each) and 512 MiB of KV: small enough to load fast,
 # many allocations so that a refused wake has mapped some before it runs out.
-RUNNER_ARGS = {"weights_bytes": GiB, "tensor_count": 64, "kv_bytes": 512 * MiB, "hidden": 1024,
-               "dtype": "bfloat16", "seed": 99}  # fmt: skip
+RUNNER_ARGS = {
+    "weights_bytes": GiB,
+    "tensor_count": 64,
+    "kv_bytes": 512 * MiB,
+    "hidden": 1024,
+    "dtype": "bfloat16",
+    "seed": 99,
+}
 PAYLOAD = {"seed": 7, "batch": 4}
 LEFT_FREE_BYTES = 256 * MiB  # what the hog leaves: room for some weight tensors, not all
 EPOCH = 1
@@ -53,8 +59,7 @@ def test_a_refused_wake_rolls_back_and_a_waiting_wake_goes_on_when_memory_frees(
     orch = TestOrchestrator()
     held: list[torch.Tensor] = []  # the other stage's memory
     try:
-        worker = orch.spawn(0, runner="synthetic", runner_args=RUNNER_ARGS, backend=backend, device="cuda",
-                            epoch=EPOCH)  # fmt: skip
+        worker = orch.spawn(0, runner="synthetic", runner_args=RUNNER_ARGS, backend=backend, device="cuda", epoch=EPOCH)
         hello = orch.wait_hello(worker, timeout_s=REPLY_S)
         assert hello.state is WorkerState.ACTIVE, hello.detail
         assert Capability.SWAP in hello.capabilities

@@ -34,8 +34,9 @@ class Event:
 
 
 class ScheduledOps:
-    def __init__(self, module: FakeCumemModule, seed: int, *, fail_relay_at: int | None = None,
-                 fail_staging: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, module: FakeCumemModule, seed: int, *, fail_relay_at: int | None = None, fail_staging: bool = False
+    ) -> None:
         self.m = module
         self.rng = random.Random(seed)
         self.streams = ["s0", "s1"]
@@ -124,8 +125,10 @@ class ScheduledOps:
                 address = end
 
     def _move(self, dst: int, src: int, nbytes: int) -> None:
-        data = b"".join(bytes(buf[o : o + n]) if buf is not None else ctypes.string_at(o, n)
-                        for buf, o, n in list(self._pieces(src, nbytes)))  # fmt: skip
+        data = b"".join(
+            bytes(buf[o : o + n]) if buf is not None else ctypes.string_at(o, n)
+            for buf, o, n in list(self._pieces(src, nbytes))
+        )
         done = 0
         for buf, o, n in list(self._pieces(dst, nbytes)):
             if buf is not None:

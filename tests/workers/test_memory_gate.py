@@ -104,9 +104,15 @@ def test_expires_naming_needed_free_waited_and_holders():
     assert clock.now_s - 100.0 == pytest.approx(1.5)  # waited the whole wait, not one sleep more
     assert (err.needed_bytes, err.free_bytes) == (4 * MiB, 2 * MiB) and err.waited_s == pytest.approx(1.5)
     text = str(err)
-    for part in ("stage dit rank 0 needed 4194304 bytes", "2097152 bytes (0.002 GiB) free on fake device 0",
-                 "after waiting 1.500 s (wait_for_memory_s=1.5)", "the wake maps 0.008 GiB in all",
-                 "stage talker rank 0, pid 4242: 6291456 bytes", "pid 77: 1048576 bytes", "wait_for_memory_s)"):
+    for part in (
+        "stage dit rank 0 needed 4194304 bytes",
+        "2097152 bytes (0.002 GiB) free on fake device 0",
+        "after waiting 1.500 s (wait_for_memory_s=1.5)",
+        "the wake maps 0.008 GiB in all",
+        "stage talker rank 0, pid 4242: 6291456 bytes",
+        "pid 77: 1048576 bytes",
+        "wait_for_memory_s)",
+    ):
         assert part in text, (part, text)
     assert text.index("pid 4242") < text.index("pid 77")  # largest first
 

@@ -15,8 +15,10 @@ PAYLOAD = {"seed": 3, "batch": 4}
 
 def loaded(**runner_args) -> tuple[PortableBackend, SyntheticRunner]:
     backend = PortableBackend(torch.device("cpu"))
-    runner = SyntheticRunner(torch.device("cpu"), **{"weights_bytes": 1 << 20, "tensor_count": 8,
-                                                     "kv_bytes": 64 << 10, "hidden": 64, **runner_args})  # fmt: skip
+    runner = SyntheticRunner(
+        torch.device("cpu"),
+        **{"weights_bytes": 1 << 20, "tensor_count": 8, "kv_bytes": 64 << 10, "hidden": 64, **runner_args},
+    )
     for tag in (W, KV):
         with backend.pool(tag):
             runner.allocate(tag)

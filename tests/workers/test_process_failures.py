@@ -28,18 +28,22 @@ def orch():
 def workers(orch):
     """Start every worker of this module at once: their start-ups (torch imports) overlap."""
     started = {
-        "reload_fails": orch.spawn(1, runner="omni_core.testing.faults:FaultyRunner",
-                                   runner_args={**SMALL, "fail_on": ["reload"]}),
+        "reload_fails": orch.spawn(
+            1, runner="omni_core.testing.faults:FaultyRunner", runner_args={**SMALL, "fail_on": ["reload"]}
+        ),
         "wake_fails": orch.spawn(2, backend="omni_core.testing.faults:FailingWakeBackend", runner_args=SMALL),
-        "execute_fails": orch.spawn(3, runner="omni_core.testing.faults:FaultyRunner",
-                                    runner_args={**SMALL, "fail_on": ["execute"]}),
+        "execute_fails": orch.spawn(
+            3, runner="omni_core.testing.faults:FaultyRunner", runner_args={**SMALL, "fail_on": ["execute"]}
+        ),
         "no_runner": orch.spawn(4, runner="no_such_package.model:Runner"),
-    }  # fmt: skip
+    }
     # The command-line entry point, asked for cumem on a machine without CUDA.
     config = orch.config(5, backend="cumem", device="cuda")
-    cli = subprocess.Popen([sys.executable, "-m", "omni_core.workers", "--config",
-                            msgspec.json.encode(config).decode()],
-                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     started["cumem_on_cpu"] = orch.adopt(config, cli)
     for worker in started.values():
         orch.wait_hello(worker)
@@ -72,11 +76,20 @@ def test_runner_exception_in_reload_fails_the_worker_and_it_keeps_answering(orch
     assert w.hello.state is WorkerState.ACTIVE
     assert isinstance(orch.request(w, Sleep(task_id="s", epoch=0, level=2)), Ack)
     assert orch.request(w, Wake(task_id="w", epoch=0)).state is WorkerState.NEEDS_RELOAD
-    failed_reply(orch.request(w, ReloadWeights(task_id="r", epoch=0)), "ReloadWeights",
-                 NackReason.BACKEND_ERROR, "InjectedFault", "injected fault in reload")  # fmt: skip
+    failed_reply(
+        orch.request(w, ReloadWeights(task_id="r", epoch=0)),
+        "ReloadWeights",
+        NackReason.BACKEND_ERROR,
+        "InjectedFault",
+        "injected fault in reload",
+    )
     # Every later command names the original failure; the process is alive to say it.
-    failed_reply(orch.request(w, Execute(task_id="e", epoch=0, payload={"seed": 1})), "Execute",
-                 NackReason.FAILED, "injected fault in reload")  # fmt: skip
+    failed_reply(
+        orch.request(w, Execute(task_id="e", epoch=0, payload={"seed": 1})),
+        "Execute",
+        NackReason.FAILED,
+        "injected fault in reload",
+    )
     failed_reply(orch.request(w, Wake(task_id="w2", epoch=0)), "Wake", NackReason.FAILED, "ReloadWeights task 'r'")
     status_says_failed(orch, w, "injected fault in reload")
     assert w.is_alive()
@@ -105,8 +118,13 @@ def test_runner_exception_in_execute_is_only_that_requests_error(orch, workers):
 def test_a_runner_that_cannot_load_says_hello_failed_and_why(orch, workers):
     w = workers["no_runner"]
     assert w.hello.state is WorkerState.FAILED and w.hello.backend == "portable"
-    failed_reply(orch.request(w, Execute(task_id="e", epoch=0, payload={})), "Execute", NackReason.FAILED,
-                 "load failed", "no_such_package.model")  # fmt: skip
+    failed_reply(
+        orch.request(w, Execute(task_id="e", epoch=0, payload={})),
+        "Execute",
+        NackReason.FAILED,
+        "load failed",
+        "no_such_package.model",
+    )
     status_says_failed(orch, w, "cannot import module")
     shut_down(orch, w)
 
@@ -116,8 +134,13 @@ def test_cumem_where_it_cannot_work_fails_at_start_up_with_the_reason(orch, work
     assert w.hello.state is WorkerState.FAILED and w.hello.backend == "cumem" and w.hello.capabilities == ()
     # The device is checked before the backend: on a machine without CUDA the reason is the
     # device setting (the backend could not run there either), named with the fix.
-    reply = failed_reply(orch.request(w, Sleep(task_id="s", epoch=0)), "Sleep", NackReason.FAILED,
-                         "device 'cuda' needs a CUDA GPU", "sees none")  # fmt: skip
+    reply = failed_reply(
+        orch.request(w, Sleep(task_id="s", epoch=0)),
+        "Sleep",
+        NackReason.FAILED,
+        "device 'cuda' needs a CUDA GPU",
+        "sees none",
+    )
     assert 'to "cpu"' in reply.detail and "device" in reply.detail  # ... and what to do instead
     shut_down(orch, w)
     assert "backend 'cumem' unavailable" in w.process.stderr.read()
@@ -137,12 +160,20 @@ def test_a_worker_whose_parent_dies_exits_on_its_own(orch, tmp_path):
     worker_cmd = [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()]
     # A parent that starts the worker and dies at once, as a crashed orchestrator would.
     parent = subprocess.run(
-        [sys.executable, "-c", "import os, subprocess, sys; "
-         f"cmd = {worker_cmd!r}; cmd[-1] = cmd[-1].replace('\"parent_pid\":null', f'\"parent_pid\":{{os.getpid()}}'); "
-         "p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-         "print(p.pid, flush=True); os._exit(0)"],
-        capture_output=True, text=True, check=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys; "
+            f"cmd = {worker_cmd!r}; "
+            "cmd[-1] = cmd[-1].replace('\"parent_pid\":null', f'\"parent_pid\":{os.getpid()}'); "
+            "p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            "print(p.pid, flush=True); os._exit(0)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     pid = int(parent.stdout.strip())
     deadline = time.monotonic() + 60
     while not _gone(pid) and time.monotonic() < deadline:

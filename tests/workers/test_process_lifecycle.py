@@ -34,8 +34,14 @@ from omni_core.trace import read_trace
 
 from ._harness import TestOrchestrator
 
-RUNNER_ARGS = {"weights_bytes": 2 << 20, "tensor_count": 16, "kv_bytes": 256 << 10, "hidden": 64, "seed": 5,
-               "cpu_threads": 1}
+RUNNER_ARGS = {
+    "weights_bytes": 2 << 20,
+    "tensor_count": 16,
+    "kv_bytes": 256 << 10,
+    "hidden": 64,
+    "seed": 5,
+    "cpu_threads": 1,
+}
 PAYLOAD = {"seed": 11, "batch": 3}
 _ids = itertools.count()
 
@@ -88,8 +94,13 @@ def test_hello_describes_the_worker(worker):
     assert hello.tags == ("weights", "kv_cache")
     # SWAP: the portable backend gates a wake (here on CPU without a simulated device, nothing to wait for);
     # WEIGHT_UPDATE: the synthetic runner takes weight updates (P-17)
-    assert set(hello.capabilities) == {Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.PROFILE, Capability.SWAP,
-                                       Capability.WEIGHT_UPDATE}
+    assert set(hello.capabilities) == {
+        Capability.LEVEL2,
+        Capability.PARTIAL_WAKE,
+        Capability.PROFILE,
+        Capability.SWAP,
+        Capability.WEIGHT_UPDATE,
+    }
     assert hello.weights_version == 0
 
 
@@ -124,8 +135,7 @@ def test_sleep_wake_reload_round_trips_are_bit_exact(orch, worker):
 
 def test_partial_wake_refuses_execute(orch, worker):
     ack(orch.request(worker, Sleep(task_id=tid("s"), epoch=2, level=1)), WorkerState.SLEEPING, "Sleep")
-    partial = ack(orch.request(worker, Wake(task_id=tid("w"), epoch=2, tags=("weights",))),
-                  WorkerState.PARTIAL, "Wake")  # fmt: skip
+    partial = ack(orch.request(worker, Wake(task_id=tid("w"), epoch=2, tags=("weights",))), WorkerState.PARTIAL, "Wake")
     assert partial.asleep_tags == ("kv_cache",)
     assert partial.memory.pool_bytes_after["kv_cache"] == 0 and partial.memory.pool_bytes_after["weights"] > 0
     refused(execute(orch, worker), NackReason.INVALID_STATE, WorkerState.PARTIAL)
@@ -144,8 +154,15 @@ def test_repeats_are_answered_without_a_second_effect(orch, worker):
     refused(orch.request(worker, Status(task_id=tid("old"), epoch=1)), NackReason.STALE_EPOCH, WorkerState.ACTIVE)
 
 
-BLOBS = [b"", b"\x00", b"\xff" * 7, b"not msgpack at all", b"\x81\xa4type\xa5Sleep",  # map with only a type
-         b"\x93\x01\x02\x03", random.Random(1).randbytes(512)]  # fmt: skip
+BLOBS = [
+    b"",
+    b"\x00",
+    b"\xff" * 7,
+    b"not msgpack at all",
+    b"\x81\xa4type\xa5Sleep",  # map with only a type
+    b"\x93\x01\x02\x03",
+    random.Random(1).randbytes(512),
+]
 
 
 @pytest.mark.parametrize("blob", BLOBS, ids=range(len(BLOBS)))
@@ -178,7 +195,13 @@ def test_shutdown_exits_cleanly(orch, worker, trace_path):
     assert {(line.stage, line.rank, line.epoch) for line in lines} == {("test", 0, 2)}
     assert len({line.pid for line in lines}) == 1 and lines[0].pid != os.getpid()
     seen = {(line.kind, getattr(line.record, "command", "")) for line in lines}
-    assert {("WorkerStarted", ""), ("WorkerReceived", "Sleep"), ("WorkerChanged", ""), ("BadMessage", ""),
-            ("EffectDone", "Sleep"), ("EffectDone", "Execute")} <= seen, seen  # fmt: skip
+    assert {
+        ("WorkerStarted", ""),
+        ("WorkerReceived", "Sleep"),
+        ("WorkerChanged", ""),
+        ("BadMessage", ""),
+        ("EffectDone", "Sleep"),
+        ("EffectDone", "Execute"),
+    } <= seen, seen
     assert any(isinstance(line.record, T.ReplySent) and line.record.reply == "ack" for line in lines)
     assert isinstance(lines[-1].record, T.ReplySent) and lines[-1].record.state == "STOPPED"

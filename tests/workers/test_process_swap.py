@@ -13,8 +13,14 @@ from omni_core.workers.simulated_device import SimulatedDevice
 
 from ._harness import TestOrchestrator
 
-RUNNER_ARGS = {"weights_bytes": 2 << 20, "tensor_count": 8, "kv_bytes": 256 << 10, "hidden": 64, "seed": 5,
-               "cpu_threads": 1}  # fmt: skip
+RUNNER_ARGS = {
+    "weights_bytes": 2 << 20,
+    "tensor_count": 8,
+    "kv_bytes": 256 << 10,
+    "hidden": 64,
+    "seed": 5,
+    "cpu_threads": 1,
+}
 PAYLOAD = {"seed": 11, "batch": 3}
 CAPACITY_BYTES = 4 << 20
 EPOCH = 1

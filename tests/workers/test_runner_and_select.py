@@ -35,8 +35,10 @@ def test_runners_by_name_and_import_path():
         ("omni_core.runners.synthetic", "must look like 'package.module:ClassName'"),
         ("omni_core.runners.synthetic:tensor_bytes", "not a subclass of omni_core.runners.base.ModelRunner"),
         # a spec written before the runners moved to omni_core.runners is told where they went
-        ("omni_core.workers.synthetic:SyntheticRunner",
-         "has moved: name it 'omni_core.runners.synthetic:SyntheticRunner'"),
+        (
+            "omni_core.workers.synthetic:SyntheticRunner",
+            "has moved: name it 'omni_core.runners.synthetic:SyntheticRunner'",
+        ),
         ("omni_core.workers.tensor_parallel:TensorParallelRunner", "'omni_core.runners.tensor_parallel:TensorParal"),
     ],
 )
@@ -114,8 +116,9 @@ def test_a_reply_cache_below_the_protocol_minimum_is_refused():
     from omni_core.workers.config import WorkerConfig
 
     assert WorkerConfig(address="ipc:///x", rank=0, reply_cache_entries=MIN_REPLY_CACHE_ENTRIES)
-    for build in (lambda: WorkerConfig(address="ipc:///x", rank=0, reply_cache_entries=MIN_REPLY_CACHE_ENTRIES - 1),
-                  lambda: msgspec.json.decode(b'{"address": "x", "rank": 0, "reply_cache_entries": 4}',
-                                              type=WorkerConfig)):  # fmt: skip
+    for build in (
+        lambda: WorkerConfig(address="ipc:///x", rank=0, reply_cache_entries=MIN_REPLY_CACHE_ENTRIES - 1),
+        lambda: msgspec.json.decode(b'{"address": "x", "rank": 0, "reply_cache_entries": 4}', type=WorkerConfig),
+    ):
         with pytest.raises((ValueError, msgspec.ValidationError), match="latest answers for retries"):
             build()

@@ -43,7 +43,9 @@ def test_free_is_capacity_minus_every_live_file(device):
     assert device.free_bytes() == 56 * MiB
     listing = device.holders()
     assert [(h.pid, h.nbytes, h.label) for h in listing.holders] == [
-        (os.getppid(), 5 * MiB, "stage other rank 0"), (os.getpid(), 3 * MiB, "stage talker rank 0")]
+        (os.getppid(), 5 * MiB, "stage other rank 0"),
+        (os.getpid(), 3 * MiB, "stage talker rank 0"),
+    ]
     talker.remove()
     assert device.free_bytes() == 59 * MiB
 
@@ -106,8 +108,10 @@ def test_configuration_is_checked_and_travels_in_the_worker_config(tmp_path):
     back = msgspec.json.decode(msgspec.json.encode(config), type=WorkerConfig)
     assert back.simulated_device == SimulatedDevice(str(tmp_path), MiB)
     with pytest.raises(msgspec.ValidationError, match="capacity_bytes"):
-        msgspec.json.decode(b'{"address": "x", "rank": 0, "simulated_device": {"directory": "d", '
-                            b'"capacity_bytes": -5}}', type=WorkerConfig)
+        msgspec.json.decode(
+            b'{"address": "x", "rank": 0, "simulated_device": {"directory": "d", "capacity_bytes": -5}}',
+            type=WorkerConfig,
+        )
 
 
 def test_a_claim_must_fit_beside_the_other_holders_and_writes_nothing_when_refused(tmp_path):

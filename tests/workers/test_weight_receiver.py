@@ -62,11 +62,14 @@ def test_shm_buckets_are_written_and_reopened_only_when_they_change(runner: Reco
         assert receiver.reopened == 2 and sender.reused == 1
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    (lambda s: {**s, "w0": torch.zeros(2, 2)}, r"tensor 'w0' is float32 \[2, 2\]"),
-    (lambda s: {**s, "w9": torch.zeros(16, 16)}, "'w9' is not a weight of this model"),
-    (lambda s: {**s, "w1": s["w1"].double()}, "is float64"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: {**s, "w0": torch.zeros(2, 2)}, r"tensor 'w0' is float32 \[2, 2\]"),
+        (lambda s: {**s, "w9": torch.zeros(16, 16)}, "'w9' is not a weight of this model"),
+        (lambda s: {**s, "w1": s["w1"].double()}, "is float64"),
+    ],
+)
 def test_a_mismatch_anywhere_is_refused_before_the_first_write(runner: RecordingRunner, change, match) -> None:
     before = [w.clone() for w in runner.weights]
     with WeightSender() as sender, pytest.raises(RunnerArgumentError, match=match):
@@ -81,8 +84,12 @@ def test_a_bucket_of_a_dead_sender_is_refused_by_pid(runner: RecordingRunner) ->
     os.waitpid(child, 0)
     with WeightSender() as sender:
         source = sender.share(weights_like(runner, 1.0))
-        forged = ShmSource(buckets=tuple(b.__class__(handle=b.handle, nbytes=b.nbytes, sender_pid=child,
-                                                     tensors=b.tensors) for b in source.buckets))  # fmt: skip
+        forged = ShmSource(
+            buckets=tuple(
+                b.__class__(handle=b.handle, nbytes=b.nbytes, sender_pid=child, tensors=b.tensors)
+                for b in source.buckets
+            )
+        )
         with pytest.raises(RunnerArgumentError, match=f"sender pid {child} .* no longer runs"):
             WeightReceiver(torch.device("cpu"), 0).apply(forged, runner)
     assert RecordingRunner.writes == []
@@ -92,8 +99,11 @@ def test_a_bucket_of_a_dead_sender_is_refused_by_pid(runner: RecordingRunner) ->
 def test_a_handle_outside_the_shared_memory_directory_is_refused(runner: RecordingRunner, handle: str) -> None:
     with WeightSender() as sender:
         bucket = sender.share(weights_like(runner, 1.0)).buckets[0]
-        bad = ShmSource(buckets=(bucket.__class__(handle=handle, nbytes=bucket.nbytes, sender_pid=os.getpid(),
-                                                  tensors=bucket.tensors),))  # fmt: skip
+        bad = ShmSource(
+            buckets=(
+                bucket.__class__(handle=handle, nbytes=bucket.nbytes, sender_pid=os.getpid(), tensors=bucket.tensors),
+            )
+        )
         with pytest.raises(RunnerArgumentError, match="not a file directly under /dev/shm"):
             WeightReceiver(torch.device("cpu"), 0).apply(bad, runner)
 
@@ -131,9 +141,12 @@ def test_the_worker_invalidates_the_host_copy_before_an_update_writes(monkeypatc
     sock.bind("inproc://weight-update")
     peer.connect("inproc://weight-update")
     try:
-        config = WorkerConfig(address="inproc://unused", rank=0, runner="tests.workers.test_weight_receiver:"
-                              "RecordingRunner", runner_args={"weights_bytes": 4096, "tensor_count": 2,
-                                                               "hidden": 16, "kv_bytes": 1024})  # fmt: skip
+        config = WorkerConfig(
+            address="inproc://unused",
+            rank=0,
+            runner="tests.workers.test_weight_receiver:RecordingRunner",
+            runner_args={"weights_bytes": 4096, "tensor_count": 2, "hidden": 16, "kv_bytes": 1024},
+        )
         worker = worker_process.WorkerProcess(config, sock)
         worker.start()
         original = backend.invalidate

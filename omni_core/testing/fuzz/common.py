@@ -101,8 +101,13 @@ class FuzzReport:
     @classmethod
     def for_run(cls, target: str, config: Any) -> FuzzReport:
         """An empty report for a run of `config` (a WorkerFuzzConfig or EngineFuzzConfig)."""
-        return cls(target=target, seed=config.seed, transport=config.transport, frames_requested=config.frames,
-                   rss_limit_bytes=config.max_rss_growth_bytes)  # fmt: skip
+        return cls(
+            target=target,
+            seed=config.seed,
+            transport=config.transport,
+            frames_requested=config.frames,
+            rss_limit_bytes=config.max_rss_growth_bytes,
+        )
 
     def add_finding(self, finding: Finding) -> None:
         if len(self.findings) < MAX_FINDINGS:
@@ -174,8 +179,10 @@ class Progress:
             return
         window_frames_per_s = (frames - self._last_frames) / (now - self._last_at)
         total_frames_per_s = frames / max(now - self.started_at, 1e-9)
-        self.emit(f"[{now - self.started_at:7.1f} s] {frames} frames, {window_frames_per_s:.0f} frames/s "
-                  f"(avg {total_frames_per_s:.0f}); {extra()}")  # fmt: skip
+        self.emit(
+            f"[{now - self.started_at:7.1f} s] {frames} frames, {window_frames_per_s:.0f} frames/s "
+            f"(avg {total_frames_per_s:.0f}); {extra()}"
+        )
         self._last_at, self._last_frames = now, frames
 
 

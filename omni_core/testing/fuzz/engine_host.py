@@ -25,8 +25,14 @@ from omni_core.testing.fuzz.common import peak_rss_bytes, rss_bytes
 LINE_PREFIX = "@fz "
 STAGE = "fz"
 REFERENCE_PAYLOAD = {"seed": 5, "batch": 2}
-RUNNER_ARGS = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 64 << 10, "hidden": 32, "seed": 7,
-               "cpu_threads": 1}  # fmt: skip
+RUNNER_ARGS = {
+    "weights_bytes": 256 << 10,
+    "tensor_count": 4,
+    "kv_bytes": 64 << 10,
+    "hidden": 32,
+    "seed": 7,
+    "cpu_threads": 1,
+}
 CLIENT_PAUSE_S = 0.005  # between calls: the client checks correctness, it is not a load test
 LIFECYCLE_EVERY_CALLS = 25  # a sleep/wake cycle after this many executes (levels alternate)
 MAX_ERRORS_KEPT = 20
@@ -92,9 +98,12 @@ class Client:
     def _cycle(self, cycle: int, level: int) -> None:
         steps: list[tuple[str, Any, str]] = [
             ("sleep", lambda: self.engine.sleep(STAGE, level=level, task_id=f"fz-sleep-{cycle}"), "SLEEPING"),
-            ("wake", lambda: self.engine.wake(STAGE, task_id=f"fz-wake-{cycle}"),
-             "RUNNING" if level == 1 else "NEEDS_RELOAD"),
-        ]  # fmt: skip
+            (
+                "wake",
+                lambda: self.engine.wake(STAGE, task_id=f"fz-wake-{cycle}"),
+                "RUNNING" if level == 1 else "NEEDS_RELOAD",
+            ),
+        ]
         if level == 2:
             steps.append(("reload", lambda: self.engine.reload_weights(STAGE, task_id=f"fz-reload-{cycle}"), "RUNNING"))
         for name, call, expected in steps:
@@ -148,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from omni_core.engine import Engine, StageSpec  # after argparse: --help stays fast
 
-    spec = StageSpec(STAGE, runner_args=RUNNER_ARGS, ranks=args.ranks, backend="portable", deadline_s=60.0,
-                     request_timeout_s=60.0)  # fmt: skip
+    spec = StageSpec(
+        STAGE, runner_args=RUNNER_ARGS, ranks=args.ranks, backend="portable", deadline_s=60.0, request_timeout_s=60.0
+    )
     try:
         engine = Engine([spec], transport=args.transport)
     except Exception as exc:
@@ -159,8 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reference = engine.execute(STAGE, REFERENCE_PAYLOAD)
         status = engine.status()
-        _emit({"event": "ready", "address": engine.address, "pid": os.getpid(), "epoch": status[STAGE]["epoch"],
-               "ranks": {str(r): info["pid"] for r, info in status[STAGE]["ranks"].items()}})  # fmt: skip
+        _emit(
+            {
+                "event": "ready",
+                "address": engine.address,
+                "pid": os.getpid(),
+                "epoch": status[STAGE]["epoch"],
+                "ranks": {str(r): info["pid"] for r, info in status[STAGE]["ranks"].items()},
+            }
+        )
         client = Client(engine, reference)
         client.thread.start()
         for line in sys.stdin:

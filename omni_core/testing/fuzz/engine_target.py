@@ -74,9 +74,21 @@ class _Host:
         self.log_path = log_path
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_core.testing.fuzz.engine_host", "--transport", transport,
-                 "--ranks", str(ranks)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "omni_core.testing.fuzz.engine_host",
+                    "--transport",
+                    transport,
+                    "--ranks",
+                    str(ranks),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                bufsize=1,
+            )
 
     def read(self, timeout_s: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -150,10 +162,14 @@ class EngineFuzzer:
             self.address = ready["address"]
             self.ranks = ready["ranks"]
             self.fuzz_ctx = FuzzContext(
-                epoch=ready["epoch"], stage=STAGE, ranks=cfg.ranks, pids=tuple(sorted(self.ranks.values())),
+                epoch=ready["epoch"],
+                stage=STAGE,
+                ranks=cfg.ranks,
+                pids=tuple(sorted(self.ranks.values())),
                 task_ids=tuple(f"req-{STAGE}-{n}" for n in range(1, 65))
-                + tuple(f"fz-{kind}-{n}" for kind in ("sleep", "wake", "reload") for n in range(1, 9)) + ("hello",),
-            )  # fmt: skip
+                + tuple(f"fz-{kind}-{n}" for kind in ("sleep", "wake", "reload") for n in range(1, 9))
+                + ("hello",),
+            )
             first = host.ask("status")
             report.rss_start_bytes = first["rss_bytes"]
             self.base_counters = dict(first["status"]["_engine"])
@@ -179,8 +195,11 @@ class EngineFuzzer:
         except (TimeoutError, EOFError) as exc:
             report.hangs += isinstance(exc, TimeoutError)
             report.crashes += isinstance(exc, EOFError)
-            report.add_finding(Finding("crash" if isinstance(exc, EOFError) else "hang",
-                                       f"{exc}; engine log:\n{log_tail(host.log_path)}"))  # fmt: skip
+            report.add_finding(
+                Finding(
+                    "crash" if isinstance(exc, EOFError) else "hang", f"{exc}; engine log:\n{log_tail(host.log_path)}"
+                )
+            )
         finally:
             self.ctx.destroy(linger=0)  # every socket, whatever state the run ended in
             host.close()
@@ -200,8 +219,10 @@ class EngineFuzzer:
 
     def _progress_extra(self, host: _Host) -> str:
         r = self.report
-        return (f"{r.crashes} crashes, {r.hangs} hangs, {r.violations} violations, "
-                f"engine RSS {(r.rss_max_bytes or 0) >> 20} MiB")  # fmt: skip
+        return (
+            f"{r.crashes} crashes, {r.hangs} hangs, {r.violations} violations, "
+            f"engine RSS {(r.rss_max_bytes or 0) >> 20} MiB"
+        )
 
     # ================================================================ frames
 
@@ -215,8 +236,12 @@ class EngineFuzzer:
             sock.setsockopt(zmq.IDENTITY, f"{STAGE}/0/stranger-{self._stranger_serial}".encode())
         elif roll < 0.7:
             # zmq identities are 1..255 bytes and must not start with a zero byte (reserved).
-            sock.setsockopt(zmq.IDENTITY, bytes((1 + self.rng.randrange(255),)) + self.rng.randbytes(
-                self.rng.randrange(250)) + self._stranger_serial.to_bytes(4, "big"))  # fmt: skip
+            sock.setsockopt(
+                zmq.IDENTITY,
+                bytes((1 + self.rng.randrange(255),))
+                + self.rng.randbytes(self.rng.randrange(250))
+                + self._stranger_serial.to_bytes(4, "big"),
+            )
         # else: zmq picks an identity for it
         sock.setsockopt(zmq.LINGER, 5000)  # frames already queued still reach the engine
         sock.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
@@ -244,8 +269,9 @@ class EngineFuzzer:
                 sock.send_multipart(list(frame.parts))
             except zmq.Again:
                 report.hangs += 1
-                report.add_finding(Finding("hang", f"a send blocked for {cfg.send_timeout_s} s: "
-                                                   "the engine stopped reading its socket"))  # fmt: skip
+                report.add_finding(
+                    Finding("hang", f"a send blocked for {cfg.send_timeout_s} s: the engine stopped reading its socket")
+                )
                 return False
             report.frames_sent += 1
             report.bytes_sent += frame.size_bytes
@@ -261,8 +287,14 @@ class EngineFuzzer:
 
     def _big_ctx(self) -> FuzzContext:
         ctx = self.fuzz_ctx
-        return FuzzContext(epoch=ctx.epoch, stage=ctx.stage, ranks=ctx.ranks, pids=ctx.pids, task_ids=ctx.task_ids,
-                           max_frame_bytes=DEFAULT_MAX_FRAME_BYTES)  # fmt: skip
+        return FuzzContext(
+            epoch=ctx.epoch,
+            stage=ctx.stage,
+            ranks=ctx.ranks,
+            pids=ctx.pids,
+            task_ids=ctx.task_ids,
+            max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+        )
 
     # ================================================================ checks
 
@@ -304,12 +336,19 @@ class EngineFuzzer:
         raised = status["_engine"].get("frame_errors", 0) - self.base_counters.get("frame_errors", 0)
         if raised > 0:  # caught by the loop's isolation, but a handler raised: a bug to report
             causes = {k: v for k, v in status["_engine"].items() if k.startswith("frame_errors_")}
-            self._violation("handler_raised", f"{raised} frame(s) raised in a handler of the engine's loop: "
-                            f"{causes}", once="handler_raised")  # fmt: skip
+            self._violation(
+                "handler_raised",
+                f"{raised} frame(s) raised in a handler of the engine's loop: {causes}",
+                once="handler_raised",
+            )
         refused = self._refused(status["_engine"])
         if refused > self.counted_frames:
-            self._violation("counters", f"{refused} frames refused but only {self.counted_frames} sent by strangers: "
-                            "the engine refused its own ranks' traffic", once="over_count")  # fmt: skip
+            self._violation(
+                "counters",
+                f"{refused} frames refused but only {self.counted_frames} sent by strangers: "
+                "the engine refused its own ranks' traffic",
+                once="over_count",
+            )
         client = snapshot.get("client") or {}
         errors = client.get("errors", 0)
         if errors > self._client_errors_seen:
@@ -332,8 +371,11 @@ class EngineFuzzer:
             time.sleep(0.2)
         self.report.extra["frames_counted_by_engine"] = refused
         if refused != self.counted_frames:
-            self._violation("counters", f"the engine counted {refused} refused frames; strangers sent "
-                            f"{self.counted_frames} it should have refused")  # fmt: skip
+            self._violation(
+                "counters",
+                f"the engine counted {refused} refused frames; strangers sent "
+                f"{self.counted_frames} it should have refused",
+            )
 
     def _final(self, host: _Host) -> None:
         snapshot = host.ask("pause", timeout_s=180.0)

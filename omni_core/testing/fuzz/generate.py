@@ -75,34 +75,120 @@ _DRAWN_TYPES: tuple[type[Message], ...] = tuple(t for t in MESSAGE_TYPES if t no
 WEIGHT_COMMAND_SHARE = 0.05
 
 INT_EDGES: tuple[int, ...] = (
-    0, 1, -1, 2, 127, 128, -32, -33, 255, 256, -128, -129, 65535, 65536, -32768, -32769,
-    2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**32 - 1, 2**32, 2**53 + 1,
-    2**63 - 1, 2**63, 2**64 - 1, -(2**63),
-)  # fmt: skip
+    0,
+    1,
+    -1,
+    2,
+    127,
+    128,
+    -32,
+    -33,
+    255,
+    256,
+    -128,
+    -129,
+    65535,
+    65536,
+    -32768,
+    -32769,
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    -(2**31) - 1,
+    2**32 - 1,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    -(2**63),
+)
 FLOAT_EDGES: tuple[float, ...] = (
-    math.nan, -math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1.7976931348623157e308, -1.0, 1e-300, 3.4e38,
-)  # fmt: skip
+    math.nan,
+    -math.nan,
+    math.inf,
+    -math.inf,
+    -0.0,
+    0.0,
+    5e-324,
+    1.7976931348623157e308,
+    -1.0,
+    1e-300,
+    3.4e38,
+)
 # Byte sequences that are not UTF-8: lone continuation bytes, truncated sequences,
 # overlong forms, UTF-16 surrogates, code points above U+10FFFF, bytes never valid.
 BAD_UTF8: tuple[bytes, ...] = (
-    b"\xff", b"\xfe", b"\x80", b"\xbf", b"\xc3\x28", b"\xa0\xa1", b"\xe2\x28\xa1", b"\xe2\x82",
-    b"\xf0\x28\x8c\xbc", b"\xf0\x90\x28\xbc", b"\xf8\xa1\xa1\xa1\xa1", b"\xfc\xa1\xa1\xa1\xa1\xa1",
-    b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xc0\xaf", b"\xc0\x80", b"\xe0\x80\xaf", b"\xf4\x90\x80\x80", b"\xf0",
-)  # fmt: skip
+    b"\xff",
+    b"\xfe",
+    b"\x80",
+    b"\xbf",
+    b"\xc3\x28",
+    b"\xa0\xa1",
+    b"\xe2\x28\xa1",
+    b"\xe2\x82",
+    b"\xf0\x28\x8c\xbc",
+    b"\xf0\x90\x28\xbc",
+    b"\xf8\xa1\xa1\xa1\xa1",
+    b"\xfc\xa1\xa1\xa1\xa1\xa1",
+    b"\xed\xa0\x80",
+    b"\xed\xbf\xbf",
+    b"\xc0\xaf",
+    b"\xc0\x80",
+    b"\xe0\x80\xaf",
+    b"\xf4\x90\x80\x80",
+    b"\xf0",
+)
 TASK_ID_EDGES: tuple[str, ...] = (
-    "", "x" * MAX_TASK_ID_CHARS, "x" * (MAX_TASK_ID_CHARS + 1), "\u00e9" * MAX_TASK_ID_CHARS,
-    "\U0001f600" * MAX_TASK_ID_CHARS, "\x00", "-", "hello", "?", " ", "a\nb", "\ud7ff", "x" * 100_000,
-)  # fmt: skip
+    "",
+    "x" * MAX_TASK_ID_CHARS,
+    "x" * (MAX_TASK_ID_CHARS + 1),
+    "\u00e9" * MAX_TASK_ID_CHARS,
+    "\U0001f600" * MAX_TASK_ID_CHARS,
+    "\x00",
+    "-",
+    "hello",
+    "?",
+    " ",
+    "a\nb",
+    "\ud7ff",
+    "x" * 100_000,
+)
 TAG_EDGES: tuple[Any, ...] = (
-    (), ("weights",) * (MAX_TAGS + 1), ("weights", "weights"), ("nope",), ("",), ("a" * 64,), ("a" * 65,),
-    ("wei ghts",), ("weights\x00",), ("WEIGHTS",), ("../etc",), (("weights",),), ("kv_cache", 7), "weights",
-)  # fmt: skip
+    (),
+    ("weights",) * (MAX_TAGS + 1),
+    ("weights", "weights"),
+    ("nope",),
+    ("",),
+    ("a" * 64,),
+    ("a" * 65,),
+    ("wei ghts",),
+    ("weights\x00",),
+    ("WEIGHTS",),
+    ("../etc",),
+    (("weights",),),
+    ("kv_cache", 7),
+    "weights",
+)
 # Reload sources: a runner must serve or refuse each (INVALID_ARGUMENT), never fail on one.
 # Digits str.isdigit() accepts but int() does not (superscripts), other scripts' digits,
 # more digits than int() converts, doubled signs.
-SOURCE_EDGES: tuple[Any, ...] = (None, "seed:7", "seed:-3", "seed:", "seed:99999999999999999999999", "",
-                                 "/ckpt/step-1", "seed:" + "9" * 5000, "x" * 70_000, "seed:\u00b2",
-                                 "seed:\u0663", "seed:--5", "seed: 5", "seed:5\x00")  # fmt: skip
+SOURCE_EDGES: tuple[Any, ...] = (
+    None,
+    "seed:7",
+    "seed:-3",
+    "seed:",
+    "seed:99999999999999999999999",
+    "",
+    "/ckpt/step-1",
+    "seed:" + "9" * 5000,
+    "x" * 70_000,
+    "seed:\u00b2",
+    "seed:\u0663",
+    "seed:--5",
+    "seed: 5",
+    "seed:5\x00",
+)
 
 ALNUM = string.ascii_letters + string.digits + "_.-"
 
@@ -202,22 +288,37 @@ class FrameGenerator:
 
     def _weight_message(self, task_id: str, epoch: int, kind: type[Message], rng: random.Random) -> Message:
         if kind is UpdateWeights:  # handles no sender keeps alive: a rank must refuse them, not hang
-            spec = TensorSpec(name=rng.choice(("w0", "model.w", "x" * 256)), dtype=rng.choice(("float32", "bfloat16")),
-                              shape=(rng.randrange(5), rng.randrange(5)))
-            bucket = Bucket(handle=rng.choice(("/dev/shm/omni-fuzz-gone", "../../etc/passwd", "x")),
-                            nbytes=spec.nbytes + rng.randrange(64), sender_pid=rng.randrange(1, 1 << 22),
-                            tensors=(spec,))
-            source = rng.choice((DiskSource(path="/nonexistent/ckpt"), ShmSource(buckets=(bucket,)),
-                                 CollectiveSource(tensors=(spec,))))
+            spec = TensorSpec(
+                name=rng.choice(("w0", "model.w", "x" * 256)),
+                dtype=rng.choice(("float32", "bfloat16")),
+                shape=(rng.randrange(5), rng.randrange(5)),
+            )
+            bucket = Bucket(
+                handle=rng.choice(("/dev/shm/omni-fuzz-gone", "../../etc/passwd", "x")),
+                nbytes=spec.nbytes + rng.randrange(64),
+                sender_pid=rng.randrange(1, 1 << 22),
+                tensors=(spec,),
+            )
+            source = rng.choice(
+                (DiskSource(path="/nonexistent/ckpt"), ShmSource(buckets=(bucket,)), CollectiveSource(tensors=(spec,)))
+            )
             return UpdateWeights(task_id=task_id, epoch=epoch, version=rng.randrange(1, 1 << 20), source=source)
         if kind is ShareWeights:
             return ShareWeights(task_id=task_id, epoch=epoch, bucket_bytes=rng.choice((1, 4096, 256 << 20)))
         if kind is InitWeightGroup:
             # nccl: a CPU rank refuses it before any rendezvous. A gloo one would wait for a
             # trainer up to timeout_s, blocking the rank as a waiting Wake does (not fuzzed either).
-            return InitWeightGroup(task_id=task_id, epoch=epoch, group="fuzz", address="127.0.0.1",
-                                   port=rng.randrange(20000, 60000), world_size=2, rank_offset=1, backend="nccl",
-                                   timeout_s=0.2)
+            return InitWeightGroup(
+                task_id=task_id,
+                epoch=epoch,
+                group="fuzz",
+                address="127.0.0.1",
+                port=rng.randrange(20000, 60000),
+                world_size=2,
+                rank_offset=1,
+                backend="nccl",
+                timeout_s=0.2,
+            )
         raise TypeError(f"not a weight command: {kind!r}")
 
     def _valid_message(self, ctx: FuzzContext, kind: type[Message] | None) -> Message:
@@ -239,29 +340,65 @@ class FrameGenerator:
         if kind is Shutdown:
             return Shutdown(task_id=task_id, epoch=epoch)
         if kind is Profile:  # prefixes a worker must refuse (INVALID_ARGUMENT) among usable ones
-            return Profile(task_id=task_id, epoch=epoch, start=rng.random() < 0.5,
-                           prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")))
+            return Profile(
+                task_id=task_id,
+                epoch=epoch,
+                start=rng.random() < 0.5,
+                prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")),
+            )
         if kind in _WEIGHT_TYPES:
             return self._weight_message(task_id, epoch, kind, rng)
         rank = rng.randrange(max(1, ctx.ranks) + 1)
         state = rng.choice(list(WorkerState))
         if kind is Ack:
-            memory = None if rng.random() < 0.5 else MemoryReport(
-                pool_bytes_before={t: rng.randrange(1 << 30) for t in ctx.tags},
-                pool_bytes_after={t: 0 for t in ctx.tags}, process_bytes_before=rng.randrange(1 << 34),
-                process_bytes_after=None, process_bytes_source=rng.choice(("nvml", "torch", "none")))  # fmt: skip
-            return Ack(task_id=task_id, epoch=epoch, rank=rank, command=self._command_name(), state=state,
-                       status=rng.choice(list(AckStatus)), asleep_tags=tuple(rng.sample(ctx.tags, rng.randrange(3))),
-                       memory=memory, duration_s=rng.random())  # fmt: skip
+            memory = (
+                None
+                if rng.random() < 0.5
+                else MemoryReport(
+                    pool_bytes_before={t: rng.randrange(1 << 30) for t in ctx.tags},
+                    pool_bytes_after={t: 0 for t in ctx.tags},
+                    process_bytes_before=rng.randrange(1 << 34),
+                    process_bytes_after=None,
+                    process_bytes_source=rng.choice(("nvml", "torch", "none")),
+                )
+            )
+            return Ack(
+                task_id=task_id,
+                epoch=epoch,
+                rank=rank,
+                command=self._command_name(),
+                state=state,
+                status=rng.choice(list(AckStatus)),
+                asleep_tags=tuple(rng.sample(ctx.tags, rng.randrange(3))),
+                memory=memory,
+                duration_s=rng.random(),
+            )
         if kind is Nack:
-            return Nack(task_id=task_id, epoch=epoch, rank=rank, command=self._command_name(),
-                        reason=rng.choice(list(NackReason)), detail="fuzz", state=state)  # fmt: skip
+            return Nack(
+                task_id=task_id,
+                epoch=epoch,
+                rank=rank,
+                command=self._command_name(),
+                reason=rng.choice(list(NackReason)),
+                detail="fuzz",
+                state=state,
+            )
         if kind is Result:
             return Result(task_id=task_id, epoch=epoch, rank=rank, output=self._payload(), duration_s=rng.random())
         pid = ctx.pids[rng.randrange(1 << 16) % len(ctx.pids)] if ctx.pids and rng.random() < 0.7 else 4242
-        return Hello(task_id="hello", epoch=epoch, rank=rank, stage=ctx.stage if rng.random() < 0.8 else "other",
-                     proof="".join(rng.choice("0123456789abcdef") for _ in range(64)), pid=pid, device="cpu",
-                     backend="portable", tags=ctx.tags, capabilities=(Capability.LEVEL2,), state=state)  # fmt: skip
+        return Hello(
+            task_id="hello",
+            epoch=epoch,
+            rank=rank,
+            stage=ctx.stage if rng.random() < 0.8 else "other",
+            proof="".join(rng.choice("0123456789abcdef") for _ in range(64)),
+            pid=pid,
+            device="cpu",
+            backend="portable",
+            tags=ctx.tags,
+            capabilities=(Capability.LEVEL2,),
+            state=state,
+        )
 
     # ------------------------------------------------------------------ strategies
 
@@ -280,8 +417,11 @@ class FrameGenerator:
             mutation(self, pairs, ctx)
         top: Any = _pairs_map(pairs)
         if rng.random() < 0.1:
-            top = Map(top.pairs, claimed_len=len(top.pairs) + rng.choice((-1, 1, 2, 1 << 20, 2**32 - 1)),
-                      width=rng.choice(LENGTH_WIDTHS))  # fmt: skip
+            top = Map(
+                top.pairs,
+                claimed_len=len(top.pairs) + rng.choice((-1, 1, 2, 1 << 20, 2**32 - 1)),
+                width=rng.choice(LENGTH_WIDTHS),
+            )
             names.append("map_len_lie")
         data = pack(top)
         data, extra = self._byte_level(data)
@@ -549,8 +689,9 @@ def _m_wrong_type(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext)
 
 def _m_retag(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
     rng = gen.rng
-    tag = rng.choice((*_TAGS, "sleep", "Message", "Command", "Reply", "MemoryReport", "", 7, None,
-                      Str(b"Sl\xffeep"), ["Sleep"]))  # fmt: skip
+    tag = rng.choice(
+        (*_TAGS, "sleep", "Message", "Command", "Reply", "MemoryReport", "", 7, None, Str(b"Sl\xffeep"), ["Sleep"])
+    )
     pairs[0][1] = tag
     if rng.random() < 0.2:  # the tag somewhere else than first
         pairs.append(pairs.pop(0))
@@ -611,16 +752,38 @@ def _m_ext(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> Non
 
 def _m_detail_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
     rng = gen.rng
-    _set(pairs, rng.choice(("detail", "proof", "stage", "device", "backend")),
-         rng.choice(("x" * 4096, "x" * 4097, "\u00e9" * 4096, "y" * 129, "z" * 65, "")))  # fmt: skip
+    _set(
+        pairs,
+        rng.choice(("detail", "proof", "stage", "device", "backend")),
+        rng.choice(("x" * 4096, "x" * 4097, "\u00e9" * 4096, "y" * 129, "z" * 65, "")),
+    )
 
 
 _FIELD_MUTATIONS = (
-    _m_bad_utf8_value, _m_bad_utf8_value, _m_bad_utf8_key, _m_int_edge, _m_int_edge, _m_epoch, _m_epoch,
-    _m_enum_unknown, _m_extra_field, _m_duplicate_key, _m_wrong_type, _m_wrong_type, _m_retag, _m_version,
-    _m_drop_field, _m_drop_field, _m_noncanonical, _m_float_edge, _m_task_id_edge, _m_tags_edge, _m_source_edge,
-    _m_ext, _m_detail_edge,
-)  # fmt: skip
+    _m_bad_utf8_value,
+    _m_bad_utf8_value,
+    _m_bad_utf8_key,
+    _m_int_edge,
+    _m_int_edge,
+    _m_epoch,
+    _m_epoch,
+    _m_enum_unknown,
+    _m_extra_field,
+    _m_duplicate_key,
+    _m_wrong_type,
+    _m_wrong_type,
+    _m_retag,
+    _m_version,
+    _m_drop_field,
+    _m_drop_field,
+    _m_noncanonical,
+    _m_float_edge,
+    _m_task_id_edge,
+    _m_tags_edge,
+    _m_source_edge,
+    _m_ext,
+    _m_detail_edge,
+)
 _TAGS: tuple[str, ...] = tuple(t.__name__ for t in MESSAGE_TYPES)
 _FIELD_NAMES: tuple[str, ...] = tuple(sorted({f.name for t in MESSAGE_TYPES for f in msgspec.structs.fields(t)}))
 MUTATION_NAMES: tuple[str, ...] = tuple(sorted({m.__name__.removeprefix("_m_") for m in _FIELD_MUTATIONS}))

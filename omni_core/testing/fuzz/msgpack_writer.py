@@ -23,9 +23,15 @@ UINT_MAX = 2**64 - 1
 # same number and must be accepted; they exercise the decoder's other paths).
 INT_WIDTHS = ("fix", "u8", "u16", "u32", "u64", "i8", "i16", "i32", "i64")
 _INT_FORMATS = {
-    "u8": (0xCC, ">B"), "u16": (0xCD, ">H"), "u32": (0xCE, ">I"), "u64": (0xCF, ">Q"),
-    "i8": (0xD0, ">b"), "i16": (0xD1, ">h"), "i32": (0xD2, ">i"), "i64": (0xD3, ">q"),
-}  # fmt: skip
+    "u8": (0xCC, ">B"),
+    "u16": (0xCD, ">H"),
+    "u32": (0xCE, ">I"),
+    "u64": (0xCF, ">Q"),
+    "i8": (0xD0, ">b"),
+    "i16": (0xD1, ">h"),
+    "i32": (0xD2, ">i"),
+    "i64": (0xD3, ">q"),
+}
 # Header bytes for str/bin/array/map by width; "fix" only where the length fits.
 LENGTH_WIDTHS = ("fix", "8", "16", "32")
 
@@ -128,8 +134,9 @@ class Map(_Node):
 
     __slots__ = ("claimed_len", "pairs", "width")
 
-    def __init__(self, pairs: tuple[tuple[Any, Any], ...], claimed_len: int | None = None,
-                 width: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, pairs: tuple[tuple[Any, Any], ...], claimed_len: int | None = None, width: str | None = None
+    ) -> None:
         self.pairs = pairs
         self.claimed_len = claimed_len
         self.width = width

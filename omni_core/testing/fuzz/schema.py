@@ -64,16 +64,61 @@ OPEN_ARRAY_LENGTHS = (0, 1, 16, 17, 1000)
 # bidi overrides, zero-width joiners, combining marks, the replacement character,
 # non-characters, and astral-plane characters (two UTF-16 units).
 HOSTILE_CHARS = (
-    "\x00", "\x01", "\t", "\n", "\r", "\x1b", "\x7f", "\x85", "\x9f", "\u00a0", "\u00e9", "\u0301", "\u200b",
-    "\u200d", "\u202e", "\u2028", "\ufeff", "\ufffd", "\uffff", "\U0001f600", "\U0010ffff", "\u0663", "\u00b2",
-    "/", "..", "%", "{", "\\", "'", '"',
-)  # fmt: skip
+    "\x00",
+    "\x01",
+    "\t",
+    "\n",
+    "\r",
+    "\x1b",
+    "\x7f",
+    "\x85",
+    "\x9f",
+    "\u00a0",
+    "\u00e9",
+    "\u0301",
+    "\u200b",
+    "\u200d",
+    "\u202e",
+    "\u2028",
+    "\ufeff",
+    "\ufffd",
+    "\uffff",
+    "\U0001f600",
+    "\U0010ffff",
+    "\u0663",
+    "\u00b2",
+    "/",
+    "..",
+    "%",
+    "{",
+    "\\",
+    "'",
+    '"',
+)
 SURROGATES = ("\ud800", "\udbff", "\udc00", "\udfff")
 # One value of each msgpack type: a field gets each type it does not declare.
 WRONG_TYPES: tuple[Any, ...] = (
-    None, True, False, 0, -1, UINT_MAX, -(2**63), 1.5, math.nan, "", "x", b"", b"\x00bin", [], [1, "a"], {},
-    {"k": 1}, Ext(1, b"x"), Ext(-1, b"\x00" * 12), Raw(b"\xc1"),
-)  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    -1,
+    UINT_MAX,
+    -(2**63),
+    1.5,
+    math.nan,
+    "",
+    "x",
+    b"",
+    b"\x00bin",
+    [],
+    [1, "a"],
+    {},
+    {"k": 1},
+    Ext(1, b"x"),
+    Ext(-1, b"\x00" * 12),
+    Raw(b"\xc1"),
+)
 # Depths of a payload around the protocol's limit, and far beyond any stack.
 DEPTHS = (MAX_PAYLOAD_DEPTH - 1, MAX_PAYLOAD_DEPTH, MAX_PAYLOAD_DEPTH + 1, 500, 986, 1000, 5000, 100_000)
 SCHEMA_SHARE_DEFAULT = 0.5
@@ -93,16 +138,21 @@ class SchemaFrameGenerator(FrameGenerator):
     """FrameGenerator plus the strategy "schema" (see the module doc); `schema_share` of all
     frames come from it, the rest from the hand-built strategies as before."""
 
-    def __init__(self, seed: int, config: GeneratorConfig | None = None, *,
-                 schema_share: float = SCHEMA_SHARE_DEFAULT) -> None:  # fmt: skip
+    def __init__(
+        self, seed: int, config: GeneratorConfig | None = None, *, schema_share: float = SCHEMA_SHARE_DEFAULT
+    ) -> None:
         config = config or GeneratorConfig()
         if schema_share > 0:
             # The hand-built strategies keep their relative weights; "schema" takes its share.
             others = {k: w for k, w in config.mix.items() if k != "schema"} if schema_share < 1 else {}
             weight = sum(others.values()) * schema_share / (1.0 - schema_share) if others else 1.0
-            config = GeneratorConfig(direction=config.direction, big_frame_rate=config.big_frame_rate,
-                                     socket_drop_frames=config.socket_drop_frames, mix={**others, "schema": weight},
-                                     history_frames=config.history_frames)  # fmt: skip
+            config = GeneratorConfig(
+                direction=config.direction,
+                big_frame_rate=config.big_frame_rate,
+                socket_drop_frames=config.socket_drop_frames,
+                mix={**others, "schema": weight},
+                history_frames=config.history_frames,
+            )
         super().__init__(seed, config)
         self._long_arrays_left = 1  # per frame (see _schema_frame)
         types = COMMAND_TYPES if config.direction == "worker" else REPLY_TYPES
@@ -144,8 +194,23 @@ class SchemaFrameGenerator(FrameGenerator):
             names.append(f"{other.name}:{other_label}")
         roll = rng.random()
         if roll < 0.05:
-            _set(pairs, "type", rng.choice(("Bogus", "", "ack", "Sleep\x00", "\u00c5ck", cls.__name__ + "X",
-                                            rng.choice(MESSAGE_TYPES).__name__, 7, None)))  # fmt: skip
+            _set(
+                pairs,
+                "type",
+                rng.choice(
+                    (
+                        "Bogus",
+                        "",
+                        "ack",
+                        "Sleep\x00",
+                        "\u00c5ck",
+                        cls.__name__ + "X",
+                        rng.choice(MESSAGE_TYPES).__name__,
+                        7,
+                        None,
+                    )
+                ),
+            )
             names.append("tag")
         elif roll < 0.08:
             pairs.append([rng.choice(("extra", "", "\x00", "type2", "V")), rng.choice(WRONG_TYPES)])
@@ -181,8 +246,9 @@ class SchemaFrameGenerator(FrameGenerator):
             return rng.choice((pick, pick + 1 if isinstance(pick, int) else pick, 0, -1, str(pick), 3, True)), "literal"
         if isinstance(t, mi.EnumType):
             member = rng.choice(list(t.cls)).value
-            return rng.choice((member, member.lower(), member + "\x00", " " + member, "BOGUS", "", 0,
-                               member.replace("A", "\u0391"))), "enum"  # fmt: skip
+            return rng.choice(
+                (member, member.lower(), member + "\x00", " " + member, "BOGUS", "", 0, member.replace("A", "\u0391"))
+            ), "enum"
         if isinstance(t, mi.NoneType):
             return None, "none"
         if isinstance(t, (mi.VarTupleType, mi.ListType, mi.SetType, mi.FrozenSetType, mi.TupleType)):
@@ -225,8 +291,11 @@ class SchemaFrameGenerator(FrameGenerator):
     def _int(self, t: mi.IntType, rng: random.Random) -> tuple[Any, str]:
         bounds = [b for b in (t.ge, t.le, t.gt, t.lt) if b is not None]
         near = [b + d for b in bounds for d in (-1, 0, 1)]
-        value = rng.choice((*near, *INT_EDGES, 0, -1, -(2**63), UINT_MAX)) if near else rng.choice(
-            (*INT_EDGES, 0, -1, -(2**63), UINT_MAX))  # fmt: skip
+        value = (
+            rng.choice((*near, *INT_EDGES, 0, -1, -(2**63), UINT_MAX))
+            if near
+            else rng.choice((*INT_EDGES, 0, -1, -(2**63), UINT_MAX))
+        )
         if rng.random() < 0.2 and -(2**63) <= value <= UINT_MAX:
             return Int(value, rng.choice(INT_WIDTHS)), "int_width"
         return value, "int_bound" if value in near else "int_edge"
@@ -234,8 +303,9 @@ class SchemaFrameGenerator(FrameGenerator):
     def _float(self, t: mi.FloatType, rng: random.Random) -> tuple[Any, str]:
         bounds = [b for b in (t.ge, t.le, t.gt, t.lt) if b is not None]
         near = [x for b in bounds for x in (math.nextafter(b, -math.inf), float(b), math.nextafter(b, math.inf))]
-        value = rng.choice((*near, math.nan, -math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308,
-                            -1.0, 1e-300))  # fmt: skip
+        value = rng.choice(
+            (*near, math.nan, -math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308, -1.0, 1e-300)
+        )
         return Float(value, single=rng.random() < 0.2), "float_bound" if value in near else "float_edge"
 
     def _array(self, t: Any, rng: random.Random, depth: int) -> tuple[Any, str]:
@@ -244,8 +314,7 @@ class SchemaFrameGenerator(FrameGenerator):
             if rng.random() < 0.5:
                 items = items[: rng.randrange(len(items) + 1)] + [None] * rng.randrange(2)
             return items, "tuple_shape"
-        length = self._length(getattr(t, "min_length", None), getattr(t, "max_length", None), OPEN_ARRAY_LENGTHS,
-                              rng)  # fmt: skip
+        length = self._length(getattr(t, "min_length", None), getattr(t, "max_length", None), OPEN_ARRAY_LENGTHS, rng)
         if length > 64:
             if self._long_arrays_left <= 0:
                 length = rng.choice((0, 1, 3))
@@ -283,8 +352,10 @@ class SchemaFrameGenerator(FrameGenerator):
             value = rng.choice(WRONG_TYPES) if rng.random() < 0.5 else self.random_value(2)
             return {"seed": rng.randrange(100), "batch": 1, rng.choice(HOSTILE_CHARS): value}, "any_beside"
         if kind == 2:
-            return {"seed": rng.choice((UINT_MAX, -(2**63), math.nan, "7", None, [])), "batch": rng.choice(
-                (0, -1, 1, UINT_MAX, 1.5, math.inf))}, "any_request_fields"  # fmt: skip
+            return {
+                "seed": rng.choice((UINT_MAX, -(2**63), math.nan, "7", None, [])),
+                "batch": rng.choice((0, -1, 1, UINT_MAX, 1.5, math.inf)),
+            }, "any_request_fields"
         if kind == 3:
             return self.random_value(4), "any_random"
         return Deep(MAX_PAYLOAD_DEPTH - 2, leaf={"seed": 2, "batch": 1}), "any_depth_at_limit"

@@ -136,8 +136,9 @@ class WorkerFuzzer:
         self.config = config
         self.emit = emit
         self.report = FuzzReport.for_run("worker", config)
-        self.generator = make_generator(config.seed, "worker", config.schema_share,
-                                        socket_drop_frames=config.socket_drop_frames)  # fmt: skip
+        self.generator = make_generator(
+            config.seed, "worker", config.schema_share, socket_drop_frames=config.socket_drop_frames
+        )
         self.directory = tempfile.mkdtemp(prefix="omni-fz-", dir="/tmp")
         self.ctx = zmq.Context()
         address = ipc_address(self.directory) if config.transport == "ipc" else "tcp://127.0.0.1:*"
@@ -204,8 +205,10 @@ class WorkerFuzzer:
     def _progress_extra(self) -> str:
         r = self.report
         rss = rss_bytes(self._pid) if self.proc else None
-        return (f"{r.replies} replies, {r.crashes} crashes, {r.hangs} hangs, {r.violations} violations, "
-                f"worker RSS {0 if rss is None else rss >> 20} MiB, epoch {self.epoch}")  # fmt: skip
+        return (
+            f"{r.replies} replies, {r.crashes} crashes, {r.hangs} hangs, {r.violations} violations, "
+            f"worker RSS {0 if rss is None else rss >> 20} MiB, epoch {self.epoch}"
+        )
 
     @property
     def _pid(self) -> int:
@@ -216,14 +219,26 @@ class WorkerFuzzer:
 
     def _start_worker(self) -> None:
         cfg = self.config
-        config = {"address": self.address, "rank": 0, "epoch": self.epoch, "stage": "fuzz", "runner": "synthetic",
-                  "runner_args": cfg.runner_args, "backend": "portable", "device": "cpu",
-                  "max_frame_bytes": cfg.max_frame_bytes, "parent_check_interval_s": 0.5,
-                  "parent_pid": os.getpid()}  # fmt: skip
+        config = {
+            "address": self.address,
+            "rank": 0,
+            "epoch": self.epoch,
+            "stage": "fuzz",
+            "runner": "synthetic",
+            "runner_args": cfg.runner_args,
+            "backend": "portable",
+            "device": "cpu",
+            "max_frame_bytes": cfg.max_frame_bytes,
+            "parent_check_interval_s": 0.5,
+            "parent_pid": os.getpid(),
+        }
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "omni_core.workers", "--config",
-                                          msgspec.json.encode(config).decode()],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         deadline_at = time.monotonic() + START_TIMEOUT_S
         while True:
             left_ms = int((deadline_at - time.monotonic()) * 1000)
@@ -288,8 +303,11 @@ class WorkerFuzzer:
         raised = log_tail(self.log_path, 1_000_000).count(LOG_MARK)
         report.extra["handler_raised_log_lines"] = raised
         if raised:
-            self._violation("handler_raised", f"{raised} frame(s) raised in a handler of the worker's loop (caught "
-                            f"and answered by its isolation; see the log):\n{self._log_tail()}")  # fmt: skip
+            self._violation(
+                "handler_raised",
+                f"{raised} frame(s) raised in a handler of the worker's loop (caught "
+                f"and answered by its isolation; see the log):\n{self._log_tail()}",
+            )
         report.settle_memory()
         report.replies_by_type.update({f"Nack:{k}": v for k, v in sorted(self._nack_reasons.items())})
         report.extra["shutdowns_withheld"] = self._withheld
@@ -312,8 +330,14 @@ class WorkerFuzzer:
         while sent < frames:
             while len(self.expect) >= cfg.window_frames:
                 self._receive(block=True)
-            ctx = FuzzContext(epoch=self.epoch, stage="fuzz", ranks=1, tags=("weights", "kv_cache"),
-                              task_ids=self._recent_task_ids, max_frame_bytes=cfg.max_frame_bytes)  # fmt: skip
+            ctx = FuzzContext(
+                epoch=self.epoch,
+                stage="fuzz",
+                ranks=1,
+                tags=("weights", "kv_cache"),
+                task_ids=self._recent_task_ids,
+                max_frame_bytes=cfg.max_frame_bytes,
+            )
             number = report.frames_sent + 1
             if cfg.big_every_frames and number % cfg.big_every_frames == 0:
                 frame = self.generator._big(ctx)
@@ -417,8 +441,9 @@ class WorkerFuzzer:
         try:
             reply = decode(data)
         except ProtocolError as err:
-            self._violation("undecodable_reply", f"the worker sent bytes our codec refuses: {err.detail}",
-                            Frame((data,), "reply"))  # fmt: skip
+            self._violation(
+                "undecodable_reply", f"the worker sent bytes our codec refuses: {err.detail}", Frame((data,), "reply")
+            )
             return None
         count(self.report.replies_by_type, type(reply).__name__)
         if isinstance(reply, Nack):
@@ -430,8 +455,11 @@ class WorkerFuzzer:
             if _matches(expect, reply):
                 for _ in range(index):  # frames before it got no reply
                     missed = self.expect.popleft()
-                    self._violation("missing_reply", f"no reply to a frame expecting {missed.command} "
-                                    f"task_id={missed.task_id!r}", missed.frame)  # fmt: skip
+                    self._violation(
+                        "missing_reply",
+                        f"no reply to a frame expecting {missed.command} task_id={missed.task_id!r}",
+                        missed.frame,
+                    )
                 self.expect.popleft()
                 self._check_reply(expect, reply)
                 return
@@ -442,20 +470,25 @@ class WorkerFuzzer:
             self._oracle_reply = reply
         if expect.command == "?":
             if not (isinstance(reply, Nack) and reply.reason is expect.reason):
-                self._violation("wrong_reply", f"bytes the codec refuses ({expect.reason}) got {_short(reply)}",
-                                expect.frame)  # fmt: skip
+                self._violation(
+                    "wrong_reply", f"bytes the codec refuses ({expect.reason}) got {_short(reply)}", expect.frame
+                )
             self._follow_state(reply)
             return
         if isinstance(reply, Nack) and reply.reason in (NackReason.BAD_MESSAGE, NackReason.UNSUPPORTED_VERSION):
-            self._violation("wrong_reply", f"a valid {expect.command} was refused as {reply.reason.value}: "
-                            f"{reply.detail[:200]}", expect.frame)  # fmt: skip
+            self._violation(
+                "wrong_reply",
+                f"a valid {expect.command} was refused as {reply.reason.value}: {reply.detail[:200]}",
+                expect.frame,
+            )
         if isinstance(reply, Result) and expect.command != "Execute":
             self._violation("wrong_reply", f"a Result for a {expect.command}", expect.frame)
         if isinstance(reply, Nack) and reply.reason is NackReason.BACKEND_ERROR:
             # A command's arguments put the rank in FAILED: the runner or backend raised where
             # it should have refused (INVALID_ARGUMENT) or served. This frame is the reproducer.
-            self._violation("backend_error", f"{expect.command} left the worker FAILED: {reply.detail[:600]}",
-                            expect.frame)  # fmt: skip
+            self._violation(
+                "backend_error", f"{expect.command} left the worker FAILED: {reply.detail[:600]}", expect.frame
+            )
         self._follow_state(reply)
         command = expect.message
         if isinstance(command, ReloadWeights) and isinstance(reply, Ack) and command.source is not None:
@@ -477,8 +510,13 @@ class WorkerFuzzer:
             code = self.proc.returncode
             self.report.crashes += 1
             last = [e.frame for e in list(self.expect)[-8:]]
-            self.report.add_finding(Finding("crash", f"the worker exited with code {code}; last log lines:\n"
-                                            f"{self._log_tail()}", *_frames_hex(last)))  # fmt: skip
+            self.report.add_finding(
+                Finding(
+                    "crash",
+                    f"the worker exited with code {code}; last log lines:\n{self._log_tail()}",
+                    *_frames_hex(last),
+                )
+            )
             self._write_reproducer("crash", last)
             self.expect.clear()
             raise _Crash
@@ -524,8 +562,11 @@ class WorkerFuzzer:
         itself up at its first start (about 70 MiB on CPU, kept for the process's life), which
         counted as growth whenever a fuzzed Profile happened to start it after the warm-up."""
         for start in (True, False):
-            reply = self._lockstep(Profile(task_id=self._task_id("profile"), epoch=self.epoch, start=start,
-                                           prefix="warmup" if start else None))  # fmt: skip
+            reply = self._lockstep(
+                Profile(
+                    task_id=self._task_id("profile"), epoch=self.epoch, start=start, prefix="warmup" if start else None
+                )
+            )
             self._expect_ack(reply, "Profile")
 
     def _to_active(self) -> None:
@@ -541,8 +582,9 @@ class WorkerFuzzer:
                 if self._expect_ack(reply, "ReloadWeights"):
                     self.weights_dirty = False
             else:
-                self._violation("worker_state", f"the worker is {self.state.value} after fuzzed frames; "
-                                f"log:\n{self._log_tail(10)}")  # fmt: skip
+                self._violation(
+                    "worker_state", f"the worker is {self.state.value} after fuzzed frames; log:\n{self._log_tail(10)}"
+                )
                 raise _Crash
         self._violation("worker_state", f"the worker did not return to ACTIVE (now {self.state.value})")
 
@@ -561,8 +603,9 @@ class WorkerFuzzer:
             self.report.valid_answered += 1
         else:
             want = f"Ack {command}" + (f" -> {state.value}" if state else "")
-            self._violation("wrong_reply", f"the oracle's {command} (epoch {self.epoch}) got {_short(reply)}, "
-                            f"expected {want}")  # fmt: skip
+            self._violation(
+                "wrong_reply", f"the oracle's {command} (epoch {self.epoch}) got {_short(reply)}, expected {want}"
+            )
         return ok
 
     def _lockstep(self, command: Command) -> Message:
@@ -572,8 +615,9 @@ class WorkerFuzzer:
         self.generator.remember_valid(data)
         self._oracle_reply = None
         self._send((data,))
-        self.expect.append(_Expect(Frame((data,), "oracle"), command.task_id, type(command).__name__,
-                                   message=command, oracle=True))  # fmt: skip
+        self.expect.append(
+            _Expect(Frame((data,), "oracle"), command.task_id, type(command).__name__, message=command, oracle=True)
+        )
         self._sync()
         reply = self._oracle_reply
         if reply is None:  # its expectation was passed over: a violation is recorded already
@@ -619,8 +663,9 @@ class WorkerFuzzer:
     def _recent_task_ids(self) -> tuple[str, ...]:
         """Task ids the worker knows: the oracle's recent ones (duplicates of real tasks)."""
         serial = self._oracle_serial
-        return tuple(f"{kind}-{n}" for n in range(max(0, serial - 4), serial + 1)
-                     for kind in ("probe", "exec", "sleep", "wake"))  # fmt: skip
+        return tuple(
+            f"{kind}-{n}" for n in range(max(0, serial - 4), serial + 1) for kind in ("probe", "exec", "sleep", "wake")
+        )
 
     def _task_id(self, kind: str) -> str:
         """A fresh id for the oracle, never one a fuzzed frame already gave the worker (a bit

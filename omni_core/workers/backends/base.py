@@ -134,11 +134,14 @@ class MemoryBackend(ABC):
         tags = frozenset(tags)
         self._check_links(links)
         if tags - self.asleep:
-            raise BackendStateError(f"tag(s) {sorted(tags - self.asleep)} are not asleep "
-                                    f"(asleep: {sorted(self.asleep)})")  # fmt: skip
+            raise BackendStateError(
+                f"tag(s) {sorted(tags - self.asleep)} are not asleep (asleep: {sorted(self.asleep)})"
+            )
         if gate is not None and not self.supports_memory_gate:
-            raise BackendStateError(f"backend {self.name!r} cannot wait for device memory (no memory gate); "
-                                    "wake it without wait_for_memory_s")  # fmt: skip
+            raise BackendStateError(
+                f"backend {self.name!r} cannot wait for device memory (no memory gate); "
+                "wake it without wait_for_memory_s"
+            )
         try:
             if links:
                 self._wake(tags, gate, links)  # type: ignore[call-arg]  # supports_links backends

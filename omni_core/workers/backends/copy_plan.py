@@ -75,7 +75,6 @@ def plan_copies(spans: Sequence[tuple[int, int, int]], chunk_bytes: int) -> list
     return copies
 
 
-
 class RestoreCopies:
     """The host->device copies of a wake: contiguous allocations join one run, and a run
     goes out (cut into chunks, spread over the lanes) once it holds `chunk_bytes` or the

@@ -25,13 +25,22 @@ class _Location(ctypes.Structure):
 
 
 class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]  # fmt: skip
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
 
 
 class _AllocProp(ctypes.Structure):  # CUmemAllocationProp
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]  # fmt: skip
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
 
 
 class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
@@ -82,8 +91,7 @@ class CudaDriver:
             name, text = ctypes.c_char_p(), ctypes.c_char_p()
             self.cu.cuGetErrorName(rc, ctypes.byref(name))
             self.cu.cuGetErrorString(rc, ctypes.byref(text))
-            raise CudaDriverError(f"{what} failed: {(name.value or b'?').decode()} "
-                                  f"({(text.value or b'?').decode()})")  # fmt: skip
+            raise CudaDriverError(f"{what} failed: {(name.value or b'?').decode()} ({(text.value or b'?').decode()})")
 
     def ensure_context(self, device: int) -> None:
         """The device's primary context current on this thread (a thread torch never used has none)."""
@@ -96,15 +104,19 @@ class CudaDriver:
     def _prop(self, device: int) -> tuple[_AllocProp, _AccessDesc]:
         if device not in self._props:
             where = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device)
-            self._props[device] = (_AllocProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED, location=where),
-                                   _AccessDesc(location=where, flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE))  # fmt: skip
+            self._props[device] = (
+                _AllocProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED, location=where),
+                _AccessDesc(location=where, flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
+            )
         return self._props[device]
 
     def reserve(self, nbytes: int) -> int:
         """A virtual address range of `nbytes` (no memory behind it yet)."""
         ptr = ctypes.c_uint64()
-        self.check(self.cu.cuMemAddressReserve(ctypes.byref(ptr), nbytes, _ADDRESS_ALIGNMENT_BYTES, 0, 0),
-                   f"cuMemAddressReserve of {nbytes} bytes")  # fmt: skip
+        self.check(
+            self.cu.cuMemAddressReserve(ctypes.byref(ptr), nbytes, _ADDRESS_ALIGNMENT_BYTES, 0, 0),
+            f"cuMemAddressReserve of {nbytes} bytes",
+        )
         return ptr.value
 
     def free_range(self, ptr: int, nbytes: int) -> None:
@@ -114,8 +126,9 @@ class CudaDriver:
         """Create `nbytes` of device memory, map it at `ptr`, give the device access; the
         physical handle goes into `cell`. Nothing stays allocated when a step fails."""
         prop, access = self._prop(device)
-        self.check(self.cu.cuMemCreate(ctypes.byref(cell), nbytes, ctypes.byref(prop), 0),
-                   f"cuMemCreate of {nbytes} bytes")  # fmt: skip
+        self.check(
+            self.cu.cuMemCreate(ctypes.byref(cell), nbytes, ctypes.byref(prop), 0), f"cuMemCreate of {nbytes} bytes"
+        )
         mapped = False
         try:
             self.check(self.cu.cuMemMap(ptr, nbytes, 0, cell.value, 0), f"cuMemMap of {nbytes} bytes")

@@ -23,8 +23,10 @@ def _find_cudart() -> str:
             path = line.split()[-1] if "/" in line else ""
             if "libcudart" in os.path.basename(path):
                 return path
-    raise RuntimeError("libcudart is not loaded in this process (torch links it statically?); "
-                       "the fast backend needs cudaMemcpyAsync and cudaHostRegister from it")  # fmt: skip
+    raise RuntimeError(
+        "libcudart is not loaded in this process (torch links it statically?); "
+        "the fast backend needs cudaMemcpyAsync and cudaHostRegister from it"
+    )
 
 
 class CudaOps:
@@ -45,8 +47,16 @@ class CudaOps:
         rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), sz]
         rt.cudaFree.argtypes = [vp]
         rt.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
-        for fn in (rt.cudaMemcpyAsync, rt.cudaHostRegister, rt.cudaHostUnregister, rt.cudaHostAlloc, rt.cudaFreeHost,
-                   rt.cudaMalloc, rt.cudaFree, rt.cudaDeviceEnablePeerAccess):  # fmt: skip
+        for fn in (
+            rt.cudaMemcpyAsync,
+            rt.cudaHostRegister,
+            rt.cudaHostUnregister,
+            rt.cudaHostAlloc,
+            rt.cudaFreeHost,
+            rt.cudaMalloc,
+            rt.cudaFree,
+            rt.cudaDeviceEnablePeerAccess,
+        ):
             fn.restype = ctypes.c_int
         self._rt = rt
         self._stream_count = max(1, streams)
@@ -89,8 +99,10 @@ class CudaOps:
     def _enable_peer_access(self, peer: int) -> None:
         own = self.device.index if self.device.index is not None else torch.cuda.current_device()
         if not torch.cuda.can_device_access_peer(own, peer):
-            raise RuntimeError(f"cuda:{own} cannot access cuda:{peer} peer to peer (no NVLink or P2P between "
-                               "them): plan this copy on the direct link alone")  # fmt: skip
+            raise RuntimeError(
+                f"cuda:{own} cannot access cuda:{peer} peer to peer (no NVLink or P2P between "
+                "them): plan this copy on the direct link alone"
+            )
         for here, there in ((own, peer), (peer, own)):
             with torch.cuda.device(here):
                 rc = self._rt.cudaDeviceEnablePeerAccess(there, 0)
@@ -150,16 +162,19 @@ class CudaOps:
             self.wait(self.record(stream))
 
     def register(self, ptr: int, nbytes: int) -> None:
-        self._check(self._rt.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE),
-                    f"cudaHostRegister of {nbytes} bytes")  # fmt: skip
+        self._check(
+            self._rt.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE), f"cudaHostRegister of {nbytes} bytes"
+        )
 
     def unregister(self, ptr: int) -> None:
         self._check(self._rt.cudaHostUnregister(ptr), "cudaHostUnregister")
 
     def host_alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_void_p()
-        self._check(self._rt.cudaHostAlloc(ctypes.byref(ptr), nbytes, _HOST_REGISTER_PORTABLE),
-                    f"cudaHostAlloc of {nbytes} bytes")  # fmt: skip
+        self._check(
+            self._rt.cudaHostAlloc(ctypes.byref(ptr), nbytes, _HOST_REGISTER_PORTABLE),
+            f"cudaHostAlloc of {nbytes} bytes",
+        )
         return int(ptr.value or 0)
 
     def host_free(self, ptr: int) -> None:
@@ -183,9 +198,12 @@ def peer_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.numel() * dst.element_size() < nbytes:
         raise ValueError(f"peer copy of {nbytes} bytes into a tensor of {dst.numel() * dst.element_size()}")
     stream = torch.cuda.current_stream(dst.device)
-    rc = _peer_runtime.cudaMemcpyPeerAsync(dst.data_ptr(), dst.device.index, src.data_ptr(), src.device.index,
-                                           nbytes, stream.cuda_stream)  # fmt: skip
+    rc = _peer_runtime.cudaMemcpyPeerAsync(
+        dst.data_ptr(), dst.device.index, src.data_ptr(), src.device.index, nbytes, stream.cuda_stream
+    )
     if rc != 0:
-        raise RuntimeError(f"cudaMemcpyPeerAsync of {nbytes} bytes from cuda:{src.device.index} to "
-                           f"cuda:{dst.device.index} failed: CUDA error {rc}")  # fmt: skip
+        raise RuntimeError(
+            f"cudaMemcpyPeerAsync of {nbytes} bytes from cuda:{src.device.index} to "
+            f"cuda:{dst.device.index} failed: CUDA error {rc}"
+        )
     stream.synchronize()

@@ -50,26 +50,37 @@ def cumem_unavailable_reason(device: torch.device) -> str | None:
     that a missing piece fails the worker's Hello, never its first sleep."""
     device = torch.device(device)
     if device.type != "cuda":
-        return (f"the cumem backend needs a CUDA device but this worker is configured for "
-                f"device {str(device)!r}; set WorkerConfig.device='cuda' or use backend 'portable'")  # fmt: skip
+        return (
+            f"the cumem backend needs a CUDA device but this worker is configured for "
+            f"device {str(device)!r}; set WorkerConfig.device='cuda' or use backend 'portable'"
+        )
     if not torch.cuda.is_available():
-        build = ("a CPU-only build" if torch.version.cuda is None and torch.version.hip is None
-                 else f"built for CUDA {torch.version.cuda}")  # fmt: skip
-        return (f"torch {torch.__version__} ({build}) sees no CUDA device (torch.cuda.is_available() "
-                "is False); run on a machine with an NVIDIA GPU and a CUDA build of torch, or use "
-                "backend 'portable'")  # fmt: skip
+        build = (
+            "a CPU-only build"
+            if torch.version.cuda is None and torch.version.hip is None
+            else f"built for CUDA {torch.version.cuda}"
+        )
+        return (
+            f"torch {torch.__version__} ({build}) sees no CUDA device (torch.cuda.is_available() "
+            "is False); run on a machine with an NVIDIA GPU and a CUDA build of torch, or use "
+            "backend 'portable'"
+        )
     try:
         module = importlib.import_module(CUMEM_MODULE)
     except Exception as exc:  # ImportError, or vLLM failing its own import-time checks
         return f"cannot import {CUMEM_MODULE} ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
     if not getattr(module, "cumem_available", False):
-        return (f"{CUMEM_MODULE} imported but its C extension vllm.cumem_allocator did not load "
-                "(cumem_available is False); reinstall a vLLM wheel built for this CUDA and torch")  # fmt: skip
+        return (
+            f"{CUMEM_MODULE} imported but its C extension vllm.cumem_allocator did not load "
+            "(cumem_available is False); reinstall a vLLM wheel built for this CUDA and torch"
+        )
     allocator = getattr(module, "CuMemAllocator", None)
     missing = [name for name in _REQUIRED if not hasattr(allocator, name)]
     if allocator is None or missing:
-        return (f"this vLLM's CuMemAllocator lacks {missing or ['the class itself']}; omni-core "
-                f"supports the allocator of vLLM >= 0.26: {INSTALL_HINT}")  # fmt: skip
+        return (
+            f"this vLLM's CuMemAllocator lacks {missing or ['the class itself']}; omni-core "
+            f"supports the allocator of vLLM >= 0.26: {INSTALL_HINT}"
+        )
     return None
 
 
@@ -98,8 +109,7 @@ def handle_of(data: Any) -> Handle:
 
 class CumemBackend(MemoryBackend):
     name = "cumem"
-    capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE,
-                    Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)  # fmt: skip
+    capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)
     supports_memory_gate = True  # gated per allocation, before cuMemCreate/cuMemMap
 
     def __init__(self, device: torch.device, *, module: Any = None) -> None:
@@ -125,8 +135,7 @@ class CumemBackend(MemoryBackend):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _allocations(self, tags: frozenset[str] | set[str] | None = None) -> list[tuple[int, Any]]:
-        return [(ptr, data) for ptr, data in self.allocator.pointer_to_data.items()
-                if tags is None or data.tag in tags]  # fmt: skip
+        return [(ptr, data) for ptr, data in self.allocator.pointer_to_data.items() if tags is None or data.tag in tags]
 
     def _is_asleep(self, data: Any) -> bool:
         if hasattr(data, "is_asleep"):
@@ -160,8 +169,7 @@ class CumemBackend(MemoryBackend):
             self.allocator.sleep(offload_tags=tuple(sorted(offload)))
         elif nothing_asleep and self._has_keep_tags:
             self.sleep_paths.append("vllm-sleep-keep-tags")
-            self.allocator.sleep(offload_tags=tuple(sorted(offload)),
-                                 keep_tags=tuple(sorted(allocator_tags - tags)))  # fmt: skip
+            self.allocator.sleep(offload_tags=tuple(sorted(offload)), keep_tags=tuple(sorted(allocator_tags - tags)))
         else:
             self.sleep_paths.append("per-allocation")
             self._sleep_allocations(offload, tags)
@@ -217,8 +225,7 @@ class CumemBackend(MemoryBackend):
         return sum(handle_of(d).size for _, d in self._allocations({tag}) if not self._is_asleep(d))
 
     def _host_bytes(self) -> int:
-        return sum(d.cpu_backup_tensor.numel() for _, d in self._allocations()
-                   if d.cpu_backup_tensor is not None)  # fmt: skip
+        return sum(d.cpu_backup_tensor.numel() for _, d in self._allocations() if d.cpu_backup_tensor is not None)
 
     def release(self) -> None:
         super().release()

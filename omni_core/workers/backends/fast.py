@@ -53,12 +53,15 @@ class FastBackend(CumemBackend):
         if prepare not in PREPARE_MODES:
             raise ValueError(f"prepare={prepare!r}: use one of {PREPARE_MODES}")
         if host_memory is not None and prepare != "load":
-            raise ValueError(f"prepare={prepare!r} with a host-memory check: the check holds the host's "
-                             "arena lock through registration, so use prepare='load'")  # fmt: skip
+            raise ValueError(
+                f"prepare={prepare!r} with a host-memory check: the check holds the host's "
+                "arena lock through registration, so use prepare='load'"
+            )
         self.arena_tags = arena_tags
         self.prepare_mode = prepare
-        self.path = FastPath(self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes,
-                             map_with=map_with)  # fmt: skip
+        self.path = FastPath(
+            self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes, map_with=map_with
+        )
         self._host_memory = host_memory
         self.arena_choice: ArenaChoice | None = None
 
@@ -142,11 +145,18 @@ class FastBackend(CumemBackend):
 
     def stats(self) -> dict[str, Any]:
         s = self.path.stats
-        return {"arena_bytes": self.path.arena_bytes(), "arena_prepare_s": s.arena_prepare_s,
-                "arena_touch_s": s.arena_touch_s, "arena_register_s": s.arena_register_s,
-                "late_arena_bytes": s.late_arena_bytes, "late_arena_s": s.late_arena_s,
-                "snapshot_bytes": s.snapshot_bytes, "snapshot_s": s.snapshot_s, "last": dict(s.last),
-                "choice_reason": self.choice_reason}  # fmt: skip
+        return {
+            "arena_bytes": self.path.arena_bytes(),
+            "arena_prepare_s": s.arena_prepare_s,
+            "arena_touch_s": s.arena_touch_s,
+            "arena_register_s": s.arena_register_s,
+            "late_arena_bytes": s.late_arena_bytes,
+            "late_arena_s": s.late_arena_s,
+            "snapshot_bytes": s.snapshot_bytes,
+            "snapshot_s": s.snapshot_s,
+            "last": dict(s.last),
+            "choice_reason": self.choice_reason,
+        }
 
     def release(self) -> None:
         super().release()

@@ -136,8 +136,11 @@ class FastPath:
         self._unmap = (lambda h: raw_unmap(*h)) if raw_unmap is not None else module.unmap_and_release
         # The same driver calls made directly wake faster than through vLLM's extension
         # (cuda_driver.py); only for vLLM's own CUDA handles (device, size, d_mem, p_memHandle).
-        self.map_with = "driver" if map_with == "driver" and raw_map is not None and self.device.type == "cuda" \
-            and torch.version.hip is None else "vllm"  # fmt: skip
+        self.map_with = (
+            "driver"
+            if map_with == "driver" and raw_map is not None and self.device.type == "cuda" and torch.version.hip is None
+            else "vllm"
+        )
         if self.map_with == "driver":
             driver = CudaDriver()
             self._map = lambda h: driver.create_and_map(*h)
@@ -162,8 +165,9 @@ class FastPath:
 
     def allocations(self, tags: Iterable[str] | None = None) -> list[tuple[int, Any]]:
         wanted = None if tags is None else set(tags)
-        return sorted((ptr, d) for ptr, d in list(self.allocator.pointer_to_data.items())
-                      if wanted is None or d.tag in wanted)  # fmt: skip
+        return sorted(
+            (ptr, d) for ptr, d in list(self.allocator.pointer_to_data.items()) if wanted is None or d.tag in wanted
+        )
 
     def is_asleep(self, ptr: int, data: Any) -> bool:
         if hasattr(data, "is_asleep"):
@@ -233,8 +237,12 @@ class FastPath:
         self._clean.update(p for p, _ in allocs)
         self.stats.snapshot_bytes = sum(nbytes_of(d) for _, d in allocs)
         self.stats.snapshot_s = time.perf_counter() - started
-        log.info("fast backend: host copy of %.3f GiB of read-only %s made in %.3f s; their sleeps copy nothing",
-                 self.stats.snapshot_bytes / 2**30, list(tags), self.stats.snapshot_s)  # fmt: skip
+        log.info(
+            "fast backend: host copy of %.3f GiB of read-only %s made in %.3f s; their sleeps copy nothing",
+            self.stats.snapshot_bytes / 2**30,
+            list(tags),
+            self.stats.snapshot_s,
+        )
 
     def _issue_copies_out(self, copies: list[Copy], lanes: LanePicker | None = None) -> list[tuple[Lane, Any]]:
         """Start device->host `copies`, spread over the lanes (the direct streams when None);
@@ -293,8 +301,13 @@ class FastPath:
                 finally:
                     lane.close()
             except Exception as exc:
-                log.warning("fast backend: cuda:%s cannot relay this rank's copies (%s: %s); plans through it "
-                            "will run on the own link", peer, type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "fast backend: cuda:%s cannot relay this rank's copies (%s: %s); plans through it "
+                    "will run on the own link",
+                    peer,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def _close_relays(self, relays: list[RelayLane]) -> None:
         for relay in relays:
@@ -321,10 +334,16 @@ class FastPath:
         self.stats.arena_prepare_s = time.perf_counter() - started
         self.stats.arena_touch_s = arena.touch_s if arena else 0.0
         self.stats.arena_register_s = arena.register_s if arena else 0.0
-        log.info("fast backend: host arena of %.3f GiB for %d allocations of %s prepared in %.3f s "
-                 "(fault-in %.3f s, cudaHostRegister %.3f s)", self.stats.arena_bytes / 2**30, len(allocs),
-                 list(tags), self.stats.arena_prepare_s, self.stats.arena_touch_s,
-                 self.stats.arena_register_s)  # fmt: skip
+        log.info(
+            "fast backend: host arena of %.3f GiB for %d allocations of %s prepared in %.3f s "
+            "(fault-in %.3f s, cudaHostRegister %.3f s)",
+            self.stats.arena_bytes / 2**30,
+            len(allocs),
+            list(tags),
+            self.stats.arena_prepare_s,
+            self.stats.arena_touch_s,
+            self.stats.arena_register_s,
+        )
 
     def _new_arena(self, allocs: list[tuple[int, Any]]) -> HostArena | None:
         total = sum(nbytes_of(d) for _, d in allocs)
@@ -361,9 +380,13 @@ class FastPath:
             arena = self._new_arena(missing)
             self.stats.late_arena_bytes += arena.nbytes if arena else 0
             self.stats.late_arena_s += time.perf_counter() - started
-            log.warning("fast backend: %d allocations (%.3f GiB) to offload were not in the prepared arena; "
-                        "registered %.3f s of host memory during this sleep", len(missing),
-                        sum(nbytes_of(d) for _, d in missing) / 2**30, time.perf_counter() - started)  # fmt: skip
+            log.warning(
+                "fast backend: %d allocations (%.3f GiB) to offload were not in the prepared arena; "
+                "registered %.3f s of host memory during this sleep",
+                len(missing),
+                sum(nbytes_of(d) for _, d in missing) / 2**30,
+                time.perf_counter() - started,
+            )
 
     # ------------------------------------------------------------------ sleep / wake
 
@@ -421,12 +444,18 @@ class FastPath:
             by_lane = lanes.bytes_by_lane()
         done = time.perf_counter()
         self.stats.last = {
-            "op": "sleep", "offloaded_bytes": sum(nbytes_of(d) for _, d in kept),
+            "op": "sleep",
+            "offloaded_bytes": sum(nbytes_of(d) for _, d in kept),
             "clean_bytes": sum(nbytes_of(d) for _, d in clean),
-            "discarded_bytes": sum(nbytes_of(d) for _, d in dropped), "allocations": len(allocs),
-            "copies": len(copies), "wait_prepare_s": waited - started, "discard_s": unmapped - waited,
-            "offload_s": done - unmapped, "total_s": done - started, "bytes_by_lane": by_lane,
-        }  # fmt: skip
+            "discarded_bytes": sum(nbytes_of(d) for _, d in dropped),
+            "allocations": len(allocs),
+            "copies": len(copies),
+            "wait_prepare_s": waited - started,
+            "discard_s": unmapped - waited,
+            "offload_s": done - unmapped,
+            "total_s": done - started,
+            "bytes_by_lane": by_lane,
+        }
         return self.stats.last
 
     def _verify(self, clean: list[tuple[int, Any]]) -> None:
@@ -446,7 +475,8 @@ class FastPath:
                     raise CleanCopyMismatch(
                         f"allocation at {ptr:#x} of tag {data.tag!r} ({slot.nbytes} bytes) changed since its host "
                         f"copy was made, but the runner declares {data.tag!r} read-only (ModelRunner.read_only_tags); "
-                        "fix the runner's declaration (a runner that writes its weights must not list them)")
+                        "fix the runner's declaration (a runner that writes its weights must not list them)"
+                    )
         finally:
             scratch.close()
 
@@ -460,8 +490,9 @@ class FastPath:
             self._clean.discard(ptr)
             data.cpu_backup_tensor = None
 
-    def wake(self, tags: Iterable[str] | None = None, gate: MemoryGate | None = None,
-             links: Sequence[LinkShare] = ()) -> dict[str, Any]:  # fmt: skip
+    def wake(
+        self, tags: Iterable[str] | None = None, gate: MemoryGate | None = None, links: Sequence[LinkShare] = ()
+    ) -> dict[str, Any]:
         """Map every asleep allocation of `tags` (all when None) back at its address and
         restore the ones with a host copy, over the planned `links` (the own link alone when
         empty); returns once the bytes are on the device. Mapping is pipelined with copying:
@@ -519,9 +550,15 @@ class FastPath:
             self._backed.discard(ptr)
             data.cpu_backup_tensor = None
         done = time.perf_counter()
-        self.stats.last = {"op": "wake", "restored_bytes": copies.restored_bytes, "allocations": len(allocs),
-                           "copies": copies.issued, "map_s": map_s, "total_s": done - started,
-                           "bytes_by_lane": lanes.bytes_by_lane()}  # fmt: skip
+        self.stats.last = {
+            "op": "wake",
+            "restored_bytes": copies.restored_bytes,
+            "allocations": len(allocs),
+            "copies": copies.issued,
+            "map_s": map_s,
+            "total_s": done - started,
+            "bytes_by_lane": lanes.bytes_by_lane(),
+        }
         return self.stats.last
 
     def _unmap_refused(self, mapped: list[tuple[int, Any]], gate: MemoryGate | None) -> None:

@@ -66,8 +66,10 @@ class ArenaChoice:
         )
         if self.fits:
             return f"auto chose 'fast': {figures}"
-        return (f"auto chose 'cumem' (host copies pinned at each sleep, slower first sleeps): {figures}; "
-                "free host memory or set backend='fast' to insist")  # fmt: skip
+        return (
+            f"auto chose 'cumem' (host copies pinned at each sleep, slower first sleeps): {figures}; "
+            "free host memory or set backend='fast' to insist"
+        )
 
 
 def margin_bytes(total_bytes: int) -> int:

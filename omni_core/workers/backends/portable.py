@@ -62,8 +62,9 @@ class PortableBackend(MemoryBackend):
             key = storage._cdata
             for other, entries in self._storages.items():
                 if other != tag and key in entries:
-                    raise BackendStateError(f"a tensor of {tag!r} shares its storage with {other!r}; "
-                                            "a storage can belong to one pool only")  # fmt: skip
+                    raise BackendStateError(
+                        f"a tensor of {tag!r} shares its storage with {other!r}; a storage can belong to one pool only"
+                    )
             table[key] = _Storage(storage, storage.nbytes())
         self._storages[tag] = table
         self._report(self._resident_total())
@@ -142,8 +143,9 @@ class PortableBackend(MemoryBackend):
         return sum(e.storage.nbytes() for e in self._storages.get(tag, {}).values())
 
     def _host_bytes(self) -> int:
-        return sum(e.host.numel() for entries in self._storages.values()
-                   for e in entries.values() if e.host is not None)  # fmt: skip
+        return sum(
+            e.host.numel() for entries in self._storages.values() for e in entries.values() if e.host is not None
+        )
 
     def release(self) -> None:
         super().release()

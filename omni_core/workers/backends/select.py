@@ -56,8 +56,12 @@ def select_backend(name: str, device: torch.device | str) -> MemoryBackend:
     if ":" in name:
         cls = import_object(name)
         if not (isinstance(cls, type) and issubclass(cls, MemoryBackend)):
-            raise TypeError(f"backend {name!r} resolves to {cls!r}, which is not a subclass of "
-                            "omni_core.workers.backends.MemoryBackend")  # fmt: skip
+            raise TypeError(
+                f"backend {name!r} resolves to {cls!r}, which is not a subclass of "
+                "omni_core.workers.backends.MemoryBackend"
+            )
         return cls(device)
-    raise BackendUnavailable(f"unknown backend {name!r}; choose one of {list(BUILTIN_BACKENDS)} "
-                             "or give an import path 'package.module:Class'")  # fmt: skip
+    raise BackendUnavailable(
+        f"unknown backend {name!r}; choose one of {list(BUILTIN_BACKENDS)} "
+        "or give an import path 'package.module:Class'"
+    )

@@ -94,8 +94,10 @@ def _record_profile(path: Path) -> None:
     from omni_core.engine import Engine
     from tests.engine.conftest import PROBE, small_spec
 
-    with (tempfile.TemporaryDirectory() as tmp,
-          Engine([small_spec("p", ranks=2, profile_dir=tmp)], trace_path=str(path)) as engine):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Engine([small_spec("p", ranks=2, profile_dir=tmp)], trace_path=str(path)) as engine,
+    ):
         engine.profile("p", prefix="traced")
         engine.execute("p", PROBE)
         engine.sleep("p")
@@ -104,9 +106,12 @@ def _record_profile(path: Path) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Path], None]] = {
-    "demo": _record_demo, "swap": _record_swap, "deadline": _record_deadline, "restart": _record_restart,
+    "demo": _record_demo,
+    "swap": _record_swap,
+    "deadline": _record_deadline,
+    "restart": _record_restart,
     "profile": _record_profile,
-}  # fmt: skip
+}
 
 
 # ---------------------------------------------------------------- finding lines
@@ -151,8 +156,13 @@ def ack_worker_state(lines: Lines) -> str:
     k = _last_ack_before(lines, "talker", _commit(lines, "talker", "SLEEPING"))
     ack = lines[k].record
     ack.worker_state = "ACTIVE"
-    sent = max(i for i in range(k) if _worker(lines[i], T.ReplySent, "talker") and lines[i].rank == ack.rank
-               and lines[i].record.task_id == ack.task_id)  # fmt: skip
+    sent = max(
+        i
+        for i in range(k)
+        if _worker(lines[i], T.ReplySent, "talker")
+        and lines[i].rank == ack.rank
+        and lines[i].record.task_id == ack.task_id
+    )
     lines[sent].record.state = "ACTIVE"
     return "talker"
 
@@ -221,7 +231,8 @@ def reply_other_epoch(lines: Lines) -> str:
     for i in _task_lines(lines, ack.task_id):
         r = lines[i]
         if (r.is_engine and isinstance(r.record, T.StageReceived) and r.record.rank == ack.rank) or (
-                _worker(r, T.ReplySent, "talker") and r.rank == ack.rank):  # fmt: skip
+            _worker(r, T.ReplySent, "talker") and r.rank == ack.rank
+        ):
             r.record.epoch = 1
     return "talker"
 
@@ -247,8 +258,9 @@ def _relabel_pair(lines: Lines, label: str) -> str:
         if lines[a].record.command == "Sleep" and lines[b].record.command == "Wake":
             for k in (a, b):
                 task = lines[k].record.task_id
-                lines[_first(lines, lambda r, t=task: _engine(r, T.StageSent, "talker") and r.record.task_id == t)
-                      ].record.command = label  # fmt: skip
+                lines[
+                    _first(lines, lambda r, t=task: _engine(r, T.StageSent, "talker") and r.record.task_id == t)
+                ].record.command = label
             return "talker"
     raise LookupError("no sleep followed by a wake")
 
@@ -299,8 +311,11 @@ def dead_rank_after_restart(lines: Lines) -> str:
     """The killed rank 1 of epoch 0 'runs' the epoch-1 request beside the new rank 1."""
     died = _first(lines, lambda r: _engine(r, T.RankDied, "talker"))
     dead = next(r for r in lines[:died] if not r.is_engine and r.rank == 1 and r.epoch == 0)
-    new = [i for i, r in enumerate(lines) if not r.is_engine and r.rank == 1 and r.epoch == 1
-           and getattr(r.record, "task_id", "").startswith("req-")]  # fmt: skip
+    new = [
+        i
+        for i, r in enumerate(lines)
+        if not r.is_engine and r.rank == 1 and r.epoch == 1 and getattr(r.record, "task_id", "").startswith("req-")
+    ]
     for offset, i in enumerate(new):
         ghost = _copy([lines[i + offset]])[0]
         ghost.pid, ghost.epoch = dead.pid, 0
@@ -319,16 +334,19 @@ def dead_rank_before_restart(lines: Lines) -> str:
 
 def swap_wake_level_lie(lines: Lines) -> str:
     """The swap's incoming wake recorded as not waiting for memory, though it was sent so."""
-    k = _first(lines, lambda r: _engine(r, T.StageIssued, "decoder") and r.record.command == "Wake"
-               and r.record.level == 1)  # fmt: skip
+    k = _first(
+        lines, lambda r: _engine(r, T.StageIssued, "decoder") and r.record.command == "Wake" and r.record.level == 1
+    )
     lines[k].record.level = 0
     return "decoder"
 
 
 def refused_wake_committed(lines: Lines) -> str:
     """The wake every rank refused NO_MEMORY is recorded as committing RUNNING."""
-    k = _first(lines, lambda r: _engine(r, T.StageChanged, "talker") and r.record.before == "WAKING"
-               and r.record.after == "SLEEPING")  # fmt: skip
+    k = _first(
+        lines,
+        lambda r: _engine(r, T.StageChanged, "talker") and r.record.before == "WAKING" and r.record.after == "SLEEPING",
+    )
     lines[k].record.after = "RUNNING"
     return "talker"
 
@@ -394,13 +412,17 @@ def tampered() -> dict[str, tuple[str, str, bytes]]:
 def manifest(made: dict[str, tuple[str, str, bytes]]) -> dict:
     """What the corpus holds, for readers and for the CI test: each tampered trace's source,
     the stage it is about and what was done to it."""
+
     def what(name: str) -> str:
         doc = CLASSES[name][1].__doc__ or name.replace("_", " ")
         return " ".join(doc.split())
 
-    return {"legal": sorted(SCENARIOS),
-            "tampered": {name: {"source": source, "stage": stage, "what": what(name)}
-                         for name, (source, stage, _) in made.items()}}  # fmt: skip
+    return {
+        "legal": sorted(SCENARIOS),
+        "tampered": {
+            name: {"source": source, "stage": stage, "what": what(name)} for name, (source, stage, _) in made.items()
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
