@@ -32,6 +32,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -105,8 +106,25 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     # ------------------------------------------------------------------ reading
 
+    @contextlib.contextmanager
+    def _locked(self, mode: int) -> Iterator[None]:
+        """The device's directory locked (shared for a reading, exclusive for a claim), so a
+        reading never mixes one holder's figure from before a claim with another's after it."""
+        os.makedirs(self.directory, exist_ok=True)
+        lock = os.open(self.directory, os.O_RDONLY)  # the directory itself: no lock file to clean up
+        try:
+            fcntl.flock(lock, mode)  # released when the descriptor closes
+            yield
+        finally:
+            os.close(lock)
+
     def read(self) -> tuple[list[Holder], int]:
-        """The live holders' files (at most MAX_FILES_READ read) and how many were skipped."""
+        """The live holders' files (at most MAX_FILES_READ read) and how many were skipped, as
+        of one moment between claims."""
+        with self._locked(fcntl.LOCK_SH):
+            return self._read_unlocked()
+
+    def _read_unlocked(self) -> tuple[list[Holder], int]:
         holders: list[Holder] = []
         skipped = 0
         try:
@@ -182,19 +200,14 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def claim(self, stage: str, rank: int, pid: int, resident_bytes: int) -> None:
         """Set this process's resident bytes if they fit beside every other live holder's, as
         one step against the other processes (an exclusive lock); SimulatedOutOfMemory if not."""
-        os.makedirs(self.directory, exist_ok=True)
-        lock = os.open(self.directory, os.O_RDONLY)  # the directory itself: no lock file to clean up
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes
-            others = sum(h.nbytes for h in self.read()[0] if h.pid != pid)
+        with self._locked(fcntl.LOCK_EX):
+            others = sum(h.nbytes for h in self._read_unlocked()[0] if h.pid != pid)
             if others + resident_bytes > self.capacity_bytes:
                 raise SimulatedOutOfMemory(
                     f"out of memory on the simulated device {self.directory}: {stage} rank {rank} would hold "
                     f"{resident_bytes} bytes beside {others} held by others, over its {self.capacity_bytes}"
                 )
             self.write(stage, rank, pid, resident_bytes)
-        finally:
-            os.close(lock)
 
     def remove(self, stage: str, rank: int, pid: int) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import msgspec
 import pytest
@@ -126,3 +127,39 @@ def test_a_claim_must_fit_beside_the_other_holders_and_writes_nothing_when_refus
     theirs.claim(device.capacity_bytes - 100)
     assert device.free_bytes() == 0 and os.listdir(device.directory) != []
     assert not any(name.startswith(".") for name in os.listdir(device.directory))  # no lock file left
+
+
+def test_a_reading_never_mixes_figures_from_before_and_after_a_claim(device, monkeypatch):
+    """While a reading is half done, one holder shrinks and another claims the room: the reading
+    must not add the first holder's old figure to the second one's new figure (a used figure
+    over the capacity that no moment of the device ever had)."""
+    device.write("outgoing", 0, os.getppid(), 48 * MiB)
+    device.write("incoming", 0, os.getpid(), 8 * MiB)
+    parse = SimulatedDevice._parse
+    handed_over = threading.Event()
+
+    def hand_over() -> None:
+        # The holder read first shrinks, then the other one claims what it left.
+        first, second = order
+        device.write(first[0], 0, first[1], 8 * MiB)
+        device.claim(second[0], 0, second[1], 48 * MiB)
+        handed_over.set()
+
+    order: list[tuple[str, int]] = []
+
+    def parse_then_hand_over(self, path, match):
+        holder = parse(self, path, match)
+        if not order:
+            stage, pid = match["stage"], int(match["pid"])
+            other = ("incoming", os.getpid()) if stage == "outgoing" else ("outgoing", os.getppid())
+            order.extend([(stage, pid), other])
+            worker = threading.Thread(target=hand_over, daemon=True)
+            worker.start()
+            handed_over.wait(2.0)  # an unlocked reading lets the hand-over finish here
+        return holder
+
+    monkeypatch.setattr(SimulatedDevice, "_parse", parse_then_hand_over)
+    assert device.used_bytes() <= device.capacity_bytes
+    monkeypatch.setattr(SimulatedDevice, "_parse", parse)
+    assert handed_over.wait(30)  # the claim went through once the reading ended
+    assert device.used_bytes() == 56 * MiB
