@@ -442,6 +442,8 @@ _TORCH_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+
+
 def _entry_bytes(entry: HeaderEntry) -> int:
     count = 1
     for size in entry.shape:
