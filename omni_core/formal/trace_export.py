@@ -25,6 +25,11 @@ after its death was recorded; a deadline that no earlier line of its task set, t
 the deadline that line set, that fired before it, or whose issue's deadline is not the
 issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
 
+Outside the model (kept, with a note the verdict names): P-17's weight commands
+(`WEIGHT_COMMANDS`), which OmniVersions.tla checks on its own and OmniSleep has no action
+for, so a trace replays up to its first one; a rank that starts in a state other than ACTIVE
+or FAILED.
+
 Task ids become 1, 2, ... in the order the engine first names them (the spec's task
 counter); "hello" is task 0. The TLC configuration gets the traced stage's tags
 (StageStarting.tags) as the spec's `Tags`, so a stage with tags of its own is checked with
@@ -352,11 +357,21 @@ def _repeats(events: Iterable[TraceEvent]) -> int:
 STARTED = ("ACTIVE", "FAILED", UNKNOWN)  # a rank loads (Loaded) or fails to (LoadFailed)
 
 
+# P-17's commands: OmniVersions.tla checks versioned updates on a model of their own; OmniSleep,
+# which the trace replays on, has no action for them yet.
+WEIGHT_COMMANDS = ("UpdateWeights", "InitWeightGroup", "ShareWeights")
+
+
 def _note_unmodelled(events: list[TraceEvent]) -> None:
     """Mark lines that fall outside OmniSleep's abstractions, so that a divergence there
     is reported as such and not as a protocol error."""
     for ev in events:
-        if ev.kind == "start" and ev.wstate not in STARTED:
+        if ev.cmd in WEIGHT_COMMANDS:
+            ev.note = (
+                f"{ev.cmd} (P-17) is not among OmniSleep's actions (tla/OmniVersions.tla checks "
+                "weight versions on a model of its own): a trace replays up to its first weight command"
+            )
+        elif ev.kind == "start" and ev.wstate not in STARTED:
             ev.note = (
                 f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
             )
