@@ -171,11 +171,19 @@ class OmniClient:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/admission", {"policy": policy})
 
     def execute(
-        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, idempotency_key: str | None = None
+        self,
+        stage: str,
+        payload: Any = None,
+        *,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+        with_version: bool = False,
     ) -> Any:
-        """Rank 0's output (bytes arrive as base64 strings)."""
+        """Rank 0's output (bytes arrive as base64 strings); with `with_version`, the whole
+        answer: `output`, `weights_version` (the weights that produced it) and `stage`."""
         body = {"payload": payload, "timeout_s": timeout_s}
-        return self._call("POST", f"/v1/stages/{_seg(stage)}/execute", body, idempotency_key)["output"]
+        answer = self._call("POST", f"/v1/stages/{_seg(stage)}/execute", body, idempotency_key)
+        return answer if with_version else answer["output"]
 
     # ------------------------------------------------------------------ vLLM-compatible
 

@@ -17,7 +17,7 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.report import LifecycleReport, ProfileReport, RankReport, SwapReport
+from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, RankReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, RayPlacement, StageSpec
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "AsyncEngine",
     "Engine",
     "EngineClosedError",
+    "ExecuteResult",
     "InvalidArgumentError",
     "InvalidPayloadError",
     "NoMemoryError",

@@ -23,7 +23,7 @@ import msgspec
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
-from omni_core.engine.report import LifecycleReport, ProfileReport, SwapReport
+from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.fsm.inputs import (
     ProfileCall,
@@ -109,14 +109,21 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Future:
-        """Send a request without waiting; the future holds rank 0's output or the error."""
-        return self._orch.call(lambda f: self._orch.op_execute(f, stage, payload, timeout_s))
+    def submit(
+        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
+    ) -> Future:
+        """Send a request without waiting; the future holds rank 0's output (an `ExecuteResult`
+        naming the weights version too, `with_version`) or the error."""
+        return self._orch.call(lambda f: self._orch.op_execute(f, stage, payload, timeout_s, with_version))
 
-    def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
+    def execute(
+        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
+    ) -> Any | ExecuteResult:
+        """Rank 0's output; with `with_version`, an `ExecuteResult`: the output and the weights
+        version that produced it (every rank computed it on that version)."""
         spec = self._spec(stage)
         return self._wait(
-            self.submit(stage, payload, timeout_s=timeout_s),
+            self.submit(stage, payload, timeout_s=timeout_s, with_version=with_version),
             timeout_s if timeout_s is not None else spec.request_timeout_s,
         )
 
@@ -486,8 +493,11 @@ class AsyncEngine:
             raise EngineClosedError("use `async with AsyncEngine(specs) as engine:` to start it")
         return self._engine
 
-    async def execute(self, stage: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
-        return await asyncio.wrap_future(self.engine.submit(stage, payload, timeout_s=timeout_s))
+    async def execute(
+        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
+    ) -> Any | ExecuteResult:
+        future = self.engine.submit(stage, payload, timeout_s=timeout_s, with_version=with_version)
+        return await asyncio.wrap_future(future)
 
     async def sleep(
         self, stage: str, level: int = 1, tags: Iterable[str] | str | None = None, **kwargs: Any

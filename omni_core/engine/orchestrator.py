@@ -48,7 +48,7 @@ from omni_core.engine.errors import (
 from omni_core.engine.incoming import IncomingSlots, SwapCall, stage_devices
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.link_plan import LinkLedger, RankView, rank_view
-from omni_core.engine.report import LifecycleReport, ProfileReport
+from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import InvariantViolation, StageCommandError, StageCore, StageStep, TaskOutcome
 from omni_core.fsm import inputs as I
@@ -104,6 +104,7 @@ class _Stage:
     procs: list[RankHandle] = field(default_factory=list)
     waiters: dict[str, list[Future]] = field(default_factory=dict)  # lifecycle task_id -> callers
     requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
+    versioned: set[str] = field(default_factory=set)  # requests whose caller hears the weights version too
     start_waiters: list[Future] = field(default_factory=list)
     hellos: dict[int, Hello] = field(default_factory=dict)  # each rank's proven Hello of this epoch
     # rank -> the state its own latest reply named (Hello, Ack, Nack). The core keeps the
@@ -280,7 +281,9 @@ class Orchestrator:
         stage.start_waiters.append(future)
         self._step(stage, I.Start(stage.spec.start_deadline_s))
 
-    def op_execute(self, future: Future, name: str, payload: Any, timeout_s: float | None) -> None:
+    def op_execute(
+        self, future: Future, name: str, payload: Any, timeout_s: float | None, with_version: bool = False
+    ) -> None:
         stage = self.stage(name)
         budget_s = stage.spec.request_timeout_s if timeout_s is None else float(timeout_s)
         request_id = f"req-{name}-{next(self._request_ids)}"
@@ -306,6 +309,8 @@ class Orchestrator:
                 "StageSpec.max_frame_bytes"
             )
         stage.requests[request_id] = future
+        if with_version:
+            stage.versioned.add(request_id)
         self._step(stage, I.Submit(request_id, payload, budget_s))
 
     def op_lifecycle(
@@ -524,6 +529,7 @@ class Orchestrator:
             ]:
                 _settle(future, error=error)
             stage.requests.clear()
+            stage.versioned.clear()
             stage.waiters.clear()
             for entry in self._incoming.drain():
                 _settle(entry.item.future, error=error)
@@ -763,10 +769,12 @@ class Orchestrator:
 
     def _answer(self, stage: _Stage, answer: RequestOutcome) -> None:
         future = stage.requests.pop(answer.request_id, None)
+        versioned = answer.request_id in stage.versioned
+        stage.versioned.discard(answer.request_id)
         if future is None:
             return
         if answer.error is None:
-            _settle(future, result=answer.output)
+            _settle(future, result=ExecuteResult(answer.output, answer.weights_version) if versioned else answer.output)
         else:
             _settle(future, error=_REQUEST_ERRORS[answer.error](answer.detail))
 

@@ -13,6 +13,15 @@ from omni_core.protocol import Ack
 
 
 @dataclass(frozen=True)
+class ExecuteResult:
+    """A request's answer with the weights that produced it (`Engine.execute(with_version=True)`):
+    every rank answered on `weights_version`, the stage's committed version (P-17)."""
+
+    output: Any
+    weights_version: int
+
+
+@dataclass(frozen=True)
 class RankReport:
     rank: int
     state: str

@@ -178,12 +178,14 @@ class RequestError(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RequestOutcome:
-    """The answer to one Submit: rank 0's output, or an error and its kind."""
+    """The answer to one Submit: rank 0's output and the weights version that produced it
+    (every rank's, or the result is discarded), or an error and its kind."""
 
     request_id: str
     output: Any = None
     error: RequestError | None = None
     detail: str = ""
+    weights_version: int = 0
 
     @property
     def ok(self) -> bool:

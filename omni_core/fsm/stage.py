@@ -747,7 +747,7 @@ class StageCore:
             }
             return self._fail_task(why, now) if self._task else self._fail_idle(why, now)
         elif results:  # ranks of one stage compute the same result: rank 0's
-            self._answer(request, None, "", output=results[0].output)
+            self._answer(request, None, "", output=results[0].output, weights_version=results[0].weights_version)
         return self._retire(request, now)
 
     def _retire(self, request: _Request, now: float) -> StageStep:
@@ -756,10 +756,12 @@ class StageCore:
             return self._send_drained()
         return StageStep()
 
-    def _answer(self, request: _Request, error: RequestError | None, detail: str, output: Any = None) -> None:
+    def _answer(
+        self, request: _Request, error: RequestError | None, detail: str, output: Any = None, weights_version: int = 0
+    ) -> None:
         if not request.answered:
             request.answered = True
-            self._answers.append(RequestOutcome(request.request_id, output, error, detail))
+            self._answers.append(RequestOutcome(request.request_id, output, error, detail, weights_version))
 
     def _fail_requests(
         self, queued: RequestError, detail: str, *, running: RequestError | None = None, running_detail: str = ""

@@ -17,9 +17,10 @@ with `pipeline(...)` bit for bit), cut so it can stop between steps:
     {"op": "prompt_cache", "clear": true}               -> entries, hits, misses (clear is optional)
 
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
-Text embeddings are cached by prompt on the host (`prompt_cache_entries`, LRU): a sleep cannot
-release them, so no entry ever points at discarded memory, and a reload empties the cache
-because the text encoder may have changed.
+Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
+`prompt_cache_bytes` in that pool (runners/prompt_cache.py), least recently used out first,
+emptied when a sleep discards it, and every entry tied to the weights it was computed with, so
+an update or a reload makes it a miss, never a stale hit.
 
 Where memory lives: every component's tensors (transformer or UNet, VAE, text encoder) in
 `weights`; the state of step-wise requests (latents and the scheduler's latent-shaped tensors,
@@ -49,7 +50,6 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,15 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
+from omni_core.runners.diffusion_steps import (
+    DiffusionRequest,
+    Parked,
+    ddpm_step,
+    dit_step,
+    sd_step,
+    state_tensors,
+)
+from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
 from omni_core.runners.weights import (
     ReloadReport,
@@ -84,40 +93,12 @@ REQUEST_KEYS = {
     "sd": frozenset({"prompt", "negative_prompt", "seed", "steps", "guidance_scale"}),
 }
 DEFAULT_GUIDANCE = {"dit": 4.0, "ddpm": 1.0, "sd": 7.5}  # each pipeline's own default
-MAX_PROMPT_CACHE_ENTRIES = 100_000
+DEFAULT_PROMPT_CACHE_BYTES = 16 << 20  # SD 1.5 in fp16: 70 prompts of 236 KB
+MAX_PROMPT_CACHE_BYTES = 1 << 40
 
 
 class RequestLostError(RuntimeError):
     """A step-wise request whose state did not survive (level-2 sleep, weight update)."""
-
-
-@dataclass
-class _Parked:
-    """Where one state tensor waits in its slot between two ops."""
-
-    attribute: str  # "sample", or the scheduler attribute holding it
-    index: int | None  # position in a list attribute (DPM-Solver's model_outputs), else None
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass
-class _Request:
-    request_id: str
-    class_label: int | None
-    seed: int
-    steps_total: int
-    guidance_scale: float
-    scheduler: Any  # one instance per request: multistep schedulers keep history
-    generator: torch.Generator  # on CPU, as diffusers' examples: host state, survives sleeps
-    steps_done: int = 0
-    slot: int | None = None
-    canary: int = 0
-    generation: int = 0
-    parked: list[_Parked] = field(default_factory=list)
-    prompt: str | None = None
-    embeddings: torch.Tensor | None = None  # text conditioning (unconditional half first), on the host
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -144,7 +125,7 @@ class DiffusersRunner(ModelRunner):
         max_requests: int = 8,
         max_steps: int = 1000,
         state_tensors: int = 6,
-        prompt_cache_entries: int = 64,
+        prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(device)
@@ -174,18 +155,13 @@ class DiffusersRunner(ModelRunner):
             ("max_requests", max_requests, 1, 4096),
             ("max_steps", max_steps, 1, MAX_STEPS_LIMIT),
             ("state_tensors", state_tensors, 2, 64),
-            ("prompt_cache_entries", prompt_cache_entries, 0, MAX_PROMPT_CACHE_ENTRIES),
+            ("prompt_cache_bytes", prompt_cache_bytes, 0, MAX_PROMPT_CACHE_BYTES),
         )
         for name, value, low, high in limits:
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
         self.max_requests, self.max_steps, self.state_tensors = max_requests, max_steps, state_tensors
-        # Text embeddings by (prompt, negative prompt, guided), least recently used first. On
-        # the host: no sleep can take them away, so an entry never points at released memory;
-        # a hit costs one small host-to-device copy. A reload clears them (new text encoder).
-        self.prompt_cache: OrderedDict[tuple[str, str | None, bool], torch.Tensor] = OrderedDict()
-        self.prompt_cache_entries = prompt_cache_entries
-        self.prompt_cache_hits = self.prompt_cache_misses = 0
+        self.prompt_cache = PromptCache(prompt_cache_bytes, self._prompt_slot_bytes()) if self.kind == "sd" else None
         self.sample_shape = self._sample_shape()
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
         # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs).
@@ -196,10 +172,14 @@ class DiffusersRunner(ModelRunner):
         self.weights: WeightSet | None = None
         self.slab: torch.Tensor | None = None
         self.generation = 0  # bumped by every reload: requests of an older one are void
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, DiffusionRequest] = {}
         self.lost: OrderedDict[str, str] = OrderedDict()
         self._next_id = 0
         self.last_reload: ReloadReport | None = None
+
+    def _prompt_slot_bytes(self) -> int:
+        config = _read_json(self.model_dir / "text_encoder" / "config.json")
+        return slot_bytes_for(int(config["max_position_embeddings"]), int(config["hidden_size"]), self.dtype)
 
     def _sample_shape(self) -> tuple[int, ...]:
         denoiser = "transformer" if self.kind == "dit" else "unet"
@@ -247,6 +227,10 @@ class DiffusersRunner(ModelRunner):
     def allocate(self, tag: str) -> None:
         if tag == REQUESTS_TAG:
             self.slab = torch.zeros(self.max_requests, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        elif tag == PROMPT_CACHE_TAG:
+            if self.prompt_cache is None:
+                raise ValueError(f"this {self.kind} pipeline has no text encoder: leave {tag!r} out of its tags")
+            self.prompt_cache.allocate(self.device)
         else:
             super().allocate(tag)
 
@@ -257,7 +241,15 @@ class DiffusersRunner(ModelRunner):
             return []
         if tag == REQUESTS_TAG:
             return [self.slab] if self.slab is not None else []
-        raise ValueError(f"DiffusersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG]}")
+        if tag == PROMPT_CACHE_TAG:
+            return self.prompt_cache.tensors() if self.prompt_cache is not None else []
+        raise ValueError(
+            f"DiffusersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG]}"
+        )
+
+    def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        if PROMPT_CACHE_TAG in discard and self.prompt_cache is not None:
+            self.prompt_cache.discard()  # its slab is released now
 
     def buffers_to_save(self) -> dict[str, torch.Tensor]:
         saved = non_persistent_buffers(self.modules)
@@ -293,9 +285,9 @@ class DiffusersRunner(ModelRunner):
         return self.weights.named()
 
     def _weights_changed(self) -> None:
-        """What was derived from the old weights goes: cached prompt embeddings, requests."""
+        """What was derived from the old weights goes: requests in flight are lost, and cached
+        prompt embeddings no longer match (their entries carry the generation they were made in)."""
         self.generation += 1
-        self.prompt_cache.clear()
         for request_id in list(self.requests):
             self._lose(
                 request_id,
@@ -306,7 +298,8 @@ class DiffusersRunner(ModelRunner):
     def close(self) -> None:
         self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
         self.requests.clear()
-        self.prompt_cache.clear()
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
 
     # ------------------------------------------------------------------ ops
 
@@ -324,7 +317,7 @@ class DiffusersRunner(ModelRunner):
         if op == "prompt_cache":
             return self._prompt_cache_op(payload)
         # Every pool this runner has must be resident, as the worker requires for any Execute.
-        check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), REQUESTS_TAG: self.tensors(REQUESTS_TAG)})
+        check_resident({tag: self.tensors(tag) for tag in (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG)})
         if op is None:
             request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind])
             with torch.no_grad():
@@ -387,10 +380,10 @@ class DiffusersRunner(ModelRunner):
         self.requests[request.request_id] = request
         return self._progress(request)
 
-    def _progress(self, request: _Request) -> dict[str, Any]:
+    def _progress(self, request: DiffusionRequest) -> dict[str, Any]:
         return {"request_id": request.request_id, "steps_done": request.steps_done, "steps_total": request.steps_total}
 
-    def _new_request(self, payload: dict[str, Any], allowed: frozenset[str]) -> _Request:
+    def _new_request(self, payload: dict[str, Any], allowed: frozenset[str]) -> DiffusionRequest:
         self._check_keys(payload, allowed)
         seed = payload.get("seed", 0)
         steps = payload.get("steps", 50)
@@ -407,52 +400,41 @@ class DiffusersRunner(ModelRunner):
         scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
         scheduler.set_timesteps(steps)
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        request = _Request("", label, seed, steps, float(guidance), scheduler, generator)
+        request = DiffusionRequest("", label, seed, steps, float(guidance), scheduler, generator)
         if self.kind == "sd":
             request.prompt = payload.get("prompt")
             request.embeddings = self._prompt_embeddings(request.prompt, payload.get("negative_prompt"), guidance > 1)
         return request
 
     def _prompt_embeddings(self, prompt: Any, negative: Any, guided: bool) -> torch.Tensor:
-        """StableDiffusionPipeline.encode_prompt's result, cached on the host."""
+        """StableDiffusionPipeline.encode_prompt's result, on the host; cached in the
+        `prompt_cache` pool when the stage has one, under the weights that computed it."""
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"this pipeline is text-conditioned: give 'prompt' as a non-empty string, got {prompt!r}")
         if negative is not None and not isinstance(negative, str):
             raise ValueError(f"negative_prompt must be a string, got {negative!r}")
+        assert self.prompt_cache is not None
         key = (prompt, negative, guided)
-        cached = self.prompt_cache.get(key)
+        cached = self.prompt_cache.get(key, self.generation)
         if cached is not None:
-            self.prompt_cache_hits += 1
-            self.prompt_cache.move_to_end(key)
             return cached
-        self.prompt_cache_misses += 1
         with torch.no_grad():
             positive, negative_embeds = self.pipeline.encode_prompt(prompt, self.device, 1, guided, negative)
             embeddings = torch.cat([negative_embeds, positive]) if guided else positive
-        embeddings = embeddings.to("cpu")
-        if self.prompt_cache_entries:
-            self.prompt_cache[key] = embeddings
-            while len(self.prompt_cache) > self.prompt_cache_entries:
-                self.prompt_cache.popitem(last=False)
-        return embeddings
+        self.prompt_cache.put(key, self.generation, embeddings)
+        return embeddings.to("cpu")
 
     def _prompt_cache_op(self, payload: dict[str, Any]) -> dict[str, Any]:
         """{"op": "prompt_cache"} -> its figures; with "clear": true, emptied first."""
         self._check_keys(payload, {"op", "clear"})
-        if self.kind != "sd":
+        if self.prompt_cache is None:
             raise ValueError(f"this {self.kind} pipeline has no text encoder, so no prompt cache")
         clear = payload.get("clear", False)
         if not isinstance(clear, bool):
             raise TypeError(f"clear must be a bool, got {clear!r}")
         if clear:
-            self.prompt_cache.clear()
-        return {
-            "entries": len(self.prompt_cache),
-            "capacity": self.prompt_cache_entries,
-            "hits": self.prompt_cache_hits,
-            "misses": self.prompt_cache_misses,
-            "host_bytes": sum(t.numel() * t.element_size() for t in self.prompt_cache.values()),
-        }
+            self.prompt_cache.discard()
+        return {**self.prompt_cache.stats(self.generation), "weights_generation": self.generation}
 
     def _class_label(self, label: Any) -> int:
         classes = int(self.modules["transformer"].config.num_embeds_ada_norm)
@@ -467,7 +449,7 @@ class DiffusersRunner(ModelRunner):
 
     # ------------------------------------------------------------------ the pipelines' loops
 
-    def _initial_sample(self, request: _Request) -> torch.Tensor:
+    def _initial_sample(self, request: DiffusionRequest) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
         denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
@@ -479,7 +461,7 @@ class DiffusersRunner(ModelRunner):
             return torch.cat([latents] * 2)
         return latents
 
-    def _denoise(self, request: _Request, sample: torch.Tensor, count: int) -> torch.Tensor:
+    def _denoise(self, request: DiffusionRequest, sample: torch.Tensor, count: int) -> torch.Tensor:
         end = min(request.steps_total, request.steps_done + count)
         labels = None
         if self.kind == "dit":
@@ -495,70 +477,15 @@ class DiffusersRunner(ModelRunner):
         for index in range(request.steps_done, end):
             t = request.scheduler.timesteps[index]
             if self.kind == "dit":
-                sample = self._dit_step(request, sample, t, labels)
+                sample = dit_step(self.modules["transformer"], request, sample, t, labels)
             elif self.kind == "sd":
-                sample = self._sd_step(request, sample, t, embeddings, step_kwargs)
+                sample = sd_step(self.modules["unet"], request, sample, t, embeddings, step_kwargs)
             else:
-                sample = self._ddpm_step(request, sample, t)
+                sample = ddpm_step(self.modules["unet"], request, sample, t)
         request.steps_done = end
         return sample
 
-    def _dit_step(self, request: _Request, sample: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # DiTPipeline.__call__'s loop body, with the same operations in the same order.
-        transformer, scheduler = self.modules["transformer"], request.scheduler
-        channels = transformer.config.in_channels
-        guided = request.guidance_scale > 1
-        if guided:
-            half = sample[: len(sample) // 2]
-            sample = torch.cat([half, half], dim=0)
-        sample = scheduler.scale_model_input(sample, t)
-        timesteps = t[None].to(sample.device) if t.dim() == 0 else t
-        timesteps = timesteps.expand(sample.shape[0])
-        noise_pred = transformer(sample, timestep=timesteps, class_labels=labels).sample
-        if guided:
-            eps, rest = noise_pred[:, :channels], noise_pred[:, channels:]
-            cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-            half_eps = uncond_eps + request.guidance_scale * (cond_eps - uncond_eps)
-            eps = torch.cat([half_eps, half_eps], dim=0)
-            noise_pred = torch.cat([eps, rest], dim=1)
-        if transformer.config.out_channels // 2 == channels:
-            model_output, _ = torch.split(noise_pred, channels, dim=1)
-        else:
-            model_output = noise_pred
-        return scheduler.step(model_output, t, sample).prev_sample
-
-    def _ddpm_step(self, request: _Request, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        # DDPMPipeline.__call__'s loop body.
-        model_output = self.modules["unet"](sample, t).sample
-        return request.scheduler.step(model_output, t, sample, generator=request.generator).prev_sample
-
-    def _sd_step(
-        self,
-        request: _Request,
-        latents: torch.Tensor,
-        t: torch.Tensor,
-        embeddings: torch.Tensor,
-        step_kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        # StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale).
-        scheduler, guided = request.scheduler, request.guidance_scale > 1
-        model_input = torch.cat([latents] * 2) if guided else latents
-        model_input = scheduler.scale_model_input(model_input, t)
-        noise_pred = self.modules["unet"](
-            model_input,
-            t,
-            encoder_hidden_states=embeddings,
-            timestep_cond=None,
-            cross_attention_kwargs=None,
-            added_cond_kwargs=None,
-            return_dict=False,
-        )[0]
-        if guided:
-            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-            noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
-        return scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
-
-    def _image(self, request: _Request, sample: torch.Tensor) -> dict[str, Any]:
+    def _image(self, request: DiffusionRequest, sample: torch.Tensor) -> dict[str, Any]:
         vae = self.modules.get("vae")
         if self.kind == "dit":
             latents = sample.chunk(2, dim=0)[0] if request.guidance_scale > 1 else sample
@@ -582,23 +509,6 @@ class DiffusersRunner(ModelRunner):
 
     # ------------------------------------------------------------------ request state in the slab
 
-    def _state_tensors(self, request: _Request, sample: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
-        """The latent-shaped tensors a request needs at its next op: its sample and what the
-        scheduler keeps between steps. Other scheduler tensors (timesteps, sigmas, alphas)
-        are per-schedule constants that set_timesteps left on the host."""
-        out: list[tuple[str, int | None, torch.Tensor]] = [("sample", None, sample)]
-        latent = tuple(sample.shape[1:])
-        for name, value in vars(request.scheduler).items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) == latent and value.dim() == sample.dim():
-                out.append((name, None, value))
-            elif isinstance(value, list):
-                out.extend(
-                    (name, i, v)
-                    for i, v in enumerate(value)
-                    if isinstance(v, torch.Tensor) and tuple(v.shape[1:]) == latent and v.dim() == sample.dim()
-                )
-        return out
-
     def _slot_view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         assert self.slab is not None
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
@@ -607,9 +517,9 @@ class DiffusersRunner(ModelRunner):
     def _header(self, slot: int) -> torch.Tensor:
         return self._slot_view(slot, 0, (3,), torch.int64)
 
-    def _park(self, request: _Request, sample: torch.Tensor) -> None:
+    def _park(self, request: DiffusionRequest, sample: torch.Tensor) -> None:
         assert request.slot is not None
-        state = self._state_tensors(request, sample)
+        state = state_tensors(request, sample)
         needed = HEADER_BYTES + sum(_align(t.numel() * t.element_size()) for _, _, t in state)
         if needed > self.slot_bytes:
             self._lose(request.request_id, f"its state needs {needed} bytes, a slot holds {self.slot_bytes}")
@@ -621,7 +531,7 @@ class DiffusersRunner(ModelRunner):
         offset, parked = HEADER_BYTES, []
         for attribute, index, tensor in state:
             self._slot_view(request.slot, offset, tuple(tensor.shape), tensor.dtype).copy_(tensor)
-            parked.append(_Parked(attribute, index, offset, tuple(tensor.shape), tensor.dtype))
+            parked.append(Parked(attribute, index, offset, tuple(tensor.shape), tensor.dtype))
             offset += _align(tensor.numel() * tensor.element_size())
             # Drop the reference: until the next op this state exists only in the slab.
             if attribute != "sample":
@@ -632,7 +542,7 @@ class DiffusersRunner(ModelRunner):
         self._header(request.slot).copy_(torch.tensor([request.canary, request.generation, request.steps_done]))
         request.parked = parked
 
-    def _unpark(self, request: _Request) -> torch.Tensor:
+    def _unpark(self, request: DiffusionRequest) -> torch.Tensor:
         assert request.slot is not None
         sample = None
         for p in request.parked:
@@ -646,7 +556,7 @@ class DiffusersRunner(ModelRunner):
         assert sample is not None
         return sample
 
-    def _claim(self, request_id: Any, check_state: bool = True) -> _Request:
+    def _claim(self, request_id: Any, check_state: bool = True) -> DiffusionRequest:
         """The live request of this id, its state verified; a lost one raises why."""
         if request_id in self.lost:
             raise RequestLostError(f"request {request_id} was aborted: {self.lost[request_id]}; start it again")

@@ -23,7 +23,12 @@ variables the launcher sets), and our own `worker_cls` (`vllm_worker.OmniVllmWor
   what vLLM's own sleep does around it done here: the prefix cache reset before a sleep
   (its blocks would point into released memory), every buffer saved for level 2
   (`buffers_to_save`, as `Worker.sleep(level=2)`), `post_kv_cache_wake_up` after the KV
-  cache is mapped again, and reloads through `model_runner.reload_weights(weights_path=)`.
+  cache is mapped again, and reloads through `model_runner.reload_weights(weights_path=)`;
+- weight updates (P-17: IPC buckets, a broadcast, shared memory) go through the same vLLM call
+  with the tensors as an iterator (`reload_weights(weights_iterator=)`): vLLM's own
+  `model.load_weights` and its layer-wise reload, so fused (qkv, gate_up), tensor-parallel
+  and quantized layouts are written as vLLM writes them when it loads, into the same
+  allocations. The names, shapes and dtypes an update may carry are the checkpoint's.
 
 The runner needs an allocator backend (`cumem` or `fast`): vLLM's tensors must keep their
 addresses across a sleep, which the portable backend does not promise.
@@ -343,6 +348,39 @@ class VllmRunner(ModelRunner):
             self.last_reload.gb_per_s,
         )
 
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The loaded checkpoint's tensors (a trainer's Hugging Face state_dict names), not
+        vLLM's fused parameters: vLLM's loader maps one onto the other."""
+        specs = {}
+        for name, entry in self.own_headers.items():
+            if entry.dtype not in _TORCH_DTYPES:
+                continue  # no update can carry it; check_specs names it if one tries
+            specs[name] = (entry.shape, _TORCH_DTYPES[entry.dtype])
+        embedding = specs.get("model.embed_tokens.weight")
+        if self.config.get("tie_word_embeddings") and embedding is not None:
+            # A trainer's state_dict names the tied head too; vLLM's loader skips it (the
+            # embedding it is tied to carries the values).
+            specs.setdefault("lm_head.weight", embedding)
+        return specs
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.worker is None:
+            raise RuntimeError("update_weights before the vllm engine is loaded")
+        counted: list[int] = [0, 0]  # tensors, bytes
+
+        def counting() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                counted[0] += 1
+                counted[1] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        started = time.perf_counter()
+        with torch.no_grad():
+            self.worker.model_runner.reload_weights(weights_iterator=counting(), is_checkpoint_format=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_reload = ReloadReport("update", counted[1], counted[0], time.perf_counter() - started)
+
     def close(self) -> None:
         self.llm = self.worker = None
 
@@ -390,19 +428,19 @@ class VllmRunner(ModelRunner):
         }
 
 
-_DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "F32": 4,
-    "I32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -410,4 +448,5 @@ def _entry_bytes(entry: HeaderEntry) -> int:
     count = 1
     for size in entry.shape:
         count *= size
-    return count * _DTYPE_BYTES.get(entry.dtype, 2)
+    dtype = _TORCH_DTYPES.get(entry.dtype)
+    return count * (dtype.itemsize if dtype is not None else 2)

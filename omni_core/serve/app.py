@@ -1171,7 +1171,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
         async def work() -> Answer:
             try:
-                future = asyncio.wrap_future(engine.submit(name, body.payload, timeout_s=timeout_s))
+                future = asyncio.wrap_future(engine.submit(name, body.payload, timeout_s=timeout_s, with_version=True))
                 try:
                     output = await asyncio.wait_for(asyncio.shield(future), budget_s)
                 except asyncio.TimeoutError:
@@ -1179,7 +1179,9 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
                         f"no answer from the orchestrator within {budget_s:.1f} s; its deadlines "
                         "should have fired: this is a bug, please report it"
                     ) from None
-                answer = _answer(200, {"stage": name, "output": output})
+                answer = _answer(
+                    200, {"stage": name, "output": output.output, "weights_version": output.weights_version}
+                )
             except Exception as exc:
                 answer = error_answer(exc, name)
             if answer.status == 504:

@@ -319,6 +319,7 @@ class StagesModel(BaseModel):
 class ExecuteModel(BaseModel):
     stage: str
     output: Any = Field(description="rank 0's output; bytes are base64 strings")
+    weights_version: int = Field(0, description="the weights version every rank computed the output with (P-17)")
 
 
 class RestartModel(BaseModel):

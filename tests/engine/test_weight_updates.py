@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from omni_core.engine import Engine
+from omni_core.engine import Engine, ExecuteResult
 from omni_core.engine.errors import InvalidArgumentError, WeightUpdateFailedError
 from omni_core.protocol import ShmSource
 from omni_core.runners.synthetic import SyntheticRunner
@@ -228,6 +228,8 @@ def test_the_async_engine_updates_and_transfers() -> None:
             with WeightSender() as sender:
                 first = await engine.update_weights("r", sender.share(new_weights(reference(1), 41)), version=1)
             second = await engine.transfer_weights("pol", "r", version=2)
+            result = await engine.execute("r", PROBE, with_version=True)
+            assert result.weights_version == 2 and result.output == await engine.execute("r", PROBE)
             return first.weights_version, second.weights_version, await engine.status()
 
     first, second, status = asyncio.run(main())
@@ -247,15 +249,19 @@ def test_requests_around_an_update_run_on_one_version_each(engine_factory) -> No
         source = sender.share(v1)
         os.kill(pid, signal.SIGSTOP)
         try:
-            before = engine.submit("r", PROBE, timeout_s=60.0)
+            before = engine.submit("r", PROBE, timeout_s=60.0, with_version=True)
             wait_for(lambda: engine.status()["r"]["in_flight"] == 1, what="the request in flight")
             updating = in_thread(lambda: engine.update_weights("r", source, version=1, timeout_s=60.0))
             wait_for(lambda: engine.status()["r"]["state"] == "DRAINING", what="DRAINING")
-            during = engine.submit("r", PROBE, timeout_s=60.0)
+            during = engine.submit("r", PROBE, timeout_s=60.0, with_version=True)
             wait_for(lambda: engine.status()["r"]["queued"] == 1, what="the second request queued")
         finally:
             resume(pid)
         assert updating.result(60).weights_version == 1
     ref.update_weights(v1.items())
-    assert before.result(60)["sha256"] == old
-    assert during.result(60)["sha256"] == ref.execute(PROBE)["sha256"] != old
+    # Each result names the weights version that produced it.
+    assert isinstance(before.result(60), ExecuteResult) and before.result(60).weights_version == 0
+    assert before.result(60).output["sha256"] == old
+    assert during.result(60).weights_version == 1
+    assert during.result(60).output["sha256"] == ref.execute(PROBE)["sha256"] != old
+    assert engine.execute("r", PROBE, with_version=True).weights_version == 1

@@ -61,6 +61,7 @@ class Pools:
 
     def sleep(self, level: int) -> None:
         plan = plan_sleep(level, frozenset(self.tags))  # what the worker's state machine asks for
+        self.runner.before_sleep(plan.offload, plan.discard)
         self.backend.sleep(plan.offload, plan.discard, buffers=self.runner.buffers_to_save())
 
     def wake(self, tags: tuple[str, ...] | None = None) -> None:

@@ -227,28 +227,74 @@ def test_label_names_and_unconditional_pipelines(dit, checkpoints):
         ddpm.execute({"op": "prompt_cache"})
 
 
-def test_prompt_embeddings_are_cached_on_the_host(checkpoints):
-    pools = runner_in_pools(checkpoints["sd"], prompt_cache_entries=2)
+SD_TAGS = ("weights", "kv_cache", "prompt_cache")
+SD_SLOT_BYTES = 2 * 77 * 32 * 4  # both guidance halves of the tiny CLIP's 77 x 32 float32 output
+
+
+def test_prompt_embeddings_are_cached_in_their_own_pool(checkpoints):
+    pools = runner_in_pools(checkpoints["sd"], tags=SD_TAGS, prompt_cache_bytes=2 * SD_SLOT_BYTES + 100)
     runner = pools.runner
+    assert [t.numel() for t in runner.tensors("prompt_cache")] == [2 * SD_SLOT_BYTES]
+    assert pools.backend.usage()["prompt_cache"] == 2 * SD_SLOT_BYTES  # the pool holds the slab
     first = runner.execute(dict(SD))["sha256"]
     stats = runner.execute({"op": "prompt_cache"})
-    assert stats == {"entries": 1, "capacity": 2, "hits": 0, "misses": 1, "host_bytes": 2 * 77 * 32 * 4}
-    pools.sleep(1)
-    pools.wake()
-    assert runner.execute(dict(SD))["sha256"] == first  # a hit after a sleep: the same image
-    for prompt in ("a dog", "a bird"):  # two more prompts: the least recently used one goes
-        runner.execute({**SD, "prompt": prompt, "steps": 1})
-    assert [key[0] for key in runner.prompt_cache] == ["a dog", "a bird"]
+    assert (stats["entries"], stats["slots"], stats["hits"], stats["misses"]) == (1, 2, 0, 1)
+    assert stats["capacity_bytes"] == 2 * SD_SLOT_BYTES
+    assert runner.execute(dict(SD))["sha256"] == first  # a hit: the same image
     assert runner.execute({"op": "prompt_cache"})["hits"] == 1
-    # Unguided embeddings are another entry (no unconditional half).
-    runner.execute({**SD, "guidance_scale": 1.0, "steps": 1})
-    assert next(reversed(runner.prompt_cache))[2] is False
-    assert runner.execute({"op": "prompt_cache", "clear": True})["entries"] == 0
-    runner.execute({**SD, "steps": 1})
-    pools.reload()  # the text encoder may have changed: nothing cached survives
+    pools.sleep(1)  # the slab is discarded, and the entries with it
+    pools.wake()
     assert runner.execute({"op": "prompt_cache"})["entries"] == 0
+    assert runner.execute(dict(SD))["sha256"] == first  # a miss, computed again
+    for prompt in ("a dog", "a bird"):  # two more prompts, two slots: the least recent goes
+        runner.execute({**SD, "prompt": prompt, "steps": 1})
+    assert [key[0] for key in runner.prompt_cache.entries] == ["a dog", "a bird"]
+    assert runner.execute({"op": "prompt_cache"})["evictions"] == 1
+    runner.execute({**SD, "guidance_scale": 1.0, "steps": 1})  # unguided: another entry
+    assert next(reversed(runner.prompt_cache.entries))[2] is False
+    assert runner.execute({"op": "prompt_cache", "clear": True})["entries"] == 0
     with pytest.raises(ValueError, match="text-conditioned: give 'prompt' as a non-empty string"):
         runner.execute({"seed": 1})
+
+
+def test_without_the_tag_nothing_is_cached_and_a_too_small_pool_is_refused(checkpoints):
+    runner = runner_in_pools(checkpoints["sd"]).runner  # no prompt_cache tag
+    image = runner.execute({**SD, "steps": 1})["sha256"]
+    assert runner.execute({**SD, "steps": 1})["sha256"] == image
+    stats = runner.execute({"op": "prompt_cache"})
+    assert (stats["entries"], stats["slots"], stats["hits"], stats["misses"]) == (0, 0, 0, 2)
+    with pytest.raises(ValueError, match=rf"holds no embedding .*{SD_SLOT_BYTES} bytes each"):
+        runner_in_pools(checkpoints["sd"], tags=SD_TAGS, prompt_cache_bytes=SD_SLOT_BYTES - 1)
+    with pytest.raises(ValueError, match="no text encoder: leave 'prompt_cache' out"):
+        runner_in_pools(checkpoints["ddpm"], tags=("weights", "kv_cache", "prompt_cache"))
+
+
+@pytest.mark.parametrize("change", ["update", "reload"])
+def test_a_cached_embedding_of_older_weights_is_never_served(checkpoints, tmp_path, change):
+    """An update of the text encoder (or a reload from another directory, which is weights
+    version 0 again) between two requests with the same prompt: the second is a miss, and its
+    image equals that of a runner that only ever held the new weights."""
+    pools = runner_in_pools(checkpoints["sd"], tags=SD_TAGS)
+    runner = pools.runner
+    before = runner.execute(dict(SD))["sha256"]
+    trained = {
+        name: tensor * 1.5 for name, tensor in runner.weights_to_share().items() if name.startswith("text_encoder/")
+    }
+    fresh = runner_in_pools(checkpoints["sd"]).runner  # never cached anything
+    fresh.update_weights(trained.items())
+    if change == "update":
+        runner.update_weights(trained.items())
+    else:
+        other = tmp_path / "sd-trained"
+        shutil.copytree(checkpoints["sd"], other)
+        folder = other / "text_encoder"
+        (path,) = folder.glob("*.safetensors")
+        save_file({n.removeprefix("text_encoder/"): t.contiguous() for n, t in trained.items()}, path)
+        pools.reload(str(other))
+    after = runner.execute(dict(SD))["sha256"]
+    stats = runner.execute({"op": "prompt_cache"})
+    assert after == fresh.execute(dict(SD))["sha256"] != before
+    assert (stats["hits"], stats["misses"], stats["stale_dropped"]) == (0, 2, 1)
 
 
 def test_a_request_whose_state_does_not_fit_its_slot_fails_clearly(checkpoints):

@@ -17,5 +17,5 @@ def test_the_rl_example_runs_and_every_step_matches_the_trainer(tmp_path) -> Non
     history = module.run(iterations=3, workdir=str(tmp_path))
     steps, final = history[:-1], history[-1]
     assert [s["version"] for s in steps] == [1, 2, 3] and final == {"status": 3}
-    assert all(s["equal_to_trainer"] and s["equal_after_wake"] for s in steps)
+    assert all(s["equal_to_reference"] and s["equal_after_wake"] for s in steps)
     assert len({tuple(s["tokens"]) for s in steps}) > 1  # the training moved the policy

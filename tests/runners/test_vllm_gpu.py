@@ -28,3 +28,33 @@ def test_vllm_stage_through_every_lifecycle(tmp_path):
     misses = [(run["backend"], c["what"]) for run in data["stage"] for c in run["checks"] if not c["ok"]]
     assert rc == 0 and not misses, (misses, [run.get("error") for run in data["stage"]])
     assert {run["backend"] for run in data["stage"]} == {"cumem", "fast"}
+
+
+def test_rl_example_with_a_vllm_rollout_matches_plain_vllm(tmp_path):
+    """examples/rl_loop.py with vLLM as the rollout: updates over CUDA IPC (vLLM's own loader)
+    and from disk, each step's greedy tokens equal to a plain vLLM loading the same weights, and
+    again after a sleep and wake. The example runs in a child process (the trainer, CUDA and
+    vLLM's allocator end with os._exit there); OMNI_RL_OUT keeps its records."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm", reason="needs vLLM (on the device: source .vllm/setup-vllm.sh)")
+    example = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
+    out = Path(os.environ.get("OMNI_RL_OUT") or tmp_path)
+    size = os.environ.get("OMNI_RL_SIZE", "1.5b")
+    command = [sys.executable, str(example), "--rollout", "vllm", "--size", size, "--iterations", "3"]
+    done = subprocess.run(
+        [*command, "--workdir", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=900
+    )
+    (out / "rl_loop_vllm.log").write_text(done.stdout + done.stderr[-20000:])
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "rl_loop.jsonl").read_text().splitlines()]
+    steps, final = records[:-1], records[-1]
+    assert [s["version"] for s in steps] == [1, 2, 3] and final["status"] == 3
+    assert [s["source"] for s in steps] == ["ipc", "disk", "ipc"]
+    assert final["start_equal_to_reference"]
+    assert all(s["equal_to_reference"] and s["equal_after_wake"] for s in steps)

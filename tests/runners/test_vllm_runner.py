@@ -38,13 +38,19 @@ class FakeModelRunner:
         self.model = torch.nn.Module()
         self.model.register_buffer("cos_sin_cache", torch.arange(4.0))
         self.reloads: list[str] = []
+        self.loaded: dict[str, torch.Tensor] = {}  # what vLLM's model.load_weights was given
         self.kv_wakes = 0
 
     def get_model(self) -> torch.nn.Module:
         return self.model
 
-    def reload_weights(self, *, weights_path: str) -> None:
-        self.reloads.append(weights_path)
+    def reload_weights(self, *, weights_path: str | None = None, weights_iterator: Any = None, **_: Any) -> None:
+        if weights_iterator is None:
+            self.reloads.append(weights_path)
+            return
+        self.reloads.append("iterator")
+        for name, tensor in weights_iterator:  # the tensors are valid during the call only: copy
+            self.loaded[name] = tensor.clone()
 
     def post_kv_cache_wake_up(self) -> None:
         self.kv_wakes += 1
@@ -238,3 +244,38 @@ def test_demo_refuses_vllm_where_it_cannot_run(capsys):
 
     assert main(["demo", "--llm-runner", "vllm"]) == 2
     assert "needs --device cuda and --size large" in capsys.readouterr().err
+
+
+def test_an_update_goes_through_vllms_loader_and_is_checked_first(fake_vllm, checkpoints):
+    """P-17 into vLLM: the checkpoint's names (a trainer's state_dict), handed to vLLM's
+    reload_weights as an iterator (its model.load_weights fuses and quantizes); a tensor that
+    is not the checkpoint's, in name, shape or dtype, is refused before vLLM sees anything."""
+    from safetensors.torch import load_file
+
+    from omni_core.weights_sender import WeightSender
+    from omni_core.workers.weight_receiver import WeightReceiver
+
+    runner, _ = _loaded(checkpoints["qwen2"])
+    model_runner = runner.worker.model_runner
+    trained = load_file(str(checkpoints["qwen2-seed1"] / "model.safetensors"))
+    specs = runner.weight_specs()
+    assert {n: (tuple(t.shape), t.dtype) for n, t in trained.items()} == {
+        n: spec for n, spec in specs.items() if n != "lm_head.weight"
+    }
+    assert specs["lm_head.weight"] == specs["model.embed_tokens.weight"]  # tied: a state_dict names both
+    receiver = WeightReceiver(CPU, 0)
+    with WeightSender() as sender:
+        receiver.apply(sender.share(trained), runner)
+        assert model_runner.reloads == ["iterator"]
+        assert model_runner.loaded.keys() == trained.keys()
+        assert all(torch.equal(model_runner.loaded[n], t) for n, t in trained.items())
+        assert runner.last_reload.tensors == len(trained) and runner.last_reload.reload_bytes > 0
+        name = sorted(trained)[0]
+        for bad, why in (
+            ({"model.layers.0.self_attn.qkv_proj.weight": trained[name]}, "is not a weight of this model"),
+            ({name: trained[name][:1]}, "the model's is"),
+            ({name: trained[name].double()}, "the model's is"),
+        ):
+            with pytest.raises(RunnerArgumentError, match=why):
+                receiver.apply(sender.share(bad), runner)
+    assert model_runner.reloads == ["iterator"]  # no refused update reached vLLM

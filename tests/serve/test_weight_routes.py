@@ -182,10 +182,15 @@ def test_client_and_cli_update_weights(weights_served: Served, checkpoints: Path
     served = weights_served
     client = OmniClient(served.url)
     version = _version(served)
+    before = client.execute("solo", PROBE, with_version=True)
     with WeightSender(bucket_bytes=1 << 20) as sender:
         source = msgspec.to_builtins(sender.share(_new_weights(version + 7)))
         report = client.update_weights("solo", source, version=version + 1, idempotency_key=f"cli-{version}")
     assert report["weights_version"] == version + 1 == _version(served)
+    # Each answer names the weights that produced it: the HTTP execute answer, the client.
+    after = client.execute("solo", PROBE, with_version=True)
+    assert (before["weights_version"], after["weights_version"]) == (version, version + 1)
+    assert after["output"] == client.execute("solo", PROBE) != before["output"]
     with pytest.raises(ServeError) as info:
         client.update_weights("solo", str(checkpoints / "missing"), version=version + 2)
     assert info.value.status == 400

@@ -1,0 +1,123 @@
+"""One denoising step of each pipeline, as the pipeline's own loop body, and the state a
+step-wise request carries between two ops.
+
+Each `*_step` repeats the body of its pipeline's `__call__` loop with the same operations in
+the same order (the diffusers runner's tests compare the output with `pipeline(...)` bit for
+bit), so a request can stop between any two steps. What a request keeps between ops is in
+`DiffusionRequest`; `state_tensors` names its latent-shaped tensors, which the runner parks in
+its `requests` slab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Parked:
+    """Where one state tensor waits in its slot between two ops."""
+
+    attribute: str  # "sample", or the scheduler attribute holding it
+    index: int | None  # position in a list attribute (DPM-Solver's model_outputs), else None
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class DiffusionRequest:
+    request_id: str
+    class_label: int | None
+    seed: int
+    steps_total: int
+    guidance_scale: float
+    scheduler: Any  # one instance per request: multistep schedulers keep history
+    generator: torch.Generator  # on CPU, as diffusers' examples: host state, survives sleeps
+    steps_done: int = 0
+    slot: int | None = None
+    canary: int = 0
+    generation: int = 0
+    parked: list[Parked] = field(default_factory=list)
+    prompt: str | None = None
+    embeddings: torch.Tensor | None = None  # text conditioning (unconditional half first), on the host
+
+
+def dit_step(
+    transformer: Any, request: DiffusionRequest, sample: torch.Tensor, t: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """DiTPipeline.__call__'s loop body."""
+    scheduler = request.scheduler
+    channels = transformer.config.in_channels
+    guided = request.guidance_scale > 1
+    if guided:
+        half = sample[: len(sample) // 2]
+        sample = torch.cat([half, half], dim=0)
+    sample = scheduler.scale_model_input(sample, t)
+    timesteps = t[None].to(sample.device) if t.dim() == 0 else t
+    timesteps = timesteps.expand(sample.shape[0])
+    noise_pred = transformer(sample, timestep=timesteps, class_labels=labels).sample
+    if guided:
+        eps, rest = noise_pred[:, :channels], noise_pred[:, channels:]
+        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+        half_eps = uncond_eps + request.guidance_scale * (cond_eps - uncond_eps)
+        eps = torch.cat([half_eps, half_eps], dim=0)
+        noise_pred = torch.cat([eps, rest], dim=1)
+    if transformer.config.out_channels // 2 == channels:
+        model_output, _ = torch.split(noise_pred, channels, dim=1)
+    else:
+        model_output = noise_pred
+    return scheduler.step(model_output, t, sample).prev_sample
+
+
+def ddpm_step(unet: Any, request: DiffusionRequest, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """DDPMPipeline.__call__'s loop body."""
+    model_output = unet(sample, t).sample
+    return request.scheduler.step(model_output, t, sample, generator=request.generator).prev_sample
+
+
+def sd_step(
+    unet: Any,
+    request: DiffusionRequest,
+    latents: torch.Tensor,
+    t: torch.Tensor,
+    embeddings: torch.Tensor,
+    step_kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale)."""
+    scheduler, guided = request.scheduler, request.guidance_scale > 1
+    model_input = torch.cat([latents] * 2) if guided else latents
+    model_input = scheduler.scale_model_input(model_input, t)
+    noise_pred = unet(
+        model_input,
+        t,
+        encoder_hidden_states=embeddings,
+        timestep_cond=None,
+        cross_attention_kwargs=None,
+        added_cond_kwargs=None,
+        return_dict=False,
+    )[0]
+    if guided:
+        noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+        noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
+    return scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+
+
+def state_tensors(request: DiffusionRequest, sample: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+    """The latent-shaped tensors a request needs at its next op: its sample and what the
+    scheduler keeps between steps. Other scheduler tensors (timesteps, sigmas, alphas)
+    are per-schedule constants that set_timesteps left on the host."""
+    out: list[tuple[str, int | None, torch.Tensor]] = [("sample", None, sample)]
+    latent = tuple(sample.shape[1:])
+    for name, value in vars(request.scheduler).items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) == latent and value.dim() == sample.dim():
+            out.append((name, None, value))
+        elif isinstance(value, list):
+            out.extend(
+                (name, i, v)
+                for i, v in enumerate(value)
+                if isinstance(v, torch.Tensor) and tuple(v.shape[1:]) == latent and v.dim() == sample.dim()
+            )
+    return out
