@@ -30,6 +30,7 @@ def test_vllm_stage_through_every_lifecycle(tmp_path):
     assert {run["backend"] for run in data["stage"]} == {"cumem", "fast"}
 
 
+@pytest.mark.timeout(960)  # vLLM starts five times (the rollout and a reference per step)
 def test_rl_example_with_a_vllm_rollout_matches_plain_vllm(tmp_path):
     """examples/rl_loop.py with vLLM as the rollout: updates over CUDA IPC (vLLM's own loader)
     and from disk, each step's greedy tokens equal to a plain vLLM loading the same weights, and
