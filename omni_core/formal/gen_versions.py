@@ -20,7 +20,7 @@ import itertools
 from omni_core.formal.generated import Generated
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, StageCore
 from omni_core.fsm.settle import Settled, settle_row
-from omni_core.fsm.worker import _REFUSED
+from omni_core.fsm.worker_table import REFUSED
 from omni_core.protocol import (
     Ack,
     Capability,
@@ -155,7 +155,7 @@ def _record(mapping: dict[str, str]) -> str:
 
 def render() -> str:
     active = settle_row(Settled.ACTIVE)
-    worker_refused = {state.value: trigger for (kind, state), trigger in _REFUSED.items() if kind is UpdateWeights}
+    worker_refused = {state.value: trigger for (kind, state), trigger in REFUSED.items() if kind is UpdateWeights}
     stage_refused = {
         t.dest.value: t.trigger
         for t in STAGE_TRANSITIONS

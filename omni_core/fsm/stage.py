@@ -22,8 +22,9 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
-from omni_core.fsm.settle import Settled, settle_row
-from omni_core.fsm.table import Lifecycle, Transition
+from omni_core.fsm.settle import REFUSAL_REASON, Settled, refused_trigger, settle_row
+from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS
+from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.fsm.trace_records import (
     RankDied,
@@ -67,129 +68,6 @@ from omni_core.protocol import (
     profile_prefix_problem,
 )
 from omni_core.protocol import StageState as S
-
-_SERVING = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)  # settled, no task in flight
-_IN_TASK = (S.DRAINING, S.TRANSITIONING, S.WAKING)
-
-STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
-    Transition("started", (S.STARTING,), S.RUNNING, "every rank said Hello"),
-    Transition("drain", (S.RUNNING,), S.DRAINING, "sleep(): admission closed"),
-    Transition("drained", (S.DRAINING,), S.TRANSITIONING, "no request in flight: Sleep sent to every rank"),
-    Transition(
-        "drain_timeout",
-        (S.DRAINING,),
-        S.RUNNING,
-        "requests did not drain by the deadline; nothing was sent, sleep abandoned",
-    ),
-    Transition(
-        "sleep",
-        (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD),
-        S.TRANSITIONING,
-        "sleep more tags; nothing executes here, so nothing to drain",
-    ),
-    Transition(
-        "sleep_already",
-        (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD),
-        None,
-        "every requested tag already asleep: ALREADY (P-4)",
-    ),
-    Transition("slept", (S.TRANSITIONING,), S.SLEEPING, "every rank ACKed the Sleep (P-5)"),
-    Transition("wake", (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD), S.WAKING, "Wake sent to every rank"),
-    Transition("wake_already", _SERVING, None, "every requested tag resident: ALREADY (P-4)"),
-    Transition("reload", (S.NEEDS_RELOAD,), S.WAKING, "ReloadWeights sent to every rank"),
-    Transition(
-        "reload_refused",
-        (S.WAKING,),
-        S.NEEDS_RELOAD,
-        "every rank refused the source (INVALID_ARGUMENT): nothing was written",
-    ),
-    Transition(
-        "wake_refused_sleeping",
-        (S.WAKING,),
-        S.SLEEPING,
-        "every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped",
-    ),
-    Transition(
-        "wake_refused_partial",
-        (S.WAKING,),
-        S.PARTIAL,
-        "every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped",
-    ),
-    Transition(
-        "wake_refused_needs_reload",
-        (S.WAKING,),
-        S.NEEDS_RELOAD,
-        "every rank refused the Wake for lack of free device memory (NO_MEMORY): nothing stayed mapped",
-    ),
-    Transition("woke_running", (S.WAKING,), S.RUNNING, "every rank ACKed, all resident (P-5)"),
-    Transition("woke_partial", (S.WAKING,), S.PARTIAL, "every rank ACKed, tags still asleep"),
-    Transition(
-        "woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD, "every rank ACKed; weights mapped but discarded at level 2"
-    ),
-    Transition(
-        "update_drain",
-        (S.RUNNING,),
-        S.DRAINING,
-        "update_weights(): admission closed (queued or refused per policy), in-flight requests finish",
-    ),
-    Transition("update_drained", (S.DRAINING,), S.WAKING, "no request in flight: UpdateWeights sent to every rank"),
-    Transition(
-        "update",
-        (S.PARTIAL, S.NEEDS_RELOAD),
-        S.WAKING,
-        "UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)",
-    ),
-    Transition(
-        "update_refused_running",
-        (S.WAKING,),
-        S.RUNNING,
-        "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_refused_partial",
-        (S.WAKING,),
-        S.PARTIAL,
-        "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_refused_needs_reload",
-        (S.WAKING,),
-        S.NEEDS_RELOAD,
-        "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_failed",
-        (S.WAKING,),
-        S.NEEDS_RELOAD,
-        "every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before",
-    ),
-    Transition(
-        "weight_group",
-        _SERVING,
-        None,
-        "InitWeightGroup sent to every rank; the state never changes, whatever they answer",
-    ),
-    Transition(
-        "share",
-        (S.RUNNING, S.PARTIAL),
-        None,
-        "ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on",
-    ),
-    Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
-    Transition(
-        "profile", _SERVING, None, "Profile sent to every rank; the state never changes, whatever they answer (P-15)"
-    ),
-    Transition("fail", (S.STARTING,) + _SERVING + _IN_TASK, S.FAILED, "NACK, deadline, or a rank died (P-8, P-9)"),
-    Transition("restart", _SERVING + (S.FAILED, S.STOPPED), S.STARTING, "fresh rank processes under a new epoch"),
-    Transition("stop", (S.STARTING, S.FAILED) + _SERVING + _IN_TASK, S.STOPPED, "shutdown"),
-)
-
-_STAGE_STATE_OF_RANK = {
-    WorkerState.ACTIVE: S.RUNNING,
-    WorkerState.SLEEPING: S.SLEEPING,
-    WorkerState.PARTIAL: S.PARTIAL,
-    WorkerState.NEEDS_RELOAD: S.NEEDS_RELOAD,
-}
 
 
 def _level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
@@ -309,12 +187,6 @@ class _Task:
     update_failures: dict[int, str] = field(default_factory=dict)  # rank -> UPDATE_FAILED detail
 
 
-# The NACK that is a refusal (the rank is where it was) rather than a failure, per command.
-_REFUSAL = {
-    ReloadWeights: NackReason.INVALID_ARGUMENT,
-    Wake: NackReason.NO_MEMORY,
-    UpdateWeights: NackReason.INVALID_ARGUMENT,
-}
 # Tasks in a settled state that never change it: every NACK is that rank's refusal.
 _STATELESS = (Profile, InitWeightGroup, ShareWeights)
 
@@ -952,7 +824,7 @@ class StageCore:
             commit_trigger=row.stage_commit,
             expect_version=self.weights_version,
             apply=lambda res: res.apply_wake(to_wake),
-            refused_trigger=f"wake_refused_{self.state.value.lower()}",
+            refused_trigger=refused_trigger(Wake, self.state),
         )
         self.lifecycle.fire("wake")
         step = self._send_all()
@@ -1032,7 +904,7 @@ class StageCore:
             expect_asleep=self.residency.asleep,
             commit_trigger=row.stage_commit,
             apply=lambda res: res.apply_reload(),
-            refused_trigger=f"update_refused_{self.state.value.lower()}",
+            refused_trigger=refused_trigger(UpdateWeights, self.state),
             drained_trigger="update_drained",
             expect_version=version,
         )
@@ -1195,7 +1067,7 @@ class StageCore:
             return StageStep()
         if (
             isinstance(reply, Nack)
-            and reply.reason is _REFUSAL.get(type(task.command))
+            and reply.reason is REFUSAL_REASON.get(type(task.command))
             and not (isinstance(task.command, Wake) and task.command.wait_for_memory_s <= 0)
         ):
             # NO_MEMORY refuses only a wake that may wait (P-16); to any other it is a failure.
@@ -1545,18 +1417,18 @@ class StageCore:
 
         profiling = self._task is not None and isinstance(self._task.command, _STATELESS)
         require(
-            (self._task is not None and not profiling) == (state in _IN_TASK),
+            (self._task is not None and not profiling) == (state in IN_TASK),
             "a lifecycle task in flight iff in a task state",
         )
-        require(not profiling or state in _SERVING, "a Profile task outside the settled states")
+        require(not profiling or state in SERVING, "a Profile task outside the settled states")
         require(len(self.queue) <= self.queue_limit, "queue over queue_limit")
         require(all(r.request_id not in self.in_flight for r in self.queue), "a request both queued and in flight")
         if self.in_flight_requests:
             require(state in (S.RUNNING, S.DRAINING), "requests in flight outside RUNNING/DRAINING")
-        if state in _SERVING:
+        if state in SERVING:
             # P-5: a settled state is committed only when every rank reported it.
             require(set(self.rank_state) == set(self.ranks), "settled without every rank known")
-            mismatched = {r: s.value for r, s in self.rank_state.items() if _STAGE_STATE_OF_RANK.get(s) is not state}
+            mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not state}
             require(not mismatched, f"ranks disagree with the stage: {mismatched}")
         if state is S.RUNNING:
             require(

@@ -29,8 +29,8 @@ from omni_core.fsm.effects import (
     WeightGroupEffect,
 )
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
-from omni_core.fsm.settle import settle_row
-from omni_core.fsm.table import Lifecycle, Transition
+from omni_core.fsm.settle import REFUSAL_REASON, settle_row
+from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, SleepPlan, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.fsm.trace_records import (
     BadMessage,
@@ -44,6 +44,7 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
+from omni_core.fsm.worker_table import IDLE, REFUSED, WORKER_TRANSITIONS
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -70,133 +71,6 @@ from omni_core.protocol import (
     profile_prefix_problem,
 )
 from omni_core.protocol import WorkerState as W
-
-_ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL, W.NEEDS_RELOAD, W.RELOADING)
-_IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)  # may accept a lifecycle command
-
-WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
-    Transition("loaded", (W.LOADING,), W.ACTIVE, "runner loaded weights and caches"),
-    Transition("sleep", _IDLE, W.OFFLOADING, "Sleep for tags not yet asleep"),
-    Transition(
-        "sleep_already",
-        (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD),
-        None,
-        "Sleep whose tags are all asleep: ALREADY, no effect (P-4)",
-    ),
-    Transition("offloaded", (W.OFFLOADING,), W.SLEEPING, "backend released the tags"),
-    Transition("wake", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), W.RESTORING, "Wake for tags that are asleep"),
-    Transition("wake_already", _IDLE, None, "Wake whose tags are all resident: ALREADY (P-4)"),
-    Transition("restored_active", (W.RESTORING,), W.ACTIVE, "all resident, weights valid"),
-    Transition("restored_partial", (W.RESTORING,), W.PARTIAL, "some tags still asleep"),
-    Transition(
-        "restored_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD, "weights mapped but discarded by a level-2 sleep"
-    ),
-    Transition("reload", (W.NEEDS_RELOAD, W.ACTIVE), W.RELOADING, "ReloadWeights"),
-    Transition("reloaded_active", (W.RELOADING,), W.ACTIVE, "weights valid, all resident"),
-    Transition("reloaded_partial", (W.RELOADING,), W.PARTIAL, "weights valid, tags asleep"),
-    Transition(
-        "reload_refused_needs_reload",
-        (W.RELOADING,),
-        W.NEEDS_RELOAD,
-        "the runner refused the source before writing (INVALID_ARGUMENT)",
-    ),
-    Transition(
-        "reload_refused_active",
-        (W.RELOADING,),
-        W.ACTIVE,
-        "the runner refused the source before writing (INVALID_ARGUMENT)",
-    ),
-    Transition(
-        "wake_refused_sleeping",
-        (W.RESTORING,),
-        W.SLEEPING,
-        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
-    ),
-    Transition(
-        "wake_refused_partial",
-        (W.RESTORING,),
-        W.PARTIAL,
-        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
-    ),
-    Transition(
-        "wake_refused_needs_reload",
-        (W.RESTORING,),
-        W.NEEDS_RELOAD,
-        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
-    ),
-    Transition(
-        "update",
-        (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD),
-        W.RELOADING,
-        "UpdateWeights above the current version, weights resident (P-17); settles as a reload does",
-    ),
-    Transition(
-        "update_refused_active",
-        (W.RELOADING,),
-        W.ACTIVE,
-        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_refused_partial",
-        (W.RELOADING,),
-        W.PARTIAL,
-        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_refused_needs_reload",
-        (W.RELOADING,),
-        W.NEEDS_RELOAD,
-        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_failed",
-        (W.RELOADING,),
-        W.NEEDS_RELOAD,
-        "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before",
-    ),
-    Transition("weight_group", _IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
-    Transition("weight_group_already", _IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),
-    Transition(
-        "share",
-        (W.ACTIVE, W.PARTIAL),
-        None,
-        "ShareWeights with valid weights awake: copied into shared buckets; the state never changes",
-    ),
-    Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
-    Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
-    Transition(
-        "profile", _IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"
-    ),
-    Transition(
-        "profile_already", _IDLE, None, "Profile start while one runs, stop while none does: ALREADY, no effect (P-15)"
-    ),
-    Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
-    Transition(
-        "shutdown",
-        (W.LOADING, *_IDLE, W.FAILED),
-        W.STOPPED,
-        "Shutdown (in a transient state the effect in progress answers first: BUSY)",
-    ),
-    Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
-)
-
-# A refused reload or wake returns to where it came from: (command, state before) -> trigger,
-# and the reason its NACK gives.
-_REFUSED = {
-    (ReloadWeights, W.NEEDS_RELOAD): "reload_refused_needs_reload",
-    (ReloadWeights, W.ACTIVE): "reload_refused_active",
-    (Wake, W.SLEEPING): "wake_refused_sleeping",
-    (Wake, W.PARTIAL): "wake_refused_partial",
-    (Wake, W.NEEDS_RELOAD): "wake_refused_needs_reload",
-    (UpdateWeights, W.ACTIVE): "update_refused_active",
-    (UpdateWeights, W.PARTIAL): "update_refused_partial",
-    (UpdateWeights, W.NEEDS_RELOAD): "update_refused_needs_reload",
-}
-_REFUSAL_REASON = {
-    ReloadWeights: NackReason.INVALID_ARGUMENT,
-    Wake: NackReason.NO_MEMORY,
-    UpdateWeights: NackReason.INVALID_ARGUMENT,
-}
 
 # Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
 # to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
@@ -442,22 +316,22 @@ class WorkerCore:
         before = self.state
         pending = self._take_pending(task_id)
         kind = type(pending.command)
-        trigger = _REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
+        trigger = REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
         if trigger is None:
             raise InvariantViolation(
                 f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
                 f"{pending.command!r} "
                 f"(started in {pending.state_before})"
             )
-        if reason is not None and reason is not _REFUSAL_REASON[kind]:
+        if reason is not None and reason is not REFUSAL_REASON[kind]:
             raise InvariantViolation(
-                f"a {kind.__name__} is refused with {_REFUSAL_REASON[kind].value}, not {reason.value}"
+                f"a {kind.__name__} is refused with {REFUSAL_REASON[kind].value}, not {reason.value}"
             )
         self.lifecycle.fire(trigger)
         name = kind.__name__
         effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
         reply = self._nack(
-            pending.command, _REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
+            pending.command, REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
         )
         self._remember(pending.command, reply)
         self._check_invariants()
@@ -892,7 +766,7 @@ class WorkerCore:
         if self._pending is not None and isinstance(self._pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
         if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
-            require(state in _IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
+            require(state in IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
         if self._pending is not None and isinstance(self._pending.command, ShareWeights):
             require(
                 state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
