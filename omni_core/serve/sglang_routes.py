@@ -1,0 +1,93 @@
+"""SGLang's memory routes (`entrypoints/http_server.py`): release and resume by tags, on
+`[server] default_stage` or every stage; answers `{"success", "message"}`, on errors too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from omni_core.serve import models as m
+from omni_core.serve.errors import ApiError
+from omni_core.serve.feed import dumps
+from omni_core.serve.idempotency import Answer
+from omni_core.serve.lifecycle import lifecycle_route, sleep_call, wake_call
+from omni_core.serve.middleware import require_key
+from omni_core.serve.state import ServeState
+from omni_core.serve.vllm_routes import NO_CACHE_RESET
+
+
+def sglang_failed(error: Answer) -> Answer:
+    """SGLang's error fields (`success: false`, `message`) beside omni-core's error."""
+    body = json.loads(error.body)
+    return Answer(error.status, dumps(dict(body, success=False, message=body["error"]["message"])), error.headers)
+
+
+def sglang_shape(done: str, **extra: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda per_stage: {"success": True, "message": done, **extra, "stages": per_stage}
+
+
+def router(state: ServeState) -> APIRouter:
+    api = APIRouter()
+    control = [Depends(require_key)]
+
+    @api.post(
+        "/release_memory_occupation",
+        dependencies=control,
+        response_model=m.SglangMemoryModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description='SGLang\'s release on the default stage (or every stage): {"tags": ["kv_cache"]} '
+        "or no body (every tag). In-flight requests finish first. level (omni-core's "
+        "addition): 1 keeps the weights in host memory, 2 discards them. POST only: a GET "
+        "that frees memory could be sent by any web page.",
+    )
+    async def sglang_release(request: Request, body: m.SglangReleaseBody | None = None) -> Response:
+        body = body or m.SglangReleaseBody()
+        names, tags = state.targets(), body.tags or None
+        return await lifecycle_route(
+            state,
+            request,
+            names,
+            "sleep",
+            sleep_call(state, body.level, tags),
+            sglang_shape(f"released {tags or 'every tag'} of {names} (level {body.level})"),
+            level=body.level,
+            failed=sglang_failed,
+        )
+
+    @api.post(
+        "/resume_memory_occupation",
+        dependencies=control,
+        response_model=m.SglangMemoryModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["SGLang"],
+        description='SGLang\'s resume: {"tags": ["weights"]} or no body (every tag asleep)',
+    )
+    async def sglang_resume(request: Request, body: m.SglangMemoryBody | None = None) -> Response:
+        body = body or m.SglangMemoryBody()
+        names, tags = state.targets(), body.tags or None
+        return await lifecycle_route(
+            state,
+            request,
+            names,
+            "wake",
+            wake_call(state, tags),
+            sglang_shape(f"resumed {tags or 'every tag asleep'} of {names}"),
+            failed=sglang_failed,
+        )
+
+    @api.post(
+        "/flush_cache",
+        dependencies=control,
+        responses=m.NOT_SERVED_RESPONSES,
+        tags=["SGLang"],
+        description="Not served (501): see docs/http_routes.md",
+    )
+    async def sglang_flush_cache(timeout: float = 0.0) -> Response:
+        raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
+
+    return api
