@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from omni_core.engine import LifecycleReport
 from omni_core.engine.errors import InvalidArgumentError
-from omni_core.serve.errors import to_http
+from omni_core.serve.errors import ApiError, to_http
 from omni_core.serve.feed import dumps
 from omni_core.serve.idempotency import Answer, check_key, fingerprint, task_id_for
 from omni_core.serve.reports import report_json
@@ -209,3 +209,80 @@ def not_awake(stage_status: dict[str, Any]) -> bool:
         or bool(stage_status.get("asleep_tags"))
         or stage_status.get("weights_valid") is False
     )
+
+
+# ---------------------------------------------------------------------- a prefix-cache reset
+
+KV_CACHE = "kv_cache"
+CACHE_RESET_STEPS = {
+    "FAILED": "restart it (POST /v1/stages/{name}/restart)",
+    "STOPPED": "restart it (POST /v1/stages/{name}/restart)",
+    "STARTING": "wait until it is RUNNING",
+    "DRAINING": "another lifecycle call is in flight; retry once it is RUNNING",
+    "TRANSITIONING": "another lifecycle call is in flight; retry once it is RUNNING",
+    "WAKING": "another lifecycle call is in flight; retry once it is RUNNING",
+    "NEEDS_RELOAD": "reload its weights (POST /collective_rpc reload_weights), then retry",
+}
+CACHE_RESET_WAKE = "wake it (POST /wake_up, or POST /resume_memory_occupation), then retry"
+
+
+def cache_reset_work(
+    state: ServeState,
+    request: Request,
+    names: list[str],
+    shape: Callable[[dict[str, Any], dict[str, Any]], Any],
+    *,
+    refused_status: int,
+    limit_s: float | None = None,
+    failed: Callable[[Answer], Answer] | None = None,
+) -> Callable[[], Awaitable[Answer]]:
+    """The anchors' prefix-cache resets through the lifecycle: on RUNNING stages only, the
+    `kv_cache` tag is released (a level-1 sleep of that tag, in-flight requests finishing
+    first) and restored; the runner's cache goes with the memory it lived in. A stage in
+    another state is refused with `refused_status`, naming its state and what to do, before
+    anything is sent. `shape(released, restored)` is the answer; a stage whose release
+    completed is restored even when another stage's failed."""
+    for name in names:
+        if KV_CACHE not in state.specs[name].tags:
+            raise ApiError(
+                400,
+                f"stage {name!r} has no {KV_CACHE} tag (its tags: {list(state.specs[name].tags)}), so no "
+                "prefix cache to reset",
+                kind="InvalidArgumentError",
+            )
+    engine, tid = state.require_engine(), lifecycle_tid(request)
+    fail = failed or (lambda error: error)
+
+    def step(command: str) -> Callable[[str], Callable[[], Any]]:
+        task_id = None if tid is None else f"{tid}/{command}"
+        if command == "sleep":
+            return lambda n: functools.partial(
+                engine.sleep, n, 1, [KV_CACHE], task_id=task_id, timeout_s=limit_s, abort_in_flight=False
+            )
+        return lambda n: functools.partial(engine.wake, n, [KV_CACHE], task_id=task_id, timeout_s=limit_s)
+
+    async def work() -> Answer:
+        try:
+            status = await state.status()
+        except Exception as exc:
+            return fail(error_answer(exc))
+        for name in names:
+            now = status[name]["state"]
+            if now != "RUNNING":
+                what = CACHE_RESET_STEPS.get(now, CACHE_RESET_WAKE).replace("{name}", name)
+                refusal = ApiError(
+                    refused_status,
+                    f"stage {name!r} is {now}, not RUNNING: its prefix cache is reset (kv_cache released "
+                    f"and restored) only while it serves; {what}",
+                    kind="InvalidStateError",
+                    extra={"stage": name, "state": now},
+                )
+                return fail(error_answer(refusal))
+        released, error = await on_stages(state, names, "sleep", step("sleep"), 1)
+        back = [n for n in names if "error" not in released[n]]
+        restored, wake_error = await on_stages(state, back, "wake", step("wake")) if back else ({}, None)
+        if error is not None or wake_error is not None:
+            return fail(error or wake_error)
+        return answer(200, shape(released, restored))
+
+    return work

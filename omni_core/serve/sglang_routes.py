@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from omni_core.serve import models as m
-from omni_core.serve.errors import ApiError
 from omni_core.serve.feed import dumps
 from omni_core.serve.idempotency import Answer
-from omni_core.serve.lifecycle import lifecycle_route, sleep_call, wake_call
+from omni_core.serve.lifecycle import cache_reset_work, lifecycle_route, run_post, sleep_call, wake_call
 from omni_core.serve.middleware import require_key
 from omni_core.serve.state import ServeState
-from omni_core.serve.vllm_routes import NO_CACHE_RESET
 
 
 def sglang_failed(error: Answer) -> Answer:
@@ -83,11 +81,33 @@ def router(state: ServeState) -> APIRouter:
     @api.post(
         "/flush_cache",
         dependencies=control,
-        responses=m.NOT_SERVED_RESPONSES,
+        response_model=m.CacheResetModel,
+        responses=m.ERROR_RESPONSES,
         tags=["SGLang"],
-        description="Not served (501): see docs/http_routes.md",
+        description="SGLang's cache flush on the default stage (or every stage), through the lifecycle: "
+        "kv_cache released (level 1; in-flight requests finish first, within `timeout` seconds "
+        "when it is above 0, else the stage's deadline) and restored; the stage is RUNNING "
+        "again. Only a RUNNING stage: another state is 400 (SGLang's failure code) naming it "
+        "and what to do. POST only: a GET that changes state could be sent by any web page.",
     )
-    async def sglang_flush_cache(timeout: float = 0.0) -> Response:
-        raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
+    async def sglang_flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
+        names = state.targets()
+        work = cache_reset_work(
+            state,
+            request,
+            names,
+            lambda released, restored: {
+                "success": True,
+                # SGLang's answer starts so, and its clients look for it
+                "message": f"Cache flushed.\nkv_cache released and restored on {names}, "
+                "in-flight requests finished first.\n",
+                "released": released,
+                "stages": restored,
+            },
+            refused_status=400,
+            limit_s=timeout or None,
+            failed=sglang_failed,
+        )
+        return await run_post(state, request, work)
 
     return api

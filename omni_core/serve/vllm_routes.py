@@ -13,8 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from omni_core.serve import models as m
 from omni_core.serve.errors import ApiError
 from omni_core.serve.lifecycle import (
+    cache_reset_work,
     lifecycle_route,
     not_awake,
+    run_post,
     sleep_call,
     timeout_s,
     wake_call,
@@ -25,10 +27,6 @@ from omni_core.serve.state import ServeState
 NO_PAUSE = (
     "not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
     "(its sleep closes admission and releases memory)"
-)
-NO_CACHE_RESET = (
-    "not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
-    "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)"
 )
 
 
@@ -190,12 +188,32 @@ def router(state: ServeState) -> APIRouter:
     @api.post(
         "/reset_prefix_cache",
         dependencies=control,
-        responses=m.NOT_SERVED_RESPONSES,
+        response_model=m.CacheResetModel,
+        responses=m.ERROR_RESPONSES,
         tags=["vLLM"],
-        description="Not served (501): see docs/http_routes.md",
+        description="vLLM's prefix-cache reset on the default stage (or every stage), through the "
+        "lifecycle: kv_cache released (level 1; in-flight requests finish first, so "
+        "reset_running_requests changes nothing) and restored; the stage is RUNNING again. "
+        "Only a RUNNING stage: another state is 409 naming it and what to do. reset_external: "
+        "omni-core keeps no connector cache, so there is nothing more to reset.",
     )
-    async def vllm_reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
-        raise ApiError(501, NO_CACHE_RESET, kind="NotServed")
+    async def vllm_reset_prefix_cache(
+        request: Request, reset_running_requests: bool = False, reset_external: bool = False
+    ) -> Response:
+        names = state.targets()
+        work = cache_reset_work(
+            state,
+            request,
+            names,
+            lambda released, restored: {
+                "success": True,
+                "message": f"prefix cache reset: kv_cache released and restored on {names}",
+                "released": released,
+                "stages": restored,
+            },
+            refused_status=409,
+        )
+        return await run_post(state, request, work)
 
     @api.post(
         "/collective_rpc",
