@@ -28,6 +28,9 @@ from omni_core.serve.logs import EVENT_ATTR
 from omni_core.serve.metrics import ServeMetrics
 
 EVENTS_IN_SNAPSHOT = 50
+# Samples of each stage's device memory kept for the status page's chart: one per lifecycle
+# report that changed it, so this many cover hours of ordinary use; the oldest go first.
+MEMORY_SAMPLES_KEPT = 120
 # /health answers 503 while a stage is in one of these (vLLM and SGLang answer 503 when their
 # engine is dead, so a probe restarts or routes around it); a sleeping stage is healthy.
 UNHEALTHY_STATES = frozenset({"FAILED", "STOPPED"})
@@ -89,12 +92,17 @@ class StatusFeed:
         self.memory: dict[str, dict[int, RankMemory]] = {name: {} for name in self.names}
         self.last_level: dict[str, int | None] = dict.fromkeys(self.names)
         self.events: deque[dict[str, Any]] = deque(maxlen=server.events_kept)
+        # stage -> [(time, device bytes of its pools over every rank, None: not known)]
+        self.memory_history: dict[str, deque[tuple[float, int | None]]] = {
+            name: deque(maxlen=MEMORY_SAMPLES_KEPT) for name in self.names
+        }
         self.snapshot: dict[str, Any] = {
             "time": time.time(),
             "engine_up": False,
             "engine": {},
             "stages": {},
             "events": [],
+            "memory_history": {},
         }
         self.subscribers: set[asyncio.Queue] = set()
         self.closing = asyncio.Event()
@@ -130,11 +138,27 @@ class StatusFeed:
                 mem.host_offloaded_bytes = weights_freed  # level 1 keeps the weights on the host
             elif (command == "sleep" and level == 2) or weights_back:
                 mem.host_offloaded_bytes = 0
+        self._sample_memory(stage, report)
+
+    def _sample_memory(self, stage: str, report: LifecycleReport) -> None:
+        """One point of the stage's device memory over time, as the report left it. The first
+        report also gives the point before it (its `pool_bytes_before`): the Hello carries no
+        memory figures, so nothing is known before a first lifecycle call."""
+        history, now = self.memory_history[stage], time.time()
+        if not any(rr.pool_bytes_before or rr.pool_bytes_after for rr in report.ranks.values()):
+            return  # answered without the ranks (ALREADY): nothing measured
+        if not history or history[-1][1] is None:
+            before = sum(sum(rr.pool_bytes_before.values()) for rr in report.ranks.values())
+            history.append((now - report.duration_s, before))
+        total = sum(sum(mem.pool_bytes.values()) for mem in self.memory[stage].values())
+        if history[-1][1] != total:
+            history.append((now, total))
 
     def forget(self, stage: str) -> None:
         """A restarted stage has fresh ranks: what the old ones reported no longer holds."""
         self.memory[stage] = {}
         self.last_level[stage] = None
+        self.memory_history[stage].append((time.time(), None))  # a gap: fresh ranks, nothing measured yet
 
     # ------------------------------------------------------------------ events
 
@@ -216,6 +240,7 @@ class StatusFeed:
             "engine": dict(status.get("_engine") or {}),
             "stages": {name: self.stage_view(i, name, status.get(name)) for i, name in enumerate(self.names)},
             "events": list(self.events)[-EVENTS_IN_SNAPSHOT:],
+            "memory_history": {name: [list(p) for p in points] for name, points in self.memory_history.items()},
         }
 
     async def refresh(self) -> dict[str, Any]:
