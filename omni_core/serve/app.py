@@ -19,11 +19,10 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine
 from omni_core.serve import core_routes, omni_routes, sglang_routes, vllm_routes, weight_routes
 from omni_core.serve import models as m
-from omni_core.serve.feed import dumps
 from omni_core.serve.middleware import add_error_handlers, add_middleware, known_query_only
 from omni_core.serve.state import ServeState
 
-__all__ = ["API_VERSION", "ROUTERS", "create_app", "dumps"]
+__all__ = ["API_VERSION", "ROUTERS", "create_app"]
 
 API_VERSION = "1"
 

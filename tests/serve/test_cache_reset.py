@@ -147,3 +147,17 @@ def test_a_stage_without_kv_cache_has_nothing_to_reset(route: str) -> None:
         answer = client.post(route)
     assert answer.status_code == 400, answer.text
     assert "stage 'vae' has no kv_cache tag (its tags: ['weights'])" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", RESETS)
+def test_a_retried_reset_with_its_key_is_replayed_not_run_again(served: Served, route: str) -> None:
+    headers = {"Idempotency-Key": f"reset-{route.strip('/')}-1"}
+    first = served.client.post(route, headers=headers)
+    assert first.status_code == 200, first.text
+    released = first.json()["released"]["talker"]
+    assert released["task_id"].endswith("/sleep") and first.json()["stages"]["talker"]["task_id"].endswith("/wake")
+    last_id = _last_event_id(served)
+    again = served.client.post(route, headers=headers)
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true", again.text
+    assert again.json() == first.json()
+    assert _events_since(served, last_id) == []  # nothing ran twice
