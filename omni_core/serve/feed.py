@@ -141,14 +141,15 @@ class StatusFeed:
         self._sample_memory(stage, report)
 
     def _sample_memory(self, stage: str, report: LifecycleReport) -> None:
-        """One point of the stage's device memory over time, as the report left it. The first
-        report also gives the point before it (its `pool_bytes_before`): the Hello carries no
-        memory figures, so nothing is known before a first lifecycle call."""
+        """One point of the stage's device memory over time, as the report left it, after the
+        point before it (`pool_bytes_before`) where that differs from the last one known: the
+        first report (the Hello carries no memory figures, so nothing is known before a first
+        lifecycle call), or memory moved by a call the server did not see (the Python API)."""
         history, now = self.memory_history[stage], time.time()
         if not any(rr.pool_bytes_before or rr.pool_bytes_after for rr in report.ranks.values()):
             return  # answered without the ranks (ALREADY): nothing measured
-        if not history or history[-1][1] is None:
-            before = sum(sum(rr.pool_bytes_before.values()) for rr in report.ranks.values())
+        before = sum(sum(rr.pool_bytes_before.values()) for rr in report.ranks.values())
+        if not history or history[-1][1] != before:
             history.append((now - report.duration_s, before))
         total = sum(sum(mem.pool_bytes.values()) for mem in self.memory[stage].values())
         if history[-1][1] != total:

@@ -52,6 +52,14 @@ def test_a_report_that_changes_nothing_adds_no_point_and_a_restart_a_gap() -> No
     assert [b for _, b in feed.build_snapshot(None)["memory_history"]["talker"]] == [500, 0, None, 500, 0]
 
 
+def test_memory_moved_by_a_call_the_server_did_not_see_shows_before_the_next_report() -> None:
+    feed = _feed()
+    feed.note_report("talker", "sleep", _report("sleep", RESIDENT, RELEASED), 1)
+    # woken through the Python API: no report here; the next sleep starts from resident
+    feed.note_report("talker", "sleep", _report("sleep", RESIDENT, RELEASED), 1)
+    assert [b for _, b in feed.build_snapshot(None)["memory_history"]["talker"]] == [500, 0, 500, 0]
+
+
 def test_the_history_is_bounded() -> None:
     feed = _feed()
     for i in range(MEMORY_SAMPLES_KEPT * 2):
