@@ -25,8 +25,7 @@ from omni_core.serve.state import ServeState
 
 
 def router(state: ServeState) -> APIRouter:
-    api = APIRouter()
-    control = [Depends(require_key)]
+    api = APIRouter(dependencies=[Depends(require_key)], tags=["vLLM-Omni"])
 
     def omni_shape(per_stage: dict[str, Any]) -> dict[str, Any]:
         """vLLM-Omni's answer: SUCCESS and one OmniACK-shaped entry per rank; a stage that had
@@ -52,10 +51,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/v1/omni/sleep",
-        dependencies=control,
         response_model=m.OmniLifecycleModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM-Omni"],
         description='vLLM-Omni\'s sleep: {"stage_ids": [0, 1], "level": 2}; stage_ids required and not '
         "empty, level 2 unless given (its OmniSleepRequest)",
     )
@@ -67,10 +64,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/v1/omni/wakeup",
-        dependencies=control,
         response_model=m.OmniLifecycleModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM-Omni"],
         description='vLLM-Omni\'s wake-up: {"stage_ids": [0]}; SKIPPED when none of them sleeps',
     )
     async def omni_wake(request: Request, body: m.OmniWakeBody) -> Response:

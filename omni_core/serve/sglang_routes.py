@@ -29,15 +29,12 @@ def sglang_shape(done: str, **extra: Any) -> Callable[[dict[str, Any]], dict[str
 
 
 def router(state: ServeState) -> APIRouter:
-    api = APIRouter()
-    control = [Depends(require_key)]
+    api = APIRouter(dependencies=[Depends(require_key)], tags=["SGLang"])
 
     @api.post(
         "/release_memory_occupation",
-        dependencies=control,
         response_model=m.SglangMemoryModel,
         responses=m.ERROR_RESPONSES,
-        tags=["SGLang"],
         description='SGLang\'s release on the default stage (or every stage): {"tags": ["kv_cache"]} '
         "or no body (every tag). In-flight requests finish first. level (omni-core's "
         "addition): 1 keeps the weights in host memory, 2 discards them. POST only: a GET "
@@ -59,10 +56,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/resume_memory_occupation",
-        dependencies=control,
         response_model=m.SglangMemoryModel,
         responses=m.ERROR_RESPONSES,
-        tags=["SGLang"],
         description='SGLang\'s resume: {"tags": ["weights"]} or no body (every tag asleep)',
     )
     async def sglang_resume(request: Request, body: m.SglangMemoryBody | None = None) -> Response:
@@ -80,10 +75,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/flush_cache",
-        dependencies=control,
         response_model=m.CacheResetModel,
         responses=m.ERROR_RESPONSES,
-        tags=["SGLang"],
         description="SGLang's cache flush on the default stage (or every stage), through the lifecycle: "
         "kv_cache released (level 1; in-flight requests finish first, within `timeout` seconds "
         "when it is above 0, else the stage's deadline) and restored; the stage is RUNNING "

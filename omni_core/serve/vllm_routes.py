@@ -68,8 +68,7 @@ def check_sleep_mode(mode: str) -> None:
 
 
 def router(state: ServeState) -> APIRouter:
-    api = APIRouter()
-    control = [Depends(require_key)]
+    api = APIRouter(dependencies=[Depends(require_key)], tags=["vLLM"])
 
     def woken_shape(names: list[str], tags: list[str] | None) -> Any:
         def shape(per_stage: dict[str, Any]) -> Any:
@@ -82,10 +81,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/sleep",
-        dependencies=control,
         response_model=m.VllmSleepModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
         description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
         "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
         '({"level": 2}), not both. mode: abort (vLLM\'s default: in-flight requests fail at '
@@ -115,10 +112,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/wake_up",
-        dependencies=control,
         response_model=m.VllmWakeModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
         description='vLLM\'s wake_up: ?tags=weights (repeatable, or comma-separated) or {"tags": '
         '["weights"]} wakes part of the memory; neither: every tag asleep',
     )
@@ -134,10 +129,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.get(
         "/is_sleeping",
-        dependencies=control,
         response_model=m.IsSleepingModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
         description="true until every tag of the default stage (or of every stage) is back and its weights "
         "are valid: SLEEPING, PARTIAL, NEEDS_RELOAD and the transitions between them are asleep",
     )
@@ -147,9 +140,7 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/pause",
-        dependencies=control,
         responses=m.NOT_SERVED_RESPONSES,
-        tags=["vLLM"],
         description="Not served (501): see docs/http_routes.md",
     )
     async def vllm_pause(
@@ -164,9 +155,7 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/resume",
-        dependencies=control,
         responses=m.NOT_SERVED_RESPONSES,
-        tags=["vLLM"],
         description="Not served (501): see docs/http_routes.md",
     )
     async def vllm_resume() -> Response:
@@ -176,10 +165,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.get(
         "/is_paused",
-        dependencies=control,
         response_model=m.IsPausedModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
         description="false: this server never pauses (POST /pause answers 501)",
     )
     async def vllm_is_paused() -> Response:
@@ -187,10 +174,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/reset_prefix_cache",
-        dependencies=control,
         response_model=m.CacheResetModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
         description="vLLM's prefix-cache reset on the default stage (or every stage), through the "
         "lifecycle: kv_cache released (level 1; in-flight requests finish first, so "
         "reset_running_requests changes nothing) and restored; the stage is RUNNING again. "
@@ -217,10 +202,8 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/collective_rpc",
-        dependencies=control,
         response_model=m.CollectiveRpcModel,
         responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
         description="Only method 'reload_weights' (kwargs: optional 'source', checked against "
         "allowed_reload_sources); any other method would run caller-named code on the "
         "ranks",

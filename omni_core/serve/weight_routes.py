@@ -59,8 +59,7 @@ def collective(
 
 
 def router(state: ServeState) -> APIRouter:
-    api = APIRouter()
-    control = [Depends(require_key)]
+    api = APIRouter(dependencies=[Depends(require_key)])
 
     def update_call(source: WeightSource, version: int) -> MakeCall:
         engine = state.require_engine()
@@ -85,7 +84,6 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/update_weights_from_disk",
-        dependencies=control,
         response_model=m.SglangUpdateModel,
         responses=m.ERROR_RESPONSES,
         tags=["SGLang"],
@@ -123,7 +121,6 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/init_weight_transfer_engine",
-        dependencies=control,
         response_model=m.VllmMessageModel,
         responses=m.ERROR_RESPONSES,
         tags=["vLLM"],
@@ -152,7 +149,6 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/update_weights",
-        dependencies=control,
         response_model=m.VllmMessageModel,
         responses=m.ERROR_RESPONSES,
         tags=["vLLM"],
@@ -188,7 +184,6 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/init_weights_update_group",
-        dependencies=control,
         response_model=m.SglangResultModel,
         responses=m.ERROR_RESPONSES,
         tags=["SGLang"],
@@ -223,7 +218,6 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/update_weights_from_distributed",
-        dependencies=control,
         response_model=m.SglangResultModel,
         responses=m.ERROR_RESPONSES,
         tags=["SGLang"],
@@ -247,7 +241,6 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post(
         "/update_weights_from_tensor",
-        dependencies=control,
         responses=m.NOT_SERVED_RESPONSES,
         tags=["SGLang"],
         description="Not served (501): see docs/http_routes.md",
