@@ -39,7 +39,7 @@ from omni_core.config import parse_config  # noqa: E402
 from omni_core.engine import Engine  # noqa: E402
 from omni_core.engine.errors import OmniCoreError  # noqa: E402
 from omni_core.serve import create_app, serve_in_thread  # noqa: E402
-from omni_core.serve.app import dumps  # noqa: E402
+from omni_core.serve.feed import dumps  # noqa: E402
 
 STAGES = ("talker", "decoder")
 PAYLOADS = [{"seed": s, "batch": 2} for s in range(4)]

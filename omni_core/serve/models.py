@@ -395,6 +395,13 @@ class SglangResultModel(BaseModel):
     stages: dict[str, LifecycleReportModel]
 
 
+class CacheResetModel(BaseModel):
+    success: bool
+    message: str
+    released: dict[str, LifecycleReportModel] = Field(description="each stage's sleep of kv_cache (level 1)")
+    stages: dict[str, LifecycleReportModel] = Field(description="each stage's wake of kv_cache: RUNNING again")
+
+
 class VllmMessageModel(BaseModel):
     message: str
     stages: dict[str, LifecycleReportModel]

@@ -41,6 +41,14 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   #events .ok { color: #1a7f37; } #events .bad { color: #cf222e; }
   .failure { color: #cf222e; }
   .events-title { font-size: 16px; }
+  .legend { list-style: none; padding: 0; margin: 8px 0; display: flex; flex-wrap: wrap; gap: 4px 14px; }
+  .legend li { display: flex; align-items: center; gap: 5px; font-size: 12px; color: #57606a; }
+  .legend svg { width: 12px; height: 12px; }
+  #memory { background: #fff; border: 1px solid #d0d7de; border-radius: 8px; margin: 12px 0; padding: 12px; }
+  #memory h2 { font-size: 16px; margin: 0 0 4px 0; }
+  #memory-chart { width: 100%; height: 220px; display: block; }
+  #memory-chart text { font-size: 11px; fill: #57606a; }
+  #memory-chart .grid { stroke: #eaeef2; }
 </style>
 </head>
 <body>
@@ -54,6 +62,14 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   <button id="key-save">connect</button>
   <span class="meta">this server needs a key; it stays in this tab only</span>
 </div>
+<section id="memory">
+  <h2>Device memory, last 5 minutes</h2>
+  <svg id="memory-chart" viewBox="0 0 1000 220" preserveAspectRatio="none"></svg>
+  <ul class="legend" id="memory-legend"></ul>
+  <div class="meta">each stage's pools over all its ranks, as its lifecycle reports left them (nothing is measured
+    before a stage's first sleep or wake through this server)</div>
+</section>
+<ul class="legend" id="state-legend"></ul>
 <main id="stages"></main>
 <h2 class="events-title">Recent lifecycle events</h2>
 <ol id="events"></ol>
@@ -62,7 +78,11 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 const STATE_COLORS = {RUNNING: "#2da44e", SLEEPING: "#4f7df0", PARTIAL: "#8250df", NEEDS_RELOAD: "#d4a72c",
   FAILED: "#cf222e", DRAINING: "#e3b341", TRANSITIONING: "#e3b341", WAKING: "#e3b341", STARTING: "#8c959f",
   STOPPED: "#57606a", UNKNOWN: "#d0d7de"};
-const STRIP_SPAN_MS = 5 * 60 * 1000;  // the state strip shows the last five minutes
+const STRIP_SPAN_MS = 5 * 60 * 1000;  // the state strips and the memory chart show the last five minutes
+const SERIES_COLORS = ["#0969da", "#bf3989", "#1a7f37", "#9a6700", "#8250df", "#cf222e", "#1b7c83", "#57606a"];
+// The memory chart's plot area inside its 1000 x 220 viewBox: room left for byte labels, below for times.
+const PLOT = {left: 80, right: 990, top: 10, bottom: 190};
+let lastSnapshot = null;
 const history = {};                   // stage -> [[time_ms, state], ...]
 const seenEvents = new Set();
 let key = sessionStorage.getItem("omni-core-key") || "";
@@ -105,6 +125,82 @@ function renderStrip(name) {
   return svg;
 }
 
+function swatch(color) {
+  const svgNS = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(svgNS, "svg");
+  svg.setAttribute("viewBox", "0 0 12 12");
+  const rect = document.createElementNS(svgNS, "rect");
+  rect.setAttribute("width", "12"); rect.setAttribute("height", "12"); rect.setAttribute("rx", "2");
+  rect.setAttribute("fill", color);
+  svg.append(rect);
+  return svg;
+}
+
+function renderStateLegend() {
+  const legend = document.getElementById("state-legend");
+  legend.replaceChildren(el("li", {}, "state strips, last 5 minutes:"),
+    ...Object.entries(STATE_COLORS).map(([state, color]) => el("li", {"data-state": state}, swatch(color), state)));
+}
+
+function svgEl(tag, attrs) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+
+function renderMemoryChart(snap) {
+  // Each stage's device memory as a step line: a value holds from its sample until the next.
+  const chart = document.getElementById("memory-chart");
+  const now = Date.now(), start = now - STRIP_SPAN_MS;
+  const history = snap.memory_history || {};
+  const stages = Object.values(snap.stages || {});
+  let top = 0;
+  for (const points of Object.values(history)) {
+    for (const [, bytes] of points) if (bytes !== null) top = Math.max(top, bytes);
+  }
+  const x = t => PLOT.left + (Math.max(t, start) - start) / STRIP_SPAN_MS * (PLOT.right - PLOT.left);
+  const y = b => PLOT.bottom - (top ? b / top : 0) * (PLOT.bottom - PLOT.top);
+  const parts = [];
+  for (const frac of [0, 0.5, 1]) {  // the byte axis: 0, half and the highest value shown
+    parts.push(svgEl("line", {"class": "grid", x1: PLOT.left, x2: PLOT.right, y1: y(frac * top), y2: y(frac * top)}));
+    const label = svgEl("text", {"class": "y-tick", x: PLOT.left - 6, y: y(frac * top) + 4, "text-anchor": "end",
+      "data-bytes": Math.round(frac * top)});
+    label.textContent = fmtBytes(Math.round(frac * top));
+    parts.push(label);
+  }
+  for (let i = 0; i <= 5; i++) {  // the time axis: one tick a minute, now at the right
+    const t = start + i * STRIP_SPAN_MS / 5;
+    parts.push(svgEl("line", {"class": "grid", x1: x(t), x2: x(t), y1: PLOT.top, y2: PLOT.bottom}));
+    const label = svgEl("text", {"class": "x-tick", x: x(t), y: PLOT.bottom + 18, "data-time": Math.round(t),
+      "text-anchor": i === 0 ? "start" : i === 5 ? "end" : "middle"});
+    label.textContent = new Date(t).toLocaleTimeString();
+    parts.push(label);
+  }
+  const legend = [];
+  for (const st of stages) {
+    const color = SERIES_COLORS[st.stage_id % SERIES_COLORS.length];
+    const points = (history[st.name] || []).map(([t, bytes]) => [t * 1000, bytes]);
+    let current = null, path = "";
+    for (let i = 0; i < points.length; i++) {
+      const [t, bytes] = points[i], end = i + 1 < points.length ? points[i + 1][0] : now;
+      current = bytes;
+      if (bytes === null || end <= start) continue;  // unknown (restarted), or before the window
+      path += "M" + x(t).toFixed(1) + " " + y(bytes).toFixed(1) + "H" + x(end).toFixed(1);
+      if (i + 1 < points.length && points[i + 1][1] !== null) path += "V" + y(points[i + 1][1]).toFixed(1);
+    }
+    if (path) {
+      const line = svgEl("path", {"class": "series", d: path, fill: "none", stroke: color, "stroke-width": 2,
+        "data-stage": st.name, "data-bytes": current === null ? "" : current});
+      const title = svgEl("title", {}); title.textContent = st.name; line.append(title);
+      parts.push(line);
+    }
+    legend.push(el("li", {"data-stage": st.name}, swatch(color),
+      st.name + " " + (current === null ? "not measured yet" : fmtBytes(current))));
+  }
+  chart.replaceChildren(...parts);
+  document.getElementById("memory-legend").replaceChildren(...legend);
+}
+
 let seeded = false;
 function seedHistory(snap) {
   // The strip starts with the server's recent events, not empty at the moment the page opened.
@@ -116,6 +212,8 @@ function seedHistory(snap) {
 }
 
 function renderStatus(snap) {
+  lastSnapshot = snap;
+  renderMemoryChart(snap);
   const main = document.getElementById("stages");
   const now = Date.now();
   if (!seeded) { seedHistory(snap); seeded = true; }
@@ -221,13 +319,15 @@ document.getElementById("key-save").addEventListener("click", () => {
   document.getElementById("auth").className = "";
   run();
 });
-setInterval(() => {  // the strips move with time even when nothing changes
+setInterval(() => {  // the strips and the chart move with time even when nothing changes
+  if (lastSnapshot) renderMemoryChart(lastSnapshot);
   for (const name of Object.keys(history)) {
     const section = document.querySelector('section[data-stage="' + CSS.escape(name) + '"]');
     const strip = section && section.querySelector("svg.strip");
     if (strip) strip.replaceWith(renderStrip(name));
   }
 }, 5000);
+renderStateLegend();
 run();
 </script>
 </body>

@@ -3,12 +3,12 @@ JSON bodies, defaults, empty lists, unknown fields), answered in the anchor's sh
 docs/http_routes.md lists every route with the test here that covers it.
 
 The anchors, as read from their sources: vLLM's dev-mode routes (`/sleep?level=&mode=` with
-mode abort by default, `/wake_up?tags=`, `/is_sleeping`, `/pause`, `/resume`, `/is_paused`,
-`/reset_prefix_cache`), vLLM-Omni's `OmniSleepRequest` (`stage_ids` required, at least one;
-`level` 2 unless given) and its answers (`{"status": "SUCCESS", "acks": [...]}`, "SKIPPED"
-for a wake-up of stages none of which sleeps), SGLang's `/release_memory_occupation` and
-`/resume_memory_occupation` (`tags`), `/flush_cache`, and a /health that answers 503 when
-the engine is dead."""
+mode abort by default, `/wake_up?tags=`, `/is_sleeping`, `/pause`, `/resume`, `/is_paused`),
+vLLM-Omni's `OmniSleepRequest` (`stage_ids` required, at least one; `level` 2 unless given)
+and its answers (`{"status": "SUCCESS", "acks": [...]}`, "SKIPPED" for a wake-up of stages
+none of which sleeps), SGLang's `/release_memory_occupation` and `/resume_memory_occupation`
+(`tags`), and a /health that answers 503 when the engine is dead. The cache resets (vLLM's
+`/reset_prefix_cache`, SGLang's `/flush_cache`) are in test_cache_reset.py."""
 
 from __future__ import annotations
 
@@ -148,14 +148,13 @@ def test_vllm_sleep_modes_not_served_are_refused(served: Served, query: str, sta
     assert served.stage("talker")["state"] == "RUNNING"
 
 
-def test_vllm_pause_resume_and_cache_reset_are_not_served(served: Served) -> None:
-    """No lifecycle keeps memory with admission closed, and no command reaches a prefix
-    cache: 501 naming why and what to use, never a 200 that did nothing."""
+def test_vllm_pause_and_resume_are_not_served(served: Served) -> None:
+    """No lifecycle keeps memory with admission closed: 501 naming why and what to use, never
+    a 200 that did nothing."""
     for route in ("/pause", "/pause?mode=wait", "/resume"):
         body = _refused(served.client.post(route), 501, "no lifecycle that closes a stage's admission")
         assert body["error"]["type"] == "NotServed"
     assert served.client.get("/is_paused").json() == {"is_paused": False}
-    _refused(served.client.post("/reset_prefix_cache?reset_external=true"), 501, "POST /sleep?tags=kv_cache")
     _refused(served.client.post("/pause?mdoe=wait"), 422, "unknown query parameter(s) ['mdoe']")
     assert {s["state"] for s in served.client.get("/v1/stages").json()["stages"]} == {"RUNNING"}
 
@@ -246,8 +245,7 @@ def test_sglang_errors_say_success_false(served: Served) -> None:
     assert served.stage("talker")["state"] == "RUNNING"
 
 
-def test_sglang_flush_cache_is_not_served_and_get_changes_nothing(served: Served) -> None:
-    _refused(served.client.post("/flush_cache"), 501, "no protocol command reaches a runner's prefix cache")
+def test_sglang_get_changes_nothing(served: Served) -> None:
     for route in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
         got = served.client.get(route)  # SGLang takes GET too; here a GET never changes anything
         assert got.status_code == 405 and got.headers["allow"] == "POST", got.text
@@ -349,7 +347,7 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
     here = Path(__file__).parent
     defined = {
         name
-        for f in ("test_anchor_routes.py", "test_compat.py", "test_weight_routes.py")
+        for f in ("test_anchor_routes.py", "test_compat.py", "test_weight_routes.py", "test_cache_reset.py")
         for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)
     }
     assert named and named <= defined, f"tests named in docs/http_routes.md but not defined: {named - defined}"

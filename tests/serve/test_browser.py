@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -184,4 +185,58 @@ def test_the_page_runs_under_its_content_security_policy(served: Served, browser
         "RUNNING", timeout=UI_TIMEOUT_MS
     )
     assert violations == []
+    page.close()
+
+
+PLOT_TOP, PLOT_BOTTOM = 10.0, 190.0  # the memory chart's plot area in its viewBox (page.py's PLOT)
+
+
+def _series_end_y(page: object, stage: str) -> float:
+    """The height at which the stage's line ends (now): the y of its last `M x y` move."""
+    d = page.locator(f'#memory-chart path.series[data-stage="{stage}"]').get_attribute("d")  # type: ignore[attr-defined]
+    return float(re.findall(r"M[\d.]+ ([\d.]+)", d)[-1])
+
+
+def _axis_top_bytes(page: object) -> int:
+    return max(int(t.get_attribute("data-bytes")) for t in page.locator("#memory-chart text.y-tick").all())  # type: ignore[attr-defined]
+
+
+def test_the_memory_chart_follows_a_sleep_and_a_wake(served: Served, browser: object) -> None:
+    """The chart's line for the talker drops to the byte axis' 0 on a level-1 sleep (every
+    pool released) and climbs back to the bytes the ranks report after the wake; the legend
+    names each stage with its bytes and each state strip color; the time axis spans the last
+    five minutes, oldest left."""
+    expect = sync_api.expect
+    page = browser.new_page()  # type: ignore[attr-defined]
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(served.url + "/")
+    expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+
+    states = page.locator("#state-legend li[data-state]")
+    expect(states).to_have_count(11)
+    assert {"RUNNING", "SLEEPING", "FAILED"} <= {s.get_attribute("data-state") for s in states.all()}
+    ticks = page.locator("#memory-chart text.x-tick")
+    expect(ticks).to_have_count(6)
+    times = [int(t.get_attribute("data-time")) for t in ticks.all()]
+    assert times == sorted(times) and times[-1] - times[0] == pytest.approx(300_000, abs=2)
+    assert all(re.search(r"\d{1,2}:\d{2}:\d{2}", t.text_content() or "") for t in ticks.all())
+
+    talker = page.locator('#memory-chart path.series[data-stage="talker"]')
+    assert served.client.post("/v1/stages/talker/sleep", json={"level": 1}).status_code == 200
+    expect(talker).to_have_attribute("data-bytes", "0", timeout=UI_TIMEOUT_MS)
+    expect(page.locator('#memory-legend li[data-stage="talker"]')).to_have_text("talker 0 B")
+    assert _series_end_y(page, "talker") == PLOT_BOTTOM  # on the axis' 0
+    assert _axis_top_bytes(page) > 0  # the bytes before the sleep are on the chart too
+
+    assert served.client.post("/v1/stages/talker/wake").status_code == 200
+    ranks = served.stage("talker")["ranks"].values()
+    resident = sum(sum(r["pool_bytes"].values()) for r in ranks)
+    assert resident > 0
+    expect(talker).to_have_attribute("data-bytes", str(resident), timeout=UI_TIMEOUT_MS)
+    top = _axis_top_bytes(page)
+    expected_y = PLOT_BOTTOM - resident / top * (PLOT_BOTTOM - PLOT_TOP)
+    assert _series_end_y(page, "talker") == pytest.approx(expected_y, abs=0.1)
+    expect(page.locator('#memory-legend li[data-stage="talker"]')).to_contain_text("MiB")
+    assert errors == []
     page.close()

@@ -174,7 +174,7 @@ def _snapshot(state: str, alive: bool, epoch: int = 1, pid: int = 41) -> dict[st
 
 
 def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_order(caplog) -> None:
-    from omni_core.serve.app import _log_changes
+    from omni_core.serve.feed import _log_changes
 
     logged: dict[tuple[str, str], Any] = {}
     running, failed = _snapshot("RUNNING", True), _snapshot("FAILED", False)

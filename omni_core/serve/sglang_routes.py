@@ -1,0 +1,106 @@
+"""SGLang's memory routes (`entrypoints/http_server.py`): release and resume by tags, on
+`[server] default_stage` or every stage; answers `{"success", "message"}`, on errors too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+
+from omni_core.serve import models as m
+from omni_core.serve.feed import dumps
+from omni_core.serve.idempotency import Answer
+from omni_core.serve.lifecycle import cache_reset_work, lifecycle_route, run_post, sleep_call, wake_call
+from omni_core.serve.middleware import require_key
+from omni_core.serve.state import ServeState
+
+
+def sglang_failed(error: Answer) -> Answer:
+    """SGLang's error fields (`success: false`, `message`) beside omni-core's error."""
+    body = json.loads(error.body)
+    return Answer(error.status, dumps(dict(body, success=False, message=body["error"]["message"])), error.headers)
+
+
+def sglang_shape(done: str, **extra: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda per_stage: {"success": True, "message": done, **extra, "stages": per_stage}
+
+
+def router(state: ServeState) -> APIRouter:
+    api = APIRouter(dependencies=[Depends(require_key)], tags=["SGLang"])
+
+    @api.post(
+        "/release_memory_occupation",
+        response_model=m.SglangMemoryModel,
+        responses=m.ERROR_RESPONSES,
+        description='SGLang\'s release on the default stage (or every stage): {"tags": ["kv_cache"]} '
+        "or no body (every tag). In-flight requests finish first. level (omni-core's "
+        "addition): 1 keeps the weights in host memory, 2 discards them. POST only: a GET "
+        "that frees memory could be sent by any web page.",
+    )
+    async def sglang_release(request: Request, body: m.SglangReleaseBody | None = None) -> Response:
+        body = body or m.SglangReleaseBody()
+        names, tags = state.targets(), body.tags or None
+        return await lifecycle_route(
+            state,
+            request,
+            names,
+            "sleep",
+            sleep_call(state, body.level, tags),
+            sglang_shape(f"released {tags or 'every tag'} of {names} (level {body.level})"),
+            level=body.level,
+            failed=sglang_failed,
+        )
+
+    @api.post(
+        "/resume_memory_occupation",
+        response_model=m.SglangMemoryModel,
+        responses=m.ERROR_RESPONSES,
+        description='SGLang\'s resume: {"tags": ["weights"]} or no body (every tag asleep)',
+    )
+    async def sglang_resume(request: Request, body: m.SglangMemoryBody | None = None) -> Response:
+        body = body or m.SglangMemoryBody()
+        names, tags = state.targets(), body.tags or None
+        return await lifecycle_route(
+            state,
+            request,
+            names,
+            "wake",
+            wake_call(state, tags),
+            sglang_shape(f"resumed {tags or 'every tag asleep'} of {names}"),
+            failed=sglang_failed,
+        )
+
+    @api.post(
+        "/flush_cache",
+        response_model=m.CacheResetModel,
+        responses=m.ERROR_RESPONSES,
+        description="SGLang's cache flush on the default stage (or every stage), through the lifecycle: "
+        "kv_cache released (level 1; in-flight requests finish first, within `timeout` seconds "
+        "when it is above 0, else the stage's deadline) and restored; the stage is RUNNING "
+        "again. Only a RUNNING stage: another state is 400 (SGLang's failure code) naming it "
+        "and what to do. POST only: a GET that changes state could be sent by any web page.",
+    )
+    async def sglang_flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
+        names = state.targets()
+        work = cache_reset_work(
+            state,
+            request,
+            names,
+            lambda released, restored: {
+                "success": True,
+                # SGLang's answer starts so, and its clients look for it
+                "message": f"Cache flushed.\nkv_cache released and restored on {names}, "
+                "in-flight requests finished first.\n",
+                "released": released,
+                "stages": restored,
+            },
+            refused_status=400,
+            limit_s=timeout or None,
+            failed=sglang_failed,
+        )
+        return await run_post(state, request, work)
+
+    return api

@@ -1,0 +1,245 @@
+"""vLLM's dev-mode lifecycle routes (`vllm/entrypoints/serve/dev/{sleep,cache,rpc}`), as its
+clients send them: parameters in the query string or in a JSON body, vLLM's defaults. They act
+on `[server] default_stage`, or on every stage when it is not set."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from omni_core.serve import models as m
+from omni_core.serve.errors import ApiError
+from omni_core.serve.lifecycle import (
+    cache_reset_work,
+    lifecycle_route,
+    not_awake,
+    run_post,
+    sleep_call,
+    timeout_s,
+    wake_call,
+)
+from omni_core.serve.middleware import require_key
+from omni_core.serve.state import ServeState
+
+NO_PAUSE = (
+    "not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
+    "(its sleep closes admission and releases memory)"
+)
+
+
+def split_tags(values: list[str]) -> list[str] | None:
+    tags = [t.strip() for v in values for t in v.split(",") if t.strip()]
+    return tags or None
+
+
+def once(field: str, in_query: Any, in_body: Any, default: Any) -> Any:
+    """A vLLM route's parameter from its query string or its JSON body; both is ambiguous."""
+    if in_query is not None and in_body is not None:
+        raise ApiError(
+            422,
+            f"{field} is given both in the query string and in the JSON body; give it once",
+            kind="InvalidArgumentError",
+            extra={"fields": [f"query.{field}", f"body.{field}"]},
+        )
+    return in_query if in_query is not None else in_body if in_body is not None else default
+
+
+def check_sleep_mode(mode: str) -> None:
+    if mode == "keep":
+        raise ApiError(
+            400,
+            "mode 'keep' (hold in-flight requests through the sleep and resume them after the "
+            "wake) is not served: omni-core has no lifecycle that keeps requests across a sleep; "
+            "use mode=wait (they finish first) or mode=abort (they fail now)",
+            kind="InvalidArgumentError",
+            extra={"fields": ["mode"]},
+        )
+    if mode not in ("abort", "wait"):
+        raise ApiError(
+            400,
+            f"mode {mode[:40]!r} is not one of 'abort' (fail in-flight requests now, vLLM's "
+            "default) or 'wait' (drain them first)",
+            kind="InvalidArgumentError",
+            extra={"fields": ["mode"]},
+        )
+
+
+def router(state: ServeState) -> APIRouter:
+    api = APIRouter(dependencies=[Depends(require_key)], tags=["vLLM"])
+
+    def woken_shape(names: list[str], tags: list[str] | None) -> Any:
+        def shape(per_stage: dict[str, Any]) -> Any:
+            # RUNNING is the only state with every tag resident and the weights valid.
+            awake = all(r["state"] == "RUNNING" for r in per_stage.values())
+            woken = tags or sorted({t for n in names for t in state.specs[n].tags})
+            return {"status": "awake" if awake else "sleeping", "tags_woken": woken, "stages": per_stage}
+
+        return shape
+
+    @api.post(
+        "/sleep",
+        response_model=m.VllmSleepModel,
+        responses=m.ERROR_RESPONSES,
+        description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
+        "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
+        '({"level": 2}), not both. mode: abort (vLLM\'s default: in-flight requests fail at '
+        "once with 409), wait (they finish first); keep is refused (400).",
+    )
+    async def vllm_sleep(
+        request: Request,
+        body: m.VllmSleepBody | None = None,
+        level: int | None = None,
+        mode: str | None = None,
+        tags: Annotated[list[str] | None, Query()] = None,
+    ) -> Response:
+        body = body or m.VllmSleepBody()
+        chosen_level = once("level", level, body.level, 1)
+        chosen_mode = once("mode", mode, body.mode, "abort")
+        chosen_tags = once("tags", split_tags(tags or []), body.tags or None, None)
+        check_sleep_mode(chosen_mode)
+        return await lifecycle_route(
+            state,
+            request,
+            state.targets(),
+            "sleep",
+            sleep_call(state, chosen_level, chosen_tags, chosen_mode == "abort"),
+            lambda per: {"status": "sleeping", "level": chosen_level, "mode": chosen_mode, "stages": per},
+            level=chosen_level,
+        )
+
+    @api.post(
+        "/wake_up",
+        response_model=m.VllmWakeModel,
+        responses=m.ERROR_RESPONSES,
+        description='vLLM\'s wake_up: ?tags=weights (repeatable, or comma-separated) or {"tags": '
+        '["weights"]} wakes part of the memory; neither: every tag asleep',
+    )
+    async def vllm_wake(
+        request: Request, body: m.VllmWakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
+    ) -> Response:
+        body = body or m.VllmWakeBody()
+        chosen_tags = once("tags", split_tags(tags or []), body.tags or None, None)
+        names = state.targets()
+        return await lifecycle_route(
+            state, request, names, "wake", wake_call(state, chosen_tags), woken_shape(names, chosen_tags)
+        )
+
+    @api.get(
+        "/is_sleeping",
+        response_model=m.IsSleepingModel,
+        responses=m.ERROR_RESPONSES,
+        description="true until every tag of the default stage (or of every stage) is back and its weights "
+        "are valid: SLEEPING, PARTIAL, NEEDS_RELOAD and the transitions between them are asleep",
+    )
+    async def vllm_is_sleeping() -> Response:
+        status = await state.status()
+        return JSONResponse({"is_sleeping": any(not_awake(status[n]) for n in state.targets())})
+
+    @api.post(
+        "/pause",
+        responses=m.NOT_SERVED_RESPONSES,
+        description="Not served (501): see docs/http_routes.md",
+    )
+    async def vllm_pause(
+        mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
+    ) -> Response:
+        raise ApiError(
+            501,
+            NO_PAUSE + "; use POST /sleep?mode=wait (drain, then release the memory) and "
+            "POST /wake_up, or POST /sleep?mode=abort",
+            kind="NotServed",
+        )
+
+    @api.post(
+        "/resume",
+        responses=m.NOT_SERVED_RESPONSES,
+        description="Not served (501): see docs/http_routes.md",
+    )
+    async def vllm_resume() -> Response:
+        raise ApiError(
+            501, NO_PAUSE + ", so there is nothing to resume; POST /wake_up wakes a sleeping stage", kind="NotServed"
+        )
+
+    @api.get(
+        "/is_paused",
+        response_model=m.IsPausedModel,
+        responses=m.ERROR_RESPONSES,
+        description="false: this server never pauses (POST /pause answers 501)",
+    )
+    async def vllm_is_paused() -> Response:
+        return JSONResponse({"is_paused": False})
+
+    @api.post(
+        "/reset_prefix_cache",
+        response_model=m.CacheResetModel,
+        responses=m.ERROR_RESPONSES,
+        description="vLLM's prefix-cache reset on the default stage (or every stage), through the "
+        "lifecycle: kv_cache released (level 1; in-flight requests finish first, so "
+        "reset_running_requests changes nothing) and restored; the stage is RUNNING again. "
+        "Only a RUNNING stage: another state is 409 naming it and what to do. reset_external: "
+        "omni-core keeps no connector cache, so there is nothing more to reset.",
+    )
+    async def vllm_reset_prefix_cache(
+        request: Request, reset_running_requests: bool = False, reset_external: bool = False
+    ) -> Response:
+        names = state.targets()
+        work = cache_reset_work(
+            state,
+            request,
+            names,
+            lambda released, restored: {
+                "success": True,
+                "message": f"prefix cache reset: kv_cache released and restored on {names}",
+                "released": released,
+                "stages": restored,
+            },
+            refused_status=409,
+        )
+        return await run_post(state, request, work)
+
+    @api.post(
+        "/collective_rpc",
+        response_model=m.CollectiveRpcModel,
+        responses=m.ERROR_RESPONSES,
+        description="Only method 'reload_weights' (kwargs: optional 'source', checked against "
+        "allowed_reload_sources); any other method would run caller-named code on the "
+        "ranks",
+    )
+    async def vllm_collective_rpc(request: Request, body: m.CollectiveRpcBody) -> Response:
+        if body.method != "reload_weights":
+            raise ApiError(
+                400,
+                f"collective_rpc method {body.method!r} is not served; only 'reload_weights' is "
+                "(any other would run caller-named code on the ranks)",
+                kind="InvalidArgumentError",
+            )
+        unknown = sorted(set(body.kwargs) - {"source"})
+        if body.args or unknown:
+            raise ApiError(
+                400,
+                f"reload_weights takes only kwargs {{'source': ...}}; got args {body.args} and kwargs {unknown}",
+                kind="InvalidArgumentError",
+            )
+        source = body.kwargs.get("source")
+        if source is not None and not isinstance(source, str):
+            raise ApiError(
+                422,
+                f"kwargs.source must be a path string, got a {type(source).__name__}",
+                kind="InvalidArgumentError",
+                extra={"fields": ["kwargs.source"]},
+            )
+        source = state.check_source(source)
+        engine, limit_s = state.require_engine(), timeout_s(body.timeout)
+        return await lifecycle_route(
+            state,
+            request,
+            state.targets(),
+            "reload",
+            lambda n, tid: functools.partial(engine.reload_weights, n, source, task_id=tid, timeout_s=limit_s),
+            lambda per: {"results": list(per.values())},
+        )
+
+    return api
