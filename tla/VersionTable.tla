@@ -45,6 +45,7 @@ StageRows == {
     <<"RUNNING", "execute", "RUNNING">>,
     <<"STARTING", "fail", "FAILED">>,
     <<"RUNNING", "fail", "FAILED">>,
+    <<"PAUSED", "fail", "FAILED">>,
     <<"SLEEPING", "fail", "FAILED">>,
     <<"PARTIAL", "fail", "FAILED">>,
     <<"NEEDS_RELOAD", "fail", "FAILED">>,

@@ -23,6 +23,7 @@ from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, 
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.settle import REFUSAL_REASON, Settled, refused_trigger, settle_row
+from omni_core.fsm.stage_pause import Pause, PauseMixin
 from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
@@ -191,7 +192,7 @@ class _Task:
 _STATELESS = (Profile, InitWeightGroup, ShareWeights)
 
 
-class StageCore:
+class StageCore(PauseMixin):
     """One stage: its ranks' aggregate lifecycle. No IO, no clock."""
 
     def __init__(
@@ -249,6 +250,8 @@ class StageCore:
             I.WeightGroupCall: self.on_weight_group_call,
             I.ShareCall: self.on_share_call,
             I.SetAdmission: self.on_set_admission,
+            I.PauseCall: self.on_pause_call,
+            I.ResumeCall: self.on_resume_call,
             I.Tick: self.on_tick_input,
             I.Received: self.on_received,
             I.RankExited: self.on_rank_exited,
@@ -530,8 +533,9 @@ class StageCore:
                 "policy is 'reject'; call reload_weights() first"
             )
         if decision is Admit.REFUSE_POLICY:
+            fix = "resume() it" if self.state is S.PAUSED else "wake it"
             return (
-                f"stage {name!r} is {state}, not RUNNING, and its admission policy is 'reject'; wake it "
+                f"stage {name!r} is {state}, not RUNNING, and its admission policy is 'reject'; {fix} "
                 "first or use admission='queue' or 'wake'"
             )
         if decision is Admit.REFUSE_NEEDS_RELOAD:
@@ -625,7 +629,7 @@ class StageCore:
     def _retire(self, request: _Request, now: float) -> StageStep:
         del self.in_flight[request.request_id]
         if self.state is S.DRAINING and not self.in_flight and self._task is not None:
-            return self._send_drained()
+            return self._send_drained(now)
         return StageStep()
 
     def _answer(self, request: _Request, error: RequestError | None, detail: str, output: Any = None) -> None:
@@ -767,7 +771,7 @@ class StageCore:
         )
         if self.lifecycle.allows("drain"):
             self.lifecycle.fire("drain")
-            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()
+            step = self._send_drained(now) if self.in_flight_requests == 0 else StageStep()
         else:
             self.lifecycle.fire("sleep")
             step = self._send_all()
@@ -910,7 +914,7 @@ class StageCore:
         )
         if drain:
             self.lifecycle.fire("update_drain")
-            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()
+            step = self._send_drained(now) if self.in_flight_requests == 0 else StageStep()
         else:
             self.lifecycle.fire("update")
             step = self._send_all()
@@ -1244,7 +1248,7 @@ class StageCore:
             budget_s = task.deadline_at - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")
-                what = "update" if isinstance(task.command, UpdateWeights) else "sleep"
+                what = type(task.command).__name__.removesuffix("Weights").lower()  # update, sleep, pause
                 step = StageStep(
                     outcome=self._end_task(
                         False,
@@ -1353,9 +1357,11 @@ class StageCore:
         self._issued = (command, True, now)
         return StageStep(outcome=outcome)
 
-    def _send_drained(self) -> StageStep:
+    def _send_drained(self, now: float) -> StageStep:
         assert self._task is not None
         self.lifecycle.fire(self._task.drained_trigger)
+        if isinstance(self._task.command, Pause):  # nothing goes to the ranks: the pause is done
+            return StageStep(outcome=self._end_task(True, "", {}, now))
         return self._send_all()
 
     def _send_all(self) -> StageStep:
@@ -1428,12 +1434,13 @@ class StageCore:
         if state in SERVING:
             # P-5: a settled state is committed only when every rank reported it.
             require(set(self.rank_state) == set(self.ranks), "settled without every rank known")
-            mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not state}
+            settled = S.RUNNING if state is S.PAUSED else state  # a pause leaves the ranks ACTIVE
+            mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not settled}
             require(not mismatched, f"ranks disagree with the stage: {mismatched}")
-        if state is S.RUNNING:
+        if state in (S.RUNNING, S.PAUSED):  # a pause releases nothing
             require(
                 not self.residency.asleep and self.residency.weights_valid,
-                "RUNNING with tags asleep or weights invalid",
+                f"{state.value} with tags asleep or weights invalid",
             )
             # P-17: requests run only while every rank holds the stage's one version.
             mixed = {r: v for r, v in self.rank_versions.items() if v != self.weights_version}

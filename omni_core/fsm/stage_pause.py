@@ -1,0 +1,161 @@
+"""The PAUSED lifecycle of a stage (vLLM's pause_generation / resume_generation).
+
+A pause closes a RUNNING stage's admission and keeps its memory: nothing is sent to the
+ranks, nothing is released, no request starts until resume(). Requests in flight are not
+frozen halfway (an Execute runs to its end on a rank: no protocol command interrupts one),
+so the stage drains them first in DRAINING, as a sleep does, and commits PAUSED when none is
+left. The modes say what their callers hear:
+
+  abort  at once ABORTED (the ranks still finish them before PAUSED), vLLM's default
+  wait   their results, then the pause
+  keep   the same as wait here: vLLM freezes running requests and resumes them after
+         /resume; a request omni-core cannot freeze finishes instead, and nothing is lost
+
+Requests that arrive, or wait in the queue, while PAUSED stay queued (or are refused, under
+the policy 'reject') until resume(): ADMISSION and QUEUE_RULES say so for PAUSED.
+
+The transitions are rows of STAGE_TRANSITIONS (pause_drain, pause_drained, pause_already,
+resume, resume_already); this mixin is the part of StageCore that fires them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from omni_core.fsm import inputs as I
+from omni_core.fsm.inputs import RequestError
+from omni_core.protocol import AckStatus
+
+if TYPE_CHECKING:
+    from omni_core.fsm.stage import StageStep
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The pause task's stand-in for a command: it never leaves the orchestrator."""
+
+    task_id: str
+    mode: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The resume's stand-in for a command (outcomes name it "Resume")."""
+
+    task_id: str
+
+
+class PauseMixin:
+    """pause() and resume() of StageCore (which supplies every attribute used here)."""
+
+    name: str
+    lifecycle: Any
+    in_flight: dict[str, Any]
+    completed: Any
+    weights_version: int
+    residency: Any
+    _task: Any
+
+    def on_pause_call(self, event: I.PauseCall, now: float) -> StageStep:
+        return self.pause(event.task_id, event.mode, now, event.deadline_s)
+
+    def on_resume_call(self, event: I.ResumeCall, now: float) -> StageStep:
+        return self.resume(event.task_id, now)
+
+    def pause(self, task_id: str, mode: str, now: float, deadline_s: float) -> StageStep:
+        """Close admission keeping the memory. Commits PAUSED once no request is in flight,
+        at once when none is; a drain that outlives `deadline_s` abandons the pause (RUNNING)."""
+        from omni_core.fsm.stage import StageCommandError, StageStep, _Task
+
+        if mode not in PAUSE_MODES:
+            raise StageCommandError(
+                f"pause mode must be one of {list(PAUSE_MODES)} (abort: in-flight requests fail now; "
+                f"wait, keep: they finish first), got {str(mode)[:40]!r}"
+            )
+        signature = ("Pause", mode)
+        retried = self._retry(task_id, signature)  # type: ignore[attr-defined]
+        if retried is not None:
+            return retried
+        self._require_idle("pause")  # type: ignore[attr-defined]
+        if self.lifecycle.allows("pause_already"):
+            return self._instant(task_id, signature, Pause(task_id, mode), "pause_already", AckStatus.ALREADY, now)
+        if not self.lifecycle.allows("pause_drain"):
+            raise StageCommandError(
+                f"stage {self.name!r} cannot pause in {self.lifecycle.state.value}: only a RUNNING stage "
+                "pauses (a sleeping one admits no request already; wake it first)"
+            )
+        self._task = _Task(
+            task_id,
+            signature,
+            Pause(task_id, mode),  # type: ignore[arg-type]
+            now,
+            now + deadline_s,
+            expect_asleep=self.residency.asleep,
+            commit_trigger="pause_drained",
+            drained_trigger="pause_drained",
+            expect_version=self.weights_version,
+        )
+        self.lifecycle.fire("pause_drain")
+        if mode == "abort":
+            # The callers hear now; the ranks still run these requests, and the stage is
+            # PAUSED only once every rank has answered them.
+            for request in self.in_flight.values():
+                self._answer(  # type: ignore[attr-defined]
+                    request,
+                    RequestError.ABORTED,
+                    f"request {request.request_id} aborted: stage {self.name!r} is pausing (mode=abort)",
+                )
+        step = self._send_drained(now) if not self.in_flight else StageStep()  # type: ignore[attr-defined]
+        self._check_invariants()  # type: ignore[attr-defined]
+        return step
+
+    def resume(self, task_id: str, now: float) -> StageStep:
+        """Open a PAUSED stage's admission again; on a RUNNING stage an ALREADY no-op."""
+        from omni_core.fsm.stage import StageCommandError
+
+        signature = ("Resume",)
+        retried = self._retry(task_id, signature)  # type: ignore[attr-defined]
+        if retried is not None:
+            return retried
+        self._require_idle("resume")  # type: ignore[attr-defined]
+        if self.lifecycle.allows("resume_already"):
+            return self._instant(task_id, signature, Resume(task_id), "resume_already", AckStatus.ALREADY, now)
+        if not self.lifecycle.allows("resume"):
+            raise StageCommandError(
+                f"stage {self.name!r} is {self.lifecycle.state.value}, not PAUSED: nothing to resume; "
+                "a sleeping stage serves again after wake()"
+            )
+        return self._instant(task_id, signature, Resume(task_id), "resume", AckStatus.OK, now)
+
+    def _instant(
+        self,
+        task_id: str,
+        signature: tuple[Any, ...],
+        command: Pause | Resume,
+        trigger: str,
+        status: AckStatus,
+        now: float,
+    ) -> StageStep:
+        """A task that ends in the call that starts it: nothing goes to the ranks."""
+        from omni_core.fsm.stage import StageStep, TaskOutcome
+
+        self.lifecycle.fire(trigger)
+        outcome = TaskOutcome(
+            task_id,
+            type(command).__name__,
+            True,
+            status,
+            self.lifecycle.state,
+            MappingProxyType({}),
+            MappingProxyType({}),
+            "",
+            now,
+            now,
+        )
+        self.completed.put(task_id, (signature, outcome))
+        self._check_invariants()  # type: ignore[attr-defined]
+        return StageStep(outcome=outcome)
