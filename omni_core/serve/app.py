@@ -611,20 +611,13 @@ def _once(field: str, in_query: Any, in_body: Any, default: Any) -> Any:
 
 
 def _check_sleep_mode(mode: str) -> None:
-    if mode == "keep":
-        raise ApiError(
-            400,
-            "mode 'keep' (hold in-flight requests through the sleep and resume them after the "
-            "wake) is not served: omni-core has no lifecycle that keeps requests across a sleep; "
-            "use mode=wait (they finish first) or mode=abort (they fail now)",
-            kind="InvalidArgumentError",
-            extra={"fields": ["mode"]},
-        )
-    if mode not in ("abort", "wait"):
+    # keep: vLLM freezes running requests and recomputes them after the wake; an Execute
+    # cannot be frozen on a rank, so it finishes first, as under wait (docs/http_routes.md).
+    if mode not in ("abort", "wait", "keep"):
         raise ApiError(
             400,
             f"mode {mode[:40]!r} is not one of 'abort' (fail in-flight requests now, vLLM's "
-            "default) or 'wait' (drain them first)",
+            "default), 'wait' or 'keep' (they finish first)",
             kind="InvalidArgumentError",
             extra={"fields": ["mode"]},
         )
@@ -633,10 +626,6 @@ def _check_sleep_mode(mode: str) -> None:
 # A stage in these states has memory released, or is releasing or restoring it: vLLM's
 # is_sleeping stays true until every tag is back and the weights are valid again.
 NOT_AWAKE_STATES = frozenset({"DRAINING", "TRANSITIONING", "SLEEPING", "WAKING", "PARTIAL", "NEEDS_RELOAD"})
-NO_PAUSE = (
-    "not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
-    "(its sleep closes admission and releases memory)"
-)
 NO_CACHE_RESET = (
     "not served: no protocol command reaches a runner's prefix cache; a sleep that releases "
     "kv_cache empties it (POST /sleep?tags=kv_cache&mode=wait, then POST /wake_up?tags=kv_cache)"
@@ -1259,7 +1248,7 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
         "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
         '({"level": 2}), not both. mode: abort (vLLM\'s default: in-flight requests fail at '
-        "once with 409), wait (they finish first); keep is refused (400).",
+        "once with 409), wait and keep (they finish first; see docs/http_routes.md).",
     )
     async def vllm_sleep(
         request: Request,
@@ -1314,45 +1303,9 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
         status = await state.status()
         return JSONResponse({"is_sleeping": any(not_awake(status[n]) for n in state.targets())})
 
-    @app.post(
-        "/pause",
-        dependencies=control,
-        responses=m.NOT_SERVED_RESPONSES,
-        tags=["vLLM"],
-        description="Not served (501): see docs/http_routes.md",
-    )
-    async def vllm_pause(
-        mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
-    ) -> Response:
-        raise ApiError(
-            501,
-            NO_PAUSE + "; use POST /sleep?mode=wait (drain, then release the memory) and "
-            "POST /wake_up, or POST /sleep?mode=abort",
-            kind="NotServed",
-        )
+    from omni_core.serve.pause_routes import add_pause_routes  # it imports this module's helpers
 
-    @app.post(
-        "/resume",
-        dependencies=control,
-        responses=m.NOT_SERVED_RESPONSES,
-        tags=["vLLM"],
-        description="Not served (501): see docs/http_routes.md",
-    )
-    async def vllm_resume() -> Response:
-        raise ApiError(
-            501, NO_PAUSE + ", so there is nothing to resume; POST /wake_up wakes a sleeping stage", kind="NotServed"
-        )
-
-    @app.get(
-        "/is_paused",
-        dependencies=control,
-        response_model=m.IsPausedModel,
-        responses=m.ERROR_RESPONSES,
-        tags=["vLLM"],
-        description="false: this server never pauses (POST /pause answers 501)",
-    )
-    async def vllm_is_paused() -> Response:
-        return JSONResponse({"is_paused": False})
+    add_pause_routes(app, state, control, lifecycle_work, on_many)
 
     @app.post(
         "/reset_prefix_cache",

@@ -1,0 +1,155 @@
+"""The PAUSED lifecycle over HTTP: vLLM's /pause, /resume and /is_paused, and omni-core's own
+/v1/stages/{name}/pause and /resume (the CLI's).
+
+vLLM's routes (vllm/entrypoints/serve/dev/rlhf/api_router.py) take `mode` (abort, its
+default; wait; keep), the deprecated `wait_for_inflight_requests` (true means mode=wait)
+and `clear_cache` in the query string; omni-core also takes them in a JSON body, not both.
+They answer {"status": "paused"} and {"status": "resumed"} (with every stage's report beside
+it) and {"is_paused": bool}. What each mode does: omni_core/fsm/stage_pause.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.params import Depends
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from omni_core.serve import models as m
+from omni_core.serve.app import _lifecycle_tid, _once, _timeout, run_post
+from omni_core.serve.idempotency import Answer
+
+PauseMode = Literal["abort", "wait", "keep"]
+# vLLM's scheduler is paused by a pause and by a sleep (its wake resumes it): /is_paused is
+# true while admission is closed by either, as it is there.
+PAUSED_STATES = frozenset({"PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING", "WAKING", "PARTIAL", "NEEDS_RELOAD"})
+
+
+class VllmPauseBody(m._Strict):
+    """vLLM's POST /pause, as a JSON body; the same fields as its query string."""
+
+    mode: PauseMode | None = Field(
+        None, description="abort (in-flight requests fail now), wait or keep (they finish first); null: abort"
+    )
+    wait_for_inflight_requests: bool | None = Field(None, description="vLLM's deprecated flag: true means mode=wait")
+    clear_cache: bool | None = Field(
+        None, description="accepted, and nothing is cleared: no protocol command reaches a runner's prefix cache"
+    )
+
+
+class PauseBody(m._Strict):
+    mode: PauseMode = Field("abort", description="abort (in-flight requests fail now), wait or keep (they finish)")
+    timeout_s: float | None = Field(None, description="how long in-flight requests may take; null: deadline_s")
+
+
+class VllmPausedModel(BaseModel):
+    status: str = Field(description="paused, or resumed")
+    stages: dict[str, m.LifecycleReportModel]
+
+
+def add_pause_routes(
+    app: FastAPI,
+    state: Any,
+    control: list[Depends],
+    lifecycle_work: Callable[..., Callable[[], Awaitable[Answer]]],
+    on_many: Callable[..., Callable[[], Awaitable[Answer]]],
+) -> None:
+    """Register the routes on `app` with create_app's pieces: `lifecycle_work` runs one stage's
+    call and answers its report, `on_many` runs one on every target stage in an anchor's shape."""
+    tid_of = _lifecycle_tid
+
+    def paused_shape(status: str) -> Callable[[dict[str, Any]], Any]:
+        return lambda per_stage: {"status": status, "stages": per_stage}
+
+    def pause_call(mode: str, tid: str | None) -> Callable[[str], Callable[[], Any]]:
+        engine = state.require_engine()
+        return lambda n: functools.partial(engine.pause, n, mode, task_id=tid)
+
+    def resume_call(tid: str | None) -> Callable[[str], Callable[[], Any]]:
+        engine = state.require_engine()
+        return lambda n: functools.partial(engine.resume, n, task_id=tid)
+
+    @app.post(
+        "/pause",
+        dependencies=control,
+        response_model=VllmPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="vLLM's pause on the default stage (or every stage): admission closes, memory stays, no "
+        "request starts until POST /resume. mode=abort (default): in-flight requests fail at once "
+        "(409); wait, keep: they finish first (a running request cannot be frozen halfway). Answers "
+        "once none is in flight.",
+    )
+    async def vllm_pause(
+        request: Request,
+        body: VllmPauseBody | None = None,
+        mode: PauseMode | None = None,
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool | None = None,
+    ) -> Response:
+        body = body or VllmPauseBody()
+        chosen = _once("mode", mode, body.mode, "abort")
+        _once("clear_cache", clear_cache, body.clear_cache, None)  # accepted either way; nothing to clear
+        if _once("wait_for_inflight_requests", wait_for_inflight_requests, body.wait_for_inflight_requests, False):
+            chosen = "wait"  # as vLLM: the deprecated flag wins over mode
+        work = on_many(state.targets(), "pause", pause_call(chosen, tid_of(request)), paused_shape("paused"))
+        return await run_post(state, request, "/pause", work)
+
+    @app.post(
+        "/resume",
+        dependencies=control,
+        response_model=VllmPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="vLLM's resume on the default stage (or every stage): a PAUSED stage serves again, its "
+        "held requests first; a RUNNING one is ALREADY. A sleeping stage is 409: wake it (POST /wake_up).",
+    )
+    async def vllm_resume(request: Request) -> Response:
+        work = on_many(state.targets(), "resume", resume_call(tid_of(request)), paused_shape("resumed"))
+        return await run_post(state, request, "/resume", work)
+
+    @app.get(
+        "/is_paused",
+        dependencies=control,
+        response_model=m.IsPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="true while the default stage (or any stage) admits no request because of a pause or a "
+        "sleep (vLLM's scheduler is paused by both)",
+    )
+    async def vllm_is_paused() -> Response:
+        status = await state.status()
+        return JSONResponse({"is_paused": any(status[n]["state"] in PAUSED_STATES for n in state.targets())})
+
+    @app.post(
+        "/v1/stages/{name}/pause",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Close the stage's admission keeping its memory (state PAUSED once no request is in "
+        "flight); mode as vLLM's. With an Idempotency-Key, a retry gets the first answer.",
+    )
+    async def pause(name: str, request: Request, body: PauseBody | None = None) -> Response:
+        body = body or PauseBody()
+        state.stage_name(name)
+        engine, tid = state.require_engine(), tid_of(request)
+        call = functools.partial(engine.pause, name, body.mode, task_id=tid, timeout_s=_timeout(body.timeout_s))
+        return await run_post(state, request, "/v1/stages/{name}/pause", lifecycle_work(name, "pause", call))
+
+    @app.post(
+        "/v1/stages/{name}/resume",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Open a PAUSED stage's admission again (ALREADY when RUNNING)",
+    )
+    async def resume(name: str, request: Request) -> Response:
+        state.stage_name(name)
+        call = functools.partial(state.require_engine().resume, name, task_id=tid_of(request))
+        return await run_post(state, request, "/v1/stages/{name}/resume", lifecycle_work(name, "resume", call))
