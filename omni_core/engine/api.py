@@ -155,13 +155,14 @@ class Engine:
         return self._lifecycle(stage, "wake", task_id, timeout_s, lambda tid, dl: WakeCall(tid, _tags(tags), dl))
 
     def pause(
-        self, stage: str, mode: str = "abort", *, task_id: str | None = None, timeout_s: float | None = None
+        self, stage: str, mode: str = "wait", *, task_id: str | None = None, timeout_s: float | None = None
     ) -> LifecycleReport:
         """Close admission keeping the memory (vLLM's pause_generation): no request starts until
         resume(); requests queue, or are refused under the policy 'reject'. In-flight requests
-        finish first (mode "wait", "keep": an Execute cannot be frozen halfway) or their callers
-        get RequestAbortedError at once ("abort"); the report comes once none is in flight (state
-        PAUSED), or ALREADY. `timeout_s` bounds that drain: past it the pause is abandoned."""
+        finish first (mode "wait", as a sleep drains; "keep" too: an Execute cannot be frozen
+        halfway) or their callers get RequestFailedError "aborted" at once ("abort", vLLM's
+        default); the report comes once none is in flight (state PAUSED), or ALREADY.
+        `timeout_s` bounds that drain: past it the pause is abandoned."""
         return self._lifecycle(stage, "pause", task_id, timeout_s, lambda tid, dl: PauseCall(tid, mode, dl))
 
     def resume(self, stage: str, *, task_id: str | None = None) -> LifecycleReport:
@@ -519,7 +520,7 @@ class AsyncEngine:
     async def wake(self, stage: str, tags: Iterable[str] | str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.wake, stage, tags, **kwargs)
 
-    async def pause(self, stage: str, mode: str = "abort", **kwargs: Any) -> LifecycleReport:
+    async def pause(self, stage: str, mode: str = "wait", **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.pause, stage, mode, **kwargs)
 
     async def resume(self, stage: str, **kwargs: Any) -> LifecycleReport:

@@ -42,7 +42,7 @@ class VllmPauseBody(m._Strict):
 
 
 class PauseBody(m._Strict):
-    mode: PauseMode = Field("abort", description="abort (in-flight requests fail now), wait or keep (they finish)")
+    mode: PauseMode = Field("wait", description="wait or keep (in-flight requests finish), abort (they fail now)")
     timeout_s: float | None = Field(None, description="how long in-flight requests may take; null: deadline_s")
 
 
