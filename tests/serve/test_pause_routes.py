@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from omni_core.engine.errors import RequestFailedError
+from omni_core.serve.metrics import vllm_sleep_state
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, request_held_by_a_stopped_rank
 from tests.serve.conftest import PROBE, Served, wait_for
 
@@ -33,6 +34,7 @@ def test_vllm_pause_holds_requests_keeps_memory_and_resume_serves_them(served: S
     report = body["stages"]["talker"]
     assert (report["command"], report["status"], report["state"], report["ranks"]) == ("Pause", "OK", "PAUSED", {})
     assert _is(served, "/is_paused") and not _is(served, "/is_sleeping")  # nothing was released
+    assert vllm_sleep_state("PAUSED", True) == "awake"  # vllm:engine_sleep_state, as vLLM's pause leaves it
     talker = served.stage("talker")
     assert talker["asleep_tags"] == [] and talker["weights_valid"] and talker["epoch"] == before["epoch"]
     held = served.engine.submit("talker", PROBE, timeout_s=LONG_TIMEOUT_S)
