@@ -6,6 +6,7 @@ ranks, resume serves the queue, and the table refuses what a pause does not allo
 from __future__ import annotations
 
 import pytest
+from lifecycle_helpers import StageHarness
 from test_admission import Driver, answers
 
 from omni_core.fsm import inputs as I
@@ -14,7 +15,7 @@ from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.stage import StageBusyError, StageCommandError, _Request
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.worker import InvariantViolation
-from omni_core.protocol import AckStatus, StageState
+from omni_core.protocol import AckStatus, DiskSource, Nack, NackReason, StageState, WorkerState
 
 S = StageState
 P = AdmissionPolicy
@@ -150,3 +151,33 @@ def test_the_invariants_refuse_a_request_in_flight_while_paused() -> None:
     d.core.in_flight["smuggled"] = _Request("smuggled", None, float("inf"))
     with pytest.raises(InvariantViolation, match="requests in flight outside RUNNING/DRAINING"):
         d.core._check_invariants()
+
+
+def test_a_paused_stage_takes_a_weight_update_and_stays_paused() -> None:
+    """vLLM's RL loop: pause, update the weights, resume. The update goes out at once (nothing
+    is in flight), commits the new version on every ACK and leaves the stage PAUSED; a refusal
+    by every rank returns it to PAUSED at the old version."""
+    h = StageHarness(2)
+    h.stage.pause("p", "wait", h.now, 5.0)
+    step = h.stage.update_weights("u1", 1, DiskSource(path="/ckpt/v1"), h.now, 5.0)
+    assert h.stage.state is S.WAKING and _names(step) == {"UpdateWeights"}
+    done = h.complete(step).outcome
+    assert done is not None and done.ok and done.state is S.PAUSED and h.stage.weights_version == 1
+    step = h.stage.update_weights("u2", 2, DiskSource(path="/ckpt/v2"), h.now, 5.0)
+    refusals = [
+        Nack(
+            task_id="u2",
+            epoch=0,
+            rank=r,
+            command="UpdateWeights",
+            reason=NackReason.INVALID_ARGUMENT,
+            detail="no such checkpoint",
+            state=WorkerState.ACTIVE,
+            weights_version=1,
+        )
+        for r in (0, 1)
+    ]
+    refused = h.feed(refusals).outcome
+    assert refused is not None and refused.refused and refused.state is S.PAUSED
+    assert h.stage.weights_version == 1 and h.stage.state is S.PAUSED
+    assert h.stage.resume("u", h.now).outcome.state is S.RUNNING  # type: ignore[union-attr]

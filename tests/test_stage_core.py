@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from lifecycle_helpers import NO_MEMORY, StageHarness, record_transitions, table_pairs, wire
+from test_pause_core import test_a_paused_stage_takes_a_weight_update_and_stays_paused
 
 from omni_core.fsm import STAGE_TRANSITIONS, InvariantViolation, StageBusyError, StageCommandError, StageStep
 from omni_core.fsm import inputs as I
@@ -874,6 +875,7 @@ def _pause_scenario() -> None:
 
 
 SCENARIOS.append(_pause_scenario)
+SCENARIOS.append(test_a_paused_stage_takes_a_weight_update_and_stays_paused)
 
 
 def test_every_stage_transition_is_exercised() -> None:

@@ -125,7 +125,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 80 rows from 36 triggers
+\* ---- stage lifecycle: 83 rows from 38 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -135,10 +135,11 @@ StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "slee
                   "slept", "wake", "wake_already", "reload", "reload_refused",
                   "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
                   "woke_running", "woke_partial", "woke_needs_reload", "update_drain",
-                  "update_drained", "update", "update_refused_running", "update_refused_partial",
-                  "update_refused_needs_reload", "update_failed", "weight_group", "share",
-                  "execute", "pause_drain", "pause_drained", "pause_already", "resume",
-                  "resume_already", "profile", "fail", "restart", "stop"}
+                  "update_drained", "update", "update_refused_running", "update_refused_paused",
+                  "update_refused_partial", "update_refused_needs_reload", "update_paused",
+                  "update_failed", "weight_group", "share", "execute", "pause_drain",
+                  "pause_drained", "pause_already", "resume", "resume_already", "profile",
+                  "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 StageInternalTriggers == {"execute", "pause_already", "profile", "resume_already", "share",
@@ -176,11 +177,14 @@ StageRelation == {
     <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,           \* every rank ACKed; weights mapped but discarded at level 2
     <<"RUNNING", "update_drain", "DRAINING">>,                   \* update_weights(): admission closed (queued or refused per policy), in-flight requests finish
     <<"DRAINING", "update_drained", "WAKING">>,                  \* no request in flight: UpdateWeights sent to every rank
+    <<"PAUSED", "update", "WAKING">>,                            \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
     <<"PARTIAL", "update", "WAKING">>,                           \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
     <<"NEEDS_RELOAD", "update", "WAKING">>,                      \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
     <<"WAKING", "update_refused_running", "RUNNING">>,           \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_refused_paused", "PAUSED">>,             \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
     <<"WAKING", "update_refused_partial", "PARTIAL">>,           \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
     <<"WAKING", "update_refused_needs_reload", "NEEDS_RELOAD">>, \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_paused", "PAUSED">>,                     \* every rank ACKed the update of a PAUSED stage (P-5): still paused, at the new version
     <<"WAKING", "update_failed", "NEEDS_RELOAD">>,               \* every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before
     <<"RUNNING", "weight_group", "RUNNING">>,                    \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"PAUSED", "weight_group", "PAUSED">>,                      \* InitWeightGroup sent to every rank; the state never changes, whatever they answer

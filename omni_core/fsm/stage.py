@@ -895,7 +895,7 @@ class StageCore(PauseMixin):
         if not (drain or self.lifecycle.allows("update")) or not self.residency.weights_resident:
             raise StageCommandError(
                 f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
-                "must be resident (RUNNING, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
+                "must be resident (RUNNING, PAUSED, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
             )
         row = settle_row(Settled.ACTIVE if not self.residency.asleep else Settled.PARTIAL)
         self._task = _Task(
@@ -906,7 +906,8 @@ class StageCore(PauseMixin):
             now + deadline_s,
             expect_state=row.rank_state,
             expect_asleep=self.residency.asleep,
-            commit_trigger=row.stage_commit,
+            # vLLM's RL loop pauses, updates, resumes: the update leaves a pause in place.
+            commit_trigger="update_paused" if self.state is S.PAUSED else row.stage_commit,
             apply=lambda res: res.apply_reload(),
             refused_trigger=refused_trigger(UpdateWeights, self.state),
             drained_trigger="update_drained",

@@ -66,15 +66,21 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("update_drained", (S.DRAINING,), S.WAKING, "no request in flight: UpdateWeights sent to every rank"),
     Transition(
         "update",
-        (S.PARTIAL, S.NEEDS_RELOAD),
+        (S.PAUSED, S.PARTIAL, S.NEEDS_RELOAD),
         S.WAKING,
         "UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)",
     ),
     *refused_rows(
         UpdateWeights,
         S.WAKING,
-        (S.RUNNING, S.PARTIAL, S.NEEDS_RELOAD),
+        (S.RUNNING, S.PAUSED, S.PARTIAL, S.NEEDS_RELOAD),
         "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        "update_paused",
+        (S.WAKING,),
+        S.PAUSED,
+        "every rank ACKed the update of a PAUSED stage (P-5): still paused, at the new version",
     ),
     Transition(
         "update_failed",

@@ -6,12 +6,16 @@ all in the query string) and answered in vLLM's shapes: {"status": "paused"}, {"
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+import torch
 
 from omni_core.engine.errors import RequestFailedError
+from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.serve.metrics import vllm_sleep_state
+from omni_core.weights_sender import WeightSender
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, request_held_by_a_stopped_rank
-from tests.serve.conftest import PROBE, Served, wait_for
+from tests.serve.conftest import PROBE, SMALL_RUNNER, Served, make_config, serving, stage_table, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +134,26 @@ def test_omni_core_pause_and_resume_routes_with_an_idempotency_key(served: Serve
     resumed = served.client.post("/v1/stages/decoder/resume")
     assert resumed.status_code == 200 and resumed.json()["command"] == "Resume", resumed.text
     assert served.stage("decoder")["state"] == "RUNNING"
+
+
+def test_vllms_rl_loop_pause_update_resume_serves_the_new_weights() -> None:
+    """Pause, update the weights (here from a WeightSender's shared memory), resume: the update
+    of a PAUSED stage leaves it PAUSED at the new version, the request held meanwhile runs
+    after the resume on the new weights, never on the old ones."""
+    config = make_config(stage_table("solo"), default_stage="solo")
+    with serving(config) as served:
+        before = served.engine.execute("solo", PROBE)["sha256"]
+        assert served.client.post("/pause").status_code == 200
+        held = served.engine.submit("solo", PROBE, timeout_s=LONG_TIMEOUT_S)
+        runner = SyntheticRunner(torch.device("cpu"), **dict(SMALL_RUNNER, seed=len("solo")))
+        gen = torch.Generator().manual_seed(7)
+        weights = {n: torch.randn(shape, generator=gen, dtype=dt) for n, (shape, dt) in runner.weight_specs().items()}
+        with WeightSender(bucket_bytes=1 << 20) as sender:
+            body = {"version": 1, "source": msgspec.to_builtins(sender.share(weights))}
+            answer = served.client.post("/v1/stages/solo/update_weights", json=body)
+        assert answer.status_code == 200, answer.text
+        assert (answer.json()["state"], answer.json()["weights_version"]) == ("PAUSED", 1)
+        assert not held.done() and _is(served, "/is_paused")
+        assert served.client.post("/resume").status_code == 200
+        after = held.result(timeout=LONG_TIMEOUT_S)["sha256"]
+        assert after != before and after == served.engine.execute("solo", PROBE)["sha256"]
