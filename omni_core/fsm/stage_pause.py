@@ -20,6 +20,7 @@ resume, resume_already); this mixin is the part of StageCore that fires them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,8 @@ class Resume:
 
 
 class PauseMixin:
-    """pause() and resume() of StageCore (which supplies every attribute used here)."""
+    """pause() and resume() of StageCore, which supplies every attribute declared here. The
+    stage module's names are imported where used: it imports this one."""
 
     name: str
     lifecycle: Any
@@ -59,6 +61,11 @@ class PauseMixin:
     weights_version: int
     residency: Any
     _task: Any
+    _retry: Callable[[str, tuple[Any, ...]], StageStep | None]
+    _require_idle: Callable[[str], None]
+    _answer: Callable[..., None]
+    _send_drained: Callable[[float], StageStep]
+    _check_invariants: Callable[[], None]
 
     def on_pause_call(self, event: I.PauseCall, now: float) -> StageStep:
         return self.pause(event.task_id, event.mode, now, event.deadline_s)
@@ -77,10 +84,10 @@ class PauseMixin:
                 f"wait, keep: they finish first), got {str(mode)[:40]!r}"
             )
         signature = ("Pause", mode)
-        retried = self._retry(task_id, signature)  # type: ignore[attr-defined]
+        retried = self._retry(task_id, signature)
         if retried is not None:
             return retried
-        self._require_idle("pause")  # type: ignore[attr-defined]
+        self._require_idle("pause")
         if self.lifecycle.allows("pause_already"):
             return self._instant(task_id, signature, Pause(task_id, mode), "pause_already", AckStatus.ALREADY, now)
         if not self.lifecycle.allows("pause_drain"):
@@ -91,7 +98,7 @@ class PauseMixin:
         self._task = _Task(
             task_id,
             signature,
-            Pause(task_id, mode),  # type: ignore[arg-type]
+            Pause(task_id, mode),  # type: ignore[arg-type]  # a stand-in, never sent
             now,
             now + deadline_s,
             expect_asleep=self.residency.asleep,
@@ -104,13 +111,13 @@ class PauseMixin:
             # The callers hear now; the ranks still run these requests, and the stage is
             # PAUSED only once every rank has answered them.
             for request in self.in_flight.values():
-                self._answer(  # type: ignore[attr-defined]
+                self._answer(
                     request,
                     RequestError.ABORTED,
                     f"request {request.request_id} aborted: stage {self.name!r} is pausing (mode=abort)",
                 )
-        step = self._send_drained(now) if not self.in_flight else StageStep()  # type: ignore[attr-defined]
-        self._check_invariants()  # type: ignore[attr-defined]
+        step = self._send_drained(now) if not self.in_flight else StageStep()
+        self._check_invariants()
         return step
 
     def resume(self, task_id: str, now: float) -> StageStep:
@@ -118,10 +125,10 @@ class PauseMixin:
         from omni_core.fsm.stage import StageCommandError
 
         signature = ("Resume",)
-        retried = self._retry(task_id, signature)  # type: ignore[attr-defined]
+        retried = self._retry(task_id, signature)
         if retried is not None:
             return retried
-        self._require_idle("resume")  # type: ignore[attr-defined]
+        self._require_idle("resume")
         if self.lifecycle.allows("resume_already"):
             return self._instant(task_id, signature, Resume(task_id), "resume_already", AckStatus.ALREADY, now)
         if not self.lifecycle.allows("resume"):
@@ -157,5 +164,5 @@ class PauseMixin:
             now,
         )
         self.completed.put(task_id, (signature, outcome))
-        self._check_invariants()  # type: ignore[attr-defined]
+        self._check_invariants()
         return StageStep(outcome=outcome)
