@@ -1232,8 +1232,8 @@ def create_app(engine: Engine | None, config: OmniConfig, *, api_key: str | None
 
     def woken_shape(names: list[str], tags: list[str] | None) -> Callable[[dict[str, Any]], Any]:
         def shape(per_stage: dict[str, Any]) -> Any:
-            # RUNNING is the only state with every tag resident and the weights valid.
-            awake = all(r["state"] == "RUNNING" for r in per_stage.values())
+            # RUNNING and PAUSED are the states with every tag resident and the weights valid.
+            awake = all(r["state"] in ("RUNNING", "PAUSED") for r in per_stage.values())
             woken = tags or sorted({t for n in names for t in state.specs[n].tags})
             return {"status": "awake" if awake else "sleeping", "tags_woken": woken, "stages": per_stage}
 

@@ -45,6 +45,8 @@ def test_vllm_pause_holds_requests_keeps_memory_and_resume_serves_them(served: S
     wait_for(lambda: served.stage("talker")["queued"] == 1, what="the request to be held")
     assert not held.done() and served.stage("talker")["in_flight"] == 0  # no request starts
     assert served.client.post("/pause?mode=keep").json()["stages"]["talker"]["status"] == "ALREADY"
+    woken = served.client.post("/wake_up").json()  # every tag is resident: awake, and still paused
+    assert woken["status"] == "awake" and woken["stages"]["talker"]["state"] == "PAUSED", woken
     resumed = served.client.post("/resume")
     assert resumed.status_code == 200, resumed.text
     assert resumed.json()["status"] == "resumed" and resumed.json()["stages"]["talker"]["state"] == "RUNNING"
