@@ -15,7 +15,8 @@ Requests that arrive, or wait in the queue, while PAUSED stay queued (or are ref
 the policy 'reject') until resume(): ADMISSION and QUEUE_RULES say so for PAUSED.
 
 The transitions are rows of STAGE_TRANSITIONS (pause_drain, pause_drained, pause_already,
-resume, resume_already); this mixin is the part of StageCore that fires them.
+resume, resume_already); this mixin is the part of StageCore that fires them, for the inputs
+PauseCall and ResumeCall. A pause's drain ends in StageCalls._send_drained.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError
+from omni_core.fsm.stage_step import StageCommandError, StageStep, TaskOutcome, _Task
 from omni_core.protocol import AckStatus
-
-if TYPE_CHECKING:
-    from omni_core.fsm.stage import StageStep
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -51,8 +50,7 @@ class Resume:
 
 
 class PauseMixin:
-    """pause() and resume() of StageCore, which supplies every attribute declared here. The
-    stage module's names are imported where used: it imports this one."""
+    """Mixed into StageCore, which supplies every attribute declared here: a pause and a resume."""
 
     name: str
     lifecycle: Any
@@ -67,17 +65,10 @@ class PauseMixin:
     _send_drained: Callable[[float], StageStep]
     _check_invariants: Callable[[], None]
 
-    def on_pause_call(self, event: I.PauseCall, now: float) -> StageStep:
-        return self.pause(event.task_id, event.mode, now, event.deadline_s)
-
-    def on_resume_call(self, event: I.ResumeCall, now: float) -> StageStep:
-        return self.resume(event.task_id, now)
-
-    def pause(self, task_id: str, mode: str, now: float, deadline_s: float) -> StageStep:
+    def _pause(self, call: I.PauseCall, now: float) -> StageStep:
         """Close admission keeping the memory. Commits PAUSED once no request is in flight,
-        at once when none is; a drain that outlives `deadline_s` abandons the pause (RUNNING)."""
-        from omni_core.fsm.stage import StageCommandError, StageStep, _Task
-
+        at once when none is; a drain that outlives its deadline abandons the pause (RUNNING)."""
+        task_id, mode = call.task_id, call.mode
         if mode not in PAUSE_MODES:
             raise StageCommandError(
                 f"pause mode must be one of {list(PAUSE_MODES)} (abort: in-flight requests fail now; "
@@ -100,10 +91,9 @@ class PauseMixin:
             signature,
             Pause(task_id, mode),  # type: ignore[arg-type]  # a stand-in, never sent
             now,
-            now + deadline_s,
+            now + call.deadline_s,
             expect_asleep=self.residency.asleep,
             commit_trigger="pause_drained",
-            drained_trigger="pause_drained",
             expect_version=self.weights_version,
         )
         self.lifecycle.fire("pause_drain")
@@ -120,10 +110,9 @@ class PauseMixin:
         self._check_invariants()
         return step
 
-    def resume(self, task_id: str, now: float) -> StageStep:
+    def _resume(self, call: I.ResumeCall, now: float) -> StageStep:
         """Open a PAUSED stage's admission again; on a RUNNING stage an ALREADY no-op."""
-        from omni_core.fsm.stage import StageCommandError
-
+        task_id = call.task_id
         signature = ("Resume",)
         retried = self._retry(task_id, signature)
         if retried is not None:
@@ -148,8 +137,6 @@ class PauseMixin:
         now: float,
     ) -> StageStep:
         """A task that ends in the call that starts it: nothing goes to the ranks."""
-        from omni_core.fsm.stage import StageStep, TaskOutcome
-
         self.lifecycle.fire(trigger)
         outcome = TaskOutcome(
             task_id,
