@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from omni_core.serve import models as m
-from omni_core.serve.app import _lifecycle_tid, _once, _timeout, run_post
+from omni_core.serve.app import NOT_AWAKE_STATES, _lifecycle_tid, _once, _timeout, run_post
 from omni_core.serve.idempotency import Answer
 
 PauseMode = Literal["abort", "wait", "keep"]
 # vLLM's scheduler is paused by a pause and by a sleep (its wake resumes it): /is_paused is
 # true while admission is closed by either, as it is there.
-PAUSED_STATES = frozenset({"PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING", "WAKING", "PARTIAL", "NEEDS_RELOAD"})
+PAUSED_STATES = NOT_AWAKE_STATES | {"PAUSED"}
 
 
 class VllmPauseBody(m._Strict):
@@ -60,7 +60,6 @@ def add_pause_routes(
 ) -> None:
     """Register the routes on `app` with create_app's pieces: `lifecycle_work` runs one stage's
     call and answers its report, `on_many` runs one on every target stage in an anchor's shape."""
-    tid_of = _lifecycle_tid
 
     def paused_shape(status: str) -> Callable[[dict[str, Any]], Any]:
         return lambda per_stage: {"status": status, "stages": per_stage}
@@ -96,7 +95,7 @@ def add_pause_routes(
         _once("clear_cache", clear_cache, body.clear_cache, None)  # accepted either way; nothing to clear
         if _once("wait_for_inflight_requests", wait_for_inflight_requests, body.wait_for_inflight_requests, False):
             chosen = "wait"  # as vLLM: the deprecated flag wins over mode
-        work = on_many(state.targets(), "pause", pause_call(chosen, tid_of(request)), paused_shape("paused"))
+        work = on_many(state.targets(), "pause", pause_call(chosen, _lifecycle_tid(request)), paused_shape("paused"))
         return await run_post(state, request, "/pause", work)
 
     @app.post(
@@ -109,7 +108,7 @@ def add_pause_routes(
         "held requests first; a RUNNING one is ALREADY. A sleeping stage is 409: wake it (POST /wake_up).",
     )
     async def vllm_resume(request: Request) -> Response:
-        work = on_many(state.targets(), "resume", resume_call(tid_of(request)), paused_shape("resumed"))
+        work = on_many(state.targets(), "resume", resume_call(_lifecycle_tid(request)), paused_shape("resumed"))
         return await run_post(state, request, "/resume", work)
 
     @app.get(
@@ -137,7 +136,7 @@ def add_pause_routes(
     async def pause(name: str, request: Request, body: PauseBody | None = None) -> Response:
         body = body or PauseBody()
         state.stage_name(name)
-        engine, tid = state.require_engine(), tid_of(request)
+        engine, tid = state.require_engine(), _lifecycle_tid(request)
         call = functools.partial(engine.pause, name, body.mode, task_id=tid, timeout_s=_timeout(body.timeout_s))
         return await run_post(state, request, "/v1/stages/{name}/pause", lifecycle_work(name, "pause", call))
 
@@ -151,5 +150,5 @@ def add_pause_routes(
     )
     async def resume(name: str, request: Request) -> Response:
         state.stage_name(name)
-        call = functools.partial(state.require_engine().resume, name, task_id=tid_of(request))
+        call = functools.partial(state.require_engine().resume, name, task_id=_lifecycle_tid(request))
         return await run_post(state, request, "/v1/stages/{name}/resume", lifecycle_work(name, "resume", call))
