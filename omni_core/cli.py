@@ -185,9 +185,16 @@ CLIENT_VERBS = {
     "`omni-core serve` (any state with the weights resident; RUNNING drains first)",
     "restart": "restart every rank of a stage of a running `omni-core serve` (a FAILED stage; new epoch)",
     "execute": "run one request on a stage of a running `omni-core serve`; prints rank 0's output as JSON",
+    "pause": "close a stage's admission keeping its memory, on a running `omni-core serve` (PAUSED once "
+    "no request is in flight; requests wait until resume)",
+    "resume": "open a PAUSED stage's admission again, on a running `omni-core serve`",
 }
 # What the engine's refusals ask for, as the command an operator types.
-_FIXES = (("reload_weights()", "omni-core reload {stage}"), ("restart()", "omni-core restart {stage}"))
+_FIXES = (
+    ("reload_weights()", "omni-core reload {stage}"),
+    ("restart()", "omni-core restart {stage}"),
+    ("resume()", "omni-core resume {stage}"),
+)
 
 
 def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
@@ -204,8 +211,15 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("--api-key-file", default=None, help="file holding the API key (else OMNI_CORE_API_KEY)")
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")
     p.add_argument("--idempotency-key", default=None, help="a retry with the same key has no second effect")
-    if verb != "restart":
+    if verb not in ("restart", "resume"):
         p.add_argument("--timeout-s", type=float, default=None, help="deadline of the command (server side)")
+    if verb == "pause":
+        p.add_argument(
+            "--mode",
+            choices=("wait", "keep", "abort"),
+            default="wait",
+            help="in-flight requests finish first (wait, keep) or fail now (abort); default wait",
+        )
     if verb == "reload":
         p.add_argument("--source", default=None, help="checkpoint to load (default: the stage's own)")
     if verb == "update-weights":
@@ -249,6 +263,10 @@ def _cmd_client(args: argparse.Namespace) -> int:
             )
         elif verb == "restart":
             answer = client.restart(args.stage, idempotency_key=args.idempotency_key)
+        elif verb == "pause":
+            answer = client.pause(args.stage, args.mode, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+        elif verb == "resume":
+            answer = client.resume(args.stage, idempotency_key=args.idempotency_key)
         else:
             answer = client.execute(args.stage, payload, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
     except ServeError as exc:
@@ -265,7 +283,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     say_if_replayed(verb, answer, args.idempotency_key)
     if args.json or verb == "execute":
         print(json.dumps(answer, indent=2))
-    elif verb == "reload":
+    elif verb in ("reload", "pause", "resume"):
         print(
             f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
             f"{answer['duration_s'] * 1000:.1f} ms"

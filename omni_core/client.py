@@ -164,6 +164,16 @@ class OmniClient:
             idempotency_key,
         )
 
+    def pause(
+        self, stage: str, mode: str = "wait", *, timeout_s: float | None = None, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """Close the stage's admission keeping its memory (PAUSED once no request is in flight)."""
+        body = {"mode": mode, "timeout_s": timeout_s}
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/pause", body, idempotency_key)
+
+    def resume(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/resume", {}, idempotency_key)
+
     def restart(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", {}, idempotency_key)
 

@@ -158,6 +158,12 @@ class StageDoor:
     def profile(self, task_id: str, start: bool, prefix: str | None, now: float, deadline_s: float) -> StageStep:
         return self.core.step(I.ProfileCall(task_id, start, prefix, deadline_s), now)
 
+    def pause(self, task_id: str, mode: str, now: float, deadline_s: float) -> StageStep:
+        return self.core.step(I.PauseCall(task_id, mode, deadline_s), now)
+
+    def resume(self, task_id: str, now: float) -> StageStep:
+        return self.core.step(I.ResumeCall(task_id), now)
+
     def restart(self, now: float, deadline_s: float) -> int:
         self.core.step(I.Restart(deadline_s), now)
         return self.core.epoch

@@ -257,7 +257,7 @@ class WorkerModel:
 # ============================================================================ stage
 
 STAGE_OF = {W.ACTIVE: S.RUNNING, W.SLEEPING: S.SLEEPING, W.PARTIAL: S.PARTIAL, W.NEEDS_RELOAD: S.NEEDS_RELOAD}
-SETTLED = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
+SETTLED = (S.RUNNING, S.PAUSED, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
 SOME_ASLEEP = (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
 
 
@@ -267,7 +267,8 @@ class Call:
 
     kind: "raise" (StageCommandError; `busy`: StageBusyError), "retry" (re-send to `sends`),
     "recorded" (the outcome recorded for that task_id), "already" (ALREADY, nothing sent),
-    "begin" (task started; `sends` lists the ranks, empty while draining).
+    "begin" (task started; `sends` lists the ranks, empty while draining), "done" (a task that
+    ends in the call, OK, nothing sent: a pause with nothing in flight, a resume).
     """
 
     kind: str
@@ -310,6 +311,7 @@ class StageModel:
         self.task: StageTask | None = None
         self.ended: dict[str, tuple] = {}  # task_id -> signature, for every task that ended
         self.failed_ranks: frozenset[int] = frozenset()
+        self.just_paused = False  # the last request_finished ended a pause's drain
 
     # ---------------------------------------------------------------- API calls
 
@@ -377,6 +379,40 @@ class StageModel:
         )
         return Call("begin", sends=self._send())
 
+    def pause(self, task_id: str, mode: str, now: float, deadline_s: float) -> Call:
+        """Admission closes, nothing is sent or released; PAUSED once no request is in flight."""
+        signature = ("Pause", mode)
+        early = self._retry_or_refuse(task_id, signature)
+        if early is not None:
+            return early
+        if self.state is S.PAUSED:
+            return self._already(task_id, signature)
+        if self.state is not S.RUNNING:
+            return Call("raise")
+        self.task = StageTask(task_id, signature, now + deadline_s, W.ACTIVE, self.asleep, self.weights_valid)
+        self.state = S.DRAINING
+        if self.requests:
+            return Call("begin")
+        self._paused()
+        return Call("done")
+
+    def resume(self, task_id: str) -> Call:
+        signature = ("Resume",)
+        early = self._retry_or_refuse(task_id, signature)
+        if early is not None:
+            return early
+        if self.state is S.RUNNING:
+            return self._already(task_id, signature)
+        if self.state is not S.PAUSED:
+            return Call("raise")
+        self.state = S.RUNNING
+        self.ended[task_id] = signature
+        return Call("done")
+
+    def _paused(self) -> None:
+        self.state = S.PAUSED
+        self._end()
+
     def request_started(self) -> bool:
         if self.state is not S.RUNNING:
             return False
@@ -386,7 +422,13 @@ class StageModel:
     def request_finished(self) -> frozenset[int]:
         assert self.requests > 0
         self.requests -= 1
+        self.just_paused = False
         if self.state is S.DRAINING and self.requests == 0:
+            assert self.task is not None
+            if self.task.signature[0] == "Pause":
+                self.just_paused = True
+                self._paused()
+                return frozenset()
             return self._send()
         return frozenset()
 

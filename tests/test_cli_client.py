@@ -43,3 +43,19 @@ def test_reload_restart_and_execute_from_the_command_line(capsys) -> None:
 
         assert cli_main(["execute", "talker", "--payload", "{seed", *url]) == 2
         assert "--payload is not JSON" in capsys.readouterr().err
+
+
+def test_pause_and_resume_from_the_command_line(capsys) -> None:
+    with serving(make_config(stage_table("talker", admission="reject"))) as served:
+        url = ["--url", served.url]
+        assert cli_main(["pause", "talker", "--mode", "keep", *url]) == 0
+        assert capsys.readouterr().out.startswith("talker: Pause -> PAUSED (OK) in ")
+        assert served.engine.is_paused("talker")
+        # The policy 'reject' refuses while paused, naming the command that fixes it.
+        assert cli_main(["execute", "talker", "--payload", '{"seed": 1, "batch": 1}', *url]) == 1
+        err = capsys.readouterr().err
+        assert "PAUSED" in err and f"to fix: omni-core resume talker --url {served.url}" in err, err
+        assert cli_main(["resume", "talker", "--json", *url]) == 0
+        assert json.loads(capsys.readouterr().out)["state"] == "RUNNING"
+        assert cli_main(["resume", "talker", *url]) == 0
+        assert "-> RUNNING (ALREADY)" in capsys.readouterr().out

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from lifecycle_helpers import NO_MEMORY, StageHarness, record_transitions, table_pairs, wire
+from test_pause_core import test_a_paused_stage_takes_a_weight_update_and_stays_paused
 
 from omni_core.fsm import STAGE_TRANSITIONS, StageBusyError, StageCommandError, StageStep
 from omni_core.fsm import inputs as I
@@ -51,6 +52,8 @@ def reach_stage(state: StageState, ranks: int = 3, **kwargs: object) -> StageHar
         st.sleep("drain", 1, None, h.now, 5.0)
     elif state is S.TRANSITIONING:
         h.last = st.sleep("sleep", 1, None, h.now, 5.0)  # type: ignore[attr-defined]
+    elif state is S.PAUSED:
+        st.pause("pause", "wait", h.now, 5.0)
     elif state is not S.RUNNING:
         level = 2 if state is S.NEEDS_RELOAD else 1
         h.complete(st.sleep("sleep", level, None, h.now, 5.0))
@@ -513,7 +516,7 @@ def test_rank_death_fails_the_stage(state: StageState) -> None:
 # ----------------------------------------------------------------------- epochs and restarts (P-6)
 
 
-@pytest.mark.parametrize("state", [S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED])
+@pytest.mark.parametrize("state", [S.RUNNING, S.PAUSED, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED])
 def test_restart_bumps_the_epoch_and_starts_fresh(state: StageState) -> None:
     h = reach_stage(state)
     assert h.restart() == 1
@@ -656,6 +659,8 @@ CALLS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "request": (("execute",), lambda h: h.stage.request_started()),
     "restart": (("restart",), lambda h: h.stage.restart(h.now, 5.0)),
     "profile": (("profile",), lambda h: h.stage.profile("x-profile", True, None, h.now, 5.0)),
+    "pause": (("pause_drain", "pause_already"), lambda h: h.stage.pause("x-pause", "wait", h.now, 5.0)),
+    "resume": (("resume", "resume_already"), lambda h: h.stage.resume("x-resume", h.now)),
 }
 
 
@@ -870,6 +875,33 @@ def _weights_update_scenario() -> None:
 
 
 SCENARIOS.append(_weights_update_scenario)
+
+
+def _pause_scenario() -> None:
+    """The PAUSED rows (tests/test_pause_core.py checks what each does)."""
+    h = reach_stage(S.RUNNING)
+    st = h.stage
+    st.request_started()
+    st.pause("p1", "wait", h.now, 5.0)  # pause_drain: a request is in flight
+    assert st.state is S.DRAINING
+    st.request_finished(h.now)  # pause_drained
+    assert outcome_of(st.pause("p2", "abort", h.now, 5.0)).status is AckStatus.ALREADY  # pause_already
+    assert outcome_of(st.wake("w", None, h.now, 5.0)).status is AckStatus.ALREADY  # wake_already
+    assert outcome_of(h.complete(st.profile("pr", True, None, h.now, 5.0))).state is S.PAUSED
+    call = I.WeightGroupCall("g", "trainer", "127.0.0.1", 29500, 4, 1, "gloo", 5.0)
+    assert outcome_of(h.complete(st.init_weight_group(call, h.now))).state is S.PAUSED
+    assert outcome_of(st.resume("u1", h.now)).state is S.RUNNING  # resume
+    assert outcome_of(st.resume("u2", h.now)).status is AckStatus.ALREADY  # resume_already
+    st.pause("p3", "keep", h.now, 5.0)
+    h.complete(st.sleep("s", 1, None, h.now, 5.0))  # sleep from PAUSED: no drain
+    assert st.state is S.SLEEPING
+    paused = reach_stage(S.PAUSED)
+    paused.stage.on_rank_died(0, "x", 0.0)  # fail
+    test_restart_bumps_the_epoch_and_starts_fresh(S.PAUSED)
+
+
+SCENARIOS.append(_pause_scenario)
+SCENARIOS.append(test_a_paused_stage_takes_a_weight_update_and_stays_paused)
 
 
 def test_every_stage_transition_is_exercised() -> None:

@@ -70,7 +70,7 @@ TAG_CHOICES = [
     ("lora",),
 ]
 POOL = [f"a{i}" for i in range(5)]
-RANK_OF_STAGE = {stage: rank for rank, stage in STAGE_OF.items()}
+RANK_OF_STAGE = {stage: rank for rank, stage in STAGE_OF.items()} | {S.PAUSED: W.ACTIVE}
 MAX_IN_FLIGHT = 40  # messages in the simulated network: duplication stops here
 
 
@@ -294,11 +294,14 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
     def request_finish(self) -> None:
         sends = self.model.request_finished()
         step = self.stage.request_finished(self.now)  # every rank answers it; the shell sends what it says
-        self._check_sends(step, sends)
+        if self.model.just_paused:  # the last request of a pause's drain: PAUSED, nothing sent
+            self._done(step)
+        else:
+            self._check_sends(step, sends)
         self.sim.apply(step)
 
     @rule(
-        kind=st.sampled_from(["sleep", "wake", "reload", "retry", "retry"]),
+        kind=st.sampled_from(["sleep", "wake", "reload", "pause", "resume", "retry", "retry"]),
         task=st.integers(0, 9),
         level=st.sampled_from([1, 1, 2]),
         tags=st.sampled_from(TAG_CHOICES),
@@ -315,6 +318,11 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             self.api_sleep(task_id, level, tags, deadline_s)
         elif kind == "wake":
             self.api_wake(task_id, tags, deadline_s)
+        elif kind == "pause":
+            self.api_pause(task_id, "abort" if level == 2 else "wait", deadline_s)
+        elif kind == "resume":
+            self.last_call = ("resume", task_id, 1, None, deadline_s)
+            self._api(task_id, self.model.resume(task_id), lambda: self.sim.call(I.ResumeCall(task_id)))
         else:
             self.api_reload(task_id, None if level == 1 else "ckpt", deadline_s)
 
@@ -332,6 +340,14 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             task_id,
             self.model.wake(task_id, tags, self.now, deadline_s),
             lambda: self.sim.call(I.WakeCall(task_id, tags, deadline_s)),
+        )
+
+    def api_pause(self, task_id: str, mode: str, deadline_s: float) -> None:
+        self.last_call = ("pause", task_id, 2 if mode == "abort" else 1, None, deadline_s)
+        self._api(
+            task_id,
+            self.model.pause(task_id, mode, self.now, deadline_s),
+            lambda: self.sim.call(I.PauseCall(task_id, mode, deadline_s)),
         )
 
     def api_reload(self, task_id: str, source: str | None, deadline_s: float) -> None:
@@ -400,6 +416,9 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
                 f"retry of ended task {task_id!r} gave {step}, not its one outcome {recorded}",
             )
             return
+        if expect.kind == "done":
+            self._done(step)
+            return
         if expect.kind == "already":
             outcome = self._outcome(step)
             require(
@@ -409,6 +428,15 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             )
             return
         self._check_sends(step, expect.sends)
+
+    def _done(self, step: StageStep) -> None:
+        """A pause or a resume ended where it began: OK, nothing sent to any rank."""
+        outcome = self._outcome(step)
+        require(
+            outcome.ok and outcome.status is AckStatus.OK and not step.sends,
+            "P-5",
+            f"a pause or resume must end OK with nothing sent: {step}",
+        )
 
     def _check_sends(self, step: StageStep, ranks: frozenset[int]) -> None:
         if step.outcome is not None or sorted(o.rank for o in step.sends) != sorted(ranks):

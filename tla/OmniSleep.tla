@@ -86,12 +86,15 @@ CONSTANTS
      queue_dropped_on_wake   the dispatch after a wake sends the queue's first request and
                              drops the others unanswered
      queue_refused_anywhere  the pump refuses the queue wherever it runs, where it should
-                             dispatch too (Adm_QueueRefusedOnlyByARule) *)
+                             dispatch too (Adm_QueueRefusedOnlyByARule)
+   and two of the pause (OmniPause.tla, which extends OmniAdmission):
+     pause_no_drain          the pause commits PAUSED with requests still in flight
+     pause_admits            a request sent to the ranks of a PAUSED stage *)
 BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_partial",
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
              "no_ack_check", "queue_unbounded", "queue_dropped_on_wake", "commit_beside_no_memory",
-             "already_untrue", "queue_refused_anywhere"}
+             "already_untrue", "queue_refused_anywhere", "pause_no_drain", "pause_admits"}
 
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill",
@@ -661,12 +664,13 @@ ReloadRefused(said, netNext) ==
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks, sprof>>
 
 (* Every rank answered request t; a sleep waiting on the drain goes out once none is left
-   in flight (with drain_one_request: as soon as any request ends). *)
+   in flight (with drain_one_request: as soon as any request ends). A pause's drain ends in
+   OmniPause.tla (nothing goes out). *)
 EndRequest(t, err, netNext) ==
     /\ outcome' = [outcome EXCEPT ![t] = IF err THEN "failed" ELSE "ok"]
     /\ sreqs' = sreqs \ {t}
     /\ sreqReplies' = [sreqReplies EXCEPT ![t] = {}] /\ sreqErr' = [sreqErr EXCEPT ![t] = FALSE]
-    /\ IF sstate = "DRAINING" /\ stask # 0 /\ (sreqs' = {} \/ Bug = "drain_one_request")
+    /\ IF sstate = "DRAINING" /\ stask # 0 /\ scmd.type # "Pause" /\ (sreqs' = {} \/ Bug = "drain_one_request")
        THEN /\ sstate' = SNext(sstate, "drained")
             /\ net' = netNext \cup SendAll("Sleep", stask, scmd.level, scmd.tags)
             /\ sacks' = {}

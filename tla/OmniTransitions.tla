@@ -125,9 +125,9 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 68 rows from 31 triggers
-StageStates == {"STARTING", "RUNNING", "DRAINING", "TRANSITIONING", "SLEEPING", "WAKING",
-                "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
+\* ---- stage lifecycle: 83 rows from 38 triggers
+StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
+                "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
 StageInitial == "STARTING"
 
@@ -135,13 +135,15 @@ StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "slee
                   "slept", "wake", "wake_already", "reload", "reload_refused",
                   "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
                   "woke_running", "woke_partial", "woke_needs_reload", "update_drain",
-                  "update_drained", "update", "update_refused_running", "update_refused_partial",
-                  "update_refused_needs_reload", "update_failed", "weight_group", "share",
-                  "execute", "profile", "fail", "restart", "stop"}
+                  "update_drained", "update", "update_refused_running", "update_refused_paused",
+                  "update_refused_partial", "update_refused_needs_reload", "update_paused",
+                  "update_failed", "weight_group", "share", "execute", "pause_drain",
+                  "pause_drained", "pause_already", "resume", "resume_already", "profile",
+                  "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-StageInternalTriggers == {"execute", "profile", "share", "sleep_already", "wake_already",
-                          "weight_group"}
+StageInternalTriggers == {"execute", "pause_already", "profile", "resume_already", "share",
+                          "sleep_already", "wake_already", "weight_group"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
@@ -149,9 +151,10 @@ StageRelation == {
     <<"RUNNING", "drain", "DRAINING">>,                          \* sleep(): admission closed
     <<"DRAINING", "drained", "TRANSITIONING">>,                  \* no request in flight: Sleep sent to every rank
     <<"DRAINING", "drain_timeout", "RUNNING">>,                  \* requests did not drain by the deadline; nothing was sent, sleep abandoned
-    <<"SLEEPING", "sleep", "TRANSITIONING">>,                    \* sleep more tags; nothing executes here, so nothing to drain
-    <<"PARTIAL", "sleep", "TRANSITIONING">>,                     \* sleep more tags; nothing executes here, so nothing to drain
-    <<"NEEDS_RELOAD", "sleep", "TRANSITIONING">>,                \* sleep more tags; nothing executes here, so nothing to drain
+    <<"PAUSED", "sleep", "TRANSITIONING">>,                      \* sleep (more) tags; nothing executes here, so nothing to drain
+    <<"SLEEPING", "sleep", "TRANSITIONING">>,                    \* sleep (more) tags; nothing executes here, so nothing to drain
+    <<"PARTIAL", "sleep", "TRANSITIONING">>,                     \* sleep (more) tags; nothing executes here, so nothing to drain
+    <<"NEEDS_RELOAD", "sleep", "TRANSITIONING">>,                \* sleep (more) tags; nothing executes here, so nothing to drain
     <<"SLEEPING", "sleep_already", "SLEEPING">>,                 \* every requested tag already asleep: ALREADY (P-4)
     <<"PARTIAL", "sleep_already", "PARTIAL">>,                   \* every requested tag already asleep: ALREADY (P-4)
     <<"NEEDS_RELOAD", "sleep_already", "NEEDS_RELOAD">>,         \* every requested tag already asleep: ALREADY (P-4)
@@ -160,6 +163,7 @@ StageRelation == {
     <<"PARTIAL", "wake", "WAKING">>,                             \* Wake sent to every rank
     <<"NEEDS_RELOAD", "wake", "WAKING">>,                        \* Wake sent to every rank
     <<"RUNNING", "wake_already", "RUNNING">>,                    \* every requested tag resident: ALREADY (P-4)
+    <<"PAUSED", "wake_already", "PAUSED">>,                      \* every requested tag resident: ALREADY (P-4)
     <<"SLEEPING", "wake_already", "SLEEPING">>,                  \* every requested tag resident: ALREADY (P-4)
     <<"PARTIAL", "wake_already", "PARTIAL">>,                    \* every requested tag resident: ALREADY (P-4)
     <<"NEEDS_RELOAD", "wake_already", "NEEDS_RELOAD">>,          \* every requested tag resident: ALREADY (P-4)
@@ -173,25 +177,36 @@ StageRelation == {
     <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,           \* every rank ACKed; weights mapped but discarded at level 2
     <<"RUNNING", "update_drain", "DRAINING">>,                   \* update_weights(): admission closed (queued or refused per policy), in-flight requests finish
     <<"DRAINING", "update_drained", "WAKING">>,                  \* no request in flight: UpdateWeights sent to every rank
+    <<"PAUSED", "update", "WAKING">>,                            \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
     <<"PARTIAL", "update", "WAKING">>,                           \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
     <<"NEEDS_RELOAD", "update", "WAKING">>,                      \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
     <<"WAKING", "update_refused_running", "RUNNING">>,           \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_refused_paused", "PAUSED">>,             \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
     <<"WAKING", "update_refused_partial", "PARTIAL">>,           \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
     <<"WAKING", "update_refused_needs_reload", "NEEDS_RELOAD">>, \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_paused", "PAUSED">>,                     \* every rank ACKed the update of a PAUSED stage (P-5): still paused, at the new version
     <<"WAKING", "update_failed", "NEEDS_RELOAD">>,               \* every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before
     <<"RUNNING", "weight_group", "RUNNING">>,                    \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
+    <<"PAUSED", "weight_group", "PAUSED">>,                      \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"SLEEPING", "weight_group", "SLEEPING">>,                  \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"PARTIAL", "weight_group", "PARTIAL">>,                    \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"NEEDS_RELOAD", "weight_group", "NEEDS_RELOAD">>,          \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"RUNNING", "share", "RUNNING">>,                           \* ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on
     <<"PARTIAL", "share", "PARTIAL">>,                           \* ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on
     <<"RUNNING", "execute", "RUNNING">>,                         \* admission is open only in RUNNING (P-7)
+    <<"RUNNING", "pause_drain", "DRAINING">>,                    \* pause(): admission closed; in-flight requests finish (wait, keep) or their callers hear ABORTED (abort)
+    <<"DRAINING", "pause_drained", "PAUSED">>,                   \* no request in flight: paused; nothing was sent to the ranks, nothing released
+    <<"PAUSED", "pause_already", "PAUSED">>,                     \* already paused: ALREADY, nothing changes
+    <<"PAUSED", "resume", "RUNNING">>,                           \* resume(): admission open again, the queue is served; nothing sent
+    <<"RUNNING", "resume_already", "RUNNING">>,                  \* nothing is paused: ALREADY, nothing changes
     <<"RUNNING", "profile", "RUNNING">>,                         \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
+    <<"PAUSED", "profile", "PAUSED">>,                           \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"SLEEPING", "profile", "SLEEPING">>,                       \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"PARTIAL", "profile", "PARTIAL">>,                         \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"NEEDS_RELOAD", "profile", "NEEDS_RELOAD">>,               \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"STARTING", "fail", "FAILED">>,                            \* NACK, deadline, or a rank died (P-8, P-9)
     <<"RUNNING", "fail", "FAILED">>,                             \* NACK, deadline, or a rank died (P-8, P-9)
+    <<"PAUSED", "fail", "FAILED">>,                              \* NACK, deadline, or a rank died (P-8, P-9)
     <<"SLEEPING", "fail", "FAILED">>,                            \* NACK, deadline, or a rank died (P-8, P-9)
     <<"PARTIAL", "fail", "FAILED">>,                             \* NACK, deadline, or a rank died (P-8, P-9)
     <<"NEEDS_RELOAD", "fail", "FAILED">>,                        \* NACK, deadline, or a rank died (P-8, P-9)
@@ -199,6 +214,7 @@ StageRelation == {
     <<"TRANSITIONING", "fail", "FAILED">>,                       \* NACK, deadline, or a rank died (P-8, P-9)
     <<"WAKING", "fail", "FAILED">>,                              \* NACK, deadline, or a rank died (P-8, P-9)
     <<"RUNNING", "restart", "STARTING">>,                        \* fresh rank processes under a new epoch
+    <<"PAUSED", "restart", "STARTING">>,                         \* fresh rank processes under a new epoch
     <<"SLEEPING", "restart", "STARTING">>,                       \* fresh rank processes under a new epoch
     <<"PARTIAL", "restart", "STARTING">>,                        \* fresh rank processes under a new epoch
     <<"NEEDS_RELOAD", "restart", "STARTING">>,                   \* fresh rank processes under a new epoch
@@ -207,6 +223,7 @@ StageRelation == {
     <<"STARTING", "stop", "STOPPED">>,                           \* shutdown
     <<"FAILED", "stop", "STOPPED">>,                             \* shutdown
     <<"RUNNING", "stop", "STOPPED">>,                            \* shutdown
+    <<"PAUSED", "stop", "STOPPED">>,                             \* shutdown
     <<"SLEEPING", "stop", "STOPPED">>,                           \* shutdown
     <<"PARTIAL", "stop", "STOPPED">>,                            \* shutdown
     <<"NEEDS_RELOAD", "stop", "STOPPED">>,                       \* shutdown
@@ -250,6 +267,7 @@ Admission == {
     <<"WAKING", "reject", "refuse_policy">>,
     <<"SLEEPING", "reject", "refuse_policy">>,
     <<"PARTIAL", "reject", "refuse_policy">>,
+    <<"PAUSED", "reject", "refuse_policy">>,
     <<"NEEDS_RELOAD", "reject", "refuse_policy">>,
     <<"NEEDS_RELOAD", "queue", "refuse_needs_reload">>,
     <<"NEEDS_RELOAD", "wake", "refuse_needs_reload">>,
@@ -264,7 +282,9 @@ Admission == {
     <<"TRANSITIONING", "wake", "queue">>,
     <<"WAKING", "wake", "queue">>,
     <<"SLEEPING", "wake", "queue">>,
-    <<"PARTIAL", "wake", "queue">>
+    <<"PARTIAL", "wake", "queue">>,
+    <<"PAUSED", "queue", "queue">>,
+    <<"PAUSED", "wake", "queue">>
 }
 QueueRules == {
     <<"RUNNING", "queue", "dispatch">>,
@@ -282,6 +302,9 @@ QueueRules == {
     <<"WAKING", "queue", "hold">>,
     <<"WAKING", "reject", "hold">>,
     <<"WAKING", "wake", "hold">>,
+    <<"PAUSED", "queue", "hold">>,
+    <<"PAUSED", "reject", "hold">>,
+    <<"PAUSED", "wake", "hold">>,
     <<"SLEEPING", "queue", "hold">>,
     <<"PARTIAL", "queue", "hold">>,
     <<"SLEEPING", "wake", "auto_wake">>,

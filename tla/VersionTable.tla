@@ -36,15 +36,19 @@ StageRows == {
     <<"WAKING", "woke_running", "RUNNING">>,
     <<"RUNNING", "update_drain", "DRAINING">>,
     <<"DRAINING", "update_drained", "WAKING">>,
+    <<"PAUSED", "update", "WAKING">>,
     <<"PARTIAL", "update", "WAKING">>,
     <<"NEEDS_RELOAD", "update", "WAKING">>,
     <<"WAKING", "update_refused_running", "RUNNING">>,
+    <<"WAKING", "update_refused_paused", "PAUSED">>,
     <<"WAKING", "update_refused_partial", "PARTIAL">>,
     <<"WAKING", "update_refused_needs_reload", "NEEDS_RELOAD">>,
+    <<"WAKING", "update_paused", "PAUSED">>,
     <<"WAKING", "update_failed", "NEEDS_RELOAD">>,
     <<"RUNNING", "execute", "RUNNING">>,
     <<"STARTING", "fail", "FAILED">>,
     <<"RUNNING", "fail", "FAILED">>,
+    <<"PAUSED", "fail", "FAILED">>,
     <<"SLEEPING", "fail", "FAILED">>,
     <<"PARTIAL", "fail", "FAILED">>,
     <<"NEEDS_RELOAD", "fail", "FAILED">>,
@@ -60,7 +64,7 @@ WakeSettle == [rank |-> "restored_active", stage |-> "woke_running"]
 
 \* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)
 WorkerRefused == [ACTIVE |-> "update_refused_active", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
-StageRefused == [RUNNING |-> "update_refused_running", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
+StageRefused == [RUNNING |-> "update_refused_running", PAUSED |-> "update_refused_paused", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
 
 \* The stage core's answer to an update of 2 ranks: <<state it started in, each rank's answer
 \* ("none": not yet), the StageCore's state then, whether it committed the new version>>

@@ -26,8 +26,10 @@ from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.fsm.inputs import (
+    PauseCall,
     ProfileCall,
     ReloadCall,
+    ResumeCall,
     SetAdmission,
     ShareCall,
     SleepCall,
@@ -38,6 +40,9 @@ from omni_core.fsm.inputs import (
 from omni_core.protocol import MAX_WAIT_FOR_MEMORY_S, DiskSource
 from omni_core.protocol.weights import WeightSource
 
+LifecycleCall = (
+    SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall | WeightGroupCall | ShareCall | PauseCall | ResumeCall
+)
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
 # A swap's incoming ranks wait for memory this share of the deadline by default: the rest
 # is theirs to map and copy, and for a refusal to arrive before the deadline.
@@ -155,6 +160,26 @@ class Engine:
         timeout_s: float | None = None,
     ) -> LifecycleReport:
         return self._lifecycle(stage, "wake", task_id, timeout_s, lambda tid, dl: WakeCall(tid, _tags(tags), dl))
+
+    def pause(
+        self, stage: str, mode: str = "wait", *, task_id: str | None = None, timeout_s: float | None = None
+    ) -> LifecycleReport:
+        """Close admission keeping the memory (vLLM's pause_generation): no request starts until
+        resume(); requests queue, or are refused under the policy 'reject'. In-flight requests
+        finish first (mode "wait", as a sleep drains; "keep" too: an Execute cannot be frozen
+        halfway) or their callers get RequestFailedError "aborted" at once ("abort", vLLM's
+        default); the report comes once none is in flight (state PAUSED), or ALREADY.
+        `timeout_s` bounds that drain: past it the pause is abandoned."""
+        return self._lifecycle(stage, "pause", task_id, timeout_s, lambda tid, dl: PauseCall(tid, mode, dl))
+
+    def resume(self, stage: str, *, task_id: str | None = None) -> LifecycleReport:
+        """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING."""
+        return self._lifecycle(stage, "resume", task_id, None, lambda tid, dl: ResumeCall(tid))
+
+    def is_paused(self, stage: str) -> bool:
+        """Whether the stage is PAUSED (a pause's drain, DRAINING, is not yet)."""
+        self._spec(stage)
+        return self.status()[stage]["state"] == "PAUSED"
 
     def swap(
         self,
@@ -414,9 +439,7 @@ class Engine:
         kind: str,
         task_id: str | None,
         timeout_s: float | None,
-        make: Callable[
-            [str, float], SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall | WeightGroupCall | ShareCall
-        ],
+        make: Callable[[str, float], LifecycleCall],
     ) -> Any:
         """Build the typed input (task id and deadline filled in) and wait for its outcome."""
         spec = self._spec(stage)
@@ -506,6 +529,15 @@ class AsyncEngine:
 
     async def wake(self, stage: str, tags: Iterable[str] | str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.wake, stage, tags, **kwargs)
+
+    async def pause(self, stage: str, mode: str = "wait", **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.pause, stage, mode, **kwargs)
+
+    async def resume(self, stage: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.resume, stage, **kwargs)
+
+    async def is_paused(self, stage: str) -> bool:
+        return await asyncio.to_thread(self.engine.is_paused, stage)
 
     async def swap(self, out_stage: str, in_stage: str, **kwargs: Any) -> SwapReport:
         return await asyncio.to_thread(self.engine.swap, out_stage, in_stage, **kwargs)

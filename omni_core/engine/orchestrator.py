@@ -317,7 +317,15 @@ class Orchestrator:
         self,
         future: Future,
         name: str,
-        event: I.SleepCall | I.WakeCall | I.ReloadCall | I.ProfileCall | I.UpdateCall | I.WeightGroupCall | I.ShareCall,
+        event: I.SleepCall
+        | I.WakeCall
+        | I.ReloadCall
+        | I.ProfileCall
+        | I.UpdateCall
+        | I.WeightGroupCall
+        | I.ShareCall
+        | I.PauseCall
+        | I.ResumeCall,
     ) -> None:
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)

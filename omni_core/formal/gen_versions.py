@@ -59,6 +59,8 @@ STAGE_TRIGGERS = (
     "update_refused_running",
     "update_refused_partial",
     "update_refused_needs_reload",
+    "update_refused_paused",  # a PAUSED stage's update (OmniPause leaves updates to this model's rows)
+    "update_paused",
     "update_failed",
     "woke_running",
     "execute",

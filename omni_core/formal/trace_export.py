@@ -375,6 +375,12 @@ def _note_unmodelled(events: list[TraceEvent]) -> None:
             ev.note = (
                 f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
             )
+        # A sleep's or an update's drain is an "issue" line; a "state" line into DRAINING is a pause's.
+        elif ev.kind == "state" and (ev.state in ("PAUSED", "DRAINING") or ev.before == "PAUSED"):
+            ev.note = (
+                "a pause (Engine.pause, PAUSED): model-checked in tla/OmniPause.tla, not replayed by trace "
+                "validation, which follows OmniSleep; check a trace without pauses"
+            )
 
 
 CHUNK_EVENTS = 400

@@ -68,7 +68,10 @@ ADMISSION: tuple[AdmissionRow, ...] = (
     AdmissionRow((S.RUNNING,), _ALL, Admit.RUN, "admission is open only in RUNNING (P-7)"),
     AdmissionRow(_ENDED, _ALL, Admit.REFUSE_FAILED, "nothing runs until restart()"),
     AdmissionRow(
-        _BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY, "not RUNNING, and the policy refuses at once"
+        _BUSY + _ASLEEP + (S.PAUSED, S.NEEDS_RELOAD),
+        (R,),
+        Admit.REFUSE_POLICY,
+        "not RUNNING, and the policy refuses at once",
     ),
     AdmissionRow(
         (S.NEEDS_RELOAD,),
@@ -78,11 +81,13 @@ ADMISSION: tuple[AdmissionRow, ...] = (
     ),
     AdmissionRow(_BUSY + _ASLEEP, (Q,), Admit.QUEUE, "wait for the next RUNNING"),
     AdmissionRow(_BUSY + _ASLEEP, (W,), Admit.QUEUE, "wait; the queue rules wake a sleeping stage"),
+    AdmissionRow((S.PAUSED,), (Q, W), Admit.QUEUE, "no request starts while PAUSED: held until resume()"),
 )
 
 QUEUE_RULES: tuple[QueueRow, ...] = (
     QueueRow((S.RUNNING,), _ALL, QueueAction.DISPATCH, "serve the queue, up to max_in_flight"),
     QueueRow(_BUSY, _ALL, QueueAction.HOLD, "a start or a lifecycle task decides what comes next"),
+    QueueRow((S.PAUSED,), _ALL, QueueAction.HOLD, "held until resume(); a pause is the caller's, no policy wakes it"),
     QueueRow(_ASLEEP, (Q,), QueueAction.HOLD, "wait for a wake() from the caller"),
     QueueRow(_ASLEEP, (W,), QueueAction.AUTO_WAKE, "the policy wakes the stage for its queue"),
     QueueRow(_ASLEEP, (R,), QueueAction.HOLD, "queued before the policy changed: they keep their place"),

@@ -45,6 +45,8 @@ def render_lifecycles() -> str:
         "",
         *_rows(STAGE_TRANSITIONS),
         "",
+        *_pause_section(),
+        "",
         *_swap_section(),
     ]
     return "\n".join(parts)
@@ -57,6 +59,26 @@ def _refused(table: Iterable[Transition]) -> str:
         f"`{t.trigger}` ({'/'.join(s.value for s in t.sources)} -> {t.dest.value})"  # type: ignore[union-attr]
         for t in rows
     )
+
+
+def _pause_section() -> list[str]:
+    from omni_core.fsm.admission import AdmissionPolicy, admit, queue_rule
+
+    pause_rows = [t for t in STAGE_TRANSITIONS if "pause" in t.trigger or "resume" in t.trigger]
+    decided = ", ".join(f"`{p.value}` {admit(StageState.PAUSED, p).decision.value}" for p in AdmissionPolicy)
+    queue = "/".join(sorted({queue_rule(StageState.PAUSED, p).action.value for p in AdmissionPolicy}))
+    return [
+        "## A pause: admission closed, memory kept (vLLM's pause / resume)",
+        "",
+        "`Engine.pause(stage, mode)` closes a RUNNING stage's admission and releases nothing; no",
+        "rank hears of it. An Execute cannot be frozen halfway on a rank, so the requests in flight",
+        "drain first (`mode` abort: their callers hear ABORTED at once; wait, keep: they get their",
+        "results), then the stage is PAUSED: every tag resident, the weights valid, nothing in",
+        f"flight. A request that arrives there: {decided} (admission policy); the queue: {queue}.",
+        "`Engine.resume(stage)` makes it RUNNING and the queue is served. A PAUSED stage sleeps",
+        "without a drain. The rows: " + ", ".join(f"`{t.trigger}`" for t in pause_rows) + ".",
+        "`tla/OmniPause.tla` checks that no request starts while PAUSED and that the memory stays.",
+    ]
 
 
 def _swap_section() -> list[str]:

@@ -62,6 +62,22 @@ class WakeCall:
 
 
 @dataclass(frozen=True)
+class PauseCall:
+    """Close admission keeping the memory (vLLM's pause); `mode` says what in-flight requests do."""
+
+    task_id: str
+    mode: str  # "abort" | "wait" | "keep" (omni_core.fsm.stage_pause.PAUSE_MODES)
+    deadline_s: float  # the longest the in-flight requests may take to finish
+
+
+@dataclass(frozen=True)
+class ResumeCall:
+    """Open a PAUSED stage's admission again; its queue is served."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
 class ReloadCall:
     task_id: str
     source: str | None
@@ -163,6 +179,8 @@ EngineInput = (
     | UpdateCall
     | WeightGroupCall
     | ShareCall
+    | PauseCall
+    | ResumeCall
 )
 
 
@@ -171,7 +189,7 @@ class RequestError(str, enum.Enum):
 
     REJECTED = "rejected"  # refused by admission, the queue bound or its deadline in the queue
     FAILED = "failed"  # a rank refused or raised, or gave no result in time
-    ABORTED = "aborted"  # sleep(abort_in_flight=True)
+    ABORTED = "aborted"  # sleep(abort_in_flight=True), pause(mode="abort")
     OVERLOADED = "overloaded"  # the engine could not send it
     CLOSED = "closed"  # the stage stopped
 

@@ -26,6 +26,7 @@ from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage_calls import StageCalls
+from omni_core.fsm.stage_pause import PauseMixin
 from omni_core.fsm.stage_replies import STATELESS, StageReplies
 from omni_core.fsm.stage_requests import StageRequests
 from omni_core.fsm.stage_step import (
@@ -50,7 +51,7 @@ from omni_core.protocol import StageState as S
 __all__ = ["Outbound", "StageBusyError", "StageCommandError", "StageCore", "StageCounters", "StageStep", "TaskOutcome"]
 
 
-class StageCore(StageCalls, StageRequests, StageReplies, StageTrace):
+class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace):
     """One stage: its ranks' aggregate lifecycle. No IO, no clock."""
 
     def __init__(
@@ -175,6 +176,10 @@ class StageCore(StageCalls, StageRequests, StageReplies, StageTrace):
                 return self._weight_group(event, now)
             case I.ShareCall():
                 return self._share(event, now)
+            case I.PauseCall():
+                return self._pause(event, now)
+            case I.ResumeCall():
+                return self._resume(event, now)
             case I.RankExited(rank=rank, detail=detail, epoch=epoch):
                 return self._rank_died(rank, detail, now, epoch)
             case I.SendFailed():
@@ -293,12 +298,13 @@ class StageCore(StageCalls, StageRequests, StageReplies, StageTrace):
         if state in SERVING:
             # P-5: a settled state is committed only when every rank reported it.
             require(set(self.rank_state) == set(self.ranks), "settled without every rank known")
-            mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not state}
+            settled = S.RUNNING if state is S.PAUSED else state  # a pause leaves the ranks ACTIVE
+            mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not settled}
             require(not mismatched, f"ranks disagree with the stage: {mismatched}")
-        if state is S.RUNNING:
+        if state in (S.RUNNING, S.PAUSED):  # a pause releases nothing
             require(
                 not self.residency.asleep and self.residency.weights_valid,
-                "RUNNING with tags asleep or weights invalid",
+                f"{state.value} with tags asleep or weights invalid",
             )
             # P-17: requests run only while every rank holds the stage's one version.
             mixed = {r: v for r, v in self.rank_versions.items() if v != self.weights_version}

@@ -21,6 +21,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.settle import Settled, refused_trigger, settle_row
+from omni_core.fsm.stage_pause import Pause
 from omni_core.fsm.stage_step import (
     Outbound,
     StageBusyError,
@@ -114,7 +115,7 @@ class StageCalls:
         self._task = planned
         if row.drain and self.lifecycle.allows(row.drain):
             self.lifecycle.fire(row.drain)
-            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()
+            step = self._send_drained(now) if self.in_flight_requests == 0 else StageStep()
         else:
             self.lifecycle.fire(row.trigger)
             step = self._send_all()
@@ -126,8 +127,11 @@ class StageCalls:
         """The task of `call`: its id, signature and command, started now, due at its deadline."""
         return _Task(call.task_id, signature, command, now, now + call.deadline_s, **fields)
 
-    def _send_drained(self) -> StageStep:
+    def _send_drained(self, now: float) -> StageStep:
         assert self._task is not None
+        if isinstance(self._task.command, Pause):  # nothing goes to the ranks: the pause is done
+            self.lifecycle.fire("pause_drained")
+            return StageStep(outcome=self._end_task(True, "", {}, now))
         self.lifecycle.fire(CALLS[type(self._task.command)].drained)
         return self._send_all()
 
@@ -327,7 +331,7 @@ class StageCalls:
             if not legal or not self.residency.weights_resident:
                 raise StageCommandError(
                     f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
-                    "must be resident (RUNNING, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
+                    "must be resident (RUNNING, PAUSED, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
                 )
             command = UpdateWeights(task_id=call.task_id, epoch=self.epoch, version=version, source=call.source)
             refused = refused_trigger(UpdateWeights, self.state)
@@ -348,7 +352,8 @@ class StageCalls:
             now,
             expect_state=row.rank_state,
             expect_asleep=self.residency.asleep,
-            commit_trigger=row.stage_commit,
+            # vLLM's RL loop pauses, updates, resumes: an update leaves a pause in place.
+            commit_trigger="update_paused" if self.state is S.PAUSED else row.stage_commit,
             apply=lambda res: res.apply_reload(),
             refused_trigger=refused,
             expect_version=version,

@@ -304,7 +304,7 @@ class StageReplies:
             budget_s = task.deadline_at - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")
-                what = "update" if isinstance(task.command, UpdateWeights) else "sleep"
+                what = type(task.command).__name__.removesuffix("Weights").lower()  # update, sleep, pause
                 step = StageStep(
                     outcome=self._end_task(
                         False,

@@ -67,8 +67,9 @@ class StageRequests:
                 "policy is 'reject'; call reload_weights() first"
             )
         if decision is Admit.REFUSE_POLICY:
+            fix = "resume() it" if self.state is S.PAUSED else "wake it"
             return (
-                f"stage {name!r} is {state}, not RUNNING, and its admission policy is 'reject'; wake it "
+                f"stage {name!r} is {state}, not RUNNING, and its admission policy is 'reject'; {fix} "
                 "first or use admission='queue' or 'wake'"
             )
         if decision is Admit.REFUSE_NEEDS_RELOAD:
@@ -162,7 +163,7 @@ class StageRequests:
     def _retire(self, request: _Request, now: float) -> StageStep:
         del self.in_flight[request.request_id]
         if self.state is S.DRAINING and not self.in_flight and self._task is not None:
-            return self._send_drained()
+            return self._send_drained(now)
         return StageStep()
 
     def _answer(

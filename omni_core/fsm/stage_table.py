@@ -11,7 +11,7 @@ from omni_core.fsm.table import Transition
 from omni_core.protocol import StageState as S
 from omni_core.protocol import UpdateWeights, Wake, WorkerState
 
-SERVING = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)  # settled, no task in flight
+SERVING = (S.RUNNING, S.PAUSED, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)  # settled, no task in flight
 IN_TASK = (S.DRAINING, S.TRANSITIONING, S.WAKING)
 
 STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
@@ -26,9 +26,9 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     ),
     Transition(
         "sleep",
-        (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD),
+        (S.PAUSED, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD),
         S.TRANSITIONING,
-        "sleep more tags; nothing executes here, so nothing to drain",
+        "sleep (more) tags; nothing executes here, so nothing to drain",
     ),
     Transition(
         "sleep_already",
@@ -66,15 +66,21 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("update_drained", (S.DRAINING,), S.WAKING, "no request in flight: UpdateWeights sent to every rank"),
     Transition(
         "update",
-        (S.PARTIAL, S.NEEDS_RELOAD),
+        (S.PAUSED, S.PARTIAL, S.NEEDS_RELOAD),
         S.WAKING,
         "UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)",
     ),
     *refused_rows(
         UpdateWeights,
         S.WAKING,
-        (S.RUNNING, S.PARTIAL, S.NEEDS_RELOAD),
+        (S.RUNNING, S.PAUSED, S.PARTIAL, S.NEEDS_RELOAD),
         "every rank refused the update before writing (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        "update_paused",
+        (S.WAKING,),
+        S.PAUSED,
+        "every rank ACKed the update of a PAUSED stage (P-5): still paused, at the new version",
     ),
     Transition(
         "update_failed",
@@ -96,6 +102,21 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     ),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition(
+        "pause_drain",
+        (S.RUNNING,),
+        S.DRAINING,
+        "pause(): admission closed; in-flight requests finish (wait, keep) or their callers hear ABORTED (abort)",
+    ),
+    Transition(
+        "pause_drained",
+        (S.DRAINING,),
+        S.PAUSED,
+        "no request in flight: paused; nothing was sent to the ranks, nothing released",
+    ),
+    Transition("pause_already", (S.PAUSED,), None, "already paused: ALREADY, nothing changes"),
+    Transition("resume", (S.PAUSED,), S.RUNNING, "resume(): admission open again, the queue is served; nothing sent"),
+    Transition("resume_already", (S.RUNNING,), None, "nothing is paused: ALREADY, nothing changes"),
+    Transition(
         "profile", SERVING, None, "Profile sent to every rank; the state never changes, whatever they answer (P-15)"
     ),
     Transition("fail", (S.STARTING,) + SERVING + IN_TASK, S.FAILED, "NACK, deadline, or a rank died (P-8, P-9)"),
@@ -103,6 +124,7 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("stop", (S.STARTING, S.FAILED) + SERVING + IN_TASK, S.STOPPED, "shutdown"),
 )
 
+# A PAUSED stage's ranks are ACTIVE too: the pause lives in the orchestrator's admission.
 STAGE_STATE_OF_RANK = {
     WorkerState.ACTIVE: S.RUNNING,
     WorkerState.SLEEPING: S.SLEEPING,

@@ -29,6 +29,7 @@ class StageState(str, enum.Enum):
 
     STARTING = "STARTING"
     RUNNING = "RUNNING"
+    PAUSED = "PAUSED"  # admission closed, nothing released, nothing in flight (vLLM's pause)
     DRAINING = "DRAINING"
     TRANSITIONING = "TRANSITIONING"
     SLEEPING = "SLEEPING"

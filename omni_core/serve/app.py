@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from omni_core.config import OmniConfig
 from omni_core.engine import Engine
-from omni_core.serve import core_routes, omni_routes, sglang_routes, vllm_routes, weight_routes
+from omni_core.serve import core_routes, omni_routes, pause_routes, sglang_routes, vllm_routes, weight_routes
 from omni_core.serve import models as m
 from omni_core.serve.middleware import add_error_handlers, add_middleware, known_query_only
 from omni_core.serve.state import ServeState
@@ -31,6 +31,7 @@ API_VERSION = "1"
 ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     core_routes.router,
     vllm_routes.router,
+    pause_routes.router,
     omni_routes.router,
     sglang_routes.router,
     weight_routes.router,

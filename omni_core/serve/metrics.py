@@ -55,7 +55,7 @@ def vllm_sleep_state(state: str, weights_valid: bool) -> str | None:
     weights valid), weights_offloaded while asleep with the weights kept on the host (level 1),
     discard_all while the weights are discarded (level 2, until reloaded); None in transitions,
     FAILED and STOPPED, which vLLM has no value for."""
-    if state == "RUNNING":
+    if state in ("RUNNING", "PAUSED"):  # a pause releases nothing (vLLM's pause leaves it too)
         return "awake"
     if state in ("SLEEPING", "PARTIAL", "NEEDS_RELOAD"):
         return "weights_offloaded" if weights_valid else "discard_all"

@@ -155,8 +155,8 @@ class VllmSleepBody(_Strict):
     level: int | None = Field(None, description="1 or 2; null: the query's level, else 1")
     mode: str | None = Field(
         None,
-        description="abort (fail in-flight requests), wait (drain them) or keep "
-        "(refused: see docs/http_routes.md); null: the query's, else abort",
+        description="abort (fail in-flight requests), wait (drain them) or keep (as wait: see "
+        "docs/http_routes.md); null: the query's, else abort",
     )
     tags: list[str] | None = Field(None, description="tags to put to sleep; null: every tag of the stage")
 
@@ -331,7 +331,7 @@ class RestartModel(BaseModel):
 class VllmSleepModel(BaseModel):
     status: str = Field(description="sleeping")
     level: int
-    mode: str = Field(description="abort or wait: what happened to in-flight requests")
+    mode: str = Field(description="abort, wait or keep: what happened to in-flight requests")
     stages: dict[str, LifecycleReportModel]
 
 
@@ -351,7 +351,7 @@ class IsSleepingModel(BaseModel):
 
 
 class IsPausedModel(BaseModel):
-    is_paused: bool = Field(description="always false: this server has no pause (POST /pause answers 501)")
+    is_paused: bool = Field(description="true while a stage's admission is closed by a pause or a sleep")
 
 
 class CollectiveRpcModel(BaseModel):

@@ -30,6 +30,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .stage h2 { font-size: 16px; margin: 0 0 8px 0; display: flex; gap: 12px; align-items: baseline; }
   .state { font-weight: 600; padding: 1px 8px; border-radius: 8px; background: #eee; }
   .state.RUNNING { background: #c9f2d4; } .state.SLEEPING { background: #d6e4ff; }
+  .state.PAUSED { background: #d3f0ee; }
   .state.PARTIAL { background: #e6dcff; } .state.NEEDS_RELOAD { background: #ffe7c2; }
   .state.FAILED { background: #ffd2d2; } .state.DRAINING, .state.TRANSITIONING, .state.WAKING { background: #fff1b8; }
   .meta { color: #57606a; font-size: 12px; }
@@ -75,7 +76,8 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 <ol id="events"></ol>
 <script>
 "use strict";
-const STATE_COLORS = {RUNNING: "#2da44e", SLEEPING: "#4f7df0", PARTIAL: "#8250df", NEEDS_RELOAD: "#d4a72c",
+const STATE_COLORS = {RUNNING: "#2da44e", PAUSED: "#1b998b",
+  SLEEPING: "#4f7df0", PARTIAL: "#8250df", NEEDS_RELOAD: "#d4a72c",
   FAILED: "#cf222e", DRAINING: "#e3b341", TRANSITIONING: "#e3b341", WAKING: "#e3b341", STARTING: "#8c959f",
   STOPPED: "#57606a", UNKNOWN: "#d0d7de"};
 const STRIP_SPAN_MS = 5 * 60 * 1000;  // the state strips and the memory chart show the last five minutes

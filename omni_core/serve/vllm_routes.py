@@ -24,11 +24,6 @@ from omni_core.serve.lifecycle import (
 from omni_core.serve.middleware import require_key
 from omni_core.serve.state import ServeState
 
-NO_PAUSE = (
-    "not served: omni-core has no lifecycle that closes a stage's admission while keeping its memory "
-    "(its sleep closes admission and releases memory)"
-)
-
 
 def split_tags(values: list[str]) -> list[str] | None:
     tags = [t.strip() for v in values for t in v.split(",") if t.strip()]
@@ -48,20 +43,13 @@ def once(field: str, in_query: Any, in_body: Any, default: Any) -> Any:
 
 
 def check_sleep_mode(mode: str) -> None:
-    if mode == "keep":
-        raise ApiError(
-            400,
-            "mode 'keep' (hold in-flight requests through the sleep and resume them after the "
-            "wake) is not served: omni-core has no lifecycle that keeps requests across a sleep; "
-            "use mode=wait (they finish first) or mode=abort (they fail now)",
-            kind="InvalidArgumentError",
-            extra={"fields": ["mode"]},
-        )
-    if mode not in ("abort", "wait"):
+    # keep: vLLM freezes running requests and recomputes them after the wake; an Execute
+    # cannot be frozen on a rank, so it finishes first, as under wait (docs/http_routes.md).
+    if mode not in ("abort", "wait", "keep"):
         raise ApiError(
             400,
             f"mode {mode[:40]!r} is not one of 'abort' (fail in-flight requests now, vLLM's "
-            "default) or 'wait' (drain them first)",
+            "default), 'wait' or 'keep' (they finish first)",
             kind="InvalidArgumentError",
             extra={"fields": ["mode"]},
         )
@@ -72,8 +60,8 @@ def router(state: ServeState) -> APIRouter:
 
     def woken_shape(names: list[str], tags: list[str] | None) -> Any:
         def shape(per_stage: dict[str, Any]) -> Any:
-            # RUNNING is the only state with every tag resident and the weights valid.
-            awake = all(r["state"] == "RUNNING" for r in per_stage.values())
+            # RUNNING and PAUSED are the states with every tag resident and the weights valid.
+            awake = all(r["state"] in ("RUNNING", "PAUSED") for r in per_stage.values())
             woken = tags or sorted({t for n in names for t in state.specs[n].tags})
             return {"status": "awake" if awake else "sleeping", "tags_woken": woken, "stages": per_stage}
 
@@ -86,7 +74,7 @@ def router(state: ServeState) -> APIRouter:
         description="vLLM's dev-mode sleep on the default stage (or every stage): level, mode and tags in "
         "the query string (?level=2&mode=wait&tags=weights) or in a JSON body "
         '({"level": 2}), not both. mode: abort (vLLM\'s default: in-flight requests fail at '
-        "once with 409), wait (they finish first); keep is refused (400).",
+        "once with 409), wait and keep (they finish first; see docs/http_routes.md).",
     )
     async def vllm_sleep(
         request: Request,
@@ -137,40 +125,6 @@ def router(state: ServeState) -> APIRouter:
     async def vllm_is_sleeping() -> Response:
         status = await state.status()
         return JSONResponse({"is_sleeping": any(not_awake(status[n]) for n in state.targets())})
-
-    @api.post(
-        "/pause",
-        responses=m.NOT_SERVED_RESPONSES,
-        description="Not served (501): see docs/http_routes.md",
-    )
-    async def vllm_pause(
-        mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
-    ) -> Response:
-        raise ApiError(
-            501,
-            NO_PAUSE + "; use POST /sleep?mode=wait (drain, then release the memory) and "
-            "POST /wake_up, or POST /sleep?mode=abort",
-            kind="NotServed",
-        )
-
-    @api.post(
-        "/resume",
-        responses=m.NOT_SERVED_RESPONSES,
-        description="Not served (501): see docs/http_routes.md",
-    )
-    async def vllm_resume() -> Response:
-        raise ApiError(
-            501, NO_PAUSE + ", so there is nothing to resume; POST /wake_up wakes a sleeping stage", kind="NotServed"
-        )
-
-    @api.get(
-        "/is_paused",
-        response_model=m.IsPausedModel,
-        responses=m.ERROR_RESPONSES,
-        description="false: this server never pauses (POST /pause answers 501)",
-    )
-    async def vllm_is_paused() -> Response:
-        return JSONResponse({"is_paused": False})
 
     @api.post(
         "/reset_prefix_cache",

@@ -118,6 +118,10 @@ def describe_input(event: I.EngineInput) -> str:
     if isinstance(event, I.WakeCall):
         wait = f" wait_for_memory={fmt_s(event.wait_for_memory_s)}" if event.wait_for_memory_s else ""
         return f"WakeCall {event.task_id} tags={fmt_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
+    if isinstance(event, I.PauseCall):
+        return f"PauseCall {event.task_id} mode={event.mode} deadline={fmt_s(event.deadline_s)}"
+    if isinstance(event, I.ResumeCall):
+        return f"ResumeCall {event.task_id}"
     if isinstance(event, I.ReloadCall):
         return f"ReloadCall {event.task_id} source={event.source or 'default'} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.UpdateCall):

@@ -71,6 +71,19 @@ def resume(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+@contextlib.contextmanager
+def request_held_by_a_stopped_rank(engine: Engine, stage: str, rank: int = 1) -> Any:
+    """A request in flight that `rank` (stopped with SIGSTOP) cannot answer until the block ends."""
+    pid = rank_pid(engine, stage, rank)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        request = engine.submit(stage, PROBE, timeout_s=LONG_TIMEOUT_S)
+        wait_for(lambda: engine.status()[stage]["in_flight"] == 1, what="request in flight")
+        yield request
+    finally:
+        resume(pid)
+
+
 @pytest.fixture
 def engine_factory():
     engines: list[Engine] = []

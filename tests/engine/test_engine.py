@@ -32,6 +32,7 @@ from tests.engine.conftest import (
     PROBE,
     in_thread,
     rank_pid,
+    request_held_by_a_stopped_rank,
     resume,
     small_spec,
     wait_for,
@@ -262,11 +263,7 @@ def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(
     trace = tmp_path / "trace.jsonl"
     engine = engine_factory(small_spec("s", ranks=2), trace_path=str(trace))
     reference = engine.execute("s", PROBE)
-    busy = rank_pid(engine, "s", 1)
-    os.kill(busy, signal.SIGSTOP)  # rank 1 "still running" the request below
-    try:
-        request = engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S)
-        wait_for(lambda: engine.status()["s"]["in_flight"] == 1, what="request in flight")
+    with request_held_by_a_stopped_rank(engine, "s") as request:  # rank 1 "still running" it
         sleeping = in_thread(lambda: engine.sleep("s", timeout_s=LONG_TIMEOUT_S, abort_in_flight=abort))
         wait_for(lambda: engine.status()["s"]["state"] != "RUNNING", what="the sleep to close admission")
         if abort:
@@ -279,8 +276,6 @@ def test_sleep_is_sent_only_after_every_rank_answered_the_request_in_flight(
         assert (status["state"], status["in_flight"]) == ("DRAINING", 1), status
         assert not sleeping.done()
         assert abort or not request.done()
-    finally:
-        resume(busy)
     assert sleeping.result(timeout=60).state == "SLEEPING"
     if not abort:
         assert request.result(timeout=10) == reference

@@ -62,6 +62,8 @@ class Served:
                 self.engine.restart(name)
             elif state in ("SLEEPING", "PARTIAL"):
                 self.engine.wake(name)
+            elif state == "PAUSED":
+                self.engine.resume(name)
             if self.engine.status()[name]["state"] == "NEEDS_RELOAD":
                 self.engine.reload_weights(name)
             self.engine.set_admission(name, self.config.stages[self.config.stage_names.index(name)].admission)

@@ -107,11 +107,12 @@ def test_vllm_bodies_are_strict(
     assert served.stage("talker")["state"] == "SLEEPING"
 
 
-@pytest.mark.parametrize("mode", [None, "abort", "wait"])
+@pytest.mark.parametrize("mode", [None, "abort", "wait", "keep"])
 def test_vllm_sleep_mode_abort_is_the_default(served: Served, mode: str | None) -> None:
-    """vLLM's /sleep aborts in-flight requests unless told mode=wait: with rank 1 stopped
-    mid-request, an abort answers the request at once (409 aborted) while the sleep waits
-    for the rank; wait leaves the request running and it completes."""
+    """vLLM's /sleep aborts in-flight requests unless told mode=wait or keep: with rank 1
+    stopped mid-request, an abort answers the request at once (409 aborted) while the sleep
+    waits for the rank; wait and keep leave the request running and it completes (keep cannot
+    freeze it halfway, as vLLM would, and recompute it after the wake)."""
     reference = served.engine.execute("talker", PROBE)
     busy = served.stage("talker")["ranks"]["1"]["pid"]
     os.kill(busy, signal.SIGSTOP)
@@ -121,7 +122,7 @@ def test_vllm_sleep_mode_abort_is_the_default(served: Served, mode: str | None) 
         params = {} if mode is None else {"mode": mode}
         sleeping = in_thread(lambda: served.client.post("/sleep", params=params))
         wait_for(lambda: served.stage("talker")["state"] == "DRAINING", what="the sleep to close admission")
-        if mode == "wait":
+        if mode in ("wait", "keep"):
             assert not request.done()
         else:
             wait_for(request.done, what="the abort to answer the request")
@@ -131,32 +132,20 @@ def test_vllm_sleep_mode_abort_is_the_default(served: Served, mode: str | None) 
         resume(busy)
     answer = sleeping.result(timeout=60)
     assert answer.status_code == 200 and answer.json()["mode"] == (mode or "abort"), answer.text
-    if mode == "wait":
+    if mode in ("wait", "keep"):
         assert request.result(timeout=10) == reference
 
 
 @pytest.mark.parametrize(
     ("query", "status", "needle"),
     [
-        ("mode=keep", 400, "mode 'keep' (hold in-flight requests"),
         ("mode=pause", 400, "is not one of 'abort'"),
         ("level=3", 400, "sleep level must be 1 or 2, got 3"),
     ],
 )
-def test_vllm_sleep_modes_not_served_are_refused(served: Served, query: str, status: int, needle: str) -> None:
+def test_vllm_bad_sleep_modes_are_refused(served: Served, query: str, status: int, needle: str) -> None:
     _refused(served.client.post(f"/sleep?{query}"), status, needle)
     assert served.stage("talker")["state"] == "RUNNING"
-
-
-def test_vllm_pause_and_resume_are_not_served(served: Served) -> None:
-    """No lifecycle keeps memory with admission closed: 501 naming why and what to use, never
-    a 200 that did nothing."""
-    for route in ("/pause", "/pause?mode=wait", "/resume"):
-        body = _refused(served.client.post(route), 501, "no lifecycle that closes a stage's admission")
-        assert body["error"]["type"] == "NotServed"
-    assert served.client.get("/is_paused").json() == {"is_paused": False}
-    _refused(served.client.post("/pause?mdoe=wait"), 422, "unknown query parameter(s) ['mdoe']")
-    assert {s["state"] for s in served.client.get("/v1/stages").json()["stages"]} == {"RUNNING"}
 
 
 # ------------------------------------------------------------------ vLLM-Omni
@@ -347,7 +336,13 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
     here = Path(__file__).parent
     defined = {
         name
-        for f in ("test_anchor_routes.py", "test_compat.py", "test_weight_routes.py", "test_cache_reset.py")
+        for f in (
+            "test_anchor_routes.py",
+            "test_compat.py",
+            "test_weight_routes.py",
+            "test_cache_reset.py",
+            "test_pause_routes.py",
+        )
         for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)
     }
     assert named and named <= defined, f"tests named in docs/http_routes.md but not defined: {named - defined}"

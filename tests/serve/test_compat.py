@@ -44,7 +44,7 @@ def test_vllm_level2_then_collective_rpc_reload(served: Served) -> None:
     [
         ("level=3", 400, "sleep level must be 1 or 2, got 3"),
         ("level=one", 422, "level"),
-        ("mode=keep", 400, "mode 'keep' (hold in-flight requests through the sleep"),
+        ("mode=freeze", 400, "mode 'freeze' is not one of 'abort'"),
         ("level=1&levle=2", 422, "unknown query parameter(s) ['levle']"),  # a misspelt or dropped parameter is loud
     ],
 )

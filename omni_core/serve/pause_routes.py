@@ -1,0 +1,156 @@
+"""The PAUSED lifecycle over HTTP: vLLM's /pause, /resume and /is_paused, and omni-core's own
+/v1/stages/{name}/pause and /resume (the CLI's).
+
+vLLM's routes (vllm/entrypoints/serve/dev/rlhf/api_router.py) take `mode` (abort, its
+default; wait; keep), the deprecated `wait_for_inflight_requests` (true means mode=wait)
+and `clear_cache` in the query string; omni-core also takes them in a JSON body, not both.
+They answer {"status": "paused"} and {"status": "resumed"} (with every stage's report beside
+it) and {"is_paused": bool}. What each mode does: omni_core/fsm/stage_pause.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from omni_core.serve import models as m
+from omni_core.serve.lifecycle import NOT_AWAKE_STATES, MakeCall, lifecycle_route, timeout_s
+from omni_core.serve.middleware import require_key
+from omni_core.serve.state import ServeState
+from omni_core.serve.vllm_routes import once
+
+PauseMode = Literal["abort", "wait", "keep"]
+# vLLM's scheduler is paused by a pause and by a sleep (its wake resumes it): /is_paused is
+# true while admission is closed by either, as it is there.
+PAUSED_STATES = NOT_AWAKE_STATES | {"PAUSED"}
+
+
+class VllmPauseBody(m._Strict):
+    """vLLM's POST /pause, as a JSON body; the same fields as its query string."""
+
+    mode: PauseMode | None = Field(
+        None, description="abort (in-flight requests fail now), wait or keep (they finish first); null: abort"
+    )
+    wait_for_inflight_requests: bool | None = Field(None, description="vLLM's deprecated flag: true means mode=wait")
+    clear_cache: bool | None = Field(
+        None, description="accepted, and nothing is cleared: no protocol command reaches a runner's prefix cache"
+    )
+
+
+class PauseBody(m._Strict):
+    mode: PauseMode = Field("wait", description="wait or keep (in-flight requests finish), abort (they fail now)")
+    timeout_s: float | None = Field(None, description="how long in-flight requests may take; null: deadline_s")
+
+
+class VllmPausedModel(BaseModel):
+    status: str = Field(description="paused, or resumed")
+    stages: dict[str, m.LifecycleReportModel]
+
+
+def router(state: ServeState) -> APIRouter:
+    api = APIRouter(dependencies=[Depends(require_key)])
+
+    def paused_shape(status: str) -> Callable[[dict[str, Any]], Any]:
+        return lambda per_stage: {"status": status, "stages": per_stage}
+
+    def pause_call(mode: str) -> MakeCall:
+        engine = state.require_engine()
+        return lambda n, tid: functools.partial(engine.pause, n, mode, task_id=tid)
+
+    def resume_call() -> MakeCall:
+        engine = state.require_engine()
+        return lambda n, tid: functools.partial(engine.resume, n, task_id=tid)
+
+    def one_stage(name: str) -> Callable[[dict[str, Any]], Any]:
+        return lambda per_stage: per_stage[name]
+
+    @api.post(
+        "/pause",
+        response_model=VllmPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="vLLM's pause on the default stage (or every stage): admission closes, memory stays, no "
+        "request starts until POST /resume. mode=abort (default): in-flight requests fail at once "
+        "(409); wait, keep: they finish first (a running request cannot be frozen halfway). Answers "
+        "once none is in flight.",
+    )
+    async def vllm_pause(
+        request: Request,
+        body: VllmPauseBody | None = None,
+        mode: PauseMode | None = None,
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool | None = None,
+    ) -> Response:
+        body = body or VllmPauseBody()
+        chosen = once("mode", mode, body.mode, "abort")
+        once("clear_cache", clear_cache, body.clear_cache, None)  # accepted either way; nothing to clear
+        if once("wait_for_inflight_requests", wait_for_inflight_requests, body.wait_for_inflight_requests, False):
+            chosen = "wait"  # as vLLM: the deprecated flag wins over mode
+        return await lifecycle_route(
+            state, request, state.targets(), "pause", pause_call(chosen), paused_shape("paused")
+        )
+
+    @api.post(
+        "/resume",
+        response_model=VllmPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="vLLM's resume on the default stage (or every stage): a PAUSED stage serves again, its "
+        "held requests first; a RUNNING one is ALREADY. A sleeping stage is 409: wake it (POST /wake_up).",
+    )
+    async def vllm_resume(request: Request) -> Response:
+        return await lifecycle_route(state, request, state.targets(), "resume", resume_call(), paused_shape("resumed"))
+
+    @api.get(
+        "/is_paused",
+        response_model=m.IsPausedModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="true while the default stage (or any stage) admits no request because of a pause or a "
+        "sleep (vLLM's scheduler is paused by both)",
+    )
+    async def vllm_is_paused() -> Response:
+        status = await state.status()
+        return JSONResponse({"is_paused": any(status[n]["state"] in PAUSED_STATES for n in state.targets())})
+
+    @api.post(
+        "/v1/stages/{name}/pause",
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Close the stage's admission keeping its memory (state PAUSED once no request is in "
+        "flight); mode as vLLM's. With an Idempotency-Key, a retry gets the first answer.",
+    )
+    async def pause(name: str, request: Request, body: PauseBody | None = None) -> Response:
+        body = body or PauseBody()
+        state.stage_name(name)
+        engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
+        return await lifecycle_route(
+            state,
+            request,
+            [name],
+            "pause",
+            lambda n, tid: functools.partial(engine.pause, n, body.mode, task_id=tid, timeout_s=limit_s),
+            one_stage(name),
+            stages_in_error=False,
+        )
+
+    @api.post(
+        "/v1/stages/{name}/resume",
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Open a PAUSED stage's admission again (ALREADY when RUNNING)",
+    )
+    async def resume(name: str, request: Request) -> Response:
+        state.stage_name(name)
+        return await lifecycle_route(
+            state, request, [name], "resume", resume_call(), one_stage(name), stages_in_error=False
+        )
+
+    return api
