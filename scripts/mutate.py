@@ -135,8 +135,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "reject-policy",
         "admission 'reject' removed: a request to a sleeping stage is queued instead",
         ADMISSION,
-        "        _BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY, ",
-        "        _BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE, ",
+        "        (R,),\n        Admit.REFUSE_POLICY,\n",
+        "        (R,),\n        Admit.QUEUE,\n",
         [f"{FIFTY}[reject]", DEMO_TEST],
     ),
     _m(
@@ -239,8 +239,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the stage core sends Sleep at once, with requests still in flight",
         STAGE_CALLS,
         "            self.lifecycle.fire(row.drain)\n"
-        "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
-        "            self.lifecycle.fire(row.drain)\n            step = self._send_drained()  # mutant: no drain\n",
+        "            step = self._send_drained(now) if self.in_flight_requests == 0 else StageStep()\n",
+        "            self.lifecycle.fire(row.drain)\n            step = self._send_drained(now)  # mutant: no drain\n",
         [f"{DRAIN}[wait]"],
     ),
     _m(
