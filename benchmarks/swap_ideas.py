@@ -17,8 +17,11 @@ range of its own (as vLLM's CuMemAllocator reserves them).
 landed; process B wakes 16 GiB at the same instant: maps and host->device copies). B's ways:
 
 - `base`       create + map + set access per 32 MiB allocation, copy right after (`fast`)
-- `big_split`  one cuMemCreate per 512 MiB, mapped into 16 separate 32 MiB ranges
-- `big_range`  one cuMemCreate + cuMemMap per 512 MiB into one contiguous range
+- `big_range`  one cuMemCreate + cuMemMap per 512 MiB into one contiguous range (a 512 MiB
+               handle mapped piecewise into vLLM's 32 MiB ranges is refused: cuMemMap takes
+               offset 0 only, CUDA_ERROR_NOT_SUPPORTED on an H100 with driver 580)
+- `access_span` per 32 MiB allocation cuMemCreate + cuMemMap, but one cuMemSetAccess per run
+               of neighbouring ranges (up to 512 MiB): the access call is the slow one
 - `premapped`  B maps everything before the swap starts (when it fits): copies alone
 - `handoff`    A's allocations are exportable; their file descriptors go to B before the
                swap (SCM_RIGHTS over a Unix socket), B imports them, and maps each one as soon
@@ -56,7 +59,7 @@ POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253
 LEAD_S = 0.3
 UNMAP_VARIANTS = ("serial", "release_early", "threads4", "big_range", "one_call")
-SWAP_VARIANTS = ("a_alone", "b_alone", "base", "big_split", "big_range", "premapped", "handoff")
+SWAP_VARIANTS = ("a_alone", "b_alone", "base", "access_span", "big_range", "premapped", "handoff")
 
 
 class Gpu:
@@ -296,6 +299,17 @@ def outgoing(conn: Any, total: int, counter: Any, sock_path: str) -> None:
             conn.send({"error": f"{type(exc).__name__}: {exc}"[:400]})
 
 
+def contiguous_runs(ptrs: list[int]) -> list[tuple[int, int]]:
+    """(start, bytes) of each run of allocations that follow each other in the address space."""
+    runs: list[list[int]] = []
+    for ptr in ptrs:
+        if runs and runs[-1][0] + runs[-1][1] == ptr:
+            runs[-1][1] += ALLOC_BYTES
+        else:
+            runs.append([ptr, ALLOC_BYTES])
+    return [(a, n) for a, n in runs]
+
+
 def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int]) -> dict[str, Any]:
     """Process B's wake by `variant`, started at `at`; returns its times and call sums."""
     g.calls = {}
@@ -316,15 +330,6 @@ def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int])
     elif variant == "premapped":
         for i, ptr in enumerate(ptrs):
             g.copy(ptr, g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
-    elif variant == "big_split":
-        per = BIG_BYTES // ALLOC_BYTES
-        for j in range(g.count // per):
-            h = g.create(BIG_BYTES)
-            g.handles.append(h)
-            for s in range(per):
-                i = j * per + s
-                g.map(ptrs[i], ALLOC_BYTES, h, s * ALLOC_BYTES)
-                g.copy(ptrs[i], g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
     elif variant == "big_range":
         ptrs = g.big_ptrs()
         k = 0
@@ -335,6 +340,19 @@ def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int])
             for s in range(0, BIG_BYTES, 2 * ALLOC_BYTES):
                 g.copy(g.big + off + s, g.host.ptr + off + s, 2 * ALLOC_BYTES, k, True)
                 k += 1
+    elif variant == "access_span":
+        per = BIG_BYTES // ALLOC_BYTES
+        for j in range(0, g.count, per):
+            group = range(j, min(j + per, g.count))
+            for i in group:
+                h = g.create(ALLOC_BYTES)
+                g.handles.append(h)
+                g.call("map", g.drv.cu.cuMemMap, ptrs[i], ALLOC_BYTES, 0, h, 0)
+                g.mapped.append((ptrs[i], ALLOC_BYTES))
+            for start, nbytes in contiguous_runs([ptrs[i] for i in group]):
+                g.call("access", g.drv.cu.cuMemSetAccess, start, nbytes, ctypes.byref(g.access), 1)
+            for i in group:
+                g.copy(ptrs[i], g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
     elif variant == "handoff":
         for i, ptr in enumerate(ptrs):
             while counter.value <= i:
@@ -426,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         "alloc_bytes": ALLOC_BYTES,
     }
     g = Gpu(total, seed=2_000_000)
+    meta["range_runs"] = len(contiguous_runs(g.ranges))  # separately reserved ranges that touch
 
     def each(part: str, names: str, run: Any) -> None:
         for name in [v for v in names.split(",") if v]:
@@ -494,7 +513,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"# Swap and clean-sleep ideas: {meta['bytes'] / GiB:.0f} GiB in {meta['bytes'] // meta['alloc_bytes']} "
         "allocations",
         "",
-        f"{meta['machine']}, torch {meta['torch']}, commit {meta['commit']}, `{meta['command']}`",
+        f"{meta['machine']}, torch {meta['torch']}, commit {meta['commit']}, `{meta['command']}`; the "
+        f"{meta['bytes'] // meta['alloc_bytes']} ranges, reserved one by one, form {meta.get('range_runs')} runs",
     ]
     for part, header, cells in TABLES:
         width = header.count("|") - 1
