@@ -23,6 +23,8 @@ landed; process B wakes 16 GiB at the same instant: maps and host->device copies
 - `access_span` per 32 MiB allocation cuMemCreate + cuMemMap, but one cuMemSetAccess per run
                of neighbouring ranges (up to 512 MiB): the access call is the slow one
 - `premapped`  B maps everything before the swap starts (when it fits): copies alone
+- `premapped_late` the same, and A unmaps only once all its copies have landed: do A's
+               unmaps slow B's copies?
 - `handoff`    A's allocations are exportable; their file descriptors go to B before the
                swap (SCM_RIGHTS over a Unix socket), B imports them, and maps each one as soon
                as A says its copy has landed (a shared counter): no new physical memory
@@ -59,7 +61,7 @@ POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253
 LEAD_S = 0.3
 UNMAP_VARIANTS = ("serial", "release_early", "threads4", "big_range", "one_call")
-SWAP_VARIANTS = ("a_alone", "b_alone", "base", "access_span", "big_range", "premapped", "handoff")
+SWAP_VARIANTS = ("a_alone", "b_alone", "base", "access_span", "big_range", "premapped", "premapped_late", "handoff")
 
 
 class Gpu:
@@ -285,6 +287,9 @@ def outgoing(conn: Any, total: int, counter: Any, sock_path: str) -> None:
             for i, ptr in enumerate(g.ranges):
                 g.copy(ptr, g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, False)
                 events.append(g.ops.record(g.ops.streams[i % STREAMS]))
+            if variant.endswith("_late"):  # every copy lands before the first unmap
+                events[-1].synchronize()
+                events[-2].synchronize()
             for i, ptr in enumerate(g.ranges):
                 events[i].synchronize()
                 counter.value = i + 1  # B may now write this allocation's memory
@@ -315,7 +320,7 @@ def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int])
     g.calls = {}
     ptrs = g.ranges
     premap_s = 0.0
-    if variant == "premapped":
+    if variant.startswith("premapped"):
         t = time.perf_counter()
         g.map_small()
         premap_s = time.perf_counter() - t
@@ -327,7 +332,7 @@ def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int])
             g.handles.append(h)
             g.map(ptr, ALLOC_BYTES, h)
             g.copy(ptr, g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
-    elif variant == "premapped":
+    elif variant.startswith("premapped"):
         for i, ptr in enumerate(ptrs):
             g.copy(ptr, g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
     elif variant == "big_range":
@@ -349,8 +354,8 @@ def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int])
                 g.handles.append(h)
                 g.call("map", g.drv.cu.cuMemMap, ptrs[i], ALLOC_BYTES, 0, h, 0)
                 g.mapped.append((ptrs[i], ALLOC_BYTES))
-            for start, nbytes in contiguous_runs([ptrs[i] for i in group]):
-                g.call("access", g.drv.cu.cuMemSetAccess, start, nbytes, ctypes.byref(g.access), 1)
+            for first, nbytes in contiguous_runs([ptrs[i] for i in group]):
+                g.call("access", g.drv.cu.cuMemSetAccess, first, nbytes, ctypes.byref(g.access), 1)
             for i in group:
                 g.copy(ptrs[i], g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
     elif variant == "handoff":
