@@ -11,6 +11,8 @@ range of its own (as vLLM's CuMemAllocator reserves them).
                   memory): a sleep is cuMemUnmap alone
 - `threads4`      unmap + release spread over 4 threads
 - `big_range`     32 physical handles of 512 MiB, each mapped once into one contiguous range
+- `span_map`      32 handles of 512 MiB, each mapped over 16 neighbouring ranges reserved one
+                  by one (vLLM's layout, mapped with fewer physical allocations)
 - `one_call`      512 handles mapped side by side in one range, unmapped with one cuMemUnmap
 
 **Swap** (process A sleeps 16 GiB: device->host copies, each allocation unmapped once its copy
@@ -22,6 +24,8 @@ landed; process B wakes 16 GiB at the same instant: maps and host->device copies
                offset 0 only, CUDA_ERROR_NOT_SUPPORTED on an H100 with driver 580)
 - `access_span` per 32 MiB allocation cuMemCreate + cuMemMap, but one cuMemSetAccess per run
                of neighbouring ranges (up to 512 MiB): the access call is the slow one
+- `span_map`   one 512 MiB physical allocation mapped over 16 neighbouring 32 MiB ranges
+- `span_both`  the same, and A's memory laid out so too (A unmaps 32 spans, not 512 ranges)
 - `premapped`  B maps everything before the swap starts (when it fits): copies alone
 - `premapped_late` the same, and A unmaps only once all its copies have landed: do A's
                unmaps slow B's copies?
@@ -60,8 +64,19 @@ SAMPLE_BYTES = 4096
 POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253
 LEAD_S = 0.3
-UNMAP_VARIANTS = ("serial", "release_early", "threads4", "big_range", "one_call")
-SWAP_VARIANTS = ("a_alone", "b_alone", "base", "access_span", "big_range", "premapped", "premapped_late", "handoff")
+UNMAP_VARIANTS = ("serial", "release_early", "threads4", "big_range", "span_map", "one_call")
+SWAP_VARIANTS = (
+    "a_alone",
+    "b_alone",
+    "base",
+    "access_span",
+    "big_range",
+    "span_map",
+    "span_both",
+    "premapped",
+    "premapped_late",
+    "handoff",
+)
 
 
 class Gpu:
@@ -144,6 +159,15 @@ class Gpu:
             self.handles.append(h)
             self.map(ptr, ALLOC_BYTES, h)
 
+    def map_spans(self) -> None:
+        """One 512 MiB physical allocation mapped over each 16 neighbouring 32 MiB ranges, each
+        range reserved on its own (as vLLM reserves them)."""
+        per = BIG_BYTES // ALLOC_BYTES
+        for j in range(0, self.count, per):
+            h = self.create(BIG_BYTES)
+            self.handles.append(h)
+            self.map(self.ranges[j], BIG_BYTES, h)
+
     def fill(self) -> None:
         for i, ptr in enumerate(self.ranges):
             self.copy(ptr, self.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
@@ -170,7 +194,9 @@ def unmap_variant(g: Gpu, name: str) -> dict[str, Any]:
     cu = g.drv.cu
     g.calls = {}
     t0 = time.perf_counter()
-    if name in ("serial", "release_early", "threads4"):
+    if name == "span_map":
+        g.map_spans()
+    elif name in ("serial", "release_early", "threads4"):
         g.map_small()
         if name == "release_early":
             for h in g.handles:
@@ -263,7 +289,11 @@ def outgoing(conn: Any, total: int, counter: Any, sock_path: str) -> None:
         variant = msg
         try:
             exportable = variant == "handoff"
-            g.map_small(exportable)
+            per = BIG_BYTES // ALLOC_BYTES if variant == "span_both" else 1
+            if per > 1:
+                g.map_spans()
+            else:
+                g.map_small(exportable)
             g.fill()
             if exportable:
                 fds = []
@@ -290,11 +320,12 @@ def outgoing(conn: Any, total: int, counter: Any, sock_path: str) -> None:
             if variant.endswith("_late"):  # every copy lands before the first unmap
                 events[-1].synchronize()
                 events[-2].synchronize()
-            for i, ptr in enumerate(g.ranges):
+            for i in range(g.count):
                 events[i].synchronize()
                 counter.value = i + 1  # B may now write this allocation's memory
-                g.drv.check(g.drv.cu.cuMemUnmap(ptr, ALLOC_BYTES), "cuMemUnmap")
-                g.drv.check(g.drv.cu.cuMemRelease(g.handles[i]), "cuMemRelease")
+                if (i + 1) % per == 0:
+                    g.drv.check(g.drv.cu.cuMemUnmap(g.ranges[i + 1 - per], per * ALLOC_BYTES), "cuMemUnmap")
+                    g.drv.check(g.drv.cu.cuMemRelease(g.handles[i // per]), "cuMemRelease")
             end = time.monotonic()
             g.mapped.clear()
             g.handles.clear()
@@ -345,6 +376,14 @@ def incoming(g: Gpu, variant: str, at: float, counter: Any, imported: list[int])
             for s in range(0, BIG_BYTES, 2 * ALLOC_BYTES):
                 g.copy(g.big + off + s, g.host.ptr + off + s, 2 * ALLOC_BYTES, k, True)
                 k += 1
+    elif variant in ("span_map", "span_both"):
+        per = BIG_BYTES // ALLOC_BYTES
+        for j in range(0, g.count, per):
+            h = g.create(BIG_BYTES)
+            g.handles.append(h)
+            g.map(ptrs[j], BIG_BYTES, h)
+            for i in range(j, j + per):
+                g.copy(ptrs[i], g.host.ptr + i * ALLOC_BYTES, ALLOC_BYTES, i, True)
     elif variant == "access_span":
         per = BIG_BYTES // ALLOC_BYTES
         for j in range(0, g.count, per):
