@@ -29,7 +29,7 @@ def probe(cycles: int) -> dict:
     with backend.pool("weights"):
         tensors = [torch.randn(4096, 4096, dtype=torch.bfloat16, device=device, generator=g) for _ in range(64)]
     with backend.pool("kv_cache"):
-        torch.empty(GiB, dtype=torch.uint8, device=device)
+        kv = torch.empty(GiB, dtype=torch.uint8, device=device)  # held: a freed block is not slept
     reference = [t.clone() for t in tensors]  # outside the pools: never slept
     backend.track("weights", tensors)
     backend.track("kv_cache", [])
@@ -56,6 +56,7 @@ def probe(cycles: int) -> dict:
                 "mapped_runs": backend.stats()["mapped_runs"],
             }
         )
+    del kv
     return out
 
 
