@@ -22,6 +22,8 @@ class FakeSpans:
         self.m = module
         self.maps: list[tuple[int, int]] = []  # (ptr, nbytes) of each map_span
         self.unmaps: list[tuple[int, int]] = []
+        self.adopts: list[tuple[int, int]] = []
+        self.refuse_adopt = False  # as the driver would with no room for the scratch copy
         self._next_handle = 1
 
     def map_span(self, nbytes: int, ptr: int) -> int:
@@ -29,6 +31,17 @@ class FakeSpans:
             raise RuntimeError(f"map of {ptr:#x}+{nbytes}, which overlaps a mapping")
         self.m.memory[ptr] = bytearray([GARBAGE]) * nbytes
         self.maps.append((ptr, nbytes))
+        self._next_handle += 1
+        return self._next_handle
+
+    def adopt(self, nbytes: int, ptr: int, release_members) -> int:
+        if self.refuse_adopt:
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY: no room for the scratch copy")
+        kept = b"".join(bytes(self.m.memory[b][o : o + n]) for b, o, n in DeferredOps(self.m)._pieces(ptr, nbytes))
+        release_members()
+        assert not any(ptr <= p < ptr + nbytes for p in self.m.memory), "a member is still mapped"
+        self.m.memory[ptr] = bytearray(kept)
+        self.adopts.append((ptr, nbytes))
         self._next_handle += 1
         return self._next_handle
 
@@ -43,10 +56,11 @@ def device_bytes(ops: DeferredOps, ptr: int, nbytes: int) -> bytes:
     return b"".join(bytes(ops.m.memory[base][off : off + n]) for base, off, n in ops._pieces(ptr, nbytes))
 
 
-def make(run_bytes: int, sizes_w=(4096, 8192, 12288), variant: str = "0.26"):
+def make(run_bytes: int, sizes_w=(4096, 8192, 12288), variant: str = "0.26", refuse_adopt: bool = False):
     module = FakeCumemModule(variant)
     ops = DeferredOps(module)
     spans = FakeSpans(module)
+    spans.refuse_adopt = refuse_adopt
     backend = FastBackend(
         torch.device("cpu"), module=module, ops=ops, chunk_bytes=5000, run_bytes=run_bytes, spans=spans
     )
@@ -54,10 +68,11 @@ def make(run_bytes: int, sizes_w=(4096, 8192, 12288), variant: str = "0.26"):
     for tag, fill, sizes in ((W, 0x11, sizes_w), (KV, 0x22, (16384,))):
         with backend.pool(tag):
             ptrs[tag] = [backend.allocator.malloc(size, fill) for size in sizes]
-        backend.track(tag, [])
     for i, p in enumerate(ptrs[W]):
         module.memory[p][:] = bytes((i * 31 + j) % 251 for j in range(len(module.memory[p])))
     before = [bytes(module.memory[p]) for p in ptrs[W]]
+    for tag in (W, KV):
+        backend.track(tag, [])  # the weights' touching allocations become runs here
     return module, ops, spans, backend, ptrs, before
 
 
@@ -65,6 +80,9 @@ def make(run_bytes: int, sizes_w=(4096, 8192, 12288), variant: str = "0.26"):
 def test_a_tag_wakes_as_one_run_and_sleeps_with_one_unmap(variant: str) -> None:
     module, ops, spans, backend, ptrs, before = make(1 << 20, variant=variant)
     sizes = [4096, 8192, 12288]
+    # at load the weights' three touching allocations became one run, their bytes kept
+    assert spans.adopts == [(ptrs[W][0], sum(sizes))]
+    assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], sizes, strict=True)] == before
     for cycle in range(3):
         backend.sleep({W}, {KV})
         assert module.memory == {}, f"cycle {cycle}: something stayed mapped"
@@ -76,9 +94,9 @@ def test_a_tag_wakes_as_one_run_and_sleeps_with_one_unmap(variant: str) -> None:
         got = [device_bytes(ops, p, n) for p, n in zip(ptrs[W], sizes, strict=True)]
         assert got == before, f"cycle {cycle}: a weight came back wrong"
         assert device_bytes(ops, ptrs[KV][0], 16384) == bytes([GARBAGE]) * 16384
-    # every sleep after the first unmapped the run once (the first: vLLM's own allocations)
-    assert spans.unmaps == [(ptrs[W][0], sum(sizes))] * 2
-    assert backend.stats()["mapped_runs"] == 3
+    # every sleep, the first included, unmapped the run once
+    assert spans.unmaps == [(ptrs[W][0], sum(sizes))] * 3
+    assert backend.stats()["mapped_runs"] == 4
 
 
 def test_runs_stop_at_run_bytes() -> None:
@@ -136,3 +154,32 @@ def test_run_bytes_needs_a_span_mapper() -> None:
         FastBackend(torch.device("cpu"), module=FakeCumemModule("0.26"), ops=object(), run_bytes=1 << 20)
     with pytest.raises(ValueError, match="positive"):
         Runs(FakeSpans(FakeCumemModule("0.26")), 0)
+
+
+def test_a_run_that_cannot_be_made_at_load_stays_apart_until_its_first_wake() -> None:
+    module, ops, spans, backend, ptrs, before = make(1 << 20, refuse_adopt=True)
+    assert spans.adopts == [] and set(ptrs[W]) <= module.memory.keys()  # vLLM's own, untouched
+    backend.sleep({W}, {KV})
+    assert spans.unmaps == []  # the first sleep: vLLM's allocations one by one
+    backend.wake({W, KV})
+    assert spans.maps == [(ptrs[W][0], 4096 + 8192 + 12288)]
+    assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], (4096, 8192, 12288), strict=True)] == before
+
+
+def test_adoption_waits_for_a_prepare_in_the_foreground() -> None:
+    module = FakeCumemModule("0.26")
+    spans = FakeSpans(module)
+    backend = FastBackend(
+        torch.device("cpu"),
+        module=module,
+        ops=DeferredOps(module),
+        run_bytes=1 << 20,
+        spans=spans,
+        prepare="background",
+    )
+    with backend.pool(W):
+        for size in (4096, 8192):
+            backend.allocator.malloc(size, 0x11)
+    backend.track(W, [])
+    backend.path.wait_prepared()
+    assert spans.adopts == []  # the runner may be using the weights while a background prepare runs

@@ -147,11 +147,10 @@ class FastPath:
             driver = CudaDriver()
             self._map = lambda h: driver.create_and_map(*h)
             self._unmap = lambda h: driver.unmap_and_release(*h)
-            spans = spans or DriverSpans(driver, self.device.index or 0)
+            spans = spans or DriverSpans(driver, self.device.index or 0, self.ops)
         if run_bytes and spans is None:
             raise ValueError("run_bytes needs the driver's mapping (map_with='driver' on CUDA) or a SpanMapper")
-        # Off unless asked: neighbouring allocations woken into one physical allocation (runs.py).
-        self.runs = Runs(spans, run_bytes) if run_bytes and spans is not None else None
+        self.runs = Runs(spans, run_bytes) if run_bytes and spans is not None else None  # runs.py; off by default
         self._slots: dict[int, Slot] = {}
         self._arenas: list[HostArena] = []
         self._backed: set[int] = set()  # allocations whose bytes are in their slot now
@@ -200,6 +199,9 @@ class FastPath:
         self.wait_prepared()
         if not background:
             self._prepare(tags)
+            if self.runs is not None:  # at load, not in the background: the runner may use the weights
+                awake = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
+                self.runs.adopt_all(awake, lambda _, data: self._unmap(data.handle))
             return
 
         def work() -> None:

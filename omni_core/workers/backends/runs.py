@@ -18,11 +18,14 @@ sleep and wake, and its worker leaves with os._exit (CumemBackend.hard_exit_requ
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_core.workers.backends.copy_plan import nbytes_of
+
+log = logging.getLogger("omni_core.backends.fast")
 
 
 class SpanMapper(Protocol):
@@ -32,12 +35,19 @@ class SpanMapper(Protocol):
     def unmap_span(self, nbytes: int, ptr: int, handle: int) -> None:
         """Unmap [ptr, ptr + nbytes) and release `handle`."""
 
+    def adopt(self, nbytes: int, ptr: int, release_members: Callable[[], None]) -> int:
+        """Move the bytes of the mapped range [ptr, ptr + nbytes) into one new physical
+        allocation mapped there: made at a scratch range, filled from the range, then
+        `release_members()` unmaps what backed the range, and the new one is mapped at
+        `ptr`. Returns its handle; nothing changes when it fails before the release."""
+
 
 class DriverSpans:
-    """SpanMapper over the CUDA driver's calls (cuda_driver.CudaDriver) on one device."""
+    """SpanMapper over the CUDA driver's calls (cuda_driver.CudaDriver) on one device;
+    `ops` (cuda_ops.CudaOps) copies a range into the scratch of an adoption."""
 
-    def __init__(self, driver: Any, device: int) -> None:
-        self.driver, self.device = driver, device
+    def __init__(self, driver: Any, device: int, ops: Any = None) -> None:
+        self.driver, self.device, self.ops = driver, device, ops
 
     def map_span(self, nbytes: int, ptr: int) -> int:
         self.driver.ensure_context(self.device)
@@ -48,6 +58,28 @@ class DriverSpans:
     def unmap_span(self, nbytes: int, ptr: int, handle: int) -> None:
         self.driver.ensure_context(self.device)
         self.driver.unmap_from(nbytes, ptr, handle)
+
+    def adopt(self, nbytes: int, ptr: int, release_members: Callable[[], None]) -> int:
+        d = self.driver
+        d.ensure_context(self.device)
+        scratch = d.reserve(nbytes)
+        cell = ctypes.c_uint64()
+        try:
+            d.map_into(self.device, nbytes, scratch, cell)
+            try:
+                stream = self.ops.streams[0]
+                self.ops.copy_any(scratch, ptr, nbytes, stream)
+                self.ops.wait(self.ops.record(stream))
+                release_members()
+            except BaseException:
+                d.unmap_from(nbytes, scratch, cell.value)
+                raise
+            d.check(d.cu.cuMemUnmap(scratch, nbytes), f"cuMemUnmap of {nbytes} scratch bytes")
+            d.check(d.cu.cuMemMap(ptr, nbytes, 0, cell.value, 0), f"cuMemMap of a {nbytes}-byte run")
+            d.check(d.cu.cuMemSetAccess(ptr, nbytes, ctypes.byref(d._prop(self.device)[1]), 1), "cuMemSetAccess")
+        finally:
+            d.free_range(scratch, nbytes)
+        return cell.value
 
 
 @dataclass
@@ -102,6 +134,33 @@ class Runs:
         for ptr, _ in group:
             self._of[ptr] = run
         self.mapped_runs += 1
+
+    def adopt(self, group: Sequence[tuple[int, Any]], release_member: Callable[[int, Any], None]) -> None:
+        """Make the awake run `group` one physical allocation, its bytes kept (at load)."""
+        start = group[0][0]
+        nbytes = sum(nbytes_of(d) for _, d in group)
+
+        def release() -> None:
+            for ptr, data in group:
+                release_member(ptr, data)
+
+        handle = self.mapper.adopt(nbytes, start, release)
+        run = Run(start, nbytes, handle, frozenset(p for p, _ in group), {p for p, _ in group})
+        for ptr, _ in group:
+            self._of[ptr] = run
+        self.mapped_runs += 1
+
+    def adopt_all(self, awake: Sequence[tuple[int, Any]], release_member: Callable[[int, Any], None]) -> None:
+        """Every run of the `awake` allocations not yet in one becomes one, so that their first
+        sleep already unmaps runs. A run that cannot (no room for its scratch) stays apart:
+        it becomes one at its first wake."""
+        for group in self.group([a for a in awake if a[0] not in self._of]):
+            if len(group) < 2:
+                continue
+            try:
+                self.adopt(group, release_member)
+            except Exception as exc:
+                log.warning("fast backend: %d allocations stay apart (%s: %s)", len(group), type(exc).__name__, exc)
 
     def owns(self, ptr: int) -> bool:
         return ptr in self._of
