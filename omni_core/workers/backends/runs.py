@@ -8,7 +8,9 @@ CuMemAllocator reserves a virtual range per allocation, and the ranges of consec
 allocations touch; one physical allocation mapped over several touching ranges is accepted
 by the driver (`benchmarks/swap_ideas.py`, `span_map`). So a wake maps each run of touching
 asleep allocations of one tag, up to `max_bytes`, with one cuMemCreate + cuMemMap +
-cuMemSetAccess, and a sleep unmaps the run once its last member is released.
+cuMemSetAccess, and a sleep unmaps the run once its last member is released. At load (a
+prepare in the foreground), the awake allocations vLLM made one by one are adopted into runs,
+bytes kept, so that the first sleep already unmaps runs.
 
 A member's vLLM handle is left as it was: the run's physical handle is held here. vLLM itself
 must not unmap a member (its own sleep, or freeing the tensor): the `fast` backend does every
