@@ -84,12 +84,13 @@ DEFAULT_WORKLOADS = ("1g", "8g", "32g", "mixed")
 
 
 def parse_method(spec: str) -> tuple[str, dict[str, str]]:
-    """'fast' or 'fast:chunk_mib=64,streams=1' -> ('fast', {...})."""
+    """'fast' or 'fast:chunk_mib=64,streams=1' -> ('fast', {...}); '+' separates options too,
+    for a --methods list, which commas cut into methods: 'fast:clean=1+run_mib=512'."""
     name, _, rest = spec.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {list(METHODS)} (options after ':')")
     options = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, rest.replace("+", ",").split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"method option {item!r} in {spec!r} is not key=value")
@@ -157,8 +158,13 @@ class _Omni(_Method):
             from omni_core.workers.backends.fast import FastBackend
 
             chunk = int(options["chunk_mib"]) * MiB if "chunk_mib" in options else None
+            runs = int(options["run_mib"]) * MiB if "run_mib" in options else None
             self.backend = FastBackend(
-                device, chunk_bytes=chunk, prepare=options.get("prepare", "load"), map_with=options.get("map", "driver")
+                device,
+                chunk_bytes=chunk,
+                prepare=options.get("prepare", "load"),
+                map_with=options.get("map", "driver"),
+                run_bytes=runs,
             )
             if "touch" in options:
                 self.backend.path.touch = options["touch"] not in ("0", "false", "no")

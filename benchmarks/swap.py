@@ -13,6 +13,8 @@ stage processes (benchmarks.swap_child), A (outgoing, loaded and awake) and B
   are written after each wake, so its sleep copies them;
 - `omni-swap-clean`: the same with both stages' weights declared read-only (the host copy is
   made in the background at load; a sleep only unmaps);
+- `omni-swap-runs`: `omni-swap-dirty` with touching allocations woken as runs of 512 MiB
+  (runs.py): fewer physical allocations for B's maps and A's unmaps;
 - `engine-swap`: `Engine.swap` between two stages of the synthetic runner laid out like the
   workload (its weights are read-only, so this is the clean swap with the protocol's cost).
 
@@ -67,7 +69,7 @@ from benchmarks.swap_report import (
 )
 
 MiB = 1 << 20
-METHODS = ("limit", "vllm-seq", "omni-seq", "omni-swap-dirty", "omni-swap-clean", "engine-swap")
+METHODS = ("limit", "vllm-seq", "omni-seq", "omni-swap-dirty", "omni-swap-clean", "omni-swap-runs", "engine-swap")
 DEFAULT_PAIRS = {"cuda": ("16g:16g", "8g:16g+fill"), "cpu": ("4m:4m", "2m:4m+fill")}
 # The child process kind of each method, per device; a method missing here is skipped with its reason.
 KINDS = {
@@ -77,6 +79,7 @@ KINDS = {
         "omni-seq": "fast",
         "omni-swap-dirty": "fast",
         "omni-swap-clean": "fast-clean",
+        "omni-swap-runs": "fast-runs",
     },
     "cpu": {"omni-seq": "portable", "omni-swap-dirty": "portable"},
 }
@@ -84,9 +87,10 @@ CPU_SKIPS = {
     "limit": "the host link's limit is a GPU figure (pinned copies over PCIe/NVLink)",
     "vllm-seq": "vLLM's CuMemAllocator needs CUDA",
     "omni-swap-clean": "clean weights need the fast backend's host arena (CUDA)",
+    "omni-swap-runs": "runs map with the CUDA driver",
 }
-SWAP_ROUNDS = {"limit", "omni-swap-dirty", "omni-swap-clean"}  # forward rounds start A and B together
-GATED = {"omni-swap-dirty", "omni-swap-clean"}  # B's wake waits for free memory
+SWAP_ROUNDS = {"limit", "omni-swap-dirty", "omni-swap-clean", "omni-swap-runs"}  # forward rounds start A and B together
+GATED = {"omni-swap-dirty", "omni-swap-clean", "omni-swap-runs"}  # B's wake waits for free memory
 ALONE_ROUNDS = 2  # A's sleep and B's wake each alone, after the swaps, in the same processes
 SEEDS = {"a": 1_000, "b": 2_000_000}  # distinct bytes per stage
 BARRIER_LEAD_S = 0.3  # both commands are sent, then both start at the same instant

@@ -20,7 +20,8 @@ pools), prints `SWAP-READY {...}`, then runs one JSON command per stdin line and
 
 Kinds: `limit` (a pinned copy of the same bytes: the link itself), `vllm` (stock
 CuMemAllocator), `fast` / `fast-clean` (omni-core's fast backend, weights dirty or declared
-read-only), `portable` (CPU smoke runs, on a simulated device), `filler`.
+read-only), `fast-runs` (dirty, touching allocations woken as runs of 512 MiB: runs.py),
+`portable` (CPU smoke runs, on a simulated device), `filler`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from omni_core.workers.simulated_device import SimulatedDevice, SimulatedResiden
 READY_PREFIX = "SWAP-READY "
 REPLY_PREFIX = "SWAP-REPLY "
 TAGS = frozenset({"weights", "kv_cache"})
-STAGE_KINDS = ("limit", "vllm", "fast", "fast-clean", "portable")
+STAGE_KINDS = ("limit", "vllm", "fast", "fast-clean", "fast-runs", "portable")
 KINDS = (*STAGE_KINDS, "filler")
 SPIN_S = 0.002  # the last stretch before the barrier is spun, not slept: sleep() overshoots
 MAX_BARRIER_WAIT_S = 30.0  # a start time further out is the parent's bug, not a wait
@@ -274,6 +275,8 @@ class PooledStage(Stage):
         options = {}
         if self.spec.kind == "fast-clean":
             options = {"clean": "1", "prepare": "background"}  # host copy made at load, off the caller
+        elif self.spec.kind == "fast-runs":
+            options = {"run_mib": "512"}
         name = "vllm" if self.spec.kind == "vllm" else "fast"
         self.method = make_method(name, self.device, options)
         with self.method.pool("weights"):
@@ -294,7 +297,7 @@ class PooledStage(Stage):
 
     @property
     def fast(self) -> bool:
-        return self.spec.kind in ("fast", "fast-clean")
+        return self.spec.kind in ("fast", "fast-clean", "fast-runs")
 
     def sleep(self) -> int:
         self.method.sleep(1)
@@ -418,6 +421,7 @@ STAGES: dict[str, type[Stage]] = {
     "vllm": PooledStage,
     "fast": PooledStage,
     "fast-clean": PooledStage,
+    "fast-runs": PooledStage,
     "portable": PortableStage,
 }
 

@@ -23,13 +23,14 @@ GiB = float(1 << 30)
 TARGET_DIRTY_VS_ALONE = 1.15  # swap of two dirty 16 GB stages <= 1.15 x max(A sleep, B wake) alone
 TARGET_DIRTY_VS_SEQ = 1.7  # ... i.e. >= 1.7 x faster than sequential omni-core
 TARGET_CLEAN_VS_WAKE = 1.1  # with clean weights: <= 1.1 x B's wake alone
-SWAP_METHODS = ("omni-swap-dirty", "omni-swap-clean", "engine-swap")
+SWAP_METHODS = ("omni-swap-dirty", "omni-swap-clean", "omni-swap-runs", "engine-swap")
 LABELS = {
     "limit": "host-link limit (pinned copies; duplex = both at once)",
     "vllm-seq": "vLLM CuMemAllocator, sequential (A sleeps, then B wakes)",
     "omni-seq": "omni-core fast, sequential",
     "omni-swap-dirty": "omni-core swap, dirty weights",
     "omni-swap-clean": "omni-core swap, clean weights",
+    "omni-swap-runs": "omni-core swap, dirty weights, runs of 512 MiB",
     "engine-swap": "Engine.swap (two stages, protocol included)",
 }
 
@@ -205,11 +206,11 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         a, b, fill = parse_pair(pair)
         equal = a == b and not fill
         seq = summarize(_case(data["results"], pair, "omni-seq") or {})
-        for method in ("omni-swap-dirty", "omni-swap-clean"):
+        for method in ("omni-swap-dirty", "omni-swap-clean", "omni-swap-runs"):
             s = summarize(_case(data["results"], pair, method) or {})
             if not s or not equal:
                 continue
-            if method == "omni-swap-dirty":
+            if method != "omni-swap-clean":
                 row(
                     pair,
                     method,

@@ -21,7 +21,7 @@ import os
 import pickle
 import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,6 +44,9 @@ from omni_core.runners.base import ModelRunner, RunnerArgumentError
 SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 MAX_OPEN_BUCKETS = 256  # mappings kept for the next update of the same buckets
+# Peer buckets copied ahead of the one the runner writes: 2 keep the peer link busy while the
+# runner copies, holding at most 2 x (2 + 1) buckets of staging memory.
+PEER_LOOKAHEAD = 2
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -154,10 +157,10 @@ class WeightReceiver:
                     f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
                     "share host buckets (shm) or broadcast (collective) instead"
                 )
-            views = [self._open_ipc(bucket) for bucket in source.buckets]
-            if any(v.device != self.device for v in views):  # the trainer's GPU is a peer of ours
-                views = list(self._staged(views))
-            runner.update_weights(self._tensors(source.buckets, views))
+            opened = [self._open_ipc(bucket) for bucket in source.buckets]
+            # A bucket on the trainer's GPU, a peer of ours, is staged here first.
+            local = self._staged(opened) if any(v.device != self.device for v in opened) else opened
+            runner.update_weights(self._tensors(source.buckets, local))
         elif isinstance(source, CollectiveSource):
             if self.group is None:
                 raise RunnerArgumentError("a collective update needs a weight group: send InitWeightGroup first")
@@ -166,21 +169,16 @@ class WeightReceiver:
             raise RunnerArgumentError(f"unknown weight source {source!r}")
 
     def _staged(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Each bucket on a peer GPU brought to this rank's GPU with cudaMemcpyPeerAsync, one at a
-        time (a plain copy_ of IPC-opened memory on another device fails with 'invalid argument' on
-        torch 2.11: seen on 2 x H100)."""
-        from omni_core.workers.backends.cuda_ops import peer_copy
+        """Buckets on a peer GPU brought to this rank's GPU with cudaMemcpyPeerAsync (a plain
+        copy_ of IPC-opened memory on another device fails with 'invalid argument' on torch
+        2.11: seen on 2 x H100), pipelined on a side stream PEER_LOOKAHEAD buckets ahead of the
+        runner's copies, so the peer link and the runner's writes overlap."""
+        from omni_core.workers.backends.cuda_ops import peer_staged
 
-        for view in views:
-            if view.device == self.device:
-                yield view
-                continue
-            staged = torch.empty(view.numel(), dtype=torch.uint8, device=self.device)
-            peer_copy(staged, view)
-            yield staged
+        return peer_staged(self.device, views, PEER_LOOKAHEAD)
 
     @staticmethod
-    def _tensors(buckets: tuple[Bucket, ...], views: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(buckets: tuple[Bucket, ...], views: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket, flat in zip(buckets, views, strict=True):
             for spec in bucket.tensors:
                 raw = flat[spec.offset_bytes : spec.offset_bytes + spec.nbytes]

@@ -61,6 +61,7 @@ def data(results):
 def test_parse_method_and_options():
     assert memory.parse_method("fast") == ("fast", {})
     assert memory.parse_method("fast:streams=1,chunk_mib=64") == ("fast", {"streams": "1", "chunk_mib": "64"})
+    assert memory.parse_method("fast:clean=1+run_mib=512") == ("fast", {"clean": "1", "run_mib": "512"})
     with pytest.raises(ValueError, match="unknown method 'nccl'"):
         memory.parse_method("nccl")
     with pytest.raises(ValueError, match="not key=value"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -184,9 +186,8 @@ class CudaOps:
 _peer_runtime: Any = None
 
 
-def peer_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy `src` (on one GPU, memory of this process or opened over CUDA IPC) into `dst` (on
-    another) with cudaMemcpyPeerAsync on dst's current stream, then wait for it."""
+def _peer_copy_async(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    """cudaMemcpyPeerAsync of all of `src` into `dst` (on another GPU) on `stream`; no wait."""
     global _peer_runtime
     if _peer_runtime is None:
         rt = ctypes.CDLL(_find_cudart())
@@ -197,7 +198,6 @@ def peer_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     nbytes = src.numel() * src.element_size()
     if dst.numel() * dst.element_size() < nbytes:
         raise ValueError(f"peer copy of {nbytes} bytes into a tensor of {dst.numel() * dst.element_size()}")
-    stream = torch.cuda.current_stream(dst.device)
     rc = _peer_runtime.cudaMemcpyPeerAsync(
         dst.data_ptr(), dst.device.index, src.data_ptr(), src.device.index, nbytes, stream.cuda_stream
     )
@@ -206,4 +206,56 @@ def peer_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
             f"cudaMemcpyPeerAsync of {nbytes} bytes from cuda:{src.device.index} to "
             f"cuda:{dst.device.index} failed: CUDA error {rc}"
         )
+
+
+def peer_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` (on one GPU, memory of this process or opened over CUDA IPC) into `dst` (on
+    another) with cudaMemcpyPeerAsync on dst's current stream, then wait for it."""
+    stream = torch.cuda.current_stream(dst.device)
+    _peer_copy_async(dst, src, stream)
     stream.synchronize()
+
+
+def peer_staged(device: torch.device, views: list[torch.Tensor], lookahead: int) -> Iterator[torch.Tensor]:
+    """Each of `views` on `device`: those on a peer GPU (memory opened over CUDA IPC included)
+    copied over with cudaMemcpyPeerAsync on a side stream, up to `lookahead` buckets ahead of
+    the one being yielded, so the peer link runs while the caller copies the previous bucket.
+
+    The caller's work on the current stream is ordered after each bucket's copy by an event
+    (no host wait). The host waits only to bound memory: at most `lookahead` + 1 staged
+    buckets are issued and not yet handed out, and bucket k - `lookahead` must have been
+    consumed on the device before bucket k + 1 is handed out. A staged bucket is a fresh
+    tensor, so a caller that keeps one keeps its bytes; the caller must have issued all its
+    work on a bucket before asking for the next."""
+    lookahead = max(1, lookahead)
+    consumer = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    issued: deque[tuple[torch.Tensor, Any]] = deque()
+    consumed: deque[Any] = deque()
+
+    def issue(view: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if view.device == device:
+            return view, None
+        staged = torch.empty(view.numel() * view.element_size(), dtype=torch.uint8, device=device)
+        side.wait_stream(consumer)  # the block may have served the consumer's earlier work
+        _peer_copy_async(staged, view, side)
+        staged.record_stream(side)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        return staged, ready
+
+    ahead = 0
+    for k in range(len(views)):
+        while ahead < len(views) and ahead <= k + lookahead:
+            issued.append(issue(views[ahead]))
+            ahead += 1
+        tensor, ready = issued.popleft()
+        if ready is not None:
+            consumer.wait_event(ready)
+        yield tensor
+        del tensor
+        done = torch.cuda.Event()
+        done.record(consumer)
+        consumed.append(done)
+        if len(consumed) > lookahead:
+            consumed.popleft().synchronize()

@@ -19,6 +19,7 @@ from omni_core.workers.backends.copy_plan import nbytes_of
 from omni_core.workers.backends.cumem import CumemBackend, handle_of
 from omni_core.workers.backends.fast_path import FastPath
 from omni_core.workers.backends.host_room import ArenaChoice, HostMemorySource, choose_arena, host_arena_lock
+from omni_core.workers.backends.runs import SpanMapper
 from omni_core.workers.memory_gate import MemoryGate
 
 log = logging.getLogger("omni_core.backends.fast")
@@ -48,6 +49,8 @@ class FastBackend(CumemBackend):
         chunk_bytes: int | None = None,
         map_with: str = "driver",
         host_memory: HostMemorySource | None = None,
+        run_bytes: int | None = None,
+        spans: SpanMapper | None = None,
     ) -> None:
         super().__init__(device, module=module)
         if prepare not in PREPARE_MODES:
@@ -60,7 +63,14 @@ class FastBackend(CumemBackend):
         self.arena_tags = arena_tags
         self.prepare_mode = prepare
         self.path = FastPath(
-            self.allocator, self._mod, self.device, ops=ops, chunk_bytes=chunk_bytes, map_with=map_with
+            self.allocator,
+            self._mod,
+            self.device,
+            ops=ops,
+            chunk_bytes=chunk_bytes,
+            map_with=map_with,
+            run_bytes=run_bytes,
+            spans=spans,
         )
         self._host_memory = host_memory
         self.arena_choice: ArenaChoice | None = None
@@ -155,6 +165,7 @@ class FastBackend(CumemBackend):
             "snapshot_bytes": s.snapshot_bytes,
             "snapshot_s": s.snapshot_s,
             "last": dict(s.last),
+            "mapped_runs": self.path.runs.mapped_runs if self.path.runs is not None else 0,
             "choice_reason": self.choice_reason,
         }
 

@@ -15,8 +15,8 @@ raw pointers and captured CUDA graphs stay valid), but the bytes move differentl
   over two streams, with an event after each chunk.
 - **Release as soon as copied.** Discarded tags are unmapped first (nothing to wait for);
   each offloaded allocation is unmapped the moment the event of its last chunk completes.
-- **Map while copying on wake.** Allocation i+1 is mapped (cuMemCreate/cuMemMap through
-  vLLM's extension) while allocation i's bytes are already on the way back.
+- **Map while copying on wake.** Allocation i+1 is mapped while i's bytes are on the way
+  back; with `run_bytes`, touching allocations of a tag are mapped as one (runs.py).
 - **Clean weights sleep without a copy.** For tags the runner declares unchanged by
   execution (`ModelRunner.read_only_tags`: inference weights), the arena keeps a valid copy
   while the tag is awake: made once after load (or after a reload), and still valid after
@@ -24,10 +24,9 @@ raw pointers and captured CUDA graphs stay valid), but the bytes move differentl
   in-place update or a discard invalidates the copy; `verify_clean` compares the device
   bytes with the copy at each clean sleep and refuses the sleep if a runner lied.
 
-Allocations are mapped and unmapped with the CUDA driver's calls made directly
-(`cuda_driver.py`: the same calls as vLLM's `python_create_and_map` /
-`python_unmap_and_release`, on vLLM's own handles, but a wake runs at 51.6 GB/s instead of
-46.4-47.7 on an H200, benchmarks/results/wake_gpu.md; `map_with="vllm"` uses the extension),
+Allocations are mapped with the CUDA driver's calls made directly (`cuda_driver.py`: vLLM's
+calls on vLLM's handles, 51.6 GB/s instead of 46.4-47.7 through its extension on an H200,
+benchmarks/results/wake_gpu.md; `map_with="vllm"` uses the extension),
 and vLLM's bookkeeping stays coherent: every allocation's `is_asleep` /
 `is_mapped` flag is set as vLLM's own loops set it, and an offloaded allocation's
 `cpu_backup_tensor` is a view of its arena slice, so vLLM's `wake_up` could restore it too.
@@ -58,12 +57,13 @@ from omni_core.workers.backends.cuda_driver import CudaDriver
 from omni_core.workers.backends.cuda_ops import DEFAULT_STREAMS, CudaOps
 from omni_core.workers.backends.host_arena import HostArena, Slot
 from omni_core.workers.backends.lanes import DEFAULT_SLOT_BYTES, DirectLane, Lane, LanePicker, RelayFailed, RelayLane
+from omni_core.workers.backends.lanes import warm_relays as warm_relay_peers
+from omni_core.workers.backends.runs import DriverSpans, Runs, SpanMapper
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
 log = logging.getLogger("omni_core.backends.fast")
 
 MiB = 1 << 20
-WARM_SLOT_BYTES = 2 * MiB  # the staging of a load-time relay warm-up
 DEFAULT_CHUNK_BYTES = 128 * MiB
 MAP_WITH = ("driver", "vllm")  # how allocations are mapped and unmapped: cuda_driver.py, or vLLM's extension
 
@@ -122,6 +122,8 @@ class FastPath:
         streams: int = DEFAULT_STREAMS,
         touch: bool = True,
         map_with: str = "driver",
+        run_bytes: int | None = None,
+        spans: SpanMapper | None = None,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
@@ -145,6 +147,10 @@ class FastPath:
             driver = CudaDriver()
             self._map = lambda h: driver.create_and_map(*h)
             self._unmap = lambda h: driver.unmap_and_release(*h)
+            spans = spans or DriverSpans(driver, self.device.index or 0, self.ops)
+        if run_bytes and spans is None:
+            raise ValueError("run_bytes needs the driver's mapping (map_with='driver' on CUDA) or a SpanMapper")
+        self.runs = Runs(spans, run_bytes) if run_bytes and spans is not None else None  # runs.py; off by default
         self._slots: dict[int, Slot] = {}
         self._arenas: list[HostArena] = []
         self._backed: set[int] = set()  # allocations whose bytes are in their slot now
@@ -193,6 +199,9 @@ class FastPath:
         self.wait_prepared()
         if not background:
             self._prepare(tags)
+            if self.runs is not None:  # at load, not in the background: the runner may use the weights
+                awake = [(p, d) for p, d in self.allocations(tags) if not self.is_asleep(p, d)]
+                self.runs.adopt_all(awake, lambda _, data: self._unmap(data.handle))
             return
 
         def work() -> None:
@@ -283,31 +292,10 @@ class FastPath:
         return LanePicker(lanes), relays
 
     def warm_relays(self, peers: Iterable[int]) -> None:
-        """Open each peer's context, enable peer access both ways and send a byte through a
-        relay and back, at load: a first sleep over k links then runs at their speed instead
-        of paying for k contexts (each costs the peer about 0.5 GiB of device memory from
-        now on). A peer that cannot relay is only logged: its commands fall back then."""
+        """Open each peer's context and send a byte through a relay and back, at load (lanes.py)."""
         awake = [(p, d) for p, d in self.allocations() if p in self._slots and not self.is_asleep(p, d)]
-        if not awake:
-            return
-        device, host = awake[0][0], self._slots[awake[0][0]].host
-        for peer in peers:
-            try:
-                lane = RelayLane(self.ops, peer, slot_bytes=WARM_SLOT_BYTES, slots=1)
-                try:  # device -> host -> device: the byte comes back as it was
-                    for dst, src, to_device in ((host, device, False), (device, host, True)):
-                        lane.copy(dst, src, 1, to_device)
-                        self.ops.wait(lane.record())
-                finally:
-                    lane.close()
-            except Exception as exc:
-                log.warning(
-                    "fast backend: cuda:%s cannot relay this rank's copies (%s: %s); plans through it "
-                    "will run on the own link",
-                    peer,
-                    type(exc).__name__,
-                    exc,
-                )
+        if awake:
+            warm_relay_peers(self.ops, awake[0][0], self._slots[awake[0][0]].host, peers)
 
     def _close_relays(self, relays: list[RelayLane]) -> None:
         for relay in relays:
@@ -522,20 +510,21 @@ class FastPath:
         map_s = 0.0
         # Allocations with bytes to restore first, so that their copies start at once; the
         # others (discarded KV) are mapped while the last copies are still in flight.
-        order = [a for a in allocs if a[0] in self._backed] + [a for a in allocs if a[0] not in self._backed]
-        backed = sum(1 for a in allocs if a[0] in self._backed)
+        restored = self._groups([a for a in allocs if a[0] in self._backed])
+        groups = restored + self._groups([a for a in allocs if a[0] not in self._backed])
         mapped: list[tuple[int, Any]] = []
         try:
-            for k, (ptr, data) in enumerate(order):
-                if k == backed:
+            for k, group in enumerate(groups):
+                if k == len(restored):
                     copies.flush()
                 t = time.perf_counter()
-                admit(gate, nbytes_of(data), partial(self._map_one, data))
-                self._mark(ptr, data, asleep=False)
-                mapped.append((ptr, data))
+                admit(gate, sum(nbytes_of(d) for _, d in group), partial(self._map_group, group))
                 map_s += time.perf_counter() - t
-                if ptr in self._backed:
-                    copies.add(ptr, self._slots[ptr].host, nbytes_of(data))
+                for ptr, data in group:
+                    self._mark(ptr, data, asleep=False)
+                    mapped.append((ptr, data))
+                    if ptr in self._backed:
+                        copies.add(ptr, self._slots[ptr].host, nbytes_of(data))
             copies.flush()
             self.ops.current_after_streams()
             _synchronize_lanes(self.ops, relays)
@@ -571,17 +560,27 @@ class FastPath:
             if gate is not None:
                 gate.release(nbytes_of(data))
 
-    def _map_one(self, data: Any) -> None:
-        if self.observer is None:
-            self._map(data.handle)
-            return
+    def _groups(self, allocs: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+        return self.runs.group(allocs) if self.runs is not None else [[a] for a in allocs]
+
+    def _map_group(self, group: list[tuple[int, Any]]) -> None:
         started_s = time.monotonic()
-        self._map(data.handle)
-        self.observer.mapped(nbytes_of(data), started_s)
+        ptr, data = group[0]
+        if self.runs is not None and len(group) > 1:
+            self.runs.map(group)
+        elif self.runs is not None and self.runs.owns(ptr):
+            self.runs.readopt(ptr)
+        else:
+            self._map(data.handle)
+        if self.observer is not None:
+            self.observer.mapped(sum(nbytes_of(d) for _, d in group), started_s)
 
     def _unmap_one(self, ptr: int, data: Any) -> None:
         try:
-            self._unmap(data.handle)
+            if self.runs is not None and self.runs.owns(ptr):
+                self.runs.release(ptr)
+            else:
+                self._unmap(data.handle)
         finally:
             self._mark(ptr, data, asleep=True)
         if self.observer is not None:

@@ -23,8 +23,11 @@ runtime on a GPU, a scheduler that runs streams in random order in the CPU tests
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
+
+log = logging.getLogger("omni_core.backends.fast")
 
 MiB = 1 << 20
 DEFAULT_SLOT_BYTES = 64 * MiB
@@ -138,3 +141,31 @@ class LanePicker:
 
     def bytes_by_lane(self) -> dict[str, int]:
         return {lane.name: n for lane, n in zip(self.lanes, self.assigned, strict=True)}
+
+
+WARM_SLOT_BYTES = 2 * MiB  # the staging of a load-time relay warm-up
+
+
+def warm_relays(ops: Any, device: int, host: int, peers: Iterable[int]) -> None:
+    """Open each peer's context, enable peer access both ways and send the byte at `device`
+    through a relay to `host` and back, at load: a first sleep over k links then runs at
+    their speed instead of paying for k contexts (each costs the peer about 0.5 GiB of
+    device memory from now on). A peer that cannot relay is only logged: its commands fall
+    back then."""
+    for peer in peers:
+        try:
+            lane = RelayLane(ops, peer, slot_bytes=WARM_SLOT_BYTES, slots=1)
+            try:  # device -> host -> device: the byte comes back as it was
+                for dst, src, to_device in ((host, device, False), (device, host, True)):
+                    lane.copy(dst, src, 1, to_device)
+                    ops.wait(lane.record())
+            finally:
+                lane.close()
+        except Exception as exc:
+            log.warning(
+                "fast backend: cuda:%s cannot relay this rank's copies (%s: %s); plans through it "
+                "will run on the own link",
+                peer,
+                type(exc).__name__,
+                exc,
+            )

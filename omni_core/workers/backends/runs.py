@@ -1,0 +1,184 @@
+"""Neighbouring allocations of one tag woken into one physical allocation (`fast`, opt-in).
+
+The CUDA driver's cost of a sleep and a wake is per physical allocation, not per byte: on an
+H100, unmapping 16 GiB held as 512 allocations of 32 MiB takes 20-30 ms and mapping it 22-30
+ms, but held as 32 of 512 MiB 5.7 and 2.3 ms; while another process copies (a swap), each
+allocation's cuMemSetAccess waits ~0.7 ms (benchmarks/results/swap_gpu.md). vLLM's
+CuMemAllocator reserves a virtual range per allocation, and the ranges of consecutive
+allocations touch; one physical allocation mapped over several touching ranges is accepted
+by the driver (`benchmarks/swap_ideas.py`, `span_map`). So a wake maps each run of touching
+asleep allocations of one tag, up to `max_bytes`, with one cuMemCreate + cuMemMap +
+cuMemSetAccess, and a sleep unmaps the run once its last member is released. At load (a
+prepare in the foreground), the awake allocations vLLM made one by one are adopted into runs,
+bytes kept, so that the first sleep already unmaps runs.
+
+A member's vLLM handle is left as it was: the run's physical handle is held here. vLLM itself
+must not unmap a member (its own sleep, or freeing the tensor): the `fast` backend does every
+sleep and wake, and its worker leaves with os._exit (CumemBackend.hard_exit_required).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni_core.workers.backends.copy_plan import nbytes_of
+
+log = logging.getLogger("omni_core.backends.fast")
+
+
+class SpanMapper(Protocol):
+    def map_span(self, nbytes: int, ptr: int) -> int:
+        """Create `nbytes` of device memory and map it at `ptr`; returns its physical handle."""
+
+    def unmap_span(self, nbytes: int, ptr: int, handle: int) -> None:
+        """Unmap [ptr, ptr + nbytes) and release `handle`."""
+
+    def adopt(self, nbytes: int, ptr: int, release_members: Callable[[], None]) -> int:
+        """Move the bytes of the mapped range [ptr, ptr + nbytes) into one new physical
+        allocation mapped there: made at a scratch range, filled from the range, then
+        `release_members()` unmaps what backed the range, and the new one is mapped at
+        `ptr`. Returns its handle; nothing changes when it fails before the release."""
+
+
+class DriverSpans:
+    """SpanMapper over the CUDA driver's calls (cuda_driver.CudaDriver) on one device;
+    `ops` (cuda_ops.CudaOps) copies a range into the scratch of an adoption."""
+
+    def __init__(self, driver: Any, device: int, ops: Any = None) -> None:
+        self.driver, self.device, self.ops = driver, device, ops
+
+    def map_span(self, nbytes: int, ptr: int) -> int:
+        self.driver.ensure_context(self.device)
+        cell = ctypes.c_uint64()
+        self.driver.map_into(self.device, nbytes, ptr, cell)
+        return cell.value
+
+    def unmap_span(self, nbytes: int, ptr: int, handle: int) -> None:
+        self.driver.ensure_context(self.device)
+        self.driver.unmap_from(nbytes, ptr, handle)
+
+    def adopt(self, nbytes: int, ptr: int, release_members: Callable[[], None]) -> int:
+        d = self.driver
+        d.ensure_context(self.device)
+        scratch = d.reserve(nbytes)
+        cell = ctypes.c_uint64()
+        try:
+            d.map_into(self.device, nbytes, scratch, cell)
+            try:
+                stream = self.ops.streams[0]
+                self.ops.copy_any(scratch, ptr, nbytes, stream)
+                self.ops.wait(self.ops.record(stream))
+                release_members()
+            except BaseException:
+                d.unmap_from(nbytes, scratch, cell.value)
+                raise
+            d.check(d.cu.cuMemUnmap(scratch, nbytes), f"cuMemUnmap of {nbytes} scratch bytes")
+            d.check(d.cu.cuMemMap(ptr, nbytes, 0, cell.value, 0), f"cuMemMap of a {nbytes}-byte run")
+            d.check(d.cu.cuMemSetAccess(ptr, nbytes, ctypes.byref(d._prop(self.device)[1]), 1), "cuMemSetAccess")
+        finally:
+            d.free_range(scratch, nbytes)
+        return cell.value
+
+
+@dataclass
+class Run:
+    start: int
+    nbytes: int
+    handle: int
+    members: frozenset[int]
+    awake: set[int] = field(default_factory=set)
+
+
+class Runs:
+    """The runs mapped now, and which allocation belongs to which."""
+
+    def __init__(self, mapper: SpanMapper, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"runs of at most {max_bytes} bytes: give a positive size")
+        self.mapper = mapper
+        self.max_bytes = max_bytes
+        self._of: dict[int, Run] = {}
+        self.mapped_runs = 0  # figures: runs mapped since start
+
+    def group(self, allocs: Sequence[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+        """`allocs` in address order, cut into runs of touching ranges of one tag (at most
+        max_bytes each). An allocation whose run is still mapped stays alone."""
+        groups: list[list[tuple[int, Any]]] = []
+        run_bytes = 0
+        for ptr, data in sorted(allocs, key=lambda a: a[0]):
+            last = groups[-1] if groups else None
+            joins = (
+                last is not None
+                and ptr not in self._of
+                and last[-1][0] not in self._of
+                and last[-1][0] + nbytes_of(last[-1][1]) == ptr
+                and last[-1][1].tag == data.tag
+                and run_bytes + nbytes_of(data) <= self.max_bytes
+            )
+            if joins and last is not None:
+                last.append((ptr, data))
+                run_bytes += nbytes_of(data)
+            else:
+                groups.append([(ptr, data)])
+                run_bytes = nbytes_of(data)
+        return groups
+
+    def map(self, group: Sequence[tuple[int, Any]]) -> None:
+        """Map the run `group` with one physical allocation."""
+        start = group[0][0]
+        nbytes = sum(nbytes_of(d) for _, d in group)
+        handle = self.mapper.map_span(nbytes, start)
+        run = Run(start, nbytes, handle, frozenset(p for p, _ in group), {p for p, _ in group})
+        for ptr, _ in group:
+            self._of[ptr] = run
+        self.mapped_runs += 1
+
+    def adopt(self, group: Sequence[tuple[int, Any]], release_member: Callable[[int, Any], None]) -> None:
+        """Make the awake run `group` one physical allocation, its bytes kept (at load)."""
+        start = group[0][0]
+        nbytes = sum(nbytes_of(d) for _, d in group)
+
+        def release() -> None:
+            for ptr, data in group:
+                release_member(ptr, data)
+
+        handle = self.mapper.adopt(nbytes, start, release)
+        run = Run(start, nbytes, handle, frozenset(p for p, _ in group), {p for p, _ in group})
+        for ptr, _ in group:
+            self._of[ptr] = run
+        self.mapped_runs += 1
+
+    def adopt_all(self, awake: Sequence[tuple[int, Any]], release_member: Callable[[int, Any], None]) -> None:
+        """Every run of the `awake` allocations not yet in one becomes one, so that their first
+        sleep already unmaps runs. A run that cannot (no room for its scratch) stays apart:
+        it becomes one at its first wake."""
+        for group in self.group([a for a in awake if a[0] not in self._of]):
+            if len(group) < 2:
+                continue
+            try:
+                self.adopt(group, release_member)
+            except Exception as exc:
+                log.warning("fast backend: %d allocations stay apart (%s: %s)", len(group), type(exc).__name__, exc)
+
+    def owns(self, ptr: int) -> bool:
+        return ptr in self._of
+
+    def readopt(self, ptr: int) -> None:
+        """An allocation released from a run that is still mapped (a sleep that failed
+        midway) is awake again: its memory never left."""
+        self._of[ptr].awake.add(ptr)
+
+    def release(self, ptr: int) -> bool:
+        """`ptr` is asleep; its run is unmapped once no member is awake. True when it was."""
+        run = self._of[ptr]
+        run.awake.discard(ptr)
+        if run.awake:
+            return False
+        self.mapper.unmap_span(run.nbytes, run.start, run.handle)
+        for member in run.members:
+            self._of.pop(member, None)
+        return True

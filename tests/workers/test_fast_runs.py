@@ -1,0 +1,185 @@
+"""Runs (runs.py): touching allocations of one tag woken into one physical allocation, on CPU.
+
+`FakeSpans` maps a run as one piece of the fake device memory, so a copy into a member
+lands inside it, and `DeferredOps` fails a queued copy whose memory was unmapped before it
+ran: a run unmapped before its last member's bytes were copied out shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.workers.backends.fast import FastBackend
+from omni_core.workers.backends.runs import Runs
+
+from .test_cumem_versions import GARBAGE, KV, FakeCumemModule, W
+from .test_fast_backend import DeferredOps
+
+
+class FakeSpans:
+    def __init__(self, module: FakeCumemModule) -> None:
+        self.m = module
+        self.maps: list[tuple[int, int]] = []  # (ptr, nbytes) of each map_span
+        self.unmaps: list[tuple[int, int]] = []
+        self.adopts: list[tuple[int, int]] = []
+        self.refuse_adopt = False  # as the driver would with no room for the scratch copy
+        self._next_handle = 1
+
+    def map_span(self, nbytes: int, ptr: int) -> int:
+        if any(p < ptr + nbytes and ptr < p + len(b) for p, b in self.m.memory.items()):
+            raise RuntimeError(f"map of {ptr:#x}+{nbytes}, which overlaps a mapping")
+        self.m.memory[ptr] = bytearray([GARBAGE]) * nbytes
+        self.maps.append((ptr, nbytes))
+        self._next_handle += 1
+        return self._next_handle
+
+    def adopt(self, nbytes: int, ptr: int, release_members) -> int:
+        if self.refuse_adopt:
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY: no room for the scratch copy")
+        kept = b"".join(bytes(self.m.memory[b][o : o + n]) for b, o, n in DeferredOps(self.m)._pieces(ptr, nbytes))
+        release_members()
+        assert not any(ptr <= p < ptr + nbytes for p in self.m.memory), "a member is still mapped"
+        self.m.memory[ptr] = bytearray(kept)
+        self.adopts.append((ptr, nbytes))
+        self._next_handle += 1
+        return self._next_handle
+
+    def unmap_span(self, nbytes: int, ptr: int, handle: int) -> None:
+        if len(self.m.memory.get(ptr, b"")) != nbytes:
+            raise RuntimeError(f"unmap of {ptr:#x}+{nbytes}, which is not one mapping")
+        del self.m.memory[ptr]
+        self.unmaps.append((ptr, nbytes))
+
+
+def device_bytes(ops: DeferredOps, ptr: int, nbytes: int) -> bytes:
+    return b"".join(bytes(ops.m.memory[base][off : off + n]) for base, off, n in ops._pieces(ptr, nbytes))
+
+
+def make(run_bytes: int, sizes_w=(4096, 8192, 12288), variant: str = "0.26", refuse_adopt: bool = False):
+    module = FakeCumemModule(variant)
+    ops = DeferredOps(module)
+    spans = FakeSpans(module)
+    spans.refuse_adopt = refuse_adopt
+    backend = FastBackend(
+        torch.device("cpu"), module=module, ops=ops, chunk_bytes=5000, run_bytes=run_bytes, spans=spans
+    )
+    ptrs = {}
+    for tag, fill, sizes in ((W, 0x11, sizes_w), (KV, 0x22, (16384,))):
+        with backend.pool(tag):
+            ptrs[tag] = [backend.allocator.malloc(size, fill) for size in sizes]
+    for i, p in enumerate(ptrs[W]):
+        module.memory[p][:] = bytes((i * 31 + j) % 251 for j in range(len(module.memory[p])))
+    before = [bytes(module.memory[p]) for p in ptrs[W]]
+    for tag in (W, KV):
+        backend.track(tag, [])  # the weights' touching allocations become runs here
+    return module, ops, spans, backend, ptrs, before
+
+
+@pytest.mark.parametrize("variant", ["0.26", "keep_tags", "no_flags"])
+def test_a_tag_wakes_as_one_run_and_sleeps_with_one_unmap(variant: str) -> None:
+    module, ops, spans, backend, ptrs, before = make(1 << 20, variant=variant)
+    sizes = [4096, 8192, 12288]
+    # at load the weights' three touching allocations became one run, their bytes kept
+    assert spans.adopts == [(ptrs[W][0], sum(sizes))]
+    assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], sizes, strict=True)] == before
+    for cycle in range(3):
+        backend.sleep({W}, {KV})
+        assert module.memory == {}, f"cycle {cycle}: something stayed mapped"
+        backend.wake({W, KV})
+        # the weights' three touching ranges as one physical allocation; the KV (another tag,
+        # alone) through its own vLLM handle
+        assert spans.maps[-1] == (ptrs[W][0], sum(sizes))
+        assert len(spans.maps) == cycle + 1
+        got = [device_bytes(ops, p, n) for p, n in zip(ptrs[W], sizes, strict=True)]
+        assert got == before, f"cycle {cycle}: a weight came back wrong"
+        assert device_bytes(ops, ptrs[KV][0], 16384) == bytes([GARBAGE]) * 16384
+    # every sleep, the first included, unmapped the run once
+    assert spans.unmaps == [(ptrs[W][0], sum(sizes))] * 3
+    assert backend.stats()["mapped_runs"] == 4
+
+
+def test_runs_stop_at_run_bytes() -> None:
+    _, ops, spans, backend, ptrs, before = make(12288)
+    backend.sleep({W}, {KV})
+    backend.wake({W})
+    # the first two fill a run; the third, alone, is mapped through its own vLLM handle
+    assert spans.maps == [(ptrs[W][0], 4096 + 8192)]
+    assert ptrs[W][2] in ops.m.memory
+    assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], (4096, 8192, 12288), strict=True)] == before
+
+
+def test_clean_weights_sleep_by_unmapping_the_run() -> None:
+    module, ops, _, backend, ptrs, before = make(1 << 20)
+    backend.declare_read_only({W})
+    backend.path.prepare((W,))  # the host copy, made while awake
+    for _ in range(2):
+        backend.sleep({W}, {KV})
+        assert backend.path.stats.last["offloaded_bytes"] == 0  # nothing copied: the arena holds them
+        backend.wake({W, KV})
+        assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], (4096, 8192, 12288), strict=True)] == before
+    assert module.memory.keys() == {ptrs[W][0], ptrs[KV][0]}
+
+
+def test_a_sleep_that_fails_midway_leaves_the_run_mapped_and_the_wake_takes_it_back() -> None:
+    module, ops, _, backend, ptrs, before = make(1 << 20)
+    backend.sleep({W}, {KV})
+    backend.wake({W, KV})
+    real_wait, waits = ops.wait, []
+
+    def failing_wait(event) -> None:
+        waits.append(event)
+        if len(waits) == 2:
+            raise RuntimeError("copy engine fault")
+        real_wait(event)
+
+    ops.wait = failing_wait
+    path = backend.path  # the mechanism itself: the backend's own state refuses a half-done sleep
+    with pytest.raises(RuntimeError, match="copy engine fault"):
+        path.sleep({W}, set())
+    ops.wait = real_wait
+    ops.synchronize()
+    run_start = ptrs[W][0]
+    assert run_start in module.memory  # the run keeps its memory while members are awake
+    asleep = [p for p in ptrs[W] if path.is_asleep(p, backend.allocator.pointer_to_data[p])]
+    assert asleep and len(asleep) < 3
+    path.wake({W})  # the released members come back without a map over the live run
+    assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], (4096, 8192, 12288), strict=True)] == before
+    path.sleep({W}, {KV})
+    assert module.memory == {}
+
+
+def test_run_bytes_needs_a_span_mapper() -> None:
+    with pytest.raises(ValueError, match="SpanMapper"):
+        FastBackend(torch.device("cpu"), module=FakeCumemModule("0.26"), ops=object(), run_bytes=1 << 20)
+    with pytest.raises(ValueError, match="positive"):
+        Runs(FakeSpans(FakeCumemModule("0.26")), 0)
+
+
+def test_a_run_that_cannot_be_made_at_load_stays_apart_until_its_first_wake() -> None:
+    module, ops, spans, backend, ptrs, before = make(1 << 20, refuse_adopt=True)
+    assert spans.adopts == [] and set(ptrs[W]) <= module.memory.keys()  # vLLM's own, untouched
+    backend.sleep({W}, {KV})
+    assert spans.unmaps == []  # the first sleep: vLLM's allocations one by one
+    backend.wake({W, KV})
+    assert spans.maps == [(ptrs[W][0], 4096 + 8192 + 12288)]
+    assert [device_bytes(ops, p, n) for p, n in zip(ptrs[W], (4096, 8192, 12288), strict=True)] == before
+
+
+def test_adoption_waits_for_a_prepare_in_the_foreground() -> None:
+    module = FakeCumemModule("0.26")
+    spans = FakeSpans(module)
+    backend = FastBackend(
+        torch.device("cpu"),
+        module=module,
+        ops=DeferredOps(module),
+        run_bytes=1 << 20,
+        spans=spans,
+        prepare="background",
+    )
+    with backend.pool(W):
+        for size in (4096, 8192):
+            backend.allocator.malloc(size, 0x11)
+    backend.track(W, [])
+    backend.path.wait_prepared()
+    assert spans.adopts == []  # the runner may be using the weights while a background prepare runs
