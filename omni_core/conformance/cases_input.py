@@ -65,7 +65,7 @@ def _garbage(ctx: Ctx) -> list[tuple[str, bytes, str]]:
         ),
         ("a Hello (a reply, not a command)", encode(hello), "conf-bad-hello"),
         ("deeply nested arrays", b"\x91" * 2000 + b"\x00", "-"),
-        # Issue 10: a task_id that is not UTF-8 once ended the loop with UnicodeDecodeError.
+        # A decoder that reads the task_id as text ends its loop with UnicodeDecodeError here.
         ("a task_id that is not UTF-8", b"\x84\xa4type\xa6Status\xa1v\x01\xa5epoch\x00\xa7task_id\xa2\xff\xfe", "-"),
     ]
 
