@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
 import zmq
 
 from omni_core.engine.binding import choose_binding
@@ -44,7 +43,7 @@ from omni_core.engine.errors import (
 )
 from omni_core.engine.incoming import stage_devices
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.link_plan import LinkLedger, RankView, rank_view
+from omni_core.engine.link_plan import LinkLedger
 from omni_core.engine.loop_io import LoopIO
 from omni_core.engine.outcomes import request_error, start_error, task_answer
 from omni_core.engine.spec import StageSpec
@@ -57,15 +56,12 @@ from omni_core.fsm.trace_records import PeerRefused, RankSpawned, TraceRecord, c
 from omni_core.isolation import FrameErrors
 from omni_core.protocol import (
     Ack,
-    Capability,
     Command,
     Hello,
     Nack,
     ProtocolError,
     Shutdown,
-    Sleep,
     StageState,
-    Wake,
     decode,
     encode,
 )
@@ -467,7 +463,7 @@ class Orchestrator:
         unsent: dict[str, list[int]] = {}
         encoded: dict[int, bytes] = {}  # one encode per command, not per rank (a payload may be large)
         for out in step.sends:
-            command = self._with_links(stage, out.rank, out.command)
+            command = stage.with_links(self._links, self._stages.values(), out.rank, out.command, self._engine_visible)
             data = encoded.get(id(command))
             if data is None:
                 data = encoded[id(command)] = encode(command)
@@ -483,31 +479,6 @@ class Orchestrator:
             self._started(stage, step.started)
         for task_id, ranks in unsent.items():
             self._step(stage, I.SendFailed(task_id, tuple(ranks)))
-
-    def _with_links(self, stage: StageSlot, rank: int, command: Command) -> Command:
-        """A Sleep or Wake with the rank's link plan (P-18), planned once per task over the
-        node's idle GPUs (engine/link_plan.py); every other command as it is."""
-        if not isinstance(command, (Sleep, Wake)) or not stage.spec.multi_path:
-            return command
-        plan = self._links.planned(stage.spec.name, command.task_id)
-        if plan is None:  # the task's first send: every rank's view and the busy GPUs, once
-            views = {
-                r: self._rank_view(stage.spec, r, hello.relay_peers)
-                for r, hello in stage.hellos.items()
-                if Capability.MULTI_PATH in hello.capabilities
-            }
-            busy = {
-                self._rank_view(other.spec, r).own_gpu
-                for other in self._stages.values()
-                if other is not stage and other.core.task_id is not None
-                for r in range(other.spec.ranks)
-            }
-            plan = self._links.plan(stage.spec.name, command.task_id, views, busy)
-        links = plan.links.get(rank)
-        return msgspec.structs.replace(command, links=links) if links else command
-
-    def _rank_view(self, spec: StageSpec, rank: int, relay_peers: tuple[int, ...] = ()) -> RankView:
-        return rank_view(spec.devices[rank] if spec.devices else None, self._engine_visible, spec.device, relay_peers)
 
     def _resolve(self, stage: StageSlot, outcome: TaskOutcome | None) -> None:
         if outcome is None:

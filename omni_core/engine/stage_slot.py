@@ -1,17 +1,21 @@
 """What the orchestrator keeps for each stage beside its core: the rank processes, the callers
 waiting on its tasks, requests and start, each rank's proven Hello and the state its latest
-reply named; and the stage's part of `Engine.status()`."""
+reply named; the link plan of a command it sends, and the stage's part of `Engine.status()`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
+
 from omni_core.engine.launch import RankHandle
+from omni_core.engine.link_plan import LinkLedger, RankView, rank_view
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import StageCore
-from omni_core.protocol import Hello, WorkerState
+from omni_core.protocol import Capability, Command, Hello, Sleep, Wake, WorkerState
 
 # A rank's state in status() once its process is gone (beside WorkerState's values).
 RANK_EXITED = "EXITED"
@@ -48,6 +52,40 @@ class StageSlot:
     def nodes(self) -> dict[int, str]:
         """rank -> the node its process runs on."""
         return {p.rank: p.node for p in self.procs}
+
+    def rank_view(self, rank: int, engine_visible: str | None, relay_peers: tuple[int, ...] = ()) -> RankView:
+        spec = self.spec
+        return rank_view(spec.devices[rank] if spec.devices else None, engine_visible, spec.device, relay_peers)
+
+    def with_links(
+        self,
+        ledger: LinkLedger,
+        stages: Iterable[StageSlot],
+        rank: int,
+        command: Command,
+        engine_visible: str | None,
+    ) -> Command:
+        """A Sleep or Wake with the rank's link plan (P-18), planned once per task over the
+        node's idle GPUs (`stages`' ranks with no task, engine/link_plan.py); every other
+        command as it is."""
+        if not isinstance(command, (Sleep, Wake)) or not self.spec.multi_path:
+            return command
+        plan = ledger.planned(self.spec.name, command.task_id)
+        if plan is None:  # the task's first send: every rank's view and the busy GPUs, once
+            views = {
+                r: self.rank_view(r, engine_visible, hello.relay_peers)
+                for r, hello in self.hellos.items()
+                if Capability.MULTI_PATH in hello.capabilities
+            }
+            busy = {
+                other.rank_view(r, engine_visible).own_gpu
+                for other in stages
+                if other is not self and other.core.task_id is not None
+                for r in range(other.spec.ranks)
+            }
+            plan = ledger.plan(self.spec.name, command.task_id, views, busy)
+        links = plan.links.get(rank)
+        return msgspec.structs.replace(command, links=links) if links else command
 
     def fail_callers(self, error: BaseException) -> None:
         """Every caller waiting on this stage (requests, tasks, the start) gets `error`."""
