@@ -18,11 +18,9 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +32,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import run_report  # noqa: E402
 
 from omni_core.config import parse_config  # noqa: E402
 from omni_core.engine import Engine  # noqa: E402
@@ -244,9 +244,7 @@ def recover(engine: Engine, stage: str, deadline_s: float) -> str:
 
 
 def _sample(samples: list[tuple[float, int, int]], started: float) -> None:
-    with open("/proc/self/status", encoding="ascii") as f:
-        rss = int(next(line for line in f if line.startswith("VmRSS")).split()[1]) * 1024
-    samples.append((time.monotonic() - started, rss, len(os.listdir("/proc/self/fd"))))
+    samples.append((time.monotonic() - started, run_report.rss_bytes(), run_report.descriptors()))
 
 
 def main() -> int:
@@ -258,9 +256,7 @@ def main() -> int:
     p.add_argument("--recover-s", type=float, default=120.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()  # the code the run starts with
+    commit = run_report.commit()
     config = _config()
     tally = Tally()
     samples: list[tuple[float, int, int]] = []
@@ -314,8 +310,7 @@ def main() -> int:
         "",
         f"- command: `.venv/bin/python scripts/chaos_http.py --minutes {args.minutes:g} --http-clients "
         f"{args.http_clients} --api-clients {args.api_clients} --seed {args.seed}`",
-        f"- commit: {commit}; machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs shared, "
-        f"Python {platform.python_version()})",
+        run_report.machine_line(commit),
         "- stages: talker (2 ranks) and decoder (1 rank), synthetic runner, portable backend, deadline_s 10",
         f"- faults injected: {dict(sorted(faults.items()))}",
         f"- calls sent: {sent}; answered: {answered}; lost: {len(tally.lost)}; wrong: {len(tally.wrong)}",
@@ -335,18 +330,8 @@ def main() -> int:
         "|---|---|---|",
         *[f"| {t:.0f} | {rss / 2**20:.1f} | {fds} |" for t, rss, fds in samples],
         "",
-        "## Targets",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *[f"| {name} | {measured} | {'yes' if met else 'no'} |" for name, measured, met in targets],
-        "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
-    return 0 if all(met for _, _, met in targets) else 1
+    return run_report.finish(lines, targets, args.out)
 
 
 if __name__ == "__main__":

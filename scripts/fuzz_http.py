@@ -14,9 +14,6 @@ tests/serve/test_fuzz_http.py.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import run_report  # noqa: E402
 import schemathesis  # noqa: E402
 from requests.exceptions import ConnectionError as RequestsConnectionError  # noqa: E402
 from requests.exceptions import Timeout  # noqa: E402
@@ -74,15 +72,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024  # type: ignore[union-attr]
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def _wait_up(url: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
@@ -106,9 +95,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the markdown report here")
     args = p.parse_args()
 
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()  # the code the server starts with
+    commit = run_report.commit()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +110,7 @@ def main() -> int:
             )
         try:
             _wait_up(url, proc)
-            rss_before, fds_before = _rss_bytes(proc.pid), _fds(proc.pid)
+            rss_before, fds_before = run_report.rss_bytes(proc.pid), run_report.descriptors(proc.pid)
             schema = schemathesis.openapi.from_url(url + "/openapi.json")
 
             def call(case: object) -> tuple[int | None, bytes]:
@@ -150,13 +137,15 @@ def main() -> int:
                 rounds += 1
                 print(
                     f"round {rounds}: {tally.requests} requests, {len(tally.problems)} problems, "
-                    f"{tally.hangs} hangs, RSS {_rss_bytes(proc.pid) >> 20} MiB",
+                    f"{tally.hangs} hangs, RSS {run_report.rss_bytes(proc.pid) >> 20} MiB",
                     flush=True,
                 )
             elapsed_s = time.monotonic() - started
             alive = proc.poll() is None
             health = httpx.get(url + "/health", timeout=10.0).status_code if alive else None
-            rss_after, fds_after = (_rss_bytes(proc.pid), _fds(proc.pid)) if alive else (0, 0)
+            rss_after, fds_after = (
+                (run_report.rss_bytes(proc.pid), run_report.descriptors(proc.pid)) if alive else (0, 0)
+            )
         finally:
             proc.terminate()
             proc.wait(30)
@@ -181,8 +170,7 @@ def main() -> int:
         "",
         f"- command: `.venv/bin/python scripts/fuzz_http.py --minutes {args.minutes:g} --examples-per-route "
         f"{args.examples_per_route} --seed {args.seed}`",
-        f"- commit: {commit}; machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs shared, "
-        f"Python {platform.python_version()}, schemathesis {schemathesis.__version__})",
+        run_report.machine_line(commit, f"schemathesis {schemathesis.__version__}"),
         "- server: `omni-core serve` in its own process, two synthetic stages (talker 2 ranks, decoder 1), no key",
         f"- ran {elapsed_s:.0f} s, {rounds} rounds (seeds {args.seed}..{args.seed + rounds - 1})",
         f"- requests: {tally.requests} (plus {tally.unsendable} cases the client could not encode)",
@@ -196,18 +184,8 @@ def main() -> int:
         "",
         *([f"- {p}" for p in tally.problems[:20]] or ["none"]),
         "",
-        "## Targets",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *[f"| {name} | {measured} | {'yes' if met else 'no'} |" for name, measured, met in targets],
-        "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
-    return 0 if all(met for _, _, met in targets) else 1
+    return run_report.finish(lines, targets, args.out)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ORCH = "omni_core/engine/orchestrator.py"
+API = "omni_core/engine/api.py"
 STAGE_CORE = "omni_core/fsm/stage.py"
 STAGE_CALLS = "omni_core/fsm/stage_calls.py"
 STAGE_REQUESTS = "omni_core/fsm/stage_requests.py"
@@ -143,10 +144,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "reject-late",
         "admission 'reject' answers 4 s late (on a timer) instead of at once",
         ORCH,
-        "            _settle(future, error=_REQUEST_ERRORS[answer.error](answer.detail))\n",
-        "            late = _REQUEST_ERRORS[answer.error](answer.detail)\n"
+        "            settle(future, error=request_error(answer))\n",
+        "            late = request_error(answer)\n"
         "            delay_s = 4.0 if \"'reject'\" in answer.detail else 0.0  # mutant: the refusal comes 4 s late\n"
-        "            threading.Timer(delay_s, lambda: _settle(future, error=late)).start()\n",
+        "            threading.Timer(delay_s, lambda: settle(future, error=late)).start()\n",
         [f"{FIFTY}[reject]", DEMO_TEST],
     ),
     _m(
@@ -227,10 +228,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     _m(
         "start-deadline",
-        "op_start gives the stage no start-up deadline",
-        ORCH,
-        "        self._step(stage, I.Start(stage.spec.start_deadline_s))\n",
-        '        self._step(stage, I.Start(float("inf")))  # mutant: no start deadline\n',
+        "the Engine gives a stage's start no start-up deadline",
+        API,
+        "self._orch.submit(name, Start(spec.start_deadline_s))",
+        'self._orch.submit(name, Start(float("inf")))',  # mutant: no start deadline
         [f"{ENGINE_TESTS}::test_a_rank_silent_at_start_fails_the_start_at_the_start_deadline"],
     ),
     # ------------------------------------------------------------ the drain

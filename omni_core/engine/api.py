@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import msgspec
 
+from omni_core.engine.calls import LifecycleCall, ShutdownCall, StatusQuery, SwapRequest
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
@@ -29,10 +30,13 @@ from omni_core.fsm.inputs import (
     PauseCall,
     ProfileCall,
     ReloadCall,
+    Restart,
     ResumeCall,
     SetAdmission,
     ShareCall,
     SleepCall,
+    Start,
+    Submit,
     UpdateCall,
     WakeCall,
     WeightGroupCall,
@@ -40,9 +44,6 @@ from omni_core.fsm.inputs import (
 from omni_core.protocol import MAX_WAIT_FOR_MEMORY_S, DiskSource
 from omni_core.protocol.weights import WeightSource
 
-LifecycleCall = (
-    SleepCall | WakeCall | ReloadCall | ProfileCall | UpdateCall | WeightGroupCall | ShareCall | PauseCall | ResumeCall
-)
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
 # A swap's incoming ranks wait for memory this share of the deadline by default: the rest
 # is theirs to map and copy, and for a refusal to arrive before the deadline.
@@ -93,7 +94,7 @@ class Engine:
             launcher=make_launcher(launcher, ray_address, ray_namespace),
         )
         try:
-            futures = [self._orch.call(lambda f, n=name: self._orch.op_start(f, n)) for name in self._specs]
+            futures = [self._orch.submit(name, Start(spec.start_deadline_s)) for name, spec in self._specs.items()]
             for name, future in zip(self._specs, futures, strict=True):
                 self._wait(future, self._specs[name].start_deadline_s)
         except BaseException:
@@ -118,8 +119,16 @@ class Engine:
         self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
     ) -> Future:
         """Send a request without waiting; the future holds rank 0's output (an `ExecuteResult`
-        naming the weights version too, `with_version`) or the error."""
-        return self._orch.call(lambda f: self._orch.op_execute(f, stage, payload, timeout_s, with_version))
+        naming the weights version too, `with_version`) or the error (this call raises none)."""
+        try:
+            spec = self._spec(stage)
+            budget_s = spec.request_timeout_s if timeout_s is None else float(timeout_s)
+        except (InvalidArgumentError, TypeError, ValueError) as exc:
+            refused: Future = Future()
+            refused.set_exception(exc)
+            return refused
+        answered = self._orch.submit(stage, Submit(self._orch.new_request_id(stage), payload, budget_s))
+        return answered if with_version else _output_of(answered)
 
     def execute(
         self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
@@ -147,9 +156,8 @@ class Engine:
         """Close admission, drain (or abort) in-flight requests, sleep every rank."""
         if level not in (1, 2):
             raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        return self._lifecycle(
-            stage, "sleep", task_id, timeout_s, lambda tid, dl: SleepCall(tid, level, _tags(tags), dl, abort_in_flight)
-        )
+        tid, deadline_s = self._task(stage, "sleep", task_id, timeout_s)
+        return self._lifecycle(stage, SleepCall(tid, level, _tags(tags), deadline_s, abort_in_flight))
 
     def wake(
         self,
@@ -159,7 +167,8 @@ class Engine:
         task_id: str | None = None,
         timeout_s: float | None = None,
     ) -> LifecycleReport:
-        return self._lifecycle(stage, "wake", task_id, timeout_s, lambda tid, dl: WakeCall(tid, _tags(tags), dl))
+        tid, deadline_s = self._task(stage, "wake", task_id, timeout_s)
+        return self._lifecycle(stage, WakeCall(tid, _tags(tags), deadline_s))
 
     def pause(
         self, stage: str, mode: str = "wait", *, task_id: str | None = None, timeout_s: float | None = None
@@ -170,11 +179,13 @@ class Engine:
         halfway) or their callers get RequestFailedError "aborted" at once ("abort", vLLM's
         default); the report comes once none is in flight (state PAUSED), or ALREADY.
         `timeout_s` bounds that drain: past it the pause is abandoned."""
-        return self._lifecycle(stage, "pause", task_id, timeout_s, lambda tid, dl: PauseCall(tid, mode, dl))
+        tid, deadline_s = self._task(stage, "pause", task_id, timeout_s)
+        return self._lifecycle(stage, PauseCall(tid, mode, deadline_s))
 
     def resume(self, stage: str, *, task_id: str | None = None) -> LifecycleReport:
         """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING."""
-        return self._lifecycle(stage, "resume", task_id, None, lambda tid, dl: ResumeCall(tid))
+        tid, deadline_s = self._task(stage, "resume", task_id, None)  # nothing to drain: the wait's bound only
+        return self._wait(self._orch.submit(stage, ResumeCall(tid)), deadline_s + self._specs[stage].request_timeout_s)
 
     def is_paused(self, stage: str) -> bool:
         """Whether the stage is PAUSED (a pause's drain, DRAINING, is not yet)."""
@@ -235,9 +246,7 @@ class Engine:
         out_future: Future = Future()
         in_future: Future = Future()
         started = time.perf_counter()
-        issued = self._orch.call(
-            lambda f: self._orch.op_swap(f, out_stage, sleep, out_future, in_stage, wake, in_future)
-        )
+        issued = self._orch.submit(None, SwapRequest(out_stage, sleep, out_future, in_stage, wake, in_future))
         budget_s = deadline_s + max(out_spec.request_timeout_s, in_spec.request_timeout_s)
         # Raises when the sleep was refused, or the swap waited for its incoming stage's device
         # past its deadline (one incoming wake per device at a time): then nothing was sent.
@@ -272,7 +281,8 @@ class Engine:
             raise InvalidArgumentError(
                 f"the reload source must be a path string without NUL characters, got {source!r:.200}; nothing was sent"
             )
-        return self._lifecycle(stage, "reload", task_id, timeout_s, lambda tid, dl: ReloadCall(tid, source, dl))
+        tid, deadline_s = self._task(stage, "reload", task_id, timeout_s)
+        return self._lifecycle(stage, ReloadCall(tid, source, deadline_s))
 
     def update_weights(
         self,
@@ -295,9 +305,8 @@ class Engine:
         if type(version) is not int or version < 1:
             raise InvalidArgumentError(f"version must be an int >= 1, got {version!r}")
         checked = _checked_source(DiskSource(path=source) if isinstance(source, str) else source)
-        return self._lifecycle(
-            stage, "update", task_id, timeout_s, lambda tid, dl: UpdateCall(tid, version, checked, dl)
-        )
+        tid, deadline_s = self._task(stage, "update", task_id, timeout_s)
+        return self._lifecycle(stage, UpdateCall(tid, version, checked, deadline_s))
 
     def init_weight_group(
         self,
@@ -318,14 +327,10 @@ class Engine:
         is group rank `rank_offset + r`. Then `update_weights(stage, CollectiveSource(...))`.
         `group_timeout_s` bounds the rendezvous and each later broadcast: a trainer that
         vanishes mid-broadcast fails the update (UPDATE_FAILED) after at most that long."""
+        tid, deadline_s = self._task(stage, "weight-group", task_id, timeout_s)
         return self._lifecycle(
             stage,
-            "weight-group",
-            task_id,
-            timeout_s,
-            lambda tid, dl: WeightGroupCall(
-                tid, group, address, port, world_size, rank_offset, backend, dl, group_timeout_s
-            ),
+            WeightGroupCall(tid, group, address, port, world_size, rank_offset, backend, deadline_s, group_timeout_s),
         )
 
     def transfer_weights(
@@ -356,9 +361,8 @@ class Engine:
                 "not cross nodes: use a weight group (init_weight_group, collective)"
             )
         tid = task_id or self._orch.new_task_id("transfer", f"{from_stage}-{to_stage}")
-        shared = self._lifecycle(
-            from_stage, "share", f"{tid}/share", timeout_s, lambda t, dl: ShareCall(t, bucket_bytes, dl)
-        )
+        share_id, deadline_s = self._task(from_stage, "share", f"{tid}/share", timeout_s)
+        shared = self._lifecycle(from_stage, ShareCall(share_id, bucket_bytes, deadline_s))
         source = shared.ranks[0].shared if 0 in shared.ranks else None
         if source is None:
             raise OmniCoreError(f"stage {from_stage!r} rank 0 shared no weights for task {tid!r}/share")
@@ -384,9 +388,8 @@ class Engine:
             raise InvalidArgumentError(f"profile start must be True or False, got {start!r}")
         if wait_s is not None and not (isinstance(wait_s, (int, float)) and wait_s >= 0):
             raise InvalidArgumentError(f"wait_s must be a number of seconds >= 0 or None, got {wait_s!r}")
-        report: ProfileReport = self._lifecycle(
-            stage, "profile", task_id, timeout_s, lambda tid, dl: ProfileCall(tid, start, prefix, dl)
-        )
+        tid, deadline_s = self._task(stage, "profile", task_id, timeout_s)
+        report: ProfileReport = self._lifecycle(stage, ProfileCall(tid, start, prefix, deadline_s))
         if wait_s is not None:
             missing = report.wait_for_files(wait_s)
             if missing:
@@ -400,7 +403,7 @@ class Engine:
     def restart(self, stage: str) -> None:
         """Replace the stage's rank processes with fresh ones under a new epoch."""
         spec = self._spec(stage)
-        self._wait(self._orch.call(lambda f: self._orch.op_restart(f, stage)), spec.start_deadline_s)
+        self._wait(self._orch.submit(stage, Restart(spec.start_deadline_s)), spec.start_deadline_s)
 
     def set_admission(self, stage: str, policy: AdmissionPolicy | str) -> None:
         """Change what requests do while the stage is not RUNNING (queue, reject, wake)."""
@@ -411,16 +414,16 @@ class Engine:
             raise InvalidArgumentError(
                 f"admission {policy!r} is not one of {[p.value for p in AdmissionPolicy]}"
             ) from None
-        self._wait(self._orch.call(lambda f: self._orch.op_set_admission(f, stage, SetAdmission(chosen))), 5.0)
+        self._wait(self._orch.submit(stage, SetAdmission(chosen)), 5.0)
 
     def status(self) -> dict[str, Any]:
-        return self._wait(self._orch.call(self._orch.op_status), 5.0)
+        return self._wait(self._orch.submit(None, StatusQuery()), 5.0)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Tell every rank to shut down, then stop the orchestrator. Safe to call twice."""
         if self._orch.closed:
             return
-        future = self._orch.call(lambda f: self._orch.op_shutdown(f, timeout_s))
+        future = self._orch.submit(None, ShutdownCall(timeout_s))
         with contextlib.suppress(EngineClosedError, FutureTimeout):
             future.result(timeout_s + WAIT_GRACE_S)
         self._orch.join(timeout_s + WAIT_GRACE_S)
@@ -433,20 +436,15 @@ class Engine:
         except KeyError:
             raise InvalidArgumentError(f"unknown stage {stage!r}; stages are {sorted(self._specs)}") from None
 
-    def _lifecycle(
-        self,
-        stage: str,
-        kind: str,
-        task_id: str | None,
-        timeout_s: float | None,
-        make: Callable[[str, float], LifecycleCall],
-    ) -> Any:
-        """Build the typed input (task id and deadline filled in) and wait for its outcome."""
+    def _task(self, stage: str, kind: str, task_id: str | None, timeout_s: float | None) -> tuple[str, float]:
+        """A lifecycle call's task id (the caller's, else a fresh one) and deadline."""
         spec = self._spec(stage)
         deadline_s = self._deadline_s(spec.deadline_s, timeout_s)
-        event = make(task_id or self._orch.new_task_id(kind, stage), deadline_s)
-        future = self._orch.call(lambda f: self._orch.op_lifecycle(f, stage, event))
-        return self._wait(future, deadline_s + spec.request_timeout_s)
+        return task_id or self._orch.new_task_id(kind, stage), deadline_s
+
+    def _lifecycle(self, stage: str, event: LifecycleCall) -> Any:
+        """Queue the typed input for the stage's core and wait for its outcome."""
+        return self._wait(self._orch.submit(stage, event), event.deadline_s + self._specs[stage].request_timeout_s)
 
     @staticmethod
     def _deadline_s(default_s: float, timeout_s: float | None) -> float:
@@ -569,3 +567,20 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         if self._engine is not None:
             await asyncio.to_thread(self._engine.shutdown)
+
+
+def _output_of(answered: Future) -> Future:
+    """A future of the request's output alone, from one of its `ExecuteResult`."""
+    output: Future = Future()
+
+    def done(settled: Future) -> None:
+        if output.done():
+            return  # the caller cancelled its future: nobody waits for the output
+        error = settled.exception()
+        if error is not None:
+            output.set_exception(error)
+        else:
+            output.set_result(settled.result().output)
+
+    answered.add_done_callback(done)
+    return output

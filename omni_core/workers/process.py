@@ -61,25 +61,20 @@ from omni_core.protocol import (
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
 from omni_core.protocol.codec import envelope_of
-from omni_core.runners.base import MemoryBudget, ModelRunner, RunnerArgumentError, load_runner
+from omni_core.runners.base import ModelRunner, RunnerArgumentError, load_runner
 from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.weights_sender import WeightSender
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
-from omni_core.workers.config import WorkerConfig, device_problem
-from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
+from omni_core.workers.config import WorkerConfig
+from omni_core.workers.device_memory import FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
-from omni_core.workers.simulated_device import SimulatedResidency
+from omni_core.workers.rank_memory import cache_budget, check_budget, free_memory_source, resolve_device
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
-
-# Kept out of what caches may take under gpu_memory_fraction: the CUDA context grows after
-# the caches are sized (allocation granularity, cuBLAS workspaces at the first request).
-# Seen on an H200: 90 MiB over a 42 GiB budget without it.
-CACHE_HEADROOM_BYTES = 512 << 20
 
 # Time given to zmq to deliver the last replies (the Shutdown Ack) before the socket closes.
 FINAL_FLUSH_MS = 2000
@@ -108,19 +103,6 @@ def encode_output(output: Any) -> bytes:
 def _error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def _resolve_device(name: str) -> torch.device:
-    problem = device_problem(name)
-    if problem:  # torch's own words ("Torch not compiled with CUDA enabled") name no setting
-        raise ValueError(
-            f"device {problem}; set the stage's device (StageSpec.device, the TOML key `device` of "
-            'its [[stages]] table) to "cpu", or start it where that device is'
-        )
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class WorkerProcess:
@@ -159,7 +141,7 @@ class WorkerProcess:
         capabilities: tuple[Capability, ...] = ()
         error = ""
         try:
-            self.device = _resolve_device(cfg.device)
+            self.device = resolve_device(cfg.device)
             self.profiler.device_type = self.device.type  # CUDA activity only on a CUDA rank
             self.backend = select_backend(cfg.backend, self.device)
             backend_name = self.backend.name
@@ -233,17 +215,9 @@ class WorkerProcess:
         self.memory = ProcessMemory(self.device)
         self.runner = load_runner(self.config.runner, self.device, self.config.runner_args)
         fraction = self.config.gpu_memory_fraction if self.device.type == "cuda" else None
-        memory = self.memory
-
-        def available_bytes() -> int:
-            # This process's own use only: stages starting side by side on one GPU each
-            # get their fraction of the card, not of what the others left (vLLM's rule).
-            assert fraction is not None
-            available, _ = memory.determine_available_memory(fraction)
-            return max(0, available - CACHE_HEADROOM_BYTES)
-
-        budget = MemoryBudget(fraction, available_bytes) if fraction is not None else None
-        self.free_memory = self._free_memory_source()  # before loading: the load is reported too
+        budget = cache_budget(self.memory, fraction)
+        # Before loading: the load is reported too.
+        self.free_memory = free_memory_source(self.config, self.backend, self.memory, self.device)
         self.runner.load(self.backend.pool, self.config.tags, budget)
         # Before tracking: a backend that copies read-only tags to the host once does it there.
         self.backend.declare_read_only(
@@ -252,7 +226,7 @@ class WorkerProcess:
         for tag in self.config.tags:
             self.backend.track(tag, self.runner.tensors(tag))
         if fraction is not None:
-            self._check_budget(fraction)
+            check_budget(self.memory, fraction)
         log.info(
             "worker %s/%s loaded: pools %s, process memory %s",
             self.config.stage,
@@ -260,25 +234,6 @@ class WorkerProcess:
             self.backend.usage(),
             self._figure(),
         )
-
-    def _free_memory_source(self) -> FreeMemorySource | None:
-        """What a wake's memory gate asks: the simulated device when configured (the backend
-        reports its bytes there), the GPU's free memory on CUDA, else nothing (no gate)."""
-        assert self.backend is not None and self.memory is not None
-        simulated = self.config.simulated_device
-        if simulated is not None:
-            report_to = getattr(self.backend, "report_to", None)
-            if report_to is None:
-                raise RuntimeError(
-                    f"simulated_device needs a backend that reports its bytes (portable); backend "
-                    f"{self.backend.name!r} does not: use backend='portable' on device='cpu'"
-                )
-            residency = SimulatedResidency(simulated, self.config.stage, self.config.rank)
-            report_to(residency)
-            return residency
-        if self.device.type == "cuda":
-            return CudaFreeMemory(self.memory)
-        return None
 
     def _gate(self, wait_for_memory_s: float) -> MemoryGate | None:
         """A gate for one wake (its wait starts now), when there is device memory to wait for."""
@@ -289,17 +244,6 @@ class WorkerProcess:
             wait_for_memory_s=wait_for_memory_s,
             what=f"stage {self.config.stage} rank {self.config.rank}",
         )
-
-    def _check_budget(self, fraction: float) -> None:
-        assert self.memory is not None
-        figure = self.memory.measure()
-        budget_bytes = int(self.memory.total_bytes() * fraction)
-        if figure.process_bytes is not None and figure.process_bytes > budget_bytes:
-            raise RuntimeError(
-                f"this rank holds {figure.process_bytes / 2**30:.2f} GiB of GPU memory ({figure.source}), "
-                f"over its budget gpu_memory_fraction={fraction} x {self.memory.total_bytes() / 2**30:.1f} GiB "
-                f"= {budget_bytes / 2**30:.2f} GiB; shrink the model/caches or raise gpu_memory_fraction"
-            )
 
     # ------------------------------------------------------------------ loop
 

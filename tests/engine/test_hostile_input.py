@@ -15,6 +15,7 @@ from omni_core.engine import (
     RestartInProgressError,
     StageFailedError,
 )
+from omni_core.fsm import inputs as I
 from omni_core.protocol import MAX_PAYLOAD_DEPTH
 from tests.engine.conftest import LONG_TIMEOUT_S, PROBE, in_thread, rank_pid, small_spec, wait_for
 
@@ -33,8 +34,8 @@ def test_a_second_restart_is_refused_and_the_first_one_completes(engine_factory)
     orch = engine._orch
     # Back to back on the loop thread: the second is decided while the first one's fresh
     # ranks are still importing torch (seconds away from their Hello).
-    first = orch.call(lambda f: orch.op_restart(f, "talker"))
-    second = orch.call(lambda f: orch.op_restart(f, "talker"))
+    first = orch.submit("talker", I.Restart(90.0))
+    second = orch.submit("talker", I.Restart(90.0))
     with pytest.raises(RestartInProgressError, match=r"already starting.*in progress and goes on; wait for it"):
         second.result(timeout=LONG_TIMEOUT_S)
     first.result(timeout=150)  # a refused restart used to kill these ranks: "sent no Hello" at the deadline

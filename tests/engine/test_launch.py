@@ -11,6 +11,7 @@ import pytest
 from omni_core.config import ConfigError, parse_config
 from omni_core.engine import InvalidArgumentError, LocalLauncher, RayPlacement, StageSpec
 from omni_core.engine.api import make_launcher
+from omni_core.engine.calls import ShutdownCall
 from omni_core.engine.orchestrator import Orchestrator
 
 
@@ -95,7 +96,7 @@ def test_a_remote_launcher_gets_curve_even_on_a_loopback_address():
     try:
         assert orch.address.startswith("tcp://127.0.0.1:") and orch._curve is not None
     finally:
-        orch.call(lambda f: orch.op_shutdown(f, 1.0)).result(10)
+        orch.submit(None, ShutdownCall(1.0)).result(10)
         orch.join(10)
 
 

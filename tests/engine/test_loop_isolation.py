@@ -88,7 +88,7 @@ HANDLERS: dict[str, tuple[Callable[..., bool], Trigger]] = {
     # The last Ack of a sleep: the stage commits, only the caller's answer is lost.
     "_resolve": (
         lambda stage, outcome: outcome is not None and outcome.command == "Sleep",
-        lambda e: e._orch.call(lambda f: e._orch.op_lifecycle(f, "talker", I.SleepCall("iso-sleep", 1, None, 20.0))),
+        lambda e: e._orch.submit("talker", I.SleepCall("iso-sleep", 1, None, 20.0)),
     ),
     "_on_sentinel": (lambda *_: True, lambda e: os.kill(rank_pid(e, "victim", 0), signal.SIGKILL)),
     "_tick": (lambda *_: True, lambda e: None),

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from omni_core.engine import EngineClosedError, InvalidArgumentError, RequestFailedError
+from omni_core.engine.calls import StatusQuery
 from omni_core.fsm import InvariantViolation
 from omni_core.protocol import (
     Ack,
@@ -199,7 +200,10 @@ def test_a_rank_speaks_only_for_itself(engine_factory):
         detail="rank 0 speaking for rank 1",
         state=WorkerState.FAILED,
     )
-    orch.call(lambda f: f.set_result(orch._on_frames(identity_of_rank_0, encode(lie)))).result(10)
+    # On the loop thread, as a frame from rank 0's socket: the one StatusQuery runs the handler instead.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(orch, "_status", lambda: orch._on_frames(identity_of_rank_0, encode(lie)))
+        orch.submit(None, StatusQuery()).result(10)
     assert counters(engine)["rank_mismatch"] == 1
     assert engine.status()["pair"]["state"] == "RUNNING" and engine.execute("pair", PROBE) == reference
 

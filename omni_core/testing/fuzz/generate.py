@@ -9,10 +9,8 @@ not change the sequence either.
 
 from __future__ import annotations
 
-import math
 import os
 import random
-import string
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,6 @@ from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     MESSAGE_TYPES,
-    PROTOCOL_VERSION,
     Ack,
     AckStatus,
     Bucket,
@@ -52,7 +49,7 @@ from omni_core.protocol import (
     WorkerState,
     encode,
 )
-from omni_core.protocol.messages import MAX_TAGS, MAX_TASK_ID_CHARS
+from omni_core.testing.fuzz.edges import ALNUM, BAD_UTF8, FIELD_NAMES, FLOAT_EDGES, INT_EDGES, TYPE_TAGS
 from omni_core.testing.fuzz.msgpack_writer import (
     INT_WIDTHS,
     LENGTH_WIDTHS,
@@ -67,130 +64,14 @@ from omni_core.testing.fuzz.msgpack_writer import (
     Str,
     pack,
 )
+from omni_core.testing.fuzz.mutations import FIELD_MUTATIONS, set_field
+from omni_core.testing.fuzz.mutations import MUTATION_NAMES as MUTATION_NAMES  # where callers look for it
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
 # The types drawn on the main stream; the weight commands come from a side stream (valid_message).
 _WEIGHT_TYPES: tuple[type[Message], ...] = (UpdateWeights, InitWeightGroup, ShareWeights)
 _DRAWN_TYPES: tuple[type[Message], ...] = tuple(t for t in MESSAGE_TYPES if t not in _WEIGHT_TYPES)
 WEIGHT_COMMAND_SHARE = 0.05
-
-INT_EDGES: tuple[int, ...] = (
-    0,
-    1,
-    -1,
-    2,
-    127,
-    128,
-    -32,
-    -33,
-    255,
-    256,
-    -128,
-    -129,
-    65535,
-    65536,
-    -32768,
-    -32769,
-    2**31 - 1,
-    2**31,
-    -(2**31),
-    -(2**31) - 1,
-    2**32 - 1,
-    2**32,
-    2**53 + 1,
-    2**63 - 1,
-    2**63,
-    2**64 - 1,
-    -(2**63),
-)
-FLOAT_EDGES: tuple[float, ...] = (
-    math.nan,
-    -math.nan,
-    math.inf,
-    -math.inf,
-    -0.0,
-    0.0,
-    5e-324,
-    1.7976931348623157e308,
-    -1.0,
-    1e-300,
-    3.4e38,
-)
-# Byte sequences that are not UTF-8: lone continuation bytes, truncated sequences,
-# overlong forms, UTF-16 surrogates, code points above U+10FFFF, bytes never valid.
-BAD_UTF8: tuple[bytes, ...] = (
-    b"\xff",
-    b"\xfe",
-    b"\x80",
-    b"\xbf",
-    b"\xc3\x28",
-    b"\xa0\xa1",
-    b"\xe2\x28\xa1",
-    b"\xe2\x82",
-    b"\xf0\x28\x8c\xbc",
-    b"\xf0\x90\x28\xbc",
-    b"\xf8\xa1\xa1\xa1\xa1",
-    b"\xfc\xa1\xa1\xa1\xa1\xa1",
-    b"\xed\xa0\x80",
-    b"\xed\xbf\xbf",
-    b"\xc0\xaf",
-    b"\xc0\x80",
-    b"\xe0\x80\xaf",
-    b"\xf4\x90\x80\x80",
-    b"\xf0",
-)
-TASK_ID_EDGES: tuple[str, ...] = (
-    "",
-    "x" * MAX_TASK_ID_CHARS,
-    "x" * (MAX_TASK_ID_CHARS + 1),
-    "\u00e9" * MAX_TASK_ID_CHARS,
-    "\U0001f600" * MAX_TASK_ID_CHARS,
-    "\x00",
-    "-",
-    "hello",
-    "?",
-    " ",
-    "a\nb",
-    "\ud7ff",
-    "x" * 100_000,
-)
-TAG_EDGES: tuple[Any, ...] = (
-    (),
-    ("weights",) * (MAX_TAGS + 1),
-    ("weights", "weights"),
-    ("nope",),
-    ("",),
-    ("a" * 64,),
-    ("a" * 65,),
-    ("wei ghts",),
-    ("weights\x00",),
-    ("WEIGHTS",),
-    ("../etc",),
-    (("weights",),),
-    ("kv_cache", 7),
-    "weights",
-)
-# Reload sources: a runner must serve or refuse each (INVALID_ARGUMENT), never fail on one.
-# Digits str.isdigit() accepts but int() does not (superscripts), other scripts' digits,
-# more digits than int() converts, doubled signs.
-SOURCE_EDGES: tuple[Any, ...] = (
-    None,
-    "seed:7",
-    "seed:-3",
-    "seed:",
-    "seed:99999999999999999999999",
-    "",
-    "/ckpt/step-1",
-    "seed:" + "9" * 5000,
-    "x" * 70_000,
-    "seed:\u00b2",
-    "seed:\u0663",
-    "seed:--5",
-    "seed: 5",
-    "seed:5\x00",
-)
-
-ALNUM = string.ascii_letters + string.digits + "_.-"
 
 
 @dataclass
@@ -412,7 +293,7 @@ class FrameGenerator:
         pairs = _pairs(message)
         names = [type(message).__name__]
         for _ in range(1 + min(3, int(rng.expovariate(1.0)))):
-            mutation = rng.choice(_FIELD_MUTATIONS)
+            mutation = rng.choice(FIELD_MUTATIONS)
             names.append(mutation.__name__.removeprefix("_m_"))
             mutation(self, pairs, ctx)
         top: Any = _pairs_map(pairs)
@@ -448,9 +329,9 @@ class FrameGenerator:
     def _random_value(self, ctx: FuzzContext) -> Frame:
         rng = self.rng
         if rng.random() < 0.6:  # a map that looks like a message: type tag, random fields
-            pairs: list[list[Any]] = [["type", rng.choice(_TAGS + ("Bogus", ""))]]
+            pairs: list[list[Any]] = [["type", rng.choice(TYPE_TAGS + ("Bogus", ""))]]
             for _ in range(rng.randrange(8)):
-                pairs.append([self._key(), self.random_value(3)])
+                pairs.append([self.random_key(), self.random_value(3)])
             value: Any = _pairs_map(pairs)
         else:
             value = self.random_value(4)
@@ -484,7 +365,7 @@ class FrameGenerator:
         deep = Deep(depth, leaf=self.random_value(1), as_map=rng.random() < 0.3)
         if rng.random() < 0.5:  # inside an otherwise valid Execute: payload is Any
             pairs = _pairs(Execute(task_id=self._task_id(ctx), epoch=ctx.epoch))
-            _set(pairs, "payload", deep)
+            set_field(pairs, "payload", deep)
             return Frame((pack(_pairs_map(pairs)),), "deep", (f"payload_depth_{depth}",))
         return Frame((pack(deep),), "deep", (f"top_depth_{depth}",))
 
@@ -548,7 +429,7 @@ class FrameGenerator:
         if kind == 4:
             return self._text()
         if kind == 5:
-            return Str(self._bad_utf8(self._text()), width=rng.choice((None, *LENGTH_WIDTHS)))
+            return Str(self.bad_utf8(self._text()), width=rng.choice((None, *LENGTH_WIDTHS)))
         if kind == 6:
             return rng.randbytes(rng.randrange(32))
         if kind == 7:
@@ -558,7 +439,7 @@ class FrameGenerator:
         if kind == 9:
             return Arr(tuple(self.random_value(depth - 1) for _ in range(rng.randrange(6))))
         if kind == 10:
-            return Map(tuple((self._key(), self.random_value(depth - 1)) for _ in range(rng.randrange(6))))
+            return Map(tuple((self.random_key(), self.random_value(depth - 1)) for _ in range(rng.randrange(6))))
         # non-str keys: ints, arrays, nil, binary (a str-keyed Struct must refuse them)
         return Map(tuple((self.random_value(0), self.random_value(depth - 1)) for _ in range(rng.randrange(4))))
 
@@ -597,14 +478,14 @@ class FrameGenerator:
     def _command_name(self) -> str:
         return self.rng.choice(("Sleep", "Wake", "ReloadWeights", "Execute", "Status", "Shutdown", "Profile", "?"))
 
-    def _key(self) -> Any:
+    def random_key(self) -> Any:
         rng = self.rng
         roll = rng.random()
         if roll < 0.5:
-            return rng.choice(_FIELD_NAMES)
+            return rng.choice(FIELD_NAMES)
         if roll < 0.8:
             return "".join(rng.choice(ALNUM) for _ in range(rng.randrange(1, 12)))
-        return Str(self._bad_utf8(rng.choice(_FIELD_NAMES)))
+        return Str(self.bad_utf8(rng.choice(FIELD_NAMES)))
 
     def _text(self) -> str:
         rng = self.rng
@@ -612,7 +493,7 @@ class FrameGenerator:
             return rng.choice(("", "\x00", "\u00e9t\u00e9", "\U0001f600", "\ud7ff\ue000", "a" * 300))
         return "".join(rng.choice(ALNUM) for _ in range(rng.randrange(20)))
 
-    def _bad_utf8(self, text: str) -> bytes:
+    def bad_utf8(self, text: str) -> bytes:
         rng = self.rng
         data = text.encode()
         at = int(rng.random() * (len(data) + 1))
@@ -632,161 +513,6 @@ class FrameGenerator:
                 damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
             return bytes(damaged), ["bit_flips"]
         return data, []
-
-
-# ---------------------------------------------------------------------- field mutations
-#
-# Each takes the message as a list of [key, value] pairs (mutable, in wire order) and
-# changes it in place. Pair 0 is the type tag.
-
-
-def _m_bad_utf8_value(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    paths = _str_paths(pairs)
-    if not paths:
-        return
-    path = paths[gen.rng.randrange(len(paths))]
-    _replace_at(pairs, path, lambda s: Str(gen._bad_utf8(s)))
-
-
-def _m_bad_utf8_key(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    index = gen.rng.randrange(len(pairs))
-    pairs[index][0] = Str(gen._bad_utf8(str(pairs[index][0])))
-
-
-def _m_int_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    ints = [i for i, (_, v) in enumerate(pairs) if isinstance(v, int) and not isinstance(v, bool)]
-    index = rng.choice(ints) if ints and rng.random() < 0.8 else rng.randrange(len(pairs))
-    pairs[index][1] = Int(rng.choice(INT_EDGES), rng.choice((None, None, *INT_WIDTHS)))
-
-
-def _m_epoch(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    choice = rng.choice((ctx.epoch - 1, ctx.epoch + 1, ctx.epoch + 64, ctx.epoch + 65, 0, -1, 2**63, 2**64 - 1))
-    _set(pairs, "epoch", choice if choice >= -(2**63) else -1)
-
-
-def _m_enum_unknown(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    key = rng.choice(("state", "status", "reason", "command", "level", "capabilities", "type"))
-    value = rng.choice(("", "active", "ACTIVE ", "SLEEPING\x00", "UNKNOWN", 0, 3, -1, None, ["ACTIVE"], "level2x"))
-    _set(pairs, key, value)
-
-
-def _m_extra_field(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    pairs.insert(gen.rng.randrange(1, len(pairs) + 1), [gen._key(), gen.random_value(2)])
-
-
-def _m_duplicate_key(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    key, value = pairs[rng.randrange(len(pairs))]
-    pairs.insert(rng.randrange(len(pairs) + 1), [key, value if rng.random() < 0.5 else gen.random_value(1)])
-
-
-def _m_wrong_type(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    pairs[gen.rng.randrange(len(pairs))][1] = gen.random_value(2)
-
-
-def _m_retag(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    tag = rng.choice(
-        (*_TAGS, "sleep", "Message", "Command", "Reply", "MemoryReport", "", 7, None, Str(b"Sl\xffeep"), ["Sleep"])
-    )
-    pairs[0][1] = tag
-    if rng.random() < 0.2:  # the tag somewhere else than first
-        pairs.append(pairs.pop(0))
-
-
-def _m_version(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    value = rng.choice((PROTOCOL_VERSION + 1, PROTOCOL_VERSION - 1, 0, -1, 2, 99, 2**64 - 1, "1", 1.0, None, True))
-    _set(pairs, "v", value)
-
-
-def _m_drop_field(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    if pairs:
-        pairs.pop(gen.rng.randrange(len(pairs)))
-
-
-def _m_noncanonical(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    """Same values in wider headers: must still decode to the same message."""
-    rng = gen.rng
-    for pair in pairs:
-        value = pair[1]
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31:
-            pair[1] = Int(value, rng.choice(("u32", "u64", "i64")))
-        elif isinstance(value, str):
-            pair[1] = Str(value.encode(), width=rng.choice(("16", "32")))
-        elif isinstance(value, float):
-            pair[1] = Float(value, single=value == 0.0)
-
-
-def _m_float_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    key = rng.choice(("duration_s", "payload", "output", "epoch", "level"))
-    _set(pairs, key, Float(rng.choice(FLOAT_EDGES), single=rng.random() < 0.3))
-
-
-def _m_task_id_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    _set(pairs, "task_id", gen.rng.choice(TASK_ID_EDGES))
-
-
-def _m_tags_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    _set(pairs, rng.choice(("tags", "tags", "asleep_tags", "capabilities")), rng.choice(TAG_EDGES))
-
-
-def _m_source_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    _set(pairs, "source", gen.rng.choice(SOURCE_EDGES))
-
-
-def _m_ext(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    # -1 with 4, 8 or 12 bytes is a valid timestamp; other lengths are not.
-    node = Ext(rng.choice((-1, -1, 0, 5, 127, -128)), rng.randbytes(rng.choice((0, 1, 4, 8, 12, 16, 300))))
-    if rng.random() < 0.5:
-        _set(pairs, "payload", node)
-    else:
-        pairs[rng.randrange(len(pairs))][1] = node
-
-
-def _m_detail_edge(gen: FrameGenerator, pairs: list[list[Any]], ctx: FuzzContext) -> None:
-    rng = gen.rng
-    _set(
-        pairs,
-        rng.choice(("detail", "proof", "stage", "device", "backend")),
-        rng.choice(("x" * 4096, "x" * 4097, "\u00e9" * 4096, "y" * 129, "z" * 65, "")),
-    )
-
-
-_FIELD_MUTATIONS = (
-    _m_bad_utf8_value,
-    _m_bad_utf8_value,
-    _m_bad_utf8_key,
-    _m_int_edge,
-    _m_int_edge,
-    _m_epoch,
-    _m_epoch,
-    _m_enum_unknown,
-    _m_extra_field,
-    _m_duplicate_key,
-    _m_wrong_type,
-    _m_wrong_type,
-    _m_retag,
-    _m_version,
-    _m_drop_field,
-    _m_drop_field,
-    _m_noncanonical,
-    _m_float_edge,
-    _m_task_id_edge,
-    _m_tags_edge,
-    _m_source_edge,
-    _m_ext,
-    _m_detail_edge,
-)
-_TAGS: tuple[str, ...] = tuple(t.__name__ for t in MESSAGE_TYPES)
-_FIELD_NAMES: tuple[str, ...] = tuple(sorted({f.name for t in MESSAGE_TYPES for f in msgspec.structs.fields(t)}))
-MUTATION_NAMES: tuple[str, ...] = tuple(sorted({m.__name__.removeprefix("_m_") for m in _FIELD_MUTATIONS}))
 
 
 def write_seed_corpus(directory: str | os.PathLike[str], seed: int = 0) -> None:
@@ -812,34 +538,6 @@ def _pairs(message: Message) -> list[list[Any]]:
 
 def _pairs_map(pairs: list[list[Any]]) -> Map:
     return Map(tuple((key, value) for key, value in pairs))
-
-
-def _set(pairs: list[list[Any]], key: str, value: Any) -> None:
-    for pair in pairs:
-        if pair[0] == key:
-            pair[1] = value
-            return
-    pairs.append([key, value])
-
-
-def _str_paths(pairs: list[list[Any]]) -> list[tuple[int, ...]]:
-    """Where the str leaves are: (pair index,) or (pair index, item index) inside tuples/lists."""
-    paths: list[tuple[int, ...]] = []
-    for i, (_, value) in enumerate(pairs):
-        if isinstance(value, str):
-            paths.append((i,))
-        elif isinstance(value, (list, tuple)):
-            paths.extend((i, j) for j, item in enumerate(value) if isinstance(item, str))
-    return paths
-
-
-def _replace_at(pairs: list[list[Any]], path: tuple[int, ...], make: Any) -> None:
-    if len(path) == 1:
-        pairs[path[0]][1] = make(pairs[path[0]][1])
-        return
-    items = list(pairs[path[0]][1])
-    items[path[1]] = make(items[path[1]])
-    pairs[path[0]][1] = Arr(tuple(items))
 
 
 def _as_bytes(value: Any) -> bytes:

@@ -32,16 +32,15 @@ import msgspec.inspect as mi
 
 from omni_core.protocol import MAX_PAYLOAD_DEPTH, MESSAGE_TYPES, Message
 from omni_core.protocol.messages import COMMAND_TYPES, REPLY_TYPES
+from omni_core.testing.fuzz.edges import INT_EDGES
 from omni_core.testing.fuzz.generate import (
     DEFAULT_MIX,
-    INT_EDGES,
     Frame,
     FrameGenerator,
     FuzzContext,
     GeneratorConfig,
     _pairs,
     _pairs_map,
-    _set,
 )
 from omni_core.testing.fuzz.msgpack_writer import (
     INT_WIDTHS,
@@ -56,6 +55,7 @@ from omni_core.testing.fuzz.msgpack_writer import (
     Str,
     pack,
 )
+from omni_core.testing.fuzz.mutations import set_field
 
 # A str bound that the schema leaves open is probed up to here (the frame limit is the bound).
 OPEN_STR_LENGTHS = (0, 1, 255, 256, 4096, 65_536)
@@ -183,18 +183,18 @@ class SchemaFrameGenerator(FrameGenerator):
         pairs = _pairs(self.valid_message(ctx, cls))
         names = [f"{cls.__name__}.{field.name}"]
         value, label = self.hostile(field.type, rng)
-        _set(pairs, field.encode_name, value)
+        set_field(pairs, field.encode_name, value)
         names.append(label)
         key = names[0]
         self.fields_hit[key] = self.fields_hit.get(key, 0) + 1
         for _ in range(int(rng.expovariate(2.0))):  # now and then more fields of the same message
             other = rng.choice(_fields(cls))
             other_value, other_label = self.hostile(other.type, rng)
-            _set(pairs, other.encode_name, other_value)
+            set_field(pairs, other.encode_name, other_value)
             names.append(f"{other.name}:{other_label}")
         roll = rng.random()
         if roll < 0.05:
-            _set(
+            set_field(
                 pairs,
                 "type",
                 rng.choice(

@@ -13,10 +13,8 @@ expected reply is known before it is sent, from the protocol's own codec:
   rule), so the oracle's own commands stay in the current epoch. A valid Shutdown in the
   worker's epoch window is withheld: it would end the process by design.
 
-Between batches the oracle runs lockstep: a Status probe (the hang check), a return to
-ACTIVE (wake, reload) where fuzzed commands left the worker elsewhere, an Execute whose
-result must equal the reference taken at start, and every few rounds a full sleep/wake
-cycle. The worker's RSS is sampled at each round.
+Between batches the oracle runs lockstep (`worker_oracle`); the rule a reply must meet is
+`worker_expect`'s, and the worker process is started and stopped by `worker_spawn`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -38,31 +35,24 @@ import zmq
 
 from omni_core.conformance.targets import REFERENCE_RUNNER_ARGS
 from omni_core.fsm.worker import MAX_EPOCH_AHEAD
-from omni_core.isolation import LOG_MARK
 from omni_core.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Ack,
     Command,
     Execute,
-    Hello,
     Message,
     Nack,
-    NackReason,
-    Profile,
     ProtocolError,
     ReloadWeights,
     Result,
     Shutdown,
-    Sleep,
     Status,
-    Wake,
     WorkerState,
     decode,
     decode_command,
     encode,
 )
 from omni_core.testing.fuzz.common import (
-    FINDING_BYTES_KEPT,
     MAX_RSS_GROWTH_BYTES,
     Finding,
     FuzzReport,
@@ -76,14 +66,21 @@ from omni_core.testing.fuzz.common import (
 from omni_core.testing.fuzz.generate import Frame, FuzzContext
 from omni_core.testing.fuzz.known_issues import open_issues
 from omni_core.testing.fuzz.schema import make_generator
+from omni_core.testing.fuzz.worker_expect import Expect, frames_hex, matches, reply_problems, serial_of, short
+from omni_core.testing.fuzz.worker_oracle import REFERENCE_PAYLOAD, OracleRounds
+from omni_core.testing.fuzz.worker_spawn import (
+    LOG_TAIL_LINES,
+    WorkerCrashed,
+    WorkerHung,
+    await_hello,
+    handler_raised_lines,
+    kill_worker,
+    spawn_worker,
+)
 from omni_core.transport import ipc_address, make_router
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
-REFERENCE_PAYLOAD = {"seed": 11, "batch": 2}
-START_TIMEOUT_S = 120.0  # torch import and model load on a loaded 2-core machine
 MAX_RESTARTS = 5  # after a crash or hang the worker is replaced; more means stop and report
-# The kinds of the oracle's own task ids ("exec-17"): `_task_id(kind)`.
-ORACLE_KINDS = frozenset({"ref", "probe", "exec", "sleep", "wake", "reload", "resync", "shutdown"})
 
 
 @dataclass
@@ -111,27 +108,7 @@ class WorkerFuzzConfig:
     schema_share: float = 0.0
 
 
-@dataclass
-class _Expect:
-    """The one reply a sent frame must get."""
-
-    frame: Frame
-    task_id: str
-    command: str  # "?" for bytes that do not decode
-    reason: NackReason | None = None  # the codec's reason, for bytes that do not decode
-    message: Command | None = None  # the decoded command, when it decoded
-    oracle: bool = False
-
-
-class _Hang(Exception):
-    pass
-
-
-class _Crash(Exception):
-    pass
-
-
-class WorkerFuzzer:
+class WorkerFuzzer(OracleRounds):
     def __init__(self, config: WorkerFuzzConfig, *, emit: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.emit = emit
@@ -147,7 +124,7 @@ class WorkerFuzzer:
         self.proc: subprocess.Popen | None = None
         self.identity: bytes = b""
         self.log_path = os.path.join(self.directory, "worker.log")
-        self.expect: deque[_Expect] = deque()
+        self.expect: deque[Expect] = deque()
         self.epoch = 0  # the worker's epoch, followed by the core's fencing rule
         self.state = WorkerState.ACTIVE  # last state a reply reported
         self.weights_dirty = False  # a fuzzed ReloadWeights refilled them from another source
@@ -187,13 +164,13 @@ class WorkerFuzzer:
                     self._fuzz_batch(min(cfg.probe_every_frames, cfg.frames - report.frames_sent))
                     self._sync()
                     self._oracle_round()
-                except (_Hang, _Crash):
+                except (WorkerHung, WorkerCrashed):
                     self._recover()
                 progress.maybe(report.frames_sent, self._progress_extra)
             try:
                 self._sync()
                 self._oracle_round(final=True)
-            except (_Hang, _Crash):
+            except (WorkerHung, WorkerCrashed):
                 self._recover()
         finally:
             ended_at = time.monotonic()
@@ -218,40 +195,14 @@ class WorkerFuzzer:
     # ================================================================ the worker process
 
     def _start_worker(self) -> None:
-        cfg = self.config
-        config = {
-            "address": self.address,
-            "rank": 0,
-            "epoch": self.epoch,
-            "stage": "fuzz",
-            "runner": "synthetic",
-            "runner_args": cfg.runner_args,
-            "backend": "portable",
-            "device": "cpu",
-            "max_frame_bytes": cfg.max_frame_bytes,
-            "parent_check_interval_s": 0.5,
-            "parent_pid": os.getpid(),
-        }
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_core.workers", "--config", msgspec.json.encode(config).decode()],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        deadline_at = time.monotonic() + START_TIMEOUT_S
-        while True:
-            left_ms = int((deadline_at - time.monotonic()) * 1000)
-            if left_ms <= 0 or self.proc.poll() is not None:
-                raise RuntimeError(f"the worker did not say Hello (exit code {self.proc.poll()}):\n{self._log_tail()}")
-            if not self.sock.poll(min(left_ms, 200)):
-                continue
-            identity, *parts = self.sock.recv_multipart()
-            message = decode(parts[-1])
-            if isinstance(message, Hello):
-                self.identity = identity
-                self.state = message.state
-                break
+        self.proc = spawn_worker(
+            self.address,
+            self.epoch,
+            runner_args=self.config.runner_args,
+            max_frame_bytes=self.config.max_frame_bytes,
+            log_path=self.log_path,
+        )
+        self.identity = await_hello(self.sock, self.proc, self.log_path)
         self.expect.clear()
         self.state = WorkerState.ACTIVE
         self.weights_dirty = False
@@ -270,15 +221,13 @@ class WorkerFuzzer:
         """After a crash or a hang: record it, replace the worker, go on (fresh epoch)."""
         self._restarts += 1
         self.report.extra["worker_restarts"] = self._restarts
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        kill_worker(self.proc)
         if self._restarts > MAX_RESTARTS:
             return
         self.epoch += 1
         self._start_worker()
 
-    def _log_tail(self, lines: int = 30) -> str:
+    def _log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
 
     def _finish(self) -> None:
@@ -292,15 +241,14 @@ class WorkerFuzzer:
                 reply = self._lockstep(Shutdown(task_id=self._task_id("shutdown"), epoch=self.epoch))
                 self._expect_ack(reply, "Shutdown", WorkerState.STOPPED)
                 self.proc.wait(15)
-            except (_Hang, _Crash, subprocess.TimeoutExpired):
+            except (WorkerHung, WorkerCrashed, subprocess.TimeoutExpired):
                 pass
             if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
+                kill_worker(self.proc)
             elif self.proc.returncode != 0:
                 self._violation("exit_code", f"the worker exited with {self.proc.returncode} after Shutdown")
         # The worker answers a frame whose handling raised (isolation) and logs it: still a bug.
-        raised = log_tail(self.log_path, 1_000_000).count(LOG_MARK)
+        raised = handler_raised_lines(self.log_path)
         report.extra["handler_raised_log_lines"] = raised
         if raised:
             self._violation(
@@ -364,12 +312,12 @@ class WorkerFuzzer:
             self.expect.append(expect)
             self._receive(block=False)
 
-    def _expectation(self, frame: Frame) -> _Expect | None:
+    def _expectation(self, frame: Frame) -> Expect | None:
         """The reply this frame must get (None: withhold the frame). Follows the epoch."""
         try:
             command = decode_command(frame.payload, max_frame_bytes=self.config.max_frame_bytes)
         except ProtocolError as err:
-            return _Expect(frame, err.task_id or "-", "?", reason=err.reason)
+            return Expect(frame, err.task_id or "-", "?", reason=err.reason)
         except Exception as exc:  # the codec itself broke its contract (P-10)
             self._violation("codec_raised", f"decode_command raised {type(exc).__name__}: {exc}", frame)
             return None
@@ -383,9 +331,9 @@ class WorkerFuzzer:
                 return None
         if accepted:
             self.epoch = command.epoch
-        if _serial_of(command.task_id) > self._oracle_serial:
+        if serial_of(command.task_id) > self._oracle_serial:
             self._ids_taken.add(command.task_id)  # the oracle must not use it later
-        return _Expect(frame, command.task_id, type(command).__name__, message=command)
+        return Expect(frame, command.task_id, type(command).__name__, message=command)
 
     def _resync_after_drop(self) -> None:
         """After zmq dropped the connection: the worker reconnects; a probe must get through."""
@@ -406,7 +354,7 @@ class WorkerFuzzer:
                     return
         self.report.hangs += 1
         self.report.add_finding(Finding("hang", "no answer after a frame over the socket limit dropped the link"))
-        raise _Hang
+        raise WorkerHung
 
     # ================================================================ replies
 
@@ -452,7 +400,7 @@ class WorkerFuzzer:
 
     def _match(self, reply: Message) -> None:
         for index, expect in enumerate(self.expect):
-            if _matches(expect, reply):
+            if matches(expect, reply):
                 for _ in range(index):  # frames before it got no reply
                     missed = self.expect.popleft()
                     self._violation(
@@ -463,32 +411,13 @@ class WorkerFuzzer:
                 self.expect.popleft()
                 self._check_reply(expect, reply)
                 return
-        self._violation("unexpected_reply", f"a reply no frame asked for: {_short(reply)}")
+        self._violation("unexpected_reply", f"a reply no frame asked for: {short(reply)}")
 
-    def _check_reply(self, expect: _Expect, reply: Message) -> None:
+    def _check_reply(self, expect: Expect, reply: Message) -> None:
         if expect.oracle:
             self._oracle_reply = reply
-        if expect.command == "?":
-            if not (isinstance(reply, Nack) and reply.reason is expect.reason):
-                self._violation(
-                    "wrong_reply", f"bytes the codec refuses ({expect.reason}) got {_short(reply)}", expect.frame
-                )
-            self._follow_state(reply)
-            return
-        if isinstance(reply, Nack) and reply.reason in (NackReason.BAD_MESSAGE, NackReason.UNSUPPORTED_VERSION):
-            self._violation(
-                "wrong_reply",
-                f"a valid {expect.command} was refused as {reply.reason.value}: {reply.detail[:200]}",
-                expect.frame,
-            )
-        if isinstance(reply, Result) and expect.command != "Execute":
-            self._violation("wrong_reply", f"a Result for a {expect.command}", expect.frame)
-        if isinstance(reply, Nack) and reply.reason is NackReason.BACKEND_ERROR:
-            # A command's arguments put the rank in FAILED: the runner or backend raised where
-            # it should have refused (INVALID_ARGUMENT) or served. This frame is the reproducer.
-            self._violation(
-                "backend_error", f"{expect.command} left the worker FAILED: {reply.detail[:600]}", expect.frame
-            )
+        for kind, detail in reply_problems(expect, reply):
+            self._violation(kind, detail, expect.frame)
         self._follow_state(reply)
         command = expect.message
         if isinstance(command, ReloadWeights) and isinstance(reply, Ack) and command.source is not None:
@@ -514,12 +443,12 @@ class WorkerFuzzer:
                 Finding(
                     "crash",
                     f"the worker exited with code {code}; last log lines:\n{self._log_tail()}",
-                    *_frames_hex(last),
+                    *frames_hex(last),
                 )
             )
             self._write_reproducer("crash", last)
             self.expect.clear()
-            raise _Crash
+            raise WorkerCrashed
 
     def _on_hang(self) -> None:
         self.report.hangs += 1
@@ -528,85 +457,12 @@ class WorkerFuzzer:
             Finding(
                 "hang",
                 f"no reply in {self.config.reply_timeout_s} s; {len(waiting)} frames waiting",
-                *_frames_hex([e.frame for e in waiting[:8]]),
+                *frames_hex([e.frame for e in waiting[:8]]),
             )
         )
         self._write_reproducer("hang", [e.frame for e in waiting])
         self.expect.clear()
-        raise _Hang
-
-    # ================================================================ the oracle
-
-    def _oracle_round(self, *, final: bool = False) -> None:
-        self.rounds += 1
-        status = self._lockstep(Status(task_id=self._task_id("probe"), epoch=self.epoch))
-        self._expect_ack(status, "Status")
-        self._to_active()
-        self._check_execute()
-        if self.rounds % self.config.lifecycle_every_rounds == 0:
-            level = 1 if (self.rounds // self.config.lifecycle_every_rounds) % 2 else 2
-            reply = self._lockstep(Sleep(task_id=self._task_id("sleep"), epoch=self.epoch, level=level))
-            self._expect_ack(reply, "Sleep", WorkerState.SLEEPING)
-            reply = self._lockstep(Wake(task_id=self._task_id("wake"), epoch=self.epoch))
-            self._expect_ack(reply, "Wake", WorkerState.ACTIVE if level == 1 else WorkerState.NEEDS_RELOAD)
-            if level == 2:
-                reply = self._lockstep(ReloadWeights(task_id=self._task_id("reload"), epoch=self.epoch))
-                self._expect_ack(reply, "ReloadWeights", WorkerState.ACTIVE)
-            self._check_execute()
-        if self.report.rss_before_bytes is None and self.report.frames_sent >= self.config.warmup_frames:
-            self._warm_profiler()
-        self._sample_rss(final)
-
-    def _warm_profiler(self) -> None:
-        """Start and stop the rank's profiler once before the RSS baseline: torch's profiler sets
-        itself up at its first start (about 70 MiB on CPU, kept for the process's life), which
-        counted as growth whenever a fuzzed Profile happened to start it after the warm-up."""
-        for start in (True, False):
-            reply = self._lockstep(
-                Profile(
-                    task_id=self._task_id("profile"), epoch=self.epoch, start=start, prefix="warmup" if start else None
-                )
-            )
-            self._expect_ack(reply, "Profile")
-
-    def _to_active(self) -> None:
-        """Undo what fuzzed (valid) commands did: wake, reload, until ACTIVE with the seed's weights."""
-        for _ in range(4):
-            if self.state is WorkerState.ACTIVE and not self.weights_dirty:
-                return
-            if self.state in (WorkerState.SLEEPING, WorkerState.PARTIAL):
-                reply = self._lockstep(Wake(task_id=self._task_id("wake"), epoch=self.epoch))
-                self._expect_ack(reply, "Wake")
-            elif self.state is WorkerState.NEEDS_RELOAD or (self.state is WorkerState.ACTIVE and self.weights_dirty):
-                reply = self._lockstep(ReloadWeights(task_id=self._task_id("reload"), epoch=self.epoch))
-                if self._expect_ack(reply, "ReloadWeights"):
-                    self.weights_dirty = False
-            else:
-                self._violation(
-                    "worker_state", f"the worker is {self.state.value} after fuzzed frames; log:\n{self._log_tail(10)}"
-                )
-                raise _Crash
-        self._violation("worker_state", f"the worker did not return to ACTIVE (now {self.state.value})")
-
-    def _check_execute(self) -> None:
-        reply = self._lockstep(Execute(task_id=self._task_id("exec"), epoch=self.epoch, payload=REFERENCE_PAYLOAD))
-        if not isinstance(reply, Result):
-            self._violation("wrong_reply", f"the reference Execute got {_short(reply)}")
-        elif reply.output != self.reference:
-            self._violation("wrong_result", "the reference Execute's output differs from the reference")
-        else:
-            self.report.valid_answered += 1
-
-    def _expect_ack(self, reply: Message, command: str, state: WorkerState | None = None) -> bool:
-        ok = isinstance(reply, Ack) and reply.command == command and (state is None or reply.state is state)
-        if ok:
-            self.report.valid_answered += 1
-        else:
-            want = f"Ack {command}" + (f" -> {state.value}" if state else "")
-            self._violation(
-                "wrong_reply", f"the oracle's {command} (epoch {self.epoch}) got {_short(reply)}, expected {want}"
-            )
-        return ok
+        raise WorkerHung
 
     def _lockstep(self, command: Command) -> Message:
         """Send one of the oracle's commands and wait for its one reply."""
@@ -616,12 +472,12 @@ class WorkerFuzzer:
         self._oracle_reply = None
         self._send((data,))
         self.expect.append(
-            _Expect(Frame((data,), "oracle"), command.task_id, type(command).__name__, message=command, oracle=True)
+            Expect(Frame((data,), "oracle"), command.task_id, type(command).__name__, message=command, oracle=True)
         )
         self._sync()
         reply = self._oracle_reply
         if reply is None:  # its expectation was passed over: a violation is recorded already
-            raise _Hang
+            raise WorkerHung
         return reply
 
     def _send(self, parts: tuple[bytes, ...]) -> None:
@@ -641,7 +497,7 @@ class WorkerFuzzer:
                 if time.monotonic() > deadline_at:
                     self.report.add_finding(Finding("hang", f"cannot reach the worker: {exc}"))
                     self.report.hangs += 1
-                    raise _Hang from None
+                    raise WorkerHung from None
                 time.sleep(0.01)
 
     def _sample_rss(self, final: bool) -> None:
@@ -674,13 +530,13 @@ class WorkerFuzzer:
             self._oracle_serial += 1
             task_id = f"{kind}-{self._oracle_serial}"
             if task_id not in self._ids_taken:
-                self._ids_taken = {t for t in self._ids_taken if _serial_of(t) > self._oracle_serial}
+                self._ids_taken = {t for t in self._ids_taken if serial_of(t) > self._oracle_serial}
                 return task_id
 
     def _violation(self, kind: str, detail: str, frame: Frame | None = None) -> None:
         self.report.violations += 1
         count(self.report.extra.setdefault("violations_by_kind", {}), kind)
-        self.report.add_finding(Finding(kind, detail, *_frames_hex([frame] if frame else [])))
+        self.report.add_finding(Finding(kind, detail, *frames_hex([frame] if frame else [])))
         if frame is not None:
             self._write_reproducer(kind, [frame])
 
@@ -693,30 +549,3 @@ class WorkerFuzzer:
             digest = hashlib.sha256(b"".join(frame.parts)).hexdigest()[:16]
             with open(os.path.join(directory, f"worker-{kind}-{digest}.msgpack"), "wb") as out:
                 out.write(msgspec.msgpack.encode(list(frame.parts)))
-
-
-def _serial_of(task_id: str) -> int:
-    """N of an id of the oracle's shape "kind-N" (0 for any other id)."""
-    kind, _, number = task_id.rpartition("-")
-    return int(number) if kind in ORACLE_KINDS and number.isascii() and number.isdigit() and len(number) < 12 else 0
-
-
-def _matches(expect: _Expect, reply: Message) -> bool:
-    if reply.task_id != expect.task_id:
-        return False
-    if isinstance(reply, Result):
-        return expect.command == "Execute"
-    return getattr(reply, "command", None) == expect.command
-
-
-def _short(message: Message) -> str:
-    text = repr(message)
-    return text if len(text) <= 400 else text[:400] + "..."
-
-
-def _frames_hex(frames: list[Frame]) -> tuple[list[str], str]:
-    if not frames:
-        return [], ""
-    frame = frames[-1]
-    digest = hashlib.sha256(b"".join(frame.parts)).hexdigest()
-    return [p[:FINDING_BYTES_KEPT].hex() for p in frame.parts], digest

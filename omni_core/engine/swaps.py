@@ -1,0 +1,93 @@
+"""Engine.swap on the orchestrator's thread: both halves issued in one turn of the loop, so
+that the outgoing stage's copies and the incoming stage's wait for memory start together,
+and one incoming wake per device at a time (`IncomingSlots`): a swap into a held device
+waits for it first, within its deadline. No IO; the halves go out through `lifecycle`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from omni_core.engine.calls import LifecycleCall, SwapRequest
+from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.incoming import IncomingSlots, SwapCall
+from omni_core.engine.stage_slot import settle
+from omni_core.fsm import InvariantViolation, StageCommandError
+
+# Hand one lifecycle call to a stage's core: (the caller's future, stage name, the call).
+Lifecycle = Callable[[Future, str, LifecycleCall], None]
+
+
+class Swaps:
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lifecycle = lifecycle
+        self._slots: IncomingSlots[SwapCall] = IncomingSlots()
+
+    def offer(self, future: Future, request: SwapRequest, in_devices: frozenset[str]) -> None:
+        """Issue the swap now, or queue it until `in_devices` are free (none: at once);
+        `future` settles once both halves are sent."""
+        swap = SwapCall(
+            future,
+            request.out_name,
+            request.sleep,
+            request.out_future,
+            request.in_name,
+            request.wake,
+            request.in_future,
+        )
+        key = (request.in_name, request.wake.task_id)
+        swap_id = request.wake.task_id.removesuffix("/in")
+        if self._slots.offer(key, swap_id, in_devices, time.monotonic(), request.wake.deadline_s, swap):
+            self._issue(key, swap)
+
+    def advance(self) -> None:
+        """Issue the waiting swaps whose devices are free, with what is left of their deadline
+        (the wait for memory keeps its share of it); refuse those whose deadline passed."""
+        while True:
+            now = time.monotonic()
+            due, expired = self._slots.advance(now)
+            for entry in expired:
+                settle(entry.item.future, error=self._slots.expired_error(entry))
+            if not due:
+                return
+            for entry in due:
+                self._issue(entry.key, entry.item.shortened(entry.deadline_at_s - now))
+
+    def ended(self, stage: str, task_id: str) -> None:
+        """A task of `stage` ended: when it was a swap's incoming wake, its devices are free."""
+        self._slots.release((stage, task_id))
+
+    def drain(self, error: BaseException) -> None:
+        """Refuse every waiting swap with `error` (the engine is closing)."""
+        for entry in self._slots.drain():
+            settle(entry.item.future, error=error)
+
+    def waiting(self, in_stage: str) -> list[dict[str, Any]]:
+        """The swaps into `in_stage` that wait, for status()."""
+        return self._slots.waiting(in_stage)
+
+    def _issue(self, key: tuple[str, str], swap: SwapCall) -> None:
+        """The sleep goes first: when it is refused nothing was sent. When the wake is refused
+        the sleep goes on (its outcome comes in `out_future`) and the refusal is the wake's."""
+        try:
+            self._lifecycle(swap.out_future, swap.out_name, swap.sleep)
+        except InvariantViolation:
+            raise
+        except BaseException as exc:
+            self._slots.release(key)
+            settle(swap.future, error=_as_caller_error(exc))
+            return
+        try:
+            self._lifecycle(swap.in_future, swap.in_name, swap.wake)
+        except InvariantViolation:
+            raise
+        except BaseException as exc:  # the sleep goes on; the caller hears both halves
+            self._slots.release(key)
+            settle(swap.in_future, error=_as_caller_error(exc))
+        settle(swap.future, result=None)
+
+
+def _as_caller_error(exc: BaseException) -> BaseException:
+    return InvalidArgumentError(str(exc)) if isinstance(exc, StageCommandError) else exc
