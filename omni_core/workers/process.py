@@ -46,6 +46,7 @@ from omni_core.fsm.effects import (
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
 from omni_core.isolation import FrameErrors, cause_of
+from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     MAX_LINKS,
@@ -612,10 +613,8 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        if os.environ.get("OMNI_CORE_LOG_FORMAT"):  # under `omni-core serve`: its format (--log-json: JSON)
-            from omni_core.serve.logs import formatter_for
-
-            formatter = formatter_for(os.environ["OMNI_CORE_LOG_FORMAT"])
+        if os.environ.get(LOG_FORMAT_ENV):  # under `omni-core serve`: its format (--log-json: JSON)
+            formatter = formatter_for(os.environ[LOG_FORMAT_ENV])
             if formatter is not None:
                 logging.getLogger().handlers[0].setFormatter(formatter)
     # The secret leaves the environment at once, so nothing the runner spawns inherits it.
