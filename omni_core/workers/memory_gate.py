@@ -1,4 +1,4 @@
-"""The memory gate of a wake: map nothing the device has no room for (issue 14, the swap).
+"""The memory gate of a wake: map nothing the device has no room for.
 
 During a swap, stage A sleeps while stage B wakes on the same GPU. B's rank asks its gate
 before mapping each allocation (or moving each tensor) of the wake: the gate admits when
