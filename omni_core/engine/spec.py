@@ -16,8 +16,8 @@ from msgspec import Meta
 from omni_core.engine.fields import FieldError, conform
 from omni_core.fsm.admission import AdmissionPolicy  # the one definition, beside its tables
 from omni_core.fsm.tags import DEFAULT_TAGS
+from omni_core.plugins import BACKENDS, RUNNERS, name_problem
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
-from omni_core.workers.config import backend_name_problem
 from omni_core.workers.simulated_device import SimulatedDevice
 
 # Requests in flight per stage, at most: below the orchestrator's per-rank socket queue
@@ -121,9 +121,10 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "devices",
                 f"{len(self.devices)} devices for {self.ranks} ranks; give one CUDA_VISIBLE_DEVICES entry per rank",
             )
-        problem = backend_name_problem(self.backend)
-        if problem:
-            raise FieldError(what, "backend", problem)
+        for field, group in (("runner", RUNNERS), ("backend", BACKENDS)):
+            problem = name_problem(group, getattr(self, field))
+            if problem:
+                raise FieldError(what, field, problem)
         if len(set(self.tags)) != len(self.tags):
             raise FieldError(what, "tags", f"must be distinct, got {list(self.tags)}")
         if self.gpu_memory_fraction is not None and self.device != "cuda":

@@ -12,23 +12,6 @@ from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, MIN_REPLY_CACHE
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 from omni_core.workers.simulated_device import SimulatedDevice
 
-# The memory backends every worker has built in (chosen in omni_core.workers.backends.select);
-# any other backend is named by an import path 'package.module:Class' of a MemoryBackend.
-BUILTIN_BACKENDS = ("auto", "portable", "cumem", "fast")
-
-
-def backend_name_problem(name: object) -> str | None:
-    """What is wrong with a backend name, or None: a builtin name or an import path."""
-    if not isinstance(name, str):
-        return f"backend must be a string, got {name!r}"
-    module, sep, attr = name.partition(":")
-    if name in BUILTIN_BACKENDS or (sep and module and attr):
-        return None
-    return (
-        f"backend {name!r} is not one of {list(BUILTIN_BACKENDS)} nor an import path "
-        "'package.module:Class' of a MemoryBackend"
-    )
-
 
 def device_problem(name: str) -> str | None:
     """What stops a process on this machine from using the torch device `name`, or None: no
@@ -59,9 +42,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     rank: int
     epoch: int = 0
     stage: str = "stage"
-    runner: str = "synthetic"  # "synthetic" or an import path "package.module:Class"
+    runner: str = "synthetic"  # a name registered in omni_core.plugins or an import path "package.module:Class"
     runner_args: dict[str, Any] = {}
-    backend: str = "auto"  # BUILTIN_BACKENDS or an import path "package.module:Class"
+    backend: str = "auto"  # a name registered in omni_core.plugins or an import path "package.module:Class"
     device: str = "cpu"  # torch device inside the process ("cpu", "cuda" = the visible GPU)
     tags: tuple[str, ...] = ("weights", "kv_cache")
     gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
