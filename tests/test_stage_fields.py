@@ -93,3 +93,15 @@ def test_a_file_and_python_build_equal_specs() -> None:
     assert from_file == StageSpec(
         "a", ranks=2, devices=("0", "1"), admission=AdmissionPolicy.REJECT, placement=RayPlacement(num_gpus=0.5)
     )
+
+
+def test_the_engine_table_takes_only_engine_keywords() -> None:
+    import inspect
+
+    from omni_core.config import EngineTable
+    from omni_core.engine import Engine
+
+    keywords = {p.name for p in inspect.signature(Engine.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    assert set(EngineTable.__struct_fields__) == keywords
+    given = parse_config({"engine": {"launcher": "ray"}, "stages": [{"name": "a"}]}).engine
+    assert given == {"launcher": "ray"}  # what the file leaves out keeps Engine's own default
