@@ -133,8 +133,6 @@ class Engine:
         abort_in_flight: bool = False,
     ) -> LifecycleReport:
         """Close admission, drain (or abort) in-flight requests, sleep every rank."""
-        if level not in (1, 2):
-            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
         return self._lifecycle(
             stage, "sleep", task_id, timeout_s, lambda tid, dl: SleepCall(tid, level, _tags(tags), dl, abort_in_flight)
         )
@@ -177,8 +175,6 @@ class Engine:
         incoming stage is then exactly where it was)."""
         if out_stage == in_stage:
             raise InvalidArgumentError(f"a swap needs two stages; got {out_stage!r} twice (use sleep or wake)")
-        if level not in (1, 2):
-            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
         out_spec, in_spec = self._spec(out_stage), self._spec(in_stage)
         deadline_s = self._deadline_s(max(out_spec.deadline_s, in_spec.deadline_s), timeout_s)
         if memory_wait_s is None:

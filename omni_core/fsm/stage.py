@@ -866,8 +866,9 @@ class StageCore:
     # ------------------------------------------------------------------ lifecycle calls
 
     def sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, now: float, deadline_s: float) -> StageStep:
-        if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
-            raise StageCommandError(f"sleep level must be 1 or 2 (an int), got {level!r}")
+        # The one check of a sleep level from any caller (Engine, HTTP, swap). True == 1, but is no level.
+        if type(level) is not int or level not in (1, 2):
+            raise StageCommandError(f"sleep level must be 1 or 2, got {level!r}")
         wanted = self._resolve(tags)
         signature = ("Sleep", level, None if tags is None else tuple(sorted(wanted)))
         retried = self._retry(task_id, signature)
