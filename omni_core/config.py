@@ -219,6 +219,16 @@ def _parse_stage(path: str, index: int, raw: Any, base: Path) -> StageSpec:
     if not isinstance(raw, dict):
         raise ConfigError(path, f"expected a [[stages]] table, got {raw!r}", index=index)
     name = raw.get("name")
+    placement = raw.get("placement")
+    if isinstance(placement, dict) and "placement_group" in placement:
+        raise ConfigError(
+            path,
+            "takes a PlacementGroup object, which Python can pass and a file cannot; "
+            "name the group with placement_group_name",
+            stage=name if isinstance(name, str) else None,
+            index=index,
+            field_name="placement.placement_group",
+        )
     table = dict(raw)
     device = table.get("simulated_device")
     if isinstance(device, dict) and isinstance(device.get("directory"), str):

@@ -69,6 +69,7 @@ def test_python_arguments_meet_the_same_declarations(kind: str, fields: dict[str
         ({"name": "a", "rnaks": 2}, "rnaks", "unknown field; known fields: ['admission', 'backend', "),
         ({"name": "a", "placement": {"num_gpu": 1}}, "placement.num_gpu", "known fields: ['bundle_indices', "),
         ({"ranks": 1}, "name", "missing, and it has no default: give it"),
+        ({"name": "a", "placement": {"placement_group": "pg"}}, "placement.placement_group", "placement_group_name"),
         ({"name": "a b"}, "name", "expected a string matching regex '^[A-Za-z0-9_.-]{1,64}$', got 'a b'"),
     ],
 )
