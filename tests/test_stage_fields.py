@@ -12,8 +12,9 @@ from omni_core.config import ConfigError, parse_config
 from omni_core.engine import StageSpec
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.fields import FieldError
-from omni_core.engine.spec import MAX_IN_FLIGHT_LIMIT, MIN_FRAME_BYTES, RayPlacement
+from omni_core.engine.spec import MAX_IN_FLIGHT_LIMIT, RayPlacement
 from omni_core.fsm.admission import AdmissionPolicy
+from omni_core.workers.config import MIN_FRAME_BYTES
 
 # One row per kind of mistake: the table's fields besides `name`, the field the error names,
 # and what it must say (the bound, the choices, the type).
@@ -106,3 +107,21 @@ def test_the_engine_table_takes_only_engine_keywords() -> None:
     assert set(EngineTable.__struct_fields__) == keywords
     given = parse_config({"engine": {"launcher": "ray"}, "stages": [{"name": "a"}]}).engine
     assert given == {"launcher": "ray"}  # what the file leaves out keeps Engine's own default
+
+
+def test_a_rank_config_meets_the_bounds_of_the_spec_it_comes_from() -> None:
+    import msgspec
+
+    from omni_core.workers.config import WorkerConfig
+
+    # `python -m omni_core.workers --config JSON` decodes a WorkerConfig without a StageSpec.
+    for field, value, words in [
+        ("gpu_memory_fraction", 2, "<= 1"),
+        ("max_frame_bytes", 1, f">= {MIN_FRAME_BYTES}"),
+        ("profile_max_s", 0, "> 0"),
+        ("tags", [], "length >= 1"),
+    ]:
+        with pytest.raises(msgspec.ValidationError, match=words):
+            msgspec.convert({"address": "ipc:///x", "rank": 0, field: value}, WorkerConfig)
+        with pytest.raises(FieldError, match=words):
+            StageSpec("a", device="cuda", **{field: value})

@@ -18,17 +18,13 @@ from omni_core.fsm.admission import AdmissionPolicy  # the one definition, besid
 from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.plugins import BACKENDS, RUNNERS, name_problem
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.workers.config import FrameBytes, GpuFraction, Seconds
 from omni_core.workers.simulated_device import SimulatedDevice
 
 # Requests in flight per stage, at most: below the orchestrator's per-rank socket queue
 # (10,000), so the queue never overflows before admission says "wait" or "rejected".
 MAX_IN_FLIGHT_LIMIT = 4096
-MIN_FRAME_BYTES = 64 << 10  # room for every lifecycle message and its error details
-MAX_FRAME_BYTES = 1 << 31
-MAX_DEADLINE_S = 24 * 3600.0
-
 StageName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-Seconds = Annotated[float, Meta(gt=0, le=MAX_DEADLINE_S)]
 # Ray's placement group strategies (ray.util.placement_group), as users of vLLM, verl and
 # OpenRLHF already write them.
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -95,8 +91,8 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Requests sent to the ranks and not yet answered by all of them (socket queues bound it).
     max_in_flight: Annotated[int, Meta(ge=1, le=MAX_IN_FLIGHT_LIMIT)] = 1024
     # The largest message either side accepts (payloads, results).
-    max_frame_bytes: Annotated[int, Meta(ge=MIN_FRAME_BYTES, le=MAX_FRAME_BYTES)] = DEFAULT_MAX_FRAME_BYTES
-    gpu_memory_fraction: Annotated[float, Meta(gt=0, le=1)] | None = None  # each rank's share of its GPU
+    max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES
+    gpu_memory_fraction: GpuFraction | None = None  # each rank's share of its GPU
     # Debug: at each sleep, compare the tags the runner declares read-only with their host copy
     # (fast backend); a runner that wrote them fails the sleep instead of waking stale.
     verify_clean_sleep: bool = False
