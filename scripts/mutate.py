@@ -46,6 +46,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ORCH = "omni_core/engine/orchestrator.py"
 STAGE_CORE = "omni_core/fsm/stage.py"
+STAGE_CALLS = "omni_core/fsm/stage_calls.py"
+STAGE_REQUESTS = "omni_core/fsm/stage_requests.py"
 ADMISSION = "omni_core/fsm/admission.py"
 WORKER_CORE = "omni_core/fsm/worker.py"
 SHELL = "omni_core/workers/process.py"
@@ -133,8 +135,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "reject-policy",
         "admission 'reject' removed: a request to a sleeping stage is queued instead",
         ADMISSION,
-        "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,\n",
-        "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE,  # mutant: no 'reject'\n",
+        "        _BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY, ",
+        "        _BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE, ",
         [f"{FIFTY}[reject]", DEMO_TEST],
     ),
     _m(
@@ -150,7 +152,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "queue-full-running",
         "no queue_limit on a RUNNING stage at max_in_flight",
-        STAGE_CORE,
+        STAGE_REQUESTS,
         "        elif len(self.queue) >= self.queue_limit:\n",
         "        elif len(self.queue) >= self.queue_limit and self.state is not S.RUNNING:  # mutant\n",
         [f"{ENGINE_TESTS}::test_requests_beyond_max_in_flight_wait_in_the_queue_and_all_complete"],
@@ -158,7 +160,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "queue-full-asleep",
         "no queue_limit on a stage that is not RUNNING",
-        STAGE_CORE,
+        STAGE_REQUESTS,
         "        elif len(self.queue) >= self.queue_limit:\n",
         "        elif len(self.queue) >= self.queue_limit and self.state is S.RUNNING:  # mutant\n",
         [ASLEEP_ADMISSION],
@@ -169,14 +171,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             Edit(
                 ADMISSION,
-                "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.REFUSE_NEEDS_RELOAD,\n",
-                "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n",
+                "        Admit.REFUSE_NEEDS_RELOAD,\n",
+                "        Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n",
             ),
             Edit(
                 ADMISSION,
-                "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+                "    QueueRow(\n        (S.NEEDS_RELOAD,) + _ENDED,\n",
                 '    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, "mutant: queued requests wait"),\n'
-                "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+                "    QueueRow(\n        _ENDED,\n",
             ),
         ),
         (ASLEEP_ADMISSION, DEMO_TEST),
@@ -185,9 +187,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "needs-reload-queued",
         "requests queued before a level-2 wake are not refused when it lands in NEEDS_RELOAD",
         ADMISSION,
-        "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+        "    QueueRow(\n        (S.NEEDS_RELOAD,) + _ENDED,\n",
         '    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, "mutant: queued requests wait"),\n'
-        "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+        "    QueueRow(\n        _ENDED,\n",
         [ASLEEP_ADMISSION],
     ),
     _m(
@@ -201,16 +203,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ------------------------------------------------------------ deadlines (stage core, orchestrator)
     _m(
         "lifecycle-deadline",
-        "the tick no longer calls on_tick: no lifecycle (or start) deadline",
+        "the tick no longer calls _tick: no lifecycle (or start) deadline",
         STAGE_CORE,
-        "        step = self.on_tick(now)\n",
-        "        step = StageStep()  # mutant: no on_tick\n",
+        "                return self._tick(now).then(self._expire_requests(now))\n",
+        "                return self._expire_requests(now)  # mutant: no _tick\n",
         [f"{ENGINE_TESTS}::test_silent_rank_ends_in_failed_at_the_deadline_naming_it"],
     ),
     _m(
         "request-deadline",
         "a request a rank never answers has no deadline",
-        STAGE_CORE,
+        STAGE_REQUESTS,
         "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:\n",
         "        for request in []:  # mutant: no request deadline\n",
         [f"{ENGINE_TESTS}::test_a_rank_silent_on_a_request_fails_the_stage_naming_it"],
@@ -218,7 +220,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "queue-deadline",
         "a queued request never expires while the stage stays asleep",
-        STAGE_CORE,
+        STAGE_REQUESTS,
         "        expired = [r for r in self.queue if now >= r.deadline_at]\n",
         "        expired = []  # mutant: no queue deadline\n",
         [f"{ENGINE_TESTS}::test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asleep"],
@@ -235,16 +237,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "drain-core",
         "the stage core sends Sleep at once, with requests still in flight",
-        STAGE_CORE,
-        '            self.lifecycle.fire("drain")\n'
+        STAGE_CALLS,
+        "            self.lifecycle.fire(row.drain)\n"
         "            step = self._send_drained() if self.in_flight_requests == 0 else StageStep()\n",
-        '            self.lifecycle.fire("drain")\n            step = self._send_drained()  # mutant: no drain\n',
+        "            self.lifecycle.fire(row.drain)\n            step = self._send_drained()  # mutant: no drain\n",
         [f"{DRAIN}[wait]"],
     ),
     _m(
         "drain-first-answer",
         "a request retires at its first rank's answer, not the last's",
-        STAGE_CORE,
+        STAGE_REQUESTS,
         "        if len(request.replies) < len(self.ranks):\n",
         "        if not request.replies:  # mutant: retire at the first answer\n",
         [f"{DRAIN}[wait]", f"{DRAIN}[abort]"],

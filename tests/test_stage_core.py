@@ -13,7 +13,9 @@ import msgspec
 import pytest
 from lifecycle_helpers import NO_MEMORY, StageHarness, record_transitions, table_pairs, wire
 
-from omni_core.fsm import STAGE_TRANSITIONS, InvariantViolation, StageBusyError, StageCommandError, StageStep
+from omni_core.fsm import STAGE_TRANSITIONS, StageBusyError, StageCommandError, StageStep
+from omni_core.fsm import inputs as I
+from omni_core.fsm.inputs import RequestError
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -132,13 +134,18 @@ def test_death_of_an_earlier_incarnation_or_unknown_rank_is_ignored() -> None:
 
 def test_ranks_silent_on_a_request_fail_the_stage_naming_them() -> None:
     h = reach_stage(S.RUNNING, ranks=3)
-    h.stage.request_started()
+    h.stage.step(I.Submit("r1", None, 2.0), h.now)
+    for rank in (0, 1):
+        h.stage.on_reply(Result(task_id="r1", epoch=h.stage.epoch, rank=rank, output=None), h.now)
     h.stage.sleep("s", 1, None, h.now, 5.0)
     assert h.stage.state is S.DRAINING
-    step = h.stage.on_ranks_unresponsive({2: "no result for request r1", 9: "not a rank"}, h.now)
+    assert h.stage.on_tick(h.now + 1.9).outcome is None and h.stage.state is S.DRAINING
+    step = h.stage.on_tick(h.now + 2.0)
     assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {2}
-    assert step.outcome is not None and not step.outcome.ok and "rank 2: no result" in step.outcome.error
-    assert h.stage.on_ranks_unresponsive({1: "again"}, h.now) == StageStep()
+    assert step.outcome is not None and not step.outcome.ok and "rank 2: no result for request r1" in step.outcome.error
+    (answer,) = step.requests
+    assert answer.request_id == "r1" and answer.error is RequestError.FAILED and "ranks [2]" in answer.detail
+    assert h.stage.on_tick(h.now + 9.0) == StageStep()
 
 
 def test_stage_needs_a_rank() -> None:
@@ -146,6 +153,26 @@ def test_stage_needs_a_rank() -> None:
 
     with pytest.raises(StageCommandError, match="at least one rank"):
         StageCore("talker", 0)
+
+
+def test_step_is_the_only_door() -> None:
+    """Every input goes through step(), so the queue pump, the trace records and the
+    invariant check always run: the core has no other public method."""
+    from omni_core.fsm import StageCore
+
+    public = {name for name in dir(StageCore) if not name.startswith("_") and callable(getattr(StageCore, name))}
+    assert public == {"step", "admits"}
+    h = reach_stage(S.RUNNING)
+    with pytest.raises(TypeError, match="engine input"):
+        h.stage.step(Sleep(task_id="s", epoch=0), h.now)  # a wire command is no input of the stage
+
+
+def test_a_lifecycle_call_through_the_door_is_traced() -> None:
+    h = reach_stage(S.RUNNING)
+    step = h.stage.step(I.SleepCall("s", 1, None, 5.0), h.now)
+    kinds = [type(r).__name__ for r in step.records]
+    assert kinds == ["StageIssued", "StageSent", "StageSent", "StageSent"]
+    assert step.records[0].deadline_at_s == h.now + 5.0  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------- all-ranks commit (P-5)
@@ -404,7 +431,7 @@ def test_sleep_drains_in_flight_requests_first() -> None:
     assert step == StageStep() and h.stage.state is S.DRAINING
     with pytest.raises(StageCommandError, match="admits no request in DRAINING"):
         h.stage.request_started()
-    assert h.stage.request_finished(h.now) == StageStep()
+    assert h.stage.request_finished(h.now).sends == ()
     step = h.stage.request_finished(h.now)  # the last one: now the Sleeps go out
     assert h.stage.state is S.TRANSITIONING and len(step.sends) == 3
     assert outcome_of(h.complete(step)).state is S.SLEEPING
@@ -421,14 +448,14 @@ def test_drain_timeout_goes_back_to_running_with_a_failed_outcome() -> None:
     assert not outcome.ok and outcome.state is S.RUNNING and "did not finish" in outcome.error
     assert h.stage.in_flight_requests == 1
     assert all(w.state is W.ACTIVE for w in h.workers)  # nothing was sent
-    assert h.stage.request_finished(6.0) == StageStep()
+    assert h.stage.request_finished(6.0).sends == ()
     assert h.stage.sleep("s", 1, None, 7.0, 5.0).outcome is outcome  # recorded, not retried
 
 
-def test_finishing_a_request_nobody_started_is_a_bug() -> None:
+def test_a_result_for_a_request_nobody_started_is_counted_late() -> None:
     h = reach_stage(S.RUNNING)
-    with pytest.raises(InvariantViolation):
-        h.stage.request_finished(h.now)
+    step = h.stage.on_reply(Result(task_id="nobody", epoch=0, rank=0), h.now)
+    assert step == StageStep() and h.stage.state is S.RUNNING and h.stage.counters.late_results == 1
 
 
 # ----------------------------------------------------------------------- failures (P-9)
@@ -519,11 +546,11 @@ def test_unknown_duplicate_and_foreign_replies_are_counted_not_applied() -> None
     ignored = [
         msgspec.structs.replace(replies[0], task_id="ghost"),  # another task
         msgspec.structs.replace(replies[0], rank=9),  # not a rank of this stage
-        Result(task_id="s", epoch=0, rank=0),  # not an answer to a lifecycle command
+        Result(task_id="s", epoch=0, rank=0),  # not an answer to a lifecycle command: a late result
     ]
     for reply in ignored:
         assert h.stage.on_reply(reply, h.now) == StageStep() and h.stage.state is S.TRANSITIONING
-    assert c.unknown_replies_ignored == 3
+    assert c.unknown_replies_ignored == 2 and c.late_results == 1
     h.stage.on_reply(replies[0], h.now)
     h.stage.on_reply(replies[0], h.now)
     assert c.duplicate_replies_ignored == 1 and h.stage.state is S.TRANSITIONING
@@ -532,7 +559,7 @@ def test_unknown_duplicate_and_foreign_replies_are_counted_not_applied() -> None
     assert h.stage.on_reply(nack, h.now) == StageStep() and c.duplicate_replies_ignored == 2
     h.feed(replies[1:])
     assert h.stage.state is S.SLEEPING
-    assert h.stage.on_reply(replies[1], h.now) == StageStep() and c.unknown_replies_ignored == 4
+    assert h.stage.on_reply(replies[1], h.now) == StageStep() and c.unknown_replies_ignored == 3
 
 
 def test_replies_while_draining_are_unknown() -> None:

@@ -293,7 +293,7 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
 
     def request_finish(self) -> None:
         sends = self.model.request_finished()
-        step = self.stage.request_finished(self.now)  # outside step(): the engine shell sends what it says
+        step = self.stage.request_finished(self.now)  # every rank answers it; the shell sends what it says
         self._check_sends(step, sends)
         self.sim.apply(step)
 

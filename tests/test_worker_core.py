@@ -11,6 +11,7 @@ import pytest
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
 
 from omni_core.fsm import (
+    STAGE_TRANSITIONS,
     WORKER_TRANSITIONS,
     BoundedCache,
     ExecuteEffect,
@@ -984,3 +985,25 @@ def test_a_busy_refusal_of_a_profile_is_recorded_so_a_copy_never_runs_after_it()
     d.w.on_done("q")
     step = d.send(_profile("p", True))
     assert step.effect is None and step.replies == (busy,) and not d.w.profiling
+
+
+def test_the_command_handler_is_the_only_door_for_commands() -> None:
+    """A command reaches its handler only through on_command (epoch fence, reply cache, BUSY
+    first); the other public calls are the shell's: the load and each effect's end."""
+    public = {name for name in dir(WorkerCore) if not name.startswith("_") and callable(getattr(WorkerCore, name))}
+    assert public == {"on_command", "on_bad_message", "loaded", "load_failed", "on_done", "on_refused", "on_error"}
+
+
+def test_every_refused_row_returns_where_the_command_started() -> None:
+    from omni_core.fsm.settle import REFUSAL_REASON, refused_trigger
+    from omni_core.fsm.worker_table import REFUSED
+
+    assert {kind for kind, _ in REFUSED} == set(REFUSAL_REASON)
+    for table in (WORKER_TRANSITIONS, STAGE_TRANSITIONS):
+        for t in table:
+            for kind in REFUSAL_REASON:
+                if t.dest is not None and t.trigger == refused_trigger(kind, t.dest):
+                    assert t.trigger.endswith(t.dest.value.lower()) and len(t.sources) == 1
+    worker_rows = {t.trigger: t for t in WORKER_TRANSITIONS}
+    for (kind, state), trigger in REFUSED.items():
+        assert worker_rows[trigger].dest is state and trigger == refused_trigger(kind, state)

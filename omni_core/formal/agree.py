@@ -23,7 +23,8 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import StageCommandError, StageCore
 from omni_core.fsm.tags import Residency, plan_sleep
-from omni_core.fsm.worker import WorkerCore, _CachedReply, _Pending, command_digest
+from omni_core.fsm.worker import WorkerCore
+from omni_core.fsm.worker_step import _CachedReply, _Pending, command_digest
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -273,10 +274,10 @@ def _stage(s: Key, factory: Callable[..., StageCore]) -> StageCore:
 def _call(stage: StageCore, c: Key) -> Any:
     kind, level, tags = c
     if kind == "Sleep":
-        return stage.sleep("1", level, _tags(tags), 0.0, 10.0)
+        return stage.step(I.SleepCall("1", level, _tags(tags), 10.0), 0.0)
     if kind == "Wake":
-        return stage.wake("1", _tags(tags), 0.0, 10.0)
-    return stage.reload("1", None, 0.0, 10.0)
+        return stage.step(I.WakeCall("1", _tags(tags), 10.0), 0.0)
+    return stage.step(I.ReloadCall("1", None, 10.0), 0.0)
 
 
 def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -> tuple | None:

@@ -5,8 +5,9 @@ twice is how the core uses them: a request runs at once only with room in flight
 empty queue, a full queue refuses, and the pump dispatches, wakes or rejects. TLC runs
 `tla/OmniAgreeAdmission.tla`: every stage state x policy x queue length x requests in
 flight is an initial state, and the spec's first admission step there (the pump when it is
-due, else a Submit) is printed. Here StageCore is put in the same case and `_pump` or
-`on_submit` is called; the two must do the same thing. `omni-core check` shows it as the
+due, else a Submit) is printed. Here StageCore is put in the same case and stepped with a
+Tick (which, with nothing due, only moves the queue on) or a Submit; the two must do the
+same thing. `omni-core check` shows it as the
 row "agree/admission".
 """
 
@@ -19,7 +20,9 @@ from omni_core.formal.agree import AgreeParseError, Disagreement, _place, parse_
 from omni_core.formal.tlc import EXIT_OK, run_tlc
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
-from omni_core.fsm.stage import StageCore, _Request, _Task
+from omni_core.fsm.stage import StageCore
+from omni_core.fsm.stage_step import _Request, _Task
+from omni_core.fsm.stage_table import STAGE_STATE_OF_RANK
 from omni_core.protocol import Sleep, StageState, WorkerState
 
 SPEC = "OmniAgreeAdmission.tla"
@@ -27,6 +30,8 @@ CONFIG = "agree_admission.cfg"
 QUEUE_LIMIT = 2  # as agree_admission.cfg
 MAX_IN_FLIGHT = 2
 _IN_TASK = {StageState.DRAINING, StageState.TRANSITIONING, StageState.WAKING}
+
+_RANK_STATE = {stage: rank for rank, stage in STAGE_STATE_OF_RANK.items()}
 
 Case = tuple[str, str, int, int]  # stage state, policy, queued, in flight
 
@@ -57,7 +62,7 @@ def _core(case: Case, factory: Callable[..., StageCore]) -> StageCore:
         stage_state, frozenset()
     )
     core.residency.weights_valid = stage_state is not StageState.NEEDS_RELOAD
-    core.rank_state = {0: WorkerState.ACTIVE}
+    core.rank_state = {0: _RANK_STATE.get(stage_state, WorkerState.ACTIVE)}  # the rank agrees (P-5)
     if stage_state in _IN_TASK:  # a sleep under way, as the spec's case has
         command = Sleep(task_id="task", epoch=core.epoch, level=1, tags=None)
         core._task = _Task(
@@ -83,19 +88,18 @@ def code_step(case: Case, step: str, factory: Callable[..., StageCore] = StageCo
     core = _core(case, factory)
     queued, in_flight = len(core.queue), len(core.in_flight)
     if step == "pump":
-        core._pump(0.0)
+        core.step(I.Tick(), 0.0)  # nothing falls due at 0: the tick only moves the queue on
         if len(core.in_flight) > in_flight:
             return "pump", "dispatch"
         if core._task is not None and type(core._task.command).__name__ == "Wake":
             return "pump", "auto_wake"
         return "pump", "reject_all" if queued and not core.queue else "none"
-    before = len(core._answers)
-    core.on_submit(I.Submit("new", None, 60.0), 0.0)
+    answered = core.step(I.Submit("new", None, 60.0), 0.0).requests
     if "new" in core.in_flight:
         return "submit", "run"
     if any(r.request_id == "new" for r in core.queue):
         return "submit", "queue"
-    return "submit", "refuse" if len(core._answers) > before else "none"
+    return "submit", "refuse" if any(a.request_id == "new" for a in answered) else "none"
 
 
 def compare(steps: dict[Case, tuple[str, str]], factory: Callable[..., StageCore] = StageCore) -> list[Disagreement]:

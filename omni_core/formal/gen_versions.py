@@ -19,8 +19,9 @@ import itertools
 
 from omni_core.formal.generated import Generated
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, StageCore
+from omni_core.fsm import inputs as I
 from omni_core.fsm.settle import Settled, settle_row
-from omni_core.fsm.worker import _REFUSED
+from omni_core.fsm.worker_table import REFUSED
 from omni_core.protocol import (
     Ack,
     Capability,
@@ -77,21 +78,19 @@ def _stage_at(start: str) -> StageCore:
     """A StageCore of 2 ranks in `start`, reached by legal calls: the Hellos (and, for
     NEEDS_RELOAD, an update every rank failed)."""
     stage = StageCore("versions", 2)
-    stage.start(0.0, 10.0)
+    stage.step(I.Start(10.0), 0.0)
     for rank in (0, 1):
-        stage.on_hello(
-            Hello(
-                task_id="hello",
-                epoch=stage.epoch,
-                rank=rank,
-                pid=100 + rank,
-                device="cpu",
-                backend="portable",
-                tags=stage.tags,
-                capabilities=(Capability.WEIGHT_UPDATE,),
-            ),
-            0.0,
+        hello = Hello(
+            task_id="hello",
+            epoch=stage.epoch,
+            rank=rank,
+            pid=100 + rank,
+            device="cpu",
+            backend="portable",
+            tags=stage.tags,
+            capabilities=(Capability.WEIGHT_UPDATE,),
         )
+        stage.step(I.Received(hello), 0.0)
     if start == "NEEDS_RELOAD":
         _update(stage, ("failed", "failed"))
     if stage.state.value != start:
@@ -117,10 +116,10 @@ def _update(stage: StageCore, answers: tuple[str, ...]) -> list[tuple[str, bool]
     version = stage.weights_version + 1
     before = WorkerState.ACTIVE if stage.state is StageState.RUNNING else WorkerState(stage.state.value)
     task_id = f"update-{stage.state.value}-{version}"
-    stage.update_weights(task_id, version, DiskSource(path="/model"), 0.0, 10.0)
+    stage.step(I.UpdateCall(task_id, version, DiskSource(path="/model"), 10.0), 0.0)
     after = []
     for rank, answer in enumerate(answers):
-        stage.on_reply(_reply(stage, task_id, rank, answer, version, before), 0.0)
+        stage.step(I.Received(_reply(stage, task_id, rank, answer, version, before)), 0.0)
         after.append((stage.state.value, stage.weights_version == version))
     return after
 
@@ -155,7 +154,7 @@ def _record(mapping: dict[str, str]) -> str:
 
 def render() -> str:
     active = settle_row(Settled.ACTIVE)
-    worker_refused = {state.value: trigger for (kind, state), trigger in _REFUSED.items() if kind is UpdateWeights}
+    worker_refused = {state.value: trigger for (kind, state), trigger in REFUSED.items() if kind is UpdateWeights}
     stage_refused = {
         t.dest.value: t.trigger
         for t in STAGE_TRANSITIONS

@@ -20,7 +20,6 @@ from omni_core.fsm.effects import (
 )
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import (
-    STAGE_TRANSITIONS,
     Outbound,
     StageBusyError,
     StageCommandError,
@@ -28,9 +27,11 @@ from omni_core.fsm.stage import (
     StageStep,
     TaskOutcome,
 )
+from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.table import Lifecycle, Transition, table_as_dict, table_as_mermaid
 from omni_core.fsm.tags import DEFAULT_TAGS, KV_CACHE_TAG, WEIGHTS_TAG, Residency
-from omni_core.fsm.worker import WORKER_TRANSITIONS, InvariantViolation, WorkerCore, WorkerStep
+from omni_core.fsm.worker import InvariantViolation, WorkerCore, WorkerStep
+from omni_core.fsm.worker_table import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from omni_core.fsm.stage import STAGE_TRANSITIONS
+from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.table import Transition, table_as_mermaid
-from omni_core.fsm.worker import WORKER_TRANSITIONS
+from omni_core.fsm.worker_table import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
 
 

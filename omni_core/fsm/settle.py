@@ -5,14 +5,21 @@ wake or a reload settles; `SETTLE_ROWS` says, for each outcome, which worker tri
 after a wake or a reload, which state every rank must then report, and which stage trigger
 commits. The worker core, the stage core and (generated into `tla/OmniTransitions.tla`)
 the TLA+ spec all read these rows; none restates them.
+
+A refusal ends where the command started: `REFUSAL_REASON` says which NACK of a rank is a
+refusal rather than a failure, and `refused_rows` writes the transitions that return a
+worker or a stage to the state a refused command found it in, for both tables.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from omni_core.protocol import StageState, WorkerState
+from omni_core.fsm.table import Transition
+from omni_core.protocol import NackReason, ReloadWeights, StageState, UpdateWeights, Wake, WorkerState
 
 
 class Settled(str, enum.Enum):
@@ -53,3 +60,25 @@ _BY_OUTCOME = {row.settled: row for row in SETTLE_ROWS}
 
 def settle_row(settled: Settled) -> SettleRow:
     return _BY_OUTCOME[settled]
+
+
+# The NACK that is a refusal (the rank is where it was, nothing written or kept mapped) rather
+# than a failure, per command; any other command has none.
+REFUSAL_REASON: Mapping[type, NackReason] = MappingProxyType(
+    {
+        ReloadWeights: NackReason.INVALID_ARGUMENT,
+        Wake: NackReason.NO_MEMORY,
+        UpdateWeights: NackReason.INVALID_ARGUMENT,
+    }
+)
+_REFUSED_VERB: Mapping[type, str] = MappingProxyType({ReloadWeights: "reload", Wake: "wake", UpdateWeights: "update"})
+
+
+def refused_trigger(kind: type, state_before: enum.Enum) -> str:
+    """The trigger that returns a refused `kind` to `state_before` (worker or stage alike)."""
+    return f"{_REFUSED_VERB[kind]}_refused_{state_before.value.lower()}"
+
+
+def refused_rows(kind: type, source: enum.Enum, dests: tuple[enum.Enum, ...], why: str) -> tuple[Transition, ...]:
+    """The rows from `source` (the command's transient state) back to each state in `dests`."""
+    return tuple(Transition(refused_trigger(kind, dest), (source,), dest, why) for dest in dests)

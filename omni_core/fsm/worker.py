@@ -1,42 +1,27 @@
-"""Worker lifecycle: the transition table of one rank process and its sans-IO core.
+"""Worker lifecycle: the sans-IO core of one rank process.
 
 `WorkerCore.on_command` takes a decoded command and returns a `WorkerStep`: the replies to
 send now and at most one effect for the shell to perform. When the effect is done the
-shell calls `on_done` (or `on_error`) and gets the terminal reply. Same state and input,
-same output: the core reads no clock and touches no memory.
+shell calls `on_done` (or `on_refused`, `on_error`) and gets the terminal reply. Same state
+and input, same output: the core reads no clock and touches no memory.
+
+One door for commands: `on_command` fences the epoch, answers copies from the reply cache
+and refuses while busy before a command's own handler (`worker_commands`) runs; the effect
+completions are in `worker_effects`, the table in `worker_table`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from omni_core.fsm.effects import (
-    Effect,
-    ExecuteEffect,
-    ProfileEffect,
-    ReloadEffect,
-    ShareEffect,
-    ShutdownEffect,
-    SleepEffect,
-    StatusEffect,
-    UpdateEffect,
-    WakeEffect,
-    WeightGroupEffect,
-)
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
-from omni_core.fsm.settle import settle_row
-from omni_core.fsm.table import Lifecycle, Transition
-from omni_core.fsm.tags import DEFAULT_TAGS, Residency, SleepPlan, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.fsm.table import Lifecycle
+from omni_core.fsm.tags import DEFAULT_TAGS, Residency
 from omni_core.fsm.trace_records import (
     BadMessage,
-    EffectDone,
-    EffectFailed,
-    EffectRefused,
     ReplySent,
     WorkerChanged,
     WorkerReceived,
@@ -44,13 +29,28 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
+from omni_core.fsm.worker_commands import WorkerCommands
+from omni_core.fsm.worker_effects import WorkerEffects
+from omni_core.fsm.worker_step import (
+    _ENTRY_OVERHEAD_BYTES,
+    ALL_CAPABILITIES,
+    HELLO_TASK_ID,
+    MAX_EPOCH_AHEAD,
+    InvariantViolation,
+    WorkerCounters,
+    WorkerStep,
+    _CachedReply,
+    _Pending,
+    _sent,
+    command_digest,
+)
+from omni_core.fsm.worker_table import IDLE, WORKER_TRANSITIONS
 from omni_core.protocol import (
     Ack,
     AckStatus,
     Capability,
     Command,
     Execute,
-    Hello,
     InitWeightGroup,
     MemoryReport,
     Nack,
@@ -59,7 +59,6 @@ from omni_core.protocol import (
     ProtocolError,
     ReloadWeights,
     Reply,
-    Result,
     ShareWeights,
     Shutdown,
     Sleep,
@@ -67,216 +66,22 @@ from omni_core.protocol import (
     UpdateWeights,
     Wake,
     encode,
-    profile_prefix_problem,
 )
 from omni_core.protocol import WorkerState as W
 
-_ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL, W.NEEDS_RELOAD, W.RELOADING)
-_IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)  # may accept a lifecycle command
-
-WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
-    Transition("loaded", (W.LOADING,), W.ACTIVE, "runner loaded weights and caches"),
-    Transition("sleep", _IDLE, W.OFFLOADING, "Sleep for tags not yet asleep"),
-    Transition(
-        "sleep_already",
-        (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD),
-        None,
-        "Sleep whose tags are all asleep: ALREADY, no effect (P-4)",
-    ),
-    Transition("offloaded", (W.OFFLOADING,), W.SLEEPING, "backend released the tags"),
-    Transition("wake", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), W.RESTORING, "Wake for tags that are asleep"),
-    Transition("wake_already", _IDLE, None, "Wake whose tags are all resident: ALREADY (P-4)"),
-    Transition("restored_active", (W.RESTORING,), W.ACTIVE, "all resident, weights valid"),
-    Transition("restored_partial", (W.RESTORING,), W.PARTIAL, "some tags still asleep"),
-    Transition(
-        "restored_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD, "weights mapped but discarded by a level-2 sleep"
-    ),
-    Transition("reload", (W.NEEDS_RELOAD, W.ACTIVE), W.RELOADING, "ReloadWeights"),
-    Transition("reloaded_active", (W.RELOADING,), W.ACTIVE, "weights valid, all resident"),
-    Transition("reloaded_partial", (W.RELOADING,), W.PARTIAL, "weights valid, tags asleep"),
-    Transition(
-        "reload_refused_needs_reload",
-        (W.RELOADING,),
-        W.NEEDS_RELOAD,
-        "the runner refused the source before writing (INVALID_ARGUMENT)",
-    ),
-    Transition(
-        "reload_refused_active",
-        (W.RELOADING,),
-        W.ACTIVE,
-        "the runner refused the source before writing (INVALID_ARGUMENT)",
-    ),
-    Transition(
-        "wake_refused_sleeping",
-        (W.RESTORING,),
-        W.SLEEPING,
-        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
-    ),
-    Transition(
-        "wake_refused_partial",
-        (W.RESTORING,),
-        W.PARTIAL,
-        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
-    ),
-    Transition(
-        "wake_refused_needs_reload",
-        (W.RESTORING,),
-        W.NEEDS_RELOAD,
-        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
-    ),
-    Transition(
-        "update",
-        (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD),
-        W.RELOADING,
-        "UpdateWeights above the current version, weights resident (P-17); settles as a reload does",
-    ),
-    Transition(
-        "update_refused_active",
-        (W.RELOADING,),
-        W.ACTIVE,
-        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_refused_partial",
-        (W.RELOADING,),
-        W.PARTIAL,
-        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_refused_needs_reload",
-        (W.RELOADING,),
-        W.NEEDS_RELOAD,
-        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
-    ),
-    Transition(
-        "update_failed",
-        (W.RELOADING,),
-        W.NEEDS_RELOAD,
-        "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before",
-    ),
-    Transition("weight_group", _IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
-    Transition("weight_group_already", _IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),
-    Transition(
-        "share",
-        (W.ACTIVE, W.PARTIAL),
-        None,
-        "ShareWeights with valid weights awake: copied into shared buckets; the state never changes",
-    ),
-    Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
-    Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
-    Transition(
-        "profile", _IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"
-    ),
-    Transition(
-        "profile_already", _IDLE, None, "Profile start while one runs, stop while none does: ALREADY, no effect (P-15)"
-    ),
-    Transition("fail", _ALIVE, W.FAILED, "backend or runner raised"),
-    Transition(
-        "shutdown",
-        (W.LOADING, *_IDLE, W.FAILED),
-        W.STOPPED,
-        "Shutdown (in a transient state the effect in progress answers first: BUSY)",
-    ),
-    Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
-)
-
-# A refused reload or wake returns to where it came from: (command, state before) -> trigger,
-# and the reason its NACK gives.
-_REFUSED = {
-    (ReloadWeights, W.NEEDS_RELOAD): "reload_refused_needs_reload",
-    (ReloadWeights, W.ACTIVE): "reload_refused_active",
-    (Wake, W.SLEEPING): "wake_refused_sleeping",
-    (Wake, W.PARTIAL): "wake_refused_partial",
-    (Wake, W.NEEDS_RELOAD): "wake_refused_needs_reload",
-    (UpdateWeights, W.ACTIVE): "update_refused_active",
-    (UpdateWeights, W.PARTIAL): "update_refused_partial",
-    (UpdateWeights, W.NEEDS_RELOAD): "update_refused_needs_reload",
-}
-_REFUSAL_REASON = {
-    ReloadWeights: NackReason.INVALID_ARGUMENT,
-    Wake: NackReason.NO_MEMORY,
-    UpdateWeights: NackReason.INVALID_ARGUMENT,
-}
-
-# Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
-# to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
-# rank off from every normal epoch for good.
-MAX_EPOCH_AHEAD = 64
-
-ALL_CAPABILITIES: tuple[Capability, ...] = (
-    Capability.LEVEL2,
-    Capability.PARTIAL_WAKE,
-    Capability.SWAP,
-    Capability.WEIGHT_UPDATE,
-)
-HELLO_TASK_ID = "hello"  # the task id every Hello carries
-_NO_LINKS = (
-    "this worker copies over its own host link only (capability 'multi_path' not declared); "
-    "send the command without links"
-)
-_REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
+__all__ = [
+    "ALL_CAPABILITIES",
+    "HELLO_TASK_ID",
+    "MAX_EPOCH_AHEAD",
+    "InvariantViolation",
+    "WorkerCore",
+    "WorkerCounters",
+    "WorkerStep",
+    "command_digest",
+]
 
 
-def _sent(reply: Reply, *, to_bad_bytes: bool = False) -> ReplySent:
-    info = reply.status.value if isinstance(reply, Ack) else reply.reason.value if isinstance(reply, Nack) else ""
-    state = reply.state.value if isinstance(reply, (Ack, Nack)) else ""
-    return ReplySent(reply.epoch, reply.task_id, _REPLY_KINDS[type(reply)], state, info, to_bad_bytes)
-
-
-@dataclass(frozen=True)
-class WorkerStep:
-    """Output of one core call: replies to send now, at most one effect to perform, and the
-    trace records of what happened (the shell writes them before sending the replies)."""
-
-    replies: tuple[Reply, ...] = ()
-    effect: Effect | None = None
-    records: tuple[WorkerRecord, ...] = field(default=(), compare=False, repr=False)
-
-
-@dataclass
-class WorkerCounters:
-    duplicates_answered_from_cache: int = 0
-    duplicates_in_flight_ignored: int = 0
-    stale_epoch_refused: int = 0
-    epoch_ahead_refused: int = 0
-    bad_messages: int = 0
-    replies_not_kept: int = 0  # answered, but too large to keep for a duplicate
-
-
-@dataclass(frozen=True)
-class _CachedReply:
-    """What a duplicate needs: a digest of the command (never the command: an Execute payload
-    may be 100 MB) and the reply, or None when the reply was too large to keep."""
-
-    command_digest: bytes
-    command_name: str
-    reply: Reply | None
-
-
-def command_digest(command: Command) -> bytes:
-    """Identity of a command regardless of its epoch: a retry across an epoch bump is the same."""
-    return hashlib.blake2b(encode(msgspec.structs.replace(command, epoch=0)), digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """The effect the shell performs now: its command and what completing it needs."""
-
-    command: Command
-    sleep_plan: SleepPlan | None = None  # Sleep: what to offload and discard
-    wake_tags: frozenset[str] = frozenset()  # Wake: the tags it maps back
-    state_before: W | None = None  # ReloadWeights, Wake: where a refusal returns to
-
-
-# Digest, names and bookkeeping of one cache entry, counted against the byte budget.
-_ENTRY_OVERHEAD_BYTES = 256
-
-
-class InvariantViolation(AssertionError):
-    """The core reached a state its invariants forbid: a bug in omni-core, not in the caller."""
-
-
-class WorkerCore:
+class WorkerCore(WorkerCommands, WorkerEffects):
     """Lifecycle of one worker rank: legality, idempotence, fencing. No IO."""
 
     def __init__(
@@ -304,22 +109,8 @@ class WorkerCore:
         self.counters = WorkerCounters()
         self.failure: str = ""
         self._pending: _Pending | None = None
-        self._handlers = {
-            Sleep: self.on_sleep,
-            Wake: self.on_wake,
-            ReloadWeights: self.on_reload_weights,
-            Execute: self.on_execute,
-            Status: self.on_status,
-            Shutdown: self.on_shutdown,
-            Profile: self.on_profile,
-            UpdateWeights: self.on_update_weights,
-            InitWeightGroup: self.on_init_weight_group,
-            ShareWeights: self.on_share_weights,
-        }
         # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
         self.profiling = False
-
-    # ------------------------------------------------------------------ queries
 
     @property
     def state(self) -> W:
@@ -328,8 +119,6 @@ class WorkerCore:
     @property
     def busy(self) -> bool:
         return self._pending is not None
-
-    # ------------------------------------------------------------------ inputs
 
     def loaded(self, backend: str = "", capabilities: Iterable[Capability] | None = None) -> WorkerStep:
         """The shell finished loading the runner: LOADING -> ACTIVE. The records say so and
@@ -366,167 +155,9 @@ class WorkerCore:
         self._check_invariants()
         return self._traced(step, head, before, command.task_id)
 
-    def _traced(self, step: WorkerStep, head: WorkerRecord, before: W, task_id: str) -> WorkerStep:
-        """`step` with its records: what happened, the change of state it made, the replies."""
-        changed = () if self.state is before else (WorkerChanged(task_id, before.value, self.state.value),)
-        records = (head, *changed, *(_sent(r) for r in step.replies))
-        return WorkerStep(step.replies, step.effect, records)
-
-    def on_done(
-        self,
-        task_id: str,
-        *,
-        memory: MemoryReport | None = None,
-        output: Any = None,
-        duration_s: float = 0.0,
-        path: str = "",
-        trace_paths: tuple[str, ...] = (),
-        shared: Any = None,
-    ) -> WorkerStep:
-        """The shell performed the pending effect (`path`: how the backend did it, traced;
-        `trace_paths`: the files a Profile stop wrote)."""
-        before = self.state
-        pending = self._take_pending(task_id)
-        command = pending.command
-        if isinstance(command, Execute):
-            reply: Reply = Result(
-                task_id=task_id,
-                epoch=self.epoch,
-                rank=self.rank,
-                output=output,
-                duration_s=duration_s,
-                weights_version=self.weights_version,
-            )
-        else:
-            if isinstance(command, Sleep):
-                assert pending.sleep_plan is not None
-                self.residency.apply_sleep(pending.sleep_plan)
-                self.lifecycle.fire("offloaded")
-            elif isinstance(command, Wake):
-                self.residency.apply_wake(pending.wake_tags)
-                self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
-            elif isinstance(command, (ReloadWeights, UpdateWeights)):
-                self.residency.apply_reload()
-                trigger = settle_row(self.residency.settled()).after_reload
-                if trigger is None:
-                    raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
-                self.lifecycle.fire(trigger)
-                # A reload brings the runner's own weights back: no update's version stands for them.
-                self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
-            elif isinstance(command, InitWeightGroup):
-                self.weight_group = command
-            elif isinstance(command, Profile):
-                self.profiling = command.start
-            reply = self._ack(
-                command,
-                AckStatus.OK,
-                memory=memory,
-                duration_s=duration_s,
-                trace_paths=trace_paths if isinstance(command, Profile) else (),
-                shared=shared if isinstance(command, ShareWeights) else None,
-            )
-        if not isinstance(command, Status):
-            self._remember(command, reply)
-        self._check_invariants()
-        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, path)
-        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-
-    def on_refused(self, task_id: str, detail: str, reason: NackReason | None = None) -> WorkerStep:
-        """The pending effect was refused before it changed anything, and the rank is back in
-        the state the command started from: a ReloadWeights whose source the runner refused
-        before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
-        memory in time and unmapped what it had mapped (NACK NO_MEMORY, P-16). Cached, like an
-        EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
-        gets it again instead of passing through RELOADING once more (TLC found that a copy
-        judged afresh moved a rank of a NEEDS_RELOAD stage back into RELOADING)."""
-        before = self.state
-        pending = self._take_pending(task_id)
-        kind = type(pending.command)
-        trigger = _REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
-        if trigger is None:
-            raise InvariantViolation(
-                f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
-                f"{pending.command!r} "
-                f"(started in {pending.state_before})"
-            )
-        if reason is not None and reason is not _REFUSAL_REASON[kind]:
-            raise InvariantViolation(
-                f"a {kind.__name__} is refused with {_REFUSAL_REASON[kind].value}, not {reason.value}"
-            )
-        self.lifecycle.fire(trigger)
-        name = kind.__name__
-        effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
-        reply = self._nack(
-            pending.command, _REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
-        )
-        self._remember(pending.command, reply)
-        self._check_invariants()
-        head = EffectRefused(task_id, name, self.state.value, clip(detail))
-        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-
-    def on_error(self, task_id: str, error: str) -> WorkerStep:
-        """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
-        in every later reply; a failed Execute is only that request's error."""
-        before = self.state
-        pending = self._take_pending(task_id)
-        name = type(pending.command).__name__
-        what = f"{name} task {task_id!r} failed: {error}"
-        if isinstance(pending.command, Execute):
-            # A request the runner rejects says nothing about the memory: stay ACTIVE.
-            reply = self._nack(pending.command, NackReason.EXECUTE_ERROR, what)
-            self._remember(pending.command, reply)
-            head = EffectFailed(task_id, name, self.state.value, clip(error))
-            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-        if isinstance(pending.command, UpdateWeights):
-            # Writing began: the weights are neither the old version nor the new one. They stay
-            # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
-            self.residency.weights_valid = False
-            self.lifecycle.fire("update_failed")
-            reply = self._nack(
-                pending.command,
-                NackReason.UPDATE_FAILED,
-                f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
-                f"version {self.weights_version}: update again or reload",
-            )
-            self._remember(pending.command, reply)
-            self._check_invariants()
-            head = EffectFailed(task_id, name, self.state.value, clip(error))
-            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-        if isinstance(pending.command, (InitWeightGroup, ShareWeights)):
-            # No pool memory moved: the rank keeps its state (and has no group, or shares nothing).
-            after = (
-                "this rank joined no weight group"
-                if isinstance(pending.command, InitWeightGroup)
-                else "this rank shares no weights now"
-            )
-            reply = self._nack(pending.command, NackReason.INVALID_ARGUMENT, f"{what}; {after}")
-            self._remember(pending.command, reply)
-            head = EffectFailed(task_id, name, self.state.value, clip(error))
-            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-        if isinstance(pending.command, Profile):
-            # The profiler is not memory: the rank keeps its state and serves on. The shell
-            # drops a profiler that failed, so none runs now, whichever way it failed.
-            self.profiling = False
-            reply = self._nack(
-                pending.command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now"
-            )
-            self._remember(pending.command, reply)
-            self._check_invariants()
-            head = EffectFailed(task_id, name, self.state.value, clip(error))
-            return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-        self.failure = what
-        if self.lifecycle.allows("fail"):
-            self.lifecycle.fire("fail")
-        reply = self._nack(pending.command, NackReason.BACKEND_ERROR, self.failure)
-        if not isinstance(pending.command, Status):  # Status is never cached (as in on_done)
-            self._remember(pending.command, reply)
-        self._check_invariants()
-        head = EffectFailed(task_id, name, self.state.value, clip(error))
-        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
-
-    # ------------------------------------------------------------------ handlers
-
     def _on_command(self, command: Command) -> WorkerStep:
+        """Fence the epoch, answer a copy from the reply cache, refuse while busy or FAILED;
+        then the command's own handler."""
         if command.epoch < self.epoch:
             self.counters.stale_epoch_refused += 1
             return self._refuse(
@@ -595,184 +226,35 @@ class WorkerCore:
                 NackReason.FAILED,
                 f"worker is FAILED ({self.failure}); only Shutdown or a restart leaves FAILED",
             )
-        return self._handlers[type(command)](command)
+        match command:
+            case Sleep():
+                return self._on_sleep(command)
+            case Wake():
+                return self._on_wake(command)
+            case ReloadWeights():
+                return self._on_reload_weights(command)
+            case UpdateWeights():
+                return self._on_update_weights(command)
+            case InitWeightGroup():
+                return self._on_init_weight_group(command)
+            case ShareWeights():
+                return self._on_share_weights(command)
+            case Execute():
+                return self._on_execute(command)
+            case Status():
+                return self._on_status(command)
+            case Profile():
+                return self._on_profile(command)
+            case Shutdown():
+                return self._on_shutdown(command)
+            case _:
+                raise InvariantViolation(f"the worker core has no handler for {command!r}")
 
-    def on_sleep(self, command: Sleep) -> WorkerStep:
-        try:
-            tags = resolve_tags(command.tags, self.tags)
-        except UnknownTagError as exc:
-            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
-        if command.level == 2 and Capability.LEVEL2 not in self.capabilities:
-            return self._refuse(
-                command,
-                NackReason.UNSUPPORTED,
-                "this worker does not support level-2 sleep (capability 'level2' not declared); use level=1",
-            )
-        if command.links and Capability.MULTI_PATH not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
-        to_sleep = tags - self.residency.asleep
-        if not to_sleep and self.lifecycle.allows("sleep_already"):
-            return self._already(command, "sleep_already")
-        if not self.lifecycle.allows("sleep"):
-            return self._refuse_state(command)
-        plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
-        self.lifecycle.fire("sleep")
-        self._pending = _Pending(command, sleep_plan=plan)
-        return WorkerStep(effect=SleepEffect(command.task_id, command.level, plan.offload, plan.discard, command.links))
-
-    def on_wake(self, command: Wake) -> WorkerStep:
-        try:
-            tags = resolve_tags(command.tags, self.tags)
-        except UnknownTagError as exc:
-            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
-        to_wake = tags & self.residency.asleep
-        if not to_wake and self.lifecycle.allows("wake_already"):
-            return self._already(command, "wake_already")
-        if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
-            return self._refuse(
-                command,
-                NackReason.UNSUPPORTED,
-                "this worker does not support partial wake; wake every asleep tag (tags=None)",
-            )
-        if command.links and Capability.MULTI_PATH not in self.capabilities:
-            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
-        if command.wait_for_memory_s > 0 and Capability.SWAP not in self.capabilities:
-            return self._refuse(
-                command,
-                NackReason.UNSUPPORTED,
-                "this worker cannot wait for free device memory "
-                "(capability 'swap' not declared); send the Wake with wait_for_memory_s=0",
-            )
-        if not self.lifecycle.allows("wake"):
-            return self._refuse_state(command)
-        before = self.state
-        self.lifecycle.fire("wake")
-        self._pending = _Pending(command, wake_tags=frozenset(to_wake), state_before=before)
-        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.wait_for_memory_s, command.links))
-
-    def on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
-        if not self.lifecycle.allows("reload"):
-            return self._refuse_state(
-                command, "ReloadWeights needs NEEDS_RELOAD (after a level-2 sleep and a wake of 'weights') or ACTIVE"
-            )
-        state_before = self.state
-        self.lifecycle.fire("reload")
-        self._pending = _Pending(command, state_before=state_before)
-        return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
-
-    def on_update_weights(self, command: UpdateWeights) -> WorkerStep:
-        if Capability.WEIGHT_UPDATE not in self.capabilities:
-            return self._refuse(
-                command,
-                NackReason.UNSUPPORTED,
-                "this worker does not take weight updates (capability 'weight_update' not declared); use ReloadWeights",
-            )
-        if not self.lifecycle.allows("update") or not self.residency.weights_resident:
-            return self._refuse_state(
-                command,
-                "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
-                "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first",
-            )
-        if command.version <= self.weights_version:
-            return self._refuse(
-                command,
-                NackReason.STALE_VERSION,
-                f"weights version {command.version} is not above this rank's version "
-                f"{self.weights_version}; send a higher version (nothing was written)",
-            )
-        state_before = self.state
-        self.lifecycle.fire("update")
-        self._pending = _Pending(command, state_before=state_before)
-        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source))
-
-    def on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
-        if Capability.WEIGHT_UPDATE not in self.capabilities:
-            return self._refuse(
-                command,
-                NackReason.UNSUPPORTED,
-                "this worker does not take weight updates (capability 'weight_update' not declared)",
-            )
-        joined = self.weight_group
-        same = (
-            joined is not None
-            and msgspec.structs.replace(joined, task_id=command.task_id, epoch=command.epoch) == command
-        )
-        if same and self.lifecycle.allows("weight_group_already"):
-            return self._already(command, "weight_group_already")
-        if not self.lifecycle.allows("weight_group"):
-            return self._refuse_state(command, "InitWeightGroup is legal in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD")
-        if joined is not None:
-            return self._refuse(
-                command,
-                NackReason.INVALID_ARGUMENT,
-                f"this rank already joined weight group {joined.group!r} at "
-                f"{joined.address}:{joined.port}; restart the stage to join another",
-            )
-        self.lifecycle.fire("weight_group")
-        self._pending = _Pending(command)
-        return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
-
-    def on_share_weights(self, command: ShareWeights) -> WorkerStep:
-        if Capability.WEIGHT_UPDATE not in self.capabilities:
-            return self._refuse(
-                command,
-                NackReason.UNSUPPORTED,
-                "this worker does not share weights (capability 'weight_update' not declared)",
-            )
-        res = self.residency
-        if not self.lifecycle.allows("share") or not (res.weights_resident and res.weights_valid):
-            return self._refuse_state(
-                command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake"
-            )
-        self.lifecycle.fire("share")
-        self._pending = _Pending(command)
-        return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
-
-    def on_execute(self, command: Execute) -> WorkerStep:
-        if not self.lifecycle.allows("execute"):
-            return self._refuse_state(
-                command, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid"
-            )
-        self.lifecycle.fire("execute")
-        self._pending = _Pending(command)
-        return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
-
-    def on_status(self, command: Status) -> WorkerStep:
-        self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
-        if self._pending is not None:
-            # Busy: answer from what the core knows; the shell is inside an effect.
-            return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
-        self._pending = _Pending(command)
-        return WorkerStep(effect=StatusEffect(command.task_id))
-
-    def on_profile(self, command: Profile) -> WorkerStep:
-        if command.start:
-            problem = profile_prefix_problem(command.prefix)
-            if problem is not None:
-                return self._refuse(command, NackReason.INVALID_ARGUMENT, problem)
-        if command.start == self.profiling and self.lifecycle.allows("profile_already"):
-            # Start while running keeps the running profile (and its prefix); stop while none
-            # runs has nothing to write: the Ack's trace_paths is empty.
-            return self._already(command, "profile_already")
-        if not self.lifecycle.allows("profile"):
-            return self._refuse_state(
-                command,
-                "Profile is legal in ACTIVE, SLEEPING, PARTIAL and "
-                "NEEDS_RELOAD (a rank that is loading or stopped has no profile)",
-            )
-        self.lifecycle.fire("profile")
-        self._pending = _Pending(command)
-        return WorkerStep(effect=ProfileEffect(command.task_id, command.start, command.prefix))
-
-    def on_shutdown(self, command: Shutdown) -> WorkerStep:
-        if self.lifecycle.allows("shutdown_already"):
-            return self._already(command, "shutdown_already")
-        self.lifecycle.fire("shutdown")
-        self.profiling = False  # the shell drops a running profile with the process
-        self._pending = _Pending(command)
-        return WorkerStep(effect=ShutdownEffect(command.task_id))
-
-    # ------------------------------------------------------------------ replies
+    def _traced(self, step: WorkerStep, head: WorkerRecord, before: W, task_id: str) -> WorkerStep:
+        """`step` with its records: what happened, the change of state it made, the replies."""
+        changed = () if self.state is before else (WorkerChanged(task_id, before.value, self.state.value),)
+        records = (head, *changed, *(_sent(r) for r in step.replies))
+        return WorkerStep(step.replies, step.effect, records)
 
     def _already(self, command: Command, trigger: str) -> WorkerStep:
         self.lifecycle.fire(trigger)
@@ -864,8 +346,6 @@ class WorkerCore:
         pending, self._pending = self._pending, None
         return pending
 
-    # ------------------------------------------------------------------ invariants
-
     def _check_invariants(self) -> None:
         """TigerBeetle-style: after every input, positive and negative space."""
         state, res = self.state, self.residency
@@ -892,7 +372,7 @@ class WorkerCore:
         if self._pending is not None and isinstance(self._pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
         if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
-            require(state in _IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
+            require(state in IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
         if self._pending is not None and isinstance(self._pending.command, ShareWeights):
             require(
                 state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,

@@ -195,7 +195,7 @@ def _install(name: str) -> None:
             self.cache = _NoCache()
 
     class ExecuteAnywhereCore(core_cls):
-        def on_execute(self, command: Any) -> Any:
+        def _on_execute(self, command: Any) -> Any:
             self._pending = fsm_worker._Pending(command)
             return fsm_worker.WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
 
@@ -342,9 +342,9 @@ def _install(name: str) -> None:
             return MemoryFigure(info["MemTotal"] - info["MemAvailable"], "nvml")  # whole host, NVML's name
 
     class StatusClearsCacheCore(core_cls):
-        def on_status(self, command: Any) -> Any:
+        def _on_status(self, command: Any) -> Any:
             self.cache = BoundedCache(self.cache.max_entries, self.cache.max_bytes)
-            return super().on_status(command)
+            return super()._on_status(command)
 
     class TinyCacheCore(core_cls):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -357,10 +357,10 @@ def _install(name: str) -> None:
             super().handle(data)
 
     class WakeKnownTagsCore(core_cls):
-        def on_wake(self, command: Any) -> Any:
+        def _on_wake(self, command: Any) -> Any:
             if command.tags is not None:
                 command = msgspec.structs.replace(command, tags=tuple(t for t in command.tags if t in self.tags))
-            return super().on_wake(command)
+            return super()._on_wake(command)
 
     class MutedProcess(process_cls):
         """Runs an inner command of its own whose replies nobody sees."""
@@ -398,19 +398,19 @@ def _install(name: str) -> None:
             super()._send(message)
 
     class SilentSleepAlreadyCore(core_cls):
-        def on_sleep(self, command: Any) -> Any:
-            step = super().on_sleep(command)
+        def _on_sleep(self, command: Any) -> Any:
+            step = super()._on_sleep(command)
             replies = step.replies
             if replies and getattr(replies[0], "status", None) is AckStatus.ALREADY:
                 return fsm_worker.WorkerStep()  # "nothing to do", so nothing said
             return step
 
     class ExecuteInPartialCore(core_cls):
-        def on_execute(self, command: Any) -> Any:
+        def _on_execute(self, command: Any) -> Any:
             if self.state is WorkerState.PARTIAL and "weights" not in self.residency.asleep:
                 self._pending = fsm_worker._Pending(command)
                 return fsm_worker.WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
-            return super().on_execute(command)
+            return super()._on_execute(command)
 
         def _check_invariants(self) -> None:
             return None  # the real core would catch its own fault
@@ -473,10 +473,10 @@ def _install(name: str) -> None:
             return None  # "the device has room": never asked
 
     class RefusesWaitCore(core_cls):
-        def on_wake(self, command: Any) -> Any:
+        def _on_wake(self, command: Any) -> Any:
             if command.wait_for_memory_s > 0:
                 return self._refuse(command, NackReason.UNSUPPORTED, "waiting for memory is not implemented")
-            return super().on_wake(command)
+            return super()._on_wake(command)
 
     class LeftRestoringProcess(process_cls):
         def _on_effect_error(self, effect: Any, exc: Exception) -> Any:
@@ -493,11 +493,11 @@ def _install(name: str) -> None:
                 super()._remember(command, reply)
 
     class StaleVersionCore(core_cls):
-        def on_update_weights(self, command: Any) -> Any:
+        def _on_update_weights(self, command: Any) -> Any:
             # The version fence forgotten: the check sees version 0, every update goes ahead.
             held, self.weights_version = self.weights_version, 0
             try:
-                return super().on_update_weights(command)
+                return super()._on_update_weights(command)
             finally:
                 self.weights_version = held
 

@@ -43,11 +43,11 @@ def busy_before_cache(self, command):
 
 
 ORIGINAL_ON_COMMAND = WorkerCore._on_command
-ORIGINAL_RELOAD = StageCore.reload
+ORIGINAL_RELOAD = StageCore._reload
 
 
-def reload_expects_active(self, task_id, source, now, deadline_s):
-    step = ORIGINAL_RELOAD(self, task_id, source, now, deadline_s)
+def reload_expects_active(self, call, now):
+    step = ORIGINAL_RELOAD(self, call, now)
     row = settle_row(Settled.ACTIVE)
     self._task.expect_state, self._task.commit_trigger = row.rank_state, row.stage_commit
     return step
@@ -131,7 +131,7 @@ def test_busy_before_the_reply_cache_is_caught(table, monkeypatch):
 
 
 def test_reload_always_expecting_active_is_caught(table, monkeypatch):
-    monkeypatch.setattr(StageCore, "reload", reload_expects_active)
+    monkeypatch.setattr(StageCore, "_reload", reload_expects_active)
     found = agree.compare(table)
     assert found, "a reload that always expects ACTIVE went unnoticed"
     first = found[0]
@@ -147,7 +147,7 @@ def test_omni_core_check_fails_on_a_drift(table, monkeypatch, drift):
     if drift == "busy_before_cache":
         monkeypatch.setattr(WorkerCore, "_on_command", busy_before_cache)
     else:
-        monkeypatch.setattr(StageCore, "reload", reload_expects_active)
+        monkeypatch.setattr(StageCore, "_reload", reload_expects_active)
     parser = argparse.ArgumentParser()
     check.add_arguments(parser)
     lines: list[str] = []

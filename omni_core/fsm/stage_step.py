@@ -1,0 +1,115 @@
+"""What the stage core hands out and keeps: its step, a task's outcome, its errors, the
+bookkeeping of one task and one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from omni_core.fsm.inputs import RequestOutcome
+from omni_core.fsm.trace_records import StageRecord
+from omni_core.fsm.worker_step import InvariantViolation
+from omni_core.protocol import Ack, AckStatus, Command, Nack, Result, WorkerState
+from omni_core.protocol import StageState as S
+
+
+class StageCommandError(ValueError):
+    """A stage call refused before anything was sent: bad argument or wrong state."""
+
+
+class StageBusyError(StageCommandError):
+    """Another lifecycle task of this stage is in flight."""
+
+
+@dataclass(frozen=True)
+class Outbound:
+    rank: int
+    command: Command
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """How a stage task ended. `failures` maps rank -> why, for every rank that failed it."""
+
+    task_id: str
+    command: str
+    ok: bool
+    status: AckStatus
+    state: S
+    acks: MappingProxyType[int, Ack]
+    failures: MappingProxyType[int, str]
+    error: str
+    started_at: float
+    finished_at: float
+    refused: bool = False  # every rank refused the arguments; nothing changed (INVALID_ARGUMENT)
+    # Profile: rank -> its NACK; those ranks are where they were, as is the stage.
+    refusals: MappingProxyType[int, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """What one input produced: commands to send, the lifecycle task's outcome, the answers to
+    requests, and (`started`) the end of a start or restart: RUNNING or FAILED."""
+
+    sends: tuple[Outbound, ...] = ()
+    outcome: TaskOutcome | None = None
+    requests: tuple[RequestOutcome, ...] = ()
+    started: S | None = None
+    # What happened, in program order (omni_core.fsm.trace_records); set by step() only.
+    records: tuple[StageRecord, ...] = field(default=(), compare=False, repr=False)
+
+    def then(self, later: StageStep) -> StageStep:
+        """This step followed by `later` (one input may cause both, e.g. a reply and a dispatch)."""
+        if self.outcome is not None and later.outcome is not None:
+            raise InvariantViolation(f"two task outcomes in one step: {self.outcome} and {later.outcome}")
+        return StageStep(
+            self.sends + later.sends,
+            self.outcome or later.outcome,
+            self.requests + later.requests,
+            later.started or self.started,
+        )
+
+
+@dataclass
+class _Request:
+    """One request: in the queue, or sent to every rank and waiting for all their answers."""
+
+    request_id: str
+    payload: Any
+    deadline_at: float
+    replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent to it
+    answered: bool = False  # the caller already heard (aborted, overloaded)
+
+
+@dataclass
+class StageCounters:
+    stale_replies_ignored: int = 0
+    unknown_replies_ignored: int = 0
+    late_results: int = 0  # request replies for requests no longer in flight
+    acks_without_memory_report: int = 0
+    duplicate_replies_ignored: int = 0
+    retries: int = 0
+
+
+@dataclass
+class _Task:
+    task_id: str
+    signature: tuple[Any, ...]
+    command: Command
+    started_at: float
+    deadline_at: float
+    expect_state: WorkerState = WorkerState.SLEEPING
+    expect_asleep: frozenset[str] = frozenset()
+    commit_trigger: str = "slept"
+    apply: Any = None  # callable(Residency) run on commit
+    sent: bool = False
+    acks: dict[int, Ack] = field(default_factory=dict)
+    refusals: dict[int, str] = field(default_factory=dict)  # rank -> INVALID_ARGUMENT / NO_MEMORY detail
+    refused_trigger: str = ""  # where every rank refusing returns the stage (ReloadWeights, Wake)
+    expect_version: int = 0  # the weights version every ACK must report (P-17)
+    update_failures: dict[int, str] = field(default_factory=dict)  # rank -> UPDATE_FAILED detail

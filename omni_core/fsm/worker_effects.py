@@ -1,0 +1,189 @@
+"""The worker core's effect completions: the shell performed the pending effect (`on_done`),
+the runner refused it before it changed anything (`on_refused`), or it raised (`on_error`).
+Each gives the task's one terminal reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_core.fsm.settle import REFUSAL_REASON, settle_row
+from omni_core.fsm.table import Lifecycle
+from omni_core.fsm.tags import Residency
+from omni_core.fsm.trace_records import EffectDone, EffectFailed, EffectRefused, clip
+from omni_core.fsm.worker_step import InvariantViolation, WorkerStep, _Pending
+from omni_core.fsm.worker_table import REFUSED
+from omni_core.protocol import (
+    AckStatus,
+    Execute,
+    InitWeightGroup,
+    MemoryReport,
+    NackReason,
+    Profile,
+    ReloadWeights,
+    Reply,
+    Result,
+    ShareWeights,
+    Sleep,
+    Status,
+    UpdateWeights,
+    Wake,
+)
+from omni_core.protocol import WorkerState as W
+
+
+class WorkerEffects:
+    """Mixed into WorkerCore: the end of each effect the shell performs."""
+
+    rank: int
+    epoch: int
+    state: W
+    lifecycle: Lifecycle[W]
+    residency: Residency
+    weights_version: int
+    weight_group: InitWeightGroup | None
+    profiling: bool
+    failure: str
+
+    def on_done(
+        self,
+        task_id: str,
+        *,
+        memory: MemoryReport | None = None,
+        output: Any = None,
+        duration_s: float = 0.0,
+        path: str = "",
+        trace_paths: tuple[str, ...] = (),
+        shared: Any = None,
+    ) -> WorkerStep:
+        """The shell performed the pending effect (`path`: how the backend did it, traced;
+        `trace_paths`: the files a Profile stop wrote)."""
+        before = self.state
+        pending = self._take_pending(task_id)
+        command = pending.command
+        match command:
+            case Execute():
+                reply: Reply = Result(
+                    task_id=task_id,
+                    epoch=self.epoch,
+                    rank=self.rank,
+                    output=output,
+                    duration_s=duration_s,
+                    weights_version=self.weights_version,
+                )
+            case _:
+                self._settle(pending)
+                reply = self._ack(
+                    command,
+                    AckStatus.OK,
+                    memory=memory,
+                    duration_s=duration_s,
+                    trace_paths=trace_paths if isinstance(command, Profile) else (),
+                    shared=shared if isinstance(command, ShareWeights) else None,
+                )
+        if not isinstance(command, Status):
+            self._remember(command, reply)
+        self._check_invariants()
+        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, path)
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+    def _settle(self, pending: _Pending) -> None:
+        """Where a completed effect leaves the rank: its residency, state, version, group, profiler."""
+        command = pending.command
+        match command:
+            case Sleep():
+                assert pending.sleep_plan is not None
+                self.residency.apply_sleep(pending.sleep_plan)
+                self.lifecycle.fire("offloaded")
+            case Wake():
+                self.residency.apply_wake(pending.wake_tags)
+                self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
+            case ReloadWeights() | UpdateWeights():
+                self.residency.apply_reload()
+                trigger = settle_row(self.residency.settled()).after_reload
+                if trigger is None:
+                    raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
+                self.lifecycle.fire(trigger)
+                # A reload brings the runner's own weights back: no update's version stands for them.
+                self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
+            case InitWeightGroup():
+                self.weight_group = command
+            case Profile():
+                self.profiling = command.start
+
+    def on_refused(self, task_id: str, detail: str, reason: NackReason | None = None) -> WorkerStep:
+        """The pending effect was refused before it changed anything, and the rank is back in
+        the state the command started from: a ReloadWeights whose source the runner refused
+        before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
+        memory in time and unmapped what it had mapped (NACK NO_MEMORY, P-16). Cached, like an
+        EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
+        gets it again instead of passing through RELOADING once more (TLC found that a copy
+        judged afresh moved a rank of a NEEDS_RELOAD stage back into RELOADING)."""
+        before = self.state
+        pending = self._take_pending(task_id)
+        kind = type(pending.command)
+        trigger = REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
+        if trigger is None:
+            raise InvariantViolation(
+                f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
+                f"{pending.command!r} "
+                f"(started in {pending.state_before})"
+            )
+        if reason is not None and reason is not REFUSAL_REASON[kind]:
+            raise InvariantViolation(
+                f"a {kind.__name__} is refused with {REFUSAL_REASON[kind].value}, not {reason.value}"
+            )
+        self.lifecycle.fire(trigger)
+        name = kind.__name__
+        effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
+        reply = self._nack(
+            pending.command, REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
+        )
+        self._remember(pending.command, reply)
+        self._check_invariants()
+        head = EffectRefused(task_id, name, self.state.value, clip(detail))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+    def on_error(self, task_id: str, error: str) -> WorkerStep:
+        """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
+        in every later reply; a failed Execute is only that request's error."""
+        before = self.state
+        pending = self._take_pending(task_id)
+        command = pending.command
+        name = type(command).__name__
+        what = f"{name} task {task_id!r} failed: {error}"
+        match command:
+            case Execute():
+                # A request the runner rejects says nothing about the memory: stay ACTIVE.
+                reply = self._nack(command, NackReason.EXECUTE_ERROR, what)
+            case UpdateWeights():
+                # Writing began: the weights are neither the old version nor the new one. They stay
+                # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
+                self.residency.weights_valid = False
+                self.lifecycle.fire("update_failed")
+                reply = self._nack(
+                    command,
+                    NackReason.UPDATE_FAILED,
+                    f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
+                    f"version {self.weights_version}: update again or reload",
+                )
+            case InitWeightGroup():
+                # No pool memory moved: the rank keeps its state and has no group.
+                reply = self._nack(command, NackReason.INVALID_ARGUMENT, f"{what}; this rank joined no weight group")
+            case ShareWeights():
+                # No pool memory moved: the rank keeps its state and shares nothing.
+                reply = self._nack(command, NackReason.INVALID_ARGUMENT, f"{what}; this rank shares no weights now")
+            case Profile():
+                # The profiler is not memory: the rank keeps its state and serves on. The shell
+                # drops a profiler that failed, so none runs now, whichever way it failed.
+                self.profiling = False
+                reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
+            case _:
+                self.failure = what
+                if self.lifecycle.allows("fail"):
+                    self.lifecycle.fire("fail")
+                reply = self._nack(command, NackReason.BACKEND_ERROR, self.failure)
+        if not isinstance(command, Status):  # Status is never cached (as in on_done)
+            self._remember(command, reply)
+        self._check_invariants()
+        head = EffectFailed(task_id, name, self.state.value, clip(error))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)

@@ -1,0 +1,100 @@
+"""The worker's transition table: its states, triggers and rows as data.
+
+`WORKER_TRANSITIONS` is the one source the worker core, the docs and the generated TLA+
+read; `REFUSED` names the row a refused command returns by.
+"""
+
+from __future__ import annotations
+
+from omni_core.fsm.settle import REFUSAL_REASON, refused_rows, refused_trigger
+from omni_core.fsm.table import Transition
+from omni_core.protocol import ReloadWeights, UpdateWeights, Wake
+from omni_core.protocol import WorkerState as W
+
+ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL, W.NEEDS_RELOAD, W.RELOADING)
+IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)  # may accept a lifecycle command
+
+WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
+    Transition("loaded", (W.LOADING,), W.ACTIVE, "runner loaded weights and caches"),
+    Transition("sleep", IDLE, W.OFFLOADING, "Sleep for tags not yet asleep"),
+    Transition(
+        "sleep_already",
+        (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD),
+        None,
+        "Sleep whose tags are all asleep: ALREADY, no effect (P-4)",
+    ),
+    Transition("offloaded", (W.OFFLOADING,), W.SLEEPING, "backend released the tags"),
+    Transition("wake", (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD), W.RESTORING, "Wake for tags that are asleep"),
+    Transition("wake_already", IDLE, None, "Wake whose tags are all resident: ALREADY (P-4)"),
+    Transition("restored_active", (W.RESTORING,), W.ACTIVE, "all resident, weights valid"),
+    Transition("restored_partial", (W.RESTORING,), W.PARTIAL, "some tags still asleep"),
+    Transition(
+        "restored_needs_reload", (W.RESTORING,), W.NEEDS_RELOAD, "weights mapped but discarded by a level-2 sleep"
+    ),
+    Transition("reload", (W.NEEDS_RELOAD, W.ACTIVE), W.RELOADING, "ReloadWeights"),
+    Transition("reloaded_active", (W.RELOADING,), W.ACTIVE, "weights valid, all resident"),
+    Transition("reloaded_partial", (W.RELOADING,), W.PARTIAL, "weights valid, tags asleep"),
+    *refused_rows(
+        ReloadWeights,
+        W.RELOADING,
+        (W.NEEDS_RELOAD, W.ACTIVE),
+        "the runner refused the source before writing (INVALID_ARGUMENT)",
+    ),
+    *refused_rows(
+        Wake,
+        W.RESTORING,
+        (W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD),
+        "too little free device memory in time (NO_MEMORY): what the wake mapped is unmapped again",
+    ),
+    Transition(
+        "update",
+        (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD),
+        W.RELOADING,
+        "UpdateWeights above the current version, weights resident (P-17); settles as a reload does",
+    ),
+    *refused_rows(
+        UpdateWeights,
+        W.RELOADING,
+        (W.ACTIVE, W.PARTIAL, W.NEEDS_RELOAD),
+        "a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        "update_failed",
+        (W.RELOADING,),
+        W.NEEDS_RELOAD,
+        "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before",
+    ),
+    Transition("weight_group", IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
+    Transition("weight_group_already", IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),
+    Transition(
+        "share",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "ShareWeights with valid weights awake: copied into shared buckets; the state never changes",
+    ),
+    Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
+    Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
+    Transition(
+        "profile", IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"
+    ),
+    Transition(
+        "profile_already", IDLE, None, "Profile start while one runs, stop while none does: ALREADY, no effect (P-15)"
+    ),
+    Transition("fail", ALIVE, W.FAILED, "backend or runner raised"),
+    Transition(
+        "shutdown",
+        (W.LOADING, *IDLE, W.FAILED),
+        W.STOPPED,
+        "Shutdown (in a transient state the effect in progress answers first: BUSY)",
+    ),
+    Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
+)
+
+# A refused reload, wake or update returns to where it came from: (command, state before) ->
+# trigger, for every refused row of the table.
+REFUSED: dict[tuple[type, W], str] = {
+    (kind, t.dest): t.trigger
+    for kind in REFUSAL_REASON
+    for t in WORKER_TRANSITIONS
+    if t.dest is not None and t.trigger == refused_trigger(kind, t.dest)
+}
