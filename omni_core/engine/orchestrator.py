@@ -340,7 +340,7 @@ class Orchestrator:
         into a held device waits for it first, within its deadline."""
         self.stage(out_name)
         swap = SwapCall(future, out_name, sleep, out_future, in_name, wake, in_future)
-        waits = wake.wait_for_memory_s > 0
+        waits = wake.memory_wait_s > 0
         devices = stage_devices(self.stage(in_name).spec, self._engine_visible) if waits else frozenset()
         key = (in_name, wake.task_id)
         swap_id = wake.task_id.removesuffix("/in")

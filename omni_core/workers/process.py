@@ -281,13 +281,13 @@ class WorkerProcess:
             return CudaFreeMemory(self.memory)
         return None
 
-    def _gate(self, wait_for_memory_s: float) -> MemoryGate | None:
+    def _gate(self, memory_wait_s: float) -> MemoryGate | None:
         """A gate for one wake (its wait starts now), when there is device memory to wait for."""
         if self.free_memory is None or self.backend is None or not self.backend.supports_memory_gate:
             return None
         return MemoryGate(
             self.free_memory,
-            wait_for_memory_s=wait_for_memory_s,
+            memory_wait_s=memory_wait_s,
             what=f"stage {self.config.stage} rank {self.config.rank}",
         )
 
@@ -482,7 +482,7 @@ class WorkerProcess:
             runner.before_sleep(effect.offload, effect.discard)
             backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save(), links=effect.links)
         elif isinstance(effect, WakeEffect):
-            backend.wake(effect.tags, self._gate(effect.wait_for_memory_s), links=effect.links)
+            backend.wake(effect.tags, self._gate(effect.memory_wait_s), links=effect.links)
             runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering
