@@ -444,7 +444,7 @@ def run_op(stage: Stage, cmd: dict[str, Any]) -> dict[str, Any]:
             if gate_wait_s is not None:
                 gate = CountingGate(
                     stage.free_source(),
-                    wait_for_memory_s=float(gate_wait_s),
+                    memory_wait_s=float(gate_wait_s),
                     what=f"the wake of stage {stage.spec.role}",
                 )
             copied = stage.wake(gate)

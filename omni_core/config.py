@@ -26,18 +26,20 @@ weights_bytes = 2097152
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
 
 from omni_core.engine.errors import InvalidArgumentError
-from omni_core.engine.spec import RayPlacement, StageSpec
-from omni_core.workers.simulated_device import SimulatedDevice
+from omni_core.engine.fields import conform, validation_words
+from omni_core.engine.spec import StageSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -78,149 +80,30 @@ class ConfigError(InvalidArgumentError):
         self.path, self.stage, self.index, self.field = path, stage, index, field_name
 
 
-# ------------------------------------------------------------------ field types
-
-_INT = "an integer"
-_NUMBER = "a number"
-_STR = "a string"
-_TABLE = "a table"
-_STR_LIST = "a list of strings"
-_BOOL = "true or false"
-
-
-def _toml_kind(hint: Any) -> str:
-    """What TOML value a field annotated `hint` takes (None is written by leaving it out)."""
-    if get_origin(hint) in (Union, UnionType):
-        kinds = {_toml_kind(h) for h in get_args(hint) if h is not type(None)}
-        assert len(kinds) == 1, f"a field of type {hint} takes {kinds} in TOML: pick one"
-        return kinds.pop()
-    origin = get_origin(hint) or hint
-    if origin is bool:
-        return _BOOL
-    if origin is int:
-        return _INT
-    if origin is float:
-        return _NUMBER
-    if isinstance(origin, type) and issubclass(origin, str):  # str, and enums of str (AdmissionPolicy)
-        return _STR
-    if origin is tuple:
-        return _STR_LIST
-    if origin in (dict, Mapping) or dataclasses.is_dataclass(origin) or hasattr(origin, "__struct_fields__"):
-        return _TABLE
-    raise AssertionError(f"no TOML value for a field of type {hint}")
-
-
-# StageSpec's fields and what TOML value each takes, from StageSpec's own annotations (a field
-# is declared once, there); StageSpec itself checks the ranges.
-_STAGE_HINTS = get_type_hints(StageSpec)
-STAGE_FIELDS: dict[str, str] = {f.name: _toml_kind(_STAGE_HINTS[f.name]) for f in dataclasses.fields(StageSpec)}
-# [stages.placement]: RayPlacement's fields a file can give (a PlacementGroup object cannot be
-# written in TOML; a named one can).
-PLACEMENT_FIELDS: dict[str, str] = {
-    "num_cpus": _NUMBER,
-    "num_gpus": _NUMBER,
-    "resources": _TABLE,
-    "strategy": _STR,
-    "placement_group_name": _STR,
-    "bundle_indices": _STR_LIST,
-    "runtime_env": _TABLE,
-}
-# [stages.simulated_device]: a CPU stand-in for a GPU's capacity (a swap's memory gate).
-SIMULATED_DEVICE_FIELDS: dict[str, str] = {"directory": _STR, "capacity_bytes": _INT}
-assert set(SIMULATED_DEVICE_FIELDS) == set(SimulatedDevice.__struct_fields__), "update SIMULATED_DEVICE_FIELDS"
-
-SERVER_FIELDS: dict[str, str] = {
-    "host": _STR,
-    "port": _INT,
-    "default_stage": _STR,
-    "api_key_file": _STR,
-    "api_key_env": _STR,
-    "public_health": _BOOL,
-    "public_metrics": _BOOL,
-    "max_body_bytes": _INT,
-    "allowed_reload_sources": _STR_LIST,
-    "idempotency_entries": _INT,
-    "idempotency_bytes": _INT,
-    "status_poll_interval_s": _NUMBER,
-    "lifecycle_threads": _INT,
-    "events_kept": _INT,
-    "allowed_hosts": _STR_LIST,
-    "allowed_origins": _STR_LIST,
-    "read_timeout_s": _NUMBER,
-    "keep_alive_s": _NUMBER,
-    "max_connections": _INT,
-}
-ENGINE_FIELDS: dict[str, str] = {
-    "transport": _STR,
-    "host": _STR,
-    "curve": _BOOL,
-    "trace_path": _STR,
-    "launcher": _STR,
-    "ray_address": _STR,
-    "ray_namespace": _STR,
-}
-
-
-def _type_ok(value: Any, expected: str) -> bool:
-    if expected == _INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if expected == _NUMBER:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if expected == _STR:
-        return isinstance(value, str)
-    if expected == _TABLE:
-        return isinstance(value, dict)
-    if expected == _BOOL:
-        return isinstance(value, bool)
-    if expected == _STR_LIST:  # devices may be written as integers (CUDA indices)
-        return isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value)
-    raise AssertionError(expected)
-
-
-def _check_table(
-    path: str,
-    table: Mapping[str, Any],
-    fields: Mapping[str, str],
-    what: str,
-    *,
-    stage: str | None = None,
-    index: int | None = None,
-) -> None:
-    for key, value in table.items():
-        if key not in fields:
-            raise ConfigError(
-                path,
-                f"unknown field in {what}; known fields: {sorted(fields)}",
-                stage=stage,
-                index=index,
-                field_name=key,
-            )
-        if not _type_ok(value, fields[key]):
-            raise ConfigError(path, f"expected {fields[key]}, got {value!r}", stage=stage, index=index, field_name=key)
-
-
 # ------------------------------------------------------------------ the parsed file
 
+Seconds = Annotated[float, Meta(gt=0, le=3600)]
+AtLeastOne = Annotated[int, Meta(ge=1)]
 
-@dataclass(frozen=True)
-class ServerConfig:
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How `omni-core serve` listens and who may call it (README, "Serving over HTTP")."""
 
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: Annotated[int, Meta(ge=0, le=65535)] = DEFAULT_PORT
     default_stage: str | None = None
     api_key_file: str | None = None
     api_key_env: str = DEFAULT_API_KEY_ENV
     public_health: bool = True
     public_metrics: bool = True
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: Annotated[int, Meta(ge=1, le=MAX_BODY_BYTES_LIMIT)] = DEFAULT_MAX_BODY_BYTES
     # Checkpoint directories a caller may name as a reload `source`; empty: none may be named.
     allowed_reload_sources: tuple[str, ...] = ()
-    idempotency_entries: int = 4096
-    idempotency_bytes: int = 64 << 20
-    status_poll_interval_s: float = 0.5
-    lifecycle_threads: int = 16
-    events_kept: int = 200
+    idempotency_entries: AtLeastOne = 4096
+    idempotency_bytes: AtLeastOne = 64 << 20
+    status_poll_interval_s: Annotated[float, Meta(ge=0.05, le=60)] = 0.5
+    lifecycle_threads: AtLeastOne = 16
+    events_kept: AtLeastOne = 200
     # Browser-facing checks (README, "Security by default"): Host names besides loopback and
     # the bind address, and page origins besides the server's own; "*" turns a check off.
     allowed_hosts: tuple[str, ...] = ()
@@ -230,29 +113,28 @@ class ServerConfig:
     # keep_alive_s (longer than clients' own expiry, httpx's 5 s, so the client closes first:
     # a request never goes out on a connection the server is closing at that moment, a lost
     # POST seen under load); max_connections 0: the descriptor limit less room for the ranks.
-    read_timeout_s: float = 10.0
-    keep_alive_s: float = 75.0
-    max_connections: int = 0
+    read_timeout_s: Seconds = 10.0
+    keep_alive_s: Seconds = 75.0
+    max_connections: Annotated[int, Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgumentError(f"port must be 0..65535, got {self.port}")
-        if not 1 <= self.max_body_bytes <= MAX_BODY_BYTES_LIMIT:
-            raise InvalidArgumentError(f"max_body_bytes must be 1..{MAX_BODY_BYTES_LIMIT}, got {self.max_body_bytes}")
-        for what in ("idempotency_entries", "idempotency_bytes", "lifecycle_threads", "events_kept"):
-            if getattr(self, what) < 1:
-                raise InvalidArgumentError(f"{what} must be >= 1, got {getattr(self, what)}")
-        for what in ("read_timeout_s", "keep_alive_s"):
-            if not 0 < getattr(self, what) <= 3600:
-                raise InvalidArgumentError(f"{what} must be in (0, 3600] s, got {getattr(self, what)}")
-        if self.max_connections < 0:
-            raise InvalidArgumentError(
-                f"max_connections must be >= 0 (0: from the descriptor limit), got {self.max_connections}"
-            )
-        if not 0.05 <= self.status_poll_interval_s <= 60:
-            raise InvalidArgumentError(
-                f"status_poll_interval_s must be in [0.05, 60] s, got {self.status_poll_interval_s}"
-            )
+        conform(self, "[server]")
+
+
+class EngineTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """[engine]: the keyword arguments of `Engine(...)` a file can write (a RankLauncher object
+    cannot be; its name can). Keys the file leaves out keep Engine's defaults."""
+
+    transport: str | msgspec.UnsetType = msgspec.UNSET
+    host: str | msgspec.UnsetType = msgspec.UNSET
+    curve: bool | msgspec.UnsetType = msgspec.UNSET
+    trace_path: str | msgspec.UnsetType = msgspec.UNSET
+    launcher: str | msgspec.UnsetType = msgspec.UNSET
+    ray_address: str | msgspec.UnsetType = msgspec.UNSET
+    ray_namespace: str | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not msgspec.UNSET}
 
 
 @dataclass(frozen=True)
@@ -326,81 +208,91 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
                 field_name="name",
             )
     server = _parse_server(path, data.get("server", {}), names, base)
-    engine = dict(data.get("engine", {}))
-    _check_table(path, engine, ENGINE_FIELDS, "[engine]")
+    engine = _decode(path, "[engine]", dict(data.get("engine", {})), EngineTable).given()
     if "trace_path" in engine:
         engine["trace_path"] = _resolve_path(base, engine["trace_path"])
     return OmniConfig(stages=tuple(stages), server=server, engine=engine, path=path)
 
 
 def _parse_stage(path: str, index: int, raw: Any, base: Path) -> StageSpec:
+    """One [[stages]] table decoded into StageSpec, whose declarations check every field."""
     if not isinstance(raw, dict):
         raise ConfigError(path, f"expected a [[stages]] table, got {raw!r}", index=index)
     name = raw.get("name")
-    shown_name = name if isinstance(name, str) else None
-    if name is None:
-        raise ConfigError(path, "every stage needs a name", index=index, field_name="name")
-    _check_table(path, raw, STAGE_FIELDS, "a stage", stage=shown_name, index=index)
-    kwargs = dict(raw)
-    for key in ("devices", "tags"):
-        if key in kwargs:
-            kwargs[key] = tuple(str(v) for v in kwargs[key])
-    try:
-        if "placement" in kwargs:
-            _check_table(
-                path, kwargs["placement"], PLACEMENT_FIELDS, "[stages.placement]", stage=shown_name, index=index
-            )
-            kwargs["placement"] = RayPlacement(**kwargs["placement"])
-        if "simulated_device" in kwargs:
-            kwargs["simulated_device"] = _simulated_device(path, kwargs["simulated_device"], base, shown_name, index)
-        return StageSpec(**kwargs)
-    except InvalidArgumentError as exc:
-        # StageSpec names the field in its message; find which, so the error says it plainly.
-        message = str(exc)
-        named = next((f for f in sorted(STAGE_FIELDS, key=len, reverse=True) if f in message and f != "name"), None)
-        if "stage name" in message:
-            named = "name"
-        raise ConfigError(path, message, stage=shown_name, index=index, field_name=named) from None
-
-
-def _simulated_device(path: str, table: dict[str, Any], base: Path, stage: str | None, index: int) -> SimulatedDevice:
-    what = "[stages.simulated_device]"
-    _check_table(path, table, SIMULATED_DEVICE_FIELDS, what, stage=stage, index=index)
-    missing = sorted(set(SIMULATED_DEVICE_FIELDS) - set(table))
-    if missing:
+    placement = raw.get("placement")
+    if isinstance(placement, dict) and "placement_group" in placement:
         raise ConfigError(
             path,
-            f"{what} needs {missing} (the shared directory and the capacity in bytes)",
-            stage=stage,
+            "takes a PlacementGroup object, which Python can pass and a file cannot; "
+            "name the group with placement_group_name",
+            stage=name if isinstance(name, str) else None,
             index=index,
-            field_name="simulated_device",
+            field_name="placement.placement_group",
         )
+    table = dict(raw)
+    device = table.get("simulated_device")
+    if isinstance(device, dict) and isinstance(device.get("directory"), str):
+        table["simulated_device"] = dict(device, directory=_resolve_path(base, device["directory"]))
+    return _decode(path, None, table, StageSpec, shown=raw, stage=name if isinstance(name, str) else None, index=index)
+
+
+T = TypeVar("T")
+
+
+def _decode(
+    path: str,
+    section: str | None,
+    table: dict[str, Any],
+    cls: type[T],
+    *,
+    shown: Mapping[str, Any] | None = None,
+    stage: str | None = None,
+    index: int | None = None,
+) -> T:
+    """`table` decoded into `cls`, whose declarations check every field; a refusal names the
+    key, the bound and the value the file gave (`shown`: the table as written)."""
     try:
-        return SimulatedDevice(_resolve_path(base, table["directory"]), table["capacity_bytes"])
-    except ValueError as exc:
-        raise ConfigError(path, str(exc), stage=stage, index=index, field_name="simulated_device") from None
+        return msgspec.convert(table, cls)
+    except msgspec.ValidationError as exc:
+        detail, field_path = validation_words(exc, cls)
+        message = _with_value(detail, table if shown is None else shown, field_path)
+        raise ConfigError(
+            path, f"{section} {message}" if section else message, stage=stage, index=index, field_name=field_path
+        ) from None
 
 
-def _parse_server(path: str, raw: Any, names: list[str], base: Path) -> ServerConfig:
-    _check_table(path, raw, SERVER_FIELDS, "[server]")
-    kwargs = dict(raw)
-    default = kwargs.get("default_stage")
+_ABSENT = object()
+
+
+def _with_value(detail: str, table: Mapping[str, Any], field_path: str | None) -> str:
+    """`detail` ending in the value the file gave (in place of msgspec's name of its type)."""
+    if field_path is None or not detail.startswith(("expected", "must be one of")):  # words without the value
+        return detail
+    value: Any = table
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", field_path):
+        if part.startswith("["):
+            at = int(part[1:-1])
+            value = value[at] if isinstance(value, list) and at < len(value) else _ABSENT
+        else:
+            value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+    if value is _ABSENT:
+        return detail
+    return f"{detail.split(', got ')[0]}, got {value!r}"
+
+
+def _parse_server(path: str, raw: dict[str, Any], names: list[str], base: Path) -> ServerConfig:
+    table = dict(raw)
+    default = table.get("default_stage")
     if default is not None and default not in names:
         raise ConfigError(
             path, f"[server] default_stage {default!r} is not a stage; stages are {names}", field_name="default_stage"
         )
-    if "api_key_file" in kwargs:
-        kwargs["api_key_file"] = _resolve_path(base, kwargs["api_key_file"])
-    for key in ("allowed_hosts", "allowed_origins"):
-        if key in kwargs:
-            kwargs[key] = tuple(str(v) for v in kwargs[key])
-    if "allowed_reload_sources" in kwargs:
-        kwargs["allowed_reload_sources"] = tuple(_resolve_path(base, str(p)) for p in kwargs["allowed_reload_sources"])
-    try:
-        return ServerConfig(**kwargs)
-    except InvalidArgumentError as exc:
-        named = next((f for f in SERVER_FIELDS if str(exc).startswith(f)), None)
-        raise ConfigError(path, f"[server] {exc}", field_name=named) from None
+    if isinstance(table.get("api_key_file"), str):
+        table["api_key_file"] = _resolve_path(base, table["api_key_file"])
+    sources = table.get("allowed_reload_sources")
+    if isinstance(sources, list) and all(isinstance(p, str) for p in sources):
+        table["allowed_reload_sources"] = [_resolve_path(base, p) for p in sources]
+    return _decode(path, "[server]", table, ServerConfig, shown=raw)
 
 
 # ------------------------------------------------------------------ omni-core demo --config

@@ -42,7 +42,7 @@ from omni_core.protocol.weights import (
     ShmSource,
     TensorSpec,
 )
-from omni_core.workers.weight_receiver import SHM_DIR, _IpcArgs, dtype_name, sender_alive
+from omni_core.weight_buckets import SHM_DIR, IpcArgs, dtype_name, sender_alive
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _BUCKET_FILE = re.compile(r"^omni-weights-(\d+)-[0-9a-f]{8}-\d+$")
@@ -167,7 +167,7 @@ class WeightSender:
 
                 flat = torch.empty(nbytes, dtype=torch.uint8, device=named[members[0][0]].device)
                 _, args = reduce_tensor(flat)
-                handle = _IpcArgs.dumps(args)
+                handle = IpcArgs.dumps(args)
             else:
                 self._counter += 1
                 path = self.shm_dir / f"{self.prefix}-{self._counter}"

@@ -139,9 +139,9 @@ class StageDoor:
         now: float,
         deadline_s: float,
         *,
-        wait_for_memory_s: float = 0.0,
+        memory_wait_s: float = 0.0,
     ) -> StageStep:
-        return self.core.step(I.WakeCall(task_id, tags, deadline_s, wait_for_memory_s), now)
+        return self.core.step(I.WakeCall(task_id, tags, deadline_s, memory_wait_s), now)
 
     def reload(self, task_id: str, source: str | None, now: float, deadline_s: float) -> StageStep:
         return self.core.step(I.ReloadCall(task_id, source, deadline_s), now)

@@ -67,7 +67,7 @@ SAMPLES: dict[type[Message], Message] = {
         tags=("weights", "kv_cache"),
         links=(LinkShare(None, 1.0), LinkShare(1, 0.5)),
     ),
-    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), wait_for_memory_s=2.5, links=(LinkShare(3, 2.0),)),
+    Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), memory_wait_s=2.5, links=(LinkShare(3, 2.0),)),
     ReloadWeights: ReloadWeights(task_id="reload-1", epoch=3, source="/ckpt/step-100"),
     Execute: Execute(
         task_id="exec-1", epoch=3, payload={"prompt": "hi", "ids": [1, 2, 3], "blob": b"\x00\x01", "t": 0.5}
@@ -223,19 +223,19 @@ def test_memoryview_and_bytearray_inputs() -> None:
 
 
 def test_a_wake_without_waiting_is_the_frame_earlier_workers_know() -> None:
-    # wait_for_memory_s came after protocol v1's first Wake: left off the wire at its default,
+    # memory_wait_s came after protocol v1's first Wake: left off the wire at its default,
     # so a worker that forbids unknown fields still decodes every Wake that does not wait.
     plain = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, tags=("weights",))))
     assert plain == {"type": "Wake", "v": PROTOCOL_VERSION, "task_id": "w", "epoch": 1, "tags": ["weights"]}
-    waiting = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, wait_for_memory_s=3.0)))
-    assert waiting["wait_for_memory_s"] == 3.0 and waiting["v"] == PROTOCOL_VERSION
+    waiting = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, memory_wait_s=3.0)))
+    assert waiting["memory_wait_s"] == 3.0 and waiting["v"] == PROTOCOL_VERSION
     assert decode(encode(Wake(task_id="w", epoch=1))) == Wake(task_id="w", epoch=1)
 
 
 def test_each_optional_field_is_left_off_alone_while_at_its_default() -> None:
     # A Wake with a link plan but no wait, and a Sleep without a plan: only what is set travels.
     planned = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, links=(LinkShare(1, 1.0),))))
-    assert "wait_for_memory_s" not in planned and planned["links"] == [{"peer": 1, "share": 1.0}]
+    assert "memory_wait_s" not in planned and planned["links"] == [{"peer": 1, "share": 1.0}]
     assert "links" not in msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1, level=2)))
 
 
@@ -380,6 +380,13 @@ def test_unknown_field_is_refused_by_name() -> None:
     assert err.reason is NackReason.BAD_MESSAGE
     assert "levle" in err.detail
     assert (err.task_id, err.epoch) == ("t-1", 2)
+
+
+def test_a_renamed_field_is_refused_naming_its_new_name() -> None:
+    err = _refused(_wire(type="Wake", wait_for_memory_s=5.0))
+    assert err.reason is NackReason.BAD_MESSAGE and err.detail.startswith("invalid Wake")
+    assert "wait_for_memory_s" in err.detail and "named 'memory_wait_s' now" in err.detail
+    assert "named" not in _refused(_wire(type="Wake", levle=2)).detail  # only a renamed field says so
 
 
 def test_field_of_another_type_is_an_unknown_field() -> None:

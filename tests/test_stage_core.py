@@ -337,8 +337,8 @@ def test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started() -> 
     )
     for start, h, tags in cases:
         asleep = set(h.stage.residency.asleep)
-        step = h.stage.wake("w", tags, h.now, 30.0, wait_for_memory_s=5.0)
-        assert {out.command.wait_for_memory_s for out in step.sends} == {5.0}
+        step = h.stage.wake("w", tags, h.now, 30.0, memory_wait_s=5.0)
+        assert {out.command.memory_wait_s for out in step.sends} == {5.0}
         for rank in (0, 1):
             assert h.stage.on_reply(wire(_no_memory(rank, "w", W(start.value))), h.now) == StageStep()
         outcome = outcome_of(h.stage.on_reply(wire(_no_memory(2, "w", W(start.value))), h.now))
@@ -346,12 +346,12 @@ def test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started() -> 
         assert set(outcome.refusals) == {0, 1, 2} and "held by pid 77" in outcome.error
         assert h.stage.residency.asleep == asleep
         # A retry of the same task is its recorded refusal; a new one may succeed.
-        assert h.stage.wake("w", tags, h.now, 30.0, wait_for_memory_s=5.0).outcome == outcome
+        assert h.stage.wake("w", tags, h.now, 30.0, memory_wait_s=5.0).outcome == outcome
 
 
 def test_wake_refused_for_memory_by_some_ranks_fails_naming_them() -> None:
     h = reach_stage(S.SLEEPING)
-    step = h.stage.wake("w", None, h.now, 30.0, wait_for_memory_s=5.0)
+    step = h.stage.wake("w", None, h.now, 30.0, memory_wait_s=5.0)
     for ack in h.to_workers(step, ranks={0, 2}):
         h.stage.on_reply(ack, h.now)
     outcome = outcome_of(h.stage.on_reply(wire(_no_memory(1, "w", W.SLEEPING)), h.now))
@@ -373,16 +373,16 @@ def test_waiting_for_memory_needs_every_rank_to_declare_swap() -> None:
     h.stage.on_hello(h.hello(1, capabilities=(Capability.LEVEL2,)), h.now)
     h.complete(h.stage.sleep("s", 1, None, h.now, 30.0))
     with pytest.raises(StageCommandError, match=r"ranks \[1\] cannot wait .*'swap'"):
-        h.stage.wake("w", None, h.now, 30.0, wait_for_memory_s=5.0)
+        h.stage.wake("w", None, h.now, 30.0, memory_wait_s=5.0)
     assert h.stage.state is S.SLEEPING
     assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 30.0))).state is S.RUNNING  # no waiting: fine
 
 
-def test_the_wait_for_memory_must_end_before_the_deadline() -> None:
+def test_the_memory_wait_must_end_before_the_deadline() -> None:
     h = reach_stage(S.SLEEPING)
     for wait in (30.0, 31.0, -1.0, float("nan"), 4000.0):
-        with pytest.raises(StageCommandError, match="wait_for_memory_s"):
-            h.stage.wake("w", None, h.now, 30.0 if wait != 4000.0 else 5000.0, wait_for_memory_s=wait)
+        with pytest.raises(StageCommandError, match="memory_wait_s"):
+            h.stage.wake("w", None, h.now, 30.0 if wait != 4000.0 else 5000.0, memory_wait_s=wait)
     assert h.stage.state is S.SLEEPING
 
 

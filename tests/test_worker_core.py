@@ -275,14 +275,14 @@ def test_wake_refused_for_memory_returns_to_the_state_it_came_from() -> None:
         asleep = frozenset(d.w.residency.asleep)
         assert d.w.state is start and asleep
         tags = tuple(sorted(asleep))
-        step = d.send(Wake(task_id="w", epoch=0, tags=tags, wait_for_memory_s=5.0))
+        step = d.send(Wake(task_id="w", epoch=0, tags=tags, memory_wait_s=5.0))
         assert d.w.state is W.RESTORING and step.effect == WakeEffect("w", asleep, 5.0)
         (nack,) = d.w.on_refused("w", "needed 2 GiB, 1 GiB free; held by pid 42", NackReason.NO_MEMORY).replies
         assert nack.reason is NackReason.NO_MEMORY and nack.state is start and d.w.state is start
         assert "held by pid 42" in nack.detail and d.w.residency.asleep == asleep and not d.w.failure
-        again = d.send(Wake(task_id="w", epoch=0, tags=tags, wait_for_memory_s=5.0))
+        again = d.send(Wake(task_id="w", epoch=0, tags=tags, memory_wait_s=5.0))
         assert again.effect is None and again.replies == (nack,) and d.w.state is start
-        (reused,) = d.send(Wake(task_id="w", epoch=0, tags=tags, wait_for_memory_s=9.0)).replies
+        (reused,) = d.send(Wake(task_id="w", epoch=0, tags=tags, memory_wait_s=9.0)).replies
         assert reused.reason is NackReason.TASK_ID_REUSED
 
 
@@ -295,7 +295,7 @@ def test_a_refusal_must_carry_the_reason_of_its_command() -> None:
 
 def test_waiting_for_memory_needs_the_swap_capability() -> None:
     d = reach_worker(W.SLEEPING, capabilities=(Capability.LEVEL2, Capability.PARTIAL_WAKE))
-    (nack,) = d.send(Wake(task_id="w", epoch=0, wait_for_memory_s=1.0)).replies
+    (nack,) = d.send(Wake(task_id="w", epoch=0, memory_wait_s=1.0)).replies
     assert nack.reason is NackReason.UNSUPPORTED and "swap" in nack.detail and d.w.state is W.SLEEPING
     assert d.send(Wake(task_id="w2", epoch=0)).effect is not None  # without waiting it wakes
 

@@ -40,13 +40,13 @@ CONSTANTS
     OtherMax,       \* the third process never holds more than this
     OtherMoves,     \* it allocates or frees a chunk at most this many times
     Reserve,        \* chunks the gate leaves free (its reserve)
-    MayWait,        \* TRUE: the Wake's wait_for_memory_s > 0; FALSE: 0, refused at once
+    MayWait,        \* TRUE: the Wake's memory_wait_s > 0; FALSE: 0, refused at once
     AFails,         \* TRUE: A's sleep may fail midway and stop releasing
     DeadlinePasses, \* TRUE: an incoming stage's wait may expire
     LongWait,       \* TRUE: only once A's sleep has ended and the stage's last poll saw the
-                    \*   room there is now (wait_for_memory_s outlasts A's sleep and a poll)
+                    \*   room there is now (memory_wait_s outlasts A's sleep and a poll)
     WaitOutlastsA,  \* TRUE: a stage's wait expires only once A's sleep has ended (its
-                    \*   wait_for_memory_s outlasts A's sleep; LongWait without the poll)
+                    \*   memory_wait_s outlasts A's sleep; LongWait without the poll)
     OneIncoming,    \* TRUE: the engine admits one incoming wake per device at a time: C's
                     \*   wake starts only once B's has ended
     Bug             \* "none" or the defect of a bug model (see BugNames)
@@ -179,7 +179,7 @@ Query(s) ==         \* the budget does not cover it: read free memory (one poll)
             THEN /\ budget' = [budget EXCEPT ![s] = Room]
                  /\ waiting' = [waiting EXCEPT ![s] = TRUE]
                  /\ UNCHANGED <<pc, mapped, next, tags>>
-            ELSE Rollback(s)        \* wait_for_memory_s = 0: refused at once
+            ELSE Rollback(s)        \* memory_wait_s = 0: refused at once
     /\ UNCHANGED <<a, pcA, other, moves, host>>
 
 Blind(s) ==         \* no_gate: straight to the map
@@ -214,7 +214,7 @@ Map(s) ==
                THEN [host EXCEPT ![s] = @ - Need(s)] ELSE host
     /\ UNCHANGED <<a, pcA, other, moves>>
 
-Expire(s) ==        \* wait_for_memory_s has passed since the wake began, while waiting
+Expire(s) ==        \* memory_wait_s has passed since the wake began, while waiting
     /\ DeadlinePasses /\ Bug # "wait_forever"
     /\ LongWait => pcA \in {"asleep", "failed"} /\ budget[s] = Room
     /\ WaitOutlastsA => pcA \in {"asleep", "failed"}

@@ -28,7 +28,7 @@ LONG_WAIT_S = 60.0
 
 
 def _v1_wake(task_id: str, epoch: int) -> bytes:
-    """A Wake exactly as a worker that predates P-16 knows it: no wait_for_memory_s key."""
+    """A Wake exactly as a worker that predates P-16 knows it: no memory_wait_s key."""
     return msgspec.msgpack.encode(
         {"type": "Wake", "v": PROTOCOL_VERSION, "task_id": task_id, "epoch": epoch, "tags": None}
     )
@@ -37,7 +37,7 @@ def _v1_wake(task_id: str, epoch: int) -> bytes:
 @case(
     "P-16",
     "v1_wake_frame",
-    "a Wake frame without wait_for_memory_s (the frame of every v1 worker) wakes a sleeping worker as before",
+    "a Wake frame without memory_wait_s (the frame of every v1 worker) wakes a sleeping worker as before",
 )
 def v1_wake_frame(ctx: Ctx) -> None:
     peer = ctx.worker
@@ -58,15 +58,15 @@ def v1_wake_frame(ctx: Ctx) -> None:
 @case(
     "P-16",
     "waiting_wake_refused_without_swap",
-    "no 'swap' declared: a Wake with wait_for_memory_s > 0 is "
+    "no 'swap' declared: a Wake with memory_wait_s > 0 is "
     "refused UNSUPPORTED (BAD_MESSAGE naming the field from a worker that predates it), nothing wakes",
     unless=(SWAP,),
 )
 def waiting_wake_refused_without_swap(ctx: Ctx) -> None:
     _, slept = ctx.sleep(1)
-    command = ctx.cmd(Wake, "waits", wait_for_memory_s=ROOMY_WAIT_S)
+    command = ctx.cmd(Wake, "waits", memory_wait_s=ROOMY_WAIT_S)
     reply = ctx.request(command)
-    predates = getattr(reply, "reason", None) is NackReason.BAD_MESSAGE and "wait_for_memory_s" in reply.detail
+    predates = getattr(reply, "reason", None) is NackReason.BAD_MESSAGE and "memory_wait_s" in reply.detail
     if not predates:
         ctx.nack(reply, command, NackReason.UNSUPPORTED, state=slept.state)
     status = ctx.status()
@@ -83,19 +83,19 @@ def waiting_wake_refused_without_swap(ctx: Ctx) -> None:
 @case(
     "P-16",
     "waiting_wake_acked_and_cached",
-    "'swap' declared, memory free: a Wake with wait_for_memory_s > 0 "
+    "'swap' declared, memory free: a Wake with memory_wait_s > 0 "
     "is acknowledged ACTIVE; its copy gets the same Ack; the task_id with another wait is TASK_ID_REUSED",
     needs=(SWAP,),
 )
 def waiting_wake_acked_and_cached(ctx: Ctx) -> None:
     ctx.sleep(1)
-    wake = ctx.cmd(Wake, "waits", wait_for_memory_s=ROOMY_WAIT_S)
+    wake = ctx.cmd(Wake, "waits", memory_wait_s=ROOMY_WAIT_S)
     woke = ctx.ack(ctx.request(wake), wake, state=WorkerState.ACTIVE, status=AckStatus.OK)
     again = ctx.request(wake)
     ctx.check(
         again == woke, "a copy of an answered waiting Wake got a different reply", sent=wake, got=again, expected=woke
     )
-    other = msgspec.structs.replace(wake, wait_for_memory_s=ROOMY_WAIT_S + 1)
+    other = msgspec.structs.replace(wake, memory_wait_s=ROOMY_WAIT_S + 1)
     ctx.nack(ctx.request(other), other, NackReason.TASK_ID_REUSED)
     ctx.executed_or_runner_error(*ctx.execute())
 
@@ -128,7 +128,7 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
         needed_bytes = sum(memory.pool_bytes_before.get(t, 0) for t in slept.asleep_tags)
         # Room for part of the wake: what it maps before it runs out must be unmapped again.
         holder = pressure.squeeze(needed_bytes // 2)
-        wake = ctx.cmd(Wake, "squeezed", peer=peer, wait_for_memory_s=SHORT_WAIT_S)
+        wake = ctx.cmd(Wake, "squeezed", peer=peer, memory_wait_s=SHORT_WAIT_S)
         sent_at_s = time.monotonic()
         refused = ctx.nack(ctx.request(wake, peer), wake, NackReason.NO_MEMORY, state=slept.state)
         waited_s = time.monotonic() - sent_at_s  # at least the worker's wait: it answers after it
@@ -187,7 +187,7 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
             expected=slept.state.value,
         )
         pressure.squeeze(needed_bytes // 2)
-        waiting = ctx.cmd(Wake, "waits", peer=peer, wait_for_memory_s=LONG_WAIT_S)
+        waiting = ctx.cmd(Wake, "waits", peer=peer, memory_wait_s=LONG_WAIT_S)
         peer.send(waiting)
         early = [m for m in peer.collect(ctx.options.quiet_s) if getattr(m, "task_id", None) == waiting.task_id]
         ctx.check(

@@ -41,7 +41,7 @@ from omni_core.fsm.inputs import (
     WakeCall,
     WeightGroupCall,
 )
-from omni_core.protocol import MAX_WAIT_FOR_MEMORY_S, DiskSource
+from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource
 from omni_core.protocol.weights import WeightSource
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
@@ -154,8 +154,6 @@ class Engine:
         abort_in_flight: bool = False,
     ) -> LifecycleReport:
         """Close admission, drain (or abort) in-flight requests, sleep every rank."""
-        if level not in (1, 2):
-            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
         tid, deadline_s = self._task(stage, "sleep", task_id, timeout_s)
         return self._lifecycle(stage, SleepCall(tid, level, _tags(tags), deadline_s, abort_in_flight))
 
@@ -220,24 +218,19 @@ class Engine:
         incoming stage is then exactly where it was)."""
         if out_stage == in_stage:
             raise InvalidArgumentError(f"a swap needs two stages; got {out_stage!r} twice (use sleep or wake)")
-        if level not in (1, 2):
-            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
         out_spec, in_spec = self._spec(out_stage), self._spec(in_stage)
         deadline_s = self._deadline_s(max(out_spec.deadline_s, in_spec.deadline_s), timeout_s)
-        if memory_wait_s is None:
-            wait_s = min(SWAP_MEMORY_WAIT_SHARE * deadline_s, MAX_WAIT_FOR_MEMORY_S)
-        else:
-            wait_s = memory_wait_s
+        default_s = min(SWAP_MEMORY_WAIT_SHARE * deadline_s, MAX_MEMORY_WAIT_S)
+        wait_s = default_s if memory_wait_s is None else memory_wait_s
         if not (
             isinstance(wait_s, (int, float))
             and math.isfinite(wait_s)
             and 0 <= wait_s < deadline_s
-            and wait_s <= MAX_WAIT_FOR_MEMORY_S
+            and wait_s <= MAX_MEMORY_WAIT_S
         ):
-            # Said in the caller's words: the Wake's own field is wait_for_memory_s.
             raise InvalidArgumentError(
                 f"memory_wait_s must be >= 0, below the swap's deadline ({deadline_s} s: timeout_s, else the larger "
-                f"deadline_s of the two stages) and at most {MAX_WAIT_FOR_MEMORY_S:.0f} s, got {memory_wait_s!r}; "
+                f"deadline_s of the two stages) and at most {MAX_MEMORY_WAIT_S:.0f} s, got {memory_wait_s!r}; "
                 "pass a smaller memory_wait_s or a longer timeout_s"
             )
         swap_id = task_id or self._orch.new_task_id("swap", f"{out_stage}-{in_stage}")

@@ -3,7 +3,7 @@
 Two incoming stages waking on one device each keep what they mapped while they wait for
 the rest: both can wait with neither able to finish, and when their deadlines pass within
 one poll of each other both are refused (tla/OmniSwap.tla, `NotBothRefused`). So a swap
-whose incoming wake waits for memory (wait_for_memory_s > 0) holds each device its
+whose incoming wake waits for memory (memory_wait_s > 0) holds each device its
 incoming stage runs on until that wake's task ends; a swap into a held device waits here,
 first come first served, and is issued when the devices are free, or refused when its
 deadline passes first. The queue is bounded: past `MAX_QUEUED_SWAPS` a swap is refused at
@@ -59,8 +59,8 @@ class SwapCall:
         """The swap issued after waiting: the caller's deadline still holds, so both halves get
         what is left of it, and the wake's wait for memory keeps its share (below the deadline,
         as the protocol requires; 0 stays 0)."""
-        share = self.wake.wait_for_memory_s / self.wake.deadline_s
-        wake = replace(self.wake, deadline_s=remaining_s, wait_for_memory_s=share * remaining_s)
+        share = self.wake.memory_wait_s / self.wake.deadline_s
+        wake = replace(self.wake, deadline_s=remaining_s, memory_wait_s=share * remaining_s)
         return replace(self, sleep=replace(self.sleep, deadline_s=remaining_s), wake=wake)
 
 

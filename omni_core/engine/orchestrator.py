@@ -240,7 +240,7 @@ class Orchestrator:
     def _swap(self, future: Future, request: SwapRequest) -> None:
         self.stage(request.out_name)
         in_spec = self.stage(request.in_name).spec
-        waits = request.wake.wait_for_memory_s > 0  # a wake that waits holds its devices until it ends
+        waits = request.wake.memory_wait_s > 0  # a wake that waits holds its devices until it ends
         self._swaps.offer(future, request, stage_devices(in_spec, self._engine_visible) if waits else frozenset())
 
     def _restart(self, future: Future, stage: StageSlot, restart: I.Restart) -> None:

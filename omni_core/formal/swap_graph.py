@@ -17,7 +17,7 @@ before it saw changes no state and leaves no edge: the sequences keep only queri
 changed something (tests/formal/test_swap_gate.py replays them through
 omni_core/workers/memory_gate.py, whose polling makes the same queries).
 
-wait_for_memory_s = 0 (`MayWait = FALSE`): a refusal at once is a query that found too
+memory_wait_s = 0 (`MayWait = FALSE`): a refusal at once is a query that found too
 little (or an OOM) followed by ("expire",), since that is what the gate does: look, find
 the wait already over, refuse.
 """

@@ -89,7 +89,7 @@ def _swap_section() -> list[str]:
         "in one turn of the orchestrator's loop, so the host link carries both directions at once.",
         "The two stages keep their own lifecycles above; nothing couples them but the device's",
         "free memory. The outgoing ranks sleep as always, releasing each allocation as its copy",
-        "lands. The incoming ranks' `Wake` carries `wait_for_memory_s`: before each allocation a",
+        "lands. The incoming ranks' `Wake` carries `memory_wait_s`: before each allocation a",
         "rank's memory gate checks that the device has it free (a running budget, one query when",
         "there is room) and otherwise polls until it is or the wait has passed; so a stage never",
         "allocates past the device, whatever the sizes or a third process on it. When the wait",

@@ -24,12 +24,12 @@ class SleepEffect:
 @dataclass(frozen=True)
 class WakeEffect:
     """Map `tags` back and restore whatever of them was offloaded. Each allocation waits for
-    that much free device memory, up to `wait_for_memory_s` in all; when it is not there in
+    that much free device memory, up to `memory_wait_s` in all; when it is not there in
     time, unmap what was mapped and report `WorkerCore.on_refused` (NO_MEMORY, P-16)."""
 
     task_id: str
     tags: frozenset[str]
-    wait_for_memory_s: float = 0.0
+    memory_wait_s: float = 0.0
     links: tuple[LinkShare, ...] = ()
 
 

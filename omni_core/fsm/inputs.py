@@ -58,7 +58,7 @@ class WakeCall:
     task_id: str
     tags: tuple[str, ...] | None
     deadline_s: float
-    wait_for_memory_s: float = 0.0  # each rank may wait this long for free device memory (a swap, P-16)
+    memory_wait_s: float = 0.0  # each rank may wait this long for free device memory (a swap, P-16)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from omni_core.fsm.stage_step import (
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.protocol import (
-    MAX_WAIT_FOR_MEMORY_S,
+    MAX_MEMORY_WAIT_S,
     AckStatus,
     Capability,
     Command,
@@ -209,8 +209,9 @@ class StageCalls:
 
     def _sleep(self, call: I.SleepCall, now: float) -> StageStep:
         level = call.level
-        if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
-            raise StageCommandError(f"sleep level must be 1 or 2 (an int), got {level!r}")
+        # The one check of a sleep level from any caller (Engine, HTTP, swap). True == 1, but is no level.
+        if type(level) is not int or level not in (1, 2):
+            raise StageCommandError(f"sleep level must be 1 or 2, got {level!r}")
         wanted = self._resolve(call.tags)
         signature = ("Sleep", level, None if call.tags is None else tuple(sorted(wanted)))
 
@@ -248,26 +249,26 @@ class StageCalls:
         return step
 
     def _wake(self, call: I.WakeCall, now: float) -> StageStep:
-        """Wake `tags` (every tag: None). With `wait_for_memory_s` each rank may wait that long
+        """Wake `tags` (every tag: None). With `memory_wait_s` each rank may wait that long
         for free device memory another stage is releasing (a swap, P-16); it must end well
         before the deadline so that a rank's NO_MEMORY refusal arrives in time."""
-        wait_for_memory_s, deadline_s = call.wait_for_memory_s, call.deadline_s
-        if not (0 <= wait_for_memory_s < deadline_s) or wait_for_memory_s > MAX_WAIT_FOR_MEMORY_S:
+        memory_wait_s, deadline_s = call.memory_wait_s, call.deadline_s
+        if not (0 <= memory_wait_s < deadline_s) or memory_wait_s > MAX_MEMORY_WAIT_S:
             raise StageCommandError(
-                f"wait_for_memory_s must be >= 0, below the deadline ({deadline_s} s) and at most "
-                f"{MAX_WAIT_FOR_MEMORY_S:.0f} s, got {wait_for_memory_s!r}; leave the ranks time to map and copy"
+                f"memory_wait_s must be >= 0, below the deadline ({deadline_s} s) and at most "
+                f"{MAX_MEMORY_WAIT_S:.0f} s, got {memory_wait_s!r}; leave the ranks time to map and copy"
             )
         wanted = self._resolve(call.tags)
-        signature = ("Wake", None if call.tags is None else tuple(sorted(wanted)), float(wait_for_memory_s))
+        signature = ("Wake", None if call.tags is None else tuple(sorted(wanted)), float(memory_wait_s))
 
         def plan() -> _Task | Command:
             unable = sorted(r for r in self.ranks if Capability.SWAP not in self.rank_capabilities.get(r, ()))
-            if wait_for_memory_s > 0 and unable:
+            if memory_wait_s > 0 and unable:
                 raise StageCommandError(
                     f"stage {self.name!r}: ranks {unable} cannot wait for free device memory "
-                    "(their Hello lists no 'swap' capability); wake with wait_for_memory_s=0"
+                    "(their Hello lists no 'swap' capability); wake with memory_wait_s=0"
                 )
-            command = Wake(task_id=call.task_id, epoch=self.epoch, tags=signature[1], wait_for_memory_s=signature[2])
+            command = Wake(task_id=call.task_id, epoch=self.epoch, tags=signature[1], memory_wait_s=signature[2])
             to_wake = wanted & self.residency.asleep
             if not to_wake and self.lifecycle.allows("wake_already"):
                 return command

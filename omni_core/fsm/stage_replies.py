@@ -128,7 +128,7 @@ class StageReplies:
         if (
             isinstance(reply, Nack)
             and reply.reason is REFUSAL_REASON.get(type(task.command))
-            and not (isinstance(task.command, Wake) and task.command.wait_for_memory_s <= 0)
+            and not (isinstance(task.command, Wake) and task.command.memory_wait_s <= 0)
         ):
             # NO_MEMORY refuses only a wake that may wait (P-16); to any other it is a failure.
             task.refusals[reply.rank] = reply.detail

@@ -37,7 +37,7 @@ def level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
         case Sleep():
             return command.level, command.tags
         case Wake():
-            return (1 if command.wait_for_memory_s > 0 else 0), command.tags
+            return (1 if command.memory_wait_s > 0 else 0), command.tags
         case Profile(start=True):
             return 1, None  # as the spec marks a Profile start on the wire
         case _:

@@ -216,8 +216,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
             if isinstance(command, (Execute, Profile)):
                 # Recorded: the stage takes this BUSY as the rank's answer to the request (or
                 # the Profile), so a copy arriving after the task in progress must get it again,
-                # not run (P-1; TLC found the hole with an asynchronous shell, for Execute and
-                # again for Profile: tla/README.md).
+                # not run (P-1; an asynchronous shell would otherwise run it twice: tla/README.md).
                 self._remember(command, step.replies[0])
             return step
         if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):

@@ -106,19 +106,19 @@ class WorkerCommands:
             )
         if command.links and Capability.MULTI_PATH not in self.capabilities:
             return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
-        if command.wait_for_memory_s > 0 and Capability.SWAP not in self.capabilities:
+        if command.memory_wait_s > 0 and Capability.SWAP not in self.capabilities:
             return self._refuse(
                 command,
                 NackReason.UNSUPPORTED,
                 "this worker cannot wait for free device memory "
-                "(capability 'swap' not declared); send the Wake with wait_for_memory_s=0",
+                "(capability 'swap' not declared); send the Wake with memory_wait_s=0",
             )
         if not self.lifecycle.allows("wake"):
             return self._refuse_state(command)
         before = self.state
         self.lifecycle.fire("wake")
         self._pending = _Pending(command, wake_tags=frozenset(to_wake), state_before=before)
-        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.wait_for_memory_s, command.links))
+        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.memory_wait_s, command.links))
 
     def _on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
         if not self.lifecycle.allows("reload"):

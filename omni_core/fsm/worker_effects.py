@@ -116,8 +116,8 @@ class WorkerEffects:
         before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
         memory in time and unmapped what it had mapped (NACK NO_MEMORY, P-16). Cached, like an
         EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
-        gets it again instead of passing through RELOADING once more (TLC found that a copy
-        judged afresh moved a rank of a NEEDS_RELOAD stage back into RELOADING)."""
+        gets it again instead of passing through RELOADING once more (a copy judged afresh
+        would move a rank of a NEEDS_RELOAD stage back into RELOADING)."""
         before = self.state
         pending = self._take_pending(task_id)
         kind = type(pending.command)

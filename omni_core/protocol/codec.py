@@ -16,7 +16,7 @@ import msgspec
 
 from omni_core.protocol.enums import NackReason
 from omni_core.protocol.envelope_scan import scan_envelope
-from omni_core.protocol.messages import MAX_TASK_ID_CHARS, AnyMessage, Command, Execute, Message
+from omni_core.protocol.messages import MAX_TASK_ID_CHARS, RENAMED_FIELDS, AnyMessage, Command, Execute, Message
 from omni_core.protocol.version import PROTOCOL_VERSION
 
 # The largest frame a peer accepts unless configured otherwise (StageSpec.max_frame_bytes):
@@ -223,8 +223,12 @@ def _explain(data: bytes | bytearray | memoryview, exc: Exception) -> ProtocolEr
     if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
         return _unsupported_version(version, task_id, epoch)
     kind = envelope.type if isinstance(envelope.type, str) and envelope.type.isidentifier() else "message"
+    detail = _describe(exc)
+    for old, new in RENAMED_FIELDS.items():
+        if f"unknown field `{old}`" in detail:
+            detail += f"; the field is named {new!r} now: the peer runs an older omni-core, upgrade it"
     return ProtocolError(
-        f"invalid {kind[:64]}: {_describe(exc)}",
+        f"invalid {kind[:64]}: {detail}",
         task_id=task_id,
         epoch=epoch,
     )

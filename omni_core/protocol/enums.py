@@ -78,6 +78,6 @@ class Capability(str, enum.Enum):
     STABLE_ADDRESSES = "stable_addresses"  # tensors keep their device addresses across sleep
     CUDA_GRAPHS = "cuda_graphs"  # captured graphs stay valid across sleep
     PROFILE = "profile"  # answers Profile (start/stop of a profiler, P-15)
-    SWAP = "swap"  # a Wake waits for free device memory (Wake.wait_for_memory_s) and refuses with NO_MEMORY (P-16)
+    SWAP = "swap"  # a Wake waits for free device memory (Wake.memory_wait_s) and refuses with NO_MEMORY (P-16)
     MULTI_PATH = "multi_path"  # Sleep/Wake take a link plan (`links`) and relay through peer GPUs (P-18)
     WEIGHT_UPDATE = "weight_update"  # answers UpdateWeights and InitWeightGroup (P-17)

@@ -30,7 +30,10 @@ MAX_DETAIL_CHARS = 4096
 MAX_PREFIX_WIRE_CHARS = 1024  # Profile.prefix on the wire; the worker accepts far less
 MAX_TRACE_PATHS = 16  # Ack.trace_paths: a stop lists one trace (two after an automatic cut)
 MAX_PATH_CHARS = 4096
-MAX_WAIT_FOR_MEMORY_S = 3600.0  # Wake.wait_for_memory_s: a swap's wait for another stage to leave
+MAX_MEMORY_WAIT_S = 3600.0  # Wake.memory_wait_s: a swap's wait for another stage to leave
+# Fields renamed on the wire, old name -> new: a peer still sending the old name is refused
+# (BAD_MESSAGE) with the new one named, instead of with a bare "unknown field".
+RENAMED_FIELDS: dict[str, str] = {"wait_for_memory_s": "memory_wait_s"}
 MAX_LINKS = 8  # a link plan's paths: the own link and up to seven peers of one node
 MAX_DEVICE_INDEX = 63
 MAX_LINK_SHARE = 1000.0
@@ -89,17 +92,17 @@ class Wake(Command, kw_only=True, frozen=True):
     """Map the tags back (and restore what level 1 offloaded). `tags=None` means every tag.
 
     Before each allocation the rank checks that the device has that much free memory
-    (P-16). `wait_for_memory_s` is how long it may wait for memory another stage is
+    (P-16). `memory_wait_s` is how long it may wait for memory another stage is
     releasing (a swap); when the memory is not there in time it unmaps what this wake
     mapped and answers NACK NO_MEMORY naming who holds the device, its state unchanged.
-    `wait_for_memory_s` is left off the wire at 0, so a Wake without waiting is the frame
+    `memory_wait_s` is left off the wire at 0, so a Wake without waiting is the frame
     every earlier worker knows (a worker lists Capability.SWAP before an engine asks it to
     wait); see `codec.encode`."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("wait_for_memory_s", "links")
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("memory_wait_s", "links")
 
     tags: Tags | None = None
-    wait_for_memory_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_FOR_MEMORY_S)] = 0.0
+    memory_wait_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_MEMORY_WAIT_S)] = 0.0
     links: Links = ()  # as for Sleep: the restore's copies over the planned host links
 
 

@@ -7,13 +7,13 @@ moves tensors (portable) knows what to move. After that the runner keeps referen
 its tensors for life: backends restore memory *into the same tensor objects*, so a runner
 must never cache a copy or a `.data_ptr()` it did not get from its own tensors.
 
-Runners are chosen by import path, `package.module:Class`, so users bring their own;
-"synthetic" names the built-in `SyntheticRunner`.
+Runners are chosen by name (omni_core.plugins: omni-core's own, e.g. "synthetic", or one an
+installed package registers under the entry-point group `omni_core.runners`) or by import
+path, `package.module:Class`, so users bring their own.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -23,13 +23,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-
-BUILTIN_RUNNERS = {
-    "synthetic": "omni_core.runners.synthetic:SyntheticRunner",
-    "transformers": "omni_core.runners.transformers_runner:TransformersRunner",
-    "diffusers": "omni_core.runners.diffusers_runner:DiffusersRunner",
-    "vllm": "omni_core.runners.vllm_runner:VllmRunner",
-}
+from omni_core.plugins import RUNNERS, resolve
 
 # `open_pool(tag)`: the context in which allocations belong to `tag` (the backend's pool).
 OpenPool = Callable[[str], AbstractContextManager[None]]
@@ -175,40 +169,10 @@ class ModelRunner(ABC):
         return None
 
 
-# Modules of this package that moved: a stage spec naming the old path is told the new one.
-MOVED_MODULES = {
-    "omni_core.workers.synthetic": "omni_core.runners.synthetic",
-    "omni_core.workers.tensor_parallel": "omni_core.runners.tensor_parallel",
-    "omni_core.workers.runner": "omni_core.runners.base",
-    "omni_core.workers.testing": "omni_core.testing.faults",
-}
-
-
-def import_object(path: str) -> Any:
-    """Resolve `package.module:Name`, with an error that says what to fix."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"import path {path!r} must look like 'package.module:ClassName'")
-    if module_name in MOVED_MODULES:
-        raise ImportError(
-            f"module {module_name!r} named by {path!r} has moved: name it '{MOVED_MODULES[module_name]}:{attr}'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"cannot import module {module_name!r} named by {path!r}: {exc}; "
-            "is the package installed in the worker's environment?"
-        ) from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
-
-
 def load_runner_class(name: str) -> type[ModelRunner]:
-    """The runner class for WorkerConfig.runner: 'synthetic' or 'package.module:Class'."""
-    cls = import_object(BUILTIN_RUNNERS.get(name, name))
+    """The runner class for WorkerConfig.runner: a registered name (omni_core.plugins) or
+    'package.module:Class'."""
+    cls = resolve(RUNNERS, name)
     if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
         raise TypeError(
             f"runner {name!r} resolves to {cls!r}, which is not a subclass of omni_core.runners.base.ModelRunner"

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import uvicorn
 
 from omni_core.config import OmniConfig
@@ -78,7 +79,7 @@ def uvicorn_config(
 def with_overrides(config: OmniConfig, **overrides: Any) -> OmniConfig:
     """The config with command-line overrides of [server] (those that are not None)."""
     given = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(config, server=dataclasses.replace(config.server, **given)) if given else config
+    return dataclasses.replace(config, server=msgspec.structs.replace(config.server, **given)) if given else config
 
 
 def serve(

@@ -60,7 +60,7 @@ def describe(message: Message) -> str:
     if isinstance(message, Sleep):
         return f"Sleep {head} level={message.level} tags={fmt_tags(message.tags)}"
     if isinstance(message, Wake):
-        wait = f" wait_for_memory={fmt_s(message.wait_for_memory_s)}" if message.wait_for_memory_s else ""
+        wait = f" memory_wait={fmt_s(message.memory_wait_s)}" if message.memory_wait_s else ""
         return f"Wake {head} tags={fmt_tags(message.tags)}{wait}"
     if isinstance(message, ReloadWeights):
         return f"ReloadWeights {head} source={message.source or 'default'}"
@@ -116,7 +116,7 @@ def describe_input(event: I.EngineInput) -> str:
             f"deadline={fmt_s(event.deadline_s)}{abort}"
         )
     if isinstance(event, I.WakeCall):
-        wait = f" wait_for_memory={fmt_s(event.wait_for_memory_s)}" if event.wait_for_memory_s else ""
+        wait = f" memory_wait={fmt_s(event.memory_wait_s)}" if event.memory_wait_s else ""
         return f"WakeCall {event.task_id} tags={fmt_tags(event.tags)} deadline={fmt_s(event.deadline_s)}{wait}"
     if isinstance(event, I.PauseCall):
         return f"PauseCall {event.task_id} mode={event.mode} deadline={fmt_s(event.deadline_s)}"

@@ -4,30 +4,15 @@ as JSON through `--config`. Kept as plain data so it crosses process boundaries.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, MIN_REPLY_CACHE_ENTRIES
+from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 from omni_core.workers.simulated_device import SimulatedDevice
-
-# The memory backends every worker has built in (chosen in omni_core.workers.backends.select);
-# any other backend is named by an import path 'package.module:Class' of a MemoryBackend.
-BUILTIN_BACKENDS = ("auto", "portable", "cumem", "fast")
-
-
-def backend_name_problem(name: object) -> str | None:
-    """What is wrong with a backend name, or None: a builtin name or an import path."""
-    if not isinstance(name, str):
-        return f"backend must be a string, got {name!r}"
-    module, sep, attr = name.partition(":")
-    if name in BUILTIN_BACKENDS or (sep and module and attr):
-        return None
-    return (
-        f"backend {name!r} is not one of {list(BUILTIN_BACKENDS)} nor an import path "
-        "'package.module:Class' of a MemoryBackend"
-    )
 
 
 def device_problem(name: str) -> str | None:
@@ -54,27 +39,36 @@ def device_problem(name: str) -> str | None:
     return None
 
 
+# Bounds a rank's config shares with the StageSpec it comes from (engine/spec.py uses these).
+MIN_FRAME_BYTES = 64 << 10  # room for every lifecycle message and its error details
+MAX_FRAME_BYTES = 1 << 31
+MAX_DEADLINE_S = 24 * 3600.0
+FrameBytes = Annotated[int, Meta(ge=MIN_FRAME_BYTES, le=MAX_FRAME_BYTES)]
+Seconds = Annotated[float, Meta(gt=0, le=MAX_DEADLINE_S)]
+GpuFraction = Annotated[float, Meta(gt=0, le=1)]
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     address: str  # orchestrator ROUTER address, e.g. ipc:///tmp/omni-xyz.sock or tcp://127.0.0.1:5555
     rank: int
     epoch: int = 0
     stage: str = "stage"
-    runner: str = "synthetic"  # "synthetic" or an import path "package.module:Class"
+    runner: str = "synthetic"  # a name registered in omni_core.plugins or an import path "package.module:Class"
     runner_args: dict[str, Any] = {}
-    backend: str = "auto"  # BUILTIN_BACKENDS or an import path "package.module:Class"
+    backend: str = "auto"  # a name registered in omni_core.plugins or an import path "package.module:Class"
     device: str = "cpu"  # torch device inside the process ("cpu", "cuda" = the visible GPU)
-    tags: tuple[str, ...] = ("weights", "kv_cache")
-    gpu_memory_fraction: float | None = None  # this process's share of the GPU (KV sizing, start-up check)
+    tags: Annotated[tuple[str, ...], Meta(min_length=1)] = DEFAULT_TAGS
+    gpu_memory_fraction: GpuFraction | None = None  # this process's share of the GPU (KV sizing, start-up check)
     verify_clean_sleep: bool = False  # check read-only tags against their host copy at each sleep (debug)
     # CPU runs of a swap: the device capacity the memory gate waits on (shared per-process
     # files). None: on CUDA the real free memory, on CPU no gate.
     simulated_device: SimulatedDevice | None = None
     trace_path: str | None = None  # append one JSON line per processed message when set
     profile_dir: str | None = None  # Profile traces; None: omni_core.workers.profiler.default_profile_dir()
-    profile_max_s: float = 600.0  # a profile running longer is cut and written (its events grow in memory)
+    profile_max_s: Seconds = 600.0  # a profile running longer is cut and written (its events grow in memory)
     reply_cache_entries: int = 1024  # at least MIN_REPLY_CACHE_ENTRIES (P-2)
     reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are refused (BAD_MESSAGE) unread
+    max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES  # larger frames are refused (BAD_MESSAGE) unread
     # The engine ROUTER's CURVE public key (Z85) when the transport leaves the host: the rank
     # then encrypts and checks the server. Its own key pair comes through the environment.
     curve_server_key: str | None = None

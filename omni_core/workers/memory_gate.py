@@ -1,9 +1,9 @@
-"""The memory gate of a wake: map nothing the device has no room for (issue 14, the swap).
+"""The memory gate of a wake: map nothing the device has no room for.
 
 During a swap, stage A sleeps while stage B wakes on the same GPU. B's rank asks its gate
 before mapping each allocation (or moving each tensor) of the wake: the gate admits when
 the device's free memory, less a reserve, covers the bytes; otherwise it polls free memory
-with a short, growing backoff until it does, or until `wait_for_memory_s` has passed since
+with a short, growing backoff until it does, or until `memory_wait_s` has passed since
 the wake began. Then `MemoryWaitExpired` names what was needed, what was free, how long it
 waited and who holds the device, and the backend unmaps what this wake mapped (the host
 copies stay valid) and refuses the wake (`WakeRefused`, NACK NO_MEMORY).
@@ -35,7 +35,7 @@ T = TypeVar("T")
 
 
 class MemoryWaitExpired(RuntimeError):
-    """The device did not free enough memory within the wake's `wait_for_memory_s`."""
+    """The device did not free enough memory within the wake's `memory_wait_s`."""
 
     def __init__(
         self, message: str, *, needed_bytes: int, free_bytes: int, waited_s: float, holders: HolderList
@@ -77,19 +77,19 @@ class MemoryGate:
         self,
         source: FreeMemorySource,
         *,
-        wait_for_memory_s: float,
+        memory_wait_s: float,
         what: str = "this wake",
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         min_backoff_s: float = MIN_BACKOFF_S,
         max_backoff_s: float = MAX_BACKOFF_S,
     ) -> None:
-        if wait_for_memory_s < 0:
-            raise ValueError(f"wait_for_memory_s must be >= 0, got {wait_for_memory_s}")
+        if memory_wait_s < 0:
+            raise ValueError(f"memory_wait_s must be >= 0, got {memory_wait_s}")
         if not 0 < min_backoff_s <= max_backoff_s:
             raise ValueError(f"need 0 < min_backoff_s <= max_backoff_s, got {min_backoff_s}, {max_backoff_s}")
         self.source = source
-        self.wait_for_memory_s = wait_for_memory_s
+        self.memory_wait_s = memory_wait_s
         self.what = what
         self._clock, self._sleep = clock, sleep
         self._min_backoff_s, self._max_backoff_s = min_backoff_s, max_backoff_s
@@ -122,7 +122,7 @@ class MemoryGate:
                 fresh = True
                 continue
             now = self._clock()  # the device's own answer does not cover it: wait, then ask again
-            left_s = self.started_s + self.wait_for_memory_s - now
+            left_s = self.started_s + self.memory_wait_s - now
             if left_s <= 0:
                 raise self._expired(nbytes, self._last_free, now)
             pause_s = min(backoff_s, left_s)
@@ -165,7 +165,7 @@ class MemoryGate:
 
     def _pause_after_refusal(self, nbytes: int) -> None:
         now = self._clock()
-        left_s = self.started_s + self.wait_for_memory_s - now
+        left_s = self.started_s + self.memory_wait_s - now
         if left_s <= 0:
             raise self._expired(nbytes, self._last_free, now)
         pause_s = min(self._max_backoff_s, left_s)
@@ -187,16 +187,16 @@ class MemoryGate:
             else ""
         )
         when = (
-            "refused at once (wait_for_memory_s=0)"
-            if self.wait_for_memory_s == 0
-            else f"after waiting {waited_s:.3f} s (wait_for_memory_s={self.wait_for_memory_s:g})"
+            "refused at once (memory_wait_s=0)"
+            if self.memory_wait_s == 0
+            else f"after waiting {waited_s:.3f} s (memory_wait_s={self.memory_wait_s:g})"
         )
         message = (
             f"{self.what} needed {nbytes} bytes ({_gib(nbytes)}) for its next allocation{total}, "
             f"{free} bytes ({_gib(free)}) free on {self.source.describe()}"
             f"{f' less a reserve of {_gib(reserve)}' if reserve else ''}: {when}{refused}; "
             f"{describe_holders(holders)}. Put a stage holding that memory to sleep first, "
-            "or give the wake more time (wait_for_memory_s)"
+            "or give the wake more time (memory_wait_s)"
         )
         return MemoryWaitExpired(message, needed_bytes=nbytes, free_bytes=free, waited_s=waited_s, holders=holders)
 

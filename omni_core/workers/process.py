@@ -46,6 +46,7 @@ from omni_core.fsm.effects import (
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
 from omni_core.isolation import FrameErrors, cause_of
+from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     MAX_LINKS,
@@ -235,13 +236,13 @@ class WorkerProcess:
             self._figure(),
         )
 
-    def _gate(self, wait_for_memory_s: float) -> MemoryGate | None:
+    def _gate(self, memory_wait_s: float) -> MemoryGate | None:
         """A gate for one wake (its wait starts now), when there is device memory to wait for."""
         if self.free_memory is None or self.backend is None or not self.backend.supports_memory_gate:
             return None
         return MemoryGate(
             self.free_memory,
-            wait_for_memory_s=wait_for_memory_s,
+            memory_wait_s=memory_wait_s,
             what=f"stage {self.config.stage} rank {self.config.rank}",
         )
 
@@ -425,7 +426,7 @@ class WorkerProcess:
             runner.before_sleep(effect.offload, effect.discard)
             backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save(), links=effect.links)
         elif isinstance(effect, WakeEffect):
-            backend.wake(effect.tags, self._gate(effect.wait_for_memory_s), links=effect.links)
+            backend.wake(effect.tags, self._gate(effect.memory_wait_s), links=effect.links)
             runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering
@@ -556,10 +557,8 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        if os.environ.get("OMNI_CORE_LOG_FORMAT"):  # under `omni-core serve`: its format (--log-json: JSON)
-            from omni_core.serve.logs import formatter_for
-
-            formatter = formatter_for(os.environ["OMNI_CORE_LOG_FORMAT"])
+        if os.environ.get(LOG_FORMAT_ENV):  # under `omni-core serve`: its format (--log-json: JSON)
+            formatter = formatter_for(os.environ[LOG_FORMAT_ENV])
             if formatter is not None:
                 logging.getLogger().handlers[0].setFormatter(formatter)
     # The secret leaves the environment at once, so nothing the runner spawns inherits it.

@@ -16,15 +16,12 @@ read through the mapping already open, never reopened.
 
 from __future__ import annotations
 
-import base64
-import os
-import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -40,8 +37,8 @@ from omni_core.protocol.weights import (
     source_tensors,
 )
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
+from omni_core.weight_buckets import SHM_DIR, IpcArgs, dtype_name, sender_alive
 
-SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 MAX_OPEN_BUCKETS = 256  # mappings kept for the next update of the same buckets
 # Peer buckets copied ahead of the one the runner writes: 2 keep the peer link busy while the
@@ -61,20 +58,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def sender_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return True
 
 
 def shm_path(handle: str) -> Path:
@@ -230,7 +213,7 @@ class WeightReceiver:
         view = self._open.get(key)
         if view is None:
             try:
-                args = _IpcArgs.loads(bucket.handle)
+                args = IpcArgs.loads(bucket.handle)
                 view = rebuild_cuda_tensor(*args)
             except Exception as exc:
                 raise RunnerArgumentError(
@@ -265,48 +248,3 @@ class WeightReceiver:
     def close(self) -> None:
         self._open.clear()
         self.group = None
-
-
-class _IpcArgs:
-    """The wire form of a CUDA IPC handle: base64 of a pickle of plain values only."""
-
-    @staticmethod
-    def dumps(args: tuple[Any, ...]) -> str:
-        return base64.b64encode(pickle.dumps(args)).decode("ascii")
-
-    @staticmethod
-    def loads(handle: str) -> tuple[Any, ...]:
-        return _RestrictedUnpickler.loads(base64.b64decode(handle, validate=True))
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles the arguments of rebuild_cuda_tensor only: plain values, torch dtypes and
-    storage classes; any other global (a hostile handle's os.system) is refused."""
-
-    # reduce_tensor names the storage class it shared: TypedStorage for a CUDA tensor (seen on
-    # torch 2.11 with an H100), UntypedStorage on other builds.
-    _ALLOWED: ClassVar[set[tuple[str, str]]] = {
-        ("torch", "Tensor"),
-        ("torch", "Size"),
-        ("torch", "UntypedStorage"),
-        ("torch.storage", "UntypedStorage"),
-        ("torch.storage", "TypedStorage"),
-        ("torch", "TypedStorage"),
-        ("torch", "device"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and hasattr(torch, name) and isinstance(getattr(torch, name), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in self._ALLOWED:
-            return getattr(__import__(module, fromlist=[name]), name)
-        raise pickle.UnpicklingError(f"a CUDA IPC handle may not name {module}.{name}")
-
-    @classmethod
-    def loads(cls, data: bytes) -> tuple[Any, ...]:
-        import io
-
-        value = cls(io.BytesIO(data)).load()
-        if not isinstance(value, tuple):
-            raise pickle.UnpicklingError("a CUDA IPC handle is a tuple of rebuild arguments")
-        return value

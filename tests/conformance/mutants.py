@@ -55,7 +55,7 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "version_detail_one_version": ("P-3", "UNSUPPORTED_VERSION's detail names only the worker's own version"),
     # The swap's wake (P-16), run on a simulated device the suite fills (pressure() below).
     "wake_ignores_free_memory": ("P-16", "a Wake maps without asking the device: full, the map fails, FAILED"),
-    "swap_refuses_wait": ("P-16", "declares 'swap' but refuses every Wake with wait_for_memory_s > 0 (UNSUPPORTED)"),
+    "swap_refuses_wait": ("P-16", "declares 'swap' but refuses every Wake with memory_wait_s > 0 (UNSUPPORTED)"),
     "no_memory_left_restoring": ("P-16", "the NO_MEMORY refusal is sent, but the worker stays RESTORING"),
     "no_memory_not_cached": ("P-16", "a NO_MEMORY refusal is not kept: a copy sent once memory is free wakes"),
     "no_memory_keeps_mapped": ("P-16", "a refused wake leaves what it mapped mapped (no rollback)"),
@@ -469,12 +469,12 @@ def _install(name: str) -> None:
     from omni_core.workers.memory_gate import MemoryWaitExpired, WakeRefused
 
     class NoGateProcess(process_cls):
-        def _gate(self, wait_for_memory_s: float) -> Any:
+        def _gate(self, memory_wait_s: float) -> Any:
             return None  # "the device has room": never asked
 
     class RefusesWaitCore(core_cls):
         def _on_wake(self, command: Any) -> Any:
-            if command.wait_for_memory_s > 0:
+            if command.memory_wait_s > 0:
                 return self._refuse(command, NackReason.UNSUPPORTED, "waiting for memory is not implemented")
             return super()._on_wake(command)
 
@@ -550,9 +550,9 @@ def _install(name: str) -> None:
             super().handle(data)
 
     class NoMemoryEarlyProcess(process_cls):
-        def _gate(self, wait_for_memory_s: float) -> Any:
+        def _gate(self, memory_wait_s: float) -> Any:
             # Short waits only: a long one still waits (and passes the suite's silence check).
-            return super()._gate(0.01 if wait_for_memory_s < 1.0 else wait_for_memory_s)
+            return super()._gate(0.01 if memory_wait_s < 1.0 else memory_wait_s)
 
     if name == "epoch_window_5000":
         fsm_worker.MAX_EPOCH_AHEAD = 5000

@@ -100,5 +100,5 @@ def test_a_swap_issued_late_gets_what_is_left_of_its_deadline_and_keeps_the_wait
         Future(), "a", SleepCall("s/out", 1, None, 10.0), Future(), "b", WakeCall("s/in", None, 10.0, 4.0), Future()
     )
     late = call.shortened(2.5)
-    assert (late.sleep.deadline_s, late.wake.deadline_s, late.wake.wait_for_memory_s) == (2.5, 2.5, 1.0)
+    assert (late.sleep.deadline_s, late.wake.deadline_s, late.wake.memory_wait_s) == (2.5, 2.5, 1.0)
     assert (late.sleep.task_id, late.wake.task_id, late.future) == ("s/out", "s/in", call.future)

@@ -27,18 +27,18 @@ def test_without_ray_the_ray_launcher_says_which_extra_to_install(monkeypatch):
 @pytest.mark.parametrize(
     ("placement", "complaint"),
     [
-        (RayPlacement(num_gpus=-1), "num_gpus"),
-        (RayPlacement(num_cpus=0), "must ask for something"),
-        (RayPlacement(strategy="CLOSE"), "strategy"),
-        (RayPlacement(resources={"node_a": 0}), "positive"),
-        (RayPlacement(bundle_indices=(0, 1)), "placement group of yours"),
-        (RayPlacement(placement_group_name="pg", bundle_indices=(0,)), "one index >= 0 per rank"),
-        (RayPlacement(placement_group_name="pg", placement_group=object()), "not both"),
+        ({"num_gpus": -1}, "field 'num_gpus': expected a number >= 0.0, got -1"),
+        ({"num_cpus": 0}, "must ask for something"),
+        ({"strategy": "CLOSE"}, "field 'strategy': must be one of"),
+        ({"resources": {"node_a": 0}}, r"field 'resources\[...\]': expected a number > 0.0"),
+        ({"bundle_indices": (0, 1)}, "placement group of yours"),
+        ({"placement_group_name": "pg", "bundle_indices": (0,)}, "one index >= 0 per rank"),
+        ({"placement_group_name": "pg", "placement_group": object()}, "not both"),
     ],
 )
 def test_placement_mistakes_are_refused_when_the_spec_is_built(placement, complaint):
     with pytest.raises(InvalidArgumentError, match=complaint):
-        StageSpec("s", ranks=2, placement=placement)
+        StageSpec("s", ranks=2, placement=RayPlacement(**placement))
 
 
 def test_fractional_gpus_and_a_users_bundles_are_accepted():
@@ -71,7 +71,7 @@ def test_a_config_file_places_stages_on_ray():
     assert placement == RayPlacement(
         num_gpus=0.5, strategy="STRICT_PACK", resources={"node_a": 1}, runtime_env={"env_vars": {"HF_HOME": "/models"}}
     )
-    with pytest.raises(ConfigError, match=r"stage 'llm' \(stages\[0\]\): field 'num_gpu'"):
+    with pytest.raises(ConfigError, match=r"stage 'llm' \(stages\[0\]\): field 'placement.num_gpu': unknown field"):
         parse_config({"stages": [{"name": "llm", "placement": {"num_gpu": 1}}]})
     with pytest.raises(ConfigError, match="bundle_indices"):
         parse_config({"stages": [{"name": "llm", "placement": {"bundle_indices": [0]}}]})

@@ -1,6 +1,6 @@
 """What a rank is started with, declared once: one WorkerConfig builder for every launcher
 (each field a rank shares with its StageSpec comes from the spec), and one list of backend
-names for the spec and the worker that selects the backend."""
+names (omni_core.plugins) for the spec and the worker that selects the backend."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from omni_core.engine import InvalidArgumentError, StageSpec
 from omni_core.engine.ranks import worker_config
-from omni_core.workers.config import BUILTIN_BACKENDS, WorkerConfig
+from omni_core.plugins import BACKENDS, BUILTIN
+from omni_core.workers.config import WorkerConfig
 
 SPEC = StageSpec(
     "talker",
@@ -28,7 +29,7 @@ SPEC = StageSpec(
 
 def test_every_field_shared_with_the_stage_spec_comes_from_it() -> None:
     config = worker_config(SPEC, rank=1, epoch=3, address="ipc:///x", trace_path=None, curve=None)
-    shared = set(WorkerConfig.__struct_fields__) & set(StageSpec.__dataclass_fields__)
+    shared = set(WorkerConfig.__struct_fields__) & set(StageSpec.__struct_fields__)
     assert {
         "runner",
         "runner_args",
@@ -60,10 +61,7 @@ def test_what_only_a_launcher_knows_is_its_own() -> None:
 
 
 def test_a_stage_takes_every_backend_a_worker_can_select() -> None:
-    from omni_core.workers.backends import select
-
-    assert select.BUILTIN_BACKENDS is BUILTIN_BACKENDS  # one list of names
-    for name in (*BUILTIN_BACKENDS, "omni_core.testing.faults:FailingWakeBackend"):
+    for name in (*BUILTIN[BACKENDS], "omni_core.testing.faults:FailingWakeBackend"):
         assert StageSpec("s", backend=name).backend == name
     for name in ("magic", "omni_core.testing.faults:", ":FailingWakeBackend", 3):
         with pytest.raises(InvalidArgumentError, match="backend"):

@@ -98,7 +98,7 @@ class AnyWakeRefused(StageCore):
     def _on_reply(self, reply, now):
         task = self._task
         if isinstance(reply, Nack) and task is not None and isinstance(task.command, Wake):
-            task.command = msgspec.structs.replace(task.command, wait_for_memory_s=1.0)
+            task.command = msgspec.structs.replace(task.command, memory_wait_s=1.0)
         return super()._on_reply(reply, now)
 
 

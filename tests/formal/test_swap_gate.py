@@ -64,7 +64,7 @@ class Replay:
 
     def _deadline_if_next(self) -> None:
         if self._peek()[0] == "expire":
-            self.now_s = 1e9  # wait_for_memory_s passes here, before the gate looks at the clock
+            self.now_s = 1e9  # memory_wait_s passes here, before the gate looks at the clock
 
     # FreeMemorySource
     def free_bytes(self) -> int:
@@ -104,7 +104,7 @@ def replay(events: tuple[tuple, ...], model: swap_graph.SwapModel, stage: str, g
     """Play one behaviour through a MemoryGate; the outcome, or raise Disagree."""
     source = Replay(events, model.reserve)
     gate = (gate_class or memory_gate.MemoryGate)(
-        source, wait_for_memory_s=WAIT_S if model.may_wait else 0.0, clock=source.clock, sleep=source.sleep
+        source, memory_wait_s=WAIT_S if model.may_wait else 0.0, clock=source.clock, sleep=source.sleep
     )
     try:
         for chunks in model.allocs[stage]:

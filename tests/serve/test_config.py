@@ -43,18 +43,21 @@ def _write(tmp_path: Path, text: str) -> Path:
         ('[[stages]]\nname = "a"\nranks = "2"\n', "stage 'a' (stages[0]): field 'ranks': expected an integer, got '2'"),
         (
             '[[stages]]\nname = "a"\nrnaks = 2\n',
-            "stage 'a' (stages[0]): field 'rnaks': unknown field in a stage; known fields: [",
+            "stage 'a' (stages[0]): field 'rnaks': unknown field; known fields: ['admission', ",
         ),
         (
             '[[stages]]\nname = "a"\n[[stages]]\nname = "b"\nranks = 0\n',
-            "stage 'b' (stages[1]): field 'ranks': stage 'b': ranks must be 1..64, got 0",
+            "stage 'b' (stages[1]): field 'ranks': expected an integer >= 1, got 0",
         ),
         (
             '[[stages]]\nname = "a"\nbackend = "magic"\n',
-            "stage 'a' (stages[0]): field 'backend': stage 'a': backend 'magic' is not one of",
+            "stage 'a' (stages[0]): field 'backend': backend 'magic' is not one of",
         ),
-        ('[[stages]]\nname = "a b"\n', "stages[0]): field 'name': stage name 'a b' must be"),
-        ("[[stages]]\nranks = 1\n", "stages[0]: field 'name': every stage needs a name"),
+        (
+            '[[stages]]\nname = "a b"\n',
+            "stages[0]): field 'name': expected a string matching regex '^[A-Za-z0-9_.-]{1,64}$', got 'a b'",
+        ),
+        ("[[stages]]\nranks = 1\n", "stages[0]: field 'name': missing, and it has no default: give it"),
         (
             '[[stages]]\nname = "a"\n[[stages]]\nname = "a"\n',
             "stage 'a' (stages[1]): field 'name': duplicate stage name (also stages[0])",
@@ -63,9 +66,15 @@ def _write(tmp_path: Path, text: str) -> Path:
             '[server]\ndefault_stage = "zz"\n[[stages]]\nname = "a"\n',
             "field 'default_stage': [server] default_stage 'zz' is not a stage; stages are ['a']",
         ),
-        ('[server]\nport = 70000\n[[stages]]\nname = "a"\n', "field 'port': [server] port must be 0..65535"),
-        ('[server]\napi_key = "x"\n[[stages]]\nname = "a"\n', "field 'api_key': unknown field in [server]"),
-        ('[engine]\ntransport = 3\n[[stages]]\nname = "a"\n', "field 'transport': expected a string, got 3"),
+        (
+            '[server]\nport = 70000\n[[stages]]\nname = "a"\n',
+            "field 'port': [server] expected an integer <= 65535, got 70000",
+        ),
+        (
+            '[server]\napi_key = "x"\n[[stages]]\nname = "a"\n',
+            "field 'api_key': [server] unknown field; known fields: ['allowed_hosts', ",
+        ),
+        ('[engine]\ntransport = 3\n[[stages]]\nname = "a"\n', "field 'transport': [engine] expected a string, got 3"),
         ("[server]\n", "needs at least one [[stages]] table"),
         ('[[stages]\nname = "a"\n', "not valid TOML"),
         ("stage = 1\n", "unknown top-level key 'stage'"),
@@ -122,10 +131,16 @@ def test_a_simulated_device_table_becomes_the_stage_s_device(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("table", "expected"),
     [
-        ('directory = "d"\n', "field 'simulated_device': [stages.simulated_device] needs ['capacity_bytes']"),
+        ('directory = "d"\n', "field 'simulated_device.capacity_bytes': missing, and it has no default"),
         ('directory = "d"\ncapacity_bytes = 0\n', "capacity_bytes must be an integer in 1..2**60, got 0"),
-        ('directory = "d"\ncapacity_bytes = 1\nsize = 2\n', "field 'size': unknown field in [stages.simulated_device]"),
-        ('directory = "d"\ncapacity_bytes = "1G"\n', "field 'capacity_bytes': expected an integer, got '1G'"),
+        (
+            'directory = "d"\ncapacity_bytes = 1\nsize = 2\n',
+            "field 'simulated_device.size': unknown field; known fields: ['capacity_bytes', 'directory']",
+        ),
+        (
+            'directory = "d"\ncapacity_bytes = "1G"\n',
+            "field 'simulated_device.capacity_bytes': expected an integer, got '1G'",
+        ),
     ],
 )
 def test_simulated_device_mistakes_are_named(tmp_path: Path, table: str, expected: str) -> None:

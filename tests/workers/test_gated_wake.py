@@ -85,7 +85,7 @@ def test_a_wake_that_does_not_fit_waits_until_another_process_shrinks(sim):
 
     thread = threading.Thread(target=shrink)
     thread.start()
-    gate = MemoryGate(residency, wait_for_memory_s=120.0, what="stage dit rank 0", sleep=sleep)
+    gate = MemoryGate(residency, memory_wait_s=120.0, what="stage dit rank 0", sleep=sleep)
     backend.wake({W, KV}, gate)
     thread.join()
     assert waiting.is_set() and gate.queries >= 2 and gate.waited_s > 0
@@ -98,7 +98,7 @@ def refused_wake(
     sim: SimulatedDevice, backend: PortableBackend, residency: SimulatedResidency, tags: set[str], wait_s: float = 2.0
 ) -> WakeRefused:
     clock = Clock()
-    gate = MemoryGate(residency, wait_for_memory_s=wait_s, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
+    gate = MemoryGate(residency, memory_wait_s=wait_s, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
     with pytest.raises(WakeRefused) as info:
         backend.wake(tags, gate)
     assert clock.now_s - 100.0 == pytest.approx(wait_s)
@@ -122,7 +122,7 @@ def test_an_expired_wait_rolls_back_and_a_later_wake_restores_bit_exact(sim):
     assert all(t.untyped_storage().nbytes() == 0 for t in runner.tensors(W) + runner.tensors(KV))
     assert backend.host_bytes() == host
     sim.write("talker", 0, os.getppid(), 0)
-    backend.wake({W, KV}, MemoryGate(residency, wait_for_memory_s=0.0))
+    backend.wake({W, KV}, MemoryGate(residency, memory_wait_s=0.0))
     assert all(torch.equal(a, b) for a, b in zip(weights, runner.tensors(W), strict=True))
     assert runner.execute(PAYLOAD)["data"] == out["data"]
 
@@ -138,11 +138,11 @@ def test_a_refused_partial_wake_unmaps_the_tags_it_had_finished(sim):
     refused_wake(sim, backend, residency, {W, KV})  # kv_cache goes first (sorted), then weights
     assert backend.asleep == {W, KV} and resident(backend) == 0 and backend.host_bytes() == host
     sim.write("talker", 0, os.getppid(), 4 * MiB - sizes[W])
-    backend.wake({W}, MemoryGate(residency, wait_for_memory_s=0.0))  # the weights alone fit
+    backend.wake({W}, MemoryGate(residency, memory_wait_s=0.0))  # the weights alone fit
     assert backend.asleep == {KV}
     assert all(torch.equal(a, b) for a, b in zip(weights, runner.tensors(W), strict=True))
     sim.write("talker", 0, os.getppid(), 0)
-    backend.wake({KV}, MemoryGate(residency, wait_for_memory_s=0.0))
+    backend.wake({KV}, MemoryGate(residency, memory_wait_s=0.0))
     assert all(torch.equal(a, b) for a, b in zip(kv, runner.tensors(KV), strict=True))
 
 
@@ -155,7 +155,7 @@ def test_a_refused_level2_wake_keeps_the_saved_buffers_for_the_next_one(sim):
     refused_wake(sim, backend, residency, {W, KV}, wait_s=0.5)
     assert backend.host_bytes() == calibration.numel() * calibration.element_size()  # still saved
     sim.write("talker", 0, os.getppid(), 0)
-    backend.wake({W, KV}, MemoryGate(residency, wait_for_memory_s=0.0))
+    backend.wake({W, KV}, MemoryGate(residency, memory_wait_s=0.0))
     assert torch.equal(runner.calibration, calibration)
     runner.reload_weights(None)
     assert runner.execute(PAYLOAD)["data"] == out["data"]
@@ -189,14 +189,14 @@ def test_two_wakes_admitted_on_one_free_figure_never_hold_more_than_the_device(s
     sim.claim("talker", 0, os.getppid(), 3 * MiB)
     clock = Clock()
     gate = MemoryGate(
-        StaleFigure(residency, 4 * MiB), wait_for_memory_s=1.0, what="stage dit rank 0", clock=clock, sleep=clock.sleep
+        StaleFigure(residency, 4 * MiB), memory_wait_s=1.0, what="stage dit rank 0", clock=clock, sleep=clock.sleep
     )
     refusal = r"the driver refused a map the free figure allowed \(SimulatedOutOfMemory: out of memory on the"
     with pytest.raises(WakeRefused, match=refusal):
         backend.wake({W, KV}, gate)
     assert sim.used_bytes() == 3 * MiB and residency.resident_bytes == 0 == resident(backend)
     sim.claim("talker", 0, os.getppid(), 0)
-    backend.wake({W, KV}, MemoryGate(residency, wait_for_memory_s=0.0))
+    backend.wake({W, KV}, MemoryGate(residency, memory_wait_s=0.0))
     assert resident(backend) == full and sim.used_bytes() == full
 
 
@@ -211,7 +211,7 @@ def test_a_backend_without_the_gate_refuses_to_be_given_one(sim):
     backend.track(W, [torch.ones(4)])
     backend.sleep({W}, set())
     with pytest.raises(BackendStateError, match="cannot wait for device memory"):
-        backend.wake({W}, MemoryGate(SimulatedResidency(sim, "x", 0), wait_for_memory_s=1.0))
+        backend.wake({W}, MemoryGate(SimulatedResidency(sim, "x", 0), memory_wait_s=1.0))
     backend.wake({W})  # a wake without a gate still works
     assert backend.asleep == set()
 
@@ -302,7 +302,7 @@ def test_an_expired_wait_unmaps_what_the_wake_mapped_and_keeps_the_host_copies(k
     source = DeviceFree(module)
     source.other_bytes = module.capacity_bytes - 4096 - 8192  # room for the first two weights only
     clock = Clock()
-    gate = MemoryGate(source, wait_for_memory_s=1.0, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
+    gate = MemoryGate(source, memory_wait_s=1.0, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
     with pytest.raises(WakeRefused, match=r"needed 12288 bytes .* stage talker rank 0, pid 999"):
         backend.wake({W, KV}, gate)
     assert module.memory == {}, "an allocation the refused wake mapped is still mapped"
@@ -312,7 +312,7 @@ def test_an_expired_wait_unmaps_what_the_wake_mapped_and_keeps_the_host_copies(k
         assert backend.path._backed == set(ptrs[W])  # the slots still stand for the weights
     # The other stage leaves: the same wake now succeeds, bit-exact.
     source.other_bytes = 0
-    backend.wake({W, KV}, MemoryGate(source, wait_for_memory_s=0.0))
+    backend.wake({W, KV}, MemoryGate(source, memory_wait_s=0.0))
     assert weights_of(module, ptrs) == before and backend.host_bytes() == 0
     assert backend.usage() == {W: sum(SIZES_W), KV: sum(SIZES_KV)}
 
@@ -331,7 +331,7 @@ def test_a_driver_refusal_after_admission_is_waited_on_then_mapped(kind):
         if clock.now_s - 100.0 > 0.1:
             module.racer_bytes = 0
 
-    gate = MemoryGate(source, wait_for_memory_s=5.0, clock=clock, sleep=sleep)
+    gate = MemoryGate(source, memory_wait_s=5.0, clock=clock, sleep=sleep)
     backend.wake({W, KV}, gate)
     assert weights_of(module, ptrs) == before and backend.asleep == set()
     assert gate.queries > 2 and clock.now_s - 100.0 > 0.1
@@ -345,7 +345,7 @@ def test_the_fast_rollback_lets_issued_copies_land_before_unmapping():
     source = DeviceFree(module)
     source.other_bytes = module.capacity_bytes - sum(SIZES_W)  # all weights fit, the KV cache does not
     with pytest.raises(WakeRefused):
-        backend.wake({W, KV}, MemoryGate(source, wait_for_memory_s=0.0))
+        backend.wake({W, KV}, MemoryGate(source, memory_wait_s=0.0))
     ops = backend.path.ops
     assert [d for d, _ in ops.copies].count("h2d") > 0  # the weights' copies were issued
     assert all(ops.done[s] == len(ops.queues[s]) for s in ops.streams)  # and had landed

@@ -70,10 +70,10 @@ def test_a_refused_wake_rolls_back_and_a_waiting_wake_goes_on_when_memory_frees(
 
         held.append(hog_device())
         free_before, _ = torch.cuda.mem_get_info()
-        reply = orch.request(worker, Wake(task_id="wake-1", epoch=EPOCH, wait_for_memory_s=0.5), REPLY_S)
+        reply = orch.request(worker, Wake(task_id="wake-1", epoch=EPOCH, memory_wait_s=0.5), REPLY_S)
         assert isinstance(reply, Nack) and reply.reason is NackReason.NO_MEMORY, reply
         assert reply.state is WorkerState.SLEEPING
-        assert "stage test rank 0 needed" in reply.detail and "wait_for_memory_s=0.5" in reply.detail
+        assert "stage test rank 0 needed" in reply.detail and "memory_wait_s=0.5" in reply.detail
         assert f"pid {os.getpid()}" in reply.detail or "holders unknown" in reply.detail, reply.detail
         free_after, _ = torch.cuda.mem_get_info()
         # The refused wake mapped part of its weights, then unmapped them again.
@@ -81,7 +81,7 @@ def test_a_refused_wake_rolls_back_and_a_waiting_wake_goes_on_when_memory_frees(
 
         held.clear()
         give_back()
-        reply = orch.request(worker, Wake(task_id="wake-2", epoch=EPOCH, wait_for_memory_s=30.0), REPLY_S)
+        reply = orch.request(worker, Wake(task_id="wake-2", epoch=EPOCH, memory_wait_s=30.0), REPLY_S)
         assert isinstance(reply, Ack) and reply.state is WorkerState.ACTIVE, reply
         again = orch.request(worker, Execute(task_id="exec-1", epoch=EPOCH, payload=PAYLOAD), REPLY_S)
         assert again.output == reference.output  # bit-exact after a refused wake and a good one
@@ -91,7 +91,7 @@ def test_a_refused_wake_rolls_back_and_a_waiting_wake_goes_on_when_memory_frees(
         assert isinstance(reply, Ack) and reply.state is WorkerState.SLEEPING, reply
         held.append(hog_device())
         started = time.monotonic()
-        orch.send(worker, Wake(task_id="wake-3", epoch=EPOCH, wait_for_memory_s=120.0))
+        orch.send(worker, Wake(task_id="wake-3", epoch=EPOCH, memory_wait_s=120.0))
         time.sleep(0.5)  # not a proof of anything: lets the wake start waiting before the memory goes
         held.clear()
         give_back()

@@ -46,7 +46,7 @@ class Source:
 
 
 def gate(source: Source, clock: Clock, wait_s: float) -> MemoryGate:
-    return MemoryGate(source, wait_for_memory_s=wait_s, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
+    return MemoryGate(source, memory_wait_s=wait_s, what="stage dit rank 0", clock=clock, sleep=clock.sleep)
 
 
 def test_plenty_of_room_costs_one_query_for_the_whole_wake():
@@ -107,11 +107,11 @@ def test_expires_naming_needed_free_waited_and_holders():
     for part in (
         "stage dit rank 0 needed 4194304 bytes",
         "2097152 bytes (0.002 GiB) free on fake device 0",
-        "after waiting 1.500 s (wait_for_memory_s=1.5)",
+        "after waiting 1.500 s (memory_wait_s=1.5)",
         "the wake maps 0.008 GiB in all",
         "stage talker rank 0, pid 4242: 6291456 bytes",
         "pid 77: 1048576 bytes",
-        "wait_for_memory_s)",
+        "memory_wait_s)",
     ):
         assert part in text, (part, text)
     assert text.index("pid 4242") < text.index("pid 77")  # largest first
@@ -121,7 +121,7 @@ def test_zero_wait_is_refused_at_once():
     clock = Clock()
     source = Source(clock, MiB)
     g = gate(source, clock, 0.0)
-    with pytest.raises(MemoryWaitExpired, match=r"refused at once \(wait_for_memory_s=0\)"):
+    with pytest.raises(MemoryWaitExpired, match=r"refused at once \(memory_wait_s=0\)"):
         g.acquire(2 * MiB)
     assert clock.sleeps == [] and source.queries == 1
 
@@ -214,7 +214,7 @@ def test_out_of_memory_is_recognised_and_nothing_else():
 
 def test_bad_arguments_are_refused():
     clock = Clock()
-    with pytest.raises(ValueError, match="wait_for_memory_s must be >= 0"):
+    with pytest.raises(ValueError, match="memory_wait_s must be >= 0"):
         gate(Source(clock, 0), clock, -1.0)
     with pytest.raises(ValueError, match="cannot acquire -1 bytes"):
         gate(Source(clock, 0), clock, 1.0).acquire(-1)

@@ -49,11 +49,11 @@ def test_a_wake_without_room_is_refused_no_memory_and_a_later_one_waits_and_succ
 
     # Another stage (played by this test process) takes all but 1 MiB of the device.
     device.write("talker", 0, os.getpid(), CAPACITY_BYTES - (1 << 20))
-    wake = Wake(task_id="wake-1", epoch=EPOCH, wait_for_memory_s=0.2)
+    wake = Wake(task_id="wake-1", epoch=EPOCH, memory_wait_s=0.2)
     reply = orch.request(worker, wake)
     assert isinstance(reply, Nack) and reply.reason is NackReason.NO_MEMORY, reply
     assert reply.state is WorkerState.SLEEPING
-    for part in (f"stage talker rank 0, pid {os.getpid()}", "stage test rank 0 needed", "wait_for_memory_s=0.2"):
+    for part in (f"stage talker rank 0, pid {os.getpid()}", "stage test rank 0 needed", "memory_wait_s=0.2"):
         assert part in reply.detail, (part, reply.detail)
     assert device.free_bytes() == 1 << 20  # what the refused wake mapped is released again
     again = orch.request(worker, wake)  # a retry is answered from the cache, no second wait
@@ -62,7 +62,7 @@ def test_a_wake_without_room_is_refused_no_memory_and_a_later_one_waits_and_succ
     assert status.state is WorkerState.SLEEPING
 
     # The other stage goes to sleep while a waiting wake is in flight.
-    orch.send(worker, Wake(task_id="wake-2", epoch=EPOCH, wait_for_memory_s=60.0))
+    orch.send(worker, Wake(task_id="wake-2", epoch=EPOCH, memory_wait_s=60.0))
     device.write("talker", 0, os.getpid(), 0)
     reply = orch.next_message(worker)
     assert isinstance(reply, Ack) and reply.task_id == "wake-2" and reply.state is WorkerState.ACTIVE, reply

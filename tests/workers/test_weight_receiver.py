@@ -16,10 +16,11 @@ from omni_core.fsm.effects import UpdateEffect
 from omni_core.protocol import CollectiveSource, IpcSource, ShmSource, TensorSpec
 from omni_core.runners.base import RunnerArgumentError
 from omni_core.runners.synthetic import SyntheticRunner
+from omni_core.weight_buckets import IpcArgs
 from omni_core.weights_sender import WeightSender
 from omni_core.workers import process as worker_process
 from omni_core.workers.config import WorkerConfig
-from omni_core.workers.weight_receiver import WeightReceiver, _IpcArgs
+from omni_core.workers.weight_receiver import WeightReceiver
 
 from .test_clean_sleep import RecordingBackend
 
@@ -127,8 +128,8 @@ def test_an_ipc_handle_may_name_no_code() -> None:
 
     hostile = base64.b64encode(pickle.dumps((Evil(),))).decode()
     with pytest.raises(pickle.UnpicklingError, match="may not name"):
-        _IpcArgs.loads(hostile)
-    assert _IpcArgs.loads(_IpcArgs.dumps((torch.float32, (4,), 0))) == (torch.float32, (4,), 0)
+        IpcArgs.loads(hostile)
+    assert IpcArgs.loads(IpcArgs.dumps((torch.float32, (4,), 0))) == (torch.float32, (4,), 0)
 
 
 def test_the_worker_invalidates_the_host_copy_before_an_update_writes(monkeypatch) -> None:

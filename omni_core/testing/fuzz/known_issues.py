@@ -24,9 +24,6 @@ class KnownIssue:
     still_open: Callable[[], bool]
 
 
-# Fixed and removed (their regression tests stay in tests/fuzz/test_regressions.py):
-# "synthetic-reload-source": SyntheticRunner refused 'seed:--5', 'seed:²' and 5000 digits with a
-# ValueError, so the worker went FAILED instead of answering INVALID_ARGUMENT.
 KNOWN_ISSUES: tuple[KnownIssue, ...] = ()
 
 

@@ -3,10 +3,9 @@
 from omni_core.workers.backends.base import BackendStateError, BackendUnavailable, MemoryBackend
 from omni_core.workers.backends.cumem import CumemBackend, cumem_unavailable_reason
 from omni_core.workers.backends.portable import PortableBackend
-from omni_core.workers.backends.select import BUILTIN_BACKENDS, select_backend
+from omni_core.workers.backends.select import select_backend
 
 __all__ = [
-    "BUILTIN_BACKENDS",
     "BackendStateError",
     "BackendUnavailable",
     "CumemBackend",

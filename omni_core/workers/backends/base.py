@@ -139,8 +139,7 @@ class MemoryBackend(ABC):
             )
         if gate is not None and not self.supports_memory_gate:
             raise BackendStateError(
-                f"backend {self.name!r} cannot wait for device memory (no memory gate); "
-                "wake it without wait_for_memory_s"
+                f"backend {self.name!r} cannot wait for device memory (no memory gate); wake it without memory_wait_s"
             )
         try:
             if links:

@@ -21,7 +21,7 @@ const MAX_TAGS = 64;
 const MAX_DEPTH = 64;
 const MAX_EPOCH_AHEAD = 64n;
 const MAX_DETAIL_CHARS = 4096;
-const MAX_WAIT_FOR_MEMORY_S = 3600; // Wake.wait_for_memory_s (P-16)
+const MAX_MEMORY_WAIT_S = 3600; // Wake.memory_wait_s (P-16)
 const TAGS = ["weights", "kv_cache"];
 const POOL_BYTES = { weights: 256 << 10, kv_cache: 64 << 10 };
 const CAPABILITIES = ["level2", "partial_wake"];
@@ -171,7 +171,7 @@ class BadMessage extends Error {
 }
 
 const COMMAND_FIELDS = {
-  Sleep: ["level", "tags"], Wake: ["tags", "wait_for_memory_s"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
+  Sleep: ["level", "tags"], Wake: ["tags", "memory_wait_s"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
 };
 const REPLY_TYPES = ["Ack", "Nack", "Result", "Hello"];
 const TAG_RE = /^[A-Za-z0-9_.-]+$/;
@@ -220,12 +220,12 @@ function parseCommand(data) {
   if (type === "Wake") {
     // P-16: how long the wake may wait for free device memory. This worker holds no device
     // memory and does not declare 'swap': it reads the field only to refuse a wait > 0.
-    const raw = m.has("wait_for_memory_s") ? m.get("wait_for_memory_s") : 0;
+    const raw = m.has("memory_wait_s") ? m.get("memory_wait_s") : 0;
     const wait = raw instanceof Float ? raw.value : isInt(raw) ? Number(raw) : NaN;
-    if (!(wait >= 0 && wait <= MAX_WAIT_FOR_MEMORY_S)) {
-      throw new BadMessage(`invalid Wake: wait_for_memory_s must be a number of seconds in 0..${MAX_WAIT_FOR_MEMORY_S}`, ids);
+    if (!(wait >= 0 && wait <= MAX_MEMORY_WAIT_S)) {
+      throw new BadMessage(`invalid Wake: memory_wait_s must be a number of seconds in 0..${MAX_MEMORY_WAIT_S}`, ids);
     }
-    if (wait > 0) cmd.wait_for_memory_s = wait; // left out at 0, like the wire: the v1 digest is unchanged
+    if (wait > 0) cmd.memory_wait_s = wait; // left out at 0, like the wire: the v1 digest is unchanged
   }
   if (type === "ReloadWeights") {
     const source = m.has("source") ? m.get("source") : null;
@@ -394,9 +394,9 @@ class Worker {
     if (toWake.length !== this.asleep.size && !CAPABILITIES.includes("partial_wake")) {
       return this.refuse(cmd, "UNSUPPORTED", "this worker does not support partial wake");
     }
-    if (cmd.wait_for_memory_s && !CAPABILITIES.includes("swap")) {
+    if (cmd.memory_wait_s && !CAPABILITIES.includes("swap")) {
       return this.refuse(cmd, "UNSUPPORTED", "this worker cannot wait for free device memory (capability 'swap' " +
-        "not declared); send the Wake with wait_for_memory_s=0");
+        "not declared); send the Wake with memory_wait_s=0");
     }
     if (!["SLEEPING", "PARTIAL", "NEEDS_RELOAD"].includes(this.state)) return this.refuseState(cmd);
     const started = process.hrtime.bigint();
