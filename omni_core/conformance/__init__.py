@@ -14,6 +14,7 @@ or, under pytest (the plugin is registered through the `pytest11` entry point):
 See docs/conformance.md.
 """
 
+from omni_core.conformance import cases_hello as _cases_hello  # noqa: F401 (registers the Hello's pool_bytes case)
 from omni_core.conformance import cases_profile as _cases_profile  # noqa: F401 (registers the P-15 cases)
 from omni_core.conformance import cases_swap as _cases_swap  # noqa: F401 (registers the P-16 cases)
 from omni_core.conformance import cases_weights as _cases_weights  # noqa: F401 (registers the P-17 cases)

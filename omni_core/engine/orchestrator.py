@@ -455,6 +455,8 @@ class Orchestrator:
             "state": state,
             "committed_state": committed.value if committed else "-",
             "weights_version": stage.core.rank_versions.get(proc.rank, 0),
+            "pool_bytes": dict(stage.core.rank_pool_bytes.get(proc.rank, {})),
+            "runner_counters": dict(stage.core.rank_counters.get(proc.rank, {})),
             "backend": hello.backend if hello else "-",
             "backend_reason": hello.backend_reason if hello else "",
         }

@@ -71,6 +71,7 @@ from omni_core.workers.config import WorkerConfig, device_problem
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
+from omni_core.workers.runner_counters import CounterStamp
 from omni_core.workers.simulated_device import SimulatedResidency
 from omni_core.workers.weight_receiver import WeightReceiver
 
@@ -150,6 +151,7 @@ class WorkerProcess:
         # What the loop caught while handling frames, by cause (omni_core.isolation).
         self.frame_errors = FrameErrors(f"worker {config.stage}/{config.rank}", log)
         self._answered: set[str] | None = None  # task_ids this frame answered, while handling one
+        self.counters = CounterStamp(None, "")  # the runner's counters on its replies, once loaded
 
     # ------------------------------------------------------------------ start-up
 
@@ -195,6 +197,8 @@ class WorkerProcess:
             # runner's update_weights, else the receiver refuses them (INVALID_ARGUMENT).
             capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
         self.receiver.device = self.device
+        if not error:
+            self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
         started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name, capabilities)
         self._write(started.records)
         device = str(self.device)
@@ -225,6 +229,8 @@ class WorkerProcess:
                 state=self.core.state,
                 detail=error[:MAX_DETAIL_CHARS],
                 weights_version=self.core.weights_version,
+                pool_bytes={} if error else self._usage(),
+                runner_counters=self.counters.declared,
             )
         )
 
@@ -555,7 +561,7 @@ class WorkerProcess:
     # ------------------------------------------------------------------ sending, tracing
 
     def _send(self, message: Message) -> None:
-        self.sock.send(encode(message))
+        self.sock.send(encode(self.counters.stamp(message)))
         if self._answered is not None:
             self._answered.add(message.task_id)
 
