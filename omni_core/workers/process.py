@@ -229,7 +229,8 @@ class WorkerProcess:
                 state=self.core.state,
                 detail=error[:MAX_DETAIL_CHARS],
                 weights_version=self.core.weights_version,
-                pool_bytes={} if error else self._usage(),
+                # the Hello's own tags only: a runner may open a pool of another (refused there)
+                pool_bytes={} if error else {t: n for t, n in self._usage().items() if t in cfg.tags},
                 runner_counters=self.counters.declared,
             )
         )
