@@ -98,6 +98,7 @@ SAMPLES: dict[type[Message], Message] = {
                 ),
             )
         ),
+        runner_counters={"prompt_cache_evictions": 2},
     ),
     ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
     UpdateWeights: UpdateWeights(
@@ -140,7 +141,13 @@ SAMPLES: dict[type[Message], Message] = {
         weights_version=11,
     ),
     Result: Result(
-        task_id="exec-1", epoch=3, rank=0, output=[[1.5, -2.0], {"tokens": 7}], duration_s=0.125, weights_version=12
+        task_id="exec-1",
+        epoch=3,
+        rank=0,
+        output=[[1.5, -2.0], {"tokens": 7}],
+        duration_s=0.125,
+        weights_version=12,
+        runner_counters={"prompt_cache_hits": 4, "prompt_cache_misses": 1},
     ),
     Hello: Hello(
         task_id="hello",
@@ -158,6 +165,8 @@ SAMPLES: dict[type[Message], Message] = {
         state=WorkerState.FAILED,
         detail="load failed: out of memory",
         weights_version=3,
+        pool_bytes={"weights": 2**63 - 1, "kv_cache": 0},
+        runner_counters={"prompt_cache_hits": 0},
     ),
 }
 
@@ -237,6 +246,69 @@ def test_each_optional_field_is_left_off_alone_while_at_its_default() -> None:
     planned = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, links=(LinkShare(1, 1.0),))))
     assert "memory_wait_s" not in planned and planned["links"] == [{"peer": 1, "share": 1.0}]
     assert "links" not in msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1, level=2)))
+
+
+def _hello_frame(**fields: object) -> dict:
+    frame = {
+        "type": "Hello",
+        "v": PROTOCOL_VERSION,
+        "task_id": "hello",
+        "epoch": 0,
+        "rank": 0,
+        "pid": 7,
+        "device": "cpu",
+        "backend": "portable",
+        "tags": ["weights", "kv_cache"],
+    }
+    frame.update(fields)
+    return frame
+
+
+def test_a_hello_without_pool_bytes_or_counters_is_the_frame_earlier_workers_send() -> None:
+    # Both came after the first Hello: left off while empty, and a Hello without them decodes.
+    plain = msgspec.msgpack.decode(
+        encode(Hello(task_id="hello", epoch=0, rank=0, pid=7, device="cpu", backend="p", tags=("weights",)))
+    )
+    assert "pool_bytes" not in plain and "runner_counters" not in plain
+    hello = decode(raw_encode(_hello_frame()))
+    assert hello.pool_bytes == {} and hello.runner_counters == {}
+    told = decode(raw_encode(_hello_frame(pool_bytes={"weights": 2**63 - 1, "kv_cache": 0})))
+    assert told.pool_bytes == {"weights": 2**63 - 1, "kv_cache": 0}
+    plain_ack = msgspec.msgpack.decode(
+        encode(Ack(task_id="t", epoch=0, rank=0, command="Sleep", state=WorkerState.ACTIVE))
+    )
+    assert "runner_counters" not in plain_ack
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"pool_bytes": {"weights": -1}}, r">= 0 - at `\$.pool_bytes\[...\]`"),
+        ({"pool_bytes": {"weights": 2**63}}, r"<= 9223372036854775807 - at `\$.pool_bytes\[...\]`"),
+        ({"pool_bytes": {"weights": 2**64 - 1}}, r"<= 9223372036854775807 - at `\$.pool_bytes\[...\]`"),
+        ({"pool_bytes": {"weights": "12"}}, r"Expected `int`, got `str` - at `\$.pool_bytes\[...\]`"),
+        ({"pool_bytes": {"weights": 1, "scratch": 1}}, r"pool_bytes names tags \['scratch'\]"),
+        ({"pool_bytes": {"bad tag!": 1}}, r"\$.pool_bytes"),
+        (
+            {"tags": [f"t{i}" for i in range(17)], "pool_bytes": {f"t{i}": 1 for i in range(17)}},
+            r"length <= 16 - at `\$.pool_bytes`",
+        ),
+        ({"runner_counters": {"hits": -1}}, r"\$.runner_counters\[...\]"),
+        ({"runner_counters": {"Hits": 1}}, r"\$.runner_counters"),
+        ({"runner_counters": {f"c{i}": 0 for i in range(17)}}, r"length <= 16 - at `\$.runner_counters`"),
+    ],
+)
+def test_a_hostile_hello_is_refused_naming_the_field(fields: dict, named: str) -> None:
+    with pytest.raises(ProtocolError, match=named) as refused:
+        decode(raw_encode(_hello_frame(**fields)))
+    assert refused.value.task_id == "hello"
+
+
+def test_runner_counters_out_of_bounds_on_a_result_are_refused() -> None:
+    frame = {"type": "Result", "v": PROTOCOL_VERSION, "task_id": "r", "epoch": 0, "rank": 0}
+    with pytest.raises(ProtocolError, match=r"\$.runner_counters\[...\]"):
+        decode(raw_encode({**frame, "runner_counters": {"hits": 2**63}}))
+    assert decode(raw_encode({**frame, "runner_counters": {"hits": 2**63 - 1}})).runner_counters == {"hits": 2**63 - 1}
 
 
 @pytest.mark.parametrize(

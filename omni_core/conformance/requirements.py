@@ -133,7 +133,9 @@ REQUIREMENTS: dict[str, Requirement] = {
             "Every `Ack` of `Sleep`, `Wake`, `ReloadWeights` and `Status` MUST carry a memory "
             "report: the backend pool bytes per tag before and after, and this process's GPU "
             "bytes before and after with the source of that figure (`nvml`, or the fallback "
-            "used and why). Device-wide deltas MUST NOT be reported as the process's.",
+            "used and why). Device-wide deltas MUST NOT be reported as the process's. A `Hello` "
+            "MAY carry `pool_bytes`; one that does MUST give the bytes each of its tags holds as "
+            "loaded, those the first `Sleep` finds (its `pool_bytes_before`).",
         ),
         Requirement(
             "P-13",

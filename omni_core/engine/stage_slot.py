@@ -131,6 +131,8 @@ class StageSlot:
             "state": state,
             "committed_state": committed.value if committed else "-",
             "weights_version": self.core.rank_versions.get(proc.rank, 0),
+            "pool_bytes": dict(self.core.rank_pool_bytes.get(proc.rank, {})),
+            "runner_counters": dict(self.core.rank_counters.get(proc.rank, {})),
             "backend": hello.backend if hello else "-",
             "backend_reason": hello.backend_reason if hello else "",
         }

@@ -80,6 +80,11 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
         # The weights version every rank holds (P-17): from the Hellos, then each committed ACK set.
         self.weights_version = 0
         self.rank_versions: dict[int, int] = {}
+        # What each rank says it holds, for status: its pools' bytes per tag (its Hello, then
+        # each ACK taken) and its runner's counters (names its Hello declared, values from any
+        # reply of this epoch). Never part of a decision.
+        self.rank_pool_bytes: dict[int, dict[str, int]] = {}
+        self.rank_counters: dict[int, dict[str, int]] = {}
         self.policy = AdmissionPolicy(policy)
         self.queue_limit = queue_limit
         self.max_in_flight = max_in_flight
@@ -210,6 +215,8 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
         self.residency = Residency(self.tags)
         self.rank_state.clear()
         self.rank_versions.clear()
+        self.rank_pool_bytes.clear()
+        self.rank_counters.clear()
         self.failure, self.failed_ranks = "", {}
         self._fail_requests(
             RequestError.REJECTED,

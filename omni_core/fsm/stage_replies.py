@@ -49,6 +49,8 @@ class StageReplies:
     residency: Residency
     rank_state: dict[int, WorkerState]
     rank_versions: dict[int, int]
+    rank_pool_bytes: dict[int, dict[str, int]]
+    rank_counters: dict[int, dict[str, int]]
     rank_capabilities: dict[int, Any]
     weights_version: int
     counters: StageCounters
@@ -64,6 +66,8 @@ class StageReplies:
         """A reply on a bound rank's socket: a Hello, a request's answer, or a lifecycle task's."""
         if isinstance(message, Hello):
             return self._hello(message, now)
+        if isinstance(message, (Ack, Result)) and message.epoch == self.epoch:
+            self._note_counters(message.rank, message.runner_counters)
         request = self.in_flight.get(message.task_id)
         if request is not None and message.epoch == self.epoch and isinstance(message, (Result, Nack)):
             return self._on_request_reply(request, message, now)
@@ -86,6 +90,8 @@ class StageReplies:
         self._hello_detail[hello.rank] = hello.detail
         self.rank_capabilities[hello.rank] = frozenset(hello.capabilities)
         self.rank_versions[hello.rank] = hello.weights_version
+        self.rank_pool_bytes[hello.rank] = dict(hello.pool_bytes)
+        self.rank_counters[hello.rank] = dict(hello.runner_counters)
         if set(self.rank_state) == set(self.ranks):
             versions = set(self.rank_versions.values())
             if len(versions) > 1:
@@ -179,7 +185,20 @@ class StageReplies:
                 now,
             )
         task.acks[reply.rank] = reply
+        if reply.memory is not None:
+            self.rank_pool_bytes[reply.rank] = dict(reply.memory.pool_bytes_after)
         return self._maybe_commit(now)
+
+    def _note_counters(self, rank: int, values: dict[str, int]) -> None:
+        """A rank's runner counters, for status: only the names its Hello declared (a closed
+        set, so each can be a metric label); other names are counted and dropped."""
+        declared = self.rank_counters.get(rank)
+        if declared is None or not values:
+            return
+        if not values.keys() <= declared.keys():
+            self.counters.undeclared_counters_ignored += 1
+            return
+        declared.update(values)
 
     def _on_profile_reply(self, task: _Task, reply: Ack | Nack, now: float) -> StageStep:
         """A rank answering Profile (or InitWeightGroup) must still be where the stage committed it: a profile

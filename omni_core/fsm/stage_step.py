@@ -94,6 +94,7 @@ class StageCounters:
     acks_without_memory_report: int = 0
     duplicate_replies_ignored: int = 0
     retries: int = 0
+    undeclared_counters_ignored: int = 0  # runner counters a rank's Hello did not declare
 
 
 @dataclass

@@ -9,6 +9,7 @@ task.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -98,10 +99,11 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def _default(kind: type, name: str) -> Any:
-    # msgspec lines the defaults up with the last fields
-    defaults = dict(zip(reversed(kind.__struct_fields__), reversed(kind.__struct_defaults__), strict=False))
-    return defaults[name]
+@functools.cache
+def _default(kind: type, name: str) -> Any:  # only compared with, never handed out
+    info = next(f for f in msgspec.structs.fields(kind) if f.name == name)
+    # A mutable default ({}) is a factory: a fresh one compares equal to it
+    return info.default_factory() if info.default is msgspec.NODEFAULT else info.default
 
 
 def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:

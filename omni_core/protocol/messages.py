@@ -45,6 +45,17 @@ Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-
 Tags = Annotated[tuple[Tag, ...], msgspec.Meta(min_length=1, max_length=MAX_TAGS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
+MAX_WIRE_INT = 2**63 - 1  # msgpack carries up to 2**64-1; every peer's int64 holds this much
+# A Hello's pool bytes per tag: one entry per tag it declares, each a byte count an int64 holds.
+PoolBytes = Annotated[dict[Tag, Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]], msgspec.Meta(max_length=MAX_TAGS)]
+MAX_RUNNER_COUNTERS = 16
+CounterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
+# A runner's own counters (a cache's hits, misses): a closed set of names per runner, declared
+# by the rank's Hello; integers 0..2**63-1.
+RunnerCounters = Annotated[
+    dict[CounterName, Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]],
+    msgspec.Meta(max_length=MAX_RUNNER_COUNTERS),
+]
 
 
 class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -219,7 +230,7 @@ class Ack(Reply, kw_only=True, frozen=True):
     version of the weights the rank holds (0: its own source, never updated; P-17); left off
     the wire at 0, so an Ack without updates is the frame every earlier peer knows."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared")
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared", "runner_counters")
 
     command: str
     state: WorkerState
@@ -235,6 +246,7 @@ class Ack(Reply, kw_only=True, frozen=True):
     ] = ()
     weights_version: WeightsVersion = 0
     shared: ShmSource | IpcSource | None = None  # ShareWeights: the buckets holding this rank's weights
+    runner_counters: RunnerCounters = {}  # the runner's counters now: names its Hello declared
 
 
 class Nack(Reply, kw_only=True, frozen=True):
@@ -253,11 +265,12 @@ class Nack(Reply, kw_only=True, frozen=True):
 class Result(Reply, kw_only=True, frozen=True):
     """Output of an Execute; `weights_version` names the weights that produced it."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "runner_counters")
 
     output: Any = None
     duration_s: Seconds = 0.0
     weights_version: WeightsVersion = 0
+    runner_counters: RunnerCounters = {}  # as on Ack
 
 
 class Hello(Reply, kw_only=True, frozen=True):
@@ -279,8 +292,18 @@ class Hello(Reply, kw_only=True, frozen=True):
     state: WorkerState = WorkerState.ACTIVE
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # why, if not ACTIVE
     weights_version: WeightsVersion = 0
+    # The bytes each tag's pool holds once loaded, so the stage's memory is known before any
+    # lifecycle call; empty: not reported (a worker that predates the field).
+    pool_bytes: PoolBytes = {}
+    # The runner's counters as loaded: their names are the closed set its replies may carry.
+    runner_counters: RunnerCounters = {}
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version",)
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "pool_bytes", "runner_counters")
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.pool_bytes) - set(self.tags))
+        if unknown:
+            raise ValueError(f"pool_bytes names tags {unknown} that are not among this Hello's tags {list(self.tags)}")
 
 
 COMMAND_TYPES: tuple[type[Command], ...] = (

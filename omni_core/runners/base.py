@@ -164,6 +164,13 @@ class ModelRunner(ABC):
         default keeps the configured size, and the worker refuses to start if that overshoots."""
         return None
 
+    def counters(self) -> Mapping[str, int]:
+        """A few counters of the runner's own (a cache's hits and misses), shown in the stage's
+        status and as metrics: the same names every call (at load they are declared; at most
+        16, of [a-z0-9_] starting with a letter), each an int in 0..2**63-1. Called after every
+        command, so keep it cheap. The default reports none."""
+        return {}
+
     def close(self) -> None:
         """Drop every tensor reference (Shutdown). The default does nothing."""
         return None

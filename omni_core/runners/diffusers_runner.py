@@ -14,7 +14,8 @@ with `pipeline(...)` bit for bit), cut so it can stop between steps:
     {"op": "cancel", "request_id": "r1"}
     {"class_label": 207, "seed": 1, "steps": 25}        -> the image in one call (no state kept)
     {"prompt": "a cat", "negative_prompt": "blurry", "seed": 1, "steps": 25}   (Stable Diffusion)
-    {"op": "prompt_cache", "clear": true}               -> entries, hits, misses (clear is optional)
+    {"op": "prompt_cache", "clear": true}               -> entries, hits, misses (clear is optional;
+                                                           the counters also reach status and metrics)
 
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
@@ -423,6 +424,9 @@ class DiffusersRunner(ModelRunner):
             embeddings = torch.cat([negative_embeds, positive]) if guided else positive
         self.prompt_cache.put(key, self.generation, embeddings)
         return embeddings.to("cpu")
+
+    def counters(self) -> dict[str, int]:
+        return self.prompt_cache.counters() if self.prompt_cache is not None else {}
 
     def _prompt_cache_op(self, payload: dict[str, Any]) -> dict[str, Any]:
         """{"op": "prompt_cache"} -> its figures; with "clear": true, emptied first."""

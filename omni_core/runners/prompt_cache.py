@@ -130,6 +130,16 @@ class PromptCache:
             "too_large": self.too_large,
         }
 
+    def counters(self) -> dict[str, int]:
+        """The runner's counters (ModelRunner.counters): always these names."""
+        return {
+            "prompt_cache_hits": self.hits,
+            "prompt_cache_misses": self.misses,
+            "prompt_cache_stale_dropped": self.stale,
+            "prompt_cache_evictions": self.evictions,
+            "prompt_cache_too_large": self.too_large,
+        }
+
     def close(self) -> None:
         self.entries.clear()
         self.slab = None

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,15 @@ def _json_default(value: Any) -> Any:
 
 def dumps(value: Any) -> bytes:
     return json.dumps(value, default=_json_default, separators=(",", ":")).encode()
+
+
+def _summed(per_rank: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The runner counters of a stage: each name summed over its ranks."""
+    total: dict[str, int] = {}
+    for values in per_rank:
+        for name, value in values.items():
+            total[name] = total.get(name, 0) + value
+    return dict(sorted(total.items()))
 
 
 def _read_rss_bytes(pid: int | None) -> int | None:
@@ -143,8 +152,8 @@ class StatusFeed:
     def _sample_memory(self, stage: str, report: LifecycleReport) -> None:
         """One point of the stage's device memory over time, as the report left it, after the
         point before it (`pool_bytes_before`) where that differs from the last one known: the
-        first report (the Hello carries no memory figures, so nothing is known before a first
-        lifecycle call), or memory moved by a call the server did not see (the Python API)."""
+        first report (from ranks whose Hello carried no pool bytes), or memory moved by a call
+        the server did not see (the Python API)."""
         history, now = self.memory_history[stage], time.time()
         if not any(rr.pool_bytes_before or rr.pool_bytes_after for rr in report.ranks.values()):
             return  # answered without the ranks (ALREADY): nothing measured
@@ -199,17 +208,25 @@ class StatusFeed:
         ranks: dict[str, Any] = {}
         for rank, info in (st.get("ranks") or {}).items():
             mem = self.memory[name].get(int(rank), RankMemory())
+            # The engine's figure (the rank's Hello, then each ACK it took) where it has one:
+            # known from the start, and it follows calls the server did not see.
+            pool_bytes = info.get("pool_bytes") or mem.pool_bytes
             ranks[str(rank)] = {
                 "pid": info.get("pid"),
                 "alive": bool(info.get("alive")),
                 "state": str(info.get("state", "-")),
-                "pool_bytes": dict(mem.pool_bytes),
+                "pool_bytes": dict(pool_bytes),
                 "process_bytes": mem.process_bytes,
                 "process_bytes_source": mem.process_bytes_source,
                 "rss_bytes": _read_rss_bytes(info.get("pid")) if info.get("alive") else None,
                 "host_offloaded_bytes": mem.host_offloaded_bytes,
                 "weights_version": info.get("weights_version", 0),
+                "runner_counters": dict(info.get("runner_counters") or {}),
             }
+        history = self.memory_history[name]
+        if ranks and all(r["pool_bytes"] for r in ranks.values()) and (not history or history[-1][1] is None):
+            # the ranks' Hellos told their pools: the chart starts at start-up, not at a first call
+            history.append((time.time(), sum(sum(r["pool_bytes"].values()) for r in ranks.values())))
         return {
             "stage_id": index,
             "name": name,
@@ -230,6 +247,7 @@ class StatusFeed:
             "device": spec.device,
             "backend": spec.backend,
             "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()),
+            "runner_counters": _summed(r["runner_counters"] for r in ranks.values()),
             "ranks": ranks,
         }
 

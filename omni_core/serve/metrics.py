@@ -224,7 +224,7 @@ class _EngineCollector(Collector):
         )
         pool = GaugeMetricFamily(
             "omni_core_pool_bytes",
-            "Bytes resident in each tagged pool of a rank, as of its last lifecycle report",
+            "Bytes resident in each tagged pool of a rank, as of its Hello or its last lifecycle report",
             labels=["stage", "rank", "tag"],
         )
         process = GaugeMetricFamily(
@@ -242,6 +242,12 @@ class _EngineCollector(Collector):
             "omni_core_host_offloaded_bytes",
             "Weights bytes a level-1 sleep moved to host memory and no wake has brought back, per rank",
             labels=["stage", "rank"],
+        )
+        runner = CounterMetricFamily(
+            "omni_core_runner_events",
+            "The runner's own counters per rank (a prompt cache's hits, misses, stale entries "
+            "dropped, evictions): `counter` is one of the names the rank's Hello declared",
+            labels=["stage", "rank", "counter"],
         )
         for name, stage in stages.items():
             for s in STAGE_STATES:
@@ -274,6 +280,8 @@ class _EngineCollector(Collector):
                 if info.get("rss_bytes") is not None:
                     rss.add_metric(labels, info["rss_bytes"])
                 host.add_metric(labels, info.get("host_offloaded_bytes", 0))
+                for counter, value in sorted(info.get("runner_counters", {}).items()):
+                    runner.add_metric([*labels, counter], value)  # names from the Hello: a closed set
         engine_events = CounterMetricFamily(
             "omni_core_engine_protocol_events",
             "What strangers and faulty peers tried, each refused and counted: "
@@ -300,6 +308,7 @@ class _EngineCollector(Collector):
             process,
             rss,
             host,
+            runner,
             engine_events,
             up,
         )

@@ -276,6 +276,9 @@ class RankModel(BaseModel):
     rss_bytes: int | None
     host_offloaded_bytes: int
     weights_version: int = Field(0, description="the weights version the rank reported last (P-17)")
+    runner_counters: dict[str, int] = Field(
+        default_factory=dict, description="the runner's own counters (names its Hello declared), as last reported"
+    )
 
 
 class StageModel(BaseModel):
@@ -302,6 +305,9 @@ class StageModel(BaseModel):
     device: str
     backend: str
     host_offloaded_bytes: int
+    runner_counters: dict[str, int] = Field(
+        default_factory=dict, description="the runner's own counters, each summed over the ranks"
+    )
     ranks: dict[str, RankModel]
 
 

@@ -245,11 +245,18 @@ function renderStatus(snap) {
           " · host offloaded " + fmtBytes(st.host_offloaded_bytes) +
           (st.last_sleep_level ? " · last sleep L" + st.last_sleep_level : ""))),
       st.failure ? el("div", {"class": "failure"}, st.failure) : "",
-      renderStrip(st.name), table);
+      renderStrip(st.name), table, renderCounters(st.runner_counters || {}));
     main.append(section);
   }
   for (const ev of snap.events || []) addEvent(ev);
   document.getElementById("updated").textContent = "updated " + new Date((snap.time || 0) * 1000).toLocaleTimeString();
+}
+
+function renderCounters(counters) {
+  // The runner's own counters (a prompt cache's hits, misses), summed over the ranks.
+  const entries = Object.entries(counters);
+  return entries.length ? el("div", {"class": "meta", "data-field": "runner_counters"},
+    "runner counters: " + entries.map(([name, value]) => name + " " + value).join(" · ")) : "";
 }
 
 function addEvent(ev) {

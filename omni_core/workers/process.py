@@ -73,6 +73,7 @@ from omni_core.workers.device_memory import FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.rank_memory import cache_budget, check_budget, free_memory_source, resolve_device
+from omni_core.workers.runner_counters import CounterStamp
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
@@ -133,6 +134,7 @@ class WorkerProcess:
         # What the loop caught while handling frames, by cause (omni_core.isolation).
         self.frame_errors = FrameErrors(f"worker {config.stage}/{config.rank}", log)
         self._answered: set[str] | None = None  # task_ids this frame answered, while handling one
+        self.counters = CounterStamp(None, "")  # the runner's counters on its replies, once loaded
 
     # ------------------------------------------------------------------ start-up
 
@@ -178,6 +180,8 @@ class WorkerProcess:
             # runner's update_weights, else the receiver refuses them (INVALID_ARGUMENT).
             capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
         self.receiver.device = self.device
+        if not error:
+            self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
         started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name, capabilities)
         self._write(started.records)
         device = str(self.device)
@@ -208,6 +212,9 @@ class WorkerProcess:
                 state=self.core.state,
                 detail=error[:MAX_DETAIL_CHARS],
                 weights_version=self.core.weights_version,
+                # the Hello's own tags only: a runner may open a pool of another (refused there)
+                pool_bytes={} if error else {t: n for t, n in self._usage().items() if t in cfg.tags},
+                runner_counters=self.counters.declared,
             )
         )
 
@@ -500,7 +507,7 @@ class WorkerProcess:
     # ------------------------------------------------------------------ sending, tracing
 
     def _send(self, message: Message) -> None:
-        self.sock.send(encode(message))
+        self.sock.send(encode(self.counters.stamp(message)))
         if self._answered is not None:
             self._answered.add(message.task_id)
 

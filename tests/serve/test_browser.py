@@ -14,7 +14,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.serve.conftest import API_KEY, Served, make_config, metric_value, serving, stage_table
+from tests.serve.conftest import (
+    API_KEY,
+    PROBE,
+    Served,
+    make_config,
+    metric_value,
+    serving,
+    stage_table,
+    wait_for,
+)
 
 CHROMIUM = os.environ.get("OMNI_CORE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 UI_TIMEOUT_MS = 30_000  # the page updates within ~0.5 s; the bound only turns a hang into a failure
@@ -240,3 +249,44 @@ def test_the_memory_chart_follows_a_sleep_and_a_wake(served: Served, browser: ob
     expect(page.locator('#memory-legend li[data-stage="talker"]')).to_contain_text("MiB")
     assert errors == []
     page.close()
+
+
+def test_a_fresh_server_shows_memory_and_runner_counters_before_any_call(browser: object) -> None:
+    """Started, nothing called yet: the legend gives each stage's bytes (from the ranks'
+    Hellos), not "not measured yet"; the rank table has every tag's bytes; the runner's own
+    counters are listed under its table once a request ran."""
+    expect = sync_api.expect
+    table = stage_table("counted", runner="tests.serve.counting_runner:CountingRunner")
+    with serving(make_config(table)) as fresh:
+        page = browser.new_page()  # type: ignore[attr-defined]
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(fresh.url + "/")
+        expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+        pools = fresh.stage("counted")["ranks"]["0"]["pool_bytes"]
+        series = page.locator('#memory-chart path.series[data-stage="counted"]')
+        expect(series).to_have_attribute("data-bytes", str(sum(pools.values())), timeout=UI_TIMEOUT_MS)
+        legend = page.locator('#memory-legend li[data-stage="counted"]')
+        expect(legend).to_contain_text("MiB")
+        expect(legend).not_to_contain_text("not measured yet")
+        weights = page.locator('section[data-stage="counted"] tr[data-rank="0"] td[data-tag="weights"]')
+        expect(weights).to_contain_text("MiB")
+        counters = page.locator('section[data-stage="counted"] [data-field="runner_counters"]')
+        expect(counters).to_have_text("runner counters: always_zero 0 · requests_run 0")
+        fresh.engine.execute("counted", PROBE)
+        fresh.engine.execute("counted", PROBE)
+        expect(counters).to_have_text("runner counters: always_zero 0 · requests_run 2", timeout=UI_TIMEOUT_MS)
+        wait_for(
+            lambda: (
+                metric_value(
+                    fresh.client.get("/metrics").text,
+                    "omni_core_runner_events_total",
+                    stage="counted",
+                    counter="requests_run",
+                )
+                == 2
+            ),
+            what="requests_run in /metrics",
+        )
+        assert errors == []
+        page.close()

@@ -592,7 +592,7 @@ function main() {
     send(encodeMsgpack({ type: "Hello", v: PROTOCOL_VERSION, task_id: "hello", epoch: args.epoch, rank: args.rank,
       stage, proof: secret ? helloProof(secret, { stage, rank: args.rank, epoch: args.epoch, pid, identity }) : "",
       pid, device: "cpu", backend: "node-simulated", tags: TAGS, capabilities: CAPABILITIES, state: worker.state,
-      detail: worker.failure }));
+      detail: worker.failure, pool_bytes: worker.usage() }));  // optional: the pools as loaded
   });
   sock.on("connect", () => sock.write(greeting()));
   sock.on("data", (chunk) => reader.push(chunk));
