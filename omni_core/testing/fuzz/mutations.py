@@ -4,14 +4,31 @@ missing, another type tag or version), so the receiver decodes a frame that is a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import random
+from typing import Any, Protocol
 
 from omni_core.protocol import PROTOCOL_VERSION
 from omni_core.testing.fuzz.edges import FLOAT_EDGES, INT_EDGES, SOURCE_EDGES, TAG_EDGES, TASK_ID_EDGES, TYPE_TAGS
 from omni_core.testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Ext, Float, Int, Str
 
-if TYPE_CHECKING:
-    from omni_core.testing.fuzz.generate import FrameGenerator, FuzzContext
+
+class FrameGenerator(Protocol):
+    """What a mutation draws with: the generator's stream and its values (generate.py)."""
+
+    rng: random.Random
+
+    def random_value(self, depth: int) -> Any: ...
+
+    def random_key(self) -> Any: ...
+
+    def bad_utf8(self, text: str) -> bytes: ...
+
+
+class FuzzContext(Protocol):
+    """What a mutation knows of the target (generate.py's FuzzContext)."""
+
+    epoch: int
+
 
 # Each mutation changes the pairs (mutable, in wire order) in place; pair 0 is the type tag.
 

@@ -5,7 +5,7 @@ few rounds a full sleep/wake cycle, and the worker's RSS sampled."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_core.protocol import (
     Ack,
@@ -25,8 +25,13 @@ from omni_core.testing.fuzz.generate import Frame
 from omni_core.testing.fuzz.worker_expect import short
 from omni_core.testing.fuzz.worker_spawn import LOG_TAIL_LINES, WorkerCrashed
 
-if TYPE_CHECKING:
-    from omni_core.testing.fuzz.worker_target import WorkerFuzzConfig
+
+class WorkerFuzzConfig(Protocol):
+    """The settings the oracle reads (worker_target.py's WorkerFuzzConfig)."""
+
+    lifecycle_every_rounds: int
+    warmup_frames: int
+
 
 REFERENCE_PAYLOAD = {"seed": 11, "batch": 2}
 
