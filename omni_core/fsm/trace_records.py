@@ -92,6 +92,7 @@ class StageIssued(_Record):
     already: bool = False
     auto: bool = False
     timeout_s: float = 0.0  # the deadline the call asked for: deadline_at_s is the now plus it
+    version: int = 0  # UpdateWeights: the weights version it sends (P-17)
 
 
 class StageDispatched(_Record):
@@ -113,6 +114,7 @@ class StageSent(_Record):
     state: str
     level: int = 0  # as StageIssued.level
     tags: tuple[str, ...] | None = None
+    version: int = 0  # as StageIssued.version
 
 
 class StageReceived(_Record):
@@ -127,6 +129,7 @@ class StageReceived(_Record):
     state: str
     worker_state: str = ""
     info: str = ""
+    weights_version: int = 0  # the version the rank reported (P-17)
 
 
 class StageChanged(_Record):
@@ -138,6 +141,7 @@ class StageChanged(_Record):
     before: str
     after: str
     failed_ranks: dict[int, str] = {}
+    weights_version: int = 0  # the stage's committed weights version after the change (P-17)
 
 
 class StageDeadline(_Record):
@@ -267,6 +271,7 @@ class ReplySent(_Record):
     state: str
     info: str = ""
     to_bad_bytes: bool = False
+    weights_version: int = 0  # the version the reply (or Hello) reports (P-17)
 
 
 class BadMessage(_Record):
