@@ -3,21 +3,22 @@
 The cores return these with every step (`StageStep.records`, `WorkerStep.records`), in
 program order; a shell only stamps and writes them (`omni_core.trace`). Each record kind
 is one action of the TLA+ trace spec (tla/trace/OmniTrace.tla) or a fact the spec does not
-model; `omni_core.formal.trace_export` maps kinds to actions one to one:
+model; `omni_core.formal.trace_export` maps kinds to actions one to one (P-17's weight
+commands: tla/trace/OmniWeights.tla):
 
 | record | TLA+ (OmniTrace) | OmniSleep action |
 |---|---|---|
-| StageIssued | issue | IssueSleep / IssueWake / IssueReload |
+| StageIssued | issue | IssueSleep / IssueWake / IssueReload / IssueProfile; P-17's IssueUpdate / IssueWeightTask |
 | StageDispatched | dispatch | IssueExecute |
 | StageSent | send | (check: a command the last step put on the network) |
-| StageReceived | recv | StageReceive |
+| StageReceived | recv | StageReceive (a weight task's reply: StageTake) |
 | StageChanged | state | (check: the stage change the last step made) |
 | StageDeadline | deadline | Deadline |
 | StageRestarted | restart | Restart |
 | RankDied | died | RankDied (after the hidden Crash) |
 | WorkerStarted | start | Loaded / LoadFailed |
-| WorkerReceived | wrecv | WorkerReceive |
-| EffectDone / EffectFailed / EffectRefused | done / error / refused | Done / EffectError / Refused |
+| WorkerReceived | wrecv | WorkerReceive (a weight command: RankTake) |
+| EffectDone / EffectFailed / EffectRefused | done / error / refused | Done / EffectError / Refused (Weight*) |
 | WorkerChanged | wstate | (check: the worker change its last step made) |
 | ReplySent | wsend | (check: such a reply left the rank) |
 
