@@ -30,9 +30,8 @@ and every event carries the weights version its record names (`v`): an UpdateWei
 and send (the send also as its level, which is how the spec's wire carries it), each reply
 (ReplySent, StageReceived) and the committed version after each StageChanged.
 
-Outside the model (kept, with a note the verdict names): an UpdateWeights issued while
-requests are in flight (it waits for the drain); a rank that starts in a state other than
-ACTIVE or FAILED.
+Outside the model (kept, with a note the verdict names): a rank that starts in a state
+other than ACTIVE or FAILED.
 
 Task ids become 1, 2, ... in the order the engine first names them (the spec's task
 counter); "hello" is task 0. The TLC configuration gets the traced stage's tags
@@ -376,12 +375,7 @@ def _note_unmodelled(events: list[TraceEvent]) -> None:
     """Mark lines that fall outside the trace spec's abstractions, so that a divergence there
     is reported as such and not as a protocol error."""
     for ev in events:
-        if ev.kind == "issue" and ev.cmd == "UpdateWeights" and ev.state == "DRAINING":
-            ev.note = (
-                "an UpdateWeights that waits for requests in flight to drain is not among "
-                "OmniWeights' actions (the spec issues an update only with nothing in flight)"
-            )
-        elif ev.kind == "start" and ev.wstate not in STARTED:
+        if ev.kind == "start" and ev.wstate not in STARTED:
             ev.note = (
                 f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
             )

@@ -20,10 +20,9 @@
 (* version it had (the stage follows when all failed, FAILED on a mix),   *)
 (* and no request runs on a version other than the committed one.          *)
 (*                                                                         *)
-(* Not modelled (a trace diverges there): an update issued while requests  *)
-(* are in flight (the drain: StageIssued ... after=DRAINING), an           *)
-(* InitWeightGroup answered ALREADY, the error of a stateless weight task, *)
-(* a deadline on one.                                                      *)
+(* Not modelled (a trace diverges there): an update's drain that passes   *)
+(* its deadline, an InitWeightGroup answered ALREADY, the error of a      *)
+(* stateless weight task, a deadline on one.                               *)
 (***************************************************************************)
 EXTENDS OmniSleep
 
@@ -57,17 +56,20 @@ WeightsTypeOK ==
 (* ============================== orchestrator ============================ *)
 
 (* update_weights(v): v above the committed version (else the call is refused before any
-   task); in RUNNING with nothing in flight the drain ends at once. *)
+   task). In RUNNING admission closes and the requests in flight finish first (OmniSleep's
+   EndRequest sends the update when the last one ends); with none, at once. *)
 IssueUpdate(v) ==
     /\ Idle /\ wtask = 0 /\ nextTask \in TaskIds /\ v > sver
-    /\ \/ SLegal(sstate, "update_drain") /\ sreqs = {}
-          /\ sstate' = SNext(SNext(sstate, "update_drain"), "update_drained")
-       \/ ~SLegal(sstate, "update_drain") /\ SLegal(sstate, "update")
-          /\ sstate' = SNext(sstate, "update")
-    /\ LET t == nextTask IN
-       /\ net' = net \cup SendAll("UpdateWeights", t, v, {})     \* the version rides as the level
-       /\ stask' = t /\ scmd' = [type |-> "UpdateWeights", level |-> v, tags |-> {}] /\ sacks' = {}
-       /\ outcome' = Pending(t)
+    /\ LET t == nextTask
+           now == ~SLegal(sstate, "update_drain") \/ sreqs = {}
+       IN /\ \/ SLegal(sstate, "update_drain")
+                /\ sstate' = IF sreqs = {} THEN SNext(SNext(sstate, "update_drain"), "update_drained")
+                             ELSE SNext(sstate, "update_drain")
+             \/ ~SLegal(sstate, "update_drain") /\ SLegal(sstate, "update")
+                /\ sstate' = SNext(sstate, "update")
+          /\ net' = IF now THEN net \cup SendAll("UpdateWeights", t, v, {}) ELSE net  \* the version as the level
+          /\ stask' = t /\ scmd' = [type |-> "UpdateWeights", level |-> v, tags |-> {}] /\ sacks' = {}
+          /\ outcome' = Pending(t)
     /\ uver' = v /\ uans' = NoAnswers /\ ufrom' = sstate
     /\ nextTask' = nextTask + 1
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,

@@ -167,6 +167,31 @@ def _record_weights_failed(path: Path) -> None:
         engine.execute("g", PROBE)
 
 
+def _record_weights_drain(path: Path) -> None:
+    """An update issued while a request runs (the rank frozen to hold it open): the stage
+    drains, the update goes out when the request ends; a request submitted meanwhile
+    waits in the queue and runs on the new version."""
+    from omni_core.engine import Engine
+    from omni_core.weights_sender import WeightSender
+    from tests.engine.conftest import PROBE, in_thread, rank_pid, resume, small_spec, wait_for
+    from tests.engine.test_weight_updates import new_weights, reference
+
+    with Engine([small_spec("d")], trace_path=str(path)) as engine, WeightSender() as sender:
+        pid = rank_pid(engine, "d", 0)
+        source = sender.share(new_weights(reference(seed=1), 51))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            before = engine.submit("d", PROBE, timeout_s=60.0)
+            wait_for(lambda: engine.status()["d"]["in_flight"] == 1, what="the request in flight")
+            updating = in_thread(lambda: engine.update_weights("d", source, version=1, timeout_s=60.0))
+            wait_for(lambda: engine.status()["d"]["state"] == "DRAINING", what="DRAINING")
+            during = engine.submit("d", PROBE, timeout_s=60.0)
+            wait_for(lambda: engine.status()["d"]["queued"] == 1, what="the second request queued")
+        finally:
+            resume(pid)
+        updating.result(60), before.result(60), during.result(60)
+
+
 SCENARIOS: dict[str, Callable[[Path], None]] = {
     "demo": _record_demo,
     "swap": _record_swap,
@@ -175,6 +200,7 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "profile": _record_profile,
     "weights": _record_weights,
     "weights_failed": _record_weights_failed,
+    "weights_drain": _record_weights_drain,
 }
 
 
@@ -500,6 +526,23 @@ def failed_update_running(lines: Lines) -> str:
     return "g"
 
 
+def update_during_request(lines: Lines) -> str:
+    """The update recorded as sent at once while a request ran: its issue as RUNNING ->
+    WAKING with its sends right after it, the drain's end deleted."""
+    task = _update_lines(lines, "d", 1)
+    issue = task[0]
+    lines[issue].record.after = "WAKING"
+    sends = [i for i in task if _engine(lines[i], T.StageSent, "d")]
+    drained = _first(lines, lambda r: _engine(r, T.StageChanged, "d") and r.record.before == "DRAINING")
+    moved = [lines[i] for i in sends]
+    for i in sorted([*sends, drained], reverse=True):
+        del lines[i]
+    for line in moved:
+        line.record.state = "WAKING"
+    lines[issue + 1 : issue + 1] = moved
+    return "d"
+
+
 # name -> (legal trace it tampers, what it does)
 CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "commit_state": ("demo", commit_state),
@@ -531,6 +574,7 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "update_commit_before_all_acks": ("weights", update_commit_before_all_acks),
     "result_other_version": ("weights", result_other_version),
     "failed_update_running": ("weights_failed", failed_update_running),
+    "update_during_request": ("weights_drain", update_during_request),
 }
 
 
