@@ -25,10 +25,11 @@ after its death was recorded; a deadline that no earlier line of its task set, t
 the deadline that line set, that fired before it, or whose issue's deadline is not the
 issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
 
-P-17's weight commands (`WEIGHT_COMMANDS`) replay on tla/trace/OmniWeights.tla's actions,
-and every event carries the weights version its record names (`v`): an UpdateWeights' issue
-and send (the send also as its level, which is how the spec's wire carries it), each reply
-(ReplySent, StageReceived) and the committed version after each StageChanged.
+P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) replay on the actions
+of tla/trace/OmniWeights.tla, and every event carries the weights version its record names
+(`v`): an UpdateWeights' issue and send (the send also as its level, which is how the
+spec's wire carries it), each reply (ReplySent, StageReceived) and the committed version
+after each StageChanged.
 
 Outside the model (kept, with a note the verdict names): a rank that starts in a state
 other than ACTIVE or FAILED.
@@ -365,10 +366,6 @@ def _repeats(events: Iterable[TraceEvent]) -> int:
 
 
 STARTED = ("ACTIVE", "FAILED", UNKNOWN)  # a rank loads (Loaded) or fails to (LoadFailed)
-
-
-# P-17's commands: replayed on tla/trace/OmniWeights.tla's actions, beside OmniSleep's.
-WEIGHT_COMMANDS = ("UpdateWeights", "InitWeightGroup", "ShareWeights")
 
 
 def _note_unmodelled(events: list[TraceEvent]) -> None:

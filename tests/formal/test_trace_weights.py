@@ -90,3 +90,14 @@ def test_a_version_that_lies_is_rejected_where_it_does(update_records, edit, whe
     (verdict,) = trace_check.validate_records(_forged(lines))
     assert not verdict.accepted and verdict.reason == "no spec action matches this event", verdict.line()
     assert all(part in verdict.event for part in where), verdict.line()
+
+
+@needs_tlc
+def test_a_chunked_replay_carries_the_versions_across_its_cuts() -> None:
+    """Each chunk starts from the versions the previous one ended with (the corpus's run
+    commits 1, 3, 4 and 5): a chunk that started from version 0 would refuse the first
+    result it replays."""
+    from tests.formal.tamper import generate
+
+    verdicts = trace_check.validate_records(read_trace(generate.LEGAL / "weights.jsonl"), chunk_events=40)
+    assert len(verdicts) >= 3 and all(v.accepted for v in verdicts), "\n".join(v.line() for v in verdicts)

@@ -107,7 +107,7 @@ def _record_profile(path: Path) -> None:
 
 def _record_weights(path: Path) -> None:
     """Versioned updates (P-17) on 2 ranks: from RUNNING around requests, after a sleep and a
-    wake, and from NEEDS_RELOAD after a level-2 sleep; a request after each."""
+    wake, from NEEDS_RELOAD after a level-2 sleep and from PARTIAL; a request after each."""
     from omni_core.engine import Engine
     from omni_core.weights_sender import WeightSender
     from tests.engine.conftest import PROBE, small_spec
@@ -125,6 +125,11 @@ def _record_weights(path: Path) -> None:
         engine.sleep("w", level=2)
         engine.wake("w")
         engine.update_weights("w", sender.share(new_weights(ref, 9)), version=4)
+        engine.execute("w", PROBE)
+        engine.sleep("w")
+        engine.wake("w", tags=["weights"])  # PARTIAL: the weights awake, the cache asleep
+        engine.update_weights("w", sender.share(new_weights(ref, 10)), version=5)
+        engine.wake("w")
         engine.execute("w", PROBE)
 
 
