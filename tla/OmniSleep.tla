@@ -664,15 +664,16 @@ ReloadRefused(said, netNext) ==
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks, sprof>>
 
 (* Every rank answered request t; a sleep waiting on the drain goes out once none is left
-   in flight (with drain_one_request: as soon as any request ends). A pause's drain ends in
-   OmniPause.tla (nothing goes out). *)
+   in flight (with drain_one_request: as soon as any request ends); so does an update
+   (P-17, trace/OmniWeights.tla: the only other task that drains to send). A pause's drain
+   ends in OmniPause.tla (nothing goes out). *)
 EndRequest(t, err, netNext) ==
     /\ outcome' = [outcome EXCEPT ![t] = IF err THEN "failed" ELSE "ok"]
     /\ sreqs' = sreqs \ {t}
     /\ sreqReplies' = [sreqReplies EXCEPT ![t] = {}] /\ sreqErr' = [sreqErr EXCEPT ![t] = FALSE]
     /\ IF sstate = "DRAINING" /\ stask # 0 /\ scmd.type # "Pause" /\ (sreqs' = {} \/ Bug = "drain_one_request")
-       THEN /\ sstate' = SNext(sstate, "drained")
-            /\ net' = netNext \cup SendAll("Sleep", stask, scmd.level, scmd.tags)
+       THEN /\ sstate' = SNext(sstate, IF scmd.type = "UpdateWeights" THEN "update_drained" ELSE "drained")
+            /\ net' = netNext \cup SendAll(scmd.type, stask, scmd.level, scmd.tags)
             /\ sacks' = {}
        ELSE /\ net' = netNext /\ UNCHANGED <<sstate, sacks>>
     /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, svalid, failedRanks, sprof>>

@@ -49,6 +49,10 @@ SPEC_INVARIANTS = (
     "P11_RefusalHasNoEffect",
     "WorkerCoreInvariants",
     "StageCoreInvariants",
+    "WeightsTypeOK",
+    "W_NoMixedVersions",
+    "W_SettledOnCommitted",
+    "W_NoServingOnInvalid",
 )
 DEFAULT_TIMEOUT_S = 120.0
 OWED_AT_END = (
@@ -101,7 +105,13 @@ class TraceVerdict:
         return text
 
 
-SPEC_FILES = ("OmniSleep.tla", "OmniTransitions.tla", "OmniMemory.tla", "trace/OmniTrace.tla")  # what a replay needs
+SPEC_FILES = (
+    "OmniSleep.tla",
+    "OmniTransitions.tla",
+    "OmniMemory.tla",
+    "trace/OmniWeights.tla",
+    "trace/OmniTrace.tla",
+)  # what a replay needs
 
 
 def missing_spec_files(root: Path) -> list[Path]:
@@ -260,6 +270,8 @@ CARRIED = (
     "sasleep",
     "svalid",
     "failedRanks",
+    "wver",
+    "sver",
 )
 _STATE_HEADER = re.compile(r"^State \d+: .*$", re.MULTILINE)
 

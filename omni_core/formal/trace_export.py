@@ -25,10 +25,14 @@ after its death was recorded; a deadline that no earlier line of its task set, t
 the deadline that line set, that fired before it, or whose issue's deadline is not the
 issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
 
-Outside the model (kept, with a note the verdict names): P-17's weight commands
-(`WEIGHT_COMMANDS`), which OmniVersions.tla checks on its own and OmniSleep has no action
-for, so a trace replays up to its first one; a rank that starts in a state other than ACTIVE
-or FAILED.
+P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) replay on the actions
+of tla/trace/OmniWeights.tla, and every event carries the weights version its record names
+(`v`): an UpdateWeights' issue and send (the send also as its level, which is how the
+spec's wire carries it), each reply (ReplySent, StageReceived) and the committed version
+after each StageChanged.
+
+Outside the model (kept, with a note the verdict names): a rank that starts in a state
+other than ACTIVE or FAILED.
 
 Task ids become 1, 2, ... in the order the engine first names them (the spec's task
 counter); "hello" is task 0. The TLC configuration gets the traced stage's tags
@@ -97,6 +101,7 @@ class TraceEvent:
     process_epoch: int = 0  # the epoch of the process that wrote the line (a worker's: its own)
     late_us: int = 0  # a deadline: how far past it the record's clock was (negative: early)
     failed: tuple[int, ...] | None = None  # a deadline into FAILED: the ranks it names
+    version: int = 0  # the weights version the record names (P-17; see _event)
     note: str = ""  # why this line is outside what the spec models, if it is
     refuted: str = ""  # why the records around this line show it is no behaviour (kind REFUTED)
 
@@ -107,7 +112,7 @@ class TraceEvent:
             f"c |-> {_str(self.cmd)}, s |-> {_str(self.state)}, b |-> {_str(self.before)}, "
             f"w |-> {_str(self.wstate)}, x |-> {_str(self.info)}, lvl |-> {self.level}, "
             f"tg |-> {tags}, pe |-> {self.process_epoch}, late |-> {self.late_us}, "
-            f"fr |-> {{{', '.join(str(r) for r in (self.failed or ()))}}}]"
+            f"fr |-> {{{', '.join(str(r) for r in (self.failed or ()))}}}, v |-> {self.version}]"
         )
 
     def describe(self) -> str:
@@ -263,8 +268,14 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
         ev.before = getattr(r, "before", UNKNOWN)
         if kind in ("issue", "send"):
             ev.cmd, ev.level, ev.tags = r.command, r.level, _wire_tags(r.command, r.tags)
+            ev.version = r.version
+            if kind == "send" and r.command == "UpdateWeights":
+                ev.level = r.version  # the spec's wire carries an update's version as its level
         elif kind == "recv":
             ev.cmd, ev.wstate, ev.info = r.reply, r.worker_state or UNKNOWN, r.info or UNKNOWN
+            ev.version = r.weights_version
+        elif kind == "state":
+            ev.version = r.weights_version
         elif kind == "deadline":
             ev.late_us = late_us(min(r.now_s, line.mono_s), r.deadline_at_s)
             ev.failed = tuple(sorted(int(k) for k in r.failed_ranks))
@@ -274,7 +285,7 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
         ev.before = getattr(r, "before", UNKNOWN)
         ev.cmd = getattr(r, "reply", None) or _command_of(r) or UNKNOWN
         if kind == "wsend":
-            ev.info = r.info or UNKNOWN
+            ev.info, ev.version = r.info or UNKNOWN, r.weights_version
     return ev
 
 
@@ -357,21 +368,11 @@ def _repeats(events: Iterable[TraceEvent]) -> int:
 STARTED = ("ACTIVE", "FAILED", UNKNOWN)  # a rank loads (Loaded) or fails to (LoadFailed)
 
 
-# P-17's commands: OmniVersions.tla checks versioned updates on a model of their own; OmniSleep,
-# which the trace replays on, has no action for them yet.
-WEIGHT_COMMANDS = ("UpdateWeights", "InitWeightGroup", "ShareWeights")
-
-
 def _note_unmodelled(events: list[TraceEvent]) -> None:
-    """Mark lines that fall outside OmniSleep's abstractions, so that a divergence there
+    """Mark lines that fall outside the trace spec's abstractions, so that a divergence there
     is reported as such and not as a protocol error."""
     for ev in events:
-        if ev.cmd in WEIGHT_COMMANDS:
-            ev.note = (
-                f"{ev.cmd} (P-17) is not among OmniSleep's actions (tla/OmniVersions.tla checks "
-                "weight versions on a model of its own): a trace replays up to its first weight command"
-            )
-        elif ev.kind == "start" and ev.wstate not in STARTED:
+        if ev.kind == "start" and ev.wstate not in STARTED:
             ev.note = (
                 f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
             )

@@ -25,7 +25,7 @@ from omni_core.fsm.trace_records import (
     StageStopped,
     clip,
 )
-from omni_core.protocol import Ack, Command, Execute, Hello, Nack, Profile, Sleep, Wake
+from omni_core.protocol import Ack, Command, Execute, Hello, Nack, Profile, Sleep, UpdateWeights, Wake
 from omni_core.protocol import StageState as S
 
 
@@ -44,6 +44,11 @@ def level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
             return 0, None
 
 
+def _version(command: Command) -> int:
+    """The weights version a command sends: an UpdateWeights' (P-17), else 0."""
+    return command.version if isinstance(command, UpdateWeights) else 0
+
+
 class StageTrace:
     """Mixed into StageCore: the records of one step, kept in `_records` until step() returns."""
 
@@ -57,6 +62,7 @@ class StageTrace:
     queue: deque[_Request]
     task_id: str | None
     wake_deadline_s: float
+    weights_version: int
     _records: list[StageRecord]
     _issued: tuple[Command, bool, float] | None
     _expired_at: float | None
@@ -70,7 +76,10 @@ class StageTrace:
             case I.Received(message=m):
                 info = m.status.value if isinstance(m, Ack) else m.reason.value if isinstance(m, Nack) else ""
                 worker_state = m.state.value if isinstance(m, (Ack, Nack, Hello)) else ""
-                return StageReceived(m.epoch, m.rank, m.task_id, type(m).__name__.lower(), state, worker_state, info)
+                version = getattr(m, "weights_version", 0)
+                return StageReceived(
+                    m.epoch, m.rank, m.task_id, type(m).__name__.lower(), state, worker_state, info, version
+                )
             case I.RankExited():
                 fenced = event.epoch != self.epoch or event.rank not in self.ranks
                 return RankDied(self.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
@@ -104,6 +113,7 @@ class StageTrace:
                     already,
                     event is None,
                     timeout_s,
+                    _version(command),
                 )
             )
         else:
@@ -120,7 +130,13 @@ class StageTrace:
                 self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at))
             self._records.append(
                 StageSent(
-                    command.epoch, out.rank, command.task_id, type(command).__name__, after.value, *level_tags(command)
+                    command.epoch,
+                    out.rank,
+                    command.task_id,
+                    type(command).__name__,
+                    after.value,
+                    *level_tags(command),
+                    _version(command),
                 )
             )
 
@@ -142,4 +158,4 @@ class StageTrace:
                 expired_at = self._expired_at if self._expired_at is not None else now
                 return StageDeadline(epoch, self._expired_task, before.value, after.value, expired_at, now, failed)
             case _:
-                return StageChanged(epoch, self.task_id or "", before.value, after.value, failed)
+                return StageChanged(epoch, self.task_id or "", before.value, after.value, failed, self.weights_version)

@@ -3,21 +3,22 @@
 The cores return these with every step (`StageStep.records`, `WorkerStep.records`), in
 program order; a shell only stamps and writes them (`omni_core.trace`). Each record kind
 is one action of the TLA+ trace spec (tla/trace/OmniTrace.tla) or a fact the spec does not
-model; `omni_core.formal.trace_export` maps kinds to actions one to one:
+model; `omni_core.formal.trace_export` maps kinds to actions one to one (P-17's weight
+commands: tla/trace/OmniWeights.tla):
 
 | record | TLA+ (OmniTrace) | OmniSleep action |
 |---|---|---|
-| StageIssued | issue | IssueSleep / IssueWake / IssueReload |
+| StageIssued | issue | IssueSleep / IssueWake / IssueReload / IssueProfile; P-17's IssueUpdate / IssueWeightTask |
 | StageDispatched | dispatch | IssueExecute |
 | StageSent | send | (check: a command the last step put on the network) |
-| StageReceived | recv | StageReceive |
+| StageReceived | recv | StageReceive (a weight task's reply: StageTake) |
 | StageChanged | state | (check: the stage change the last step made) |
 | StageDeadline | deadline | Deadline |
 | StageRestarted | restart | Restart |
 | RankDied | died | RankDied (after the hidden Crash) |
 | WorkerStarted | start | Loaded / LoadFailed |
-| WorkerReceived | wrecv | WorkerReceive |
-| EffectDone / EffectFailed / EffectRefused | done / error / refused | Done / EffectError / Refused |
+| WorkerReceived | wrecv | WorkerReceive (a weight command: RankTake) |
+| EffectDone / EffectFailed / EffectRefused | done / error / refused | Done / EffectError / Refused (Weight*) |
 | WorkerChanged | wstate | (check: the worker change its last step made) |
 | ReplySent | wsend | (check: such a reply left the rank) |
 
@@ -92,6 +93,7 @@ class StageIssued(_Record):
     already: bool = False
     auto: bool = False
     timeout_s: float = 0.0  # the deadline the call asked for: deadline_at_s is the issue's now plus it
+    version: int = 0  # UpdateWeights: the weights version it sends (P-17)
 
 
 class StageDispatched(_Record):
@@ -113,6 +115,7 @@ class StageSent(_Record):
     state: str
     level: int = 0  # as StageIssued.level
     tags: tuple[str, ...] | None = None
+    version: int = 0  # as StageIssued.version
 
 
 class StageReceived(_Record):
@@ -127,6 +130,7 @@ class StageReceived(_Record):
     state: str
     worker_state: str = ""
     info: str = ""
+    weights_version: int = 0  # the version the rank reported (P-17)
 
 
 class StageChanged(_Record):
@@ -138,6 +142,7 @@ class StageChanged(_Record):
     before: str
     after: str
     failed_ranks: dict[int, str] = {}
+    weights_version: int = 0  # the stage's committed weights version after the change (P-17)
 
 
 class StageDeadline(_Record):
@@ -267,6 +272,7 @@ class ReplySent(_Record):
     state: str
     info: str = ""
     to_bad_bytes: bool = False
+    weights_version: int = 0  # the version the reply (or Hello) reports (P-17)
 
 
 class BadMessage(_Record):

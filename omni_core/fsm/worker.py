@@ -138,7 +138,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         return self._started(backend, error)
 
     def _started(self, backend: str, error: str) -> WorkerStep:
-        hello = ReplySent(self.epoch, HELLO_TASK_ID, "hello", self.state.value)
+        hello = ReplySent(self.epoch, HELLO_TASK_ID, "hello", self.state.value, weights_version=self.weights_version)
         return WorkerStep(records=(WorkerStarted(self.state.value, self.tags, backend, clip(error)), hello))
 
     def on_bad_message(self, error: ProtocolError) -> WorkerStep:

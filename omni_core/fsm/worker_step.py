@@ -32,7 +32,8 @@ _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
 def _sent(reply: Reply, *, to_bad_bytes: bool = False) -> ReplySent:
     info = reply.status.value if isinstance(reply, Ack) else reply.reason.value if isinstance(reply, Nack) else ""
     state = reply.state.value if isinstance(reply, (Ack, Nack)) else ""
-    return ReplySent(reply.epoch, reply.task_id, _REPLY_KINDS[type(reply)], state, info, to_bad_bytes)
+    version = getattr(reply, "weights_version", 0)
+    return ReplySent(reply.epoch, reply.task_id, _REPLY_KINDS[type(reply)], state, info, to_bad_bytes, version)
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,19 @@
 (* Dropping, changing or reordering lines                                  *)
 (* then leaves a step that no action matches.                               *)
 (*                                                                         *)
+(* P-17's weight commands (OmniWeights.tla) replay on actions of their own *)
+(* beside OmniSleep's; every record also carries the weights version (v): *)
+(* the version an UpdateWeights sends (its issue, and its send as the      *)
+(* level), the version every reply reports (wsend: the rank's; recv of a   *)
+(* result: the committed one; an update's ACK: the version sent), and the  *)
+(* committed version after each change of the stage (state).              *)
+(*                                                                         *)
 (* The trace is accepted when it is consumed with no obligation left: the  *)
 (* invariant TraceAccepted is then violated (TLC exit 12 naming it). Any    *)
 (* other end means the trace diverged; TraceProgress prints the index each *)
 (* state reached, and the highest one is where no action matched.          *)
 (***************************************************************************)
-EXTENDS OmniSleep, Sequences, TraceData
+EXTENDS OmniWeights, Sequences, TraceData
 
 VARIABLES
     i,          \* the next trace event to consume
@@ -74,6 +81,7 @@ CarriedInit ==
 TraceInit ==
     /\ \/ FromStart /\ Init
        \/ ~FromStart /\ CarriedInit
+    /\ WeightsInit(FromStart, Carried)
     /\ i = 1
     /\ owedState = NoOwed
     /\ owedSends = {}
@@ -108,7 +116,8 @@ EngineRecv ==
           /\ m.kind = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
           /\ E.w # Unlogged => m.state = E.w
           /\ E.x # Unlogged => m.info = E.x
-          /\ \E keep \in BOOLEAN : StageReceive(m, keep)     \* keep: see Resent
+          /\ \E keep \in BOOLEAN : StageTake(m, keep, E.v)     \* keep: see Resent
+    /\ E.c = "result" => E.v = sver      \* a request ran on the committed version (P-17)
     /\ OweStage /\ OweSends
     /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
     /\ Advance
@@ -123,19 +132,22 @@ EngineStep(action) ==
 
 (* issue (StageIssued): a lifecycle call, as the spec issues it (ALREADY included). *)
 EngineIssue ==
-    /\ E.k = "issue" /\ E.t = nextTask
-    /\ EngineStep(\/ E.c = "Sleep" /\ IssueSleep(E.lvl, TagsOf(E.tg))
-                  \/ /\ E.c = "Wake" /\ IssueWake(TagsOf(E.tg))
-                     /\ stask' # 0 => ((scmd'.level > 0) = (E.lvl = 1))   \* a waiting wake (P-16): level 1
-                  \/ E.c = "ReloadWeights" /\ IssueReload
-                  \/ E.c = "Profile" /\ IssueProfile(E.lvl = 1))   \* P-15: never changes state
+    /\ E.k = "issue" /\ E.t = nextTask /\ wtask = 0
+    /\ EngineStep(\/ /\ \/ E.c = "Sleep" /\ IssueSleep(E.lvl, TagsOf(E.tg))
+                        \/ /\ E.c = "Wake" /\ IssueWake(TagsOf(E.tg))
+                           /\ stask' # 0 => ((scmd'.level > 0) = (E.lvl = 1))   \* a waiting wake (P-16): level 1
+                        \/ E.c = "ReloadWeights" /\ IssueReload
+                        \/ E.c = "Profile" /\ IssueProfile(E.lvl = 1)   \* P-15: never changes state
+                     /\ UNCHANGED weightVars
+                  \/ E.c = "UpdateWeights" /\ IssueUpdate(E.v)       \* P-17: above the committed version
+                  \/ E.c \in Stateless /\ IssueWeightTask(E.c))
     /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
     /\ Advance
 
 (* restart (StageRestarted): fresh ranks under a new epoch, from any state the stage table
    allows; the old processes are killed, so what they had not logged never left. *)
 EngineRestart ==
-    /\ E.k = "restart" /\ EngineStep(Restart)
+    /\ E.k = "restart" /\ EngineStep(Restart) /\ WeightsRestarted
     /\ wowed' = [r \in Ranks |-> NoOwed]
     /\ wreply' = [r \in Ranks |-> NoMsg]
     /\ unsent' = unsent \cup ({wreply[r] : r \in Ranks} \ {NoMsg})
@@ -159,6 +171,7 @@ EngineDeadline ==
 (* state (StageChanged): logs the change the engine's last step made. *)
 EngineState ==
     /\ E.k = "state" /\ owedState = [b |-> E.b, s |-> E.s] /\ sepoch = E.e
+    /\ E.v = sver                  \* the version committed now (P-17)
     /\ owedState' = NoOwed
     /\ UNCHANGED <<vars, owedSends, wowed, wreply, unsent, wstat>>
     /\ Advance
@@ -231,8 +244,8 @@ WorkerRecv ==
     /\ E.k = "wrecv" /\ WorkerFree(E.r) /\ WorkerLive /\ wstate[E.r] = E.w
     /\ \E m \in net \ owedSends :
           /\ m.kind = "cmd" /\ m.type = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
-          /\ \E keep \in BOOLEAN : WorkerReceive(E.r, m, keep)   \* keep: see Resent
-          /\ OweReply(E.r, OnCommand(E.r, m).reply)        \* NoMsg: the answer comes later
+          /\ \E keep \in BOOLEAN : RankTake(E.r, m, keep)   \* keep: see Resent
+          /\ OweReply(E.r, RankAnswer(E.r, m))        \* NoMsg: the answer comes later
     /\ OweWorker(E.r)
     /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
     /\ Advance
@@ -242,7 +255,8 @@ WorkerRecv ==
 WorkerDone ==
     /\ E.k \in {"done", "error"} /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
-    /\ IF E.k = "done" THEN Done(E.r) ELSE EffectError(E.r)
+    /\ IF WeightPending(E.r) THEN IF E.k = "done" THEN WeightDone(E.r) ELSE WeightFailed(E.r)
+       ELSE (IF E.k = "done" THEN Done(E.r) ELSE EffectError(E.r)) /\ UNCHANGED weightVars
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
     /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
@@ -252,7 +266,7 @@ WorkerDone ==
 WorkerRefused ==
     /\ E.k = "refused" /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
-    /\ Refused(E.r)
+    /\ IF WeightPending(E.r) THEN WeightRefused(E.r) ELSE Refused(E.r) /\ UNCHANGED weightVars
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
     /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
@@ -291,6 +305,7 @@ WorkerSend ==
     /\ E.k = "wsend" /\ WorkerLive /\ wowed[E.r] = NoOwed
     /\ LET m == wreply[E.r] IN
           /\ m # NoMsg /\ m.kind = E.c /\ m.task = E.t /\ m.epoch = E.e
+          /\ E.v = wver[E.r]              \* the version the rank holds (P-17)
           /\ E.w \notin {Unlogged, ""} => m.state = E.w
           /\ E.x # Unlogged => m.info = E.x
     /\ wreply' = [wreply EXCEPT ![E.r] = NoMsg]
@@ -301,19 +316,19 @@ WorkerSend ==
 
 TraceNext ==
     \/ /\ i <= Len(Trace)
-       /\ \/ EngineRecv \/ EngineIssue \/ EngineRestart \/ EngineDeadline \/ EngineState
-          \/ EngineDispatch \/ EngineSend \/ EngineDied
-          \/ WorkerStart \/ WorkerRecv \/ WorkerDone \/ WorkerRefused \/ WorkerState \/ WorkerSend
-          \/ WorkerStatus \/ WorkerStatusDone
-    \/ HiddenCrash
+       /\ \/ EngineRecv \/ EngineIssue \/ EngineRestart \/ WorkerRecv \/ WorkerDone \/ WorkerRefused
+          \/ /\ \/ EngineDeadline \/ EngineState \/ EngineDispatch \/ EngineSend \/ EngineDied
+                \/ WorkerStart \/ WorkerState \/ WorkerSend \/ WorkerStatus \/ WorkerStatusDone
+             /\ UNCHANGED weightVars
+    \/ HiddenCrash /\ UNCHANGED weightVars
 
-TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars>>
+TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars, weightVars>>
 
 (* Violated exactly when the whole trace has been replayed and the engine owes no line
    (and, for a chunk that is not the last, nothing is in flight):
    TLC's "Invariant TraceAccepted is violated" means ACCEPTED. *)
 Quiescent ==
-    /\ stask = 0 /\ sreqs = {}
+    /\ stask = 0 /\ sreqs = {} /\ wtask = 0
     /\ \A r \in Ranks : wpend[r] = NoPend /\ wowed[r] = NoOwed /\ wstat[r] = NoStatus
     /\ \A m \in net : m.epoch # sepoch             \* older epochs' messages can reach no one
 

@@ -105,12 +105,107 @@ def _record_profile(path: Path) -> None:
         engine.profile("p", start=False)
 
 
+def _record_weights(path: Path) -> None:
+    """Versioned updates (P-17) on 2 ranks: from RUNNING around requests, after a sleep and a
+    wake, from NEEDS_RELOAD after a level-2 sleep and from PARTIAL; a request after each."""
+    from omni_core.engine import Engine
+    from omni_core.weights_sender import WeightSender
+    from tests.engine.conftest import PROBE, small_spec
+    from tests.engine.test_weight_updates import new_weights, reference
+
+    ref = reference(seed=1)
+    with Engine([small_spec("w", ranks=2)], trace_path=str(path)) as engine, WeightSender() as sender:
+        engine.execute("w", PROBE)
+        engine.update_weights("w", sender.share(new_weights(ref, 7)), version=1)
+        engine.execute("w", PROBE)
+        engine.sleep("w")
+        engine.wake("w")
+        engine.update_weights("w", sender.share(new_weights(ref, 8)), version=3)
+        engine.execute("w", PROBE)
+        engine.sleep("w", level=2)
+        engine.wake("w")
+        engine.update_weights("w", sender.share(new_weights(ref, 9)), version=4)
+        engine.execute("w", PROBE)
+        engine.sleep("w")
+        engine.wake("w", tags=["weights"])  # PARTIAL: the weights awake, the cache asleep
+        engine.update_weights("w", sender.share(new_weights(ref, 10)), version=5)
+        engine.wake("w")
+        engine.execute("w", PROBE)
+
+
+def _record_weights_failed(path: Path) -> None:
+    """A trainer omni-core did not start joins the stage's weight group (InitWeightGroup),
+    sends one tensor of an update and dies: the update fails, the stage is NEEDS_RELOAD at
+    version 0; an update over shared memory brings it back, a request runs on it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from omni_core.engine import Engine
+    from omni_core.engine.errors import WeightUpdateFailedError
+    from omni_core.weights_sender import WeightSender
+    from tests.engine.conftest import PROBE, small_spec
+    from tests.engine.test_weight_updates import free_port, new_weights, reference
+
+    port, v1 = free_port(), new_weights(reference(seed=1), 31)
+    trainer = f"""
+        import os, torch
+        from omni_core.weights_sender import WeightSender
+        s = WeightSender()
+        s.init_group("127.0.0.1", {port}, 2, timeout_s=60)
+        s.broadcast({{"w0": torch.zeros({list(v1["w0"].shape)})}})
+        os._exit(0)
+    """
+    with Engine([small_spec("g")], trace_path=str(path)) as engine:
+        process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(trainer)])
+        try:
+            engine.init_weight_group("g", address="127.0.0.1", port=port, world_size=2, group_timeout_s=10)
+            try:
+                engine.update_weights("g", WeightSender.collective_source(v1), version=1, timeout_s=60)
+                raise AssertionError("the update from a trainer that died midway did not fail")
+            except WeightUpdateFailedError:
+                pass
+        finally:
+            process.wait(30)
+        with WeightSender() as sender:
+            engine.update_weights("g", sender.share(v1), version=1)
+        engine.execute("g", PROBE)
+
+
+def _record_weights_drain(path: Path) -> None:
+    """An update issued while a request runs (the rank frozen to hold it open): the stage
+    drains, the update goes out when the request ends; a request submitted meanwhile
+    waits in the queue and runs on the new version."""
+    from omni_core.engine import Engine
+    from omni_core.weights_sender import WeightSender
+    from tests.engine.conftest import PROBE, in_thread, rank_pid, resume, small_spec, wait_for
+    from tests.engine.test_weight_updates import new_weights, reference
+
+    with Engine([small_spec("d")], trace_path=str(path)) as engine, WeightSender() as sender:
+        pid = rank_pid(engine, "d", 0)
+        source = sender.share(new_weights(reference(seed=1), 51))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            before = engine.submit("d", PROBE, timeout_s=60.0)
+            wait_for(lambda: engine.status()["d"]["in_flight"] == 1, what="the request in flight")
+            updating = in_thread(lambda: engine.update_weights("d", source, version=1, timeout_s=60.0))
+            wait_for(lambda: engine.status()["d"]["state"] == "DRAINING", what="DRAINING")
+            during = engine.submit("d", PROBE, timeout_s=60.0)
+            wait_for(lambda: engine.status()["d"]["queued"] == 1, what="the second request queued")
+        finally:
+            resume(pid)
+        updating.result(60), before.result(60), during.result(60)
+
+
 SCENARIOS: dict[str, Callable[[Path], None]] = {
     "demo": _record_demo,
     "swap": _record_swap,
     "deadline": _record_deadline,
     "restart": _record_restart,
     "profile": _record_profile,
+    "weights": _record_weights,
+    "weights_failed": _record_weights_failed,
+    "weights_drain": _record_weights_drain,
 }
 
 
@@ -366,6 +461,93 @@ def profile_changes_state(lines: Lines) -> str:
     return "p"
 
 
+def _update_lines(lines: Lines, stage: str, version: int) -> list[int]:
+    """The lines of the task that updates `stage` to `version`."""
+    k = _first(
+        lines,
+        lambda r: (
+            _engine(r, T.StageIssued, stage) and r.record.command == "UpdateWeights" and r.record.version == version
+        ),
+    )
+    return _task_lines(lines, lines[k].record.task_id)
+
+
+def _answers(lines: Lines, indices: list[int], stage: str, rank: int) -> list[int]:
+    """Of `indices`, the rank's replies and the engine's receipts of them."""
+    return [
+        i
+        for i in indices
+        if (_worker(lines[i], T.ReplySent, stage) and lines[i].rank == rank)
+        or (_engine(lines[i], T.StageReceived, stage) and lines[i].record.rank == rank)
+    ]
+
+
+def update_version_not_above(lines: Lines) -> str:
+    """The update to version 3 recorded as one to version 1, the version committed already
+    (issue, sends, ACKs, the commit and every later reply alike)."""
+    task = _update_lines(lines, "w", 3)
+    for r in lines[task[0] :]:
+        if getattr(r.record, "version", 0) == 3:
+            r.record.version = 1
+        if getattr(r.record, "weights_version", 0) == 3:
+            r.record.weights_version = 1
+    return "w"
+
+
+def update_ack_old_version(lines: Lines) -> str:
+    """Rank 1 ACKs the update to version 1 still reporting version 0 (its reply and the
+    engine's receipt alike); the stage commits version 1 all the same."""
+    for i in _answers(lines, _update_lines(lines, "w", 1), "w", 1):
+        lines[i].record.weights_version = 0
+    return "w"
+
+
+def update_commit_before_all_acks(lines: Lines) -> str:
+    """The commit of the update to version 1 moved before the last rank's ACK was taken."""
+    task = _update_lines(lines, "w", 1)
+    last_ack = max(i for i in task if _engine(lines[i], T.StageReceived, "w"))
+    commit = _first(lines, lambda r: _engine(r, T.StageChanged, "w") and r.record.weights_version == 1)
+    lines.insert(last_ack, lines.pop(commit))
+    return "w"
+
+
+def result_other_version(lines: Lines) -> str:
+    """Rank 0 answers the request after the update to version 1 with a result of version 0
+    (its reply and the engine's receipt alike)."""
+    commit = _first(lines, lambda r: _engine(r, T.StageChanged, "w") and r.record.weights_version == 1)
+    k = _first(lines, lambda r: _engine(r, T.StageDispatched, "w"), commit)
+    for i in _answers(lines, _task_lines(lines, lines[k].record.request_id), "w", 0):
+        lines[i].record.weights_version = 0
+    return "w"
+
+
+def failed_update_running(lines: Lines) -> str:
+    """The update every rank failed is recorded as leaving the stage RUNNING (its commit,
+    and the next update's issue, alike)."""
+    k = _first(lines, lambda r: _engine(r, T.StageChanged, "g") and r.record.after == "NEEDS_RELOAD")
+    lines[k].record.after = "RUNNING"
+    issue = _first(lines, lambda r: _engine(r, T.StageIssued, "g") and r.record.command == "UpdateWeights", k)
+    lines[issue].record.before = "RUNNING"
+    return "g"
+
+
+def update_during_request(lines: Lines) -> str:
+    """The update recorded as sent at once while a request ran: its issue as RUNNING ->
+    WAKING with its sends right after it, the drain's end deleted."""
+    task = _update_lines(lines, "d", 1)
+    issue = task[0]
+    lines[issue].record.after = "WAKING"
+    sends = [i for i in task if _engine(lines[i], T.StageSent, "d")]
+    drained = _first(lines, lambda r: _engine(r, T.StageChanged, "d") and r.record.before == "DRAINING")
+    moved = [lines[i] for i in sends]
+    for i in sorted([*sends, drained], reverse=True):
+        del lines[i]
+    for line in moved:
+        line.record.state = "WAKING"
+    lines[issue + 1 : issue + 1] = moved
+    return "d"
+
+
 # name -> (legal trace it tampers, what it does)
 CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "commit_state": ("demo", commit_state),
@@ -392,6 +574,12 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "refused_wake_committed": ("swap", refused_wake_committed),
     "profile_start_as_stop": ("profile", profile_start_as_stop),
     "profile_changes_state": ("profile", profile_changes_state),
+    "update_version_not_above": ("weights", update_version_not_above),
+    "update_ack_old_version": ("weights", update_ack_old_version),
+    "update_commit_before_all_acks": ("weights", update_commit_before_all_acks),
+    "result_other_version": ("weights", result_other_version),
+    "failed_update_running": ("weights_failed", failed_update_running),
+    "update_during_request": ("weights_drain", update_during_request),
 }
 
 
