@@ -85,16 +85,18 @@ def test_a_deadline_tied_to_no_task_is_rejected(deadline_trace) -> None:  # noqa
 
 
 def test_a_deadline_computed_in_the_wrong_unit_is_rejected(tmp_path, monkeypatch) -> None:
-    """A real bug in the core: StageCore.sleep takes the timeout as milliseconds. Every line
-    is what the code wrote; the issue's deadline is not its time plus the call's timeout."""
+    """A real bug in the core: its sleep takes the timeout as milliseconds. Every line is what
+    the code wrote; the issue's deadline is not its time plus the call's timeout."""
+    import dataclasses
+
     from omni_core.fsm.stage import StageCore
 
-    sleep = StageCore.sleep
+    sleep = StageCore._sleep
 
-    def in_ms(self, task_id, level, tags, now, deadline_s):  # type: ignore[no-untyped-def]
-        return sleep(self, task_id, level, tags, now, deadline_s / 1000)
+    def in_ms(self, call, now):  # type: ignore[no-untyped-def]
+        return sleep(self, dataclasses.replace(call, deadline_s=call.deadline_s / 1000), now)
 
-    monkeypatch.setattr(StageCore, "sleep", in_ms)
+    monkeypatch.setattr(StageCore, "_sleep", in_ms)
     path = tmp_path / "wrong_unit.jsonl"
     frozen_sleep_trace(path, 30.0)
     records = read_trace(path)
