@@ -252,6 +252,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --mutate-guards: also write the report here (tla/guard_mutation.md keeps its notes)",
     )
     parser.add_argument(
+        "--relocate",
+        action="store_true",
+        help="with --mutate-guards: only move the report's rows to the spec's current lines (no TLC run)",
+    )
+    parser.add_argument(
         "--list", action="store_true", help="list the models (with --mutate-guards: the guards) and exit"
     )
     parser.add_argument(
@@ -406,6 +411,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     except TlcNotFoundError as exc:
         echo(f"FAIL {exc}")
         return 2
+    rows += _stale_citations(root, coverage_out is None, echo)
     total_s = time.monotonic() - start
     bad = [r for r in rows if not r.ok]
     echo(_RULE)
@@ -421,6 +427,22 @@ def run(args: argparse.Namespace, echo=print) -> int:
             write_manifest(root, data, counts)
             echo(f"wrote {root / MANIFEST}")
     return 1 if bad else 0
+
+
+def _stale_citations(root: Path, coverage_too: bool, echo) -> list[Row]:
+    """The committed reports must cite the spec as it is: each row's line holds its text."""
+    from omni_core.formal import coverage, guard_mutation
+
+    checks = [(guard_mutation.REPORT, guard_mutation.stale_rows, "omni-core check --mutate-guards --relocate")]
+    if coverage_too:  # a --coverage run rewrites or prints its own report
+        checks.append((coverage.REPORT, coverage.stale_rows, "omni-core check --coverage --coverage-report"))
+    rows = []
+    for report, stale_rows, fix in checks:
+        stale = stale_rows(root / report, root)
+        note = f"{len(stale)} rows cite a moved line, first: {stale[0]} (fix: {fix} tla/{report})" if stale else ""
+        rows.append(Row(f"report/{report}", "current", "stale" if stale else "current", None, 0.0, not stale, note))
+        echo(_format_row(rows[-1]))
+    return rows
 
 
 def _report_coverage(root: Path, outputs: dict[str, str] | None, report: Path | None, echo) -> None:
