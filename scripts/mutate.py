@@ -73,8 +73,10 @@ and the rank processes ran the copy's code, not the editable install's.
 
 Not in the table: the NEEDS_RELOAD row of ADMISSION on its own. Without it the request is queued
 and the QUEUE_RULES row refuses it within the same step with the same error class (only the
-message differs), an equivalent mutant; `needs-reload-refusal` changes both rows,
-`needs-reload-queued` the queue rule alone.
+message differs), so these engine tests cannot tell; the spec can: OmniAdmission's
+Adm_JoinsQueueOnlyWhereItMayRun breaks (tests/formal/test_admission_rows.py), and the fsm campaign
+(scripts/mutate_fsm.py) runs it as `needs-reload-queues`. Here `needs-reload-refusal` changes both
+rows, `needs-reload-queued` the queue rule alone.
 
 Slow catches: `reject-policy` and `needs-reload-refusal` run the demo until its refusal probe's own
 30 s deadline; the deadline mutants wait for the tests' bound of ten times the deadline.
@@ -133,8 +135,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "reject-policy",
         "admission 'reject' removed: a request to a sleeping stage is queued instead",
         ADMISSION,
-        "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,\n",
-        "    AdmissionRow(_BUSY + _ASLEEP + (S.NEEDS_RELOAD,), (R,), Admit.QUEUE,  # mutant: no 'reject'\n",
+        "(S.NEEDS_RELOAD,), (R,), Admit.REFUSE_POLICY,",
+        "(S.NEEDS_RELOAD,), (R,), Admit.QUEUE,",
         [f"{FIFTY}[reject]", DEMO_TEST],
     ),
     _m(
@@ -169,14 +171,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             Edit(
                 ADMISSION,
-                "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.REFUSE_NEEDS_RELOAD,\n",
-                "    AdmissionRow((S.NEEDS_RELOAD,), (Q, W), Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n",
+                "        (Q, W),\n        Admit.REFUSE_NEEDS_RELOAD,\n",
+                "        (Q, W),\n        Admit.QUEUE,  # mutant: NEEDS_RELOAD admits\n",
             ),
             Edit(
                 ADMISSION,
-                "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+                "    QueueRow(\n        (S.NEEDS_RELOAD,) + _ENDED,\n",
                 '    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, "mutant: queued requests wait"),\n'
-                "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+                "    QueueRow(\n        _ENDED,\n",
             ),
         ),
         (ASLEEP_ADMISSION, DEMO_TEST),
@@ -185,9 +187,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "needs-reload-queued",
         "requests queued before a level-2 wake are not refused when it lands in NEEDS_RELOAD",
         ADMISSION,
-        "    QueueRow((S.NEEDS_RELOAD,) + _ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+        "    QueueRow(\n        (S.NEEDS_RELOAD,) + _ENDED,\n",
         '    QueueRow((S.NEEDS_RELOAD,), _ALL, QueueAction.HOLD, "mutant: queued requests wait"),\n'
-        "    QueueRow(_ENDED, _ALL, QueueAction.REJECT_ALL,\n",
+        "    QueueRow(\n        _ENDED,\n",
         [ASLEEP_ADMISSION],
     ),
     _m(
