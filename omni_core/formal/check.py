@@ -15,6 +15,10 @@ the admission queue: tens of minutes on two cores) are skipped unless `--long`, 
 only them: a nightly job runs both. Each entry records the `seconds` its last run took
 (`--update-manifest`), so the time of the formal stage is stated, not guessed.
 
+Every model of OmniSleep and OmniAdmission runs instrumented (formal/reachability.py): what
+it reached (stage and worker states, table rows, admission rows) must be what
+`tla/reachability.md` says and include what tla/README.md claims for it.
+
 `--coverage` runs the models with TLC's `-coverage` and reports the spec's dead branches
 (formal/coverage.py); the guard-mutation report (formal/guard_mutation.py,
 `--mutate-guards`) says which guard of the spec no invariant needs.
@@ -41,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_link_plans, gen_transitions, gen_versions, reports
+from omni_core.formal import agree, gen_link_plans, gen_transitions, gen_versions, reachability, reports
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.resources import MissingDataError
@@ -128,28 +132,33 @@ def run_models(
     controls: bool,
     echo=print,
     coverage: dict[str, str] | None = None,
+    reach: dict[str, reachability.Reach] | None = None,
 ) -> tuple[list[Row], dict[str, dict]]:
     """Run each model (and each bug model's control); with `coverage` (a dict), the models
-    run with TLC's -coverage and their transcripts are kept there by model name."""
+    run with TLC's -coverage and their transcripts are kept there by model name; else, with
+    `reach` (a dict), the models of OmniSleep and OmniAdmission run instrumented
+    (formal/reachability.py) and what each reached is kept there, checked against the
+    committed report (unless `update`) and the README's claims."""
     rows: list[Row] = []
     counts: dict[str, dict] = {}
+    claimed = reachability.claims(root / "README.md") if reach is not None else {}
     for model in models:
         spec = root / (model.spec or "OmniSleep.tla")
         config = root / model.config
         text = config.read_text()
         cover = coverage is not None and not model.is_bug
-        result = run_tlc(
-            spec,
-            config,
-            workers=workers or model.workers,
-            timeout_s=timeout_s,
-            extra_args=("-coverage", "60") if cover else (),
-        )
+        tlc_args = {"workers": workers or model.workers, "timeout_s": timeout_s}
+        if reach is not None and not cover and not model.is_bug and reachability.instrumentable(spec.name):
+            result, reach[model.name] = reachability.run_instrumented(root, spec.name, config, **tlc_args)
+        else:
+            result = run_tlc(spec, config, extra_args=("-coverage", "60") if cover else (), **tlc_args)
         if cover:
             coverage[model.name] = result.output
         got, ok, note = judge(model, result, config_properties(text))
         if ok:
             ok, note = _states_note(model.distinct_states, result.distinct_states, update)
+        if ok and reach is not None and model.name in reach:
+            ok, note = _reach_note(root, model, reach[model.name], claimed, update)
         rows.append(Row(model.name, model.expect, got, result.distinct_states, result.seconds, ok, note))
         echo(_format_row(rows[-1]))
         counts[model.name] = {"distinct_states": result.distinct_states, "seconds": round(result.seconds, 1)}
@@ -167,6 +176,22 @@ def run_models(
             counts[model.name]["control_states"] = cres.distinct_states
             counts[model.name]["seconds"] = round(result.seconds + cres.seconds, 1)
     return rows, counts
+
+
+def _reach_note(
+    root: Path, model: Model, seen: reachability.Reach, claimed: dict[str, list[tuple[str, str]]], update: bool
+) -> tuple[bool, str]:
+    unmet = reachability.unmet_claims(model.name, seen, claimed)
+    if unmet:
+        return False, (
+            f"{model.name} never reached {', '.join(unmet)}, which tla/README.md (Reachability) claims it "
+            "reaches: widen the model or correct the claim"
+        )
+    report = root / reachability.REPORT
+    if update or (model.long and model.name not in reachability.committed_sections(report)):
+        return True, ""  # a long model's first run has nothing to compare with yet
+    changed = reachability.differs_from_report(report, model.name, seen)
+    return not changed, changed
 
 
 _COLUMNS = ("model", "expected", "got", "states", "seconds", "")
@@ -393,6 +418,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     echo(header())
     start = time.monotonic()
     coverage_out: dict[str, str] | None = {} if getattr(args, "coverage", False) else None
+    reach_out: dict[str, reachability.Reach] = {}
     try:
         rows = [agreement_row(root, args.timeout_s, echo)] if not long and _selected("agree", args.only) else []
         if not long and _selected("agree/admission", args.only):
@@ -406,6 +432,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
             controls=not args.no_controls,
             echo=echo,
             coverage=coverage_out,
+            reach=reach_out,
         )
         rows += more
     except TlcNotFoundError as exc:
@@ -426,6 +453,9 @@ def run(args: argparse.Namespace, echo=print) -> int:
         else:
             write_manifest(root, data, counts)
             echo(f"wrote {root / MANIFEST}")
+            if reach_out:
+                reachability.write_report(root / reachability.REPORT, reach_out)
+                echo(f"wrote {root / reachability.REPORT} ({', '.join(sorted(reach_out))})")
     return 1 if bad else 0
 
 
