@@ -10,8 +10,8 @@ What it runs is listed in `tla/manifest.json`:
   manifest names. Each is also run as a control with `Bug = "none"`, which must pass: the
   violation comes from the defect, not from the model.
 
-Models marked `"long": true` (three ranks, epoch 2, six tasks, restarts from serving states,
-the admission queue: tens of minutes on two cores) are skipped unless `--long`, which runs
+Models marked `"long": true` (crash3: three ranks with crashes and errors, minutes to tens
+of minutes on two cores) are skipped unless `--long`, which runs
 only them: a nightly job runs both. Each entry records the `seconds` its last run took
 (`--update-manifest`), so the time of the formal stage is stated, not guessed.
 
@@ -51,7 +51,7 @@ from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoun
 from omni_core.resources import MissingDataError
 
 DEFAULT_TIMEOUT_S = 300.0
-LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
+LONG_TIMEOUT_S = 4 * 3600.0  # a long model may run for an hour on a loaded machine
 
 
 @dataclass
@@ -248,7 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--long",
         action="store_true",
-        help="run the long models instead (three ranks, epoch 2, admission: tens of minutes)",
+        help="run the long models instead (crash3, three ranks: minutes to tens of minutes)",
     )
     parser.add_argument(
         "--coverage", action="store_true", help="run the models with TLC -coverage and report the spec's dead branches"
