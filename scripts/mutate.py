@@ -76,8 +76,10 @@ and the rank processes ran the copy's code, not the editable install's.
 
 Not in the table: the NEEDS_RELOAD row of ADMISSION on its own. Without it the request is queued
 and the QUEUE_RULES row refuses it within the same step with the same error class (only the
-message differs), an equivalent mutant; `needs-reload-refusal` changes both rows,
-`needs-reload-queued` the queue rule alone.
+message differs), so these engine tests cannot tell; the spec can: OmniAdmission's
+Adm_JoinsQueueOnlyWhereItMayRun breaks (tests/formal/test_admission_rows.py), and the fsm campaign
+(scripts/mutate_fsm.py) runs it as `needs-reload-queues`. Here `needs-reload-refusal` changes both
+rows, `needs-reload-queued` the queue rule alone.
 
 Slow catches: `reject-policy` and `needs-reload-refusal` run the demo until its refusal probe's own
 30 s deadline; the deadline mutants wait for the tests' bound of ten times the deadline.

@@ -29,6 +29,11 @@ trace_dir=$(mktemp -d); trap 'rm -rf "$trace_dir"' EXIT
 omni-core demo --synthetic --trace "$trace_dir/demo.jsonl"
 omni-core check --trace "$trace_dir/demo.jsonl"
 echo "formal stage: $(( $(date +%s) - started )) s"
+# The fsm mutation campaign: a fixed set of mutations of omni_core/fsm against the sans-IO
+# tests, the agreement rows and the admission model; the score must match tla/fsm_mutation.md.
+started=$(date +%s)
+python scripts/mutate_fsm.py --check tla/fsm_mutation.md
+echo "fsm mutation stage: $(( $(date +%s) - started )) s"
 python -m pytest -q -m "not ray" --deselect tests/formal/test_check.py::test_every_model_and_bug_model_gives_its_expected_result
 # Ranks as Ray actors on a local multi-node cluster (several raylets on this machine), apart
 # so its time shows: ~2 min on the 2-core CI machine, a Ray run's trace validated inside.

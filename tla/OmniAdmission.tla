@@ -149,6 +149,17 @@ Adm_QueueOnlyWhileWaiting ==
         /\ sstate \notin {"NEEDS_RELOAD", "FAILED", "STOPPED"}
         /\ sstate = "RUNNING" => Cardinality(sreqs) = MaxRequests
 
+(* A request joins the queue only where it may still run, written here and not taken from the
+   generated tables, so that a changed Admission or QueueRules row breaks it: never in
+   NEEDS_RELOAD (the weights are gone until a reload: refused at once, P-8), FAILED or STOPPED
+   (nothing runs before a restart), and under the policy reject only in RUNNING (waiting for
+   room in flight). A row that queues there and lets the pump refuse it a step later answers
+   the caller with the wrong reason, late. *)
+Adm_JoinsQueueOnlyWhereItMayRun ==
+    [][Len(squeue') > Len(squeue) =>
+           /\ sstate \notin {"NEEDS_RELOAD", "FAILED", "STOPPED"}
+           /\ spolicy = "reject" => sstate = "RUNNING"]_allVars
+
 (* A queued request leaves the queue refused only where a rule refuses it: QueueRules says
    reject_all for the state and policy, its own deadline passed (it alone leaves), or the
    stage restarted (a new epoch refuses the queue). Not where the pump should dispatch. *)

@@ -10,10 +10,14 @@ What it runs is listed in `tla/manifest.json`:
   manifest names. Each is also run as a control with `Bug = "none"`, which must pass: the
   violation comes from the defect, not from the model.
 
-Models marked `"long": true` (three ranks, epoch 2, six tasks, restarts from serving states,
-the admission queue: tens of minutes on two cores) are skipped unless `--long`, which runs
+Models marked `"long": true` (crash3: three ranks with crashes and errors, minutes to tens
+of minutes on two cores) are skipped unless `--long`, which runs
 only them: a nightly job runs both. Each entry records the `seconds` its last run took
 (`--update-manifest`), so the time of the formal stage is stated, not guessed.
+
+Every model of OmniSleep and OmniAdmission runs instrumented (formal/reachability.py): what
+it reached (stage and worker states, table rows, admission rows) must be what
+`tla/reachability.md` says and include what tla/README.md claims for it.
 
 `--coverage` runs the models with TLC's `-coverage` and reports the spec's dead branches
 (formal/coverage.py); the guard-mutation report (formal/guard_mutation.py,
@@ -41,13 +45,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_link_plans, gen_transitions, gen_versions, reports
+from omni_core.formal import agree, gen_link_plans, gen_transitions, gen_versions, reachability, reports
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.resources import MissingDataError
 
 DEFAULT_TIMEOUT_S = 300.0
-LONG_TIMEOUT_S = 4 * 3600.0  # a long model runs for an hour or more on two cores
+LONG_TIMEOUT_S = 4 * 3600.0  # a long model may run for an hour on a loaded machine
 
 
 @dataclass
@@ -128,28 +132,33 @@ def run_models(
     controls: bool,
     echo=print,
     coverage: dict[str, str] | None = None,
+    reach: dict[str, reachability.Reach] | None = None,
 ) -> tuple[list[Row], dict[str, dict]]:
     """Run each model (and each bug model's control); with `coverage` (a dict), the models
-    run with TLC's -coverage and their transcripts are kept there by model name."""
+    run with TLC's -coverage and their transcripts are kept there by model name; else, with
+    `reach` (a dict), the models of OmniSleep and OmniAdmission run instrumented
+    (formal/reachability.py) and what each reached is kept there, checked against the
+    committed report (unless `update`) and the README's claims."""
     rows: list[Row] = []
     counts: dict[str, dict] = {}
+    claimed = reachability.claims(root / "README.md") if reach is not None else {}
     for model in models:
         spec = root / (model.spec or "OmniSleep.tla")
         config = root / model.config
         text = config.read_text()
         cover = coverage is not None and not model.is_bug
-        result = run_tlc(
-            spec,
-            config,
-            workers=workers or model.workers,
-            timeout_s=timeout_s,
-            extra_args=("-coverage", "60") if cover else (),
-        )
+        tlc_args = {"workers": workers or model.workers, "timeout_s": timeout_s}
+        if reach is not None and not cover and not model.is_bug and reachability.instrumentable(spec.name):
+            result, reach[model.name] = reachability.run_instrumented(root, spec.name, config, **tlc_args)
+        else:
+            result = run_tlc(spec, config, extra_args=("-coverage", "60") if cover else (), **tlc_args)
         if cover:
             coverage[model.name] = result.output
         got, ok, note = judge(model, result, config_properties(text))
         if ok:
             ok, note = _states_note(model.distinct_states, result.distinct_states, update)
+        if ok and reach is not None and model.name in reach:
+            ok, note = _reach_note(root, model, reach[model.name], claimed, update)
         rows.append(Row(model.name, model.expect, got, result.distinct_states, result.seconds, ok, note))
         echo(_format_row(rows[-1]))
         counts[model.name] = {"distinct_states": result.distinct_states, "seconds": round(result.seconds, 1)}
@@ -167,6 +176,22 @@ def run_models(
             counts[model.name]["control_states"] = cres.distinct_states
             counts[model.name]["seconds"] = round(result.seconds + cres.seconds, 1)
     return rows, counts
+
+
+def _reach_note(
+    root: Path, model: Model, seen: reachability.Reach, claimed: dict[str, list[tuple[str, str]]], update: bool
+) -> tuple[bool, str]:
+    unmet = reachability.unmet_claims(model.name, seen, claimed)
+    if unmet:
+        return False, (
+            f"{model.name} never reached {', '.join(unmet)}, which tla/README.md (Reachability) claims it "
+            "reaches: widen the model or correct the claim"
+        )
+    report = root / reachability.REPORT
+    if update or (model.long and model.name not in reachability.committed_sections(report)):
+        return True, ""  # a long model's first run has nothing to compare with yet
+    changed = reachability.differs_from_report(report, model.name, seen)
+    return not changed, changed
 
 
 _COLUMNS = ("model", "expected", "got", "states", "seconds", "")
@@ -223,7 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--long",
         action="store_true",
-        help="run the long models instead (three ranks, epoch 2, admission: tens of minutes)",
+        help="run the long models instead (crash3, three ranks: minutes to tens of minutes)",
     )
     parser.add_argument(
         "--coverage", action="store_true", help="run the models with TLC -coverage and report the spec's dead branches"
@@ -250,6 +275,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         type=Path,
         help="with --mutate-guards: also write the report here (tla/guard_mutation.md keeps its notes)",
+    )
+    parser.add_argument(
+        "--relocate",
+        action="store_true",
+        help="with --mutate-guards: only move the report's rows to the spec's current lines (no TLC run)",
     )
     parser.add_argument(
         "--list", action="store_true", help="list the models (with --mutate-guards: the guards) and exit"
@@ -388,6 +418,7 @@ def run(args: argparse.Namespace, echo=print) -> int:
     echo(header())
     start = time.monotonic()
     coverage_out: dict[str, str] | None = {} if getattr(args, "coverage", False) else None
+    reach_out: dict[str, reachability.Reach] = {}
     try:
         rows = [agreement_row(root, args.timeout_s, echo)] if not long and _selected("agree", args.only) else []
         if not long and _selected("agree/admission", args.only):
@@ -401,11 +432,13 @@ def run(args: argparse.Namespace, echo=print) -> int:
             controls=not args.no_controls,
             echo=echo,
             coverage=coverage_out,
+            reach=reach_out,
         )
         rows += more
     except TlcNotFoundError as exc:
         echo(f"FAIL {exc}")
         return 2
+    rows += _stale_citations(root, coverage_out is None, echo)
     total_s = time.monotonic() - start
     bad = [r for r in rows if not r.ok]
     echo(_RULE)
@@ -420,7 +453,26 @@ def run(args: argparse.Namespace, echo=print) -> int:
         else:
             write_manifest(root, data, counts)
             echo(f"wrote {root / MANIFEST}")
+            if reach_out:
+                reachability.write_report(root / reachability.REPORT, reach_out)
+                echo(f"wrote {root / reachability.REPORT} ({', '.join(sorted(reach_out))})")
     return 1 if bad else 0
+
+
+def _stale_citations(root: Path, coverage_too: bool, echo) -> list[Row]:
+    """The committed reports must cite the spec as it is: each row's line holds its text."""
+    from omni_core.formal import coverage, guard_mutation
+
+    checks = [(guard_mutation.REPORT, guard_mutation.stale_rows, "omni-core check --mutate-guards --relocate")]
+    if coverage_too:  # a --coverage run rewrites or prints its own report
+        checks.append((coverage.REPORT, coverage.stale_rows, "omni-core check --coverage --coverage-report"))
+    rows = []
+    for report, stale_rows, fix in checks:
+        stale = stale_rows(root / report, root)
+        note = f"{len(stale)} rows cite a moved line, first: {stale[0]} (fix: {fix} tla/{report})" if stale else ""
+        rows.append(Row(f"report/{report}", "current", "stale" if stale else "current", None, 0.0, not stale, note))
+        echo(_format_row(rows[-1]))
+    return rows
 
 
 def _report_coverage(root: Path, outputs: dict[str, str] | None, report: Path | None, echo) -> None:

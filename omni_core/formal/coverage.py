@@ -210,3 +210,24 @@ def summary_of_report(path: Path) -> str:
     if isinstance(m, str):
         return m
     return f"coverage: {m.group(1)} dead branches, each explained in {path} (rerun: omni-core check --coverage)"
+
+
+_ROW = re.compile(r"^\| (\w+):(\d+) \| [^|]+ \| [^|]* \| `(.*)` \|$", re.MULTILINE)
+
+
+def stale_rows(path: Path, root: Path) -> list[str]:
+    """Rows of the committed report whose line no longer holds the source they cite (the spec
+    moved since the report was written: rerun the command in its header)."""
+    if not path.is_file():
+        return []
+    stale = []
+    cache: dict[str, list[str]] = {}
+    for module, line, text in _ROW.findall(path.read_text()):
+        if module not in cache:
+            spec = root / f"{module}.tla"
+            cache[module] = spec.read_text().splitlines() if spec.is_file() else []
+        lines = cache[module]
+        here = " ".join(lines[int(line) - 1].split()).replace("|", "/") if 0 < int(line) <= len(lines) else ""
+        if not text or text not in here:
+            stale.append(f"{module}:{line} does not hold `{text[:60]}`")
+    return stale

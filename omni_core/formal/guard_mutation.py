@@ -419,6 +419,14 @@ def summary_of_report(path: Path) -> str:
 
 
 def run(args: argparse.Namespace, root: Path, echo=print) -> int:
+    if getattr(args, "relocate", False):
+        report = Path(getattr(args, "guard_report", None) or root / REPORT)
+        lost = relocate_report(report, root)
+        echo(
+            f"{report}: rows moved to the spec's lines; "
+            + (f"not found, rerun: {'; '.join(lost)}" if lost else "all found")
+        )
+        return 1 if lost else 0
     guards = all_guards(root)
     if args.only:
         guards = [g for g in guards if any(fnmatch.fnmatch(g.name, p) for p in args.only)]
@@ -460,3 +468,45 @@ def run(args: argparse.Namespace, root: Path, echo=print) -> int:
         write_report(Path(report), verdicts, total_s, sorted(wanted))
         echo(f"wrote {report}")
     return 0
+
+
+_ROW = re.compile(r"^\| (\w+)#(\d+) \| (\w+):(\d+) \| `(.*?)` \|", re.MULTILINE)
+
+
+def _cited(guard: Guard) -> tuple[str, str]:
+    return guard.name, f"{guard.module.removesuffix('.tla')}:{guard.line}"
+
+
+def stale_rows(path: Path, root: Path) -> list[str]:
+    """Rows of the committed report that name a guard the spec no longer has at that place
+    with that text (the spec moved: `--relocate` updates the places, a changed guard needs a rerun)."""
+    if not path.is_file():
+        return []
+    current = {(g.name, g.module.removesuffix(".tla"), g.line): g.text[:80].replace("|", "/") for g in all_guards(root)}
+    return [
+        f"{action}#{n} at {module}:{line}: the spec has no such guard `{text[:60]}`"
+        for action, n, module, line, text in _ROW.findall(path.read_text())
+        if current.get((f"{action}#{n}", module, int(line))) != text
+    ]
+
+
+def relocate_report(path: Path, root: Path) -> list[str]:
+    """Rewrite each row's guard name and place to where the spec has that action's guard with
+    that text now (in order, for a text that occurs twice); the verdicts are kept. Returns the
+    rows it could not place (their guard changed or is gone: rerun them)."""
+    free: dict[tuple[str, str], list[Guard]] = {}
+    for g in all_guards(root):
+        free.setdefault((g.action, g.text[:80].replace("|", "/")), []).append(g)
+    lost: list[str] = []
+
+    def place(m: re.Match[str]) -> str:
+        action, _, _, _, text = m.groups()
+        options = free.get((action, text))
+        if not options:
+            lost.append(f"{action}#{m.group(2)} `{text[:60]}`")
+            return m.group(0)
+        name, where = _cited(options.pop(0))
+        return f"| {name} | {where} | `{text}` |"
+
+    path.write_text(_ROW.sub(place, path.read_text()))
+    return lost

@@ -274,8 +274,13 @@ def test_check_json_on_stdout_and_the_table_on_stderr(tla_copy, capsys):
     assert check.run(_args(tla_copy, only=["happy"], json="-")) == 0
     captured = capsys.readouterr()
     rows = json.loads(captured.out)["rows"]
-    assert [(r["model"], r["ok"]) for r in rows] == [("happy", True)]
-    assert "happy" in captured.err and "1 runs, 0 failed" in captured.err
+    # The model, then the check that the committed reports cite the spec's current lines.
+    assert [(r["model"], r["ok"]) for r in rows] == [
+        ("happy", True),
+        ("report/guard_mutation.md", True),
+        ("report/coverage.md", True),
+    ]
+    assert "happy" in captured.err and "3 runs, 0 failed" in captured.err
 
 
 def test_check_list_json(tla_copy, capsys):
