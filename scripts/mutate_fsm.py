@@ -177,7 +177,7 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "nomemory-any-wake",
         "NO_MEMORY taken as a refusal of a wake that may not wait (P-16)",
         STAGE,
-        "            and not (isinstance(task.command, Wake) and task.command.wait_for_memory_s <= 0)\n",
+        "            and not (isinstance(task.command, Wake) and task.command.memory_wait_s <= 0)\n",
         "",
     ),
     # ------------------------------------------------------------ stage core: requests, deadlines
@@ -185,8 +185,8 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "drain",
         "the Sleep goes out with requests still in flight",
         STAGE,
-        "self._send_drained() if self.in_flight_requests == 0 else StageStep()",
-        "self._send_drained()",
+        "self._send_drained(now) if self.in_flight_requests == 0 else StageStep()",
+        "self._send_drained(now)",
     ),
     _m(
         "request-first-answer",
