@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from omni_core.fsm import inputs as I
@@ -31,13 +30,8 @@ from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
     ProfileEffect,
-    ReloadEffect,
     ShareEffect,
     ShutdownEffect,
-    SleepEffect,
-    StatusEffect,
-    UpdateEffect,
-    WakeEffect,
     WeightGroupEffect,
 )
 from omni_core.fsm.inputs import RequestOutcome
@@ -46,7 +40,6 @@ from omni_core.fsm.worker import WorkerCore, WorkerStep
 from omni_core.protocol import (
     Command,
     Hello,
-    MemoryReport,
     Message,
     ProtocolError,
     Shutdown,
@@ -59,83 +52,23 @@ from omni_core.testing.describe import (
     describe_effect,
     describe_input,
     describe_outcome,
-    fmt_address,
     fmt_s,
     fmt_tags,
 )
+from omni_core.testing.envelope import (
+    COMMAND_OF_EFFECT,
+    ECHO,
+    NO_MEMORY,
+    Envelope,
+    Faults,
+    SimulationError,
+    sim_trace_paths,
+)
 from omni_core.testing.rng import SplitMix64
 
-# What a worker shell reports around an effect; the stage trusts no ACK without one (P-12).
-# The simulated ranks hold no memory, so the pools are empty.
-NO_MEMORY = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
 # A bound on one `settle`: far above any scenario, low enough that a livelock fails fast.
 SETTLE_MAX_STEPS = 100_000
-
-
-class SimulationError(RuntimeError):
-    """The caller asked for something the simulation cannot do (no such message, no effect in
-    progress): a mistake in the script, not a finding about the cores."""
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Seeded faults. `loss`, `duplicate` and `delay` are probabilities for each message that
-    enters the network; `reorder`, `crash` and `effect_error` shape `Simulator.settle`. The
-    generator is consulted only for faults whose rate is above zero, so a fault-free run does
-    not depend on its seed."""
-
-    loss: float = 0.0  # the message never arrives
-    duplicate: float = 0.0  # it arrives twice
-    delay: float = 0.0  # it is held back for up to `max_delay_s`
-    max_delay_s: float = 0.0
-    reorder: bool = False  # settle delivers any message that may arrive, not the oldest
-    crash: float = 0.0  # per settle step: a live rank crashes
-    effect_error: float = 0.0  # a performed effect raises in the backend
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """One message in flight: its bytes and, for selecting and printing, what they say."""
-
-    id: int
-    sender: int | None  # a rank, or None for the stage
-    to: int | None
-    data: bytes
-    kind: str  # the message's type name
-    task_id: str
-    epoch: int
-    text: str  # `describe(message)`, kept for the transcript
-    deliver_at: float = 0.0  # held back until the clock reaches this
-    corrupt: bool = False
-
-    @property
-    def route(self) -> str:
-        return f"{fmt_address(self.sender)}->{fmt_address(self.to)}"
-
-    def line(self) -> str:
-        return f"#{self.id} {self.route} {self.text}{' [corrupted]' if self.corrupt else ''}"
-
-
-_COMMAND_OF_EFFECT = {
-    SleepEffect: "Sleep",
-    WakeEffect: "Wake",
-    ReloadEffect: "ReloadWeights",
-    ExecuteEffect: "Execute",
-    StatusEffect: "Status",
-    ShutdownEffect: "Shutdown",
-    ProfileEffect: "Profile",
-    UpdateEffect: "UpdateWeights",
-    WeightGroupEffect: "InitWeightGroup",
-    ShareEffect: "ShareWeights",
-}
-
-
-def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:
-    """What a simulated rank's profiler stop writes: one trace, named as a real rank names it
-    (time: the simulated clock)."""
-    if not isinstance(effect, ProfileEffect) or effect.start:
-        return ()
-    return (f"/profiles/{stage}-rank{rank}-t{now:g}.json.gz",)
+NO_FAULTS = Faults()  # a run with no seeded fault
 
 
 def _counters(counters: object) -> dict[str, int]:
@@ -144,9 +77,6 @@ def _counters(counters: object) -> dict[str, int]:
 
 def _changed(node: str, before: dict[str, int], after: dict[str, int]) -> list[str]:
     return [f"  {node} counter {key} {before[key]} -> {value}" for key, value in after.items() if value != before[key]]
-
-
-ECHO = object()  # perform(): an Execute answers with its own payload
 
 
 class Simulator:
@@ -158,7 +88,7 @@ class Simulator:
         *,
         make_worker: Callable[[int, int], WorkerCore] | None = None,
         seed: int = 0,
-        faults: Faults = Faults(),
+        faults: Faults = NO_FAULTS,
         serial_shell: bool = True,
         record: bool = True,
     ) -> None:
@@ -508,7 +438,7 @@ class Simulator:
         effect = self.effects.pop(rank)
         worker = self.workers[rank]
         state, counters = worker.state, _counters(worker.counters) if self.record else {}
-        what = f"r{rank} {_COMMAND_OF_EFFECT[type(effect)]} {effect.task_id}"
+        what = f"r{rank} {COMMAND_OF_EFFECT[type(effect)]} {effect.task_id}"
         if refuse is not None:
             self.say(f"refuse {what}: {refuse}")
             step = worker.on_refused(effect.task_id, refuse)
@@ -606,7 +536,7 @@ class Simulator:
             rank = worker.rank
             what = "dead" if rank in self.dead else worker.state.value
             effect = self.effects.get(rank)
-            busy = f" busy({_COMMAND_OF_EFFECT[type(effect)]} {effect.task_id})" if effect else ""
+            busy = f" busy({COMMAND_OF_EFFECT[type(effect)]} {effect.task_id})" if effect else ""
             ranks.append(f"r{rank} {what} e{worker.epoch}{busy}")
         lines.append("  ranks: " + ", ".join(ranks))
         counters = {k: v for k, v in _counters(stage.counters).items() if v}
