@@ -83,3 +83,14 @@ def test_a_stage_that_mishandles_replies_is_caught(table, core, first_seq):
         assert first.call == ("Wake", False) and first.spec[0] == "FAILED" and first.code[2] == "pending"
     else:
         assert first.spec[0] == "FAILED" and first.code[0] != "FAILED"
+
+
+def test_the_check_row_fails_on_a_stage_that_mishandles_replies(table, monkeypatch):
+    monkeypatch.setattr(agree_ranks, "spec_table", lambda root, timeout_s: table)  # TLC ran once, above
+    lines: list[str] = []
+    row = check.ranks_agreement_row(check.tla_dir(), 60.0, echo=lines.append)
+    assert row.ok and row.states == len(table) and f"{len(table)} reply sequences" in lines[0]
+    compare = agree_ranks.compare
+    monkeypatch.setattr(agree_ranks, "compare", lambda t: compare(t, NoAsleepCheck))
+    row = check.ranks_agreement_row(check.tla_dir(), 60.0, echo=lines.append)
+    assert not row.ok and row.got.endswith("disagree") and "first: Sleep then replies [(0, 'tags')]" in row.note
