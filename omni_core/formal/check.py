@@ -347,6 +347,19 @@ def agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
     return _agreement("agree", compute, echo)
 
 
+def ranks_agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
+    """StageCore against the spec over every short reply sequence at two ranks
+    (formal/agree_ranks.py)."""
+    from omni_core.formal import agree_ranks
+
+    def compute():
+        table = agree_ranks.spec_table(root, timeout_s=timeout_s)
+        steps = sum(len(s) for s in table.values())
+        return len(table), agree_ranks.compare(table), f"{len(table)} reply sequences, {steps} steps"
+
+    return _agreement("agree/ranks", compute, echo)
+
+
 def admission_agreement_row(root: Path, timeout_s: float, echo=print) -> Row:
     """StageCore's admission (on_submit, _pump) against OmniAdmission's first step from every
     small case (formal/agree_admission.py)."""
@@ -423,6 +436,8 @@ def run(args: argparse.Namespace, echo=print) -> int:
         rows = [agreement_row(root, args.timeout_s, echo)] if not long and _selected("agree", args.only) else []
         if not long and _selected("agree/admission", args.only):
             rows.append(admission_agreement_row(root, args.timeout_s, echo))
+        if not long and _selected("agree/ranks", args.only):
+            rows.append(ranks_agreement_row(root, args.timeout_s, echo))
         more, counts = run_models(
             models,
             root,
