@@ -66,8 +66,8 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "P-5",
             "All-ranks commit",
-            "A stage MUST commit `SLEEPING`, `RUNNING`, `PARTIAL` or `NEEDS_RELOAD` only when "
-            "every rank has ACKed the current task, in the current epoch, with the state and "
+            "A stage MUST commit `SLEEPING`, `RUNNING`, `PARTIAL` or `NEEDS_RELOAD` (or `PAUSED` "
+            "after a weight update) only when every rank has ACKed the current task, in the current epoch, with the state and "
             "asleep tags the stage expects. Until then it stays `TRANSITIONING`/`WAKING`.",
             worker=False,
             why_not="a stage (orchestrator) requirement; a worker has no part of it to check",
@@ -88,7 +88,9 @@ REQUIREMENTS: dict[str, Requirement] = {
             "naming the state, or `Nack BUSY` while another task is in progress, or `Nack FAILED` "
             "in `FAILED`. A stage MUST admit a request only while `RUNNING`; while not, requests "
             "are queued (bounded), rejected with a clear error, or trigger a wake, per the stage's "
-            "admission policy, and none is lost.",
+            "admission policy, and none is lost. A pause (`PAUSED`: admission closed by the "
+            "orchestrator, nothing released, nothing sent to the ranks to enter or leave it) is "
+            "not `RUNNING`: no request starts there, and none is in flight.",
         ),
         Requirement(
             "P-8",
