@@ -15,7 +15,7 @@ GiB = 1 << 30
 
 
 def test_fraction_is_validated() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"in \(0, 1\]"):
+    with pytest.raises(InvalidArgumentError, match=r"gpu_memory_fraction': expected a number <= 1.0, got 1.5"):
         StageSpec("x", device="cuda", gpu_memory_fraction=1.5)
     with pytest.raises(InvalidArgumentError, match="applies to device='cuda'"):
         StageSpec("x", gpu_memory_fraction=0.5)
