@@ -68,7 +68,8 @@ REQUIREMENTS: dict[str, Requirement] = {
             "All-ranks commit",
             "A stage MUST commit `SLEEPING`, `RUNNING`, `PARTIAL` or `NEEDS_RELOAD` (or `PAUSED` "
             "after a weight update) only when every rank has ACKed the current task, in the "
-            "current epoch, with the state and asleep tags the stage expects. Until then it stays `TRANSITIONING`/`WAKING`.",
+            "current epoch, with the state and asleep tags the stage expects. Until then it "
+            "stays `TRANSITIONING`/`WAKING`.",
             worker=False,
             why_not="a stage (orchestrator) requirement; a worker has no part of it to check",
         ),
