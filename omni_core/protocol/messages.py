@@ -8,7 +8,7 @@ re-sent as-is, and unknown fields are refused so that a typo never passes silent
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 
@@ -306,21 +306,8 @@ class Hello(Reply, kw_only=True, frozen=True):
             raise ValueError(f"pool_bytes names tags {unknown} that are not among this Hello's tags {list(self.tags)}")
 
 
-COMMAND_TYPES: tuple[type[Command], ...] = (
-    Sleep,
-    Wake,
-    ReloadWeights,
-    Execute,
-    Status,
-    Shutdown,
-    Profile,
-    UpdateWeights,
-    InitWeightGroup,
-    ShareWeights,
-)
-REPLY_TYPES: tuple[type[Reply], ...] = (Ack, Nack, Result, Hello)
-MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
-
+# The commands and replies, each listed once: the unions are what the codec decodes into, the
+# tuples what the rest iterates.
 AnyCommand = Union[  # noqa: UP007
     Sleep,
     Wake,
@@ -334,19 +321,7 @@ AnyCommand = Union[  # noqa: UP007
     ShareWeights,
 ]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
-AnyMessage = Union[  # noqa: UP007
-    Sleep,
-    Wake,
-    ReloadWeights,
-    Execute,
-    Status,
-    Shutdown,
-    Profile,
-    UpdateWeights,
-    InitWeightGroup,
-    ShareWeights,
-    Ack,
-    Nack,
-    Result,
-    Hello,
-]
+AnyMessage = Union[AnyCommand, AnyReply]  # noqa: UP007
+COMMAND_TYPES: tuple[type[Command], ...] = get_args(AnyCommand)
+REPLY_TYPES: tuple[type[Reply], ...] = get_args(AnyReply)
+MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
