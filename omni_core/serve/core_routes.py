@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -26,6 +26,7 @@ from omni_core.serve.lifecycle import (
     lifecycle_route,
     lifecycle_tid,
     run_post,
+    stage_route,
     timeout_s,
 )
 from omni_core.serve.middleware import require_key
@@ -161,22 +162,6 @@ def router(state: ServeState) -> APIRouter:
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         )
 
-    async def on_stage(
-        name: str, request: Request, command: str, call: Callable[..., Any], level: int | None = None
-    ) -> Response:
-        """omni-core's lifecycle routes act on the stage in the path and answer its report, or
-        its error alone (no list of stages beside it)."""
-        return await lifecycle_route(
-            state,
-            request,
-            [name],
-            command,
-            lambda n, tid: functools.partial(call, n, task_id=tid),
-            lambda per_stage: per_stage[name],
-            level=level,
-            stages_in_error=False,
-        )
-
     @api.post(
         "/v1/stages/{name}/sleep",
         dependencies=control,
@@ -191,7 +176,7 @@ def router(state: ServeState) -> APIRouter:
         call = functools.partial(
             engine.sleep, level=body.level, tags=body.tags, timeout_s=limit_s, abort_in_flight=body.abort_in_flight
         )
-        return await on_stage(name, request, "sleep", call, body.level)
+        return await stage_route(state, request, name, "sleep", call, body.level)
 
     @api.post(
         "/v1/stages/{name}/wake",
@@ -204,7 +189,9 @@ def router(state: ServeState) -> APIRouter:
         body = body or m.WakeBody()
         state.stage_name(name)
         engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
-        return await on_stage(name, request, "wake", functools.partial(engine.wake, tags=body.tags, timeout_s=limit_s))
+        return await stage_route(
+            state, request, name, "wake", functools.partial(engine.wake, tags=body.tags, timeout_s=limit_s)
+        )
 
     @api.post(
         "/v1/stages/{name}/reload",
@@ -219,7 +206,7 @@ def router(state: ServeState) -> APIRouter:
         source = state.check_source(body.source)
         engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
         call = functools.partial(engine.reload_weights, source=source, timeout_s=limit_s)
-        return await on_stage(name, request, "reload", call)
+        return await stage_route(state, request, name, "reload", call)
 
     @api.post(
         "/v1/stages/{name}/update_weights",
@@ -238,7 +225,7 @@ def router(state: ServeState) -> APIRouter:
         source = state.weight_source(body.source)
         engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
         call = functools.partial(engine.update_weights, source=source, version=body.version, timeout_s=limit_s)
-        return await on_stage(name, request, "update", call)
+        return await stage_route(state, request, name, "update", call)
 
     @api.post(
         "/v1/stages/{name}/restart",

@@ -184,6 +184,28 @@ async def lifecycle_route(state: ServeState, request: Request, *args: Any, **kwa
     return await run_post(state, request, lifecycle_work(state, request, *args, **kwargs))
 
 
+async def stage_route(
+    state: ServeState,
+    request: Request,
+    name: str,
+    command: str,
+    call: Callable[..., Any],
+    level: int | None = None,
+) -> Response:
+    """omni-core's lifecycle routes act on the stage in the path and answer its report, or its
+    error alone (no list of stages beside it); `call(name, task_id=...)` is the engine's call."""
+    return await lifecycle_route(
+        state,
+        request,
+        [name],
+        command,
+        lambda n, tid: functools.partial(call, n, task_id=tid),
+        lambda per_stage: per_stage[name],
+        level=level,
+        stages_in_error=False,
+    )
+
+
 # ---------------------------------------------------------------------- what the routes share
 
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from omni_core.serve import models as m
-from omni_core.serve.lifecycle import NOT_AWAKE_STATES, MakeCall, lifecycle_route, timeout_s
+from omni_core.serve.lifecycle import NOT_AWAKE_STATES, MakeCall, lifecycle_route, stage_route, timeout_s
 from omni_core.serve.middleware import require_key
 from omni_core.serve.state import ServeState
 from omni_core.serve.vllm_routes import once
@@ -65,9 +65,6 @@ def router(state: ServeState) -> APIRouter:
     def resume_call() -> MakeCall:
         engine = state.require_engine()
         return lambda n, tid: functools.partial(engine.resume, n, task_id=tid)
-
-    def one_stage(name: str) -> Callable[[dict[str, Any]], Any]:
-        return lambda per_stage: per_stage[name]
 
     @api.post(
         "/pause",
@@ -130,14 +127,12 @@ def router(state: ServeState) -> APIRouter:
         body = body or PauseBody()
         state.stage_name(name)
         engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
-        return await lifecycle_route(
+        return await stage_route(
             state,
             request,
-            [name],
+            name,
             "pause",
-            lambda n, tid: functools.partial(engine.pause, n, body.mode, task_id=tid, timeout_s=limit_s),
-            one_stage(name),
-            stages_in_error=False,
+            functools.partial(engine.pause, mode=body.mode, timeout_s=limit_s),
         )
 
     @api.post(
@@ -149,8 +144,6 @@ def router(state: ServeState) -> APIRouter:
     )
     async def resume(name: str, request: Request) -> Response:
         state.stage_name(name)
-        return await lifecycle_route(
-            state, request, [name], "resume", resume_call(), one_stage(name), stages_in_error=False
-        )
+        return await stage_route(state, request, name, "resume", state.require_engine().resume)
 
     return api
