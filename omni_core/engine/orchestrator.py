@@ -204,17 +204,7 @@ class Orchestrator:
             case I.SetAdmission():
                 self._step(self.stage(name), call)
                 future.set_result(None)
-            case (
-                I.SleepCall()
-                | I.WakeCall()
-                | I.ReloadCall()
-                | I.ProfileCall()
-                | I.UpdateCall()
-                | I.WeightGroupCall()
-                | I.ShareCall()
-                | I.PauseCall()
-                | I.ResumeCall()
-            ):
+            case _ if isinstance(call, LifecycleCall):  # the one list: engine/calls.py
                 self._lifecycle(future, name, call)
             case _:  # pragma: no cover - the Engine queues only the calls above
                 raise TypeError(f"the orchestrator has no handler for {call!r}")
