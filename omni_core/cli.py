@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _cmd_walkthrough(args: argparse.Namespace) -> int:
-    from omni_core.walkthrough import Walkthrough
+    from omni_testing.walkthrough import Walkthrough
 
     return Walkthrough().run()
 

@@ -45,7 +45,8 @@ MOVED_MODULES = {
     "omni_core.workers.synthetic": "omni_core.runners.synthetic",
     "omni_core.workers.tensor_parallel": "omni_core.runners.tensor_parallel",
     "omni_core.workers.runner": "omni_core.runners.base",
-    "omni_core.workers.testing": "omni_core.testing.faults",
+    "omni_core.workers.testing": "omni_testing.faults",
+    "omni_core.testing.faults": "omni_testing.faults",
 }
 
 

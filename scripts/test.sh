@@ -19,8 +19,8 @@ pip install -q --disable-pip-version-check -c scripts/constraints.txt -e ".[ray]
 command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
   || { apt-get update -qq && apt-get install -y -qq nodejs; } >/dev/null 2>&1; } \
   || echo "nodejs could not be installed: the JavaScript worker's conformance tests skip"
-ruff check omni_core benchmarks tests scripts
-ruff format --check omni_core benchmarks tests scripts
+ruff check omni_core omni_testing benchmarks tests scripts
+ruff format --check omni_core omni_testing benchmarks tests scripts
 started=$(date +%s)
 omni-core check
 # The synthetic scenario, traced, and its trace checked against the spec (which models its

@@ -1,6 +1,6 @@
 """Helpers shared by the lifecycle unit tests: drivers that push every message through the
 codec (as on the wire), state builders, and a recorder of the transitions that fired. The
-stage harness runs on the one simulator (`omni_core.testing.network`)."""
+stage harness runs on the one simulator (`omni_testing.network`)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
-from omni_core.testing.network import NO_MEMORY as NO_MEMORY  # the lifecycle tests import it from here
-from omni_core.testing.network import Simulator
+from omni_testing.network import NO_MEMORY as NO_MEMORY  # the lifecycle tests import it from here
+from omni_testing.network import Simulator
 
 W = WorkerState
 _ids = itertools.count()
@@ -231,7 +231,7 @@ class OnSimulator:
 
 
 class StageHarness(OnSimulator):
-    """One StageCore and its WorkerCores on the simulator (`omni_core.testing.network`), for
+    """One StageCore and its WorkerCores on the simulator (`omni_testing.network`), for
     scripted cases that drive the stage core one input at a time (`stage`: its door):
     `to_workers` runs a step's commands on the ranks at once (no faults), `feed` hands the
     replies to the stage."""

@@ -12,17 +12,17 @@ from omni_core.engine import InvalidArgumentError, StageSpec
 from omni_core.plugins import BACKENDS, RUNNERS, name_problem, registered
 from omni_core.runners.base import load_runner_class
 from omni_core.runners.synthetic import SyntheticRunner
-from omni_core.testing.faults import FailingWakeBackend, FaultyRunner
 from omni_core.workers.backends import BackendUnavailable, select_backend
+from omni_testing.faults import FailingWakeBackend, FaultyRunner
 
 ENTRY_POINTS = """\
 [omni_core.backends]
-demo-backend = omni_core.testing.faults:FailingWakeBackend
-not-a-backend = omni_core.testing.faults:FaultyRunner
+demo-backend = omni_testing.faults:FailingWakeBackend
+not-a-backend = omni_testing.faults:FaultyRunner
 
 [omni_core.runners]
-demo-runner = omni_core.testing.faults:FaultyRunner
-synthetic = omni_core.testing.faults:FaultyRunner
+demo-runner = omni_testing.faults:FaultyRunner
+synthetic = omni_testing.faults:FaultyRunner
 """
 
 
@@ -40,7 +40,7 @@ def test_a_registered_backend_and_runner_are_taken_by_the_spec_and_the_rank(inst
     spec = StageSpec("s", runner="demo-runner", backend="demo-backend")
     assert isinstance(select_backend(spec.backend, "cpu"), FailingWakeBackend)
     assert load_runner_class(spec.runner) is FaultyRunner
-    assert registered(BACKENDS)["demo-backend"] == "omni_core.testing.faults:FailingWakeBackend"
+    assert registered(BACKENDS)["demo-backend"] == "omni_testing.faults:FailingWakeBackend"
 
 
 def test_a_registered_name_does_not_shadow_a_builtin(installed: None) -> None:

@@ -1,8 +1,8 @@
 """Data-driven scenarios with golden output (etcd-raft's interaction tests): each file in
 tests/testdata/ is a script of engine inputs, network faults and rank effects run on the one
-simulator (`omni_core.testing.network`), each command followed by `----` and the transcript it must
+simulator (`omni_testing.network`), each command followed by `----` and the transcript it must
 produce. `pytest tests/test_scenarios.py --rewrite` writes the transcripts of now into the
-files; the diff is the review. The language is documented in `omni_core.testing.script.Script`."""
+files; the diff is the review. The language is documented in `omni_testing.script.Script`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_core.testing.scenario import parse_blocks, render_blocks, run_blocks
+from omni_testing.scenario import parse_blocks, render_blocks, run_blocks
 
 TESTDATA = Path(__file__).parent / "testdata"
 SCENARIOS = sorted(TESTDATA.glob("*.txt"))

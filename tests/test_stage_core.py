@@ -30,7 +30,7 @@ from omni_core.protocol import (
     Wake,
     WorkerState,
 )
-from omni_core.walkthrough import Walkthrough
+from omni_testing.walkthrough import Walkthrough
 
 S = StageState
 W = WorkerState
@@ -869,7 +869,7 @@ def test_profile_bad_arguments_raise_before_anything_is_sent(start: object, pref
 
 def _weights_update_scenario() -> None:
     """The P-17 rows (update, its refusals and failure, weight groups): tests/testdata/weights_update.txt."""
-    from omni_core.testing.scenario import parse_blocks, run_blocks
+    from omni_testing.scenario import parse_blocks, run_blocks
 
     run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "weights_update.txt").read_text())[0])
 

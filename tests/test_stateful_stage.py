@@ -1,4 +1,4 @@
-"""One StageCore with N ranks (real WorkerCores) on the one simulator (`omni_core.testing.network`),
+"""One StageCore with N ranks (real WorkerCores) on the one simulator (`omni_testing.network`),
 whose network hypothesis drives to deliver in any order, duplicate, drop, and replay replies
 from older epochs or for unknown tasks; plus time, dead ranks, restarts, requests and API
 calls with fresh or reused task_ids, every engine input through `StageCore.step`. Compared
@@ -51,7 +51,7 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
-from omni_core.testing.network import Envelope, Simulator
+from omni_testing.network import Envelope, Simulator
 
 S = StageState
 W = WorkerState

@@ -849,7 +849,7 @@ SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
 
 def _weights_update_scenario() -> None:
     """The P-17 rows (update, its refusals and failure, weight groups): tests/testdata/weights_update.txt."""
-    from omni_core.testing.scenario import parse_blocks, run_blocks
+    from omni_testing.scenario import parse_blocks, run_blocks
 
     run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "weights_update.txt").read_text())[0])
 

@@ -61,8 +61,8 @@ def test_what_only_a_launcher_knows_is_its_own() -> None:
 
 
 def test_a_stage_takes_every_backend_a_worker_can_select() -> None:
-    for name in (*BUILTIN[BACKENDS], "omni_core.testing.faults:FailingWakeBackend"):
+    for name in (*BUILTIN[BACKENDS], "omni_testing.faults:FailingWakeBackend"):
         assert StageSpec("s", backend=name).backend == name
-    for name in ("magic", "omni_core.testing.faults:", ":FailingWakeBackend", 3):
+    for name in ("magic", "omni_testing.faults:", ":FailingWakeBackend", 3):
         with pytest.raises(InvalidArgumentError, match="backend"):
             StageSpec("s", backend=name)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from omni_core.testing.fuzz.generate import write_seed_corpus
+from omni_testing.fuzz.generate import write_seed_corpus
 
 pytest.importorskip("atheris")
 
@@ -23,7 +23,7 @@ def test_codec_survives_coverage_guided_inputs(tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "omni_core.testing.fuzz.atheris_codec",
+            "omni_testing.fuzz.atheris_codec",
             "-atheris_runs=20000",
             "-max_len=4096",
             str(tmp_path),

@@ -1,4 +1,4 @@
-"""The schema-driven fuzzer (omni_core.testing.fuzz.schema) in CI: frames derived from the msgspec
+"""The schema-driven fuzzer (omni_testing.fuzz.schema) in CI: frames derived from the msgspec
 wire types, into a real worker and a real engine; fixed seed, bounded time. No crash, no
 hang, no violation, and no frame that made a handler raise (each loop catches such a frame,
 but the fuzzer reports it as the bug it is). Long runs: benchmarks/results/fuzz.md."""
@@ -12,10 +12,10 @@ import msgspec
 import msgspec.inspect as mi
 
 from omni_core.protocol import MESSAGE_TYPES, Hello, ProtocolError, Wake, decode, encode
-from omni_core.testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
-from omni_core.testing.fuzz.generate import Frame, FuzzContext
-from omni_core.testing.fuzz.schema import SchemaFrameGenerator, make_generator
-from omni_core.testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
+from omni_testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
+from omni_testing.fuzz.generate import Frame, FuzzContext
+from omni_testing.fuzz.schema import SchemaFrameGenerator, make_generator
+from omni_testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
 from tests.fuzz.test_fuzz_short import assert_clean
 
 SEED = 20261126

@@ -1,17 +1,17 @@
 """The fuzzing campaign's CI run: both directions, fixed seeds, about a minute in all.
 
-The same seed sends the same frames (`omni_core.testing.fuzz.generate`); a time box only guards
+The same seed sends the same frames (`omni_testing.fuzz.generate`); a time box only guards
 against a machine far slower than ours, and stops the run early with the same frames as a
-prefix. Long runs: `python -m omni_core.testing.fuzz` (benchmarks/results/fuzz.md).
+prefix. Long runs: `python -m omni_testing.fuzz` (benchmarks/results/fuzz.md).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from omni_core.testing.fuzz.common import FuzzReport
-from omni_core.testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
-from omni_core.testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
+from omni_testing.fuzz.common import FuzzReport
+from omni_testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
+from omni_testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
 
 SEED = 20261123
 MIN_FRAMES = 2_000  # even a time-boxed run must have sent this many

@@ -18,7 +18,7 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
-from omni_core.testing.fuzz.generate import (
+from omni_testing.fuzz.generate import (
     MUTATION_NAMES,
     FrameGenerator,
     FuzzContext,
@@ -26,7 +26,7 @@ from omni_core.testing.fuzz.generate import (
     _pairs,
     _pairs_map,
 )
-from omni_core.testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Bin, Deep, Ext, Float, Int, Map, Raw, Str, pack
+from omni_testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Bin, Deep, Ext, Float, Int, Map, Raw, Str, pack
 
 CTX = FuzzContext(epoch=3, stage="fz", ranks=2, pids=(101, 102), task_ids=("req-fz-1", "fz-sleep-1"))
 

@@ -1,12 +1,12 @@
 """What the fuzzer found, as exact bytes. An open bug is xfail(strict=True), with an entry in
-omni_core/testing/fuzz/known_issues.py; both go with the fix. The three found so far are fixed:
+omni_testing/fuzz/known_issues.py; both go with the fix. The three found so far are fixed:
 unparsable synthetic seeds (now INVALID_ARGUMENT), requests over max_frame_bytes (refused
 at submit) and frames over a worker's socket limit (the worker's socket no longer drops
 them; its codec refuses them).
 
 1. ReloadWeights sources the synthetic runner lets through its check but cannot parse put
    the worker in FAILED (BACKEND_ERROR) instead of a refusal (INVALID_ARGUMENT). Found by
-   `python -m omni_core.testing.fuzz --target worker --frames 30000 --seed 3` (the frames below are
+   `python -m omni_testing.fuzz --target worker --frames 30000 --seed 3` (the frames below are
    the ones it sent, with the epoch set back to 0 for a fresh worker).
 2. A request larger than the stage's max_frame_bytes is sent to the ranks anyway: up to 64 KiB
    over, the rank refuses it as BAD_MESSAGE without a task_id (the size check comes before

@@ -29,11 +29,11 @@ def workers(orch):
     """Start every worker of this module at once: their start-ups (torch imports) overlap."""
     started = {
         "reload_fails": orch.spawn(
-            1, runner="omni_core.testing.faults:FaultyRunner", runner_args={**SMALL, "fail_on": ["reload"]}
+            1, runner="omni_testing.faults:FaultyRunner", runner_args={**SMALL, "fail_on": ["reload"]}
         ),
-        "wake_fails": orch.spawn(2, backend="omni_core.testing.faults:FailingWakeBackend", runner_args=SMALL),
+        "wake_fails": orch.spawn(2, backend="omni_testing.faults:FailingWakeBackend", runner_args=SMALL),
         "execute_fails": orch.spawn(
-            3, runner="omni_core.testing.faults:FaultyRunner", runner_args={**SMALL, "fail_on": ["execute"]}
+            3, runner="omni_testing.faults:FaultyRunner", runner_args={**SMALL, "fail_on": ["execute"]}
         ),
         "no_runner": orch.spawn(4, runner="no_such_package.model:Runner"),
     }

@@ -7,8 +7,8 @@ import torch
 
 from omni_core.runners.base import ModelRunner, load_runner, load_runner_class
 from omni_core.runners.synthetic import SyntheticRunner
-from omni_core.testing.faults import FailingWakeBackend, FaultyRunner
 from omni_core.workers.backends import BackendUnavailable, PortableBackend, select_backend
+from omni_testing.faults import FailingWakeBackend, FaultyRunner
 
 CPU = torch.device("cpu")
 ARGS = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 32 << 10, "hidden": 32}
@@ -22,7 +22,7 @@ def ready(runner: ModelRunner) -> ModelRunner:
 
 def test_runners_by_name_and_import_path():
     assert load_runner_class("synthetic") is SyntheticRunner
-    assert load_runner_class("omni_core.testing.faults:FaultyRunner") is FaultyRunner
+    assert load_runner_class("omni_testing.faults:FaultyRunner") is FaultyRunner
     runner = load_runner("synthetic", CPU, {"seed": 3, **ARGS})
     assert isinstance(runner, SyntheticRunner) and runner.seed == 3
 
@@ -92,7 +92,7 @@ def test_faulty_runner_validates_its_fault_points():
 def test_select_backend():
     assert isinstance(select_backend("auto", CPU), PortableBackend)  # no CUDA here
     assert isinstance(select_backend("portable", "cpu"), PortableBackend)
-    assert isinstance(select_backend("omni_core.testing.faults:FailingWakeBackend", CPU), FailingWakeBackend)
+    assert isinstance(select_backend("omni_testing.faults:FailingWakeBackend", CPU), FailingWakeBackend)
     with pytest.raises(BackendUnavailable, match=r"cumem.*configured for device 'cpu'.*use backend 'portable'"):
         select_backend("cumem", CPU)
     with pytest.raises(BackendUnavailable, match=r"backend 'fast' is unavailable.*configured for device 'cpu'"):
@@ -100,7 +100,7 @@ def test_select_backend():
     with pytest.raises(BackendUnavailable, match=r"backend 'mmap' is not one of \['auto', "):
         select_backend("mmap", CPU)
     with pytest.raises(TypeError, match=r"not a subclass of omni_core\.workers\.backends\.MemoryBackend"):
-        select_backend("omni_core.testing.faults:FaultyRunner", CPU)
+        select_backend("omni_testing.faults:FaultyRunner", CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

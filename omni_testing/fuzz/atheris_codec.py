@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing of the codec with atheris (libFuzzer for Python), optional.
 
-`python -m omni_core.testing.fuzz.atheris_codec [libFuzzer flags] [CORPUS_DIR ...]`, e.g.
+`python -m omni_testing.fuzz.atheris_codec [libFuzzer flags] [CORPUS_DIR ...]`, e.g.
 `-atheris_runs=200000` or `-max_total_time=60`. Without a corpus directory it starts from
 one valid message of every type (the structured generator's corpus). The properties:
 
@@ -10,7 +10,7 @@ one valid message of every type (the structured generator's corpus). The propert
 
 atheris instruments the Python code it imports (the codec's `_explain`/`_describe` paths);
 msgspec's C decoder is not instrumented, so on that part the guidance is coarse and the
-structured fuzzer (`python -m omni_core.testing.fuzz`) does the heavy lifting.
+structured fuzzer (`python -m omni_testing.fuzz`) does the heavy lifting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import atheris
 with atheris.instrument_imports():
     from omni_core.protocol import ProtocolError, decode, decode_command, encode
 
-from omni_core.testing.fuzz.generate import write_seed_corpus
+from omni_testing.fuzz.generate import write_seed_corpus
 
 
 def test_one_input(data: bytes) -> None:

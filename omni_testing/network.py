@@ -11,7 +11,7 @@ its seed and its script. Nothing here reads a clock, the environment or a socket
 `Simulator.now` and moves only through `advance`.
 
 Three users share it: the data-driven scenarios (`tests/testdata/*.txt`, through
-`omni_core.testing.script`), the walkthrough (`omni-core walkthrough`) and the stateful tests
+`omni_testing.script`), the walkthrough (`omni-core walkthrough`) and the stateful tests
 of the stage core.
 
 The network addresses ranks, not processes: a command still in flight when its rank restarts
@@ -47,7 +47,7 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
-from omni_core.testing.describe import (
+from omni_testing.describe import (
     describe,
     describe_effect,
     describe_input,
@@ -55,7 +55,7 @@ from omni_core.testing.describe import (
     fmt_s,
     fmt_tags,
 )
-from omni_core.testing.envelope import (
+from omni_testing.envelope import (
     COMMAND_OF_EFFECT,
     ECHO,
     NO_MEMORY,
@@ -64,7 +64,7 @@ from omni_core.testing.envelope import (
     SimulationError,
     sim_trace_paths,
 )
-from omni_core.testing.rng import SplitMix64
+from omni_testing.rng import SplitMix64
 
 # A bound on one `settle`: far above any scenario, low enough that a livelock fails fast.
 SETTLE_MAX_STEPS = 100_000

@@ -4,7 +4,7 @@ msgspec's encoder only produces well-formed msgpack of valid Python values, so a
 built on it never sends invalid UTF-8, a header whose length lies, a non-canonical integer
 width or a reserved byte. Here a value is a plain Python object (encoded canonically) or one
 of the node classes below, each of which controls its exact bytes. No IO, no randomness:
-the generator in `omni_core.testing.fuzz.generate` decides what to build.
+the generator in `omni_testing.fuzz.generate` decides what to build.
 """
 
 from __future__ import annotations

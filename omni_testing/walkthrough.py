@@ -5,7 +5,7 @@ deadline (FAILED, naming the rank), a restart after which that ACK arrives from 
 (counted, ignored), a sleep with a duplicated ACK, ALREADY, a request queued while asleep, a
 wake, a retry answered from the record, a level-2 sleep, wake and weight reload. The script
 is in the scenario language of `tests/testdata/*.txt` and runs on the same simulator
-(`omni_core.testing.network`): every message crosses the real codec, time is a controlled
+(`omni_testing.network`): every message crosses the real codec, time is a controlled
 clock, and the output is the same on every run. No processes, no sockets, no memory.
 """
 
@@ -15,9 +15,9 @@ import sys
 from typing import TextIO
 
 from omni_core.protocol import StageState
-from omni_core.testing.network import Simulator
-from omni_core.testing.scenario import parse_blocks
-from omni_core.testing.script import Script
+from omni_testing.network import Simulator
+from omni_testing.scenario import parse_blocks
+from omni_testing.script import Script
 
 SCRIPT = """\
 # == start: every rank says Hello; the stage is RUNNING once all of them have.

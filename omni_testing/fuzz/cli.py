@@ -1,4 +1,4 @@
-"""`python -m omni_core.testing.fuzz --target worker|engine --frames N --seed S [--time-box-s T] [--out DIR]`.
+"""`python -m omni_testing.fuzz --target worker|engine --frames N --seed S [--time-box-s T] [--out DIR]`.
 
 Prints a progress line every few seconds (frames/s), then a summary: frames sent, replies,
 crashes, hangs, memory before/after, duration. Writes the report as JSON to --out. Exit
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from omni_core.testing.fuzz.common import MAX_RSS_GROWTH_BYTES, FuzzReport, write_report
+from omni_testing.fuzz.common import MAX_RSS_GROWTH_BYTES, FuzzReport, write_report
 
 
 def _emit(line: str) -> None:
@@ -19,7 +19,7 @@ def _emit(line: str) -> None:
 
 def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
     if args.target == "worker":
-        from omni_core.testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
+        from omni_testing.fuzz.worker_target import WorkerFuzzConfig, WorkerFuzzer
 
         config = WorkerFuzzConfig(
             seed=args.seed,
@@ -37,7 +37,7 @@ def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
             schema_share=args.schema_share,
         )
         return WorkerFuzzer(config, emit=_emit).run()
-    from omni_core.testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
+    from omni_testing.fuzz.engine_target import EngineFuzzConfig, EngineFuzzer
 
     config = EngineFuzzConfig(
         seed=args.seed,
@@ -57,7 +57,7 @@ def run_target(args: argparse.Namespace, transport: str) -> FuzzReport:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m omni_core.testing.fuzz",
+        prog="python -m omni_testing.fuzz",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

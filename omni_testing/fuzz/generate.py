@@ -49,8 +49,9 @@ from omni_core.protocol import (
     WorkerState,
     encode,
 )
-from omni_core.testing.fuzz.edges import ALNUM, BAD_UTF8, FIELD_NAMES, FLOAT_EDGES, INT_EDGES, TYPE_TAGS
-from omni_core.testing.fuzz.msgpack_writer import (
+from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+from omni_testing.fuzz.edges import ALNUM, BAD_UTF8, FIELD_NAMES, FLOAT_EDGES, INT_EDGES, TYPE_TAGS
+from omni_testing.fuzz.msgpack_writer import (
     INT_WIDTHS,
     LENGTH_WIDTHS,
     Arr,
@@ -64,9 +65,8 @@ from omni_core.testing.fuzz.msgpack_writer import (
     Str,
     pack,
 )
-from omni_core.testing.fuzz.mutations import FIELD_MUTATIONS, set_field
-from omni_core.testing.fuzz.mutations import MUTATION_NAMES as MUTATION_NAMES  # where callers look for it
-from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+from omni_testing.fuzz.mutations import FIELD_MUTATIONS, set_field
+from omni_testing.fuzz.mutations import MUTATION_NAMES as MUTATION_NAMES  # where callers look for it
 
 # The types drawn on the main stream; the weight commands come from a side stream (valid_message).
 _WEIGHT_TYPES: tuple[type[Message], ...] = (UpdateWeights, InitWeightGroup, ShareWeights)

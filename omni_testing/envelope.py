@@ -20,7 +20,7 @@ from omni_core.fsm.effects import (
     WeightGroupEffect,
 )
 from omni_core.protocol import MemoryReport
-from omni_core.testing.describe import fmt_address
+from omni_testing.describe import fmt_address
 
 # What a worker shell reports around an effect; the stage trusts no ACK without one (P-12).
 # The simulated ranks hold no memory, so the pools are empty.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_core.testing.script import Script, ScriptError
+from omni_testing.script import Script, ScriptError
 
 
 @dataclass

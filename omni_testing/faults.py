@@ -1,9 +1,9 @@
 """Fault injection for tests and the conformance suite: a runner and a backend that raise on
 command, selected by import path like any user's own.
 
-    WorkerConfig(runner="omni_core.testing.faults:FaultyRunner",
+    WorkerConfig(runner="omni_testing.faults:FaultyRunner",
                  runner_args={"fail_on": ["reload"]}, ...)
-    WorkerConfig(backend="omni_core.testing.faults:FailingWakeBackend", ...)
+    WorkerConfig(backend="omni_testing.faults:FailingWakeBackend", ...)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine under fuzz, in a process of its own: `python -m omni_core.testing.fuzz.engine_host`.
+"""The engine under fuzz, in a process of its own: `python -m omni_testing.fuzz.engine_host`.
 
 Its own process so that the RSS measured is the engine's (orchestrator thread, ROUTER
 socket, stage cores) and not the fuzzer's, and so that frame generation does not compete
@@ -20,7 +20,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omni_core.testing.fuzz.common import peak_rss_bytes, rss_bytes
+from omni_testing.fuzz.common import peak_rss_bytes, rss_bytes
 
 LINE_PREFIX = "@fz "
 STAGE = "fz"
@@ -151,7 +151,7 @@ def _snapshot(engine: Any, client: Client | None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_core.testing.fuzz.engine_host", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m omni_testing.fuzz.engine_host", description=__doc__)
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args(argv)

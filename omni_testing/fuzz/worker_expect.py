@@ -8,8 +8,8 @@ import hashlib
 from dataclasses import dataclass
 
 from omni_core.protocol import Command, Message, Nack, NackReason, Result
-from omni_core.testing.fuzz.common import FINDING_BYTES_KEPT
-from omni_core.testing.fuzz.generate import Frame
+from omni_testing.fuzz.common import FINDING_BYTES_KEPT
+from omni_testing.fuzz.generate import Frame
 
 # The kinds of the oracle's own task ids ("exec-17").
 ORACLE_KINDS = frozenset({"ref", "probe", "exec", "sleep", "wake", "reload", "resync", "shutdown"})

@@ -15,7 +15,7 @@ import zmq
 
 from omni_core.isolation import LOG_MARK
 from omni_core.protocol import Hello, decode
-from omni_core.testing.fuzz.common import log_tail
+from omni_testing.fuzz.common import log_tail
 
 START_TIMEOUT_S = 120.0  # torch import and model load on a loaded 2-core machine
 KILL_WAIT_S = 10.0

@@ -52,7 +52,9 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
-from omni_core.testing.fuzz.common import (
+from omni_core.transport import ipc_address, make_router
+from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+from omni_testing.fuzz.common import (
     MAX_RSS_GROWTH_BYTES,
     Finding,
     FuzzReport,
@@ -63,12 +65,12 @@ from omni_core.testing.fuzz.common import (
     peak_rss_bytes,
     rss_bytes,
 )
-from omni_core.testing.fuzz.generate import Frame, FuzzContext
-from omni_core.testing.fuzz.known_issues import open_issues
-from omni_core.testing.fuzz.schema import make_generator
-from omni_core.testing.fuzz.worker_expect import Expect, frames_hex, matches, reply_problems, serial_of, short
-from omni_core.testing.fuzz.worker_oracle import REFERENCE_PAYLOAD, OracleRounds
-from omni_core.testing.fuzz.worker_spawn import (
+from omni_testing.fuzz.generate import Frame, FuzzContext
+from omni_testing.fuzz.known_issues import open_issues
+from omni_testing.fuzz.schema import make_generator
+from omni_testing.fuzz.worker_expect import Expect, frames_hex, matches, reply_problems, serial_of, short
+from omni_testing.fuzz.worker_oracle import REFERENCE_PAYLOAD, OracleRounds
+from omni_testing.fuzz.worker_spawn import (
     LOG_TAIL_LINES,
     WorkerCrashed,
     WorkerHung,
@@ -77,8 +79,6 @@ from omni_core.testing.fuzz.worker_spawn import (
     kill_worker,
     spawn_worker,
 )
-from omni_core.transport import ipc_address, make_router
-from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
 
 MAX_RESTARTS = 5  # after a crash or hang the worker is replaced; more means stop and report
 
@@ -101,10 +101,10 @@ class WorkerFuzzConfig:
     runner_args: dict[str, Any] = field(default_factory=lambda: dict(REFERENCE_RUNNER_ARGS))
     progress_interval_s: float = 5.0
     out_dir: str | None = None  # reproducers of findings are written here
-    # Withhold frames that trigger a reported, still-open bug (omni_core.testing.fuzz.known_issues),
+    # Withhold frames that trigger a reported, still-open bug (omni_testing.fuzz.known_issues),
     # counted in the report; a fixed bug's frames are sent again automatically.
     withhold_known_issues: bool = True
-    # Share of frames derived from the wire schema (omni_core.testing.fuzz.schema); 0: hand-built only.
+    # Share of frames derived from the wire schema (omni_testing.fuzz.schema); 0: hand-built only.
     schema_share: float = 0.0
 
 

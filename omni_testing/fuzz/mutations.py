@@ -8,8 +8,8 @@ import random
 from typing import Any, Protocol
 
 from omni_core.protocol import PROTOCOL_VERSION
-from omni_core.testing.fuzz.edges import FLOAT_EDGES, INT_EDGES, SOURCE_EDGES, TAG_EDGES, TASK_ID_EDGES, TYPE_TAGS
-from omni_core.testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Ext, Float, Int, Str
+from omni_testing.fuzz.edges import FLOAT_EDGES, INT_EDGES, SOURCE_EDGES, TAG_EDGES, TASK_ID_EDGES, TYPE_TAGS
+from omni_testing.fuzz.msgpack_writer import INT_WIDTHS, Arr, Ext, Float, Int, Str
 
 
 class FrameGenerator(Protocol):

@@ -32,8 +32,8 @@ import msgspec.inspect as mi
 
 from omni_core.protocol import MAX_PAYLOAD_DEPTH, MESSAGE_TYPES, Message
 from omni_core.protocol.messages import COMMAND_TYPES, REPLY_TYPES
-from omni_core.testing.fuzz.edges import INT_EDGES
-from omni_core.testing.fuzz.generate import (
+from omni_testing.fuzz.edges import INT_EDGES
+from omni_testing.fuzz.generate import (
     DEFAULT_MIX,
     Frame,
     FrameGenerator,
@@ -42,7 +42,7 @@ from omni_core.testing.fuzz.generate import (
     _pairs,
     _pairs_map,
 )
-from omni_core.testing.fuzz.msgpack_writer import (
+from omni_testing.fuzz.msgpack_writer import (
     INT_WIDTHS,
     LENGTH_WIDTHS,
     UINT_MAX,
@@ -55,7 +55,7 @@ from omni_core.testing.fuzz.msgpack_writer import (
     Str,
     pack,
 )
-from omni_core.testing.fuzz.mutations import set_field
+from omni_testing.fuzz.mutations import set_field
 
 # A str bound that the schema leaves open is probed up to here (the frame limit is the bound).
 OPEN_STR_LENGTHS = (0, 1, 255, 256, 4096, 65_536)

@@ -20,10 +20,10 @@ from omni_core.protocol import (
     Wake,
     WorkerState,
 )
-from omni_core.testing.fuzz.common import FuzzReport
-from omni_core.testing.fuzz.generate import Frame
-from omni_core.testing.fuzz.worker_expect import short
-from omni_core.testing.fuzz.worker_spawn import LOG_TAIL_LINES, WorkerCrashed
+from omni_testing.fuzz.common import FuzzReport
+from omni_testing.fuzz.generate import Frame
+from omni_testing.fuzz.worker_expect import short
+from omni_testing.fuzz.worker_spawn import LOG_TAIL_LINES, WorkerCrashed
 
 
 class WorkerFuzzConfig(Protocol):

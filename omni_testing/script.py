@@ -13,8 +13,8 @@ from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep
 from omni_core.fsm.worker import WorkerCore
 from omni_core.protocol import Capability, DiskSource
-from omni_core.testing.describe import fmt_s, fmt_tags
-from omni_core.testing.network import ECHO, Envelope, Faults, SimulationError, Simulator
+from omni_testing.describe import fmt_s, fmt_tags
+from omni_testing.network import ECHO, Envelope, Faults, SimulationError, Simulator
 
 
 class ScriptError(ValueError):

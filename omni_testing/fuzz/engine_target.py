@@ -1,6 +1,6 @@
 """Engine direction: stranger DEALER sockets send fuzzed frames to a real engine's ROUTER.
 
-The engine runs in its own process (`omni_core.testing.fuzz.engine_host`): one synthetic stage of
+The engine runs in its own process (`omni_testing.fuzz.engine_host`): one synthetic stage of
 two ranks, and a client thread that keeps calling execute / sleep / wake / reload_weights
 and checks every answer against a reference. The fuzzer connects strangers to
 `engine.address` and sends replies of every type with mutated fields (the stage's real
@@ -34,11 +34,11 @@ from typing import Any
 import zmq
 
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
-from omni_core.testing.fuzz.common import MAX_RSS_GROWTH_BYTES, Finding, FuzzReport, Progress, count, log_tail
-from omni_core.testing.fuzz.engine_host import LINE_PREFIX, STAGE
-from omni_core.testing.fuzz.generate import FuzzContext
-from omni_core.testing.fuzz.schema import make_generator
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+from omni_testing.fuzz.common import MAX_RSS_GROWTH_BYTES, Finding, FuzzReport, Progress, count, log_tail
+from omni_testing.fuzz.engine_host import LINE_PREFIX, STAGE
+from omni_testing.fuzz.generate import FuzzContext
+from omni_testing.fuzz.schema import make_generator
 
 # Counters a stranger's frame may land in; each frame in exactly one of them.
 REFUSAL_COUNTERS = ("bad_replies", "unknown_peers", "rebind_refused", "forged_hellos", "rank_mismatch")
@@ -63,7 +63,7 @@ class EngineFuzzConfig:
     send_timeout_s: float = 30.0  # a send blocked this long (the engine stopped reading) is a hang
     progress_interval_s: float = 5.0
     out_dir: str | None = None
-    # Share of frames derived from the wire schema (omni_core.testing.fuzz.schema); 0: hand-built only.
+    # Share of frames derived from the wire schema (omni_testing.fuzz.schema); 0: hand-built only.
     schema_share: float = 0.0
 
 
@@ -77,7 +77,7 @@ class _Host:
                 [
                     sys.executable,
                     "-m",
-                    "omni_core.testing.fuzz.engine_host",
+                    "omni_testing.fuzz.engine_host",
                     "--transport",
                     transport,
                     "--ranks",

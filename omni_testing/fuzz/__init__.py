@@ -6,5 +6,5 @@
   msgpack, raw bytes, replays and reorderings of valid commands;
 - `worker_target`: a real worker process behind a ROUTER, checked by an oracle;
 - `engine_target`: a real Engine (in its own process) hit by stranger DEALER sockets;
-- `python -m omni_core.testing.fuzz --target worker|engine ...`: the CLI (see `cli`).
+- `python -m omni_testing.fuzz --target worker|engine ...`: the CLI (see `cli`).
 """
