@@ -171,6 +171,12 @@ class CountingGate(MemoryGate):
     over-commits has none (the gate never admitted more than was free)."""
 
     refusals = 0
+    first_query_s: float | None = None  # when the wake first asked the device (monotonic)
+
+    def _query(self) -> None:
+        if self.first_query_s is None:
+            self.first_query_s = time.monotonic()
+        super()._query()
 
     def driver_refused(self, nbytes: int, error: BaseException) -> None:
         self.refusals += 1
@@ -179,6 +185,7 @@ class CountingGate(MemoryGate):
     def figures(self) -> dict[str, Any]:
         return {
             "queries": self.queries,
+            "first_query_s": self.first_query_s,
             "waited_s": self.waited_s,
             "driver_refusals": self.refusals,
             "admitted_bytes": self.admitted_bytes,

@@ -300,11 +300,13 @@ def test_cpu_smoke_swap_waits_for_the_outgoing_stage_and_never_over_commits(tmp_
     swaps = [r for r in result["rounds"] if r["kind"] == "swap"]
     assert len(swaps) == 2 and len([r for r in result["rounds"] if r["kind"] == "alone"]) == swap.ALONE_ROUNDS
     for rnd in swaps:
-        assert rnd["b"]["gate"]["queries"] >= 2  # B asked again as A released: it waited for A
+        a_released_s = rnd["a"]["timeline"]["mapped"][-1][0]
+        if rnd["b"]["gate"]["first_query_s"] < a_released_s:  # B asked while A still held memory:
+            assert rnd["b"]["gate"]["queries"] >= 2  # the filler binds, so it had to ask again
         evidence = swap_report.overcommit(rnd)
         assert evidence["ok"] and evidence["checks"] == 3 and evidence["samples"] > 0
         assert 0 < evidence["growth"] <= evidence["free_before"]
-        assert rnd["b"]["end_s"] > rnd["a"]["timeline"]["mapped"][-1][0]  # B finished after A released
+        assert rnd["b"]["end_s"] > a_released_s  # B finished after A released
     s = swap_report.summarize(result)
     assert s["bit_exact"] and s["wakes_checked"] == 2 * 2 + 2 * 2
     assert "zero over-commit | none | yes" in (out / "swap_cpu.md").read_text()
