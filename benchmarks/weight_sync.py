@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.weight_sync_path import PHASES, cpu_update_path, render_paths, timed_update, update_path
 from omni_core.engine import Engine, StageSpec
 from omni_core.provenance import git_commit, git_dirty
 from omni_core.runners.synthetic import SyntheticRunner
+from omni_core.trace import read_trace
 from omni_core.weights_sender import WeightSender
 
 GiB = 1 << 30
@@ -76,6 +78,23 @@ class Run:
         self.engine, self.args, self.nbytes, self.log = engine, args, nbytes, log
         self.version = 0
         self.rows: list[dict[str, Any]] = []
+        self.stamps: dict[str, tuple[float, float]] = {}  # task id -> the caller's monotonic call, return
+
+    def attach_paths(self, trace: str) -> None:
+        """Each traced update's phases (benchmarks/weight_sync_path.py) into its row."""
+        lines = read_trace(trace)
+        for row in self.rows:
+            stamp = self.stamps.get(row.get("task_id", ""))
+            if stamp is None:
+                continue
+            try:
+                path = update_path(lines, row["task_id"], *stamp)
+            except ValueError as exc:  # reported in the row, the figures stand
+                row["path_error"] = str(exc)
+                continue
+            row["path"] = {**path.phases, "commands_sent": path.commands_sent}
+            row["path"]["replies_received"] = path.replies_received
+            row["path"]["other_frames"] = path.other_frames
 
     def check(self, weights: dict[str, torch.Tensor]) -> dict[str, bool]:
         expected = _reference(self.args, weights)
@@ -89,21 +108,23 @@ class Run:
         self, case: str, source: Any, share_s: float, weights: dict[str, torch.Tensor], during: Any = None
     ) -> None:
         self.version += 1
-        started = time.perf_counter()
+        task_id = f"update-{self.version}"
         try:
-            report = self.engine.update_weights("rollout", source, version=self.version)
+            report, called_at_s, returned_at_s = timed_update(self.engine, "rollout", source, self.version, task_id)
         except Exception as exc:  # recorded: the stage is NEEDS_RELOAD and the next update replaces the reload
             self.log(f"{case}: {type(exc).__name__}: {exc}")
             self.rows.append({"case": case, "version": self.version, "error": f"{type(exc).__name__}: {exc}"})
             if during is not None:
                 during.join(300)
             return
-        wall_s = time.perf_counter() - started
+        wall_s = returned_at_s - called_at_s
+        self.stamps[task_id] = (called_at_s, returned_at_s)
         if during is not None:
             during.join(300)
         rank_s = report.ranks[0].duration_s
         row = {
             "case": case,
+            "task_id": task_id,
             "version": self.version,
             "share_s": share_s,
             "update_wall_s": wall_s,
@@ -119,7 +140,7 @@ class Run:
         )
 
 
-def run_shape(name: str, log: Any) -> dict[str, Any]:
+def run_shape(name: str, log: Any, out: Path) -> dict[str, Any]:
     nbytes, tensors = SHAPES[name]
     args = _args(nbytes, tensors)
     two = torch.cuda.device_count() > 1
@@ -133,7 +154,9 @@ def run_shape(name: str, log: Any) -> dict[str, Any]:
         deadline_s=300.0,
         start_deadline_s=600.0,
     )
-    with Engine([spec]) as engine, WeightSender() as sender:
+    trace = out / f"trace_{name}.jsonl"
+    trace.unlink(missing_ok=True)
+    with Engine([spec], trace_path=str(trace)) as engine, WeightSender() as sender:
         weights = _trainer_weights(args, "cuda:0", 1)
         moved = sum(t.numel() * t.element_size() for t in weights.values())
         run = Run(engine, args, moved, log)
@@ -168,6 +191,7 @@ def run_shape(name: str, log: Any) -> dict[str, Any]:
             except Exception as exc:  # reported, not hidden: the other rows stand
                 log(f"nccl weight group: {type(exc).__name__}: {exc}")
                 run.rows.append({"case": "peer GPU, nccl broadcast", "error": f"{type(exc).__name__}: {exc}"})
+    run.attach_paths(str(trace))
     return {"shape": name, "bytes": moved, "tensors": tensors, "rows": run.rows}
 
 
@@ -191,18 +215,36 @@ def render(results: dict[str, Any]) -> str:
                 f"{r['rank_s'] * 1e3:.1f} ms | {r['gbps_wall']:.0f} | {r['share_s'] * 1e3:.1f} ms | "
                 f"{r['exact']} | {r['exact_after_sleep_wake']} |"
             )
+    lines += [
+        "",
+        "Where the time through the Engine goes (from the trace; ms; the slowest rank): "
+        + "; ".join(f"{key.removesuffix('_s')}: {what}" for key, what in PHASES)
+        + ". Frames: commands sent / replies received by the update's task.",
+        "",
+        "| shape | case | " + " | ".join(key.removesuffix("_s") for key, _ in PHASES) + " | frames | other frames |",
+        "|---|---|" + "---|" * (len(PHASES) + 2),
+    ]
+    for shape in results["shapes"]:
+        for r in shape["rows"]:
+            path = r.get("path")
+            if path is None:
+                continue
+            phases = " | ".join(f"{path[key] * 1e3:.2f}" for key, _ in PHASES)
+            frames = f"{path['commands_sent']} / {path['replies_received']}"
+            lines.append(f"| {shape['shape']} | {r['case']} | {phases} | {frames} | {len(path['other_frames'])} |")
     return "\n".join(lines) + "\n"
 
 
 def main(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print(
-            "--weight-sync needs a CUDA GPU (CUDA IPC and NCCL); on CPU the same API runs over shared memory "
-            "and gloo: tests/engine/test_weight_updates.py"
-        )
-        return 2
     out = Path(args.out or "weight-sync-results")
     out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        # CUDA IPC and NCCL need a GPU; the update's path through the engine is measured here.
+        paths = cpu_update_path()
+        text = "\n".join(render_paths("CPU: shared-memory updates of 291 tensors", paths)) + "\n"
+        (out / "weight_sync_path_cpu.md").write_text(text)
+        print(text, end="")
+        return 0
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -217,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
         "shapes": [],
     }
     for name in SHAPES:
-        results["shapes"].append(run_shape(name, log))
+        results["shapes"].append(run_shape(name, log, out))
         (out / "weight_sync.json").write_text(json.dumps(results, indent=1))
     (out / "weight_sync.md").write_text(render(results))
     return 0
