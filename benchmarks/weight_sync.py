@@ -2,13 +2,18 @@
 into a rollout stage, through `Engine.update_weights`, on one or two GPUs.
 
 The bench process is the trainer (a process omni-core did not start): it holds the new weights
-as CUDA tensors and shares them with `WeightSender` (CUDA IPC buckets). For 1.5B-shaped (3 GB,
-254 tensors) and 8B-shaped (16 GB, 291 tensors) bf16 weights: an update from the same GPU
-(first: the rank opens the handles; then again with new values: the handles are reused), from
-the peer GPU over NVLink when there is one, and through an NCCL weight group from the peer.
-After each update the rollout's output digest must equal that of a plain runner loaded with
-the same weights in this process, and again after a level-1 sleep and wake (the backend's
-clean host copy must not bring back an older version). Writes weight_sync.json/.md to --out.
+as CUDA tensors and shares them with `WeightSender` (CUDA IPC buckets). Part `synthetic`: for
+1.5B-shaped (3 GB, 254 tensors) and 8B-shaped (16 GB, 291 tensors) bf16 weights: an update
+from the same GPU (first: the rank opens the handles; then again with new values: the handles
+are reused), from the peer GPU over NVLink when there is one, and through an NCCL weight group
+from the peer (the peer rows are left out on one GPU). After each update the rollout's output
+digest must equal that of a plain runner loaded with the same weights in this process, and
+again after a level-1 sleep and wake (the backend's clean host copy must not bring back an
+older version). The engine and its rank trace every update, and each row's time through the
+Engine is cut into phases (benchmarks/weight_sync_path.py). Part `vllm`
+(benchmarks/weight_sync_vllm.py): omni-core's vllm stage against vLLM's own `update_weights`
+on the same Qwen2 checkpoint. `--ws-parts` picks the parts. Writes weight_sync.json/.md to
+--out. Without CUDA it measures the update's path through the engine on the CPU instead.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.weight_sync_path import PHASES, cpu_update_path, render_paths, timed_update, update_path
+from benchmarks.weight_sync_vllm import render_vllm, run_vllm_part
 from omni_core.engine import Engine, StageSpec
 from omni_core.provenance import git_commit, git_dirty
 from omni_core.runners.synthetic import SyntheticRunner
@@ -232,6 +238,8 @@ def render(results: dict[str, Any]) -> str:
             phases = " | ".join(f"{path[key] * 1e3:.2f}" for key, _ in PHASES)
             frames = f"{path['commands_sent']} / {path['replies_received']}"
             lines.append(f"| {shape['shape']} | {r['case']} | {phases} | {frames} | {len(path['other_frames'])} |")
+    if "vllm" in results:
+        lines += render_vllm(results["vllm"])
     return "\n".join(lines) + "\n"
 
 
@@ -258,8 +266,13 @@ def main(args: argparse.Namespace) -> int:
         "command": args.command_line,
         "shapes": [],
     }
-    for name in SHAPES:
-        results["shapes"].append(run_shape(name, log, out))
+    parts = set(getattr(args, "ws_parts", "synthetic,vllm").split(","))
+    if "synthetic" in parts:
+        for name in SHAPES:
+            results["shapes"].append(run_shape(name, log, out))
+            (out / "weight_sync.json").write_text(json.dumps(results, indent=1))
+    if "vllm" in parts:
+        results["vllm"] = run_vllm_part(getattr(args, "ws_vllm_size", "1.5b"), out, log)
         (out / "weight_sync.json").write_text(json.dumps(results, indent=1))
     (out / "weight_sync.md").write_text(render(results))
     return 0

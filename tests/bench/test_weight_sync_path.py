@@ -60,3 +60,27 @@ def test_a_record_missing_from_the_trace_is_named() -> None:
     lines = [line for line in _update_lines("u1", 100.0) if not isinstance(line.record, tr.EffectDone)]
     with pytest.raises(ValueError, match="no EffectDone of task 'u1'"):
         update_path(lines, "u1", 100.0, 100.015)
+
+
+def test_the_bench_table_shows_each_rows_phases_and_frames() -> None:
+    from benchmarks.weight_sync import render
+
+    phases = {key: 0.001 * (i + 1) for i, (key, _) in enumerate(PHASES)}
+    row = {
+        "case": "same GPU, ipc, again (handles reused)",
+        "update_wall_s": 0.0195,
+        "rank_s": 0.0146,
+        "gbps_wall": 823.0,
+        "share_s": 0.0125,
+        "exact": True,
+        "exact_after_sleep_wake": True,
+        "path": {**phases, "commands_sent": 1, "replies_received": 1, "other_frames": []},
+    }
+    results = {"machine": "m", "commit": "c", "command": "x", "shapes": [{"shape": "16g", "rows": [row]}]}
+    results["vllm"] = {"skipped": "no vllm"}
+    text = render(results)
+    assert (
+        "| 16g | same GPU, ipc, again (handles reused) | 1.00 | 2.00 | 3.00 | 4.00 | 5.00 | 6.00 | 7.00 | 1 / 1 | 0 |"
+        in text
+    )
+    assert text.rstrip().endswith("vLLM's own update path: not measured (no vllm).")
