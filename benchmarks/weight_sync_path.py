@@ -9,7 +9,8 @@ the engine exchanged while the caller waited is counted as well.
 
 `python -m benchmarks --weight-sync` on a machine without CUDA runs `cpu_update_path`: a
 stage on the CPU updated over shared memory with 291 tensors (an 8B model's count), small
-enough that copying is not the cost, and writes the phases as Markdown.
+enough that copying is not the cost, back to back and then as the GPU bench spaces them, and
+writes the phases as Markdown.
 """
 
 from __future__ import annotations
@@ -135,9 +136,15 @@ def render_paths(title: str, paths: Sequence[UpdatePath]) -> list[str]:
     return lines
 
 
-def cpu_update_path(updates: int = 20, ranks: int = 1, log: Callable[[str], None] = print) -> list[UpdatePath]:
-    """Update a CPU stage of `ranks` ranks `updates` times over shared memory (291 small tensors) with a trace,
-    and cut each update into phases (the first two, which open the buckets, are left out)."""
+def cpu_update_path(
+    updates: int = 20, ranks: int = 1, *, idle_s: float = 0.0, log: Callable[[str], None] = print
+) -> list[UpdatePath]:
+    """Update a CPU stage of `ranks` ranks `updates` times over shared memory (291 small
+    tensors) with a trace, and cut each update into phases (the first two, which open the
+    buckets, are left out). With `idle_s` > 0 each update follows what the GPU bench does
+    between two: a request, a level-1 sleep and wake, a request, then `idle_s` of nothing
+    (the bench computes its reference meanwhile), so every thread and process the update
+    wakes has gone idle."""
     import torch
 
     from omni_core.engine import Engine, StageSpec
@@ -157,10 +164,15 @@ def cpu_update_path(updates: int = 20, ranks: int = 1, log: Callable[[str], None
                 source = sender.share(weights)
                 _, called, returned = timed_update(engine, "rollout", source, version, f"update-{version}")
                 stamps.append((f"update-{version}", called, returned))
+                if idle_s > 0:
+                    engine.execute("rollout", {"seed": 1, "batch": 1})
+                    engine.sleep("rollout", level=1)
+                    engine.wake("rollout")
+                    engine.execute("rollout", {"seed": 1, "batch": 1})
+                    time.sleep(idle_s)
         lines = read_trace(trace)
     paths = [update_path(lines, *stamp) for stamp in stamps[2:]]
-    log(
-        f"cpu: {len(paths)} updates, wall median {statistics.median(p.wall_s for p in paths) * 1e3:.2f} ms, "
-        f"apply median {statistics.median(p.phases['apply_s'] for p in paths) * 1e3:.2f} ms"
-    )
+    wall_ms = statistics.median(p.wall_s for p in paths) * 1e3
+    apply_ms = statistics.median(p.phases["apply_s"] for p in paths) * 1e3
+    log(f"cpu (idle {idle_s} s between): {len(paths)} updates, wall median {wall_ms:.2f} ms, apply {apply_ms:.2f} ms")
     return paths
