@@ -87,8 +87,14 @@ class Run:
         self.stamps: dict[str, tuple[float, float]] = {}  # task id -> the caller's monotonic call, return
 
     def attach_paths(self, trace: str) -> None:
-        """Each traced update's phases (benchmarks/weight_sync_path.py) into its row."""
-        lines = read_trace(trace)
+        """Each traced update's phases (benchmarks/weight_sync_path.py) into its row; a trace
+        that cannot be read is said in every row, the figures stand."""
+        try:
+            lines = read_trace(trace)
+        except (OSError, ValueError) as exc:
+            for row in self.rows:
+                row["path_error"] = f"{type(exc).__name__}: {exc}"
+            return
         for row in self.rows:
             stamp = self.stamps.get(row.get("task_id", ""))
             if stamp is None:
