@@ -207,6 +207,22 @@ def run_shape(name: str, log: Any, out: Path) -> dict[str, Any]:
     return {"shape": name, "bytes": moved, "tensors": tensors, "rows": run.rows}
 
 
+def rank_memory_figure_s(calls: int = 20) -> dict[str, Any]:
+    """What one of the rank's memory figures costs here (NVML's process list on GPU 0; a rank
+    takes one before an update, inside its own time, and one after, outside it)."""
+    from omni_core.workers.accounting import ProcessMemory
+
+    try:
+        memory = ProcessMemory(torch.device("cuda", 0))
+        source = memory.measure().source
+    except Exception as exc:  # said in the output; the update rows do not depend on it
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    started = time.perf_counter()
+    for _ in range(calls):
+        memory.measure()
+    return {"per_call_s": (time.perf_counter() - started) / calls, "source": source}
+
+
 def render(results: dict[str, Any]) -> str:
     lines = ["# Weight sync: versioned updates from a trainer into a rollout stage (P-17)", "", "| | |", "|---|---|"]
     for key in ("machine", "commit", "command"):
@@ -244,6 +260,15 @@ def render(results: dict[str, Any]) -> str:
             phases = " | ".join(f"{path[key] * 1e3:.2f}" for key, _ in PHASES)
             frames = f"{path['commands_sent']} / {path['replies_received']}"
             lines.append(f"| {shape['shape']} | {r['case']} | {phases} | {frames} | {len(path['other_frames'])} |")
+    figure = results.get("memory_figure")
+    if figure and "error" in figure:
+        lines += ["", f"The rank memory figure's cost was not measured: {figure['error']}"]
+    elif figure:
+        lines += [
+            "",
+            f"One rank memory figure ({figure['source']}) costs {figure['per_call_s'] * 1e3:.3f} ms here; "
+            "an update takes two (one inside the rank's time, one in rank_extra).",
+        ]
     if "vllm" in results:
         lines += render_vllm(results["vllm"])
     return "\n".join(lines) + "\n"
@@ -274,6 +299,7 @@ def main(args: argparse.Namespace) -> int:
         "command": args.command_line,
         "shapes": [],
     }
+    results["memory_figure"] = rank_memory_figure_s()
     parts = set(getattr(args, "ws_parts", "synthetic,vllm").split(","))
     if "synthetic" in parts:
         for name in SHAPES:

@@ -78,7 +78,9 @@ def test_the_bench_table_shows_each_rows_phases_and_frames() -> None:
     }
     results = {"machine": "m", "commit": "c", "command": "x", "shapes": [{"shape": "16g", "rows": [row]}]}
     results["vllm"] = {"skipped": "no vllm"}
+    results["memory_figure"] = {"per_call_s": 0.0004, "source": "nvml"}
     text = render(results)
+    assert "One rank memory figure (nvml) costs 0.400 ms here" in text
     assert (
         "| 16g | same GPU, ipc, again (handles reused) | 1.00 | 2.00 | 3.00 | 4.00 | 5.00 | 6.00 | 7.00 | 1 / 1 | 0 |"
         in text
