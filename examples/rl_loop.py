@@ -18,11 +18,12 @@ iteration:
    version's.
 
 On a GPU the model is float32 by default (`--dtype`): vLLM's kernels and transformers' differ
-in rounding, and in bfloat16 a greedy step of a random model flips between two near-equal
-logits often enough to fail a bit-for-bit comparison; in float32 (with Triton's dots in IEEE
-float32, TRITON_F32_DEFAULT=ieee, set here for the rollout's process) they agree. A step whose
-tokens differ records where, and by how much the trainer's logits preferred its own token
-there (`gap_at_divergence`): a near-tie reads as a few 1e-6, stale weights as whole units.
+in rounding, and in bfloat16 (errors near 1e-2) a greedy step of a random model can flip
+between two near-equal logits; float32 (with Triton's dots in IEEE float32,
+TRITON_F32_DEFAULT=ieee, set here for the rollout's process) makes such a flip far rarer. A
+step whose tokens differ records where, and by how much the trainer's logits preferred its own
+token there (`gap_at_divergence`): a rounding flip shows a gap near the rounding error, other
+weights a gap of the order of the logits themselves.
 Each phase's wall time goes to stderr as it ends (`[rl] ...`) and into the records.
 
     python examples/rl_loop.py --iterations 3                                  # CPU, seconds per step
@@ -113,7 +114,7 @@ def save_weights(model: Any, checkpoint: Path, directory: Path) -> str:
 
 def divergence(model: Any, tokens: list[int], reference: list[int]) -> dict[str, Any]:
     """Where `tokens` leave `reference` (the trainer's greedy tokens) and how much the trainer's
-    logits preferred its own token there: a few 1e-6 is a near-tie, whole units other weights."""
+    logits preferred its own token there (near the rounding error: a flip at a near-tie)."""
     at = next(i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b)
     with torch.no_grad():
         ids = torch.tensor([PROMPT + reference[:at]], device=model.device)
