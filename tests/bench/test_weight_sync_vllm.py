@@ -75,3 +75,67 @@ def test_tokens_agree_only_when_both_methods_generated_the_same() -> None:
         {"method": "vLLM", "error": "gone"},
     ]
     assert wv.tokens_agree(rows) == {"1": True, "2": False, "3": False}
+
+
+FAKE_VLLM = {
+    "vllm/__init__.py": '''
+from types import SimpleNamespace
+
+
+class SamplingParams:
+    def __init__(self, **fields):
+        self.fields = fields
+
+
+class LLM:
+    """What the child calls of vLLM's LLM, recording the order of the update calls."""
+
+    def __init__(self, **fields):
+        assert fields["weight_transfer_config"] == {"backend": "ipc"}, fields
+        import vllm.distributed.weight_transfer.ipc_engine  # as vLLM's factory does, lazily
+
+        self.updating, self.names = False, 0
+
+    def start_weight_update(self):
+        assert not self.updating
+        self.updating = True
+
+    def update_weights(self, request):
+        assert self.updating, "update_weights outside start/finish"
+        self.names = len(request["update_info"]["names"])
+
+    def finish_weight_update(self):
+        assert self.updating
+        self.updating = False
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[self.names, *prompts[0]["prompt_token_ids"][:1]])])]
+''',
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/weight_transfer/__init__.py": "",
+    # vLLM 0.26's module imports both at its top, for send modes the child never uses.
+    "vllm/distributed/weight_transfer/ipc_engine.py": "import ray\nimport requests\n",
+}
+
+
+def test_the_child_drives_vllms_update_calls_in_order_with_stand_ins(tmp_path: Path, monkeypatch) -> None:
+    import base64
+    import importlib.util
+    import os
+    import pickle
+
+    for name, text in FAKE_VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    child = wv.PlainVllm(tmp_path / "model", None, tmp_path / "child.log")
+    try:
+        absent = [n for n in ("ray", "requests") if importlib.util.find_spec(n) is None]
+        assert child.ready == {"ready": True, "tokens": [0, wv.PROMPT[0]], "stand_ins": absent}
+        info = {"names": ["a", "b", "c"], "dtype_names": [], "shapes": [], "ipc_handles": []}
+        answer = child.ask(op="update", info=base64.b64encode(pickle.dumps(info)).decode("ascii"))
+        assert answer["update_s"] >= 0
+        assert child.ask(op="tokens") == {"tokens": [3, wv.PROMPT[0]]}
+    finally:
+        child.close()
+    assert child.proc.returncode == 0, (tmp_path / "child.log").read_text()
