@@ -74,14 +74,12 @@ def update_path(lines: Sequence[TraceLine], task_id: str, called_at_s: float, re
 
     sent = [line for line in lines if isinstance(line.record, StageSent) and line.record.task_id == task_id]
     received = [line for line in lines if isinstance(line.record, StageReceived) and line.record.task_id == task_id]
-    if not sent:
-        raise ValueError(f"the trace has no StageSent of task {task_id!r}")
+    for kind, found in ((StageSent, sent), (StageReceived, received)):
+        if not found:
+            raise ValueError(f"the trace has no {kind.__name__} of task {task_id!r}; was it traced?")
     issued = first(StageIssued)
     ended = first(TaskEnded)
-    # The slowest rank's reply is the one the commit waited for.
-    last = max(received, key=lambda line: line.mono_s) if received else None
-    if last is None:
-        raise ValueError(f"the trace has no StageReceived of task {task_id!r}")
+    last = max(received, key=lambda line: line.mono_s)  # the slowest rank's reply: the commit waited for it
     rank = last.record.rank  # type: ignore[union-attr]
     got = first(WorkerReceived, rank)
     done = first(EffectDone, rank)
