@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="versioned weight updates (P-17) from this process into a rollout stage: CUDA IPC on the same "
         "and the peer GPU, an NCCL group, 3 and 16 GB bf16, outputs checked after each",
     )
+    p.add_argument(
+        "--ws-parts",
+        default="synthetic,vllm",
+        help="weight-sync: which parts, comma-separated: synthetic (3 and 16 GB through Engine), vllm "
+        "(omni-core's vllm stage against vLLM's own update_weights, same model; skipped without vLLM)",
+    )
+    p.add_argument("--ws-vllm-size", default="1.5b", help="weight-sync: the Qwen2 size of the vllm part")
     p.add_argument("--gib", type=float, default=16.0, help="multi-path: GiB of bf16 weights of the stage")
     p.add_argument(
         "--real-models",

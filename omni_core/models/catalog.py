@@ -2,7 +2,7 @@
 
 Plain data, no torch: listing the catalog or rejecting a bad name must not import
 transformers or diffusers. "tiny" sizes run in seconds on a CPU and weigh a few MB (CI);
-the others have the shapes of real models (Qwen2-1.5B, a Llama-3.2-1B widened to 20
+the others have the shapes of real models (Qwen2-0.5B and -1.5B, a Llama-3.2-1B widened to 20
 layers, DiT-XL/2 cut to 19 blocks with the SD VAE, the DDPM CIFAR-10 UNet, Stable Diffusion
 1.5) so the memory paths see realistic tensor counts and sizes.
 """
@@ -190,6 +190,9 @@ FAMILIES: dict[str, Family] = {
         "Qwen2ForCausalLM (tied embeddings, q/k/v biases) + byte-level BPE tokenizer",
         {
             "tiny": Size("tiny", 107_072, "float32", {"model": _qwen2(TINY_VOCAB, 64, 128, 2, 4, 2, 256, 10000.0)}),
+            "0.5b": Size(
+                "0.5b", 494_032_768, "bfloat16", {"model": _qwen2(151936, 896, 4864, 24, 14, 2, 32768, 1000000.0)}
+            ),
             "1.5b": Size(
                 "1.5b", 1_543_714_304, "bfloat16", {"model": _qwen2(151936, 1536, 8960, 28, 12, 2, 32768, 1000000.0)}
             ),
