@@ -162,7 +162,7 @@ class StageDoor:
         return self.core.step(I.PauseCall(task_id, mode, deadline_s), now)
 
     def resume(self, task_id: str, now: float) -> StageStep:
-        return self.core.step(I.ResumeCall(task_id), now)
+        return self.core.step(I.ResumeCall(task_id, 30.0), now)
 
     def restart(self, now: float, deadline_s: float) -> int:
         self.core.step(I.Restart(deadline_s), now)

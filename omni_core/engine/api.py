@@ -180,10 +180,11 @@ class Engine:
         tid, deadline_s = self._task(stage, "pause", task_id, timeout_s)
         return self._lifecycle(stage, PauseCall(tid, mode, deadline_s))
 
-    def resume(self, stage: str, *, task_id: str | None = None) -> LifecycleReport:
-        """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING."""
-        tid, deadline_s = self._task(stage, "resume", task_id, None)  # nothing to drain: the wait's bound only
-        return self._wait(self._orch.submit(stage, ResumeCall(tid)), deadline_s + self._specs[stage].request_timeout_s)
+    def resume(self, stage: str, *, task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:
+        """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING.
+        `timeout_s` (default: the stage's deadline_s) bounds the wait for the answer."""
+        tid, deadline_s = self._task(stage, "resume", task_id, timeout_s)
+        return self._lifecycle(stage, ResumeCall(tid, deadline_s))
 
     def is_paused(self, stage: str) -> bool:
         """Whether the stage is PAUSED (a pause's drain, DRAINING, is not yet)."""
