@@ -211,7 +211,7 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("--api-key-file", default=None, help="file holding the API key (else OMNI_CORE_API_KEY)")
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")
     p.add_argument("--idempotency-key", default=None, help="a retry with the same key has no second effect")
-    if verb not in ("restart", "resume"):
+    if verb != "restart":
         p.add_argument("--timeout-s", type=float, default=None, help="deadline of the command (server side)")
     if verb == "pause":
         p.add_argument(
@@ -266,7 +266,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
         elif verb == "pause":
             answer = client.pause(args.stage, args.mode, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
         elif verb == "resume":
-            answer = client.resume(args.stage, idempotency_key=args.idempotency_key)
+            answer = client.resume(args.stage, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
         else:
             answer = client.execute(args.stage, payload, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
     except ServeError as exc:

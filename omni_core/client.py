@@ -171,8 +171,10 @@ class OmniClient:
         body = {"mode": mode, "timeout_s": timeout_s}
         return self._call("POST", f"/v1/stages/{_seg(stage)}/pause", body, idempotency_key)
 
-    def resume(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
-        return self._call("POST", f"/v1/stages/{_seg(stage)}/resume", {}, idempotency_key)
+    def resume(
+        self, stage: str, *, timeout_s: float | None = None, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/resume", {"timeout_s": timeout_s}, idempotency_key)
 
     def restart(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", {}, idempotency_key)

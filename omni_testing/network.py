@@ -36,7 +36,17 @@ from omni_core.fsm.effects import (
 )
 from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep, TaskOutcome
-from omni_core.fsm.worker import WorkerCore, WorkerStep
+from omni_core.fsm.worker import (
+    BadFrame,
+    CommandReceived,
+    EffectCompleted,
+    EffectDeclined,
+    EffectRaised,
+    Loaded,
+    LoadFailed,
+    WorkerCore,
+    WorkerStep,
+)
 from omni_core.protocol import (
     Command,
     Hello,
@@ -160,9 +170,9 @@ class Simulator:
         for worker in self.workers:
             error = self.load_errors.get(worker.rank)
             if error is None:
-                worker.loaded()
+                worker.step(Loaded())
             else:
-                worker.load_failed(error)  # it still says Hello, in FAILED, with the reason
+                worker.step(LoadFailed(error))  # it still says Hello, in FAILED, with the reason
             if hello:
                 self.send(worker.rank, None, self.hello(worker.rank))
 
@@ -400,9 +410,9 @@ class Simulator:
         try:
             command = decode_command(envelope.data)
         except ProtocolError as exc:
-            step = worker.on_bad_message(exc)
+            step = worker.step(BadFrame(exc))
         else:
-            step = worker.on_command(command)
+            step = worker.step(CommandReceived(command))
         self._report_worker(worker, state, counters, step)
         return step
 
@@ -441,20 +451,22 @@ class Simulator:
         what = f"r{rank} {COMMAND_OF_EFFECT[type(effect)]} {effect.task_id}"
         if refuse is not None:
             self.say(f"refuse {what}: {refuse}")
-            step = worker.on_refused(effect.task_id, refuse)
+            step = worker.step(EffectDeclined(effect.task_id, refuse))
         elif error is not None:
             self.say(f"error {what}: {error}")
-            step = worker.on_error(effect.task_id, error)
+            step = worker.step(EffectRaised(effect.task_id, error))
         else:
             self.say(f"done {what}")
             if output is ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
             memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)) else NO_MEMORY
-            step = worker.on_done(
-                effect.task_id,
-                memory=memory,
-                output=output,
-                trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now),
+            step = worker.step(
+                EffectCompleted(
+                    effect.task_id,
+                    memory=memory,
+                    output=output,
+                    trace_paths=sim_trace_paths(self.stage.name, rank, effect, self.now),
+                )
             )
         self._report_worker(worker, state, counters, step)
         if isinstance(effect, ShutdownEffect) and error is None:
@@ -466,16 +478,18 @@ class Simulator:
         """What rank `rank` answers to one command, its effect performed at once, outside the
         network: the replies, through the codec (for scripted unit tests)."""
         worker = self.workers[rank]
-        step = worker.on_command(decode_command(encode(command)))
+        step = worker.step(CommandReceived(decode_command(encode(command))))
         replies = list(step.replies)
         if step.effect is not None:
             output = step.effect.payload if isinstance(step.effect, ExecuteEffect) else None
             memory = None if isinstance(step.effect, ProfileEffect) else NO_MEMORY
-            replies += worker.on_done(
-                step.effect.task_id,
-                memory=memory,
-                output=output,
-                trace_paths=sim_trace_paths(self.stage.name, rank, step.effect, self.now),
+            replies += worker.step(
+                EffectCompleted(
+                    step.effect.task_id,
+                    memory=memory,
+                    output=output,
+                    trace_paths=sim_trace_paths(self.stage.name, rank, step.effect, self.now),
+                )
             ).replies
         return [decode(encode(reply)) for reply in replies]
 

@@ -84,7 +84,7 @@ class Script:
     update task= version= [source=PATH deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
     share task= [bucket-bytes=1024 deadline=30s]
     profile task= [start=yes|no prefix= deadline=30s]
-    pause task= [mode=wait|keep|abort deadline=30s]   resume task=
+    pause task= [mode=wait|keep|abort deadline=30s]   resume task= [deadline=30s]
     restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
     corrupt [SELECT]             deliver-all              settle
@@ -293,8 +293,8 @@ class Script:
         self.s.call(I.PauseCall(args["task"], args.get("mode", "wait"), parse_duration_s(args.get("deadline", "30s"))))
 
     def cmd_resume(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"task"})
-        self.s.call(I.ResumeCall(args["task"]))
+        self._only(args, {"task", "deadline"})
+        self.s.call(I.ResumeCall(args["task"], parse_duration_s(args.get("deadline", "30s"))))
 
     def cmd_profile(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"task", "start", "prefix", "deadline"})

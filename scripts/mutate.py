@@ -279,7 +279,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "shell-bad-message",
         "the worker shell dies on undecodable bytes instead of NACKing them",
         SHELL,
-        "            self._send_all(core.on_bad_message(err))\n",
+        "            self._send_all(core.step(BadFrame(err)))\n",
         "            raise  # mutant: garbage kills the rank\n",
         ["tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]"],
     ),

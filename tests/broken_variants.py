@@ -7,8 +7,8 @@ import msgspec
 from hypothesis import HealthCheck, Phase, settings
 
 from omni_core.fsm import BoundedCache, StageCore, StageStep, WorkerCore
-from omni_core.fsm.worker import WorkerStep
-from omni_core.protocol import Command, Reply
+from omni_core.fsm.worker import CommandReceived, WorkerInput, WorkerStep
+from omni_core.protocol import Reply
 
 # Deterministic and without shrinking: we only need to know that a failure is found.
 BROKEN = settings(
@@ -42,10 +42,10 @@ class NoReplyCacheWorker(WorkerCore):
 class NoEpochFenceWorker(WorkerCore):
     """Treats a command from an older epoch as current (P-6 broken)."""
 
-    def on_command(self, command: Command) -> WorkerStep:
-        if command.epoch < self.epoch:
-            command = msgspec.structs.replace(command, epoch=self.epoch)
-        return super().on_command(command)
+    def step(self, event: WorkerInput) -> WorkerStep:
+        if isinstance(event, CommandReceived) and event.command.epoch < self.epoch:
+            event = CommandReceived(msgspec.structs.replace(event.command, epoch=self.epoch))
+        return super().step(event)
 
 
 class NoEpochFenceStage(StageCore):

@@ -19,7 +19,7 @@ from omni_core.fsm import (
     WorkerCore,
 )
 from omni_core.fsm import inputs as I
-from omni_core.fsm.worker import WorkerStep
+from omni_core.fsm.worker import CommandReceived, EffectCompleted, EffectRaised, Loaded, WorkerStep
 from omni_core.protocol import (
     Command,
     Hello,
@@ -58,14 +58,14 @@ class WorkerDriver:
         self.w = worker if worker is not None else WorkerCore(0, **kwargs)  # type: ignore[arg-type]
 
     def send(self, command: Command) -> WorkerStep:
-        return self.w.on_command(decode_command(encode(command)))
+        return self.w.step(CommandReceived(decode_command(encode(command))))
 
     def run(self, command: Command, **done: object) -> Reply:
         """Send, perform the effect if there is one, and return the one terminal reply."""
         step = self.send(command)
         if step.effect is not None:
             assert not step.replies
-            step = self.w.on_done(command.task_id, **done)  # type: ignore[arg-type]
+            step = self.w.step(EffectCompleted(command.task_id, **done))  # type: ignore[arg-type]
         (reply,) = step.replies
         return wire(reply)
 
@@ -80,12 +80,12 @@ def reach_worker(state: WorkerState, **kwargs: object) -> WorkerDriver:
     if state is W.LOADING:
         return d
     if state is W.FAILED:
-        d.w.loaded()
+        d.w.step(Loaded())
         sleep = Sleep(task_id=fresh("sleep"), epoch=0)
         d.send(sleep)
-        d.w.on_error(sleep.task_id, "cuMemUnmap returned CUDA_ERROR_INVALID_VALUE")
+        d.w.step(EffectRaised(sleep.task_id, "cuMemUnmap returned CUDA_ERROR_INVALID_VALUE"))
         return _check(d, state)
-    d.w.loaded()
+    d.w.step(Loaded())
     if state is W.ACTIVE:
         return d
     if state is W.OFFLOADING:
@@ -162,7 +162,7 @@ class StageDoor:
         return self.core.step(I.PauseCall(task_id, mode, deadline_s), now)
 
     def resume(self, task_id: str, now: float) -> StageStep:
-        return self.core.step(I.ResumeCall(task_id), now)
+        return self.core.step(I.ResumeCall(task_id, 30.0), now)
 
     def restart(self, now: float, deadline_s: float) -> int:
         self.core.step(I.Restart(deadline_s), now)

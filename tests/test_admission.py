@@ -11,6 +11,7 @@ from omni_core.fsm import StageCore, StageStep, WorkerCore
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import ADMISSION, QUEUE_RULES, AdmissionPolicy, Admit, admit, queue_rule
 from omni_core.fsm.inputs import RequestError
+from omni_core.fsm.worker import CommandReceived, EffectCompleted, Loaded
 from omni_core.protocol import (
     Execute,
     Hello,
@@ -53,7 +54,7 @@ class Driver:
         self.step(I.Start(60.0))
         started = StageStep()
         for w in self.workers:
-            w.loaded()
+            w.step(Loaded())
             hello = Hello(
                 task_id="hello", epoch=0, rank=w.rank, pid=1, device="cpu", backend="portable", tags=self.core.tags
             )
@@ -70,11 +71,11 @@ class Driver:
             if ranks is not None and out.rank not in ranks:
                 continue
             worker = self.workers[out.rank]
-            got = worker.on_command(decode_command(encode(out.command)))
+            got = worker.step(CommandReceived(decode_command(encode(out.command))))
             replies += got.replies
             if got.effect is not None:
                 output = out.command.payload if isinstance(out.command, Execute) else None
-                replies += worker.on_done(out.command.task_id, memory=NO_MEMORY, output=output).replies
+                replies += worker.step(EffectCompleted(out.command.task_id, memory=NO_MEMORY, output=output)).replies
         return [wire(r) for r in replies]
 
     def feed(self, replies: list[Reply]) -> StageStep:

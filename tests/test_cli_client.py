@@ -55,7 +55,11 @@ def test_pause_and_resume_from_the_command_line(capsys) -> None:
         assert cli_main(["execute", "talker", "--payload", '{"seed": 1, "batch": 1}', *url]) == 1
         err = capsys.readouterr().err
         assert "PAUSED" in err and f"to fix: omni-core resume talker --url {served.url}" in err, err
-        assert cli_main(["resume", "talker", "--json", *url]) == 0
+        # The deadline goes to the server, which checks it as any call's (nothing resumed).
+        assert cli_main(["resume", "talker", "--timeout-s", "0", *url]) == 1
+        assert "timeout_s must be a positive number" in capsys.readouterr().err
+        assert served.engine.is_paused("talker")
+        assert cli_main(["resume", "talker", "--timeout-s", "5", "--json", *url]) == 0
         assert json.loads(capsys.readouterr().out)["state"] == "RUNNING"
         assert cli_main(["resume", "talker", *url]) == 0
         assert "-> RUNNING (ALREADY)" in capsys.readouterr().out

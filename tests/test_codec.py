@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni_core.fsm import WorkerCore
+from omni_core.fsm.worker import BadFrame
 from omni_core.protocol import (
     COMMAND_TYPES,
     MESSAGE_TYPES,
@@ -520,7 +521,7 @@ def test_refusal_built_from_the_error_is_valid_on_the_wire(fields: dict) -> None
 
 def _bad_message_nack(err: ProtocolError) -> Nack:
     worker = WorkerCore(rank=3, epoch=7)
-    (nack,) = worker.on_bad_message(err).replies
+    (nack,) = worker.step(BadFrame(err)).replies
     assert isinstance(nack, Nack)
     assert nack.reason is err.reason
     assert nack.task_id == (err.task_id or "-")

@@ -56,7 +56,7 @@ def test_no_request_starts_while_paused_and_resume_serves_the_queue() -> None:
     held = d.step(I.Submit("r1", 7, 30.0))
     assert not held.sends and not held.requests and len(d.core.queue) == 1
     assert d.core.in_flight_requests == 0
-    resumed = d.step(I.ResumeCall("u"))
+    resumed = d.step(I.ResumeCall("u", 30.0))
     assert d.core.state is S.RUNNING and resumed.outcome is not None and resumed.outcome.ok
     assert resumed.outcome.command == "Resume" and _names(resumed) == {"Execute"}  # the queue, in the same step
     assert answers(d.run(resumed)) == {"r1": (None, 7)}
@@ -103,8 +103,8 @@ def test_pause_and_resume_twice_are_already_and_retries_replay() -> None:
     assert d.step(I.PauseCall("p", "wait", 30.0)).outcome == first.outcome  # same task id: replayed
     again = d.step(I.PauseCall("p2", "abort", 30.0))
     assert again.outcome is not None and again.outcome.status is AckStatus.ALREADY and d.core.state is S.PAUSED
-    d.step(I.ResumeCall("u"))
-    twice = d.step(I.ResumeCall("u2"))
+    d.step(I.ResumeCall("u", 30.0))
+    twice = d.step(I.ResumeCall("u2", 30.0))
     assert twice.outcome is not None and twice.outcome.status is AckStatus.ALREADY and d.core.state is S.RUNNING
     with pytest.raises(StageCommandError, match="use a fresh task_id"):
         d.step(I.PauseCall("p", "abort", 30.0))
@@ -118,12 +118,12 @@ def test_what_a_pause_refuses() -> None:
     with pytest.raises(StageCommandError, match="only a RUNNING stage pauses"):
         d.step(I.PauseCall("p", "wait", 30.0))
     with pytest.raises(StageCommandError, match="not PAUSED: nothing to resume"):
-        d.step(I.ResumeCall("u"))
+        d.step(I.ResumeCall("u", 30.0))
     d2 = Driver()
     d2.step(I.Submit("r1", 5, 30.0))
     d2.step(I.PauseCall("p", "wait", 30.0))
     with pytest.raises(StageBusyError, match="task 'p' is in flight"):
-        d2.step(I.ResumeCall("u"))
+        d2.step(I.ResumeCall("u", 30.0))
 
 
 def test_reject_policy_refuses_while_paused_naming_resume() -> None:

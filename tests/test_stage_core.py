@@ -17,6 +17,7 @@ from test_pause_core import test_a_paused_stage_takes_a_weight_update_and_stays_
 from omni_core.fsm import STAGE_TRANSITIONS, StageBusyError, StageCommandError, StageStep
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError
+from omni_core.fsm.worker import CommandReceived
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -536,7 +537,7 @@ def test_replies_from_the_old_epoch_are_ignored_after_a_restart() -> None:
         assert h.stage.state is S.TRANSITIONING
     assert h.stage.counters.stale_replies_ignored == 4
     # And an old-epoch command reaching a new worker is refused by the worker.
-    (nack,) = h.workers[0].on_command(Sleep(task_id="s", epoch=0)).replies
+    (nack,) = h.workers[0].step(CommandReceived(Sleep(task_id="s", epoch=0))).replies
     assert nack.reason is NackReason.STALE_EPOCH
     assert outcome_of(h.complete(step)).ok
 

@@ -322,7 +322,7 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
             self.api_pause(task_id, "abort" if level == 2 else "wait", deadline_s)
         elif kind == "resume":
             self.last_call = ("resume", task_id, 1, None, deadline_s)
-            self._api(task_id, self.model.resume(task_id), lambda: self.sim.call(I.ResumeCall(task_id)))
+            self._api(task_id, self.model.resume(task_id), lambda: self.sim.call(I.ResumeCall(task_id, 30.0)))
         else:
             self.api_reload(task_id, None if level == 1 else "ckpt", deadline_s)
 

@@ -32,6 +32,7 @@ from omni_core.fsm import (
     WorkerCore,
 )
 from omni_core.fsm.effects import Effect
+from omni_core.fsm.worker import BadFrame, CommandReceived, EffectCompleted, EffectRaised, Loaded, LoadFailed
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -137,11 +138,11 @@ class WorkerMachine(RuleBasedStateMachine):
     def load(self, ok: bool) -> None:
         if ok:
             self.model.loaded()
-            self.worker.loaded()
+            self.worker.step(Loaded())
         else:
             text = f"load-boom-{next(self._booms)}"
             self.model.load_failed(text)
-            self.worker.load_failed(text)
+            self.worker.step(LoadFailed(text))
 
     @rule(
         kind=st.sampled_from(KINDS),
@@ -212,10 +213,10 @@ class WorkerMachine(RuleBasedStateMachine):
         if fail:
             text = f"boom-{next(self._booms)}"
             expect = self.model.error(text)
-            step = self.worker.on_error(command.task_id, text)
+            step = self.worker.step(EffectRaised(command.task_id, text))
         else:
             expect = self.model.done()
-            step = self.worker.on_done(command.task_id, output=output, duration_s=0.5)
+            step = self.worker.step(EffectCompleted(command.task_id, output=output, duration_s=0.5))
         require(
             step.effect is None and len(step.replies) == 1,
             "P-1",
@@ -244,7 +245,7 @@ class WorkerMachine(RuleBasedStateMachine):
             decode(data)
         except ProtocolError as err:
             before = (self.worker.state, self.worker.busy)
-            step = self.worker.on_bad_message(err)
+            step = self.worker.step(BadFrame(err))
             require(len(step.replies) == 1 and step.effect is None, "P-10", f"bad bytes gave {step}")
             (nack,) = step.replies
             require(
@@ -264,7 +265,7 @@ class WorkerMachine(RuleBasedStateMachine):
         in_flight = model.pending.command if model.pending is not None else None
         recorded = self.recorded.get(command.task_id)
         expect = model.command(command)
-        step = worker.on_command(decode_command(encode(command)))
+        step = worker.step(CommandReceived(decode_command(encode(command))))
         replies, effect = step.replies, step.effect
 
         require(len(replies) + (effect is not None) <= 1, "P-1", f"{command!r} got {step}")

@@ -7,6 +7,7 @@ from omni_core.fsm import StageCore, WorkerCore
 from omni_core.fsm import inputs as I
 from omni_core.fsm import trace_records as T
 from omni_core.fsm.admission import AdmissionPolicy
+from omni_core.fsm.worker import BadFrame, CommandReceived, EffectCompleted, EffectDeclined, EffectRaised, Loaded
 from omni_core.protocol import Hello, MemoryReport, ProtocolError, ReloadWeights, Sleep, WorkerState
 
 REPORT = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
@@ -21,7 +22,7 @@ def started(ranks: int = 2, **kwargs) -> tuple[StageCore, list[WorkerCore]]:
     workers = [WorkerCore(r) for r in range(ranks)]
     assert kinds(stage.step(I.Start(deadline_s=30.0), now=0.0).records) == ["StageStarting"]
     for w in workers:
-        w.loaded()
+        w.step(Loaded())
         hello = Hello(task_id="hello", epoch=0, rank=w.rank, pid=1, device="cpu", backend="b", tags=w.tags)
         step = stage.step(I.Received(hello), now=1.0)
     assert kinds(step.records) == ["StageReceived", "StageChanged"]
@@ -34,8 +35,8 @@ def answer(stage: StageCore, workers: list[WorkerCore], sends, now: float):
     steps = []
     for out in sends:
         w = workers[out.rank]
-        step = w.on_command(out.command)
-        done = w.on_done(out.command.task_id, memory=REPORT)
+        step = w.step(CommandReceived(out.command))
+        done = w.step(EffectCompleted(out.command.task_id, memory=REPORT))
         steps += [stage.step(I.Received(reply), now) for reply in step.replies + done.replies]
     return steps
 
@@ -127,11 +128,11 @@ def test_a_commit_and_the_wake_it_lets_admission_start_are_two_records() -> None
 
 def test_worker_records_name_the_command_its_states_and_each_reply() -> None:
     w = WorkerCore(0)
-    assert kinds(w.loaded("fast").records) == ["WorkerStarted", "ReplySent"]
-    step = w.on_command(Sleep(task_id="s", epoch=0, level=2))
+    assert kinds(w.step(Loaded("fast")).records) == ["WorkerStarted", "ReplySent"]
+    step = w.step(CommandReceived(Sleep(task_id="s", epoch=0, level=2)))
     assert kinds(step.records) == ["WorkerReceived", "WorkerChanged"]
     assert (step.records[0].command, step.records[0].state) == ("Sleep", "ACTIVE")
-    done = w.on_done("s", memory=REPORT, duration_s=0.5, path="per-allocation")
+    done = w.step(EffectCompleted("s", memory=REPORT, duration_s=0.5, path="per-allocation"))
     assert kinds(done.records) == ["EffectDone", "WorkerChanged", "ReplySent"]
     assert (done.records[0].state, done.records[0].path, done.records[1].after) == (
         "SLEEPING",
@@ -139,25 +140,25 @@ def test_worker_records_name_the_command_its_states_and_each_reply() -> None:
         "SLEEPING",
     )
     assert (done.records[2].reply, done.records[2].info, done.records[2].state) == ("ack", "OK", "SLEEPING")
-    refused = w.on_command(ReloadWeights(task_id="r", epoch=0))
+    refused = w.step(CommandReceived(ReloadWeights(task_id="r", epoch=0)))
     assert kinds(refused.records) == ["WorkerReceived", "ReplySent"] and refused.records[1].info == "INVALID_STATE"
-    bad = w.on_bad_message(ProtocolError("not msgpack"))
+    bad = w.step(BadFrame(ProtocolError("not msgpack")))
     assert kinds(bad.records) == ["BadMessage", "ReplySent"] and bad.records[1].to_bad_bytes
 
 
 def test_a_refused_reload_and_a_failed_effect_are_records_of_their_own() -> None:
     w = WorkerCore(0)
-    w.loaded()
-    w.on_command(ReloadWeights(task_id="r", epoch=0, source="nope"))
-    refused = w.on_refused("r", "no such checkpoint")
+    w.step(Loaded())
+    w.step(CommandReceived(ReloadWeights(task_id="r", epoch=0, source="nope")))
+    refused = w.step(EffectDeclined("r", "no such checkpoint"))
     assert kinds(refused.records) == ["EffectRefused", "WorkerChanged", "ReplySent"]
     assert (refused.records[0].command, refused.records[1].before, refused.records[1].after) == (
         "ReloadWeights",
         "RELOADING",
         "ACTIVE",
     )
-    w.on_command(Sleep(task_id="s", epoch=0, level=1))
-    failed = w.on_error("s", "x" * 1000)
+    w.step(CommandReceived(Sleep(task_id="s", epoch=0, level=1)))
+    failed = w.step(EffectRaised("s", "x" * 1000))
     assert kinds(failed.records) == ["EffectFailed", "WorkerChanged", "ReplySent"]
     assert failed.records[1].after == WorkerState.FAILED.value
     assert len(failed.records[0].detail) == T.MAX_TRACE_DETAIL_CHARS  # clipped: a line stays small

@@ -7,6 +7,7 @@ import pytest
 
 from omni_core.fsm import StageCommandError
 from omni_core.fsm.effects import ShareEffect, UpdateEffect
+from omni_core.fsm.worker import EffectCompleted, EffectDeclined, EffectRaised
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -103,7 +104,7 @@ def test_an_update_is_taken_where_the_weights_are_resident(state: WorkerState) -
     before = d.w.state
     step = d.send(update("u1", 1))
     assert step.effect == UpdateEffect("u1", 1, DISK) and d.w.state is W.RELOADING
-    reply = d.w.on_done("u1").replies[0]
+    reply = d.w.step(EffectCompleted("u1")).replies[0]
     assert isinstance(reply, Ack) and reply.weights_version == 1 and d.w.weights_version == 1
     assert d.w.state is (W.ACTIVE if before in (W.ACTIVE, W.NEEDS_RELOAD) and not d.w.residency.asleep else W.PARTIAL)
 
@@ -138,7 +139,7 @@ def test_refused_before_writing_keeps_state_and_version() -> None:
     d = reach_worker(W.ACTIVE)
     d.run(update("u1", 1))
     d.send(update("u2", 2))
-    (reply,) = d.w.on_refused("u2", "tensor 'w0' has shape (4, 4), the model's is (4, 8)").replies
+    (reply,) = d.w.step(EffectDeclined("u2", "tensor 'w0' has shape (4, 4), the model's is (4, 8)")).replies
     assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT and "'w0'" in reply.detail
     assert d.w.state is W.ACTIVE and d.w.weights_version == 1 and d.w.residency.weights_valid
 
@@ -147,7 +148,7 @@ def test_a_failure_once_writing_began_leaves_needs_reload_at_the_old_version() -
     d = reach_worker(W.ACTIVE)
     d.run(update("u1", 1))
     d.send(update("u2", 2))
-    (reply,) = d.w.on_error("u2", "sender pid 4242 exited mid-update").replies
+    (reply,) = d.w.step(EffectRaised("u2", "sender pid 4242 exited mid-update")).replies
     assert isinstance(reply, Nack) and reply.reason is NackReason.UPDATE_FAILED
     assert reply.state is W.NEEDS_RELOAD and reply.weights_version == 1 and "still at weights version 1" in reply.detail
     assert isinstance(d.run(Execute(task_id="x", epoch=0)), Nack)  # nothing runs on half-written weights
@@ -270,5 +271,5 @@ def test_a_share_acks_the_buckets_and_changes_nothing() -> None:
     )
     step = d.send(ShareWeights(task_id="sh", epoch=0, bucket_bytes=4096))
     assert step.effect == ShareEffect("sh", 4096) and d.w.state is W.ACTIVE
-    (ack,) = d.w.on_done("sh", shared=source).replies
+    (ack,) = d.w.step(EffectCompleted("sh", shared=source)).replies
     assert isinstance(ack, Ack) and ack.shared == source and decode(encode(ack)) == ack and d.w.state is W.ACTIVE

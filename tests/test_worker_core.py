@@ -24,7 +24,16 @@ from omni_core.fsm import (
     WakeEffect,
     WorkerCore,
 )
-from omni_core.fsm.worker import MAX_EPOCH_AHEAD, WorkerStep
+from omni_core.fsm.worker import (
+    MAX_EPOCH_AHEAD,
+    BadFrame,
+    EffectCompleted,
+    EffectDeclined,
+    EffectRaised,
+    Loaded,
+    LoadFailed,
+    WorkerStep,
+)
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -147,13 +156,13 @@ def test_shutdown_in_transient_states_waits_for_the_effect() -> None:
 def test_load_then_level1_sleep_and_wake() -> None:
     d = WorkerDriver()
     assert d.w.state is W.LOADING
-    d.w.loaded()
+    d.w.step(Loaded())
     step = d.send(Sleep(task_id="s1", epoch=0, level=1))
     assert step.replies == ()
     assert step.effect == SleepEffect("s1", 1, frozenset({"weights"}), frozenset({"kv_cache"}))
     assert d.w.state is W.OFFLOADING
     memory = MemoryReport(pool_bytes_before={"weights": 10}, pool_bytes_after={"weights": 0})
-    (ack,) = d.w.on_done("s1", memory=memory, duration_s=0.5).replies
+    (ack,) = d.w.step(EffectCompleted("s1", memory=memory, duration_s=0.5)).replies
     assert isinstance(ack, Ack)
     assert (ack.state, ack.status, ack.command) == (W.SLEEPING, AckStatus.OK, "Sleep")
     assert ack.asleep_tags == ("kv_cache", "weights")
@@ -161,7 +170,7 @@ def test_load_then_level1_sleep_and_wake() -> None:
     step = d.send(Wake(task_id="w1", epoch=0))
     assert step.effect == WakeEffect("w1", frozenset({"weights", "kv_cache"}))
     assert d.w.state is W.RESTORING
-    (ack,) = d.w.on_done("w1").replies
+    (ack,) = d.w.step(EffectCompleted("w1")).replies
     assert (ack.state, ack.asleep_tags) == (W.ACTIVE, ())
 
 
@@ -169,14 +178,14 @@ def test_level2_sleep_needs_reload_before_execute() -> None:
     d = reach_worker(W.ACTIVE)
     step = d.send(Sleep(task_id="s2", epoch=0, level=2))
     assert step.effect == SleepEffect("s2", 2, frozenset(), frozenset({"weights", "kv_cache"}))
-    d.w.on_done("s2")
+    d.w.step(EffectCompleted("s2"))
     ack = d.run(Wake(task_id="w2", epoch=0))
     assert ack.state is W.NEEDS_RELOAD  # memory mapped, weights garbage (P-8)
     (nack,) = d.send(Execute(task_id="x", epoch=0)).replies
     assert nack.reason is NackReason.INVALID_STATE and "NEEDS_RELOAD" in nack.detail
     step = d.send(ReloadWeights(task_id="r1", epoch=0, source="/ckpt"))
     assert step.effect == ReloadEffect("r1", "/ckpt") and d.w.state is W.RELOADING
-    (ack,) = d.w.on_done("r1").replies
+    (ack,) = d.w.step(EffectCompleted("r1")).replies
     assert ack.state is W.ACTIVE
     result = d.run(Execute(task_id="x2", epoch=0, payload=[1, 2]), output={"tokens": 3}, duration_s=0.25)
     assert isinstance(result, Result) and result.output == {"tokens": 3} and result.duration_s == 0.25
@@ -218,12 +227,12 @@ def test_sleep_more_tags_from_each_asleep_state() -> None:
     assert d.run(Sleep(task_id="a", epoch=0, tags=("kv_cache",))).asleep_tags == ("kv_cache",)
     step = d.send(Sleep(task_id="b", epoch=0))
     assert step.effect == SleepEffect("b", 1, frozenset({"weights"}), frozenset())
-    d.w.on_done("b")
+    d.w.step(EffectCompleted("b"))
     # PARTIAL -> sleep the awake tag.
     d = reach_worker(W.PARTIAL)
     step = d.send(Sleep(task_id="c", epoch=0))
     assert step.effect == SleepEffect("c", 1, frozenset(), frozenset({"kv_cache"}))
-    assert d.w.on_done("c").replies[0].state is W.SLEEPING
+    assert d.w.step(EffectCompleted("c")).replies[0].state is W.SLEEPING
     # NEEDS_RELOAD -> level-1 sleep keeps the (garbage) weights invalid.
     d = reach_worker(W.NEEDS_RELOAD)
     assert d.run(Sleep(task_id="d", epoch=0)).state is W.SLEEPING
@@ -234,7 +243,7 @@ def test_reload_while_active_swaps_weights_in_place() -> None:
     d = reach_worker(W.ACTIVE)
     step = d.send(ReloadWeights(task_id="r", epoch=0, source="step-200"))
     assert step.effect == ReloadEffect("r", "step-200") and d.w.state is W.RELOADING
-    assert d.w.on_done("r").replies[0].state is W.ACTIVE
+    assert d.w.step(EffectCompleted("r")).replies[0].state is W.ACTIVE
 
 
 def test_reload_refused_by_the_runner_returns_to_the_state_it_came_from() -> None:
@@ -244,7 +253,7 @@ def test_reload_refused_by_the_runner_returns_to_the_state_it_came_from() -> Non
         d = reach_worker(start)
         step = d.send(ReloadWeights(task_id="r", epoch=0, source="/nope"))
         assert d.w.state is W.RELOADING and step.effect == ReloadEffect("r", "/nope")
-        (nack,) = d.w.on_refused("r", "RunnerArgumentError: no checkpoint at /nope").replies
+        (nack,) = d.w.step(EffectDeclined("r", "RunnerArgumentError: no checkpoint at /nope")).replies
         assert nack.reason is NackReason.INVALID_ARGUMENT and nack.state is start and d.w.state is start
         assert "/nope" in nack.detail and "nothing was written" in nack.detail
         assert not d.w.failure
@@ -258,7 +267,7 @@ def test_only_a_pending_reload_can_be_refused() -> None:
     d = reach_worker(W.ACTIVE)
     d.send(Sleep(task_id="s", epoch=0))
     with pytest.raises(InvariantViolation):
-        d.w.on_refused("s", "not a reload")
+        d.w.step(EffectDeclined("s", "not a reload"))
 
 
 def test_wake_refused_for_memory_returns_to_the_state_it_came_from() -> None:
@@ -277,7 +286,9 @@ def test_wake_refused_for_memory_returns_to_the_state_it_came_from() -> None:
         tags = tuple(sorted(asleep))
         step = d.send(Wake(task_id="w", epoch=0, tags=tags, memory_wait_s=5.0))
         assert d.w.state is W.RESTORING and step.effect == WakeEffect("w", asleep, 5.0)
-        (nack,) = d.w.on_refused("w", "needed 2 GiB, 1 GiB free; held by pid 42", NackReason.NO_MEMORY).replies
+        (nack,) = d.w.step(
+            EffectDeclined("w", "needed 2 GiB, 1 GiB free; held by pid 42", NackReason.NO_MEMORY)
+        ).replies
         assert nack.reason is NackReason.NO_MEMORY and nack.state is start and d.w.state is start
         assert "held by pid 42" in nack.detail and d.w.residency.asleep == asleep and not d.w.failure
         again = d.send(Wake(task_id="w", epoch=0, tags=tags, memory_wait_s=5.0))
@@ -290,7 +301,7 @@ def test_a_refusal_must_carry_the_reason_of_its_command() -> None:
     d = reach_worker(W.SLEEPING)
     d.send(Wake(task_id="w", epoch=0))
     with pytest.raises(InvariantViolation):
-        d.w.on_refused("w", "no room", NackReason.INVALID_ARGUMENT)
+        d.w.step(EffectDeclined("w", "no room", NackReason.INVALID_ARGUMENT))
 
 
 def test_waiting_for_memory_needs_the_swap_capability() -> None:
@@ -320,7 +331,7 @@ def test_epochs_far_ahead_are_refused_and_do_not_fence_the_rank() -> None:
     assert nack.reason is NackReason.EPOCH_AHEAD and d.w.epoch == 0
     assert d.w.counters.epoch_ahead_refused == 1
     assert d.send(Execute(task_id="x", epoch=0)).effect is not None  # still serves its epoch
-    d.w.on_done("x")
+    d.w.step(EffectCompleted("x"))
     assert d.send(Status(task_id="near", epoch=MAX_EPOCH_AHEAD)).effect is not None  # inside the window
 
 
@@ -328,14 +339,14 @@ def test_reply_cache_keeps_digests_and_stays_within_its_bytes() -> None:
     """Issue 10: six 100 MB Executes once grew a worker by 700 MB; the cache now holds a
     digest of each command and replies within a byte budget."""
     d = WorkerDriver(reply_cache_bytes=64 << 10)
-    d.w.loaded()
+    d.w.step(Loaded())
     for i in range(20):
         d.send(Execute(task_id=f"x{i}", epoch=0, payload=b"p" * 100_000))
-        d.w.on_done(f"x{i}", output=b"o" * 10_000)
+        d.w.step(EffectCompleted(f"x{i}", output=b"o" * 10_000))
     assert d.w.cache.size_bytes <= 64 << 10 and len(d.w.cache) < 20
     big = Execute(task_id="big", epoch=0, payload=b"p")
     d.send(big)
-    (result,) = d.w.on_done("big", output=b"o" * (32 << 10)).replies  # over a quarter of the budget
+    (result,) = d.w.step(EffectCompleted("big", output=b"o" * (32 << 10))).replies  # over a quarter of the budget
     assert isinstance(result, Result) and d.w.counters.replies_not_kept == 1
     (nack,) = d.send(big).replies  # answered already: no second run, and says why no copy
     assert nack.reason is NackReason.REPLY_NOT_KEPT and d.w.busy is False
@@ -352,7 +363,7 @@ def test_status_everywhere_changes_nothing_and_is_never_cached() -> None:
             (ack,) = step.replies  # busy: answered at once from what the core knows
         else:
             assert step.effect == StatusEffect("st")
-            (ack,) = d.w.on_done("st").replies
+            (ack,) = d.w.step(EffectCompleted("st")).replies
         assert (ack.state, ack.command, ack.status) == (state, "Status", AckStatus.OK)
         assert snapshot(d.w) == before
         # Never cached: the same task_id measures again.
@@ -364,7 +375,7 @@ def test_shutdown_from_active_then_already() -> None:
     d = reach_worker(W.ACTIVE)
     step = d.send(Shutdown(task_id="bye", epoch=0))
     assert step.effect == ShutdownEffect("bye") and d.w.state is W.STOPPED
-    (ack,) = d.w.on_done("bye").replies
+    (ack,) = d.w.step(EffectCompleted("bye")).replies
     assert (ack.state, ack.status) == (W.STOPPED, AckStatus.OK)
     again = d.run(Shutdown(task_id="bye-2", epoch=0))
     assert (again.state, again.status) == (W.STOPPED, AckStatus.ALREADY)
@@ -428,7 +439,7 @@ def test_duplicate_while_in_progress_is_ignored_then_answered_once() -> None:
         assert d.send(sleep) == WorkerStep()  # no reply, no effect
     assert d.send(msgspec.structs.replace(sleep, epoch=1)) == WorkerStep()  # a retry from a newer epoch too
     assert d.w.counters.duplicates_in_flight_ignored == 4
-    (ack,) = d.w.on_done("s").replies
+    (ack,) = d.w.step(EffectCompleted("s")).replies
     assert ack.epoch == 1  # the worker's epoch now: the newer sender will take it
     (dup,) = d.send(msgspec.structs.replace(sleep, epoch=1)).replies
     assert dup is ack
@@ -474,7 +485,7 @@ def test_task_id_reused_while_in_progress() -> None:
         assert step.effect is None
         (nack,) = step.replies
         assert nack.reason is NackReason.TASK_ID_REUSED and nack.state is W.OFFLOADING
-    (ack,) = d.w.on_done("t").replies
+    (ack,) = d.w.step(EffectCompleted("t")).replies
     assert ack.state is W.SLEEPING
 
 
@@ -483,7 +494,7 @@ def test_duplicate_of_an_answered_task_while_busy_gets_the_recorded_reply() -> N
     d = reach_worker(W.ACTIVE)
     sleep = Sleep(task_id="s", epoch=0)
     d.send(sleep)
-    (ack,) = d.w.on_done("s").replies
+    (ack,) = d.w.step(EffectCompleted("s")).replies
     d.send(Wake(task_id="w", epoch=0))  # in progress now
     step = d.send(sleep)
     assert step.effect is None and step.replies[0] is ack
@@ -501,7 +512,7 @@ def test_refusals_are_not_cached() -> None:
 
 def test_reply_cache_is_bounded_lru() -> None:
     d = WorkerDriver(reply_cache_entries=2)
-    d.w.loaded()
+    d.w.step(Loaded())
     first = d.run(Sleep(task_id="a", epoch=0))
     d.run(Wake(task_id="b", epoch=0))
     assert d.send(Sleep(task_id="a", epoch=0)).replies[0] == first  # touch "a": now most recent
@@ -529,7 +540,7 @@ def test_bounded_cache_unit() -> None:
 
 def test_stale_epoch_is_refused_and_newer_epoch_adopted() -> None:
     d = WorkerDriver(epoch=3)
-    d.w.loaded()
+    d.w.step(Loaded())
     before = snapshot(d.w)
     (nack,) = d.send(Sleep(task_id="old", epoch=2)).replies
     assert nack.reason is NackReason.STALE_EPOCH and nack.epoch == 2
@@ -551,7 +562,7 @@ def test_stale_copy_of_an_answered_task_is_stale_not_a_duplicate() -> None:
 
 def test_stale_epoch_wins_over_busy() -> None:
     d = WorkerDriver(epoch=1)
-    d.w.loaded()
+    d.w.step(Loaded())
     d.send(Sleep(task_id="s", epoch=1))
     (nack,) = d.send(Wake(task_id="w", epoch=0)).replies
     assert nack.reason is NackReason.STALE_EPOCH
@@ -571,7 +582,7 @@ def test_unknown_tag_names_the_valid_ones() -> None:
 
 def test_level2_without_the_capability_is_unsupported() -> None:
     d = WorkerDriver(capabilities=(Capability.PARTIAL_WAKE,))
-    d.w.loaded()
+    d.w.step(Loaded())
     (nack,) = d.send(Sleep(task_id="s", epoch=0, level=2)).replies
     assert nack.reason is NackReason.UNSUPPORTED and "level2" in nack.detail
     assert d.w.state is W.ACTIVE
@@ -580,7 +591,7 @@ def test_level2_without_the_capability_is_unsupported() -> None:
 
 def test_partial_wake_without_the_capability_is_unsupported() -> None:
     d = WorkerDriver(capabilities=(Capability.LEVEL2,))
-    d.w.loaded()
+    d.w.step(Loaded())
     d.run(Sleep(task_id="s", epoch=0))
     (nack,) = d.send(Wake(task_id="w", epoch=0, tags=("kv_cache",))).replies
     assert nack.reason is NackReason.UNSUPPORTED and "partial wake" in nack.detail
@@ -615,13 +626,13 @@ def test_a_busy_refusal_of_an_execute_is_recorded_so_a_copy_never_runs() -> None
     d.send(Execute(task_id="a", epoch=0))
     (busy,) = d.send(Execute(task_id="b", epoch=0)).replies
     assert busy.reason is NackReason.BUSY
-    d.w.on_done("a")
+    d.w.step(EffectCompleted("a"))
     again = d.send(Execute(task_id="b", epoch=0))
     assert again.effect is None and again.replies == (busy,)
     d.send(Execute(task_id="c", epoch=0))
     (sleep_busy,) = d.send(Sleep(task_id="s", epoch=0)).replies
     assert sleep_busy.reason is NackReason.BUSY
-    d.w.on_done("c")
+    d.w.step(EffectCompleted("c"))
     assert d.send(Sleep(task_id="s", epoch=0)).effect is not None  # lifecycle refusals stay unrecorded
 
 
@@ -639,7 +650,7 @@ def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None
     d = reach_worker(W.ACTIVE)
     done = d.run(Sleep(task_id="s-ok", epoch=0))
     d.send(Wake(task_id="w", epoch=0))
-    (nack,) = d.w.on_error("w", BOOM).replies
+    (nack,) = d.w.step(EffectRaised("w", BOOM)).replies
     nack = wire(nack)
     assert (nack.reason, nack.state) == (NackReason.BACKEND_ERROR, W.FAILED)
     assert BOOM in nack.detail and "Wake task 'w'" in nack.detail
@@ -653,8 +664,8 @@ def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None
     assert d.w.busy
     later += d.send(Sleep(task_id="s3", epoch=0)).replies  # ...so this is BUSY
     later += d.send(Status(task_id="st-2", epoch=0)).replies  # Status while busy: Ack at once
-    later += d.w.on_done("st-busy").replies
-    later += d.w.on_bad_message(ProtocolError("undecodable message (1 bytes): junk")).replies
+    later += d.w.step(EffectCompleted("st-busy")).replies
+    later += d.w.step(BadFrame(ProtocolError("undecodable message (1 bytes): junk"))).replies
     later += d.send(Sleep(task_id="old", epoch=0)).replies
     d.run(Status(task_id="new-epoch", epoch=1))
     later += d.send(Sleep(task_id="stale", epoch=0)).replies  # STALE_EPOCH
@@ -669,7 +680,7 @@ def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None
     # Only Shutdown leaves FAILED; its Ack still says why.
     step = d.send(Shutdown(task_id="bye", epoch=1))
     assert d.w.state is W.STOPPED
-    (ack,) = d.w.on_done("bye").replies
+    (ack,) = d.w.step(EffectCompleted("bye")).replies
     assert BOOM in ack.detail
     for reply in (
         d.send(Wake(task_id="w9", epoch=1)).replies[0],  # INVALID_STATE in STOPPED
@@ -682,7 +693,7 @@ def test_backend_error_fails_the_worker_and_every_later_reply_says_why() -> None
 def test_failure_text_survives_a_long_refusal_detail() -> None:
     d = reach_worker(W.FAILED)
     err = ProtocolError("invalid " + "X" * 5000 + ": Object contains unknown field `y`")
-    (nack,) = d.w.on_bad_message(err).replies
+    (nack,) = d.w.step(BadFrame(err)).replies
     nack = wire(nack)
     assert len(nack.detail) <= 4096 and BOOM in nack.detail
 
@@ -691,7 +702,7 @@ def test_failed_task_duplicate_gets_the_same_nack() -> None:
     d = reach_worker(W.ACTIVE)
     sleep = Sleep(task_id="s", epoch=0)
     d.send(sleep)
-    (nack,) = d.w.on_error("s", BOOM).replies
+    (nack,) = d.w.step(EffectRaised("s", BOOM)).replies
     assert d.send(sleep).replies[0] is nack
 
 
@@ -699,7 +710,7 @@ def test_failed_task_duplicate_gets_the_same_nack() -> None:
 def test_effect_error_in_each_transient_state(state: WorkerState) -> None:
     d = reach_worker(state)
     task_id = d.w._pending.command.task_id  # type: ignore[union-attr]
-    (nack,) = d.w.on_error(task_id, BOOM).replies
+    (nack,) = d.w.step(EffectRaised(task_id, BOOM)).replies
     assert nack.reason is NackReason.BACKEND_ERROR and d.w.state is W.FAILED
 
 
@@ -707,7 +718,7 @@ def test_effect_error_in_each_transient_state(state: WorkerState) -> None:
 def test_status_measurement_error_fails_the_worker(state: WorkerState) -> None:
     d = reach_worker(state)
     d.send(Status(task_id="st", epoch=0))
-    (nack,) = d.w.on_error("st", "nvmlDeviceGetComputeRunningProcesses failed").replies
+    (nack,) = d.w.step(EffectRaised("st", "nvmlDeviceGetComputeRunningProcesses failed")).replies
     assert nack.reason is NackReason.BACKEND_ERROR and d.w.state is W.FAILED
 
 
@@ -715,7 +726,7 @@ def test_status_error_does_not_poison_the_task_id() -> None:
     """Status is never cached, also when it fails: the task_id is not 'used' afterwards."""
     d = reach_worker(W.ACTIVE)
     d.send(Status(task_id="st", epoch=0))
-    d.w.on_error("st", BOOM)
+    d.w.step(EffectRaised("st", BOOM))
     assert "st" not in d.w.cache
     (nack,) = d.send(Sleep(task_id="st", epoch=0)).replies
     assert nack.reason is NackReason.FAILED  # not TASK_ID_REUSED
@@ -724,7 +735,7 @@ def test_status_error_does_not_poison_the_task_id() -> None:
 def test_shutdown_error_stays_stopped() -> None:
     d = reach_worker(W.ACTIVE)
     d.send(Shutdown(task_id="bye", epoch=0))
-    (nack,) = d.w.on_error("bye", BOOM).replies
+    (nack,) = d.w.step(EffectRaised("bye", BOOM)).replies
     assert (nack.reason, nack.state, d.w.state) == (NackReason.BACKEND_ERROR, W.STOPPED, W.STOPPED)
 
 
@@ -732,7 +743,7 @@ def test_execute_error_stays_active() -> None:
     d = reach_worker(W.ACTIVE)
     execute = Execute(task_id="x", epoch=0, payload="bad prompt")
     d.send(execute)
-    (nack,) = d.w.on_error("x", "ValueError: prompt too long").replies
+    (nack,) = d.w.step(EffectRaised("x", "ValueError: prompt too long")).replies
     assert (nack.reason, nack.state) == (NackReason.EXECUTE_ERROR, W.ACTIVE)
     assert "prompt too long" in nack.detail
     assert d.w.state is W.ACTIVE and d.w.failure == ""
@@ -742,7 +753,7 @@ def test_execute_error_stays_active() -> None:
 
 def test_load_failure() -> None:
     d = WorkerDriver()
-    d.w.load_failed("weights file missing")
+    d.w.step(LoadFailed("weights file missing"))
     assert d.w.state is W.FAILED and "weights file missing" in d.w.failure
     (nack,) = d.send(Sleep(task_id="s", epoch=0)).replies
     assert nack.reason is NackReason.FAILED and "weights file missing" in nack.detail
@@ -754,7 +765,7 @@ def test_bad_bytes_get_bad_message_and_the_worker_goes_on() -> None:
         try:
             decode(data)
         except ProtocolError as err:
-            (nack,) = d.w.on_bad_message(err).replies
+            (nack,) = d.w.step(BadFrame(err)).replies
         nack = wire(nack)
         assert nack.reason is NackReason.BAD_MESSAGE and nack.command == "?"
     assert nack.task_id == "t9" and "$.level" in nack.detail
@@ -765,9 +776,9 @@ def test_bad_bytes_get_bad_message_and_the_worker_goes_on() -> None:
 def test_completion_for_another_task_is_a_bug() -> None:
     d = reach_worker(W.OFFLOADING)
     with pytest.raises(InvariantViolation, match="pending"):
-        d.w.on_done("not-the-pending-task")
+        d.w.step(EffectCompleted("not-the-pending-task"))
     with pytest.raises(InvariantViolation):
-        reach_worker(W.ACTIVE).w.on_error("nothing-pending", BOOM)
+        reach_worker(W.ACTIVE).w.step(EffectRaised("nothing-pending", BOOM))
 
 
 # ----------------------------------------------------------------------- same input, same output
@@ -776,7 +787,7 @@ def test_completion_for_another_task_is_a_bug() -> None:
 def test_same_inputs_same_outputs() -> None:
     def run() -> list:
         d = WorkerDriver()
-        d.w.loaded()
+        d.w.step(Loaded())
         out = []
         for cmd in (
             Sleep(task_id="a", epoch=0, level=2),
@@ -789,7 +800,7 @@ def test_same_inputs_same_outputs() -> None:
             step = d.send(cmd)
             out.append(step)
             if step.effect is not None:
-                out.append(d.w.on_done(cmd.task_id))
+                out.append(d.w.step(EffectCompleted(cmd.task_id)))
         return out
 
     assert run() == run()
@@ -891,7 +902,7 @@ def test_profile_start_stop_never_changes_the_state(state: WorkerState) -> None:
     before = snapshot(d.w)
     step = d.send(_profile("p1", True, "wake"))
     assert step.replies == () and step.effect == ProfileEffect("p1", True, "wake")
-    (ack,) = d.w.on_done("p1", duration_s=0.01).replies
+    (ack,) = d.w.step(EffectCompleted("p1", duration_s=0.01)).replies
     ack = wire(ack)
     assert (ack.command, ack.status, ack.state, ack.trace_paths) == ("Profile", AckStatus.OK, state, ())
     assert d.w.profiling
@@ -899,7 +910,7 @@ def test_profile_start_stop_never_changes_the_state(state: WorkerState) -> None:
     assert (again.status, again.state) == (AckStatus.ALREADY, state)
     step = d.send(_profile("p3", False))
     assert step.effect == ProfileEffect("p3", False, None)
-    (ack,) = d.w.on_done("p3", trace_paths=("/tmp/s-rank0-wake-1.json.gz",)).replies
+    (ack,) = d.w.step(EffectCompleted("p3", trace_paths=("/tmp/s-rank0-wake-1.json.gz",))).replies
     assert wire(ack).trace_paths == ("/tmp/s-rank0-wake-1.json.gz",) and not d.w.profiling
     none = d.run(_profile("p4", False))  # stop while none runs: ALREADY, no paths
     assert (none.status, none.trace_paths, none.state) == (AckStatus.ALREADY, (), state)
@@ -936,7 +947,7 @@ def test_profile_duplicates_are_answered_from_the_cache() -> None:
     d.run(_profile("on", True))
     step = d.send(_profile("off", False))
     assert d.send(_profile("off", False)) == WorkerStep()  # a copy while in progress: silent (P-1)
-    (first,) = d.w.on_done("off", trace_paths=("/p/one.json.gz",)).replies
+    (first,) = d.w.step(EffectCompleted("off", trace_paths=("/p/one.json.gz",))).replies
     (copy,) = d.send(_profile("off", False)).replies  # after: the same reply, paths included (P-2)
     assert copy == first and copy.trace_paths == ("/p/one.json.gz",)
     assert step.effect is not None and not d.w.profiling
@@ -953,7 +964,7 @@ def test_profile_of_an_older_epoch_is_fenced() -> None:
 def test_profiler_error_keeps_the_state_and_says_none_runs() -> None:
     d = reach_worker(W.SLEEPING)
     d.send(_profile("on", True))
-    (nack,) = d.w.on_error("on", "RuntimeError: profiler already enabled on this thread").replies
+    (nack,) = d.w.step(EffectRaised("on", "RuntimeError: profiler already enabled on this thread")).replies
     assert (nack.reason, nack.state) == (NackReason.PROFILE_ERROR, W.SLEEPING)
     assert "no profile is running" in nack.detail and not d.w.profiling and not d.w.failure
     assert d.run(Wake(task_id="w", epoch=0)).state is W.ACTIVE  # serving on, not FAILED
@@ -982,16 +993,43 @@ def test_a_busy_refusal_of_a_profile_is_recorded_so_a_copy_never_runs_after_it()
     d.send(Execute(task_id="q", epoch=0))
     (busy,) = d.send(_profile("p", True)).replies
     assert busy.reason is NackReason.BUSY
-    d.w.on_done("q")
+    d.w.step(EffectCompleted("q"))
     step = d.send(_profile("p", True))
     assert step.effect is None and step.replies == (busy,) and not d.w.profiling
 
 
-def test_the_command_handler_is_the_only_door_for_commands() -> None:
-    """A command reaches its handler only through on_command (epoch fence, reply cache, BUSY
-    first); the other public calls are the shell's: the load and each effect's end."""
-    public = {name for name in dir(WorkerCore) if not name.startswith("_") and callable(getattr(WorkerCore, name))}
-    assert public == {"on_command", "on_bad_message", "loaded", "load_failed", "on_done", "on_refused", "on_error"}
+def test_step_is_the_only_door() -> None:
+    """Every input reaches the core through `step` (commands: epoch fence, reply cache, BUSY
+    first; every input: the invariants after it); `state` and `busy` are read-only."""
+    public = {name for name in dir(WorkerCore) if not name.startswith("_")}
+    data = {"rank", "weights_version", "weight_group", "tags", "epoch", "capabilities", "residency", "lifecycle"}
+    data |= {"cache", "counters", "failure", "profiling"}
+    assert public - data == {"step", "state", "busy"}
+    for name in ("state", "busy"):
+        prop = getattr(WorkerCore, name)
+        assert isinstance(prop, property) and prop.fset is None
+    with pytest.raises(InvariantViolation, match="takes no input"):
+        WorkerCore(0).step(Sleep(task_id="s", epoch=0))  # type: ignore[arg-type]
+
+
+def test_the_invariants_are_checked_after_every_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = WorkerDriver()
+    checked: list[W] = []
+    monkeypatch.setattr(WorkerCore, "_check_invariants", lambda self: checked.append(self.state))
+    d.w.step(Loaded())
+    d.w.step(BadFrame(ProtocolError("undecodable message (1 bytes): junk")))
+    d.send(Sleep(task_id="s", epoch=0))
+    d.w.step(EffectCompleted("s"))
+    d.send(Wake(task_id="w", epoch=0, memory_wait_s=1.0))
+    d.w.step(EffectDeclined("w", "needed 2 GiB, 1 GiB free", NackReason.NO_MEMORY))
+    d.send(Wake(task_id="w2", epoch=0))
+    d.w.step(EffectCompleted("w2"))
+    d.send(Execute(task_id="x", epoch=0))
+    d.w.step(EffectRaised("x", "ValueError: prompt too long"))
+    asleep = [W.OFFLOADING, W.SLEEPING, W.RESTORING, W.SLEEPING, W.RESTORING]
+    assert checked == [W.ACTIVE, W.ACTIVE, *asleep, W.ACTIVE, W.ACTIVE, W.ACTIVE]
+    WorkerDriver().w.step(LoadFailed("weights file missing"))
+    assert checked[-1] is W.FAILED
 
 
 def test_every_refused_row_returns_where_the_command_started() -> None:

@@ -268,7 +268,7 @@ FaultOk(kind) == kind \in Faults /\ faults < MaxFaults
 
 -----------------------------------------------------------------------------
 (* ================================ worker ================================ *)
-(* WorkerCore.on_command: the result of one command as a record              *)
+(* WorkerCore.step(CommandReceived): the result of one command as a record *)
 (*   st: next state, pend: pending effect, reply: reply to send (NoMsg),     *)
 (*   cache: put the reply in the reply cache, apply: an effect started.      *)
 
@@ -317,7 +317,7 @@ OnReload(r, m) ==
 OnExecute(r, m) ==
     IF ~WLegal(wstate[r], "execute") THEN Refuse(r, m, "INVALID_STATE") ELSE Start(r, m, "execute", {}, {})
 
-(* WorkerCore.on_profile: a start while the profiler runs, or a stop while it does not, is
+(* WorkerCore._on_profile: a start while the profiler runs, or a stop while it does not, is
    ALREADY; otherwise an effect on the profiler alone, legal where the table says (P-15). *)
 OnProfile(r, m) ==
     IF ProfileStart(m.level) = wprof[r] /\ WLegal(wstate[r], "profile_already")
@@ -384,7 +384,7 @@ WorkerReceive(r, m, keep) ==
     /\ faults' = IF keep THEN faults + 1 ELSE faults
     /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, stageVars, nextTask>>
 
-(* The effect was refused before it changed anything: WorkerCore.on_refused. The runner refused
+(* The effect was refused before it changed anything: EffectDeclined. The runner refused
    the reload's source before writing (NACK INVALID_ARGUMENT), or a waiting wake found too little
    free memory in time and unmapped what it had mapped (NACK NO_MEMORY; memory as before): back
    to the state the command came from; the answer is cached like any terminal reply of an
@@ -415,7 +415,7 @@ MemAfter(p, did, t, held) ==
       [] p.type = "ReloadWeights" /\ t = Weights -> "valid"
       [] OTHER -> held
 
-(* The shell performed the pending effect: WorkerCore.on_done. With "short" in Faults a wake
+(* The shell performed the pending effect: EffectCompleted. With "short" in Faults a wake
    may map back less than its plan (a backend that could not map one pool) and the worker
    ACKs what it holds: an ACK that disagrees with what the stage expects. *)
 DoneSets(r) == IF wpend[r].type = "Wake" /\ FaultOk("short")
@@ -455,7 +455,7 @@ Done(r) ==
                                     THEN {"P15"} ELSE {})
     /\ UNCHANGED <<alive, wepoch, applied, stageVars, nextTask>>
 
-(* The effect raised: WorkerCore.on_error. A lifecycle effect leaves the rank FAILED. *)
+(* The effect raised: EffectRaised. A lifecycle effect leaves the rank FAILED. *)
 EffectError(r) ==
     /\ alive[r] /\ Busy(r) /\ FaultOk("error")
     /\ LET p == wpend[r]
@@ -481,7 +481,7 @@ Loaded(r) ==
     /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wpend, wprof, wcache, replied, applied, stageVars,
                    nextTask, faults, broken>>
 
-(* The backend or the runner raised while loading (WorkerCore.load_failed): the rank is
+(* The backend or the runner raised while loading (LoadFailed): the rank is
    FAILED and says so in its Hello; it answers every later command NACK FAILED. *)
 LoadFailed(r) ==
     /\ alive[r] /\ WorkerLegal(wstate[r], "fail") /\ wstate[r] = WorkerInitial /\ FaultOk("error")

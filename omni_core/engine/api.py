@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -41,6 +40,7 @@ from omni_core.fsm.inputs import (
     WakeCall,
     WeightGroupCall,
 )
+from omni_core.fsm.stage_calls import memory_wait_problem
 from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource
 from omni_core.protocol.weights import WeightSource
 
@@ -180,10 +180,11 @@ class Engine:
         tid, deadline_s = self._task(stage, "pause", task_id, timeout_s)
         return self._lifecycle(stage, PauseCall(tid, mode, deadline_s))
 
-    def resume(self, stage: str, *, task_id: str | None = None) -> LifecycleReport:
-        """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING."""
-        tid, deadline_s = self._task(stage, "resume", task_id, None)  # nothing to drain: the wait's bound only
-        return self._wait(self._orch.submit(stage, ResumeCall(tid)), deadline_s + self._specs[stage].request_timeout_s)
+    def resume(self, stage: str, *, task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:
+        """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING.
+        `timeout_s` (default: the stage's deadline_s) bounds the wait for the answer."""
+        tid, deadline_s = self._task(stage, "resume", task_id, timeout_s)
+        return self._lifecycle(stage, ResumeCall(tid, deadline_s))
 
     def is_paused(self, stage: str) -> bool:
         """Whether the stage is PAUSED (a pause's drain, DRAINING, is not yet)."""
@@ -222,17 +223,9 @@ class Engine:
         deadline_s = self._deadline_s(max(out_spec.deadline_s, in_spec.deadline_s), timeout_s)
         default_s = min(SWAP_MEMORY_WAIT_SHARE * deadline_s, MAX_MEMORY_WAIT_S)
         wait_s = default_s if memory_wait_s is None else memory_wait_s
-        if not (
-            isinstance(wait_s, (int, float))
-            and math.isfinite(wait_s)
-            and 0 <= wait_s < deadline_s
-            and wait_s <= MAX_MEMORY_WAIT_S
-        ):
-            raise InvalidArgumentError(
-                f"memory_wait_s must be >= 0, below the swap's deadline ({deadline_s} s: timeout_s, else the larger "
-                f"deadline_s of the two stages) and at most {MAX_MEMORY_WAIT_S:.0f} s, got {memory_wait_s!r}; "
-                "pass a smaller memory_wait_s or a longer timeout_s"
-            )
+        problem = memory_wait_problem(wait_s, deadline_s)  # the core's rule, asked before the sleep goes out
+        if problem is not None:
+            raise InvalidArgumentError(f"swap into {in_stage!r}: {problem}")
         swap_id = task_id or self._orch.new_task_id("swap", f"{out_stage}-{in_stage}")
         sleep = SleepCall(f"{swap_id}/out", level, _tags(tags), deadline_s)
         wake = WakeCall(f"{swap_id}/in", None, deadline_s, float(wait_s))

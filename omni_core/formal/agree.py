@@ -23,7 +23,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import StageCommandError, StageCore
 from omni_core.fsm.tags import Residency, plan_sleep
-from omni_core.fsm.worker import WorkerCore
+from omni_core.fsm.worker import CommandReceived, EffectCompleted, WorkerCore
 from omni_core.fsm.worker_step import _CachedReply, _Pending, command_digest
 from omni_core.protocol import (
     Ack,
@@ -230,7 +230,7 @@ def worker_recv(w: Key, m: Key, factory: Callable[..., WorkerCore] = WorkerCore)
     core, marker = _worker(w, m, factory)
     task_id = str(m[3])
     before = core.cache._entries.get(task_id)
-    step = core.on_command(_command(m))
+    step = core.step(CommandReceived(_command(m)))
     effect = step.effect
     replies = step.replies
     if len(replies) > 1:
@@ -257,7 +257,7 @@ def _pending(pending: _Pending | None) -> tuple[str, frozenset[str], frozenset[s
 
 def worker_done(w: Key, factory: Callable[..., WorkerCore] = WorkerCore) -> tuple:
     core, _ = _worker(w, None, factory)
-    step = core.on_done("1")
+    step = core.step(EffectCompleted("1"))
     res = core.residency
     return (core.state.value, res.asleep, res.weights_valid, *_reply(step.replies[0]))
 

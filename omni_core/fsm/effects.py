@@ -1,5 +1,6 @@
 """Effects: what a worker core asks its shell to do. The shell performs one, then reports
-back with `WorkerCore.on_done` or `WorkerCore.on_error`; the core never does IO itself."""
+back through `WorkerCore.step` (`EffectCompleted`, `EffectDeclined`, `EffectRaised`); the core
+never does IO itself."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class SleepEffect:
 class WakeEffect:
     """Map `tags` back and restore whatever of them was offloaded. Each allocation waits for
     that much free device memory, up to `memory_wait_s` in all; when it is not there in
-    time, unmap what was mapped and report `WorkerCore.on_refused` (NO_MEMORY, P-16)."""
+    time, unmap what was mapped and report `EffectDeclined` (NO_MEMORY, P-16)."""
 
     task_id: str
     tags: frozenset[str]
@@ -43,7 +44,7 @@ class ReloadEffect:
 class UpdateEffect:
     """Write the weights of `source` in place as `version` (P-17): check every name, shape and
     dtype and open every handle first (a problem then: `RunnerArgumentError`, nothing written,
-    `WorkerCore.on_refused`); any failure after writing began is `WorkerCore.on_error`, which
+    `EffectDeclined`); any failure after writing began is `EffectRaised`, which
     leaves the rank NEEDS_RELOAD at its old version. Invalidate host copies of the weights."""
 
     task_id: str
@@ -62,7 +63,7 @@ class WeightGroupEffect:
 @dataclass(frozen=True)
 class ShareEffect:
     """Copy the runner's weights into shared buckets of at most `bucket_bytes`; the Ack lists
-    them (`WorkerCore.on_done(shared=...)`). Moves no pool memory, changes no state."""
+    them (`EffectCompleted.shared`). Moves no pool memory, changes no state."""
 
     task_id: str
     bucket_bytes: int
@@ -91,7 +92,7 @@ class ShutdownEffect:
 @dataclass(frozen=True)
 class ProfileEffect:
     """Start the rank's profiler (`start`), or stop it and write its trace; the stop's Ack
-    lists the files (`WorkerCore.on_done(trace_paths=...)`). Touches no memory pool."""
+    lists the files (`EffectCompleted.trace_paths`). Touches no memory pool."""
 
     task_id: str
     start: bool

@@ -75,6 +75,7 @@ class ResumeCall:
     """Open a PAUSED stage's admission again; its queue is served."""
 
     task_id: str
+    deadline_s: float  # the longest the caller waits for its answer (the resume itself sends nothing)
 
 
 @dataclass(frozen=True)

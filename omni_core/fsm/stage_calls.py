@@ -10,6 +10,7 @@ requests in flight where the row drains.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -50,6 +51,25 @@ from omni_core.protocol import (
     profile_prefix_problem,
 )
 from omni_core.protocol import StageState as S
+
+
+def memory_wait_problem(memory_wait_s: Any, deadline_s: float) -> str | None:
+    """What is wrong with a wake's wait for memory, or None. The rule of P-16, declared once:
+    the stage core refuses a WakeCall by it, and Engine.swap asks it before anything is sent
+    (its sleep goes out first). The wait must end before the deadline so that a rank's NO_MEMORY
+    refusal arrives in time; the Wake's bound on the wire (MAX_MEMORY_WAIT_S) caps it."""
+    if (
+        isinstance(memory_wait_s, (int, float))
+        and math.isfinite(memory_wait_s)
+        and 0 <= memory_wait_s < deadline_s
+        and memory_wait_s <= MAX_MEMORY_WAIT_S
+    ):
+        return None
+    return (
+        f"memory_wait_s must be >= 0, below the deadline ({deadline_s} s) and at most {MAX_MEMORY_WAIT_S:.0f} s, "
+        f"got {memory_wait_s!r}; leave the ranks time to map and copy: pass a smaller memory_wait_s or a "
+        "longer timeout_s"
+    )
 
 
 @dataclass(frozen=True)
@@ -253,11 +273,9 @@ class StageCalls:
         for free device memory another stage is releasing (a swap, P-16); it must end well
         before the deadline so that a rank's NO_MEMORY refusal arrives in time."""
         memory_wait_s, deadline_s = call.memory_wait_s, call.deadline_s
-        if not (0 <= memory_wait_s < deadline_s) or memory_wait_s > MAX_MEMORY_WAIT_S:
-            raise StageCommandError(
-                f"memory_wait_s must be >= 0, below the deadline ({deadline_s} s) and at most "
-                f"{MAX_MEMORY_WAIT_S:.0f} s, got {memory_wait_s!r}; leave the ranks time to map and copy"
-            )
+        problem = memory_wait_problem(memory_wait_s, deadline_s)
+        if problem is not None:
+            raise StageCommandError(problem)
         wanted = self._resolve(call.tags)
         signature = ("Wake", None if call.tags is None else tuple(sorted(wanted)), float(memory_wait_s))
 

@@ -1,13 +1,14 @@
 """Worker lifecycle: the sans-IO core of one rank process.
 
-`WorkerCore.on_command` takes a decoded command and returns a `WorkerStep`: the replies to
-send now and at most one effect for the shell to perform. When the effect is done the
-shell calls `on_done` (or `on_refused`, `on_error`) and gets the terminal reply. Same state
-and input, same output: the core reads no clock and touches no memory.
+One door: `WorkerCore.step(input)` takes a typed input (`worker_inputs`: the runner loaded or
+failed to, a command decoded or bytes that did not decode, the pending effect completed,
+declined or raised) and returns a `WorkerStep`: the replies to send now, at most one effect
+for the shell to perform, and the trace records. The invariants are checked after every
+input. Same state and input, same output: the core reads no clock and touches no memory.
 
-One door for commands: `on_command` fences the epoch, answers copies from the reply cache
-and refuses while busy before a command's own handler (`worker_commands`) runs; the effect
-completions are in `worker_effects`, the table in `worker_table`.
+A command is fenced by epoch, answered from the reply cache and refused while busy before its
+own handler (`worker_commands`) runs; the effect completions are in `worker_effects`, the
+table in `worker_table`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ from omni_core.fsm.trace_records import (
 )
 from omni_core.fsm.worker_commands import WorkerCommands
 from omni_core.fsm.worker_effects import WorkerEffects
+from omni_core.fsm.worker_inputs import (
+    BadFrame,
+    CommandReceived,
+    EffectCompleted,
+    EffectDeclined,
+    EffectRaised,
+    Loaded,
+    LoadFailed,
+    WorkerInput,
+)
 from omni_core.fsm.worker_step import (
     _ENTRY_OVERHEAD_BYTES,
     ALL_CAPABILITIES,
@@ -73,9 +84,17 @@ __all__ = [
     "ALL_CAPABILITIES",
     "HELLO_TASK_ID",
     "MAX_EPOCH_AHEAD",
+    "BadFrame",
+    "CommandReceived",
+    "EffectCompleted",
+    "EffectDeclined",
+    "EffectRaised",
     "InvariantViolation",
+    "LoadFailed",
+    "Loaded",
     "WorkerCore",
     "WorkerCounters",
+    "WorkerInput",
     "WorkerStep",
     "command_digest",
 ]
@@ -120,40 +139,56 @@ class WorkerCore(WorkerCommands, WorkerEffects):
     def busy(self) -> bool:
         return self._pending is not None
 
-    def loaded(self, backend: str = "", capabilities: Iterable[Capability] | None = None) -> WorkerStep:
-        """The shell finished loading the runner: LOADING -> ACTIVE. The records say so and
-        that the Hello goes out (the shell builds it: pid, proof and device are its).
-        `capabilities`, when given, are the ones the load settled (a backend chosen at load
-        relays through peers or not; a loaded runner takes weight updates)."""
+    def step(self, event: WorkerInput) -> WorkerStep:
+        """The one door: what the shell saw or did, in; what to send and do next, out."""
+        match event:
+            case CommandReceived():
+                step = self._receive(event.command)
+            case EffectCompleted():
+                step = self._on_done(event)
+            case EffectDeclined():
+                step = self._on_refused(event)
+            case EffectRaised():
+                step = self._on_error(event)
+            case BadFrame():
+                step = self._on_bad_message(event.error)
+            case Loaded():
+                step = self._loaded(event.backend, event.capabilities)
+            case LoadFailed():
+                step = self._load_failed(event.error, event.backend)
+            case _:
+                raise InvariantViolation(f"the worker core takes no input {event!r}")
+        self._check_invariants()
+        return step
+
+    def _loaded(self, backend: str, capabilities: Iterable[Capability] | None) -> WorkerStep:
+        """LOADING -> ACTIVE. The records say so and that the Hello goes out (the shell builds
+        it: pid, proof and device are its)."""
         if capabilities is not None:
             self.capabilities = frozenset(capabilities)
         self.lifecycle.fire("loaded")
-        self._check_invariants()
         return self._started(backend, "")
 
-    def load_failed(self, error: str, backend: str = "") -> WorkerStep:
+    def _load_failed(self, error: str, backend: str) -> WorkerStep:
         self.failure = f"load failed: {error}"
         self.lifecycle.fire("fail")
-        self._check_invariants()
         return self._started(backend, error)
 
     def _started(self, backend: str, error: str) -> WorkerStep:
         hello = ReplySent(self.epoch, HELLO_TASK_ID, "hello", self.state.value, weights_version=self.weights_version)
         return WorkerStep(records=(WorkerStarted(self.state.value, self.tags, backend, clip(error)), hello))
 
-    def on_bad_message(self, error: ProtocolError) -> WorkerStep:
+    def _on_bad_message(self, error: ProtocolError) -> WorkerStep:
         """Bytes that did not decode (P-10): refuse them and keep serving."""
         self.counters.bad_messages += 1
         nack = self._nack_raw(error)
         head = BadMessage(error.task_id or "", error.epoch if error.epoch is not None else -1, clip(error.detail))
         return WorkerStep(replies=(nack,), records=(head, _sent(nack, to_bad_bytes=True)))
 
-    def on_command(self, command: Command) -> WorkerStep:
+    def _receive(self, command: Command) -> WorkerStep:
         before = self.state
         head = WorkerReceived(command.epoch, command.task_id, type(command).__name__, before.value)
-        step = self._on_command(command)
-        self._check_invariants()
-        return self._traced(step, head, before, command.task_id)
+        return self._traced(self._on_command(command), head, before, command.task_id)
 
     def _on_command(self, command: Command) -> WorkerStep:
         """Fence the epoch, answer a copy from the reply cache, refuse while busy or FAILED;

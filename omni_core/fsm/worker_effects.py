@@ -1,22 +1,20 @@
-"""The worker core's effect completions: the shell performed the pending effect (`on_done`),
-the runner refused it before it changed anything (`on_refused`), or it raised (`on_error`).
-Each gives the task's one terminal reply."""
+"""The worker core's effect completions: the shell performed the pending effect
+(`EffectCompleted`), the runner refused it before it changed anything (`EffectDeclined`), or it
+raised (`EffectRaised`). Each gives the task's one terminal reply."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from omni_core.fsm.settle import REFUSAL_REASON, settle_row
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency
 from omni_core.fsm.trace_records import EffectDone, EffectFailed, EffectRefused, clip
+from omni_core.fsm.worker_inputs import EffectCompleted, EffectDeclined, EffectRaised
 from omni_core.fsm.worker_step import InvariantViolation, WorkerStep, _Pending
 from omni_core.fsm.worker_table import REFUSED
 from omni_core.protocol import (
     AckStatus,
     Execute,
     InitWeightGroup,
-    MemoryReport,
     NackReason,
     Profile,
     ReloadWeights,
@@ -44,19 +42,9 @@ class WorkerEffects:
     profiling: bool
     failure: str
 
-    def on_done(
-        self,
-        task_id: str,
-        *,
-        memory: MemoryReport | None = None,
-        output: Any = None,
-        duration_s: float = 0.0,
-        path: str = "",
-        trace_paths: tuple[str, ...] = (),
-        shared: Any = None,
-    ) -> WorkerStep:
-        """The shell performed the pending effect (`path`: how the backend did it, traced;
-        `trace_paths`: the files a Profile stop wrote)."""
+    def _on_done(self, done: EffectCompleted) -> WorkerStep:
+        """The shell performed the pending effect."""
+        task_id, duration_s = done.task_id, done.duration_s
         before = self.state
         pending = self._take_pending(task_id)
         command = pending.command
@@ -66,7 +54,7 @@ class WorkerEffects:
                     task_id=task_id,
                     epoch=self.epoch,
                     rank=self.rank,
-                    output=output,
+                    output=done.output,
                     duration_s=duration_s,
                     weights_version=self.weights_version,
                 )
@@ -75,15 +63,14 @@ class WorkerEffects:
                 reply = self._ack(
                     command,
                     AckStatus.OK,
-                    memory=memory,
+                    memory=done.memory,
                     duration_s=duration_s,
-                    trace_paths=trace_paths if isinstance(command, Profile) else (),
-                    shared=shared if isinstance(command, ShareWeights) else None,
+                    trace_paths=done.trace_paths if isinstance(command, Profile) else (),
+                    shared=done.shared if isinstance(command, ShareWeights) else None,
                 )
         if not isinstance(command, Status):
             self._remember(command, reply)
-        self._check_invariants()
-        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, path)
+        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, done.path)
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
     def _settle(self, pending: _Pending) -> None:
@@ -110,7 +97,7 @@ class WorkerEffects:
             case Profile():
                 self.profiling = command.start
 
-    def on_refused(self, task_id: str, detail: str, reason: NackReason | None = None) -> WorkerStep:
+    def _on_refused(self, declined: EffectDeclined) -> WorkerStep:
         """The pending effect was refused before it changed anything, and the rank is back in
         the state the command started from: a ReloadWeights whose source the runner refused
         before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
@@ -118,6 +105,7 @@ class WorkerEffects:
         EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
         gets it again instead of passing through RELOADING once more (a copy judged afresh
         would move a rank of a NEEDS_RELOAD stage back into RELOADING)."""
+        task_id, detail, reason = declined.task_id, declined.detail, declined.reason
         before = self.state
         pending = self._take_pending(task_id)
         kind = type(pending.command)
@@ -139,13 +127,13 @@ class WorkerEffects:
             pending.command, REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
         )
         self._remember(pending.command, reply)
-        self._check_invariants()
         head = EffectRefused(task_id, name, self.state.value, clip(detail))
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
-    def on_error(self, task_id: str, error: str) -> WorkerStep:
+    def _on_error(self, raised: EffectRaised) -> WorkerStep:
         """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
         in every later reply; a failed Execute is only that request's error."""
+        task_id, error = raised.task_id, raised.error
         before = self.state
         pending = self._take_pending(task_id)
         command = pending.command
@@ -182,8 +170,7 @@ class WorkerEffects:
                 if self.lifecycle.allows("fail"):
                     self.lifecycle.fire("fail")
                 reply = self._nack(command, NackReason.BACKEND_ERROR, self.failure)
-        if not isinstance(command, Status):  # Status is never cached (as in on_done)
+        if not isinstance(command, Status):  # Status is never cached (as in _on_done)
             self._remember(command, reply)
-        self._check_invariants()
         head = EffectFailed(task_id, name, self.state.value, clip(error))
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)

@@ -47,6 +47,10 @@ class PauseBody(m._Strict):
     timeout_s: float | None = Field(None, description="how long in-flight requests may take; null: deadline_s")
 
 
+class ResumeBody(m._Strict):
+    timeout_s: float | None = Field(None, description="how long to wait for the answer; null: deadline_s")
+
+
 class VllmPausedModel(BaseModel):
     status: str = Field(description="paused, or resumed")
     stages: dict[str, m.LifecycleReportModel]
@@ -142,8 +146,11 @@ def router(state: ServeState) -> APIRouter:
         tags=["omni-core"],
         description="Open a PAUSED stage's admission again (ALREADY when RUNNING)",
     )
-    async def resume(name: str, request: Request) -> Response:
+    async def resume(name: str, request: Request, body: ResumeBody | None = None) -> Response:
         state.stage_name(name)
-        return await stage_route(state, request, name, "resume", state.require_engine().resume)
+        limit_s = timeout_s((body or ResumeBody()).timeout_s)
+        return await stage_route(
+            state, request, name, "resume", functools.partial(state.require_engine().resume, timeout_s=limit_s)
+        )
 
     return api

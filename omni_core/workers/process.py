@@ -44,7 +44,17 @@ from omni_core.fsm.effects import (
     WeightGroupEffect,
 )
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
-from omni_core.fsm.worker import HELLO_TASK_ID, WorkerStep
+from omni_core.fsm.worker import (
+    HELLO_TASK_ID,
+    BadFrame,
+    CommandReceived,
+    EffectCompleted,
+    EffectDeclined,
+    EffectRaised,
+    Loaded,
+    LoadFailed,
+    WorkerStep,
+)
 from omni_core.isolation import FrameErrors, cause_of
 from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
@@ -182,7 +192,7 @@ class WorkerProcess:
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
-        started = self.core.load_failed(error, backend_name) if error else self.core.loaded(backend_name, capabilities)
+        started = self.core.step(LoadFailed(error, backend_name) if error else Loaded(backend_name, capabilities))
         self._write(started.records)
         device = str(self.device)
         if self.memory is not None and self.memory.physical is not None:
@@ -321,16 +331,15 @@ class WorkerProcess:
             if task_id is not None and task_id in self._answered:
                 return
             if became_busy and task_id is not None:
-                step = core.on_error(task_id, f"the worker failed while handling it ({cause})")
+                step = core.step(EffectRaised(task_id, f"the worker failed while handling it ({cause})"))
             else:
-                step = core.on_bad_message(
-                    ProtocolError(
-                        f"this worker could not handle the frame ({cause}); it was dropped and the worker serves on: "
-                        "check the sender, or report a bug with the worker's log",
-                        task_id=task_id,
-                        epoch=epoch,
-                    )
+                error = ProtocolError(
+                    f"this worker could not handle the frame ({cause}); it was dropped and the worker serves on: "
+                    "check the sender, or report a bug with the worker's log",
+                    task_id=task_id,
+                    epoch=epoch,
                 )
+                step = core.step(BadFrame(error))
             self._send_all(step)
         except InvariantViolation:
             raise
@@ -343,9 +352,9 @@ class WorkerProcess:
         try:
             command = decode_command(data, max_frame_bytes=self.config.max_frame_bytes)
         except ProtocolError as err:
-            self._send_all(core.on_bad_message(err))
+            self._send_all(core.step(BadFrame(err)))
             return
-        step = core.on_command(command)
+        step = core.step(CommandReceived(command))
         self._send_all(step)
         if step.effect is not None:
             self._perform(step.effect)
@@ -378,15 +387,8 @@ class WorkerProcess:
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
             shared = output if isinstance(effect, ShareEffect) else None
             output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
-            step = core.on_done(
-                effect.task_id,
-                memory=memory,
-                output=output,
-                duration_s=duration_s,
-                path=path,
-                trace_paths=trace_paths,
-                shared=shared,
-            )
+            # Positional, in the fields' order: each value is named as its field.
+            step = core.step(EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared))
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -396,11 +398,11 @@ class WorkerProcess:
         assert core is not None
         if isinstance(exc, RunnerArgumentError) and isinstance(effect, (ReloadEffect, UpdateEffect)):
             # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
-            return core.on_refused(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT)
+            return core.step(EffectDeclined(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT))
         if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
             # Rolled back: nothing mapped is kept, the tags sleep as before (NO_MEMORY, P-16).
             log.warning("worker %s/%s: wake %r refused: %s", self.config.stage, self.config.rank, effect.task_id, exc)
-            return core.on_refused(effect.task_id, str(exc), NackReason.NO_MEMORY)
+            return core.step(EffectDeclined(effect.task_id, str(exc), NackReason.NO_MEMORY))
         log.error(
             "worker %s/%s: %s failed:\n%s",
             self.config.stage,
@@ -410,7 +412,7 @@ class WorkerProcess:
         )
         if isinstance(effect, ShutdownEffect):
             self.exit_code = EXIT_SHUTDOWN_ERROR
-        return core.on_error(effect.task_id, _error_text(exc))
+        return core.step(EffectRaised(effect.task_id, _error_text(exc)))
 
     def _apply(self, effect: Effect) -> Any:
         backend, runner = self.backend, self.runner

@@ -165,6 +165,7 @@ def _install(name: str) -> None:
 
     from omni_core.fsm import worker as fsm_worker
     from omni_core.fsm.effects import ExecuteEffect, SleepEffect
+    from omni_core.fsm.worker import BadFrame, CommandReceived, EffectCompleted
     from omni_core.protocol import Hello, MemoryReport, NackReason, ProtocolError, Sleep, WorkerState, encode
     from omni_core.protocol.codec import decode_command
     from omni_core.protocol.messages import AnyCommand
@@ -226,7 +227,7 @@ def _install(name: str) -> None:
             memory = MemoryReport(
                 pool_bytes_before=usage, pool_bytes_after=dict(usage), process_bytes_source="none: mutant"
             )
-            self._send_all(self.core.on_done(effect.task_id, memory=memory))
+            self._send_all(self.core.step(EffectCompleted(effect.task_id, memory=memory)))
             self._apply(effect)  # the release happens only now
             return None
 
@@ -268,7 +269,7 @@ def _install(name: str) -> None:
             except ProtocolError as err:
                 if err.reason is NackReason.UNSUPPORTED_VERSION:
                     command = lenient.decode(data)
-                    step = self.core.on_command(command)
+                    step = self.core.step(CommandReceived(command))
                     self._send_all(step)
                     if step.effect is not None:
                         self._perform(step.effect)
@@ -293,7 +294,7 @@ def _install(name: str) -> None:
                     inner = msgspec.structs.replace(command, task_id=command.task_id[:100] + "-inner", tags=known)
                     self.muted = True
                     try:
-                        step = self.core.on_command(inner)
+                        step = self.core.step(CommandReceived(inner))
                         if step.effect is not None:
                             self._perform(step.effect)
                     finally:
@@ -328,7 +329,7 @@ def _install(name: str) -> None:
                     pool_bytes_before=usage, pool_bytes_after=planned, process_bytes_source=self._figure().source
                 )
                 self.deferred = effect
-                self._send_all(self.core.on_done(effect.task_id, memory=memory))
+                self._send_all(self.core.step(EffectCompleted(effect.task_id, memory=memory)))
                 return None
             if self.deferred is not None and not isinstance(effect, StatusEffect):
                 self._apply(self.deferred)
@@ -374,7 +375,7 @@ def _install(name: str) -> None:
         def run_silently(self, command: Any) -> None:
             self.muted = True
             try:
-                step = self.core.on_command(command)
+                step = self.core.step(CommandReceived(command))
                 if step.effect is not None:
                     self._perform(step.effect)
             finally:
@@ -434,9 +435,9 @@ def _install(name: str) -> None:
             self.rank_secret = None
 
     class NoTaskIdCore(core_cls):
-        def on_bad_message(self, error: Any) -> Any:
+        def _on_bad_message(self, error: Any) -> Any:
             error.task_id = None
-            return super().on_bad_message(error)
+            return super()._on_bad_message(error)
 
     class ExitsNonzeroProcess(process_cls):
         def _perform(self, effect: Any) -> None:
@@ -447,7 +448,7 @@ def _install(name: str) -> None:
     class StatusWithoutMemoryProcess(process_cls):
         def _perform(self, effect: Any) -> None:
             if isinstance(effect, StatusEffect):
-                self._send_all(self.core.on_done(effect.task_id))
+                self._send_all(self.core.step(EffectCompleted(effect.task_id)))
                 return None
             return super()._perform(effect)
 
@@ -458,7 +459,7 @@ def _install(name: str) -> None:
             except ProtocolError as err:
                 if err.reason is NackReason.UNSUPPORTED_VERSION:
                     err.detail = "this protocol version is not supported"
-                    self._send_all(self.core.on_bad_message(err))
+                    self._send_all(self.core.step(BadFrame(err)))
                     return
             super().handle(data)
 

@@ -69,6 +69,9 @@ def test_lifecycle_calls_are_the_cores_inputs_with_task_id_and_deadline(engine: 
     engine.profile("a", start=False, task_id="p1")
     engine.set_admission("a", "reject")
     engine.restart("a")
+    engine.pause("a", "keep", timeout_s=2)
+    engine.resume("a")
+    engine.resume("a", task_id="u1", timeout_s=3)
     assert queued(engine) == [
         ("a", I.SleepCall("t1", 2, ("weights",), 7.0, True)),
         ("a", I.WakeCall("wake-a-new", None, 3.0)),
@@ -76,7 +79,35 @@ def test_lifecycle_calls_are_the_cores_inputs_with_task_id_and_deadline(engine: 
         ("a", I.ProfileCall("p1", False, None, 7.0)),
         ("a", I.SetAdmission(AdmissionPolicy.REJECT)),
         ("a", I.Restart(30.0)),
+        ("a", I.PauseCall("pause-a-new", "keep", 2.0)),
+        ("a", I.ResumeCall("resume-a-new", 7.0)),  # the stage's deadline_s, as every call's
+        ("a", I.ResumeCall("u1", 3.0)),
     ]
+
+
+class SilentOrchestrator(RecordingOrchestrator):
+    """Never answers a lifecycle call: the caller's own bound must end its wait."""
+
+    def submit(self, stage: str | None, call: object) -> Future:
+        if isinstance(call, (I.PauseCall, I.ResumeCall)):
+            self.queued.append((stage, call))
+            return Future()
+        return super().submit(stage, call)
+
+
+@pytest.mark.parametrize("verb", ["pause", "resume"])
+def test_a_resume_waits_no_longer_than_its_deadline_as_a_pause(monkeypatch: pytest.MonkeyPatch, verb: str) -> None:
+    monkeypatch.setattr(engine_api, "Orchestrator", SilentOrchestrator)
+    monkeypatch.setattr(engine_api, "WAIT_GRACE_S", 0.0)
+    engine = Engine([StageSpec("c", deadline_s=600.0, request_timeout_s=0.25)])
+    call = getattr(engine, verb)
+    # Budget: the call's deadline plus the stage's request_timeout_s (plus the grace, 0 here),
+    # not the stage's deadline_s of 600 s.
+    with pytest.raises(OmniCoreError, match=r"no answer from the orchestrator within 0\.3 s"):
+        call("c", timeout_s=0.05)
+    with pytest.raises(InvalidArgumentError, match="timeout_s must be a positive number"):
+        call("c", timeout_s=-1)
+    assert [type(c) for _, c in queued(engine)][-1] is (I.PauseCall if verb == "pause" else I.ResumeCall)
 
 
 def test_a_request_is_a_submit_with_its_budget_and_a_bad_one_is_refused_in_its_future(engine: Engine) -> None:

@@ -133,8 +133,12 @@ def test_omni_core_pause_and_resume_routes_with_an_idempotency_key(served: Serve
     assert replay.json() == first.json() and replay.headers.get("Idempotent-Replayed") == "true"
     assert served.stage("talker")["state"] == "RUNNING"  # only the stage named
     assert served.client.post("/v1/stages/decoder/pause", json={"mode": "hold"}).status_code == 422
-    resumed = served.client.post("/v1/stages/decoder/resume")
+    refused = served.client.post("/v1/stages/decoder/resume", json={"timeout_s": -1})
+    assert refused.status_code == 400 and "timeout_s must be a positive number" in refused.text, refused.text
+    assert served.stage("decoder")["state"] == "PAUSED"
+    resumed = served.client.post("/v1/stages/decoder/resume", json={"timeout_s": 5})
     assert resumed.status_code == 200 and resumed.json()["command"] == "Resume", resumed.text
+    assert served.client.post("/v1/stages/decoder/resume").json()["status"] == "ALREADY"  # no body: deadline_s
     assert served.stage("decoder")["state"] == "RUNNING"
 
 

@@ -238,7 +238,7 @@ WorkerStart ==
     /\ UNCHANGED <<owedState, owedSends, wowed, unsent, wstat>>
     /\ Advance
 
-(* wrecv (WorkerReceived): WorkerCore.on_command, with the state before it. The engine
+(* wrecv (WorkerReceived): WorkerCore.step(CommandReceived), with the state before it. The engine
    records a send before the command leaves, so an unrecorded command cannot be received. *)
 WorkerRecv ==
     /\ E.k = "wrecv" /\ WorkerFree(E.r) /\ WorkerLive /\ wstate[E.r] = E.w

@@ -167,7 +167,7 @@ StageTake(m, keep, ver) ==
 -----------------------------------------------------------------------------
 (* ================================ worker ================================ *)
 
-(* WorkerCore.on_command for a weight command: the fence, the reply cache and BUSY as for
+(* WorkerCore.step(CommandReceived) for a weight command: the fence, the reply cache and BUSY as for
    every command, then the table; an update not above the rank's version is refused
    INVALID_ARGUMENT before anything is written. *)
 OnWeights(r, m) ==

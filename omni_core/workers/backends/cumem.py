@@ -192,6 +192,8 @@ class CumemBackend(MemoryBackend):
     def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None) -> None:
         with self._on_device():
             if gate is None:
+                # A caller of `wake` outside a rank (benchmarks/memory.py, the version tests):
+                # vLLM's own wake_up. A rank on CUDA always passes a gate, even without a wait.
                 self.allocator.wake_up(tags=sorted(tags))
             else:
                 self._wake_gated(tags, gate)
