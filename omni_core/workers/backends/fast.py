@@ -37,6 +37,7 @@ class FastBackend(CumemBackend):
     allocations, and `name` and `choice_reason` say so."""
 
     name = "fast"
+    supports_late_release = True
 
     def __init__(
         self,
@@ -123,13 +124,19 @@ class FastBackend(CumemBackend):
         peers = range(torch.cuda.device_count())
         return tuple(p for p in peers if p != own and torch.cuda.can_device_access_peer(own, p))
 
-    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[LinkShare] = ()) -> None:
+    def _sleep(
+        self,
+        offload: frozenset[str],
+        discard: frozenset[str],
+        links: Sequence[LinkShare] = (),
+        release_late: bool = False,
+    ) -> None:
         if not self._fast:
             super()._sleep(offload, discard)
             return
         self.sleep_paths.append("fast" if not links else f"fast over {len(links)} links")
         with self._on_device():
-            self.path.sleep(offload, discard, links)
+            self.path.sleep(offload, discard, links, release_late=release_late)
 
     def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None, links: Sequence[LinkShare] = ()) -> None:
         if not self._fast:
