@@ -63,6 +63,7 @@ from benchmarks import child_env
 from benchmarks.memory import machine_info
 from benchmarks.swap_child import READY_PREFIX, REPLY_PREFIX, SMOKE_WORKLOADS, ChildSpec, workload_of
 from benchmarks.swap_report import (
+    SWAP_METHODS,
     op_s,
     parse_pair,
     render_markdown,
@@ -73,17 +74,7 @@ from benchmarks.swap_report import (
 )
 
 MiB = 1 << 20
-METHODS = (
-    "limit",
-    "vllm-seq",
-    "omni-seq",
-    "omni-swap-dirty",
-    "omni-swap-clean",
-    "omni-swap-runs",
-    "omni-swap-late",
-    "omni-swap-runs-late",
-    "engine-swap",
-)
+METHODS = ("limit", "vllm-seq", "omni-seq", *SWAP_METHODS)
 DEFAULT_PAIRS = {"cuda": ("16g:16g", "8g:16g+fill"), "cpu": ("4m:4m", "2m:4m+fill")}
 # The child process kind of each method, per device; a method missing here is skipped with its reason.
 KINDS = {
@@ -336,10 +327,13 @@ def fill_leave_bytes(a: str, b: str, device: str) -> int:
 
 
 def simulated_device(case_dir: Path, a: str, b: str) -> Any:
-    """The CPU stand-in for the GPU: both stages loaded fit, with a little room."""
+    """The CPU stand-in for the GPU: both stages loaded fit, and B once more, so that A sees
+    room for B beside it whatever B mapped already (the GPU of 16g:16g holds 40 GB of 80);
+    a `+fill` pair's filler takes that room."""
     from omni_core.workers.simulated_device import SimulatedDevice
 
-    return SimulatedDevice(str(case_dir / "device"), stage_bytes(a) + stage_bytes(b) + CPU_FILL_MARGIN_BYTES)
+    capacity = stage_bytes(a) + 2 * stage_bytes(b) + CPU_FILL_MARGIN_BYTES
+    return SimulatedDevice(str(case_dir / "device"), capacity)
 
 
 def device_reader(cfg: Config, sim: Any) -> Any:
