@@ -3,7 +3,8 @@ physical allocation each, bit-exact over dirty and clean sleeps, memory given ba
 
 A child process (which leaves with os._exit: vLLM's pools can abort at interpreter exit)
 allocates 2 GiB of bfloat16 weights in 64 tensors of 32 MiB and a KV pool, keeps a reference
-copy on the device outside the pools, then sleeps and wakes with run_bytes=512 MiB.
+copy on the device outside the pools, then sleeps and wakes with run_bytes=512 MiB (every
+other sleep releasing after its last copy, as a swap's outgoing stage with room beside it).
 
     source .device/setup.sh && python3 -m pytest -s -m gpu tests/workers/test_gpu_runs.py
 """
@@ -40,7 +41,8 @@ def probe(cycles: int) -> dict:
             backend.declare_read_only({"weights"})  # the later sleeps copy nothing
             backend.path.prepare(("weights",))
         free_awake, _ = torch.cuda.mem_get_info(device)
-        backend.sleep({"weights"}, {"kv_cache"})
+        # every other sleep keeps its memory until its last copy (a swap with room beside it)
+        backend.sleep({"weights"}, {"kv_cache"}, release_late=cycle % 2 == 1)
         free_asleep, _ = torch.cuda.mem_get_info(device)
         sleep_stats = dict(backend.path.stats.last)
         backend.wake({"weights", "kv_cache"})
@@ -52,6 +54,7 @@ def probe(cycles: int) -> dict:
                 "freed_bytes": free_asleep - free_awake,
                 "sleep_s": sleep_stats["total_s"],
                 "copied_bytes": sleep_stats["offloaded_bytes"],
+                "release_late": sleep_stats["release_late"],
                 "wake_map_s": backend.path.stats.last["map_s"],
                 "mapped_runs": backend.stats()["mapped_runs"],
             }
@@ -89,6 +92,8 @@ def test_runs_wake_bit_exact_and_give_the_memory_back():
     assert all(c["freed_bytes"] >= 3 * GiB - 64 * MiB for c in cycles)
     # the first half copies at every sleep, the second (declared clean) never
     assert [c["copied_bytes"] > 0 for c in cycles] == [k < len(cycles) // 2 for k in range(len(cycles))]
+    # released late where asked and there were copies to wait for (a clean sleep has none)
+    assert [c["release_late"] for c in cycles] == [k % 2 == 1 and k < len(cycles) // 2 for k in range(len(cycles))]
     # 64 touching 32 MiB weights: 4 runs of 512 MiB made at load, 4 more per wake (the KV,
     # alone, on its own handle)
     assert [c["mapped_runs"] for c in cycles] == [4 * (k + 2) for k in range(len(cycles))]
