@@ -19,8 +19,9 @@ pools), prints `SWAP-READY {...}`, then runs one JSON command per stdin line and
 - `{"op": "exit"}`.
 
 Kinds: `limit` (a pinned copy of the same bytes: the link itself), `vllm` (stock
-CuMemAllocator), `fast` / `fast-clean` (omni-core's fast backend, weights dirty or declared
-read-only), `fast-runs` (dirty, touching allocations woken as runs of 512 MiB: runs.py),
+CuMemAllocator), `fast` (omni-core's fast backend without runs, dirty weights: the swap's
+baseline), `fast-clean` (its defaults, runs included, weights declared read-only),
+`fast-runs` (dirty, touching allocations woken as runs of 512 MiB: runs.py),
 `portable` (CPU smoke runs, on a simulated device), `filler`.
 """
 
@@ -278,6 +279,8 @@ class PooledStage(Stage):
             options = {"clean": "1", "prepare": "background"}  # host copy made at load, off the caller
         elif self.spec.kind == "fast-runs":
             options = {"run_mib": "512"}
+        elif self.spec.kind == "fast":
+            options = {"run_mib": "0"}  # the swap as measured before runs: the baseline of the runs methods
         name = "vllm" if self.spec.kind == "vllm" else "fast"
         self.method = make_method(name, self.device, options)
         with self.method.pool("weights"):

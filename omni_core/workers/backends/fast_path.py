@@ -67,7 +67,7 @@ from omni_core.workers.backends.lanes import (
     wait_on,
 )
 from omni_core.workers.backends.lanes import warm_relays as warm_relay_peers
-from omni_core.workers.backends.runs import DriverSpans, Runs, SpanMapper
+from omni_core.workers.backends.runs import DriverSpans, SpanMapper, make_runs
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
 log = logging.getLogger("omni_core.backends.fast")
@@ -111,6 +111,7 @@ class FastPath:
         map_with: str = "driver",
         run_bytes: int | None = None,
         spans: SpanMapper | None = None,
+        runs_optional: bool = False,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
@@ -135,9 +136,8 @@ class FastPath:
             self._map = lambda h: driver.create_and_map(*h)
             self._unmap = lambda h: driver.unmap_and_release(*h)
             spans = spans or DriverSpans(driver, self.device.index or 0, self.ops)
-        if run_bytes and spans is None:
-            raise ValueError("run_bytes needs the driver's mapping (map_with='driver' on CUDA) or a SpanMapper")
-        self.runs = Runs(spans, run_bytes) if run_bytes and spans is not None else None  # runs.py; off by default
+        # runs.py; with `runs_optional` (the fast backend's default) none where they cannot be made
+        self.runs, self.runs_off_reason = make_runs(allocator, module, spans, run_bytes, required=not runs_optional)
         self._slots: dict[int, Slot] = {}
         self._arenas: list[HostArena] = []
         self._backed: set[int] = set()  # allocations whose bytes are in their slot now
