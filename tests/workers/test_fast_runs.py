@@ -7,11 +7,14 @@ ran: a run unmapped before its last member's bytes were copied out shows.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
+from omni_core.workers.backends.cuda_driver import CudaDriverError
 from omni_core.workers.backends.fast import DEFAULT_RUN_BYTES, FastBackend
-from omni_core.workers.backends.runs import Runs
+from omni_core.workers.backends.runs import DriverSpans, Runs
 
 from .test_cumem_versions import GARBAGE, KV, FakeCumemModule, W
 from .test_fast_backend import DeferredOps
@@ -294,3 +297,53 @@ def test_runs_are_the_default_where_they_can_be_made_and_off_elsewhere() -> None
     assert unguarded.path.runs is None and "python_free_callback" in unguarded.stats()["runs"]
     with pytest.raises(ValueError, match="python_free_callback"):
         FastBackend(torch.device("cpu"), module=old, ops=DeferredOps(old), spans=FakeSpans(old), run_bytes=1 << 20)
+
+
+class FakeDriver:
+    """The driver calls DriverSpans.decoy makes, recorded; `partial_maps` says whether a part
+    of a physical allocation may be mapped alone (the stand-in's first way)."""
+
+    def __init__(self, partial_maps: bool) -> None:
+        self.cu, self.partial_maps, self.calls = self, partial_maps, []
+
+    def ensure_context(self, device: int) -> None:
+        pass
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise CudaDriverError(f"{what} failed: CUDA_ERROR_INVALID_VALUE")
+
+    def reserve(self, nbytes: int) -> int:
+        self.calls.append(("reserve", nbytes))
+        return 0x5000
+
+    def free_range(self, ptr: int, nbytes: int) -> None:
+        self.calls.append(("free_range", ptr, nbytes))
+
+    def cuMemMap(self, ptr: int, nbytes: int, offset: int, handle: int, flags: int) -> int:
+        self.calls.append(("map", ptr, nbytes, handle))
+        return 0 if self.partial_maps else 1
+
+    def cuMemRetainAllocationHandle(self, cell, ptr: int) -> int:
+        cell._obj.value = 77  # the run's handle, one reference more
+        self.calls.append(("retain", ptr))
+        return 0
+
+    def map_into(self, device: int, nbytes: int, ptr: int, cell) -> None:
+        cell.value = 99  # fresh memory of the member's size
+        self.calls.append(("fresh", ptr, nbytes))
+
+
+@pytest.mark.parametrize("partial_maps", [True, False])
+def test_a_stand_in_maps_the_runs_memory_or_else_fresh_memory(partial_maps: bool) -> None:
+    driver = FakeDriver(partial_maps)
+    spans = DriverSpans(driver, 0)
+    address, cell = spans.decoy(4096, 7)
+    assert address == 0x5000 and ("map", 0x5000, 4096, 7) in driver.calls
+    if partial_maps:
+        assert ctypes.c_uint64.from_address(cell).value == 77 and ("retain", 0x5000) in driver.calls
+    else:
+        assert ctypes.c_uint64.from_address(cell).value == 99 and ("fresh", 0x5000, 4096) in driver.calls
+    assert not any(c[0] == "free_range" for c in driver.calls)  # vLLM's free path gives the range back
+    spans.forget(4096, 0x9000, cell)  # a freed member's own range, and a cell to free (this one)
+    assert driver.calls[-1] == ("free_range", 0x9000, 4096)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_core.workers.backends.copy_plan import nbytes_of
+from omni_core.workers.backends.cuda_driver import CudaDriverError
 
 log = logging.getLogger("omni_core.backends.fast")
 
@@ -107,16 +108,22 @@ class DriverSpans:
         d = self.driver
         d.ensure_context(self.device)
         scratch = d.reserve(nbytes)
+        retained = ctypes.c_uint64()
         try:
-            d.check(d.cu.cuMemMap(scratch, nbytes, 0, handle, 0), f"cuMemMap of a {nbytes}-byte stand-in")
             try:
-                retained = ctypes.c_uint64()
-                d.check(
-                    d.cu.cuMemRetainAllocationHandle(ctypes.byref(retained), scratch), "cuMemRetainAllocationHandle"
-                )
-            except BaseException:
-                d.cu.cuMemUnmap(scratch, nbytes)
-                raise
+                d.check(d.cu.cuMemMap(scratch, nbytes, 0, handle, 0), f"cuMemMap of a {nbytes}-byte stand-in")
+                try:
+                    d.check(
+                        d.cu.cuMemRetainAllocationHandle(ctypes.byref(retained), scratch), "cuMemRetainAllocationHandle"
+                    )
+                except BaseException:
+                    d.cu.cuMemUnmap(scratch, nbytes)
+                    raise
+            except CudaDriverError as exc:
+                # A driver that maps no part of an allocation alone: fresh memory of the
+                # member's size instead, which vLLM's free path gives back at once.
+                log.info("fast backend: a freed run member's stand-in takes fresh memory (%s)", exc)
+                d.map_into(self.device, nbytes, scratch, retained)
         except BaseException:
             d.free_range(scratch, nbytes)
             raise
