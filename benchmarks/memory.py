@@ -8,7 +8,8 @@ One invocation measures, on the same workloads and the same machine:
 - `tms`: torch_memory_saver (when installed): weights in a region with CPU backup, KV
   without, `pause()` / `resume()`;
 - `cumem` and `fast`: omni-core's backends, called as the worker calls them
-  (`backend.sleep(offload, discard)` / `backend.wake(tags)`).
+  (`backend.sleep(offload, discard)` / `backend.wake(tags)`); `fast` with its defaults
+  (runs of 512 MiB where they can be made), `fast:run_mib=0` without runs.
 
 Each (method, workload) runs in a fresh process, so a "first sleep" is really the process's
 first (vLLM's is slow precisely because nothing is pinned yet) and no method inherits

@@ -15,6 +15,10 @@ stage processes (benchmarks.swap_child), A (outgoing, loaded and awake) and B
   made in the background at load; a sleep only unmaps);
 - `omni-swap-runs`: `omni-swap-dirty` with touching allocations woken as runs of 512 MiB
   (runs.py): fewer physical allocations for B's maps and A's unmaps;
+- `omni-swap-late`, `omni-swap-runs-late`: `omni-swap-dirty` / `omni-swap-runs` with A told
+  what B wakes (as Engine.swap tells it: Sleep.incoming_bytes): when the device has room for
+  B beside A, A keeps its memory until its last copy and releases it all then; when B must
+  wait for A's memory (`+fill`), A releases as its copies land, as before;
 - `engine-swap`: `Engine.swap` between two stages of the synthetic runner laid out like the
   workload (its weights are read-only, so this is the clean swap with the protocol's cost).
 
@@ -59,6 +63,7 @@ from benchmarks import child_env
 from benchmarks.memory import machine_info
 from benchmarks.swap_child import READY_PREFIX, REPLY_PREFIX, SMOKE_WORKLOADS, ChildSpec, workload_of
 from benchmarks.swap_report import (
+    SWAP_METHODS,
     op_s,
     parse_pair,
     render_markdown,
@@ -69,7 +74,7 @@ from benchmarks.swap_report import (
 )
 
 MiB = 1 << 20
-METHODS = ("limit", "vllm-seq", "omni-seq", "omni-swap-dirty", "omni-swap-clean", "omni-swap-runs", "engine-swap")
+METHODS = ("limit", "vllm-seq", "omni-seq", *SWAP_METHODS)
 DEFAULT_PAIRS = {"cuda": ("16g:16g", "8g:16g+fill"), "cpu": ("4m:4m", "2m:4m+fill")}
 # The child process kind of each method, per device; a method missing here is skipped with its reason.
 KINDS = {
@@ -80,17 +85,27 @@ KINDS = {
         "omni-swap-dirty": "fast",
         "omni-swap-clean": "fast-clean",
         "omni-swap-runs": "fast-runs",
+        "omni-swap-late": "fast",
+        "omni-swap-runs-late": "fast-runs",
     },
-    "cpu": {"omni-seq": "portable", "omni-swap-dirty": "portable"},
+    "cpu": {"omni-seq": "portable", "omni-swap-dirty": "portable", "omni-swap-late": "portable"},
 }
 CPU_SKIPS = {
     "limit": "the host link's limit is a GPU figure (pinned copies over PCIe/NVLink)",
     "vllm-seq": "vLLM's CuMemAllocator needs CUDA",
     "omni-swap-clean": "clean weights need the fast backend's host arena (CUDA)",
     "omni-swap-runs": "runs map with the CUDA driver",
+    "omni-swap-runs-late": "runs map with the CUDA driver",
 }
-SWAP_ROUNDS = {"limit", "omni-swap-dirty", "omni-swap-clean", "omni-swap-runs"}  # forward rounds start A and B together
-GATED = {"omni-swap-dirty", "omni-swap-clean", "omni-swap-runs"}  # B's wake waits for free memory
+GATED = {  # B's wake waits for free memory
+    "omni-swap-dirty",
+    "omni-swap-clean",
+    "omni-swap-runs",
+    "omni-swap-late",
+    "omni-swap-runs-late",
+}
+SWAP_ROUNDS = {"limit", *GATED}  # forward rounds start A and B together
+TOLD = {"omni-swap-late", "omni-swap-runs-late"}  # A's sleep is told what B wakes (Sleep.incoming_bytes)
 ALONE_ROUNDS = 2  # A's sleep and B's wake each alone, after the swaps, in the same processes
 SEEDS = {"a": 1_000, "b": 2_000_000}  # distinct bytes per stage
 BARRIER_LEAD_S = 0.3  # both commands are sent, then both start at the same instant
@@ -312,10 +327,13 @@ def fill_leave_bytes(a: str, b: str, device: str) -> int:
 
 
 def simulated_device(case_dir: Path, a: str, b: str) -> Any:
-    """The CPU stand-in for the GPU: both stages loaded fit, with a little room."""
+    """The CPU stand-in for the GPU: both stages loaded fit, and B once more, so that A sees
+    room for B beside it whatever B mapped already (the GPU of 16g:16g holds 40 GB of 80);
+    a `+fill` pair's filler takes that room."""
     from omni_core.workers.simulated_device import SimulatedDevice
 
-    return SimulatedDevice(str(case_dir / "device"), stage_bytes(a) + stage_bytes(b) + CPU_FILL_MARGIN_BYTES)
+    capacity = stage_bytes(a) + 2 * stage_bytes(b) + CPU_FILL_MARGIN_BYTES
+    return SimulatedDevice(str(case_dir / "device"), capacity)
 
 
 def device_reader(cfg: Config, sim: Any) -> Any:
@@ -329,10 +347,12 @@ def _at(lead_s: float = BARRIER_LEAD_S) -> float:
     return time.monotonic() + lead_s
 
 
-def _swap_round(a: Child, b: Child, gate_wait_s: float | None, reader: Any, timeout_s: float) -> dict[str, Any]:
+def _swap_round(
+    a: Child, b: Child, gate_wait_s: float | None, reader: Any, timeout_s: float, incoming_bytes: int = 0
+) -> dict[str, Any]:
     with Sampler(reader) as sampler:
         at = _at()
-        a.send({"op": "sleep", "at": at})
+        a.send({"op": "sleep", "at": at, "incoming_bytes": incoming_bytes})
         b.send({"op": "wake", "at": at, "gate_wait_s": gate_wait_s})
         ra, rb = a.reply(timeout_s), b.reply(timeout_s)
     window = (min(ra["start_s"], rb["start_s"]), max(ra["end_s"], rb["end_s"]))
@@ -424,7 +444,8 @@ def run_stage_case(pair: str, method: str, cfg: Config, started: float) -> dict[
         gate = cfg.memory_wait_s if method in GATED else None
         for rep in range(cfg.reps):
             if method in SWAP_ROUNDS:
-                rnd = _swap_round(a, b, gate, reader, cfg.op_timeout_s)
+                told = stage_bytes(b_name) if method in TOLD else 0
+                rnd = _swap_round(a, b, gate, reader, cfg.op_timeout_s, told)
             else:
                 rnd = _seq_round(a, b, reader, cfg.op_timeout_s)
             rnd["rep"] = rep

@@ -19,8 +19,9 @@ pools), prints `SWAP-READY {...}`, then runs one JSON command per stdin line and
 - `{"op": "exit"}`.
 
 Kinds: `limit` (a pinned copy of the same bytes: the link itself), `vllm` (stock
-CuMemAllocator), `fast` / `fast-clean` (omni-core's fast backend, weights dirty or declared
-read-only), `fast-runs` (dirty, touching allocations woken as runs of 512 MiB: runs.py),
+CuMemAllocator), `fast` (omni-core's fast backend without runs, dirty weights: the swap's
+baseline), `fast-clean` (its defaults, runs included, weights declared read-only),
+`fast-runs` (dirty, touching allocations woken as runs of 512 MiB: runs.py),
 `portable` (CPU smoke runs, on a simulated device), `filler`.
 """
 
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.memory import WORKLOADS, Workload, bit_exact, fill_seeded, make_method
-from omni_core.workers.memory_gate import MemoryGate, WakeRefused
+from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
 from omni_core.workers.simulated_device import SimulatedDevice, SimulatedResidency
 
 READY_PREFIX = "SWAP-READY "
@@ -217,8 +218,9 @@ class Stage:
     def load(self) -> None:
         raise NotImplementedError
 
-    def sleep(self) -> int:
-        """Level 1 (weights offloaded, KV discarded); the bytes copied to the host."""
+    def sleep(self, release_late: bool = False) -> int:
+        """Level 1 (weights offloaded, KV discarded); the bytes copied to the host. With
+        `release_late`, a backend that can keeps its memory until its last copy."""
         raise NotImplementedError
 
     def wake(self, gate: MemoryGate | None) -> int:
@@ -284,6 +286,8 @@ class PooledStage(Stage):
             options = {"clean": "1", "prepare": "background"}  # host copy made at load, off the caller
         elif self.spec.kind == "fast-runs":
             options = {"run_mib": "512"}
+        elif self.spec.kind == "fast":
+            options = {"run_mib": "0"}  # the swap as measured before runs: the baseline of the runs methods
         name = "vllm" if self.spec.kind == "vllm" else "fast"
         self.method = make_method(name, self.device, options)
         with self.method.pool("weights"):
@@ -306,10 +310,11 @@ class PooledStage(Stage):
     def fast(self) -> bool:
         return self.spec.kind in ("fast", "fast-clean", "fast-runs")
 
-    def sleep(self) -> int:
-        self.method.sleep(1)
+    def sleep(self, release_late: bool = False) -> int:
         if self.fast:
+            self.method.backend.sleep({"weights"}, {"kv_cache"}, release_late=release_late)
             return int(self.method.backend.path.stats.last["offloaded_bytes"])
+        self.method.sleep(1)
         return self.weights_bytes
 
     def wake(self, gate: MemoryGate | None) -> int:
@@ -360,7 +365,7 @@ class LimitStage(Stage):
         fill_seeded(self.weights, torch, self.spec.seed)
         self.synchronize()
 
-    def sleep(self) -> int:
+    def sleep(self, release_late: bool = False) -> int:
         self.host.copy_(self.weights[0], non_blocking=True)
         return self.weights_bytes
 
@@ -392,8 +397,8 @@ class PortableStage(Stage):
         self.backend.report_to(self.residency)
         self.loaded_bytes = self.resident_bytes()
 
-    def sleep(self) -> int:
-        self.backend.sleep({"weights"}, {"kv_cache"})
+    def sleep(self, release_late: bool = False) -> int:
+        self.backend.sleep({"weights"}, {"kv_cache"}, release_late=release_late)
         return self.weights_bytes
 
     def wake(self, gate: MemoryGate | None) -> int:
@@ -444,9 +449,14 @@ def run_op(stage: Stage, cmd: dict[str, Any]) -> dict[str, Any]:
     wait_until(at_s)
     start_s = time.monotonic()
     gate = None
+    late = False
     try:
         if op == "sleep":
-            copied = stage.sleep()
+            # As a worker given Sleep.incoming_bytes decides: late only with room for B beside it
+            # (its free-memory source was made above, by free_bytes(): this is one query).
+            incoming = int(cmd.get("incoming_bytes") or 0)
+            late = incoming > 0 and room_for(stage.free_source(), incoming)
+            copied = stage.sleep(late)
         else:
             if gate_wait_s is not None:
                 gate = CountingGate(
@@ -473,6 +483,7 @@ def run_op(stage: Stage, cmd: dict[str, Any]) -> dict[str, Any]:
         "start_s": start_s,
         "end_s": end_s,
         "copied_bytes": copied,
+        "release_late": late,
         "resident_before": resident_before,
         "resident_after": resident_after,
         "free_before": free_before,

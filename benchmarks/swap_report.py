@@ -23,7 +23,14 @@ GiB = float(1 << 30)
 TARGET_DIRTY_VS_ALONE = 1.15  # swap of two dirty 16 GB stages <= 1.15 x max(A sleep, B wake) alone
 TARGET_DIRTY_VS_SEQ = 1.7  # ... i.e. >= 1.7 x faster than sequential omni-core
 TARGET_CLEAN_VS_WAKE = 1.1  # with clean weights: <= 1.1 x B's wake alone
-SWAP_METHODS = ("omni-swap-dirty", "omni-swap-clean", "omni-swap-runs", "engine-swap")
+SWAP_METHODS = (
+    "omni-swap-dirty",
+    "omni-swap-clean",
+    "omni-swap-runs",
+    "omni-swap-late",
+    "omni-swap-runs-late",
+    "engine-swap",
+)
 LABELS = {
     "limit": "host-link limit (pinned copies; duplex = both at once)",
     "vllm-seq": "vLLM CuMemAllocator, sequential (A sleeps, then B wakes)",
@@ -31,6 +38,8 @@ LABELS = {
     "omni-swap-dirty": "omni-core swap, dirty weights",
     "omni-swap-clean": "omni-core swap, clean weights",
     "omni-swap-runs": "omni-core swap, dirty weights, runs of 512 MiB",
+    "omni-swap-late": "omni-core swap, dirty weights, A releases after its last copy when B fits",
+    "omni-swap-runs-late": "omni-core swap, dirty weights, runs of 512 MiB, A releases late when B fits",
     "engine-swap": "Engine.swap (two stages, protocol included)",
 }
 
@@ -206,7 +215,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         a, b, fill = parse_pair(pair)
         equal = a == b and not fill
         seq = summarize(_case(data["results"], pair, "omni-seq") or {})
-        for method in ("omni-swap-dirty", "omni-swap-clean", "omni-swap-runs"):
+        for method in ("omni-swap-dirty", "omni-swap-clean", "omni-swap-runs", "omni-swap-late", "omni-swap-runs-late"):
             s = summarize(_case(data["results"], pair, method) or {})
             if not s or not equal:
                 continue
@@ -344,6 +353,10 @@ def render_markdown(data: dict[str, Any]) -> str:
                 notes.append(f"start skew {s['skew_ms']:.2f} ms")
             if s.get("overcommit", {}).get("waited_s"):
                 notes.append(f"B's gate waited up to {s['overcommit']['waited_s'] * 1e3:.0f} ms")
+            swaps = [r for r in case.get("rounds", []) if r.get("kind") == "swap"]
+            if any("release_late" in r["a"] for r in swaps):
+                late = sum(bool(r["a"].get("release_late")) for r in swaps)
+                notes.append(f"A released after its last copy in {late} of {len(swaps)} swaps")
             if case["method"] == "limit":
                 g = {
                     k: _f(s[k], "{:.1f}")

@@ -67,6 +67,7 @@ SAMPLES: dict[type[Message], Message] = {
         level=2,
         tags=("weights", "kv_cache"),
         links=(LinkShare(None, 1.0), LinkShare(1, 0.5)),
+        incoming_bytes=16 << 30,
     ),
     Wake: Wake(task_id="wake-1", epoch=3, tags=("kv_cache",), memory_wait_s=2.5, links=(LinkShare(3, 2.0),)),
     ReloadWeights: ReloadWeights(task_id="reload-1", epoch=3, source="/ckpt/step-100"),
@@ -247,6 +248,10 @@ def test_each_optional_field_is_left_off_alone_while_at_its_default() -> None:
     planned = msgspec.msgpack.decode(encode(Wake(task_id="w", epoch=1, links=(LinkShare(1, 1.0),))))
     assert "memory_wait_s" not in planned and planned["links"] == [{"peer": 1, "share": 1.0}]
     assert "links" not in msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1, level=2)))
+    # A swap's outgoing Sleep: what the incoming stage wakes beside it travels, alone.
+    told = msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1, incoming_bytes=1 << 30)))
+    assert told["incoming_bytes"] == 1 << 30 and "links" not in told
+    assert "incoming_bytes" not in msgspec.msgpack.decode(encode(Sleep(task_id="s", epoch=1)))
 
 
 def _hello_frame(**fields: object) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
@@ -29,18 +30,41 @@ Item = TypeVar("Item")
 Key = tuple[str, str]  # (incoming stage, its wake's task id): what ends a slot
 
 
-def stage_devices(spec: StageSpec, engine_visible: str | None) -> frozenset[str]:
-    """The devices a stage's ranks run on: its simulated device's directory on CPU, else each
+def rank_device(spec: StageSpec, rank: int, engine_visible: str | None) -> str | None:
+    """The device a stage's rank runs on: its simulated device's directory on CPU, else the
     rank's GPU (its `devices` entry's first item, else the engine's CUDA_VISIBLE_DEVICES, at
-    the index `device` names). A CPU stage without a simulated device has none."""
+    the index `device` names). A CPU rank without a simulated device has none."""
     if spec.simulated_device is not None:
-        return frozenset({f"simulated:{os.path.normpath(spec.simulated_device.directory)}"})
+        return f"simulated:{os.path.normpath(spec.simulated_device.directory)}"
     if not spec.device.startswith("cuda"):
-        return frozenset()
-    return frozenset(
-        f"gpu:{rank_view(spec.devices[r] if spec.devices else None, engine_visible, spec.device).own_gpu}"
-        for r in range(spec.ranks)
-    )
+        return None
+    return f"gpu:{rank_view(spec.devices[rank] if spec.devices else None, engine_visible, spec.device).own_gpu}"
+
+
+def stage_devices(spec: StageSpec, engine_visible: str | None) -> frozenset[str]:
+    """The devices a stage's ranks run on (`rank_device`); none for a CPU stage without a
+    simulated device."""
+    devices = (rank_device(spec, r, engine_visible) for r in range(spec.ranks))
+    return frozenset(d for d in devices if d is not None)
+
+
+def incoming_bytes(
+    out_spec: StageSpec, in_spec: StageSpec, in_wake_bytes: Mapping[int, int], engine_visible: str | None
+) -> dict[int, int]:
+    """Sleep.incoming_bytes for each rank of a swap's outgoing stage: what the incoming
+    stage's ranks on that rank's device wake (`in_wake_bytes`: per incoming rank). Ranks
+    whose device takes nothing (or that have none) are left out."""
+    per_device: dict[str, int] = {}
+    for rank, nbytes in in_wake_bytes.items():
+        device = rank_device(in_spec, rank, engine_visible)
+        if device is not None:
+            per_device[device] = per_device.get(device, 0) + nbytes
+    out: dict[int, int] = {}
+    for rank in range(out_spec.ranks):
+        device = rank_device(out_spec, rank, engine_visible)
+        if device is not None and per_device.get(device, 0) > 0:
+            out[rank] = per_device[device]
+    return out
 
 
 @dataclass(frozen=True)

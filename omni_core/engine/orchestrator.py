@@ -41,7 +41,7 @@ from omni_core.engine.errors import (
     InvalidArgumentError,
     RestartInProgressError,
 )
-from omni_core.engine.incoming import stage_devices
+from omni_core.engine.incoming import incoming_bytes, stage_devices
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.link_plan import LinkLedger
 from omni_core.engine.loop_io import LoopIO
@@ -57,6 +57,7 @@ from omni_core.fsm.trace_records import PeerRefused, RankSpawned, TraceRecord, c
 from omni_core.isolation import FrameErrors
 from omni_core.protocol import (
     Ack,
+    Capability,
     Command,
     Hello,
     Nack,
@@ -111,7 +112,7 @@ class Orchestrator:
         self._closed = threading.Event()
         self._links = LinkLedger()
         self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        self._swaps = Swaps(self._lifecycle)
+        self._swaps = Swaps(self._lifecycle, self._incoming_of)
         # What strangers and faulty peers tried; each attempt is counted, none changes anything.
         self.counters = {
             "bad_replies": 0,
@@ -232,6 +233,12 @@ class Orchestrator:
         in_spec = self.stage(request.in_name).spec
         waits = request.wake.memory_wait_s > 0  # a wake that waits holds its devices until it ends
         self._swaps.offer(future, request, stage_devices(in_spec, self._engine_visible) if waits else frozenset())
+
+    def _incoming_of(self, out_name: str, in_name: str) -> dict[int, int]:
+        """Sleep.incoming_bytes per rank of `out_name` (those declaring the swap capability)."""
+        out, into = self.stage(out_name), self.stage(in_name)
+        per_rank = incoming_bytes(out.spec, into.spec, into.asleep_bytes(), self._engine_visible)
+        return {r: n for r, n in per_rank.items() if out.declares(r, Capability.SWAP)}
 
     def _restart(self, future: Future, stage: StageSlot, restart: I.Restart) -> None:
         name = stage.spec.name
@@ -454,12 +461,18 @@ class Orchestrator:
 
     def _apply(self, stage: StageSlot, step: StageStep) -> None:
         unsent: dict[str, list[int]] = {}
-        encoded: dict[int, bytes] = {}  # one encode per command, not per rank (a payload may be large)
+        # One encode per command, not per rank (a payload may be large); a command given a
+        # rank's own fields (links, incoming bytes) is encoded on its own: ids of the step's
+        # commands are stable while it runs, those of per-rank copies are not.
+        encoded: dict[int, bytes] = {}
         for out in step.sends:
             command = stage.with_links(self._links, self._stages.values(), out.rank, out.command, self._engine_visible)
-            data = encoded.get(id(command))
+            command = self._swaps.with_incoming(stage.spec.name, out.rank, command)
+            data = encoded.get(id(command)) if command is out.command else None
             if data is None:
-                data = encoded[id(command)] = encode(command)
+                data = encode(command)
+                if command is out.command:
+                    encoded[id(command)] = data
             if not self._send(stage, out.rank, command, data):
                 unsent.setdefault(command.task_id, []).append(out.rank)
         if step.outcome is not None:

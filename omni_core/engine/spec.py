@@ -125,7 +125,11 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise FieldError(what, "tags", f"must be distinct, got {list(self.tags)}")
         if self.gpu_memory_fraction is not None and self.device != "cuda":
             raise FieldError(what, "gpu_memory_fraction", f"applies to device='cuda', not {self.device!r}")
-        if self.simulated_device is not None and (self.device != "cpu" or self.backend not in ("auto", "portable")):
+        # A backend of one's own ("module:Class") may report its bytes too; its rank says if not.
+        own = ":" in self.backend
+        if self.simulated_device is not None and (
+            self.device != "cpu" or not (own or self.backend in ("auto", "portable"))
+        ):
             raise FieldError(
                 what,
                 "simulated_device",

@@ -87,6 +87,16 @@ class StageSlot:
         links = plan.links.get(rank)
         return msgspec.structs.replace(command, links=links) if links else command
 
+    def asleep_bytes(self) -> dict[int, int]:
+        """Per rank, what its Hello's pools hold in the tags asleep now: what a wake of every
+        tag maps (0 for a rank whose Hello reported no pool sizes)."""
+        asleep = self.core.residency.asleep
+        return {r: sum(n for t, n in hello.pool_bytes.items() if t in asleep) for r, hello in self.hellos.items()}
+
+    def declares(self, rank: int, capability: Capability) -> bool:
+        hello = self.hellos.get(rank)
+        return hello is not None and capability in hello.capabilities
+
     def fail_callers(self, error: BaseException) -> None:
         """Every caller waiting on this stage (requests, tasks, the start) gets `error`."""
         for future in [*self.requests.values(), *self.start_waiters, *(f for fs in self.waiters.values() for f in fs)]:

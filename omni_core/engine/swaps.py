@@ -1,7 +1,13 @@
 """Engine.swap on the orchestrator's thread: both halves issued in one turn of the loop, so
 that the outgoing stage's copies and the incoming stage's wait for memory start together,
 and one incoming wake per device at a time (`IncomingSlots`): a swap into a held device
-waits for it first, within its deadline. No IO; the halves go out through `lifecycle`."""
+waits for it first, within its deadline. No IO; the halves go out through `lifecycle`.
+
+The outgoing stage's Sleep tells each rank what the incoming stage wakes on its device
+(`Sleep.incoming_bytes`, from the incoming ranks' Hello pool sizes): a rank whose device has
+room for that keeps its memory until its last copy, so that its releases do not slow the
+incoming copies; a rank whose device has not releases as its copies land (the incoming
+stage waits for that memory). Only ranks that declare Capability.SWAP are told."""
 
 from __future__ import annotations
 
@@ -10,20 +16,31 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
+
 from omni_core.engine.calls import LifecycleCall, SwapRequest
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.incoming import IncomingSlots, SwapCall
 from omni_core.engine.stage_slot import settle
 from omni_core.fsm import InvariantViolation, StageCommandError
+from omni_core.protocol import Command, Sleep
 
 # Hand one lifecycle call to a stage's core: (the caller's future, stage name, the call).
 Lifecycle = Callable[[Future, str, LifecycleCall], None]
 
 
+# Per rank of a swap's outgoing stage, what the incoming stage wakes on its device: (out, in).
+IncomingOf = Callable[[str, str], dict[int, int]]
+
+
 class Swaps:
-    def __init__(self, lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Lifecycle, incoming_of: IncomingOf) -> None:
         self._lifecycle = lifecycle
+        self._incoming_of = incoming_of
         self._slots: IncomingSlots[SwapCall] = IncomingSlots()
+        # (outgoing stage, its sleep's task id) -> rank -> Sleep.incoming_bytes, until the
+        # sleep ends: one entry per swap in flight, so bounded by the stages.
+        self._incoming: dict[tuple[str, str], dict[int, int]] = {}
 
     def offer(self, future: Future, request: SwapRequest, in_devices: frozenset[str]) -> None:
         """Issue the swap now, or queue it until `in_devices` are free (none: at once);
@@ -58,11 +75,21 @@ class Swaps:
     def ended(self, stage: str, task_id: str) -> None:
         """A task of `stage` ended: when it was a swap's incoming wake, its devices are free."""
         self._slots.release((stage, task_id))
+        self._incoming.pop((stage, task_id), None)
+
+    def with_incoming(self, stage: str, rank: int, command: Command) -> Command:
+        """A swap's outgoing Sleep with what the incoming stage wakes on `rank`'s device;
+        every other command as it is."""
+        if not isinstance(command, Sleep):
+            return command
+        nbytes = self._incoming.get((stage, command.task_id), {}).get(rank, 0)
+        return msgspec.structs.replace(command, incoming_bytes=nbytes) if nbytes else command
 
     def drain(self, error: BaseException) -> None:
         """Refuse every waiting swap with `error` (the engine is closing)."""
         for entry in self._slots.drain():
             settle(entry.item.future, error=error)
+        self._incoming.clear()
 
     def waiting(self, in_stage: str) -> list[dict[str, Any]]:
         """The swaps into `in_stage` that wait, for status()."""
@@ -71,11 +98,14 @@ class Swaps:
     def _issue(self, key: tuple[str, str], swap: SwapCall) -> None:
         """The sleep goes first: when it is refused nothing was sent. When the wake is refused
         the sleep goes on (its outcome comes in `out_future`) and the refusal is the wake's."""
+        out_key = (swap.out_name, swap.sleep.task_id)
+        self._incoming[out_key] = self._incoming_of(swap.out_name, swap.in_name)
         try:
             self._lifecycle(swap.out_future, swap.out_name, swap.sleep)
         except InvariantViolation:
             raise
         except BaseException as exc:
+            self._incoming.pop(out_key, None)
             self._slots.release(key)
             settle(swap.future, error=_as_caller_error(exc))
             return

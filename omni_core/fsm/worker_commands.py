@@ -88,7 +88,10 @@ class WorkerCommands:
         plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
         self.lifecycle.fire("sleep")
         self._pending = _Pending(command, sleep_plan=plan)
-        return WorkerStep(effect=SleepEffect(command.task_id, command.level, plan.offload, plan.discard, command.links))
+        effect = SleepEffect(
+            command.task_id, command.level, plan.offload, plan.discard, command.links, command.incoming_bytes
+        )
+        return WorkerStep(effect=effect)
 
     def _on_wake(self, command: Wake) -> WorkerStep:
         try:

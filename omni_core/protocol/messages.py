@@ -90,13 +90,22 @@ class Sleep(Command, kw_only=True, frozen=True):
     """Release GPU memory. Level 1 offloads `weights` to host and discards the rest; level 2
     discards everything except the runner's small buffers. `tags=None` means every tag.
     `links` (sent only to a worker that declares Capability.MULTI_PATH, left off the wire
-    when empty) spreads the offload's copies over the planned host links."""
+    when empty) spreads the offload's copies over the planned host links.
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("links",)
+    `incoming_bytes` (a swap's outgoing half; sent only to a worker that declares
+    Capability.SWAP, left off the wire at 0): what another stage's wake maps on this rank's
+    device while this sleep runs. A rank whose device has that much free memory may keep
+    its allocations until its last copy has landed and release them all then, so that no
+    release slows the incoming stage's copies; otherwise it releases each as its copy lands
+    (the incoming stage waits for that memory). A performance hint: the reply, the state
+    and the memory released by the end are the same either way, and a worker may ignore it."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("links", "incoming_bytes")
 
     level: Literal[1, 2] = 1
     tags: Tags | None = None
     links: Links = ()
+    incoming_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)] = 0
 
 
 class Wake(Command, kw_only=True, frozen=True):

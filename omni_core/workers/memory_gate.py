@@ -69,6 +69,21 @@ def describe_holders(listing: HolderList) -> str:
     return text
 
 
+def room_for(source: FreeMemorySource | None, nbytes: int) -> bool:
+    """Whether the device has `nbytes` free now beyond the gate's reserve: a swap's outgoing
+    rank then keeps its memory until its last copy (Sleep.incoming_bytes), since the incoming
+    stage's gate would not wait for it. The incoming stage wakes at the same time, so what
+    it mapped already counts against the room: a device with little to spare may answer
+    False although it fits, the safe side. No source, nothing incoming, or a query that
+    fails: False (release as each copy lands, which never makes anyone wait longer)."""
+    if source is None or nbytes <= 0:
+        return False
+    try:
+        return source.free_bytes() - source.reserve_bytes >= nbytes
+    except Exception:
+        return False
+
+
 class MemoryGate:
     """Admits a wake's allocations as the device's free memory allows. One per wake: the
     wait is measured from its construction (the wake's start)."""

@@ -80,7 +80,7 @@ from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
 from omni_core.workers.device_memory import FreeMemorySource
-from omni_core.workers.memory_gate import MemoryGate, WakeRefused
+from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.rank_memory import cache_budget, check_budget, free_memory_source, resolve_device
 from omni_core.workers.runner_counters import CounterStamp
@@ -433,7 +433,9 @@ class WorkerProcess:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, SleepEffect):
             runner.before_sleep(effect.offload, effect.discard)
-            backend.sleep(effect.offload, effect.discard, buffers=runner.buffers_to_save(), links=effect.links)
+            late = room_for(self.free_memory, effect.incoming_bytes)  # a swap whose incoming stage fits
+            saved = runner.buffers_to_save()
+            backend.sleep(effect.offload, effect.discard, buffers=saved, links=effect.links, release_late=late)
         elif isinstance(effect, WakeEffect):
             backend.wake(effect.tags, self._gate(effect.memory_wait_s), links=effect.links)
             runner.after_wake(effect.tags)

@@ -11,7 +11,9 @@ expected reply is known before it is sent, from the protocol's own codec:
   commands): exactly one reply with its task_id, an Ack/Result or a Nack naming it. Its
   state is tracked, and the epoch it moves the worker to is followed (the core's fencing
   rule), so the oracle's own commands stay in the current epoch. A valid Shutdown in the
-  worker's epoch window is withheld: it would end the process by design.
+  worker's epoch window is withheld: it would end the process by design; so is a valid
+  gloo InitWeightGroup that may wait for its trainer longer than a reply may take (the rank
+  waits up to its timeout_s by design, as the generator's own weight commands avoid).
 
 Between batches the oracle runs lockstep (`worker_oracle`); the rule a reply must meet is
 `worker_expect`'s, and the worker process is started and stopped by `worker_spawn`.
@@ -40,6 +42,7 @@ from omni_core.protocol import (
     Ack,
     Command,
     Execute,
+    InitWeightGroup,
     Message,
     Nack,
     ProtocolError,
@@ -324,6 +327,10 @@ class WorkerFuzzer(OracleRounds):
         accepted = self.epoch <= command.epoch <= self.epoch + MAX_EPOCH_AHEAD
         if isinstance(command, Shutdown) and accepted:
             self._withheld += 1
+            return None
+        waits = isinstance(command, InitWeightGroup) and command.backend == "gloo"
+        if waits and accepted and command.timeout_s >= self.config.reply_timeout_s / 2:
+            count(self._withheld_known, "rendezvous_waits_by_design")
             return None
         for issue in self._open_issues:
             if accepted and issue.matches(command):

@@ -311,3 +311,22 @@ def test_cpu_smoke_swap_waits_for_the_outgoing_stage_and_never_over_commits(tmp_
     assert s["bit_exact"] and s["wakes_checked"] == 2 * 2 + 2 * 2
     assert "zero over-commit | none | yes" in (out / "swap_cpu.md").read_text()
     assert (out / "swap_timeline_cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_smoke_late_release_is_chosen_only_where_b_fits_beside_a(tmp_path):
+    """`omni-swap-late` tells A what B wakes: with room for both (4m:4m) A releases after its
+    last copy in every swap; where the filler makes B wait for A's memory, in none."""
+    out = tmp_path / "out"
+    args = ["--swap", "--device", "cpu", "--workloads", "4m:4m,2m:4m+fill", "--methods", "omni-swap-late"]
+    rc = cli_main([*args, "--reps", "2", "--out", str(out)])
+    data = json.loads((out / "swap_cpu.json").read_text())
+    assert rc == 0, data
+    late = {
+        r["pair"]: [rnd["a"]["release_late"] for rnd in r["rounds"] if rnd["kind"] == "swap"] for r in data["results"]
+    }
+    assert late == {"4m:4m": [True, True], "2m:4m+fill": [False, False]}
+    for result in data["results"]:
+        assert swap_report.summarize(result)["bit_exact"]
+        for rnd in (r for r in result["rounds"] if r["kind"] == "swap"):
+            assert swap_report.overcommit(rnd)["ok"]
+    assert "A released after its last copy in 2 of 2 swaps" in (out / "swap_cpu.md").read_text()

@@ -9,7 +9,7 @@ import pytest
 
 from omni_core.engine import StageSpec
 from omni_core.engine.errors import TaskAbandonedError
-from omni_core.engine.incoming import IncomingSlots, SwapCall, stage_devices
+from omni_core.engine.incoming import IncomingSlots, SwapCall, incoming_bytes, stage_devices
 from omni_core.fsm.inputs import SleepCall, WakeCall
 from omni_core.workers.simulated_device import SimulatedDevice
 
@@ -23,6 +23,19 @@ def test_stage_devices_per_rank_gpu_simulated_directory_or_none():
     assert stage_devices(StageSpec("a", ranks=2, device="cuda", devices=("3,4", "5")), None) == {"gpu:3", "gpu:5"}
     assert stage_devices(StageSpec("a", device="cuda:1"), "6,7") == {"gpu:7"}
     assert stage_devices(StageSpec("a", device="cuda:1"), None) == {"gpu:1"}
+
+
+def test_each_outgoing_rank_is_told_what_the_incoming_ranks_on_its_device_wake():
+    out = StageSpec("a", ranks=3, device="cuda", devices=("0", "1", "2"))
+    into = StageSpec("b", ranks=3, device="cuda", devices=("1", "1", "3"))
+    # b's ranks 0 and 1 both wake on GPU 1; nothing of b on GPUs 0 and 2; b's GPU 3 holds no a
+    assert incoming_bytes(out, into, {0: 5, 1: 7, 2: 11}, None) == {1: 12}
+    assert incoming_bytes(out, into, {0: 0, 1: 0, 2: 11}, None) == {}  # nothing asleep there
+    sim = SimulatedDevice("/tmp/dev/gpu0", 1 << 20)
+    assert incoming_bytes(StageSpec("a", simulated_device=sim), StageSpec("b", simulated_device=sim), {0: 9}, None) == {
+        0: 9
+    }
+    assert incoming_bytes(StageSpec("a"), StageSpec("b"), {0: 9}, None) == {}  # CPU: no device shared
 
 
 def test_a_second_swap_into_a_held_device_waits_until_the_first_wake_ends():

@@ -17,7 +17,7 @@ from omni_core.runners.base import ModelRunner
 from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers import process as worker_process
 from omni_core.workers.backends.fast import FastBackend
-from omni_core.workers.backends.fast_path import CleanCopyMismatch
+from omni_core.workers.backends.host_arena import CleanCopyMismatch
 from omni_core.workers.backends.portable import PortableBackend
 from omni_core.workers.config import WorkerConfig
 

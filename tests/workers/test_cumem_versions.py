@@ -54,8 +54,11 @@ class FakeCumemModule:
         self.CuMemAllocator = CuMemAllocator
 
     def unmap_and_release(self, handle) -> None:
-        if handle[2] not in self.memory:
+        inside = any(p < handle[2] < p + len(b) for p, b in self.memory.items())
+        if handle[2] not in self.memory and not inside:
             raise RuntimeError(f"CUDA Error: unmap of {handle[2]:#x}, which is not mapped")
+        if inside or len(self.memory[handle[2]]) != handle[1]:  # the driver unmaps whole mappings only
+            raise RuntimeError(f"CUDA Error: unmap of {handle[2]:#x}+{handle[1]}, part of a larger mapping")
         del self.memory[handle[2]]
 
     def create_and_map(self, handle) -> None:
@@ -78,12 +81,19 @@ class FakeAllocator:
         self.pointer_to_data: dict[int, Data] = {}
         self.current_tag = "default"
         self._next = 0x7F0000000000
+        # vLLM >= 0.11 keeps its two callbacks as attributes; its C extension calls the free
+        # one when torch gives a segment back (tests/workers/test_fast_runs.py plays that part)
+        self.python_malloc_callback = None
+        self.python_free_callback = self._python_free_callback
         if module.variant == "keep_tags":
 
             def sleep(offload_tags=None, keep_tags=None):
                 return self._sleep(offload_tags, keep_tags or ())
 
             self.sleep = sleep
+
+    def _python_free_callback(self, ptr: int):
+        return self.pointer_to_data.pop(ptr).handle
 
     @contextmanager
     def use_memory_pool(self, tag=None):
@@ -95,7 +105,7 @@ class FakeAllocator:
 
     def malloc(self, size: int, fill: int) -> int:
         ptr, self._next = self._next, self._next + size
-        data = Data((0, size, ptr, 0), self.current_tag)
+        data = Data((0, size, ptr, ptr + 1), self.current_tag)  # a handle cell of its own
         if self.m.variant == "0.26":
             data.is_asleep = False
         elif self.m.variant == "keep_tags":

@@ -3,7 +3,8 @@ physical allocation each, bit-exact over dirty and clean sleeps, memory given ba
 
 A child process (which leaves with os._exit: vLLM's pools can abort at interpreter exit)
 allocates 2 GiB of bfloat16 weights in 64 tensors of 32 MiB and a KV pool, keeps a reference
-copy on the device outside the pools, then sleeps and wakes with run_bytes=512 MiB.
+copy on the device outside the pools, then sleeps and wakes with run_bytes=512 MiB (every
+other sleep releasing after its last copy, as a swap's outgoing stage with room beside it).
 
     source .device/setup.sh && python3 -m pytest -s -m gpu tests/workers/test_gpu_runs.py
 """
@@ -40,7 +41,8 @@ def probe(cycles: int) -> dict:
             backend.declare_read_only({"weights"})  # the later sleeps copy nothing
             backend.path.prepare(("weights",))
         free_awake, _ = torch.cuda.mem_get_info(device)
-        backend.sleep({"weights"}, {"kv_cache"})
+        # every other sleep keeps its memory until its last copy (a swap with room beside it)
+        backend.sleep({"weights"}, {"kv_cache"}, release_late=cycle % 2 == 1)
         free_asleep, _ = torch.cuda.mem_get_info(device)
         sleep_stats = dict(backend.path.stats.last)
         backend.wake({"weights", "kv_cache"})
@@ -52,10 +54,71 @@ def probe(cycles: int) -> dict:
                 "freed_bytes": free_asleep - free_awake,
                 "sleep_s": sleep_stats["total_s"],
                 "copied_bytes": sleep_stats["offloaded_bytes"],
+                "release_late": sleep_stats["release_late"],
                 "wake_map_s": backend.path.stats.last["map_s"],
                 "mapped_runs": backend.stats()["mapped_runs"],
             }
         )
+    del kv
+    return out
+
+
+def probe_frees() -> dict:
+    """vLLM frees run members itself (as its C extension does when torch gives a segment back:
+    the free callback's handle unmapped and released, the range and the handle's cell freed):
+    one member of a run, then every member of another. The rest stay exact through sleeps and
+    wakes, and the run whose members all went gives its memory back."""
+    import vllm.cumem_allocator as extension
+
+    from omni_core.workers.backends.cuda_driver import CudaDriver
+    from omni_core.workers.backends.fast import FastBackend
+    from omni_core.workers.backends.runs import _libc
+
+    device = torch.device("cuda", 0)
+    backend = FastBackend(device)  # runs by default
+    g = torch.Generator(device=device).manual_seed(1)
+    with backend.pool("weights"):
+        tensors = [torch.randn(4096, 4096, dtype=torch.bfloat16, device=device, generator=g) for _ in range(32)]
+    with backend.pool("kv_cache"):
+        kv = torch.empty(256 * MiB, dtype=torch.uint8, device=device)
+    reference = [t.clone() for t in tensors]
+    backend.track("weights", tensors)
+    backend.track("kv_cache", [])
+    torch.cuda.synchronize(device)
+    driver, allocator = CudaDriver(), backend.allocator
+
+    # Played here, not by torch: the tensors stay referenced, so torch never gives their
+    # segments back a second time (the process leaves with os._exit).
+    played: list[torch.Tensor] = []
+
+    def vllm_frees(tensor: torch.Tensor) -> None:
+        played.append(tensor)
+        index, size, d_mem, cell = allocator.python_free_callback(tensor.data_ptr())
+        extension.python_unmap_and_release(index, size, d_mem, cell)
+        driver.free_range(d_mem, size)
+        _libc().free(cell)
+
+    def exact() -> bool:
+        return all(torch.equal(t, r) for t, r in zip(tensors, reference, strict=True))
+
+    out: dict = {"runs_at_load": backend.stats()["mapped_runs"], "runs": backend.stats()["runs"]}
+    vllm_frees(tensors.pop(5))  # one member of the first run; never touched again (os._exit)
+    reference.pop(5)
+    out["exact_after_one"] = exact()
+    backend.sleep({"weights"}, {"kv_cache"})
+    backend.wake({"weights", "kv_cache"})
+    out["exact_after_sleep_and_wake"] = exact()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    last = tensors[15:]  # every member of the second run
+    del tensors[15:], reference[15:]
+    for tensor in last:
+        vllm_frees(tensor)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    out["freed_by_last_run_bytes"] = free_after - free_before
+    out["exact_after_all"] = exact()
+    backend.sleep({"weights"}, {"kv_cache"})
+    backend.wake({"weights", "kv_cache"})
+    out["exact_at_end"] = exact()
     del kv
     return out
 
@@ -71,17 +134,22 @@ def _problem() -> str | None:
 _PROBLEM = _problem()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(_PROBLEM is not None, reason=f"{_PROBLEM}")
-def test_runs_wake_bit_exact_and_give_the_memory_back():
+def in_child(call: str) -> dict:
+    """`call` (a probe of this module) in a child process that leaves with os._exit."""
     code = (
-        "import json, os, sys; from tests.workers.test_gpu_runs import probe; "
-        "print('PROBE', json.dumps(probe(6))); sys.stdout.flush(); os._exit(0)"
+        "import json, os, sys; from tests.workers.test_gpu_runs import probe, probe_frees; "
+        f"print('PROBE', json.dumps({call})); sys.stdout.flush(); os._exit(0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    cycles = json.loads(lines[-1].removeprefix("PROBE "))["cycles"]
+    return json.loads(lines[-1].removeprefix("PROBE "))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_PROBLEM is not None, reason=f"{_PROBLEM}")
+def test_runs_wake_bit_exact_and_give_the_memory_back():
+    cycles = in_child("probe(6)")["cycles"]
     for c in cycles:
         print(c)
     assert all(c["exact"] for c in cycles)
@@ -89,6 +157,19 @@ def test_runs_wake_bit_exact_and_give_the_memory_back():
     assert all(c["freed_bytes"] >= 3 * GiB - 64 * MiB for c in cycles)
     # the first half copies at every sleep, the second (declared clean) never
     assert [c["copied_bytes"] > 0 for c in cycles] == [k < len(cycles) // 2 for k in range(len(cycles))]
+    # released late where asked and there were copies to wait for (a clean sleep has none)
+    assert [c["release_late"] for c in cycles] == [k % 2 == 1 and k < len(cycles) // 2 for k in range(len(cycles))]
     # 64 touching 32 MiB weights: 4 runs of 512 MiB made at load, 4 more per wake (the KV,
     # alone, on its own handle)
     assert [c["mapped_runs"] for c in cycles] == [4 * (k + 2) for k in range(len(cycles))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_PROBLEM is not None, reason=f"{_PROBLEM}")
+def test_vllm_may_free_run_members_itself():
+    out = in_child("probe_frees()")
+    print(out)
+    assert out["runs_at_load"] == 2 and out["runs"] == f"of {512 * MiB} bytes"  # 32 x 32 MiB: two runs
+    assert out["exact_after_one"] and out["exact_after_sleep_and_wake"] and out["exact_after_all"]
+    assert out["exact_at_end"]
+    assert out["freed_by_last_run_bytes"] >= 512 * MiB - 64 * MiB  # the run went with its last member

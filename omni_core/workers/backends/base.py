@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +48,8 @@ class MemoryBackend(ABC):
     supports_memory_gate: bool = False
     # `_sleep`/`_wake` take a link plan (protocol.LinkShare) and spread their copies over it.
     supports_links: bool = False
+    # `_sleep` takes `release_late`: keep every allocation until the last copy has landed.
+    supports_late_release: bool = False
     # Why this backend runs, when `auto` chose it (the Hello and the stage's status carry it).
     choice_reason: str = ""
 
@@ -97,9 +100,13 @@ class MemoryBackend(ABC):
         *,
         buffers: Mapping[str, torch.Tensor] | None = None,
         links: Sequence[LinkShare] = (),
+        release_late: bool = False,
     ) -> None:
         """Release `offload | discard`, copying `offload` to the host first; `links` is the
-        command's link plan (a backend with `supports_links` spreads the copies over them)."""
+        command's link plan (a backend with `supports_links` spreads the copies over them).
+        `release_late`: nothing else waits for this memory (a swap whose incoming stage fits
+        beside this one), so a backend with `supports_late_release` may release it all after
+        its last copy instead of each allocation as its copy lands; others ignore it."""
         offload, discard = frozenset(offload), frozenset(discard)
         self._check_links(links)
         tags = offload | discard
@@ -117,10 +124,10 @@ class MemoryBackend(ABC):
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self._pin)
                 host.copy_(tensor)
                 self._saved[name] = _SavedBuffer(tensor, host, tag)
-        if links:
-            self._sleep(offload, discard, links)  # type: ignore[call-arg]  # supports_links backends
-        else:
-            self._sleep(offload, discard)
+        options: dict[str, Any] = {"links": links} if links else {}
+        if release_late and self.supports_late_release:
+            options["release_late"] = True
+        self._sleep(offload, discard, **options)  # supports_links / supports_late_release backends
         self.asleep |= tags
         # No gc.collect() here: backends free storage explicitly, and a full collection with
         # torch loaded costs ~200 ms per sleep, 100x the protocol's own round trip.

@@ -76,6 +76,7 @@ class CudaDriver:
                 cu.cuMemRelease.argtypes = [u64]
                 cu.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), sz, sz, u64, u64]
                 cu.cuMemAddressFree.argtypes = [u64, sz]
+                cu.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(u64), u64]
                 cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
                 cu.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
                 cu.cuCtxSetCurrent.argtypes = [vp]

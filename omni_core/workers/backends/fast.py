@@ -27,6 +27,9 @@ log = logging.getLogger("omni_core.backends.fast")
 # When the arena is laid out and registered: at load (the default: never inside a sleep), on
 # a thread after load (the next sleep waits for it), or at the first sleep.
 PREPARE_MODES = ("load", "background", "sleep")
+# Runs (runs.py) unless told otherwise: 16 GiB in 512 allocations sleeps clean in 10-14 ms
+# instead of 28-43 and wakes 4-6x fewer maps (benchmarks/results/clean_sleep_gpu.md).
+DEFAULT_RUN_BYTES = 512 << 20
 
 
 class FastBackend(CumemBackend):
@@ -34,9 +37,14 @@ class FastBackend(CumemBackend):
 
     With `host_memory` given (the `auto` choice), the arena is registered only when the host
     can hold it (`host_room`); when it cannot, this backend runs as `cumem` on the same
-    allocations, and `name` and `choice_reason` say so."""
+    allocations, and `name` and `choice_reason` say so.
+
+    `run_bytes`: None (the default) makes runs of DEFAULT_RUN_BYTES where they can be made
+    safely (the driver's mapping, vLLM's frees guarded) and none elsewhere; 0: none; a
+    size: runs of that size, refused where they cannot be made."""
 
     name = "fast"
+    supports_late_release = True
 
     def __init__(
         self,
@@ -69,9 +77,12 @@ class FastBackend(CumemBackend):
             ops=ops,
             chunk_bytes=chunk_bytes,
             map_with=map_with,
-            run_bytes=run_bytes,
+            run_bytes=DEFAULT_RUN_BYTES if run_bytes is None else run_bytes,
             spans=spans,
+            runs_optional=run_bytes is None,
         )
+        if self.path.runs is None and run_bytes is None:
+            log.info("fast backend: no runs (%s)", self.path.runs_off_reason)
         self._host_memory = host_memory
         self.arena_choice: ArenaChoice | None = None
 
@@ -123,13 +134,19 @@ class FastBackend(CumemBackend):
         peers = range(torch.cuda.device_count())
         return tuple(p for p in peers if p != own and torch.cuda.can_device_access_peer(own, p))
 
-    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[LinkShare] = ()) -> None:
+    def _sleep(
+        self,
+        offload: frozenset[str],
+        discard: frozenset[str],
+        links: Sequence[LinkShare] = (),
+        release_late: bool = False,
+    ) -> None:
         if not self._fast:
             super()._sleep(offload, discard)
             return
         self.sleep_paths.append("fast" if not links else f"fast over {len(links)} links")
         with self._on_device():
-            self.path.sleep(offload, discard, links)
+            self.path.sleep(offload, discard, links, release_late=release_late)
 
     def _wake(self, tags: frozenset[str], gate: MemoryGate | None = None, links: Sequence[LinkShare] = ()) -> None:
         if not self._fast:
@@ -166,6 +183,7 @@ class FastBackend(CumemBackend):
             "snapshot_s": s.snapshot_s,
             "last": dict(s.last),
             "mapped_runs": self.path.runs.mapped_runs if self.path.runs is not None else 0,
+            "runs": f"of {self.path.runs.max_bytes} bytes" if self.path.runs is not None else self.path.runs_off_reason,
             "choice_reason": self.choice_reason,
         }
 

@@ -55,10 +55,19 @@ from omni_core.protocol import LinkShare
 from omni_core.workers.backends.copy_plan import Copy, CopyObserver, RestoreCopies, nbytes_of, plan_copies
 from omni_core.workers.backends.cuda_driver import CudaDriver
 from omni_core.workers.backends.cuda_ops import DEFAULT_STREAMS, CudaOps
-from omni_core.workers.backends.host_arena import HostArena, Slot
-from omni_core.workers.backends.lanes import DEFAULT_SLOT_BYTES, DirectLane, Lane, LanePicker, RelayFailed, RelayLane
+from omni_core.workers.backends.host_arena import HostArena, Slot, verify_clean
+from omni_core.workers.backends.lanes import (
+    DEFAULT_SLOT_BYTES,
+    DirectLane,
+    Lane,
+    LanePicker,
+    RelayFailed,
+    RelayLane,
+    synchronize_lanes,
+    wait_on,
+)
 from omni_core.workers.backends.lanes import warm_relays as warm_relay_peers
-from omni_core.workers.backends.runs import DriverSpans, Runs, SpanMapper
+from omni_core.workers.backends.runs import DriverSpans, SpanMapper, make_runs
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired, admit
 
 log = logging.getLogger("omni_core.backends.fast")
@@ -66,11 +75,6 @@ log = logging.getLogger("omni_core.backends.fast")
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 128 * MiB
 MAP_WITH = ("driver", "vllm")  # how allocations are mapped and unmapped: cuda_driver.py, or vLLM's extension
-
-
-class CleanCopyMismatch(RuntimeError):
-    """A tag declared read-only (ModelRunner.read_only_tags) changed on the device since
-    its host copy was made: the runner writes it. Nothing was released."""
 
 
 @dataclass
@@ -86,23 +90,6 @@ class PathStats:
     snapshot_bytes: int = 0  # the last host copy of read-only tags made while awake
     snapshot_s: float = 0.0
     last: dict[str, Any] = field(default_factory=dict)
-
-
-def _wait_on(ops: Any, lane: Lane, event: Any) -> None:
-    try:
-        ops.wait(event)
-    except Exception as exc:
-        if isinstance(lane, RelayLane):
-            raise RelayFailed(lane.peer, exc) from exc
-        raise
-
-
-def _synchronize_lanes(ops: Any, relays: list[RelayLane]) -> None:
-    """Every lane's copies have landed: a relay's last hop runs on the rank's device, so its
-    synchronize covers a wake; each relay's own tail is waited on first to name a failure."""
-    for relay in relays:
-        _wait_on(ops, relay, relay.record())
-    ops.synchronize()
 
 
 # ---------------------------------------------------------------------- the mechanism
@@ -124,6 +111,7 @@ class FastPath:
         map_with: str = "driver",
         run_bytes: int | None = None,
         spans: SpanMapper | None = None,
+        runs_optional: bool = False,
     ) -> None:
         self.allocator = allocator
         self.device = torch.device(device)
@@ -148,9 +136,8 @@ class FastPath:
             self._map = lambda h: driver.create_and_map(*h)
             self._unmap = lambda h: driver.unmap_and_release(*h)
             spans = spans or DriverSpans(driver, self.device.index or 0, self.ops)
-        if run_bytes and spans is None:
-            raise ValueError("run_bytes needs the driver's mapping (map_with='driver' on CUDA) or a SpanMapper")
-        self.runs = Runs(spans, run_bytes) if run_bytes and spans is not None else None  # runs.py; off by default
+        # runs.py; with `runs_optional` (the fast backend's default) none where they cannot be made
+        self.runs, self.runs_off_reason = make_runs(allocator, module, spans, run_bytes, required=not runs_optional)
         self._slots: dict[int, Slot] = {}
         self._arenas: list[HostArena] = []
         self._backed: set[int] = set()  # allocations whose bytes are in their slot now
@@ -378,23 +365,38 @@ class FastPath:
 
     # ------------------------------------------------------------------ sleep / wake
 
-    def sleep(self, offload: Iterable[str], discard: Iterable[str], links: Sequence[LinkShare] = ()) -> dict[str, Any]:
+    def sleep(
+        self,
+        offload: Iterable[str],
+        discard: Iterable[str],
+        links: Sequence[LinkShare] = (),
+        *,
+        release_late: bool = False,
+    ) -> dict[str, Any]:
         """Release every mapped allocation of `offload | discard`; copy `offload` first, over
         the planned `links` (the own link alone when empty). A relay that fails finishes the
-        sleep on the own link: an allocation is released only once its bytes have landed."""
+        sleep on the own link: an allocation is released only once its bytes have landed.
+
+        Each allocation is released as soon as its copy lands, so that a stage waking on the
+        same device meanwhile gets the memory early. With `release_late` (a swap whose
+        incoming stage fits beside this one: Sleep.incoming_bytes) nothing is released until
+        the last copy has landed, then everything at once: releases during the copies slow
+        the incoming stage's host->device copies (benchmarks/results/swap_gpu.md)."""
         offload, discard = frozenset(offload), frozenset(discard)
         if not links:
-            return self._sleep(offload, discard, ())
+            return self._sleep(offload, discard, (), release_late)
         try:
-            return self._sleep(offload, discard, links)
+            return self._sleep(offload, discard, links, release_late)
         except RelayFailed as exc:
             log.warning("fast backend: %s; finishing the sleep on the own link", exc)
             self.ops.synchronize()
-            last = self._sleep(offload, discard, ())
+            last = self._sleep(offload, discard, (), release_late)
             last["relay_failed"] = str(exc)
             return last
 
-    def _sleep(self, offload: frozenset[str], discard: frozenset[str], links: Sequence[LinkShare]) -> dict[str, Any]:
+    def _sleep(
+        self, offload: frozenset[str], discard: frozenset[str], links: Sequence[LinkShare], release_late: bool
+    ) -> dict[str, Any]:
         started = time.perf_counter()
         self.wait_prepared()
         waited = time.perf_counter()
@@ -405,13 +407,12 @@ class FastPath:
         kept = [(p, d) for p, d in allocs if d.tag in offload and p not in self._clean]
         if clean and self.verify_clean:
             self._verify(clean)  # before anything is released: a refused sleep leaves all mapped
+        late = release_late and bool(kept)  # with nothing to copy, there is nothing to wait for
         # Discarded memory first: the caller has synchronized, so nothing is reading it, and
-        # the driver's unmap (synchronous for most uses) has no copy to wait for yet.
-        for ptr, data in dropped:
-            self._release(ptr, data, backed=False)
-        # Clean allocations: their slot already holds their bytes.
-        for ptr, data in clean:
-            self._release(ptr, data, backed=True)
+        # the driver's unmap (synchronous for most uses) has no copy to wait for yet. Clean
+        # allocations: their slot already holds their bytes.
+        if not late:
+            self._release_all(dropped, clean, [])
         unmapped = time.perf_counter()
         copies: list[Copy] = []
         by_lane: dict[str, int] = {}
@@ -424,12 +425,15 @@ class FastPath:
                 # Events complete in any order across lanes; waiting in issue order means that
                 # after event k every copy up to k is done, so the allocations ending in k are free.
                 for c, (lane, event) in zip(copies, events, strict=True):
-                    _wait_on(self.ops, lane, event)
-                    for i in c.completes:
+                    wait_on(self.ops, lane, event)
+                    for i in c.completes if not late else ():
                         self._release(*kept[i], backed=True)
             finally:
                 self._close_relays(relays)
             by_lane = lanes.bytes_by_lane()
+        copied = time.perf_counter()
+        if late:  # every copy has landed
+            self._release_all(dropped, clean, kept)
         done = time.perf_counter()
         self.stats.last = {
             "op": "sleep",
@@ -440,33 +444,25 @@ class FastPath:
             "copies": len(copies),
             "wait_prepare_s": waited - started,
             "discard_s": unmapped - waited,
-            "offload_s": done - unmapped,
+            "offload_s": copied - unmapped,
+            "release_late": late,
+            "late_release_s": done - copied,
             "total_s": done - started,
             "bytes_by_lane": by_lane,
         }
         return self.stats.last
 
+    def _release_all(
+        self, dropped: list[tuple[int, Any]], clean: list[tuple[int, Any]], kept: list[tuple[int, Any]]
+    ) -> None:
+        for ptr, data in dropped:
+            self._release(ptr, data, backed=False)
+        for ptr, data in (*clean, *kept):
+            self._release(ptr, data, backed=True)
+
     def _verify(self, clean: list[tuple[int, Any]]) -> None:
         """Debug mode: the device bytes of every clean allocation equal its host copy."""
-        total = sum(nbytes_of(d) for _, d in clean)
-        scratch = HostArena(total, self.ops, touch=False)
-        try:
-            offsets, offset = [], 0
-            for _, data in clean:
-                offsets.append(offset)
-                offset += nbytes_of(data)
-            spans = [(p, scratch.ptr + o, nbytes_of(d)) for (p, d), o in zip(clean, offsets, strict=True)]
-            self._copy_out(plan_copies(spans, self.chunk_bytes))
-            for (ptr, data), o in zip(clean, offsets, strict=True):
-                slot = self._slots[ptr]
-                if not torch.equal(scratch.view(o, slot.nbytes), slot.arena.view(slot.offset, slot.nbytes)):
-                    raise CleanCopyMismatch(
-                        f"allocation at {ptr:#x} of tag {data.tag!r} ({slot.nbytes} bytes) changed since its host "
-                        f"copy was made, but the runner declares {data.tag!r} read-only (ModelRunner.read_only_tags); "
-                        "fix the runner's declaration (a runner that writes its weights must not list them)"
-                    )
-        finally:
-            scratch.close()
+        verify_clean(clean, self._slots, self.ops, lambda spans: self._copy_out(plan_copies(spans, self.chunk_bytes)))
 
     def _release(self, ptr: int, data: Any, *, backed: bool) -> None:
         self._unmap_one(ptr, data)
@@ -527,7 +523,7 @@ class FastPath:
                         copies.add(ptr, self._slots[ptr].host, nbytes_of(data))
             copies.flush()
             self.ops.current_after_streams()
-            _synchronize_lanes(self.ops, relays)
+            synchronize_lanes(self.ops, relays)
         except (MemoryWaitExpired, RelayFailed):
             self._unmap_refused(mapped, gate)
             raise

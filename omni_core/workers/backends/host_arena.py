@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from omni_core.workers.backends.copy_plan import nbytes_of
 
 
 class HostArena:
@@ -57,3 +60,36 @@ class Slot:
     @property
     def host(self) -> int:
         return self.arena.ptr + self.offset
+
+
+class CleanCopyMismatch(RuntimeError):
+    """A tag declared read-only (ModelRunner.read_only_tags) changed on the device since
+    its host copy was made: the runner writes it. Nothing was released."""
+
+
+def verify_clean(
+    clean: list[tuple[int, Any]],
+    slots: dict[int, Slot],
+    ops: Any,
+    copy_out: Callable[[list[tuple[int, int, int]]], None],
+) -> None:
+    """The device bytes of every `clean` allocation (address, vLLM's data) equal its slot's:
+    copied into a scratch arena with `copy_out((device, host, nbytes) spans)`, compared there."""
+    total = sum(nbytes_of(d) for _, d in clean)
+    scratch = HostArena(total, ops, touch=False)
+    try:
+        offsets, offset = [], 0
+        for _, data in clean:
+            offsets.append(offset)
+            offset += nbytes_of(data)
+        copy_out([(p, scratch.ptr + o, nbytes_of(d)) for (p, d), o in zip(clean, offsets, strict=True)])
+        for (ptr, data), o in zip(clean, offsets, strict=True):
+            slot = slots[ptr]
+            if not torch.equal(scratch.view(o, slot.nbytes), slot.arena.view(slot.offset, slot.nbytes)):
+                raise CleanCopyMismatch(
+                    f"allocation at {ptr:#x} of tag {data.tag!r} ({slot.nbytes} bytes) changed since its host "
+                    f"copy was made, but the runner declares {data.tag!r} read-only (ModelRunner.read_only_tags); "
+                    "fix the runner's declaration (a runner that writes its weights must not list them)"
+                )
+    finally:
+        scratch.close()

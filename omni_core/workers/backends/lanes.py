@@ -146,6 +146,24 @@ class LanePicker:
 WARM_SLOT_BYTES = 2 * MiB  # the staging of a load-time relay warm-up
 
 
+def wait_on(ops: Any, lane: Lane, event: Any) -> None:
+    """Wait for `event` of `lane`; a relay's failure is named as the relay's (RelayFailed)."""
+    try:
+        ops.wait(event)
+    except Exception as exc:
+        if isinstance(lane, RelayLane):
+            raise RelayFailed(lane.peer, exc) from exc
+        raise
+
+
+def synchronize_lanes(ops: Any, relays: list[RelayLane]) -> None:
+    """Every lane's copies have landed: a relay's last hop runs on the rank's device, so its
+    synchronize covers a wake; each relay's own tail is waited on first to name a failure."""
+    for relay in relays:
+        wait_on(ops, relay, relay.record())
+    ops.synchronize()
+
+
 def warm_relays(ops: Any, device: int, host: int, peers: Iterable[int]) -> None:
     """Open each peer's context, enable peer access both ways and send the byte at `device`
     through a relay to `host` and back, at load: a first sleep over k links then runs at

@@ -1,4 +1,4 @@
-"""Neighbouring allocations of one tag woken into one physical allocation (`fast`, opt-in).
+"""Neighbouring allocations of one tag woken into one physical allocation (`fast`, by default).
 
 The CUDA driver's cost of a sleep and a wake is per physical allocation, not per byte: on an
 H100, unmapping 16 GiB held as 512 allocations of 32 MiB takes 20-30 ms and mapping it 22-30
@@ -12,20 +12,32 @@ cuMemSetAccess, and a sleep unmaps the run once its last member is released. At 
 prepare in the foreground), the awake allocations vLLM made one by one are adopted into runs,
 bytes kept, so that the first sleep already unmaps runs.
 
-A member's vLLM handle is left as it was: the run's physical handle is held here. vLLM itself
-must not unmap a member (its own sleep, or freeing the tensor): the `fast` backend does every
-sleep and wake, and its worker leaves with os._exit (CumemBackend.hard_exit_required).
+A member's vLLM handle is left as it was: the run's physical handle is held here. The `fast`
+backend does every sleep and wake, and its worker leaves with os._exit
+(CumemBackend.hard_exit_required). What remains is vLLM's free path: when torch gives a
+member's segment back (its pool released), vLLM's C extension asks the allocator's
+`python_free_callback` for the handle, then unmaps and releases it and frees its address
+range. A run member's range is part of the run's mapping, which the driver does not unmap
+piecewise (the extension would keep the error and fail later allocations), and its own
+physical handle was released when the run was made. So `guard_frees` wraps that callback:
+for a member of a mapped run it hands the extension a stand-in (`SpanMapper.decoy`: fresh
+address space mapped onto the run's own memory, with a new reference to it) to unmap and
+release in the member's place, and keeps the member's range; the run is unmapped when its
+last member goes, asleep or freed, and the freed members' ranges and handle cells with it.
+vLLM's own sleep must still not run beside these runs (it is never called by omni-core).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_core.workers.backends.copy_plan import nbytes_of
+from omni_core.workers.backends.cuda_driver import CudaDriverError
 
 log = logging.getLogger("omni_core.backends.fast")
 
@@ -42,6 +54,15 @@ class SpanMapper(Protocol):
         allocation mapped there: made at a scratch range, filled from the range, then
         `release_members()` unmaps what backed the range, and the new one is mapped at
         `ptr`. Returns its handle; nothing changes when it fails before the release."""
+
+    def decoy(self, nbytes: int, handle: int) -> tuple[int, int]:
+        """A stand-in for a freed run member: `nbytes` of fresh address space mapped onto the
+        run's physical allocation `handle`, and a cell (C malloc) holding a new reference to
+        it. Returns (address, cell): unmapping the address, releasing the cell's handle,
+        freeing the address and the cell (vLLM's free path) leave the run as it was."""
+
+    def forget(self, nbytes: int, ptr: int, cell: int) -> None:
+        """A freed member's own address range and handle cell, once its run is unmapped."""
 
 
 class DriverSpans:
@@ -83,14 +104,58 @@ class DriverSpans:
             d.free_range(scratch, nbytes)
         return cell.value
 
+    def decoy(self, nbytes: int, handle: int) -> tuple[int, int]:
+        d = self.driver
+        d.ensure_context(self.device)
+        scratch = d.reserve(nbytes)
+        retained = ctypes.c_uint64()
+        try:
+            try:
+                d.check(d.cu.cuMemMap(scratch, nbytes, 0, handle, 0), f"cuMemMap of a {nbytes}-byte stand-in")
+                try:
+                    d.check(
+                        d.cu.cuMemRetainAllocationHandle(ctypes.byref(retained), scratch), "cuMemRetainAllocationHandle"
+                    )
+                except BaseException:
+                    d.cu.cuMemUnmap(scratch, nbytes)
+                    raise
+            except CudaDriverError as exc:
+                # A driver that maps no part of an allocation alone: fresh memory of the
+                # member's size instead, which vLLM's free path gives back at once.
+                log.info("fast backend: a freed run member's stand-in takes fresh memory (%s)", exc)
+                d.map_into(self.device, nbytes, scratch, retained)
+        except BaseException:
+            d.free_range(scratch, nbytes)
+            raise
+        cell = _libc().malloc(ctypes.sizeof(ctypes.c_uint64))
+        if not cell:
+            d.unmap_from(nbytes, scratch, retained.value)
+            d.free_range(scratch, nbytes)
+            raise MemoryError("malloc of 8 bytes for a stand-in's handle cell failed")
+        ctypes.c_uint64.from_address(cell).value = retained.value
+        return scratch, cell
+
+    def forget(self, nbytes: int, ptr: int, cell: int) -> None:
+        self.driver.ensure_context(self.device)
+        self.driver.free_range(ptr, nbytes)
+        _libc().free(cell)
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None)  # the C library vLLM's extension mallocs and frees its handle cells with
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    return libc
+
 
 @dataclass
 class Run:
     start: int
     nbytes: int
     handle: int
-    members: frozenset[int]
+    members: set[int]
     awake: set[int] = field(default_factory=set)
+    freed: list[tuple[int, int, int]] = field(default_factory=list)  # (ptr, nbytes, cell) freed while mapped
 
 
 class Runs:
@@ -132,7 +197,7 @@ class Runs:
         start = group[0][0]
         nbytes = sum(nbytes_of(d) for _, d in group)
         handle = self.mapper.map_span(nbytes, start)
-        run = Run(start, nbytes, handle, frozenset(p for p, _ in group), {p for p, _ in group})
+        run = Run(start, nbytes, handle, {p for p, _ in group}, {p for p, _ in group})
         for ptr, _ in group:
             self._of[ptr] = run
         self.mapped_runs += 1
@@ -147,7 +212,7 @@ class Runs:
                 release_member(ptr, data)
 
         handle = self.mapper.adopt(nbytes, start, release)
-        run = Run(start, nbytes, handle, frozenset(p for p, _ in group), {p for p, _ in group})
+        run = Run(start, nbytes, handle, {p for p, _ in group}, {p for p, _ in group})
         for ptr, _ in group:
             self._of[ptr] = run
         self.mapped_runs += 1
@@ -178,7 +243,86 @@ class Runs:
         run.awake.discard(ptr)
         if run.awake:
             return False
+        self._unmap(run)
+        return True
+
+    def free_member(self, ptr: int, handle: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        """vLLM frees the member `ptr` of a mapped run (its free callback gave `handle`): the
+        handle its extension unmaps and releases instead, a stand-in on the run's memory. The
+        member leaves the run; its range stays mapped until the run's last member goes."""
+        run = self._of[ptr]
+        device, nbytes, _, cell = handle
+        decoy, decoy_cell = self.mapper.decoy(nbytes, run.handle)  # first: a failure changes nothing
+        del self._of[ptr]
+        run.members.discard(ptr)
+        run.awake.discard(ptr)
+        run.freed.append((ptr, nbytes, cell))
+        if not run.awake:
+            self._unmap(run)
+        return (device, nbytes, decoy, decoy_cell)
+
+    def _unmap(self, run: Run) -> None:
         self.mapper.unmap_span(run.nbytes, run.start, run.handle)
         for member in run.members:
             self._of.pop(member, None)
-        return True
+        for ptr, nbytes, cell in run.freed:  # no longer under the run's mapping: vLLM's to give back
+            self.mapper.forget(nbytes, ptr, cell)
+        run.freed.clear()
+
+
+class FreeGuard:
+    """The allocator's free callback, wrapped once per allocator: a member of a mapped run of
+    any live `Runs` is handed to `Runs.free_member` (see the module docstring)."""
+
+    def __init__(self, allocator: Any, original: Callable[[int], Any]) -> None:
+        self.original = original
+        self.registries: weakref.WeakSet[Runs] = weakref.WeakSet()
+
+    def __call__(self, ptr: int) -> Any:
+        handle = self.original(ptr)  # vLLM's own: forgets the allocation, waits for the device
+        for runs in list(self.registries):
+            if runs.owns(ptr):
+                try:
+                    return runs.free_member(ptr, tuple(handle))
+                except Exception as exc:  # raising here would leave vLLM's extension holding the GIL
+                    log.error(
+                        "fast backend: could not stand in for run member %#x freed by vLLM (%s: %s); its range "
+                        "stays mapped by the run and the driver will refuse vLLM's unmap of it",
+                        ptr,
+                        type(exc).__name__,
+                        exc,
+                    )
+        return handle
+
+
+def guard_frees(allocator: Any, module: Any, runs: Runs) -> str:
+    """Route vLLM's frees of `runs`' members through a FreeGuard. Returns why it cannot ("":
+    guarded): an allocator without `python_free_callback` (vLLM before 0.11) registers its
+    callback some other way."""
+    current = getattr(allocator, "python_free_callback", None)
+    if current is None or not callable(current):
+        return "this vLLM's CuMemAllocator has no python_free_callback through which its frees could be guarded"
+    if not isinstance(current, FreeGuard):
+        current = FreeGuard(allocator, current)
+        allocator.python_free_callback = current
+        init_module = getattr(module, "init_module", None)
+        if init_module is not None:  # pools made before: the extension's one callback is ours now
+            init_module(allocator.python_malloc_callback, current)
+    current.registries.add(runs)
+    return ""
+
+
+def make_runs(
+    allocator: Any, module: Any, spans: SpanMapper | None, run_bytes: int | None, *, required: bool
+) -> tuple[Runs | None, str]:
+    """Runs of at most `run_bytes` (None or 0: none) with vLLM's frees guarded, and why there
+    are none. Where they cannot be made (no SpanMapper, no guard), `required` raises."""
+    if not run_bytes:
+        return None, "off (run_bytes=0)"
+    why = "runs need the driver's mapping (map_with='driver' on CUDA) or a SpanMapper" if spans is None else ""
+    runs = Runs(spans, run_bytes) if spans is not None else None
+    if runs is not None:
+        why = guard_frees(allocator, module, runs)
+    if why and required:
+        raise ValueError(f"run_bytes={run_bytes}: {why}")
+    return (None, why) if why else (runs, "")
