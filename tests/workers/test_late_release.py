@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from omni_core.workers.backends.fast import FastBackend
 from omni_core.workers.memory_gate import room_for
 
 from .test_cumem_versions import KV, W
@@ -32,7 +33,9 @@ def mapped_at_each_wait(ops, module) -> list[int]:
 
 
 @pytest.mark.parametrize("variant", ["0.26", "keep_tags", "no_flags"])
-def test_a_late_release_keeps_everything_mapped_until_the_last_copy_has_landed(variant: str) -> None:
+def test_a_late_release_keeps_everything_mapped_until_the_last_copy_has_landed(variant: str, monkeypatch) -> None:
+    # The mechanism, on allocations without runs (the backend uses it only with runs).
+    monkeypatch.setattr(FastBackend, "supports_late_release", True)
     module, ops, backend, ptrs = make(variant, sizes_w=SIZES_W)
     before = snapshot(module, ptrs[W])
     seen = mapped_at_each_wait(ops, module)
@@ -43,6 +46,19 @@ def test_a_late_release_keeps_everything_mapped_until_the_last_copy_has_landed(v
     assert last["release_late"] is True and last["offloaded_bytes"] == sum(SIZES_W)
     backend.wake({W, KV})
     assert snapshot(module, ptrs[W]) == before
+
+
+def test_without_runs_the_backend_declines_a_late_release() -> None:
+    """Releasing every allocation after the last copy pays one unmap per allocation at the
+    end of the sleep (measured: a slower swap); only runs make a late release worth it."""
+    module, ops, backend, _ = make("0.26", sizes_w=SIZES_W)
+    assert backend.path.runs is None and not backend.supports_late_release
+    seen = mapped_at_each_wait(ops, module)
+    backend.sleep({W}, {KV}, release_late=True)
+    assert seen[-1] == 1, seen  # released as the copies landed
+    assert backend.path.stats.last["release_late"] is False
+    _, _, _, with_runs, _, _ = make_runs(4096 + 8192)
+    assert with_runs.supports_late_release
 
 
 def test_without_room_each_allocation_is_released_as_its_copy_lands() -> None:

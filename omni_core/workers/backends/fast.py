@@ -44,7 +44,6 @@ class FastBackend(CumemBackend):
     size: runs of that size, refused where they cannot be made."""
 
     name = "fast"
-    supports_late_release = True
 
     def __init__(
         self,
@@ -133,6 +132,13 @@ class FastBackend(CumemBackend):
             return ()
         peers = range(torch.cuda.device_count())
         return tuple(p for p in peers if p != own and torch.cuda.can_device_access_peer(own, p))
+
+    @property
+    def supports_late_release(self) -> bool:  # type: ignore[override]
+        """Late release only with runs: releasing 512 separate allocations after the last copy
+        made a 16 GiB swap slower than releasing each as its copy lands (H100: 1.24 x against
+        1.36 x faster than sequential); with runs, a few unmaps, it made it faster (1.50 x)."""
+        return self.path.runs is not None
 
     def _sleep(
         self,
