@@ -25,9 +25,9 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
-from omni_core.fsm.stage_calls import StageCalls
+from omni_core.fsm.stage_calls import STATELESS, StageCalls
 from omni_core.fsm.stage_pause import PauseMixin
-from omni_core.fsm.stage_replies import STATELESS, StageReplies
+from omni_core.fsm.stage_replies import StageReplies
 from omni_core.fsm.stage_requests import StageRequests
 from omni_core.fsm.stage_step import (
     Outbound,
@@ -181,6 +181,8 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
                 return self._weight_group(event, now)
             case I.ShareCall():
                 return self._share(event, now)
+            case I.CommandCall():
+                return self._command(event, now)
             case I.PauseCall():
                 return self._pause(event, now)
             case I.ResumeCall():

@@ -39,6 +39,7 @@ from omni_core.protocol.messages import (
     Status,
     UpdateWeights,
     Wake,
+    arguments,
 )
 from omni_core.protocol.profile import MAX_PROFILE_PREFIX_CHARS, profile_prefix_problem
 from omni_core.protocol.version import PROTOCOL_VERSION
@@ -100,6 +101,7 @@ __all__ = [
     "Status",
     "Wake",
     "WorkerState",
+    "arguments",
     "decode",
     "decode_command",
     "encode",

@@ -66,6 +66,15 @@ class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=T
     epoch: Epoch
 
 
+ENVELOPE_FIELDS = frozenset(("v", "task_id", "epoch"))
+
+
+def arguments(message: Message) -> dict[str, Any]:
+    """A message's own fields, every one but the envelope's (`v`, `task_id`, `epoch`), in the
+    order its struct declares them: what a command asks for, what a reply says."""
+    return {f.name: getattr(message, f.name) for f in msgspec.structs.fields(message) if f.name not in ENVELOPE_FIELDS}
+
+
 # ---------------------------------------------------------------- commands (orchestrator -> worker)
 
 
