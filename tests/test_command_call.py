@@ -124,3 +124,13 @@ def test_a_message_without_words_of_its_own_is_described_by_its_fields() -> None
         "backend=gloo timeout_s=300 deadline=2.5s"
     )
     assert describe_input(I.Tick()) == "Tick"
+
+
+def test_every_message_type_is_exported_by_the_protocol_package() -> None:
+    import omni_core.protocol as protocol
+    from omni_core.protocol import MESSAGE_TYPES
+
+    missing = [kind.__name__ for kind in MESSAGE_TYPES if kind.__name__ not in protocol.__all__]
+    assert not missing, f"add {missing} to omni_core.protocol.messages.__all__"
+    assert all(getattr(protocol, kind.__name__) is kind for kind in MESSAGE_TYPES)
+    assert all(hasattr(protocol, name) for name in protocol.__all__)
