@@ -73,19 +73,8 @@ from omni_testing.fuzz.mutations import MUTATION_NAMES as MUTATION_NAMES  # wher
 # and any command newer than them, come from a side stream (valid_message), so that a seed's
 # other frames stay what they were. A newer command's frames are derived from its struct.
 _WEIGHT_TYPES: tuple[type[Message], ...] = (UpdateWeights, InitWeightGroup, ShareWeights)
-_DRAWN_TYPES: tuple[type[Message], ...] = (
-    Sleep,
-    Wake,
-    ReloadWeights,
-    Execute,
-    Status,
-    Shutdown,
-    Profile,
-    Ack,
-    Nack,
-    Result,
-    Hello,
-)
+_COMMANDS_DRAWN = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile)
+_DRAWN_TYPES: tuple[type[Message], ...] = _COMMANDS_DRAWN + (Ack, Nack, Result, Hello)
 _SIDE_TYPES: tuple[type[Message], ...] = _WEIGHT_TYPES + tuple(
     t for t in MESSAGE_TYPES if t not in _DRAWN_TYPES + _WEIGHT_TYPES
 )
