@@ -13,7 +13,7 @@ import msgspec
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep
-from omni_core.fsm.stage_calls import STATELESS
+from omni_core.fsm.stage_table import STATELESS
 from omni_core.fsm.worker import WorkerCore
 from omni_core.protocol import Capability, DiskSource
 from omni_testing.describe import fmt_s, fmt_tags

@@ -8,7 +8,7 @@ from test_stage_core import outcome_of, reach_stage
 
 from omni_core.fsm import StageCommandError
 from omni_core.fsm import inputs as I
-from omni_core.fsm.stage_calls import CALLS, STATELESS
+from omni_core.fsm.stage_table import CALLS, STATELESS
 from omni_core.protocol import AckStatus, InitWeightGroup, Profile, ShareWeights, Sleep, arguments
 from omni_core.protocol import StageState as S
 

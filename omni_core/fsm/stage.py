@@ -25,7 +25,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
-from omni_core.fsm.stage_calls import STATELESS, StageCalls
+from omni_core.fsm.stage_calls import StageCalls
 from omni_core.fsm.stage_pause import PauseMixin
 from omni_core.fsm.stage_replies import StageReplies
 from omni_core.fsm.stage_requests import StageRequests
@@ -39,7 +39,7 @@ from omni_core.fsm.stage_step import (
     _Request,
     _Task,
 )
-from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS
+from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS, STATELESS
 from omni_core.fsm.stage_trace import StageTrace
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency

@@ -14,8 +14,8 @@ from types import MappingProxyType
 from typing import Any
 
 from omni_core.fsm.settle import REFUSAL_REASON
-from omni_core.fsm.stage_calls import STATELESS
 from omni_core.fsm.stage_step import StageCounters, StageStep, _Request, _Task
+from omni_core.fsm.stage_table import STATELESS
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency
 from omni_core.protocol import (
