@@ -134,3 +134,15 @@ def test_every_message_type_is_exported_by_the_protocol_package() -> None:
     assert not missing, f"add {missing} to omni_core.protocol.messages.__all__"
     assert all(getattr(protocol, kind.__name__) is kind for kind in MESSAGE_TYPES)
     assert all(hasattr(protocol, name) for name in protocol.__all__)
+
+
+def test_every_effect_is_exported_by_the_fsm_package() -> None:
+    from typing import get_args
+
+    import omni_core.fsm as fsm
+    from omni_core.fsm.effects import Effect
+
+    kinds = get_args(Effect)
+    missing = [kind.__name__ for kind in kinds if kind.__name__ not in fsm.__all__]
+    assert not missing, f"add {missing} to omni_core.fsm.effects.__all__"
+    assert all(getattr(fsm, kind.__name__) is kind for kind in kinds)
