@@ -146,3 +146,11 @@ def test_every_effect_is_exported_by_the_fsm_package() -> None:
     missing = [kind.__name__ for kind in kinds if kind.__name__ not in fsm.__all__]
     assert not missing, f"add {missing} to omni_core.fsm.effects.__all__"
     assert all(getattr(fsm, kind.__name__) is kind for kind in kinds)
+
+
+def test_the_orchestrator_dispatches_a_command_call_as_a_lifecycle_task() -> None:
+    from omni_core.engine.calls import LifecycleCall
+
+    call = I.CommandCall(Profile(task_id="p", epoch=0, start=False), 4.0)
+    assert isinstance(call, LifecycleCall)  # _dispatch's one list: waiters under its task_id
+    assert (call.task_id, call.deadline_s) == ("p", 4.0)
