@@ -3,6 +3,7 @@ transcripts, the same for every run."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +38,7 @@ from omni_core.protocol import (
     Sleep,
     UpdateWeights,
     Wake,
+    arguments,
     source_kind,
 )
 from omni_core.protocol.weights import source_tensors
@@ -93,7 +95,21 @@ def describe(message: Message) -> str:
     if isinstance(message, Hello):
         detail = f": {message.detail}" if message.detail else ""
         return f"Hello e{message.epoch} {message.state.value} tags={fmt_tags(message.tags)}{detail}"
-    return f"{type(message).__name__} {head}"
+    return f"{type(message).__name__} {head}{fmt_fields(arguments(message))}"
+
+
+def fmt_fields(fields: dict[str, Any]) -> str:
+    """` name=value` for each field, in order: the line of a message, input or effect that has
+    no words of its own (None is `-`, a tuple is a list)."""
+
+    def value(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, tuple):
+            return "[" + ",".join(map(str, v)) + "]"
+        return format(v, "g") if isinstance(v, float) else str(v)
+
+    return "".join(f" {name}={value(v)}" for name, v in fields.items())
 
 
 def _source(source: Any) -> str:
@@ -149,7 +165,11 @@ def describe_input(event: I.EngineInput) -> str:
         return f"SendFailed {event.task_id} ranks={list(event.ranks)}"
     if isinstance(event, I.Received):
         return f"Received {describe(event.message)}"
-    return type(event).__name__
+    if isinstance(event, I.CommandCall):
+        command = event.command
+        own = fmt_fields(arguments(command))
+        return f"CommandCall {type(command).__name__} {command.task_id}{own} deadline={fmt_s(event.deadline_s)}"
+    return type(event).__name__ + fmt_fields({f.name: getattr(event, f.name) for f in dataclasses.fields(event)})
 
 
 def describe_effect(effect: Effect) -> str:
@@ -173,7 +193,7 @@ def describe_effect(effect: Effect) -> str:
         return "release every pool and exit"
     if isinstance(effect, ProfileEffect):
         return "start the profiler" if effect.start else "stop the profiler, write its trace"
-    return type(effect).__name__
+    return type(effect).__name__ + fmt_fields({f.name: getattr(effect, f.name) for f in dataclasses.fields(effect)})
 
 
 def describe_outcome(outcome: TaskOutcome) -> str:

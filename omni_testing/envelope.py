@@ -6,19 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_core.fsm.effects import (
-    Effect,
-    ExecuteEffect,
-    ProfileEffect,
-    ReloadEffect,
-    ShareEffect,
-    ShutdownEffect,
-    SleepEffect,
-    StatusEffect,
-    UpdateEffect,
-    WakeEffect,
-    WeightGroupEffect,
-)
+from omni_core.fsm.effects import Effect, ProfileEffect
 from omni_core.protocol import MemoryReport
 from omni_testing.describe import fmt_address
 
@@ -69,20 +57,6 @@ class Envelope:
 
     def line(self) -> str:
         return f"#{self.id} {self.route} {self.text}{' [corrupted]' if self.corrupt else ''}"
-
-
-COMMAND_OF_EFFECT = {
-    SleepEffect: "Sleep",
-    WakeEffect: "Wake",
-    ReloadEffect: "ReloadWeights",
-    ExecuteEffect: "Execute",
-    StatusEffect: "Status",
-    ShutdownEffect: "Shutdown",
-    ProfileEffect: "Profile",
-    UpdateEffect: "UpdateWeights",
-    WeightGroupEffect: "InitWeightGroup",
-    ShareEffect: "ShareWeights",
-}
 
 
 def sim_trace_paths(stage: str, rank: int, effect: Effect, now: float) -> tuple[str, ...]:

@@ -30,12 +30,11 @@ from omni_core.fsm.effects import (
     Effect,
     ExecuteEffect,
     ProfileEffect,
-    ShareEffect,
     ShutdownEffect,
-    WeightGroupEffect,
 )
 from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep, TaskOutcome
+from omni_core.fsm.stage_table import STATELESS
 from omni_core.fsm.worker import (
     BadFrame,
     CommandReceived,
@@ -66,7 +65,6 @@ from omni_testing.describe import (
     fmt_tags,
 )
 from omni_testing.envelope import (
-    COMMAND_OF_EFFECT,
     ECHO,
     NO_MEMORY,
     Envelope,
@@ -76,6 +74,7 @@ from omni_testing.envelope import (
 )
 from omni_testing.rng import SplitMix64
 
+_STATELESS = frozenset(kind.__name__ for kind in STATELESS)
 # A bound on one `settle`: far above any scenario, low enough that a livelock fails fast.
 SETTLE_MAX_STEPS = 100_000
 NO_FAULTS = Faults()  # a run with no seeded fault
@@ -116,6 +115,7 @@ class Simulator:
         self.spawn_epoch: dict[int, int] = {}  # rank -> the epoch its process was started in
         self.network: list[Envelope] = []
         self.effects: dict[int, Effect] = {}  # rank -> the effect its shell is performing
+        self.effect_command: dict[int, str] = {}  # rank -> the command that effect performs
         self.dead: set[int] = set()
         self.exiting: set[int] = set()  # told to shut down: their exit is no failure
         self.blocked: set[int] = set()  # the engine's send queue to these ranks is full
@@ -167,6 +167,7 @@ class Simulator:
         self.spawn_epoch = {rank: epoch for rank in self.stage.ranks}
         self.dead, self.exiting, self.blocked = set(), set(), set()
         self.effects.clear()
+        self.effect_command.clear()
         for worker in self.workers:
             error = self.load_errors.get(worker.rank)
             if error is None:
@@ -413,6 +414,8 @@ class Simulator:
             step = worker.step(BadFrame(exc))
         else:
             step = worker.step(CommandReceived(command))
+            if step.effect is not None:
+                self.effect_command[rank] = type(command).__name__
         self._report_worker(worker, state, counters, step)
         return step
 
@@ -445,10 +448,10 @@ class Simulator:
         by the runner before touching memory (`refuse`)."""
         if rank in self.dead or rank not in self.effects:
             raise SimulationError(f"r{rank} has no effect in progress" + (" (it is dead)" if rank in self.dead else ""))
-        effect = self.effects.pop(rank)
+        effect, command = self.effects.pop(rank), self.effect_command.pop(rank)
         worker = self.workers[rank]
         state, counters = worker.state, _counters(worker.counters) if self.record else {}
-        what = f"r{rank} {COMMAND_OF_EFFECT[type(effect)]} {effect.task_id}"
+        what = f"r{rank} {command} {effect.task_id}"
         if refuse is not None:
             self.say(f"refuse {what}: {refuse}")
             step = worker.step(EffectDeclined(effect.task_id, refuse))
@@ -459,7 +462,7 @@ class Simulator:
             self.say(f"done {what}")
             if output is ECHO:
                 output = effect.payload if isinstance(effect, ExecuteEffect) else None
-            memory = None if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)) else NO_MEMORY
+            memory = None if command in _STATELESS else NO_MEMORY  # it touches no pool
             step = worker.step(
                 EffectCompleted(
                     effect.task_id,
@@ -500,6 +503,7 @@ class Simulator:
             raise SimulationError(f"r{rank} is dead already")
         self.dead.add(rank)
         self.effects.pop(rank, None)
+        self.effect_command.pop(rank, None)
         self.say(f"crash r{rank}: {detail}")
         if rank in self.exiting:
             return None  # told to exit: the engine expects it
@@ -550,7 +554,7 @@ class Simulator:
             rank = worker.rank
             what = "dead" if rank in self.dead else worker.state.value
             effect = self.effects.get(rank)
-            busy = f" busy({COMMAND_OF_EFFECT[type(effect)]} {effect.task_id})" if effect else ""
+            busy = f" busy({self.effect_command[rank]} {effect.task_id})" if effect else ""
             ranks.append(f"r{rank} {what} e{worker.epoch}{busy}")
         lines.append("  ranks: " + ", ".join(ranks))
         counters = {k: v for k, v in _counters(stage.counters).items() if v}

@@ -8,9 +8,12 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep
+from omni_core.fsm.stage_table import STATELESS
 from omni_core.fsm.worker import WorkerCore
 from omni_core.protocol import Capability, DiskSource
 from omni_testing.describe import fmt_s, fmt_tags
@@ -84,6 +87,7 @@ class Script:
     update task= version= [source=PATH deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
     share task= [bucket-bytes=1024 deadline=30s]
     profile task= [start=yes|no prefix= deadline=30s]
+    command TYPE task= [deadline=30s FIELD=VALUE...]   a stateless command's generic call (CommandCall)
     pause task= [mode=wait|keep|abort deadline=30s]   resume task= [deadline=30s]
     restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
@@ -306,6 +310,18 @@ class Script:
                 parse_duration_s(args.get("deadline", "30s")),
             )
         )
+
+    def cmd_command(self, args: dict[str, str], bare: list[str]) -> None:
+        kinds = {kind.__name__: kind for kind in STATELESS}
+        if len(bare) != 1 or bare[0] not in kinds:
+            raise ScriptError(f"command TYPE task= [deadline= FIELD=VALUE...]: TYPE is one of {sorted(kinds)}")
+        fields = {k: v for k, v in args.items() if k not in ("task", "deadline")}
+        raw = {"type": bare[0], "task_id": args["task"], "epoch": 0, **fields}
+        try:
+            command = msgspec.convert(raw, kinds[bare[0]], strict=False)  # "yes", "4096" read as their fields
+        except msgspec.ValidationError as exc:
+            raise ScriptError(f"command {bare[0]}: {exc}") from None
+        self.s.call(I.CommandCall(command, parse_duration_s(args.get("deadline", "30s"))))
 
     def cmd_submit(self, args: dict[str, str], bare: list[str]) -> None:
         self._only(args, {"req", "payload", "timeout"})

@@ -23,6 +23,7 @@ LifecycleCall = (
     | I.UpdateCall
     | I.WeightGroupCall
     | I.ShareCall
+    | I.CommandCall
     | I.PauseCall
     | I.ResumeCall
 )

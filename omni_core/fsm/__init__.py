@@ -5,19 +5,8 @@ are the single source of truth: docs diagrams, the TLA+ transition module and th
 conformance suite derive from them.
 """
 
-from omni_core.fsm.effects import (
-    Effect,
-    ExecuteEffect,
-    ProfileEffect,
-    ReloadEffect,
-    ShareEffect,
-    ShutdownEffect,
-    SleepEffect,
-    StatusEffect,
-    UpdateEffect,
-    WakeEffect,
-    WeightGroupEffect,
-)
+from omni_core.fsm import effects
+from omni_core.fsm.effects import *  # noqa: F403 - every effect, listed once in effects.__all__
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import (
     Outbound,
@@ -57,31 +46,21 @@ __all__ = [
     "WEIGHTS_TAG",
     "WORKER_TRANSITIONS",
     "BoundedCache",
-    "Effect",
-    "ExecuteEffect",
     "InvariantViolation",
     "Lifecycle",
     "Outbound",
-    "ReloadEffect",
     "Residency",
-    "ProfileEffect",
-    "ShareEffect",
-    "ShutdownEffect",
-    "SleepEffect",
     "StageBusyError",
     "StageCommandError",
     "StageCore",
     "StageStep",
-    "StatusEffect",
     "TaskOutcome",
     "Transition",
-    "UpdateEffect",
-    "WakeEffect",
-    "WeightGroupEffect",
     "WorkerCore",
     "WorkerStep",
     "export_mermaid",
     "export_tables",
     "table_as_dict",
     "table_as_mermaid",
+    *effects.__all__,
 ]

@@ -114,3 +114,19 @@ Effect = (
     | WeightGroupEffect
     | ShareEffect
 )
+
+# What `omni_core.fsm` exports of this module (it star-imports it): a new effect is exported
+# by its line here, beside its class.
+__all__ = [
+    "Effect",
+    "ExecuteEffect",
+    "ProfileEffect",
+    "ReloadEffect",
+    "ShareEffect",
+    "ShutdownEffect",
+    "SleepEffect",
+    "StatusEffect",
+    "UpdateEffect",
+    "WakeEffect",
+    "WeightGroupEffect",
+]

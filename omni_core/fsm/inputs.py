@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_core.fsm.admission import AdmissionPolicy
-from omni_core.protocol import Hello, Reply
+from omni_core.protocol import Command, Hello, Reply
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,21 @@ class ProfileCall:
 
 
 @dataclass(frozen=True)
+class CommandCall:
+    """A call that is its wire command, for the commands whose row in `stage_calls.CALLS` is
+    stateless: `command` goes to every rank as given (stamped with the stage's epoch; its
+    `task_id` names the task), its own fields are the task's signature, and `deadline_s`
+    bounds it. A new command of that kind needs no input of its own."""
+
+    command: Command
+    deadline_s: float
+
+    @property
+    def task_id(self) -> str:
+        return self.command.task_id
+
+
+@dataclass(frozen=True)
 class SetAdmission:
     policy: AdmissionPolicy
 
@@ -172,6 +187,7 @@ EngineInput = (
     | WakeCall
     | ReloadCall
     | ProfileCall
+    | CommandCall
     | SetAdmission
     | Tick
     | Received

@@ -27,7 +27,7 @@ from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage_calls import StageCalls
 from omni_core.fsm.stage_pause import PauseMixin
-from omni_core.fsm.stage_replies import STATELESS, StageReplies
+from omni_core.fsm.stage_replies import StageReplies
 from omni_core.fsm.stage_requests import StageRequests
 from omni_core.fsm.stage_step import (
     Outbound,
@@ -39,7 +39,7 @@ from omni_core.fsm.stage_step import (
     _Request,
     _Task,
 )
-from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS
+from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS, STATELESS
 from omni_core.fsm.stage_trace import StageTrace
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency
@@ -181,6 +181,8 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
                 return self._weight_group(event, now)
             case I.ShareCall():
                 return self._share(event, now)
+            case I.CommandCall():
+                return self._command(event, now)
             case I.PauseCall():
                 return self._pause(event, now)
             case I.ResumeCall():

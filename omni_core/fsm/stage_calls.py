@@ -11,8 +11,7 @@ requests in flight where the row drains.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -33,6 +32,7 @@ from omni_core.fsm.stage_step import (
     _Request,
     _Task,
 )
+from omni_core.fsm.stage_table import CALLS, STATELESS
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.protocol import (
@@ -48,7 +48,7 @@ from omni_core.protocol import (
     UpdateWeights,
     Wake,
     WorkerState,
-    profile_prefix_problem,
+    arguments,
 )
 from omni_core.protocol import StageState as S
 
@@ -71,29 +71,6 @@ def memory_wait_problem(memory_wait_s: Any, deadline_s: float) -> str | None:
         "longer timeout_s"
     )
 
-
-@dataclass(frozen=True)
-class CallRow:
-    """How one kind of lifecycle call goes out: the triggers of STAGE_TRANSITIONS it fires."""
-
-    verb: str  # what the stage cannot do, in a refusal ("cannot {verb}")
-    trigger: str  # fired when the command goes to the ranks at once
-    drain: str = ""  # fired instead where the table allows it: requests in flight finish first
-    drained: str = ""  # fired once that drain ends, as the command goes out
-    already: str = ""  # fired when nothing is left to do: ALREADY, nothing sent
-
-
-CALLS: Mapping[type, CallRow] = MappingProxyType(
-    {
-        Sleep: CallRow("sleep", "sleep", drain="drain", drained="drained", already="sleep_already"),
-        Wake: CallRow("wake", "wake", already="wake_already"),
-        ReloadWeights: CallRow("reload weights", "reload"),
-        UpdateWeights: CallRow("update weights", "update", drain="update_drain", drained="update_drained"),
-        ShareWeights: CallRow("share weights", "share"),
-        InitWeightGroup: CallRow("join a weight group", "weight_group"),
-        Profile: CallRow("profile", "profile"),
-    }
-)
 
 # A plan: the task to start, or the command alone when nothing is left to do (ALREADY).
 Plan = Callable[[], "_Task | Command"]
@@ -407,18 +384,7 @@ class StageCalls:
             )
         except msgspec.ValidationError as exc:
             raise StageCommandError(f"stage {self.name!r}: invalid share: {exc}") from None
-        signature = ("ShareWeights", call.bucket_bytes)
-
-        def plan() -> _Task:
-            valid_awake = self.residency.weights_resident and self.residency.weights_valid
-            if not self.lifecycle.allows("share") or not valid_awake:
-                raise StageCommandError(
-                    f"stage {self.name!r} cannot share weights in {self.state.value}: valid "
-                    "weights must be awake (RUNNING, or PARTIAL with 'weights' awake)"
-                )
-            return self._stateless_task(call, signature, command, now)
-
-        return self._issue(ShareWeights, call.task_id, signature, now, call.deadline_s, plan)
+        return self._stateless(call, ("ShareWeights", call.bucket_bytes), command, now)
 
     def _weight_group(self, call: I.WeightGroupCall, now: float) -> StageStep:
         """Every rank joins the trainer's weight group; like a Profile, a task that never
@@ -438,11 +404,6 @@ class StageCalls:
             command = msgspec.convert(msgspec.to_builtins(command), InitWeightGroup)  # the wire's bounds
         except (TypeError, ValueError, msgspec.ValidationError) as exc:
             raise StageCommandError(f"stage {self.name!r}: invalid weight group: {exc}") from None
-        if call.rank_offset + len(self.ranks) > call.world_size:
-            raise StageCommandError(
-                f"stage {self.name!r}: world_size {call.world_size} has no room for "
-                f"{len(self.ranks)} ranks from rank_offset {call.rank_offset}"
-            )
         signature = (
             "InitWeightGroup",
             call.group,
@@ -453,29 +414,44 @@ class StageCalls:
             call.backend,
             call.group_timeout_s,
         )
-
-        def plan() -> _Task:
-            if not self.lifecycle.allows("weight_group"):
-                raise StageCommandError(f"stage {self.name!r} cannot join a weight group in {self.state.value}")
-            return self._stateless_task(call, signature, command, now)
-
-        return self._issue(InitWeightGroup, call.task_id, signature, now, call.deadline_s, plan)
+        return self._stateless(call, signature, command, now)
 
     def _profile(self, call: I.ProfileCall, now: float) -> StageStep:
         """Start or stop every rank's profiler. A task like the others (one in flight, its
         deadline, its outcome), but in a settled state and never changing it: requests keep
         running meanwhile, and the ranks' NACKs are the outcome's refusals, not a failure."""
-        if type(call.start) is not bool:
-            raise StageCommandError(f"profile start must be True or False, got {call.start!r}")
-        problem = profile_prefix_problem(call.prefix) if call.start else None
-        if problem is not None:
-            raise StageCommandError(f"stage {self.name!r}: {problem}")
-        signature = ("Profile", call.start, call.prefix)
+        command = Profile(task_id=call.task_id, epoch=self.epoch, start=call.start, prefix=call.prefix)
+        return self._stateless(call, ("Profile", call.start, call.prefix), command, now)
+
+    def _command(self, call: I.CommandCall, now: float) -> StageStep:
+        """A stateless command given whole: held to the wire's bounds, stamped with the
+        stage's epoch and sent to every rank where its row allows; its own fields are the
+        signature a retry must match."""
+        kind = type(call.command)
+        row = CALLS.get(kind)
+        if row is None or not row.stateless:
+            known = ", ".join(k.__name__ for k in STATELESS)
+            raise StageCommandError(
+                f"stage {self.name!r}: a CommandCall carries one of {known}, not {kind.__name__}; "
+                "use that command's own call"
+            )
+        try:
+            stamped = msgspec.structs.replace(call.command, epoch=self.epoch)
+            command = msgspec.convert(msgspec.to_builtins(stamped), kind)  # the wire's bounds
+        except (TypeError, ValueError, msgspec.ValidationError) as exc:
+            raise StageCommandError(f"stage {self.name!r}: invalid {kind.__name__}: {exc}") from None
+        return self._stateless(call, (kind.__name__, *arguments(command).values()), command, now)
+
+    def _stateless(self, call: Any, signature: tuple[Any, ...], command: Command, now: float) -> StageStep:
+        """Issue a stateless command: its row's argument check first, then, once the stage is
+        idle, its legality (the row's trigger, and `legal` where the row has one)."""
+        row = CALLS[type(command)]
+        if row.check is not None:
+            row.check(self, command)
 
         def plan() -> _Task:
-            if not self.lifecycle.allows("profile"):
-                raise StageCommandError(f"stage {self.name!r} cannot profile in {self.state.value}")
-            command = Profile(task_id=call.task_id, epoch=self.epoch, start=call.start, prefix=call.prefix)
+            if not self.lifecycle.allows(row.trigger) or (row.legal is not None and not row.legal(self)):
+                raise StageCommandError(f"stage {self.name!r} cannot {row.verb} in {self.state.value}{row.why}")
             return self._stateless_task(call, signature, command, now)
 
-        return self._issue(Profile, call.task_id, signature, now, call.deadline_s, plan)
+        return self._issue(type(command), call.task_id, signature, now, call.deadline_s, plan)

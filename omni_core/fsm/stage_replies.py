@@ -15,27 +15,22 @@ from typing import Any
 
 from omni_core.fsm.settle import REFUSAL_REASON
 from omni_core.fsm.stage_step import StageCounters, StageStep, _Request, _Task
+from omni_core.fsm.stage_table import STATELESS
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency
 from omni_core.protocol import (
     Ack,
     AckStatus,
     Hello,
-    InitWeightGroup,
     Nack,
     NackReason,
-    Profile,
     Reply,
     Result,
-    ShareWeights,
     UpdateWeights,
     Wake,
     WorkerState,
 )
 from omni_core.protocol import StageState as S
-
-# Tasks in a settled state that never change it: every NACK is that rank's refusal.
-STATELESS = (Profile, InitWeightGroup, ShareWeights)
 
 
 class StageReplies:

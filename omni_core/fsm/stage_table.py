@@ -1,15 +1,34 @@
-"""The stage's transition table: its states, triggers and rows as data.
+"""The stage's tables: its states, triggers and rows, and how each lifecycle call goes out,
+as data.
 
 `STAGE_TRANSITIONS` is the one source the stage core, the docs and the generated TLA+ read;
-`STAGE_STATE_OF_RANK` is the stage state a settled rank's state stands for.
+`STAGE_STATE_OF_RANK` is the stage state a settled rank's state stands for; `CALLS` is each
+command's row for the one template of `stage_calls`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
 from omni_core.fsm.settle import refused_rows
+from omni_core.fsm.stage_step import StageCommandError
 from omni_core.fsm.table import Transition
+from omni_core.protocol import (
+    Command,
+    InitWeightGroup,
+    Profile,
+    ReloadWeights,
+    ShareWeights,
+    Sleep,
+    UpdateWeights,
+    Wake,
+    WorkerState,
+    profile_prefix_problem,
+)
 from omni_core.protocol import StageState as S
-from omni_core.protocol import UpdateWeights, Wake, WorkerState
 
 SERVING = (S.RUNNING, S.PAUSED, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)  # settled, no task in flight
 IN_TASK = (S.DRAINING, S.TRANSITIONING, S.WAKING)
@@ -131,3 +150,62 @@ STAGE_STATE_OF_RANK = {
     WorkerState.PARTIAL: S.PARTIAL,
     WorkerState.NEEDS_RELOAD: S.NEEDS_RELOAD,
 }
+
+
+@dataclass(frozen=True)
+class CallRow:
+    """How one kind of lifecycle call goes out: the triggers of STAGE_TRANSITIONS it fires."""
+
+    verb: str  # what the stage cannot do, in a refusal ("cannot {verb}")
+    trigger: str  # fired when the command goes to the ranks at once
+    drain: str = ""  # fired instead where the table allows it: requests in flight finish first
+    drained: str = ""  # fired once that drain ends, as the command goes out
+    already: str = ""  # fired when nothing is left to do: ALREADY, nothing sent
+    # A task in a settled state that never changes it: every NACK is that rank's refusal, and
+    # the command may come as a generic `CommandCall`. Such a row may add what its arguments
+    # must satisfy (`check`: raise StageCommandError naming why) and where it is legal beyond
+    # its trigger (`legal`, with `why` appended to the refusal).
+    stateless: bool = False
+    check: Callable[[Any, Any], None] | None = None
+    legal: Callable[[Any], bool] | None = None
+    why: str = ""
+
+
+def _profile_arguments(core: Any, command: Profile) -> None:
+    if type(command.start) is not bool:
+        raise StageCommandError(f"profile start must be True or False, got {command.start!r}")
+    problem = profile_prefix_problem(command.prefix) if command.start else None
+    if problem is not None:
+        raise StageCommandError(f"stage {core.name!r}: {problem}")
+
+
+def _weight_group_arguments(core: Any, command: InitWeightGroup) -> None:
+    if command.rank_offset + len(core.ranks) > command.world_size:
+        raise StageCommandError(
+            f"stage {core.name!r}: world_size {command.world_size} has no room for "
+            f"{len(core.ranks)} ranks from rank_offset {command.rank_offset}"
+        )
+
+
+def _valid_weights_awake(core: Any) -> bool:
+    return bool(core.residency.weights_resident and core.residency.weights_valid)
+
+
+CALLS: Mapping[type, CallRow] = MappingProxyType(
+    {
+        Sleep: CallRow("sleep", "sleep", drain="drain", drained="drained", already="sleep_already"),
+        Wake: CallRow("wake", "wake", already="wake_already"),
+        ReloadWeights: CallRow("reload weights", "reload"),
+        UpdateWeights: CallRow("update weights", "update", drain="update_drain", drained="update_drained"),
+        ShareWeights: CallRow(
+            "share weights",
+            "share",
+            stateless=True,
+            legal=_valid_weights_awake,
+            why=": valid weights must be awake (RUNNING, or PARTIAL with 'weights' awake)",
+        ),
+        InitWeightGroup: CallRow("join a weight group", "weight_group", stateless=True, check=_weight_group_arguments),
+        Profile: CallRow("profile", "profile", stateless=True, check=_profile_arguments),
+    }
+)
+STATELESS: tuple[type[Command], ...] = tuple(kind for kind, row in CALLS.items() if row.stateless)

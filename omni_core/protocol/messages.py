@@ -66,6 +66,15 @@ class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=T
     epoch: Epoch
 
 
+ENVELOPE_FIELDS = frozenset(("v", "task_id", "epoch"))
+
+
+def arguments(message: Message) -> dict[str, Any]:
+    """A message's own fields, every one but the envelope's (`v`, `task_id`, `epoch`), in the
+    order its struct declares them: what a command asks for, what a reply says."""
+    return {f.name: getattr(message, f.name) for f in msgspec.structs.fields(message) if f.name not in ENVELOPE_FIELDS}
+
+
 # ---------------------------------------------------------------- commands (orchestrator -> worker)
 
 
@@ -334,3 +343,37 @@ AnyMessage = Union[AnyCommand, AnyReply]  # noqa: UP007
 COMMAND_TYPES: tuple[type[Command], ...] = get_args(AnyCommand)
 REPLY_TYPES: tuple[type[Reply], ...] = get_args(AnyReply)
 MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
+
+# What `omni_core.protocol` exports of this module (it star-imports it): a new message is
+# exported by its line here, beside its struct.
+__all__ = [
+    "COMMAND_TYPES",
+    "MAX_DETAIL_CHARS",
+    "MAX_LINKS",
+    "MAX_MEMORY_WAIT_S",
+    "MESSAGE_TYPES",
+    "REPLY_TYPES",
+    "Ack",
+    "AnyCommand",
+    "AnyMessage",
+    "AnyReply",
+    "Command",
+    "Execute",
+    "Hello",
+    "InitWeightGroup",
+    "LinkShare",
+    "MemoryReport",
+    "Message",
+    "Nack",
+    "Profile",
+    "ReloadWeights",
+    "Reply",
+    "Result",
+    "ShareWeights",
+    "Shutdown",
+    "Sleep",
+    "Status",
+    "UpdateWeights",
+    "Wake",
+    "arguments",
+]

@@ -50,6 +50,7 @@ from omni_core.protocol import (
     encode,
 )
 from omni_core.transport.zmq_socket import SOCKET_FRAME_SLACK_BYTES
+from omni_testing.fuzz.derived import derived_message
 from omni_testing.fuzz.edges import ALNUM, BAD_UTF8, FIELD_NAMES, FLOAT_EDGES, INT_EDGES, TYPE_TAGS
 from omni_testing.fuzz.msgpack_writer import (
     INT_WIDTHS,
@@ -68,9 +69,15 @@ from omni_testing.fuzz.msgpack_writer import (
 from omni_testing.fuzz.mutations import FIELD_MUTATIONS, set_field
 from omni_testing.fuzz.mutations import MUTATION_NAMES as MUTATION_NAMES  # where callers look for it
 
-# The types drawn on the main stream; the weight commands come from a side stream (valid_message).
+# The types drawn on the main stream, as seeds have always drawn them; the weight commands,
+# and any command newer than them, come from a side stream (valid_message), so that a seed's
+# other frames stay what they were. A newer command's frames are derived from its struct.
 _WEIGHT_TYPES: tuple[type[Message], ...] = (UpdateWeights, InitWeightGroup, ShareWeights)
-_DRAWN_TYPES: tuple[type[Message], ...] = tuple(t for t in MESSAGE_TYPES if t not in _WEIGHT_TYPES)
+_COMMANDS_DRAWN = (Sleep, Wake, ReloadWeights, Execute, Status, Shutdown, Profile)
+_DRAWN_TYPES: tuple[type[Message], ...] = _COMMANDS_DRAWN + (Ack, Nack, Result, Hello)
+_SIDE_TYPES: tuple[type[Message], ...] = _WEIGHT_TYPES + tuple(
+    t for t in MESSAGE_TYPES if t not in _DRAWN_TYPES + _WEIGHT_TYPES
+)
 WEIGHT_COMMAND_SHARE = 0.05
 
 
@@ -164,7 +171,7 @@ class FrameGenerator:
         message = self._valid_message(ctx, kind)
         if swap:
             side = self._side
-            return self._weight_message(message.task_id, message.epoch, side.choice(_WEIGHT_TYPES), side)
+            return self._weight_message(message.task_id, message.epoch, side.choice(_SIDE_TYPES), side)
         return message
 
     def _weight_message(self, task_id: str, epoch: int, kind: type[Message], rng: random.Random) -> Message:
@@ -200,7 +207,7 @@ class FrameGenerator:
                 backend="nccl",
                 timeout_s=0.2,
             )
-        raise TypeError(f"not a weight command: {kind!r}")
+        return derived_message(kind, task_id, epoch, rng)
 
     def _valid_message(self, ctx: FuzzContext, kind: type[Message] | None) -> Message:
         rng = self.rng
@@ -227,7 +234,7 @@ class FrameGenerator:
                 start=rng.random() < 0.5,
                 prefix=rng.choice((None, "fuzz", "a.b-c_d", "../up", "a/b", "", "p" * 65, "x\0y")),
             )
-        if kind in _WEIGHT_TYPES:
+        if kind in _SIDE_TYPES:
             return self._weight_message(task_id, epoch, kind, rng)
         rank = rng.randrange(max(1, ctx.ranks) + 1)
         state = rng.choice(list(WorkerState))
