@@ -16,7 +16,7 @@ import time
 import msgspec
 
 from omni_core.conformance.cases import Ctx, case
-from omni_core.protocol import PROTOCOL_VERSION, AckStatus, NackReason, Result, Wake, WorkerState
+from omni_core.protocol import PROTOCOL_VERSION, AckStatus, NackReason, Wake, WorkerState
 
 SWAP = "swap"  # the capability a worker declares when a Wake may wait for memory (P-16)
 # A wait the suite's workers, which run with room, never use up; and one a squeezed device
@@ -123,15 +123,7 @@ def outgoing_sleep_hint(ctx: Ctx) -> None:
     again = ctx.request(sleep)
     ctx.check(again == slept, "a copy of the Sleep got a different reply", sent=sleep, got=again, expected=slept)
     ctx.back_to_active()
-    last_run, last = ctx.execute()
-    if isinstance(first, Result):
-        ctx.check(
-            isinstance(last, Result) and last.output == first.output,
-            "Execute's output changed across a sleep told incoming_bytes",
-            sent=[first_run, last_run],
-            got=last,
-            expected=first,
-        )
+    ctx.same_output((first_run, first), "across a sleep told incoming_bytes")
 
 
 @case(
@@ -235,12 +227,4 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
         )
         pressure.relieve()
         ctx.ack(peer.reply(waiting.task_id, sent=waiting), waiting, state=WorkerState.ACTIVE, status=AckStatus.OK)
-        last_run, last = ctx.execute(peer)
-        if isinstance(first, Result):
-            ctx.check(
-                isinstance(last, Result) and last.output == first.output,
-                "Execute's output changed across the refused wake: the host copies did not stay valid",
-                sent=[first_run, last_run],
-                got=last,
-                expected=first,
-            )
+        ctx.same_output((first_run, first), "across the refused wake: the host copies did not stay valid", peer)
