@@ -61,9 +61,10 @@ CONSTANTS
      free_host_early  B frees each host copy as its map lands (as A frees device memory as
                    its copy lands): a later refusal has nothing left to restore (RefusedExact)
      two_incoming  the engine issues C's wake while B's is in flight, OneIncoming or not: the
-                   model is then OneIncoming = FALSE's (NotBothRefused) *)
+                   model is then OneIncoming = FALSE's (NotBothRefused)
+     late_always   A keeps its memory until its last copy although B needs it (LateNeverBlocks) *)
 BugNames == {"none", "no_gate", "oom_fatal", "no_rollback", "wait_forever", "oom_refund",
-             "free_host_early", "two_incoming"}
+             "free_host_early", "two_incoming", "late_always"}
 
 ASSUME /\ Bug \in BugNames
        /\ KvA <= SizeA
@@ -104,7 +105,13 @@ SumSeq(q) == LET f[i \in 0..Len(q)] == IF i = 0 THEN 0 ELSE f[i - 1] + q[i] IN f
 Size(s) == SumSeq(Alloc(s))
 Need(s) == Alloc(s)[next[s]]
 MappedIn == mapped["B"] + (IF "C" \in Incoming THEN mapped["C"] ELSE 0)
-Used == a + other + MappedIn
+(* A's rank is told what B wakes (Sleep.incoming_bytes) and keeps its memory until its last
+   copy when the device has room for B beside it (workers/memory_gate.py room_for; decided
+   here on the swap's first state, which admits at least the runs the rank's later look does):
+   then it holds all of itself until it is asleep, while `a` still counts what is left to copy. *)
+Late == Bug = "late_always" \/ Cap >= SizeA + OtherInit + Reserve + Size("B")
+HeldA == IF Late /\ pcA # "asleep" THEN SizeA ELSE a
+Used == HeldA + other + MappedIn
 Free == Cap - Used
 Room == IF Free > Reserve THEN Free - Reserve ELSE 0    \* what the gate may admit
 Ended(s) == pc[s] \in {"awake", "refused", "failed"}
@@ -286,6 +293,10 @@ AsleepUntilComplete == \A s \in Incoming : tags[s] = "awake" => pc[s] = "awake"
 NotBothRefused == ~(\A s \in Incoming : pc[s] = "refused")
 
 SwapEnds == <>(pcA \in {"asleep", "failed"} /\ \A s \in Incoming : pc[s] \in {"awake", "refused"})
+
+(* A keeping its memory until its last copy never makes an incoming stage wait for it: with
+   no third process moving, the room A saw for B at the start stays B's. *)
+LateNeverBlocks == Late /\ pcA \in {"kv", "copying"} => \A s \in Incoming : ~waiting[s]
 
 (* Under: A does not fail, no deadline passes, and OtherMax + Reserve + every incoming
    stage's size <= Cap (whatever the third process ends up holding, the rest fits). *)

@@ -271,6 +271,20 @@ class Ctx:
             expected="Result (or Nack EXECUTE_ERROR from the runner, state ACTIVE)",
         )
 
+    def same_output(self, first: tuple[Execute, Message], what: str, peer: Peer | None = None) -> None:
+        """Execute runs again and gives the output it gave `first` (where that ran at all)."""
+        first_run, first_reply = first
+        last_run, last = self.execute(peer)
+        self.executed_or_runner_error(last_run, last)
+        if isinstance(first_reply, Result):
+            self.check(
+                isinstance(last, Result) and last.output == first_reply.output,
+                f"Execute's output changed {what}",
+                sent=[first_run, last_run],
+                got=last,
+                expected=first_reply,
+            )
+
     def sleep(self, level: int = 1, peer: Peer | None = None, **fields: Any) -> tuple[Sleep, Ack]:
         command = self.cmd(Sleep, peer=peer, level=level, **fields)
         return command, self.ack(self.request(command, peer), command)

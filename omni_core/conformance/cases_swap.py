@@ -3,7 +3,8 @@ module so they register after the others (`omni_core.conformance` imports it).
 
 Every worker gets the two compatibility cases (the v1 `Wake` frame still works; a waiting
 `Wake` to a worker without 'swap' is refused with no effect). A worker that declares 'swap'
-gets the waiting wake's Ack and cache, and, where a memory-pressure hook can fill its device
+gets the waiting wake's Ack and cache, a swap's outgoing `Sleep` (`incoming_bytes`) answered
+as any sleep, and, where a memory-pressure hook can fill its device
 (`omni_core.conformance.pressure`), the refusal and its rollback.
 """
 
@@ -15,7 +16,7 @@ import time
 import msgspec
 
 from omni_core.conformance.cases import Ctx, case
-from omni_core.protocol import PROTOCOL_VERSION, AckStatus, NackReason, Result, Wake, WorkerState
+from omni_core.protocol import PROTOCOL_VERSION, AckStatus, NackReason, Wake, WorkerState
 
 SWAP = "swap"  # the capability a worker declares when a Wake may wait for memory (P-16)
 # A wait the suite's workers, which run with room, never use up; and one a squeezed device
@@ -98,6 +99,31 @@ def waiting_wake_acked_and_cached(ctx: Ctx) -> None:
     other = msgspec.structs.replace(wake, memory_wait_s=ROOMY_WAIT_S + 1)
     ctx.nack(ctx.request(other), other, NackReason.TASK_ID_REUSED)
     ctx.executed_or_runner_error(*ctx.execute())
+
+
+@case(
+    "P-16",
+    "outgoing_sleep_hint",
+    "'swap' declared: a Sleep with incoming_bytes (a swap's outgoing half) is acknowledged SLEEPING with "
+    "every pool released, as any sleep; its copy gets the same Ack; the wake restores Execute's output",
+    needs=(SWAP,),
+)
+def outgoing_sleep_hint(ctx: Ctx) -> None:
+    first_run, first = ctx.execute()
+    sleep, slept = ctx.sleep(1, incoming_bytes=1 << 20)  # room for it on any device the suite runs on
+    ctx.check(
+        slept.state is WorkerState.SLEEPING and slept.status is AckStatus.OK,
+        f"a level-1 Sleep of every tag, told what a swap's incoming stage wakes, ended in {slept.state.value}",
+        sent=sleep,
+        got=slept,
+        expected="Ack with state SLEEPING, status OK",
+    )
+    held = {t: n for t, n in slept.memory.pool_bytes_after.items() if n} if slept.memory else {}
+    ctx.check(not held, f"the Sleep's Ack says pools still hold {held}", sent=sleep, got=slept, expected="0 bytes")
+    again = ctx.request(sleep)
+    ctx.check(again == slept, "a copy of the Sleep got a different reply", sent=sleep, got=again, expected=slept)
+    ctx.back_to_active()
+    ctx.same_output((first_run, first), "across a sleep told incoming_bytes")
 
 
 @case(
@@ -201,12 +227,4 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
         )
         pressure.relieve()
         ctx.ack(peer.reply(waiting.task_id, sent=waiting), waiting, state=WorkerState.ACTIVE, status=AckStatus.OK)
-        last_run, last = ctx.execute(peer)
-        if isinstance(first, Result):
-            ctx.check(
-                isinstance(last, Result) and last.output == first.output,
-                "Execute's output changed across the refused wake: the host copies did not stay valid",
-                sent=[first_run, last_run],
-                got=last,
-                expected=first,
-            )
+        ctx.same_output((first_run, first), "across the refused wake: the host copies did not stay valid", peer)

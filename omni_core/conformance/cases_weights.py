@@ -17,7 +17,6 @@ from omni_core.protocol import (
     DiskSource,
     Nack,
     NackReason,
-    Result,
     ShareWeights,
     UpdateWeights,
     WorkerState,
@@ -59,20 +58,6 @@ def _self_update(ctx: Ctx, version: int) -> tuple[UpdateWeights, Ack]:
     return update, done
 
 
-def _same_output(ctx: Ctx, first: tuple, what: str) -> None:
-    first_run, first_reply = first
-    last_run, last = ctx.execute()
-    ctx.executed_or_runner_error(last_run, last)
-    if isinstance(first_reply, Result):
-        ctx.check(
-            isinstance(last, Result) and last.output == first_reply.output,
-            f"Execute's output changed {what}",
-            sent=[first_run, last_run],
-            got=last,
-            expected=first_reply,
-        )
-
-
 @case(
     "P-17",
     "update_refused_without_weight_update",
@@ -87,7 +72,7 @@ def update_refused_without_weight_update(ctx: Ctx) -> None:
     reply = ctx.request(update)
     known = isinstance(reply, Nack) and reply.reason is NackReason.UNSUPPORTED
     ctx.nack(reply, update, NackReason.UNSUPPORTED if known else NackReason.BAD_MESSAGE, state=WorkerState.ACTIVE)
-    _same_output(ctx, first, "after a refused UpdateWeights")
+    ctx.same_output(first, "after a refused UpdateWeights")
 
 
 @case(
@@ -122,7 +107,7 @@ def stale_version_refused(ctx: Ctx) -> None:
         got=status,
         expected=held,
     )
-    _same_output(ctx, first, "across updates that wrote the weights it already held")
+    ctx.same_output(first, "across updates that wrote the weights it already held")
 
 
 @case(
@@ -171,7 +156,7 @@ def unreadable_disk_source_refused(ctx: Ctx) -> None:
         got=status,
         expected=current,
     )
-    _same_output(ctx, first, "after an UpdateWeights refused before writing")
+    ctx.same_output(first, "after an UpdateWeights refused before writing")
 
 
 @case(

@@ -99,8 +99,8 @@ class Swaps:
         """The sleep goes first: when it is refused nothing was sent. When the wake is refused
         the sleep goes on (its outcome comes in `out_future`) and the refusal is the wake's."""
         out_key = (swap.out_name, swap.sleep.task_id)
-        self._incoming[out_key] = self._incoming_of(swap.out_name, swap.in_name)
         try:
+            self._incoming[out_key] = self._incoming_of(swap.out_name, swap.in_name)
             self._lifecycle(swap.out_future, swap.out_name, swap.sleep)
         except InvariantViolation:
             raise

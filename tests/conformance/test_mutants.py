@@ -145,7 +145,7 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
     if name == "node_clean":  # the JavaScript worker has no profiler: it does not declare 'profile' (P-15)
         expected |= {r.case.name for r in report.results if r.case.req == "P-15"}
         # nor 'swap' (P-16): its refusal of a waiting Wake and the v1 frame are checked, nothing else
-        expected |= {"waiting_wake_acked_and_cached", "no_memory_rolls_back"}
+        expected |= {"waiting_wake_acked_and_cached", "outgoing_sleep_hint", "no_memory_rolls_back"}
         # nor 'weight_update' (P-17): only its refusal of UpdateWeights is checked (an unknown type to it)
         expected |= {r.case.name for r in report.results if r.case.req == "P-17"} - {
             "update_refused_without_weight_update"
@@ -160,6 +160,7 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
         assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
             "v1_wake_frame",
             "waiting_wake_acked_and_cached",
+            "outgoing_sleep_hint",
             "no_memory_rolls_back",
         }, report.render()
         assert {r.case.name for r in report.results if r.case.req == "P-15" and r.outcome == "pass"} == {
@@ -204,6 +205,7 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "reload_report": "worker does not declare capability 'level2'",
         "unusable_reload_source_refused": "worker does not declare capability 'level2'",
         "waiting_wake_acked_and_cached": "worker does not declare capability 'swap'",
+        "outgoing_sleep_hint": "worker does not declare capability 'swap'",
         "no_memory_rolls_back": "worker does not declare capability 'swap'",  # started on its simulated device
         "update_refused_without_weight_update": "worker declares capability 'weight_update'; this case is for "
         "workers without it",  # every runner updates from disk

@@ -32,7 +32,7 @@ def _tlc(config: Path):
 
 def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
     entries = {m.name: m for m in _swap_entries()}
-    assert {"swap", "swap_zero_wait", "swap_succeeds", "swap_two", "swap_two_serial"} <= set(entries)
+    assert {"swap", "swap_zero_wait", "swap_succeeds", "swap_two", "swap_two_serial", "swap_late"} <= set(entries)
     bugs = {name: m.expect for name, m in entries.items() if m.is_bug}
     assert bugs == {
         "bug/swap_no_gate": "NoOOMFailure",
@@ -42,6 +42,7 @@ def test_manifest_lists_the_swap_models_and_bugs_with_their_spec():
         "bug/swap_oom_refund": "SwapEnds",
         "bug/swap_free_host_early": "RefusedExact",
         "bug/swap_two_incoming": "NotBothRefused",
+        "bug/swap_late_always": "LateNeverBlocks",
     }
     for m in entries.values():
         assert (check.tla_dir() / m.config).is_file()

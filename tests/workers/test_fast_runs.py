@@ -14,7 +14,7 @@ import torch
 
 from omni_core.workers.backends.cuda_driver import CudaDriverError
 from omni_core.workers.backends.fast import DEFAULT_RUN_BYTES, FastBackend
-from omni_core.workers.backends.runs import DriverSpans, Runs
+from omni_core.workers.backends.runs import DriverSpans, FreeGuard, Runs
 
 from .test_cumem_versions import GARBAGE, KV, FakeCumemModule, W
 from .test_fast_backend import DeferredOps
@@ -347,3 +347,16 @@ def test_a_stand_in_maps_the_runs_memory_or_else_fresh_memory(partial_maps: bool
     assert not any(c[0] == "free_range" for c in driver.calls)  # vLLM's free path gives the range back
     spans.forget(4096, 0x9000, cell)  # a freed member's own range, and a cell to free (this one)
     assert driver.calls[-1] == ("free_range", 0x9000, 4096)
+
+
+def test_the_free_guard_is_installed_once_per_allocator_and_given_to_the_extension() -> None:
+    module = FakeCumemModule("0.26")
+    registered: list = []
+    module.init_module = lambda malloc, free: registered.append((malloc, free))  # vLLM's extension
+    allocator = module.CuMemAllocator.get_instance()
+    allocator.python_malloc_callback = lambda handle: None
+    first = FastBackend(torch.device("cpu"), module=module, ops=DeferredOps(module), spans=FakeSpans(module))
+    second = FastBackend(torch.device("cpu"), module=module, ops=DeferredOps(module), spans=FakeSpans(module))
+    guard = allocator.python_free_callback
+    assert isinstance(guard, FreeGuard) and registered == [(allocator.python_malloc_callback, guard)]
+    assert set(guard.registries) == {first.path.runs, second.path.runs}  # one wrapper, both backends' runs

@@ -274,7 +274,7 @@ class FreeGuard:
     """The allocator's free callback, wrapped once per allocator: a member of a mapped run of
     any live `Runs` is handed to `Runs.free_member` (see the module docstring)."""
 
-    def __init__(self, allocator: Any, original: Callable[[int], Any]) -> None:
+    def __init__(self, original: Callable[[int], Any]) -> None:
         self.original = original
         self.registries: weakref.WeakSet[Runs] = weakref.WeakSet()
 
@@ -297,17 +297,18 @@ class FreeGuard:
 
 def guard_frees(allocator: Any, module: Any, runs: Runs) -> str:
     """Route vLLM's frees of `runs`' members through a FreeGuard. Returns why it cannot ("":
-    guarded): an allocator without `python_free_callback` (vLLM before 0.11) registers its
-    callback some other way."""
+    guarded): an allocator without a `python_free_callback` attribute (older vLLM) hands its
+    extension a callback made on the spot, which nothing here can wrap."""
     current = getattr(allocator, "python_free_callback", None)
     if current is None or not callable(current):
         return "this vLLM's CuMemAllocator has no python_free_callback through which its frees could be guarded"
     if not isinstance(current, FreeGuard):
-        current = FreeGuard(allocator, current)
+        current = FreeGuard(current)
         allocator.python_free_callback = current
         init_module = getattr(module, "init_module", None)
-        if init_module is not None:  # pools made before: the extension's one callback is ours now
-            init_module(allocator.python_malloc_callback, current)
+        malloc_callback = getattr(allocator, "python_malloc_callback", None)
+        if init_module is not None and callable(malloc_callback):
+            init_module(malloc_callback, current)  # pools made before: the extension's one callback is ours now
     current.registries.add(runs)
     return ""
 
