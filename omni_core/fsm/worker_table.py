@@ -18,6 +18,7 @@ from omni_core.protocol import (
     Command,
     NackReason,
     ReloadWeights,
+    ResetPrefixCache,
     UpdateWeights,
     Wake,
 )
@@ -84,6 +85,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         None,
         "ShareWeights with valid weights awake: copied into shared buckets; the state never changes",
     ),
+    Transition(
+        "reset_prefix_cache",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes",
+    ),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition(
@@ -126,4 +133,12 @@ class WorkerCall:
     capability: Capability | None = None  # refused UNSUPPORTED by a worker that lacks it
 
 
-WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType({})
+WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
+    {
+        ResetPrefixCache: WorkerCall(
+            "reset_prefix_cache",
+            "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL",
+            NackReason.EXECUTE_ERROR,
+        ),
+    }
+)

@@ -68,6 +68,7 @@ from omni_core.protocol import (
     Message,
     NackReason,
     ProtocolError,
+    ResetPrefixCache,
     decode_command,
     encode,
 )
@@ -510,7 +511,9 @@ class WorkerProcess:
 
 # What a rank does for each command its core takes by the generic template (`CommandEffect`,
 # fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command) -> output.
-COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any], Any]] = {}
+COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any], Any]] = {
+    ResetPrefixCache: lambda runner, command: runner.reset_prefix_cache(),
+}
 
 
 def _rank_secret(secret_hex: str | None) -> bytes | None:
