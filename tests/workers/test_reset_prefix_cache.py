@@ -70,3 +70,12 @@ def test_refused_asleep_by_its_row(ranks):
     assert isinstance(nack, Nack), nack
     assert (nack.reason, nack.state) == (NackReason.INVALID_STATE, WorkerState.SLEEPING)
     assert "ResetPrefixCache is not allowed in state SLEEPING" in nack.detail
+
+
+def test_every_command_of_the_worker_template_has_a_handler_in_the_rank():
+    """A command the worker core takes by WORKER_CALLS is performed by the rank's one table;
+    one missing there would raise at every call (its NACK), never run."""
+    from omni_core.fsm.worker_table import WORKER_CALLS
+    from omni_core.workers.process import COMMAND_HANDLERS
+
+    assert set(COMMAND_HANDLERS) == set(WORKER_CALLS)
