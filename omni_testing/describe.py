@@ -10,6 +10,7 @@ from typing import Any
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.effects import (
+    CommandEffect,
     Effect,
     ExecuteEffect,
     ProfileEffect,
@@ -193,6 +194,8 @@ def describe_effect(effect: Effect) -> str:
         return "release every pool and exit"
     if isinstance(effect, ProfileEffect):
         return "start the profiler" if effect.start else "stop the profiler, write its trace"
+    if isinstance(effect, CommandEffect):
+        return f"perform {type(effect.command).__name__}"
     return type(effect).__name__ + fmt_fields({f.name: getattr(effect, f.name) for f in dataclasses.fields(effect)})
 
 

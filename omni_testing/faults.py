@@ -16,7 +16,8 @@ from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.workers.backends.portable import PortableBackend
 from omni_core.workers.memory_gate import MemoryGate
 
-FAULT_POINTS = ("load", "reload", "execute")
+FAULT_POINTS = ("load", "reload", "execute", "reset")
+MAX_CACHED_PREFIXES = 64
 
 
 class InjectedFault(RuntimeError):
@@ -48,6 +49,33 @@ class FaultyRunner(SyntheticRunner):
     def execute(self, payload: Any) -> dict[str, Any]:
         self._maybe_fail("execute")
         return super().execute(payload)
+
+
+class PrefixCachingRunner(FaultyRunner):
+    """FaultyRunner that keeps something across requests, as vLLM's prefix cache does: the seed
+    of each request (at most MAX_CACHED_PREFIXES, oldest out first). `{"op": "prefix_cache"}`
+    answers how many are kept and how many resets dropped; `reset_prefix_cache` empties it."""
+
+    def __init__(self, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.prefixes: dict[int, None] = {}
+        self.dropped = 0
+
+    def execute(self, payload: Any) -> dict[str, Any]:
+        if payload == {"op": "prefix_cache"}:
+            return {"entries": len(self.prefixes), "dropped": self.dropped}
+        output = super().execute(payload)
+        self.prefixes[int(payload.get("seed", 0))] = None
+        while len(self.prefixes) > MAX_CACHED_PREFIXES:
+            del self.prefixes[next(iter(self.prefixes))]
+        return output
+
+    def reset_prefix_cache(self) -> int:
+        self._maybe_fail("reset")
+        dropped = len(self.prefixes)
+        self.prefixes.clear()
+        self.dropped += dropped
+        return dropped
 
 
 class FailingWakeBackend(PortableBackend):

@@ -32,6 +32,7 @@ from omni_core.protocol import (
     Profile,
     ProtocolError,
     ReloadWeights,
+    ResetPrefixCache,
     Result,
     ShareWeights,
     ShmSource,
@@ -103,6 +104,7 @@ SAMPLES: dict[type[Message], Message] = {
         runner_counters={"prompt_cache_evictions": 2},
     ),
     ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
+    ResetPrefixCache: ResetPrefixCache(task_id="reset-1", epoch=3),
     UpdateWeights: UpdateWeights(
         task_id="update-1",
         epoch=3,

@@ -9,7 +9,15 @@ from test_stage_core import outcome_of, reach_stage
 from omni_core.fsm import StageCommandError
 from omni_core.fsm import inputs as I
 from omni_core.fsm.stage_table import CALLS, STATELESS
-from omni_core.protocol import AckStatus, InitWeightGroup, Profile, ShareWeights, Sleep, arguments
+from omni_core.protocol import (
+    AckStatus,
+    InitWeightGroup,
+    Profile,
+    ResetPrefixCache,
+    ShareWeights,
+    Sleep,
+    arguments,
+)
 from omni_core.protocol import StageState as S
 
 
@@ -18,7 +26,7 @@ def _call(command: object, deadline_s: float = 5.0) -> I.CommandCall:
 
 
 def test_the_stateless_commands_are_read_from_the_table() -> None:
-    assert set(STATELESS) == {Profile, InitWeightGroup, ShareWeights}
+    assert set(STATELESS) == {Profile, InitWeightGroup, ShareWeights, ResetPrefixCache}
     assert all(CALLS[kind].stateless for kind in STATELESS)
 
 
@@ -90,7 +98,8 @@ def test_a_command_call_is_refused_where_its_row_is_not_legal() -> None:
 def test_a_command_call_carries_only_a_stateless_command(command: object) -> None:
     h = reach_stage(S.RUNNING)
     with pytest.raises(
-        StageCommandError, match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, not "
+        StageCommandError,
+        match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, ResetPrefixCache, not ",
     ):
         h.stage.core.step(_call(command), h.now)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None
@@ -154,3 +163,23 @@ def test_the_orchestrator_dispatches_a_command_call_as_a_lifecycle_task() -> Non
     call = I.CommandCall(Profile(task_id="p", epoch=0, start=False), 4.0)
     assert isinstance(call, LifecycleCall)  # _dispatch's one list: waiters under its task_id
     assert (call.task_id, call.deadline_s) == ("p", 4.0)
+
+
+def test_reset_prefix_cache_goes_out_by_its_rows_alone_and_back_through_the_ranks() -> None:
+    """The real addition of the generic template: its struct and its rows (stage and worker)
+    carry it from the stage to every simulated rank's core and back; refused asleep."""
+    from omni_testing.script import Script
+
+    script = Script()
+    script.run("stage ranks=2")
+    assert script.run("command ResetPrefixCache task=r")[1:] == [
+        "  send #3 stage->r0 ResetPrefixCache r e0",
+        "  send #4 stage->r1 ResetPrefixCache r e0",
+    ]
+    lines = script.run("settle")
+    assert "  effect: perform ResetPrefixCache" in lines
+    assert lines[-1] == "  outcome: ResetPrefixCache r: OK, stage RUNNING, ACKs from [0, 1], took 0s"
+    script.run("sleep task=s level=1")
+    script.run("settle")
+    (_, refused) = script.run("command ResetPrefixCache task=r2")
+    assert "cannot reset the prefix cache in SLEEPING" in refused

@@ -25,6 +25,7 @@ from omni_core.protocol import (
     Nack,
     NackReason,
     Profile,
+    ResetPrefixCache,
     Result,
     Sleep,
     StageState,
@@ -903,6 +904,23 @@ def _pause_scenario() -> None:
 
 SCENARIOS.append(_pause_scenario)
 SCENARIOS.append(test_a_paused_stage_takes_a_weight_update_and_stays_paused)
+
+
+@pytest.mark.parametrize("state", (S.RUNNING, S.PAUSED, S.PARTIAL))
+def test_reset_prefix_cache_goes_to_every_rank_and_keeps_the_state(state: StageState) -> None:
+    h = reach_stage(state)
+    asleep = h.stage.residency.asleep
+    step = h.stage.core.step(I.CommandCall(ResetPrefixCache(task_id="r", epoch=0), 5.0), h.now)
+    assert [o.rank for o in step.sends] == [0, 1, 2]
+    outcome = outcome_of(h.complete(step))
+    assert (outcome.ok, outcome.command, outcome.state) == (True, "ResetPrefixCache", state)
+    assert h.stage.state is state and h.stage.residency.asleep == asleep
+
+
+SCENARIOS += [
+    lambda s=s: test_reset_prefix_cache_goes_to_every_rank_and_keeps_the_state(s)
+    for s in (S.RUNNING, S.PAUSED, S.PARTIAL)
+]
 
 
 def test_every_stage_transition_is_exercised() -> None:

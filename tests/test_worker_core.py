@@ -14,6 +14,7 @@ from omni_core.fsm import (
     STAGE_TRANSITIONS,
     WORKER_TRANSITIONS,
     BoundedCache,
+    CommandEffect,
     ExecuteEffect,
     InvariantViolation,
     ProfileEffect,
@@ -47,6 +48,7 @@ from omni_core.protocol import (
     Profile,
     ProtocolError,
     ReloadWeights,
+    ResetPrefixCache,
     Result,
     Shutdown,
     Sleep,
@@ -69,6 +71,7 @@ TRIGGERS_OF: dict[str, tuple[str, ...]] = {
     "Status": ("status",),
     "Shutdown": ("shutdown", "shutdown_already"),
     "Profile": ("profile", "profile_already"),
+    "ResetPrefixCache": ("reset_prefix_cache",),
 }
 COMMANDS: dict[str, Callable[[str, int], Command]] = {
     "Sleep": lambda t, e: Sleep(task_id=t, epoch=e, level=1),
@@ -78,6 +81,7 @@ COMMANDS: dict[str, Callable[[str, int], Command]] = {
     "Status": lambda t, e: Status(task_id=t, epoch=e),
     "Shutdown": lambda t, e: Shutdown(task_id=t, epoch=e),
     "Profile": lambda t, e: Profile(task_id=t, epoch=e, start=True, prefix="p"),
+    "ResetPrefixCache": lambda t, e: ResetPrefixCache(task_id=t, epoch=e),
 }
 TRANSIENT = (W.OFFLOADING, W.RESTORING, W.RELOADING)
 
@@ -100,7 +104,8 @@ def test_forbidden_cases_are_what_the_table_says() -> None:
     assert legal_states("Shutdown") == set(W) - set(TRANSIENT)
     assert legal_states("Execute") == {W.ACTIVE}
     assert legal_states("Profile") == {W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD}
-    assert len(FORBIDDEN) == 6 + 6 + 8 + 9 + 3 + 6
+    assert legal_states("ResetPrefixCache") == {W.ACTIVE, W.PARTIAL}
+    assert len(FORBIDDEN) == 6 + 6 + 8 + 9 + 3 + 6 + 8
 
 
 @pytest.mark.parametrize(("state", "name"), FORBIDDEN, ids=[f"{c}-in-{s.value}" for s, c in FORBIDDEN])
@@ -114,8 +119,9 @@ def test_forbidden_command_is_refused_without_effect(state: WorkerState, name: s
     assert isinstance(nack, Nack)
     assert nack.command == name
     assert nack.state is state
-    # A refusal changes nothing; only a BUSY to an Execute or a Profile is remembered (the BUSY hole).
-    recorded = 1 if (state in TRANSIENT and name in ("Execute", "Profile")) else 0
+    # A refusal changes nothing; only a BUSY to an Execute, a Profile or a command of the generic
+    # template is remembered (the BUSY hole).
+    recorded = 1 if (state in TRANSIENT and name in ("Execute", "Profile", "ResetPrefixCache")) else 0
     assert snapshot(d.w)[:4] + (len(d.w.cache) - recorded,) + snapshot(d.w)[5:] == before, "a refusal changed"
     if state in TRANSIENT:
         # A transient state always has an effect in progress: the refusal is BUSY.
@@ -615,8 +621,9 @@ def test_busy_while_an_effect_is_pending(state: WorkerState) -> None:
             assert isinstance(reply, Ack) and reply.state is state  # answered, not refused
         else:
             assert reply.reason is NackReason.BUSY and "in progress" in reply.detail
-    # The BUSY refusals of the Execute and the Profile are kept (the stage takes them as answers).
-    assert snapshot(d.w)[:4] == before[:4] and len(d.w.cache) == before[4] + 2
+    # The BUSY refusals of the Execute, the Profile and the ResetPrefixCache are kept (the stage
+    # takes them as answers).
+    assert snapshot(d.w)[:4] == before[:4] and len(d.w.cache) == before[4] + 3
 
 
 def test_a_busy_refusal_of_an_execute_is_recorded_so_a_copy_never_runs() -> None:
@@ -1045,3 +1052,67 @@ def test_every_refused_row_returns_where_the_command_started() -> None:
     worker_rows = {t.trigger: t for t in WORKER_TRANSITIONS}
     for (kind, state), trigger in REFUSED.items():
         assert worker_rows[trigger].dest is state and trigger == refused_trigger(kind, state)
+
+
+# ------------------------------------------------------- ResetPrefixCache (the generic template)
+
+
+def _reset(task_id: str = "r", epoch: int = 0) -> ResetPrefixCache:
+    return ResetPrefixCache(task_id=task_id, epoch=epoch)
+
+
+@pytest.mark.parametrize("state", (W.ACTIVE, W.PARTIAL))
+def test_reset_prefix_cache_is_performed_whole_and_never_changes_the_state(state: WorkerState) -> None:
+    d = reach_worker(state)
+    before = snapshot(d.w)
+    step = d.send(_reset())
+    assert step.replies == () and step.effect == CommandEffect("r", _reset())
+    memory = MemoryReport(pool_bytes_before={"kv_cache": 64}, pool_bytes_after={"kv_cache": 64})
+    (ack,) = d.w.step(EffectCompleted("r", memory=memory)).replies
+    ack = wire(ack)
+    assert (ack.command, ack.status, ack.state, ack.memory) == ("ResetPrefixCache", AckStatus.OK, state, memory)
+    assert snapshot(d.w)[:4] == before[:4]  # state, residency, idle: only the reply cache grew
+    (copy,) = d.send(_reset()).replies  # a copy afterwards: the same reply, from the cache (P-2)
+    assert copy == ack
+
+
+SCENARIOS += [
+    lambda s=s: test_reset_prefix_cache_is_performed_whole_and_never_changes_the_state(s) for s in (W.ACTIVE, W.PARTIAL)
+]
+
+
+@pytest.mark.parametrize("state", (W.SLEEPING, W.NEEDS_RELOAD, W.STOPPED))
+def test_reset_prefix_cache_is_refused_by_its_row_where_the_caches_are_not_resident(state: WorkerState) -> None:
+    d = reach_worker(state)
+    step = d.send(_reset())
+    (nack,) = step.replies
+    assert step.effect is None and (nack.reason, nack.state) == (NackReason.INVALID_STATE, state)
+    assert f"ResetPrefixCache is not allowed in state {state.value}" in nack.detail
+    assert "ACTIVE or PARTIAL" in nack.detail
+
+
+def test_reset_prefix_cache_that_raises_is_its_own_nack_and_the_rank_serves_on() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.send(_reset())
+    (nack,) = d.w.step(EffectRaised("r", "RuntimeError: vLLM refused to reset its prefix cache")).replies
+    assert (nack.reason, nack.state) == (NackReason.EXECUTE_ERROR, W.ACTIVE) and not d.w.failure
+    assert "ResetPrefixCache task 'r' failed" in nack.detail and "still ACTIVE" in nack.detail
+    assert d.run(Sleep(task_id="s", epoch=0, level=1)).state is W.SLEEPING  # serving on, not FAILED
+
+
+def test_a_busy_refusal_of_reset_prefix_cache_is_recorded_so_a_copy_never_runs_after_it() -> None:
+    d = reach_worker(W.ACTIVE)
+    d.send(Execute(task_id="q", epoch=0))
+    (busy,) = d.send(_reset()).replies
+    assert busy.reason is NackReason.BUSY
+    d.w.step(EffectCompleted("q"))
+    step = d.send(_reset())
+    assert step.effect is None and step.replies == (busy,)
+
+
+def test_reset_prefix_cache_of_an_older_epoch_is_fenced_and_failed_ranks_refuse_it() -> None:
+    d = reach_worker(W.ACTIVE, epoch=3)
+    (nack,) = d.send(_reset(epoch=2)).replies
+    assert nack.reason is NackReason.STALE_EPOCH
+    (failed,) = reach_worker(W.FAILED).send(_reset()).replies
+    assert failed.reason is NackReason.FAILED

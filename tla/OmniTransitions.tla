@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 79 rows from 32 triggers
+\* ---- worker lifecycle: 81 rows from 33 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -25,13 +25,14 @@ WorkerTriggers == {"loaded", "sleep", "sleep_already", "offloaded", "wake", "wak
                    "reload_refused_active", "wake_refused_sleeping", "wake_refused_partial",
                    "wake_refused_needs_reload", "update", "update_refused_active",
                    "update_refused_partial", "update_refused_needs_reload", "update_failed",
-                   "weight_group", "weight_group_already", "share", "execute", "status",
-                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
+                   "weight_group", "weight_group_already", "share", "reset_prefix_cache",
+                   "execute", "status", "profile", "profile_already", "fail", "shutdown",
+                   "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-WorkerInternalTriggers == {"execute", "profile", "profile_already", "share", "shutdown_already",
-                           "sleep_already", "status", "wake_already", "weight_group",
-                           "weight_group_already"}
+WorkerInternalTriggers == {"execute", "profile", "profile_already", "reset_prefix_cache",
+                           "share", "shutdown_already", "sleep_already", "status",
+                           "wake_already", "weight_group", "weight_group_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -80,6 +81,8 @@ WorkerRelation == {
     <<"NEEDS_RELOAD", "weight_group_already", "NEEDS_RELOAD">>,     \* InitWeightGroup for the group already joined: ALREADY
     <<"ACTIVE", "share", "ACTIVE">>,                                \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
     <<"PARTIAL", "share", "PARTIAL">>,                              \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
+    <<"ACTIVE", "reset_prefix_cache", "ACTIVE">>,                   \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
+    <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,                 \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
     <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7)
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
     <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
@@ -125,7 +128,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 83 rows from 38 triggers
+\* ---- stage lifecycle: 86 rows from 39 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -137,13 +140,14 @@ StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "slee
                   "woke_running", "woke_partial", "woke_needs_reload", "update_drain",
                   "update_drained", "update", "update_refused_running", "update_refused_paused",
                   "update_refused_partial", "update_refused_needs_reload", "update_paused",
-                  "update_failed", "weight_group", "share", "execute", "pause_drain",
-                  "pause_drained", "pause_already", "resume", "resume_already", "profile",
-                  "fail", "restart", "stop"}
+                  "update_failed", "weight_group", "share", "reset_prefix_cache", "execute",
+                  "pause_drain", "pause_drained", "pause_already", "resume", "resume_already",
+                  "profile", "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-StageInternalTriggers == {"execute", "pause_already", "profile", "resume_already", "share",
-                          "sleep_already", "wake_already", "weight_group"}
+StageInternalTriggers == {"execute", "pause_already", "profile", "reset_prefix_cache",
+                          "resume_already", "share", "sleep_already", "wake_already",
+                          "weight_group"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
@@ -193,6 +197,9 @@ StageRelation == {
     <<"NEEDS_RELOAD", "weight_group", "NEEDS_RELOAD">>,          \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"RUNNING", "share", "RUNNING">>,                           \* ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on
     <<"PARTIAL", "share", "PARTIAL">>,                           \* ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on
+    <<"RUNNING", "reset_prefix_cache", "RUNNING">>,              \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
+    <<"PAUSED", "reset_prefix_cache", "PAUSED">>,                \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
+    <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,              \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
     <<"RUNNING", "execute", "RUNNING">>,                         \* admission is open only in RUNNING (P-7)
     <<"RUNNING", "pause_drain", "DRAINING">>,                    \* pause(): admission closed; in-flight requests finish (wait, keep) or their callers hear ABORTED (abort)
     <<"DRAINING", "pause_drained", "PAUSED">>,                   \* no request in flight: paused; nothing was sent to the ranks, nothing released

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, SuiteOptions
+from omni_core.conformance.requirements import REQUIREMENTS
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -313,7 +314,7 @@ def run_wide(c: Case) -> bool:
     return c.scope == "global"
 
 
-REQUIREMENT_ORDER = tuple(f"P-{n}" for n in range(1, 19))
+REQUIREMENT_ORDER = tuple(REQUIREMENTS)  # as the spec numbers them
 _SCOPE_ORDER = {"shared": 0, "own": 1, "consume": 2, "global": 3}
 
 

@@ -1,5 +1,6 @@
-"""The P-15 cases (Profile), kept in their own module so they register after the others
-(`omni_core.conformance` imports it) without touching the cases of other requirements."""
+"""The P-15 cases (Profile) and the P-19 case (ResetPrefixCache): commands that never change
+the state, kept in their own module so they register after the others (`omni_core.conformance`
+imports it) without touching the cases of other requirements."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import re
 
 from omni_core.conformance.cases import Ctx, case
-from omni_core.protocol import Ack, AckStatus, NackReason, Profile, WorkerState
+from omni_core.protocol import Ack, AckStatus, NackReason, Profile, ResetPrefixCache, WorkerState
 
 # What a worker must refuse as a file-name part (P-15): a path separator, a parent
 # directory, NUL, the empty string, more than 64 characters.
@@ -149,3 +150,28 @@ def profile_stale_epoch_refused(ctx: Ctx) -> None:
     status = ctx.status()  # still serving, at its own epoch
     ctx.check(status.state is WorkerState.ACTIVE, "the worker left ACTIVE after a stale Profile", got=status)
     _profile(ctx, False, status=AckStatus.ALREADY)
+
+
+@case(
+    "P-19",
+    "reset_prefix_cache_moves_no_memory",
+    "ResetPrefixCache in ACTIVE: Ack OK in ACTIVE, pool bytes unchanged; a copy gets the same Ack; "
+    "while SLEEPING: Nack INVALID_STATE naming the state",
+)
+def reset_prefix_cache_moves_no_memory(ctx: Ctx) -> None:
+    command = ctx.cmd(ResetPrefixCache, "reset")
+    ack = ctx.ack(ctx.request(command), command, state=WorkerState.ACTIVE, status=AckStatus.OK)
+    memory = ack.memory
+    ctx.check(
+        memory is not None and memory.pool_bytes_before == memory.pool_bytes_after and not ack.asleep_tags,
+        "ResetPrefixCache moved pool memory or put tags to sleep",
+        sent=command,
+        got=ack,
+        expected="a memory report with equal pool bytes before and after, nothing asleep",
+    )
+    copy = ctx.request(command)
+    ctx.check(copy == ack, "a copy of the answered ResetPrefixCache got another answer", sent=command, got=copy)
+    _, slept = ctx.sleep(1)
+    asleep = ctx.cmd(ResetPrefixCache, "reset-asleep")
+    ctx.nack(ctx.request(asleep), asleep, NackReason.INVALID_STATE, state=slept.state, names_state=True)
+    ctx.back_to_active()

@@ -265,6 +265,24 @@ REQUIREMENTS: dict[str, Requirement] = {
             why_not="the suite has no P-18 cases yet (a plan refused without multi_path, the same bytes with one); "
             "the worker side is tested in tests/test_worker_core.py and tests/workers/test_lanes.py",
         ),
+        Requirement(
+            "P-19",
+            "Dropping the runner's caches never moves memory",
+            "`ResetPrefixCache` asks the worker's runner to drop what it caches across requests (prefix KV "
+            "blocks, prompt embeddings), so that later requests compute afresh (after a weight update, say). "
+            "A worker MUST accept it exactly where its transition table has `reset_prefix_cache`: `ACTIVE` and "
+            "`PARTIAL`, where the weights and caches it would drop are resident; anywhere else it MUST refuse "
+            "it like any command (`Nack BUSY` while an effect runs, `Nack FAILED` in `FAILED`, `Nack "
+            "INVALID_STATE` elsewhere). It MUST NOT release, map or move any pool memory: its `Ack` carries "
+            "the state and the asleep tags the command found and a memory report whose pool bytes before "
+            "and after are equal (a runner that caches nothing across requests has nothing to drop and "
+            "answers the same). A failure of the runner MUST be answered `Nack EXECUTE_ERROR` with the state "
+            "unchanged; it never moves a worker to `FAILED`. It is idempotent by `task_id` and fenced by "
+            "epoch like every command (P-2, P-6). A stage sends it to every rank only in `RUNNING`, `PAUSED` "
+            "or `PARTIAL` with no task in flight, never changes state on the answers, and reports a rank's "
+            "`Nack` that leaves it where the stage committed it as that rank's refusal (as for `Profile`, "
+            "P-15).",
+        ),
     )
 }
 

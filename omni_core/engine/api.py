@@ -26,6 +26,7 @@ from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.fsm.inputs import (
+    CommandCall,
     PauseCall,
     ProfileCall,
     ReloadCall,
@@ -41,7 +42,7 @@ from omni_core.fsm.inputs import (
     WeightGroupCall,
 )
 from omni_core.fsm.stage_calls import memory_wait_problem
-from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource
+from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource, ResetPrefixCache
 from omni_core.protocol.weights import WeightSource
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
@@ -386,6 +387,16 @@ class Engine:
                 )
         return report
 
+    def reset_prefix_cache(
+        self, stage: str, *, task_id: str | None = None, timeout_s: float | None = None
+    ) -> LifecycleReport:
+        """Every rank drops what its runner caches across requests (vLLM's prefix KV blocks, a
+        diffusion runner's prompt embeddings), releasing and remapping nothing: later requests
+        compute afresh (after a weight update, say). The state never changes. Legal in RUNNING,
+        PAUSED and PARTIAL; elsewhere, or when a rank refuses, InvalidArgumentError."""
+        tid, deadline_s = self._task(stage, "reset_prefix_cache", task_id, timeout_s)
+        return self._lifecycle(stage, CommandCall(ResetPrefixCache(task_id=tid, epoch=0), deadline_s))
+
     def restart(self, stage: str) -> None:
         """Replace the stage's rank processes with fresh ones under a new epoch."""
         spec = self._spec(stage)
@@ -540,6 +551,9 @@ class AsyncEngine:
 
     async def profile(self, stage: str, start: bool = True, prefix: str | None = None, **kwargs: Any) -> ProfileReport:
         return await asyncio.to_thread(self.engine.profile, stage, start, prefix, **kwargs)
+
+    async def reset_prefix_cache(self, stage: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.reset_prefix_cache, stage, **kwargs)
 
     async def restart(self, stage: str) -> None:
         await asyncio.to_thread(self.engine.restart, stage)

@@ -102,6 +102,16 @@ class ProfileEffect:
     prefix: str | None
 
 
+@dataclass(frozen=True)
+class CommandEffect:
+    """Perform `command` itself: a command the worker takes by its generic row
+    (`worker_table.WORKER_CALLS`). It never changes the state; the shell looks the command's
+    type up in its one table of handlers."""
+
+    task_id: str
+    command: Any  # omni_core.protocol.Command
+
+
 Effect = (
     SleepEffect
     | WakeEffect
@@ -113,11 +123,13 @@ Effect = (
     | UpdateEffect
     | WeightGroupEffect
     | ShareEffect
+    | CommandEffect
 )
 
 # What `omni_core.fsm` exports of this module (it star-imports it): a new effect is exported
 # by its line here, beside its class.
 __all__ = [
+    "CommandEffect",
     "Effect",
     "ExecuteEffect",
     "ProfileEffect",

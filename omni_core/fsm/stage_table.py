@@ -21,6 +21,7 @@ from omni_core.protocol import (
     InitWeightGroup,
     Profile,
     ReloadWeights,
+    ResetPrefixCache,
     ShareWeights,
     Sleep,
     UpdateWeights,
@@ -119,6 +120,12 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         None,
         "ShareWeights sent to every rank (valid weights awake); the state never changes, requests go on",
     ),
+    Transition(
+        "reset_prefix_cache",
+        (S.RUNNING, S.PAUSED, S.PARTIAL),
+        None,
+        "ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves",
+    ),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition(
         "pause_drain",
@@ -206,6 +213,12 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
         ),
         InitWeightGroup: CallRow("join a weight group", "weight_group", stateless=True, check=_weight_group_arguments),
         Profile: CallRow("profile", "profile", stateless=True, check=_profile_arguments),
+        ResetPrefixCache: CallRow(
+            "reset the prefix cache",
+            "reset_prefix_cache",
+            stateless=True,
+            why=": the ranks' caches must be resident (RUNNING, PAUSED or PARTIAL)",
+        ),
     }
 )
 STATELESS: tuple[type[Command], ...] = tuple(kind for kind, row in CALLS.items() if row.stateless)

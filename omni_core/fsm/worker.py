@@ -55,7 +55,7 @@ from omni_core.fsm.worker_step import (
     _sent,
     command_digest,
 )
-from omni_core.fsm.worker_table import IDLE, WORKER_TRANSITIONS
+from omni_core.fsm.worker_table import IDLE, WORKER_CALLS, WORKER_TRANSITIONS
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -248,10 +248,11 @@ class WorkerCore(WorkerCommands, WorkerEffects):
                 NackReason.BUSY,
                 f"task {self._pending.command.task_id!r} is in progress; retry after its reply",
             )
-            if isinstance(command, (Execute, Profile)):
+            if isinstance(command, (Execute, Profile)) or type(command) in WORKER_CALLS:
                 # Recorded: the stage takes this BUSY as the rank's answer to the request (or
-                # the Profile), so a copy arriving after the task in progress must get it again,
-                # not run (P-1; an asynchronous shell would otherwise run it twice: tla/README.md).
+                # the Profile, or a command of WORKER_CALLS), so a copy arriving after the task
+                # in progress must get it again, not run (P-1; an asynchronous shell would
+                # otherwise run it twice: tla/README.md).
                 self._remember(command, step.replies[0])
             return step
         if self.state is W.FAILED and not isinstance(command, (Shutdown, Status)):
@@ -281,6 +282,8 @@ class WorkerCore(WorkerCommands, WorkerEffects):
                 return self._on_profile(command)
             case Shutdown():
                 return self._on_shutdown(command)
+            case _ if type(command) in WORKER_CALLS:
+                return self._on_call(command)
             case _:
                 raise InvariantViolation(f"the worker core has no handler for {command!r}")
 
@@ -415,5 +418,8 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
             require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
+        if self._pending is not None and type(self._pending.command) in WORKER_CALLS:
+            trigger = WORKER_CALLS[type(self._pending.command)].trigger
+            require(self.lifecycle.allows(trigger), f"{type(self._pending.command).__name__} pending outside its row")
         if self.profiling:
             require(state not in (W.LOADING, W.STOPPED), "a profile running in LOADING or STOPPED")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from omni_core.fsm.effects import (
+    CommandEffect,
     ExecuteEffect,
     ProfileEffect,
     ReloadEffect,
@@ -26,9 +27,11 @@ from omni_core.fsm.worker_step import (
     _CachedReply,
     _Pending,
 )
+from omni_core.fsm.worker_table import WORKER_CALLS
 from omni_core.protocol import (
     AckStatus,
     Capability,
+    Command,
     Execute,
     InitWeightGroup,
     NackReason,
@@ -244,3 +247,19 @@ class WorkerCommands:
         self.profiling = False  # the shell drops a running profile with the process
         self._pending = _Pending(command)
         return WorkerStep(effect=ShutdownEffect(command.task_id))
+
+    def _on_call(self, command: Command) -> WorkerStep:
+        """A command of WORKER_CALLS, by its row: the shell performs the command itself."""
+        row = WORKER_CALLS[type(command)]
+        if row.capability is not None and row.capability not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                f"this worker does not take {type(command).__name__} "
+                f"(capability {row.capability.value!r} not declared)",
+            )
+        if not self.lifecycle.allows(row.trigger):
+            return self._refuse_state(command, row.why)
+        self.lifecycle.fire(row.trigger)
+        self._pending = _Pending(command)
+        return WorkerStep(effect=CommandEffect(command.task_id, command))

@@ -10,7 +10,7 @@ from omni_core.fsm.tags import Residency
 from omni_core.fsm.trace_records import EffectDone, EffectFailed, EffectRefused, clip
 from omni_core.fsm.worker_inputs import EffectCompleted, EffectDeclined, EffectRaised
 from omni_core.fsm.worker_step import InvariantViolation, WorkerStep, _Pending
-from omni_core.fsm.worker_table import REFUSED
+from omni_core.fsm.worker_table import REFUSED, WORKER_CALLS
 from omni_core.protocol import (
     AckStatus,
     Execute,
@@ -165,6 +165,10 @@ class WorkerEffects:
                 # drops a profiler that failed, so none runs now, whichever way it failed.
                 self.profiling = False
                 reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
+            case _ if type(command) in WORKER_CALLS:
+                # No pool memory moved: the rank keeps its state.
+                reason = WORKER_CALLS[type(command)].error
+                reply = self._nack(command, reason, f"{what}; this rank is still {self.state.value}")
             case _:
                 self.failure = what
                 if self.lifecycle.allows("fail"):

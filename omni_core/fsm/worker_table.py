@@ -1,14 +1,27 @@
 """The worker's transition table: its states, triggers and rows as data.
 
 `WORKER_TRANSITIONS` is the one source the worker core, the docs and the generated TLA+
-read; `REFUSED` names the row a refused command returns by.
+read; `REFUSED` names the row a refused command returns by; `WORKER_CALLS` holds the commands
+the worker takes by its one generic template.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
 from omni_core.fsm.settle import REFUSAL_REASON, refused_rows, refused_trigger
 from omni_core.fsm.table import Transition
-from omni_core.protocol import ReloadWeights, UpdateWeights, Wake
+from omni_core.protocol import (
+    Capability,
+    Command,
+    NackReason,
+    ReloadWeights,
+    ResetPrefixCache,
+    UpdateWeights,
+    Wake,
+)
 from omni_core.protocol import WorkerState as W
 
 ALIVE = (W.LOADING, W.ACTIVE, W.OFFLOADING, W.SLEEPING, W.RESTORING, W.PARTIAL, W.NEEDS_RELOAD, W.RELOADING)
@@ -72,6 +85,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         None,
         "ShareWeights with valid weights awake: copied into shared buckets; the state never changes",
     ),
+    Transition(
+        "reset_prefix_cache",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes",
+    ),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition(
@@ -98,3 +117,28 @@ REFUSED: dict[tuple[type, W], str] = {
     for t in WORKER_TRANSITIONS
     if t.dest is not None and t.trigger == refused_trigger(kind, t.dest)
 }
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """How the worker takes a command that never changes its state, by one template: legal
+    where `trigger`'s row of WORKER_TRANSITIONS allows it (else NACK INVALID_STATE, `why`
+    appended), performed whole by the shell (`CommandEffect`), answered by an Ack with the
+    memory figures. Performing it moves no pool memory, so a raise is that command's NACK
+    (`error`) and the rank keeps its state."""
+
+    trigger: str
+    why: str
+    error: NackReason
+    capability: Capability | None = None  # refused UNSUPPORTED by a worker that lacks it
+
+
+WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
+    {
+        ResetPrefixCache: WorkerCall(
+            "reset_prefix_cache",
+            "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL",
+            NackReason.EXECUTE_ERROR,
+        ),
+    }
+)

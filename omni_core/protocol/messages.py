@@ -214,6 +214,13 @@ class Profile(Command, kw_only=True, frozen=True):
     prefix: Annotated[str, msgspec.Meta(max_length=MAX_PREFIX_WIRE_CHARS)] | None = None
 
 
+class ResetPrefixCache(Command, kw_only=True, frozen=True):
+    """Drop what the rank's runner caches across requests (vLLM's prefix KV blocks, a diffusion
+    runner's prompt embeddings) without releasing or remapping any memory: the next requests
+    compute afresh, e.g. after a weight update. Legal in ACTIVE and PARTIAL; never changes the
+    state."""
+
+
 # ---------------------------------------------------------------- replies (worker -> orchestrator)
 
 
@@ -337,6 +344,7 @@ AnyCommand = Union[  # noqa: UP007
     UpdateWeights,
     InitWeightGroup,
     ShareWeights,
+    ResetPrefixCache,
 ]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
 AnyMessage = Union[AnyCommand, AnyReply]  # noqa: UP007
@@ -368,6 +376,7 @@ __all__ = [
     "Profile",
     "ReloadWeights",
     "Reply",
+    "ResetPrefixCache",
     "Result",
     "ShareWeights",
     "Shutdown",

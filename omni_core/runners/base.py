@@ -164,6 +164,13 @@ class ModelRunner(ABC):
         default keeps the configured size, and the worker refuses to start if that overshoots."""
         return None
 
+    def reset_prefix_cache(self) -> int | None:
+        """Drop what the runner caches across requests (prefix KV blocks, prompt embeddings)
+        without releasing or remapping memory (ResetPrefixCache); return how many entries went
+        (None: the framework does not say). The default is for a runner that caches nothing
+        across requests: nothing to drop, 0."""
+        return 0
+
     def counters(self) -> Mapping[str, int]:
         """A few counters of the runner's own (a cache's hits and misses), shown in the stage's
         status and as metrics: the same names every call (at load they are declared; at most

@@ -20,8 +20,8 @@ with `pipeline(...)` bit for bit), cut so it can stop between steps:
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
 `prompt_cache_bytes` in that pool (runners/prompt_cache.py), least recently used out first,
-emptied when a sleep discards it, and every entry tied to the weights it was computed with, so
-an update or a reload makes it a miss, never a stale hit.
+emptied when a sleep discards it or a ResetPrefixCache asks, and every entry tied to the
+weights it was computed with, so an update or a reload makes it a miss, never a stale hit.
 
 Where memory lives: every component's tensors (transformer or UNet, VAE, text encoder) in
 `weights`; the state of step-wise requests (latents and the scheduler's latent-shaped tensors,
@@ -58,14 +58,7 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.runners.diffusion_steps import (
-    DiffusionRequest,
-    Parked,
-    ddpm_step,
-    dit_step,
-    sd_step,
-    state_tensors,
-)
+from omni_core.runners.diffusion_steps import DiffusionRequest, Parked, ddpm_step, dit_step, sd_step, state_tensors
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
 from omni_core.runners.weights import (
@@ -249,8 +242,12 @@ class DiffusersRunner(ModelRunner):
         )
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
-        if PROMPT_CACHE_TAG in discard and self.prompt_cache is not None:
-            self.prompt_cache.discard()  # its slab is released now
+        if PROMPT_CACHE_TAG in discard:
+            self.reset_prefix_cache()  # its slab is released now
+
+    def reset_prefix_cache(self) -> int:
+        """Empties the prompt-embedding cache's index; its slab stays mapped in its pool."""
+        return self.prompt_cache.discard() if self.prompt_cache is not None else 0
 
     def buffers_to_save(self) -> dict[str, torch.Tensor]:
         saved = non_persistent_buffers(self.modules)
@@ -437,7 +434,7 @@ class DiffusersRunner(ModelRunner):
         if not isinstance(clear, bool):
             raise TypeError(f"clear must be a bool, got {clear!r}")
         if clear:
-            self.prompt_cache.discard()
+            self.reset_prefix_cache()
         return {**self.prompt_cache.stats(self.generation), "weights_generation": self.generation}
 
     def _class_label(self, label: Any) -> int:

@@ -113,9 +113,12 @@ class PromptCache:
         self.slab[slot, :nbytes].copy_(flat)
         self.entries[key] = _Entry(slot, tuple(embeddings.shape), embeddings.dtype, weights_generation)
 
-    def discard(self) -> None:
-        """The slab is about to be released (a sleep): forget every entry."""
+    def discard(self) -> int:
+        """Forget every entry (before a sleep releases the slab, or to reset the cache); the
+        slab stays as it is. Returns how many entries were dropped."""
+        dropped = len(self.entries)
         self.entries.clear()
+        return dropped
 
     def stats(self, weights_generation: int) -> dict[str, Any]:
         return {

@@ -164,6 +164,11 @@ class SyntheticRunner(ModelRunner):
                 gen = torch.Generator(device=self.device).manual_seed(_seed_for(seed, i))
                 w.normal_(0.0, std, generator=gen)
 
+    def reset_prefix_cache(self) -> int:
+        """Nothing to drop, truly: the KV rows are scratch that every request writes before it
+        reads them, so nothing is kept across requests."""
+        return 0
+
     def close(self) -> None:
         self._graphs.clear()
         self.weights = []

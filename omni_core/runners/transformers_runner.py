@@ -283,6 +283,11 @@ class TransformersRunner(ModelRunner):
             )
         return self.weights.named()
 
+    def reset_prefix_cache(self) -> int:
+        """Nothing to drop, truly: the StaticCache is scratch that every request resets, so no
+        entry outlives its request."""
+        return 0
+
     def close(self) -> None:
         self.model = self.cache = self.weights = None
         if self.world > 1 and torch.distributed.is_initialized():

@@ -319,8 +319,15 @@ class VllmRunner(ModelRunner):
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
         # Cached prefix blocks would point into a KV cache that is about to be released.
-        if KV_CACHE_TAG in offload | discard and not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache before the sleep (requests still running?)")
+        if KV_CACHE_TAG in offload | discard:
+            self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> int | None:
+        """vLLM's own reset: every cached prefix block is freed for reuse, the KV cache stays
+        mapped. vLLM does not say how many blocks it dropped: None."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+        return None
 
     def after_wake(self, tags: frozenset[str]) -> None:
         if KV_CACHE_TAG in tags:

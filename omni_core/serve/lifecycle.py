@@ -235,7 +235,8 @@ def not_awake(stage_status: dict[str, Any]) -> bool:
 
 # ---------------------------------------------------------------------- a prefix-cache reset
 
-KV_CACHE = "kv_cache"
+# Where the stage table's row for ResetPrefixCache takes it: the ranks' caches are resident.
+CACHE_RESET_STATES = ("RUNNING", "PAUSED", "PARTIAL")
 CACHE_RESET_STEPS = {
     "FAILED": "restart it (POST /v1/stages/{name}/restart)",
     "STOPPED": "restart it (POST /v1/stages/{name}/restart)",
@@ -258,30 +259,18 @@ def cache_reset_work(
     limit_s: float | None = None,
     failed: Callable[[Answer], Answer] | None = None,
 ) -> Callable[[], Awaitable[Answer]]:
-    """The anchors' prefix-cache resets through the lifecycle: on RUNNING stages only, the
-    `kv_cache` tag is released (a level-1 sleep of that tag, in-flight requests finishing
-    first) and restored; the runner's cache goes with the memory it lived in. A stage in
-    another state is refused with `refused_status`, naming its state and what to do, before
-    anything is sent. `shape(released, restored)` is the answer; a stage whose release
-    completed is restored even when another stage's failed."""
-    for name in names:
-        if KV_CACHE not in state.specs[name].tags:
-            raise ApiError(
-                400,
-                f"stage {name!r} has no {KV_CACHE} tag (its tags: {list(state.specs[name].tags)}), so no "
-                "prefix cache to reset",
-                kind="InvalidArgumentError",
-            )
+    """The anchors' prefix-cache resets as the protocol's own command (`ResetPrefixCache`):
+    every rank's runner drops what it caches across requests; nothing is released or
+    remapped, and requests keep running. A stage in a state whose row refuses it is refused
+    with `refused_status`, naming its state and what to do, before anything is sent.
+    `shape(released, reset)` is the answer: `released` is empty (no memory is), `reset` each
+    stage's report."""
     engine, tid = state.require_engine(), lifecycle_tid(request)
     fail = failed or (lambda error: error)
+    task_id = None if tid is None else f"{tid}/reset_prefix_cache"
 
-    def step(command: str) -> Callable[[str], Callable[[], Any]]:
-        task_id = None if tid is None else f"{tid}/{command}"
-        if command == "sleep":
-            return lambda n: functools.partial(
-                engine.sleep, n, 1, [KV_CACHE], task_id=task_id, timeout_s=limit_s, abort_in_flight=False
-            )
-        return lambda n: functools.partial(engine.wake, n, [KV_CACHE], task_id=task_id, timeout_s=limit_s)
+    def call(name: str) -> Callable[[], Any]:
+        return functools.partial(engine.reset_prefix_cache, name, task_id=task_id, timeout_s=limit_s)
 
     async def work() -> Answer:
         try:
@@ -290,21 +279,19 @@ def cache_reset_work(
             return fail(error_answer(exc))
         for name in names:
             now = status[name]["state"]
-            if now != "RUNNING":
+            if now not in CACHE_RESET_STATES:
                 what = CACHE_RESET_STEPS.get(now, CACHE_RESET_WAKE).replace("{name}", name)
                 refusal = ApiError(
                     refused_status,
-                    f"stage {name!r} is {now}, not RUNNING: its prefix cache is reset (kv_cache released "
-                    f"and restored) only while it serves; {what}",
+                    f"stage {name!r} is {now}, not RUNNING: its prefix cache is reset only where its "
+                    f"caches are resident (RUNNING, PAUSED or PARTIAL); {what}",
                     kind="InvalidStateError",
                     extra={"stage": name, "state": now},
                 )
                 return fail(error_answer(refusal))
-        released, error = await on_stages(state, names, "sleep", step("sleep"), 1)
-        back = [n for n in names if "error" not in released[n]]
-        restored, wake_error = await on_stages(state, back, "wake", step("wake")) if back else ({}, None)
-        if error is not None or wake_error is not None:
-            return fail(error or wake_error)
-        return answer(200, shape(released, restored))
+        reset, error = await on_stages(state, names, "reset_prefix_cache", call)
+        if error is not None:
+            return fail(error)
+        return answer(200, shape({}, reset))
 
     return work

@@ -404,8 +404,8 @@ class SglangResultModel(BaseModel):
 class CacheResetModel(BaseModel):
     success: bool
     message: str
-    released: dict[str, LifecycleReportModel] = Field(description="each stage's sleep of kv_cache (level 1)")
-    stages: dict[str, LifecycleReportModel] = Field(description="each stage's wake of kv_cache: RUNNING again")
+    released: dict[str, LifecycleReportModel] = Field(description="empty: a reset releases no memory")
+    stages: dict[str, LifecycleReportModel] = Field(description="each stage's ResetPrefixCache: its state unchanged")
 
 
 class VllmMessageModel(BaseModel):

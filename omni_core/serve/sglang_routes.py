@@ -77,11 +77,12 @@ def router(state: ServeState) -> APIRouter:
         "/flush_cache",
         response_model=m.CacheResetModel,
         responses=m.ERROR_RESPONSES,
-        description="SGLang's cache flush on the default stage (or every stage), through the lifecycle: "
-        "kv_cache released (level 1; in-flight requests finish first, within `timeout` seconds "
-        "when it is above 0, else the stage's deadline) and restored; the stage is RUNNING "
-        "again. Only a RUNNING stage: another state is 400 (SGLang's failure code) naming it "
-        "and what to do. POST only: a GET that changes state could be sent by any web page.",
+        description="SGLang's cache flush on the default stage (or every stage), as the protocol's "
+        "ResetPrefixCache: every rank's runner drops what it caches across requests, nothing is "
+        "released or remapped and requests keep running (the reset waits up to `timeout` seconds "
+        "when it is above 0, else the stage's deadline). RUNNING, PAUSED or PARTIAL: another "
+        "state is 400 (SGLang's failure code) naming it and what to do. POST only: a GET that "
+        "changes state could be sent by any web page.",
     )
     async def sglang_flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
         names = state.targets()
@@ -89,13 +90,12 @@ def router(state: ServeState) -> APIRouter:
             state,
             request,
             names,
-            lambda released, restored: {
+            lambda released, reset: {
                 "success": True,
                 # SGLang's answer starts so, and its clients look for it
-                "message": f"Cache flushed.\nkv_cache released and restored on {names}, "
-                "in-flight requests finished first.\n",
+                "message": f"Cache flushed.\nevery rank's runner dropped its cache on {names}, no memory moved.\n",
                 "released": released,
-                "stages": restored,
+                "stages": reset,
             },
             refused_status=400,
             limit_s=timeout or None,

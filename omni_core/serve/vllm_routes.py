@@ -130,11 +130,12 @@ def router(state: ServeState) -> APIRouter:
         "/reset_prefix_cache",
         response_model=m.CacheResetModel,
         responses=m.ERROR_RESPONSES,
-        description="vLLM's prefix-cache reset on the default stage (or every stage), through the "
-        "lifecycle: kv_cache released (level 1; in-flight requests finish first, so "
-        "reset_running_requests changes nothing) and restored; the stage is RUNNING again. "
-        "Only a RUNNING stage: another state is 409 naming it and what to do. reset_external: "
-        "omni-core keeps no connector cache, so there is nothing more to reset.",
+        description="vLLM's prefix-cache reset on the default stage (or every stage), as the "
+        "protocol's ResetPrefixCache: every rank's runner drops its cached prefixes (vLLM's own "
+        "reset_prefix_cache), nothing is released or remapped and requests keep running. "
+        "RUNNING, PAUSED or PARTIAL: another state is 409 naming it and what to do. "
+        "reset_running_requests changes nothing (a rank resets between requests); "
+        "reset_external: omni-core keeps no connector cache, so there is nothing more to reset.",
     )
     async def vllm_reset_prefix_cache(
         request: Request, reset_running_requests: bool = False, reset_external: bool = False
@@ -144,11 +145,11 @@ def router(state: ServeState) -> APIRouter:
             state,
             request,
             names,
-            lambda released, restored: {
+            lambda released, reset: {
                 "success": True,
-                "message": f"prefix cache reset: kv_cache released and restored on {names}",
+                "message": f"prefix cache reset on {names}: every rank's runner dropped its cache, no memory moved",
                 "released": released,
-                "stages": restored,
+                "stages": reset,
             },
             refused_status=409,
         )

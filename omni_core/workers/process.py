@@ -23,14 +23,15 @@ import secrets
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import torch
 import zmq
 
 from omni_core.fsm import WEIGHTS_TAG, InvariantViolation, WorkerCore
 from omni_core.fsm.effects import (
+    CommandEffect,
     Effect,
     ExecuteEffect,
     ProfileEffect,
@@ -61,14 +62,15 @@ from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     MAX_LINKS,
     Capability,
+    Command,
     Hello,
     MemoryReport,
     Message,
     NackReason,
     ProtocolError,
+    ResetPrefixCache,
     decode_command,
     encode,
-    payload_problem,
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
 from omni_core.protocol.codec import envelope_of
@@ -83,6 +85,7 @@ from omni_core.workers.device_memory import FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.rank_memory import cache_budget, check_budget, free_memory_source, resolve_device
+from omni_core.workers.results import checked_output
 from omni_core.workers.runner_counters import CounterStamp
 from omni_core.workers.weight_receiver import WeightReceiver
 
@@ -95,21 +98,6 @@ MAX_ERROR_CHARS = 2000
 EXIT_OK = 0
 EXIT_SHUTDOWN_ERROR = 1
 EXIT_PARENT_GONE = 3
-
-
-# Room in a Result frame for everything but the output (task_id, rank, timings).
-RESULT_ENVELOPE_BYTES = 4096
-
-
-def encode_output(output: Any) -> bytes:
-    """msgpack of a runner's output; raises TypeError naming what cannot be serialised."""
-    try:
-        return msgspec.msgpack.encode(output)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(
-            f"the runner's result cannot be sent: {exc}; return msgpack-serialisable "
-            "values (dict, list, str, bytes, int, float, bool, None)"
-        ) from None
 
 
 def _error_text(exc: BaseException) -> str:
@@ -431,6 +419,8 @@ class WorkerProcess:
             return None
         if backend is None or runner is None:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
+        if isinstance(effect, CommandEffect):
+            return COMMAND_HANDLERS[type(effect.command)](runner, effect.command)
         if isinstance(effect, SleepEffect):
             runner.before_sleep(effect.offload, effect.discard)
             late = room_for(self.free_memory, effect.incoming_bytes)  # a swap whose incoming stage fits
@@ -467,25 +457,10 @@ class WorkerProcess:
                 self.sender = WeightSender(bucket_bytes=effect.bucket_bytes)
             return self.sender.share(runner.weights_to_share())
         elif isinstance(effect, ExecuteEffect):
-            return self._checked_output(runner.execute(effect.payload))
+            return checked_output(runner.execute(effect.payload), self.config.max_frame_bytes)
         else:  # pragma: no cover - the core emits only the effects above
             raise TypeError(f"unknown effect {effect!r}")
         return None
-
-    def _checked_output(self, output: Any) -> Any:
-        """A result must travel: serialisable and within the frame limit, else it is this
-        request's error (EXECUTE_ERROR), never a crash of the loop at send time."""
-        problem = payload_problem(output)
-        if problem is not None:
-            raise ValueError(f"the result cannot be sent: {problem.replace('payload', 'result')}")
-        size_bytes = len(encode_output(output))
-        limit_bytes = self.config.max_frame_bytes - RESULT_ENVELOPE_BYTES
-        if size_bytes > limit_bytes:
-            raise ValueError(
-                f"the result is {size_bytes} bytes, over the {limit_bytes} bytes a frame may "
-                "carry (max_frame_bytes); return less or raise max_frame_bytes"
-            )
-        return output
 
     def _release(self) -> None:
         self.receiver.close()
@@ -532,6 +507,13 @@ class WorkerProcess:
     @property
     def hard_exit_required(self) -> bool:
         return self.backend is not None and self.backend.hard_exit_required
+
+
+# What a rank does for each command its core takes by the generic template (`CommandEffect`,
+# fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command) -> output.
+COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any], Any]] = {
+    ResetPrefixCache: lambda runner, command: runner.reset_prefix_cache(),
+}
 
 
 def _rank_secret(secret_hex: str | None) -> bytes | None:

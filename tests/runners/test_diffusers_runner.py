@@ -257,6 +257,21 @@ def test_prompt_embeddings_are_cached_in_their_own_pool(checkpoints):
         runner.execute({"seed": 1})
 
 
+def test_reset_prefix_cache_empties_the_prompt_cache_and_keeps_its_slab(checkpoints):
+    pools = runner_in_pools(checkpoints["sd"], tags=SD_TAGS, prompt_cache_bytes=2 * SD_SLOT_BYTES + 100)
+    runner = pools.runner
+    first = runner.execute({**SD, "steps": 1})["sha256"]
+    runner.execute({**SD, "prompt": "a dog", "steps": 1})
+    usage, slab = pools.backend.usage(), runner.prompt_cache.slab
+    assert runner.reset_prefix_cache() == 2
+    assert runner.execute({"op": "prompt_cache"})["entries"] == 0
+    assert pools.backend.usage() == usage and runner.prompt_cache.slab is slab  # nothing released
+    assert runner.execute({**SD, "steps": 1})["sha256"] == first  # a miss, computed again
+    assert runner.execute({"op": "prompt_cache"})["misses"] == 3
+    assert runner.reset_prefix_cache() == 1
+    assert runner_in_pools(checkpoints["ddpm"]).runner.reset_prefix_cache() == 0  # no text encoder
+
+
 def test_without_the_tag_nothing_is_cached_and_a_too_small_pool_is_refused(checkpoints):
     runner = runner_in_pools(checkpoints["sd"]).runner  # no prompt_cache tag
     image = runner.execute({**SD, "steps": 1})["sha256"]

@@ -194,6 +194,16 @@ def test_requests_map_onto_vllm_sampling(fake_vllm, checkpoints):
     assert len(engine.calls) == calls  # refused before vLLM saw them
 
 
+def test_reset_prefix_cache_is_vllms_own(fake_vllm, checkpoints):
+    runner, _ = _loaded(checkpoints["qwen2"])
+    engine = fake_vllm.made[-1]
+    assert runner.reset_prefix_cache() is None  # vLLM does not say how many blocks it dropped
+    assert engine.prefix_resets == 1
+    engine.reset_ok = False
+    with pytest.raises(RuntimeError, match="vLLM refused to reset its prefix cache"):
+        runner.reset_prefix_cache()
+
+
 def test_prefix_cache_reset_before_the_kv_cache_goes_and_rebuilt_after(fake_vllm, checkpoints):
     runner, _ = _loaded(checkpoints["qwen2"])
     engine, model_runner = fake_vllm.made[-1], runner.worker.model_runner

@@ -152,10 +152,10 @@ def raise_once(original: Any, name: str, error: BaseException | None = None) -> 
 # Every step of one frame's handling: (where, name, the reply the faulted Execute gets).
 HANDLERS = [
     ("module", "decode_command", NackReason.BAD_MESSAGE),
-    ("core", "on_command", NackReason.BAD_MESSAGE),
+    ("core", "_on_command", NackReason.BAD_MESSAGE),
     ("worker", "handle", NackReason.BAD_MESSAGE),
     ("worker", "_perform", NackReason.EXECUTE_ERROR),  # taken on by the core: the request's own error
-    ("core", "on_done", NackReason.EXECUTE_ERROR),
+    ("core", "_on_done", NackReason.EXECUTE_ERROR),
     ("core", "_remember", NackReason.BAD_MESSAGE),  # the reply cache's digest, after the task was taken
     ("worker", "_send_all", NackReason.EXECUTE_ERROR),
     ("worker", "_send", NackReason.BAD_MESSAGE),
@@ -180,7 +180,7 @@ def test_an_exception_in_any_handler_is_counted_answered_and_the_loop_serves_on(
 
 def test_a_violated_invariant_ends_the_loop_loudly(peer, monkeypatch):
     violation = InvariantViolation("injected: the core's state is impossible")
-    monkeypatch.setattr(peer.worker.core, "on_command", raise_once(None, "on_command", violation))
+    monkeypatch.setattr(peer.worker.core, "_on_command", raise_once(None, "_on_command", violation))
     peer.send_raw(encode(Status(task_id="s", epoch=0)))
     peer.thread.join(REPLY_TIMEOUT_S)
     assert peer.ended.get("error") is violation
@@ -190,7 +190,7 @@ def test_an_unknown_exception_is_counted_as_other(peer, monkeypatch):
     class Surprise(Exception):
         pass
 
-    monkeypatch.setattr(peer.worker.core, "on_command", raise_once(None, "on_command", Surprise("boo")))
+    monkeypatch.setattr(peer.worker.core, "_on_command", raise_once(None, "_on_command", Surprise("boo")))
     reply = peer.request(Status(task_id="s1", epoch=0))
     assert isinstance(reply, Nack) and "other: boo" in reply.detail, reply
     assert peer.worker.frame_errors.counts == {"other": 1}

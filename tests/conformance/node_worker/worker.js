@@ -172,6 +172,7 @@ class BadMessage extends Error {
 
 const COMMAND_FIELDS = {
   Sleep: ["level", "tags"], Wake: ["tags", "memory_wait_s"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
+  ResetPrefixCache: [],
 };
 const REPLY_TYPES = ["Ack", "Nack", "Result", "Hello"];
 const TAG_RE = /^[A-Za-z0-9_.-]+$/;
@@ -443,6 +444,15 @@ class Worker {
     const duration = Number(process.hrtime.bigint() - started) / 1e9;
     return this.answer(cmd, { type: "Result", v: PROTOCOL_VERSION, task_id: cmd.task_id, epoch: this.epoch, rank: this.rank,
       output: { checksum: sum, batch: p.get("batch") }, duration_s: new Float(duration) });
+  }
+
+  onResetPrefixCache(cmd) {
+    // P-19: this worker caches nothing across requests, so there is nothing to drop; no pool moves.
+    if (this.state !== "ACTIVE" && this.state !== "PARTIAL") {
+      return this.refuseState(cmd, "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL");
+    }
+    const started = process.hrtime.bigint();
+    return this.answer(cmd, this.ack(cmd, "OK", this.memory(this.usage()), started));
   }
 
   onStatus(cmd) {
