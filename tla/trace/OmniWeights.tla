@@ -1,9 +1,10 @@
 ------------------------------- MODULE OmniWeights -------------------------------
 (***************************************************************************)
 (* P-17's weight commands on OmniSleep's variables, for the trace spec:   *)
-(* UpdateWeights (a versioned update), InitWeightGroup and ShareWeights    *)
-(* (tasks that change no state). OmniSleep itself has no action for them;  *)
-(* this module adds them beside it, with the weights versions:             *)
+(* UpdateWeights (a versioned update), InitWeightGroup, ShareWeights and   *)
+(* ResetPrefixCache, P-19 (tasks that change no state). OmniSleep itself   *)
+(* has no action for them; this module adds them beside it, with the      *)
+(* weights versions:                                                       *)
 (*   wver[r]  the version rank r holds (a fresh process: 0, its own)       *)
 (*   sver     the version the stage committed last                          *)
 (*   uver     the version of the update in flight (on the wire: its level)  *)
@@ -29,9 +30,10 @@ EXTENDS OmniSleep
 VARIABLES wver, sver, uver, uans, ufrom, wtask, wsaid
 weightVars == <<wver, sver, uver, uans, ufrom, wtask, wsaid>>
 
-WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights"}
-Stateless == {"InitWeightGroup", "ShareWeights"}
-Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share"]
+WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache"}
+Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"}
+Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share",
+            ResetPrefixCache |-> "reset_prefix_cache"]
 NoAnswers == [r \in Ranks |-> "none"]
 Range(f) == {f[x] : x \in DOMAIN f}
 (* The trigger a refused update fires, by where it was refused (the stage's; the rank's). *)
@@ -75,7 +77,7 @@ IssueUpdate(v) ==
     /\ UNCHANGED <<sepoch, sloadFailed, sasleep, svalid, sreqs, sreqReplies, sreqErr, failedRanks,
                    workerVars, faults, broken, sprof, wver, sver, wtask, wsaid>>
 
-(* InitWeightGroup, ShareWeights: a task in a settled state that the answers never move
+(* InitWeightGroup, ShareWeights, ResetPrefixCache: a task in a settled state that the answers never move
    (StageCore's STATELESS commands); requests go on meanwhile. *)
 IssueWeightTask(type) ==
     /\ Idle /\ wtask = 0 /\ nextTask \in TaskIds /\ SLegal(sstate, Trigger[type])
