@@ -26,8 +26,8 @@ the deadline that line set, that fired before it, or whose issue's deadline is n
 issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
-ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event carries the weights version its record names
-(`v`): an UpdateWeights' issue and send (the send also as its level, which is how the
+ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
+carries the weights version its record names (`v`): an UpdateWeights' issue and send (the send also as its level, which is how the
 spec's wire carries it), each reply (ReplySent, StageReceived) and the committed version
 after each StageChanged.
 
