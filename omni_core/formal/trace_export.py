@@ -27,9 +27,9 @@ issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
 ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
-carries the weights version its record names (`v`): an UpdateWeights' issue and send (the send also as its level, which is how the
-spec's wire carries it), each reply (ReplySent, StageReceived) and the committed version
-after each StageChanged.
+carries the weights version its record names (`v`): an UpdateWeights' issue and send
+(the send also as its level, which is how the spec's wire carries it), each reply
+(ReplySent, StageReceived) and the committed version after each StageChanged.
 
 Outside the model (kept, with a note the verdict names): a rank that starts in a state
 other than ACTIVE or FAILED.
