@@ -423,7 +423,8 @@ class WorkerProcess:
             return COMMAND_HANDLERS[type(effect.command)](runner, effect.command)
         if isinstance(effect, SleepEffect):
             runner.before_sleep(effect.offload, effect.discard)
-            late = room_for(self.free_memory, effect.incoming_bytes)  # a swap whose incoming stage fits
+            # A swap whose incoming stage fits; the device is asked only by a backend that can use it.
+            late = backend.supports_late_release and room_for(self.free_memory, effect.incoming_bytes)
             saved = runner.buffers_to_save()
             backend.sleep(effect.offload, effect.discard, buffers=saved, links=effect.links, release_late=late)
         elif isinstance(effect, WakeEffect):

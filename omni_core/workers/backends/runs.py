@@ -30,6 +30,7 @@ vLLM's own sleep must still not run beside these runs (it is never called by omn
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -141,6 +142,7 @@ class DriverSpans:
         _libc().free(cell)
 
 
+@functools.cache
 def _libc() -> Any:
     libc = ctypes.CDLL(None)  # the C library vLLM's extension mallocs and frees its handle cells with
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
