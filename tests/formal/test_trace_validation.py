@@ -443,3 +443,27 @@ def test_a_swap_whose_wake_is_refused_for_lack_of_memory_is_accepted(tmp_path) -
     assert [e.level for e in decoder.events if e.kind == "issue" and e.cmd == "Wake"] == [1, 1]
     assert sum(e.kind == "wsend" and e.info == "NO_MEMORY" for e in decoder.events) == 1
     _assert_accepted(trace_check.validate_records(records))
+
+
+@needs_tlc
+def test_a_swap_whose_outgoing_stage_releases_late_is_accepted(tmp_path, monkeypatch) -> None:
+    """The outgoing stage told what the incoming one wakes (Sleep.incoming_bytes), with room
+    beside it, keeps its memory until its last copy: a hint that moves no state, so the run's
+    trace replays as any swap's."""
+    import json
+
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    log = tmp_path / "sleeps.jsonl"
+    monkeypatch.setenv("OMNI_TEST_RELEASE_LOG", str(log))
+    device = SimulatedDevice(str(tmp_path / "gpu0"), 64 << 20)
+    backend = "tests.engine.release_backend:ReleaseRecordingBackend"
+    path = tmp_path / "late.jsonl"
+    specs = [small_spec(name, backend=backend, simulated_device=device) for name in ("talker", "decoder")]
+    with Engine(specs, trace_path=str(path)) as engine:
+        engine.sleep("decoder")
+        engine.swap("talker", "decoder", task_id="fits")
+    assert [json.loads(line)["release_late"] for line in log.read_text().splitlines()] == [False, True]
+    records = read_trace(path)
+    assert any(isinstance(r.record, T.StageSent) and r.record.command == "Sleep" for r in records)
+    _assert_accepted(trace_check.validate_records(records))
