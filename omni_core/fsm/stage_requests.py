@@ -7,15 +7,16 @@ until then a rank may still be running it, and a sleep must not go out over it.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from omni_core.fsm import admission
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction
 from omni_core.fsm.inputs import RequestError, RequestOutcome
+from omni_core.fsm.request_queue import RequestQueue
 from omni_core.fsm.stage_step import Outbound, StageCounters, StageStep, _Request, _Task
 from omni_core.fsm.table import Lifecycle
+from omni_core.fsm.worker_step import InvariantViolation
 from omni_core.protocol import Execute, Nack, Result
 from omni_core.protocol import StageState as S
 
@@ -35,7 +36,7 @@ class StageRequests:
     weights_version: int
     failure: str
     counters: StageCounters
-    queue: deque[_Request]
+    queue: RequestQueue
     in_flight: dict[str, _Request]
     _answers: list[RequestOutcome]
     _task: _Task | None
@@ -45,6 +46,10 @@ class StageRequests:
 
     def _submit(self, event: I.Submit, now: float) -> StageStep:
         request = _Request(event.request_id, event.payload, now + event.timeout_s)
+        if request.request_id in self.in_flight or request.request_id in self.queue:
+            why = f"request id {request.request_id!r} is already queued or in flight on stage {self.name!r}; "
+            self._answer(request, RequestError.REJECTED, why + "submit each request under a new id")
+            return StageStep()
         decision = admission.admit(self.state, self.policy).decision
         if decision is Admit.RUN and len(self.in_flight) < self.max_in_flight and not self.queue:
             return self._dispatch(request)
@@ -113,6 +118,8 @@ class StageRequests:
 
     def _dispatch(self, request: _Request) -> StageStep:
         self.lifecycle.fire("execute")  # legal only in RUNNING: the table is the check
+        if request.request_id in self.in_flight or request.request_id in self.queue:
+            raise InvariantViolation(f"stage {self.name!r}: request {request.request_id} both queued and in flight")
         self.in_flight[request.request_id] = request
         command = Execute(task_id=request.request_id, epoch=self.epoch, payload=request.payload)
         return StageStep(sends=tuple(Outbound(rank, command) for rank in self.ranks))
@@ -224,9 +231,7 @@ class StageRequests:
         if silent:
             step = step.then(self._ranks_unresponsive(silent, now))
         # Every queued request at its own deadline: a short one must not wait behind a long one.
-        expired = [r for r in self.queue if now >= r.deadline_at]
-        for request in expired:
-            self.queue.remove(request)
+        for request in self.queue.pop_expired(now):
             self._answer(
                 request,
                 RequestError.REJECTED,
