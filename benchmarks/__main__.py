@@ -19,6 +19,10 @@ def run(args: argparse.Namespace) -> int:
         ranks = args.ranks or [1, 2, 4, 8]
         cycles = args.cycles or (25 if args.short else 250)
         return control_plane_main(ranks, cycles, args.out, " ".join([PROG, *sys.argv[1:]]))
+    if args.stage_queue:
+        from benchmarks.stage_queue import main as stage_queue_main
+
+        return stage_queue_main(args.out, " ".join([PROG, *sys.argv[1:]]))
     if args.real_models:
         from benchmarks.real_models import main as real_models_main
 
@@ -56,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--control-plane",
         action="store_true",
         help="sleep/wake round trips of a stage with N rank processes (portable, empty model)",
+    )
+    p.add_argument(
+        "--stage-queue",
+        action="store_true",
+        help="the stage core's cost per queued request at 1k, 4k and 16k queued (sans-IO, CPU)",
     )
     p.add_argument("--ranks", type=int, action="append", help="rank count (repeatable; default 1 2 4 8)")
     p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")

@@ -103,8 +103,12 @@ class StageRequests:
             step = StageStep(started=self.state)
         action = admission.queue_rule(self.state, self.policy).action
         if action is QueueAction.DISPATCH:
+            # Collected, then joined once: chaining `then` per request copies the sends each
+            # time (quadratic in the requests a resume releases).
+            sends: list[Outbound] = []
             while self.queue and len(self.in_flight) < self.max_in_flight:
-                step = step.then(self._dispatch(self.queue.popleft()))
+                sends += self._dispatch(self.queue.popleft()).sends
+            step = step.then(StageStep(sends=tuple(sends)))
         elif action is QueueAction.AUTO_WAKE and self.queue and self._task is None:
             task_id = f"auto-wake-{self.name}-{self.epoch}-{next(self._auto_wakes)}"
             step = step.then(self._wake(I.WakeCall(task_id, None, self.wake_deadline_s), now))
