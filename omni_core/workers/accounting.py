@@ -9,19 +9,34 @@ The physical device is resolved from CUDA_VISIBLE_DEVICES, whose entries may be 
 ("0,1"), GPU UUIDs ("GPU-8f2e...", a unique prefix is enough, as for CUDA itself), MIG
 UUIDs ("MIG-4b1c...") or the pre-R470 MIG form ("MIG-GPU-<uuid>/<gi>/<ci>").
 
-When NVML is missing or does not list our PID (a container with its own PID namespace),
-the figure falls back to the device-wide used bytes from `cudaMemGetInfo`, and the source
-string says so; on a machine without CUDA there is no figure at all ("none: ...").
+When NVML is missing or does not list our PID (a container with its own PID namespace, the
+Kubernetes default), the figure is never the device-wide used bytes (every neighbour's too,
+which would size a stage's caches to nothing and refuse its start): NVML's entry for this
+process is found by its growth since the rank started (NVML lists host PIDs), and failing
+that the figure is the process's own tally: what torch's allocator reserved, less what the
+memory backend unmapped under it, plus the CUDA context. The source string says which; on a
+machine without CUDA there is no figure at all ("none: ...").
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 NVML = "nvml"
+TALLY = "own-tally"
+# The CUDA context's device memory before the rank's entry is found (driver, cuBLAS handles,
+# kernel images): 0.5 GiB on the H100/H200 here with torch 2.11. Once NVML's entry for this
+# process is known, the context is measured instead (its bytes less torch's reserved).
+CONTEXT_ESTIMATE_BYTES = 512 << 20
+# An NVML entry is this process's when it grew by what torch reserved since the rank started,
+# within this much (the context grows by a few MiB at the first kernels)...
+_MATCH_TOLERANCE_BYTES = 96 << 20
+# ... and only after enough growth that a neighbour's coincidence is unlikely.
+_MATCH_MIN_GROWTH_BYTES = 256 << 20
 _UUID_BODY = r"[0-9A-Fa-f]{1,8}(?:-[0-9A-Fa-f]{1,12})*"
 _GPU_RE = re.compile(rf"^GPU-{_UUID_BODY}$")
 _MIG_RE = re.compile(rf"^MIG-{_UUID_BODY}$")
@@ -237,6 +252,19 @@ def available_memory_bytes(total_bytes: int, fraction: float, process_bytes: int
     return max(0, int(total_bytes * fraction) - process_bytes)
 
 
+@dataclass(frozen=True)
+class OwnTally:
+    """What this process holds by its own count, for where NVML cannot say: torch's reserved
+    bytes on the device, less those the memory backend unmapped while the allocator keeps their
+    addresses (a cumem pool asleep), plus the CUDA context."""
+
+    torch_reserved: Callable[[], int]
+    unmapped_reserved: Callable[[], int] = lambda: 0
+
+    def allocator_bytes(self) -> int:
+        return max(0, self.torch_reserved() - self.unmapped_reserved())
+
+
 class ProcessMemory:
     """Measures this process's GPU memory on one torch device, saying which source it used."""
 
@@ -247,6 +275,7 @@ class ProcessMemory:
         nvml: NvmlApi | None = None,
         pid: int | None = None,
         visible_devices: str | Literal["env"] | None = "env",
+        tally: OwnTally | None = None,
     ) -> None:
         import torch
 
@@ -255,9 +284,16 @@ class ProcessMemory:
         self.physical: PhysicalDevice | None = None
         self.nvml: NvmlApi | None = None
         self.nvml_problem = ""
+        self.tally = tally
+        self.context_bytes = CONTEXT_ESTIMATE_BYTES
+        self.own_entry: int | None = None  # NVML's pid for this process where it lists another
+        self._entries_at_start: dict[int, int] = {}
+        self._allocator_at_start = 0
         if self.device.type != "cuda":
             self.nvml_problem = f"no CUDA (device {self.device})"
             return
+        if self.tally is None:
+            self.tally = OwnTally(lambda: int(torch.cuda.memory_reserved(self.device)))
         env = os.environ.get("CUDA_VISIBLE_DEVICES") if visible_devices == "env" else visible_devices
         try:
             self.nvml = nvml if nvml is not None else PynvmlApi()
@@ -268,6 +304,14 @@ class ProcessMemory:
         except Exception as exc:  # NVML library missing, driver too old, no permission
             self.nvml = None
             self.nvml_problem = f"NVML unavailable: {type(exc).__name__}: {exc}"
+        self._entries_at_start = self.device_processes()[0]
+        self._allocator_at_start = self.tally.allocator_bytes()
+
+    def set_unmapped_reserved(self, unmapped_reserved: Callable[[], int]) -> None:
+        """Name what the memory backend unmapped under torch's allocator (the rank does, once
+        its backend exists), so the own tally of a sleeping rank does not count it."""
+        assert self.tally is not None, "no tally without CUDA"
+        self.tally = OwnTally(self.tally.torch_reserved, unmapped_reserved)
 
     def measure(self) -> MemoryFigure:
         if self.device.type != "cuda":
@@ -277,10 +321,38 @@ class ProcessMemory:
             if self.pid in used:
                 return MemoryFigure(used[self.pid], NVML)
             why = f"NVML does not list pid {self.pid} (PID namespace?)"
-        import torch
+            entry = self._find_own_entry(used)
+            if entry is not None:
+                return MemoryFigure(used[entry], f"{NVML}: this process's entry is pid {entry} ({why})")
+        assert self.tally is not None
+        allocator = self.tally.allocator_bytes()
+        return MemoryFigure(
+            allocator + self.context_bytes,
+            f"{TALLY}: torch reserved {allocator} + CUDA context {self.context_bytes} bytes ({why})",
+        )
 
-        free, total = torch.cuda.mem_get_info(self.device)
-        return MemoryFigure(total - free, f"cuda-mem-get-info: device-wide used bytes ({why})")
+    def _find_own_entry(self, used: dict[int, int]) -> int | None:
+        """NVML's entry for this process where it lists host PIDs: the one entry that grew by
+        what torch reserved since the rank started (or appeared, holding about that plus the
+        context). Kept once found; its bytes less torch's then measure the context."""
+        if self.own_entry in used:
+            return self.own_entry
+        assert self.tally is not None
+        allocator = self.tally.allocator_bytes()
+        growth = allocator - self._allocator_at_start
+        if growth < _MATCH_MIN_GROWTH_BYTES:
+            return None
+        matches = [
+            pid
+            for pid, nbytes in used.items()
+            if abs(nbytes - self._entries_at_start.get(pid, 0) - growth) <= _MATCH_TOLERANCE_BYTES
+            or (pid not in self._entries_at_start and 0 <= nbytes - allocator <= 4 * CONTEXT_ESTIMATE_BYTES)
+        ]
+        if len(matches) != 1:
+            return None
+        self.own_entry = matches[0]
+        self.context_bytes = max(0, used[matches[0]] - allocator)
+        return self.own_entry
 
     def device_processes(self) -> tuple[dict[int, int], str]:
         """Every process NVML lists on this device with its bytes (pid -> bytes), and why the

@@ -73,6 +73,8 @@ class CudaFreeMemory:
     def holders(self) -> HolderList:
         used, problem = self.memory.device_processes()
         ours = {self.memory.pid: "this rank"}
+        if self.memory.own_entry is not None:  # NVML lists this rank under its host pid
+            ours[self.memory.own_entry] = "this rank"
         holders = tuple(
             Holder(pid, nbytes, ours.get(pid, "")) for pid, nbytes in sorted(used.items(), key=lambda item: -item[1])
         )

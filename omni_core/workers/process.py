@@ -219,6 +219,8 @@ class WorkerProcess:
     def _load(self) -> None:
         assert self.backend is not None
         self.memory = ProcessMemory(self.device)
+        if self.device.type == "cuda":
+            self.memory.set_unmapped_reserved(self.backend.unmapped_reserved_bytes)
         self.runner = load_runner(self.config.runner, self.device, self.config.runner_args)
         fraction = self.config.gpu_memory_fraction if self.device.type == "cuda" else None
         budget = cache_budget(self.memory, fraction)

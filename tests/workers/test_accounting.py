@@ -8,14 +8,18 @@ from dataclasses import dataclass, field
 import pytest
 
 from omni_core.workers.accounting import (
+    CONTEXT_ESTIMATE_BYTES,
     NVML,
     DeviceResolutionError,
+    OwnTally,
     ProcessMemory,
     VisibleDevice,
     available_memory_bytes,
     parse_cuda_visible_devices,
     resolve_physical_device,
 )
+from omni_core.workers.device_memory import CudaFreeMemory
+from omni_core.workers.rank_memory import CACHE_HEADROOM_BYTES, cache_budget, check_budget
 
 GiB = 1 << 30
 GPU0 = "GPU-11111111-aaaa-bbbb-cccc-000000000000"
@@ -189,14 +193,69 @@ def test_available_memory_arithmetic():
             available_memory_bytes(100, bad, 0)
 
 
-def test_pid_not_visible_falls_back_and_says_so(nvml, monkeypatch):
+class Reserved:
+    """torch's reserved bytes, set by the test (what the rank's allocator holds)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self) -> int:
+        return self.nbytes
+
+
+def container(nvml: FakeNvml, reserved: Reserved, **kwargs: object) -> ProcessMemory:
+    """A rank in its own PID namespace: it is pid 1 to itself, NVML lists host pids only."""
+    return ProcessMemory("cuda:0", nvml=nvml, pid=1, visible_devices="0", tally=OwnTally(reserved), **kwargs)
+
+
+def test_in_a_pid_namespace_the_figure_is_never_device_wide(nvml, monkeypatch):
     import torch
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 80 * GiB))
-    memory = ProcessMemory("cuda:0", nvml=nvml, pid=1, visible_devices="0")
+    # The device-wide figure would be 50 GiB: a neighbour's 30 GiB and this rank's 20 GiB.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GiB, 80 * GiB))
+    nvml.devices[0].processes = {999: 30 * GiB}
+    reserved = Reserved(0)
+    memory = container(nvml, reserved)
+    reserved.nbytes = 20 * GiB - CONTEXT_ESTIMATE_BYTES  # the model loaded; NVML still lists host pids
+    nvml.devices[0].processes = {999: 30 * GiB, 777: 17 * GiB, 888: 17 * GiB}  # no unique match
     figure = memory.measure()
-    assert figure.process_bytes == 20 * GiB
-    assert figure.source.startswith("cuda-mem-get-info: device-wide") and "does not list pid 1" in figure.source
+    assert figure.process_bytes == 20 * GiB and figure.source.startswith("own-tally")
+    assert "does not list pid 1" in figure.source
+    # The KV budget under gpu_memory_fraction=0.4 of 80 GiB: 32 - 20 GiB, less the headroom.
+    budget = cache_budget(memory, 0.4)
+    assert budget is not None and budget.available_bytes() == 12 * GiB - CACHE_HEADROOM_BYTES
+    check_budget(memory, 0.4)  # 20 GiB of 32: the start goes on (device-wide it was refused)
+
+
+def test_in_a_pid_namespace_the_entry_that_grew_with_the_rank_is_its_own(nvml):
+    nvml.devices[0].processes = {999: 30 * GiB, 31337: 600 << 20}  # 31337: this rank's context
+    reserved = Reserved(0)
+    memory = container(nvml, reserved)
+    reserved.nbytes = 8 * GiB
+    nvml.devices[0].processes = {999: 30 * GiB, 31337: 8 * GiB + (620 << 20)}
+    figure = memory.measure()
+    assert figure.process_bytes == 8 * GiB + (620 << 20)
+    assert figure.source.startswith("nvml: this process's entry is pid 31337")
+    assert memory.context_bytes == 620 << 20  # measured, no longer the estimate
+    holders = CudaFreeMemory(memory).holders()
+    assert {h.pid: h.label for h in holders.holders} == {999: "", 31337: "this rank"}
+
+
+def test_a_neighbour_growing_alike_is_not_taken_for_the_rank(nvml):
+    nvml.devices[0].processes = {999: 30 * GiB, 31337: 600 << 20}
+    reserved = Reserved(0)
+    memory = container(nvml, reserved)
+    reserved.nbytes = 8 * GiB
+    nvml.devices[0].processes = {999: 38 * GiB, 31337: 8 * GiB + (600 << 20)}  # both grew 8 GiB
+    figure = memory.measure()
+    assert figure.source.startswith("own-tally") and memory.own_entry is None
+
+
+def test_the_tally_leaves_out_what_the_backend_unmapped(nvml):
+    reserved = Reserved(10 * GiB)
+    memory = container(nvml, reserved)
+    memory.set_unmapped_reserved(lambda: 9 * GiB)  # a cumem pool asleep keeps its addresses
+    assert memory.measure().process_bytes == 1 * GiB + CONTEXT_ESTIMATE_BYTES
 
 
 def test_nvml_missing_falls_back_and_says_why(monkeypatch):
@@ -209,9 +268,10 @@ def test_nvml_missing_falls_back_and_says_why(monkeypatch):
 
     monkeypatch.setattr(accounting, "PynvmlApi", broken)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GiB, 80 * GiB))
-    memory = ProcessMemory("cuda:0", visible_devices="0")
+    memory = ProcessMemory("cuda:0", visible_devices="0", tally=OwnTally(Reserved(9 * GiB)))
     figure = memory.measure()
-    assert figure.process_bytes == 10 * GiB and "NVML unavailable: OSError: libnvidia-ml" in figure.source
+    assert figure.process_bytes == 9 * GiB + CONTEXT_ESTIMATE_BYTES  # never the device-wide 10 GiB
+    assert "NVML unavailable: OSError: libnvidia-ml" in figure.source
 
 
 def test_bad_visible_devices_fails_at_start_not_later(nvml):

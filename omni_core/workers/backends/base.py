@@ -177,6 +177,12 @@ class MemoryBackend(ABC):
         """Device bytes resident per tag (0 for a tag that is asleep)."""
         return {tag: self._resident_bytes(tag) for tag in self.tags}
 
+    def unmapped_reserved_bytes(self) -> int:
+        """Device bytes torch's allocator still counts as reserved whose physical memory this
+        backend released (an allocation unmapped in place keeps its address). 0 for a backend
+        that frees through the allocator; the process's own tally subtracts it."""
+        return 0
+
     def host_bytes(self) -> int:
         """Host bytes this backend holds for sleeping tags (copies and saved buffers)."""
         return self._host_bytes() + sum(s.host.numel() * s.host.element_size() for s in self._saved.values())

@@ -226,6 +226,10 @@ class CumemBackend(MemoryBackend):
     def _resident_bytes(self, tag: str) -> int:
         return sum(handle_of(d).size for _, d in self._allocations({tag}) if not self._is_asleep(d))
 
+    def unmapped_reserved_bytes(self) -> int:
+        # Asleep, an allocation is unmapped but keeps its segment in the MemPool torch counts.
+        return sum(handle_of(d).size for _, d in self._allocations() if self._is_asleep(d))
+
     def _host_bytes(self) -> int:
         return sum(d.cpu_backup_tensor.numel() for _, d in self._allocations() if d.cpu_backup_tensor is not None)
 
