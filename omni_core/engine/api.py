@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
+from omni_core.engine.start_plan import check_start_plan
 from omni_core.fsm.inputs import (
     CommandCall,
     PauseCall,
@@ -86,13 +88,18 @@ class Engine:
         ray_namespace: str | None = None,
     ) -> None:
         self._specs = {s.name: s for s in specs}
+        ranks_launcher = make_launcher(launcher, ray_address, ray_namespace)
+        if isinstance(ranks_launcher, LocalLauncher):  # Ray places ranks on nodes chosen later
+            problem = check_start_plan(self._specs.values(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if problem:
+                raise InvalidArgumentError(problem)
         self._orch = Orchestrator(
             self._specs.values(),
             transport=transport,
             host=host,
             curve=curve,
             trace_path=trace_path,
-            launcher=make_launcher(launcher, ray_address, ray_namespace),
+            launcher=ranks_launcher,
         )
         try:
             futures = [self._orch.submit(name, Start(spec.start_deadline_s)) for name, spec in self._specs.items()]
