@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from omni_core.workers.accounting import ProcessMemory
-from omni_core.workers.simulated_device import Holder, HolderList, SimulatedOutOfMemory
+from omni_core.workers.simulated_device import Holder, HolderList, SimulatedOutOfMemory, SimulatedResidency
 
 # Kept free below what the driver reports, per map: cuMemCreate needs a little beyond the
 # allocation's own bytes (page tables), and other processes' allocators round up. Enough
@@ -58,12 +58,30 @@ def _torch_oom_error() -> type[BaseException] | None:
 class CudaFreeMemory:
     """The free bytes of one CUDA device and the processes holding the rest (NVML)."""
 
-    def __init__(self, memory: ProcessMemory, *, reserve_bytes: int = CUDA_RESERVE_BYTES) -> None:
+    def __init__(
+        self,
+        memory: ProcessMemory,
+        *,
+        reserve_bytes: int = CUDA_RESERVE_BYTES,
+        ledger: SimulatedResidency | None = None,
+    ) -> None:
         if memory.device.type != "cuda":
             raise ValueError(f"CudaFreeMemory needs a CUDA device, got {memory.device}")
         self.memory = memory
         self.device: Any = memory.device
         self.reserve_bytes = reserve_bytes
+        # This rank's file in the node's ledger of the GPU (omni_core.workers.device_ledger):
+        # where its bytes are reported and other engines' ranks are named.
+        self.ledger = ledger
+
+    @property
+    def ledger_directory(self) -> str | None:
+        return self.ledger.device.directory if self.ledger is not None else None
+
+    def report(self, resident_bytes: int) -> None:
+        """This rank's resident pool bytes, for the other engines' refusals."""
+        if self.ledger is not None:
+            self.ledger.report(resident_bytes)
 
     def free_bytes(self) -> int:
         import torch
@@ -75,11 +93,22 @@ class CudaFreeMemory:
         ours = {self.memory.pid: "this rank"}
         if self.memory.own_entry is not None:  # NVML lists this rank under its host pid
             ours[self.memory.own_entry] = "this rank"
+        # Ranks of omni-core engines on this GPU, named by their files in its node ledger.
+        known = {h.pid: h for h in self.ledger.holders().holders} if self.ledger is not None else {}
         holders = tuple(
-            Holder(pid, nbytes, ours.get(pid, "")) for pid, nbytes in sorted(used.items(), key=lambda item: -item[1])
+            Holder(pid, nbytes, ours.get(pid) or _label(known.get(pid)), _engine(known.get(pid)))
+            for pid, nbytes in sorted(used.items(), key=lambda item: -item[1])
         )
         return HolderList(holders, problem=problem)
 
     def describe(self) -> str:
         physical = self.memory.physical
         return f"{self.device}" + (f" ({physical.uuid})" if physical is not None else "")
+
+
+def _label(holder: Holder | None) -> str:
+    return holder.label if holder is not None else ""
+
+
+def _engine(holder: Holder | None) -> int | None:
+    return holder.engine_pid if holder is not None else None

@@ -17,6 +17,7 @@ instead of waiting for a Hello that never comes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -81,10 +82,17 @@ from omni_core.weights_sender import WeightSender
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
-from omni_core.workers.device_memory import FreeMemorySource
+from omni_core.workers.device_ledger import one_incoming_wake
+from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
-from omni_core.workers.rank_memory import cache_budget, check_budget, free_memory_source, resolve_device
+from omni_core.workers.rank_memory import (
+    cache_budget,
+    check_budget,
+    free_memory_source,
+    ledger_directory,
+    resolve_device,
+)
 from omni_core.workers.results import checked_output
 from omni_core.workers.runner_counters import CounterStamp
 from omni_core.workers.weight_receiver import WeightReceiver
@@ -235,6 +243,7 @@ class WorkerProcess:
             self.backend.track(tag, self.runner.tensors(tag))
         if fraction is not None:
             check_budget(self.memory, fraction)
+        self._report_to_ledger()
         log.info(
             "worker %s/%s loaded: pools %s, process memory %s",
             self.config.stage,
@@ -242,6 +251,25 @@ class WorkerProcess:
             self.backend.usage(),
             self._figure(),
         )
+
+    def _wake(self, backend: MemoryBackend, effect: WakeEffect) -> None:
+        """A wake that may wait for memory takes its device's incoming lock first: one such
+        wake per device at a time, across engines (`device_ledger`); the gate's wait starts
+        before it, so the time spent on the lock comes out of memory_wait_s. A wake that does
+        not wait takes its chance."""
+        gate = self._gate(effect.memory_wait_s)
+        directory = ledger_directory(self.free_memory)
+        incoming: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if directory is not None and effect.memory_wait_s > 0:
+            who = f"stage {self.config.stage} rank {self.config.rank}, pid {os.getpid()} (engine pid {os.getppid()})"
+            incoming = one_incoming_wake(directory, who, effect.memory_wait_s)
+        with incoming:
+            backend.wake(effect.tags, gate, links=effect.links)
+
+    def _report_to_ledger(self) -> None:
+        """The rank's resident bytes in its GPU's node ledger, after each effect and the load."""
+        if isinstance(self.free_memory, CudaFreeMemory) and self.backend is not None:
+            self.free_memory.report(sum(self.backend.usage().values()))
 
     def _gate(self, memory_wait_s: float) -> MemoryGate | None:
         """A gate for one wake (its wait starts now), when there is device memory to wait for."""
@@ -360,6 +388,7 @@ class WorkerProcess:
             figure_before = self._figure() if measured else None
             output = self._apply(effect)
             duration_s = time.perf_counter() - started
+            self._report_to_ledger()
             memory = None
             if measured:
                 figure_after = self._figure()
@@ -430,7 +459,7 @@ class WorkerProcess:
             saved = runner.buffers_to_save()
             backend.sleep(effect.offload, effect.discard, buffers=saved, links=effect.links, release_late=late)
         elif isinstance(effect, WakeEffect):
-            backend.wake(effect.tags, self._gate(effect.memory_wait_s), links=effect.links)
+            self._wake(backend, effect)
             runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering

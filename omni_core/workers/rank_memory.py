@@ -10,8 +10,9 @@ from omni_core.runners.base import MemoryBudget
 from omni_core.workers.accounting import ProcessMemory
 from omni_core.workers.backends import MemoryBackend
 from omni_core.workers.config import WorkerConfig, device_problem
+from omni_core.workers.device_ledger import gpu_ledger_directory
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
-from omni_core.workers.simulated_device import SimulatedResidency
+from omni_core.workers.simulated_device import SimulatedDevice, SimulatedResidency
 
 # Kept out of what caches may take under gpu_memory_fraction: the CUDA context grows after
 # the caches are sized (allocation granularity, cuBLAS workspaces at the first request).
@@ -64,7 +65,21 @@ def free_memory_source(
         report_to(residency)
         return residency
     if device.type == "cuda":
-        return CudaFreeMemory(memory)
+        ledger = None
+        if memory.physical is not None:  # the node's ledger of this GPU, shared across engines
+            directory = gpu_ledger_directory(memory.physical.uuid)
+            ledger = SimulatedResidency(SimulatedDevice(directory, memory.total_bytes()), config.stage, config.rank)
+        return CudaFreeMemory(memory, ledger=ledger)
+    return None
+
+
+def ledger_directory(source: FreeMemorySource | None) -> str | None:
+    """The node ledger's directory of the rank's device: the simulated device's own, or the
+    GPU's; None where there is none (no gate, or NVML could not name the GPU)."""
+    if isinstance(source, SimulatedResidency):
+        return source.device.directory
+    if isinstance(source, CudaFreeMemory):
+        return source.ledger_directory
     return None
 
 

@@ -58,10 +58,12 @@ class Holder:
     pid: int
     nbytes: int
     label: str = ""  # e.g. "stage talker rank 0"; "" where only the pid is known (NVML)
+    engine_pid: int | None = None  # the engine that started it, where its ledger file says
 
     def describe(self) -> str:
         what = f"{self.label}, " if self.label else ""
-        return f"{what}pid {self.pid}: {self.nbytes} bytes ({self.nbytes / 2**30:.2f} GiB)"
+        engine = f" (engine pid {self.engine_pid})" if self.engine_pid is not None else ""
+        return f"{what}pid {self.pid}{engine}: {self.nbytes} bytes ({self.nbytes / 2**30:.2f} GiB)"
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,9 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return None
         if pid != int(match["pid"]) or not 0 <= nbytes <= self.capacity_bytes:
             return None  # a file lying about whose it is, or holding more than the device has
-        return Holder(pid, nbytes, f"stage {match['stage']} rank {int(match['rank'])}")
+        engine_pid = data.get("engine_pid")
+        named = isinstance(engine_pid, int) and not isinstance(engine_pid, bool) and engine_pid > 0
+        return Holder(pid, nbytes, f"stage {match['stage']} rank {int(match['rank'])}", engine_pid if named else None)
 
     def used_bytes(self) -> int:
         return sum(h.nbytes for h in self.read()[0])
@@ -181,12 +185,15 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return os.path.join(self.directory, f"{stage}-rank{rank}-{pid}.json")
 
     def write(self, stage: str, rank: int, pid: int, resident_bytes: int) -> None:
-        """Atomically set this process's resident bytes (write, then rename over the old file)."""
+        """Atomically set this process's resident bytes (write, then rename over the old file);
+        the file names the engine (the rank's parent) so other engines' refusals can."""
         if resident_bytes < 0:
             raise ValueError(f"resident_bytes must be >= 0, got {resident_bytes}")
         os.makedirs(self.directory, exist_ok=True)
         path = self.path_of(stage, rank, pid)
-        body = json.dumps({"stage": stage, "rank": rank, "pid": pid, "resident_bytes": resident_bytes})
+        body = json.dumps(
+            {"stage": stage, "rank": rank, "pid": pid, "resident_bytes": resident_bytes, "engine_pid": os.getppid()}
+        )
         fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "w") as f:

@@ -43,6 +43,7 @@ def test_free_is_capacity_minus_every_live_file(device):
     talker.report(3 * MiB)
     assert device.free_bytes() == 56 * MiB
     listing = device.holders()
+    assert [h.engine_pid for h in listing.holders] == [os.getppid(), os.getppid()]
     assert [(h.pid, h.nbytes, h.label) for h in listing.holders] == [
         (os.getppid(), 5 * MiB, "stage other rank 0"),
         (os.getpid(), 3 * MiB, "stage talker rank 0"),
@@ -57,7 +58,13 @@ def test_writes_are_atomic_renames_and_leave_no_temporary_files(device):
         residency.report(nbytes * MiB)
     assert os.listdir(device.directory) == [f"dit-rank1-{os.getpid()}.json"]
     with open(device.path_of("dit", 1, os.getpid())) as f:
-        assert json.load(f) == {"stage": "dit", "rank": 1, "pid": os.getpid(), "resident_bytes": 3 * MiB}
+        assert json.load(f) == {
+            "stage": "dit",
+            "rank": 1,
+            "pid": os.getpid(),
+            "resident_bytes": 3 * MiB,
+            "engine_pid": os.getppid(),  # the rank's parent: its engine, named in others' refusals
+        }
 
 
 def test_a_dead_process_file_holds_nothing(device):

@@ -1,0 +1,91 @@
+"""The node's ledger of one device, shared by every omni-core engine on the host: who holds
+what on it, and one incoming wake at a time.
+
+Two engines (or an engine and a plain vLLM) on one GPU each gate their own wakes; waking at
+once, each maps part of what it needs and waits for the memory the other is mapping, until
+both deadlines expire and both roll back: a livelock that repeats with every retry. The ledger
+breaks it: a wake that may wait for memory (a swap's `memory_wait_s`) first takes the device's
+incoming lock, so waiting wakes on one device run one after another, across engines; the one
+that cannot get the lock within its wait is refused naming the wake that holds it. A wake that
+does not wait takes its chance as before (it fails fast and rolls back, P-16).
+
+Where it lives: a directory per device. For a simulated device (CPU runs), its own directory;
+for a GPU, `<tmp>/omni-core-devices-<uid>/<GPU UUID>`, where each rank also keeps a holder file
+(`simulated_device.SimulatedDevice`'s format) so a refusal names the other engines' ranks.
+Engines of other users do not share it (their processes cannot read a 0700 directory); NVML
+still lists their pids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+from omni_core.workers.memory_gate import WakeRefused
+
+INCOMING_LOCK = "incoming.lock"
+# The lock file also names its holder, for the refusal of the next wake; never more than this.
+MAX_OWNER_BYTES = 512
+# How often a waiting wake tries the lock again: short against any wait worth setting.
+POLL_S = 0.01
+
+
+def gpu_ledger_directory(gpu_uuid: str) -> str:
+    """The ledger of one GPU for this user's engines."""
+    return os.path.join(tempfile.gettempdir(), f"omni-core-devices-{os.getuid()}", gpu_uuid)
+
+
+def _open_lock(directory: str) -> int:
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return os.open(os.path.join(directory, INCOMING_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+
+def incoming_owner(directory: str) -> str:
+    """Who holds (or last held) the device's incoming lock, as it wrote itself; "" if unknown."""
+    try:
+        fd = os.open(os.path.join(directory, INCOMING_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    try:
+        raw = os.read(fd, MAX_OWNER_BYTES)
+    finally:
+        os.close(fd)
+    return raw.decode("utf-8", "replace").strip()
+
+
+@contextlib.contextmanager
+def one_incoming_wake(
+    directory: str,
+    who: str,
+    wait_s: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    pause: Callable[[float], None] = time.sleep,
+) -> Iterator[float]:
+    """Hold the device's incoming lock for the body (a wake's maps); yields the seconds spent
+    waiting for it. WakeRefused, before anything is mapped, if another wake holds it past
+    `wait_s`: nothing changed, the tags stay asleep (NO_MEMORY)."""
+    fd = _open_lock(directory)
+    try:
+        started = clock()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if clock() - started >= wait_s:
+                    raise WakeRefused(
+                        f"another wake holds the device's incoming lock ({incoming_owner(directory) or 'unnamed'}) "
+                        f"after {wait_s:.3f} s of waiting; wakes that wait for memory on one device run one at a "
+                        "time across engines: retry once it is done, or give this wake a longer memory_wait_s"
+                    ) from None
+                pause(POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, who.encode()[:MAX_OWNER_BYTES], 0)
+        yield clock() - started
+    finally:
+        os.close(fd)  # closing drops the lock
