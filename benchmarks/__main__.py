@@ -19,6 +19,11 @@ def run(args: argparse.Namespace) -> int:
         ranks = args.ranks or [1, 2, 4, 8]
         cycles = args.cycles or (25 if args.short else 250)
         return control_plane_main(ranks, cycles, args.out, " ".join([PROG, *sys.argv[1:]]))
+    if args.step_cache:
+        from benchmarks.step_cache import main as step_cache_main
+
+        args.command_line = " ".join([PROG, *sys.argv[1:]])
+        return step_cache_main(args)
     if args.stage_queue:
         from benchmarks.stage_queue import main as stage_queue_main
 
@@ -61,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="sleep/wake round trips of a stage with N rank processes (portable, empty model)",
     )
+    p.add_argument(
+        "--step-cache",
+        action="store_true",
+        help="the DiT step cache's speedup and PSNR per threshold (CUDA where present, else CPU)",
+    )
+    p.add_argument("--step-cache-size", default="tiny", help="step cache: the DiT size (tiny, 600m)")
+    p.add_argument("--step-cache-steps", type=int, default=50, help="step cache: denoising steps per image")
     p.add_argument(
         "--stage-queue",
         action="store_true",

@@ -17,6 +17,11 @@ with `pipeline(...)` bit for bit), cut so it can stop between steps:
     {"op": "prompt_cache", "clear": true}               -> entries, hits, misses (clear is optional;
                                                            the counters also reach status and metrics)
 
+With `step_cache_threshold` (DiT only; omni_core/runners/step_cache.py), steps whose
+transformer input changed little since the last computed step reuse its residual instead of
+running the blocks (TeaCache's method); the counters `step_cache_hits` and `step_cache_misses`
+say how many, and the cache's tensors are parked with the request's latents.
+
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
 `prompt_cache_bytes` in that pool (runners/prompt_cache.py), least recently used out first,
@@ -60,6 +65,7 @@ from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
 from omni_core.runners.diffusion_steps import DiffusionRequest, Parked, ddpm_step, dit_step, sd_step, state_tensors
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
+from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
 from omni_core.runners.weights import (
     ReloadReport,
@@ -81,6 +87,7 @@ HEADER_BYTES = ALIGN_BYTES  # canary, generation, steps done (int64 each)
 MAX_LOST_REMEMBERED = 1024  # lost requests whose error is kept for their next op
 MAX_STEPS_LIMIT = 10_000
 OPS = ("start", "step", "finish", "cancel", "prompt_cache")
+STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCacheState
 REQUEST_KEYS = {
     "dit": frozenset({"class_label", "seed", "steps", "guidance_scale"}),
     "ddpm": frozenset({"seed", "steps"}),
@@ -120,6 +127,7 @@ class DiffusersRunner(ModelRunner):
         max_steps: int = 1000,
         state_tensors: int = 6,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+        step_cache_threshold: float | None = None,
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(device)
@@ -157,10 +165,15 @@ class DiffusersRunner(ModelRunner):
         self.max_requests, self.max_steps, self.state_tensors = max_requests, max_steps, state_tensors
         self.prompt_cache = PromptCache(prompt_cache_bytes, self._prompt_slot_bytes()) if self.kind == "sd" else None
         self.sample_shape = self._sample_shape()
+        self.step_cache_threshold = check_threshold(step_cache_threshold)
+        if self.step_cache_threshold is not None and self.kind != "dit":
+            raise ValueError(f"step_cache_threshold applies to DiT pipelines; {model!r} holds a {pipeline_class}")
+        self.step_cache_stats = StepCacheStats()
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
-        # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs).
+        # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs), plus the step
+        # cache's two token-shaped tensors where the stage has one.
         sample_bytes = 2 * int(torch.Size(self.sample_shape).numel()) * 4
-        self.slot_bytes = HEADER_BYTES + state_tensors * _align(sample_bytes)
+        self.slot_bytes = HEADER_BYTES + state_tensors * _align(sample_bytes) + 2 * _align(self._step_cache_bytes())
         self.pipeline: Any = None
         self.modules: dict[str, torch.nn.Module] = {}
         self.weights: WeightSet | None = None
@@ -174,6 +187,14 @@ class DiffusersRunner(ModelRunner):
     def _prompt_slot_bytes(self) -> int:
         config = _read_json(self.model_dir / "text_encoder" / "config.json")
         return slot_bytes_for(int(config["max_position_embeddings"]), int(config["hidden_size"]), self.dtype)
+
+    def _step_cache_bytes(self) -> int:
+        """One step-cache tensor of a request: both guidance halves' tokens, float32 at most."""
+        if self.step_cache_threshold is None:
+            return 0
+        config = _read_json(self.model_dir / "transformer" / "config.json")
+        tokens = (int(config["sample_size"]) // int(config["patch_size"])) ** 2
+        return 2 * tokens * int(config["num_attention_heads"]) * int(config["attention_head_dim"]) * 4
 
     def _sample_shape(self) -> tuple[int, ...]:
         denoiser = "transformer" if self.kind == "dit" else "unet"
@@ -423,7 +444,10 @@ class DiffusersRunner(ModelRunner):
         return embeddings.to("cpu")
 
     def counters(self) -> dict[str, int]:
-        return self.prompt_cache.counters() if self.prompt_cache is not None else {}
+        counters = self.prompt_cache.counters() if self.prompt_cache is not None else {}
+        if self.step_cache_threshold is not None:
+            counters.update(self.step_cache_stats.counters())
+        return counters
 
     def _prompt_cache_op(self, payload: dict[str, Any]) -> dict[str, Any]:
         """{"op": "prompt_cache"} -> its figures; with "clear": true, emptied first."""
@@ -478,13 +502,31 @@ class DiffusersRunner(ModelRunner):
         for index in range(request.steps_done, end):
             t = request.scheduler.timesteps[index]
             if self.kind == "dit":
-                sample = dit_step(self.modules["transformer"], request, sample, t, labels)
+                forward = self._cached_forward(request, index)
+                sample = dit_step(self.modules["transformer"], request, sample, t, labels, forward)
             elif self.kind == "sd":
                 sample = sd_step(self.modules["unet"], request, sample, t, embeddings, step_kwargs)
             else:
                 sample = ddpm_step(self.modules["unet"], request, sample, t)
         request.steps_done = end
         return sample
+
+    def _cached_forward(self, request: DiffusionRequest, index: int) -> Any:
+        """The transformer's forward through the request's step cache, or None without one."""
+        threshold = self.step_cache_threshold
+        if threshold is None:
+            return None
+        if request.step_cache is None:
+            request.step_cache = StepCacheState()
+        state, transformer, stats = request.step_cache, self.modules["transformer"], self.step_cache_stats
+        must_compute = index in (0, request.steps_total - 1)
+
+        def forward(sample: torch.Tensor, timesteps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return cached_dit_forward(
+                transformer, sample, timesteps, labels, state, threshold, stats, must_compute=must_compute
+            )
+
+        return forward
 
     def _image(self, request: DiffusionRequest, sample: torch.Tensor) -> dict[str, Any]:
         vae = self.modules.get("vae")
@@ -520,7 +562,7 @@ class DiffusersRunner(ModelRunner):
 
     def _park(self, request: DiffusionRequest, sample: torch.Tensor) -> None:
         assert request.slot is not None
-        state = state_tensors(request, sample)
+        state = state_tensors(request, sample) + _step_cache_tensors(request)
         needed = HEADER_BYTES + sum(_align(t.numel() * t.element_size()) for _, _, t in state)
         if needed > self.slot_bytes:
             self._lose(request.request_id, f"its state needs {needed} bytes, a slot holds {self.slot_bytes}")
@@ -535,7 +577,9 @@ class DiffusersRunner(ModelRunner):
             parked.append(Parked(attribute, index, offset, tuple(tensor.shape), tensor.dtype))
             offset += _align(tensor.numel() * tensor.element_size())
             # Drop the reference: until the next op this state exists only in the slab.
-            if attribute != "sample":
+            if attribute.startswith(STEP_CACHE_PREFIX):
+                setattr(request.step_cache, attribute.removeprefix(STEP_CACHE_PREFIX), None)
+            elif attribute != "sample":
                 if index is None:
                     setattr(request.scheduler, attribute, None)
                 else:
@@ -550,6 +594,8 @@ class DiffusersRunner(ModelRunner):
             value = self._slot_view(request.slot, p.offset, p.shape, p.dtype).clone()
             if p.attribute == "sample":
                 sample = value
+            elif p.attribute.startswith(STEP_CACHE_PREFIX):
+                setattr(request.step_cache, p.attribute.removeprefix(STEP_CACHE_PREFIX), value)
             elif p.index is None:
                 setattr(request.scheduler, p.attribute, value)
             else:
@@ -594,3 +640,12 @@ class DiffusersRunner(ModelRunner):
         while len(self.lost) > MAX_LOST_REMEMBERED:
             self.lost.popitem(last=False)
         log.warning("step-wise request %s aborted: %s", request_id, reason)
+
+
+def _step_cache_tensors(request: DiffusionRequest) -> list[tuple[str, int | None, torch.Tensor]]:
+    """The request's step-cache tensors, parked in its slot beside its latents."""
+    state = request.step_cache
+    if state is None:
+        return []
+    named = (("previous", state.previous), ("residual", state.residual))
+    return [(STEP_CACHE_PREFIX + name, None, tensor) for name, tensor in named if tensor is not None]

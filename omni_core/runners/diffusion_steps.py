@@ -10,6 +10,7 @@ its `requests` slab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +44,19 @@ class DiffusionRequest:
     parked: list[Parked] = field(default_factory=list)
     prompt: str | None = None
     embeddings: torch.Tensor | None = None  # text conditioning (unconditional half first), on the host
+    step_cache: Any = None  # a DiT's StepCacheState (omni_core.runners.step_cache) when the stage has one
 
 
 def dit_step(
-    transformer: Any, request: DiffusionRequest, sample: torch.Tensor, t: torch.Tensor, labels: torch.Tensor
+    transformer: Any,
+    request: DiffusionRequest,
+    sample: torch.Tensor,
+    t: torch.Tensor,
+    labels: torch.Tensor,
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """DiTPipeline.__call__'s loop body."""
+    """DiTPipeline.__call__'s loop body; `forward(sample, timesteps, labels)` stands in for the
+    transformer's own (a step cache's)."""
     scheduler = request.scheduler
     channels = transformer.config.in_channels
     guided = request.guidance_scale > 1
@@ -58,7 +66,10 @@ def dit_step(
     sample = scheduler.scale_model_input(sample, t)
     timesteps = t[None].to(sample.device) if t.dim() == 0 else t
     timesteps = timesteps.expand(sample.shape[0])
-    noise_pred = transformer(sample, timestep=timesteps, class_labels=labels).sample
+    if forward is None:
+        noise_pred = transformer(sample, timestep=timesteps, class_labels=labels).sample
+    else:
+        noise_pred = forward(sample, timesteps, labels)
     if guided:
         eps, rest = noise_pred[:, :channels], noise_pred[:, channels:]
         cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)

@@ -1,0 +1,93 @@
+"""The DiT step cache (TeaCache's method) in the diffusers runner: off, nothing changes; at
+threshold 0 the cached forward is the transformer's own, bit for bit; above it, steps are
+skipped, counted and the image stays close (PSNR); a step-wise request with a cache survives
+a level-1 sleep bit for bit; a weight update never lets an old residual through."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omni_core.runners.diffusers_runner import DiffusersRunner, RequestLostError
+from omni_core.runners.step_cache import check_threshold
+
+from .test_diffusers_runner import DIT, DPM_SOLVER, runner_in_pools
+
+STEPS = 20
+REQUEST = {**DIT, "steps": STEPS}
+
+
+def pixels(result: dict) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(result["png"])), dtype=np.float64) / 255.0
+
+
+def psnr(result: dict, reference: dict) -> float:
+    """Of the 8-bit images, as image-quality figures are given."""
+    mse = float(((pixels(result) - pixels(reference)) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoints):
+    return runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER)
+
+
+def test_threshold_zero_runs_every_block_and_equals_the_transformers_own_forward(plain, checkpoints) -> None:
+    cached = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.0)
+    assert cached.runner.execute(dict(REQUEST))["sha256"] == plain.runner.execute(dict(REQUEST))["sha256"]
+    assert cached.runner.counters() == {"step_cache_hits": 0, "step_cache_misses": STEPS}
+    assert "step_cache_hits" not in plain.runner.counters()  # no cache, no counters
+
+
+def test_a_threshold_skips_steps_and_keeps_the_image_close(plain, checkpoints) -> None:
+    cached = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.2)
+    reference = plain.runner.execute(dict(REQUEST))
+    out = cached.runner.execute(dict(REQUEST))
+    hits, misses = cached.runner.counters()["step_cache_hits"], cached.runner.counters()["step_cache_misses"]
+    assert hits + misses == STEPS and hits > 0 and misses >= 2  # first and last always computed
+    assert out["sha256"] != reference["sha256"]  # steps were really skipped
+    value = psnr(out, reference)
+    print(f"threshold 0.2: {hits} of {STEPS} steps skipped, PSNR {value:.1f} dB")
+    assert value > 20.0
+
+
+def test_a_stepwise_request_with_its_cache_survives_a_level1_sleep_bit_for_bit(checkpoints) -> None:
+    pools = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.2)
+    runner = pools.runner
+    whole = runner.execute(dict(REQUEST))["sha256"]
+    started = runner.execute({"op": "start", **REQUEST})
+    runner.execute({"op": "step", "request_id": started["request_id"], "steps": 7})
+    request = runner.requests[started["request_id"]]
+    parked = {p.attribute for p in request.parked}
+    assert {"step_cache.previous", "step_cache.residual"} <= parked
+    assert request.step_cache.residual is None  # between ops it lives in the slot only
+    pools.sleep(1)
+    pools.wake()
+    assert runner.execute({"op": "finish", "request_id": started["request_id"]})["sha256"] == whole
+
+
+def test_a_weight_update_voids_the_requests_and_their_residuals(checkpoints) -> None:
+    pools = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.2)
+    runner = pools.runner
+    started = runner.execute({"op": "start", **REQUEST})
+    runner.execute({"op": "step", "request_id": started["request_id"], "steps": 5})
+    named = [(name, tensor * 1.01) for name, tensor in runner.weights_to_share().items()]
+    runner.update_weights(named)
+    with pytest.raises(RequestLostError, match="weights were reloaded while it was in flight"):
+        runner.execute({"op": "finish", "request_id": started["request_id"]})
+
+
+@pytest.mark.parametrize("bad", [-0.1, 11, "0.1", True])
+def test_bad_thresholds_are_refused_naming_the_argument(bad) -> None:
+    with pytest.raises(ValueError, match="step_cache_threshold must be a number"):
+        check_threshold(bad)
+
+
+def test_the_cache_is_for_dit_pipelines(checkpoints) -> None:
+    with pytest.raises(ValueError, match="step_cache_threshold applies to DiT pipelines"):
+        DiffusersRunner(torch.device("cpu"), model=str(checkpoints["ddpm"]), step_cache_threshold=0.1)
