@@ -65,6 +65,10 @@ def _machine() -> dict[str, Any]:
     }
 
 
+TARGETS_HEADER = ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+"""The start of a results file's closing table (target | measured | met), for its rows."""
+
+
 def render_markdown(results: list[dict[str, Any]], machine: dict[str, Any], command: str) -> str:
     lines = [
         "# Control-plane round trips (sleep and wake of a stage, portable backend, empty model)",

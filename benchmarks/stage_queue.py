@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.control_plane import _machine
+from benchmarks.control_plane import TARGETS_HEADER, _machine
 from omni_core.fsm import StageCore, WorkerCore
 from omni_core.fsm import inputs as I
 from omni_core.protocol import StageState
@@ -77,11 +77,7 @@ def render_markdown(results: list[dict[str, Any]], machine: dict[str, Any], comm
     drain = (last["drain_s"] / last["queued"]) / (first["drain_s"] / first["queued"])
     drain_met = "met" if drain <= TARGET_PER_REQUEST_RATIO else f"missed by {drain / TARGET_PER_REQUEST_RATIO:.1f}x"
     lines += [
-        "",
-        "## Targets",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
+        *TARGETS_HEADER,
         f"| per-submit cost at {last['queued']} queued within {TARGET_PER_REQUEST_RATIO}x of "
         f"{first['queued']} (linear) | {ratio:.2f}x (total {total:.1f}x for "
         f"{last['queued'] // first['queued']}x the requests) | {met} |",

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.control_plane import _machine
+from benchmarks.control_plane import TARGETS_HEADER, _machine
 from omni_core.models import make_checkpoint
 from omni_core.runners.diffusers_runner import DiffusersRunner
 
@@ -84,11 +84,7 @@ def render(rows: list[dict[str, Any]], machine: dict[str, Any], command: str, st
     met = "met" if speedup >= TARGET_SPEEDUP else f"missed ({speedup:.2f}x)"
     where = f"threshold {best['threshold']:g}: {speedup:.2f}x at {best['psnr_db']:.1f} dB" if best else "none"
     lines += [
-        "",
-        "## Targets",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
+        *TARGETS_HEADER,
         f"| speedup >= {TARGET_SPEEDUP}x at PSNR >= {TARGET_PSNR_DB} dB against the uncached image | {where} | {met} |",
     ]
     return "\n".join(lines) + "\n"
