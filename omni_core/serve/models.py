@@ -221,7 +221,8 @@ class RankReportModel(BaseModel):
     process_bytes_before: int | None
     process_bytes_after: int | None
     process_bytes_source: str
-    freed_bytes: int = Field(description="pool bytes released (negative: restored)")
+    freed_bytes: int = Field(description="pool bytes released, over the pools that shrank; never negative")
+    restored_bytes: int = Field(0, description="pool bytes mapped back (a wake), over the pools that grew")
 
 
 class LifecycleReportModel(BaseModel):
@@ -371,7 +372,8 @@ class OmniAckModel(BaseModel):
     status: str = Field(description="OK, or ALREADY when nothing had to be done")
     stage_id: int
     rank: int | None = Field(description="null when the stage had nothing to do and asked no rank (ALREADY)")
-    freed_bytes: int = Field(description="pool bytes released (negative: restored)")
+    freed_bytes: int = Field(description="pool bytes released; never negative")
+    restored_bytes: int = Field(0, description="omni-core's addition: pool bytes mapped back (a wake)")
     metadata: dict[str, Any] = Field(description="stage (its name) and state (the rank's state)")
 
 
