@@ -60,11 +60,14 @@ class SglangUpdateFromDiskBody(_Strict):
 
     model_path: str = Field(..., description="the checkpoint; must lie under allowed_reload_sources")
     load_format: str | None = Field(None, description="only null or 'safetensors' (what the ranks read)")
-    abort_all_requests: bool = Field(False, description="false only: in-flight requests finish (the stage drains)")
-    weight_version: str = Field(
-        ...,
-        description="required here: the new version, a decimal integer above the "
-        "stage's (omni-core's versions are monotonic integers)",
+    abort_all_requests: bool = Field(
+        False, description="true: in-flight requests are aborted (409) and the update runs at once; false: they finish"
+    )
+    weight_version: str | None = Field(
+        None,
+        description="the new version's label (opaque, 1 to 256 characters); null: the next version. "
+        "omni-core's integer version is the label's value when it is a decimal integer above "
+        "the stage's, else the next one",
     )
 
 
@@ -86,17 +89,24 @@ class VllmUpdateInfo(_Strict):
     dtype_names: list[str]
     shapes: list[list[int]]
     packed: bool = Field(False, description="false only: each tensor broadcast whole, in this order")
+    packed_buffer_size_bytes: int | None = Field(
+        None, description="vLLM's packed-broadcast buffer size: taken with packed false, where it has no effect"
+    )
+    packed_num_buffers: int | None = Field(
+        None, description="vLLM's packed-broadcast buffer count: taken with packed false, where it has no effect"
+    )
 
 
 class VllmUpdateWeightsBody(_Strict):
     """vLLM's POST /update_weights (its NCCL backend's update_info), plus omni-core's version."""
 
     update_info: VllmUpdateInfo
-    version: int = Field(
-        ...,
+    version: int | None = Field(
+        None,
         ge=1,
         le=(1 << 63) - 1,
-        description="omni-core's addition, required: the new weights version, above the stage's",
+        description="omni-core's addition: the new weights version, above the stage's; null (vLLM's "
+        "clients send none): the next one",
     )
 
 
@@ -119,7 +129,12 @@ class SglangUpdateFromDistributedBody(_Strict):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
-    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the stage's")
+    abort_all_requests: bool = Field(
+        False, description="true: in-flight requests are aborted (409) and the update runs at once; false: they finish"
+    )
+    weight_version: str | None = Field(
+        None, description="the new version's label (opaque); null: the next version (see update_weights_from_disk)"
+    )
 
 
 class SwapBody(_Strict):
@@ -393,13 +408,15 @@ class SglangMemoryModel(BaseModel):
 class SglangUpdateModel(BaseModel):
     success: bool
     message: str
-    num_paused_requests: int = Field(0, description="always 0: requests are drained, never paused")
+    num_paused_requests: int = Field(0, description="always 0: requests are drained or aborted, never paused")
+    weight_version: str | None = Field(None, description="an update's: the label of the version it committed")
     stages: dict[str, LifecycleReportModel]
 
 
 class SglangResultModel(BaseModel):
     success: bool
     message: str
+    weight_version: str | None = Field(None, description="an update's: the label of the version it committed")
     stages: dict[str, LifecycleReportModel]
 
 
@@ -412,6 +429,7 @@ class CacheResetModel(BaseModel):
 
 class VllmMessageModel(BaseModel):
     message: str
+    weights_version: dict[str, int] | None = Field(None, description="an update's: each stage's new version")
     stages: dict[str, LifecycleReportModel]
 
 
