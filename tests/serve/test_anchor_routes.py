@@ -158,8 +158,12 @@ def test_omni_sleep_defaults_to_level_2_and_answers_acks(served: Served) -> None
     assert body["status"] == "SUCCESS" and list(body["stages"]) == ["decoder"]
     assert [(a["stage_id"], a["rank"], a["status"]) for a in body["acks"]] == [(1, 0, "OK")]
     assert body["acks"][0]["freed_bytes"] > 0 and body["acks"][0]["metadata"]["state"] == "SLEEPING"
+    assert body["acks"][0]["restored_bytes"] == 0
     decoder = served.stage("decoder")
     assert decoder["state"] == "SLEEPING" and decoder["weights_valid"] is False, decoder  # level 2
+    woken = served.client.post("/v1/omni/wakeup", json={"stage_ids": [1]}).json()
+    # freed_bytes never negative: the wake's mapped bytes are restored_bytes
+    assert woken["acks"][0]["freed_bytes"] == 0 < woken["acks"][0]["restored_bytes"], woken
 
 
 def test_omni_acks_one_per_rank_of_each_stage_once(served: Served) -> None:
@@ -345,6 +349,7 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
             "test_cache_reset.py",
             "test_pause_routes.py",
             "test_rl_routes.py",
+            "test_api.py",
         )
         for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)
     }
