@@ -23,6 +23,7 @@ from omni_core.serve import (
     pause_routes,
     rl_routes,
     sglang_routes,
+    trl_routes,
     vllm_routes,
     weight_routes,
 )
@@ -44,6 +45,7 @@ ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     sglang_routes.router,
     weight_routes.router,
     rl_routes.router,
+    trl_routes.router,
 )
 
 

@@ -76,6 +76,7 @@ class VllmInitInfo(_Strict):
     master_port: int = Field(..., description="the trainer's rendezvous port")
     rank_offset: int = Field(1, description="group rank of the stage's rank 0")
     world_size: int = Field(..., description="the trainer plus every rank of the stage")
+    packed: bool = Field(False, description="false only: the ranks take each tensor broadcast whole (vLLM >= 0.28)")
 
 
 class VllmInitWeightTransferBody(_Strict):

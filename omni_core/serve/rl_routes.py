@@ -26,6 +26,7 @@ from omni_core.serve.middleware import require_key
 from omni_core.serve.rl_calls import abort_in_flight, not_runnable, sub_task, version_answer
 from omni_core.serve.sglang_routes import sglang_failed
 from omni_core.serve.state import ServeState
+from omni_core.serve.trl_routes import model_name
 from omni_core.serve.versions import check_label
 
 # SGLang's pause modes as omni-core's: a running request cannot be retracted or frozen on a
@@ -85,18 +86,17 @@ def router(state: ServeState) -> APIRouter:
         # include_dp: vLLM's; a stage is one replica, so the answer is the same either way.
         return JSONResponse({"world_size": sum(state.specs[name].ranks for name in state.targets())})
 
-    for path, shown in (("/get_world_size", True), ("/get_world_size/", False)):
-        api.add_api_route(
-            path,
-            world_size,
-            methods=["GET"],
-            response_model=rm.WorldSizeModel,
-            responses=m.ERROR_RESPONSES,
-            tags=["vLLM"],
-            description="The ranks that join a trainer's weight group (every rank of the stages acted "
-            "on); include_dp changes nothing (a stage is one replica). TRL's VLLMClient asks it with a slash.",
-            include_in_schema=shown,
-        )
+    api.add_api_route(
+        "/get_world_size",
+        world_size,
+        methods=["GET"],
+        response_model=rm.WorldSizeModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["vLLM"],
+        description="The ranks that join a trainer's weight group (every rank of the stages acted "
+        "on); include_dp changes nothing (a stage is one replica). TRL's VLLMClient asks it.",
+    )
+    api.add_api_route("/get_world_size/", world_size, methods=["GET"], include_in_schema=False)  # TRL before 1.0
 
     @api.get(
         "/get_weight_version",
@@ -130,12 +130,10 @@ def router(state: ServeState) -> APIRouter:
     async def get_model_info() -> Response:
         first = state.targets()[0]
         spec, label = state.specs[first], (await version_answer(state, state.targets()))["weight_version"]
-        model = spec.runner_args.get("model")
-        model_path = model if isinstance(model, str) else spec.runner
-        tokenizer = spec.runner_args.get("tokenizer", model)
+        tokenizer = spec.runner_args.get("tokenizer", spec.runner_args.get("model"))
         return JSONResponse(
             {
-                "model_path": model_path,
+                "model_path": model_name(state, first),
                 "tokenizer_path": tokenizer if isinstance(tokenizer, str) else None,
                 "is_generation": None,
                 "preferred_sampling_params": None,
@@ -165,11 +163,10 @@ def router(state: ServeState) -> APIRouter:
             }
             for name in names
         }
-        model = state.specs[names[0]].runner_args.get("model")
         return JSONResponse(
             {
                 "version": omni_core.__version__,
-                "model_path": model if isinstance(model, str) else state.specs[names[0]].runner,
+                "model_path": model_name(state, names[0]),
                 "tp_size": state.specs[names[0]].ranks,
                 "dp_size": 1,
                 "weight_version": versions["weight_version"],

@@ -251,6 +251,9 @@ def router(state: ServeState) -> APIRouter:
         )
         return await run_post(state, request, work)
 
+    # TRL's pre-1.0 client posts it with a trailing slash (trl_routes.py).
+    api.add_api_route("/reset_prefix_cache/", vllm_reset_prefix_cache, methods=["POST"], include_in_schema=False)
+
     @api.post(
         "/collective_rpc",
         response_model=m.CollectiveRpcModel,

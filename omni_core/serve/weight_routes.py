@@ -116,6 +116,13 @@ def router(state: ServeState) -> APIRouter:
     )
     async def vllm_init_weight_transfer(request: Request, body: m.VllmInitWeightTransferBody) -> Response:
         info, names = body.init_info, state.targets()
+        if info.packed:
+            raise ApiError(
+                400,
+                "init_info.packed true is not served: the ranks take each tensor broadcast whole, in order, "
+                "and do not unpack vLLM's packed buffers; send packed false (or none)",
+                extra={"fields": ["init_info.packed"]},
+            )
         make = group_call(
             info.master_address,
             info.master_port,

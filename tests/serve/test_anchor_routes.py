@@ -349,6 +349,7 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
             "test_cache_reset.py",
             "test_pause_routes.py",
             "test_rl_routes.py",
+            "test_trl.py",
             "test_api.py",
         )
         for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)

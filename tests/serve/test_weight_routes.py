@@ -342,6 +342,12 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         ),
         ("/init_weight_transfer_engine", {"init_info": {}}, 422, "master_address"),
         (
+            "/init_weight_transfer_engine",  # TRL 1.x's VLLMClient.init_communicator, with vLLM >= 0.28
+            {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "packed": True}},
+            400,
+            "init_info.packed true is not served",
+        ),
+        (
             "/init_weights_update_group",
             {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "mpi"},
             400,
