@@ -59,17 +59,16 @@ def check_profile_body(body: rm.ProfileBody) -> None:
 
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)])
-    health_deps = [] if state.server.public_health else [Depends(require_key)]
 
     @api.get(
         "/health_generate",
-        dependencies=health_deps,
         response_model=rm.HealthGenerateModel,
         responses=m.ERROR_RESPONSES,
         tags=["SGLang"],
         description="200 only when a request can run now: every stage acted on is RUNNING (admission "
         "open, every tag resident, the weights valid); else 503 naming the first stage that is not, "
-        "its state and what makes it RUNNING. slime and verl poll it at start-up.",
+        "its state and what makes it RUNNING. slime and verl poll it at start-up, sending the API key "
+        "as SGLang's server asks for it on every route; public_health opens /health only.",
     )
     async def health_generate() -> Response:
         status = await state.status()
