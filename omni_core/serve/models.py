@@ -352,7 +352,7 @@ class RestartModel(BaseModel):
 
 
 class VllmSleepModel(BaseModel):
-    status: str = Field(description="sleeping")
+    status: str = Field(description="sleeping; paused for level 0 (a pause: nothing released)")
     level: int
     mode: str = Field(description="abort, wait or keep: what happened to in-flight requests")
     stages: dict[str, LifecycleReportModel]

@@ -421,7 +421,7 @@ def test_sglang_version_labels_are_opaque_and_reported_back(ckpt_served: Served,
     answer = served.client.post("/update_weights_from_disk", json={"model_path": str(step), "weight_version": "900"})
     assert answer.status_code == 200 and _ckpt(served)["weights_version"] == 900, answer.text
     # A new label for the weights held; the weights and the integer unchanged.
-    relabel = served.client.post("/update_weight_version", json={"new_version": "rl-7b"})
+    relabel = served.client.post("/update_weight_version", json={"new_version": "rl-7b", "abort_all_requests": True})
     assert relabel.status_code == 200 and relabel.json()["new_version"] == "rl-7b", relabel.text
     assert served.client.get("/weight_info").json() == {
         "weight_version": "rl-7b",
