@@ -165,3 +165,18 @@ def test_collective_rpc_reload_on_a_serving_stage_needs_a_source(served: Served)
     refused = served.client.post("/collective_rpc", json={"method": "reload_weights"})
     body = _refused(refused, 409, "reload_weights on a serving stage runs as a versioned update")
     assert body["error"]["fields"] == ["kwargs.source"] and served.stage("talker")["state"] == "RUNNING"
+
+
+def test_a_weight_update_bracket_resumes_only_what_its_start_paused(served: Served) -> None:
+    """vLLM's /start_weight_update pauses a RUNNING stage and its /finish_weight_update resumes
+    it; a stage the client paused before the start stays paused after the finish."""
+    assert served.client.post("/start_weight_update").status_code == 200
+    assert served.stage("talker")["state"] == "PAUSED"
+    finished = served.client.post("/finish_weight_update", json={"weight_version": "none-sent"})
+    assert finished.status_code == 200 and served.stage("talker")["state"] == "RUNNING", finished.text
+    assert served.client.get("/weight_info").json()["weight_version"] == "none-sent"  # a label for the version held
+    served.client.post("/pause?mode=wait")
+    assert served.client.post("/start_weight_update").status_code == 200
+    assert served.client.post("/finish_weight_update").status_code == 200
+    assert served.stage("talker")["state"] == "PAUSED"  # the client's pause is the client's to end
+    served.client.post("/update_weight_version", json={"new_version": "0"})  # the label back to the integer
