@@ -14,7 +14,7 @@ from fastapi import Request
 from omni_core.protocol import WeightSource
 from omni_core.serve.idempotency import Answer
 from omni_core.serve.lifecycle import answer, error_answer, lifecycle_tid, on_stages
-from omni_core.serve.rl_calls import sub_task
+from omni_core.serve.rl_calls import paused_here, sub_task
 from omni_core.serve.state import ServeState
 from omni_core.serve.versions import check_label, next_version
 
@@ -60,11 +60,12 @@ def update_work(
         paused = [n for n in names if update.abort_all_requests and status[n]["state"] == "RUNNING"]
         if paused:
             pause_id = sub_task(request, "abort")
-            _, error = await on_stages(
+            reports, error = await on_stages(
                 state, paused, "pause", lambda n: functools.partial(engine.pause, n, "abort", task_id=pause_id)
             )
             if error is not None:
                 return fail(error)
+            paused = paused_here(reports)
         per_stage, error = await on_stages(
             state,
             names,

@@ -57,14 +57,20 @@ async def abort_in_flight(
             )
             return {}, error_answer(refusal, name)
     pause_id, resume_id = sub_task(request, "abort"), sub_task(request, "resume")
-    _, error = await on_stages(
+    paused, error = await on_stages(
         state, busy, "pause", lambda n: functools.partial(engine.pause, n, "abort", task_id=pause_id)
     )
     if error is None:
         _, error = await on_stages(
-            state, busy, "resume", lambda n: functools.partial(engine.resume, n, task_id=resume_id)
+            state, paused_here(paused), "resume", lambda n: functools.partial(engine.resume, n, task_id=resume_id)
         )
     return counts, error
+
+
+def paused_here(reports: dict[str, Any]) -> list[str]:
+    """The stages a pause of ours paused (OK): one another client paused first answered ALREADY,
+    and its pause is that client's to end."""
+    return [name for name, report in reports.items() if isinstance(report, dict) and report.get("status") == "OK"]
 
 
 async def held_versions(state: ServeState, names: list[str]) -> dict[str, int]:

@@ -22,7 +22,7 @@ from omni_core.serve import rl_models as rm
 from omni_core.serve.errors import ApiError
 from omni_core.serve.idempotency import Answer
 from omni_core.serve.lifecycle import answer, error_answer, on_stages, run_post
-from omni_core.serve.rl_calls import sub_task
+from omni_core.serve.rl_calls import paused_here, sub_task
 from omni_core.serve.state import ServeState
 from omni_core.serve.versions import check_label
 
@@ -89,8 +89,9 @@ def _start_work(state: ServeState, request: Request) -> Any:
         )
         if error is not None:
             return error
+        ours = set(paused_here(per_stage))
         for name in names:
-            state.weight_brackets[name] = name in running
+            state.weight_brackets[name] = name in ours
         return answer(200, {"success": True, "message": "Weight update started", "stages": per_stage})
 
     return work
