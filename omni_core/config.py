@@ -328,6 +328,7 @@ def run_config_demo(config: OmniConfig, out: Any = None) -> int:
             for step, call in steps:
                 report = call()
                 freed_bytes = sum(r.freed_bytes for r in report.ranks.values())
+                restored_bytes = sum(r.restored_bytes for r in report.ranks.values())
                 check = ""
                 if probe and report.state == "RUNNING":
                     same = engine.execute(spec.name, SYNTHETIC_PROBE) == reference
@@ -336,7 +337,7 @@ def run_config_demo(config: OmniConfig, out: Any = None) -> int:
                         failures.append(f"{spec.name}: output after {step} differs")
                 out.write(
                     f"{spec.name:<16} {step:<9} -> {report.state:<13} {report.duration_s * 1000:8.1f} ms  "
-                    f"freed {freed_bytes:>12} B{check}\n"
+                    f"freed {freed_bytes:>12} B  restored {restored_bytes:>12} B{check}\n"
                 )
     verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
     out.write(f"verdict: {verdict} ({time.perf_counter() - started:.1f} s)\n")

@@ -73,7 +73,7 @@ class Demo:
 
     def record(self, step: str, report: LifecycleReport) -> None:
         freed = ", ".join(
-            f"r{r}: {'freed' if rr.freed_bytes >= 0 else 'restored'} {fmt_bytes(abs(rr.freed_bytes))}"
+            f"r{r}: freed {fmt_bytes(rr.freed_bytes)}, restored {fmt_bytes(rr.restored_bytes)}"
             for r, rr in report.ranks.items()
         )
         status = "" if report.status == "OK" else f" ({report.status})"

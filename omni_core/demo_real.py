@@ -117,8 +117,10 @@ def memory_text(report: LifecycleReport, *, over_link: bool = False) -> str:
         if report.command == "ReloadWeights":  # frees nothing: it writes into the mapped weights
             text = f"r{r}: {fmt_bytes(rr.pool_bytes_after.get('weights', 0))} of weights refilled from the checkpoint"
         else:
-            verb = "freed" if rr.freed_bytes >= 0 else "restored"
-            text = f"r{r}: {verb} {fmt_bytes(abs(rr.freed_bytes))}"
+            verb, moved = (
+                ("restored", rr.restored_bytes) if rr.restored_bytes > rr.freed_bytes else ("freed", rr.freed_bytes)
+            )
+            text = f"r{r}: {verb} {fmt_bytes(moved)}"
             if over_link and moved_bytes and rr.duration_s > 0:
                 # A clean sleep (the host copy made at load still stands) only unmaps: its rate
                 # is effective, not the link's.

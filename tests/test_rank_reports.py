@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 from lifecycle_helpers import StageHarness
 
+from omni_core.engine.report import RankReport
 from omni_core.protocol import Ack, MemoryReport, Result, StageState, WorkerState
 
 LOADED = {"weights": 1000, "kv_cache": 100}
@@ -65,3 +66,21 @@ def test_a_restart_forgets_what_the_old_ranks_said() -> None:
     # the fresh ranks' Hellos (the simulator's) tell neither
     assert h.stage.state is StageState.RUNNING
     assert h.stage.rank_pool_bytes == {0: {}, 1: {}} and h.stage.rank_counters == {0: {}, 1: {}}
+
+
+def test_freed_and_restored_bytes_are_each_never_negative() -> None:
+    """A command that shrinks one pool and grows another (a partial wake beside a sleep of
+    another tag) reports both amounts, each as a count of bytes; neither goes negative."""
+    mixed = RankReport(
+        0,
+        "RUNNING",
+        "OK",
+        0.1,
+        pool_bytes_before={"weights": 1000, "kv": 0},
+        pool_bytes_after={"weights": 0, "kv": 300},
+    )
+    assert (mixed.freed_bytes, mixed.restored_bytes) == (1000, 300)
+    woken = RankReport(0, "RUNNING", "OK", 0.1, pool_bytes_before={"weights": 0}, pool_bytes_after={"weights": 1000})
+    assert (woken.freed_bytes, woken.restored_bytes) == (0, 1000)
+    new_pool = RankReport(0, "RUNNING", "OK", 0.1, pool_bytes_before={}, pool_bytes_after={"kv": 5})
+    assert (new_pool.freed_bytes, new_pool.restored_bytes) == (0, 5)

@@ -37,8 +37,14 @@ class RankReport:
 
     @property
     def freed_bytes(self) -> int:
-        """Pool bytes released by this command (negative on wake)."""
-        return sum(self.pool_bytes_before.values()) - sum(self.pool_bytes_after.values())
+        """Pool bytes this command released, summed over the pools that shrank; never
+        negative (a wake's mapped bytes are `restored_bytes`)."""
+        return sum(max(0, n - self.pool_bytes_after.get(tag, 0)) for tag, n in self.pool_bytes_before.items())
+
+    @property
+    def restored_bytes(self) -> int:
+        """Pool bytes this command mapped back, summed over the pools that grew; never negative."""
+        return sum(max(0, n - self.pool_bytes_before.get(tag, 0)) for tag, n in self.pool_bytes_after.items())
 
     @classmethod
     def from_ack(cls, ack: Ack) -> RankReport:

@@ -17,7 +17,16 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from omni_core.config import OmniConfig
 from omni_core.engine import Engine
-from omni_core.serve import core_routes, omni_routes, pause_routes, sglang_routes, vllm_routes, weight_routes
+from omni_core.serve import (
+    core_routes,
+    omni_routes,
+    pause_routes,
+    rl_routes,
+    sglang_routes,
+    trl_routes,
+    vllm_routes,
+    weight_routes,
+)
 from omni_core.serve import models as m
 from omni_core.serve.middleware import add_error_handlers, add_middleware, known_query_only
 from omni_core.serve.state import ServeState
@@ -35,6 +44,8 @@ ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     omni_routes.router,
     sglang_routes.router,
     weight_routes.router,
+    rl_routes.router,
+    trl_routes.router,
 )
 
 

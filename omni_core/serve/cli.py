@@ -72,8 +72,9 @@ def _print_stages(stages: list[dict[str, Any]]) -> None:
 
 def _print_report(report: dict[str, Any]) -> None:
     freed = sum(r["freed_bytes"] for r in report["ranks"].values())
+    restored = sum(r.get("restored_bytes", 0) for r in report["ranks"].values())
     status = "" if report["status"] == "OK" else f" ({report['status']})"
-    moved = f"{'freed' if freed >= 0 else 'restored'} {_fmt_bytes(abs(freed))}"
+    moved = f"restored {_fmt_bytes(restored)}" if restored > freed else f"freed {_fmt_bytes(freed)}"
     print(
         f"{report['stage']}: {report['command']} -> {report['state']}{status} in "
         f"{report['duration_s'] * 1000:.1f} ms, {moved} over {len(report['ranks'])} rank(s)"

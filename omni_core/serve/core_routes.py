@@ -86,6 +86,9 @@ def router(state: ServeState) -> APIRouter:
         }
         return JSONResponse({"status": "failed", "stages": states, "failed": failed, "error": error}, status_code=503)
 
+    # TRL's pre-1.0 client asks with a trailing slash (trl_routes.py).
+    api.add_api_route("/health/", health, methods=["GET"], dependencies=health_deps, include_in_schema=False)
+
     @api.get(
         "/metrics",
         dependencies=metrics_deps,

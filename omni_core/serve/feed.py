@@ -28,6 +28,7 @@ from omni_core.serve.logs import EVENT_ATTR
 from omni_core.serve.metrics import ServeMetrics
 
 EVENTS_IN_SNAPSHOT = 50
+MOVED_WORDS = (("freed_bytes", "freed"), ("restored_bytes", "restored"))  # an event's byte counts, in its log line
 # Samples of each stage's device memory kept for the status page's chart: one per lifecycle
 # report that changed it, so this many cover hours of ordinary use; the oldest go first.
 MEMORY_SAMPLES_KEPT = 120
@@ -300,8 +301,7 @@ def _log_event(event: dict[str, Any]) -> None:
     what = f"stage {event['stage']!r}: {event['command']}" + (f" level {event['level']}" if "level" in event else "")
     took = f"{event['duration_s'] * 1000:.1f} ms"
     if event["outcome"] == "ok":
-        freed = event.get("freed_bytes")
-        moved = "" if not freed else f", {'freed' if freed > 0 else 'restored'} {abs(freed)} bytes"
+        moved = "".join(f", {verb} {event[key]} bytes" for key, verb in MOVED_WORDS if event.get(key))
         state = f" -> {event['state']} ({event['status']})" if "state" in event else ""
         log.info("%s%s in %s%s", what, state, took, moved, extra=extra)
     else:

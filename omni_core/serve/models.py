@@ -60,11 +60,14 @@ class SglangUpdateFromDiskBody(_Strict):
 
     model_path: str = Field(..., description="the checkpoint; must lie under allowed_reload_sources")
     load_format: str | None = Field(None, description="only null or 'safetensors' (what the ranks read)")
-    abort_all_requests: bool = Field(False, description="false only: in-flight requests finish (the stage drains)")
-    weight_version: str = Field(
-        ...,
-        description="required here: the new version, a decimal integer above the "
-        "stage's (omni-core's versions are monotonic integers)",
+    abort_all_requests: bool = Field(
+        False, description="true: in-flight requests are aborted (409) and the update runs at once; false: they finish"
+    )
+    weight_version: str | None = Field(
+        None,
+        description="the new version's label (opaque, 1 to 256 characters); null: the next version. "
+        "omni-core's integer version is the label's value when it is a decimal integer above "
+        "the stage's, else the next one",
     )
 
 
@@ -73,6 +76,7 @@ class VllmInitInfo(_Strict):
     master_port: int = Field(..., description="the trainer's rendezvous port")
     rank_offset: int = Field(1, description="group rank of the stage's rank 0")
     world_size: int = Field(..., description="the trainer plus every rank of the stage")
+    packed: bool = Field(False, description="false only: the ranks take each tensor broadcast whole (vLLM >= 0.28)")
 
 
 class VllmInitWeightTransferBody(_Strict):
@@ -86,17 +90,24 @@ class VllmUpdateInfo(_Strict):
     dtype_names: list[str]
     shapes: list[list[int]]
     packed: bool = Field(False, description="false only: each tensor broadcast whole, in this order")
+    packed_buffer_size_bytes: int | None = Field(
+        None, description="vLLM's packed-broadcast buffer size: taken with packed false, where it has no effect"
+    )
+    packed_num_buffers: int | None = Field(
+        None, description="vLLM's packed-broadcast buffer count: taken with packed false, where it has no effect"
+    )
 
 
 class VllmUpdateWeightsBody(_Strict):
     """vLLM's POST /update_weights (its NCCL backend's update_info), plus omni-core's version."""
 
     update_info: VllmUpdateInfo
-    version: int = Field(
-        ...,
+    version: int | None = Field(
+        None,
         ge=1,
         le=(1 << 63) - 1,
-        description="omni-core's addition, required: the new weights version, above the stage's",
+        description="omni-core's addition: the new weights version, above the stage's; null (vLLM's "
+        "clients send none): the next one",
     )
 
 
@@ -119,7 +130,12 @@ class SglangUpdateFromDistributedBody(_Strict):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
-    weight_version: str = Field(..., description="required here: the new version, a decimal integer above the stage's")
+    abort_all_requests: bool = Field(
+        False, description="true: in-flight requests are aborted (409) and the update runs at once; false: they finish"
+    )
+    weight_version: str | None = Field(
+        None, description="the new version's label (opaque); null: the next version (see update_weights_from_disk)"
+    )
 
 
 class SwapBody(_Strict):
@@ -221,7 +237,8 @@ class RankReportModel(BaseModel):
     process_bytes_before: int | None
     process_bytes_after: int | None
     process_bytes_source: str
-    freed_bytes: int = Field(description="pool bytes released (negative: restored)")
+    freed_bytes: int = Field(description="pool bytes released, over the pools that shrank; never negative")
+    restored_bytes: int = Field(0, description="pool bytes mapped back (a wake), over the pools that grew")
 
 
 class LifecycleReportModel(BaseModel):
@@ -335,7 +352,7 @@ class RestartModel(BaseModel):
 
 
 class VllmSleepModel(BaseModel):
-    status: str = Field(description="sleeping")
+    status: str = Field(description="sleeping; paused for level 0 (a pause: nothing released)")
     level: int
     mode: str = Field(description="abort, wait or keep: what happened to in-flight requests")
     stages: dict[str, LifecycleReportModel]
@@ -371,7 +388,8 @@ class OmniAckModel(BaseModel):
     status: str = Field(description="OK, or ALREADY when nothing had to be done")
     stage_id: int
     rank: int | None = Field(description="null when the stage had nothing to do and asked no rank (ALREADY)")
-    freed_bytes: int = Field(description="pool bytes released (negative: restored)")
+    freed_bytes: int = Field(description="pool bytes released; never negative")
+    restored_bytes: int = Field(0, description="omni-core's addition: pool bytes mapped back (a wake)")
     metadata: dict[str, Any] = Field(description="stage (its name) and state (the rank's state)")
 
 
@@ -391,13 +409,15 @@ class SglangMemoryModel(BaseModel):
 class SglangUpdateModel(BaseModel):
     success: bool
     message: str
-    num_paused_requests: int = Field(0, description="always 0: requests are drained, never paused")
+    num_paused_requests: int = Field(0, description="always 0: requests are drained or aborted, never paused")
+    weight_version: str | None = Field(None, description="an update's: the label of the version it committed")
     stages: dict[str, LifecycleReportModel]
 
 
 class SglangResultModel(BaseModel):
     success: bool
     message: str
+    weight_version: str | None = Field(None, description="an update's: the label of the version it committed")
     stages: dict[str, LifecycleReportModel]
 
 
@@ -410,6 +430,7 @@ class CacheResetModel(BaseModel):
 
 class VllmMessageModel(BaseModel):
     message: str
+    weights_version: dict[str, int] | None = Field(None, description="an update's: each stage's new version")
     stages: dict[str, LifecycleReportModel]
 
 

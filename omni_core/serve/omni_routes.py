@@ -34,7 +34,13 @@ def router(state: ServeState) -> APIRouter:
         for name, report in per_stage.items():
             stage_id = state.names.index(name)
             ranks = list(report["ranks"].values()) or [
-                {"rank": None, "status": report["status"], "freed_bytes": 0, "state": report["state"]}
+                {
+                    "rank": None,
+                    "status": report["status"],
+                    "freed_bytes": 0,
+                    "restored_bytes": 0,
+                    "state": report["state"],
+                }
             ]
             acks.extend(
                 {
@@ -43,6 +49,7 @@ def router(state: ServeState) -> APIRouter:
                     "stage_id": stage_id,
                     "rank": rr["rank"],
                     "freed_bytes": rr["freed_bytes"],
+                    "restored_bytes": rr["restored_bytes"],
                     "metadata": {"stage": name, "state": rr["state"]},
                 }
                 for rr in ranks

@@ -266,7 +266,8 @@ function addEvent(ev) {
   const text = new Date(ev.time * 1000).toLocaleTimeString() + "  " + ev.stage + "  " + ev.command +
     (ev.level ? " L" + ev.level : "") + "  " + ev.outcome + (ev.state ? " -> " + ev.state : "") +
     (ev.status && ev.status !== "OK" ? " (" + ev.status + ")" : "") + "  " + (ev.duration_s * 1000).toFixed(1) + " ms" +
-    (ev.freed_bytes ? (ev.freed_bytes > 0 ? "  freed " : "  restored ") + fmtBytes(Math.abs(ev.freed_bytes)) : "") +
+    (ev.freed_bytes ? "  freed " + fmtBytes(ev.freed_bytes) : "") +
+    (ev.restored_bytes ? "  restored " + fmtBytes(ev.restored_bytes) : "") +
     (ev.error ? "  " + ev.error : "");
   list.prepend(el("li", {"class": ev.outcome === "ok" ? "ok" : "bad", "data-event-id": ev.id,
     "data-stage": ev.stage, "data-command": ev.command}, text));

@@ -92,6 +92,7 @@ def router(state: ServeState) -> APIRouter:
         once("clear_cache", clear_cache, body.clear_cache, None)  # accepted either way; nothing to clear
         if once("wait_for_inflight_requests", wait_for_inflight_requests, body.wait_for_inflight_requests, False):
             chosen = "wait"  # as vLLM: the deprecated flag wins over mode
+        state.level0_paused.difference_update(state.targets())  # this pause ends with /resume, not a wake
         return await lifecycle_route(
             state, request, state.targets(), "pause", pause_call(chosen), paused_shape("paused")
         )
@@ -105,6 +106,7 @@ def router(state: ServeState) -> APIRouter:
         "held requests first; a RUNNING one is ALREADY. A sleeping stage is 409: wake it (POST /wake_up).",
     )
     async def vllm_resume(request: Request) -> Response:
+        state.level0_paused.difference_update(state.targets())
         return await lifecycle_route(state, request, state.targets(), "resume", resume_call(), paused_shape("resumed"))
 
     @api.get(

@@ -11,7 +11,10 @@ from omni_core.engine import LifecycleReport, SwapReport
 
 def report_json(report: LifecycleReport) -> dict[str, Any]:
     out = asdict(report)
-    out["ranks"] = {str(rank): dict(asdict(rr), freed_bytes=rr.freed_bytes) for rank, rr in report.ranks.items()}
+    out["ranks"] = {
+        str(rank): dict(asdict(rr), freed_bytes=rr.freed_bytes, restored_bytes=rr.restored_bytes)
+        for rank, rr in report.ranks.items()
+    }
     return out
 
 

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from omni_core.serve import models as m
+from omni_core.serve.errors import ApiError
 from omni_core.serve.feed import dumps
 from omni_core.serve.idempotency import Answer
 from omni_core.serve.lifecycle import cache_reset_work, lifecycle_route, run_post, sleep_call, wake_call
@@ -26,6 +27,21 @@ def sglang_failed(error: Answer) -> Answer:
 
 def sglang_shape(done: str, **extra: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return lambda per_stage: {"success": True, "message": done, **extra, "stages": per_stage}
+
+
+def refuse_cross_site(request: Request) -> None:
+    """A GET that acts (SGLang's GET /flush_cache, which RL frameworks poll) passes no Origin
+    check: the browser rules guard only state-changing methods. Every browser marks a request
+    another site made it send (an image tag included) with Sec-Fetch-Site; such a GET is refused.
+    Trainers' HTTP clients send no such header."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        raise ApiError(
+            403,
+            f"GET {request.url.path} from a page of another site (Sec-Fetch-Site: {site[:40]}) is refused: a "
+            "page must not act on this server; send POST from your own client",
+            kind="CrossSiteRequest",
+        )
 
 
 def router(state: ServeState) -> APIRouter:
@@ -81,10 +97,13 @@ def router(state: ServeState) -> APIRouter:
         "ResetPrefixCache: every rank's runner drops what it caches across requests, nothing is "
         "released or remapped and requests keep running (the reset waits up to `timeout` seconds "
         "when it is above 0, else the stage's deadline). RUNNING, PAUSED or PARTIAL: another "
-        "state is 400 (SGLang's failure code) naming it and what to do. POST only: a GET that "
-        "changes state could be sent by any web page.",
+        "state is 400 (SGLang's failure code) naming it and what to do. GET too, as slime and "
+        "verl poll it: a flush moves no memory and no state; a GET a browser marks cross-site "
+        "(Sec-Fetch-Site) is refused.",
     )
     async def sglang_flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
+        if request.method == "GET":
+            refuse_cross_site(request)
         names = state.targets()
         work = cache_reset_work(
             state,
@@ -103,4 +122,14 @@ def router(state: ServeState) -> APIRouter:
         )
         return await run_post(state, request, work)
 
+    # SGLang's GET, which slime and verl poll until it answers 200.
+    api.add_api_route(
+        "/flush_cache",
+        sglang_flush_cache,
+        methods=["GET"],
+        response_model=m.CacheResetModel,
+        responses=m.ERROR_RESPONSES,
+        operation_id="sglang_flush_cache_get",
+        description="As POST /flush_cache; a GET a browser marks cross-site (Sec-Fetch-Site) is 403.",
+    )
     return api

@@ -31,6 +31,7 @@ from omni_core.serve.feed import StatusFeed
 from omni_core.serve.idempotency import IdempotencyCache
 from omni_core.serve.metrics import ServeMetrics
 from omni_core.serve.strict import check_path_text, check_wire_value
+from omni_core.serve.versions import VersionLabels
 
 STATUS_CALL_TIMEOUT_S = 10.0  # Engine.status answers from the orchestrator loop in ms; this bounds a stuck one
 
@@ -53,6 +54,13 @@ class ServeState:
         self.feed = StatusFeed(
             config.stages, self.server, self.metrics, self.status, (OmniCoreError, ApiError, asyncio.TimeoutError)
         )
+        # The anchors' version labels; the stages a /sleep?level=0 paused (their /wake_up
+        # resumes them, as vLLM's wake resumes its scheduler); the stages inside vLLM's
+        # /start_weight_update ... /finish_weight_update, each with whether the start paused
+        # it. Each is keyed by stage name: bounded by the config.
+        self.labels = VersionLabels(self.names)
+        self.level0_paused: set[str] = set()
+        self.weight_brackets: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ engine calls
 
@@ -171,6 +179,7 @@ class ServeState:
                 status=result.status,
                 level=level,
                 freed_bytes=sum(rr.freed_bytes for rr in result.ranks.values()),
+                restored_bytes=sum(rr.restored_bytes for rr in result.ranks.values()),
             )
         else:
             self.feed.record_event(stage, command, "ok", elapsed_s, level=level)
@@ -218,6 +227,7 @@ class ServeState:
                 level=level,
                 swap=half.task_id.rsplit("/", 1)[0],
                 freed_bytes=sum(rr.freed_bytes for rr in half.ranks.values()),
+                restored_bytes=sum(rr.restored_bytes for rr in half.ranks.values()),
             )
         elif isinstance(half, BaseException):
             self.feed.record_event(

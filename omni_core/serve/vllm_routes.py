@@ -10,11 +10,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from omni_core.protocol import DiskSource
 from omni_core.serve import models as m
 from omni_core.serve.errors import ApiError
+from omni_core.serve.idempotency import Answer
 from omni_core.serve.lifecycle import (
     cache_reset_work,
+    error_answer,
     lifecycle_route,
+    lifecycle_work,
     not_awake,
     run_post,
     sleep_call,
@@ -22,6 +26,7 @@ from omni_core.serve.lifecycle import (
     wake_call,
 )
 from omni_core.serve.middleware import require_key
+from omni_core.serve.reports import report_json
 from omni_core.serve.state import ServeState
 
 
@@ -55,11 +60,100 @@ def check_sleep_mode(mode: str) -> None:
         )
 
 
+# Where collective_rpc reload_weights runs as a versioned update from disk: the stage serves
+# (RUNNING drains first, PAUSED stays paused), as vLLM reloads a serving engine's weights.
+SERVING_RELOAD_STATES = ("RUNNING", "PAUSED")
+
+
+def level0_pause(state: ServeState, request: Request, mode: str, tags: list[str] | None) -> Any:
+    """vLLM's /sleep?level=0: pause scheduling, release nothing. omni-core's pause; the stages
+    are remembered so that /wake_up resumes them, as vLLM's wake resumes its scheduler."""
+    if tags:
+        raise ApiError(
+            400,
+            f"tags {tags} with level 0: a level-0 sleep pauses scheduling and releases nothing; send no "
+            "tags, or level 1 or 2",
+            kind="InvalidArgumentError",
+            extra={"fields": ["tags"]},
+        )
+    engine, names = state.require_engine(), state.targets()
+
+    def paused(per_stage: dict[str, Any]) -> dict[str, Any]:
+        state.level0_paused.update(names)
+        return {"status": "paused", "level": 0, "mode": mode, "stages": per_stage}
+
+    def call(name: str, tid: str | None) -> Any:
+        return functools.partial(engine.pause, name, mode, task_id=tid)
+
+    return lifecycle_route(state, request, names, "pause", call, paused)
+
+
+async def resume_level0(state: ServeState, request: Request, per_stage: dict[str, Any]) -> None:
+    """After a /wake_up: resume the PAUSED stages a /sleep?level=0 paused (their report in
+    `per_stage` becomes the resume's)."""
+    engine = state.require_engine()
+    tid = request.headers.get("idempotency-key")
+    for name, report in per_stage.items():
+        if name in state.level0_paused and report["state"] == "PAUSED":
+            task_id = None if tid is None else f"{report['task_id']}/resume"
+            resumed = await state.lifecycle(name, "resume", functools.partial(engine.resume, name, task_id=task_id))
+            per_stage[name] = report_json(resumed)
+        state.level0_paused.discard(name)
+
+
+def reload_work(state: ServeState, request: Request, source: str | None, limit_s: float | None) -> Any:
+    """collective_rpc reload_weights on each stage acted on: a stage that serves (RUNNING,
+    PAUSED) takes `source` as a versioned update from disk (drained first when RUNNING, its
+    version the next one: requests run on the old weights or the new, never a mix); one whose
+    weights are discarded (NEEDS_RELOAD) reloads them, from `source` or the runner's own."""
+    engine = state.require_engine()
+
+    async def work() -> Answer:
+        names = state.targets()
+        try:
+            status = await state.status()
+        except Exception as exc:
+            return error_answer(exc)
+        serving = {name for name in names if status[name]["state"] in SERVING_RELOAD_STATES}
+        if serving and source is None:
+            first = sorted(serving)[0]
+            refusal = ApiError(
+                409,
+                f"stage {first!r} is {status[first]['state']}: reload_weights on a serving stage runs as a "
+                "versioned update and needs kwargs.source (a checkpoint directory under "
+                "allowed_reload_sources); without one it reloads the runner's own weights, which omni-core "
+                "does only after a level-2 sleep (NEEDS_RELOAD)",
+                kind="InvalidStateError",
+                extra={"stage": first, "state": status[first]["state"], "fields": ["kwargs.source"]},
+            )
+            return error_answer(refusal, first)
+
+        def call(name: str, tid: str | None) -> Any:
+            if name in serving:
+                version = status[name]["weights_version"] + 1
+                return functools.partial(
+                    engine.update_weights,
+                    name,
+                    DiskSource(path=source),
+                    version=version,
+                    task_id=tid,
+                    timeout_s=limit_s,
+                )
+            return functools.partial(engine.reload_weights, name, source, task_id=tid, timeout_s=limit_s)
+
+        return await lifecycle_work(
+            state, request, names, "reload", call, lambda per: {"results": list(per.values())}
+        )()
+
+    return work
+
+
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)], tags=["vLLM"])
 
-    def woken_shape(names: list[str], tags: list[str] | None) -> Any:
-        def shape(per_stage: dict[str, Any]) -> Any:
+    def woken_shape(request: Request, names: list[str], tags: list[str] | None) -> Any:
+        async def shape(per_stage: dict[str, Any]) -> Any:
+            await resume_level0(state, request, per_stage)
             # RUNNING and PAUSED are the states with every tag resident and the weights valid.
             awake = all(r["state"] in ("RUNNING", "PAUSED") for r in per_stage.values())
             woken = tags or sorted({t for n in names for t in state.specs[n].tags})
@@ -88,6 +182,8 @@ def router(state: ServeState) -> APIRouter:
         chosen_mode = once("mode", mode, body.mode, "abort")
         chosen_tags = once("tags", split_tags(tags or []), body.tags or None, None)
         check_sleep_mode(chosen_mode)
+        if chosen_level == 0:
+            return await level0_pause(state, request, chosen_mode, chosen_tags)
         return await lifecycle_route(
             state,
             request,
@@ -112,7 +208,7 @@ def router(state: ServeState) -> APIRouter:
         chosen_tags = once("tags", split_tags(tags or []), body.tags or None, None)
         names = state.targets()
         return await lifecycle_route(
-            state, request, names, "wake", wake_call(state, chosen_tags), woken_shape(names, chosen_tags)
+            state, request, names, "wake", wake_call(state, chosen_tags), woken_shape(request, names, chosen_tags)
         )
 
     @api.get(
@@ -155,13 +251,17 @@ def router(state: ServeState) -> APIRouter:
         )
         return await run_post(state, request, work)
 
+    # TRL's pre-1.0 client posts it with a trailing slash (trl_routes.py).
+    api.add_api_route("/reset_prefix_cache/", vllm_reset_prefix_cache, methods=["POST"], include_in_schema=False)
+
     @api.post(
         "/collective_rpc",
         response_model=m.CollectiveRpcModel,
         responses=m.ERROR_RESPONSES,
         description="Only method 'reload_weights' (kwargs: optional 'source', checked against "
         "allowed_reload_sources); any other method would run caller-named code on the "
-        "ranks",
+        "ranks. On a serving stage (RUNNING drains first, PAUSED) it is a versioned update from "
+        "the checkpoint directory `source` (required there); after a level-2 sleep a reload.",
     )
     async def vllm_collective_rpc(request: Request, body: m.CollectiveRpcBody) -> Response:
         if body.method != "reload_weights":
@@ -187,14 +287,6 @@ def router(state: ServeState) -> APIRouter:
                 extra={"fields": ["kwargs.source"]},
             )
         source = state.check_source(source)
-        engine, limit_s = state.require_engine(), timeout_s(body.timeout)
-        return await lifecycle_route(
-            state,
-            request,
-            state.targets(),
-            "reload",
-            lambda n, tid: functools.partial(engine.reload_weights, n, source, task_id=tid, timeout_s=limit_s),
-            lambda per: {"results": list(per.values())},
-        )
+        return await run_post(state, request, reload_work(state, request, source, timeout_s(body.timeout)))
 
     return api

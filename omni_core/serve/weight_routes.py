@@ -7,31 +7,21 @@ stage when it is not set."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from omni_core.protocol import CollectiveSource, WeightSource
+from omni_core.protocol import CollectiveSource
 from omni_core.serve import models as m
 from omni_core.serve.errors import ApiError
-from omni_core.serve.lifecycle import MakeCall, lifecycle_route
+from omni_core.serve.labelled_update import LabelledUpdate, UpdateShape, update_work
+from omni_core.serve.lifecycle import MakeCall, lifecycle_route, run_post
 from omni_core.serve.middleware import require_key
 from omni_core.serve.sglang_routes import sglang_failed, sglang_shape
 from omni_core.serve.state import ServeState
-
-
-def decimal_version(text: str) -> int:
-    """SGLang's weight_version is a string; omni-core's versions are monotonic integers."""
-    if not (text.isascii() and text.isdigit() and 0 < len(text) <= 19 and int(text) >= 1):
-        raise ApiError(
-            422,
-            f"weight_version {text[:40]!r} is not a decimal integer >= 1 (at most 19 digits); "
-            "omni-core's weights versions are monotonic integers",
-            kind="RequestValidationError",
-            extra={"fields": ["weight_version"]},
-        )
-    return int(text)
+from omni_core.serve.weight_bracket import bracket_routes
 
 
 def collective(
@@ -61,9 +51,15 @@ def collective(
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)])
 
-    def update_call(source: WeightSource, version: int) -> MakeCall:
-        engine = state.require_engine()
-        return lambda n, tid: functools.partial(engine.update_weights, n, source, version=version, task_id=tid)
+    def updated(message: str, **extra: Any) -> UpdateShape:
+        """SGLang's answer: its message, the label each stage now holds."""
+
+        def shape(per_stage: dict[str, Any], versions: dict[str, int], label: str | None) -> dict[str, Any]:
+            shown = label or ", ".join(str(v) for v in dict.fromkeys(versions.values()))
+            text = f"{message}; weight version updated to {shown}"
+            return {"success": True, "message": text, **extra, "weight_version": shown, "stages": per_stage}
+
+        return shape
 
     def group_call(
         address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str
@@ -100,24 +96,14 @@ def router(state: ServeState) -> APIRouter:
                 "checkpoints: send null or 'safetensors'",
                 extra={"fields": ["load_format"]},
             )
-        if body.abort_all_requests:
-            raise ApiError(
-                400,
-                "abort_all_requests true is not served: an update drains in-flight requests; send "
-                "false, or abort them first with POST /sleep?mode=abort",
-                extra={"fields": ["abort_all_requests"]},
-            )
-        version, source = decimal_version(body.weight_version), state.weight_source(body.model_path)
-        names = state.targets()
-        return await lifecycle_route(
-            state,
-            request,
-            names,
-            "update",
-            update_call(source, version),
-            sglang_shape(f"updated {names} to weights version {version} from {body.model_path}", num_paused_requests=0),
-            failed=sglang_failed,
+        update = LabelledUpdate.of(
+            state.weight_source(body.model_path),
+            body.weight_version,
+            "weight_version",
+            abort_all_requests=body.abort_all_requests,
         )
+        shape = updated(f"updated {state.targets()} from {body.model_path}", num_paused_requests=0)
+        return await run_post(state, request, update_work(state, request, update, shape, sglang_failed))
 
     @api.post(
         "/init_weight_transfer_engine",
@@ -130,6 +116,13 @@ def router(state: ServeState) -> APIRouter:
     )
     async def vllm_init_weight_transfer(request: Request, body: m.VllmInitWeightTransferBody) -> Response:
         info, names = body.init_info, state.targets()
+        if info.packed:
+            raise ApiError(
+                400,
+                "init_info.packed true is not served: the ranks take each tensor broadcast whole, in order, "
+                "and do not unpack vLLM's packed buffers; send packed false (or none)",
+                extra={"fields": ["init_info.packed"]},
+            )
         make = group_call(
             info.master_address,
             info.master_port,
@@ -164,7 +157,8 @@ def router(state: ServeState) -> APIRouter:
             raise ApiError(
                 400,
                 "update_info.packed true is not served: the ranks take each tensor broadcast whole, "
-                "in order; send packed: false",
+                "in order, and do not unpack vLLM's packed buffers (packed_buffer_size_bytes, "
+                "packed_num_buffers); send packed: false",
                 extra={"fields": ["update_info.packed"]},
             )
         source = collective(
@@ -173,14 +167,12 @@ def router(state: ServeState) -> APIRouter:
             info.shapes,
             ("update_info.names", "update_info.dtype_names", "update_info.shapes"),
         )
-        return await lifecycle_route(
-            state,
-            request,
-            state.targets(),
-            "update",
-            update_call(source, body.version),
-            lambda per: {"message": "Weights updated", "stages": per},
-        )
+        update = LabelledUpdate(source, version=body.version)
+
+        def shape(per: dict[str, Any], versions: dict[str, int], label: str | None) -> dict[str, Any]:
+            return {"message": "Weights updated", "weights_version": versions, "stages": per}
+
+        return await run_post(state, request, update_work(state, request, update, shape))
 
     @api.post(
         "/init_weights_update_group",
@@ -226,18 +218,14 @@ def router(state: ServeState) -> APIRouter:
         "(required here: a decimal integer above the stage's).",
     )
     async def sglang_update_from_distributed(request: Request, body: m.SglangUpdateFromDistributedBody) -> Response:
-        version = decimal_version(body.weight_version)
         source = collective(body.names, body.dtypes, body.shapes, ("names", "dtypes", "shapes"))
-        names = state.targets()
-        return await lifecycle_route(
-            state,
-            request,
-            names,
-            "update",
-            update_call(source, version),
-            sglang_shape(f"updated {names} to weights version {version} by broadcast"),
-            failed=sglang_failed,
+        update = LabelledUpdate.of(
+            source, body.weight_version, "weight_version", abort_all_requests=body.abort_all_requests
         )
+        shape = updated(f"updated {state.targets()} by broadcast")
+        return await run_post(state, request, update_work(state, request, update, shape, sglang_failed))
+
+    bracket_routes(api, state)
 
     @api.post(
         "/update_weights_from_tensor",

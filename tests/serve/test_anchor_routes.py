@@ -158,8 +158,12 @@ def test_omni_sleep_defaults_to_level_2_and_answers_acks(served: Served) -> None
     assert body["status"] == "SUCCESS" and list(body["stages"]) == ["decoder"]
     assert [(a["stage_id"], a["rank"], a["status"]) for a in body["acks"]] == [(1, 0, "OK")]
     assert body["acks"][0]["freed_bytes"] > 0 and body["acks"][0]["metadata"]["state"] == "SLEEPING"
+    assert body["acks"][0]["restored_bytes"] == 0
     decoder = served.stage("decoder")
     assert decoder["state"] == "SLEEPING" and decoder["weights_valid"] is False, decoder  # level 2
+    woken = served.client.post("/v1/omni/wakeup", json={"stage_ids": [1]}).json()
+    # freed_bytes never negative: the wake's mapped bytes are restored_bytes
+    assert woken["acks"][0]["freed_bytes"] == 0 < woken["acks"][0]["restored_bytes"], woken
 
 
 def test_omni_acks_one_per_rank_of_each_stage_once(served: Served) -> None:
@@ -235,8 +239,10 @@ def test_sglang_errors_say_success_false(served: Served) -> None:
 
 
 def test_sglang_get_changes_nothing(served: Served) -> None:
-    for route in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
-        got = served.client.get(route)  # SGLang takes GET too; here a GET never changes anything
+    # SGLang takes GET too; here a GET never releases or restores memory (GET /flush_cache,
+    # which moves none, is served: test_sglang_get_flush_cache_is_the_flush_and_a_cross_site_get_is_refused).
+    for route in ("/release_memory_occupation", "/resume_memory_occupation"):
+        got = served.client.get(route)
         assert got.status_code == 405 and got.headers["allow"] == "POST", got.text
         assert "GET is not allowed on " + route + "; use POST" in got.json()["error"]["message"]
     assert served.stage("talker")["state"] == "RUNNING"
@@ -342,6 +348,9 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
             "test_weight_routes.py",
             "test_cache_reset.py",
             "test_pause_routes.py",
+            "test_rl_routes.py",
+            "test_trl.py",
+            "test_api.py",
         )
         for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)
     }

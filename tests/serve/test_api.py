@@ -45,7 +45,9 @@ def test_sleep_wake_execute_round_trip(served: Served) -> None:
     again = served.client.post("/v1/stages/talker/sleep", json={"level": 1}).json()
     assert again["status"] == "ALREADY"  # P-4: a second sleep is a no-op ACK, not an error
     woken = served.client.post("/v1/stages/talker/wake").json()
-    assert woken["state"] == "RUNNING" and all(r["freed_bytes"] < 0 for r in woken["ranks"].values())
+    assert woken["state"] == "RUNNING" and all(
+        r["freed_bytes"] == 0 < r["restored_bytes"] for r in woken["ranks"].values()
+    )
     after = served.client.post("/v1/stages/talker/execute", json={"payload": PROBE})
     assert after.json() == before.json()  # bit-identical output (base64 of the raw bytes) after the wake
 

@@ -69,7 +69,9 @@ def test_swap_route_moves_the_device_and_a_retry_is_answered_from_the_record(
         f"{answer['task_id']}/out",
         f"{answer['task_id']}/in",
     )
-    assert answer["outgoing"]["ranks"]["0"]["freed_bytes"] > 0 > answer["incoming"]["ranks"]["0"]["freed_bytes"]
+    outgoing, incoming = answer["outgoing"]["ranks"]["0"], answer["incoming"]["ranks"]["0"]
+    assert outgoing["freed_bytes"] > 0 == outgoing["restored_bytes"]
+    assert incoming["restored_bytes"] > 0 == incoming["freed_bytes"]
     assert device.used_bytes() <= CAPACITY_BYTES
     again = http.post("/v1/swap", json=body, headers=headers)
     assert again.status_code == 200 and again.json() == answer and again.headers["Idempotent-Replayed"] == "true"

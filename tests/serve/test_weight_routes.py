@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from omni_core.client import OmniClient, ServeError
-from omni_core.engine.errors import WeightUpdateFailedError
+from omni_core.engine.errors import RequestFailedError, WeightUpdateFailedError
 from omni_core.runners.synthetic import SyntheticRunner
 from omni_core.serve.errors import to_http
+from omni_core.serve.versions import MAX_LABELS_PER_STAGE, VersionLabels
 from omni_core.weights_sender import WeightSender
+from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, request_held_by_a_stopped_rank
+from tests.serve.checkpoint_runner import write_checkpoint
 from tests.serve.conftest import PROBE, SMALL_RUNNER, Served, make_config, metric_value, serving, stage_table, wait_for
 
 ROUTE = "/v1/stages/solo/update_weights"
@@ -141,14 +144,13 @@ def test_sglang_update_from_disk_keeps_its_shape_and_refuses_what_it_cannot_hono
     )
     assert refused.status_code == 400, refused.text
     assert refused.json()["success"] is False and "refused the update" in refused.json()["message"]
-    stale = served.client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": str(version)})
-    assert stale.status_code == (409 if version else 422), stale.text
+    # SGLang's labels are opaque and optional: none of these is refused before the ranks are asked.
+    for label in (str(version), "v2", None):
+        asked = served.client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": label})
+        assert asked.status_code == 400 and "refused the update" in asked.json()["message"], asked.text
     for body, field in (
-        ({"model_path": path}, "weight_version"),
-        ({"model_path": path, "weight_version": "v2"}, "weight_version"),
         ({"model_path": path, "weight_version": 2}, "weight_version"),
         ({"model_path": path, "weight_version": "9", "load_format": "gguf"}, "load_format"),
-        ({"model_path": path, "weight_version": "9", "abort_all_requests": True}, "abort_all_requests"),
         ({"model_path": path, "weight_version": "9", "token_step": 1}, "token_step"),
     ):
         answer = served.client.post("/update_weights_from_disk", json=body)
@@ -253,15 +255,27 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
         assert _version(served) == version + 1
         after_sglang = _digest(served)
+        # vLLM's bracket as its weight-sync clients send it: start, the update (no version: the
+        # next one), finish with a label. No request runs inside it: the start paused the stage.
+        started = served.client.post("/start_weight_update", json={"is_checkpoint_format": True})
+        assert started.status_code == 200 and started.json()["message"] == "Weight update started", started.text
+        assert served.client.get("/v1/stages/solo").json()["state"] == "PAUSED"
         v2 = _new_weights(42)
         thread = sender.broadcast_in_thread(v2)
-        answer = served.client.post(
-            "/update_weights",
-            json={"update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}, "version": version + 2},
-        )
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": False}
+        info.update(packed_buffer_size_bytes=1 << 30, packed_num_buffers=2)  # vLLM's defaults, sent as they are
+        answer = served.client.post("/update_weights", json={"update_info": info})
         thread.join(60)
         assert answer.status_code == 200 and answer.json()["message"] == "Weights updated", answer.text
-        assert _version(served) == version + 2 and _digest(served) != after_sglang
+        assert answer.json()["weights_version"] == {"solo": version + 2} == {"solo": _version(served)}
+        again = served.client.post("/start_weight_update")
+        assert again.status_code == 409 and "already open" in again.text, again.text
+        finished = served.client.post("/finish_weight_update", json={"weight_version": "rc-2"})
+        assert finished.status_code == 200 and finished.json()["weight_version"] == "rc-2", finished.text
+        assert served.client.get("/weight_info").json()["weight_version"] == "rc-2"
+        assert served.client.get("/v1/stages/solo").json()["state"] == "RUNNING" and _digest(served) != after_sglang
+        closed = served.client.post("/finish_weight_update")
+        assert closed.status_code == 409 and "no weight update is open" in closed.text, closed.text
     finally:
         sender.close()
 
@@ -277,10 +291,26 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         ),
         (
             "/update_weights",
-            {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]]}},
+            {"update_info": {"names": ["w0"], "dtype_names": ["float32"], "shapes": [[1]]}, "version": "9"},
             422,
             "version",
         ),
+        (
+            "/update_weights",
+            {
+                "update_info": {
+                    "names": ["w0"],
+                    "dtype_names": ["float32"],
+                    "shapes": [[1]],
+                    "packed": True,
+                    "packed_buffer_size_bytes": 1 << 30,
+                    "packed_num_buffers": 2,
+                },
+            },
+            400,
+            "do not unpack vLLM's packed buffers",
+        ),
+        ("/start_weight_update", {"is_checkpoint_format": False}, 400, "is_checkpoint_format false is not served"),
         (
             "/update_weights",
             {"update_info": {"names": ["w0"], "dtype_names": ["float33"], "shapes": [[1]]}, "version": 9},
@@ -312,6 +342,12 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         ),
         ("/init_weight_transfer_engine", {"init_info": {}}, 422, "master_address"),
         (
+            "/init_weight_transfer_engine",  # TRL 1.x's VLLMClient.init_communicator, with vLLM >= 0.28
+            {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "packed": True}},
+            400,
+            "init_info.packed true is not served",
+        ),
+        (
             "/init_weights_update_group",
             {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "mpi"},
             400,
@@ -319,7 +355,7 @@ def test_sglang_and_vllm_broadcast_routes_update_over_a_gloo_group(weights_serve
         ),
         (
             "/update_weights_from_distributed",
-            {"names": ["w0"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": "next"},
+            {"names": ["w0"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": 9},
             422,
             "weight_version",
         ),
@@ -348,3 +384,115 @@ def test_sglang_update_from_tensor_is_not_served_saying_what_to_use(weights_serv
     assert answer.status_code == 501, answer.text
     message = answer.json()["error"]["message"]
     assert "pickle" in message and "/v1/stages/{name}/update_weights" in message
+
+
+# ------------------------------------------------------------------ labels, aborts, reloads in RUNNING
+
+
+@pytest.fixture(scope="module")
+def ckpt_served(checkpoints: Path) -> Iterator[Served]:
+    """A stage whose runner reloads from checkpoint directories (CheckpointRunner), so that
+    updates from disk are honoured by its ranks."""
+    table = stage_table("ckpt", runner="tests.serve.checkpoint_runner:CheckpointRunner")
+    config = make_config(table, allowed_reload_sources=[str(checkpoints)], default_stage="ckpt")
+    with serving(config) as s:
+        yield s
+
+
+def _ckpt(served: Served) -> dict:
+    return served.client.get("/v1/stages/ckpt").json()
+
+
+def test_sglang_version_labels_are_opaque_and_reported_back(ckpt_served: Served, checkpoints: Path) -> None:
+    served = ckpt_served
+    held = _ckpt(served)["weights_version"]
+    step = write_checkpoint(checkpoints, "step-a", 101)
+    answer = served.client.post("/update_weights_from_disk", json={"model_path": str(step), "weight_version": "rl-7"})
+    assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
+    assert answer.json()["weight_version"] == "rl-7" and "weight version updated to rl-7" in answer.json()["message"]
+    assert _ckpt(served)["weights_version"] == held + 1  # an opaque label: the next integer version
+    for route in ("/get_weight_version", "/weight_info"):
+        assert served.client.get(route).json()["weight_version"] == "rl-7"
+    assert served.client.get("/get_model_info").json()["weight_version"] == "rl-7"
+    # absent: the next version, its integer its label; a decimal above the stage's: that integer
+    answer = served.client.post("/update_weights_from_disk", json={"model_path": str(step)})
+    assert answer.status_code == 200 and _ckpt(served)["weights_version"] == held + 2, answer.text
+    assert served.client.get("/get_weight_version").json()["weight_version"] == str(held + 2)
+    answer = served.client.post("/update_weights_from_disk", json={"model_path": str(step), "weight_version": "900"})
+    assert answer.status_code == 200 and _ckpt(served)["weights_version"] == 900, answer.text
+    # A new label for the weights held; the weights and the integer unchanged.
+    relabel = served.client.post("/update_weight_version", json={"new_version": "rl-7b", "abort_all_requests": True})
+    assert relabel.status_code == 200 and relabel.json()["new_version"] == "rl-7b", relabel.text
+    assert served.client.get("/weight_info").json() == {
+        "weight_version": "rl-7b",
+        "weights_version": 900,
+        "stages": {"ckpt": "rl-7b"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/update_weights_from_disk", {"weight_version": "x" * 257}, "weight_version"),
+        ("/update_weights_from_disk", {"weight_version": "a\nb"}, "weight_version"),
+        ("/update_weight_version", {"new_version": ""}, "new_version"),
+        ("/update_weight_version", {"new_version": "y" * 300}, "new_version"),
+        ("/finish_weight_update", {"weight_version": "z" * 257}, "weight_version"),
+    ],
+)
+def test_labels_are_bounded(ckpt_served: Served, checkpoints: Path, route: str, body: dict, field: str) -> None:
+    before = _ckpt(ckpt_served)["weights_version"]
+    if route == "/update_weights_from_disk":
+        body = dict(body, model_path=str(write_checkpoint(checkpoints, "step-b", 5)))
+    answer = ckpt_served.client.post(route, json=body)
+    assert answer.status_code == 422 and answer.json()["error"]["fields"] == [field], answer.text
+    assert "must be 1 to 256 printable characters" in answer.text
+    assert _ckpt(ckpt_served)["weights_version"] == before
+
+
+def test_labels_kept_are_bounded_per_stage() -> None:
+    labels = VersionLabels(["s"])
+    for version in range(1, MAX_LABELS_PER_STAGE + 11):
+        labels.set("s", version, f"step-{version}")
+    assert labels.label("s", 1) == "1" and labels.label("s", 10) == "10"  # the oldest fell back to their integers
+    assert labels.label("s", MAX_LABELS_PER_STAGE + 10) == f"step-{MAX_LABELS_PER_STAGE + 10}"
+    assert len(labels._labels["s"]) == MAX_LABELS_PER_STAGE
+
+
+def test_sglang_abort_all_requests_answers_the_request_in_flight_then_updates(
+    ckpt_served: Served, checkpoints: Path
+) -> None:
+    served = ckpt_served
+    held = _ckpt(served)["weights_version"]
+    step = write_checkpoint(checkpoints, "step-c", 303)
+    with request_held_by_a_stopped_rank(served.engine, "ckpt", rank=0) as running:
+        body = {"model_path": str(step), "weight_version": "aborted-update", "abort_all_requests": True}
+        updating = in_thread(lambda: served.client.post("/update_weights_from_disk", json=body))
+        wait_for(running.done, what="the abort to answer the request in flight")
+        with pytest.raises(RequestFailedError, match="aborted"):
+            running.result()
+    answer = updating.result(timeout=LONG_TIMEOUT_S)
+    assert answer.status_code == 200 and answer.json()["stages"]["ckpt"]["state"] == "RUNNING", answer.text
+    assert _ckpt(served)["weights_version"] == held + 1 and _ckpt(served)["state"] == "RUNNING"
+    assert served.client.get("/get_weight_version").json()["weight_version"] == "aborted-update"
+
+
+def test_collective_rpc_reload_on_a_running_stage_is_a_versioned_update(ckpt_served: Served, checkpoints: Path) -> None:
+    served = ckpt_served
+    held, before = _ckpt(served)["weights_version"], served.engine.execute("ckpt", PROBE)
+    step = write_checkpoint(checkpoints, "step-d", 404)
+    body = {"method": "reload_weights", "kwargs": {"source": str(step)}}
+    answer = served.client.post("/collective_rpc", json=body)
+    assert answer.status_code == 200, answer.text
+    (report,) = answer.json()["results"]
+    assert (report["command"], report["state"], report["weights_version"]) == ("UpdateWeights", "RUNNING", held + 1)
+    after = served.engine.execute("ckpt", PROBE, with_version=True)
+    assert after.output != before and after.weights_version == held + 1
+    served.engine.pause("ckpt")
+    try:
+        again = served.client.post("/collective_rpc", json=body)
+        assert again.status_code == 200 and again.json()["results"][0]["state"] == "PAUSED", again.text
+        assert _ckpt(served)["weights_version"] == held + 2
+    finally:
+        served.engine.resume("ckpt")
+    assert served.engine.execute("ckpt", PROBE) == after.output  # the same checkpoint: the same weights
