@@ -14,6 +14,9 @@ command -v chromium >/dev/null || { apt-get install -y -qq chromium >/dev/null 2
 # The Ray launcher's suite needs Ray; installed here, not in setup.sh, so the main job and the
 # demo run without it (tests/on_ray skips cleanly where it is missing).
 pip install -q --disable-pip-version-check -c scripts/constraints.txt -e ".[ray]" || echo "the ray extra did not install: tests/on_ray skips"
+# TRL's own VLLMClient runs against omni-core serve (tests/serve/test_trl.py); without its
+# dependencies, so torch and transformers stay as pinned.
+pip install -q --disable-pip-version-check --no-deps trl==1.16.0 || echo "trl did not install: tests/serve/test_trl.py's TRL 1.x case skips"
 # The conformance suite is also run against a worker in JavaScript (Node's standard library
 # only), over cmd:, as a third party's worker would be.
 command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
