@@ -1,6 +1,6 @@
 """Independent reference models of the worker and stage lifecycles, for the stateful tests.
 
-Written from DESIGN.md and specs/protocol.md, not from `omni_core.fsm`: no import from it,
+Written from docs/design.md and specs/protocol.md, not from `omni_core.fsm`: no import from it,
 no shared tag arithmetic, no transition table. Each model is a plain Python state machine
 over sets and enums that says, for one input, what a correct implementation must answer;
 the tests drive the real cores and these models side by side and compare.
@@ -64,7 +64,7 @@ def same_command(a: Command, b: Command) -> bool:
 
 
 def settle(asleep: frozenset[str], weights_valid: bool, tags: tuple[str, ...]) -> WorkerState:
-    """Where a wake or a reload ends (DESIGN.md, worker lifecycle)."""
+    """Where a wake or a reload ends (docs/design.md, the worker)."""
     if not asleep and weights_valid:
         return W.ACTIVE  # everything resident, weights valid
     if WEIGHTS in tags and WEIGHTS not in asleep and not weights_valid:

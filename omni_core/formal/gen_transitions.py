@@ -1,6 +1,6 @@
 """Generate `tla/OmniTransitions.tla` from the transition tables in `omni_core.fsm`.
 
-The tables are the single source of truth (DESIGN.md): the TLA+ spec takes every legality
+The tables are the single source of truth (docs/design.md): the TLA+ spec takes every legality
 check and next state of a worker or stage action from this generated module, never from a
 second hand-written table. `omni-core check` and `tests/formal/test_generated_fresh.py`
 fail while the committed file differs from what this module renders.

@@ -2,7 +2,7 @@
 every lifecycle bit-identical, each rank's NVML figure down at every sleep and back at wake.
 `benchmarks.real_models` does the run; this test asserts on what it recorded.
 
-Skipped without CUDA. On the lent device machine (../shared/DESIGN.md, "Running on the GPU"):
+Skipped without CUDA. On the lent device machine (docs/design.md, "Running on a GPU"):
 
     source .device/setup.sh && python3 -m pytest -m gpu tests/runners/test_real_models_gpu.py
 

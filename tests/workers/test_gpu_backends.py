@@ -3,7 +3,7 @@ bit-exact level-1 and level-2+reload round trips, a CUDA graph captured before t
 sleep replayed after each wake, partial wakes and tag-by-tag sleeps, memory released to
 the process figure, no drift over cycles, clean shutdown.
 
-Run on the lent device machine (see ../shared/DESIGN.md, "Running on the GPU"):
+Run on the lent device machine (see docs/design.md, "Running on a GPU"):
 
     source .device/setup.sh && OMNI_GPU_RESULTS=$OUT/gpu.jsonl \
         python3 -m pytest -m gpu tests/workers/test_gpu_backends.py
