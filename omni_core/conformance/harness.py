@@ -25,11 +25,11 @@ import zmq
 
 from omni_core.conformance.targets import WorkerFactory, WorkerProcess, launch
 from omni_core.protocol import Ack, Command, Hello, Message, Nack, ProtocolError, Reply, WorkerState, decode, encode
+from omni_core.transport import ENGINE_SOCKET_HWM
 
 POLL_SLICE_MS = 50
 MAX_REPR_CHARS = 700
 MAX_TEXT_CHARS = 4000  # our own text, e.g. a worker's last output lines
-SOCKET_HWM = 10_000
 
 
 @dataclass(frozen=True)
@@ -283,8 +283,8 @@ class Harness:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
-        self.sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        self.sock.setsockopt(zmq.SNDHWM, ENGINE_SOCKET_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, ENGINE_SOCKET_HWM)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker raises
         self.sock.bind(self.address)
         self.peers: dict[bytes, Peer] = {}

@@ -14,11 +14,8 @@ from typing import Any
 import zmq
 
 from omni_core.engine.binding import Binding
-from omni_core.transport import CurveKeys, make_router
+from omni_core.transport import ENGINE_SOCKET_HWM, CurveKeys, make_router
 
-# Messages queued per peer before a send fails. Above StageSpec's max_in_flight bound plus
-# the lifecycle commands, so a full queue means an overloaded engine, never a normal burst.
-SOCKET_HWM = 10_000
 WAKE_READ_BYTES = 4096
 
 
@@ -35,7 +32,7 @@ class LoopIO:
         self.router = make_router(
             self.ctx,
             binding.endpoint(self.directory),
-            hwm=SOCKET_HWM,
+            hwm=ENGINE_SOCKET_HWM,
             max_frame_bytes=max_frame_bytes,
             curve=self.curve,
         )

@@ -3,6 +3,7 @@
 from omni_core.transport.zmq_socket import (
     CURVE_CLIENT_KEYS_ENV,
     DEFAULT_HWM,
+    ENGINE_SOCKET_HWM,
     CurveClient,
     CurveKeys,
     curve_client_keys,
@@ -15,6 +16,7 @@ from omni_core.transport.zmq_socket import (
 __all__ = [
     "CURVE_CLIENT_KEYS_ENV",
     "DEFAULT_HWM",
+    "ENGINE_SOCKET_HWM",
     "CurveClient",
     "CurveKeys",
     "curve_client_keys",

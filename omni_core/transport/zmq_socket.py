@@ -19,6 +19,10 @@ import zmq
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_HWM = 1024
+# An engine's ROUTER (and the conformance harness, which stands in for an engine): messages
+# queued per peer before a send fails. Above StageSpec's max_in_flight bound plus the lifecycle
+# commands, so a full queue means an overloaded engine, never a normal burst.
+ENGINE_SOCKET_HWM = 10_000
 CURVE_CLIENT_KEYS_ENV = "OMNI_CORE_CURVE_CLIENT_KEYS"  # "public,secret", Z85, set by the engine
 _KEY_SEPARATOR = ","  # not in the Z85 alphabet (":" is: it once split a key in two)
 # Linux sun_path is 108 bytes including the NUL; zmq refuses longer ipc:// paths.
