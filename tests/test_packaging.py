@@ -28,6 +28,7 @@ DISTRIBUTION_OF = {
     "zmq": "pyzmq",
     "torch_memory_saver": "torch-memory-saver",
     "yaml": "pyyaml",
+    "PIL": "pillow",
 }
 # Brought by the device machine's bundle (scripts/device/bundle.sh), not by any extra a CPU
 # checkout installs: the comparisons the GPU benchmarks draw.
@@ -127,7 +128,7 @@ def test_every_import_of_the_benchmarks_is_declared() -> None:
                 continue
             for name in names:
                 top = name.split(".")[0]
-                if top in sys.stdlib_module_names or top in ("omni_core", "benchmarks"):
+                if top in sys.stdlib_module_names or top in ("omni_core", "omni_testing", "benchmarks"):
                     continue
                 dist = canonicalize_name(DISTRIBUTION_OF.get(top, top))
                 if dist not in declared and dist not in DEVICE_ONLY:
