@@ -54,11 +54,14 @@ def uvicorn_config(
     state = app.state.serve
     server_cfg = state.server
     ranks = sum(spec.ranks for spec in state.config.stages)
+    limit = connection_limit(server_cfg.max_connections, ranks)
     guard = ConnectionGuard(
         server_cfg.read_timeout_s,
-        connection_limit(server_cfg.max_connections, ranks),
+        limit,
         on_closed=lambda reason: state.metrics.http_connections_closed.labels(reason).inc(),
         on_count=state.metrics.http_connections_open.set,
+        max_per_client=min(limit, server_cfg.max_connections_per_client or max(1, limit // 2)),
+        key_accepts=state.key_check.accepts if state.key_check.enabled else None,
     )
     install_log_limits()
     return uvicorn.Config(
