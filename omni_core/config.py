@@ -134,6 +134,8 @@ class EngineTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     launcher: str | msgspec.UnsetType = msgspec.UNSET
     ray_address: str | msgspec.UnsetType = msgspec.UNSET
     ray_namespace: str | msgspec.UnsetType = msgspec.UNSET
+    # Where a weight group's rendezvous may take the ranks (engine/rendezvous.py); unset: loopback.
+    allowed_weight_group_hosts: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
 
     def given(self) -> dict[str, Any]:
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not msgspec.UNSET}

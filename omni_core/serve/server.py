@@ -19,6 +19,8 @@ import uvicorn
 
 from omni_core.config import OmniConfig
 from omni_core.engine import Engine
+from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
 from omni_core.serve.app import create_app
 from omni_core.serve.auth import ServeRefusedError, check_bind, load_api_key
 from omni_core.serve.connections import ConnectionGuard, connection_limit, guarded_protocol, install_log_limits
@@ -98,9 +100,10 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
     server_cfg = config.server
     try:
         api_key = load_api_key(server_cfg, os.environ if environ is None else environ)
-        check_bind(server_cfg.host, api_key)
+        rendezvous = RendezvousPolicy(config.engine.get("allowed_weight_group_hosts", DEFAULT_WEIGHT_GROUP_HOSTS))
+        check_bind(server_cfg.host, api_key, rendezvous.beyond_loopback())
         listener = bind_listener(server_cfg.host, server_cfg.port)
-    except ServeRefusedError as exc:
+    except (ServeRefusedError, InvalidArgumentError) as exc:
         log.error("%s", exc, extra={EVENT_ATTR: {"event": "refused"}})
         return 2
     url = f"http://{_url_host(server_cfg.host)}:{listener.getsockname()[1]}/"
