@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import time
 
+import httpx
 import pytest
 
 from omni_core.engine.errors import InvalidArgumentError
@@ -16,7 +17,7 @@ from omni_core.engine.rendezvous import RendezvousPolicy
 from omni_core.serve.auth import ServeRefusedError, check_bind
 from omni_core.serve.server import serve
 from tests.engine.conftest import PROBE, small_spec
-from tests.serve.conftest import make_config, stage_table
+from tests.serve.conftest import API_KEY, make_config, serving, stage_table
 
 JOIN_CALL_S = 6.0  # the call's deadline: the join may take half of it
 
@@ -97,3 +98,18 @@ def test_a_server_without_a_key_refuses_an_allow_list_beyond_loopback(capsys) ->
     assert serve(wide, environ={}) == 2  # refused before any rank starts
     with pytest.raises(InvalidArgumentError, match="not an address, a CIDR block"):
         RendezvousPolicy(["bad host!"])
+
+
+def test_the_weight_group_routes_need_the_key_and_refuse_a_host_not_allowed() -> None:
+    body = {"master_address": "169.254.169.254", "master_port": 80, "rank_offset": 1, "world_size": 2}
+    with serving(make_config(stage_table("talker")), api_key=API_KEY) as served:
+        for route, sent in (
+            ("/init_weights_update_group", dict(body, backend="gloo")),
+            ("/init_weight_transfer_engine", {"init_info": body}),
+        ):
+            bare = httpx.post(served.url + route, json=sent)
+            assert bare.status_code == 401, bare.text
+            answer = served.client.post(route, json=sent)
+            assert answer.status_code == 400, answer.text
+            assert "169.254.169.254 is not in allowed_weight_group_hosts" in answer.text
+        assert served.stage("talker")["state"] == "RUNNING"
