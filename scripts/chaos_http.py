@@ -83,6 +83,19 @@ class Tally:
         self.lost: list[str] = []
         self.statuses = Counter()
         self.attack_frames = 0  # junk frames the floods sent
+        self.started: list[threading.Thread] = []  # faults' own threads and timers, joined at the end
+
+    def background(self, thread: threading.Thread) -> None:
+        thread.start()
+        with self.lock:
+            self.started = [t for t in self.started if t.is_alive()] + [thread]
+
+    def join_background(self, timeout_s: float) -> int:
+        """Wait for the faults' threads (a stopped rank's SIGCONT, held sockets); how many are left."""
+        until = time.monotonic() + timeout_s
+        for thread in list(self.started):
+            thread.join(max(0.0, until - time.monotonic()))
+        return sum(t.is_alive() for t in self.started)
 
     def note(self, kind: str, *, answered: bool, wrong: str = "", status: object = None) -> None:
         with self.lock:
@@ -202,18 +215,19 @@ def injector(
             try:
                 os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 if fault == "stop":
-                    threading.Timer(rng.uniform(1.0, 15.0), lambda p=pid: _cont(p)).start()
+                    tally.background(threading.Timer(rng.uniform(1.0, 15.0), lambda p=pid: _cont(p)))
             except ProcessLookupError:
                 pass
         elif fault == "restart2":  # two restarts of one stage at once, as two racing clients would
             stage = rng.choice(STAGES)
             for _ in range(2):
-                threading.Thread(target=_post, args=(url, f"/v1/stages/{stage}/restart", tally), daemon=True).start()
+                path = f"/v1/stages/{stage}/restart"
+                tally.background(threading.Thread(target=_post, args=(url, path, tally), daemon=True))
         elif fault == "slow":
             socks = [socket.create_connection((host, int(port))) for _ in range(20)]
             for s in socks:
                 s.sendall(b"POST /v1/stages/talker/sleep HTTP/1.1\r\nHost: 127")
-            threading.Timer(30.0, lambda ss=socks: [s.close() for s in ss]).start()
+            tally.background(threading.Timer(30.0, lambda ss=socks: [s.close() for s in ss]))
         elif fault == "garbage":
             with socket.create_connection((host, int(port))) as s:
                 s.sendall(rng.randbytes(rng.randint(1, 4000)) + b"\r\n\r\n")
@@ -443,6 +457,32 @@ def malloc_trim() -> bool:
         return False
 
 
+def malloc_arenas() -> str:
+    """glibc's heaps in one line: arenas, bytes taken from the system, bytes of them free (held
+    for reuse, not by any object), from malloc_info(3); empty where that is not glibc."""
+    import re
+    import tempfile
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype = ctypes.c_void_p
+        with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+            fp = libc.fopen(f.name.encode(), b"w")
+            libc.malloc_info(0, ctypes.c_void_p(fp))
+            libc.fclose(ctypes.c_void_p(fp))
+            xml = Path(f.name).read_text()
+    except (OSError, AttributeError):
+        return ""
+    tail = xml[xml.rfind("</heap>") :]
+    current = sum(int(n) for n in re.findall(r'<system type="current" size="(\d+)"', tail))
+    free = sum(int(n) for n in re.findall(r'<total type="(?:fast|rest)" count="\d+" size="(\d+)"', tail))
+    mmapped = sum(int(n) for n in re.findall(r'<total type="mmap" count="\d+" size="(\d+)"', tail))
+    return (
+        f"glibc malloc: {xml.count('<heap nr=')} arenas, {current / 2**20:.1f} MiB from the system, "
+        f"{free / 2**20:.1f} MiB of it free (held for reuse), {mmapped / 2**20:.1f} MiB in direct mmaps"
+    )
+
+
 class HeapGrowth:
     """tracemalloc snapshots of the server process: what grew since the first one, by the
     allocating line and its callers, written after each sample (a run can be cut short)."""
@@ -478,10 +518,14 @@ class HeapGrowth:
 def _summary(samples: list[tuple[float, ...]], counters: dict[str, Any], tally: Tally) -> list[str]:
     """Start and end of each sampled figure, and what the engine counted of the attacks."""
     (_, rss0, fds0, threads0, files0, shm0), (_, rss1, fds1, threads1, files1, shm1) = samples[0], samples[-1]
+    arenas = malloc_arenas()
+    malloc_trim()
+    trimmed = run_report.rss_bytes()
     return [
         f"- server process at start -> end: RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB; descriptors "
         f"{fds0} -> {fds1}; threads {threads0} -> {threads1}; /dev/shm {files0} files {shm0 / 2**20:.1f} MiB -> "
         f"{files1} files {shm1 / 2**20:.1f} MiB",
+        f"- {arenas}; RSS after malloc_trim(0) at the end: {trimmed / 2**20:.1f} MiB",
         f"- junk frames sent by the floods: {tally.attack_frames}; the engine counted bad_replies "
         f"{counters.get('bad_replies')}, unknown_peers {counters.get('unknown_peers')}",
     ]
@@ -532,7 +576,7 @@ def main() -> int:
             stop.set()
             for t in threads:
                 t.join(CLIENT_TIMEOUT_S + 30)
-            stuck_threads = sum(t.is_alive() for t in threads)
+            stuck_threads = sum(t.is_alive() for t in threads) + tally.join_background(CLIENT_TIMEOUT_S)
             for pid_state in engine.status().values():  # let every stopped rank go on, so recovery can see it
                 for info in (pid_state.get("ranks") or {}).values() if isinstance(pid_state, dict) else ():
                     if info.get("pid"):
