@@ -112,10 +112,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # first byte, or of the connection's opening; an idle keep-alive connection closes after
     # keep_alive_s (longer than clients' own expiry, httpx's 5 s, so the client closes first:
     # a request never goes out on a connection the server is closing at that moment, a lost
-    # POST seen under load); max_connections 0: the descriptor limit less room for the ranks.
+    # POST seen under load); max_connections 0: the descriptor limit less room for the ranks;
+    # max_connections_per_client (one peer address) 0: half of max_connections.
     read_timeout_s: Seconds = 10.0
     keep_alive_s: Seconds = 75.0
     max_connections: Annotated[int, Meta(ge=0)] = 0
+    max_connections_per_client: Annotated[int, Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         conform(self, "[server]")
@@ -132,6 +134,8 @@ class EngineTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     launcher: str | msgspec.UnsetType = msgspec.UNSET
     ray_address: str | msgspec.UnsetType = msgspec.UNSET
     ray_namespace: str | msgspec.UnsetType = msgspec.UNSET
+    # Where a weight group's rendezvous may take the ranks (engine/rendezvous.py); unset: loopback.
+    allowed_weight_group_hosts: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
 
     def given(self) -> dict[str, Any]:
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not msgspec.UNSET}

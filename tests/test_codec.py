@@ -133,6 +133,7 @@ SAMPLES: dict[type[Message], Message] = {
         rank_offset=1,
         backend="nccl",
         timeout_s=60.0,
+        join_timeout_s=15.0,
     ),
     Nack: Nack(
         task_id="wake-1",

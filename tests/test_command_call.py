@@ -43,6 +43,7 @@ def test_arguments_are_a_messages_own_fields_in_declaration_order() -> None:
         "rank_offset",
         "backend",
         "timeout_s",
+        "join_timeout_s",
     ]
 
 
@@ -130,7 +131,7 @@ def test_a_message_without_words_of_its_own_is_described_by_its_fields() -> None
     call = describe_input(I.CommandCall(group, 2.5))
     assert call == (
         "CommandCall InitWeightGroup g group=rl address=h port=7 world_size=3 rank_offset=1 "
-        "backend=gloo timeout_s=300 deadline=2.5s"
+        "backend=gloo timeout_s=300 join_timeout_s=- deadline=2.5s"
     )
     assert describe_input(I.Tick()) == "Tick"
 

@@ -24,6 +24,7 @@ from omni_core.engine.calls import LifecycleCall, ShutdownCall, StatusQuery, Swa
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
+from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
 from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.engine.start_plan import check_start_plan
@@ -73,6 +74,10 @@ class Engine:
     `launcher`: "local" (child processes, default), "ray" (one Ray actor per rank on the
     cluster at `ray_address`, placed by each StageSpec's `placement`; tcp + CURVE on the
     interface Ray reports for this node: docs/ray.md) or a `RankLauncher` object.
+
+    `allowed_weight_group_hosts`: where `init_weight_group` may make the ranks connect
+    (addresses, CIDR blocks, host names; loopback by default): the operator's choice, checked
+    before anything is sent (engine/rendezvous.py).
     """
 
     def __init__(
@@ -86,8 +91,12 @@ class Engine:
         launcher: RankLauncher | str | None = None,
         ray_address: str | None = "auto",
         ray_namespace: str | None = None,
+        allowed_weight_group_hosts: Iterable[str] = DEFAULT_WEIGHT_GROUP_HOSTS,
     ) -> None:
         self._specs = {s.name: s for s in specs}
+        self.rendezvous = RendezvousPolicy(
+            (allowed_weight_group_hosts,) if isinstance(allowed_weight_group_hosts, str) else allowed_weight_group_hosts
+        )
         ranks_launcher = make_launcher(launcher, ray_address, ray_namespace)
         if isinstance(ranks_launcher, LocalLauncher):  # Ray places ranks on nodes chosen later
             problem = check_start_plan(self._specs.values(), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -319,12 +328,19 @@ class Engine:
         """Every rank of `stage` joins the trainer's weight group (the trainer is group rank 0 and
         serves the rendezvous at address:port: `WeightSender.init_group`, called meanwhile); rank r
         is group rank `rank_offset + r`. Then `update_weights(stage, CollectiveSource(...))`.
-        `group_timeout_s` bounds the rendezvous and each later broadcast: a trainer that
-        vanishes mid-broadcast fails the update (UPDATE_FAILED) after at most that long."""
+        `group_timeout_s` bounds each later broadcast: a trainer that vanishes mid-broadcast
+        fails the update (UPDATE_FAILED) after at most that long. The rendezvous is bounded by
+        this call's deadline too: one that fails or does not complete in time is refused
+        (`InvalidArgumentError`, the stage stays where it was, the ranks join no group).
+        `address` must be in the engine's `allowed_weight_group_hosts` (refused before any rank
+        connects); the ranks connect to the address it resolves to here."""
+        destination = self.rendezvous.destination(address, port)
         tid, deadline_s = self._task(stage, "weight-group", task_id, timeout_s)
         return self._lifecycle(
             stage,
-            WeightGroupCall(tid, group, address, port, world_size, rank_offset, backend, deadline_s, group_timeout_s),
+            WeightGroupCall(
+                tid, group, destination, port, world_size, rank_offset, backend, deadline_s, group_timeout_s
+            ),
         )
 
     def transfer_weights(

@@ -74,6 +74,11 @@ log = logging.getLogger("omni_core.engine")
 
 POLL_INTERVAL_S = 0.05  # upper bound on deadline lateness
 TICK_INTERVAL_S = 0.01  # deadlines are checked at most this often
+# Frames read per loop turn before calls and deadlines are served again: a peer that floods
+# the ROUTER (junk from any local user over tcp without CURVE) delays a call by one batch,
+# a few milliseconds, instead of for as long as the flood lasts. The ROUTER queues inbound
+# frames fairly across peers, so a rank's reply is never stuck behind a flooder's backlog.
+MAX_FRAMES_PER_TURN = 256
 
 
 class Orchestrator:
@@ -348,19 +353,23 @@ class Orchestrator:
         except Exception as exc:
             self.frame_errors.record(exc, handling)
 
-    def _receive_all(self) -> None:
-        while True:
+    def _receive_all(self) -> int:
+        """Handle what the ROUTER holds, at most MAX_FRAMES_PER_TURN messages; the rest wait
+        for the next turn (the socket stays readable, so that turn's poll returns at once).
+        Returns how many were read."""
+        for count in range(MAX_FRAMES_PER_TURN):
             try:
                 frames = self._io.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return count
             except zmq.ZMQError as exc:
                 self.frame_errors.record(exc, "receiving a frame")
-                return
+                return count
             if len(frames) != 2:
                 self.counters["bad_replies"] += 1
                 continue
             self._isolated("a frame from a peer", self._on_frames, frames[0], frames[1])
+        return MAX_FRAMES_PER_TURN
 
     def _on_frames(self, identity: bytes, data: bytes) -> None:
         try:

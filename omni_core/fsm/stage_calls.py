@@ -52,6 +52,11 @@ from omni_core.protocol import (
 )
 from omni_core.protocol import StageState as S
 
+# A weight group's rendezvous may take this share of the command's deadline: the rest is for
+# the ranks' refusal to arrive, so a trainer that never answers is a refused command (the
+# stage stays where it was) rather than ranks silent past the deadline (the stage FAILED).
+JOIN_DEADLINE_SHARE = 0.5
+
 
 def memory_wait_problem(memory_wait_s: Any, deadline_s: float) -> str | None:
     """What is wrong with a wake's wait for memory, or None. The rule of P-16, declared once:
@@ -400,6 +405,7 @@ class StageCalls:
                 rank_offset=call.rank_offset,
                 backend=call.backend,  # type: ignore[arg-type]
                 timeout_s=call.group_timeout_s,
+                join_timeout_s=min(call.group_timeout_s, call.deadline_s * JOIN_DEADLINE_SHARE),
             )
             command = msgspec.convert(msgspec.to_builtins(command), InitWeightGroup)  # the wire's bounds
         except (TypeError, ValueError, msgspec.ValidationError) as exc:

@@ -161,7 +161,10 @@ class InitWeightGroup(Command, kw_only=True, frozen=True):
     """Join the process group a trainer broadcasts updates from (`CollectiveSource`). The
     trainer is group rank 0 and serves the rendezvous at `address:port`; this rank is
     `rank_offset + rank` of `world_size`. Never changes the lifecycle state. Joining the same
-    group again is ALREADY; another group while one is joined is INVALID_ARGUMENT."""
+    group again is ALREADY; another group while one is joined is INVALID_ARGUMENT.
+    `timeout_s` bounds each broadcast of the group; `join_timeout_s` (None: `timeout_s`) bounds
+    the rendezvous, within the stage's deadline for the command, so a trainer that never
+    answers is a refusal (NACK INVALID_ARGUMENT, no group joined), not a rank gone silent."""
 
     group: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_CHARS)]
@@ -170,6 +173,7 @@ class InitWeightGroup(Command, kw_only=True, frozen=True):
     rank_offset: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0
+    join_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None
 
     def __post_init__(self) -> None:
         if self.rank_offset >= self.world_size:

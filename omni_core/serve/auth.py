@@ -65,14 +65,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, api_key: str | None) -> None:
+KEY_HOW = (
+    "Put a key in a file and pass --api-key-file FILE (or set api_key_file in [server], or the "
+    "OMNI_CORE_API_KEY environment variable)"
+)
+
+
+def check_bind(host: str, api_key: str | None, weight_group_hosts: list[str] | None = None) -> None:
     """Refuse to listen beyond loopback without a key: every control route would be open
-    to whoever reaches the port (vLLM's /sleep and /collective_rpc are, in dev mode)."""
+    to whoever reaches the port (vLLM's /sleep and /collective_rpc are, in dev mode). And
+    refuse a weight-group allow list that reaches beyond this host without a key: any local
+    user could then make the ranks connect there (`weight_group_hosts`: those entries)."""
     if api_key is None and not is_loopback(host):
         raise ServeRefusedError(
             f"refusing to listen on {host!r} without an API key: anyone who reaches it could sleep, "
-            "restart or reload your stages. Put a key in a file and pass --api-key-file FILE (or set "
-            "api_key_file in [server], or the OMNI_CORE_API_KEY environment variable), or listen on 127.0.0.1"
+            f"restart or reload your stages. {KEY_HOW}, or listen on 127.0.0.1"
+        )
+    if api_key is None and weight_group_hosts:
+        raise ServeRefusedError(
+            f"refusing to serve the weight-group routes without an API key while [engine] "
+            f"allowed_weight_group_hosts reaches beyond this host ({weight_group_hosts[:5]}): any local user "
+            f"could make the ranks connect there. {KEY_HOW}, or keep allowed_weight_group_hosts to loopback"
         )
 
 

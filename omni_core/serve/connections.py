@@ -1,4 +1,4 @@
-"""Connections that cannot starve the server: read deadlines, a connection limit, quiet logs.
+"""Connections that cannot starve the server: read deadlines, connection limits, quiet logs.
 
 uvicorn closes idle keep-alive connections (`timeout_keep_alive`) but has no deadline for a
 request that is still arriving: a client that sends part of a request line, or nothing at
@@ -7,9 +7,16 @@ all, holds its socket and descriptor forever (slowloris), and 1,100 of them at `
 request is incomplete (from the connection's opening, or from the first byte of a request on
 a kept-alive connection), has `read_timeout_s` to deliver the whole request, headers and
 body; and the server holds at most `max_connections` connections, below the descriptor
-limit. When full, the connection that has waited longest for its request is closed to make
-room (a real client sends its request at once, so it is never the oldest waiting for long);
-only when none is waiting is the newcomer refused, with a 503.
+limit.
+
+A connection that is not busy with a request (waiting for its request, or idle between
+requests on keep-alive) can be closed to make room, oldest first, those that never presented
+the server's API key before those that did: 64 idle keep-alive connections of a caller
+without a key (`/health` is public) would otherwise hold every slot for as long as they
+renew their keep-alive, and lock the operator out. One peer address holds at most
+`max_connections_per_client` connections: at that cap, its newcomer makes room among its own
+connections only, never another client's. A newcomer is refused (503) only when every
+connection it could replace is busy with a request.
 
 Logs caused by peers are rate limited: each kind of message at most once per
 `LOG_INTERVAL_S`, with the count of those left out, so a flood cannot become a log storm.
@@ -21,7 +28,7 @@ import asyncio
 import logging
 import resource
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +50,9 @@ REFUSED_ANSWER = (
     b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s"
 )
 REFUSED_BODY = (
-    b'{"error":{"code":503,"type":"TooManyConnections","message":"the server holds max_connections '
-    b'connections, each busy with a request; retry in a second, or raise [server] max_connections"}}'
+    b'{"error":{"code":503,"type":"TooManyConnections","message":"every connection this one could replace '
+    b"is busy with a request (the server holds max_connections, or this client "
+    b'max_connections_per_client); retry in a second, or raise that [server] setting"}}'
 )
 
 
@@ -107,8 +115,8 @@ def install_log_limits(interval_s: float = LOG_INTERVAL_S) -> None:
 
 
 class ConnectionGuard:
-    """What the protocol instances of one server share: the open connections, those waiting
-    for their request (oldest first), the limits and the counters."""
+    """What the protocol instances of one server share: the open connections, by peer, those
+    that may be closed to make room (oldest first), the limits and the counters."""
 
     def __init__(
         self,
@@ -116,63 +124,106 @@ class ConnectionGuard:
         max_connections: int,
         on_closed: Callable[[str], None] | None = None,
         on_count: Callable[[int], None] | None = None,
+        *,
+        max_per_client: int = 0,
+        key_accepts: Callable[[str | None], bool] | None = None,
     ) -> None:
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
+        self.max_per_client = max_per_client or max_connections
+        self.key_accepts = key_accepts  # None: the server has no key, every caller is alike
         self.on_closed = on_closed  # metrics: a connection closed by the guard, by reason
         self.on_count = on_count  # metrics: open connections
         self.open: set[Any] = set()
-        self.waiting: OrderedDict[Any, float] = OrderedDict()
+        self.per_client: Counter[str] = Counter()
+        self.evictable: OrderedDict[Any, float] = OrderedDict()  # not busy with a request, oldest first
 
     def closed_by_guard(self, reason: str) -> None:
         if self.on_closed is not None:
             self.on_closed(reason)
 
+    def add(self, conn: Any) -> None:
+        self.open.add(conn)
+        self.per_client[conn.peer] += 1
+        self.count_changed()
+
+    def forget(self, conn: Any) -> None:
+        """`conn` no longer counts (closed, or being closed by the guard)."""
+        self.evictable.pop(conn, None)
+        if conn in self.open:
+            self.open.discard(conn)
+            self.per_client[conn.peer] -= 1
+            if self.per_client[conn.peer] <= 0:
+                del self.per_client[conn.peer]
+            self.count_changed()
+
     def count_changed(self) -> None:
         if self.on_count is not None:
             self.on_count(len(self.open))
 
-    def make_room(self) -> bool:
-        """Close the connection that has waited longest for its request; False if none waits."""
-        while self.waiting:
-            oldest, _ = self.waiting.popitem(last=False)
-            if oldest.transport is not None and not oldest.transport.is_closing():
-                oldest.drop(
-                    "limit_evicted",
-                    f"closed a connection that had waited longest for its request: the "
-                    f"server holds max_connections ({self.max_connections})",
-                )
-                return True
-        return False
+    def admit(self, peer: str) -> str | None:
+        """Make room for a newcomer from `peer`; None when admitted, else why it is refused."""
+        # A cap as high as the server's own is the server's: its evictions are counted as such.
+        at_cap = self.max_per_client < self.max_connections and self.per_client[peer] >= self.max_per_client
+        if at_cap and not self._evict(lambda conn: conn.peer == peer, "client_evicted"):
+            return "client"
+        if len(self.open) >= self.max_connections and not self._evict(lambda conn: True, "limit_evicted"):
+            return "limit"
+        return None
+
+    def _evict(self, eligible: Callable[[Any], bool], reason: str) -> bool:
+        """Close the oldest connection not busy with a request that `eligible` allows, one
+        without the key first; False if there is none."""
+        victim = None
+        for conn in self.evictable:  # oldest first: the first without the key ends the search
+            if not eligible(conn) or not conn.alive():
+                continue
+            if not conn.keyed:
+                victim = conn
+                break
+            victim = victim or conn
+        if victim is None:
+            return False
+        limit = (
+            f"max_connections_per_client ({self.max_per_client}) for {victim.peer}"
+            if reason == "client_evicted"
+            else f"max_connections ({self.max_connections})"
+        )
+        victim.drop(reason, f"closed the oldest connection not busy with a request: the server holds {limit}")
+        return True
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the guard's read deadline and connection limit."""
+    """uvicorn's h11 protocol with the guard's read deadline and connection limits."""
 
     class GuardedH11Protocol(H11Protocol):
         _read_timer: asyncio.TimerHandle | None = None
+        peer = "?"
+        keyed = False  # a request on it presented the server's API key
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(guard.open) >= guard.max_connections and not guard.make_room():
-                guard.closed_by_guard("limit_refused")
+            self.peer = str(self.client[0]) if self.client else "?"
+            refused = guard.admit(self.peer)
+            if refused is not None:
+                guard.closed_by_guard(f"{refused}_refused")
                 log.warning(
-                    "refused a connection: the server holds max_connections (%d) connections, each busy "
-                    "with a request; raise [server] max_connections (and ulimit -n) if this is load",
-                    guard.max_connections,
+                    "refused a connection from %s: %s; raise [server] %s (and ulimit -n) if this is load",
+                    self.peer,
+                    "it holds max_connections_per_client connections, each busy with a request"
+                    if refused == "client"
+                    else "the server holds max_connections connections, each busy with a request",
+                    "max_connections_per_client" if refused == "client" else "max_connections",
                 )
                 transport.write(REFUSED_ANSWER % (len(REFUSED_BODY), REFUSED_BODY))
                 transport.close()
                 return
-            guard.open.add(self)
-            guard.count_changed()
+            guard.add(self)
             self._watch_request()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_watch()
-            if self in guard.open:
-                guard.open.discard(self)
-                guard.count_changed()
+            guard.forget(self)
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -180,12 +231,18 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             self._watch_request()
 
         def on_response_complete(self) -> None:
+            if not self.keyed and guard.key_accepts is not None:
+                presented = dict(self.headers).get(b"authorization")
+                self.keyed = presented is not None and guard.key_accepts(presented.decode("latin-1"))
             super().on_response_complete()
             self._watch_request()
 
+        def alive(self) -> bool:
+            return self.transport is not None and not self.transport.is_closing()
+
         def _waiting_for_request(self) -> bool:
             # IDLE: no complete request line and headers yet; SEND_BODY: its body is arriving.
-            if self.transport is None or self.transport.is_closing():
+            if not self.alive():
                 return False
             state = self.conn.their_state
             if state is h11.SEND_BODY:
@@ -196,23 +253,39 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             # a fresh one, or one holding part of a request, is ours.
             return self.cycle is None or bool(self.conn.trailing_data[0])
 
+        def _idle(self) -> bool:
+            """Between requests on keep-alive: the last response sent, nothing of the next."""
+            return (
+                self.alive()
+                and self.cycle is not None
+                and self.cycle.response_complete
+                and self.conn.their_state in (h11.IDLE, h11.DONE)
+                and not self.conn.trailing_data[0]
+            )
+
         def _watch_request(self) -> None:
-            if not self._waiting_for_request():
-                self._stop_watch()
+            waiting = self._waiting_for_request()
+            if waiting or self._idle():
+                guard.evictable.setdefault(self, time.monotonic())
+            else:
+                guard.evictable.pop(self, None)
+            if not waiting:
+                self._stop_read_timer()
                 return
             if self._read_timer is None:  # the deadline runs from the first byte: trickling does not extend it
                 self._read_timer = self.loop.call_later(guard.read_timeout_s, self._read_timed_out)
-                guard.waiting[self] = time.monotonic()
 
-        def _stop_watch(self) -> None:
+        def _stop_read_timer(self) -> None:
             if self._read_timer is not None:
                 self._read_timer.cancel()
                 self._read_timer = None
-            guard.waiting.pop(self, None)
+
+        def _stop_watch(self) -> None:
+            self._stop_read_timer()
+            guard.evictable.pop(self, None)
 
         def _read_timed_out(self) -> None:
             self._read_timer = None
-            guard.waiting.pop(self, None)
             if self._waiting_for_request():
                 self.drop(
                     "read_timeout",
@@ -225,6 +298,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             guard.closed_by_guard(reason)
             log.warning(why)
             self._stop_watch()
+            guard.forget(self)  # at once: the room it leaves is the newcomer's
             self.transport.close()
 
     return GuardedH11Protocol

@@ -102,7 +102,15 @@ def _status_for(exc: BaseException) -> int:
         if "refused the reload" in message or "refused the update" in message:
             return 400  # every rank said INVALID_ARGUMENT: nothing was written
         if any(
-            needle in message for needle in ("must be", "unknown tag", "is not one of", "tags must", "needs two stages")
+            needle in message
+            for needle in (
+                "must be",
+                "unknown tag",
+                "is not one of",
+                "tags must",
+                "needs two stages",
+                "is not in allowed_weight_group_hosts",
+            )
         ):
             return 400
         return 409  # the state forbids it, a task is in flight, a task_id reused for another command

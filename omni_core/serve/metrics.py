@@ -150,8 +150,9 @@ class ServeMetrics:
         self.http_connections_closed = Counter(
             "omni_core_http_connections_closed",
             "Connections the server closed on its own: read_timeout (the "
-            "request did not arrive within read_timeout_s), limit_evicted (the longest waiting, to make room at "
-            "max_connections), limit_refused (full of busy connections)",
+            "request did not arrive within read_timeout_s), limit_evicted (the oldest not busy with a request, to "
+            "make room at max_connections), limit_refused (full of busy connections), client_evicted and "
+            "client_refused (the same at one peer's max_connections_per_client)",
             ["reason"],
             registry=r,
         )

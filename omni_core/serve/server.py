@@ -19,6 +19,8 @@ import uvicorn
 
 from omni_core.config import OmniConfig
 from omni_core.engine import Engine
+from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
 from omni_core.serve.app import create_app
 from omni_core.serve.auth import ServeRefusedError, check_bind, load_api_key
 from omni_core.serve.connections import ConnectionGuard, connection_limit, guarded_protocol, install_log_limits
@@ -54,11 +56,14 @@ def uvicorn_config(
     state = app.state.serve
     server_cfg = state.server
     ranks = sum(spec.ranks for spec in state.config.stages)
+    limit = connection_limit(server_cfg.max_connections, ranks)
     guard = ConnectionGuard(
         server_cfg.read_timeout_s,
-        connection_limit(server_cfg.max_connections, ranks),
+        limit,
         on_closed=lambda reason: state.metrics.http_connections_closed.labels(reason).inc(),
         on_count=state.metrics.http_connections_open.set,
+        max_per_client=min(limit, server_cfg.max_connections_per_client or max(1, limit // 2)),
+        key_accepts=state.key_check.accepts if state.key_check.enabled else None,
     )
     install_log_limits()
     return uvicorn.Config(
@@ -95,9 +100,10 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
     server_cfg = config.server
     try:
         api_key = load_api_key(server_cfg, os.environ if environ is None else environ)
-        check_bind(server_cfg.host, api_key)
+        rendezvous = RendezvousPolicy(config.engine.get("allowed_weight_group_hosts", DEFAULT_WEIGHT_GROUP_HOSTS))
+        check_bind(server_cfg.host, api_key, rendezvous.beyond_loopback())
         listener = bind_listener(server_cfg.host, server_cfg.port)
-    except ServeRefusedError as exc:
+    except (ServeRefusedError, InvalidArgumentError) as exc:
         log.error("%s", exc, extra={EVENT_ATTR: {"event": "refused"}})
         return 2
     url = f"http://{_url_host(server_cfg.host)}:{listener.getsockname()[1]}/"

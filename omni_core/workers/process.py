@@ -85,6 +85,7 @@ from omni_core.workers.config import WorkerConfig
 from omni_core.workers.device_ledger import one_incoming_wake
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
+from omni_core.workers.parent_watch import set_death_signal, watch_parent
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
 from omni_core.workers.rank_memory import (
     cache_budget,
@@ -600,10 +601,17 @@ def run_worker(config: WorkerConfig, *, parent_pid: int | None = None) -> int:
     )
     worker = WorkerProcess(config, sock, identity=identity, rank_secret=rank_secret)
     code = EXIT_OK
+    loop_ended = None
+    if config.exit_with_parent:
+        set_death_signal(parent_pid)
+        what = f"worker {config.stage}/{config.rank}"
+        loop_ended = watch_parent(parent_pid, config.parent_check_interval_s, what, EXIT_PARENT_GONE)
     try:
         worker.start()
         code = worker.serve(parent_pid)
     finally:
+        if loop_ended is not None:
+            loop_ended.set()
         worker.close()
         sock.close(linger=FINAL_FLUSH_MS)  # deliver the Shutdown Ack before leaving
         ctx.term()

@@ -16,9 +16,13 @@ read through the mapping already open, never reopened.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
+import socket
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ MAX_OPEN_BUCKETS = 256  # mappings kept for the next update of the same buckets
 # Peer buckets copied ahead of the one the runner writes: 2 keep the peer link busy while the
 # runner copies, holding at most 2 x (2 + 1) buckets of staging memory.
 PEER_LOOKAHEAD = 2
+JOIN_UNBLOCK_S = 2.0  # a join whose connections were shut down ends within this
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -69,6 +74,64 @@ def shm_path(handle: str) -> Path:
             "share buckets with omni_core.weights_sender"
         )
     return SHM_DIR / name
+
+
+def bounded_join(join: Callable[[], Any], join_s: float, address: str, port: int) -> Any:
+    """`join()`'s result within `join_s`, else TimeoutError. torch's TCPStore client waits
+    without a bound for the first answer of a peer that accepted its connection and never
+    speaks (seen on 2.13: forever, whatever its timeout), so the join runs on a thread of its
+    own and, past its time, this rank's connections to address:port are shut down, which ends
+    that wait; the thread is then given a moment to leave."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["group"] = join()
+        except BaseException as exc:  # handed to the caller below
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name="omni-core-weight-group-join", daemon=True)
+    thread.start()
+    thread.join(join_s)
+    if thread.is_alive():
+        cut = shut_connections_to(address, port)
+        thread.join(JOIN_UNBLOCK_S)
+        left = "" if not thread.is_alive() else "; its thread is still blocked and was left behind"
+        raise TimeoutError(f"no complete answer within {join_s:.3g} s ({cut} connection(s) shut down{left})")
+    if "error" in done:
+        raise done["error"]
+    return done["group"]
+
+
+def shut_connections_to(address: str, port: int) -> int:
+    """Shut down this process's TCP connections to address:port; how many there were."""
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    try:
+        wanted = {_plain_ip(info[4][0]) for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return 0
+    cut = 0
+    for name in os.listdir(fd_dir):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue  # not a socket, or gone meanwhile
+        try:
+            peer = sock.getpeername() if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+            if peer is not None and peer[1] == port and _plain_ip(peer[0]) in wanted:
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.close()  # the duplicate only
+    return cut
+
+
+def _plain_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as compared: an IPv4-mapped IPv6 peer (::ffff:a.b.c.d) is its IPv4 address."""
+    ip = ipaddress.ip_address(text.split("%", 1)[0])
+    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
 
 
 def check_specs(runner: ModelRunner, specs: tuple[TensorSpec, ...]) -> None:
@@ -113,14 +176,32 @@ class WeightReceiver:
         if command.backend == "nccl" and self.device.type != "cuda":
             raise RunnerArgumentError(f"an nccl weight group needs a CUDA rank; this rank is on {self.device}")
         timeout = timedelta(seconds=command.timeout_s)
-        store = dist.TCPStore(command.address, command.port, command.world_size, is_master=False, timeout=timeout)
-        prefixed = dist.PrefixStore(f"omni-weights/{command.group}", store)
-        if command.backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefixed, self.group_rank, command.world_size, timeout)
-        else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, self.group_rank, command.world_size, options)
+        join_s = command.join_timeout_s or command.timeout_s
+
+        def rendezvous() -> Any:
+            # The store's timeout bounds its connection attempts and the rendezvous through it.
+            store = dist.TCPStore(
+                command.address, command.port, command.world_size, is_master=False, timeout=timedelta(seconds=join_s)
+            )
+            prefixed = dist.PrefixStore(f"omni-weights/{command.group}", store)
+            if command.backend == "gloo":
+                group = dist.ProcessGroupGloo(prefixed, self.group_rank, command.world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = dist.ProcessGroupNCCL(prefixed, self.group_rank, command.world_size, options)
+            store.set_timeout(timeout)  # NCCL exchanges its id through the store at the first broadcast
+            return group
+
+        try:
+            self.group = bounded_join(rendezvous, join_s, command.address, command.port)
+        except Exception as exc:
+            self.group, self.group_rank = None, -1  # nothing half-joined is kept
+            raise RunnerArgumentError(
+                f"the rendezvous at {command.address}:{command.port} did not complete within {join_s:.3g} s "
+                f"({type(exc).__name__}: {str(exc)[:200]}); start the trainer's side "
+                "(WeightSender.init_group) while the stage joins, and check the address, port and world_size"
+            ) from None
 
     # ------------------------------------------------------------------ update
 

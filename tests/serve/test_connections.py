@@ -73,7 +73,7 @@ def test_half_open_connections_are_closed_and_callers_still_served(served: Serve
 
 
 def test_a_full_server_evicts_the_longest_waiting_connection(served: Served) -> None:
-    with keyed_server(served, read_timeout_s=600.0, max_connections=8) as keyed:
+    with keyed_server(served, read_timeout_s=600.0, max_connections=8, max_connections_per_client=8) as keyed:
         slow = [_open(keyed.url, b"GET /v1/sta") for _ in range(8)]
         # The client's connection is the ninth: the oldest half-open one makes room for it.
         answer = keyed.client.get("/v1/stages")
@@ -117,3 +117,54 @@ def test_read_timeout_must_be_sane(value: float) -> None:
 
     with pytest.raises(InvalidArgumentError, match="read_timeout_s"):
         ServerConfig(read_timeout_s=value)
+
+
+IDLE_FLOOD = 64
+HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def _idle_keep_alive(url: str, source: str = "127.0.0.1") -> socket.socket:
+    """A connection of a caller without the key: one public request answered, then held open
+    (keep-alive) with nothing more sent."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), source_address=(source, 0))
+    sock.sendall(HEALTH)
+    sock.settimeout(CLOSE_WAIT_S)
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+        chunk = sock.recv(4096)
+        assert chunk, f"the server closed a kept-alive connection early: {answer!r}"
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    return sock
+
+
+def test_idle_keep_alive_connections_without_the_key_cannot_lock_the_operator_out(served: Served) -> None:
+    with keyed_server(served, max_connections=IDLE_FLOOD, max_connections_per_client=IDLE_FLOOD) as keyed:
+        idle = [_idle_keep_alive(keyed.url) for _ in range(IDLE_FLOOD)]
+        try:
+            # Every slot is held by an idle connection; the operator's call still gets one.
+            answer = keyed.client.get("/v1/stages")
+            assert answer.status_code == 200, answer.text
+            assert _closed_by_server(idle[0])  # the oldest idle one made room
+            metrics = keyed.client.get("/metrics").text
+            evicted = metric_value(metrics, "omni_core_http_connections_closed_total", reason="limit_evicted")
+            assert evicted >= 1
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_one_client_at_its_cap_replaces_its_own_connections_not_the_operators(served: Served) -> None:
+    with keyed_server(served, max_connections=16, max_connections_per_client=4) as keyed:
+        assert keyed.client.get("/v1/stages").status_code == 200  # the operator's kept-alive connection
+        # Another peer (a second loopback address) opens twice its cap of idle connections.
+        flood = [_idle_keep_alive(keyed.url, source="127.0.0.2") for _ in range(8)]
+        try:
+            assert all(_closed_by_server(sock) for sock in flood[:4])  # its own oldest made room
+            metrics = keyed.client.get("/metrics").text  # on the operator's connection, still open
+            assert metric_value(metrics, "omni_core_http_connections_closed_total", reason="client_evicted") == 4
+            assert metric_value(metrics, "omni_core_http_connections_closed_total", reason="limit_evicted") == 0
+        finally:
+            for sock in flood[4:]:
+                sock.close()
