@@ -376,12 +376,9 @@ def _note_unmodelled(events: list[TraceEvent]) -> None:
             ev.note = (
                 f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
             )
-        # A sleep's or an update's drain is an "issue" line; a "state" line into DRAINING is a pause's.
-        elif ev.kind == "state" and (ev.state in ("PAUSED", "DRAINING") or ev.before == "PAUSED"):
-            ev.note = (
-                "a pause (Engine.pause, PAUSED): model-checked in tla/OmniPause.tla, not replayed by trace "
-                "validation, which follows OmniSleep; check a trace without pauses"
-            )
+        # A pause's drain that outlives its deadline is not replayed (OmniTrace's EnginePause).
+        elif ev.kind == "deadline" and ev.state == "RUNNING" and ev.before == "DRAINING" and ev.task == 0:
+            ev.note = "a pause's drain that ran out of time: model-checked in tla/OmniPause.tla, not replayed"
 
 
 CHUNK_EVENTS = 400
@@ -426,6 +423,18 @@ def _cut_here(current: list[TraceEvent], rest: list[TraceEvent], k: int, ranks: 
     return moved
 
 
+def _paused_after(ev: TraceEvent, paused: bool) -> bool:
+    """Whether the stage is paused after `ev`: from a commit of PAUSED until a resume or a
+    restart (a paused stage's sleep and wake keep the pause)."""
+    if ev.kind == "restart":
+        return False
+    if ev.kind == "state" and ev.state == "PAUSED":
+        return True
+    if ev.kind == "state" and ev.before == "PAUSED" and ev.state == "RUNNING":
+        return False
+    return paused
+
+
 def split(trace: StageTrace, chunk_events: int = CHUNK_EVENTS) -> list[list[TraceEvent]]:
     """The stage's events cut into chunks of about `chunk_events` (0: no cut), each ending
     with the commit of a task (a settled stage) when nothing is in flight. Events keep the
@@ -436,10 +445,13 @@ def split(trace: StageTrace, chunk_events: int = CHUNK_EVENTS) -> list[list[Trac
     current: list[TraceEvent] = []
     rest = list(trace.events)
     k = 0
+    paused = False  # a chunk starts unpaused (Carried holds no pause): never cut inside a pause
     while k < len(rest):
         current.append(rest[k])
+        paused = _paused_after(current[-1], paused)
         k += 1
-        if len(current) >= chunk_events and _is_commit(current[-1]) and len(rest) - k >= chunk_events // 4:
+        cut = not paused and len(current) >= chunk_events and _is_commit(current[-1])
+        if cut and len(rest) - k >= chunk_events // 4:
             moved = _cut_here(current, rest, k, trace.ranks)
             if moved is not None:
                 current += [rest[j] for j in moved]
