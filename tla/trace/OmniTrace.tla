@@ -239,6 +239,17 @@ HiddenCrash ==
     /\ wstat' = [wstat EXCEPT ![E.r] = NoStatus]
     /\ UNCHANGED <<i, owedState, owedSends>>
 
+(* ended, answered (TaskEnded, RequestAnswered): what a caller heard, tied to what the
+   ranks answered. A task or request the spec's answers ended "ok" is the only one its caller
+   may hear succeed; one that failed, was refused or is still running is the only one it may
+   hear fail (a request aborted by a pause or sleep hears so while its ranks still run it).
+   A task the engine never named (a pause, a resume: t < 1) has nothing to be tied to. *)
+CallerHeard ==
+    /\ E.k \in {"ended", "answered"}
+    /\ E.t \in TaskIds => (E.x = "ok") = (outcome[E.t] = "ok")
+    /\ UNCHANGED <<vars, owedState, owedSends, wowed, wreply, unsent, wstat>>
+    /\ Advance
+
 (* The pause's own lines (StageChanged, no task, nothing sent; StageCore._pause, _resume):
    a RUNNING stage with no request in flight pauses at once; with requests in flight its
    admission closes (DRAINING, which OmniSleep's EndRequest leaves alone for a Pause) and it
@@ -356,7 +367,7 @@ TraceNext ==
     \/ /\ i <= Len(Trace)
        /\ \/ /\ UNCHANGED spaused
              /\ \/ EngineRecv \/ EngineIssue \/ WorkerRecv \/ WorkerDone \/ WorkerRefused
-                \/ /\ \/ EngineDeadline \/ EngineState \/ EngineDispatch \/ EngineSend \/ EngineDied
+                \/ /\ \/ EngineDeadline \/ EngineState \/ EngineDispatch \/ EngineSend \/ EngineDied \/ CallerHeard
                       \/ WorkerStart \/ WorkerState \/ WorkerSend \/ WorkerStatus \/ WorkerStatusDone
                    /\ UNCHANGED weightVars
           \/ spaused' = FALSE /\ EngineRestart      \* fresh ranks, a fresh stage: no pause

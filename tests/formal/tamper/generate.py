@@ -618,6 +618,57 @@ def update_during_request(lines: Lines) -> str:
 
 
 # name -> (legal trace it tampers, what it does)
+# ---------------------------------------------------------------- callers' outcomes, the stop
+
+
+def task_ok_after_rank_failure(lines: Lines) -> str:
+    """The sleep a silent rank failed (deadline, stage FAILED) is reported to its caller as
+    done."""
+    k = _first(lines, lambda ln: _engine(ln, T.TaskEnded, "talker") and not ln.record.ok)
+    lines[k] = _with(lines[k], ok=True, state="SLEEPING", error="")
+    return "talker"
+
+
+def request_ok_without_results(lines: Lines) -> str:
+    """The first request's caller hears its output before any rank's Result was taken."""
+    k = _first(lines, lambda ln: _engine(ln, T.RequestAnswered, "talker"))
+    request = lines[k].record.request_id
+    first = _first(lines, lambda ln: _engine(ln, T.StageReceived, "talker") and ln.record.task_id == request)
+    lines.insert(first, lines.pop(k))
+    return "talker"
+
+
+def stopped_hides_rest(lines: Lines) -> str:
+    """A StageStopped line right after the first commit to SLEEPING, and the wake after it
+    recorded as committing PARTIAL: what follows a stop used to be dropped unread."""
+    k = _commit(lines, "talker", "SLEEPING")
+    stop = T.StageStopped(epoch=lines[k].record.epoch, before="SLEEPING")
+    lines.insert(k + 1, msgspec.structs.replace(lines[k], record=stop))
+    w = _first(lines, lambda ln: _engine(ln, T.StageChanged, "talker") and ln.record.before == "WAKING", k + 2)
+    lines[w] = _with(lines[w], after="PARTIAL")
+    return "talker"
+
+
+def old_epoch_result_after_restart(lines: Lines) -> str:
+    """After the restart, the killed epoch-0 rank 1's Result is received again (a late copy,
+    which the epoch fence ignores) and the epoch-1 request is answered right after it, before
+    any epoch-1 rank answered: the caller got the old epoch's output."""
+    d = _first(lines, lambda ln: _engine(ln, T.StageDispatched, "talker") and ln.record.epoch == 1)
+    request = lines[d].record.request_id
+    old = _first(
+        lines,
+        lambda ln: (
+            _engine(ln, T.StageReceived, "talker")
+            and (ln.record.reply, ln.record.rank, ln.record.epoch) == ("result", 1, 0)
+        ),
+    )
+    answer = _first(lines, lambda ln: _engine(ln, T.RequestAnswered, "talker") and ln.record.request_id == request)
+    at = 1 + max(k for k, ln in enumerate(lines) if _engine(ln, T.StageSent, "talker") and ln.record.task_id == request)
+    lines.insert(at, lines.pop(answer))
+    lines.insert(at, msgspec.structs.replace(lines[old]))
+    return "talker"
+
+
 # ---------------------------------------------------------------- the pause (PAUSED in traces)
 
 
@@ -682,6 +733,10 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "result_other_version": ("weights", result_other_version),
     "failed_update_running": ("weights_failed", failed_update_running),
     "update_during_request": ("weights_drain", update_during_request),
+    "task_ok_after_rank_failure": ("deadline", task_ok_after_rank_failure),
+    "request_ok_without_results": ("demo", request_ok_without_results),
+    "stopped_hides_rest": ("demo", stopped_hides_rest),
+    "old_epoch_result_after_restart": ("restart", old_epoch_result_after_restart),
     "wake_ends_pause": ("pause", wake_ends_pause),
     "pause_line_removed": ("pause", pause_line_removed),
     "request_while_paused": ("pause", request_while_paused),
