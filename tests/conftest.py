@@ -1,18 +1,24 @@
 """Shared test settings.
 
-Hypothesis profiles (chosen by HYPOTHESIS_PROFILE, else "ci" when CI is set and "dev" otherwise):
+Hypothesis profiles (chosen by HYPOTHESIS_PROFILE, else "ci", locally as in CI):
 
-- "ci": what CI runs (hypothesis also auto-loads it when CI=true). Derandomized, so a red
-  CI run is reproducible; 200 examples of up to 30 steps per stateful machine.
-- "dev": a longer local hunt (1000 examples of up to 50 steps, random seeds, shrinking
-  results kept in the example database).
+- "ci": what CI and a local run use. Derandomized, so a red run is reproducible anywhere with
+  the same code; 200 examples of up to 30 steps per stateful machine; a failure prints its
+  reproduction blob (`print_blob`).
+- "dev": a longer hunt on request (HYPOTHESIS_PROFILE=dev: 1000 examples of up to 50 steps,
+  random seeds); every failing example is kept in the database under .hypothesis/ at the
+  checkout's root and replayed first next time, and its blob is printed.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / ".hypothesis" / "examples"  # git-ignored
 
 settings.register_profile(
     "ci",
@@ -29,11 +35,12 @@ settings.register_profile(
     max_examples=1000,
     stateful_step_count=50,
     deadline=None,
+    database=DirectoryBasedExampleDatabase(str(EXAMPLES_DIR)),
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-# CI (CI=true) gets the reproducible "ci" profile; a developer's run hunts longer.
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+# A local run is CI's run (a failure seen once is seen again); the longer hunt is asked for.
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser) -> None:  # type: ignore[no-untyped-def]

@@ -25,6 +25,8 @@ from omni_core.conformance import cases_escapes  # noqa: F401 (bugs the cases ab
 from omni_core.conformance import cases_profile  # noqa: F401 (P-15)
 from omni_core.conformance import cases_swap  # noqa: F401 (P-16)
 from omni_core.conformance import cases_weights  # noqa: F401 (P-17)
+from omni_core.conformance import cases_versions  # noqa: F401 (P-17: where an update is legal, versions)
+from omni_core.conformance import cases_links  # noqa: F401 (P-18)
 from omni_core.conformance import cases_hello  # noqa: F401 (P-12: the Hello's pool_bytes)
 
 # isort: on

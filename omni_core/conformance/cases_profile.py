@@ -1,4 +1,4 @@
-"""The P-15 cases (Profile) and the P-19 case (ResetPrefixCache): commands that never change
+"""The P-15 cases (Profile) and the P-19 cases (ResetPrefixCache): commands that never change
 the state, kept in their own module so they register after the others (`omni_core.conformance`
 imports it) without touching the cases of other requirements."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-from omni_core.conformance.cases import Ctx, case
+from omni_core.conformance.cases import LEVEL2, PARTIAL_WAKE, Ctx, case
 from omni_core.protocol import Ack, AckStatus, NackReason, Profile, ResetPrefixCache, WorkerState
 
 # What a worker must refuse as a file-name part (P-15): a path separator, a parent
@@ -174,4 +174,52 @@ def reset_prefix_cache_moves_no_memory(ctx: Ctx) -> None:
     _, slept = ctx.sleep(1)
     asleep = ctx.cmd(ResetPrefixCache, "reset-asleep")
     ctx.nack(ctx.request(asleep), asleep, NackReason.INVALID_STATE, state=slept.state, names_state=True)
+    ctx.back_to_active()
+
+
+def _reset_keeps(ctx: Ctx, state: WorkerState, asleep: set[str], what: str) -> None:
+    """ResetPrefixCache in `state`: Ack OK there, the same tags asleep, no pool byte moved."""
+    command = ctx.cmd(ResetPrefixCache, what)
+    ack = ctx.ack(ctx.request(command), command, state=state, status=AckStatus.OK)
+    memory = ack.memory
+    ctx.check(
+        memory is not None and memory.pool_bytes_before == memory.pool_bytes_after and set(ack.asleep_tags) == asleep,
+        f"ResetPrefixCache in {state.value} moved pool memory or changed the asleep tags",
+        sent=command,
+        got=ack,
+        expected=f"equal pool bytes before and after, asleep {sorted(asleep)}",
+    )
+
+
+@case(
+    "P-19",
+    "reset_prefix_cache_in_partial",
+    "'partial_wake' declared: after a sleep and a wake of one tag (PARTIAL), ResetPrefixCache is acknowledged "
+    "OK in PARTIAL, the same tags asleep, pool bytes unchanged; from an older epoch it is refused STALE_EPOCH",
+    needs=(PARTIAL_WAKE,),
+)
+def reset_prefix_cache_in_partial(ctx: Ctx) -> None:
+    if len(ctx.worker.tags) < 2:
+        ctx.skip(f"the worker has one tag ({list(ctx.worker.tags)}), so no PARTIAL")
+    ctx.sleep(1)
+    _, woke = ctx.wake(tags=(ctx.worker.tags[0],))
+    _reset_keeps(ctx, woke.state, set(woke.asleep_tags), "partial")
+    stale = ctx.cmd(ResetPrefixCache, "stale", epoch=ctx.worker.epoch - 1)
+    ctx.nack(ctx.request(stale), stale, NackReason.STALE_EPOCH)
+    ctx.back_to_active()
+    _reset_keeps(ctx, WorkerState.ACTIVE, set(), "active")
+
+
+@case(
+    "P-19",
+    "reset_prefix_cache_refused_needs_reload",
+    "'level2' declared: after a level-2 sleep and a wake (NEEDS_RELOAD), ResetPrefixCache is refused "
+    "INVALID_STATE naming the state, still NEEDS_RELOAD",
+    needs=(LEVEL2,),
+)
+def reset_prefix_cache_refused_needs_reload(ctx: Ctx) -> None:
+    ctx.sleep(2)
+    _, woke = ctx.wake()
+    command = ctx.cmd(ResetPrefixCache, "needs-reload")
+    ctx.nack(ctx.request(command), command, NackReason.INVALID_STATE, state=woke.state, names_state=True)
     ctx.back_to_active()

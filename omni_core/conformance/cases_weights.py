@@ -33,11 +33,10 @@ def _version(ctx: Ctx) -> int:
     return status.weights_version or 0
 
 
-def _self_update(ctx: Ctx, version: int) -> tuple[UpdateWeights, Ack]:
-    """The worker shares its own weights and takes them back as `version`: an update that
-    must succeed without a trainer, and must leave Execute's output as it was."""
+def share_weights(ctx: Ctx, state: WorkerState | None = None) -> Ack:
+    """ShareWeights acknowledged (in `state`, when given) with the buckets it filled."""
     share = ctx.cmd(ShareWeights, bucket_bytes=SHARE_BUCKET_BYTES)
-    shared = ctx.ack(ctx.request(share), share)
+    shared = ctx.ack(ctx.request(share), share, state=state)
     ctx.check(
         shared.shared is not None,
         "ShareWeights was acknowledged without the buckets it filled",
@@ -45,7 +44,13 @@ def _self_update(ctx: Ctx, version: int) -> tuple[UpdateWeights, Ack]:
         got=shared,
         expected="Ack with `shared` listing the buckets",
     )
-    assert shared.shared is not None
+    return shared
+
+
+def _self_update(ctx: Ctx, version: int) -> tuple[UpdateWeights, Ack]:
+    """The worker shares its own weights and takes them back as `version`: an update that
+    must succeed without a trainer, and must leave Execute's output as it was."""
+    shared = share_weights(ctx)
     update = ctx.cmd(UpdateWeights, f"v{version}", version=version, source=shared.shared)
     done = ctx.ack(ctx.request(update), update, state=WorkerState.ACTIVE)
     ctx.check(

@@ -261,9 +261,6 @@ REQUIREMENTS: dict[str, Requirement] = {
             "left off the wire when empty, so a command without one is the frame every version-1 worker knows. "
             "omni-core's planner: `omni_core/engine/link_plan.py`; its relays: "
             "`omni_core/workers/backends/lanes.py`.",
-            worker=False,
-            why_not="the suite has no P-18 cases yet (a plan refused without multi_path, the same bytes with one); "
-            "the worker side is tested in tests/test_worker_core.py and tests/workers/test_lanes.py",
         ),
         Requirement(
             "P-19",

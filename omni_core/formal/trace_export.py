@@ -9,14 +9,17 @@ Each record kind is one event kind, and each event kind one action of the trace 
 deadline (Deadline), StageRestarted -> restart (Restart), RankDied -> died (Crash, then
 RankDied); WorkerStarted -> start (Loaded/LoadFailed), WorkerReceived -> wrecv
 (WorkerReceive), EffectDone/EffectFailed/EffectRefused -> done/error/refused
-(Done/EffectError/Refused), WorkerChanged -> wstate, ReplySent -> wsend. The send, state,
-wstate and wsend events are checks of what the step before them did.
+(Done/EffectError/Refused), WorkerChanged -> wstate, ReplySent -> wsend, TaskEnded ->
+ended and RequestAnswered -> answered (what a caller heard, tied to the outcome the ranks'
+answers gave). The send, state, wstate, wsend, ended and answered events are checks of what
+the steps before them did.
 
 Dropped (counted by kind): the kinds the spec does not model (StageStarting, requests'
-submissions and answers, task outcomes, spawns, refused peers, a worker's BadMessage with
-its NACK, ParentGone); a RankDied of another epoch (the core ignored it); the lines of a
-process a restart replaced, until its death is recorded; everything of the stage from its
-StageStopped on (the engine's shutdown ends the trace, and only it sends Shutdown). No
+submissions, spawns, refused peers, a worker's BadMessage with its NACK, ParentGone); a
+RankDied of another epoch (the core ignored it); the lines of a process a restart replaced,
+until its death is recorded; after the stage's StageStopped (the engine's shutdown ends the
+trace, and only it sends Shutdown), the ranks' last replies it drains, deaths, callers told
+of failures and the ranks' Shutdown: any other line after a stop is refuted. No
 line is dropped for what it names: Profile tasks are replayed (IssueProfile) and a rank's
 Status is checked to change nothing (P-7), so relabelling a line hides nothing.
 
@@ -77,6 +80,8 @@ RECORD_EVENTS: dict[type, str] = {
     T.EffectRefused: "refused",
     T.WorkerChanged: "wstate",
     T.ReplySent: "wsend",
+    T.TaskEnded: "ended",
+    T.RequestAnswered: "answered",
 }
 
 
@@ -163,15 +168,25 @@ def stages_in(lines: Iterable[T.TraceLine]) -> list[str]:
 
 
 def _lines(lines: list[T.TraceLine], stage: str) -> list[tuple[int, T.TraceLine]]:
-    """(line number, line) of this stage, up to its StageStopped."""
-    out = []
-    for n, line in enumerate(lines, start=1):
-        if line.stage != stage:
-            continue
-        if isinstance(line.record, T.StageStopped):
-            break  # the engine's shutdown ends the stage's trace
-        out.append((n, line))
-    return out
+    """(line number, line) of this stage, its StageStopped included."""
+    return [(n, line) for n, line in enumerate(lines, start=1) if line.stage == stage]
+
+
+def _after_stop(line: T.TraceLine, shutdowns: set[str]) -> bool:
+    """May `line` follow the stage's StageStopped? Only its ranks' last replies as the engine
+    drains them, a death, a caller told of a failure, and the ranks finishing what they were
+    sent (`shutdowns`: the task ids sent before the stop, and the Shutdown's, named by the
+    WorkerReceived lines that take them)."""
+    r: Any = line.record
+    if line.is_engine:
+        if isinstance(r, T.TaskEnded):
+            return not r.ok
+        if isinstance(r, T.RequestAnswered):
+            return bool(r.error)
+        return isinstance(r, (T.StageReceived, T.RankDied))
+    if isinstance(r, T.WorkerReceived) and r.command == "Shutdown":
+        shutdowns.add(r.task_id)
+    return getattr(r, "task_id", None) in shutdowns
 
 
 def _command_of(record: Any) -> str:
@@ -194,9 +209,23 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     superseded: set[tuple[int, int, str]] = set()  # (rank, epoch, task) of replies dropped below
     deaths: dict[tuple[int, int], int] = {}  # (rank, process epoch) -> the line recording its death
     clock = DeadlineClock(lines)
+    stopped = 0  # the line of the stage's StageStopped: the engine's shutdown ends its trace
+    shutdowns: set[str] = set()
     for n, line in ours:
         record = line.record
         kind = RECORD_EVENTS.get(type(record))
+        if isinstance(record, T.StageStopped) and not stopped:
+            stopped = n
+            continue
+        if isinstance(record, T.StageSent) and not stopped:
+            shutdowns.add(record.task_id)  # a rank may still finish it after the stop
+        if stopped:
+            if _after_stop(line, shutdowns):
+                dropped["after StageStopped"] += 1
+            else:  # what a stopped stage cannot have written: kept, so the replay stops here
+                why = f"{line.kind} written for the stage after its StageStopped (line {stopped})"
+                events.append(_refuted(kind or line.kind, n, line, tasks, why))
+            continue
         if isinstance(record, T.StageRestarted):
             epoch_now = record.epoch
         if not line.is_engine and (line.rank, line.epoch) in deaths:
@@ -276,6 +305,10 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
             ev.version = r.weights_version
         elif kind == "state":
             ev.version = r.weights_version
+        elif kind == "ended":
+            ev.cmd, ev.info = r.command, "ok" if r.ok else "failed"
+        elif kind == "answered":
+            ev.info = r.error or "ok"
         elif kind == "deadline":
             ev.late_us = late_us(min(r.now_s, line.mono_s), r.deadline_at_s)
             ev.failed = tuple(sorted(int(k) for k in r.failed_ranks))
@@ -376,17 +409,14 @@ def _note_unmodelled(events: list[TraceEvent]) -> None:
             ev.note = (
                 f"rank {ev.rank} started in {ev.wstate}; the spec's ranks start ACTIVE (Loaded) or FAILED (LoadFailed)"
             )
-        # A sleep's or an update's drain is an "issue" line; a "state" line into DRAINING is a pause's.
-        elif ev.kind == "state" and (ev.state in ("PAUSED", "DRAINING") or ev.before == "PAUSED"):
-            ev.note = (
-                "a pause (Engine.pause, PAUSED): model-checked in tla/OmniPause.tla, not replayed by trace "
-                "validation, which follows OmniSleep; check a trace without pauses"
-            )
+        # A pause's drain that outlives its deadline is not replayed (OmniTrace's EnginePause).
+        elif ev.kind == "deadline" and ev.state == "RUNNING" and ev.before == "DRAINING" and ev.task == 0:
+            ev.note = "a pause's drain that ran out of time: model-checked in tla/OmniPause.tla, not replayed"
 
 
 CHUNK_EVENTS = 400
 SETTLED = ("RUNNING", "SLEEPING", "PARTIAL", "NEEDS_RELOAD")
-ENGINE_KINDS = ("issue", "dispatch", "send", "recv", "state", "deadline", "restart", "died")
+ENGINE_KINDS = ("issue", "dispatch", "send", "recv", "state", "deadline", "restart", "died", "ended", "answered")
 
 
 def _is_commit(ev: TraceEvent) -> bool:
@@ -426,6 +456,18 @@ def _cut_here(current: list[TraceEvent], rest: list[TraceEvent], k: int, ranks: 
     return moved
 
 
+def _paused_after(ev: TraceEvent, paused: bool) -> bool:
+    """Whether the stage is paused after `ev`: from a commit of PAUSED until a resume or a
+    restart (a paused stage's sleep and wake keep the pause)."""
+    if ev.kind == "restart":
+        return False
+    if ev.kind == "state" and ev.state == "PAUSED":
+        return True
+    if ev.kind == "state" and ev.before == "PAUSED" and ev.state == "RUNNING":
+        return False
+    return paused
+
+
 def split(trace: StageTrace, chunk_events: int = CHUNK_EVENTS) -> list[list[TraceEvent]]:
     """The stage's events cut into chunks of about `chunk_events` (0: no cut), each ending
     with the commit of a task (a settled stage) when nothing is in flight. Events keep the
@@ -436,10 +478,13 @@ def split(trace: StageTrace, chunk_events: int = CHUNK_EVENTS) -> list[list[Trac
     current: list[TraceEvent] = []
     rest = list(trace.events)
     k = 0
+    paused = False  # a chunk starts unpaused (Carried holds no pause): never cut inside a pause
     while k < len(rest):
         current.append(rest[k])
+        paused = _paused_after(current[-1], paused)
         k += 1
-        if len(current) >= chunk_events and _is_commit(current[-1]) and len(rest) - k >= chunk_events // 4:
+        cut = not paused and len(current) >= chunk_events and _is_commit(current[-1])
+        if cut and len(rest) - k >= chunk_events // 4:
             moved = _cut_here(current, rest, k, trace.ranks)
             if moved is not None:
                 current += [rest[j] for j in moved]

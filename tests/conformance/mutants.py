@@ -66,6 +66,19 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "no_memory_early": ("P-16", "a wake that may wait under 1 s gives up after 10 ms"),
     "epoch_window_5000": ("P-13", "an epoch up to 5000 ahead is adopted (the window is 64)"),
     "stale_version_accepted": ("P-17", "an UpdateWeights to a version not above the held one is applied"),
+    # The weight-version escapes of the issue-37 audit, and the rules beside them.
+    "update_refused_partial": ("P-17", "UpdateWeights refused in PARTIAL although 'weights' is awake"),
+    "update_refused_needs_reload": ("P-17", "UpdateWeights refused in NEEDS_RELOAD (only a reload leaves it)"),
+    "update_weights_asleep": ("P-17", "UpdateWeights accepted in PARTIAL with 'weights' asleep"),
+    "reload_keeps_version": ("P-17", "a reload reports the last update's version instead of 0"),
+    "stale_host_copy": ("P-17", "a level-1 wake after an update restores the host copy of the old weights"),
+    "result_version_zero": ("P-17", "Results carry weights version 0 after an update"),
+    "nack_version_zero": ("P-17", "Nacks carry weights version 0 after an update"),
+    "hello_claims_version": ("P-17", "the Hello of a worker just started claims weights version 7"),
+    "update_unchecked_names": ("P-17", "an update's tensor names, shapes and dtypes are not checked before writing"),
+    "share_while_asleep": ("P-17", "ShareWeights is attempted with the weights asleep"),
+    "links_without_multi_path": ("P-18", "a Sleep or Wake with links is obeyed (on its own link) without 'multi_path'"),
+    "reset_refused_partial": ("P-19", "ResetPrefixCache refused in PARTIAL"),
 }
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
@@ -505,6 +518,107 @@ def _install(name: str) -> None:
         def _check_invariants(self) -> None:
             return None  # the real core would catch its own fault
 
+    # ------------------------------------------------ the weight-version escapes (P-17) and P-18, P-19
+
+    from omni_core.fsm.effects import ReloadEffect
+    from omni_core.protocol import ReloadWeights, ResetPrefixCache, Result
+    from omni_core.workers import weight_receiver
+
+    class UpdateRefusedPartialCore(core_cls):
+        def _on_update_weights(self, command: Any) -> Any:
+            if self.state is WorkerState.PARTIAL:
+                return self._refuse_state(command, "UpdateWeights needs ACTIVE or NEEDS_RELOAD")
+            return super()._on_update_weights(command)
+
+    class UpdateRefusedNeedsReloadCore(core_cls):
+        def _on_update_weights(self, command: Any) -> Any:
+            if self.state is WorkerState.NEEDS_RELOAD:
+                return self._refuse_state(command, "reload first: UpdateWeights needs ACTIVE or PARTIAL")
+            return super()._on_update_weights(command)
+
+    class WeightsLookAwakeCore(core_cls):
+        """Residency asked of the wrong set: 'weights' looks awake whatever sleeps."""
+
+        def _as_if_awake(self, handler: Any, command: Any) -> Any:
+            asleep = self.residency.asleep
+            self.residency.asleep = asleep - {"weights"}
+            try:
+                return handler(command)
+            finally:
+                self.residency.asleep = asleep
+
+        def _check_invariants(self) -> None:
+            return None  # the real core would catch its own fault
+
+    class UpdateWeightsAsleepCore(WeightsLookAwakeCore):
+        def _on_update_weights(self, command: Any) -> Any:
+            return self._as_if_awake(super()._on_update_weights, command)
+
+    class ShareWhileAsleepCore(WeightsLookAwakeCore):
+        def _on_share_weights(self, command: Any) -> Any:
+            return self._as_if_awake(super()._on_share_weights, command)
+
+    class ReloadKeepsVersionCore(core_cls):
+        def _settle(self, pending: Any) -> None:
+            held = self.weights_version
+            super()._settle(pending)
+            if isinstance(pending.command, ReloadWeights):
+                self.weights_version = held  # "the weights were replaced": the last version stands
+
+    class LinksObeyedCore(core_cls):
+        def _on_sleep(self, command: Any) -> Any:
+            return super()._on_sleep(msgspec.structs.replace(command, links=()))
+
+        def _on_wake(self, command: Any) -> Any:
+            return super()._on_wake(msgspec.structs.replace(command, links=()))
+
+    class ResetRefusedPartialCore(core_cls):
+        def _on_call(self, command: Any) -> Any:
+            if isinstance(command, ResetPrefixCache) and self.state is WorkerState.PARTIAL:
+                return self._refuse_state(command, "ResetPrefixCache needs ACTIVE")
+            return super()._on_call(command)
+
+    class StaleHostCopyProcess(process_cls):
+        """A host copy of the weights made at the first sleep, reused at every wake, dropped by a
+        reload but not by an update (the fast backend's clean copy, not invalidated)."""
+
+        clean: list[Any] | None = None
+
+        def _apply(self, effect: Any) -> Any:
+            import torch
+
+            weights = self.runner.weights if self.runner is not None else []
+            if isinstance(effect, SleepEffect) and "weights" in effect.offload and self.clean is None:
+                self.clean = [w.detach().clone() for w in weights]
+            if isinstance(effect, ReloadEffect):
+                self.clean = None
+            result = super()._apply(effect)
+            if isinstance(effect, WakeEffect) and "weights" in effect.tags and self.clean is not None:
+                with torch.no_grad():
+                    for w, copy in zip(weights, self.clean, strict=True):
+                        w.copy_(copy)
+            return result
+
+    class VersionZeroProcess(process_cls):
+        kinds: tuple[type, ...] = ()
+
+        def _send(self, message: Any) -> None:
+            if isinstance(message, self.kinds):
+                message = msgspec.structs.replace(message, weights_version=0)
+            super()._send(message)
+
+    class ResultVersionZeroProcess(VersionZeroProcess):
+        kinds = (Result,)
+
+    class NackVersionZeroProcess(VersionZeroProcess):
+        kinds = (Nack,)
+
+    class HelloClaimsVersionProcess(process_cls):
+        def _send(self, message: Any) -> None:
+            if isinstance(message, Hello):
+                message = msgspec.structs.replace(message, weights_version=7)
+            super()._send(message)
+
     def wake_keeping_mapped(self: Any, tags: frozenset[str], gate: Any = None) -> None:
         try:
             original_wake(self, tags, gate)
@@ -517,7 +631,6 @@ def _install(name: str) -> None:
 
     # ------------------------------------------------ the issue-25 audit's escapes
 
-    from omni_core.fsm.effects import ReloadEffect
     from omni_core.protocol import Profile
     from omni_core.protocol.auth import hello_proof
 
@@ -565,6 +678,9 @@ def _install(name: str) -> None:
     if name == "no_epoch_window":
         fsm_worker.MAX_EPOCH_AHEAD = 2**64
         return
+    if name == "update_unchecked_names":
+        weight_receiver.check_specs = lambda runner, specs: None  # every bucket written as it comes
+        return
     if name == "task_id_reuse_served":
         fsm_worker.command_digest = lambda command: b"task id only"
         return
@@ -584,6 +700,13 @@ def _install(name: str) -> None:
         "swap_refuses_wait": RefusesWaitCore,
         "no_memory_not_cached": RefusalNotCachedCore,
         "stale_version_accepted": StaleVersionCore,
+        "update_refused_partial": UpdateRefusedPartialCore,
+        "update_refused_needs_reload": UpdateRefusedNeedsReloadCore,
+        "update_weights_asleep": UpdateWeightsAsleepCore,
+        "share_while_asleep": ShareWhileAsleepCore,
+        "reload_keeps_version": ReloadKeepsVersionCore,
+        "links_without_multi_path": LinksObeyedCore,
+        "reset_refused_partial": ResetRefusedPartialCore,
     }
     processes = {
         "ack_before_release": AckBeforeReleaseProcess,
@@ -609,6 +732,10 @@ def _install(name: str) -> None:
         "hello_other_pid": HelloOtherPidProcess,
         "profile_wakes": ProfileWakesProcess,
         "no_memory_early": NoMemoryEarlyProcess,
+        "stale_host_copy": StaleHostCopyProcess,
+        "result_version_zero": ResultVersionZeroProcess,
+        "nack_version_zero": NackVersionZeroProcess,
+        "hello_claims_version": HelloClaimsVersionProcess,
     }
     if name == "no_capabilities":
         PortableBackend.capabilities = ()

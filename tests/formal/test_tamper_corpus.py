@@ -24,6 +24,14 @@ REJECTIONS = (
     trace_check.OWED_AT_END,
 )
 
+# Classes whose lie is one line: the replay must stop there, saying so.
+STOPS = {
+    "task_ok_after_rank_failure": "TaskEnded task_id=sleep-talker-",
+    "request_ok_without_results": "RequestAnswered request_id=req-talker-1",
+    "stopped_hides_rest": "written for the stage after its StageStopped",
+    "old_epoch_result_after_restart": "StageReceived epoch=0 rank=1 task_id=req-talker-1 reply=result",
+}
+
 
 def test_the_corpus_is_what_the_generator_makes() -> None:
     made = generate.tampered()
@@ -49,3 +57,4 @@ def test_a_tampered_trace_is_rejected(name: str) -> None:
     print(verdict.line())
     assert not verdict.accepted, f"{name} ({entry['what']}) was accepted"
     assert verdict.reason.startswith(REJECTIONS), verdict.line()
+    assert STOPS.get(name, "") in verdict.line(), verdict.line()

@@ -36,6 +36,11 @@
 (* result: the committed one; an update's ACK: the version sent), and the  *)
 (* committed version after each change of the stage (state).              *)
 (*                                                                         *)
+(* A pause (PAUSED) is replayed too: its lines are the stage's own (EnginePause), and a      *)
+(* paused stage is OmniSleep's RUNNING with spaused set (Shown), which admits no request;   *)
+(* a paused stage's sleep and wake keep the pause until resume. Not replayed: a pause's     *)
+(* drain that outlives its deadline.                                                        *)
+(*                                                                         *)
 (* The trace is accepted when it is consumed with no obligation left: the  *)
 (* invariant TraceAccepted is then violated (TLC exit 12 naming it). Any    *)
 (* other end means the trace diverged; TraceProgress prints the index each *)
@@ -50,9 +55,10 @@ VARIABLES
     wowed,      \* per rank: a worker state change not yet logged by its "state" line
     wreply,     \* per rank: the reply (or Hello) its last step produced, not yet logged as sent
     unsent,     \* replies a rank produced but never logged: it died first, so they never left
-    wstat       \* per rank: the Status task whose effect runs (NoStatus: none)
+    wstat,      \* per rank: the Status task whose effect runs (NoStatus: none)
+    spaused     \* the stage is paused (Engine.pause until Engine.resume; see Shown)
 
-traceVars == <<i, owedState, owedSends, wowed, wreply, unsent, wstat>>
+traceVars == <<i, owedState, owedSends, wowed, wreply, unsent, wstat, spaused>>
 
 Unlogged == "?"
 NoOwed == [b |-> NoVal, s |-> NoVal]
@@ -60,6 +66,13 @@ NoStatus == -100      \* task numbers are >= -1 (-1: a task the engine never nam
 Change(before, after) == IF before = after THEN NoOwed ELSE [b |-> before, s |-> after]
 E == Trace[i]
 TagsOf(tg) == IF tg = {"all"} THEN Tags ELSE tg       \* tags=None on the wire: every tag
+(* A pause lives in the orchestrator's admission alone (nothing goes to the ranks): the spec
+   replays a PAUSED stage as OmniSleep's RUNNING with spaused set, admitting no request, and
+   the records name that state PAUSED. A paused stage that sleeps and wakes is still paused
+   (its wake commits PAUSED) until resume; its sleep from PAUSED drains nothing, as from a
+   RUNNING stage with no request in flight. *)
+Shown(s) == IF spaused /\ s = "RUNNING" THEN "PAUSED" ELSE s
+ShownNext == IF spaused' /\ sstate' = "RUNNING" THEN "PAUSED" ELSE sstate'
 
 (* A long trace is replayed in chunks (trace_export.split). A chunk after the first starts
    from the state the previous one ended in (Carried: TLC printed it, the checker pastes
@@ -89,10 +102,11 @@ TraceInit ==
     /\ wreply = [r \in Ranks |-> NoMsg]
     /\ unsent = {}
     /\ wstat = [r \in Ranks |-> NoStatus]
+    /\ spaused = FALSE
 
 Advance == i' = i + 1
 EngineFree == owedState = NoOwed /\ owedSends = {}
-OweStage == owedState' = Change(sstate, sstate')
+OweStage == owedState' = Change(Shown(sstate), ShownNext)
 OweSends == owedSends' = {m \in net' \ net : m.kind = "cmd"}
 OweWorker(r) == wowed' = [wowed EXCEPT ![r] = Change(wstate[r], wstate'[r])]
 WorkerFree(r) == wowed[r] = NoOwed /\ wreply[r] = NoMsg /\ wstat[r] = NoStatus
@@ -110,7 +124,7 @@ NotYetSent(m) == m \in unsent \/ \E r \in Ranks : wreply[r] = m
 
 (* recv (StageReceived): the orchestrator takes a reply (Ack, Nack, Result) or a Hello. *)
 EngineRecv ==
-    /\ E.k = "recv" /\ EngineFree /\ sstate = E.s
+    /\ E.k = "recv" /\ EngineFree /\ Shown(sstate) = E.s
     /\ \E m \in net :
           /\ ~NotYetSent(m)     \* a rank logs a reply before it leaves
           /\ m.kind = E.c /\ m.task = E.t /\ m.rank = E.r /\ m.epoch = E.e
@@ -124,9 +138,9 @@ EngineRecv ==
 
 (* An action of the engine's own that leaves the stage in E.s; what it sends is owed. *)
 EngineStep(action) ==
-    /\ EngineFree /\ sstate = E.b
+    /\ EngineFree /\ Shown(sstate) = E.b
     /\ action
-    /\ sstate' = E.s /\ sepoch' = E.e
+    /\ ShownNext = E.s /\ sepoch' = E.e
     /\ OweSends
     /\ UNCHANGED owedState
 
@@ -178,7 +192,7 @@ EngineState ==
 
 (* dispatch (StageDispatched): a request goes to every rank at once. *)
 EngineDispatch ==
-    /\ E.k = "dispatch" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ E.t = nextTask
+    /\ E.k = "dispatch" /\ EngineFree /\ ~spaused /\ sstate = E.s /\ sepoch = E.e /\ E.t = nextTask
     /\ IssueExecute
     /\ OweSends
     /\ UNCHANGED <<owedState, wowed, wreply, unsent, wstat>>
@@ -193,7 +207,7 @@ Resent(fits(_)) == "dup" \in Faults /\ \E m \in net \ owedSends : fits(m)
 
 (* send (StageSent): logs one of the commands a step put on the network, or a re-send. *)
 EngineSend ==
-    /\ E.k = "send" /\ owedState = NoOwed /\ sstate = E.s /\ sepoch = E.e
+    /\ E.k = "send" /\ owedState = NoOwed /\ Shown(sstate) = E.s /\ sepoch = E.e
     /\ LET fits(m) == /\ m.kind = "cmd" /\ m.type = E.c /\ m.task = E.t /\ m.rank = E.r
                       /\ m.epoch = E.e
                       /\ E.lvl # 0 => m.level = E.lvl
@@ -208,7 +222,7 @@ EngineSend ==
 (* died (RankDied): the orchestrator saw rank E.r's process end (StageCore.on_rank_died);
    a stage already FAILED or STOPPED ignores it. *)
 EngineDied ==
-    /\ E.k = "died" /\ EngineFree /\ sstate = E.s /\ sepoch = E.e /\ ~alive[E.r]
+    /\ E.k = "died" /\ EngineFree /\ Shown(sstate) = E.s /\ sepoch = E.e /\ ~alive[E.r]
     /\ IF sstate \in {"FAILED", "STOPPED"} THEN UNCHANGED vars ELSE RankDied(E.r)
     /\ OweStage /\ OweSends
     /\ UNCHANGED <<wowed, wreply, unsent, wstat>>
@@ -224,6 +238,40 @@ HiddenCrash ==
     /\ unsent' = unsent \cup ({wreply[E.r]} \ {NoMsg})
     /\ wstat' = [wstat EXCEPT ![E.r] = NoStatus]
     /\ UNCHANGED <<i, owedState, owedSends>>
+
+(* ended, answered (TaskEnded, RequestAnswered): what a caller heard, tied to what the
+   ranks answered. A task or request the spec's answers ended "ok" is the only one its caller
+   may hear succeed; one that failed, was refused or is still running is the only one it may
+   hear fail (a request aborted by a pause or sleep hears so while its ranks still run it).
+   A task the engine never named (a pause, a resume: t < 1) has nothing to be tied to. *)
+CallerHeard ==
+    /\ E.k \in {"ended", "answered"}
+    /\ E.t \in TaskIds => (E.x = "ok") = (outcome[E.t] = "ok")
+    /\ UNCHANGED <<vars, owedState, owedSends, wowed, wreply, unsent, wstat>>
+    /\ Advance
+
+(* The pause's own lines (StageChanged, no task, nothing sent; StageCore._pause, _resume):
+   a RUNNING stage with no request in flight pauses at once; with requests in flight its
+   admission closes (DRAINING, which OmniSleep's EndRequest leaves alone for a Pause) and it
+   commits PAUSED once the last one has ended; a PAUSED stage resumes. *)
+PauseCmd == [type |-> "Pause", level |-> 0, tags |-> {}]
+EnginePause ==
+    /\ E.k = "state" /\ EngineFree /\ sepoch = E.e /\ E.v = sver
+    /\ \/ /\ Shown(sstate) = "RUNNING" /\ E.b = "RUNNING" /\ Idle
+          /\ \/ E.s = "PAUSED" /\ sreqs = {} /\ spaused' = TRUE /\ UNCHANGED stageVars
+             \/ /\ E.s = "DRAINING" /\ sreqs # {} /\ UNCHANGED spaused
+                /\ sstate' = SNext(sstate, "drain") /\ scmd' = PauseCmd
+                /\ UNCHANGED <<sepoch, stask, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies,
+                               sreqErr, failedRanks, outcome, sprof>>
+       \/ /\ sstate = "DRAINING" /\ scmd = PauseCmd /\ sreqs = {} /\ E.b = "DRAINING" /\ E.s = "PAUSED"
+          /\ sstate' = "RUNNING" /\ scmd' = NoCmd /\ spaused' = TRUE
+          /\ UNCHANGED <<sepoch, stask, sacks, sloadFailed, sasleep, svalid, sreqs, sreqReplies,
+                         sreqErr, failedRanks, outcome, sprof>>
+       \/ /\ Shown(sstate) = "PAUSED" /\ E.b = "PAUSED" /\ E.s = "RUNNING" /\ Idle
+          /\ spaused' = FALSE /\ UNCHANGED stageVars
+    /\ UNCHANGED <<workerVars, nextTask, faults, broken, net>>
+    /\ UNCHANGED <<owedState, owedSends, wowed, wreply, unsent, wstat>>
+    /\ Advance
 
 -----------------------------------------------------------------------------
 (* ============================== worker lines ============================ *)
@@ -256,7 +304,8 @@ WorkerDone ==
     /\ E.k \in {"done", "error"} /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
     /\ IF WeightPending(E.r) THEN IF E.k = "done" THEN WeightDone(E.r) ELSE WeightFailed(E.r)
-       ELSE (IF E.k = "done" THEN Done(E.r) ELSE EffectError(E.r)) /\ UNCHANGED weightVars
+       ELSE IF E.k = "done" THEN Done(E.r) /\ RankReloaded(E.r)
+       ELSE EffectError(E.r) /\ UNCHANGED weightVars
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
     /\ UNCHANGED <<owedState, owedSends, unsent, wstat>>
@@ -316,11 +365,14 @@ WorkerSend ==
 
 TraceNext ==
     \/ /\ i <= Len(Trace)
-       /\ \/ EngineRecv \/ EngineIssue \/ EngineRestart \/ WorkerRecv \/ WorkerDone \/ WorkerRefused
-          \/ /\ \/ EngineDeadline \/ EngineState \/ EngineDispatch \/ EngineSend \/ EngineDied
-                \/ WorkerStart \/ WorkerState \/ WorkerSend \/ WorkerStatus \/ WorkerStatusDone
-             /\ UNCHANGED weightVars
-    \/ HiddenCrash /\ UNCHANGED weightVars
+       /\ \/ /\ UNCHANGED spaused
+             /\ \/ EngineRecv \/ EngineIssue \/ WorkerRecv \/ WorkerDone \/ WorkerRefused
+                \/ /\ \/ EngineDeadline \/ EngineState \/ EngineDispatch \/ EngineSend \/ EngineDied \/ CallerHeard
+                      \/ WorkerStart \/ WorkerState \/ WorkerSend \/ WorkerStatus \/ WorkerStatusDone
+                   /\ UNCHANGED weightVars
+          \/ spaused' = FALSE /\ EngineRestart      \* fresh ranks, a fresh stage: no pause
+          \/ EnginePause /\ UNCHANGED weightVars
+    \/ HiddenCrash /\ UNCHANGED <<weightVars, spaused>>
 
 TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars, weightVars>>
 

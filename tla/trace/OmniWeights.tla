@@ -151,6 +151,11 @@ WeightTaskReply(m, rest) ==
 ForUpdate(m) == stask # 0 /\ scmd.type = "UpdateWeights" /\ m.task = stask /\ m.kind \in {"ack", "nack"}
 ForWeightTask(m) == wtask # 0 /\ m.task = wtask /\ m.kind \in {"ack", "nack"}
 
+(* A reload brings the runner's own weights back: once the stage commits it, no update's
+   version stands for them, and the stage's version is 0 again (StageCore._reload). *)
+ReloadCommitted ==
+    sver' = IF stask # 0 /\ scmd.type = "ReloadWeights" /\ outcome'[stask] = "ok" THEN 0 ELSE sver
+
 (* The stage takes reply m (the record says the rank reported version `ver`): a weight task's
    reply here, any other in OmniSleep's StageReceive. A second answer of a rank is ignored. *)
 StageTake(m, keep, ver) ==
@@ -164,7 +169,7 @@ StageTake(m, keep, ver) ==
             ELSE WeightTaskReply(m, rest) /\ UNCHANGED <<sver, uans>>
          /\ faults' = IF keep THEN faults + 1 ELSE faults
          /\ UNCHANGED <<workerVars, nextTask, broken, wver, uver, ufrom>>
-    ELSE StageReceive(m, keep) /\ UNCHANGED weightVars
+    ELSE StageReceive(m, keep) /\ ReloadCommitted /\ UNCHANGED <<wver, uver, uans, ufrom, wtask, wsaid>>
 
 -----------------------------------------------------------------------------
 (* ================================ worker ================================ *)
@@ -260,6 +265,12 @@ WeightRefused(r) ==
           /\ net' = net \cup {reply}
     /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, applied, stageVars, nextTask, faults, broken,
                    weightVars>>
+
+(* A rank's reload effect finished (the runner's own source, P-17 rule 2): it holds version 0
+   again, whatever update it held; any other effect of OmniSleep leaves its version. *)
+RankReloaded(r) ==
+    /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = 0] ELSE wver
+    /\ UNCHANGED <<sver, uver, uans, ufrom, wtask, wsaid>>
 
 (* A restart replaces every rank by a fresh process holding its own weights (version 0). *)
 WeightsRestarted ==

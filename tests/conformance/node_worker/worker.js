@@ -18,6 +18,9 @@ const PROTOCOL_VERSION = 1;
 const MAX_FRAME_BYTES = 64 << 20;
 const MAX_TASK_ID_CHARS = 128;
 const MAX_TAGS = 64;
+const MAX_LINKS = 8; // a link plan's paths (P-18)
+const MAX_DEVICE_INDEX = 63;
+const MAX_LINK_SHARE = 1000;
 const MAX_DEPTH = 64;
 const MAX_EPOCH_AHEAD = 64n;
 const MAX_DETAIL_CHARS = 4096;
@@ -25,6 +28,8 @@ const MAX_MEMORY_WAIT_S = 3600; // Wake.memory_wait_s (P-16)
 const TAGS = ["weights", "kv_cache"];
 const POOL_BYTES = { weights: 256 << 10, kv_cache: 64 << 10 };
 const CAPABILITIES = ["level2", "partial_wake"];
+const NO_LINKS = "this worker copies over its own host link only (capability 'multi_path' not declared); " +
+  "send the command without links";
 const SOURCE = "none: no GPU (node.js worker, host memory only)";
 const BUGS = new Set(["tiny_reply_cache", "wake_unknown_tag_already", "crash_on_shutdown_asleep"]);
 const IDLE = ["ACTIVE", "SLEEPING", "PARTIAL", "NEEDS_RELOAD"];
@@ -171,7 +176,7 @@ class BadMessage extends Error {
 }
 
 const COMMAND_FIELDS = {
-  Sleep: ["level", "tags"], Wake: ["tags", "memory_wait_s"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
+  Sleep: ["level", "tags", "links"], Wake: ["tags", "memory_wait_s", "links"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
   ResetPrefixCache: [],
 };
 const REPLY_TYPES = ["Ack", "Nack", "Result", "Hello"];
@@ -180,6 +185,20 @@ const TAG_RE = /^[A-Za-z0-9_.-]+$/;
 const isInt = (x) => typeof x === "bigint" || (typeof x === "number" && Number.isInteger(x));
 const readableTaskId = (t) => (typeof t === "string" && t.length > 0 && t.length <= MAX_TASK_ID_CHARS ? t : null);
 const readableEpoch = (e) => (isInt(e) && BigInt(e) >= 0n && BigInt(e) < 2n ** 64n ? BigInt(e) : null);
+
+// P-18: a link plan, checked as the schema checks it; this worker copies over no link but its
+// own (it does not declare 'multi_path'), so a valid plan is refused later as UNSUPPORTED.
+function parseLinks(links, type, ids) {
+  const number = (x) => (x instanceof Float ? x.value : isInt(x) ? Number(x) : NaN);
+  const valid = (p) => p instanceof Map && [...p.keys()].every((k) => k === "peer" || k === "share") &&
+    (!p.has("peer") || p.get("peer") === null || (isInt(p.get("peer")) && Number(p.get("peer")) >= 0 &&
+      Number(p.get("peer")) <= MAX_DEVICE_INDEX)) &&
+    (!p.has("share") || (number(p.get("share")) > 0 && number(p.get("share")) <= MAX_LINK_SHARE));
+  if (!(Array.isArray(links) && links.length <= MAX_LINKS && links.every(valid))) {
+    throw new BadMessage(`invalid ${type}: links must be at most ${MAX_LINKS} paths {peer, share}`, ids);
+  }
+  return links.map((p) => ({ peer: p.has("peer") ? p.get("peer") : null, share: p.has("share") ? number(p.get("share")) : 1 }));
+}
 
 function parseCommand(data) {
   let m;
@@ -217,6 +236,8 @@ function parseCommand(data) {
       throw new BadMessage(`invalid ${type}: tags must be null or 1-${MAX_TAGS} tag names`, ids);
     }
     cmd.tags = tags;
+    const links = parseLinks(m.has("links") ? m.get("links") : [], type, ids);
+    if (links.length) cmd.links = links; // left out when empty, like the wire: the v1 digest is unchanged
   }
   if (type === "Wake") {
     // P-16: how long the wake may wait for free device memory. This worker holds no device
@@ -370,6 +391,7 @@ class Worker {
   onSleep(cmd) {
     const tags = this.resolveTags(cmd);
     if (tags === null) return undefined;
+    if (cmd.links) return this.refuse(cmd, "UNSUPPORTED", NO_LINKS);
     const toSleep = [...tags].filter((t) => !this.asleep.has(t));
     if (!toSleep.length && ["SLEEPING", "PARTIAL", "NEEDS_RELOAD"].includes(this.state)) {
       return this.answer(cmd, this.ack(cmd, "ALREADY"));
@@ -395,6 +417,7 @@ class Worker {
     if (toWake.length !== this.asleep.size && !CAPABILITIES.includes("partial_wake")) {
       return this.refuse(cmd, "UNSUPPORTED", "this worker does not support partial wake");
     }
+    if (cmd.links) return this.refuse(cmd, "UNSUPPORTED", NO_LINKS);
     if (cmd.memory_wait_s && !CAPABILITIES.includes("swap")) {
       return this.refuse(cmd, "UNSUPPORTED", "this worker cannot wait for free device memory (capability 'swap' " +
         "not declared); send the Wake with memory_wait_s=0");

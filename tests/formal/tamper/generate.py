@@ -22,6 +22,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from omni_core.fsm import trace_records as T
 from omni_core.trace import encode_line, read_trace
 from tests.formal.test_trace_validation import _copy, _forged
@@ -197,6 +199,71 @@ def _record_weights_drain(path: Path) -> None:
         updating.result(60), before.result(60), during.result(60)
 
 
+def _record_weights_reload(path: Path) -> None:
+    """An update (version 1), a level-2 sleep and a wake (NEEDS_RELOAD at version 1), then a
+    reload: the runner's own weights, version 0 again on the ranks and the stage; a request
+    runs on them."""
+    from omni_core.engine import Engine
+    from omni_core.weights_sender import WeightSender
+    from tests.engine.conftest import PROBE, small_spec
+    from tests.engine.test_weight_updates import new_weights, reference
+
+    with Engine([small_spec("r", ranks=2)], trace_path=str(path)) as engine, WeightSender() as sender:
+        engine.update_weights("r", sender.share(new_weights(reference(seed=1), 61)), version=1)
+        engine.execute("r", PROBE)
+        engine.sleep("r", level=2)
+        engine.wake("r")
+        engine.reload_weights("r")
+        engine.execute("r", PROBE)
+
+
+def _record_pause(path: Path) -> None:
+    """A request, a pause, a sleep and a wake of the paused stage, a resume, a request. A wake
+    does not end a pause: the stage is PAUSED after it until resume (`_wake_keeps_pause`)."""
+    from omni_core.engine import Engine
+    from tests.engine.conftest import PROBE, small_spec
+
+    with Engine([small_spec("p", ranks=2)], trace_path=str(path)) as engine:
+        engine.execute("p", PROBE)
+        engine.pause("p")
+        engine.sleep("p")
+        engine.wake("p")
+        engine.resume("p")
+        engine.execute("p", PROBE)
+    _wake_keeps_pause(path)
+
+
+def _wake_keeps_pause(path: Path) -> None:
+    """The rule that a paused stage stays paused across a sleep and a wake, in the records of
+    a core that still commits such a wake RUNNING: that commit says PAUSED, and the resume
+    (an ALREADY no-op there) gets its own line PAUSED -> RUNNING. Where the core keeps the
+    pause itself there is nothing to change."""
+    out: Lines = []
+    paused, changed = False, None
+    for line in read_trace(path):
+        record = line.record
+        if isinstance(record, T.StageChanged):
+            changed = record
+        if isinstance(record, T.StageChanged) and record.after == "PAUSED":
+            paused = True
+        elif isinstance(record, T.StageChanged) and (record.before, record.after) == ("PAUSED", "RUNNING"):
+            paused = False
+        elif paused and isinstance(record, T.StageChanged) and (record.before, record.after) == ("WAKING", "RUNNING"):
+            line = _with(line, after="PAUSED")
+        elif paused and isinstance(record, T.TaskEnded) and record.command == "Wake" and record.state == "RUNNING":
+            line = _with(line, state="PAUSED")
+        elif paused and isinstance(record, T.TaskEnded) and record.command == "Resume" and changed is not None:
+            resumed = msgspec.structs.replace(changed, task_id="", before="PAUSED", after="RUNNING", failed_ranks={})
+            out.append(msgspec.structs.replace(line, record=resumed))
+            paused = False
+        out.append(line)
+    path.write_bytes(_bytes(_forged(out)))
+
+
+def _with(line: T.TraceLine, **fields: object) -> T.TraceLine:
+    return msgspec.structs.replace(line, record=msgspec.structs.replace(line.record, **fields))
+
+
 SCENARIOS: dict[str, Callable[[Path], None]] = {
     "demo": _record_demo,
     "swap": _record_swap,
@@ -206,6 +273,8 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "weights": _record_weights,
     "weights_failed": _record_weights_failed,
     "weights_drain": _record_weights_drain,
+    "weights_reload": _record_weights_reload,
+    "pause": _record_pause,
 }
 
 
@@ -549,6 +618,90 @@ def update_during_request(lines: Lines) -> str:
 
 
 # name -> (legal trace it tampers, what it does)
+# ---------------------------------------------------------------- callers' outcomes, the stop
+
+
+def task_ok_after_rank_failure(lines: Lines) -> str:
+    """The sleep a silent rank failed (deadline, stage FAILED) is reported to its caller as
+    done."""
+    k = _first(lines, lambda ln: _engine(ln, T.TaskEnded, "talker") and not ln.record.ok)
+    lines[k] = _with(lines[k], ok=True, state="SLEEPING", error="")
+    return "talker"
+
+
+def request_ok_without_results(lines: Lines) -> str:
+    """The first request's caller hears its output before any rank's Result was taken."""
+    k = _first(lines, lambda ln: _engine(ln, T.RequestAnswered, "talker"))
+    request = lines[k].record.request_id
+    first = _first(lines, lambda ln: _engine(ln, T.StageReceived, "talker") and ln.record.task_id == request)
+    lines.insert(first, lines.pop(k))
+    return "talker"
+
+
+def stopped_hides_rest(lines: Lines) -> str:
+    """A StageStopped line right after the first commit to SLEEPING, and the wake after it
+    recorded as committing PARTIAL: what follows a stop used to be dropped unread."""
+    k = _commit(lines, "talker", "SLEEPING")
+    stop = T.StageStopped(epoch=lines[k].record.epoch, before="SLEEPING")
+    lines.insert(k + 1, msgspec.structs.replace(lines[k], record=stop))
+    w = _first(lines, lambda ln: _engine(ln, T.StageChanged, "talker") and ln.record.before == "WAKING", k + 2)
+    lines[w] = _with(lines[w], after="PARTIAL")
+    return "talker"
+
+
+def old_epoch_result_after_restart(lines: Lines) -> str:
+    """After the restart, the killed epoch-0 rank 1's Result is received again (a late copy,
+    which the epoch fence ignores) and the epoch-1 request is answered right after it, before
+    any epoch-1 rank answered: the caller got the old epoch's output."""
+    d = _first(lines, lambda ln: _engine(ln, T.StageDispatched, "talker") and ln.record.epoch == 1)
+    request = lines[d].record.request_id
+    old = _first(
+        lines,
+        lambda ln: (
+            _engine(ln, T.StageReceived, "talker")
+            and (ln.record.reply, ln.record.rank, ln.record.epoch) == ("result", 1, 0)
+        ),
+    )
+    answer = _first(lines, lambda ln: _engine(ln, T.RequestAnswered, "talker") and ln.record.request_id == request)
+    at = 1 + max(k for k, ln in enumerate(lines) if _engine(ln, T.StageSent, "talker") and ln.record.task_id == request)
+    lines.insert(at, lines.pop(answer))
+    lines.insert(at, msgspec.structs.replace(lines[old]))
+    return "talker"
+
+
+# ---------------------------------------------------------------- the pause (PAUSED in traces)
+
+
+def _pause_lines(lines: Lines, before: str, after: str) -> int:
+    return _first(
+        lines,
+        lambda ln: _engine(ln, T.StageChanged, "p") and (ln.record.before, ln.record.after) == (before, after),
+    )
+
+
+def wake_ends_pause(lines: Lines) -> str:
+    """The paused stage's wake commits RUNNING (the pause silently ended by a wake; it lasts
+    until resume), and the resume's line is gone."""
+    del lines[_pause_lines(lines, "PAUSED", "RUNNING")]
+    k = _pause_lines(lines, "WAKING", "PAUSED")
+    lines[k].record = msgspec.structs.replace(lines[k].record, after="RUNNING")
+    return "p"
+
+
+def pause_line_removed(lines: Lines) -> str:
+    """The pause's own line is gone: the sleep then starts from a PAUSED the stage never
+    entered."""
+    del lines[_pause_lines(lines, "RUNNING", "PAUSED")]
+    return "p"
+
+
+def request_while_paused(lines: Lines) -> str:
+    """The resume's line is gone: the request after it is dispatched to a stage still PAUSED
+    (a pause admits no request)."""
+    del lines[_pause_lines(lines, "PAUSED", "RUNNING")]
+    return "p"
+
+
 CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "commit_state": ("demo", commit_state),
     "ack_worker_state": ("demo", ack_worker_state),
@@ -580,6 +733,13 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "result_other_version": ("weights", result_other_version),
     "failed_update_running": ("weights_failed", failed_update_running),
     "update_during_request": ("weights_drain", update_during_request),
+    "task_ok_after_rank_failure": ("deadline", task_ok_after_rank_failure),
+    "request_ok_without_results": ("demo", request_ok_without_results),
+    "stopped_hides_rest": ("demo", stopped_hides_rest),
+    "old_epoch_result_after_restart": ("restart", old_epoch_result_after_restart),
+    "wake_ends_pause": ("pause", wake_ends_pause),
+    "pause_line_removed": ("pause", pause_line_removed),
+    "request_while_paused": ("pause", request_while_paused),
 }
 
 
