@@ -51,12 +51,14 @@ from omni_core.formal.tlc import run_tlc
 # its modules does not stale the table; every occurrence is replaced (at least one must exist).
 FSM = "omni_core/fsm"
 STAGE = WORKER = ADMISSION = FSM
+ENGINE = "omni_core/engine"  # the orchestrator's few rules that decide what a rank is sent
 SUITE = (
     "tests/test_worker_core.py",
     "tests/test_stage_core.py",
     "tests/test_admission.py",
     "tests/test_stage_fields.py",
     "tests/test_weights_core.py",
+    "tests/engine/test_incoming.py",
 )
 TIER1 = "unit tests"
 TIER2 = "agreement rows"
@@ -231,6 +233,14 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "    QueueRow(_ASLEEP, (W,), QueueAction.AUTO_WAKE,",
         "    QueueRow(_ASLEEP, (W,), QueueAction.HOLD,",
     ),
+    _m(
+        "incoming-bytes-unfiltered",
+        "a swap's Sleep.incoming_bytes also goes to ranks that never declared 'swap' (a worker that "
+        "predates the field refuses such a Sleep as BAD_MESSAGE)",
+        ENGINE,
+        "return {r: n for r, n in per_rank.items() if out.declares(r, Capability.SWAP)}",
+        "return per_rank",
+    ),
 )
 
 
@@ -247,14 +257,17 @@ class Result:
     files: str = ""  # where the snippet was found
 
 
+MUTATED = (FSM, ENGINE)  # where a mutation's snippet is looked for
+
+
 def _sources(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): p.read_text() for p in sorted((root / FSM).rglob("*.py"))}
+    return {str(p.relative_to(root)): p.read_text() for d in MUTATED for p in sorted((root / d).rglob("*.py"))}
 
 
 def _problems(m: FsmMutation, root: Path) -> list[str]:
     sources = _sources(root)
     return [
-        f"{FSM}: snippet {e.original.strip()[:60]!r} found nowhere"
+        f"{' and '.join(MUTATED)}: snippet {e.original.strip()[:60]!r} found nowhere"
         for e in m.edits
         if not any(e.original in text for text in sources.values())
     ]
@@ -359,7 +372,7 @@ def run_one(m: FsmMutation, root: Path, work: Path) -> Result:
         for path, text in saved.items():
             (root / path).write_text(text)
     result = "CAUGHT" if caught else "SURVIVED"
-    where = ", ".join(sorted(f.removeprefix(FSM + "/") for f in files))
+    where = ", ".join(sorted(f.removeprefix(FSM + "/").removeprefix("omni_core/") for f in files))
     return Result(m.name, result, tier if caught else "", by, time.monotonic() - started, where)
 
 

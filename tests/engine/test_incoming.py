@@ -4,13 +4,16 @@ bounded, each waiting swap refused once its deadline passes (naming what it wait
 from __future__ import annotations
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 
 from omni_core.engine import StageSpec
 from omni_core.engine.errors import TaskAbandonedError
 from omni_core.engine.incoming import IncomingSlots, SwapCall, incoming_bytes, stage_devices
+from omni_core.engine.orchestrator import Orchestrator
 from omni_core.fsm.inputs import SleepCall, WakeCall
+from omni_core.protocol import Capability
 from omni_core.workers.simulated_device import SimulatedDevice
 
 GPU0, GPU1 = frozenset({"gpu:0"}), frozenset({"gpu:1"})
@@ -115,3 +118,29 @@ def test_a_swap_issued_late_gets_what_is_left_of_its_deadline_and_keeps_the_wait
     late = call.shortened(2.5)
     assert (late.sleep.deadline_s, late.wake.deadline_s, late.wake.memory_wait_s) == (2.5, 2.5, 1.0)
     assert (late.sleep.task_id, late.wake.task_id, late.future) == ("s/out", "s/in", call.future)
+
+
+class _Slot:
+    """What Orchestrator._incoming_of reads of a stage: its spec, which ranks declared
+    'swap' in their Hello, and the bytes each incoming rank's wake maps."""
+
+    def __init__(self, spec: StageSpec, swap_ranks: set[int], asleep: dict[int, int]) -> None:
+        self.spec, self.swap_ranks, self.asleep = spec, swap_ranks, asleep
+
+    def declares(self, rank: int, capability: Capability) -> bool:
+        return capability is Capability.SWAP and rank in self.swap_ranks
+
+    def asleep_bytes(self) -> dict[int, int]:
+        return self.asleep
+
+
+def test_only_ranks_that_declared_swap_are_told_the_incoming_bytes():
+    """A worker that predates Sleep.incoming_bytes refuses a Sleep carrying it (BAD_MESSAGE):
+    the hint goes only to ranks whose Hello declared 'swap', though every rank shares a GPU."""
+    out = _Slot(StageSpec("a", ranks=2, device="cuda", devices=("0", "1")), {0}, {})
+    into = _Slot(StageSpec("b", ranks=2, device="cuda", devices=("0", "1")), set(), {0: 5, 1: 7})
+    slots = {"a": out, "b": into}
+    orchestrator = SimpleNamespace(stage=slots.__getitem__, _engine_visible=None)
+    assert Orchestrator._incoming_of(orchestrator, "a", "b") == {0: 5}  # rank 1 did not declare it
+    out.swap_ranks = set()
+    assert Orchestrator._incoming_of(orchestrator, "a", "b") == {}
