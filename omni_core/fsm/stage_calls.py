@@ -309,7 +309,9 @@ class StageCalls:
         version = call.version
         if type(version) is not int or version < 1:
             raise StageCommandError(f"weights version must be an int >= 1, got {version!r}")
-        signature = ("UpdateWeights", version, call.source)
+        if type(call.flush_cache) is not bool:
+            raise StageCommandError(f"flush_cache must be true or false, got {call.flush_cache!r}")
+        signature = ("UpdateWeights", version, call.source, call.flush_cache)
 
         def plan() -> _Task:
             if version <= self.weights_version:
@@ -329,7 +331,10 @@ class StageCalls:
                     f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
                     "must be resident (RUNNING, PAUSED, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
                 )
-            command = UpdateWeights(task_id=call.task_id, epoch=self.epoch, version=version, source=call.source)
+            flush = call.flush_cache
+            command = UpdateWeights(
+                task_id=call.task_id, epoch=self.epoch, version=version, source=call.source, flush_cache=flush
+            )
             refused = refused_trigger(UpdateWeights, self.state)
             return self._weights_task(call, signature, command, now, refused=refused, version=version)
 

@@ -39,6 +39,17 @@ class MemoryBudget:
     available_bytes: Callable[[], int]
 
 
+@dataclass(frozen=True)
+class DerivedCache:
+    """A cache whose entries are computed from the weights (vLLM's prefix KV blocks, a prompt
+    cache of hidden states or embeddings). `keyed_by_version`: each entry remembers the weights
+    it was computed under and a lookup under other weights misses, so the cache may outlive an
+    update (SGLang's `flush_cache: false`); a cache keyed by its prompt alone must go."""
+
+    name: str  # [a-z][a-z0-9_]*, as a counter's: it is named in the Ack's `caches_dropped`
+    keyed_by_version: bool
+
+
 class RunnerArgumentError(ValueError):
     """The runner cannot honour a command because of its arguments (an unusable reload
     source, a checkpoint of another architecture). Raise it *before* touching any tensor:
@@ -171,6 +182,19 @@ class ModelRunner(ABC):
         across requests: nothing to drop, 0."""
         return 0
 
+    def derived_caches(self) -> tuple[DerivedCache, ...]:
+        """Every cache whose entries the weights produced. The worker drops each (or, when the
+        caller keeps caches keyed by version, each not keyed so) after a reload or an update
+        wrote the weights and before it ACKs, naming them in the Ack: a request after the
+        ACK never reuses what older weights computed. A runner that caches anything across
+        requests must list it here; the default caches nothing."""
+        return ()
+
+    def drop_derived_cache(self, name: str) -> None:
+        """Drop every entry of the derived cache `name` (one of `derived_caches`), releasing no
+        memory. The default drops all of them at once, by `reset_prefix_cache`."""
+        self.reset_prefix_cache()
+
     def counters(self) -> Mapping[str, int]:
         """A few counters of the runner's own (a cache's hits and misses), shown in the stage's
         status and as metrics: the same names every call (at load they are declared; at most
@@ -181,6 +205,29 @@ class ModelRunner(ABC):
     def close(self) -> None:
         """Drop every tensor reference (Shutdown). The default does nothing."""
         return None
+
+
+def drop_derived_caches(runner: ModelRunner, *, flush: bool) -> tuple[str, ...]:
+    """After a reload or an update wrote the weights: drop every derived cache (`flush`), or
+    those not keyed by version; the names dropped, for the Ack."""
+    dropped = []
+    for cache in runner.derived_caches():
+        if flush or not cache.keyed_by_version:
+            runner.drop_derived_cache(cache.name)
+            dropped.append(cache.name)
+    return tuple(dropped)
+
+
+def refuse_kept_caches(runner: ModelRunner) -> None:
+    """An update asked to keep the caches (`flush_cache` False): legal only when every derived
+    cache is keyed by version; refused before any write otherwise."""
+    unkeyed = [cache.name for cache in runner.derived_caches() if not cache.keyed_by_version]
+    if unkeyed:
+        raise RunnerArgumentError(
+            f"flush_cache false keeps only caches keyed by weights version, and {type(runner).__name__}'s "
+            f"{unkeyed} are keyed by prompt alone: kept, they would serve what the old weights "
+            "computed; send flush_cache true (the default)"
+        )
 
 
 def load_runner_class(name: str) -> type[ModelRunner]:

@@ -61,9 +61,11 @@ def collective(
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)])
 
-    def update_call(source: WeightSource, version: int) -> MakeCall:
+    def update_call(source: WeightSource, version: int, flush_cache: bool = True) -> MakeCall:
         engine = state.require_engine()
-        return lambda n, tid: functools.partial(engine.update_weights, n, source, version=version, task_id=tid)
+        return lambda n, tid: functools.partial(
+            engine.update_weights, n, source, version=version, task_id=tid, flush_cache=flush_cache
+        )
 
     def group_call(
         address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str
@@ -90,7 +92,7 @@ def router(state: ServeState) -> APIRouter:
         description='SGLang\'s update from disk on the default stage (or every stage): {"model_path", '
         '"weight_version"}; weight_version is required (a decimal integer above the '
         "stage's), model_path must lie under allowed_reload_sources. In-flight requests finish "
-        "first (abort_all_requests: false only).",
+        "first (abort_all_requests: false only). " + m.FLUSH_CACHE_DOC,
     )
     async def sglang_update_from_disk(request: Request, body: m.SglangUpdateFromDiskBody) -> Response:
         if body.load_format not in (None, "safetensors"):
@@ -114,7 +116,7 @@ def router(state: ServeState) -> APIRouter:
             request,
             names,
             "update",
-            update_call(source, version),
+            update_call(source, version, body.flush_cache),
             sglang_shape(f"updated {names} to weights version {version} from {body.model_path}", num_paused_requests=0),
             failed=sglang_failed,
         )
@@ -223,7 +225,7 @@ def router(state: ServeState) -> APIRouter:
         tags=["SGLang"],
         description="SGLang's update by broadcast over the group /init_weights_update_group set up: names, "
         "dtypes, shapes (parallel lists, each tensor whole, in order) and weight_version "
-        "(required here: a decimal integer above the stage's).",
+        "(required here: a decimal integer above the stage's). " + m.FLUSH_CACHE_DOC,
     )
     async def sglang_update_from_distributed(request: Request, body: m.SglangUpdateFromDistributedBody) -> Response:
         version = decimal_version(body.weight_version)
@@ -234,7 +236,7 @@ def router(state: ServeState) -> APIRouter:
             request,
             names,
             "update",
-            update_call(source, version),
+            update_call(source, version, body.flush_cache),
             sglang_shape(f"updated {names} to weights version {version} by broadcast"),
             failed=sglang_failed,
         )
