@@ -94,7 +94,7 @@ BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_par
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
              "no_ack_check", "queue_unbounded", "queue_dropped_on_wake", "commit_beside_no_memory",
-             "already_untrue", "queue_refused_anywhere", "pause_no_drain", "pause_admits"}
+             "already_untrue", "queue_refused_anywhere", "pause_no_drain", "pause_admits", "pause_wake_resumes"}
 
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill",

@@ -188,9 +188,10 @@ class Engine:
         return self._lifecycle(stage, ResumeCall(tid, deadline_s))
 
     def is_paused(self, stage: str) -> bool:
-        """Whether the stage is PAUSED (a pause's drain, DRAINING, is not yet)."""
+        """Whether a pause holds the stage until resume(): PAUSED, or asleep after it slept
+        while paused (a pause's drain, DRAINING, is not yet)."""
         self._spec(stage)
-        return self.status()[stage]["state"] == "PAUSED"
+        return bool(self.status()[stage]["paused"])
 
     def swap(
         self,

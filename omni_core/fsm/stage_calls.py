@@ -128,6 +128,7 @@ class StageCalls:
         assert self._task is not None
         if isinstance(self._task.command, Pause):  # nothing goes to the ranks: the pause is done
             self.lifecycle.fire("pause_drained")
+            self.paused = True
             return StageStep(outcome=self._end_task(True, "", {}, now))
         self.lifecycle.fire(CALLS[type(self._task.command)].drained)
         return self._send_all()
@@ -279,7 +280,7 @@ class StageCalls:
                 now,
                 expect_state=row.rank_state,
                 expect_asleep=after.asleep,
-                commit_trigger=row.stage_commit,
+                commit_trigger=self._held(row.stage_commit, "woke_paused"),
                 expect_version=self.weights_version,
                 apply=lambda res: res.apply_wake(to_wake),
                 refused_trigger=refused_trigger(Wake, self.state),
@@ -340,6 +341,10 @@ class StageCalls:
 
         return self._issue(UpdateWeights, call.task_id, signature, now, call.deadline_s, plan)
 
+    def _held(self, commit: str, paused: str) -> str:
+        """A task's commit trigger: `paused` where it would make a paused stage RUNNING."""
+        return paused if self.paused and commit == "woke_running" else commit
+
     def _weights_task(
         self, call: Any, signature: tuple[Any, ...], command: Command, now: float, *, refused: str, version: int
     ) -> _Task:
@@ -354,7 +359,9 @@ class StageCalls:
             expect_state=row.rank_state,
             expect_asleep=self.residency.asleep,
             # vLLM's RL loop pauses, updates, resumes: an update leaves a pause in place.
-            commit_trigger="update_paused" if self.state is S.PAUSED else row.stage_commit,
+            commit_trigger=self._held(
+                row.stage_commit, "update_paused" if isinstance(command, UpdateWeights) else "woke_paused"
+            ),
             apply=lambda res: res.apply_reload(),
             refused_trigger=refused,
             expect_version=version,
