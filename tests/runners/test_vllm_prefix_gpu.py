@@ -75,3 +75,36 @@ def test_a_prompt_of_three_blocks_after_an_update_or_a_reload_equals_a_fresh_sta
         reload = engine.reload_weights("llm", str(a))
         assert reload.ranks[0].caches_dropped == ("prefix_kv",)
         assert _tokens(engine) == on_a
+
+
+def test_a_prompt_of_three_blocks_after_a_stage_to_stage_transfer_equals_a_fresh_stage(tmp_path: Path) -> None:
+    """A transformers stage on checkpoint B shares its weights (ShareWeights, CUDA IPC) with a
+    vllm stage on A (Engine.transfer_weights): the vllm stage drops its prefix blocks before it
+    ACKs the update, and serves the prompt as a fresh stage on B does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm", reason="needs vLLM (on the device: source .vllm/setup-vllm.sh)")
+    from omni_core.engine import Engine, StageSpec
+    from omni_core.models.make import make_checkpoint
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_checkpoint("qwen2", "0.5b", a, seed=0, dtype="bfloat16")
+    make_checkpoint("qwen2", "0.5b", b, seed=1, dtype="bfloat16")
+    with Engine([_spec(b)]) as fresh:
+        on_b = _tokens(fresh)
+    trainer = StageSpec(
+        "trainer",
+        runner="transformers",
+        backend="portable",
+        device="cuda",
+        runner_args={"model": str(b), "dtype": "bfloat16", "max_seq_len": 128, "max_batch": 1},
+        deadline_s=300.0,
+        start_deadline_s=600.0,
+        request_timeout_s=300.0,
+    )
+    with Engine([_spec(a), trainer]) as engine:
+        on_a = _tokens(engine)
+        assert _tokens(engine) == on_a and on_a != on_b  # cached blocks served; checkpoints differ
+        report = engine.transfer_weights("trainer", "llm", version=1)
+        assert report.ranks[0].caches_dropped == ("prefix_kv",)
+        assert _tokens(engine) == on_b
