@@ -14,6 +14,7 @@ path, `package.module:Class`, so users bring their own.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -24,6 +25,9 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.plugins import RUNNERS, resolve
+from omni_core.protocol.messages import MAX_DERIVED_CACHES
+
+_CACHE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 # `open_pool(tag)`: the context in which allocations belong to `tag` (the backend's pool).
 OpenPool = Callable[[str], AbstractContextManager[None]]
@@ -48,6 +52,13 @@ class DerivedCache:
 
     name: str  # [a-z][a-z0-9_]*, as a counter's: it is named in the Ack's `caches_dropped`
     keyed_by_version: bool
+
+    def __post_init__(self) -> None:
+        # Checked here, not at the Ack: a name the wire's schema refuses would lose the Ack.
+        if not (isinstance(self.name, str) and _CACHE_NAME.fullmatch(self.name)):
+            raise ValueError(
+                f"a derived cache's name must match [a-z][a-z0-9_]* (at most 64 characters), got {self.name!r:.80}"
+            )
 
 
 class RunnerArgumentError(ValueError):
@@ -210,8 +221,14 @@ class ModelRunner(ABC):
 def drop_derived_caches(runner: ModelRunner, *, flush: bool) -> tuple[str, ...]:
     """After a reload or an update wrote the weights: drop every derived cache (`flush`), or
     those not keyed by version; the names dropped, for the Ack."""
+    caches = runner.derived_caches()
+    if len(caches) > MAX_DERIVED_CACHES:
+        raise RuntimeError(
+            f"{type(runner).__name__} declares {len(caches)} derived caches; an Ack names at most "
+            f"{MAX_DERIVED_CACHES}: merge them"
+        )
     dropped = []
-    for cache in runner.derived_caches():
+    for cache in caches:
         if flush or not cache.keyed_by_version:
             runner.drop_derived_cache(cache.name)
             dropped.append(cache.name)
