@@ -312,6 +312,7 @@ class StageModel:
         self.ended: dict[str, tuple] = {}  # task_id -> signature, for every task that ended
         self.failed_ranks: frozenset[int] = frozenset()
         self.just_paused = False  # the last request_finished ended a pause's drain
+        self.paused = False  # a pause holds until resume(), through sleeps and wakes
 
     # ---------------------------------------------------------------- API calls
 
@@ -403,14 +404,17 @@ class StageModel:
             return early
         if self.state is S.RUNNING:
             return self._already(task_id, signature)
-        if self.state is not S.PAUSED:
+        if self.state is S.PAUSED:
+            self.state = S.RUNNING
+        elif not (self.paused and self.state in (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)):
             return Call("raise")
-        self.state = S.RUNNING
+        self.paused = False  # asleep: it stays so, the next wake serves
         self.ended[task_id] = signature
         return Call("done")
 
     def _paused(self) -> None:
         self.state = S.PAUSED
+        self.paused = True
         self._end()
 
     def request_started(self) -> bool:
@@ -437,6 +441,7 @@ class StageModel:
             return False
         self.epoch += 1
         self.state = S.STARTING
+        self.paused = False
         self.asleep, self.weights_valid = frozenset(), True
         self.requests = 0
         self.hello = set()
@@ -470,6 +475,8 @@ class StageModel:
         if task.acked != self.ranks:
             return Delivery("ack")
         self.state = STAGE_OF[task.expect_state]
+        if self.paused and self.state is S.RUNNING:
+            self.state = S.PAUSED  # every tag back, but the pause holds until resume()
         self.asleep, self.weights_valid = task.expect_asleep, task.weights_valid_after
         self._end()
         return Delivery("commit")

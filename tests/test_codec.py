@@ -102,6 +102,7 @@ SAMPLES: dict[type[Message], Message] = {
             )
         ),
         runner_counters={"prompt_cache_evictions": 2},
+        caches_dropped=("prefix_kv",),
     ),
     ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
     ResetPrefixCache: ResetPrefixCache(task_id="reset-1", epoch=3),
@@ -122,6 +123,7 @@ SAMPLES: dict[type[Message], Message] = {
                 ),
             )
         ),
+        flush_cache=False,
     ),
     InitWeightGroup: InitWeightGroup(
         task_id="group-1",

@@ -134,15 +134,56 @@ def test_reject_policy_refuses_while_paused_naming_resume() -> None:
     assert error is RequestError.REJECTED and "PAUSED" in str(detail) and "resume()" in str(detail)
 
 
-def test_a_paused_stage_sleeps_without_a_drain_and_wakes_running() -> None:
+def test_a_paused_stage_sleeps_without_a_drain_and_wakes_still_paused() -> None:
     d = Driver()
     d.step(I.PauseCall("p", "wait", 30.0))
     sleep = d.step(I.SleepCall("sl", 1, None, 30.0))
     assert d.core.state is S.TRANSITIONING and _names(sleep) == {"Sleep"}
     d.run(sleep)
-    assert d.core.state is S.SLEEPING
+    assert d.core.state is S.SLEEPING and d.core.paused
+    woke = d.run(d.step(I.WakeCall("w", None, 30.0)))
+    assert d.core.state is S.PAUSED and woke.outcome is not None and woke.outcome.state is S.PAUSED
+    assert d.step(I.ResumeCall("u", 30.0)).outcome.state is S.RUNNING  # type: ignore[union-attr]
+    assert not d.core.paused
+
+
+def test_a_request_under_policy_wake_wakes_a_paused_sleeping_stage_and_waits_for_resume() -> None:
+    """pause -> sleep -> a request under admission 'wake': the stage wakes (the policy's wake)
+    and comes back PAUSED; the request stays queued, nothing runs, until resume()."""
+    d = Driver(policy=P.WAKE)
+    d.step(I.PauseCall("p", "wait", 30.0))
+    d.run(d.step(I.SleepCall("sl", 1, None, 30.0)))
+    submitted = d.step(I.Submit("r1", 7, 30.0))
+    assert _names(submitted) == {"Wake"} and len(d.core.queue) == 1  # the policy wakes it
+    woke = d.run(submitted)
+    assert d.core.state is S.PAUSED and not woke.requests and len(d.core.queue) == 1
+    assert d.core.in_flight_requests == 0 and "Execute" not in _names(woke)
+    resumed = d.step(I.ResumeCall("u", 30.0))
+    assert d.core.state is S.RUNNING and _names(resumed) == {"Execute"}
+    assert answers(d.run(resumed)) == {"r1": (None, 7)}
+
+
+def test_a_resume_while_asleep_ends_the_pause_and_the_next_wake_serves() -> None:
+    d = Driver()
+    d.step(I.PauseCall("p", "wait", 30.0))
+    d.run(d.step(I.SleepCall("sl", 2, None, 30.0)))
+    resumed = d.step(I.ResumeCall("u", 30.0))
+    assert resumed.outcome is not None and resumed.outcome.status is AckStatus.OK and not resumed.sends
+    assert d.core.state is S.SLEEPING and not d.core.paused
     d.run(d.step(I.WakeCall("w", None, 30.0)))
+    assert d.core.state is S.NEEDS_RELOAD
+    d.run(d.step(I.ReloadCall("rl", None, 30.0)))
     assert d.core.state is S.RUNNING
+
+
+def test_a_reload_of_a_paused_stage_after_a_level_2_sleep_stays_paused() -> None:
+    d = Driver()
+    d.step(I.PauseCall("p", "wait", 30.0))
+    d.run(d.step(I.SleepCall("sl", 2, None, 30.0)))
+    d.run(d.step(I.WakeCall("w", None, 30.0)))
+    assert d.core.state is S.NEEDS_RELOAD and d.core.paused
+    d.run(d.step(I.ReloadCall("rl", None, 30.0)))
+    assert d.core.state is S.PAUSED
 
 
 def test_the_invariants_refuse_a_request_in_flight_while_paused() -> None:

@@ -896,7 +896,20 @@ def _pause_scenario() -> None:
     assert outcome_of(st.resume("u2", h.now)).status is AckStatus.ALREADY  # resume_already
     st.pause("p3", "keep", h.now, 5.0)
     h.complete(st.sleep("s", 1, None, h.now, 5.0))  # sleep from PAUSED: no drain
-    assert st.state is S.SLEEPING
+    assert st.state is S.SLEEPING and st.core.paused
+    assert outcome_of(h.complete(st.wake("w1", None, h.now, 5.0))).state is S.PAUSED  # woke_paused
+    for tags, asleep in ((("weights",), S.PARTIAL), (None, S.SLEEPING)):
+        h.complete(st.sleep(f"s-{asleep.value}", 1, None, h.now, 5.0))
+        if tags:
+            h.complete(st.wake("w2", tags, h.now, 5.0))
+        assert st.state is asleep and st.core.paused
+        assert outcome_of(st.resume(f"u-{asleep.value}", h.now)).state is asleep  # resume_asleep
+        h.complete(st.wake(f"w-{asleep.value}", None, h.now, 5.0))
+        assert st.state is S.RUNNING
+        st.pause(f"p-{asleep.value}", "wait", h.now, 5.0)
+    h.complete(st.sleep("s2", 2, None, h.now, 5.0))
+    h.complete(st.wake("w3", None, h.now, 5.0))
+    assert st.state is S.NEEDS_RELOAD and outcome_of(st.resume("u3", h.now)).state is S.NEEDS_RELOAD
     paused = reach_stage(S.PAUSED)
     paused.stage.on_rank_died(0, "x", 0.0)  # fail
     test_restart_bumps_the_epoch_and_starts_fresh(S.PAUSED)

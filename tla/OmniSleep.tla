@@ -94,7 +94,7 @@ BugNames == {"none", "no_reply_cache", "commit_before_all_acks", "execute_in_par
              "no_epoch_fence", "busy_before_cache", "busy_unrecorded", "execute_in_needs_reload", "no_drain",
              "drain_one_request", "early_request_finish", "no_deadline", "forget_invalidation",
              "no_ack_check", "queue_unbounded", "queue_dropped_on_wake", "commit_beside_no_memory",
-             "already_untrue", "queue_refused_anywhere", "pause_no_drain", "pause_admits"}
+             "already_untrue", "queue_refused_anywhere", "pause_no_drain", "pause_admits", "pause_wake_resumes"}
 
 ASSUME Bug \in BugNames
 ASSUME Faults \subseteq {"dup", "drop", "corrupt", "crash", "error", "timeout", "badsource", "short", "kill",
@@ -282,10 +282,10 @@ RefuseRecorded(r, m, reason) ==   \* a refusal the stage takes as the answer: ke
 Already(r, m, g) ==
     Out(r, WNext(wstate[r], g), wpend[r],
         AckMsg(m.type, m.task, wepoch[r], r, WNext(wstate[r], g), wasleep[r], "ALREADY"), TRUE, FALSE)
-(* "nomemory" in Faults: a Wake may wait for free device memory (P-16; level 1 on the wire) and be
-   refused NO_MEMORY, back where it came from. That state is kept in the pending (or in flight)
-   wake's level, 2..4, so that the shapes of wpend and scmd stay those of every other model. *)
+(* "nomemory": a Wake may wait for free memory (P-16; level 1 on the wire) and be refused NO_MEMORY, back where it
+   came from, kept in the wake's level, 2..4, -2..-4 in scmd for a plain wake (wpend and scmd keep their shapes). *)
 WaitLevel(s) == CASE s = "SLEEPING" -> 2 [] s = "PARTIAL" -> 3 [] OTHER -> 4
+FromLevel(level) == IF level > 0 THEN level ELSE 0 - level   \* a plain wake keeps -WaitLevel: it may be refused too
 RefusedWake(level) == CASE level = 2 -> "wake_refused_sleeping"
                         [] level = 3 -> "wake_refused_partial"
                         [] OTHER -> "wake_refused_needs_reload"
@@ -569,7 +569,7 @@ IssueWake(tg) ==
           /\ sstate' = SNext(sstate, "wake")
           /\ \E wait \in WakeWaits :      \* Engine.swap's wake waits for memory (P-16)
              /\ net' = net \cup SendAll("Wake", t, wait, tg)
-             /\ scmd' = [type |-> "Wake", level |-> IF wait = 1 THEN WaitLevel(sstate) ELSE 0, tags |-> tg]
+             /\ scmd' = [type |-> "Wake", level |-> IF wait = 1 THEN WaitLevel(sstate) ELSE 0 - WaitLevel(sstate), tags |-> tg]
           /\ stask' = t /\ sacks' = {}
           /\ outcome' = Pending(t)
           /\ UNCHANGED broken
@@ -644,10 +644,10 @@ Commit(acks, netNext) ==
     /\ net' = netNext
     /\ UNCHANGED <<sepoch, sloadFailed, sreqs, sreqReplies, sreqErr, failedRanks, sprof>>
 
-(* Every rank refused the waiting wake for lack of memory: nothing stayed mapped, back to the
+(* Every rank refused the wake (waiting or not) for lack of memory: nothing stayed mapped, back to the
    state the wake came from (StageCore._maybe_commit, refused_trigger). *)
 WakeRefused(said, netNext) ==
-    /\ sstate' = SNext(sstate, RefusedWake(scmd.level))
+    /\ sstate' = SNext(sstate, RefusedWake(FromLevel(scmd.level)))
     /\ sacks' = said
     /\ outcome' = [outcome EXCEPT ![stask] = "refused"]
     /\ stask' = 0 /\ scmd' = NoCmd /\ sprof' = NoProf
@@ -721,7 +721,7 @@ OnReply(m, rest) ==
                                     sreqs, sreqReplies, sreqErr, failedRanks, outcome>>
     ELSE IF ForTask(m) THEN
         IF m.rank \in sacks \cup sprof.nacks THEN Ignore(rest)         \* duplicate
-        ELSE IF m.kind = "nack" /\ m.info = "NO_MEMORY" /\ scmd.type = "Wake" /\ scmd.level > 0 THEN
+        ELSE IF m.kind = "nack" /\ m.info = "NO_MEMORY" /\ scmd.type = "Wake" THEN   \* any wake (P-16)
             \* a waiting wake's refusals, kept in sprof (no Profile runs meanwhile): every rank
             \* refused -> back; some woke and some refused -> FAILED naming the refusing ranks
             LET refused == sprof.nacks \cup {m.rank} IN

@@ -128,7 +128,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 86 rows from 39 triggers
+\* ---- stage lifecycle: 90 rows from 41 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -137,17 +137,18 @@ StageInitial == "STARTING"
 StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "sleep_already",
                   "slept", "wake", "wake_already", "reload", "reload_refused",
                   "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
-                  "woke_running", "woke_partial", "woke_needs_reload", "update_drain",
-                  "update_drained", "update", "update_refused_running", "update_refused_paused",
-                  "update_refused_partial", "update_refused_needs_reload", "update_paused",
-                  "update_failed", "weight_group", "share", "reset_prefix_cache", "execute",
-                  "pause_drain", "pause_drained", "pause_already", "resume", "resume_already",
+                  "woke_running", "woke_partial", "woke_needs_reload", "woke_paused",
+                  "update_drain", "update_drained", "update", "update_refused_running",
+                  "update_refused_paused", "update_refused_partial",
+                  "update_refused_needs_reload", "update_paused", "update_failed",
+                  "weight_group", "share", "reset_prefix_cache", "execute", "pause_drain",
+                  "pause_drained", "pause_already", "resume", "resume_already", "resume_asleep",
                   "profile", "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 StageInternalTriggers == {"execute", "pause_already", "profile", "reset_prefix_cache",
-                          "resume_already", "share", "sleep_already", "wake_already",
-                          "weight_group"}
+                          "resume_already", "resume_asleep", "share", "sleep_already",
+                          "wake_already", "weight_group"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
@@ -179,6 +180,7 @@ StageRelation == {
     <<"WAKING", "woke_running", "RUNNING">>,                     \* every rank ACKed, all resident (P-5)
     <<"WAKING", "woke_partial", "PARTIAL">>,                     \* every rank ACKed, tags still asleep
     <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,           \* every rank ACKed; weights mapped but discarded at level 2
+    <<"WAKING", "woke_paused", "PAUSED">>,                       \* every rank ACKed a wake or a reload, all resident, of a stage paused before it slept: paused until resume()
     <<"RUNNING", "update_drain", "DRAINING">>,                   \* update_weights(): admission closed (queued or refused per policy), in-flight requests finish
     <<"DRAINING", "update_drained", "WAKING">>,                  \* no request in flight: UpdateWeights sent to every rank
     <<"PAUSED", "update", "WAKING">>,                            \* UpdateWeights sent to every rank (weights resident; nothing executes here, nothing to drain)
@@ -206,6 +208,9 @@ StageRelation == {
     <<"PAUSED", "pause_already", "PAUSED">>,                     \* already paused: ALREADY, nothing changes
     <<"PAUSED", "resume", "RUNNING">>,                           \* resume(): admission open again, the queue is served; nothing sent
     <<"RUNNING", "resume_already", "RUNNING">>,                  \* nothing is paused: ALREADY, nothing changes
+    <<"SLEEPING", "resume_asleep", "SLEEPING">>,                 \* resume() of a stage paused before it slept: the pause ends, the stage stays asleep; nothing sent
+    <<"PARTIAL", "resume_asleep", "PARTIAL">>,                   \* resume() of a stage paused before it slept: the pause ends, the stage stays asleep; nothing sent
+    <<"NEEDS_RELOAD", "resume_asleep", "NEEDS_RELOAD">>,         \* resume() of a stage paused before it slept: the pause ends, the stage stays asleep; nothing sent
     <<"RUNNING", "profile", "RUNNING">>,                         \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"PAUSED", "profile", "PAUSED">>,                           \* Profile sent to every rank; the state never changes, whatever they answer (P-15)
     <<"SLEEPING", "profile", "SLEEPING">>,                       \* Profile sent to every rank; the state never changes, whatever they answer (P-15)

@@ -11,9 +11,15 @@
 (* A level-1 sleep copies the weights to the host unless the clean copy   *)
 (* is still valid; a wake restores from that copy.                        *)
 (*                                                                         *)
-(* What must hold: no request runs on mixed versions, and after a wake    *)
-(* every rank holds the last committed version (an update invalidates the *)
-(* clean host copy, so the next sleep copies again).                      *)
+(* Each rank keeps a cache derived from its weights (vLLM's prefix KV    *)
+(* blocks): every entry carries the version it was computed under, and a  *)
+(* request may reuse any entry its rank holds. A rank drops the cache     *)
+(* when it writes an update, before it ACKs.                              *)
+(*                                                                         *)
+(* What must hold: no request runs on mixed versions, after a wake every  *)
+(* rank holds the last committed version (an update invalidates the clean *)
+(* host copy, so the next sleep copies again), and no request that ran at *)
+(* version v reused a cache entry of another version.                     *)
 (*                                                                         *)
 (* Every worker and stage step comes from VersionTable.tla, GENERATED     *)
 (* from omni_core/fsm (omni_core.formal.gen_versions): firing a trigger   *)
@@ -27,7 +33,7 @@ CONSTANTS
     Ranks,       \* the stage's ranks
     MaxVersion,  \* updates go to versions 1..MaxVersion
     RankFails,   \* a rank may refuse or fail an update
-    Bug          \* "none" | "commit_early" | "stale_host_copy"
+    Bug          \* "none" | "commit_early" | "stale_host_copy" | "no_flush"
 
 NONE == -1        \* no weights resident (asleep) / no valid host copy
 Versions == 0..MaxVersion
@@ -59,15 +65,18 @@ VARIABLES
     version,     \* rank -> the version resident on its device (NONE while asleep)
     host,        \* rank -> the version its clean host copy holds (NONE: none or invalid)
     served,      \* the set of version sets requests ran on
-    woke         \* a ghost: the last lifecycle step was a wake
+    woke,        \* a ghost: the last lifecycle step was a wake
+    cache,       \* rank -> the versions its derived-cache entries were computed under
+    reused       \* the set of <<version a request ran at, version of an entry it reused>>
 
-vars == <<stage, committed, task, from, target, pending, answer, wstate, version, host, served, woke>>
+vars == <<stage, committed, task, from, target, pending, answer, wstate, version, host, served, woke, cache, reused>>
 
 Init ==
     /\ stage = "RUNNING" /\ committed = 0 /\ task = FALSE /\ from = "RUNNING" /\ target = 0
     /\ pending = {} /\ answer = [r \in Ranks |-> "none"]
     /\ wstate = [r \in Ranks |-> "ACTIVE"] /\ version = [r \in Ranks |-> 0]
     /\ host = [r \in Ranks |-> NONE] /\ served = {} /\ woke = FALSE
+    /\ cache = [r \in Ranks |-> {}] /\ reused = {}
 
 \* update_weights(v): in RUNNING a drain first (no request is in flight here), else at once.
 IssueUpdate(v) ==
@@ -77,23 +86,25 @@ IssueUpdate(v) ==
                 THEN S(S(stage, "update_drain"), "update_drained") ELSE S(stage, "update")
     /\ task' = TRUE /\ from' = stage /\ target' = v /\ pending' = Ranks
     /\ answer' = [r \in Ranks |-> "none"] /\ woke' = FALSE
-    /\ UNCHANGED <<committed, wstate, version, host, served>>
+    /\ UNCHANGED <<committed, wstate, version, host, served, cache, reused>>
 
-\* A rank writes every bucket and ACKs the version; its clean host copy is now stale.
+\* A rank writes every bucket, drops its derived cache and ACKs the version; its clean host
+\* copy is now stale.
 RankApply(r) ==
     /\ r \in pending
     /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), UpdateSettle.rank)]
     /\ version' = [version EXCEPT ![r] = target]
     /\ host' = IF Bug = "stale_host_copy" THEN host ELSE [host EXCEPT ![r] = NONE]
+    /\ cache' = IF Bug = "no_flush" THEN cache ELSE [cache EXCEPT ![r] = {}]
     /\ answer' = [answer EXCEPT ![r] = "ack"] /\ pending' = pending \ {r}
-    /\ UNCHANGED <<stage, committed, task, from, target, served, woke>>
+    /\ UNCHANGED <<stage, committed, task, from, target, served, woke, reused>>
 
 \* A name, shape, dtype or handle refused before anything is written.
 RankRefuse(r) ==
     /\ RankFails /\ r \in pending
     /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), WorkerRefused[@])]
     /\ answer' = [answer EXCEPT ![r] = "refused"] /\ pending' = pending \ {r}
-    /\ UNCHANGED <<stage, committed, task, from, target, version, host, served, woke>>
+    /\ UNCHANGED <<stage, committed, task, from, target, version, host, served, woke, cache, reused>>
 
 \* The update fails once writing began: NEEDS_RELOAD, reporting the version it had.
 RankFail(r) ==
@@ -101,7 +112,7 @@ RankFail(r) ==
     /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), "update_failed")]
     /\ host' = [host EXCEPT ![r] = NONE]
     /\ answer' = [answer EXCEPT ![r] = "failed"] /\ pending' = pending \ {r}
-    /\ UNCHANGED <<stage, committed, task, from, target, version, served, woke>>
+    /\ UNCHANGED <<stage, committed, task, from, target, version, served, woke, cache, reused>>
 
 Acked == {r \in Ranks : answer[r] = "ack"}
 Range(f) == {f[x] : x \in DOMAIN f}
@@ -127,12 +138,16 @@ Settle ==
           /\ stage' = rule[1]
           /\ committed' = IF rule[2] THEN target ELSE committed
     /\ task' = FALSE
-    /\ UNCHANGED <<from, target, pending, answer, wstate, version, host, served, woke>>
+    /\ UNCHANGED <<from, target, pending, answer, wstate, version, host, served, woke, cache, reused>>
 
-\* A request runs on every rank and records the versions that served it.
+\* A request runs on every rank and records the versions that served it. Each rank may reuse
+\* any entry of its cache (a prefix hit: every entry is recorded, so one of another version
+\* is seen) and keeps an entry computed now, at its version.
 Serve ==
     /\ Has(StageRows, stage, "execute") /\ \A r \in Ranks : Has(WorkerRows, wstate[r], "execute")
     /\ served' = served \cup {{version[r] : r \in Ranks}}
+    /\ reused' = reused \cup UNION {{<<version[r], e>> : e \in cache[r]} : r \in Ranks}
+    /\ cache' = [r \in Ranks |-> cache[r] \cup {version[r]}]
     /\ UNCHANGED <<stage, committed, task, from, target, pending, answer, wstate, version, host, woke>>
 
 \* Level-1 sleep: copy to the host unless the clean copy is still valid.
@@ -143,7 +158,7 @@ Sleep ==
     /\ host' = [r \in Ranks |-> IF host[r] = NONE THEN version[r] ELSE host[r]]
     /\ version' = [r \in Ranks |-> NONE]
     /\ woke' = FALSE
-    /\ UNCHANGED <<committed, task, from, target, pending, answer, served>>
+    /\ UNCHANGED <<committed, task, from, target, pending, answer, served, cache, reused>>
 
 \* Wake: every rank restores its weights from its host copy (which stays valid).
 Wake ==
@@ -152,7 +167,7 @@ Wake ==
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), WakeSettle.rank)]
     /\ version' = host
     /\ woke' = TRUE
-    /\ UNCHANGED <<committed, task, from, target, pending, answer, host, served>>
+    /\ UNCHANGED <<committed, task, from, target, pending, answer, host, served, cache, reused>>
 
 Next ==
     \/ \E v \in Versions : IssueUpdate(v)
@@ -172,7 +187,11 @@ TypeOK ==
     /\ version \in [Ranks -> Versions \cup {NONE}]
     /\ host \in [Ranks -> Versions \cup {NONE}]
     /\ served \subseteq SUBSET Versions
+    /\ cache \in [Ranks -> SUBSET Versions]
+    /\ reused \subseteq Versions \X Versions
 
 NoMixedVersions == \A vs \in served : Cardinality(vs) = 1
 WakeRestoresCommitted == woke => \A r \in Ranks : version[r] = committed
+\* No request committed at version v uses a cache entry computed under another version.
+CacheFollowsVersion == \A pair \in reused : pair[1] = pair[2]
 ===================================================================================

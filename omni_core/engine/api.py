@@ -204,9 +204,10 @@ class Engine:
         return self._lifecycle(stage, ResumeCall(tid, deadline_s))
 
     def is_paused(self, stage: str) -> bool:
-        """Whether the stage is PAUSED (a pause's drain, DRAINING, is not yet)."""
+        """Whether a pause holds the stage until resume(): PAUSED, or asleep after it slept
+        while paused (a pause's drain, DRAINING, is not yet)."""
         self._spec(stage)
-        return self.status()[stage]["state"] == "PAUSED"
+        return bool(self.status()[stage]["paused"])
 
     def swap(
         self,
@@ -295,6 +296,7 @@ class Engine:
         version: int,
         task_id: str | None = None,
         timeout_s: float | None = None,
+        flush_cache: bool = True,
     ) -> LifecycleReport:
         """Replace the stage's weights with `source` as weights `version` (P-17): a checkpoint
         directory (a str, or `DiskSource`), or what `omni_core.weights_sender.WeightSender`
@@ -304,12 +306,17 @@ class Engine:
         rank holds the new version. Raises `InvalidArgumentError` when refused (nothing was
         written, the version unchanged), `WeightUpdateFailedError` when every rank failed once
         writing began (the stage is NEEDS_RELOAD at its old version), `StageFailedError` when
-        the ranks ended apart. The sender's buckets must stay alive until this returns."""
+        the ranks ended apart. The sender's buckets must stay alive until this returns.
+
+        Before the ranks ACK, each drops its runner's weight-derived caches (vLLM's prefix KV
+        blocks; each rank's `caches_dropped` in the report); `flush_cache=False` keeps those keyed
+        by version and is refused (InvalidArgumentError, nothing written) when the runner holds
+        one keyed by prompt alone."""
         if type(version) is not int or version < 1:
             raise InvalidArgumentError(f"version must be an int >= 1, got {version!r}")
         checked = _checked_source(DiskSource(path=source) if isinstance(source, str) else source)
         tid, deadline_s = self._task(stage, "update", task_id, timeout_s)
-        return self._lifecycle(stage, UpdateCall(tid, version, checked, deadline_s))
+        return self._lifecycle(stage, UpdateCall(tid, version, checked, deadline_s, flush_cache))
 
     def init_weight_group(
         self,

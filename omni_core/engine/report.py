@@ -34,6 +34,8 @@ class RankReport:
     process_bytes_source: str = "none"
     weights_version: int = 0  # the version this rank held after the command (P-17)
     shared: Any = None  # ShareWeights: the ShmSource/IpcSource holding this rank's weights
+    # A reload or an update: the runner's weight-derived caches dropped before the Ack
+    caches_dropped: tuple[str, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
@@ -61,6 +63,7 @@ class RankReport:
             process_bytes_source=m.process_bytes_source if m else "none",
             weights_version=ack.weights_version,
             shared=ack.shared,
+            caches_dropped=tuple(ack.caches_dropped),
         )
 
 

@@ -110,6 +110,7 @@ class StageSlot:
         core = self.core
         return {
             "state": core.state.value,
+            "paused": core.paused,  # a pause holds until resume(), asleep or not
             "epoch": core.epoch,
             "task_id": core.task_id,
             "admission": core.policy.value,

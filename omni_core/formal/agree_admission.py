@@ -57,6 +57,7 @@ def _core(case: Case, factory: Callable[..., StageCore]) -> StageCore:
     core = factory("agree", 1, policy=AdmissionPolicy(policy), queue_limit=QUEUE_LIMIT, max_in_flight=MAX_IN_FLIGHT)
     stage_state = StageState(state)
     _place(core.lifecycle, stage_state)
+    core.paused = stage_state is StageState.PAUSED  # the spec's PAUSED case: a pause holds it
     tags = frozenset(core.tags)
     core.residency.asleep = {StageState.SLEEPING: tags, StageState.PARTIAL: tags - {"weights"}}.get(
         stage_state, frozenset()

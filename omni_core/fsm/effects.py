@@ -48,11 +48,14 @@ class UpdateEffect:
     """Write the weights of `source` in place as `version` (P-17): check every name, shape and
     dtype and open every handle first (a problem then: `RunnerArgumentError`, nothing written,
     `EffectDeclined`); any failure after writing began is `EffectRaised`, which
-    leaves the rank NEEDS_RELOAD at its old version. Invalidate host copies of the weights."""
+    leaves the rank NEEDS_RELOAD at its old version. Invalidate host copies of the weights.
+    Then drop the runner's weight-derived caches (`flush_cache` False: keep those keyed by
+    version, refusing before writing when another kind is held)."""
 
     task_id: str
     version: int
     source: Any  # omni_core.protocol.weights.WeightSource
+    flush_cache: bool = True
 
 
 @dataclass(frozen=True)

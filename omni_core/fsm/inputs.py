@@ -87,12 +87,14 @@ class ReloadCall:
 
 @dataclass(frozen=True)
 class UpdateCall:
-    """Replace the weights as `version` from `source` (an omni_core.protocol WeightSource, P-17)."""
+    """Replace the weights as `version` from `source` (an omni_core.protocol WeightSource, P-17).
+    `flush_cache` False keeps the runner's caches keyed by version (UpdateWeights.flush_cache)."""
 
     task_id: str
     version: int
     source: Any
     deadline_s: float
+    flush_cache: bool = True
 
 
 @dataclass(frozen=True)

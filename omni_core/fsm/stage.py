@@ -80,6 +80,9 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
         # The weights version every rank holds (P-17): from the Hellos, then each committed ACK set.
         self.weights_version = 0
         self.rank_versions: dict[int, int] = {}
+        # A pause is the caller's and holds until resume(): a sleep, a wake (asked for or the
+        # admission policy's), a reload and an update of a paused stage leave it paused.
+        self.paused = False
         # What each rank says it holds, for status: its pools' bytes per tag (its Hello, then
         # each ACK taken) and its runner's counters (names its Hello declared, values from any
         # reply of this epoch). Never part of a decision.
@@ -213,6 +216,7 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
             why = "it is already starting" if self.state is S.STARTING else "a task is in flight; wait for it to end"
             raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: {why}")
         self.lifecycle.fire("restart")
+        self.paused = False  # fresh ranks, a fresh stage: it comes back RUNNING
         self.epoch += 1
         self.residency = Residency(self.tags)
         self.rank_state.clear()
@@ -312,6 +316,8 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
             settled = S.RUNNING if state is S.PAUSED else state  # a pause leaves the ranks ACTIVE
             mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not settled}
             require(not mismatched, f"ranks disagree with the stage: {mismatched}")
+        require(state is not S.PAUSED or self.paused, "PAUSED without a pause held")
+        require(state not in (S.RUNNING, S.DRAINING) or not self.paused, f"{state.value} while a pause holds")
         if state in (S.RUNNING, S.PAUSED):  # a pause releases nothing
             require(
                 not self.residency.asleep and self.residency.weights_valid,

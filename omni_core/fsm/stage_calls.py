@@ -133,6 +133,7 @@ class StageCalls:
         assert self._task is not None
         if isinstance(self._task.command, Pause):  # nothing goes to the ranks: the pause is done
             self.lifecycle.fire("pause_drained")
+            self.paused = True
             return StageStep(outcome=self._end_task(True, "", {}, now))
         self.lifecycle.fire(CALLS[type(self._task.command)].drained)
         return self._send_all()
@@ -284,7 +285,7 @@ class StageCalls:
                 now,
                 expect_state=row.rank_state,
                 expect_asleep=after.asleep,
-                commit_trigger=row.stage_commit,
+                commit_trigger=self._held(row.stage_commit, "woke_paused"),
                 expect_version=self.weights_version,
                 apply=lambda res: res.apply_wake(to_wake),
                 refused_trigger=refused_trigger(Wake, self.state),
@@ -314,7 +315,9 @@ class StageCalls:
         version = call.version
         if type(version) is not int or version < 1:
             raise StageCommandError(f"weights version must be an int >= 1, got {version!r}")
-        signature = ("UpdateWeights", version, call.source)
+        if type(call.flush_cache) is not bool:
+            raise StageCommandError(f"flush_cache must be true or false, got {call.flush_cache!r}")
+        signature = ("UpdateWeights", version, call.source, call.flush_cache)
 
         def plan() -> _Task:
             if version <= self.weights_version:
@@ -334,11 +337,18 @@ class StageCalls:
                     f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
                     "must be resident (RUNNING, PAUSED, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
                 )
-            command = UpdateWeights(task_id=call.task_id, epoch=self.epoch, version=version, source=call.source)
+            flush = call.flush_cache
+            command = UpdateWeights(
+                task_id=call.task_id, epoch=self.epoch, version=version, source=call.source, flush_cache=flush
+            )
             refused = refused_trigger(UpdateWeights, self.state)
             return self._weights_task(call, signature, command, now, refused=refused, version=version)
 
         return self._issue(UpdateWeights, call.task_id, signature, now, call.deadline_s, plan)
+
+    def _held(self, commit: str, paused: str) -> str:
+        """A task's commit trigger: `paused` where it would make a paused stage RUNNING."""
+        return paused if self.paused and commit == "woke_running" else commit
 
     def _weights_task(
         self, call: Any, signature: tuple[Any, ...], command: Command, now: float, *, refused: str, version: int
@@ -354,7 +364,9 @@ class StageCalls:
             expect_state=row.rank_state,
             expect_asleep=self.residency.asleep,
             # vLLM's RL loop pauses, updates, resumes: an update leaves a pause in place.
-            commit_trigger="update_paused" if self.state is S.PAUSED else row.stage_commit,
+            commit_trigger=self._held(
+                row.stage_commit, "update_paused" if isinstance(command, UpdateWeights) else "woke_paused"
+            ),
             apply=lambda res: res.apply_reload(),
             refused_trigger=refused,
             expect_version=version,

@@ -14,8 +14,14 @@ left. The modes say what their callers hear:
 Requests that arrive, or wait in the queue, while PAUSED stay queued (or are refused, under
 the policy 'reject') until resume(): ADMISSION and QUEUE_RULES say so for PAUSED.
 
+The pause holds until resume() (`StageCore.paused`), as vLLM's wake does not resume generation
+either: a paused stage may sleep, and a wake (asked for, or started by the admission policy
+'wake' for a queued request), a reload or an update brings it back PAUSED (`woke_paused`,
+`update_paused`), its queue still held. A resume() while it sleeps ends the pause there
+(`resume_asleep`); the next wake serves. A restart starts a fresh stage, RUNNING.
+
 The transitions are rows of STAGE_TRANSITIONS (pause_drain, pause_drained, pause_already,
-resume, resume_already); this mixin is the part of StageCore that fires them, for the inputs
+resume, resume_already, resume_asleep); this mixin is the part of StageCore that fires them, for the inputs
 PauseCall and ResumeCall. A pause's drain ends in StageCalls._send_drained.
 """
 
@@ -57,6 +63,7 @@ class PauseMixin:
     in_flight: dict[str, Any]
     completed: Any
     weights_version: int
+    paused: bool
     residency: Any
     _task: Any
     _retry: Callable[[str, tuple[Any, ...]], StageStep | None]
@@ -118,6 +125,9 @@ class PauseMixin:
         if retried is not None:
             return retried
         self._require_idle("resume")
+        if self.paused and self.lifecycle.allows("resume_asleep"):
+            self.paused = False  # asleep: the next wake serves
+            return self._instant(task_id, signature, Resume(task_id), "resume_asleep", AckStatus.OK, now)
         if self.lifecycle.allows("resume_already"):
             return self._instant(task_id, signature, Resume(task_id), "resume_already", AckStatus.ALREADY, now)
         if not self.lifecycle.allows("resume"):
@@ -125,6 +135,7 @@ class PauseMixin:
                 f"stage {self.name!r} is {self.lifecycle.state.value}, not PAUSED: nothing to resume; "
                 "a sleeping stage serves again after wake()"
             )
+        self.paused = False
         return self._instant(task_id, signature, Resume(task_id), "resume", AckStatus.OK, now)
 
     def _instant(

@@ -126,12 +126,10 @@ class StageReplies:
         if reply.rank in task.acks or reply.rank in task.refusals:
             self.counters.duplicate_replies_ignored += 1
             return StageStep()
-        if (
-            isinstance(reply, Nack)
-            and reply.reason is REFUSAL_REASON.get(type(task.command))
-            and not (isinstance(task.command, Wake) and task.command.memory_wait_s <= 0)
-        ):
-            # NO_MEMORY refuses only a wake that may wait (P-16); to any other it is a failure.
+        if isinstance(reply, Nack) and reply.reason is REFUSAL_REASON.get(type(task.command)):
+            # A rank sends NO_MEMORY only once it rolled its wake back (P-16), whether the wake
+            # could wait or not: a refusal that changed nothing; one that could not roll back
+            # raised, and its NACK is a failure below.
             task.refusals[reply.rank] = reply.detail
             return self._maybe_commit(now)
         if isinstance(task.command, STATELESS):

@@ -78,6 +78,12 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         "woke_needs_reload", (S.WAKING,), S.NEEDS_RELOAD, "every rank ACKed; weights mapped but discarded at level 2"
     ),
     Transition(
+        "woke_paused",
+        (S.WAKING,),
+        S.PAUSED,
+        "every rank ACKed a wake or a reload, all resident, of a stage paused before it slept: paused until resume()",
+    ),
+    Transition(
         "update_drain",
         (S.RUNNING,),
         S.DRAINING,
@@ -142,6 +148,12 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("pause_already", (S.PAUSED,), None, "already paused: ALREADY, nothing changes"),
     Transition("resume", (S.PAUSED,), S.RUNNING, "resume(): admission open again, the queue is served; nothing sent"),
     Transition("resume_already", (S.RUNNING,), None, "nothing is paused: ALREADY, nothing changes"),
+    Transition(
+        "resume_asleep",
+        (S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD),
+        None,
+        "resume() of a stage paused before it slept: the pause ends, the stage stays asleep; nothing sent",
+    ),
     Transition(
         "profile", SERVING, None, "Profile sent to every rank; the state never changes, whatever they answer (P-15)"
     ),

@@ -329,6 +329,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         duration_s: float = 0.0,
         trace_paths: tuple[str, ...] = (),
         shared: Any = None,
+        caches_dropped: tuple[str, ...] = (),
     ) -> Ack:
         return Ack(
             task_id=command.task_id,
@@ -344,6 +345,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
             trace_paths=trace_paths,
             weights_version=self.weights_version,
             shared=shared,
+            caches_dropped=caches_dropped,
         )
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:

@@ -159,7 +159,7 @@ class WorkerCommands:
         state_before = self.state
         self.lifecycle.fire("update")
         self._pending = _Pending(command, state_before=state_before)
-        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source))
+        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source, command.flush_cache))
 
     def _on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
         if Capability.WEIGHT_UPDATE not in self.capabilities:

@@ -28,6 +28,17 @@ from omni_core.protocol import (
 )
 from omni_core.protocol import WorkerState as W
 
+WEIGHT_WRITES = (ReloadWeights, UpdateWeights)
+
+
+def _cache_names(output: object) -> tuple[str, ...]:
+    """The derived caches a reload or an update dropped, as the shell reported them."""
+    if output is None:
+        return ()
+    if not (isinstance(output, tuple) and all(isinstance(name, str) for name in output)):
+        raise InvariantViolation(f"a weights write completes with the names of the caches it dropped, not {output!r}")
+    return output
+
 
 class WorkerEffects:
     """Mixed into WorkerCore: the end of each effect the shell performs."""
@@ -67,6 +78,7 @@ class WorkerEffects:
                     duration_s=duration_s,
                     trace_paths=done.trace_paths if isinstance(command, Profile) else (),
                     shared=done.shared if isinstance(command, ShareWeights) else None,
+                    caches_dropped=_cache_names(done.output) if isinstance(command, WEIGHT_WRITES) else (),
                 )
         if not isinstance(command, Status):
             self._remember(command, reply)

@@ -52,6 +52,8 @@ MAX_RUNNER_COUNTERS = 16
 CounterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
 # A runner's own counters (a cache's hits, misses): a closed set of names per runner, declared
 # by the rank's Hello; integers 0..2**63-1.
+MAX_DERIVED_CACHES = 8  # Ack.caches_dropped: a runner's weight-derived caches (ModelRunner.derived_caches)
+CacheNames = Annotated[tuple[CounterName, ...], msgspec.Meta(max_length=MAX_DERIVED_CACHES)]
 RunnerCounters = Annotated[
     dict[CounterName, Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]],
     msgspec.Meta(max_length=MAX_RUNNER_COUNTERS),
@@ -149,12 +151,20 @@ class UpdateWeights(Command, kw_only=True, frozen=True):
     STALE_VERSION naming both). Legal where the weights are resident: ACTIVE, PARTIAL with
     `weights` awake, NEEDS_RELOAD (where it replaces the reload). The rank checks every name,
     shape and dtype and opens every handle before it writes anything (a refusal: NACK
-    INVALID_ARGUMENT, state and version unchanged); every bucket written, it commits the new
-    version and ACKs it. A failure once writing began leaves it NEEDS_RELOAD at the version it
-    was at (NACK UPDATE_FAILED)."""
+    INVALID_ARGUMENT, state and version unchanged); every bucket written, it drops the runner's
+    weight-derived caches, commits the new version and ACKs it, naming them in
+    `caches_dropped`. A failure once writing began leaves it NEEDS_RELOAD at the version it
+    was at (NACK UPDATE_FAILED).
+
+    `flush_cache` (SGLang's field): True drops every derived cache; False keeps the caches
+    whose entries are keyed by the weights they came from, and is refused before writing
+    (INVALID_ARGUMENT) when the runner holds a cache that is not keyed so."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("flush_cache",)
 
     version: NewWeightsVersion
     source: WeightSource
+    flush_cache: bool = True
 
 
 class InitWeightGroup(Command, kw_only=True, frozen=True):
@@ -259,7 +269,7 @@ class Ack(Reply, kw_only=True, frozen=True):
     version of the weights the rank holds (0: its own source, never updated; P-17); left off
     the wire at 0, so an Ack without updates is the frame every earlier peer knows."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared", "runner_counters")
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared", "runner_counters", "caches_dropped")
 
     command: str
     state: WorkerState
@@ -276,6 +286,9 @@ class Ack(Reply, kw_only=True, frozen=True):
     weights_version: WeightsVersion = 0
     shared: ShmSource | IpcSource | None = None  # ShareWeights: the buckets holding this rank's weights
     runner_counters: RunnerCounters = {}  # the runner's counters now: names its Hello declared
+    # ReloadWeights, UpdateWeights: the runner's weight-derived caches dropped before this Ack
+    # (ModelRunner.derived_caches), so no later request reuses what older weights computed.
+    caches_dropped: CacheNames = ()
 
 
 class Nack(Reply, kw_only=True, frozen=True):

@@ -14,6 +14,7 @@ path, `package.module:Class`, so users bring their own.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -24,6 +25,9 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.plugins import RUNNERS, resolve
+from omni_core.protocol.messages import MAX_DERIVED_CACHES
+
+_CACHE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 # `open_pool(tag)`: the context in which allocations belong to `tag` (the backend's pool).
 OpenPool = Callable[[str], AbstractContextManager[None]]
@@ -37,6 +41,24 @@ class MemoryBudget:
     # What this process may still allocate now: its fraction of the device minus what this
     # process holds (NVML per PID), other processes on the GPU not counted, less headroom.
     available_bytes: Callable[[], int]
+
+
+@dataclass(frozen=True)
+class DerivedCache:
+    """A cache whose entries are computed from the weights (vLLM's prefix KV blocks, a prompt
+    cache of hidden states or embeddings). `keyed_by_version`: each entry remembers the weights
+    it was computed under and a lookup under other weights misses, so the cache may outlive an
+    update (SGLang's `flush_cache: false`); a cache keyed by its prompt alone must go."""
+
+    name: str  # [a-z][a-z0-9_]*, as a counter's: it is named in the Ack's `caches_dropped`
+    keyed_by_version: bool
+
+    def __post_init__(self) -> None:
+        # Checked here, not at the Ack: a name the wire's schema refuses would lose the Ack.
+        if not (isinstance(self.name, str) and _CACHE_NAME.fullmatch(self.name)):
+            raise ValueError(
+                f"a derived cache's name must match [a-z][a-z0-9_]* (at most 64 characters), got {self.name!r:.80}"
+            )
 
 
 class RunnerArgumentError(ValueError):
@@ -171,6 +193,19 @@ class ModelRunner(ABC):
         across requests: nothing to drop, 0."""
         return 0
 
+    def derived_caches(self) -> tuple[DerivedCache, ...]:
+        """Every cache whose entries the weights produced. The worker drops each (or, when the
+        caller keeps caches keyed by version, each not keyed so) after a reload or an update
+        wrote the weights and before it ACKs, naming them in the Ack: a request after the
+        ACK never reuses what older weights computed. A runner that caches anything across
+        requests must list it here; the default caches nothing."""
+        return ()
+
+    def drop_derived_cache(self, name: str) -> None:
+        """Drop every entry of the derived cache `name` (one of `derived_caches`), releasing no
+        memory. The default drops all of them at once, by `reset_prefix_cache`."""
+        self.reset_prefix_cache()
+
     def counters(self) -> Mapping[str, int]:
         """A few counters of the runner's own (a cache's hits and misses), shown in the stage's
         status and as metrics: the same names every call (at load they are declared; at most
@@ -181,6 +216,35 @@ class ModelRunner(ABC):
     def close(self) -> None:
         """Drop every tensor reference (Shutdown). The default does nothing."""
         return None
+
+
+def drop_derived_caches(runner: ModelRunner, *, flush: bool) -> tuple[str, ...]:
+    """After a reload or an update wrote the weights: drop every derived cache (`flush`), or
+    those not keyed by version; the names dropped, for the Ack."""
+    caches = runner.derived_caches()
+    if len(caches) > MAX_DERIVED_CACHES:
+        raise RuntimeError(
+            f"{type(runner).__name__} declares {len(caches)} derived caches; an Ack names at most "
+            f"{MAX_DERIVED_CACHES}: merge them"
+        )
+    dropped = []
+    for cache in caches:
+        if flush or not cache.keyed_by_version:
+            runner.drop_derived_cache(cache.name)
+            dropped.append(cache.name)
+    return tuple(dropped)
+
+
+def refuse_kept_caches(runner: ModelRunner) -> None:
+    """An update asked to keep the caches (`flush_cache` False): legal only when every derived
+    cache is keyed by version; refused before any write otherwise."""
+    unkeyed = [cache.name for cache in runner.derived_caches() if not cache.keyed_by_version]
+    if unkeyed:
+        raise RunnerArgumentError(
+            f"flush_cache false keeps only caches keyed by weights version, and {type(runner).__name__}'s "
+            f"{unkeyed} are keyed by prompt alone: kept, they would serve what the old weights "
+            "computed; send flush_cache true (the default)"
+        )
 
 
 def load_runner_class(name: str) -> type[ModelRunner]:

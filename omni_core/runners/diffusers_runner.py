@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.runners.base import ModelRunner, RunnerArgumentError
+from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
 from omni_core.runners.diffusion_steps import DiffusionRequest, Parked, ddpm_step, dit_step, sd_step, state_tensors
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
@@ -265,6 +265,10 @@ class DiffusersRunner(ModelRunner):
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
         if PROMPT_CACHE_TAG in discard:
             self.reset_prefix_cache()  # its slab is released now
+
+    def derived_caches(self) -> tuple[DerivedCache, ...]:
+        # Every entry remembers the weights generation it was computed under (prompt_cache.py).
+        return (DerivedCache("prompt_embeddings", keyed_by_version=True),) if self.prompt_cache is not None else ()
 
     def reset_prefix_cache(self) -> int:
         """Empties the prompt-embedding cache's index; its slab stays mapped in its pool."""

@@ -13,6 +13,13 @@ the KV cache and reading it back from there. So:
 
 The output is deterministic for a given input, seed and device, so "output after wake
 equals output before sleep" is checked bit for bit (`data` holds the raw bytes).
+
+A request {"prompt": [token, ...]} runs a recurrent pass instead, one weight matrix per token,
+and, when `prefix_cache_entries` > 0, reuses the state reached at each full block of
+`prefix_block_tokens` tokens of an earlier prompt with the same prefix (vLLM's prefix caching in
+miniature, keyed by the tokens alone). That cache is derived from the weights
+(`derived_caches`), so the worker drops it at every reload and update: a prompt served before
+and after an update equals a fresh stage's on the new weights.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.runners.base import ModelRunner, RunnerArgumentError
+from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
 
 MiB = 1 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -40,6 +48,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 MAX_BATCH = 1024
+MAX_PROMPT_TOKENS = 4096
+MAX_PREFIX_CACHE_ENTRIES = 65536
+PREFIX_CACHE = "prefix_states"  # the states at each full block of a prompt (DerivedCache)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -66,8 +77,11 @@ class SyntheticRunner(ModelRunner):
         dtype: str = "float32",
         seed: int = 0,
         cpu_threads: int | None = None,
+        prefix_cache_entries: int = 0,
+        prefix_block_tokens: int = 16,
     ) -> None:
         super().__init__(device)
+        self.prefix = PrefixStates(prefix_cache_entries, prefix_block_tokens)
         if cpu_threads is not None and torch.device(device).type == "cpu":
             # Tiny matmuls on a busy machine: several intra-op threads wait on each other
             # for whole scheduler slices (20 ms per op seen on 2 loaded cores).
@@ -164,16 +178,28 @@ class SyntheticRunner(ModelRunner):
                 gen = torch.Generator(device=self.device).manual_seed(_seed_for(seed, i))
                 w.normal_(0.0, std, generator=gen)
 
+    def derived_caches(self) -> tuple[DerivedCache, ...]:
+        return (DerivedCache(PREFIX_CACHE, keyed_by_version=False),) if self.prefix.capacity else ()
+
+    def drop_derived_cache(self, name: str) -> None:
+        self.prefix.clear()
+
     def reset_prefix_cache(self) -> int:
-        """Nothing to drop, truly: the KV rows are scratch that every request writes before it
-        reads them, so nothing is kept across requests."""
-        return 0
+        """The prompt states kept by prefix (the KV rows are scratch every request writes before
+        it reads them, so nothing else is kept across requests); how many went."""
+        return self.prefix.clear()
+
+    def counters(self) -> Mapping[str, int]:
+        if not self.prefix.capacity:
+            return {}
+        return {"prefix_cache_hits": self.prefix.hits, "prefix_cache_misses": self.prefix.misses}
 
     def close(self) -> None:
         self._graphs.clear()
         self.weights = []
         self.calibration = None
         self.kv = None
+        self.prefix.clear()
 
     # ------------------------------------------------------------------ execution
 
@@ -210,6 +236,8 @@ class SyntheticRunner(ModelRunner):
     def execute(self, payload: Any) -> dict[str, Any]:
         if not isinstance(payload, dict):
             raise TypeError(f"SyntheticRunner payload must be a dict like {{'seed': 1, 'batch': 2}}, got {payload!r}")
+        if "prompt" in payload:
+            return self._prompt(payload["prompt"])
         seed = int(payload.get("seed", 0))
         batch = int(payload.get("batch", 1))
         limit = min(MAX_BATCH, self.kv_rows)
@@ -227,6 +255,28 @@ class SyntheticRunner(ModelRunner):
             "data": data,
             "graph": bool(payload.get("graph")),
         }
+
+    def _prompt(self, tokens: Any) -> dict[str, Any]:
+        """The recurrent pass over `tokens`, from the longest cached block-aligned prefix."""
+        if not (
+            isinstance(tokens, list)
+            and 1 <= len(tokens) <= MAX_PROMPT_TOKENS
+            and all(type(t) is int and 0 <= t < 1 << 31 for t in tokens)
+        ):
+            raise ValueError(f"prompt must be a list of 1..{MAX_PROMPT_TOKENS} token ids in 0..2**31-1")
+        self._check_resident()
+        assert self.calibration is not None
+        reused, state = self.prefix.longest(tokens)
+        x = self.calibration[None].clone() if state is None else state.to(self.device, copy=True)
+        with torch.no_grad():
+            for position in range(reused, len(tokens)):
+                gen = torch.Generator(device="cpu").manual_seed(_seed_for(tokens[position], 11))
+                embedding = torch.randn(1, self.hidden, generator=gen).to(device=self.device, dtype=self.dtype)
+                w = self.weights[position % self.tensor_count]
+                x = x + torch.tanh(((x + embedding) @ w.T) @ w)
+                self.prefix.offer(tokens, position + 1, x)
+        data = tensor_bytes(x)
+        return {"sha256": hashlib.sha256(data).hexdigest(), "data": data, "reused_tokens": reused}
 
     def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Replay a CUDA graph captured at the first call of this batch size: the graph keeps
@@ -251,6 +301,52 @@ class SyntheticRunner(ModelRunner):
         graph.replay()
         torch.cuda.synchronize(self.device)
         return static_out.clone()
+
+
+class PrefixStates:
+    """The state after each full block of a prompt, by the digest of the tokens up to it, least
+    recently used out first; at most `capacity` entries, each one host copy of a hidden row."""
+
+    def __init__(self, capacity: int, block_tokens: int) -> None:
+        if type(capacity) is not int or not 0 <= capacity <= MAX_PREFIX_CACHE_ENTRIES:
+            raise ValueError(f"prefix_cache_entries must be an int in 0..{MAX_PREFIX_CACHE_ENTRIES}, got {capacity!r}")
+        if type(block_tokens) is not int or not 1 <= block_tokens <= MAX_PROMPT_TOKENS:
+            raise ValueError(f"prefix_block_tokens must be an int in 1..{MAX_PROMPT_TOKENS}, got {block_tokens!r}")
+        self.capacity, self.block_tokens = capacity, block_tokens
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _key(tokens: list[int], length: int) -> bytes:
+        return hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in tokens[:length])).digest()
+
+    def longest(self, tokens: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The longest cached block-aligned prefix of `tokens` (its length, its state)."""
+        if self.capacity:
+            for length in range(len(tokens) // self.block_tokens * self.block_tokens, 0, -self.block_tokens):
+                key = self._key(tokens, length)
+                state = self.entries.get(key)
+                if state is not None:
+                    self.entries.move_to_end(key)
+                    self.hits += 1
+                    return length, state
+            self.misses += 1
+        return 0, None
+
+    def offer(self, tokens: list[int], length: int, state: torch.Tensor) -> None:
+        """Keep the state after `length` tokens when it ends a full block."""
+        if not self.capacity or length % self.block_tokens:
+            return
+        key = self._key(tokens, length)
+        self.entries[key] = state.detach().to("cpu", copy=True)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> int:
+        dropped = len(self.entries)
+        self.entries.clear()
+        return dropped
 
 
 def _parse_seed(source: str) -> int:

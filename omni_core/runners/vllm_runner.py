@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.runners.base import MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
+from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_generation
 from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
 
@@ -59,6 +59,7 @@ log = logging.getLogger("omni_core.runners.vllm")
 
 WORKER_CLS = "omni_core.runners.vllm_worker.OmniVllmWorker"
 DEFAULT_MAX_MODEL_LEN = 2048
+PREFIX_KV_CACHE = "prefix_kv"  # vLLM's cached prefix blocks (DerivedCache)
 DEFAULT_MAX_NUM_SEQS = 8
 MAX_NUM_SEQS_LIMIT = 1024
 # Arguments the runner sets itself: a user value would break the lifecycle's ownership.
@@ -328,6 +329,13 @@ class VllmRunner(ModelRunner):
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         return None
+
+    def derived_caches(self) -> tuple[DerivedCache, ...]:
+        # vLLM v1 caches prefixes unless told not to: blocks keyed by their tokens alone, so KV
+        # the old weights computed would serve a prompt after an update (or a reload).
+        if self.engine_kwargs.get("enable_prefix_caching") is False:
+            return ()
+        return (DerivedCache(PREFIX_KV_CACHE, keyed_by_version=False),)
 
     def after_wake(self, tags: frozenset[str]) -> None:
         if KV_CACHE_TAG in tags:

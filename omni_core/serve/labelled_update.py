@@ -25,12 +25,14 @@ UpdateShape = Callable[[dict[str, Any], dict[str, int], str | None], Any]
 @dataclass(frozen=True)
 class LabelledUpdate:
     """What one update route asks: its source, its label (checked), or an integer version the
-    client gave (omni-core's own field), and whether in-flight requests are aborted first."""
+    client gave (omni-core's own field), whether in-flight requests are aborted first, and
+    whether the caches the old weights produced are dropped (SGLang's flush_cache)."""
 
     source: WeightSource
     label: str | None = None
     version: int | None = None
     abort_all_requests: bool = False
+    flush_cache: bool = True
 
     @classmethod
     def of(cls, source: WeightSource, label: str | None, field: str, **kwargs: Any) -> LabelledUpdate:
@@ -70,7 +72,14 @@ def update_work(
             state,
             names,
             "update",
-            lambda n: functools.partial(engine.update_weights, n, update.source, version=versions[n], task_id=tid),
+            lambda n: functools.partial(
+                engine.update_weights,
+                n,
+                update.source,
+                version=versions[n],
+                task_id=tid,
+                flush_cache=update.flush_cache,
+            ),
         )
         if paused:
             resume_id = sub_task(request, "resume")

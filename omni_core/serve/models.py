@@ -55,11 +55,19 @@ class UpdateWeightsBody(_Strict):
     timeout_s: float | None = None
 
 
+FLUSH_CACHE_DOC = (
+    "flush_cache true (the default) drops every cache the weights produced (prefix KV blocks) before "
+    "the update is acknowledged; false keeps the caches keyed by weights version and is refused "
+    "(400, nothing written) where the runner holds one keyed by prompt alone."
+)
+
+
 class SglangUpdateFromDiskBody(_Strict):
     """SGLang's POST /update_weights_from_disk (UpdateWeightFromDiskReqInput)."""
 
     model_path: str = Field(..., description="the checkpoint; must lie under allowed_reload_sources")
     load_format: str | None = Field(None, description="only null or 'safetensors' (what the ranks read)")
+    flush_cache: bool = Field(True, description=FLUSH_CACHE_DOC)
     abort_all_requests: bool = Field(
         False, description="true: in-flight requests are aborted (409) and the update runs at once; false: they finish"
     )
@@ -129,7 +137,7 @@ class SglangUpdateFromDistributedBody(_Strict):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
-    flush_cache: bool = True
+    flush_cache: bool = Field(True, description=FLUSH_CACHE_DOC)
     abort_all_requests: bool = Field(
         False, description="true: in-flight requests are aborted (409) and the update runs at once; false: they finish"
     )

@@ -84,9 +84,9 @@ def router(state: ServeState) -> APIRouter:
         responses=m.ERROR_RESPONSES,
         tags=["SGLang"],
         description='SGLang\'s update from disk on the default stage (or every stage): {"model_path", '
-        '"weight_version"}; weight_version is required (a decimal integer above the '
-        "stage's), model_path must lie under allowed_reload_sources. In-flight requests finish "
-        "first (abort_all_requests: false only).",
+        '"weight_version"}; weight_version is an optional, opaque label (absent: the next '
+        "version), model_path must lie under allowed_reload_sources. In-flight requests finish "
+        "first, or are aborted with abort_all_requests true. " + m.FLUSH_CACHE_DOC,
     )
     async def sglang_update_from_disk(request: Request, body: m.SglangUpdateFromDiskBody) -> Response:
         if body.load_format not in (None, "safetensors"):
@@ -101,6 +101,7 @@ def router(state: ServeState) -> APIRouter:
             body.weight_version,
             "weight_version",
             abort_all_requests=body.abort_all_requests,
+            flush_cache=body.flush_cache,
         )
         shape = updated(f"updated {state.targets()} from {body.model_path}", num_paused_requests=0)
         return await run_post(state, request, update_work(state, request, update, shape, sglang_failed))
@@ -215,12 +216,16 @@ def router(state: ServeState) -> APIRouter:
         tags=["SGLang"],
         description="SGLang's update by broadcast over the group /init_weights_update_group set up: names, "
         "dtypes, shapes (parallel lists, each tensor whole, in order) and weight_version "
-        "(required here: a decimal integer above the stage's).",
+        "(an optional, opaque label: absent, the next version). " + m.FLUSH_CACHE_DOC,
     )
     async def sglang_update_from_distributed(request: Request, body: m.SglangUpdateFromDistributedBody) -> Response:
         source = collective(body.names, body.dtypes, body.shapes, ("names", "dtypes", "shapes"))
         update = LabelledUpdate.of(
-            source, body.weight_version, "weight_version", abort_all_requests=body.abort_all_requests
+            source,
+            body.weight_version,
+            "weight_version",
+            abort_all_requests=body.abort_all_requests,
+            flush_cache=body.flush_cache,
         )
         shape = updated(f"updated {state.targets()} by broadcast")
         return await run_post(state, request, update_work(state, request, update, shape, sglang_failed))

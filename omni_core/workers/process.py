@@ -75,7 +75,13 @@ from omni_core.protocol import (
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
 from omni_core.protocol.codec import envelope_of
-from omni_core.runners.base import ModelRunner, RunnerArgumentError, load_runner
+from omni_core.runners.base import (
+    ModelRunner,
+    RunnerArgumentError,
+    drop_derived_caches,
+    load_runner,
+    refuse_kept_caches,
+)
 from omni_core.trace import NULL_TRACE, open_trace
 from omni_core.transport import curve_client_keys, make_dealer
 from omni_core.weights_sender import WeightSender
@@ -473,7 +479,10 @@ class WorkerProcess:
                 torch.cuda.synchronize(self.device)
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+            return drop_derived_caches(runner, flush=True)
         elif isinstance(effect, UpdateEffect):
+            if not effect.flush_cache:
+                refuse_kept_caches(runner)  # before anything is written: INVALID_ARGUMENT
             # As a reload: in place, outside any pool. Invalidated first, so that a host copy of
             # the previous version never comes back at a wake, even when the update fails midway.
             backend.invalidate({WEIGHTS_TAG})
@@ -483,6 +492,7 @@ class WorkerProcess:
             # No track(): the tensors were written in place (same allocations), and a fresh host
             # copy of read-only weights made here costs the update a device->host copy of every
             # byte (3 GB: ~60 ms against ~10 for the update itself); the next sleep copies.
+            return drop_derived_caches(runner, flush=effect.flush_cache)
         elif isinstance(effect, ShareEffect):
             if self.sender is None or self.sender.bucket_bytes != effect.bucket_bytes:
                 if self.sender is not None:

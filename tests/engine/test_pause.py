@@ -52,3 +52,19 @@ def test_async_engine_pauses_and_resumes(tmp_path) -> None:
             return paused.state, during, resumed.state, await engine.is_paused("a")
 
     assert asyncio.run(main()) == ("PAUSED", True, "RUNNING", False)
+
+
+def test_a_pause_holds_through_a_sleep_and_the_admission_policys_wake(engine_factory) -> None:
+    """pause -> sleep -> a request under admission 'wake': the stage wakes for the request and
+    is PAUSED again, the request queued; it runs after resume(), on the weights it slept with."""
+    engine = engine_factory(small_spec("s", admission="wake"))
+    reference = engine.execute("s", PROBE)
+    engine.pause("s")
+    assert engine.sleep("s", 1).state == "SLEEPING" and engine.is_paused("s")
+    held = engine.submit("s", PROBE, timeout_s=LONG_TIMEOUT_S)
+    wait_for(lambda: engine.status()["s"]["state"] == "PAUSED", what="the policy's wake to end PAUSED")
+    status = engine.status()["s"]
+    assert (status["paused"], status["queued"], status["in_flight"], status["asleep_tags"]) == (True, 1, 0, [])
+    assert not held.done()
+    assert engine.resume("s").state == "RUNNING"
+    assert held.result(timeout=60) == reference

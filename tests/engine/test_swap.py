@@ -112,6 +112,31 @@ def test_a_swap_whose_memory_never_frees_fails_naming_the_holder_and_leaves_both
         engine.execute("decoder", PROBE)
 
 
+def test_a_plain_wake_refused_for_memory_leaves_the_stage_asleep_at_its_version_then_wakes(device):
+    """A wake with no wait (memory_wait_s 0, the default) that every rank refuses NO_MEMORY after
+    rolling back changed nothing: the stage is SLEEPING at its version, the refusal names the
+    holder, and the same wake succeeds once the memory is free, on the weights it slept with."""
+    with Engine([small_spec("talker", simulated_device=device)]) as engine:
+        assert engine.update_weights("talker", "seed:9", version=3).weights_version == 3
+        before = engine.execute("talker", PROBE)
+        engine.sleep("talker")
+        device.write("trainer", 0, os.getpid(), device.capacity_bytes - MiB // 2)
+        try:
+            for tags in (None, ["weights"]):
+                with pytest.raises(NoMemoryError) as caught:
+                    engine.wake("talker", tags)
+                assert set(caught.value.refusals) == {0}
+                assert f"stage trainer rank 0, pid {os.getpid()}" in str(caught.value)
+                status = engine.status()["talker"]
+                assert (status["state"], status["weights_version"], status["failure"]) == ("SLEEPING", 3, "")
+                assert _used_by(device, "talker") == 0
+        finally:
+            device.remove("trainer", 0, os.getpid())
+        report = engine.wake("talker")
+        assert (report.state, report.weights_version) == ("RUNNING", 3)
+        assert engine.execute("talker", PROBE) == before
+
+
 def test_swap_arguments_are_checked_before_anything_is_sent(device):
     specs = [small_spec(name, simulated_device=device) for name in ("talker", "decoder")]
     with Engine(specs) as engine:

@@ -92,17 +92,24 @@ class NoEpochFence(StageCore):
         return super()._on_reply(msgspec.structs.replace(reply, epoch=self.epoch), now)
 
 
-class AnyWakeRefused(StageCore):
-    """StageCore taking NO_MEMORY as a refusal of any wake, not only of one that may wait."""
+class OnlyWaitingWakeRefused(StageCore):
+    """StageCore taking NO_MEMORY as a refusal only of a wake that may wait, and as a failure of
+    a plain one (memory_wait_s 0), though its rank rolled back as cleanly."""
 
     def _on_reply(self, reply, now):
         task = self._task
-        if isinstance(reply, Nack) and task is not None and isinstance(task.command, Wake):
-            task.command = msgspec.structs.replace(task.command, memory_wait_s=1.0)
+        if (
+            isinstance(reply, Nack)
+            and reply.reason is NackReason.NO_MEMORY
+            and task is not None
+            and isinstance(task.command, Wake)
+            and task.command.memory_wait_s <= 0
+        ):
+            reply = msgspec.structs.replace(reply, reason=NackReason.INVALID_STATE)
         return super()._on_reply(reply, now)
 
 
-@pytest.mark.parametrize("core", [NoAsleepCheck, NoEpochFence, AnyWakeRefused], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("core", [NoAsleepCheck, NoEpochFence, OnlyWaitingWakeRefused], ids=lambda c: c.__name__)
 def test_a_stage_that_mishandles_replies_is_caught(table, core):
     found = agree.compare(table, stage=core)
     assert found, f"{core.__name__} went unnoticed"
@@ -114,7 +121,7 @@ def test_a_stage_that_mishandles_replies_is_caught(table, core):
     elif core is NoEpochFence:
         assert epoch != 1 and first.spec[2] == "pending"
     else:
-        assert info == "NO_MEMORY" and first.spec[2] == "failed" and first.code[2] == "refused"
+        assert info == "NO_MEMORY" and first.spec[2] == "refused" and first.code[2] == "failed"
 
 
 def test_busy_before_the_reply_cache_is_caught(table, monkeypatch):

@@ -117,12 +117,14 @@ def test_pause_and_resume_of_a_sleeping_stage_are_409_naming_the_wake(served: Se
     assert served.stage("talker")["state"] == "SLEEPING"
 
 
-def test_a_paused_stage_sleeps_and_its_wake_serves_again(served: Served) -> None:
+def test_a_paused_stage_sleeps_and_stays_paused_after_its_wake_until_resume(served: Served) -> None:
     assert served.client.post("/pause").status_code == 200
     slept = served.client.post("/sleep?mode=keep")
     assert slept.status_code == 200 and slept.json()["stages"]["talker"]["state"] == "SLEEPING", slept.text
     assert served.client.post("/wake_up").json()["status"] == "awake"
-    assert not _is(served, "/is_paused")
+    assert served.stage("talker")["state"] == "PAUSED" and _is(served, "/is_paused")
+    assert served.client.post("/resume").status_code == 200
+    assert served.stage("talker")["state"] == "RUNNING" and not _is(served, "/is_paused")
 
 
 def test_omni_core_pause_and_resume_routes_with_an_idempotency_key(served: Served) -> None:

@@ -496,3 +496,22 @@ def test_collective_rpc_reload_on_a_running_stage_is_a_versioned_update(ckpt_ser
     finally:
         served.engine.resume("ckpt")
     assert served.engine.execute("ckpt", PROBE) == after.output  # the same checkpoint: the same weights
+
+
+def test_sglang_flush_cache_false_is_a_400_saying_why_where_a_cache_is_keyed_by_prompt(checkpoints: Path) -> None:
+    runner_args = dict(SMALL_RUNNER, seed=len("solo"), prefix_cache_entries=8)
+    config = make_config(
+        stage_table("solo", runner_args=runner_args), allowed_reload_sources=[str(checkpoints)], default_stage="solo"
+    )
+    names, dtypes, shapes = _lists(_new_weights(1))
+    bodies = {
+        "/update_weights_from_disk": {"model_path": str(checkpoints / "next")},
+        "/update_weights_from_distributed": {"names": names, "dtypes": dtypes, "shapes": shapes},
+    }
+    with serving(config) as served:
+        for route, body in bodies.items():
+            answer = served.client.post(route, json={**body, "weight_version": "1", "flush_cache": False})
+            assert answer.status_code == 400, answer.text
+            assert "flush_cache false keeps only caches keyed by weights version" in answer.text, answer.text
+            assert "['prefix_states'] are keyed by prompt alone" in answer.text, answer.text
+        assert _version(served) == 0
