@@ -43,7 +43,7 @@ import run_report  # noqa: E402
 
 from omni_core.config import parse_config  # noqa: E402
 from omni_core.engine import Engine  # noqa: E402
-from omni_core.engine.errors import OmniCoreError  # noqa: E402
+from omni_core.engine.errors import OmniCoreError, StageFailedError  # noqa: E402
 from omni_core.protocol import ShmSource  # noqa: E402
 from omni_core.serve import create_app, serve_in_thread  # noqa: E402
 from omni_core.serve.feed import dumps  # noqa: E402
@@ -292,15 +292,19 @@ def idle_flood(url: str, engine: Engine, tally: Tally, seed: int) -> None:
 
 
 def _refused(kind: str, tally: Tally, call: Any, expect: str) -> None:
-    """An attack call must be refused with an engine error whose message has `expect`."""
+    """An attack call must be refused with an engine error: its own refusal (the message has
+    `expect`), or the state's (a stage FAILED by a kill, another task in flight)."""
     try:
         call()
         tally.note(kind, answered=True, wrong=f"{kind} was accepted", status="accepted")
     except OmniCoreError as exc:
-        wrong = "" if expect in str(exc) or "cannot" in str(exc) or "in flight" in str(exc) else str(exc)[:200]
-        if "no reply to InitWeightGroup" in str(exc):
-            wrong = f"a join failed the stage: {str(exc)[:200]}"
-        tally.note(kind, answered=True, wrong=wrong, status=type(exc).__name__)
+        # Any engine refusal is right (the stage may be FAILED by a kill, busy, asleep), but an
+        # attack that itself fails the stage is not.
+        wrong = ""
+        if isinstance(exc, StageFailedError) and ("InitWeightGroup" in str(exc) or "UpdateWeights" in str(exc)):
+            wrong = f"{kind} failed the stage: {str(exc)[:200]}"
+        reason = "refused" if expect in str(exc) else "state"
+        tally.note(kind, answered=True, wrong=wrong, status=f"{type(exc).__name__} ({reason})")
     except Exception as exc:
         tally.note(kind, answered=True, wrong=f"{type(exc).__name__}: {exc}", status="bug")
 
@@ -326,7 +330,7 @@ def rendezvous_silent(url: str, engine: Engine, tally: Tally, seed: int) -> None
         listener.listen(8)
         port = listener.getsockname()[1]
         call = functools.partial(
-            engine.init_weight_group, rng_stage(seed), address="127.0.0.1", port=port, world_size=4, timeout_s=4.0
+            engine.init_weight_group, rng_stage(seed), address="127.0.0.1", port=port, world_size=4, timeout_s=8.0
         )
         _refused("attack rendezvous silent", tally, call, "did not complete")
 
