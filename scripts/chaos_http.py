@@ -43,7 +43,7 @@ import run_report  # noqa: E402
 
 from omni_core.config import parse_config  # noqa: E402
 from omni_core.engine import Engine  # noqa: E402
-from omni_core.engine.errors import OmniCoreError  # noqa: E402
+from omni_core.engine.errors import OmniCoreError, StageFailedError  # noqa: E402
 from omni_core.protocol import ShmSource  # noqa: E402
 from omni_core.serve import create_app, serve_in_thread  # noqa: E402
 from omni_core.serve.feed import dumps  # noqa: E402
@@ -83,6 +83,7 @@ class Tally:
         self.lost: list[str] = []
         self.statuses = Counter()
         self.attack_frames = 0  # junk frames the floods sent
+        self.stops: list[tuple[float, float]] = []  # when a rank was held by SIGSTOP (from, until)
         self.started: list[threading.Thread] = []  # faults' own threads and timers, joined at the end
 
     def background(self, thread: threading.Thread) -> None:
@@ -215,7 +216,10 @@ def injector(
             try:
                 os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 if fault == "stop":
-                    tally.background(threading.Timer(rng.uniform(1.0, 15.0), lambda p=pid: _cont(p)))
+                    held_s = rng.uniform(1.0, 15.0)
+                    with tally.lock:
+                        tally.stops.append((time.monotonic(), time.monotonic() + held_s))
+                    tally.background(threading.Timer(held_s, lambda p=pid: _cont(p)))
             except ProcessLookupError:
                 pass
         elif fault == "restart2":  # two restarts of one stage at once, as two racing clients would
@@ -292,15 +296,25 @@ def idle_flood(url: str, engine: Engine, tally: Tally, seed: int) -> None:
 
 
 def _refused(kind: str, tally: Tally, call: Any, expect: str) -> None:
-    """An attack call must be refused with an engine error whose message has `expect`."""
+    """An attack call must be refused with an engine error: its own refusal (the message has
+    `expect`), or the state's (a stage FAILED by a kill, another task in flight)."""
+    started = time.monotonic()
     try:
         call()
         tally.note(kind, answered=True, wrong=f"{kind} was accepted", status="accepted")
     except OmniCoreError as exc:
-        wrong = "" if expect in str(exc) or "cannot" in str(exc) or "in flight" in str(exc) else str(exc)[:200]
-        if "no reply to InitWeightGroup" in str(exc):
-            wrong = f"a join failed the stage: {str(exc)[:200]}"
-        tally.note(kind, answered=True, wrong=wrong, status=type(exc).__name__)
+        # Any engine refusal is right (the stage may be FAILED by a kill, busy, asleep), and so
+        # is a failure while an injected SIGSTOP held a rank silent; an attack that itself
+        # fails the stage is not.
+        wrong = ""
+        reason = "refused" if expect in str(exc) else "state"
+        if isinstance(exc, StageFailedError) and ("InitWeightGroup" in str(exc) or "UpdateWeights" in str(exc)):
+            ended = time.monotonic()
+            with tally.lock:
+                stopped = any(a < ended and b > started for a, b in tally.stops)
+            reason = "a rank held by SIGSTOP meanwhile" if stopped else reason
+            wrong = "" if stopped else f"{kind} failed the stage: {str(exc)[:200]}"
+        tally.note(kind, answered=True, wrong=wrong, status=f"{type(exc).__name__} ({reason})")
     except Exception as exc:
         tally.note(kind, answered=True, wrong=f"{type(exc).__name__}: {exc}", status="bug")
 
@@ -326,7 +340,7 @@ def rendezvous_silent(url: str, engine: Engine, tally: Tally, seed: int) -> None
         listener.listen(8)
         port = listener.getsockname()[1]
         call = functools.partial(
-            engine.init_weight_group, rng_stage(seed), address="127.0.0.1", port=port, world_size=4, timeout_s=4.0
+            engine.init_weight_group, rng_stage(seed), address="127.0.0.1", port=port, world_size=4, timeout_s=8.0
         )
         _refused("attack rendezvous silent", tally, call, "did not complete")
 

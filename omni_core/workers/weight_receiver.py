@@ -48,7 +48,9 @@ MAX_OPEN_BUCKETS = 256  # mappings kept for the next update of the same buckets
 # Peer buckets copied ahead of the one the runner writes: 2 keep the peer link busy while the
 # runner copies, holding at most 2 x (2 + 1) buckets of staging memory.
 PEER_LOOKAHEAD = 2
-JOIN_UNBLOCK_S = 2.0  # a join whose connections were shut down ends within this
+# How long a join whose connections were shut down is waited for: short, as the refusal is
+# due within the stage's deadline; a thread that takes longer ends by itself, its result unread.
+JOIN_UNBLOCK_S = 0.5
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
