@@ -21,6 +21,7 @@ For a broadcast (`CollectiveSource`), the trainer is rank 0 of a weight group:
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import secrets
@@ -38,11 +39,12 @@ from omni_core.protocol.weights import (
     MAX_UPDATE_TENSORS,
     Bucket,
     CollectiveSource,
+    IpcBucket,
     IpcSource,
     ShmSource,
     TensorSpec,
 )
-from omni_core.weight_buckets import SHM_DIR, IpcArgs, dtype_name, sender_alive
+from omni_core.weight_buckets import SHM_DIR, describe_cuda_ipc, dtype_name, sender_alive
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _BUCKET_FILE = re.compile(r"^omni-weights-(\d+)-[0-9a-f]{8}-\d+$")
@@ -68,6 +70,16 @@ def sweep_stale(shm_dir: Path = SHM_DIR) -> list[str]:
                 (shm_dir / name).unlink()
                 removed.append(name)
     return removed
+
+
+def _map_shared(fd: int, nbytes: int) -> torch.Tensor:
+    """The sender's bucket file, mapped shared and writable, as a flat uint8 tensor (which keeps
+    the mapping alive)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(
+        mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE), dtype=torch.uint8
+    )
 
 
 def _named(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -160,28 +172,29 @@ class WeightSender:
     def _allocate(self, named: dict[str, torch.Tensor], cuda: bool) -> None:
         pid = os.getpid()
         buckets: list[Bucket] = []
+        ipc_buckets: list[IpcBucket] = []
         for nbytes, members in _layout(named, self.bucket_bytes):
             specs = tuple(_spec(name, named[name], offset) for name, offset in members)
             if cuda:
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                flat = torch.empty(nbytes, dtype=torch.uint8, device=named[members[0][0]].device)
-                _, args = reduce_tensor(flat)
-                handle = IpcArgs.dumps(args)
-            else:
-                self._counter += 1
-                path = self.shm_dir / f"{self.prefix}-{self._counter}"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.ftruncate(fd, max(nbytes, 1))
-                finally:
-                    os.close(fd)
+                # At least one byte: an empty storage has no IPC handle to describe.
+                device = named[members[0][0]].device
+                flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+                ipc = describe_cuda_ipc(flat)  # typed fields, through torch's reduce_tensor
+                self._buckets.append(flat)
+                ipc_buckets.append(IpcBucket(nbytes=nbytes, sender_pid=pid, tensors=specs, ipc=ipc))
+                continue
+            self._counter += 1
+            path = self.shm_dir / f"{self.prefix}-{self._counter}"
+            # Made here (O_EXCL: never another's file) and mapped through this descriptor.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
                 self._paths.append(path)
-                flat = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-                handle = str(path)
-            self._buckets.append(flat)
-            buckets.append(Bucket(handle=handle, nbytes=nbytes, sender_pid=pid, tensors=specs))
-        self._source = IpcSource(buckets=tuple(buckets)) if cuda else ShmSource(buckets=tuple(buckets))
+                os.ftruncate(fd, max(nbytes, 1))
+                self._buckets.append(_map_shared(fd, nbytes))
+            finally:
+                os.close(fd)
+            buckets.append(Bucket(handle=str(path), nbytes=nbytes, sender_pid=pid, tensors=specs))
+        self._source = IpcSource(buckets=tuple(ipc_buckets)) if cuda else ShmSource(buckets=tuple(buckets))
 
     def release(self) -> None:
         """Drop the buckets (after the engine acknowledged the update that named them)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Chaos run: mixed lifecycle traffic over HTTP and the Python API on two synthetic stages,
 with rank kills, stops, restarts (concurrent ones too), slow clients and bad requests injected
-at random, and the attacks of docs/security_network.md (junk floods on the engine's socket,
+at random, and the attacks of docs/security.md (junk floods on the engine's socket,
 idle connection floods, rendezvous to hosts not allowed or that never answer, bad shm
 handles), each of which must be refused; then every stage must come back to RUNNING.
 

@@ -234,12 +234,15 @@ REQUIREMENTS: dict[str, Requirement] = {
             "`UpdateWeights(version, source)` replaces a rank's weights in place. `version` is an integer chosen "
             "by the caller (1 to 2^63-1); `source` is one of `disk` (a safetensors directory, read as "
             "`ReloadWeights` reads it), `shm` (buckets of host shared memory a sender process filled), `ipc` (the "
-            "same buckets as CUDA IPC handles of the sender's device memory) or `collective` (tensors that root 0 "
-            "of the group set up by `InitWeightGroup` broadcasts, in the order listed). Everything is bounded and "
-            "checked on decode, else `Nack BAD_MESSAGE` (P-10): at most 4096 buckets and 16384 tensors per "
-            "update, names of 1-256 characters, each at most once per update, at most 8 dimensions, a dtype from "
-            "the schema's list, every tensor inside its bucket (`offset_bytes + nbytes <= bucket nbytes`). Each "
-            "bucket names its `sender_pid`, the process that keeps it alive.",
+            "same buckets in the sender's device memory, each described by a `CudaIpcHandle` of typed fields: "
+            "device, handle bytes, storage offset and size, offset and size in the storage, ref counter, event; "
+            "never a pickle) or `collective` (tensors that root 0 of the group set up by `InitWeightGroup` "
+            "broadcasts, in the order listed). Everything is bounded and checked on decode, else `Nack "
+            "BAD_MESSAGE` (P-10): at most 4096 buckets and 16384 tensors per update, names of 1-256 characters, "
+            "each at most once per update, at most 8 dimensions, a dtype from the schema's list, every tensor "
+            "inside its bucket (`offset_bytes + nbytes <= bucket nbytes`), a CUDA IPC bucket inside its storage "
+            "and its storage at most 1 TiB. An `ipc` bucket that carries the old `handle` (a pickle) is refused "
+            "naming `ipc`. Each bucket names its `sender_pid`, the process that made it and keeps it alive.",
         ),
         Requirement(
             "P-18",

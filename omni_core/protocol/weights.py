@@ -4,7 +4,8 @@ An `UpdateWeights` command names a caller-chosen `version` and one source:
 
 - `DiskSource`: a safetensors checkpoint directory, read like `ReloadWeights`;
 - `ShmSource`: buckets of host shared memory a sender process filled (the CPU twin of CUDA IPC);
-- `IpcSource`: the same buckets as CUDA IPC handles of the sender's device memory;
+- `IpcSource`: the same buckets in the sender's device memory, each described by a
+  `CudaIpcHandle` (typed fields, no pickle: the rank rebuilds it with torch's own functions);
 - `CollectiveSource`: a broadcast from root 0 of the weight group `InitWeightGroup` set up.
 
 Every size is bounded on decode: bucket count, tensors per update, name length, dimensions,
@@ -26,9 +27,18 @@ MAX_TENSOR_NAME_CHARS = 256
 MAX_TENSOR_DIMS = 8
 MAX_DIM = 1 << 40
 MAX_BUCKET_BYTES = 1 << 40
-MAX_HANDLE_CHARS = 4096  # a shared-memory path, or a base64 CUDA IPC handle with its metadata
+MAX_HANDLE_CHARS = 4096  # a shared-memory path
 MAX_HOST_CHARS = 253  # a DNS name
 MAX_WEIGHTS_VERSION = (1 << 63) - 1
+# CUDA IPC (CudaIpcHandle): what torch's reduce_tensor gives for a CUDA storage.
+CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+# torch's shareable handle: 64 bytes (older torch), 66 (a cudaMalloc block), or 26 and 4 (a
+# POSIX fd) or 64 (a fabric handle) per piece of an expandable segment (30 bytes for one).
+MIN_IPC_HANDLE_BYTES = 2
+MAX_IPC_HANDLE_BYTES = 1 << 16
+MAX_CUDA_DEVICE_INDEX = 63
+CUDA_IPC_REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 counters a file
+MAX_REF_COUNTER_NAME_BYTES = 128  # "/torch_<pid>_<random>_<counter>"
 
 # dtype names as torch prints them without "torch."; the receiver maps them to torch dtypes.
 DTYPE_BYTES: dict[str, int] = {
@@ -90,9 +100,10 @@ class TensorSpec(_Strict):
 
 
 class Bucket(_Strict):
-    """One shared region of `nbytes` holding `tensors`. `handle` opens it: a path under the
-    host's shared-memory directory (shm), or a serialised CUDA IPC handle (ipc). `sender_pid`
-    names the process that keeps it alive, so a dead sender is refused by name."""
+    """One region of host shared memory of `nbytes` holding `tensors`: `handle` is its file, a
+    name directly under the host's shared-memory directory. `sender_pid` names the process that
+    made it and keeps it alive: the rank refuses a bucket whose sender no longer runs, or runs
+    as another user than the one owning the file."""
 
     handle: Handle
     nbytes: ByteCount
@@ -142,10 +153,87 @@ class ShmSource(_Strict, tag="shm"):
         _unique_names(tuple(b.tensors for b in self.buckets))
 
 
+class CudaIpcHandle(_Strict):
+    """One CUDA IPC handle as typed fields: what `torch.multiprocessing.reductions.reduce_tensor`
+    gives for a flat uint8 CUDA tensor, less what the rank fixes itself (the tensor and storage
+    classes, dtype uint8, stride 1, requires_grad False). The rank checks every field against
+    its bounds and its own devices, then rebuilds it with torch's `rebuild_cuda_tensor`; no
+    constructor a caller names ever runs. `omni_core.weight_buckets.describe_cuda_ipc` makes
+    one from a tensor.
+
+    `device`: the CUDA device index the memory opens on (in the rank's numbering). `handle`:
+    torch's shareable handle of the allocation (`storage._share_cuda_()`'s). `storage_offset`
+    and `storage_size`: where the shared storage lies in that allocation, in bytes. `offset`
+    and `size`: where the bucket lies in the storage, in bytes. `ref_counter_handle` and
+    `ref_counter_offset`: the sender's shared-memory counter that keeps the allocation alive
+    while the rank holds it. `event_handle`: the IPC event the rank waits on before reading
+    (64 bytes where `event_sync_required`, else empty)."""
+
+    device: Annotated[int, msgspec.Meta(ge=0, le=MAX_CUDA_DEVICE_INDEX)]
+    handle: Annotated[bytes, msgspec.Meta(min_length=MIN_IPC_HANDLE_BYTES, max_length=MAX_IPC_HANDLE_BYTES)]
+    storage_offset: ByteCount
+    storage_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKET_BYTES)]
+    offset: ByteCount
+    size: ByteCount
+    ref_counter_handle: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_REF_COUNTER_NAME_BYTES)]
+    ref_counter_offset: Annotated[int, msgspec.Meta(ge=0, lt=CUDA_IPC_REF_COUNTER_SLOTS)]
+    event_handle: Annotated[bytes, msgspec.Meta(max_length=CUDA_IPC_HANDLE_BYTES)] = b""
+    event_sync_required: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offset + self.size > self.storage_size:
+            raise ValueError(
+                f"a CUDA IPC bucket of {self.size} bytes at offset {self.offset} ends past its storage "
+                f"of {self.storage_size} bytes"
+            )
+        if self.event_sync_required and len(self.event_handle) != CUDA_IPC_HANDLE_BYTES:
+            raise ValueError(
+                f"event_sync_required needs a {CUDA_IPC_HANDLE_BYTES}-byte event_handle, got {len(self.event_handle)}"
+            )
+        if not self.event_sync_required and self.event_handle:
+            raise ValueError("an event_handle without event_sync_required: send both or neither")
+
+
+# What a peer that still sends a pickled CUDA IPC handle (omni-core before the typed handle)
+# is told at decode (NACK BAD_MESSAGE, HTTP 422): what to send instead. Short: a NACK's
+# detail keeps the first 300 characters of the decode error.
+PICKLED_IPC_REFUSAL = (
+    "a pickled CUDA IPC handle (`handle`) is no longer taken (unpickling runs code): send `ipc`, "
+    "a typed CudaIpcHandle; WeightSender.share or omni_core.weight_buckets.describe_cuda_ipc "
+    "makes it (docs/security.md)"
+)
+
+
+class IpcBucket(_Strict):
+    """One bucket of the sender's device memory: `ipc` opens it; `nbytes` and `tensors` as in
+    a shm `Bucket`. `handle` exists only so that a peer still sending the old pickled form is
+    told what to send (PICKLED_IPC_REFUSAL) instead of meeting an unknown field."""
+
+    nbytes: ByteCount
+    sender_pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    tensors: Annotated[tuple[TensorSpec, ...], msgspec.Meta(min_length=1, max_length=MAX_UPDATE_TENSORS)]
+    ipc: CudaIpcHandle | None = None
+    handle: Annotated[str, msgspec.Meta(max_length=MAX_HANDLE_CHARS)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.handle is not None:
+            raise ValueError(PICKLED_IPC_REFUSAL)
+        if self.ipc is None:
+            raise ValueError("an ipc bucket needs `ipc`, its CudaIpcHandle (WeightSender.share makes it)")
+        if self.nbytes > self.ipc.size:
+            raise ValueError(f"an ipc bucket of {self.nbytes} bytes in a CUDA IPC handle of {self.ipc.size}")
+        for spec in self.tensors:
+            if spec.offset_bytes + spec.nbytes > self.nbytes:
+                raise ValueError(
+                    f"tensor {spec.name!r} ({spec.nbytes} bytes at offset {spec.offset_bytes}) "
+                    f"ends past its bucket of {self.nbytes} bytes"
+                )
+
+
 class IpcSource(_Strict, tag="ipc"):
     """CUDA IPC handles of the sender's device buckets (same node); refused on a CPU rank."""
 
-    buckets: Buckets
+    buckets: Annotated[tuple[IpcBucket, ...], msgspec.Meta(min_length=1, max_length=MAX_UPDATE_BUCKETS)]
 
     def __post_init__(self) -> None:
         _unique_names(tuple(b.tensors for b in self.buckets))

@@ -9,19 +9,27 @@ that (a sender that vanishes mid-broadcast, a copy that raises) propagates: the 
 NEEDS_RELOAD at its old version (NACK UPDATE_FAILED).
 
 Shared-memory buckets are files directly under `SHM_DIR` named by the sender; a handle
-naming anything else (another directory, '..') is refused. Opened buckets are kept, bounded,
-keyed by (path, inode, size): a sender that refills the same buckets for the next version is
-read through the mapping already open, never reopened.
+naming anything else (another directory, '..') is refused. A bucket is opened exactly once,
+read-only, never created and never through a symlink (`weight_buckets.open_in`); the
+descriptor is fstat-checked (a regular file of one name, owned by the user its sender runs
+as, at least `nbytes` long: the sender being a live process other than init) and that same
+descriptor is mapped read-only and private, then closed. CUDA IPC buckets are typed
+descriptions (`CudaIpcHandle`) checked against this rank's devices and the sender's identity
+before torch's `rebuild_cuda_tensor` opens them. Opened buckets are kept for the next update
+(`BucketCache`): released when their file or sender is gone, bounded by bytes.
+docs/security.md lists the attacks these checks answer.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import ipaddress
+import mmap
 import os
 import re
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +41,9 @@ from omni_core.protocol import InitWeightGroup
 from omni_core.protocol.weights import (
     Bucket,
     CollectiveSource,
+    CudaIpcHandle,
     DiskSource,
+    IpcBucket,
     IpcSource,
     ShmSource,
     TensorSpec,
@@ -41,10 +51,24 @@ from omni_core.protocol.weights import (
     source_tensors,
 )
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.weight_buckets import SHM_DIR, IpcArgs, dtype_name, sender_alive
+from omni_core.weight_buckets import (
+    REF_COUNTER_FILE_BYTES,
+    SHM_DIR,
+    BucketRefused,
+    check_cuda_ipc,
+    check_owned_file,
+    dtype_name,
+    is_expandable_segment,
+    lstat_in,
+    open_in,
+    process_uid,
+    rebuild_cuda_ipc,
+    ref_counter_name,
+    sender_uid,
+)
+from omni_core.workers.bucket_cache import MAX_RETAINED_BUCKET_BYTES, BucketCache, CachedBucket
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-MAX_OPEN_BUCKETS = 256  # mappings kept for the next update of the same buckets
 # Peer buckets copied ahead of the one the runner writes: 2 keep the peer link busy while the
 # runner copies, holding at most 2 x (2 + 1) buckets of staging memory.
 PEER_LOOKAHEAD = 2
@@ -67,15 +91,84 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def shm_path(handle: str) -> Path:
-    """The bucket file a shm handle names; anything but a plain name under SHM_DIR is refused."""
-    name = handle.removeprefix(str(SHM_DIR) + "/")
+def shm_name(handle: str, directory: Path = SHM_DIR) -> str:
+    """The name of the bucket file a shm handle names; anything but a plain name directly under
+    `directory` (another directory, '..', a path through it) is refused."""
+    name = handle.removeprefix(str(directory) + "/")
     if not _SHM_NAME.match(name) or name in (".", ".."):
         raise RunnerArgumentError(
-            f"shm handle {handle[:120]!r} is not a file directly under {SHM_DIR}; "
+            f"shm handle {handle[:120]!r} is not a file directly under {directory}; "
             "share buckets with omni_core.weights_sender"
         )
-    return SHM_DIR / name
+    return name
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_readonly(fd: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of the file open at `fd`, mapped read-only and private (a write through the
+    mapping faults; nothing the rank does reaches the file), as a flat uint8 tensor. Mapped
+    with mmap(2) itself: Python's mmap keeps a duplicate of the descriptor open for as long as
+    the mapping lives, and the rank keeps no descriptor of a bucket. The mapping goes when the
+    last tensor over it does."""
+    addr = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mmap: {os.strerror(code)}")
+
+    class Mapping(ctypes.c_uint8 * nbytes):  # type: ignore[misc, valid-type]
+        def __del__(self) -> None:
+            _libc.munmap(ctypes.addressof(self), nbytes)
+
+    return torch.frombuffer(Mapping.from_address(addr), dtype=torch.uint8)
+
+
+class CudaIpcOps:
+    """What the receiver asks of CUDA for an IPC bucket; the seam tests replace to show that a
+    refused description never reaches `rebuild`."""
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device_bytes(self, index: int) -> int | None:
+        return int(torch.cuda.get_device_properties(index).total_memory)
+
+    def rebuild(self, desc: CudaIpcHandle) -> torch.Tensor:
+        return rebuild_cuda_ipc(desc)
+
+    def allocation_problem(self, view: torch.Tensor, desc: CudaIpcHandle) -> str | None:
+        """Whether the opened range lies inside the allocation the handle opened, as the driver
+        (cuMemGetAddressRange) tells it from the handle's base: a storage offset or size past
+        it would make the rank's copies read device memory the handle never shared (its own,
+        or nothing: a fault that ends the rank's CUDA context). An expandable segment's extent
+        was checked against its handle's header (check_cuda_ipc) instead."""
+        if is_expandable_segment(desc.handle):
+            return None
+        ptr = view.data_ptr()
+        base_ptr = ptr - desc.offset - desc.storage_offset  # where rebuild_cuda_tensor mapped the handle
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError:  # pragma: no cover - a CUDA rank has its driver
+            return "the CUDA driver (libcuda.so.1) cannot be loaded to check the opened range"
+        get_range = driver.cuMemGetAddressRange_v2
+        get_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        with torch.cuda.device(view.device):
+            status = get_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(base_ptr))
+        if status != 0:
+            return f"the driver knows no allocation at the handle's base (CUresult {status})"
+        end = ptr + view.numel()
+        if ptr < base.value or end > base.value + size.value:
+            return (
+                f"the opened range [{ptr:#x}, {end:#x}) lies outside its allocation "
+                f"[{base.value:#x}, {base.value + size.value:#x})"
+            )
+        return None
 
 
 def bounded_join(join: Callable[[], Any], join_s: float, address: str, port: int) -> Any:
@@ -155,12 +248,24 @@ def check_specs(runner: ModelRunner, specs: tuple[TensorSpec, ...]) -> None:
 class WeightReceiver:
     """One rank's receiver: its weight group (if joined) and the buckets it has open."""
 
-    def __init__(self, device: torch.device, rank: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        rank: int,
+        *,
+        shm_dir: Path = SHM_DIR,
+        retained_bytes: int = MAX_RETAINED_BUCKET_BYTES,
+        uid_of: Any = process_uid,
+        cuda: CudaIpcOps | None = None,
+    ) -> None:
         self.device = device
         self.rank = rank
         self.group: Any = None  # a torch ProcessGroup with the trainer as rank 0
         self.group_rank = -1
-        self._open: OrderedDict[tuple[str, int, int], torch.Tensor] = OrderedDict()
+        self.shm_dir = shm_dir
+        self.uid_of = uid_of  # pid -> uid, None when not running: the seam for another user's sender
+        self.cuda = cuda if cuda is not None else CudaIpcOps()
+        self.buckets = BucketCache(retained_bytes)
         self.reopened = 0  # buckets opened afresh (a reused one is not counted)
 
     # ------------------------------------------------------------------ group
@@ -208,6 +313,7 @@ class WeightReceiver:
     # ------------------------------------------------------------------ update
 
     def apply(self, source: WeightSource, runner: ModelRunner) -> None:
+        self.buckets.sweep()  # mappings of buckets whose file or sender is gone pin nothing more
         if isinstance(source, DiskSource):
             runner.reload_weights(source.path)  # the runner checks every header before writing
             return
@@ -215,7 +321,11 @@ class WeightReceiver:
             raise RunnerArgumentError(f"runner {type(runner).__name__} takes updates from disk only")
         check_specs(runner, source_tensors(source))
         if isinstance(source, ShmSource):
-            views = [self._open_shm(bucket) for bucket in source.buckets]  # every handle before any write
+            in_use: set[Any] = set()
+            try:
+                views = [self._open_shm(bucket, in_use) for bucket in source.buckets]  # every handle before any write
+            finally:
+                self.buckets.trim(in_use)
             runner.update_weights(self._tensors(source.buckets, views))
         elif isinstance(source, IpcSource):
             if self.device.type != "cuda":
@@ -223,7 +333,11 @@ class WeightReceiver:
                     f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
                     "share host buckets (shm) or broadcast (collective) instead"
                 )
-            opened = [self._open_ipc(bucket) for bucket in source.buckets]
+            in_use = set()
+            try:
+                opened = [self._open_ipc(bucket, in_use) for bucket in source.buckets]
+            finally:
+                self.buckets.trim(in_use)
             # A bucket on the trainer's GPU, a peer of ours, is staged here first.
             local = self._staged(opened) if any(v.device != self.device for v in opened) else opened
             runner.update_weights(self._tensors(source.buckets, local))
@@ -244,76 +358,106 @@ class WeightReceiver:
         return peer_staged(self.device, views, PEER_LOOKAHEAD)
 
     @staticmethod
-    def _tensors(buckets: tuple[Bucket, ...], views: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(
+        buckets: tuple[Bucket, ...] | tuple[IpcBucket, ...], views: Iterable[torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket, flat in zip(buckets, views, strict=True):
             for spec in bucket.tensors:
                 raw = flat[spec.offset_bytes : spec.offset_bytes + spec.nbytes]
                 yield spec.name, raw.view(_DTYPES[spec.dtype]).view(spec.shape)
 
-    def _open_shm(self, bucket: Bucket) -> torch.Tensor:
-        path = shm_path(bucket.handle)
-        if not sender_alive(bucket.sender_pid):
-            raise RunnerArgumentError(
-                f"sender pid {bucket.sender_pid} of bucket {path.name} no longer runs; "
-                "its buckets are not trusted; nothing was written"
-            )
+    def _open_shm(self, bucket: Bucket, in_use: set[Any]) -> torch.Tensor:
+        """Open one bucket file exactly once (no symlink, no create, read-only), check the
+        descriptor and map it; a bucket already mapped is reused once its file checks out."""
+        name = shm_name(bucket.handle, self.shm_dir)
+        what = f"bucket {name}"
         try:
-            stat = path.stat()
-        except OSError as exc:
-            raise RunnerArgumentError(
-                f"bucket {path.name} of sender pid {bucket.sender_pid} cannot be opened "
-                f"({exc.strerror}); the sender released it or never made it"
-            ) from None
-        if stat.st_size < bucket.nbytes:
-            raise RunnerArgumentError(
-                f"bucket {path.name} of sender pid {bucket.sender_pid} holds {stat.st_size} "
-                f"bytes, the update announces {bucket.nbytes}"
-            )
-        key = (str(path), stat.st_ino, bucket.nbytes)
-        view = self._open.get(key)
-        if view is None:
-            if bucket.nbytes == 0:
-                view = torch.empty(0, dtype=torch.uint8)
-            else:
-                view = torch.from_file(str(path), shared=True, size=bucket.nbytes, dtype=torch.uint8)
-            self.reopened += 1
-            self._open[key] = view
-            while len(self._open) > MAX_OPEN_BUCKETS:
-                self._open.popitem(last=False)
-        self._open.move_to_end(key)
+            owner = sender_uid(bucket.sender_pid, what, self.uid_of)
+            try:
+                fd = open_in(self.shm_dir, name)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise BucketRefused(
+                        f"{what} of sender pid {bucket.sender_pid} is a symbolic link (or lies under one); "
+                        "a bucket is a file of its own, never followed; nothing was written"
+                    ) from None
+                raise BucketRefused(
+                    f"{what} of sender pid {bucket.sender_pid} cannot be opened "
+                    f"({exc.strerror}); the sender released it or never made it"
+                ) from None
+            try:
+                st = os.fstat(fd)
+                check_owned_file(st, what, owner, bucket.sender_pid, bucket.nbytes)
+                key = ("shm", st.st_dev, st.st_ino, bucket.nbytes)
+                in_use.add(key)
+                view = self.buckets.get(key)
+                if view is None:
+                    try:
+                        view = self._map(fd, name, st, bucket.nbytes, key)
+                    except OSError as exc:
+                        raise BucketRefused(f"{what} cannot be mapped ({exc.strerror}); nothing was written") from None
+            finally:
+                os.close(fd)
+        except BucketRefused as exc:
+            raise RunnerArgumentError(str(exc)) from None
         return view
 
-    def _open_ipc(self, bucket: Bucket) -> torch.Tensor:
-        """A CUDA IPC handle: base64 of the pickled (rebuild function args) that
-        torch.multiprocessing.reductions.reduce_tensor gives for the sender's flat uint8 bucket."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    def _map(self, fd: int, name: str, st: os.stat_result, nbytes: int, key: Any) -> torch.Tensor:
+        view = torch.empty(0, dtype=torch.uint8) if nbytes == 0 else _map_readonly(fd, nbytes)
+        identity = (st.st_dev, st.st_ino)
+        directory = self.shm_dir
 
-        if not sender_alive(bucket.sender_pid):
-            raise RunnerArgumentError(
-                f"sender pid {bucket.sender_pid} of an ipc bucket no longer runs; nothing was written"
-            )
-        key = (bucket.handle, bucket.sender_pid, bucket.nbytes)
-        view = self._open.get(key)
-        if view is None:
-            try:
-                args = IpcArgs.loads(bucket.handle)
-                view = rebuild_cuda_tensor(*args)
-            except Exception as exc:
-                raise RunnerArgumentError(
-                    f"CUDA IPC handle of sender pid {bucket.sender_pid} cannot be opened: {type(exc).__name__}: {exc}"
-                ) from None
-            if view.numel() * view.element_size() < bucket.nbytes:
-                raise RunnerArgumentError(
-                    f"ipc bucket of sender pid {bucket.sender_pid} holds "
-                    f"{view.numel() * view.element_size()} bytes, the update announces "
-                    f"{bucket.nbytes}"
+        def gone() -> bool:  # unlinked, or another file under the name: the mapping pins a dead file
+            now = lstat_in(directory, name)
+            return now is None or (now.st_dev, now.st_ino) != identity
+
+        self.buckets.put(key, CachedBucket(view, nbytes, gone))
+        self.reopened += 1
+        return view
+
+    def _open_ipc(self, bucket: IpcBucket, in_use: set[Any]) -> torch.Tensor:
+        """A typed CUDA IPC description, checked (sender, bounds, ref counter file), then opened
+        by torch's rebuild_cuda_tensor; a description already open is reused."""
+        desc = bucket.ipc
+        assert desc is not None  # IpcBucket refuses a bucket without one on decode
+        pid = bucket.sender_pid
+        what = f"the CUDA IPC bucket of sender pid {pid}"
+        key = ("ipc", pid, desc)
+        in_use.add(key)
+        try:
+            owner = sender_uid(pid, what, self.uid_of)
+            view = self.buckets.get(key)
+            if view is None:
+                check_cuda_ipc(
+                    desc, pid, device_count=self.cuda.device_count(), device_bytes=self.cuda.device_bytes(desc.device)
                 )
-            self.reopened += 1
-            self._open[key] = view
-            while len(self._open) > MAX_OPEN_BUCKETS:
-                self._open.popitem(last=False)
-        self._open.move_to_end(key)
-        return view.view(torch.uint8).reshape(-1)
+                self._check_ref_counter(desc, owner, pid, what)
+                try:
+                    view = self.cuda.rebuild(desc)
+                except Exception as exc:
+                    raise BucketRefused(f"{what} cannot be opened: {type(exc).__name__}: {str(exc)[:300]}") from None
+                problem = self.cuda.allocation_problem(view, desc)
+                if problem is not None:
+                    del view
+                    raise BucketRefused(f"{what}: {problem}; nothing was written")
+                self.buckets.put(key, CachedBucket(view, bucket.nbytes, lambda: self.uid_of(pid) != owner))
+                self.reopened += 1
+        except BucketRefused as exc:
+            raise RunnerArgumentError(str(exc)) from None
+        return view.view(torch.uint8).reshape(-1)[: bucket.nbytes]
+
+    def _check_ref_counter(self, desc: CudaIpcHandle, owner: int, pid: int, what: str) -> None:
+        """torch opens the ref counter by name, extending a short file and writing a counter in
+        it when the rank lets the bucket go: it must be the sender's own, full-sized file."""
+        name = ref_counter_name(desc)
+        try:
+            fd = open_in(SHM_DIR, name)
+        except OSError as exc:
+            raise BucketRefused(f"{what}: its ref counter {name!r} cannot be opened ({exc.strerror})") from None
+        try:
+            check_owned_file(os.fstat(fd), f"{what}: its ref counter {name!r}", owner, pid, REF_COUNTER_FILE_BYTES)
+        finally:
+            os.close(fd)
 
     def _broadcast(self, specs: tuple[TensorSpec, ...]) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive each tensor from group rank 0 into a temporary of its own (one at a time:
@@ -329,5 +473,5 @@ class WeightReceiver:
             yield spec.name, buffer
 
     def close(self) -> None:
-        self._open.clear()
+        self.buckets.clear()
         self.group = None

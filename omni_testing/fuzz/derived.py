@@ -76,6 +76,10 @@ def _value(t: Any, rng: random.Random) -> Any:
             low = max(1, t.min_length or 0)
             high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
             return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high)))
+        case mi.BytesType():
+            low = t.min_length or 0
+            high = max(low, min(t.max_length if t.max_length is not None else 16, 128))
+            return rng.randbytes(rng.randint(low, high))
         case mi.LiteralType():
             return rng.choice(t.values)
         case mi.EnumType():

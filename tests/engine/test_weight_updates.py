@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -132,6 +133,49 @@ def test_a_dead_sender_or_a_gone_bucket_is_refused_by_name_before_writing(engine
         engine.update_weights("r", ShmSource(buckets=(outside,)), version=1)
     status = engine.status()["r"]
     assert (status["state"], status["weights_version"]) == ("RUNNING", 0) and digest(engine, "r") == before
+
+
+def test_a_symlinked_foreign_or_init_claimed_bucket_is_refused_and_the_stage_keeps_its_version(
+    engine_factory, tmp_path
+) -> None:
+    """Issue 35 item 2 against running ranks: a /dev/shm symlink to a checkpoint-like file the
+    caller may not name, a file another user owns, and a planted file claimed for pid 1 are
+    each a clean NACK naming what is wrong; the stage stays RUNNING at its version, serving
+    the same outputs, and the next honest update is taken."""
+    engine = engine_factory(small_spec("r"))
+    ref = reference(seed=1)
+    before = digest(engine, "r")
+    planted = []
+    with WeightSender() as sender:
+        source = sender.share(new_weights(ref, 5))
+        assert isinstance(source, ShmSource) and len(source.buckets) == 1
+        bucket = source.buckets[0]
+        outside = tmp_path / "not-an-allowed-source.bin"
+        outside.write_bytes(Path(bucket.handle).read_bytes())  # the very bytes of a valid update
+        name = f"/dev/shm/omni-attack-{os.getpid()}"
+        link, foreign, claimed = (f"{name}-link", f"{name}-foreign", f"{name}-init")
+        try:
+            os.symlink(outside, link)
+            planted.append(link)
+            attacks = [(msgspec.structs.replace(bucket, handle=link), "is a symbolic link")]
+            for path in (foreign, claimed):
+                with open(path, "wb") as f:
+                    f.write(outside.read_bytes())
+                planted.append(path)
+            attacks.append((msgspec.structs.replace(bucket, handle=claimed, sender_pid=1), "sender pid 1 .* is init"))
+            if os.geteuid() == 0:
+                os.chown(foreign, 4242, 4242)
+                attacks.append((msgspec.structs.replace(bucket, handle=foreign), "owned by uid 4242"))
+            for forged, match in attacks:
+                with pytest.raises(InvalidArgumentError, match=match):
+                    engine.update_weights("r", ShmSource(buckets=(forged,)), version=1)
+                status = engine.status()["r"]
+                assert (status["state"], status["weights_version"]) == ("RUNNING", 0), match
+                assert digest(engine, "r") == before
+            assert engine.update_weights("r", source, version=1).weights_version == 1
+        finally:
+            for path in planted:
+                os.unlink(path)
 
 
 def test_a_gloo_broadcast_reaches_every_rank_and_a_trainer_that_dies_midway_leaves_needs_reload(engine_factory) -> None:

@@ -4,6 +4,9 @@ error codes, and `omni-core update-weights`."""
 
 from __future__ import annotations
 
+import base64
+import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -132,6 +135,45 @@ def test_a_disk_source_is_checked_then_refused_by_the_ranks_without_effect(
         assert "every rank refused the update, nothing was written" in answer.json()["error"]["message"]
     assert _version(served) == version and _digest(served) == before
     assert served.client.get("/v1/stages/solo").json()["state"] == "RUNNING"
+
+
+def test_an_shm_symlink_does_not_get_round_allowed_reload_sources(weights_served: Served, tmp_path: Path) -> None:
+    """Issue 35 item 2 over HTTP: a disk path outside allowed_reload_sources is 403, so the
+    attacker names a /dev/shm symlink to it as an shm bucket instead. The ranks refuse the
+    symlink (400, every rank refused, nothing written): the version and outputs stay."""
+    served = weights_served
+    before, version = _digest(served), _version(served)
+    with WeightSender(bucket_bytes=1 << 20) as sender:
+        source = msgspec.to_builtins(sender.share(_new_weights(version + 3)))
+        outside = tmp_path / "checkpoint-outside-the-roots.bin"
+        outside.write_bytes(Path(source["buckets"][0]["handle"]).read_bytes())  # valid weights, elsewhere
+        link = Path(f"/dev/shm/omni-attack-{os.getpid()}-http")
+        link.symlink_to(outside)
+        try:
+            source["buckets"][0]["handle"] = str(link)
+            answer = served.client.post(ROUTE, json={"version": version + 1, "source": source})
+        finally:
+            link.unlink()
+    assert answer.status_code == 400, answer.text
+    assert "is a symbolic link" in answer.json()["error"]["message"], answer.text
+    assert _version(served) == version and _digest(served) == before
+    assert served.client.get("/v1/stages/solo").json()["state"] == "RUNNING"
+
+
+def test_a_pickled_ipc_handle_is_422_saying_what_to_send(weights_served: Served) -> None:
+    """A client of the old wire posts an ipc bucket with `handle`, a base64 pickle: 422, and
+    the message names the typed `ipc` description that replaces it."""
+    served = weights_served
+    bucket = {
+        "handle": base64.b64encode(pickle.dumps(("anything",))).decode(),
+        "nbytes": 4,
+        "sender_pid": os.getpid(),
+        "tensors": [{"name": "w0", "dtype": "uint8", "shape": [4]}],
+    }
+    answer = served.client.post(ROUTE, json={"version": 99, "source": {"type": "ipc", "buckets": [bucket]}})
+    assert answer.status_code == 422, answer.text
+    message = answer.json()["error"]["message"]
+    assert "send `ipc`" in message and "CudaIpcHandle" in message, message
 
 
 def test_sglang_update_from_disk_keeps_its_shape_and_refuses_what_it_cannot_honour(
