@@ -176,11 +176,13 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "        if False:  # mutant\n",
     ),
     _m(
-        "nomemory-any-wake",
-        "NO_MEMORY taken as a refusal of a wake that may not wait (P-16)",
+        "nomemory-plain-wake-fails",
+        "a wake that may not wait, refused NO_MEMORY and rolled back, fails the stage (P-16)",
         STAGE,
-        "            and not (isinstance(task.command, Wake) and task.command.memory_wait_s <= 0)\n",
-        "",
+        "        if isinstance(reply, Nack) and reply.reason is REFUSAL_REASON.get(type(task.command)):\n",
+        "        if isinstance(reply, Nack) and reply.reason is REFUSAL_REASON.get(type(task.command)) and not (\n"
+        "            isinstance(task.command, Wake) and task.command.memory_wait_s <= 0\n"
+        "        ):  # mutant\n",
     ),
     # ------------------------------------------------------------ stage core: requests, deadlines
     _m(
