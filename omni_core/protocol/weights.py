@@ -82,7 +82,7 @@ class _Strict(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     pass
 
 
-class TensorSpec(_Strict):
+class TensorSpec(_Strict, frozen=True):
     """One full (unsharded) tensor: its name in the runner's state_dict, dtype and shape. In a
     bucket, `offset_bytes` is where its contiguous bytes start."""
 
@@ -99,7 +99,7 @@ class TensorSpec(_Strict):
         return count * DTYPE_BYTES[self.dtype]
 
 
-class Bucket(_Strict):
+class Bucket(_Strict, frozen=True):
     """One region of host shared memory of `nbytes` holding `tensors`: `handle` is its file, a
     name directly under the host's shared-memory directory. `sender_pid` names the process that
     made it and keeps it alive: the rank refuses a bucket whose sender no longer runs, or runs
@@ -138,13 +138,13 @@ def _unique_names(groups: tuple[tuple[TensorSpec, ...], ...]) -> None:
         )
 
 
-class DiskSource(_Strict, tag="disk"):
+class DiskSource(_Strict, tag="disk", frozen=True):
     """A safetensors checkpoint directory on the rank's host (as `ReloadWeights` reads)."""
 
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDLE_CHARS)]
 
 
-class ShmSource(_Strict, tag="shm"):
+class ShmSource(_Strict, tag="shm", frozen=True):
     """Host shared memory: each bucket a file under the shared-memory directory."""
 
     buckets: Buckets
@@ -153,7 +153,7 @@ class ShmSource(_Strict, tag="shm"):
         _unique_names(tuple(b.tensors for b in self.buckets))
 
 
-class CudaIpcHandle(_Strict):
+class CudaIpcHandle(_Strict, frozen=True):
     """One CUDA IPC handle as typed fields: what `torch.multiprocessing.reductions.reduce_tensor`
     gives for a flat uint8 CUDA tensor, less what the rank fixes itself (the tensor and storage
     classes, dtype uint8, stride 1, requires_grad False). The rank checks every field against
@@ -204,7 +204,7 @@ PICKLED_IPC_REFUSAL = (
 )
 
 
-class IpcBucket(_Strict):
+class IpcBucket(_Strict, frozen=True):
     """One bucket of the sender's device memory: `ipc` opens it; `nbytes` and `tensors` as in
     a shm `Bucket`. `handle` exists only so that a peer still sending the old pickled form is
     told what to send (PICKLED_IPC_REFUSAL) instead of meeting an unknown field."""
@@ -230,7 +230,7 @@ class IpcBucket(_Strict):
                 )
 
 
-class IpcSource(_Strict, tag="ipc"):
+class IpcSource(_Strict, tag="ipc", frozen=True):
     """CUDA IPC handles of the sender's device buckets (same node); refused on a CPU rank."""
 
     buckets: Annotated[tuple[IpcBucket, ...], msgspec.Meta(min_length=1, max_length=MAX_UPDATE_BUCKETS)]
@@ -239,7 +239,7 @@ class IpcSource(_Strict, tag="ipc"):
         _unique_names(tuple(b.tensors for b in self.buckets))
 
 
-class CollectiveSource(_Strict, tag="collective"):
+class CollectiveSource(_Strict, tag="collective", frozen=True):
     """Root 0 of the weight group broadcasts `tensors`, in this order, each whole."""
 
     tensors: Annotated[tuple[TensorSpec, ...], msgspec.Meta(min_length=1, max_length=MAX_UPDATE_TENSORS)]

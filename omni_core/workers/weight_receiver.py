@@ -30,7 +30,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -202,7 +202,7 @@ def shut_connections_to(address: str, port: int) -> int:
     """Shut down this process's TCP connections to address:port; how many there were."""
     fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
     try:
-        wanted = {_plain_ip(info[4][0]) for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)}
+        wanted = {_plain_ip(str(info[4][0])) for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)}
     except (OSError, UnicodeError):
         return 0
     cut = 0
@@ -291,6 +291,7 @@ class WeightReceiver:
                 command.address, command.port, command.world_size, is_master=False, timeout=timedelta(seconds=join_s)
             )
             prefixed = dist.PrefixStore(f"omni-weights/{command.group}", store)
+            group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
             if command.backend == "gloo":
                 group = dist.ProcessGroupGloo(prefixed, self.group_rank, command.world_size, timeout)
             else:
@@ -359,7 +360,7 @@ class WeightReceiver:
 
     @staticmethod
     def _tensors(
-        buckets: tuple[Bucket, ...] | tuple[IpcBucket, ...], views: Iterable[torch.Tensor]
+        buckets: Sequence[Bucket | IpcBucket], views: Iterable[torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket, flat in zip(buckets, views, strict=True):
             for spec in bucket.tensors:
