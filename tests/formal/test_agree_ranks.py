@@ -13,7 +13,7 @@ from omni_core.formal.agree import AgreeParseError
 from omni_core.formal.tlc import TlcNotFoundError
 from omni_core.fsm.stage import StageCore
 from omni_core.protocol import Ack
-from tests.formal.test_agree import AnyWakeRefused, NoAsleepCheck, NoEpochFence
+from tests.formal.test_agree import NoAsleepCheck, NoEpochFence, OnlyWaitingWakeRefused
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_the_stage_agrees_with_the_spec_over_every_reply_sequence(table):
         (NoAsleepCheck, (0, "tags")),
         (NoEpochFence, (0, "epoch")),
         (DuplicateCounted, (0, "ok")),
-        (AnyWakeRefused, (0, "nack")),
+        (OnlyWaitingWakeRefused, (0, "nack")),
     ],
     ids=lambda v: getattr(v, "__name__", None),
 )
@@ -79,8 +79,9 @@ def test_a_stage_that_mishandles_replies_is_caught(table, core, first_seq):
         assert first.seq == ((0, "ok"), (0, "dup")) and first.spec[2] == "pending" and first.code[2] == "ok"
     elif core is NoEpochFence:
         assert first.spec[5] == frozenset() and first.code[5] == frozenset({0})
-    elif core is AnyWakeRefused:
-        assert first.call == ("Wake", False) and first.spec[0] == "FAILED" and first.code[2] == "pending"
+    elif core is OnlyWaitingWakeRefused:
+        # a plain wake's NO_MEMORY is a refusal now: the spec waits for rank 1, the mutant fails
+        assert first.call == ("Wake", False) and first.code[0] == "FAILED" and first.spec[0] != "FAILED"
     else:
         assert first.spec[0] == "FAILED" and first.code[0] != "FAILED"
 
