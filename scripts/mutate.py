@@ -224,8 +224,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "queue-deadline",
         "a queued request never expires while the stage stays asleep",
         STAGE_REQUESTS,
-        "        expired = [r for r in self.queue if now >= r.deadline_at]\n",
-        "        expired = []  # mutant: no queue deadline\n",
+        "        for request in self.queue.pop_expired(now):\n",
+        "        for request in []:  # mutant: no queue deadline\n",
         [f"{ENGINE_TESTS}::test_a_queued_request_is_refused_at_its_own_deadline_if_the_stage_stays_asleep"],
     ),
     _m(
