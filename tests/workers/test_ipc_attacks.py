@@ -59,15 +59,6 @@ class FakeCuda:
 
 
 @pytest.fixture
-def runner() -> RecordingRunner:
-    RecordingRunner.writes = []
-    r = RecordingRunner(torch.device("cpu"), weights_bytes=4096, tensor_count=2, hidden=16, kv_bytes=1024)
-    r.load_weights()
-    r.allocate_caches()
-    return r
-
-
-@pytest.fixture
 def ref_counter() -> Path:
     """This process's torch-style ref counter file, full-sized, as the sender's would be."""
     path = SHM_DIR / f"torch_{os.getpid()}_1234_0"

@@ -37,15 +37,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def runner() -> RecordingRunner:
-    RecordingRunner.writes = []
-    r = RecordingRunner(torch.device("cpu"), weights_bytes=4096, tensor_count=2, hidden=16, kv_bytes=1024)
-    r.load_weights()
-    r.allocate_caches()
-    return r
-
-
-@pytest.fixture
 def victim(tmp_path: Path) -> Path:
     """A file the rank must never touch: 0600, 18 bytes (root's own where the test is root)."""
     path = tmp_path / "victim"

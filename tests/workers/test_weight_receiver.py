@@ -35,15 +35,6 @@ class RecordingRunner(SyntheticRunner):
             super().update_weights([(name, tensor)])
 
 
-@pytest.fixture
-def runner() -> RecordingRunner:
-    RecordingRunner.writes = []
-    r = RecordingRunner(torch.device("cpu"), weights_bytes=4096, tensor_count=2, hidden=16, kv_bytes=1024)
-    r.load_weights()
-    r.allocate_caches()
-    return r
-
-
 def weights_like(runner: SyntheticRunner, value: float) -> dict[str, torch.Tensor]:
     return {n: torch.full(shape, value, dtype=dtype) for n, (shape, dtype) in runner.weight_specs().items()}
 
