@@ -49,7 +49,9 @@ def _tokens(engine: Any) -> list[list[int]]:
     return engine.execute("llm", REQUEST)["token_ids"]
 
 
-def test_a_prompt_of_three_blocks_after_an_update_or_a_reload_equals_a_fresh_stage(tmp_path: Path) -> None:
+def _two_checkpoints_and_a_fresh_stage_on_b(tmp_path: Path) -> tuple[Path, Path, list[list[int]]]:
+    """Checkpoints A and B (seeds 0 and 1) and the tokens a fresh stage on B gives; skips
+    without CUDA or vLLM."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm", reason="needs vLLM (on the device: source .vllm/setup-vllm.sh)")
@@ -60,7 +62,13 @@ def test_a_prompt_of_three_blocks_after_an_update_or_a_reload_equals_a_fresh_sta
     make_checkpoint("qwen2", "0.5b", a, seed=0, dtype="bfloat16")
     make_checkpoint("qwen2", "0.5b", b, seed=1, dtype="bfloat16")
     with Engine([_spec(b)]) as fresh:
-        on_b = _tokens(fresh)
+        return a, b, _tokens(fresh)
+
+
+def test_a_prompt_of_three_blocks_after_an_update_or_a_reload_equals_a_fresh_stage(tmp_path: Path) -> None:
+    from omni_core.engine import Engine
+
+    a, b, on_b = _two_checkpoints_and_a_fresh_stage_on_b(tmp_path)
     with Engine([_spec(a)]) as engine:
         on_a = _tokens(engine)
         assert _tokens(engine) == on_a  # the second pass reads the cached blocks
@@ -81,17 +89,9 @@ def test_a_prompt_of_three_blocks_after_a_stage_to_stage_transfer_equals_a_fresh
     """A transformers stage on checkpoint B shares its weights (ShareWeights, CUDA IPC) with a
     vllm stage on A (Engine.transfer_weights): the vllm stage drops its prefix blocks before it
     ACKs the update, and serves the prompt as a fresh stage on B does."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("vllm", reason="needs vLLM (on the device: source .vllm/setup-vllm.sh)")
     from omni_core.engine import Engine, StageSpec
-    from omni_core.models.make import make_checkpoint
 
-    a, b = tmp_path / "a", tmp_path / "b"
-    make_checkpoint("qwen2", "0.5b", a, seed=0, dtype="bfloat16")
-    make_checkpoint("qwen2", "0.5b", b, seed=1, dtype="bfloat16")
-    with Engine([_spec(b)]) as fresh:
-        on_b = _tokens(fresh)
+    a, b, on_b = _two_checkpoints_and_a_fresh_stage_on_b(tmp_path)
     trainer = StageSpec(
         "trainer",
         runner="transformers",
