@@ -549,7 +549,9 @@ class WorkerProcess:
 
     @property
     def hard_exit_required(self) -> bool:
-        return self.backend is not None and self.backend.hard_exit_required
+        """Whether the rank must leave by `os._exit`: its backend cannot be finalized, or a
+        weight-group rendezvous thread is still blocked inside torch."""
+        return (self.backend is not None and self.backend.hard_exit_required) or self.receiver.blocked_joins > 0
 
 
 # What a rank does for each command its core takes by the generic template (`CommandEffect`,

@@ -171,12 +171,16 @@ class CudaIpcOps:
         return None
 
 
-def bounded_join(join: Callable[[], Any], join_s: float, address: str, port: int) -> Any:
+def bounded_join(
+    join: Callable[[], Any], join_s: float, address: str, port: int, left_behind: list[threading.Thread]
+) -> Any:
     """`join()`'s result within `join_s`, else TimeoutError. torch's TCPStore client waits
     without a bound for the first answer of a peer that accepted its connection and never
     speaks (seen on 2.13: forever, whatever its timeout), so the join runs on a thread of its
     own and, past its time, this rank's connections to address:port are shut down, which ends
-    that wait; the thread is then given a moment to leave."""
+    that wait; the thread is then given a moment to leave. A thread still inside torch after
+    that is appended to `left_behind`: the process must not finalize under it (C++ aborts
+    with "terminate called without an active exception"), see `WeightReceiver.blocked_joins`."""
     done: dict[str, Any] = {}
 
     def run() -> None:
@@ -191,7 +195,10 @@ def bounded_join(join: Callable[[], Any], join_s: float, address: str, port: int
     if thread.is_alive():
         cut = shut_connections_to(address, port)
         thread.join(JOIN_UNBLOCK_S)
-        left = "" if not thread.is_alive() else "; its thread is still blocked and was left behind"
+        left = ""
+        if thread.is_alive():
+            left_behind.append(thread)
+            left = "; its thread is still blocked and was left behind"
         raise TimeoutError(f"no complete answer within {join_s:.3g} s ({cut} connection(s) shut down{left})")
     if "error" in done:
         raise done["error"]
@@ -267,6 +274,14 @@ class WeightReceiver:
         self.cuda = cuda if cuda is not None else CudaIpcOps()
         self.buckets = BucketCache(retained_bytes)
         self.reopened = 0  # buckets opened afresh (a reused one is not counted)
+        self._joins_left_behind: list[threading.Thread] = []
+
+    @property
+    def blocked_joins(self) -> int:
+        """Rendezvous threads still blocked inside torch; while any is, the rank leaves by
+        `os._exit` (nothing of torch may be finalized under them)."""
+        self._joins_left_behind = [thread for thread in self._joins_left_behind if thread.is_alive()]
+        return len(self._joins_left_behind)
 
     # ------------------------------------------------------------------ group
 
@@ -302,7 +317,7 @@ class WeightReceiver:
             return group
 
         try:
-            self.group = bounded_join(rendezvous, join_s, command.address, command.port)
+            self.group = bounded_join(rendezvous, join_s, command.address, command.port, self._joins_left_behind)
         except Exception as exc:
             self.group, self.group_rank = None, -1  # nothing half-joined is kept
             raise RunnerArgumentError(

@@ -249,7 +249,10 @@ class WorkerFuzzer(OracleRounds):
             if self.proc.poll() is None:
                 kill_worker(self.proc)
             elif self.proc.returncode != 0:
-                self._violation("exit_code", f"the worker exited with {self.proc.returncode} after Shutdown")
+                self._violation(
+                    "exit_code",
+                    f"the worker exited with {self.proc.returncode} after Shutdown; its log ends:\n{self._log_tail(3)}",
+                )
         # The worker answers a frame whose handling raised (isolation) and logs it: still a bug.
         raised = handler_raised_lines(self.log_path)
         report.extra["handler_raised_log_lines"] = raised

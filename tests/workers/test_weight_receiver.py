@@ -4,6 +4,7 @@ invalidating the backend's host copy of the weights before an update writes them
 from __future__ import annotations
 
 import os
+import threading
 from typing import ClassVar
 
 import pytest
@@ -192,3 +193,23 @@ def test_a_new_sender_sweeps_the_buckets_of_killed_senders(tmp_path) -> None:
     assert not dead.exists() and live.exists() and other.exists()
     with WeightSender(shm_dir=tmp_path) as sender:
         assert sender.swept == []
+
+
+def test_a_rendezvous_blocked_past_its_time_is_left_behind_and_forces_a_hard_exit(monkeypatch) -> None:
+    """A join thread still inside torch when the rank ends would abort the process at
+    finalization ("terminate called without an active exception", exit -6 after a clean
+    Shutdown): it is counted, and the rank leaves by os._exit while it runs."""
+    from omni_core.workers import weight_receiver
+
+    monkeypatch.setattr(weight_receiver, "JOIN_UNBLOCK_S", 0.01)
+    receiver = WeightReceiver(torch.device("cpu"), 0)
+    release = threading.Event()
+    with pytest.raises(TimeoutError, match="left behind"):
+        weight_receiver.bounded_join(release.wait, 0.01, "127.0.0.1", 9, receiver._joins_left_behind)
+    assert receiver.blocked_joins == 1
+    worker = object.__new__(worker_process.WorkerProcess)
+    worker.backend, worker.receiver = None, receiver
+    assert worker.hard_exit_required
+    release.set()
+    receiver._joins_left_behind[0].join(5)
+    assert receiver.blocked_joins == 0 and not worker.hard_exit_required
