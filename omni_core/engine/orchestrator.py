@@ -45,6 +45,7 @@ from omni_core.engine.incoming import incoming_bytes, stage_devices
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.link_plan import LinkLedger
 from omni_core.engine.loop_io import LoopIO
+from omni_core.engine.native_heap import NativeHeap
 from omni_core.engine.outcomes import request_error, start_error, task_answer
 from omni_core.engine.report import ExecuteResult
 from omni_core.engine.spec import StageSpec
@@ -118,6 +119,7 @@ class Orchestrator:
         self._links = LinkLedger()
         self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._swaps = Swaps(self._lifecycle, self._incoming_of)
+        self.native_heap = NativeHeap(now_s=time.monotonic())  # arenas capped before the loop's threads
         # What strangers and faulty peers tried; each attempt is counted, none changes anything.
         self.counters = {
             "bad_replies": 0,
@@ -322,6 +324,7 @@ class Orchestrator:
                 for stage in self._stages.values():
                     self._isolated(f"the deadline tick of stage {stage.spec.name!r}", self._tick, stage)
             self._swaps.advance()
+            self.native_heap.tick(now)
             if self._closing is not None and self._finish_close():
                 return
 
