@@ -38,25 +38,45 @@ def _psnr(result: dict[str, Any], reference: dict[str, Any]) -> float:
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def measure(model: Path, device: str, threshold: float | None, request: dict[str, Any], reps: int) -> dict[str, Any]:
+def _runner(model: Path, device: str, threshold: float | None) -> DiffusersRunner:
     runner = DiffusersRunner(
         torch.device(device), model=str(model), scheduler="DPMSolverMultistepScheduler", step_cache_threshold=threshold
     )
     runner.load_weights()
-    runner.execute(dict(request))  # warm-up: kernels, allocator
-    seconds = []
+    return runner
+
+
+def _timed(runner: DiffusersRunner, device: str, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = runner.execute(dict(request))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, result
+
+
+def measure_all(
+    model: Path, device: str, thresholds: tuple[float | None, ...], request: dict[str, Any], reps: int
+) -> list[dict[str, Any]]:
+    """Every threshold's runner loaded and warmed up first, then the timed images taken in turn
+    (one per runner per round), so a load that changes over the run weighs on each alike."""
+    runners = [_runner(model, device, threshold) for threshold in thresholds]
+    results = [runner.execute(dict(request)) for runner in runners]  # warm-up: kernels, allocator
+    seconds: list[list[float]] = [[] for _ in runners]
     for _ in range(reps):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        result = runner.execute(dict(request))
-        seconds.append(time.perf_counter() - started)
-    counters = runner.counters()
-    calls = counters.get("step_cache_hits", 0) + counters.get("step_cache_misses", 0)
-    skipped = counters.get("step_cache_hits", 0) / calls if calls else 0.0
-    runner.close()
-    median_s = sorted(seconds)[len(seconds) // 2]
-    return {"threshold": threshold, "s_per_image": median_s, "skipped": skipped, "result": result}
+        for index, runner in enumerate(runners):
+            elapsed_s, results[index] = _timed(runner, device, request)
+            seconds[index].append(elapsed_s)
+    rows = []
+    for threshold, runner, times, result in zip(thresholds, runners, seconds, results, strict=True):
+        counters = runner.counters()
+        calls = counters.get("step_cache_hits", 0) + counters.get("step_cache_misses", 0)
+        skipped = counters.get("step_cache_hits", 0) / calls if calls else 0.0
+        runner.close()
+        median_s = sorted(times)[len(times) // 2]
+        rows.append({"threshold": threshold, "s_per_image": median_s, "skipped": skipped, "result": result})
+    return rows
 
 
 def render(rows: list[dict[str, Any]], machine: dict[str, Any], command: str, steps: int, size: str) -> str:
@@ -93,10 +113,11 @@ def render(rows: list[dict[str, Any]], machine: dict[str, Any], command: str, st
 def main(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, steps = args.step_cache_size, args.step_cache_steps
-    model = Path(make_checkpoint("dit", size, Path(args.models_dir) / f"dit-{size}", seed=0).path)
+    model = Path(args.models_dir) / f"dit-{size}-seed0"
+    if not (model / "model_index.json").is_file():  # made by an earlier run: the same seeded checkpoint
+        make_checkpoint("dit", size, model, seed=0)
     request = {"class_label": 207, "seed": 1, "steps": steps, "guidance_scale": 4.0}
-    rows = [measure(model, device, None, request, args.reps or 3)]
-    rows += [measure(model, device, t, request, args.reps or 3) for t in THRESHOLDS]
+    rows = measure_all(model, device, (None, *THRESHOLDS), request, args.reps or 5)
     reference = rows[0]["result"]
     for row in rows:
         row["psnr_db"] = _psnr(row.pop("result"), reference)

@@ -110,16 +110,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    # The benchmarks are not installed with the package: they live beside their results.
-    print(
-        "omni-core bench: the benchmarks are not part of the installed package; from the root of a "
-        "checkout of omni-core run `python -m benchmarks --help` (results in benchmarks/results)",
-        file=sys.stderr,
-    )
-    return 2
-
-
 def _cmd_docs(args: argparse.Namespace) -> int:
     from omni_core.fsm.docs import render_lifecycles
 
@@ -349,12 +339,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the steps and verdict as JSON on stdout (the narration goes to stderr)",
     )
     p.set_defaults(func=_cmd_demo)
-    # Every argument of the old command is taken (none parsed as an option) and answered with where it went.
-    p = sub.add_parser(
-        "bench", help="moved: run `python -m benchmarks` from a checkout", add_help=False, prefix_chars="+"
-    )
-    p.add_argument("arguments", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("walkthrough", help="walk both lifecycles on the sans-IO cores, printing each step")
     p.set_defaults(func=_cmd_walkthrough)
     p = sub.add_parser("schema", help="write the JSON Schema of every wire message")

@@ -40,15 +40,6 @@ BUILTIN: dict[str, dict[str, str]] = {
     },
 }
 
-# Modules of this package that moved: a spec naming the old path is told the new one.
-MOVED_MODULES = {
-    "omni_core.workers.synthetic": "omni_core.runners.synthetic",
-    "omni_core.workers.tensor_parallel": "omni_core.runners.tensor_parallel",
-    "omni_core.workers.runner": "omni_core.runners.base",
-    "omni_core.workers.testing": "omni_testing.faults",
-    "omni_core.testing.faults": "omni_testing.faults",
-}
-
 
 def registered(group: str) -> dict[str, str]:
     """Every name of `group` and the import path it stands for: the builtins, then what
@@ -92,10 +83,6 @@ def import_object(path: str) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"import path {path!r} must look like 'package.module:ClassName'")
-    if module_name in MOVED_MODULES:
-        raise ImportError(
-            f"module {module_name!r} named by {path!r} has moved: name it '{MOVED_MODULES[module_name]}:{attr}'"
-        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

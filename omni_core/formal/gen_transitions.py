@@ -41,7 +41,6 @@ def _set(name: str, values: list[str]) -> str:
     indent = " " * (len(name) + len(" == {"))
     if not values:
         return f"{name} == {{}}"
-        return "{}"
     lines, line = [], ""
     for item in (_q(v) for v in values):
         piece = item if not line else f", {item}"

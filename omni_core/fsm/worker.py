@@ -57,6 +57,7 @@ from omni_core.fsm.worker_step import (
 )
 from omni_core.fsm.worker_table import IDLE, WORKER_CALLS, WORKER_TRANSITIONS
 from omni_core.protocol import (
+    MAX_DETAIL_CHARS,
     Ack,
     AckStatus,
     Capability,
@@ -374,9 +375,9 @@ class WorkerCore(WorkerCommands, WorkerEffects):
     def _with_failure(self, detail: str) -> str:
         """After a failure every reply says what failed (P-11), whatever else it says."""
         if self.failure and self.failure not in detail:
-            suffix = f"; worker failed earlier: {self.failure}"[:2048]
-            detail = detail[: 4096 - len(suffix)] + suffix  # a long detail must not cut it off
-        return detail[:4096]
+            suffix = f"; worker failed earlier: {self.failure}"[: MAX_DETAIL_CHARS // 2]
+            detail = detail[: MAX_DETAIL_CHARS - len(suffix)] + suffix  # a long detail must not cut it off
+        return detail[:MAX_DETAIL_CHARS]
 
     def _take_pending(self, task_id: str) -> _Pending:
         if self._pending is None or self._pending.command.task_id != task_id:

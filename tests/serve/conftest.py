@@ -97,6 +97,14 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+@pytest.fixture
+def settled(served: Served) -> Served:
+    """The session's server with every stage back at RUNNING: a test's sleeps must not leak
+    into the next (modules opt in with `pytestmark = pytest.mark.usefixtures("settled")`)."""
+    served.settle()
+    return served
+
+
 @pytest.fixture(scope="session")
 def served() -> Iterator[Served]:
     """Two stages: "talker" (2 ranks, queue admission, queue_limit 2) and "decoder" (1 rank).

@@ -26,10 +26,7 @@ from omni_core.serve.openapi import openapi_schema
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, resume
 from tests.serve.conftest import PROBE, Served, metric_value, wait_for
 
-
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def _is_sleeping(served: Served) -> bool:

@@ -13,10 +13,7 @@ import pytest
 from omni_core.serve import create_app, serve_in_thread
 from tests.serve.conftest import PROBE, Served, make_config, metric_value, stage_table, wait_for
 
-
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def test_stages_list_and_one_stage(served: Served) -> None:

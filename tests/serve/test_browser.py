@@ -55,9 +55,7 @@ def browser() -> Iterator[object]:
         browser.close()
 
 
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def test_a_sleep_through_the_api_shows_on_the_page(served: Served, browser: object) -> None:

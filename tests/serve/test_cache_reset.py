@@ -22,9 +22,7 @@ from tests.serve.conftest import PROBE, Served, wait_for
 RESETS = ("/reset_prefix_cache", "/flush_cache")
 
 
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def _last_event_id(served: Served) -> int:

@@ -19,9 +19,7 @@ from tests.serve.conftest import PROBE, Served
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def test_client_round_trip(served: Served) -> None:

@@ -9,10 +9,7 @@ import pytest
 
 from tests.serve.conftest import Served, wait_for
 
-
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def test_vllm_sleep_wake_on_the_default_stage(served: Served) -> None:

@@ -17,9 +17,7 @@ from tests.serve.conftest import API_KEY, Served, make_config, metric_value, ser
 CLOSE_WAIT_S = 60.0  # far above the deadlines here: it only turns a socket never closed into a failure
 
 
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 @contextlib.contextmanager

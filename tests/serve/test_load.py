@@ -14,9 +14,7 @@ CI_CLIENTS = 10
 CI_CYCLES = 10
 
 
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def test_every_request_answered_exactly_once_under_sleep_wake_cycles(served: Served) -> None:

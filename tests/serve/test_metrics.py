@@ -13,9 +13,7 @@ from tests.serve.conftest import Served, metric_value, wait_for
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def _metrics(served: Served) -> str:

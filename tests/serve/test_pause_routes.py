@@ -17,10 +17,7 @@ from omni_core.weights_sender import WeightSender
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, request_held_by_a_stopped_rank
 from tests.serve.conftest import PROBE, SMALL_RUNNER, Served, make_config, serving, stage_table, wait_for
 
-
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def _is(served: Served, route: str) -> bool:

@@ -13,10 +13,7 @@ from omni_core.engine.errors import RequestFailedError
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, request_held_by_a_stopped_rank
 from tests.serve.conftest import PROBE, Served, wait_for
 
-
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def _refused(answer, status: int, needle: str) -> dict:

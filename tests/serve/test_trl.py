@@ -18,10 +18,7 @@ import pytest
 
 from tests.serve.conftest import Served
 
-
-@pytest.fixture(autouse=True)
-def _running(served: Served) -> None:
-    served.settle()
+pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
 
 def test_trls_own_vllm_client_constructs_resets_and_brackets_an_update(

@@ -34,12 +34,7 @@ def test_runners_by_name_and_import_path():
         ("omni_core.runners.synthetic:Nope", "has no attribute 'Nope'"),
         ("omni_core.runners.synthetic", "must look like 'package.module:ClassName'"),
         ("omni_core.runners.synthetic:tensor_bytes", "not a subclass of omni_core.runners.base.ModelRunner"),
-        # a spec written before the runners moved to omni_core.runners is told where they went
-        (
-            "omni_core.workers.synthetic:SyntheticRunner",
-            "has moved: name it 'omni_core.runners.synthetic:SyntheticRunner'",
-        ),
-        ("omni_core.workers.tensor_parallel:TensorParallelRunner", "'omni_core.runners.tensor_parallel:TensorParal"),
+        ("omni_core.workers.synthetic:SyntheticRunner", "cannot import module 'omni_core.workers.synthetic'"),
     ],
 )
 def test_bad_runner_paths_say_what_to_fix(path, message):
