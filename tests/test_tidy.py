@@ -29,7 +29,6 @@ ALLOWED_LONG = {
     "workers/process.py:start": "the rank's start-up: device, backend, runner, Hello",
     "formal/trace_check.py:judge": "the trace verdict's checks in order",
     "formal/trace_export.py:project": "a trace's projection onto the spec's variables",
-    "conformance/cases_swap.py:no_memory_rolls_back": "one conformance case, step by step",
 }
 
 

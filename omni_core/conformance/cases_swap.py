@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import msgspec
 
 from omni_core.conformance.cases import Ctx, case
-from omni_core.protocol import PROTOCOL_VERSION, AckStatus, NackReason, Wake, WorkerState
+from omni_core.conformance.harness import Peer
+from omni_core.protocol import PROTOCOL_VERSION, Ack, AckStatus, Nack, NackReason, Wake, WorkerState
 
 SWAP = "swap"  # the capability a worker declares when a Wake may wait for memory (P-16)
 # A wait the suite's workers, which run with room, never use up; and one a squeezed device
@@ -154,77 +156,98 @@ def no_memory_rolls_back(ctx: Ctx) -> None:
         needed_bytes = sum(memory.pool_bytes_before.get(t, 0) for t in slept.asleep_tags)
         # Room for part of the wake: what it maps before it runs out must be unmapped again.
         holder = pressure.squeeze(needed_bytes // 2)
-        wake = ctx.cmd(Wake, "squeezed", peer=peer, memory_wait_s=SHORT_WAIT_S)
-        sent_at_s = time.monotonic()
-        refused = ctx.nack(ctx.request(wake, peer), wake, NackReason.NO_MEMORY, state=slept.state)
-        waited_s = time.monotonic() - sent_at_s  # at least the worker's wait: it answers after it
-        ctx.check(
-            waited_s >= SHORT_WAIT_S,
-            f"refused NO_MEMORY after {waited_s:.3f} s of a {SHORT_WAIT_S:g} s "
-            "wait: the memory could have been given back in the time left",
-            sent=wake,
-            got=refused,
-            expected=f"no refusal before {SHORT_WAIT_S:g} s",
-        )
-        ctx.check(
-            not holder or holder in refused.detail,
-            f"the NO_MEMORY detail does not name the holder ({holder})",
-            sent=wake,
-            got=refused,
-            expected=f"a detail naming {holder}",
-        )
-        status_cmd, status = ctx.status_exchange(peer)
-        ctx.check(
-            status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
-            "after the NO_MEMORY refusal the worker is not where the Wake found it",
-            sent=[wake, status_cmd],
-            got=status,
-            expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}",
-        )
-        kept = {t: status.memory.pool_bytes_after.get(t, 0) for t in slept.asleep_tags} if status.memory else {}
-        ctx.check(
-            status.memory is not None and not any(kept.values()),
-            f"after the NO_MEMORY refusal the pools "
-            f"of asleep tags still hold {kept}: the wake did not unmap what it mapped",
-            sent=[wake, status_cmd],
-            got=status,
-            expected="pool_bytes_after 0 for every asleep tag",
-        )
-        again = ctx.request(wake, peer)
-        ctx.check(
-            again == refused, "a copy of the refused Wake got a different reply", sent=wake, got=again, expected=refused
-        )
-        pressure.relieve()
-        later = ctx.request(wake, peer)  # the memory is there now: still the recorded refusal, no effect
-        ctx.check(
-            later == refused,
-            "a copy of the refused Wake, sent once the memory was free, got a different "
-            "reply: the refusal was not kept in the reply cache",
-            sent=wake,
-            got=later,
-            expected=refused,
-        )
-        status = ctx.status(peer)
-        ctx.check(
-            status.state is slept.state,
-            f"a copy of the refused Wake took effect ({status.state.value})",
-            sent=wake,
-            got=status,
-            expected=slept.state.value,
-        )
+        wake, refused = _refused_after_its_wait(ctx, peer, slept, holder)
+        _rolled_back(ctx, peer, slept, wake)
+        _refusal_kept(ctx, peer, slept, wake, refused, pressure)
         pressure.squeeze(needed_bytes // 2)
-        waiting = ctx.cmd(Wake, "waits", peer=peer, memory_wait_s=LONG_WAIT_S)
-        peer.send(waiting)
-        early = [m for m in peer.collect(ctx.options.quiet_s) if getattr(m, "task_id", None) == waiting.task_id]
-        ctx.check(
-            not early,
-            f"a Wake that may wait {LONG_WAIT_S:g} s was answered while the device had only "
-            f"{needed_bytes // 2} of the {needed_bytes} bytes it needs free: it mapped past the device (Ack) "
-            "or did not wait (Nack)",
-            sent=waiting,
-            got=early,
-            expected="no answer until the memory is given back",
-        )
-        pressure.relieve()
-        ctx.ack(peer.reply(waiting.task_id, sent=waiting), waiting, state=WorkerState.ACTIVE, status=AckStatus.OK)
+        _waits_for_memory(ctx, peer, needed_bytes, pressure)
         ctx.same_output((first_run, first), "across the refused wake: the host copies did not stay valid", peer)
+
+
+def _refused_after_its_wait(ctx: Ctx, peer: Peer, slept: Ack, holder: str) -> tuple[Wake, Nack]:
+    """A squeezed wake is refused NO_MEMORY, not before its wait is over, naming the holder."""
+    wake = ctx.cmd(Wake, "squeezed", peer=peer, memory_wait_s=SHORT_WAIT_S)
+    sent_at_s = time.monotonic()
+    refused = ctx.nack(ctx.request(wake, peer), wake, NackReason.NO_MEMORY, state=slept.state)
+    waited_s = time.monotonic() - sent_at_s  # at least the worker's wait: it answers after it
+    ctx.check(
+        waited_s >= SHORT_WAIT_S,
+        f"refused NO_MEMORY after {waited_s:.3f} s of a {SHORT_WAIT_S:g} s "
+        "wait: the memory could have been given back in the time left",
+        sent=wake,
+        got=refused,
+        expected=f"no refusal before {SHORT_WAIT_S:g} s",
+    )
+    ctx.check(
+        not holder or holder in refused.detail,
+        f"the NO_MEMORY detail does not name the holder ({holder})",
+        sent=wake,
+        got=refused,
+        expected=f"a detail naming {holder}",
+    )
+    return wake, refused
+
+
+def _rolled_back(ctx: Ctx, peer: Peer, slept: Ack, wake: Wake) -> None:
+    """After the refusal the worker is where the Wake found it, its asleep pools unmapped."""
+    status_cmd, status = ctx.status_exchange(peer)
+    ctx.check(
+        status.state is slept.state and set(status.asleep_tags) == set(slept.asleep_tags),
+        "after the NO_MEMORY refusal the worker is not where the Wake found it",
+        sent=[wake, status_cmd],
+        got=status,
+        expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}",
+    )
+    kept = {t: status.memory.pool_bytes_after.get(t, 0) for t in slept.asleep_tags} if status.memory else {}
+    ctx.check(
+        status.memory is not None and not any(kept.values()),
+        f"after the NO_MEMORY refusal the pools "
+        f"of asleep tags still hold {kept}: the wake did not unmap what it mapped",
+        sent=[wake, status_cmd],
+        got=status,
+        expected="pool_bytes_after 0 for every asleep tag",
+    )
+
+
+def _refusal_kept(ctx: Ctx, peer: Peer, slept: Ack, wake: Wake, refused: Nack, pressure: Any) -> None:
+    """A copy of the refused Wake gets the recorded refusal, even once memory is free."""
+    again = ctx.request(wake, peer)
+    ctx.check(
+        again == refused, "a copy of the refused Wake got a different reply", sent=wake, got=again, expected=refused
+    )
+    pressure.relieve()
+    later = ctx.request(wake, peer)  # the memory is there now: still the recorded refusal, no effect
+    ctx.check(
+        later == refused,
+        "a copy of the refused Wake, sent once the memory was free, got a different "
+        "reply: the refusal was not kept in the reply cache",
+        sent=wake,
+        got=later,
+        expected=refused,
+    )
+    status = ctx.status(peer)
+    ctx.check(
+        status.state is slept.state,
+        f"a copy of the refused Wake took effect ({status.state.value})",
+        sent=wake,
+        got=status,
+        expected=slept.state.value,
+    )
+
+
+def _waits_for_memory(ctx: Ctx, peer: Peer, needed_bytes: int, pressure: Any) -> None:
+    """A wake that may wait is not answered while memory is short, and wakes once it frees."""
+    waiting = ctx.cmd(Wake, "waits", peer=peer, memory_wait_s=LONG_WAIT_S)
+    peer.send(waiting)
+    early = [m for m in peer.collect(ctx.options.quiet_s) if getattr(m, "task_id", None) == waiting.task_id]
+    ctx.check(
+        not early,
+        f"a Wake that may wait {LONG_WAIT_S:g} s was answered while the device had only "
+        f"{needed_bytes // 2} of the {needed_bytes} bytes it needs free: it mapped past the device (Ack) "
+        "or did not wait (Nack)",
+        sent=waiting,
+        got=early,
+        expected="no answer until the memory is given back",
+    )
+    pressure.relieve()
+    ctx.ack(peer.reply(waiting.task_id, sent=waiting), waiting, state=WorkerState.ACTIVE, status=AckStatus.OK)
