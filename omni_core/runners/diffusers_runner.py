@@ -17,6 +17,10 @@ with `pipeline(...)` bit for bit), cut so it can stop between steps:
     {"op": "prompt_cache", "clear": true}               -> entries, hits, misses (clear is optional;
                                                            the counters also reach status and metrics)
 
+Any request (one call, or "start") may add `"trajectory": true`: its result then also carries
+every step's latents, the timesteps, each step's log-probability and the prompt embeddings,
+what diffusion RL trains on (omni_core/runners/diffusion_trajectory.py).
+
 With `step_cache_threshold` (DiT only; omni_core/runners/step_cache.py), steps whose
 transformer input changed little since the last computed step reuse its residual instead of
 running the blocks (TeaCache's method); the counters `step_cache_hits` and `step_cache_misses`
@@ -48,6 +52,7 @@ instead of producing a wrong image.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -64,6 +69,7 @@ import torch
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
 from omni_core.runners.diffusion_steps import DiffusionRequest, Parked, ddpm_step, dit_step, sd_step, state_tensors
+from omni_core.runners.diffusion_trajectory import MAX_TRAJECTORY_BYTES, Trajectory, log_prob_method
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
@@ -89,9 +95,9 @@ MAX_STEPS_LIMIT = 10_000
 OPS = ("start", "step", "finish", "cancel", "prompt_cache")
 STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCacheState
 REQUEST_KEYS = {
-    "dit": frozenset({"class_label", "seed", "steps", "guidance_scale"}),
-    "ddpm": frozenset({"seed", "steps"}),
-    "sd": frozenset({"prompt", "negative_prompt", "seed", "steps", "guidance_scale"}),
+    "dit": frozenset({"class_label", "seed", "steps", "guidance_scale", "trajectory"}),
+    "ddpm": frozenset({"seed", "steps", "trajectory"}),
+    "sd": frozenset({"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "trajectory"}),
 }
 DEFAULT_GUIDANCE = {"dit": 4.0, "ddpm": 1.0, "sd": 7.5}  # each pipeline's own default
 DEFAULT_PROMPT_CACHE_BYTES = 16 << 20  # SD 1.5 in fp16: 70 prompts of 236 KB
@@ -427,7 +433,26 @@ class DiffusersRunner(ModelRunner):
         if self.kind == "sd":
             request.prompt = payload.get("prompt")
             request.embeddings = self._prompt_embeddings(request.prompt, payload.get("negative_prompt"), guidance > 1)
+        request.trajectory = self._trajectory(payload.get("trajectory", False), request)
         return request
+
+    def _trajectory(self, wanted: Any, request: DiffusionRequest) -> Trajectory | None:
+        """The RL record a request asked for ("trajectory": true), if it fits its bound."""
+        if not isinstance(wanted, bool):
+            raise ValueError(f"trajectory must be true or false, got {wanted!r}")
+        if not wanted:
+            return None
+        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        embeds = request.embeddings
+        embeds_bytes = embeds.numel() * embeds.element_size() if embeds is not None else 0
+        needed = Trajectory.bytes_needed(request.steps_total, self.sample_shape, denoiser.dtype, embeds_bytes)
+        if needed > MAX_TRAJECTORY_BYTES:
+            raise ValueError(
+                f"a trajectory of {request.steps_total} steps needs {needed} bytes on the host, over its bound of "
+                f"{MAX_TRAJECTORY_BYTES}; ask for fewer steps, or no trajectory"
+            )
+        guided = self.kind == "dit" and request.guidance_scale > 1
+        return Trajectory(guided=guided, method=log_prob_method(request.scheduler), prompt_embeds=embeds)
 
     def _prompt_embeddings(self, prompt: Any, negative: Any, guided: bool) -> torch.Tensor:
         """StableDiffusionPipeline.encode_prompt's result, on the host; cached in the
@@ -485,9 +510,11 @@ class DiffusersRunner(ModelRunner):
         dtype = request.embeddings.dtype if request.embeddings is not None else denoiser.dtype
         latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device, dtype=dtype)
         if self.kind == "sd":
-            return latents * request.scheduler.init_noise_sigma
-        if self.kind == "dit" and request.guidance_scale > 1:
-            return torch.cat([latents] * 2)
+            latents = latents * request.scheduler.init_noise_sigma
+        elif self.kind == "dit" and request.guidance_scale > 1:
+            latents = torch.cat([latents] * 2)
+        if request.trajectory is not None:
+            request.trajectory.start(latents)
         return latents
 
     def _denoise(self, request: DiffusionRequest, sample: torch.Tensor, count: int) -> torch.Tensor:
@@ -503,15 +530,17 @@ class DiffusersRunner(ModelRunner):
             embeddings = request.embeddings.to(self.device)
             accepted = set(inspect.signature(request.scheduler.step).parameters)
             step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", request.generator)) if k in accepted}
+        trajectory = request.trajectory
+        observe = None if trajectory is None else functools.partial(trajectory.step, request.scheduler)
         for index in range(request.steps_done, end):
             t = request.scheduler.timesteps[index]
             if self.kind == "dit":
                 forward = self._cached_forward(request, index)
-                sample = dit_step(self.modules["transformer"], request, sample, t, labels, forward)
+                sample = dit_step(self.modules["transformer"], request, sample, t, labels, forward, observe)
             elif self.kind == "sd":
-                sample = sd_step(self.modules["unet"], request, sample, t, embeddings, step_kwargs)
+                sample = sd_step(self.modules["unet"], request, sample, t, embeddings, step_kwargs, observe)
             else:
-                sample = ddpm_step(self.modules["unet"], request, sample, t)
+                sample = ddpm_step(self.modules["unet"], request, sample, t, observe)
         request.steps_done = end
         return sample
 
@@ -552,6 +581,7 @@ class DiffusersRunner(ModelRunner):
             "seed": request.seed,
             "class_label": request.class_label,
             "prompt": request.prompt,
+            **({"trajectory": request.trajectory.to_wire()} if request.trajectory is not None else {}),
         }
 
     # ------------------------------------------------------------------ request state in the slab

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+# Called after each scheduler step with (timestep, the sample the step got, the step's output):
+# how a trajectory (omni_core/runners/diffusion_trajectory.py) sees every step.
+StepObserver = Callable[[Any, torch.Tensor, Any], None]
+
 
 @dataclass
 class Parked:
@@ -45,6 +49,7 @@ class DiffusionRequest:
     prompt: str | None = None
     embeddings: torch.Tensor | None = None  # text conditioning (unconditional half first), on the host
     step_cache: Any = None  # a DiT's StepCacheState (omni_core.runners.step_cache) when the stage has one
+    trajectory: Any = None  # a Trajectory (omni_core.runners.diffusion_trajectory) when the request asked
 
 
 def dit_step(
@@ -54,6 +59,7 @@ def dit_step(
     t: torch.Tensor,
     labels: torch.Tensor,
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    observe: StepObserver | None = None,
 ) -> torch.Tensor:
     """DiTPipeline.__call__'s loop body; `forward(sample, timesteps, labels)` stands in for the
     transformer's own (a step cache's)."""
@@ -80,13 +86,15 @@ def dit_step(
         model_output, _ = torch.split(noise_pred, channels, dim=1)
     else:
         model_output = noise_pred
-    return scheduler.step(model_output, t, sample).prev_sample
+    return _observed(scheduler.step(model_output, t, sample), t, sample, observe)
 
 
-def ddpm_step(unet: Any, request: DiffusionRequest, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def ddpm_step(
+    unet: Any, request: DiffusionRequest, sample: torch.Tensor, t: torch.Tensor, observe: StepObserver | None = None
+) -> torch.Tensor:
     """DDPMPipeline.__call__'s loop body."""
     model_output = unet(sample, t).sample
-    return request.scheduler.step(model_output, t, sample, generator=request.generator).prev_sample
+    return _observed(request.scheduler.step(model_output, t, sample, generator=request.generator), t, sample, observe)
 
 
 def sd_step(
@@ -96,6 +104,7 @@ def sd_step(
     t: torch.Tensor,
     embeddings: torch.Tensor,
     step_kwargs: dict[str, Any],
+    observe: StepObserver | None = None,
 ) -> torch.Tensor:
     """StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale)."""
     scheduler, guided = request.scheduler, request.guidance_scale > 1
@@ -113,7 +122,14 @@ def sd_step(
     if guided:
         noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
         noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
-    return scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+    return _observed(scheduler.step(noise_pred, t, latents, **step_kwargs), t, latents, observe)
+
+
+def _observed(output: Any, t: Any, sample: torch.Tensor, observe: StepObserver | None) -> torch.Tensor:
+    """The step's next sample (the pipelines' `.prev_sample`), shown to `observe` first."""
+    if observe is not None:
+        observe(t, sample, output)
+    return output.prev_sample
 
 
 def state_tensors(request: DiffusionRequest, sample: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
