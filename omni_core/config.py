@@ -82,7 +82,9 @@ class ConfigError(InvalidArgumentError):
 
 # ------------------------------------------------------------------ the parsed file
 
-Seconds = Annotated[float, Meta(gt=0, le=3600)]
+# A connection's timeouts: an hour at most (a deadline of a command may be 24 h: workers.config).
+MAX_CONNECTION_TIMEOUT_S = 3600.0
+ConnectionSeconds = Annotated[float, Meta(gt=0, le=MAX_CONNECTION_TIMEOUT_S)]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 
 
@@ -114,8 +116,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # a request never goes out on a connection the server is closing at that moment, a lost
     # POST seen under load); max_connections 0: the descriptor limit less room for the ranks;
     # max_connections_per_client (one peer address) 0: half of max_connections.
-    read_timeout_s: Seconds = 10.0
-    keep_alive_s: Seconds = 75.0
+    read_timeout_s: ConnectionSeconds = 10.0
+    keep_alive_s: ConnectionSeconds = 75.0
     max_connections: Annotated[int, Meta(ge=0)] = 0
     max_connections_per_client: Annotated[int, Meta(ge=0)] = 0
 

@@ -43,7 +43,7 @@ Epoch = Annotated[int, msgspec.Meta(ge=0)]
 Rank = Annotated[int, msgspec.Meta(ge=0)]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 Tags = Annotated[tuple[Tag, ...], msgspec.Meta(min_length=1, max_length=MAX_TAGS)]
-Seconds = Annotated[float, msgspec.Meta(ge=0)]
+ElapsedSeconds = Annotated[float, msgspec.Meta(ge=0)]  # a measured duration; configured ones are bounded where set
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
 MAX_WIRE_INT = 2**63 - 1  # msgpack carries up to 2**64-1; every peer's int64 holds this much
 # A Hello's pool bytes per tag: one entry per tag it declares, each a byte count an int64 holds.
@@ -276,7 +276,7 @@ class Ack(Reply, kw_only=True, frozen=True):
     status: AckStatus = AckStatus.OK
     asleep_tags: tuple[str, ...] = ()
     memory: MemoryReport | None = None
-    duration_s: Seconds = 0.0
+    duration_s: ElapsedSeconds = 0.0
     detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)] = ""  # FAILED: why
     # Profile stop: the gzip Chrome traces this rank writes. A path exists once its
     # compression has finished (written under a temporary name, then renamed).
@@ -310,7 +310,7 @@ class Result(Reply, kw_only=True, frozen=True):
     OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "runner_counters")
 
     output: Any = None
-    duration_s: Seconds = 0.0
+    duration_s: ElapsedSeconds = 0.0
     weights_version: WeightsVersion = 0
     runner_counters: RunnerCounters = {}  # as on Ack
 
