@@ -154,7 +154,8 @@ class ServeState:
         metrics.lifecycle_in_flight.labels(stage).inc()
         started = time.perf_counter()
         try:
-            result = await self.blocking(call)
+            with metrics.vllm_operation(command):
+                result = await self.blocking(call)
         except BaseException as exc:
             status = to_http(exc).status
             outcome = _outcome(status)
