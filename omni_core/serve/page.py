@@ -18,6 +18,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>omni-core status</title>
+<link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 16 16'%3E%3Ccircle cx='8' cy='8' r='7' fill='%232da44e'/%3E%3Ccircle cx='8' cy='8' r='3' fill='%23fff'/%3E%3C/svg%3E">
 <style>
   :root { font-family: system-ui, sans-serif; font-size: 14px; color: #1b1f24; background: #f6f8fa; }
   body { margin: 0 auto; max-width: 1200px; padding: 16px; }
@@ -50,6 +51,13 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   #memory-chart { width: 100%; height: 220px; display: block; }
   #memory-chart text { font-size: 11px; fill: #57606a; }
   #memory-chart .grid { stroke: #eaeef2; }
+  /* A phone-wide window: headings wrap, a wide table scrolls inside its own box. */
+  @media (max-width: 600px) {
+    body { padding: 8px; }
+    header, .stage h2 { flex-wrap: wrap; }
+    table { display: block; overflow-x: auto; }
+    #events li { overflow-wrap: anywhere; }
+  }
 </style>
 </head>
 <body>

@@ -198,6 +198,24 @@ def test_the_page_runs_under_its_content_security_policy(served: Served, browser
     page.close()
 
 
+def test_the_page_loads_without_a_failed_request_and_reads_at_420_px(served: Served, browser: object) -> None:
+    """No request of the page fails (the browser's favicon fetch was a 404 in every console),
+    and on a 420 px wide screen nothing runs off the side: wide tables scroll in their box."""
+    page = browser.new_page(viewport={"width": 420, "height": 900})  # type: ignore[attr-defined]
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.on("requestfailed", lambda r: failed.append(f"failed {r.url}"))
+    page.goto(served.url + "/")
+    sync_api.expect(page.locator('section[data-stage="talker"] [data-field="state"]')).to_have_text(
+        "RUNNING", timeout=UI_TIMEOUT_MS
+    )
+    assert page.locator('link[rel="icon"]').count() == 1
+    assert failed == []
+    widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
+    page.close()
+
+
 PLOT_TOP, PLOT_BOTTOM = 10.0, 190.0  # the memory chart's plot area in its viewBox (page.py's PLOT)
 
 
