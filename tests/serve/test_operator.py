@@ -187,3 +187,61 @@ def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_o
         ("stage_failed", None),
         ("rank_gone", 42),
     ]
+
+
+BAD_STAGE = """
+[[stages]]
+name = "talker"
+runner = "synthetic"
+backend = "portable"
+[stages.runner_args]
+weights_bytes = 1048576
+{field} = 4
+"""
+
+
+def test_a_config_mistake_the_ranks_find_is_one_line_naming_the_stage_and_field(tmp_path: Path) -> None:
+    """A runner argument typo is found only when the rank builds its runner: serve exits 2 with
+    one line naming the stage and the field, not the engine's traceback."""
+    config = tmp_path / "bad.toml"
+    config.write_text(BAD_STAGE.format(field="tensor_cont"), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=LOG_WAIT_S,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    served = [line for line in lines if " omni_core.serve: " in line]
+    assert served[-1].endswith(
+        f"runner_args.tensor_cont is not an argument of runner 'synthetic': fix or remove it "
+        f"([[stages]] name = 'talker' in {config}, [stages.runner_args])"
+    ), done.stderr
+    assert "stage 'talker' did not start" in served[-1]
+    assert not any(line.startswith("Traceback") for line in lines), done.stderr  # only the rank's line holds one
+    assert len(lines) <= 3, done.stderr  # starting, the rank's one line, the refusal
+
+
+@pytest.mark.parametrize(
+    ("reason", "words"),
+    [
+        ("TypeError: Runner.__init__() missing 1 required keyword-only argument: 'model'", "needs runner_args 'model'"),
+        ("OSError: /models/qwen does not exist", "check runner_args.model"),
+        ("RuntimeError: CUDA error: invalid device ordinal", "device 'cpu' is not usable here"),
+        ("ValueError: something else", "the rank's log line above has its traceback"),
+    ],
+)
+def test_each_kind_of_start_failure_names_what_to_change(reason: str, words: str) -> None:
+    from omni_core.config import parse_config
+    from omni_core.engine.errors import StageFailedError
+    from omni_core.serve.start_errors import start_failure
+
+    config = parse_config({"stages": [{"name": "talker", "backend": "portable"}]}, "/etc/omni.toml")
+    line = start_failure(
+        StageFailedError("talker", "stage 'talker' FAILED", {0: f"started in FAILED: {reason}"}), config
+    )
+    assert "\n" not in line and line.startswith("stage 'talker' did not start (rank 0: ")
+    assert words in line and "/etc/omni.toml" in line, line
