@@ -40,7 +40,9 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .strip { width: 100%; height: 14px; margin-top: 8px; display: block; }
   #events { list-style: none; padding: 0; margin: 0; font-family: ui-monospace, monospace; font-size: 12px; }
   #events li { padding: 2px 0; border-bottom: 1px solid #eaeef2; }
-  #events .ok { color: #1a7f37; } #events .bad { color: #cf222e; }
+  #events .ok { color: #1a7f37; } #events .bad { color: #cf222e; } #events .mistake { color: #9a6700; }
+  #banner { background: #ffd2d2; border: 1px solid #cf222e; border-radius: 8px; margin: 12px 0; padding: 8px 12px; }
+  #banner div { font-weight: 600; }
   .failure { color: #cf222e; }
   .events-title { font-size: 16px; }
   .legend { list-style: none; padding: 0; margin: 8px 0; display: flex; flex-wrap: wrap; gap: 4px 14px; }
@@ -66,6 +68,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   <span id="conn" class="down">connecting</span>
   <span class="meta" id="updated"></span>
 </header>
+<div id="banner" hidden></div>
 <div id="auth">
   <label>API key <input id="key" type="password" autocomplete="off"></label>
   <button id="key-save">connect</button>
@@ -256,9 +259,23 @@ function renderStatus(snap) {
       renderStrip(st.name), table, renderCounters(st.runner_counters || {}));
     main.append(section);
   }
+  renderBanner(Object.values(snap.stages || {}));
   for (const ev of snap.events || []) addEvent(ev);
   document.getElementById("updated").textContent = "updated " + new Date((snap.time || 0) * 1000).toLocaleTimeString();
 }
+
+function renderBanner(stages) {
+  // A stage that needs the operator (FAILED, STOPPED) is said at the top, with its restart.
+  const down = stages.filter(st => st.state === "FAILED" || st.state === "STOPPED");
+  const banner = document.getElementById("banner");
+  banner.hidden = down.length === 0;
+  banner.replaceChildren(...down.map(st => el("div", {"data-stage": st.name},
+    "stage " + st.name + " is " + st.state + ": " + (st.failure || "no reason recorded") +
+    " (restart it: omni-core restart " + st.name + ", or POST /v1/stages/" + st.name + "/restart)")));
+}
+
+// Outcomes of a caller's mistake (the call was refused, nothing broke), apart from failures.
+const MISTAKES = new Set(["invalid", "forbidden", "unknown_stage", "conflict", "rejected"]);
 
 function renderCounters(counters) {
   // The runner's own counters (a prompt cache's hits, misses), summed over the ranks.
@@ -277,8 +294,9 @@ function addEvent(ev) {
     (ev.freed_bytes ? "  freed " + fmtBytes(ev.freed_bytes) : "") +
     (ev.restored_bytes ? "  restored " + fmtBytes(ev.restored_bytes) : "") +
     (ev.error ? "  " + ev.error : "");
-  list.prepend(el("li", {"class": ev.outcome === "ok" ? "ok" : "bad", "data-event-id": ev.id,
-    "data-stage": ev.stage, "data-command": ev.command}, text));
+  const kind = ev.outcome === "ok" ? "ok" : MISTAKES.has(ev.outcome) ? "mistake" : "bad";
+  list.prepend(el("li", {"class": kind, "data-event-id": ev.id, "data-kind": kind,
+    "data-stage": ev.stage, "data-command": ev.command}, text + (kind === "mistake" ? "  (refused: the caller's request)" : "")));
   while (list.children.length > 100) list.lastChild.remove();
 }
 

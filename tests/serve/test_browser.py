@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -213,6 +214,33 @@ def test_the_page_loads_without_a_failed_request_and_reads_at_420_px(served: Ser
     assert failed == []
     widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
     assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
+    page.close()
+
+
+def test_a_failed_stage_is_a_banner_its_rank_death_an_event_and_mistakes_stand_apart(
+    served: Served, browser: object
+) -> None:
+    page = browser.new_page()  # type: ignore[attr-defined]
+    page.goto(served.url + "/")
+    sync_api.expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    assert page.locator("#banner").is_hidden()
+    refused = served.client.post("/v1/stages/talker/sleep", json={"level": 7})  # the caller's mistake
+    assert refused.status_code in (400, 422), refused.text
+    bad_level = served.client.post("/v1/stages/talker/wake", json={"tags": ["no-such-tag"]})
+    assert 400 <= bad_level.status_code < 500, bad_level.text
+    mistake = page.locator('#events li[data-stage="talker"][data-command="wake"]').first
+    sync_api.expect(mistake).to_have_attribute("data-kind", "mistake", timeout=UI_TIMEOUT_MS)
+    sync_api.expect(mistake).to_contain_text("refused: the caller's request")
+    pid = served.engine.status()["decoder"]["ranks"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    banner = page.locator('#banner div[data-stage="decoder"]')
+    sync_api.expect(banner).to_contain_text("stage decoder is FAILED", timeout=UI_TIMEOUT_MS)
+    sync_api.expect(banner).to_contain_text("omni-core restart decoder")
+    gone = page.locator('#events li[data-stage="decoder"][data-command="rank_gone"]')
+    sync_api.expect(gone).to_have_attribute("data-kind", "bad", timeout=UI_TIMEOUT_MS)
+    sync_api.expect(gone).to_contain_text(f"rank 0 (pid {pid}) exited")
+    served.settle("decoder")  # a restart: the banner goes
+    sync_api.expect(page.locator("#banner")).to_be_hidden(timeout=UI_TIMEOUT_MS)
     page.close()
 
 

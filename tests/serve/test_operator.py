@@ -179,9 +179,17 @@ def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_o
     logged: dict[tuple[str, str], Any] = {}
     running, failed = _snapshot("RUNNING", True), _snapshot("FAILED", False)
     with caplog.at_level(logging.INFO, logger="omni_core.serve.events"):
-        for before, after in [(running, failed), (failed, running), (running, failed), (failed, failed)]:
-            _log_changes(before, after, logged)
+        said = [_log_changes(before, after, logged) for before, after in [(running, failed), (failed, running)]]
+        said += [_log_changes(before, after, logged) for before, after in [(running, failed), (failed, failed)]]
         assert [r.omni_event["event"] for r in caplog.records] == ["stage_failed", "rank_gone"]
+        # What was said is also the status page's events, once each: the stage's failure, the rank's death.
+        assert [[(e["command"], e["outcome"], e["state"]) for e in events] for events in said] == [
+            [("stage_failed", "failed", "FAILED"), ("rank_gone", "failed", "FAILED")],
+            [],
+            [],
+            [],
+        ]
+        assert said[0][1]["error"] == "rank 0 (pid 41) exited" and "omni-core restart solo" in said[0][0]["error"]
         _log_changes(_snapshot("RUNNING", True, 2, 42), _snapshot("FAILED", False, 2, 42), logged)  # a new epoch
     assert [(r.omni_event["event"], r.omni_event.get("pid")) for r in caplog.records[2:]] == [
         ("stage_failed", None),
