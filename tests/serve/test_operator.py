@@ -253,3 +253,47 @@ def test_each_kind_of_start_failure_names_what_to_change(reason: str, words: str
     )
     assert "\n" not in line and line.startswith("stage 'talker' did not start (rank 0: ")
     assert words in line and "/etc/omni.toml" in line, line
+
+
+def test_the_access_log_keeps_a_line_budget_and_escapes_the_callers_path(caplog) -> None:
+    from omni_core.serve.access_log import PATH_CHARS, AccessLog
+
+    now = [0.0]
+    access = AccessLog(rate_per_s=1.0, burst=3, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="omni_core.serve.access"):
+        for _ in range(5):  # a burst of 3 lines, then 2 over the budget
+            access.answered("GET", "/health", "/health", 200, 0.0012, "127.0.0.1:5000")
+        now[0] = 2.0  # two tokens back
+        access.answered("POST", "/x\n\x1b[31m" + "y" * 400, "unmatched", 404, 0.002, "127.0.0.1:5001")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:3] == ["GET /health -> 200 in 1.2 ms (127.0.0.1:5000)"] * 3 and len(lines) == 4
+    last = lines[3]
+    assert last.startswith("POST /x\\n\\x1b[31m") and "\n" not in last and "\x1b" not in last
+    assert "y" * (PATH_CHARS - len("/x\n\x1b[31m")) in last and "y" * PATH_CHARS not in last
+    assert last.endswith("(2 requests before this one not logged: over 1 lines/s)")
+    assert caplog.records[3].omni_event["route"] == "unmatched" and caplog.records[3].omni_event["code"] == 404
+
+
+def test_access_log_on_writes_a_line_per_answer_and_off_writes_none(caplog) -> None:
+    from tests.serve.conftest import make_config, serving, stage_table, wait_for
+
+    for on in (True, False):
+        caplog.clear()
+        with (
+            serving(make_config(stage_table("solo"), access_log=on)) as served,
+            caplog.at_level(logging.INFO, logger="omni_core.serve.access"),
+        ):
+            assert served.client.post("/v1/stages/nope/sleep").status_code == 404
+            assert served.client.get("/health").status_code == 200
+
+            def lines() -> list[str]:
+                return [r.getMessage() for r in caplog.records if r.name == "omni_core.serve.access"]
+
+            # The line is written once the answer is sent, so it may follow the client's read.
+            metrics = served.client.get("/metrics")  # a third answer: the first two are done by now
+            assert metrics.status_code == 200
+            if on:
+                for start in ("POST /v1/stages/nope/sleep -> 404 in ", "GET /health -> 200 in "):
+                    wait_for(lambda s=start: any(line.startswith(s) for line in lines()), what=start)
+            else:
+                assert lines() == []
