@@ -18,7 +18,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>omni-core status</title>
-<link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 16 16'%3E%3Ccircle cx='8' cy='8' r='7' fill='%232da44e'/%3E%3Ccircle cx='8' cy='8' r='3' fill='%23fff'/%3E%3C/svg%3E">
+<link rel="icon" href="@ICON@">
 <style>
   :root { font-family: system-ui, sans-serif; font-size: 14px; color: #1b1f24; background: #f6f8fa; }
   body { margin: 0 auto; max-width: 1200px; padding: 16px; }
@@ -296,7 +296,8 @@ function addEvent(ev) {
     (ev.error ? "  " + ev.error : "");
   const kind = ev.outcome === "ok" ? "ok" : MISTAKES.has(ev.outcome) ? "mistake" : "bad";
   list.prepend(el("li", {"class": kind, "data-event-id": ev.id, "data-kind": kind,
-    "data-stage": ev.stage, "data-command": ev.command}, text + (kind === "mistake" ? "  (refused: the caller's request)" : "")));
+    "data-stage": ev.stage, "data-command": ev.command},
+    text + (kind === "mistake" ? "  (refused: the caller's request)" : "")));
   while (list.children.length > 100) list.lastChild.remove();
 }
 
@@ -369,6 +370,14 @@ run();
 </body>
 </html>
 """
+
+# The page's icon, inline (the CSP's img-src allows data:): the browser asks for /favicon.ico
+# otherwise, the one 404 in every console.
+ICON = (
+    "data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 16 16'%3E"
+    "%3Ccircle cx='8' cy='8' r='7' fill='%232da44e'/%3E%3Ccircle cx='8' cy='8' r='3' fill='%23fff'/%3E%3C/svg%3E"
+)
+STATUS_PAGE_HTML = STATUS_PAGE_HTML.replace("@ICON@", ICON)
 
 
 def _inline_hashes(tag: str) -> str:
