@@ -120,6 +120,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     keep_alive_s: ConnectionSeconds = 75.0
     max_connections: Annotated[int, Meta(ge=0)] = 0
     max_connections_per_client: Annotated[int, Meta(ge=0)] = 0
+    # One log line per HTTP answer (serve/access_log.py; `--access-log`), within a line budget.
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         conform(self, "[server]")

@@ -45,6 +45,7 @@ from omni_core.protocol.weights import (
     TensorSpec,
 )
 from omni_core.weight_buckets import SHM_DIR, describe_cuda_ipc, dtype_name, sender_alive
+from omni_core.weight_group import WeightGroup
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _BUCKET_FILE = re.compile(r"^omni-weights-(\d+)-[0-9a-f]{8}-\d+$")
@@ -139,7 +140,7 @@ class WeightSender:
         self._paths: list[Path] = []
         self._source: ShmSource | IpcSource | None = None
         self._counter = 0
-        self.group: Any = None
+        self.group: WeightGroup | None = None
         self._store: Any = None
         self.reused = 0  # shares that refilled the buckets of the previous one
 
@@ -222,17 +223,12 @@ class WeightSender:
         joined (call it while `Engine.init_weight_group` runs, e.g. in a thread)."""
         import torch.distributed as dist
 
+        if backend not in ("gloo", "nccl"):
+            raise WeightSenderError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout)
-        prefixed = dist.PrefixStore(f"omni-weights/{group}", self._store)
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
-        elif backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, 0, world_size, options)
-        else:
-            raise WeightSenderError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        # SGLang's layout (weight_group.py): an SGLang server's ranks join this group too.
+        self.group = WeightGroup(self._store, group, 0, world_size, backend, timeout_s)
 
     @staticmethod
     def collective_source(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> CollectiveSource:
@@ -241,14 +237,10 @@ class WeightSender:
 
     def broadcast(self, tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
         """Send every tensor, in the order `collective_source` listed them, from group rank 0."""
-        import torch.distributed as dist
-
         if self.group is None:
             raise WeightSenderError("no weight group: call init_group first")
         for tensor in _named(tensors).values():
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            self.group.broadcast([tensor.detach().contiguous()], options).wait()
+            self.group.broadcast(tensor.detach().contiguous(), root=0)
 
     def broadcast_in_thread(self, tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> threading.Thread:
         """`broadcast` on a thread of its own, so the caller can send the update meanwhile;

@@ -29,6 +29,7 @@ The cache is scratch: each request resets it, so its content after a discard doe
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -59,6 +60,12 @@ log = logging.getLogger("omni_core.runners.transformers")
 DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
 MAX_BATCH_LIMIT = 1024
 ASYNC_LOAD_SWITCH = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers >= 5: "1" reads every tensor on the calling thread
+
+
+def cache_keyword(forward: Any) -> str:
+    """The name a model's forward takes its KV cache under: `cache` from transformers 5.25 on
+    (where `past_key_values` is deprecated, to go in 5.40), `past_key_values` before it."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 @contextmanager
@@ -359,9 +366,9 @@ class TransformersRunner(ModelRunner):
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_keyword(self.model.forward): self.cache},
         )
         for step in range(request.max_new_tokens):
             token = self._choose(out.logits[:, -1].float(), request.sampling, generator)
@@ -379,9 +386,9 @@ class TransformersRunner(ModelRunner):
                 input_ids=token[:, None],
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_keyword(self.model.forward): self.cache},
             )
         table = torch.stack(produced, dim=1).tolist()
         done = finished.tolist()

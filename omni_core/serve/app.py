@@ -19,6 +19,7 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine
 from omni_core.serve import (
     core_routes,
+    ipc_routes,
     omni_routes,
     pause_routes,
     rl_routes,
@@ -44,6 +45,7 @@ ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     omni_routes.router,
     sglang_routes.router,
     weight_routes.router,
+    ipc_routes.router,
     rl_routes.router,
     trl_routes.router,
 )

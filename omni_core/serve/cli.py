@@ -35,6 +35,7 @@ def run_serve(args: argparse.Namespace) -> int:
             default_stage=args.default_stage,
             allowed_hosts=_tuple(args.allowed_host),
             allowed_origins=_tuple(args.allowed_origin),
+            access_log=args.access_log,
         )
         if config.server.default_stage is not None and config.server.default_stage not in config.stage_names:
             raise ConfigError(

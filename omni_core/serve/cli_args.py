@@ -51,6 +51,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "stage, command, outcome, rank, pid, ...) instead of text",
     )
     p.add_argument(
+        "--access-log",
+        action="store_const",
+        const=True,
+        default=None,
+        help="log one line per HTTP answer (method, path, status, duration, client; at most 50 a "
+        "second, the rest counted); else [server] access_log",
+    )
+    p.add_argument(
         "--write-openapi",
         default=None,
         metavar="PATH",

@@ -174,6 +174,12 @@ class StatusFeed:
     # ------------------------------------------------------------------ events
 
     def record_event(self, stage: str, command: str, outcome: str, duration_s: float, **details: Any) -> None:
+        _log_event(self._append_event(stage, command, outcome, duration_s, **details))
+
+    def _append_event(
+        self, stage: str, command: str, outcome: str, duration_s: float, **details: Any
+    ) -> dict[str, Any]:
+        """An event for the page's list and the event stream (the log line is the caller's)."""
         event = {
             "id": next(self._event_ids),
             "time": time.time(),
@@ -185,7 +191,7 @@ class StatusFeed:
         }
         self.events.append(event)
         self.broadcast("lifecycle", event)
-        _log_event(event)
+        return event
 
     def broadcast(self, kind: str, data: dict[str, Any]) -> None:
         for queue in list(self.subscribers):
@@ -269,7 +275,8 @@ class StatusFeed:
         except self._unanswered:
             status = None
         previous, self.snapshot = self.snapshot, self.build_snapshot(status)
-        _log_changes(previous, self.snapshot, self.logged)
+        for seen in _log_changes(previous, self.snapshot, self.logged):  # the page lists them too
+            self._append_event(**seen)
         self.broadcast("status", self.snapshot)
         return self.snapshot
 
@@ -308,10 +315,14 @@ def _log_event(event: dict[str, Any]) -> None:
         log.warning("%s failed (%s) after %s: %s", what, event["outcome"], took, event.get("error", ""), extra=extra)
 
 
-def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tuple[str, str], Any]) -> None:
+def _log_changes(
+    before: dict[str, Any], after: dict[str, Any], logged: dict[tuple[str, str], Any]
+) -> list[dict[str, Any]]:
     """What the engine did on its own, seen between two status snapshots: a stage that became
     FAILED or STOPPED, a rank process that is gone, the engine no longer answering. `logged`
-    holds what was said, so each is said once."""
+    holds what was said, so each is said once. Returns the stage failures and rank deaths said,
+    as events for the page (`stage_failed`, `rank_gone`, outcome `failed`)."""
+    said: list[dict[str, Any]] = []
     if before["engine_up"] and not after["engine_up"]:
         log.error(
             "the engine did not answer a status call; if it persists, restart `omni-core serve`",
@@ -322,6 +333,8 @@ def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tup
         failed = (now["epoch"], now["state"]) if now["state"] in UNHEALTHY_STATES else None
         if failed is not None and then.get("state") != now["state"] and logged.get((name, "state")) != failed:
             logged[(name, "state")] = failed
+            reason = now.get("failure") or "no reason recorded"
+            said.append(_seen(name, "stage_failed", now["state"], f"{reason}; restart it: omni-core restart {name}"))
             log.error(
                 "stage %r is %s: %s; restart it: omni-core restart %s",
                 name,
@@ -343,6 +356,7 @@ def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tup
             gone = old is not None and old["alive"] and not info["alive"] and old["pid"] == info["pid"]
             if gone and logged.get((name, rank)) != info["pid"]:
                 logged[(name, rank)] = info["pid"]
+                said.append(_seen(name, "rank_gone", now["state"], f"rank {rank} (pid {info['pid']}) exited"))
                 log.error(
                     "stage %r rank %s (pid %s) is gone: its process exited while the stage is %s",
                     name,
@@ -359,3 +373,8 @@ def _log_changes(before: dict[str, Any], after: dict[str, Any], logged: dict[tup
                         }
                     },
                 )
+    return said
+
+
+def _seen(stage: str, command: str, state: str, error: str) -> dict[str, Any]:
+    return {"stage": stage, "command": command, "outcome": "failed", "duration_s": 0.0, "state": state, "error": error}

@@ -9,6 +9,8 @@ exported by a collector at scrape time from the latest snapshot.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +48,11 @@ LIFECYCLE_BUCKETS_S = (
 )
 HTTP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's engine_sleep_state values
+# vLLM's sleep-mode operation metrics (`vllm/entrypoints/serve/dev/sleep/metrics.py`): its
+# operations and its buckets, so a vLLM dashboard's queries over them read omni-core's too.
+VLLM_SLEEP_OPERATIONS = ("sleep", "release_kv_cache_memory", "wake")
+VLLM_SLEEP_BUCKETS_S = (0.01, 0.1, 1.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+VLLM_OPERATION_OF = {"sleep": "sleep", "wake": "wake"}  # omni-core's command -> vLLM's operation
 STAGE_STATES = tuple(s.value for s in StageState)
 LABEL_CHARS = 64  # a label value a rank reports (its state, its memory source) is cut to this
 
@@ -164,7 +171,39 @@ class ServeMetrics:
             "Requests answered from the Idempotency-Key record, not run again",
             registry=r,
         )
+        self.vllm_sleep_duration = Histogram(
+            "vllm:sleep_mode_operation_duration_seconds",
+            "vLLM's name: the duration of one sleep-mode operation (a stage's sleep or wake through "
+            "the server, whatever its outcome), by operation",
+            ["operation"],
+            buckets=VLLM_SLEEP_BUCKETS_S,
+            registry=r,
+        )
+        self.vllm_sleep_in_flight = Gauge(
+            "vllm:sleep_mode_operations_in_flight",
+            "vLLM's name: sleep-mode operations being awaited, by operation",
+            ["operation"],
+            registry=r,
+        )
+        for operation in VLLM_SLEEP_OPERATIONS:  # every series exists from the first scrape, as vLLM's
+            self.vllm_sleep_in_flight.labels(operation).set(0)
         r.register(_EngineCollector(snapshot))
+
+    @contextlib.contextmanager
+    def vllm_operation(self, command: str) -> Iterator[None]:
+        """Count a lifecycle command under vLLM's sleep-mode metrics when it is one of vLLM's
+        operations (a sleep or a wake); anything else passes untouched."""
+        operation = VLLM_OPERATION_OF.get(command)
+        if operation is None:
+            yield
+            return
+        active, started = self.vllm_sleep_in_flight.labels(operation), time.perf_counter()
+        active.inc()
+        try:
+            yield
+        finally:
+            active.dec()
+            self.vllm_sleep_duration.labels(operation).observe(time.perf_counter() - started)
 
 
 class _EngineCollector(Collector):

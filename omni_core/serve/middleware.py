@@ -90,8 +90,14 @@ class HttpMetrics:
             route = getattr(scope.get("route"), "path", None)
             route = route if isinstance(route, str) else "unmatched"
             method = method_label(scope["method"])
+            elapsed_s = time.perf_counter() - started
             metrics.http_requests.labels(route, method, str(code)).inc()
-            metrics.http_duration.labels(route, method).observe(time.perf_counter() - started)
+            metrics.http_duration.labels(route, method).observe(elapsed_s)
+            if self.state.access_log is not None:
+                peer = scope.get("client") or ("-", 0)
+                self.state.access_log.answered(
+                    method, scope.get("path", ""), route, code, elapsed_s, f"{peer[0]}:{peer[1]}"
+                )
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -18,6 +18,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>omni-core status</title>
+<link rel="icon" href="@ICON@">
 <style>
   :root { font-family: system-ui, sans-serif; font-size: 14px; color: #1b1f24; background: #f6f8fa; }
   body { margin: 0 auto; max-width: 1200px; padding: 16px; }
@@ -39,7 +40,9 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .strip { width: 100%; height: 14px; margin-top: 8px; display: block; }
   #events { list-style: none; padding: 0; margin: 0; font-family: ui-monospace, monospace; font-size: 12px; }
   #events li { padding: 2px 0; border-bottom: 1px solid #eaeef2; }
-  #events .ok { color: #1a7f37; } #events .bad { color: #cf222e; }
+  #events .ok { color: #1a7f37; } #events .bad { color: #cf222e; } #events .mistake { color: #9a6700; }
+  #banner { background: #ffd2d2; border: 1px solid #cf222e; border-radius: 8px; margin: 12px 0; padding: 8px 12px; }
+  #banner div { font-weight: 600; }
   .failure { color: #cf222e; }
   .events-title { font-size: 16px; }
   .legend { list-style: none; padding: 0; margin: 8px 0; display: flex; flex-wrap: wrap; gap: 4px 14px; }
@@ -50,6 +53,13 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   #memory-chart { width: 100%; height: 220px; display: block; }
   #memory-chart text { font-size: 11px; fill: #57606a; }
   #memory-chart .grid { stroke: #eaeef2; }
+  /* A phone-wide window: headings wrap, a wide table scrolls inside its own box. */
+  @media (max-width: 600px) {
+    body { padding: 8px; }
+    header, .stage h2 { flex-wrap: wrap; }
+    table { display: block; overflow-x: auto; }
+    #events li { overflow-wrap: anywhere; }
+  }
 </style>
 </head>
 <body>
@@ -58,6 +68,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   <span id="conn" class="down">connecting</span>
   <span class="meta" id="updated"></span>
 </header>
+<div id="banner" hidden></div>
 <div id="auth">
   <label>API key <input id="key" type="password" autocomplete="off"></label>
   <button id="key-save">connect</button>
@@ -248,9 +259,23 @@ function renderStatus(snap) {
       renderStrip(st.name), table, renderCounters(st.runner_counters || {}));
     main.append(section);
   }
+  renderBanner(Object.values(snap.stages || {}));
   for (const ev of snap.events || []) addEvent(ev);
   document.getElementById("updated").textContent = "updated " + new Date((snap.time || 0) * 1000).toLocaleTimeString();
 }
+
+function renderBanner(stages) {
+  // A stage that needs the operator (FAILED, STOPPED) is said at the top, with its restart.
+  const down = stages.filter(st => st.state === "FAILED" || st.state === "STOPPED");
+  const banner = document.getElementById("banner");
+  banner.hidden = down.length === 0;
+  banner.replaceChildren(...down.map(st => el("div", {"data-stage": st.name},
+    "stage " + st.name + " is " + st.state + ": " + (st.failure || "no reason recorded") +
+    " (restart it: omni-core restart " + st.name + ", or POST /v1/stages/" + st.name + "/restart)")));
+}
+
+// Outcomes of a caller's mistake (the call was refused, nothing broke), apart from failures.
+const MISTAKES = new Set(["invalid", "forbidden", "unknown_stage", "conflict", "rejected"]);
 
 function renderCounters(counters) {
   // The runner's own counters (a prompt cache's hits, misses), summed over the ranks.
@@ -269,8 +294,10 @@ function addEvent(ev) {
     (ev.freed_bytes ? "  freed " + fmtBytes(ev.freed_bytes) : "") +
     (ev.restored_bytes ? "  restored " + fmtBytes(ev.restored_bytes) : "") +
     (ev.error ? "  " + ev.error : "");
-  list.prepend(el("li", {"class": ev.outcome === "ok" ? "ok" : "bad", "data-event-id": ev.id,
-    "data-stage": ev.stage, "data-command": ev.command}, text));
+  const kind = ev.outcome === "ok" ? "ok" : MISTAKES.has(ev.outcome) ? "mistake" : "bad";
+  list.prepend(el("li", {"class": kind, "data-event-id": ev.id, "data-kind": kind,
+    "data-stage": ev.stage, "data-command": ev.command},
+    text + (kind === "mistake" ? "  (refused: the caller's request)" : "")));
   while (list.children.length > 100) list.lastChild.remove();
 }
 
@@ -343,6 +370,14 @@ run();
 </body>
 </html>
 """
+
+# The page's icon, inline (the CSP's img-src allows data:): the browser asks for /favicon.ico
+# otherwise, the one 404 in every console.
+ICON = (
+    "data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 16 16'%3E"
+    "%3Ccircle cx='8' cy='8' r='7' fill='%232da44e'/%3E%3Ccircle cx='8' cy='8' r='3' fill='%23fff'/%3E%3C/svg%3E"
+)
+STATUS_PAGE_HTML = STATUS_PAGE_HTML.replace("@ICON@", ICON)
 
 
 def _inline_hashes(tag: str) -> str:

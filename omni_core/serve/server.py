@@ -19,13 +19,14 @@ import uvicorn
 
 from omni_core.config import OmniConfig
 from omni_core.engine import Engine
-from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.errors import InvalidArgumentError, StageFailedError
 from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
 from omni_core.serve.app import create_app
 from omni_core.serve.auth import ServeRefusedError, check_bind, load_api_key
 from omni_core.serve.connections import ConnectionGuard, connection_limit, guarded_protocol, install_log_limits
 from omni_core.serve.logs import EVENT_ATTR
 from omni_core.serve.logs import configured as logs_configured
+from omni_core.serve.start_errors import start_failure
 
 log = logging.getLogger("omni_core.serve")
 LISTEN_BACKLOG = 2048  # uvicorn's default
@@ -116,6 +117,10 @@ def _serve(config: OmniConfig, log_level: str, environ: dict[str, str] | None) -
     )
     try:
         engine = Engine(config.stages, **config.engine)
+    except StageFailedError as exc:  # a config mistake the ranks found: one line, not a traceback
+        listener.close()
+        log.error("%s", start_failure(exc, config), extra={EVENT_ATTR: {"event": "start_failed", "stage": exc.stage}})
+        return 2
     except BaseException:
         listener.close()
         raise

@@ -24,6 +24,7 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine, LifecycleReport, SwapReport
 from omni_core.engine.errors import OmniCoreError, SwapFailedError
 from omni_core.protocol import DiskSource, WeightSource
+from omni_core.serve.access_log import AccessLog
 from omni_core.serve.auth import KeyCheck
 from omni_core.serve.errors import ApiError, to_http
 from omni_core.serve.errors import outcome_label as _outcome
@@ -51,6 +52,7 @@ class ServeState:
         self.status_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-serve-status")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServeMetrics(lambda: self.feed.snapshot)
+        self.access_log = AccessLog() if config.server.access_log else None
         self.feed = StatusFeed(
             config.stages, self.server, self.metrics, self.status, (OmniCoreError, ApiError, asyncio.TimeoutError)
         )
@@ -154,7 +156,8 @@ class ServeState:
         metrics.lifecycle_in_flight.labels(stage).inc()
         started = time.perf_counter()
         try:
-            result = await self.blocking(call)
+            with metrics.vllm_operation(command):
+                result = await self.blocking(call)
         except BaseException as exc:
             status = to_http(exc).status
             outcome = _outcome(status)

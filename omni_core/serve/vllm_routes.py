@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from omni_core.integrations.extension import EXTENSION_METHODS
 from omni_core.protocol import DiskSource
 from omni_core.serve import models as m
 from omni_core.serve.errors import ApiError
@@ -148,6 +149,38 @@ def reload_work(state: ServeState, request: Request, source: str | None, limit_s
     return work
 
 
+# The extension methods verl's and OpenRLHF's clients call (omni_core.integrations'
+# allowlist, run in-process by StageExtension), each with the route that does it over HTTP.
+RPC_ROUTES = {
+    "init_process_group": "POST /init_weights_update_group",
+    "update_weight": "POST /update_weights_from_distributed",
+    "update_weight_cuda_ipc": "POST /update_weights_from_ipc",
+    "update_weights_from_ipc": "POST /update_weights_from_ipc",
+    "reset_prefix_cache": "POST /reset_prefix_cache",
+    "sleep": "POST /sleep",
+    "wake_up": "POST /wake_up",
+}
+
+
+def rpc_refusal(method: str) -> ApiError:
+    """collective_rpc over HTTP runs reload_weights only: any other name would run caller-named
+    code on the ranks. An allowlisted extension method is named with its own route."""
+    route = RPC_ROUTES.get(method)
+    where = (
+        f"send its arguments to {route} (the same typed command), or call it in-process through "
+        "omni_core.integrations.StageExtension"
+        if route is not None
+        else f"omni-core's extension methods are {list(EXTENSION_METHODS)}, each typed and checked"
+    )
+    return ApiError(
+        400,
+        f"collective_rpc method {method[:80]!r} is not served over HTTP; only 'reload_weights' is (any other "
+        f"would run caller-named code on the ranks): {where}",
+        kind="InvalidArgumentError",
+        extra={"fields": ["method"]},
+    )
+
+
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)], tags=["vLLM"])
 
@@ -265,12 +298,7 @@ def router(state: ServeState) -> APIRouter:
     )
     async def vllm_collective_rpc(request: Request, body: m.CollectiveRpcBody) -> Response:
         if body.method != "reload_weights":
-            raise ApiError(
-                400,
-                f"collective_rpc method {body.method!r} is not served; only 'reload_weights' is "
-                "(any other would run caller-named code on the ranks)",
-                kind="InvalidArgumentError",
-            )
+            raise rpc_refusal(body.method)
         unknown = sorted(set(body.kwargs) - {"source"})
         if body.args or unknown:
             raise ApiError(

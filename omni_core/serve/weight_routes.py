@@ -48,18 +48,19 @@ def collective(
         ) from None
 
 
+def updated(message: str, **extra: Any) -> UpdateShape:
+    """SGLang's answer to an update: its message, the label each stage now holds."""
+
+    def shape(per_stage: dict[str, Any], versions: dict[str, int], label: str | None) -> dict[str, Any]:
+        shown = label or ", ".join(str(v) for v in dict.fromkeys(versions.values()))
+        text = f"{message}; weight version updated to {shown}"
+        return {"success": True, "message": text, **extra, "weight_version": shown, "stages": per_stage}
+
+    return shape
+
+
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)])
-
-    def updated(message: str, **extra: Any) -> UpdateShape:
-        """SGLang's answer: its message, the label each stage now holds."""
-
-        def shape(per_stage: dict[str, Any], versions: dict[str, int], label: str | None) -> dict[str, Any]:
-            shown = label or ", ".join(str(v) for v in dict.fromkeys(versions.values()))
-            text = f"{message}; weight version updated to {shown}"
-            return {"success": True, "message": text, **extra, "weight_version": shown, "stages": per_stage}
-
-        return shape
 
     def group_call(
         address: str, port: int, world_size: int, rank_offset: int, backend: str | None, group: str

@@ -66,6 +66,7 @@ from omni_core.weight_buckets import (
     ref_counter_name,
     sender_uid,
 )
+from omni_core.weight_group import WeightGroup
 from omni_core.workers.bucket_cache import MAX_RETAINED_BUCKET_BYTES, BucketCache, CachedBucket
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -267,7 +268,7 @@ class WeightReceiver:
     ) -> None:
         self.device = device
         self.rank = rank
-        self.group: Any = None  # a torch ProcessGroup with the trainer as rank 0
+        self.group: WeightGroup | None = None  # the trainer is its rank 0
         self.group_rank = -1
         self.shm_dir = shm_dir
         self.uid_of = uid_of  # pid -> uid, None when not running: the seam for another user's sender
@@ -305,14 +306,10 @@ class WeightReceiver:
             store = dist.TCPStore(
                 command.address, command.port, command.world_size, is_master=False, timeout=timedelta(seconds=join_s)
             )
-            prefixed = dist.PrefixStore(f"omni-weights/{command.group}", store)
-            group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
-            if command.backend == "gloo":
-                group = dist.ProcessGroupGloo(prefixed, self.group_rank, command.world_size, timeout)
-            else:
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                group = dist.ProcessGroupNCCL(prefixed, self.group_rank, command.world_size, options)
+            # SGLang's layout (weight_group.py), so its trainers' init_custom_process_group joins.
+            group = WeightGroup(
+                store, command.group, self.group_rank, command.world_size, command.backend, command.timeout_s
+            )
             store.set_timeout(timeout)  # NCCL exchanges its id through the store at the first broadcast
             return group
 
@@ -478,14 +475,11 @@ class WeightReceiver:
     def _broadcast(self, specs: tuple[TensorSpec, ...]) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive each tensor from group rank 0 into a temporary of its own (one at a time:
         the runner copies it in, so at most one extra tensor is alive)."""
-        import torch.distributed as dist
-
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        group, device = self.group, self.device if self.device.type == "cuda" else torch.device("cpu")
+        assert group is not None  # apply() refused a collective update without one
         for spec in specs:
             buffer = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=device)
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            self.group.broadcast([buffer], options).wait()
+            group.broadcast(buffer, root=0)
             yield spec.name, buffer
 
     def close(self) -> None:

@@ -264,3 +264,23 @@ def test_a_shared_memory_update_equals_a_model_loaded_with_those_weights(checkpo
         receiver.apply(source, runner)
     assert weights_digest(runner) == weights_digest(other.runner)
     assert runner.execute(GREEDY)["token_ids"] == other.runner.execute(GREEDY)["token_ids"]
+
+
+def test_the_cache_goes_under_the_name_the_models_forward_takes() -> None:
+    """transformers 5.25 renamed forward's `past_key_values` to `cache` (the old name warns, and
+    goes in 5.40); the runner passes its cache under whichever the installed model declares."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    from omni_core.runners.transformers_runner import cache_keyword
+
+    def renamed(input_ids=None, attention_mask=None, cache=None, use_cache=None):  # type: ignore[no-untyped-def]
+        return None
+
+    def old(input_ids=None, past_key_values=None, use_cache=None):  # type: ignore[no-untyped-def]
+        return None
+
+    assert (cache_keyword(renamed), cache_keyword(old)) == ("cache", "past_key_values")
+    installed = cache_keyword(LlamaForCausalLM.forward)
+    import inspect
+
+    assert installed in inspect.signature(LlamaForCausalLM.forward).parameters

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -193,6 +194,53 @@ def test_the_page_runs_under_its_content_security_policy(served: Served, browser
         "RUNNING", timeout=UI_TIMEOUT_MS
     )
     assert violations == []
+    page.close()
+
+
+def test_the_page_loads_without_a_failed_request_and_reads_at_420_px(served: Served, browser: object) -> None:
+    """No request of the page fails (the browser's favicon fetch was a 404 in every console),
+    and on a 420 px wide screen nothing runs off the side: wide tables scroll in their box."""
+    page = browser.new_page(viewport={"width": 420, "height": 900})  # type: ignore[attr-defined]
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.on("requestfailed", lambda r: failed.append(f"failed {r.url}"))
+    page.goto(served.url + "/")
+    sync_api.expect(page.locator('section[data-stage="talker"] [data-field="state"]')).to_have_text(
+        "RUNNING", timeout=UI_TIMEOUT_MS
+    )
+    assert page.locator('link[rel="icon"]').count() == 1
+    assert failed == []
+    widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
+    page.close()
+
+
+def test_a_failed_stage_is_a_banner_its_rank_death_an_event_and_mistakes_stand_apart(
+    served: Served, browser: object
+) -> None:
+    page = browser.new_page()  # type: ignore[attr-defined]
+    page.goto(served.url + "/")
+    sync_api.expect(page.locator("#conn")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    assert page.locator("#banner").is_hidden()
+    refused = served.client.post("/v1/stages/talker/sleep", json={"level": 7})  # the caller's mistake
+    assert refused.status_code in (400, 422), refused.text
+    bad_level = served.client.post("/v1/stages/talker/wake", json={"tags": ["no-such-tag"]})
+    assert 400 <= bad_level.status_code < 500, bad_level.text
+    mistake = page.locator('#events li[data-stage="talker"][data-command="wake"]').filter(has_text="no-such-tag")
+    sync_api.expect(mistake).to_have_attribute("data-kind", "mistake", timeout=UI_TIMEOUT_MS)
+    sync_api.expect(mistake).to_contain_text("refused: the caller's request")
+    pid = served.engine.status()["decoder"]["ranks"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    banner = page.locator('#banner div[data-stage="decoder"]')
+    sync_api.expect(banner).to_contain_text("stage decoder is FAILED", timeout=UI_TIMEOUT_MS)
+    sync_api.expect(banner).to_contain_text("omni-core restart decoder")
+    # Other tests of the session may have killed a rank of this stage before: this one's pid.
+    gone = page.locator('#events li[data-stage="decoder"][data-command="rank_gone"]').filter(
+        has_text=f"rank 0 (pid {pid}) exited"
+    )
+    sync_api.expect(gone).to_have_attribute("data-kind", "bad", timeout=UI_TIMEOUT_MS)
+    served.settle("decoder")  # a restart: the banner goes
+    sync_api.expect(page.locator("#banner")).to_be_hidden(timeout=UI_TIMEOUT_MS)
     page.close()
 
 

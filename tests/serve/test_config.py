@@ -72,7 +72,7 @@ def _write(tmp_path: Path, text: str) -> Path:
         ),
         (
             '[server]\napi_key = "x"\n[[stages]]\nname = "a"\n',
-            "field 'api_key': [server] unknown field; known fields: ['allowed_hosts', ",
+            "field 'api_key': [server] unknown field; known fields: ['access_log', 'allowed_hosts', ",
         ),
         ('[engine]\ntransport = 3\n[[stages]]\nname = "a"\n', "field 'transport': [engine] expected a string, got 3"),
         ("[server]\n", "needs at least one [[stages]] table"),

@@ -91,6 +91,30 @@ def test_engine_view(served: Served) -> None:
     assert {"bad_replies", "forged_hellos", "unknown_peers"} <= events
 
 
+def test_vllm_sleep_mode_operation_metrics_count_sleeps_and_wakes_under_vllms_names(served: Served) -> None:
+    """vLLM's `vllm:sleep_mode_*` families beside omni-core's: one observation per sleep and
+    per wake through the server, none for other calls, every operation's in-flight gauge at 0
+    once nothing is awaited."""
+    count = "vllm:sleep_mode_operation_duration_seconds_count"
+    before = _metrics(served)
+    assert all(
+        f'vllm:sleep_mode_operations_in_flight{{operation="{op}"}} 0.0' in before
+        for op in ("sleep", "release_kv_cache_memory", "wake")
+    ), before
+    sleeps, wakes = (metric_value(before, count, operation=op) for op in ("sleep", "wake"))
+    assert served.client.post("/v1/stages/decoder/sleep", json={"level": 1}).status_code == 200
+    assert served.client.post("/v1/stages/decoder/wake").status_code == 200
+    assert served.client.post("/v1/stages/decoder/pause", json={"mode": "wait"}).status_code == 200  # not vLLM's
+    assert served.client.post("/v1/stages/decoder/resume").status_code == 200
+    after = _metrics(served)
+    assert metric_value(after, count, operation="sleep") == sleeps + 1
+    assert metric_value(after, count, operation="wake") == wakes + 1
+    assert metric_value(after, count, operation="release_kv_cache_memory") == 0
+    assert metric_value(after, "vllm:sleep_mode_operations_in_flight") == 0
+    bucket = metric_value(after, "vllm:sleep_mode_operation_duration_seconds_bucket", operation="sleep", le="600.0")
+    assert bucket == sleeps + 1  # vLLM's buckets: its largest bound is 600 s
+
+
 def _documented() -> set[str]:
     text = README.read_text(encoding="utf-8")
     section = text[text.index("### Metrics") :]

@@ -179,11 +179,121 @@ def test_each_failure_and_dead_rank_is_one_line_even_when_refreshes_end_out_of_o
     logged: dict[tuple[str, str], Any] = {}
     running, failed = _snapshot("RUNNING", True), _snapshot("FAILED", False)
     with caplog.at_level(logging.INFO, logger="omni_core.serve.events"):
-        for before, after in [(running, failed), (failed, running), (running, failed), (failed, failed)]:
-            _log_changes(before, after, logged)
+        said = [_log_changes(before, after, logged) for before, after in [(running, failed), (failed, running)]]
+        said += [_log_changes(before, after, logged) for before, after in [(running, failed), (failed, failed)]]
         assert [r.omni_event["event"] for r in caplog.records] == ["stage_failed", "rank_gone"]
+        # What was said is also the status page's events, once each: the stage's failure, the rank's death.
+        assert [[(e["command"], e["outcome"], e["state"]) for e in events] for events in said] == [
+            [("stage_failed", "failed", "FAILED"), ("rank_gone", "failed", "FAILED")],
+            [],
+            [],
+            [],
+        ]
+        assert said[0][1]["error"] == "rank 0 (pid 41) exited" and "omni-core restart solo" in said[0][0]["error"]
         _log_changes(_snapshot("RUNNING", True, 2, 42), _snapshot("FAILED", False, 2, 42), logged)  # a new epoch
     assert [(r.omni_event["event"], r.omni_event.get("pid")) for r in caplog.records[2:]] == [
         ("stage_failed", None),
         ("rank_gone", 42),
     ]
+
+
+BAD_STAGE = """
+[[stages]]
+name = "talker"
+runner = "synthetic"
+backend = "portable"
+[stages.runner_args]
+weights_bytes = 1048576
+{field} = 4
+"""
+
+
+def test_a_config_mistake_the_ranks_find_is_one_line_naming_the_stage_and_field(tmp_path: Path) -> None:
+    """A runner argument typo is found only when the rank builds its runner: serve exits 2 with
+    one line naming the stage and the field, not the engine's traceback."""
+    config = tmp_path / "bad.toml"
+    config.write_text(BAD_STAGE.format(field="tensor_cont"), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_core.cli", "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=LOG_WAIT_S,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    served = [line for line in lines if " omni_core.serve: " in line]
+    assert served[-1].endswith(
+        f"runner_args.tensor_cont is not an argument of runner 'synthetic': fix or remove it "
+        f"([[stages]] name = 'talker' in {config}, [stages.runner_args])"
+    ), done.stderr
+    assert "stage 'talker' did not start" in served[-1]
+    assert not any(line.startswith("Traceback") for line in lines), done.stderr  # only the rank's line holds one
+    assert len(lines) <= 3, done.stderr  # starting, the rank's one line, the refusal
+
+
+@pytest.mark.parametrize(
+    ("reason", "words"),
+    [
+        ("TypeError: Runner.__init__() missing 1 required keyword-only argument: 'model'", "needs runner_args 'model'"),
+        ("OSError: /models/qwen does not exist", "check runner_args.model"),
+        ("RuntimeError: CUDA error: invalid device ordinal", "device 'cpu' is not usable here"),
+        ("ValueError: something else", "the rank's log line above has its traceback"),
+    ],
+)
+def test_each_kind_of_start_failure_names_what_to_change(reason: str, words: str) -> None:
+    from omni_core.config import parse_config
+    from omni_core.engine.errors import StageFailedError
+    from omni_core.serve.start_errors import start_failure
+
+    config = parse_config({"stages": [{"name": "talker", "backend": "portable"}]}, "/etc/omni.toml")
+    line = start_failure(
+        StageFailedError("talker", "stage 'talker' FAILED", {0: f"started in FAILED: {reason}"}), config
+    )
+    assert "\n" not in line and line.startswith("stage 'talker' did not start (rank 0: ")
+    assert words in line and "/etc/omni.toml" in line, line
+
+
+def test_the_access_log_keeps_a_line_budget_and_escapes_the_callers_path(caplog) -> None:
+    from omni_core.serve.access_log import PATH_CHARS, AccessLog
+
+    now = [0.0]
+    access = AccessLog(rate_per_s=1.0, burst=3, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="omni_core.serve.access"):
+        for _ in range(5):  # a burst of 3 lines, then 2 over the budget
+            access.answered("GET", "/health", "/health", 200, 0.0012, "127.0.0.1:5000")
+        now[0] = 2.0  # two tokens back
+        access.answered("POST", "/x\n\x1b[31m" + "y" * 400, "unmatched", 404, 0.002, "127.0.0.1:5001")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:3] == ["GET /health -> 200 in 1.2 ms (127.0.0.1:5000)"] * 3 and len(lines) == 4
+    last = lines[3]
+    assert last.startswith("POST /x\\n\\x1b[31m") and "\n" not in last and "\x1b" not in last
+    assert "y" * (PATH_CHARS - len("/x\n\x1b[31m")) in last and "y" * PATH_CHARS not in last
+    assert last.endswith("(2 requests before this one not logged: over 1 lines/s)")
+    assert caplog.records[3].omni_event["route"] == "unmatched" and caplog.records[3].omni_event["code"] == 404
+
+
+def test_access_log_on_writes_a_line_per_answer_and_off_writes_none(caplog) -> None:
+    from tests.serve.conftest import make_config, serving, stage_table, wait_for
+
+    for on in (True, False):
+        caplog.clear()
+        with (
+            serving(make_config(stage_table("solo"), access_log=on)) as served,
+            caplog.at_level(logging.INFO, logger="omni_core.serve.access"),
+        ):
+            assert served.client.post("/v1/stages/nope/sleep").status_code == 404
+            assert served.client.get("/health").status_code == 200
+
+            def lines() -> list[str]:
+                return [r.getMessage() for r in caplog.records if r.name == "omni_core.serve.access"]
+
+            # The line is written once the answer is sent, so it may follow the client's read.
+            metrics = served.client.get("/metrics")  # a third answer: the first two are done by now
+            assert metrics.status_code == 200
+            if on:
+                for start in ("POST /v1/stages/nope/sleep -> 404 in ", "GET /health -> 200 in "):
+                    wait_for(lambda s=start: any(line.startswith(s) for line in lines()), what=start)
+            else:
+                assert lines() == []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from omni_core.engine.errors import RequestFailedError
+from omni_core.integrations import EXTENSION_METHODS
+from omni_core.serve.vllm_routes import RPC_ROUTES
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, request_held_by_a_stopped_rank
 from tests.serve.conftest import PROBE, Served, wait_for
 
@@ -162,6 +164,31 @@ def test_collective_rpc_reload_on_a_serving_stage_needs_a_source(served: Served)
     refused = served.client.post("/collective_rpc", json={"method": "reload_weights"})
     body = _refused(refused, 409, "reload_weights on a serving stage runs as a versioned update")
     assert body["error"]["fields"] == ["kwargs.source"] and served.stage("talker")["state"] == "RUNNING"
+
+
+@pytest.mark.parametrize("method", sorted({*RPC_ROUTES, "execute_model", "_update", "__init__"}))
+def test_collective_rpc_names_the_route_of_each_extension_method_and_refuses_the_rest(
+    served: Served, method: str
+) -> None:
+    """Over HTTP collective_rpc runs reload_weights only; each of the other allowlisted extension
+    methods (verl's, OpenRLHF's) is refused naming the route that does the same, any other name
+    listing the allowlist. Nothing reaches a rank: the stage stays where it was."""
+    version = served.stage("talker")["weights_version"]
+    answer = served.client.post("/collective_rpc", json={"method": method, "args": [], "kwargs": {}})
+    needle = RPC_ROUTES.get(method, "omni-core's extension methods are")
+    body = _refused(answer, 400, needle)
+    assert body["error"]["fields"] == ["method"]
+    assert (served.stage("talker")["state"], served.stage("talker")["weights_version"]) == ("RUNNING", version)
+
+
+def test_the_http_routes_of_the_extension_methods_are_the_allowlist_and_exist() -> None:
+    from omni_core.serve.openapi import openapi_schema
+
+    assert set(RPC_ROUTES) == set(EXTENSION_METHODS) - {"reload_weights"}
+    paths = openapi_schema()["paths"]
+    for route in RPC_ROUTES.values():
+        verb, path = route.split()
+        assert verb.lower() in paths[path], route
 
 
 def test_a_weight_update_bracket_resumes_only_what_its_start_paused(served: Served) -> None:
