@@ -17,6 +17,11 @@ pip install -q --disable-pip-version-check -c scripts/constraints.txt -e ".[ray]
 # TRL's own VLLMClient runs against omni-core serve (tests/serve/test_trl.py); without its
 # dependencies, so torch and transformers stay as pinned.
 pip install -q --disable-pip-version-check --no-deps trl==1.16.0 || echo "trl did not install: tests/serve/test_trl.py's TRL 1.x case skips"
+# vLLM currency, on CPU without importing it: every vLLM internal omni-core touches, checked in
+# the vllm range's floor and the newest release (scripts/vllm_surface.py lists them). A move is
+# a known diff, shown here; it does not fail the run, since a new vLLM release is no fault of
+# the commit under test, but the range must not pass a release that lacks something.
+bash scripts/vllm_currency.sh || echo "vLLM currency: a release above lacks an internal omni-core touches (or could not be fetched)"
 # The conformance suite is also run against a worker in JavaScript (Node's standard library
 # only), over cmd:, as a third party's worker would be.
 command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
