@@ -26,7 +26,9 @@ Status is checked to change nothing (P-7), so relabelling a line hides nothing.
 Refuted (kind "refuted", which no action takes, with the reason): a line of a process
 after its death was recorded; a deadline that no earlier line of its task set, that is not
 the deadline that line set, that fired before it, or whose issue's deadline is not the
-issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
+issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`); a line
+the admission tables, the answers, the epoch fence or a wake's wait refute, and a run that
+ended owing an answer (`trace_admission.RecordChecks`: a last refuted event).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
 ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
@@ -55,6 +57,7 @@ from typing import Any
 
 import msgspec
 
+from omni_core.formal.trace_admission import RecordChecks
 from omni_core.formal.trace_order import DeadlineClock, program_order
 from omni_core.fsm import trace_records as T
 from omni_core.fsm.tags import DEFAULT_TAGS
@@ -209,6 +212,7 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     superseded: set[tuple[int, int, str]] = set()  # (rank, epoch, task) of replies dropped below
     deaths: dict[tuple[int, int], int] = {}  # (rank, process epoch) -> the line recording its death
     clock = DeadlineClock(lines)
+    checks = RecordChecks(lines, stage, ranks)
     stopped = 0  # the line of the stage's StageStopped: the engine's shutdown ends its trace
     shutdowns: set[str] = set()
     for n, line in ours:
@@ -216,6 +220,9 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         kind = RECORD_EVENTS.get(type(record))
         if isinstance(record, T.StageStopped) and not stopped:
             stopped = n
+            continue
+        if checks.why(n):  # admission, answers, fencing, a wake's wait (trace_admission)
+            events.append(_refuted(kind or line.kind, n, line, tasks, checks.why(n)))
             continue
         if isinstance(record, T.StageSent) and not stopped:
             shutdowns.add(record.task_id)  # a rank may still finish it after the stop
@@ -265,6 +272,9 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
             if why:
                 event = _refuted(kind, n, line, tasks, why)
         events.append(event)
+    if checks.owed():  # liveness at the end of a run that ended: replayed up to here, then refuted
+        last = checks.last_line
+        events.append(_refuted("owed", last, lines[last - 1], tasks, checks.owed()))
     _note_unmodelled(events)
     trace = _finish(stage, events, ranks, tasks, dropped)
     trace.tags = tags
