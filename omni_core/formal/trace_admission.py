@@ -15,6 +15,10 @@ orchestrator's admission; tla/OmniAdmission.tla model-checks that from the same 
   the stage), and one not flagged is not;
 - a Wake refused NO_MEMORY by a rank is refused no earlier than its `memory_wait_s` after
   the rank took it (P-16), on the one clock of the host;
+- one incoming wake per device at a time (P-16, `engine/incoming.py`): a swap's hold of its
+  devices (IncomingHeld, until its IncomingFreed) shares no device with a hold of any stage
+  still in force, and a wake that waits for memory is issued only under its own hold (where
+  the trace records holds: its stage's start names the policy);
 - liveness at the end: a stage whose trace has its StageStopped (the run ended; a trace cut
   short by a killed engine is a prefix, which owes nothing) answered every request and
   ended every task it issued, the requests and tasks a stop abandons included (the engine
@@ -64,9 +68,13 @@ class RecordChecks:
         self._wake_taken: dict[tuple[int, int, str], float] = {}  # (rank, epoch, task) -> mono_s taken
         self._issue_waits: dict[str, float] = {}  # Wake task -> memory_wait_s its issue names
         self._modern = False  # its start names the policy: every admission record must too
+        self._holds: dict[tuple[str, str], tuple[int, frozenset[str]]] = {}  # (stage, task) -> (line, devices)
         self._stopped = 0
         self._last = 0
         for n, line in enumerate(lines, start=1):
+            hold = self._hold(n, line)  # every stage's: a device is shared across stages
+            if hold and line.stage == stage:
+                self._why.setdefault(n, hold)
             if line.stage == stage:
                 self._last = n
                 why = self._engine(n, line) if line.is_engine else self._worker(line)
@@ -224,6 +232,8 @@ class RecordChecks:
             # an older omni-core records no wait, only the level.
             if (r.level == 1) != (wait_s > 0) and (self._modern or wait_s > 0):
                 return f"wake {r.task_id!r} recorded at level {r.level} with memory_wait_s {wait_s:g}"
+            if wait_s > 0 and self._modern and (self.stage, r.task_id) not in self._holds:
+                return f"wake {r.task_id!r} waits for memory, but no IncomingHeld line holds its devices"
         if not r.auto:
             return ""
         why = self._policy_named(n, r.policy, f"the auto-started {r.command} {r.task_id!r}")
@@ -252,6 +262,22 @@ class RecordChecks:
                 "the core fences only another epoch's"
             )
         return f"rank {r.rank}'s death (a process of epoch {r.process_epoch}) not fenced under epoch {r.epoch}"
+
+    def _hold(self, n: int, line: T.TraceLine) -> str:
+        r: Any = line.record
+        if isinstance(r, T.IncomingFreed):
+            self._holds.pop((line.stage, r.task_id), None)
+        if not isinstance(r, T.IncomingHeld):
+            return ""
+        devices = frozenset(r.devices)
+        for (other, task), (at, held) in self._holds.items():
+            if devices & held:
+                return (
+                    f"the incoming wake {r.task_id!r} holds {', '.join(sorted(devices & held))}, which the incoming "
+                    f"wake {task!r} of stage {other!r} holds since line {at}: one incoming wake per device at a time"
+                )
+        self._holds[line.stage, r.task_id] = (n, devices)
+        return ""
 
     # ------------------------------------------------------------ worker lines
 

@@ -177,16 +177,16 @@ def _lines(lines: list[T.TraceLine], stage: str) -> list[tuple[int, T.TraceLine]
 
 def _after_stop(line: T.TraceLine, shutdowns: set[str]) -> bool:
     """May `line` follow the stage's StageStopped? Only its ranks' last replies as the engine
-    drains them, a death, a caller told of a failure, and the ranks finishing what they were
-    sent (`shutdowns`: the task ids sent before the stop, and the Shutdown's, named by the
-    WorkerReceived lines that take them)."""
+    drains them, a death, a caller told of a failure, a swap's devices freed, and the ranks
+    finishing what they were sent (`shutdowns`: the task ids sent before the stop, and the
+    Shutdown's, named by the WorkerReceived lines that take them)."""
     r: Any = line.record
     if line.is_engine:
         if isinstance(r, T.TaskEnded):
             return not r.ok
         if isinstance(r, T.RequestAnswered):
             return bool(r.error)
-        return isinstance(r, (T.StageReceived, T.RankDied))
+        return isinstance(r, (T.StageReceived, T.RankDied, T.IncomingFreed))
     if isinstance(r, T.WorkerReceived) and r.command == "Shutdown":
         shutdowns.add(r.task_id)
     return getattr(r, "task_id", None) in shutdowns

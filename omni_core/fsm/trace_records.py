@@ -26,7 +26,8 @@ Not modelled, kept for readers and for per-process checks of deadlines and answe
 StageStarting, StageStopped (ends a stage's replay), RequestSubmitted, RequestAnswered,
 TaskEnded, AdmissionChanged, BadMessage (the admission records, the answers and a wake's
 wait for memory are checked by `omni_core.formal.trace_admission`); and the shells' own IO
-facts, which no core sees: RankSpawned, PeerRefused, ParentGone.
+facts, which no core sees: RankSpawned, PeerRefused, IncomingHeld and IncomingFreed (a swap's
+hold of its devices, checked there too), ParentGone.
 
 Every line of the file is a `TraceLine`: the record plus who wrote it (stage, rank, the
 process's epoch, pid), its per-process sequence number (program order) and the process's
@@ -315,6 +316,22 @@ class PeerRefused(_Record):
     detail: str = ""
 
 
+class IncomingHeld(_Record):
+    """A swap's incoming wake (task `task_id` of this stage, one that waits for memory) holds
+    `devices` from here until its IncomingFreed: one incoming wake per device at a time
+    (P-16; `engine/incoming.py`). Written before the wake is issued; no devices: a stage on
+    none (a CPU without a simulated device)."""
+
+    task_id: str
+    devices: tuple[str, ...] = ()
+
+
+class IncomingFreed(_Record):
+    """The incoming wake of `task_id` ended (or was never sent): its devices are free."""
+
+    task_id: str
+
+
 class ParentGone(_Record):
     parent_pid: int
 
@@ -345,7 +362,9 @@ StageRecord = (
 WorkerRecord = (
     WorkerStarted | WorkerReceived | WorkerChanged | EffectDone | EffectFailed | EffectRefused | ReplySent | BadMessage
 )
-TraceRecord = StageRecord | WorkerRecord | RankSpawned | PeerRefused | ParentGone | Truncated
+TraceRecord = (
+    StageRecord | WorkerRecord | RankSpawned | PeerRefused | IncomingHeld | IncomingFreed | ParentGone | Truncated
+)
 
 
 class TraceLine(msgspec.Struct, forbid_unknown_fields=True):

@@ -37,6 +37,8 @@ STOPS = {
     "fenced_hides_death": "death flagged fenced, but it is the process of the stage's epoch 0",
     "no_memory_before_wait": "NO_MEMORY 0.010 s after taking it; it was sent to wait 0.2 s",
     "wake_wait_shortened": "sent with memory_wait_s 0.01; its issue named 0.2",
+    "incoming_wakes_overlap": "which the incoming wake 'fits/in' of stage 'decoder' holds since line",
+    "incoming_wake_unheld": "wake 'refused/in' waits for memory, but no IncomingHeld line holds its devices",
 }
 
 

@@ -26,6 +26,8 @@ CHECKED = (  # the classes these checks catch (the others are the replay's)
     "fenced_hides_death",
     "no_memory_before_wait",
     "wake_wait_shortened",
+    "incoming_wakes_overlap",
+    "incoming_wake_unheld",
 )
 
 
@@ -98,3 +100,23 @@ def test_a_request_answered_twice_or_never_submitted_is_refuted() -> None:
     lines = _demo()
     lines[k] = msgspec.structs.replace(lines[k], record=T.RequestAnswered("req-never"))
     assert "answered, but no line says it came in" in _refuted(lines, "talker")[0].refuted
+
+
+def test_a_swap_records_its_incoming_wakes_hold_and_its_admission(tmp_path) -> None:
+    """The engine writes what these checks read: each waiting wake's IncomingHeld before its
+    issue and IncomingFreed after its end, the policy at start and with each request."""
+    path = tmp_path / "swap.jsonl"
+    generate.SCENARIOS["swap"](path)
+    lines = read_trace(path)
+    holds = [(ln.stage, type(ln.record).__name__, ln.record.task_id) for ln in lines if "Incoming" in ln.kind]
+    assert holds == [
+        ("decoder", "IncomingHeld", "fits/in"),
+        ("decoder", "IncomingFreed", "fits/in"),
+        ("talker", "IncomingHeld", "refused/in"),
+        ("talker", "IncomingFreed", "refused/in"),
+        ("talker", "IncomingHeld", "again/in"),
+        ("talker", "IncomingFreed", "again/in"),
+    ]
+    assert all(ln.record.policy == "queue" for ln in lines if isinstance(ln.record, T.StageStarting))
+    for stage in trace_export.stages_in(lines):
+        assert not _refuted(lines, stage)

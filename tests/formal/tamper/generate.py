@@ -780,6 +780,20 @@ def wake_wait_shortened(lines: Lines) -> str:
     return "talker"
 
 
+def incoming_wakes_overlap(lines: Lines) -> str:
+    """The first swap's incoming wake (into the decoder) never frees its device: the next
+    swap's incoming wake (into the talker, on the same device) overlaps it."""
+    del lines[_first(lines, lambda ln: _engine(ln, T.IncomingFreed, "decoder"))]
+    return "talker"
+
+
+def incoming_wake_unheld(lines: Lines) -> str:
+    """The second swap's incoming wake, which waits for memory, holds no device: its
+    IncomingHeld line is gone."""
+    del lines[_first(lines, lambda ln: _engine(ln, T.IncomingHeld, "talker"))]
+    return "talker"
+
+
 CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "commit_state": ("demo", commit_state),
     "ack_worker_state": ("demo", ack_worker_state),
@@ -825,6 +839,8 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "fenced_hides_death": ("restart", fenced_hides_death),
     "no_memory_before_wait": ("swap", no_memory_before_wait),
     "wake_wait_shortened": ("swap", wake_wait_shortened),
+    "incoming_wakes_overlap": ("swap", incoming_wakes_overlap),
+    "incoming_wake_unheld": ("swap", incoming_wake_unheld),
 }
 
 
