@@ -289,7 +289,7 @@ def test_reject_in_needs_reload_says_to_reload_not_to_wake() -> None:
     assert "reload_weights()" in answer.detail and "wake it" not in answer.detail
 
 
-def test_the_records_name_the_policy_at_start_on_each_change_and_with_each_admission() -> None:
+def test_the_records_name_the_policy_on_each_change_and_with_each_admission() -> None:
     """What trace validation holds the admission tables to (formal/trace_admission.py)."""
     d = _asleep(P.QUEUE)
     changed = d.step(I.SetAdmission(P.WAKE)).records
