@@ -272,14 +272,21 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
             if why:
                 event = _refuted(kind, n, line, tasks, why)
         events.append(event)
-    if checks.owed():  # liveness at the end of a run that ended: replayed up to here, then refuted
-        last = checks.last_line
-        events.append(_refuted("owed", last, lines[last - 1], tasks, checks.owed()))
+    events += _owed(checks, lines, tasks)
     _note_unmodelled(events)
     trace = _finish(stage, events, ranks, tasks, dropped)
     trace.tags = tags
     trace.order_error = program_order(lines, {n for n, _ in ours})
     return trace
+
+
+def _owed(checks: RecordChecks, lines: list[T.TraceLine], tasks: dict[str, int]) -> list[TraceEvent]:
+    """Liveness at the end of a run that ended: an event after the stage's last line, which
+    the replay reaches once everything before it replayed, refuted with what is owed."""
+    if not checks.owed():
+        return []
+    last = checks.last_line
+    return [_refuted("owed", last, lines[last - 1], tasks, checks.owed())]
 
 
 def _refuted(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int], why: str) -> TraceEvent:
