@@ -238,16 +238,8 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         if not line.is_engine and (line.rank, line.epoch) in deaths:
             # A process writes nothing after it ended, and its end is recorded only after it
             # ended: this line is not the dead process's. Kept, so the replay stops here.
-            events.append(
-                _refuted(
-                    kind or "dead",
-                    n,
-                    line,
-                    tasks,
-                    f"rank {line.rank} of epoch {line.epoch} "
-                    f"wrote this after its death was recorded (line {deaths[line.rank, line.epoch]})",
-                )
-            )
+            why = f"rank {line.rank} of epoch {line.epoch} wrote this after its death was recorded"
+            events.append(_refuted(kind or "dead", n, line, tasks, f"{why} (line {deaths[line.rank, line.epoch]})"))
             continue
         if isinstance(record, T.RankDied):
             deaths.setdefault((record.rank, record.process_epoch), n)
