@@ -290,8 +290,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "trace-liveness-off",
         "a run that ended owes nothing at the end of its trace (a queued request never answered passes)",
         TRACE_CHECKS,
-        "        if not self._stopped:\n            return \"\"\n",
-        "        return \"\"  # mutant\n",
+        '        if not self._stopped:\n            return ""\n',
+        '        return ""  # mutant\n',
         [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[queued_request_unanswered]"],
     ),
     _m(
