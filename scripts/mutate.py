@@ -283,7 +283,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         SHELL,
         "            self._send_all(core.step(BadFrame(err)))\n",
         "            raise  # mutant: garbage kills the rank\n",
-        ["tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]"],
+        [
+            "tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]",
+            # The frame isolation answers the raise with BAD_MESSAGE too: only the detail tells.
+            "tests/workers/test_process_lifecycle.py::test_garbage_is_refused_as_bad_bytes_not_as_a_failure_of_the_worker",
+        ],
     ),
     # ------------------------------------------------------------ trace validation's checks of the records
     _m(
