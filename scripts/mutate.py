@@ -53,6 +53,8 @@ ADMISSION = "omni_core/fsm/admission.py"
 WORKER_CORE = "omni_core/fsm/worker.py"
 SHELL = "omni_core/workers/process.py"
 RANK_MAIN = "omni_core/workers/__main__.py"
+TRACE_CHECKS = "omni_core/formal/trace_admission.py"
+TRACE_CHECKS_TESTS = "tests/formal/test_trace_admission.py"
 
 ENGINE_TESTS = "tests/engine/test_engine.py"
 DEMO_TEST = f"{ENGINE_TESTS}::test_demo_scenario_passes_and_traces_every_node"
@@ -281,7 +283,60 @@ MUTATIONS: tuple[Mutation, ...] = (
         SHELL,
         "            self._send_all(core.step(BadFrame(err)))\n",
         "            raise  # mutant: garbage kills the rank\n",
-        ["tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]"],
+        [
+            "tests/workers/test_process_lifecycle.py::test_garbage_gets_bad_message_and_the_worker_keeps_serving[3]",
+            # The frame isolation answers the raise with BAD_MESSAGE too: only the detail tells.
+            "tests/workers/test_process_lifecycle.py::test_garbage_is_refused_as_bad_bytes_not_as_a_failure_of_the_worker",
+        ],
+    ),
+    # ------------------------------------------------------------ trace validation's checks of the records
+    _m(
+        "trace-liveness-off",
+        "a run that ended owes nothing at the end of its trace (a queued request never answered passes)",
+        TRACE_CHECKS,
+        '        if not self._stopped:\n            return ""\n',
+        '        return ""  # mutant\n',
+        [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[queued_request_unanswered]"],
+    ),
+    _m(
+        "trace-admission-unchecked",
+        "a request's admission is not held to the table (refused by the policy while RUNNING passes)",
+        TRACE_CHECKS,
+        "        if not fits:\n            table = ",
+        "        if False:  # mutant\n            table = ",
+        [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[refused_by_policy_while_running]"],
+    ),
+    _m(
+        "trace-auto-wake-unchecked",
+        "a wake the stage started itself is not held to the queue rules (an auto-wake under 'queue' passes)",
+        TRACE_CHECKS,
+        'if r.command != "Wake" or not fits:',
+        "if False:  # mutant",
+        [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[auto_wake_under_queue]"],
+    ),
+    _m(
+        "trace-fenced-trusted",
+        "a death's `fenced` flag is taken as written (a death of the stage's own epoch hidden)",
+        TRACE_CHECKS,
+        "        if r.fenced == fenced:\n",
+        "        if True:  # mutant\n",
+        [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[fenced_hides_death]"],
+    ),
+    _m(
+        "trace-no-memory-untimed",
+        "a NO_MEMORY refusal is not held to its wake's wait (refused after 10 ms of a 0.2 s wait passes)",
+        TRACE_CHECKS,
+        "if taken is not None and line.mono_s + CLOCK_SLACK_S < taken + wait_s:",
+        "if False:  # mutant",
+        [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[no_memory_before_wait]"],
+    ),
+    _m(
+        "trace-holds-unchecked",
+        "incoming wakes' holds are not compared across stages (two on one device pass)",
+        TRACE_CHECKS,
+        "            if devices & held:\n",
+        "            if False:  # mutant\n",
+        [f"{TRACE_CHECKS_TESTS}::test_the_lie_is_refuted_where_the_replay_must_stop[incoming_wakes_overlap]"],
     ),
 )
 

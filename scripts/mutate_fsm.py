@@ -243,6 +243,36 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "return {r: n for r, n in per_rank.items() if out.declares(r, Capability.SWAP)}",
         "return per_rank",
     ),
+    # ------------------------------------------------------------ what trace validation reads
+    # (omni_core/formal/trace_admission.py holds the records to the admission tables and P-16)
+    _m(
+        "policy-unrecorded",
+        "the stage's start no longer names its admission policy (a trace then looks older than it is)",
+        STAGE,
+        "return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)",
+        "return StageStarting(epoch, self.tags, self._start_deadline_at)",
+    ),
+    _m(
+        "policy-change-unrecorded",
+        "a change of the admission policy leaves no line in the trace",
+        STAGE,
+        "case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not self.policy:",
+        "case I.SetAdmission(policy=policy) if False:",
+    ),
+    _m(
+        "wake-wait-unrecorded",
+        "a waiting Wake's memory_wait_s is left out of its issue and sends (no NO_MEMORY timing to check)",
+        STAGE,
+        "return command.memory_wait_s if isinstance(command, Wake) and command.memory_wait_s > 0 else None",
+        "return None",
+    ),
+    _m(
+        "incoming-unannounced",
+        "a swap's waiting incoming wake is issued with no IncomingHeld line (its hold of the device unseen)",
+        ENGINE,
+        "if swap.wake.memory_wait_s > 0:\n            self._announced.add(key)",
+        "if False:\n            self._announced.add(key)",
+    ),
 )
 
 

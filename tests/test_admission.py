@@ -9,10 +9,12 @@ from lifecycle_helpers import NO_MEMORY, wire
 
 from omni_core.fsm import StageCore, StageStep, WorkerCore
 from omni_core.fsm import inputs as I
+from omni_core.fsm import trace_records as T
 from omni_core.fsm.admission import ADMISSION, QUEUE_RULES, AdmissionPolicy, Admit, admit, queue_rule
 from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.worker import CommandReceived, EffectCompleted, Loaded
 from omni_core.protocol import (
+    Capability,
     Execute,
     Hello,
     Nack,
@@ -47,7 +49,7 @@ def test_only_running_admits_and_only_failed_or_stopped_need_a_restart() -> None
 class Driver:
     """One StageCore and its WorkerCores; every input through step(), the clock in `now`."""
 
-    def __init__(self, ranks: int = 2, **core: object) -> None:
+    def __init__(self, ranks: int = 2, capabilities: tuple[Capability, ...] = (), **core: object) -> None:
         self.now = 0.0
         self.core = StageCore("s", ranks, **core)  # type: ignore[arg-type]
         self.workers = [WorkerCore(r) for r in range(ranks)]
@@ -56,7 +58,14 @@ class Driver:
         for w in self.workers:
             w.step(Loaded())
             hello = Hello(
-                task_id="hello", epoch=0, rank=w.rank, pid=1, device="cpu", backend="portable", tags=self.core.tags
+                task_id="hello",
+                epoch=0,
+                rank=w.rank,
+                pid=1,
+                device="cpu",
+                backend="portable",
+                tags=self.core.tags,
+                capabilities=capabilities,
             )
             started = self.step(I.Received(hello))
         assert started.started is S.RUNNING
@@ -122,7 +131,7 @@ def test_abort_in_flight_answers_callers_now_but_the_drain_still_waits() -> None
 
 
 def _asleep(policy: P, **core: object) -> Driver:
-    d = Driver(policy=policy, **core)
+    d = Driver(policy=policy, **core)  # type: ignore[arg-type]
     d.run(d.step(I.SleepCall("sl", 1, None, 30.0)))
     assert d.core.state is S.SLEEPING
     return d
@@ -278,3 +287,33 @@ def test_reject_in_needs_reload_says_to_reload_not_to_wake() -> None:
     d.run(d.step(I.WakeCall("w", None, 30.0)))
     (answer,) = d.step(I.Submit("r", 1, 30.0)).requests
     assert "reload_weights()" in answer.detail and "wake it" not in answer.detail
+
+
+def test_the_records_name_the_policy_on_each_change_and_with_each_admission() -> None:
+    """What trace validation holds the admission tables to (formal/trace_admission.py)."""
+    d = _asleep(P.QUEUE)
+    changed = d.step(I.SetAdmission(P.WAKE)).records
+    assert changed == (T.AdmissionChanged(0, "queue", "wake"),)
+    assert d.step(I.SetAdmission(P.WAKE)).records == ()  # no change, no line
+    step = d.step(I.Submit("r1", 7, 30.0))
+    submitted = next(r for r in step.records if isinstance(r, T.RequestSubmitted))
+    assert (submitted.state, submitted.admission, submitted.policy) == ("SLEEPING", "queue", "wake")
+    auto = next(r for r in step.records if isinstance(r, T.StageIssued))
+    assert auto.auto and auto.policy == "wake"
+
+
+def test_the_start_records_the_policy() -> None:
+    core = StageCore("s", 1, policy=P.REJECT)
+    (start,) = core.step(I.Start(60.0), 0.0).records
+    assert isinstance(start, T.StageStarting) and start.policy == "reject"
+
+
+def test_a_waiting_wake_records_how_long_it_may_wait_for_memory() -> None:
+    d = _asleep(P.QUEUE, capabilities=(Capability.SWAP,))
+    step = d.step(I.WakeCall("w", None, 30.0, memory_wait_s=2.5))
+    issued = next(r for r in step.records if isinstance(r, T.StageIssued))
+    sent = [r for r in step.records if isinstance(r, T.StageSent)]
+    assert issued.memory_wait_s == 2.5 and issued.level == 1
+    assert len(sent) == 2 and all(r.memory_wait_s == 2.5 for r in sent)
+    plain = _asleep(P.QUEUE).step(I.WakeCall("w", None, 30.0)).records
+    assert all(getattr(r, "memory_wait_s", None) is None for r in plain)

@@ -49,8 +49,14 @@ class SuiteOptions:
     # A factory of memory-pressure hooks (`omni_core.conformance.pressure`), or its import
     # path, for the P-16 NO_MEMORY case; None: the built-in one for `synthetic`, else skipped.
     memory_pressure: Any = None
+    # The generated sequences of P-11/generated_commands_match_the_tables: how many, and the
+    # seed they are drawn from (a failure names it; the same seed draws the same sequences).
+    model_examples: int = 50
+    model_seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.model_examples < 0:
+            raise ValueError(f"model_examples must be >= 0 (0: no generated sequences), got {self.model_examples}")
         if self.epoch < 1:
             raise ValueError(f"epoch must be >= 1 so that an older epoch exists, got {self.epoch}")
         for name in ("start_timeout_s", "reply_timeout_s", "exit_timeout_s", "quiet_s", "case_timeout_s"):

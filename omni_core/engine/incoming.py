@@ -129,6 +129,10 @@ class IncomingSlots(Generic[Item]):
         self._queue.append(entry)
         return False
 
+    def held(self, key: Key) -> frozenset[str]:
+        """The devices the incoming wake of `key` holds (none: it holds nothing)."""
+        return self._held.get(key, frozenset())
+
     def release(self, key: Key) -> None:
         """The wake of `key` ended (or was never sent): its devices are free. Unknown keys
         are ignored (every lifecycle outcome is offered here)."""

@@ -118,7 +118,9 @@ class Orchestrator:
         self._closed = threading.Event()
         self._links = LinkLedger()
         self._engine_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        self._swaps = Swaps(self._lifecycle, self._incoming_of)
+        self._swaps = Swaps(
+            self._lifecycle, self._incoming_of, lambda name, record: self._write(self.stage(name), (record,))
+        )
         self.native_heap = NativeHeap(now_s=time.monotonic())  # arenas capped before the loop's threads
         # What strangers and faulty peers tried; each attempt is counted, none changes anything.
         self.counters = {

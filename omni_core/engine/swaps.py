@@ -23,6 +23,7 @@ from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.incoming import IncomingSlots, SwapCall
 from omni_core.engine.stage_slot import settle
 from omni_core.fsm import InvariantViolation, StageCommandError
+from omni_core.fsm.trace_records import IncomingFreed, IncomingHeld, TraceRecord
 from omni_core.protocol import Command, Sleep
 
 # Hand one lifecycle call to a stage's core: (the caller's future, stage name, the call).
@@ -33,11 +34,17 @@ Lifecycle = Callable[[Future, str, LifecycleCall], None]
 IncomingOf = Callable[[str, str], dict[int, int]]
 
 
+# A shell record for a stage's trace (IncomingHeld, IncomingFreed), by the stage's name.
+Traced = Callable[[str, TraceRecord], None]
+
+
 class Swaps:
-    def __init__(self, lifecycle: Lifecycle, incoming_of: IncomingOf) -> None:
+    def __init__(self, lifecycle: Lifecycle, incoming_of: IncomingOf, traced: Traced | None = None) -> None:
         self._lifecycle = lifecycle
         self._incoming_of = incoming_of
+        self._traced = traced or (lambda stage, record: None)
         self._slots: IncomingSlots[SwapCall] = IncomingSlots()
+        self._announced: set[tuple[str, str]] = set()  # incoming wakes whose IncomingHeld is written
         # (outgoing stage, its sleep's task id) -> rank -> Sleep.incoming_bytes, until the
         # sleep ends: one entry per swap in flight, so bounded by the stages.
         self._incoming: dict[tuple[str, str], dict[int, int]] = {}
@@ -74,8 +81,14 @@ class Swaps:
 
     def ended(self, stage: str, task_id: str) -> None:
         """A task of `stage` ended: when it was a swap's incoming wake, its devices are free."""
-        self._slots.release((stage, task_id))
+        self._release((stage, task_id))
         self._incoming.pop((stage, task_id), None)
+
+    def _release(self, key: tuple[str, str]) -> None:
+        self._slots.release(key)
+        if key in self._announced:
+            self._announced.discard(key)
+            self._traced(key[0], IncomingFreed(key[1]))
 
     def with_incoming(self, stage: str, rank: int, command: Command) -> Command:
         """A swap's outgoing Sleep with what the incoming stage wakes on `rank`'s device;
@@ -106,15 +119,18 @@ class Swaps:
             raise
         except BaseException as exc:
             self._incoming.pop(out_key, None)
-            self._slots.release(key)
+            self._release(key)
             settle(swap.future, error=_as_caller_error(exc))
             return
+        if swap.wake.memory_wait_s > 0:
+            self._announced.add(key)
+            self._traced(swap.in_name, IncomingHeld(swap.wake.task_id, tuple(sorted(self._slots.held(key)))))
         try:
             self._lifecycle(swap.in_future, swap.in_name, swap.wake)
         except InvariantViolation:
             raise
         except BaseException as exc:  # the sleep goes on; the caller hears both halves
-            self._slots.release(key)
+            self._release(key)
             settle(swap.in_future, error=_as_caller_error(exc))
         settle(swap.future, result=None)
 

@@ -26,7 +26,9 @@ Status is checked to change nothing (P-7), so relabelling a line hides nothing.
 Refuted (kind "refuted", which no action takes, with the reason): a line of a process
 after its death was recorded; a deadline that no earlier line of its task set, that is not
 the deadline that line set, that fired before it, or whose issue's deadline is not the
-issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`).
+issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`); a line
+the admission tables, the answers, the epoch fence or a wake's wait refute, and a run that
+ended owing an answer (`trace_admission.RecordChecks`: a last refuted event).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
 ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
@@ -55,6 +57,7 @@ from typing import Any
 
 import msgspec
 
+from omni_core.formal.trace_admission import RecordChecks
 from omni_core.formal.trace_order import DeadlineClock, program_order
 from omni_core.fsm import trace_records as T
 from omni_core.fsm.tags import DEFAULT_TAGS
@@ -174,16 +177,16 @@ def _lines(lines: list[T.TraceLine], stage: str) -> list[tuple[int, T.TraceLine]
 
 def _after_stop(line: T.TraceLine, shutdowns: set[str]) -> bool:
     """May `line` follow the stage's StageStopped? Only its ranks' last replies as the engine
-    drains them, a death, a caller told of a failure, and the ranks finishing what they were
-    sent (`shutdowns`: the task ids sent before the stop, and the Shutdown's, named by the
-    WorkerReceived lines that take them)."""
+    drains them, a death, a caller told of a failure, a swap's devices freed, and the ranks
+    finishing what they were sent (`shutdowns`: the task ids sent before the stop, and the
+    Shutdown's, named by the WorkerReceived lines that take them)."""
     r: Any = line.record
     if line.is_engine:
         if isinstance(r, T.TaskEnded):
             return not r.ok
         if isinstance(r, T.RequestAnswered):
             return bool(r.error)
-        return isinstance(r, (T.StageReceived, T.RankDied))
+        return isinstance(r, (T.StageReceived, T.RankDied, T.IncomingFreed))
     if isinstance(r, T.WorkerReceived) and r.command == "Shutdown":
         shutdowns.add(r.task_id)
     return getattr(r, "task_id", None) in shutdowns
@@ -209,6 +212,7 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     superseded: set[tuple[int, int, str]] = set()  # (rank, epoch, task) of replies dropped below
     deaths: dict[tuple[int, int], int] = {}  # (rank, process epoch) -> the line recording its death
     clock = DeadlineClock(lines)
+    checks = RecordChecks(lines, stage, ranks)
     stopped = 0  # the line of the stage's StageStopped: the engine's shutdown ends its trace
     shutdowns: set[str] = set()
     for n, line in ours:
@@ -216,6 +220,9 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         kind = RECORD_EVENTS.get(type(record))
         if isinstance(record, T.StageStopped) and not stopped:
             stopped = n
+            continue
+        if checks.why(n):  # admission, answers, fencing, a wake's wait (trace_admission)
+            events.append(_refuted(kind or line.kind, n, line, tasks, checks.why(n)))
             continue
         if isinstance(record, T.StageSent) and not stopped:
             shutdowns.add(record.task_id)  # a rank may still finish it after the stop
@@ -231,16 +238,8 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         if not line.is_engine and (line.rank, line.epoch) in deaths:
             # A process writes nothing after it ended, and its end is recorded only after it
             # ended: this line is not the dead process's. Kept, so the replay stops here.
-            events.append(
-                _refuted(
-                    kind or "dead",
-                    n,
-                    line,
-                    tasks,
-                    f"rank {line.rank} of epoch {line.epoch} "
-                    f"wrote this after its death was recorded (line {deaths[line.rank, line.epoch]})",
-                )
-            )
+            why = f"rank {line.rank} of epoch {line.epoch} wrote this after its death was recorded"
+            events.append(_refuted(kind or "dead", n, line, tasks, f"{why} (line {deaths[line.rank, line.epoch]})"))
             continue
         if isinstance(record, T.RankDied):
             deaths.setdefault((record.rank, record.process_epoch), n)
@@ -265,11 +264,21 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
             if why:
                 event = _refuted(kind, n, line, tasks, why)
         events.append(event)
+    events += _owed(checks, lines, tasks)
     _note_unmodelled(events)
     trace = _finish(stage, events, ranks, tasks, dropped)
     trace.tags = tags
     trace.order_error = program_order(lines, {n for n, _ in ours})
     return trace
+
+
+def _owed(checks: RecordChecks, lines: list[T.TraceLine], tasks: dict[str, int]) -> list[TraceEvent]:
+    """Liveness at the end of a run that ended: an event after the stage's last line, which
+    the replay reaches once everything before it replayed, refuted with what is owed."""
+    if not checks.owed():
+        return []
+    last = checks.last_line
+    return [_refuted("owed", last, lines[last - 1], tasks, checks.owed())]
 
 
 def _refuted(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int], why: str) -> TraceEvent:

@@ -11,6 +11,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage_step import Outbound, _Request
 from omni_core.fsm.trace_records import (
+    AdmissionChanged,
     RankDied,
     RequestSubmitted,
     StageChanged,
@@ -49,6 +50,12 @@ def _version(command: Command) -> int:
     return command.version if isinstance(command, UpdateWeights) else 0
 
 
+def _memory_wait_s(command: Command) -> float | None:
+    """How long a Wake may wait for free memory (P-16); None when it may not (left off the
+    line, as off the wire)."""
+    return command.memory_wait_s if isinstance(command, Wake) and command.memory_wait_s > 0 else None
+
+
 class StageTrace:
     """Mixed into StageCore: the records of one step, kept in `_records` until step() returns."""
 
@@ -85,7 +92,10 @@ class StageTrace:
                 return RankDied(self.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
             case I.Submit():
                 decision = admission.admit(self.state, self.policy).decision.value
-                return RequestSubmitted(event.request_id, state, decision, now + event.timeout_s)
+                deadline_at = now + event.timeout_s
+                return RequestSubmitted(event.request_id, state, decision, deadline_at, self.policy.value)
+            case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not self.policy:
+                return AdmissionChanged(self.epoch, self.policy.value, AdmissionPolicy(policy).value)
             case _:
                 return None
 
@@ -114,6 +124,8 @@ class StageTrace:
                     event is None,
                     timeout_s,
                     _version(command),
+                    _memory_wait_s(command),
+                    self.policy.value if event is None else "",
                 )
             )
         else:
@@ -137,6 +149,7 @@ class StageTrace:
                     after.value,
                     *level_tags(command),
                     _version(command),
+                    _memory_wait_s(command),
                 )
             )
 
@@ -149,7 +162,7 @@ class StageTrace:
             case I.Restart():
                 return StageRestarted(epoch, before.value, after.value, self.tags, self._start_deadline_at)
             case I.Start():
-                return StageStarting(epoch, self.tags, self._start_deadline_at)
+                return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)
             case I.Stop():
                 return StageStopped(epoch, before.value) if after is not before else None
             case _ if after is before:

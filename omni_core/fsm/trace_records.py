@@ -24,8 +24,10 @@ commands: tla/trace/OmniWeights.tla):
 
 Not modelled, kept for readers and for per-process checks of deadlines and answers:
 StageStarting, StageStopped (ends a stage's replay), RequestSubmitted, RequestAnswered,
-TaskEnded, BadMessage; and the shells' own IO facts, which no core sees: RankSpawned,
-PeerRefused, ParentGone.
+TaskEnded, AdmissionChanged, BadMessage (the admission records, the answers and a wake's
+wait for memory are checked by `omni_core.formal.trace_admission`); and the shells' own IO
+facts, which no core sees: RankSpawned, PeerRefused, IncomingHeld and IncomingFreed (a swap's
+hold of its devices, checked there too), ParentGone.
 
 Every line of the file is a `TraceLine`: the record plus who wrote it (stage, rank, the
 process's epoch, pid), its per-process sequence number (program order) and the process's
@@ -64,6 +66,15 @@ class StageStarting(_Record):
     epoch: int
     tags: tuple[str, ...]
     deadline_at_s: float
+    policy: str = ""  # the admission policy it starts under ("": a trace of an older omni-core)
+
+
+class AdmissionChanged(_Record):
+    """The stage's admission policy changed (`Engine.set_admission`): `before` -> `after`."""
+
+    epoch: int
+    before: str
+    after: str
 
 
 class StageRestarted(_Record):
@@ -94,6 +105,8 @@ class StageIssued(_Record):
     auto: bool = False
     timeout_s: float = 0.0  # the deadline the call asked for: deadline_at_s is the issue's now plus it
     version: int = 0  # UpdateWeights: the weights version it sends (P-17)
+    memory_wait_s: float | None = None  # a Wake's wait for free memory (P-16; None: 0, none)
+    policy: str = ""  # an `auto` issue: the admission policy that started it
 
 
 class StageDispatched(_Record):
@@ -116,6 +129,7 @@ class StageSent(_Record):
     level: int = 0  # as StageIssued.level
     tags: tuple[str, ...] | None = None
     version: int = 0  # as StageIssued.version
+    memory_wait_s: float | None = None  # as StageIssued.memory_wait_s
 
 
 class StageReceived(_Record):
@@ -183,6 +197,7 @@ class RequestSubmitted(_Record):
     state: str
     admission: str
     deadline_at_s: float
+    policy: str = ""  # the admission policy that decided ("": a trace of an older omni-core)
 
 
 class RequestAnswered(_Record):
@@ -301,6 +316,22 @@ class PeerRefused(_Record):
     detail: str = ""
 
 
+class IncomingHeld(_Record):
+    """A swap's incoming wake (task `task_id` of this stage, one that waits for memory) holds
+    `devices` from here until its IncomingFreed: one incoming wake per device at a time
+    (P-16; `engine/incoming.py`). Written before the wake is issued; no devices: a stage on
+    none (a CPU without a simulated device)."""
+
+    task_id: str
+    devices: tuple[str, ...] = ()
+
+
+class IncomingFreed(_Record):
+    """The incoming wake of `task_id` ended (or was never sent): its devices are free."""
+
+    task_id: str
+
+
 class ParentGone(_Record):
     parent_pid: int
 
@@ -314,6 +345,7 @@ class Truncated(_Record):
 
 StageRecord = (
     StageStarting
+    | AdmissionChanged
     | StageRestarted
     | StageIssued
     | StageDispatched
@@ -330,7 +362,9 @@ StageRecord = (
 WorkerRecord = (
     WorkerStarted | WorkerReceived | WorkerChanged | EffectDone | EffectFailed | EffectRefused | ReplySent | BadMessage
 )
-TraceRecord = StageRecord | WorkerRecord | RankSpawned | PeerRefused | ParentGone | Truncated
+TraceRecord = (
+    StageRecord | WorkerRecord | RankSpawned | PeerRefused | IncomingHeld | IncomingFreed | ParentGone | Truncated
+)
 
 
 class TraceLine(msgspec.Struct, forbid_unknown_fields=True):

@@ -144,3 +144,39 @@ def test_only_ranks_that_declared_swap_are_told_the_incoming_bytes():
     assert Orchestrator._incoming_of(orchestrator, "a", "b") == {0: 5}  # rank 1 did not declare it
     out.swap_ranks = set()
     assert Orchestrator._incoming_of(orchestrator, "a", "b") == {}
+
+
+def test_a_waiting_incoming_wake_is_traced_holding_its_devices_until_its_task_ends():
+    """What trace validation checks one incoming wake per device by (formal/trace_admission.py):
+    IncomingHeld before the wake is issued, IncomingFreed when its task ended; a swap whose
+    wake may not wait holds nothing and writes neither."""
+    from omni_core.engine.calls import SwapRequest
+    from omni_core.engine.swaps import Swaps
+    from omni_core.fsm import trace_records as T
+
+    written: list[tuple[str, object]] = []
+    issued: list[tuple[str, str]] = []
+
+    def lifecycle(future, name, event):  # type: ignore[no-untyped-def]
+        issued.append((name, event.task_id))
+        written.append((name, f"issue {event.task_id}"))
+
+    swaps = Swaps(lifecycle, lambda out, into: {}, lambda stage, record: written.append((stage, record)))
+
+    def swap(task: str, wait_s: float) -> SwapRequest:
+        sleep = SleepCall(f"{task}/out", 1, None, 10.0)
+        return SwapRequest("a", sleep, Future(), "b", WakeCall(f"{task}/in", None, 10.0, wait_s), Future())
+
+    swaps.offer(Future(), swap("s1", 5.0), GPU0)
+    assert written == [
+        ("a", "issue s1/out"),
+        ("b", T.IncomingHeld("s1/in", ("gpu:0",))),
+        ("b", "issue s1/in"),
+    ]
+    swaps.ended("b", "s1/in")
+    assert written[-1] == ("b", T.IncomingFreed("s1/in"))
+    swaps.ended("b", "s1/in")  # once only
+    assert written.count(("b", T.IncomingFreed("s1/in"))) == 1
+    written.clear()
+    swaps.offer(Future(), swap("s2", 0.0), frozenset())
+    assert written == [("a", "issue s2/out"), ("b", "issue s2/in")]

@@ -30,6 +30,15 @@ STOPS = {
     "request_ok_without_results": "RequestAnswered request_id=req-talker-1",
     "stopped_hides_rest": "written for the stage after its StageStopped",
     "old_epoch_result_after_restart": "StageReceived epoch=0 rank=1 task_id=req-talker-1 reply=result",
+    "refused_by_policy_while_running": "the admission table decides otherwise there (queue: run",
+    "auto_wake_under_queue": "started by the stage itself in SLEEPING under policy queue",
+    "queued_request_unanswered": "req-talker-8 never answered",
+    "request_deadline_rewritten": "it came in (line 17) with it at",
+    "fenced_hides_death": "death flagged fenced, but it is the process of the stage's epoch 0",
+    "no_memory_before_wait": "NO_MEMORY 0.010 s after taking it; it was sent to wait 0.2 s",
+    "wake_wait_shortened": "sent with memory_wait_s 0.01; its issue named 0.2",
+    "incoming_wakes_overlap": "which the incoming wake 'fits/in' of stage 'decoder' holds since line",
+    "incoming_wake_unheld": "wake 'refused/in' waits for memory, but no IncomingHeld line holds its devices",
 }
 
 

@@ -34,11 +34,18 @@ def test_a_pause_sleep_wake_resume_trace_is_accepted() -> None:
     assert verdicts and all(v.accepted for v in verdicts), "\n".join(v.line() for v in verdicts)
 
 
-# tampered class -> the record the replay must stop at (and how it reads)
+NO_ACTION = "no spec action matches this event"
+# tampered class -> why the replay must stop, and the record it stops at (as it reads). The
+# request after a deleted resume is refuted where it comes in, before its dispatch: it says
+# the stage was RUNNING, which the lines before it (a pause, no resume) deny (trace_admission).
 STOPS = {
-    "wake_ends_pause": "StageChanged epoch=0 before=WAKING after=RUNNING",
-    "pause_line_removed": "StageIssued epoch=0 task_id=sleep-",
-    "request_while_paused": "StageDispatched epoch=0 request_id=req-p-2",
+    "wake_ends_pause": (NO_ACTION, "StageChanged epoch=0 before=WAKING after=RUNNING"),
+    "pause_line_removed": (NO_ACTION, "StageIssued epoch=0 task_id=sleep-"),
+    "request_while_paused": (
+        "refuted by the records around it: request 'req-p-2' came in with the stage RUNNING; "
+        "its lines put it in PAUSED",
+        "RequestSubmitted request_id=req-p-2",
+    ),
 }
 
 
@@ -46,5 +53,6 @@ STOPS = {
 @pytest.mark.parametrize("name", sorted(STOPS))
 def test_a_tampered_pause_is_rejected_where_it_lies(name: str) -> None:
     verdict = trace_check.validate_records(read_trace(generate.TAMPERED / f"{name}.jsonl"), "p")[-1]
-    assert not verdict.accepted and verdict.reason == "no spec action matches this event", verdict.line()
-    assert STOPS[name] in verdict.event, verdict.line()
+    reason, event = STOPS[name]
+    assert not verdict.accepted and verdict.reason == reason, verdict.line()
+    assert event in verdict.event, verdict.line()

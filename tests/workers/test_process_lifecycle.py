@@ -173,6 +173,15 @@ def test_garbage_gets_bad_message_and_the_worker_keeps_serving(orch, worker, blo
     assert status.memory is not None and status.memory.pool_bytes_after["weights"] > 0
 
 
+def test_garbage_is_refused_as_bad_bytes_not_as_a_failure_of_the_worker(orch, worker):
+    """Undecodable bytes are the sender's fault: the refusal says what the decoder found, not
+    that the worker failed handling a frame (its frame isolation, which would answer the same
+    reason, is for the worker's own faults)."""
+    orch.send_raw(worker, b"not msgpack at all")
+    nack = refused(orch.next_message(worker), NackReason.BAD_MESSAGE, WorkerState.ACTIVE)
+    assert "could not handle the frame" not in nack.detail, nack.detail
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(blob=st.binary(max_size=300))
 def test_random_bytes_get_a_refusal(orch, worker, blob):

@@ -702,6 +702,98 @@ def request_while_paused(lines: Lines) -> str:
     return "p"
 
 
+# ---------------------------------------------------------------- admission, answers, fencing, a wake's wait
+# (omni_core/formal/trace_admission.py: the records checked against the admission tables)
+
+
+def _submitted(lines: Lines, request_id: str) -> int:
+    return _first(lines, lambda ln: _engine(ln, T.RequestSubmitted, "talker") and ln.record.request_id == request_id)
+
+
+def refused_by_policy_while_running(lines: Lines) -> str:
+    """The first request, admitted in RUNNING, recorded as refused by the policy, though it
+    ran: no policy refuses in RUNNING."""
+    k = _submitted(lines, "req-talker-1")
+    lines[k] = _with(lines[k], admission="refuse_policy")
+    return "talker"
+
+
+def auto_wake_under_queue(lines: Lines) -> str:
+    """The policy 'wake' erased: its two changes deleted and every record between them
+    naming 'queue', so the stage's own wake for its queued request happens under 'queue'
+    (whose queue waits for a caller's wake)."""
+    on = _first(lines, lambda ln: _engine(ln, T.AdmissionChanged, "talker") and ln.record.after == "wake")
+    off = _first(lines, lambda ln: _engine(ln, T.AdmissionChanged, "talker") and ln.record.before == "wake", on)
+    for k in range(on + 1, off):
+        admitted = _engine(lines[k], T.RequestSubmitted, "talker") or _engine(lines[k], T.StageIssued, "talker")
+        if admitted and getattr(lines[k].record, "policy", ""):
+            lines[k] = _with(lines[k], policy="queue")
+    del lines[off], lines[on]
+    return "talker"
+
+
+def queued_request_unanswered(lines: Lines) -> str:
+    """The request queued while the stage slept (policy 'queue') is never answered: its
+    answer deleted, though it ran after the wake."""
+    k = _first(lines, lambda ln: _engine(ln, T.RequestAnswered, "talker") and ln.record.request_id == "req-talker-8")
+    del lines[k]
+    return "talker"
+
+
+def request_deadline_rewritten(lines: Lines) -> str:
+    """The first request's deadline, as its dispatch records it, moved 50 s earlier than
+    the one set when it came in."""
+    k = _first(lines, lambda ln: _engine(ln, T.StageDispatched, "talker"))
+    lines[k] = _with(lines[k], deadline_at_s=lines[k].record.deadline_at_s - 50.0)
+    return "talker"
+
+
+def fenced_hides_death(lines: Lines) -> str:
+    """The killed rank 1's death (a process of the stage's own epoch 0) flagged fenced, as
+    a late death of another epoch's process is, which the projection drops."""
+    k = _first(lines, lambda ln: _engine(ln, T.RankDied, "talker") and ln.record.process_epoch == ln.record.epoch)
+    lines[k] = _with(lines[k], fenced=True)
+    return "talker"
+
+
+def no_memory_before_wait(lines: Lines) -> str:
+    """The rank refuses the swap's waiting wake NO_MEMORY 10 ms after taking it (its
+    refusal's lines moved back on its clock), though the wake was sent to wait 0.2 s."""
+    nack = _first(lines, lambda ln: _worker(ln, T.ReplySent, "talker") and ln.record.info == "NO_MEMORY")
+    task, rank = lines[nack].record.task_id, lines[nack].rank
+    taken = _first(lines, lambda ln: _worker(ln, T.WorkerReceived, "talker") and ln.record.task_id == task)
+    ours = [k for k in _task_lines(lines, task) if lines[k].rank == rank and taken < k]
+    at = lines[taken].mono_s + 0.010
+    for step, k in enumerate(k for k in ours if k >= ours[0] and lines[k].mono_s > at):
+        lines[k].mono_s = at + step * 1e-6
+    return "talker"
+
+
+def wake_wait_shortened(lines: Lines) -> str:
+    """The refused wake's sends recorded as waiting 10 ms for memory, not the 0.2 s its
+    issue asked: the rank's early refusal would then be in time."""
+    k = _first(lines, lambda ln: _engine(ln, T.StageIssued, "talker") and ln.record.task_id == "refused/in")
+    for j in _task_lines(lines, "refused/in"):
+        if _engine(lines[j], T.StageSent, "talker"):
+            lines[j] = _with(lines[j], memory_wait_s=0.01)
+    assert lines[k].record.memory_wait_s == 0.2
+    return "talker"
+
+
+def incoming_wakes_overlap(lines: Lines) -> str:
+    """The first swap's incoming wake (into the decoder) never frees its device: the next
+    swap's incoming wake (into the talker, on the same device) overlaps it."""
+    del lines[_first(lines, lambda ln: _engine(ln, T.IncomingFreed, "decoder"))]
+    return "talker"
+
+
+def incoming_wake_unheld(lines: Lines) -> str:
+    """The second swap's incoming wake, which waits for memory, holds no device: its
+    IncomingHeld line is gone."""
+    del lines[_first(lines, lambda ln: _engine(ln, T.IncomingHeld, "talker"))]
+    return "talker"
+
+
 CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "commit_state": ("demo", commit_state),
     "ack_worker_state": ("demo", ack_worker_state),
@@ -740,6 +832,15 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "wake_ends_pause": ("pause", wake_ends_pause),
     "pause_line_removed": ("pause", pause_line_removed),
     "request_while_paused": ("pause", request_while_paused),
+    "refused_by_policy_while_running": ("demo", refused_by_policy_while_running),
+    "auto_wake_under_queue": ("demo", auto_wake_under_queue),
+    "queued_request_unanswered": ("demo", queued_request_unanswered),
+    "request_deadline_rewritten": ("demo", request_deadline_rewritten),
+    "fenced_hides_death": ("restart", fenced_hides_death),
+    "no_memory_before_wait": ("swap", no_memory_before_wait),
+    "wake_wait_shortened": ("swap", wake_wait_shortened),
+    "incoming_wakes_overlap": ("swap", incoming_wakes_overlap),
+    "incoming_wake_unheld": ("swap", incoming_wake_unheld),
 }
 
 
