@@ -41,6 +41,14 @@ def test_reload_restart_and_execute_from_the_command_line(capsys) -> None:
         assert "replayed: this is the answer to the first request with Idempotency-Key 'cli-restart-1'" in again.err
         assert served.engine.status()["talker"]["epoch"] == epoch + 2  # one restart for the key, not two
 
+        # A restart says the version it came back at; --from-checkpoint says what it reset.
+        served.engine.update_weights("talker", "seed:9", version=7)
+        assert cli_main(["restart", "talker", *url]) == 0
+        assert "weights version 7" in capsys.readouterr().out
+        assert cli_main(["restart", "talker", "--from-checkpoint", *url]) == 0
+        out = capsys.readouterr().out
+        assert "weights version 0" in out and "reset from 7 to 0" in out, out
+
         assert cli_main(["execute", "talker", "--payload", "{seed", *url]) == 2
         assert "--payload is not JSON" in capsys.readouterr().err
 
