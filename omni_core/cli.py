@@ -192,7 +192,10 @@ CLIENT_VERBS = {
 # What the engine's refusals ask for, as the command an operator types.
 _FIXES = (
     # First: a stage under a version floor names update_weights and this, never a reload.
-    ("restart(from_checkpoint=True)", "omni-core update-weights {stage} --version FLOOR, or omni-core restart {stage} --from-checkpoint"),
+    (
+        "restart(from_checkpoint=True)",
+        "omni-core update-weights {stage} --version FLOOR, or omni-core restart {stage} --from-checkpoint",
+    ),
     ("reload_weights()", "omni-core reload {stage}"),
     ("restart()", "omni-core restart {stage}"),
     ("resume()", "omni-core resume {stage}"),

@@ -97,7 +97,8 @@ class Script:
     profile task= [start=yes|no prefix= deadline=30s]
     command TYPE task= [deadline=30s FIELD=VALUE...]   a stateless command's generic call (CommandCall)
     pause task= [mode=wait|keep|abort deadline=30s]   resume task= [deadline=30s]
-    restart [hello=deliver|hold|none load-error=RANK:TEXT from-checkpoint=no]    stop     tick [+DURATION]   (advance the clock, then Tick)
+    restart [hello=deliver|hold|none load-error=RANK:TEXT from-checkpoint=no]
+    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
     corrupt [SELECT]             deliver-all              settle
           SELECT: id= from=stage|rN to=stage|rN rank=N (from or to) type=Ack task=ID

@@ -245,7 +245,7 @@ def render() -> str:
         f"StageRefused == {_record(stage_refused)}",
         "",
         "\\* The stage core's answer to an update of 2 ranks: <<state it started in, a pause held, kv_cache",
-        '\\* asleep, each rank\'s answer ("none": not yet), the StageCore\'s state then, whether it committed',
+        "\\* asleep, each rank's answer (\"none\": not yet), the StageCore's state then, whether it committed",
         "\\* the new version>>",
         "SettleRows == {",
         ",\n".join(_settle_row(*row) for row in settle_rows()),

@@ -114,10 +114,7 @@ class StageReplies:
         bad = {r: s for r, s in self.rank_state.items() if s is not want}
         if bad:
             return self._fail_idle(
-                {
-                    r: f"started in {s.value}, not {want.value}: {self._hello_detail.get(r, '')}"
-                    for r, s in bad.items()
-                },
+                {r: f"started in {s.value}, not {want.value}: {self._hello_detail.get(r, '')}" for r, s in bad.items()},
                 now,
             )
         if plan is not None and version != plan.version:

@@ -60,8 +60,9 @@ class VersionKeeper:
     def committed(self, command: Command, version: int) -> None:
         """Every rank ACKed `command` at `version`: where that version now lives."""
         if isinstance(command, UpdateWeights):
-            disk = isinstance(command.source, DiskSource)
-            self.durable, self.source = disk, command.source.path if disk else None
+            source = command.source
+            self.durable = isinstance(source, DiskSource)
+            self.source = source.path if isinstance(source, DiskSource) else None
         elif isinstance(command, ReloadWeights):
             self.durable, self.source = True, command.source
         if version >= self.floor:
