@@ -181,6 +181,11 @@ CLIENT_VERBS = {
 }
 # What the engine's refusals ask for, as the command an operator types.
 _FIXES = (
+    # First: a stage under a version floor names update_weights and this, never a reload.
+    (
+        "restart(from_checkpoint=True)",
+        "omni-core update-weights {stage} --version FLOOR, or omni-core restart {stage} --from-checkpoint",
+    ),
     ("reload_weights()", "omni-core reload {stage}"),
     ("restart()", "omni-core restart {stage}"),
     ("resume()", "omni-core resume {stage}"),
@@ -212,6 +217,12 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
         )
     if verb == "reload":
         p.add_argument("--source", default=None, help="checkpoint to load (default: the stage's own)")
+    if verb == "restart":
+        p.add_argument(
+            "--from-checkpoint",
+            action="store_true",
+            help="start over from the checkpoint at weights version 0 (default: back at the version held)",
+        )
     if verb == "update-weights":
         p.add_argument(
             "--version",
@@ -252,7 +263,9 @@ def _cmd_client(args: argparse.Namespace) -> int:
                 idempotency_key=args.idempotency_key,
             )
         elif verb == "restart":
-            answer = client.restart(args.stage, idempotency_key=args.idempotency_key)
+            answer = client.restart(
+                args.stage, from_checkpoint=args.from_checkpoint, idempotency_key=args.idempotency_key
+            )
         elif verb == "pause":
             answer = client.pause(args.stage, args.mode, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
         elif verb == "resume":
@@ -284,7 +297,12 @@ def _cmd_client(args: argparse.Namespace) -> int:
             f"({answer['status']}) in {answer['duration_s'] * 1000:.1f} ms"
         )
     else:
-        print(f"{answer['stage']}: restarted -> {answer['state']}, epoch {answer['epoch']}")
+        print(
+            f"{answer['stage']}: restarted -> {answer['state']}, epoch {answer['epoch']}, "
+            f"weights version {answer['weights_version']}"
+        )
+        if answer.get("version_floor") or answer.get("version_reset_from") is not None:
+            print(f"  {answer.get('detail', '')}")
     return 0
 
 

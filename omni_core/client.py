@@ -176,8 +176,14 @@ class OmniClient:
     ) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/resume", {"timeout_s": timeout_s}, idempotency_key)
 
-    def restart(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
-        return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", {}, idempotency_key)
+    def restart(
+        self, stage: str, *, from_checkpoint: bool = False, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """The answer names the version the stage came back at (`weights_version`), a
+        `version_floor` when that version lived in memory only, and `version_reset_from`
+        after `from_checkpoint=True`."""
+        body = {"from_checkpoint": from_checkpoint}
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/restart", body, idempotency_key)
 
     def set_admission(self, stage: str, policy: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/stages/{_seg(stage)}/admission", {"policy": policy})

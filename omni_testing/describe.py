@@ -95,7 +95,8 @@ def describe(message: Message) -> str:
         return f"Result {head} output={message.output!r}{version}"
     if isinstance(message, Hello):
         detail = f": {message.detail}" if message.detail else ""
-        return f"Hello e{message.epoch} {message.state.value} tags={fmt_tags(message.tags)}{detail}"
+        at = f" v{message.weights_version}" if message.weights_version else ""
+        return f"Hello e{message.epoch} {message.state.value} tags={fmt_tags(message.tags)}{at}{detail}"
     return f"{type(message).__name__} {head}{fmt_fields(arguments(message))}"
 
 
@@ -122,6 +123,8 @@ def _source(source: Any) -> str:
 
 
 def describe_input(event: I.EngineInput) -> str:
+    if isinstance(event, I.Restart) and event.from_checkpoint:
+        return f"Restart deadline={fmt_s(event.deadline_s)} from_checkpoint"
     if isinstance(event, (I.Start, I.Restart)):
         return f"{type(event).__name__} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.Submit):

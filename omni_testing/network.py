@@ -146,10 +146,11 @@ class Simulator:
         self.spawn(hello=hello)
         return step
 
-    def restart(self, deadline_s: float, *, hello: bool = True) -> StageStep:
+    def restart(self, deadline_s: float, *, hello: bool = True, from_checkpoint: bool = False) -> StageStep:
         """The engine stops the old processes (an expected exit, no failure), steps Restart
-        and spawns fresh ranks under the new epoch. Messages in flight stay in flight."""
-        step = self.call(I.Restart(deadline_s))
+        and spawns fresh ranks under the new epoch, from the stage's `start_weights`.
+        Messages in flight stay in flight."""
+        step = self.call(I.Restart(deadline_s, from_checkpoint=from_checkpoint))
         self.spawn(hello=hello)
         return step
 
@@ -168,10 +169,13 @@ class Simulator:
         self.dead, self.exiting, self.blocked = set(), set(), set()
         self.effects.clear()
         self.effect_command.clear()
+        plan = self.stage.start_weights  # a restart's: what the shell starts each rank from
         for worker in self.workers:
+            if plan is not None:
+                worker.weights_version = plan.version  # as the shell builds its core
             error = self.load_errors.get(worker.rank)
             if error is None:
-                worker.step(Loaded())
+                worker.step(Loaded(needs_reload=plan is not None and plan.needs_reload))
             else:
                 worker.step(LoadFailed(error))  # it still says Hello, in FAILED, with the reason
             if hello:
@@ -195,6 +199,7 @@ class Simulator:
                 state=worker.state,
                 detail=self.load_errors.get(rank, ""),
                 capabilities=tuple(sorted(worker.capabilities, key=lambda c: c.value)),
+                weights_version=worker.weights_version,
             )
         base.update(fields)
         return Hello(**base)

@@ -15,7 +15,7 @@ from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage import StageCommandError, StageCore, StageStep
 from omni_core.fsm.stage_table import STATELESS
 from omni_core.fsm.worker import WorkerCore
-from omni_core.protocol import Capability, DiskSource
+from omni_core.protocol import Capability, CollectiveSource, DiskSource, TensorSpec, WeightSource
 from omni_testing.describe import fmt_s, fmt_tags
 from omni_testing.network import ECHO, Envelope, Faults, SimulationError, Simulator
 
@@ -70,6 +70,14 @@ def _load_errors(args: dict[str, str]) -> dict[int, str]:
     return {_rank(rank): error or "the runner failed to load"}
 
 
+def _weight_source(text: str) -> WeightSource:
+    """`source=PATH` a checkpoint directory; `source=collective` a trainer's broadcast (a
+    version that lives in memory only) of one tensor."""
+    if text == "collective":
+        return CollectiveSource(tensors=(TensorSpec(name="w0", dtype="float32", shape=(4,)),))
+    return DiskSource(path=text)
+
+
 def _tag_list(text: str) -> tuple[str, ...] | None:
     return None if text == "all" else tuple(t for t in text.split(",") if t)
 
@@ -84,12 +92,13 @@ class Script:
     faults [loss= dup= delay= max-delay= reorder= crash= effect-error=]   seeded fault rates
     sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
     reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
-    update task= version= [source=PATH deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
+    update task= version= [source=PATH|collective deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
     share task= [bucket-bytes=1024 deadline=30s]
     profile task= [start=yes|no prefix= deadline=30s]
     command TYPE task= [deadline=30s FIELD=VALUE...]   a stateless command's generic call (CommandCall)
     pause task= [mode=wait|keep|abort deadline=30s]   resume task= [deadline=30s]
-    restart [hello=deliver|hold|none load-error=RANK:TEXT]    stop     tick [+DURATION]   (advance the clock, then Tick)
+    restart [hello=deliver|hold|none load-error=RANK:TEXT from-checkpoint=no]
+    stop     tick [+DURATION]   (advance the clock, then Tick)
     deliver [SELECT] [n=N|all]   drop [SELECT] [n=N|all]   dup [SELECT]   delay [SELECT] by=DURATION
     corrupt [SELECT]             deliver-all              settle
           SELECT: id= from=stage|rN to=stage|rN rank=N (from or to) type=Ack task=ID
@@ -264,7 +273,7 @@ class Script:
             I.UpdateCall(
                 args["task"],
                 int(args["version"]),
-                DiskSource(path=args.get("source", "/ckpt")),
+                _weight_source(args.get("source", "/ckpt")),
                 parse_duration_s(args.get("deadline", "30s")),
             )
         )
@@ -335,10 +344,13 @@ class Script:
         self.s.call(I.SetAdmission(AdmissionPolicy(bare[0])))
 
     def cmd_restart(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"hello", "deadline", "load-error"})
+        self._only(args, {"hello", "deadline", "load-error", "from-checkpoint"})
         deadline_s = parse_duration_s(args.get("deadline", fmt_s(self.start_deadline_s)))
         self.s.load_errors = _load_errors(args)
-        self._start(lambda hello: self.s.restart(deadline_s, hello=hello), args.get("hello", "deliver"))
+        reset = _bool(args.get("from-checkpoint", "no"))
+        self._start(
+            lambda hello: self.s.restart(deadline_s, hello=hello, from_checkpoint=reset), args.get("hello", "deliver")
+        )
 
     def cmd_stop(self, args: dict[str, str], bare: list[str]) -> None:
         self.s.stop()

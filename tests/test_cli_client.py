@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from omni_core.cli import main as cli_main
 from tests.serve.conftest import make_config, serving, stage_table
 
@@ -40,6 +42,29 @@ def test_reload_restart_and_execute_from_the_command_line(capsys) -> None:
         again = capsys.readouterr()
         assert "replayed: this is the answer to the first request with Idempotency-Key 'cli-restart-1'" in again.err
         assert served.engine.status()["talker"]["epoch"] == epoch + 2  # one restart for the key, not two
+
+        # A restart says the version it came back at; --from-checkpoint says what it reset.
+        served.engine.update_weights("talker", "seed:9", version=7)
+        assert cli_main(["restart", "talker", *url]) == 0
+        assert "weights version 7" in capsys.readouterr().out
+        assert cli_main(["restart", "talker", "--from-checkpoint", *url]) == 0
+        out = capsys.readouterr().out
+        assert "weights version 0" in out and "reset from 7 to 0" in out, out
+
+        # A version from memory is lost with its ranks: the refusal names the two ways out.
+        from omni_core.runners.synthetic import SyntheticRunner
+        from omni_core.weights_sender import WeightSender
+        from tests.serve.conftest import SMALL_RUNNER
+
+        specs = SyntheticRunner(torch.device("cpu"), **dict(SMALL_RUNNER, seed=6)).weight_specs()
+        with WeightSender(bucket_bytes=1 << 20) as sender:
+            weights = {name: torch.full(shape, 0.01, dtype=dtype) for name, (shape, dtype) in specs.items()}
+            served.engine.update_weights("talker", sender.share(weights), version=2)
+        assert cli_main(["restart", "talker", *url]) == 0
+        assert "NEEDS_RELOAD" in capsys.readouterr().out
+        assert cli_main(["execute", "talker", "--payload", '{"seed": 1, "batch": 1}', *url]) == 1
+        err = capsys.readouterr().err
+        assert "to fix: omni-core update-weights talker --version FLOOR, or omni-core restart talker" in err, err
 
         assert cli_main(["execute", "talker", "--payload", "{seed", *url]) == 2
         assert "--payload is not JSON" in capsys.readouterr().err

@@ -879,6 +879,17 @@ def _weights_update_scenario() -> None:
 SCENARIOS.append(_weights_update_scenario)
 
 
+def _restart_versions_scenario() -> None:
+    """A restart back at a disk update's version, NEEDS_RELOAD under a floor after a memory
+    one, and from the checkpoint: tests/testdata/restart_versions.txt."""
+    from omni_testing.scenario import parse_blocks, run_blocks
+
+    run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "restart_versions.txt").read_text())[0])
+
+
+SCENARIOS.append(_restart_versions_scenario)
+
+
 def _pause_scenario() -> None:
     """The PAUSED rows (tests/test_pause_core.py checks what each does)."""
     h = reach_stage(S.RUNNING)

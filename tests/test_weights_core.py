@@ -273,3 +273,35 @@ def test_a_share_acks_the_buckets_and_changes_nothing() -> None:
     assert step.effect == ShareEffect("sh", 4096) and d.w.state is W.ACTIVE
     (ack,) = d.w.step(EffectCompleted("sh", shared=source)).replies
     assert isinstance(ack, Ack) and ack.shared == source and decode(encode(ack)) == ack and d.w.state is W.ACTIVE
+
+
+# ----------------------------------------------------------------------- restarts
+
+
+def test_a_restart_whose_ranks_ignore_their_start_source_fails_naming_them() -> None:
+    """The fresh ranks must say Hello at the version their start source holds: a rank that
+    loaded its checkpoint instead (a worker ignoring start_source) would serve version 0 under
+    the label 4."""
+    h = reach_stage(S.RUNNING, ranks=2)
+    h.complete(h.stage.update_weights("u", 4, DISK, h.now, 5.0))
+    assert h.stage.weights_version == 4
+    h.sim.restart(10.0, hello=False)
+    assert h.stage.start_weights is not None and h.stage.start_weights.source == "/ckpt"
+    for rank in (0, 1):
+        h.stage.on_hello(h.hello(rank, weights_version=0), h.now)
+    assert h.stage.state is S.FAILED
+    assert "started at weights version 0, not 4 (loaded from /ckpt)" in h.stage.failure
+
+
+def test_a_floor_survives_a_second_restart_and_a_reset_clears_it() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    shm = _shm(64, TensorSpec(name="w", dtype="float32", shape=(4,)))
+    h.complete(h.stage.update_weights("u", 2, shm, h.now, 5.0))
+    h.restart()
+    assert (h.stage.state, h.stage.weights_version, h.stage.versions.floor) == (S.NEEDS_RELOAD, 0, 2)
+    h.restart()  # nothing came back in between: the floor holds
+    assert (h.stage.state, h.stage.versions.floor) == (S.NEEDS_RELOAD, 2)
+    h.sim.restart(10.0, from_checkpoint=True)
+    h.sim.deliver_all()
+    assert (h.stage.state, h.stage.weights_version, h.stage.versions.floor) == (S.RUNNING, 0, 0)
+    assert h.stage.versions.last_reset is not None and h.stage.versions.last_reset.from_version == 2

@@ -40,6 +40,7 @@ from omni_core.protocol import (
     AckStatus,
     Capability,
     Command,
+    DiskSource,
     Execute,
     LinkShare,
     MemoryReport,
@@ -53,6 +54,7 @@ from omni_core.protocol import (
     Shutdown,
     Sleep,
     Status,
+    UpdateWeights,
     Wake,
     WorkerState,
     decode,
@@ -873,6 +875,24 @@ def _weights_update_scenario() -> None:
 
 
 SCENARIOS.append(_weights_update_scenario)
+
+
+def test_a_rank_loaded_under_a_version_floor_runs_nothing_until_an_update() -> None:
+    """A restart whose version lived in memory only: the rank loads its checkpoint but says
+    NEEDS_RELOAD (weights not to be served), refuses requests, and an update makes it ACTIVE."""
+    d = WorkerDriver()
+    (hello,) = [r for r in d.w.step(Loaded(needs_reload=True)).records if getattr(r, "reply", "") == "hello"]
+    assert d.w.state is W.NEEDS_RELOAD and hello.state == "NEEDS_RELOAD"
+    (nack,) = d.send(Execute(task_id="x", epoch=0, payload=1)).replies
+    assert isinstance(nack, Nack) and nack.reason is NackReason.INVALID_STATE
+    source = DiskSource(path="/ckpt/v3")
+    step = d.send(UpdateWeights(task_id="u", epoch=0, version=3, source=source))
+    assert d.w.state is W.RELOADING and step.effect is not None
+    (ack,) = d.w.step(EffectCompleted("u")).replies
+    assert (ack.state, ack.weights_version) == (W.ACTIVE, 3)
+
+
+SCENARIOS.append(test_a_rank_loaded_under_a_version_floor_runs_nothing_until_an_update)
 
 
 def test_every_worker_transition_is_exercised() -> None:

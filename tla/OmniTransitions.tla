@@ -13,21 +13,21 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 81 rows from 33 triggers
+\* ---- worker lifecycle: 82 rows from 34 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
 WorkerInitial == "LOADING"
 
-WorkerTriggers == {"loaded", "sleep", "sleep_already", "offloaded", "wake", "wake_already",
-                   "restored_active", "restored_partial", "restored_needs_reload", "reload",
-                   "reloaded_active", "reloaded_partial", "reload_refused_needs_reload",
-                   "reload_refused_active", "wake_refused_sleeping", "wake_refused_partial",
-                   "wake_refused_needs_reload", "update", "update_refused_active",
-                   "update_refused_partial", "update_refused_needs_reload", "update_failed",
-                   "weight_group", "weight_group_already", "share", "reset_prefix_cache",
-                   "execute", "status", "profile", "profile_already", "fail", "shutdown",
-                   "shutdown_already"}
+WorkerTriggers == {"loaded", "loaded_needs_reload", "sleep", "sleep_already", "offloaded",
+                   "wake", "wake_already", "restored_active", "restored_partial",
+                   "restored_needs_reload", "reload", "reloaded_active", "reloaded_partial",
+                   "reload_refused_needs_reload", "reload_refused_active",
+                   "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
+                   "update", "update_refused_active", "update_refused_partial",
+                   "update_refused_needs_reload", "update_failed", "weight_group",
+                   "weight_group_already", "share", "reset_prefix_cache", "execute", "status",
+                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 WorkerInternalTriggers == {"execute", "profile", "profile_already", "reset_prefix_cache",
@@ -37,6 +37,7 @@ WorkerInternalTriggers == {"execute", "profile", "profile_already", "reset_prefi
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
     <<"LOADING", "loaded", "ACTIVE">>,                              \* runner loaded weights and caches
+    <<"LOADING", "loaded_needs_reload", "NEEDS_RELOAD">>,           \* runner loaded, its weights not to be served: they are older than the stage's version (an update follows)
     <<"ACTIVE", "sleep", "OFFLOADING">>,                            \* Sleep for tags not yet asleep
     <<"SLEEPING", "sleep", "OFFLOADING">>,                          \* Sleep for tags not yet asleep
     <<"PARTIAL", "sleep", "OFFLOADING">>,                           \* Sleep for tags not yet asleep
@@ -128,18 +129,18 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 90 rows from 41 triggers
+\* ---- stage lifecycle: 91 rows from 42 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
 StageInitial == "STARTING"
 
-StageTriggers == {"started", "drain", "drained", "drain_timeout", "sleep", "sleep_already",
-                  "slept", "wake", "wake_already", "reload", "reload_refused",
-                  "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
-                  "woke_running", "woke_partial", "woke_needs_reload", "woke_paused",
-                  "update_drain", "update_drained", "update", "update_refused_running",
-                  "update_refused_paused", "update_refused_partial",
+StageTriggers == {"started", "started_needs_reload", "drain", "drained", "drain_timeout",
+                  "sleep", "sleep_already", "slept", "wake", "wake_already", "reload",
+                  "reload_refused", "wake_refused_sleeping", "wake_refused_partial",
+                  "wake_refused_needs_reload", "woke_running", "woke_partial",
+                  "woke_needs_reload", "woke_paused", "update_drain", "update_drained", "update",
+                  "update_refused_running", "update_refused_paused", "update_refused_partial",
                   "update_refused_needs_reload", "update_paused", "update_failed",
                   "weight_group", "share", "reset_prefix_cache", "execute", "pause_drain",
                   "pause_drained", "pause_already", "resume", "resume_already", "resume_asleep",
@@ -153,6 +154,7 @@ StageInternalTriggers == {"execute", "pause_already", "profile", "reset_prefix_c
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
     <<"STARTING", "started", "RUNNING">>,                        \* every rank said Hello
+    <<"STARTING", "started_needs_reload", "NEEDS_RELOAD">>,      \* every rank said Hello NEEDS_RELOAD: a restart whose version lived in memory only (a version floor)
     <<"RUNNING", "drain", "DRAINING">>,                          \* sleep(): admission closed
     <<"DRAINING", "drained", "TRANSITIONING">>,                  \* no request in flight: Sleep sent to every rank
     <<"DRAINING", "drain_timeout", "RUNNING">>,                  \* requests did not drain by the deadline; nothing was sent, sleep abandoned

@@ -3,29 +3,43 @@
 (* Versioned weight updates (P-17): one stage of ranks, each with the     *)
 (* weights version resident on its device, the version its backend's      *)
 (* clean host copy holds (or none), and its worker state. The stage        *)
-(* updates every rank to a version above the committed one (draining     *)
-(* first in RUNNING); each rank writes it and ACKs, refuses it before     *)
-(* writing, or fails once writing began (NEEDS_RELOAD at its old          *)
-(* version). The stage commits only on a complete ACK set; requests run   *)
-(* only in RUNNING and record the versions of the ranks that served them. *)
-(* A level-1 sleep copies the weights to the host unless the clean copy   *)
-(* is still valid; a wake restores from that copy.                        *)
+(* updates every rank to a version above the committed one, from RUNNING *)
+(* (draining a request in flight first), PAUSED, PARTIAL (the weights     *)
+(* awake, kv_cache asleep) and NEEDS_RELOAD; each rank writes it and ACKs,*)
+(* refuses it before writing, or fails once writing began (NEEDS_RELOAD   *)
+(* at its old version), and ranks may answer apart (FAILED). The stage    *)
+(* commits only on a complete ACK set; requests run only in RUNNING and   *)
+(* record the versions of the ranks that served them. A level-1 sleep     *)
+(* copies the weights to the host unless the clean copy is still valid; a *)
+(* wake restores from that copy, of every tag or of the weights alone.    *)
 (*                                                                         *)
 (* Each rank keeps a cache derived from its weights (vLLM's prefix KV    *)
 (* blocks): every entry carries the version it was computed under, and a  *)
 (* request may reuse any entry its rank holds. A rank drops the cache     *)
 (* when it writes an update, before it ACKs.                              *)
 (*                                                                         *)
+(* A restart (a new epoch) starts fresh ranks from the committed          *)
+(* version's durable source: a version an update wrote from a directory   *)
+(* comes back; one that came from memory cannot, and the stage comes back *)
+(* NEEDS_RELOAD under a version floor, taking updates at or above it      *)
+(* only. The caller may restart from the checkpoint instead: version 0,   *)
+(* said out loud (the ghost `peak` resets with it).                       *)
+(*                                                                         *)
 (* What must hold: no request runs on mixed versions, after a wake every  *)
 (* rank holds the last committed version (an update invalidates the clean *)
-(* host copy, so the next sleep copies again), and no request that ran at *)
-(* version v reused a cache entry of another version.                     *)
+(* host copy, so the next sleep copies again), no request that ran at     *)
+(* version v reused a cache entry of another version, and no request runs *)
+(* below the highest version committed since the caller last reset it     *)
+(* (versions never go backwards across epochs unless the caller asked).   *)
 (*                                                                         *)
 (* Every worker and stage step comes from VersionTable.tla, GENERATED     *)
 (* from omni_core/fsm (omni_core.formal.gen_versions): firing a trigger   *)
 (* the tables lack stops TLC, and the ASSUMEs below check what this spec  *)
 (* relies on of the rows; SettleRows, the StageCore's own answer to every *)
 (* combination of ranks' answers, must be what the spec's Rule says.      *)
+(*                                                                         *)
+(* Witness names one situation the code allows (an update from PARTIAL,   *)
+(* ...); its models expect WitnessUnseen to be violated: TLC reaches it.  *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets, TLC, VersionTable
 
@@ -33,10 +47,16 @@ CONSTANTS
     Ranks,       \* the stage's ranks
     MaxVersion,  \* updates go to versions 1..MaxVersion
     RankFails,   \* a rank may refuse or fail an update
-    Bug          \* "none" | "commit_early" | "stale_host_copy" | "no_flush"
+    MaxRestarts, \* restarts (epochs) explored
+    Witness,     \* "none", or the situation a witness model must reach (Witnesses)
+    Bug          \* "none" | "commit_early" | "stale_host_copy" | "no_flush" | "silent_revert" | "floor_ignored"
 
 NONE == -1        \* no weights resident (asleep) / no valid host copy
 Versions == 0..MaxVersion
+Witnesses == {"none", "update_from_partial", "update_from_paused", "drain_before_update",
+              "mixed_answers", "restart_after_update", "restart_needs_reload", "restart_reset"}
+ASSUME Witness \in Witnesses
+Max(a, b) == IF a > b THEN a ELSE b
 
 Has(rows, s, t) == \E row \in rows : row[1] = s /\ row[2] = t
 Fire(rows, who, s, t) ==
@@ -49,62 +69,93 @@ S(s, t) == Fire(StageRows, "the stage", s, t)
 ASSUME \A row \in StageRows : row[2] = "execute" => row[1] = "RUNNING"         \* P-7
 ASSUME \A row \in WorkerRows : row[2] = "execute" => row[1] = "ACTIVE"
 ASSUME \A row \in StageRows \cup WorkerRows : row[2] = "update_failed" => row[3] = "NEEDS_RELOAD"
-ASSUME \A s \in {"ACTIVE", "NEEDS_RELOAD"} : W(W(s, "update"), WorkerRefused[s]) = s
-ASSUME \A s \in {"RUNNING", "NEEDS_RELOAD"} : S("WAKING", StageRefused[s]) = s
+ASSUME \A s \in {"ACTIVE", "PARTIAL", "NEEDS_RELOAD"} : W(W(s, "update"), WorkerRefused[s]) = s
+ASSUME \A s \in {"RUNNING", "PAUSED", "PARTIAL", "NEEDS_RELOAD"} : S("WAKING", StageRefused[s]) = s
 ASSUME S("WAKING", UpdateSettle.stage) = "RUNNING" /\ W(W("ACTIVE", "update"), UpdateSettle.rank) = "ACTIVE"
+ASSUME S("WAKING", PartialSettle.stage) = "PARTIAL" /\ W(W("PARTIAL", "update"), PartialSettle.rank) = "PARTIAL"
+ASSUME S("STARTING", "started_needs_reload") = "NEEDS_RELOAD" /\ W("LOADING", "loaded_needs_reload") = "NEEDS_RELOAD"
 
 VARIABLES
     stage,       \* the stage's state
-    committed,   \* the version the stage committed last
+    committed,   \* the version the stage committed last (0 under a floor: the ranks hold the checkpoint)
     task,        \* the stage's update task is open (it has not settled)
     from,        \* the stage state the update started in
     target,      \* the version the update in flight writes
+    disk,        \* the update in flight comes from a directory (else from memory)
     pending,     \* ranks the update has not reached yet
     answer,      \* rank -> "none" | "ack" | "refused" | "failed"
     wstate,      \* rank -> its worker state
     version,     \* rank -> the version resident on its device (NONE while asleep)
     host,        \* rank -> the version its clean host copy holds (NONE: none or invalid)
-    served,      \* the set of version sets requests ran on
+    mixed,       \* a ghost: a request ran on ranks holding different versions
     woke,        \* a ghost: the last lifecycle step was a wake
     cache,       \* rank -> the versions its derived-cache entries were computed under
-    reused       \* the set of <<version a request ran at, version of an entry it reused>>
+    stale,       \* a ghost: a request at version v reused a cache entry of another version
+    inflight,    \* a request is running (its versions recorded when it started)
+    paused,      \* a pause is held (the caller's, until resume)
+    partial,     \* kv_cache is asleep while the weights are awake (PARTIAL, or NEEDS_RELOAD from it)
+    epoch,       \* restarts so far
+    durable,     \* the committed version lives in a directory (or is the checkpoint's)
+    floor,       \* a restart lost a version that lived in memory only: no update below it
+    peak,        \* a ghost: the highest version committed since the caller last reset the version
+    reverted,    \* a ghost: a request ran below `peak`
+    witnessed    \* a ghost: the situation Witness names happened
 
-vars == <<stage, committed, task, from, target, pending, answer, wstate, version, host, served, woke, cache, reused>>
+vars == <<stage, committed, task, from, target, disk, pending, answer, wstate, version, host, mixed, woke,
+          cache, stale, inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
+versionVars == <<committed, durable, floor, peak, epoch>>
+
+Saw(label) == witnessed' = (witnessed \/ label = Witness)
 
 Init ==
-    /\ stage = "RUNNING" /\ committed = 0 /\ task = FALSE /\ from = "RUNNING" /\ target = 0
+    /\ stage = "RUNNING" /\ committed = 0 /\ task = FALSE /\ from = "RUNNING" /\ target = 0 /\ disk = TRUE
     /\ pending = {} /\ answer = [r \in Ranks |-> "none"]
     /\ wstate = [r \in Ranks |-> "ACTIVE"] /\ version = [r \in Ranks |-> 0]
-    /\ host = [r \in Ranks |-> NONE] /\ served = {} /\ woke = FALSE
-    /\ cache = [r \in Ranks |-> {}] /\ reused = {}
+    /\ host = [r \in Ranks |-> NONE] /\ mixed = FALSE /\ woke = FALSE
+    /\ cache = [r \in Ranks |-> {}] /\ stale = FALSE
+    /\ inflight = FALSE /\ paused = FALSE /\ partial = FALSE
+    /\ epoch = 0 /\ durable = TRUE /\ floor = 0 /\ peak = 0 /\ reverted = FALSE /\ witnessed = FALSE
 
-\* update_weights(v): in RUNNING a drain first (no request is in flight here), else at once.
-IssueUpdate(v) ==
+\* update_weights(v) from a directory or from memory: in RUNNING a drain first (it waits for the
+\* request in flight), else at once. Refused below the floor a restart set.
+IssueUpdate(v, fromDisk) ==
     /\ ~task /\ pending = {} /\ v > committed
+    /\ v >= floor \/ Bug = "floor_ignored"
     /\ Has(StageRows, stage, "update_drain") \/ Has(StageRows, stage, "update")
-    /\ stage' = IF Has(StageRows, stage, "update_drain")
-                THEN S(S(stage, "update_drain"), "update_drained") ELSE S(stage, "update")
-    /\ task' = TRUE /\ from' = stage /\ target' = v /\ pending' = Ranks
+    /\ LET draining == Has(StageRows, stage, "update_drain") /\ inflight
+       IN /\ stage' = IF ~Has(StageRows, stage, "update_drain") THEN S(stage, "update")
+                      ELSE IF draining THEN S(stage, "update_drain")
+                      ELSE S(S(stage, "update_drain"), "update_drained")
+          /\ pending' = IF draining THEN {} ELSE Ranks
+          /\ Saw(CASE draining -> "drain_before_update"
+                   [] stage = "PARTIAL" -> "update_from_partial"
+                   [] stage = "PAUSED" -> "update_from_paused"
+                   [] OTHER -> "none")
+    /\ task' = TRUE /\ from' = stage /\ target' = v /\ disk' = fromDisk
     /\ answer' = [r \in Ranks |-> "none"] /\ woke' = FALSE
-    /\ UNCHANGED <<committed, wstate, version, host, served, cache, reused>>
+    /\ UNCHANGED <<committed, wstate, version, host, mixed, cache, stale, inflight, paused, partial>>
+    /\ UNCHANGED <<epoch, durable, floor, peak, reverted>>
 
 \* A rank writes every bucket, drops its derived cache and ACKs the version; its clean host
 \* copy is now stale.
 RankApply(r) ==
     /\ r \in pending
-    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), UpdateSettle.rank)]
+    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"),
+                                         IF partial THEN PartialSettle.rank ELSE UpdateSettle.rank)]
     /\ version' = [version EXCEPT ![r] = target]
     /\ host' = IF Bug = "stale_host_copy" THEN host ELSE [host EXCEPT ![r] = NONE]
     /\ cache' = IF Bug = "no_flush" THEN cache ELSE [cache EXCEPT ![r] = {}]
     /\ answer' = [answer EXCEPT ![r] = "ack"] /\ pending' = pending \ {r}
-    /\ UNCHANGED <<stage, committed, task, from, target, served, woke, reused>>
+    /\ UNCHANGED <<stage, committed, task, from, target, disk, mixed, woke, stale, inflight, paused, partial>>
+    /\ UNCHANGED <<epoch, durable, floor, peak, reverted, witnessed>>
 
 \* A name, shape, dtype or handle refused before anything is written.
 RankRefuse(r) ==
     /\ RankFails /\ r \in pending
     /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), WorkerRefused[@])]
     /\ answer' = [answer EXCEPT ![r] = "refused"] /\ pending' = pending \ {r}
-    /\ UNCHANGED <<stage, committed, task, from, target, version, host, served, woke, cache, reused>>
+    /\ UNCHANGED <<stage, committed, task, from, target, disk, version, host, mixed, woke, cache, stale>>
+    /\ UNCHANGED <<inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
 \* The update fails once writing began: NEEDS_RELOAD, reporting the version it had.
 RankFail(r) ==
@@ -112,67 +163,145 @@ RankFail(r) ==
     /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), "update_failed")]
     /\ host' = [host EXCEPT ![r] = NONE]
     /\ answer' = [answer EXCEPT ![r] = "failed"] /\ pending' = pending \ {r}
-    /\ UNCHANGED <<stage, committed, task, from, target, version, served, woke, cache, reused>>
+    /\ UNCHANGED <<stage, committed, task, from, target, disk, version, mixed, woke, cache, stale>>
+    /\ UNCHANGED <<inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
 Acked == {r \in Ranks : answer[r] = "ack"}
 Range(f) == {f[x] : x \in DOMAIN f}
 
+\* The trigger a complete ACK set commits by: a held pause stays, tags asleep stay asleep.
+Commit(isPaused, isPartial) ==
+    IF isPaused THEN "update_paused" ELSE IF isPartial THEN PartialSettle.stage ELSE UpdateSettle.stage
+
 \* Where the stage goes on the answers so far, and whether it commits the update: it waits
 \* until every rank answered (P-5), then commits on a complete ACK set, returns where it
 \* started when all refused, is NEEDS_RELOAD when all failed and FAILED when they differ.
-Rule(start, answers) ==
+Rule(start, isPaused, isPartial, answers) ==
     CASE "none" \in Range(answers) -> <<"WAKING", FALSE>>
-      [] Range(answers) = {"ack"} -> <<S("WAKING", UpdateSettle.stage), TRUE>>
+      [] Range(answers) = {"ack"} -> <<S("WAKING", Commit(isPaused, isPartial)), TRUE>>
       [] Range(answers) = {"refused"} -> <<S("WAKING", StageRefused[start]), FALSE>>
       [] Range(answers) = {"failed"} -> <<S("WAKING", "update_failed"), FALSE>>
       [] OTHER -> <<S("WAKING", "fail"), FALSE>>
 
 \* The stage core settles every combination of answers of 2 ranks as Rule does.
-ASSUME \A row \in SettleRows : Rule(row[1], row[2]) = <<row[3], row[4]>>
+ASSUME \A row \in SettleRows : Rule(row[1], row[2], row[3], row[4]) = <<row[5], row[6]>>
 
 Settle ==
     /\ task /\ stage = "WAKING"
     /\ LET rule == IF Bug = "commit_early" /\ Acked # {} THEN <<S(stage, UpdateSettle.stage), TRUE>>
-                   ELSE Rule(from, answer)
+                   ELSE Rule(from, paused, partial, answer)
        IN /\ rule[1] # "WAKING"
           /\ stage' = rule[1]
           /\ committed' = IF rule[2] THEN target ELSE committed
-    /\ task' = FALSE
-    /\ UNCHANGED <<from, target, pending, answer, wstate, version, host, served, woke, cache, reused>>
+          /\ durable' = IF rule[2] THEN disk ELSE durable
+          /\ floor' = IF rule[2] /\ target >= floor THEN 0 ELSE floor
+          /\ peak' = IF rule[2] THEN Max(peak, target) ELSE peak
+          /\ Saw(IF rule[1] = "FAILED" /\ Cardinality(Range(answer)) > 1 THEN "mixed_answers" ELSE "none")
+    \* The task's own fields mean nothing once it settled: back to one value (fewer states).
+    /\ task' = FALSE /\ from' = "RUNNING" /\ target' = 0 /\ disk' = TRUE /\ answer' = [r \in Ranks |-> "none"]
+    /\ UNCHANGED <<pending, wstate, version, host, mixed, woke, cache, stale>>
+    /\ UNCHANGED <<inflight, paused, partial, epoch, reverted>>
 
-\* A request runs on every rank and records the versions that served it. Each rank may reuse
+\* A request starts on every rank and records the versions that serve it. Each rank may reuse
 \* any entry of its cache (a prefix hit: every entry is recorded, so one of another version
 \* is seen) and keeps an entry computed now, at its version.
 Serve ==
+    /\ ~inflight
     /\ Has(StageRows, stage, "execute") /\ \A r \in Ranks : Has(WorkerRows, wstate[r], "execute")
-    /\ served' = served \cup {{version[r] : r \in Ranks}}
-    /\ reused' = reused \cup UNION {{<<version[r], e>> : e \in cache[r]} : r \in Ranks}
+    /\ mixed' = (mixed \/ Cardinality({version[r] : r \in Ranks}) > 1)
+    /\ stale' = (stale \/ \E r \in Ranks : \E e \in cache[r] : e # version[r])
     /\ cache' = [r \in Ranks |-> cache[r] \cup {version[r]}]
-    /\ UNCHANGED <<stage, committed, task, from, target, pending, answer, wstate, version, host, woke>>
+    /\ reverted' = (reverted \/ \E r \in Ranks : version[r] < peak)
+    /\ inflight' = TRUE
+    /\ UNCHANGED <<stage, committed, task, from, target, disk, pending, answer, wstate, version, host, woke>>
+    /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, witnessed>>
+
+\* The request ends; an update that drained for it goes out now.
+Finish ==
+    /\ inflight
+    /\ inflight' = FALSE
+    /\ IF stage = "DRAINING" /\ task
+       THEN stage' = S(stage, "update_drained") /\ pending' = Ranks
+       ELSE UNCHANGED <<stage, pending>>
+    /\ UNCHANGED <<committed, task, from, target, disk, answer, wstate, version, host, mixed, woke, cache, stale>>
+    /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
 \* Level-1 sleep: copy to the host unless the clean copy is still valid.
 Sleep ==
-    /\ ~task /\ pending = {} /\ Has(StageRows, stage, "drain")
+    /\ ~task /\ ~inflight /\ pending = {} /\ Has(StageRows, stage, "drain")
     /\ stage' = S(S(S(stage, "drain"), "drained"), "slept")
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "sleep"), "offloaded")]
     /\ host' = [r \in Ranks |-> IF host[r] = NONE THEN version[r] ELSE host[r]]
     /\ version' = [r \in Ranks |-> NONE]
     /\ woke' = FALSE
-    /\ UNCHANGED <<committed, task, from, target, pending, answer, served, cache, reused>>
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, mixed, cache, stale, inflight>>
+    /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
-\* Wake: every rank restores its weights from its host copy (which stays valid).
+\* Wake of every tag: the weights come back from the host copy (which stays valid); from
+\* PARTIAL they are resident already.
 Wake ==
-    /\ stage = "SLEEPING"
+    /\ stage \in {"SLEEPING", "PARTIAL"}
     /\ stage' = S(S(stage, "wake"), WakeSettle.stage)
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), WakeSettle.rank)]
+    /\ version' = IF stage = "SLEEPING" THEN host ELSE version
+    /\ woke' = TRUE /\ partial' = FALSE
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, host, mixed, cache, stale, inflight>>
+    /\ UNCHANGED <<paused, epoch, durable, floor, peak, reverted, witnessed>>
+
+\* Wake of the weights alone: PARTIAL, kv_cache still asleep.
+WakeWeights ==
+    /\ stage = "SLEEPING"
+    /\ stage' = S(S(stage, "wake"), PartialWakeSettle.stage)
+    /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), PartialWakeSettle.rank)]
     /\ version' = host
-    /\ woke' = TRUE
-    /\ UNCHANGED <<committed, task, from, target, pending, answer, host, served, cache, reused>>
+    /\ partial' = TRUE /\ woke' = FALSE
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, host, mixed, cache, stale, inflight>>
+    /\ UNCHANGED <<paused, epoch, durable, floor, peak, reverted, witnessed>>
+
+Pause ==
+    /\ ~task /\ ~inflight /\ Has(StageRows, stage, "pause_drain")
+    /\ stage' = S(S(stage, "pause_drain"), "pause_drained") /\ paused' = TRUE
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, wstate, version, host, mixed, woke>>
+    /\ UNCHANGED <<cache, stale, inflight, partial, epoch, durable, floor, peak, reverted, witnessed>>
+
+Resume ==
+    /\ Has(StageRows, stage, "resume")
+    /\ stage' = S(stage, "resume") /\ paused' = FALSE
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, wstate, version, host, mixed, woke>>
+    /\ UNCHANGED <<cache, stale, inflight, partial, epoch, durable, floor, peak, reverted, witnessed>>
+
+\* Fresh ranks under a new epoch (no task in flight). From the checkpoint when the caller asks
+\* (`reset`: version 0, and it says so); else from the committed version's directory; else
+\* (the version lived in memory only) NEEDS_RELOAD at the checkpoint under a floor. The bug
+\* silent_revert starts every restart from the checkpoint without a word.
+Restart(reset) ==
+    /\ ~task /\ ~inflight /\ epoch < MaxRestarts /\ Has(StageRows, stage, "restart")
+    /\ LET lost == Max(committed, floor)
+           fromCheckpoint == reset \/ Bug = "silent_revert"
+           back == ~fromCheckpoint /\ durable /\ lost = committed
+           needs == ~fromCheckpoint /\ ~back
+       IN /\ stage' = S(S(stage, "restart"), IF needs THEN "started_needs_reload" ELSE "started")
+          /\ wstate' = [r \in Ranks |-> W("LOADING", IF needs THEN "loaded_needs_reload" ELSE "loaded")]
+          /\ version' = [r \in Ranks |-> IF back THEN committed ELSE 0]
+          /\ committed' = IF back THEN committed ELSE 0
+          /\ durable' = ~needs
+          /\ floor' = IF needs THEN lost ELSE 0
+          /\ peak' = IF reset THEN 0 ELSE peak
+          /\ Saw(CASE reset -> "restart_reset"
+                   [] needs -> "restart_needs_reload"
+                   [] committed > 0 -> "restart_after_update"
+                   [] OTHER -> "none")
+    /\ epoch' = epoch + 1
+    /\ host' = [r \in Ranks |-> NONE] /\ cache' = [r \in Ranks |-> {}]
+    /\ paused' = FALSE /\ partial' = FALSE /\ woke' = FALSE
+    /\ answer' = [r \in Ranks |-> "none"]
+    /\ UNCHANGED <<task, from, target, disk, pending, mixed, stale, inflight, reverted>>
 
 Next ==
-    \/ \E v \in Versions : IssueUpdate(v)
+    \/ \E v \in Versions, d \in BOOLEAN : IssueUpdate(v, d)
     \/ \E r \in Ranks : RankApply(r) \/ RankRefuse(r) \/ RankFail(r)
-    \/ Settle \/ Serve \/ Sleep \/ Wake
+    \/ Settle \/ Serve \/ Finish \/ Sleep \/ Wake \/ WakeWeights \/ Pause \/ Resume
+    \/ \E reset \in BOOLEAN : Restart(reset)
 
 Spec == Init /\ [][Next]_vars
 
@@ -182,16 +311,23 @@ TypeOK ==
     /\ stage \in StatesOf(StageRows) /\ from \in StatesOf(StageRows)
     /\ wstate \in [Ranks -> StatesOf(WorkerRows)]
     /\ committed \in Versions /\ target \in Versions /\ task \in BOOLEAN /\ woke \in BOOLEAN
+    /\ disk \in BOOLEAN /\ inflight \in BOOLEAN /\ paused \in BOOLEAN /\ partial \in BOOLEAN
     /\ pending \subseteq Ranks
     /\ answer \in [Ranks -> {"none", "ack", "refused", "failed"}]
     /\ version \in [Ranks -> Versions \cup {NONE}]
     /\ host \in [Ranks -> Versions \cup {NONE}]
-    /\ served \subseteq SUBSET Versions
+    /\ mixed \in BOOLEAN /\ stale \in BOOLEAN
     /\ cache \in [Ranks -> SUBSET Versions]
-    /\ reused \subseteq Versions \X Versions
+    /\ epoch \in 0..MaxRestarts /\ durable \in BOOLEAN /\ floor \in Versions /\ peak \in Versions
+    /\ reverted \in BOOLEAN /\ witnessed \in BOOLEAN
 
-NoMixedVersions == \A vs \in served : Cardinality(vs) = 1
+NoMixedVersions == ~mixed
 WakeRestoresCommitted == woke => \A r \in Ranks : version[r] = committed
 \* No request committed at version v uses a cache entry computed under another version.
-CacheFollowsVersion == \A pair \in reused : pair[1] = pair[2]
+CacheFollowsVersion == ~stale
+\* Versions never go backwards across epochs unless the caller reset them: no request runs
+\* below the highest version committed since the last reset, and a floor names that version.
+NoSilentRevert == ~reverted /\ (floor > 0 => floor <= peak)
+\* A witness model checks this one and expects it violated: TLC reached the situation.
+WitnessUnseen == ~witnessed
 ===================================================================================

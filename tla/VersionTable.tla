@@ -5,6 +5,8 @@
 
 \* <<state, trigger, next state>> of WORKER_TRANSITIONS for the triggers OmniVersions fires
 WorkerRows == {
+    <<"LOADING", "loaded", "ACTIVE">>,
+    <<"LOADING", "loaded_needs_reload", "NEEDS_RELOAD">>,
     <<"ACTIVE", "sleep", "OFFLOADING">>,
     <<"SLEEPING", "sleep", "OFFLOADING">>,
     <<"PARTIAL", "sleep", "OFFLOADING">>,
@@ -14,7 +16,9 @@ WorkerRows == {
     <<"PARTIAL", "wake", "RESTORING">>,
     <<"NEEDS_RELOAD", "wake", "RESTORING">>,
     <<"RESTORING", "restored_active", "ACTIVE">>,
+    <<"RESTORING", "restored_partial", "PARTIAL">>,
     <<"RELOADING", "reloaded_active", "ACTIVE">>,
+    <<"RELOADING", "reloaded_partial", "PARTIAL">>,
     <<"ACTIVE", "update", "RELOADING">>,
     <<"PARTIAL", "update", "RELOADING">>,
     <<"NEEDS_RELOAD", "update", "RELOADING">>,
@@ -27,6 +31,8 @@ WorkerRows == {
 
 \* <<state, trigger, next state>> of STAGE_TRANSITIONS for the triggers OmniVersions fires
 StageRows == {
+    <<"STARTING", "started", "RUNNING">>,
+    <<"STARTING", "started_needs_reload", "NEEDS_RELOAD">>,
     <<"RUNNING", "drain", "DRAINING">>,
     <<"DRAINING", "drained", "TRANSITIONING">>,
     <<"TRANSITIONING", "slept", "SLEEPING">>,
@@ -34,6 +40,7 @@ StageRows == {
     <<"PARTIAL", "wake", "WAKING">>,
     <<"NEEDS_RELOAD", "wake", "WAKING">>,
     <<"WAKING", "woke_running", "RUNNING">>,
+    <<"WAKING", "woke_partial", "PARTIAL">>,
     <<"RUNNING", "update_drain", "DRAINING">>,
     <<"DRAINING", "update_drained", "WAKING">>,
     <<"PAUSED", "update", "WAKING">>,
@@ -46,6 +53,9 @@ StageRows == {
     <<"WAKING", "update_paused", "PAUSED">>,
     <<"WAKING", "update_failed", "NEEDS_RELOAD">>,
     <<"RUNNING", "execute", "RUNNING">>,
+    <<"RUNNING", "pause_drain", "DRAINING">>,
+    <<"DRAINING", "pause_drained", "PAUSED">>,
+    <<"PAUSED", "resume", "RUNNING">>,
     <<"STARTING", "fail", "FAILED">>,
     <<"RUNNING", "fail", "FAILED">>,
     <<"PAUSED", "fail", "FAILED">>,
@@ -54,44 +64,103 @@ StageRows == {
     <<"NEEDS_RELOAD", "fail", "FAILED">>,
     <<"DRAINING", "fail", "FAILED">>,
     <<"TRANSITIONING", "fail", "FAILED">>,
-    <<"WAKING", "fail", "FAILED">>
+    <<"WAKING", "fail", "FAILED">>,
+    <<"RUNNING", "restart", "STARTING">>,
+    <<"PAUSED", "restart", "STARTING">>,
+    <<"SLEEPING", "restart", "STARTING">>,
+    <<"PARTIAL", "restart", "STARTING">>,
+    <<"NEEDS_RELOAD", "restart", "STARTING">>,
+    <<"FAILED", "restart", "STARTING">>,
+    <<"STOPPED", "restart", "STARTING">>
 }
 
 \* An update (a reload's settle row) and a wake that end with every tag resident: the rank's
 \* and the stage's trigger on the complete ACK set
 UpdateSettle == [rank |-> "reloaded_active", stage |-> "woke_running"]
 WakeSettle == [rank |-> "restored_active", stage |-> "woke_running"]
+\* The same with tags still asleep (a wake of the weights alone; an update in PARTIAL)
+PartialSettle == [rank |-> "reloaded_partial", stage |-> "woke_partial"]
+PartialWakeSettle == [rank |-> "restored_partial", stage |-> "woke_partial"]
 
 \* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)
 WorkerRefused == [ACTIVE |-> "update_refused_active", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
 StageRefused == [RUNNING |-> "update_refused_running", PAUSED |-> "update_refused_paused", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
 
-\* The stage core's answer to an update of 2 ranks: <<state it started in, each rank's answer
-\* ("none": not yet), the StageCore's state then, whether it committed the new version>>
+\* The stage core's answer to an update of 2 ranks: <<state it started in, a pause held, kv_cache
+\* asleep, each rank's answer ("none": not yet), the StageCore's state then, whether it committed
+\* the new version>>
 SettleRows == {
-    <<"RUNNING", <<"ack", "none">>, "WAKING", FALSE>>,
-    <<"RUNNING", <<"ack", "ack">>, "RUNNING", TRUE>>,
-    <<"RUNNING", <<"ack", "refused">>, "FAILED", FALSE>>,
-    <<"RUNNING", <<"ack", "failed">>, "FAILED", FALSE>>,
-    <<"RUNNING", <<"refused", "none">>, "WAKING", FALSE>>,
-    <<"RUNNING", <<"refused", "ack">>, "FAILED", FALSE>>,
-    <<"RUNNING", <<"refused", "refused">>, "RUNNING", FALSE>>,
-    <<"RUNNING", <<"refused", "failed">>, "FAILED", FALSE>>,
-    <<"RUNNING", <<"failed", "none">>, "WAKING", FALSE>>,
-    <<"RUNNING", <<"failed", "ack">>, "FAILED", FALSE>>,
-    <<"RUNNING", <<"failed", "refused">>, "FAILED", FALSE>>,
-    <<"RUNNING", <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
-    <<"NEEDS_RELOAD", <<"ack", "none">>, "WAKING", FALSE>>,
-    <<"NEEDS_RELOAD", <<"ack", "ack">>, "RUNNING", TRUE>>,
-    <<"NEEDS_RELOAD", <<"ack", "refused">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", <<"ack", "failed">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", <<"refused", "none">>, "WAKING", FALSE>>,
-    <<"NEEDS_RELOAD", <<"refused", "ack">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", <<"refused", "refused">>, "NEEDS_RELOAD", FALSE>>,
-    <<"NEEDS_RELOAD", <<"refused", "failed">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", <<"failed", "none">>, "WAKING", FALSE>>,
-    <<"NEEDS_RELOAD", <<"failed", "ack">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", <<"failed", "refused">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>
+    <<"RUNNING", FALSE, FALSE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"ack", "ack">>, "RUNNING", TRUE>>,
+    <<"RUNNING", FALSE, FALSE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"refused", "refused">>, "RUNNING", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"RUNNING", FALSE, FALSE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"ack", "ack">>, "PAUSED", TRUE>>,
+    <<"PAUSED", TRUE, FALSE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"refused", "refused">>, "PAUSED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"PAUSED", TRUE, FALSE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"ack", "ack">>, "PARTIAL", TRUE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"refused", "refused">>, "PARTIAL", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"PARTIAL", FALSE, TRUE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"ack", "ack">>, "RUNNING", TRUE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"refused", "refused">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, FALSE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"ack", "ack">>, "PAUSED", TRUE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"refused", "refused">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", TRUE, FALSE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"ack", "ack">>, "PARTIAL", TRUE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"refused", "refused">>, "NEEDS_RELOAD", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>
 }
 ================================================================================

@@ -17,7 +17,14 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, RankReport, SwapReport
+from omni_core.engine.report import (
+    ExecuteResult,
+    LifecycleReport,
+    ProfileReport,
+    RankReport,
+    RestartReport,
+    SwapReport,
+)
 from omni_core.engine.spec import AdmissionPolicy, RayPlacement, StageSpec
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "RequestFailedError",
     "RequestRejectedError",
     "RestartInProgressError",
+    "RestartReport",
     "StageFailedError",
     "StageSpec",
     "SwapFailedError",

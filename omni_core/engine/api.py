@@ -25,7 +25,7 @@ from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, Omn
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
-from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, SwapReport
+from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, RestartReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
 from omni_core.engine.start_plan import check_start_plan
 from omni_core.fsm.inputs import (
@@ -427,10 +427,20 @@ class Engine:
         tid, deadline_s = self._task(stage, "reset_prefix_cache", task_id, timeout_s)
         return self._lifecycle(stage, CommandCall(ResetPrefixCache(task_id=tid, epoch=0), deadline_s))
 
-    def restart(self, stage: str) -> None:
-        """Replace the stage's rank processes with fresh ones under a new epoch."""
+    def restart(self, stage: str, *, from_checkpoint: bool = False) -> RestartReport:
+        """Replace the stage's rank processes with fresh ones under a new epoch, at the version
+        the stage held: the fresh ranks reload the directory that version came from (a disk
+        update's, a reload's source) and the stage comes back RUNNING at it. A version that
+        came from memory (shm, CUDA IPC, a collective, a transfer) cannot come back: the stage
+        comes back NEEDS_RELOAD with `version_floor` set, refusing requests until an update at
+        or above the floor. `from_checkpoint=True` starts over from the checkpoint at version 0
+        and says so (`version_reset_from`, the log, status)."""
+        if type(from_checkpoint) is not bool:
+            raise InvalidArgumentError(f"from_checkpoint must be True or False, got {from_checkpoint!r}")
         spec = self._spec(stage)
-        self._wait(self._orch.submit(stage, Restart(spec.start_deadline_s)), spec.start_deadline_s)
+        call = Restart(spec.start_deadline_s, from_checkpoint=from_checkpoint)
+        report: RestartReport = self._wait(self._orch.submit(stage, call), spec.start_deadline_s)
+        return report
 
     def set_admission(self, stage: str, policy: AdmissionPolicy | str) -> None:
         """Change what requests do while the stage is not RUNNING (queue, reject, wake)."""
@@ -585,8 +595,8 @@ class AsyncEngine:
     async def reset_prefix_cache(self, stage: str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reset_prefix_cache, stage, **kwargs)
 
-    async def restart(self, stage: str) -> None:
-        await asyncio.to_thread(self.engine.restart, stage)
+    async def restart(self, stage: str, *, from_checkpoint: bool = False) -> RestartReport:
+        return await asyncio.to_thread(self.engine.restart, stage, from_checkpoint=from_checkpoint)
 
     async def set_admission(self, stage: str, policy: AdmissionPolicy | str) -> None:
         await asyncio.to_thread(self.engine.set_admission, stage, policy)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from omni_core.engine import ranks as local_ranks
 from omni_core.engine.spec import StageSpec
+from omni_core.fsm.stage_versions import StartWeights
 from omni_core.transport import CurveKeys
 
 
@@ -56,7 +57,14 @@ class RankLauncher(Protocol):
     def bind_host(self) -> str: ...
 
     def spawn(
-        self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+        self,
+        spec: StageSpec,
+        *,
+        epoch: int,
+        address: str,
+        trace_path: str | None,
+        curve: CurveKeys | None,
+        weights: StartWeights | None = None,
     ) -> list[RankHandle]: ...
 
     def reap(self, ranks: list[RankHandle]) -> None:
@@ -76,9 +84,20 @@ class LocalLauncher:
         return "127.0.0.1"
 
     def spawn(
-        self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+        self,
+        spec: StageSpec,
+        *,
+        epoch: int,
+        address: str,
+        trace_path: str | None,
+        curve: CurveKeys | None,
+        weights: StartWeights | None = None,
     ) -> list[RankHandle]:
-        return list(local_ranks.spawn_ranks(spec, epoch=epoch, address=address, trace_path=trace_path, curve=curve))
+        return list(
+            local_ranks.spawn_ranks(
+                spec, epoch=epoch, address=address, trace_path=trace_path, curve=curve, weights=weights
+            )
+        )
 
     def reap(self, ranks: list[RankHandle]) -> None:
         local_ranks.reap(ranks)  # type: ignore[arg-type]

@@ -46,7 +46,7 @@ from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
 from omni_core.engine.link_plan import LinkLedger
 from omni_core.engine.loop_io import LoopIO
 from omni_core.engine.native_heap import NativeHeap
-from omni_core.engine.outcomes import request_error, start_error, task_answer
+from omni_core.engine.outcomes import request_error, start_error, start_report, task_answer
 from omni_core.engine.report import ExecuteResult
 from omni_core.engine.spec import StageSpec
 from omni_core.engine.stage_slot import StageSlot, settle
@@ -518,8 +518,11 @@ class Orchestrator:
 
     def _started(self, stage: StageSlot, state: StageState) -> None:
         error = start_error(stage, state)
+        report = None if error else start_report(stage)
+        if report is not None and (report.version_floor or report.version_reset_from is not None):
+            log.warning("%s", report.detail)  # the operator's log: the version did not come back
         for future in stage.start_waiters:
-            settle(future, error=error)
+            settle(future, result=report, error=error)
         stage.start_waiters.clear()
 
     def _send(self, stage: StageSlot, rank: int, command: Command, data: bytes | None = None) -> bool:
@@ -540,7 +543,12 @@ class Orchestrator:
 
     def _spawn(self, stage: StageSlot) -> None:
         stage.procs = self._launcher.spawn(
-            stage.spec, epoch=stage.core.epoch, address=self.address, trace_path=self.trace_path, curve=self._curve
+            stage.spec,
+            epoch=stage.core.epoch,
+            address=self.address,
+            trace_path=self.trace_path,
+            curve=self._curve,
+            weights=stage.core.start_weights,
         )
         for proc in stage.procs:
             if proc.sentinel is not None:

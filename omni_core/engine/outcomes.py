@@ -17,7 +17,7 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
     WeightUpdateFailedError,
 )
-from omni_core.engine.report import LifecycleReport, ProfileReport
+from omni_core.engine.report import LifecycleReport, ProfileReport, RestartReport
 from omni_core.engine.stage_slot import StageSlot
 from omni_core.fsm import TaskOutcome
 from omni_core.fsm.inputs import RequestError, RequestOutcome
@@ -73,10 +73,41 @@ def request_error(answer: RequestOutcome) -> OmniCoreError:
 
 
 def start_error(slot: StageSlot, state: StageState) -> StageFailedError | None:
-    """None when the stage started (RUNNING), else the error its start's callers raise."""
-    if state is StageState.RUNNING:
+    """None when the stage started (RUNNING, or NEEDS_RELOAD under a restart's version floor),
+    else the error its start's callers raise."""
+    if state in (StageState.RUNNING, StageState.NEEDS_RELOAD):
         return None
     name = slot.spec.name
     return StageFailedError(
         name, slot.core.failure or f"stage {name!r} is {state.value}", slot.core.failed_ranks, slot.nodes
+    )
+
+
+def start_report(slot: StageSlot) -> RestartReport:
+    """What a start's callers are answered once it settled RUNNING or NEEDS_RELOAD: the epoch,
+    the version and, after a restart, what became of the version the stage held."""
+    core, name = slot.core, slot.spec.name
+    plan, reset = core.start_weights, core.versions.last_reset
+    reset_now = reset is not None and reset.epoch == core.epoch
+    if reset_now:
+        assert reset is not None
+        detail = (
+            f"stage {name!r} restarted from its checkpoint as asked (from_checkpoint=True): weights "
+            f"version reset from {reset.from_version} to 0"
+        )
+    elif core.versions.floor:
+        detail = core.versions.floor_detail(name)
+    elif plan is not None and plan.source is not None:
+        detail = f"stage {name!r} restarted at weights version {core.weights_version}, reloaded from {plan.source}"
+    else:
+        detail = f"stage {name!r} started at weights version {core.weights_version}"
+    return RestartReport(
+        stage=name,
+        state=core.state.value,
+        epoch=core.epoch,
+        weights_version=core.weights_version,
+        version_floor=core.versions.floor,
+        version_reset_from=reset.from_version if reset_now and reset is not None else None,
+        weights_source=core.versions.kind,
+        detail=detail,
     )

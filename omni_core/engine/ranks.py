@@ -19,6 +19,7 @@ import time
 import msgspec
 
 from omni_core.engine.spec import StageSpec
+from omni_core.fsm.stage_versions import StartWeights
 from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
 from omni_core.transport import CurveKeys
 from omni_core.workers.config import WorkerConfig
@@ -85,9 +86,13 @@ def worker_config(
     curve: CurveKeys | None,
     parent_pid: int | None = None,
     exit_with_parent: bool = True,
+    weights: StartWeights | None = None,
 ) -> WorkerConfig:
-    """What one rank of `spec` is started with, for every launcher. Only the launcher knows the
-    last two: the process the rank must not outlive, or that it should outlive its parent."""
+    """What one rank of `spec` is started with, for every launcher. Only the launcher knows
+    `parent_pid` and `exit_with_parent`: the process the rank must not outlive, or that it
+    should outlive its parent. `weights`: what a restart's rank starts from (the stage core's
+    `start_weights`; None: its checkpoint at version 0)."""
+    start = weights or StartWeights()
     return WorkerConfig(
         address=address,
         rank=rank,
@@ -108,18 +113,34 @@ def worker_config(
         trace_path=trace_path,
         parent_pid=parent_pid,
         exit_with_parent=exit_with_parent,
+        start_source=start.source,
+        start_version=start.version,
+        start_needs_reload=start.needs_reload,
     )
 
 
 def spawn_ranks(
-    spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+    spec: StageSpec,
+    *,
+    epoch: int,
+    address: str,
+    trace_path: str | None,
+    curve: CurveKeys | None,
+    weights: StartWeights | None = None,
 ) -> list[RankProcess]:
     """Start every rank of a stage under `epoch`; they connect to `address` and say Hello."""
     master_port = free_tcp_port()  # for runners that form a torch.distributed group
     procs = []
     for rank in range(spec.ranks):
         config = worker_config(
-            spec, rank=rank, epoch=epoch, address=address, trace_path=trace_path, curve=curve, parent_pid=os.getpid()
+            spec,
+            rank=rank,
+            epoch=epoch,
+            address=address,
+            trace_path=trace_path,
+            curve=curve,
+            parent_pid=os.getpid(),
+            weights=weights,
         )
         # torchrun-style variables for runners that form a process group, and the rank's GPU.
         env = dict(

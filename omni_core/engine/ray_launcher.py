@@ -34,6 +34,7 @@ import msgspec
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.ranks import free_tcp_port, torchrun_env, worker_config
 from omni_core.engine.spec import RayPlacement, StageSpec
+from omni_core.fsm.stage_versions import StartWeights
 from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
 from omni_core.transport import CurveKeys
 from omni_core.workers.config import WorkerConfig
@@ -199,7 +200,14 @@ class RayLauncher:
         return self._ray.util.get_node_ip_address()
 
     def spawn(
-        self, spec: StageSpec, *, epoch: int, address: str, trace_path: str | None, curve: CurveKeys | None
+        self,
+        spec: StageSpec,
+        *,
+        epoch: int,
+        address: str,
+        trace_path: str | None,
+        curve: CurveKeys | None,
+        weights: StartWeights | None = None,
     ) -> list[RayRank]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -225,6 +233,7 @@ class RayLauncher:
                 trace_path=trace_path,
                 curve=curve,
                 exit_with_parent=False,
+                weights=weights,
             )
             options: dict[str, Any] = {
                 "num_cpus": placement.num_cpus,

@@ -95,6 +95,29 @@ class LifecycleReport:
 
 
 @dataclass(frozen=True)
+class RestartReport:
+    """Outcome of a restart: the fresh ranks' epoch and state, and what became of the version.
+
+    `weights_version` is the version the stage holds now; `version_floor` is above 0 when the
+    version it held lived in memory only (state NEEDS_RELOAD: nothing runs until an update at or
+    above the floor); `version_reset_from` names the version a `from_checkpoint` restart dropped
+    (None when it dropped none); `weights_source` is where the version was loaded from
+    ('checkpoint', 'disk', or 'memory' when lost)."""
+
+    stage: str
+    state: str
+    epoch: int
+    weights_version: int
+    version_floor: int = 0
+    version_reset_from: int | None = None
+    weights_source: str = "checkpoint"
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
 class ProfileReport:
     """Outcome of one profile start or stop. `status` is ALREADY when every rank was already
     where the call asked (profiling, or not); `paths` maps rank -> the traces its stop wrote

@@ -119,6 +119,11 @@ class StageSlot:
             "in_flight": len(core.in_flight),
             "counters": asdict(core.counters),
             "weights_version": core.weights_version,
+            # Where that version lives ('checkpoint', 'disk', 'memory'), the floor a restart set
+            # when it lived in memory only, and the version a from_checkpoint restart dropped.
+            "weights_source": core.versions.kind,
+            "version_floor": core.versions.floor,
+            "version_reset_from": core.versions.last_reset.from_version if core.versions.last_reset else None,
             "asleep_tags": sorted(core.residency.asleep),
             "weights_valid": core.residency.weights_valid,
             "ranks": {p.rank: self.rank_status(p) for p in self.procs},

@@ -40,19 +40,26 @@ MODULE = "VersionTable"
 REGEN_COMMAND = "python -m omni_core.formal.gen_versions"
 # The triggers OmniVersions fires; every row of the tables for these is rendered.
 WORKER_TRIGGERS = (
+    "loaded",
+    "loaded_needs_reload",
     "update",
     "update_refused_active",
     "update_refused_partial",
     "update_refused_needs_reload",
     "update_failed",
     "reloaded_active",
+    "reloaded_partial",
     "execute",
     "sleep",
     "offloaded",
     "wake",
     "restored_active",
+    "restored_partial",
 )
 STAGE_TRIGGERS = (
+    "started",
+    "started_needs_reload",
+    "restart",
     "update_drain",
     "update_drained",
     "update",
@@ -63,22 +70,51 @@ STAGE_TRIGGERS = (
     "update_paused",
     "update_failed",
     "woke_running",
+    "woke_partial",
     "execute",
     "drain",
     "drained",
     "slept",
     "wake",
+    "pause_drain",
+    "pause_drained",
+    "resume",
     "fail",
 )
 
 
 ANSWERS = ("ack", "refused", "failed")  # what a rank answers an update: written, refused before writing, failed
-SETTLE_FROM = ("RUNNING", "NEEDS_RELOAD")  # the settled states OmniVersions updates from
+# The settled states OmniVersions updates from: <<state, a pause held, the kv_cache tag asleep>>.
+SETTLE_FROM = (
+    ("RUNNING", False, False),
+    ("PAUSED", True, False),
+    ("PARTIAL", False, True),
+    ("NEEDS_RELOAD", False, False),
+    ("NEEDS_RELOAD", True, False),
+    ("NEEDS_RELOAD", False, True),
+)
+_MEMORY = MemoryReport(pool_bytes_before={}, pool_bytes_after={}, process_bytes_source="none: a model row")
 
 
-def _stage_at(start: str) -> StageCore:
-    """A StageCore of 2 ranks in `start`, reached by legal calls: the Hellos (and, for
-    NEEDS_RELOAD, an update every rank failed)."""
+def _ack_all(stage: StageCore, task_id: str, command: str, state: WorkerState, asleep: tuple[str, ...]) -> None:
+    for rank in stage.ranks:
+        ack = Ack(
+            task_id=task_id,
+            epoch=stage.epoch,
+            rank=rank,
+            command=command,
+            state=state,
+            asleep_tags=asleep,
+            weights_version=stage.weights_version,
+            memory=_MEMORY,
+        )
+        stage.step(I.Received(ack), 0.0)
+
+
+def _stage_at(start: str, paused: bool, partial: bool) -> StageCore:
+    """A StageCore of 2 ranks in `start`, reached by legal calls: the Hellos; a pause, or a
+    level-1 sleep and a wake of the weights alone (PARTIAL); for NEEDS_RELOAD, then an update
+    every rank failed."""
     stage = StageCore("versions", 2)
     stage.step(I.Start(10.0), 0.0)
     for rank in (0, 1):
@@ -93,18 +129,26 @@ def _stage_at(start: str) -> StageCore:
             capabilities=(Capability.WEIGHT_UPDATE,),
         )
         stage.step(I.Received(hello), 0.0)
+    if paused:
+        stage.step(I.PauseCall("pause", "wait", 10.0), 0.0)
+    if partial:
+        stage.step(I.SleepCall("sleep", 1, None, 10.0), 0.0)
+        _ack_all(stage, "sleep", "Sleep", WorkerState.SLEEPING, tuple(sorted(stage.tags)))
+        stage.step(I.WakeCall("wake", ("weights",), 10.0), 0.0)
+        _ack_all(stage, "wake", "Wake", WorkerState.PARTIAL, ("kv_cache",))
     if start == "NEEDS_RELOAD":
         _update(stage, ("failed", "failed"))
-    if stage.state.value != start:
-        raise AssertionError(f"the stage core did not reach {start} (it is {stage.state.value})")
+    if stage.state.value != start or stage.paused is not paused:
+        raise AssertionError(f"the stage core did not reach {start} (it is {stage.state.value}, paused {stage.paused})")
     return stage
 
 
 def _reply(stage: StageCore, task_id: str, rank: int, answer: str, version: int, before: WorkerState) -> Reply:
     common = {"task_id": task_id, "epoch": stage.epoch, "rank": rank, "command": "UpdateWeights"}
+    asleep = tuple(sorted(stage.residency.asleep))
     if answer == "ack":
-        memory = MemoryReport(pool_bytes_before={}, pool_bytes_after={}, process_bytes_source="none: a model row")
-        return Ack(**common, state=WorkerState.ACTIVE, weights_version=version, memory=memory)
+        state = WorkerState.PARTIAL if asleep else WorkerState.ACTIVE
+        return Ack(**common, state=state, asleep_tags=asleep, weights_version=version, memory=_MEMORY)
     if answer == "refused":
         return Nack(**common, reason=NackReason.INVALID_ARGUMENT, state=before, weights_version=stage.weights_version)
     return Nack(
@@ -116,7 +160,8 @@ def _update(stage: StageCore, answers: tuple[str, ...]) -> list[tuple[str, bool]
     """Update `stage` to the next version and feed rank i's answer `answers[i]`; after each
     reply, the stage's state and whether it committed the version."""
     version = stage.weights_version + 1
-    before = WorkerState.ACTIVE if stage.state is StageState.RUNNING else WorkerState(stage.state.value)
+    before = {StageState.RUNNING: WorkerState.ACTIVE, StageState.PAUSED: WorkerState.ACTIVE}.get(stage.state)
+    before = before or WorkerState(stage.state.value)
     task_id = f"update-{stage.state.value}-{version}"
     stage.step(I.UpdateCall(task_id, version, DiskSource(path="/model"), 10.0), 0.0)
     after = []
@@ -126,19 +171,28 @@ def _update(stage: StageCore, answers: tuple[str, ...]) -> list[tuple[str, bool]
     return after
 
 
-def settle_rows() -> list[tuple[str, tuple[str, str], str, bool]]:
-    """(state the update started in, each rank's answer or "none" while it has not answered,
-    the stage core's state then, whether it committed the version), for every combination."""
-    rows: dict[tuple[str, tuple[str, str], str, bool], None] = {}  # ordered, each row once
-    for start, answers in itertools.product(SETTLE_FROM, itertools.product(ANSWERS, repeat=2)):
-        (first, first_committed), (last, committed) = _update(_stage_at(start), answers)
-        rows[(start, (answers[0], "none"), first, first_committed)] = None
-        rows[(start, answers, last, committed)] = None
+SettleRow = tuple[str, bool, bool, tuple[str, str], str, bool]
+
+
+def settle_rows() -> list[SettleRow]:
+    """(state the update started in, a pause held, kv_cache asleep, each rank's answer or
+    "none" while it has not answered, the stage core's state then, whether it committed the
+    version), for every combination."""
+    rows: dict[SettleRow, None] = {}  # ordered, each row once
+    for (start, paused, partial), answers in itertools.product(SETTLE_FROM, itertools.product(ANSWERS, repeat=2)):
+        (first, first_committed), (last, committed) = _update(_stage_at(start, paused, partial), answers)
+        rows[(start, paused, partial, (answers[0], "none"), first, first_committed)] = None
+        rows[(start, paused, partial, answers, last, committed)] = None
     return list(rows)
 
 
-def _settle_row(start: str, answers: tuple[str, str], after: str, committed: bool) -> str:
-    return f'    <<"{start}", <<"{answers[0]}", "{answers[1]}">>, "{after}", {str(committed).upper()}>>'
+def _tla_bool(value: bool) -> str:
+    return str(value).upper()
+
+
+def _settle_row(start: str, paused: bool, partial: bool, answers: tuple[str, str], after: str, committed: bool) -> str:
+    head = f'"{start}", {_tla_bool(paused)}, {_tla_bool(partial)}'
+    return f'    <<{head}, <<"{answers[0]}", "{answers[1]}">>, "{after}", {_tla_bool(committed)}>>'
 
 
 def _rows(table, triggers: tuple[str, ...]) -> list[str]:
@@ -155,7 +209,7 @@ def _record(mapping: dict[str, str]) -> str:
 
 
 def render() -> str:
-    active = settle_row(Settled.ACTIVE)
+    active, partial = settle_row(Settled.ACTIVE), settle_row(Settled.PARTIAL)
     worker_refused = {state.value: trigger for (kind, state), trigger in REFUSED.items() if kind is UpdateWeights}
     stage_refused = {
         t.dest.value: t.trigger
@@ -182,13 +236,17 @@ def render() -> str:
         "\\* and the stage's trigger on the complete ACK set",
         f"UpdateSettle == {_record({'rank': active.after_reload or '', 'stage': active.stage_commit})}",
         f"WakeSettle == {_record({'rank': active.after_wake, 'stage': active.stage_commit})}",
+        "\\* The same with tags still asleep (a wake of the weights alone; an update in PARTIAL)",
+        f"PartialSettle == {_record({'rank': partial.after_reload or '', 'stage': partial.stage_commit})}",
+        f"PartialWakeSettle == {_record({'rank': partial.after_wake, 'stage': partial.stage_commit})}",
         "",
         "\\* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)",
         f"WorkerRefused == {_record(worker_refused)}",
         f"StageRefused == {_record(stage_refused)}",
         "",
-        "\\* The stage core's answer to an update of 2 ranks: <<state it started in, each rank's answer",
-        '\\* ("none": not yet), the StageCore\'s state then, whether it committed the new version>>',
+        "\\* The stage core's answer to an update of 2 ranks: <<state it started in, a pause held, kv_cache",
+        "\\* asleep, each rank's answer (\"none\": not yet), the StageCore's state then, whether it committed",
+        "\\* the new version>>",
         "SettleRows == {",
         ",\n".join(_settle_row(*row) for row in settle_rows()),
         "}",

@@ -160,8 +160,9 @@ _HEADER = [
     "and worker tables (state/trigger) and admission rows (state/policy) TLC reached, and which it",
     "did not. `omni-core check` fails when a model reaches other than this, or less than",
     "tla/README.md's claims (section Reachability). Rows are those that change the state; the",
-    "spec has no stop, and OmniSleep does not model weight updates (OmniVersions does), weight",
-    "groups or shares, so their rows are reached by no model here.",
+    "spec has no stop, and OmniSleep does not model weight updates or a restart's NEEDS_RELOAD",
+    "under a version floor (OmniVersions does), weight groups or shares, so their rows are",
+    "reached by no model here.",
     "",
     "",
 ]

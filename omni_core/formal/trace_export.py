@@ -312,7 +312,7 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
         elif kind == "recv":
             ev.cmd, ev.wstate, ev.info = r.reply, r.worker_state or UNKNOWN, r.info or UNKNOWN
             ev.version = r.weights_version
-        elif kind == "state":
+        elif kind in ("state", "restart"):  # a restart: the version its fresh ranks start at
             ev.version = r.weights_version
         elif kind == "ended":
             ev.cmd, ev.info = r.command, "ok" if r.ok else "failed"

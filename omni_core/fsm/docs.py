@@ -47,6 +47,8 @@ def render_lifecycles() -> str:
         "",
         *_pause_section(),
         "",
+        *_restart_section(),
+        "",
         *_swap_section(),
     ]
     return "\n".join(parts)
@@ -78,6 +80,32 @@ def _pause_section() -> list[str]:
         "`Engine.resume(stage)` makes it RUNNING and the queue is served. A PAUSED stage sleeps",
         "without a drain. The rows: " + ", ".join(f"`{t.trigger}`" for t in pause_rows) + ".",
         "`tla/OmniPause.tla` checks that no request starts while PAUSED and that the memory stays.",
+    ]
+
+
+def _restart_section() -> list[str]:
+    starting = (StageState.STARTING, WorkerState.LOADING)
+    rows = [
+        t
+        for t in (*STAGE_TRANSITIONS, *WORKER_TRANSITIONS)
+        if t.sources[0] in starting and t.trigger.startswith(("started", "loaded"))
+    ]
+    floor_rows = ", ".join(f"`{t.trigger}` ({t.sources[0].value} -> {t.dest.value})" for t in rows if t.dest)
+    return [
+        "## A restart: the version comes back, or the stage says it cannot",
+        "",
+        "A restart replaces every rank process under a new epoch. The stage core remembers where its",
+        "committed weights version lives (`fsm/stage_versions.py`): an update from a directory",
+        "(`DiskSource`) or a reload from a source leaves it there, an update from shared memory, CUDA",
+        "IPC, a collective or another stage leaves it in memory only. Fresh ranks load their",
+        "checkpoint, then the directory, and say Hello at that version: the stage is RUNNING at it.",
+        "A version that lived in memory only is gone with its processes: the ranks load their",
+        "checkpoint but say NEEDS_RELOAD, and the stage comes back NEEDS_RELOAD with a version floor:",
+        "requests are refused naming the floor, a reload (version 0) and an update below the floor",
+        "are refused, an update at or above it makes the stage RUNNING. `restart(from_checkpoint=True)`",
+        "starts over at version 0 and says so (`version_reset_from` in the answer, the log and",
+        f"status). The rows: {floor_rows}. `tla/OmniVersions.tla` checks that no request runs below",
+        "the highest version committed since the caller last reset it (NoSilentRevert).",
     ]
 
 

@@ -25,9 +25,12 @@ class Start:
 
 @dataclass(frozen=True)
 class Restart:
-    """The shell stopped the old ranks: new epoch, STARTING; it spawns fresh ranks next."""
+    """The shell stopped the old ranks: new epoch, STARTING; it spawns fresh ranks next, from
+    the core's `start_weights`. `from_checkpoint`: start over from the runner's checkpoint at
+    version 0, whatever version the stage held (the caller's explicit reset)."""
 
     deadline_s: float
+    from_checkpoint: bool = False
 
 
 @dataclass(frozen=True)

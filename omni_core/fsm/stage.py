@@ -41,6 +41,7 @@ from omni_core.fsm.stage_step import (
 )
 from omni_core.fsm.stage_table import IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS, STATELESS
 from omni_core.fsm.stage_trace import StageTrace
+from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency
 from omni_core.fsm.trace_records import RequestAnswered, StageRecord, TaskEnded, clip
@@ -80,6 +81,10 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
         # The weights version every rank holds (P-17): from the Hellos, then each committed ACK set.
         self.weights_version = 0
         self.rank_versions: dict[int, int] = {}
+        # Where the committed version lives durably, and what a restart's ranks start from
+        # (None until the first restart: a first start takes the version the Hellos name).
+        self.versions = VersionKeeper()
+        self.start_weights: StartWeights | None = None
         # A pause is the caller's and holds until resume(): a sleep, a wake (asked for or the
         # admission policy's), a reload and an update of a paused stage leave it paused.
         self.paused = False
@@ -201,8 +206,8 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
                 self._start_deadline_at = now + deadline_s
                 self._start_pending = True
                 return StageStep()
-            case I.Restart(deadline_s=deadline_s):
-                self._restart(now, deadline_s)
+            case I.Restart(deadline_s=deadline_s, from_checkpoint=from_checkpoint):
+                self._restart(now, deadline_s, from_checkpoint)
                 self._start_pending = True
                 return StageStep()
             case I.Stop():
@@ -210,14 +215,22 @@ class StageCore(StageCalls, PauseMixin, StageRequests, StageReplies, StageTrace)
             case _:
                 raise TypeError(f"StageCore.step takes an engine input (omni_core.fsm.inputs), not {event!r}")
 
-    def _restart(self, now: float, deadline_s: float) -> None:
-        """New epoch, back to STARTING; the caller starts fresh rank processes."""
+    def _restart(self, now: float, deadline_s: float, from_checkpoint: bool = False) -> None:
+        """New epoch, back to STARTING; the caller starts fresh rank processes from
+        `start_weights`: the committed version's durable source, else NEEDS_RELOAD under a
+        version floor; the checkpoint at version 0 when the caller asked (`from_checkpoint`)."""
+        if type(from_checkpoint) is not bool:
+            raise StageCommandError(f"from_checkpoint must be True or False, got {from_checkpoint!r}")
         if not self.lifecycle.allows("restart") or self._task is not None:  # a Profile in a settled state
             why = "it is already starting" if self.state is S.STARTING else "a task is in flight; wait for it to end"
             raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: {why}")
         self.lifecycle.fire("restart")
         self.paused = False  # fresh ranks, a fresh stage: it comes back RUNNING
         self.epoch += 1
+        self.start_weights = self.versions.plan_restart(
+            self.weights_version, self.epoch, from_checkpoint=from_checkpoint
+        )
+        self.weights_version = self.start_weights.version
         self.residency = Residency(self.tags)
         self.rank_state.clear()
         self.rank_versions.clear()

@@ -33,6 +33,7 @@ from omni_core.fsm.stage_step import (
     _Task,
 )
 from omni_core.fsm.stage_table import CALLS, STATELESS
+from omni_core.fsm.stage_versions import VersionKeeper
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency, UnknownTagError, plan_sleep, resolve_tags
 from omni_core.protocol import (
@@ -93,6 +94,7 @@ class StageCalls:
     residency: Residency
     rank_capabilities: dict[int, frozenset[Capability]]
     weights_version: int
+    versions: VersionKeeper
     failure: str
     counters: StageCounters
     completed: BoundedCache[str, tuple[tuple[Any, ...], TaskOutcome]]
@@ -302,6 +304,10 @@ class StageCalls:
                     f"stage {self.name!r} cannot reload weights in {self.state.value}: reload "
                     "follows a level-2 sleep and a wake of 'weights' (state NEEDS_RELOAD)"
                 )
+            if self.versions.floor:  # a reload is version 0: below the floor, a silent revert
+                raise StageCommandError(
+                    f"{self.versions.floor_detail(self.name)}; a reload would serve version 0, below the floor"
+                )
             command = ReloadWeights(task_id=call.task_id, epoch=self.epoch, source=call.source)
             # The runner's own weights: no update's version stands for them.
             return self._weights_task(call, signature, command, now, refused="reload_refused", version=0)
@@ -325,6 +331,9 @@ class StageCalls:
                     f"stage {self.name!r}: weights version {version} is not above the stage's "
                     f"version {self.weights_version}; send a higher version"
                 )
+            below = self.versions.refusal_below_floor(self.name, version)
+            if below:
+                raise StageCommandError(below)
             unable = sorted(r for r in self.ranks if Capability.WEIGHT_UPDATE not in self.rank_capabilities.get(r, ()))
             if unable:
                 raise StageCommandError(

@@ -16,6 +16,7 @@ from typing import Any
 from omni_core.fsm.settle import REFUSAL_REASON
 from omni_core.fsm.stage_step import StageCounters, StageStep, _Request, _Task
 from omni_core.fsm.stage_table import STATELESS
+from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency
 from omni_core.protocol import (
@@ -48,6 +49,8 @@ class StageReplies:
     rank_counters: dict[int, dict[str, int]]
     rank_capabilities: dict[int, Any]
     weights_version: int
+    versions: VersionKeeper
+    start_weights: StartWeights | None
     counters: StageCounters
     in_flight: dict[str, _Request]
     in_flight_requests: int
@@ -98,13 +101,36 @@ class StageReplies:
                     },
                     now,
                 )
-            self.weights_version = versions.pop()
-            bad = {r: s for r, s in self.rank_state.items() if s is not WorkerState.ACTIVE}
-            if bad:
-                return self._fail_idle(
-                    {r: f"started in {s.value}, not ACTIVE: {self._hello_detail.get(r, '')}" for r, s in bad.items()},
-                    now,
-                )
+            return self._all_said_hello(versions.pop(), now)
+        self._check_invariants()
+        return StageStep()
+
+    def _all_said_hello(self, version: int, now: float) -> StageStep:
+        """Every rank said Hello at `version`: RUNNING when each started as its restart's
+        `start_weights` says (ACTIVE at that version), NEEDS_RELOAD when each started with
+        its weights untrusted; anything else FAILED, naming the ranks."""
+        plan = self.start_weights
+        want = WorkerState.NEEDS_RELOAD if plan is not None and plan.needs_reload else WorkerState.ACTIVE
+        bad = {r: s for r, s in self.rank_state.items() if s is not want}
+        if bad:
+            return self._fail_idle(
+                {r: f"started in {s.value}, not {want.value}: {self._hello_detail.get(r, '')}" for r, s in bad.items()},
+                now,
+            )
+        if plan is not None and version != plan.version:
+            return self._fail_idle(
+                {
+                    r: f"started at weights version {version}, not {plan.version} (loaded from "
+                    f"{plan.source or 'its checkpoint'}): the rank ignored its start source"
+                    for r in self.ranks
+                },
+                now,
+            )
+        self.weights_version = version
+        if want is WorkerState.NEEDS_RELOAD:
+            self.residency.weights_valid = False
+            self.lifecycle.fire("started_needs_reload")
+        else:
             self.lifecycle.fire("started")
         self._check_invariants()
         return StageStep()
@@ -300,6 +326,7 @@ class StageReplies:
             self.rank_state[rank] = ack.state
             self.rank_versions[rank] = ack.weights_version
         self.weights_version = task.expect_version
+        self.versions.committed(task.command, task.expect_version)
         self.lifecycle.fire(task.commit_trigger)
         return StageStep(outcome=self._end_task(True, "", {}, now))
 

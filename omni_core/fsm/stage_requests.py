@@ -15,6 +15,7 @@ from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.request_queue import RequestQueue
 from omni_core.fsm.stage_step import Outbound, StageCounters, StageStep, _Request, _Task
+from omni_core.fsm.stage_versions import VersionKeeper
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.worker_step import InvariantViolation
 from omni_core.protocol import Execute, Nack, Result
@@ -34,6 +35,7 @@ class StageRequests:
     max_in_flight: int
     wake_deadline_s: float
     weights_version: int
+    versions: VersionKeeper
     failure: str
     counters: StageCounters
     queue: RequestQueue
@@ -66,6 +68,8 @@ class StageRequests:
         name, state = self.name, self.state.value
         if decision is Admit.REFUSE_FAILED:
             return f"stage {name!r} is {state}: {self.failure or 'stopped'}; restart() it first"
+        if self.state is S.NEEDS_RELOAD and self.versions.floor and decision is not Admit.RUN:
+            return self.versions.floor_detail(name)
         if decision is Admit.REFUSE_POLICY and self.state is S.NEEDS_RELOAD:
             return (
                 f"stage {name!r} is NEEDS_RELOAD (weights discarded by a level-2 sleep) and its admission "
@@ -98,7 +102,7 @@ class StageRequests:
     def _pump(self, now: float) -> StageStep:
         """Move the queue on after anything changed (QUEUE_RULES), and end a start."""
         step = StageStep()
-        if self._start_pending and self.state in (S.RUNNING, S.FAILED, S.STOPPED):
+        if self._start_pending and self.state in (S.RUNNING, S.NEEDS_RELOAD, S.FAILED, S.STOPPED):
             self._start_pending = False
             step = StageStep(started=self.state)
         action = admission.queue_rule(self.state, self.policy).action

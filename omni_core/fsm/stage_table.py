@@ -36,6 +36,12 @@ IN_TASK = (S.DRAINING, S.TRANSITIONING, S.WAKING)
 
 STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
     Transition("started", (S.STARTING,), S.RUNNING, "every rank said Hello"),
+    Transition(
+        "started_needs_reload",
+        (S.STARTING,),
+        S.NEEDS_RELOAD,
+        "every rank said Hello NEEDS_RELOAD: a restart whose version lived in memory only (a version floor)",
+    ),
     Transition("drain", (S.RUNNING,), S.DRAINING, "sleep(): admission closed"),
     Transition("drained", (S.DRAINING,), S.TRANSITIONING, "no request in flight: Sleep sent to every rank"),
     Transition(

@@ -160,7 +160,9 @@ class StageTrace:
         failed = {r: clip(why) for r, why in self.failed_ranks.items()} if after is S.FAILED else {}
         match event:
             case I.Restart():
-                return StageRestarted(epoch, before.value, after.value, self.tags, self._start_deadline_at)
+                return StageRestarted(
+                    epoch, before.value, after.value, self.tags, self._start_deadline_at, self.weights_version
+                )
             case I.Start():
                 return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)
             case I.Stop():

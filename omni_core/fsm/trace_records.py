@@ -85,6 +85,8 @@ class StageRestarted(_Record):
     after: str
     tags: tuple[str, ...]
     deadline_at_s: float
+    # The version the fresh ranks start at (their start source's; 0: their checkpoint).
+    weights_version: int = 0
 
 
 class StageIssued(_Record):

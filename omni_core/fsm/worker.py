@@ -154,7 +154,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
             case BadFrame():
                 step = self._on_bad_message(event.error)
             case Loaded():
-                step = self._loaded(event.backend, event.capabilities)
+                step = self._loaded(event.backend, event.capabilities, event.needs_reload)
             case LoadFailed():
                 step = self._load_failed(event.error, event.backend)
             case _:
@@ -162,11 +162,16 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         self._check_invariants()
         return step
 
-    def _loaded(self, backend: str, capabilities: Iterable[Capability] | None) -> WorkerStep:
-        """LOADING -> ACTIVE. The records say so and that the Hello goes out (the shell builds
-        it: pid, proof and device are its)."""
+    def _loaded(self, backend: str, capabilities: Iterable[Capability] | None, needs_reload: bool) -> WorkerStep:
+        """LOADING -> ACTIVE (NEEDS_RELOAD when the loaded weights are not to be served). The
+        records say so and that the Hello goes out (the shell builds it: pid, proof and device
+        are its)."""
         if capabilities is not None:
             self.capabilities = frozenset(capabilities)
+        if needs_reload:
+            self.residency.weights_valid = False
+            self.lifecycle.fire("loaded_needs_reload")
+            return self._started(backend, "")
         self.lifecycle.fire("loaded")
         return self._started(backend, "")
 

@@ -23,6 +23,9 @@ class Loaded:
 
     backend: str = ""
     capabilities: tuple[Capability, ...] | None = None
+    # The loaded weights are older than the stage's version (a restart whose version lived in
+    # memory only): LOADING -> NEEDS_RELOAD, nothing executes until an update.
+    needs_reload: bool = False
 
 
 @dataclass(frozen=True)

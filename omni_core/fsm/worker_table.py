@@ -29,6 +29,12 @@ IDLE = (W.ACTIVE, W.SLEEPING, W.PARTIAL, W.NEEDS_RELOAD)  # may accept a lifecyc
 
 WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("loaded", (W.LOADING,), W.ACTIVE, "runner loaded weights and caches"),
+    Transition(
+        "loaded_needs_reload",
+        (W.LOADING,),
+        W.NEEDS_RELOAD,
+        "runner loaded, its weights not to be served: they are older than the stage's version (an update follows)",
+    ),
     Transition("sleep", IDLE, W.OFFLOADING, "Sleep for tags not yet asleep"),
     Transition(
         "sleep_already",

@@ -236,26 +236,30 @@ def router(state: ServeState) -> APIRouter:
         response_model=m.RestartModel,
         responses=m.ERROR_RESPONSES,
         tags=["omni-core"],
-        description="Fresh rank processes under a new epoch. With an Idempotency-Key, a retry while the "
-        "key is kept (idempotency_entries) returns the first answer without restarting "
+        description="Fresh rank processes under a new epoch, at the weights version the stage held: "
+        "they reload the directory it came from (a disk update's, a reload's); a version that lived "
+        "in memory only (shm, IPC, a collective, a transfer) brings the stage back NEEDS_RELOAD with "
+        "version_floor set, refusing requests until an update at or above it. from_checkpoint: start "
+        "over at version 0 (version_reset_from says from which). With an Idempotency-Key, a retry "
+        "while the key is kept (idempotency_entries) returns the first answer without restarting "
         "again.",
     )
-    async def restart(name: str, request: Request) -> Response:
+    async def restart(name: str, request: Request, body: m.RestartBody | None = None) -> Response:
         state.stage_name(name)
         engine = state.require_engine()
+        reset = (body or m.RestartBody()).from_checkpoint
 
-        async def restarted(per_stage: dict[str, Any]) -> dict[str, Any]:
+        def restarted(per_stage: dict[str, Any]) -> dict[str, Any]:
             feed.forget(name)
             state.metrics.restarts.labels(name).inc()
-            st = (await state.status())[name]
-            return {"stage": name, "state": st["state"], "epoch": st["epoch"]}
+            return dict(per_stage[name])
 
         return await lifecycle_route(
             state,
             request,
             [name],
             "restart",
-            lambda n, tid: functools.partial(engine.restart, n),
+            lambda n, tid: functools.partial(engine.restart, n, from_checkpoint=reset),
             restarted,
             stages_in_error=False,
         )

@@ -119,6 +119,8 @@ def _status_for(exc: BaseException) -> int:
             return 429
         if "until its deadline" in message:
             return 504
+        if "is NEEDS_RELOAD" in message:  # the caller's to fix (reload, update), even naming a restart
+            return 409
         if "FAILED" in message or "restart" in message or "STOPPED" in message:
             return 503
         return 409  # admission 'reject', NEEDS_RELOAD

@@ -249,6 +249,9 @@ class StatusFeed:
             "asleep_tags": list(st.get("asleep_tags") or []),
             "weights_valid": bool(st.get("weights_valid", True)),
             "weights_version": st.get("weights_version", 0),
+            "weights_source": st.get("weights_source", "checkpoint"),
+            "version_floor": st.get("version_floor", 0),
+            "version_reset_from": st.get("version_reset_from"),
             "tags": list(spec.tags),
             "runner": spec.runner,
             "device": spec.device,
@@ -310,6 +313,9 @@ def _log_event(event: dict[str, Any]) -> None:
     if event["outcome"] == "ok":
         moved = "".join(f", {verb} {event[key]} bytes" for key, verb in MOVED_WORDS if event.get(key))
         state = f" -> {event['state']} ({event['status']})" if "state" in event else ""
+        if event.get("version_floor") or "version_reset_from" in event:  # a restart that lost a version
+            log.warning("%s%s in %s: %s", what, state, took, event.get("detail", ""), extra=extra)
+            return
         log.info("%s%s in %s%s", what, state, took, moved, extra=extra)
     else:
         log.warning("%s failed (%s) after %s: %s", what, event["outcome"], took, event.get("error", ""), extra=extra)

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from omni_core.engine import LifecycleReport
+from omni_core.engine import LifecycleReport, RestartReport
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.serve.errors import ApiError, to_http
 from omni_core.serve.feed import dumps
@@ -136,7 +136,10 @@ async def on_stages(
             if first_error is None:
                 first_error = (err.status, tuple(err.headers.items()), err.body)
         else:
-            per_stage[name] = report_json(outcome) if isinstance(outcome, LifecycleReport) else None
+            if isinstance(outcome, LifecycleReport):
+                per_stage[name] = report_json(outcome)
+            else:
+                per_stage[name] = outcome.to_dict() if isinstance(outcome, RestartReport) else None
     if first_error is None:
         return per_stage, None
     status, headers, body = first_error

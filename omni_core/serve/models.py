@@ -325,6 +325,17 @@ class StageModel(BaseModel):
         description="the weights version the stage committed last (P-17; 0: as "
         "loaded at start); requests run only on it",
     )
+    weights_source: str = Field(
+        "checkpoint", description="where that version lives: checkpoint, disk (a directory), or memory only"
+    )
+    version_floor: int = Field(
+        0,
+        description="above 0 after a restart lost a version that lived in memory only: NEEDS_RELOAD, and "
+        "nothing runs until an update at or above it",
+    )
+    version_reset_from: int | None = Field(
+        None, description="the version the last restart with from_checkpoint dropped (null: none)"
+    )
     tags: list[str]
     runner: str
     device: str
@@ -353,10 +364,27 @@ class ExecuteModel(BaseModel):
     weights_version: int = Field(0, description="the weights version every rank computed the output with (P-17)")
 
 
+class RestartBody(_Strict):
+    from_checkpoint: bool = Field(
+        False,
+        description="start over from the checkpoint at weights version 0, whatever version the stage "
+        "held (said in the answer's version_reset_from, the log and status); false: come back at the "
+        "version held, or NEEDS_RELOAD under a version floor when it lived in memory only",
+    )
+
+
 class RestartModel(BaseModel):
     stage: str
-    state: str
+    state: str = Field(description="RUNNING, or NEEDS_RELOAD under a version floor")
     epoch: int
+    weights_version: int = Field(description="the version the stage holds now")
+    version_floor: int = Field(
+        0,
+        description="above 0: the version held lived in memory only; nothing runs until an update at or above it",
+    )
+    version_reset_from: int | None = Field(None, description="the version a from_checkpoint restart dropped")
+    weights_source: str = Field("checkpoint", description="checkpoint, disk, or memory (lost: see version_floor)")
+    detail: str = Field("", description="what became of the version, in words")
 
 
 class VllmSleepModel(BaseModel):

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from omni_core.config import OmniConfig
-from omni_core.engine import Engine, LifecycleReport, SwapReport
+from omni_core.engine import Engine, LifecycleReport, RestartReport, SwapReport
 from omni_core.engine.errors import OmniCoreError, SwapFailedError
 from omni_core.protocol import DiskSource, WeightSource
 from omni_core.serve.access_log import AccessLog
@@ -183,6 +183,19 @@ class ServeState:
                 level=level,
                 freed_bytes=sum(rr.freed_bytes for rr in result.ranks.values()),
                 restored_bytes=sum(rr.restored_bytes for rr in result.ranks.values()),
+            )
+        elif isinstance(result, RestartReport):  # the event log says what became of the version
+            self.feed.record_event(
+                stage,
+                command,
+                "ok",
+                elapsed_s,
+                state=result.state,
+                status="OK",
+                weights_version=result.weights_version,
+                version_floor=result.version_floor,
+                version_reset_from=result.version_reset_from,
+                detail=result.detail,
             )
         else:
             self.feed.record_event(stage, command, "ok", elapsed_s, level=level)

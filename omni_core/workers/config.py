@@ -79,6 +79,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     exit_with_parent: bool = True
     parent_check_interval_s: float = 1.0
     parent_pid: int | None = None  # the process to outlive not; default: the parent at start
+    # What a restart's rank starts from (omni_core.fsm.stage_versions.StartWeights): its
+    # checkpoint, then `start_source` (a directory holding `start_version`) when given; with
+    # `start_needs_reload`, NEEDS_RELOAD at version 0: the stage's version lived in memory only.
+    start_source: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
+    start_version: Annotated[int, Meta(ge=0)] = 0
+    start_needs_reload: bool = False
 
     def __post_init__(self) -> None:
         if self.reply_cache_entries < MIN_REPLY_CACHE_ENTRIES:

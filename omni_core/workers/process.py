@@ -175,6 +175,7 @@ class WorkerProcess:
             capabilities=capabilities,
             reply_cache_entries=cfg.reply_cache_entries,
             reply_cache_bytes=cfg.reply_cache_bytes,
+            weights_version=cfg.start_version,
         )
         if not error:
             try:
@@ -195,7 +196,8 @@ class WorkerProcess:
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
-        started = self.core.step(LoadFailed(error, backend_name) if error else Loaded(backend_name, capabilities))
+        loaded = Loaded(backend_name, capabilities, needs_reload=cfg.start_needs_reload)
+        started = self.core.step(LoadFailed(error, backend_name) if error else loaded)
         self._write(started.records)
         device = str(self.device)
         if self.memory is not None and self.memory.physical is not None:
@@ -242,6 +244,8 @@ class WorkerProcess:
         # Before loading: the load is reported too.
         self.free_memory = free_memory_source(self.config, self.backend, self.memory, self.device)
         self.runner.load(self.backend.pool, self.config.tags, budget)
+        if self.config.start_source is not None:  # a restart at the version this directory holds
+            self.runner.reload_weights(self.config.start_source)
         # Before tracking: a backend that copies read-only tags to the host once does it there.
         self.backend.declare_read_only(
             self.runner.read_only_tags() & set(self.config.tags), verify=self.config.verify_clean_sleep

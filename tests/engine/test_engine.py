@@ -240,6 +240,13 @@ def test_async_engine_round_trip() -> None:
             assert (await engine.reload_weights("a")).state == "RUNNING"
             results = await asyncio.gather(*(engine.execute("a", PROBE) for _ in range(5)))
             assert all(r == ref for r in results)
+            # A restart answers the version it came back at, and a reset says what it dropped.
+            await engine.update_weights("a", "seed:4", version=2)
+            back = await engine.restart("a")
+            assert (back.state, back.weights_version, back.epoch) == ("RUNNING", 2, 1)
+            reset = await engine.restart("a", from_checkpoint=True)
+            assert (reset.weights_version, reset.version_reset_from) == (0, 2)
+            assert await engine.execute("a", PROBE) == ref
 
     asyncio.run(scenario())
 

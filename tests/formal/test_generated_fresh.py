@@ -184,14 +184,26 @@ class _CommitsOnTheFirstAck(StageCore):
 
 
 def test_the_settle_rows_are_the_stage_cores_answers():
-    rows = {(start, answers): (after, committed) for start, answers, after, committed in gen_versions.settle_rows()}
-    assert len(rows) == 2 * (3 + 9)  # from RUNNING and NEEDS_RELOAD: one answer so far, then both
-    for start in ("RUNNING", "NEEDS_RELOAD"):
-        assert rows[(start, ("ack", "none"))] == ("WAKING", False)  # one rank is not a commit
-        assert rows[(start, ("ack", "ack"))] == ("RUNNING", True)
-        assert rows[(start, ("refused", "refused"))] == (start, False)
-        assert rows[(start, ("failed", "failed"))] == ("NEEDS_RELOAD", False)
-        assert rows[(start, ("ack", "failed"))] == rows[(start, ("refused", "ack"))] == ("FAILED", False)
+    rows = {
+        (start, paused, partial, answers): (after, committed)
+        for start, paused, partial, answers, after, committed in gen_versions.settle_rows()
+    }
+    assert len(rows) == 6 * (3 + 9)  # six starts: one answer so far, then both
+    commits = {
+        ("RUNNING", False, False): "RUNNING",
+        ("PAUSED", True, False): "PAUSED",  # the pause holds through the update
+        ("PARTIAL", False, True): "PARTIAL",  # kv_cache stays asleep
+        ("NEEDS_RELOAD", False, False): "RUNNING",
+        ("NEEDS_RELOAD", True, False): "PAUSED",
+        ("NEEDS_RELOAD", False, True): "PARTIAL",
+    }
+    for (start, paused, partial), commit in commits.items():
+        key = (start, paused, partial)
+        assert rows[(*key, ("ack", "none"))] == ("WAKING", False)  # one rank is not a commit
+        assert rows[(*key, ("ack", "ack"))] == (commit, True)
+        assert rows[(*key, ("refused", "refused"))] == (start, False)
+        assert rows[(*key, ("failed", "failed"))] == ("NEEDS_RELOAD", False)
+        assert rows[(*key, ("ack", "failed"))] == rows[(*key, ("refused", "ack"))] == ("FAILED", False)
 
 
 def test_a_core_that_commits_on_the_first_ack_makes_the_version_table_stale(monkeypatch, tla_copy):
@@ -199,7 +211,7 @@ def test_a_core_that_commits_on_the_first_ack_makes_the_version_table_stale(monk
     monkeypatch.setattr(gen_versions, "StageCore", _CommitsOnTheFirstAck)
     assert not gen_versions.is_fresh(path)
     assert gen_versions.write(path)
-    assert '<<"RUNNING", <<"ack", "none">>, "RUNNING", TRUE>>' in path.read_text()
+    assert '<<"RUNNING", FALSE, FALSE, <<"ack", "none">>, "RUNNING", TRUE>>' in path.read_text()
 
 
 @pytest.mark.slow
@@ -210,8 +222,8 @@ def test_tlc_refuses_a_stage_core_that_commits_on_the_first_ack(tla_copy):
         tla_copy,
         gen_versions,
         "versions",
-        '<<"RUNNING", <<"ack", "none">>, "WAKING", FALSE>>',
-        '<<"RUNNING", <<"ack", "none">>, "RUNNING", TRUE>>',
+        '<<"RUNNING", FALSE, FALSE, <<"ack", "none">>, "WAKING", FALSE>>',
+        '<<"RUNNING", FALSE, FALSE, <<"ack", "none">>, "RUNNING", TRUE>>',
     )
 
 

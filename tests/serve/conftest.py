@@ -64,6 +64,8 @@ class Served:
                 self.engine.wake(name)
             elif state == "PAUSED":
                 self.engine.resume(name)
+            if self.engine.status()[name]["version_floor"]:  # a version lost with its ranks
+                self.engine.restart(name, from_checkpoint=True)
             if self.engine.status()[name]["state"] == "NEEDS_RELOAD":
                 self.engine.reload_weights(name)
             self.engine.set_admission(name, self.config.stages[self.config.stage_names.index(name)].admission)

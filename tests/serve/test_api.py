@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from omni_core.serve import create_app, serve_in_thread
-from tests.serve.conftest import PROBE, Served, make_config, metric_value, stage_table, wait_for
+from tests.serve.conftest import PROBE, SMALL_RUNNER, Served, make_config, metric_value, stage_table, wait_for
 
 pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
@@ -136,9 +137,36 @@ def test_failed_stage_is_503_until_restarted(served: Served) -> None:
     assert sleep.status_code == 503 and "FAILED" in sleep.text
     restarted = served.client.post("/v1/stages/decoder/restart")
     assert restarted.status_code == 200, restarted.text
-    assert restarted.json() == {"stage": "decoder", "state": "RUNNING", "epoch": before["epoch"] + 1}
+    answer = restarted.json()
+    assert (answer["stage"], answer["state"], answer["epoch"]) == ("decoder", "RUNNING", before["epoch"] + 1)
+    assert (answer["weights_version"], answer["version_floor"], answer["version_reset_from"]) == (
+        before["weights_version"],
+        0,
+        None,
+    )
     assert served.client.post("/v1/stages/decoder/execute", json={"payload": PROBE}).status_code == 200
     assert metric_value(served.client.get("/metrics").text, "omni_core_stage_restarts_total", stage="decoder") >= 1
+
+
+def test_a_restart_answers_the_version_it_came_back_at_or_its_floor(served: Served) -> None:
+    from omni_core.runners.synthetic import SyntheticRunner
+    from omni_core.weights_sender import WeightSender
+
+    version = served.stage("talker")["weights_version"] + 1
+    specs = SyntheticRunner(torch.device("cpu"), **dict(SMALL_RUNNER, seed=6)).weight_specs()
+    with WeightSender(bucket_bytes=1 << 20) as sender:
+        weights = {name: torch.full(shape, 0.01, dtype=dtype) for name, (shape, dtype) in specs.items()}
+        served.engine.update_weights("talker", sender.share(weights), version=version)
+    lost = served.client.post("/v1/stages/talker/restart").json()
+    assert (lost["state"], lost["weights_version"], lost["version_floor"]) == ("NEEDS_RELOAD", 0, version)
+    assert lost["weights_source"] == "memory" and "lived in memory only" in lost["detail"]
+    refused = served.client.post("/v1/stages/talker/execute", json={"payload": PROBE})
+    assert refused.status_code == 409 and f"update its weights to version {version}" in refused.text, refused.text
+    reset = served.client.post("/v1/stages/talker/restart", json={"from_checkpoint": True}).json()
+    assert (reset["state"], reset["weights_version"], reset["version_reset_from"]) == ("RUNNING", 0, version)
+    status = served.stage("talker")
+    assert (status["weights_version"], status["version_reset_from"], status["version_floor"]) == (0, version, 0)
+    assert served.client.post("/v1/stages/talker/restart", json={"from_checkpoint": "yes"}).status_code == 422
 
 
 def test_idempotent_sleep_has_no_second_effect(served: Served) -> None:

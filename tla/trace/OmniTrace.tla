@@ -161,7 +161,7 @@ EngineIssue ==
 (* restart (StageRestarted): fresh ranks under a new epoch, from any state the stage table
    allows; the old processes are killed, so what they had not logged never left. *)
 EngineRestart ==
-    /\ E.k = "restart" /\ EngineStep(Restart) /\ WeightsRestarted
+    /\ E.k = "restart" /\ EngineStep(Restart) /\ WeightsRestarted(E.v)
     /\ wowed' = [r \in Ranks |-> NoOwed]
     /\ wreply' = [r \in Ranks |-> NoMsg]
     /\ unsent' = unsent \cup ({wreply[r] : r \in Ranks} \ {NoMsg})

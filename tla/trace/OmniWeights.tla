@@ -272,9 +272,10 @@ RankReloaded(r) ==
     /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = 0] ELSE wver
     /\ UNCHANGED <<sver, uver, uans, ufrom, wtask, wsaid>>
 
-(* A restart replaces every rank by a fresh process holding its own weights (version 0). *)
-WeightsRestarted ==
-    /\ wver' = [r \in Ranks |-> 0] /\ sver' = 0
+(* A restart replaces every rank by a fresh process: its own weights (version 0), or the
+   version `v` of the directory the stage's committed version came from (StageRestarted). *)
+WeightsRestarted(v) ==
+    /\ wver' = [r \in Ranks |-> v] /\ sver' = v
     /\ uver' = 0 /\ uans' = NoAnswers /\ ufrom' = NoVal /\ wtask' = 0 /\ wsaid' = {}
 
 -----------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""What a stage remembers of its weights version across restarts: where the committed version
+lives durably, and what fresh ranks start from.
+
+A version the stage committed from a directory (a disk update, a reload from a source, later
+a save) can be brought back by a restart: the fresh ranks load their checkpoint, then that
+directory, and say Hello at that version. A version that came from memory (shared memory,
+CUDA IPC, a collective, a stage-to-stage transfer) exists nowhere a fresh process can read
+it: the ranks come back NEEDS_RELOAD under a version floor, and nothing runs until an update
+at or above the floor, or a restart that the caller asked to start over from the checkpoint
+(`from_checkpoint`), which resets the version to 0 and says so. Versions never go backwards
+across epochs unless the caller reset them (tla/OmniVersions.tla, NoSilentRevert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omni_core.protocol import Command, DiskSource, ReloadWeights, UpdateWeights
+
+
+@dataclass(frozen=True)
+class StartWeights:
+    """What a stage's fresh ranks start from: their checkpoint, then `source` when given (a
+    directory holding `version`); or, with `needs_reload`, their checkpoint loaded but not
+    trusted: NEEDS_RELOAD, version 0, until an update at or above `floor`."""
+
+    source: str | None = None
+    version: int = 0
+    needs_reload: bool = False
+    floor: int = 0
+
+
+@dataclass(frozen=True)
+class VersionReset:
+    """A restart that the caller asked to start from the checkpoint dropped `from_version`."""
+
+    from_version: int
+    epoch: int
+
+
+class VersionKeeper:
+    """The durable source of the stage's committed version, from the commands it committed.
+
+    `durable` is False while the committed version came from memory; `source` is the directory
+    that holds it (None with `durable`: the runner's own checkpoint)."""
+
+    def __init__(self) -> None:
+        self.durable = True  # version 0 is the runner's own checkpoint
+        self.source: str | None = None
+        self.floor = 0  # a version the stage must not serve below (a lost in-memory version)
+        self.last_reset: VersionReset | None = None
+
+    @property
+    def kind(self) -> str:
+        """How status names it: 'checkpoint', 'disk' or 'memory'."""
+        if not self.durable:
+            return "memory"
+        return "checkpoint" if self.source is None else "disk"
+
+    def committed(self, command: Command, version: int) -> None:
+        """Every rank ACKed `command` at `version`: where that version now lives."""
+        if isinstance(command, UpdateWeights):
+            source = command.source
+            self.durable = isinstance(source, DiskSource)
+            self.source = source.path if isinstance(source, DiskSource) else None
+        elif isinstance(command, ReloadWeights):
+            self.durable, self.source = True, command.source
+        if version >= self.floor:
+            self.floor = 0
+
+    def plan_restart(self, version: int, epoch: int, *, from_checkpoint: bool) -> StartWeights:
+        """What the ranks of a restart start from, the stage at `version` before it."""
+        if from_checkpoint:
+            lost = max(version, self.floor)
+            self.last_reset = VersionReset(lost, epoch) if lost else None
+            self.durable, self.source, self.floor = True, None, 0
+            return StartWeights()
+        wanted = max(version, self.floor)
+        if self.durable and wanted == version:
+            return StartWeights(source=self.source, version=version)
+        # The version lived in memory only: what fresh ranks load is older than it.
+        self.durable, self.source, self.floor = False, None, wanted
+        return StartWeights(needs_reload=True, floor=wanted)
+
+    def refusal_below_floor(self, stage: str, version: int) -> str:
+        """Why an update to `version` is refused under the floor, or ''."""
+        if version >= self.floor:
+            return ""
+        return (
+            f"stage {stage!r}: weights version {version} is below the stage's version floor "
+            f"{self.floor} (the version it held before its restart, which lived in memory only); "
+            f"send version {self.floor} or above, or restart(from_checkpoint=True) to start over at 0"
+        )
+
+    def floor_detail(self, stage: str) -> str:
+        """What a request refused under the floor is told."""
+        return (
+            f"stage {stage!r} is NEEDS_RELOAD: it restarted from version {self.floor}, which lived in "
+            f"memory only, so its fresh ranks hold no weights at or above it; update its weights to "
+            f"version {self.floor} or above (update_weights), or restart(from_checkpoint=True) to serve "
+            "the checkpoint at version 0"
+        )
