@@ -79,6 +79,7 @@ class _Pending:
     sleep_plan: SleepPlan | None = None  # Sleep: what to offload and discard
     wake_tags: frozenset[str] = frozenset()  # Wake: the tags it maps back
     state_before: W | None = None  # ReloadWeights, Wake: where a refusal returns to
+    evict: tuple[str, ...] = ()  # AddAdapter: the adapters its load evicts (P-20)
 
 
 # Digest, names and bookkeeping of one cache entry, counted against the byte budget.
