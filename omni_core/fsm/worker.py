@@ -434,8 +434,11 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
             require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
         if self._pending is not None and isinstance(self._pending.command, ADAPTER_COMMANDS):
             require(
-                state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
-                "an adapter command pending without valid weights awake",
+                state in (W.ACTIVE, W.PARTIAL)
+                and res.weights_valid
+                and res.weights_resident
+                and self.adapters.home_tag not in asleep,
+                "an adapter command pending without valid weights and their pool awake",
             )
         require(len(self.adapters.holding()) <= self.adapters.max_loras, "more adapters loaded than max_loras")
         if self._pending is not None and type(self._pending.command) in WORKER_CALLS:

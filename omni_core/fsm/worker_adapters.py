@@ -24,7 +24,10 @@ from omni_core.protocol import (
 from omni_core.protocol import WorkerState as W
 
 ADAPTER_COMMANDS = (AddAdapter, RemoveAdapter, PinAdapter, ListAdapters)
-_WHERE = "adapters are loaded, unloaded and pinned with valid weights awake: ACTIVE, or PARTIAL with 'weights' awake"
+_WHERE = (
+    "adapters are loaded, unloaded and pinned with valid weights awake: ACTIVE, or PARTIAL with "
+    "'weights' awake (and 'adapters', the pool they live in, when the rank has that tag)"
+)
 
 
 class WorkerAdapters:
@@ -66,7 +69,8 @@ class WorkerAdapters:
             return WorkerStep(replies=(reply,))
         trigger = {AddAdapter: "add_adapter", RemoveAdapter: "remove_adapter", PinAdapter: "pin_adapter"}
         res = self.residency
-        if not self.lifecycle.allows(trigger[type(command)]) or not (res.weights_resident and res.weights_valid):
+        awake = res.weights_resident and res.weights_valid and self.adapters.home_tag not in res.asleep
+        if not self.lifecycle.allows(trigger[type(command)]) or not awake:
             return self._refuse_state(command, _WHERE)
         problem = self._adapter_problem(command)
         if problem is not None:

@@ -24,6 +24,7 @@ ALL_CAPABILITIES: tuple[Capability, ...] = (
     Capability.PARTIAL_WAKE,
     Capability.SWAP,
     Capability.WEIGHT_UPDATE,
+    Capability.ADAPTERS,
 )
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
 _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}

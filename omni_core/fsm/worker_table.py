@@ -107,7 +107,7 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("list_adapters", IDLE, None, "ListAdapters (P-20): every adapter, gone and stale ones named"),
     Transition(
         "adapter_already",
-        IDLE,
+        (W.ACTIVE, W.PARTIAL),
         None,
         "AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)",
     ),
