@@ -103,7 +103,9 @@ def test_bad_sources_are_refused_naming_what_and_nothing_is_loaded(engine_factor
         engine.add_adapter("lora", "x", "seed:1", rank=4, target_modules=("q_proj",))
     with pytest.raises(InvalidArgumentError, match="reloads from 'seed:<int>'"):
         engine.add_adapter("lora", "x", "/no/such/dir", rank=4, target_modules=MODULES)
-    with pytest.raises(InvalidArgumentError, match="cannot read its rank and target modules from adapter_config.json"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"cannot read its rank and target modules from adapter_config\.json"
+    ):
         engine.add_adapter("lora", "x", "/no/such/dir")
     assert engine.list_adapters("lora").adapters == ()
     assert engine.status()["lora"]["state"] == "RUNNING"
