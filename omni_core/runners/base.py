@@ -177,7 +177,7 @@ class ModelRunner(ABC):
         elif tag == KV_CACHE_TAG:
             self.allocate_caches()
         elif tag == ADAPTERS_TAG and self.supports_adapters:
-            return
+            self.adapter_tag = ADAPTERS_TAG  # the adapters get a pool of their own
         else:
             raise ValueError(
                 f"{type(self).__name__} has no allocation for tag {tag!r}; override "
