@@ -19,6 +19,7 @@ from omni_core.config import OmniConfig
 from omni_core.engine import Engine
 from omni_core.serve import (
     core_routes,
+    lora_routes,
     omni_routes,
     pause_routes,
     rl_routes,
@@ -39,6 +40,7 @@ API_VERSION = "1"
 # one module and one line here.
 ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     core_routes.router,
+    lora_routes.router,
     vllm_routes.router,
     pause_routes.router,
     omni_routes.router,
