@@ -51,6 +51,28 @@ def _modules(config: dict[str, Any]) -> list[str]:
     return [modules] if isinstance(modules, str) else list(modules or [])
 
 
+def check_peft_dir(command: AddAdapter, own_class: str) -> list[str]:
+    """What a PEFT directory says about itself, against the command and the model's class
+    (`own_class`, e.g. Qwen2ForCausalLM): its modules, once each is checked."""
+    config = _config(command)
+    name = command.name
+    base_class = (config.get("auto_mapping") or {}).get("base_model_class")
+    if base_class and own_class and base_class != own_class:
+        raise RunnerArgumentError(
+            f"adapter {name!r} was made for a {base_class}, and this stage serves a {own_class}; nothing was loaded"
+        )
+    if config.get("r") != command.rank:
+        raise RunnerArgumentError(
+            f"adapter {name!r}: its directory holds rank {config.get('r')!r}, the AddAdapter says {command.rank}"
+        )
+    declared = sorted(_modules(config))
+    if declared != sorted(command.target_modules):
+        raise RunnerArgumentError(
+            f"adapter {name!r}: its directory targets {declared}, the AddAdapter says {list(command.target_modules)}"
+        )
+    return declared
+
+
 class PeftAdapters:
     """The adapters of one transformers model, loaded through PEFT."""
 
@@ -61,24 +83,8 @@ class PeftAdapters:
 
     def check(self, command: AddAdapter) -> None:
         """Everything about the adapter checked before anything is loaded or evicted."""
-        config = _config(command)
-        name = command.name
-        base_class = (config.get("auto_mapping") or {}).get("base_model_class")
-        own_class = type(self.model).__name__
-        if base_class and base_class != own_class:
-            raise RunnerArgumentError(
-                f"adapter {name!r} was made for a {base_class}, and this stage serves a {own_class}; nothing was loaded"
-            )
-        if config.get("r") != command.rank:
-            raise RunnerArgumentError(
-                f"adapter {name!r}: its directory holds rank {config.get('r')!r}, the AddAdapter says {command.rank}"
-            )
-        declared = sorted(_modules(config))
-        if declared != sorted(command.target_modules):
-            raise RunnerArgumentError(
-                f"adapter {name!r}: its directory targets {declared}, "
-                f"the AddAdapter says {list(command.target_modules)}"
-            )
+        name, own_class = command.name, type(self.model).__name__
+        declared = check_peft_dir(command, own_class)
         own = {module_name.rsplit(".", 1)[-1] for module_name, _ in self.model.named_modules()}
         missing = sorted(set(declared) - own)
         if missing:
