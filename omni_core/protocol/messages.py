@@ -211,7 +211,8 @@ MAX_ADAPTER_NAME_CHARS = 128
 AdapterName = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=ADAPTER_NAME_PATTERN)
 ]
-ModuleName = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.]+$")]
+MODULE_NAME_PATTERN = r"^[A-Za-z0-9_.]+$"
+ModuleName = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=MODULE_NAME_PATTERN)]
 AdapterVersion = Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
 
 
