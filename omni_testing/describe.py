@@ -211,7 +211,8 @@ def describe_effect(effect: Effect) -> str:
         return f"perform {type(effect.command).__name__}"
     if isinstance(effect, AdapterEffect):
         evict = f", evicting {list(effect.evict)}" if effect.evict else ""
-        return f"perform {type(effect.command).__name__} {effect.command.name}{evict}"
+        name = f" {effect.command.name}" if hasattr(effect.command, "name") else ""
+        return f"perform {type(effect.command).__name__}{name}{evict}"
     return type(effect).__name__ + fmt_fields({f.name: getattr(effect, f.name) for f in dataclasses.fields(effect)})
 
 

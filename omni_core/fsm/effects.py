@@ -86,11 +86,12 @@ class ExecuteEffect:
 class AdapterEffect:
     """Perform an adapter command (P-20) on the runner: for an AddAdapter, check the source
     (a problem: `RunnerArgumentError`, nothing done, `EffectDeclined`), unload `evict`, then
-    load it into the adapters' pool; a RemoveAdapter unloads, a PinAdapter pins. Never changes
-    the state; any failure is that command's NACK."""
+    load it into the adapters' pool; a RemoveAdapter unloads, a PinAdapter pins, a ListAdapters
+    does nothing (the core's table answers it). Never changes the state; any failure is that
+    command's NACK."""
 
     task_id: str
-    command: Any  # AddAdapter | RemoveAdapter | PinAdapter
+    command: Any  # AddAdapter | RemoveAdapter | PinAdapter | ListAdapters
     evict: tuple[str, ...] = ()
 
 

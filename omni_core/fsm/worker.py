@@ -61,6 +61,7 @@ from omni_core.fsm.worker_table import IDLE, WORKER_CALLS, WORKER_TRANSITIONS
 from omni_core.protocol import (
     Ack,
     AckStatus,
+    AddAdapter,
     Capability,
     Command,
     Execute,
@@ -68,9 +69,11 @@ from omni_core.protocol import (
     MemoryReport,
     Nack,
     NackReason,
+    PinAdapter,
     Profile,
     ProtocolError,
     ReloadWeights,
+    RemoveAdapter,
     Reply,
     ShareWeights,
     Shutdown,
@@ -432,7 +435,8 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
         if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
             require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
-        if self._pending is not None and isinstance(self._pending.command, ADAPTER_COMMANDS):
+        moving = (AddAdapter, RemoveAdapter, PinAdapter)
+        if self._pending is not None and isinstance(self._pending.command, moving):
             require(
                 state in (W.ACTIVE, W.PARTIAL)
                 and res.weights_valid

@@ -60,8 +60,10 @@ class WorkerAdapters:
             if not self.lifecycle.allows("list_adapters"):
                 return self._refuse_state(command, "ListAdapters is legal in ACTIVE, SLEEPING, PARTIAL, NEEDS_RELOAD")
             self.lifecycle.fire("list_adapters")
-            # Read from the table alone, as Status is: never cached, a copy gets today's list.
-            return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
+            # Through the shell like every command (its runner may list its own), answered
+            # from the table at completion and cached: a copy gets the same list (P-2).
+            self._pending = _Pending(command)
+            return WorkerStep(effect=AdapterEffect(command.task_id, command, ()))
         if self._adapter_already(command) and self.lifecycle.allows("adapter_already"):
             self.lifecycle.fire("adapter_already")
             reply = self._ack(command, AckStatus.ALREADY)

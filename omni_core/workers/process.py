@@ -70,6 +70,7 @@ from omni_core.protocol import (
     MemoryReport,
     Message,
     NackReason,
+    PinAdapter,
     ProtocolError,
     RemoveAdapter,
     ResetPrefixCache,
@@ -542,8 +543,10 @@ class WorkerProcess:
                 runner.add_adapter(command)
         elif isinstance(command, RemoveAdapter):
             runner.remove_adapter(command.name)
-        else:
+        elif isinstance(command, PinAdapter):
             runner.pin_adapter(command.name, command.pinned)
+        else:  # ListAdapters: the core's table answers it
+            return
         if runner.adapter_tag in self.config.tags:
             backend.track(runner.adapter_tag, runner.tensors(runner.adapter_tag))
 
