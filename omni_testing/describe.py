@@ -10,6 +10,7 @@ from typing import Any
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.effects import (
+    AdapterEffect,
     CommandEffect,
     Effect,
     ExecuteEffect,
@@ -68,7 +69,8 @@ def describe(message: Message) -> str:
     if isinstance(message, ReloadWeights):
         return f"ReloadWeights {head} source={message.source or 'default'}"
     if isinstance(message, Execute):
-        return f"Execute {head} payload={message.payload!r}"
+        adapter = f" adapter={message.adapter}" if message.adapter is not None else ""
+        return f"Execute {head} payload={message.payload!r}{adapter}"
     if isinstance(message, Profile):
         return f"Profile {head} {'start' if message.start else 'stop'} prefix={message.prefix or '-'}"
     if isinstance(message, UpdateWeights):
@@ -86,18 +88,28 @@ def describe(message: Message) -> str:
         paths = f" traces={list(message.trace_paths)}" if message.trace_paths else ""
         return (
             f"Ack {message.command} {head} {message.status.value} {message.state.value} "
-            f"asleep={fmt_tags(message.asleep_tags)}{version}{paths}{detail}"
+            f"asleep={fmt_tags(message.asleep_tags)}{version}{paths}{_adapters(message)}{detail}"
         )
     if isinstance(message, Nack):
         reason, state = message.reason.value, message.state.value
         return f"Nack {message.command} {head} {reason} in {state}{version}: {message.detail}"
     if isinstance(message, Result):
-        return f"Result {head} output={message.output!r}{version}"
+        adapter = f" adapter={message.adapter} v{message.adapter_version}" if message.adapter is not None else ""
+        return f"Result {head} output={message.output!r}{version}{adapter}"
     if isinstance(message, Hello):
         detail = f": {message.detail}" if message.detail else ""
         at = f" v{message.weights_version}" if message.weights_version else ""
         return f"Hello e{message.epoch} {message.state.value} tags={fmt_tags(message.tags)}{at}{detail}"
     return f"{type(message).__name__} {head}{fmt_fields(arguments(message))}"
+
+
+def _adapters(ack: Ack) -> str:
+    """An adapter command's listing (P-20): each adapter as name:status, and what was evicted."""
+    if not ack.command.endswith("Adapter") and ack.command != "ListAdapters":
+        return ""
+    listed = ",".join(f"{a.name}:{a.status}{'(pinned)' if a.pinned else ''}" for a in ack.adapters)
+    evicted = f" evicted={list(ack.adapters_evicted)}" if ack.adapters_evicted else ""
+    return f" adapters=[{listed}]{evicted}"
 
 
 def fmt_fields(fields: dict[str, Any]) -> str:
@@ -128,7 +140,8 @@ def describe_input(event: I.EngineInput) -> str:
     if isinstance(event, (I.Start, I.Restart)):
         return f"{type(event).__name__} deadline={fmt_s(event.deadline_s)}"
     if isinstance(event, I.Submit):
-        return f"Submit {event.request_id} payload={event.payload!r} timeout={fmt_s(event.timeout_s)}"
+        adapter = f" adapter={event.adapter}" if event.adapter is not None else ""
+        return f"Submit {event.request_id} payload={event.payload!r} timeout={fmt_s(event.timeout_s)}{adapter}"
     if isinstance(event, I.SleepCall):
         abort = " abort_in_flight" if event.abort_in_flight else ""
         return (
@@ -199,6 +212,10 @@ def describe_effect(effect: Effect) -> str:
         return "start the profiler" if effect.start else "stop the profiler, write its trace"
     if isinstance(effect, CommandEffect):
         return f"perform {type(effect.command).__name__}"
+    if isinstance(effect, AdapterEffect):
+        evict = f", evicting {list(effect.evict)}" if effect.evict else ""
+        name = f" {effect.command.name}" if hasattr(effect.command, "name") else ""
+        return f"perform {type(effect.command).__name__}{name}{evict}"
     return type(effect).__name__ + fmt_fields({f.name: getattr(effect, f.name) for f in dataclasses.fields(effect)})
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
@@ -91,7 +92,7 @@ class Script:
           shell=serial|async load-error=RANK:TEXT seed= + the fault options below]   a fresh simulation
     faults [loss= dup= delay= max-delay= reorder= crash= effect-error=]   seeded fault rates
     sleep task= [level=1 tags=all deadline=30s abort=false]   wake task= [tags= deadline=]
-    reload task= [source= deadline=]     submit req= [payload= timeout=30s]     set-admission POLICY
+    reload task= [source= deadline=]     submit req= [payload= timeout=30s adapter=]     set-admission POLICY
     update task= version= [source=PATH|collective deadline=30s]   weight-group task= [port=29500 world=3 offset=1]
     share task= [bucket-bytes=1024 deadline=30s]
     profile task= [start=yes|no prefix= deadline=30s]
@@ -324,7 +325,11 @@ class Script:
         kinds = {kind.__name__: kind for kind in STATELESS}
         if len(bare) != 1 or bare[0] not in kinds:
             raise ScriptError(f"command TYPE task= [deadline= FIELD=VALUE...]: TYPE is one of {sorted(kinds)}")
-        fields = {k: v for k, v in args.items() if k not in ("task", "deadline")}
+        fields: dict[str, Any] = {k: v for k, v in args.items() if k not in ("task", "deadline")}
+        info = msgspec.inspect.type_info(kinds[bare[0]])
+        for field in getattr(info, "fields", ()):  # a tuple's items, comma-separated: target_modules=q,v
+            if field.name in fields and isinstance(field.type, msgspec.inspect.VarTupleType):
+                fields[field.name] = [v for v in fields[field.name].split(",") if v]
         raw = {"type": bare[0], "task_id": args["task"], "epoch": 0, **fields}
         try:
             command = msgspec.convert(raw, kinds[bare[0]], strict=False)  # "yes", "4096" read as their fields
@@ -333,10 +338,9 @@ class Script:
         self.s.call(I.CommandCall(command, parse_duration_s(args.get("deadline", "30s"))))
 
     def cmd_submit(self, args: dict[str, str], bare: list[str]) -> None:
-        self._only(args, {"req", "payload", "timeout"})
-        self.s.call(
-            I.Submit(args["req"], _value(args.get("payload", "0")), parse_duration_s(args.get("timeout", "30s")))
-        )
+        self._only(args, {"req", "payload", "timeout", "adapter"})
+        payload, timeout_s = _value(args.get("payload", "0")), parse_duration_s(args.get("timeout", "30s"))
+        self.s.call(I.Submit(args["req"], payload, timeout_s, args.get("adapter")))
 
     def cmd_set_admission(self, args: dict[str, str], bare: list[str]) -> None:
         if len(bare) != 1:

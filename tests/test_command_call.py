@@ -11,8 +11,12 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.stage_table import CALLS, STATELESS
 from omni_core.protocol import (
     AckStatus,
+    AddAdapter,
     InitWeightGroup,
+    ListAdapters,
+    PinAdapter,
     Profile,
+    RemoveAdapter,
     ResetPrefixCache,
     ShareWeights,
     Sleep,
@@ -26,7 +30,16 @@ def _call(command: object, deadline_s: float = 5.0) -> I.CommandCall:
 
 
 def test_the_stateless_commands_are_read_from_the_table() -> None:
-    assert set(STATELESS) == {Profile, InitWeightGroup, ShareWeights, ResetPrefixCache}
+    assert set(STATELESS) == {
+        Profile,
+        InitWeightGroup,
+        ShareWeights,
+        ResetPrefixCache,
+        AddAdapter,
+        RemoveAdapter,
+        PinAdapter,
+        ListAdapters,
+    }
     assert all(CALLS[kind].stateless for kind in STATELESS)
 
 
@@ -100,7 +113,8 @@ def test_a_command_call_carries_only_a_stateless_command(command: object) -> Non
     h = reach_stage(S.RUNNING)
     with pytest.raises(
         StageCommandError,
-        match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, ResetPrefixCache, not ",
+        match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, AddAdapter, RemoveAdapter, "
+        "PinAdapter, ListAdapters, ResetPrefixCache, not ",
     ):
         h.stage.core.step(_call(command), h.now)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None

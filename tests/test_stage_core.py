@@ -947,6 +947,16 @@ SCENARIOS += [
 ]
 
 
+def _adapter_scenarios() -> None:
+    from test_stage_adapters import STAGE_ADAPTER_SCENARIOS  # P-20; it imports this module's helpers
+
+    for scenario in STAGE_ADAPTER_SCENARIOS:
+        scenario()
+
+
+SCENARIOS.append(_adapter_scenarios)
+
+
 def test_every_stage_transition_is_exercised() -> None:
     with record_transitions() as fired:
         for scenario in SCENARIOS:

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
+from test_worker_adapters import ADAPTER_SCENARIOS
 
 from omni_core.fsm import (
     STAGE_TRANSITIONS,
@@ -865,6 +866,7 @@ def _wake_from_needs_reload_with_tags_asleep() -> None:
 
 
 SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
+SCENARIOS += ADAPTER_SCENARIOS  # P-20: tests/test_worker_adapters.py
 
 
 def _weights_update_scenario() -> None:

@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 82 rows from 34 triggers
+\* ---- worker lifecycle: 94 rows from 39 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -26,13 +26,16 @@ WorkerTriggers == {"loaded", "loaded_needs_reload", "sleep", "sleep_already", "o
                    "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
                    "update", "update_refused_active", "update_refused_partial",
                    "update_refused_needs_reload", "update_failed", "weight_group",
-                   "weight_group_already", "share", "reset_prefix_cache", "execute", "status",
-                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
+                   "weight_group_already", "share", "reset_prefix_cache", "add_adapter",
+                   "remove_adapter", "pin_adapter", "list_adapters", "adapter_already",
+                   "execute", "status", "profile", "profile_already", "fail", "shutdown",
+                   "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-WorkerInternalTriggers == {"execute", "profile", "profile_already", "reset_prefix_cache",
-                           "share", "shutdown_already", "sleep_already", "status",
-                           "wake_already", "weight_group", "weight_group_already"}
+WorkerInternalTriggers == {"adapter_already", "add_adapter", "execute", "list_adapters",
+                           "pin_adapter", "profile", "profile_already", "remove_adapter",
+                           "reset_prefix_cache", "share", "shutdown_already", "sleep_already",
+                           "status", "wake_already", "weight_group", "weight_group_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -84,6 +87,18 @@ WorkerRelation == {
     <<"PARTIAL", "share", "PARTIAL">>,                              \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
     <<"ACTIVE", "reset_prefix_cache", "ACTIVE">>,                   \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
     <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,                 \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
+    <<"ACTIVE", "add_adapter", "ACTIVE">>,                          \* AddAdapter with valid weights awake (P-20): loaded into the adapters' pool, LRU evicted at max_loras
+    <<"PARTIAL", "add_adapter", "PARTIAL">>,                        \* AddAdapter with valid weights awake (P-20): loaded into the adapters' pool, LRU evicted at max_loras
+    <<"ACTIVE", "remove_adapter", "ACTIVE">>,                       \* RemoveAdapter of an adapter held (P-20): unloaded; the state never changes
+    <<"PARTIAL", "remove_adapter", "PARTIAL">>,                     \* RemoveAdapter of an adapter held (P-20): unloaded; the state never changes
+    <<"ACTIVE", "pin_adapter", "ACTIVE">>,                          \* PinAdapter (P-20): never evicted while pinned
+    <<"PARTIAL", "pin_adapter", "PARTIAL">>,                        \* PinAdapter (P-20): never evicted while pinned
+    <<"ACTIVE", "list_adapters", "ACTIVE">>,                        \* ListAdapters (P-20): every adapter, gone and stale ones named
+    <<"SLEEPING", "list_adapters", "SLEEPING">>,                    \* ListAdapters (P-20): every adapter, gone and stale ones named
+    <<"PARTIAL", "list_adapters", "PARTIAL">>,                      \* ListAdapters (P-20): every adapter, gone and stale ones named
+    <<"NEEDS_RELOAD", "list_adapters", "NEEDS_RELOAD">>,            \* ListAdapters (P-20): every adapter, gone and stale ones named
+    <<"ACTIVE", "adapter_already", "ACTIVE">>,                      \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
+    <<"PARTIAL", "adapter_already", "PARTIAL">>,                    \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
     <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7)
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
     <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
@@ -129,7 +144,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 91 rows from 42 triggers
+\* ---- stage lifecycle: 105 rows from 46 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -142,12 +157,14 @@ StageTriggers == {"started", "started_needs_reload", "drain", "drained", "drain_
                   "woke_needs_reload", "woke_paused", "update_drain", "update_drained", "update",
                   "update_refused_running", "update_refused_paused", "update_refused_partial",
                   "update_refused_needs_reload", "update_paused", "update_failed",
-                  "weight_group", "share", "reset_prefix_cache", "execute", "pause_drain",
-                  "pause_drained", "pause_already", "resume", "resume_already", "resume_asleep",
-                  "profile", "fail", "restart", "stop"}
+                  "weight_group", "share", "reset_prefix_cache", "add_adapter", "remove_adapter",
+                  "pin_adapter", "list_adapters", "execute", "pause_drain", "pause_drained",
+                  "pause_already", "resume", "resume_already", "resume_asleep", "profile",
+                  "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-StageInternalTriggers == {"execute", "pause_already", "profile", "reset_prefix_cache",
+StageInternalTriggers == {"add_adapter", "execute", "list_adapters", "pause_already",
+                          "pin_adapter", "profile", "remove_adapter", "reset_prefix_cache",
                           "resume_already", "resume_asleep", "share", "sleep_already",
                           "wake_already", "weight_group"}
 
@@ -204,6 +221,20 @@ StageRelation == {
     <<"RUNNING", "reset_prefix_cache", "RUNNING">>,              \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
     <<"PAUSED", "reset_prefix_cache", "PAUSED">>,                \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
     <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,              \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
+    <<"RUNNING", "add_adapter", "RUNNING">>,                     \* AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on
+    <<"PAUSED", "add_adapter", "PAUSED">>,                       \* AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on
+    <<"PARTIAL", "add_adapter", "PARTIAL">>,                     \* AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on
+    <<"RUNNING", "remove_adapter", "RUNNING">>,                  \* RemoveAdapter sent to every rank (P-20); the state never changes
+    <<"PAUSED", "remove_adapter", "PAUSED">>,                    \* RemoveAdapter sent to every rank (P-20); the state never changes
+    <<"PARTIAL", "remove_adapter", "PARTIAL">>,                  \* RemoveAdapter sent to every rank (P-20); the state never changes
+    <<"RUNNING", "pin_adapter", "RUNNING">>,                     \* PinAdapter sent to every rank (P-20); nothing moves
+    <<"PAUSED", "pin_adapter", "PAUSED">>,                       \* PinAdapter sent to every rank (P-20); nothing moves
+    <<"PARTIAL", "pin_adapter", "PARTIAL">>,                     \* PinAdapter sent to every rank (P-20); nothing moves
+    <<"RUNNING", "list_adapters", "RUNNING">>,                   \* ListAdapters sent to every rank (P-20): gone and stale adapters named
+    <<"PAUSED", "list_adapters", "PAUSED">>,                     \* ListAdapters sent to every rank (P-20): gone and stale adapters named
+    <<"SLEEPING", "list_adapters", "SLEEPING">>,                 \* ListAdapters sent to every rank (P-20): gone and stale adapters named
+    <<"PARTIAL", "list_adapters", "PARTIAL">>,                   \* ListAdapters sent to every rank (P-20): gone and stale adapters named
+    <<"NEEDS_RELOAD", "list_adapters", "NEEDS_RELOAD">>,         \* ListAdapters sent to every rank (P-20): gone and stale adapters named
     <<"RUNNING", "execute", "RUNNING">>,                         \* admission is open only in RUNNING (P-7)
     <<"RUNNING", "pause_drain", "DRAINING">>,                    \* pause(): admission closed; in-flight requests finish (wait, keep) or their callers hear ABORTED (abort)
     <<"DRAINING", "pause_drained", "PAUSED">>,                   \* no request in flight: paused; nothing was sent to the ranks, nothing released

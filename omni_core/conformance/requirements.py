@@ -285,6 +285,16 @@ REQUIREMENTS: dict[str, Requirement] = {
             "`Nack` that leaves it where the stage committed it as that rank's refusal (as for `Profile`, "
             "P-15).",
         ),
+        Requirement(
+            "P-20",
+            "An adapter is served only loaded, on the weights it was made for",
+            "A worker that declares the capability `adapters` holds LoRA adapters, each named, with an integer "
+            "`adapter_id`, a `rank`, its `target_modules`, its own `version` and the `base_version` of the "
+            "weights it was made for; a worker that does not MUST refuse the four commands below with `Nack "
+            "UNSUPPORTED` and no effect. They never change the lifecycle state, are idempotent by `task_id` and "
+            "fenced by epoch like every command (P-2, P-6), and refused while an effect runs (`Nack BUSY`) or in "
+            "`FAILED` (`Nack FAILED`).",
+        ),
     )
 }
 

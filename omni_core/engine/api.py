@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from omni_core.engine.adapter_calls import AdapterCalls
 from omni_core.engine.calls import LifecycleCall, ShutdownCall, StatusQuery, SwapRequest
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
@@ -63,7 +64,7 @@ def _tags(tags: Iterable[str] | str | None) -> tuple[str, ...] | None:
     return tuple(tags)
 
 
-class Engine:
+class Engine(AdapterCalls):
     """Starts every stage's ranks and waits until all are RUNNING (or raises).
 
     `transport`: "ipc" (a private Unix socket, default) or "tcp" bound on `host`; tcp on an
@@ -133,10 +134,18 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def submit(
-        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
+        self,
+        stage: str,
+        payload: Any = None,
+        *,
+        timeout_s: float | None = None,
+        with_version: bool = False,
+        adapter: str | None = None,
     ) -> Future:
         """Send a request without waiting; the future holds rank 0's output (an `ExecuteResult`
-        naming the weights version too, `with_version`) or the error (this call raises none)."""
+        naming the weights version too, and the adapter's, `with_version`) or the error (this
+        call raises none). `adapter`: the LoRA adapter to run it with (P-20), refused naming
+        it when a rank does not hold it loaded."""
         try:
             spec = self._spec(stage)
             budget_s = spec.request_timeout_s if timeout_s is None else float(timeout_s)
@@ -144,17 +153,24 @@ class Engine:
             refused: Future = Future()
             refused.set_exception(exc)
             return refused
-        answered = self._orch.submit(stage, Submit(self._orch.new_request_id(stage), payload, budget_s))
+        answered = self._orch.submit(stage, Submit(self._orch.new_request_id(stage), payload, budget_s, adapter))
         return answered if with_version else _output_of(answered)
 
     def execute(
-        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
+        self,
+        stage: str,
+        payload: Any = None,
+        *,
+        timeout_s: float | None = None,
+        with_version: bool = False,
+        adapter: str | None = None,
     ) -> Any | ExecuteResult:
         """Rank 0's output; with `with_version`, an `ExecuteResult`: the output and the weights
-        version that produced it (every rank computed it on that version)."""
+        version that produced it (every rank computed it on that version), and the adapter
+        and adapter version it ran with (`adapter`, P-20)."""
         spec = self._spec(stage)
         return self._wait(
-            self.submit(stage, payload, timeout_s=timeout_s, with_version=with_version),
+            self.submit(stage, payload, timeout_s=timeout_s, with_version=with_version, adapter=adapter),
             timeout_s if timeout_s is not None else spec.request_timeout_s,
         )
 
@@ -552,9 +568,15 @@ class AsyncEngine:
         return self._engine
 
     async def execute(
-        self, stage: str, payload: Any = None, *, timeout_s: float | None = None, with_version: bool = False
+        self,
+        stage: str,
+        payload: Any = None,
+        *,
+        timeout_s: float | None = None,
+        with_version: bool = False,
+        adapter: str | None = None,
     ) -> Any | ExecuteResult:
-        future = self.engine.submit(stage, payload, timeout_s=timeout_s, with_version=with_version)
+        future = self.engine.submit(stage, payload, timeout_s=timeout_s, with_version=with_version, adapter=adapter)
         return await asyncio.wrap_future(future)
 
     async def sleep(
@@ -594,6 +616,18 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self, stage: str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reset_prefix_cache, stage, **kwargs)
+
+    async def add_adapter(self, stage: str, name: str, source: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.add_adapter, stage, name, source, **kwargs)
+
+    async def remove_adapter(self, stage: str, name: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.remove_adapter, stage, name, **kwargs)
+
+    async def pin_adapter(self, stage: str, name: str, pinned: bool = True, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.pin_adapter, stage, name, pinned, **kwargs)
+
+    async def list_adapters(self, stage: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.list_adapters, stage, **kwargs)
 
     async def restart(self, stage: str, *, from_checkpoint: bool = False) -> RestartReport:
         return await asyncio.to_thread(self.engine.restart, stage, from_checkpoint=from_checkpoint)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from omni_core.engine.errors import InvalidPayloadError, PayloadTooLargeError
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import inputs as I
+from omni_core.fsm.adapters import adapter_name_problem
 from omni_core.protocol import Execute, encode, payload_problem
 from omni_core.protocol.codec import wire_int_problem
 
@@ -65,10 +66,13 @@ def check_request(spec: StageSpec, submit: I.Submit, epoch: int) -> None:
     stage's max_frame_bytes."""
     name = spec.name
     problem = payload_problem(submit.payload)
+    if problem is None and submit.adapter is not None:
+        problem = adapter_name_problem(submit.adapter)
     if problem is not None:
         raise InvalidPayloadError(f"the request to stage {name!r} was not sent: {problem}")
     try:
-        size_bytes = len(encode(Execute(task_id=submit.request_id, epoch=epoch, payload=submit.payload)))
+        execute = Execute(task_id=submit.request_id, epoch=epoch, payload=submit.payload, adapter=submit.adapter)
+        size_bytes = len(encode(execute))
     except OverflowError as exc:
         raise InvalidPayloadError(f"the request to stage {name!r} was not sent: {wire_int_problem(exc)}") from None
     except (TypeError, ValueError, RecursionError) as exc:

@@ -512,7 +512,10 @@ class Orchestrator:
         if future is None:
             return
         if answer.error is None:
-            settle(future, result=ExecuteResult(answer.output, answer.weights_version))
+            settle(
+                future,
+                result=ExecuteResult(answer.output, answer.weights_version, answer.adapter, answer.adapter_version),
+            )
         else:
             settle(future, error=request_error(answer))
 

@@ -103,6 +103,8 @@ def worker_config(
         backend=spec.backend,
         device=spec.device,
         tags=spec.tags,
+        max_loras=spec.max_loras,
+        max_lora_rank=spec.max_lora_rank,
         gpu_memory_fraction=spec.gpu_memory_fraction,
         verify_clean_sleep=spec.verify_clean_sleep,
         simulated_device=spec.simulated_device,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.fsm.stage import TaskOutcome
-from omni_core.protocol import Ack
+from omni_core.protocol import Ack, AdapterInfo
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,8 @@ class ExecuteResult:
 
     output: Any
     weights_version: int
+    adapter: str | None = None  # the LoRA adapter it ran with and that adapter's version (P-20)
+    adapter_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class RankReport:
     shared: Any = None  # ShareWeights: the ShmSource/IpcSource holding this rank's weights
     # A reload or an update: the runner's weight-derived caches dropped before the Ack
     caches_dropped: tuple[str, ...] = ()
+    # The adapter commands (P-20): every adapter the rank holds after it, and those evicted.
+    adapters: tuple[AdapterInfo, ...] = ()
+    adapters_evicted: tuple[str, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
@@ -64,6 +69,8 @@ class RankReport:
             weights_version=ack.weights_version,
             shared=ack.shared,
             caches_dropped=tuple(ack.caches_dropped),
+            adapters=tuple(ack.adapters),
+            adapters_evicted=tuple(ack.adapters_evicted),
         )
 
 
@@ -79,6 +86,12 @@ class LifecycleReport:
     duration_s: float
     ranks: dict[int, RankReport]
     weights_version: int = 0  # the stage's weights version after the task (P-17)
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """An adapter command's listing (P-20), as the lowest rank holds them (ranks of one
+        stage hold the same adapters: every adapter command goes to all of them)."""
+        return self.ranks[min(self.ranks)].adapters if self.ranks else ()
 
     @classmethod
     def from_outcome(cls, stage: str, outcome: TaskOutcome, weights_version: int = 0) -> LifecycleReport:

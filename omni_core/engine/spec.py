@@ -14,10 +14,11 @@ import msgspec
 from msgspec import Meta
 
 from omni_core.engine.fields import FieldError, conform
+from omni_core.fsm.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from omni_core.fsm.admission import AdmissionPolicy  # the one definition, beside its tables
 from omni_core.fsm.tags import DEFAULT_TAGS
 from omni_core.plugins import BACKENDS, RUNNERS, name_problem
-from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_ADAPTER_RANK, MAX_ADAPTERS
 from omni_core.workers.config import FrameBytes, GpuFraction, Seconds
 from omni_core.workers.simulated_device import SimulatedDevice
 
@@ -97,6 +98,11 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (fast backend); a runner that wrote them fails the sleep instead of waking stale.
     verify_clean_sleep: bool = False
     tags: Annotated[tuple[str, ...], Meta(min_length=1)] = DEFAULT_TAGS
+    # LoRA adapters (P-20): how many each rank holds at once (LRU eviction beyond, pinned ones
+    # never), and the highest rank it accepts. They live in the pool of tag `adapters` when
+    # `tags` has it, else in the weights'.
+    max_loras: Annotated[int, Meta(ge=1, le=MAX_ADAPTERS)] = DEFAULT_MAX_LORAS
+    max_lora_rank: Annotated[int, Meta(ge=1, le=MAX_ADAPTER_RANK)] = DEFAULT_MAX_LORA_RANK
     placement: RayPlacement | None = None  # on a Ray cluster (RayLauncher); None: its defaults
     # Profile traces of every rank (engine.profile); None: $TMPDIR/omni-core-profiles.
     profile_dir: Annotated[str, Meta(min_length=1)] | None = None

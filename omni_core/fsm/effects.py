@@ -79,6 +79,20 @@ class ShareEffect:
 class ExecuteEffect:
     task_id: str
     payload: Any
+    adapter: str | None = None  # the LoRA adapter to run it with (P-20), loaded on this rank
+
+
+@dataclass(frozen=True)
+class AdapterEffect:
+    """Perform an adapter command (P-20) on the runner: for an AddAdapter, check the source
+    (a problem: `RunnerArgumentError`, nothing done, `EffectDeclined`), unload `evict`, then
+    load it into the adapters' pool; a RemoveAdapter unloads, a PinAdapter pins, a ListAdapters
+    does nothing (the core's table answers it). Never changes the state; any failure is that
+    command's NACK."""
+
+    task_id: str
+    command: Any  # AddAdapter | RemoveAdapter | PinAdapter | ListAdapters
+    evict: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,11 +141,13 @@ Effect = (
     | WeightGroupEffect
     | ShareEffect
     | CommandEffect
+    | AdapterEffect
 )
 
 # What `omni_core.fsm` exports of this module (it star-imports it): a new effect is exported
 # by its line here, beside its class.
 __all__ = [
+    "AdapterEffect",
     "CommandEffect",
     "Effect",
     "ExecuteEffect",

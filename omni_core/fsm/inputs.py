@@ -45,6 +45,7 @@ class Submit:
     request_id: str
     payload: Any
     timeout_s: float
+    adapter: str | None = None  # the LoRA adapter every rank runs it with (P-20)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,8 @@ class RequestOutcome:
     error: RequestError | None = None
     detail: str = ""
     weights_version: int = 0
+    adapter: str | None = None  # the LoRA adapter it ran with, and that adapter's version (P-20)
+    adapter_version: int = 0
 
     @property
     def ok(self) -> bool:

@@ -47,7 +47,7 @@ class StageRequests:
     _expired_task: str
 
     def _submit(self, event: I.Submit, now: float) -> StageStep:
-        request = _Request(event.request_id, event.payload, now + event.timeout_s)
+        request = _Request(event.request_id, event.payload, now + event.timeout_s, event.adapter)
         if request.request_id in self.in_flight or request.request_id in self.queue:
             why = f"request id {request.request_id!r} is already queued or in flight on stage {self.name!r}; "
             self._answer(request, RequestError.REJECTED, why + "submit each request under a new id")
@@ -129,7 +129,9 @@ class StageRequests:
         if request.request_id in self.in_flight or request.request_id in self.queue:
             raise InvariantViolation(f"stage {self.name!r}: request {request.request_id} both queued and in flight")
         self.in_flight[request.request_id] = request
-        command = Execute(task_id=request.request_id, epoch=self.epoch, payload=request.payload)
+        command = Execute(
+            task_id=request.request_id, epoch=self.epoch, payload=request.payload, adapter=request.adapter
+        )
         return StageStep(sends=tuple(Outbound(rank, command) for rank in self.ranks))
 
     def _on_request_reply(self, request: _Request, reply: Result | Nack, now: float) -> StageStep:
@@ -172,7 +174,8 @@ class StageRequests:
             }
             return self._fail_task(why, now) if self._task else self._fail_idle(why, now)
         elif results:  # ranks of one stage compute the same result: rank 0's
-            self._answer(request, None, "", output=results[0].output, weights_version=results[0].weights_version)
+            first = results[0]
+            self._answer(request, None, "", first.output, first.weights_version, first.adapter, first.adapter_version)
         return self._retire(request, now)
 
     def _retire(self, request: _Request, now: float) -> StageStep:
@@ -182,11 +185,19 @@ class StageRequests:
         return StageStep()
 
     def _answer(
-        self, request: _Request, error: RequestError | None, detail: str, output: Any = None, weights_version: int = 0
+        self,
+        request: _Request,
+        error: RequestError | None,
+        detail: str,
+        output: Any = None,
+        weights_version: int = 0,
+        adapter: str | None = None,
+        adapter_version: int = 0,
     ) -> None:
         if not request.answered:
             request.answered = True
-            self._answers.append(RequestOutcome(request.request_id, output, error, detail, weights_version))
+            ran = (weights_version, adapter, adapter_version)
+            self._answers.append(RequestOutcome(request.request_id, output, error, detail, *ran))
 
     def _fail_requests(
         self, queued: RequestError, detail: str, *, running: RequestError | None = None, running_detail: str = ""

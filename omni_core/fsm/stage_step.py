@@ -82,6 +82,7 @@ class _Request:
     request_id: str
     payload: Any
     deadline_at: float
+    adapter: str | None = None  # P-20: the adapter it names
     replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent to it
     answered: bool = False  # the caller already heard (aborted, overloaded)
 

@@ -17,10 +17,14 @@ from omni_core.fsm.settle import refused_rows
 from omni_core.fsm.stage_step import StageCommandError
 from omni_core.fsm.table import Transition
 from omni_core.protocol import (
+    AddAdapter,
     Command,
     InitWeightGroup,
+    ListAdapters,
+    PinAdapter,
     Profile,
     ReloadWeights,
+    RemoveAdapter,
     ResetPrefixCache,
     ShareWeights,
     Sleep,
@@ -138,6 +142,22 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         None,
         "ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves",
     ),
+    Transition(
+        "add_adapter",
+        (S.RUNNING, S.PAUSED, S.PARTIAL),
+        None,
+        "AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on",
+    ),
+    Transition(
+        "remove_adapter",
+        (S.RUNNING, S.PAUSED, S.PARTIAL),
+        None,
+        "RemoveAdapter sent to every rank (P-20); the state never changes",
+    ),
+    Transition(
+        "pin_adapter", (S.RUNNING, S.PAUSED, S.PARTIAL), None, "PinAdapter sent to every rank (P-20); nothing moves"
+    ),
+    Transition("list_adapters", SERVING, None, "ListAdapters sent to every rank (P-20): gone and stale adapters named"),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition(
         "pause_drain",
@@ -216,6 +236,8 @@ def _valid_weights_awake(core: Any) -> bool:
     return bool(core.residency.weights_resident and core.residency.weights_valid)
 
 
+_ADAPTERS_WHERE = ": valid weights must be awake (RUNNING, PAUSED, or PARTIAL with 'weights' awake)"
+
 CALLS: Mapping[type, CallRow] = MappingProxyType(
     {
         Sleep: CallRow("sleep", "sleep", drain="drain", drained="drained", already="sleep_already"),
@@ -231,6 +253,16 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
         ),
         InitWeightGroup: CallRow("join a weight group", "weight_group", stateless=True, check=_weight_group_arguments),
         Profile: CallRow("profile", "profile", stateless=True, check=_profile_arguments),
+        AddAdapter: CallRow(
+            "add an adapter", "add_adapter", stateless=True, legal=_valid_weights_awake, why=_ADAPTERS_WHERE
+        ),
+        RemoveAdapter: CallRow(
+            "remove an adapter", "remove_adapter", stateless=True, legal=_valid_weights_awake, why=_ADAPTERS_WHERE
+        ),
+        PinAdapter: CallRow(
+            "pin an adapter", "pin_adapter", stateless=True, legal=_valid_weights_awake, why=_ADAPTERS_WHERE
+        ),
+        ListAdapters: CallRow("list adapters", "list_adapters", stateless=True),
         ResetPrefixCache: CallRow(
             "reset the prefix cache",
             "reset_prefix_cache",

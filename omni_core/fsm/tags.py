@@ -1,8 +1,10 @@
 """Tag arithmetic shared by the worker and the stage lifecycles.
 
-A worker's memory is split into tagged pools. `weights` is the only tag whose content must
-survive a sleep: level 1 offloads it to host, level 2 discards it (the runner reloads it).
-Every other tag (`kv_cache`, activations) is scratch and is always discarded.
+A worker's memory is split into tagged pools. `weights` and `adapters` (the LoRA adapters'
+tensors, P-20, a tag a stage opts into) are the tags whose content must survive a sleep:
+level 1 offloads them to host, level 2 discards them (the runner reloads the weights; the
+adapters are gone until added again). Every other tag (`kv_cache`, activations) is scratch and
+is always discarded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from omni_core.fsm.settle import Settled
 
 WEIGHTS_TAG = "weights"
 KV_CACHE_TAG = "kv_cache"
+ADAPTERS_TAG = "adapters"
+KEPT_AT_LEVEL_1 = frozenset({WEIGHTS_TAG, ADAPTERS_TAG})  # offloaded, never discarded, by level 1
 DEFAULT_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
 
 
@@ -45,10 +49,11 @@ class SleepPlan:
 
 
 def plan_sleep(level: int, tags: frozenset[str], *, weights_valid: bool = True) -> SleepPlan:
-    """Level 1 keeps a host copy of valid weights only: weights a level-2 sleep already
-    discarded (NEEDS_RELOAD) hold garbage, and copying garbage to the host buys nothing."""
+    """Level 1 keeps a host copy of valid weights (and the adapters made for them) only:
+    weights a level-2 sleep already discarded (NEEDS_RELOAD) hold garbage, and copying garbage
+    to the host buys nothing."""
     if level == 1 and weights_valid:
-        return SleepPlan(offload=tags & {WEIGHTS_TAG}, discard=tags - {WEIGHTS_TAG})
+        return SleepPlan(offload=tags & KEPT_AT_LEVEL_1, discard=tags - KEPT_AT_LEVEL_1)
     if level == 1:
         return SleepPlan(offload=frozenset(), discard=tags)
     if level == 2:

@@ -18,9 +18,10 @@ from typing import Any
 
 import msgspec
 
+from omni_core.fsm.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterTable
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
 from omni_core.fsm.table import Lifecycle
-from omni_core.fsm.tags import DEFAULT_TAGS, Residency
+from omni_core.fsm.tags import ADAPTERS_TAG, DEFAULT_TAGS, WEIGHTS_TAG, Residency
 from omni_core.fsm.trace_records import (
     BadMessage,
     ReplySent,
@@ -30,6 +31,7 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
+from omni_core.fsm.worker_adapters import ADAPTER_COMMANDS, WorkerAdapters
 from omni_core.fsm.worker_commands import WorkerCommands
 from omni_core.fsm.worker_effects import WorkerEffects
 from omni_core.fsm.worker_inputs import (
@@ -60,6 +62,7 @@ from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     Ack,
     AckStatus,
+    AddAdapter,
     Capability,
     Command,
     Execute,
@@ -67,9 +70,11 @@ from omni_core.protocol import (
     MemoryReport,
     Nack,
     NackReason,
+    PinAdapter,
     Profile,
     ProtocolError,
     ReloadWeights,
+    RemoveAdapter,
     Reply,
     ShareWeights,
     Shutdown,
@@ -101,7 +106,7 @@ __all__ = [
 ]
 
 
-class WorkerCore(WorkerCommands, WorkerEffects):
+class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
     """Lifecycle of one worker rank: legality, idempotence, fencing. No IO."""
 
     def __init__(
@@ -114,6 +119,8 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         reply_cache_entries: int = DEFAULT_REPLY_CACHE_ENTRIES,
         reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES,
         weights_version: int = 0,
+        max_loras: int = DEFAULT_MAX_LORAS,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> None:
         self.rank = rank
         # The version of the weights held (or, in NEEDS_RELOAD, held last): 0 is the runner's
@@ -124,6 +131,9 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         self.epoch = epoch
         self.capabilities = frozenset(capabilities)
         self.residency = Residency(tags)
+        # The LoRA adapters (P-20), in their own pool when the rank has one, else the weights'.
+        home = ADAPTERS_TAG if ADAPTERS_TAG in tags else WEIGHTS_TAG
+        self.adapters = AdapterTable(max_loras, max_lora_rank, home)
         self.lifecycle: Lifecycle[W] = Lifecycle(W, WORKER_TRANSITIONS, W.LOADING)
         self.cache: BoundedCache[str, _CachedReply] = BoundedCache(reply_cache_entries, reply_cache_bytes)
         self.counters = WorkerCounters()
@@ -254,7 +264,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
                 NackReason.BUSY,
                 f"task {self._pending.command.task_id!r} is in progress; retry after its reply",
             )
-            if isinstance(command, (Execute, Profile)) or type(command) in WORKER_CALLS:
+            if isinstance(command, (Execute, Profile, *ADAPTER_COMMANDS)) or type(command) in WORKER_CALLS:
                 # Recorded: the stage takes this BUSY as the rank's answer to the request (or
                 # the Profile, or a command of WORKER_CALLS), so a copy arriving after the task
                 # in progress must get it again, not run (P-1; an asynchronous shell would
@@ -288,6 +298,8 @@ class WorkerCore(WorkerCommands, WorkerEffects):
                 return self._on_profile(command)
             case Shutdown():
                 return self._on_shutdown(command)
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                return self._on_adapter(command)
             case _ if type(command) in WORKER_CALLS:
                 return self._on_call(command)
             case _:
@@ -336,6 +348,7 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         trace_paths: tuple[str, ...] = (),
         shared: Any = None,
         caches_dropped: tuple[str, ...] = (),
+        adapters_evicted: tuple[str, ...] = (),
     ) -> Ack:
         return Ack(
             task_id=command.task_id,
@@ -352,6 +365,8 @@ class WorkerCore(WorkerCommands, WorkerEffects):
             weights_version=self.weights_version,
             shared=shared,
             caches_dropped=caches_dropped,
+            adapters=self.adapters.infos() if isinstance(command, ADAPTER_COMMANDS) else (),
+            adapters_evicted=adapters_evicted,
         )
 
     def _nack(self, command: Command, reason: NackReason, detail: str) -> Nack:
@@ -426,6 +441,16 @@ class WorkerCore(WorkerCommands, WorkerEffects):
         if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
             require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
+        moving = (AddAdapter, RemoveAdapter, PinAdapter)
+        if self._pending is not None and isinstance(self._pending.command, moving):
+            require(
+                state in (W.ACTIVE, W.PARTIAL)
+                and res.weights_valid
+                and res.weights_resident
+                and self.adapters.home_tag not in asleep,
+                "an adapter command pending without valid weights and their pool awake",
+            )
+        require(len(self.adapters.holding()) <= self.adapters.max_loras, "more adapters loaded than max_loras")
         if self._pending is not None and type(self._pending.command) in WORKER_CALLS:
             trigger = WORKER_CALLS[type(self._pending.command)].trigger
             require(self.lifecycle.allows(trigger), f"{type(self._pending.command).__name__} pending outside its row")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from omni_core.fsm.adapters import AdapterTable
 from omni_core.fsm.effects import (
     CommandEffect,
     ExecuteEffect,
@@ -60,6 +61,7 @@ class WorkerCommands:
     state: W
     lifecycle: Lifecycle[W]
     residency: Residency
+    adapters: AdapterTable
     tags: tuple[str, ...]
     capabilities: frozenset[Capability]
     weights_version: int
@@ -209,9 +211,14 @@ class WorkerCommands:
             return self._refuse_state(
                 command, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid"
             )
+        if command.adapter is not None:
+            problem = self.adapters.request_problem(command.adapter, self.weights_version)
+            if problem is not None:  # P-20: never served without its adapter, nor on other weights
+                return self._refuse(command, NackReason.ADAPTER_UNAVAILABLE, problem)
+            self.adapters.touch(command.adapter)
         self.lifecycle.fire("execute")
         self._pending = _Pending(command)
-        return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
+        return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload, command.adapter))
 
     def _on_status(self, command: Status) -> WorkerStep:
         self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source

@@ -4,10 +4,12 @@ raised (`EffectRaised`). Each gives the task's one terminal reply."""
 
 from __future__ import annotations
 
+from omni_core.fsm.adapters import AdapterTable
 from omni_core.fsm.settle import REFUSAL_REASON, settle_row
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import Residency
 from omni_core.fsm.trace_records import EffectDone, EffectFailed, EffectRefused, clip
+from omni_core.fsm.worker_adapters import ADAPTER_COMMANDS
 from omni_core.fsm.worker_inputs import EffectCompleted, EffectDeclined, EffectRaised
 from omni_core.fsm.worker_step import InvariantViolation, WorkerStep, _Pending
 from omni_core.fsm.worker_table import REFUSED, WORKER_CALLS
@@ -48,6 +50,7 @@ class WorkerEffects:
     state: W
     lifecycle: Lifecycle[W]
     residency: Residency
+    adapters: AdapterTable
     weights_version: int
     weight_group: InitWeightGroup | None
     profiling: bool
@@ -61,6 +64,8 @@ class WorkerEffects:
         command = pending.command
         match command:
             case Execute():
+                # The core was busy with this request: the adapter it checked is the one served.
+                adapter = self.adapters.get(command.adapter) if command.adapter is not None else None
                 reply: Reply = Result(
                     task_id=task_id,
                     epoch=self.epoch,
@@ -68,6 +73,13 @@ class WorkerEffects:
                     output=done.output,
                     duration_s=duration_s,
                     weights_version=self.weights_version,
+                    adapter=command.adapter,
+                    adapter_version=adapter.version if adapter is not None else 0,
+                )
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                self._settle_adapter(command, pending.evict)
+                reply = self._ack(
+                    command, AckStatus.OK, memory=done.memory, duration_s=duration_s, adapters_evicted=pending.evict
                 )
             case _:
                 self._settle(pending)
@@ -92,6 +104,7 @@ class WorkerEffects:
             case Sleep():
                 assert pending.sleep_plan is not None
                 self.residency.apply_sleep(pending.sleep_plan)
+                self.adapters.discarded(pending.sleep_plan.discard)  # P-20: level 2 leaves them gone
                 self.lifecycle.fire("offloaded")
             case Wake():
                 self.residency.apply_wake(pending.wake_tags)
@@ -104,6 +117,7 @@ class WorkerEffects:
                 self.lifecycle.fire(trigger)
                 # A reload brings the runner's own weights back: no update's version stands for them.
                 self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
+                self.adapters.rebased(self.weights_version)  # P-20: made for other weights: stale
             case InitWeightGroup():
                 self.weight_group = command
             case Profile():
@@ -121,6 +135,11 @@ class WorkerEffects:
         before = self.state
         pending = self._take_pending(task_id)
         kind = type(pending.command)
+        if isinstance(pending.command, ADAPTER_COMMANDS):  # checked before anything was done
+            refusal = self._adapter_failed(pending.command, (), detail)
+            self._remember(pending.command, refusal)
+            head = EffectRefused(task_id, kind.__name__, self.state.value, clip(detail))
+            return self._traced(WorkerStep(replies=(refusal,)), head, before, task_id)
         trigger = REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
         if trigger is None:
             raise InvariantViolation(
@@ -177,6 +196,8 @@ class WorkerEffects:
                 # drops a profiler that failed, so none runs now, whichever way it failed.
                 self.profiling = False
                 reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                reply = self._adapter_failed(command, pending.evict, what)
             case _ if type(command) in WORKER_CALLS:
                 # No pool memory moved: the rank keeps its state.
                 reason = WORKER_CALLS[type(command)].error

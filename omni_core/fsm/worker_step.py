@@ -24,6 +24,7 @@ ALL_CAPABILITIES: tuple[Capability, ...] = (
     Capability.PARTIAL_WAKE,
     Capability.SWAP,
     Capability.WEIGHT_UPDATE,
+    Capability.ADAPTERS,
 )
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
 _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}
@@ -79,6 +80,7 @@ class _Pending:
     sleep_plan: SleepPlan | None = None  # Sleep: what to offload and discard
     wake_tags: frozenset[str] = frozenset()  # Wake: the tags it maps back
     state_before: W | None = None  # ReloadWeights, Wake: where a refusal returns to
+    evict: tuple[str, ...] = ()  # AddAdapter: the adapters its load evicts (P-20)
 
 
 # Digest, names and bookkeeping of one cache entry, counted against the byte budget.

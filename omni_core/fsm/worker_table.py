@@ -97,6 +97,26 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         None,
         "ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes",
     ),
+    Transition(
+        "add_adapter",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "AddAdapter with valid weights awake (P-20): loaded into the adapters' pool, LRU evicted at max_loras",
+    ),
+    Transition(
+        "remove_adapter",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "RemoveAdapter of an adapter held (P-20): unloaded; the state never changes",
+    ),
+    Transition("pin_adapter", (W.ACTIVE, W.PARTIAL), None, "PinAdapter (P-20): never evicted while pinned"),
+    Transition("list_adapters", IDLE, None, "ListAdapters (P-20): every adapter, gone and stale ones named"),
+    Transition(
+        "adapter_already",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)",
+    ),
     Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition(

@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the size's)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing same names")
     p.add_argument("--quiet", action="store_true", help="no progress line (it is shown only on a terminal anyway)")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="also write a small seeded LoRA adapter (PEFT format, rank 4 on q_proj,v_proj) into DIR/lora",
+    )
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -59,5 +64,17 @@ def run(args: argparse.Namespace) -> int:
     except ModelSpecError as exc:
         print(f"omni-core models make: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(dataclasses.asdict(info), indent=2) if args.json else info.summary())
+    result: dict[str, object] = dataclasses.asdict(info)
+    lines = [info.summary()]
+    if args.lora:
+        from omni_core.models.lora import make_lora
+
+        try:
+            lora = make_lora(info.path, f"{info.path}/lora", seed=args.seed)
+        except ModelSpecError as exc:
+            print(f"omni-core models make --lora: error: {exc}", file=sys.stderr)
+            return 2
+        result["lora"] = dataclasses.asdict(lora)
+        lines.append(lora.summary())
+    print(json.dumps(result, indent=2) if args.json else "\n".join(lines))
     return 0

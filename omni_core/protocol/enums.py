@@ -68,6 +68,7 @@ class NackReason(str, enum.Enum):
     NO_MEMORY = "NO_MEMORY"  # a Wake found too little free device memory in time; rolled back, state unchanged
     STALE_VERSION = "STALE_VERSION"  # UpdateWeights.version not above the rank's; nothing written (P-17)
     UPDATE_FAILED = "UPDATE_FAILED"  # an update failed after writing began; NEEDS_RELOAD at the old version (P-17)
+    ADAPTER_UNAVAILABLE = "ADAPTER_UNAVAILABLE"  # a request's adapter is not loaded (absent, gone, stale; P-20)
 
 
 class Capability(str, enum.Enum):
@@ -81,3 +82,4 @@ class Capability(str, enum.Enum):
     SWAP = "swap"  # a Wake waits for free device memory (Wake.memory_wait_s) and refuses with NO_MEMORY (P-16)
     MULTI_PATH = "multi_path"  # Sleep/Wake take a link plan (`links`) and relay through peer GPUs (P-18)
     WEIGHT_UPDATE = "weight_update"  # answers UpdateWeights and InitWeightGroup (P-17)
+    ADAPTERS = "adapters"  # answers AddAdapter, RemoveAdapter, PinAdapter, ListAdapters (P-20)

@@ -203,10 +203,28 @@ class ShareWeights(Command, kw_only=True, frozen=True):
     bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKET_BYTES)] = 256 << 20
 
 
+MAX_ADAPTERS = 64  # a rank's adapters at once (an Ack lists them all); max_loras is at most this
+MAX_ADAPTER_RANK = 1024
+MAX_TARGET_MODULES = 32
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9_.:/-]+$"
+MAX_ADAPTER_NAME_CHARS = 128
+AdapterName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=ADAPTER_NAME_PATTERN)
+]
+MODULE_NAME_PATTERN = r"^[A-Za-z0-9_.]+$"
+ModuleName = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=MODULE_NAME_PATTERN)]
+AdapterVersion = Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
+
+
 class Execute(Command, kw_only=True, frozen=True):
-    """Run one request on the model. Legal only in ACTIVE (P-7)."""
+    """Run one request on the model. Legal only in ACTIVE (P-7). `adapter` names the LoRA
+    adapter to run it with (P-20; left off the wire when None): one the rank holds `loaded`,
+    else NACK ADAPTER_UNAVAILABLE naming it."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("adapter",)
 
     payload: Any = None
+    adapter: AdapterName | None = None
 
 
 class Status(Command, kw_only=True, frozen=True):
@@ -233,6 +251,75 @@ class ResetPrefixCache(Command, kw_only=True, frozen=True):
     runner's prompt embeddings) without releasing or remapping any memory: the next requests
     compute afresh, e.g. after a weight update. Legal in ACTIVE and PARTIAL; never changes the
     state."""
+
+
+class AddAdapter(Command, kw_only=True, frozen=True):
+    """Load the LoRA adapter `name` (P-20) from `source`, a PEFT directory on the rank's disk
+    (held to the operator's allowed reload paths), as adapter version `version`, made for base
+    weights version `base_version` (None: the version the rank holds now). `adapter_id` is the
+    caller's integer id (vLLM's `lora_int_id`), unique among the rank's adapters; `rank` and
+    `target_modules` are what the caller expects the directory to hold, checked before anything
+    is loaded.
+
+    Refused (INVALID_ARGUMENT, nothing loaded) when `base_version` is not the rank's weights
+    version, unless `rebind` (the caller vouches the adapter fits the weights held now); when
+    `rank` is above the rank's `max_lora_rank`; when the rank holds `max_loras` adapters, all
+    pinned. At `max_loras` otherwise the least recently used unpinned adapter is evicted and
+    named in the Ack's `adapters_evicted`. The same name, version, source and base version
+    already loaded is ALREADY; another version of the name replaces it. Legal where the weights
+    are valid and awake: ACTIVE, PARTIAL with `weights` awake. Never changes the state."""
+
+    name: AdapterName
+    adapter_id: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    source: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
+    rank: Annotated[int, msgspec.Meta(ge=1, le=MAX_ADAPTER_RANK)]
+    target_modules: Annotated[tuple[ModuleName, ...], msgspec.Meta(min_length=1, max_length=MAX_TARGET_MODULES)]
+    version: AdapterVersion = 1
+    base_version: WeightsVersion | None = None
+    pinned: bool = False
+    rebind: bool = False
+
+
+class RemoveAdapter(Command, kw_only=True, frozen=True):
+    """Unload the adapter `name` (P-20); a name the rank does not hold is ALREADY. Legal where
+    AddAdapter is, and in NEEDS_RELOAD and SLEEPING for an adapter a level-2 sleep discarded
+    (nothing is left to unload). Never changes the state."""
+
+    name: AdapterName
+
+
+class PinAdapter(Command, kw_only=True, frozen=True):
+    """Pin (`pinned`) or unpin the adapter `name` (P-20): a pinned adapter is never evicted.
+    Already so: ALREADY; a name the rank does not hold: INVALID_ARGUMENT. Legal where AddAdapter
+    is. Never changes the state."""
+
+    name: AdapterName
+    pinned: bool = True
+
+
+class ListAdapters(Command, kw_only=True, frozen=True):
+    """List the rank's adapters in the Ack's `adapters` (P-20), those a level-2 sleep discarded
+    (`gone`) and those a base update left behind (`stale`) among them. Legal in ACTIVE,
+    SLEEPING, PARTIAL and NEEDS_RELOAD; never changes anything."""
+
+
+class AdapterInfo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One adapter as a rank holds it (P-20). `status`: `loaded` (served), `gone` (a level-2
+    sleep discarded it: add it again), `stale` (made for base weights `base_version`, and the
+    rank's weights are another version now: add it again for them, or with `rebind`)."""
+
+    name: AdapterName
+    adapter_id: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    version: AdapterVersion
+    base_version: WeightsVersion
+    rank: Annotated[int, msgspec.Meta(ge=1, le=MAX_ADAPTER_RANK)]
+    target_modules: Annotated[tuple[ModuleName, ...], msgspec.Meta(max_length=MAX_TARGET_MODULES)]
+    pinned: bool = False
+    status: Literal["loaded", "gone", "stale"] = "loaded"
+
+
+Adapters = Annotated[tuple[AdapterInfo, ...], msgspec.Meta(max_length=MAX_ADAPTERS)]
+AdapterNames = Annotated[tuple[AdapterName, ...], msgspec.Meta(max_length=MAX_ADAPTERS)]
 
 
 # ---------------------------------------------------------------- replies (worker -> orchestrator)
@@ -269,7 +356,14 @@ class Ack(Reply, kw_only=True, frozen=True):
     version of the weights the rank holds (0: its own source, never updated; P-17); left off
     the wire at 0, so an Ack without updates is the frame every earlier peer knows."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "shared", "runner_counters", "caches_dropped")
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = (
+        "weights_version",
+        "shared",
+        "runner_counters",
+        "caches_dropped",
+        "adapters",
+        "adapters_evicted",
+    )
 
     command: str
     state: WorkerState
@@ -289,6 +383,10 @@ class Ack(Reply, kw_only=True, frozen=True):
     # ReloadWeights, UpdateWeights: the runner's weight-derived caches dropped before this Ack
     # (ModelRunner.derived_caches), so no later request reuses what older weights computed.
     caches_dropped: CacheNames = ()
+    # The adapter commands (P-20): every adapter the rank holds after the command, and those an
+    # AddAdapter evicted (least recently used, unpinned) to make room.
+    adapters: Adapters = ()
+    adapters_evicted: AdapterNames = ()
 
 
 class Nack(Reply, kw_only=True, frozen=True):
@@ -305,14 +403,17 @@ class Nack(Reply, kw_only=True, frozen=True):
 
 
 class Result(Reply, kw_only=True, frozen=True):
-    """Output of an Execute; `weights_version` names the weights that produced it."""
+    """Output of an Execute; `weights_version` names the weights that produced it, `adapter`
+    and `adapter_version` the LoRA adapter it ran with (P-20; None and 0: none)."""
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "runner_counters")
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "runner_counters", "adapter", "adapter_version")
 
     output: Any = None
     duration_s: ElapsedSeconds = 0.0
     weights_version: WeightsVersion = 0
     runner_counters: RunnerCounters = {}  # as on Ack
+    adapter: AdapterName | None = None
+    adapter_version: AdapterVersion = 0
 
 
 class Hello(Reply, kw_only=True, frozen=True):
@@ -362,6 +463,10 @@ AnyCommand = Union[  # noqa: UP007
     InitWeightGroup,
     ShareWeights,
     ResetPrefixCache,
+    AddAdapter,
+    RemoveAdapter,
+    PinAdapter,
+    ListAdapters,
 ]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
 AnyMessage = Union[AnyCommand, AnyReply]  # noqa: UP007
@@ -373,12 +478,16 @@ MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
 # exported by its line here, beside its struct.
 __all__ = [
     "COMMAND_TYPES",
+    "MAX_ADAPTERS",
+    "MAX_ADAPTER_RANK",
     "MAX_DETAIL_CHARS",
     "MAX_LINKS",
     "MAX_MEMORY_WAIT_S",
     "MESSAGE_TYPES",
     "REPLY_TYPES",
     "Ack",
+    "AdapterInfo",
+    "AddAdapter",
     "AnyCommand",
     "AnyMessage",
     "AnyReply",
@@ -387,11 +496,14 @@ __all__ = [
     "Hello",
     "InitWeightGroup",
     "LinkShare",
+    "ListAdapters",
     "MemoryReport",
     "Message",
     "Nack",
+    "PinAdapter",
     "Profile",
     "ReloadWeights",
+    "RemoveAdapter",
     "Reply",
     "ResetPrefixCache",
     "Result",

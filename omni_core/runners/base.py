@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.plugins import RUNNERS, resolve
-from omni_core.protocol.messages import MAX_DERIVED_CACHES
+from omni_core.protocol.messages import MAX_DERIVED_CACHES, AddAdapter
 
 _CACHE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
@@ -151,6 +151,8 @@ class ModelRunner(ABC):
         given). A runner whose framework allocates several tags in one call (vLLM's worker
         loads weights, profiles, then allocates its KV cache) overrides this and opens the
         pools itself, at the points where the framework allocates."""
+        tags = tuple(tags)
+        self.adapter_tag = ADAPTERS_TAG if ADAPTERS_TAG in tags else WEIGHTS_TAG
         for tag in tags:
             if budget is not None and tag == KV_CACHE_TAG:
                 self.fit_caches(budget.available_bytes())
@@ -168,11 +170,14 @@ class ModelRunner(ABC):
         return None
 
     def allocate(self, tag: str) -> None:
-        """Allocate the memory of one tag. Override for tags other than weights/kv_cache."""
+        """Allocate the memory of one tag. Override for tags other than weights/kv_cache.
+        `adapters` starts empty: AddAdapter allocates in it (P-20)."""
         if tag == WEIGHTS_TAG:
             self.load_weights()
         elif tag == KV_CACHE_TAG:
             self.allocate_caches()
+        elif tag == ADAPTERS_TAG and self.supports_adapters:
+            self.adapter_tag = ADAPTERS_TAG  # the adapters get a pool of their own
         else:
             raise ValueError(
                 f"{type(self).__name__} has no allocation for tag {tag!r}; override "
@@ -205,6 +210,40 @@ class ModelRunner(ABC):
         """Drop every entry of the derived cache `name` (one of `derived_caches`), releasing no
         memory. The default drops all of them at once, by `reset_prefix_cache`."""
         self.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    # The tag whose pool holds the adapters' tensors: `adapters` when the stage has it (set by
+    # `load`), else the weights', which then list them too.
+    adapter_tag: str = WEIGHTS_TAG
+
+    @property
+    def supports_adapters(self) -> bool:
+        return type(self).add_adapter is not ModelRunner.add_adapter
+
+    def check_adapter(self, command: AddAdapter) -> None:
+        """Check an AddAdapter before anything is loaded or evicted: the source exists and is
+        an adapter of this model's architecture, of `command.rank`, on `command.target_modules`
+        (each a module this model has). A problem raises RunnerArgumentError naming it."""
+        raise RunnerArgumentError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def add_adapter(self, command: AddAdapter) -> None:
+        """Load the adapter (checked by `check_adapter`) as `command.name`, replacing one of that
+        name; runs inside the adapters' pool. Its tensors are listed by `tensors(tag)` of that
+        pool's tag (`adapters`, else `weights`), so a level-1 sleep keeps them bit for bit."""
+        raise RunnerArgumentError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload the adapter `name`; a name not loaded is nothing to do."""
+        return None
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        """A framework with its own adapter cache (vLLM) pins it there; the default has none."""
+        return None
+
+    def execute_adapter(self, payload: Any, adapter: str) -> Any:
+        """Run one request with the loaded adapter `adapter` (the worker core checked it is)."""
+        raise RunnerArgumentError(f"{type(self).__name__} serves no LoRA adapters")
 
     def counters(self) -> Mapping[str, int]:
         """A few counters of the runner's own (a cache's hits and misses), shown in the stage's

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
 
 MiB = 1 << 20
@@ -112,7 +113,10 @@ class SyntheticRunner(ModelRunner):
         self.weights: list[torch.Tensor] = []
         self.calibration: torch.Tensor | None = None
         self.kv: torch.Tensor | None = None
+        # LoRA adapters (P-20): name -> {weight index: (A (rank, hidden), B (hidden, rank))}
+        self.adapters: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._adapter: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the running request's
 
     # ------------------------------------------------------------------ sizes
 
@@ -145,11 +149,53 @@ class SyntheticRunner(ModelRunner):
         self.kv = torch.zeros(self.kv_rows, self.hidden, dtype=self.dtype, device=self.device)
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
+        held = [t for pairs in self.adapters.values() for pair in pairs.values() for t in pair]
         if tag == WEIGHTS_TAG:
-            return [*self.weights, *([self.calibration] if self.calibration is not None else [])]
+            own = [*self.weights, *([self.calibration] if self.calibration is not None else [])]
+            return own + (held if self.adapter_tag == WEIGHTS_TAG else [])
         if tag == KV_CACHE_TAG:
             return [self.kv] if self.kv is not None else []
-        raise ValueError(f"SyntheticRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG]}")
+        if tag == ADAPTERS_TAG:
+            return held
+        raise ValueError(f"SyntheticRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, ADAPTERS_TAG]}")
+
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    def check_adapter(self, command: AddAdapter) -> None:
+        """A synthetic adapter comes from 'seed:<int>'; its modules are the weights `w0`.."""
+        _parse_seed(command.source)
+        modules = {f"w{i}" for i in range(self.tensor_count)}
+        missing = sorted(set(command.target_modules) - modules)
+        if missing:
+            raise RunnerArgumentError(
+                f"adapter {command.name!r} targets modules {missing} this model lacks; "
+                f"it has w0..w{self.tensor_count - 1}"
+            )
+        if command.rank > self.hidden:
+            raise RunnerArgumentError(f"adapter {command.name!r} has rank {command.rank} above hidden {self.hidden}")
+
+    def add_adapter(self, command: AddAdapter) -> None:
+        seed = _parse_seed(command.source)
+        pairs = {}
+        for module in command.target_modules:
+            index = int(module[1:])
+            gen = torch.Generator(device="cpu").manual_seed(_seed_for(seed, index))
+            a = torch.randn(command.rank, self.hidden, generator=gen) / math.sqrt(self.hidden)
+            b = torch.randn(self.hidden, command.rank, generator=gen) / math.sqrt(command.rank)
+            pairs[index] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        self.adapters[command.name] = pairs
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def execute_adapter(self, payload: Any, adapter: str) -> Any:
+        if not isinstance(payload, dict) or "prompt" in payload or payload.get("graph"):
+            raise ValueError("a synthetic adapter serves {'seed', 'batch'} requests only (no prompt, no graph)")
+        self._adapter = self.adapters[adapter]
+        try:
+            return self.execute(payload)
+        finally:
+            self._adapter = {}
 
     def buffers_to_save(self) -> Mapping[str, torch.Tensor]:
         return {"calibration": self.calibration} if self.calibration is not None else {}
@@ -199,6 +245,7 @@ class SyntheticRunner(ModelRunner):
         self.weights = []
         self.calibration = None
         self.kv = None
+        self.adapters.clear()
         self.prefix.clear()
 
     # ------------------------------------------------------------------ execution
@@ -206,8 +253,14 @@ class SyntheticRunner(ModelRunner):
     def _check_resident(self) -> None:
         # A released tensor reads freed memory (a crash on CPU, garbage on GPU); refuse
         # with a message instead. Cheap: one storage size per tensor.
-        for tag in (WEIGHTS_TAG, KV_CACHE_TAG):
-            for t in self.tensors(tag):
+        adapter = [t for pair in self._adapter.values() for t in pair]
+        held = (
+            (WEIGHTS_TAG, self.tensors(WEIGHTS_TAG)),
+            (KV_CACHE_TAG, self.tensors(KV_CACHE_TAG)),
+            (ADAPTERS_TAG, adapter),
+        )
+        for tag, tensors in held:
+            for t in tensors:
                 if t.untyped_storage().nbytes() < t.numel() * t.element_size():
                     raise RuntimeError(
                         f"a {tag} tensor of shape {tuple(t.shape)} holds no memory: "
@@ -227,6 +280,9 @@ class SyntheticRunner(ModelRunner):
         x = x * self.calibration
         for i, w in enumerate(self.weights):
             y = (x @ w.T) @ w
+            if i in self._adapter:  # the request's adapter on this weight: x A^T B^T
+                a, b = self._adapter[i]
+                y = y + (x @ a.T) @ b.T
             start = (i % slots) * batch
             cache = self.kv[start : start + batch]
             cache.copy_(y)  # write, then read back: the KV pool must be mapped

@@ -33,15 +33,17 @@ import inspect
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.protocol import AddAdapter
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_generation
+from omni_core.runners.lora import PeftAdapters
 from omni_core.runners.synthetic import torch_dtype
 from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
@@ -165,6 +167,7 @@ class TransformersRunner(ModelRunner):
         self.cache: Any = None
         self.weights: WeightSet | None = None
         self.last_reload: ReloadReport | None = None
+        self.lora: PeftAdapters | None = None  # LoRA adapters (P-20), from the first AddAdapter
 
     def _resolve_dtype(self, name: str) -> torch.dtype:
         if name != "auto":
@@ -246,8 +249,16 @@ class TransformersRunner(ModelRunner):
         self.cache = cache
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
+        adapters = self.lora.tensors() if self.lora is not None else []
+        if tag == ADAPTERS_TAG:
+            return adapters
         if tag == WEIGHTS_TAG:
-            return module_tensors([self.model]) if self.model is not None else []
+            if self.model is None:
+                return []
+            if self.adapter_tag == WEIGHTS_TAG:
+                return module_tensors([self.model])
+            held = {id(t) for t in adapters}
+            return [t for t in module_tensors([self.model]) if id(t) not in held]
         if tag == KV_CACHE_TAG:
             if self.cache is None:
                 return []
@@ -257,7 +268,31 @@ class TransformersRunner(ModelRunner):
                 for value in vars(layer).values()
                 if isinstance(value, torch.Tensor)
             ]
-        raise ValueError(f"TransformersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG]}")
+        raise ValueError(f"TransformersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, ADAPTERS_TAG]}")
+
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    def _adapters(self) -> PeftAdapters:
+        if self.model is None:
+            raise RuntimeError("an adapter before load_weights")
+        if self.world > 1:
+            raise RunnerArgumentError("LoRA adapters on a tensor-parallel transformers stage are not supported")
+        if self.lora is None:
+            self.lora = PeftAdapters(self.model)
+        return self.lora
+
+    def check_adapter(self, command: AddAdapter) -> None:
+        self._adapters().check(command)
+
+    def add_adapter(self, command: AddAdapter) -> None:
+        self._adapters().add(command)
+
+    def remove_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
+
+    def execute_adapter(self, payload: Any, adapter: str) -> dict[str, Any]:
+        return self.execute(payload, adapter)
 
     def buffers_to_save(self) -> dict[str, torch.Tensor]:
         return non_persistent_buffers({"": self.model}) if self.model is not None else {}
@@ -302,7 +337,7 @@ class TransformersRunner(ModelRunner):
 
     # ------------------------------------------------------------------ execution
 
-    def execute(self, payload: Any) -> dict[str, Any]:
+    def execute(self, payload: Any, adapter: str | None = None) -> dict[str, Any]:
         """Generate tokens for one prompt or a batch of up to `max_batch`.
 
         payload: {"prompt_ids": [int, ...] | [[int, ...], ...]} or {"prompt": str | [str, ...]}
@@ -316,7 +351,7 @@ class TransformersRunner(ModelRunner):
         if self.model is None or self.cache is None:
             raise RuntimeError("TransformersRunner.execute before load_weights/allocate_caches")
         check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), KV_CACHE_TAG: self.tensors(KV_CACHE_TAG)})
-        with torch.no_grad():
+        with torch.no_grad(), self.lora.using(adapter) if self.lora is not None else nullcontext():
             tokens, reasons = self._generate(request)
         out: dict[str, Any] = {
             "token_ids": tokens,

@@ -51,8 +51,10 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_generation
+from omni_core.runners.lora import check_peft_dir
 from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
 
 log = logging.getLogger("omni_core.runners.vllm")
@@ -172,16 +174,49 @@ class VllmEngine:
     def tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
 
-    def generate(self, rows: list[list[int]], sampling_params: dict[str, Any]) -> list[Completion]:
+    def generate(
+        self, rows: list[list[int]], sampling_params: dict[str, Any], lora: LoraSlot | None = None
+    ) -> list[Completion]:
         from vllm import SamplingParams
 
         outputs = self._llm.generate(
-            [{"prompt_token_ids": row} for row in rows], SamplingParams(**sampling_params), use_tqdm=False
+            [{"prompt_token_ids": row} for row in rows],
+            SamplingParams(**sampling_params),
+            use_tqdm=False,
+            lora_request=self._request(lora) if lora is not None else None,
         )
         return [Completion(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outputs]
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._llm.reset_prefix_cache())
+
+    # vLLM's own LoRA (enable_lora): its add_lora, remove_lora, pin_lora, list_loras.
+    @staticmethod
+    def _request(lora: LoraSlot) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora.name, lora.lora_int_id, lora.path)
+
+    def add_lora(self, lora: LoraSlot) -> bool:
+        return bool(self._llm.llm_engine.add_lora(self._request(lora)))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return bool(self._llm.llm_engine.remove_lora(lora_int_id))
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return bool(self._llm.llm_engine.pin_lora(lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return set(self._llm.llm_engine.list_loras())
+
+
+@dataclass(frozen=True)
+class LoraSlot:
+    """An adapter as vLLM's LoRARequest names it."""
+
+    name: str
+    lora_int_id: int
+    path: str
 
 
 class VllmRunner(ModelRunner):
@@ -254,6 +289,9 @@ class VllmRunner(ModelRunner):
         self.kv_cache_bytes: int | None = None
         self.own_headers = read_headers(self.model_dir)
         self.last_reload: ReloadReport | None = None
+        # P-20: the adapters loaded into vLLM's LoRA slots (engine_args enable_lora, max_loras,
+        # max_lora_rank: vLLM's own; a stage's max_loras must not exceed vLLM's).
+        self.loras: dict[str, LoraSlot] = {}
 
     # ------------------------------------------------------------------ allocation
 
@@ -399,9 +437,44 @@ class VllmRunner(ModelRunner):
     def close(self) -> None:
         self.llm = self.worker = None
 
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    def check_adapter(self, command: AddAdapter) -> None:
+        """vLLM loads the tensors itself; what it is given is checked here first: LoRA enabled,
+        a PEFT directory of this architecture, of the rank and modules the command says."""
+        if not self.engine_kwargs.get("enable_lora"):
+            raise RunnerArgumentError(
+                "this vllm stage was started without LoRA: set runner_args engine_args "
+                "{enable_lora: true, max_loras, max_lora_rank} to serve adapters"
+            )
+        check_peft_dir(command, (self.config.get("architectures") or [""])[0])
+
+    def add_adapter(self, command: AddAdapter) -> None:
+        slot = LoraSlot(command.name, command.adapter_id, str(Path(command.source).expanduser()))
+        old = self.loras.pop(command.name, None)
+        if old is not None:
+            self.llm.remove_lora(old.lora_int_id)
+        if not self.llm.add_lora(slot):
+            raise RuntimeError(f"vLLM refused LoRA adapter {command.name!r} from {slot.path}")
+        self.loras[command.name] = slot
+        if command.pinned:
+            self.llm.pin_lora(slot.lora_int_id)
+
+    def remove_adapter(self, name: str) -> None:
+        slot = self.loras.pop(name, None)
+        if slot is not None:
+            self.llm.remove_lora(slot.lora_int_id)
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        if pinned and name in self.loras:  # vLLM unpins only by removing
+            self.llm.pin_lora(self.loras[name].lora_int_id)
+
+    def execute_adapter(self, payload: Any, adapter: str) -> dict[str, Any]:
+        return self.execute(payload, self.loras[adapter])
+
     # ------------------------------------------------------------------ execution
 
-    def execute(self, payload: Any) -> dict[str, Any]:
+    def execute(self, payload: Any, lora: LoraSlot | None = None) -> dict[str, Any]:
         """The transformers runner's payload and result (runners/generation.py), generated by
         vLLM: greedy is temperature 0; a seeded request is reproducible on its own."""
         if self.llm is None:
@@ -414,7 +487,8 @@ class VllmRunner(ModelRunner):
             max_seq_len=self.max_model_len,
             model_dir=self.model_dir,
         )
-        completions = self.llm.generate(request.rows, self._sampling_params(request))
+        params = self._sampling_params(request)
+        completions = self.llm.generate(request.rows, params, lora) if lora else self.llm.generate(request.rows, params)
         out: dict[str, Any] = {
             "token_ids": [c.token_ids for c in completions],
             "finish_reason": ["stop" if c.finish_reason == "stop" else "length" for c in completions],

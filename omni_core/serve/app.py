@@ -20,6 +20,7 @@ from omni_core.engine import Engine
 from omni_core.serve import (
     core_routes,
     ipc_routes,
+    lora_routes,
     omni_routes,
     pause_routes,
     rl_routes,
@@ -40,6 +41,7 @@ API_VERSION = "1"
 # one module and one line here.
 ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     core_routes.router,
+    lora_routes.router,
     vllm_routes.router,
     pause_routes.router,
     omni_routes.router,

@@ -339,7 +339,10 @@ def router(state: ServeState) -> APIRouter:
 
         async def work() -> Answer:
             try:
-                future = asyncio.wrap_future(engine.submit(name, body.payload, timeout_s=limit_s, with_version=True))
+                submitted = engine.submit(
+                    name, body.payload, timeout_s=limit_s, with_version=True, adapter=body.adapter
+                )
+                future = asyncio.wrap_future(submitted)
                 try:
                     output = await asyncio.wait_for(asyncio.shield(future), budget_s)
                 except asyncio.TimeoutError:
@@ -347,7 +350,14 @@ def router(state: ServeState) -> APIRouter:
                         f"no answer from the orchestrator within {budget_s:.1f} s; its deadlines "
                         "should have fired: this is a bug, please report it"
                     ) from None
-                reply = answer(200, {"stage": name, "output": output.output, "weights_version": output.weights_version})
+                ran: dict[str, Any] = {
+                    "stage": name,
+                    "output": output.output,
+                    "weights_version": output.weights_version,
+                }
+                if output.adapter is not None:  # P-20: the adapter beside the weights version
+                    ran |= {"adapter": output.adapter, "adapter_version": output.adapter_version}
+                reply = answer(200, ran)
             except Exception as exc:
                 reply = error_answer(exc, name)
             if reply.status == 504:

@@ -167,6 +167,13 @@ class ExecuteBody(_Strict):
     timeout_s: float | None = Field(
         None, description="deadline of this request, queueing included; null: the stage's request_timeout_s"
     )
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.:/-]+$",
+        description="the LoRA adapter to run it with (P-20); refused naming it when a rank does not hold it loaded",
+    )
 
 
 class AdmissionBody(_Strict):
@@ -235,6 +242,42 @@ class CollectiveRpcBody(BaseModel):
     timeout: float | None = None
 
 
+class AdapterModel(BaseModel):
+    name: str
+    adapter_id: int
+    version: int
+    base_version: int = Field(description="the base weights version it is bound to")
+    rank: int
+    target_modules: list[str]
+    pinned: bool
+    status: str = Field(description="loaded; gone (a level-2 sleep discarded it); stale (other base weights now)")
+
+
+class LoadLoraBody(BaseModel):
+    """vLLM's and SGLang's body of a LoRA load (`lora_name`, `lora_path`); SGLang's `pinned`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    lora_path: str = Field(min_length=1, max_length=4096, description="a PEFT directory under allowed_reload_sources")
+    pinned: bool = False
+    load_inplace: bool = Field(False, description="vLLM's: replace an adapter of that name (omni-core always does)")
+
+
+class UnloadLoraBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    lora_int_id: int | None = Field(None, description="vLLM's; the name alone is what omni-core unloads by")
+
+
+class SglangLoraModel(BaseModel):
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = Field(description="every adapter loaded through this server: name -> path")
+    stages: dict[str, LifecycleReportModel] = Field(default_factory=dict)
+
+
 class RankReportModel(BaseModel):
     rank: int
     state: str
@@ -247,6 +290,10 @@ class RankReportModel(BaseModel):
     process_bytes_source: str
     freed_bytes: int = Field(description="pool bytes released, over the pools that shrank; never negative")
     restored_bytes: int = Field(0, description="pool bytes mapped back (a wake), over the pools that grew")
+    adapters: list[AdapterModel] = Field(
+        default_factory=list, description="an adapter command's (P-20): every adapter the rank holds after it"
+    )
+    adapters_evicted: list[str] = Field(default_factory=list, description="adapters an AddAdapter evicted (LRU)")
 
 
 class LifecycleReportModel(BaseModel):
@@ -362,6 +409,8 @@ class ExecuteModel(BaseModel):
     stage: str
     output: Any = Field(description="rank 0's output; bytes are base64 strings")
     weights_version: int = Field(0, description="the weights version every rank computed the output with (P-17)")
+    adapter: str | None = Field(None, description="the LoRA adapter it ran with (P-20)")
+    adapter_version: int = Field(0, description="that adapter's version (P-20)")
 
 
 class RestartBody(_Strict):

@@ -6,13 +6,20 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
+
 from omni_core.engine import LifecycleReport, SwapReport
 
 
 def report_json(report: LifecycleReport) -> dict[str, Any]:
     out = asdict(report)
     out["ranks"] = {
-        str(rank): dict(asdict(rr), freed_bytes=rr.freed_bytes, restored_bytes=rr.restored_bytes)
+        str(rank): dict(
+            asdict(rr),
+            freed_bytes=rr.freed_bytes,
+            restored_bytes=rr.restored_bytes,
+            adapters=msgspec.to_builtins(rr.adapters),  # P-20: wire structs, as plain JSON
+        )
         for rank, rr in report.ranks.items()
     }
     return out

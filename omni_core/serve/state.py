@@ -62,6 +62,9 @@ class ServeState:
         # it. Each is keyed by stage name: bounded by the config.
         self.labels = VersionLabels(self.names)
         self.level0_paused: set[str] = set()
+        # LoRA adapters loaded through the anchors' routes (lora_routes.py): name -> path, for
+        # /v1/models and SGLang's loaded_adapters; bounded there (MAX_LISTED_PATHS).
+        self.lora_paths: dict[str, str] = {}
         self.weight_brackets: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ engine calls

@@ -67,6 +67,13 @@ def router(state: ServeState) -> APIRouter:
             {"id": model_name(state, name), "object": "model", "owned_by": "omni-core", "root": model_name(state, name)}
             for name in state.targets()
         ]
+        # The LoRA adapters loaded through /v1/load_lora_adapter or /load_lora_adapter, as vLLM
+        # lists its LoRA modules: the adapter's name, its path, the base model as parent.
+        parent = data[0]["id"] if data else None
+        data += [
+            {"id": name, "object": "model", "owned_by": "omni-core", "root": path, "parent": parent}
+            for name, path in sorted(state.lora_paths.items())
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     def refused(path: str, does: str) -> Any:

@@ -9,9 +9,10 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from omni_core.fsm.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, MIN_REPLY_CACHE_ENTRIES
 from omni_core.fsm.tags import DEFAULT_TAGS
-from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES
+from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_ADAPTER_RANK, MAX_ADAPTERS
 from omni_core.workers.simulated_device import SimulatedDevice
 
 
@@ -67,6 +68,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     profile_dir: str | None = None  # Profile traces; None: omni_core.workers.profiler.default_profile_dir()
     profile_max_s: Seconds = 600.0  # a profile running longer is cut and written (its events grow in memory)
     reply_cache_entries: int = 1024  # at least MIN_REPLY_CACHE_ENTRIES (P-2)
+    max_loras: Annotated[int, Meta(ge=1, le=MAX_ADAPTERS)] = DEFAULT_MAX_LORAS  # LoRA adapters loaded at once (P-20)
+    max_lora_rank: Annotated[int, Meta(ge=1, le=MAX_ADAPTER_RANK)] = DEFAULT_MAX_LORA_RANK
     reply_cache_bytes: int = DEFAULT_REPLY_CACHE_BYTES
     max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES  # larger frames are refused (BAD_MESSAGE) unread
     # The engine ROUTER's CURVE public key (Z85) when the transport leaves the host: the rank

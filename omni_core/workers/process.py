@@ -32,6 +32,7 @@ import zmq
 
 from omni_core.fsm import WEIGHTS_TAG, InvariantViolation, WorkerCore
 from omni_core.fsm.effects import (
+    AdapterEffect,
     CommandEffect,
     Effect,
     ExecuteEffect,
@@ -62,13 +63,16 @@ from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     MAX_LINKS,
+    AddAdapter,
     Capability,
     Command,
     Hello,
     MemoryReport,
     Message,
     NackReason,
+    PinAdapter,
     ProtocolError,
+    RemoveAdapter,
     ResetPrefixCache,
     decode_command,
     encode,
@@ -113,6 +117,10 @@ MAX_ERROR_CHARS = 2000
 EXIT_OK = 0
 EXIT_SHUTDOWN_ERROR = 1
 EXIT_PARENT_GONE = 3
+
+
+class AdapterRefused(RunnerArgumentError):
+    """The runner refused an AddAdapter's source before anything was loaded or evicted."""
 
 
 def _error_text(exc: BaseException) -> str:
@@ -176,6 +184,8 @@ class WorkerProcess:
             reply_cache_entries=cfg.reply_cache_entries,
             reply_cache_bytes=cfg.reply_cache_bytes,
             weights_version=cfg.start_version,
+            max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank,
         )
         if not error:
             try:
@@ -193,6 +203,8 @@ class WorkerProcess:
             # P-17: every runner updates from disk (its reload); shm, ipc and collective need the
             # runner's update_weights, else the receiver refuses them (INVALID_ARGUMENT).
             capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
+            if self.runner.supports_adapters:
+                capabilities = (*capabilities, Capability.ADAPTERS)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
@@ -426,6 +438,9 @@ class WorkerProcess:
     def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
         core = self.core
         assert core is not None
+        if isinstance(exc, AdapterRefused) and isinstance(effect, AdapterEffect):
+            # Checked before anything was loaded or evicted: the rank serves on as it was.
+            return core.step(EffectDeclined(effect.task_id, str(exc), NackReason.INVALID_ARGUMENT))
         if isinstance(exc, RunnerArgumentError) and isinstance(effect, (ReloadEffect, UpdateEffect)):
             # Refused before any tensor was written: the rank keeps its state (INVALID_ARGUMENT).
             return core.step(EffectDeclined(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT))
@@ -463,6 +478,8 @@ class WorkerProcess:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, CommandEffect):
             return COMMAND_HANDLERS[type(effect.command)](runner, effect.command)
+        if isinstance(effect, AdapterEffect):
+            return self._adapter(backend, runner, effect)
         if isinstance(effect, SleepEffect):
             runner.before_sleep(effect.offload, effect.discard)
             # A swap whose incoming stage fits; the device is asked only by a backend that can use it.
@@ -504,10 +521,38 @@ class WorkerProcess:
                 self.sender = WeightSender(bucket_bytes=effect.bucket_bytes)
             return self.sender.share(runner.weights_to_share())
         elif isinstance(effect, ExecuteEffect):
-            return checked_output(runner.execute(effect.payload), self.config.max_frame_bytes)
+            output = (
+                runner.execute(effect.payload)
+                if effect.adapter is None
+                else runner.execute_adapter(effect.payload, effect.adapter)
+            )
+            return checked_output(output, self.config.max_frame_bytes)
         else:  # pragma: no cover - the core emits only the effects above
             raise TypeError(f"unknown effect {effect!r}")
         return None
+
+    def _adapter(self, backend: MemoryBackend, runner: ModelRunner, effect: AdapterEffect) -> None:
+        """An adapter command on the runner (P-20): an add is checked whole before anything is
+        evicted or loaded, then loaded inside the adapters' pool; the pool's tensors are tracked
+        again after every change, so a level-1 sleep offloads exactly the adapters held."""
+        command = effect.command
+        if isinstance(command, AddAdapter):
+            try:
+                runner.check_adapter(command)
+            except RunnerArgumentError as exc:
+                raise AdapterRefused(f"AddAdapter {command.name!r} refused: {exc}") from exc
+            for name in effect.evict:
+                runner.remove_adapter(name)
+            with backend.pool(runner.adapter_tag):
+                runner.add_adapter(command)
+        elif isinstance(command, RemoveAdapter):
+            runner.remove_adapter(command.name)
+        elif isinstance(command, PinAdapter):
+            runner.pin_adapter(command.name, command.pinned)
+        else:  # ListAdapters: the core's table answers it
+            return
+        if runner.adapter_tag in self.config.tags:
+            backend.track(runner.adapter_tag, runner.tensors(runner.adapter_tag))
 
     def _release(self) -> None:
         self.receiver.close()

@@ -14,9 +14,11 @@ import msgspec
 import msgspec.inspect as mi
 
 from omni_core.protocol import Message
-from omni_core.protocol.messages import ENVELOPE_FIELDS
+from omni_core.protocol.messages import ADAPTER_NAME_PATTERN, ENVELOPE_FIELDS, MODULE_NAME_PATTERN
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+# Patterns every string of _ALPHABET matches: a tag's, an adapter's and a module's names (P-20).
+_PATTERNS_OF_THE_ALPHABET = frozenset((r"^[A-Za-z0-9_.-]+$", ADAPTER_NAME_PATTERN, MODULE_NAME_PATTERN))
 _OPEN_INT = 1 << 16  # how far above its lower bound an int without an upper bound is drawn
 _MAX_ITEMS = 3  # items drawn for an array or a dict without a tighter bound
 _DRAWS = 32  # draws before giving up on a struct whose fields constrain each other
@@ -72,7 +74,7 @@ def _value(t: Any, rng: random.Random) -> Any:
             high = t.le if t.le is not None else t.lt if t.lt is not None else low + _OPEN_INT
             value = rng.uniform(low, high)
             return value if t.gt is None or value > t.gt else high
-        case mi.StrType() if t.pattern is None or t.pattern == r"^[A-Za-z0-9_.-]+$":
+        case mi.StrType() if t.pattern is None or t.pattern in _PATTERNS_OF_THE_ALPHABET:
             low = max(1, t.min_length or 0)
             high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
             return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high)))

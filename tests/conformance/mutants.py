@@ -79,6 +79,8 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "share_while_asleep": ("P-17", "ShareWeights is attempted with the weights asleep"),
     "links_without_multi_path": ("P-18", "a Sleep or Wake with links is obeyed (on its own link) without 'multi_path'"),
     "reset_refused_partial": ("P-19", "ResetPrefixCache refused in PARTIAL"),
+    "adapter_ignored": ("P-20", "an Execute naming an adapter not held runs without it"),
+    "adapter_any_base": ("P-20", "an adapter made for other base weights is loaded as if rebound"),
 }
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
@@ -521,7 +523,7 @@ def _install(name: str) -> None:
     # ------------------------------------------------ the weight-version escapes (P-17) and P-18, P-19
 
     from omni_core.fsm.effects import ReloadEffect
-    from omni_core.protocol import ReloadWeights, ResetPrefixCache, Result
+    from omni_core.protocol import AddAdapter, ReloadWeights, ResetPrefixCache, Result
     from omni_core.workers import weight_receiver
 
     class UpdateRefusedPartialCore(core_cls):
@@ -577,6 +579,16 @@ def _install(name: str) -> None:
             if isinstance(command, ResetPrefixCache) and self.state is WorkerState.PARTIAL:
                 return self._refuse_state(command, "ResetPrefixCache needs ACTIVE")
             return super()._on_call(command)
+
+    class AdapterIgnoredCore(core_cls):
+        def _on_execute(self, command: Any) -> Any:
+            return super()._on_execute(msgspec.structs.replace(command, adapter=None))
+
+    class AdapterAnyBaseCore(core_cls):
+        def _on_adapter(self, command: Any) -> Any:
+            if isinstance(command, AddAdapter):
+                command = msgspec.structs.replace(command, rebind=True)
+            return super()._on_adapter(command)
 
     class StaleHostCopyProcess(process_cls):
         """A host copy of the weights made at the first sleep, reused at every wake, dropped by a
@@ -707,6 +719,8 @@ def _install(name: str) -> None:
         "reload_keeps_version": ReloadKeepsVersionCore,
         "links_without_multi_path": LinksObeyedCore,
         "reset_refused_partial": ResetRefusedPartialCore,
+        "adapter_ignored": AdapterIgnoredCore,
+        "adapter_any_base": AdapterAnyBaseCore,
     }
     processes = {
         "ack_before_release": AckBeforeReleaseProcess,

@@ -88,6 +88,8 @@ EXPECTED = {
     "share_while_asleep": ("P-17/share_needs_weights_awake", "instead of replying"),
     "links_without_multi_path": ("P-18/links_refused_without_multi_path", "a refusal (UNSUPPORTED), got an Ack"),
     "reset_refused_partial": ("P-19/reset_prefix_cache_in_partial", "ResetPrefixCache was not acknowledged"),
+    "adapter_ignored": ("P-20/adapter_requests_refused_naming_it", "a refusal (ADAPTER_UNAVAILABLE), got a Result"),
+    "adapter_any_base": ("P-20/adapter_for_other_weights_refused", "does not name the version it was made for"),
     "node_tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest"),
     "node_wake_unknown_tag_already": ("P-11/wake_unknown_tag_refused", "expected a refusal (UNKNOWN_TAG), got an Ack"),
     "node_crash_on_shutdown_asleep": ("P-11/shutdown_while_asleep", "Shutdown in SLEEPING: worker rank 0"),

@@ -289,3 +289,56 @@ def test_an_update_goes_through_vllms_loader_and_is_checked_first(fake_vllm, che
             with pytest.raises(RunnerArgumentError, match=why):
                 receiver.apply(sender.share(bad), runner)
     assert model_runner.reloads == ["iterator"]  # no refused update reached vLLM
+
+
+class LoraEngine(FakeEngine):
+    """The stand-in with vLLM's LoRA calls, recorded (P-20)."""
+
+    def add_lora(self, lora: Any) -> bool:
+        self.calls.append(("add_lora", lora))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.calls.append(("remove_lora", lora_int_id))
+        return True
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        self.calls.append(("pin_lora", lora_int_id))
+        return True
+
+    def generate(self, rows: list[list[int]], sampling_params: dict[str, Any], lora: Any = None) -> list[Completion]:
+        self.calls.append(("generate", rows, lora))
+        return [Completion([r[0] + (3 if lora else 1)], "length") for r in rows]
+
+
+def test_adapters_go_to_vllms_own_lora_slots(monkeypatch, checkpoints, tmp_path):
+    import msgspec
+
+    from omni_core.models.lora import make_lora
+    from omni_core.protocol import AddAdapter
+    from omni_core.runners.vllm_runner import LoraSlot
+
+    pytest.importorskip("peft", reason="needs the models extra")
+    FakeEngine.made.clear()
+    monkeypatch.setattr(VllmRunner, "engine_factory", LoraEngine)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    lora = make_lora(checkpoints["qwen2"], tmp_path / "sql").path
+    add = AddAdapter(
+        task_id="a", epoch=0, name="sql", adapter_id=7, source=lora, rank=4, target_modules=("q_proj", "v_proj")
+    )
+    plain, _ = _loaded(checkpoints["qwen2"])
+    with pytest.raises(RunnerArgumentError, match="started without LoRA: set runner_args engine_args"):
+        plain.check_adapter(add)
+    runner, _ = _loaded(checkpoints["qwen2"], engine_args={"enable_lora": True, "max_loras": 2})
+    engine = FakeEngine.made[-1]
+    with pytest.raises(RunnerArgumentError, match="its directory holds rank 4, the AddAdapter says 8"):
+        runner.check_adapter(msgspec.structs.replace(add, rank=8))
+    runner.check_adapter(add)
+    runner.add_adapter(msgspec.structs.replace(add, pinned=True))
+    slot = LoraSlot("sql", 7, lora)
+    assert engine.calls[-2:] == [("add_lora", slot), ("pin_lora", 7)]
+    prompt = {"prompt_ids": [5, 6], "max_new_tokens": 1}
+    assert runner.execute_adapter(prompt, "sql")["token_ids"] == [8] and engine.calls[-1][2] == slot
+    assert runner.execute(prompt)["token_ids"] == [6]
+    runner.remove_adapter("sql")
+    assert engine.calls[-1] == ("remove_lora", 7) and runner.loras == {}

@@ -30,10 +30,13 @@ EXTENDS OmniSleep
 VARIABLES wver, sver, uver, uans, ufrom, wtask, wsaid
 weightVars == <<wver, sver, uver, uans, ufrom, wtask, wsaid>>
 
-WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache"}
-Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"}
+(* The LoRA adapter commands (P-20) are stateless tasks too: an ALREADY answer is not modelled. *)
+AdapterCommands == {"AddAdapter", "RemoveAdapter", "PinAdapter", "ListAdapters"}
+WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
+Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
 Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share",
-            ResetPrefixCache |-> "reset_prefix_cache"]
+            ResetPrefixCache |-> "reset_prefix_cache", AddAdapter |-> "add_adapter",
+            RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters"]
 NoAnswers == [r \in Ranks |-> "none"]
 Range(f) == {f[x] : x \in DOMAIN f}
 (* The trigger a refused update fires, by where it was refused (the stage's; the rank's). *)

@@ -1,0 +1,138 @@
+"""The Engine's LoRA adapter calls (P-20): AddAdapter, RemoveAdapter, PinAdapter and
+ListAdapters sent to every rank of a stage, each a generic `CommandCall` the stage core
+checks (its table, the wire's bounds) and stamps with its epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.report import LifecycleReport
+from omni_core.fsm.inputs import CommandCall
+from omni_core.protocol import AddAdapter, ListAdapters, PinAdapter, RemoveAdapter
+
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file beside the adapter's tensors
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+
+
+def default_adapter_id(name: str) -> int:
+    """A stable id for a name (vLLM's lora_int_id is >= 1): the same on every call and engine."""
+    return zlib.crc32(name.encode()) % (2**31 - 2) + 1
+
+
+def peft_shape(source: str) -> tuple[int, tuple[str, ...]]:
+    """The rank `r` and `target_modules` a PEFT directory's adapter_config.json declares; a
+    source that has none raises InvalidArgumentError naming what to pass instead."""
+    path = os.path.join(source, ADAPTER_CONFIG)
+    try:
+        if os.path.getsize(path) > MAX_ADAPTER_CONFIG_BYTES:
+            raise InvalidArgumentError(f"{path} is over {MAX_ADAPTER_CONFIG_BYTES} bytes: not a PEFT adapter config")
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+        rank, modules = config["r"], config["target_modules"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"adapter source {source!r}: cannot read its rank and target modules from {ADAPTER_CONFIG} "
+            f"({type(exc).__name__}: {str(exc)[:200]}); pass rank= and target_modules= or a PEFT directory"
+        ) from None
+    if isinstance(modules, str):
+        modules = [modules]
+    if not (type(rank) is int and isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+        raise InvalidArgumentError(
+            f"adapter source {source!r}: {ADAPTER_CONFIG} has r={rank!r}, target_modules={modules!r}"
+        )
+    return rank, tuple(sorted(modules))
+
+
+class AdapterCalls:
+    """Mixed into Engine: the four adapter commands."""
+
+    _task: Any
+    _lifecycle: Any
+
+    def add_adapter(
+        self,
+        stage: str,
+        name: str,
+        source: str,
+        *,
+        adapter_id: int | None = None,
+        rank: int | None = None,
+        target_modules: Iterable[str] | None = None,
+        version: int = 1,
+        base_version: int | None = None,
+        pinned: bool = False,
+        rebind: bool = False,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LifecycleReport:
+        """Load the LoRA adapter `name` from `source` (a PEFT directory; the synthetic runner
+        takes 'seed:<int>') on every rank. `rank` and `target_modules` default to what the
+        directory's adapter_config.json says; `base_version` (None: the weights held now) is
+        the base weights version it was made for, refused against another unless `rebind`.
+        The report lists every adapter (`report.adapters`) and those evicted to make room
+        (each rank's `adapters_evicted`). A refusal (capacity, rank, base version, a source
+        the runner cannot use) raises InvalidArgumentError naming it; nothing is loaded."""
+        if not isinstance(source, str):
+            raise InvalidArgumentError(f"an adapter source is a path string, got {source!r:.200}; nothing was sent")
+        if rank is None or target_modules is None:
+            declared_rank, declared_modules = peft_shape(source)
+            rank = declared_rank if rank is None else rank
+            target_modules = declared_modules if target_modules is None else target_modules
+        command = AddAdapter(
+            task_id="-",
+            epoch=0,
+            name=name,
+            adapter_id=default_adapter_id(name) if adapter_id is None else adapter_id,
+            source=source,
+            rank=rank,
+            target_modules=tuple(target_modules),
+            version=version,
+            base_version=base_version,
+            pinned=pinned,
+            rebind=rebind,
+        )
+        return self._adapter_call(stage, "add_adapter", command, task_id, timeout_s)
+
+    def remove_adapter(
+        self, stage: str, name: str, *, task_id: str | None = None, timeout_s: float | None = None
+    ) -> LifecycleReport:
+        """Unload the adapter `name` on every rank (not held: ALREADY)."""
+        return self._adapter_call(
+            stage, "remove_adapter", RemoveAdapter(task_id="-", epoch=0, name=name), task_id, timeout_s
+        )
+
+    def pin_adapter(
+        self,
+        stage: str,
+        name: str,
+        pinned: bool = True,
+        *,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LifecycleReport:
+        """Pin (or unpin) the adapter `name` on every rank: a pinned adapter is never evicted."""
+        command = PinAdapter(task_id="-", epoch=0, name=name, pinned=pinned)
+        return self._adapter_call(stage, "pin_adapter", command, task_id, timeout_s)
+
+    def list_adapters(
+        self, stage: str, *, task_id: str | None = None, timeout_s: float | None = None
+    ) -> LifecycleReport:
+        """Every adapter of every rank (`report.adapters`, each rank's in `report.ranks`):
+        `loaded`, `gone` (a level-2 sleep discarded it: add it again) or `stale` (made for
+        other base weights than the stage holds now)."""
+        return self._adapter_call(stage, "list_adapters", ListAdapters(task_id="-", epoch=0), task_id, timeout_s)
+
+    def _adapter_call(
+        self, stage: str, kind: str, command: Any, task_id: str | None, timeout_s: float | None
+    ) -> LifecycleReport:
+        tid, deadline_s = self._task(stage, kind, task_id, timeout_s)
+        stamped = msgspec.structs.replace(command, task_id=tid)
+        result: LifecycleReport = self._lifecycle(stage, CommandCall(stamped, deadline_s))
+        return result

@@ -1,0 +1,155 @@
+"""LoRA adapters on a transformers model through PEFT (P-20), for the transformers runner.
+
+An adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) is checked whole
+before anything is loaded: its config's rank, target modules and base model class, and each
+tensor's name and shape against the model's own modules, so an adapter of another
+architecture, another rank or modules the model lacks is refused naming what (a
+`RunnerArgumentError`: the rank answers INVALID_ARGUMENT and serves on). The first add wraps
+the model in a `PeftModel` (its LoRA layers are injected in place: the base weights keep their
+tensors); a request without an adapter runs with every adapter disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.protocol import AddAdapter
+from omni_core.runners.base import RunnerArgumentError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _config(command: AddAdapter) -> dict[str, Any]:
+    path = Path(command.source).expanduser() / ADAPTER_CONFIG
+    weights = path.parent / ADAPTER_WEIGHTS
+    if not path.is_file() or not weights.is_file():
+        raise RunnerArgumentError(
+            f"adapter {command.name!r}: {path.parent} is not a PEFT adapter directory "
+            f"(needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}); nothing was loaded"
+        )
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise RunnerArgumentError(f"adapter {command.name!r}: {path} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RunnerArgumentError(f"adapter {command.name!r}: {path} is not JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise RunnerArgumentError(f"adapter {command.name!r}: {path} is not a LoRA adapter config (peft_type LORA)")
+    return config
+
+
+def _modules(config: dict[str, Any]) -> list[str]:
+    modules = config.get("target_modules")
+    return [modules] if isinstance(modules, str) else list(modules or [])
+
+
+def check_peft_dir(command: AddAdapter, own_class: str) -> list[str]:
+    """What a PEFT directory says about itself, against the command and the model's class
+    (`own_class`, e.g. Qwen2ForCausalLM): its modules, once each is checked."""
+    config = _config(command)
+    name = command.name
+    base_class = (config.get("auto_mapping") or {}).get("base_model_class")
+    if base_class and own_class and base_class != own_class:
+        raise RunnerArgumentError(
+            f"adapter {name!r} was made for a {base_class}, and this stage serves a {own_class}; nothing was loaded"
+        )
+    if config.get("r") != command.rank:
+        raise RunnerArgumentError(
+            f"adapter {name!r}: its directory holds rank {config.get('r')!r}, the AddAdapter says {command.rank}"
+        )
+    declared = sorted(_modules(config))
+    if declared != sorted(command.target_modules):
+        raise RunnerArgumentError(
+            f"adapter {name!r}: its directory targets {declared}, the AddAdapter says {list(command.target_modules)}"
+        )
+    return declared
+
+
+class PeftAdapters:
+    """The adapters of one transformers model, loaded through PEFT."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model  # the base model: PEFT injects its LoRA layers into its modules
+        self.peft: Any = None  # the PeftModel, from the first add on
+        self.names: set[str] = set()
+
+    def check(self, command: AddAdapter) -> None:
+        """Everything about the adapter checked before anything is loaded or evicted."""
+        name, own_class = command.name, type(self.model).__name__
+        declared = check_peft_dir(command, own_class)
+        own = {module_name.rsplit(".", 1)[-1] for module_name, _ in self.model.named_modules()}
+        missing = sorted(set(declared) - own)
+        if missing:
+            raise RunnerArgumentError(
+                f"adapter {name!r} targets modules {missing} this model ({own_class}) lacks; nothing was loaded"
+            )
+        self._check_shapes(command)
+
+    def _check_shapes(self, command: AddAdapter) -> None:
+        """Each lora_A (rank, in) and lora_B (out, rank) against the module it adapts."""
+        from safetensors import safe_open
+
+        modules = dict(self.model.named_modules())
+        path = Path(command.source).expanduser() / ADAPTER_WEIGHTS
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                shape = tuple(handle.get_slice(key).get_shape())
+                owner, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
+                module = modules.get(owner)
+                weight = getattr(module, "weight", None)
+                if weight is None:
+                    raise RunnerArgumentError(
+                        f"adapter {command.name!r}: tensor {key} adapts {owner!r}, which this model lacks"
+                    )
+                out_features, in_features = weight.shape
+                want = (command.rank, in_features) if kind.startswith("A") else (out_features, command.rank)
+                if shape != want:
+                    raise RunnerArgumentError(
+                        f"adapter {command.name!r}: tensor {key} has shape {list(shape)}, and {owner} needs "
+                        f"{list(want)}: an adapter of another architecture or rank; nothing was loaded"
+                    )
+
+    def add(self, command: AddAdapter) -> None:
+        from peft import PeftModel
+
+        source, name = str(Path(command.source).expanduser()), command.name
+        if self.peft is None:
+            self.peft = PeftModel.from_pretrained(self.model, source, adapter_name=name, is_trainable=False)
+        else:
+            if name in self.names:
+                self.peft.delete_adapter(name)
+            self.peft.load_adapter(source, adapter_name=name, is_trainable=False)
+        self.names.add(name)
+        self.peft.eval()
+
+    def remove(self, name: str) -> None:
+        if self.peft is not None and name in self.names:
+            self.peft.delete_adapter(name)
+            self.names.discard(name)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every adapter's tensors: the LoRA parameters PEFT injected."""
+        if self.peft is None:
+            return []
+        return [p for n, p in self.model.named_parameters() if "lora_" in n]
+
+    @contextlib.contextmanager
+    def using(self, name: str | None) -> Iterator[None]:
+        """Run with adapter `name` alone, or (None) with every adapter disabled."""
+        if self.peft is None or not self.names:  # none held: the LoRA layers add nothing
+            yield
+            return
+        if name is None:
+            with self.peft.disable_adapter():
+                yield
+            return
+        self.peft.set_adapter(name)
+        yield

@@ -1,0 +1,115 @@
+"""The anchors' LoRA routes (P-20) end to end: HTTP, the engine, a rank of the transformers
+runner loading a real PEFT adapter for a tiny qwen2. vLLM's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (body `{lora_name, lora_path}`, text answers), SGLang's
+`/load_lora_adapter` and `/unload_lora_adapter` (`{success, error_message, loaded_adapters}`),
+the adapters in `/v1/models`, an execute naming its adapter; a level-2 sleep leaves the adapter
+gone (refused naming it) until loaded again; bad adapters are refused naming what."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.serve.conftest import Served, make_config, serving
+
+pytest.importorskip("peft", reason="needs the models extra: pip install -e '.[models]'")
+pytest.importorskip("transformers", reason="needs the models extra: pip install -e '.[models]'")
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+GREEDY = {"prompt_ids": PROMPT, "max_new_tokens": 8, "stop_at_eos": False}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    from omni_core.models import make_checkpoint
+    from omni_core.models.lora import make_lora
+
+    root = tmp_path_factory.mktemp("lora-serve")
+    make_checkpoint("qwen2", "tiny", root / "qwen2")
+    make_lora(root / "qwen2", root / "sql", seed=1)
+    make_checkpoint("llama", "tiny", root / "llama")
+    make_lora(root / "llama", root / "llama-lora")
+    return root
+
+
+@pytest.fixture(scope="module")
+def chat(root) -> Iterator[Served]:
+    stage = {
+        "name": "chat",
+        "runner": "transformers",
+        "runner_args": {"model": str(root / "qwen2"), "max_seq_len": 64, "cpu_threads": 1},
+        "backend": "portable",
+        "tags": ["weights", "kv_cache", "adapters"],
+        "deadline_s": 60.0,
+        "start_deadline_s": 240.0,
+        "request_timeout_s": 120.0,
+    }
+    config = make_config(stage, default_stage="chat", allowed_reload_sources=[str(root)])
+    with serving(config) as served:
+        yield served
+
+
+def _peft_tokens(root: Path) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from omni_core.runners.weights import own_storage
+
+    reference = AutoModelForCausalLM.from_pretrained(str(root / "qwen2"), local_files_only=True)
+    own_storage([reference])  # as the runner: CPU kernels choose their path by the weights' alignment
+    reference = PeftModel.from_pretrained(reference, str(root / "sql")).eval()
+    with torch.no_grad():
+        out = reference.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def _tokens(chat: Served, adapter: str | None = None) -> dict:
+    body = {"payload": GREEDY} | ({"adapter": adapter} if adapter else {})
+    answer = chat.client.post("/v1/stages/chat/execute", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_vllm_load_serves_peft_tokens_and_level_two_needs_a_reload_of_it(chat: Served, root: Path) -> None:
+    base = _tokens(chat)["output"]["token_ids"]
+    loaded = chat.client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(root / "sql")})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'sql' added successfully."
+    models = chat.client.get("/v1/models").json()["data"]
+    assert {"id": "sql", "root": str(root / "sql"), "parent": str(root / "qwen2")}.items() <= models[1].items()
+    tuned = _tokens(chat, "sql")
+    assert tuned["output"]["token_ids"] == _peft_tokens(root) != base
+    assert (tuned["adapter"], tuned["adapter_version"]) == ("sql", 1)
+
+    assert chat.client.post("/sleep?level=1").status_code == 200
+    assert chat.client.post("/wake_up").status_code == 200
+    assert _tokens(chat, "sql")["output"] == tuned["output"]  # level 1 kept it bit for bit
+
+    assert chat.client.post("/sleep?level=2").status_code == 200
+    assert chat.client.post("/wake_up").status_code == 200
+    assert chat.client.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 200
+    refused = chat.client.post("/v1/stages/chat/execute", json={"payload": GREEDY, "adapter": "sql"})
+    assert refused.status_code != 200 and "adapter 'sql' was discarded by a level-2 sleep" in refused.text
+    assert _tokens(chat)["output"]["token_ids"] == base
+    again = chat.client.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(root / "sql")})
+    assert again.status_code == 200 and again.json()["success"] is True, again.text
+    assert again.json()["loaded_adapters"] == {"sql": str(root / "sql")}
+    assert _tokens(chat, "sql")["output"] == tuned["output"]
+    gone = chat.client.post("/unload_lora_adapter", json={"lora_name": "sql"})
+    assert gone.json()["success"] is True and gone.json()["loaded_adapters"] == {}
+    assert chat.client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200  # ALREADY
+
+
+def test_bad_adapters_are_refused_naming_what_and_the_stage_serves_on(chat: Served, root: Path, tmp_path) -> None:
+    outside = chat.client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert outside.status_code == 403 and "allowed_reload_sources" in outside.text
+    missing = chat.client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "none")})
+    assert missing.status_code == 400 and "adapter_config.json" in missing.text, missing.text
+    other = chat.client.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "llama-lora")})
+    body = other.json()
+    assert other.status_code == 400 and body["success"] is False, other.text
+    assert "was made for a LlamaForCausalLM, and this stage serves a Qwen2ForCausalLM" in body["error_message"]
+    assert chat.engine.list_adapters("chat").adapters == ()  # nothing loaded
+    assert chat.stage("chat")["state"] == "RUNNING" and _tokens(chat)["output"]["finish_reason"] == "length"

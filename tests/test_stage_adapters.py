@@ -1,0 +1,89 @@
+"""The stage's adapter calls (P-20), sans-IO: AddAdapter, RemoveAdapter, PinAdapter and
+ListAdapters go to every rank as generic CommandCalls, where the stage's table allows them,
+and never change the state; an adapter-bound request carries its adapter to every rank and
+its outcome names the adapter and version every rank ran."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from test_stage_core import outcome_of, reach_stage
+
+from omni_core.fsm import inputs as I
+from omni_core.fsm.stage_step import StageCommandError
+from omni_core.protocol import AckStatus, AddAdapter, Execute, ListAdapters, PinAdapter, RemoveAdapter, StageState
+from omni_core.protocol import StageState as S
+
+ADD = AddAdapter(task_id="a", epoch=0, name="sql", adapter_id=1, source="/a", rank=4, target_modules=("q",))
+
+
+def _call(h, command, state: StageState):
+    step = h.stage.core.step(I.CommandCall(command, 5.0), h.now)
+    assert [o.rank for o in step.sends] == [0, 1, 2] and {o.command for o in step.sends} == {command}
+    outcome = outcome_of(h.complete(step))
+    assert (outcome.ok, outcome.command, outcome.state) == (True, type(command).__name__, state)
+    assert h.stage.state is state
+    return outcome
+
+
+def _weights_awake(state: StageState):
+    if state is not S.PARTIAL:
+        return reach_stage(state)
+    h = reach_stage(S.RUNNING)
+    h.complete(h.stage.sleep("s", 1, None, h.now, 5.0))
+    h.complete(h.stage.wake("w", ("weights",), h.now, 5.0))
+    assert h.stage.state is S.PARTIAL
+    return h
+
+
+@pytest.mark.parametrize("state", (S.RUNNING, S.PAUSED, S.PARTIAL))
+def test_adapter_calls_go_to_every_rank_and_keep_the_state(state: StageState) -> None:
+    h = _weights_awake(state)
+    added = _call(h, ADD, state)
+    assert all([a.name for a in ack.adapters] == ["sql"] for ack in added.acks.values())
+    _call(h, PinAdapter(task_id="p", epoch=0, name="sql"), state)
+    listed = _call(h, ListAdapters(task_id="l", epoch=0), state)
+    assert all(ack.adapters[0].pinned for ack in listed.acks.values())
+    removed = _call(h, RemoveAdapter(task_id="r", epoch=0, name="sql"), state)
+    assert all(ack.adapters == () for ack in removed.acks.values())
+
+
+@pytest.mark.parametrize("state", (S.SLEEPING, S.NEEDS_RELOAD))
+def test_asleep_a_stage_lists_its_adapters_and_refuses_to_add_naming_why(state: StageState) -> None:
+    h = reach_stage(state)
+    _call(h, ListAdapters(task_id="l", epoch=0), state)
+    with pytest.raises(StageCommandError, match=f"cannot add an adapter in {state.value}: valid weights must be awake"):
+        h.stage.core.step(I.CommandCall(ADD, 5.0), h.now)
+
+
+def test_a_request_carries_its_adapter_and_its_outcome_names_it() -> None:
+    h = reach_stage(S.RUNNING)
+    _call(h, ADD, S.RUNNING)
+    step = h.stage.core.step(I.Submit("q1", [1], 5.0, adapter="sql"), h.now)
+    assert [o.command for o in step.sends] == [Execute(task_id="q1", epoch=0, payload=[1], adapter="sql")] * 3
+    (answer,) = _answers(h, step)
+    assert answer.ok and (answer.adapter, answer.adapter_version) == ("sql", 1)
+    (answer,) = _answers(h, h.stage.core.step(I.Submit("q2", None, 5.0, adapter="chat"), h.now))
+    assert not answer.ok and "ADAPTER_UNAVAILABLE" in answer.detail and "adapter 'chat'" in answer.detail
+    assert h.stage.state is S.RUNNING
+
+
+def _answers(h, step) -> list:
+    return [a for reply in h.to_workers(step) for a in h.stage.on_reply(reply, h.now).requests]
+
+
+def _already_scenario() -> None:
+    h = reach_stage(S.RUNNING)
+    outcome = _call(h, RemoveAdapter(task_id="r", epoch=0, name="none"), S.RUNNING)
+    assert {ack.status for ack in outcome.acks.values()} == {AckStatus.ALREADY}
+
+
+STAGE_ADAPTER_SCENARIOS: list[Callable[[], None]] = [
+    *(lambda s=s: test_adapter_calls_go_to_every_rank_and_keep_the_state(s) for s in (S.RUNNING, S.PAUSED, S.PARTIAL)),
+    *(
+        lambda s=s: test_asleep_a_stage_lists_its_adapters_and_refuses_to_add_naming_why(s)
+        for s in (S.SLEEPING, S.NEEDS_RELOAD)
+    ),
+    _already_scenario,
+]
