@@ -69,6 +69,7 @@ class WorkerCommands:
     counters: WorkerCounters
     cache: BoundedCache[str, _CachedReply]
     _pending: _Pending | None
+    _running: dict[str, Execute]
 
     def _on_sleep(self, command: Sleep) -> WorkerStep:
         try:
@@ -210,12 +211,12 @@ class WorkerCommands:
                 command, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid"
             )
         self.lifecycle.fire("execute")
-        self._pending = _Pending(command)
+        self._running[command.task_id] = command
         return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
 
     def _on_status(self, command: Status) -> WorkerStep:
         self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
-        if self._pending is not None:
+        if self._pending is not None or self._running:
             # Busy: answer from what the core knows; the shell is inside an effect.
             return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
         self._pending = _Pending(command)
