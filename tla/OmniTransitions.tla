@@ -83,7 +83,7 @@ WorkerRelation == {
     <<"PARTIAL", "share", "PARTIAL">>,                              \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
     <<"ACTIVE", "reset_prefix_cache", "ACTIVE">>,                   \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
     <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,                 \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
-    <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7)
+    <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
     <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
     <<"OFFLOADING", "status", "OFFLOADING">>,                       \* Status is legal everywhere and changes nothing

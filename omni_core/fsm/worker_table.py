@@ -91,7 +91,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         None,
         "ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes",
     ),
-    Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
+    Transition(
+        "execute",
+        (W.ACTIVE,),
+        None,
+        "Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them",
+    ),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition(
         "profile", IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"
