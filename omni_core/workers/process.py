@@ -514,24 +514,11 @@ class WorkerProcess:
         core = self.core
         assert core is not None
         started = time.perf_counter()
-        # Requests stay off NVML's path; the profiler moves no pool memory (P-12 asks no report).
-        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect, WeightGroupEffect, ShareEffect))
         try:
-            pools_before = self._usage() if measured else {}
-            figure_before = self._figure() if measured else None
+            measure = self._measurer(effect)
             output = self._apply(effect)
             duration_s = time.perf_counter() - started
-            self._report_to_ledger()
-            memory = None
-            if measured:
-                figure_after = self._figure()
-                memory = MemoryReport(
-                    pool_bytes_before=pools_before,
-                    pool_bytes_after=self._usage(),
-                    process_bytes_before=figure_before.process_bytes if figure_before else None,
-                    process_bytes_after=figure_after.process_bytes,
-                    process_bytes_source=_source(figure_before, figure_after),
-                )
+            memory = measure()
         except Exception as exc:
             step = self._on_effect_error(effect, exc)
         else:
@@ -544,6 +531,33 @@ class WorkerProcess:
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
+
+    def _measurer(self, effect: Effect) -> Callable[[], MemoryReport | None]:
+        """Take the readings `effect` needs before it runs; the returned call takes the rest
+        after it. The profiler, a weight group and a share move no pool memory (P-12 asks no
+        report); a command the table marks as moving none (WORKER_CALLS: ResetPrefixCache)
+        reads its pools once (its report shows them unchanged, P-19) and no process figure:
+        a reading per command would cost more than the command. Everything else, Status
+        included, is measured before and after (P-12), and the node's ledger hears of it."""
+        if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)):
+            return lambda: None
+        if isinstance(effect, CommandEffect):
+            name = type(effect.command).__name__
+            return lambda: _unmeasured(self._usage(), name)
+        pools_before, figure_before = self._usage(), self._figure()
+
+        def after() -> MemoryReport:
+            self._report_to_ledger()
+            figure_after = self._figure()
+            return MemoryReport(
+                pool_bytes_before=pools_before,
+                pool_bytes_after=self._usage(),
+                process_bytes_before=figure_before.process_bytes,
+                process_bytes_after=figure_after.process_bytes,
+                process_bytes_source=_source(figure_before, figure_after),
+            )
+
+        return after
 
     def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
         core = self.core
@@ -694,6 +708,15 @@ def _rank_secret(secret_hex: str | None) -> bytes | None:
         raise SystemExit(
             f"{RANK_SECRET_ENV} must be hex (the engine sets it); got {len(secret_hex)} characters that are not"
         ) from None
+
+
+def _unmeasured(pools: dict[str, int], command: str) -> MemoryReport:
+    """The report of a command that moves no memory: its pools as read once, no process figure."""
+    return MemoryReport(
+        pool_bytes_before=pools,
+        pool_bytes_after=pools,
+        process_bytes_source=f"none: {command} moves no memory, so none was measured",
+    )
 
 
 def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:
