@@ -20,6 +20,7 @@ from omni_core.engine import Engine
 from omni_core.serve import (
     core_routes,
     omni_routes,
+    openai_routes,
     pause_routes,
     rl_routes,
     sglang_routes,
@@ -46,6 +47,7 @@ ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     weight_routes.router,
     rl_routes.router,
     trl_routes.router,
+    openai_routes.router,
 )
 
 
