@@ -40,7 +40,7 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_generation
+from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_each, parse_generation
 from omni_core.runners.synthetic import torch_dtype
 from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
@@ -316,12 +316,7 @@ class TransformersRunner(ModelRunner):
         cache, each row with its own length (left padding and a mask) and its own limit, so
         each result equals the request run alone. A sampled request runs on its own: its seed
         draws for its rows only. A payload that does not parse is that request's error."""
-        parsed: list[GenerationRequest | Exception] = []
-        for payload in payloads:
-            try:
-                parsed.append(self._parse(payload))
-            except Exception as exc:
-                parsed.append(exc)
+        parsed = parse_each(payloads, self._parse)
         self._check_ready()
         outputs: list[Any] = list(parsed)
         with torch.no_grad():

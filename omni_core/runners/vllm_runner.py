@@ -52,7 +52,7 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
-from omni_core.runners.generation import GenerationRequest, is_int, parse_generation
+from omni_core.runners.generation import GenerationRequest, is_int, parse_each, parse_generation
 from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
 
 log = logging.getLogger("omni_core.runners.vllm")
@@ -420,12 +420,7 @@ class VllmRunner(ModelRunner):
         step, the rest as sequences finish). A payload that does not parse is its own error."""
         if self.llm is None:
             raise RuntimeError("VllmRunner.execute before load")
-        parsed: list[GenerationRequest | Exception] = []
-        for payload in payloads:
-            try:
-                parsed.append(self._parse(payload))
-            except Exception as exc:
-                parsed.append(exc)
+        parsed = parse_each(payloads, self._parse)
         requests = [r for r in parsed if isinstance(r, GenerationRequest)]
         rows = [row for r in requests for row in r.rows]
         params = [self._sampling_params(r) for r in requests for _ in r.rows]

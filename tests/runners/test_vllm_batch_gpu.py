@@ -4,7 +4,6 @@ Needs CUDA and vLLM (../shared/device/VLLM.md)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -17,28 +16,17 @@ def test_64_requests_in_flight_equal_each_run_alone(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm", reason="needs vLLM (on the device: source .vllm/setup-vllm.sh)")
-    from omni_core.engine import Engine, StageSpec
+    import msgspec
+
+    from omni_core.engine import Engine
     from omni_core.models.make import make_checkpoint
+    from tests.runners.test_vllm_prefix_gpu import _spec
 
     model = tmp_path / "qwen2"
     make_checkpoint("qwen2", "0.5b", model, seed=0, dtype="bfloat16")
-    spec = StageSpec(
-        "llm",
-        runner="vllm",
-        backend="cumem",
-        device="cuda",
-        gpu_memory_fraction=0.35,
-        runner_args={
-            "model": str(model),
-            "max_model_len": 512,
-            "max_num_seqs": 64,
-            "attention_backend": os.environ.get("VLLM_BUNDLE_ATTN_BACKEND"),
-        },
-        max_in_flight=64,
-        deadline_s=300.0,
-        start_deadline_s=600.0,
-        request_timeout_s=300.0,
-    )
+    prefix_spec = _spec(model)
+    runner_args = {**prefix_spec.runner_args, "max_num_seqs": 64}
+    spec = msgspec.structs.replace(prefix_spec, runner_args=runner_args, max_in_flight=64)
     payloads = [
         {"prompt_ids": [(13 * i + k) % 5000 + 100 for k in range(8 + i % 5)], "max_new_tokens": 32 + i % 7}
         for i in range(64)
