@@ -137,7 +137,7 @@ def completion_prompts(prompt: Any) -> list[dict[str, Any]]:
         prompts = list(prompt)
     if not 1 <= len(prompts) <= MAX_PROMPTS:
         raise _bad(f"`prompt` must hold 1..{MAX_PROMPTS} prompts, got {len(prompts)}")
-    out = []
+    out: list[dict[str, Any]] = []
     for p in prompts:
         if isinstance(p, str):
             if not p or len(p) > MAX_PROMPT_CHARS:
