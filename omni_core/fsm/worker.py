@@ -321,9 +321,10 @@ class WorkerCore(WorkerCommands, WorkerEffects):
                 f"{type(command).__name__} waits until they are answered: retry after their replies"
             )
         if len(self._running) >= self.max_in_flight:
+            first = next(iter(self._running))
             return (
-                f"this rank runs {len(self._running)} requests, its max_in_flight; retry after a reply "
-                "or raise the stage's max_in_flight"
+                f"request {first!r} and {len(self._running) - 1} more are in progress, this rank's "
+                f"max_in_flight ({self.max_in_flight}); retry after a reply or raise the stage's max_in_flight"
             )
         return ""
 
