@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> int:
         from benchmarks.stage_queue import main as stage_queue_main
 
         return stage_queue_main(args.out, " ".join([PROG, *sys.argv[1:]]))
+    if args.request_path:
+        from benchmarks.request_path import main as request_path_main
+
+        return request_path_main(args.out, " ".join([PROG, *sys.argv[1:]]), short=args.short)
     if args.real_models:
         from benchmarks.real_models import main as real_models_main
 
@@ -77,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage-queue",
         action="store_true",
         help="the stage core's cost per queued request at 1k, 4k and 16k queued (sans-IO, CPU)",
+    )
+    p.add_argument(
+        "--request-path",
+        action="store_true",
+        help="throughput of a tiny transformers stage at 1, 8 and 64 requests in flight, and a no-op "
+        "command against a raw ZeroMQ + msgspec round trip at 1..4 ranks (CPU)",
     )
     p.add_argument("--ranks", type=int, action="append", help="rank count (repeatable; default 1 2 4 8)")
     p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")

@@ -1032,9 +1032,9 @@ def test_step_is_the_only_door() -> None:
     first; every input: the invariants after it); `state` and `busy` are read-only."""
     public = {name for name in dir(WorkerCore) if not name.startswith("_")}
     data = {"rank", "weights_version", "weight_group", "tags", "epoch", "capabilities", "residency", "lifecycle"}
-    data |= {"cache", "counters", "failure", "profiling"}
-    assert public - data == {"step", "state", "busy"}
-    for name in ("state", "busy"):
+    data |= {"cache", "counters", "failure", "profiling", "max_in_flight"}
+    assert public - data == {"step", "state", "busy", "in_progress"}
+    for name in ("state", "busy", "in_progress"):
         prop = getattr(WorkerCore, name)
         assert isinstance(prop, property) and prop.fset is None
     with pytest.raises(InvariantViolation, match="takes no input"):

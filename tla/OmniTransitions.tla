@@ -99,7 +99,7 @@ WorkerRelation == {
     <<"NEEDS_RELOAD", "list_adapters", "NEEDS_RELOAD">>,            \* ListAdapters (P-20): every adapter, gone and stale ones named
     <<"ACTIVE", "adapter_already", "ACTIVE">>,                      \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
     <<"PARTIAL", "adapter_already", "PARTIAL">>,                    \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
-    <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7)
+    <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
     <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
     <<"OFFLOADING", "status", "OFFLOADING">>,                       \* Status is legal everywhere and changes nothing

@@ -17,14 +17,16 @@ from omni_core.engine.fields import FieldError, conform
 from omni_core.fsm.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from omni_core.fsm.admission import AdmissionPolicy  # the one definition, beside its tables
 from omni_core.fsm.tags import DEFAULT_TAGS
+from omni_core.fsm.worker_step import MAX_IN_FLIGHT_PER_RANK
 from omni_core.plugins import BACKENDS, RUNNERS, name_problem
 from omni_core.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_ADAPTER_RANK, MAX_ADAPTERS
 from omni_core.workers.config import FrameBytes, GpuFraction, Seconds
 from omni_core.workers.simulated_device import SimulatedDevice
 
-# Requests in flight per stage, at most: below the orchestrator's per-rank socket queue
-# (10,000), so the queue never overflows before admission says "wait" or "rejected".
-MAX_IN_FLIGHT_LIMIT = 4096
+# Requests in flight per stage (and so per rank: each goes to every rank), at most: below the
+# orchestrator's per-rank socket queue (10,000), so the queue never overflows before admission
+# says "wait" or "rejected". The worker core holds its batch to the same bound.
+MAX_IN_FLIGHT_LIMIT = MAX_IN_FLIGHT_PER_RANK
 StageName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 # Ray's placement group strategies (ray.util.placement_group), as users of vLLM, verl and
 # OpenRLHF already write them.
@@ -89,7 +91,8 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_deadline_s: Seconds = 120.0  # every rank must say Hello by then
     request_timeout_s: Seconds = 60.0  # per request, queueing included
     queue_limit: Annotated[int, Meta(ge=0, le=1_000_000)] = 256
-    # Requests sent to the ranks and not yet answered by all of them (socket queues bound it).
+    # Requests sent to the ranks and not yet answered by all of them (socket queues bound it);
+    # each rank runs up to this many together, handed to its runner as one batch.
     max_in_flight: Annotated[int, Meta(ge=1, le=MAX_IN_FLIGHT_LIMIT)] = 1024
     # The largest message either side accepts (payloads, results).
     max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES

@@ -196,7 +196,7 @@ def _reused(factory: Callable[..., Any], *args: Any) -> Any:
 def _worker(w: Key, m: Key | None, factory: Callable[..., WorkerCore]) -> tuple[WorkerCore, Any]:
     state, asleep, valid, ptask, ptype, plevel, pplan, cached = w
     core = _reused(factory, 0)
-    core.epoch, core.failure, core._pending = _EPOCH, "", None
+    core.epoch, core.failure, core._pending, core._running = _EPOCH, "", None, {}
     core.residency = Residency(core.tags)
     core.cache = BoundedCache(core.cache.max_entries, core.cache.max_bytes)
     _place(core.lifecycle, WorkerState(state))
@@ -208,6 +208,8 @@ def _worker(w: Key, m: Key | None, factory: Callable[..., WorkerCore]) -> tuple[
             core._pending = _Pending(command, sleep_plan=plan)
         elif ptype == "Wake":
             core._pending = _Pending(command, wake_tags=frozenset(pplan))
+        elif isinstance(command, Execute):  # the spec's one request in progress: a batch of one
+            core._running[command.task_id] = command
         else:
             core._pending = _Pending(command, state_before=WorkerState.ACTIVE)
     marker = None
@@ -238,7 +240,7 @@ def worker_recv(w: Key, m: Key, factory: Callable[..., WorkerCore] = WorkerCore)
     cache_added = core.cache._entries.get(task_id) is not before
     return (
         core.state.value,
-        *_pending(core._pending),
+        *_pending(core._pending or next((_Pending(c) for c in core._running.values()), None)),
         cache_added,
         effect is not None,
         *_reply(replies[0] if replies else None, marker),

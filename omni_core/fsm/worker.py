@@ -49,6 +49,7 @@ from omni_core.fsm.worker_step import (
     ALL_CAPABILITIES,
     HELLO_TASK_ID,
     MAX_EPOCH_AHEAD,
+    MAX_IN_FLIGHT_PER_RANK,
     InvariantViolation,
     WorkerCounters,
     WorkerStep,
@@ -121,8 +122,14 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
         weights_version: int = 0,
         max_loras: int = DEFAULT_MAX_LORAS,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        max_in_flight: int = 1,
     ) -> None:
+        if not 1 <= max_in_flight <= MAX_IN_FLIGHT_PER_RANK:
+            raise ValueError(f"max_in_flight must be in 1..{MAX_IN_FLIGHT_PER_RANK}, got {max_in_flight!r}")
         self.rank = rank
+        # Requests this rank holds at once (the stage's max_in_flight): the shell hands them
+        # to the runner together, and nothing else runs beside them.
+        self.max_in_flight = max_in_flight
         # The version of the weights held (or, in NEEDS_RELOAD, held last): 0 is the runner's
         # own source; an update sets it once every bucket is written (P-17).
         self.weights_version = weights_version
@@ -139,6 +146,8 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
         self.counters = WorkerCounters()
         self.failure: str = ""
         self._pending: _Pending | None = None
+        # The requests of the batch in progress, in arrival order (never beside `_pending`).
+        self._running: dict[str, Execute] = {}
         # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
         self.profiling = False
 
@@ -148,7 +157,14 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None
+        return self._pending is not None or bool(self._running)
+
+    @property
+    def in_progress(self) -> tuple[str, ...]:
+        """The tasks whose effects are under way, taken on and not yet completed: the
+        lifecycle effect, or the requests of the batch in arrival order."""
+        pending = (self._pending.command.task_id,) if self._pending is not None else ()
+        return pending + tuple(self._running)
 
     def step(self, event: WorkerInput) -> WorkerStep:
         """The one door: what the shell saw or did, in; what to send and do next, out."""
@@ -226,8 +242,8 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                 f"this worker's epoch {self.epoch}; restart the rank under the new epoch",
             )
         self.epoch = command.epoch
-        if self._pending is not None and self._pending.command.task_id == command.task_id:
-            original = self._pending.command
+        original = self._in_progress(command.task_id)
+        if original is not None:
             if msgspec.structs.replace(command, epoch=original.epoch) != original:
                 return self._refuse(
                     command,
@@ -258,12 +274,9 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                         "large for the reply cache, so the first reply is the only one",
                     )
                 return WorkerStep(replies=(cached.reply,))
-        if self._pending is not None and not isinstance(command, Status):
-            step = self._refuse(
-                command,
-                NackReason.BUSY,
-                f"task {self._pending.command.task_id!r} is in progress; retry after its reply",
-            )
+        busy_with = self._busy_with(command)
+        if busy_with:
+            step = self._refuse(command, NackReason.BUSY, busy_with)
             if isinstance(command, (Execute, Profile, *ADAPTER_COMMANDS)) or type(command) in WORKER_CALLS:
                 # Recorded: the stage takes this BUSY as the rank's answer to the request (or
                 # the Profile, or a command of WORKER_CALLS), so a copy arriving after the task
@@ -304,6 +317,34 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                 return self._on_call(command)
             case _:
                 raise InvariantViolation(f"the worker core has no handler for {command!r}")
+
+    def _in_progress(self, task_id: str) -> Command | None:
+        """The command of this task whose effect is under way (lifecycle or request), if any."""
+        if self._pending is not None and self._pending.command.task_id == task_id:
+            return self._pending.command
+        return self._running.get(task_id)
+
+    def _busy_with(self, command: Command) -> str:
+        """Why `command` must wait (BUSY), or "": one lifecycle effect at a time, and beside a
+        batch of requests only more requests, up to max_in_flight (nothing moves memory
+        under a running request)."""
+        if isinstance(command, Status):
+            return ""
+        if self._pending is not None:
+            return f"task {self._pending.command.task_id!r} is in progress; retry after its reply"
+        if self._running and not isinstance(command, Execute):
+            first = next(iter(self._running))
+            return (
+                f"{len(self._running)} requests are running on this rank (first {first!r}); "
+                f"{type(command).__name__} waits until they are answered: retry after their replies"
+            )
+        if len(self._running) >= self.max_in_flight:
+            first = next(iter(self._running))
+            return (
+                f"request {first!r} and {len(self._running) - 1} more are in progress, this rank's "
+                f"max_in_flight ({self.max_in_flight}); retry after a reply or raise the stage's max_in_flight"
+            )
+        return ""
 
     def _traced(self, step: WorkerStep, head: WorkerRecord, before: W, task_id: str) -> WorkerStep:
         """`step` with its records: what happened, the change of state it made, the replies."""
@@ -400,6 +441,9 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
         return detail[:MAX_DETAIL_CHARS]
 
     def _take_pending(self, task_id: str) -> _Pending:
+        running = self._running.pop(task_id, None)
+        if running is not None:
+            return _Pending(running)
         if self._pending is None or self._pending.command.task_id != task_id:
             have = self._pending.command.task_id if self._pending else None
             raise InvariantViolation(f"effect completion for task {task_id!r}, pending is {have!r}")
@@ -431,6 +475,11 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
             require(res.weights_resident and not res.weights_valid, "NEEDS_RELOAD needs resident, invalid weights")
         if self._pending is not None and isinstance(self._pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
+        if self._running:
+            # P-7: a request runs only on resident, valid memory, and no effect moves it meanwhile.
+            require(state is W.ACTIVE, f"{len(self._running)} requests running outside ACTIVE")
+            require(self._pending is None, "a lifecycle effect beside a running batch")
+            require(len(self._running) <= self.max_in_flight, "more requests running than max_in_flight")
         if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
             require(state in IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
         if self._pending is not None and isinstance(self._pending.command, ShareWeights):

@@ -71,6 +71,7 @@ class WorkerCommands:
     counters: WorkerCounters
     cache: BoundedCache[str, _CachedReply]
     _pending: _Pending | None
+    _running: dict[str, Execute]
 
     def _on_sleep(self, command: Sleep) -> WorkerStep:
         try:
@@ -217,12 +218,12 @@ class WorkerCommands:
                 return self._refuse(command, NackReason.ADAPTER_UNAVAILABLE, problem)
             self.adapters.touch(command.adapter)
         self.lifecycle.fire("execute")
-        self._pending = _Pending(command)
+        self._running[command.task_id] = command
         return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload, command.adapter))
 
     def _on_status(self, command: Status) -> WorkerStep:
         self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
-        if self._pending is not None:
+        if self._pending is not None or self._running:
             # Busy: answer from what the core knows; the shell is inside an effect.
             return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
         self._pending = _Pending(command)

@@ -18,6 +18,9 @@ from omni_core.protocol import WorkerState as W
 # to jump far ahead. A bounded window stops one command (epoch 2**64-1) from fencing the
 # rank off from every normal epoch for good.
 MAX_EPOCH_AHEAD = 64
+# Requests one rank may hold at once: StageSpec's max_in_flight bound (each request goes to
+# every rank of its stage, so a stage's in-flight requests are each rank's).
+MAX_IN_FLIGHT_PER_RANK = 4096
 
 ALL_CAPABILITIES: tuple[Capability, ...] = (
     Capability.LEVEL2,

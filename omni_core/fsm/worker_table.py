@@ -117,7 +117,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         None,
         "AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)",
     ),
-    Transition("execute", (W.ACTIVE,), None, "Execute is legal only in ACTIVE (P-7)"),
+    Transition(
+        "execute",
+        (W.ACTIVE,),
+        None,
+        "Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them",
+    ),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition(
         "profile", IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"

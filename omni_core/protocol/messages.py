@@ -74,7 +74,10 @@ ENVELOPE_FIELDS = frozenset(("v", "task_id", "epoch"))
 def arguments(message: Message) -> dict[str, Any]:
     """A message's own fields, every one but the envelope's (`v`, `task_id`, `epoch`), in the
     order its struct declares them: what a command asks for, what a reply says."""
-    return {f.name: getattr(message, f.name) for f in msgspec.structs.fields(message) if f.name not in ENVELOPE_FIELDS}
+    # The class's own tuple of names: msgspec.structs.fields evaluates every annotation on each
+    # call (a third of a stateless command's cost in the stage core).
+    names = type(message).__struct_fields__
+    return {name: getattr(message, name) for name in names if name not in ENVELOPE_FIELDS}
 
 
 # ---------------------------------------------------------------- commands (orchestrator -> worker)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +94,20 @@ class ModelRunner(ABC):
     @abstractmethod
     def execute(self, payload: Any) -> Any:
         """Run one request; the result must be msgpack-serialisable. Runs only when ACTIVE."""
+
+    def execute_batch(self, payloads: Sequence[Any]) -> list[Any]:
+        """Run several requests together (those in flight on this rank at once, up to the
+        stage's max_in_flight); return one entry per payload, in order: its result, or the
+        exception that is that request's own error (the others still succeed). A raise fails
+        every request of the batch. The default runs them one by one through `execute`; a
+        runner whose framework batches (vLLM's engine, a padded forward pass) overrides it."""
+        outputs: list[Any] = []
+        for payload in payloads:
+            try:
+                outputs.append(self.execute(payload))
+            except Exception as exc:
+                outputs.append(exc)
+        return outputs
 
     @abstractmethod
     def reload_weights(self, source: str | None) -> None:

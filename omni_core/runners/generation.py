@@ -13,6 +13,7 @@ Every check names the field and what to send instead; nothing here touches a mod
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,19 @@ def parse_generation(
     if not isinstance(stop, bool):
         raise TypeError(f"stop_at_eos must be a bool, got {stop!r}")
     return GenerationRequest(rows, batched, max_new, parse_sampling(payload.get("sampling", "greedy")), stop)
+
+
+def parse_each(
+    payloads: Sequence[Any], parse: Callable[[Any], GenerationRequest]
+) -> list[GenerationRequest | Exception]:
+    """Each payload of a batch parsed, or the exception that is that request's own error."""
+    parsed: list[GenerationRequest | Exception] = []
+    for payload in payloads:
+        try:
+            parsed.append(parse(payload))
+        except Exception as exc:
+            parsed.append(exc)
+    return parsed
 
 
 def _encode(prompt: Any, tokenizer: Any, model_dir: Path) -> tuple[list[list[int]], bool]:

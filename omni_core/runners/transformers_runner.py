@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ import torch
 from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_generation
+from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_each, parse_generation
 from omni_core.runners.lora import PeftAdapters
 from omni_core.runners.synthetic import torch_dtype
 from omni_core.runners.tensor_parallel import join_process_group
@@ -348,14 +348,63 @@ class TransformersRunner(ModelRunner):
         list per prompt when the payload gave a list.
         """
         request = self._parse(payload)
+        self._check_ready()
+        with torch.no_grad(), self.lora.using(adapter) if self.lora is not None else nullcontext():
+            return self._shape(request, self._generate([request]))
+
+    def execute_batch(self, payloads: Sequence[Any]) -> list[Any]:
+        """Several requests in one forward pass per token: the greedy ones packed together,
+        up to `max_batch` prompts whose longest prompt and largest `max_new_tokens` fit the
+        cache, each row with its own length (left padding and a mask) and its own limit, so
+        each result equals the request run alone. A sampled request runs on its own: its seed
+        draws for its rows only. A payload that does not parse is that request's error."""
+        parsed = parse_each(payloads, self._parse)
+        self._check_ready()
+        outputs: list[Any] = list(parsed)
+        with torch.no_grad():
+            for group in self._groups(parsed):
+                rows = self._generate([parsed[i] for i in group])  # type: ignore[misc]
+                for i in group:
+                    request = parsed[i]
+                    assert isinstance(request, GenerationRequest)
+                    outputs[i] = self._shape(request, rows[: len(request.rows)])
+                    rows = rows[len(request.rows) :]
+        return outputs
+
+    def _groups(self, parsed: Sequence[GenerationRequest | Exception]) -> list[list[int]]:
+        """Indices of the requests that run together, in order."""
+        groups: list[list[int]] = []
+        packed: list[int] = []
+        rows = longest = most_new = 0
+        for i, request in enumerate(parsed):
+            if not isinstance(request, GenerationRequest):
+                continue
+            if request.sampling.temperature is not None:
+                groups.append([i])
+                continue
+            prompt = max(len(r) for r in request.rows)
+            fits = rows + len(request.rows) <= self.max_batch
+            fits = fits and max(longest, prompt) + max(most_new, request.max_new_tokens) <= self.max_seq_len
+            if packed and not fits:
+                groups.append(packed)
+                packed, rows, longest, most_new = [], 0, 0, 0
+            packed.append(i)
+            rows, longest = rows + len(request.rows), max(longest, prompt)
+            most_new = max(most_new, request.max_new_tokens)
+        if packed:
+            groups.append(packed)
+        return groups
+
+    def _check_ready(self) -> None:
         if self.model is None or self.cache is None:
             raise RuntimeError("TransformersRunner.execute before load_weights/allocate_caches")
         check_resident({WEIGHTS_TAG: self.tensors(WEIGHTS_TAG), KV_CACHE_TAG: self.tensors(KV_CACHE_TAG)})
-        with torch.no_grad(), self.lora.using(adapter) if self.lora is not None else nullcontext():
-            tokens, reasons = self._generate(request)
+
+    def _shape(self, request: GenerationRequest, rows: list[tuple[list[int], str]]) -> dict[str, Any]:
+        tokens = [t for t, _ in rows]
         out: dict[str, Any] = {
             "token_ids": tokens,
-            "finish_reason": reasons,
+            "finish_reason": [reason for _, reason in rows],
             "prompt_tokens": [len(r) for r in request.rows],
         }
         if self.tokenizer is not None:
@@ -374,14 +423,20 @@ class TransformersRunner(ModelRunner):
             model_dir=self.model_dir,
         )
 
-    def _generate(self, request: GenerationRequest) -> tuple[list[list[int]], list[str]]:
-        rows, device = request.rows, self.device
+    def _generate(self, requests: list[GenerationRequest]) -> list[tuple[list[int], str]]:
+        """(new tokens, finish reason) per row of every request, in order. The requests share
+        one sampling (greedy, or one request's seed): `_groups` sees to it."""
+        rows = [row for r in requests for row in r.rows]
+        limits = [r.max_new_tokens for r in requests for _ in r.rows]
+        stops = [r.stop_at_eos for r in requests for _ in r.rows]
+        sampling, device = requests[0].sampling, self.device
         pad = int(self.config.pad_token_id if self.config.pad_token_id is not None else 0)
         eos = self.config.eos_token_id
         eos_ids = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos], device=device)
         # The static cache has exactly max_batch rows: fill the spare ones with copies of the
         # last prompt (rows are independent, so the fillers change no real row's result).
-        filled = rows + [rows[-1]] * (self.max_batch - len(rows))
+        spare = self.max_batch - len(rows)
+        filled = rows + [rows[-1]] * spare
         length = max(len(r) for r in filled)
         ids = torch.full((self.max_batch, length), pad, dtype=torch.long)
         mask = torch.zeros((self.max_batch, length), dtype=torch.long)
@@ -391,13 +446,36 @@ class TransformersRunner(ModelRunner):
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generator = None
-        if request.sampling.temperature is not None:
-            generator = torch.Generator(device=device).manual_seed(request.sampling.seed)
+        if sampling.temperature is not None:
+            generator = torch.Generator(device=device).manual_seed(sampling.seed)
         self.cache.reset()  # a discarded cache comes back as zeros or garbage; start clean
-        real = torch.arange(self.max_batch, device=device) < len(rows)
+        limit = torch.tensor(limits + [1] * spare, device=device)  # a filler stops at once
+        stop = torch.tensor(stops + [False] * spare, device=device) & bool(eos_ids.numel())
         finished = torch.zeros(self.max_batch, dtype=torch.bool, device=device)
         produced: list[torch.Tensor] = []
-        out = self.model(
+        out = self._forward(ids, mask, positions)
+        for step in range(max(limits)):
+            token = self._choose(out.logits[:, -1].float(), sampling, generator)
+            token = torch.where(finished | (step >= limit), torch.full_like(token, pad), token)
+            produced.append(token)
+            finished |= stop & (step < limit) & torch.isin(token, eos_ids)
+            if bool((finished | (step + 1 >= limit)).all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self._forward(token[:, None], mask, positions)
+        table = torch.stack(produced, dim=1).tolist()
+        done, eos_set = finished.tolist(), set(eos_ids.tolist())
+        result = []
+        for i in range(len(rows)):
+            row = table[i][: limits[i]]
+            if done[i]:
+                row = row[: next(j for j, t in enumerate(row) if t in eos_set) + 1]
+            result.append((row, "stop" if done[i] else "length"))
+        return result
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
+        return self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
@@ -405,37 +483,6 @@ class TransformersRunner(ModelRunner):
             logits_to_keep=1,
             **{cache_keyword(self.model.forward): self.cache},
         )
-        for step in range(request.max_new_tokens):
-            token = self._choose(out.logits[:, -1].float(), request.sampling, generator)
-            token = torch.where(finished, torch.full_like(token, pad), token)
-            produced.append(token)
-            if request.stop_at_eos and eos_ids.numel():
-                finished |= torch.isin(token, eos_ids)
-                if bool((finished | ~real).all()):
-                    break
-            if step + 1 == request.max_new_tokens:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_keyword(self.model.forward): self.cache},
-            )
-        table = torch.stack(produced, dim=1).tolist()
-        done = finished.tolist()
-        tokens, reasons = [], []
-        for i in range(len(rows)):
-            row = table[i]
-            if done[i]:
-                stop_at = next(j for j, t in enumerate(row) if t in set(eos_ids.tolist()))
-                row = row[: stop_at + 1]
-            tokens.append(row)
-            reasons.append("stop" if done[i] else "length")
-        return tokens, reasons
 
     @staticmethod
     def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:

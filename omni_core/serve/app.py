@@ -22,6 +22,7 @@ from omni_core.serve import (
     ipc_routes,
     lora_routes,
     omni_routes,
+    openai_routes,
     pause_routes,
     rl_routes,
     sglang_routes,
@@ -50,6 +51,7 @@ ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     ipc_routes.router,
     rl_routes.router,
     trl_routes.router,
+    openai_routes.router,
 )
 
 

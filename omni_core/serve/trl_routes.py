@@ -60,7 +60,8 @@ def router(state: ServeState) -> APIRouter:
         responses=m.ERROR_RESPONSES,
         tags=["vLLM"],
         description="The models the stages acted on serve, as vLLM's OpenAI server lists them (TRL's "
-        "VLLMClient reads the first id in its constructor); omni-core serves no /v1/completions",
+        "VLLMClient reads the first id in its constructor); POST /v1/completions and "
+        "/v1/chat/completions take these ids as `model`",
     )
     async def models() -> Response:
         data = [

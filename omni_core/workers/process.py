@@ -66,6 +66,7 @@ from omni_core.protocol import (
     AddAdapter,
     Capability,
     Command,
+    Execute,
     Hello,
     MemoryReport,
     Message,
@@ -155,6 +156,11 @@ class WorkerProcess:
         # What the loop caught while handling frames, by cause (omni_core.isolation).
         self.frame_errors = FrameErrors(f"worker {config.stage}/{config.rank}", log)
         self._answered: set[str] | None = None  # task_ids this frame answered, while handling one
+        # Requests the core took and the runner has not run yet: the serve loop gathers the
+        # Executes waiting on the socket and hands them to the runner together (`_run_batch`).
+        self._batch: list[ExecuteEffect] = []
+        self._gather = False  # set by `serve`: outside its loop every request runs at once
+        self._took: str | None = None  # the task whose effect the frame being handled started
         self.counters = CounterStamp(None, "")  # the runner's counters on its replies, once loaded
 
     # ------------------------------------------------------------------ start-up
@@ -186,6 +192,7 @@ class WorkerProcess:
             weights_version=cfg.start_version,
             max_loras=cfg.max_loras,
             max_lora_rank=cfg.max_lora_rank,
+            max_in_flight=cfg.max_in_flight,
         )
         if not error:
             try:
@@ -325,14 +332,32 @@ class WorkerProcess:
                     self._release()
                     return EXIT_PARENT_GONE
                 continue
+            self._gather = True
             try:
-                frames = self.sock.recv_multipart(copy=False)
+                self._serve_ready()
+            finally:
+                self._gather = False
+        return self.exit_code
+
+    def _serve_ready(self) -> None:
+        """Every frame waiting now: the Executes among them join one batch (up to the core's
+        max_in_flight), which runs once the socket has no frame left or a command that is no
+        request comes (the core never lets one run beside a batch)."""
+        flags = 0
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags, copy=False)
+            except zmq.Again:
+                break
             except zmq.ZMQError as exc:
                 self.frame_errors.record(exc, "receiving a frame")
-                continue
+                break
             # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
             self.handle_isolated(frames[-1].buffer)
-        return self.exit_code
+            if not self._batch or self.stopped:
+                break
+            flags = zmq.NOBLOCK
+        self._run_batch()
 
     def handle_isolated(self, data: bytes | memoryview) -> None:
         """`handle` one frame; whatever it raises ends here (omni_core.isolation): counted by
@@ -341,8 +366,8 @@ class WorkerProcess:
         ends the loop: the process exits with it, and the engine names the dead rank."""
         core = self.core
         assert core is not None
-        busy_before = core.busy
         self._answered = set()
+        self._took = None
         try:
             self.handle(data)
         except InvariantViolation:
@@ -355,11 +380,12 @@ class WorkerProcess:
             raise
         except Exception as exc:
             self.frame_errors.record(exc, f"a frame of {len(data)} bytes")
-            self._answer_failed_frame(data, exc, became_busy=core.busy and not busy_before)
+            self._answer_failed_frame(data, exc, took=self._took)
         finally:
             self._answered = None
+            self._took = None
 
-    def _answer_failed_frame(self, data: bytes | memoryview, exc: Exception, *, became_busy: bool) -> None:
+    def _answer_failed_frame(self, data: bytes | memoryview, exc: Exception, *, took: str | None) -> None:
         """After a frame's handling raised, its task still gets its one reply (P-1), now rather
         than at the stage's deadline: the command's effect failed when the core had taken it
         on (EXECUTE_ERROR for a request, BACKEND_ERROR and FAILED for a lifecycle command, as
@@ -371,8 +397,9 @@ class WorkerProcess:
             task_id, epoch = envelope_of(data)
             if task_id is not None and task_id in self._answered:
                 return
-            if became_busy and task_id is not None:
-                step = core.step(EffectRaised(task_id, f"the worker failed while handling it ({cause})"))
+            if took is not None and took in core.in_progress:  # taken on, never to be performed now
+                self._batch = [effect for effect in self._batch if effect.task_id != took]
+                step = core.step(EffectRaised(took, f"the worker failed while handling it ({cause})"))
             else:
                 error = ProtocolError(
                     f"this worker could not handle the frame ({cause}); it was dropped and the worker serves on: "
@@ -395,33 +422,139 @@ class WorkerProcess:
         except ProtocolError as err:
             self._send_all(core.step(BadFrame(err)))
             return
+        if self._batch and (not isinstance(command, Execute) or len(self._batch) >= core.max_in_flight):
+            self._run_batch()  # first: the core refuses anything else beside a running batch
         step = core.step(CommandReceived(command))
-        self._send_all(step)
         if step.effect is not None:
+            self._took = step.effect.task_id
+        self._send_all(step)
+        if isinstance(step.effect, ExecuteEffect):
+            self._batch.append(step.effect)
+            if not self._gather:
+                self._run_batch()
+        elif step.effect is not None:
             self._perform(step.effect)
+
+    def _run_batch(self) -> None:
+        """Run the gathered requests through the runner together, then answer each: its
+        output, or its own error (a raise of the whole batch is every request's error). The
+        rank stays ACTIVE either way: a request says nothing about the memory. Whatever
+        raises here is counted and every request still unanswered gets its error (P-1)."""
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        try:
+            started = time.perf_counter()
+            outputs = self._execute_batch(batch)
+            duration_s = time.perf_counter() - started
+            for effect, output in zip(batch, outputs, strict=True):
+                self._answer_request(effect, output, duration_s)
+            self._report_to_ledger()
+        except InvariantViolation:
+            raise
+        except Exception as exc:
+            self.frame_errors.record(exc, f"a batch of {len(batch)} requests")
+            held = set(self.core.in_progress) if self.core is not None else set()
+            for effect in batch:
+                if effect.task_id in held:
+                    self._answer_request(effect, exc, 0.0)
+
+    def _answer_request(self, effect: ExecuteEffect, output: Any, duration_s: float) -> None:
+        """One request of a batch: its Result, or its NACK; exactly one reply whatever raises."""
+        core = self.core
+        assert core is not None
+        try:
+            if isinstance(output, BaseException):
+                raise output
+            checked = checked_output(output, self.config.max_frame_bytes)
+            done: EffectCompleted | EffectRaised = EffectCompleted(effect.task_id, None, checked, duration_s)
+        except Exception as exc:
+            log.warning("worker %s/%s: request %r failed: %s", *self._who(), effect.task_id, _error_text(exc))
+            done = EffectRaised(effect.task_id, _error_text(exc))
+        outer, self._answered = self._answered, set()
+        try:
+            self._send_all(core.step(done))
+        except InvariantViolation:
+            raise
+        except Exception as exc:
+            self.frame_errors.record(exc, f"answering request {effect.task_id!r}")
+            if effect.task_id not in self._answered:  # its one reply now, not at the deadline (P-1)
+                self._answer_lost(effect.task_id, exc)
+        finally:
+            if outer is not None:
+                outer |= self._answered
+            self._answered = outer
+
+    def _answer_lost(self, task_id: str, exc: Exception) -> None:
+        """A request whose answer raised: its error if the core still holds it, else (the core
+        took its completion and the reply was lost) NACK BAD_MESSAGE, as for a frame."""
+        core = self.core
+        assert core is not None
+        cause = f"{cause_of(exc)}: {str(exc)[:300]}"
+        try:
+            if task_id in core.in_progress:
+                step = core.step(EffectRaised(task_id, f"the worker failed answering it ({cause})"))
+            else:
+                detail = f"this worker failed answering the request ({cause}); it serves on: retry under a new task_id"
+                step = core.step(BadFrame(ProtocolError(detail, task_id=task_id, epoch=core.epoch)))
+            self._send_all(step)
+        except InvariantViolation:
+            raise
+        except Exception as again:  # the socket itself failing: counted, the loop goes on
+            self.frame_errors.record(again, f"answering request {task_id!r} again")
+
+    def _who(self) -> tuple[str, int]:
+        return self.config.stage, self.config.rank
+
+    def _execute_batch(self, batch: list[ExecuteEffect]) -> list[Any]:
+        """One entry per request, in order: its output or the exception that is its error.
+        Requests naming an adapter (P-20) run one at a time through it; the others together."""
+        if self.runner is None:
+            failed = RuntimeError("the worker has no runner (start-up failed)")
+            return [failed] * len(batch)
+        outputs: list[Any] = [None] * len(batch)
+        plain = [i for i, effect in enumerate(batch) if effect.adapter is None]
+        for i, effect in enumerate(batch):
+            if effect.adapter is not None:
+                outputs[i] = self._execute_adapter(effect)
+        for i, output in zip(plain, self._execute_plain([batch[i] for i in plain]) if plain else [], strict=True):
+            outputs[i] = output
+        return outputs
+
+    def _execute_adapter(self, effect: ExecuteEffect) -> Any:
+        assert self.runner is not None and effect.adapter is not None
+        try:
+            return self.runner.execute_adapter(effect.payload, effect.adapter)
+        except Exception as exc:
+            log.error("worker %s/%s: request %s failed:\n%s", *self._who(), effect.task_id, traceback.format_exc())
+            return exc
+
+    def _execute_plain(self, batch: list[ExecuteEffect]) -> list[Any]:
+        assert self.runner is not None
+        try:
+            outputs = list(self.runner.execute_batch([effect.payload for effect in batch]))
+        except Exception as exc:
+            log.error(
+                "worker %s/%s: a batch of %d requests failed:\n%s", *self._who(), len(batch), traceback.format_exc()
+            )
+            return [exc] * len(batch)
+        if len(outputs) != len(batch):
+            wrong = RuntimeError(
+                f"{type(self.runner).__name__}.execute_batch returned {len(outputs)} results for "
+                f"{len(batch)} requests; it must return one per payload, in order"
+            )
+            return [wrong] * len(batch)
+        return outputs
 
     def _perform(self, effect: Effect) -> None:
         core = self.core
         assert core is not None
         started = time.perf_counter()
-        # Requests stay off NVML's path; the profiler moves no pool memory (P-12 asks no report).
-        measured = not isinstance(effect, (ExecuteEffect, ProfileEffect, WeightGroupEffect, ShareEffect))
         try:
-            pools_before = self._usage() if measured else {}
-            figure_before = self._figure() if measured else None
+            measure = self._measurer(effect)
             output = self._apply(effect)
             duration_s = time.perf_counter() - started
-            self._report_to_ledger()
-            memory = None
-            if measured:
-                figure_after = self._figure()
-                memory = MemoryReport(
-                    pool_bytes_before=pools_before,
-                    pool_bytes_after=self._usage(),
-                    process_bytes_before=figure_before.process_bytes if figure_before else None,
-                    process_bytes_after=figure_after.process_bytes,
-                    process_bytes_source=_source(figure_before, figure_after),
-                )
+            memory = measure()
         except Exception as exc:
             step = self._on_effect_error(effect, exc)
         else:
@@ -434,6 +567,33 @@ class WorkerProcess:
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
+
+    def _measurer(self, effect: Effect) -> Callable[[], MemoryReport | None]:
+        """Take the readings `effect` needs before it runs; the returned call takes the rest
+        after it. The profiler, a weight group and a share move no pool memory (P-12 asks no
+        report); a command the table marks as moving none (WORKER_CALLS: ResetPrefixCache)
+        reads its pools once (its report shows them unchanged, P-19) and no process figure:
+        a reading per command would cost more than the command. Everything else, Status
+        included, is measured before and after (P-12), and the node's ledger hears of it."""
+        if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)):
+            return lambda: None
+        if isinstance(effect, CommandEffect):
+            name = type(effect.command).__name__
+            return lambda: _unmeasured(self._usage(), name)
+        pools_before, figure_before = self._usage(), self._figure()
+
+        def after() -> MemoryReport:
+            self._report_to_ledger()
+            figure_after = self._figure()
+            return MemoryReport(
+                pool_bytes_before=pools_before,
+                pool_bytes_after=self._usage(),
+                process_bytes_before=figure_before.process_bytes,
+                process_bytes_after=figure_after.process_bytes,
+                process_bytes_source=_source(figure_before, figure_after),
+            )
+
+        return after
 
     def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
         core = self.core
@@ -520,13 +680,6 @@ class WorkerProcess:
                     self.sender.close()
                 self.sender = WeightSender(bucket_bytes=effect.bucket_bytes)
             return self.sender.share(runner.weights_to_share())
-        elif isinstance(effect, ExecuteEffect):
-            output = (
-                runner.execute(effect.payload)
-                if effect.adapter is None
-                else runner.execute_adapter(effect.payload, effect.adapter)
-            )
-            return checked_output(output, self.config.max_frame_bytes)
         else:  # pragma: no cover - the core emits only the effects above
             raise TypeError(f"unknown effect {effect!r}")
         return None
@@ -619,6 +772,15 @@ def _rank_secret(secret_hex: str | None) -> bytes | None:
         raise SystemExit(
             f"{RANK_SECRET_ENV} must be hex (the engine sets it); got {len(secret_hex)} characters that are not"
         ) from None
+
+
+def _unmeasured(pools: dict[str, int], command: str) -> MemoryReport:
+    """The report of a command that moves no memory: its pools as read once, no process figure."""
+    return MemoryReport(
+        pool_bytes_before=pools,
+        pool_bytes_after=pools,
+        process_bytes_source=f"none: {command} moves no memory, so none was measured",
+    )
 
 
 def _source(before: MemoryFigure | None, after: MemoryFigure) -> str:

@@ -83,7 +83,8 @@ class FakeEngine:
     def tokenizer(self) -> Any:
         return None
 
-    def generate(self, rows: list[list[int]], sampling_params: dict[str, Any]) -> list[Completion]:
+    def generate(self, rows: list[list[int]], sampling_params: list[dict[str, Any]]) -> list[Completion]:
+        assert len(sampling_params) == len(rows), "one SamplingParams per prompt"
         self.calls.append(("generate", rows, sampling_params))
         return [Completion([r[0] + 1, r[0] + 2], "length") for r in rows]
 
@@ -170,7 +171,7 @@ def test_requests_map_onto_vllm_sampling(fake_vllm, checkpoints):
     engine = fake_vllm.made[-1]
     out = runner.execute({"prompt_ids": [5, 6, 7], "max_new_tokens": 2})
     assert out == {"token_ids": [6, 7], "finish_reason": "length", "prompt_tokens": 3}
-    _, rows, params = engine.calls[-1]
+    _, rows, (params,) = engine.calls[-1]
     assert rows == [[5, 6, 7]]
     assert params == {
         "max_tokens": 2,
@@ -184,7 +185,7 @@ def test_requests_map_onto_vllm_sampling(fake_vllm, checkpoints):
         {"prompt_ids": [[1], [2]], "stop_at_eos": False, "sampling": {"temperature": 0.7, "seed": 9, "top_k": 5}}
     )
     assert batched["token_ids"] == [[2, 3], [3, 4]]
-    _, _, params = engine.calls[-1]
+    _, _, (params, _) = engine.calls[-1]
     assert (params["temperature"], params["seed"], params["top_k"], params["ignore_eos"]) == (0.7, 9, 5, True)
     calls = len(engine.calls)
     with pytest.raises(ValueError, match="max_batch is 2"):
@@ -342,3 +343,30 @@ def test_adapters_go_to_vllms_own_lora_slots(monkeypatch, checkpoints, tmp_path)
     assert runner.execute(prompt)["token_ids"] == [6]
     runner.remove_adapter("sql")
     assert engine.calls[-1] == ("remove_lora", 7) and runner.loras == {}
+
+
+def test_a_batch_goes_into_one_vllm_generate_each_prompt_with_its_own_sampling(fake_vllm, checkpoints):
+    runner, _ = _loaded(checkpoints["qwen2"], max_num_seqs=2)
+    engine = fake_vllm.made[-1]
+    payloads = [
+        {"prompt_ids": [5, 6], "max_new_tokens": 2},
+        {"prompt_ids": [[1], [2]], "max_new_tokens": 4, "sampling": {"temperature": 0.5, "seed": 3}},
+        {"prompt_ids": [[1], [2], [3]]},  # over max_num_seqs: this request's error only
+        {"prompt_ids": [9], "stop_at_eos": False},
+    ]
+    out = runner.execute_batch(payloads)
+    generates = [c for c in engine.calls if c[0] == "generate"]
+    assert len(generates) == 1, "one engine call for the whole batch: vLLM's scheduler batches it"
+    _, rows, params = generates[0]
+    assert rows == [[5, 6], [1], [2], [9]]
+    assert [(p["max_tokens"], p["temperature"], p["seed"], p["ignore_eos"]) for p in params] == [
+        (2, 0.0, None, False),
+        (4, 0.5, 3, False),
+        (4, 0.5, 3, False),
+        (16, 0.0, None, True),
+    ]
+    assert out[0] == {"token_ids": [6, 7], "finish_reason": "length", "prompt_tokens": 2}
+    assert out[1]["token_ids"] == [[2, 3], [3, 4]] and out[3]["token_ids"] == [10, 11]
+    assert isinstance(out[2], ValueError) and "max_batch is 2" in str(out[2])
+    assert runner.execute_batch([{"prompt_ids": "x"}])[0].__class__ is TypeError  # nothing for vLLM
+    assert len([c for c in engine.calls if c[0] == "generate"]) == 1

@@ -12,6 +12,7 @@ none of which sleeps), SGLang's `/release_memory_occupation` and `/resume_memory
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,7 +25,7 @@ import pytest
 from omni_core.engine.errors import RequestFailedError
 from omni_core.serve.openapi import openapi_schema
 from tests.engine.conftest import LONG_TIMEOUT_S, in_thread, resume
-from tests.serve.conftest import PROBE, Served, metric_value, wait_for
+from tests.serve.conftest import PROBE, Served, make_config, metric_value, serving, stage_table, wait_for
 
 pytestmark = pytest.mark.usefixtures("settled")  # every stage RUNNING at each test's start
 
@@ -358,3 +359,156 @@ def test_routes_table_names_every_anchor_route_and_real_tests() -> None:
         for name in re.findall(r"^def (test_[a-z0-9_]+)", (here / f).read_text(encoding="utf-8"), re.M)
     }
     assert named and named <= defined, f"tests named in docs/http_routes.md but not defined: {named - defined}"
+
+
+# ------------------------------------------------------------------ OpenAI (vLLM's OpenAI server)
+
+
+def _sse(answer: httpx.Response) -> list[Any]:
+    """The events of a server-sent stream: each `data:` line's JSON, "[DONE]" as itself."""
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream"), answer.text
+    events = []
+    for block in answer.text.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> Any:
+    """A stage of a tiny seeded Qwen2 (transformers runner, with its tokenizer) beside a synthetic one."""
+    pytest.importorskip("transformers", reason="needs the models extra: pip install -e '.[models]'")
+    from omni_core.models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("openai")
+    model = str(make_checkpoint("qwen2", "tiny", root / "qwen2", seed=0).path)
+    other = str(make_checkpoint("qwen2", "tiny", root / "qwen2-seed1", seed=1).path)
+    args = {"model": model, "max_batch": 4, "max_seq_len": 96, "cpu_threads": 1}
+    config = make_config(stage_table("llm", runner="transformers", runner_args=args), stage_table("plain"))
+    with serving(config) as s:
+        s.other_checkpoint = other  # type: ignore[attr-defined]
+        yield s
+
+
+def _greedy(prompt: Any, **more: Any) -> dict[str, Any]:
+    return {"model": "llm", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **more}
+
+
+def test_openai_completions_answer_as_vllm_with_the_weights_version(llm: Served) -> None:
+    direct = llm.engine.execute("llm", {"prompt": "hello world", "max_new_tokens": 8, "stop_at_eos": False})
+    answer = llm.client.post("/v1/completions", json=_greedy("hello world"))
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "llm"
+    (choice,) = body["choices"]
+    assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, direct["text"], "length")
+    assert choice["token_ids"] == direct["token_ids"] and choice["logprobs"] is None
+    assert body["usage"] == {
+        "prompt_tokens": direct["prompt_tokens"],
+        "completion_tokens": 8,
+        "total_tokens": direct["prompt_tokens"] + 8,
+    }
+    assert body["weights_version"] == llm.engine.status()["llm"]["weights_version"] == choice["weights_version"]
+    # By the model id GET /v1/models lists, several prompts (text and token ids), each its own request.
+    model_id = llm.client.get("/v1/models").json()["data"][0]["id"]
+    several = llm.client.post("/v1/completions", json=_greedy(["hello world", "good night"], model=model_id))
+    texts = [c["text"] for c in several.json()["choices"]]
+    alone = llm.client.post("/v1/completions", json=_greedy("good night")).json()["choices"][0]["text"]
+    assert texts == [direct["text"], alone] and several.json()["model"] == model_id
+    ids = llm.client.post("/v1/completions", json=_greedy([5, 6, 7])).json()["choices"][0]["token_ids"]
+    assert (
+        ids
+        == llm.engine.execute("llm", {"prompt_ids": [5, 6, 7], "max_new_tokens": 8, "stop_at_eos": False})["token_ids"]
+    )
+
+
+def test_openai_completions_after_an_update_name_the_new_version(llm: Served) -> None:
+    before = llm.client.post("/v1/completions", json=_greedy("hello world")).json()
+    llm.engine.update_weights("llm", llm.other_checkpoint, version=1)  # type: ignore[attr-defined]
+    try:
+        after = llm.client.post("/v1/completions", json=_greedy("hello world")).json()
+        assert after["weights_version"] == 1 and after["choices"][0]["weights_version"] == 1
+        assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
+        llm.engine.update_weights("llm", llm.config.stages[0].runner_args["model"], version=2)
+        again = llm.client.post("/v1/completions", json=_greedy("hello world")).json()
+        assert again["weights_version"] == 2 and again["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+    finally:
+        llm.settle("llm")
+
+
+def test_openai_completions_stream_over_sse(llm: Served) -> None:
+    whole = llm.client.post("/v1/completions", json=_greedy("hello world")).json()
+    streamed = llm.client.post(
+        "/v1/completions", json=_greedy("hello world", stream=True, stream_options={"include_usage": True})
+    )
+    events = _sse(streamed)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"] and events[-2]["choices"] == []
+    chunks = events[:-2]
+    assert {e["object"] for e in chunks} == {"text_completion"} and len({e["id"] for e in chunks}) == 1
+    assert "".join(e["choices"][0]["text"] for e in chunks) == whole["choices"][0]["text"]
+    assert [e["choices"][0]["finish_reason"] for e in chunks][-1] == "length"
+    assert chunks[0]["weights_version"] == whole["weights_version"]
+
+
+def test_openai_chat_completions_and_its_stream(llm: Served) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    body = {"model": "llm", "messages": messages, "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True}
+    answer = llm.client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    chat = answer.json()
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+    (choice,) = chat["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    # The tiny tokenizer has no chat template: omni-core's plain one, as a completion of it gives.
+    plain = "system: be brief\nuser: hi\nassistant:"
+    same = llm.client.post("/v1/completions", json=_greedy(plain, max_tokens=6)).json()["choices"][0]
+    assert choice["message"]["content"] == same["text"] and choice["token_ids"] == same["token_ids"]
+    events = _sse(llm.client.post("/v1/chat/completions", json={**body, "stream": True}))
+    assert events[-1] == "[DONE]" and {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == choice["message"]["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_stop_strings_end_the_text_before_them(llm: Served) -> None:
+    text = llm.client.post("/v1/completions", json=_greedy("hello world")).json()["choices"][0]["text"]
+    stop = text[len(text) // 2 :][:2]
+    assert stop.strip(), f"pick another prompt: {text!r}"
+    cut = llm.client.post("/v1/completions", json=_greedy("hello world", stop=[stop])).json()["choices"][0]
+    assert cut["text"] == text[: text.find(stop)] and cut["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "needle"),
+    [
+        ({"n": 2}, 400, "['n'] ask for what"),
+        ({"top_p": 0.5, "presence_penalty": 1.0}, 400, "['presence_penalty', 'top_p']"),
+        ({"echo": True}, 400, "['echo']"),
+        ({"model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
+        ({"model": "plain"}, 400, "does not generate text"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "up to 4"),
+        ({"max_tokens": 0}, 422, "max_tokens"),
+        ({"temprature": 0.5}, 422, "temprature"),
+    ],
+)
+def test_openai_refuses_what_it_cannot_honour(llm: Served, fields: dict[str, Any], status: int, needle: str) -> None:
+    answer = llm.client.post("/v1/completions", json=_greedy("hello", **fields))
+    assert answer.status_code == status and needle in answer.text, answer.text
+
+
+def test_openai_requests_under_sleep_follow_the_admission_policy(llm: Served) -> None:
+    llm.engine.sleep("llm", 1)
+    try:
+        llm.engine.set_admission("llm", "reject")
+        refused = llm.client.post("/v1/completions", json=_greedy("hello world"))
+        assert refused.status_code == 409 and "admission policy is 'reject'" in refused.text, refused.text
+        llm.engine.set_admission("llm", "wake")
+        woken = llm.client.post("/v1/completions", json=_greedy("hello world"))
+        assert woken.status_code == 200 and woken.json()["choices"][0]["finish_reason"] == "length", woken.text
+        assert llm.stage("llm")["state"] == "RUNNING"
+    finally:
+        llm.settle("llm")

@@ -154,7 +154,8 @@ HANDLERS = [
     ("module", "decode_command", NackReason.BAD_MESSAGE),
     ("core", "_on_command", NackReason.BAD_MESSAGE),
     ("worker", "handle", NackReason.BAD_MESSAGE),
-    ("worker", "_perform", NackReason.EXECUTE_ERROR),  # taken on by the core: the request's own error
+    ("worker", "_execute_batch", NackReason.EXECUTE_ERROR),  # taken on by the core: the request's own error
+    ("worker", "_answer_request", NackReason.EXECUTE_ERROR),
     ("core", "_on_done", NackReason.EXECUTE_ERROR),
     ("core", "_remember", NackReason.BAD_MESSAGE),  # the reply cache's digest, after the task was taken
     ("worker", "_send_all", NackReason.EXECUTE_ERROR),
