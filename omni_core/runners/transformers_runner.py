@@ -126,20 +126,9 @@ class TransformersRunner(ModelRunner):
         if not is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise ValueError(f"max_batch must be an int in 1..{MAX_BATCH_LIMIT}, got {max_batch!r}")
         self.max_batch = max_batch
-        max_positions = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
-        self.max_positions = max_positions
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
         self.seq_len_auto = max_seq_len == "auto"
-        if max_seq_len is None:
-            self.max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN)
-        elif self.seq_len_auto:
-            self.max_seq_len = 0  # sized by fit_caches
-        elif is_int(max_seq_len) and 2 <= max_seq_len <= max_positions:
-            self.max_seq_len = max_seq_len
-        else:
-            raise ValueError(
-                f"max_seq_len must be an int in 2..{max_positions} (the model's max_position_embeddings), "
-                f"'auto' or None, got {max_seq_len!r}"
-            )
+        self.max_seq_len = self._resolve_seq_len(max_seq_len)
         self.attn_implementation = attn_implementation
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -168,6 +157,20 @@ class TransformersRunner(ModelRunner):
         self.weights: WeightSet | None = None
         self.last_reload: ReloadReport | None = None
         self.lora: PeftAdapters | None = None  # LoRA adapters (P-20), from the first AddAdapter
+
+    def _resolve_seq_len(self, max_seq_len: int | str | None) -> int:
+        """The cache's length: the argument, the default (capped by the model), or 0 for
+        "auto" (sized by fit_caches)."""
+        if max_seq_len is None:
+            return min(self.max_positions, DEFAULT_MAX_SEQ_LEN)
+        if self.seq_len_auto:
+            return 0
+        if is_int(max_seq_len) and 2 <= int(max_seq_len) <= self.max_positions:
+            return int(max_seq_len)
+        raise ValueError(
+            f"max_seq_len must be an int in 2..{self.max_positions} (the model's max_position_embeddings), "
+            f"'auto' or None, got {max_seq_len!r}"
+        )
 
     def _resolve_dtype(self, name: str) -> torch.dtype:
         if name != "auto":
