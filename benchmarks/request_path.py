@@ -49,6 +49,7 @@ def _llm_spec(name: str, model: Path, max_batch: int) -> StageSpec:
         runner_args={"model": str(model), "max_batch": max_batch, "max_seq_len": 64, "cpu_threads": 1},
         backend="portable",
         max_in_flight=64,
+        batch_max_requests=64,
         request_timeout_s=600.0,
         start_deadline_s=300.0,
     )

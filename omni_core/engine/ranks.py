@@ -109,7 +109,7 @@ def worker_config(
         verify_clean_sleep=spec.verify_clean_sleep,
         simulated_device=spec.simulated_device,
         max_frame_bytes=spec.max_frame_bytes,
-        max_in_flight=spec.max_in_flight,
+        batch_max_requests=spec.batch_max_requests,
         profile_dir=spec.profile_dir,
         profile_max_s=spec.profile_max_s,
         curve_server_key=curve.server_public.decode() if curve else None,

@@ -91,9 +91,11 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_deadline_s: Seconds = 120.0  # every rank must say Hello by then
     request_timeout_s: Seconds = 60.0  # per request, queueing included
     queue_limit: Annotated[int, Meta(ge=0, le=1_000_000)] = 256
-    # Requests sent to the ranks and not yet answered by all of them (socket queues bound it);
-    # each rank runs up to this many together, handed to its runner as one batch.
+    # Requests sent to the ranks and not yet answered by all of them (socket queues bound it).
     max_in_flight: Annotated[int, Meta(ge=1, le=MAX_IN_FLIGHT_LIMIT)] = 1024
+    # Of those, how many each rank runs together, handed to its runner as one batch (1: one
+    # at a time, as the trace spec models a rank; larger: continuous batching, OmniBatch.tla).
+    batch_max_requests: Annotated[int, Meta(ge=1, le=MAX_IN_FLIGHT_PER_RANK)] = 1
     # The largest message either side accepts (payloads, results).
     max_frame_bytes: FrameBytes = DEFAULT_MAX_FRAME_BYTES
     gpu_memory_fraction: GpuFraction | None = None  # each rank's share of its GPU

@@ -68,8 +68,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     trace_path: str | None = None  # append one JSON line per processed message when set
     profile_dir: str | None = None  # Profile traces; None: omni_core.workers.profiler.default_profile_dir()
     profile_max_s: Seconds = 600.0  # a profile running longer is cut and written (its events grow in memory)
-    # Requests this rank runs together (StageSpec.max_in_flight); 1: one at a time.
-    max_in_flight: Annotated[int, Meta(ge=1, le=MAX_IN_FLIGHT_PER_RANK)] = 1
+    # Requests this rank runs together as one batch (StageSpec.batch_max_requests); 1: one at a time.
+    batch_max_requests: Annotated[int, Meta(ge=1, le=MAX_IN_FLIGHT_PER_RANK)] = 1
     reply_cache_entries: int = 1024  # at least MIN_REPLY_CACHE_ENTRIES (P-2)
     max_loras: Annotated[int, Meta(ge=1, le=MAX_ADAPTERS)] = DEFAULT_MAX_LORAS  # LoRA adapters loaded at once (P-20)
     max_lora_rank: Annotated[int, Meta(ge=1, le=MAX_ADAPTER_RANK)] = DEFAULT_MAX_LORA_RANK

@@ -192,7 +192,7 @@ class WorkerProcess:
             weights_version=cfg.start_version,
             max_loras=cfg.max_loras,
             max_lora_rank=cfg.max_lora_rank,
-            max_in_flight=cfg.max_in_flight,
+            max_in_flight=cfg.batch_max_requests,
         )
         if not error:
             try:
@@ -736,7 +736,11 @@ class WorkerProcess:
             self._answered.add(message.task_id)
 
     def _send_all(self, step: WorkerStep) -> None:
-        """The step's records first (each written before what it describes leaves), then its replies."""
+        """The step's records first (each written before what it describes leaves), then its
+        replies. A batch gathered before this step runs and answers first: replies leave in
+        the order their frames came (a refused or undecodable frame after a request included)."""
+        if self._batch and step.replies:
+            self._run_batch()
         self._write(step.records)
         for message in step.replies:
             self._send(message)

@@ -17,7 +17,7 @@ N = 8
 
 
 def _spec(**overrides):
-    return small_spec("b", ranks=2, runner=RUNNER, max_in_flight=16, **overrides)
+    return small_spec("b", ranks=2, runner=RUNNER, max_in_flight=16, batch_max_requests=16, **overrides)
 
 
 def _counters(engine, rank: int) -> dict[str, int]:

@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from omni_core.engine import orchestrator as orch_module
+from omni_core.engine.native_heap import NativeHeap
 from omni_core.engine.orchestrator import MAX_FRAMES_PER_TURN, Orchestrator
 from omni_core.isolation import FrameErrors
 from omni_core.trace import open_trace
@@ -63,6 +64,7 @@ def test_a_loop_turn_reads_a_bounded_batch_then_serves_calls(monkeypatch) -> Non
     orch.counters = {"bad_replies": 0, "unknown_peers": 0}
     orch.frame_errors = FrameErrors("orchestrator", orch_module.log)
     orch._next_tick_at = 0.0
+    orch.native_heap = NativeHeap()
     read_when_served: list[int] = []
 
     def run_calls() -> None:  # the calls a turn serves: record how much of the flood came first

@@ -26,7 +26,7 @@ def test_64_requests_in_flight_equal_each_run_alone(tmp_path: Path) -> None:
     make_checkpoint("qwen2", "0.5b", model, seed=0, dtype="bfloat16")
     prefix_spec = _spec(model)
     runner_args = {**prefix_spec.runner_args, "max_num_seqs": 64}
-    spec = msgspec.structs.replace(prefix_spec, runner_args=runner_args, max_in_flight=64)
+    spec = msgspec.structs.replace(prefix_spec, runner_args=runner_args, max_in_flight=64, batch_max_requests=64)
     payloads = [
         {"prompt_ids": [(13 * i + k) % 5000 + 100 for k in range(8 + i % 5)], "max_new_tokens": 32 + i % 7}
         for i in range(64)
