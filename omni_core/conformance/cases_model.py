@@ -24,7 +24,6 @@ from typing import Any
 
 from omni_core.conformance.cases import Ctx, case
 from omni_core.conformance.harness import CaseFailure
-from omni_core.fsm.worker import CommandReceived, EffectCompleted, Loaded, WorkerCore
 from omni_core.protocol import (
     Ack,
     Capability,
@@ -56,6 +55,10 @@ class Model:
     """The reference worker: omni-core's worker core, its effects completed at once."""
 
     def __init__(self, ctx: Ctx) -> None:
+        # Imported here, when this case runs: importing the suite loads nothing of omni-core's
+        # own worker (tests/conformance/test_targets.py), and a third party may run without it.
+        from omni_core.fsm.worker import Loaded, WorkerCore
+
         worker = ctx.worker
         self.core = WorkerCore(
             worker.rank, tags=tuple(worker.tags), epoch=worker.epoch, capabilities=_capabilities(worker.capabilities)
@@ -63,6 +66,8 @@ class Model:
         self.core.step(Loaded())
 
     def answer(self, command: Command) -> Message:
+        from omni_core.fsm.worker import CommandReceived, EffectCompleted
+
         step = self.core.step(CommandReceived(command))
         replies = list(step.replies)
         if step.effect is not None:
