@@ -59,6 +59,13 @@ EXPLAINED: dict[str, tuple[str, Callable[[str, str], bool]]] = {
         "actions there",
         lambda c, k: c in ("srow", "wrow") and _trigger(k).startswith("update") and _trigger(k) != "update_paused",
     ),
+    "restart_floor": (
+        "a restart after an update from memory brings the ranks up NEEDS_RELOAD under a version floor "
+        "(`started_needs_reload`, `loaded_needs_reload`): modelled in tla/OmniVersions.tla (restarts, "
+        "NoSilentRevert, bug models silent_revert and floor_ignored), which the instrumentation does not "
+        "wrap; OmniSleep's start is a plain load of the checkpoint",
+        lambda c, k: c in ("srow", "wrow") and _trigger(k) in ("started_needs_reload", "loaded_needs_reload"),
+    ),
     "pause": (
         "the pause is modelled in tla/OmniPause.tla (model `pause`, and `pause_long`) as OmniSleep's RUNNING "
         "with `spaused` set, so the instrumentation's `sstate` never says PAUSED and its rows are OmniPause's "
