@@ -109,6 +109,27 @@ class ModelRunner(ABC):
                 outputs.append(exc)
         return outputs
 
+    # Continuous batching: requests join and leave the running set between the framework's
+    # steps (vLLM's add_request/step), so a request arriving while others decode starts at
+    # the next step instead of waiting for the whole batch. A runner that cannot leaves
+    # these as they are, and the worker runs its gathered batches through execute_batch.
+    def supports_continuous(self) -> bool:
+        return False
+
+    def start_request(self, key: str, payload: Any) -> None:
+        """Add one request to the running set under `key` (unique among those running);
+        raises, adding nothing, when the payload is bad (that request's own error)."""
+        raise NotImplementedError(f"{type(self).__name__} has no continuous batching")
+
+    def running_requests(self) -> int:
+        """How many requests started with `start_request` have not finished."""
+        return 0
+
+    def step_requests(self) -> list[tuple[str, Any]]:
+        """One step of every running request; returns those that finished, each `(key,
+        result)`. A raise fails every running request (the runner forgets them all)."""
+        raise NotImplementedError(f"{type(self).__name__} has no continuous batching")
+
     @abstractmethod
     def reload_weights(self, source: str | None) -> None:
         """Refill the weights in place (after a level-2 sleep, or to swap weights).

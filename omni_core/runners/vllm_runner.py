@@ -191,6 +191,26 @@ class VllmEngine:
         )
         return [Completion(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outputs]
 
+    # The engine loop behind `generate`, driven by the rank (continuous batching): vLLM's
+    # LLMEngine adds a request to its scheduler at once and each step decodes every running one.
+    def add_request(self, request_id: str, row: list[int], sampling_params: dict[str, Any]) -> str:
+        from vllm import SamplingParams
+
+        engine = self._llm.llm_engine
+        return str(engine.add_request(request_id, {"prompt_token_ids": row}, SamplingParams(**sampling_params)))
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step; the requests it finished."""
+        done = []
+        for output in self._llm.llm_engine.step():
+            if output.finished:
+                first = output.outputs[0]
+                done.append((str(output.request_id), Completion(list(first.token_ids), str(first.finish_reason))))
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._llm.llm_engine.abort_request(request_ids)
+
     def reset_prefix_cache(self) -> bool:
         return bool(self._llm.reset_prefix_cache())
 
@@ -212,6 +232,15 @@ class VllmEngine:
 
     def list_loras(self) -> set[int]:
         return set(self._llm.llm_engine.list_loras())
+
+
+@dataclass
+class _Running:
+    """A request in vLLM's engine between steps: its rows' request ids, and what finished."""
+
+    request: GenerationRequest
+    row_ids: list[str]
+    finished: dict[str, Completion]
 
 
 @dataclass(frozen=True)
@@ -296,6 +325,10 @@ class VllmRunner(ModelRunner):
         # P-20: the adapters loaded into vLLM's LoRA slots (engine_args enable_lora, max_loras,
         # max_lora_rank: vLLM's own; a stage's max_loras must not exceed vLLM's).
         self.loras: dict[str, LoraSlot] = {}
+        # Continuous batching: the requests in vLLM's engine by the rank's key, and each row's
+        # vLLM request id back to its key.
+        self._running: dict[str, _Running] = {}
+        self._row_keys: dict[str, str] = {}
 
     # ------------------------------------------------------------------ allocation
 
@@ -509,6 +542,52 @@ class VllmRunner(ModelRunner):
             mine, completions = completions[: len(request.rows)], completions[len(request.rows) :]
             outputs.append(self._shape(request, mine))
         return outputs
+
+    def supports_continuous(self) -> bool:
+        return self.llm is not None and hasattr(self.llm, "add_request")  # older seam stand-ins lack it
+
+    def start_request(self, key: str, payload: Any) -> None:
+        if self.llm is None:
+            raise RuntimeError("VllmRunner.start_request before load")
+        if key in self._running:
+            raise ValueError(f"request key {key!r} is running already; each running request needs its own key")
+        request = self._parse(payload)
+        params = self._sampling_params(request)
+        row_ids = [self.llm.add_request(f"{key}/{j}", row, params) for j, row in enumerate(request.rows)]
+        self._running[key] = _Running(request, row_ids, {})
+        self._row_keys.update((row_id, key) for row_id in row_ids)
+
+    def running_requests(self) -> int:
+        return len(self._running)
+
+    def step_requests(self) -> list[tuple[str, Any]]:
+        """One step of vLLM's engine; each request whose every row finished, shaped as
+        `execute` shapes it. A raise aborts and forgets every running request."""
+        try:
+            finished = self.llm.step() if self._running else []
+        except Exception:
+            self._forget_running()
+            raise
+        done: list[tuple[str, Any]] = []
+        for row_id, completion in finished:
+            key = self._row_keys.pop(row_id, None)
+            if key is None:  # a row of no request of ours (aborted earlier): nothing waits on it
+                continue
+            running = self._running[key]
+            running.finished[row_id] = completion
+            if len(running.finished) == len(running.row_ids):
+                del self._running[key]
+                done.append((key, self._shape(running.request, [running.finished[r] for r in running.row_ids])))
+        return done
+
+    def _forget_running(self) -> None:
+        row_ids = list(self._row_keys)
+        self._running.clear()
+        self._row_keys.clear()
+        try:
+            self.llm.abort(row_ids)
+        except Exception:  # the engine failing again: the rows are gone from our books either way
+            log.warning("aborting %d rows after a failed step also failed", len(row_ids), exc_info=True)
 
     def _parse(self, payload: Any) -> GenerationRequest:
         return parse_generation(

@@ -93,6 +93,7 @@ from omni_core.weights_sender import WeightSender
 from omni_core.workers.accounting import MemoryFigure, ProcessMemory
 from omni_core.workers.backends import MemoryBackend, select_backend
 from omni_core.workers.config import WorkerConfig
+from omni_core.workers.continuous import Finished, RunningRequests
 from omni_core.workers.device_ledger import one_incoming_wake
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
@@ -113,6 +114,8 @@ log = logging.getLogger("omni_core.worker")
 
 # Time given to zmq to deliver the last replies (the Shutdown Ack) before the socket closes.
 FINAL_FLUSH_MS = 2000
+# Frames handled between two steps of running requests: a flood cannot starve them.
+STEP_FRAMES_MAX = 64
 # Failure texts travel in every later reply; keep them well under the protocol's 4096.
 MAX_ERROR_CHARS = 2000
 EXIT_OK = 0
@@ -160,6 +163,10 @@ class WorkerProcess:
         # Executes waiting on the socket and hands them to the runner together (`_run_batch`).
         self._batch: list[ExecuteEffect] = []
         self._gather = False  # set by `serve`: outside its loop every request runs at once
+        # Continuous batching, where the runner has it: the requests it holds between steps,
+        # and whether the loop stepping them is on the stack (`_step_while_running`).
+        self._running: RunningRequests | None = None
+        self._stepping = False
         self._took: str | None = None  # the task whose effect the frame being handled started
         self.counters = CounterStamp(None, "")  # the runner's counters on its replies, once loaded
 
@@ -344,20 +351,24 @@ class WorkerProcess:
         max_in_flight), which runs once the socket has no frame left or a command that is no
         request comes (the core never lets one run beside a batch)."""
         flags = 0
-        while True:
-            try:
-                frames = self.sock.recv_multipart(flags, copy=False)
-            except zmq.Again:
-                break
-            except zmq.ZMQError as exc:
-                self.frame_errors.record(exc, "receiving a frame")
-                break
-            # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
-            self.handle_isolated(frames[-1].buffer)
+        while (frame := self._receive(flags)) is not None:
+            self.handle_isolated(frame)
             if not self._batch or self.stopped:
                 break
             flags = zmq.NOBLOCK
         self._run_batch()
+
+    def _receive(self, flags: int) -> memoryview | None:
+        """The next frame's payload, or None when none is waiting (NOBLOCK) or receiving failed."""
+        try:
+            frames = self.sock.recv_multipart(flags, copy=False)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            self.frame_errors.record(exc, "receiving a frame")
+            return None
+        # A DEALER receives [payload]; tolerate a REQ-style empty delimiter before it.
+        return frames[-1].buffer
 
     def handle_isolated(self, data: bytes | memoryview) -> None:
         """`handle` one frame; whatever it raises ends here (omni_core.isolation): counted by
@@ -422,8 +433,12 @@ class WorkerProcess:
         except ProtocolError as err:
             self._send_all(core.step(BadFrame(err)))
             return
-        if self._batch and (not isinstance(command, Execute) or len(self._batch) >= core.max_in_flight):
-            self._run_batch()  # first: the core refuses anything else beside a running batch
+        held = len(self._batch) + (len(self._running) if self._running is not None else 0)
+        if held and (not isinstance(command, Execute) or held >= core.max_in_flight):
+            # First: the core refuses anything else beside a running batch, and more requests
+            # than its bound. A command waits for every request; a request for one to finish.
+            self._run_batch()
+            self._finish_running(below=core.max_in_flight if isinstance(command, Execute) else 1)
         step = core.step(CommandReceived(command))
         if step.effect is not None:
             self._took = step.effect.task_id
@@ -443,6 +458,10 @@ class WorkerProcess:
         batch, self._batch = self._batch, []
         if not batch:
             return
+        running = self._continuous()
+        if running is not None:
+            self._start_running(running, batch)
+            return
         try:
             started = time.perf_counter()
             outputs = self._execute_batch(batch)
@@ -458,6 +477,58 @@ class WorkerProcess:
             for effect in batch:
                 if effect.task_id in held:
                     self._answer_request(effect, exc, 0.0)
+
+    def _continuous(self) -> RunningRequests | None:
+        if self._running is None and self.runner is not None and self.runner.supports_continuous():
+            self._running = RunningRequests(self.runner)
+        return self._running
+
+    def _start_running(self, running: RunningRequests, batch: list[ExecuteEffect]) -> None:
+        """Hand the gathered requests to the runner's running set (a request naming an adapter
+        runs on its own, as in a batch), then, unless that loop is on the stack already,
+        step them until none runs."""
+        for effect in batch:
+            if effect.adapter is not None:
+                self._answer_request(effect, self._execute_adapter(effect), 0.0)
+            elif (refused := running.start(effect)) is not None:
+                self._answer_finished([refused])
+        if not self._stepping:
+            self._step_while_running(running)
+
+    def _step_while_running(self, running: RunningRequests) -> None:
+        """Step the runner while requests run; between steps, the frames waiting on the
+        socket are handled (new requests join the running set; any other command first waits
+        for every request to finish), and each finished request is answered at once."""
+        self._stepping = True
+        try:
+            while len(running) and not self.stopped:
+                for _ in range(STEP_FRAMES_MAX):
+                    frame = self._receive(zmq.NOBLOCK) if self._gather else None
+                    if frame is None or self.stopped:
+                        break
+                    self.handle_isolated(frame)
+                self._run_batch()
+                self._answer_finished(running.step())
+            self._report_to_ledger()
+        except InvariantViolation:
+            raise
+        except Exception as exc:
+            self.frame_errors.record(exc, f"stepping {len(running)} running requests")
+            self._answer_finished(running.fail_all(exc))
+        finally:
+            self._stepping = False
+
+    def _finish_running(self, below: int) -> None:
+        """Step the running requests, taking no frame, until fewer than `below` run."""
+        running = self._running
+        while running is not None and len(running) >= below and not self.stopped:
+            self._answer_finished(running.step())
+
+    def _answer_finished(self, finished: list[Finished]) -> None:
+        held = set(self.core.in_progress) if self.core is not None else set()
+        for done in finished:
+            if done.effect.task_id in held:
+                self._answer_request(done.effect, done.output, done.duration_s)
 
     def _answer_request(self, effect: ExecuteEffect, output: Any, duration_s: float) -> None:
         """One request of a batch: its Result, or its NACK; exactly one reply whatever raises."""

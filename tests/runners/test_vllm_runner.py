@@ -370,3 +370,59 @@ def test_a_batch_goes_into_one_vllm_generate_each_prompt_with_its_own_sampling(f
     assert isinstance(out[2], ValueError) and "max_batch is 2" in str(out[2])
     assert runner.execute_batch([{"prompt_ids": "x"}])[0].__class__ is TypeError  # nothing for vLLM
     assert len([c for c in engine.calls if c[0] == "generate"]) == 1
+
+
+class SteppingEngine(FakeEngine):
+    """vLLM's engine loop: each added row finishes after as many steps as its first token."""
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        super().__init__(engine_kwargs)
+        self.rows: dict[str, list[Any]] = {}
+        self.aborted: list[str] = []
+        self.fail = False
+
+    def add_request(self, request_id: str, row: list[int], sampling_params: dict[str, Any]) -> str:
+        self.rows[request_id] = [row, row[0]]
+        return request_id
+
+    def step(self) -> list[tuple[str, Completion]]:
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        done = []
+        for request_id, entry in list(self.rows.items()):
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.rows[request_id]
+                done.append((request_id, Completion([entry[0][0] + 1], "length")))
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+
+def test_requests_join_and_leave_vllms_engine_between_steps(monkeypatch, checkpoints):
+    monkeypatch.setattr(VllmRunner, "engine_factory", SteppingEngine)
+    runner, _ = _loaded(checkpoints["qwen2"], max_num_seqs=4)
+    engine = FakeEngine.made[-1]
+    assert runner.supports_continuous()
+    runner.start_request("a", {"prompt_ids": [3], "max_new_tokens": 1})
+    runner.start_request("b", {"prompt_ids": [[1], [2]], "max_new_tokens": 1})
+    with pytest.raises(TypeError):
+        runner.start_request("c", {"prompt_ids": "x"})  # refused, nothing added to vLLM
+    with pytest.raises(ValueError, match="running already"):
+        runner.start_request("a", {"prompt_ids": [3]})
+    assert runner.running_requests() == 2 and len(engine.rows) == 3
+    assert runner.step_requests() == []  # b's first row finished, its second not yet
+    assert runner.step_requests() == [
+        ("b", {"token_ids": [[2], [3]], "finish_reason": ["length"] * 2, "prompt_tokens": [1, 1]})
+    ]
+    runner.start_request("d", {"prompt_ids": [1], "max_new_tokens": 1})  # joins while a runs
+    assert runner.step_requests() == [
+        ("a", {"token_ids": [4], "finish_reason": "length", "prompt_tokens": 1}),
+        ("d", {"token_ids": [2], "finish_reason": "length", "prompt_tokens": 1}),
+    ]
+    runner.start_request("e", {"prompt_ids": [5]})
+    engine.fail = True
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        runner.step_requests()
+    assert runner.running_requests() == 0 and engine.aborted == ["e/0"]
