@@ -44,7 +44,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,14 @@ class VllmEngine:
 
 
 @dataclass
+class _EngineRequests:
+    """The requests in vLLM's engine by the rank's key, and each row's vLLM id to its key."""
+
+    by_key: dict[str, _Running] = field(default_factory=dict)
+    row_keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class _Running:
     """A request in vLLM's engine between steps: its rows' request ids, and what finished."""
 
@@ -322,13 +330,9 @@ class VllmRunner(ModelRunner):
         self.kv_cache_bytes: int | None = None
         self.own_headers = read_headers(self.model_dir)
         self.last_reload: ReloadReport | None = None
-        # P-20: the adapters loaded into vLLM's LoRA slots (engine_args enable_lora, max_loras,
-        # max_lora_rank: vLLM's own; a stage's max_loras must not exceed vLLM's).
+        # P-20: adapters in vLLM's LoRA slots (engine_args enable_lora, max_loras: at most vLLM's).
         self.loras: dict[str, LoraSlot] = {}
-        # Continuous batching: the requests in vLLM's engine by the rank's key, and each row's
-        # vLLM request id back to its key.
-        self._running: dict[str, _Running] = {}
-        self._row_keys: dict[str, str] = {}
+        self._running = _EngineRequests()  # continuous batching: the requests in vLLM's engine
 
     # ------------------------------------------------------------------ allocation
 
@@ -549,41 +553,41 @@ class VllmRunner(ModelRunner):
     def start_request(self, key: str, payload: Any) -> None:
         if self.llm is None:
             raise RuntimeError("VllmRunner.start_request before load")
-        if key in self._running:
+        if key in self._running.by_key:
             raise ValueError(f"request key {key!r} is running already; each running request needs its own key")
         request = self._parse(payload)
         params = self._sampling_params(request)
         row_ids = [self.llm.add_request(f"{key}/{j}", row, params) for j, row in enumerate(request.rows)]
-        self._running[key] = _Running(request, row_ids, {})
-        self._row_keys.update((row_id, key) for row_id in row_ids)
+        self._running.by_key[key] = _Running(request, row_ids, {})
+        self._running.row_keys.update((row_id, key) for row_id in row_ids)
 
     def running_requests(self) -> int:
-        return len(self._running)
+        return len(self._running.by_key)
 
     def step_requests(self) -> list[tuple[str, Any]]:
         """One step of vLLM's engine; each request whose every row finished, shaped as
         `execute` shapes it. A raise aborts and forgets every running request."""
         try:
-            finished = self.llm.step() if self._running else []
+            finished = self.llm.step() if self._running.by_key else []
         except Exception:
             self._forget_running()
             raise
         done: list[tuple[str, Any]] = []
         for row_id, completion in finished:
-            key = self._row_keys.pop(row_id, None)
+            key = self._running.row_keys.pop(row_id, None)
             if key is None:  # a row of no request of ours (aborted earlier): nothing waits on it
                 continue
-            running = self._running[key]
+            running = self._running.by_key[key]
             running.finished[row_id] = completion
             if len(running.finished) == len(running.row_ids):
-                del self._running[key]
+                del self._running.by_key[key]
                 done.append((key, self._shape(running.request, [running.finished[r] for r in running.row_ids])))
         return done
 
     def _forget_running(self) -> None:
-        row_ids = list(self._row_keys)
-        self._running.clear()
-        self._row_keys.clear()
+        row_ids = list(self._running.row_keys)
+        self._running.by_key.clear()
+        self._running.row_keys.clear()
         try:
             self.llm.abort(row_ids)
         except Exception:  # the engine failing again: the rows are gone from our books either way
