@@ -45,7 +45,7 @@ from omni_core.fsm.inputs import (
     WakeCall,
     WeightGroupCall,
 )
-from omni_core.fsm.stage_calls import memory_wait_problem
+from omni_core.fsm.stage import memory_wait_problem
 from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource, ResetPrefixCache
 from omni_core.protocol.weights import WeightSource
 

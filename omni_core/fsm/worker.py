@@ -6,9 +6,12 @@ declined or raised) and returns a `WorkerStep`: the replies to send now, at most
 for the shell to perform, and the trace records. The invariants are checked after every
 input. Same state and input, same output: the core reads no clock and touches no memory.
 
-A command is fenced by epoch, answered from the reply cache and refused while busy before its
-own handler (`worker_commands`) runs; the effect completions are in `worker_effects`, the
-table in `worker_table`.
+One class holds the rank's state, each field declared once in `__init__`; the reply cache
+(`reply_cache.BoundedCache`) and the LoRA adapter table (`adapters.AdapterTable`) are
+components with their own bounds. The methods come in the order an input meets them: the
+door, the command's fence (epoch, reply cache, BUSY), one handler per command (each checking
+legality against WORKER_TRANSITIONS and starting at most one effect), the adapter commands,
+the effect completions, the replies, the invariants. The table is in `worker_table`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,37 @@ from typing import Any
 import msgspec
 
 from omni_core.fsm.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterTable
+from omni_core.fsm.effects import (
+    AdapterEffect,
+    CommandEffect,
+    ExecuteEffect,
+    ProfileEffect,
+    ReloadEffect,
+    ShareEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    UpdateEffect,
+    WakeEffect,
+    WeightGroupEffect,
+)
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
+from omni_core.fsm.settle import REFUSAL_REASON, settle_row
 from omni_core.fsm.table import Lifecycle
-from omni_core.fsm.tags import ADAPTERS_TAG, DEFAULT_TAGS, WEIGHTS_TAG, Residency
+from omni_core.fsm.tags import (
+    ADAPTERS_TAG,
+    DEFAULT_TAGS,
+    WEIGHTS_TAG,
+    Residency,
+    UnknownTagError,
+    plan_sleep,
+    resolve_tags,
+)
 from omni_core.fsm.trace_records import (
     BadMessage,
+    EffectDone,
+    EffectFailed,
+    EffectRefused,
     ReplySent,
     WorkerChanged,
     WorkerReceived,
@@ -31,9 +60,6 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
-from omni_core.fsm.worker_adapters import ADAPTER_COMMANDS, WorkerAdapters
-from omni_core.fsm.worker_commands import WorkerCommands
-from omni_core.fsm.worker_effects import WorkerEffects
 from omni_core.fsm.worker_inputs import (
     BadFrame,
     CommandReceived,
@@ -58,7 +84,7 @@ from omni_core.fsm.worker_step import (
     _sent,
     command_digest,
 )
-from omni_core.fsm.worker_table import IDLE, WORKER_CALLS, WORKER_TRANSITIONS
+from omni_core.fsm.worker_table import IDLE, REFUSED, WORKER_CALLS, WORKER_TRANSITIONS
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     Ack,
@@ -68,6 +94,7 @@ from omni_core.protocol import (
     Command,
     Execute,
     InitWeightGroup,
+    ListAdapters,
     MemoryReport,
     Nack,
     NackReason,
@@ -77,6 +104,7 @@ from omni_core.protocol import (
     ReloadWeights,
     RemoveAdapter,
     Reply,
+    Result,
     ShareWeights,
     Shutdown,
     Sleep,
@@ -84,6 +112,7 @@ from omni_core.protocol import (
     UpdateWeights,
     Wake,
     encode,
+    profile_prefix_problem,
 )
 from omni_core.protocol import WorkerState as W
 
@@ -107,7 +136,34 @@ __all__ = [
 ]
 
 
-class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
+_NO_LINKS = (
+    "this worker copies over its own host link only (capability 'multi_path' not declared); "
+    "send the command without links"
+)
+
+
+ADAPTER_COMMANDS = (AddAdapter, RemoveAdapter, PinAdapter, ListAdapters)
+
+
+_WHERE = (
+    "adapters are loaded, unloaded and pinned with valid weights awake: ACTIVE, or PARTIAL with "
+    "'weights' awake (and 'adapters', the pool they live in, when the rank has that tag)"
+)
+
+
+WEIGHT_WRITES = (ReloadWeights, UpdateWeights)
+
+
+def _cache_names(output: object) -> tuple[str, ...]:
+    """The derived caches a reload or an update dropped, as the shell reported them."""
+    if output is None:
+        return ()
+    if not (isinstance(output, tuple) and all(isinstance(name, str) for name in output)):
+        raise InvariantViolation(f"a weights write completes with the names of the caches it dropped, not {output!r}")
+    return output
+
+
+class WorkerCore:
     """Lifecycle of one worker rank: legality, idempotence, fencing. No IO."""
 
     def __init__(
@@ -505,3 +561,437 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
             require(self.lifecycle.allows(trigger), f"{type(self._pending.command).__name__} pending outside its row")
         if self.profiling:
             require(state not in (W.LOADING, W.STOPPED), "a profile running in LOADING or STOPPED")
+
+    # ------------------------------------------------------------------ one handler per command
+
+    def _on_sleep(self, command: Sleep) -> WorkerStep:
+        try:
+            tags = resolve_tags(command.tags, self.tags)
+        except UnknownTagError as exc:
+            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
+        if command.level == 2 and Capability.LEVEL2 not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not support level-2 sleep (capability 'level2' not declared); use level=1",
+            )
+        if command.links and Capability.MULTI_PATH not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
+        to_sleep = tags - self.residency.asleep
+        if not to_sleep and self.lifecycle.allows("sleep_already"):
+            return self._already(command, "sleep_already")
+        if not self.lifecycle.allows("sleep"):
+            return self._refuse_state(command)
+        plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
+        self.lifecycle.fire("sleep")
+        self._pending = _Pending(command, sleep_plan=plan)
+        effect = SleepEffect(
+            command.task_id, command.level, plan.offload, plan.discard, command.links, command.incoming_bytes
+        )
+        return WorkerStep(effect=effect)
+
+    def _on_wake(self, command: Wake) -> WorkerStep:
+        try:
+            tags = resolve_tags(command.tags, self.tags)
+        except UnknownTagError as exc:
+            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
+        to_wake = tags & self.residency.asleep
+        if not to_wake and self.lifecycle.allows("wake_already"):
+            return self._already(command, "wake_already")
+        if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not support partial wake; wake every asleep tag (tags=None)",
+            )
+        if command.links and Capability.MULTI_PATH not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
+        if command.memory_wait_s > 0 and Capability.SWAP not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker cannot wait for free device memory "
+                "(capability 'swap' not declared); send the Wake with memory_wait_s=0",
+            )
+        if not self.lifecycle.allows("wake"):
+            return self._refuse_state(command)
+        before = self.state
+        self.lifecycle.fire("wake")
+        self._pending = _Pending(command, wake_tags=frozenset(to_wake), state_before=before)
+        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.memory_wait_s, command.links))
+
+    def _on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
+        if not self.lifecycle.allows("reload"):
+            return self._refuse_state(
+                command, "ReloadWeights needs NEEDS_RELOAD (after a level-2 sleep and a wake of 'weights') or ACTIVE"
+            )
+        state_before = self.state
+        self.lifecycle.fire("reload")
+        self._pending = _Pending(command, state_before=state_before)
+        return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
+
+    def _on_update_weights(self, command: UpdateWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not take weight updates (capability 'weight_update' not declared); use ReloadWeights",
+            )
+        if not self.lifecycle.allows("update") or not self.residency.weights_resident:
+            return self._refuse_state(
+                command,
+                "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
+                "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first",
+            )
+        if command.version <= self.weights_version:
+            return self._refuse(
+                command,
+                NackReason.STALE_VERSION,
+                f"weights version {command.version} is not above this rank's version "
+                f"{self.weights_version}; send a higher version (nothing was written)",
+            )
+        state_before = self.state
+        self.lifecycle.fire("update")
+        self._pending = _Pending(command, state_before=state_before)
+        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source, command.flush_cache))
+
+    def _on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not take weight updates (capability 'weight_update' not declared)",
+            )
+        joined = self.weight_group
+        same = (
+            joined is not None
+            and msgspec.structs.replace(joined, task_id=command.task_id, epoch=command.epoch) == command
+        )
+        if same and self.lifecycle.allows("weight_group_already"):
+            return self._already(command, "weight_group_already")
+        if not self.lifecycle.allows("weight_group"):
+            return self._refuse_state(command, "InitWeightGroup is legal in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD")
+        if joined is not None:
+            return self._refuse(
+                command,
+                NackReason.INVALID_ARGUMENT,
+                f"this rank already joined weight group {joined.group!r} at "
+                f"{joined.address}:{joined.port}; restart the stage to join another",
+            )
+        self.lifecycle.fire("weight_group")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
+
+    def _on_share_weights(self, command: ShareWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not share weights (capability 'weight_update' not declared)",
+            )
+        res = self.residency
+        if not self.lifecycle.allows("share") or not (res.weights_resident and res.weights_valid):
+            return self._refuse_state(
+                command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake"
+            )
+        self.lifecycle.fire("share")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
+
+    def _on_execute(self, command: Execute) -> WorkerStep:
+        if not self.lifecycle.allows("execute"):
+            return self._refuse_state(
+                command, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid"
+            )
+        if command.adapter is not None:
+            problem = self.adapters.request_problem(command.adapter, self.weights_version)
+            if problem is not None:  # P-20: never served without its adapter, nor on other weights
+                return self._refuse(command, NackReason.ADAPTER_UNAVAILABLE, problem)
+            self.adapters.touch(command.adapter)
+        self.lifecycle.fire("execute")
+        self._running[command.task_id] = command
+        return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload, command.adapter))
+
+    def _on_status(self, command: Status) -> WorkerStep:
+        self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
+        if self._pending is not None or self._running:
+            # Busy: answer from what the core knows; the shell is inside an effect.
+            return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
+        self._pending = _Pending(command)
+        return WorkerStep(effect=StatusEffect(command.task_id))
+
+    def _on_profile(self, command: Profile) -> WorkerStep:
+        if command.start:
+            problem = profile_prefix_problem(command.prefix)
+            if problem is not None:
+                return self._refuse(command, NackReason.INVALID_ARGUMENT, problem)
+        if command.start == self.profiling and self.lifecycle.allows("profile_already"):
+            # Start while running keeps the running profile (and its prefix); stop while none
+            # runs has nothing to write: the Ack's trace_paths is empty.
+            return self._already(command, "profile_already")
+        if not self.lifecycle.allows("profile"):
+            return self._refuse_state(
+                command,
+                "Profile is legal in ACTIVE, SLEEPING, PARTIAL and "
+                "NEEDS_RELOAD (a rank that is loading or stopped has no profile)",
+            )
+        self.lifecycle.fire("profile")
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ProfileEffect(command.task_id, command.start, command.prefix))
+
+    def _on_shutdown(self, command: Shutdown) -> WorkerStep:
+        if self.lifecycle.allows("shutdown_already"):
+            return self._already(command, "shutdown_already")
+        self.lifecycle.fire("shutdown")
+        self.profiling = False  # the shell drops a running profile with the process
+        self._pending = _Pending(command)
+        return WorkerStep(effect=ShutdownEffect(command.task_id))
+
+    def _on_call(self, command: Command) -> WorkerStep:
+        """A command of WORKER_CALLS, by its row: the shell performs the command itself."""
+        row = WORKER_CALLS[type(command)]
+        if row.capability is not None and row.capability not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                f"this worker does not take {type(command).__name__} "
+                f"(capability {row.capability.value!r} not declared)",
+            )
+        if not self.lifecycle.allows(row.trigger):
+            return self._refuse_state(command, row.why)
+        self.lifecycle.fire(row.trigger)
+        self._pending = _Pending(command)
+        return WorkerStep(effect=CommandEffect(command.task_id, command))
+
+    # ------------------------------------------------------------------ the adapter commands (P-20)
+
+    def _on_adapter(self, command: Command) -> WorkerStep:
+        if Capability.ADAPTERS not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                f"this worker serves no LoRA adapters (capability 'adapters' not declared); "
+                f"{type(command).__name__} needs a runner with adapter support",
+            )
+        if isinstance(command, ListAdapters):
+            if not self.lifecycle.allows("list_adapters"):
+                return self._refuse_state(command, "ListAdapters is legal in ACTIVE, SLEEPING, PARTIAL, NEEDS_RELOAD")
+            self.lifecycle.fire("list_adapters")
+            # Through the shell like every command (its runner may list its own), answered
+            # from the table at completion and cached: a copy gets the same list (P-2).
+            self._pending = _Pending(command)
+            return WorkerStep(effect=AdapterEffect(command.task_id, command, ()))
+        if self._adapter_already(command) and self.lifecycle.allows("adapter_already"):
+            self.lifecycle.fire("adapter_already")
+            reply = self._ack(command, AckStatus.ALREADY)
+            self._remember(command, reply)
+            return WorkerStep(replies=(reply,))
+        trigger = {AddAdapter: "add_adapter", RemoveAdapter: "remove_adapter", PinAdapter: "pin_adapter"}
+        res = self.residency
+        awake = res.weights_resident and res.weights_valid and self.adapters.home_tag not in res.asleep
+        if not self.lifecycle.allows(trigger[type(command)]) or not awake:
+            return self._refuse_state(command, _WHERE)
+        problem = self._adapter_problem(command)
+        if problem is not None:
+            return self._refuse(command, NackReason.INVALID_ARGUMENT, f"{problem} (nothing was loaded)")
+        evict = self.adapters.evictions(command) if isinstance(command, AddAdapter) else ()
+        self.lifecycle.fire(trigger[type(command)])
+        self._pending = _Pending(command, evict=evict)
+        return WorkerStep(effect=AdapterEffect(command.task_id, command, evict))
+
+    def _adapter_already(self, command: Command) -> bool:
+        match command:
+            case AddAdapter():
+                return self.adapters.is_already(command, self.weights_version)
+            case RemoveAdapter():
+                return self.adapters.get(command.name) is None
+            case PinAdapter():
+                held = self.adapters.get(command.name)
+                return held is not None and held.pinned == command.pinned
+        return False
+
+    def _adapter_problem(self, command: Command) -> str | None:
+        if isinstance(command, AddAdapter):
+            return self.adapters.add_problem(command, self.weights_version)
+        if isinstance(command, PinAdapter) and self.adapters.get(command.name) is None:
+            return f"adapter {command.name!r} is not loaded on this rank: add it before pinning it"
+        return None
+
+    def _settle_adapter(self, command: Command, evicted: tuple[str, ...]) -> None:
+        """The shell did the adapter command's work: the table says so now."""
+        match command:
+            case AddAdapter():
+                self.adapters.commit_add(command, self.weights_version, evicted)
+            case RemoveAdapter():
+                self.adapters.remove(command.name)
+            case PinAdapter():
+                self.adapters.pin(command.name, command.pinned)
+
+    def _adapter_failed(self, command: Command, evicted: tuple[str, ...], detail: str) -> Any:
+        """The shell refused or failed the adapter command: the rank keeps its state and serves
+        on. An add that failed after its evictions ran has lost those adapters too: unloaded,
+        and the table (and so a ListAdapters) says so."""
+        for name in evicted:
+            self.adapters.remove(name)
+        lost = f"; evicted before the load failed: {list(evicted)}" if evicted else "; nothing was loaded"
+        return self._nack(
+            command, NackReason.INVALID_ARGUMENT, f"{detail}{lost}; this rank is still {self.state.value}"
+        )
+
+    # ------------------------------------------------------------------ the effect completions
+
+    def _on_done(self, done: EffectCompleted) -> WorkerStep:
+        """The shell performed the pending effect."""
+        task_id, duration_s = done.task_id, done.duration_s
+        before = self.state
+        pending = self._take_pending(task_id)
+        command = pending.command
+        match command:
+            case Execute():
+                # The core was busy with this request: the adapter it checked is the one served.
+                adapter = self.adapters.get(command.adapter) if command.adapter is not None else None
+                reply: Reply = Result(
+                    task_id=task_id,
+                    epoch=self.epoch,
+                    rank=self.rank,
+                    output=done.output,
+                    duration_s=duration_s,
+                    weights_version=self.weights_version,
+                    adapter=command.adapter,
+                    adapter_version=adapter.version if adapter is not None else 0,
+                )
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                self._settle_adapter(command, pending.evict)
+                reply = self._ack(
+                    command, AckStatus.OK, memory=done.memory, duration_s=duration_s, adapters_evicted=pending.evict
+                )
+            case _:
+                self._settle(pending)
+                reply = self._ack(
+                    command,
+                    AckStatus.OK,
+                    memory=done.memory,
+                    duration_s=duration_s,
+                    trace_paths=done.trace_paths if isinstance(command, Profile) else (),
+                    shared=done.shared if isinstance(command, ShareWeights) else None,
+                    caches_dropped=_cache_names(done.output) if isinstance(command, WEIGHT_WRITES) else (),
+                )
+        if not isinstance(command, Status):
+            self._remember(command, reply)
+        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, done.path)
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+    def _settle(self, pending: _Pending) -> None:
+        """Where a completed effect leaves the rank: its residency, state, version, group, profiler."""
+        command = pending.command
+        match command:
+            case Sleep():
+                assert pending.sleep_plan is not None
+                self.residency.apply_sleep(pending.sleep_plan)
+                self.adapters.discarded(pending.sleep_plan.discard)  # P-20: level 2 leaves them gone
+                self.lifecycle.fire("offloaded")
+            case Wake():
+                self.residency.apply_wake(pending.wake_tags)
+                self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
+            case ReloadWeights() | UpdateWeights():
+                self.residency.apply_reload()
+                trigger = settle_row(self.residency.settled()).after_reload
+                if trigger is None:
+                    raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
+                self.lifecycle.fire(trigger)
+                # A reload brings the runner's own weights back: no update's version stands for them.
+                self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
+                self.adapters.rebased(self.weights_version)  # P-20: made for other weights: stale
+            case InitWeightGroup():
+                self.weight_group = command
+            case Profile():
+                self.profiling = command.start
+
+    def _on_refused(self, declined: EffectDeclined) -> WorkerStep:
+        """The pending effect was refused before it changed anything, and the rank is back in
+        the state the command started from: a ReloadWeights whose source the runner refused
+        before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
+        memory in time and unmapped what it had mapped (NACK NO_MEMORY, P-16). Cached, like an
+        EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
+        gets it again instead of passing through RELOADING once more (a copy judged afresh
+        would move a rank of a NEEDS_RELOAD stage back into RELOADING)."""
+        task_id, detail, reason = declined.task_id, declined.detail, declined.reason
+        before = self.state
+        pending = self._take_pending(task_id)
+        kind = type(pending.command)
+        if isinstance(pending.command, ADAPTER_COMMANDS):  # checked before anything was done
+            refusal = self._adapter_failed(pending.command, (), detail)
+            self._remember(pending.command, refusal)
+            head = EffectRefused(task_id, kind.__name__, self.state.value, clip(detail))
+            return self._traced(WorkerStep(replies=(refusal,)), head, before, task_id)
+        trigger = REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
+        if trigger is None:
+            raise InvariantViolation(
+                f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
+                f"{pending.command!r} "
+                f"(started in {pending.state_before})"
+            )
+        if reason is not None and reason is not REFUSAL_REASON[kind]:
+            raise InvariantViolation(
+                f"a {kind.__name__} is refused with {REFUSAL_REASON[kind].value}, not {reason.value}"
+            )
+        self.lifecycle.fire(trigger)
+        name = kind.__name__
+        effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
+        reply = self._nack(
+            pending.command, REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
+        )
+        self._remember(pending.command, reply)
+        head = EffectRefused(task_id, name, self.state.value, clip(detail))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+    def _on_error(self, raised: EffectRaised) -> WorkerStep:
+        """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
+        in every later reply; a failed Execute is only that request's error."""
+        task_id, error = raised.task_id, raised.error
+        before = self.state
+        pending = self._take_pending(task_id)
+        command = pending.command
+        name = type(command).__name__
+        what = f"{name} task {task_id!r} failed: {error}"
+        match command:
+            case Execute():
+                # A request the runner rejects says nothing about the memory: stay ACTIVE.
+                reply = self._nack(command, NackReason.EXECUTE_ERROR, what)
+            case UpdateWeights():
+                # Writing began: the weights are neither the old version nor the new one. They stay
+                # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
+                self.residency.weights_valid = False
+                self.lifecycle.fire("update_failed")
+                reply = self._nack(
+                    command,
+                    NackReason.UPDATE_FAILED,
+                    f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
+                    f"version {self.weights_version}: update again or reload",
+                )
+            case InitWeightGroup():
+                # No pool memory moved: the rank keeps its state and has no group.
+                reply = self._nack(command, NackReason.INVALID_ARGUMENT, f"{what}; this rank joined no weight group")
+            case ShareWeights():
+                # No pool memory moved: the rank keeps its state and shares nothing.
+                reply = self._nack(command, NackReason.INVALID_ARGUMENT, f"{what}; this rank shares no weights now")
+            case Profile():
+                # The profiler is not memory: the rank keeps its state and serves on. The shell
+                # drops a profiler that failed, so none runs now, whichever way it failed.
+                self.profiling = False
+                reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                reply = self._adapter_failed(command, pending.evict, what)
+            case _ if type(command) in WORKER_CALLS:
+                # No pool memory moved: the rank keeps its state.
+                reason = WORKER_CALLS[type(command)].error
+                reply = self._nack(command, reason, f"{what}; this rank is still {self.state.value}")
+            case _:
+                self.failure = what
+                if self.lifecycle.allows("fail"):
+                    self.lifecycle.fire("fail")
+                reply = self._nack(command, NackReason.BACKEND_ERROR, self.failure)
+        if not isinstance(command, Status):  # Status is never cached (as in _on_done)
+            self._remember(command, reply)
+        head = EffectFailed(task_id, name, self.state.value, clip(error))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
