@@ -33,9 +33,9 @@ import msgspec
 from omni_core.fsm import admission
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction
-from omni_core.fsm.inputs import RequestError, RequestOutcome
+from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.reply_cache import BoundedCache
-from omni_core.fsm.request_queue import RequestQueue
+from omni_core.fsm.request_queue import RequestBook, RequestQueue
 from omni_core.fsm.settle import REFUSAL_REASON, Settled, refused_trigger, settle_row
 from omni_core.fsm.stage_pause import PAUSE_MODES, Pause, Resume
 from omni_core.fsm.stage_step import (
@@ -170,12 +170,8 @@ class StageCore:
         self.rank_pool_bytes: dict[int, dict[str, int]] = {}
         self.rank_counters: dict[int, dict[str, int]] = {}
         self.policy = AdmissionPolicy(policy)
-        self.queue_limit = queue_limit
-        self.max_in_flight = max_in_flight
         self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
-        self.queue = RequestQueue()
-        self.in_flight: dict[str, _Request] = {}
-        self._answers: list[RequestOutcome] = []  # request outcomes of the input being stepped
+        self.requests = RequestBook(queue_limit, max_in_flight)
         self._records: list[StageRecord] = []  # trace records of the input being stepped
         self._issued: tuple[Command, bool, float] | None = None  # a task this phase issued: command, already, deadline
         self._expired_at: float | None = None  # the deadline this phase's tick found passed
@@ -204,13 +200,30 @@ class StageCore:
 
     @property
     def in_flight_requests(self) -> int:
-        return len(self.in_flight)
+        return len(self.requests.in_flight)
+
+    # The request book's parts, by the names the engine and the status read.
+    @property
+    def queue(self) -> RequestQueue:
+        return self.requests.queue
+
+    @property
+    def in_flight(self) -> dict[str, _Request]:
+        return self.requests.in_flight
+
+    @property
+    def queue_limit(self) -> int:
+        return self.requests.queue_limit
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.requests.max_in_flight
 
     def step(self, event: I.EngineInput, now: float) -> StageStep:
         """Take one engine input; return what to send and what to report. Then move the
         queue on (QUEUE_RULES) and check the invariants. Lifecycle calls that are not legal
         raise StageCommandError before anything changes."""
-        self._answers, self._records, self._issued, self._expired_at = [], [], None, None
+        self._records, self._issued, self._expired_at = [], None, None
         self._expired_task = ""
         head = self._input_record(event, now)
         if head is not None:
@@ -222,7 +235,7 @@ class StageCore:
         pumped = self._pump(now)
         self._record_phase(None, before, pumped.sends, now)
         step = step.then(pumped)
-        answers = tuple(self._answers)
+        answers = self.requests.take_answers()
         records = self._records
         records += [RequestAnswered(a.request_id, a.error.value if a.error else "", clip(a.detail)) for a in answers]
         if step.outcome is not None:
@@ -238,7 +251,7 @@ class StageCore:
                 )
             )
         step = StageStep(step.sends, step.outcome, step.requests + answers, step.started, tuple(records))
-        self._answers, self._records = [], []
+        self._records = []
         self._check_invariants()
         return step
 
@@ -313,7 +326,7 @@ class StageCore:
         self.rank_pool_bytes.clear()
         self.rank_counters.clear()
         self.failure, self.failed_ranks = "", {}
-        self._fail_requests(
+        self.requests.fail_all(
             RequestError.REJECTED,
             f"stage {self.name!r} restarted before this request ran",
             running=RequestError.FAILED,
@@ -327,7 +340,7 @@ class StageCore:
             return StageStep()
         self.lifecycle.fire("stop")  # first, so the outcome names the state the task ended in
         outcome = self._end_task(False, "stage stopped before the task completed", {}, now) if self._task else None
-        self._fail_requests(
+        self.requests.fail_all(
             RequestError.CLOSED,
             "the engine shut down before this request ran",
             running_detail="the engine shut down while this request ran",
@@ -351,7 +364,7 @@ class StageCore:
         named = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
         self.failure = f"stage {self.name!r} FAILED ({named})"
         # Their callers hear it (through step); the ranks are not trusted to answer any more.
-        self._fail_requests(
+        self.requests.fail_all(
             RequestError.REJECTED,
             f"{self.failure}; restart() the stage",
             running=RequestError.FAILED,
@@ -393,10 +406,8 @@ class StageCore:
             "a lifecycle task in flight iff in a task state",
         )
         require(not profiling or state in SERVING, "a Profile task outside the settled states")
-        require(len(self.queue) <= self.queue_limit, "queue over queue_limit")
-        # Queued and in flight never overlap: _dispatch checks the one request it moves, so this
-        # check costs nothing per queued request (16k queued submits stay linear).
-        require(not self.queue.check_invariants(), self.queue.check_invariants())
+        problem = self.requests.check_invariants()
+        require(not problem, problem)
         if self.in_flight_requests:
             require(state in (S.RUNNING, S.DRAINING), "requests in flight outside RUNNING/DRAINING")
         if state in SERVING:
@@ -558,7 +569,7 @@ class StageCore:
             # The callers hear now; the ranks still run these requests, so the Sleep goes
             # out only once every rank has answered them, never over a running one.
             for request in self.in_flight.values():
-                self._answer(
+                self.requests.answer(
                     request,
                     RequestError.ABORTED,
                     f"request {request.request_id} aborted: stage "
@@ -834,7 +845,7 @@ class StageCore:
             # The callers hear now; the ranks still run these requests, and the stage is
             # PAUSED only once every rank has answered them.
             for request in self.in_flight.values():
-                self._answer(
+                self.requests.answer(
                     request,
                     RequestError.ABORTED,
                     f"request {request.request_id} aborted: stage {self.name!r} is pausing (mode=abort)",
@@ -895,18 +906,18 @@ class StageCore:
 
     def _submit(self, event: I.Submit, now: float) -> StageStep:
         request = _Request(event.request_id, event.payload, now + event.timeout_s, event.adapter)
-        if request.request_id in self.in_flight or request.request_id in self.queue:
+        if request.request_id in self.requests:
             why = f"request id {request.request_id!r} is already queued or in flight on stage {self.name!r}; "
-            self._answer(request, RequestError.REJECTED, why + "submit each request under a new id")
+            self.requests.answer(request, RequestError.REJECTED, why + "submit each request under a new id")
             return StageStep()
         decision = admission.admit(self.state, self.policy).decision
-        if decision is Admit.RUN and len(self.in_flight) < self.max_in_flight and not self.queue:
+        if decision is Admit.RUN and self.requests.has_room() and not self.queue:
             return self._dispatch(request)
         refusal = self._refusal(decision)
         if refusal:
-            self._answer(request, RequestError.REJECTED, refusal)
+            self.requests.answer(request, RequestError.REJECTED, refusal)
         elif len(self.queue) >= self.queue_limit:
-            self._answer(request, RequestError.REJECTED, self._queue_full())
+            self.requests.answer(request, RequestError.REJECTED, self._queue_full())
         else:
             self.queue.append(request)
         return StageStep()
@@ -957,7 +968,7 @@ class StageCore:
             # Collected, then joined once: chaining `then` per request copies the sends each
             # time (quadratic in the requests a resume releases).
             sends: list[Outbound] = []
-            while self.queue and len(self.in_flight) < self.max_in_flight:
+            while self.queue and self.requests.has_room():
                 sends += self._dispatch(self.queue.popleft()).sends
             step = step.then(StageStep(sends=tuple(sends)))
         elif action is QueueAction.AUTO_WAKE and self.queue and self._task is None:
@@ -968,14 +979,12 @@ class StageCore:
                 why = self._refusal(Admit.REFUSE_NEEDS_RELOAD)
             else:
                 why = f"{self.failure or f'stage {self.name!r} is {self.state.value}'}; restart() the stage"
-            self._fail_requests(RequestError.REJECTED, why)
+            self.requests.fail_all(RequestError.REJECTED, why)
         return step
 
     def _dispatch(self, request: _Request) -> StageStep:
         self.lifecycle.fire("execute")  # legal only in RUNNING: the table is the check
-        if request.request_id in self.in_flight or request.request_id in self.queue:
-            raise InvariantViolation(f"stage {self.name!r}: request {request.request_id} both queued and in flight")
-        self.in_flight[request.request_id] = request
+        self.requests.start(request)
         command = Execute(
             task_id=request.request_id, epoch=self.epoch, payload=request.payload, adapter=request.adapter
         )
@@ -1002,18 +1011,18 @@ class StageCore:
         }
         if refusals:
             named = "; ".join(f"rank {r}: {m.reason.value} in {m.state.value}: {m.detail}" for r, m in refusals.items())
-            self._answer(
+            self.requests.answer(
                 request, RequestError.FAILED, f"stage {self.name!r} refused request {request.request_id} ({named})"
             )
         elif mixed:  # P-17: never a result of weights other than the stage's committed version
-            self._answer(
+            self.requests.answer(
                 request,
                 RequestError.FAILED,
                 f"stage {self.name!r}: ranks {sorted(mixed)} answered request "
                 f"{request.request_id} with weights versions {mixed}, not the stage's version "
                 f"{self.weights_version}; the result is discarded",
             )
-            del self.in_flight[request.request_id]
+            self.requests.retire(request)
             why = {
                 r: f"answered request {request.request_id} with weights version {v}; the stage committed "
                 f"version {self.weights_version}"
@@ -1022,41 +1031,15 @@ class StageCore:
             return self._fail_task(why, now) if self._task else self._fail_idle(why, now)
         elif results:  # ranks of one stage compute the same result: rank 0's
             first = results[0]
-            self._answer(request, None, "", first.output, first.weights_version, first.adapter, first.adapter_version)
+            ran = (first.weights_version, first.adapter, first.adapter_version)
+            self.requests.answer(request, None, "", first.output, *ran)
         return self._retire(request, now)
 
     def _retire(self, request: _Request, now: float) -> StageStep:
-        del self.in_flight[request.request_id]
+        self.requests.retire(request)
         if self.state is S.DRAINING and not self.in_flight and self._task is not None:
             return self._send_drained(now)
         return StageStep()
-
-    def _answer(
-        self,
-        request: _Request,
-        error: RequestError | None,
-        detail: str,
-        output: Any = None,
-        weights_version: int = 0,
-        adapter: str | None = None,
-        adapter_version: int = 0,
-    ) -> None:
-        if not request.answered:
-            request.answered = True
-            ran = (weights_version, adapter, adapter_version)
-            self._answers.append(RequestOutcome(request.request_id, output, error, detail, *ran))
-
-    def _fail_requests(
-        self, queued: RequestError, detail: str, *, running: RequestError | None = None, running_detail: str = ""
-    ) -> None:
-        """End every request: queued ones never ran (`queued`), those sent to the ranks may
-        have (`running`, default the same) and say so."""
-        for request in self.in_flight.values():
-            self._answer(request, running or queued, running_detail or detail)
-        for request in self.queue:
-            self._answer(request, queued, detail)
-        self.in_flight.clear()
-        self.queue.clear()
 
     def _send_failed(self, event: I.SendFailed, now: float) -> StageStep:
         request = self.in_flight.get(event.task_id)
@@ -1064,7 +1047,7 @@ class StageCore:
             return StageStep()  # a lifecycle command: its deadline names the rank (P-9)
         # The engine, not a rank, is at fault: its queue to these ranks is full. The caller
         # hears now; ranks that got the request still answer, and it retires when they have.
-        self._answer(
+        self.requests.answer(
             request,
             RequestError.OVERLOADED,
             f"request {request.request_id} to stage {self.name!r} "
@@ -1085,7 +1068,7 @@ class StageCore:
             if self._expired_at is None:
                 self._expired_at, self._expired_task = request.deadline_at, request.request_id
             missing = [r for r in self.ranks if r not in request.replies]
-            self._answer(
+            self.requests.answer(
                 request,
                 RequestError.FAILED,
                 f"request {request.request_id} to stage {self.name!r}: "
@@ -1098,7 +1081,7 @@ class StageCore:
             step = step.then(self._ranks_unresponsive(silent, now))
         # Every queued request at its own deadline: a short one must not wait behind a long one.
         for request in self.queue.pop_expired(now):
-            self._answer(
+            self.requests.answer(
                 request,
                 RequestError.REJECTED,
                 f"request {request.request_id} waited in the queue of "
