@@ -249,14 +249,14 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "policy-unrecorded",
         "the stage's start no longer names its admission policy (a trace then looks older than it is)",
         STAGE,
-        "return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)",
-        "return StageStarting(epoch, self.tags, self._start_deadline_at)",
+        "return StageStarting(epoch, core.tags, core.start_deadline_at, core.policy.value)",
+        "return StageStarting(epoch, core.tags, core.start_deadline_at)",
     ),
     _m(
         "policy-change-unrecorded",
         "a change of the admission policy leaves no line in the trace",
         STAGE,
-        "case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not self.policy:",
+        "case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not core.policy:",
         "case I.SetAdmission(policy=policy) if False:",
     ),
     _m(

@@ -49,28 +49,10 @@ from omni_core.fsm.stage_step import (
     _Task,
 )
 from omni_core.fsm.stage_table import CALLS, IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS, STATELESS
-from omni_core.fsm.stage_trace import _memory_wait_s, _version, level_tags
+from omni_core.fsm.stage_trace import StageRecorder
 from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
-from omni_core.fsm.trace_records import (
-    AdmissionChanged,
-    RankDied,
-    RequestAnswered,
-    RequestSubmitted,
-    StageChanged,
-    StageDeadline,
-    StageDispatched,
-    StageIssued,
-    StageReceived,
-    StageRecord,
-    StageRestarted,
-    StageSent,
-    StageStarting,
-    StageStopped,
-    TaskEnded,
-    clip,
-)
 from omni_core.fsm.worker_step import InvariantViolation
 from omni_core.protocol import (
     MAX_MEMORY_WAIT_S,
@@ -172,10 +154,7 @@ class StageCore:
         self.policy = AdmissionPolicy(policy)
         self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
         self.requests = RequestBook(queue_limit, max_in_flight)
-        self._records: list[StageRecord] = []  # trace records of the input being stepped
-        self._issued: tuple[Command, bool, float] | None = None  # a task this phase issued: command, already, deadline
-        self._expired_at: float | None = None  # the deadline this phase's tick found passed
-        self._expired_task = ""  # the task or request whose deadline that was ("": the start's)
+        self.recorder = StageRecorder()  # the trace records of the input being stepped
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
         self.counters = StageCounters()
@@ -189,6 +168,11 @@ class StageCore:
     @property
     def state(self) -> S:
         return self.lifecycle.state
+
+    @property
+    def start_deadline_at(self) -> float:
+        """When the start (or restart) in progress fails if a rank has not said Hello."""
+        return self._start_deadline_at
 
     @property
     def task_id(self) -> str | None:
@@ -223,35 +207,18 @@ class StageCore:
         """Take one engine input; return what to send and what to report. Then move the
         queue on (QUEUE_RULES) and check the invariants. Lifecycle calls that are not legal
         raise StageCommandError before anything changes."""
-        self._records, self._issued, self._expired_at = [], None, None
-        self._expired_task = ""
-        head = self._input_record(event, now)
-        if head is not None:
-            self._records.append(head)
+        self.recorder.begin()
+        self.recorder.input(self, event, now)
         before = self.state
         step = self._take(event, now)
-        self._record_phase(event, before, step.sends, now)
+        self.recorder.phase(self, event, before, step.sends, now)
         before = self.state
         pumped = self._pump(now)
-        self._record_phase(None, before, pumped.sends, now)
+        self.recorder.phase(self, None, before, pumped.sends, now)
         step = step.then(pumped)
         answers = self.requests.take_answers()
-        records = self._records
-        records += [RequestAnswered(a.request_id, a.error.value if a.error else "", clip(a.detail)) for a in answers]
-        if step.outcome is not None:
-            o = step.outcome
-            records.append(
-                TaskEnded(
-                    o.task_id,
-                    o.command,
-                    o.ok,
-                    o.state.value,
-                    clip(o.error),
-                    {r: clip(why) for r, why in o.failures.items()},
-                )
-            )
-        step = StageStep(step.sends, step.outcome, step.requests + answers, step.started, tuple(records))
-        self._records = []
+        records = self.recorder.finish(answers, step.outcome)
+        step = StageStep(step.sends, step.outcome, step.requests + answers, step.started, records)
         self._check_invariants()
         return step
 
@@ -447,7 +414,7 @@ class StageCore:
         else:
             self.lifecycle.fire(row.trigger)
             step = self._send_all()
-        self._issued = (planned.command, False, now + deadline_s)
+        self.recorder.issued(planned.command, False, now + deadline_s)
         self._check_invariants()
         return step
 
@@ -523,7 +490,7 @@ class StageCore:
             now,
         )
         self.completed.put(task_id, (signature, outcome))
-        self._issued = (command, True, now)
+        self.recorder.issued(command, True, now)
         return StageStep(outcome=outcome)
 
     def _resolve(self, tags: tuple[str, ...] | None) -> frozenset[str]:
@@ -1065,8 +1032,7 @@ class StageCore:
         step = StageStep()
         silent: dict[int, str] = {}
         for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:
-            if self._expired_at is None:
-                self._expired_at, self._expired_task = request.deadline_at, request.request_id
+            self.recorder.expired(request.deadline_at, request.request_id)
             missing = [r for r in self.ranks if r not in request.replies]
             self.requests.answer(
                 request,
@@ -1375,12 +1341,12 @@ class StageCore:
         """Enforce the deadlines of the start and of the task in flight (P-9)."""
         step = StageStep()
         if self.state is S.STARTING and now >= self._start_deadline_at:
-            self._expired_at = self._start_deadline_at
+            self.recorder.expired(self._start_deadline_at)
             silent = [r for r in self.ranks if r not in self.rank_state]
             step = self._fail_idle({r: "sent no Hello before the start-up deadline" for r in silent}, now)
         elif self._task is not None and now >= self._task.deadline_at:
             task = self._task
-            self._expired_at, self._expired_task = task.deadline_at, task.task_id
+            self.recorder.expired(task.deadline_at, task.task_id)
             budget_s = task.deadline_at - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")
@@ -1415,104 +1381,3 @@ class StageCore:
         step = self._fail_task(why, now) if self._task else self._fail_idle(why, now)
         self._check_invariants()
         return step
-
-    # ------------------------------------------------------------------ the trace records
-
-    def _input_record(self, event: Any, now: float) -> StageRecord | None:
-        """The record of an input from outside, with the state it found."""
-        state = self.state.value
-        match event:
-            case I.Received(message=m):
-                info = m.status.value if isinstance(m, Ack) else m.reason.value if isinstance(m, Nack) else ""
-                worker_state = m.state.value if isinstance(m, (Ack, Nack, Hello)) else ""
-                version = getattr(m, "weights_version", 0)
-                return StageReceived(
-                    m.epoch, m.rank, m.task_id, type(m).__name__.lower(), state, worker_state, info, version
-                )
-            case I.RankExited():
-                fenced = event.epoch != self.epoch or event.rank not in self.ranks
-                return RankDied(self.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
-            case I.Submit():
-                decision = admission.admit(self.state, self.policy).decision.value
-                deadline_at = now + event.timeout_s
-                return RequestSubmitted(event.request_id, state, decision, deadline_at, self.policy.value)
-            case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not self.policy:
-                return AdmissionChanged(self.epoch, self.policy.value, AdmissionPolicy(policy).value)
-            case _:
-                return None
-
-    def _record_phase(self, event: Any, before: S, sends: tuple[Outbound, ...], now: float) -> None:
-        """The record of what one phase of a step did (the input's handler, or moving the
-        queue on: `event` None), then one per command it sends. A change of state is the
-        action that made it (issue, restart, deadline, stop) or, when it came from an input
-        already recorded (a reply, a death), a StageChanged that logs it."""
-        after, epoch = self.state, self.epoch
-        issued, self._issued = self._issued, None
-        if issued is not None:
-            command, already, deadline_at = issued
-            # The caller's timeout as the input gave it, not as the core used it: the trace
-            # check compares the two (a deadline in the wrong unit fails there).
-            timeout_s = self.wake_deadline_s if event is None else getattr(event, "deadline_s", 0.0)
-            self._records.append(
-                StageIssued(
-                    epoch,
-                    command.task_id,
-                    type(command).__name__,
-                    before.value,
-                    after.value,
-                    deadline_at,
-                    *level_tags(command),
-                    already,
-                    event is None,
-                    timeout_s,
-                    _version(command),
-                    _memory_wait_s(command),
-                    self.policy.value if event is None else "",
-                )
-            )
-        else:
-            changed = self._change_record(event, before, now)
-            if changed is not None:
-                self._records.append(changed)
-        dispatched: set[str] = set()
-        for out in sends:
-            command = out.command
-            if isinstance(command, Execute) and command.task_id not in dispatched:
-                dispatched.add(command.task_id)
-                request = self.in_flight.get(command.task_id)
-                deadline_at = request.deadline_at if request is not None else now
-                self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at))
-            self._records.append(
-                StageSent(
-                    command.epoch,
-                    out.rank,
-                    command.task_id,
-                    type(command).__name__,
-                    after.value,
-                    *level_tags(command),
-                    _version(command),
-                    _memory_wait_s(command),
-                )
-            )
-
-    def _change_record(self, event: Any, before: S, now: float) -> StageRecord | None:
-        """The record of a phase that issued no task: a start, a restart, a stop, a deadline, or
-        a change of state another input made."""
-        after, epoch = self.state, self.epoch
-        failed = {r: clip(why) for r, why in self.failed_ranks.items()} if after is S.FAILED else {}
-        match event:
-            case I.Restart():
-                return StageRestarted(
-                    epoch, before.value, after.value, self.tags, self._start_deadline_at, self.weights_version
-                )
-            case I.Start():
-                return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)
-            case I.Stop():
-                return StageStopped(epoch, before.value) if after is not before else None
-            case _ if after is before:
-                return None
-            case I.Tick():
-                expired_at = self._expired_at if self._expired_at is not None else now
-                return StageDeadline(epoch, self._expired_task, before.value, after.value, expired_at, now, failed)
-            case _:
-                return StageChanged(epoch, self.task_id or "", before.value, after.value, failed, self.weights_version)
