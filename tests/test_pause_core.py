@@ -12,7 +12,7 @@ from test_admission import Driver, answers
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
 from omni_core.fsm.inputs import RequestError
-from omni_core.fsm.stage import StageBusyError, StageCommandError, _Request
+from omni_core.fsm.stage import StageBusyError, StageCommandError, StageRequest
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.worker import InvariantViolation
 from omni_core.protocol import AckStatus, DiskSource, Nack, NackReason, StageState, WorkerState
@@ -189,7 +189,7 @@ def test_a_reload_of_a_paused_stage_after_a_level_2_sleep_stays_paused() -> None
 def test_the_invariants_refuse_a_request_in_flight_while_paused() -> None:
     d = Driver()
     d.step(I.PauseCall("p", "wait", 30.0))
-    d.core.in_flight["smuggled"] = _Request("smuggled", None, float("inf"))
+    d.core.in_flight["smuggled"] = StageRequest("smuggled", None, float("inf"))
     with pytest.raises(InvariantViolation, match="requests in flight outside RUNNING/DRAINING"):
         d.core._check_invariants()
 

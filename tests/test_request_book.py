@@ -8,12 +8,12 @@ import pytest
 
 from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.request_queue import RequestBook
-from omni_core.fsm.stage_step import _Request
+from omni_core.fsm.stage_step import StageRequest
 from omni_core.fsm.worker_step import InvariantViolation
 
 
-def req(request_id: str) -> _Request:
-    return _Request(request_id, None, 100.0)
+def req(request_id: str) -> StageRequest:
+    return StageRequest(request_id, None, 100.0)
 
 
 def test_a_request_is_known_queued_or_in_flight_and_started_once() -> None:

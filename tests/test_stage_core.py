@@ -162,11 +162,12 @@ def test_stage_needs_a_rank() -> None:
 
 def test_step_is_the_only_door() -> None:
     """Every input goes through step(), so the queue pump, the trace records and the
-    invariant check always run: the core has no other public method."""
+    invariant check always run: the core has no other public method but `restore`, which
+    builds a state (a case, a test's start) and is no input."""
     from omni_core.fsm import StageCore
 
     public = {name for name in dir(StageCore) if not name.startswith("_") and callable(getattr(StageCore, name))}
-    assert public == {"step", "admits"}
+    assert public == {"step", "admits", "restore"}
     h = reach_stage(S.RUNNING)
     with pytest.raises(TypeError, match="engine input"):
         h.stage.step(Sleep(task_id="s", epoch=0), h.now)  # a wire command is no input of the stage

@@ -16,10 +16,12 @@ from omni_core.fsm.stage import (
     StageStep,
     TaskOutcome,
 )
+from omni_core.fsm.stage_step import StageSnapshot
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.table import Lifecycle, Transition, table_as_dict, table_as_mermaid
 from omni_core.fsm.tags import DEFAULT_TAGS, KV_CACHE_TAG, WEIGHTS_TAG, Residency
 from omni_core.fsm.worker import InvariantViolation, WorkerCore, WorkerStep
+from omni_core.fsm.worker_step import WorkerSnapshot
 from omni_core.fsm.worker_table import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
 
@@ -53,10 +55,12 @@ __all__ = [
     "StageBusyError",
     "StageCommandError",
     "StageCore",
+    "StageSnapshot",
     "StageStep",
     "TaskOutcome",
     "Transition",
     "WorkerCore",
+    "WorkerSnapshot",
     "WorkerStep",
     "export_mermaid",
     "export_tables",

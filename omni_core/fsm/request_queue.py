@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from omni_core.fsm.inputs import RequestError, RequestOutcome
-from omni_core.fsm.stage_step import _Request
+from omni_core.fsm.stage_step import StageRequest
 from omni_core.fsm.worker_step import InvariantViolation
 
 # Below this many entries the heap is never rebuilt: rebuilding a small heap costs more than
@@ -32,7 +32,7 @@ class RequestQueue:
     the caller's."""
 
     def __init__(self) -> None:
-        self._by_id: OrderedDict[str, tuple[int, _Request]] = OrderedDict()  # request_id -> (arrival, request)
+        self._by_id: OrderedDict[str, tuple[int, StageRequest]] = OrderedDict()  # request_id -> (arrival, request)
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline_at, arrival, request_id)
         self._arrivals = itertools.count()
 
@@ -42,20 +42,20 @@ class RequestQueue:
     def __bool__(self) -> bool:
         return bool(self._by_id)
 
-    def __iter__(self) -> Iterator[_Request]:
+    def __iter__(self) -> Iterator[StageRequest]:
         return iter([request for _, request in self._by_id.values()])
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._by_id
 
-    def append(self, request: _Request) -> None:
+    def append(self, request: StageRequest) -> None:
         if request.request_id in self._by_id:
             raise ValueError(f"request {request.request_id!r} is already queued")
         arrival = next(self._arrivals)
         self._by_id[request.request_id] = (arrival, request)
         heapq.heappush(self._deadlines, (request.deadline_at, arrival, request.request_id))
 
-    def popleft(self) -> _Request:
+    def popleft(self) -> StageRequest:
         """The oldest request; IndexError when empty (as a deque's)."""
         if not self._by_id:
             raise IndexError("pop from an empty request queue")
@@ -63,10 +63,10 @@ class RequestQueue:
         self._compact()
         return request
 
-    def pop_expired(self, now: float) -> list[_Request]:
+    def pop_expired(self, now: float) -> list[StageRequest]:
         """Remove and return every request whose deadline is at or before `now`, earliest
         deadline first (ties in arrival order)."""
-        expired: list[_Request] = []
+        expired: list[StageRequest] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, arrival, request_id = heapq.heappop(self._deadlines)
             queued = self._by_id.get(request_id)
@@ -115,7 +115,7 @@ class RequestBook:
         self.queue_limit = queue_limit
         self.max_in_flight = max_in_flight
         self.queue = RequestQueue()
-        self.in_flight: dict[str, _Request] = {}
+        self.in_flight: dict[str, StageRequest] = {}
         self._answers: list[RequestOutcome] = []  # the answers of the input being stepped
 
     def __contains__(self, request_id: object) -> bool:
@@ -126,19 +126,19 @@ class RequestBook:
         """Whether one more request may be sent to the ranks now (max_in_flight)."""
         return len(self.in_flight) < self.max_in_flight
 
-    def start(self, request: _Request) -> None:
+    def start(self, request: StageRequest) -> None:
         """`request` goes to every rank: in flight until each has answered it."""
         if request.request_id in self:
             raise InvariantViolation(f"request {request.request_id} both queued and in flight")
         self.in_flight[request.request_id] = request
 
-    def retire(self, request: _Request) -> None:
+    def retire(self, request: StageRequest) -> None:
         """Every rank has answered `request` (or will not): it leaves the book."""
         del self.in_flight[request.request_id]
 
     def answer(
         self,
-        request: _Request,
+        request: StageRequest,
         error: RequestError | None,
         detail: str,
         output: Any = None,

@@ -43,10 +43,11 @@ from omni_core.fsm.stage_step import (
     StageBusyError,
     StageCommandError,
     StageCounters,
+    StageRequest,
+    StageSnapshot,
     StageStep,
+    StageTask,
     TaskOutcome,
-    _Request,
-    _Task,
 )
 from omni_core.fsm.stage_table import CALLS, IN_TASK, SERVING, STAGE_STATE_OF_RANK, STAGE_TRANSITIONS, STATELESS
 from omni_core.fsm.stage_trace import StageRecorder
@@ -107,7 +108,7 @@ def memory_wait_problem(memory_wait_s: Any, deadline_s: float) -> str | None:
 
 
 # A plan: the task to start, or the command alone when nothing is left to do (ALREADY).
-Plan = Callable[[], "_Task | Command"]
+Plan = Callable[[], "StageTask | Command"]
 
 
 class StageCore:
@@ -161,7 +162,7 @@ class StageCore:
         self.failure = ""
         self.failed_ranks: dict[int, str] = {}
         self.completed: BoundedCache[str, tuple[tuple[Any, ...], TaskOutcome]] = BoundedCache(completed_task_entries)
-        self._task: _Task | None = None
+        self._task: StageTask | None = None
         self._hello_detail: dict[int, str] = {}
         self._start_deadline_at = float("inf")
 
@@ -173,6 +174,11 @@ class StageCore:
     def start_deadline_at(self) -> float:
         """When the start (or restart) in progress fails if a rank has not said Hello."""
         return self._start_deadline_at
+
+    @property
+    def task(self) -> StageTask | None:
+        """The lifecycle task in flight, read-only (its bookkeeping is the core's)."""
+        return self._task
 
     @property
     def task_id(self) -> str | None:
@@ -192,7 +198,7 @@ class StageCore:
         return self.requests.queue
 
     @property
-    def in_flight(self) -> dict[str, _Request]:
+    def in_flight(self) -> dict[str, StageRequest]:
         return self.requests.in_flight
 
     @property
@@ -202,6 +208,28 @@ class StageCore:
     @property
     def max_in_flight(self) -> int:
         return self.requests.max_in_flight
+
+    def restore(self, snapshot: StageSnapshot) -> None:
+        """Put the core in `snapshot`'s state, as if it had got there (a case of the agreement
+        rows, a test's starting point): what it does not name is a fresh stage's (no failure,
+        the counters and completed tasks as they were). Raises InvariantViolation where the
+        snapshot is no state a stage can hold, as step() would after the input that made it."""
+        self.lifecycle.place(snapshot.state)
+        self.residency = Residency(self.tags)
+        self.residency.asleep, self.residency.weights_valid = frozenset(snapshot.asleep), snapshot.weights_valid
+        self.rank_state = dict(snapshot.rank_state)
+        self.rank_capabilities = {rank: frozenset(c) for rank, c in snapshot.rank_capabilities.items()}
+        self.weights_version = snapshot.weights_version
+        self.rank_versions = {rank: snapshot.weights_version for rank in snapshot.rank_state}
+        self.paused = snapshot.paused
+        self.failure, self.failed_ranks = "", {}
+        self._task = snapshot.task
+        self.requests = RequestBook(self.queue_limit, self.max_in_flight)
+        for request in snapshot.queued:
+            self.requests.queue.append(request)
+        for request in snapshot.in_flight:
+            self.requests.start(request)
+        self._check_invariants()
 
     def step(self, event: I.EngineInput, now: float) -> StageStep:
         """Take one engine input; return what to send and what to report. Then move the
@@ -405,7 +433,7 @@ class StageCore:
             return retried
         self._require_idle(row.verb)
         planned = plan()
-        if not isinstance(planned, _Task):
+        if not isinstance(planned, StageTask):
             return self._already(task_id, signature, planned, row.already, now)
         self._task = planned
         if row.drain and self.lifecycle.allows(row.drain):
@@ -418,9 +446,11 @@ class StageCore:
         self._check_invariants()
         return step
 
-    def _new_task(self, call: Any, signature: tuple[Any, ...], command: Command, now: float, **fields: Any) -> _Task:
+    def _new_task(
+        self, call: Any, signature: tuple[Any, ...], command: Command, now: float, **fields: Any
+    ) -> StageTask:
         """The task of `call`: its id, signature and command, started now, due at its deadline."""
-        return _Task(call.task_id, signature, command, now, now + call.deadline_s, **fields)
+        return StageTask(call.task_id, signature, command, now, now + call.deadline_s, **fields)
 
     def _send_drained(self, now: float) -> StageStep:
         assert self._task is not None
@@ -511,7 +541,7 @@ class StageCore:
         wanted = self._resolve(call.tags)
         signature = ("Sleep", level, None if call.tags is None else tuple(sorted(wanted)))
 
-        def plan() -> _Task | Command:
+        def plan() -> StageTask | Command:
             command = Sleep(task_id=call.task_id, epoch=self.epoch, level=level, tags=signature[2])
             to_sleep = wanted - self.residency.asleep
             if not to_sleep and self.lifecycle.allows("sleep_already"):
@@ -555,7 +585,7 @@ class StageCore:
         wanted = self._resolve(call.tags)
         signature = ("Wake", None if call.tags is None else tuple(sorted(wanted)), float(memory_wait_s))
 
-        def plan() -> _Task | Command:
+        def plan() -> StageTask | Command:
             unable = sorted(r for r in self.ranks if Capability.SWAP not in self.rank_capabilities.get(r, ()))
             if memory_wait_s > 0 and unable:
                 raise StageCommandError(
@@ -589,7 +619,7 @@ class StageCore:
     def _reload(self, call: I.ReloadCall, now: float) -> StageStep:
         signature = ("ReloadWeights", call.source)
 
-        def plan() -> _Task:
+        def plan() -> StageTask:
             if not self.lifecycle.allows("reload"):
                 raise StageCommandError(
                     f"stage {self.name!r} cannot reload weights in {self.state.value}: reload "
@@ -616,7 +646,7 @@ class StageCore:
             raise StageCommandError(f"flush_cache must be true or false, got {call.flush_cache!r}")
         signature = ("UpdateWeights", version, call.source, call.flush_cache)
 
-        def plan() -> _Task:
+        def plan() -> StageTask:
             if version <= self.weights_version:
                 raise StageCommandError(
                     f"stage {self.name!r}: weights version {version} is not above the stage's "
@@ -652,7 +682,7 @@ class StageCore:
 
     def _weights_task(
         self, call: Any, signature: tuple[Any, ...], command: Command, now: float, *, refused: str, version: int
-    ) -> _Task:
+    ) -> StageTask:
         """A task that writes every rank's weights (a reload, an update): it settles as a reload
         does, ACTIVE or PARTIAL by the tags asleep, and a refusal returns by `refused`."""
         row = settle_row(Settled.ACTIVE if not self.residency.asleep else Settled.PARTIAL)
@@ -674,7 +704,7 @@ class StageCore:
 
     # ------------------------------------------------------------------ tasks that keep the state
 
-    def _stateless_task(self, call: Any, signature: tuple[Any, ...], command: Command, now: float) -> _Task:
+    def _stateless_task(self, call: Any, signature: tuple[Any, ...], command: Command, now: float) -> StageTask:
         """A task in a settled state that never changes it: the ranks' NACKs are its refusals."""
         return self._new_task(
             call,
@@ -767,7 +797,7 @@ class StageCore:
         if row.check is not None:
             row.check(self, command)
 
-        def plan() -> _Task:
+        def plan() -> StageTask:
             if not self.lifecycle.allows(row.trigger) or (row.legal is not None and not row.legal(self)):
                 raise StageCommandError(f"stage {self.name!r} cannot {row.verb} in {self.state.value}{row.why}")
             return self._stateless_task(call, signature, command, now)
@@ -797,7 +827,7 @@ class StageCore:
                 f"stage {self.name!r} cannot pause in {self.lifecycle.state.value}: only a RUNNING stage "
                 "pauses (a sleeping one admits no request already; wake it first)"
             )
-        self._task = _Task(
+        self._task = StageTask(
             task_id,
             signature,
             Pause(task_id, mode),  # type: ignore[arg-type]  # a stand-in, never sent
@@ -872,7 +902,7 @@ class StageCore:
     # ------------------------------------------------------------------ the requests
 
     def _submit(self, event: I.Submit, now: float) -> StageStep:
-        request = _Request(event.request_id, event.payload, now + event.timeout_s, event.adapter)
+        request = StageRequest(event.request_id, event.payload, now + event.timeout_s, event.adapter)
         if request.request_id in self.requests:
             why = f"request id {request.request_id!r} is already queued or in flight on stage {self.name!r}; "
             self.requests.answer(request, RequestError.REJECTED, why + "submit each request under a new id")
@@ -949,7 +979,7 @@ class StageCore:
             self.requests.fail_all(RequestError.REJECTED, why)
         return step
 
-    def _dispatch(self, request: _Request) -> StageStep:
+    def _dispatch(self, request: StageRequest) -> StageStep:
         self.lifecycle.fire("execute")  # legal only in RUNNING: the table is the check
         self.requests.start(request)
         command = Execute(
@@ -957,14 +987,14 @@ class StageCore:
         )
         return StageStep(sends=tuple(Outbound(rank, command) for rank in self.ranks))
 
-    def _on_request_reply(self, request: _Request, reply: Result | Nack, now: float) -> StageStep:
+    def _on_request_reply(self, request: StageRequest, reply: Result | Nack, now: float) -> StageStep:
         if reply.rank not in self.ranks:
             self.counters.unknown_replies_ignored += 1
             return StageStep()
         request.replies[reply.rank] = reply
         return self._maybe_retire(request, now)
 
-    def _maybe_retire(self, request: _Request, now: float) -> StageStep:
+    def _maybe_retire(self, request: StageRequest, now: float) -> StageStep:
         """A request retires only when every rank has answered it: until then a rank may still
         be running it, and a sleep must not go out over it."""
         if len(request.replies) < len(self.ranks):
@@ -1002,7 +1032,7 @@ class StageCore:
             self.requests.answer(request, None, "", first.output, *ran)
         return self._retire(request, now)
 
-    def _retire(self, request: _Request, now: float) -> StageStep:
+    def _retire(self, request: StageRequest, now: float) -> StageStep:
         self.requests.retire(request)
         if self.state is S.DRAINING and not self.in_flight and self._task is not None:
             return self._send_drained(now)
@@ -1226,7 +1256,7 @@ class StageCore:
             return
         declared.update(values)
 
-    def _on_profile_reply(self, task: _Task, reply: Ack | Nack, now: float) -> StageStep:
+    def _on_profile_reply(self, task: StageTask, reply: Ack | Nack, now: float) -> StageStep:
         """A rank answering Profile (or InitWeightGroup) must still be where the stage committed it: a profile
         changes no state. A refusal that left it there (BUSY, PROFILE_ERROR, a worker that
         does not know Profile) is that rank's answer; any other state is a divergence and

@@ -82,6 +82,13 @@ class Lifecycle(Generic[S]):
             self._machine.set_state(dest, model=self._model)
         return self.state
 
+    def place(self, state: S) -> None:
+        """Put the machine in `state` without a transition: a core restored from a snapshot
+        (its `restore`), never a step of the lifecycle."""
+        if not isinstance(state, self.states):
+            raise TypeError(f"a {self.states.__name__} lifecycle cannot be placed in {state!r}")
+        self._machine.set_state(state, model=self._model)
+
 
 _MISSING: Any = object()
 

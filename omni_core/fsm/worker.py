@@ -75,12 +75,13 @@ from omni_core.fsm.worker_step import (
     ALL_CAPABILITIES,
     HELLO_TASK_ID,
     MAX_EPOCH_AHEAD,
-    MAX_IN_FLIGHT_PER_RANK,
     InvariantViolation,
+    PendingEffect,
     WorkerCounters,
+    WorkerSnapshot,
     WorkerStep,
+    WorkInProgress,
     _CachedReply,
-    _Pending,
     _sent,
     command_digest,
 )
@@ -180,12 +181,8 @@ class WorkerCore:
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         max_in_flight: int = 1,
     ) -> None:
-        if not 1 <= max_in_flight <= MAX_IN_FLIGHT_PER_RANK:
-            raise ValueError(f"max_in_flight must be in 1..{MAX_IN_FLIGHT_PER_RANK}, got {max_in_flight!r}")
         self.rank = rank
-        # Requests this rank holds at once (the stage's max_in_flight): the shell hands them
-        # to the runner together, and nothing else runs beside them.
-        self.max_in_flight = max_in_flight
+        self.work = WorkInProgress(max_in_flight)  # the lifecycle effect, or the batch of requests
         # The version of the weights held (or, in NEEDS_RELOAD, held last): 0 is the runner's
         # own source; an update sets it once every bucket is written (P-17).
         self.weights_version = weights_version
@@ -201,9 +198,6 @@ class WorkerCore:
         self.cache: BoundedCache[str, _CachedReply] = BoundedCache(reply_cache_entries, reply_cache_bytes)
         self.counters = WorkerCounters()
         self.failure: str = ""
-        self._pending: _Pending | None = None
-        # The requests of the batch in progress, in arrival order (never beside `_pending`).
-        self._running: dict[str, Execute] = {}
         # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
         self.profiling = False
 
@@ -213,14 +207,37 @@ class WorkerCore:
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None or bool(self._running)
+        return self.work.busy
 
     @property
     def in_progress(self) -> tuple[str, ...]:
         """The tasks whose effects are under way, taken on and not yet completed: the
         lifecycle effect, or the requests of the batch in arrival order."""
-        pending = (self._pending.command.task_id,) if self._pending is not None else ()
-        return pending + tuple(self._running)
+        return self.work.task_ids
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.work.max_in_flight
+
+    def restore(self, snapshot: WorkerSnapshot) -> None:
+        """Put the core in `snapshot`'s state, as if it had got there (a case of the agreement
+        rows, a test's starting point), with an empty reply cache; what the snapshot does not
+        name (capabilities, adapters, weight group, counters) stays as it was. Raises
+        InvariantViolation where the snapshot is no state a rank can hold."""
+        self.lifecycle.place(snapshot.state)
+        self.epoch = snapshot.epoch
+        self.residency = Residency(self.tags)
+        self.residency.asleep, self.residency.weights_valid = frozenset(snapshot.asleep), snapshot.weights_valid
+        self.weights_version = snapshot.weights_version
+        self.failure = snapshot.failure
+        self.profiling = snapshot.profiling
+        self.work = WorkInProgress(self.work.max_in_flight)
+        if snapshot.pending is not None:
+            self.work.begin(snapshot.pending)
+        for command in snapshot.running:
+            self.work.run(command)
+        self.cache = BoundedCache(self.cache.max_entries, self.cache.max_bytes)
+        self._check_invariants()
 
     def step(self, event: WorkerInput) -> WorkerStep:
         """The one door: what the shell saw or did, in; what to send and do next, out."""
@@ -298,7 +315,7 @@ class WorkerCore:
                 f"this worker's epoch {self.epoch}; restart the rank under the new epoch",
             )
         self.epoch = command.epoch
-        original = self._in_progress(command.task_id)
+        original = self.work.command(command.task_id)
         if original is not None:
             if msgspec.structs.replace(command, epoch=original.epoch) != original:
                 return self._refuse(
@@ -330,7 +347,7 @@ class WorkerCore:
                         "large for the reply cache, so the first reply is the only one",
                     )
                 return WorkerStep(replies=(cached.reply,))
-        busy_with = self._busy_with(command)
+        busy_with = self.work.busy_with(command)
         if busy_with:
             step = self._refuse(command, NackReason.BUSY, busy_with)
             if isinstance(command, (Execute, Profile, *ADAPTER_COMMANDS)) or type(command) in WORKER_CALLS:
@@ -373,34 +390,6 @@ class WorkerCore:
                 return self._on_call(command)
             case _:
                 raise InvariantViolation(f"the worker core has no handler for {command!r}")
-
-    def _in_progress(self, task_id: str) -> Command | None:
-        """The command of this task whose effect is under way (lifecycle or request), if any."""
-        if self._pending is not None and self._pending.command.task_id == task_id:
-            return self._pending.command
-        return self._running.get(task_id)
-
-    def _busy_with(self, command: Command) -> str:
-        """Why `command` must wait (BUSY), or "": one lifecycle effect at a time, and beside a
-        batch of requests only more requests, up to max_in_flight (nothing moves memory
-        under a running request)."""
-        if isinstance(command, Status):
-            return ""
-        if self._pending is not None:
-            return f"task {self._pending.command.task_id!r} is in progress; retry after its reply"
-        if self._running and not isinstance(command, Execute):
-            first = next(iter(self._running))
-            return (
-                f"{len(self._running)} requests are running on this rank (first {first!r}); "
-                f"{type(command).__name__} waits until they are answered: retry after their replies"
-            )
-        if len(self._running) >= self.max_in_flight:
-            first = next(iter(self._running))
-            return (
-                f"request {first!r} and {len(self._running) - 1} more are in progress, this rank's "
-                f"max_in_flight ({self.max_in_flight}); retry after a reply or raise the stage's max_in_flight"
-            )
-        return ""
 
     def _traced(self, step: WorkerStep, head: WorkerRecord, before: W, task_id: str) -> WorkerStep:
         """`step` with its records: what happened, the change of state it made, the replies."""
@@ -496,31 +485,24 @@ class WorkerCore:
             detail = detail[: MAX_DETAIL_CHARS - len(suffix)] + suffix  # a long detail must not cut it off
         return detail[:MAX_DETAIL_CHARS]
 
-    def _take_pending(self, task_id: str) -> _Pending:
-        running = self._running.pop(task_id, None)
-        if running is not None:
-            return _Pending(running)
-        if self._pending is None or self._pending.command.task_id != task_id:
-            have = self._pending.command.task_id if self._pending else None
-            raise InvariantViolation(f"effect completion for task {task_id!r}, pending is {have!r}")
-        pending, self._pending = self._pending, None
-        return pending
-
     def _check_invariants(self) -> None:
         """TigerBeetle-style: after every input, positive and negative space."""
-        state, res = self.state, self.residency
+        state, res, pending = self.state, self.residency, self.work.pending
         asleep = res.asleep
 
         def require(cond: bool, what: str) -> None:
             if not cond:
                 raise InvariantViolation(f"worker rank {self.rank} in {state.value}: {what}")
 
+        problem = self.work.check_invariants()
+        require(not problem, problem)
+
         require(asleep <= set(self.tags), f"asleep tags {sorted(asleep)} not all known")
         require(len(self.cache) <= self.cache.max_entries, "reply cache over its bound")
         require(self.cache.size_bytes <= self.cache.max_bytes, "reply cache over its byte bound")
         transient = state in (W.OFFLOADING, W.RESTORING, W.RELOADING)
         if transient:
-            require(self._pending is not None, "transient state without a pending effect")
+            require(pending is not None, "transient state without a pending effect")
         if state is W.ACTIVE:
             require(not asleep and res.weights_valid, "ACTIVE with tags asleep or weights invalid")
         if state is W.SLEEPING:
@@ -529,25 +511,23 @@ class WorkerCore:
             require(bool(asleep), "PARTIAL with nothing asleep")
         if state is W.NEEDS_RELOAD:
             require(res.weights_resident and not res.weights_valid, "NEEDS_RELOAD needs resident, invalid weights")
-        if self._pending is not None and isinstance(self._pending.command, Execute):
+        if pending is not None and isinstance(pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
-        if self._running:
+        if self.work.running:
             # P-7: a request runs only on resident, valid memory, and no effect moves it meanwhile.
-            require(state is W.ACTIVE, f"{len(self._running)} requests running outside ACTIVE")
-            require(self._pending is None, "a lifecycle effect beside a running batch")
-            require(len(self._running) <= self.max_in_flight, "more requests running than max_in_flight")
-        if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
+            require(state is W.ACTIVE, f"{len(self.work.running)} requests running outside ACTIVE")
+        if pending is not None and isinstance(pending.command, (Profile, InitWeightGroup)):
             require(state in IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
-        if self._pending is not None and isinstance(self._pending.command, ShareWeights):
+        if pending is not None and isinstance(pending.command, ShareWeights):
             require(
                 state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
                 "ShareWeights pending without valid weights awake",
             )
-        if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
+        if pending is not None and isinstance(pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
-            require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
+            require(pending.command.version > self.weights_version, "an update pending at or below the version")
         moving = (AddAdapter, RemoveAdapter, PinAdapter)
-        if self._pending is not None and isinstance(self._pending.command, moving):
+        if pending is not None and isinstance(pending.command, moving):
             require(
                 state in (W.ACTIVE, W.PARTIAL)
                 and res.weights_valid
@@ -556,9 +536,9 @@ class WorkerCore:
                 "an adapter command pending without valid weights and their pool awake",
             )
         require(len(self.adapters.holding()) <= self.adapters.max_loras, "more adapters loaded than max_loras")
-        if self._pending is not None and type(self._pending.command) in WORKER_CALLS:
-            trigger = WORKER_CALLS[type(self._pending.command)].trigger
-            require(self.lifecycle.allows(trigger), f"{type(self._pending.command).__name__} pending outside its row")
+        if pending is not None and type(pending.command) in WORKER_CALLS:
+            trigger = WORKER_CALLS[type(pending.command)].trigger
+            require(self.lifecycle.allows(trigger), f"{type(pending.command).__name__} pending outside its row")
         if self.profiling:
             require(state not in (W.LOADING, W.STOPPED), "a profile running in LOADING or STOPPED")
 
@@ -584,7 +564,7 @@ class WorkerCore:
             return self._refuse_state(command)
         plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
         self.lifecycle.fire("sleep")
-        self._pending = _Pending(command, sleep_plan=plan)
+        self.work.begin(PendingEffect(command, sleep_plan=plan))
         effect = SleepEffect(
             command.task_id, command.level, plan.offload, plan.discard, command.links, command.incoming_bytes
         )
@@ -617,7 +597,7 @@ class WorkerCore:
             return self._refuse_state(command)
         before = self.state
         self.lifecycle.fire("wake")
-        self._pending = _Pending(command, wake_tags=frozenset(to_wake), state_before=before)
+        self.work.begin(PendingEffect(command, wake_tags=frozenset(to_wake), state_before=before))
         return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.memory_wait_s, command.links))
 
     def _on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
@@ -627,7 +607,7 @@ class WorkerCore:
             )
         state_before = self.state
         self.lifecycle.fire("reload")
-        self._pending = _Pending(command, state_before=state_before)
+        self.work.begin(PendingEffect(command, state_before=state_before))
         return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
 
     def _on_update_weights(self, command: UpdateWeights) -> WorkerStep:
@@ -652,7 +632,7 @@ class WorkerCore:
             )
         state_before = self.state
         self.lifecycle.fire("update")
-        self._pending = _Pending(command, state_before=state_before)
+        self.work.begin(PendingEffect(command, state_before=state_before))
         return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source, command.flush_cache))
 
     def _on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
@@ -679,7 +659,7 @@ class WorkerCore:
                 f"{joined.address}:{joined.port}; restart the stage to join another",
             )
         self.lifecycle.fire("weight_group")
-        self._pending = _Pending(command)
+        self.work.begin(PendingEffect(command))
         return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
 
     def _on_share_weights(self, command: ShareWeights) -> WorkerStep:
@@ -695,7 +675,7 @@ class WorkerCore:
                 command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake"
             )
         self.lifecycle.fire("share")
-        self._pending = _Pending(command)
+        self.work.begin(PendingEffect(command))
         return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
 
     def _on_execute(self, command: Execute) -> WorkerStep:
@@ -709,15 +689,15 @@ class WorkerCore:
                 return self._refuse(command, NackReason.ADAPTER_UNAVAILABLE, problem)
             self.adapters.touch(command.adapter)
         self.lifecycle.fire("execute")
-        self._running[command.task_id] = command
+        self.work.run(command)
         return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload, command.adapter))
 
     def _on_status(self, command: Status) -> WorkerStep:
         self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
-        if self._pending is not None or self._running:
+        if self.work.busy:
             # Busy: answer from what the core knows; the shell is inside an effect.
             return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
-        self._pending = _Pending(command)
+        self.work.begin(PendingEffect(command))
         return WorkerStep(effect=StatusEffect(command.task_id))
 
     def _on_profile(self, command: Profile) -> WorkerStep:
@@ -736,7 +716,7 @@ class WorkerCore:
                 "NEEDS_RELOAD (a rank that is loading or stopped has no profile)",
             )
         self.lifecycle.fire("profile")
-        self._pending = _Pending(command)
+        self.work.begin(PendingEffect(command))
         return WorkerStep(effect=ProfileEffect(command.task_id, command.start, command.prefix))
 
     def _on_shutdown(self, command: Shutdown) -> WorkerStep:
@@ -744,7 +724,7 @@ class WorkerCore:
             return self._already(command, "shutdown_already")
         self.lifecycle.fire("shutdown")
         self.profiling = False  # the shell drops a running profile with the process
-        self._pending = _Pending(command)
+        self.work.begin(PendingEffect(command))
         return WorkerStep(effect=ShutdownEffect(command.task_id))
 
     def _on_call(self, command: Command) -> WorkerStep:
@@ -760,7 +740,7 @@ class WorkerCore:
         if not self.lifecycle.allows(row.trigger):
             return self._refuse_state(command, row.why)
         self.lifecycle.fire(row.trigger)
-        self._pending = _Pending(command)
+        self.work.begin(PendingEffect(command))
         return WorkerStep(effect=CommandEffect(command.task_id, command))
 
     # ------------------------------------------------------------------ the adapter commands (P-20)
@@ -779,7 +759,7 @@ class WorkerCore:
             self.lifecycle.fire("list_adapters")
             # Through the shell like every command (its runner may list its own), answered
             # from the table at completion and cached: a copy gets the same list (P-2).
-            self._pending = _Pending(command)
+            self.work.begin(PendingEffect(command))
             return WorkerStep(effect=AdapterEffect(command.task_id, command, ()))
         if self._adapter_already(command) and self.lifecycle.allows("adapter_already"):
             self.lifecycle.fire("adapter_already")
@@ -796,7 +776,7 @@ class WorkerCore:
             return self._refuse(command, NackReason.INVALID_ARGUMENT, f"{problem} (nothing was loaded)")
         evict = self.adapters.evictions(command) if isinstance(command, AddAdapter) else ()
         self.lifecycle.fire(trigger[type(command)])
-        self._pending = _Pending(command, evict=evict)
+        self.work.begin(PendingEffect(command, evict=evict))
         return WorkerStep(effect=AdapterEffect(command.task_id, command, evict))
 
     def _adapter_already(self, command: Command) -> bool:
@@ -844,7 +824,7 @@ class WorkerCore:
         """The shell performed the pending effect."""
         task_id, duration_s = done.task_id, done.duration_s
         before = self.state
-        pending = self._take_pending(task_id)
+        pending = self.work.take(task_id)
         command = pending.command
         match command:
             case Execute():
@@ -881,7 +861,7 @@ class WorkerCore:
         head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, done.path)
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
-    def _settle(self, pending: _Pending) -> None:
+    def _settle(self, pending: PendingEffect) -> None:
         """Where a completed effect leaves the rank: its residency, state, version, group, profiler."""
         command = pending.command
         match command:
@@ -917,7 +897,7 @@ class WorkerCore:
         would move a rank of a NEEDS_RELOAD stage back into RELOADING)."""
         task_id, detail, reason = declined.task_id, declined.detail, declined.reason
         before = self.state
-        pending = self._take_pending(task_id)
+        pending = self.work.take(task_id)
         kind = type(pending.command)
         if isinstance(pending.command, ADAPTER_COMMANDS):  # checked before anything was done
             refusal = self._adapter_failed(pending.command, (), detail)
@@ -950,7 +930,7 @@ class WorkerCore:
         in every later reply; a failed Execute is only that request's error."""
         task_id, error = raised.task_id, raised.error
         before = self.state
-        pending = self._take_pending(task_id)
+        pending = self.work.take(task_id)
         command = pending.command
         name = type(command).__name__
         what = f"{name} task {task_id!r} failed: {error}"
