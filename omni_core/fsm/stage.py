@@ -328,7 +328,6 @@ class StageCore:
             running_detail=f"stage {self.name!r} restarted while this request ran",
         )
         self._start_deadline_at = now + deadline_s
-        self._check_invariants()
 
     def _stop(self, now: float) -> StageStep:
         if self.state is S.STOPPED:
@@ -340,7 +339,6 @@ class StageCore:
             "the engine shut down before this request ran",
             running_detail="the engine shut down while this request ran",
         )
-        self._check_invariants()
         return StageStep(outcome=outcome)
 
     def _fail_task(self, failures: dict[int, str], now: float) -> StageStep:
@@ -351,7 +349,6 @@ class StageCore:
     def _fail_idle(self, failures: dict[int, str], now: float) -> StageStep:
         self.lifecycle.fire("fail")
         self._record_failure(failures)
-        self._check_invariants()
         return StageStep()
 
     def _record_failure(self, failures: dict[int, str]) -> None:
@@ -443,7 +440,6 @@ class StageCore:
             self.lifecycle.fire(row.trigger)
             step = self._send_all()
         self.recorder.issued(planned.command, False, now + deadline_s)
-        self._check_invariants()
         return step
 
     def _new_task(
@@ -848,7 +844,6 @@ class StageCore:
                     f"request {request.request_id} aborted: stage {self.name!r} is pausing (mode=abort)",
                 )
         step = self._send_drained(now) if not self.in_flight else StageStep()
-        self._check_invariants()
         return step
 
     def _resume(self, call: I.ResumeCall, now: float) -> StageStep:
@@ -896,7 +891,6 @@ class StageCore:
             now,
         )
         self.completed.put(task_id, (signature, outcome))
-        self._check_invariants()
         return StageStep(outcome=outcome)
 
     # ------------------------------------------------------------------ the requests
@@ -1092,7 +1086,6 @@ class StageCore:
         if not failures or self.state in (S.FAILED, S.STOPPED):
             return StageStep()
         step = self._fail_task(failures, now) if self._task else self._fail_idle(failures, now)
-        self._check_invariants()
         return step
 
     # ------------------------------------------------------------------ the replies and time
@@ -1110,7 +1103,6 @@ class StageCore:
             self.counters.late_results += 1
             return StageStep()
         step = self._on_reply(message, now)
-        self._check_invariants()
         return step
 
     def _hello(self, hello: Hello, now: float) -> StageStep:
@@ -1139,7 +1131,6 @@ class StageCore:
                     now,
                 )
             return self._all_said_hello(versions.pop(), now)
-        self._check_invariants()
         return StageStep()
 
     def _all_said_hello(self, version: int, now: float) -> StageStep:
@@ -1169,7 +1160,6 @@ class StageCore:
             self.lifecycle.fire("started_needs_reload")
         else:
             self.lifecycle.fire("started")
-        self._check_invariants()
         return StageStep()
 
     def _on_reply(self, reply: Reply, now: float) -> StageStep:
@@ -1396,7 +1386,6 @@ class StageCore:
                 step = self._fail_task(
                     {r: f"no reply to {type(task.command).__name__} within {budget_s:.3g} s" for r in silent}, now
                 )
-        self._check_invariants()
         return step
 
     def _rank_died(self, rank: int, detail: str, now: float, epoch: int) -> StageStep:
@@ -1409,5 +1398,4 @@ class StageCore:
             return StageStep()
         why = {rank: f"process died: {detail}"}
         step = self._fail_task(why, now) if self._task else self._fail_idle(why, now)
-        self._check_invariants()
         return step
