@@ -5,6 +5,8 @@ are the single source of truth: docs diagrams, the TLA+ transition module and th
 conformance suite derive from them.
 """
 
+from typing import Any
+
 from omni_core.fsm import effects
 from omni_core.fsm.effects import *  # noqa: F403 - every effect, listed once in effects.__all__
 from omni_core.fsm.reply_cache import BoundedCache
@@ -26,7 +28,7 @@ from omni_core.fsm.worker_table import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
 
 
-def export_tables() -> dict[str, dict]:
+def export_tables() -> dict[str, dict[str, Any]]:
     """Both tables as plain data: `{lifecycle: {"initial": ..., "transitions": {...}}}`."""
     return {
         "worker": {"initial": WorkerState.LOADING.value, "transitions": table_as_dict(WORKER_TRANSITIONS)},

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -530,10 +530,10 @@ class StageCore:
     # ------------------------------------------------------------------ the four lifecycle calls
 
     def _sleep(self, call: I.SleepCall, now: float) -> StageStep:
-        level = call.level
         # The one check of a sleep level from any caller (Engine, HTTP, swap). True == 1, but is no level.
-        if type(level) is not int or level not in (1, 2):
-            raise StageCommandError(f"sleep level must be 1 or 2, got {level!r}")
+        if type(call.level) is not int or call.level not in (1, 2):
+            raise StageCommandError(f"sleep level must be 1 or 2, got {call.level!r}")
+        level: Literal[1, 2] = 1 if call.level == 1 else 2
         wanted = self._resolve(call.tags)
         signature = ("Sleep", level, None if call.tags is None else tuple(sorted(wanted)))
 

@@ -98,7 +98,7 @@ class StageRecorder:
         self.begin()
         return tuple(records)
 
-    def input(self, core: StageCore, event: Any, now: float) -> StageRecord | None:
+    def input(self, core: StageCore, event: Any, now: float) -> None:
         """The record of an input from outside, with the state it found: the step's first."""
         head = self._input(core, event, now)
         if head is not None:

@@ -93,7 +93,7 @@ class Lifecycle(Generic[S]):
 _MISSING: Any = object()
 
 
-def table_as_dict(table: Iterable[Transition]) -> dict[str, dict[str, str | None]]:
+def table_as_dict(table: Iterable[Transition[Any]]) -> dict[str, dict[str, str | None]]:
     """`{trigger: {source: dest}}` with state names; dest None means internal."""
     out: dict[str, dict[str, str | None]] = {}
     for t in table:
@@ -102,7 +102,7 @@ def table_as_dict(table: Iterable[Transition]) -> dict[str, dict[str, str | None
     return out
 
 
-def table_as_mermaid(table: Iterable[Transition], initial: enum.Enum) -> str:
+def table_as_mermaid(table: Iterable[Transition[Any]], initial: enum.Enum) -> str:
     """A Mermaid `stateDiagram-v2`; internal transitions are drawn as self-loops."""
     lines = ["stateDiagram-v2", f"    [*] --> {initial.value}"]
     for t in table:
