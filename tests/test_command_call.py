@@ -1,5 +1,5 @@
 """The generic lifecycle call: a stateless command given whole (`CommandCall`) goes out
-through its row in `stage_calls.CALLS`, as its own call does, checks and refusals included."""
+through its row in `stage_table.CALLS`, as its own call does, checks and refusals included."""
 
 from __future__ import annotations
 
