@@ -218,7 +218,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "request-deadline",
         "a request a rank never answers has no deadline",
         STAGE_REQUESTS,
-        "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:\n",
+        "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at_s]:\n",
         "        for request in []:  # mutant: no request deadline\n",
         [f"{ENGINE_TESTS}::test_a_rank_silent_on_a_request_fails_the_stage_naming_it"],
     ),

@@ -58,7 +58,7 @@ def _writes(tree: ast.AST, private: set[str]) -> list[tuple[int, str]]:
 
 def test_the_scan_knows_the_private_fields_it_guards() -> None:
     private = _private_fields()
-    assert {"_task", "_start_deadline_at"} <= private and "_machine" in LIFECYCLE_INTERNALS
+    assert {"_task", "_start_deadline_at_s"} <= private and "_machine" in LIFECYCLE_INTERNALS
     tree = ast.parse("core._task = None\nx.lifecycle._machine.set_state(s)\nrunner._model = m\n")
     assert {attr for _, attr in _writes(tree, private)} == {"_task", "_machine"}
 

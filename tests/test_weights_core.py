@@ -305,3 +305,24 @@ def test_a_floor_survives_a_second_restart_and_a_reset_clears_it() -> None:
     h.sim.deliver_all()
     assert (h.stage.state, h.stage.weights_version, h.stage.versions.floor) == (S.RUNNING, 0, 0)
     assert h.stage.versions.last_reset is not None and h.stage.versions.last_reset.from_version == 2
+
+
+@pytest.mark.parametrize("version", [0, -1, True, 1.0, 1 << 63])
+def test_a_version_outside_the_wires_bounds_is_refused_by_the_one_rule(version: object) -> None:
+    """The stage core, the engine and the wire hold an update's version to one rule
+    (new_version_problem, NewWeightsVersion's bounds): what it refuses never reaches a rank."""
+    from omni_core.fsm import inputs as I
+    from omni_core.protocol import UpdateWeights, new_version_problem
+    from omni_core.protocol.weights import MAX_WEIGHTS_VERSION
+
+    problem = new_version_problem(version)
+    assert problem is not None and f"1..{MAX_WEIGHTS_VERSION}" in problem and repr(version) in problem
+    h = reach_stage(S.RUNNING)
+    with pytest.raises(StageCommandError) as refused:
+        h.stage.step(I.UpdateCall("u", version, DISK, 10.0), h.now)  # type: ignore[arg-type]
+    assert str(refused.value) == problem
+    if type(version) is int:  # the wire says the same of the command
+        wire = msgspec.to_builtins(UpdateWeights(task_id="u", epoch=0, version=version, source=DISK))
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(wire, UpdateWeights)
+    assert new_version_problem(1) is None and new_version_problem(MAX_WEIGHTS_VERSION) is None

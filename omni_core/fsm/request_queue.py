@@ -33,7 +33,7 @@ class RequestQueue:
 
     def __init__(self) -> None:
         self._by_id: OrderedDict[str, tuple[int, StageRequest]] = OrderedDict()  # request_id -> (arrival, request)
-        self._deadlines: list[tuple[float, int, str]] = []  # (deadline_at, arrival, request_id)
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline_at_s, arrival, request_id)
         self._arrivals = itertools.count()
 
     def __len__(self) -> int:
@@ -53,7 +53,7 @@ class RequestQueue:
             raise ValueError(f"request {request.request_id!r} is already queued")
         arrival = next(self._arrivals)
         self._by_id[request.request_id] = (arrival, request)
-        heapq.heappush(self._deadlines, (request.deadline_at, arrival, request.request_id))
+        heapq.heappush(self._deadlines, (request.deadline_at_s, arrival, request.request_id))
 
     def popleft(self) -> StageRequest:
         """The oldest request; IndexError when empty (as a deque's)."""

@@ -76,6 +76,7 @@ from omni_core.protocol import (
     Wake,
     WorkerState,
     arguments,
+    new_version_problem,
 )
 from omni_core.protocol import StageState as S
 
@@ -164,16 +165,16 @@ class StageCore:
         self.completed: BoundedCache[str, tuple[tuple[Any, ...], TaskOutcome]] = BoundedCache(completed_task_entries)
         self._task: StageTask | None = None
         self._hello_detail: dict[int, str] = {}
-        self._start_deadline_at = float("inf")
+        self._start_deadline_at_s = float("inf")
 
     @property
     def state(self) -> S:
         return self.lifecycle.state
 
     @property
-    def start_deadline_at(self) -> float:
+    def start_deadline_at_s(self) -> float:
         """When the start (or restart) in progress fails if a rank has not said Hello."""
-        return self._start_deadline_at
+        return self._start_deadline_at_s
 
     @property
     def task(self) -> StageTask | None:
@@ -287,7 +288,7 @@ class StageCore:
                 self.policy = AdmissionPolicy(policy)
                 return StageStep()
             case I.Start(deadline_s=deadline_s):
-                self._start_deadline_at = now + deadline_s
+                self._start_deadline_at_s = now + deadline_s
                 self._start_pending = True
                 return StageStep()
             case I.Restart(deadline_s=deadline_s, from_checkpoint=from_checkpoint):
@@ -327,7 +328,7 @@ class StageCore:
             running=RequestError.FAILED,
             running_detail=f"stage {self.name!r} restarted while this request ran",
         )
-        self._start_deadline_at = now + deadline_s
+        self._start_deadline_at_s = now + deadline_s
 
     def _stop(self, now: float) -> StageStep:
         if self.state is S.STOPPED:
@@ -636,8 +637,9 @@ class StageCore:
         drains first (requests queue or are refused per the admission policy); it commits only
         when every rank ACKs the new version, and no request runs until then."""
         version = call.version
-        if type(version) is not int or version < 1:
-            raise StageCommandError(f"weights version must be an int >= 1, got {version!r}")
+        problem = new_version_problem(version)
+        if problem is not None:
+            raise StageCommandError(problem)
         if type(call.flush_cache) is not bool:
             raise StageCommandError(f"flush_cache must be true or false, got {call.flush_cache!r}")
         signature = ("UpdateWeights", version, call.source, call.flush_cache)
@@ -1055,8 +1057,8 @@ class StageCore:
         waits behind a long one."""
         step = StageStep()
         silent: dict[int, str] = {}
-        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:
-            self.recorder.expired(request.deadline_at, request.request_id)
+        for request in [r for r in self.in_flight.values() if now >= r.deadline_at_s]:
+            self.recorder.expired(request.deadline_at_s, request.request_id)
             missing = [r for r in self.ranks if r not in request.replies]
             self.requests.answer(
                 request,
@@ -1360,14 +1362,14 @@ class StageCore:
     def _tick(self, now: float) -> StageStep:
         """Enforce the deadlines of the start and of the task in flight (P-9)."""
         step = StageStep()
-        if self.state is S.STARTING and now >= self._start_deadline_at:
-            self.recorder.expired(self._start_deadline_at)
+        if self.state is S.STARTING and now >= self._start_deadline_at_s:
+            self.recorder.expired(self._start_deadline_at_s)
             silent = [r for r in self.ranks if r not in self.rank_state]
             step = self._fail_idle({r: "sent no Hello before the start-up deadline" for r in silent}, now)
-        elif self._task is not None and now >= self._task.deadline_at:
+        elif self._task is not None and now >= self._task.deadline_at_s:
             task = self._task
-            self.recorder.expired(task.deadline_at, task.task_id)
-            budget_s = task.deadline_at - task.started_at
+            self.recorder.expired(task.deadline_at_s, task.task_id)
+            budget_s = task.deadline_at_s - task.started_at
             if self.state is S.DRAINING:
                 self.lifecycle.fire("drain_timeout")
                 what = type(task.command).__name__.removesuffix("Weights").lower()  # update, sleep, pause

@@ -82,7 +82,7 @@ class StageRequest:
 
     request_id: str
     payload: Any
-    deadline_at: float
+    deadline_at_s: float
     adapter: str | None = None  # P-20: the adapter it names
     replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent to it
     answered: bool = False  # the caller already heard (aborted, overloaded)
@@ -105,7 +105,7 @@ class StageTask:
     signature: tuple[Any, ...]
     command: Command
     started_at: float
-    deadline_at: float
+    deadline_at_s: float
     expect_state: WorkerState = WorkerState.SLEEPING
     expect_asleep: frozenset[str] = frozenset()
     commit_trigger: str = "slept"

@@ -71,21 +71,21 @@ class StageRecorder:
 
     def __init__(self) -> None:
         self._records: list[StageRecord] = []
-        self._issued: tuple[Command, bool, float] | None = None  # command, already, deadline_at
+        self._issued: tuple[Command, bool, float] | None = None  # command, already, deadline_at_s
         self._expired_at: float | None = None  # the deadline this step's tick found passed
         self._expired_task = ""  # the task or request whose deadline that was ("": the start's)
 
     def begin(self) -> None:
         self._records, self._issued, self._expired_at, self._expired_task = [], None, None, ""
 
-    def issued(self, command: Command, already: bool, deadline_at: float) -> None:
+    def issued(self, command: Command, already: bool, deadline_at_s: float) -> None:
         """This phase issued `command` (answered ALREADY at once when `already`)."""
-        self._issued = (command, already, deadline_at)
+        self._issued = (command, already, deadline_at_s)
 
-    def expired(self, deadline_at: float, task_id: str = "") -> None:
+    def expired(self, deadline_at_s: float, task_id: str = "") -> None:
         """A deadline this step found passed (the first one noted is the record's)."""
         if self._expired_at is None:
-            self._expired_at, self._expired_task = deadline_at, task_id
+            self._expired_at, self._expired_task = deadline_at_s, task_id
 
     def finish(self, answers: tuple[RequestOutcome, ...], outcome: TaskOutcome | None) -> tuple[StageRecord, ...]:
         """The step's records, closed by the answers to requests and the task's end."""
@@ -120,8 +120,8 @@ class StageRecorder:
                 return RankDied(core.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
             case I.Submit():
                 decision = admission.admit(core.state, core.policy).decision.value
-                deadline_at = now + event.timeout_s
-                return RequestSubmitted(event.request_id, state, decision, deadline_at, core.policy.value)
+                deadline_at_s = now + event.timeout_s
+                return RequestSubmitted(event.request_id, state, decision, deadline_at_s, core.policy.value)
             case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not core.policy:
                 return AdmissionChanged(core.epoch, core.policy.value, AdmissionPolicy(policy).value)
             case _:
@@ -135,7 +135,7 @@ class StageRecorder:
         after, epoch = core.state, core.epoch
         issued, self._issued = self._issued, None
         if issued is not None:
-            command, already, deadline_at = issued
+            command, already, deadline_at_s = issued
             # The caller's timeout as the input gave it, not as the core used it: the trace
             # check compares the two (a deadline in the wrong unit fails there).
             timeout_s = core.wake_deadline_s if event is None else getattr(event, "deadline_s", 0.0)
@@ -146,7 +146,7 @@ class StageRecorder:
                     type(command).__name__,
                     before.value,
                     after.value,
-                    deadline_at,
+                    deadline_at_s,
                     *level_tags(command),
                     already,
                     event is None,
@@ -166,8 +166,8 @@ class StageRecorder:
             if isinstance(command, Execute) and command.task_id not in dispatched:
                 dispatched.add(command.task_id)
                 request = core.in_flight.get(command.task_id)
-                deadline_at = request.deadline_at if request is not None else now
-                self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at))
+                deadline_at_s = request.deadline_at_s if request is not None else now
+                self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at_s))
             self._records.append(
                 StageSent(
                     command.epoch,
@@ -189,10 +189,10 @@ class StageRecorder:
         match event:
             case I.Restart():
                 return StageRestarted(
-                    epoch, before.value, after.value, core.tags, core.start_deadline_at, core.weights_version
+                    epoch, before.value, after.value, core.tags, core.start_deadline_at_s, core.weights_version
                 )
             case I.Start():
-                return StageStarting(epoch, core.tags, core.start_deadline_at, core.policy.value)
+                return StageStarting(epoch, core.tags, core.start_deadline_at_s, core.policy.value)
             case I.Stop():
                 return StageStopped(epoch, before.value) if after is not before else None
             case _ if after is before:
