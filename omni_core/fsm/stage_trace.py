@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_core.fsm import admission
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import RequestOutcome
-from omni_core.fsm.stage_step import Outbound, TaskOutcome
+from omni_core.fsm.stage_step import Outbound, StageRequest, TaskOutcome
 from omni_core.fsm.trace_records import (
     AdmissionChanged,
     RankDied,
@@ -31,8 +31,32 @@ from omni_core.fsm.trace_records import (
 from omni_core.protocol import Ack, Command, Execute, Hello, Nack, Profile, Sleep, UpdateWeights, Wake
 from omni_core.protocol import StageState as S
 
-if TYPE_CHECKING:
-    from omni_core.fsm.stage import StageCore
+
+class StageView(Protocol):
+    """What the recorder reads of a stage core (StageCore is one), and never changes."""
+
+    @property
+    def state(self) -> S: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def tags(self) -> tuple[str, ...]: ...
+    @property
+    def policy(self) -> AdmissionPolicy: ...
+    @property
+    def wake_deadline_s(self) -> float: ...
+    @property
+    def in_flight(self) -> dict[str, StageRequest]: ...
+    @property
+    def failed_ranks(self) -> dict[int, str]: ...
+    @property
+    def start_deadline_at_s(self) -> float: ...
+    @property
+    def weights_version(self) -> int: ...
+    @property
+    def task_id(self) -> str | None: ...
 
 
 def level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
@@ -98,14 +122,14 @@ class StageRecorder:
         self.begin()
         return tuple(records)
 
-    def input(self, core: StageCore, event: Any, now: float) -> None:
+    def input(self, core: StageView, event: Any, now: float) -> None:
         """The record of an input from outside, with the state it found: the step's first."""
         head = self._input(core, event, now)
         if head is not None:
             self._records.append(head)
 
     @staticmethod
-    def _input(core: StageCore, event: Any, now: float) -> StageRecord | None:
+    def _input(core: StageView, event: Any, now: float) -> StageRecord | None:
         state = core.state.value
         match event:
             case I.Received(message=m):
@@ -127,7 +151,7 @@ class StageRecorder:
             case _:
                 return None
 
-    def phase(self, core: StageCore, event: Any, before: S, sends: tuple[Outbound, ...], now: float) -> None:
+    def phase(self, core: StageView, event: Any, before: S, sends: tuple[Outbound, ...], now: float) -> None:
         """The record of what one phase of a step did (the input's handler, or moving the
         queue on: `event` None), then one per command it sends. A change of state is the
         action that made it (issue, restart, deadline, stop) or, when it came from an input
@@ -181,7 +205,7 @@ class StageRecorder:
                 )
             )
 
-    def _change(self, core: StageCore, event: Any, before: S, now: float) -> StageRecord | None:
+    def _change(self, core: StageView, event: Any, before: S, now: float) -> StageRecord | None:
         """The record of a phase that issued no task: a start, a restart, a stop, a deadline, or
         a change of state another input made."""
         after, epoch = core.state, core.epoch
