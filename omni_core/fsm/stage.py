@@ -503,22 +503,8 @@ class StageCore:
     def _already(
         self, task_id: str, signature: tuple[Any, ...], command: Command, trigger: str, now: float
     ) -> StageStep:
-        self.lifecycle.fire(trigger)
-        outcome = TaskOutcome(
-            task_id,
-            type(command).__name__,
-            True,
-            AckStatus.ALREADY,
-            self.state,
-            MappingProxyType({}),
-            MappingProxyType({}),
-            "",
-            now,
-            now,
-        )
-        self.completed.put(task_id, (signature, outcome))
         self.recorder.issued(command, True, now)
-        return StageStep(outcome=outcome)
+        return self._instant(task_id, signature, command, trigger, AckStatus.ALREADY, now)
 
     def _resolve(self, tags: tuple[str, ...] | None) -> frozenset[str]:
         if tags is not None and not tags:
@@ -873,7 +859,7 @@ class StageCore:
         self,
         task_id: str,
         signature: tuple[Any, ...],
-        command: Pause | Resume,
+        command: Command | Pause | Resume,
         trigger: str,
         status: AckStatus,
         now: float,
