@@ -47,8 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 ORCH = "omni_core/engine/orchestrator.py"
 API = "omni_core/engine/api.py"
 STAGE_CORE = "omni_core/fsm/stage.py"
-STAGE_CALLS = "omni_core/fsm/stage_calls.py"
-STAGE_REQUESTS = "omni_core/fsm/stage_requests.py"
+STAGE_CALLS = "omni_core/fsm/stage.py"
+STAGE_REQUESTS = "omni_core/fsm/stage.py"
 ADMISSION = "omni_core/fsm/admission.py"
 WORKER_CORE = "omni_core/fsm/worker.py"
 SHELL = "omni_core/workers/process.py"
@@ -218,7 +218,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "request-deadline",
         "a request a rank never answers has no deadline",
         STAGE_REQUESTS,
-        "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at]:\n",
+        "        for request in [r for r in self.in_flight.values() if now >= r.deadline_at_s]:\n",
         "        for request in []:  # mutant: no request deadline\n",
         [f"{ENGINE_TESTS}::test_a_rank_silent_on_a_request_fails_the_stage_naming_it"],
     ),

@@ -210,8 +210,8 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "start-deadline-unit",
         "the start's deadline in milliseconds where seconds are meant",
         STAGE,
-        "self._start_deadline_at = now + deadline_s\n",
-        "self._start_deadline_at = now + deadline_s / 1000  # mutant\n",
+        "self._start_deadline_at_s = now + deadline_s\n",
+        "self._start_deadline_at_s = now + deadline_s / 1000  # mutant\n",
     ),
     # ------------------------------------------------------------ tables
     _m(
@@ -249,14 +249,14 @@ MUTATIONS: tuple[FsmMutation, ...] = (
         "policy-unrecorded",
         "the stage's start no longer names its admission policy (a trace then looks older than it is)",
         STAGE,
-        "return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)",
-        "return StageStarting(epoch, self.tags, self._start_deadline_at)",
+        "return StageStarting(epoch, core.tags, core.start_deadline_at_s, core.policy.value)",
+        "return StageStarting(epoch, core.tags, core.start_deadline_at_s)",
     ),
     _m(
         "policy-change-unrecorded",
         "a change of the admission policy leaves no line in the trace",
         STAGE,
-        "case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not self.policy:",
+        "case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not core.policy:",
         "case I.SetAdmission(policy=policy) if False:",
     ),
     _m(

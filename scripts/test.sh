@@ -29,10 +29,11 @@ command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
   || echo "nodejs could not be installed: the JavaScript worker's conformance tests skip"
 ruff check omni_core omni_testing benchmarks tests scripts
 ruff format --check omni_core omni_testing benchmarks tests scripts
-# Types where they hold (0 errors): the wire, the transport and the rank process. The cores in
-# fsm/ (cut into mixins that share state through self) and the packages that import them are
+# Types where they hold (0 errors): the wire, the transport, the rank process and the sans-IO
+# cores; the wire and the cores under --strict too. The engine and the packages above it are
 # not under it yet.
-mypy omni_core/protocol omni_core/transport omni_core/workers
+mypy omni_core/protocol omni_core/transport omni_core/workers omni_core/fsm
+mypy --strict omni_core/protocol omni_core/fsm
 started=$(date +%s)
 omni-core check
 # The synthetic scenario, traced, and its trace checked against the spec (which models its

@@ -5,15 +5,13 @@ stage harness runs on the one simulator (`omni_testing.network`)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from omni_core.fsm import (
     STAGE_TRANSITIONS,
     WORKER_TRANSITIONS,
     Lifecycle,
-    StageCommandError,
     StageCore,
     StageStep,
     WorkerCore,
@@ -25,7 +23,6 @@ from omni_core.protocol import (
     Hello,
     ReloadWeights,
     Reply,
-    Result,
     Shutdown,
     Sleep,
     Wake,
@@ -116,102 +113,15 @@ def _check(d: WorkerDriver, state: WorkerState) -> WorkerDriver:
     return d
 
 
-class StageDoor:
-    """A StageCore driven through its one door, `step()`: each call below builds the typed
-    input (omni_core.fsm.inputs) a test means and steps it, so the queue moves on, the trace
-    records are written and the invariants are checked as for the engine. Anything else
-    (state, counters, failure, ...) is read from the core itself."""
-
-    def __init__(self, core: StageCore, clock: Callable[[], float]) -> None:
-        self.core = core
-        self._clock = clock
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.core, name)
-
-    def sleep(self, task_id: str, level: int, tags: tuple[str, ...] | None, now: float, deadline_s: float) -> StageStep:
-        return self.core.step(I.SleepCall(task_id, level, tags, deadline_s), now)
-
-    def wake(
-        self,
-        task_id: str,
-        tags: tuple[str, ...] | None,
-        now: float,
-        deadline_s: float,
-        *,
-        memory_wait_s: float = 0.0,
-    ) -> StageStep:
-        return self.core.step(I.WakeCall(task_id, tags, deadline_s, memory_wait_s), now)
-
-    def reload(self, task_id: str, source: str | None, now: float, deadline_s: float) -> StageStep:
-        return self.core.step(I.ReloadCall(task_id, source, deadline_s), now)
-
-    def update_weights(self, task_id: str, version: int, source: Any, now: float, deadline_s: float) -> StageStep:
-        return self.core.step(I.UpdateCall(task_id, version, source, deadline_s), now)
-
-    def share_weights(self, task_id: str, bucket_bytes: int, now: float, deadline_s: float) -> StageStep:
-        return self.core.step(I.ShareCall(task_id, bucket_bytes, deadline_s), now)
-
-    def init_weight_group(self, call: I.WeightGroupCall, now: float) -> StageStep:
-        return self.core.step(call, now)
-
-    def profile(self, task_id: str, start: bool, prefix: str | None, now: float, deadline_s: float) -> StageStep:
-        return self.core.step(I.ProfileCall(task_id, start, prefix, deadline_s), now)
-
-    def pause(self, task_id: str, mode: str, now: float, deadline_s: float) -> StageStep:
-        return self.core.step(I.PauseCall(task_id, mode, deadline_s), now)
-
-    def resume(self, task_id: str, now: float) -> StageStep:
-        return self.core.step(I.ResumeCall(task_id, 30.0), now)
-
-    def restart(self, now: float, deadline_s: float) -> int:
-        self.core.step(I.Restart(deadline_s), now)
-        return self.core.epoch
-
-    def stop(self, now: float) -> StageStep:
-        return self.core.step(I.Stop(), now)
-
-    def on_hello(self, hello: Hello, now: float) -> StageStep:
-        return self.core.step(I.Received(hello), now)
-
-    def on_reply(self, reply: Reply, now: float) -> StageStep:
-        return self.core.step(I.Received(reply), now)
-
-    def on_tick(self, now: float) -> StageStep:
-        return self.core.step(I.Tick(), now)
-
-    def on_rank_died(self, rank: int, detail: str, now: float, *, epoch: int | None = None) -> StageStep:
-        return self.core.step(I.RankExited(rank, detail, self.core.epoch if epoch is None else epoch), now)
-
-    def request_started(self) -> None:
-        """A request without payload or deadline dispatched to every rank (the commands are
-        not delivered: `request_finished` answers for the ranks); refused outside RUNNING."""
-        if not self.core.admits():
-            raise StageCommandError(f"stage {self.core.name!r} admits no request in {self.core.state.value}")
-        request_id = fresh("request")
-        self.core.step(I.Submit(request_id, None, float("inf")), self._clock())
-        assert request_id in self.core.in_flight, f"{request_id} was not dispatched"
-
-    def request_finished(self, now: float) -> StageStep:
-        """Every rank answers the oldest request in flight; the step of the last answer."""
-        request_id = next(iter(self.core.in_flight))
-        step = StageStep()
-        for rank in self.core.ranks:
-            version = self.core.weights_version
-            result = Result(task_id=request_id, epoch=self.core.epoch, rank=rank, output=None, weights_version=version)
-            step = self.core.step(I.Received(result), now)
-        return step
-
-
 class OnSimulator:
-    """A test driver on the one simulator: its stage (through its door), ranks and clock by
+    """A test driver on the one simulator: its stage core, ranks and clock by
     the usual names."""
 
     sim: Simulator
 
     @property
-    def stage(self) -> StageDoor:
-        return StageDoor(self.sim.stage, lambda: self.sim.now)
+    def stage(self) -> StageCore:
+        return self.sim.stage
 
     @property
     def workers(self) -> list[WorkerCore]:
@@ -232,7 +142,7 @@ class OnSimulator:
 
 class StageHarness(OnSimulator):
     """One StageCore and its WorkerCores on the simulator (`omni_testing.network`), for
-    scripted cases that drive the stage core one input at a time (`stage`: its door):
+    scripted cases that drive the stage core one input at a time (`stage`: the core itself):
     `to_workers` runs a step's commands on the ranks at once (no faults), `feed` hands the
     replies to the stage."""
 
@@ -268,7 +178,7 @@ class StageHarness(OnSimulator):
     def feed(self, replies: list[Reply]) -> StageStep:
         last = StageStep()
         for reply in replies:
-            got = self.stage.on_reply(reply, self.now)
+            got = self.stage.step(I.Received(reply), self.now)
             if got.outcome is not None or got.sends:
                 last = got
         return last

@@ -1,9 +1,10 @@
 """The generic lifecycle call: a stateless command given whole (`CommandCall`) goes out
-through its row in `stage_calls.CALLS`, as its own call does, checks and refusals included."""
+through its row in `stage_table.CALLS`, as its own call does, checks and refusals included."""
 
 from __future__ import annotations
 
 import pytest
+import stage_inputs
 from test_stage_core import outcome_of, reach_stage
 
 from omni_core.fsm import StageCommandError
@@ -63,9 +64,9 @@ def test_arguments_are_a_messages_own_fields_in_declaration_order() -> None:
 def test_a_command_call_goes_to_every_rank_stamped_with_the_stage_epoch() -> None:
     h = reach_stage(S.RUNNING)
     epoch = h.restart()
-    h.complete(h.stage.sleep("s", 1, None, h.now, 5.0))
+    h.complete(stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0))
     assert epoch == 1 and h.stage.state is S.SLEEPING
-    step = h.stage.core.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="run")), h.now)
+    step = h.stage.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="run")), h.now)
     assert [o.rank for o in step.sends] == [0, 1, 2]
     assert {o.command for o in step.sends} == {Profile(task_id="p", epoch=epoch, start=True, prefix="run")}
     outcome = outcome_of(h.complete(step))
@@ -74,37 +75,37 @@ def test_a_command_call_goes_to_every_rank_stamped_with_the_stage_epoch() -> Non
 
 def test_a_command_call_and_the_own_call_are_one_task_by_their_signature() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.profile("p", True, "a", h.now, 5.0)
+    step = stage_inputs.profile(h.stage, "p", True, "a", h.now, 5.0)
     assert outcome_of(h.complete(step)).ok
     retries = h.stage.counters.retries
-    again = h.stage.core.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="a")), h.now)
+    again = h.stage.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="a")), h.now)
     assert again.outcome is not None and again.outcome.ok and not again.sends
     assert h.stage.counters.retries == retries + 1
     with pytest.raises(StageCommandError, match="used for"):
-        h.stage.core.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="b")), h.now)
+        h.stage.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="b")), h.now)
 
 
 def test_a_command_call_keeps_the_rows_argument_checks() -> None:
     h = reach_stage(S.RUNNING)
     with pytest.raises(StageCommandError, match=r"contains '\.\.'"):
-        h.stage.core.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="..")), h.now)
+        h.stage.step(_call(Profile(task_id="p", epoch=0, start=True, prefix="..")), h.now)
     group = InitWeightGroup(task_id="g", epoch=0, group="rl", address="h", port=1, world_size=3, rank_offset=1)
     with pytest.raises(StageCommandError, match="world_size 3 has no room for 3 ranks from rank_offset 1"):
-        h.stage.core.step(_call(group), h.now)
+        h.stage.step(_call(group), h.now)
     assert h.stage.task_id is None
 
 
 def test_a_command_call_is_held_to_the_wire_bounds() -> None:
     h = reach_stage(S.RUNNING)
     with pytest.raises(StageCommandError, match="invalid ShareWeights: Expected `int` >= 1"):
-        h.stage.core.step(_call(ShareWeights(task_id="s", epoch=0, bucket_bytes=0)), h.now)
+        h.stage.step(_call(ShareWeights(task_id="s", epoch=0, bucket_bytes=0)), h.now)
     assert h.stage.task_id is None
 
 
 def test_a_command_call_is_refused_where_its_row_is_not_legal() -> None:
     h = reach_stage(S.SLEEPING)
     with pytest.raises(StageCommandError, match="cannot share weights in SLEEPING: valid weights must be awake"):
-        h.stage.core.step(_call(ShareWeights(task_id="s", epoch=0)), h.now)
+        h.stage.step(_call(ShareWeights(task_id="s", epoch=0)), h.now)
     assert h.stage.state is S.SLEEPING and h.stage.task_id is None
 
 
@@ -116,7 +117,7 @@ def test_a_command_call_carries_only_a_stateless_command(command: object) -> Non
         match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, AddAdapter, RemoveAdapter, "
         "PinAdapter, ListAdapters, ResetPrefixCache, not ",
     ):
-        h.stage.core.step(_call(command), h.now)
+        h.stage.step(_call(command), h.now)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None
 
 

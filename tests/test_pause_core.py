@@ -6,13 +6,14 @@ ranks, resume serves the queue, and the table refuses what a pause does not allo
 from __future__ import annotations
 
 import pytest
+import stage_inputs
 from lifecycle_helpers import StageHarness
 from test_admission import Driver, answers
 
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
 from omni_core.fsm.inputs import RequestError
-from omni_core.fsm.stage import StageBusyError, StageCommandError, _Request
+from omni_core.fsm.stage import StageBusyError, StageCommandError, StageRequest
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.worker import InvariantViolation
 from omni_core.protocol import AckStatus, DiskSource, Nack, NackReason, StageState, WorkerState
@@ -189,7 +190,7 @@ def test_a_reload_of_a_paused_stage_after_a_level_2_sleep_stays_paused() -> None
 def test_the_invariants_refuse_a_request_in_flight_while_paused() -> None:
     d = Driver()
     d.step(I.PauseCall("p", "wait", 30.0))
-    d.core.in_flight["smuggled"] = _Request("smuggled", None, float("inf"))
+    d.core.in_flight["smuggled"] = StageRequest("smuggled", None, float("inf"))
     with pytest.raises(InvariantViolation, match="requests in flight outside RUNNING/DRAINING"):
         d.core._check_invariants()
 
@@ -199,12 +200,12 @@ def test_a_paused_stage_takes_a_weight_update_and_stays_paused() -> None:
     is in flight), commits the new version on every ACK and leaves the stage PAUSED; a refusal
     by every rank returns it to PAUSED at the old version."""
     h = StageHarness(2)
-    h.stage.pause("p", "wait", h.now, 5.0)
-    step = h.stage.update_weights("u1", 1, DiskSource(path="/ckpt/v1"), h.now, 5.0)
+    stage_inputs.pause(h.stage, "p", "wait", h.now, 5.0)
+    step = stage_inputs.update_weights(h.stage, "u1", 1, DiskSource(path="/ckpt/v1"), h.now, 5.0)
     assert h.stage.state is S.WAKING and _names(step) == {"UpdateWeights"}
     done = h.complete(step).outcome
     assert done is not None and done.ok and done.state is S.PAUSED and h.stage.weights_version == 1
-    step = h.stage.update_weights("u2", 2, DiskSource(path="/ckpt/v2"), h.now, 5.0)
+    step = stage_inputs.update_weights(h.stage, "u2", 2, DiskSource(path="/ckpt/v2"), h.now, 5.0)
     refusals = [
         Nack(
             task_id="u2",
@@ -221,4 +222,4 @@ def test_a_paused_stage_takes_a_weight_update_and_stays_paused() -> None:
     refused = h.feed(refusals).outcome
     assert refused is not None and refused.refused and refused.state is S.PAUSED
     assert h.stage.weights_version == 1 and h.stage.state is S.PAUSED
-    assert h.stage.resume("u", h.now).outcome.state is S.RUNNING  # type: ignore[union-attr]
+    assert stage_inputs.resume(h.stage, "u", h.now).outcome.state is S.RUNNING  # type: ignore[union-attr]

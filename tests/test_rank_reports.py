@@ -4,6 +4,7 @@ ACK taken) and its runner's counters (the names its Hello declared, values from 
 from __future__ import annotations
 
 import msgspec
+import stage_inputs
 from lifecycle_helpers import StageHarness
 
 from omni_core.engine.report import RankReport
@@ -15,7 +16,7 @@ LOADED = {"weights": 1000, "kv_cache": 100}
 def _started(ranks: int = 2, **hello: object) -> StageHarness:
     h = StageHarness(ranks, hello=False)
     for rank in range(ranks):
-        h.stage.on_hello(h.hello(rank, **hello), h.now)
+        stage_inputs.on_hello(h.stage, h.hello(rank, **hello), h.now)
     assert h.stage.state is StageState.RUNNING
     return h
 
@@ -23,7 +24,7 @@ def _started(ranks: int = 2, **hello: object) -> StageHarness:
 def test_pool_bytes_are_known_from_the_hello_then_follow_each_ack_taken() -> None:
     h = _started(pool_bytes=LOADED)
     assert h.stage.rank_pool_bytes == {0: LOADED, 1: LOADED}
-    replies = h.to_workers(h.stage.sleep("sleep-1", 1, None, h.now, 5.0))
+    replies = h.to_workers(stage_inputs.sleep(h.stage, "sleep-1", 1, None, h.now, 5.0))
     after = {0: {"weights": 0, "kv_cache": 0}, 1: {"weights": 7, "kv_cache": 0}}
     memory = {r: MemoryReport(pool_bytes_before=LOADED, pool_bytes_after=after[r]) for r in after}
     h.feed([msgspec.structs.replace(r, memory=memory[r.rank]) for r in replies])
@@ -31,7 +32,7 @@ def test_pool_bytes_are_known_from_the_hello_then_follow_each_ack_taken() -> Non
     assert h.stage.rank_pool_bytes == after
     # A reply the stage does not take (its task has ended) changes nothing, whatever it says.
     stray = msgspec.structs.replace(replies[0], memory=MemoryReport(pool_bytes_before={}, pool_bytes_after=LOADED))
-    h.stage.on_reply(stray, h.now)
+    stage_inputs.on_reply(h.stage, stray, h.now)
     assert h.stage.rank_pool_bytes == after and h.stage.counters.unknown_replies_ignored == 1
 
 
@@ -43,25 +44,25 @@ def test_a_hello_without_pool_bytes_leaves_them_unknown() -> None:
 def test_runner_counters_take_only_the_names_the_hello_declared() -> None:
     h = _started(ranks=1, runner_counters={"hits": 0, "misses": 0})
     epoch = h.stage.epoch
-    h.stage.on_reply(Result(task_id="r-1", epoch=epoch, rank=0, runner_counters={"hits": 3}), h.now)
+    stage_inputs.on_reply(h.stage, Result(task_id="r-1", epoch=epoch, rank=0, runner_counters={"hits": 3}), h.now)
     assert h.stage.rank_counters == {0: {"hits": 3, "misses": 0}}
     ack = Ack(
         task_id="p-1", epoch=epoch, rank=0, command="Profile", state=WorkerState.ACTIVE, runner_counters={"misses": 2}
     )
-    h.stage.on_reply(ack, h.now)
+    stage_inputs.on_reply(h.stage, ack, h.now)
     assert h.stage.rank_counters == {0: {"hits": 3, "misses": 2}}
     undeclared = Result(task_id="r-2", epoch=epoch, rank=0, runner_counters={"hits": 9, "free_text": 1})
-    h.stage.on_reply(undeclared, h.now)
+    stage_inputs.on_reply(h.stage, undeclared, h.now)
     assert h.stage.rank_counters == {0: {"hits": 3, "misses": 2}}
     assert h.stage.counters.undeclared_counters_ignored == 1
     older = Result(task_id="r-3", epoch=epoch + 1, rank=0, runner_counters={"hits": 50})
-    h.stage.on_reply(older, h.now)  # another epoch's ranks: not these
+    stage_inputs.on_reply(h.stage, older, h.now)  # another epoch's ranks: not these
     assert h.stage.rank_counters == {0: {"hits": 3, "misses": 2}}
 
 
 def test_a_restart_forgets_what_the_old_ranks_said() -> None:
     h = _started(pool_bytes=LOADED, runner_counters={"hits": 4})
-    h.stage.on_rank_died(0, "SIGKILL", h.now)
+    stage_inputs.on_rank_died(h.stage, 0, "SIGKILL", h.now)
     h.restart()
     # the fresh ranks' Hellos (the simulator's) tell neither
     assert h.stage.state is StageState.RUNNING

@@ -10,12 +10,12 @@ from test_stage_core import reach_stage
 from omni_core.fsm import inputs as I
 from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.request_queue import RequestQueue
-from omni_core.fsm.stage_step import _Request
+from omni_core.fsm.stage_step import StageRequest
 from omni_core.protocol import StageState
 
 
-def req(request_id: str, deadline_at: float = 100.0) -> _Request:
-    return _Request(request_id, None, deadline_at)
+def req(request_id: str, deadline_at: float = 100.0) -> StageRequest:
+    return StageRequest(request_id, None, deadline_at)
 
 
 def test_requests_leave_in_arrival_order() -> None:

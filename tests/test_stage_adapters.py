@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import stage_inputs
 from test_stage_core import outcome_of, reach_stage
 
 from omni_core.fsm import inputs as I
@@ -19,7 +20,7 @@ ADD = AddAdapter(task_id="a", epoch=0, name="sql", adapter_id=1, source="/a", ra
 
 
 def _call(h, command, state: StageState):
-    step = h.stage.core.step(I.CommandCall(command, 5.0), h.now)
+    step = h.stage.step(I.CommandCall(command, 5.0), h.now)
     assert [o.rank for o in step.sends] == [0, 1, 2] and {o.command for o in step.sends} == {command}
     outcome = outcome_of(h.complete(step))
     assert (outcome.ok, outcome.command, outcome.state) == (True, type(command).__name__, state)
@@ -31,8 +32,8 @@ def _weights_awake(state: StageState):
     if state is not S.PARTIAL:
         return reach_stage(state)
     h = reach_stage(S.RUNNING)
-    h.complete(h.stage.sleep("s", 1, None, h.now, 5.0))
-    h.complete(h.stage.wake("w", ("weights",), h.now, 5.0))
+    h.complete(stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0))
+    h.complete(stage_inputs.wake(h.stage, "w", ("weights",), h.now, 5.0))
     assert h.stage.state is S.PARTIAL
     return h
 
@@ -54,23 +55,23 @@ def test_asleep_a_stage_lists_its_adapters_and_refuses_to_add_naming_why(state: 
     h = reach_stage(state)
     _call(h, ListAdapters(task_id="l", epoch=0), state)
     with pytest.raises(StageCommandError, match=f"cannot add an adapter in {state.value}: valid weights must be awake"):
-        h.stage.core.step(I.CommandCall(ADD, 5.0), h.now)
+        h.stage.step(I.CommandCall(ADD, 5.0), h.now)
 
 
 def test_a_request_carries_its_adapter_and_its_outcome_names_it() -> None:
     h = reach_stage(S.RUNNING)
     _call(h, ADD, S.RUNNING)
-    step = h.stage.core.step(I.Submit("q1", [1], 5.0, adapter="sql"), h.now)
+    step = h.stage.step(I.Submit("q1", [1], 5.0, adapter="sql"), h.now)
     assert [o.command for o in step.sends] == [Execute(task_id="q1", epoch=0, payload=[1], adapter="sql")] * 3
     (answer,) = _answers(h, step)
     assert answer.ok and (answer.adapter, answer.adapter_version) == ("sql", 1)
-    (answer,) = _answers(h, h.stage.core.step(I.Submit("q2", None, 5.0, adapter="chat"), h.now))
+    (answer,) = _answers(h, h.stage.step(I.Submit("q2", None, 5.0, adapter="chat"), h.now))
     assert not answer.ok and "ADAPTER_UNAVAILABLE" in answer.detail and "adapter 'chat'" in answer.detail
     assert h.stage.state is S.RUNNING
 
 
 def _answers(h, step) -> list:
-    return [a for reply in h.to_workers(step) for a in h.stage.on_reply(reply, h.now).requests]
+    return [a for reply in h.to_workers(step) for a in stage_inputs.on_reply(h.stage, reply, h.now).requests]
 
 
 def _already_scenario() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import stage_inputs
 from lifecycle_helpers import NO_MEMORY, StageHarness, record_transitions, table_pairs, wire
 from test_pause_core import test_a_paused_stage_takes_a_weight_update_and_stays_paused
 
@@ -46,25 +47,25 @@ def reach_stage(state: StageState, ranks: int = 3, **kwargs: object) -> StageHar
     h = StageHarness(ranks, **kwargs)  # type: ignore[arg-type]
     st = h.stage
     if state is S.FAILED:
-        st.on_rank_died(0, "SIGKILL", h.now)
+        stage_inputs.on_rank_died(st, 0, "SIGKILL", h.now)
     elif state is S.STOPPED:
-        st.stop(h.now)
+        stage_inputs.stop(st, h.now)
     elif state is S.DRAINING:
-        st.request_started()
-        st.sleep("drain", 1, None, h.now, 5.0)
+        stage_inputs.request_started(st, h.now)
+        stage_inputs.sleep(st, "drain", 1, None, h.now, 5.0)
     elif state is S.TRANSITIONING:
-        h.last = st.sleep("sleep", 1, None, h.now, 5.0)  # type: ignore[attr-defined]
+        h.last = stage_inputs.sleep(st, "sleep", 1, None, h.now, 5.0)  # type: ignore[attr-defined]
     elif state is S.PAUSED:
-        st.pause("pause", "wait", h.now, 5.0)
+        stage_inputs.pause(st, "pause", "wait", h.now, 5.0)
     elif state is not S.RUNNING:
         level = 2 if state is S.NEEDS_RELOAD else 1
-        h.complete(st.sleep("sleep", level, None, h.now, 5.0))
+        h.complete(stage_inputs.sleep(st, "sleep", level, None, h.now, 5.0))
         if state is S.WAKING:
-            h.last = st.wake("wake", None, h.now, 5.0)  # type: ignore[attr-defined]
+            h.last = stage_inputs.wake(st, "wake", None, h.now, 5.0)  # type: ignore[attr-defined]
         elif state is S.PARTIAL:
-            h.complete(st.wake("wake", ("kv_cache",), h.now, 5.0))
+            h.complete(stage_inputs.wake(st, "wake", ("kv_cache",), h.now, 5.0))
         elif state is S.NEEDS_RELOAD:
-            h.complete(st.wake("wake", None, h.now, 5.0))
+            h.complete(stage_inputs.wake(st, "wake", None, h.now, 5.0))
     assert st.state is state, (st.state, state)
     return h
 
@@ -80,17 +81,17 @@ def outcome_of(step: StageStep):  # type: ignore[no-untyped-def]
 def test_start_commits_running_only_after_every_hello() -> None:
     h = StageHarness(3, hello=False)
     for rank in (2, 0):
-        h.stage.on_hello(h.hello(rank), h.now)
+        stage_inputs.on_hello(h.stage, h.hello(rank), h.now)
         assert h.stage.state is S.STARTING and not h.stage.admits()
-    h.stage.on_hello(h.hello(1), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(1), h.now)
     assert h.stage.state is S.RUNNING and h.stage.admits()
 
 
 def test_start_deadline_names_the_silent_ranks() -> None:
     h = StageHarness(3, hello=False, deadline_s=10.0)
-    h.stage.on_hello(h.hello(1), h.now)
-    assert h.stage.on_tick(9.9) == StageStep() and h.stage.state is S.STARTING
-    h.stage.on_tick(10.0)
+    stage_inputs.on_hello(h.stage, h.hello(1), h.now)
+    assert stage_inputs.on_tick(h.stage, 9.9) == StageStep() and h.stage.state is S.STARTING
+    stage_inputs.on_tick(h.stage, 10.0)
     assert h.stage.state is S.FAILED
     assert set(h.stage.failed_ranks) == {0, 2}
     assert "rank 0" in h.stage.failure and "rank 2" in h.stage.failure and "rank 1" not in h.stage.failure
@@ -99,41 +100,41 @@ def test_start_deadline_names_the_silent_ranks() -> None:
 
 def test_hello_from_another_epoch_is_ignored() -> None:
     h = StageHarness(1, hello=False)
-    h.stage.on_hello(h.hello(0, epoch=5), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(0, epoch=5), h.now)
     assert h.stage.state is S.STARTING and h.stage.counters.stale_replies_ignored == 1
 
 
 def test_hello_with_other_tags_fails_start() -> None:
     h = StageHarness(2, hello=False)
-    h.stage.on_hello(h.hello(1, tags=("weights",)), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(1, tags=("weights",)), h.now)
     assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {1}
     assert "tags" in h.stage.failure
 
 
 def test_hello_from_a_rank_that_failed_to_load() -> None:
     h = StageHarness(2, hello=False)
-    h.stage.on_hello(h.hello(0), h.now)
-    h.stage.on_hello(h.hello(1, state=W.FAILED, detail="CUDA out of memory"), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(0), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(1, state=W.FAILED, detail="CUDA out of memory"), h.now)
     assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {1}
     assert "CUDA out of memory" in h.stage.failure
 
 
 def test_hello_from_an_unknown_rank_fails_start() -> None:
     h = StageHarness(2, hello=False)
-    h.stage.on_hello(h.hello(7), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(7), h.now)
     assert h.stage.state is S.FAILED and 7 in h.stage.failed_ranks
 
 
 def test_rank_death_during_start() -> None:
     h = StageHarness(2, hello=False)
-    h.stage.on_rank_died(1, "exit code 1", h.now)
+    stage_inputs.on_rank_died(h.stage, 1, "exit code 1", h.now)
     assert h.stage.state is S.FAILED and "exit code 1" in h.stage.failure
 
 
 def test_death_of_an_earlier_incarnation_or_unknown_rank_is_ignored() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
-    h.stage.on_rank_died(1, "old process", h.now, epoch=h.stage.epoch + 1)
-    h.stage.on_rank_died(7, "not ours", h.now)
+    stage_inputs.on_rank_died(h.stage, 1, "old process", h.now, epoch=h.stage.epoch + 1)
+    stage_inputs.on_rank_died(h.stage, 7, "not ours", h.now)
     assert h.stage.state is S.RUNNING and h.stage.counters.stale_replies_ignored == 2
 
 
@@ -141,16 +142,16 @@ def test_ranks_silent_on_a_request_fail_the_stage_naming_them() -> None:
     h = reach_stage(S.RUNNING, ranks=3)
     h.stage.step(I.Submit("r1", None, 2.0), h.now)
     for rank in (0, 1):
-        h.stage.on_reply(Result(task_id="r1", epoch=h.stage.epoch, rank=rank, output=None), h.now)
-    h.stage.sleep("s", 1, None, h.now, 5.0)
+        stage_inputs.on_reply(h.stage, Result(task_id="r1", epoch=h.stage.epoch, rank=rank, output=None), h.now)
+    stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     assert h.stage.state is S.DRAINING
-    assert h.stage.on_tick(h.now + 1.9).outcome is None and h.stage.state is S.DRAINING
-    step = h.stage.on_tick(h.now + 2.0)
+    assert stage_inputs.on_tick(h.stage, h.now + 1.9).outcome is None and h.stage.state is S.DRAINING
+    step = stage_inputs.on_tick(h.stage, h.now + 2.0)
     assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {2}
     assert step.outcome is not None and not step.outcome.ok and "rank 2: no result for request r1" in step.outcome.error
     (answer,) = step.requests
     assert answer.request_id == "r1" and answer.error is RequestError.FAILED and "ranks [2]" in answer.detail
-    assert h.stage.on_tick(h.now + 9.0) == StageStep()
+    assert stage_inputs.on_tick(h.stage, h.now + 9.0) == StageStep()
 
 
 def test_stage_needs_a_rank() -> None:
@@ -162,11 +163,12 @@ def test_stage_needs_a_rank() -> None:
 
 def test_step_is_the_only_door() -> None:
     """Every input goes through step(), so the queue pump, the trace records and the
-    invariant check always run: the core has no other public method."""
+    invariant check always run: the core has no other public method but `restore`, which
+    builds a state (a case, a test's start) and is no input."""
     from omni_core.fsm import StageCore
 
     public = {name for name in dir(StageCore) if not name.startswith("_") and callable(getattr(StageCore, name))}
-    assert public == {"step", "admits"}
+    assert public == {"step", "admits", "restore"}
     h = reach_stage(S.RUNNING)
     with pytest.raises(TypeError, match="engine input"):
         h.stage.step(Sleep(task_id="s", epoch=0), h.now)  # a wire command is no input of the stage
@@ -185,16 +187,16 @@ def test_a_lifecycle_call_through_the_door_is_traced() -> None:
 
 def test_sleep_commits_only_on_the_last_ack() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.sleep("s1", 1, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s1", 1, None, h.now, 5.0)
     assert h.stage.state is S.TRANSITIONING and not h.stage.admits()
     assert sorted(o.rank for o in step.sends) == [0, 1, 2]
     assert all(o.command == Sleep(task_id="s1", epoch=0, level=1) for o in step.sends)
     replies = h.to_workers(step)
     for reply in replies[:-1]:
-        assert h.stage.on_reply(reply, h.now) == StageStep()
+        assert stage_inputs.on_reply(h.stage, reply, h.now) == StageStep()
         assert h.stage.state is S.TRANSITIONING
     h.now = 1.5
-    outcome = outcome_of(h.stage.on_reply(replies[-1], h.now))
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, replies[-1], h.now))
     assert h.stage.state is S.SLEEPING
     assert (outcome.ok, outcome.status, outcome.state, outcome.command) == (True, AckStatus.OK, S.SLEEPING, "Sleep")
     assert sorted(outcome.acks) == [0, 1, 2] and outcome.duration_s == 1.5
@@ -204,43 +206,43 @@ def test_sleep_commits_only_on_the_last_ack() -> None:
 
 def test_wake_to_running_partial_and_needs_reload_then_reload() -> None:
     h = reach_stage(S.SLEEPING)
-    assert outcome_of(h.complete(h.stage.wake("w", ("kv_cache",), h.now, 5.0))).state is S.PARTIAL
-    assert outcome_of(h.complete(h.stage.wake("w2", None, h.now, 5.0))).state is S.RUNNING
-    h.complete(h.stage.sleep("s2", 2, None, h.now, 5.0))
-    assert outcome_of(h.complete(h.stage.wake("w3", ("weights",), h.now, 5.0))).state is S.NEEDS_RELOAD
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w", ("kv_cache",), h.now, 5.0))).state is S.PARTIAL
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w2", None, h.now, 5.0))).state is S.RUNNING
+    h.complete(stage_inputs.sleep(h.stage, "s2", 2, None, h.now, 5.0))
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w3", ("weights",), h.now, 5.0))).state is S.NEEDS_RELOAD
     assert h.stage.residency.asleep == {"kv_cache"}
-    outcome = outcome_of(h.complete(h.stage.reload("r", "/ckpt", h.now, 5.0)))
+    outcome = outcome_of(h.complete(stage_inputs.reload(h.stage, "r", "/ckpt", h.now, 5.0)))
     assert outcome.state is S.PARTIAL and outcome.command == "ReloadWeights"
-    assert outcome_of(h.complete(h.stage.wake("w4", None, h.now, 5.0))).state is S.RUNNING
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w4", None, h.now, 5.0))).state is S.RUNNING
     assert h.stage.admits()
 
 
 def test_sleep_and_wake_from_partial_and_needs_reload() -> None:
     h = reach_stage(S.PARTIAL)
-    assert outcome_of(h.complete(h.stage.sleep("s", 1, None, h.now, 5.0))).state is S.SLEEPING
+    assert outcome_of(h.complete(stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0))).state is S.SLEEPING
     h = reach_stage(S.NEEDS_RELOAD)
-    assert outcome_of(h.complete(h.stage.sleep("s", 1, ("kv_cache",), h.now, 5.0))).state is S.SLEEPING
-    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 5.0))).state is S.NEEDS_RELOAD
+    assert outcome_of(h.complete(stage_inputs.sleep(h.stage, "s", 1, ("kv_cache",), h.now, 5.0))).state is S.SLEEPING
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w", None, h.now, 5.0))).state is S.NEEDS_RELOAD
     h = reach_stage(S.PARTIAL)
-    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 5.0))).state is S.RUNNING
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w", None, h.now, 5.0))).state is S.RUNNING
     h = reach_stage(S.NEEDS_RELOAD)
-    assert outcome_of(h.complete(h.stage.reload("r", None, h.now, 5.0))).state is S.RUNNING
+    assert outcome_of(h.complete(stage_inputs.reload(h.stage, "r", None, h.now, 5.0))).state is S.RUNNING
 
 
 def test_sleep_more_tags_while_sleeping() -> None:
     h = reach_stage(S.RUNNING)
-    assert outcome_of(h.complete(h.stage.sleep("s-kv", 1, ("kv_cache",), h.now, 5.0))).state is S.SLEEPING
-    step = h.stage.sleep("s-all", 2, None, h.now, 5.0)
+    assert outcome_of(h.complete(stage_inputs.sleep(h.stage, "s-kv", 1, ("kv_cache",), h.now, 5.0))).state is S.SLEEPING
+    step = stage_inputs.sleep(h.stage, "s-all", 2, None, h.now, 5.0)
     assert step.sends[0].command == Sleep(task_id="s-all", epoch=0, level=2, tags=None)
     assert h.stage.state is S.TRANSITIONING  # nothing executes while asleep: no drain
     assert outcome_of(h.complete(step)).state is S.SLEEPING
     assert not h.stage.residency.weights_valid
-    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 5.0))).state is S.NEEDS_RELOAD
+    assert outcome_of(h.complete(stage_inputs.wake(h.stage, "w", None, h.now, 5.0))).state is S.NEEDS_RELOAD
 
 
 def test_wake_the_rest_while_needs_reload() -> None:
     h = needs_reload_with_kv_cache_asleep()
-    step = h.stage.wake("w-kv", None, h.now, 5.0)
+    step = stage_inputs.wake(h.stage, "w-kv", None, h.now, 5.0)
     assert step.sends[0].command == Wake(task_id="w-kv", epoch=0, tags=None)
     assert outcome_of(h.complete(step)).state is S.NEEDS_RELOAD
     assert h.stage.residency.asleep == frozenset()
@@ -248,9 +250,9 @@ def test_wake_the_rest_while_needs_reload() -> None:
 
 def test_ack_in_an_unexpected_state_fails_naming_the_rank() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     liar = Ack(task_id="s", epoch=0, rank=1, command="Sleep", state=W.ACTIVE, memory=NO_MEMORY)
-    outcome = outcome_of(h.stage.on_reply(wire(liar), h.now))
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(liar), h.now))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
     assert "expected SLEEPING" in outcome.failures[1] and "rank 1" in outcome.error
     assert step.sends
@@ -259,9 +261,9 @@ def test_ack_in_an_unexpected_state_fails_naming_the_rank() -> None:
 def test_ack_without_a_memory_report_fails_naming_the_rank() -> None:
     """Issue 10: an ACK that moved memory must say how much; one without is not trusted."""
     h = reach_stage(S.RUNNING)
-    h.stage.sleep("s", 1, None, h.now, 5.0)
+    stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     bare = Ack(task_id="s", epoch=0, rank=2, command="Sleep", state=W.SLEEPING, asleep_tags=("kv_cache", "weights"))
-    outcome = outcome_of(h.stage.on_reply(wire(bare), h.now))
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(bare), h.now))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {2}
     assert "without a memory report" in outcome.failures[2]
     assert h.stage.counters.acks_without_memory_report == 1
@@ -269,7 +271,7 @@ def test_ack_without_a_memory_report_fails_naming_the_rank() -> None:
 
 def test_ack_for_another_command_fails_naming_the_rank() -> None:
     h = reach_stage(S.RUNNING)
-    h.stage.sleep("s", 1, None, h.now, 5.0)
+    stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     confused = Ack(
         task_id="s",
         epoch=0,
@@ -279,7 +281,7 @@ def test_ack_for_another_command_fails_naming_the_rank() -> None:
         asleep_tags=("kv_cache", "weights"),
         memory=NO_MEMORY,
     )
-    outcome = outcome_of(h.stage.on_reply(wire(confused), h.now))
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(confused), h.now))
     assert h.stage.state is S.FAILED and "'Wake'" in outcome.failures[0]
 
 
@@ -298,22 +300,22 @@ def _refusal(rank: int) -> Nack:
 def test_reload_refused_by_every_rank_returns_to_needs_reload() -> None:
     """Issue 10: a source the runner cannot use is bad input, not a failure of the stage."""
     h = reach_stage(S.NEEDS_RELOAD)
-    h.stage.reload("r", "/nope", h.now, 5.0)
+    stage_inputs.reload(h.stage, "r", "/nope", h.now, 5.0)
     for rank in (0, 1):
-        assert h.stage.on_reply(wire(_refusal(rank)), h.now) == StageStep()  # waits for every rank
-    outcome = outcome_of(h.stage.on_reply(wire(_refusal(2)), h.now))
+        assert stage_inputs.on_reply(h.stage, wire(_refusal(rank)), h.now) == StageStep()  # waits for every rank
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(_refusal(2)), h.now))
     assert not outcome.ok and outcome.refused and outcome.state is S.NEEDS_RELOAD
     assert h.stage.state is S.NEEDS_RELOAD and "no such checkpoint" in outcome.error
-    assert outcome_of(h.complete(h.stage.reload("r2", None, h.now, 5.0))).state is S.RUNNING
+    assert outcome_of(h.complete(stage_inputs.reload(h.stage, "r2", None, h.now, 5.0))).state is S.RUNNING
 
 
 def test_reload_refused_by_some_ranks_only_fails_naming_them() -> None:
     """Ranks that disagree hold different weights: the stage cannot serve, and says who."""
     h = reach_stage(S.NEEDS_RELOAD)
-    step = h.stage.reload("r", "/half", h.now, 5.0)
+    step = stage_inputs.reload(h.stage, "r", "/half", h.now, 5.0)
     for ack in h.to_workers(step, ranks={0, 2}):
-        h.stage.on_reply(ack, h.now)
-    outcome = outcome_of(h.stage.on_reply(wire(_refusal(1)), h.now))
+        stage_inputs.on_reply(h.stage, ack, h.now)
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(_refusal(1)), h.now))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
     assert "different weights" in outcome.failures[1]
 
@@ -339,52 +341,54 @@ def test_wake_refused_for_memory_by_every_rank_returns_to_where_it_started() -> 
     )
     for start, h, tags in cases:
         asleep = set(h.stage.residency.asleep)
-        step = h.stage.wake("w", tags, h.now, 30.0, memory_wait_s=5.0)
+        step = stage_inputs.wake(h.stage, "w", tags, h.now, 30.0, memory_wait_s=5.0)
         assert {out.command.memory_wait_s for out in step.sends} == {5.0}
         for rank in (0, 1):
-            assert h.stage.on_reply(wire(_no_memory(rank, "w", W(start.value))), h.now) == StageStep()
-        outcome = outcome_of(h.stage.on_reply(wire(_no_memory(2, "w", W(start.value))), h.now))
+            assert stage_inputs.on_reply(h.stage, wire(_no_memory(rank, "w", W(start.value))), h.now) == StageStep()
+        outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(_no_memory(2, "w", W(start.value))), h.now))
         assert not outcome.ok and outcome.refused and outcome.state is start and h.stage.state is start
         assert set(outcome.refusals) == {0, 1, 2} and "held by pid 77" in outcome.error
         assert h.stage.residency.asleep == asleep
         # A retry of the same task is its recorded refusal; a new one may succeed.
-        assert h.stage.wake("w", tags, h.now, 30.0, memory_wait_s=5.0).outcome == outcome
+        assert stage_inputs.wake(h.stage, "w", tags, h.now, 30.0, memory_wait_s=5.0).outcome == outcome
 
 
 def test_wake_refused_for_memory_by_some_ranks_fails_naming_them() -> None:
     h = reach_stage(S.SLEEPING)
-    step = h.stage.wake("w", None, h.now, 30.0, memory_wait_s=5.0)
+    step = stage_inputs.wake(h.stage, "w", None, h.now, 30.0, memory_wait_s=5.0)
     for ack in h.to_workers(step, ranks={0, 2}):
-        h.stage.on_reply(ack, h.now)
-    outcome = outcome_of(h.stage.on_reply(wire(_no_memory(1, "w", W.SLEEPING)), h.now))
+        stage_inputs.on_reply(h.stage, ack, h.now)
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(_no_memory(1, "w", W.SLEEPING)), h.now))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {1}
     assert "different tags" in outcome.failures[1] and "held by pid 77" in outcome.failures[1]
 
 
 def test_a_no_memory_nack_to_another_command_is_a_failure_not_a_refusal() -> None:
     h = reach_stage(S.RUNNING)
-    h.stage.sleep("s", 1, None, h.now, 30.0)
+    stage_inputs.sleep(h.stage, "s", 1, None, h.now, 30.0)
     nack = Nack(task_id="s", epoch=0, rank=0, command="Sleep", reason=NackReason.NO_MEMORY, detail="?", state=W.ACTIVE)
-    outcome = outcome_of(h.stage.on_reply(wire(nack), h.now))
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, wire(nack), h.now))
     assert h.stage.state is S.FAILED and not outcome.refused
 
 
 def test_waiting_for_memory_needs_every_rank_to_declare_swap() -> None:
     h = StageHarness(ranks=2, hello=False)
-    h.stage.on_hello(h.hello(0), h.now)
-    h.stage.on_hello(h.hello(1, capabilities=(Capability.LEVEL2,)), h.now)
-    h.complete(h.stage.sleep("s", 1, None, h.now, 30.0))
+    stage_inputs.on_hello(h.stage, h.hello(0), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(1, capabilities=(Capability.LEVEL2,)), h.now)
+    h.complete(stage_inputs.sleep(h.stage, "s", 1, None, h.now, 30.0))
     with pytest.raises(StageCommandError, match=r"ranks \[1\] cannot wait .*'swap'"):
-        h.stage.wake("w", None, h.now, 30.0, memory_wait_s=5.0)
+        stage_inputs.wake(h.stage, "w", None, h.now, 30.0, memory_wait_s=5.0)
     assert h.stage.state is S.SLEEPING
-    assert outcome_of(h.complete(h.stage.wake("w", None, h.now, 30.0))).state is S.RUNNING  # no waiting: fine
+    assert (
+        outcome_of(h.complete(stage_inputs.wake(h.stage, "w", None, h.now, 30.0))).state is S.RUNNING
+    )  # no waiting: fine
 
 
 def test_the_memory_wait_must_end_before_the_deadline() -> None:
     h = reach_stage(S.SLEEPING)
     for wait in (30.0, 31.0, -1.0, float("nan"), 4000.0):
         with pytest.raises(StageCommandError, match="memory_wait_s"):
-            h.stage.wake("w", None, h.now, 30.0 if wait != 4000.0 else 5000.0, memory_wait_s=wait)
+            stage_inputs.wake(h.stage, "w", None, h.now, 30.0 if wait != 4000.0 else 5000.0, memory_wait_s=wait)
     assert h.stage.state is S.SLEEPING
 
 
@@ -393,20 +397,20 @@ def test_the_memory_wait_must_end_before_the_deadline() -> None:
 
 def needs_reload_with_kv_cache_asleep() -> StageHarness:
     h = reach_stage(S.RUNNING)
-    h.complete(h.stage.sleep("s-l2", 2, None, h.now, 5.0))
-    h.complete(h.stage.wake("w-weights", ("weights",), h.now, 5.0))
+    h.complete(stage_inputs.sleep(h.stage, "s-l2", 2, None, h.now, 5.0))
+    h.complete(stage_inputs.wake(h.stage, "w-weights", ("weights",), h.now, 5.0))
     assert h.stage.state is S.NEEDS_RELOAD and h.stage.residency.asleep == {"kv_cache"}
     return h
 
 
 def test_sleep_of_asleep_tags_and_wake_of_resident_tags_are_already() -> None:
     for make, call in [
-        (lambda: reach_stage(S.SLEEPING), lambda st: st.sleep("again", 2, None, 0.0, 5.0)),
-        (lambda: reach_stage(S.PARTIAL), lambda st: st.sleep("again", 1, ("weights",), 0.0, 5.0)),
-        (needs_reload_with_kv_cache_asleep, lambda st: st.sleep("again", 1, ("kv_cache",), 0.0, 5.0)),
-        (lambda: reach_stage(S.RUNNING), lambda st: st.wake("again", None, 0.0, 5.0)),
-        (lambda: reach_stage(S.PARTIAL), lambda st: st.wake("again", ("kv_cache",), 0.0, 5.0)),
-        (lambda: reach_stage(S.NEEDS_RELOAD), lambda st: st.wake("again", None, 0.0, 5.0)),
+        (lambda: reach_stage(S.SLEEPING), lambda st: stage_inputs.sleep(st, "again", 2, None, 0.0, 5.0)),
+        (lambda: reach_stage(S.PARTIAL), lambda st: stage_inputs.sleep(st, "again", 1, ("weights",), 0.0, 5.0)),
+        (needs_reload_with_kv_cache_asleep, lambda st: stage_inputs.sleep(st, "again", 1, ("kv_cache",), 0.0, 5.0)),
+        (lambda: reach_stage(S.RUNNING), lambda st: stage_inputs.wake(st, "again", None, 0.0, 5.0)),
+        (lambda: reach_stage(S.PARTIAL), lambda st: stage_inputs.wake(st, "again", ("kv_cache",), 0.0, 5.0)),
+        (lambda: reach_stage(S.NEEDS_RELOAD), lambda st: stage_inputs.wake(st, "again", None, 0.0, 5.0)),
     ]:
         h = make()
         state = h.stage.state
@@ -420,9 +424,9 @@ def test_sleep_of_asleep_tags_and_wake_of_resident_tags_are_already() -> None:
 
 def test_wake_of_resident_tags_while_sleeping() -> None:
     h = reach_stage(S.RUNNING)
-    h.complete(h.stage.sleep("s", 1, ("kv_cache",), h.now, 5.0))
+    h.complete(stage_inputs.sleep(h.stage, "s", 1, ("kv_cache",), h.now, 5.0))
     assert h.stage.state is S.SLEEPING
-    assert outcome_of(h.stage.wake("w", ("weights",), h.now, 5.0)).status is AckStatus.ALREADY
+    assert outcome_of(stage_inputs.wake(h.stage, "w", ("weights",), h.now, 5.0)).status is AckStatus.ALREADY
 
 
 # ----------------------------------------------------------------------- draining and admission
@@ -430,36 +434,36 @@ def test_wake_of_resident_tags_while_sleeping() -> None:
 
 def test_sleep_drains_in_flight_requests_first() -> None:
     h = reach_stage(S.RUNNING)
-    h.stage.request_started()
-    h.stage.request_started()
-    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    stage_inputs.request_started(h.stage, h.now)
+    stage_inputs.request_started(h.stage, h.now)
+    step = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     assert step == StageStep() and h.stage.state is S.DRAINING
     with pytest.raises(StageCommandError, match="admits no request in DRAINING"):
-        h.stage.request_started()
-    assert h.stage.request_finished(h.now).sends == ()
-    step = h.stage.request_finished(h.now)  # the last one: now the Sleeps go out
+        stage_inputs.request_started(h.stage, h.now)
+    assert stage_inputs.request_finished(h.stage, h.now).sends == ()
+    step = stage_inputs.request_finished(h.stage, h.now)  # the last one: now the Sleeps go out
     assert h.stage.state is S.TRANSITIONING and len(step.sends) == 3
     assert outcome_of(h.complete(step)).state is S.SLEEPING
 
 
 def test_drain_timeout_goes_back_to_running_with_a_failed_outcome() -> None:
     h = reach_stage(S.RUNNING)
-    h.stage.request_started()
-    h.stage.sleep("s", 1, None, 0.0, 5.0)
-    assert h.stage.on_tick(4.9) == StageStep()
-    step = h.stage.on_tick(5.0)
+    stage_inputs.request_started(h.stage, h.now)
+    stage_inputs.sleep(h.stage, "s", 1, None, 0.0, 5.0)
+    assert stage_inputs.on_tick(h.stage, 4.9) == StageStep()
+    step = stage_inputs.on_tick(h.stage, 5.0)
     outcome = outcome_of(step)
     assert step.sends == () and h.stage.state is S.RUNNING and h.stage.admits()
     assert not outcome.ok and outcome.state is S.RUNNING and "did not finish" in outcome.error
     assert h.stage.in_flight_requests == 1
     assert all(w.state is W.ACTIVE for w in h.workers)  # nothing was sent
-    assert h.stage.request_finished(6.0).sends == ()
-    assert h.stage.sleep("s", 1, None, 7.0, 5.0).outcome is outcome  # recorded, not retried
+    assert stage_inputs.request_finished(h.stage, 6.0).sends == ()
+    assert stage_inputs.sleep(h.stage, "s", 1, None, 7.0, 5.0).outcome is outcome  # recorded, not retried
 
 
 def test_a_result_for_a_request_nobody_started_is_counted_late() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.on_reply(Result(task_id="nobody", epoch=0, rank=0), h.now)
+    step = stage_inputs.on_reply(h.stage, Result(task_id="nobody", epoch=0, rank=0), h.now)
     assert step == StageStep() and h.stage.state is S.RUNNING and h.stage.counters.late_results == 1
 
 
@@ -468,24 +472,24 @@ def test_a_result_for_a_request_nobody_started_is_counted_late() -> None:
 
 def test_nack_fails_the_stage_naming_the_rank() -> None:
     h = StageHarness(3, capabilities=(Capability.PARTIAL_WAKE,))  # no level-2 support
-    step = h.stage.sleep("s", 2, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s", 2, None, h.now, 5.0)
     replies = h.to_workers(step)
     assert all(isinstance(r, Nack) and r.reason is NackReason.UNSUPPORTED for r in replies)
-    outcome = outcome_of(h.stage.on_reply(replies[1], h.now))
+    outcome = outcome_of(stage_inputs.on_reply(h.stage, replies[1], h.now))
     assert h.stage.state is S.FAILED and not outcome.ok and outcome.state is S.FAILED
     assert set(outcome.failures) == {1} and "NACK UNSUPPORTED" in outcome.failures[1]
     assert "rank 1" in h.stage.failure and "level2" in h.stage.failure
     # The other NACKs arrive after the task ended: counted, not applied.
-    assert h.stage.on_reply(replies[0], h.now) == StageStep()
+    assert stage_inputs.on_reply(h.stage, replies[0], h.now) == StageStep()
     assert h.stage.counters.unknown_replies_ignored == 1
 
 
 def test_deadline_fails_naming_exactly_the_silent_ranks() -> None:
     h = reach_stage(S.RUNNING, ranks=4)
-    step = h.stage.sleep("s", 1, None, 0.0, 5.0)
+    step = stage_inputs.sleep(h.stage, "s", 1, None, 0.0, 5.0)
     h.feed(h.to_workers(step, ranks={0, 2}))
-    assert h.stage.on_tick(4.999) == StageStep()
-    outcome = outcome_of(h.stage.on_tick(5.0))
+    assert stage_inputs.on_tick(h.stage, 4.999) == StageStep()
+    outcome = outcome_of(stage_inputs.on_tick(h.stage, 5.0))
     assert h.stage.state is S.FAILED
     assert set(outcome.failures) == {1, 3} == set(h.stage.failed_ranks)
     assert sorted(outcome.acks) == [0, 2]
@@ -496,7 +500,7 @@ def test_deadline_fails_naming_exactly_the_silent_ranks() -> None:
 
 def test_deadline_while_waking() -> None:
     h = reach_stage(S.WAKING)
-    outcome = outcome_of(h.stage.on_tick(h.now + 5.0))
+    outcome = outcome_of(stage_inputs.on_tick(h.stage, h.now + 5.0))
     assert h.stage.state is S.FAILED and set(outcome.failures) == {0, 1, 2}
     assert "no reply to Wake" in outcome.error
 
@@ -506,13 +510,13 @@ def test_deadline_while_waking() -> None:
 )
 def test_rank_death_fails_the_stage(state: StageState) -> None:
     h = reach_stage(state)
-    step = h.stage.on_rank_died(2, "SIGKILL (exit -9)", h.now)
+    step = stage_inputs.on_rank_died(h.stage, 2, "SIGKILL (exit -9)", h.now)
     assert h.stage.state is S.FAILED and set(h.stage.failed_ranks) == {2}
     assert "rank 2: process died: SIGKILL (exit -9)" in h.stage.failure
     assert (step.outcome is not None) == (state in (S.DRAINING, S.TRANSITIONING, S.WAKING))
     assert not h.stage.admits() and h.stage.in_flight_requests == 0
     # Dead already: a second death report changes nothing.
-    assert h.stage.on_rank_died(1, "again", h.now) == StageStep() and set(h.stage.failed_ranks) == {2}
+    assert stage_inputs.on_rank_died(h.stage, 1, "again", h.now) == StageStep() and set(h.stage.failed_ranks) == {2}
 
 
 # ----------------------------------------------------------------------- epochs and restarts (P-6)
@@ -524,17 +528,17 @@ def test_restart_bumps_the_epoch_and_starts_fresh(state: StageState) -> None:
     assert h.restart() == 1
     assert h.stage.state is S.RUNNING and h.stage.epoch == 1
     assert h.stage.residency.asleep == frozenset() and h.stage.failure == ""
-    assert outcome_of(h.complete(h.stage.sleep("after", 1, None, h.now, 5.0))).ok
+    assert outcome_of(h.complete(stage_inputs.sleep(h.stage, "after", 1, None, h.now, 5.0))).ok
 
 
 def test_replies_from_the_old_epoch_are_ignored_after_a_restart() -> None:
     h = reach_stage(S.RUNNING)
-    old = h.to_workers(h.stage.sleep("s", 1, None, h.now, 5.0))
-    h.stage.on_tick(10.0)  # deadline: FAILED
+    old = h.to_workers(stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0))
+    stage_inputs.on_tick(h.stage, 10.0)  # deadline: FAILED
     h.restart()
-    step = h.stage.sleep("s-new", 1, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s-new", 1, None, h.now, 5.0)
     for reply in old + [msgspec.structs.replace(old[0], task_id="s-new")]:
-        assert h.stage.on_reply(reply, h.now) == StageStep()
+        assert stage_inputs.on_reply(h.stage, reply, h.now) == StageStep()
         assert h.stage.state is S.TRANSITIONING
     assert h.stage.counters.stale_replies_ignored == 4
     # And an old-epoch command reaching a new worker is refused by the worker.
@@ -545,7 +549,7 @@ def test_replies_from_the_old_epoch_are_ignored_after_a_restart() -> None:
 
 def test_unknown_duplicate_and_foreign_replies_are_counted_not_applied() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     replies = h.to_workers(step)
     c = h.stage.counters
     ignored = [
@@ -554,23 +558,23 @@ def test_unknown_duplicate_and_foreign_replies_are_counted_not_applied() -> None
         Result(task_id="s", epoch=0, rank=0),  # not an answer to a lifecycle command: a late result
     ]
     for reply in ignored:
-        assert h.stage.on_reply(reply, h.now) == StageStep() and h.stage.state is S.TRANSITIONING
+        assert stage_inputs.on_reply(h.stage, reply, h.now) == StageStep() and h.stage.state is S.TRANSITIONING
     assert c.unknown_replies_ignored == 2 and c.late_results == 1
-    h.stage.on_reply(replies[0], h.now)
-    h.stage.on_reply(replies[0], h.now)
+    stage_inputs.on_reply(h.stage, replies[0], h.now)
+    stage_inputs.on_reply(h.stage, replies[0], h.now)
     assert c.duplicate_replies_ignored == 1 and h.stage.state is S.TRANSITIONING
     # A NACK from a rank that already ACKed is a duplicate too, not a failure.
     nack = Nack(task_id="s", epoch=0, rank=0, command="Sleep", reason=NackReason.BUSY, state=W.ACTIVE)
-    assert h.stage.on_reply(nack, h.now) == StageStep() and c.duplicate_replies_ignored == 2
+    assert stage_inputs.on_reply(h.stage, nack, h.now) == StageStep() and c.duplicate_replies_ignored == 2
     h.feed(replies[1:])
     assert h.stage.state is S.SLEEPING
-    assert h.stage.on_reply(replies[1], h.now) == StageStep() and c.unknown_replies_ignored == 3
+    assert stage_inputs.on_reply(h.stage, replies[1], h.now) == StageStep() and c.unknown_replies_ignored == 3
 
 
 def test_replies_while_draining_are_unknown() -> None:
     h = reach_stage(S.DRAINING)
     ack = Ack(task_id="drain", epoch=0, rank=0, command="Sleep", state=W.SLEEPING, asleep_tags=("kv_cache", "weights"))
-    assert h.stage.on_reply(ack, h.now) == StageStep() and h.stage.state is S.DRAINING
+    assert stage_inputs.on_reply(h.stage, ack, h.now) == StageStep() and h.stage.state is S.DRAINING
     assert h.stage.counters.unknown_replies_ignored == 1
 
 
@@ -579,9 +583,9 @@ def test_replies_while_draining_are_unknown() -> None:
 
 def test_retry_in_flight_resends_only_to_silent_ranks() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     h.feed(h.to_workers(step, ranks={1}))
-    retry = h.stage.sleep("s", 1, None, h.now, 5.0)
+    retry = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     assert sorted(o.rank for o in retry.sends) == [0, 2] and retry.outcome is None
     assert all(o.command == step.sends[0].command for o in retry.sends)
     assert h.stage.counters.retries == 1
@@ -593,46 +597,46 @@ def test_retry_in_flight_resends_only_to_silent_ranks() -> None:
 
 def test_retry_after_the_end_returns_the_recorded_outcome() -> None:
     h = reach_stage(S.RUNNING)
-    first = outcome_of(h.complete(h.stage.sleep("s", 1, None, h.now, 5.0)))
-    h.complete(h.stage.wake("w", None, h.now, 5.0))
-    again = h.stage.sleep("s", 1, None, h.now, 5.0)
+    first = outcome_of(h.complete(stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)))
+    h.complete(stage_inputs.wake(h.stage, "w", None, h.now, 5.0))
+    again = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     assert again.sends == () and again.outcome is first and h.stage.state is S.RUNNING
     # Also a failed task: its failure is what a retry gets (no silent second attempt).
-    h.stage.on_rank_died(0, "gone", h.now)
+    stage_inputs.on_rank_died(h.stage, 0, "gone", h.now)
     h.restart()
-    h.stage.on_tick(0.0)
-    step = h.stage.sleep("s2", 1, None, 0.0, 1.0)
-    failed = outcome_of(h.stage.on_tick(1.0))
+    stage_inputs.on_tick(h.stage, 0.0)
+    step = stage_inputs.sleep(h.stage, "s2", 1, None, 0.0, 1.0)
+    failed = outcome_of(stage_inputs.on_tick(h.stage, 1.0))
     assert not failed.ok
     h.restart()
-    assert h.stage.sleep("s2", 1, None, 0.0, 1.0).outcome is failed
+    assert stage_inputs.sleep(h.stage, "s2", 1, None, 0.0, 1.0).outcome is failed
     assert step.sends
 
 
 def test_retry_while_draining_sends_nothing() -> None:
     h = reach_stage(S.DRAINING)
-    assert h.stage.sleep("drain", 1, None, h.now, 5.0) == StageStep()
+    assert stage_inputs.sleep(h.stage, "drain", 1, None, h.now, 5.0) == StageStep()
     assert h.stage.counters.retries == 1
 
 
 def test_retry_that_spells_the_same_tags_differently_is_the_same_task() -> None:
     h = reach_stage(S.RUNNING)
-    h.stage.sleep("s", 1, ("weights", "kv_cache"), h.now, 5.0)
-    assert len(h.stage.sleep("s", 1, ("kv_cache", "weights", "kv_cache"), h.now, 5.0).sends) == 3
+    stage_inputs.sleep(h.stage, "s", 1, ("weights", "kv_cache"), h.now, 5.0)
+    assert len(stage_inputs.sleep(h.stage, "s", 1, ("kv_cache", "weights", "kv_cache"), h.now, 5.0).sends) == 3
 
 
 @pytest.mark.parametrize("finished", [False, True])
 def test_different_command_with_the_same_task_id_raises(finished: bool) -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.sleep("s", 1, None, h.now, 5.0)
+    step = stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     if finished:
         h.complete(step)
     state = h.stage.state
     for call in (
-        lambda: h.stage.sleep("s", 2, None, h.now, 5.0),
-        lambda: h.stage.sleep("s", 1, ("weights",), h.now, 5.0),
-        lambda: h.stage.wake("s", None, h.now, 5.0),
-        lambda: h.stage.reload("s", None, h.now, 5.0),
+        lambda: stage_inputs.sleep(h.stage, "s", 2, None, h.now, 5.0),
+        lambda: stage_inputs.sleep(h.stage, "s", 1, ("weights",), h.now, 5.0),
+        lambda: stage_inputs.wake(h.stage, "s", None, h.now, 5.0),
+        lambda: stage_inputs.reload(h.stage, "s", None, h.now, 5.0),
     ):
         with pytest.raises(StageCommandError, match="task_id 's' was used for") as info:
             call()
@@ -644,25 +648,28 @@ def test_another_task_while_one_is_in_flight_is_busy() -> None:
     for state in (S.DRAINING, S.TRANSITIONING, S.WAKING):
         h = reach_stage(state)
         with pytest.raises(StageBusyError, match=f"in flight \\({state.value}\\)"):
-            h.stage.wake("other", None, h.now, 5.0)
+            stage_inputs.wake(h.stage, "other", None, h.now, 5.0)
         assert h.stage.state is state
 
 
 # ----------------------------------------------------------------------- refusals (P-11)
 
 CALLS: dict[str, tuple[tuple[str, ...], Callable]] = {
-    "sleep": (("drain", "sleep", "sleep_already"), lambda h: h.stage.sleep("x-sleep", 1, None, h.now, 5.0)),
+    "sleep": (
+        ("drain", "sleep", "sleep_already"),
+        lambda h: stage_inputs.sleep(h.stage, "x-sleep", 1, None, h.now, 5.0),
+    ),
     "sleep-level2": (
         ("drain", "sleep", "sleep_already"),
-        lambda h: h.stage.sleep("x-sleep2", 2, ("kv_cache",), h.now, 5.0),
+        lambda h: stage_inputs.sleep(h.stage, "x-sleep2", 2, ("kv_cache",), h.now, 5.0),
     ),
-    "wake": (("wake", "wake_already"), lambda h: h.stage.wake("x-wake", None, h.now, 5.0)),
-    "reload": (("reload",), lambda h: h.stage.reload("x-reload", None, h.now, 5.0)),
-    "request": (("execute",), lambda h: h.stage.request_started()),
-    "restart": (("restart",), lambda h: h.stage.restart(h.now, 5.0)),
-    "profile": (("profile",), lambda h: h.stage.profile("x-profile", True, None, h.now, 5.0)),
-    "pause": (("pause_drain", "pause_already"), lambda h: h.stage.pause("x-pause", "wait", h.now, 5.0)),
-    "resume": (("resume", "resume_already"), lambda h: h.stage.resume("x-resume", h.now)),
+    "wake": (("wake", "wake_already"), lambda h: stage_inputs.wake(h.stage, "x-wake", None, h.now, 5.0)),
+    "reload": (("reload",), lambda h: stage_inputs.reload(h.stage, "x-reload", None, h.now, 5.0)),
+    "request": (("execute",), lambda h: stage_inputs.request_started(h.stage, h.now)),
+    "restart": (("restart",), lambda h: stage_inputs.restart(h.stage, h.now, 5.0)),
+    "profile": (("profile",), lambda h: stage_inputs.profile(h.stage, "x-profile", True, None, h.now, 5.0)),
+    "pause": (("pause_drain", "pause_already"), lambda h: stage_inputs.pause(h.stage, "x-pause", "wait", h.now, 5.0)),
+    "resume": (("resume", "resume_already"), lambda h: stage_inputs.resume(h.stage, "x-resume", h.now)),
 }
 
 
@@ -702,11 +709,11 @@ def test_forbidden_call_raises_naming_the_state_and_changes_nothing(state: Stage
 def test_bad_arguments_raise_before_anything_is_sent() -> None:
     h = reach_stage(S.RUNNING)
     with pytest.raises(StageCommandError, match="level must be 1 or 2"):
-        h.stage.sleep("s", 3, None, h.now, 5.0)
+        stage_inputs.sleep(h.stage, "s", 3, None, h.now, 5.0)
     with pytest.raises(StageCommandError, match="unknown tag"):
-        h.stage.sleep("s", 1, ("lora",), h.now, 5.0)
+        stage_inputs.sleep(h.stage, "s", 1, ("lora",), h.now, 5.0)
     with pytest.raises(StageCommandError, match="non-empty"):
-        h.stage.wake("s", (), h.now, 5.0)
+        stage_inputs.wake(h.stage, "s", (), h.now, 5.0)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None
 
 
@@ -716,7 +723,7 @@ def test_bad_arguments_raise_before_anything_is_sent() -> None:
 @pytest.mark.parametrize("state", [s for s in S if s is not S.STOPPED])
 def test_stop_from_every_state(state: StageState) -> None:
     h = reach_stage(state)
-    step = h.stage.stop(h.now)
+    step = stage_inputs.stop(h.stage, h.now)
     assert h.stage.state is S.STOPPED and not h.stage.admits()
     if state in (S.DRAINING, S.TRANSITIONING, S.WAKING):
         outcome = outcome_of(step)
@@ -724,16 +731,16 @@ def test_stop_from_every_state(state: StageState) -> None:
         assert outcome.state is S.STOPPED  # where the task ended, not a transient state
     else:
         assert step.outcome is None
-    assert h.stage.stop(h.now) == StageStep()
+    assert stage_inputs.stop(h.stage, h.now) == StageStep()
 
 
 # ----------------------------------------------------------------------- transition coverage
 
 
 def _fail_from_each_state() -> None:
-    reach_stage(S.STARTING).stage.on_tick(100.0)
+    stage_inputs.on_tick(reach_stage(S.STARTING).stage, 100.0)
     for state in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.DRAINING):
-        reach_stage(state).stage.on_rank_died(0, "x", 0.0)
+        stage_inputs.on_rank_died(reach_stage(state).stage, 0, "x", 0.0)
     test_nack_fails_the_stage_naming_the_rank()  # TRANSITIONING
     test_deadline_while_waking()  # WAKING
 
@@ -769,12 +776,12 @@ SETTLED = (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD)
 def test_profile_start_and_stop_never_change_the_stage(state: StageState) -> None:
     h = reach_stage(state)
     before = _stage_snapshot(h)
-    step = h.stage.profile("p-on", True, "wake", h.now, 5.0)
+    step = stage_inputs.profile(h.stage, "p-on", True, "wake", h.now, 5.0)
     assert [o.rank for o in step.sends] == [0, 1, 2] and h.stage.task_id == "p-on"
     assert {o.command for o in step.sends} == {Profile(task_id="p-on", epoch=0, start=True, prefix="wake")}
     on = outcome_of(h.complete(step))
     assert (on.ok, on.command, on.state, on.status) == (True, "Profile", state, AckStatus.OK)
-    off = outcome_of(h.complete(h.stage.profile("p-off", False, None, h.now, 5.0)))
+    off = outcome_of(h.complete(stage_inputs.profile(h.stage, "p-off", False, None, h.now, 5.0)))
     assert off.ok and off.state is state
     assert {r: a.trace_paths for r, a in off.acks.items()} == {
         r: (f"/profiles/talker-rank{r}-t0.json.gz",) for r in range(3)
@@ -788,7 +795,7 @@ SCENARIOS.extend(lambda s=s: test_profile_start_and_stop_never_change_the_stage(
 
 def test_profile_refusals_are_the_outcome_not_a_failure() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.profile("p", True, None, h.now, 5.0)
+    step = stage_inputs.profile(h.stage, "p", True, None, h.now, 5.0)
     replies = h.to_workers(step, ranks={0, 2})
     busy = Nack(
         task_id="p",
@@ -805,7 +812,7 @@ def test_profile_refusals_are_the_outcome_not_a_failure() -> None:
     assert sorted(outcome.acks) == [0, 2] and "ranks [0, 2] did it" in outcome.error
     assert h.stage.state is S.RUNNING and h.stage.task_id is None and not h.stage.failure
     # An old worker that does not know Profile (BAD_MESSAGE) is a refusal too; the stage serves on.
-    step = h.stage.profile("p2", False, None, h.now, 5.0)
+    step = stage_inputs.profile(h.stage, "p2", False, None, h.now, 5.0)
     old = [
         Nack(
             task_id="p2",
@@ -823,7 +830,7 @@ def test_profile_refusals_are_the_outcome_not_a_failure() -> None:
 
 def test_a_profile_reply_in_another_state_fails_the_stage_naming_the_rank() -> None:
     h = reach_stage(S.SLEEPING)
-    h.stage.profile("p", True, None, h.now, 5.0)
+    stage_inputs.profile(h.stage, "p", True, None, h.now, 5.0)
     failed = Nack(
         task_id="p",
         epoch=0,
@@ -840,16 +847,16 @@ def test_a_profile_reply_in_another_state_fails_the_stage_naming_the_rank() -> N
 
 def test_a_profile_in_flight_holds_lifecycle_calls_but_not_requests() -> None:
     h = reach_stage(S.RUNNING)
-    step = h.stage.profile("p", True, None, h.now, 5.0)
+    step = stage_inputs.profile(h.stage, "p", True, None, h.now, 5.0)
     with pytest.raises(StageBusyError, match="task 'p' is in flight"):
-        h.stage.sleep("s", 1, None, h.now, 5.0)
+        stage_inputs.sleep(h.stage, "s", 1, None, h.now, 5.0)
     with pytest.raises(StageCommandError, match="a task is in flight"):
-        h.stage.restart(h.now, 5.0)
+        stage_inputs.restart(h.stage, h.now, 5.0)
     assert h.stage.admits()
-    h.stage.request_started()
+    stage_inputs.request_started(h.stage, h.now)
     assert outcome_of(h.complete(step)).ok and h.stage.in_flight_requests == 1
     with pytest.raises(StageCommandError, match="used for"):
-        h.stage.profile("p", False, None, h.now, 5.0)  # one task id, one command
+        stage_inputs.profile(h.stage, "p", False, None, h.now, 5.0)  # one task id, one command
 
 
 @pytest.mark.parametrize(
@@ -865,7 +872,7 @@ def test_a_profile_in_flight_holds_lifecycle_calls_but_not_requests() -> None:
 def test_profile_bad_arguments_raise_before_anything_is_sent(start: object, prefix: str, match: str) -> None:
     h = reach_stage(S.RUNNING)
     with pytest.raises(StageCommandError, match=match):
-        h.stage.profile("p", start, prefix, h.now, 5.0)  # type: ignore[arg-type]
+        stage_inputs.profile(h.stage, "p", start, prefix, h.now, 5.0)  # type: ignore[arg-type]
     assert h.stage.task_id is None
 
 
@@ -894,35 +901,35 @@ def _pause_scenario() -> None:
     """The PAUSED rows (tests/test_pause_core.py checks what each does)."""
     h = reach_stage(S.RUNNING)
     st = h.stage
-    st.request_started()
-    st.pause("p1", "wait", h.now, 5.0)  # pause_drain: a request is in flight
+    stage_inputs.request_started(st, h.now)
+    stage_inputs.pause(st, "p1", "wait", h.now, 5.0)  # pause_drain: a request is in flight
     assert st.state is S.DRAINING
-    st.request_finished(h.now)  # pause_drained
-    assert outcome_of(st.pause("p2", "abort", h.now, 5.0)).status is AckStatus.ALREADY  # pause_already
-    assert outcome_of(st.wake("w", None, h.now, 5.0)).status is AckStatus.ALREADY  # wake_already
-    assert outcome_of(h.complete(st.profile("pr", True, None, h.now, 5.0))).state is S.PAUSED
+    stage_inputs.request_finished(st, h.now)  # pause_drained
+    assert outcome_of(stage_inputs.pause(st, "p2", "abort", h.now, 5.0)).status is AckStatus.ALREADY  # pause_already
+    assert outcome_of(stage_inputs.wake(st, "w", None, h.now, 5.0)).status is AckStatus.ALREADY  # wake_already
+    assert outcome_of(h.complete(stage_inputs.profile(st, "pr", True, None, h.now, 5.0))).state is S.PAUSED
     call = I.WeightGroupCall("g", "trainer", "127.0.0.1", 29500, 4, 1, "gloo", 5.0)
-    assert outcome_of(h.complete(st.init_weight_group(call, h.now))).state is S.PAUSED
-    assert outcome_of(st.resume("u1", h.now)).state is S.RUNNING  # resume
-    assert outcome_of(st.resume("u2", h.now)).status is AckStatus.ALREADY  # resume_already
-    st.pause("p3", "keep", h.now, 5.0)
-    h.complete(st.sleep("s", 1, None, h.now, 5.0))  # sleep from PAUSED: no drain
-    assert st.state is S.SLEEPING and st.core.paused
-    assert outcome_of(h.complete(st.wake("w1", None, h.now, 5.0))).state is S.PAUSED  # woke_paused
+    assert outcome_of(h.complete(stage_inputs.init_weight_group(st, call, h.now))).state is S.PAUSED
+    assert outcome_of(stage_inputs.resume(st, "u1", h.now)).state is S.RUNNING  # resume
+    assert outcome_of(stage_inputs.resume(st, "u2", h.now)).status is AckStatus.ALREADY  # resume_already
+    stage_inputs.pause(st, "p3", "keep", h.now, 5.0)
+    h.complete(stage_inputs.sleep(st, "s", 1, None, h.now, 5.0))  # sleep from PAUSED: no drain
+    assert st.state is S.SLEEPING and st.paused
+    assert outcome_of(h.complete(stage_inputs.wake(st, "w1", None, h.now, 5.0))).state is S.PAUSED  # woke_paused
     for tags, asleep in ((("weights",), S.PARTIAL), (None, S.SLEEPING)):
-        h.complete(st.sleep(f"s-{asleep.value}", 1, None, h.now, 5.0))
+        h.complete(stage_inputs.sleep(st, f"s-{asleep.value}", 1, None, h.now, 5.0))
         if tags:
-            h.complete(st.wake("w2", tags, h.now, 5.0))
-        assert st.state is asleep and st.core.paused
-        assert outcome_of(st.resume(f"u-{asleep.value}", h.now)).state is asleep  # resume_asleep
-        h.complete(st.wake(f"w-{asleep.value}", None, h.now, 5.0))
+            h.complete(stage_inputs.wake(st, "w2", tags, h.now, 5.0))
+        assert st.state is asleep and st.paused
+        assert outcome_of(stage_inputs.resume(st, f"u-{asleep.value}", h.now)).state is asleep  # resume_asleep
+        h.complete(stage_inputs.wake(st, f"w-{asleep.value}", None, h.now, 5.0))
         assert st.state is S.RUNNING
-        st.pause(f"p-{asleep.value}", "wait", h.now, 5.0)
-    h.complete(st.sleep("s2", 2, None, h.now, 5.0))
-    h.complete(st.wake("w3", None, h.now, 5.0))
-    assert st.state is S.NEEDS_RELOAD and outcome_of(st.resume("u3", h.now)).state is S.NEEDS_RELOAD
+        stage_inputs.pause(st, f"p-{asleep.value}", "wait", h.now, 5.0)
+    h.complete(stage_inputs.sleep(st, "s2", 2, None, h.now, 5.0))
+    h.complete(stage_inputs.wake(st, "w3", None, h.now, 5.0))
+    assert st.state is S.NEEDS_RELOAD and outcome_of(stage_inputs.resume(st, "u3", h.now)).state is S.NEEDS_RELOAD
     paused = reach_stage(S.PAUSED)
-    paused.stage.on_rank_died(0, "x", 0.0)  # fail
+    stage_inputs.on_rank_died(paused.stage, 0, "x", 0.0)  # fail
     test_restart_bumps_the_epoch_and_starts_fresh(S.PAUSED)
 
 
@@ -934,7 +941,7 @@ SCENARIOS.append(test_a_paused_stage_takes_a_weight_update_and_stays_paused)
 def test_reset_prefix_cache_goes_to_every_rank_and_keeps_the_state(state: StageState) -> None:
     h = reach_stage(state)
     asleep = h.stage.residency.asleep
-    step = h.stage.core.step(I.CommandCall(ResetPrefixCache(task_id="r", epoch=0), 5.0), h.now)
+    step = h.stage.step(I.CommandCall(ResetPrefixCache(task_id="r", epoch=0), 5.0), h.now)
     assert [o.rank for o in step.sends] == [0, 1, 2]
     outcome = outcome_of(h.complete(step))
     assert (outcome.ok, outcome.command, outcome.state) == (True, "ResetPrefixCache", state)

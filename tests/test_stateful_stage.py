@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+import stage_inputs
 from broken_variants import BROKEN, CommitsOnFirstAckStage, NoEpochFenceStage, NoEpochFenceWorker
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -282,7 +283,7 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
     def request_start(self) -> None:
         legal = self.model.request_started()
         try:
-            self.stage.request_started()
+            stage_inputs.request_started(self.stage, self.now)
         except StageCommandError as exc:
             if legal:
                 raise ModelMismatch(f"request refused in {self.stage.state.value}: {exc}") from None
@@ -293,7 +294,9 @@ class StageMachine(RuleBasedStateMachine, OnSimulator):
 
     def request_finish(self) -> None:
         sends = self.model.request_finished()
-        step = self.stage.request_finished(self.now)  # every rank answers it; the shell sends what it says
+        step = stage_inputs.request_finished(
+            self.stage, self.now
+        )  # every rank answers it; the shell sends what it says
         if self.model.just_paused:  # the last request of a pause's drain: PAUSED, nothing sent
             self._done(step)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import stage_inputs
 
 from omni_core.fsm import StageCommandError
 from omni_core.fsm.effects import ShareEffect, UpdateEffect
@@ -180,10 +181,10 @@ def test_a_worker_without_the_capability_refuses_updates() -> None:
 def test_in_running_the_update_drains_first_and_requests_wait_until_every_rank_acked() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
     st = h.stage
-    st.request_started()
-    step = st.update_weights("u1", 1, DISK, h.now, 5.0)
+    stage_inputs.request_started(st, h.now)
+    step = stage_inputs.update_weights(st, "u1", 1, DISK, h.now, 5.0)
     assert not step.sends and st.state is S.DRAINING and not st.admits()
-    sent = st.request_finished(h.now)
+    sent = stage_inputs.request_finished(st, h.now)
     assert st.state is S.WAKING and {type(o.command) for o in sent.sends} == {UpdateWeights}
     replies = h.to_workers(sent)
     h.feed(replies[:1])
@@ -194,16 +195,16 @@ def test_in_running_the_update_drains_first_and_requests_wait_until_every_rank_a
 
 def test_an_update_drain_that_times_out_stays_running_and_sends_nothing() -> None:
     h = reach_stage(S.RUNNING, ranks=1)
-    h.stage.request_started()
-    h.stage.update_weights("u1", 1, DISK, h.now, 5.0)
-    step = h.stage.on_tick(h.now + 6.0)
+    stage_inputs.request_started(h.stage, h.now)
+    stage_inputs.update_weights(h.stage, "u1", 1, DISK, h.now, 5.0)
+    step = stage_inputs.on_tick(h.stage, h.now + 6.0)
     assert step.outcome is not None and not step.outcome.ok and "update abandoned" in step.outcome.error
     assert h.stage.state is S.RUNNING and h.stage.weights_version == 0
 
 
 def test_an_ack_at_another_version_fails_the_stage_naming_both() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
-    step = h.stage.update_weights("u1", 2, DISK, h.now, 5.0)
+    step = stage_inputs.update_weights(h.stage, "u1", 2, DISK, h.now, 5.0)
     replies = h.to_workers(step)
     forged = msgspec.structs.replace(replies[1], weights_version=9)
     outcome = h.feed([replies[0], forged]).outcome
@@ -213,7 +214,7 @@ def test_an_ack_at_another_version_fails_the_stage_naming_both() -> None:
 
 def test_a_result_from_another_version_is_never_served() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
-    h.stage.request_started()
+    stage_inputs.request_started(h.stage, h.now)
     request = next(iter(h.stage.in_flight))
     from omni_core.fsm import inputs as I
 
@@ -229,8 +230,8 @@ def test_ranks_starting_at_different_versions_fail_the_start() -> None:
     h = reach_stage(S.STARTING, ranks=2)
     h.hello(0, weights_version=1)
     h.hello(1, weights_version=2)
-    h.stage.on_hello(h.hello(0, weights_version=1), h.now)
-    h.stage.on_hello(h.hello(1, weights_version=2), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(0, weights_version=1), h.now)
+    stage_inputs.on_hello(h.stage, h.hello(1, weights_version=2), h.now)
     assert h.stage.state is S.FAILED and "different weights" in h.stage.failure
 
 
@@ -238,16 +239,16 @@ def test_ranks_starting_at_different_versions_fail_the_start() -> None:
 def test_the_stage_refuses_an_update_where_the_weights_are_not_resident(state: StageState) -> None:
     h = reach_stage(state, ranks=1)
     with pytest.raises(StageCommandError):
-        h.stage.update_weights("u1", 1, DISK, h.now, 5.0)
+        stage_inputs.update_weights(h.stage, "u1", 1, DISK, h.now, 5.0)
     assert h.stage.state is state
 
 
 def test_the_stage_refuses_a_stale_version_before_sending() -> None:
     h = reach_stage(S.RUNNING, ranks=1)
-    h.complete(h.stage.update_weights("u1", 4, DISK, h.now, 5.0))
+    h.complete(stage_inputs.update_weights(h.stage, "u1", 4, DISK, h.now, 5.0))
     with pytest.raises(StageCommandError, match="version 4 is not above the stage's version 4"):
-        h.stage.update_weights("u2", 4, DISK, h.now, 5.0)
-    assert h.stage.update_weights("u1", 4, DISK, h.now, 5.0).outcome.status is AckStatus.OK  # type: ignore[union-attr]
+        stage_inputs.update_weights(h.stage, "u2", 4, DISK, h.now, 5.0)
+    assert stage_inputs.update_weights(h.stage, "u1", 4, DISK, h.now, 5.0).outcome.status is AckStatus.OK  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("state", [W.SLEEPING, W.NEEDS_RELOAD, W.PARTIAL])
@@ -283,12 +284,12 @@ def test_a_restart_whose_ranks_ignore_their_start_source_fails_naming_them() -> 
     loaded its checkpoint instead (a worker ignoring start_source) would serve version 0 under
     the label 4."""
     h = reach_stage(S.RUNNING, ranks=2)
-    h.complete(h.stage.update_weights("u", 4, DISK, h.now, 5.0))
+    h.complete(stage_inputs.update_weights(h.stage, "u", 4, DISK, h.now, 5.0))
     assert h.stage.weights_version == 4
     h.sim.restart(10.0, hello=False)
     assert h.stage.start_weights is not None and h.stage.start_weights.source == "/ckpt"
     for rank in (0, 1):
-        h.stage.on_hello(h.hello(rank, weights_version=0), h.now)
+        stage_inputs.on_hello(h.stage, h.hello(rank, weights_version=0), h.now)
     assert h.stage.state is S.FAILED
     assert "started at weights version 0, not 4 (loaded from /ckpt)" in h.stage.failure
 
@@ -296,7 +297,7 @@ def test_a_restart_whose_ranks_ignore_their_start_source_fails_naming_them() -> 
 def test_a_floor_survives_a_second_restart_and_a_reset_clears_it() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
     shm = _shm(64, TensorSpec(name="w", dtype="float32", shape=(4,)))
-    h.complete(h.stage.update_weights("u", 2, shm, h.now, 5.0))
+    h.complete(stage_inputs.update_weights(h.stage, "u", 2, shm, h.now, 5.0))
     h.restart()
     assert (h.stage.state, h.stage.weights_version, h.stage.versions.floor) == (S.NEEDS_RELOAD, 0, 2)
     h.restart()  # nothing came back in between: the floor holds
@@ -305,3 +306,24 @@ def test_a_floor_survives_a_second_restart_and_a_reset_clears_it() -> None:
     h.sim.deliver_all()
     assert (h.stage.state, h.stage.weights_version, h.stage.versions.floor) == (S.RUNNING, 0, 0)
     assert h.stage.versions.last_reset is not None and h.stage.versions.last_reset.from_version == 2
+
+
+@pytest.mark.parametrize("version", [0, -1, True, 1.0, 1 << 63])
+def test_a_version_outside_the_wires_bounds_is_refused_by_the_one_rule(version: object) -> None:
+    """The stage core, the engine and the wire hold an update's version to one rule
+    (new_version_problem, NewWeightsVersion's bounds): what it refuses never reaches a rank."""
+    from omni_core.fsm import inputs as I
+    from omni_core.protocol import UpdateWeights, new_version_problem
+    from omni_core.protocol.weights import MAX_WEIGHTS_VERSION
+
+    problem = new_version_problem(version)
+    assert problem is not None and f"1..{MAX_WEIGHTS_VERSION}" in problem and repr(version) in problem
+    h = reach_stage(S.RUNNING)
+    with pytest.raises(StageCommandError) as refused:
+        h.stage.step(I.UpdateCall("u", version, DISK, 10.0), h.now)  # type: ignore[arg-type]
+    assert str(refused.value) == problem
+    if type(version) is int:  # the wire says the same of the command
+        wire = msgspec.to_builtins(UpdateWeights(task_id="u", epoch=0, version=version, source=DISK))
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(wire, UpdateWeights)
+    assert new_version_problem(1) is None and new_version_problem(MAX_WEIGHTS_VERSION) is None

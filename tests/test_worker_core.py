@@ -719,7 +719,7 @@ def test_failed_task_duplicate_gets_the_same_nack() -> None:
 @pytest.mark.parametrize("state", [W.OFFLOADING, W.RESTORING, W.RELOADING])
 def test_effect_error_in_each_transient_state(state: WorkerState) -> None:
     d = reach_worker(state)
-    task_id = d.w._pending.command.task_id  # type: ignore[union-attr]
+    task_id = d.w.work.pending.command.task_id  # type: ignore[union-attr]
     (nack,) = d.w.step(EffectRaised(task_id, BOOM)).replies
     assert nack.reason is NackReason.BACKEND_ERROR and d.w.state is W.FAILED
 
@@ -1029,12 +1029,13 @@ def test_a_busy_refusal_of_a_profile_is_recorded_so_a_copy_never_runs_after_it()
 
 def test_step_is_the_only_door() -> None:
     """Every input reaches the core through `step` (commands: epoch fence, reply cache, BUSY
-    first; every input: the invariants after it); `state` and `busy` are read-only."""
+    first; every input: the invariants after it); `state` and `busy` are read-only, and
+    `restore` builds a state (a case, a test's start), no input."""
     public = {name for name in dir(WorkerCore) if not name.startswith("_")}
     data = {"rank", "weights_version", "weight_group", "tags", "epoch", "capabilities", "residency", "lifecycle"}
-    data |= {"cache", "counters", "failure", "profiling", "max_in_flight"}
-    assert public - data == {"step", "state", "busy", "in_progress"}
-    for name in ("state", "busy", "in_progress"):
+    data |= {"cache", "counters", "failure", "profiling", "work"}
+    assert public - data == {"step", "state", "busy", "in_progress", "max_in_flight", "restore"}
+    for name in ("state", "busy", "in_progress", "max_in_flight"):
         prop = getattr(WorkerCore, name)
         assert isinstance(prop, property) and prop.fset is None
     with pytest.raises(InvariantViolation, match="takes no input"):

@@ -45,8 +45,8 @@ from omni_core.fsm.inputs import (
     WakeCall,
     WeightGroupCall,
 )
-from omni_core.fsm.stage_calls import memory_wait_problem
-from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource, ResetPrefixCache
+from omni_core.fsm.stage import memory_wait_problem
+from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource, ResetPrefixCache, new_version_problem
 from omni_core.protocol.weights import WeightSource
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
@@ -328,8 +328,9 @@ class Engine(AdapterCalls):
         blocks; each rank's `caches_dropped` in the report); `flush_cache=False` keeps those keyed
         by version and is refused (InvalidArgumentError, nothing written) when the runner holds
         one keyed by prompt alone."""
-        if type(version) is not int or version < 1:
-            raise InvalidArgumentError(f"version must be an int >= 1, got {version!r}")
+        problem = new_version_problem(version)
+        if problem is not None:
+            raise InvalidArgumentError(problem)
         checked = _checked_source(DiskSource(path=source) if isinstance(source, str) else source)
         tid, deadline_s = self._task(stage, "update", task_id, timeout_s)
         return self._lifecycle(stage, UpdateCall(tid, version, checked, deadline_s, flush_cache))

@@ -20,11 +20,11 @@ from typing import Any
 
 from omni_core.formal.tlc import EXIT_OK, run_tlc
 from omni_core.fsm import inputs as I
-from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.stage import StageCommandError, StageCore
+from omni_core.fsm.stage_step import StageSnapshot
 from omni_core.fsm.tags import Residency, plan_sleep
 from omni_core.fsm.worker import CommandReceived, EffectCompleted, WorkerCore
-from omni_core.fsm.worker_step import _CachedReply, _Pending, command_digest
+from omni_core.fsm.worker_step import PendingEffect, WorkerSnapshot, _CachedReply, command_digest
 from omni_core.protocol import (
     Ack,
     AckStatus,
@@ -146,11 +146,6 @@ def spec_table(root: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> SpecTable
 # ----------------------------------------------------------------- the cores in a case
 
 
-def _place(lifecycle: Any, state: Any) -> None:
-    """Put a core's lifecycle in `state` directly: a case, not a path to it."""
-    lifecycle._machine.set_state(state, model=lifecycle._model)
-
-
 def _tags(tags: frozenset[str]) -> tuple[str, ...]:
     return tuple(sorted(tags))
 
@@ -196,22 +191,20 @@ def _reused(factory: Callable[..., Any], *args: Any) -> Any:
 def _worker(w: Key, m: Key | None, factory: Callable[..., WorkerCore]) -> tuple[WorkerCore, Any]:
     state, asleep, valid, ptask, ptype, plevel, pplan, cached = w
     core = _reused(factory, 0)
-    core.epoch, core.failure, core._pending, core._running = _EPOCH, "", None, {}
-    core.residency = Residency(core.tags)
-    core.cache = BoundedCache(core.cache.max_entries, core.cache.max_bytes)
-    _place(core.lifecycle, WorkerState(state))
-    core.residency.asleep, core.residency.weights_valid = frozenset(asleep), valid
+    pending: PendingEffect | None = None
+    running: tuple[Execute, ...] = ()
     if ptask:
         command = _command((ptype, plevel, pplan, ptask, _EPOCH))
         if ptype == "Sleep":
-            plan = plan_sleep(plevel, frozenset(pplan), weights_valid=valid)
-            core._pending = _Pending(command, sleep_plan=plan)
+            pending = PendingEffect(command, sleep_plan=plan_sleep(plevel, frozenset(pplan), weights_valid=valid))
         elif ptype == "Wake":
-            core._pending = _Pending(command, wake_tags=frozenset(pplan))
+            pending = PendingEffect(command, wake_tags=frozenset(pplan))
         elif isinstance(command, Execute):  # the spec's one request in progress: a batch of one
-            core._running[command.task_id] = command
+            running = (command,)
         else:
-            core._pending = _Pending(command, state_before=WorkerState.ACTIVE)
+            pending = PendingEffect(command, state_before=WorkerState.ACTIVE)
+    snapshot = WorkerSnapshot(WorkerState(state), _EPOCH, frozenset(asleep), valid, pending=pending, running=running)
+    core.restore(snapshot)
     marker = None
     if cached and m is not None:
         command = _command(m[:3] + (2, _EPOCH))
@@ -240,14 +233,14 @@ def worker_recv(w: Key, m: Key, factory: Callable[..., WorkerCore] = WorkerCore)
     cache_added = core.cache._entries.get(task_id) is not before
     return (
         core.state.value,
-        *_pending(core._pending or next((_Pending(c) for c in core._running.values()), None)),
+        *_pending(core.work.pending or next((PendingEffect(c) for c in core.work.running.values()), None)),
         cache_added,
         effect is not None,
         *_reply(replies[0] if replies else None, marker),
     )
 
 
-def _pending(pending: _Pending | None) -> tuple[str, frozenset[str], frozenset[str]]:
+def _pending(pending: PendingEffect | None) -> tuple[str, frozenset[str], frozenset[str]]:
     """(type, tags it moves, tags it offloads) of the effect in progress, as the spec's wpend."""
     if pending is None:
         return _NONE, frozenset(), frozenset()
@@ -267,9 +260,8 @@ def worker_done(w: Key, factory: Callable[..., WorkerCore] = WorkerCore) -> tupl
 def _stage(s: Key, factory: Callable[..., StageCore]) -> StageCore:
     state, asleep, valid = s
     stage = factory("agree", 1, epoch=_EPOCH)
-    _place(stage.lifecycle, StageState(state))
-    stage.residency.asleep, stage.residency.weights_valid = frozenset(asleep), valid
-    stage.rank_state = {0: WorkerState.ACTIVE if state == "RUNNING" else WorkerState(state)}
+    rank_state = {0: WorkerState.ACTIVE if state == "RUNNING" else WorkerState(state)}
+    stage.restore(StageSnapshot(StageState(state), frozenset(asleep), valid, rank_state))
     return stage
 
 
@@ -290,7 +282,7 @@ def stage_issue(s: Key, c: Key, factory: Callable[..., StageCore] = StageCore) -
     except StageCommandError:
         return None
     sent = frozenset(type(o.command).__name__ for o in step.sends)
-    task = stage._task
+    task = stage.task
     if task is None:
         return (
             stage.state.value,
@@ -343,7 +335,7 @@ def stage_reply(s: Key, c: Key, x: Key, factory: Callable[..., StageCore] = Stag
     state, whether it names failed ranks, the task's outcome, the residency it holds."""
     stage = _stage(s, factory)
     _call(stage, c)
-    if stage._task is None:
+    if stage.task is None:
         return None  # nothing was sent: the spec takes no reply either
     step = stage.step(I.Received(_reply_message(c[0], x)), 0.5)
     o = step.outcome

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from omni_core.formal.agree import AgreeParseError, Disagreement, _place, parse_lines
+from omni_core.formal.agree import AgreeParseError, Disagreement, parse_lines
 from omni_core.formal.tlc import EXIT_OK, run_tlc
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.stage import StageCore
-from omni_core.fsm.stage_step import _Request, _Task
+from omni_core.fsm.stage_step import StageRequest, StageSnapshot, StageTask
 from omni_core.fsm.stage_table import STAGE_STATE_OF_RANK
 from omni_core.protocol import Sleep, StageState, WorkerState
 
@@ -56,17 +56,11 @@ def _core(case: Case, factory: Callable[..., StageCore]) -> StageCore:
     state, policy, queued, in_flight = case
     core = factory("agree", 1, policy=AdmissionPolicy(policy), queue_limit=QUEUE_LIMIT, max_in_flight=MAX_IN_FLIGHT)
     stage_state = StageState(state)
-    _place(core.lifecycle, stage_state)
-    core.paused = stage_state is StageState.PAUSED  # the spec's PAUSED case: a pause holds it
     tags = frozenset(core.tags)
-    core.residency.asleep = {StageState.SLEEPING: tags, StageState.PARTIAL: tags - {"weights"}}.get(
-        stage_state, frozenset()
-    )
-    core.residency.weights_valid = stage_state is not StageState.NEEDS_RELOAD
-    core.rank_state = {0: _RANK_STATE.get(stage_state, WorkerState.ACTIVE)}  # the rank agrees (P-5)
+    task = None
     if stage_state in _IN_TASK:  # a sleep under way, as the spec's case has
         command = Sleep(task_id="task", epoch=core.epoch, level=1, tags=None)
-        core._task = _Task(
+        task = StageTask(
             "task",
             ("Sleep", 1, None),
             command,
@@ -77,10 +71,17 @@ def _core(case: Case, factory: Callable[..., StageCore]) -> StageCore:
             commit_trigger="slept",
             apply=lambda res: None,
         )
-    for i in range(queued):
-        core.queue.append(_Request(f"q{i}", None, float("inf")))
-    for i in range(in_flight):
-        core.in_flight[f"f{i}"] = _Request(f"f{i}", None, float("inf"))
+    snapshot = StageSnapshot(
+        stage_state,
+        {StageState.SLEEPING: tags, StageState.PARTIAL: tags - {"weights"}}.get(stage_state, frozenset()),
+        weights_valid=stage_state is not StageState.NEEDS_RELOAD,
+        rank_state={0: _RANK_STATE.get(stage_state, WorkerState.ACTIVE)},  # the rank agrees (P-5)
+        paused=stage_state is StageState.PAUSED,  # the spec's PAUSED case: a pause holds it
+        task=task,
+        queued=tuple(StageRequest(f"q{i}", None, float("inf")) for i in range(queued)),
+        in_flight=tuple(StageRequest(f"f{i}", None, float("inf")) for i in range(in_flight)),
+    )
+    core.restore(snapshot)
     return core
 
 
@@ -92,7 +93,7 @@ def code_step(case: Case, step: str, factory: Callable[..., StageCore] = StageCo
         core.step(I.Tick(), 0.0)  # nothing falls due at 0: the tick only moves the queue on
         if len(core.in_flight) > in_flight:
             return "pump", "dispatch"
-        if core._task is not None and type(core._task.command).__name__ == "Wake":
+        if core.task is not None and type(core.task.command).__name__ == "Wake":
             return "pump", "auto_wake"
         return "pump", "reject_all" if queued and not core.queue else "none"
     answered = core.step(I.Submit("new", None, 60.0), 0.0).requests

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_core.formal.agree import AgreeParseError, _place, parse_lines
+from omni_core.formal.agree import AgreeParseError, parse_lines
 from omni_core.formal.tlc import EXIT_OK, run_tlc
 from omni_core.fsm import inputs as I
 from omni_core.fsm.stage import StageCore
-from omni_core.protocol import Ack, AckStatus, MemoryReport, Nack, NackReason, StageState, WorkerState
+from omni_core.fsm.stage_step import StageSnapshot
+from omni_core.protocol import Ack, AckStatus, Capability, MemoryReport, Nack, NackReason, StageState, WorkerState
 
 SPEC = "OmniAgreeRanks.tla"
 CONFIG = "agree_ranks.cfg"
@@ -119,7 +120,7 @@ def reply(call: Call, rank: int, kind: str, tags: tuple[str, ...]) -> Ack | Nack
 
 
 def _holds(stage: StageCore, outcome: str) -> Result:
-    task = stage._task
+    task = stage.task
     pending = outcome == "pending" and task is not None
     return (
         stage.state.value,
@@ -144,16 +145,19 @@ def run_case(call: Call, seq: tuple[Choice, ...], factory: Callable[..., StageCo
     command, wait = call
     stage = factory("agree", RANKS, epoch=STAGE_EPOCH)
     settled = StageState.RUNNING if command == "Sleep" else StageState.SLEEPING
-    _place(stage.lifecycle, settled)
-    stage.residency.asleep = frozenset() if command == "Sleep" else frozenset(stage.tags)
     rank_state = WorkerState.ACTIVE if command == "Sleep" else WorkerState.SLEEPING
-    stage.rank_state = {r: rank_state for r in range(RANKS)}
-    stage.rank_capabilities = {r: frozenset({"swap"}) for r in range(RANKS)}  # a wake may wait (P-16)
+    snapshot = StageSnapshot(
+        settled,
+        frozenset() if command == "Sleep" else frozenset(stage.tags),
+        rank_state={r: rank_state for r in range(RANKS)},
+        rank_capabilities={r: frozenset({Capability.SWAP}) for r in range(RANKS)},  # a wake may wait (P-16)
+    )
+    stage.restore(snapshot)
     if command == "Sleep":
         step = stage.step(I.SleepCall(_TASK, 1, None, 10.0), 0.0)
     else:
         step = stage.step(I.WakeCall(_TASK, None, 10.0, memory_wait_s=1.0 if wait else 0.0), 0.0)
-    outcome = _outcome(step, "pending" if stage._task is not None else "none")
+    outcome = _outcome(step, "pending" if stage.task is not None else "none")
     held = {1: _holds(stage, outcome)}
     for i, (rank, _) in enumerate(seq):
         step = stage.step(I.Received(reply(call, rank, _resolve(seq, i), stage.tags)), 0.1 * (i + 1))

@@ -5,6 +5,8 @@ are the single source of truth: docs diagrams, the TLA+ transition module and th
 conformance suite derive from them.
 """
 
+from typing import Any
+
 from omni_core.fsm import effects
 from omni_core.fsm.effects import *  # noqa: F403 - every effect, listed once in effects.__all__
 from omni_core.fsm.reply_cache import BoundedCache
@@ -16,15 +18,17 @@ from omni_core.fsm.stage import (
     StageStep,
     TaskOutcome,
 )
+from omni_core.fsm.stage_step import StageSnapshot
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.table import Lifecycle, Transition, table_as_dict, table_as_mermaid
 from omni_core.fsm.tags import DEFAULT_TAGS, KV_CACHE_TAG, WEIGHTS_TAG, Residency
 from omni_core.fsm.worker import InvariantViolation, WorkerCore, WorkerStep
+from omni_core.fsm.worker_step import WorkerSnapshot
 from omni_core.fsm.worker_table import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
 
 
-def export_tables() -> dict[str, dict]:
+def export_tables() -> dict[str, dict[str, Any]]:
     """Both tables as plain data: `{lifecycle: {"initial": ..., "transitions": {...}}}`."""
     return {
         "worker": {"initial": WorkerState.LOADING.value, "transitions": table_as_dict(WORKER_TRANSITIONS)},
@@ -53,10 +57,12 @@ __all__ = [
     "StageBusyError",
     "StageCommandError",
     "StageCore",
+    "StageSnapshot",
     "StageStep",
     "TaskOutcome",
     "Transition",
     "WorkerCore",
+    "WorkerSnapshot",
     "WorkerStep",
     "export_mermaid",
     "export_tables",

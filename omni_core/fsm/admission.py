@@ -100,7 +100,7 @@ QUEUE_RULES: tuple[QueueRow, ...] = (
 )
 
 
-def _index(rows: tuple) -> dict[tuple[S, AdmissionPolicy], object]:
+def _index(rows: tuple[AdmissionRow, ...] | tuple[QueueRow, ...]) -> dict[tuple[S, AdmissionPolicy], object]:
     """(state, policy) -> its one row, built once at import: the cores consult these on every
     input. A table that is not total and disjoint fails here (tests/test_admission.py too)."""
     index: dict[tuple[S, AdmissionPolicy], object] = {}

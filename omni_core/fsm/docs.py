@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.table import Transition, table_as_mermaid
@@ -10,7 +11,7 @@ from omni_core.fsm.worker_table import WORKER_TRANSITIONS
 from omni_core.protocol import StageState, WorkerState
 
 
-def _rows(table: Iterable[Transition]) -> list[str]:
+def _rows(table: Iterable[Transition[Any]]) -> list[str]:
     rows = ["| trigger | from | to | why |", "|---|---|---|---|"]
     for t in table:
         sources = ", ".join(s.value for s in t.sources)
@@ -54,7 +55,7 @@ def render_lifecycles() -> str:
     return "\n".join(parts)
 
 
-def _refused(table: Iterable[Transition]) -> str:
+def _refused(table: Iterable[Transition[Any]]) -> str:
     """The wake_refused_* rows of a table, as `trigger` (FROM -> TO)."""
     rows = [t for t in table if t.trigger.startswith("wake_refused_") and t.dest is not None]
     return ", ".join(
@@ -85,11 +86,8 @@ def _pause_section() -> list[str]:
 
 def _restart_section() -> list[str]:
     starting = (StageState.STARTING, WorkerState.LOADING)
-    rows = [
-        t
-        for t in (*STAGE_TRANSITIONS, *WORKER_TRANSITIONS)
-        if t.sources[0] in starting and t.trigger.startswith(("started", "loaded"))
-    ]
+    both: tuple[Transition[StageState] | Transition[WorkerState], ...] = (*STAGE_TRANSITIONS, *WORKER_TRANSITIONS)
+    rows = [t for t in both if t.sources[0] in starting and t.trigger.startswith(("started", "loaded"))]
     floor_rows = ", ".join(f"`{t.trigger}` ({t.sources[0].value} -> {t.dest.value})" for t in rows if t.dest)
     return [
         "## A restart: the version comes back, or the stage says it cannot",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omni_core.protocol import LinkShare
+from omni_core.protocol import LinkShare, WeightSource
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class UpdateEffect:
 
     task_id: str
     version: int
-    source: Any  # omni_core.protocol.weights.WeightSource
+    source: WeightSource
     flush_cache: bool = True
 
 

@@ -17,9 +17,12 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TypeVar
 
 from omni_core.fsm.table import Transition
 from omni_core.protocol import NackReason, ReloadWeights, StageState, UpdateWeights, Wake, WorkerState
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class Settled(str, enum.Enum):
@@ -79,6 +82,6 @@ def refused_trigger(kind: type, state_before: enum.Enum) -> str:
     return f"{_REFUSED_VERB[kind]}_refused_{state_before.value.lower()}"
 
 
-def refused_rows(kind: type, source: enum.Enum, dests: tuple[enum.Enum, ...], why: str) -> tuple[Transition, ...]:
+def refused_rows(kind: type, source: E, dests: tuple[E, ...], why: str) -> tuple[Transition[E], ...]:
     """The rows from `source` (the command's transient state) back to each state in `dests`."""
     return tuple(Transition(refused_trigger(kind, dest), (source,), dest, why) for dest in dests)

@@ -1,8 +1,9 @@
 """What the stage core hands out and keeps: its step, a task's outcome, its errors, the
-bookkeeping of one task and one request."""
+bookkeeping of one task and one request, and the snapshot it is restored from."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.trace_records import StageRecord
 from omni_core.fsm.worker_step import InvariantViolation
-from omni_core.protocol import Ack, AckStatus, Command, Nack, Result, WorkerState
+from omni_core.protocol import Ack, AckStatus, Capability, Command, Nack, Result, WorkerState
 from omni_core.protocol import StageState as S
 
 
@@ -76,12 +77,12 @@ class StageStep:
 
 
 @dataclass
-class _Request:
+class StageRequest:
     """One request: in the queue, or sent to every rank and waiting for all their answers."""
 
     request_id: str
     payload: Any
-    deadline_at: float
+    deadline_at_s: float
     adapter: str | None = None  # P-20: the adapter it names
     replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent to it
     answered: bool = False  # the caller already heard (aborted, overloaded)
@@ -99,12 +100,12 @@ class StageCounters:
 
 
 @dataclass
-class _Task:
+class StageTask:
     task_id: str
     signature: tuple[Any, ...]
     command: Command
     started_at: float
-    deadline_at: float
+    deadline_at_s: float
     expect_state: WorkerState = WorkerState.SLEEPING
     expect_asleep: frozenset[str] = frozenset()
     commit_trigger: str = "slept"
@@ -115,3 +116,22 @@ class _Task:
     refused_trigger: str = ""  # where every rank refusing returns the stage (ReloadWeights, Wake)
     expect_version: int = 0  # the weights version every ACK must report (P-17)
     update_failures: dict[int, str] = field(default_factory=dict)  # rank -> UPDATE_FAILED detail
+
+
+@dataclass(frozen=True)
+class StageSnapshot:
+    """A stage core's state as `StageCore.restore` takes it: a case, not a path to it (the
+    agreement rows of omni_core.formal, tests). The lifecycle state, the residency the ranks
+    hold, what each rank reported and declared, the committed weights version, a held pause,
+    the task in flight and the requests queued and in flight."""
+
+    state: S
+    asleep: frozenset[str] = frozenset()
+    weights_valid: bool = True
+    rank_state: Mapping[int, WorkerState] = field(default_factory=dict)
+    rank_capabilities: Mapping[int, frozenset[Capability]] = field(default_factory=dict)
+    weights_version: int = 0
+    paused: bool = False
+    task: StageTask | None = None
+    queued: tuple[StageRequest, ...] = ()
+    in_flight: tuple[StageRequest, ...] = ()

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 from omni_core.fsm import admission
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
-from omni_core.fsm.stage_step import Outbound, _Request
+from omni_core.fsm.inputs import RequestOutcome
+from omni_core.fsm.stage_step import Outbound, StageRequest, TaskOutcome
 from omni_core.fsm.trace_records import (
     AdmissionChanged,
     RankDied,
+    RequestAnswered,
     RequestSubmitted,
     StageChanged,
     StageDeadline,
@@ -24,10 +25,38 @@ from omni_core.fsm.trace_records import (
     StageSent,
     StageStarting,
     StageStopped,
+    TaskEnded,
     clip,
 )
 from omni_core.protocol import Ack, Command, Execute, Hello, Nack, Profile, Sleep, UpdateWeights, Wake
 from omni_core.protocol import StageState as S
+
+
+class StageView(Protocol):
+    """What the recorder reads of a stage core (StageCore is one), and never changes."""
+
+    @property
+    def state(self) -> S: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def tags(self) -> tuple[str, ...]: ...
+    @property
+    def policy(self) -> AdmissionPolicy: ...
+    @property
+    def wake_deadline_s(self) -> float: ...
+    @property
+    def in_flight(self) -> dict[str, StageRequest]: ...
+    @property
+    def failed_ranks(self) -> dict[int, str]: ...
+    @property
+    def start_deadline_at_s(self) -> float: ...
+    @property
+    def weights_version(self) -> int: ...
+    @property
+    def task_id(self) -> str | None: ...
 
 
 def level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
@@ -56,29 +85,52 @@ def _memory_wait_s(command: Command) -> float | None:
     return command.memory_wait_s if isinstance(command, Wake) and command.memory_wait_s > 0 else None
 
 
-class StageTrace:
-    """Mixed into StageCore: the records of one step, kept in `_records` until step() returns."""
+class StageRecorder:
+    """The trace records of one step of a stage core, in program order: what the input found
+    (`input`), then what each phase did (`phase`: the input's handler, then moving the queue
+    on), then the requests answered and the task ended (`finish`). Between the phases the core
+    notes what a record needs and its state does not keep: the task a phase issued (`issued`)
+    and the deadline a tick found passed (`expired`). Each step starts empty (`begin`), and
+    nothing of one step is left in the next. The records read the core, never change it."""
 
-    state: S
-    epoch: int
-    ranks: tuple[int, ...]
-    tags: tuple[str, ...]
-    policy: AdmissionPolicy
-    failed_ranks: dict[int, str]
-    in_flight: dict[str, _Request]
-    queue: deque[_Request]
-    task_id: str | None
-    wake_deadline_s: float
-    weights_version: int
-    _records: list[StageRecord]
-    _issued: tuple[Command, bool, float] | None
-    _expired_at: float | None
-    _expired_task: str
-    _start_deadline_at: float
+    def __init__(self) -> None:
+        self._records: list[StageRecord] = []
+        self._issued: tuple[Command, bool, float] | None = None  # command, already, deadline_at_s
+        self._expired_at: float | None = None  # the deadline this step's tick found passed
+        self._expired_task = ""  # the task or request whose deadline that was ("": the start's)
 
-    def _input_record(self, event: Any, now: float) -> StageRecord | None:
-        """The record of an input from outside, with the state it found."""
-        state = self.state.value
+    def begin(self) -> None:
+        self._records, self._issued, self._expired_at, self._expired_task = [], None, None, ""
+
+    def issued(self, command: Command, already: bool, deadline_at_s: float) -> None:
+        """This phase issued `command` (answered ALREADY at once when `already`)."""
+        self._issued = (command, already, deadline_at_s)
+
+    def expired(self, deadline_at_s: float, task_id: str = "") -> None:
+        """A deadline this step found passed (the first one noted is the record's)."""
+        if self._expired_at is None:
+            self._expired_at, self._expired_task = deadline_at_s, task_id
+
+    def finish(self, answers: tuple[RequestOutcome, ...], outcome: TaskOutcome | None) -> tuple[StageRecord, ...]:
+        """The step's records, closed by the answers to requests and the task's end."""
+        records = self._records
+        records += [RequestAnswered(a.request_id, a.error.value if a.error else "", clip(a.detail)) for a in answers]
+        if outcome is not None:
+            o = outcome
+            failures = {r: clip(why) for r, why in o.failures.items()}
+            records.append(TaskEnded(o.task_id, o.command, o.ok, o.state.value, clip(o.error), failures))
+        self.begin()
+        return tuple(records)
+
+    def input(self, core: StageView, event: Any, now: float) -> None:
+        """The record of an input from outside, with the state it found: the step's first."""
+        head = self._input(core, event, now)
+        if head is not None:
+            self._records.append(head)
+
+    @staticmethod
+    def _input(core: StageView, event: Any, now: float) -> StageRecord | None:
+        state = core.state.value
         match event:
             case I.Received(message=m):
                 info = m.status.value if isinstance(m, Ack) else m.reason.value if isinstance(m, Nack) else ""
@@ -88,29 +140,29 @@ class StageTrace:
                     m.epoch, m.rank, m.task_id, type(m).__name__.lower(), state, worker_state, info, version
                 )
             case I.RankExited():
-                fenced = event.epoch != self.epoch or event.rank not in self.ranks
-                return RankDied(self.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
+                fenced = event.epoch != core.epoch or event.rank not in core.ranks
+                return RankDied(core.epoch, event.rank, event.epoch, state, clip(event.detail), fenced)
             case I.Submit():
-                decision = admission.admit(self.state, self.policy).decision.value
-                deadline_at = now + event.timeout_s
-                return RequestSubmitted(event.request_id, state, decision, deadline_at, self.policy.value)
-            case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not self.policy:
-                return AdmissionChanged(self.epoch, self.policy.value, AdmissionPolicy(policy).value)
+                decision = admission.admit(core.state, core.policy).decision.value
+                deadline_at_s = now + event.timeout_s
+                return RequestSubmitted(event.request_id, state, decision, deadline_at_s, core.policy.value)
+            case I.SetAdmission(policy=policy) if AdmissionPolicy(policy) is not core.policy:
+                return AdmissionChanged(core.epoch, core.policy.value, AdmissionPolicy(policy).value)
             case _:
                 return None
 
-    def _record_phase(self, event: Any, before: S, sends: tuple[Outbound, ...], now: float) -> None:
+    def phase(self, core: StageView, event: Any, before: S, sends: tuple[Outbound, ...], now: float) -> None:
         """The record of what one phase of a step did (the input's handler, or moving the
         queue on: `event` None), then one per command it sends. A change of state is the
         action that made it (issue, restart, deadline, stop) or, when it came from an input
         already recorded (a reply, a death), a StageChanged that logs it."""
-        after, epoch = self.state, self.epoch
+        after, epoch = core.state, core.epoch
         issued, self._issued = self._issued, None
         if issued is not None:
-            command, already, deadline_at = issued
+            command, already, deadline_at_s = issued
             # The caller's timeout as the input gave it, not as the core used it: the trace
             # check compares the two (a deadline in the wrong unit fails there).
-            timeout_s = self.wake_deadline_s if event is None else getattr(event, "deadline_s", 0.0)
+            timeout_s = core.wake_deadline_s if event is None else getattr(event, "deadline_s", 0.0)
             self._records.append(
                 StageIssued(
                     epoch,
@@ -118,18 +170,18 @@ class StageTrace:
                     type(command).__name__,
                     before.value,
                     after.value,
-                    deadline_at,
+                    deadline_at_s,
                     *level_tags(command),
                     already,
                     event is None,
                     timeout_s,
                     _version(command),
                     _memory_wait_s(command),
-                    self.policy.value if event is None else "",
+                    core.policy.value if event is None else "",
                 )
             )
         else:
-            changed = self._change_record(event, before, now)
+            changed = self._change(core, event, before, now)
             if changed is not None:
                 self._records.append(changed)
         dispatched: set[str] = set()
@@ -137,9 +189,9 @@ class StageTrace:
             command = out.command
             if isinstance(command, Execute) and command.task_id not in dispatched:
                 dispatched.add(command.task_id)
-                request = self.in_flight.get(command.task_id)
-                deadline_at = request.deadline_at if request is not None else now
-                self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at))
+                request = core.in_flight.get(command.task_id)
+                deadline_at_s = request.deadline_at_s if request is not None else now
+                self._records.append(StageDispatched(command.epoch, command.task_id, after.value, deadline_at_s))
             self._records.append(
                 StageSent(
                     command.epoch,
@@ -153,18 +205,18 @@ class StageTrace:
                 )
             )
 
-    def _change_record(self, event: Any, before: S, now: float) -> StageRecord | None:
+    def _change(self, core: StageView, event: Any, before: S, now: float) -> StageRecord | None:
         """The record of a phase that issued no task: a start, a restart, a stop, a deadline, or
         a change of state another input made."""
-        after, epoch = self.state, self.epoch
-        failed = {r: clip(why) for r, why in self.failed_ranks.items()} if after is S.FAILED else {}
+        after, epoch = core.state, core.epoch
+        failed = {r: clip(why) for r, why in core.failed_ranks.items()} if after is S.FAILED else {}
         match event:
             case I.Restart():
                 return StageRestarted(
-                    epoch, before.value, after.value, self.tags, self._start_deadline_at, self.weights_version
+                    epoch, before.value, after.value, core.tags, core.start_deadline_at_s, core.weights_version
                 )
             case I.Start():
-                return StageStarting(epoch, self.tags, self._start_deadline_at, self.policy.value)
+                return StageStarting(epoch, core.tags, core.start_deadline_at_s, core.policy.value)
             case I.Stop():
                 return StageStopped(epoch, before.value) if after is not before else None
             case _ if after is before:
@@ -173,4 +225,4 @@ class StageTrace:
                 expired_at = self._expired_at if self._expired_at is not None else now
                 return StageDeadline(epoch, self._expired_task, before.value, after.value, expired_at, now, failed)
             case _:
-                return StageChanged(epoch, self.task_id or "", before.value, after.value, failed, self.weights_version)
+                return StageChanged(epoch, core.task_id or "", before.value, after.value, failed, core.weights_version)

@@ -82,11 +82,18 @@ class Lifecycle(Generic[S]):
             self._machine.set_state(dest, model=self._model)
         return self.state
 
+    def place(self, state: S) -> None:
+        """Put the machine in `state` without a transition: a core restored from a snapshot
+        (its `restore`), never a step of the lifecycle."""
+        if not isinstance(state, self.states):
+            raise TypeError(f"a {self.states.__name__} lifecycle cannot be placed in {state!r}")
+        self._machine.set_state(state, model=self._model)
+
 
 _MISSING: Any = object()
 
 
-def table_as_dict(table: Iterable[Transition]) -> dict[str, dict[str, str | None]]:
+def table_as_dict(table: Iterable[Transition[Any]]) -> dict[str, dict[str, str | None]]:
     """`{trigger: {source: dest}}` with state names; dest None means internal."""
     out: dict[str, dict[str, str | None]] = {}
     for t in table:
@@ -95,7 +102,7 @@ def table_as_dict(table: Iterable[Transition]) -> dict[str, dict[str, str | None
     return out
 
 
-def table_as_mermaid(table: Iterable[Transition], initial: enum.Enum) -> str:
+def table_as_mermaid(table: Iterable[Transition[Any]], initial: enum.Enum) -> str:
     """A Mermaid `stateDiagram-v2`; internal transitions are drawn as self-loops."""
     lines = ["stateDiagram-v2", f"    [*] --> {initial.value}"]
     for t in table:

@@ -6,9 +6,12 @@ declined or raised) and returns a `WorkerStep`: the replies to send now, at most
 for the shell to perform, and the trace records. The invariants are checked after every
 input. Same state and input, same output: the core reads no clock and touches no memory.
 
-A command is fenced by epoch, answered from the reply cache and refused while busy before its
-own handler (`worker_commands`) runs; the effect completions are in `worker_effects`, the
-table in `worker_table`.
+One class holds the rank's state, each field declared once in `__init__`; the reply cache
+(`reply_cache.BoundedCache`) and the LoRA adapter table (`adapters.AdapterTable`) are
+components with their own bounds. The methods come in the order an input meets them: the
+door, the command's fence (epoch, reply cache, BUSY), one handler per command (each checking
+legality against WORKER_TRANSITIONS and starting at most one effect), the adapter commands,
+the effect completions, the replies, the invariants. The table is in `worker_table`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,37 @@ from typing import Any
 import msgspec
 
 from omni_core.fsm.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterTable
+from omni_core.fsm.effects import (
+    AdapterEffect,
+    CommandEffect,
+    ExecuteEffect,
+    ProfileEffect,
+    ReloadEffect,
+    ShareEffect,
+    ShutdownEffect,
+    SleepEffect,
+    StatusEffect,
+    UpdateEffect,
+    WakeEffect,
+    WeightGroupEffect,
+)
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
+from omni_core.fsm.settle import REFUSAL_REASON, settle_row
 from omni_core.fsm.table import Lifecycle
-from omni_core.fsm.tags import ADAPTERS_TAG, DEFAULT_TAGS, WEIGHTS_TAG, Residency
+from omni_core.fsm.tags import (
+    ADAPTERS_TAG,
+    DEFAULT_TAGS,
+    WEIGHTS_TAG,
+    Residency,
+    UnknownTagError,
+    plan_sleep,
+    resolve_tags,
+)
 from omni_core.fsm.trace_records import (
     BadMessage,
+    EffectDone,
+    EffectFailed,
+    EffectRefused,
     ReplySent,
     WorkerChanged,
     WorkerReceived,
@@ -31,9 +60,6 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
-from omni_core.fsm.worker_adapters import ADAPTER_COMMANDS, WorkerAdapters
-from omni_core.fsm.worker_commands import WorkerCommands
-from omni_core.fsm.worker_effects import WorkerEffects
 from omni_core.fsm.worker_inputs import (
     BadFrame,
     CommandReceived,
@@ -49,16 +75,17 @@ from omni_core.fsm.worker_step import (
     ALL_CAPABILITIES,
     HELLO_TASK_ID,
     MAX_EPOCH_AHEAD,
-    MAX_IN_FLIGHT_PER_RANK,
     InvariantViolation,
+    PendingEffect,
     WorkerCounters,
+    WorkerSnapshot,
     WorkerStep,
+    WorkInProgress,
     _CachedReply,
-    _Pending,
     _sent,
     command_digest,
 )
-from omni_core.fsm.worker_table import IDLE, WORKER_CALLS, WORKER_TRANSITIONS
+from omni_core.fsm.worker_table import IDLE, REFUSED, WORKER_CALLS, WORKER_TRANSITIONS
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     Ack,
@@ -68,6 +95,7 @@ from omni_core.protocol import (
     Command,
     Execute,
     InitWeightGroup,
+    ListAdapters,
     MemoryReport,
     Nack,
     NackReason,
@@ -77,6 +105,7 @@ from omni_core.protocol import (
     ReloadWeights,
     RemoveAdapter,
     Reply,
+    Result,
     ShareWeights,
     Shutdown,
     Sleep,
@@ -84,6 +113,7 @@ from omni_core.protocol import (
     UpdateWeights,
     Wake,
     encode,
+    profile_prefix_problem,
 )
 from omni_core.protocol import WorkerState as W
 
@@ -107,7 +137,34 @@ __all__ = [
 ]
 
 
-class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
+_NO_LINKS = (
+    "this worker copies over its own host link only (capability 'multi_path' not declared); "
+    "send the command without links"
+)
+
+
+ADAPTER_COMMANDS = (AddAdapter, RemoveAdapter, PinAdapter, ListAdapters)
+
+
+_WHERE = (
+    "adapters are loaded, unloaded and pinned with valid weights awake: ACTIVE, or PARTIAL with "
+    "'weights' awake (and 'adapters', the pool they live in, when the rank has that tag)"
+)
+
+
+WEIGHT_WRITES = (ReloadWeights, UpdateWeights)
+
+
+def _cache_names(output: object) -> tuple[str, ...]:
+    """The derived caches a reload or an update dropped, as the shell reported them."""
+    if output is None:
+        return ()
+    if not (isinstance(output, tuple) and all(isinstance(name, str) for name in output)):
+        raise InvariantViolation(f"a weights write completes with the names of the caches it dropped, not {output!r}")
+    return output
+
+
+class WorkerCore:
     """Lifecycle of one worker rank: legality, idempotence, fencing. No IO."""
 
     def __init__(
@@ -124,12 +181,8 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         max_in_flight: int = 1,
     ) -> None:
-        if not 1 <= max_in_flight <= MAX_IN_FLIGHT_PER_RANK:
-            raise ValueError(f"max_in_flight must be in 1..{MAX_IN_FLIGHT_PER_RANK}, got {max_in_flight!r}")
         self.rank = rank
-        # Requests this rank holds at once (the stage's max_in_flight): the shell hands them
-        # to the runner together, and nothing else runs beside them.
-        self.max_in_flight = max_in_flight
+        self.work = WorkInProgress(max_in_flight)  # the lifecycle effect, or the batch of requests
         # The version of the weights held (or, in NEEDS_RELOAD, held last): 0 is the runner's
         # own source; an update sets it once every bucket is written (P-17).
         self.weights_version = weights_version
@@ -145,9 +198,6 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
         self.cache: BoundedCache[str, _CachedReply] = BoundedCache(reply_cache_entries, reply_cache_bytes)
         self.counters = WorkerCounters()
         self.failure: str = ""
-        self._pending: _Pending | None = None
-        # The requests of the batch in progress, in arrival order (never beside `_pending`).
-        self._running: dict[str, Execute] = {}
         # Orthogonal to the lifecycle: a profile may span sleeps and wakes (P-15).
         self.profiling = False
 
@@ -157,14 +207,37 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None or bool(self._running)
+        return self.work.busy
 
     @property
     def in_progress(self) -> tuple[str, ...]:
         """The tasks whose effects are under way, taken on and not yet completed: the
         lifecycle effect, or the requests of the batch in arrival order."""
-        pending = (self._pending.command.task_id,) if self._pending is not None else ()
-        return pending + tuple(self._running)
+        return self.work.task_ids
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.work.max_in_flight
+
+    def restore(self, snapshot: WorkerSnapshot) -> None:
+        """Put the core in `snapshot`'s state, as if it had got there (a case of the agreement
+        rows, a test's starting point), with an empty reply cache; what the snapshot does not
+        name (capabilities, adapters, weight group, counters) stays as it was. Raises
+        InvariantViolation where the snapshot is no state a rank can hold."""
+        self.lifecycle.place(snapshot.state)
+        self.epoch = snapshot.epoch
+        self.residency = Residency(self.tags)
+        self.residency.asleep, self.residency.weights_valid = frozenset(snapshot.asleep), snapshot.weights_valid
+        self.weights_version = snapshot.weights_version
+        self.failure = snapshot.failure
+        self.profiling = snapshot.profiling
+        self.work = WorkInProgress(self.work.max_in_flight)
+        if snapshot.pending is not None:
+            self.work.begin(snapshot.pending)
+        for command in snapshot.running:
+            self.work.run(command)
+        self.cache = BoundedCache(self.cache.max_entries, self.cache.max_bytes)
+        self._check_invariants()
 
     def step(self, event: WorkerInput) -> WorkerStep:
         """The one door: what the shell saw or did, in; what to send and do next, out."""
@@ -242,7 +315,7 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                 f"this worker's epoch {self.epoch}; restart the rank under the new epoch",
             )
         self.epoch = command.epoch
-        original = self._in_progress(command.task_id)
+        original = self.work.command(command.task_id)
         if original is not None:
             if msgspec.structs.replace(command, epoch=original.epoch) != original:
                 return self._refuse(
@@ -274,7 +347,7 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                         "large for the reply cache, so the first reply is the only one",
                     )
                 return WorkerStep(replies=(cached.reply,))
-        busy_with = self._busy_with(command)
+        busy_with = self.work.busy_with(command)
         if busy_with:
             step = self._refuse(command, NackReason.BUSY, busy_with)
             if isinstance(command, (Execute, Profile, *ADAPTER_COMMANDS)) or type(command) in WORKER_CALLS:
@@ -317,34 +390,6 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                 return self._on_call(command)
             case _:
                 raise InvariantViolation(f"the worker core has no handler for {command!r}")
-
-    def _in_progress(self, task_id: str) -> Command | None:
-        """The command of this task whose effect is under way (lifecycle or request), if any."""
-        if self._pending is not None and self._pending.command.task_id == task_id:
-            return self._pending.command
-        return self._running.get(task_id)
-
-    def _busy_with(self, command: Command) -> str:
-        """Why `command` must wait (BUSY), or "": one lifecycle effect at a time, and beside a
-        batch of requests only more requests, up to max_in_flight (nothing moves memory
-        under a running request)."""
-        if isinstance(command, Status):
-            return ""
-        if self._pending is not None:
-            return f"task {self._pending.command.task_id!r} is in progress; retry after its reply"
-        if self._running and not isinstance(command, Execute):
-            first = next(iter(self._running))
-            return (
-                f"{len(self._running)} requests are running on this rank (first {first!r}); "
-                f"{type(command).__name__} waits until they are answered: retry after their replies"
-            )
-        if len(self._running) >= self.max_in_flight:
-            first = next(iter(self._running))
-            return (
-                f"request {first!r} and {len(self._running) - 1} more are in progress, this rank's "
-                f"max_in_flight ({self.max_in_flight}); retry after a reply or raise the stage's max_in_flight"
-            )
-        return ""
 
     def _traced(self, step: WorkerStep, head: WorkerRecord, before: W, task_id: str) -> WorkerStep:
         """`step` with its records: what happened, the change of state it made, the replies."""
@@ -440,31 +485,24 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
             detail = detail[: MAX_DETAIL_CHARS - len(suffix)] + suffix  # a long detail must not cut it off
         return detail[:MAX_DETAIL_CHARS]
 
-    def _take_pending(self, task_id: str) -> _Pending:
-        running = self._running.pop(task_id, None)
-        if running is not None:
-            return _Pending(running)
-        if self._pending is None or self._pending.command.task_id != task_id:
-            have = self._pending.command.task_id if self._pending else None
-            raise InvariantViolation(f"effect completion for task {task_id!r}, pending is {have!r}")
-        pending, self._pending = self._pending, None
-        return pending
-
     def _check_invariants(self) -> None:
         """TigerBeetle-style: after every input, positive and negative space."""
-        state, res = self.state, self.residency
+        state, res, pending = self.state, self.residency, self.work.pending
         asleep = res.asleep
 
         def require(cond: bool, what: str) -> None:
             if not cond:
                 raise InvariantViolation(f"worker rank {self.rank} in {state.value}: {what}")
 
+        problem = self.work.check_invariants()
+        require(not problem, problem)
+
         require(asleep <= set(self.tags), f"asleep tags {sorted(asleep)} not all known")
         require(len(self.cache) <= self.cache.max_entries, "reply cache over its bound")
         require(self.cache.size_bytes <= self.cache.max_bytes, "reply cache over its byte bound")
         transient = state in (W.OFFLOADING, W.RESTORING, W.RELOADING)
         if transient:
-            require(self._pending is not None, "transient state without a pending effect")
+            require(pending is not None, "transient state without a pending effect")
         if state is W.ACTIVE:
             require(not asleep and res.weights_valid, "ACTIVE with tags asleep or weights invalid")
         if state is W.SLEEPING:
@@ -473,25 +511,23 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
             require(bool(asleep), "PARTIAL with nothing asleep")
         if state is W.NEEDS_RELOAD:
             require(res.weights_resident and not res.weights_valid, "NEEDS_RELOAD needs resident, invalid weights")
-        if self._pending is not None and isinstance(self._pending.command, Execute):
+        if pending is not None and isinstance(pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
-        if self._running:
+        if self.work.running:
             # P-7: a request runs only on resident, valid memory, and no effect moves it meanwhile.
-            require(state is W.ACTIVE, f"{len(self._running)} requests running outside ACTIVE")
-            require(self._pending is None, "a lifecycle effect beside a running batch")
-            require(len(self._running) <= self.max_in_flight, "more requests running than max_in_flight")
-        if self._pending is not None and isinstance(self._pending.command, (Profile, InitWeightGroup)):
+            require(state is W.ACTIVE, f"{len(self.work.running)} requests running outside ACTIVE")
+        if pending is not None and isinstance(pending.command, (Profile, InitWeightGroup)):
             require(state in IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
-        if self._pending is not None and isinstance(self._pending.command, ShareWeights):
+        if pending is not None and isinstance(pending.command, ShareWeights):
             require(
                 state in (W.ACTIVE, W.PARTIAL) and res.weights_valid and res.weights_resident,
                 "ShareWeights pending without valid weights awake",
             )
-        if self._pending is not None and isinstance(self._pending.command, UpdateWeights):
+        if pending is not None and isinstance(pending.command, UpdateWeights):
             require(state is W.RELOADING, "UpdateWeights pending outside RELOADING")
-            require(self._pending.command.version > self.weights_version, "an update pending at or below the version")
+            require(pending.command.version > self.weights_version, "an update pending at or below the version")
         moving = (AddAdapter, RemoveAdapter, PinAdapter)
-        if self._pending is not None and isinstance(self._pending.command, moving):
+        if pending is not None and isinstance(pending.command, moving):
             require(
                 state in (W.ACTIVE, W.PARTIAL)
                 and res.weights_valid
@@ -500,8 +536,442 @@ class WorkerCore(WorkerCommands, WorkerAdapters, WorkerEffects):
                 "an adapter command pending without valid weights and their pool awake",
             )
         require(len(self.adapters.holding()) <= self.adapters.max_loras, "more adapters loaded than max_loras")
-        if self._pending is not None and type(self._pending.command) in WORKER_CALLS:
-            trigger = WORKER_CALLS[type(self._pending.command)].trigger
-            require(self.lifecycle.allows(trigger), f"{type(self._pending.command).__name__} pending outside its row")
+        if pending is not None and type(pending.command) in WORKER_CALLS:
+            trigger = WORKER_CALLS[type(pending.command)].trigger
+            require(self.lifecycle.allows(trigger), f"{type(pending.command).__name__} pending outside its row")
         if self.profiling:
             require(state not in (W.LOADING, W.STOPPED), "a profile running in LOADING or STOPPED")
+
+    # ------------------------------------------------------------------ one handler per command
+
+    def _on_sleep(self, command: Sleep) -> WorkerStep:
+        try:
+            tags = resolve_tags(command.tags, self.tags)
+        except UnknownTagError as exc:
+            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
+        if command.level == 2 and Capability.LEVEL2 not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not support level-2 sleep (capability 'level2' not declared); use level=1",
+            )
+        if command.links and Capability.MULTI_PATH not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
+        to_sleep = tags - self.residency.asleep
+        if not to_sleep and self.lifecycle.allows("sleep_already"):
+            return self._already(command, "sleep_already")
+        if not self.lifecycle.allows("sleep"):
+            return self._refuse_state(command)
+        plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
+        self.lifecycle.fire("sleep")
+        self.work.begin(PendingEffect(command, sleep_plan=plan))
+        effect = SleepEffect(
+            command.task_id, command.level, plan.offload, plan.discard, command.links, command.incoming_bytes
+        )
+        return WorkerStep(effect=effect)
+
+    def _on_wake(self, command: Wake) -> WorkerStep:
+        try:
+            tags = resolve_tags(command.tags, self.tags)
+        except UnknownTagError as exc:
+            return self._refuse(command, NackReason.UNKNOWN_TAG, str(exc))
+        to_wake = tags & self.residency.asleep
+        if not to_wake and self.lifecycle.allows("wake_already"):
+            return self._already(command, "wake_already")
+        if to_wake != self.residency.asleep and Capability.PARTIAL_WAKE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not support partial wake; wake every asleep tag (tags=None)",
+            )
+        if command.links and Capability.MULTI_PATH not in self.capabilities:
+            return self._refuse(command, NackReason.UNSUPPORTED, _NO_LINKS)
+        if command.memory_wait_s > 0 and Capability.SWAP not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker cannot wait for free device memory "
+                "(capability 'swap' not declared); send the Wake with memory_wait_s=0",
+            )
+        if not self.lifecycle.allows("wake"):
+            return self._refuse_state(command)
+        before = self.state
+        self.lifecycle.fire("wake")
+        self.work.begin(PendingEffect(command, wake_tags=frozenset(to_wake), state_before=before))
+        return WorkerStep(effect=WakeEffect(command.task_id, to_wake, command.memory_wait_s, command.links))
+
+    def _on_reload_weights(self, command: ReloadWeights) -> WorkerStep:
+        if not self.lifecycle.allows("reload"):
+            return self._refuse_state(
+                command, "ReloadWeights needs NEEDS_RELOAD (after a level-2 sleep and a wake of 'weights') or ACTIVE"
+            )
+        state_before = self.state
+        self.lifecycle.fire("reload")
+        self.work.begin(PendingEffect(command, state_before=state_before))
+        return WorkerStep(effect=ReloadEffect(command.task_id, command.source))
+
+    def _on_update_weights(self, command: UpdateWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not take weight updates (capability 'weight_update' not declared); use ReloadWeights",
+            )
+        if not self.lifecycle.allows("update") or not self.residency.weights_resident:
+            return self._refuse_state(
+                command,
+                "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
+                "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first",
+            )
+        if command.version <= self.weights_version:
+            return self._refuse(
+                command,
+                NackReason.STALE_VERSION,
+                f"weights version {command.version} is not above this rank's version "
+                f"{self.weights_version}; send a higher version (nothing was written)",
+            )
+        state_before = self.state
+        self.lifecycle.fire("update")
+        self.work.begin(PendingEffect(command, state_before=state_before))
+        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source, command.flush_cache))
+
+    def _on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not take weight updates (capability 'weight_update' not declared)",
+            )
+        joined = self.weight_group
+        same = (
+            joined is not None
+            and msgspec.structs.replace(joined, task_id=command.task_id, epoch=command.epoch) == command
+        )
+        if same and self.lifecycle.allows("weight_group_already"):
+            return self._already(command, "weight_group_already")
+        if not self.lifecycle.allows("weight_group"):
+            return self._refuse_state(command, "InitWeightGroup is legal in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD")
+        if joined is not None:
+            return self._refuse(
+                command,
+                NackReason.INVALID_ARGUMENT,
+                f"this rank already joined weight group {joined.group!r} at "
+                f"{joined.address}:{joined.port}; restart the stage to join another",
+            )
+        self.lifecycle.fire("weight_group")
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=WeightGroupEffect(command.task_id, command))
+
+    def _on_share_weights(self, command: ShareWeights) -> WorkerStep:
+        if Capability.WEIGHT_UPDATE not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                "this worker does not share weights (capability 'weight_update' not declared)",
+            )
+        res = self.residency
+        if not self.lifecycle.allows("share") or not (res.weights_resident and res.weights_valid):
+            return self._refuse_state(
+                command, "ShareWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake"
+            )
+        self.lifecycle.fire("share")
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=ShareEffect(command.task_id, command.bucket_bytes))
+
+    def _on_execute(self, command: Execute) -> WorkerStep:
+        if not self.lifecycle.allows("execute"):
+            return self._refuse_state(
+                command, "Execute runs only in ACTIVE, where every tag is resident and the weights are valid"
+            )
+        if command.adapter is not None:
+            problem = self.adapters.request_problem(command.adapter, self.weights_version)
+            if problem is not None:  # P-20: never served without its adapter, nor on other weights
+                return self._refuse(command, NackReason.ADAPTER_UNAVAILABLE, problem)
+            self.adapters.touch(command.adapter)
+        self.lifecycle.fire("execute")
+        self.work.run(command)
+        return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload, command.adapter))
+
+    def _on_status(self, command: Status) -> WorkerStep:
+        self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
+        if self.work.busy:
+            # Busy: answer from what the core knows; the shell is inside an effect.
+            return WorkerStep(replies=(self._ack(command, AckStatus.OK),))
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=StatusEffect(command.task_id))
+
+    def _on_profile(self, command: Profile) -> WorkerStep:
+        if command.start:
+            problem = profile_prefix_problem(command.prefix)
+            if problem is not None:
+                return self._refuse(command, NackReason.INVALID_ARGUMENT, problem)
+        if command.start == self.profiling and self.lifecycle.allows("profile_already"):
+            # Start while running keeps the running profile (and its prefix); stop while none
+            # runs has nothing to write: the Ack's trace_paths is empty.
+            return self._already(command, "profile_already")
+        if not self.lifecycle.allows("profile"):
+            return self._refuse_state(
+                command,
+                "Profile is legal in ACTIVE, SLEEPING, PARTIAL and "
+                "NEEDS_RELOAD (a rank that is loading or stopped has no profile)",
+            )
+        self.lifecycle.fire("profile")
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=ProfileEffect(command.task_id, command.start, command.prefix))
+
+    def _on_shutdown(self, command: Shutdown) -> WorkerStep:
+        if self.lifecycle.allows("shutdown_already"):
+            return self._already(command, "shutdown_already")
+        self.lifecycle.fire("shutdown")
+        self.profiling = False  # the shell drops a running profile with the process
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=ShutdownEffect(command.task_id))
+
+    def _on_call(self, command: Command) -> WorkerStep:
+        """A command of WORKER_CALLS, by its row: the shell performs the command itself."""
+        row = WORKER_CALLS[type(command)]
+        if row.capability is not None and row.capability not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                f"this worker does not take {type(command).__name__} "
+                f"(capability {row.capability.value!r} not declared)",
+            )
+        if not self.lifecycle.allows(row.trigger):
+            return self._refuse_state(command, row.why)
+        self.lifecycle.fire(row.trigger)
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=CommandEffect(command.task_id, command))
+
+    # ------------------------------------------------------------------ the adapter commands (P-20)
+
+    def _on_adapter(self, command: Command) -> WorkerStep:
+        if Capability.ADAPTERS not in self.capabilities:
+            return self._refuse(
+                command,
+                NackReason.UNSUPPORTED,
+                f"this worker serves no LoRA adapters (capability 'adapters' not declared); "
+                f"{type(command).__name__} needs a runner with adapter support",
+            )
+        if isinstance(command, ListAdapters):
+            if not self.lifecycle.allows("list_adapters"):
+                return self._refuse_state(command, "ListAdapters is legal in ACTIVE, SLEEPING, PARTIAL, NEEDS_RELOAD")
+            self.lifecycle.fire("list_adapters")
+            # Through the shell like every command (its runner may list its own), answered
+            # from the table at completion and cached: a copy gets the same list (P-2).
+            self.work.begin(PendingEffect(command))
+            return WorkerStep(effect=AdapterEffect(command.task_id, command, ()))
+        if self._adapter_already(command) and self.lifecycle.allows("adapter_already"):
+            self.lifecycle.fire("adapter_already")
+            reply = self._ack(command, AckStatus.ALREADY)
+            self._remember(command, reply)
+            return WorkerStep(replies=(reply,))
+        trigger = {AddAdapter: "add_adapter", RemoveAdapter: "remove_adapter", PinAdapter: "pin_adapter"}
+        res = self.residency
+        awake = res.weights_resident and res.weights_valid and self.adapters.home_tag not in res.asleep
+        if not self.lifecycle.allows(trigger[type(command)]) or not awake:
+            return self._refuse_state(command, _WHERE)
+        problem = self._adapter_problem(command)
+        if problem is not None:
+            return self._refuse(command, NackReason.INVALID_ARGUMENT, f"{problem} (nothing was loaded)")
+        evict = self.adapters.evictions(command) if isinstance(command, AddAdapter) else ()
+        self.lifecycle.fire(trigger[type(command)])
+        self.work.begin(PendingEffect(command, evict=evict))
+        return WorkerStep(effect=AdapterEffect(command.task_id, command, evict))
+
+    def _adapter_already(self, command: Command) -> bool:
+        match command:
+            case AddAdapter():
+                return self.adapters.is_already(command, self.weights_version)
+            case RemoveAdapter():
+                return self.adapters.get(command.name) is None
+            case PinAdapter():
+                held = self.adapters.get(command.name)
+                return held is not None and held.pinned == command.pinned
+        return False
+
+    def _adapter_problem(self, command: Command) -> str | None:
+        if isinstance(command, AddAdapter):
+            return self.adapters.add_problem(command, self.weights_version)
+        if isinstance(command, PinAdapter) and self.adapters.get(command.name) is None:
+            return f"adapter {command.name!r} is not loaded on this rank: add it before pinning it"
+        return None
+
+    def _settle_adapter(self, command: Command, evicted: tuple[str, ...]) -> None:
+        """The shell did the adapter command's work: the table says so now."""
+        match command:
+            case AddAdapter():
+                self.adapters.commit_add(command, self.weights_version, evicted)
+            case RemoveAdapter():
+                self.adapters.remove(command.name)
+            case PinAdapter():
+                self.adapters.pin(command.name, command.pinned)
+
+    def _adapter_failed(self, command: Command, evicted: tuple[str, ...], detail: str) -> Any:
+        """The shell refused or failed the adapter command: the rank keeps its state and serves
+        on. An add that failed after its evictions ran has lost those adapters too: unloaded,
+        and the table (and so a ListAdapters) says so."""
+        for name in evicted:
+            self.adapters.remove(name)
+        lost = f"; evicted before the load failed: {list(evicted)}" if evicted else "; nothing was loaded"
+        return self._nack(
+            command, NackReason.INVALID_ARGUMENT, f"{detail}{lost}; this rank is still {self.state.value}"
+        )
+
+    # ------------------------------------------------------------------ the effect completions
+
+    def _on_done(self, done: EffectCompleted) -> WorkerStep:
+        """The shell performed the pending effect."""
+        task_id, duration_s = done.task_id, done.duration_s
+        before = self.state
+        pending = self.work.take(task_id)
+        command = pending.command
+        match command:
+            case Execute():
+                # The core was busy with this request: the adapter it checked is the one served.
+                adapter = self.adapters.get(command.adapter) if command.adapter is not None else None
+                reply: Reply = Result(
+                    task_id=task_id,
+                    epoch=self.epoch,
+                    rank=self.rank,
+                    output=done.output,
+                    duration_s=duration_s,
+                    weights_version=self.weights_version,
+                    adapter=command.adapter,
+                    adapter_version=adapter.version if adapter is not None else 0,
+                )
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                self._settle_adapter(command, pending.evict)
+                reply = self._ack(
+                    command, AckStatus.OK, memory=done.memory, duration_s=duration_s, adapters_evicted=pending.evict
+                )
+            case _:
+                self._settle(pending)
+                reply = self._ack(
+                    command,
+                    AckStatus.OK,
+                    memory=done.memory,
+                    duration_s=duration_s,
+                    trace_paths=done.trace_paths if isinstance(command, Profile) else (),
+                    shared=done.shared if isinstance(command, ShareWeights) else None,
+                    caches_dropped=_cache_names(done.output) if isinstance(command, WEIGHT_WRITES) else (),
+                )
+        if not isinstance(command, Status):
+            self._remember(command, reply)
+        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, done.path)
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+    def _settle(self, pending: PendingEffect) -> None:
+        """Where a completed effect leaves the rank: its residency, state, version, group, profiler."""
+        command = pending.command
+        match command:
+            case Sleep():
+                assert pending.sleep_plan is not None
+                self.residency.apply_sleep(pending.sleep_plan)
+                self.adapters.discarded(pending.sleep_plan.discard)  # P-20: level 2 leaves them gone
+                self.lifecycle.fire("offloaded")
+            case Wake():
+                self.residency.apply_wake(pending.wake_tags)
+                self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
+            case ReloadWeights() | UpdateWeights():
+                self.residency.apply_reload()
+                trigger = settle_row(self.residency.settled()).after_reload
+                if trigger is None:
+                    raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
+                self.lifecycle.fire(trigger)
+                # A reload brings the runner's own weights back: no update's version stands for them.
+                self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
+                self.adapters.rebased(self.weights_version)  # P-20: made for other weights: stale
+            case InitWeightGroup():
+                self.weight_group = command
+            case Profile():
+                self.profiling = command.start
+
+    def _on_refused(self, declined: EffectDeclined) -> WorkerStep:
+        """The pending effect was refused before it changed anything, and the rank is back in
+        the state the command started from: a ReloadWeights whose source the runner refused
+        before writing (NACK INVALID_ARGUMENT), or a Wake that found too little free device
+        memory in time and unmapped what it had mapped (NACK NO_MEMORY, P-16). Cached, like an
+        EXECUTE_ERROR: the effect was attempted and this is its answer, so a copy of the task
+        gets it again instead of passing through RELOADING once more (a copy judged afresh
+        would move a rank of a NEEDS_RELOAD stage back into RELOADING)."""
+        task_id, detail, reason = declined.task_id, declined.detail, declined.reason
+        before = self.state
+        pending = self.work.take(task_id)
+        kind = type(pending.command)
+        if isinstance(pending.command, ADAPTER_COMMANDS):  # checked before anything was done
+            refusal = self._adapter_failed(pending.command, (), detail)
+            self._remember(pending.command, refusal)
+            head = EffectRefused(task_id, kind.__name__, self.state.value, clip(detail))
+            return self._traced(WorkerStep(replies=(refusal,)), head, before, task_id)
+        trigger = REFUSED.get((kind, pending.state_before))  # type: ignore[arg-type]
+        if trigger is None:
+            raise InvariantViolation(
+                f"only a pending ReloadWeights, UpdateWeights or Wake can be refused, not "
+                f"{pending.command!r} "
+                f"(started in {pending.state_before})"
+            )
+        if reason is not None and reason is not REFUSAL_REASON[kind]:
+            raise InvariantViolation(
+                f"a {kind.__name__} is refused with {REFUSAL_REASON[kind].value}, not {reason.value}"
+            )
+        self.lifecycle.fire(trigger)
+        name = kind.__name__
+        effect = "nothing was written" if kind is not Wake else "nothing it mapped is kept, every tag is as before"
+        reply = self._nack(
+            pending.command, REFUSAL_REASON[kind], f"{name} task {task_id!r} refused, {effect}: {detail}"
+        )
+        self._remember(pending.command, reply)
+        head = EffectRefused(task_id, name, self.state.value, clip(detail))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+    def _on_error(self, raised: EffectRaised) -> WorkerStep:
+        """The pending effect raised. A lifecycle effect leaves the worker FAILED, saying why
+        in every later reply; a failed Execute is only that request's error."""
+        task_id, error = raised.task_id, raised.error
+        before = self.state
+        pending = self.work.take(task_id)
+        command = pending.command
+        name = type(command).__name__
+        what = f"{name} task {task_id!r} failed: {error}"
+        match command:
+            case Execute():
+                # A request the runner rejects says nothing about the memory: stay ACTIVE.
+                reply = self._nack(command, NackReason.EXECUTE_ERROR, what)
+            case UpdateWeights():
+                # Writing began: the weights are neither the old version nor the new one. They stay
+                # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
+                self.residency.weights_valid = False
+                self.lifecycle.fire("update_failed")
+                reply = self._nack(
+                    command,
+                    NackReason.UPDATE_FAILED,
+                    f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
+                    f"version {self.weights_version}: update again or reload",
+                )
+            case InitWeightGroup():
+                # No pool memory moved: the rank keeps its state and has no group.
+                reply = self._nack(command, NackReason.INVALID_ARGUMENT, f"{what}; this rank joined no weight group")
+            case ShareWeights():
+                # No pool memory moved: the rank keeps its state and shares nothing.
+                reply = self._nack(command, NackReason.INVALID_ARGUMENT, f"{what}; this rank shares no weights now")
+            case Profile():
+                # The profiler is not memory: the rank keeps its state and serves on. The shell
+                # drops a profiler that failed, so none runs now, whichever way it failed.
+                self.profiling = False
+                reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
+            case _ if isinstance(command, ADAPTER_COMMANDS):
+                reply = self._adapter_failed(command, pending.evict, what)
+            case _ if type(command) in WORKER_CALLS:
+                # No pool memory moved: the rank keeps its state.
+                reason = WORKER_CALLS[type(command)].error
+                reply = self._nack(command, reason, f"{what}; this rank is still {self.state.value}")
+            case _:
+                self.failure = what
+                if self.lifecycle.allows("fail"):
+                    self.lifecycle.fire("fail")
+                reply = self._nack(command, NackReason.BACKEND_ERROR, self.failure)
+        if not isinstance(command, Status):  # Status is never cached (as in _on_done)
+            self._remember(command, reply)
+        head = EffectFailed(task_id, name, self.state.value, clip(error))
+        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)

@@ -1,5 +1,6 @@
 """What the worker core hands out and keeps: its step, its counters, the cached reply of a
-task, the effect in progress, and the one error that is a bug in omni-core itself."""
+task, the work in progress (`WorkInProgress`, a component with its own invariants), and the
+one error that is a bug in omni-core itself."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import msgspec
 from omni_core.fsm.effects import Effect
 from omni_core.fsm.tags import SleepPlan
 from omni_core.fsm.trace_records import ReplySent, WorkerRecord
-from omni_core.protocol import Ack, Capability, Command, Hello, Nack, Reply, Result, encode
+from omni_core.protocol import Ack, Capability, Command, Execute, Hello, Nack, Reply, Result, Status, encode
 from omni_core.protocol import WorkerState as W
 
 # Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
@@ -76,7 +77,7 @@ def command_digest(command: Command) -> bytes:
 
 
 @dataclass(frozen=True)
-class _Pending:
+class PendingEffect:
     """The effect the shell performs now: its command and what completing it needs."""
 
     command: Command
@@ -92,3 +93,106 @@ _ENTRY_OVERHEAD_BYTES = 256
 
 class InvariantViolation(AssertionError):
     """The core reached a state its invariants forbid: a bug in omni-core, not in the caller."""
+
+
+class WorkInProgress:
+    """What a rank has taken on and not yet completed: one lifecycle effect (`pending`), or a
+    batch of requests (`running`, in arrival order, at most `max_in_flight`), never both:
+    nothing moves memory under a running request, and beside a batch only more requests run.
+
+    `busy_with` says why a command must wait (the rank's BUSY); `begin` and `run` take work
+    on, `take` hands back the work an effect completion names."""
+
+    def __init__(self, max_in_flight: int = 1) -> None:
+        if not 1 <= max_in_flight <= MAX_IN_FLIGHT_PER_RANK:
+            raise ValueError(f"max_in_flight must be in 1..{MAX_IN_FLIGHT_PER_RANK}, got {max_in_flight!r}")
+        # Requests this rank holds at once (the stage's max_in_flight): the shell hands them
+        # to the runner together, and nothing else runs beside them.
+        self.max_in_flight = max_in_flight
+        self.pending: PendingEffect | None = None
+        self.running: dict[str, Execute] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None or bool(self.running)
+
+    @property
+    def task_ids(self) -> tuple[str, ...]:
+        """The lifecycle effect's task, or the batch's requests in arrival order."""
+        pending = (self.pending.command.task_id,) if self.pending is not None else ()
+        return pending + tuple(self.running)
+
+    def command(self, task_id: str) -> Command | None:
+        """The command of this task whose effect is under way (lifecycle or request), if any."""
+        if self.pending is not None and self.pending.command.task_id == task_id:
+            return self.pending.command
+        return self.running.get(task_id)
+
+    def busy_with(self, command: Command) -> str:
+        """Why `command` must wait (BUSY), or "": one lifecycle effect at a time, and beside a
+        batch of requests only more requests, up to max_in_flight. A Status never waits."""
+        if isinstance(command, Status):
+            return ""
+        if self.pending is not None:
+            return f"task {self.pending.command.task_id!r} is in progress; retry after its reply"
+        if self.running and not isinstance(command, Execute):
+            first = next(iter(self.running))
+            return (
+                f"{len(self.running)} requests are running on this rank (first {first!r}); "
+                f"{type(command).__name__} waits until they are answered: retry after their replies"
+            )
+        if len(self.running) >= self.max_in_flight:
+            first = next(iter(self.running))
+            return (
+                f"request {first!r} and {len(self.running) - 1} more are in progress, this rank's "
+                f"max_in_flight ({self.max_in_flight}); retry after a reply or raise the stage's max_in_flight"
+            )
+        return ""
+
+    def begin(self, pending: PendingEffect) -> None:
+        """Take on one lifecycle effect (or a Status): only while nothing else is under way."""
+        if self.busy:
+            raise InvariantViolation(f"{pending.command!r} taken on while {list(self.task_ids)} are in progress")
+        self.pending = pending
+
+    def run(self, command: Execute) -> None:
+        """Add a request to the batch in progress."""
+        if self.pending is not None or len(self.running) >= self.max_in_flight:
+            raise InvariantViolation(f"request {command.task_id!r} taken on beside {list(self.task_ids)}")
+        self.running[command.task_id] = command
+
+    def take(self, task_id: str) -> PendingEffect:
+        """The work whose effect completed: a request of the batch, or the lifecycle effect."""
+        running = self.running.pop(task_id, None)
+        if running is not None:
+            return PendingEffect(running)
+        if self.pending is None or self.pending.command.task_id != task_id:
+            have = self.pending.command.task_id if self.pending else None
+            raise InvariantViolation(f"effect completion for task {task_id!r}, pending is {have!r}")
+        pending, self.pending = self.pending, None
+        return pending
+
+    def check_invariants(self) -> str:
+        """What is wrong with the work in progress on its own, or "" (the core's check asks it)."""
+        if self.running and self.pending is not None:
+            return "a lifecycle effect beside a running batch"
+        if len(self.running) > self.max_in_flight:
+            return "more requests running than max_in_flight"
+        return ""
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """A worker core's state as `WorkerCore.restore` takes it: a case, not a path to it (the
+    agreement rows of omni_core.formal, tests). The lifecycle state, the epoch, the residency,
+    the weights version, the failure it reports, the work in progress and the profiler."""
+
+    state: W
+    epoch: int = 0
+    asleep: frozenset[str] = frozenset()
+    weights_valid: bool = True
+    weights_version: int = 0
+    failure: str = ""
+    pending: PendingEffect | None = None  # the lifecycle effect in progress
+    running: tuple[Execute, ...] = ()  # or the batch of requests, in arrival order
+    profiling: bool = False

@@ -24,6 +24,7 @@ from omni_core.protocol.weights import (
     ShmSource,
     TensorSpec,
     WeightSource,
+    new_version_problem,
     source_kind,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "ShmSource",
     "TensorSpec",
     "WeightSource",
+    "new_version_problem",
     "source_kind",
     "AckStatus",
     "DEFAULT_MAX_FRAME_BYTES",

@@ -115,7 +115,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAU
             "send smaller payloads or raise max_frame_bytes on both ends"
         )
     try:
-        message = _decoder.decode(data)
+        message: Message = _decoder.decode(data)
     except _DECODE_FAILURES as exc:
         raise _explain(data, exc) from None
     if message.v != PROTOCOL_VERSION:

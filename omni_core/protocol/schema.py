@@ -7,6 +7,7 @@ a test fails when the committed file differs from what this produces.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 
@@ -14,7 +15,7 @@ from omni_core.protocol.messages import AnyMessage
 from omni_core.protocol.version import PROTOCOL_VERSION
 
 
-def message_schema() -> dict:
+def message_schema() -> dict[str, Any]:
     """The schema document: a `oneOf` over the tagged message types."""
     schema = msgspec.json.schema(AnyMessage)
     schema["title"] = f"omni-core wire protocol v{PROTOCOL_VERSION} (msgpack; this is its JSON view)"

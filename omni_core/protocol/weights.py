@@ -30,6 +30,7 @@ MAX_BUCKET_BYTES = 1 << 40
 MAX_HANDLE_CHARS = 4096  # a shared-memory path
 MAX_HOST_CHARS = 253  # a DNS name
 MAX_WEIGHTS_VERSION = (1 << 63) - 1
+MIN_NEW_WEIGHTS_VERSION = 1  # 0 is a runner's own weights: no update stands for them
 # CUDA IPC (CudaIpcHandle): what torch's reduce_tensor gives for a CUDA storage.
 CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
 # torch's shareable handle: 64 bytes (older torch), 66 (a cudaMalloc block), or 26 and 4 (a
@@ -57,7 +58,21 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 WeightsVersion = Annotated[int, msgspec.Meta(ge=0, le=MAX_WEIGHTS_VERSION)]
-NewWeightsVersion = Annotated[int, msgspec.Meta(ge=1, le=MAX_WEIGHTS_VERSION)]
+NewWeightsVersion = Annotated[int, msgspec.Meta(ge=MIN_NEW_WEIGHTS_VERSION, le=MAX_WEIGHTS_VERSION)]
+
+
+def new_version_problem(version: object) -> str | None:
+    """What is wrong with `version` as the version of new weights (P-17), or None: the one
+    rule the engine, the stage core and the HTTP body hold an update's version to, the bounds
+    of `NewWeightsVersion` on the wire. True is no version, though True == 1."""
+    if type(version) is int and MIN_NEW_WEIGHTS_VERSION <= version <= MAX_WEIGHTS_VERSION:
+        return None
+    return (
+        f"weights version must be an int in {MIN_NEW_WEIGHTS_VERSION}..{MAX_WEIGHTS_VERSION}, got {version!r}; "
+        "send the new weights under a higher version"
+    )
+
+
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TENSOR_NAME_CHARS)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BUCKET_BYTES)]

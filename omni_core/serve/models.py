@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_core.protocol.weights import MAX_WEIGHTS_VERSION, MIN_NEW_WEIGHTS_VERSION
+
 
 class _Strict(BaseModel):
     # strict: no silent conversion ("1" is not the level 1, true is not the stage id 1); no
@@ -43,7 +45,10 @@ class UpdateWeightsBody(_Strict):
     """POST /v1/stages/{name}/update_weights: new weights as `version` (P-17)."""
 
     version: int = Field(
-        ..., ge=1, le=(1 << 63) - 1, description="the new weights version: above the stage's `weights_version`"
+        ...,
+        ge=MIN_NEW_WEIGHTS_VERSION,
+        le=MAX_WEIGHTS_VERSION,
+        description="the new weights version: above the stage's `weights_version`",
     )
     source: str | dict[str, Any] = Field(
         ...,

@@ -5,7 +5,8 @@ vLLM's routes (vllm/entrypoints/serve/dev/rlhf/api_router.py) take `mode` (abort
 default; wait; keep), the deprecated `wait_for_inflight_requests` (true means mode=wait)
 and `clear_cache` in the query string; omni-core also takes them in a JSON body, not both.
 They answer {"status": "paused"} and {"status": "resumed"} (with every stage's report beside
-it) and {"is_paused": bool}. What each mode does: omni_core/fsm/stage_pause.py.
+it) and {"is_paused": bool}. What each mode does: omni_core/fsm/stage_pause.py (its modes) and
+StageCore._pause in omni_core/fsm/stage.py.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def _install(name: str) -> None:
 
     class ExecuteAnywhereCore(core_cls):
         def _on_execute(self, command: Any) -> Any:
-            self._pending = fsm_worker._Pending(command)
+            self.work.begin(fsm_worker.PendingEffect(command))
             return fsm_worker.WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
 
         def _check_invariants(self) -> None:
@@ -424,7 +424,7 @@ def _install(name: str) -> None:
     class ExecuteInPartialCore(core_cls):
         def _on_execute(self, command: Any) -> Any:
             if self.state is WorkerState.PARTIAL and "weights" not in self.residency.asleep:
-                self._pending = fsm_worker._Pending(command)
+                self.work.begin(fsm_worker.PendingEffect(command))
                 return fsm_worker.WorkerStep(effect=ExecuteEffect(command.task_id, command.payload))
             return super()._on_execute(command)
 
@@ -499,7 +499,7 @@ def _install(name: str) -> None:
             if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
                 # The answer is sent, the core never told: it stays RESTORING, its task pending.
                 return fsm_worker.WorkerStep(
-                    replies=(self.core._nack(self.core._pending.command, NackReason.NO_MEMORY, str(exc)),)
+                    replies=(self.core._nack(self.core.work.pending.command, NackReason.NO_MEMORY, str(exc)),)
                 )
             return super()._on_effect_error(effect, exc)
 

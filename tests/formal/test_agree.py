@@ -28,7 +28,7 @@ def table() -> agree.SpecTable:
 
 def busy_before_cache(self, command):
     """The skeleton's order: BUSY answered before the reply cache is consulted."""
-    pending = self._pending
+    pending = self.work.pending
     if (
         command.epoch >= self.epoch
         and pending is not None
@@ -49,7 +49,8 @@ ORIGINAL_RELOAD = StageCore._reload
 def reload_expects_active(self, call, now):
     step = ORIGINAL_RELOAD(self, call, now)
     row = settle_row(Settled.ACTIVE)
-    self._task.expect_state, self._task.commit_trigger = row.rank_state, row.stage_commit
+    task = self.task
+    task.expect_state, task.commit_trigger = row.rank_state, row.stage_commit
     return step
 
 

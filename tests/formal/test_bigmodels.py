@@ -260,7 +260,7 @@ def test_a_core_that_ignores_the_queue_limit_disagrees(admission_steps):
     class Unbounded(StageCore):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.queue_limit = 10**6  # the core forgets the bound it was given
+            self.requests.queue_limit = 10**6  # the core forgets the bound it was given
 
     found = agree_admission.compare(admission_steps, Unbounded)
     assert found and all(d.spec == ("submit", "refuse") and d.code == ("submit", "queue") for d in found)
