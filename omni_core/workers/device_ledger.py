@@ -10,10 +10,12 @@ that cannot get the lock within its wait is refused naming the wake that holds i
 does not wait takes its chance as before (it fails fast and rolls back, P-16).
 
 Where it lives: a directory per device. For a simulated device (CPU runs), its own directory;
-for a GPU, `<tmp>/omni-core-devices-<uid>/<GPU UUID>`, where each rank also keeps a holder file
+for a GPU, `<base>/<GPU UUID>` where the operator sets `<base>` with OMNI_CORE_DEVICE_LEDGER_DIR
+(default `<tmp>/omni-core-devices-<uid>`), where each rank also keeps a holder file
 (`simulated_device.SimulatedDevice`'s format) so a refusal names the other engines' ranks.
 Engines of other users do not share it (their processes cannot read a 0700 directory); NVML
-still lists their pids.
+still lists their pids. Everything in it is outside input (`ledger_files`): a directory or lock
+file that cannot be trusted is refused with `LedgerError`, which says what to remove or set.
 """
 
 from __future__ import annotations
@@ -21,10 +23,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from omni_core.workers.ledger_files import (
+    ENV_LEDGER_DIR,
+    LedgerError,
+    open_regular,
+    printable,
+    read_capped,
+    secure_directory,
+)
 from omni_core.workers.memory_gate import WakeRefused
 
 INCOMING_LOCK = "incoming.lock"
@@ -34,27 +45,43 @@ MAX_OWNER_BYTES = 512
 POLL_S = 0.01
 
 
+# What NVML calls a GPU or a MIG instance ("GPU-8f2e...", "MIG-..."): a directory name, nothing more.
+_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def ledger_base() -> str:
+    """Where this user's device ledgers live: the operator's OMNI_CORE_DEVICE_LEDGER_DIR, else
+    a directory of this user's under the temporary directory."""
+    chosen = os.environ.get(ENV_LEDGER_DIR, "")
+    return chosen or os.path.join(tempfile.gettempdir(), f"omni-core-devices-{os.getuid()}")
+
+
 def gpu_ledger_directory(gpu_uuid: str) -> str:
     """The ledger of one GPU for this user's engines."""
-    return os.path.join(tempfile.gettempdir(), f"omni-core-devices-{os.getuid()}", gpu_uuid)
+    if not _UUID_RE.match(gpu_uuid):
+        raise LedgerError(f"GPU UUID {gpu_uuid[:64]!r} cannot name a ledger directory (letters, digits, '.-_' only)")
+    return os.path.join(ledger_base(), gpu_uuid)
 
 
 def _open_lock(directory: str) -> int:
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    return os.open(os.path.join(directory, INCOMING_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    base = os.path.dirname(os.path.normpath(directory))
+    if base and os.path.normpath(base) == os.path.normpath(ledger_base()):
+        secure_directory(base)  # the GPUs' common base: no one else may swap a device's directory
+    secure_directory(directory)
+    path = os.path.join(directory, INCOMING_LOCK)
+    try:
+        return open_regular(path, os.O_RDWR | os.O_CREAT)
+    except OSError as err:  # ELOOP: a symlink planted under the lock's name
+        raise LedgerError(
+            f"cannot open the device ledger's lock {path!r} ({err.strerror or err}); remove it (rm {path}): "
+            "the next wake creates it again"
+        ) from None
 
 
 def incoming_owner(directory: str) -> str:
     """Who holds (or last held) the device's incoming lock, as it wrote itself; "" if unknown."""
-    try:
-        fd = os.open(os.path.join(directory, INCOMING_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return ""
-    try:
-        raw = os.read(fd, MAX_OWNER_BYTES)
-    finally:
-        os.close(fd)
-    return raw.decode("utf-8", "replace").strip()
+    raw = read_capped(os.path.join(directory, INCOMING_LOCK), MAX_OWNER_BYTES)
+    return printable(raw or b"", MAX_OWNER_BYTES)
 
 
 @contextlib.contextmanager
@@ -68,8 +95,12 @@ def one_incoming_wake(
 ) -> Iterator[float]:
     """Hold the device's incoming lock for the body (a wake's maps); yields the seconds spent
     waiting for it. WakeRefused, before anything is mapped, if another wake holds it past
-    `wait_s`: nothing changed, the tags stay asleep (NO_MEMORY)."""
-    fd = _open_lock(directory)
+    `wait_s`: nothing changed, the tags stay asleep (NO_MEMORY). So is a wake whose ledger
+    cannot be trusted (LedgerError): refused, never the rank's failure."""
+    try:
+        fd = _open_lock(directory)
+    except LedgerError as err:
+        raise WakeRefused(f"this wake cannot take its turn on the device: {err}") from None
     try:
         started = clock()
         while True:
