@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import tempfile
@@ -37,6 +38,9 @@ from omni_core.workers.ledger_files import (
     secure_directory,
 )
 from omni_core.workers.memory_gate import WakeRefused
+from omni_core.workers.simulated_device import SimulatedDevice, SimulatedResidency
+
+log = logging.getLogger("omni_core.workers.device_ledger")
 
 INCOMING_LOCK = "incoming.lock"
 # The lock file also names its holder, for the refusal of the next wake; never more than this.
@@ -120,3 +124,34 @@ def one_incoming_wake(
         yield clock() - started
     finally:
         os.close(fd)  # closing drops the lock
+
+
+class LedgerMember:
+    """A process's place in a GPU's node ledger outside an omni-core rank: `omni_fast` inside
+    plain vLLM. It registers its holdings (a holder file, as a rank's) and announces each
+    change, and its wakes take the device's incoming lock, so omni-core's waiting wakes and
+    vLLM's run one at a time on the device and each names the other when refused."""
+
+    def __init__(self, directory: str, capacity_bytes: int, stage: str, rank: int, wait_s: float) -> None:
+        self.directory = directory
+        self.residency = SimulatedResidency(SimulatedDevice(directory, capacity_bytes), stage, rank)
+        self.wait_s = wait_s
+        self.who = f"stage {stage} rank {rank}, pid {os.getpid()} (engine pid {os.getppid()})"
+        self._problem = ""  # the last problem logged
+
+    def announce(self, resident_bytes: int) -> None:
+        """This process's resident bytes now. A ledger that cannot be written is logged once
+        per problem: the driver still refuses what does not fit, only the names are lost."""
+        try:
+            self.residency.report(resident_bytes)
+        except (OSError, LedgerError) as err:
+            if str(err) != self._problem:
+                self._problem = str(err)
+                log.warning("the node ledger %s did not take %s's holdings: %s", self.directory, self.who, err)
+
+    def incoming(self) -> contextlib.AbstractContextManager[object]:
+        """The device's incoming lock for a wake (WakeRefused naming its holder past wait_s);
+        none with wait_s = 0: the wake takes its chance, as an omni-core wake without a wait."""
+        if self.wait_s <= 0:
+            return contextlib.nullcontext()
+        return one_incoming_wake(self.directory, self.who, self.wait_s)

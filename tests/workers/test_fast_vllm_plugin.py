@@ -200,6 +200,52 @@ def test_suspend_resume_through_the_factory(fake_vllm, monkeypatch):
     assert content(fake_vllm.cumem, weights) == {GARBAGE}
 
 
+def test_plain_vllm_joins_the_node_ledger_and_its_resume_takes_its_turn(fake_vllm, monkeypatch, tmp_path):
+    from omni_core.workers.device_ledger import LedgerMember, one_incoming_wake
+    from omni_core.workers.memory_gate import WakeRefused
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    directory = str(tmp_path / "GPU-0")
+    monkeypatch.setattr(vllm_plugin, "_member", LedgerMember(directory, 1 << 20, vllm_plugin.LEDGER_STAGE, 0, 0.05))
+    vllm_plugin.register()
+    factory = fake_vllm.sleep.SleepModeBackendFactory
+    monkeypatch.setattr(
+        factory.get_backend_class(vllm_plugin.BACKEND_NAME), "is_supported", classmethod(lambda c: True)
+    )
+    allocator = fake_vllm.cumem.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(W):
+        weights = [allocator.malloc(n, 0x11) for n in (4096, 8192)]
+    with allocator.use_memory_pool(KV):
+        allocator.malloc(16384, 0x22)
+    ledger = SimulatedDevice(directory, 1 << 20)
+
+    def held() -> list[tuple[str, int]]:
+        return [(h.label, h.nbytes) for h in ledger.holders().holders]
+
+    backend = factory.create_backend(SimpleNamespace(sleep_mode_backend=vllm_plugin.BACKEND_NAME))
+    assert held() == [("stage vllm rank 0", 4096 + 8192 + 16384)]  # registered with what its pools hold
+    backend.suspend(level=1)
+    assert held() == [("stage vllm rank 0", 0)]
+    with one_incoming_wake(directory, "stage talker rank 0, pid 77 (engine pid 7)", 1.0):  # an omni-core wake
+        with pytest.raises(WakeRefused, match=r"incoming lock \(stage talker rank 0, pid 77 \(engine pid 7\)\)"):
+            backend.resume(["weights"])
+        assert fake_vllm.cumem.memory == {} and backend.state() == "SUSPENDED"  # refused before any map
+    backend.resume(["weights"])
+    assert content(fake_vllm.cumem, weights) == {0x11} and backend.state() == "RUNNING"
+    assert held() == [("stage vllm rank 0", 4096 + 8192)]
+
+
+def test_the_wake_wait_of_plain_vllm_is_read_from_the_environment(monkeypatch, caplog):
+    monkeypatch.delenv(vllm_plugin.ENV_WAKE_WAIT, raising=False)
+    assert vllm_plugin.wake_wait_s() == vllm_plugin.DEFAULT_WAKE_WAIT_S
+    monkeypatch.setenv(vllm_plugin.ENV_WAKE_WAIT, "2.5")
+    assert vllm_plugin.wake_wait_s() == 2.5
+    for typo in ("soon", "nan", "-1", "1e9"):
+        monkeypatch.setenv(vllm_plugin.ENV_WAKE_WAIT, typo)
+        assert vllm_plugin.wake_wait_s() == vllm_plugin.DEFAULT_WAKE_WAIT_S
+    assert sum(vllm_plugin.ENV_WAKE_WAIT in r.message for r in caplog.records) == 4
+
+
 def test_prepare_hook_runs_when_the_kv_pool_closes_and_only_when_selected(fake_vllm, monkeypatch):
     calls = []
     monkeypatch.setattr(vllm_plugin, "prepare", lambda **kw: calls.append(kw))
