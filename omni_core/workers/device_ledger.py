@@ -61,16 +61,16 @@ def ledger_base() -> str:
 
 
 def gpu_ledger_directory(gpu_uuid: str) -> str:
-    """The ledger of one GPU for this user's engines."""
-    if not _UUID_RE.match(gpu_uuid):
+    """The ledger of one GPU for this user's engines. The base is made or checked here
+    (LedgerError): whoever could write to it could swap a device's directory for their own."""
+    if not _UUID_RE.match(gpu_uuid) or gpu_uuid in (".", ".."):
         raise LedgerError(f"GPU UUID {gpu_uuid[:64]!r} cannot name a ledger directory (letters, digits, '.-_' only)")
-    return os.path.join(ledger_base(), gpu_uuid)
+    base = ledger_base()
+    secure_directory(base)
+    return os.path.join(base, gpu_uuid)
 
 
 def _open_lock(directory: str) -> int:
-    base = os.path.dirname(os.path.normpath(directory))
-    if base and os.path.normpath(base) == os.path.normpath(ledger_base()):
-        secure_directory(base)  # the GPUs' common base: no one else may swap a device's directory
     secure_directory(directory)
     path = os.path.join(directory, INCOMING_LOCK)
     try:

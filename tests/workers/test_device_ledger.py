@@ -145,13 +145,19 @@ def test_the_operator_sets_the_ledger_directory_and_a_uuid_is_only_a_name(tmp_pa
             gpu_ledger_directory(hostile)
 
 
-def test_a_group_writable_base_refuses_the_wake(tmp_path, monkeypatch) -> None:
+def test_a_group_writable_base_or_device_directory_is_refused(tmp_path, monkeypatch) -> None:
     base = tmp_path / "ledgers"
     base.mkdir()
     base.chmod(0o777)
     monkeypatch.setenv(ENV_LEDGER_DIR, str(base))
+    with pytest.raises(LedgerError, match=f"{base}.* writable by group or others.*{ENV_LEDGER_DIR}"):
+        gpu_ledger_directory("GPU-1")  # at the rank's start: anyone could swap the GPU's directory
+    base.chmod(0o700)
+    directory = gpu_ledger_directory("GPU-1")
+    os.makedirs(directory, mode=0o777)
+    os.chmod(directory, 0o777)
     refused = pytest.raises(WakeRefused, match="writable by group or others")
-    with refused, one_incoming_wake(gpu_ledger_directory("GPU-1"), "stage s rank 0", 0.0):
+    with refused, one_incoming_wake(directory, "stage s rank 0", 0.0):
         pass
 
 
