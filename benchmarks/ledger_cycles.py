@@ -206,6 +206,8 @@ def report(tallies: list[EngineTally], cycles: int, wall_s: float, command: str)
         f"| refusals naming the other engine's holder | all ({refusals}) | {named} | "
         f"{'met' if named == refusals and refusals >= cycles else 'missed'} |",
         f"| nothing unexpected | 0 | {len(unexpected)} | {'met' if not unexpected else 'missed'} |",
+        "| the same on one GPU, with a plain vLLM (omni_fast) as a third engine | 1,000 cycles | not run | "
+        "missed: no device this round (omni_fast's membership is tested on CPU doubles) |",
     ]
     lines = [
         "# Two engines, one device: alternating sleep/wake/swap cycles through the node ledger",
@@ -217,6 +219,11 @@ def report(tallies: list[EngineTally], cycles: int, wall_s: float, command: str)
         f"{cycles} cycles in {wall_s:.1f} s; {len(swaps)} swaps, median {p50 * 1000:.1f} ms, "
         f"p99 {p99 * 1000:.1f} ms (both engines' swaps at once, their incoming wakes one after the other "
         f"through the device's incoming lock); {refusals} refusals.",
+        "",
+        "Each engine has three stages (`keep` awake throughout, `x` and `y` taking turns); the device "
+        "holds five. Per cycle both engines swap at once, one wakes its asleep stage (five fit), then the "
+        "other does and is refused at once (six do not): that refusal must name a holder of the first "
+        "engine with bytes on the device (engine pid, stage, rank, pid, bytes).",
         "",
     ]
     if unexpected:
