@@ -200,13 +200,13 @@ def report(tallies: list[EngineTally], cycles: int, wall_s: float, command: str)
     p99 = sorted(swaps)[int(0.99 * (len(swaps) - 1))] if swaps else float("nan")
     done = min(t.cycles for t in tallies)
     rows = [
-        f"| cycles completed by both engines | {cycles} | {done} | {'met' if done == cycles else 'missed'} |",
-        f"| swaps completed (no livelock) | {2 * cycles} | {sum(t.swaps for t in tallies)} | "
+        f"| cycles completed by both engines: {cycles} | {done} | {'met' if done == cycles else 'missed'} |",
+        f"| swaps completed (no livelock): {2 * cycles} | {sum(t.swaps for t in tallies)} | "
         f"{'met' if sum(t.swaps for t in tallies) == 2 * cycles else 'missed'} |",
-        f"| refusals naming the other engine's holder | all ({refusals}) | {named} | "
+        f"| refusals naming the other engine's holder: all {refusals} | {named} | "
         f"{'met' if named == refusals and refusals >= cycles else 'missed'} |",
-        f"| nothing unexpected | 0 | {len(unexpected)} | {'met' if not unexpected else 'missed'} |",
-        "| the same on one GPU, with a plain vLLM (omni_fast) as a third engine | 1,000 cycles | not run | "
+        f"| nothing unexpected: 0 | {len(unexpected)} | {'met' if not unexpected else 'missed'} |",
+        "| the same on one GPU, a plain vLLM (omni_fast) as a third engine: 1,000 cycles | not run | "
         "missed: no device this round (omni_fast's membership is tested on CPU doubles) |",
     ]
     lines = [
@@ -228,7 +228,7 @@ def report(tallies: list[EngineTally], cycles: int, wall_s: float, command: str)
     ]
     if unexpected:
         lines += ["Unexpected:", "", *[f"- {u[:400]}" for u in unexpected[:20]], ""]
-    lines += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|", *rows, ""]
+    lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|", *rows, ""]
     return "\n".join(lines)
 
 
