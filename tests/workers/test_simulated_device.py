@@ -229,3 +229,14 @@ def test_a_directory_others_could_write_to_or_a_stand_in_is_refused_naming_the_f
     assert ENV_LEDGER_DIR in str(refused.value)
     with pytest.raises(LedgerError):
         device.free_bytes()  # nor is it read: what others planted there would be believed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
+def test_a_directory_of_another_user_is_refused(tmp_path):
+    from omni_core.workers.ledger_files import LedgerError
+
+    path = tmp_path / "gpu0"
+    path.mkdir(mode=0o700)
+    os.chown(path, 12345, -1)  # planted by someone else, before this user's first rank
+    with pytest.raises(LedgerError, match="belongs to uid 12345, not to this user"):
+        SimulatedResidency(SimulatedDevice(str(path), 64 * MiB), "s", 0).report(MiB)
