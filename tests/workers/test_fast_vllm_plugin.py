@@ -353,3 +353,46 @@ def test_gpu_plugin_through_vllm_plugin_loader_and_factory(tmp_path):
     stats = backend.path.stats
     assert backend.path.arena_bytes() == sum(d.handle[1] for _, d in backend.path.allocations(["weights"]))
     print(f"plugin: arena {stats.arena_bytes} B prepared in {stats.arena_prepare_s:.3f} s; last {stats.last}")
+
+
+@pytest.mark.gpu
+def test_gpu_plugin_registers_in_the_node_ledger_and_takes_its_turn(tmp_path, monkeypatch):
+    problem = _gpu_problem()
+    if problem is not None:
+        pytest.skip(f"needs CUDA and vLLM >= 0.26's allocator: {problem}")
+    from omni_core.workers.accounting import ProcessMemory
+    from omni_core.workers.device_ledger import gpu_ledger_directory, one_incoming_wake
+    from omni_core.workers.ledger_files import ENV_LEDGER_DIR
+    from omni_core.workers.memory_gate import WakeRefused
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    monkeypatch.setenv(ENV_LEDGER_DIR, str(tmp_path / "ledgers"))
+    monkeypatch.setenv(vllm_plugin.ENV_WAKE_WAIT, "0.2")
+    monkeypatch.setattr(vllm_plugin, "_member", None)  # joined afresh, under the test's ledger
+    memory = ProcessMemory("cuda:0")
+    if memory.physical is None:
+        pytest.skip(f"NVML cannot name the GPU: {memory.nvml_problem}")
+    directory = gpu_ledger_directory(memory.physical.uuid)
+    ledger = SimulatedDevice(directory, memory.total_bytes())
+    vllm_plugin.register()
+    sleep_mod = importlib.import_module(vllm_plugin.SLEEP_MODULE)
+    allocator = importlib.import_module(vllm_plugin.CUMEM_MODULE).CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        weights = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
+    backend = sleep_mod.SleepModeBackendFactory.create_backend(
+        SimpleNamespace(sleep_mode_backend=vllm_plugin.BACKEND_NAME)
+    )
+
+    def held() -> list[int]:
+        return [h.nbytes for h in ledger.holders().holders if h.label == "stage vllm rank 0"]
+
+    assert held() == [vllm_plugin.resident_bytes(backend.path)] and held()[0] >= 64 << 20
+    backend.suspend(level=1)
+    assert held() == [0]
+    free_asleep = torch.cuda.mem_get_info()[0]
+    with one_incoming_wake(directory, "stage talker rank 0, pid 4242 (engine pid 4240)", 5.0):
+        with pytest.raises(WakeRefused, match=r"stage talker rank 0, pid 4242 \(engine pid 4240\)"):
+            backend.resume(["weights"])
+        assert backend.state() == "SUSPENDED" and torch.cuda.mem_get_info()[0] >= free_asleep - (8 << 20)
+    backend.resume(["weights"])
+    assert int(weights[-1]) == 7 and held()[0] >= 64 << 20
