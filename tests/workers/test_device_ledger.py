@@ -191,3 +191,37 @@ def test_a_rank_wake_refused_by_a_planted_lock_stays_asleep_and_serves_on(orch, 
     reply = orch.request(worker, Wake(task_id="wake-2", epoch=EPOCH, memory_wait_s=1.0))
     assert isinstance(reply, Ack) and reply.state is WorkerState.ACTIVE, reply
     assert isinstance(orch.request(worker, Shutdown(task_id="stop", epoch=EPOCH)), Ack)
+
+
+def test_two_waiting_wakes_on_a_device_for_one_never_both_stall(orch, tmp_path) -> None:
+    """vLLM #36753's shape: two wakes at once, each alone fits, both together do not. Without
+    one incoming wake per device both may map half and wait for each other until both expire;
+    with it one wakes whole and the other is refused after its wait, naming the first."""
+    # Both ranks' weights fit beside each other, a rank's weights and KV cache beside the other's
+    # weights do not: two wakes that map their weights at once then wait for each other.
+    args = dict(RUNNER_ARGS, weights_bytes=30 << 20, kv_bytes=20 << 20)
+    device = SimulatedDevice(str(tmp_path / "gpu0"), 72 << 20)  # one rank awake (50 MiB), not two
+    workers = [
+        orch.spawn(rank, runner="synthetic", runner_args=args, epoch=EPOCH, simulated_device=device) for rank in (0, 1)
+    ]
+    pids = [orch.wait_hello(worker).pid for worker in workers]
+    for rank, worker in enumerate(workers):
+        assert isinstance(orch.request(worker, Sleep(task_id=f"sleep-{rank}", epoch=EPOCH, level=1)), Ack)
+    for rank, worker in enumerate(workers):
+        orch.send(worker, Wake(task_id=f"wake-{rank}", epoch=EPOCH, memory_wait_s=1.0))
+    replies = [orch.next_message(worker) for worker in workers]
+    woke = [r for r, reply in enumerate(replies) if isinstance(reply, Ack) and reply.state is WorkerState.ACTIVE]
+    assert len(woke) == 1, replies  # never both refused: the device did not sit idle
+    [refused] = [replies[1 - woke[0]]]
+    assert (
+        isinstance(refused, Nack) and refused.reason is NackReason.NO_MEMORY and refused.state is WorkerState.SLEEPING
+    )
+    assert f"stage test rank {woke[0]}, pid {pids[woke[0]]}" in refused.detail, refused.detail
+    # It took its turn after the first wake, so every map it tried was on the device's true free
+    # figure. Without the turn both map their weights on the same free figure, the device refuses
+    # the later maps ("the driver refused a map the free figure allowed"), both wait for each
+    # other, and one wakes only when the other's wait expires.
+    assert "driver refused" not in refused.detail, refused.detail
+    assert [h.label for h in device.read()[0] if h.nbytes > 0] == [f"stage test rank {woke[0]}"]  # rolled back
+    for rank, worker in enumerate(workers):
+        assert isinstance(orch.request(worker, Shutdown(task_id=f"stop-{rank}", epoch=EPOCH)), Ack)
