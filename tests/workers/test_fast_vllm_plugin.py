@@ -379,6 +379,7 @@ def test_gpu_plugin_registers_in_the_node_ledger_and_takes_its_turn(tmp_path, mo
     allocator = importlib.import_module(vllm_plugin.CUMEM_MODULE).CuMemAllocator.get_instance()
     with allocator.use_memory_pool(tag="weights"):
         weights = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
+    vllm_plugin.prepare()  # the arena, as the kv_cache pool's close does in a vLLM worker
     backend = sleep_mod.SleepModeBackendFactory.create_backend(
         SimpleNamespace(sleep_mode_backend=vllm_plugin.BACKEND_NAME)
     )
