@@ -22,6 +22,13 @@ then and no CUDA graph is being captured), once, synchronously, logged with its 
 OMNI_CORE_VLLM_PREPARE=first-sleep to defer it to the first suspend instead (no pinned host
 memory until the first sleep, which then pays for it). `prepare()` does it on demand.
 
+The process joins its GPU's node ledger (`omni_core.workers.device_ledger`, shared with every
+omni-core engine of the user on the host): it registers its pools' resident bytes as holder
+"stage vllm rank <device index>" and announces each change, and each resume takes the device's
+incoming lock first, waiting up to OMNI_CORE_VLLM_WAKE_WAIT_S (default 60; 0: take its chance
+without the lock), so omni-core's waiting wakes and vLLM's run one at a time on the GPU, and a
+refusal on either side names the other's holder. Without NVML (no GPU UUID) it stays out.
+
 Importing this module does not import vLLM: `register` imports what it needs, and the
 adapter class is built on first access (`OmniFastSleepBackend`, PEP 562).
 """
@@ -43,6 +50,10 @@ BACKEND_NAME = "omni_fast"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENV_PREPARE = "OMNI_CORE_VLLM_PREPARE"  # "load" (default) | "first-sleep"
 ENV_SELECT = "OMNI_CORE_VLLM_SLEEP_BACKEND"  # "omni_fast": selected without an engine argument
+ENV_WAKE_WAIT = "OMNI_CORE_VLLM_WAKE_WAIT_S"  # seconds a resume waits for the device's incoming lock
+DEFAULT_WAKE_WAIT_S = 60.0
+MAX_WAKE_WAIT_S = 3600.0
+LEDGER_STAGE = "vllm"  # the holder name other engines' refusals give this process
 VLLM_DEFAULT_BACKEND = "cumem"
 SLEEP_MODULE = "vllm.device_allocator.sleep_mode_backend"
 CUMEM_MODULE = "vllm.device_allocator.cumem"
@@ -50,6 +61,8 @@ OFFLOAD_TAG = "weights"  # vLLM's level 1: offload weights, discard the rest
 
 _path: Any = None
 _path_lock = threading.Lock()
+_member: Any = None  # the process's LedgerMember; False: none on this device (made on first use)
+_member_lock = threading.Lock()
 
 
 def register() -> None:
@@ -120,8 +133,74 @@ def shared_path() -> Any:
 
 
 def prepare(*, background: bool = False) -> None:
-    """Lay out and register the host arena for the current weights now."""
+    """Lay out and register the host arena for the current weights now; the pools are final
+    then, so the node ledger hears of them."""
     shared_path().prepare((OFFLOAD_TAG,), background=background)
+    announce()
+
+
+def ledger_member() -> Any:
+    """The process's place in its GPU's node ledger, or None (no CUDA, no NVML)."""
+    global _member
+    path = shared_path()
+    with _member_lock:
+        if _member is None:
+            _member = _make_member(path.device) or False
+        return _member or None
+
+
+def _make_member(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    from omni_core.workers.accounting import ProcessMemory
+    from omni_core.workers.device_ledger import LedgerMember, gpu_ledger_directory
+
+    try:
+        memory = ProcessMemory(device)
+        if memory.physical is None:
+            log.info("omni-core: %s stays out of the node ledger (%s)", device, memory.nvml_problem)
+            return None
+        directory = gpu_ledger_directory(memory.physical.uuid)
+        return LedgerMember(directory, memory.total_bytes(), LEDGER_STAGE, device.index or 0, wake_wait_s())
+    except Exception as exc:  # the sleep path works without it; only the names are lost
+        log.warning("omni-core: %s stays out of the node ledger: %s", device, exc)
+        return None
+
+
+def wake_wait_s() -> float:
+    """OMNI_CORE_VLLM_WAKE_WAIT_S as seconds; the default, with a warning, when it is not a number
+    in 0..3600 (an operator's typo must not stop the worker)."""
+    raw = os.environ.get(ENV_WAKE_WAIT, "")
+    if not raw:
+        return DEFAULT_WAKE_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= MAX_WAKE_WAIT_S:  # NaN fails it too
+        log.warning(
+            "omni-core: %s=%r is not seconds in 0..%g; using %g",
+            ENV_WAKE_WAIT,
+            raw[:32],
+            MAX_WAKE_WAIT_S,
+            DEFAULT_WAKE_WAIT_S,
+        )
+        return DEFAULT_WAKE_WAIT_S
+    return value
+
+
+def resident_bytes(path: Any) -> int:
+    """The bytes the pools have mapped now."""
+    from omni_core.workers.backends.copy_plan import nbytes_of
+
+    return sum(nbytes_of(data) for ptr, data in path.allocations() if not path.is_asleep(ptr, data))
+
+
+def announce() -> None:
+    """Tell the node ledger what the pools hold now (nothing without a ledger)."""
+    member = ledger_member()
+    if member is not None:
+        member.announce(resident_bytes(shared_path()))
 
 
 def _selected() -> bool:
@@ -179,6 +258,7 @@ def _make_backend_class() -> type:
         def __init__(self) -> None:
             super().__init__()
             self.path = shared_path()
+            announce()  # registered from the first backend on: the pools as they are
 
         def suspend(self, level: int = 1) -> None:
             self._state = "SUSPENDED"
@@ -190,11 +270,24 @@ def _make_backend_class() -> type:
             self.path.sleep(offload, tags - offload)
             if on_cuda:
                 torch.cuda.empty_cache()
+            announce()
 
         def resume(self, tags: list[str] | None = None) -> None:
+            """Wake `tags` once the device's incoming lock is ours: WakeRefused, naming the wake
+            holding it, before anything is mapped when it is not within the wait."""
+            from omni_core.workers.memory_gate import WakeRefused
+
+            member = ledger_member()
+            incoming = member.incoming() if member is not None else contextlib.nullcontext()
             self._state = "RESUMING"
-            self.path.wake(tags)
+            try:
+                with incoming:
+                    self.path.wake(tags)
+            except WakeRefused:
+                self._state = "SUSPENDED"  # nothing was mapped
+                raise
             self._state = "RUNNING"
+            announce()
 
         @classmethod
         def is_supported(cls) -> bool:

@@ -7,7 +7,10 @@ CUDA_VISIBLE_DEVICES (the stage's `devices`, else the engine's own) at its LOCAL
 index programs open. Stages without a fraction are not counted (they size themselves). Where
 NVML is readable the device entries are resolved to GPU UUIDs (so "0" and "GPU-8f2e..." are one
 device), the shares are turned into bytes, and what other processes already hold on each
-device counts against it; without NVML the fractions alone must not exceed 1 per device entry.
+device counts against it: what NVML lists, or what the GPU's node ledger (device_ledger) says
+other omni-core engines and omni_fast vLLMs hold where that is more (in a container NVML may
+list no process at all), the refusal naming the holders; without NVML the fractions alone must
+not exceed 1 per device entry.
 Ranks placed by Ray run on nodes not known before placement: the plan covers local launches.
 """
 
@@ -27,6 +30,10 @@ from omni_core.workers.accounting import (
     parse_cuda_visible_devices,
     resolve_physical_device,
 )
+from omni_core.workers.device_ledger import gpu_ledger_directory
+from omni_core.workers.ledger_files import LedgerError
+from omni_core.workers.memory_gate import describe_holders
+from omni_core.workers.simulated_device import Holder, HolderList, SimulatedDevice
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class PlannedDevice:
     shares: tuple[Share, ...]
     total_bytes: int | None = None
     others_bytes: int = 0
+    others: HolderList | None = None  # who holds others_bytes, for the refusal
 
     @property
     def fraction(self) -> float:
@@ -62,9 +70,10 @@ class PlannedDevice:
         wanted = int(self.fraction * self.total_bytes)
         free = self.total_bytes - self.others_bytes
         if wanted > free:
+            holders = f"; {describe_holders(self.others)}" if self.others is not None else ""
             return (
                 f"{self.name}: {who} want {fmt_bytes(wanted)} of {fmt_bytes(self.total_bytes)}, but other "
-                f"processes hold {fmt_bytes(self.others_bytes)} there (free {fmt_bytes(free)})"
+                f"processes hold {fmt_bytes(self.others_bytes)} there (free {fmt_bytes(free)}){holders}"
             )
         return ""
 
@@ -89,9 +98,36 @@ def plan_devices(
         if nvml is None or handle is None:
             planned.append(PlannedDevice(name, tuple(device_shares)))
             continue
-        others = sum(nbytes for pid, nbytes in nvml.process_bytes(handle).items() if pid != os.getpid())
-        planned.append(PlannedDevice(name, tuple(device_shares), nvml.total_bytes(handle), others))
+        total = nvml.total_bytes(handle)
+        listed = {pid: nbytes for pid, nbytes in nvml.process_bytes(handle).items() if pid != os.getpid()}
+        others, holders = others_on_device(listed, ledger_holders(name, total))
+        planned.append(PlannedDevice(name, tuple(device_shares), total, others, holders))
     return planned
+
+
+def ledger_holders(gpu_uuid: str, total_bytes: int) -> HolderList:
+    """What the GPU's node ledger says its holders hold (the engine's own process excluded);
+    an unusable ledger is no holders, its problem said."""
+    try:
+        listing = SimulatedDevice(gpu_ledger_directory(gpu_uuid), total_bytes).holders()
+    except (OSError, LedgerError) as err:
+        return HolderList((), problem=f"the node ledger is unreadable: {err}")
+    return HolderList(tuple(h for h in listing.holders if h.pid != os.getpid()), listing.skipped)
+
+
+def others_on_device(listed: dict[int, int], ledger: HolderList) -> tuple[int, HolderList]:
+    """Other processes' bytes on a device: NVML's list, its pids named from the ledger, or the
+    ledger's where it says more (NVML lists no pid in a PID namespace); never both added up,
+    since the ledger's ranks are among NVML's processes wherever NVML lists them."""
+    named = {h.pid: h for h in ledger.holders}
+    nvml = tuple(
+        Holder(pid, nbytes, getattr(named.get(pid), "label", ""), getattr(named.get(pid), "engine_pid", None))
+        for pid, nbytes in sorted(listed.items(), key=lambda item: -item[1])
+    )
+    ledger_bytes = sum(h.nbytes for h in ledger.holders)
+    if ledger_bytes > sum(listed.values()):
+        return ledger_bytes, HolderList(ledger.holders, ledger.skipped, "the node ledger's figures: NVML lists less")
+    return sum(listed.values()), HolderList(nvml, ledger.skipped, ledger.problem)
 
 
 def _device_name(visible: str | None, local_index: int, nvml: NvmlApi | None) -> tuple[str, object]:

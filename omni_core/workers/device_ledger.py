@@ -10,22 +10,37 @@ that cannot get the lock within its wait is refused naming the wake that holds i
 does not wait takes its chance as before (it fails fast and rolls back, P-16).
 
 Where it lives: a directory per device. For a simulated device (CPU runs), its own directory;
-for a GPU, `<tmp>/omni-core-devices-<uid>/<GPU UUID>`, where each rank also keeps a holder file
+for a GPU, `<base>/<GPU UUID>` where the operator sets `<base>` with OMNI_CORE_DEVICE_LEDGER_DIR
+(default `<tmp>/omni-core-devices-<uid>`), where each rank also keeps a holder file
 (`simulated_device.SimulatedDevice`'s format) so a refusal names the other engines' ranks.
 Engines of other users do not share it (their processes cannot read a 0700 directory); NVML
-still lists their pids.
+still lists their pids. Everything in it is outside input (`ledger_files`): a directory or lock
+file that cannot be trusted is refused with `LedgerError`, which says what to remove or set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from omni_core.workers.ledger_files import (
+    ENV_LEDGER_DIR,
+    LedgerError,
+    open_regular,
+    printable,
+    read_capped,
+    secure_directory,
+)
 from omni_core.workers.memory_gate import WakeRefused
+from omni_core.workers.simulated_device import SimulatedDevice, SimulatedResidency
+
+log = logging.getLogger("omni_core.workers.device_ledger")
 
 INCOMING_LOCK = "incoming.lock"
 # The lock file also names its holder, for the refusal of the next wake; never more than this.
@@ -34,27 +49,43 @@ MAX_OWNER_BYTES = 512
 POLL_S = 0.01
 
 
+# What NVML calls a GPU or a MIG instance ("GPU-8f2e...", "MIG-..."): a directory name, nothing more.
+_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def ledger_base() -> str:
+    """Where this user's device ledgers live: the operator's OMNI_CORE_DEVICE_LEDGER_DIR, else
+    a directory of this user's under the temporary directory."""
+    chosen = os.environ.get(ENV_LEDGER_DIR, "")
+    return chosen or os.path.join(tempfile.gettempdir(), f"omni-core-devices-{os.getuid()}")
+
+
 def gpu_ledger_directory(gpu_uuid: str) -> str:
-    """The ledger of one GPU for this user's engines."""
-    return os.path.join(tempfile.gettempdir(), f"omni-core-devices-{os.getuid()}", gpu_uuid)
+    """The ledger of one GPU for this user's engines. The base is made or checked here
+    (LedgerError): whoever could write to it could swap a device's directory for their own."""
+    if not _UUID_RE.match(gpu_uuid) or gpu_uuid in (".", ".."):
+        raise LedgerError(f"GPU UUID {gpu_uuid[:64]!r} cannot name a ledger directory (letters, digits, '.-_' only)")
+    base = ledger_base()
+    secure_directory(base)
+    return os.path.join(base, gpu_uuid)
 
 
 def _open_lock(directory: str) -> int:
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    return os.open(os.path.join(directory, INCOMING_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    secure_directory(directory)
+    path = os.path.join(directory, INCOMING_LOCK)
+    try:
+        return open_regular(path, os.O_RDWR | os.O_CREAT)
+    except OSError as err:  # ELOOP: a symlink planted under the lock's name
+        raise LedgerError(
+            f"cannot open the device ledger's lock {path!r} ({err.strerror or err}); remove it (rm {path}): "
+            "the next wake creates it again"
+        ) from None
 
 
 def incoming_owner(directory: str) -> str:
     """Who holds (or last held) the device's incoming lock, as it wrote itself; "" if unknown."""
-    try:
-        fd = os.open(os.path.join(directory, INCOMING_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return ""
-    try:
-        raw = os.read(fd, MAX_OWNER_BYTES)
-    finally:
-        os.close(fd)
-    return raw.decode("utf-8", "replace").strip()
+    raw = read_capped(os.path.join(directory, INCOMING_LOCK), MAX_OWNER_BYTES)
+    return printable(raw or b"", MAX_OWNER_BYTES)
 
 
 @contextlib.contextmanager
@@ -68,8 +99,12 @@ def one_incoming_wake(
 ) -> Iterator[float]:
     """Hold the device's incoming lock for the body (a wake's maps); yields the seconds spent
     waiting for it. WakeRefused, before anything is mapped, if another wake holds it past
-    `wait_s`: nothing changed, the tags stay asleep (NO_MEMORY)."""
-    fd = _open_lock(directory)
+    `wait_s`: nothing changed, the tags stay asleep (NO_MEMORY). So is a wake whose ledger
+    cannot be trusted (LedgerError): refused, never the rank's failure."""
+    try:
+        fd = _open_lock(directory)
+    except LedgerError as err:
+        raise WakeRefused(f"this wake cannot take its turn on the device: {err}") from None
     try:
         started = clock()
         while True:
@@ -89,3 +124,34 @@ def one_incoming_wake(
         yield clock() - started
     finally:
         os.close(fd)  # closing drops the lock
+
+
+class LedgerMember:
+    """A process's place in a GPU's node ledger outside an omni-core rank: `omni_fast` inside
+    plain vLLM. It registers its holdings (a holder file, as a rank's) and announces each
+    change, and its wakes take the device's incoming lock, so omni-core's waiting wakes and
+    vLLM's run one at a time on the device and each names the other when refused."""
+
+    def __init__(self, directory: str, capacity_bytes: int, stage: str, rank: int, wait_s: float) -> None:
+        self.directory = directory
+        self.residency = SimulatedResidency(SimulatedDevice(directory, capacity_bytes), stage, rank)
+        self.wait_s = wait_s
+        self.who = f"stage {stage} rank {rank}, pid {os.getpid()} (engine pid {os.getppid()})"
+        self._problem = ""  # the last problem logged
+
+    def announce(self, resident_bytes: int) -> None:
+        """This process's resident bytes now. A ledger that cannot be written is logged once
+        per problem: the driver still refuses what does not fit, only the names are lost."""
+        try:
+            self.residency.report(resident_bytes)
+        except (OSError, LedgerError) as err:
+            if str(err) != self._problem:
+                self._problem = str(err)
+                log.warning("the node ledger %s did not take %s's holdings: %s", self.directory, self.who, err)
+
+    def incoming(self) -> contextlib.AbstractContextManager[object]:
+        """The device's incoming lock for a wake (WakeRefused naming its holder past wait_s);
+        none with wait_s = 0: the wake takes its chance, as an omni-core wake without a wait."""
+        if self.wait_s <= 0:
+            return contextlib.nullcontext()
+        return one_incoming_wake(self.directory, self.who, self.wait_s)

@@ -13,10 +13,14 @@ process allocated in between): the gate treats it as "not free yet", never as a 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from omni_core.workers.accounting import ProcessMemory
+from omni_core.workers.ledger_files import LedgerError
 from omni_core.workers.simulated_device import Holder, HolderList, SimulatedOutOfMemory, SimulatedResidency
+
+log = logging.getLogger("omni_core.workers.device_memory")
 
 # Kept free below what the driver reports, per map: cuMemCreate needs a little beyond the
 # allocation's own bytes (page tables), and other processes' allocators round up. Enough
@@ -73,15 +77,24 @@ class CudaFreeMemory:
         # This rank's file in the node's ledger of the GPU (omni_core.workers.device_ledger):
         # where its bytes are reported and other engines' ranks are named.
         self.ledger = ledger
+        self._ledger_problem = ""  # the last ledger problem logged
 
     @property
     def ledger_directory(self) -> str | None:
         return self.ledger.device.directory if self.ledger is not None else None
 
     def report(self, resident_bytes: int) -> None:
-        """This rank's resident pool bytes, for the other engines' refusals."""
-        if self.ledger is not None:
+        """This rank's resident pool bytes, for the other engines' refusals. The GPU's own
+        accounting does not depend on it (the driver refuses what does not fit), so a ledger
+        that became unusable after the start is logged, not raised into the effect."""
+        if self.ledger is None:
+            return
+        try:
             self.ledger.report(resident_bytes)
+        except (OSError, LedgerError) as err:
+            if str(err) != self._ledger_problem:  # once per distinct problem, not per effect
+                self._ledger_problem = str(err)
+                log.warning("the node ledger of %s did not take this rank's holdings: %s", self.describe(), err)
 
     def free_bytes(self) -> int:
         import torch
@@ -94,12 +107,20 @@ class CudaFreeMemory:
         if self.memory.own_entry is not None:  # NVML lists this rank under its host pid
             ours[self.memory.own_entry] = "this rank"
         # Ranks of omni-core engines on this GPU, named by their files in its node ledger.
-        known = {h.pid: h for h in self.ledger.holders().holders} if self.ledger is not None else {}
+        known, ledger_problem = self._ledger_holders()
         holders = tuple(
             Holder(pid, nbytes, ours.get(pid) or _label(known.get(pid)), _engine(known.get(pid)))
             for pid, nbytes in sorted(used.items(), key=lambda item: -item[1])
         )
-        return HolderList(holders, problem=problem)
+        return HolderList(holders, problem="; ".join(p for p in (problem, ledger_problem) if p))
+
+    def _ledger_holders(self) -> tuple[dict[int, Holder], str]:
+        if self.ledger is None:
+            return {}, ""
+        try:
+            return {h.pid: h for h in self.ledger.holders().holders}, ""
+        except (OSError, LedgerError) as err:  # a refusal still names NVML's pids
+            return {}, f"the node ledger is unreadable: {err}"
 
     def describe(self) -> str:
         physical = self.memory.physical

@@ -8,9 +8,11 @@ reader sees the old figure or the new one, never half a file), and
 
     free = capacity - sum of the resident bytes in the files of live processes.
 
-A file whose pid is dead is ignored (a killed rank leaves its file behind; it holds
-nothing), so is any file that is not one of ours or does not parse: the directory is
-shared, and what is in it is not trusted. A test adds a file of its own to play a third
+A file whose pid is dead holds nothing (a killed rank leaves its file behind): the next
+reading reaps it, and the temporary file of a writer killed before its rename. Any file that
+is not one of ours or does not parse is ignored: the directory is shared, and what is in it
+is not trusted (`ledger_files`: a 0700 directory of this user, regular files only, never
+followed through a symlink, read up to a cap). A test adds a file of its own to play a third
 process on the GPU.
 
 A wake's map is checked as a driver checks it (`claim`): under an exclusive lock on the
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from omni_core.workers.ledger_files import read_capped, secure_directory
+
 # At most this many files are read per query (a runaway directory must not make every
 # allocation of a wake scan it all); the rest are skipped and `holders` says how many.
 MAX_FILES_READ = 1024
@@ -45,6 +49,8 @@ MAX_FILE_BYTES = 4096
 # Beyond any device that exists (and msgpack's int range): a capacity past it is a typo.
 MAX_CAPACITY_BYTES = 1 << 60
 _FILE_RE = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]{1,64})-rank(?P<rank>\d{1,6})-(?P<pid>\d{1,10})\.json$")
+# A writer's temporary file, named by its pid so a dead writer's can be reaped.
+_TMP_RE = re.compile(r"^\.(?P<pid>\d{1,10})-[A-Za-z0-9_]{1,32}\.tmp$")
 
 
 class SimulatedOutOfMemory(RuntimeError):
@@ -112,8 +118,9 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def _locked(self, mode: int) -> Iterator[None]:
         """The device's directory locked (shared for a reading, exclusive for a claim), so a
         reading never mixes one holder's figure from before a claim with another's after it."""
-        os.makedirs(self.directory, exist_ok=True)
-        lock = os.open(self.directory, os.O_RDONLY)  # the directory itself: no lock file to clean up
+        secure_directory(self.directory)
+        # The directory itself: no lock file to clean up.
+        lock = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             fcntl.flock(lock, mode)  # released when the descriptor closes
             yield
@@ -138,7 +145,8 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for entry in entries:
                 match = _FILE_RE.match(entry.name)
                 if match is None:
-                    continue  # temporary files, strangers' files
+                    _reap_temporary(entry.path, entry.name)
+                    continue  # strangers' files
                 if read >= MAX_FILES_READ:
                     skipped += 1
                     continue
@@ -148,19 +156,20 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     skipped += 1
                 elif pid_alive(holder.pid):
                     holders.append(holder)
+                else:
+                    _reap(entry.path)  # a killed rank's: it holds nothing
         return holders, skipped
 
     def _parse(self, path: str, match: re.Match[str]) -> Holder | None:
         """The file's holder, or None when it is not a sane file of ours."""
+        raw = read_capped(path, MAX_FILE_BYTES)  # None: gone, a symlink, a FIFO, not a file
+        if raw is None or len(raw) > MAX_FILE_BYTES:
+            return None
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
-            if len(raw) > MAX_FILE_BYTES:
-                return None
             data = json.loads(raw)
             nbytes, pid = data["resident_bytes"], data["pid"]
-        except (OSError, ValueError, TypeError, KeyError):
-            return None  # vanished between listing and reading, malformed, not an object
+        except (ValueError, TypeError, KeyError):
+            return None  # malformed, not an object
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (nbytes, pid)):
             return None
         if pid != int(match["pid"]) or not 0 <= nbytes <= self.capacity_bytes:
@@ -189,12 +198,12 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         the file names the engine (the rank's parent) so other engines' refusals can."""
         if resident_bytes < 0:
             raise ValueError(f"resident_bytes must be >= 0, got {resident_bytes}")
-        os.makedirs(self.directory, exist_ok=True)
+        secure_directory(self.directory)
         path = self.path_of(stage, rank, pid)
         body = json.dumps(
             {"stage": stage, "rank": rank, "pid": pid, "resident_bytes": resident_bytes, "engine_pid": os.getppid()}
         )
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.getpid()}-", suffix=".tmp", dir=self.directory)  # 0600
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(body)
@@ -219,6 +228,18 @@ class SimulatedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def remove(self, stage: str, rank: int, pid: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_of(stage, rank, pid))
+
+
+def _reap(path: str) -> None:
+    with contextlib.suppress(OSError):  # another reader reaped it first
+        os.unlink(path)
+
+
+def _reap_temporary(path: str, name: str) -> None:
+    """A temporary file of a writer that died before its rename: nobody will finish it."""
+    match = _TMP_RE.match(name)
+    if match is not None and not pid_alive(int(match["pid"])):
+        _reap(path)
 
 
 class SimulatedResidency:

@@ -3,15 +3,35 @@ the stages and the bytes (fake NVML tables; no GPU needed)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from omni_core.engine import Engine, StageSpec
 from omni_core.engine import api as engine_api
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.start_plan import plan_devices, start_plan_problem
+from omni_core.workers.device_ledger import gpu_ledger_directory
+from omni_core.workers.ledger_files import ENV_LEDGER_DIR
+from omni_core.workers.simulated_device import SimulatedDevice
 from tests.workers.test_accounting import GPU0, GPU1, FakeDevice, FakeNvml
 
 GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    """Every plan reads the GPUs' node ledgers: the test's own, never the machine's."""
+    monkeypatch.setenv(ENV_LEDGER_DIR, str(tmp_path / "ledgers"))
+    return tmp_path / "ledgers"
+
+
+def other_engine_holds(uuid: str, nbytes: int, stage: str = "trainer") -> int:
+    """A rank of another engine registered on the GPU's ledger: our parent process plays it
+    (alive, and not this engine's own pid)."""
+    pid = os.getppid()
+    SimulatedDevice(gpu_ledger_directory(uuid), 80 * GiB).write(stage, 0, pid, nbytes)
+    return pid
 
 
 def cuda_stage(name: str, fraction: float, ranks: int = 1, devices: tuple[str, ...] | None = None) -> StageSpec:
@@ -66,3 +86,32 @@ def test_the_engine_refuses_a_plan_before_any_rank_starts(monkeypatch) -> None:
     monkeypatch.setattr(engine_api, "Orchestrator", pytest.fail)  # reached only if the plan let it through
     with pytest.raises(InvalidArgumentError, match="do not fit their GPUs"):
         Engine([StageSpec("s")])
+
+
+def test_other_engines_holdings_in_the_ledger_count_where_nvml_lists_no_process() -> None:
+    nvml = FakeNvml([FakeDevice(GPU0)])  # a PID namespace: NVML lists nobody
+    pid = other_engine_holds(GPU0, 30 * GiB)
+    problem = start_plan_problem([cuda_stage("rollout", 0.7)], None, nvml)
+    assert "rollout rank 0 (0.7) want 56.0 GiB of 80.0 GiB" in problem
+    assert "other processes hold 30.0 GiB there (free 50.0 GiB)" in problem
+    assert f"stage trainer rank 0, pid {pid} (engine pid " in problem  # named: engine, stage, rank, pid, bytes
+    assert f"{30 * GiB} bytes" in problem and "the node ledger's figures" in problem
+    assert start_plan_problem([cuda_stage("rollout", 0.6)], None, nvml) == ""
+
+
+def test_nvml_and_the_ledger_are_not_added_up_and_nvml_pids_get_the_ledger_names() -> None:
+    pid = other_engine_holds(GPU0, 20 * GiB)  # the pool bytes; NVML sees the whole process
+    nvml = FakeNvml([FakeDevice(GPU0, processes={pid: 22 * GiB, 4242: 8 * GiB})])
+    [device] = plan_devices([cuda_stage("rollout", 0.7)], None, nvml)
+    assert device.others_bytes == 30 * GiB  # NVML's 22 + 8, not 22 + 8 + 20
+    problem = device.problem()
+    assert f"stage trainer rank 0, pid {pid} (engine pid " in problem and "pid 4242: " in problem
+
+
+def test_an_unreadable_ledger_leaves_nvml_figures_and_says_so(ledger_dir) -> None:
+    ledger_dir.mkdir(mode=0o777)
+    ledger_dir.chmod(0o777)
+    nvml = FakeNvml([FakeDevice(GPU0, processes={4242: 30 * GiB})])
+    problem = start_plan_problem([cuda_stage("rollout", 0.7)], None, nvml)
+    assert "other processes hold 30.0 GiB" in problem and "pid 4242" in problem
+    assert "the node ledger is unreadable" in problem and "writable by group or others" in problem

@@ -200,6 +200,52 @@ def test_suspend_resume_through_the_factory(fake_vllm, monkeypatch):
     assert content(fake_vllm.cumem, weights) == {GARBAGE}
 
 
+def test_plain_vllm_joins_the_node_ledger_and_its_resume_takes_its_turn(fake_vllm, monkeypatch, tmp_path):
+    from omni_core.workers.device_ledger import LedgerMember, one_incoming_wake
+    from omni_core.workers.memory_gate import WakeRefused
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    directory = str(tmp_path / "GPU-0")
+    monkeypatch.setattr(vllm_plugin, "_member", LedgerMember(directory, 1 << 20, vllm_plugin.LEDGER_STAGE, 0, 0.05))
+    vllm_plugin.register()
+    factory = fake_vllm.sleep.SleepModeBackendFactory
+    monkeypatch.setattr(
+        factory.get_backend_class(vllm_plugin.BACKEND_NAME), "is_supported", classmethod(lambda c: True)
+    )
+    allocator = fake_vllm.cumem.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(W):
+        weights = [allocator.malloc(n, 0x11) for n in (4096, 8192)]
+    with allocator.use_memory_pool(KV):
+        allocator.malloc(16384, 0x22)
+    ledger = SimulatedDevice(directory, 1 << 20)
+
+    def held() -> list[tuple[str, int]]:
+        return [(h.label, h.nbytes) for h in ledger.holders().holders]
+
+    backend = factory.create_backend(SimpleNamespace(sleep_mode_backend=vllm_plugin.BACKEND_NAME))
+    assert held() == [("stage vllm rank 0", 4096 + 8192 + 16384)]  # registered with what its pools hold
+    backend.suspend(level=1)
+    assert held() == [("stage vllm rank 0", 0)]
+    with one_incoming_wake(directory, "stage talker rank 0, pid 77 (engine pid 7)", 1.0):  # an omni-core wake
+        with pytest.raises(WakeRefused, match=r"incoming lock \(stage talker rank 0, pid 77 \(engine pid 7\)\)"):
+            backend.resume(["weights"])
+        assert fake_vllm.cumem.memory == {} and backend.state() == "SUSPENDED"  # refused before any map
+    backend.resume(["weights"])
+    assert content(fake_vllm.cumem, weights) == {0x11} and backend.state() == "RUNNING"
+    assert held() == [("stage vllm rank 0", 4096 + 8192)]
+
+
+def test_the_wake_wait_of_plain_vllm_is_read_from_the_environment(monkeypatch, caplog):
+    monkeypatch.delenv(vllm_plugin.ENV_WAKE_WAIT, raising=False)
+    assert vllm_plugin.wake_wait_s() == vllm_plugin.DEFAULT_WAKE_WAIT_S
+    monkeypatch.setenv(vllm_plugin.ENV_WAKE_WAIT, "2.5")
+    assert vllm_plugin.wake_wait_s() == 2.5
+    for typo in ("soon", "nan", "-1", "1e9"):
+        monkeypatch.setenv(vllm_plugin.ENV_WAKE_WAIT, typo)
+        assert vllm_plugin.wake_wait_s() == vllm_plugin.DEFAULT_WAKE_WAIT_S
+    assert sum(vllm_plugin.ENV_WAKE_WAIT in r.message for r in caplog.records) == 4
+
+
 def test_prepare_hook_runs_when_the_kv_pool_closes_and_only_when_selected(fake_vllm, monkeypatch):
     calls = []
     monkeypatch.setattr(vllm_plugin, "prepare", lambda **kw: calls.append(kw))
@@ -307,3 +353,47 @@ def test_gpu_plugin_through_vllm_plugin_loader_and_factory(tmp_path):
     stats = backend.path.stats
     assert backend.path.arena_bytes() == sum(d.handle[1] for _, d in backend.path.allocations(["weights"]))
     print(f"plugin: arena {stats.arena_bytes} B prepared in {stats.arena_prepare_s:.3f} s; last {stats.last}")
+
+
+@pytest.mark.gpu
+def test_gpu_plugin_registers_in_the_node_ledger_and_takes_its_turn(tmp_path, monkeypatch):
+    problem = _gpu_problem()
+    if problem is not None:
+        pytest.skip(f"needs CUDA and vLLM >= 0.26's allocator: {problem}")
+    from omni_core.workers.accounting import ProcessMemory
+    from omni_core.workers.device_ledger import gpu_ledger_directory, one_incoming_wake
+    from omni_core.workers.ledger_files import ENV_LEDGER_DIR
+    from omni_core.workers.memory_gate import WakeRefused
+    from omni_core.workers.simulated_device import SimulatedDevice
+
+    monkeypatch.setenv(ENV_LEDGER_DIR, str(tmp_path / "ledgers"))
+    monkeypatch.setenv(vllm_plugin.ENV_WAKE_WAIT, "0.2")
+    monkeypatch.setattr(vllm_plugin, "_member", None)  # joined afresh, under the test's ledger
+    memory = ProcessMemory("cuda:0")
+    if memory.physical is None:
+        pytest.skip(f"NVML cannot name the GPU: {memory.nvml_problem}")
+    directory = gpu_ledger_directory(memory.physical.uuid)
+    ledger = SimulatedDevice(directory, memory.total_bytes())
+    vllm_plugin.register()
+    sleep_mod = importlib.import_module(vllm_plugin.SLEEP_MODULE)
+    allocator = importlib.import_module(vllm_plugin.CUMEM_MODULE).CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        weights = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
+    vllm_plugin.prepare()  # the arena, as the kv_cache pool's close does in a vLLM worker
+    backend = sleep_mod.SleepModeBackendFactory.create_backend(
+        SimpleNamespace(sleep_mode_backend=vllm_plugin.BACKEND_NAME)
+    )
+
+    def held() -> list[int]:
+        return [h.nbytes for h in ledger.holders().holders if h.label == "stage vllm rank 0"]
+
+    assert held() == [vllm_plugin.resident_bytes(backend.path)] and held()[0] >= 64 << 20
+    backend.suspend(level=1)
+    assert held() == [0]
+    free_asleep = torch.cuda.mem_get_info()[0]
+    with one_incoming_wake(directory, "stage talker rank 0, pid 4242 (engine pid 4240)", 5.0):
+        with pytest.raises(WakeRefused, match=r"stage talker rank 0, pid 4242 \(engine pid 4240\)"):
+            backend.resume(["weights"])
+        assert backend.state() == "SUSPENDED" and torch.cuda.mem_get_info()[0] >= free_asleep - (8 << 20)
+    backend.resume(["weights"])
+    assert int(weights[-1]) == 7 and held()[0] >= 64 << 20

@@ -170,3 +170,73 @@ def test_a_reading_never_mixes_figures_from_before_and_after_a_claim(device, mon
     monkeypatch.setattr(SimulatedDevice, "_parse", parse)
     assert handed_over.wait(30)  # the claim went through once the reading ended
     assert device.used_bytes() == 56 * MiB
+
+
+def test_a_dead_process_file_and_a_dead_writer_temporary_are_reaped(device):
+    dead = dead_pid()
+    device.write("crashed", 0, dead, 40 * MiB)
+    temporary = os.path.join(device.directory, f".{dead}-abc123.tmp")  # killed before its rename
+    live_temporary = os.path.join(device.directory, f".{os.getpid()}-abc123.tmp")  # a write under way
+    for path in (temporary, live_temporary):
+        with open(path, "w") as f:
+            f.write("{")
+    SimulatedResidency(device, "alive", 0).report(MiB)
+    assert device.free_bytes() == 63 * MiB
+    assert sorted(os.listdir(device.directory)) == sorted(
+        [f".{os.getpid()}-abc123.tmp", f"alive-rank0-{os.getpid()}.json"]
+    )
+
+
+def test_a_fifo_or_a_symlink_under_a_holder_name_is_skipped_without_blocking(device):
+    os.makedirs(device.directory, mode=0o700)
+    pid = os.getpid()
+    os.mkfifo(os.path.join(device.directory, f"fifo-rank0-{pid}.json"))  # a plain open() would block forever
+    target = os.path.join(device.directory, "elsewhere")
+    with open(target, "w") as f:
+        json.dump({"pid": pid, "resident_bytes": 60 * MiB}, f)
+    os.symlink(target, os.path.join(device.directory, f"link-rank0-{pid}.json"))
+    device.write("good", 0, pid, 2 * MiB)
+    listing = device.holders()
+    assert [h.label for h in listing.holders] == ["stage good rank 0"] and listing.skipped == 2
+    assert device.free_bytes() == 62 * MiB
+
+
+def test_the_directory_is_made_0700_and_its_files_0600(device):
+    SimulatedResidency(device, "s", 0).report(MiB)
+    assert os.stat(device.directory).st_mode & 0o777 == 0o700
+    assert os.stat(device.path_of("s", 0, os.getpid())).st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("make", ["group_writable", "symlink", "file"])
+def test_a_directory_others_could_write_to_or_a_stand_in_is_refused_naming_the_fix(tmp_path, make):
+    from omni_core.workers.ledger_files import ENV_LEDGER_DIR, LedgerError
+
+    path = tmp_path / "gpu0"
+    if make == "group_writable":
+        path.mkdir()
+        path.chmod(0o770)
+        expected = "writable by group or others .*chmod 700"
+    elif make == "symlink":
+        (tmp_path / "real").mkdir(mode=0o700)
+        path.symlink_to(tmp_path / "real")
+        expected = "is a symlink"
+    else:
+        path.write_text("")
+        expected = "cannot use the device ledger directory|not a directory"
+    device = SimulatedDevice(str(path), 64 * MiB)
+    with pytest.raises(LedgerError, match=expected) as refused:
+        SimulatedResidency(device, "s", 0).report(MiB)
+    assert ENV_LEDGER_DIR in str(refused.value)
+    with pytest.raises(LedgerError):
+        device.free_bytes()  # nor is it read: what others planted there would be believed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
+def test_a_directory_of_another_user_is_refused(tmp_path):
+    from omni_core.workers.ledger_files import LedgerError
+
+    path = tmp_path / "gpu0"
+    path.mkdir(mode=0o700)
+    os.chown(path, 12345, -1)  # planted by someone else, before this user's first rank
+    with pytest.raises(LedgerError, match="belongs to uid 12345, not to this user"):
+        SimulatedResidency(SimulatedDevice(str(path), 64 * MiB), "s", 0).report(MiB)
