@@ -24,6 +24,7 @@ it into a refuted event, so the replay stops there with the reason.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from omni_core.engine.link_plan import share_bytes
@@ -45,7 +46,7 @@ class LinkChecks:
         self._plans: dict[tuple[str, str, int], tuple[T.PlannedLink, ...]] = {}
         # (stage, rank, task, command) of each Sleep and Wake sent and not yet planned: the
         # engine writes a step's plans after the core's sends (at most one per rank each).
-        self._unplanned: set[tuple[str, int, str, str]] = set()
+        self._unplanned: Counter[tuple[str, int, str, str]] = Counter()
         for n, line in enumerate(lines, start=1):
             why = self._line(line)
             if why and line.stage == stage:
@@ -64,7 +65,7 @@ class LinkChecks:
             case T.StageIssued():
                 self._in_flight.setdefault(line.stage, set()).add(r.task_id)
             case T.StageSent() if r.command in PLANNED:
-                self._unplanned.add((line.stage, r.rank, r.task_id, r.command))
+                self._unplanned[line.stage, r.rank, r.task_id, r.command] += 1
             case T.TaskEnded():
                 self._end(line.stage, r.task_id)
             case T.StageRestarted() | T.StageStopped():
@@ -78,22 +79,30 @@ class LinkChecks:
         self._in_flight.get(stage, set()).discard(task_id)
         self._lent = {gpu: held for gpu, held in self._lent.items() if held[0] != (stage, task_id)}
         self._plans = {k: v for k, v in self._plans.items() if k[:2] != (stage, task_id)}
+        for sent in [k for k in self._unplanned if (k[0], k[2]) == (stage, task_id)]:
+            del self._unplanned[sent]  # an older engine's sends, never planned: nothing owed
 
     def _plan(self, stage: str, r: T.LinkPlanned) -> str:
         what = f"the {r.command} {r.task_id!r} to rank {r.rank}"
         sent = (stage, r.rank, r.task_id, r.command)
-        if r.command not in PLANNED or sent not in self._unplanned:
+        if r.command not in PLANNED or self._unplanned[sent] <= 0:
             return f"{what} has a link plan, but no StageSent of that command to that rank precedes it unplanned"
-        self._unplanned.discard(sent)
+        self._unplanned[sent] -= 1
         why = self._own(what, stage, r) or self._incoming(what, r)
-        if why or not r.links:
+        if why:
             return why
-        first = self._plans.setdefault((stage, r.task_id, r.rank), r.links)
-        if first != r.links:
-            return f"{what} was resent with links {_shown(r.links)}; its first send had {_shown(first)}"
-        if first is r.links:  # the task's plan for this rank is made now: its peers must be idle
-            why = self._shape(what, r) or self._bytes(what, r) or self._idle(what, stage, r)
-        return why
+        first = self._plans.get((stage, r.task_id, r.rank))
+        if first is not None:  # a resent command: the plan its first send had
+            return (
+                ""
+                if first == r.links
+                else f"{what} was resent with links {_shown(r.links)}; its first had {_shown(first)}"
+            )
+        self._plans[stage, r.task_id, r.rank] = r.links
+        if not r.links:
+            return ""
+        # The task's plan for this rank is made now: its peers must be idle.
+        return self._shape(what, r) or self._bytes(what, r) or self._idle(what, stage, r)
 
     def _own(self, what: str, stage: str, r: T.LinkPlanned) -> str:
         if not 0 <= r.own < len(r.visible):

@@ -5,6 +5,7 @@ trace of an engine that wrote no plans owes none."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from omni_core.formal.trace_links import LinkChecks
@@ -58,3 +59,14 @@ def test_a_plan_after_its_task_ended_may_lend_the_gpu_again():
     ended = [k for k, ln in enumerate(lines) if isinstance(ln.record, T.TaskEnded) and ln.stage == "a"]
     del lines[ended[0]]  # the sleep never ends: its GPU stays lent to it
     assert any("lent already to rank 0 for task 'sleep-a-" in why for why in refuted(lines, "a").values())
+
+
+def test_a_resent_command_carries_the_plan_its_first_send_had():
+    lines = read_trace(generate.LEGAL / "links.jsonl")
+    k = next(k for k, ln in enumerate(lines) if isinstance(ln.record, T.LinkPlanned) and ln.record.links)
+    sent = next(j for j in range(k, -1, -1) if isinstance(lines[j].record, T.StageSent) and lines[j].record.rank == 0)
+    again = [lines[sent], lines[k]]  # the same send once more (a SendFailed resend), same plan: fine
+    assert refuted([*lines[: k + 1], *again, *lines[k + 1 :]], "a") == {}
+    changed = msgspec.structs.replace(lines[k], record=msgspec.structs.replace(lines[k].record, links=()))
+    found = refuted([*lines[: k + 1], lines[sent], changed, *lines[k + 1 :]], "a")
+    assert list(found.values()) == [found[k + 3]] and "was resent with links []; its first had" in found[k + 3]
