@@ -25,6 +25,11 @@
 (* only. The caller may restart from the checkpoint instead: version 0,   *)
 (* said out loud (the ghost `peak` resets with it).                       *)
 (*                                                                         *)
+(* A paused stage may sleep and wake (PAUSED again after it, until        *)
+(* resume); a rank may die (FAILED, the task abandoned) and the engine    *)
+(* may stop the stage (STOPPED, every rank shut down) wherever a restart  *)
+(* can follow.                                                             *)
+(*                                                                         *)
 (* What must hold: no request runs on mixed versions, after a wake every  *)
 (* rank holds the last committed version (an update invalidates the clean *)
 (* host copy, so the next sleep copies again), no request that ran at     *)
@@ -62,18 +67,23 @@ Has(rows, s, t) == \E row \in rows : row[1] = s /\ row[2] = t
 Fire(rows, who, s, t) ==
     IF Has(rows, s, t) THEN (CHOOSE row \in rows : row[1] = s /\ row[2] = t)[3]
     ELSE Assert(FALSE, <<who, "fires a trigger its table forbids", s, t>>)
-W(s, t) == Fire(WorkerRows, "a rank", s, t)
-S(s, t) == Fire(StageRows, "the stage", s, t)
+TW(s, t) == Fire(WorkerRows, "a rank", s, t)
+TS(s, t) == Fire(StageRows, "the stage", s, t)
+\* The actions fire rows through W and S; the reachability wrapper (omni_core/formal/
+\* reachability.py) substitutes both, printing each row the first time it fires, so what the
+\* spec assumes of the rows reads them through TW and TS, which it leaves alone.
+W(s, t) == TW(s, t)
+S(s, t) == TS(s, t)
 
 \* What the spec relies on of the generated rows.
 ASSUME \A row \in StageRows : row[2] = "execute" => row[1] = "RUNNING"         \* P-7
 ASSUME \A row \in WorkerRows : row[2] = "execute" => row[1] = "ACTIVE"
 ASSUME \A row \in StageRows \cup WorkerRows : row[2] = "update_failed" => row[3] = "NEEDS_RELOAD"
-ASSUME \A s \in {"ACTIVE", "PARTIAL", "NEEDS_RELOAD"} : W(W(s, "update"), WorkerRefused[s]) = s
-ASSUME \A s \in {"RUNNING", "PAUSED", "PARTIAL", "NEEDS_RELOAD"} : S("WAKING", StageRefused[s]) = s
-ASSUME S("WAKING", UpdateSettle.stage) = "RUNNING" /\ W(W("ACTIVE", "update"), UpdateSettle.rank) = "ACTIVE"
-ASSUME S("WAKING", PartialSettle.stage) = "PARTIAL" /\ W(W("PARTIAL", "update"), PartialSettle.rank) = "PARTIAL"
-ASSUME S("STARTING", "started_needs_reload") = "NEEDS_RELOAD" /\ W("LOADING", "loaded_needs_reload") = "NEEDS_RELOAD"
+ASSUME \A s \in {"ACTIVE", "PARTIAL", "NEEDS_RELOAD"} : TW(TW(s, "update"), WorkerRefused[s]) = s
+ASSUME \A s \in {"RUNNING", "PAUSED", "PARTIAL", "NEEDS_RELOAD"} : TS("WAKING", StageRefused[s]) = s
+ASSUME TS("WAKING", UpdateSettle.stage) = "RUNNING" /\ TW(TW("ACTIVE", "update"), UpdateSettle.rank) = "ACTIVE"
+ASSUME TS("WAKING", PartialSettle.stage) = "PARTIAL" /\ TW(TW("PARTIAL", "update"), PartialSettle.rank) = "PARTIAL"
+ASSUME TS("STARTING", "started_needs_reload") = "NEEDS_RELOAD" /\ TW("LOADING", "loaded_needs_reload") = "NEEDS_RELOAD"
 
 VARIABLES
     stage,       \* the stage's state
@@ -176,15 +186,17 @@ Commit(isPaused, isPartial) ==
 \* Where the stage goes on the answers so far, and whether it commits the update: it waits
 \* until every rank answered (P-5), then commits on a complete ACK set, returns where it
 \* started when all refused, is NEEDS_RELOAD when all failed and FAILED when they differ.
-Rule(start, isPaused, isPartial, answers) ==
+\* (`Fired`: the rows' next states, S in the actions, TS in the assumption below.)
+RuleBy(Fired(_, _), start, isPaused, isPartial, answers) ==
     CASE "none" \in Range(answers) -> <<"WAKING", FALSE>>
-      [] Range(answers) = {"ack"} -> <<S("WAKING", Commit(isPaused, isPartial)), TRUE>>
-      [] Range(answers) = {"refused"} -> <<S("WAKING", StageRefused[start]), FALSE>>
-      [] Range(answers) = {"failed"} -> <<S("WAKING", "update_failed"), FALSE>>
-      [] OTHER -> <<S("WAKING", "fail"), FALSE>>
+      [] Range(answers) = {"ack"} -> <<Fired("WAKING", Commit(isPaused, isPartial)), TRUE>>
+      [] Range(answers) = {"refused"} -> <<Fired("WAKING", StageRefused[start]), FALSE>>
+      [] Range(answers) = {"failed"} -> <<Fired("WAKING", "update_failed"), FALSE>>
+      [] OTHER -> <<Fired("WAKING", "fail"), FALSE>>
+Rule(start, isPaused, isPartial, answers) == RuleBy(S, start, isPaused, isPartial, answers)
 
 \* The stage core settles every combination of answers of 2 ranks as Rule does.
-ASSUME \A row \in SettleRows : Rule(row[1], row[2], row[3], row[4]) = <<row[5], row[6]>>
+ASSUME \A row \in SettleRows : RuleBy(TS, row[1], row[2], row[3], row[4]) = <<row[5], row[6]>>
 
 Settle ==
     /\ task /\ stage = "WAKING"
@@ -226,10 +238,12 @@ Finish ==
     /\ UNCHANGED <<committed, task, from, target, disk, answer, wstate, version, host, mixed, woke, cache, stale>>
     /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
-\* Level-1 sleep: copy to the host unless the clean copy is still valid.
+\* Level-1 sleep: copy to the host unless the clean copy is still valid. From RUNNING it drains
+\* first; a PAUSED stage has nothing in flight to drain, and its pause holds while it sleeps.
 Sleep ==
-    /\ ~task /\ ~inflight /\ pending = {} /\ Has(StageRows, stage, "drain")
-    /\ stage' = S(S(S(stage, "drain"), "drained"), "slept")
+    /\ ~task /\ ~inflight /\ pending = {}
+    /\ Has(StageRows, stage, "drain") \/ (stage = "PAUSED" /\ Has(StageRows, stage, "sleep"))
+    /\ stage' = IF stage = "PAUSED" THEN S(S(stage, "sleep"), "slept") ELSE S(S(S(stage, "drain"), "drained"), "slept")
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "sleep"), "offloaded")]
     /\ host' = [r \in Ranks |-> IF host[r] = NONE THEN version[r] ELSE host[r]]
     /\ version' = [r \in Ranks |-> NONE]
@@ -238,19 +252,19 @@ Sleep ==
     /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
 \* Wake of every tag: the weights come back from the host copy (which stays valid); from
-\* PARTIAL they are resident already.
+\* PARTIAL they are resident already. A stage paused before it slept is PAUSED after it.
 Wake ==
     /\ stage \in {"SLEEPING", "PARTIAL"}
-    /\ stage' = S(S(stage, "wake"), WakeSettle.stage)
+    /\ stage' = S(S(stage, "wake"), IF paused THEN "woke_paused" ELSE WakeSettle.stage)
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), WakeSettle.rank)]
     /\ version' = IF stage = "SLEEPING" THEN host ELSE version
     /\ woke' = TRUE /\ partial' = FALSE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, host, mixed, cache, stale, inflight>>
     /\ UNCHANGED <<paused, epoch, durable, floor, peak, reverted, witnessed>>
 
-\* Wake of the weights alone: PARTIAL, kv_cache still asleep.
+\* Wake of the weights alone: PARTIAL, kv_cache still asleep (of a stage not paused).
 WakeWeights ==
-    /\ stage = "SLEEPING"
+    /\ stage = "SLEEPING" /\ ~paused
     /\ stage' = S(S(stage, "wake"), PartialWakeSettle.stage)
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), PartialWakeSettle.rank)]
     /\ version' = host
@@ -297,11 +311,35 @@ Restart(reset) ==
     /\ answer' = [r \in Ranks |-> "none"]
     /\ UNCHANGED <<task, from, target, disk, pending, mixed, stale, inflight, reverted>>
 
+\* The engine's shutdown (Engine.close) in any state with a stop row, the task and the request
+\* in flight abandoned; every rank takes its Shutdown and the committed version stays. Only a
+\* restart leaves STOPPED, so a stop is explored where one can follow (no end state).
+Stop ==
+    /\ epoch < MaxRestarts /\ Has(StageRows, stage, "stop")
+    /\ stage' = S(stage, "stop")
+    /\ wstate' = [r \in Ranks |-> W(wstate[r], "shutdown")]
+    /\ task' = FALSE /\ from' = "RUNNING" /\ target' = 0 /\ disk' = TRUE /\ answer' = [r \in Ranks |-> "none"]
+    /\ pending' = {} /\ inflight' = FALSE /\ paused' = FALSE /\ woke' = FALSE
+    /\ UNCHANGED <<committed, version, host, mixed, cache, stale, partial, epoch, durable, floor, peak>>
+    /\ UNCHANGED <<reverted, witnessed>>
+
+\* A rank's process dies (RankDied) where the stage has a fail row: FAILED, its task and the
+\* request in flight abandoned; the ranks keep what they hold until a restart replaces them
+\* (so a crash is explored where one can follow).
+Crash ==
+    /\ RankFails /\ epoch < MaxRestarts /\ Has(StageRows, stage, "fail")
+    /\ stage' = S(stage, "fail")
+    /\ task' = FALSE /\ from' = "RUNNING" /\ target' = 0 /\ disk' = TRUE /\ answer' = [r \in Ranks |-> "none"]
+    /\ pending' = {} /\ inflight' = FALSE /\ woke' = FALSE
+    /\ UNCHANGED <<committed, wstate, version, host, mixed, cache, stale, paused, partial, epoch, durable>>
+    /\ UNCHANGED <<floor, peak, reverted, witnessed>>
+
 Next ==
     \/ \E v \in Versions, d \in BOOLEAN : IssueUpdate(v, d)
     \/ \E r \in Ranks : RankApply(r) \/ RankRefuse(r) \/ RankFail(r)
     \/ Settle \/ Serve \/ Finish \/ Sleep \/ Wake \/ WakeWeights \/ Pause \/ Resume
     \/ \E reset \in BOOLEAN : Restart(reset)
+    \/ Stop \/ Crash
 
 Spec == Init /\ [][Next]_vars
 

@@ -26,7 +26,13 @@ WorkerRows == {
     <<"RELOADING", "update_refused_partial", "PARTIAL">>,
     <<"RELOADING", "update_refused_needs_reload", "NEEDS_RELOAD">>,
     <<"RELOADING", "update_failed", "NEEDS_RELOAD">>,
-    <<"ACTIVE", "execute", "ACTIVE">>
+    <<"ACTIVE", "execute", "ACTIVE">>,
+    <<"LOADING", "shutdown", "STOPPED">>,
+    <<"ACTIVE", "shutdown", "STOPPED">>,
+    <<"SLEEPING", "shutdown", "STOPPED">>,
+    <<"PARTIAL", "shutdown", "STOPPED">>,
+    <<"NEEDS_RELOAD", "shutdown", "STOPPED">>,
+    <<"FAILED", "shutdown", "STOPPED">>
 }
 
 \* <<state, trigger, next state>> of STAGE_TRANSITIONS for the triggers OmniVersions fires
@@ -35,12 +41,17 @@ StageRows == {
     <<"STARTING", "started_needs_reload", "NEEDS_RELOAD">>,
     <<"RUNNING", "drain", "DRAINING">>,
     <<"DRAINING", "drained", "TRANSITIONING">>,
+    <<"PAUSED", "sleep", "TRANSITIONING">>,
+    <<"SLEEPING", "sleep", "TRANSITIONING">>,
+    <<"PARTIAL", "sleep", "TRANSITIONING">>,
+    <<"NEEDS_RELOAD", "sleep", "TRANSITIONING">>,
     <<"TRANSITIONING", "slept", "SLEEPING">>,
     <<"SLEEPING", "wake", "WAKING">>,
     <<"PARTIAL", "wake", "WAKING">>,
     <<"NEEDS_RELOAD", "wake", "WAKING">>,
     <<"WAKING", "woke_running", "RUNNING">>,
     <<"WAKING", "woke_partial", "PARTIAL">>,
+    <<"WAKING", "woke_paused", "PAUSED">>,
     <<"RUNNING", "update_drain", "DRAINING">>,
     <<"DRAINING", "update_drained", "WAKING">>,
     <<"PAUSED", "update", "WAKING">>,
@@ -71,7 +82,17 @@ StageRows == {
     <<"PARTIAL", "restart", "STARTING">>,
     <<"NEEDS_RELOAD", "restart", "STARTING">>,
     <<"FAILED", "restart", "STARTING">>,
-    <<"STOPPED", "restart", "STARTING">>
+    <<"STOPPED", "restart", "STARTING">>,
+    <<"STARTING", "stop", "STOPPED">>,
+    <<"FAILED", "stop", "STOPPED">>,
+    <<"RUNNING", "stop", "STOPPED">>,
+    <<"PAUSED", "stop", "STOPPED">>,
+    <<"SLEEPING", "stop", "STOPPED">>,
+    <<"PARTIAL", "stop", "STOPPED">>,
+    <<"NEEDS_RELOAD", "stop", "STOPPED">>,
+    <<"DRAINING", "stop", "STOPPED">>,
+    <<"TRANSITIONING", "stop", "STOPPED">>,
+    <<"WAKING", "stop", "STOPPED">>
 }
 
 \* An update (a reload's settle row) and a wake that end with every tag resident: the rank's

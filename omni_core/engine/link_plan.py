@@ -17,7 +17,7 @@ engine and every rank agree on; a plan names the peer by the rank's own device i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from omni_core.protocol import MAX_LINKS, LinkShare
@@ -55,6 +55,19 @@ def rank_view(
     return RankView(visible, own, tuple(p for p in peers if p < len(visible) and p != own))
 
 
+def share_bytes(total_bytes: int, shares: Sequence[float]) -> tuple[int, ...]:
+    """What each link of a plan carries of `total_bytes`, by its share (relative, P-18): the
+    shares' split rounded down, the rest on the first link (the own one), so the links'
+    bytes sum to `total_bytes`. The engine traces it (LinkPlanned) and the trace check
+    (omni_core/formal/trace_links.py) recomputes it."""
+    if not shares:
+        return ()
+    whole = sum(shares)
+    split = [int(total_bytes * share / whole) for share in shares]
+    split[0] += total_bytes - sum(split)
+    return tuple(split)
+
+
 @dataclass(frozen=True)
 class LinkPlan:
     """Each rank's links (ranks without a plan are absent) and the GPUs lent to it."""
@@ -71,7 +84,7 @@ def plan_links(ranks: Mapping[int, RankView], busy_gpus: Iterable[str]) -> LinkP
     links: dict[int, tuple[LinkShare, ...]] = {}
     for rank in sorted(ranks):
         view = ranks[rank]
-        peers = []
+        peers: list[LinkShare] = []
         for index in view.relay_peers:
             gpu = view.visible[index]
             if gpu not in taken and len(peers) < MAX_LINKS - 1:

@@ -482,6 +482,9 @@ class Orchestrator:
         for out in step.sends:
             command = stage.with_links(self._links, self._stages.values(), out.rank, out.command, self._engine_visible)
             command = self._swaps.with_incoming(stage.spec.name, out.rank, command)
+            planned = stage.link_record(out.rank, command, self._engine_visible) if self._trace.enabled else None
+            if planned is not None:  # the plan is decided here, after the core traced the send
+                self._write(stage, (planned,))
             data = encoded.get(id(command)) if command is out.command else None
             if data is None:
                 data = encode(command)
@@ -557,7 +560,8 @@ class Orchestrator:
             if proc.sentinel is not None:
                 self._sentinels[proc.sentinel] = (stage, proc)
                 self._io.watch(proc.sentinel)
-            self._write(stage, (RankSpawned(proc.rank, proc.pid, proc.node),))
+            gpu = stage.rank_view(proc.rank, self._engine_visible).own_gpu
+            self._write(stage, (RankSpawned(proc.rank, proc.pid, proc.node, gpu),))
 
     def _reap(self, stage: StageSlot) -> None:
         stage.reported.clear()

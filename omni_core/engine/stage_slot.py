@@ -12,9 +12,10 @@ from typing import Any
 import msgspec
 
 from omni_core.engine.launch import RankHandle
-from omni_core.engine.link_plan import LinkLedger, RankView, rank_view
+from omni_core.engine.link_plan import LinkLedger, RankView, rank_view, share_bytes
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import StageCore
+from omni_core.fsm.trace_records import LinkPlanned, PlannedLink
 from omni_core.protocol import Capability, Command, Hello, Sleep, Wake, WorkerState
 
 # A rank's state in status() once its process is gone (beside WorkerState's values).
@@ -77,15 +78,42 @@ class StageSlot:
                 for r, hello in self.hellos.items()
                 if Capability.MULTI_PATH in hello.capabilities
             }
+            # This stage's GPUs (its ranks without MULTI_PATH, unplanned, copy over their own
+            # links too) and those of every stage with a task in flight.
             busy = {
                 other.rank_view(r, engine_visible).own_gpu
-                for other in stages
-                if other is not self and other.core.task_id is not None
+                for other in (self, *stages)
+                if other is self or other.core.task_id is not None
                 for r in range(other.spec.ranks)
             }
             plan = ledger.plan(self.spec.name, command.task_id, views, busy)
         links = plan.links.get(rank)
         return msgspec.structs.replace(command, links=links) if links else command
+
+    def link_record(self, rank: int, command: Command, engine_visible: str | None) -> LinkPlanned | None:
+        """A Sleep or Wake as sent to `rank` (after `with_links` and the swap's incoming
+        bytes), with what its plan was made from, for the trace; None for other commands."""
+        if not isinstance(command, (Sleep, Wake)):
+            return None
+        hello = self.hellos.get(rank)
+        capabilities = hello.capabilities if hello else ()
+        view = self.rank_view(rank, engine_visible, hello.relay_peers if hello else ())
+        pools = hello.pool_bytes if hello else {}
+        pool_bytes = sum(n for t, n in pools.items() if command.tags is None or t in command.tags)
+        split = share_bytes(pool_bytes, [s.share for s in command.links])
+        return LinkPlanned(
+            command.task_id,
+            rank,
+            type(command).__name__,
+            visible=view.visible,
+            own=view.own,
+            relay_peers=view.relay_peers,
+            multi_path=self.spec.multi_path and Capability.MULTI_PATH in capabilities,
+            swap=Capability.SWAP in capabilities,
+            pool_bytes=pool_bytes,
+            links=tuple(PlannedLink(s.peer, s.share, n) for s, n in zip(command.links, split, strict=True)),
+            incoming_bytes=command.incoming_bytes if isinstance(command, Sleep) else 0,
+        )
 
     def asleep_bytes(self) -> dict[int, int]:
         """Per rank, what its Hello's pools hold in the tags asleep now: what a wake of every

@@ -55,6 +55,7 @@ WORKER_TRIGGERS = (
     "wake",
     "restored_active",
     "restored_partial",
+    "shutdown",
 )
 STAGE_TRIGGERS = (
     "started",
@@ -80,6 +81,9 @@ STAGE_TRIGGERS = (
     "pause_drained",
     "resume",
     "fail",
+    "sleep",  # a PAUSED stage's sleep: nothing to drain
+    "woke_paused",
+    "stop",
 )
 
 

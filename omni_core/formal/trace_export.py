@@ -15,7 +15,7 @@ answers gave). The send, state, wstate, wsend, ended and answered events are che
 the steps before them did.
 
 Dropped (counted by kind): the kinds the spec does not model (StageStarting, requests'
-submissions, spawns, refused peers, a worker's BadMessage with its NACK, ParentGone); a
+submissions, spawns, link plans, refused peers, a worker's BadMessage with its NACK, ParentGone); a
 RankDied of another epoch (the core ignored it); the lines of a process a restart replaced,
 until its death is recorded; after the stage's StageStopped (the engine's shutdown ends the
 trace, and only it sends Shutdown), the ranks' last replies it drains, deaths, callers told
@@ -28,7 +28,8 @@ after its death was recorded; a deadline that no earlier line of its task set, t
 the deadline that line set, that fired before it, or whose issue's deadline is not the
 issue's time plus the timeout the call asked for (`trace_order.DeadlineClock`); a line
 the admission tables, the answers, the epoch fence or a wake's wait refute, and a run that
-ended owing an answer (`trace_admission.RecordChecks`: a last refuted event).
+ended owing an answer (`trace_admission.RecordChecks`: a last refuted event); a link plan
+that breaks P-18's rules (`trace_links.LinkChecks`).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
 ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
@@ -58,6 +59,7 @@ from typing import Any
 import msgspec
 
 from omni_core.formal.trace_admission import RecordChecks
+from omni_core.formal.trace_links import LinkChecks
 from omni_core.formal.trace_order import DeadlineClock, program_order
 from omni_core.fsm import trace_records as T
 from omni_core.fsm.tags import DEFAULT_TAGS
@@ -213,6 +215,7 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
     deaths: dict[tuple[int, int], int] = {}  # (rank, process epoch) -> the line recording its death
     clock = DeadlineClock(lines)
     checks = RecordChecks(lines, stage, ranks)
+    links = LinkChecks(lines, stage)
     stopped = 0  # the line of the stage's StageStopped: the engine's shutdown ends its trace
     shutdowns: set[str] = set()
     for n, line in ours:
@@ -221,8 +224,9 @@ def project(lines: list[T.TraceLine], stage: str) -> StageTrace:
         if isinstance(record, T.StageStopped) and not stopped:
             stopped = n
             continue
-        if checks.why(n):  # admission, answers, fencing, a wake's wait (trace_admission)
-            events.append(_refuted(kind or line.kind, n, line, tasks, checks.why(n)))
+        why = checks.why(n) or links.why(n)  # admission, answers, fencing, waits; link plans
+        if why:
+            events.append(_refuted(kind or line.kind, n, line, tasks, why))
             continue
         if isinstance(record, T.StageSent) and not stopped:
             shutdowns.add(record.task_id)  # a rank may still finish it after the stop

@@ -27,7 +27,8 @@ StageStarting, StageStopped (ends a stage's replay), RequestSubmitted, RequestAn
 TaskEnded, AdmissionChanged, BadMessage (the admission records, the answers and a wake's
 wait for memory are checked by `omni_core.formal.trace_admission`); and the shells' own IO
 facts, which no core sees: RankSpawned, PeerRefused, IncomingHeld and IncomingFreed (a swap's
-hold of its devices, checked there too), ParentGone.
+hold of its devices, checked there too), LinkPlanned (a Sleep's or Wake's links and incoming
+bytes as sent, checked by `omni_core.formal.trace_links`), ParentGone.
 
 Every line of the file is a `TraceLine`: the record plus who wrote it (stage, rank, the
 process's epoch, pid), its per-process sequence number (program order) and the process's
@@ -307,6 +308,7 @@ class RankSpawned(_Record):
     rank: int
     pid: int | None  # None: a rank started elsewhere (a Ray actor) reports its pid in its Hello
     node: str = ""  # where it was started or placed, as the launcher knows it then
+    link_gpu: str = ""  # the GPU whose host link is the rank's own, as link plans name GPUs
 
 
 class PeerRefused(_Record):
@@ -332,6 +334,37 @@ class IncomingFreed(_Record):
     """The incoming wake of `task_id` ended (or was never sent): its devices are free."""
 
     task_id: str
+
+
+class PlannedLink(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One link of a LinkPlanned: `peer` as LinkShare.peer (None: the own link), its `share`
+    and the bytes that share is of the rank's pool bytes in the command's tags."""
+
+    peer: int | None
+    share: float
+    nbytes: int
+
+
+class LinkPlanned(_Record):
+    """A Sleep or Wake for `rank` as the engine sent it, after its StageSent: the links the
+    engine's plan gave it (P-18, `engine/link_plan.py`; none: the own link alone) and the
+    swap's `incoming_bytes`. With what the plan was made from: the rank's GPUs by device
+    index (`visible`, the link GPU of its RankSpawned at `own`), the peers its Hello reported
+    (`relay_peers`), whether it may be sent links (`multi_path`: its Hello declared
+    MULTI_PATH and its stage's spec allows them) or incoming bytes (`swap`: it declared
+    SWAP), and `pool_bytes`, what its Hello's pools hold in the command's tags."""
+
+    task_id: str
+    rank: int
+    command: str
+    visible: tuple[str, ...] = ()
+    own: int = 0
+    relay_peers: tuple[int, ...] = ()
+    multi_path: bool = False
+    swap: bool = False
+    pool_bytes: int = 0
+    links: tuple[PlannedLink, ...] = ()
+    incoming_bytes: int = 0
 
 
 class ParentGone(_Record):
@@ -365,7 +398,15 @@ WorkerRecord = (
     WorkerStarted | WorkerReceived | WorkerChanged | EffectDone | EffectFailed | EffectRefused | ReplySent | BadMessage
 )
 TraceRecord = (
-    StageRecord | WorkerRecord | RankSpawned | PeerRefused | IncomingHeld | IncomingFreed | ParentGone | Truncated
+    StageRecord
+    | WorkerRecord
+    | RankSpawned
+    | PeerRefused
+    | IncomingHeld
+    | IncomingFreed
+    | LinkPlanned
+    | ParentGone
+    | Truncated
 )
 
 

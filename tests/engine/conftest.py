@@ -84,6 +84,21 @@ def request_held_by_a_stopped_rank(engine: Engine, stage: str, rank: int = 1) ->
         resume(pid)
 
 
+@contextlib.contextmanager
+def sleep_held_by_a_stopped_rank(engine: Engine, stage: str, rank: int = 0) -> Any:
+    """A sleep of `stage` in flight (TRANSITIONING) that `rank` (stopped with SIGSTOP) cannot
+    finish until the block ends; the sleep's outcome is awaited on the way out."""
+    pid = rank_pid(engine, stage, rank)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sleeping = in_thread(lambda: engine.sleep(stage, timeout_s=LONG_TIMEOUT_S))
+        wait_for(lambda: engine.status()[stage]["state"] == "TRANSITIONING", what=f"{stage} TRANSITIONING")
+        yield sleeping
+    finally:
+        resume(pid)
+    sleeping.result(LONG_TIMEOUT_S)
+
+
 @pytest.fixture
 def engine_factory():
     engines: list[Engine] = []

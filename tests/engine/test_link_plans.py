@@ -6,12 +6,10 @@ command in flight without sleeping to prove anything."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 
-from tests.engine.conftest import in_thread, rank_pid, resume, small_spec, wait_for
+from tests.engine.conftest import sleep_held_by_a_stopped_rank, small_spec
 
 BACKEND = "tests.engine.link_backend:LinkRecordingBackend"
 
@@ -40,15 +38,8 @@ def test_a_peer_whose_stage_is_in_a_lifecycle_command_is_not_lent(engine_factory
     engine = engine_factory(
         small_spec("a", backend=BACKEND, devices=("0,1",)), small_spec("b", backend=BACKEND, devices=("1,0",))
     )
-    pid_b = rank_pid(engine, "b", 0)
-    os.kill(pid_b, signal.SIGSTOP)  # b's sleep stays in flight: its GPU's link is busy
-    try:
-        sleeping_b = in_thread(lambda: engine.sleep("b", timeout_s=60.0))
-        wait_for(lambda: engine.status()["b"]["state"] == "TRANSITIONING", what="b TRANSITIONING")
+    with sleep_held_by_a_stopped_rank(engine, "b"):  # b's sleep in flight: its GPU's link is busy
         engine.sleep("a")
-    finally:
-        resume(pid_b)
-    sleeping_b.result(60.0)
     assert ("sleep", []) in plans(logs / "both.jsonl")  # a's sleep, on its own link alone
     # b's sleep was planned before a's command: a was idle, so b got GPU 0's link.
     assert ("sleep", [[None, 1.0], [1, 1.0]]) in plans(logs / "both.jsonl")
@@ -62,3 +53,28 @@ def test_a_stage_can_turn_multi_path_off(engine_factory, logs, monkeypatch):
     engine = engine_factory(small_spec("a", backend=BACKEND, devices=("0,1",), multi_path=False))
     engine.sleep("a")
     assert plans(logs / "off.jsonl") == [("sleep", [])]
+
+
+def test_the_trace_records_each_plan_as_the_rank_got_it(engine_factory, logs, monkeypatch, tmp_path):
+    from omni_core.formal.trace_links import LinkChecks
+    from omni_core.fsm.trace_records import LinkPlanned
+    from omni_core.trace import read_trace
+
+    monkeypatch.setenv("OMNI_TEST_LINKS_LOG", str(logs / "traced.jsonl"))
+    trace = tmp_path / "trace.jsonl"
+    engine = engine_factory(small_spec("a", backend=BACKEND, devices=("0,1",)), trace_path=str(trace))
+    engine.sleep("a")
+    engine.wake("a")
+    lines = read_trace(trace)
+    recorded = [
+        (ln.record.command.lower(), [[s.peer, s.share] for s in ln.record.links])
+        for ln in lines
+        if isinstance(ln.record, LinkPlanned)
+    ]
+    assert (
+        recorded
+        == plans(logs / "traced.jsonl")
+        == [("sleep", [[None, 1.0], [1, 1.0]]), ("wake", [[None, 1.0], [1, 1.0]])]
+    )
+    checks = LinkChecks(lines, "a")
+    assert not [checks.why(n) for n in range(1, len(lines) + 1) if checks.why(n)]

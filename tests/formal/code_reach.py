@@ -30,12 +30,6 @@ REPORT = "code_reach.md"
 
 Keys = dict[str, set[str]]  # category -> keys, as reachability.CATEGORIES names them
 
-_PAUSE_TRIGGERS = ("pause_drain", "pause_drained", "resume", "woke_paused", "update_paused")
-
-
-def _trigger(key: str) -> str:
-    return key.partition("/")[2]
-
 
 def _state(key: str) -> str:
     return key.partition("/")[0]
@@ -44,38 +38,22 @@ def _state(key: str) -> str:
 # name -> (why the models miss it, which keys: (category, key) -> bool)
 EXPLAINED: dict[str, tuple[str, Callable[[str, str], bool]]] = {
     "stop": (
-        "OmniSleep has no stop: the engine's shutdown ends a stage's trace (StageStopped) and only it "
-        "sends Shutdown; Shutdown in every settled state is P-11's conformance case "
-        "(`shutdown_while_asleep`, `second_shutdown`) and the scenarios' `stop_restart.txt`",
+        "tla/OmniVersions.tla (model `versions`) stops the stage in every state it rests in and restarts "
+        "it from STOPPED, each rank taking its Shutdown; but its start and its sleep are one step each, so "
+        "it never rests in STARTING or TRANSITIONING to be stopped there, and none of its ranks is FAILED "
+        "(a crash leaves the dead rank's state; a failed load is OmniSleep's, which has no stop). Those are "
+        "P-11's conformance cases (`shutdown_while_asleep`, `second_shutdown`) and the scenarios' "
+        "`stop_restart.txt`",
         lambda c, k: (
-            k == "STOPPED"
-            or (c in ("srow", "wrow") and (_trigger(k) in ("stop", "shutdown") or _state(k) == "STOPPED"))
+            (c == "srow" and k in ("STARTING/stop", "TRANSITIONING/stop")) or (c, k) == ("wrow", "FAILED/shutdown")
         ),
     ),
-    "updates": (
-        "weight updates (P-17) are modelled in tla/OmniVersions.tla on its own tables (VersionTable.tla, "
-        "generated from the same rows), which the instrumentation of tla/reachability.md does not wrap "
-        "(it reads OmniSleep's variables); the update rows of the stage and worker tables are OmniVersions' "
-        "actions there",
-        lambda c, k: c in ("srow", "wrow") and _trigger(k).startswith("update") and _trigger(k) != "update_paused",
-    ),
-    "restart_floor": (
-        "a restart after an update from memory brings the ranks up NEEDS_RELOAD under a version floor "
-        "(`started_needs_reload`, `loaded_needs_reload`): modelled in tla/OmniVersions.tla (restarts, "
-        "NoSilentRevert, bug models silent_revert and floor_ignored), which the instrumentation does not "
-        "wrap; OmniSleep's start is a plain load of the checkpoint",
-        lambda c, k: c in ("srow", "wrow") and _trigger(k) in ("started_needs_reload", "loaded_needs_reload"),
-    ),
-    "pause": (
-        "the pause is modelled in tla/OmniPause.tla (model `pause`, and `pause_long`) as OmniSleep's RUNNING "
-        "with `spaused` set, so the instrumentation's `sstate` never says PAUSED and its rows are OmniPause's "
-        "own actions (EnginePause in the trace spec), not StageNext's; its admission (held under queue and "
-        "wake) is OmniPause's too",
-        lambda c, k: (
-            k == "PAUSED"
-            or (c in ("srow", "admit") and _state(k) == "PAUSED")
-            or (c == "srow" and _trigger(k) in _PAUSE_TRIGGERS)
-        ),
+    "pause_admission": (
+        "tla/OmniVersions.tla reaches PAUSED itself (a pause, a sleep and a wake while paused, an update, a "
+        "resume, a crash, a stop, a restart); a request's admission to a PAUSED stage (held under `queue`) is "
+        "tla/OmniPause.tla's (model `pause`, and `pause_long`), which keeps the pause as OmniSleep's RUNNING "
+        "with `spaused` set, not a row of OmniAdmission's `Decision`, which the instrumentation wraps",
+        lambda c, k: c == "admit" and _state(k) == "PAUSED",
     ),
 }
 

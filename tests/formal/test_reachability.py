@@ -114,3 +114,26 @@ def test_omni_core_check_fails_when_a_model_does_not_reach_its_claim(tmp_path):
     lines.clear()
     assert check.run(args, echo=lines.append) == 1
     assert any("reachability changed" in line for line in lines), lines
+
+
+def test_omni_versions_is_wrapped_around_the_operators_its_actions_fire_rows_through():
+    wrapper = reachability.wrapper_module("OmniVersions.tla")
+    assert '<<"stage", stage>>' in wrapper and "THEN TS(s, g) ELSE TS(s, g)" in wrapper
+    config = reachability.instrumented_config("SPECIFICATION Spec\n", "OmniVersions.tla")
+    assert "S <- ReachStageNext" in config and "W <- ReachWorkerNext" in config
+    assert "admit" not in reachability.parse_reach(SAMPLE, "OmniVersions.tla").categories
+
+
+@needs_tlc
+@pytest.mark.timeout(600)
+def test_the_versions_model_reaches_the_stop_the_updates_and_paused(tmp_path):
+    """The instrumented run of `versions` (its ASSUMEs read the rows around S and W, so
+    nothing is printed before the wrapper's register is set, which TLC would refuse)."""
+    root = tla_dir()
+    result, reach = reachability.run_instrumented(
+        root, "OmniVersions.tla", root / "models" / "versions.cfg", workers=1, timeout_s=500
+    )
+    assert result.outcome == "ok", result.output[-2000:]
+    assert {"PAUSED", "STOPPED", "FAILED"} <= reach.seen["stage"]
+    assert {"PAUSED/update", "WAKING/woke_paused", "RUNNING/stop", "STOPPED/restart"} <= reach.seen["srow"]
+    assert {"ACTIVE/update", "SLEEPING/shutdown"} <= reach.seen["wrow"]

@@ -39,6 +39,16 @@ STOPS = {
     "wake_wait_shortened": "sent with memory_wait_s 0.01; its issue named 0.2",
     "incoming_wakes_overlap": "which the incoming wake 'fits/in' of stage 'decoder' holds since line",
     "incoming_wake_unheld": "wake 'refused/in' waits for memory, but no IncomingHeld line holds its devices",
+    "links_without_multi_path": "has links, but the rank may not be sent any",
+    "link_to_unreported_peer": "a link through cuda:1, which is not a peer its Hello reported reachable",
+    "link_to_own_gpu": "a link through cuda:0, which is not a peer its Hello reported reachable",
+    "link_bytes_lie": "spreads [1179904, 2359808] bytes over its links",
+    "link_lent_twice": "lent already to rank 0 for task",
+    "link_to_busy_stage": "on which stage 'b' runs a rank with a task in flight",
+    "link_own_gpu_moved": "names its own GPU '0', but its RankSpawned put it on '2'",
+    "link_plan_of_no_send": "has a link plan, but no StageSent of that command to that rank precedes it",
+    "incoming_bytes_without_swap": "but the rank did not declare SWAP",
+    "incoming_bytes_on_wake": "only a swap's outgoing Sleep does",
 }
 
 

@@ -264,6 +264,36 @@ def _with(line: T.TraceLine, **fields: object) -> T.TraceLine:
     return msgspec.structs.replace(line, record=msgspec.structs.replace(line.record, **fields))
 
 
+def _record_links(path: Path) -> None:
+    """Link plans (P-18) on CPU, the ranks declaring relay peer cuda:1: stage a's two ranks
+    on GPUs 0 and 1 both reach GPU 2, stage b's one rank on GPU 2 reaches GPU 0. a's sleep
+    and wake lend GPU 2 to a's rank 0 (rank 1 gets none: lent already); b's sleep, its rank
+    frozen to hold it in flight, lends GPU 0; a's sleep meanwhile gets no link (GPU 2's
+    stage is busy); then b and a wake, each lent the other's GPU again."""
+    from omni_core.engine import Engine
+    from tests.engine.conftest import sleep_held_by_a_stopped_rank, small_spec
+
+    backend = "tests.engine.link_backend:LinkRecordingBackend"
+    saved = {k: os.environ.get(k) for k in ("OMNI_TEST_RELAY_PEERS", "OMNI_TEST_LINKS_LOG")}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.update(OMNI_TEST_RELAY_PEERS="1", OMNI_TEST_LINKS_LOG=str(Path(tmp) / "links.jsonl"))
+        try:
+            specs = [
+                small_spec("a", ranks=2, backend=backend, devices=("0,2", "1,2")),
+                small_spec("b", backend=backend, devices=("2,0",)),
+            ]
+            with Engine(specs, trace_path=str(path)) as engine:
+                engine.sleep("a")
+                engine.wake("a")
+                with sleep_held_by_a_stopped_rank(engine, "b"):
+                    engine.sleep("a")
+                engine.wake("b")
+                engine.wake("a")
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
 SCENARIOS: dict[str, Callable[[Path], None]] = {
     "demo": _record_demo,
     "swap": _record_swap,
@@ -275,6 +305,7 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "weights_drain": _record_weights_drain,
     "weights_reload": _record_weights_reload,
     "pause": _record_pause,
+    "links": _record_links,
 }
 
 
@@ -794,6 +825,106 @@ def incoming_wake_unheld(lines: Lines) -> str:
     return "talker"
 
 
+def _plan(lines: Lines, stage: str, n: int = 0, rank: int = 0, linked: bool | None = None) -> int:
+    """The index of `stage`'s n-th LinkPlanned line for `rank` (with links or without, when
+    `linked` says)."""
+    found = [
+        k
+        for k, ln in enumerate(lines)
+        if _engine(ln, T.LinkPlanned, stage)
+        and ln.record.rank == rank
+        and (linked is None or bool(ln.record.links) == linked)
+    ]
+    return found[n]
+
+
+def _lend_peer(lines: Lines, k: int) -> None:
+    """Give the plan at `k` (no links) its rank's first relay peer, its bytes split right."""
+    record = lines[k].record
+    assert not record.links
+    half = record.pool_bytes // 2
+    links = (T.PlannedLink(None, 1.0, record.pool_bytes - half), T.PlannedLink(record.relay_peers[0], 1.0, half))
+    lines[k] = _with(lines[k], links=links)
+
+
+def links_without_multi_path(lines: Lines) -> str:
+    """Stage a's first plan with links made for a rank that may not be sent any (no
+    MULTI_PATH): the worker would have to refuse the Sleep UNSUPPORTED."""
+    k = _plan(lines, "a", linked=True)
+    lines[k] = _with(lines[k], multi_path=False)
+    return "a"
+
+
+def link_to_unreported_peer(lines: Lines) -> str:
+    """A link through a GPU the rank's Hello never reported reachable (its relay peers gone
+    from the plan's record)."""
+    k = _plan(lines, "a", linked=True)
+    lines[k] = _with(lines[k], relay_peers=())
+    return "a"
+
+
+def link_to_own_gpu(lines: Lines) -> str:
+    """A plan whose peer link names the rank's own GPU (cuda:0): its own link twice."""
+    k = _plan(lines, "a", linked=True)
+    own, peer = lines[k].record.links
+    lines[k] = _with(lines[k], links=(own, msgspec.structs.replace(peer, peer=0)))
+    return "a"
+
+
+def link_bytes_lie(lines: Lines) -> str:
+    """A plan whose peer link carries every pool byte besides the own link's half: the
+    bytes per link no longer sum to the rank's pool bytes."""
+    k = _plan(lines, "a", linked=True)
+    own, peer = lines[k].record.links
+    lines[k] = _with(lines[k], links=(own, msgspec.structs.replace(peer, nbytes=lines[k].record.pool_bytes)))
+    return "a"
+
+
+def link_lent_twice(lines: Lines) -> str:
+    """Stage a's rank 1 in its first sleep lent GPU 2 as well, which that sleep lent to rank
+    0 already: one GPU's link used by two ranks at once."""
+    _lend_peer(lines, _plan(lines, "a", rank=1))
+    return "a"
+
+
+def link_to_busy_stage(lines: Lines) -> str:
+    """Stage a's second sleep lent GPU 2 while stage b, which runs there, has its sleep in
+    flight (the link is busy with b's own copies)."""
+    _lend_peer(lines, _plan(lines, "a", linked=False))
+    return "a"
+
+
+def link_own_gpu_moved(lines: Lines) -> str:
+    """Stage b's sleep planned as if its rank ran on GPU 0 (its own and its peer swapped):
+    its RankSpawned put it on GPU 2."""
+    k = _plan(lines, "b", linked=True)
+    lines[k] = _with(lines[k], visible=tuple(reversed(lines[k].record.visible)))
+    return "b"
+
+
+def link_plan_of_no_send(lines: Lines) -> str:
+    """A plan for a command no StageSent sent: stage b's sleep plan relabelled as a wake."""
+    k = _plan(lines, "b")
+    lines[k] = _with(lines[k], command="Wake")
+    return "b"
+
+
+def incoming_bytes_without_swap(lines: Lines) -> str:
+    """Stage b's sleep sent incoming bytes though its rank did not declare SWAP (such a
+    worker refuses that Sleep as BAD_MESSAGE)."""
+    k = _plan(lines, "b")
+    lines[k] = _with(lines[k], swap=False, incoming_bytes=1 << 20)
+    return "b"
+
+
+def incoming_bytes_on_wake(lines: Lines) -> str:
+    """Stage b's wake sent with incoming bytes: only a swap's outgoing Sleep carries them."""
+    k = _plan(lines, "b", n=1)
+    assert lines[k].record.command == "Wake"
+    lines[k] = _with(lines[k], incoming_bytes=1 << 20)
+    return "b"
+
+
 CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "commit_state": ("demo", commit_state),
     "ack_worker_state": ("demo", ack_worker_state),
@@ -841,6 +972,16 @@ CLASSES: dict[str, tuple[str, Callable[[Lines], str]]] = {
     "wake_wait_shortened": ("swap", wake_wait_shortened),
     "incoming_wakes_overlap": ("swap", incoming_wakes_overlap),
     "incoming_wake_unheld": ("swap", incoming_wake_unheld),
+    "links_without_multi_path": ("links", links_without_multi_path),
+    "link_to_unreported_peer": ("links", link_to_unreported_peer),
+    "link_to_own_gpu": ("links", link_to_own_gpu),
+    "link_bytes_lie": ("links", link_bytes_lie),
+    "link_lent_twice": ("links", link_lent_twice),
+    "link_to_busy_stage": ("links", link_to_busy_stage),
+    "link_own_gpu_moved": ("links", link_own_gpu_moved),
+    "link_plan_of_no_send": ("links", link_plan_of_no_send),
+    "incoming_bytes_without_swap": ("links", incoming_bytes_without_swap),
+    "incoming_bytes_on_wake": ("links", incoming_bytes_on_wake),
 }
 
 
