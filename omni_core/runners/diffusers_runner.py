@@ -59,8 +59,8 @@ import io
 import json
 import logging
 import secrets
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,16 @@ import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
-from omni_core.runners.diffusion_steps import DiffusionRequest, Parked, ddpm_step, dit_step, sd_step, state_tensors
+from omni_core.runners.diffusion_steps import (
+    DenoiserCall,
+    DiffusionRequest,
+    Parked,
+    ddpm_call,
+    dit_call,
+    run_together,
+    sd_call,
+    state_tensors,
+)
 from omni_core.runners.diffusion_trajectory import MAX_TRAJECTORY_BYTES, Trajectory, log_prob_method
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
@@ -93,6 +102,7 @@ HEADER_BYTES = ALIGN_BYTES  # canary, generation, steps done (int64 each)
 MAX_LOST_REMEMBERED = 1024  # lost requests whose error is kept for their next op
 MAX_STEPS_LIMIT = 10_000
 OPS = ("start", "step", "finish", "cancel", "prompt_cache")
+STEPPED_OPS = ("step", "finish")  # the ops a batch runs together
 STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCacheState
 REQUEST_KEYS = {
     "dit": frozenset({"class_label", "seed", "steps", "guidance_scale", "trajectory"}),
@@ -333,6 +343,88 @@ class DiffusersRunner(ModelRunner):
     # ------------------------------------------------------------------ ops
 
     def execute(self, payload: Any) -> dict[str, Any]:
+        op = self._check_payload(payload)
+        if op == "prompt_cache":
+            return self._prompt_cache_op(payload)
+        self._check_pools()
+        if op is None:
+            request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind])
+            with torch.no_grad():
+                sample = self._initial_sample(request)
+                return self._image(request, self._denoise(request, sample, request.steps_total))
+        if op == "start":
+            return self._start(payload)
+        if op == "cancel":
+            self._check_keys(payload, {"op", "request_id"})
+            request_id = payload.get("request_id")
+            self._claim(request_id, check_state=False)
+            self._free(request_id)
+            return {"request_id": request_id, "cancelled": True}
+        request, count = self._claim_op(op, payload)
+        try:
+            with torch.no_grad():
+                return self._conclude(op, request, self._denoise(request, self._unpark(request), count))
+        except Exception as exc:
+            self._lose_on_failure(op, request, exc)
+            raise
+
+    def execute_batch(self, payloads: Sequence[Any]) -> list[Any]:
+        """Step-wise ops ("step", "finish") of distinct requests run together: one denoiser
+        call per step over the rows of every request still stepping (vLLM-Omni's
+        `execute_stepwise` over a scheduler batch); anything else runs one by one first."""
+        ids = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
+        seen = Counter(i for i in ids if isinstance(i, str))
+        together = [
+            i
+            for i, payload in enumerate(payloads)
+            if isinstance(payload, dict) and payload.get("op") in STEPPED_OPS and seen[ids[i]] == 1
+        ]
+        if len(together) < 2:
+            together = []
+        outputs: list[Any] = [None] * len(payloads)
+        for i, payload in enumerate(payloads):
+            if i not in together:
+                try:
+                    outputs[i] = self.execute(payload)
+                except Exception as exc:
+                    outputs[i] = exc
+        if together:
+            for i, output in zip(together, self._step_together([payloads[i] for i in together]), strict=True):
+                outputs[i] = output
+        return outputs
+
+    def _step_together(self, payloads: list[dict[str, Any]]) -> list[Any]:
+        """Each payload's result or its own error; the requests step in one batch."""
+        self._check_payload(payloads[0])
+        self._check_pools()
+        outputs: list[Any] = [None] * len(payloads)
+        work: list[tuple[int, str, DiffusionRequest, int]] = []
+        for k, payload in enumerate(payloads):
+            try:
+                work.append((k, payload["op"], *self._claim_op(payload["op"], payload)))
+            except Exception as exc:
+                outputs[k] = exc
+        if not work:
+            return outputs
+        try:
+            with torch.no_grad():
+                samples = self._denoise_together([(r, self._unpark(r), count) for _, _, r, count in work])
+        except Exception as exc:
+            for k, op, request, _ in work:
+                self._lose_on_failure(op, request, exc)
+                outputs[k] = exc
+            return outputs
+        for (k, op, request, _), sample in zip(work, samples, strict=True):
+            try:
+                with torch.no_grad():
+                    outputs[k] = self._conclude(op, request, sample)
+            except Exception as exc:
+                self._lose_on_failure(op, request, exc)
+                outputs[k] = exc
+        return outputs
+
+    def _check_payload(self, payload: Any) -> Any:
+        """The payload's op, once the payload is a dict, the op known and the weights loaded."""
         if not isinstance(payload, dict):
             raise TypeError(
                 f"DiffusersRunner payload must be a dict like {{'class_label': 1, 'seed': 0, "
@@ -343,45 +435,36 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"unknown op {op!r}; ops are {list(OPS)} (or none: one call, the whole image)")
         if self.pipeline is None:
             raise RuntimeError("DiffusersRunner.execute before load_weights")
-        if op == "prompt_cache":
-            return self._prompt_cache_op(payload)
+        return op
+
+    def _check_pools(self) -> None:
         # Every pool this runner has must be resident, as the worker requires for any Execute.
         check_resident({tag: self.tensors(tag) for tag in (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG)})
-        if op is None:
-            request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind])
-            with torch.no_grad():
-                sample = self._initial_sample(request)
-                sample = self._denoise(request, sample, request.steps_total)
-                return self._image(request, sample)
-        if op == "start":
-            return self._start(payload)
-        request_id = payload.get("request_id")
-        keys = {"op", "request_id"} | ({"steps"} if op == "step" else set())
-        self._check_keys(payload, keys)
-        if op == "cancel":
-            self._claim(request_id, check_state=False)
-            self._free(request_id)
-            return {"request_id": request_id, "cancelled": True}
-        request = self._claim(request_id)
+
+    def _claim_op(self, op: str, payload: dict[str, Any]) -> tuple[DiffusionRequest, int]:
+        """A "step" or "finish" op's live request, and how many steps it asks for."""
+        self._check_keys(payload, {"op", "request_id"} | ({"steps"} if op == "step" else set()))
+        request = self._claim(payload.get("request_id"))
         count = request.steps_total - request.steps_done
         if op == "step":
             count = payload.get("steps", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"steps must be an int >= 1, got {count!r}")
-        try:
-            with torch.no_grad():
-                sample = self._denoise(request, self._unpark(request), count)
-                if op == "step":
-                    self._park(request, sample)
-                    return self._progress(request)
-                self._free(request_id)
-                return self._image(request, sample)
-        except Exception as exc:
-            # Half a step leaves the scheduler ahead of what the slot holds: continuing would
-            # produce a wrong image, so the request ends here.
-            if request_id in self.requests:
-                self._lose(request_id, f"its {op} op failed ({type(exc).__name__}: {exc})")
-            raise
+        return request, count
+
+    def _conclude(self, op: str, request: DiffusionRequest, sample: torch.Tensor) -> dict[str, Any]:
+        """After a step-wise op's steps: its progress (the state parked again), or its image."""
+        if op == "step":
+            self._park(request, sample)
+            return self._progress(request)
+        self._free(request.request_id)
+        return self._image(request, sample)
+
+    def _lose_on_failure(self, op: str, request: DiffusionRequest, exc: Exception) -> None:
+        # Half a step leaves the scheduler ahead of what the slot holds: continuing would
+        # produce a wrong image, so the request ends here.
+        if request.request_id in self.requests:
+            self._lose(request.request_id, f"its {op} op failed ({type(exc).__name__}: {exc})")
 
     def _check_keys(self, payload: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
         unknown = sorted(set(payload) - set(allowed))
@@ -518,31 +601,59 @@ class DiffusersRunner(ModelRunner):
         return latents
 
     def _denoise(self, request: DiffusionRequest, sample: torch.Tensor, count: int) -> torch.Tensor:
-        end = min(request.steps_total, request.steps_done + count)
-        labels = None
+        return self._denoise_together([(request, sample, count)])[0]
+
+    def _denoise_together(self, work: list[tuple[DiffusionRequest, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Each request `count` steps further (fewer where it ends first): per step, one
+        denoiser call over the rows of every request still stepping; a request with a step
+        cache makes its own call (the cache decides per request whether the blocks run)."""
+        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        ends = [min(request.steps_total, request.steps_done + count) for request, _, count in work]
+        contexts = [self._step_context(request) for request, _, _ in work]
+        samples = [sample for _, sample, _ in work]
+        while live := [i for i, (request, _, _) in enumerate(work) if request.steps_done < ends[i]]:
+            calls = {i: self._call(work[i][0], samples[i], contexts[i]) for i in live}
+            outputs: dict[int, torch.Tensor] = {}
+            plain = []
+            for i in live:
+                request = work[i][0]
+                forward = self._cached_forward(request, request.steps_done)
+                if forward is None:
+                    plain.append(i)
+                else:
+                    outputs[i] = forward(calls[i].inputs, calls[i].timesteps, calls[i].condition)
+            if plain:
+                outputs.update(zip(plain, run_together(self.kind, denoiser, [calls[i] for i in plain]), strict=True))
+            for i in live:
+                samples[i] = calls[i].finish(outputs[i])
+                work[i][0].steps_done += 1
+        return samples
+
+    def _step_context(self, request: DiffusionRequest) -> tuple[Any, dict[str, Any], Any]:
+        """What every step of a request takes: its conditioning on the device (DiT's class
+        labels, SD's text embeddings), the scheduler's extra arguments, its trajectory's hook."""
+        condition, step_kwargs = None, {}
         if self.kind == "dit":
-            labels = torch.tensor([request.class_label], device=self.device)
+            condition = torch.tensor([request.class_label], device=self.device)
             if request.guidance_scale > 1:
                 null = int(self.modules["transformer"].config.num_embeds_ada_norm)
-                labels = torch.cat([labels, torch.tensor([null], device=self.device)], 0)
-        embeddings, step_kwargs = None, {}
-        if self.kind == "sd":
-            embeddings = request.embeddings.to(self.device)
+                condition = torch.cat([condition, torch.tensor([null], device=self.device)], 0)
+        elif self.kind == "sd":
+            condition = request.embeddings.to(self.device)
             accepted = set(inspect.signature(request.scheduler.step).parameters)
             step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", request.generator)) if k in accepted}
         trajectory = request.trajectory
         observe = None if trajectory is None else functools.partial(trajectory.step, request.scheduler)
-        for index in range(request.steps_done, end):
-            t = request.scheduler.timesteps[index]
-            if self.kind == "dit":
-                forward = self._cached_forward(request, index)
-                sample = dit_step(self.modules["transformer"], request, sample, t, labels, forward, observe)
-            elif self.kind == "sd":
-                sample = sd_step(self.modules["unet"], request, sample, t, embeddings, step_kwargs, observe)
-            else:
-                sample = ddpm_step(self.modules["unet"], request, sample, t, observe)
-        request.steps_done = end
-        return sample
+        return condition, step_kwargs, observe
+
+    def _call(self, request: DiffusionRequest, sample: torch.Tensor, context: tuple[Any, Any, Any]) -> DenoiserCall:
+        condition, step_kwargs, observe = context
+        t = request.scheduler.timesteps[request.steps_done]
+        if self.kind == "dit":
+            return dit_call(self.modules["transformer"], request, sample, t, condition, observe)
+        if self.kind == "sd":
+            return sd_call(self.modules["unet"], request, sample, t, condition, step_kwargs, observe)
+        return ddpm_call(self.modules["unet"], request, sample, t, observe)
 
     def _cached_forward(self, request: DiffusionRequest, index: int) -> Any:
         """The transformer's forward through the request's step cache, or None without one."""
