@@ -26,6 +26,14 @@ transformer input changed little since the last computed step reuse its residual
 running the blocks (TeaCache's method); the counters `step_cache_hits` and `step_cache_misses`
 say how many, and the cache's tensors are parked with the request's latents.
 
+Step-wise ops of several requests that the rank batches (StageSpec.batch_max_requests) run
+together: one denoiser call per step over the rows of every request still stepping
+(`execute_batch`); DiT's result is the request's own bit for bit, a UNet's within 1e-5 of the
+latents' magnitude (its convolutions round differently at another batch size). The rank's
+Hello declares the capability `step_mode` and lists the weights read at load
+(`loaded_weights`); `load_format="dummy"` builds every model from its config with random
+weights and reads no weight file (a trainer's first update fills them).
+
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
 `prompt_cache_bytes` in that pool (runners/prompt_cache.py), least recently used out first,
@@ -102,6 +110,7 @@ HEADER_BYTES = ALIGN_BYTES  # canary, generation, steps done (int64 each)
 MAX_LOST_REMEMBERED = 1024  # lost requests whose error is kept for their next op
 MAX_STEPS_LIMIT = 10_000
 OPS = ("start", "step", "finish", "cancel", "prompt_cache")
+LOAD_FORMATS = ("auto", "dummy")
 STEPPED_OPS = ("step", "finish")  # the ops a batch runs together
 STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCacheState
 REQUEST_KEYS = {
@@ -131,6 +140,7 @@ def _align(nbytes: int) -> int:
 
 class DiffusersRunner(ModelRunner):
     execute_writes_weights = False  # inference: requests read the weights only
+    supports_step_mode = True  # ops start, step, finish, cancel
 
     def __init__(
         self,
@@ -144,6 +154,7 @@ class DiffusersRunner(ModelRunner):
         state_tensors: int = 6,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         step_cache_threshold: float | None = None,
+        load_format: str = "auto",
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(device)
@@ -160,6 +171,12 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"{model!r} holds a {pipeline_class}; this runner executes {sorted(PIPELINES)}")
         self.kind = PIPELINES[pipeline_class]
         self.dtype = torch_dtype(dtype)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {list(LOAD_FORMATS)} ('dummy': random weights from the components' "
+                f"configs, no weight file read), got {load_format!r}"
+            )
+        self.load_format = load_format
         self.scheduler_class = scheduler
         if scheduler is not None:
             import diffusers
@@ -185,6 +202,8 @@ class DiffusersRunner(ModelRunner):
         if self.step_cache_threshold is not None and self.kind != "dit":
             raise ValueError(f"step_cache_threshold applies to DiT pipelines; {model!r} holds a {pipeline_class}")
         self.step_cache_stats = StepCacheStats()
+        self.denoiser_calls = 0  # forward passes of the transformer or UNet
+        self.denoiser_rows = 0  # the rows they ran, over every request in them
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
         # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs), plus the step
         # cache's two token-shaped tensors where the stage has one.
@@ -199,6 +218,7 @@ class DiffusersRunner(ModelRunner):
         self.lost: OrderedDict[str, str] = OrderedDict()
         self._next_id = 0
         self.last_reload: ReloadReport | None = None
+        self.loaded_names: frozenset[str] = frozenset()
 
     def _prompt_slot_bytes(self) -> int:
         config = _read_json(self.model_dir / "text_encoder" / "config.json")
@@ -222,21 +242,10 @@ class DiffusersRunner(ModelRunner):
     # ------------------------------------------------------------------ allocation
 
     def load_weights(self) -> None:
-        from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()
-        # device_map places each component on the device as it is read, where diffusers
-        # supports it ("cuda", "cpu"); elsewhere the host copy is dropped after the move.
-        direct = self.device.type in ("cuda", "cpu") and self.device.index in (None, 0)
-        pipeline = DiffusionPipeline.from_pretrained(
-            str(self.model_dir),
-            local_files_only=True,
-            dtype=self.dtype,
-            device_map=self.device.type if direct else None,
-        )
-        if not direct:
-            pipeline.to(self.device)
+        pipeline = self._dummy_pipeline() if self.load_format == "dummy" else self._read_pipeline()
         if self.scheduler_class is not None:
             import diffusers
 
@@ -248,8 +257,72 @@ class DiffusersRunner(ModelRunner):
             module.requires_grad_(False)
         own_storage(modules.values())
         weights = WeightSet(modules)
-        weights.bind_source(self.model_dir)
+        if self.load_format != "dummy":  # a dummy load binds the format at its first reload
+            weights.bind_source(self.model_dir)
+            self.loaded_names = frozenset(weights.named())
         self.pipeline, self.modules, self.weights = pipeline, modules, weights
+
+    def _read_pipeline(self) -> Any:
+        from diffusers import DiffusionPipeline
+
+        # device_map places each component on the device as it is read, where diffusers
+        # supports it ("cuda", "cpu"); elsewhere the host copy is dropped after the move.
+        direct = self.device.type in ("cuda", "cpu") and self.device.index in (None, 0)
+        pipeline = DiffusionPipeline.from_pretrained(
+            str(self.model_dir),
+            local_files_only=True,
+            dtype=self.dtype,
+            device_map=self.device.type if direct else None,
+        )
+        if not direct:
+            pipeline.to(self.device)
+        return pipeline
+
+    def _dummy_pipeline(self) -> Any:
+        """The pipeline with random weights (vLLM's `load_format="dummy"`): every model built
+        from its config alone, seeded so two loads agree; schedulers and tokenizers from their
+        files, which hold no weights. For a trainer's first update, or a memory test."""
+        import diffusers
+
+        index = _read_json(self.model_dir / "model_index.json")
+        pipeline_class = getattr(diffusers, index["_class_name"])
+        accepted = inspect.signature(pipeline_class.__init__).parameters
+        components: dict[str, Any] = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for name, entry in index.items():
+                if name in accepted and isinstance(entry, list) and len(entry) == 2:
+                    components[name] = self._dummy_component(name, *entry)
+        for name in ("id2label", "requires_safety_checker"):
+            if name in accepted and name in index:
+                components[name] = index[name]
+        return pipeline_class(**components)
+
+    def _dummy_component(self, name: str, library: Any, class_name: Any) -> Any:
+        if library is None:
+            return None
+        import diffusers
+        import transformers
+
+        if library not in ("diffusers", "transformers") or not isinstance(class_name, str):
+            raise ValueError(
+                f"model_index.json names {name} as {[library, class_name]}; a dummy load builds "
+                "diffusers and transformers components only"
+            )
+        cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+        folder = self.model_dir / name
+        if name not in MODULE_COMPONENTS[self.kind]:  # a scheduler or a tokenizer: no weights
+            return cls.from_config(cls.load_config(folder)) if library == "diffusers" else cls.from_pretrained(folder)
+        if library == "diffusers":
+            module = cls.from_config(cls.load_config(folder))
+        else:
+            module = cls(cls.config_class.from_pretrained(folder))
+        module = module.to(self.device)
+        return module if module.dtype == self.dtype else module.to(self.dtype)
+
+    def loaded_weights(self) -> frozenset[str]:
+        """`component/name` of every weight read from the checkpoint; none after a dummy load."""
+        return self.loaded_names
 
     def allocate_caches(self) -> None:
         # Diffusion keeps no KV cache; activations are transient.
@@ -303,7 +376,14 @@ class DiffusersRunner(ModelRunner):
             raise RuntimeError("reload_weights before load_weights")
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a pipeline directory path, got {source!r}")
-        self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+        directory = Path(source).expanduser() if source else self.model_dir
+        if self.weights.own_directory is None:  # after a dummy load: this checkpoint's format binds
+            try:
+                self.weights.bind_source(directory)
+            except Exception:
+                self.weights.own_directory = None  # half bound: the next reload binds again
+                raise
+        self.last_reload = self.weights.load(directory)
         self._weights_changed()
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -372,7 +452,7 @@ class DiffusersRunner(ModelRunner):
         """Step-wise ops ("step", "finish") of distinct requests run together: one denoiser
         call per step over the rows of every request still stepping (vLLM-Omni's
         `execute_stepwise` over a scheduler batch); anything else runs one by one first."""
-        ids = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
+        ids: list[Any] = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
         seen = Counter(i for i in ids if isinstance(i, str))
         together = [
             i
@@ -556,7 +636,10 @@ class DiffusersRunner(ModelRunner):
         return embeddings.to("cpu")
 
     def counters(self) -> dict[str, int]:
-        counters = self.prompt_cache.counters() if self.prompt_cache is not None else {}
+        # Rows over calls is the batch a step ran at: 2 per guided request, 1 otherwise.
+        counters = {"denoiser_calls": self.denoiser_calls, "denoiser_rows": self.denoiser_rows}
+        if self.prompt_cache is not None:
+            counters.update(self.prompt_cache.counters())
         if self.step_cache_threshold is not None:
             counters.update(self.step_cache_stats.counters())
         return counters
@@ -624,6 +707,8 @@ class DiffusersRunner(ModelRunner):
                     outputs[i] = forward(calls[i].inputs, calls[i].timesteps, calls[i].condition)
             if plain:
                 outputs.update(zip(plain, run_together(self.kind, denoiser, [calls[i] for i in plain]), strict=True))
+            self.denoiser_calls += len(live) - len(plain) + (1 if plain else 0)
+            self.denoiser_rows += sum(len(calls[i].inputs) for i in live)
             for i in live:
                 samples[i] = calls[i].finish(outputs[i])
                 work[i][0].steps_done += 1

@@ -3,13 +3,21 @@ over the batch, each request surviving a level-1 sleep, each result the one it h
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+
 import pytest
 import torch
 
+from omni_core.protocol import Capability, Execute, Result
 from omni_core.runners import diffusers_runner
-from omni_core.runners.diffusers_runner import RequestLostError
+from omni_core.runners.base import RunnerArgumentError
+from omni_core.runners.diffusers_runner import DiffusersRunner, RequestLostError
 from omni_core.runners.diffusion_trajectory import from_wire
+from tests.workers._harness import TestOrchestrator
 
+from .conftest import CPU, Pools
 from .test_diffusers_runner import DIT, DPM_SOLVER, SD, runner_in_pools
 
 DDPM = {"steps": 6}
@@ -111,3 +119,67 @@ def test_a_batch_whose_denoiser_call_fails_ends_every_request_in_it(checkpoints,
     for request_id in ids:  # half a step ran: continuing would give a wrong image
         with pytest.raises(RequestLostError, match="its step op failed"):
             runner.execute({"op": "step", "request_id": request_id})
+
+
+def test_a_rank_declares_step_mode_and_its_loaded_weights_and_batches_waiting_steps(checkpoints):
+    orch = TestOrchestrator()
+    try:
+        args = {"model": str(checkpoints["dit"]), "max_requests": 4, "cpu_threads": 1}
+        tags = ("weights", "kv_cache", "requests")
+        worker = orch.spawn(0, runner="diffusers", runner_args=args, tags=tags, batch_max_requests=4)
+        dummy = orch.spawn(1, runner="diffusers", runner_args={**args, "load_format": "dummy"}, tags=tags)
+        hello = orch.wait_hello(worker)
+        assert Capability.STEP_MODE in hello.capabilities
+        reference = DiffusersRunner(CPU, **args)
+        reference.load_weights()
+        assert hello.loaded_weights == tuple(sorted(reference.weight_specs()))
+        dummy_hello = orch.wait_hello(dummy)
+        assert Capability.STEP_MODE in dummy_hello.capabilities and dummy_hello.loaded_weights == ()
+
+        def execute(payload: dict, name: str) -> Result:
+            reply = orch.request(worker, Execute(task_id=name, epoch=0, payload=payload))
+            assert isinstance(reply, Result), reply
+            return reply
+
+        alone = [execute({**DIT, "seed": s, "steps": 4}, f"alone-{s}").output["sha256"] for s in range(3)]
+        ids = [
+            execute({"op": "start", **DIT, "seed": s, "steps": 4}, f"start-{s}").output["request_id"] for s in range(3)
+        ]
+        before = execute({"op": "cancel", "request_id": execute({"op": "start", **DIT}, "x").output["request_id"]}, "c")
+        # Stopped, the rank finds the three requests waiting on its socket together: one batch.
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        try:
+            for i in ids:
+                orch.send(worker, Execute(task_id=f"finish-{i}", epoch=0, payload={"op": "finish", "request_id": i}))
+        finally:
+            os.kill(worker.process.pid, signal.SIGCONT)
+        results = {reply.task_id: reply for reply in (orch.next_message(worker) for _ in ids)}
+        assert [results[f"finish-{i}"].output["sha256"] for i in ids] == alone
+        calls = max(r.runner_counters["denoiser_calls"] for r in results.values())
+        assert calls - before.runner_counters["denoiser_calls"] == 4  # four steps, each one call for all three
+    finally:
+        orch.close()
+
+
+def test_a_dummy_load_reads_no_weight_file_and_a_reload_fills_the_weights(checkpoints, tmp_path):
+    shutil.copytree(checkpoints["dit"], tmp_path / "dit")
+    for weights_file in (tmp_path / "dit").rglob("*.safetensors"):
+        weights_file.unlink()  # configs only: a load that read a weight would fail
+    dummy = DiffusersRunner(CPU, model=str(tmp_path / "dit"), load_format="dummy")
+    dummy.load_weights()
+    again = DiffusersRunner(CPU, model=str(tmp_path / "dit"), load_format="dummy")
+    again.load_weights()
+    assert dummy.loaded_weights() == frozenset()
+    real = runner_in_pools(checkpoints["dit"]).runner
+    assert real.loaded_weights() == frozenset(real.weight_specs())
+    assert dummy.weight_specs() == real.weight_specs()  # the same model, other values
+    named, twin = dummy.weights_to_share(), again.weights_to_share()
+    assert all(torch.equal(named[n], twin[n]) for n in named)  # seeded: two loads agree
+    assert not all(torch.equal(named[n], t) for n, t in real.weights_to_share().items())
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        DiffusersRunner(CPU, model=str(checkpoints["dit"]), load_format="pt")
+    pools = Pools(dummy, ("weights", "kv_cache", "requests"))
+    with pytest.raises(RunnerArgumentError, match=r"holds no \*.safetensors file"):
+        pools.reload()  # the own directory holds no weights to read
+    pools.reload(str(checkpoints["dit"]))
+    assert dummy.execute(dict(DIT))["sha256"] == real.execute(dict(DIT))["sha256"]
