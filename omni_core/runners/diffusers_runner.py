@@ -75,7 +75,8 @@ from typing import Any
 import torch
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
+from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
+from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
 from omni_core.runners.diffusion_steps import (
     DenoiserCall,
     DiffusionRequest,
@@ -155,6 +156,7 @@ class DiffusersRunner(ModelRunner):
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         step_cache_threshold: float | None = None,
         load_format: str = "auto",
+        offload: str = "none",
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(device)
@@ -177,6 +179,13 @@ class DiffusersRunner(ModelRunner):
                 f"configs, no weight file read), got {load_format!r}"
             )
         self.load_format = load_format
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(
+                f"offload must be one of {list(OFFLOAD_MODES)} ('layerwise': the denoiser's blocks on the host, "
+                f"streamed through one device slab in the '{OFFLOAD_TAG}' pool), got {offload!r}"
+            )
+        self.offload_mode = offload
+        self.offload: BlockOffload | None = None
         self.scheduler_class = scheduler
         if scheduler is not None:
             import diffusers
@@ -201,6 +210,11 @@ class DiffusersRunner(ModelRunner):
         self.step_cache_threshold = check_threshold(step_cache_threshold)
         if self.step_cache_threshold is not None and self.kind != "dit":
             raise ValueError(f"step_cache_threshold applies to DiT pipelines; {model!r} holds a {pipeline_class}")
+        if self.step_cache_threshold is not None and offload != "none":
+            raise ValueError(
+                "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
+                "forward, where its weights are on the host); choose one"
+            )
         self.step_cache_stats = StepCacheStats()
         self.denoiser_calls = 0  # forward passes of the transformer or UNet
         self.denoiser_rows = 0  # the rows they ran, over every request in them
@@ -260,7 +274,21 @@ class DiffusersRunner(ModelRunner):
         if self.load_format != "dummy":  # a dummy load binds the format at its first reload
             weights.bind_source(self.model_dir)
             self.loaded_names = frozenset(weights.named())
+        if self.offload_mode == "layerwise":
+            blocks, keep = denoiser_blocks(self.kind, modules["transformer" if self.kind == "dit" else "unet"])
+            self.offload = BlockOffload.attach(self.device, blocks, keep)
         self.pipeline, self.modules, self.weights = pipeline, modules, weights
+
+    def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
+        tags = tuple(tags)
+        if (OFFLOAD_TAG in tags) != (self.offload_mode != "none"):
+            raise ValueError(
+                f"offload={self.offload_mode!r} and the stage's tags {list(tags)} disagree: a layer-wise offload "
+                f"streams through the '{OFFLOAD_TAG}' pool, so list that tag exactly when offload='layerwise'"
+            )
+        # The slab is sized by the blocks, known once the weights are loaded.
+        ordered = sorted(tags, key=lambda tag: (tag != WEIGHTS_TAG, tag == OFFLOAD_TAG))
+        super().load(open_pool, ordered, budget)
 
     def _read_pipeline(self) -> Any:
         from diffusers import DiffusionPipeline
@@ -329,7 +357,11 @@ class DiffusersRunner(ModelRunner):
         return None
 
     def allocate(self, tag: str) -> None:
-        if tag == REQUESTS_TAG:
+        if tag == OFFLOAD_TAG:
+            if self.offload is None:
+                raise ValueError(f"offload is {self.offload_mode!r}: leave {tag!r} out of the stage's tags")
+            self.offload.allocate()
+        elif tag == REQUESTS_TAG:
             self.slab = torch.zeros(self.max_requests, self.slot_bytes, dtype=torch.uint8, device=self.device)
         elif tag == PROMPT_CACHE_TAG:
             if self.prompt_cache is None:
@@ -340,7 +372,10 @@ class DiffusersRunner(ModelRunner):
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
         if tag == WEIGHTS_TAG:
-            return module_tensors(self.modules.values())
+            streamed = self.offload.streamed_ids() if self.offload is not None else set()
+            return [t for t in module_tensors(self.modules.values()) if id(t) not in streamed]
+        if tag == OFFLOAD_TAG:
+            return self.offload.tensors() if self.offload is not None else []
         if tag == KV_CACHE_TAG:
             return []
         if tag == REQUESTS_TAG:
@@ -348,10 +383,13 @@ class DiffusersRunner(ModelRunner):
         if tag == PROMPT_CACHE_TAG:
             return self.prompt_cache.tensors() if self.prompt_cache is not None else []
         raise ValueError(
-            f"DiffusersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG]}"
+            f"DiffusersRunner has no tag {tag!r}; it has "
+            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG]}"
         )
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        if self.offload is not None:
+            self.offload.release()  # no block points into the slab a sleep discards
         if PROMPT_CACHE_TAG in discard:
             self.reset_prefix_cache()  # its slab is released now
 
@@ -415,6 +453,8 @@ class DiffusersRunner(ModelRunner):
             )
 
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
         self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
         self.requests.clear()
         if self.prompt_cache is not None:
@@ -519,7 +559,8 @@ class DiffusersRunner(ModelRunner):
 
     def _check_pools(self) -> None:
         # Every pool this runner has must be resident, as the worker requires for any Execute.
-        check_resident({tag: self.tensors(tag) for tag in (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG)})
+        tags = (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG)
+        check_resident({tag: self.tensors(tag) for tag in tags})
 
     def _claim_op(self, op: str, payload: dict[str, Any]) -> tuple[DiffusionRequest, int]:
         """A "step" or "finish" op's live request, and how many steps it asks for."""
