@@ -73,10 +73,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
+from omni_core.runners.cfg_parallel import run_cfg_parallel, stage_world
 from omni_core.runners.diffusion_steps import (
     DenoiserCall,
     DiffusionRequest,
@@ -91,6 +93,7 @@ from omni_core.runners.diffusion_trajectory import MAX_TRAJECTORY_BYTES, Traject
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
+from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
     ReloadReport,
     WeightSet,
@@ -158,6 +161,7 @@ class DiffusersRunner(ModelRunner):
         load_format: str = "auto",
         offload: str = "none",
         cpu_threads: int | None = None,
+        init_timeout_s: float = 120.0,
     ) -> None:
         super().__init__(device)
         torch_threads(torch.device(device), cpu_threads)
@@ -172,6 +176,7 @@ class DiffusersRunner(ModelRunner):
         if pipeline_class not in PIPELINES:
             raise ValueError(f"{model!r} holds a {pipeline_class}; this runner executes {sorted(PIPELINES)}")
         self.kind = PIPELINES[pipeline_class]
+        self.world = stage_world(self.kind)  # 2: CFG-parallel (omni_core/runners/cfg_parallel.py)
         self.dtype = torch_dtype(dtype)
         if load_format not in LOAD_FORMATS:
             raise ValueError(
@@ -233,6 +238,8 @@ class DiffusersRunner(ModelRunner):
         self._next_id = 0
         self.last_reload: ReloadReport | None = None
         self.loaded_names: frozenset[str] = frozenset()
+        if self.world > 1:  # last: every argument checked before the other rank waits on this one
+            join_process_group(self.device, init_timeout_s)
 
     def _prompt_slot_bytes(self) -> int:
         config = _read_json(self.model_dir / "text_encoder" / "config.json")
@@ -455,6 +462,8 @@ class DiffusersRunner(ModelRunner):
     def close(self) -> None:
         if self.offload is not None:
             self.offload.close()
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
         self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
         self.requests.clear()
         if self.prompt_cache is not None:
@@ -492,6 +501,10 @@ class DiffusersRunner(ModelRunner):
         """Step-wise ops ("step", "finish") of distinct requests run together: one denoiser
         call per step over the rows of every request still stepping (vLLM-Omni's
         `execute_stepwise` over a scheduler batch); anything else runs one by one first."""
+        if self.world > 1:
+            # The ranks' batches may differ (each gathers what waits on its own socket): run
+            # one by one, so every rank makes the same collectives in the same order.
+            return super().execute_batch(payloads)
         ids: list[Any] = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
         seen = Counter(i for i in ids if isinstance(i, str))
         together = [
@@ -747,9 +760,11 @@ class DiffusersRunner(ModelRunner):
                 else:
                     outputs[i] = forward(calls[i].inputs, calls[i].timesteps, calls[i].condition)
             if plain:
-                outputs.update(zip(plain, run_together(self.kind, denoiser, [calls[i] for i in plain]), strict=True))
+                run = run_cfg_parallel if self.world > 1 else run_together
+                outputs.update(zip(plain, run(self.kind, denoiser, [calls[i] for i in plain]), strict=True))
             self.denoiser_calls += len(live) - len(plain) + (1 if plain else 0)
-            self.denoiser_rows += sum(len(calls[i].inputs) for i in live)
+            split = {i for i in plain if calls[i].guided and self.world > 1}  # this rank ran half of each
+            self.denoiser_rows += sum(len(calls[i].inputs) // (self.world if i in split else 1) for i in live)
             for i in live:
                 samples[i] = calls[i].finish(outputs[i])
                 work[i][0].steps_done += 1

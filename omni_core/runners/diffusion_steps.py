@@ -63,6 +63,7 @@ class DenoiserCall:
     timesteps: torch.Tensor  # 0-dim (every row's) or one per row
     condition: torch.Tensor | None  # DiT: class labels; Stable Diffusion: text embeddings; DDPM: none
     finish: Callable[[torch.Tensor], torch.Tensor]
+    guided: bool = False  # its rows are two halves, conditional and unconditional (CFG)
 
     def row_timesteps(self) -> torch.Tensor:
         return self.timesteps.expand(len(self.inputs)) if self.timesteps.dim() == 0 else self.timesteps
@@ -100,7 +101,7 @@ def dit_call(
             model_output = noise_pred
         return _observed(scheduler.step(model_output, t, sample), t, sample, observe)
 
-    return DenoiserCall(sample, timesteps, labels, finish)
+    return DenoiserCall(sample, timesteps, labels, finish, guided)
 
 
 def ddpm_call(
@@ -136,7 +137,7 @@ def sd_call(
             noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
         return _observed(scheduler.step(noise_pred, t, latents, **step_kwargs), t, latents, observe)
 
-    return DenoiserCall(model_input, t, embeddings, finish)
+    return DenoiserCall(model_input, t, embeddings, finish, guided)
 
 
 def _forward(kind: str, denoiser: Any, inputs: torch.Tensor, timesteps: torch.Tensor, condition: Any) -> torch.Tensor:

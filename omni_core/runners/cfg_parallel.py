@@ -1,0 +1,67 @@
+"""CFG-parallel denoising over a stage of two ranks (vLLM-Omni's `cfg_parallel_size=2`).
+
+Classifier-free guidance runs the denoiser over two halves of every guided request's rows:
+the conditional and the unconditional one. On a stage of two ranks each rank runs one half
+(rank 0 the first rows, rank 1 the second) and one all-gather per step brings both halves
+to both ranks, which then make the same guidance and scheduler step: their state stays
+identical (same seeds, same ops in the same order, as the engine sends every request to
+every rank) and the stage's result is rank 0's. Each rank holds the whole model, so each
+sleeps, wakes and reloads its own copy as a single rank does.
+
+A request without guidance has one half: both ranks compute it whole (the same result, no
+split). Every rank joins the stage's process group at start (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from omni_core.runners.diffusion_steps import DenoiserCall, run_together
+
+CFG_WORLD = 2  # the guidance halves
+
+
+def stage_world(kind: str) -> int:
+    """The stage's WORLD_SIZE (set by the engine for every rank), refused where this runner
+    cannot split the work: each rank would compute the same image (replicas)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 1
+    if world != CFG_WORLD or kind == "ddpm":
+        what = "DDPM has no guidance to split" if kind == "ddpm" else f"a stage of {world} ranks has no such split"
+        raise ValueError(
+            f"the diffusers runner splits a stage's work CFG-parallel: the conditional and the unconditional "
+            f"pass on {CFG_WORLD} ranks, for DiT and Stable Diffusion pipelines; {what}. Use ranks=1 "
+            f"(or ranks={CFG_WORLD} for a guided pipeline)"
+        )
+    return world
+
+
+def _half(call: DenoiserCall, rank: int) -> DenoiserCall:
+    rows = len(call.inputs) // CFG_WORLD
+    part = slice(rank * rows, (rank + 1) * rows)
+    condition = call.condition[part] if call.condition is not None else None
+    return DenoiserCall(call.inputs[part], call.row_timesteps()[part], condition, call.finish, guided=False)
+
+
+def run_cfg_parallel(kind: str, denoiser: object, calls: list[DenoiserCall]) -> list[torch.Tensor]:
+    """`run_together` with every guided call's halves on the two ranks: this rank's half of
+    each, then one all-gather of all of them; each call's whole output, in order."""
+    rank = dist.get_rank()
+    local = [_half(call, rank) if call.guided else call for call in calls]
+    outputs = run_together(kind, denoiser, local)
+    guided = [i for i, call in enumerate(calls) if call.guided]
+    if not guided:
+        return outputs
+    mine = torch.cat([outputs[i] for i in guided]).contiguous()
+    gathered = [torch.empty_like(mine) for _ in range(CFG_WORLD)]
+    dist.all_gather(gathered, mine)
+    offset = 0
+    for i in guided:
+        rows = len(outputs[i])
+        outputs[i] = torch.cat([part[offset : offset + rows] for part in gathered])
+        offset += rows
+    return outputs
