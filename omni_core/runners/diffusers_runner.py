@@ -34,6 +34,11 @@ Hello declares the capability `step_mode` and lists the weights read at load
 (`loaded_weights`); `load_format="dummy"` builds every model from its config with random
 weights and reads no weight file (a trainer's first update fills them).
 
+With `offload="layerwise"` (and the tag `offload`), the denoiser's blocks stay on the host and
+stream through one device slab, a block at a time (omni_core/runners/block_offload.py). A
+stage of two ranks (WORLD_SIZE 2) runs each guided step CFG-parallel, a guidance half per rank
+(omni_core/runners/cfg_parallel.py); a world the runner cannot split is refused at start.
+
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
 `prompt_cache_bytes` in that pool (runners/prompt_cache.py), least recently used out first,
