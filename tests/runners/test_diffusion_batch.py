@@ -51,7 +51,9 @@ def test_a_dit_batch_makes_one_transformer_call_per_step_and_stays_bit_exact(che
     wanted = [out["sha256"] for out in alone(runner, DIT)]
     ids = start_three(runner, DIT)
     rows = count_calls(runner.modules["transformer"])
-    progress = runner.execute_batch([{"op": "step", "request_id": i, "steps": n} for i, n in zip(ids, (2, 3, 1))])
+    progress = runner.execute_batch(
+        [{"op": "step", "request_id": i, "steps": n} for i, n in zip(ids, (2, 3, 1), strict=True)]
+    )
     assert [p["steps_done"] for p in progress] == [2, 3, 1]
     # Three steps for the longest; each guided request adds its two rows while it steps.
     assert rows == [6, 4, 2]
