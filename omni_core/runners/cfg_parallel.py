@@ -1,4 +1,5 @@
-"""CFG-parallel denoising over a stage of two ranks (vLLM-Omni's `cfg_parallel_size=2`).
+"""Parallel denoising over a stage's ranks: CFG-parallel over two (vLLM-Omni's
+`cfg_parallel_size=2`, the default) or a tensor-parallel DiT (`parallel="tensor"`).
 
 Classifier-free guidance runs the denoiser over two halves of every guided request's rows:
 the conditional and the unconditional one. On a stage of two ranks each rank runs one half
@@ -10,6 +11,14 @@ sleeps, wakes and reloads its own copy as a single rank does.
 
 A request without guidance has one half: both ranks compute it whole (the same result, no
 split). Every rank joins the stage's process group at start (gloo on CPU, NCCL on CUDA).
+
+Tensor-parallel (`shard_dit`): each DiT block's attention and MLP sharded Megatron-style over
+the ranks, as the transformers runner's plan shards an LLM's (query, key, value and the MLP's
+first projection split by output rows, the attention's output and the MLP's second projection
+by input columns, one all-reduce after each): every rank holds its shard of the blocks (the
+rest replicated), sleeps and wakes it, and a reload or update cuts its shard from the full
+tensors (`weights.rank_shard`), so the weights are DTensors the rest of the runner already
+handles. Every rank computes every row.
 """
 
 from __future__ import annotations
@@ -22,14 +31,24 @@ import torch.distributed as dist
 from omni_core.runners.diffusion_steps import DenoiserCall, run_together
 
 CFG_WORLD = 2  # the guidance halves
+PARALLEL_MODES = ("cfg", "tensor")
 
 
-def stage_world(kind: str) -> int:
+def stage_world(kind: str, parallel: str) -> int:
     """The stage's WORLD_SIZE (set by the engine for every rank), refused where this runner
     cannot split the work: each rank would compute the same image (replicas)."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(
+            f"parallel must be one of {list(PARALLEL_MODES)} ('cfg': a guidance half per rank, over 2 ranks; "
+            f"'tensor': the DiT's attention and MLP sharded over the ranks), got {parallel!r}"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 1
+    if parallel == "tensor":
+        if kind != "dit":
+            raise ValueError(f"parallel='tensor' shards a DiT's blocks; this pipeline is {kind!r}: use parallel='cfg'")
+        return world
     if world != CFG_WORLD or kind == "ddpm":
         what = "DDPM has no guidance to split" if kind == "ddpm" else f"a stage of {world} ranks has no such split"
         raise ValueError(
@@ -65,3 +84,37 @@ def run_cfg_parallel(kind: str, denoiser: object, calls: list[DenoiserCall]) -> 
         outputs[i] = torch.cat([part[offset : offset + rows] for part in gathered])
         offset += rows
     return outputs
+
+
+def shard_dit(transformer: torch.nn.Module, world: int, device: torch.device) -> None:
+    """Shard every block's attention and MLP over the stage's ranks, in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from omni_core.runners.weights import check_placements, local_tensor
+
+    heads = int(transformer.config.num_attention_heads)  # type: ignore[union-attr]
+    inner = heads * int(transformer.config.attention_head_dim)  # type: ignore[union-attr]
+    if heads % world or 4 * inner % world:
+        raise ValueError(
+            f"parallel='tensor' over {world} ranks splits the DiT's {heads} attention heads: use a number of "
+            "ranks that divides them"
+        )
+    mesh = init_device_mesh(device.type, (world,))
+    plan = {
+        "attn1.to_q": ColwiseParallel(),
+        "attn1.to_k": ColwiseParallel(),
+        "attn1.to_v": ColwiseParallel(),
+        "attn1.to_out.0": RowwiseParallel(),
+        "ff.net.0.proj": ColwiseParallel(),
+        "ff.net.2": RowwiseParallel(),
+    }
+    for block in transformer.transformer_blocks:  # type: ignore[union-attr]
+        parallelize_module(block, mesh, plan)
+        block.attn1.heads = heads // world  # the attention reshapes by its local heads
+    check_placements(transformer)
+    with torch.no_grad():  # a shard that views the whole tensor would keep all of it
+        for tensor in transformer.parameters():
+            local = local_tensor(tensor)
+            if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+                local.data = local.data.clone()

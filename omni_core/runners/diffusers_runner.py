@@ -83,7 +83,7 @@ import torch.distributed as dist
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
-from omni_core.runners.cfg_parallel import run_cfg_parallel, stage_world
+from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
 from omni_core.runners.diffusion_steps import (
     DenoiserCall,
     DiffusionRequest,
@@ -166,6 +166,7 @@ class DiffusersRunner(ModelRunner):
         load_format: str = "auto",
         offload: str = "none",
         cpu_threads: int | None = None,
+        parallel: str = "cfg",
         init_timeout_s: float = 120.0,
     ) -> None:
         super().__init__(device)
@@ -181,7 +182,8 @@ class DiffusersRunner(ModelRunner):
         if pipeline_class not in PIPELINES:
             raise ValueError(f"{model!r} holds a {pipeline_class}; this runner executes {sorted(PIPELINES)}")
         self.kind = PIPELINES[pipeline_class]
-        self.world = stage_world(self.kind)  # 2: CFG-parallel (omni_core/runners/cfg_parallel.py)
+        # Over several ranks: CFG-parallel or a tensor-parallel DiT (omni_core/runners/cfg_parallel.py).
+        self.world, self.parallel = stage_world(self.kind, parallel), parallel
         self.dtype = torch_dtype(dtype)
         if load_format not in LOAD_FORMATS:
             raise ValueError(
@@ -220,6 +222,8 @@ class DiffusersRunner(ModelRunner):
         self.step_cache_threshold = check_threshold(step_cache_threshold)
         if self.step_cache_threshold is not None and self.kind != "dit":
             raise ValueError(f"step_cache_threshold applies to DiT pipelines; {model!r} holds a {pipeline_class}")
+        if self.world > 1 and offload != "none":
+            raise ValueError("offload='layerwise' runs on a stage of one rank; use ranks=1 or offload='none'")
         if self.step_cache_threshold is not None and offload != "none":
             raise ValueError(
                 "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
@@ -278,6 +282,8 @@ class DiffusersRunner(ModelRunner):
             pipeline.scheduler = getattr(diffusers, self.scheduler_class).from_config(pipeline.scheduler.config)
         pipeline.set_progress_bar_config(disable=True)
         modules = {name: getattr(pipeline, name) for name in MODULE_COMPONENTS[self.kind]}
+        if self.world > 1 and self.parallel == "tensor":
+            shard_dit(modules["transformer"], self.world, self.device)
         for module in modules.values():
             module.eval()
             module.requires_grad_(False)
@@ -765,10 +771,11 @@ class DiffusersRunner(ModelRunner):
                 else:
                     outputs[i] = forward(calls[i].inputs, calls[i].timesteps, calls[i].condition)
             if plain:
-                run = run_cfg_parallel if self.world > 1 else run_together
+                run = run_cfg_parallel if self.world > 1 and self.parallel == "cfg" else run_together
                 outputs.update(zip(plain, run(self.kind, denoiser, [calls[i] for i in plain]), strict=True))
             self.denoiser_calls += len(live) - len(plain) + (1 if plain else 0)
-            split = {i for i in plain if calls[i].guided and self.world > 1}  # this rank ran half of each
+            halves = self.world > 1 and self.parallel == "cfg"
+            split = {i for i in plain if calls[i].guided and halves}  # this rank ran half of each
             self.denoiser_rows += sum(len(calls[i].inputs) // (self.world if i in split else 1) for i in live)
             for i in live:
                 samples[i] = calls[i].finish(outputs[i])
