@@ -24,6 +24,7 @@ handles. Every rank computes every row.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,15 +87,15 @@ def run_cfg_parallel(kind: str, denoiser: object, calls: list[DenoiserCall]) -> 
     return outputs
 
 
-def shard_dit(transformer: torch.nn.Module, world: int, device: torch.device) -> None:
+def shard_dit(transformer: Any, world: int, device: torch.device) -> None:
     """Shard every block's attention and MLP over the stage's ranks, in place."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from omni_core.runners.weights import check_placements, local_tensor
 
-    heads = int(transformer.config.num_attention_heads)  # type: ignore[union-attr]
-    inner = heads * int(transformer.config.attention_head_dim)  # type: ignore[union-attr]
+    heads = int(transformer.config.num_attention_heads)
+    inner = heads * int(transformer.config.attention_head_dim)
     if heads % world or 4 * inner % world:
         raise ValueError(
             f"parallel='tensor' over {world} ranks splits the DiT's {heads} attention heads: use a number of "
@@ -109,7 +110,7 @@ def shard_dit(transformer: torch.nn.Module, world: int, device: torch.device) ->
         "ff.net.0.proj": ColwiseParallel(),
         "ff.net.2": RowwiseParallel(),
     }
-    for block in transformer.transformer_blocks:  # type: ignore[union-attr]
+    for block in transformer.transformer_blocks:
         parallelize_module(block, mesh, plan)
         block.attn1.heads = heads // world  # the attention reshapes by its local heads
     check_placements(transformer)

@@ -141,3 +141,22 @@ def test_offload_bounds_the_device_memory_for_real(checkpoints):
     # The loaded blocks leave the device (the load's own peak aside: the pipeline is read to
     # the device first); serving takes the resident part, the slab and the activations.
     assert peaks["layerwise"] <= peaks["none"] - (streamed - slab) // 2, (peaks, streamed, slab)
+
+
+def test_a_forward_that_failed_inside_a_block_leaves_nothing_in_the_slab_a_sleep_discards(checkpoints):
+    pools = offloaded(checkpoints["ddpm"])
+    runner, offload = pools.runner, pools.runner.offload
+    block = denoiser_blocks("ddpm", runner.modules["unet"])[0][1]
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("out of memory")
+
+    block.forward = broken
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.execute(dict(DDPM))
+    assert offload.resident == 1  # its forward hook never ran
+    pools.sleep(1)
+    assert offload.resident is None and not any(in_slab(offload, s.tensor) for s in offload.blocks[1])
+    del block.forward
+    pools.wake()
+    assert runner.execute(dict(DDPM))["sha256"] == plain(checkpoints["ddpm"]).runner.execute(dict(DDPM))["sha256"]
