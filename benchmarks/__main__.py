@@ -24,6 +24,11 @@ def run(args: argparse.Namespace) -> int:
 
         args.command_line = " ".join([PROG, *sys.argv[1:]])
         return step_cache_main(args)
+    if args.offload:
+        from benchmarks.diffusion_offload import main as offload_main
+
+        args.command_line = " ".join([PROG, *sys.argv[1:]])
+        return offload_main(args)
     if args.stage_queue:
         from benchmarks.stage_queue import main as stage_queue_main
 
@@ -77,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--step-cache-size", default="tiny", help="step cache: the DiT size (tiny, 600m)")
     p.add_argument("--step-cache-steps", type=int, default=50, help="step cache: denoising steps per image")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="layer-wise offload of a DiT's blocks: device memory and seconds per image (CUDA where present, else CPU)",
+    )
+    p.add_argument("--offload-size", default="tiny", help="offload: the DiT size (tiny, 600m)")
+    p.add_argument("--offload-steps", type=int, default=20, help="offload: denoising steps per image")
     p.add_argument(
         "--stage-queue",
         action="store_true",

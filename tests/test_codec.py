@@ -212,6 +212,7 @@ SAMPLES: dict[type[Message], Message] = {
         weights_version=3,
         pool_bytes={"weights": 2**63 - 1, "kv_cache": 0},
         runner_counters={"prompt_cache_hits": 0},
+        loaded_weights=("transformer/pos_embed.proj.weight", "vae/decoder.conv_in.bias"),
     ),
 }
 

@@ -83,3 +83,4 @@ class Capability(str, enum.Enum):
     MULTI_PATH = "multi_path"  # Sleep/Wake take a link plan (`links`) and relay through peer GPUs (P-18)
     WEIGHT_UPDATE = "weight_update"  # answers UpdateWeights and InitWeightGroup (P-17)
     ADAPTERS = "adapters"  # answers AddAdapter, RemoveAdapter, PinAdapter, ListAdapters (P-20)
+    STEP_MODE = "step_mode"  # the runner takes step-wise requests (start, step, finish, cancel) in Execute payloads

@@ -58,6 +58,13 @@ RunnerCounters = Annotated[
     dict[CounterName, Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]],
     msgspec.Meta(max_length=MAX_RUNNER_COUNTERS),
 ]
+# A Hello's loaded weights: the names the runner read from its checkpoint at load (vLLM's
+# `load_weights` set), `component/name` in a diffusers pipeline. A MoE of 256 experts over 61
+# layers has 47k; a runner with more sends none (its Hello says nothing, never a part).
+MAX_LOADED_WEIGHTS = 65_536
+MAX_WEIGHT_NAME_CHARS = 256
+WeightName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_WEIGHT_NAME_CHARS)]
+LoadedWeights = Annotated[tuple[WeightName, ...], msgspec.Meta(max_length=MAX_LOADED_WEIGHTS)]
 
 
 class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -443,8 +450,12 @@ class Hello(Reply, kw_only=True, frozen=True):
     pool_bytes: PoolBytes = {}
     # The runner's counters as loaded: their names are the closed set its replies may carry.
     runner_counters: RunnerCounters = {}
+    # The weights the runner read from its checkpoint at load, sorted; empty: none read (a
+    # dummy load's random weights) or not reported (a runner that does not say, or more names
+    # than MAX_LOADED_WEIGHTS).
+    loaded_weights: LoadedWeights = ()
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "pool_bytes", "runner_counters")
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "pool_bytes", "runner_counters", "loaded_weights")
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.pool_bytes) - set(self.tags))
@@ -485,6 +496,7 @@ __all__ = [
     "MAX_ADAPTER_RANK",
     "MAX_DETAIL_CHARS",
     "MAX_LINKS",
+    "MAX_LOADED_WEIGHTS",
     "MAX_MEMORY_WAIT_S",
     "MESSAGE_TYPES",
     "REPLY_TYPES",

@@ -161,6 +161,16 @@ class ModelRunner(ABC):
         only, during the ShareWeights; a runner that cannot raises RunnerArgumentError."""
         raise RunnerArgumentError(f"{type(self).__name__} cannot share its weights; implement weights_to_share")
 
+    # Whether `execute` takes step-wise requests (ops "start", "step", "finish", "cancel":
+    # vLLM-Omni's `supports_step_mode`); the rank's Hello declares Capability.STEP_MODE.
+    supports_step_mode: bool = False
+
+    def loaded_weights(self) -> frozenset[str]:
+        """The names of the weights `load_weights` read from the checkpoint (vLLM's
+        `load_weights` set; `weight_specs`' names); empty: none read (random weights of a
+        dummy load) or not reported. The rank's Hello carries them."""
+        return frozenset()
+
     @property
     def supports_weight_update(self) -> bool:
         return type(self).update_weights is not ModelRunner.update_weights

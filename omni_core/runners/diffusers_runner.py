@@ -26,6 +26,19 @@ transformer input changed little since the last computed step reuse its residual
 running the blocks (TeaCache's method); the counters `step_cache_hits` and `step_cache_misses`
 say how many, and the cache's tensors are parked with the request's latents.
 
+Step-wise ops of several requests that the rank batches (StageSpec.batch_max_requests) run
+together: one denoiser call per step over the rows of every request still stepping
+(`execute_batch`); DiT's result is the request's own bit for bit, a UNet's within 1e-5 of the
+latents' magnitude (its convolutions round differently at another batch size). The rank's
+Hello declares the capability `step_mode` and lists the weights read at load
+(`loaded_weights`); `load_format="dummy"` builds every model from its config with random
+weights and reads no weight file (a trainer's first update fills them).
+
+With `offload="layerwise"` (and the tag `offload`), the denoiser's blocks stay on the host and
+stream through one device slab, a block at a time (omni_core/runners/block_offload.py). A
+stage of two ranks (WORLD_SIZE 2) runs each guided step CFG-parallel, a guidance half per rank
+(omni_core/runners/cfg_parallel.py); a world the runner cannot split is refused at start.
+
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
 `prompt_cache_bytes` in that pool (runners/prompt_cache.py), least recently used out first,
@@ -59,20 +72,33 @@ import io
 import json
 import logging
 import secrets
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
-from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
-from omni_core.runners.diffusion_steps import DiffusionRequest, Parked, ddpm_step, dit_step, sd_step, state_tensors
+from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
+from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
+from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
+from omni_core.runners.diffusion_steps import (
+    DenoiserCall,
+    DiffusionRequest,
+    Parked,
+    ddpm_call,
+    dit_call,
+    run_together,
+    sd_call,
+    state_tensors,
+)
 from omni_core.runners.diffusion_trajectory import MAX_TRAJECTORY_BYTES, Trajectory, log_prob_method
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
+from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
     ReloadReport,
     WeightSet,
@@ -93,6 +119,8 @@ HEADER_BYTES = ALIGN_BYTES  # canary, generation, steps done (int64 each)
 MAX_LOST_REMEMBERED = 1024  # lost requests whose error is kept for their next op
 MAX_STEPS_LIMIT = 10_000
 OPS = ("start", "step", "finish", "cancel", "prompt_cache")
+LOAD_FORMATS = ("auto", "dummy")
+STEPPED_OPS = ("step", "finish")  # the ops a batch runs together
 STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCacheState
 REQUEST_KEYS = {
     "dit": frozenset({"class_label", "seed", "steps", "guidance_scale", "trajectory"}),
@@ -121,6 +149,7 @@ def _align(nbytes: int) -> int:
 
 class DiffusersRunner(ModelRunner):
     execute_writes_weights = False  # inference: requests read the weights only
+    supports_step_mode = True  # ops start, step, finish, cancel
 
     def __init__(
         self,
@@ -134,7 +163,11 @@ class DiffusersRunner(ModelRunner):
         state_tensors: int = 6,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         step_cache_threshold: float | None = None,
+        load_format: str = "auto",
+        offload: str = "none",
         cpu_threads: int | None = None,
+        parallel: str = "cfg",
+        init_timeout_s: float = 120.0,
     ) -> None:
         super().__init__(device)
         torch_threads(torch.device(device), cpu_threads)
@@ -149,7 +182,22 @@ class DiffusersRunner(ModelRunner):
         if pipeline_class not in PIPELINES:
             raise ValueError(f"{model!r} holds a {pipeline_class}; this runner executes {sorted(PIPELINES)}")
         self.kind = PIPELINES[pipeline_class]
+        # Over several ranks: CFG-parallel or a tensor-parallel DiT (omni_core/runners/cfg_parallel.py).
+        self.world, self.parallel = stage_world(self.kind, parallel), parallel
         self.dtype = torch_dtype(dtype)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {list(LOAD_FORMATS)} ('dummy': random weights from the components' "
+                f"configs, no weight file read), got {load_format!r}"
+            )
+        self.load_format = load_format
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(
+                f"offload must be one of {list(OFFLOAD_MODES)} ('layerwise': the denoiser's blocks on the host, "
+                f"streamed through one device slab in the '{OFFLOAD_TAG}' pool), got {offload!r}"
+            )
+        self.offload_mode = offload
+        self.offload: BlockOffload | None = None
         self.scheduler_class = scheduler
         if scheduler is not None:
             import diffusers
@@ -174,7 +222,16 @@ class DiffusersRunner(ModelRunner):
         self.step_cache_threshold = check_threshold(step_cache_threshold)
         if self.step_cache_threshold is not None and self.kind != "dit":
             raise ValueError(f"step_cache_threshold applies to DiT pipelines; {model!r} holds a {pipeline_class}")
+        if self.world > 1 and offload != "none":
+            raise ValueError("offload='layerwise' runs on a stage of one rank; use ranks=1 or offload='none'")
+        if self.step_cache_threshold is not None and offload != "none":
+            raise ValueError(
+                "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
+                "forward, where its weights are on the host); choose one"
+            )
         self.step_cache_stats = StepCacheStats()
+        self.denoiser_calls = 0  # forward passes of the transformer or UNet
+        self.denoiser_rows = 0  # the rows they ran, over every request in them
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
         # the tensors a scheduler keeps (DPM-Solver order 3: three past outputs), plus the step
         # cache's two token-shaped tensors where the stage has one.
@@ -189,6 +246,9 @@ class DiffusersRunner(ModelRunner):
         self.lost: OrderedDict[str, str] = OrderedDict()
         self._next_id = 0
         self.last_reload: ReloadReport | None = None
+        self.loaded_names: frozenset[str] = frozenset()
+        if self.world > 1:  # last: every argument checked before the other rank waits on this one
+            join_process_group(self.device, init_timeout_s)
 
     def _prompt_slot_bytes(self) -> int:
         config = _read_json(self.model_dir / "text_encoder" / "config.json")
@@ -212,10 +272,45 @@ class DiffusersRunner(ModelRunner):
     # ------------------------------------------------------------------ allocation
 
     def load_weights(self) -> None:
-        from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()
+        pipeline = self._dummy_pipeline() if self.load_format == "dummy" else self._read_pipeline()
+        if self.scheduler_class is not None:
+            import diffusers
+
+            pipeline.scheduler = getattr(diffusers, self.scheduler_class).from_config(pipeline.scheduler.config)
+        pipeline.set_progress_bar_config(disable=True)
+        modules = {name: getattr(pipeline, name) for name in MODULE_COMPONENTS[self.kind]}
+        if self.world > 1 and self.parallel == "tensor":
+            shard_dit(modules["transformer"], self.world, self.device)
+        for module in modules.values():
+            module.eval()
+            module.requires_grad_(False)
+        own_storage(modules.values())
+        weights = WeightSet(modules)
+        if self.load_format != "dummy":  # a dummy load binds the format at its first reload
+            weights.bind_source(self.model_dir)
+            self.loaded_names = frozenset(weights.named())
+        if self.offload_mode == "layerwise":
+            blocks, keep = denoiser_blocks(self.kind, modules["transformer" if self.kind == "dit" else "unet"])
+            self.offload = BlockOffload.attach(self.device, blocks, keep)
+        self.pipeline, self.modules, self.weights = pipeline, modules, weights
+
+    def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
+        tags = tuple(tags)
+        if (OFFLOAD_TAG in tags) != (self.offload_mode != "none"):
+            raise ValueError(
+                f"offload={self.offload_mode!r} and the stage's tags {list(tags)} disagree: a layer-wise offload "
+                f"streams through the '{OFFLOAD_TAG}' pool, so list that tag exactly when offload='layerwise'"
+            )
+        # The slab is sized by the blocks, known once the weights are loaded.
+        ordered = sorted(tags, key=lambda tag: (tag != WEIGHTS_TAG, tag == OFFLOAD_TAG))
+        super().load(open_pool, ordered, budget)
+
+    def _read_pipeline(self) -> Any:
+        from diffusers import DiffusionPipeline
+
         # device_map places each component on the device as it is read, where diffusers
         # supports it ("cuda", "cpu"); elsewhere the host copy is dropped after the move.
         direct = self.device.type in ("cuda", "cpu") and self.device.index in (None, 0)
@@ -227,26 +322,64 @@ class DiffusersRunner(ModelRunner):
         )
         if not direct:
             pipeline.to(self.device)
-        if self.scheduler_class is not None:
-            import diffusers
+        return pipeline
 
-            pipeline.scheduler = getattr(diffusers, self.scheduler_class).from_config(pipeline.scheduler.config)
-        pipeline.set_progress_bar_config(disable=True)
-        modules = {name: getattr(pipeline, name) for name in MODULE_COMPONENTS[self.kind]}
-        for module in modules.values():
-            module.eval()
-            module.requires_grad_(False)
-        own_storage(modules.values())
-        weights = WeightSet(modules)
-        weights.bind_source(self.model_dir)
-        self.pipeline, self.modules, self.weights = pipeline, modules, weights
+    def _dummy_pipeline(self) -> Any:
+        """The pipeline with random weights (vLLM's `load_format="dummy"`): every model built
+        from its config alone, seeded so two loads agree; schedulers and tokenizers from their
+        files, which hold no weights. For a trainer's first update, or a memory test."""
+        import diffusers
+
+        index = _read_json(self.model_dir / "model_index.json")
+        pipeline_class = getattr(diffusers, index["_class_name"])
+        accepted = inspect.signature(pipeline_class.__init__).parameters
+        components: dict[str, Any] = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for name, entry in index.items():
+                if name in accepted and isinstance(entry, list) and len(entry) == 2:
+                    components[name] = self._dummy_component(name, *entry)
+        for name in ("id2label", "requires_safety_checker"):
+            if name in accepted and name in index:
+                components[name] = index[name]
+        return pipeline_class(**components)
+
+    def _dummy_component(self, name: str, library: Any, class_name: Any) -> Any:
+        if library is None:
+            return None
+        import diffusers
+        import transformers
+
+        if library not in ("diffusers", "transformers") or not isinstance(class_name, str):
+            raise ValueError(
+                f"model_index.json names {name} as {[library, class_name]}; a dummy load builds "
+                "diffusers and transformers components only"
+            )
+        cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+        folder = self.model_dir / name
+        if name not in MODULE_COMPONENTS[self.kind]:  # a scheduler or a tokenizer: no weights
+            return cls.from_config(cls.load_config(folder)) if library == "diffusers" else cls.from_pretrained(folder)
+        if library == "diffusers":
+            module = cls.from_config(cls.load_config(folder))
+        else:
+            module = cls(cls.config_class.from_pretrained(folder))
+        module = module.to(self.device)
+        return module if module.dtype == self.dtype else module.to(self.dtype)
+
+    def loaded_weights(self) -> frozenset[str]:
+        """`component/name` of every weight read from the checkpoint; none after a dummy load."""
+        return self.loaded_names
 
     def allocate_caches(self) -> None:
         # Diffusion keeps no KV cache; activations are transient.
         return None
 
     def allocate(self, tag: str) -> None:
-        if tag == REQUESTS_TAG:
+        if tag == OFFLOAD_TAG:
+            if self.offload is None:
+                raise ValueError(f"offload is {self.offload_mode!r}: leave {tag!r} out of the stage's tags")
+            self.offload.allocate()
+        elif tag == REQUESTS_TAG:
             self.slab = torch.zeros(self.max_requests, self.slot_bytes, dtype=torch.uint8, device=self.device)
         elif tag == PROMPT_CACHE_TAG:
             if self.prompt_cache is None:
@@ -257,7 +390,10 @@ class DiffusersRunner(ModelRunner):
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
         if tag == WEIGHTS_TAG:
-            return module_tensors(self.modules.values())
+            streamed = self.offload.streamed_ids() if self.offload is not None else set()
+            return [t for t in module_tensors(self.modules.values()) if id(t) not in streamed]
+        if tag == OFFLOAD_TAG:
+            return self.offload.tensors() if self.offload is not None else []
         if tag == KV_CACHE_TAG:
             return []
         if tag == REQUESTS_TAG:
@@ -265,10 +401,13 @@ class DiffusersRunner(ModelRunner):
         if tag == PROMPT_CACHE_TAG:
             return self.prompt_cache.tensors() if self.prompt_cache is not None else []
         raise ValueError(
-            f"DiffusersRunner has no tag {tag!r}; it has {[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG]}"
+            f"DiffusersRunner has no tag {tag!r}; it has "
+            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG]}"
         )
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
+        if self.offload is not None:
+            self.offload.release()  # no block points into the slab a sleep discards
         if PROMPT_CACHE_TAG in discard:
             self.reset_prefix_cache()  # its slab is released now
 
@@ -293,7 +432,14 @@ class DiffusersRunner(ModelRunner):
             raise RuntimeError("reload_weights before load_weights")
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a pipeline directory path, got {source!r}")
-        self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+        directory = Path(source).expanduser() if source else self.model_dir
+        if self.weights.own_directory is None:  # after a dummy load: this checkpoint's format binds
+            try:
+                self.weights.bind_source(directory)
+            except Exception:
+                self.weights.own_directory = None  # half bound: the next reload binds again
+                raise
+        self.last_reload = self.weights.load(directory)
         self._weights_changed()
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -325,6 +471,10 @@ class DiffusersRunner(ModelRunner):
             )
 
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
         self.pipeline, self.modules, self.weights, self.slab = None, {}, None, None
         self.requests.clear()
         if self.prompt_cache is not None:
@@ -333,6 +483,92 @@ class DiffusersRunner(ModelRunner):
     # ------------------------------------------------------------------ ops
 
     def execute(self, payload: Any) -> dict[str, Any]:
+        op = self._check_payload(payload)
+        if op == "prompt_cache":
+            return self._prompt_cache_op(payload)
+        self._check_pools()
+        if op is None:
+            request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind])
+            with torch.no_grad():
+                sample = self._initial_sample(request)
+                return self._image(request, self._denoise(request, sample, request.steps_total))
+        if op == "start":
+            return self._start(payload)
+        if op == "cancel":
+            self._check_keys(payload, {"op", "request_id"})
+            request_id = payload.get("request_id")
+            self._claim(request_id, check_state=False)
+            self._free(request_id)
+            return {"request_id": request_id, "cancelled": True}
+        request, count = self._claim_op(op, payload)
+        try:
+            with torch.no_grad():
+                return self._conclude(op, request, self._denoise(request, self._unpark(request), count))
+        except Exception as exc:
+            self._lose_on_failure(op, request, exc)
+            raise
+
+    def execute_batch(self, payloads: Sequence[Any]) -> list[Any]:
+        """Step-wise ops ("step", "finish") of distinct requests run together: one denoiser
+        call per step over the rows of every request still stepping (vLLM-Omni's
+        `execute_stepwise` over a scheduler batch); anything else runs one by one first."""
+        if self.world > 1:
+            # The ranks' batches may differ (each gathers what waits on its own socket): run
+            # one by one, so every rank makes the same collectives in the same order.
+            return super().execute_batch(payloads)
+        ids: list[Any] = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
+        seen = Counter(i for i in ids if isinstance(i, str))
+        together = [
+            i
+            for i, payload in enumerate(payloads)
+            if isinstance(payload, dict) and payload.get("op") in STEPPED_OPS and seen[ids[i]] == 1
+        ]
+        if len(together) < 2:
+            together = []
+        outputs: list[Any] = [None] * len(payloads)
+        for i, payload in enumerate(payloads):
+            if i not in together:
+                try:
+                    outputs[i] = self.execute(payload)
+                except Exception as exc:
+                    outputs[i] = exc
+        if together:
+            for i, output in zip(together, self._step_together([payloads[i] for i in together]), strict=True):
+                outputs[i] = output
+        return outputs
+
+    def _step_together(self, payloads: list[dict[str, Any]]) -> list[Any]:
+        """Each payload's result or its own error; the requests step in one batch."""
+        self._check_payload(payloads[0])
+        self._check_pools()
+        outputs: list[Any] = [None] * len(payloads)
+        work: list[tuple[int, str, DiffusionRequest, int]] = []
+        for k, payload in enumerate(payloads):
+            try:
+                work.append((k, payload["op"], *self._claim_op(payload["op"], payload)))
+            except Exception as exc:
+                outputs[k] = exc
+        if not work:
+            return outputs
+        try:
+            with torch.no_grad():
+                samples = self._denoise_together([(r, self._unpark(r), count) for _, _, r, count in work])
+        except Exception as exc:
+            for k, op, request, _ in work:
+                self._lose_on_failure(op, request, exc)
+                outputs[k] = exc
+            return outputs
+        for (k, op, request, _), sample in zip(work, samples, strict=True):
+            try:
+                with torch.no_grad():
+                    outputs[k] = self._conclude(op, request, sample)
+            except Exception as exc:
+                self._lose_on_failure(op, request, exc)
+                outputs[k] = exc
+        return outputs
+
+    def _check_payload(self, payload: Any) -> Any:
+        """The payload's op, once the payload is a dict, the op known and the weights loaded."""
         if not isinstance(payload, dict):
             raise TypeError(
                 f"DiffusersRunner payload must be a dict like {{'class_label': 1, 'seed': 0, "
@@ -343,45 +579,37 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"unknown op {op!r}; ops are {list(OPS)} (or none: one call, the whole image)")
         if self.pipeline is None:
             raise RuntimeError("DiffusersRunner.execute before load_weights")
-        if op == "prompt_cache":
-            return self._prompt_cache_op(payload)
+        return op
+
+    def _check_pools(self) -> None:
         # Every pool this runner has must be resident, as the worker requires for any Execute.
-        check_resident({tag: self.tensors(tag) for tag in (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG)})
-        if op is None:
-            request = self._new_request(payload, allowed=REQUEST_KEYS[self.kind])
-            with torch.no_grad():
-                sample = self._initial_sample(request)
-                sample = self._denoise(request, sample, request.steps_total)
-                return self._image(request, sample)
-        if op == "start":
-            return self._start(payload)
-        request_id = payload.get("request_id")
-        keys = {"op", "request_id"} | ({"steps"} if op == "step" else set())
-        self._check_keys(payload, keys)
-        if op == "cancel":
-            self._claim(request_id, check_state=False)
-            self._free(request_id)
-            return {"request_id": request_id, "cancelled": True}
-        request = self._claim(request_id)
+        tags = (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG)
+        check_resident({tag: self.tensors(tag) for tag in tags})
+
+    def _claim_op(self, op: str, payload: dict[str, Any]) -> tuple[DiffusionRequest, int]:
+        """A "step" or "finish" op's live request, and how many steps it asks for."""
+        self._check_keys(payload, {"op", "request_id"} | ({"steps"} if op == "step" else set()))
+        request = self._claim(payload.get("request_id"))
         count = request.steps_total - request.steps_done
         if op == "step":
             count = payload.get("steps", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"steps must be an int >= 1, got {count!r}")
-        try:
-            with torch.no_grad():
-                sample = self._denoise(request, self._unpark(request), count)
-                if op == "step":
-                    self._park(request, sample)
-                    return self._progress(request)
-                self._free(request_id)
-                return self._image(request, sample)
-        except Exception as exc:
-            # Half a step leaves the scheduler ahead of what the slot holds: continuing would
-            # produce a wrong image, so the request ends here.
-            if request_id in self.requests:
-                self._lose(request_id, f"its {op} op failed ({type(exc).__name__}: {exc})")
-            raise
+        return request, count
+
+    def _conclude(self, op: str, request: DiffusionRequest, sample: torch.Tensor) -> dict[str, Any]:
+        """After a step-wise op's steps: its progress (the state parked again), or its image."""
+        if op == "step":
+            self._park(request, sample)
+            return self._progress(request)
+        self._free(request.request_id)
+        return self._image(request, sample)
+
+    def _lose_on_failure(self, op: str, request: DiffusionRequest, exc: Exception) -> None:
+        # Half a step leaves the scheduler ahead of what the slot holds: continuing would
+        # produce a wrong image, so the request ends here.
+        if request.request_id in self.requests:
+            self._lose(request.request_id, f"its {op} op failed ({type(exc).__name__}: {exc})")
 
     def _check_keys(self, payload: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
         unknown = sorted(set(payload) - set(allowed))
@@ -473,7 +701,10 @@ class DiffusersRunner(ModelRunner):
         return embeddings.to("cpu")
 
     def counters(self) -> dict[str, int]:
-        counters = self.prompt_cache.counters() if self.prompt_cache is not None else {}
+        # Rows over calls is the batch a step ran at: 2 per guided request, 1 otherwise.
+        counters = {"denoiser_calls": self.denoiser_calls, "denoiser_rows": self.denoiser_rows}
+        if self.prompt_cache is not None:
+            counters.update(self.prompt_cache.counters())
         if self.step_cache_threshold is not None:
             counters.update(self.step_cache_stats.counters())
         return counters
@@ -518,31 +749,64 @@ class DiffusersRunner(ModelRunner):
         return latents
 
     def _denoise(self, request: DiffusionRequest, sample: torch.Tensor, count: int) -> torch.Tensor:
-        end = min(request.steps_total, request.steps_done + count)
-        labels = None
+        return self._denoise_together([(request, sample, count)])[0]
+
+    def _denoise_together(self, work: list[tuple[DiffusionRequest, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Each request `count` steps further (fewer where it ends first): per step, one
+        denoiser call over the rows of every request still stepping; a request with a step
+        cache makes its own call (the cache decides per request whether the blocks run)."""
+        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        ends = [min(request.steps_total, request.steps_done + count) for request, _, count in work]
+        contexts = [self._step_context(request) for request, _, _ in work]
+        samples = [sample for _, sample, _ in work]
+        while live := [i for i, (request, _, _) in enumerate(work) if request.steps_done < ends[i]]:
+            calls = {i: self._call(work[i][0], samples[i], contexts[i]) for i in live}
+            outputs: dict[int, torch.Tensor] = {}
+            plain = []
+            for i in live:
+                request = work[i][0]
+                forward = self._cached_forward(request, request.steps_done)
+                if forward is None:
+                    plain.append(i)
+                else:
+                    outputs[i] = forward(calls[i].inputs, calls[i].timesteps, calls[i].condition)
+            if plain:
+                run = run_cfg_parallel if self.world > 1 and self.parallel == "cfg" else run_together
+                outputs.update(zip(plain, run(self.kind, denoiser, [calls[i] for i in plain]), strict=True))
+            self.denoiser_calls += len(live) - len(plain) + (1 if plain else 0)
+            halves = self.world > 1 and self.parallel == "cfg"
+            split = {i for i in plain if calls[i].guided and halves}  # this rank ran half of each
+            self.denoiser_rows += sum(len(calls[i].inputs) // (self.world if i in split else 1) for i in live)
+            for i in live:
+                samples[i] = calls[i].finish(outputs[i])
+                work[i][0].steps_done += 1
+        return samples
+
+    def _step_context(self, request: DiffusionRequest) -> tuple[Any, dict[str, Any], Any]:
+        """What every step of a request takes: its conditioning on the device (DiT's class
+        labels, SD's text embeddings), the scheduler's extra arguments, its trajectory's hook."""
+        condition, step_kwargs = None, {}
         if self.kind == "dit":
-            labels = torch.tensor([request.class_label], device=self.device)
+            condition = torch.tensor([request.class_label], device=self.device)
             if request.guidance_scale > 1:
                 null = int(self.modules["transformer"].config.num_embeds_ada_norm)
-                labels = torch.cat([labels, torch.tensor([null], device=self.device)], 0)
-        embeddings, step_kwargs = None, {}
-        if self.kind == "sd":
-            embeddings = request.embeddings.to(self.device)
+                condition = torch.cat([condition, torch.tensor([null], device=self.device)], 0)
+        elif self.kind == "sd":
+            condition = request.embeddings.to(self.device)
             accepted = set(inspect.signature(request.scheduler.step).parameters)
             step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", request.generator)) if k in accepted}
         trajectory = request.trajectory
         observe = None if trajectory is None else functools.partial(trajectory.step, request.scheduler)
-        for index in range(request.steps_done, end):
-            t = request.scheduler.timesteps[index]
-            if self.kind == "dit":
-                forward = self._cached_forward(request, index)
-                sample = dit_step(self.modules["transformer"], request, sample, t, labels, forward, observe)
-            elif self.kind == "sd":
-                sample = sd_step(self.modules["unet"], request, sample, t, embeddings, step_kwargs, observe)
-            else:
-                sample = ddpm_step(self.modules["unet"], request, sample, t, observe)
-        request.steps_done = end
-        return sample
+        return condition, step_kwargs, observe
+
+    def _call(self, request: DiffusionRequest, sample: torch.Tensor, context: tuple[Any, Any, Any]) -> DenoiserCall:
+        condition, step_kwargs, observe = context
+        t = request.scheduler.timesteps[request.steps_done]
+        if self.kind == "dit":
+            return dit_call(self.modules["transformer"], request, sample, t, condition, observe)
+        if self.kind == "sd":
+            return sd_call(self.modules["unet"], request, sample, t, condition, step_kwargs, observe)
+        return ddpm_call(self.modules["unet"], request, sample, t, observe)
 
     def _cached_forward(self, request: DiffusionRequest, index: int) -> Any:
         """The transformer's forward through the request's step cache, or None without one."""

@@ -1,9 +1,10 @@
 """One denoising step of each pipeline, as the pipeline's own loop body, and the state a
 step-wise request carries between two ops.
 
-Each `*_step` repeats the body of its pipeline's `__call__` loop with the same operations in
+Each `*_call` repeats the body of its pipeline's `__call__` loop with the same operations in
 the same order (the diffusers runner's tests compare the output with `pipeline(...)` bit for
-bit), so a request can stop between any two steps. What a request keeps between ops is in
+bit), cut at the denoiser's call so a request can stop between any two steps and several
+requests' steps can share one call (`run_together`). What a request keeps between ops is in
 `DiffusionRequest`; `state_tensors` names its latent-shaped tensors, which the runner parks in
 its `requests` slab.
 """
@@ -52,17 +53,31 @@ class DiffusionRequest:
     trajectory: Any = None  # a Trajectory (omni_core.runners.diffusion_trajectory) when the request asked
 
 
-def dit_step(
+@dataclass
+class DenoiserCall:
+    """One request's rows of a denoiser call, and how the call's output for those rows becomes
+    the request's next sample (guidance, then the scheduler's step). Several requests' calls
+    run as one forward pass (`run_together`): the rows are concatenated, the outputs split."""
+
+    inputs: torch.Tensor
+    timesteps: torch.Tensor  # 0-dim (every row's) or one per row
+    condition: torch.Tensor | None  # DiT: class labels; Stable Diffusion: text embeddings; DDPM: none
+    finish: Callable[[torch.Tensor], torch.Tensor]
+    guided: bool = False  # its rows are two halves, conditional and unconditional (CFG)
+
+    def row_timesteps(self) -> torch.Tensor:
+        return self.timesteps.expand(len(self.inputs)) if self.timesteps.dim() == 0 else self.timesteps
+
+
+def dit_call(
     transformer: Any,
     request: DiffusionRequest,
     sample: torch.Tensor,
     t: torch.Tensor,
     labels: torch.Tensor,
-    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     observe: StepObserver | None = None,
-) -> torch.Tensor:
-    """DiTPipeline.__call__'s loop body; `forward(sample, timesteps, labels)` stands in for the
-    transformer's own (a step cache's)."""
+) -> DenoiserCall:
+    """DiTPipeline.__call__'s loop body, cut at the transformer's call."""
     scheduler = request.scheduler
     channels = transformer.config.in_channels
     guided = request.guidance_scale > 1
@@ -72,32 +87,36 @@ def dit_step(
     sample = scheduler.scale_model_input(sample, t)
     timesteps = t[None].to(sample.device) if t.dim() == 0 else t
     timesteps = timesteps.expand(sample.shape[0])
-    if forward is None:
-        noise_pred = transformer(sample, timestep=timesteps, class_labels=labels).sample
-    else:
-        noise_pred = forward(sample, timesteps, labels)
-    if guided:
-        eps, rest = noise_pred[:, :channels], noise_pred[:, channels:]
-        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-        half_eps = uncond_eps + request.guidance_scale * (cond_eps - uncond_eps)
-        eps = torch.cat([half_eps, half_eps], dim=0)
-        noise_pred = torch.cat([eps, rest], dim=1)
-    if transformer.config.out_channels // 2 == channels:
-        model_output, _ = torch.split(noise_pred, channels, dim=1)
-    else:
-        model_output = noise_pred
-    return _observed(scheduler.step(model_output, t, sample), t, sample, observe)
+
+    def finish(noise_pred: torch.Tensor) -> torch.Tensor:
+        if guided:
+            eps, rest = noise_pred[:, :channels], noise_pred[:, channels:]
+            cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+            half_eps = uncond_eps + request.guidance_scale * (cond_eps - uncond_eps)
+            eps = torch.cat([half_eps, half_eps], dim=0)
+            noise_pred = torch.cat([eps, rest], dim=1)
+        if transformer.config.out_channels // 2 == channels:
+            model_output, _ = torch.split(noise_pred, channels, dim=1)
+        else:
+            model_output = noise_pred
+        return _observed(scheduler.step(model_output, t, sample), t, sample, observe)
+
+    return DenoiserCall(sample, timesteps, labels, finish, guided)
 
 
-def ddpm_step(
+def ddpm_call(
     unet: Any, request: DiffusionRequest, sample: torch.Tensor, t: torch.Tensor, observe: StepObserver | None = None
-) -> torch.Tensor:
-    """DDPMPipeline.__call__'s loop body."""
-    model_output = unet(sample, t).sample
-    return _observed(request.scheduler.step(model_output, t, sample, generator=request.generator), t, sample, observe)
+) -> DenoiserCall:
+    """DDPMPipeline.__call__'s loop body, cut at the UNet's call."""
+
+    def finish(model_output: torch.Tensor) -> torch.Tensor:
+        step = request.scheduler.step(model_output, t, sample, generator=request.generator)
+        return _observed(step, t, sample, observe)
+
+    return DenoiserCall(sample, t, None, finish)
 
 
-def sd_step(
+def sd_call(
     unet: Any,
     request: DiffusionRequest,
     latents: torch.Tensor,
@@ -105,24 +124,50 @@ def sd_step(
     embeddings: torch.Tensor,
     step_kwargs: dict[str, Any],
     observe: StepObserver | None = None,
-) -> torch.Tensor:
-    """StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale)."""
+) -> DenoiserCall:
+    """StableDiffusionPipeline.__call__'s loop body (no IP-adapter, no guidance rescale), cut
+    at the UNet's call."""
     scheduler, guided = request.scheduler, request.guidance_scale > 1
     model_input = torch.cat([latents] * 2) if guided else latents
     model_input = scheduler.scale_model_input(model_input, t)
-    noise_pred = unet(
-        model_input,
-        t,
-        encoder_hidden_states=embeddings,
-        timestep_cond=None,
-        cross_attention_kwargs=None,
-        added_cond_kwargs=None,
-        return_dict=False,
-    )[0]
-    if guided:
-        noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-        noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
-    return _observed(scheduler.step(noise_pred, t, latents, **step_kwargs), t, latents, observe)
+
+    def finish(noise_pred: torch.Tensor) -> torch.Tensor:
+        if guided:
+            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+            noise_pred = noise_pred_uncond + request.guidance_scale * (noise_pred_text - noise_pred_uncond)
+        return _observed(scheduler.step(noise_pred, t, latents, **step_kwargs), t, latents, observe)
+
+    return DenoiserCall(model_input, t, embeddings, finish, guided)
+
+
+def _forward(kind: str, denoiser: Any, inputs: torch.Tensor, timesteps: torch.Tensor, condition: Any) -> torch.Tensor:
+    """The denoiser's call as each pipeline makes it."""
+    if kind == "dit":
+        return denoiser(inputs, timestep=timesteps, class_labels=condition).sample
+    if kind == "sd":
+        return denoiser(
+            inputs,
+            timesteps,
+            encoder_hidden_states=condition,
+            timestep_cond=None,
+            cross_attention_kwargs=None,
+            added_cond_kwargs=None,
+            return_dict=False,
+        )[0]
+    return denoiser(inputs, timesteps).sample
+
+
+def run_together(kind: str, denoiser: Any, calls: list[DenoiserCall]) -> list[torch.Tensor]:
+    """One forward pass of the denoiser over every call's rows; each call's part of the output,
+    in order. A single call runs exactly as its pipeline runs it (its own timestep tensor)."""
+    if len(calls) == 1:
+        call = calls[0]
+        return [_forward(kind, denoiser, call.inputs, call.timesteps, call.condition)]
+    inputs = torch.cat([call.inputs for call in calls])
+    timesteps = torch.cat([call.row_timesteps().to(inputs.device) for call in calls])
+    condition = None if calls[0].condition is None else torch.cat([call.condition for call in calls])  # type: ignore[misc]
+    output = _forward(kind, denoiser, inputs, timesteps, condition)
+    return list(output.split([len(call.inputs) for call in calls]))
 
 
 def _observed(output: Any, t: Any, sample: torch.Tensor, observe: StepObserver | None) -> torch.Tensor:

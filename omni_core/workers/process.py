@@ -63,6 +63,7 @@ from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     MAX_LINKS,
+    MAX_LOADED_WEIGHTS,
     AddAdapter,
     Capability,
     Command,
@@ -80,6 +81,7 @@ from omni_core.protocol import (
 )
 from omni_core.protocol.auth import RANK_SECRET_ENV, hello_proof
 from omni_core.protocol.codec import envelope_of
+from omni_core.protocol.messages import MAX_WEIGHT_NAME_CHARS
 from omni_core.runners.base import (
     ModelRunner,
     RunnerArgumentError,
@@ -219,6 +221,8 @@ class WorkerProcess:
             capabilities = (*capabilities, Capability.WEIGHT_UPDATE)
             if self.runner.supports_adapters:
                 capabilities = (*capabilities, Capability.ADAPTERS)
+            if self.runner.supports_step_mode:
+                capabilities = (*capabilities, Capability.STEP_MODE)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
@@ -256,8 +260,24 @@ class WorkerProcess:
                 # the Hello's own tags only: a runner may open a pool of another (refused there)
                 pool_bytes={} if error else {t: n for t, n in self._usage().items() if t in cfg.tags},
                 runner_counters=self.counters.declared,
+                loaded_weights=() if error else self._loaded_weights(),
             )
         )
+
+    def _loaded_weights(self) -> tuple[str, ...]:
+        """The runner's loaded names for the Hello, sorted; none where they exceed its bounds."""
+        assert self.runner is not None
+        names = sorted(self.runner.loaded_weights())
+        if len(names) > MAX_LOADED_WEIGHTS or any(len(n) > MAX_WEIGHT_NAME_CHARS for n in names):
+            log.warning(
+                "worker %s/%s: %d loaded weight names exceed the Hello's bound (%d names of %d chars): none sent",
+                *self._who(),
+                len(names),
+                MAX_LOADED_WEIGHTS,
+                MAX_WEIGHT_NAME_CHARS,
+            )
+            return ()
+        return tuple(names)
 
     def _load(self) -> None:
         assert self.backend is not None

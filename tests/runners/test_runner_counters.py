@@ -9,6 +9,8 @@ from tests.serve.conftest import make_config, metric_value, serving, wait_for
 from .test_diffusers_runner import SD, SD_SLOT_BYTES, SD_TAGS
 
 NAMES = (
+    "denoiser_calls",
+    "denoiser_rows",
     "prompt_cache_evictions",
     "prompt_cache_hits",
     "prompt_cache_misses",
@@ -36,6 +38,8 @@ def test_prompt_cache_counters_reach_status_and_metrics(checkpoints) -> None:
             served.engine.execute("sd", {**quick, "prompt": prompt})
         own = served.engine.execute("sd", {"op": "prompt_cache"})
         expected = {
+            "denoiser_calls": 3,  # one step each, guided: two rows per call
+            "denoiser_rows": 6,
             "prompt_cache_hits": 1,
             "prompt_cache_misses": 2,
             "prompt_cache_evictions": 1,

@@ -40,7 +40,12 @@ def plain(checkpoints):
 def test_threshold_zero_runs_every_block_and_equals_the_transformers_own_forward(plain, checkpoints) -> None:
     cached = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.0)
     assert cached.runner.execute(dict(REQUEST))["sha256"] == plain.runner.execute(dict(REQUEST))["sha256"]
-    assert cached.runner.counters() == {"step_cache_hits": 0, "step_cache_misses": STEPS}
+    assert cached.runner.counters() == {
+        "step_cache_hits": 0,
+        "step_cache_misses": STEPS,
+        "denoiser_calls": STEPS,
+        "denoiser_rows": 2 * STEPS,  # guided: both halves in each call
+    }
     assert "step_cache_hits" not in plain.runner.counters()  # no cache, no counters
 
 
