@@ -45,7 +45,7 @@ ATTENTION = os.environ.get("VLLM_BUNDLE_ATTN_BACKEND")
 def _requests_at(concurrency: int) -> int:
     """Requests per level: enough waves that a level takes a few seconds and at least 256
     prompts are answered at the wide levels."""
-    return {1: 4, 8: 32, 64: 256, 256: 512}[concurrency]
+    return {1: 2, 8: 16, 64: 128, 256: 256}[concurrency]
 
 
 def prompt(i: int) -> list[int]:
@@ -96,6 +96,7 @@ def run_plain(model: str, out_json: str) -> None:
             for i, ids in zip(wave, generate(wave), strict=True):
                 tokens[i] = ids
         rows.append(_row("plain vLLM generate", concurrency, total, time.perf_counter() - started))
+        print("ROW", json.dumps(rows[-1]), flush=True)
     Path(out_json).write_text(json.dumps({"rows": rows, "tokens": {str(k): v for k, v in tokens.items()}}))
 
 
@@ -214,6 +215,7 @@ def run_stage(model: str) -> tuple[list[dict[str, Any]], dict[str, dict[int, lis
             rows.append(
                 _row("Engine, kept in flight", concurrency, total, _engine_in_flight(engine, total, concurrency))
             )
+            print("ROW", json.dumps(rows[-2:]), flush=True)
         app = create_app(engine, OmniConfig(stages=(spec,)))
         with serve_in_thread(app) as running:
             asyncio.run(_http_waves(running.url, 8, 8, {}))
@@ -221,6 +223,7 @@ def run_stage(model: str) -> tuple[list[dict[str, Any]], dict[str, dict[int, lis
                 total = _requests_at(concurrency)
                 seconds = asyncio.run(_http_waves(running.url, total, concurrency, tokens["http"]))
                 rows.append(_row("HTTP execute, waves", concurrency, total, seconds))
+                print("ROW", json.dumps(rows[-1]), flush=True)
         cycle = _cycle(engine, model)
     return rows, tokens, cycle
 

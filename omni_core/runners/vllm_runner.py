@@ -196,8 +196,9 @@ class VllmEngine:
     def add_request(self, request_id: str, row: list[int], sampling_params: dict[str, Any]) -> str:
         from vllm import SamplingParams
 
-        engine = self._llm.llm_engine
-        return str(engine.add_request(request_id, {"prompt_token_ids": row}, SamplingParams(**sampling_params)))
+        # vLLM returns its internal id (ours plus a random suffix); its outputs and aborts use ours.
+        self._llm.llm_engine.add_request(request_id, {"prompt_token_ids": row}, SamplingParams(**sampling_params))
+        return request_id
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests it finished."""
@@ -210,6 +211,9 @@ class VllmEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self._llm.llm_engine.abort_request(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._llm.llm_engine.has_unfinished_requests())
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._llm.reset_prefix_cache())
@@ -582,6 +586,13 @@ class VllmRunner(ModelRunner):
             if len(running.finished) == len(running.row_ids):
                 del self._running.by_key[key]
                 done.append((key, self._shape(running.request, [running.finished[r] for r in running.row_ids])))
+        if self._running.by_key and not done and not self.llm.has_unfinished():
+            lost = len(self._running.by_key)
+            self._forget_running()
+            raise RuntimeError(
+                f"vLLM's engine holds none of the {lost} requests this rank started and finished none of them "
+                "(an id it did not echo back?); they fail rather than wait: report a bug with the rank's log"
+            )
         return done
 
     def _forget_running(self) -> None:

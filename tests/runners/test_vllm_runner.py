@@ -399,6 +399,9 @@ class SteppingEngine(FakeEngine):
     def abort(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
 
+    def has_unfinished(self) -> bool:
+        return bool(self.rows)
+
 
 def test_requests_join_and_leave_vllms_engine_between_steps(monkeypatch, checkpoints):
     monkeypatch.setattr(VllmRunner, "engine_factory", SteppingEngine)
@@ -426,3 +429,9 @@ def test_requests_join_and_leave_vllms_engine_between_steps(monkeypatch, checkpo
     with pytest.raises(RuntimeError, match="illegal memory access"):
         runner.step_requests()
     assert runner.running_requests() == 0 and engine.aborted == ["e/0"]
+    engine.fail = False
+    runner.start_request("f", {"prompt_ids": [5]})
+    engine.rows.clear()  # vLLM lost it (an id not echoed back): it fails, never waits forever
+    with pytest.raises(RuntimeError, match="holds none of the 1 requests"):
+        runner.step_requests()
+    assert runner.running_requests() == 0
