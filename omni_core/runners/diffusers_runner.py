@@ -185,50 +185,18 @@ class DiffusersRunner(ModelRunner):
         # Over several ranks: CFG-parallel or a tensor-parallel DiT (omni_core/runners/cfg_parallel.py).
         self.world, self.parallel = stage_world(self.kind, parallel), parallel
         self.dtype = torch_dtype(dtype)
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {list(LOAD_FORMATS)} ('dummy': random weights from the components' "
-                f"configs, no weight file read), got {load_format!r}"
-            )
+        _check_options(load_format, offload, scheduler, max_requests, max_steps, state_tensors, prompt_cache_bytes)
         self.load_format = load_format
-        if offload not in OFFLOAD_MODES:
-            raise ValueError(
-                f"offload must be one of {list(OFFLOAD_MODES)} ('layerwise': the denoiser's blocks on the host, "
-                f"streamed through one device slab in the '{OFFLOAD_TAG}' pool), got {offload!r}"
-            )
         self.offload_mode = offload
         self.offload: BlockOffload | None = None
         self.scheduler_class = scheduler
-        if scheduler is not None:
-            import diffusers
-
-            if not isinstance(getattr(diffusers, scheduler, None), type) or not scheduler.endswith("Scheduler"):
-                raise ValueError(
-                    f"scheduler={scheduler!r} is not a diffusers scheduler class "
-                    "(e.g. DDIMScheduler, DPMSolverMultistepScheduler)"
-                )
-        limits = (
-            ("max_requests", max_requests, 1, 4096),
-            ("max_steps", max_steps, 1, MAX_STEPS_LIMIT),
-            ("state_tensors", state_tensors, 2, 64),
-            ("prompt_cache_bytes", prompt_cache_bytes, 0, MAX_PROMPT_CACHE_BYTES),
-        )
-        for name, value, low, high in limits:
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
         self.max_requests, self.max_steps, self.state_tensors = max_requests, max_steps, state_tensors
         self.prompt_cache = PromptCache(prompt_cache_bytes, self._prompt_slot_bytes()) if self.kind == "sd" else None
         self.sample_shape = self._sample_shape()
         self.step_cache_threshold = check_threshold(step_cache_threshold)
-        if self.step_cache_threshold is not None and self.kind != "dit":
-            raise ValueError(f"step_cache_threshold applies to DiT pipelines; {model!r} holds a {pipeline_class}")
-        if self.world > 1 and offload != "none":
-            raise ValueError("offload='layerwise' runs on a stage of one rank; use ranks=1 or offload='none'")
-        if self.step_cache_threshold is not None and offload != "none":
-            raise ValueError(
-                "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
-                "forward, where its weights are on the host); choose one"
-            )
+        _check_combinations(
+            self.kind, self.world, self.step_cache_threshold, offload, f"{model!r} holds a {pipeline_class}"
+        )
         self.step_cache_stats = StepCacheStats()
         self.denoiser_calls = 0  # forward passes of the transformer or UNet
         self.denoiser_rows = 0  # the rows they ran, over every request in them
@@ -947,3 +915,55 @@ def _step_cache_tensors(request: DiffusionRequest) -> list[tuple[str, int | None
         return []
     named = (("previous", state.previous), ("residual", state.residual))
     return [(STEP_CACHE_PREFIX + name, None, tensor) for name, tensor in named if tensor is not None]
+
+
+def _check_options(
+    load_format: str,
+    offload: str,
+    scheduler: str | None,
+    max_requests: int,
+    max_steps: int,
+    state_tensors: int,
+    prompt_cache_bytes: int,
+) -> None:
+    """The runner's arguments one by one, before anything loads."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {list(LOAD_FORMATS)} ('dummy': random weights from the components' "
+            f"configs, no weight file read), got {load_format!r}"
+        )
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(
+            f"offload must be one of {list(OFFLOAD_MODES)} ('layerwise': the denoiser's blocks on the host, "
+            f"streamed through one device slab in the '{OFFLOAD_TAG}' pool), got {offload!r}"
+        )
+    if scheduler is not None:
+        import diffusers
+
+        if not isinstance(getattr(diffusers, scheduler, None), type) or not scheduler.endswith("Scheduler"):
+            raise ValueError(
+                f"scheduler={scheduler!r} is not a diffusers scheduler class "
+                "(e.g. DDIMScheduler, DPMSolverMultistepScheduler)"
+            )
+    limits = (
+        ("max_requests", max_requests, 1, 4096),
+        ("max_steps", max_steps, 1, MAX_STEPS_LIMIT),
+        ("state_tensors", state_tensors, 2, 64),
+        ("prompt_cache_bytes", prompt_cache_bytes, 0, MAX_PROMPT_CACHE_BYTES),
+    )
+    for name, value, low, high in limits:
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
+
+
+def _check_combinations(kind: str, world: int, step_cache_threshold: float | None, offload: str, holds: str) -> None:
+    """The arguments that do not combine."""
+    if step_cache_threshold is not None and kind != "dit":
+        raise ValueError(f"step_cache_threshold applies to DiT pipelines; {holds}")
+    if world > 1 and offload != "none":
+        raise ValueError("offload='layerwise' runs on a stage of one rank; use ranks=1 or offload='none'")
+    if step_cache_threshold is not None and offload != "none":
+        raise ValueError(
+            "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
+            "forward, where its weights are on the host); choose one"
+        )
