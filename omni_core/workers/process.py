@@ -493,10 +493,7 @@ class WorkerProcess:
             raise
         except Exception as exc:
             self.frame_errors.record(exc, f"a batch of {len(batch)} requests")
-            held = set(self.core.in_progress) if self.core is not None else set()
-            for effect in batch:
-                if effect.task_id in held:
-                    self._answer_request(effect, exc, 0.0)
+            self._answer_finished([Finished(effect, exc, 0.0) for effect in batch])
 
     def _continuous(self) -> RunningRequests | None:
         if self._running is None and self.runner is not None and self.runner.supports_continuous():
@@ -545,6 +542,7 @@ class WorkerProcess:
             self._answer_finished(running.step())
 
     def _answer_finished(self, finished: list[Finished]) -> None:
+        """Answer each request the core still holds (one it already answered gets nothing)."""
         held = set(self.core.in_progress) if self.core is not None else set()
         for done in finished:
             if done.effect.task_id in held:
