@@ -974,7 +974,8 @@ class WorkerCore:
                 asleep = pending.state_before is REFIT_ASLEEP.rank_state
                 self.residency.weights_valid = False
                 self.lifecycle.fire(REFIT_ASLEEP.after_failure if asleep else "update_failed")
-                then = "its wake lands NEEDS_RELOAD, then update again or reload" if asleep else "update again or reload"
+                then = "update again or reload"
+                then = f"its wake lands NEEDS_RELOAD, then {then}" if asleep else then
                 reply = self._nack(
                     command,
                     NackReason.UPDATE_FAILED,

@@ -175,6 +175,17 @@ class ModelRunner(ABC):
     def supports_weight_update(self) -> bool:
         return type(self).update_weights is not ModelRunner.update_weights
 
+    # Whether every write of `reload_weights` and `update_weights` goes in place through the
+    # tensors of `host_refit_tensors`, and nothing else touches the device meanwhile: then an
+    # update may be written into the backend's host copy while the weights sleep at level 1
+    # (the rank's Hello declares Capability.HOST_REFIT where its backend reaches that copy).
+    supports_host_refit: bool = False
+
+    def host_refit_tensors(self) -> list[torch.Tensor]:
+        """The tensors a weights write goes through: each points at its host copy while the
+        update is written into it (the same Python objects, their `.data` swapped back after)."""
+        return self.tensors(WEIGHTS_TAG)
+
     # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
     # the safe answer; a wrong "no" brings back stale weights after a wake
     # (StageSpec.verify_clean_sleep catches it).

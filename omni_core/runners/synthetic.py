@@ -207,6 +207,12 @@ class SyntheticRunner(ModelRunner):
         # The calibration buffer is not a weight: like a reload, an update leaves it alone.
         return {f"w{i}": ((self.rows, self.hidden), self.dtype) for i in range(self.tensor_count)}
 
+    @property
+    def supports_host_refit(self) -> bool:  # type: ignore[override]
+        # Updates copy in place anywhere; a reload draws from a generator on the rank's device,
+        # whose values a host generator would not repeat: on a CPU rank only.
+        return self.device.type == "cpu"
+
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in named:

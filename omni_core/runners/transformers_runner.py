@@ -312,6 +312,10 @@ class TransformersRunner(ModelRunner):
             raise RuntimeError("weight_specs before load_weights")
         return self.weights.specs()
 
+    # Reloads and updates write in place through the modules' own tensors (WeightSet), each
+    # cast and cut on the host: into the backend's host copy as well as into the device.
+    supports_host_refit = True
+
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A trainer's state_dict tensors (full, in the model's dtype); a tensor-parallel rank
         keeps its shard of each, cut as the plan cuts it (`rank_shard`)."""

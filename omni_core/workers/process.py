@@ -98,6 +98,7 @@ from omni_core.workers.config import WorkerConfig
 from omni_core.workers.continuous import Finished, RunningRequests
 from omni_core.workers.device_ledger import one_incoming_wake
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
+from omni_core.workers.host_refit import host_refit_ready, refit_into_host
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
 from omni_core.workers.parent_watch import set_death_signal, watch_parent
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
@@ -223,6 +224,8 @@ class WorkerProcess:
                 capabilities = (*capabilities, Capability.ADAPTERS)
             if self.runner.supports_step_mode:
                 capabilities = (*capabilities, Capability.STEP_MODE)
+            if host_refit_ready(self.backend, self.runner, cfg.tags):
+                capabilities = (*capabilities, Capability.HOST_REFIT)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
@@ -750,6 +753,8 @@ class WorkerProcess:
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
             return drop_derived_caches(runner, flush=True)
+        elif isinstance(effect, UpdateEffect) and effect.into_host:
+            return refit_into_host(backend, runner, self.receiver, effect)  # the device untouched
         elif isinstance(effect, UpdateEffect):
             if not effect.flush_cache:
                 refuse_kept_caches(runner)  # before anything is written: INVALID_ARGUMENT

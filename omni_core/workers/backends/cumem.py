@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from omni_core.protocol import Capability
-from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
+from omni_core.workers.backends.base import BackendStateError, BackendUnavailable, MemoryBackend
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired
 
 CUMEM_MODULE = "vllm.device_allocator.cumem"
@@ -111,6 +111,7 @@ class CumemBackend(MemoryBackend):
     name = "cumem"
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)
     supports_memory_gate = True  # gated per allocation, before cuMemCreate/cuMemMap
+    supports_host_refit = True  # an offloaded allocation's bytes are its cpu_backup_tensor
 
     def __init__(self, device: torch.device, *, module: Any = None) -> None:
         """`module` stands in for vllm.device_allocator.cumem (tests pass a fake one)."""
@@ -222,6 +223,19 @@ class CumemBackend(MemoryBackend):
             raise
         for _, data in allocs:
             data.cpu_backup_tensor = None
+
+    def _host_copy_of(self, tag: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # Asleep, a tensor keeps its virtual address: the allocation holding it names its backup.
+        address = tensor.untyped_storage().data_ptr()
+        for ptr, data in self._allocations({tag}):
+            if ptr <= address < ptr + handle_of(data).size:
+                if not self._is_asleep(data) or data.cpu_backup_tensor is None:
+                    break
+                return data.cpu_backup_tensor, address - ptr
+        raise BackendStateError(
+            f"the tensor at {address:#x} has no host copy in {tag!r} (outside its pool, or discarded "
+            "by a level-2 sleep); wake the tag and update on the device"
+        )
 
     def _resident_bytes(self, tag: str) -> int:
         return sum(handle_of(d).size for _, d in self._allocations({tag}) if not self._is_asleep(d))
