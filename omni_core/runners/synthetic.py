@@ -201,17 +201,22 @@ class SyntheticRunner(ModelRunner):
         return {"calibration": self.calibration} if self.calibration is not None else {}
 
     def reload_weights(self, source: str | None) -> None:
-        self._fill(self.seed if source is None else _parse_seed(source))
+        seed = self.seed if source is None else _parse_seed(source)
+        elsewhere = sorted({str(w.device) for w in self.weights if w.device != self.device})
+        if elsewhere:  # the weights point at a host copy (a refit while asleep)
+            raise RunnerArgumentError(
+                f"the synthetic runner draws its weights on {self.device}, not on {elsewhere}: a refit into "
+                "the host copy takes an shm, ipc or collective update; wake it to reload from 'seed:N'"
+            )
+        self._fill(seed)
 
     def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
         # The calibration buffer is not a weight: like a reload, an update leaves it alone.
         return {f"w{i}": ((self.rows, self.hidden), self.dtype) for i in range(self.tensor_count)}
 
-    @property
-    def supports_host_refit(self) -> bool:  # type: ignore[override]
-        # Updates copy in place anywhere; a reload draws from a generator on the rank's device,
-        # whose values a host generator would not repeat: on a CPU rank only.
-        return self.device.type == "cpu"
+    # Updates copy in place wherever the tensors point (the host copy too); a reload draws from
+    # a generator on the rank's device, which a host copy cannot take: refused before writing.
+    supports_host_refit = True
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
