@@ -131,7 +131,9 @@ def measure(device: torch.device, weights_bytes: int) -> tuple[list[Run], dict[s
         wake_s, wake_peak = _timed(peak, lambda: engine.wake("rollout"))
         runs = [Run("wake alone", wake_s, wake_peak, True)]
         for version, asleep in ((1, True), (2, False)):
-            runs.append(_one_refit(engine, peak, _new_weights(specs, device, version), version, asleep, expected[version]))
+            runs.append(
+                _one_refit(engine, peak, _new_weights(specs, device, version), version, asleep, expected[version])
+            )
     return runs, {"backend": backend}
 
 
@@ -174,7 +176,7 @@ def _commit() -> str:
 
 
 def render(runs: list[Run], device: torch.device, weights_bytes: int, command: str, extra: dict[str, Any]) -> str:
-    wake, refit, baseline = runs
+    wake, refit, _baseline = runs
     machine = f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)"
     if device.type == "cuda":
         machine += f", {torch.cuda.get_device_name(device)}"
@@ -204,7 +206,9 @@ def render(runs: list[Run], device: torch.device, weights_bytes: int, command: s
         + ("met" if ratio <= WAKE_TARGET_RATIO else f"missed by {ratio / WAKE_TARGET_RATIO:.2f}x: {_why_slow(device)}")
         + " |",
         _peak_row(device, refit, bound),
-        f"| outputs equal to the reference for the new version | {refit.equal} | {'met' if refit.equal else 'missed'} |",
+        f"| outputs equal to the reference for the new version | {refit.equal} | "
+        + ("met" if refit.equal else "missed")
+        + " |",
         "",
     ]
     return "\n".join(lines)
@@ -212,7 +216,10 @@ def render(runs: list[Run], device: torch.device, weights_bytes: int, command: s
 
 def _why_slow(device: torch.device) -> str:
     if device.type == "cuda":
-        return "the refit copies every byte device to host before the wake copies it back; overlapping the two is not built"
+        return (
+            "the refit copies every byte device to host before the wake copies it back; "
+            "overlapping the two is not built"
+        )
     return "on CPU the refit and the wake are both a memcpy of every byte, so the pair takes about twice one"
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,11 +209,22 @@ class ModelRunner(ABC):
         pools itself, at the points where the framework allocates."""
         tags = tuple(tags)
         self.adapter_tag = ADAPTERS_TAG if ADAPTERS_TAG in tags else WEIGHTS_TAG
+        held = self.runner_tags()
         for tag in tags:
             if budget is not None and tag == KV_CACHE_TAG:
                 self.fit_caches(budget.available_bytes())
-            with open_pool(tag):
+            with nullcontext() if tag in held else open_pool(tag):
                 self.allocate(tag)
+
+    def runner_tags(self) -> frozenset[str]:
+        """Tags whose memory the runner releases in `before_sleep` and restores in `after_wake`
+        itself, outside every backend pool (vLLM's NCCL communicators: `comm`); the backend
+        never sees them. The default: none."""
+        return frozenset()
+
+    def held_bytes(self, tag: str) -> int:
+        """Device bytes the runner holds now for one of its `runner_tags` (0 while released)."""
+        return 0
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
         """Called before the backend releases `offload | discard`: drop state that would

@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import COMM_TAG, CUDA_GRAPH_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_each, parse_generation
@@ -84,6 +84,37 @@ OWNED_ENGINE_ARGS = frozenset(
     }
 )
 ALLOCATOR_BACKENDS = ("cumem", "fast")
+VLLM_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG, COMM_TAG)
+# vLLM's own opt-ins for the memory beyond its weights and KV cache (vLLM 0.34; 0.26 has none):
+# its CUDA graphs captured into the CuMemAllocator's "cudagraph" pool, offloaded at a sleep and
+# restored in place at a wake; its NCCL communicators suspended (ncclCommSuspend) and resumed.
+TAG_ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    CUDA_GRAPH_TAG: {"enable_sleep_mode": True, "sleep_mode_offload_cudagraph": True},
+    COMM_TAG: {"enable_sleep_mode": True, "enable_nccl_comm_suspend": True},
+}
+
+
+def _engine_arg_names() -> frozenset[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def tag_engine_args(tags: frozenset[str], names: Callable[[], frozenset[str]] = _engine_arg_names) -> dict[str, Any]:
+    """The engine arguments the stage's tags `cuda_graph` and `comm` ask of vLLM; refused,
+    naming them, where this vLLM lacks them (the stage then drops the tags)."""
+    wanted: dict[str, Any] = {}
+    for tag in sorted(tags & TAG_ENGINE_ARGS.keys()):
+        wanted.update(TAG_ENGINE_ARGS[tag])
+    missing = sorted(set(wanted) - names()) if wanted else []
+    if missing:
+        raise ValueError(
+            f"this vLLM has no engine args {missing}, which the tags {sorted(tags & TAG_ENGINE_ARGS.keys())} need "
+            "(vLLM's own graph-pool offload and communicator suspend, vLLM >= 0.34); drop those tags from the stage"
+        )
+    return wanted
 
 
 @dataclass
@@ -329,6 +360,7 @@ class VllmRunner(ModelRunner):
         if attention_backend is not None:
             self.engine_kwargs["attention_config"] = {"backend": attention_backend}
         self.llm: Any = None
+        self.held: frozenset[str] = frozenset()  # the runner's own tags: `comm` when the stage has it
         self.worker: Any = None
         self.tokenizer: Any = None
         self.kv_cache_bytes: int | None = None
@@ -342,18 +374,19 @@ class VllmRunner(ModelRunner):
 
     def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
         tags = list(tags)
-        if sorted(tags) != sorted([WEIGHTS_TAG, KV_CACHE_TAG]):
+        if not {WEIGHTS_TAG, KV_CACHE_TAG} <= set(tags) or set(tags) - set(VLLM_TAGS):
             raise ValueError(
-                f"the vllm runner allocates exactly the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's "
-                f"pools); the stage has {tags}"
+                f"the vllm runner allocates the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's pools), and "
+                f"optionally {[CUDA_GRAPH_TAG, COMM_TAG]} (vLLM's graph pool and communicators); the stage has {tags}"
             )
+        self.held = frozenset(tags) & {COMM_TAG}
         backend_name = getattr(getattr(open_pool, "__self__", None), "name", None)
         if backend_name is not None and backend_name not in ALLOCATOR_BACKENDS:
             raise ValueError(
                 f"the vllm runner needs an allocator backend {list(ALLOCATOR_BACKENDS)} (vLLM's tensors "
                 f"must keep their addresses across a sleep); the stage has backend={backend_name!r}"
             )
-        kwargs = dict(self.engine_kwargs)
+        kwargs = {**self.engine_kwargs, **tag_engine_args(frozenset(tags))}
         if budget is not None:
             # vLLM checks at start-up that this much of the device is free; the KV cache is
             # then sized by OmniVllmWorker from this process's own use, not device-wide.
@@ -405,6 +438,13 @@ class VllmRunner(ModelRunner):
         # Cached prefix blocks would point into a KV cache that is about to be released.
         if KV_CACHE_TAG in offload | discard:
             self.reset_prefix_cache()
+        if COMM_TAG in (offload | discard) & self.held:
+            from vllm.distributed.parallel_state import suspend_device_comms
+
+            suspend_device_comms()  # ncclCommSuspend: collective, every rank sleeps the tag
+
+    def runner_tags(self) -> frozenset[str]:
+        return self.held
 
     def reset_prefix_cache(self) -> int | None:
         """vLLM's own reset: every cached prefix block is freed for reuse, the KV cache stays
@@ -421,6 +461,10 @@ class VllmRunner(ModelRunner):
         return (DerivedCache(PREFIX_KV_CACHE, keyed_by_version=False),)
 
     def after_wake(self, tags: frozenset[str]) -> None:
+        if COMM_TAG in tags & self.held:
+            from vllm.distributed.parallel_state import resume_device_comms
+
+            resume_device_comms()
         if KV_CACHE_TAG in tags:
             self.worker.model_runner.post_kv_cache_wake_up()
 

@@ -46,6 +46,7 @@ from omni_core.fsm.effects import (
     WakeEffect,
     WeightGroupEffect,
 )
+from omni_core.fsm.tags import CUDA_GRAPH_TAG
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import (
     HELLO_TASK_ID,
@@ -299,8 +300,13 @@ class WorkerProcess:
         self.backend.declare_read_only(
             self.runner.read_only_tags() & set(self.config.tags), verify=self.config.verify_clean_sleep
         )
+        held = self.runner.runner_tags()
         for tag in self.config.tags:
+            if tag in held:
+                continue  # the runner releases and restores it itself
             self.backend.track(tag, self.runner.tensors(tag))
+            if tag == CUDA_GRAPH_TAG and tag not in self.backend.tags:
+                self.backend.adopt(tag)  # filled by the framework inside the backend's allocator
         if fraction is not None:
             check_budget(self.memory, fraction)
         self._report_to_ledger()
@@ -323,8 +329,9 @@ class WorkerProcess:
         if directory is not None and effect.memory_wait_s > 0:
             who = f"stage {self.config.stage} rank {self.config.rank}, pid {os.getpid()} (engine pid {os.getppid()})"
             incoming = one_incoming_wake(directory, who, effect.memory_wait_s)
+        held = self.runner.runner_tags() if self.runner is not None else frozenset()
         with incoming:
-            backend.wake(effect.tags, gate, links=effect.links)
+            backend.wake(effect.tags - held, gate, links=effect.links)  # after_wake restores the rest
 
     def _report_to_ledger(self) -> None:
         """The rank's resident bytes in its GPU's node ledger, after each effect and the load."""
@@ -737,7 +744,9 @@ class WorkerProcess:
             # A swap whose incoming stage fits; the device is asked only by a backend that can use it.
             late = backend.supports_late_release and room_for(self.free_memory, effect.incoming_bytes)
             saved = runner.buffers_to_save()
-            backend.sleep(effect.offload, effect.discard, buffers=saved, links=effect.links, release_late=late)
+            held = runner.runner_tags()  # released by before_sleep: no backend pool holds them
+            offload, discard = effect.offload - held, effect.discard - held
+            backend.sleep(offload, discard, buffers=saved, links=effect.links, release_late=late)
         elif isinstance(effect, WakeEffect):
             self._wake(backend, effect)
             runner.after_wake(effect.tags)
@@ -815,7 +824,10 @@ class WorkerProcess:
     # ------------------------------------------------------------------ measuring
 
     def _usage(self) -> dict[str, int]:
-        return self.backend.usage() if self.backend is not None else {}
+        usage = self.backend.usage() if self.backend is not None else {}
+        if self.runner is not None:
+            usage.update({tag: self.runner.held_bytes(tag) for tag in self.runner.runner_tags()})
+        return usage
 
     def _figure(self) -> MemoryFigure:
         if self.memory is None:

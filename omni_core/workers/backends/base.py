@@ -176,6 +176,15 @@ class MemoryBackend(ABC):
                 "links; plan links only for ranks whose Hello declares multi_path"
             )
 
+    def adopt(self, tag: str) -> None:
+        """Know `tag` as a pool whose allocations the framework makes itself inside this
+        backend's allocator (vLLM's CUDA graph pool: `cuda_graph`), so it sleeps and wakes with
+        the others. A backend whose allocator has no such pool refuses, saying so."""
+        raise BackendStateError(
+            f"backend {self.name!r} holds no pool the framework fills for tag {tag!r}; "
+            f"drop {tag!r} from the stage's tags, or use the cumem backend"
+        )
+
     def host_view(self, tag: str, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor of `tensor`'s dtype, shape and strides over the bytes that stand for it
         in the host copy of `tag`, asleep at level 1: what is written into it is what the next
