@@ -299,6 +299,29 @@ class LoadLoraTensorsBody(BaseModel):
     added_tokens_config: dict[str, Any] | None = Field(None, description="refused unless null")
 
 
+class AddAdapterBody(_Strict):
+    """POST /v1/stages/{name}/adapters: the protocol's AddAdapter from a directory (P-20)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$", description="the adapter's name")
+    source: str = Field(min_length=1, max_length=4096, description="a PEFT directory under allowed_reload_sources")
+    rank: int | None = Field(None, ge=1, le=1024, description="null: adapter_config.json's r")
+    target_modules: list[str] | None = Field(None, max_length=32, description="null: adapter_config.json's")
+    version: int = Field(1, ge=0, le=2**63 - 1, description="the adapter's own version")
+    base_version: int | None = Field(None, ge=0, le=2**63 - 1, description="null: the weights the stage holds")
+    pinned: bool = False
+    rebind: bool = Field(False, description="serve it on the weights held, whatever base_version says")
+    timeout_s: float | None = None
+
+
+class PinAdapterBody(_Strict):
+    pinned: bool = Field(True, description="false unpins")
+    timeout_s: float | None = None
+
+
+class TimeoutBody(_Strict):
+    timeout_s: float | None = None
+
+
 class UnloadLoraBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
