@@ -120,6 +120,9 @@ def test_models_make_lora_writes_an_adapter_peft_loads(tmp_path, capsys) -> None
     assert "LoRA rank 4 on q_proj,v_proj, seed 2" in capsys.readouterr().out
     config = PeftConfig.from_pretrained(str(target / "lora"))
     assert (config.r, sorted(config.target_modules), config.base_model_name_or_path) == (4, list(MODULES), str(target))
+    assert cli_main(["models", "make", "dit", "tiny", str(tmp_path / "dit"), "--lora", "--quiet"]) == 0
+    assert "LoRA rank 4 on to_q,to_v, seed 0" in capsys.readouterr().out
+    assert (tmp_path / "dit" / "lora" / "pytorch_lora_weights.safetensors").is_file()  # diffusers' format
     assert cli_main(["models", "make", "ddpm", "tiny", str(tmp_path / "ddpm"), "--lora", "--quiet"]) == 2
     assert "is not a transformers checkpoint (no config.json): a LoRA needs its base model" in capsys.readouterr().err
 
