@@ -264,6 +264,7 @@ def test_an_add_that_raised_once_writing_began_unloads_the_adapter_of_its_name()
     d.send(command)
     (failed,) = d.w.step(EffectRaised(command.task_id, "RuntimeError: copy failed")).replies
     assert "adapter 'sql' was unloaded (add it again)" in failed.detail and not d.w.failure
+    assert "nothing was loaded" not in failed.detail
     assert _list(d) == {}
     result = d.run(Execute(task_id=fresh("q"), epoch=0, adapter="sql"))
     assert result.reason is NackReason.ADAPTER_UNAVAILABLE

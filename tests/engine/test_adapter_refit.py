@@ -125,3 +125,33 @@ def test_a_refit_by_broadcast_reaches_every_rank_of_the_weight_group(engine_fact
     )
     refit = engine.execute("lora", PROBE, adapter="sql", with_version=True)
     assert refit.output["data"] == eight and refit.adapter_version == 2
+
+
+def test_requests_around_a_refit_run_on_one_adapter_version_each(engine_factory, sender) -> None:
+    """The rank frozen (SIGSTOP) with a request on it, the refit sent, another request sent: when
+    it runs on, every result names the adapter version that computed it, and its output is
+    that version's: no request straddles the refit, whichever order the rank takes them in."""
+    import signal
+
+    from tests.engine.conftest import in_thread, rank_pid, resume, wait_for
+
+    engine = engine_factory(adapter_stage())
+    add(engine, "seven", 7)
+    add(engine, "eight", 8)
+    by_version = {1: data(engine, "seven"), 2: data(engine, "eight")}
+    engine.add_adapter("lora", "sql", tensors=sender.share(seeded_tensors(7)))
+    source = sender.share(seeded_tensors(8))
+    pid = rank_pid(engine, "lora", 0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        before = engine.submit("lora", PROBE, adapter="sql", timeout_s=60.0, with_version=True)
+        wait_for(lambda: engine.status()["lora"]["in_flight"] == 1, what="the request in flight")
+        refit = in_thread(lambda: engine.add_adapter("lora", "sql", tensors=source, version=2, timeout_s=60.0))
+        after = engine.submit("lora", PROBE, adapter="sql", timeout_s=60.0, with_version=True)
+    finally:
+        resume(pid)
+    assert [a.version for a in refit.result(60).adapters if a.name == "sql"] == [2]
+    for result in (before.result(60), after.result(60)):
+        assert result.output["data"] == by_version[result.adapter_version]
+    assert before.result(60).adapter_version == 1  # it was on the rank before the refit
+    assert engine.execute("lora", PROBE, adapter="sql", with_version=True).adapter_version == 2
