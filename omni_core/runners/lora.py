@@ -202,3 +202,45 @@ class PeftAdapters:
             return
         self.peft.set_adapter(name)
         yield
+
+
+def lora_specs(
+    weight_specs: dict[str, tuple[tuple[int, ...], torch.dtype]], command: AddAdapter
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of an adapter of `command.rank` on its modules, by PEFT's saved names, from a
+    model's own weights (`<module>.weight` of shape (out, in)): lora_A (rank, in), lora_B (out, rank)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in weight_specs.items():
+        owner = name.removesuffix(".weight")
+        if owner != name and len(shape) == 2 and owner.rsplit(".", 1)[-1] in command.target_modules:
+            specs[f"base_model.model.{owner}.lora_A.weight"] = ((command.rank, shape[1]), dtype)
+            specs[f"base_model.model.{owner}.lora_B.weight"] = ((shape[0], command.rank), dtype)
+    return specs
+
+
+def write_peft_dir(
+    directory: Path, command: AddAdapter, alpha: float, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """An adapter's tensors as a PEFT directory, for a framework that loads adapters only from
+    one (vLLM's add_lora): adapter_model.safetensors and its adapter_config.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors}, str(directory / ADAPTER_WEIGHTS))
+    config = {
+        "peft_type": "LORA",
+        "r": command.rank,
+        "lora_alpha": alpha,
+        "target_modules": list(command.target_modules),
+    }
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def peft_alpha(directory: str) -> float | None:
+    """The lora_alpha a PEFT directory's config says, or None."""
+    try:
+        config = json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        alpha = config.get("lora_alpha")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(alpha) if isinstance(alpha, int | float) else None
