@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -79,11 +81,47 @@ def tensors_shape(tensors: AdapterTensors) -> tuple[int, tuple[str, ...]]:
     return ranks.pop(), tuple(sorted(modules))
 
 
+MAX_REFIT_FLOORS = 4096  # (stage, adapter) pairs whose highest refit version is kept; oldest out
+_FLOORS_LOCK = threading.Lock()
+
+
 class AdapterCalls:
     """Mixed into Engine: the four adapter commands."""
 
     _task: Any
     _lifecycle: Any
+
+    def refit_floor(self, stage: str, name: str) -> int:
+        """The highest version this engine sent for a refit of adapter `name` on `stage` (0:
+        none); a refit must send a higher one (tla/OmniAdapterRefit.tla, reuse_version)."""
+        with _FLOORS_LOCK:
+            return self._floors().get((stage, name), 0)
+
+    def _floors(self) -> OrderedDict[tuple[str, str], int]:
+        floors: OrderedDict[tuple[str, str], int] | None = getattr(self, "_refit_floors", None)
+        if floors is None:
+            floors = self._refit_floors = OrderedDict()
+        return floors
+
+    def _claim_refit(self, stage: str, name: str, version: int) -> None:
+        """A refit's version, above every one sent for the adapter, claimed before it goes out:
+        a refit that reached some ranks only never has its version reused for other tensors,
+        so ranks that agree on a version hold the same tensors. An engine that kept more than
+        MAX_REFIT_FLOORS pairs forgets the oldest (its ranks still refuse a version not above
+        the one they hold)."""
+        with _FLOORS_LOCK:
+            floors = self._floors()
+            floor = floors.get((stage, name), 0)
+            if version <= floor:
+                raise InvalidArgumentError(
+                    f"adapter {name!r} on stage {stage!r}: a refit from tensors at version {version}, and this "
+                    f"engine sent version {floor} before: a refit needs a version above every one sent, so that "
+                    f"a version names one set of tensors on every rank; send {floor + 1} or above. Nothing was sent"
+                )
+            floors[(stage, name)] = version
+            floors.move_to_end((stage, name))
+            while len(floors) > MAX_REFIT_FLOORS:
+                floors.popitem(last=False)
 
     def add_adapter(
         self,
@@ -115,8 +153,9 @@ class AdapterCalls:
         a weight plane (what `WeightSender.share` returns: shm buckets or CUDA IPC handles, or
         a `CollectiveSource` broadcast over the weight group) instead of a directory; `rank`
         and `target_modules` default to what their names and shapes say, `source` to a label.
-        An adapter of the name loaded is refit in place, and `version` must be above its own;
-        every rank runs each request with one version (a Result names it)."""
+        An adapter of the name loaded is refit in place, and `version` must be above its own
+        and above every version this engine sent in a refit of it (`refit_floor`); every rank
+        runs each request with one version (a Result names it)."""
         if tensors is not None:
             if not isinstance(tensors, ShmSource | IpcSource | CollectiveSource):
                 raise InvalidArgumentError(
@@ -149,6 +188,8 @@ class AdapterCalls:
             tensors=tensors,
             lora_alpha=lora_alpha,
         )
+        if tensors is not None:
+            self._claim_refit(stage, name, version)
         return self._adapter_call(stage, "add_adapter", command, task_id, timeout_s)
 
     def remove_adapter(

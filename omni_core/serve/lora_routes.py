@@ -83,11 +83,12 @@ def peft_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def refit(engine: Any, stage: str, body: m.LoadLoraTensorsBody, source: AdapterTensors, task_id: str | None) -> Any:
-    """One stage's AddAdapter from tensors; without a version, one above the one it holds."""
+    """One stage's AddAdapter from tensors; without a version, one above the one it holds and
+    every one sent for it."""
     version = body.version
     if version is None:
         held = [a.version for a in engine.list_adapters(stage).adapters if a.name == body.lora_name]
-        version = max(held, default=0) + 1
+        version = max([*held, engine.refit_floor(stage, body.lora_name)], default=0) + 1
     fields = peft_fields(body.config_dict)
     return engine.add_adapter(
         stage, body.lora_name, tensors=source, version=version, pinned=body.pinned, task_id=task_id, **fields

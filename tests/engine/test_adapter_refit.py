@@ -54,9 +54,9 @@ def test_a_refit_over_shm_serves_the_new_tensors_at_a_new_version(engine_factory
     ]
     assert data(engine, "sql") == seven  # the tensors serve as the adapter they came from
 
-    with pytest.raises(InvalidArgumentError, match="loaded at version 1; a refit from tensors must raise it"):
+    with pytest.raises(InvalidArgumentError, match="engine sent version 1 before: a refit needs a version above"):
         engine.add_adapter("lora", "sql", tensors=sender.share(seeded_tensors(8)), version=1)
-    assert data(engine, "sql") == seven  # refused: nothing written
+    assert data(engine, "sql") == seven  # refused: nothing sent, nothing written
     engine.add_adapter("lora", "sql", tensors=sender.share(seeded_tensors(8)), version=2)
     refit = engine.execute("lora", PROBE, adapter="sql", with_version=True)
     assert refit.output["data"] == eight and (refit.adapter, refit.adapter_version) == ("sql", 2)
@@ -76,23 +76,26 @@ def test_wrong_or_hostile_tensors_are_refused_and_the_old_version_serves_on(engi
         engine.add_adapter("lora", "sql", tensors=sender.share(bent), rank=4, target_modules=MODULES, version=2)
     half = {k: v for k, v in named.items() if ".w0." in k}
     with pytest.raises(InvalidArgumentError, match="2 of its 4 tensors are not sent"):
-        engine.add_adapter("lora", "sql", tensors=sender.share(half), target_modules=MODULES, version=2)
+        engine.add_adapter("lora", "sql", tensors=sender.share(half), target_modules=MODULES, version=3)
     source = sender.share(named)
     (bucket,) = source.buckets
     outside = ShmSource(buckets=(msgspec.structs.replace(bucket, handle=str(tmp_path / "bucket")),))
     with pytest.raises(InvalidArgumentError, match="is not a file directly under /dev/shm"):
-        engine.add_adapter("lora", "sql", tensors=outside, version=2)
+        engine.add_adapter("lora", "sql", tensors=outside, version=4)
     link = SHM_DIR / f"omni-test-link-{os.getpid()}"
     os.symlink(bucket.handle, link)  # a bucket named through a symlink: never followed
     try:
         linked = ShmSource(buckets=(msgspec.structs.replace(bucket, handle=str(link)),))
         with pytest.raises(InvalidArgumentError, match="is a symbolic link"):
-            engine.add_adapter("lora", "sql", tensors=linked, version=2)
+            engine.add_adapter("lora", "sql", tensors=linked, version=5)
     finally:
         link.unlink()
     sender.close()  # the sender released its buckets: the files are gone
     with pytest.raises(InvalidArgumentError, match="cannot be opened"):
-        engine.add_adapter("lora", "sql", tensors=source, version=2)
+        engine.add_adapter("lora", "sql", tensors=source, version=6)
+    assert engine.refit_floor("lora", "sql") == 6  # each refused refit burned its version
+    with pytest.raises(InvalidArgumentError, match="engine sent version 6 before: a refit needs a version above"):
+        engine.add_adapter("lora", "sql", tensors=sender.share(named), version=6)
     listed = engine.list_adapters("lora").adapters
     assert [(a.name, a.version, a.status) for a in listed] == [("sql", 1, "loaded")]
     assert data(engine, "sql") == before
