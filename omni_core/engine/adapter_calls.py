@@ -100,7 +100,8 @@ class AdapterCalls:
     def _floors(self) -> OrderedDict[tuple[str, str], int]:
         floors: OrderedDict[tuple[str, str], int] | None = getattr(self, "_refit_floors", None)
         if floors is None:
-            floors = self._refit_floors = OrderedDict()
+            floors = OrderedDict()
+            self._refit_floors = floors
         return floors
 
     def _claim_refit(self, stage: str, name: str, version: int) -> None:

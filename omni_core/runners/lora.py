@@ -128,7 +128,8 @@ class PeftAdapters:
         name, held = command.name, self._shape(command.name)
         alpha = command.lora_alpha if command.lora_alpha is not None else (held[2] if held else float(command.rank))
         if held != (command.rank, tuple(sorted(command.target_modules)), alpha):
-            config = LoraConfig(r=command.rank, lora_alpha=alpha, target_modules=list(command.target_modules))
+            # PEFT types lora_alpha int, and scales by it as a float (alpha / r): a refit's alpha may be one.
+            config = LoraConfig(r=command.rank, lora_alpha=alpha, target_modules=list(command.target_modules))  # type: ignore[arg-type]
             if self.peft is None:
                 self.peft = PeftModel(self.model, config, adapter_name=name)
             else:

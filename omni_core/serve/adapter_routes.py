@@ -7,6 +7,7 @@ CLI's `omni-core adapters` verb speaks them."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -19,7 +20,11 @@ from omni_core.serve.state import ServeState
 
 def router(state: ServeState) -> APIRouter:
     api = APIRouter(dependencies=[Depends(require_key)])
-    report = {"response_model": m.LifecycleReportModel, "responses": m.ERROR_RESPONSES, "tags": ["omni-core"]}
+    report: dict[str, Any] = {
+        "response_model": m.LifecycleReportModel,
+        "responses": m.ERROR_RESPONSES,
+        "tags": ["omni-core"],
+    }
 
     @api.get("/v1/stages/{name}/adapters", **report)
     async def list_adapters(name: str, request: Request) -> Response:
@@ -60,7 +65,7 @@ def router(state: ServeState) -> APIRouter:
     async def pin_adapter(name: str, adapter: str, request: Request, body: m.PinAdapterBody | None = None) -> Response:
         """PinAdapter on every rank: pinned (default) or not; a pinned adapter is never evicted."""
         state.stage_name(name)
-        body = body or m.PinAdapterBody()
+        body = body or m.PinAdapterBody(pinned=True)
         engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
         call = functools.partial(engine.pin_adapter, name=adapter, pinned=body.pinned, timeout_s=limit_s)
         return await stage_route(state, request, name, "pin_adapter", call)
