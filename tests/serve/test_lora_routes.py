@@ -151,3 +151,21 @@ def test_sglang_load_from_tensors_refits_the_adapter_over_shm(chat: Served, root
     finally:
         sender.close()
     assert chat.client.post("/unload_lora_adapter", json={"lora_name": "rl"}).json()["success"] is True
+
+
+def test_the_openai_routes_serve_an_adapter_named_as_the_model(chat: Served, root: Path) -> None:
+    """vLLM's way: an adapter loaded through /v1/load_lora_adapter is a model of GET /v1/models,
+    and a completion naming it as `model` runs with it, its answer naming the adapter's version."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    base = chat.client.post("/v1/completions", json=body).json()["choices"][0]
+    assert "adapter" not in base
+    loaded = chat.client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(root / "sql")})
+    assert loaded.status_code == 200, loaded.text
+    answer = chat.client.post("/v1/completions", json=body | {"model": "sql"})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["token_ids"] == _peft_tokens(root) != base["token_ids"]
+    assert (answer.json()["model"], choice["adapter"], choice["adapter_version"]) == ("sql", "sql", 1)
+    assert chat.client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+    unknown = chat.client.post("/v1/completions", json=body | {"model": "sql"})
+    assert unknown.status_code == 404 and "model 'sql' is not served here" in unknown.text
