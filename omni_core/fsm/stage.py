@@ -1044,11 +1044,24 @@ class StageCore:
                 for r, v in mixed.items()
             }
             return self._fail_task(why, now) if self._task else self._fail_idle(why, now)
+        elif len({m.adapter_version for m in results}) > 1:
+            self._answer_adapter_straddle(request)
         elif results:  # ranks of one stage compute the same result: rank 0's
             first = results[0]
             ran = (first.weights_version, first.adapter, first.adapter_version)
             self.requests.answer(request, None, "", first.output, *ran)
         return self._retire(request, now)
+
+    def _answer_adapter_straddle(self, request: StageRequest) -> None:
+        """P-20: an adapter refit that reached some ranks only: never a result of two versions."""
+        versions = {r: m.adapter_version for r, m in sorted(request.replies.items()) if isinstance(m, Result)}
+        self.requests.answer(
+            request,
+            RequestError.FAILED,
+            f"stage {self.name!r}: ranks answered request {request.request_id} with adapter "
+            f"{request.adapter!r} at versions {versions}: a refit reached only some ranks; the result "
+            "is discarded: add the adapter again (one version on every rank)",
+        )
 
     def _retire(self, request: StageRequest, now: float) -> StageStep:
         self.requests.retire(request)

@@ -144,6 +144,10 @@ _NO_LINKS = (
 
 
 ADAPTER_COMMANDS = (AddAdapter, RemoveAdapter, PinAdapter, ListAdapters)
+# Acks that list the adapters (P-20): the adapter commands', and those of the commands that
+# change what the adapters are (a sleep offloads or discards them, a reload or update leaves
+# them stale), so the engine's view of them follows the ranks'.
+ADAPTER_REPORTS = (*ADAPTER_COMMANDS, Sleep, Wake, ReloadWeights, UpdateWeights)
 
 
 _WHERE = (
@@ -451,7 +455,7 @@ class WorkerCore:
             weights_version=self.weights_version,
             shared=shared,
             caches_dropped=caches_dropped,
-            adapters=self.adapters.infos() if isinstance(command, ADAPTER_COMMANDS) else (),
+            adapters=self.adapters.infos() if isinstance(command, ADAPTER_REPORTS) else (),
             adapters_evicted=adapters_evicted,
         )
 
@@ -831,13 +835,18 @@ class WorkerCore:
             case PinAdapter():
                 self.adapters.pin(command.name, command.pinned)
 
-    def _adapter_failed(self, command: Command, evicted: tuple[str, ...], detail: str) -> Any:
+    def _adapter_failed(self, command: Command, evicted: tuple[str, ...], detail: str, raised: bool = False) -> Any:
         """The shell refused or failed the adapter command: the rank keeps its state and serves
         on. An add that failed after its evictions ran has lost those adapters too: unloaded,
-        and the table (and so a ListAdapters) says so."""
+        and the table (and so a ListAdapters) says so. An add that raised once loading began
+        (`raised`) may have half-written the adapter of its name: the shell unloaded it, so the
+        table drops it too and no request is served with it."""
         for name in evicted:
             self.adapters.remove(name)
         lost = f"; evicted before the load failed: {list(evicted)}" if evicted else "; nothing was loaded"
+        if raised and isinstance(command, AddAdapter) and self.adapters.get(command.name) is not None:
+            self.adapters.remove(command.name)
+            lost = f"{lost.replace('; nothing was loaded', '')}; adapter {command.name!r} was unloaded (add it again)"
         return self._nack(
             command, NackReason.INVALID_ARGUMENT, f"{detail}{lost}; this rank is still {self.state.value}"
         )
@@ -994,7 +1003,7 @@ class WorkerCore:
                 self.profiling = False
                 reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
             case _ if isinstance(command, ADAPTER_COMMANDS):
-                reply = self._adapter_failed(command, pending.evict, what)
+                reply = self._adapter_failed(command, pending.evict, what, raised=True)
             case _ if type(command) in WORKER_CALLS:
                 # No pool memory moved: the rank keeps its state.
                 reason = WORKER_CALLS[type(command)].error

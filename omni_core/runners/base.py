@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -299,6 +299,23 @@ class ModelRunner(ABC):
         name; runs inside the adapters' pool. Its tensors are listed by `tensors(tag)` of that
         pool's tag (`adapters`, else `weights`), so a level-1 sleep keeps them bit for bit."""
         raise RunnerArgumentError(f"{type(self).__name__} serves no LoRA adapters")
+
+    @property
+    def supports_adapter_tensors(self) -> bool:
+        return type(self).write_adapter is not ModelRunner.write_adapter
+
+    def adapter_specs(self, command: AddAdapter) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor an adapter of `command.rank` on `command.target_modules` holds, by the
+        name PEFT saves it under (`base_model.model.<module>.lora_A.weight`), with its shape and
+        dtype: what an AddAdapter's `tensors` must carry, checked before anything is written."""
+        raise RunnerArgumentError(f"{type(self).__name__} takes adapters from a directory only")
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Make the adapter `command.name` from `tensors` (checked against `adapter_specs`), or
+        refit the one held of that name, rank and modules in place (no new allocation, the
+        base weights untouched); runs inside the adapters' pool, as `add_adapter` does. A raise
+        once writing began leaves the adapter unloaded (the worker removes it)."""
+        raise RunnerArgumentError(f"{type(self).__name__} takes adapters from a directory only")
 
     def remove_adapter(self, name: str) -> None:
         """Unload the adapter `name`; a name not loaded is nothing to do."""

@@ -80,10 +80,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
 from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
+from omni_core.runners.diffusers_lora import DiffusersAdapters, adapter_problem
 from omni_core.runners.diffusion_steps import (
     DenoiserCall,
     DiffusionRequest,
@@ -357,9 +359,14 @@ class DiffusersRunner(ModelRunner):
             super().allocate(tag)
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
+        adapters = self.lora.tensors() if self.lora is not None else []
         if tag == WEIGHTS_TAG:
-            streamed = self.offload.streamed_ids() if self.offload is not None else set()
-            return [t for t in module_tensors(self.modules.values()) if id(t) not in streamed]
+            apart = self.offload.streamed_ids() if self.offload is not None else set()
+            if self.adapter_tag != WEIGHTS_TAG:
+                apart |= {id(t) for t in adapters}  # in a pool of their own (`adapters`)
+            return [t for t in module_tensors(self.modules.values()) if id(t) not in apart]
+        if tag == ADAPTERS_TAG:
+            return adapters
         if tag == OFFLOAD_TAG:
             return self.offload.tensors() if self.offload is not None else []
         if tag == KV_CACHE_TAG:
@@ -370,7 +377,7 @@ class DiffusersRunner(ModelRunner):
             return self.prompt_cache.tensors() if self.prompt_cache is not None else []
         raise ValueError(
             f"DiffusersRunner has no tag {tag!r}; it has "
-            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG]}"
+            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG, ADAPTERS_TAG]}"
         )
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
@@ -448,9 +455,50 @@ class DiffusersRunner(ModelRunner):
         if self.prompt_cache is not None:
             self.prompt_cache.close()
 
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    lora: DiffusersAdapters | None = None  # from the first AddAdapter
+
+    def _adapters(self) -> DiffusersAdapters:
+        if self.pipeline is None:
+            raise RuntimeError("an adapter before load_weights")
+        problem = adapter_problem(self.kind, self.offload_mode, self.world, self.parallel)
+        if problem is not None:
+            raise RunnerArgumentError(problem)
+        if self.lora is None or self.lora.pipeline is not self.pipeline:
+            self.lora = DiffusersAdapters(self.pipeline, self.kind)
+        return self.lora
+
+    def check_adapter(self, command: AddAdapter) -> None:
+        if command.tensors is not None:
+            raise RunnerArgumentError("the diffusers runner takes adapters from a directory only")
+        self._adapters().check(command)
+
+    def add_adapter(self, command: AddAdapter) -> None:
+        self._adapters().add(command)
+
+    def remove_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
+
     # ------------------------------------------------------------------ ops
 
+    def execute_adapter(self, payload: Any, adapter: str) -> dict[str, Any]:
+        return self._execute_with(adapter, payload)
+
     def execute(self, payload: Any) -> dict[str, Any]:
+        return self._execute_with(None, payload)
+
+    def _execute_with(self, adapter: str | None, payload: Any) -> dict[str, Any]:
+        """One op with adapter `adapter` alone, or every adapter off (None)."""
+        if self.lora is None or not self.lora.loads:
+            return self._execute(payload)
+        with self.lora.using(adapter, payload):
+            result = self._execute(payload)
+        self.lora.record(adapter, result, self.requests)
+        return result
+
+    def _execute(self, payload: Any) -> dict[str, Any]:
         op = self._check_payload(payload)
         if op == "prompt_cache":
             return self._prompt_cache_op(payload)
@@ -513,6 +561,8 @@ class DiffusersRunner(ModelRunner):
         work: list[tuple[int, str, DiffusionRequest, int]] = []
         for k, payload in enumerate(payloads):
             try:
+                if self.lora is not None:  # together: every adapter off, as a plain op runs
+                    self.lora.check_started(None, payload)
                 work.append((k, payload["op"], *self._claim_op(payload["op"], payload)))
             except Exception as exc:
                 outputs[k] = exc

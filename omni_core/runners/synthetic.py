@@ -28,7 +28,7 @@ import ctypes
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -162,8 +162,10 @@ class SyntheticRunner(ModelRunner):
     # ------------------------------------------------------------------ LoRA adapters (P-20)
 
     def check_adapter(self, command: AddAdapter) -> None:
-        """A synthetic adapter comes from 'seed:<int>'; its modules are the weights `w0`.."""
-        _parse_seed(command.source)
+        """A synthetic adapter comes from 'seed:<int>' or from tensors; its modules are the
+        weights `w0`.."""
+        if command.tensors is None:
+            _parse_seed(command.source)
         modules = {f"w{i}" for i in range(self.tensor_count)}
         missing = sorted(set(command.target_modules) - modules)
         if missing:
@@ -184,6 +186,30 @@ class SyntheticRunner(ModelRunner):
             b = torch.randn(self.hidden, command.rank, generator=gen) / math.sqrt(command.rank)
             pairs[index] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
         self.adapters[command.name] = pairs
+
+    def adapter_specs(self, command: AddAdapter) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for module in command.target_modules:
+            specs[f"base_model.model.{module}.lora_A.weight"] = ((command.rank, self.hidden), self.dtype)
+            specs[f"base_model.model.{module}.lora_B.weight"] = ((self.hidden, command.rank), self.dtype)
+        return specs
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        held = self.adapters.get(command.name)
+        shape = {int(m[1:]) for m in command.target_modules}
+        if held is None or set(held) != shape or held[next(iter(held))][0].shape[0] != command.rank:
+            held = {
+                i: (
+                    torch.empty(command.rank, self.hidden, dtype=self.dtype, device=self.device),
+                    torch.empty(self.hidden, command.rank, dtype=self.dtype, device=self.device),
+                )
+                for i in sorted(shape)
+            }
+            self.adapters[command.name] = held
+        with torch.no_grad():
+            for name, tensor in tensors:  # in place: a refit allocates nothing
+                module, _, kind = name.removeprefix("base_model.model.").partition(".lora_")
+                held[int(module[1:])][0 if kind.startswith("A") else 1].copy_(tensor)
 
     def remove_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)

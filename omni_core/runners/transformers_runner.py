@@ -290,6 +290,12 @@ class TransformersRunner(ModelRunner):
     def add_adapter(self, command: AddAdapter) -> None:
         self._adapters().add(command)
 
+    def adapter_specs(self, command: AddAdapter) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self._adapters().specs(command)
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._adapters().write(command, tensors)
+
     def remove_adapter(self, name: str) -> None:
         if self.lora is not None:
             self.lora.remove(name)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -48,13 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from omni_core.fsm.tags import COMM_TAG, CUDA_GRAPH_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_each, parse_generation
-from omni_core.runners.lora import check_peft_dir
+from omni_core.runners.lora import check_peft_dir, lora_specs, peft_alpha, write_peft_dir
 from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
 
 log = logging.getLogger("omni_core.runners.vllm")
@@ -369,6 +371,7 @@ class VllmRunner(ModelRunner):
         # P-20: adapters in vLLM's LoRA slots (engine_args enable_lora, max_loras: at most vLLM's).
         self.loras: dict[str, LoraSlot] = {}
         self._running = _EngineRequests()  # continuous batching: the requests in vLLM's engine
+        self._lora_root: Path | None = None  # refits' directories (write_adapter), removed at close
 
     # ------------------------------------------------------------------ allocation
 
@@ -525,18 +528,51 @@ class VllmRunner(ModelRunner):
 
     def close(self) -> None:
         self.llm = self.worker = None
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
+            self._lora_root = None
 
     # ------------------------------------------------------------------ LoRA adapters (P-20)
 
     def check_adapter(self, command: AddAdapter) -> None:
         """vLLM loads the tensors itself; what it is given is checked here first: LoRA enabled,
-        a PEFT directory of this architecture, of the rank and modules the command says."""
+        a PEFT directory of this architecture, of the rank and modules the command says (its
+        tensors, when they come through a weight plane, by the receiver against adapter_specs)."""
         if not self.engine_kwargs.get("enable_lora"):
             raise RunnerArgumentError(
                 "this vllm stage was started without LoRA: set runner_args engine_args "
                 "{enable_lora: true, max_loras, max_lora_rank} to serve adapters"
             )
-        check_peft_dir(command, (self.config.get("architectures") or [""])[0])
+        if command.tensors is None:
+            check_peft_dir(command, (self.config.get("architectures") or [""])[0])
+        elif not lora_specs(self.weight_specs(), command):
+            raise RunnerArgumentError(
+                f"adapter {command.name!r} targets modules {list(command.target_modules)}, none of them a "
+                "linear weight of this model; nothing was loaded"
+            )
+
+    def adapter_specs(self, command: AddAdapter) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return lora_specs(self.weight_specs(), command)
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's add_lora loads from a directory only: the checked tensors are written to one of
+        this rank's own (a private temporary directory, one per adapter version, removed with
+        the adapter) and loaded from there, through vLLM's own LoRA manager."""
+        import tempfile
+
+        if self._lora_root is None:
+            self._lora_root = Path(tempfile.mkdtemp(prefix="omni-lora-"))
+        held = self.loras.get(command.name)
+        alpha = command.lora_alpha or (peft_alpha(held.path) if held is not None else None) or float(command.rank)
+        directory = self._lora_root / f"{command.adapter_id}-v{command.version}"
+        try:
+            write_peft_dir(directory, command, alpha, tensors)
+            self.add_adapter(msgspec.structs.replace(command, source=str(directory), tensors=None))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)  # nothing of a failed refit stays on disk
+            raise
+        if held is not None and held.path.startswith(str(self._lora_root)) and held.path != str(directory):
+            shutil.rmtree(held.path, ignore_errors=True)
 
     def add_adapter(self, command: AddAdapter) -> None:
         slot = LoraSlot(command.name, command.adapter_id, str(Path(command.source).expanduser()))
@@ -553,6 +589,8 @@ class VllmRunner(ModelRunner):
         slot = self.loras.pop(name, None)
         if slot is not None:
             self.llm.remove_lora(slot.lora_int_id)
+            if self._lora_root is not None and slot.path.startswith(str(self._lora_root)):
+                shutil.rmtree(slot.path, ignore_errors=True)  # a refit's own directory
 
     def pin_adapter(self, name: str, pinned: bool) -> None:
         if pinned and name in self.loras:  # vLLM unpins only by removing

@@ -795,12 +795,21 @@ class WorkerProcess:
         if isinstance(command, AddAdapter):
             try:
                 runner.check_adapter(command)
+                # Tensors (a refit): every bucket opened and every tensor checked by the weight
+                # planes' own receiver, before anything is evicted or written.
+                tensors = None if command.tensors is None else self.receiver.open_adapter(command, runner)
             except RunnerArgumentError as exc:
                 raise AdapterRefused(f"AddAdapter {command.name!r} refused: {exc}") from exc
             for name in effect.evict:
                 runner.remove_adapter(name)
             with backend.pool(runner.adapter_tag):
-                runner.add_adapter(command)
+                try:
+                    runner.add_adapter(command) if tensors is None else runner.write_adapter(command, tensors())
+                except BaseException:
+                    runner.remove_adapter(command.name)  # half-written: never served (the core drops it)
+                    raise
+            if tensors is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the Ack commits the version: every copy landed
         elif isinstance(command, RemoveAdapter):
             runner.remove_adapter(command.name)
         elif isinstance(command, PinAdapter):
