@@ -271,6 +271,22 @@ class VllmEngine:
         return set(self._llm.llm_engine.list_loras())
 
 
+def _check_engine_arguments(
+    max_num_seqs: int, gpu_memory_utilization: float, engine_args: Mapping[str, Any] | None
+) -> None:
+    if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+        raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
+    if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
+    owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
+    if owned:
+        raise ValueError(
+            f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
+            "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
+            "stage's (ranks, gpu_memory_fraction, backend)"
+        )
+
+
 @dataclass
 class _EngineRequests:
     """The requests in vLLM's engine by the rank's key, and each row's vLLM id to its key."""
@@ -331,17 +347,7 @@ class VllmRunner(ModelRunner):
             raise ValueError(
                 f"max_model_len must be an int in 2..{positions} (max_position_embeddings), got {max_model_len!r}"
             )
-        if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
-            raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
-        if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
-        owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
-        if owned:
-            raise ValueError(
-                f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
-                "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
-                "stage's (ranks, gpu_memory_fraction, backend)"
-            )
+        _check_engine_arguments(max_num_seqs, gpu_memory_utilization, engine_args)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.engine_kwargs: dict[str, Any] = {
