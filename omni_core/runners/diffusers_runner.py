@@ -84,6 +84,13 @@ from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
 from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
+from omni_core.runners.diffusion_parallel import (
+    SEQUENCE_MODES,
+    SequenceParallelDiT,
+    agreed_flags,
+    attach_sequence_parallel,
+    run_agreed,
+)
 from omni_core.runners.diffusion_steps import (
     DenoiserCall,
     DiffusionRequest,
@@ -195,7 +202,7 @@ class DiffusersRunner(ModelRunner):
         self.sample_shape = self._sample_shape()
         self.step_cache_threshold = check_threshold(step_cache_threshold)
         _check_combinations(
-            self.kind, self.world, self.step_cache_threshold, offload, f"{model!r} holds a {pipeline_class}"
+            self.kind, self.world, parallel, self.step_cache_threshold, offload, f"{model!r} holds a {pipeline_class}"
         )
         self.step_cache_stats = StepCacheStats()
         self.denoiser_calls = 0  # forward passes of the transformer or UNet
@@ -252,6 +259,8 @@ class DiffusersRunner(ModelRunner):
         modules = {name: getattr(pipeline, name) for name in MODULE_COMPONENTS[self.kind]}
         if self.world > 1 and self.parallel == "tensor":
             shard_dit(modules["transformer"], self.world, self.device)
+        elif self.world > 1 and self.parallel in SEQUENCE_MODES:
+            attach_sequence_parallel(modules["transformer"], self.world, self.parallel)
         for module in modules.values():
             module.eval()
             module.requires_grad_(False)
@@ -261,7 +270,8 @@ class DiffusersRunner(ModelRunner):
             weights.bind_source(self.model_dir)
             self.loaded_names = frozenset(weights.named())
         if self.offload_mode == "layerwise":
-            blocks, keep = denoiser_blocks(self.kind, modules["transformer" if self.kind == "dit" else "unet"])
+            denoiser = modules["transformer" if self.kind == "dit" else "unet"]
+            blocks, keep = denoiser_blocks(self.kind, denoiser, cached=self.step_cache_threshold is not None)
             self.offload = BlockOffload.attach(self.device, blocks, keep)
         self.pipeline, self.modules, self.weights = pipeline, modules, weights
 
@@ -481,9 +491,12 @@ class DiffusersRunner(ModelRunner):
         call per step over the rows of every request still stepping (vLLM-Omni's
         `execute_stepwise` over a scheduler batch); anything else runs one by one first."""
         if self.world > 1:
-            # The ranks' batches may differ (each gathers what waits on its own socket): run
-            # one by one, so every rank makes the same collectives in the same order.
-            return super().execute_batch(payloads)
+            # The ranks' batches may differ (each gathers what waits on its own socket): each
+            # group is one every rank holds, so their collectives meet (diffusion_parallel.py).
+            return run_agreed(payloads, self._execute_batch_here)
+        return self._execute_batch_here(payloads)
+
+    def _execute_batch_here(self, payloads: Sequence[Any]) -> list[Any]:
         ids: list[Any] = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
         seen = Counter(i for i in ids if isinstance(i, str))
         together = [
@@ -516,6 +529,8 @@ class DiffusersRunner(ModelRunner):
                 work.append((k, payload["op"], *self._claim_op(payload["op"], payload)))
             except Exception as exc:
                 outputs[k] = exc
+        if self.world > 1:
+            work = self._agreed_work(work, outputs)
         if not work:
             return outputs
         try:
@@ -534,6 +549,20 @@ class DiffusersRunner(ModelRunner):
                 self._lose_on_failure(op, request, exc)
                 outputs[k] = exc
         return outputs
+
+    def _agreed_work(self, work: list[Any], outputs: list[Any]) -> list[Any]:
+        """The claimed requests every rank claimed (each rank's denoiser calls must match);
+        one another rank could not step is lost here too, so the ranks stay alike."""
+        flags = agreed_flags([k in {w[0] for w in work} for k in range(len(outputs))])
+        kept = []
+        for entry in work:
+            k, _, request, _ = entry
+            if flags[k]:
+                kept.append(entry)
+                continue
+            self._lose(request.request_id, "another rank of the stage could not step it (its error names why)")
+            outputs[k] = RequestLostError(f"request {request.request_id} was aborted: {self.lost[request.request_id]}")
+        return kept
 
     def _check_payload(self, payload: Any) -> Any:
         """The payload's op, once the payload is a dict, the op known and the weights loaded."""
@@ -723,7 +752,9 @@ class DiffusersRunner(ModelRunner):
         """Each request `count` steps further (fewer where it ends first): per step, one
         denoiser call over the rows of every request still stepping; a request with a step
         cache makes its own call (the cache decides per request whether the blocks run)."""
-        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        denoiser: Any = self.modules["transformer" if self.kind == "dit" else "unet"]
+        if self.world > 1 and self.parallel in SEQUENCE_MODES:
+            denoiser = SequenceParallelDiT(denoiser)  # its blocks over this rank's tokens
         ends = [min(request.steps_total, request.steps_done + count) for request, _, count in work]
         contexts = [self._step_context(request) for request, _, _ in work]
         samples = [sample for _, sample, _ in work]
@@ -956,14 +987,16 @@ def _check_options(
             raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
 
 
-def _check_combinations(kind: str, world: int, step_cache_threshold: float | None, offload: str, holds: str) -> None:
+def _check_combinations(
+    kind: str, world: int, parallel: str, step_cache_threshold: float | None, offload: str, holds: str
+) -> None:
     """The arguments that do not combine."""
     if step_cache_threshold is not None and kind != "dit":
         raise ValueError(f"step_cache_threshold applies to DiT pipelines; {holds}")
     if world > 1 and offload != "none":
         raise ValueError("offload='layerwise' runs on a stage of one rank; use ranks=1 or offload='none'")
-    if step_cache_threshold is not None and offload != "none":
+    if world > 1 and step_cache_threshold is not None and parallel in SEQUENCE_MODES:
         raise ValueError(
-            "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
-            "forward, where its weights are on the host); choose one"
+            f"step_cache_threshold and parallel={parallel!r} do not combine (the cache runs the blocks over every "
+            "token); use parallel='cfg' or no step cache"
         )

@@ -134,7 +134,7 @@ def test_each_shard_survives_sleeps_a_reload_and_an_update(ranks, checkpoints):
 
 def test_a_pipeline_without_a_dit_is_refused_tensor_parallel(checkpoints, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="parallel='tensor' shards a DiT's blocks"):
+    with pytest.raises(ValueError, match="parallel='tensor' splits a DiT's blocks"):
         DiffusersRunner(CPU, model=str(checkpoints["sd"]), parallel="tensor")
     with pytest.raises(ValueError, match="parallel must be one of"):
         DiffusersRunner(CPU, model=str(checkpoints["dit"]), parallel="sequence")
