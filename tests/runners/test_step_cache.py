@@ -96,3 +96,30 @@ def test_bad_thresholds_are_refused_naming_the_argument(bad) -> None:
 def test_the_cache_is_for_dit_pipelines(checkpoints) -> None:
     with pytest.raises(ValueError, match="step_cache_threshold applies to DiT pipelines"):
         DiffusersRunner(torch.device("cpu"), model=str(checkpoints["ddpm"]), step_cache_threshold=0.1)
+
+
+def test_the_cache_with_layerwise_offload_streams_only_the_steps_it_computes(checkpoints) -> None:
+    """Block 0's first norm (what the cache reads before deciding) stays resident; a skipped
+    step streams no block, and the image is the cache's own without offload, bit for bit."""
+    from omni_core.runners.block_offload import OFFLOAD_TAG
+
+    alone = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.2).runner
+    pools = runner_in_pools(
+        checkpoints["dit"],
+        tags=("weights", OFFLOAD_TAG, "kv_cache", "requests"),
+        scheduler=DPM_SOLVER,
+        step_cache_threshold=0.2,
+        offload="layerwise",
+    )
+    runner = pools.runner
+    norm1 = runner.modules["transformer"].transformer_blocks[0].norm1
+    resident = {id(t) for t in runner.tensors("weights")}
+    assert all(id(t) in resident for t in [*norm1.parameters(), *norm1.buffers()])
+    assert runner.execute(dict(REQUEST))["sha256"] == alone.execute(dict(REQUEST))["sha256"]
+    counters = runner.counters()
+    assert counters["step_cache_hits"] > 0
+    blocks = len(runner.offload.blocks)
+    assert runner.offload.block_loads == counters["step_cache_misses"] * blocks
+    pools.sleep(1)
+    pools.wake()
+    assert runner.execute(dict(REQUEST))["sha256"] == alone.execute(dict(REQUEST))["sha256"]
