@@ -104,6 +104,7 @@ from omni_core.runners.diffusion_steps import (
 from omni_core.runners.diffusion_trajectory import MAX_TRAJECTORY_BYTES, Trajectory, log_prob_method
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
+from omni_core.runners.step_cache_pool import STEP_CACHE_TAG, StepCachePool
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
 from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
@@ -205,6 +206,7 @@ class DiffusersRunner(ModelRunner):
             self.kind, self.world, parallel, self.step_cache_threshold, offload, f"{model!r} holds a {pipeline_class}"
         )
         self.step_cache_stats = StepCacheStats()
+        self.step_cache_pool: StepCachePool | None = None  # with the tag 'step_cache' (step_cache_pool.py)
         self.denoiser_calls = 0  # forward passes of the transformer or UNet
         self.denoiser_rows = 0  # the rows they ran, over every request in them
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
@@ -282,9 +284,22 @@ class DiffusersRunner(ModelRunner):
                 f"offload={self.offload_mode!r} and the stage's tags {list(tags)} disagree: a layer-wise offload "
                 f"streams through the '{OFFLOAD_TAG}' pool, so list that tag exactly when offload='layerwise'"
             )
+        if STEP_CACHE_TAG in tags:
+            self._own_step_cache_pool()
         # The slab is sized by the blocks, known once the weights are loaded.
         ordered = sorted(tags, key=lambda tag: (tag != WEIGHTS_TAG, tag == OFFLOAD_TAG))
         super().load(open_pool, ordered, budget)
+
+    def _own_step_cache_pool(self) -> None:
+        """The step cache in a pool of its own: out of the request slots, into its slots."""
+        if self.step_cache_pool is not None:
+            return
+        if self.step_cache_threshold is None:
+            raise ValueError(f"the tag {STEP_CACHE_TAG!r} holds a step cache: set step_cache_threshold or leave it out")
+        cache_bytes = self._step_cache_bytes()
+        self.step_cache_pool = StepCachePool(self.max_requests, cache_bytes)
+        if self.slab is None:  # the request slots, not allocated yet, need no room for it
+            self.slot_bytes -= 2 * _align(cache_bytes)
 
     def _read_pipeline(self) -> Any:
         from diffusers import DiffusionPipeline
@@ -359,6 +374,10 @@ class DiffusersRunner(ModelRunner):
             self.offload.allocate()
         elif tag == REQUESTS_TAG:
             self.slab = torch.zeros(self.max_requests, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        elif tag == STEP_CACHE_TAG:
+            self._own_step_cache_pool()
+            assert self.step_cache_pool is not None
+            self.step_cache_pool.allocate(self.device)
         elif tag == PROMPT_CACHE_TAG:
             if self.prompt_cache is None:
                 raise ValueError(f"this {self.kind} pipeline has no text encoder: leave {tag!r} out of its tags")
@@ -378,9 +397,11 @@ class DiffusersRunner(ModelRunner):
             return [self.slab] if self.slab is not None else []
         if tag == PROMPT_CACHE_TAG:
             return self.prompt_cache.tensors() if self.prompt_cache is not None else []
+        if tag == STEP_CACHE_TAG:
+            return self.step_cache_pool.tensors() if self.step_cache_pool is not None else []
         raise ValueError(
             f"DiffusersRunner has no tag {tag!r}; it has "
-            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG]}"
+            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG, STEP_CACHE_TAG]}"
         )
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
@@ -457,6 +478,8 @@ class DiffusersRunner(ModelRunner):
         self.requests.clear()
         if self.prompt_cache is not None:
             self.prompt_cache.close()
+        if self.step_cache_pool is not None:
+            self.step_cache_pool.close()
 
     # ------------------------------------------------------------------ ops
 
@@ -580,7 +603,7 @@ class DiffusersRunner(ModelRunner):
 
     def _check_pools(self) -> None:
         # Every pool this runner has must be resident, as the worker requires for any Execute.
-        tags = (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG)
+        tags = (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG, STEP_CACHE_TAG)
         check_resident({tag: self.tensors(tag) for tag in tags})
 
     def _claim_op(self, op: str, payload: dict[str, Any]) -> tuple[DiffusionRequest, int]:
@@ -704,6 +727,7 @@ class DiffusersRunner(ModelRunner):
             counters.update(self.prompt_cache.counters())
         if self.step_cache_threshold is not None:
             counters.update(self.step_cache_stats.counters())
+            counters["step_cache_dropped"] = self.step_cache_pool.dropped if self.step_cache_pool is not None else 0
         return counters
 
     def _prompt_cache_op(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -859,7 +883,8 @@ class DiffusersRunner(ModelRunner):
 
     def _park(self, request: DiffusionRequest, sample: torch.Tensor) -> None:
         assert request.slot is not None
-        state = state_tensors(request, sample) + _step_cache_tensors(request)
+        own_pool = self.step_cache_pool
+        state = state_tensors(request, sample) + ([] if own_pool is not None else _step_cache_tensors(request))
         needed = HEADER_BYTES + sum(_align(t.numel() * t.element_size()) for _, _, t in state)
         if needed > self.slot_bytes:
             self._lose(request.request_id, f"its state needs {needed} bytes, a slot holds {self.slot_bytes}")
@@ -883,6 +908,8 @@ class DiffusersRunner(ModelRunner):
                     getattr(request.scheduler, attribute)[index] = None
         self._header(request.slot).copy_(torch.tensor([request.canary, request.generation, request.steps_done]))
         request.parked = parked
+        if own_pool is not None and request.step_cache is not None:
+            own_pool.park(request.slot, request.canary, self.generation, request.step_cache)
 
     def _unpark(self, request: DiffusionRequest) -> torch.Tensor:
         assert request.slot is not None
@@ -898,6 +925,8 @@ class DiffusersRunner(ModelRunner):
             else:
                 getattr(request.scheduler, p.attribute)[p.index] = value
         assert sample is not None
+        if self.step_cache_pool is not None and request.step_cache is not None:
+            self.step_cache_pool.unpark(request.slot, request.canary, self.generation, request.step_cache)
         return sample
 
     def _claim(self, request_id: Any, check_state: bool = True) -> DiffusionRequest:
@@ -923,6 +952,8 @@ class DiffusersRunner(ModelRunner):
         request = self.requests.pop(request_id)
         if self._slab_resident() and request.slot is not None:
             self._header(request.slot).zero_()  # a later request in this slot cannot match it
+        if self.step_cache_pool is not None and request.slot is not None:
+            self.step_cache_pool.clear(request.slot)
         request.slot = None
 
     def _slab_resident(self) -> bool:

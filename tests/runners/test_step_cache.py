@@ -43,6 +43,7 @@ def test_threshold_zero_runs_every_block_and_equals_the_transformers_own_forward
     assert cached.runner.counters() == {
         "step_cache_hits": 0,
         "step_cache_misses": STEPS,
+        "step_cache_dropped": 0,
         "denoiser_calls": STEPS,
         "denoiser_rows": 2 * STEPS,  # guided: both halves in each call
     }
@@ -123,3 +124,50 @@ def test_the_cache_with_layerwise_offload_streams_only_the_steps_it_computes(che
     pools.sleep(1)
     pools.wake()
     assert runner.execute(dict(REQUEST))["sha256"] == alone.execute(dict(REQUEST))["sha256"]
+
+
+OWN_TAGS = ("weights", "kv_cache", "step_cache", "requests")
+
+
+def test_in_its_own_pool_the_cache_is_given_back_at_sleep_and_dropped_not_served(checkpoints) -> None:
+    """With the tag `step_cache` the cache's tensors leave the request's slot for a pool of
+    their own; a level-1 sleep discards it (no host copy), and the step after the wake runs the
+    blocks instead of adding a residual that is gone."""
+    pools = runner_in_pools(checkpoints["dit"], tags=OWN_TAGS, scheduler=DPM_SOLVER, step_cache_threshold=0.2)
+    runner = pools.runner
+    parked_with_request = runner_in_pools(checkpoints["dit"], scheduler=DPM_SOLVER, step_cache_threshold=0.2)
+    assert runner.slot_bytes < parked_with_request.runner.slot_bytes  # the request slots no longer hold it
+    whole = runner.execute(dict(REQUEST))
+    started = runner.execute({"op": "start", **REQUEST})["request_id"]
+    runner.execute({"op": "step", "request_id": started, "steps": 7})
+    request = runner.requests[started]
+    assert not any(p.attribute.startswith("step_cache.") for p in request.parked)
+    assert runner.step_cache_pool.layout[request.slot]  # parked in its own pool
+    assert pools.backend.usage()["step_cache"] > 0
+    pools.sleep(1)
+    assert pools.backend.usage()["step_cache"] == 0  # given back while asleep, no host copy kept
+    pools.wake()
+    misses = runner.counters()["step_cache_misses"]
+    runner.execute({"op": "step", "request_id": started, "steps": 1})
+    assert runner.counters()["step_cache_dropped"] == 1
+    assert runner.counters()["step_cache_misses"] == misses + 1  # the blocks ran: nothing to reuse
+    out = runner.execute({"op": "finish", "request_id": started})
+    assert psnr(out, whole) > 20.0
+
+
+def test_a_residual_parked_under_other_weights_is_dropped(checkpoints) -> None:
+    """The pool's key is the weights generation: whatever keeps a request across a change of
+    weights, its residual is never added under the new ones."""
+    runner = runner_in_pools(checkpoints["dit"], tags=OWN_TAGS, scheduler=DPM_SOLVER, step_cache_threshold=0.2).runner
+    started = runner.execute({"op": "start", **REQUEST})["request_id"]
+    runner.execute({"op": "step", "request_id": started, "steps": 5})
+    request = runner.requests[started]
+    state = request.step_cache
+    runner.step_cache_pool.unpark(request.slot, request.canary, runner.generation + 1, state)
+    assert state.residual is None and state.previous is None
+    assert runner.step_cache_pool.dropped == 1
+
+
+def test_the_step_cache_tag_needs_a_step_cache(checkpoints) -> None:
+    with pytest.raises(ValueError, match="the tag 'step_cache' holds a step cache"):
+        runner_in_pools(checkpoints["dit"], tags=OWN_TAGS)
