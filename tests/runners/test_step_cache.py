@@ -171,3 +171,41 @@ def test_a_residual_parked_under_other_weights_is_dropped(checkpoints) -> None:
 def test_the_step_cache_tag_needs_a_step_cache(checkpoints) -> None:
     with pytest.raises(ValueError, match="the tag 'step_cache' holds a step cache"):
         runner_in_pools(checkpoints["dit"], tags=OWN_TAGS)
+
+
+def test_through_a_rank_the_cache_counts_in_status_and_its_pool_sleeps(checkpoints) -> None:
+    """A rank process: the Hello declares the cache's counters, status shows them (metrics
+    export the same runner_counters: tests/runners/test_runner_counters.py), and the stage's
+    `step_cache` pool holds bytes awake and none asleep."""
+    from omni_core import Engine, StageSpec
+
+    spec = StageSpec(
+        "dit",
+        runner="diffusers",
+        backend="portable",
+        tags=("weights", "kv_cache", "requests", "step_cache"),
+        runner_args={
+            "model": str(checkpoints["dit"]),
+            "scheduler": DPM_SOLVER,
+            "step_cache_threshold": 0.2,
+            "max_requests": 2,
+            "cpu_threads": 1,
+        },
+        deadline_s=60.0,
+        start_deadline_s=240.0,
+        request_timeout_s=120.0,
+    )
+    engine = Engine([spec])
+    try:
+        fresh = engine.status()["dit"]["ranks"][0]["runner_counters"]
+        started = engine.execute("dit", {"op": "start", **REQUEST})["request_id"]
+        engine.execute("dit", {"op": "step", "request_id": started, "steps": 7})
+        engine.sleep("dit", 1)
+        engine.wake("dit")
+        engine.execute("dit", {"op": "finish", "request_id": started})
+        counters = engine.status()["dit"]["ranks"][0]["runner_counters"]
+    finally:
+        engine.shutdown()
+    assert fresh["step_cache_hits"] == fresh["step_cache_misses"] == fresh["step_cache_dropped"] == 0
+    assert counters["step_cache_hits"] > 0 and counters["step_cache_dropped"] == 1
+    assert counters["step_cache_hits"] + counters["step_cache_misses"] == STEPS
