@@ -24,7 +24,8 @@ what diffusion RL trains on (omni_core/runners/diffusion_trajectory.py).
 With `step_cache_threshold` (DiT only; omni_core/runners/step_cache.py), steps whose
 transformer input changed little since the last computed step reuse its residual instead of
 running the blocks (TeaCache's method); the counters `step_cache_hits` and `step_cache_misses`
-say how many, and the cache's tensors are parked with the request's latents.
+say how many, and the cache's tensors are parked with the request's latents, or with the tag
+`step_cache` in a pool of their own that sleeps give back (omni_core/runners/step_cache_pool.py).
 
 Step-wise ops of several requests that the rank batches (StageSpec.batch_max_requests) run
 together: one denoiser call per step over the rows of every request still stepping
@@ -37,7 +38,9 @@ weights and reads no weight file (a trainer's first update fills them).
 With `offload="layerwise"` (and the tag `offload`), the denoiser's blocks stay on the host and
 stream through one device slab, a block at a time (omni_core/runners/block_offload.py). A
 stage of two ranks (WORLD_SIZE 2) runs each guided step CFG-parallel, a guidance half per rank
-(omni_core/runners/cfg_parallel.py); a world the runner cannot split is refused at start.
+(omni_core/runners/cfg_parallel.py), or splits a DiT's tokens with `parallel="ulysses"` or
+`"ring"` (omni_core/runners/diffusion_parallel.py); a world the runner cannot split is refused
+at start. The ranks of such a stage batch only the requests every one of them holds.
 
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
