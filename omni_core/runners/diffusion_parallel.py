@@ -186,6 +186,13 @@ def attach_sequence_parallel(transformer: Any, world: int, mode: str) -> None:
 # ---------------------------------------------------------------------- agreed batches
 
 
+def _group_device() -> torch.device:
+    """Where the stage's collectives take their tensors: NCCL's on this rank's GPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def fingerprint(payload: Any) -> int:
     """A payload's identity as every rank computes it (the same decoded frame, the same repr)."""
     return int.from_bytes(hashlib.sha256(repr(payload).encode()).digest()[:7], "little")
@@ -198,8 +205,10 @@ def agreed_prefix(payloads: Sequence[Any]) -> int:
     mine = torch.full((MAX_AGREED + 1,), -1, dtype=torch.int64)
     mine[0] = len(held)
     mine[1 : 1 + len(held)] = torch.tensor(held, dtype=torch.int64)
+    mine = mine.to(_group_device())
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
+    every = [t.cpu() for t in every]
     count = min(int(t[0]) for t in every)
     same = 0
     while same < count and all(int(t[1 + same]) == int(every[0][1 + same]) for t in every):
@@ -209,7 +218,7 @@ def agreed_prefix(payloads: Sequence[Any]) -> int:
 
 def agreed_flags(flags: Sequence[bool]) -> list[bool]:
     """Each flag true on every rank (one all-reduce): which requests every rank can step."""
-    values = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int64)
+    values = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int64, device=_group_device())
     dist.all_reduce(values, op=dist.ReduceOp.MIN)
     return [bool(v) for v in values.tolist()]
 
