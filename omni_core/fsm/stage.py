@@ -1273,6 +1273,9 @@ class StageCore:
             kind = type(task.command).__name__
             error = f"stage {self.name!r}: {kind} refused by ranks {sorted(task.refusals)} ({named}){done}"
         statuses = {ack.status for ack in task.acks.values()}
+        row = CALLS.get(type(task.command))
+        if not task.refusals and row is not None and row.done is not None:
+            row.done(self, task.command)
         outcome = self._end_task(not task.refusals, error, {}, now, refused=bool(task.refusals))
         if statuses == {AckStatus.ALREADY}:
             outcome = replace(outcome, status=AckStatus.ALREADY)

@@ -1,8 +1,8 @@
 """What a stage remembers of its weights version across restarts: where the committed version
 lives durably, and what fresh ranks start from.
 
-A version the stage committed from a directory (a disk update, a reload from a source, later
-a save) can be brought back by a restart: the fresh ranks load their checkpoint, then that
+A version the stage committed from a directory (a disk update, a reload from a source) or
+saved to one (SaveWeights) can be brought back by a restart: the fresh ranks load their checkpoint, then that
 directory, and say Hello at that version. A version that came from memory (shared memory,
 CUDA IPC, a collective, a stage-to-stage transfer) exists nowhere a fresh process can read
 it: the ranks come back NEEDS_RELOAD under a version floor, and nothing runs until an update
@@ -67,6 +67,11 @@ class VersionKeeper:
             self.durable, self.source = True, command.source
         if version >= self.floor:
             self.floor = 0
+
+    def saved(self, directory: str, version: int) -> None:
+        """Every rank wrote `version`, the committed one, to `directory` (SaveWeights): a version
+        that lived in memory only is durable from now on."""
+        self.durable, self.source = True, directory
 
     def plan_restart(self, version: int, epoch: int, *, from_checkpoint: bool) -> StartWeights:
         """What the ranks of a restart start from, the stage at `version` before it."""

@@ -737,7 +737,10 @@ class WorkerCore:
                 f"this worker does not take {type(command).__name__} "
                 f"(capability {row.capability.value!r} not declared)",
             )
-        if not self.lifecycle.allows(row.trigger):
+        res = self.residency
+        if not self.lifecycle.allows(row.trigger) or (
+            row.weights_awake and not (res.weights_resident and res.weights_valid)
+        ):
             return self._refuse_state(command, row.why)
         self.lifecycle.fire(row.trigger)
         self.work.begin(PendingEffect(command))

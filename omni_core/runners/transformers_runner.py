@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -59,6 +60,10 @@ from omni_core.runners.weights import (
 
 log = logging.getLogger("omni_core.runners.transformers")
 
+# What a save copies of the model's directory besides the weights: what from_pretrained reads.
+CHECKPOINT_FILES = frozenset(
+    {"config.json", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
+)
 DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
 MAX_BATCH_LIMIT = 1024
 ASYNC_LOAD_SWITCH = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers >= 5: "1" reads every tensor on the calling thread
@@ -306,6 +311,30 @@ class TransformersRunner(ModelRunner):
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
         self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+
+    @property
+    def supports_save_weights(self) -> bool:
+        # A tensor-parallel rank holds shards that its reload (which cuts a full checkpoint)
+        # cannot read back: such a stage declares no `save_weights` (SaveWeights: UNSUPPORTED).
+        return self.world == 1
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """The weights as `model.safetensors` (or parts with an index) beside the model's own
+        config, generation config and tokenizer files: a checkpoint this runner loads as its
+        `model` and reloads from, bit for bit."""
+        if self.weights is None:
+            raise RuntimeError("save_weights before load_weights")
+        if self.world > 1:
+            raise RunnerArgumentError("a tensor-parallel rank holds shards; save from a stage of one rank")
+        files = self.weights.save(directory, max_file_bytes)
+        for path in sorted(self.model_dir.iterdir()):
+            if path.is_file() and (path.name in CHECKPOINT_FILES or path.name.startswith("tokenizer")):
+                shutil.copyfile(path, directory / path.name)
+                files.append(path.name)
+        return files
+
+    def weights_origin(self) -> str:
+        return str(self.model_dir)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.weights is None:

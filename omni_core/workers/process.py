@@ -76,6 +76,7 @@ from omni_core.protocol import (
     ProtocolError,
     RemoveAdapter,
     ResetPrefixCache,
+    SaveWeights,
     decode_command,
     encode,
 )
@@ -110,6 +111,7 @@ from omni_core.workers.rank_memory import (
 )
 from omni_core.workers.results import checked_output
 from omni_core.workers.runner_counters import CounterStamp
+from omni_core.workers.saved_weights import SavedRank, check_saved_version, rank_source, save_rank
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
@@ -223,6 +225,8 @@ class WorkerProcess:
                 capabilities = (*capabilities, Capability.ADAPTERS)
             if self.runner.supports_step_mode:
                 capabilities = (*capabilities, Capability.STEP_MODE)
+            if self.runner.supports_save_weights:
+                capabilities = (*capabilities, Capability.SAVE_WEIGHTS)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
@@ -291,7 +295,9 @@ class WorkerProcess:
         self.free_memory = free_memory_source(self.config, self.backend, self.memory, self.device)
         self.runner.load(self.backend.pool, self.config.tags, budget)
         if self.config.start_source is not None:  # a restart at the version this directory holds
-            self.runner.reload_weights(self.config.start_source)
+            source = rank_source(self.config.start_source, self.config.rank)
+            check_saved_version(source, self.config.start_version)
+            self.runner.reload_weights(source)
         # Before tracking: a backend that copies read-only tags to the host once does it there.
         self.backend.declare_read_only(
             self.runner.read_only_tags() & set(self.config.tags), verify=self.config.verify_clean_sleep
@@ -726,7 +732,8 @@ class WorkerProcess:
         if backend is None or runner is None:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, CommandEffect):
-            return COMMAND_HANDLERS[type(effect.command)](runner, effect.command)
+            assert self.core is not None  # a CommandEffect comes from the core
+            return COMMAND_HANDLERS[type(effect.command)](runner, effect.command, self.core)
         if isinstance(effect, AdapterEffect):
             return self._adapter(backend, runner, effect)
         if isinstance(effect, SleepEffect):
@@ -742,7 +749,7 @@ class WorkerProcess:
             # In place, outside any pool: the weights' memory is already mapped, and entering
             # vLLM's use_memory_pool again would replace the MemPool that owns it.
             backend.invalidate({WEIGHTS_TAG})  # a host copy of the old weights no longer stands for them
-            runner.reload_weights(effect.source)
+            runner.reload_weights(None if effect.source is None else rank_source(effect.source, self.config.rank))
             if self.device.type == "cuda":
                 # The Ack says the weights are valid: wait for the refill kernels, so that
                 # duration_s is the reload's and not its launch's.
@@ -850,9 +857,13 @@ class WorkerProcess:
 
 
 # What a rank does for each command its core takes by the generic template (`CommandEffect`,
-# fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command) -> output.
-COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any], Any]] = {
-    ResetPrefixCache: lambda runner, command: runner.reset_prefix_cache(),
+# fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command, the rank's
+# core, read only: its rank and weights version) -> output.
+COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any, WorkerCore], Any]] = {
+    ResetPrefixCache: lambda runner, command, core: runner.reset_prefix_cache(),
+    SaveWeights: lambda runner, command, core: save_rank(
+        runner, command, SavedRank(core.rank, core.weights_version, runner.weights_origin())
+    ),
 }
 
 
