@@ -286,6 +286,12 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
             "pin an adapter", "pin_adapter", stateless=True, legal=_valid_weights_awake, why=_ADAPTERS_WHERE
         ),
         ListAdapters: CallRow("list adapters", "list_adapters", stateless=True),
+        ResetPrefixCache: CallRow(
+            "reset the prefix cache",
+            "reset_prefix_cache",
+            stateless=True,
+            why=": the ranks' caches must be resident (RUNNING, PAUSED or PARTIAL)",
+        ),
         SaveWeights: CallRow(
             "save weights",
             "save_weights",
@@ -294,12 +300,6 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
             legal=_valid_weights_awake,
             why=": valid weights must be awake (RUNNING, PAUSED, or PARTIAL with 'weights' awake)",
             done=_saved,
-        ),
-        ResetPrefixCache: CallRow(
-            "reset the prefix cache",
-            "reset_prefix_cache",
-            stateless=True,
-            why=": the ranks' caches must be resident (RUNNING, PAUSED or PARTIAL)",
         ),
     }
 )

@@ -284,3 +284,29 @@ def test_the_cache_goes_under_the_name_the_models_forward_takes() -> None:
     import inspect
 
     assert installed in inspect.signature(LlamaForCausalLM.forward).parameters
+
+
+def test_a_save_loads_as_the_runners_own_model_and_reloads_bit_for_bit(checkpoints, tmp_path):
+    """SaveWeights' runner half: an updated runner saves (parts of a third each, with an index),
+    and the save is a checkpoint this runner loads as its `model` (config and tokenizer copied)
+    and reloads from, both bit for bit equal to the updated weights."""
+    pools, other = runner_in_pools(checkpoints["qwen2"]), runner_in_pools(checkpoints["qwen2-seed1"])
+    runner = pools.runner
+    pools.reload(str(checkpoints["qwen2-seed1"]))
+    updated, tokens = weights_digest(runner), runner.execute(GREEDY)["token_ids"]
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    total_bytes = sum(
+        t.numel() * t.element_size() for t in load_file(checkpoints["qwen2"] / "model.safetensors").values()
+    )
+    files = runner.save_weights(saved, total_bytes // 3)
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    parts = sorted(p.name for p in saved.glob("*.safetensors"))
+    biggest = max(t.numel() * t.element_size() for t in load_file(checkpoints["qwen2"] / "model.safetensors").values())
+    assert len(parts) >= 3 and all((saved / p).stat().st_size <= max(total_bytes // 3, biggest) + 4096 for p in parts)
+    assert runner.weights_origin() == str(checkpoints["qwen2"])
+
+    loaded = runner_in_pools(saved).runner
+    assert weights_digest(loaded) == updated and loaded.execute(GREEDY)["token_ids"] == tokens
+    other.reload(str(saved))
+    assert weights_digest(other.runner) == updated

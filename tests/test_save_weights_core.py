@@ -1,0 +1,139 @@
+"""SaveWeights in the cores, one scripted case at a time: where the tables allow it (valid
+weights awake), the rank count it must name, the capability a worker must declare, and what
+the stage's version book does once every rank saved (the directory becomes the durable source
+a restart reloads) and when one refuses (nothing)."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_helpers import reach_worker
+from test_stage_core import outcome_of, reach_stage
+from test_weights_core import _shm
+
+from omni_core.fsm import StageCommandError
+from omni_core.fsm import inputs as I
+from omni_core.fsm.effects import CommandEffect
+from omni_core.fsm.worker_inputs import EffectCompleted, EffectRaised
+from omni_core.fsm.worker_step import ALL_CAPABILITIES
+from omni_core.protocol import Ack, Capability, Nack, NackReason, SaveWeights, TensorSpec, Wake
+from omni_core.protocol import StageState as S
+from omni_core.protocol import WorkerState as W
+
+
+def _save(directory: str = "/saves/v2", ranks: int = 2, task_id: str = "save") -> I.CommandCall:
+    return I.CommandCall(SaveWeights(task_id=task_id, epoch=0, directory=directory, ranks=ranks), 5.0)
+
+
+def _memory_update(h) -> None:  # type: ignore[no-untyped-def]
+    h.complete(h.stage.update_weights("u", 2, _shm(64, TensorSpec(name="w", dtype="float32", shape=(4,))), h.now, 5.0))
+    assert (h.stage.weights_version, h.stage.versions.kind) == (2, "memory")
+
+
+def test_a_save_every_rank_acked_makes_the_version_durable_for_a_restart() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    _memory_update(h)
+    step = h.stage.core.step(_save(), h.now)
+    assert {o.command.directory for o in step.sends} == {"/saves/v2"}  # type: ignore[attr-defined]
+    outcome = outcome_of(h.complete(step))
+    assert (outcome.ok, outcome.command, outcome.state) == (True, "SaveWeights", S.RUNNING)
+    assert (h.stage.versions.kind, h.stage.versions.source) == ("disk", "/saves/v2")
+    h.sim.restart(10.0, hello=False)
+    start = h.stage.start_weights
+    assert start is not None and (start.source, start.version, start.needs_reload) == ("/saves/v2", 2, False)
+
+
+def test_without_the_save_the_same_restart_comes_back_under_the_floor() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    _memory_update(h)
+    h.sim.restart(10.0, hello=False)
+    start = h.stage.start_weights
+    assert start is not None and (start.needs_reload, start.floor) == (True, 2)
+
+
+def test_a_save_one_rank_refused_records_nothing() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    _memory_update(h)
+    step = h.stage.core.step(_save(), h.now)
+    replies = h.to_workers(step, ranks={0})
+    refused = Nack(
+        task_id="save", epoch=0, rank=1, command="SaveWeights", reason=NackReason.INVALID_ARGUMENT, state=W.ACTIVE
+    )
+    outcome = outcome_of(h.feed([*replies, refused]))
+    assert not outcome.ok and "SaveWeights refused by ranks [1]" in outcome.error
+    assert (h.stage.versions.kind, h.stage.versions.source, h.stage.state) == ("memory", None, S.RUNNING)
+
+
+def test_the_save_must_name_the_stages_rank_count() -> None:
+    h = reach_stage(S.RUNNING, ranks=2)
+    with pytest.raises(StageCommandError, match="has 2 ranks, and the SaveWeights says 1: send ranks=2"):
+        h.stage.core.step(_save(ranks=1), h.now)
+    assert h.stage.task_id is None
+
+
+@pytest.mark.parametrize("state", [S.SLEEPING, S.NEEDS_RELOAD, S.PARTIAL])
+def test_a_save_without_valid_weights_awake_is_refused_by_the_table(state: S) -> None:
+    h = reach_stage(state, ranks=2)  # PARTIAL: kv_cache woke, the weights sleep
+    with pytest.raises(StageCommandError, match=f"cannot save weights in {state.value}: valid weights must be awake"):
+        h.stage.core.step(_save(), h.now)
+    assert h.stage.state is state and h.stage.task_id is None
+
+
+def test_a_paused_stage_saves_and_stays_paused() -> None:
+    h = reach_stage(S.PAUSED, ranks=2)
+    outcome = outcome_of(h.complete(h.stage.core.step(_save(), h.now)))
+    assert outcome.ok and h.stage.state is S.PAUSED
+
+
+# ----------------------------------------------------------------------- the worker
+
+
+def _worker_save(task_id: str = "w-save") -> SaveWeights:
+    return SaveWeights(task_id=task_id, epoch=0, directory="/saves/w")
+
+
+@pytest.mark.parametrize("state", [W.ACTIVE, W.PARTIAL])
+def test_a_worker_performs_a_save_by_the_generic_template_and_keeps_its_state(state: W) -> None:
+    worker = reach_worker(state)
+    if state is W.PARTIAL:  # kv_cache awake: wake the weights, kv_cache asleep, to be PARTIAL with them
+        worker = reach_worker(W.SLEEPING)
+        worker.run(Wake(task_id="wake-weights", epoch=0, tags=("weights",)))
+        assert worker.w.state is W.PARTIAL
+    step = worker.send(_worker_save())
+    assert isinstance(step.effect, CommandEffect) and step.effect.command == _worker_save()
+    done = worker.w.step(EffectCompleted("w-save", output="/saves/w"))
+    (reply,) = done.replies
+    assert isinstance(reply, Ack) and (reply.command, reply.state) == ("SaveWeights", worker.w.state)
+
+
+@pytest.mark.parametrize("state", [W.SLEEPING, W.NEEDS_RELOAD, W.PARTIAL])
+def test_a_worker_without_valid_weights_awake_refuses_invalid_state(state: W) -> None:
+    worker = reach_worker(state)  # PARTIAL here: kv_cache awake, the weights asleep
+    reply = worker.run(_worker_save())
+    assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_STATE
+    assert "SaveWeights needs valid weights awake" in reply.detail and worker.w.state is state
+
+
+def test_a_worker_without_the_capability_refuses_unsupported() -> None:
+    worker = reach_worker(W.ACTIVE, capabilities=tuple(c for c in ALL_CAPABILITIES if c is not Capability.SAVE_WEIGHTS))
+    reply = worker.run(_worker_save())
+    assert isinstance(reply, Nack) and reply.reason is NackReason.UNSUPPORTED
+    assert "capability 'save_weights' not declared" in reply.detail
+
+
+def test_a_save_that_raises_is_that_commands_refusal_and_the_rank_serves_on() -> None:
+    worker = reach_worker(W.ACTIVE)
+    worker.send(_worker_save())
+    (reply,) = worker.w.step(EffectRaised("w-save", "OSError: No space left on device")).replies
+    assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT
+    assert "No space left on device" in reply.detail and worker.w.state is W.ACTIVE
+
+
+@pytest.mark.parametrize("state", [S.RUNNING, S.PAUSED, S.PARTIAL])
+def test_a_stage_saves_wherever_valid_weights_are_awake_and_keeps_its_state(state: S) -> None:
+    h = reach_stage(S.PAUSED if state is S.PAUSED else S.RUNNING, ranks=2)
+    if state is S.PARTIAL:  # the weights awake, kv_cache asleep
+        h.complete(h.stage.sleep("sleep", 1, None, h.now, 5.0))
+        h.complete(h.stage.wake("wake", ("weights",), h.now, 5.0))
+    assert h.stage.state is state
+    outcome = outcome_of(h.complete(h.stage.core.step(_save(), h.now)))
+    assert (outcome.ok, outcome.state, h.stage.versions.source) == (True, state, "/saves/v2")
