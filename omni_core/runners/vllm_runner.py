@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -55,12 +56,23 @@ from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_each, parse_generation
 from omni_core.runners.lora import check_peft_dir
-from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
+from omni_core.runners.weights import (
+    SAFETENSORS_DTYPES,
+    HeaderEntry,
+    ReloadReport,
+    opened_without_links,
+    read_headers,
+    resolved,
+)
 
 log = logging.getLogger("omni_core.runners.vllm")
 
 WORKER_CLS = "omni_core.runners.vllm_worker.OmniVllmWorker"
 DEFAULT_MAX_MODEL_LEN = 2048
+# vLLM's ShardedStateLoader.DEFAULT_PATTERN: what its save_sharded_state writes, per rank.
+SHARDED_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json")  # not copied beside a save
+MAX_PROBLEMS = 5
 PREFIX_KV_CACHE = "prefix_kv"  # vLLM's cached prefix blocks (DerivedCache)
 DEFAULT_MAX_NUM_SEQS = 8
 MAX_NUM_SEQS_LIMIT = 1024
@@ -429,6 +441,9 @@ class VllmRunner(ModelRunner):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
         # Resolved once: vLLM opens the very directory whose headers were compared.
         directory = resolved(Path(source).expanduser()) if source else self.model_dir
+        if any(directory.glob(SHARDED_PATTERN.format(rank="*", part="*"))):  # what save_weights wrote
+            self.last_reload = self._reload_sharded(directory)
+            return
         compare_checkpoints(self.own_headers, read_headers(directory), str(directory))
         total_bytes = sum(_entry_bytes(e) for e in self.own_headers.values())
         started = time.perf_counter()
@@ -445,6 +460,59 @@ class VllmRunner(ModelRunner):
             self.last_reload.duration_s,
             self.last_reload.gb_per_s,
         )
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """vLLM's own save_sharded_state on this rank's worker: its model's state dict (vLLM's
+        parameter names, this rank's tensor-parallel shard) as `model-rank-<r>-part-<i>.safetensors`
+        files of at most `max_file_bytes`, beside the model's config and tokenizer files, so
+        that `LLM(model=directory, load_format="sharded_state")` loads it and this runner's
+        reload reads it back."""
+        save = getattr(self.worker, "save_sharded_state", None)
+        if save is None:
+            raise RunnerArgumentError(
+                "this vLLM's worker has no save_sharded_state; SaveWeights needs a vLLM that has it (0.4 and later)"
+            )
+        save(str(directory), pattern=None, max_size=max_file_bytes)
+        for path in sorted(self.model_dir.iterdir()):
+            if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copyfile(path, directory / path.name)  # as vLLM's example saves them beside
+        return sorted(p.name for p in directory.iterdir())
+
+    def weights_origin(self) -> str:
+        return str(self.model_dir)
+
+    def _reload_sharded(self, directory: Path) -> ReloadReport:
+        """A directory save_weights wrote: this rank's files copied into the model's state dict,
+        every name, shape and dtype checked first (vLLM's ShardedStateLoader reads it so)."""
+        from safetensors import safe_open
+
+        rank = int(os.environ.get("RANK", "0"))
+        files = sorted(directory.glob(SHARDED_PATTERN.format(rank=rank, part="*")))
+        state = self._model().state_dict()
+        problems = []
+        for path in files:
+            with opened_without_links(resolved(path)) as name, safe_open(name, framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    piece = f.get_slice(key)
+                    have = state.get(key)
+                    if have is None or tuple(piece.get_shape()) != tuple(have.shape):
+                        problems.append(f"tensor {key!r} {piece.get_shape()} is not the model's")
+        if not files or problems:
+            raise RunnerArgumentError(
+                f"cannot reload {str(directory)!r} as this rank's sharded state (rank {rank}): "
+                f"{problems[:MAX_PROBLEMS] or 'no ' + SHARDED_PATTERN.format(rank=rank, part='*') + ' file'}"
+            )
+        started, moved_bytes, tensors = time.perf_counter(), 0, 0
+        with torch.no_grad():
+            for path in files:
+                with opened_without_links(resolved(path)) as name, safe_open(name, framework="pt", device="cpu") as f:
+                    for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        tensor = f.get_tensor(key)
+                        state[key].copy_(tensor)
+                        moved_bytes, tensors = moved_bytes + tensor.numel() * tensor.element_size(), tensors + 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ReloadReport(str(directory), moved_bytes, tensors, time.perf_counter() - started)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The loaded checkpoint's tensors (a trainer's Hugging Face state_dict names), not
@@ -643,20 +711,7 @@ class VllmRunner(ModelRunner):
         }
 
 
-_TORCH_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_TORCH_DTYPES = SAFETENSORS_DTYPES
 
 
 def _entry_bytes(entry: HeaderEntry) -> int:

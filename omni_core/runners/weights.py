@@ -278,14 +278,16 @@ class WeightSet:
             for t in targets
         }
 
-    def save(self, directory: Path, max_file_bytes: int, stem: str = "model") -> list[str]:
+    def save(self, directory: Path, max_file_bytes: int, stems: Mapping[str, str] | None = None) -> list[str]:
         """Write every weight into `directory` (a sub-folder per folder) as `load` reads it back:
-        tied weights once, under their first name, each in its checkpoint's dtype. Returns the
-        files written, relative to `directory`."""
-        files = []
+        tied weights once, under their first name, each in its checkpoint's dtype; a folder's
+        files named `stems[folder]` (default `model`, transformers' name). Returns the files
+        written, relative to `directory`."""
+        files: list[str] = []
         for folder, targets in self.folders.items():
             tensors = {t.names[0]: t.tensor for t in targets}
             dtypes = {t.names[0]: SAFETENSORS_DTYPES[t.source_dtype] for t in targets if t.source_dtype}
+            stem = (stems or {}).get(folder, "model")
             written = write_safetensors(directory / folder, tensors, max_file_bytes, dtypes=dtypes, stem=stem)
             files.extend(f"{folder}/{name}" if folder else name for name in written)
         return files
@@ -447,6 +449,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
