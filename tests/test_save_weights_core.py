@@ -10,14 +10,26 @@ from lifecycle_helpers import reach_worker
 from test_stage_core import outcome_of, reach_stage
 from test_weights_core import _shm
 
-from omni_core.fsm import StageCommandError
+from omni_core.fsm import StageCommandError, StageCore
 from omni_core.fsm import inputs as I
 from omni_core.fsm.effects import CommandEffect
+from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.worker_inputs import EffectCompleted, EffectRaised
 from omni_core.fsm.worker_step import ALL_CAPABILITIES
-from omni_core.protocol import Ack, Capability, Nack, NackReason, SaveWeights, TensorSpec, Wake
+from omni_core.protocol import (
+    Ack,
+    Capability,
+    DiskSource,
+    Nack,
+    NackReason,
+    SaveWeights,
+    TensorSpec,
+    UpdateWeights,
+    Wake,
+)
 from omni_core.protocol import StageState as S
 from omni_core.protocol import WorkerState as W
+from omni_testing.network import Simulator
 
 
 def _save(directory: str = "/saves/v2", ranks: int = 2, task_id: str = "save") -> I.CommandCall:
@@ -137,3 +149,54 @@ def test_a_stage_saves_wherever_valid_weights_are_awake_and_keeps_its_state(stat
     assert h.stage.state is state
     outcome = outcome_of(h.complete(h.stage.core.step(_save(), h.now)))
     assert (outcome.ok, outcome.state, h.stage.versions.source) == (True, state, "/saves/v2")
+
+
+# ----------------------------------------------------------------------- dummy weights
+
+
+def _dummy_stage(ranks: int = 2) -> Simulator:
+    sim = Simulator(StageCore("rollout", ranks, dummy_weights=True), record=False)
+    sim.start(10.0)
+    sim.deliver_all()
+    return sim
+
+
+def test_a_dummy_stage_starts_needs_reload_at_version_zero_and_says_why() -> None:
+    sim = _dummy_stage()
+    stage = sim.stage
+    assert (stage.state, stage.weights_version, stage.versions.kind) == (S.NEEDS_RELOAD, 0, "dummy")
+    assert "started with dummy weights" in stage.versions.dummy_detail("rollout")
+    with pytest.raises(StageCommandError, match="Model reloading with dummy format"):
+        stage.step(I.ReloadCall("r", None, 5.0), sim.now)
+    assert stage.task_id is None and stage.state is S.NEEDS_RELOAD
+
+
+def test_a_dummy_stage_whose_ranks_say_active_fails_the_start() -> None:
+    """A rank that claims to serve weights nobody loaded is a divergence, not a start."""
+    sim = Simulator(StageCore("rollout", 1, dummy_weights=True), record=False)
+    sim.start(10.0, hello=False)
+    sim.stage.step(I.Received(sim.hello(0, state=W.ACTIVE)), sim.now)
+    assert sim.stage.state is S.FAILED and "started in ACTIVE, not NEEDS_RELOAD" in sim.stage.failure
+
+
+@pytest.mark.parametrize(
+    ("committed", "want"),
+    [
+        (None, StartWeights(needs_reload=True)),  # nothing came: dummy again
+        ("disk", StartWeights(source="/ckpt", version=3)),  # a disk update: reloaded at 3
+        ("memory", StartWeights(needs_reload=True, floor=3)),  # from memory: under the floor
+    ],
+)
+def test_a_dummy_stages_restart_never_claims_checkpoint_weights(committed: str | None, want: StartWeights) -> None:
+    keeper = VersionKeeper(dummy=True)
+    version = 0
+    if committed == "disk":
+        keeper.committed(UpdateWeights(task_id="u", epoch=0, version=3, source=DiskSource(path="/ckpt")), 3)
+        version = 3
+    elif committed == "memory":
+        shm = _shm(16, TensorSpec(name="w", dtype="float32", shape=(4,)))
+        keeper.committed(UpdateWeights(task_id="u", epoch=0, version=3, source=shm), 3)
+        version = 3
+    assert keeper.plan_restart(version, 1, from_checkpoint=False) == want
+    assert keeper.plan_restart(version, 2, from_checkpoint=True) == StartWeights(needs_reload=True)
+    assert keeper.kind == "dummy"

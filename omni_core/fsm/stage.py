@@ -127,6 +127,7 @@ class StageCore:
         queue_limit: int = 256,
         max_in_flight: int = 1024,
         wake_deadline_s: float = 30.0,
+        dummy_weights: bool = False,
     ) -> None:
         if ranks < 1:
             raise StageCommandError(f"stage {name!r} needs at least one rank, got {ranks}")
@@ -143,8 +144,9 @@ class StageCore:
         self.rank_versions: dict[int, int] = {}
         # Where the committed version lives durably, and what a restart's ranks start from
         # (None until the first restart: a first start takes the version the Hellos name).
-        self.versions = VersionKeeper()
-        self.start_weights: StartWeights | None = None
+        # Dummy weights (load_format "dummy"): the first start is NEEDS_RELOAD at version 0 too.
+        self.versions = VersionKeeper(dummy=dummy_weights)
+        self.start_weights: StartWeights | None = self.versions.first_start()
         # A pause is the caller's and holds until resume(): a sleep, a wake (asked for or the
         # admission policy's), a reload and an update of a paused stage leave it paused.
         self.paused = False
@@ -612,6 +614,8 @@ class StageCore:
                 raise StageCommandError(
                     f"{self.versions.floor_detail(self.name)}; a reload would serve version 0, below the floor"
                 )
+            if self.versions.dummy and call.source is None:
+                raise StageCommandError(self.versions.dummy_reload_refusal(self.name))
             command = ReloadWeights(task_id=call.task_id, epoch=self.epoch, source=call.source)
             # The runner's own weights: no update's version stands for them.
             return self._weights_task(call, signature, command, now, refused="reload_refused", version=0)
@@ -907,6 +911,8 @@ class StageCore:
             return f"stage {name!r} is {state}: {self.failure or 'stopped'}; restart() it first"
         if self.state is S.NEEDS_RELOAD and self.versions.floor and decision is not Admit.RUN:
             return self.versions.floor_detail(name)
+        if self.state is S.NEEDS_RELOAD and self.versions.kind == "dummy" and decision is not Admit.RUN:
+            return self.versions.dummy_detail(name)
         if decision is Admit.REFUSE_POLICY and self.state is S.NEEDS_RELOAD:
             return (
                 f"stage {name!r} is NEEDS_RELOAD (weights discarded by a level-2 sleep) and its admission "

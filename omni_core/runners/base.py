@@ -195,6 +195,10 @@ class ModelRunner(ABC):
     def supports_weight_update(self) -> bool:
         return type(self).update_weights is not ModelRunner.update_weights
 
+    # Whether the weights came from no checkpoint (load_format "dummy": random, for a rollout
+    # that receives its trainer's): the rank then says Hello NEEDS_RELOAD until an update.
+    dummy_weights: bool = False
+
     # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
     # the safe answer; a wrong "no" brings back stale weights after a wake
     # (StageSpec.verify_clean_sleep catches it).

@@ -192,6 +192,7 @@ class DiffusersRunner(ModelRunner):
         self.dtype = torch_dtype(dtype)
         _check_options(load_format, offload, scheduler, max_requests, max_steps, state_tensors, prompt_cache_bytes)
         self.load_format = load_format
+        self.dummy_weights = load_format == "dummy"  # the rank says Hello NEEDS_RELOAD until an update
         self.offload_mode = offload
         self.offload: BlockOffload | None = None
         self.scheduler_class = scheduler
@@ -431,8 +432,8 @@ class DiffusersRunner(ModelRunner):
         self.weights.save(directory, max_file_bytes, stems)
         return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
-    def weights_origin(self) -> str:
-        return str(self.model_dir)
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """`component/name` (e.g. `transformer/proj_out.weight`) -> shape and dtype."""

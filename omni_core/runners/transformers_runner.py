@@ -64,6 +64,7 @@ log = logging.getLogger("omni_core.runners.transformers")
 CHECKPOINT_FILES = frozenset(
     {"config.json", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
 )
+LOAD_FORMATS = ("safetensors", "dummy")  # vLLM's names: the checkpoint's weights, or random ones
 DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
 MAX_BATCH_LIMIT = 1024
 ASYNC_LOAD_SWITCH = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers >= 5: "1" reads every tensor on the calling thread
@@ -113,8 +114,15 @@ class TransformersRunner(ModelRunner):
         attn_implementation: str = "sdpa",
         cpu_threads: int | None = None,
         init_timeout_s: float = 120.0,
+        load_format: str = "safetensors",
     ) -> None:
         super().__init__(device)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}: 'dummy' reads no "
+                "weights (random, from config.json), for a rollout whose trainer sends them"
+            )
+        self.dummy_weights = load_format == "dummy"
         from transformers import AutoConfig
 
         torch_threads(torch.device(device), cpu_threads)
@@ -150,6 +158,10 @@ class TransformersRunner(ModelRunner):
                 raise ValueError(
                     f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
                     f"but this rank's device is {self.device}"
+                )
+            if self.dummy_weights:
+                raise ValueError(
+                    "load_format='dummy' on a tensor-parallel stage is not supported: run it with one rank"
                 )
             join_process_group(self.device, init_timeout_s)
         self.local_kv_heads = self.kv_heads // self.world  # the heads of the cache this rank holds
@@ -194,6 +206,16 @@ class TransformersRunner(ModelRunner):
 
     # ------------------------------------------------------------------ allocation
 
+    def _dummy_model(self) -> Any:
+        """The architecture of config.json with transformers' own random initialisation, made on
+        the device (inside the weights pool) and reading no file: vLLM's load_format 'dummy'."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(self.device):
+            return AutoModelForCausalLM.from_config(
+                self.config, dtype=self.dtype, attn_implementation=self.attn_implementation
+            )
+
     def load_weights(self) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -209,14 +231,17 @@ class TransformersRunner(ModelRunner):
             from torch.distributed.device_mesh import init_device_mesh
 
             placement = {"device_mesh": init_device_mesh(self.device.type, (self.world,)), **_auto_tp_plan()}
-        with _sequential_loading():
-            model = AutoModelForCausalLM.from_pretrained(
-                str(self.model_dir),
-                local_files_only=True,
-                dtype=self.dtype,
-                attn_implementation=self.attn_implementation,
-                **placement,
-            )
+        if self.dummy_weights:
+            model = self._dummy_model()
+        else:
+            with _sequential_loading():
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(self.model_dir),
+                    local_files_only=True,
+                    dtype=self.dtype,
+                    attn_implementation=self.attn_implementation,
+                    **placement,
+                )
         if self.world > 1:
             check_placements(model)
         model.eval()
@@ -225,7 +250,10 @@ class TransformersRunner(ModelRunner):
         if copied:
             log.info("copied %d memory-mapped tensors into the weights pool", copied)
         weights = WeightSet({"": model})
-        weights.bind_source(self.model_dir)
+        if self.dummy_weights:
+            weights.bind_own_dtypes()  # no checkpoint: a reload or an update brings the model's dtypes
+        else:
+            weights.bind_source(self.model_dir)
         self.model, self.weights = model, weights
 
     def fit_caches(self, available_bytes: int) -> None:
@@ -310,6 +338,12 @@ class TransformersRunner(ModelRunner):
             raise RuntimeError("reload_weights before load_weights")
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
+        if source is None and self.dummy_weights:
+            raise RunnerArgumentError(
+                f"Model reloading with dummy format: {str(self.model_dir)!r} was loaded with load_format "
+                "'dummy' (no checkpoint was read), so there are no own weights to reload; reload from a "
+                "checkpoint directory (source) or update the weights (UpdateWeights)"
+            )
         self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
 
     @property
@@ -333,8 +367,8 @@ class TransformersRunner(ModelRunner):
                 files.append(path.name)
         return files
 
-    def weights_origin(self) -> str:
-        return str(self.model_dir)
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.weights is None:

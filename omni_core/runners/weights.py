@@ -178,6 +178,13 @@ class WeightSet:
             for target, _, entry in self._match(folder, targets, headers, directory, check_dtype=False):
                 target.source_dtype = entry.dtype
 
+    def bind_own_dtypes(self) -> None:
+        """No checkpoint was read (load_format 'dummy'): a reload must bring the dtypes the
+        modules hold."""
+        for targets in self.folders.values():
+            for target in targets:
+                target.source_dtype = SAFETENSORS_NAMES[target.tensor.dtype]
+
     def plan(self, directory: Path) -> list[tuple[_Target, str, HeaderEntry]]:
         """Every (tensor, checkpoint name, header) a reload from `directory` writes; raises
         RunnerArgumentError on the first mismatch, before anything is read or written."""
@@ -452,6 +459,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def saved_form(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -519,12 +527,11 @@ def read_saved(
 
     directory = resolved(directory)
     headers = read_headers(directory)
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # torch's -> safetensors'
     problems = [f"tensor {name!r} is missing" for name in specs if name not in headers]
     problems += [f"tensor {name!r} is not a weight of this runner" for name in headers if name not in specs]
     for name, (shape, dtype) in specs.items():
         entry = headers.get(name)
-        if entry is not None and (entry.shape != shape or names.get(dtype) != entry.dtype):
+        if entry is not None and (entry.shape != shape or SAFETENSORS_NAMES.get(dtype) != entry.dtype):
             problems.append(
                 f"tensor {name!r} is {entry.dtype} {list(entry.shape)}, the runner's is {dtype} {list(shape)}"
             )

@@ -230,7 +230,9 @@ class WorkerProcess:
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
-        loaded = Loaded(backend_name, capabilities, needs_reload=cfg.start_needs_reload)
+        # Dummy weights (load_format "dummy") are nothing to serve until an update replaces them.
+        dummy = self.runner is not None and self.runner.dummy_weights and cfg.start_source is None
+        loaded = Loaded(backend_name, capabilities, needs_reload=cfg.start_needs_reload or dummy)
         started = self.core.step(LoadFailed(error, backend_name) if error else loaded)
         self._write(started.records)
         device = str(self.device)
