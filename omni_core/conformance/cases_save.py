@@ -1,7 +1,8 @@
 """The P-21 cases (SaveWeights): a save writes the version held, whole or not at all, and only
-where valid weights are awake. The suite and the worker share a file system here (the suite
-starts its workers on its own host): the cases write under a fresh directory of the suite's
-and read back what the worker wrote there."""
+where valid weights are awake; and the P-17 case of a worker that greets NEEDS_RELOAD (rule
+10). The suite and the worker share a file system here (the suite starts its workers on its
+own host): the cases write under a fresh directory of the suite's and read back what the
+worker wrote there."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 
 from omni_core.conformance.cases import LEVEL2, PARTIAL_WAKE, Ctx, case
-from omni_core.protocol import AckStatus, Nack, NackReason, ReloadWeights, SaveWeights, WorkerState
+from omni_core.protocol import AckStatus, Execute, Nack, NackReason, ReloadWeights, SaveWeights, Shutdown, WorkerState
 
 SAVE_WEIGHTS = "save_weights"  # the capability a worker declares when it answers SaveWeights
 INDEX_FILE = "omni_weights.json"  # P-21: the index every save holds
@@ -152,3 +153,38 @@ def save_reloads_bit_for_bit(ctx: Ctx) -> None:
         reload = ctx.cmd(ReloadWeights, "from-save", source=target)
         ctx.ack(ctx.request(reload), reload, state=WorkerState.ACTIVE)
     ctx.same_output(first, "after a reload of what the worker saved")
+
+
+@case(
+    "P-17",
+    "greeted_needs_reload_serves_nothing_until_weights_come",
+    "a worker started with its weights not to be served (a restart under a version floor; the table's "
+    "loaded_needs_reload row) greets NEEDS_RELOAD at weights version 0, refuses Execute INVALID_STATE "
+    "naming the state, says NEEDS_RELOAD in Status, and serves once a ReloadWeights completes (rule 10)",
+    scope="own",
+)
+def greeted_needs_reload_serves_nothing_until_weights_come(ctx: Ctx) -> None:
+    if ctx.needs_reload_factory is None:
+        ctx.skip(
+            "no worker to start in NEEDS_RELOAD: name one that greets so with --needs-reload-worker TARGET "
+            "or SuiteOptions(needs_reload_worker=...)"
+        )
+    start = ctx.own_harness().start
+    (peer,) = start([0], ctx.options.epoch, factory=ctx.needs_reload_factory, state=WorkerState.NEEDS_RELOAD)
+    assert peer.hello is not None
+    ctx.check(
+        peer.hello.weights_version == 0,
+        "a worker greeting NEEDS_RELOAD claims a weights version",
+        got=peer.hello,
+        expected="Hello state NEEDS_RELOAD, weights_version 0",
+    )
+    run = ctx.cmd(Execute, peer=peer, payload=ctx.options.execute_payload)
+    ctx.nack(ctx.request(run, peer), run, NackReason.INVALID_STATE, state=WorkerState.NEEDS_RELOAD, names_state=True)
+    status = ctx.status(peer)
+    ctx.check(status.state is WorkerState.NEEDS_RELOAD, "Status does not say NEEDS_RELOAD", got=status)
+    reload = ctx.cmd(ReloadWeights, "after-greeting", peer=peer)
+    ctx.ack(ctx.request(reload, peer), reload, state=WorkerState.ACTIVE)
+    ran = ctx.cmd(Execute, "after-reload", peer=peer, payload=ctx.options.execute_payload)
+    ctx.executed_or_runner_error(ran, ctx.request(ran, peer))
+    shutdown = ctx.cmd(Shutdown, peer=peer)
+    ctx.ack(ctx.request(shutdown, peer), shutdown, state=WorkerState.STOPPED, status=AckStatus.OK)
