@@ -318,6 +318,8 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
             ev.version = r.weights_version
         elif kind in ("state", "restart"):  # a restart: the version its fresh ranks start at
             ev.version = r.weights_version
+            if kind == "restart":  # and what it planned: NEEDS_RELOAD (info) under a floor (level)
+                ev.level, ev.info = r.version_floor, "needs_reload" if r.needs_reload else UNKNOWN
         elif kind == "ended":
             ev.cmd, ev.info = r.command, "ok" if r.ok else "failed"
         elif kind == "answered":
@@ -411,7 +413,8 @@ def _repeats(events: Iterable[TraceEvent]) -> int:
     return sum(n - 1 for n in seen.values())
 
 
-STARTED = ("ACTIVE", "FAILED", UNKNOWN)  # a rank loads (Loaded) or fails to (LoadFailed)
+# A rank loads (Loaded), loads weights not to be served (LoadedNeedsReload), or fails to (LoadFailed).
+STARTED = ("ACTIVE", "NEEDS_RELOAD", "FAILED", UNKNOWN)
 
 
 def _note_unmodelled(events: list[TraceEvent]) -> None:
