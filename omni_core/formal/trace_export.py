@@ -7,7 +7,7 @@ Each record kind is one event kind, and each event kind one action of the trace 
 (IssueSleep/IssueWake/IssueReload), StageDispatched -> dispatch (IssueExecute), StageSent
 -> send, StageReceived -> recv (StageReceive), StageChanged -> state, StageDeadline ->
 deadline (Deadline), StageRestarted -> restart (Restart), RankDied -> died (Crash, then
-RankDied); WorkerStarted -> start (Loaded/LoadFailed), WorkerReceived -> wrecv
+RankDied); WorkerStarted -> start (Loaded/LoadedNeedsReload/LoadFailed), WorkerReceived -> wrecv
 (WorkerReceive), EffectDone/EffectFailed/EffectRefused -> done/error/refused
 (Done/EffectError/Refused), WorkerChanged -> wstate, ReplySent -> wsend, TaskEnded ->
 ended and RequestAnswered -> answered (what a caller heard, tied to the outcome the ranks'

@@ -55,9 +55,10 @@ def floor_records(tmp_path_factory):
     from tests.engine.test_weight_updates import new_weights, reference
 
     path = tmp_path_factory.mktemp("floor") / "floor.jsonl"
-    with Engine([small_spec("f", admission="reject")], trace_path=str(path)) as engine, WeightSender(
-        bucket_bytes=1 << 20
-    ) as sender:
+    with (
+        Engine([small_spec("f", admission="reject")], trace_path=str(path)) as engine,
+        WeightSender(bucket_bytes=1 << 20) as sender,
+    ):
         weights = new_weights(reference(seed=1), 13)
         engine.update_weights("f", sender.share(weights), version=3)
         assert engine.restart("f").version_floor == 3
