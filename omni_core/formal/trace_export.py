@@ -32,7 +32,7 @@ ended owing an answer (`trace_admission.RecordChecks`: a last refuted event); a 
 that breaks P-18's rules (`trace_links.LinkChecks`).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
-ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
+ResetPrefixCache (and P-21's SaveWeights) replay on the actions of tla/trace/OmniWeights.tla, and every event
 carries the weights version its record names (`v`): an UpdateWeights' issue and send
 (the send also as its level, which is how the spec's wire carries it), each reply
 (ReplySent, StageReceived) and the committed version after each StageChanged.

@@ -38,10 +38,13 @@ floorVars == <<sneeds, sfloor>>
 
 (* The LoRA adapter commands (P-20) are stateless tasks too: an ALREADY answer is not modelled. *)
 AdapterCommands == {"AddAdapter", "RemoveAdapter", "PinAdapter", "ListAdapters"}
-WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
-Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
+(* SaveWeights (P-21) is one too: the stage records where its version lives, which the trace's
+   next restart names (StageRestarted's version); nothing here moves. *)
+WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache", "SaveWeights"}
+                  \cup AdapterCommands
+Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache", "SaveWeights"} \cup AdapterCommands
 Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share",
-            ResetPrefixCache |-> "reset_prefix_cache", AddAdapter |-> "add_adapter",
+            ResetPrefixCache |-> "reset_prefix_cache", SaveWeights |-> "save_weights", AddAdapter |-> "add_adapter",
             RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters"]
 NoAnswers == [r \in Ranks |-> "none"]
 Range(f) == {f[x] : x \in DOMAIN f}
