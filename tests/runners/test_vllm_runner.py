@@ -435,6 +435,8 @@ def test_requests_join_and_leave_vllms_engine_between_steps(monkeypatch, checkpo
     with pytest.raises(RuntimeError, match="holds none of the 1 requests"):
         runner.step_requests()
     assert runner.running_requests() == 0
+
+
 class SavingModelRunner(FakeModelRunner):
     """A model with parameters, as vLLM's (fused names, this rank's shard)."""
 
