@@ -6,6 +6,7 @@ a restart reloads) and when one refuses (nothing)."""
 from __future__ import annotations
 
 import pytest
+import stage_inputs
 from lifecycle_helpers import reach_worker
 from test_stage_core import outcome_of, reach_stage
 from test_weights_core import _shm
@@ -37,14 +38,15 @@ def _save(directory: str = "/saves/v2", ranks: int = 2, task_id: str = "save") -
 
 
 def _memory_update(h) -> None:  # type: ignore[no-untyped-def]
-    h.complete(h.stage.update_weights("u", 2, _shm(64, TensorSpec(name="w", dtype="float32", shape=(4,))), h.now, 5.0))
+    shm = _shm(64, TensorSpec(name="w", dtype="float32", shape=(4,)))
+    h.complete(stage_inputs.update_weights(h.stage, "u", 2, shm, h.now, 5.0))
     assert (h.stage.weights_version, h.stage.versions.kind) == (2, "memory")
 
 
 def test_a_save_every_rank_acked_makes_the_version_durable_for_a_restart() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
     _memory_update(h)
-    step = h.stage.core.step(_save(), h.now)
+    step = h.stage.step(_save(), h.now)
     assert {o.command.directory for o in step.sends} == {"/saves/v2"}  # type: ignore[attr-defined]
     outcome = outcome_of(h.complete(step))
     assert (outcome.ok, outcome.command, outcome.state) == (True, "SaveWeights", S.RUNNING)
@@ -65,7 +67,7 @@ def test_without_the_save_the_same_restart_comes_back_under_the_floor() -> None:
 def test_a_save_one_rank_refused_records_nothing() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
     _memory_update(h)
-    step = h.stage.core.step(_save(), h.now)
+    step = h.stage.step(_save(), h.now)
     replies = h.to_workers(step, ranks={0})
     refused = Nack(
         task_id="save", epoch=0, rank=1, command="SaveWeights", reason=NackReason.INVALID_ARGUMENT, state=W.ACTIVE
@@ -78,7 +80,7 @@ def test_a_save_one_rank_refused_records_nothing() -> None:
 def test_the_save_must_name_the_stages_rank_count() -> None:
     h = reach_stage(S.RUNNING, ranks=2)
     with pytest.raises(StageCommandError, match="has 2 ranks, and the SaveWeights says 1: send ranks=2"):
-        h.stage.core.step(_save(ranks=1), h.now)
+        h.stage.step(_save(ranks=1), h.now)
     assert h.stage.task_id is None
 
 
@@ -86,13 +88,13 @@ def test_the_save_must_name_the_stages_rank_count() -> None:
 def test_a_save_without_valid_weights_awake_is_refused_by_the_table(state: S) -> None:
     h = reach_stage(state, ranks=2)  # PARTIAL: kv_cache woke, the weights sleep
     with pytest.raises(StageCommandError, match=f"cannot save weights in {state.value}: valid weights must be awake"):
-        h.stage.core.step(_save(), h.now)
+        h.stage.step(_save(), h.now)
     assert h.stage.state is state and h.stage.task_id is None
 
 
 def test_a_paused_stage_saves_and_stays_paused() -> None:
     h = reach_stage(S.PAUSED, ranks=2)
-    outcome = outcome_of(h.complete(h.stage.core.step(_save(), h.now)))
+    outcome = outcome_of(h.complete(h.stage.step(_save(), h.now)))
     assert outcome.ok and h.stage.state is S.PAUSED
 
 
@@ -144,10 +146,10 @@ def test_a_save_that_raises_is_that_commands_refusal_and_the_rank_serves_on() ->
 def test_a_stage_saves_wherever_valid_weights_are_awake_and_keeps_its_state(state: S) -> None:
     h = reach_stage(S.PAUSED if state is S.PAUSED else S.RUNNING, ranks=2)
     if state is S.PARTIAL:  # the weights awake, kv_cache asleep
-        h.complete(h.stage.sleep("sleep", 1, None, h.now, 5.0))
-        h.complete(h.stage.wake("wake", ("weights",), h.now, 5.0))
+        h.complete(stage_inputs.sleep(h.stage, "sleep", 1, None, h.now, 5.0))
+        h.complete(stage_inputs.wake(h.stage, "wake", ("weights",), h.now, 5.0))
     assert h.stage.state is state
-    outcome = outcome_of(h.complete(h.stage.core.step(_save(), h.now)))
+    outcome = outcome_of(h.complete(h.stage.step(_save(), h.now)))
     assert (outcome.ok, outcome.state, h.stage.versions.source) == (True, state, "/saves/v2")
 
 

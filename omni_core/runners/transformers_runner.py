@@ -146,24 +146,7 @@ class TransformersRunner(ModelRunner):
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world > 1:
-            heads = int(self.config.num_attention_heads)
-            if heads % self.world or self.kv_heads % self.world:
-                raise ValueError(
-                    f"a stage of {self.world} ranks shards the model's attention heads: "
-                    f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
-                    f"{self.world}; use a number of ranks that divides them"
-                )
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            if self.device.type == "cuda" and self.device.index not in (None, local_rank):
-                raise ValueError(
-                    f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
-                    f"but this rank's device is {self.device}"
-                )
-            if self.dummy_weights:
-                raise ValueError(
-                    "load_format='dummy' on a tensor-parallel stage is not supported: run it with one rank"
-                )
-            join_process_group(self.device, init_timeout_s)
+            self._join_tensor_parallel(init_timeout_s)
         self.local_kv_heads = self.kv_heads // self.world  # the heads of the cache this rank holds
         self.head_dim = int(
             getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
@@ -174,6 +157,26 @@ class TransformersRunner(ModelRunner):
         self.weights: WeightSet | None = None
         self.last_reload: ReloadReport | None = None
         self.lora: PeftAdapters | None = None  # LoRA adapters (P-20), from the first AddAdapter
+
+    def _join_tensor_parallel(self, init_timeout_s: float) -> None:
+        """One rank of a tensor-parallel stage: check the heads shard and the device, then join
+        the process group."""
+        heads = int(self.config.num_attention_heads)
+        if heads % self.world or self.kv_heads % self.world:
+            raise ValueError(
+                f"a stage of {self.world} ranks shards the model's attention heads: "
+                f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
+                f"{self.world}; use a number of ranks that divides them"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.device.type == "cuda" and self.device.index not in (None, local_rank):
+            raise ValueError(
+                f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
+                f"but this rank's device is {self.device}"
+            )
+        if self.dummy_weights:
+            raise ValueError("load_format='dummy' on a tensor-parallel stage is not supported: run it with one rank")
+        join_process_group(self.device, init_timeout_s)
 
     def _resolve_seq_len(self, max_seq_len: int | str | None) -> int:
         """The cache's length: the argument, the default (capped by the model), or 0 for
