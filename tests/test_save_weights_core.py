@@ -5,15 +5,16 @@ a restart reloads) and when one refuses (nothing)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import stage_inputs
-from lifecycle_helpers import reach_worker
+from lifecycle_helpers import StageHarness, reach_worker
 from test_stage_core import outcome_of, reach_stage
 from test_weights_core import _shm
 
 from omni_core.fsm import StageCommandError, StageCore
 from omni_core.fsm import inputs as I
-from omni_core.fsm.effects import CommandEffect
+from omni_core.fsm.effects import CommandEffect, ReloadEffect
 from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.worker_inputs import EffectCompleted, EffectRaised
 from omni_core.fsm.worker_step import ALL_CAPABILITIES
@@ -23,6 +24,7 @@ from omni_core.protocol import (
     DiskSource,
     Nack,
     NackReason,
+    ReloadWeights,
     SaveWeights,
     TensorSpec,
     UpdateWeights,
@@ -30,6 +32,7 @@ from omni_core.protocol import (
 )
 from omni_core.protocol import StageState as S
 from omni_core.protocol import WorkerState as W
+from omni_testing.envelope import NO_MEMORY
 from omni_testing.network import Simulator
 
 
@@ -202,3 +205,70 @@ def test_a_dummy_stages_restart_never_claims_checkpoint_weights(committed: str |
     assert keeper.plan_restart(version, 1, from_checkpoint=False) == want
     assert keeper.plan_restart(version, 2, from_checkpoint=True) == StartWeights(needs_reload=True)
     assert keeper.kind == "dummy"
+
+
+# ----------------------------------------------------------------------- a reload of a save
+
+
+def _reload_save(h, versions: dict[int, int], source: str = "/saves/v3"):  # type: ignore[no-untyped-def]
+    """The stage reloads `source`; rank r ACKs at `versions[r]` (the version its save's index names)."""
+    step = h.stage.step(I.ReloadCall("reload-save", source, 5.0), h.now)
+    replies = [msgspec.structs.replace(r, weights_version=versions[r.rank]) for r in h.to_workers(step)]
+    return h.feed(replies)
+
+
+def test_a_reload_of_a_save_commits_the_version_its_ranks_ack_and_keeps_it_durable() -> None:
+    h = reach_stage(S.NEEDS_RELOAD, ranks=2)
+    outcome = outcome_of(_reload_save(h, {0: 3, 1: 3}))
+    assert (outcome.ok, outcome.state, h.stage.weights_version) == (True, S.RUNNING, 3)
+    assert (h.stage.versions.kind, h.stage.versions.source) == ("disk", "/saves/v3")
+    h.sim.restart(10.0, hello=False)
+    start = h.stage.start_weights
+    assert start is not None and (start.source, start.version, start.needs_reload) == ("/saves/v3", 3, False)
+
+
+def test_a_reload_whose_ranks_ack_different_versions_fails_the_stage() -> None:
+    h = reach_stage(S.NEEDS_RELOAD, ranks=2)
+    _reload_save(h, {0: 3, 1: 2})
+    assert h.stage.state is S.FAILED
+    assert "ACKed ReloadWeights at weights version 2; the stage expected version 3" in h.stage.failure
+
+
+def test_a_reload_of_the_runners_own_weights_must_ack_version_zero() -> None:
+    h = reach_stage(S.NEEDS_RELOAD, ranks=2)
+    step = h.stage.step(I.ReloadCall("own", None, 5.0), h.now)
+    h.feed([msgspec.structs.replace(r, weights_version=3) for r in h.to_workers(step)])
+    assert h.stage.state is S.FAILED and "the stage expected version 0" in h.stage.failure
+
+
+def _under_floor_two() -> StageHarness:
+    h = reach_stage(S.RUNNING, ranks=2)
+    _memory_update(h)
+    h.restart()
+    assert (h.stage.state, h.stage.versions.floor) == (S.NEEDS_RELOAD, 2)
+    return h
+
+
+def test_under_a_floor_a_reload_of_a_save_at_the_floor_serves_it() -> None:
+    h = _under_floor_two()
+    with pytest.raises(StageCommandError, match="a reload would serve version 0, below the floor"):
+        h.stage.step(I.ReloadCall("own", None, 5.0), h.now)
+    outcome = outcome_of(_reload_save(h, {0: 2, 1: 2}))
+    assert (outcome.ok, h.stage.state, h.stage.weights_version, h.stage.versions.floor) == (True, S.RUNNING, 2, 0)
+
+
+def test_under_a_floor_a_reload_of_an_older_save_fails_and_never_serves_it() -> None:
+    h = _under_floor_two()
+    _reload_save(h, {0: 1, 1: 1})
+    assert h.stage.state is S.FAILED and "reloaded weights version 1" in h.stage.failure
+    assert "below the stage's floor 2" in h.stage.failure and h.stage.versions.floor == 2
+
+
+def test_a_rank_reloads_at_the_version_the_shell_read_and_takes_updates_above_it_only() -> None:
+    worker = reach_worker(W.NEEDS_RELOAD)
+    step = worker.send(ReloadWeights(task_id="rl", epoch=0, source="/saves/v3"))
+    assert isinstance(step.effect, ReloadEffect)
+    (ack,) = worker.w.step(EffectCompleted("rl", memory=NO_MEMORY, weights_version=3)).replies
+    assert isinstance(ack, Ack) and (ack.state, ack.weights_version) == (W.ACTIVE, 3)
+    stale = worker.run(UpdateWeights(task_id="u3", epoch=0, version=3, source=DiskSource(path="/ckpt")))
+    assert isinstance(stale, Nack) and stale.reason is NackReason.STALE_VERSION

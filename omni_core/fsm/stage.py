@@ -610,15 +610,18 @@ class StageCore:
                     f"stage {self.name!r} cannot reload weights in {self.state.value}: reload "
                     "follows a level-2 sleep and a wake of 'weights' (state NEEDS_RELOAD)"
                 )
-            if self.versions.floor:  # a reload is version 0: below the floor, a silent revert
+            if self.versions.floor and call.source is None:  # the runner's own weights: version 0, a revert
                 raise StageCommandError(
-                    f"{self.versions.floor_detail(self.name)}; a reload would serve version 0, below the floor"
+                    f"{self.versions.floor_detail(self.name)}; a reload would serve version 0, below the floor: "
+                    "reload a save at or above the floor (source), or update"
                 )
             if self.versions.dummy and call.source is None:
                 raise StageCommandError(self.versions.dummy_reload_refusal(self.name))
             command = ReloadWeights(task_id=call.task_id, epoch=self.epoch, source=call.source)
-            # The runner's own weights: no update's version stands for them.
-            return self._weights_task(call, signature, command, now, refused="reload_refused", version=0)
+            # The runner's own weights are version 0; a directory's is the one its ranks ACK (a save's).
+            task = self._weights_task(call, signature, command, now, refused="reload_refused", version=0)
+            task.version_from_source = call.source is not None
+            return task
 
         return self._issue(ReloadWeights, call.task_id, signature, now, call.deadline_s, plan)
 
@@ -1203,16 +1206,9 @@ class StageCore:
             # without it is not a conforming worker's and is not trusted to commit.
             self.counters.acks_without_memory_report += 1
             return self._fail_task({reply.rank: f"ACKed {command} without a memory report"}, now)
-        if reply.weights_version != task.expect_version:
-            return self._fail_task(
-                {
-                    reply.rank: (
-                        f"ACKed {command} at weights version {reply.weights_version}; the stage expected version "
-                        f"{task.expect_version} on every rank"
-                    )
-                },
-                now,
-            )
+        version_problem = self._version_problem(task, reply)
+        if version_problem:
+            return self._fail_task({reply.rank: version_problem}, now)
         asleep = frozenset(reply.asleep_tags)
         if reply.state is not task.expect_state or asleep != task.expect_asleep:
             return self._fail_task(
@@ -1288,6 +1284,25 @@ class StageCore:
         outcome = replace(outcome, refusals=MappingProxyType(dict(task.refusals)))
         self.completed.put(task.task_id, (task.signature, outcome))
         return StageStep(outcome=outcome)
+
+    def _version_problem(self, task: StageTask, reply: Ack) -> str:
+        """What is wrong with the weights version an ACK reports; "" when nothing. A reload
+        from a directory takes the version its first ACK names (a save's index, P-21), which
+        must not be below a version floor and which every other rank must report too."""
+        if task.version_from_source and not task.acks:
+            if reply.weights_version < self.versions.floor:
+                return (
+                    f"reloaded weights version {reply.weights_version} (its source's save index), below the "
+                    f"stage's floor {self.versions.floor}; the stage fails rather than serve it: restart it, "
+                    "then update to the floor or above, or reload a save at or above it"
+                )
+            task.expect_version = reply.weights_version
+        if reply.weights_version != task.expect_version:
+            return (
+                f"ACKed {reply.command} at weights version {reply.weights_version}; the stage expected version "
+                f"{task.expect_version} on every rank"
+            )
+        return ""
 
     def _maybe_commit(self, now: float) -> StageStep:
         """Once every rank answered: commit on a complete ACK set (P-5), return to the

@@ -111,7 +111,14 @@ from omni_core.workers.rank_memory import (
 )
 from omni_core.workers.results import checked_output
 from omni_core.workers.runner_counters import CounterStamp
-from omni_core.workers.saved_weights import SavedRank, check_saved_version, rank_source, save_rank
+from omni_core.workers.saved_weights import (
+    Reloaded,
+    SavedRank,
+    check_saved_version,
+    rank_source,
+    save_rank,
+    saved_version,
+)
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
@@ -659,8 +666,12 @@ class WorkerProcess:
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
             shared = output if isinstance(effect, ShareEffect) else None
             output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
+            version = output.version if isinstance(output, Reloaded) else 0
+            output = output.caches if isinstance(output, Reloaded) else output
             # Positional, in the fields' order: each value is named as its field.
-            step = core.step(EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared))
+            step = core.step(
+                EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared, version)
+            )
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -750,15 +761,17 @@ class WorkerProcess:
         elif isinstance(effect, ReloadEffect):
             # In place, outside any pool: the weights' memory is already mapped, and entering
             # vLLM's use_memory_pool again would replace the MemPool that owns it.
+            source = None if effect.source is None else rank_source(effect.source, self.config.rank)
+            version = saved_version(source)  # a bad index refuses the reload before anything is written
             backend.invalidate({WEIGHTS_TAG})  # a host copy of the old weights no longer stands for them
-            runner.reload_weights(None if effect.source is None else rank_source(effect.source, self.config.rank))
+            runner.reload_weights(source)
             if self.device.type == "cuda":
                 # The Ack says the weights are valid: wait for the refill kernels, so that
                 # duration_s is the reload's and not its launch's.
                 torch.cuda.synchronize(self.device)
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
-            return drop_derived_caches(runner, flush=True)
+            return Reloaded(drop_derived_caches(runner, flush=True), version)
         elif isinstance(effect, UpdateEffect):
             if not effect.flush_cache:
                 refuse_kept_caches(runner)  # before anything is written: INVALID_ARGUMENT

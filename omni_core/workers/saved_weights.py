@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_core.protocol import SaveWeights
+from omni_core.protocol.weights import MAX_WEIGHTS_VERSION
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
 
 INDEX_FILE = "omni_weights.json"
@@ -40,6 +41,15 @@ class SavedRank:
     rank: int
     version: int
     origin: str | None
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """What a rank's reload did: the derived caches it dropped (the Ack names them) and the
+    version it now holds (`saved_version`)."""
+
+    caches: tuple[str, ...]
+    version: int
 
 
 def target_of(command: SaveWeights, rank: int) -> Path:
@@ -178,10 +188,26 @@ def rank_source(source: str, rank: int) -> str:
     return source
 
 
+def saved_version(source: str | None) -> int:
+    """The weights version a reload of `source` brings: the one a save's index names, 0 for
+    the runner's own source or a plain checkpoint. Read before anything is written, so that a
+    bad index refuses the reload (RunnerArgumentError) with the weights untouched."""
+    index = None if source is None else read_index(source)
+    if index is None:
+        return 0
+    version = index.get("weights_version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_WEIGHTS_VERSION:
+        raise RunnerArgumentError(
+            f"the save index in {source!r} names weights version {version!r}, not an int in "
+            f"0..{MAX_WEIGHTS_VERSION}: it is not a save omni-core wrote; save again"
+        )
+    return version
+
+
 def check_saved_version(source: str, version: int) -> None:
     """A restart at `version` from `source`: a saved directory must hold that version."""
     index = read_index(source)
-    if index is not None and index.get("weights_version") != version:
+    if index is not None and saved_version(source) != version:
         raise RunnerArgumentError(
             f"{source!r} holds weights version {index.get('weights_version')!r}, and the stage restarts at "
             f"version {version}: the directory was replaced since it was saved; save again, or restart "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.errors import InvalidArgumentError, StageFailedError
 from omni_core.weights_sender import WeightSender
 from omni_core.workers.saved_weights import INDEX_FILE
 from tests.engine.conftest import PROBE, small_spec
@@ -111,3 +111,45 @@ def test_a_runner_that_cannot_save_is_refused_unsupported(engine_factory, tmp_pa
     with pytest.raises(InvalidArgumentError, match=r"UNSUPPORTED.*capability 'save_weights' not declared"):
         engine.save_weights("n", str(tmp_path / "w"))
     assert os.listdir(tmp_path) == []
+
+
+def _saved_at_three(engine, stage: str, target: Path) -> str:  # type: ignore[no-untyped-def]
+    """Stage `stage` updated from memory to version 3 and saved to `target`: what it served."""
+    with WeightSender(bucket_bytes=1 << 20) as sender:
+        engine.update_weights(stage, sender.share(new_weights(reference(seed=1), 13)), version=3)
+    engine.save_weights(stage, str(target))
+    return digest(engine, stage)
+
+
+def test_a_reload_of_a_save_comes_back_at_the_saved_version_bit_for_bit(engine_factory, tmp_path: Path) -> None:
+    engine = engine_factory(small_spec("r"))
+    served = _saved_at_three(engine, "r", tmp_path / "v3")
+    engine.update_weights("r", "seed:9", version=5)  # other weights, from disk
+    assert digest(engine, "r") != served
+    engine.sleep("r", level=2)
+    engine.wake("r")
+    report = engine.reload_weights("r", str(tmp_path / "v3"))
+    assert (report.state, report.weights_version, report.ranks[0].weights_version) == ("RUNNING", 3, 3)
+    answer = engine.execute("r", PROBE, with_version=True)
+    assert (answer.output["sha256"], answer.weights_version) == (served, 3)
+    status = engine.status()["r"]
+    assert (status["weights_version"], status["weights_source"]) == (3, "disk")
+    restart = engine.restart("r")  # the reloaded save is where version 3 lives now
+    assert (restart.state, restart.weights_version) == ("RUNNING", 3) and digest(engine, "r") == served
+    with pytest.raises(InvalidArgumentError, match="weights version 3 is not above the stage's version 3"):
+        engine.update_weights("r", "seed:9", version=3)
+    assert engine.update_weights("r", "seed:9", version=4).weights_version == 4
+
+
+def test_a_reload_of_a_save_below_the_floor_fails_rather_than_serve_it(engine_factory, tmp_path: Path) -> None:
+    engine = engine_factory(small_spec("b"))
+    _saved_at_three(engine, "b", tmp_path / "v3")
+    with WeightSender(bucket_bytes=1 << 20) as sender:
+        engine.update_weights("b", sender.share(new_weights(reference(seed=1), 17)), version=4)
+    assert engine.restart("b").version_floor == 4  # version 4 lived in memory only
+    with pytest.raises(InvalidArgumentError, match="a reload would serve version 0, below the floor"):
+        engine.reload_weights("b")  # the runner's own weights
+    with pytest.raises(StageFailedError, match=r"reloaded weights version 3 .*below the stage's floor 4"):
+        engine.reload_weights("b", str(tmp_path / "v3"))
+    assert engine.status()["b"]["state"] == "FAILED"  # never RUNNING at 3
+    assert engine.restart("b").version_floor == 4  # and the floor stands
