@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 
 from omni_core.conformance.cases import LEVEL2, PARTIAL_WAKE, Ctx, case
+from omni_core.conformance.cases_weights import WEIGHT_UPDATE, _self_update
 from omni_core.protocol import AckStatus, Execute, Nack, NackReason, ReloadWeights, SaveWeights, Shutdown, WorkerState
 
 SAVE_WEIGHTS = "save_weights"  # the capability a worker declares when it answers SaveWeights
@@ -153,6 +154,38 @@ def save_reloads_bit_for_bit(ctx: Ctx) -> None:
         reload = ctx.cmd(ReloadWeights, "from-save", source=target)
         ctx.ack(ctx.request(reload), reload, state=WorkerState.ACTIVE)
     ctx.same_output(first, "after a reload of what the worker saved")
+
+
+@case(
+    "P-21",
+    "save_reload_names_the_saved_version",
+    "'save_weights', 'weight_update' and 'level2' declared: an update to version v, a save, an update "
+    "to v+1, a level-2 Sleep and Wake, then ReloadWeights of the save: acknowledged ACTIVE at version v "
+    "(the one its index names, not 0), Status names v, and Execute returns what it returned at v",
+    needs=(SAVE_WEIGHTS, WEIGHT_UPDATE, LEVEL2),
+)
+def save_reload_names_the_saved_version(ctx: Ctx) -> None:
+    version = ctx.status().weights_version + 1
+    _self_update(ctx, version)
+    at_version = ctx.execute()
+    with _scratch() as root:
+        target = os.path.join(root, "saved")
+        save = _save(ctx, target, "at-version")
+        ctx.ack(ctx.request(save), save, state=WorkerState.ACTIVE, status=AckStatus.OK)
+        _self_update(ctx, version + 1)
+        ctx.sleep(2)
+        ctx.wake()
+        reload = ctx.cmd(ReloadWeights, "saved-version", source=target)
+        done = ctx.ack(ctx.request(reload), reload, state=WorkerState.ACTIVE)
+        for what, reply in (("Ack", done), ("Status", ctx.status())):
+            ctx.check(
+                reply.weights_version == version,
+                f"after a reload of a save at version {version}, the {what} names version {reply.weights_version}",
+                sent=reload,
+                got=reply,
+                expected=f"weights_version {version}, the one the save's index names",
+            )
+    ctx.same_output(at_version, "after a reload of a save")
 
 
 @case(

@@ -312,10 +312,13 @@ REQUIREMENTS: dict[str, Requirement] = {
             "through a symbolic link, and a `ranks` its rank is not below; any other failure of the write is "
             "`Nack INVALID_ARGUMENT` naming it, the rank still serving. What it writes MUST hold an index "
             "(`omni_weights.json`) naming the weights version, and MUST be what its `ReloadWeights` reads back "
-            "bit for bit. It is idempotent by `task_id` and fenced by epoch like every command (P-2, P-6). A "
+            "bit for bit, acknowledged at the version the index names. It is idempotent by `task_id` and "
+            "fenced by epoch like every command (P-2, P-6). A "
             "stage sends it to every rank only in `RUNNING`, `PAUSED` or `PARTIAL` with valid weights awake, "
             "never changes state on the answers, and once every rank acknowledged it records `directory` as "
-            "where its version lives, so that a restart reloads it at that version (P-17).",
+            "where its version lives, so that a restart reloads it at that version (P-17); a `ReloadWeights` of "
+            "it commits the version every rank acknowledged, the same on every rank and not below a version "
+            "floor, else the stage fails.",
         ),
     )
 }

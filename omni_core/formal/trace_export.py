@@ -334,6 +334,8 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
         ev.cmd = getattr(r, "reply", None) or _command_of(r) or UNKNOWN
         if kind == "wsend":
             ev.info, ev.version = r.info or UNKNOWN, r.weights_version
+        elif kind == "done":  # a reload: the version its source holds (a save's, P-21)
+            ev.version = r.weights_version
     return ev
 
 

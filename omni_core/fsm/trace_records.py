@@ -264,6 +264,8 @@ class EffectDone(_Record):
     state: str
     duration_s: float
     path: str = ""
+    # The version the rank holds after it: a reload's is its source's (a save's index, P-21).
+    weights_version: int = 0
 
 
 class EffectFailed(_Record):

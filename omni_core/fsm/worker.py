@@ -861,7 +861,9 @@ class WorkerCore:
                 )
         if not isinstance(command, Status):
             self._remember(command, reply)
-        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, done.path)
+        head = EffectDone(
+            task_id, type(command).__name__, self.state.value, duration_s, done.path, self.weights_version
+        )
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
     def _settle(self, pending: PendingEffect, reloaded_version: int = 0) -> None:

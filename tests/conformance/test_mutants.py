@@ -248,6 +248,7 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "save_refused_without_save_weights": "worker declares capability 'save_weights'; this case is for "
         "workers without it",  # its runner saves: the capability is the runner's, not the backend's
         "save_reloads_bit_for_bit": "worker does not declare capability 'level2'",
+        "save_reload_names_the_saved_version": "worker does not declare capability 'level2'",
         "greeted_needs_reload_serves_nothing_until_weights_come": "no worker to start in NEEDS_RELOAD: name one "
         "that greets so with --needs-reload-worker TARGET or SuiteOptions(needs_reload_worker=...)",
     }, rendered

@@ -22,6 +22,7 @@ from omni_core.workers.saved_weights import (
     rank_source,
     read_index,
     save_rank,
+    saved_version,
     target_of,
 )
 
@@ -103,3 +104,14 @@ def test_each_rank_reads_its_own_shard_of_a_many_rank_save(tmp_path: Path) -> No
     (tmp_path / "foreign" / INDEX_FILE).write_text('{"format": "other"}')
     with pytest.raises(RunnerArgumentError, match="is not a save index"):
         read_index(str(tmp_path / "foreign"))
+
+
+@pytest.mark.parametrize("version", [-1, True, "3", 1 << 63, None])
+def test_a_reload_reads_the_saves_version_and_refuses_an_index_that_names_none(tmp_path: Path, version) -> None:
+    runner = _runner()
+    written = save_rank(runner, _save(tmp_path / "w"), SavedRank(0, 7, None))
+    assert (saved_version(written), saved_version("seed:3"), saved_version(None)) == (7, 0, 0)
+    index = json.loads((tmp_path / "w" / INDEX_FILE).read_text())
+    (tmp_path / "w" / INDEX_FILE).write_text(json.dumps({**index, "weights_version": version}))
+    with pytest.raises(RunnerArgumentError, match=r"names weights version .*not an int in 0\.\."):
+        saved_version(written)

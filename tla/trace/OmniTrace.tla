@@ -307,7 +307,7 @@ WorkerDone ==
     /\ E.k \in {"done", "error"} /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
     /\ IF WeightPending(E.r) THEN IF E.k = "done" THEN WeightDone(E.r) ELSE WeightFailed(E.r)
-       ELSE IF E.k = "done" THEN Done(E.r) /\ RankReloaded(E.r)
+       ELSE IF E.k = "done" THEN Done(E.r) /\ RankReloaded(E.r, E.v)
        ELSE EffectError(E.r) /\ UNCHANGED weightVars
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))

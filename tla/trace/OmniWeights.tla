@@ -169,10 +169,11 @@ WeightTaskReply(m, rest) ==
 ForUpdate(m) == stask # 0 /\ scmd.type = "UpdateWeights" /\ m.task = stask /\ m.kind \in {"ack", "nack"}
 ForWeightTask(m) == wtask # 0 /\ m.task = wtask /\ m.kind \in {"ack", "nack"}
 
-(* A reload brings the runner's own weights back: once the stage commits it, no update's
-   version stands for them, and the stage's version is 0 again (StageCore._reload). *)
-ReloadCommitted ==
-    sver' = IF stask # 0 /\ scmd.type = "ReloadWeights" /\ outcome'[stask] = "ok" THEN 0 ELSE sver
+(* A reload brings its source's weights back: once the stage commits it, its version is the one
+   the last rank's ACK reports, `ver` (0 for the runner's own, a save's for a saved directory,
+   P-21; every rank the same, or the stage fails: W_SettledOnCommitted). *)
+ReloadCommitted(ver) ==
+    sver' = IF stask # 0 /\ scmd.type = "ReloadWeights" /\ outcome'[stask] = "ok" THEN ver ELSE sver
 
 (* StageCore on_hello after a restart that planned NEEDS_RELOAD (StartWeights.needs_reload):
    every rank must say Hello NEEDS_RELOAD; then the stage is NEEDS_RELOAD, its weights not
@@ -210,7 +211,7 @@ StageTake(m, keep, ver) ==
             ELSE WeightTaskReply(m, rest) /\ UNCHANGED <<sver, uans>>
          /\ faults' = IF keep THEN faults + 1 ELSE faults
          /\ UNCHANGED <<workerVars, nextTask, broken, wver, uver, ufrom>>
-    ELSE StageReceive(m, keep) /\ ReloadCommitted /\ UNCHANGED <<wver, uver, uans, ufrom, wtask, wsaid>>
+    ELSE StageReceive(m, keep) /\ ReloadCommitted(ver) /\ UNCHANGED <<wver, uver, uans, ufrom, wtask, wsaid>>
 
 -----------------------------------------------------------------------------
 (* ================================ worker ================================ *)
@@ -317,10 +318,12 @@ WeightRefused(r) ==
     /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, applied, stageVars, nextTask, faults, broken,
                    weightVars>>
 
-(* A rank's reload effect finished (the runner's own source, P-17 rule 2): it holds version 0
-   again, whatever update it held; any other effect of OmniSleep leaves its version. *)
-RankReloaded(r) ==
-    /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = 0] ELSE wver
+(* A rank's reload effect finished: it holds the version of its source, `v` (EffectDone's):
+   0 for the runner's own (P-17 rule 2), a save's for a saved directory (P-21), whatever update
+   it held; any other effect of OmniSleep leaves its version (and must record it). *)
+RankReloaded(r, v) ==
+    /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = v] ELSE wver
+    /\ wpend[r].type # "ReloadWeights" => v = wver[r]
     /\ UNCHANGED <<sver, uver, uans, ufrom, wtask, wsaid>>
 
 (* A restart replaces every rank by a fresh process: its own weights (version 0), or the
