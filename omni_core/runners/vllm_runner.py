@@ -98,6 +98,31 @@ OWNED_ENGINE_ARGS = frozenset(
 ALLOCATOR_BACKENDS = ("cumem", "fast")
 
 
+LOAD_FORMATS = ("safetensors", "dummy")  # vLLM's names: the checkpoint's weights, or random ones
+
+
+def _check_options(
+    load_format: str, max_num_seqs: int, gpu_memory_utilization: float, engine_args: Mapping[str, Any] | None
+) -> None:
+    """The runner's arguments that need no checkpoint, checked before anything is read."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}: 'dummy' reads no "
+            "weights (vLLM's random ones), for a rollout whose trainer sends them"
+        )
+    if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+        raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
+    if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
+    owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
+    if owned:
+        raise ValueError(
+            f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
+            "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
+            "stage's (ranks, gpu_memory_fraction, backend)"
+        )
+
+
 @dataclass
 class _Binding:
     """What the worker class needs from the runner. vLLM constructs its worker by class
@@ -293,8 +318,10 @@ class VllmRunner(ModelRunner):
         enforce_eager: bool = True,
         attention_backend: str | None = None,
         engine_args: Mapping[str, Any] | None = None,
+        load_format: str = "safetensors",
     ) -> None:
         super().__init__(device)
+        _check_options(load_format, max_num_seqs, gpu_memory_utilization, engine_args)
         self.model_dir = Path(model).expanduser()
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
@@ -310,17 +337,6 @@ class VllmRunner(ModelRunner):
             raise ValueError(
                 f"max_model_len must be an int in 2..{positions} (max_position_embeddings), got {max_model_len!r}"
             )
-        if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
-            raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
-        if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
-        owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
-        if owned:
-            raise ValueError(
-                f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
-                "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
-                "stage's (ranks, gpu_memory_fraction, backend)"
-            )
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.engine_kwargs: dict[str, Any] = {
@@ -331,7 +347,7 @@ class VllmRunner(ModelRunner):
             "max_num_seqs": max_num_seqs,
             "seed": seed,
             "enforce_eager": enforce_eager,
-            "load_format": "safetensors",
+            "load_format": load_format,
             "worker_cls": WORKER_CLS,
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": self.world_size,
@@ -340,6 +356,8 @@ class VllmRunner(ModelRunner):
         }
         if attention_backend is not None:
             self.engine_kwargs["attention_config"] = {"backend": attention_backend}
+        # vLLM's load_format "dummy" reads no checkpoint: the rank says Hello NEEDS_RELOAD until an update.
+        self.dummy_weights = load_format == "dummy"
         self.llm: Any = None
         self.worker: Any = None
         self.tokenizer: Any = None
@@ -478,8 +496,8 @@ class VllmRunner(ModelRunner):
                 shutil.copyfile(path, directory / path.name)  # as vLLM's example saves them beside
         return sorted(p.name for p in directory.iterdir())
 
-    def weights_origin(self) -> str:
-        return str(self.model_dir)
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
 
     def _reload_sharded(self, directory: Path) -> ReloadReport:
         """A directory save_weights wrote: this rank's files copied into the model's state dict,

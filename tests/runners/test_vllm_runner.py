@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from omni_core.engine.spec import StageSpec
 from omni_core.runners import vllm_runner
 from omni_core.runners.base import MemoryBudget, RunnerArgumentError
 from omni_core.runners.vllm_runner import (
@@ -508,3 +509,12 @@ def test_a_vllm_without_save_sharded_state_is_refused_naming_it(fake_vllm, check
     runner, _ = _loaded(checkpoints["qwen2"])
     with pytest.raises(RunnerArgumentError, match="has no save_sharded_state"):
         runner.save_weights(tmp_path, 1 << 20)
+
+
+def test_vllms_dummy_load_format_is_a_rank_that_starts_needs_reload(fake_vllm, checkpoints):
+    runner, _ = _loaded(checkpoints["qwen2"], load_format="dummy")
+    assert runner.dummy_weights and FakeEngine.made[-1].kwargs["load_format"] == "dummy"
+    assert not _loaded(checkpoints["qwen2"])[0].dummy_weights
+    assert StageSpec(name="rollout", runner="vllm", runner_args={"model": "m", "load_format": "dummy"}).dummy_weights
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        VllmRunner(CPU, model=str(checkpoints["qwen2"]), load_format="pt")
