@@ -320,10 +320,9 @@ WeightRefused(r) ==
 
 (* A rank's reload effect finished: it holds the version of its source, `v` (EffectDone's):
    0 for the runner's own (P-17 rule 2), a save's for a saved directory (P-21), whatever update
-   it held; any other effect of OmniSleep leaves its version (and must record it). *)
+   it held; any other effect of OmniSleep leaves its version. *)
 RankReloaded(r, v) ==
     /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = v] ELSE wver
-    /\ wpend[r].type # "ReloadWeights" => v = wver[r]
     /\ UNCHANGED <<sver, uver, uans, ufrom, wtask, wsaid>>
 
 (* A restart replaces every rank by a fresh process: its own weights (version 0), or the
