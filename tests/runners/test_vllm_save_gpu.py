@@ -1,7 +1,8 @@
 """SaveWeights through a real vLLM stage, on the GPU: a stage updated from memory (a checkpoint
 shared over host buckets, as a trainer sends it) saves through vLLM's own save_sharded_state;
 a restart then reloads the save and comes back at that version with the same greedy tokens
-(without the save it would come back NEEDS_RELOAD under the floor); and vLLM itself, asked for
+(without the save it would come back NEEDS_RELOAD under the floor), and so does a reload of it
+after an update to other weights; and vLLM itself, asked for
 load_format="sharded_state", loads what omni-core saved to the same tokens. Needs CUDA and vLLM
 (../shared/device/VLLM.md). Not run on the CPU machine this was written on."""
 
@@ -57,6 +58,12 @@ def test_a_vllm_save_survives_a_restart_and_loads_in_vllm_as_sharded_state(tmp_p
         engine.save_weights("llm", str(saved))
         restart = engine.restart("llm")
         assert (restart.state, restart.weights_version, restart.weights_source) == ("RUNNING", 5, "disk")
+        assert engine.execute("llm", REQUEST)["token_ids"] == on_b
+        # A reload of the save, after an update to other weights, is the saved version again.
+        engine.update_weights("llm", str(a), version=6)
+        engine.sleep("llm", level=2)
+        engine.wake("llm")
+        assert engine.reload_weights("llm", str(saved)).weights_version == 5
         assert engine.execute("llm", REQUEST)["token_ids"] == on_b
     assert sorted(p.name for p in saved.glob("model-rank-0-part-*.safetensors"))
     assert json.loads((saved / "omni_weights.json").read_text())["weights_version"] == 5
