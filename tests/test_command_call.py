@@ -19,6 +19,7 @@ from omni_core.protocol import (
     Profile,
     RemoveAdapter,
     ResetPrefixCache,
+    SaveWeights,
     ShareWeights,
     Sleep,
     arguments,
@@ -40,6 +41,7 @@ def test_the_stateless_commands_are_read_from_the_table() -> None:
         RemoveAdapter,
         PinAdapter,
         ListAdapters,
+        SaveWeights,
     }
     assert all(CALLS[kind].stateless for kind in STATELESS)
 
@@ -115,7 +117,7 @@ def test_a_command_call_carries_only_a_stateless_command(command: object) -> Non
     with pytest.raises(
         StageCommandError,
         match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, AddAdapter, RemoveAdapter, "
-        "PinAdapter, ListAdapters, ResetPrefixCache, not ",
+        "PinAdapter, ListAdapters, ResetPrefixCache, SaveWeights, not ",
     ):
         h.stage.step(_call(command), h.now)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None

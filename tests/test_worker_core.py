@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import test_save_weights_core as save_cases
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
 from test_worker_adapters import ADAPTER_SCENARIOS
 
@@ -1149,3 +1150,10 @@ def test_reset_prefix_cache_of_an_older_epoch_is_fenced_and_failed_ranks_refuse_
     assert nack.reason is NackReason.STALE_EPOCH
     (failed,) = reach_worker(W.FAILED).send(_reset()).replies
     assert failed.reason is NackReason.FAILED
+
+
+# SaveWeights, the other command of the generic template: its cases live in test_save_weights_core.py.
+SCENARIOS += [
+    lambda s=s: save_cases.test_a_worker_performs_a_save_by_the_generic_template_and_keeps_its_state(s)
+    for s in (W.ACTIVE, W.PARTIAL)
+]

@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 98 rows from 43 triggers
+\* ---- worker lifecycle: 100 rows from 44 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -28,15 +28,16 @@ WorkerTriggers == {"loaded", "loaded_needs_reload", "sleep", "sleep_already", "o
                    "update_refused_needs_reload", "update_failed", "update_asleep",
                    "update_refused_sleeping", "refitted_asleep", "update_failed_asleep",
                    "weight_group", "weight_group_already", "share", "reset_prefix_cache",
-                   "add_adapter", "remove_adapter", "pin_adapter", "list_adapters",
-                   "adapter_already", "execute", "status", "profile", "profile_already", "fail",
-                   "shutdown", "shutdown_already"}
+                   "save_weights", "add_adapter", "remove_adapter", "pin_adapter",
+                   "list_adapters", "adapter_already", "execute", "status", "profile",
+                   "profile_already", "fail", "shutdown", "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 WorkerInternalTriggers == {"adapter_already", "add_adapter", "execute", "list_adapters",
                            "pin_adapter", "profile", "profile_already", "remove_adapter",
-                           "reset_prefix_cache", "share", "shutdown_already", "sleep_already",
-                           "status", "wake_already", "weight_group", "weight_group_already"}
+                           "reset_prefix_cache", "save_weights", "share", "shutdown_already",
+                           "sleep_already", "status", "wake_already", "weight_group",
+                           "weight_group_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -92,6 +93,8 @@ WorkerRelation == {
     <<"PARTIAL", "share", "PARTIAL">>,                              \* ShareWeights with valid weights awake: copied into shared buckets; the state never changes
     <<"ACTIVE", "reset_prefix_cache", "ACTIVE">>,                   \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
     <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,                 \* ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes
+    <<"ACTIVE", "save_weights", "ACTIVE">>,                         \* SaveWeights with valid weights awake: written to disk beside the target, renamed in; the state never changes
+    <<"PARTIAL", "save_weights", "PARTIAL">>,                       \* SaveWeights with valid weights awake: written to disk beside the target, renamed in; the state never changes
     <<"ACTIVE", "add_adapter", "ACTIVE">>,                          \* AddAdapter with valid weights awake (P-20): loaded into the adapters' pool, LRU evicted at max_loras
     <<"PARTIAL", "add_adapter", "PARTIAL">>,                        \* AddAdapter with valid weights awake (P-20): loaded into the adapters' pool, LRU evicted at max_loras
     <<"ACTIVE", "remove_adapter", "ACTIVE">>,                       \* RemoveAdapter of an adapter held (P-20): unloaded; the state never changes
@@ -149,7 +152,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 109 rows from 50 triggers
+\* ---- stage lifecycle: 112 rows from 51 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -164,15 +167,16 @@ StageTriggers == {"started", "started_needs_reload", "drain", "drained", "drain_
                   "update_refused_needs_reload", "update_paused", "update_failed",
                   "update_asleep", "update_refused_sleeping", "update_slept",
                   "update_failed_asleep", "weight_group", "share", "reset_prefix_cache",
-                  "add_adapter", "remove_adapter", "pin_adapter", "list_adapters", "execute",
-                  "pause_drain", "pause_drained", "pause_already", "resume", "resume_already",
-                  "resume_asleep", "profile", "fail", "restart", "stop"}
+                  "save_weights", "add_adapter", "remove_adapter", "pin_adapter",
+                  "list_adapters", "execute", "pause_drain", "pause_drained", "pause_already",
+                  "resume", "resume_already", "resume_asleep", "profile", "fail", "restart",
+                  "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 StageInternalTriggers == {"add_adapter", "execute", "list_adapters", "pause_already",
                           "pin_adapter", "profile", "remove_adapter", "reset_prefix_cache",
-                          "resume_already", "resume_asleep", "share", "sleep_already",
-                          "wake_already", "weight_group"}
+                          "resume_already", "resume_asleep", "save_weights", "share",
+                          "sleep_already", "wake_already", "weight_group"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
@@ -231,6 +235,9 @@ StageRelation == {
     <<"RUNNING", "reset_prefix_cache", "RUNNING">>,              \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
     <<"PAUSED", "reset_prefix_cache", "PAUSED">>,                \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
     <<"PARTIAL", "reset_prefix_cache", "PARTIAL">>,              \* ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves
+    <<"RUNNING", "save_weights", "RUNNING">>,                    \* SaveWeights sent to every rank (valid weights awake); the state never changes; once every rank ACKed, a restart reloads that directory
+    <<"PAUSED", "save_weights", "PAUSED">>,                      \* SaveWeights sent to every rank (valid weights awake); the state never changes; once every rank ACKed, a restart reloads that directory
+    <<"PARTIAL", "save_weights", "PARTIAL">>,                    \* SaveWeights sent to every rank (valid weights awake); the state never changes; once every rank ACKed, a restart reloads that directory
     <<"RUNNING", "add_adapter", "RUNNING">>,                     \* AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on
     <<"PAUSED", "add_adapter", "PAUSED">>,                       \* AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on
     <<"PARTIAL", "add_adapter", "PARTIAL">>,                     \* AddAdapter sent to every rank (valid weights awake, P-20); the state never changes, requests go on

@@ -102,6 +102,7 @@ class Ctx:
         self._new_harness = new_harness
         self.stray_note: str = ""  # global cases get the run's record here
         self.failing_factory: Callable[[str, int, int], Any] | None = None  # a worker that greets FAILED
+        self.needs_reload_factory: Callable[[str, int, int], Any] | None = None  # one that greets NEEDS_RELOAD
         self.pressure_factory: Callable[[], Any] | None = None  # memory-pressure hooks (P-16)
 
     @property

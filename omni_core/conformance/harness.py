@@ -46,6 +46,9 @@ class SuiteOptions:
     # A target (string or factory) whose worker fails at start-up and greets in FAILED, to
     # check that Shutdown leaves FAILED; None: the built-in one for `synthetic`, else skipped.
     failing_worker: Any = None
+    # A target whose worker greets NEEDS_RELOAD (weights loaded, not to be served: a restart
+    # under a version floor, dummy weights); None: the built-in one for `synthetic`, else skipped.
+    needs_reload_worker: Any = None
     # A factory of memory-pressure hooks (`omni_core.conformance.pressure`), or its import
     # path, for the P-16 NO_MEMORY case; None: the built-in one for `synthetic`, else skipped.
     memory_pressure: Any = None

@@ -19,6 +19,7 @@ from omni_core.protocol import (
     NackReason,
     ReloadWeights,
     ResetPrefixCache,
+    SaveWeights,
     UpdateWeights,
     Wake,
 )
@@ -123,6 +124,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         "ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes",
     ),
     Transition(
+        "save_weights",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "SaveWeights with valid weights awake: written to disk beside the target, renamed in; the state never changes",
+    ),
+    Transition(
         "add_adapter",
         (W.ACTIVE, W.PARTIAL),
         None,
@@ -187,6 +194,7 @@ class WorkerCall:
     why: str
     error: NackReason
     capability: Capability | None = None  # refused UNSUPPORTED by a worker that lacks it
+    weights_awake: bool = False  # legal only with valid weights resident (else INVALID_STATE)
 
 
 WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
@@ -195,6 +203,13 @@ WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
             "reset_prefix_cache",
             "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL",
             NackReason.EXECUTE_ERROR,
+        ),
+        SaveWeights: WorkerCall(
+            "save_weights",
+            "SaveWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake",
+            NackReason.INVALID_ARGUMENT,
+            capability=Capability.SAVE_WEIGHTS,
+            weights_awake=True,
         ),
     }
 )

@@ -265,6 +265,30 @@ class ResetPrefixCache(Command, kw_only=True, frozen=True):
     state."""
 
 
+MAX_SAVE_RANKS = 65536
+MIN_SAVE_FILE_BYTES = 1 << 20
+DEFAULT_SAVE_FILE_BYTES = 5 << 30  # vLLM's save_sharded_state max_size
+
+
+class SaveWeights(Command, kw_only=True, frozen=True):
+    """Write the weights the rank holds now, at its weights version, to `directory` on its disk
+    (vLLM's save_sharded_state): safetensors files of at most `max_file_bytes` each (one tensor
+    larger than that gets a file of its own), and an index naming the weights version and the
+    checkpoint it derives from. A stage of one rank writes `directory` itself; of `ranks`
+    ranks, each writes `directory/rank-<r>` (its own shard). The rank writes a temporary
+    directory beside the target and renames it into place last, so a write that fails leaves
+    nothing that looks complete; a target that exists is refused unless `overwrite`, and a
+    symlink on the way is refused. `ReloadWeights` and a restart accept what it wrote. Legal
+    where valid weights are awake: ACTIVE, PARTIAL with `weights` awake; never changes the
+    state. A rank whose runner cannot save (capability `save_weights` not declared) refuses
+    UNSUPPORTED; a write that fails is NACK INVALID_ARGUMENT naming why, nothing left behind."""
+
+    directory: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_SAVE_RANKS)] = 1
+    max_file_bytes: Annotated[int, msgspec.Meta(ge=MIN_SAVE_FILE_BYTES, le=MAX_BUCKET_BYTES)] = DEFAULT_SAVE_FILE_BYTES
+    overwrite: bool = False
+
+
 class AddAdapter(Command, kw_only=True, frozen=True):
     """Load the LoRA adapter `name` (P-20) from `source`, a PEFT directory on the rank's disk
     (held to the operator's allowed reload paths), as adapter version `version`, made for base
@@ -491,6 +515,7 @@ AnyCommand = Union[  # noqa: UP007
     InitWeightGroup,
     ShareWeights,
     ResetPrefixCache,
+    SaveWeights,
     AddAdapter,
     RemoveAdapter,
     PinAdapter,
@@ -536,6 +561,7 @@ __all__ = [
     "Reply",
     "ResetPrefixCache",
     "Result",
+    "SaveWeights",
     "ShareWeights",
     "Shutdown",
     "Sleep",

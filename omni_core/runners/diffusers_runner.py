@@ -74,7 +74,9 @@ import inspect
 import io
 import json
 import logging
+import re
 import secrets
+import shutil
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -125,6 +127,9 @@ from omni_core.runners.weights import (
 log = logging.getLogger("omni_core.runners.diffusers")
 
 REQUESTS_TAG = "requests"
+# What a save leaves out of the copy of the model's directory: it writes the weights itself.
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_PART = re.compile(r"(-\d{5}-of-\d{5})?\.safetensors$")  # a weights file's name less its part and suffix
 PIPELINES = {"DiTPipeline": "dit", "DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd"}
 MODULE_COMPONENTS = {"dit": ("transformer", "vae"), "ddpm": ("unet",), "sd": ("unet", "vae", "text_encoder")}
 ALIGN_BYTES = 64  # every tensor in a slot starts here: views of any dtype stay aligned
@@ -200,6 +205,7 @@ class DiffusersRunner(ModelRunner):
         self.dtype = torch_dtype(dtype)
         _check_options(load_format, offload, scheduler, max_requests, max_steps, state_tensors, prompt_cache_bytes)
         self.load_format = load_format
+        self.dummy_weights = load_format == "dummy"  # the rank says Hello NEEDS_RELOAD until an update
         self.offload_mode = offload
         self.offload: BlockOffload | None = None
         self.scheduler_class = scheduler
@@ -450,6 +456,25 @@ class DiffusersRunner(ModelRunner):
                 raise
         self.last_reload = self.weights.load(directory)
         self._weights_changed()
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """The pipeline as diffusers' save_pretrained lays it out: the model's directory (its
+        model_index.json, every component's config, scheduler and tokenizer) without its weight
+        files, then each component's weights under the file name it had there
+        (`diffusion_pytorch_model` for the denoiser and the VAE, `model` for a text encoder): a
+        pipeline this runner loads as its `model` and reloads from, bit for bit."""
+        if self.weights is None:
+            raise RuntimeError("save_weights before load_weights")
+        shutil.copytree(self.model_dir, directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*WEIGHT_FILES))
+        stems = {}
+        for folder in self.weights.folders:
+            own = sorted((self.model_dir / folder).glob("*.safetensors"))
+            stems[folder] = _PART.sub("", own[0].name) if own else "model"
+        self.weights.save(directory, max_file_bytes, stems)
+        return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """`component/name` (e.g. `transformer/proj_out.weight`) -> shape and dtype."""
