@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, SuiteOptions
 from omni_core.conformance.requirements import REQUIREMENTS
@@ -164,7 +164,7 @@ class Ctx:
         if not condition:
             raise CaseFailure(problem, sent=sent, got=got, expected=expected)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str) -> NoReturn:
         raise CaseSkip(reason)
 
     def ack(

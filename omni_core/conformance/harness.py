@@ -246,7 +246,7 @@ class Peer:
             if left_ms <= 0:
                 running = self.process.alive()
                 alive = "still running" if running else f"exited ({self.process.exit_code()})"
-                what = f"{type(sent).__name__} {sent.task_id!r}" if isinstance(sent, msgspec.Struct) else "it"
+                what = f"{type(sent).__name__} {sent.task_id!r}" if isinstance(sent, Message) else "it"
                 raise CaseFailure(
                     f"no reply from {self} within {timeout_s:.3g} s to {what}; the process is {alive}",
                     sent=sent,

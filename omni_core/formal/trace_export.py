@@ -303,10 +303,10 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
         epoch=getattr(r, "epoch", line.epoch),
         process_epoch=line.epoch,
     )
-    task_id = getattr(r, "task_id", None) or getattr(r, "request_id", "")
+    task_id = getattr(r, "task_id", "") or getattr(r, "request_id", "")
     ev.task = _task_number(task_id, tasks, assign=kind in ("issue", "dispatch", "send"))
     if line.is_engine:
-        ev.state = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
+        ev.state = getattr(r, "after", "") or getattr(r, "state", UNKNOWN)
         ev.before = getattr(r, "before", UNKNOWN)
         if kind in ("issue", "send"):
             ev.cmd, ev.level, ev.tags = r.command, r.level, _wire_tags(r.command, r.tags)
@@ -329,7 +329,7 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
             ev.failed = tuple(sorted(int(k) for k in r.failed_ranks))
     else:
         ev.rank = line.rank
-        ev.wstate = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
+        ev.wstate = getattr(r, "after", "") or getattr(r, "state", UNKNOWN)
         ev.before = getattr(r, "before", UNKNOWN)
         ev.cmd = getattr(r, "reply", None) or _command_of(r) or UNKNOWN
         if kind == "wsend":

@@ -569,9 +569,7 @@ class WorkerCore:
         plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
         self.lifecycle.fire("sleep")
         self.work.begin(PendingEffect(command, sleep_plan=plan))
-        effect = SleepEffect(
-            command.task_id, command.level, plan.offload, plan.discard, command.links, command.incoming_bytes
-        )
+        effect = SleepEffect(command.task_id, plan.offload, plan.discard, command.links, command.incoming_bytes)
         return WorkerStep(effect=effect)
 
     def _on_wake(self, command: Wake) -> WorkerStep:

@@ -80,7 +80,7 @@ import shutil
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -152,6 +152,14 @@ MAX_PROMPT_CACHE_BYTES = 1 << 40
 
 class RequestLostError(RuntimeError):
     """A step-wise request whose state did not survive (level-2 sleep, weight update)."""
+
+
+@runtime_checkable
+class _Vae(Protocol):
+    """What the runner calls of a pipeline's VAE (AutoencoderKL or another kind). Its result is
+    a DecoderOutput or a tuple by `return_dict`, untyped in diffusers (its hook decorator)."""
+
+    def decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -254,8 +262,34 @@ class DiffusersRunner(ModelRunner):
         denoiser = "transformer" if self.kind == "dit" else "unet"
         config = _read_json(self.model_dir / denoiser / "config.json")
         size = config.get("sample_size")
+        if size is None:
+            raise ValueError(f"{self.model_dir / denoiser / 'config.json'} has no sample_size: not a {denoiser} config")
         hw = (size, size) if isinstance(size, int) else tuple(size)
         return (int(config.get("in_channels", 4)), *map(int, hw))
+
+    def _config(self, name: str) -> dict[str, Any]:
+        """Component `name`'s diffusers config (ConfigMixin's: a dict whose keys are also attributes)."""
+        from diffusers.configuration_utils import ConfigMixin
+
+        module = self.modules[name]
+        if not isinstance(module, ConfigMixin):
+            raise TypeError(f"component {name!r} is a {type(module).__name__}, which has no diffusers config")
+        return module.config
+
+    def _denoiser_dtype(self) -> torch.dtype:
+        from diffusers.models.modeling_utils import ModelMixin
+
+        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        if not isinstance(denoiser, ModelMixin):
+            raise TypeError(f"the denoiser is a {type(denoiser).__name__}, not a diffusers model")
+        return denoiser.dtype
+
+    def _vae(self) -> tuple[_Vae, float]:
+        """The pipeline's VAE and its latents' scaling factor."""
+        vae = self.modules["vae"]
+        if not isinstance(vae, _Vae):
+            raise TypeError(f"the pipeline's vae is a {type(vae).__name__}, which has no decode")
+        return vae, self._config("vae")["scaling_factor"]
 
     # ------------------------------------------------------------------ allocation
 
@@ -768,10 +802,9 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"trajectory must be true or false, got {wanted!r}")
         if not wanted:
             return None
-        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
         embeds = request.embeddings
         embeds_bytes = embeds.numel() * embeds.element_size() if embeds is not None else 0
-        needed = Trajectory.bytes_needed(request.steps_total, self.sample_shape, denoiser.dtype, embeds_bytes)
+        needed = Trajectory.bytes_needed(request.steps_total, self.sample_shape, self._denoiser_dtype(), embeds_bytes)
         if needed > MAX_TRAJECTORY_BYTES:
             raise ValueError(
                 f"a trajectory of {request.steps_total} steps needs {needed} bytes on the host, over its bound of "
@@ -821,7 +854,7 @@ class DiffusersRunner(ModelRunner):
         return {**self.prompt_cache.stats(self.generation), "weights_generation": self.generation}
 
     def _class_label(self, label: Any) -> int:
-        classes = int(self.modules["transformer"].config.num_embeds_ada_norm)
+        classes = int(self._config("transformer")["num_embeds_ada_norm"])
         if isinstance(label, str):
             ids = self.pipeline.labels
             if label not in ids:
@@ -836,8 +869,7 @@ class DiffusersRunner(ModelRunner):
     def _initial_sample(self, request: DiffusionRequest) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
-        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
-        dtype = request.embeddings.dtype if request.embeddings is not None else denoiser.dtype
+        dtype = request.embeddings.dtype if request.embeddings is not None else self._denoiser_dtype()
         latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device, dtype=dtype)
         if self.kind == "sd":
             latents = latents * request.scheduler.init_noise_sigma
@@ -890,9 +922,11 @@ class DiffusersRunner(ModelRunner):
         if self.kind == "dit":
             condition = torch.tensor([request.class_label], device=self.device)
             if request.guidance_scale > 1:
-                null = int(self.modules["transformer"].config.num_embeds_ada_norm)
+                null = int(self._config("transformer")["num_embeds_ada_norm"])
                 condition = torch.cat([condition, torch.tensor([null], device=self.device)], 0)
         elif self.kind == "sd":
+            if request.embeddings is None:
+                raise ValueError("a stable-diffusion request carries its prompt's embeddings; this one has none")
             condition = request.embeddings.to(self.device)
             accepted = set(inspect.signature(request.scheduler.step).parameters)
             step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", request.generator)) if k in accepted}
@@ -927,12 +961,13 @@ class DiffusersRunner(ModelRunner):
         return forward
 
     def _image(self, request: DiffusionRequest, sample: torch.Tensor) -> dict[str, Any]:
-        vae = self.modules.get("vae")
         if self.kind == "dit":
+            vae, scaling = self._vae()
             latents = sample.chunk(2, dim=0)[0] if request.guidance_scale > 1 else sample
-            sample = vae.decode(1 / vae.config.scaling_factor * latents).sample
+            sample = vae.decode(1 / scaling * latents).sample
         elif self.kind == "sd":  # the pipelines scale in different ways; each result is its own
-            sample = vae.decode(sample / vae.config.scaling_factor, return_dict=False, generator=request.generator)[0]
+            vae, scaling = self._vae()
+            sample = vae.decode(sample / scaling, return_dict=False, generator=request.generator)[0]
         images = (sample / 2 + 0.5).clamp(0, 1)
         pixels = images.cpu().permute(0, 2, 3, 1).float().numpy()
         png = io.BytesIO()
