@@ -129,6 +129,16 @@ class CommandEffect:
     command: Any  # omni_core.protocol.Command
 
 
+@dataclass(frozen=True)
+class HoldEffect:
+    """Freeze the requests running on the rank where they are (HoldRequests hold=True): the
+    runner keeps their state and KV, or drops the KV with `clear_cache` (each restarts from
+    its prompt). The shell completes it with each request's output tokens so far, by task."""
+
+    task_id: str
+    clear_cache: bool
+
+
 Effect = (
     SleepEffect
     | WakeEffect
@@ -142,12 +152,14 @@ Effect = (
     | ShareEffect
     | CommandEffect
     | AdapterEffect
+    | HoldEffect
 )
 
 # What `omni_core.fsm` exports of this module (it star-imports it): a new effect is exported
 # by its line here, beside its class.
 __all__ = [
     "AdapterEffect",
+    "HoldEffect",
     "CommandEffect",
     "Effect",
     "ExecuteEffect",
