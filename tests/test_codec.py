@@ -25,6 +25,7 @@ from omni_core.protocol import (
     Capability,
     Execute,
     Hello,
+    HoldRequests,
     InitWeightGroup,
     LinkShare,
     ListAdapters,
@@ -46,6 +47,7 @@ from omni_core.protocol import (
     Status,
     TensorSpec,
     UpdateWeights,
+    VersionSpan,
     Wake,
     WorkerState,
     decode,
@@ -126,6 +128,7 @@ SAMPLES: dict[type[Message], Message] = {
     ),
     ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
     ResetPrefixCache: ResetPrefixCache(task_id="reset-1", epoch=3),
+    HoldRequests: HoldRequests(task_id="hold-1", epoch=3, hold=True, clear_cache=True),
     AddAdapter: AddAdapter(
         task_id="add-1",
         epoch=3,
@@ -193,6 +196,8 @@ SAMPLES: dict[type[Message], Message] = {
         runner_counters={"prompt_cache_hits": 4, "prompt_cache_misses": 1},
         adapter="sql-lora",
         adapter_version=2,
+        version_spans=(VersionSpan(weights_version=11, start_token=0), VersionSpan(weights_version=12, start_token=5)),
+        discarded_tokens=3,
     ),
     Hello: Hello(
         task_id="hello",

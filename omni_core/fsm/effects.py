@@ -159,10 +159,10 @@ Effect = (
 # by its line here, beside its class.
 __all__ = [
     "AdapterEffect",
-    "HoldEffect",
     "CommandEffect",
     "Effect",
     "ExecuteEffect",
+    "HoldEffect",
     "ProfileEffect",
     "ReloadEffect",
     "ShareEffect",

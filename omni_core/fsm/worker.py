@@ -49,7 +49,6 @@ from omni_core.fsm.tags import (
     plan_sleep,
     resolve_tags,
 )
-from omni_core.fsm.version_spans import VersionSpans
 from omni_core.fsm.trace_records import (
     BadMessage,
     EffectDone,
@@ -62,6 +61,7 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
+from omni_core.fsm.version_spans import VersionSpans
 from omni_core.fsm.worker_inputs import (
     BadFrame,
     CommandReceived,
@@ -161,8 +161,7 @@ WEIGHT_WRITES = (ReloadWeights, UpdateWeights)
 def _boundaries(output: object) -> dict[str, int]:
     """A hold's completion: each held request's output tokens so far, by task id."""
     if not (
-        isinstance(output, dict)
-        and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in output.items())
+        isinstance(output, dict) and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in output.items())
     ):
         raise InvariantViolation(f"a hold completes with each request's tokens so far by task id, not {output!r}")
     return output
@@ -228,6 +227,11 @@ class WorkerCore:
         """The tasks whose effects are under way, taken on and not yet completed: the
         lifecycle effect, or the requests of the batch in arrival order."""
         return self.work.task_ids
+
+    @property
+    def holding(self) -> bool:
+        """The running requests are held (HoldRequests, pause mode keep): not to be stepped."""
+        return self.work.held
 
     @property
     def max_in_flight(self) -> int:
@@ -725,7 +729,9 @@ class WorkerCore:
         if not command.hold:
             self.work.held = False
             over = self.spans.released(self.weights_version)
-            failed = tuple(self._fail_request(t, "it was held through more updates than a Result records") for t in over)
+            failed = tuple(
+                self._fail_request(t, "it was held through more updates than a Result records") for t in over
+            )
             reply = self._ack(command, AckStatus.OK)
             self._remember(command, reply)
             return WorkerStep(replies=(reply, *failed))
