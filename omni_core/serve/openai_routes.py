@@ -227,6 +227,9 @@ def _choices(results: list[Any], stops: list[str]) -> tuple[list[dict[str, Any]]
                 "finish_reason": reason,
                 "token_ids": out["token_ids"],
                 "weights_version": result.weights_version,
+                # Held through an update (pause keep): which version computed which tokens.
+                "version_spans": result.spans_json(),
+                "discarded_tokens": result.discarded_tokens,
             }
         )
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
@@ -237,7 +240,7 @@ def _answer(kind: str, model: str, choices: list[dict[str, Any]], usage: dict[st
     chat = kind == "chat"
     shaped = []
     for c in choices:
-        extra = {"token_ids": c["token_ids"], "weights_version": c["weights_version"]}
+        extra = {k: c[k] for k in ("token_ids", "weights_version", "version_spans", "discarded_tokens")}
         if chat:
             message = {"role": "assistant", "content": c["text"]}
             shaped.append({"index": c["index"], "message": message, "finish_reason": c["finish_reason"], **extra})
@@ -266,7 +269,7 @@ async def _events(answer: dict[str, Any], include_usage: bool) -> AsyncIterator[
         return f"data: {json.dumps(head | {'choices': choices} | more)}\n\n".encode()
 
     for c in answer["choices"]:
-        extra = {"token_ids": c["token_ids"], "weights_version": c["weights_version"]}
+        extra = {k: c[k] for k in ("token_ids", "weights_version", "version_spans", "discarded_tokens")}
         if chat:
             delta = {"role": "assistant", "content": c["message"]["content"]}
             yield chunk([{"index": c["index"], "delta": delta, "finish_reason": None, **extra}])
