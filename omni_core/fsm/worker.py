@@ -252,8 +252,10 @@ class WorkerCore:
         self.work = WorkInProgress(self.work.max_in_flight)
         if snapshot.pending is not None:
             self.work.begin(snapshot.pending)
+        self.spans = VersionSpans()
         for command in snapshot.running:
             self.work.run(command)
+            self.spans.started(command.task_id, self.weights_version)
         self.cache = BoundedCache(self.cache.max_entries, self.cache.max_bytes)
         self._check_invariants()
 
