@@ -26,6 +26,7 @@ from omni_core.protocol import (
     CollectiveSource,
     Execute,
     Hello,
+    HoldRequests,
     InitWeightGroup,
     LinkShare,
     ListAdapters,
@@ -48,6 +49,7 @@ from omni_core.protocol import (
     Status,
     TensorSpec,
     UpdateWeights,
+    VersionSpan,
     Wake,
     WorkerState,
     decode,
@@ -131,6 +133,7 @@ SAMPLES: dict[type[Message], Message] = {
     SaveWeights: SaveWeights(
         task_id="save-1", epoch=3, directory="/saves/v4", ranks=2, max_file_bytes=1 << 30, overwrite=True
     ),
+    HoldRequests: HoldRequests(task_id="hold-1", epoch=3, hold=True, clear_cache=True),
     AddAdapter: AddAdapter(
         task_id="add-1",
         epoch=3,
@@ -202,6 +205,8 @@ SAMPLES: dict[type[Message], Message] = {
         runner_counters={"prompt_cache_hits": 4, "prompt_cache_misses": 1},
         adapter="sql-lora",
         adapter_version=2,
+        version_spans=(VersionSpan(weights_version=11, start_token=0), VersionSpan(weights_version=12, start_token=5)),
+        discarded_tokens=3,
     ),
     Hello: Hello(
         task_id="hello",

@@ -11,6 +11,7 @@ import pytest
 import test_save_weights_core as save_cases
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
 from test_worker_adapters import ADAPTER_SCENARIOS
+from test_worker_hold import hold_scenario
 
 from omni_core.fsm import (
     STAGE_TRANSITIONS,
@@ -868,6 +869,7 @@ def _wake_from_needs_reload_with_tags_asleep() -> None:
 
 SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
 SCENARIOS += ADAPTER_SCENARIOS  # P-20: tests/test_worker_adapters.py
+SCENARIOS.append(hold_scenario)  # pause keep: tests/test_worker_hold.py
 
 
 def _weights_update_scenario() -> None:
@@ -1045,7 +1047,7 @@ def test_step_is_the_only_door() -> None:
     public = {name for name in dir(WorkerCore) if not name.startswith("_")}
     data = {"rank", "weights_version", "weight_group", "tags", "epoch", "capabilities", "residency", "lifecycle"}
     data |= {"cache", "counters", "failure", "profiling", "work"}
-    assert public - data == {"step", "state", "busy", "in_progress", "max_in_flight", "restore"}
+    assert public - data == {"step", "state", "busy", "in_progress", "max_in_flight", "restore", "holding"}
     for name in ("state", "busy", "in_progress", "max_in_flight"):
         prop = getattr(WorkerCore, name)
         assert isinstance(prop, property) and prop.fset is None

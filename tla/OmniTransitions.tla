@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 100 rows from 44 triggers
+\* ---- worker lifecycle: 101 rows from 45 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -29,15 +29,15 @@ WorkerTriggers == {"loaded", "loaded_needs_reload", "sleep", "sleep_already", "o
                    "update_refused_sleeping", "refitted_asleep", "update_failed_asleep",
                    "weight_group", "weight_group_already", "share", "reset_prefix_cache",
                    "save_weights", "add_adapter", "remove_adapter", "pin_adapter",
-                   "list_adapters", "adapter_already", "execute", "status", "profile",
-                   "profile_already", "fail", "shutdown", "shutdown_already"}
+                   "list_adapters", "adapter_already", "execute", "hold_requests", "status",
+                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
-WorkerInternalTriggers == {"adapter_already", "add_adapter", "execute", "list_adapters",
-                           "pin_adapter", "profile", "profile_already", "remove_adapter",
-                           "reset_prefix_cache", "save_weights", "share", "shutdown_already",
-                           "sleep_already", "status", "wake_already", "weight_group",
-                           "weight_group_already"}
+WorkerInternalTriggers == {"adapter_already", "add_adapter", "execute", "hold_requests",
+                           "list_adapters", "pin_adapter", "profile", "profile_already",
+                           "remove_adapter", "reset_prefix_cache", "save_weights", "share",
+                           "shutdown_already", "sleep_already", "status", "wake_already",
+                           "weight_group", "weight_group_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -108,6 +108,7 @@ WorkerRelation == {
     <<"ACTIVE", "adapter_already", "ACTIVE">>,                      \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
     <<"PARTIAL", "adapter_already", "PARTIAL">>,                    \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
     <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them
+    <<"ACTIVE", "hold_requests", "ACTIVE">>,                        \* HoldRequests (pause mode keep): the batch frozen where it is, only an update beside it, or released
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
     <<"ACTIVE", "status", "ACTIVE">>,                               \* Status is legal everywhere and changes nothing
     <<"OFFLOADING", "status", "OFFLOADING">>,                       \* Status is legal everywhere and changes nothing

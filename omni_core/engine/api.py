@@ -203,16 +203,27 @@ class Engine(AdapterCalls):
         return self._lifecycle(stage, WakeCall(tid, _tags(tags), deadline_s))
 
     def pause(
-        self, stage: str, mode: str = "wait", *, task_id: str | None = None, timeout_s: float | None = None
+        self,
+        stage: str,
+        mode: str = "wait",
+        *,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+        clear_cache: bool = False,
     ) -> LifecycleReport:
         """Close admission keeping the memory (vLLM's pause_generation): no request starts until
         resume(); requests queue, or are refused under the policy 'reject'. In-flight requests
-        finish first (mode "wait", as a sleep drains; "keep" too: an Execute cannot be frozen
-        halfway) or their callers get RequestFailedError "aborted" at once ("abort", vLLM's
-        default); the report comes once none is in flight (state PAUSED), or ALREADY.
+        finish first (mode "wait", as a sleep drains), or their callers get RequestFailedError
+        "aborted" at once ("abort", vLLM's default), or ("keep") they are frozen where they are
+        on every rank, their KV kept, so update_weights() can run before resume() lets them go
+        on under the new weights: each result then names which version computed which tokens
+        (`ExecuteResult.version_spans`). A runner that cannot freeze its requests finishes
+        them first, as "wait". `clear_cache` (with "keep") drops their KV instead: each
+        restarts from its prompt at resume (`ExecuteResult.discarded_tokens`). The report comes
+        once none is in flight or every rank holds them (state PAUSED), or ALREADY.
         `timeout_s` bounds that drain: past it the pause is abandoned."""
         tid, deadline_s = self._task(stage, "pause", task_id, timeout_s)
-        return self._lifecycle(stage, PauseCall(tid, mode, deadline_s))
+        return self._lifecycle(stage, PauseCall(tid, mode, deadline_s, clear_cache))
 
     def resume(self, stage: str, *, task_id: str | None = None, timeout_s: float | None = None) -> LifecycleReport:
         """Open a PAUSED stage's admission again; its queued requests run. ALREADY when RUNNING.

@@ -521,7 +521,14 @@ class Orchestrator:
         if answer.error is None:
             settle(
                 future,
-                result=ExecuteResult(answer.output, answer.weights_version, answer.adapter, answer.adapter_version),
+                result=ExecuteResult(
+                    answer.output,
+                    answer.weights_version,
+                    answer.adapter,
+                    answer.adapter_version,
+                    answer.version_spans,
+                    answer.discarded_tokens,
+                ),
             )
         else:
             settle(future, error=request_error(answer))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.fsm.stage import TaskOutcome
-from omni_core.protocol import Ack, AdapterInfo
+from omni_core.protocol import Ack, AdapterInfo, VersionSpan
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,15 @@ class ExecuteResult:
     weights_version: int
     adapter: str | None = None  # the LoRA adapter it ran with and that adapter's version (P-20)
     adapter_version: int = 0
+    # Held through an update (pause mode keep): tokens from each span's start_token on were
+    # computed under its weights_version (empty: all under `weights_version`); the tokens a
+    # hold with clear_cache discarded before the request restarted from its prompt.
+    version_spans: tuple[VersionSpan, ...] = ()
+    discarded_tokens: int = 0
+
+    def spans_json(self) -> list[dict[str, int]]:
+        """The spans as JSON objects, for the HTTP answers."""
+        return [{"weights_version": s.weights_version, "start_token": s.start_token} for s in self.version_spans]
 
 
 @dataclass(frozen=True)

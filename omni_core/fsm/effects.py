@@ -132,6 +132,16 @@ class CommandEffect:
     command: Any  # omni_core.protocol.Command
 
 
+@dataclass(frozen=True)
+class HoldEffect:
+    """Freeze the requests running on the rank where they are (HoldRequests hold=True): the
+    runner keeps their state and KV, or drops the KV with `clear_cache` (each restarts from
+    its prompt). The shell completes it with each request's output tokens so far, by task."""
+
+    task_id: str
+    clear_cache: bool
+
+
 Effect = (
     SleepEffect
     | WakeEffect
@@ -145,6 +155,7 @@ Effect = (
     | ShareEffect
     | CommandEffect
     | AdapterEffect
+    | HoldEffect
 )
 
 # What `omni_core.fsm` exports of this module (it star-imports it): a new effect is exported
@@ -154,6 +165,7 @@ __all__ = [
     "CommandEffect",
     "Effect",
     "ExecuteEffect",
+    "HoldEffect",
     "ProfileEffect",
     "ReloadEffect",
     "ShareEffect",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_core.fsm.admission import AdmissionPolicy
-from omni_core.protocol import Command, Hello, Reply
+from omni_core.protocol import Command, Hello, Reply, VersionSpan
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,8 @@ class PauseCall:
     task_id: str
     mode: str  # "abort" | "wait" | "keep" (omni_core.fsm.stage_pause.PAUSE_MODES)
     deadline_s: float  # the longest the in-flight requests may take to finish
+    # keep: the held requests' KV is dropped instead (each restarts from its prompt at resume)
+    clear_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,10 @@ class RequestOutcome:
     weights_version: int = 0
     adapter: str | None = None  # the LoRA adapter it ran with, and that adapter's version (P-20)
     adapter_version: int = 0
+    # Held through an update (pause mode keep): which version computed which tokens, and the
+    # tokens a hold with clear_cache discarded (protocol.Result's fields, rank 0's).
+    version_spans: tuple[VersionSpan, ...] = ()
+    discarded_tokens: int = 0
 
     @property
     def ok(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 from omni_core.fsm.inputs import RequestError, RequestOutcome
 from omni_core.fsm.stage_step import StageRequest
 from omni_core.fsm.worker_step import InvariantViolation
+from omni_core.protocol import VersionSpan
 
 # Below this many entries the heap is never rebuilt: rebuilding a small heap costs more than
 # skipping its few stale entries.
@@ -145,12 +146,14 @@ class RequestBook:
         weights_version: int = 0,
         adapter: str | None = None,
         adapter_version: int = 0,
+        version_spans: tuple[VersionSpan, ...] = (),
+        discarded_tokens: int = 0,
     ) -> None:
         """The caller hears how `request` ended, once: a later answer of the same request
         (its ranks' results after an abort) is dropped."""
         if not request.answered:
             request.answered = True
-            ran = (weights_version, adapter, adapter_version)
+            ran = (weights_version, adapter, adapter_version, version_spans, discarded_tokens)
             self._answers.append(RequestOutcome(request.request_id, output, error, detail, *ran))
 
     def take_answers(self) -> tuple[RequestOutcome, ...]:

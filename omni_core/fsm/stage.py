@@ -63,6 +63,7 @@ from omni_core.protocol import (
     Command,
     Execute,
     Hello,
+    HoldRequests,
     InitWeightGroup,
     Nack,
     NackReason,
@@ -108,6 +109,11 @@ def memory_wait_problem(memory_wait_s: Any, deadline_s: float) -> str | None:
     )
 
 
+def _is_release(command: object) -> bool:
+    """A release of held requests: a task in RUNNING that changes no state (as a Profile)."""
+    return isinstance(command, HoldRequests) and not command.hold
+
+
 # A plan: the task to start, or the command alone when nothing is left to do (ALREADY).
 Plan = Callable[[], "StageTask | Command"]
 
@@ -150,6 +156,9 @@ class StageCore:
         # A pause is the caller's and holds until resume(): a sleep, a wake (asked for or the
         # admission policy's), a reload and an update of a paused stage leave it paused.
         self.paused = False
+        # Pause mode keep: the requests in flight are held on every rank (HoldRequests), frozen
+        # where they are until resume() releases them; beside them only an update runs.
+        self.holding = False
         # What each rank says it holds, for status: its pools' bytes per tag (its Hello, then
         # each ACK taken) and its runner's counters (names its Hello declared, values from any
         # reply of this epoch). Never part of a decision.
@@ -313,6 +322,7 @@ class StageCore:
             raise StageCommandError(f"stage {self.name!r} cannot restart in {self.state.value}: {why}")
         self.lifecycle.fire("restart")
         self.paused = False  # fresh ranks, a fresh stage: it comes back RUNNING
+        self.holding = False
         self.epoch += 1
         self.start_weights = self.versions.plan_restart(
             self.weights_version, self.epoch, from_checkpoint=from_checkpoint
@@ -356,6 +366,7 @@ class StageCore:
 
     def _record_failure(self, failures: dict[int, str]) -> None:
         self.failed_ranks = dict(failures)
+        self.holding = False  # what the ranks held is failed below
         named = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
         self.failure = f"stage {self.name!r} FAILED ({named})"
         # Their callers hear it (through step); the ranks are not trusted to answer any more.
@@ -395,7 +406,9 @@ class StageCore:
             if not cond:
                 raise InvariantViolation(f"stage {self.name!r} in {state.value}: {what}")
 
-        profiling = self._task is not None and isinstance(self._task.command, STATELESS)
+        profiling = self._task is not None and (
+            isinstance(self._task.command, STATELESS) or _is_release(self._task.command)
+        )
         require(
             (self._task is not None and not profiling) == (state in IN_TASK),
             "a lifecycle task in flight iff in a task state",
@@ -404,7 +417,9 @@ class StageCore:
         problem = self.requests.check_invariants()
         require(not problem, problem)
         if self.in_flight_requests:
-            require(state in (S.RUNNING, S.DRAINING), "requests in flight outside RUNNING/DRAINING")
+            held = self.holding and state in (S.PAUSED, S.WAKING)  # frozen on the ranks, an update beside
+            require(state in (S.RUNNING, S.DRAINING) or held, "requests in flight outside RUNNING/DRAINING")
+        require(not self.holding or self.paused or state is S.RUNNING, "requests held without a pause")
         if state in SERVING:
             # P-5: a settled state is committed only when every rank reported it.
             require(set(self.rank_state) == set(self.ranks), "settled without every rank known")
@@ -432,6 +447,11 @@ class StageCore:
         if retried is not None:
             return retried
         self._require_idle(row.verb)
+        if self.holding and kind is not UpdateWeights and not row.stateless:
+            raise StageCommandError(
+                f"stage {self.name!r} cannot {row.verb}: {self.in_flight_requests} requests are held on its ranks "
+                "(pause mode keep) and only update_weights() runs beside them; resume() first"
+            )
         planned = plan()
         if not isinstance(planned, StageTask):
             return self._already(task_id, signature, planned, row.already, now)
@@ -842,7 +862,9 @@ class StageCore:
                 f"pause mode must be one of {list(PAUSE_MODES)} (abort: in-flight requests fail now; "
                 f"wait, keep: they finish first), got {str(mode)[:40]!r}"
             )
-        signature = ("Pause", mode)
+        if type(call.clear_cache) is not bool:
+            raise StageCommandError(f"clear_cache must be true or false, got {call.clear_cache!r}")
+        signature: tuple[Any, ...] = ("Pause", mode, True) if call.clear_cache else ("Pause", mode)
         retried = self._retry(task_id, signature)
         if retried is not None:
             return retried
@@ -865,6 +887,8 @@ class StageCore:
             expect_version=self.weights_version,
         )
         self.lifecycle.fire("pause_drain")
+        if mode == "keep" and self.in_flight:
+            return self._hold(call, signature, now)
         if mode == "abort":
             # The callers hear now; the ranks still run these requests, and the stage is
             # PAUSED only once every rank has answered them.
@@ -896,7 +920,67 @@ class StageCore:
                 "a sleeping stage serves again after wake()"
             )
         self.paused = False
+        if self.holding:
+            return self._release(call, signature, now)
         return self._instant(task_id, signature, Resume(task_id), "resume", AckStatus.OK, now)
+
+    # ------------------------------------------------------------------ pause mode keep
+
+    def _hold(self, call: I.PauseCall, signature: tuple[Any, ...], now: float) -> StageStep:
+        """Pause mode keep: HoldRequests to every rank, which freezes the requests in flight
+        where they are; PAUSED once every rank ACKed, with those requests still in flight."""
+        command = HoldRequests(task_id=call.task_id, epoch=self.epoch, hold=True, clear_cache=call.clear_cache)
+        self._task = self._hold_task(call.task_id, signature, command, now, call.deadline_s)
+        return self._send_all()
+
+    def _release(self, call: I.ResumeCall, signature: tuple[Any, ...], now: float) -> StageStep:
+        """resume() of held requests: RUNNING at once (admission opens; each rank takes the
+        release before any request dispatched after it), then HoldRequests(hold=False) to
+        every rank; the resume is answered once every rank ACKed it."""
+        self.lifecycle.fire("resume")
+        command = HoldRequests(task_id=call.task_id, epoch=self.epoch, hold=False)
+        self._task = self._hold_task(call.task_id, signature, command, now, call.deadline_s)
+        return self._send_all()
+
+    def _hold_task(
+        self, task_id: str, signature: tuple[Any, ...], command: HoldRequests, now: float, deadline_s: float
+    ) -> StageTask:
+        return StageTask(
+            task_id,
+            signature,
+            command,
+            now,
+            now + deadline_s,
+            expect_state=WorkerState.ACTIVE,
+            expect_asleep=self.residency.asleep,
+            commit_trigger="pause_drained" if command.hold else "",
+            expect_version=self.weights_version,
+        )
+
+    def _on_hold_reply(self, task: StageTask, reply: Ack | Nack, now: float) -> StageStep:
+        """A rank's answer to a hold or a release: any refusal, or an ACK elsewhere than ACTIVE
+        at the stage's version, fails the stage (which requests it holds is not known then)."""
+        assert isinstance(task.command, HoldRequests)
+        wrong = ""
+        if isinstance(reply, Nack):
+            wrong = f"NACK {reply.reason.value} in {reply.state.value}: {reply.detail}"
+        elif reply.command != "HoldRequests" or reply.state is not WorkerState.ACTIVE:
+            wrong = f"ACKed a {reply.command!r} in {reply.state.value}; the stage expected HoldRequests in ACTIVE"
+        elif reply.weights_version != task.expect_version:
+            wrong = f"ACKed HoldRequests at weights version {reply.weights_version}, not {task.expect_version}"
+        if wrong or not isinstance(reply, Ack):
+            return self._fail_task({reply.rank: wrong}, now)
+        task.acks[reply.rank] = reply
+        if len(task.acks) < len(self.ranks):
+            return StageStep()
+        if task.command.hold:
+            self.lifecycle.fire("pause_drained")
+            self.paused, self.holding = True, bool(self.in_flight)
+        else:
+            self.holding = False
+        outcome = replace(self._end_task(True, "", {}, now), command="Pause" if task.command.hold else "Resume")
+        self.completed.put(task.task_id, (task.signature, outcome))
+        return StageStep(outcome=outcome)
 
     def _instant(
         self,
@@ -1019,6 +1103,8 @@ class StageCore:
             self.counters.unknown_replies_ignored += 1
             return StageStep()
         request.replies[reply.rank] = reply
+        if isinstance(reply, Result) and reply.weights_version != self.weights_version:
+            request.off_version[reply.rank] = reply.weights_version
         return self._maybe_retire(request, now)
 
     def _maybe_retire(self, request: StageRequest, now: float) -> StageStep:
@@ -1028,11 +1114,7 @@ class StageCore:
             return StageStep()
         refusals = {r: m for r, m in sorted(request.replies.items()) if isinstance(m, Nack)}
         results = [m for _, m in sorted(request.replies.items()) if isinstance(m, Result)]
-        mixed = {
-            r: m.weights_version
-            for r, m in sorted(request.replies.items())
-            if isinstance(m, Result) and m.weights_version != self.weights_version
-        }
+        mixed = dict(sorted(request.off_version.items()))
         if refusals:
             named = "; ".join(f"rank {r}: {m.reason.value} in {m.state.value}: {m.detail}" for r, m in refusals.items())
             self.requests.answer(
@@ -1058,7 +1140,7 @@ class StageCore:
         elif results:  # ranks of one stage compute the same result: rank 0's
             first = results[0]
             ran = (first.weights_version, first.adapter, first.adapter_version)
-            self.requests.answer(request, None, "", first.output, *ran)
+            self.requests.answer(request, None, "", first.output, *ran, first.version_spans, first.discarded_tokens)
         return self._retire(request, now)
 
     def _answer_adapter_straddle(self, request: StageRequest) -> None:
@@ -1074,7 +1156,7 @@ class StageCore:
 
     def _retire(self, request: StageRequest, now: float) -> StageStep:
         self.requests.retire(request)
-        if self.state is S.DRAINING and not self.in_flight and self._task is not None:
+        if self.state is S.DRAINING and not self.in_flight and self._task is not None and not self._task.sent:
             return self._send_drained(now)
         return StageStep()
 
@@ -1225,6 +1307,8 @@ class StageCore:
         if reply.rank in task.acks or reply.rank in task.refusals:
             self.counters.duplicate_replies_ignored += 1
             return StageStep()
+        if isinstance(task.command, HoldRequests):
+            return self._on_hold_reply(task, reply, now)
         if isinstance(reply, Nack) and reply.reason is REFUSAL_REASON.get(type(task.command)):
             # A rank sends NO_MEMORY only once it rolled its wake back (P-16), whether the wake
             # could wait or not: a refusal that changed nothing; one that could not roll back
@@ -1433,7 +1517,7 @@ class StageCore:
             task = self._task
             self.recorder.expired(task.deadline_at_s, task.task_id)
             budget_s = task.deadline_at_s - task.started_at
-            if self.state is S.DRAINING:
+            if self.state is S.DRAINING and not task.sent:  # a keep's hold went out: its ranks are silent
                 self.lifecycle.fire("drain_timeout")
                 what = type(task.command).__name__.removesuffix("Weights").lower()  # update, sleep, pause
                 step = StageStep(

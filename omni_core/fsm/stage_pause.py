@@ -1,15 +1,17 @@
 """The PAUSED lifecycle of a stage (vLLM's pause_generation / resume_generation).
 
-A pause closes a RUNNING stage's admission and keeps its memory: nothing is sent to the
-ranks, nothing is released, no request starts until resume(). Requests in flight are not
-frozen halfway (an Execute runs to its end on a rank: no protocol command interrupts one),
-so the stage drains them first in DRAINING, as a sleep does, and commits PAUSED when none is
-left. The modes say what their callers hear:
+A pause closes a RUNNING stage's admission and keeps its memory: nothing is released, no
+request starts until resume(). The modes say what the requests in flight do:
 
-  abort  at once ABORTED (the ranks still finish them before PAUSED), vLLM's default
-  wait   their results, then the pause
-  keep   the same as wait here: vLLM freezes running requests and resumes them after
-         /resume; a request omni-core cannot freeze finishes instead, and nothing is lost
+  abort  their callers hear ABORTED at once; the ranks still finish them before PAUSED
+         (vLLM's default); nothing is sent to the ranks
+  wait   the stage drains them in DRAINING, as a sleep does: their results, then PAUSED
+  keep   HoldRequests to every rank: each freezes them where they are (their KV kept, or
+         dropped with clear_cache), and the stage is PAUSED once every rank holds them,
+         still in flight (`StageCore.holding`); only an update runs beside them, and
+         resume() releases them (HoldRequests hold=false) on the weights held then, each
+         Result naming its version spans (docs/pause_modes.md). A runner that cannot freeze
+         its requests finishes them first, as wait.
 
 Requests that arrive, or wait in the queue, while PAUSED stay queued (or are refused, under
 the policy 'reject') until resume(): ADMISSION and QUEUE_RULES say so for PAUSED.

@@ -86,6 +86,9 @@ class StageRequest:
     adapter: str | None = None  # P-20: the adapter it names
     replies: dict[int, Result | Nack | None] = field(default_factory=dict)  # None: never sent to it
     answered: bool = False  # the caller already heard (aborted, overloaded)
+    # P-17, judged as each Result comes: rank -> its version where that was not the stage's
+    # then (a request held through an update answers on the new version, committed by then).
+    off_version: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from omni_core.fsm.effects import (
     AdapterEffect,
     CommandEffect,
     ExecuteEffect,
+    HoldEffect,
     ProfileEffect,
     ReloadEffect,
     ShareEffect,
@@ -60,6 +61,7 @@ from omni_core.fsm.trace_records import (
     WorkerStarted,
     clip,
 )
+from omni_core.fsm.version_spans import VersionSpans
 from omni_core.fsm.worker_inputs import (
     BadFrame,
     CommandReceived,
@@ -94,6 +96,7 @@ from omni_core.protocol import (
     Capability,
     Command,
     Execute,
+    HoldRequests,
     InitWeightGroup,
     ListAdapters,
     MemoryReport,
@@ -159,6 +162,15 @@ _WHERE = (
 WEIGHT_WRITES = (ReloadWeights, UpdateWeights)
 
 
+def _boundaries(output: object) -> dict[str, int]:
+    """A hold's completion: each held request's output tokens so far, by task id."""
+    if not (
+        isinstance(output, dict) and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in output.items())
+    ):
+        raise InvariantViolation(f"a hold completes with each request's tokens so far by task id, not {output!r}")
+    return output
+
+
 def _cache_names(output: object) -> tuple[str, ...]:
     """The derived caches a reload or an update dropped, as the shell reported them."""
     if output is None:
@@ -187,6 +199,7 @@ class WorkerCore:
     ) -> None:
         self.rank = rank
         self.work = WorkInProgress(max_in_flight)  # the lifecycle effect, or the batch of requests
+        self.spans = VersionSpans()  # which version computed which tokens of each request (pause keep)
         # The version of the weights held (or, in NEEDS_RELOAD, held last): 0 is the runner's
         # own source; an update sets it once every bucket is written (P-17).
         self.weights_version = weights_version
@@ -220,6 +233,11 @@ class WorkerCore:
         return self.work.task_ids
 
     @property
+    def holding(self) -> bool:
+        """The running requests are held (HoldRequests, pause mode keep): not to be stepped."""
+        return self.work.held
+
+    @property
     def max_in_flight(self) -> int:
         return self.work.max_in_flight
 
@@ -238,8 +256,10 @@ class WorkerCore:
         self.work = WorkInProgress(self.work.max_in_flight)
         if snapshot.pending is not None:
             self.work.begin(snapshot.pending)
+        self.spans = VersionSpans()
         for command in snapshot.running:
             self.work.run(command)
+            self.spans.started(command.task_id, self.weights_version)
         self.cache = BoundedCache(self.cache.max_entries, self.cache.max_bytes)
         self._check_invariants()
 
@@ -382,6 +402,8 @@ class WorkerCore:
                 return self._on_share_weights(command)
             case Execute():
                 return self._on_execute(command)
+            case HoldRequests():
+                return self._on_hold(command)
             case Status():
                 return self._on_status(command)
             case Profile():
@@ -500,6 +522,8 @@ class WorkerCore:
 
         problem = self.work.check_invariants()
         require(not problem, problem)
+        problem = self.spans.check_invariants(self.work.running, self.weights_version, self.work.held)
+        require(not problem, problem)
 
         require(asleep <= set(self.tags), f"asleep tags {sorted(asleep)} not all known")
         require(len(self.cache) <= self.cache.max_entries, "reply cache over its bound")
@@ -518,8 +542,10 @@ class WorkerCore:
         if pending is not None and isinstance(pending.command, Execute):
             require(state is W.ACTIVE, "Execute pending outside ACTIVE")
         if self.work.running:
-            # P-7: a request runs only on resident, valid memory, and no effect moves it meanwhile.
-            require(state is W.ACTIVE, f"{len(self.work.running)} requests running outside ACTIVE")
+            # P-7: a request runs only on resident, valid memory, and no effect moves it meanwhile;
+            # a held one (pause keep) waits, frozen, through an update of the weights under it.
+            refit = state is W.RELOADING and self.work.held
+            require(state is W.ACTIVE or refit, f"{len(self.work.running)} requests running outside ACTIVE")
         if pending is not None and isinstance(pending.command, (Profile, InitWeightGroup)):
             require(state in IDLE, "Profile or InitWeightGroup pending outside ACTIVE/SLEEPING/PARTIAL/NEEDS_RELOAD")
         if pending is not None and isinstance(pending.command, ShareWeights):
@@ -716,7 +742,43 @@ class WorkerCore:
             self.adapters.touch(command.adapter)
         self.lifecycle.fire("execute")
         self.work.run(command)
+        self.spans.started(command.task_id, self.weights_version)
         return WorkerStep(effect=ExecuteEffect(command.task_id, command.payload, command.adapter))
+
+    def _on_hold(self, command: HoldRequests) -> WorkerStep:
+        """Pause mode keep: freeze the batch where it is (the shell asks the runner for each
+        request's tokens so far), or release it under the version held now. A hold with no
+        request running holds nothing: an Ack at once, as a release of nothing held."""
+        if not self.lifecycle.allows("hold_requests"):
+            return self._refuse_state(command, "requests are held and released in ACTIVE, where they run")
+        if command.hold == self.work.held:
+            return self._already(command, "hold_requests")
+        self.lifecycle.fire("hold_requests")
+        if not command.hold:
+            self.work.held = False
+            over = self.spans.released(self.weights_version)
+            failed = tuple(
+                self._fail_request(t, "it was held through more updates than a Result records") for t in over
+            )
+            reply = self._ack(command, AckStatus.OK)
+            self._remember(command, reply)
+            return WorkerStep(replies=(reply, *failed))
+        if not self.work.running:
+            self.work.held = True
+            reply = self._ack(command, AckStatus.OK)
+            self._remember(command, reply)
+            return WorkerStep(replies=(reply,))
+        self.work.begin(PendingEffect(command))
+        return WorkerStep(effect=HoldEffect(command.task_id, command.clear_cache))
+
+    def _fail_request(self, task_id: str, why: str) -> Nack:
+        """A running request the core ends itself (its weights lost under it, too many spans):
+        its one reply, EXECUTE_ERROR; the shell drops what the runner still holds of it."""
+        command = self.work.take(task_id).command
+        self.spans.forget(task_id)
+        reply = self._nack(command, NackReason.EXECUTE_ERROR, f"Execute task {task_id!r} failed: {why}")
+        self._remember(command, reply)
+        return reply
 
     def _on_status(self, command: Status) -> WorkerStep:
         self.lifecycle.fire("status")  # legal in every state; firing keeps the table the source
@@ -864,6 +926,7 @@ class WorkerCore:
             case Execute():
                 # The core was busy with this request: the adapter it checked is the one served.
                 adapter = self.adapters.get(command.adapter) if command.adapter is not None else None
+                spans, discarded = self.spans.finished(task_id)
                 reply: Reply = Result(
                     task_id=task_id,
                     epoch=self.epoch,
@@ -873,6 +936,8 @@ class WorkerCore:
                     weights_version=self.weights_version,
                     adapter=command.adapter,
                     adapter_version=adapter.version if adapter is not None else 0,
+                    version_spans=spans,
+                    discarded_tokens=discarded,
                 )
             case _ if isinstance(command, ADAPTER_COMMANDS):
                 self._settle_adapter(command, pending.evict)
@@ -880,7 +945,7 @@ class WorkerCore:
                     command, AckStatus.OK, memory=done.memory, duration_s=duration_s, adapters_evicted=pending.evict
                 )
             case _:
-                self._settle(pending, done.weights_version)
+                self._settle(pending, done.output, done.weights_version)
                 reply = self._ack(
                     command,
                     AckStatus.OK,
@@ -897,9 +962,10 @@ class WorkerCore:
         )
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
-    def _settle(self, pending: PendingEffect, reloaded_version: int = 0) -> None:
+    def _settle(self, pending: PendingEffect, output: object = None, reloaded_version: int = 0) -> None:
         """Where a completed effect leaves the rank: its residency, state, version, group, profiler.
-        `reloaded_version`: the version a ReloadWeights brought (a saved directory's, P-21)."""
+        `output`: the effect's (a hold's boundaries); `reloaded_version`: the version a
+        ReloadWeights brought (a saved directory's, P-21)."""
         command = pending.command
         match command:
             case Sleep():
@@ -927,6 +993,9 @@ class WorkerCore:
                 self.adapters.rebased(self.weights_version)  # P-20: made for other weights: stale
             case InitWeightGroup():
                 self.weight_group = command
+            case HoldRequests():
+                self.work.held = True
+                self.spans.held(_boundaries(output), command.clear_cache)
             case Profile():
                 self.profiling = command.start
 
@@ -980,7 +1049,11 @@ class WorkerCore:
         match command:
             case Execute():
                 # A request the runner rejects says nothing about the memory: stay ACTIVE.
+                self.spans.forget(task_id)
                 reply = self._nack(command, NackReason.EXECUTE_ERROR, what)
+            case HoldRequests():
+                # The runner failed to freeze them: where they are is unknown, so they end now.
+                reply = self._nack(command, NackReason.EXECUTE_ERROR, f"{what}; the running requests failed with it")
             case UpdateWeights():
                 # Writing began: the weights are neither the old version nor the new one. Mapped,
                 # the rank waits in NEEDS_RELOAD for a reload or another update (P-17); written
@@ -1020,5 +1093,17 @@ class WorkerCore:
                 reply = self._nack(command, NackReason.BACKEND_ERROR, self.failure)
         if not isinstance(command, Status):  # Status is never cached (as in _on_done)
             self._remember(command, reply)
+        lost = self._fail_held(command, what)
         head = EffectFailed(task_id, name, self.state.value, clip(error))
-        return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+        return self._traced(WorkerStep(replies=(reply, *lost)), head, before, task_id)
+
+    def _fail_held(self, command: Command, what: str) -> tuple[Nack, ...]:
+        """A hold that raised, or an update that failed beside held requests: the weights or
+        the runner's state under them are gone, so each held request fails (once) and the
+        hold ends; a request never resumes on weights its spans could not name."""
+        if not isinstance(command, (HoldRequests, UpdateWeights)) or not (self.work.held or self.work.running):
+            return ()
+        if isinstance(command, UpdateWeights) and not self.work.held:
+            return ()
+        self.work.held = False
+        return tuple(self._fail_request(t, f"it was held when {what}") for t in list(self.work.running))

@@ -12,7 +12,20 @@ import msgspec
 from omni_core.fsm.effects import Effect
 from omni_core.fsm.tags import SleepPlan
 from omni_core.fsm.trace_records import ReplySent, WorkerRecord
-from omni_core.protocol import Ack, Capability, Command, Execute, Hello, Nack, Reply, Result, Status, encode
+from omni_core.protocol import (
+    Ack,
+    Capability,
+    Command,
+    Execute,
+    Hello,
+    HoldRequests,
+    Nack,
+    Reply,
+    Result,
+    Status,
+    UpdateWeights,
+    encode,
+)
 from omni_core.protocol import WorkerState as W
 
 # Epochs grow by one per restart, and a restart spawns fresh ranks: a live rank never needs
@@ -112,6 +125,9 @@ class WorkInProgress:
         self.max_in_flight = max_in_flight
         self.pending: PendingEffect | None = None
         self.running: dict[str, Execute] = {}
+        # Pause mode keep (HoldRequests): the batch is frozen where it is; beside it only an
+        # UpdateWeights runs (in-flight refit), and the release lets it go on.
+        self.held = False
 
     @property
     def busy(self) -> bool:
@@ -136,6 +152,15 @@ class WorkInProgress:
             return ""
         if self.pending is not None:
             return f"task {self.pending.command.task_id!r} is in progress; retry after its reply"
+        if self.running and self.held and not isinstance(command, (HoldRequests, UpdateWeights)):
+            first = next(iter(self.running))
+            return (
+                f"{len(self.running)} requests are held on this rank (first {first!r}, pause mode keep); "
+                f"{type(command).__name__} waits until HoldRequests(hold=false) releases them: only "
+                "UpdateWeights runs beside them"
+            )
+        if self.running and self.beside_batch(command):
+            return ""
         if self.running and not isinstance(command, Execute):
             first = next(iter(self.running))
             return (
@@ -150,9 +175,15 @@ class WorkInProgress:
             )
         return ""
 
+    def beside_batch(self, command: Command) -> bool:
+        """Whether `command`'s effect may run beside the batch: a hold freezing it, or an
+        update of the weights under it once it is held."""
+        return isinstance(command, HoldRequests) or (self.held and isinstance(command, UpdateWeights))
+
     def begin(self, pending: PendingEffect) -> None:
-        """Take on one lifecycle effect (or a Status): only while nothing else is under way."""
-        if self.busy:
+        """Take on one lifecycle effect (or a Status): only while nothing else is under way,
+        but for a hold or an update beside a held batch (`beside_batch`)."""
+        if self.pending is not None or (self.running and not self.beside_batch(pending.command)):
             raise InvariantViolation(f"{pending.command!r} taken on while {list(self.task_ids)} are in progress")
         self.pending = pending
 
@@ -175,7 +206,7 @@ class WorkInProgress:
 
     def check_invariants(self) -> str:
         """What is wrong with the work in progress on its own, or "" (the core's check asks it)."""
-        if self.running and self.pending is not None:
+        if self.running and self.pending is not None and not self.beside_batch(self.pending.command):
             return "a lifecycle effect beside a running batch"
         if len(self.running) > self.max_in_flight:
             return "more requests running than max_in_flight"

@@ -155,6 +155,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         None,
         "Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them",
     ),
+    Transition(
+        "hold_requests",
+        (W.ACTIVE,),
+        None,
+        "HoldRequests (pause mode keep): the batch frozen where it is, only an update beside it, or released",
+    ),
     Transition("status", tuple(W), None, "Status is legal everywhere and changes nothing"),
     Transition(
         "profile", IDLE, None, "Profile start (none running) or stop (one running): the profiler only, never the state"

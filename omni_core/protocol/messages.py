@@ -239,6 +239,20 @@ class Execute(Command, kw_only=True, frozen=True):
     adapter: AdapterName | None = None
 
 
+class HoldRequests(Command, kw_only=True, frozen=True):
+    """Pause mode `keep` (vLLM's pause_generation(mode="keep")): `hold=True` freezes the
+    requests running on the rank where they are, their state and KV kept by the runner, so
+    an UpdateWeights may run beside them; `hold=False` lets them go on, each recording the
+    token where it resumed and the version it resumed under (`Result.version_spans`).
+    `clear_cache` (with `hold=True`) drops their KV instead: each restarts generation from
+    its prompt at the release, and its Result says how many tokens it discarded. Legal in
+    ACTIVE; never changes the lifecycle state. A runner that cannot freeze its requests
+    finishes them before the hold is answered (as mode `wait`)."""
+
+    hold: bool
+    clear_cache: bool = False
+
+
 class Status(Command, kw_only=True, frozen=True):
     """Report state and memory; never changes anything and is never cached."""
 
@@ -450,11 +464,33 @@ class Nack(Reply, kw_only=True, frozen=True):
     weights_version: WeightsVersion = 0
 
 
-class Result(Reply, kw_only=True, frozen=True):
-    """Output of an Execute; `weights_version` names the weights that produced it, `adapter`
-    and `adapter_version` the LoRA adapter it ran with (P-20; None and 0: none)."""
+MAX_VERSION_SPANS = 64  # Result.version_spans: a request held through that many updates at most
 
-    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("weights_version", "runner_counters", "adapter", "adapter_version")
+
+class VersionSpan(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where a Result's output changed weights: its tokens from `start_token` (0-based) up to
+    the next span's start (the last span: to the end) were computed under `weights_version`."""
+
+    weights_version: WeightsVersion
+    start_token: Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
+
+
+class Result(Reply, kw_only=True, frozen=True):
+    """Output of an Execute; `weights_version` names the weights that produced it (the last
+    ones, for a request held through an update), `adapter` and `adapter_version` the LoRA
+    adapter it ran with (P-20; None and 0: none). `version_spans`, for a request held by
+    HoldRequests while the weights changed: which tokens each version computed, in order
+    (empty: every token under `weights_version`); `discarded_tokens`: the tokens it had
+    generated before a hold with clear_cache dropped its KV (it restarted from its prompt)."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = (
+        "weights_version",
+        "runner_counters",
+        "adapter",
+        "adapter_version",
+        "version_spans",
+        "discarded_tokens",
+    )
 
     output: Any = None
     duration_s: ElapsedSeconds = 0.0
@@ -462,6 +498,8 @@ class Result(Reply, kw_only=True, frozen=True):
     runner_counters: RunnerCounters = {}  # as on Ack
     adapter: AdapterName | None = None
     adapter_version: AdapterVersion = 0
+    version_spans: Annotated[tuple[VersionSpan, ...], msgspec.Meta(max_length=MAX_VERSION_SPANS)] = ()
+    discarded_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)] = 0
 
 
 class Hello(Reply, kw_only=True, frozen=True):
@@ -520,6 +558,7 @@ AnyCommand = Union[  # noqa: UP007
     RemoveAdapter,
     PinAdapter,
     ListAdapters,
+    HoldRequests,
 ]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
 AnyMessage = Union[AnyCommand, AnyReply]  # noqa: UP007
@@ -537,6 +576,7 @@ __all__ = [
     "MAX_LINKS",
     "MAX_LOADED_WEIGHTS",
     "MAX_MEMORY_WAIT_S",
+    "MAX_VERSION_SPANS",
     "MESSAGE_TYPES",
     "REPLY_TYPES",
     "Ack",
@@ -548,6 +588,7 @@ __all__ = [
     "Command",
     "Execute",
     "Hello",
+    "HoldRequests",
     "InitWeightGroup",
     "LinkShare",
     "ListAdapters",
@@ -567,6 +608,7 @@ __all__ = [
     "Sleep",
     "Status",
     "UpdateWeights",
+    "VersionSpan",
     "Wake",
     "arguments",
 ]

@@ -131,6 +131,26 @@ class ModelRunner(ABC):
         result)`. A raise fails every running request (the runner forgets them all)."""
         raise NotImplementedError(f"{type(self).__name__} has no continuous batching")
 
+    # Pause mode keep (HoldRequests): the running requests frozen where they are while the
+    # weights change under them. A continuous runner that can stop between its steps and go
+    # on from there (vLLM's engine: no step is taken) overrides these three; one that cannot
+    # has its running requests finished before the hold is answered (as mode wait).
+    def supports_hold(self) -> bool:
+        return False
+
+    def hold_requests(self, clear_cache: bool) -> Mapping[str, int]:
+        """Every running request, by key: the output tokens it has generated so far (the
+        longest of its rows), where a span of new weights starts once it goes on. Nothing
+        is stepped until the rank steps again. With `clear_cache`, drop their KV instead:
+        each restarts generation from its prompt at its next step (the count is what it
+        discarded)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold its running requests")
+
+    def abort_requests(self, keys: Iterable[str]) -> None:
+        """Forget these running requests (their answers are no one's now: their weights were
+        lost under them). A runner that cannot lets them finish unanswered."""
+        return None
+
     @abstractmethod
     def reload_weights(self, source: str | None) -> None:
         """Refill the weights in place (after a level-2 sleep, or to swap weights).

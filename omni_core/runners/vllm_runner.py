@@ -239,6 +239,7 @@ class VllmEngine:
         from vllm import LLM
 
         self._llm = LLM(**engine_kwargs)
+        self.progress: dict[str, int] = {}  # row id -> its output tokens so far (unfinished rows)
 
     def tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
@@ -270,10 +271,13 @@ class VllmEngine:
         return request_id
 
     def step(self) -> list[tuple[str, Completion]]:
-        """One engine step; the requests it finished."""
+        """One engine step; the requests it finished. The tokens each unfinished row holds so
+        far are kept in `progress` (a hold asks them: pause mode keep)."""
         done = []
         for output in self._llm.llm_engine.step():
+            self.progress[str(output.request_id)] = len(output.outputs[0].token_ids)
             if output.finished:
+                self.progress.pop(str(output.request_id), None)
                 first = output.outputs[0]
                 done.append((str(output.request_id), Completion(list(first.token_ids), str(first.finish_reason))))
         return done
@@ -401,6 +405,7 @@ class VllmRunner(ModelRunner):
         self.loras: dict[str, LoraSlot] = {}
         self._running = _EngineRequests()  # continuous batching: the requests in vLLM's engine
         self._lora_root: Path | None = None  # refits' directories (write_adapter), removed at close
+        self._holds = 0  # clear_cache restarts: each gives its rows fresh vLLM ids
 
     # ------------------------------------------------------------------ allocation
 
@@ -761,6 +766,52 @@ class VllmRunner(ModelRunner):
                 "(an id it did not echo back?); they fail rather than wait: report a bug with the rank's log"
             )
         return done
+
+    def supports_hold(self) -> bool:
+        return self.supports_continuous()
+
+    def hold_requests(self, clear_cache: bool) -> dict[str, int]:
+        """Pause mode keep: no engine step is taken until the rank steps again, so vLLM keeps
+        each running request where it is, its KV blocks held. Each request's tokens so far
+        are its longest row's (rows of one request decode in lockstep). With clear_cache its
+        rows are aborted and added again from their prompts: the KV goes, generation restarts."""
+        assert self.llm is not None
+        progress: dict[str, int] = getattr(self.llm, "progress", {})
+        counts = {
+            key: max((progress.get(row, 0) for row in running.row_ids), default=0)
+            for key, running in self._running.by_key.items()
+        }
+        if clear_cache:
+            for key in list(self._running.by_key):
+                self._restart(key)
+        return counts
+
+    def _restart(self, key: str) -> None:
+        assert self.llm is not None
+        running = self._running.by_key[key]
+        old = [row for row in running.row_ids if row not in running.finished]
+        self.llm.abort(old)
+        params = self._sampling_params(running.request)
+        self._holds += 1
+        fresh = [
+            self.llm.add_request(f"{key}/{j}/r{self._holds}", row, params) for j, row in enumerate(running.request.rows)
+        ]
+        for row in running.row_ids:
+            self._running.row_keys.pop(row, None)
+        running.row_ids[:], running.finished = fresh, {}
+        self._running.row_keys.update((row, key) for row in fresh)
+
+    def abort_requests(self, keys: Iterable[str]) -> None:
+        assert self.llm is not None
+        rows: list[str] = []
+        for key in keys:
+            running = self._running.by_key.pop(key, None)
+            if running is not None:
+                rows += running.row_ids
+                for row in running.row_ids:
+                    self._running.row_keys.pop(row, None)
+        if rows:
+            self.llm.abort(rows)
 
     def _forget_running(self) -> None:
         row_ids = list(self._running.row_keys)

@@ -383,6 +383,8 @@ def router(state: ServeState) -> APIRouter:
                 }
                 if output.adapter is not None:  # P-20: the adapter beside the weights version
                     ran |= {"adapter": output.adapter, "adapter_version": output.adapter_version}
+                if output.version_spans or output.discarded_tokens:  # held through an update (pause keep)
+                    ran |= {"version_spans": output.spans_json(), "discarded_tokens": output.discarded_tokens}
                 reply = answer(200, ran)
             except Exception as exc:
                 reply = error_answer(exc, name)

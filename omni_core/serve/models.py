@@ -481,12 +481,25 @@ class StagesModel(BaseModel):
     stages: list[StageModel]
 
 
+class VersionSpanModel(BaseModel):
+    weights_version: int = Field(description="the weights version that computed these tokens")
+    start_token: int = Field(description="the first output token (0-based) of the span; it runs to the next span")
+
+
 class ExecuteModel(BaseModel):
     stage: str
     output: Any = Field(description="rank 0's output; bytes are base64 strings")
     weights_version: int = Field(0, description="the weights version every rank computed the output with (P-17)")
     adapter: str | None = Field(None, description="the LoRA adapter it ran with (P-20)")
     adapter_version: int = Field(0, description="that adapter's version (P-20)")
+    version_spans: list[VersionSpanModel] = Field(
+        [],
+        description="held through a weight update (pause mode keep): the tokens from each span's start_token "
+        "on were computed under its weights_version; absent: every token under weights_version",
+    )
+    discarded_tokens: int = Field(
+        0, description="tokens generated before a keep pause with clear_cache dropped its KV (it restarted)"
+    )
 
 
 class RestartBody(_Strict):

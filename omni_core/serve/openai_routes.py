@@ -243,6 +243,9 @@ def _choices(results: list[Any], stops: list[str]) -> tuple[list[dict[str, Any]]
                 "token_ids": out["token_ids"],
                 "weights_version": result.weights_version,
                 **_ran_with(result),
+                # Held through an update (pause keep): which version computed which tokens.
+                "version_spans": result.spans_json(),
+                "discarded_tokens": result.discarded_tokens,
             }
         )
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
@@ -257,8 +260,10 @@ def _ran_with(result: Any) -> dict[str, Any]:
 
 
 def _extra(choice: dict[str, Any]) -> dict[str, Any]:
-    """A choice's fields beside OpenAI's: its tokens, the weights version, the adapter's."""
-    return {k: choice[k] for k in ("token_ids", "weights_version", "adapter", "adapter_version") if k in choice}
+    """A choice's fields beside OpenAI's: its tokens, the weights version (and its spans, held
+    through an update), the adapter's."""
+    fields = ("token_ids", "weights_version", "version_spans", "discarded_tokens", "adapter", "adapter_version")
+    return {k: choice[k] for k in fields if k in choice}
 
 
 def _answer(kind: str, model: str, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:

@@ -35,16 +35,24 @@ class VllmPauseBody(m._Strict):
     """vLLM's POST /pause, as a JSON body; the same fields as its query string."""
 
     mode: PauseMode | None = Field(
-        None, description="abort (in-flight requests fail now), wait or keep (they finish first); null: abort"
+        None,
+        description="abort (in-flight requests fail now), wait (they finish first) or keep (they are frozen "
+        "where they are, their KV kept, and go on after /resume, on the weights updated meanwhile); null: abort",
     )
     wait_for_inflight_requests: bool | None = Field(None, description="vLLM's deprecated flag: true means mode=wait")
     clear_cache: bool | None = Field(
-        None, description="accepted, and nothing is cleared: no protocol command reaches a runner's prefix cache"
+        None,
+        description="with mode=keep: the frozen requests' KV is dropped instead, each restarts from its prompt "
+        "at /resume; with abort or wait accepted, and nothing is cleared",
     )
 
 
 class PauseBody(m._Strict):
-    mode: PauseMode = Field("wait", description="wait or keep (in-flight requests finish), abort (they fail now)")
+    mode: PauseMode = Field(
+        "wait",
+        description="wait (in-flight requests finish), keep (they are frozen until resume), abort (they fail now)",
+    )
+    clear_cache: bool = Field(False, description="with keep: drop the frozen requests' KV (each restarts at resume)")
     timeout_s: float | None = Field(None, description="how long in-flight requests may take; null: deadline_s")
 
 
@@ -63,9 +71,9 @@ def router(state: ServeState) -> APIRouter:
     def paused_shape(status: str) -> Callable[[dict[str, Any]], Any]:
         return lambda per_stage: {"status": status, "stages": per_stage}
 
-    def pause_call(mode: str) -> MakeCall:
+    def pause_call(mode: str, clear_cache: bool) -> MakeCall:
         engine = state.require_engine()
-        return lambda n, tid: functools.partial(engine.pause, n, mode, task_id=tid)
+        return lambda n, tid: functools.partial(engine.pause, n, mode, task_id=tid, clear_cache=clear_cache)
 
     def resume_call() -> MakeCall:
         engine = state.require_engine()
@@ -78,8 +86,9 @@ def router(state: ServeState) -> APIRouter:
         tags=["vLLM"],
         description="vLLM's pause on the default stage (or every stage): admission closes, memory stays, no "
         "request starts until POST /resume. mode=abort (default): in-flight requests fail at once "
-        "(409); wait, keep: they finish first (a running request cannot be frozen halfway). Answers "
-        "once none is in flight.",
+        "(409); wait: they finish first; keep: they are frozen where they are on every rank (a runner that "
+        "cannot freeze finishes them first), and resume on the weights an update brought meanwhile, each "
+        "answer naming its version spans. Answers once none is in flight or every rank holds them.",
     )
     async def vllm_pause(
         request: Request,
@@ -90,12 +99,17 @@ def router(state: ServeState) -> APIRouter:
     ) -> Response:
         body = body or VllmPauseBody()
         chosen = once("mode", mode, body.mode, "abort")
-        once("clear_cache", clear_cache, body.clear_cache, None)  # accepted either way; nothing to clear
+        clear = once("clear_cache", clear_cache, body.clear_cache, None)
         if once("wait_for_inflight_requests", wait_for_inflight_requests, body.wait_for_inflight_requests, False):
             chosen = "wait"  # as vLLM: the deprecated flag wins over mode
         state.level0_paused.difference_update(state.targets())  # this pause ends with /resume, not a wake
         return await lifecycle_route(
-            state, request, state.targets(), "pause", pause_call(chosen), paused_shape("paused")
+            state,
+            request,
+            state.targets(),
+            "pause",
+            pause_call(chosen, chosen == "keep" and bool(clear)),
+            paused_shape("paused"),
         )
 
     @api.post(
@@ -128,7 +142,8 @@ def router(state: ServeState) -> APIRouter:
         responses=m.ERROR_RESPONSES,
         tags=["omni-core"],
         description="Close the stage's admission keeping its memory (state PAUSED once no request is in "
-        "flight); mode as vLLM's. With an Idempotency-Key, a retry gets the first answer.",
+        "flight, or every rank holds them under keep); mode as vLLM's. With an Idempotency-Key, a retry gets "
+        "the first answer.",
     )
     async def pause(name: str, request: Request, body: PauseBody | None = None) -> Response:
         body = body or PauseBody()
@@ -139,7 +154,7 @@ def router(state: ServeState) -> APIRouter:
             request,
             name,
             "pause",
-            functools.partial(engine.pause, mode=body.mode, timeout_s=limit_s),
+            functools.partial(engine.pause, mode=body.mode, timeout_s=limit_s, clear_cache=body.clear_cache),
         )
 
     @api.post(

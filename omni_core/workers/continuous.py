@@ -65,6 +65,21 @@ class RunningRequests:
             return self.fail_all(RuntimeError(self._lost_message()))
         return finished
 
+    def hold(self, clear_cache: bool) -> dict[str, int]:
+        """Pause mode keep: the runner freezes every running request; each one's output tokens
+        so far, by task id (a key the runner names that is not running is nobody's)."""
+        tokens = self.runner.hold_requests(clear_cache)
+        return {self._effects[key][0].task_id: int(n) for key, n in tokens.items() if key in self._effects}
+
+    def forget(self, held: set[str]) -> None:
+        """Drop the running requests whose task the core no longer holds (it answered them
+        itself: their weights were lost under them), and tell the runner."""
+        gone = [key for key, (effect, _) in self._effects.items() if effect.task_id not in held]
+        for key in gone:
+            del self._effects[key]
+        if gone:
+            self.runner.abort_requests(gone)
+
     def fail_all(self, exc: Exception) -> list[Finished]:
         now = time.perf_counter()
         failed = [Finished(effect, exc, now - started) for effect, started in self._effects.values()]

@@ -36,6 +36,7 @@ from omni_core.fsm.effects import (
     CommandEffect,
     Effect,
     ExecuteEffect,
+    HoldEffect,
     ProfileEffect,
     ReloadEffect,
     ShareEffect,
@@ -70,6 +71,7 @@ from omni_core.protocol import (
     Command,
     Execute,
     Hello,
+    HoldRequests,
     MemoryReport,
     Message,
     NackReason,
@@ -479,7 +481,9 @@ class WorkerProcess:
             self._send_all(core.step(BadFrame(err)))
             return
         held = len(self._batch) + (len(self._running) if self._running is not None else 0)
-        if held and (not isinstance(command, Execute) or held >= core.max_in_flight):
+        if held and self._holds(command):
+            self._start_batch()  # a hold freezes the gathered requests too, before any step
+        elif held and (not isinstance(command, Execute) or held >= core.max_in_flight):
             # First: the core refuses anything else beside a running batch, and more requests
             # than its bound. A command waits for every request; a request for one to finish.
             self._run_batch()
@@ -494,6 +498,40 @@ class WorkerProcess:
                 self._run_batch()
         elif step.effect is not None:
             self._perform(step.effect)
+        if isinstance(command, HoldRequests):
+            self._after_hold()
+
+    def _holds(self, command: Command) -> bool:
+        """Whether the core, not the shell, decides on `command` beside the running requests:
+        while they are held (pause keep), or a hold a runner that can freeze them takes. A
+        runner that cannot has them finished first, so its hold holds nothing (mode wait)."""
+        assert self.core is not None
+        if self.core.holding:
+            return True
+        return isinstance(command, HoldRequests) and self.runner is not None and self.runner.supports_hold()
+
+    def _start_batch(self) -> None:
+        """The gathered requests join the running set without a step (a hold comes next)."""
+        batch, self._batch = self._batch, []
+        running = self._continuous()
+        if running is None:  # pragma: no cover - _holds asks a runner that holds: a continuous one
+            self._batch = batch
+            return
+        for effect in batch:
+            if effect.adapter is not None:
+                self._answer_request(effect, self._execute_adapter(effect), 0.0)
+            elif (refused := running.start(effect)) is not None:
+                self._answer_finished([refused])
+
+    def _after_hold(self) -> None:
+        """After a hold or a release: drop what the core answered itself, and once released,
+        step the requests again (unless that loop is on the stack: it goes on by itself)."""
+        core, running = self.core, self._running
+        if core is None or running is None:
+            return
+        running.forget(set(core.in_progress))
+        if len(running) and not core.holding and not self._stepping:
+            self._step_while_running(running)
 
     def _run_batch(self) -> None:
         """Run the gathered requests through the runner together, then answer each: its
@@ -543,14 +581,15 @@ class WorkerProcess:
         for every request to finish), and each finished request is answered at once."""
         self._stepping = True
         try:
-            while len(running) and not self.stopped:
+            while len(running) and not self.stopped and not self._frozen():
                 for _ in range(STEP_FRAMES_MAX):
                     frame = self._receive(zmq.NOBLOCK) if self._gather else None
                     if frame is None or self.stopped:
                         break
                     self.handle_isolated(frame)
                 self._run_batch()
-                self._answer_finished(running.step())
+                if not self._frozen():  # a hold taken among those frames: not one more step
+                    self._answer_finished(running.step())
             self._report_to_ledger()
         except InvariantViolation:
             raise
@@ -559,6 +598,10 @@ class WorkerProcess:
             self._answer_finished(running.fail_all(exc))
         finally:
             self._stepping = False
+
+    def _frozen(self) -> bool:
+        """The running requests are held (pause keep): nothing steps them until the release."""
+        return self.core is not None and self.core.holding
 
     def _finish_running(self, below: int) -> None:
         """Step the running requests, taking no frame, until fewer than `below` run."""
@@ -683,6 +726,8 @@ class WorkerProcess:
                 EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared, version)
             )
         self._send_all(step)
+        if isinstance(effect, UpdateEffect) and self._running is not None:
+            self._running.forget(set(core.in_progress))  # an update failed under held requests
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
 
@@ -695,6 +740,8 @@ class WorkerProcess:
         included, is measured before and after (P-12), and the node's ledger hears of it."""
         if isinstance(effect, (ProfileEffect, WeightGroupEffect, ShareEffect)):
             return lambda: None
+        if isinstance(effect, HoldEffect):  # the runner stops stepping: no memory moves
+            return lambda: _unmeasured(self._usage(), "HoldRequests")
         if isinstance(effect, CommandEffect):
             name = type(effect.command).__name__
             return lambda: _unmeasured(self._usage(), name)
@@ -759,6 +806,8 @@ class WorkerProcess:
             return COMMAND_HANDLERS[type(effect.command)](runner, effect.command, self.core)
         if isinstance(effect, AdapterEffect):
             return self._adapter(backend, runner, effect)
+        if isinstance(effect, HoldEffect):
+            return self._running.hold(effect.clear_cache) if self._running is not None else {}
         if isinstance(effect, SleepEffect):
             runner.before_sleep(effect.offload, effect.discard)
             # A swap whose incoming stage fits; the device is asked only by a backend that can use it.
