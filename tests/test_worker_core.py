@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
+from test_transfers_core import TRANSFER_WORKER_SCENARIOS
 from test_worker_adapters import ADAPTER_SCENARIOS
 
 from omni_core.fsm import (
@@ -867,6 +868,7 @@ def _wake_from_needs_reload_with_tags_asleep() -> None:
 
 SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
 SCENARIOS += ADAPTER_SCENARIOS  # P-20: tests/test_worker_adapters.py
+SCENARIOS += TRANSFER_WORKER_SCENARIOS  # P-21: tests/test_transfers_core.py
 
 
 def _weights_update_scenario() -> None:

@@ -853,7 +853,7 @@ class WorkerCore:
                     memory=done.memory,
                     duration_s=duration_s,
                     trace_paths=done.trace_paths if isinstance(command, Profile) else (),
-                    shared=done.shared if isinstance(command, ShareWeights) else None,
+                    shared=done.shared if isinstance(command, ShareWeights) or _shares(command) else None,
                     caches_dropped=_cache_names(done.output) if isinstance(command, WEIGHT_WRITES) else (),
                 )
         if not isinstance(command, Status):
@@ -975,3 +975,9 @@ class WorkerCore:
             self._remember(command, reply)
         head = EffectFailed(task_id, name, self.state.value, clip(error))
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
+
+
+def _shares(command: Command) -> bool:
+    """Whether `command` is a generic call whose output is the buckets the rank holds (P-21)."""
+    row = WORKER_CALLS.get(type(command))
+    return row is not None and row.shares

@@ -19,6 +19,9 @@ from omni_core.protocol import (
     NackReason,
     ReloadWeights,
     ResetPrefixCache,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     UpdateWeights,
     Wake,
 )
@@ -118,6 +121,24 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         "AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)",
     ),
     Transition(
+        "transfer_out",
+        (W.ACTIVE,),
+        None,
+        "TransferOut (P-21): the runner exports a request's tensors into buckets held until TransferRelease",
+    ),
+    Transition(
+        "transfer_in",
+        (W.ACTIVE,),
+        None,
+        "TransferIn (P-21): the producer's buckets opened, checked and copied for the request; nothing else moves",
+    ),
+    Transition(
+        "transfer_release",
+        IDLE,
+        None,
+        "TransferRelease (P-21): what the rank holds for the request is dropped (nothing held: the same Ack)",
+    ),
+    Transition(
         "execute",
         (W.ACTIVE,),
         None,
@@ -162,6 +183,7 @@ class WorkerCall:
     why: str
     error: NackReason
     capability: Capability | None = None  # refused UNSUPPORTED by a worker that lacks it
+    shares: bool = False  # what the shell returns are buckets it holds: the Ack's `shared`
 
 
 WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
@@ -170,6 +192,25 @@ WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
             "reset_prefix_cache",
             "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL",
             NackReason.EXECUTE_ERROR,
+        ),
+        TransferOut: WorkerCall(
+            "transfer_out",
+            "TransferOut runs the model's export: ACTIVE only",
+            NackReason.INVALID_ARGUMENT,
+            Capability.TRANSFER,
+            shares=True,
+        ),
+        TransferIn: WorkerCall(
+            "transfer_in",
+            "TransferIn is taken only where its request can run: ACTIVE",
+            NackReason.INVALID_ARGUMENT,
+            Capability.TRANSFER,
+        ),
+        TransferRelease: WorkerCall(
+            "transfer_release",
+            "TransferRelease is taken in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD",
+            NackReason.INVALID_ARGUMENT,
+            Capability.TRANSFER,
         ),
     }
 )

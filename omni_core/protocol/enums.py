@@ -84,3 +84,4 @@ class Capability(str, enum.Enum):
     WEIGHT_UPDATE = "weight_update"  # answers UpdateWeights and InitWeightGroup (P-17)
     ADAPTERS = "adapters"  # answers AddAdapter, RemoveAdapter, PinAdapter, ListAdapters (P-20)
     STEP_MODE = "step_mode"  # the runner takes step-wise requests (start, step, finish, cancel) in Execute payloads
+    TRANSFER = "transfer"  # answers TransferOut, TransferIn and TransferRelease (P-21)
