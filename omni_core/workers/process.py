@@ -58,6 +58,7 @@ from omni_core.fsm.worker import (
     LoadFailed,
     WorkerStep,
 )
+from omni_core.fsm.worker_table import WORKER_CALLS
 from omni_core.isolation import FrameErrors, cause_of
 from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
@@ -76,6 +77,9 @@ from omni_core.protocol import (
     ProtocolError,
     RemoveAdapter,
     ResetPrefixCache,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     decode_command,
     encode,
 )
@@ -110,6 +114,7 @@ from omni_core.workers.rank_memory import (
 )
 from omni_core.workers.results import checked_output
 from omni_core.workers.runner_counters import CounterStamp
+from omni_core.workers.transfers import close_transfers, transfer_in, transfer_out, transfer_release
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
@@ -223,6 +228,8 @@ class WorkerProcess:
                 capabilities = (*capabilities, Capability.ADAPTERS)
             if self.runner.supports_step_mode:
                 capabilities = (*capabilities, Capability.STEP_MODE)
+            if self.runner.transfer_exports() or self.runner.transfer_imports():  # P-21: a connector
+                capabilities = (*capabilities, Capability.TRANSFER)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
@@ -649,8 +656,9 @@ class WorkerProcess:
         else:
             path = self.backend.last_sleep_path if isinstance(effect, SleepEffect) and self.backend else ""
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
-            shared = output if isinstance(effect, ShareEffect) else None
-            output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
+            shares = isinstance(effect, ShareEffect) or _shares(effect)  # the buckets the Ack lists
+            shared = output if shares else None
+            output = None if isinstance(effect, ProfileEffect) or shares else output
             # Positional, in the fields' order: each value is named as its field.
             step = core.step(EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared))
         self._send_all(step)
@@ -798,6 +806,8 @@ class WorkerProcess:
 
     def _release(self) -> None:
         self.receiver.close()
+        if self.runner is not None:
+            close_transfers(self.runner)  # the buckets held for other stages' requests
         if self.sender is not None:
             self.sender.close()
         self.profiler.close()  # a running profile has no one left to ask for it; finish compressing
@@ -853,7 +863,18 @@ class WorkerProcess:
 # fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command) -> output.
 COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any], Any]] = {
     ResetPrefixCache: lambda runner, command: runner.reset_prefix_cache(),
+    TransferOut: transfer_out,
+    TransferIn: transfer_in,
+    TransferRelease: transfer_release,
 }
+
+
+def _shares(effect: Effect) -> bool:
+    """A generic call whose output is the buckets it holds, which its Ack lists (P-21)."""
+    if not isinstance(effect, CommandEffect):
+        return False
+    row = WORKER_CALLS.get(type(effect.command))
+    return row is not None and row.shares
 
 
 def _rank_secret(secret_hex: str | None) -> bytes | None:

@@ -333,33 +333,39 @@ class WeightReceiver:
         if not runner.supports_weight_update:
             raise RunnerArgumentError(f"runner {type(runner).__name__} takes updates from disk only")
         check_specs(runner, source_tensors(source))
-        if isinstance(source, ShmSource):
-            in_use: set[Any] = set()
-            try:
-                views = [self._open_shm(bucket, in_use) for bucket in source.buckets]  # every handle before any write
-            finally:
-                self.buckets.trim(in_use)
-            runner.update_weights(self._tensors(source.buckets, views))
-        elif isinstance(source, IpcSource):
-            if self.device.type != "cuda":
-                raise RunnerArgumentError(
-                    f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
-                    "share host buckets (shm) or broadcast (collective) instead"
-                )
-            in_use = set()
-            try:
-                opened = [self._open_ipc(bucket, in_use) for bucket in source.buckets]
-            finally:
-                self.buckets.trim(in_use)
-            # A bucket on the trainer's GPU, a peer of ours, is staged here first.
-            local = self._staged(opened) if any(v.device != self.device for v in opened) else opened
-            runner.update_weights(self._tensors(source.buckets, local))
+        if isinstance(source, (ShmSource, IpcSource)):
+            runner.update_weights(self.open_tensors(source))
         elif isinstance(source, CollectiveSource):
             if self.group is None:
                 raise RunnerArgumentError("a collective update needs a weight group: send InitWeightGroup first")
             runner.update_weights(self._broadcast(source.tensors))
         else:  # pragma: no cover - the wire type admits only these
             raise RunnerArgumentError(f"unknown weight source {source!r}")
+
+    def open_tensors(self, source: ShmSource | IpcSource) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of `source` as (name, view), each handle opened and checked now, before
+        the first view is read (a refusal: RunnerArgumentError, nothing read); the views live
+        in the sender's memory, so copy them, never keep them. A weight update's path, and a
+        stage-to-stage transfer's (P-21)."""
+        in_use: set[Any] = set()
+        if isinstance(source, ShmSource):
+            try:
+                views = [self._open_shm(bucket, in_use) for bucket in source.buckets]  # every handle first
+            finally:
+                self.buckets.trim(in_use)
+            return self._tensors(source.buckets, views)
+        if self.device.type != "cuda":
+            raise RunnerArgumentError(
+                f"an ipc source carries CUDA IPC handles; this rank is on {self.device}: "
+                "share host buckets (shm) or broadcast (collective) instead"
+            )
+        try:
+            opened = [self._open_ipc(bucket, in_use) for bucket in source.buckets]
+        finally:
+            self.buckets.trim(in_use)
+        # A bucket on the sender's GPU, a peer of ours, is staged here first.
+        local = self._staged(opened) if any(v.device != self.device for v in opened) else opened
+        return self._tensors(source.buckets, local)
 
     def _staged(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         """Buckets on a peer GPU brought to this rank's GPU with cudaMemcpyPeerAsync (a plain
