@@ -93,11 +93,10 @@ def run_pipeline(
         try:
             output = engine.execute(stages[-1].stage, payload, timeout_s=timeout_s)
         except OmniCoreError as exc:
+            error = f"stage {stages[-1].stage!r} did not run the request: {exc}"
             for core, _, _ in landed:
-                core.failed(f"stage {stages[-1].stage!r} did not run the request: {exc}")
-            raise PipelineError(
-                str(landed[-1][0].answer.error), len(landed) - 1, landed[-1][0].producer_version
-            ) from exc  # type: ignore[union-attr]
+                core.failed(error)
+            raise PipelineError(error, len(landed) - 1, landed[-1][0].producer_version) from exc
         for core, _, _ in landed:
             core.finished(output)
         return PipelineResult(output, tuple(core.producer_version or 0 for core, _, _ in landed))
