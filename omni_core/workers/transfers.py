@@ -31,6 +31,7 @@ from omni_core.workers.weight_receiver import WeightReceiver
 
 MAX_HELD_TRANSFERS = 64  # exports a rank holds at once (the stage holds as many: fsm/transfers.py)
 MAX_HELD_BYTES = 16 << 30
+MAX_IDLE_SENDERS = 4  # released senders kept for the next export: its buckets refilled, not made again
 
 
 @dataclass
@@ -39,6 +40,9 @@ class RankTransfers:
 
     device: torch.device
     senders: dict[str, tuple[WeightSender, int]] = field(default_factory=dict)
+    # Released senders whose buckets stay mapped for the next export of the same layout (a
+    # pipeline's every request): refilled in place, where the consumer's rank still maps them.
+    idle: list[WeightSender] = field(default_factory=list)
     receiver: WeightReceiver | None = None
 
     @property
@@ -70,7 +74,7 @@ class RankTransfers:
                 f"this rank holds {len(self.senders)} transfers of {self.held_bytes} bytes (at most "
                 f"{MAX_HELD_TRANSFERS} and {MAX_HELD_BYTES}); release some before exporting more"
             )
-        sender = WeightSender(bucket_bytes=command.bucket_bytes)
+        sender = self._sender(command.bucket_bytes)
         try:
             source = sender.share(tensors)
         except BaseException:
@@ -107,15 +111,30 @@ class RankTransfers:
         except ConnectorError as exc:
             raise RunnerArgumentError(str(exc)) from None
 
+    def _sender(self, bucket_bytes: int) -> WeightSender:
+        for i, sender in enumerate(self.idle):
+            if sender.bucket_bytes == bucket_bytes:
+                return self.idle.pop(i)
+        return WeightSender(bucket_bytes=bucket_bytes)
+
     def release(self, request_id: str) -> bool:
+        """Drop the request's hold: its buckets are no longer named to anyone. Up to
+        MAX_IDLE_SENDERS senders are kept idle (their files live on, refilled by the next
+        export); the rest are released, their files unlinked."""
         held = self.senders.pop(request_id, None)
         if held is not None:
-            held[0].release()
+            if len(self.idle) < MAX_IDLE_SENDERS:
+                self.idle.append(held[0])
+            else:
+                held[0].release()
         return held is not None
 
     def close(self) -> None:
         for request_id in list(self.senders):
             self.release(request_id)
+        for sender in self.idle:
+            sender.release()
+        self.idle.clear()
         if self.receiver is not None:
             self.receiver.close()
 
