@@ -17,7 +17,7 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
-from omni_core.engine.pipeline import PipelineError, PipelineResult, PipelineStage
+from omni_core.engine.pipeline import PipelineError, PipelineResult, PipelineRoute, PipelineStage
 from omni_core.engine.report import (
     ExecuteResult,
     LifecycleReport,
@@ -41,6 +41,7 @@ __all__ = [
     "LocalLauncher",
     "PipelineError",
     "PipelineResult",
+    "PipelineRoute",
     "PipelineStage",
     "OmniCoreError",
     "PayloadTooLargeError",

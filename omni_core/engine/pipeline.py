@@ -21,14 +21,17 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
 
 from omni_core.engine.errors import InvalidArgumentError, OmniCoreError
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import CommandCall
 from omni_core.fsm.transfers import Land, TransferCore, TransferState
 from omni_core.protocol import StageState, TransferIn, TransferOut, TransferRelease
-from omni_core.protocol.messages import DEFAULT_TRANSFER_BYTES
+from omni_core.protocol.messages import DEFAULT_TRANSFER_BYTES, ConnectorName, TransferBytes
+from omni_core.protocol.weights import WeightsVersion
 
 if TYPE_CHECKING:
     from omni_core.engine.api import Engine
@@ -56,6 +59,42 @@ class PipelineStage:
     export: tuple[str, ...] = ()
     expect_version: int | None = None
     max_bytes: int = DEFAULT_TRANSFER_BYTES
+
+
+MAX_PIPELINE_STAGES = 8
+
+
+class PipelineHop(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One stage of a declared pipeline (`[[pipelines]]` in a config): what it exports to the
+    next, the producer version the next is declared for, the hop's byte bound."""
+
+    stage: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    export: Annotated[tuple[ConnectorName, ...], msgspec.Meta(max_length=16)] = ()
+    expect_version: WeightsVersion | None = None
+    max_bytes: TransferBytes = DEFAULT_TRANSFER_BYTES
+
+
+class PipelineRoute(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A pipeline declared once, by name: its stages in order. `request(payloads)` makes the
+    `PipelineStage`s of one request, a payload per stage."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    stages: Annotated[tuple[PipelineHop, ...], msgspec.Meta(min_length=2, max_length=MAX_PIPELINE_STAGES)]
+
+    def __post_init__(self) -> None:
+        for hop in self.stages[:-1]:
+            if not hop.export:
+                raise ValueError(f"stage {hop.stage!r} exports nothing to the next: name its `export`")
+
+    def request(self, payloads: Sequence[Any]) -> list[PipelineStage]:
+        if len(payloads) != len(self.stages):
+            raise InvalidArgumentError(
+                f"pipeline {self.name!r} has {len(self.stages)} stages; give one payload each, got {len(payloads)}"
+            )
+        return [
+            PipelineStage(h.stage, payload, tuple(h.export), h.expect_version, h.max_bytes)
+            for h, payload in zip(self.stages, payloads, strict=True)
+        ]
 
 
 @dataclass(frozen=True)

@@ -91,3 +91,35 @@ def test_a_dead_consumer_fails_the_request_once_and_the_producer_is_released(eng
     assert failed.value.hop == 0
     engine.sleep("text", 1)  # its export was released
     assert engine.status()["text"]["state"] == "SLEEPING"
+
+
+def test_a_config_declares_a_pipeline_by_name_and_the_engine_runs_it(engine_factory) -> None:
+    from omni_core.config import ConfigError, parse_config
+
+    stage = {"runner": "synthetic", "runner_args": dict(SMALL_RUNNER), "backend": "portable"}
+    data = {
+        "stages": [{"name": "text", **stage}, {"name": "image", **stage}],
+        "pipelines": [{"name": "t2i", "stages": [{"stage": "text", "export": ["hidden"]}, {"stage": "image"}]}],
+    }
+    config = parse_config(data)
+    (route,) = config.pipelines
+    assert [hop.stage for hop in route.stages] == ["text", "image"]
+    specs = {s.name: s for s in config.stages}
+    engine = engine_factory(
+        small_spec("text", runner_args=specs["text"].runner_args),
+        small_spec("image", runner_args=specs["image"].runner_args),
+    )
+    both = engine.pipeline(route.request([EXPORT, {}]), request_id="cfg")
+    hidden = reference(0).export_tensors(EXPORT, ("hidden",))["hidden"]
+    consumer = reference(0)
+    consumer.inbox.put("r", {"hidden": hidden}, 0)
+    assert both.output["sha256"] == consumer.execute({"transfer": "r"})["sha256"]
+    with pytest.raises(ConfigError, match=r"names stages \['dit'\]"):
+        parse_config(
+            {
+                **data,
+                "pipelines": [{"name": "x", "stages": [{"stage": "text", "export": ["hidden"]}, {"stage": "dit"}]}],
+            }
+        )
+    with pytest.raises(ConfigError, match="exports nothing to the next"):
+        parse_config({**data, "pipelines": [{"name": "x", "stages": [{"stage": "text"}, {"stage": "image"}]}]})
