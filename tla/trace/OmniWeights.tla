@@ -32,11 +32,15 @@ weightVars == <<wver, sver, uver, uans, ufrom, wtask, wsaid>>
 
 (* The LoRA adapter commands (P-20) are stateless tasks too: an ALREADY answer is not modelled. *)
 AdapterCommands == {"AddAdapter", "RemoveAdapter", "PinAdapter", "ListAdapters"}
+(* So are the stage-to-stage transfer commands (P-21): a producer's holds are OmniTransfers'. *)
+TransferCommands == {"TransferOut", "TransferIn", "TransferRelease"}
 WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
-Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
+                  \cup TransferCommands
+Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands \cup TransferCommands
 Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share",
             ResetPrefixCache |-> "reset_prefix_cache", AddAdapter |-> "add_adapter",
-            RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters"]
+            RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters",
+            TransferOut |-> "transfer_out", TransferIn |-> "transfer_in", TransferRelease |-> "transfer_release"]
 NoAnswers == [r \in Ranks |-> "none"]
 Range(f) == {f[x] : x \in DOMAIN f}
 (* The trigger a refused update fires, by where it was refused (the stage's; the rank's). *)
