@@ -9,7 +9,10 @@ same vLLM settings (eager, in-process engine core, Triton attention on the trimm
 - engine: a `vllm` stage (one rank, `cumem`, batch_max_requests 256) through `Engine`: C
   requests submitted at once and awaited (waves, as plain's generate), and C kept in flight
   (a new request as each answer arrives: requests that arrive while a batch runs wait for it);
-- http: the same waves through `omni-core serve`'s execute route (httpx, C connections);
+- http: the same waves through `omni-core serve`'s execute route, served in the Engine's
+  process as `omni-core serve` does, the client (httpx, C connections) in a process of its own
+  as a load generator is (in the server's process it took the GIL from the server: 0.64x at
+  256 on an H100);
 - cycle: a wave of 64, a sleep (level 1), wake and weight update, another wave: the time the
   cycle adds to the two waves against the cycle's own duration.
 
@@ -39,6 +42,7 @@ MAX_NUM_SEQS = 256
 MAX_MODEL_LEN = 512
 GPU_FRACTION = 0.35
 TARGET_RATIO_AT_64 = 0.9  # the stage's tokens/s at 64 concurrent over plain vLLM's
+HTTP_OVER_API_MAX = 1.2  # the Python API's tokens/s over HTTP's, at every concurrency
 ATTENTION = os.environ.get("VLLM_BUNDLE_ATTN_BACKEND")
 
 
@@ -176,6 +180,23 @@ async def _http_waves(url: str, total: int, concurrency: int, tokens: dict[int, 
         return time.perf_counter() - started
 
 
+def _http_client_child(url: str, total: int, concurrency: int, tokens: dict[int, list[int]]) -> float:
+    """`_http_waves` in a process of its own; its seconds, and each request's tokens into `tokens`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        answer = Path(tmp) / "http.json"
+        child = [sys.executable, "-m", "benchmarks.request_path_gpu", "--http-client", url, str(total)]
+        subprocess.run([*child, str(concurrency), str(answer)], check=True)
+        data = json.loads(answer.read_text())
+    tokens.update({int(i): ids for i, ids in data["tokens"].items()})
+    return float(data["seconds"])
+
+
+def run_http_client(url: str, total: int, concurrency: int, out_json: str) -> None:
+    tokens: dict[int, list[int]] = {}
+    seconds = asyncio.run(_http_waves(url, total, concurrency, tokens))
+    Path(out_json).write_text(json.dumps({"seconds": seconds, "tokens": tokens}))
+
+
 def _cycle(engine: Any, model: str) -> dict[str, Any]:
     """Two waves of 64 with a sleep, wake and update between them, against the same two waves
     back to back: what the cycle adds beyond its own duration."""
@@ -218,10 +239,10 @@ def run_stage(model: str) -> tuple[list[dict[str, Any]], dict[str, dict[int, lis
             print("ROW", json.dumps(rows[-2:]), flush=True)
         app = create_app(engine, OmniConfig(stages=(spec,)))
         with serve_in_thread(app) as running:
-            asyncio.run(_http_waves(running.url, 8, 8, {}))
+            _http_client_child(running.url, 8, 8, {})
             for concurrency in CONCURRENCY:
                 total = _requests_at(concurrency)
-                seconds = asyncio.run(_http_waves(running.url, total, concurrency, tokens["http"]))
+                seconds = _http_client_child(running.url, total, concurrency, tokens["http"])
                 rows.append(_row("HTTP execute, waves", concurrency, total, seconds))
                 print("ROW", json.dumps(rows[-1]), flush=True)
         cycle = _cycle(engine, model)
@@ -302,14 +323,31 @@ def _targets(data: dict[str, Any]) -> list[str]:
         f"| the same through HTTP | {http:.3f}x | {_verdict(http)} |",
         f"| a sleep/wake/update cycle between batches adds no more than its own duration "
         f"| {added:+.3f} s beyond the cycle's {own} s | {cycle_met} |",
+        *(_http_row(rows, c) for c in CONCURRENCY),
     ]
+
+
+def _http_row(rows: list[dict[str, Any]], concurrency: int) -> str:
+    """HTTP within HTTP_OVER_API_MAX of the Python API (Engine, waves) at `concurrency`."""
+    api, http = (
+        next(float(r["tokens_per_s"]) for r in rows if r["path"] == p and r["concurrency"] == concurrency)
+        for p in ("Engine, waves", "HTTP execute, waves")
+    )
+    slower = api / http
+    met = "met" if slower <= HTTP_OVER_API_MAX else f"missed by {slower / HTTP_OVER_API_MAX - 1:.0%}"
+    return f"| HTTP within {HTTP_OVER_API_MAX}x of the Python API at {concurrency} concurrent | {slower:.3f}x | {met} |"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.request_path_gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for request_path_gpu.json and .md")
     parser.add_argument("--plain", nargs=2, metavar=("MODEL", "JSON"), help=argparse.SUPPRESS)  # the child
+    parser.add_argument("--http-client", nargs=4, metavar=("URL", "TOTAL", "C", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.http_client:
+        url, total, concurrency, out_json = args.http_client
+        run_http_client(url, int(total), int(concurrency), out_json)
+        return 0
     if args.plain:
         run_plain(*args.plain)
         return 0

@@ -281,7 +281,16 @@ def _gpu_problem() -> str | None:
     reason = cumem_unavailable_reason(torch.device("cuda"))
     if reason is None and _real_vllm_factory() is None:
         reason = f"{vllm_plugin.SLEEP_MODULE} is missing (vLLM < 0.26)"
+    if reason is None and _pools_made_in_this_process():
+        # vLLM's CuMemAllocator keeps one pool per tag per process; a second pool under a tag
+        # aborts the interpreter inside torch (seen on an H100), so each GPU test needs a fresh one.
+        reason = "another test made CuMemAllocator pools in this process: run this test alone (-k)"
     return reason
+
+
+def _pools_made_in_this_process() -> bool:
+    cumem = importlib.import_module(vllm_plugin.CUMEM_MODULE)
+    return bool(cumem.CuMemAllocator.get_instance().allocator_and_pools)
 
 
 def _make_entry_point_visible(tmp_path) -> None:
