@@ -306,6 +306,12 @@ def _cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_adapters(args: argparse.Namespace) -> int:
+    from omni_core.serve.adapter_cli import run_adapters
+
+    return run_adapters(args)
+
+
 def _cmd_remote(args: argparse.Namespace) -> int:
     from omni_core.serve.cli import run_remote
 
@@ -391,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_models_arguments(p)
     p.set_defaults(func=_cmd_models)
+    from omni_core.serve.adapter_cli import add_adapter_arguments
     from omni_core.serve.cli_args import add_remote_arguments, add_serve_arguments
 
     # allow_abbrev=False: `--api-key SECRET` must not be taken as `--api-key-file SECRET`.
@@ -414,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=what, allow_abbrev=False)
         _add_client_arguments(p, verb)
         p.set_defaults(func=_cmd_client)
+    p = sub.add_parser(
+        "adapters",
+        help="list, add, remove or pin a stage's LoRA adapters on a running `omni-core serve`",
+        allow_abbrev=False,
+    )
+    add_adapter_arguments(p)
+    p.set_defaults(func=_cmd_adapters)
     return parser
 
 

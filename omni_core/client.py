@@ -203,6 +203,59 @@ class OmniClient:
         answer = self._call("POST", f"/v1/stages/{_seg(stage)}/execute", body, idempotency_key)
         return answer if with_version else answer["output"]
 
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    def list_adapters(self, stage: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        """The stage's report; each rank's `adapters` lists every adapter (loaded, gone, stale)."""
+        return self._call("GET", f"/v1/stages/{_seg(stage)}/adapters", None, idempotency_key)
+
+    def add_adapter(
+        self,
+        stage: str,
+        name: str,
+        source: str,
+        *,
+        rank: int | None = None,
+        target_modules: list[str] | None = None,
+        version: int = 1,
+        base_version: int | None = None,
+        pinned: bool = False,
+        rebind: bool = False,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Load adapter `name` from `source`, a PEFT directory under allowed_reload_sources."""
+        body = {
+            "name": name,
+            "source": source,
+            "rank": rank,
+            "target_modules": target_modules,
+            "version": version,
+            "base_version": base_version,
+            "pinned": pinned,
+            "rebind": rebind,
+            "timeout_s": timeout_s,
+        }
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/adapters", body, idempotency_key)
+
+    def remove_adapter(
+        self, stage: str, name: str, *, timeout_s: float | None = None, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        path = f"/v1/stages/{_seg(stage)}/adapters/{_seg(name)}/remove"
+        return self._call("POST", path, {"timeout_s": timeout_s}, idempotency_key)
+
+    def pin_adapter(
+        self,
+        stage: str,
+        name: str,
+        pinned: bool = True,
+        *,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        path = f"/v1/stages/{_seg(stage)}/adapters/{_seg(name)}/pin"
+        return self._call("POST", path, {"pinned": pinned, "timeout_s": timeout_s}, idempotency_key)
+
     # ------------------------------------------------------------------ vLLM-compatible
 
     def is_sleeping(self) -> bool:

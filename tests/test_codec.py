@@ -23,6 +23,7 @@ from omni_core.protocol import (
     AddAdapter,
     Bucket,
     Capability,
+    CollectiveSource,
     Execute,
     Hello,
     InitWeightGroup,
@@ -141,6 +142,10 @@ SAMPLES: dict[type[Message], Message] = {
         base_version=12,
         pinned=True,
         rebind=True,
+        tensors=CollectiveSource(
+            tensors=(TensorSpec(name="base_model.model.q_proj.lora_A.weight", dtype="float32", shape=(16, 64)),)
+        ),
+        lora_alpha=32.0,
     ),
     RemoveAdapter: RemoveAdapter(task_id="remove-1", epoch=3, name="sql-lora"),
     PinAdapter: PinAdapter(task_id="pin-1", epoch=3, name="sql-lora", pinned=False),

@@ -88,3 +88,21 @@ STAGE_ADAPTER_SCENARIOS: list[Callable[[], None]] = [
     ),
     _already_scenario,
 ]
+
+
+def test_a_request_answered_at_two_adapter_versions_is_discarded_naming_them() -> None:
+    from omni_core.protocol import Result
+
+    h = reach_stage(S.RUNNING)
+    step = h.stage.step(I.Submit("q1", [1], 5.0, adapter="sql"), h.now)
+    epoch = step.sends[0].command.epoch
+    answers = []
+    for rank, version in ((0, 2), (1, 2), (2, 1)):
+        reply = Result(task_id="q1", epoch=epoch, rank=rank, output=[rank], adapter="sql", adapter_version=version)
+        answers += h.stage.step(I.Received(reply), h.now).requests
+    (answer,) = answers
+    assert (
+        not answer.ok
+        and "adapter 'sql' at versions {0: 2, 1: 2, 2: 1}: a refit reached only some ranks" in answer.detail
+    )
+    assert h.stage.state is S.RUNNING  # the stage serves on: the refit's own failure was reported

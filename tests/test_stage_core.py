@@ -888,6 +888,16 @@ def _weights_update_scenario() -> None:
 SCENARIOS.append(_weights_update_scenario)
 
 
+def _host_refit_scenario() -> None:
+    """The refit-into-a-sleeping-stage rows (host_refit): tests/testdata/host_refit.txt."""
+    from omni_testing.scenario import parse_blocks, run_blocks
+
+    run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "host_refit.txt").read_text())[0])
+
+
+SCENARIOS.append(_host_refit_scenario)
+
+
 def _restart_versions_scenario() -> None:
     """A restart back at a disk update's version, NEEDS_RELOAD under a floor after a memory
     one, and from the checkpoint: tests/testdata/restart_versions.txt."""

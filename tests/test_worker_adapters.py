@@ -221,3 +221,50 @@ ADAPTER_SCENARIOS: list[Callable[[], None]] = [
     _partial_scenario,
     _already_asleep_scenario,
 ]
+
+
+SHM = {
+    "type": "shm",
+    "buckets": [
+        {
+            "handle": "/dev/shm/omni-weights-1-a",
+            "nbytes": 64,
+            "sender_pid": 1,
+            "tensors": [{"name": "base_model.model.q_proj.lora_A.weight", "dtype": "float32", "shape": [4, 4]}],
+        }
+    ],
+}
+
+
+def _refit(version: int, name: str = "sql") -> AddAdapter:
+    import msgspec
+
+    from omni_core.protocol import ShmSource
+
+    return _add(name, version=version, source="tensors:shm", tensors=msgspec.convert(SHM, ShmSource))
+
+
+def test_a_refit_from_tensors_raises_the_version_and_is_never_already() -> None:
+    d = _loaded("sql")
+    nack = d.run(_refit(1))
+    assert (nack.reason, nack.state) == (NackReason.INVALID_ARGUMENT, W.ACTIVE)
+    assert "loaded at version 1; a refit from tensors must raise it, and this one says 1" in nack.detail
+    ack = d.run(_refit(2))
+    assert ack.status is AckStatus.OK and [(a.name, a.version) for a in ack.adapters] == [("sql", 2)]
+    assert d.run(_refit(3)).status is AckStatus.OK  # the same buckets, a new version: no ALREADY
+    d.run(Sleep(task_id=fresh("sleep"), epoch=0, level=2))
+    d.run(Wake(task_id=fresh("wake"), epoch=0))
+    d.run(ReloadWeights(task_id=fresh("reload"), epoch=0))
+    assert d.run(_refit(3)).status is AckStatus.OK  # gone: pushed again at its version, served
+
+
+def test_an_add_that_raised_once_writing_began_unloads_the_adapter_of_its_name() -> None:
+    d = _loaded("sql")
+    command = _refit(2)
+    d.send(command)
+    (failed,) = d.w.step(EffectRaised(command.task_id, "RuntimeError: copy failed")).replies
+    assert "adapter 'sql' was unloaded (add it again)" in failed.detail and not d.w.failure
+    assert "nothing was loaded" not in failed.detail
+    assert _list(d) == {}
+    result = d.run(Execute(task_id=fresh("q"), epoch=0, adapter="sql"))
+    assert result.reason is NackReason.ADAPTER_UNAVAILABLE

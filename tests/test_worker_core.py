@@ -881,6 +881,16 @@ def _weights_update_scenario() -> None:
 SCENARIOS.append(_weights_update_scenario)
 
 
+def _host_refit_scenario() -> None:
+    """The refit-into-a-sleeping-stage rows (host_refit): tests/testdata/host_refit.txt."""
+    from omni_testing.scenario import parse_blocks, run_blocks
+
+    run_blocks(parse_blocks((Path(__file__).parent / "testdata" / "host_refit.txt").read_text())[0])
+
+
+SCENARIOS.append(_host_refit_scenario)
+
+
 def test_a_rank_loaded_under_a_version_floor_runs_nothing_until_an_update() -> None:
     """A restart whose version lived in memory only: the rank loads its checkpoint but says
     NEEDS_RELOAD (weights not to be served), refuses requests, and an update makes it ACTIVE."""

@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 100 rows from 42 triggers
+\* ---- worker lifecycle: 104 rows from 46 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -25,11 +25,13 @@ WorkerTriggers == {"loaded", "loaded_needs_reload", "sleep", "sleep_already", "o
                    "reload_refused_needs_reload", "reload_refused_active",
                    "wake_refused_sleeping", "wake_refused_partial", "wake_refused_needs_reload",
                    "update", "update_refused_active", "update_refused_partial",
-                   "update_refused_needs_reload", "update_failed", "weight_group",
-                   "weight_group_already", "share", "reset_prefix_cache", "add_adapter",
-                   "remove_adapter", "pin_adapter", "list_adapters", "adapter_already",
-                   "transfer_out", "transfer_in", "transfer_release", "execute", "status",
-                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
+                   "update_refused_needs_reload", "update_failed", "update_asleep",
+                   "update_refused_sleeping", "refitted_asleep", "update_failed_asleep",
+                   "weight_group", "weight_group_already", "share", "reset_prefix_cache",
+                   "add_adapter", "remove_adapter", "pin_adapter", "list_adapters",
+                   "adapter_already", "transfer_out", "transfer_in", "transfer_release",
+                   "execute", "status", "profile", "profile_already", "fail", "shutdown",
+                   "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 WorkerInternalTriggers == {"adapter_already", "add_adapter", "execute", "list_adapters",
@@ -76,6 +78,10 @@ WorkerRelation == {
     <<"RELOADING", "update_refused_partial", "PARTIAL">>,           \* a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged
     <<"RELOADING", "update_refused_needs_reload", "NEEDS_RELOAD">>, \* a name, shape, dtype or handle refused before writing (INVALID_ARGUMENT): version unchanged
     <<"RELOADING", "update_failed", "NEEDS_RELOAD">>,               \* the update failed once writing began (UPDATE_FAILED): weights invalid, version as before
+    <<"SLEEPING", "update_asleep", "RELOADING">>,                   \* UpdateWeights with the weights asleep at level 1 (host_refit): written into the host copy, device untouched
+    <<"RELOADING", "update_refused_sleeping", "SLEEPING">>,         \* a name, shape, dtype or handle refused before the host copy was written (INVALID_ARGUMENT): version unchanged
+    <<"RELOADING", "refitted_asleep", "SLEEPING">>,                 \* the host copy holds the new version: still asleep, the next wake brings it
+    <<"RELOADING", "update_failed_asleep", "SLEEPING">>,            \* writing the host copy failed midway (UPDATE_FAILED): it stands for no version, weights invalid (a wake lands NEEDS_RELOAD), version as before
     <<"ACTIVE", "weight_group", "ACTIVE">>,                         \* InitWeightGroup: join the trainer's group; the state never changes
     <<"SLEEPING", "weight_group", "SLEEPING">>,                     \* InitWeightGroup: join the trainer's group; the state never changes
     <<"PARTIAL", "weight_group", "PARTIAL">>,                       \* InitWeightGroup: join the trainer's group; the state never changes
@@ -151,7 +157,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 112 rows from 49 triggers
+\* ---- stage lifecycle: 116 rows from 53 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -164,11 +170,12 @@ StageTriggers == {"started", "started_needs_reload", "drain", "drained", "drain_
                   "woke_needs_reload", "woke_paused", "update_drain", "update_drained", "update",
                   "update_refused_running", "update_refused_paused", "update_refused_partial",
                   "update_refused_needs_reload", "update_paused", "update_failed",
-                  "weight_group", "share", "reset_prefix_cache", "add_adapter", "remove_adapter",
-                  "pin_adapter", "list_adapters", "transfer_out", "transfer_in",
-                  "transfer_release", "execute", "pause_drain", "pause_drained", "pause_already",
-                  "resume", "resume_already", "resume_asleep", "profile", "fail", "restart",
-                  "stop"}
+                  "update_asleep", "update_refused_sleeping", "update_slept",
+                  "update_failed_asleep", "weight_group", "share", "reset_prefix_cache",
+                  "add_adapter", "remove_adapter", "pin_adapter", "list_adapters",
+                  "transfer_out", "transfer_in", "transfer_release", "execute", "pause_drain",
+                  "pause_drained", "pause_already", "resume", "resume_already", "resume_asleep",
+                  "profile", "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 StageInternalTriggers == {"add_adapter", "execute", "list_adapters", "pause_already",
@@ -220,6 +227,10 @@ StageRelation == {
     <<"WAKING", "update_refused_needs_reload", "NEEDS_RELOAD">>, \* every rank refused the update before writing (INVALID_ARGUMENT): version unchanged
     <<"WAKING", "update_paused", "PAUSED">>,                     \* every rank ACKed the update of a PAUSED stage (P-5): still paused, at the new version
     <<"WAKING", "update_failed", "NEEDS_RELOAD">>,               \* every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before
+    <<"SLEEPING", "update_asleep", "WAKING">>,                   \* UpdateWeights sent to every rank with the weights asleep at level 1 (host_refit): written into their host copies, nothing mapped on the device
+    <<"WAKING", "update_refused_sleeping", "SLEEPING">>,         \* every rank refused the update before writing its host copy (INVALID_ARGUMENT): version unchanged
+    <<"WAKING", "update_slept", "SLEEPING">>,                    \* every rank ACKed the update into its host copy (P-5): still asleep, at the new version
+    <<"WAKING", "update_failed_asleep", "SLEEPING">>,            \* every rank failed writing its host copy (UPDATE_FAILED): still asleep, weights invalid (a wake lands NEEDS_RELOAD), version as before
     <<"RUNNING", "weight_group", "RUNNING">>,                    \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"PAUSED", "weight_group", "PAUSED">>,                      \* InitWeightGroup sent to every rank; the state never changes, whatever they answer
     <<"SLEEPING", "weight_group", "SLEEPING">>,                  \* InitWeightGroup sent to every rank; the state never changes, whatever they answer

@@ -25,6 +25,13 @@
 (* only. The caller may restart from the checkpoint instead: version 0,   *)
 (* said out loud (the ghost `peak` resets with it).                       *)
 (*                                                                         *)
+(* A stage asleep at level 1 whose ranks declare host_refit takes an      *)
+(* update into its ranks' host copies (a refit): nothing goes to the      *)
+(* device, the ranks and the stage stay SLEEPING, and the next wake       *)
+(* restores the new version; a rank that fails midway leaves no host copy *)
+(* standing for any version, and the wake of such ranks lands            *)
+(* NEEDS_RELOAD.                                                           *)
+(*                                                                         *)
 (* A paused stage may sleep and wake (PAUSED again after it, until        *)
 (* resume); a rank may die (FAILED, the task abandoned) and the engine    *)
 (* may stop the stage (STOPPED, every rank shut down) wherever a restart  *)
@@ -35,7 +42,9 @@
 (* host copy, so the next sleep copies again), no request that ran at     *)
 (* version v reused a cache entry of another version, and no request runs *)
 (* below the highest version committed since the caller last reset it     *)
-(* (versions never go backwards across epochs unless the caller asked).   *)
+(* (versions never go backwards across epochs unless the caller asked),   *)
+(* and a sleeping rank holds no weights on its device (so a refit never   *)
+(* has the old and the new version there at once).                        *)
 (*                                                                         *)
 (* Every worker and stage step comes from VersionTable.tla, GENERATED     *)
 (* from omni_core/fsm (omni_core.formal.gen_versions): firing a trigger   *)
@@ -55,11 +64,13 @@ CONSTANTS
     MaxRestarts, \* restarts (epochs) explored
     Witness,     \* "none", or the situation a witness model must reach (Witnesses)
     Bug          \* "none" | "commit_early" | "stale_host_copy" | "no_flush" | "silent_revert" | "floor_ignored"
+                 \* | "refit_old_host" | "refit_on_device"
 
 NONE == -1        \* no weights resident (asleep) / no valid host copy
 Versions == 0..MaxVersion
 Witnesses == {"none", "update_from_partial", "update_from_paused", "drain_before_update",
-              "mixed_answers", "restart_after_update", "restart_needs_reload", "restart_reset"}
+              "mixed_answers", "restart_after_update", "restart_needs_reload", "restart_reset",
+              "refit_asleep", "refit_lost"}
 ASSUME Witness \in Witnesses
 Max(a, b) == IF a > b THEN a ELSE b
 
@@ -84,6 +95,16 @@ ASSUME \A s \in {"RUNNING", "PAUSED", "PARTIAL", "NEEDS_RELOAD"} : TS("WAKING", 
 ASSUME TS("WAKING", UpdateSettle.stage) = "RUNNING" /\ TW(TW("ACTIVE", "update"), UpdateSettle.rank) = "ACTIVE"
 ASSUME TS("WAKING", PartialSettle.stage) = "PARTIAL" /\ TW(TW("PARTIAL", "update"), PartialSettle.rank) = "PARTIAL"
 ASSUME TS("STARTING", "started_needs_reload") = "NEEDS_RELOAD" /\ TW("LOADING", "loaded_needs_reload") = "NEEDS_RELOAD"
+\* A refit leaves the ranks and the stage asleep, whatever the ranks answer (host_refit).
+ASSUME TW(TW("SLEEPING", "update_asleep"), RefitSettle.rank) = "SLEEPING"
+ASSUME TW(TW("SLEEPING", "update_asleep"), RefitSettle.rankFailed) = "SLEEPING"
+ASSUME TW(TW("SLEEPING", "update_asleep"), WorkerRefused["SLEEPING"]) = "SLEEPING"
+ASSUME TS("WAKING", RefitSettle.stage) = "SLEEPING" /\ TS("WAKING", RefitSettle.stageFailed) = "SLEEPING"
+ASSUME TS(TS("SLEEPING", "wake"), LostWakeSettle.stage) = "NEEDS_RELOAD"
+ASSUME TW(TW("SLEEPING", "wake"), LostWakeSettle.rank) = "NEEDS_RELOAD"
+
+\* The trigger an update goes to a rank by: into its host copy while it sleeps.
+Upd(s) == IF s = "SLEEPING" THEN "update_asleep" ELSE "update"
 
 VARIABLES
     stage,       \* the stage's state
@@ -132,14 +153,17 @@ IssueUpdate(v, fromDisk) ==
     /\ ~task /\ pending = {} /\ v > committed
     /\ v >= floor \/ Bug = "floor_ignored"
     /\ Has(StageRows, stage, "update_drain") \/ Has(StageRows, stage, "update")
+       \/ (Has(StageRows, stage, "update_asleep") /\ \A r \in Ranks : host[r] # NONE)
     /\ LET draining == Has(StageRows, stage, "update_drain") /\ inflight
-       IN /\ stage' = IF ~Has(StageRows, stage, "update_drain") THEN S(stage, "update")
+       IN /\ stage' = IF Has(StageRows, stage, "update_asleep") THEN S(stage, "update_asleep")
+                      ELSE IF ~Has(StageRows, stage, "update_drain") THEN S(stage, "update")
                       ELSE IF draining THEN S(stage, "update_drain")
                       ELSE S(S(stage, "update_drain"), "update_drained")
           /\ pending' = IF draining THEN {} ELSE Ranks
           /\ Saw(CASE draining -> "drain_before_update"
                    [] stage = "PARTIAL" -> "update_from_partial"
                    [] stage = "PAUSED" -> "update_from_paused"
+                   [] stage = "SLEEPING" -> "refit_asleep"
                    [] OTHER -> "none")
     /\ task' = TRUE /\ from' = stage /\ target' = v /\ disk' = fromDisk
     /\ answer' = [r \in Ranks |-> "none"] /\ woke' = FALSE
@@ -147,13 +171,19 @@ IssueUpdate(v, fromDisk) ==
     /\ UNCHANGED <<epoch, durable, floor, peak, reverted>>
 
 \* A rank writes every bucket, drops its derived cache and ACKs the version; its clean host
-\* copy is now stale.
+\* copy is now stale. A sleeping rank writes its host copy instead, its device untouched
+\* (bugs: refit_old_host writes nowhere, refit_on_device maps the weights to write them).
 RankApply(r) ==
     /\ r \in pending
-    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"),
-                                         IF partial THEN PartialSettle.rank ELSE UpdateSettle.rank)]
-    /\ version' = [version EXCEPT ![r] = target]
-    /\ host' = IF Bug = "stale_host_copy" THEN host ELSE [host EXCEPT ![r] = NONE]
+    /\ LET refit == wstate[r] = "SLEEPING"
+       IN /\ wstate' = [wstate EXCEPT ![r] = W(W(@, Upd(@)),
+                             IF refit THEN RefitSettle.rank ELSE IF partial THEN PartialSettle.rank
+                             ELSE UpdateSettle.rank)]
+          /\ version' = IF refit /\ Bug # "refit_on_device" THEN version ELSE [version EXCEPT ![r] = target]
+          /\ host' = CASE refit /\ Bug = "refit_old_host" -> host
+                      [] refit -> [host EXCEPT ![r] = target]
+                      [] Bug = "stale_host_copy" -> host
+                      [] OTHER -> [host EXCEPT ![r] = NONE]
     /\ cache' = IF Bug = "no_flush" THEN cache ELSE [cache EXCEPT ![r] = {}]
     /\ answer' = [answer EXCEPT ![r] = "ack"] /\ pending' = pending \ {r}
     /\ UNCHANGED <<stage, committed, task, from, target, disk, mixed, woke, stale, inflight, paused, partial>>
@@ -162,15 +192,17 @@ RankApply(r) ==
 \* A name, shape, dtype or handle refused before anything is written.
 RankRefuse(r) ==
     /\ RankFails /\ r \in pending
-    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), WorkerRefused[@])]
+    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, Upd(@)), WorkerRefused[@])]
     /\ answer' = [answer EXCEPT ![r] = "refused"] /\ pending' = pending \ {r}
     /\ UNCHANGED <<stage, committed, task, from, target, disk, version, host, mixed, woke, cache, stale>>
     /\ UNCHANGED <<inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
 
-\* The update fails once writing began: NEEDS_RELOAD, reporting the version it had.
+\* The update fails once writing began: NEEDS_RELOAD, reporting the version it had; a sleeping
+\* rank stays asleep, its host copy standing for no version.
 RankFail(r) ==
     /\ RankFails /\ r \in pending
-    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, "update"), "update_failed")]
+    /\ wstate' = [wstate EXCEPT ![r] = W(W(@, Upd(@)),
+                                         IF @ = "SLEEPING" THEN RefitSettle.rankFailed ELSE "update_failed")]
     /\ host' = [host EXCEPT ![r] = NONE]
     /\ answer' = [answer EXCEPT ![r] = "failed"] /\ pending' = pending \ {r}
     /\ UNCHANGED <<stage, committed, task, from, target, disk, version, mixed, woke, cache, stale>>
@@ -179,9 +211,12 @@ RankFail(r) ==
 Acked == {r \in Ranks : answer[r] = "ack"}
 Range(f) == {f[x] : x \in DOMAIN f}
 
-\* The trigger a complete ACK set commits by: a held pause stays, tags asleep stay asleep.
-Commit(isPaused, isPartial) ==
-    IF isPaused THEN "update_paused" ELSE IF isPartial THEN PartialSettle.stage ELSE UpdateSettle.stage
+\* The trigger a complete ACK set commits by: a refit stays asleep, a held pause stays, tags
+\* asleep stay asleep; and the one every rank failing fires.
+Commit(start, isPaused, isPartial) ==
+    IF start = "SLEEPING" THEN RefitSettle.stage
+    ELSE IF isPaused THEN "update_paused" ELSE IF isPartial THEN PartialSettle.stage ELSE UpdateSettle.stage
+Failed(start) == IF start = "SLEEPING" THEN RefitSettle.stageFailed ELSE "update_failed"
 
 \* Where the stage goes on the answers so far, and whether it commits the update: it waits
 \* until every rank answered (P-5), then commits on a complete ACK set, returns where it
@@ -189,9 +224,9 @@ Commit(isPaused, isPartial) ==
 \* (`Fired`: the rows' next states, S in the actions, TS in the assumption below.)
 RuleBy(Fired(_, _), start, isPaused, isPartial, answers) ==
     CASE "none" \in Range(answers) -> <<"WAKING", FALSE>>
-      [] Range(answers) = {"ack"} -> <<Fired("WAKING", Commit(isPaused, isPartial)), TRUE>>
+      [] Range(answers) = {"ack"} -> <<Fired("WAKING", Commit(start, isPaused, isPartial)), TRUE>>
       [] Range(answers) = {"refused"} -> <<Fired("WAKING", StageRefused[start]), FALSE>>
-      [] Range(answers) = {"failed"} -> <<Fired("WAKING", "update_failed"), FALSE>>
+      [] Range(answers) = {"failed"} -> <<Fired("WAKING", Failed(start)), FALSE>>
       [] OTHER -> <<Fired("WAKING", "fail"), FALSE>>
 Rule(start, isPaused, isPartial, answers) == RuleBy(S, start, isPaused, isPartial, answers)
 
@@ -208,7 +243,9 @@ Settle ==
           /\ durable' = IF rule[2] THEN disk ELSE durable
           /\ floor' = IF rule[2] /\ target >= floor THEN 0 ELSE floor
           /\ peak' = IF rule[2] THEN Max(peak, target) ELSE peak
-          /\ Saw(IF rule[1] = "FAILED" /\ Cardinality(Range(answer)) > 1 THEN "mixed_answers" ELSE "none")
+          /\ Saw(CASE rule[1] = "FAILED" /\ Cardinality(Range(answer)) > 1 -> "mixed_answers"
+                   [] from = "SLEEPING" /\ Range(answer) = {"failed"} -> "refit_lost"
+                   [] OTHER -> "none")
     \* The task's own fields mean nothing once it settled: back to one value (fewer states).
     /\ task' = FALSE /\ from' = "RUNNING" /\ target' = 0 /\ disk' = TRUE /\ answer' = [r \in Ranks |-> "none"]
     /\ UNCHANGED <<pending, wstate, version, host, mixed, woke, cache, stale>>
@@ -255,6 +292,7 @@ Sleep ==
 \* PARTIAL they are resident already. A stage paused before it slept is PAUSED after it.
 Wake ==
     /\ stage \in {"SLEEPING", "PARTIAL"}
+    /\ stage = "SLEEPING" => \A r \in Ranks : host[r] # NONE
     /\ stage' = S(S(stage, "wake"), IF paused THEN "woke_paused" ELSE WakeSettle.stage)
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), WakeSettle.rank)]
     /\ version' = IF stage = "SLEEPING" THEN host ELSE version
@@ -262,9 +300,19 @@ Wake ==
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, host, mixed, cache, stale, inflight>>
     /\ UNCHANGED <<paused, epoch, durable, floor, peak, reverted, witnessed>>
 
+\* The wake of ranks whose host copies stand for no version (every rank failed a refit):
+\* mapped but invalid, NEEDS_RELOAD, never served until an update or a reload.
+WakeLost ==
+    /\ stage = "SLEEPING" /\ \A r \in Ranks : host[r] = NONE
+    /\ stage' = S(S(stage, "wake"), LostWakeSettle.stage)
+    /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), LostWakeSettle.rank)]
+    /\ woke' = FALSE /\ partial' = FALSE
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, version, host, mixed, cache, stale>>
+    /\ UNCHANGED <<inflight, paused, epoch, durable, floor, peak, reverted, witnessed>>
+
 \* Wake of the weights alone: PARTIAL, kv_cache still asleep (of a stage not paused).
 WakeWeights ==
-    /\ stage = "SLEEPING" /\ ~paused
+    /\ stage = "SLEEPING" /\ ~paused /\ \A r \in Ranks : host[r] # NONE
     /\ stage' = S(S(stage, "wake"), PartialWakeSettle.stage)
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), PartialWakeSettle.rank)]
     /\ version' = host
@@ -337,7 +385,7 @@ Crash ==
 Next ==
     \/ \E v \in Versions, d \in BOOLEAN : IssueUpdate(v, d)
     \/ \E r \in Ranks : RankApply(r) \/ RankRefuse(r) \/ RankFail(r)
-    \/ Settle \/ Serve \/ Finish \/ Sleep \/ Wake \/ WakeWeights \/ Pause \/ Resume
+    \/ Settle \/ Serve \/ Finish \/ Sleep \/ Wake \/ WakeLost \/ WakeWeights \/ Pause \/ Resume
     \/ \E reset \in BOOLEAN : Restart(reset)
     \/ Stop \/ Crash
 
@@ -366,6 +414,9 @@ CacheFollowsVersion == ~stale
 \* Versions never go backwards across epochs unless the caller reset them: no request runs
 \* below the highest version committed since the last reset, and a floor names that version.
 NoSilentRevert == ~reverted /\ (floor > 0 => floor <= peak)
+\* A sleeping rank holds no weights on its device: a refit writes the host copy, so the old
+\* and the new version are never there at once.
+NothingOnDeviceAsleep == \A r \in Ranks : wstate[r] = "SLEEPING" => version[r] = NONE
 \* A witness model checks this one and expects it violated: TLC reached the situation.
 WitnessUnseen == ~witnessed
 ===================================================================================

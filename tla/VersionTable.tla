@@ -17,6 +17,7 @@ WorkerRows == {
     <<"NEEDS_RELOAD", "wake", "RESTORING">>,
     <<"RESTORING", "restored_active", "ACTIVE">>,
     <<"RESTORING", "restored_partial", "PARTIAL">>,
+    <<"RESTORING", "restored_needs_reload", "NEEDS_RELOAD">>,
     <<"RELOADING", "reloaded_active", "ACTIVE">>,
     <<"RELOADING", "reloaded_partial", "PARTIAL">>,
     <<"ACTIVE", "update", "RELOADING">>,
@@ -26,6 +27,10 @@ WorkerRows == {
     <<"RELOADING", "update_refused_partial", "PARTIAL">>,
     <<"RELOADING", "update_refused_needs_reload", "NEEDS_RELOAD">>,
     <<"RELOADING", "update_failed", "NEEDS_RELOAD">>,
+    <<"SLEEPING", "update_asleep", "RELOADING">>,
+    <<"RELOADING", "update_refused_sleeping", "SLEEPING">>,
+    <<"RELOADING", "refitted_asleep", "SLEEPING">>,
+    <<"RELOADING", "update_failed_asleep", "SLEEPING">>,
     <<"ACTIVE", "execute", "ACTIVE">>,
     <<"LOADING", "shutdown", "STOPPED">>,
     <<"ACTIVE", "shutdown", "STOPPED">>,
@@ -51,6 +56,7 @@ StageRows == {
     <<"NEEDS_RELOAD", "wake", "WAKING">>,
     <<"WAKING", "woke_running", "RUNNING">>,
     <<"WAKING", "woke_partial", "PARTIAL">>,
+    <<"WAKING", "woke_needs_reload", "NEEDS_RELOAD">>,
     <<"WAKING", "woke_paused", "PAUSED">>,
     <<"RUNNING", "update_drain", "DRAINING">>,
     <<"DRAINING", "update_drained", "WAKING">>,
@@ -63,6 +69,10 @@ StageRows == {
     <<"WAKING", "update_refused_needs_reload", "NEEDS_RELOAD">>,
     <<"WAKING", "update_paused", "PAUSED">>,
     <<"WAKING", "update_failed", "NEEDS_RELOAD">>,
+    <<"SLEEPING", "update_asleep", "WAKING">>,
+    <<"WAKING", "update_refused_sleeping", "SLEEPING">>,
+    <<"WAKING", "update_slept", "SLEEPING">>,
+    <<"WAKING", "update_failed_asleep", "SLEEPING">>,
     <<"RUNNING", "execute", "RUNNING">>,
     <<"RUNNING", "pause_drain", "DRAINING">>,
     <<"DRAINING", "pause_drained", "PAUSED">>,
@@ -102,10 +112,15 @@ WakeSettle == [rank |-> "restored_active", stage |-> "woke_running"]
 \* The same with tags still asleep (a wake of the weights alone; an update in PARTIAL)
 PartialSettle == [rank |-> "reloaded_partial", stage |-> "woke_partial"]
 PartialWakeSettle == [rank |-> "restored_partial", stage |-> "woke_partial"]
+\* An update into the host copies of a stage asleep at level 1 (host_refit): the rank's and the
+\* stage's trigger once written, and once every rank failed midway
+RefitSettle == [rank |-> "refitted_asleep", stage |-> "update_slept", rankFailed |-> "update_failed_asleep", stageFailed |-> "update_failed_asleep"]
+\* The wake of weights that no host copy stands for (every rank failed a refit into it)
+LostWakeSettle == [rank |-> "restored_needs_reload", stage |-> "woke_needs_reload"]
 
 \* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)
-WorkerRefused == [ACTIVE |-> "update_refused_active", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
-StageRefused == [RUNNING |-> "update_refused_running", PAUSED |-> "update_refused_paused", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload"]
+WorkerRefused == [ACTIVE |-> "update_refused_active", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload", SLEEPING |-> "update_refused_sleeping"]
+StageRefused == [RUNNING |-> "update_refused_running", PAUSED |-> "update_refused_paused", PARTIAL |-> "update_refused_partial", NEEDS_RELOAD |-> "update_refused_needs_reload", SLEEPING |-> "update_refused_sleeping"]
 
 \* The stage core's answer to an update of 2 ranks: <<state it started in, a pause held, kv_cache
 \* asleep, each rank's answer ("none": not yet), the StageCore's state then, whether it committed
@@ -182,6 +197,18 @@ SettleRows == {
     <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "none">>, "WAKING", FALSE>>,
     <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "ack">>, "FAILED", FALSE>>,
     <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "refused">>, "FAILED", FALSE>>,
-    <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>
+    <<"NEEDS_RELOAD", FALSE, TRUE, <<"failed", "failed">>, "NEEDS_RELOAD", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"ack", "none">>, "WAKING", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"ack", "ack">>, "SLEEPING", TRUE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"ack", "refused">>, "FAILED", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"ack", "failed">>, "FAILED", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"refused", "none">>, "WAKING", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"refused", "ack">>, "FAILED", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"refused", "refused">>, "SLEEPING", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"refused", "failed">>, "FAILED", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"failed", "none">>, "WAKING", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"failed", "ack">>, "FAILED", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"failed", "refused">>, "FAILED", FALSE>>,
+    <<"SLEEPING", FALSE, FALSE, <<"failed", "failed">>, "SLEEPING", FALSE>>
 }
 ================================================================================

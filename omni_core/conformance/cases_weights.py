@@ -3,7 +3,8 @@ others (`omni_core.conformance` imports it).
 
 A worker that does not declare 'weight_update' gets one case: an UpdateWeights is refused
 UNSUPPORTED with no effect. A worker that declares it gets the version fence (STALE_VERSION
-naming both versions), the state fence (INVALID_STATE while SLEEPING), a disk source it cannot
+naming both versions), the state fence (INVALID_STATE while SLEEPING; with 'host_refit', the
+update into the host copy instead, and INVALID_STATE after a level-2 sleep), a disk source it cannot
 read refused INVALID_ARGUMENT before anything is written, and the reply cache. The suite needs
 no trainer for an update that succeeds: the worker shares its own weights (ShareWeights) and
 takes them back as the next version, so Execute's output must not change.
@@ -23,6 +24,7 @@ from omni_core.protocol import (
 )
 
 WEIGHT_UPDATE = "weight_update"  # the capability a worker declares when it takes UpdateWeights (P-17)
+HOST_REFIT = "host_refit"  # ... and UpdateWeights into its host copy while the weights sleep (P-17 rule 10)
 SHARE_BUCKET_BYTES = 64 << 20  # small buckets: the suite's workers are small, and so is the host
 # A checkpoint directory that no worker can have: UpdateWeights from disk must refuse it.
 MISSING_PATH = "/nonexistent/omni-core-conformance/no-checkpoint-here"
@@ -121,6 +123,7 @@ def stale_version_refused(ctx: Ctx) -> None:
     "'weight_update' declared: UpdateWeights while SLEEPING (the weights "
     "not resident) is refused INVALID_STATE naming the state, nothing wakes, the version unchanged",
     needs=(WEIGHT_UPDATE,),
+    unless=(HOST_REFIT,),
 )
 def update_refused_sleeping(ctx: Ctx) -> None:
     current = _version(ctx)
@@ -193,3 +196,71 @@ def update_answered_from_cache(ctx: Ctx) -> None:
         expected=current + 1,
     )
     ctx.executed_or_runner_error(*ctx.execute())
+
+
+def _asleep_as(ctx: Ctx, slept: Ack, version: int, what: str, sent: UpdateWeights) -> None:
+    """Status says the rank is still as `slept` left it, at `version`."""
+    status = ctx.status()
+    ctx.check(
+        status.state is slept.state
+        and set(status.asleep_tags) == set(slept.asleep_tags)
+        and (status.weights_version or 0) == version,
+        f"{what} changed the state or the asleep tags, or left the version other than {version}",
+        sent=sent,
+        got=status,
+        expected=f"{slept.state.value}, asleep {sorted(slept.asleep_tags)}, version {version}",
+    )
+
+
+@case(
+    "P-17",
+    "update_into_host_copy_while_sleeping",
+    "'host_refit' declared: UpdateWeights while SLEEPING at level 1 is written into the host copy: "
+    "Ack SLEEPING at the new version with the same tags asleep, a refused source leaves the version, "
+    "and the wake restores the new version (Execute's output that of the weights written)",
+    needs=(WEIGHT_UPDATE, HOST_REFIT),
+)
+def update_into_host_copy_while_sleeping(ctx: Ctx) -> None:
+    first = ctx.execute()
+    ctx.executed_or_runner_error(*first)
+    current = _version(ctx)
+    shared = share_weights(ctx)  # its own weights: the output after the wake must not change
+    _, slept = ctx.sleep(1)
+    bad = ctx.cmd(UpdateWeights, "missing", version=current + 1, source=DiskSource(path=MISSING_PATH))
+    ctx.nack(ctx.request(bad), bad, NackReason.INVALID_ARGUMENT, state=slept.state)
+    _asleep_as(ctx, slept, current, "an UpdateWeights refused while asleep", bad)
+    update = ctx.cmd(UpdateWeights, "refit", version=current + 1, source=shared.shared)
+    done = ctx.ack(ctx.request(update), update, state=slept.state)
+    ctx.check(
+        done.weights_version == current + 1 and set(done.asleep_tags) == set(slept.asleep_tags),
+        f"the update into the host copy was acknowledged at version {done.weights_version} with tags "
+        f"{sorted(done.asleep_tags)} asleep",
+        sent=update,
+        got=done,
+        expected=f"Ack {slept.state.value}, version {current + 1}, asleep {sorted(slept.asleep_tags)}",
+    )
+    _asleep_as(ctx, slept, current + 1, "the update into the host copy", update)
+    _, woke = ctx.wake()
+    ctx.check(
+        woke.state is WorkerState.ACTIVE and woke.weights_version == current + 1,
+        f"the wake after the update ended {woke.state.value} at version {woke.weights_version}",
+        got=woke,
+        expected=f"ACTIVE at version {current + 1}",
+    )
+    ctx.same_output(first, "after an update of its own weights written into the host copy")
+
+
+@case(
+    "P-17",
+    "update_refused_after_level2_sleep",
+    "'host_refit' declared: after a level-2 sleep no host copy holds the weights: UpdateWeights is "
+    "refused INVALID_STATE naming the state, nothing wakes, the version unchanged",
+    needs=(WEIGHT_UPDATE, HOST_REFIT, "level2"),
+)
+def update_refused_after_level2_sleep(ctx: Ctx) -> None:
+    current = _version(ctx)
+    _, slept = ctx.sleep(2)
+    update = ctx.cmd(UpdateWeights, version=current + 1, source=DiskSource(path=MISSING_PATH))
+    ctx.nack(ctx.request(update), update, NackReason.INVALID_STATE, state=slept.state, names_state=True)
+    _asleep_as(ctx, slept, current, "an UpdateWeights refused after a level-2 sleep", update)
+    ctx.back_to_active()

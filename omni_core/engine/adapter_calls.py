@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +17,18 @@ import msgspec
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.report import LifecycleReport
 from omni_core.fsm.inputs import CommandCall
-from omni_core.protocol import AddAdapter, ListAdapters, PinAdapter, RemoveAdapter
+from omni_core.protocol import (
+    AdapterTensors,
+    AddAdapter,
+    CollectiveSource,
+    IpcSource,
+    ListAdapters,
+    PinAdapter,
+    RemoveAdapter,
+    ShmSource,
+    source_kind,
+)
+from omni_core.protocol.weights import source_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file beside the adapter's tensors
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
@@ -50,18 +63,75 @@ def peft_shape(source: str) -> tuple[int, tuple[str, ...]]:
     return rank, tuple(sorted(modules))
 
 
+def tensors_shape(tensors: AdapterTensors) -> tuple[int, tuple[str, ...]]:
+    """The rank and target modules PEFT's names and shapes in an adapter's tensors say: each
+    `<module>.lora_A.weight` is (rank, in_features); refused (InvalidArgumentError) when they
+    name none or disagree on the rank."""
+    ranks, modules = set(), set()
+    for spec in source_tensors(tensors):
+        owner, _, kind = spec.name.rpartition(".lora_")
+        if kind == "A.weight" and len(spec.shape) == 2:
+            ranks.add(spec.shape[0])
+            modules.add(owner.rsplit(".", 1)[-1])
+    if len(ranks) != 1:
+        raise InvalidArgumentError(
+            f"the adapter's tensors give ranks {sorted(ranks)} by their lora_A shapes: send PEFT's names "
+            "(<module>.lora_A.weight, <module>.lora_B.weight) of one rank, or pass rank= and target_modules="
+        )
+    return ranks.pop(), tuple(sorted(modules))
+
+
+MAX_REFIT_FLOORS = 4096  # (stage, adapter) pairs whose highest refit version is kept; oldest out
+_FLOORS_LOCK = threading.Lock()
+
+
 class AdapterCalls:
     """Mixed into Engine: the four adapter commands."""
 
     _task: Any
     _lifecycle: Any
 
+    def refit_floor(self, stage: str, name: str) -> int:
+        """The highest version this engine sent for a refit of adapter `name` on `stage` (0:
+        none); a refit must send a higher one (tla/OmniAdapterRefit.tla, reuse_version)."""
+        with _FLOORS_LOCK:
+            return self._floors().get((stage, name), 0)
+
+    def _floors(self) -> OrderedDict[tuple[str, str], int]:
+        floors: OrderedDict[tuple[str, str], int] | None = getattr(self, "_refit_floors", None)
+        if floors is None:
+            floors = OrderedDict()
+            self._refit_floors = floors
+        return floors
+
+    def _claim_refit(self, stage: str, name: str, version: int) -> None:
+        """A refit's version, above every one sent for the adapter, claimed before it goes out:
+        a refit that reached some ranks only never has its version reused for other tensors,
+        so ranks that agree on a version hold the same tensors. An engine that kept more than
+        MAX_REFIT_FLOORS pairs forgets the oldest (its ranks still refuse a version not above
+        the one they hold)."""
+        with _FLOORS_LOCK:
+            floors = self._floors()
+            floor = floors.get((stage, name), 0)
+            if version <= floor:
+                raise InvalidArgumentError(
+                    f"adapter {name!r} on stage {stage!r}: a refit from tensors at version {version}, and this "
+                    f"engine sent version {floor} before: a refit needs a version above every one sent, so that "
+                    f"a version names one set of tensors on every rank; send {floor + 1} or above. Nothing was sent"
+                )
+            floors[(stage, name)] = version
+            floors.move_to_end((stage, name))
+            while len(floors) > MAX_REFIT_FLOORS:
+                floors.popitem(last=False)
+
     def add_adapter(
         self,
         stage: str,
         name: str,
-        source: str,
+        source: str | None = None,
         *,
+        tensors: AdapterTensors | None = None,
+        lora_alpha: float | None = None,
         adapter_id: int | None = None,
         rank: int | None = None,
         target_modules: Iterable[str] | None = None,
@@ -78,7 +148,26 @@ class AdapterCalls:
         the base weights version it was made for, refused against another unless `rebind`.
         The report lists every adapter (`report.adapters`) and those evicted to make room
         (each rank's `adapters_evicted`). A refusal (capacity, rank, base version, a source
-        the runner cannot use) raises InvalidArgumentError naming it; nothing is loaded."""
+        the runner cannot use) raises InvalidArgumentError naming it; nothing is loaded.
+
+        `tensors` (adapter-only refit): the adapter's tensors by PEFT's names, shared through
+        a weight plane (what `WeightSender.share` returns: shm buckets or CUDA IPC handles, or
+        a `CollectiveSource` broadcast over the weight group) instead of a directory; `rank`
+        and `target_modules` default to what their names and shapes say, `source` to a label.
+        An adapter of the name loaded is refit in place, and `version` must be above its own
+        and above every version this engine sent in a refit of it (`refit_floor`); every rank
+        runs each request with one version (a Result names it)."""
+        if tensors is not None:
+            if not isinstance(tensors, ShmSource | IpcSource | CollectiveSource):
+                raise InvalidArgumentError(
+                    f"adapter tensors come as shm, ipc or collective sources (WeightSender.share), got "
+                    f"{type(tensors).__name__}; a PEFT directory is `source`. Nothing was sent"
+                )
+            source = f"tensors:{source_kind(tensors)}" if source is None else source
+            if rank is None or target_modules is None:
+                declared_rank, declared_modules = tensors_shape(tensors)
+                rank = declared_rank if rank is None else rank
+                target_modules = declared_modules if target_modules is None else target_modules
         if not isinstance(source, str):
             raise InvalidArgumentError(f"an adapter source is a path string, got {source!r:.200}; nothing was sent")
         if rank is None or target_modules is None:
@@ -97,7 +186,11 @@ class AdapterCalls:
             base_version=base_version,
             pinned=pinned,
             rebind=rebind,
+            tensors=tensors,
+            lora_alpha=lora_alpha,
         )
+        if tensors is not None:
+            self._claim_refit(stage, name, version)
         return self._adapter_call(stage, "add_adapter", command, task_id, timeout_s)
 
     def remove_adapter(

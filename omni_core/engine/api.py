@@ -629,7 +629,7 @@ class AsyncEngine:
     async def reset_prefix_cache(self, stage: str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reset_prefix_cache, stage, **kwargs)
 
-    async def add_adapter(self, stage: str, name: str, source: str, **kwargs: Any) -> LifecycleReport:
+    async def add_adapter(self, stage: str, name: str, source: str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.add_adapter, stage, name, source, **kwargs)
 
     async def remove_adapter(self, stage: str, name: str, **kwargs: Any) -> LifecycleReport:

@@ -397,6 +397,8 @@ class Orchestrator:
             return
         if isinstance(message, (Ack, Nack)):
             stage.reported[rank] = message.state
+        if isinstance(message, Ack):
+            stage.adapters.observe(message, stage.core.epoch)
         self._step(stage, I.Received(message))
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from omni_core.engine.adapter_view import AdapterView
 from omni_core.engine.launch import RankHandle
 from omni_core.engine.link_plan import LinkLedger, RankView, rank_view, share_bytes
 from omni_core.engine.spec import StageSpec
@@ -35,6 +36,7 @@ class StageSlot:
     # committed state; after a task failed part-way the ranks may be elsewhere, and status
     # shows where they said they are.
     reported: dict[int, WorkerState] = field(default_factory=dict)
+    adapters: AdapterView = field(default_factory=AdapterView)  # P-20: as rank 0 listed them last
 
     @classmethod
     def of(cls, spec: StageSpec) -> StageSlot:
@@ -156,6 +158,7 @@ class StageSlot:
             "weights_valid": core.residency.weights_valid,
             "ranks": {p.rank: self.rank_status(p) for p in self.procs},
             "swaps_waiting": swaps_waiting,
+            "adapters": self.adapters.rows(core.epoch, core.residency.asleep, self.spec.tags),
         }
 
     def rank_status(self, proc: RankHandle) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import itertools
 from omni_core.formal.generated import Generated
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, StageCore
 from omni_core.fsm import inputs as I
-from omni_core.fsm.settle import Settled, settle_row
+from omni_core.fsm.settle import REFIT_ASLEEP, Settled, settle_row
 from omni_core.fsm.worker_table import REFUSED
 from omni_core.protocol import (
     Ack,
@@ -55,6 +55,11 @@ WORKER_TRIGGERS = (
     "wake",
     "restored_active",
     "restored_partial",
+    "restored_needs_reload",
+    "update_asleep",  # a refit into the host copy (host_refit): from SLEEPING, back to SLEEPING
+    "update_refused_sleeping",
+    "refitted_asleep",
+    "update_failed_asleep",
     "shutdown",
 )
 STAGE_TRIGGERS = (
@@ -83,6 +88,11 @@ STAGE_TRIGGERS = (
     "fail",
     "sleep",  # a PAUSED stage's sleep: nothing to drain
     "woke_paused",
+    "woke_needs_reload",  # the wake after every rank failed a refit into its host copy
+    "update_asleep",
+    "update_refused_sleeping",
+    "update_slept",
+    "update_failed_asleep",
     "stop",
 )
 
@@ -96,6 +106,7 @@ SETTLE_FROM = (
     ("NEEDS_RELOAD", False, False),
     ("NEEDS_RELOAD", True, False),
     ("NEEDS_RELOAD", False, True),
+    ("SLEEPING", False, False),  # a refit into the ranks' host copies (host_refit)
 )
 _MEMORY = MemoryReport(pool_bytes_before={}, pool_bytes_after={}, process_bytes_source="none: a model row")
 
@@ -130,7 +141,7 @@ def _stage_at(start: str, paused: bool, partial: bool) -> StageCore:
             device="cpu",
             backend="portable",
             tags=stage.tags,
-            capabilities=(Capability.WEIGHT_UPDATE,),
+            capabilities=(Capability.WEIGHT_UPDATE, Capability.HOST_REFIT),
         )
         stage.step(I.Received(hello), 0.0)
     if paused:
@@ -142,6 +153,9 @@ def _stage_at(start: str, paused: bool, partial: bool) -> StageCore:
         _ack_all(stage, "wake", "Wake", WorkerState.PARTIAL, ("kv_cache",))
     if start == "NEEDS_RELOAD":
         _update(stage, ("failed", "failed"))
+    if start == "SLEEPING":
+        stage.step(I.SleepCall("sleep", 1, None, 10.0), 0.0)
+        _ack_all(stage, "sleep", "Sleep", WorkerState.SLEEPING, tuple(sorted(stage.tags)))
     if stage.state.value != start or stage.paused is not paused:
         raise AssertionError(f"the stage core did not reach {start} (it is {stage.state.value}, paused {stage.paused})")
     return stage
@@ -150,14 +164,14 @@ def _stage_at(start: str, paused: bool, partial: bool) -> StageCore:
 def _reply(stage: StageCore, task_id: str, rank: int, answer: str, version: int, before: WorkerState) -> Reply:
     common = {"task_id": task_id, "epoch": stage.epoch, "rank": rank, "command": "UpdateWeights"}
     asleep = tuple(sorted(stage.residency.asleep))
+    refit = before is REFIT_ASLEEP.rank_state  # written into the host copy: the rank stays asleep
     if answer == "ack":
-        state = WorkerState.PARTIAL if asleep else WorkerState.ACTIVE
+        state = REFIT_ASLEEP.rank_state if refit else WorkerState.PARTIAL if asleep else WorkerState.ACTIVE
         return Ack(**common, state=state, asleep_tags=asleep, weights_version=version, memory=_MEMORY)
     if answer == "refused":
         return Nack(**common, reason=NackReason.INVALID_ARGUMENT, state=before, weights_version=stage.weights_version)
-    return Nack(
-        **common, reason=NackReason.UPDATE_FAILED, state=WorkerState.NEEDS_RELOAD, weights_version=stage.weights_version
-    )
+    failed = REFIT_ASLEEP.rank_state if refit else WorkerState.NEEDS_RELOAD
+    return Nack(**common, reason=NackReason.UPDATE_FAILED, state=failed, weights_version=stage.weights_version)
 
 
 def _update(stage: StageCore, answers: tuple[str, ...]) -> list[tuple[str, bool]]:
@@ -214,6 +228,7 @@ def _record(mapping: dict[str, str]) -> str:
 
 def render() -> str:
     active, partial = settle_row(Settled.ACTIVE), settle_row(Settled.PARTIAL)
+    lost = settle_row(Settled.NEEDS_RELOAD)
     worker_refused = {state.value: trigger for (kind, state), trigger in REFUSED.items() if kind is UpdateWeights}
     stage_refused = {
         t.dest.value: t.trigger
@@ -243,6 +258,19 @@ def render() -> str:
         "\\* The same with tags still asleep (a wake of the weights alone; an update in PARTIAL)",
         f"PartialSettle == {_record({'rank': partial.after_reload or '', 'stage': partial.stage_commit})}",
         f"PartialWakeSettle == {_record({'rank': partial.after_wake, 'stage': partial.stage_commit})}",
+        "\\* An update into the host copies of a stage asleep at level 1 (host_refit): the rank's and the",
+        "\\* stage's trigger once written, and once every rank failed midway",
+        "RefitSettle == "
+        + _record(
+            {
+                "rank": REFIT_ASLEEP.after_update,
+                "stage": REFIT_ASLEEP.stage_commit,
+                "rankFailed": REFIT_ASLEEP.after_failure,
+                "stageFailed": REFIT_ASLEEP.stage_failed,
+            }
+        ),
+        "\\* The wake of weights that no host copy stands for (every rank failed a refit into it)",
+        f"LostWakeSettle == {_record({'rank': lost.after_wake, 'stage': lost.stage_commit})}",
         "",
         "\\* The trigger a refused update fires, by the state it was refused in (the rank's; the stage's)",
         f"WorkerRefused == {_record(worker_refused)}",

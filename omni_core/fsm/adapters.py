@@ -10,7 +10,9 @@ adapter-bound request goes to the shell; the shell loads and unloads the tensors
   it (or rebound explicitly); an update or a reload to another version makes it `stale`;
 - memory: adapters live in the pool of `home_tag` (`adapters`, else `weights`); a sleep that
   discards that tag (level 2) leaves each `gone`, and a level-1 sleep keeps them;
-- a request names a `loaded` adapter, else it is refused naming the adapter and why.
+- a request names a `loaded` adapter, else it is refused naming the adapter and why;
+- refit: an add from tensors of an adapter held `loaded` raises its version (the rank runs
+  requests and commands one at a time, so none straddles it), and is never ALREADY.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class AdapterTable:
 
     def is_already(self, command: AddAdapter, weights_version: int) -> bool:
         held = self._held.get(command.name)
-        return held is not None and held.info == self._info(command, weights_version) and held.source == command.source
+        if held is None or command.tensors is not None:  # a refit must raise the version: never ALREADY
+            return False
+        return held.info == self._info(command, weights_version) and held.source == command.source
 
     def add_problem(self, command: AddAdapter, weights_version: int) -> str | None:
         """Why the add is refused before anything is loaded, or None."""
@@ -96,6 +100,14 @@ class AdapterTable:
                 f"adapter {name!r} was made for base weights version {command.base_version}, and this "
                 f"rank holds version {weights_version}: add one made for {weights_version}, or pass "
                 "rebind to serve it on these weights"
+            )
+        held = self._held.get(name)
+        refit = command.tensors is not None and held is not None and held.info.status == "loaded"
+        if refit and held is not None and command.version <= held.info.version:
+            return (
+                f"adapter {name!r} is loaded at version {held.info.version}; a refit from tensors "
+                f"must raise it, and this one says {command.version}: send version "
+                f"{held.info.version + 1} or above"
             )
         for other in self._held.values():
             if other.info.adapter_id == command.adapter_id and other.info.name != name:

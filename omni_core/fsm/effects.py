@@ -50,12 +50,15 @@ class UpdateEffect:
     `EffectDeclined`); any failure after writing began is `EffectRaised`, which
     leaves the rank NEEDS_RELOAD at its old version. Invalidate host copies of the weights.
     Then drop the runner's weight-derived caches (`flush_cache` False: keep those keyed by
-    version, refusing before writing when another kind is held)."""
+    version, refusing before writing when another kind is held). `into_host`: the weights sleep
+    at level 1 (HOST_REFIT): write the backend's host copy instead, touching nothing on the
+    device; the next wake brings it."""
 
     task_id: str
     version: int
     source: WeightSource
     flush_cache: bool = True
+    into_host: bool = False
 
 
 @dataclass(frozen=True)

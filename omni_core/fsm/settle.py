@@ -61,6 +61,30 @@ SETTLE_ROWS: tuple[SettleRow, ...] = (
 _BY_OUTCOME = {row.settled: row for row in SETTLE_ROWS}
 
 
+@dataclass(frozen=True)
+class RefitAsleepRow:
+    """Where an update into the host copy ends (Capability.HOST_REFIT: the weights asleep at
+    level 1): every rank and the stage stay asleep, at the new version once every rank wrote
+    it, with the weights invalid (a wake lands NEEDS_RELOAD) once every rank failed midway."""
+
+    rank_state: WorkerState  # what every rank reports in its ACK, and after a failure
+    stage_state: StageState  # where the stage commits, and where a failure leaves it
+    after_update: str  # worker trigger once the host copy holds the new version
+    after_failure: str  # worker trigger when writing the host copy failed once begun
+    stage_commit: str  # stage trigger on the complete ACK set
+    stage_failed: str  # stage trigger when every rank failed
+
+
+REFIT_ASLEEP = RefitAsleepRow(
+    WorkerState.SLEEPING,
+    StageState.SLEEPING,
+    after_update="refitted_asleep",
+    after_failure="update_failed_asleep",
+    stage_commit="update_slept",
+    stage_failed="update_failed_asleep",
+)
+
+
 def settle_row(settled: Settled) -> SettleRow:
     return _BY_OUTCOME[settled]
 

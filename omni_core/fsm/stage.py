@@ -36,7 +36,7 @@ from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction
 from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.reply_cache import BoundedCache
 from omni_core.fsm.request_queue import RequestBook, RequestQueue
-from omni_core.fsm.settle import REFUSAL_REASON, Settled, refused_trigger, settle_row
+from omni_core.fsm.settle import REFIT_ASLEEP, REFUSAL_REASON, Settled, refused_trigger, settle_row
 from omni_core.fsm.stage_pause import PAUSE_MODES, Pause, Resume
 from omni_core.fsm.stage_step import (
     Outbound,
@@ -444,7 +444,7 @@ class StageCore:
             self.lifecycle.fire(row.drain)
             step = self._send_drained(now) if self.in_flight_requests == 0 else StageStep()
         else:
-            self.lifecycle.fire(row.trigger)
+            self.lifecycle.fire(planned.send_trigger or row.trigger)
             step = self._send_all()
         self.recorder.issued(planned.command, False, now + deadline_s)
         return step
@@ -653,20 +653,56 @@ class StageCore:
                     f"stage {self.name!r}: ranks {unable} take no weight updates (their Hello lists "
                     "no 'weight_update' capability); use reload_weights()"
                 )
-            legal = self.lifecycle.allows("update_drain") or self.lifecycle.allows("update")
-            if not legal or not self.residency.weights_resident:
-                raise StageCommandError(
-                    f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
-                    "must be resident (RUNNING, PAUSED, PARTIAL with 'weights' awake, or NEEDS_RELOAD)"
-                )
             flush = call.flush_cache
             command = UpdateWeights(
                 task_id=call.task_id, epoch=self.epoch, version=version, source=call.source, flush_cache=flush
             )
+            if self.lifecycle.allows(CALLS[UpdateWeights].asleep) and not self.residency.weights_resident:
+                return self._host_refit_task(call, signature, command, now, version)
+            legal = self.lifecycle.allows("update_drain") or self.lifecycle.allows("update")
+            if not legal or not self.residency.weights_resident:
+                raise StageCommandError(
+                    f"stage {self.name!r} cannot update weights in {self.state.value}: the weights "
+                    "must be resident (RUNNING, PAUSED, PARTIAL with 'weights' awake, or NEEDS_RELOAD), "
+                    "or asleep at level 1 on ranks that declare 'host_refit' (SLEEPING)"
+                )
             refused = refused_trigger(UpdateWeights, self.state)
             return self._weights_task(call, signature, command, now, refused=refused, version=version)
 
         return self._issue(UpdateWeights, call.task_id, signature, now, call.deadline_s, plan)
+
+    def _host_refit_task(
+        self, call: I.UpdateCall, signature: tuple[Any, ...], command: UpdateWeights, now: float, version: int
+    ) -> StageTask:
+        """An update while the weights sleep at level 1: every rank writes it into its host copy
+        and the stage stays SLEEPING at the new version, so the old and new weights never meet
+        on the device; the next wake brings the new version."""
+        if not self.residency.weights_valid:
+            raise StageCommandError(
+                f"stage {self.name!r} cannot update weights asleep: a level-2 sleep discarded them, so no "
+                "host copy holds weights to write; wake it (NEEDS_RELOAD), then update"
+            )
+        unable = sorted(r for r in self.ranks if Capability.HOST_REFIT not in self.rank_capabilities.get(r, ()))
+        if unable:
+            raise StageCommandError(
+                f"stage {self.name!r}: ranks {unable} cannot write an update into their host copy (their "
+                "Hello lists no 'host_refit' capability); wake 'weights' first, then update"
+            )
+        return self._new_task(
+            call,
+            signature,
+            command,
+            now,
+            expect_state=REFIT_ASLEEP.rank_state,
+            expect_asleep=self.residency.asleep,
+            commit_trigger=REFIT_ASLEEP.stage_commit,
+            apply=lambda res: None,  # the ranks' residency is as it was: only the version moves
+            refused_trigger=refused_trigger(UpdateWeights, self.state),
+            expect_version=version,
+            send_trigger=CALLS[UpdateWeights].asleep,
+            failed_state=REFIT_ASLEEP.rank_state,
+            failed_trigger=REFIT_ASLEEP.stage_failed,
+        )
 
     def _held(self, commit: str, paused: str) -> str:
         """A task's commit trigger: `paused` where it would make a paused stage RUNNING."""
@@ -1016,11 +1052,24 @@ class StageCore:
                 for r, v in mixed.items()
             }
             return self._fail_task(why, now) if self._task else self._fail_idle(why, now)
+        elif len({m.adapter_version for m in results}) > 1:
+            self._answer_adapter_straddle(request)
         elif results:  # ranks of one stage compute the same result: rank 0's
             first = results[0]
             ran = (first.weights_version, first.adapter, first.adapter_version)
             self.requests.answer(request, None, "", first.output, *ran)
         return self._retire(request, now)
+
+    def _answer_adapter_straddle(self, request: StageRequest) -> None:
+        """P-20: an adapter refit that reached some ranks only: never a result of two versions."""
+        versions = {r: m.adapter_version for r, m in sorted(request.replies.items()) if isinstance(m, Result)}
+        self.requests.answer(
+            request,
+            RequestError.FAILED,
+            f"stage {self.name!r}: ranks answered request {request.request_id} with adapter "
+            f"{request.adapter!r} at versions {versions}: a refit reached only some ranks; the result "
+            "is discarded: add the adapter again (one version on every rank)",
+        )
 
     def _retire(self, request: StageRequest, now: float) -> StageStep:
         self.requests.retire(request)
@@ -1187,7 +1236,7 @@ class StageCore:
             isinstance(reply, Nack)
             and reply.reason is NackReason.UPDATE_FAILED
             and isinstance(task.command, UpdateWeights)
-            and reply.state is WorkerState.NEEDS_RELOAD
+            and reply.state is task.failed_state
         ):
             task.update_failures[reply.rank] = f"at weights version {reply.weights_version}: {reply.detail}"
             return self._maybe_commit(now)
@@ -1301,13 +1350,17 @@ class StageCore:
             # Every rank is NEEDS_RELOAD at the version it held: the stage follows, never serving.
             self.residency.weights_valid = False
             for rank in self.ranks:
-                self.rank_state[rank] = WorkerState.NEEDS_RELOAD
-            self.lifecycle.fire("update_failed")
+                self.rank_state[rank] = task.failed_state
+            self.lifecycle.fire(task.failed_trigger)
             details = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+            then = (
+                "update again or reload"
+                if self.state is S.NEEDS_RELOAD
+                else "its host copies stand for no version: wake it (NEEDS_RELOAD), then update again or reload"
+            )
             error = (
                 f"stage {self.name!r}: every rank failed the update to weights version {task.expect_version} "
-                f"({details}); the stage is NEEDS_RELOAD at version {self.weights_version}: update again "
-                "or reload"
+                f"({details}); the stage is {self.state.value} at version {self.weights_version}: {then}"
             )
             return StageStep(outcome=self._end_task(False, error, dict(failed), now))
         if failed:

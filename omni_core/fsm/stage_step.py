@@ -116,6 +116,11 @@ class StageTask:
     refused_trigger: str = ""  # where every rank refusing returns the stage (ReloadWeights, Wake)
     expect_version: int = 0  # the weights version every ACK must report (P-17)
     update_failures: dict[int, str] = field(default_factory=dict)  # rank -> UPDATE_FAILED detail
+    # An update into the ranks' host copies (HOST_REFIT) goes out by its own trigger, and a rank
+    # that fails it midway stays asleep instead of NEEDS_RELOAD.
+    send_trigger: str = ""  # fired as the command goes out, where not its CallRow's trigger
+    failed_state: WorkerState = WorkerState.NEEDS_RELOAD  # a rank's state after UPDATE_FAILED
+    failed_trigger: str = "update_failed"  # fired when every rank failed the update
 
 
 @dataclass(frozen=True)

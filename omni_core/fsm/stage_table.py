@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from omni_core.fsm.settle import refused_rows
+from omni_core.fsm.settle import REFIT_ASLEEP, refused_rows
 from omni_core.fsm.stage_step import StageCommandError
 from omni_core.fsm.table import Transition
 from omni_core.protocol import (
@@ -128,6 +128,32 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         "every rank failed the update once writing began (UPDATE_FAILED): weights invalid, version as before",
     ),
     Transition(
+        "update_asleep",
+        (S.SLEEPING,),
+        S.WAKING,
+        "UpdateWeights sent to every rank with the weights asleep at level 1 (host_refit): written into "
+        "their host copies, nothing mapped on the device",
+    ),
+    *refused_rows(
+        UpdateWeights,
+        S.WAKING,
+        (S.SLEEPING,),
+        "every rank refused the update before writing its host copy (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        REFIT_ASLEEP.stage_commit,
+        (S.WAKING,),
+        REFIT_ASLEEP.stage_state,
+        "every rank ACKed the update into its host copy (P-5): still asleep, at the new version",
+    ),
+    Transition(
+        REFIT_ASLEEP.stage_failed,
+        (S.WAKING,),
+        REFIT_ASLEEP.stage_state,
+        "every rank failed writing its host copy (UPDATE_FAILED): still asleep, weights invalid (a wake "
+        "lands NEEDS_RELOAD), version as before",
+    ),
+    Transition(
         "weight_group",
         SERVING,
         None,
@@ -227,6 +253,7 @@ class CallRow:
     drain: str = ""  # fired instead where the table allows it: requests in flight finish first
     drained: str = ""  # fired once that drain ends, as the command goes out
     already: str = ""  # fired when nothing is left to do: ALREADY, nothing sent
+    asleep: str = ""  # fired instead where the command writes the ranks' host copies (HOST_REFIT)
     # A task in a settled state that never changes it: every NACK is that rank's refusal, and
     # the command may come as a generic `CommandCall`. Such a row may add what its arguments
     # must satisfy (`check`: raise StageCommandError naming why) and where it is legal beyond
@@ -280,7 +307,9 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
         Sleep: CallRow("sleep", "sleep", drain="drain", drained="drained", already="sleep_already"),
         Wake: CallRow("wake", "wake", already="wake_already"),
         ReloadWeights: CallRow("reload weights", "reload"),
-        UpdateWeights: CallRow("update weights", "update", drain="update_drain", drained="update_drained"),
+        UpdateWeights: CallRow(
+            "update weights", "update", drain="update_drain", drained="update_drained", asleep="update_asleep"
+        ),
         ShareWeights: CallRow(
             "share weights",
             "share",

@@ -3,8 +3,10 @@
 A worker's memory is split into tagged pools. `weights` and `adapters` (the LoRA adapters'
 tensors, P-20, a tag a stage opts into) are the tags whose content must survive a sleep:
 level 1 offloads them to host, level 2 discards them (the runner reloads the weights; the
-adapters are gone until added again). Every other tag (`kv_cache`, activations) is scratch and
-is always discarded.
+adapters are gone until added again). `cuda_graph` (the memory of captured CUDA graphs, vLLM's
+graph pool) is offloaded at level 1 too, as vLLM's own `sleep_mode_offload_cudagraph` does:
+the graphs replay at the same addresses after the wake. Every other tag (`kv_cache`, `comm`:
+collective communicators' buffers, activations) is scratch and is always discarded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from omni_core.fsm.settle import Settled
 WEIGHTS_TAG = "weights"
 KV_CACHE_TAG = "kv_cache"
 ADAPTERS_TAG = "adapters"
-KEPT_AT_LEVEL_1 = frozenset({WEIGHTS_TAG, ADAPTERS_TAG})  # offloaded, never discarded, by level 1
+CUDA_GRAPH_TAG = "cuda_graph"  # captured CUDA graphs' pool, allocated by the framework inside the backend's allocator
+COMM_TAG = "comm"  # NCCL communicators' buffers: released and restored by the runner itself (vLLM's comm suspend)
+KEPT_AT_LEVEL_1 = frozenset({WEIGHTS_TAG, ADAPTERS_TAG, CUDA_GRAPH_TAG})  # offloaded, never discarded, by level 1
 DEFAULT_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
 
 

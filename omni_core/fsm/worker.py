@@ -37,7 +37,7 @@ from omni_core.fsm.effects import (
     WeightGroupEffect,
 )
 from omni_core.fsm.reply_cache import DEFAULT_REPLY_CACHE_BYTES, DEFAULT_REPLY_CACHE_ENTRIES, BoundedCache
-from omni_core.fsm.settle import REFUSAL_REASON, settle_row
+from omni_core.fsm.settle import REFIT_ASLEEP, REFUSAL_REASON, settle_row
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import (
     ADAPTERS_TAG,
@@ -144,6 +144,10 @@ _NO_LINKS = (
 
 
 ADAPTER_COMMANDS = (AddAdapter, RemoveAdapter, PinAdapter, ListAdapters)
+# Acks that list the adapters (P-20): the adapter commands', and those of the commands that
+# change what the adapters are (a sleep offloads or discards them, a reload or update leaves
+# them stale), so the engine's view of them follows the ranks'.
+ADAPTER_REPORTS = (*ADAPTER_COMMANDS, Sleep, Wake, ReloadWeights, UpdateWeights)
 
 
 _WHERE = (
@@ -451,7 +455,7 @@ class WorkerCore:
             weights_version=self.weights_version,
             shared=shared,
             caches_dropped=caches_dropped,
-            adapters=self.adapters.infos() if isinstance(command, ADAPTER_COMMANDS) else (),
+            adapters=self.adapters.infos() if isinstance(command, ADAPTER_REPORTS) else (),
             adapters_evicted=adapters_evicted,
         )
 
@@ -617,11 +621,17 @@ class WorkerCore:
                 NackReason.UNSUPPORTED,
                 "this worker does not take weight updates (capability 'weight_update' not declared); use ReloadWeights",
             )
-        if not self.lifecycle.allows("update") or not self.residency.weights_resident:
+        into_host = self.lifecycle.allows("update_asleep") and not self.residency.weights_resident
+        if into_host:
+            refusal = self._host_refit_refusal(command)
+            if refusal is not None:
+                return refusal
+        elif not self.lifecycle.allows("update") or not self.residency.weights_resident:
             return self._refuse_state(
                 command,
                 "UpdateWeights needs the weights resident: ACTIVE, PARTIAL "
-                "with 'weights' awake, or NEEDS_RELOAD; wake 'weights' first",
+                "with 'weights' awake, or NEEDS_RELOAD, or asleep at level 1 on a worker that "
+                "declares 'host_refit'; wake 'weights' first",
             )
         if command.version <= self.weights_version:
             return self._refuse(
@@ -631,9 +641,27 @@ class WorkerCore:
                 f"{self.weights_version}; send a higher version (nothing was written)",
             )
         state_before = self.state
-        self.lifecycle.fire("update")
+        self.lifecycle.fire("update_asleep" if into_host else "update")
         self.work.begin(PendingEffect(command, state_before=state_before))
-        return WorkerStep(effect=UpdateEffect(command.task_id, command.version, command.source, command.flush_cache))
+        effect = UpdateEffect(command.task_id, command.version, command.source, command.flush_cache, into_host)
+        return WorkerStep(effect=effect)
+
+    def _host_refit_refusal(self, command: UpdateWeights) -> WorkerStep | None:
+        """Why this rank cannot write `command` into its host copy while its weights sleep (None: it can)."""
+        if Capability.HOST_REFIT not in self.capabilities:
+            return self._refuse_state(
+                command,
+                "UpdateWeights needs the weights resident here: this worker cannot write an update "
+                "into its host copy while they sleep (capability 'host_refit' not declared: its "
+                "backend or runner keeps no host copy it can write); wake 'weights' first, then update",
+            )
+        if not self.residency.weights_valid:
+            return self._refuse_state(
+                command,
+                "a level-2 sleep discarded the weights: no host copy holds them to write; wake, "
+                "then update (NEEDS_RELOAD takes it)",
+            )
+        return None
 
     def _on_init_weight_group(self, command: InitWeightGroup) -> WorkerStep:
         if Capability.WEIGHT_UPDATE not in self.capabilities:
@@ -807,13 +835,18 @@ class WorkerCore:
             case PinAdapter():
                 self.adapters.pin(command.name, command.pinned)
 
-    def _adapter_failed(self, command: Command, evicted: tuple[str, ...], detail: str) -> Any:
+    def _adapter_failed(self, command: Command, evicted: tuple[str, ...], detail: str, raised: bool = False) -> Any:
         """The shell refused or failed the adapter command: the rank keeps its state and serves
         on. An add that failed after its evictions ran has lost those adapters too: unloaded,
-        and the table (and so a ListAdapters) says so."""
+        and the table (and so a ListAdapters) says so. An add that raised once loading began
+        (`raised`) may have half-written the adapter of its name: the shell unloaded it, so the
+        table drops it too and no request is served with it."""
         for name in evicted:
             self.adapters.remove(name)
         lost = f"; evicted before the load failed: {list(evicted)}" if evicted else "; nothing was loaded"
+        if raised and isinstance(command, AddAdapter) and self.adapters.get(command.name) is not None:
+            self.adapters.remove(command.name)
+            lost = f"{lost.replace('; nothing was loaded', '')}; adapter {command.name!r} was unloaded (add it again)"
         return self._nack(
             command, NackReason.INVALID_ARGUMENT, f"{detail}{lost}; this rank is still {self.state.value}"
         )
@@ -873,6 +906,11 @@ class WorkerCore:
             case Wake():
                 self.residency.apply_wake(pending.wake_tags)
                 self.lifecycle.fire(settle_row(self.residency.settled()).after_wake)
+            case UpdateWeights() if pending.state_before is REFIT_ASLEEP.rank_state:
+                # Written into the host copy: still asleep, and the next wake brings this version.
+                self.lifecycle.fire(REFIT_ASLEEP.after_update)
+                self.weights_version = command.version
+                self.adapters.rebased(self.weights_version)  # P-20: made for other weights: stale
             case ReloadWeights() | UpdateWeights():
                 self.residency.apply_reload()
                 trigger = settle_row(self.residency.settled()).after_reload
@@ -939,15 +977,19 @@ class WorkerCore:
                 # A request the runner rejects says nothing about the memory: stay ACTIVE.
                 reply = self._nack(command, NackReason.EXECUTE_ERROR, what)
             case UpdateWeights():
-                # Writing began: the weights are neither the old version nor the new one. They stay
-                # mapped, so the rank waits in NEEDS_RELOAD for a reload or another update (P-17).
+                # Writing began: the weights are neither the old version nor the new one. Mapped,
+                # the rank waits in NEEDS_RELOAD for a reload or another update (P-17); written
+                # into the host copy, it stays asleep and its wake lands NEEDS_RELOAD.
+                asleep = pending.state_before is REFIT_ASLEEP.rank_state
                 self.residency.weights_valid = False
-                self.lifecycle.fire("update_failed")
+                self.lifecycle.fire(REFIT_ASLEEP.after_failure if asleep else "update_failed")
+                then = "update again or reload"
+                then = f"its wake lands NEEDS_RELOAD, then {then}" if asleep else then
                 reply = self._nack(
                     command,
                     NackReason.UPDATE_FAILED,
-                    f"{what}; the weights are invalid, this rank is NEEDS_RELOAD and still at weights "
-                    f"version {self.weights_version}: update again or reload",
+                    f"{what}; the weights are invalid, this rank is {self.state.value} and still at weights "
+                    f"version {self.weights_version}: {then}",
                 )
             case InitWeightGroup():
                 # No pool memory moved: the rank keeps its state and has no group.
@@ -961,7 +1003,7 @@ class WorkerCore:
                 self.profiling = False
                 reply = self._nack(command, NackReason.PROFILE_ERROR, f"{what}; no profile is running on this rank now")
             case _ if isinstance(command, ADAPTER_COMMANDS):
-                reply = self._adapter_failed(command, pending.evict, what)
+                reply = self._adapter_failed(command, pending.evict, what, raised=True)
             case _ if type(command) in WORKER_CALLS:
                 # No pool memory moved: the rank keeps its state.
                 reason = WORKER_CALLS[type(command)].error

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from omni_core.fsm.settle import REFUSAL_REASON, refused_rows, refused_trigger
+from omni_core.fsm.settle import REFIT_ASLEEP, REFUSAL_REASON, refused_rows, refused_trigger
 from omni_core.fsm.table import Transition
 from omni_core.protocol import (
     Capability,
@@ -85,6 +85,31 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         (W.RELOADING,),
         W.NEEDS_RELOAD,
         "the update failed once writing began (UPDATE_FAILED): weights invalid, version as before",
+    ),
+    Transition(
+        "update_asleep",
+        (W.SLEEPING,),
+        W.RELOADING,
+        "UpdateWeights with the weights asleep at level 1 (host_refit): written into the host copy, device untouched",
+    ),
+    *refused_rows(
+        UpdateWeights,
+        W.RELOADING,
+        (W.SLEEPING,),
+        "a name, shape, dtype or handle refused before the host copy was written (INVALID_ARGUMENT): version unchanged",
+    ),
+    Transition(
+        REFIT_ASLEEP.after_update,
+        (W.RELOADING,),
+        REFIT_ASLEEP.rank_state,
+        "the host copy holds the new version: still asleep, the next wake brings it",
+    ),
+    Transition(
+        REFIT_ASLEEP.after_failure,
+        (W.RELOADING,),
+        REFIT_ASLEEP.rank_state,
+        "writing the host copy failed midway (UPDATE_FAILED): it stands for no version, weights invalid "
+        "(a wake lands NEEDS_RELOAD), version as before",
     ),
     Transition("weight_group", IDLE, None, "InitWeightGroup: join the trainer's group; the state never changes"),
     Transition("weight_group_already", IDLE, None, "InitWeightGroup for the group already joined: ALREADY"),

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora",
         action="store_true",
-        help="also write a small seeded LoRA adapter (PEFT format, rank 4 on q_proj,v_proj) into DIR/lora",
+        help="also write a small seeded LoRA adapter into DIR/lora: PEFT's format, rank 4 on q_proj,v_proj "
+        "(a transformers model); diffusers' format on to_q,to_v of the transformer or UNet (dit, sd)",
     )
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -67,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, object] = dataclasses.asdict(info)
     lines = [info.summary()]
     if args.lora:
-        from omni_core.models.lora import make_lora
+        from omni_core.models.lora import make_diffusers_lora, make_lora
 
+        make = make_diffusers_lora if args.family in ("dit", "sd") else make_lora  # the pipelines' own format
         try:
-            lora = make_lora(info.path, f"{info.path}/lora", seed=args.seed)
+            lora = make(info.path, f"{info.path}/lora", seed=args.seed)
         except ModelSpecError as exc:
             print(f"omni-core models make --lora: error: {exc}", file=sys.stderr)
             return 2

@@ -82,3 +82,50 @@ def _name_the_base(config_path: Path, base: Path) -> None:
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = str(base)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+DIFFUSERS_DENOISERS = {"DiTPipeline": "transformer", "StableDiffusionPipeline": "unet"}
+DIFFUSERS_TARGET_MODULES = ("to_q", "to_v")
+
+
+def make_diffusers_lora(
+    pipeline_dir: str | Path,
+    directory: str | Path,
+    *,
+    rank: int = DEFAULT_LORA_RANK,
+    target_modules: tuple[str, ...] = DIFFUSERS_TARGET_MODULES,
+    seed: int = 0,
+) -> LoraInfo:
+    """A LoRA of `rank` on `target_modules` of a diffusers pipeline's denoiser (a DiT's
+    transformer, Stable Diffusion's UNet), in diffusers' format: `directory`/
+    pytorch_lora_weights.safetensors with `<component>.<module>.lora_A.weight` and `lora_B`
+    (what `save_lora_weights` writes, what `load_lora_weights` reads), alpha = rank."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from safetensors.torch import save_file
+
+    from omni_core.models.make import seeded_tensor
+
+    base = Path(pipeline_dir).expanduser().resolve()
+    index = base / "model_index.json"
+    pipeline_class = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    component = DIFFUSERS_DENOISERS.get(str(pipeline_class))
+    if component is None:
+        raise ModelSpecError(
+            f"{base} is not a DiT or Stable Diffusion pipeline directory (model_index.json says {pipeline_class!r}): "
+            "a diffusers LoRA adapts its transformer or UNet"
+        )
+    import diffusers
+
+    config_class = json.loads((base / component / "config.json").read_text())["_class_name"]
+    denoiser = getattr(diffusers, config_class).from_pretrained(str(base / component), local_files_only=True)
+    lora = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(target_modules), init_lora_weights=False)
+    inject_adapter_in_model(lora, denoiser)
+    state = {}
+    for name, tensor in get_peft_model_state_dict(denoiser).items():
+        state[f"{component}.{name}"] = (seeded_tensor(seed, name, tuple(tensor.shape), torch.float32) * LORA_STD).to(
+            tensor.dtype
+        )
+    out = Path(directory).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "pytorch_lora_weights.safetensors"))
+    return LoraInfo(str(out), str(base), rank, tuple(sorted(target_modules)), seed, len(state))

@@ -15,6 +15,7 @@ from omni_core.protocol.messages import *  # noqa: F403 - every message type, li
 from omni_core.protocol.profile import MAX_PROFILE_PREFIX_CHARS, profile_prefix_problem
 from omni_core.protocol.version import PROTOCOL_VERSION
 from omni_core.protocol.weights import (
+    AdapterTensors,
     Bucket,
     CollectiveSource,
     CudaIpcHandle,
@@ -31,6 +32,7 @@ from omni_core.protocol.weights import (
 __all__ = [
     "MAX_PROFILE_PREFIX_CHARS",
     "PROTOCOL_VERSION",
+    "AdapterTensors",
     "Bucket",
     "CollectiveSource",
     "CudaIpcHandle",

@@ -84,4 +84,7 @@ class Capability(str, enum.Enum):
     WEIGHT_UPDATE = "weight_update"  # answers UpdateWeights and InitWeightGroup (P-17)
     ADAPTERS = "adapters"  # answers AddAdapter, RemoveAdapter, PinAdapter, ListAdapters (P-20)
     STEP_MODE = "step_mode"  # the runner takes step-wise requests (start, step, finish, cancel) in Execute payloads
+    # UpdateWeights with the weights asleep at level 1: written into the backend's host copy, the
+    # device untouched; the rank stays SLEEPING at the new version and its next wake brings it
+    HOST_REFIT = "host_refit"
     TRANSFER = "transfer"  # answers TransferOut, TransferIn and TransferRelease (P-21)

@@ -17,6 +17,7 @@ from omni_core.protocol.version import PROTOCOL_VERSION
 from omni_core.protocol.weights import (
     MAX_BUCKET_BYTES,
     MAX_HOST_CHARS,
+    AdapterTensors,
     IpcSource,
     NewWeightsVersion,
     ShmSource,
@@ -272,6 +273,7 @@ class TransferRelease(Command, kw_only=True, frozen=True):
 
 MAX_ADAPTERS = 64  # a rank's adapters at once (an Ack lists them all); max_loras is at most this
 MAX_ADAPTER_RANK = 1024
+MAX_LORA_ALPHA = 1e6
 MAX_TARGET_MODULES = 32
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9_.:/-]+$"
 MAX_ADAPTER_NAME_CHARS = 128
@@ -334,7 +336,17 @@ class AddAdapter(Command, kw_only=True, frozen=True):
     pinned. At `max_loras` otherwise the least recently used unpinned adapter is evicted and
     named in the Ack's `adapters_evicted`. The same name, version, source and base version
     already loaded is ALREADY; another version of the name replaces it. Legal where the weights
-    are valid and awake: ACTIVE, PARTIAL with `weights` awake. Never changes the state."""
+    are valid and awake: ACTIVE, PARTIAL with `weights` awake. Never changes the state.
+
+    `tensors` (adapter-only refit): the adapter's tensors come through a weight-update plane
+    (shm buckets, typed CUDA IPC handles, the weight group's broadcast) instead of `source`,
+    which then only labels them (SGLang's "__tensor__"). Every tensor of an adapter of `rank`
+    on `target_modules` is sent, by PEFT's names, and checked (name, shape, dtype, every bucket
+    opened) before anything is written. An adapter of the name held `loaded` is refit in place
+    (no copy of the base weights) and `version` must be above the one held; `lora_alpha`
+    (None: the held adapter's, else `rank`) scales it."""
+
+    OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("tensors", "lora_alpha")
 
     name: AdapterName
     adapter_id: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
@@ -345,6 +357,8 @@ class AddAdapter(Command, kw_only=True, frozen=True):
     base_version: WeightsVersion | None = None
     pinned: bool = False
     rebind: bool = False
+    tensors: AdapterTensors | None = None
+    lora_alpha: Annotated[float, msgspec.Meta(gt=0, le=MAX_LORA_ALPHA)] | None = None
 
 
 class RemoveAdapter(Command, kw_only=True, frozen=True):

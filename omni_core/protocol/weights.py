@@ -264,6 +264,8 @@ class CollectiveSource(_Strict, tag="collective", frozen=True):
 
 
 WeightSource = Union[DiskSource, ShmSource, IpcSource, CollectiveSource]  # noqa: UP007
+# An adapter's tensors (AddAdapter.tensors): the planes that carry tensors, not a checkpoint.
+AdapterTensors = Union[ShmSource, IpcSource, CollectiveSource]  # noqa: UP007
 SOURCE_KINDS: tuple[str, ...] = ("disk", "shm", "ipc", "collective")
 
 

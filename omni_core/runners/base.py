@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +207,17 @@ class ModelRunner(ABC):
     def supports_weight_update(self) -> bool:
         return type(self).update_weights is not ModelRunner.update_weights
 
+    # Whether every write of `reload_weights` and `update_weights` goes in place through the
+    # tensors of `host_refit_tensors`, and nothing else touches the device meanwhile: then an
+    # update may be written into the backend's host copy while the weights sleep at level 1
+    # (the rank's Hello declares Capability.HOST_REFIT where its backend reaches that copy).
+    supports_host_refit: bool = False
+
+    def host_refit_tensors(self) -> list[torch.Tensor]:
+        """The tensors a weights write goes through: each points at its host copy while the
+        update is written into it (the same Python objects, their `.data` swapped back after)."""
+        return self.tensors(WEIGHTS_TAG)
+
     # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
     # the safe answer; a wrong "no" brings back stale weights after a wake
     # (StageSpec.verify_clean_sleep catches it).
@@ -230,11 +241,22 @@ class ModelRunner(ABC):
         pools itself, at the points where the framework allocates."""
         tags = tuple(tags)
         self.adapter_tag = ADAPTERS_TAG if ADAPTERS_TAG in tags else WEIGHTS_TAG
+        held = self.runner_tags()
         for tag in tags:
             if budget is not None and tag == KV_CACHE_TAG:
                 self.fit_caches(budget.available_bytes())
-            with open_pool(tag):
+            with nullcontext() if tag in held else open_pool(tag):
                 self.allocate(tag)
+
+    def runner_tags(self) -> frozenset[str]:
+        """Tags whose memory the runner releases in `before_sleep` and restores in `after_wake`
+        itself, outside every backend pool (vLLM's NCCL communicators: `comm`); the backend
+        never sees them. The default: none."""
+        return frozenset()
+
+    def held_bytes(self, tag: str) -> int:
+        """Device bytes the runner holds now for one of its `runner_tags` (0 while released)."""
+        return 0
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
         """Called before the backend releases `offload | discard`: drop state that would
@@ -309,6 +331,23 @@ class ModelRunner(ABC):
         name; runs inside the adapters' pool. Its tensors are listed by `tensors(tag)` of that
         pool's tag (`adapters`, else `weights`), so a level-1 sleep keeps them bit for bit."""
         raise RunnerArgumentError(f"{type(self).__name__} serves no LoRA adapters")
+
+    @property
+    def supports_adapter_tensors(self) -> bool:
+        return type(self).write_adapter is not ModelRunner.write_adapter
+
+    def adapter_specs(self, command: AddAdapter) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor an adapter of `command.rank` on `command.target_modules` holds, by the
+        name PEFT saves it under (`base_model.model.<module>.lora_A.weight`), with its shape and
+        dtype: what an AddAdapter's `tensors` must carry, checked before anything is written."""
+        raise RunnerArgumentError(f"{type(self).__name__} takes adapters from a directory only")
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Make the adapter `command.name` from `tensors` (checked against `adapter_specs`), or
+        refit the one held of that name, rank and modules in place (no new allocation, the
+        base weights untouched); runs inside the adapters' pool, as `add_adapter` does. A raise
+        once writing began leaves the adapter unloaded (the worker removes it)."""
+        raise RunnerArgumentError(f"{type(self).__name__} takes adapters from a directory only")
 
     def remove_adapter(self, name: str) -> None:
         """Unload the adapter `name`; a name not loaded is nothing to do."""

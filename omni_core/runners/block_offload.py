@@ -13,7 +13,8 @@ The slab holds no state between two forwards: a sleep discards it (every level) 
 maps it again. The host copies are what the weights are: a reload or an update writes into
 them (the blocks point there between forwards), and a level-2 sleep keeps them (host memory).
 Whatever a denoiser reads of a block outside that block's own forward stays resident
-(`keep`): DiT's forward reads block 0's conditioning embedding after the blocks.
+(`keep`): DiT's forward reads block 0's conditioning embedding after the blocks, and a step
+cache reads block 0's whole first norm before them.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ def _align(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def denoiser_blocks(kind: str, denoiser: Any) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-    """The blocks to stream, and the modules inside them to keep resident."""
+def denoiser_blocks(
+    kind: str, denoiser: Any, *, cached: bool = False
+) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The blocks to stream, and the modules inside them to keep resident. `cached`: a DiT
+    step cache (runners/step_cache.py) runs block 0's whole norm1 before deciding whether the
+    blocks run, so all of it stays resident, and a skipped step streams no block."""
     if kind == "dit":
         blocks = list(denoiser.transformer_blocks)
-        return blocks, [blocks[0].norm1.emb]  # read by DiTTransformer2DModel.forward after the blocks
+        # norm1.emb: read by DiTTransformer2DModel.forward after the blocks.
+        return blocks, [blocks[0].norm1 if cached else blocks[0].norm1.emb]
     blocks = [*denoiser.down_blocks, denoiser.mid_block, *denoiser.up_blocks]
     return [block for block in blocks if block is not None], []
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from omni_core.runners.diffusion_steps import DenoiserCall, run_together
 
 CFG_WORLD = 2  # the guidance halves
-PARALLEL_MODES = ("cfg", "tensor")
+PARALLEL_MODES = ("cfg", "tensor", "ulysses", "ring")  # the last two: omni_core/runners/diffusion_parallel.py
 
 
 def stage_world(kind: str, parallel: str) -> int:
@@ -41,14 +41,17 @@ def stage_world(kind: str, parallel: str) -> int:
     if parallel not in PARALLEL_MODES:
         raise ValueError(
             f"parallel must be one of {list(PARALLEL_MODES)} ('cfg': a guidance half per rank, over 2 ranks; "
-            f"'tensor': the DiT's attention and MLP sharded over the ranks), got {parallel!r}"
+            "'tensor': the DiT's attention and MLP sharded over the ranks; 'ulysses', 'ring': the DiT's tokens "
+            f"split over the ranks, sequence-parallel), got {parallel!r}"
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 1
-    if parallel == "tensor":
+    if parallel != "cfg":
         if kind != "dit":
-            raise ValueError(f"parallel='tensor' shards a DiT's blocks; this pipeline is {kind!r}: use parallel='cfg'")
+            raise ValueError(
+                f"parallel={parallel!r} splits a DiT's blocks; this pipeline is {kind!r}: use parallel='cfg'"
+            )
         return world
     if world != CFG_WORLD or kind == "ddpm":
         what = "DDPM has no guidance to split" if kind == "ddpm" else f"a stage of {world} ranks has no such split"

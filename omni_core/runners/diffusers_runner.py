@@ -24,7 +24,8 @@ what diffusion RL trains on (omni_core/runners/diffusion_trajectory.py).
 With `step_cache_threshold` (DiT only; omni_core/runners/step_cache.py), steps whose
 transformer input changed little since the last computed step reuse its residual instead of
 running the blocks (TeaCache's method); the counters `step_cache_hits` and `step_cache_misses`
-say how many, and the cache's tensors are parked with the request's latents.
+say how many, and the cache's tensors are parked with the request's latents, or with the tag
+`step_cache` in a pool of their own that sleeps give back (omni_core/runners/step_cache_pool.py).
 
 Step-wise ops of several requests that the rank batches (StageSpec.batch_max_requests) run
 together: one denoiser call per step over the rows of every request still stepping
@@ -37,7 +38,9 @@ weights and reads no weight file (a trainer's first update fills them).
 With `offload="layerwise"` (and the tag `offload`), the denoiser's blocks stay on the host and
 stream through one device slab, a block at a time (omni_core/runners/block_offload.py). A
 stage of two ranks (WORLD_SIZE 2) runs each guided step CFG-parallel, a guidance half per rank
-(omni_core/runners/cfg_parallel.py); a world the runner cannot split is refused at start.
+(omni_core/runners/cfg_parallel.py), or splits a DiT's tokens with `parallel="ulysses"` or
+`"ring"` (omni_core/runners/diffusion_parallel.py); a world the runner cannot split is refused
+at start. The ranks of such a stage batch only the requests every one of them holds.
 
 Images come back as PNG bytes with the sha256 of the raw output tensor (float, [0, 1]).
 Text embeddings are cached by prompt when the stage has the tag `prompt_cache`: one slab of
@@ -80,12 +83,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
 from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
 from omni_core.runners.connector import ConnectorSpec
+from omni_core.runners.diffusers_lora import DiffusersAdapters, adapter_problem
 from omni_core.runners.diffusion_connector import conditioning_specs, export_conditioning, imported_conditioning
+from omni_core.runners.diffusion_parallel import (
+    SEQUENCE_MODES,
+    SequenceParallelDiT,
+    agreed_flags,
+    attach_sequence_parallel,
+    run_agreed,
+)
 from omni_core.runners.diffusion_steps import (
     DenoiserCall,
     DiffusionRequest,
@@ -99,6 +111,7 @@ from omni_core.runners.diffusion_steps import (
 from omni_core.runners.diffusion_trajectory import MAX_TRAJECTORY_BYTES, Trajectory, log_prob_method
 from omni_core.runners.prompt_cache import PROMPT_CACHE_TAG, PromptCache, slot_bytes_for
 from omni_core.runners.step_cache import StepCacheState, StepCacheStats, cached_dit_forward, check_threshold
+from omni_core.runners.step_cache_pool import STEP_CACHE_TAG, StepCachePool
 from omni_core.runners.synthetic import tensor_bytes, torch_dtype
 from omni_core.runners.tensor_parallel import join_process_group
 from omni_core.runners.weights import (
@@ -197,9 +210,10 @@ class DiffusersRunner(ModelRunner):
         self.sample_shape = self._sample_shape()
         self.step_cache_threshold = check_threshold(step_cache_threshold)
         _check_combinations(
-            self.kind, self.world, self.step_cache_threshold, offload, f"{model!r} holds a {pipeline_class}"
+            self.kind, self.world, parallel, self.step_cache_threshold, offload, f"{model!r} holds a {pipeline_class}"
         )
         self.step_cache_stats = StepCacheStats()
+        self.step_cache_pool: StepCachePool | None = None  # with the tag 'step_cache' (step_cache_pool.py)
         self.denoiser_calls = 0  # forward passes of the transformer or UNet
         self.denoiser_rows = 0  # the rows they ran, over every request in them
         # Latents of both guidance halves, in float32 at most (schedulers may upcast), times
@@ -254,6 +268,8 @@ class DiffusersRunner(ModelRunner):
         modules = {name: getattr(pipeline, name) for name in MODULE_COMPONENTS[self.kind]}
         if self.world > 1 and self.parallel == "tensor":
             shard_dit(modules["transformer"], self.world, self.device)
+        elif self.world > 1 and self.parallel in SEQUENCE_MODES:
+            attach_sequence_parallel(modules["transformer"], self.world, self.parallel)
         for module in modules.values():
             module.eval()
             module.requires_grad_(False)
@@ -263,7 +279,8 @@ class DiffusersRunner(ModelRunner):
             weights.bind_source(self.model_dir)
             self.loaded_names = frozenset(weights.named())
         if self.offload_mode == "layerwise":
-            blocks, keep = denoiser_blocks(self.kind, modules["transformer" if self.kind == "dit" else "unet"])
+            denoiser = modules["transformer" if self.kind == "dit" else "unet"]
+            blocks, keep = denoiser_blocks(self.kind, denoiser, cached=self.step_cache_threshold is not None)
             self.offload = BlockOffload.attach(self.device, blocks, keep)
         self.pipeline, self.modules, self.weights = pipeline, modules, weights
 
@@ -274,9 +291,22 @@ class DiffusersRunner(ModelRunner):
                 f"offload={self.offload_mode!r} and the stage's tags {list(tags)} disagree: a layer-wise offload "
                 f"streams through the '{OFFLOAD_TAG}' pool, so list that tag exactly when offload='layerwise'"
             )
+        if STEP_CACHE_TAG in tags:
+            self._own_step_cache_pool()
         # The slab is sized by the blocks, known once the weights are loaded.
         ordered = sorted(tags, key=lambda tag: (tag != WEIGHTS_TAG, tag == OFFLOAD_TAG))
         super().load(open_pool, ordered, budget)
+
+    def _own_step_cache_pool(self) -> None:
+        """The step cache in a pool of its own: out of the request slots, into its slots."""
+        if self.step_cache_pool is not None:
+            return
+        if self.step_cache_threshold is None:
+            raise ValueError(f"the tag {STEP_CACHE_TAG!r} holds a step cache: set step_cache_threshold or leave it out")
+        cache_bytes = self._step_cache_bytes()
+        self.step_cache_pool = StepCachePool(self.max_requests, cache_bytes)
+        if self.slab is None:  # the request slots, not allocated yet, need no room for it
+            self.slot_bytes -= 2 * _align(cache_bytes)
 
     def _read_pipeline(self) -> Any:
         from diffusers import DiffusionPipeline
@@ -351,6 +381,10 @@ class DiffusersRunner(ModelRunner):
             self.offload.allocate()
         elif tag == REQUESTS_TAG:
             self.slab = torch.zeros(self.max_requests, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        elif tag == STEP_CACHE_TAG:
+            self._own_step_cache_pool()
+            assert self.step_cache_pool is not None
+            self.step_cache_pool.allocate(self.device)
         elif tag == PROMPT_CACHE_TAG:
             if self.prompt_cache is None:
                 raise ValueError(f"this {self.kind} pipeline has no text encoder: leave {tag!r} out of its tags")
@@ -359,9 +393,14 @@ class DiffusersRunner(ModelRunner):
             super().allocate(tag)
 
     def tensors(self, tag: str) -> list[torch.Tensor]:
+        adapters = self.lora.tensors() if self.lora is not None else []
         if tag == WEIGHTS_TAG:
-            streamed = self.offload.streamed_ids() if self.offload is not None else set()
-            return [t for t in module_tensors(self.modules.values()) if id(t) not in streamed]
+            apart = self.offload.streamed_ids() if self.offload is not None else set()
+            if self.adapter_tag != WEIGHTS_TAG:
+                apart |= {id(t) for t in adapters}  # in a pool of their own (`adapters`)
+            return [t for t in module_tensors(self.modules.values()) if id(t) not in apart]
+        if tag == ADAPTERS_TAG:
+            return adapters
         if tag == OFFLOAD_TAG:
             return self.offload.tensors() if self.offload is not None else []
         if tag == KV_CACHE_TAG:
@@ -370,9 +409,11 @@ class DiffusersRunner(ModelRunner):
             return [self.slab] if self.slab is not None else []
         if tag == PROMPT_CACHE_TAG:
             return self.prompt_cache.tensors() if self.prompt_cache is not None else []
+        if tag == STEP_CACHE_TAG:
+            return self.step_cache_pool.tensors() if self.step_cache_pool is not None else []
         raise ValueError(
             f"DiffusersRunner has no tag {tag!r}; it has "
-            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG]}"
+            f"{[WEIGHTS_TAG, KV_CACHE_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG, STEP_CACHE_TAG, ADAPTERS_TAG]}"
         )
 
     def before_sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
@@ -449,10 +490,53 @@ class DiffusersRunner(ModelRunner):
         self.requests.clear()
         if self.prompt_cache is not None:
             self.prompt_cache.close()
+        if self.step_cache_pool is not None:
+            self.step_cache_pool.close()
+
+    # ------------------------------------------------------------------ LoRA adapters (P-20)
+
+    lora: DiffusersAdapters | None = None  # from the first AddAdapter
+
+    def _adapters(self) -> DiffusersAdapters:
+        if self.pipeline is None:
+            raise RuntimeError("an adapter before load_weights")
+        problem = adapter_problem(self.kind, self.offload_mode, self.world, self.parallel)
+        if problem is not None:
+            raise RunnerArgumentError(problem)
+        if self.lora is None or self.lora.pipeline is not self.pipeline:
+            self.lora = DiffusersAdapters(self.pipeline, self.kind)
+        return self.lora
+
+    def check_adapter(self, command: AddAdapter) -> None:
+        if command.tensors is not None:
+            raise RunnerArgumentError("the diffusers runner takes adapters from a directory only")
+        self._adapters().check(command)
+
+    def add_adapter(self, command: AddAdapter) -> None:
+        self._adapters().add(command)
+
+    def remove_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
 
     # ------------------------------------------------------------------ ops
 
+    def execute_adapter(self, payload: Any, adapter: str) -> dict[str, Any]:
+        return self._execute_with(adapter, payload)
+
     def execute(self, payload: Any) -> dict[str, Any]:
+        return self._execute_with(None, payload)
+
+    def _execute_with(self, adapter: str | None, payload: Any) -> dict[str, Any]:
+        """One op with adapter `adapter` alone, or every adapter off (None)."""
+        if self.lora is None or not self.lora.loads:
+            return self._execute(payload)
+        with self.lora.using(adapter, payload):
+            result = self._execute(payload)
+        self.lora.record(adapter, result, self.requests)
+        return result
+
+    def _execute(self, payload: Any) -> dict[str, Any]:
         op = self._check_payload(payload)
         if op == "prompt_cache":
             return self._prompt_cache_op(payload)
@@ -483,9 +567,12 @@ class DiffusersRunner(ModelRunner):
         call per step over the rows of every request still stepping (vLLM-Omni's
         `execute_stepwise` over a scheduler batch); anything else runs one by one first."""
         if self.world > 1:
-            # The ranks' batches may differ (each gathers what waits on its own socket): run
-            # one by one, so every rank makes the same collectives in the same order.
-            return super().execute_batch(payloads)
+            # The ranks' batches may differ (each gathers what waits on its own socket): each
+            # group is one every rank holds, so their collectives meet (diffusion_parallel.py).
+            return run_agreed(payloads, self._execute_batch_here)
+        return self._execute_batch_here(payloads)
+
+    def _execute_batch_here(self, payloads: Sequence[Any]) -> list[Any]:
         ids: list[Any] = [p.get("request_id") if isinstance(p, dict) else None for p in payloads]
         seen = Counter(i for i in ids if isinstance(i, str))
         together = [
@@ -515,9 +602,13 @@ class DiffusersRunner(ModelRunner):
         work: list[tuple[int, str, DiffusionRequest, int]] = []
         for k, payload in enumerate(payloads):
             try:
+                if self.lora is not None:  # together: every adapter off, as a plain op runs
+                    self.lora.check_started(None, payload)
                 work.append((k, payload["op"], *self._claim_op(payload["op"], payload)))
             except Exception as exc:
                 outputs[k] = exc
+        if self.world > 1:
+            work = self._agreed_work(work, outputs)
         if not work:
             return outputs
         try:
@@ -537,6 +628,20 @@ class DiffusersRunner(ModelRunner):
                 outputs[k] = exc
         return outputs
 
+    def _agreed_work(self, work: list[Any], outputs: list[Any]) -> list[Any]:
+        """The claimed requests every rank claimed (each rank's denoiser calls must match);
+        one another rank could not step is lost here too, so the ranks stay alike."""
+        flags = agreed_flags([k in {w[0] for w in work} for k in range(len(outputs))])
+        kept = []
+        for entry in work:
+            k, _, request, _ = entry
+            if flags[k]:
+                kept.append(entry)
+                continue
+            self._lose(request.request_id, "another rank of the stage could not step it (its error names why)")
+            outputs[k] = RequestLostError(f"request {request.request_id} was aborted: {self.lost[request.request_id]}")
+        return kept
+
     def _check_payload(self, payload: Any) -> Any:
         """The payload's op, once the payload is a dict, the op known and the weights loaded."""
         if not isinstance(payload, dict):
@@ -553,7 +658,7 @@ class DiffusersRunner(ModelRunner):
 
     def _check_pools(self) -> None:
         # Every pool this runner has must be resident, as the worker requires for any Execute.
-        tags = (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG)
+        tags = (WEIGHTS_TAG, REQUESTS_TAG, PROMPT_CACHE_TAG, OFFLOAD_TAG, STEP_CACHE_TAG)
         check_resident({tag: self.tensors(tag) for tag in tags})
 
     def _claim_op(self, op: str, payload: dict[str, Any]) -> tuple[DiffusionRequest, int]:
@@ -691,6 +796,7 @@ class DiffusersRunner(ModelRunner):
             counters.update(self.prompt_cache.counters())
         if self.step_cache_threshold is not None:
             counters.update(self.step_cache_stats.counters())
+            counters["step_cache_dropped"] = self.step_cache_pool.dropped if self.step_cache_pool is not None else 0
         return counters
 
     def _prompt_cache_op(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -739,7 +845,9 @@ class DiffusersRunner(ModelRunner):
         """Each request `count` steps further (fewer where it ends first): per step, one
         denoiser call over the rows of every request still stepping; a request with a step
         cache makes its own call (the cache decides per request whether the blocks run)."""
-        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        denoiser: Any = self.modules["transformer" if self.kind == "dit" else "unet"]
+        if self.world > 1 and self.parallel in SEQUENCE_MODES:
+            denoiser = SequenceParallelDiT(denoiser)  # its blocks over this rank's tokens
         ends = [min(request.steps_total, request.steps_done + count) for request, _, count in work]
         contexts = [self._step_context(request) for request, _, _ in work]
         samples = [sample for _, sample, _ in work]
@@ -844,7 +952,8 @@ class DiffusersRunner(ModelRunner):
 
     def _park(self, request: DiffusionRequest, sample: torch.Tensor) -> None:
         assert request.slot is not None
-        state = state_tensors(request, sample) + _step_cache_tensors(request)
+        own_pool = self.step_cache_pool
+        state = state_tensors(request, sample) + ([] if own_pool is not None else _step_cache_tensors(request))
         needed = HEADER_BYTES + sum(_align(t.numel() * t.element_size()) for _, _, t in state)
         if needed > self.slot_bytes:
             self._lose(request.request_id, f"its state needs {needed} bytes, a slot holds {self.slot_bytes}")
@@ -868,6 +977,8 @@ class DiffusersRunner(ModelRunner):
                     getattr(request.scheduler, attribute)[index] = None
         self._header(request.slot).copy_(torch.tensor([request.canary, request.generation, request.steps_done]))
         request.parked = parked
+        if own_pool is not None and request.step_cache is not None:
+            own_pool.park(request.slot, request.canary, self.generation, request.step_cache)
 
     def _unpark(self, request: DiffusionRequest) -> torch.Tensor:
         assert request.slot is not None
@@ -883,6 +994,8 @@ class DiffusersRunner(ModelRunner):
             else:
                 getattr(request.scheduler, p.attribute)[p.index] = value
         assert sample is not None
+        if self.step_cache_pool is not None and request.step_cache is not None:
+            self.step_cache_pool.unpark(request.slot, request.canary, self.generation, request.step_cache)
         return sample
 
     def _claim(self, request_id: Any, check_state: bool = True) -> DiffusionRequest:
@@ -908,6 +1021,8 @@ class DiffusersRunner(ModelRunner):
         request = self.requests.pop(request_id)
         if self._slab_resident() and request.slot is not None:
             self._header(request.slot).zero_()  # a later request in this slot cannot match it
+        if self.step_cache_pool is not None and request.slot is not None:
+            self.step_cache_pool.clear(request.slot)
         request.slot = None
 
     def _slab_resident(self) -> bool:
@@ -972,14 +1087,16 @@ def _check_options(
             raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
 
 
-def _check_combinations(kind: str, world: int, step_cache_threshold: float | None, offload: str, holds: str) -> None:
+def _check_combinations(
+    kind: str, world: int, parallel: str, step_cache_threshold: float | None, offload: str, holds: str
+) -> None:
     """The arguments that do not combine."""
     if step_cache_threshold is not None and kind != "dit":
         raise ValueError(f"step_cache_threshold applies to DiT pipelines; {holds}")
     if world > 1 and offload != "none":
         raise ValueError("offload='layerwise' runs on a stage of one rank; use ranks=1 or offload='none'")
-    if step_cache_threshold is not None and offload != "none":
+    if world > 1 and step_cache_threshold is not None and parallel in SEQUENCE_MODES:
         raise ValueError(
-            "step_cache_threshold and offload='layerwise' do not combine (the cache reads block 0 outside its "
-            "forward, where its weights are on the host); choose one"
+            f"step_cache_threshold and parallel={parallel!r} do not combine (the cache runs the blocks over every "
+            "token); use parallel='cfg' or no step cache"
         )

@@ -82,16 +82,66 @@ class PeftAdapters:
         self.names: set[str] = set()
 
     def check(self, command: AddAdapter) -> None:
-        """Everything about the adapter checked before anything is loaded or evicted."""
+        """Everything about the adapter checked before anything is loaded or evicted (its
+        tensors, when they come through a weight plane, by the receiver against `specs`)."""
         name, own_class = command.name, type(self.model).__name__
-        declared = check_peft_dir(command, own_class)
+        declared = sorted(command.target_modules) if command.tensors is not None else check_peft_dir(command, own_class)
         own = {module_name.rsplit(".", 1)[-1] for module_name, _ in self.model.named_modules()}
         missing = sorted(set(declared) - own)
         if missing:
             raise RunnerArgumentError(
                 f"adapter {name!r} targets modules {missing} this model ({own_class}) lacks; nothing was loaded"
             )
-        self._check_shapes(command)
+        if command.tensors is None:
+            self._check_shapes(command)
+
+    def _targets(self, modules: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The base weight of every module an adapter on `modules` adapts, by the module's name."""
+        found = {}
+        for owner, module in self.model.named_modules():
+            weight = getattr(module, "weight", None)
+            if owner.rsplit(".", 1)[-1] in modules and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                found[owner] = weight
+        return found
+
+    def specs(self, command: AddAdapter) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors of an adapter of `command.rank` on its modules, by PEFT's saved names."""
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for owner, weight in self._targets(command.target_modules).items():
+            out_features, in_features = weight.shape
+            specs[f"base_model.model.{owner}.lora_A.weight"] = ((command.rank, in_features), weight.dtype)
+            specs[f"base_model.model.{owner}.lora_B.weight"] = ((out_features, command.rank), weight.dtype)
+        return specs
+
+    def _shape(self, name: str) -> tuple[int, tuple[str, ...], float] | None:
+        """(rank, modules, alpha) of the adapter `name` held, or None."""
+        if self.peft is None or name not in self.names:
+            return None
+        config = self.peft.peft_config[name]
+        return config.r, tuple(sorted(_modules(vars(config)))), float(config.lora_alpha)
+
+    def write(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Refit the adapter held in place when its rank, modules and alpha stay; else make it
+        afresh (PEFT injects its layers), then copy every tensor in."""
+        from peft import LoraConfig, PeftModel
+
+        name, held = command.name, self._shape(command.name)
+        alpha = command.lora_alpha if command.lora_alpha is not None else (held[2] if held else float(command.rank))
+        if held != (command.rank, tuple(sorted(command.target_modules)), alpha):
+            # PEFT types lora_alpha int, and scales by it as a float (alpha / r): a refit's alpha may be one.
+            config = LoraConfig(r=command.rank, lora_alpha=alpha, target_modules=list(command.target_modules))  # type: ignore[arg-type]
+            if self.peft is None:
+                self.peft = PeftModel(self.model, config, adapter_name=name)
+            else:
+                self.remove(name)
+                self.peft.add_adapter(name, config)
+            self.names.add(name)
+            self.peft.eval()
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for key, tensor in tensors:
+                owner, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
+                params[f"{owner}.lora_{kind[0]}.{name}.weight"].copy_(tensor)
 
     def _check_shapes(self, command: AddAdapter) -> None:
         """Each lora_A (rank, in) and lora_B (out, rank) against the module it adapts."""
@@ -153,3 +203,45 @@ class PeftAdapters:
             return
         self.peft.set_adapter(name)
         yield
+
+
+def lora_specs(
+    weight_specs: dict[str, tuple[tuple[int, ...], torch.dtype]], command: AddAdapter
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of an adapter of `command.rank` on its modules, by PEFT's saved names, from a
+    model's own weights (`<module>.weight` of shape (out, in)): lora_A (rank, in), lora_B (out, rank)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in weight_specs.items():
+        owner = name.removesuffix(".weight")
+        if owner != name and len(shape) == 2 and owner.rsplit(".", 1)[-1] in command.target_modules:
+            specs[f"base_model.model.{owner}.lora_A.weight"] = ((command.rank, shape[1]), dtype)
+            specs[f"base_model.model.{owner}.lora_B.weight"] = ((shape[0], command.rank), dtype)
+    return specs
+
+
+def write_peft_dir(
+    directory: Path, command: AddAdapter, alpha: float, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """An adapter's tensors as a PEFT directory, for a framework that loads adapters only from
+    one (vLLM's add_lora): adapter_model.safetensors and its adapter_config.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors}, str(directory / ADAPTER_WEIGHTS))
+    config = {
+        "peft_type": "LORA",
+        "r": command.rank,
+        "lora_alpha": alpha,
+        "target_modules": list(command.target_modules),
+    }
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def peft_alpha(directory: str) -> float | None:
+    """The lora_alpha a PEFT directory's config says, or None."""
+    try:
+        config = json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        alpha = config.get("lora_alpha")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(alpha) if isinstance(alpha, int | float) else None

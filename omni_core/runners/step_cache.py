@@ -92,10 +92,10 @@ def cached_dit_forward(
         assert state.residual is not None
         hidden_states = hidden_states + state.residual
         stats.hits += 1
-    return _dit_output(transformer, hidden_states, timestep, class_labels)
+    return dit_output(transformer, hidden_states, timestep, class_labels)
 
 
-def _dit_output(transformer: Any, hidden_states: torch.Tensor, timestep: torch.Tensor, labels: Any) -> torch.Tensor:
+def dit_output(transformer: Any, hidden_states: torch.Tensor, timestep: torch.Tensor, labels: Any) -> torch.Tensor:
     """The forward's output head and unpatchify, as diffusers writes them."""
     conditioning = transformer.transformer_blocks[0].norm1.emb(timestep, labels, hidden_dtype=hidden_states.dtype)
     shift, scale = transformer.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)

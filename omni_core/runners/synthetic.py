@@ -28,7 +28,7 @@ import ctypes
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -163,8 +163,10 @@ class SyntheticRunner(ModelRunner):
     # ------------------------------------------------------------------ LoRA adapters (P-20)
 
     def check_adapter(self, command: AddAdapter) -> None:
-        """A synthetic adapter comes from 'seed:<int>'; its modules are the weights `w0`.."""
-        _parse_seed(command.source)
+        """A synthetic adapter comes from 'seed:<int>' or from tensors; its modules are the
+        weights `w0`.."""
+        if command.tensors is None:
+            _parse_seed(command.source)
         modules = {f"w{i}" for i in range(self.tensor_count)}
         missing = sorted(set(command.target_modules) - modules)
         if missing:
@@ -186,6 +188,30 @@ class SyntheticRunner(ModelRunner):
             pairs[index] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
         self.adapters[command.name] = pairs
 
+    def adapter_specs(self, command: AddAdapter) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for module in command.target_modules:
+            specs[f"base_model.model.{module}.lora_A.weight"] = ((command.rank, self.hidden), self.dtype)
+            specs[f"base_model.model.{module}.lora_B.weight"] = ((self.hidden, command.rank), self.dtype)
+        return specs
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        held = self.adapters.get(command.name)
+        shape = {int(m[1:]) for m in command.target_modules}
+        if held is None or set(held) != shape or held[next(iter(held))][0].shape[0] != command.rank:
+            held = {
+                i: (
+                    torch.empty(command.rank, self.hidden, dtype=self.dtype, device=self.device),
+                    torch.empty(self.hidden, command.rank, dtype=self.dtype, device=self.device),
+                )
+                for i in sorted(shape)
+            }
+            self.adapters[command.name] = held
+        with torch.no_grad():
+            for name, tensor in tensors:  # in place: a refit allocates nothing
+                module, _, kind = name.removeprefix("base_model.model.").partition(".lora_")
+                held[int(module[1:])][0 if kind.startswith("A") else 1].copy_(tensor)
+
     def remove_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)
 
@@ -202,11 +228,22 @@ class SyntheticRunner(ModelRunner):
         return {"calibration": self.calibration} if self.calibration is not None else {}
 
     def reload_weights(self, source: str | None) -> None:
-        self._fill(self.seed if source is None else _parse_seed(source))
+        seed = self.seed if source is None else _parse_seed(source)
+        elsewhere = sorted({str(w.device) for w in self.weights if w.device != self.device})
+        if elsewhere:  # the weights point at a host copy (a refit while asleep)
+            raise RunnerArgumentError(
+                f"the synthetic runner draws its weights on {self.device}, not on {elsewhere}: a refit into "
+                "the host copy takes an shm, ipc or collective update; wake it to reload from 'seed:N'"
+            )
+        self._fill(seed)
 
     def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
         # The calibration buffer is not a weight: like a reload, an update leaves it alone.
         return {f"w{i}": ((self.rows, self.hidden), self.dtype) for i in range(self.tensor_count)}
+
+    # Updates copy in place wherever the tensors point (the host copy too); a reload draws from
+    # a generator on the rank's device, which a host copy cannot take: refused before writing.
+    supports_host_refit = True
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():

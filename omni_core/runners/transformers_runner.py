@@ -291,6 +291,12 @@ class TransformersRunner(ModelRunner):
     def add_adapter(self, command: AddAdapter) -> None:
         self._adapters().add(command)
 
+    def adapter_specs(self, command: AddAdapter) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self._adapters().specs(command)
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._adapters().write(command, tensors)
+
     def remove_adapter(self, name: str) -> None:
         if self.lora is not None:
             self.lora.remove(name)
@@ -312,6 +318,10 @@ class TransformersRunner(ModelRunner):
         if self.weights is None:
             raise RuntimeError("weight_specs before load_weights")
         return self.weights.specs()
+
+    # Reloads and updates write in place through the modules' own tensors (WeightSet), each
+    # cast and cut on the host: into the backend's host copy as well as into the device.
+    supports_host_refit = True
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A trainer's state_dict tensors (full, in the model's dtype); a tensor-parallel rank

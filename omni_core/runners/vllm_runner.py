@@ -41,20 +41,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
-from omni_core.fsm.tags import KV_CACHE_TAG, WEIGHTS_TAG
+from omni_core.fsm.tags import COMM_TAG, CUDA_GRAPH_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_each, parse_generation
-from omni_core.runners.lora import check_peft_dir
+from omni_core.runners.lora import check_peft_dir, lora_specs, peft_alpha, write_peft_dir
 from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
 
 log = logging.getLogger("omni_core.runners.vllm")
@@ -84,6 +86,37 @@ OWNED_ENGINE_ARGS = frozenset(
     }
 )
 ALLOCATOR_BACKENDS = ("cumem", "fast")
+VLLM_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG, COMM_TAG)
+# vLLM's own opt-ins for the memory beyond its weights and KV cache (vLLM 0.34; 0.26 has none):
+# its CUDA graphs captured into the CuMemAllocator's "cudagraph" pool, offloaded at a sleep and
+# restored in place at a wake; its NCCL communicators suspended (ncclCommSuspend) and resumed.
+TAG_ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    CUDA_GRAPH_TAG: {"enable_sleep_mode": True, "sleep_mode_offload_cudagraph": True},
+    COMM_TAG: {"enable_sleep_mode": True, "enable_nccl_comm_suspend": True},
+}
+
+
+def _engine_arg_names() -> frozenset[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def tag_engine_args(tags: frozenset[str], names: Callable[[], frozenset[str]] = _engine_arg_names) -> dict[str, Any]:
+    """The engine arguments the stage's tags `cuda_graph` and `comm` ask of vLLM; refused,
+    naming them, where this vLLM lacks them (the stage then drops the tags)."""
+    wanted: dict[str, Any] = {}
+    for tag in sorted(tags & TAG_ENGINE_ARGS.keys()):
+        wanted.update(TAG_ENGINE_ARGS[tag])
+    missing = sorted(set(wanted) - names()) if wanted else []
+    if missing:
+        raise ValueError(
+            f"this vLLM has no engine args {missing}, which the tags {sorted(tags & TAG_ENGINE_ARGS.keys())} need "
+            "(vLLM's own graph-pool offload and communicator suspend, vLLM >= 0.34); drop those tags from the stage"
+        )
+    return wanted
 
 
 @dataclass
@@ -238,6 +271,22 @@ class VllmEngine:
         return set(self._llm.llm_engine.list_loras())
 
 
+def _check_engine_arguments(
+    max_num_seqs: int, gpu_memory_utilization: float, engine_args: Mapping[str, Any] | None
+) -> None:
+    if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+        raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
+    if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
+    owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
+    if owned:
+        raise ValueError(
+            f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
+            "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
+            "stage's (ranks, gpu_memory_fraction, backend)"
+        )
+
+
 @dataclass
 class _EngineRequests:
     """The requests in vLLM's engine by the rank's key, and each row's vLLM id to its key."""
@@ -298,17 +347,7 @@ class VllmRunner(ModelRunner):
             raise ValueError(
                 f"max_model_len must be an int in 2..{positions} (max_position_embeddings), got {max_model_len!r}"
             )
-        if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
-            raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
-        if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
-        owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
-        if owned:
-            raise ValueError(
-                f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
-                "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
-                "stage's (ranks, gpu_memory_fraction, backend)"
-            )
+        _check_engine_arguments(max_num_seqs, gpu_memory_utilization, engine_args)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.engine_kwargs: dict[str, Any] = {
@@ -329,6 +368,7 @@ class VllmRunner(ModelRunner):
         if attention_backend is not None:
             self.engine_kwargs["attention_config"] = {"backend": attention_backend}
         self.llm: Any = None
+        self.held: frozenset[str] = frozenset()  # the runner's own tags: `comm` when the stage has it
         self.worker: Any = None
         self.tokenizer: Any = None
         self.kv_cache_bytes: int | None = None
@@ -337,23 +377,25 @@ class VllmRunner(ModelRunner):
         # P-20: adapters in vLLM's LoRA slots (engine_args enable_lora, max_loras: at most vLLM's).
         self.loras: dict[str, LoraSlot] = {}
         self._running = _EngineRequests()  # continuous batching: the requests in vLLM's engine
+        self._lora_root: Path | None = None  # refits' directories (write_adapter), removed at close
 
     # ------------------------------------------------------------------ allocation
 
     def load(self, open_pool: OpenPool, tags: Iterable[str], budget: MemoryBudget | None) -> None:
         tags = list(tags)
-        if sorted(tags) != sorted([WEIGHTS_TAG, KV_CACHE_TAG]):
+        if not {WEIGHTS_TAG, KV_CACHE_TAG} <= set(tags) or set(tags) - set(VLLM_TAGS):
             raise ValueError(
-                f"the vllm runner allocates exactly the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's "
-                f"pools); the stage has {tags}"
+                f"the vllm runner allocates the tags {[WEIGHTS_TAG, KV_CACHE_TAG]} (vLLM's pools), and "
+                f"optionally {[CUDA_GRAPH_TAG, COMM_TAG]} (vLLM's graph pool and communicators); the stage has {tags}"
             )
+        self.held = frozenset(tags) & {COMM_TAG}
         backend_name = getattr(getattr(open_pool, "__self__", None), "name", None)
         if backend_name is not None and backend_name not in ALLOCATOR_BACKENDS:
             raise ValueError(
                 f"the vllm runner needs an allocator backend {list(ALLOCATOR_BACKENDS)} (vLLM's tensors "
                 f"must keep their addresses across a sleep); the stage has backend={backend_name!r}"
             )
-        kwargs = dict(self.engine_kwargs)
+        kwargs = {**self.engine_kwargs, **tag_engine_args(frozenset(tags))}
         if budget is not None:
             # vLLM checks at start-up that this much of the device is free; the KV cache is
             # then sized by OmniVllmWorker from this process's own use, not device-wide.
@@ -405,6 +447,13 @@ class VllmRunner(ModelRunner):
         # Cached prefix blocks would point into a KV cache that is about to be released.
         if KV_CACHE_TAG in offload | discard:
             self.reset_prefix_cache()
+        if COMM_TAG in (offload | discard) & self.held:
+            from vllm.distributed.parallel_state import suspend_device_comms
+
+            suspend_device_comms()  # ncclCommSuspend: collective, every rank sleeps the tag
+
+    def runner_tags(self) -> frozenset[str]:
+        return self.held
 
     def reset_prefix_cache(self) -> int | None:
         """vLLM's own reset: every cached prefix block is freed for reuse, the KV cache stays
@@ -421,6 +470,10 @@ class VllmRunner(ModelRunner):
         return (DerivedCache(PREFIX_KV_CACHE, keyed_by_version=False),)
 
     def after_wake(self, tags: frozenset[str]) -> None:
+        if COMM_TAG in tags & self.held:
+            from vllm.distributed.parallel_state import resume_device_comms
+
+            resume_device_comms()
         if KV_CACHE_TAG in tags:
             self.worker.model_runner.post_kv_cache_wake_up()
 
@@ -481,18 +534,51 @@ class VllmRunner(ModelRunner):
 
     def close(self) -> None:
         self.llm = self.worker = None
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
+            self._lora_root = None
 
     # ------------------------------------------------------------------ LoRA adapters (P-20)
 
     def check_adapter(self, command: AddAdapter) -> None:
         """vLLM loads the tensors itself; what it is given is checked here first: LoRA enabled,
-        a PEFT directory of this architecture, of the rank and modules the command says."""
+        a PEFT directory of this architecture, of the rank and modules the command says (its
+        tensors, when they come through a weight plane, by the receiver against adapter_specs)."""
         if not self.engine_kwargs.get("enable_lora"):
             raise RunnerArgumentError(
                 "this vllm stage was started without LoRA: set runner_args engine_args "
                 "{enable_lora: true, max_loras, max_lora_rank} to serve adapters"
             )
-        check_peft_dir(command, (self.config.get("architectures") or [""])[0])
+        if command.tensors is None:
+            check_peft_dir(command, (self.config.get("architectures") or [""])[0])
+        elif not lora_specs(self.weight_specs(), command):
+            raise RunnerArgumentError(
+                f"adapter {command.name!r} targets modules {list(command.target_modules)}, none of them a "
+                "linear weight of this model; nothing was loaded"
+            )
+
+    def adapter_specs(self, command: AddAdapter) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return lora_specs(self.weight_specs(), command)
+
+    def write_adapter(self, command: AddAdapter, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's add_lora loads from a directory only: the checked tensors are written to one of
+        this rank's own (a private temporary directory, one per adapter version, removed with
+        the adapter) and loaded from there, through vLLM's own LoRA manager."""
+        import tempfile
+
+        if self._lora_root is None:
+            self._lora_root = Path(tempfile.mkdtemp(prefix="omni-lora-"))
+        held = self.loras.get(command.name)
+        alpha = command.lora_alpha or (peft_alpha(held.path) if held is not None else None) or float(command.rank)
+        directory = self._lora_root / f"{command.adapter_id}-v{command.version}"
+        try:
+            write_peft_dir(directory, command, alpha, tensors)
+            self.add_adapter(msgspec.structs.replace(command, source=str(directory), tensors=None))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)  # nothing of a failed refit stays on disk
+            raise
+        if held is not None and held.path.startswith(str(self._lora_root)) and held.path != str(directory):
+            shutil.rmtree(held.path, ignore_errors=True)
 
     def add_adapter(self, command: AddAdapter) -> None:
         slot = LoraSlot(command.name, command.adapter_id, str(Path(command.source).expanduser()))
@@ -509,6 +595,8 @@ class VllmRunner(ModelRunner):
         slot = self.loras.pop(name, None)
         if slot is not None:
             self.llm.remove_lora(slot.lora_int_id)
+            if self._lora_root is not None and slot.path.startswith(str(self._lora_root)):
+                shutil.rmtree(slot.path, ignore_errors=True)  # a refit's own directory
 
     def pin_adapter(self, name: str, pinned: bool) -> None:
         if pinned and name in self.loras:  # vLLM unpins only by removing

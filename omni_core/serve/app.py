@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from omni_core.config import OmniConfig
 from omni_core.engine import Engine
 from omni_core.serve import (
+    adapter_routes,
     core_routes,
     ipc_routes,
     lora_routes,
@@ -42,6 +43,7 @@ API_VERSION = "1"
 # one module and one line here.
 ROUTERS: tuple[Callable[[ServeState], APIRouter], ...] = (
     core_routes.router,
+    adapter_routes.router,
     lora_routes.router,
     vllm_routes.router,
     pause_routes.router,

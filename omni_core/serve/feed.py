@@ -259,6 +259,7 @@ class StatusFeed:
             "host_offloaded_bytes": sum(r["host_offloaded_bytes"] for r in ranks.values()),
             "runner_counters": _summed(r["runner_counters"] for r in ranks.values()),
             "ranks": ranks,
+            "adapters": list(st.get("adapters") or []),  # P-20: as the stage's rank 0 listed them last
         }
 
     def build_snapshot(self, status: dict[str, Any] | None) -> dict[str, Any]:

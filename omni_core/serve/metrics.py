@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from omni_core.protocol import StageState
+from omni_core.serve.adapter_metrics import adapter_families
 
 # `*_created` series (one per labelled child) double what a scrape carries and nothing here reads
 # them; prometheus_client only offers a process-wide switch.
@@ -352,3 +353,4 @@ class _EngineCollector(Collector):
             engine_events,
             up,
         )
+        yield from adapter_families(stages)

@@ -269,6 +269,59 @@ class LoadLoraBody(BaseModel):
     load_inplace: bool = Field(False, description="vLLM's: replace an adapter of that name (omni-core always does)")
 
 
+class LoadLoraTensorsBody(BaseModel):
+    """SGLang's body of a LoRA load from tensors (`LoadLoRAAdapterFromTensorsReqInput`), with
+    omni-core's typed `source` in place of its pickled `serialized_tensors`, and `version`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    config_dict: dict[str, Any] = Field(
+        default_factory=dict,
+        description="PEFT's LoRA config: r, lora_alpha and target_modules are read (absent: the "
+        "tensors' names and shapes say the rank and modules, alpha is the adapter's held one or r)",
+    )
+    source: dict[str, Any] | None = Field(
+        None,
+        description="the adapter's tensors by PEFT's names: msgspec.to_builtins of what WeightSender.share "
+        'returns ({"type": "shm"|"ipc", "buckets": [...]}), or {"type": "collective", "tensors": [...]} '
+        "broadcast over the weight group",
+    )
+    serialized_tensors: str | list[str] | None = Field(
+        None, description="refused unless empty: SGLang's are pickles; send `source`"
+    )
+    pinned: bool = False
+    version: int | None = Field(
+        None, ge=1, le=2**63 - 1, description="omni-core's: the adapter's new version (null: one above the held one)"
+    )
+    lora_id: str | None = Field(None, max_length=128, description="SGLang's internal id: not used")
+    load_format: str | None = Field(None, description="refused unless null: the tensors come whole, by name")
+    added_tokens_config: dict[str, Any] | None = Field(None, description="refused unless null")
+
+
+class AddAdapterBody(_Strict):
+    """POST /v1/stages/{name}/adapters: the protocol's AddAdapter from a directory (P-20)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$", description="the adapter's name")
+    source: str = Field(min_length=1, max_length=4096, description="a PEFT directory under allowed_reload_sources")
+    rank: int | None = Field(None, ge=1, le=1024, description="null: adapter_config.json's r")
+    target_modules: list[str] | None = Field(None, max_length=32, description="null: adapter_config.json's")
+    version: int = Field(1, ge=0, le=2**63 - 1, description="the adapter's own version")
+    base_version: int | None = Field(None, ge=0, le=2**63 - 1, description="null: the weights the stage holds")
+    pinned: bool = False
+    rebind: bool = Field(False, description="serve it on the weights held, whatever base_version says")
+    timeout_s: float | None = None
+
+
+class PinAdapterBody(_Strict):
+    pinned: bool = Field(True, description="false unpins")
+    timeout_s: float | None = None
+
+
+class TimeoutBody(_Strict):
+    timeout_s: float | None = None
+
+
 class UnloadLoraBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 

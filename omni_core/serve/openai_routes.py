@@ -81,6 +81,17 @@ def resolve_stage(state: ServeState, model: str | None) -> str:
     return stage
 
 
+def resolve_target(state: ServeState, model: str | None) -> tuple[str, str | None]:
+    """The stage and the LoRA adapter (P-20) a request's `model` names. As vLLM serves them, an
+    adapter loaded through `/v1/load_lora_adapter` (or SGLang's) is a model of its own in GET
+    /v1/models: named as `model`, it runs on the stage the loads went to, the one a request
+    naming no model gets. A stage's name or model id is never taken for an adapter."""
+    models = {*state.specs, *(model_name(state, n) for n in state.names)}
+    if model is not None and model not in models and model in state.lora_paths:
+        return resolve_stage(state, None), model
+    return resolve_stage(state, model), None
+
+
 def _refuse_unserved(body: _OpenAIBody) -> None:
     """A field asking for what the runners cannot do is refused, never silently dropped."""
     asks = {
@@ -190,8 +201,10 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[: min(found)], True) if found else (text, False)
 
 
-async def _generate(state: ServeState, stage: str, body: _OpenAIBody, prompts: list[dict[str, Any]]) -> list[Any]:
-    """Every prompt as one request of the stage, in flight together; their ExecuteResults."""
+async def _generate(
+    state: ServeState, stage: str, body: _OpenAIBody, prompts: list[dict[str, Any]], adapter: str | None
+) -> list[Any]:
+    """Every prompt as one request of the stage (with `adapter`), in flight together; their ExecuteResults."""
     engine = state.require_engine()
     max_tokens = body.max_tokens
     if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
@@ -199,7 +212,9 @@ async def _generate(state: ServeState, stage: str, body: _OpenAIBody, prompts: l
     common = {"max_new_tokens": max_tokens or DEFAULT_MAX_TOKENS, "sampling": _sampling(body)}
     common["stop_at_eos"] = not body.ignore_eos
     futures = [
-        asyncio.wrap_future(engine.submit(stage, {**p, **common}, timeout_s=body.timeout_s, with_version=True))
+        asyncio.wrap_future(
+            engine.submit(stage, {**p, **common}, timeout_s=body.timeout_s, with_version=True, adapter=adapter)
+        )
         for p in prompts
     ]
     budget_s = (body.timeout_s or state.specs[stage].request_timeout_s) + WAIT_GRACE_S
@@ -227,17 +242,30 @@ def _choices(results: list[Any], stops: list[str]) -> tuple[list[dict[str, Any]]
                 "finish_reason": reason,
                 "token_ids": out["token_ids"],
                 "weights_version": result.weights_version,
+                **_ran_with(result),
             }
         )
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
     return choices, usage | {"total_tokens": prompt_tokens + completion_tokens}
 
 
+def _ran_with(result: Any) -> dict[str, Any]:
+    """P-20: the adapter and its version beside the weights version, when one ran."""
+    if result.adapter is None:
+        return {}
+    return {"adapter": result.adapter, "adapter_version": result.adapter_version}
+
+
+def _extra(choice: dict[str, Any]) -> dict[str, Any]:
+    """A choice's fields beside OpenAI's: its tokens, the weights version, the adapter's."""
+    return {k: choice[k] for k in ("token_ids", "weights_version", "adapter", "adapter_version") if k in choice}
+
+
 def _answer(kind: str, model: str, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
     chat = kind == "chat"
     shaped = []
     for c in choices:
-        extra = {"token_ids": c["token_ids"], "weights_version": c["weights_version"]}
+        extra = _extra(c)
         if chat:
             message = {"role": "assistant", "content": c["text"]}
             shaped.append({"index": c["index"], "message": message, "finish_reason": c["finish_reason"], **extra})
@@ -266,7 +294,7 @@ async def _events(answer: dict[str, Any], include_usage: bool) -> AsyncIterator[
         return f"data: {json.dumps(head | {'choices': choices} | more)}\n\n".encode()
 
     for c in answer["choices"]:
-        extra = {"token_ids": c["token_ids"], "weights_version": c["weights_version"]}
+        extra = _extra(c)
         if chat:
             delta = {"role": "assistant", "content": c["message"]["content"]}
             yield chunk([{"index": c["index"], "delta": delta, "finish_reason": None, **extra}])
@@ -281,12 +309,17 @@ async def _events(answer: dict[str, Any], include_usage: bool) -> AsyncIterator[
 
 
 async def _serve(
-    state: ServeState, kind: str, body: _OpenAIBody, stage: str, prompts: list[dict[str, Any]]
+    state: ServeState,
+    kind: str,
+    body: _OpenAIBody,
+    target: tuple[str, str | None],
+    prompts: list[dict[str, Any]],
 ) -> Response:
+    stage, adapter = target
     try:
         _refuse_unserved(body)
         stops = _stops(body.stop)
-        results = await _generate(state, stage, body, prompts)
+        results = await _generate(state, stage, body, prompts, adapter)
     except Exception as exc:
         err = to_http(exc, stage=stage)
         state.metrics.requests.labels(stage, outcome_label(err.status)).inc(len(prompts))
@@ -312,8 +345,8 @@ def router(state: ServeState) -> APIRouter:
         "through its admission policy; the answer names the weights version",
     )
     async def completions(request: Request, body: CompletionBody) -> Response:
-        stage = resolve_stage(state, body.model)
-        return await _serve(state, "completion", body, stage, completion_prompts(body.prompt))
+        target = resolve_target(state, body.model)
+        return await _serve(state, "completion", body, target, completion_prompts(body.prompt))
 
     @api.post(
         "/v1/chat/completions",
@@ -324,10 +357,10 @@ def router(state: ServeState) -> APIRouter:
         "one request of the stage through its admission policy; the answer names the weights version",
     )
     async def chat_completions(request: Request, body: ChatBody) -> Response:
-        stage = resolve_stage(state, body.model)
-        model = state.specs[stage].runner_args.get("model")
+        target = resolve_target(state, body.model)
+        model = state.specs[target[0]].runner_args.get("model")
         messages, add = body.messages, body.add_generation_prompt
         prompt = await state.blocking(chat_prompt, model if isinstance(model, str) else None, messages, add)
-        return await _serve(state, "chat", body, stage, [{"prompt": prompt}])
+        return await _serve(state, "chat", body, target, [{"prompt": prompt}])
 
     return api

@@ -256,7 +256,7 @@ function renderStatus(snap) {
           " · host offloaded " + fmtBytes(st.host_offloaded_bytes) +
           (st.last_sleep_level ? " · last sleep L" + st.last_sleep_level : ""))),
       st.failure ? el("div", {"class": "failure"}, st.failure) : "",
-      renderStrip(st.name), table, renderCounters(st.runner_counters || {}));
+      renderStrip(st.name), table, renderCounters(st.runner_counters || {}), renderAdapters(st.adapters || []));
     main.append(section);
   }
   renderBanner(Object.values(snap.stages || {}));
@@ -282,6 +282,20 @@ function renderCounters(counters) {
   const entries = Object.entries(counters);
   return entries.length ? el("div", {"class": "meta", "data-field": "runner_counters"},
     "runner counters: " + entries.map(([name, value]) => name + " " + value).join(" · ")) : "";
+}
+
+function renderAdapters(adapters) {
+  // The stage's LoRA adapters (P-20) as its rank 0 listed them last, with where each is now.
+  if (!adapters.length) return "";
+  const rows = adapters.map(a => el("tr", {"data-adapter": a.name},
+    el("td", {}, a.name), el("td", {"data-col": "version"}, "v" + a.version),
+    el("td", {"data-col": "base_version"}, "v" + a.base_version),
+    el("td", {"data-col": "pinned"}, a.pinned ? "pinned" : "-"),
+    el("td", {"data-col": "residency"}, a.residency)));
+  return el("table", {"data-field": "adapters"},
+    el("thead", {}, el("tr", {}, el("th", {}, "adapter"), el("th", {}, "version"), el("th", {}, "base weights"),
+      el("th", {}, "pinned"), el("th", {}, "where"))),
+    el("tbody", {}, ...rows));
 }
 
 function addEvent(ev) {

@@ -46,6 +46,7 @@ from omni_core.fsm.effects import (
     WakeEffect,
     WeightGroupEffect,
 )
+from omni_core.fsm.tags import CUDA_GRAPH_TAG
 from omni_core.fsm.trace_records import ParentGone, WorkerRecord
 from omni_core.fsm.worker import (
     HELLO_TASK_ID,
@@ -102,6 +103,7 @@ from omni_core.workers.config import WorkerConfig
 from omni_core.workers.continuous import Finished, RunningRequests
 from omni_core.workers.device_ledger import one_incoming_wake
 from omni_core.workers.device_memory import CudaFreeMemory, FreeMemorySource
+from omni_core.workers.host_refit import host_refit_ready, refit_into_host
 from omni_core.workers.memory_gate import MemoryGate, WakeRefused, room_for
 from omni_core.workers.parent_watch import set_death_signal, watch_parent
 from omni_core.workers.profiler import TraceProfiler, default_profile_dir
@@ -228,6 +230,8 @@ class WorkerProcess:
                 capabilities = (*capabilities, Capability.ADAPTERS)
             if self.runner.supports_step_mode:
                 capabilities = (*capabilities, Capability.STEP_MODE)
+            if host_refit_ready(self.backend, self.runner, cfg.tags):
+                capabilities = (*capabilities, Capability.HOST_REFIT)
             if self.runner.transfer_exports() or self.runner.transfer_imports():  # P-21: a connector
                 capabilities = (*capabilities, Capability.TRANSFER)
         self.receiver.device = self.device
@@ -303,8 +307,13 @@ class WorkerProcess:
         self.backend.declare_read_only(
             self.runner.read_only_tags() & set(self.config.tags), verify=self.config.verify_clean_sleep
         )
+        held = self.runner.runner_tags()
         for tag in self.config.tags:
+            if tag in held:
+                continue  # the runner releases and restores it itself
             self.backend.track(tag, self.runner.tensors(tag))
+            if tag == CUDA_GRAPH_TAG and tag not in self.backend.tags:
+                self.backend.adopt(tag)  # filled by the framework inside the backend's allocator
         if fraction is not None:
             check_budget(self.memory, fraction)
         self._report_to_ledger()
@@ -327,8 +336,9 @@ class WorkerProcess:
         if directory is not None and effect.memory_wait_s > 0:
             who = f"stage {self.config.stage} rank {self.config.rank}, pid {os.getpid()} (engine pid {os.getppid()})"
             incoming = one_incoming_wake(directory, who, effect.memory_wait_s)
+        held = self.runner.runner_tags() if self.runner is not None else frozenset()
         with incoming:
-            backend.wake(effect.tags, gate, links=effect.links)
+            backend.wake(effect.tags - held, gate, links=effect.links)  # after_wake restores the rest
 
     def _report_to_ledger(self) -> None:
         """The rank's resident bytes in its GPU's node ledger, after each effect and the load."""
@@ -742,7 +752,9 @@ class WorkerProcess:
             # A swap whose incoming stage fits; the device is asked only by a backend that can use it.
             late = backend.supports_late_release and room_for(self.free_memory, effect.incoming_bytes)
             saved = runner.buffers_to_save()
-            backend.sleep(effect.offload, effect.discard, buffers=saved, links=effect.links, release_late=late)
+            held = runner.runner_tags()  # released by before_sleep: no backend pool holds them
+            offload, discard = effect.offload - held, effect.discard - held
+            backend.sleep(offload, discard, buffers=saved, links=effect.links, release_late=late)
         elif isinstance(effect, WakeEffect):
             self._wake(backend, effect)
             runner.after_wake(effect.tags)
@@ -758,6 +770,8 @@ class WorkerProcess:
             if WEIGHTS_TAG in self.config.tags:
                 backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
             return drop_derived_caches(runner, flush=True)
+        elif isinstance(effect, UpdateEffect) and effect.into_host:
+            return refit_into_host(backend, runner, self.receiver, effect)  # the device untouched
         elif isinstance(effect, UpdateEffect):
             if not effect.flush_cache:
                 refuse_kept_caches(runner)  # before anything is written: INVALID_ARGUMENT
@@ -789,12 +803,21 @@ class WorkerProcess:
         if isinstance(command, AddAdapter):
             try:
                 runner.check_adapter(command)
+                # Tensors (a refit): every bucket opened and every tensor checked by the weight
+                # planes' own receiver, before anything is evicted or written.
+                tensors = None if command.tensors is None else self.receiver.open_adapter(command, runner)
             except RunnerArgumentError as exc:
                 raise AdapterRefused(f"AddAdapter {command.name!r} refused: {exc}") from exc
             for name in effect.evict:
                 runner.remove_adapter(name)
             with backend.pool(runner.adapter_tag):
-                runner.add_adapter(command)
+                try:
+                    runner.add_adapter(command) if tensors is None else runner.write_adapter(command, tensors())
+                except BaseException:
+                    runner.remove_adapter(command.name)  # half-written: never served (the core drops it)
+                    raise
+            if tensors is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the Ack commits the version: every copy landed
         elif isinstance(command, RemoveAdapter):
             runner.remove_adapter(command.name)
         elif isinstance(command, PinAdapter):
@@ -820,7 +843,10 @@ class WorkerProcess:
     # ------------------------------------------------------------------ measuring
 
     def _usage(self) -> dict[str, int]:
-        return self.backend.usage() if self.backend is not None else {}
+        usage = self.backend.usage() if self.backend is not None else {}
+        if self.runner is not None:
+            usage.update({tag: self.runner.held_bytes(tag) for tag in self.runner.runner_tags()})
+        return usage
 
     def _figure(self) -> MemoryFigure:
         if self.memory is None:

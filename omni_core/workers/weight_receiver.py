@@ -30,14 +30,14 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omni_core.protocol import InitWeightGroup
+from omni_core.protocol import AddAdapter, InitWeightGroup
 from omni_core.protocol.weights import (
     Bucket,
     CollectiveSource,
@@ -239,18 +239,37 @@ def _plain_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 
 def check_specs(runner: ModelRunner, specs: tuple[TensorSpec, ...]) -> None:
     """Every tensor of the update must be one of the model's, with its shape and dtype."""
-    expected = runner.weight_specs()
+    check_against(runner.weight_specs(), specs, "a weight of this model")
+
+
+def check_against(expected: Mapping[str, tuple[Any, torch.dtype]], specs: tuple[TensorSpec, ...], what: str) -> None:
+    """Every tensor of `specs` must be one of `expected` (named `what`), with its shape and dtype."""
     for spec in specs:
         if spec.name not in expected:
             close = sorted(n for n in expected if n.rsplit(".", 1)[-1] == spec.name.rsplit(".", 1)[-1])[:3]
             hint = f"; similar names: {close}" if close else ""
-            raise RunnerArgumentError(f"tensor {spec.name!r} is not a weight of this model{hint}; nothing was written")
+            raise RunnerArgumentError(f"tensor {spec.name!r} is not {what}{hint}; nothing was written")
         shape, dtype = expected[spec.name]
         if tuple(spec.shape) != tuple(shape) or spec.dtype != dtype_name(dtype):
             raise RunnerArgumentError(
                 f"tensor {spec.name!r} is {spec.dtype} {list(spec.shape)}, the model's is "
                 f"{dtype_name(dtype)} {list(shape)}; nothing was written"
             )
+
+
+def check_adapter_specs(runner: ModelRunner, command: AddAdapter, specs: tuple[TensorSpec, ...]) -> None:
+    """An adapter's tensors: each one of those an adapter of its rank on its modules has, and
+    every one of them sent (a refit is whole: a tensor left out would keep the old version's)."""
+    expected = runner.adapter_specs(command)
+    check_against(
+        expected, specs, f"a tensor of adapter {command.name!r} (rank {command.rank} on {list(command.target_modules)})"
+    )
+    missing = sorted(set(expected) - {spec.name for spec in specs})
+    if missing:
+        raise RunnerArgumentError(
+            f"adapter {command.name!r}: {len(missing)} of its {len(expected)} tensors are not sent "
+            f"(first {missing[:3]}); send every lora_A and lora_B, by PEFT's names; nothing was written"
+        )
 
 
 class WeightReceiver:
@@ -333,39 +352,57 @@ class WeightReceiver:
         if not runner.supports_weight_update:
             raise RunnerArgumentError(f"runner {type(runner).__name__} takes updates from disk only")
         check_specs(runner, source_tensors(source))
-        if isinstance(source, (ShmSource, IpcSource)):
-            runner.update_weights(self.open_tensors(source))
-        elif isinstance(source, CollectiveSource):
+        runner.update_weights(self._opened(source)())
+
+    def open_adapter(
+        self, command: AddAdapter, runner: ModelRunner
+    ) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+        """An adapter's tensors (AddAdapter.tensors) through the same planes and the same
+        checks as a weight update: every name, shape and dtype checked and every bucket opened
+        before this returns; the tensors come when the result is called (the writing)."""
+        assert command.tensors is not None
+        self.buckets.sweep()
+        if not runner.supports_adapter_tensors:
+            raise RunnerArgumentError(f"runner {type(runner).__name__} takes adapters from a directory only")
+        check_adapter_specs(runner, command, source_tensors(command.tensors))
+        return self._opened(command.tensors)
+
+    def _opened(self, source: WeightSource) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+        """Every handle of `source` opened (or its group checked), before any write; the
+        named tensors come when the result is called."""
+        if isinstance(source, ShmSource):
+            in_use: set[Any] = set()
+            try:
+                views = [self._open_shm(bucket, in_use) for bucket in source.buckets]  # every handle before any write
+            finally:
+                self.buckets.trim(in_use)
+            return lambda: self._tensors(source.buckets, views)
+        if isinstance(source, IpcSource):
+            if self.device.type != "cuda":
+                raise RunnerArgumentError(
+                    f"an ipc update carries CUDA IPC handles; this rank is on {self.device}: "
+                    "share host buckets (shm) or broadcast (collective) instead"
+                )
+            in_use = set()
+            try:
+                opened = [self._open_ipc(bucket, in_use) for bucket in source.buckets]
+            finally:
+                self.buckets.trim(in_use)
+            # A bucket on the trainer's GPU, a peer of ours, is staged here first.
+            peer = any(v.device != self.device for v in opened)
+            return lambda: self._tensors(source.buckets, self._staged(opened) if peer else opened)
+        if isinstance(source, CollectiveSource):
             if self.group is None:
                 raise RunnerArgumentError("a collective update needs a weight group: send InitWeightGroup first")
-            runner.update_weights(self._broadcast(source.tensors))
-        else:  # pragma: no cover - the wire type admits only these
-            raise RunnerArgumentError(f"unknown weight source {source!r}")
+            return lambda: self._broadcast(source.tensors)
+        raise RunnerArgumentError(f"unknown weight source {source!r}")  # pragma: no cover - the wire admits these
 
     def open_tensors(self, source: ShmSource | IpcSource) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of `source` as (name, view), each handle opened and checked now, before
         the first view is read (a refusal: RunnerArgumentError, nothing read); the views live
-        in the sender's memory, so copy them, never keep them. A weight update's path, and a
-        stage-to-stage transfer's (P-21)."""
-        in_use: set[Any] = set()
-        if isinstance(source, ShmSource):
-            try:
-                views = [self._open_shm(bucket, in_use) for bucket in source.buckets]  # every handle first
-            finally:
-                self.buckets.trim(in_use)
-            return self._tensors(source.buckets, views)
-        if self.device.type != "cuda":
-            raise RunnerArgumentError(
-                f"an ipc source carries CUDA IPC handles; this rank is on {self.device}: "
-                "share host buckets (shm) or broadcast (collective) instead"
-            )
-        try:
-            opened = [self._open_ipc(bucket, in_use) for bucket in source.buckets]
-        finally:
-            self.buckets.trim(in_use)
-        # A bucket on the sender's GPU, a peer of ours, is staged here first.
-        local = self._staged(opened) if any(v.device != self.device for v in opened) else opened
-        return self._tensors(source.buckets, local)
+        in the sender's memory, so copy them, never keep them. A weight update's path
+        (`_opened`), taken by a stage-to-stage transfer's landing (P-21)."""
+        return self._opened(source)()
 
     def _staged(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         """Buckets on a peer GPU brought to this rank's GPU with cudaMemcpyPeerAsync (a plain

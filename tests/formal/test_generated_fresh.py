@@ -188,7 +188,7 @@ def test_the_settle_rows_are_the_stage_cores_answers():
         (start, paused, partial, answers): (after, committed)
         for start, paused, partial, answers, after, committed in gen_versions.settle_rows()
     }
-    assert len(rows) == 6 * (3 + 9)  # six starts: one answer so far, then both
+    assert len(rows) == 7 * (3 + 9)  # seven starts: one answer so far, then both
     commits = {
         ("RUNNING", False, False): "RUNNING",
         ("PAUSED", True, False): "PAUSED",  # the pause holds through the update
@@ -204,6 +204,11 @@ def test_the_settle_rows_are_the_stage_cores_answers():
         assert rows[(*key, ("refused", "refused"))] == (start, False)
         assert rows[(*key, ("failed", "failed"))] == ("NEEDS_RELOAD", False)
         assert rows[(*key, ("ack", "failed"))] == rows[(*key, ("refused", "ack"))] == ("FAILED", False)
+    # A refit into the host copies (host_refit): every answer leaves a settled stage asleep.
+    refit = ("SLEEPING", False, False)
+    assert rows[(*refit, ("ack", "ack"))] == ("SLEEPING", True)
+    assert rows[(*refit, ("refused", "refused"))] == rows[(*refit, ("failed", "failed"))] == ("SLEEPING", False)
+    assert rows[(*refit, ("ack", "failed"))] == ("FAILED", False)
 
 
 def test_a_core_that_commits_on_the_first_ack_makes_the_version_table_stale(monkeypatch, tla_copy):

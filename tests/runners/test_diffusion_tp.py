@@ -4,9 +4,7 @@ tolerance, and each rank's shard survives sleeps, a reload and a weight update."
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from omni_core.runners.diffusers_runner import DiffusersRunner
 from omni_core.runners.diffusion_trajectory import from_wire
 
+from ._ranks import run_ranks
 from .conftest import CPU, Pools
 from .test_diffusers_runner import DIT, DPM_SOLVER
 
@@ -44,63 +43,37 @@ def sharded_elements(runner: DiffusersRunner) -> int:
     )
 
 
-def _rank(rank: int, port: int, models: dict[str, str], out: Any) -> None:
+def _rank(rank: int, models: dict[str, str]) -> dict[str, Any]:
     """One rank of the stage: what it computes and holds through the lifecycle."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        pools = Pools(
-            DiffusersRunner(CPU, model=models["dit"], parallel="tensor", scheduler=DPM_SOLVER, init_timeout_s=60),
-            TAGS,
-        )
-        runner = pools.runner
-        seen: dict[str, Any] = {"sharded": sharded_elements(runner), "image": wire_latents(runner.execute(REQUEST))}
-        started = runner.execute({"op": "start", **DIT})["request_id"]
-        runner.execute({"op": "step", "request_id": started, "steps": 3})
-        pools.sleep(1)
-        seen["asleep_bytes"] = pools.backend.usage()["weights"]
-        pools.wake()
-        seen["finished"] = runner.execute({"op": "finish", "request_id": started})["sha256"]
-        seen["whole"] = runner.execute(dict(DIT))["sha256"]
-        pools.sleep(2)
-        pools.wake()
-        pools.reload(models["dit-seed1"])  # each rank cuts its shard from the other checkpoint
-        seen["other"] = wire_latents(runner.execute(REQUEST))
-        from safetensors.torch import load_file
+    pools = Pools(
+        DiffusersRunner(CPU, model=models["dit"], parallel="tensor", scheduler=DPM_SOLVER, init_timeout_s=60),
+        TAGS,
+    )
+    runner = pools.runner
+    seen: dict[str, Any] = {"sharded": sharded_elements(runner), "image": wire_latents(runner.execute(REQUEST))}
+    started = runner.execute({"op": "start", **DIT})["request_id"]
+    runner.execute({"op": "step", "request_id": started, "steps": 3})
+    pools.sleep(1)
+    seen["asleep_bytes"] = pools.backend.usage()["weights"]
+    pools.wake()
+    seen["finished"] = runner.execute({"op": "finish", "request_id": started})["sha256"]
+    seen["whole"] = runner.execute(dict(DIT))["sha256"]
+    pools.sleep(2)
+    pools.wake()
+    pools.reload(models["dit-seed1"])  # each rank cuts its shard from the other checkpoint
+    seen["other"] = wire_latents(runner.execute(REQUEST))
+    from safetensors.torch import load_file
 
-        full = load_file(os.path.join(models["dit"], "transformer", "diffusion_pytorch_model.safetensors"))
-        runner.update_weights((f"transformer/{name}", tensor) for name, tensor in full.items())  # full tensors
-        seen["updated"] = wire_latents(runner.execute(REQUEST))
-        runner.close()
-        out.put((rank, seen))
-    except Exception as exc:  # the parent reports it
-        out.put((rank, repr(exc)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    full = load_file(os.path.join(models["dit"], "transformer", "diffusion_pytorch_model.safetensors"))
+    runner.update_weights((f"transformer/{name}", tensor) for name, tensor in full.items())  # full tensors
+    seen["updated"] = wire_latents(runner.execute(REQUEST))
+    runner.close()
+    return seen
 
 
 @pytest.fixture(scope="module")
 def ranks(checkpoints) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    models = {name: str(checkpoints[name]) for name in ("dit", "dit-seed1")}
-    port = _free_port()
-    processes = [ctx.Process(target=_rank, args=(rank, port, models, out), daemon=True) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    try:
-        results = dict(out.get(timeout=240) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    failed = {rank: seen for rank, seen in results.items() if isinstance(seen, str)}
-    assert not failed, failed
+    results = run_ranks(_rank, {name: str(checkpoints[name]) for name in ("dit", "dit-seed1")})
     for seen in results.values():
         for key in ("image", "other", "updated"):
             seen[key] = from_wire(seen[key])
@@ -134,7 +107,7 @@ def test_each_shard_survives_sleeps_a_reload_and_an_update(ranks, checkpoints):
 
 def test_a_pipeline_without_a_dit_is_refused_tensor_parallel(checkpoints, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="parallel='tensor' shards a DiT's blocks"):
+    with pytest.raises(ValueError, match="parallel='tensor' splits a DiT's blocks"):
         DiffusersRunner(CPU, model=str(checkpoints["sd"]), parallel="tensor")
     with pytest.raises(ValueError, match="parallel must be one of"):
         DiffusersRunner(CPU, model=str(checkpoints["dit"]), parallel="sequence")

@@ -115,3 +115,32 @@ def test_bad_trajectory_requests_say_what_is_wrong(payload, message, checkpoints
     with pytest.raises(ValueError, match=message):
         runner.execute(payload)
     assert runner.requests == {}
+
+
+def test_a_trajectory_through_the_engine_names_the_weights_that_produced_it(checkpoints) -> None:
+    """What a trainer gets back: the record and (with_version) the weights version the request
+    ran on, and the adapter's (None and 0: none), so an RL step can drop off-policy samples."""
+    from omni_core import Engine, StageSpec
+
+    spec = StageSpec(
+        "ddpm",
+        runner="diffusers",
+        backend="portable",
+        tags=("weights", "kv_cache", "requests"),
+        runner_args={"model": str(checkpoints["ddpm"]), "max_requests": 2, "cpu_threads": 1},
+        deadline_s=60.0,
+        start_deadline_s=240.0,
+        request_timeout_s=120.0,
+    )
+    engine = Engine([spec])
+    try:
+        first = engine.execute("ddpm", {**DDPM, "trajectory": True}, with_version=True)
+        engine.update_weights("ddpm", str(checkpoints["ddpm"]), version=3)
+        after = engine.execute("ddpm", {**DDPM, "trajectory": True}, with_version=True)
+    finally:
+        engine.shutdown()
+    assert (first.weights_version, first.adapter, first.adapter_version) == (0, None, 0)
+    assert after.weights_version == 3
+    runner = runner_in_pools(checkpoints["ddpm"]).runner
+    for answer in (first, after):
+        assert _image_sha(runner, from_wire(answer.output["trajectory"]["latents"][-1])) == answer.output["sha256"]

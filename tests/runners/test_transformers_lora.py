@@ -120,5 +120,64 @@ def test_models_make_lora_writes_an_adapter_peft_loads(tmp_path, capsys) -> None
     assert "LoRA rank 4 on q_proj,v_proj, seed 2" in capsys.readouterr().out
     config = PeftConfig.from_pretrained(str(target / "lora"))
     assert (config.r, sorted(config.target_modules), config.base_model_name_or_path) == (4, list(MODULES), str(target))
+    assert cli_main(["models", "make", "dit", "tiny", str(tmp_path / "dit"), "--lora", "--quiet"]) == 0
+    assert "LoRA rank 4 on to_q,to_v, seed 0" in capsys.readouterr().out
+    assert (tmp_path / "dit" / "lora" / "pytorch_lora_weights.safetensors").is_file()  # diffusers' format
     assert cli_main(["models", "make", "ddpm", "tiny", str(tmp_path / "ddpm"), "--lora", "--quiet"]) == 2
     assert "is not a transformers checkpoint (no config.json): a LoRA needs its base model" in capsys.readouterr().err
+
+
+def _refit(pools: Pools, receiver, command: AddAdapter) -> None:
+    """What the rank's shell does for an AddAdapter with tensors: the receiver checks every
+    tensor and opens every bucket, then the runner writes inside the adapters' pool."""
+    runner = pools.runner
+    runner.check_adapter(command)
+    tensors = receiver.open_adapter(command, runner)
+    with pools.backend.pool("adapters"):
+        runner.write_adapter(command, tensors())
+    pools.backend.track("adapters", runner.tensors("adapters"))
+
+
+def _tensors_of(lora: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(lora / "adapter_model.safetensors"))
+
+
+def _tensor_command(source, name: str = "sql", **fields) -> AddAdapter:
+    return _command(Path("tensors:shm"), name, tensors=source, **fields)
+
+
+def test_an_adapter_only_refit_over_shm_gives_peft_tokens_of_the_new_weights(
+    pools, checkpoints, lora_dir, tmp_path
+) -> None:
+    from omni_core.weights_sender import WeightSender
+    from omni_core.workers.weight_receiver import WeightReceiver
+
+    receiver, sender = WeightReceiver(CPU, 0), WeightSender()
+    new = Path(make_lora(checkpoints["qwen2"], tmp_path / "sql-2", seed=2).path)
+    try:
+        runner = pools.runner
+        _add(pools, _command(lora_dir))
+        weights = [t.clone() for t in runner.tensors("weights")]
+        _refit(pools, receiver, _tensor_command(sender.share(_tensors_of(new)), version=2))
+        refit = runner.execute_adapter(GREEDY, "sql")["token_ids"]
+        assert refit == _peft_tokens(checkpoints, new) != _peft_tokens(checkpoints, lora_dir)
+        assert all(torch.equal(a, b) for a, b in zip(weights, runner.tensors("weights"), strict=True))  # base untouched
+        pools.sleep(1)
+        pools.wake()
+        assert runner.execute_adapter(GREEDY, "sql")["token_ids"] == refit  # level 1 keeps the refit
+
+        # A new adapter from tensors alone: alpha as PEFT's config says (make_lora: the rank).
+        _refit(pools, receiver, _tensor_command(sender.share(_tensors_of(new)), "fresh", lora_alpha=4.0))
+        assert runner.execute_adapter(GREEDY, "fresh")["token_ids"] == refit
+
+        other = Path(make_lora(checkpoints["qwen2"], tmp_path / "rank-8", rank=8).path)
+        with pytest.raises(
+            RunnerArgumentError, match=r"lora_A.weight' is float32 \[8, 64\], the model's is float32 \[4, 64\]"
+        ):
+            _refit(pools, receiver, _tensor_command(sender.share(_tensors_of(other)), version=3))
+        assert runner.execute_adapter(GREEDY, "sql")["token_ids"] == refit  # refused: nothing written
+    finally:
+        sender.close()
+        receiver.close()

@@ -2,7 +2,8 @@
 add_lora / remove_lora / pin_lora): greedy tokens with the adapter equal a PEFT model's on the
 same weights, a level-1 sleep and wake keep them, and vLLM 0.26's deep-sleep case (a level-2
 sleep with an adapter loaded, wake, reload, generate) refuses the adapter naming it until it
-is added again, then gives the same tokens. Needs CUDA and vLLM."""
+is added again (ListAdapters and Engine.status() say it is gone), then gives the same tokens,
+through a second deep sleep too. Needs CUDA and vLLM."""
 
 from __future__ import annotations
 
@@ -60,5 +61,16 @@ def test_vllm_adapter_tokens_survive_level_one_and_come_back_after_level_two(tmp
         engine.reload_weights("chat")
         with pytest.raises(RequestFailedError, match="adapter 'sql' was discarded by a level-2 sleep"):
             engine.execute("chat", GREEDY, adapter="sql")
+        # The ranks say so, and the engine's view (status page, metrics) follows their Acks.
+        assert [(a.name, a.status) for a in engine.list_adapters("chat").adapters] == [("sql", "gone")]
+        assert [(a["name"], a["residency"]) for a in engine.status()["chat"]["adapters"]] == [("sql", "gone")]
+        engine.add_adapter("chat", "sql", lora)
+        assert engine.execute("chat", GREEDY, adapter="sql")["token_ids"] == tuned
+        assert [(a["name"], a["residency"]) for a in engine.status()["chat"]["adapters"]] == [("sql", "resident")]
+        # An adapter pushed after level 2 is served, not silently dropped: again, through a
+        # second deep sleep, with the tokens of the first add.
+        engine.sleep("chat", 2)
+        engine.wake("chat")
+        engine.reload_weights("chat")
         engine.add_adapter("chat", "sql", lora)
         assert engine.execute("chat", GREEDY, adapter="sql")["token_ids"] == tuned

@@ -161,7 +161,7 @@ def test_only_allocator_backends_and_vllms_tags(fake_vllm, checkpoints):
     runner = VllmRunner(CPU, model=str(checkpoints["qwen2"]))
     with pytest.raises(ValueError, match="needs an allocator backend"):
         runner.load(PortableBackend(CPU).pool, ["weights", "kv_cache"], None)
-    with pytest.raises(ValueError, match="exactly the tags"):
+    with pytest.raises(ValueError, match=r"allocates the tags \['weights', 'kv_cache'\].*the stage has \['weights'\]"):
         runner.load(lambda tag: _recording_pool([], tag), ["weights"], None)
     assert not fake_vllm.made
 
@@ -435,3 +435,51 @@ def test_requests_join_and_leave_vllms_engine_between_steps(monkeypatch, checkpo
     with pytest.raises(RuntimeError, match="holds none of the 1 requests"):
         runner.step_requests()
     assert runner.running_requests() == 0
+
+
+def test_an_adapter_refit_from_tensors_reaches_vllms_add_lora_checked_first(monkeypatch, checkpoints, tmp_path):
+    """vLLM loads adapters from a directory only: the rank's receiver checks the tensors (the
+    weight planes' checks), the runner writes them to a private directory of its own and hands
+    it to add_lora in place of the old version's, which goes; removing the adapter removes it."""
+    import json as _json
+
+    import msgspec
+    from safetensors.torch import load_file
+
+    from omni_core.models.lora import make_lora
+    from omni_core.protocol import AddAdapter
+    from omni_core.weights_sender import WeightSender
+    from omni_core.workers.weight_receiver import WeightReceiver
+
+    pytest.importorskip("peft", reason="needs the models extra")
+    FakeEngine.made.clear()
+    monkeypatch.setattr(VllmRunner, "engine_factory", LoraEngine)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    runner, _ = _loaded(checkpoints["qwen2"], engine_args={"enable_lora": True, "max_loras": 2})
+    engine = FakeEngine.made[-1]
+    first = make_lora(checkpoints["qwen2"], tmp_path / "sql").path
+    add = AddAdapter(
+        task_id="a", epoch=0, name="sql", adapter_id=7, source=first, rank=4, target_modules=("q_proj", "v_proj")
+    )
+    runner.add_adapter(add)
+    tensors = load_file(
+        str(Path(make_lora(checkpoints["qwen2"], tmp_path / "new", seed=2).path) / "adapter_model.safetensors")
+    )
+    receiver = WeightReceiver(torch.device("cpu"), 0)
+    with WeightSender() as sender:
+        refit = msgspec.structs.replace(add, source="tensors:shm", tensors=sender.share(tensors), version=2)
+        runner.check_adapter(refit)
+        runner.write_adapter(refit, receiver.open_adapter(refit, runner)())
+        bent = dict(tensors, **{next(iter(tensors)): torch.zeros(8, 64)})
+        with pytest.raises(RunnerArgumentError, match="the model's is float32"):
+            receiver.open_adapter(msgspec.structs.replace(refit, tensors=sender.share(bent), version=3), runner)
+    receiver.close()
+    (_, removed), (_, slot) = engine.calls[-2:]
+    assert removed == 7 and slot.lora_int_id == 7 and slot.path != first
+    written = load_file(str(Path(slot.path) / "adapter_model.safetensors"))
+    assert written.keys() == tensors.keys() and all(torch.equal(written[k], tensors[k]) for k in tensors)
+    config = _json.loads((Path(slot.path) / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 4.0, ["q_proj", "v_proj"])
+    runner.remove_adapter("sql")
+    assert not Path(slot.path).exists()  # the refit's directory goes with the adapter
+    runner.close()

@@ -340,3 +340,27 @@ def test_a_fresh_server_shows_memory_and_runner_counters_before_any_call(browser
         )
         assert errors == []
         page.close()
+
+
+def test_the_page_lists_a_stages_adapters_and_where_they_are(served: Served, browser: object) -> None:
+    """P-20: name, version, base version, pinned, and resident -> offloaded at a level-1 sleep."""
+    expect = sync_api.expect
+    served.engine.add_adapter("decoder", "sql", "seed:7", rank=4, target_modules=("w0",), pinned=True)
+    try:
+        page = browser.new_page()  # type: ignore[attr-defined]
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(served.url + "/")
+        row = page.locator('section[data-stage="decoder"] table[data-field="adapters"] tr[data-adapter="sql"]')
+        expect(row.locator('td[data-col="residency"]')).to_have_text("resident", timeout=UI_TIMEOUT_MS)
+        expect(row.locator('td[data-col="version"]')).to_have_text("v1")
+        expect(row.locator('td[data-col="base_version"]')).to_have_text("v0")
+        expect(row.locator('td[data-col="pinned"]')).to_have_text("pinned")
+        assert served.client.post("/v1/stages/decoder/sleep", json={"level": 1}).status_code == 200
+        expect(row.locator('td[data-col="residency"]')).to_have_text("offloaded", timeout=UI_TIMEOUT_MS)
+        assert served.client.post("/v1/stages/decoder/wake").status_code == 200
+        expect(row.locator('td[data-col="residency"]')).to_have_text("resident", timeout=UI_TIMEOUT_MS)
+        assert errors == []
+        page.close()
+    finally:
+        served.engine.remove_adapter("decoder", "sql")

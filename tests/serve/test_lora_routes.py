@@ -30,6 +30,7 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lora-serve")
     make_checkpoint("qwen2", "tiny", root / "qwen2")
     make_lora(root / "qwen2", root / "sql", seed=1)
+    make_lora(root / "qwen2", root / "sql-2", seed=2)
     make_checkpoint("llama", "tiny", root / "llama")
     make_lora(root / "llama", root / "llama-lora")
     return root
@@ -52,7 +53,7 @@ def chat(root) -> Iterator[Served]:
         yield served
 
 
-def _peft_tokens(root: Path) -> list[int]:
+def _peft_tokens(root: Path, lora: str = "sql") -> list[int]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -60,7 +61,7 @@ def _peft_tokens(root: Path) -> list[int]:
 
     reference = AutoModelForCausalLM.from_pretrained(str(root / "qwen2"), local_files_only=True)
     own_storage([reference])  # as the runner: CPU kernels choose their path by the weights' alignment
-    reference = PeftModel.from_pretrained(reference, str(root / "sql")).eval()
+    reference = PeftModel.from_pretrained(reference, str(root / lora)).eval()
     with torch.no_grad():
         out = reference.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     return out[0, len(PROMPT) :].tolist()
@@ -113,3 +114,58 @@ def test_bad_adapters_are_refused_naming_what_and_the_stage_serves_on(chat: Serv
     assert "was made for a LlamaForCausalLM, and this stage serves a Qwen2ForCausalLM" in body["error_message"]
     assert chat.engine.list_adapters("chat").adapters == ()  # nothing loaded
     assert chat.stage("chat")["state"] == "RUNNING" and _tokens(chat)["output"]["finish_reason"] == "length"
+
+
+def test_sglang_load_from_tensors_refits_the_adapter_over_shm(chat: Served, root: Path) -> None:
+    import msgspec
+    from safetensors.torch import load_file
+
+    from omni_core.weights_sender import WeightSender
+
+    assert (
+        chat.client.post("/load_lora_adapter", json={"lora_name": "rl", "lora_path": str(root / "sql")}).status_code
+        == 200
+    )
+    sender = WeightSender()
+    try:
+        source = msgspec.to_builtins(sender.share(load_file(str(root / "sql-2" / "adapter_model.safetensors"))))
+        config = {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
+        pickled = chat.client.post(
+            "/load_lora_adapter_from_tensors",
+            json={"lora_name": "rl", "config_dict": config, "serialized_tensors": "gASV"},
+        )
+        assert pickled.status_code == 400 and "SGLang's are pickles" in pickled.text
+        disk = chat.client.post(
+            "/load_lora_adapter_from_tensors",
+            json={"lora_name": "rl", "source": {"type": "disk", "path": str(root / "sql")}},
+        )
+        assert disk.status_code == 422 and "POST /load_lora_adapter takes it" in disk.text
+        refit = chat.client.post(
+            "/load_lora_adapter_from_tensors", json={"lora_name": "rl", "config_dict": config, "source": source}
+        )
+        assert refit.status_code == 200 and refit.json()["success"] is True, refit.text
+        assert refit.json()["loaded_adapters"]["rl"] == "__tensor__"
+        served = _tokens(chat, "rl")
+        assert served["output"]["token_ids"] == _peft_tokens(root, "sql-2") != _peft_tokens(root)
+        assert served["adapter_version"] == 2  # one above the version held: no version sent
+    finally:
+        sender.close()
+    assert chat.client.post("/unload_lora_adapter", json={"lora_name": "rl"}).json()["success"] is True
+
+
+def test_the_openai_routes_serve_an_adapter_named_as_the_model(chat: Served, root: Path) -> None:
+    """vLLM's way: an adapter loaded through /v1/load_lora_adapter is a model of GET /v1/models,
+    and a completion naming it as `model` runs with it, its answer naming the adapter's version."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    base = chat.client.post("/v1/completions", json=body).json()["choices"][0]
+    assert "adapter" not in base
+    loaded = chat.client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(root / "sql")})
+    assert loaded.status_code == 200, loaded.text
+    answer = chat.client.post("/v1/completions", json=body | {"model": "sql"})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["token_ids"] == _peft_tokens(root) != base["token_ids"]
+    assert (answer.json()["model"], choice["adapter"], choice["adapter_version"]) == ("sql", "sql", 1)
+    assert chat.client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+    unknown = chat.client.post("/v1/completions", json=body | {"model": "sql"})
+    assert unknown.status_code == 404 and "model 'sql' is not served here" in unknown.text

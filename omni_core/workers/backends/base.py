@@ -52,6 +52,9 @@ class MemoryBackend(ABC):
     supports_late_release: bool = False
     # Why this backend runs, when `auto` chose it (the Hello and the stage's status carry it).
     choice_reason: str = ""
+    # `host_view` reaches the host copy of a tag asleep at level 1, so an update can be written
+    # there with the device untouched (Capability.HOST_REFIT, with a runner that writes in place).
+    supports_host_refit: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -173,6 +176,30 @@ class MemoryBackend(ABC):
                 "links; plan links only for ranks whose Hello declares multi_path"
             )
 
+    def adopt(self, tag: str) -> None:
+        """Know `tag` as a pool whose allocations the framework makes itself inside this
+        backend's allocator (vLLM's CUDA graph pool: `cuda_graph`), so it sleeps and wakes with
+        the others. A backend whose allocator has no such pool refuses, saying so."""
+        raise BackendStateError(
+            f"backend {self.name!r} holds no pool the framework fills for tag {tag!r}; "
+            f"drop {tag!r} from the stage's tags, or use the cumem backend"
+        )
+
+    def host_view(self, tag: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor of `tensor`'s dtype, shape and strides over the bytes that stand for it
+        in the host copy of `tag`, asleep at level 1: what is written into it is what the next
+        wake maps back (HOST_REFIT). Raises BackendStateError where no such copy exists."""
+        if tag not in self.asleep:
+            raise BackendStateError(f"tag {tag!r} is not asleep: write its tensors on the device, not its host copy")
+        host, offset_bytes = self._host_copy_of(tag, tensor)
+        return host_tensor_view(host, offset_bytes, tensor)
+
+    def _host_copy_of(self, tag: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The uint8 host copy holding `tensor`'s storage and the storage's byte offset in it."""
+        raise BackendStateError(
+            f"backend {self.name!r} keeps no host copy an update can be written into; wake {tag!r} first"
+        )
+
     def usage(self) -> dict[str, int]:
         """Device bytes resident per tag (0 for a tag that is asleep)."""
         return {tag: self._resident_bytes(tag) for tag in self.tags}
@@ -238,3 +265,19 @@ class MemoryBackend(ABC):
     def _empty_cache(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def host_tensor_view(host: torch.Tensor, offset_bytes: int, like: torch.Tensor) -> torch.Tensor:
+    """`like` (its dtype, shape and strides) laid over the uint8 `host` from `offset_bytes`, the
+    byte where `like`'s storage starts there; refused when it would reach past `host`."""
+    size = like.element_size()
+    start_bytes = host.storage_offset() + offset_bytes + like.storage_offset() * size
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(like.shape, like.stride(), strict=True)) if like.numel() else 0
+    if start_bytes % size or offset_bytes < 0 or start_bytes + extent * size > host.untyped_storage().nbytes():
+        raise BackendStateError(
+            f"a {like.dtype} tensor of shape {list(like.shape)} at byte {start_bytes} does not fit the host "
+            f"copy of {host.untyped_storage().nbytes()} bytes its storage maps to; wake the tag and update "
+            "on the device"
+        )
+    view = torch.empty(0, dtype=like.dtype, device=host.device)
+    return view.set_(host.untyped_storage(), start_bytes // size, like.shape, like.stride())

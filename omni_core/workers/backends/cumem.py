@@ -36,8 +36,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from omni_core.fsm.tags import CUDA_GRAPH_TAG
 from omni_core.protocol import Capability
-from omni_core.workers.backends.base import BackendUnavailable, MemoryBackend
+from omni_core.workers.backends.base import BackendStateError, BackendUnavailable, MemoryBackend
 from omni_core.workers.memory_gate import MemoryGate, MemoryWaitExpired
 
 CUMEM_MODULE = "vllm.device_allocator.cumem"
@@ -92,6 +93,18 @@ def _load_module(device: torch.device) -> ModuleType:
 
 
 SLEEP_PATHS_KEPT = 64
+# omni-core's tag -> the allocator's, where vLLM names a pool it fills itself otherwise: its
+# CUDA graph pool (`sleep_mode_offload_cudagraph`, CuMemAllocator.cudagraph_pool) is "cudagraph".
+ALLOCATOR_TAG = {CUDA_GRAPH_TAG: "cudagraph"}
+_OUR_TAG = {theirs: ours for ours, theirs in ALLOCATOR_TAG.items()}
+
+
+def ours(allocator_tag: str) -> str:
+    return _OUR_TAG.get(allocator_tag, allocator_tag)
+
+
+def theirs(tags: frozenset[str] | set[str]) -> tuple[str, ...]:
+    return tuple(sorted(ALLOCATOR_TAG.get(tag, tag) for tag in tags))
 
 
 class Handle(NamedTuple):
@@ -111,6 +124,7 @@ class CumemBackend(MemoryBackend):
     name = "cumem"
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE, Capability.STABLE_ADDRESSES, Capability.CUDA_GRAPHS)
     supports_memory_gate = True  # gated per allocation, before cuMemCreate/cuMemMap
+    supports_host_refit = True  # an offloaded allocation's bytes are its cpu_backup_tensor
 
     def __init__(self, device: torch.device, *, module: Any = None) -> None:
         """`module` stands in for vllm.device_allocator.cumem (tests pass a fake one)."""
@@ -135,14 +149,18 @@ class CumemBackend(MemoryBackend):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _allocations(self, tags: frozenset[str] | set[str] | None = None) -> list[tuple[int, Any]]:
-        return [(ptr, data) for ptr, data in self.allocator.pointer_to_data.items() if tags is None or data.tag in tags]
+        return [
+            (ptr, data)
+            for ptr, data in self.allocator.pointer_to_data.items()
+            if tags is None or ours(data.tag) in tags
+        ]
 
     def _is_asleep(self, data: Any) -> bool:
         if hasattr(data, "is_asleep"):
             return bool(data.is_asleep)
         if hasattr(data, "is_mapped"):
             return not data.is_mapped
-        return data.tag in self.asleep  # a version without flags: tags sleep whole
+        return ours(data.tag) in self.asleep  # a version without flags: tags sleep whole
 
     @staticmethod
     def _mark(data: Any, *, asleep: bool) -> None:
@@ -155,21 +173,21 @@ class CumemBackend(MemoryBackend):
         address = tensor.untyped_storage().data_ptr()
         for ptr, data in self._allocations():
             if ptr <= address < ptr + handle_of(data).size:
-                return data.tag
+                return ours(data.tag)
         return None
 
     # ------------------------------------------------------------------ sleep / wake
 
     def _sleep(self, offload: frozenset[str], discard: frozenset[str]) -> None:
         tags = offload | discard
-        allocator_tags = {data.tag for _, data in self._allocations()}
+        allocator_tags = {ours(data.tag) for _, data in self._allocations()}
         nothing_asleep = not any(self._is_asleep(d) for _, d in self._allocations())
         if nothing_asleep and tags >= allocator_tags:
             self.sleep_paths.append("vllm-sleep")
-            self.allocator.sleep(offload_tags=tuple(sorted(offload)))
+            self.allocator.sleep(offload_tags=theirs(offload))
         elif nothing_asleep and self._has_keep_tags:
             self.sleep_paths.append("vllm-sleep-keep-tags")
-            self.allocator.sleep(offload_tags=tuple(sorted(offload)), keep_tags=tuple(sorted(allocator_tags - tags)))
+            self.allocator.sleep(offload_tags=theirs(offload), keep_tags=theirs(allocator_tags - tags))
         else:
             self.sleep_paths.append("per-allocation")
             self._sleep_allocations(offload, tags)
@@ -180,7 +198,7 @@ class CumemBackend(MemoryBackend):
             if self._is_asleep(data):
                 continue  # released by an earlier partial sleep; unmapping twice breaks the handle
             size = handle_of(data).size
-            if data.tag in offload:
+            if ours(data.tag) in offload:
                 host = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=self._pin)
                 self._mod.libcudart.cudaMemcpy(host.data_ptr(), ptr, size)
                 data.cpu_backup_tensor = host
@@ -194,7 +212,7 @@ class CumemBackend(MemoryBackend):
             if gate is None:
                 # A caller of `wake` outside a rank (benchmarks/memory.py, the version tests):
                 # vLLM's own wake_up. A rank on CUDA always passes a gate, even without a wait.
-                self.allocator.wake_up(tags=sorted(tags))
+                self.allocator.wake_up(tags=list(theirs(tags)))
             else:
                 self._wake_gated(tags, gate)
         for _, data in self._allocations(tags):
@@ -222,6 +240,25 @@ class CumemBackend(MemoryBackend):
             raise
         for _, data in allocs:
             data.cpu_backup_tensor = None
+
+    def adopt(self, tag: str) -> None:
+        if tag not in ALLOCATOR_TAG:
+            super().adopt(tag)
+        elif tag not in self.tags:
+            self.tags.append(tag)
+
+    def _host_copy_of(self, tag: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # Asleep, a tensor keeps its virtual address: the allocation holding it names its backup.
+        address = tensor.untyped_storage().data_ptr()
+        for ptr, data in self._allocations({tag}):
+            if ptr <= address < ptr + handle_of(data).size:
+                if not self._is_asleep(data) or data.cpu_backup_tensor is None:
+                    break
+                return data.cpu_backup_tensor, address - ptr
+        raise BackendStateError(
+            f"the tensor at {address:#x} has no host copy in {tag!r} (outside its pool, or discarded "
+            "by a level-2 sleep); wake the tag and update on the device"
+        )
 
     def _resident_bytes(self, tag: str) -> int:
         return sum(handle_of(d).size for _, d in self._allocations({tag}) if not self._is_asleep(d))

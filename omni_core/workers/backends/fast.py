@@ -15,6 +15,7 @@ import torch
 
 from omni_core.fsm.tags import WEIGHTS_TAG
 from omni_core.protocol import LinkShare
+from omni_core.workers.backends.base import MemoryBackend
 from omni_core.workers.backends.copy_plan import nbytes_of
 from omni_core.workers.backends.cumem import CumemBackend, handle_of
 from omni_core.workers.backends.fast_path import FastPath
@@ -44,6 +45,14 @@ class FastBackend(CumemBackend):
     size: runs of that size, refused where they cannot be made."""
 
     name = "fast"
+    # Its host copies live in the arena, whose layout an update cannot address yet (the cumem
+    # backend's per-allocation backups can): an update while asleep is refused, host_refit not declared.
+    supports_host_refit = False
+
+    def adopt(self, tag: str) -> None:
+        # The fast path's sleeps and wakes walk the allocator's own tags: a pool vLLM names
+        # otherwise (its CUDA graphs') would stay resident, so it is refused here.
+        MemoryBackend.adopt(self, tag)
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ class PortableBackend(MemoryBackend):
     name = "portable"
     capabilities = (Capability.LEVEL2, Capability.PARTIAL_WAKE)
     supports_memory_gate = True  # gated per storage
+    supports_host_refit = True  # each offloaded storage's bytes are one host tensor
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -117,6 +118,15 @@ class PortableBackend(MemoryBackend):
         # Only once every tag is back: a refused wake keeps every host copy for the next one.
         for entry in entries:
             entry.host = None
+
+    def _host_copy_of(self, tag: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        entry = self._storages.get(tag, {}).get(tensor.untyped_storage()._cdata)
+        if entry is None or entry.host is None:
+            raise BackendStateError(
+                f"a tensor of shape {list(tensor.shape)} has no host copy in {tag!r} (not tracked, or "
+                "discarded by a level-2 sleep); wake the tag and update on the device"
+            )
+        return entry.host, 0
 
     def _map(self, entry: _Storage, resident_after: int) -> None:
         """Give a storage its memory back. On a simulated device the new figure is claimed
