@@ -1,4 +1,4 @@
-"""A stage-to-stage transfer's bytes on the CPU (P-21) against a memcpy of the same bytes.
+"""A stage-to-stage transfer's bytes on the CPU (P-22) against a memcpy of the same bytes.
 
 The transfer is the rank's own path, in one process (both ranks' halves, no sockets): the
 producer's `RankTransfers.export` (the runner's tensors copied into a WeightSender's shm

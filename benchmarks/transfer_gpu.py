@@ -1,4 +1,4 @@
-"""A stage-to-stage transfer over CUDA IPC on one GPU (P-21) against a raw device copy of the
+"""A stage-to-stage transfer over CUDA IPC on one GPU (P-22) against a raw device copy of the
 same bytes. Written for the GPU round, not run yet (no device this round): its results file
 will be benchmarks/results/transfer_gpu.md.
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _cmd_walkthrough(args: argparse.Namespace) -> int:
@@ -173,6 +174,8 @@ CLIENT_VERBS = {
     "reload": "reload a stage's weights on a running `omni-core serve` (after a level-2 sleep: NEEDS_RELOAD)",
     "update-weights": "load new weights as a version above the stage's, from a checkpoint, on a running "
     "`omni-core serve` (any state with the weights resident; RUNNING drains first)",
+    "save-weights": "write a stage's weights, at its version, to a directory on the ranks' disk (under "
+    "allowed_reload_sources) on a running `omni-core serve`; a restart then comes back at that version",
     "restart": "restart every rank of a stage of a running `omni-core serve` (a FAILED stage; new epoch)",
     "execute": "run one request on a stage of a running `omni-core serve`; prints rank 0's output as JSON",
     "pause": "close a stage's admission keeping its memory, on a running `omni-core serve` (PAUSED once "
@@ -232,9 +235,45 @@ def _add_client_arguments(p: argparse.ArgumentParser, verb: str) -> None:
             help="the new weights version, above the stage's (`omni-core status`)",
         )
         p.add_argument("--source", required=True, help="checkpoint directory (under allowed_reload_sources)")
+    if verb == "save-weights":
+        p.add_argument("--directory", required=True, help="where the ranks write (under allowed_reload_sources)")
+        p.add_argument("--overwrite", action="store_true", help="replace the directory if it exists")
     if verb == "execute":
         p.add_argument("--payload", default=None, metavar="JSON", help="the request, as JSON: '{\"seed\": 1}'")
     p.set_defaults(verb=verb)
+
+
+def _client_call(client: Any, args: argparse.Namespace, payload: Any) -> Any:
+    """The server's answer to the client verb `args.verb`."""
+    verb = args.verb
+    if verb == "reload":
+        return client.reload_weights(
+            args.stage, args.source, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key
+        )
+    elif verb == "update-weights":
+        return client.update_weights(
+            args.stage,
+            args.source,
+            version=args.weights_version,
+            timeout_s=args.timeout_s,
+            idempotency_key=args.idempotency_key,
+        )
+    elif verb == "save-weights":
+        return client.save_weights(
+            args.stage,
+            args.directory,
+            overwrite=args.overwrite,
+            timeout_s=args.timeout_s,
+            idempotency_key=args.idempotency_key,
+        )
+    elif verb == "restart":
+        return client.restart(args.stage, from_checkpoint=args.from_checkpoint, idempotency_key=args.idempotency_key)
+    elif verb == "pause":
+        return client.pause(args.stage, args.mode, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+    elif verb == "resume":
+        return client.resume(args.stage, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+    else:
+        return client.execute(args.stage, payload, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -249,29 +288,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
             print(f"omni-core execute: --payload is not JSON ({exc}): {args.payload[:200]!r}", file=sys.stderr)
             return 2
     try:
-        client = OmniClient(args.url, api_key_file=args.api_key_file)
-        if verb == "reload":
-            answer = client.reload_weights(
-                args.stage, args.source, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key
-            )
-        elif verb == "update-weights":
-            answer = client.update_weights(
-                args.stage,
-                args.source,
-                version=args.weights_version,
-                timeout_s=args.timeout_s,
-                idempotency_key=args.idempotency_key,
-            )
-        elif verb == "restart":
-            answer = client.restart(
-                args.stage, from_checkpoint=args.from_checkpoint, idempotency_key=args.idempotency_key
-            )
-        elif verb == "pause":
-            answer = client.pause(args.stage, args.mode, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
-        elif verb == "resume":
-            answer = client.resume(args.stage, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
-        else:
-            answer = client.execute(args.stage, payload, timeout_s=args.timeout_s, idempotency_key=args.idempotency_key)
+        answer = _client_call(OmniClient(args.url, api_key_file=args.api_key_file), args, payload)
     except ServeError as exc:
         print(f"omni-core {verb}: HTTP {exc.status} {exc.type}: {exc}", file=sys.stderr)
         fixes = [fix.format(stage=args.stage) for asked, fix in _FIXES if asked in str(exc)]
@@ -286,7 +303,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     say_if_replayed(verb, answer, args.idempotency_key)
     if args.json or verb == "execute":
         print(json.dumps(answer, indent=2))
-    elif verb in ("reload", "pause", "resume"):
+    elif verb in ("reload", "pause", "resume", "save-weights"):
         print(
             f"{answer['stage']}: {answer['command']} -> {answer['state']} ({answer['status']}) in "
             f"{answer['duration_s'] * 1000:.1f} ms"

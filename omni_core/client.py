@@ -164,6 +164,20 @@ class OmniClient:
             idempotency_key,
         )
 
+    def save_weights(
+        self,
+        stage: str,
+        directory: str,
+        *,
+        overwrite: bool = False,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Every rank writes the weights it holds, at the stage's version, to `directory` (under
+        the server's allowed_reload_sources); a restart then comes back at that version."""
+        body = {"directory": directory, "overwrite": overwrite, "timeout_s": timeout_s}
+        return self._call("POST", f"/v1/stages/{_seg(stage)}/save_weights", body, idempotency_key)
+
     def pause(
         self, stage: str, mode: str = "wait", *, timeout_s: float | None = None, idempotency_key: str | None = None
     ) -> dict[str, Any]:

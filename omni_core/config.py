@@ -152,7 +152,7 @@ class OmniConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
     path: str = "<config>"
-    pipelines: tuple[PipelineRoute, ...] = ()  # [[pipelines]]: requests across stages (P-21)
+    pipelines: tuple[PipelineRoute, ...] = ()  # [[pipelines]]: requests across stages (P-22)
 
     @property
     def stage_names(self) -> list[str]:

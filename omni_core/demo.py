@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, TextIO, TypedDict
 
 from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, StageSpec
 from omni_core.units import fmt_bytes
@@ -26,6 +26,14 @@ REFUSAL_PROBE_TIMEOUT_S = 30.0
 # ... while a refusal "at once" is measured against a tenth of it: milliseconds in practice,
 # and still met on a loaded 2-core machine.
 AT_ONCE_BOUND_S = REFUSAL_PROBE_TIMEOUT_S / 10
+
+
+class _Common(TypedDict):
+    """The StageSpec fields both stages share."""
+
+    device: str
+    backend: str
+    deadline_s: float
 
 
 @dataclass
@@ -65,7 +73,7 @@ class Demo:
                 "cpu_threads": 1,
             }
 
-        common = {"device": self.device, "backend": self.backend, "deadline_s": 60.0}
+        common: _Common = {"device": self.device, "backend": self.backend, "deadline_s": 60.0}
         return [
             StageSpec("talker", runner_args=runner_args(1, 32), ranks=2, **common),
             StageSpec("decoder", runner_args=runner_args(2, 16), ranks=1, **common),

@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypedDict
 
 from omni_core.demo import fmt_bytes, write_table
-from omni_core.engine import Engine, LifecycleReport, RequestRejectedError, StageSpec
+from omni_core.engine import AdmissionPolicy, Engine, LifecycleReport, RequestRejectedError, StageSpec
 
 # (LLM size, DiT size) of `omni-core models make`, by --size.
 SIZES = {"tiny": ("tiny", "tiny"), "large": ("1.5b", "600m")}
@@ -79,7 +79,7 @@ def class_label_of(token_ids: list[int]) -> int:
 
 
 def cached_checkpoint(
-    models_dir: Path, family: str, size: str, *, seed: int = SEED, log: Callable[[str], None] = lambda _: None
+    models_dir: Path, family: str, size: str, *, seed: int = SEED, log: Callable[[str], object] = lambda _: None
 ) -> tuple[Path, float]:
     """The checkpoint directory of FAMILY at SIZE under `models_dir`, made on first use.
     Returns (path, seconds spent making it: 0 when reused)."""
@@ -130,6 +130,17 @@ def memory_text(report: LifecycleReport, *, over_link: bool = False) -> str:
             text += f", process {fmt_bytes(rr.process_bytes_before)} -> {fmt_bytes(rr.process_bytes_after)} ({source})"
         parts.append(text)
     return "; ".join(parts) or "-"
+
+
+class _Common(TypedDict):
+    """The StageSpec fields both stages share."""
+
+    device: str
+    backend: str
+    admission: AdmissionPolicy
+    deadline_s: float
+    start_deadline_s: float
+    request_timeout_s: float
 
 
 @dataclass
@@ -187,10 +198,11 @@ class RealDemo:
         dit_args = {"model": str(dit_dir), "scheduler": DIT_SCHEDULER, "max_requests": 2, **threads}
         # reject: a request to a stage that cannot serve is refused at once rather than queued,
         # so the table shows the refusal.
-        common = {
+        assert self.backend is not None  # __post_init__ chose it
+        common: _Common = {
             "device": self.device,
             "backend": self.backend,
-            "admission": "reject",
+            "admission": AdmissionPolicy.REJECT,
             "deadline_s": 300.0 if large else 60.0,
             "start_deadline_s": 600.0 if large else 240.0,
             "request_timeout_s": 300.0 if large else 60.0,

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -39,6 +39,7 @@ from omni_core.protocol.weights import (
     MAX_UPDATE_TENSORS,
     Bucket,
     CollectiveSource,
+    DType,
     IpcBucket,
     IpcSource,
     ShmSource,
@@ -50,6 +51,8 @@ from omni_core.weight_group import WeightGroup
 DEFAULT_BUCKET_BYTES = 256 << 20
 _BUCKET_FILE = re.compile(r"^omni-weights-(\d+)-[0-9a-f]{8}-\d+$")
 _ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary: any dtype's view is aligned
+# The dtypes the wire names: a struct is validated on decode only, so the sender checks its own.
+_WIRE_DTYPES: dict[str, DType] = {name: name for name in get_args(DType)}
 
 
 class WeightSenderError(ValueError):
@@ -59,7 +62,7 @@ class WeightSenderError(ValueError):
 def sweep_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     """Remove the bucket files of senders that no longer run (a process killed before its
     release() leaves them in host memory); returns their names. A live pid's are kept."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -93,10 +96,16 @@ def _named(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, t
 
 
 def _spec(name: str, tensor: torch.Tensor, offset_bytes: int = 0) -> TensorSpec:
+    dtype = _WIRE_DTYPES.get(dtype_name(tensor.dtype))
+    if dtype is None:
+        raise WeightSenderError(
+            f"tensor {name!r} is {dtype_name(tensor.dtype)}, a dtype the wire has no name for; "
+            f"convert it to one of {sorted(_WIRE_DTYPES)}"
+        )
     try:
         return TensorSpec(
             name=name,
-            dtype=dtype_name(tensor.dtype),
+            dtype=dtype,
             shape=tuple(tensor.shape),  # type: ignore[arg-type]
             offset_bytes=offset_bytes,
         )
@@ -108,7 +117,8 @@ def _layout(named: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[int
     """Buckets as (nbytes, [(name, offset)]) in name order, each at most bucket_bytes unless one
     tensor alone is larger."""
     buckets: list[tuple[int, list[tuple[str, int]]]] = []
-    size, members = 0, []
+    size = 0
+    members: list[tuple[str, int]] = []
     for name, tensor in named.items():
         nbytes = tensor.numel() * tensor.element_size()
         offset = -(-size // _ALIGN_BYTES) * _ALIGN_BYTES
@@ -162,7 +172,8 @@ class WeightSender:
             self.reused += 1
         assert self._source is not None
         with torch.no_grad():
-            for bucket, flat in zip(self._source.buckets, self._buckets, strict=True):
+            buckets: tuple[Bucket | IpcBucket, ...] = self._source.buckets
+            for bucket, flat in zip(buckets, self._buckets, strict=True):
                 for spec in bucket.tensors:
                     src = named[spec.name].detach().contiguous().view(-1).view(torch.uint8)
                     flat[spec.offset_bytes : spec.offset_bytes + spec.nbytes].copy_(src)

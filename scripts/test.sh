@@ -29,10 +29,9 @@ command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
   || echo "nodejs could not be installed: the JavaScript worker's conformance tests skip"
 ruff check omni_core omni_testing benchmarks tests scripts
 ruff format --check omni_core omni_testing benchmarks tests scripts
-# Types where they hold (0 errors): the wire, the transport, the rank process and the sans-IO
-# cores; the wire and the cores under --strict too. The engine and the packages above it are
-# not under it yet.
-mypy omni_core/protocol omni_core/transport omni_core/workers omni_core/fsm
+# Types, 0 errors: all of omni_core (pyproject's [tool.mypy]); the wire and the sans-IO cores
+# under --strict too.
+mypy omni_core
 mypy --strict omni_core/protocol omni_core/fsm
 started=$(date +%s)
 omni-core check

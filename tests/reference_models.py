@@ -174,7 +174,7 @@ class WorkerModel:
             self.answered[cmd.task_id] = cmd
             return Expect("result")
         if isinstance(cmd, Sleep):
-            _, _level, offload, discard = effect
+            _, offload, discard = effect
             self.asleep |= offload | discard
             if WEIGHTS in discard:
                 self.weights_valid = False
@@ -224,7 +224,7 @@ class WorkerModel:
         # Level 1 keeps a host copy of valid weights and drops scratch; level 2 drops all, and so
         # does a sleep of weights already invalid (nothing worth copying).
         offload = to_sleep & {WEIGHTS} if cmd.level == 1 and self.weights_valid else frozenset()
-        return self._start(cmd, W.OFFLOADING, ("sleep", cmd.level, offload, to_sleep - offload))
+        return self._start(cmd, W.OFFLOADING, ("sleep", offload, to_sleep - offload))
 
     def _wake(self, cmd: Wake) -> Expect:
         wanted = self._resolve(cmd.tags)

@@ -40,6 +40,7 @@ from omni_core.protocol import (
     RemoveAdapter,
     ResetPrefixCache,
     Result,
+    SaveWeights,
     ShareWeights,
     ShmSource,
     Shutdown,
@@ -130,6 +131,9 @@ SAMPLES: dict[type[Message], Message] = {
     ),
     ShareWeights: ShareWeights(task_id="share-1", epoch=3, bucket_bytes=1 << 20),
     ResetPrefixCache: ResetPrefixCache(task_id="reset-1", epoch=3),
+    SaveWeights: SaveWeights(
+        task_id="save-1", epoch=3, directory="/saves/v4", ranks=2, max_file_bytes=1 << 30, overwrite=True
+    ),
     AddAdapter: AddAdapter(
         task_id="add-1",
         epoch=3,

@@ -19,6 +19,7 @@ from omni_core.protocol import (
     Profile,
     RemoveAdapter,
     ResetPrefixCache,
+    SaveWeights,
     ShareWeights,
     Sleep,
     TransferIn,
@@ -43,6 +44,7 @@ def test_the_stateless_commands_are_read_from_the_table() -> None:
         RemoveAdapter,
         PinAdapter,
         ListAdapters,
+        SaveWeights,
         TransferOut,
         TransferIn,
         TransferRelease,
@@ -121,7 +123,7 @@ def test_a_command_call_carries_only_a_stateless_command(command: object) -> Non
     with pytest.raises(
         StageCommandError,
         match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, AddAdapter, RemoveAdapter, "
-        "PinAdapter, ListAdapters, ResetPrefixCache, TransferOut, TransferIn, TransferRelease, not ",
+        "PinAdapter, ListAdapters, ResetPrefixCache, SaveWeights, TransferOut, TransferIn, TransferRelease, not ",
     ):
         h.stage.step(_call(command), h.now)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None

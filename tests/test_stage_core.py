@@ -898,6 +898,17 @@ def _host_refit_scenario() -> None:
 SCENARIOS.append(_host_refit_scenario)
 
 
+def _save_scenarios() -> None:
+    # SaveWeights' cases live in test_save_weights_core.py (which imports this module's helpers).
+    import test_save_weights_core as save_cases
+
+    for state in (S.RUNNING, S.PAUSED, S.PARTIAL):
+        save_cases.test_a_stage_saves_wherever_valid_weights_are_awake_and_keeps_its_state(state)
+
+
+SCENARIOS.append(_save_scenarios)
+
+
 def _restart_versions_scenario() -> None:
     """A restart back at a disk update's version, NEEDS_RELOAD under a floor after a memory
     one, and from the checkpoint: tests/testdata/restart_versions.txt."""

@@ -86,7 +86,7 @@ POOL = [f"t{i}" for i in range(6)]
 
 def effect_tuple(effect: Effect) -> tuple:
     if isinstance(effect, SleepEffect):
-        return ("sleep", effect.level, effect.offload, effect.discard)
+        return ("sleep", effect.offload, effect.discard)
     if isinstance(effect, WakeEffect):
         return ("wake", effect.tags)
     if isinstance(effect, ReloadEffect):
@@ -233,7 +233,7 @@ class WorkerMachine(RuleBasedStateMachine):
             require(text in reply.detail, "P-11", f"the failure reply {reply!r} does not say {text!r}")
         if not isinstance(command, Status):
             self.recorded[command.task_id] = (command, reply)
-        if not fail and pending.effect[0] == "sleep" and "weights" in pending.effect[3]:
+        if not fail and pending.effect[0] == "sleep" and "weights" in pending.effect[2]:
             self.weights_garbage = True
         if not fail and pending.effect[0] == "reload":
             self.weights_garbage = False

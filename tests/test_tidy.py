@@ -25,7 +25,6 @@ ALLOWED_LONG = {
     "serve/metrics.py:collect": "one pass over every stage's status per scrape",
     "formal/check.py:run": "TLC runs, then controls, then the report",
     "fsm/worker.py:_on_command": "the worker core's per-command guards",
-    "fsm/stage.py:_on_reply": "the stage core's per-reply settlement",
     "workers/process.py:start": "the rank's start-up: device, backend, runner, Hello",
     "formal/trace_check.py:judge": "the trace verdict's checks in order",
     "formal/trace_export.py:project": "a trace's projection onto the spec's variables",

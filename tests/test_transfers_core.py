@@ -1,4 +1,4 @@
-"""Stage-to-stage transfers (P-21) in the sans-IO cores: the worker's three generic calls, the
+"""Stage-to-stage transfers (P-22) in the sans-IO cores: the worker's three generic calls, the
 producer stage's holds (no sleep, no update while a transfer is in flight), the consumer's
 version check, and one request's transfer core (where it lands by the consumer's admission,
 one answer, the producer's buckets released at every end)."""

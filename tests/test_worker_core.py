@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import test_save_weights_core as save_cases
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
 from test_transfers_core import TRANSFER_WORKER_SCENARIOS
 from test_worker_adapters import ADAPTER_SCENARIOS
@@ -169,7 +170,7 @@ def test_load_then_level1_sleep_and_wake() -> None:
     d.w.step(Loaded())
     step = d.send(Sleep(task_id="s1", epoch=0, level=1))
     assert step.replies == ()
-    assert step.effect == SleepEffect("s1", 1, frozenset({"weights"}), frozenset({"kv_cache"}))
+    assert step.effect == SleepEffect("s1", frozenset({"weights"}), frozenset({"kv_cache"}))
     assert d.w.state is W.OFFLOADING
     memory = MemoryReport(pool_bytes_before={"weights": 10}, pool_bytes_after={"weights": 0})
     (ack,) = d.w.step(EffectCompleted("s1", memory=memory, duration_s=0.5)).replies
@@ -187,7 +188,7 @@ def test_load_then_level1_sleep_and_wake() -> None:
 def test_level2_sleep_needs_reload_before_execute() -> None:
     d = reach_worker(W.ACTIVE)
     step = d.send(Sleep(task_id="s2", epoch=0, level=2))
-    assert step.effect == SleepEffect("s2", 2, frozenset(), frozenset({"weights", "kv_cache"}))
+    assert step.effect == SleepEffect("s2", frozenset(), frozenset({"weights", "kv_cache"}))
     d.w.step(EffectCompleted("s2"))
     ack = d.run(Wake(task_id="w2", epoch=0))
     assert ack.state is W.NEEDS_RELOAD  # memory mapped, weights garbage (P-8)
@@ -236,12 +237,12 @@ def test_sleep_more_tags_from_each_asleep_state() -> None:
     d = reach_worker(W.ACTIVE)
     assert d.run(Sleep(task_id="a", epoch=0, tags=("kv_cache",))).asleep_tags == ("kv_cache",)
     step = d.send(Sleep(task_id="b", epoch=0))
-    assert step.effect == SleepEffect("b", 1, frozenset({"weights"}), frozenset())
+    assert step.effect == SleepEffect("b", frozenset({"weights"}), frozenset())
     d.w.step(EffectCompleted("b"))
     # PARTIAL -> sleep the awake tag.
     d = reach_worker(W.PARTIAL)
     step = d.send(Sleep(task_id="c", epoch=0))
-    assert step.effect == SleepEffect("c", 1, frozenset(), frozenset({"kv_cache"}))
+    assert step.effect == SleepEffect("c", frozenset(), frozenset({"kv_cache"}))
     assert d.w.step(EffectCompleted("c")).replies[0].state is W.SLEEPING
     # NEEDS_RELOAD -> level-1 sleep keeps the (garbage) weights invalid.
     d = reach_worker(W.NEEDS_RELOAD)
@@ -925,7 +926,7 @@ def test_every_worker_transition_is_exercised() -> None:
 def test_a_level1_sleep_of_invalid_weights_discards_them_instead_of_copying_garbage() -> None:
     d = reach_worker(W.NEEDS_RELOAD)
     step = d.send(Sleep(task_id="s-again", epoch=0, level=1, tags=("weights",)))
-    assert step.effect == SleepEffect("s-again", 1, frozenset(), frozenset({"weights"}))
+    assert step.effect == SleepEffect("s-again", frozenset(), frozenset({"weights"}))
 
 
 # ----------------------------------------------------------------------- Profile (P-15)
@@ -1151,3 +1152,10 @@ def test_reset_prefix_cache_of_an_older_epoch_is_fenced_and_failed_ranks_refuse_
     assert nack.reason is NackReason.STALE_EPOCH
     (failed,) = reach_worker(W.FAILED).send(_reset()).replies
     assert failed.reason is NackReason.FAILED
+
+
+# SaveWeights, the other command of the generic template: its cases live in test_save_weights_core.py.
+SCENARIOS += [
+    lambda s=s: save_cases.test_a_worker_performs_a_save_by_the_generic_template_and_keeps_its_state(s)
+    for s in (W.ACTIVE, W.PARTIAL)
+]

@@ -1,6 +1,6 @@
 ---------------------------- MODULE OmniTransfers ----------------------------
 (***************************************************************************)
-(* A stage-to-stage transfer under the lifecycle (P-21): one request's     *)
+(* A stage-to-stage transfer under the lifecycle (P-22): one request's     *)
 (* intermediate exported by a producer stage (TransferOut: buckets its     *)
 (* ranks hold), admitted at a consumer stage by the consumer's admission   *)
 (* rules, landed there (TransferIn), run on, and released (TransferRelease) *)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, SuiteOptions
 from omni_core.conformance.requirements import REQUIREMENTS
@@ -102,6 +102,7 @@ class Ctx:
         self._new_harness = new_harness
         self.stray_note: str = ""  # global cases get the run's record here
         self.failing_factory: Callable[[str, int, int], Any] | None = None  # a worker that greets FAILED
+        self.needs_reload_factory: Callable[[str, int, int], Any] | None = None  # one that greets NEEDS_RELOAD
         self.pressure_factory: Callable[[], Any] | None = None  # memory-pressure hooks (P-16)
 
     @property
@@ -163,7 +164,7 @@ class Ctx:
         if not condition:
             raise CaseFailure(problem, sent=sent, got=got, expected=expected)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str) -> NoReturn:
         raise CaseSkip(reason)
 
     def ack(

@@ -32,7 +32,7 @@ def _add(ctx: Ctx, what: str, **fields: object) -> AddAdapter:
         "rank": 1,
         "target_modules": ("q_proj",),
     }
-    return ctx.cmd(AddAdapter, what, **(args | fields))
+    return ctx.cmd(AddAdapter, what, peer=None, **(args | fields))  # peer named: no field is a Peer
 
 
 def _listed(ctx: Ctx, state: WorkerState, what: str) -> tuple[str, ...]:

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 from omni_core.conformance.cases import LEVEL2, WEIGHTS, Ctx, case
 from omni_core.protocol import (
     Ack,
     Command,
     Execute,
+    MemoryReport,
     Nack,
     NackReason,
     ReloadWeights,
@@ -62,9 +62,10 @@ def unknown_tag_no_effect(ctx: Ctx) -> None:
 # ============================================================================ P-12 memory reports
 
 
-def memory_report(ctx: Ctx, ack: Ack, sent: Command) -> Any:
+def memory_report(ctx: Ctx, ack: Ack, sent: Command) -> MemoryReport:
     memory = ack.memory
     ctx.check(memory is not None, f"the Ack of {type(sent).__name__} carries no memory report", sent=sent, got=ack)
+    assert memory is not None
     tags = set(ctx.worker.tags)
     for side in ("pool_bytes_before", "pool_bytes_after"):
         have = set(getattr(memory, side))

@@ -12,6 +12,7 @@ from omni_core.protocol import (
     AckStatus,
     Execute,
     Hello,
+    Message,
     NackReason,
     Shutdown,
     Sleep,
@@ -190,7 +191,7 @@ def second_shutdown(ctx: Ctx) -> None:
     ctx.ack(peer.reply(first.task_id, sent=first), first, state=WorkerState.STOPPED, status=AckStatus.OK)
     replies = peer.collect(ctx.options.quiet_s)
     code = peer.process.wait(ctx.options.exit_timeout_s)
-    answers = [m for m in replies if getattr(m, "task_id", None) == second.task_id] if second_delivered else []
+    answers = [m for m in replies if isinstance(m, Message) and m.task_id == second.task_id] if second_delivered else []
     if answers:
         ctx.ack(answers[0], second, state=WorkerState.STOPPED, status=AckStatus.ALREADY)
     else:

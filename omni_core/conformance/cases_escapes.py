@@ -46,11 +46,11 @@ def status_keeps_reply_cache(ctx: Ctx) -> None:
             got=again,
             expected=reply,
         )
-    status = ctx.status()
+    stated = ctx.status()
     ctx.check(
-        status.state is WorkerState.ACTIVE and not status.asleep_tags,
+        stated.state is WorkerState.ACTIVE and not stated.asleep_tags,
         "a copy of an answered Wake took effect again after a Status",
-        got=status,
+        got=stated,
         expected="Status: ACTIVE, nothing asleep",
     )
 

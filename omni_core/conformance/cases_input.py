@@ -82,8 +82,8 @@ def garbage_then_service(ctx: Ctx) -> None:
         peer.send_raw(data, task_id)
         reply = peer.next_message(sent=data)
         sent = f"{what}: {data[:48]!r}{'...' if len(data) > 48 else ''}"
-        ctx.nack(reply, sent, NackReason.BAD_MESSAGE, task_id=task_id)
-        ctx.check(bool(reply.detail.strip()), "the refusal's detail is empty", sent=sent, got=reply)
+        refusal = ctx.nack(reply, sent, NackReason.BAD_MESSAGE, task_id=task_id)
+        ctx.check(bool(refusal.detail.strip()), "the refusal's detail is empty", sent=sent, got=reply)
         status = ctx.status()  # still serving, and nothing changed
         ctx.check(
             status.state is WorkerState.ACTIVE and not status.asleep_tags,

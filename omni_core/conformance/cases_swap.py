@@ -69,7 +69,7 @@ def waiting_wake_refused_without_swap(ctx: Ctx) -> None:
     _, slept = ctx.sleep(1)
     command = ctx.cmd(Wake, "waits", memory_wait_s=ROOMY_WAIT_S)
     reply = ctx.request(command)
-    predates = getattr(reply, "reason", None) is NackReason.BAD_MESSAGE and "memory_wait_s" in reply.detail
+    predates = isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE and "memory_wait_s" in reply.detail
     if not predates:
         ctx.nack(reply, command, NackReason.UNSUPPORTED, state=slept.state)
     status = ctx.status()

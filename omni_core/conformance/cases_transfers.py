@@ -1,4 +1,4 @@
-"""The P-21 cases (stage-to-stage transfers): the rules a worker keeps whatever its runner's
+"""The P-22 cases (stage-to-stage transfers): the rules a worker keeps whatever its runner's
 connector exports or imports. They move no tensors, so they hold for any model: an export or a
 landing is refused asleep naming the state, a release is taken in every settled state and a
 copy gets the same answer, a landing declared for another producer version or naming a tensor
@@ -35,7 +35,7 @@ def _source(name: str) -> ShmSource:
 
 
 @case(
-    "P-21",
+    "P-22",
     "transfer_refused_asleep_released_anywhere",
     "after a level-1 sleep (SLEEPING): TransferOut is refused INVALID_STATE naming the state; TransferRelease "
     "of a request nothing is held for is acknowledged in SLEEPING, and a copy gets the same Ack",
@@ -53,7 +53,7 @@ def transfer_refused_asleep_released_anywhere(ctx: Ctx) -> None:
 
 
 @case(
-    "P-21",
+    "P-22",
     "transfer_refused_before_anything_is_kept",
     "in ACTIVE: a TransferIn declared for another producer version is refused INVALID_ARGUMENT naming both "
     "versions; one naming a tensor the connector does not import, and a TransferOut of a name it does not "

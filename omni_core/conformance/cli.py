@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "FAILED; built in for 'synthetic', else that case is skipped",
     )
     p.add_argument(
+        "--needs-reload-worker",
+        metavar="TARGET",
+        default=None,
+        help="a worker that greets NEEDS_RELOAD (its weights loaded, not to be served), to check it "
+        "serves nothing until a reload; built in for 'synthetic', else that case is skipped",
+    )
+    p.add_argument(
         "--memory-pressure",
         metavar="package.module:factory",
         default=None,
@@ -67,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         only = parse_only(args.only)
         resolve_target(args.worker)
-        if args.failing_worker is not None:
-            resolve_target(args.failing_worker)
+        for other in (args.failing_worker, args.needs_reload_worker):
+            if other is not None:
+                resolve_target(other)
         if args.memory_pressure is not None:
             resolve_pressure(args.memory_pressure)
         fields = {
@@ -77,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             "epoch": args.epoch,
             "case_timeout_s": args.case_timeout,
             "failing_worker": args.failing_worker,
+            "needs_reload_worker": args.needs_reload_worker,
             "memory_pressure": args.memory_pressure,
         }
         if args.payload is not None:

@@ -46,6 +46,9 @@ class SuiteOptions:
     # A target (string or factory) whose worker fails at start-up and greets in FAILED, to
     # check that Shutdown leaves FAILED; None: the built-in one for `synthetic`, else skipped.
     failing_worker: Any = None
+    # A target whose worker greets NEEDS_RELOAD (weights loaded, not to be served: a restart
+    # under a version floor, dummy weights); None: the built-in one for `synthetic`, else skipped.
+    needs_reload_worker: Any = None
     # A factory of memory-pressure hooks (`omni_core.conformance.pressure`), or its import
     # path, for the P-16 NO_MEMORY case; None: the built-in one for `synthetic`, else skipped.
     memory_pressure: Any = None
@@ -243,7 +246,7 @@ class Peer:
             if left_ms <= 0:
                 running = self.process.alive()
                 alive = "still running" if running else f"exited ({self.process.exit_code()})"
-                what = f"{type(sent).__name__} {sent.task_id!r}" if isinstance(sent, msgspec.Struct) else "it"
+                what = f"{type(sent).__name__} {sent.task_id!r}" if isinstance(sent, Message) else "it"
                 raise CaseFailure(
                     f"no reply from {self} within {timeout_s:.3g} s to {what}; the process is {alive}",
                     sent=sent,

@@ -297,6 +297,31 @@ REQUIREMENTS: dict[str, Requirement] = {
         ),
         Requirement(
             "P-21",
+            "A save writes the version held, whole or not at all",
+            "A worker that declares the capability `save_weights` answers `SaveWeights(directory, ranks, "
+            "max_file_bytes, overwrite)` by writing the weights it holds, at its weights version, to its own "
+            "disk: `directory` itself when `ranks` is 1, else `directory/rank-<r>` for rank `r`. A worker that "
+            "does not declare it MUST refuse it with `Nack UNSUPPORTED` and no effect. A worker MUST accept it "
+            "exactly where its transition table has `save_weights` with valid weights awake: `ACTIVE`, or "
+            "`PARTIAL` with `weights` awake; anywhere else it MUST refuse it like any command (`Nack BUSY` "
+            "while an effect runs, `Nack FAILED` in `FAILED`, `Nack INVALID_STATE` elsewhere). It MUST NOT "
+            "change the lifecycle state, the weights, their version or any pool. It MUST write into a directory "
+            "beside the target and rename it into place only once every file is written, so that a save that "
+            "fails leaves nothing under the target's name; it MUST refuse with `Nack INVALID_ARGUMENT`, writing "
+            "nothing there, a target that exists (unless `overwrite`), a path that is not absolute or goes "
+            "through a symbolic link, and a `ranks` its rank is not below; any other failure of the write is "
+            "`Nack INVALID_ARGUMENT` naming it, the rank still serving. What it writes MUST hold an index "
+            "(`omni_weights.json`) naming the weights version, and MUST be what its `ReloadWeights` reads back "
+            "bit for bit, acknowledged at the version the index names. It is idempotent by `task_id` and "
+            "fenced by epoch like every command (P-2, P-6). A "
+            "stage sends it to every rank only in `RUNNING`, `PAUSED` or `PARTIAL` with valid weights awake, "
+            "never changes state on the answers, and once every rank acknowledged it records `directory` as "
+            "where its version lives, so that a restart reloads it at that version (P-17); a `ReloadWeights` of "
+            "it commits the version every rank acknowledged, the same on every rank and not below a version "
+            "floor, else the stage fails.",
+        ),
+        Requirement(
+            "P-22",
             "A transfer between stages is versioned, bounded and released",
             "A worker that declares the capability `transfer` moves one request's tensors (hidden states, prompt "
             "embeddings, KV blocks) to another stage's ranks over the planes of P-17 (host shared memory, CUDA "

@@ -21,7 +21,12 @@ from omni_core.conformance.cases import REQUIREMENT_ORDER, Case, Ctx, ordered_ca
 from omni_core.conformance.harness import CaseFailure, CaseSkip, Harness, Peer, StartError, SuiteOptions, show
 from omni_core.conformance.pressure import pressure_for, resolve_pressure
 from omni_core.conformance.requirements import REQUIREMENTS, Requirement
-from omni_core.conformance.targets import WorkerFactory, failing_factory_for, resolve_target
+from omni_core.conformance.targets import (
+    WorkerFactory,
+    failing_factory_for,
+    needs_reload_factory_for,
+    resolve_target,
+)
 from omni_core.progress import Progress
 from omni_core.protocol import PROTOCOL_VERSION, Ack, Status, WorkerState
 
@@ -238,6 +243,10 @@ class SuiteRunner:
         self.only = parse_only(only)
         failing = self.options.failing_worker
         self.failing_factory = resolve_target(failing)[1] if failing is not None else failing_factory_for(target)
+        unserved = self.options.needs_reload_worker
+        self.needs_reload_factory = (
+            resolve_target(unserved)[1] if unserved is not None else needs_reload_factory_for(target)
+        )
         pressure = self.options.memory_pressure
         self.pressure_factory = resolve_pressure(pressure) if pressure is not None else pressure_for(target)
         self._harness: Harness | None = None
@@ -343,6 +352,7 @@ class SuiteRunner:
                     )
             ctx = Ctx(case, worker, None, self.options, self._new_harness)
             ctx.failing_factory = self.failing_factory
+            ctx.needs_reload_factory = self.needs_reload_factory
             ctx.pressure_factory = self.pressure_factory
             if run_wide(case):
                 ctx.stray_note = "\n".join(self._strays)

@@ -85,6 +85,21 @@ def failing_reference_worker(address: str, rank: int, epoch: int) -> dict[str, A
     return {**reference_worker(address, rank, epoch), "runner": "omni_core.conformance.no_such_runner:Runner"}
 
 
+def needs_reload_reference_worker(address: str, rank: int, epoch: int) -> dict[str, Any]:
+    """The project's worker started as a restart under a version floor starts it: its weights
+    loaded but not to be served, so it greets NEEDS_RELOAD at version 0 (the worker table's
+    `loaded_needs_reload` row)."""
+    return {**reference_worker(address, rank, epoch), "start_needs_reload": True}
+
+
+def needs_reload_factory_for(target: str | WorkerFactory) -> WorkerFactory | None:
+    """The NEEDS_RELOAD-greeting counterpart of a built-in target; None for any other (the user
+    names one with `--needs-reload-worker`, or the case that needs it is skipped)."""
+    if isinstance(target, str) and target.strip() in BUILTIN_TARGETS:
+        return needs_reload_reference_worker
+    return None
+
+
 def failing_factory_for(target: str | WorkerFactory) -> WorkerFactory | None:
     """The failing counterpart of a built-in target; None for any other (the user names one
     with `--failing-worker`, or the case that needs it is skipped)."""

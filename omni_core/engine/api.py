@@ -47,7 +47,8 @@ from omni_core.fsm.inputs import (
     WeightGroupCall,
 )
 from omni_core.fsm.stage import memory_wait_problem
-from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource, ResetPrefixCache, new_version_problem
+from omni_core.protocol import MAX_MEMORY_WAIT_S, DiskSource, ResetPrefixCache, SaveWeights, new_version_problem
+from omni_core.protocol.messages import DEFAULT_SAVE_FILE_BYTES
 from omni_core.protocol.weights import WeightSource
 
 WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller gives up
@@ -445,10 +446,51 @@ class Engine(AdapterCalls):
         tid, deadline_s = self._task(stage, "reset_prefix_cache", task_id, timeout_s)
         return self._lifecycle(stage, CommandCall(ResetPrefixCache(task_id=tid, epoch=0), deadline_s))
 
+    def save_weights(
+        self,
+        stage: str,
+        directory: str,
+        *,
+        overwrite: bool = False,
+        max_file_bytes: int = DEFAULT_SAVE_FILE_BYTES,
+        task_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> LifecycleReport:
+        """Every rank writes the weights it holds now, at the stage's weights version, to
+        `directory` (vLLM's save_sharded_state): a stage of one rank writes a checkpoint its runner
+        loads (safetensors files of at most `max_file_bytes`, the model's config, an index naming
+        the version and the checkpoint it derives from); of several, each rank writes
+        `directory/rank-<r>`. Each rank writes beside the target and renames its directory in
+        last: a save that fails leaves nothing under that name. An existing `directory` is
+        refused unless `overwrite`. Legal where valid weights are awake (RUNNING, PAUSED,
+        PARTIAL with 'weights' awake): asleep, InvalidArgumentError, nothing written; the
+        state never changes. Once every rank saved, the stage's version lives in `directory`:
+        a `restart` reloads it and comes back at that version (status: weights_source 'disk').
+        A rank whose runner cannot save refuses UNSUPPORTED (InvalidArgumentError naming it).
+        The path is the caller's: the HTTP server holds it to allowed_reload_sources first."""
+        if not isinstance(directory, str) or "\x00" in directory or not os.path.isabs(directory):
+            raise InvalidArgumentError(
+                f"the save directory must be an absolute path without NUL characters, got {directory!r:.200}; "
+                "nothing was sent"
+            )
+        if type(overwrite) is not bool:
+            raise InvalidArgumentError(f"overwrite must be True or False, got {overwrite!r}")
+        ranks = self._spec(stage).ranks
+        tid, deadline_s = self._task(stage, "save_weights", task_id, timeout_s)
+        command = SaveWeights(
+            task_id=tid,
+            epoch=0,
+            directory=os.path.normpath(directory),
+            ranks=ranks,
+            max_file_bytes=max_file_bytes,
+            overwrite=overwrite,
+        )
+        return self._lifecycle(stage, CommandCall(command, deadline_s))
+
     def pipeline(
         self, stages: Sequence[PipelineStage], *, request_id: str | None = None, timeout_s: float | None = None
     ) -> PipelineResult:
-        """One request across `stages` in order (P-21): each stage's `export` moves to the next
+        """One request across `stages` in order (P-22): each stage's `export` moves to the next
         by a transfer over its ranks' buckets, each stage admitted by its own policy (a sleeping
         one queued or woken, a paused one queued); the last stage's output, with each hop's
         producer weights version. `omni_core.engine.pipeline` says how."""
@@ -628,6 +670,9 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self, stage: str, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.reset_prefix_cache, stage, **kwargs)
+
+    async def save_weights(self, stage: str, directory: str, **kwargs: Any) -> LifecycleReport:
+        return await asyncio.to_thread(self.engine.save_weights, stage, directory, **kwargs)
 
     async def add_adapter(self, stage: str, name: str, source: str | None = None, **kwargs: Any) -> LifecycleReport:
         return await asyncio.to_thread(self.engine.add_adapter, stage, name, source, **kwargs)

@@ -100,7 +100,7 @@ class LocalLauncher:
         )
 
     def reap(self, ranks: list[RankHandle]) -> None:
-        local_ranks.reap(ranks)  # type: ignore[arg-type]
+        local_ranks.reap(ranks)
 
     def close(self) -> None:
         pass

@@ -36,7 +36,7 @@ class LoopIO:
             max_frame_bytes=max_frame_bytes,
             curve=self.curve,
         )
-        self.address: str = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._poller = zmq.Poller()

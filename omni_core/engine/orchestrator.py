@@ -63,6 +63,7 @@ from omni_core.protocol import (
     Hello,
     Nack,
     ProtocolError,
+    Reply,
     Shutdown,
     StageState,
     decode,
@@ -165,11 +166,12 @@ class Orchestrator:
         """Wait for the loop thread to end (after a ShutdownCall)."""
         self._thread.join(timeout_s)
 
-    def stage(self, name: str) -> StageSlot:
-        try:
-            return self._stages[name]
-        except KeyError:
-            raise InvalidArgumentError(f"unknown stage {name!r}; stages are {sorted(self._stages)}") from None
+    def stage(self, name: str | None) -> StageSlot:
+        """The slot of stage `name`; None (a stage call queued without its stage) is unknown too."""
+        slot = None if name is None else self._stages.get(name)
+        if slot is None:
+            raise InvalidArgumentError(f"unknown stage {name!r}; stages are {sorted(self._stages)}")
+        return slot
 
     def new_task_id(self, kind: str, stage: str) -> str:
         return f"{kind}-{stage}-{uuid.uuid4().hex[:12]}"
@@ -226,7 +228,7 @@ class Orchestrator:
         stage.requests[submit.request_id] = future
         self._step(stage, submit)
 
-    def _lifecycle(self, future: Future, name: str, event: LifecycleCall) -> None:
+    def _lifecycle(self, future: Future, name: str | None, event: LifecycleCall) -> None:
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)
         try:
@@ -387,7 +389,7 @@ class Orchestrator:
             self._on_hello(identity, message)
             return
         where = self._by_identity.get(identity)
-        if where is None or isinstance(message, Command):
+        if where is None or not isinstance(message, Reply):  # a Command (Message is one or the other)
             self.counters["unknown_peers"] += 1
             return
         stage, rank = where

@@ -1,4 +1,4 @@
-"""A request across stages (P-21): each stage's output moves to the next by a transfer, the
+"""A request across stages (P-22): each stage's output moves to the next by a transfer, the
 engine moving the intermediate rank to rank, under both stages' lifecycles.
 
     engine.pipeline([

@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -23,6 +25,9 @@ from omni_core.fsm.stage_versions import StartWeights
 from omni_core.protocol.auth import RANK_SECRET_ENV, new_rank_secret
 from omni_core.transport import CurveKeys
 from omni_core.workers.config import WorkerConfig
+
+if TYPE_CHECKING:  # launch imports this module
+    from omni_core.engine.launch import RankHandle
 
 TERMINATE_GRACE_S = 3.0
 
@@ -39,8 +44,8 @@ class RankProcess:
             env=env,
             stdin=subprocess.DEVNULL,
         )
-        self.pid = self.popen.pid
-        self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        self.pid: int | None = self.popen.pid  # RankHandle.pid: the orchestrator adopts the Hello's
+        self.sentinel = os.pidfd_open(self.popen.pid) if hasattr(os, "pidfd_open") else None
         self.node = f"{socket.gethostname()} (local)"  # where it runs, for error messages
         self.identity: bytes | None = None  # bound by a proven Hello
         self.expected_exit = False  # we told it to go (Shutdown, restart)
@@ -180,7 +185,7 @@ def torchrun_env(rank: int, world: int, *, local_rank: int, master_addr: str, ma
     }
 
 
-def reap(procs: list[RankProcess]) -> None:
+def reap(procs: Sequence[RankHandle]) -> None:
     """Stop the processes: SIGTERM, a grace period, then SIGKILL."""
     for proc in procs:
         proc.expected_exit = True

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from omni_core.engine.errors import InvalidArgumentError
+from omni_core.engine.launch import RankHandle
 from omni_core.engine.ranks import free_tcp_port, torchrun_env, worker_config
 from omni_core.engine.spec import RayPlacement, StageSpec
 from omni_core.fsm.stage_versions import StartWeights
@@ -208,7 +209,7 @@ class RayLauncher:
         trace_path: str | None,
         curve: CurveKeys | None,
         weights: StartWeights | None = None,
-    ) -> list[RayRank]:
+    ) -> list[RankHandle]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if curve is None:
@@ -221,7 +222,7 @@ class RayLauncher:
         # node: torch's store is served by rank 0, so rank 0 must be placed on this node (a
         # single-node placement group, as STRICT_PACK, guarantees it).
         master_addr, master_port = self.bind_host(), free_tcp_port()
-        ranks = []
+        ranks: list[RankHandle] = []
         for rank in range(spec.ranks):
             index = placement.bundle_indices[rank] if placement.bundle_indices else rank
             # Its parent is a raylet; Ray ends the actor when this driver goes.

@@ -64,7 +64,7 @@ class RendezvousPolicy:
         the host and the setting when it is not allowed or does not resolve."""
         host = address.strip().strip("[]")
         try:
-            resolved = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+            resolved = sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
         except (socket.gaierror, UnicodeError, ValueError) as exc:
             raise InvalidArgumentError(
                 f"weight group address {address[:100]!r} does not resolve ({exc}); name the trainer's host"

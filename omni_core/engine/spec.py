@@ -119,6 +119,12 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # copies through idle peer GPUs they see (list them in `devices`, own GPU first).
     multi_path: bool = True
 
+    @property
+    def dummy_weights(self) -> bool:
+        """Whether the runner starts from random weights (runner_args load_format "dummy", as
+        vLLM's): the stage is NEEDS_RELOAD at version 0 until its first update."""
+        return self.runner_args.get("load_format") == "dummy"
+
     def __post_init__(self) -> None:
         conform(self, f"stage {self.name!r}")
         what = f"stage {self.name!r}"

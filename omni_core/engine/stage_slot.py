@@ -48,6 +48,7 @@ class StageSlot:
             queue_limit=spec.queue_limit,
             max_in_flight=spec.max_in_flight,
             wake_deadline_s=spec.deadline_s,
+            dummy_weights=spec.dummy_weights,
         )
         return cls(spec, core)
 

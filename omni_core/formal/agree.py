@@ -12,6 +12,7 @@ the command, and `omni-core check` fails on the first one.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -374,13 +375,13 @@ def compare(
     for w, m in sorted(set(table.worker_cases), key=repr):
         if (w, m) not in table.recv:
             raise AgreeParseError(f"the spec printed no result for the case {w} {m}")
-        check("OnCommand", (w, m), table.recv[(w, m)], lambda w=w, m=m: worker_recv(w, m, worker))
+        check("OnCommand", (w, m), table.recv[(w, m)], functools.partial(worker_recv, w, m, worker))
     for w in sorted(table.done, key=repr):
-        check("Done", w, table.done[w], lambda w=w: worker_done(w, worker))
+        check("Done", w, table.done[w], functools.partial(worker_done, w, worker))
     for s, c in sorted(set(table.stage_cases), key=repr):
-        check("stage call", (s, c), table.issue.get((s, c)), lambda s=s, c=c: stage_issue(s, c, stage))
+        check("stage call", (s, c), table.issue.get((s, c)), functools.partial(stage_issue, s, c, stage))
     for s, c, x in sorted(table.reply, key=repr):
-        check("stage reply", (s, c, x), table.reply[(s, c, x)], lambda s=s, c=c, x=x: stage_reply(s, c, x, stage))
+        check("stage reply", (s, c, x), table.reply[(s, c, x)], functools.partial(stage_reply, s, c, x, stage))
     return out
 
 

@@ -109,7 +109,7 @@ def compare(steps: dict[Case, tuple[str, str]], factory: Callable[..., StageCore
     for case in sorted(steps):
         spec = steps[case]
         try:
-            code = code_step(case, spec[0], factory)
+            code: tuple[str, ...] = code_step(case, spec[0], factory)
             if spec[0] == "submit":  # the spec submits only where no pump is due: nor must the core's be
                 pump = code_step(case, "pump", factory)
                 if pump[1] != "none":

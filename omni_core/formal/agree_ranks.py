@@ -120,16 +120,15 @@ def reply(call: Call, rank: int, kind: str, tags: tuple[str, ...]) -> Ack | Nack
 
 
 def _holds(stage: StageCore, outcome: str) -> Result:
-    task = stage.task
-    pending = outcome == "pending" and task is not None
+    task = stage.task if outcome == "pending" else None
     return (
         stage.state.value,
         frozenset(stage.failed_ranks),
         outcome,
         stage.residency.asleep,
         stage.residency.weights_valid,
-        frozenset(task.acks) if pending else _NONE,
-        frozenset(task.refusals) if pending else _NONE,
+        frozenset(task.acks) if task is not None else _NONE,
+        frozenset(task.refusals) if task is not None else _NONE,
     )
 
 

@@ -155,12 +155,15 @@ def run_models(
         config = root / model.config
         text = config.read_text()
         cover = coverage is not None and not model.is_bug
-        tlc_args = {"workers": workers or model.workers, "timeout_s": timeout_s}
+        tlc_workers = workers or model.workers
         if reach is not None and not cover and not model.is_bug and reachability.instrumentable(spec.name):
-            result, reach[model.name] = reachability.run_instrumented(root, spec.name, config, **tlc_args)
+            result, reach[model.name] = reachability.run_instrumented(
+                root, spec.name, config, workers=tlc_workers, timeout_s=timeout_s
+            )
         else:
-            result = run_tlc(spec, config, extra_args=("-coverage", "60") if cover else (), **tlc_args)
-        if cover:
+            extra_args = ("-coverage", "60") if cover else ()
+            result = run_tlc(spec, config, extra_args=extra_args, workers=tlc_workers, timeout_s=timeout_s)
+        if cover and coverage is not None:
             coverage[model.name] = result.output
         got, ok, note = judge(model, result, config_properties(text))
         if ok:

@@ -16,6 +16,7 @@ stale.
 from __future__ import annotations
 
 import itertools
+from typing import TypedDict
 
 from omni_core.formal.generated import Generated
 from omni_core.fsm import STAGE_TRANSITIONS, WORKER_TRANSITIONS, StageCore
@@ -161,8 +162,15 @@ def _stage_at(start: str, paused: bool, partial: bool) -> StageCore:
     return stage
 
 
+class _ReplyFields(TypedDict):
+    task_id: str
+    epoch: int
+    rank: int
+    command: str
+
+
 def _reply(stage: StageCore, task_id: str, rank: int, answer: str, version: int, before: WorkerState) -> Reply:
-    common = {"task_id": task_id, "epoch": stage.epoch, "rank": rank, "command": "UpdateWeights"}
+    common: _ReplyFields = {"task_id": task_id, "epoch": stage.epoch, "rank": rank, "command": "UpdateWeights"}
     asleep = tuple(sorted(stage.residency.asleep))
     refit = before is REFIT_ASLEEP.rank_state  # written into the host copy: the rank stays asleep
     if answer == "ack":
@@ -197,7 +205,10 @@ def settle_rows() -> list[SettleRow]:
     "none" while it has not answered, the stage core's state then, whether it committed the
     version), for every combination."""
     rows: dict[SettleRow, None] = {}  # ordered, each row once
-    for (start, paused, partial), answers in itertools.product(SETTLE_FROM, itertools.product(ANSWERS, repeat=2)):
+    for (start, paused, partial), (first_answer, last_answer) in itertools.product(
+        SETTLE_FROM, itertools.product(ANSWERS, repeat=2)
+    ):
+        answers = (first_answer, last_answer)
         (first, first_committed), (last, committed) = _update(_stage_at(start, paused, partial), answers)
         rows[(start, paused, partial, (answers[0], "none"), first, first_committed)] = None
         rows[(start, paused, partial, answers, last, committed)] = None

@@ -463,9 +463,9 @@ def run(args: argparse.Namespace, root: Path, echo=print) -> int:
         f"{len(verdicts)} guards: {len(verdicts) - len(survived)} killed or inconclusive, "
         f"{len(survived)} survived, {total_s:.0f} s"
     )
-    report = getattr(args, "guard_report", None)
-    if report is not None:
-        write_report(Path(report), verdicts, total_s, sorted(wanted))
+    report_path = getattr(args, "guard_report", None)
+    if report_path is not None:
+        write_report(Path(report_path), verdicts, total_s, sorted(wanted))
         echo(f"wrote {report}")
     return 0
 

@@ -129,8 +129,17 @@ def dump(spec: Path, config: Path, *, bug: str | None = None, timeout_s: float =
         return (Path(tmp) / "graph.dot").read_text()
 
 
+def _int(value: object) -> int:
+    if not isinstance(value, int):
+        raise SwapGraphError(f"expected an integer in the dump, got {value!r}")
+    return value
+
+
 def _used(model: SwapModel, s: State) -> int:
-    return int(s["a"]) + int(s["other"]) + sum(int(s["mapped"][k]) for k in model.allocs)  # type: ignore[index]
+    mapped = s["mapped"]
+    if not isinstance(mapped, dict):
+        raise SwapGraphError(f"expected `mapped` to be a record in the dump, got {mapped!r}")
+    return _int(s["a"]) + _int(s["other"]) + sum(_int(mapped[k]) for k in model.allocs)
 
 
 def step_events(model: SwapModel, stage: str, pre: State, post: State) -> tuple[tuple, ...]:

@@ -53,6 +53,7 @@ SPEC_INVARIANTS = (
     "W_NoMixedVersions",
     "W_SettledOnCommitted",
     "W_NoServingOnInvalid",
+    "W_NoServingBelowFloor",
 )
 DEFAULT_TIMEOUT_S = 120.0
 OWED_AT_END = (
@@ -272,6 +273,8 @@ CARRIED = (
     "failedRanks",
     "wver",
     "sver",
+    "sneeds",
+    "sfloor",
 )
 _STATE_HEADER = re.compile(r"^State \d+: .*$", re.MULTILINE)
 

@@ -7,7 +7,7 @@ Each record kind is one event kind, and each event kind one action of the trace 
 (IssueSleep/IssueWake/IssueReload), StageDispatched -> dispatch (IssueExecute), StageSent
 -> send, StageReceived -> recv (StageReceive), StageChanged -> state, StageDeadline ->
 deadline (Deadline), StageRestarted -> restart (Restart), RankDied -> died (Crash, then
-RankDied); WorkerStarted -> start (Loaded/LoadFailed), WorkerReceived -> wrecv
+RankDied); WorkerStarted -> start (Loaded/LoadedNeedsReload/LoadFailed), WorkerReceived -> wrecv
 (WorkerReceive), EffectDone/EffectFailed/EffectRefused -> done/error/refused
 (Done/EffectError/Refused), WorkerChanged -> wstate, ReplySent -> wsend, TaskEnded ->
 ended and RequestAnswered -> answered (what a caller heard, tied to the outcome the ranks'
@@ -32,7 +32,7 @@ ended owing an answer (`trace_admission.RecordChecks`: a last refuted event); a 
 that breaks P-18's rules (`trace_links.LinkChecks`).
 
 P-17's weight commands (UpdateWeights, InitWeightGroup, ShareWeights) and P-19's
-ResetPrefixCache replay on the actions of tla/trace/OmniWeights.tla, and every event
+ResetPrefixCache (and P-21's SaveWeights) replay on the actions of tla/trace/OmniWeights.tla, and every event
 carries the weights version its record names (`v`): an UpdateWeights' issue and send
 (the send also as its level, which is how the spec's wire carries it), each reply
 (ReplySent, StageReceived) and the committed version after each StageChanged.
@@ -303,10 +303,10 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
         epoch=getattr(r, "epoch", line.epoch),
         process_epoch=line.epoch,
     )
-    task_id = getattr(r, "task_id", None) or getattr(r, "request_id", "")
+    task_id = getattr(r, "task_id", "") or getattr(r, "request_id", "")
     ev.task = _task_number(task_id, tasks, assign=kind in ("issue", "dispatch", "send"))
     if line.is_engine:
-        ev.state = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
+        ev.state = getattr(r, "after", "") or getattr(r, "state", UNKNOWN)
         ev.before = getattr(r, "before", UNKNOWN)
         if kind in ("issue", "send"):
             ev.cmd, ev.level, ev.tags = r.command, r.level, _wire_tags(r.command, r.tags)
@@ -318,6 +318,8 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
             ev.version = r.weights_version
         elif kind in ("state", "restart"):  # a restart: the version its fresh ranks start at
             ev.version = r.weights_version
+            if kind == "restart":  # and what it planned: NEEDS_RELOAD (info) under a floor (level)
+                ev.level, ev.info = r.version_floor, "needs_reload" if r.needs_reload else UNKNOWN
         elif kind == "ended":
             ev.cmd, ev.info = r.command, "ok" if r.ok else "failed"
         elif kind == "answered":
@@ -327,11 +329,13 @@ def _event(kind: str, n: int, line: T.TraceLine, tasks: dict[str, int]) -> Trace
             ev.failed = tuple(sorted(int(k) for k in r.failed_ranks))
     else:
         ev.rank = line.rank
-        ev.wstate = getattr(r, "after", None) or getattr(r, "state", UNKNOWN)
+        ev.wstate = getattr(r, "after", "") or getattr(r, "state", UNKNOWN)
         ev.before = getattr(r, "before", UNKNOWN)
         ev.cmd = getattr(r, "reply", None) or _command_of(r) or UNKNOWN
         if kind == "wsend":
             ev.info, ev.version = r.info or UNKNOWN, r.weights_version
+        elif kind == "done":  # a reload: the version its source holds (a save's, P-21)
+            ev.version = r.weights_version
     return ev
 
 
@@ -411,7 +415,8 @@ def _repeats(events: Iterable[TraceEvent]) -> int:
     return sum(n - 1 for n in seen.values())
 
 
-STARTED = ("ACTIVE", "FAILED", UNKNOWN)  # a rank loads (Loaded) or fails to (LoadFailed)
+# A rank loads (Loaded), loads weights not to be served (LoadedNeedsReload), or fails to (LoadFailed).
+STARTED = ("ACTIVE", "NEEDS_RELOAD", "FAILED", UNKNOWN)
 
 
 def _note_unmodelled(events: list[TraceEvent]) -> None:

@@ -34,7 +34,7 @@ class DeadlineClock:
 
     def set_by(self, n: int, line: T.TraceLine) -> None:
         r: Any = line.record
-        key = getattr(r, "task_id", None) or getattr(r, "request_id", "")
+        key = getattr(r, "task_id", "") or getattr(r, "request_id", "")
         self._set[key] = (n, r.deadline_at_s)
         self._bad.pop(key, None)
         timeout_s = getattr(r, "timeout_s", 0.0)

@@ -12,13 +12,13 @@ from omni_core.protocol import LinkShare, WeightSource
 
 @dataclass(frozen=True)
 class SleepEffect:
-    """Offload `offload` tags to host, discard `discard` tags. At level 2 save the runner's
-    small buffers first (they are restored on wake). `links`: the command's link plan;
+    """Offload `offload` tags to host, discard `discard` tags (the command's level is in that
+    plan, `plan_sleep`'s, and nowhere else), saving the runner's small buffers first (they
+    are restored on wake). `links`: the command's link plan;
     `incoming_bytes`: what a swap's incoming stage maps on this device meanwhile (a hint:
     with room for it, release after the last copy instead of as each lands)."""
 
     task_id: str
-    level: int
     offload: frozenset[str]
     discard: frozenset[str]
     links: tuple[LinkShare, ...] = ()

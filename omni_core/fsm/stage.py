@@ -128,6 +128,7 @@ class StageCore:
         queue_limit: int = 256,
         max_in_flight: int = 1024,
         wake_deadline_s: float = 30.0,
+        dummy_weights: bool = False,
     ) -> None:
         if ranks < 1:
             raise StageCommandError(f"stage {name!r} needs at least one rank, got {ranks}")
@@ -144,8 +145,9 @@ class StageCore:
         self.rank_versions: dict[int, int] = {}
         # Where the committed version lives durably, and what a restart's ranks start from
         # (None until the first restart: a first start takes the version the Hellos name).
-        self.versions = VersionKeeper()
-        self.start_weights: StartWeights | None = None
+        # Dummy weights (load_format "dummy"): the first start is NEEDS_RELOAD at version 0 too.
+        self.versions = VersionKeeper(dummy=dummy_weights)
+        self.start_weights: StartWeights | None = self.versions.first_start()
         # A pause is the caller's and holds until resume(): a sleep, a wake (asked for or the
         # admission policy's), a reload and an update of a paused stage leave it paused.
         self.paused = False
@@ -157,7 +159,7 @@ class StageCore:
         self.policy = AdmissionPolicy(policy)
         self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
         self.requests = RequestBook(queue_limit, max_in_flight)
-        self.transfers = TransferHolds()  # P-21: what its ranks export for other stages, until released
+        self.transfers = TransferHolds()  # P-22: what its ranks export for other stages, until released
         self.recorder = StageRecorder()  # the trace records of the input being stepped
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
@@ -413,7 +415,7 @@ class StageCore:
             mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not settled}
             require(not mismatched, f"ranks disagree with the stage: {mismatched}")
         require(state is not S.PAUSED or self.paused, "PAUSED without a pause held")
-        if self.transfers.held:  # P-21: a producer with a transfer in flight neither sleeps nor updates
+        if self.transfers.held:  # P-22: a producer with a transfer in flight neither sleeps nor updates
             moving = self._task is not None and isinstance(self._task.command, (Sleep, UpdateWeights))
             require(not moving and state not in (S.SLEEPING, S.NEEDS_RELOAD), "a transfer held while moving weights")
         require(state not in (S.RUNNING, S.DRAINING) or not self.paused, f"{state.value} while a pause holds")
@@ -615,13 +617,18 @@ class StageCore:
                     f"stage {self.name!r} cannot reload weights in {self.state.value}: reload "
                     "follows a level-2 sleep and a wake of 'weights' (state NEEDS_RELOAD)"
                 )
-            if self.versions.floor:  # a reload is version 0: below the floor, a silent revert
+            if self.versions.floor and call.source is None:  # the runner's own weights: version 0, a revert
                 raise StageCommandError(
-                    f"{self.versions.floor_detail(self.name)}; a reload would serve version 0, below the floor"
+                    f"{self.versions.floor_detail(self.name)}; a reload would serve version 0, below the floor: "
+                    "reload a save at or above the floor (source), or update"
                 )
+            if self.versions.dummy and call.source is None:
+                raise StageCommandError(self.versions.dummy_reload_refusal(self.name))
             command = ReloadWeights(task_id=call.task_id, epoch=self.epoch, source=call.source)
-            # The runner's own weights: no update's version stands for them.
-            return self._weights_task(call, signature, command, now, refused="reload_refused", version=0)
+            # The runner's own weights are version 0; a directory's is the one its ranks ACK (a save's).
+            task = self._weights_task(call, signature, command, now, refused="reload_refused", version=0)
+            task.version_from_source = call.source is not None
+            return task
 
         return self._issue(ReloadWeights, call.task_id, signature, now, call.deadline_s, plan)
 
@@ -951,6 +958,8 @@ class StageCore:
             return f"stage {name!r} is {state}: {self.failure or 'stopped'}; restart() it first"
         if self.state is S.NEEDS_RELOAD and self.versions.floor and decision is not Admit.RUN:
             return self.versions.floor_detail(name)
+        if self.state is S.NEEDS_RELOAD and self.versions.kind == "dummy" and decision is not Admit.RUN:
+            return self.versions.dummy_detail(name)
         if decision is Admit.REFUSE_POLICY and self.state is S.NEEDS_RELOAD:
             return (
                 f"stage {name!r} is NEEDS_RELOAD (weights discarded by a level-2 sleep) and its admission "
@@ -1254,16 +1263,9 @@ class StageCore:
             # without it is not a conforming worker's and is not trusted to commit.
             self.counters.acks_without_memory_report += 1
             return self._fail_task({reply.rank: f"ACKed {command} without a memory report"}, now)
-        if reply.weights_version != task.expect_version:
-            return self._fail_task(
-                {
-                    reply.rank: (
-                        f"ACKed {command} at weights version {reply.weights_version}; the stage expected version "
-                        f"{task.expect_version} on every rank"
-                    )
-                },
-                now,
-            )
+        version_problem = self._version_problem(task, reply)
+        if version_problem:
+            return self._fail_task({reply.rank: version_problem}, now)
         asleep = frozenset(reply.asleep_tags)
         if reply.state is not task.expect_state or asleep != task.expect_asleep:
             return self._fail_task(
@@ -1330,6 +1332,9 @@ class StageCore:
             kind = type(task.command).__name__
             error = f"stage {self.name!r}: {kind} refused by ranks {sorted(task.refusals)} ({named}){done}"
         statuses = {ack.status for ack in task.acks.values()}
+        row = CALLS.get(type(task.command))
+        if not task.refusals and row is not None and row.done is not None:
+            row.done(self, task.command)
         outcome = self._end_task(not task.refusals, error, {}, now, refused=bool(task.refusals))
         self.transfers.settled(task.command, bool(task.acks), not task.refusals, self.weights_version)
         if statuses == {AckStatus.ALREADY}:
@@ -1337,6 +1342,25 @@ class StageCore:
         outcome = replace(outcome, refusals=MappingProxyType(dict(task.refusals)))
         self.completed.put(task.task_id, (task.signature, outcome))
         return StageStep(outcome=outcome)
+
+    def _version_problem(self, task: StageTask, reply: Ack) -> str:
+        """What is wrong with the weights version an ACK reports; "" when nothing. A reload
+        from a directory takes the version its first ACK names (a save's index, P-21), which
+        must not be below a version floor and which every other rank must report too."""
+        if task.version_from_source and not task.acks:
+            if reply.weights_version < self.versions.floor:
+                return (
+                    f"reloaded weights version {reply.weights_version} (its source's save index), below the "
+                    f"stage's floor {self.versions.floor}; the stage fails rather than serve it: restart it, "
+                    "then update to the floor or above, or reload a save at or above it"
+                )
+            task.expect_version = reply.weights_version
+        if reply.weights_version != task.expect_version:
+            return (
+                f"ACKed {reply.command} at weights version {reply.weights_version}; the stage expected version "
+                f"{task.expect_version} on every rank"
+            )
+        return ""
 
     def _maybe_commit(self, now: float) -> StageStep:
         """Once every rank answered: commit on a complete ACK set (P-5), return to the

@@ -115,6 +115,9 @@ class StageTask:
     refusals: dict[int, str] = field(default_factory=dict)  # rank -> INVALID_ARGUMENT / NO_MEMORY detail
     refused_trigger: str = ""  # where every rank refusing returns the stage (ReloadWeights, Wake)
     expect_version: int = 0  # the weights version every ACK must report (P-17)
+    # A reload from a directory: the first ACK's version (a save's index names it, P-21) is the
+    # one every other ACK must report.
+    version_from_source: bool = False
     update_failures: dict[int, str] = field(default_factory=dict)  # rank -> UPDATE_FAILED detail
     # An update into the ranks' host copies (HOST_REFIT) goes out by its own trigger, and a rank
     # that fails it midway stays asleep instead of NEEDS_RELOAD.

@@ -26,6 +26,7 @@ from omni_core.protocol import (
     ReloadWeights,
     RemoveAdapter,
     ResetPrefixCache,
+    SaveWeights,
     ShareWeights,
     Sleep,
     TransferIn,
@@ -172,6 +173,13 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         "ResetPrefixCache sent to every rank (caches resident); the state never changes, no memory moves",
     ),
     Transition(
+        "save_weights",
+        (S.RUNNING, S.PAUSED, S.PARTIAL),
+        None,
+        "SaveWeights sent to every rank (valid weights awake); the state never changes; once every rank "
+        "ACKed, a restart reloads that directory",
+    ),
+    Transition(
         "add_adapter",
         (S.RUNNING, S.PAUSED, S.PARTIAL),
         None,
@@ -191,19 +199,19 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         "transfer_out",
         (S.RUNNING,),
         None,
-        "TransferOut sent to every rank (P-21): the request's tensors held until released; sleep and update wait",
+        "TransferOut sent to every rank (P-22): the request's tensors held until released; sleep and update wait",
     ),
     Transition(
         "transfer_in",
         (S.RUNNING,),
         None,
-        "TransferIn sent to every rank (P-21): where its request may run; elsewhere it queues or wakes by policy",
+        "TransferIn sent to every rank (P-22): where its request may run; elsewhere it queues or wakes by policy",
     ),
     Transition(
         "transfer_release",
         SERVING,
         None,
-        "TransferRelease sent to every rank (P-21): what they hold for the request is dropped",
+        "TransferRelease sent to every rank (P-22): what they hold for the request is dropped",
     ),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition(
@@ -262,6 +270,8 @@ class CallRow:
     check: Callable[[Any, Any], None] | None = None
     legal: Callable[[Any], bool] | None = None
     why: str = ""
+    # Run once every rank ACKed the command (core, command): what the stage remembers of it.
+    done: Callable[[Any, Any], None] | None = None
 
 
 def _profile_arguments(core: Any, command: Profile) -> None:
@@ -278,6 +288,19 @@ def _weight_group_arguments(core: Any, command: InitWeightGroup) -> None:
             f"stage {core.name!r}: world_size {command.world_size} has no room for "
             f"{len(core.ranks)} ranks from rank_offset {command.rank_offset}"
         )
+
+
+def _save_arguments(core: Any, command: SaveWeights) -> None:
+    if command.ranks != len(core.ranks):
+        raise StageCommandError(
+            f"stage {core.name!r} has {len(core.ranks)} ranks, and the SaveWeights says {command.ranks}: "
+            f"send ranks={len(core.ranks)}, so that each rank writes its own shard where a restart reads it"
+        )
+
+
+def _saved(core: Any, command: SaveWeights) -> None:
+    # Every rank wrote the version it holds: that directory now brings it back (a restart).
+    core.versions.saved(command.directory, core.weights_version)
 
 
 def _valid_weights_awake(core: Any) -> bool:
@@ -334,6 +357,15 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
             "reset_prefix_cache",
             stateless=True,
             why=": the ranks' caches must be resident (RUNNING, PAUSED or PARTIAL)",
+        ),
+        SaveWeights: CallRow(
+            "save weights",
+            "save_weights",
+            stateless=True,
+            check=_save_arguments,
+            legal=_valid_weights_awake,
+            why=": valid weights must be awake (RUNNING, PAUSED, or PARTIAL with 'weights' awake)",
+            done=_saved,
         ),
         TransferOut: CallRow(
             "export a transfer",

@@ -10,6 +10,7 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import RequestOutcome
 from omni_core.fsm.stage_step import Outbound, StageRequest, TaskOutcome
+from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.trace_records import (
     AdmissionChanged,
     RankDied,
@@ -57,6 +58,10 @@ class StageView(Protocol):
     def weights_version(self) -> int: ...
     @property
     def task_id(self) -> str | None: ...
+    @property
+    def start_weights(self) -> StartWeights | None: ...
+    @property
+    def versions(self) -> VersionKeeper: ...
 
 
 def level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
@@ -212,8 +217,16 @@ class StageRecorder:
         failed = {r: clip(why) for r, why in core.failed_ranks.items()} if after is S.FAILED else {}
         match event:
             case I.Restart():
+                plan = core.start_weights
                 return StageRestarted(
-                    epoch, before.value, after.value, core.tags, core.start_deadline_at_s, core.weights_version
+                    epoch,
+                    before.value,
+                    after.value,
+                    core.tags,
+                    core.start_deadline_at_s,
+                    core.weights_version,
+                    needs_reload=plan is not None and plan.needs_reload,
+                    version_floor=core.versions.floor,
                 )
             case I.Start():
                 return StageStarting(epoch, core.tags, core.start_deadline_at_s, core.policy.value)

@@ -88,6 +88,10 @@ class StageRestarted(_Record):
     deadline_at_s: float
     # The version the fresh ranks start at (their start source's; 0: their checkpoint).
     weights_version: int = 0
+    # Whether they start NEEDS_RELOAD (the version lived in memory only, or the runner's
+    # weights are dummy), and the version the stage must not serve below until an update.
+    needs_reload: bool = False
+    version_floor: int = 0
 
 
 class StageIssued(_Record):
@@ -260,6 +264,8 @@ class EffectDone(_Record):
     state: str
     duration_s: float
     path: str = ""
+    # The version the rank holds after it: a reload's is its source's (a save's index, P-21).
+    weights_version: int = 0
 
 
 class EffectFailed(_Record):

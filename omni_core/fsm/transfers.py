@@ -1,4 +1,4 @@
-"""Stage-to-stage transfers under the lifecycle (P-21), as tables and two components.
+"""Stage-to-stage transfers under the lifecycle (P-22), as tables and two components.
 
 A pipeline request crosses stages: the producer's ranks export its tensors into buckets they
 hold (TransferOut), the consumer's ranks open and copy them (TransferIn) and its request runs
@@ -59,7 +59,7 @@ class TransferHolds:
             self.held.pop(command.request_id, None)
 
     def require_none(self, stage: str, verb: str) -> None:
-        """Refuse a sleep or an update while a transfer is in flight (P-21)."""
+        """Refuse a sleep or an update while a transfer is in flight (P-22)."""
         if self.held:
             named = sorted(self.held)[:4]
             raise StageBusyError(

@@ -569,9 +569,7 @@ class WorkerCore:
         plan = plan_sleep(command.level, to_sleep, weights_valid=self.residency.weights_valid)
         self.lifecycle.fire("sleep")
         self.work.begin(PendingEffect(command, sleep_plan=plan))
-        effect = SleepEffect(
-            command.task_id, command.level, plan.offload, plan.discard, command.links, command.incoming_bytes
-        )
+        effect = SleepEffect(command.task_id, plan.offload, plan.discard, command.links, command.incoming_bytes)
         return WorkerStep(effect=effect)
 
     def _on_wake(self, command: Wake) -> WorkerStep:
@@ -765,7 +763,10 @@ class WorkerCore:
                 f"this worker does not take {type(command).__name__} "
                 f"(capability {row.capability.value!r} not declared)",
             )
-        if not self.lifecycle.allows(row.trigger):
+        res = self.residency
+        if not self.lifecycle.allows(row.trigger) or (
+            row.weights_awake and not (res.weights_resident and res.weights_valid)
+        ):
             return self._refuse_state(command, row.why)
         self.lifecycle.fire(row.trigger)
         self.work.begin(PendingEffect(command))
@@ -879,7 +880,7 @@ class WorkerCore:
                     command, AckStatus.OK, memory=done.memory, duration_s=duration_s, adapters_evicted=pending.evict
                 )
             case _:
-                self._settle(pending)
+                self._settle(pending, done.weights_version)
                 reply = self._ack(
                     command,
                     AckStatus.OK,
@@ -891,11 +892,14 @@ class WorkerCore:
                 )
         if not isinstance(command, Status):
             self._remember(command, reply)
-        head = EffectDone(task_id, type(command).__name__, self.state.value, duration_s, done.path)
+        head = EffectDone(
+            task_id, type(command).__name__, self.state.value, duration_s, done.path, self.weights_version
+        )
         return self._traced(WorkerStep(replies=(reply,)), head, before, task_id)
 
-    def _settle(self, pending: PendingEffect) -> None:
-        """Where a completed effect leaves the rank: its residency, state, version, group, profiler."""
+    def _settle(self, pending: PendingEffect, reloaded_version: int = 0) -> None:
+        """Where a completed effect leaves the rank: its residency, state, version, group, profiler.
+        `reloaded_version`: the version a ReloadWeights brought (a saved directory's, P-21)."""
         command = pending.command
         match command:
             case Sleep():
@@ -917,8 +921,9 @@ class WorkerCore:
                 if trigger is None:
                     raise InvariantViolation(f"a reload cannot settle in {self.residency.settled().value}")
                 self.lifecycle.fire(trigger)
-                # A reload brings the runner's own weights back: no update's version stands for them.
-                self.weights_version = command.version if isinstance(command, UpdateWeights) else 0
+                # A reload brings the weights of its source back: a saved directory's version
+                # (its index names it), else the runner's own, which no update's version stands for.
+                self.weights_version = command.version if isinstance(command, UpdateWeights) else reloaded_version
                 self.adapters.rebased(self.weights_version)  # P-20: made for other weights: stale
             case InitWeightGroup():
                 self.weight_group = command
@@ -1020,6 +1025,6 @@ class WorkerCore:
 
 
 def _shares(command: Command) -> bool:
-    """Whether `command` is a generic call whose output is the buckets the rank holds (P-21)."""
+    """Whether `command` is a generic call whose output is the buckets the rank holds (P-22)."""
     row = WORKER_CALLS.get(type(command))
     return row is not None and row.shares

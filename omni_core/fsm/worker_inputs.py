@@ -56,7 +56,8 @@ class CommandReceived:
 class EffectCompleted:
     """The shell performed the pending effect of `task_id`. `path`: how the backend did it
     (traced); `output`: an Execute's result; `trace_paths`: the files a Profile stop wrote;
-    `shared`: what a ShareWeights handed out."""
+    `shared`: what a ShareWeights handed out; `weights_version`: a ReloadWeights' version, the
+    one a saved directory's index names (P-21), else 0 (the runner's own source, a checkpoint)."""
 
     task_id: str
     memory: MemoryReport | None = None
@@ -65,6 +66,7 @@ class EffectCompleted:
     path: str = ""
     trace_paths: tuple[str, ...] = ()
     shared: Any = None
+    weights_version: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ ALL_CAPABILITIES: tuple[Capability, ...] = (
     Capability.SWAP,
     Capability.WEIGHT_UPDATE,
     Capability.ADAPTERS,
+    Capability.SAVE_WEIGHTS,
 )
 HELLO_TASK_ID = "hello"  # the task id every Hello carries
 _REPLY_KINDS = {Ack: "ack", Nack: "nack", Result: "result", Hello: "hello"}

@@ -19,6 +19,7 @@ from omni_core.protocol import (
     NackReason,
     ReloadWeights,
     ResetPrefixCache,
+    SaveWeights,
     TransferIn,
     TransferOut,
     TransferRelease,
@@ -126,6 +127,12 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         "ResetPrefixCache: the runner drops its cross-request caches; no memory moves, the state never changes",
     ),
     Transition(
+        "save_weights",
+        (W.ACTIVE, W.PARTIAL),
+        None,
+        "SaveWeights with valid weights awake: written to disk beside the target, renamed in; the state never changes",
+    ),
+    Transition(
         "add_adapter",
         (W.ACTIVE, W.PARTIAL),
         None,
@@ -149,19 +156,19 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         "transfer_out",
         (W.ACTIVE,),
         None,
-        "TransferOut (P-21): the runner exports a request's tensors into buckets held until TransferRelease",
+        "TransferOut (P-22): the runner exports a request's tensors into buckets held until TransferRelease",
     ),
     Transition(
         "transfer_in",
         (W.ACTIVE,),
         None,
-        "TransferIn (P-21): the producer's buckets opened, checked and copied for the request; nothing else moves",
+        "TransferIn (P-22): the producer's buckets opened, checked and copied for the request; nothing else moves",
     ),
     Transition(
         "transfer_release",
         IDLE,
         None,
-        "TransferRelease (P-21): what the rank holds for the request is dropped (nothing held: the same Ack)",
+        "TransferRelease (P-22): what the rank holds for the request is dropped (nothing held: the same Ack)",
     ),
     Transition(
         "execute",
@@ -208,6 +215,7 @@ class WorkerCall:
     why: str
     error: NackReason
     capability: Capability | None = None  # refused UNSUPPORTED by a worker that lacks it
+    weights_awake: bool = False  # legal only with valid weights resident (else INVALID_STATE)
     shares: bool = False  # what the shell returns are buckets it holds: the Ack's `shared`
 
 
@@ -217,6 +225,13 @@ WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
             "reset_prefix_cache",
             "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL",
             NackReason.EXECUTE_ERROR,
+        ),
+        SaveWeights: WorkerCall(
+            "save_weights",
+            "SaveWeights needs valid weights awake: ACTIVE, or PARTIAL with 'weights' awake",
+            NackReason.INVALID_ARGUMENT,
+            capability=Capability.SAVE_WEIGHTS,
+            weights_awake=True,
         ),
         TransferOut: WorkerCall(
             "transfer_out",

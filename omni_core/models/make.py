@@ -192,6 +192,8 @@ def _write_diffusion(
     family: Family, size: Size, directory: Path, seed: int, dtype: torch.dtype, progress: Progress | None = None
 ) -> int:
     import diffusers
+    from diffusers.configuration_utils import ConfigMixin
+    from transformers import PreTrainedModel
 
     components = _meta_diffusion(family.name, size)
     if progress is not None:
@@ -221,10 +223,11 @@ def _write_diffusion(
         folder = directory / name
         # The component's name keeps the seeds of two components with equal tensor names apart.
         tensors = seeded_state_dict(module, tensor_seed(seed, name), dtype, progress)
-        if COMPONENT_CLASSES[family.name][name][0] == "transformers":
+        if isinstance(module, PreTrainedModel):  # COMPONENT_CLASSES names it from transformers
             module.config.save_pretrained(str(folder))
             _write_safetensors(tensors, folder / "model.safetensors")
         else:
+            assert isinstance(module, ConfigMixin), f"{name}: a diffusers model keeps its config (ConfigMixin)"
             module.save_config(str(folder))
             _write_safetensors(tensors, folder / "diffusion_pytorch_model.safetensors")
         params += sum(t.numel() for t in tensors.values())

@@ -58,7 +58,13 @@ def write_tokenizer(directory: Path, family: str, vocab_size: int | None) -> dic
     # Padding (batched prompts) reuses the end-of-text token, as Qwen2 and Llama 3 do.
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=specials["eos_token"], **specials)
     wrapped.save_pretrained(str(directory))
-    return {role: tokenizer.token_to_id(text) for role, text in specials.items()}
+    ids: dict[str, int] = {}
+    for role, text in specials.items():
+        token_id = tokenizer.token_to_id(text)
+        if token_id is None:  # trained as a special token above: the tokenizers library lost it
+            raise RuntimeError(f"the trained tokenizer has no id for its special token {text!r}; report this")
+        ids[role] = token_id
+    return ids
 
 
 def write_clip_tokenizer(directory: Path) -> int:

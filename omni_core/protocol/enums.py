@@ -87,4 +87,5 @@ class Capability(str, enum.Enum):
     # UpdateWeights with the weights asleep at level 1: written into the backend's host copy, the
     # device untouched; the rank stays SLEEPING at the new version and its next wake brings it
     HOST_REFIT = "host_refit"
-    TRANSFER = "transfer"  # answers TransferOut, TransferIn and TransferRelease (P-21)
+    SAVE_WEIGHTS = "save_weights"  # answers SaveWeights: its runner writes what its reload reads
+    TRANSFER = "transfer"  # answers TransferOut, TransferIn and TransferRelease (P-22)

@@ -224,7 +224,7 @@ TransferBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_TRANSFER_BYTES)]
 
 
 class TransferOut(Command, kw_only=True, frozen=True):
-    """The producer's half of a stage-to-stage transfer (P-21): run the runner's export of
+    """The producer's half of a stage-to-stage transfer (P-22): run the runner's export of
     `names` for `payload` (a text stage's prompt embeddings, hidden states) and copy the tensors
     into buckets of at most `bucket_bytes` (host shared memory, or CUDA IPC on a GPU: the planes
     of ShareWeights), held for `request_id` until its TransferRelease or Shutdown. The Ack lists
@@ -240,7 +240,7 @@ class TransferOut(Command, kw_only=True, frozen=True):
 
 
 class TransferIn(Command, kw_only=True, frozen=True):
-    """The consumer's half (P-21): open the producer's buckets `source` (as an update opens
+    """The consumer's half (P-22): open the producer's buckets `source` (as an update opens
     them: authenticated, read-only, every name, shape and dtype checked against the runner's
     imports before anything is kept) and hold a copy for `request_id`, which the consumer's
     request then names (`{"transfer": request_id}` in its payload). `producer_version` is the
@@ -264,7 +264,7 @@ class TransferIn(Command, kw_only=True, frozen=True):
 
 
 class TransferRelease(Command, kw_only=True, frozen=True):
-    """Drop what this rank holds for `request_id` (P-21): a producer's buckets, a consumer's
+    """Drop what this rank holds for `request_id` (P-22): a producer's buckets, a consumer's
     imported copy. Nothing held is ALREADY-free: answered Ack all the same. Legal in every
     settled state; never changes the state."""
 
@@ -320,6 +320,30 @@ class ResetPrefixCache(Command, kw_only=True, frozen=True):
     runner's prompt embeddings) without releasing or remapping any memory: the next requests
     compute afresh, e.g. after a weight update. Legal in ACTIVE and PARTIAL; never changes the
     state."""
+
+
+MAX_SAVE_RANKS = 65536
+MIN_SAVE_FILE_BYTES = 1 << 20
+DEFAULT_SAVE_FILE_BYTES = 5 << 30  # vLLM's save_sharded_state max_size
+
+
+class SaveWeights(Command, kw_only=True, frozen=True):
+    """Write the weights the rank holds now, at its weights version, to `directory` on its disk
+    (vLLM's save_sharded_state): safetensors files of at most `max_file_bytes` each (one tensor
+    larger than that gets a file of its own), and an index naming the weights version and the
+    checkpoint it derives from. A stage of one rank writes `directory` itself; of `ranks`
+    ranks, each writes `directory/rank-<r>` (its own shard). The rank writes a temporary
+    directory beside the target and renames it into place last, so a write that fails leaves
+    nothing that looks complete; a target that exists is refused unless `overwrite`, and a
+    symlink on the way is refused. `ReloadWeights` and a restart accept what it wrote. Legal
+    where valid weights are awake: ACTIVE, PARTIAL with `weights` awake; never changes the
+    state. A rank whose runner cannot save (capability `save_weights` not declared) refuses
+    UNSUPPORTED; a write that fails is NACK INVALID_ARGUMENT naming why, nothing left behind."""
+
+    directory: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_SAVE_RANKS)] = 1
+    max_file_bytes: Annotated[int, msgspec.Meta(ge=MIN_SAVE_FILE_BYTES, le=MAX_BUCKET_BYTES)] = DEFAULT_SAVE_FILE_BYTES
+    overwrite: bool = False
 
 
 class AddAdapter(Command, kw_only=True, frozen=True):
@@ -548,6 +572,7 @@ AnyCommand = Union[  # noqa: UP007
     InitWeightGroup,
     ShareWeights,
     ResetPrefixCache,
+    SaveWeights,
     AddAdapter,
     RemoveAdapter,
     PinAdapter,
@@ -597,6 +622,7 @@ __all__ = [
     "Reply",
     "ResetPrefixCache",
     "Result",
+    "SaveWeights",
     "ShareWeights",
     "Shutdown",
     "Sleep",

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,7 +163,7 @@ class ModelRunner(ABC):
         only, during the ShareWeights; a runner that cannot raises RunnerArgumentError."""
         raise RunnerArgumentError(f"{type(self).__name__} cannot share its weights; implement weights_to_share")
 
-    # ------------------------------------------------------------------ the connector (P-21)
+    # ------------------------------------------------------------------ the connector (P-22)
 
     def transfer_exports(self) -> Mapping[str, ConnectorSpec]:
         """Name -> dtype and shape of every tensor this runner computes for another stage
@@ -203,6 +204,25 @@ class ModelRunner(ABC):
         dummy load) or not reported. The rank's Hello carries them."""
         return frozenset()
 
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """Write the weights held now into `directory` (it exists and is empty; SaveWeights) so
+        that `reload_weights(str(directory))` reads them back bit for bit; files of at most
+        `max_file_bytes` each (`weights.write_safetensors`). Return the names of the files
+        written. Runs outside any pool and must not change a weight; the worker writes the
+        index (version, origin) and renames the directory into place. A runner that does not
+        override this does not declare the capability `save_weights`: SaveWeights is refused
+        UNSUPPORTED."""
+        raise RunnerArgumentError(f"{type(self).__name__} cannot save its weights; implement save_weights")
+
+    @property
+    def supports_save_weights(self) -> bool:
+        return type(self).save_weights is not ModelRunner.save_weights
+
+    def weights_origin(self) -> str | None:
+        """The checkpoint the weights were loaded from (a saved directory's index names it), or
+        None where the runner has none (random weights, a seed)."""
+        return None
+
     @property
     def supports_weight_update(self) -> bool:
         return type(self).update_weights is not ModelRunner.update_weights
@@ -217,6 +237,10 @@ class ModelRunner(ABC):
         """The tensors a weights write goes through: each points at its host copy while the
         update is written into it (the same Python objects, their `.data` swapped back after)."""
         return self.tensors(WEIGHTS_TAG)
+
+    # Whether the weights came from no checkpoint (load_format "dummy": random, for a rollout
+    # that receives its trainer's): the rank then says Hello NEEDS_RELOAD until an update.
+    dummy_weights: bool = False
 
     # Whether `execute` may write the weights (a trainer: yes; inference: no). The default is
     # the safe answer; a wrong "no" brings back stale weights after a wake

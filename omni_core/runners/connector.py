@@ -1,4 +1,4 @@
-"""A runner's connector (P-21): what it exports to and imports from another stage, by name and
+"""A runner's connector (P-22): what it exports to and imports from another stage, by name and
 shape, and the bounded inbox where what a TransferIn landed waits for its request.
 
 A producer's runner declares `transfer_exports()` (name -> `ConnectorSpec`) and computes them

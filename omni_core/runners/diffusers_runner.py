@@ -74,11 +74,13 @@ import inspect
 import io
 import json
 import logging
+import re
 import secrets
+import shutil
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -127,6 +129,9 @@ from omni_core.runners.weights import (
 log = logging.getLogger("omni_core.runners.diffusers")
 
 REQUESTS_TAG = "requests"
+# What a save leaves out of the copy of the model's directory: it writes the weights itself.
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_PART = re.compile(r"(-\d{5}-of-\d{5})?\.safetensors$")  # a weights file's name less its part and suffix
 PIPELINES = {"DiTPipeline": "dit", "DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd"}
 MODULE_COMPONENTS = {"dit": ("transformer", "vae"), "ddpm": ("unet",), "sd": ("unet", "vae", "text_encoder")}
 ALIGN_BYTES = 64  # every tensor in a slot starts here: views of any dtype stay aligned
@@ -149,6 +154,14 @@ MAX_PROMPT_CACHE_BYTES = 1 << 40
 
 class RequestLostError(RuntimeError):
     """A step-wise request whose state did not survive (level-2 sleep, weight update)."""
+
+
+@runtime_checkable
+class _Vae(Protocol):
+    """What the runner calls of a pipeline's VAE (AutoencoderKL or another kind). Its result is
+    a DecoderOutput or a tuple by `return_dict`, untyped in diffusers (its hook decorator)."""
+
+    def decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -202,6 +215,7 @@ class DiffusersRunner(ModelRunner):
         self.dtype = torch_dtype(dtype)
         _check_options(load_format, offload, scheduler, max_requests, max_steps, state_tensors, prompt_cache_bytes)
         self.load_format = load_format
+        self.dummy_weights = load_format == "dummy"  # the rank says Hello NEEDS_RELOAD until an update
         self.offload_mode = offload
         self.offload: BlockOffload | None = None
         self.scheduler_class = scheduler
@@ -250,8 +264,34 @@ class DiffusersRunner(ModelRunner):
         denoiser = "transformer" if self.kind == "dit" else "unet"
         config = _read_json(self.model_dir / denoiser / "config.json")
         size = config.get("sample_size")
+        if size is None:
+            raise ValueError(f"{self.model_dir / denoiser / 'config.json'} has no sample_size: not a {denoiser} config")
         hw = (size, size) if isinstance(size, int) else tuple(size)
         return (int(config.get("in_channels", 4)), *map(int, hw))
+
+    def _config(self, name: str) -> dict[str, Any]:
+        """Component `name`'s diffusers config (ConfigMixin's: a dict whose keys are also attributes)."""
+        from diffusers.configuration_utils import ConfigMixin
+
+        module = self.modules[name]
+        if not isinstance(module, ConfigMixin):
+            raise TypeError(f"component {name!r} is a {type(module).__name__}, which has no diffusers config")
+        return module.config
+
+    def _denoiser_dtype(self) -> torch.dtype:
+        from diffusers.models.modeling_utils import ModelMixin
+
+        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
+        if not isinstance(denoiser, ModelMixin):
+            raise TypeError(f"the denoiser is a {type(denoiser).__name__}, not a diffusers model")
+        return denoiser.dtype
+
+    def _vae(self) -> tuple[_Vae, float]:
+        """The pipeline's VAE and its latents' scaling factor."""
+        vae = self.modules["vae"]
+        if not isinstance(vae, _Vae):
+            raise TypeError(f"the pipeline's vae is a {type(vae).__name__}, which has no decode")
+        return vae, self._config("vae")["scaling_factor"]
 
     # ------------------------------------------------------------------ allocation
 
@@ -452,6 +492,25 @@ class DiffusersRunner(ModelRunner):
                 raise
         self.last_reload = self.weights.load(directory)
         self._weights_changed()
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """The pipeline as diffusers' save_pretrained lays it out: the model's directory (its
+        model_index.json, every component's config, scheduler and tokenizer) without its weight
+        files, then each component's weights under the file name it had there
+        (`diffusion_pytorch_model` for the denoiser and the VAE, `model` for a text encoder): a
+        pipeline this runner loads as its `model` and reloads from, bit for bit."""
+        if self.weights is None:
+            raise RuntimeError("save_weights before load_weights")
+        shutil.copytree(self.model_dir, directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*WEIGHT_FILES))
+        stems = {}
+        for folder in self.weights.folders:
+            own = sorted((self.model_dir / folder).glob("*.safetensors"))
+            stems[folder] = _PART.sub("", own[0].name) if own else "model"
+        self.weights.save(directory, max_file_bytes, stems)
+        return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """`component/name` (e.g. `transformer/proj_out.weight`) -> shape and dtype."""
@@ -735,7 +794,7 @@ class DiffusersRunner(ModelRunner):
         request = DiffusionRequest("", label, seed, steps, float(guidance), scheduler, generator)
         if self.kind == "sd":
             request.prompt = payload.get("prompt")
-            if "transfer" in payload:  # P-21: conditioning another stage computed
+            if "transfer" in payload:  # P-22: conditioning another stage computed
                 request.embeddings = imported_conditioning(self, payload, guidance > 1)
             else:
                 request.embeddings = self._prompt_embeddings(
@@ -750,10 +809,9 @@ class DiffusersRunner(ModelRunner):
             raise ValueError(f"trajectory must be true or false, got {wanted!r}")
         if not wanted:
             return None
-        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
         embeds = request.embeddings
         embeds_bytes = embeds.numel() * embeds.element_size() if embeds is not None else 0
-        needed = Trajectory.bytes_needed(request.steps_total, self.sample_shape, denoiser.dtype, embeds_bytes)
+        needed = Trajectory.bytes_needed(request.steps_total, self.sample_shape, self._denoiser_dtype(), embeds_bytes)
         if needed > MAX_TRAJECTORY_BYTES:
             raise ValueError(
                 f"a trajectory of {request.steps_total} steps needs {needed} bytes on the host, over its bound of "
@@ -812,7 +870,7 @@ class DiffusersRunner(ModelRunner):
         return {**self.prompt_cache.stats(self.generation), "weights_generation": self.generation}
 
     def _class_label(self, label: Any) -> int:
-        classes = int(self.modules["transformer"].config.num_embeds_ada_norm)
+        classes = int(self._config("transformer")["num_embeds_ada_norm"])
         if isinstance(label, str):
             ids = self.pipeline.labels
             if label not in ids:
@@ -827,8 +885,7 @@ class DiffusersRunner(ModelRunner):
     def _initial_sample(self, request: DiffusionRequest) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
-        denoiser = self.modules["transformer" if self.kind == "dit" else "unet"]
-        dtype = request.embeddings.dtype if request.embeddings is not None else denoiser.dtype
+        dtype = request.embeddings.dtype if request.embeddings is not None else self._denoiser_dtype()
         latents = randn_tensor((1, *self.sample_shape), generator=request.generator, device=self.device, dtype=dtype)
         if self.kind == "sd":
             latents = latents * request.scheduler.init_noise_sigma
@@ -881,9 +938,11 @@ class DiffusersRunner(ModelRunner):
         if self.kind == "dit":
             condition = torch.tensor([request.class_label], device=self.device)
             if request.guidance_scale > 1:
-                null = int(self.modules["transformer"].config.num_embeds_ada_norm)
+                null = int(self._config("transformer")["num_embeds_ada_norm"])
                 condition = torch.cat([condition, torch.tensor([null], device=self.device)], 0)
         elif self.kind == "sd":
+            if request.embeddings is None:
+                raise ValueError("a stable-diffusion request carries its prompt's embeddings; this one has none")
             condition = request.embeddings.to(self.device)
             accepted = set(inspect.signature(request.scheduler.step).parameters)
             step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", request.generator)) if k in accepted}
@@ -918,12 +977,13 @@ class DiffusersRunner(ModelRunner):
         return forward
 
     def _image(self, request: DiffusionRequest, sample: torch.Tensor) -> dict[str, Any]:
-        vae = self.modules.get("vae")
         if self.kind == "dit":
+            vae, scaling = self._vae()
             latents = sample.chunk(2, dim=0)[0] if request.guidance_scale > 1 else sample
-            sample = vae.decode(1 / vae.config.scaling_factor * latents).sample
+            sample = vae.decode(1 / scaling * latents).sample
         elif self.kind == "sd":  # the pipelines scale in different ways; each result is its own
-            sample = vae.decode(sample / vae.config.scaling_factor, return_dict=False, generator=request.generator)[0]
+            vae, scaling = self._vae()
+            sample = vae.decode(sample / scaling, return_dict=False, generator=request.generator)[0]
         images = (sample / 2 + 0.5).clamp(0, 1)
         pixels = images.cpu().permute(0, 2, 3, 1).float().numpy()
         png = io.BytesIO()

@@ -1,4 +1,4 @@
-"""The diffusers runner's connector (P-21): a Stable Diffusion stage takes its conditioning
+"""The diffusers runner's connector (P-22): a Stable Diffusion stage takes its conditioning
 from another stage (a text stage's prompt embeddings) instead of its own text encoder, and can
 serve as that text stage itself (its CLIP encoder's embeddings, exported).
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
 from omni_core.runners.connector import ConnectorSpec
+from omni_core.runners.weights import read_saved, write_safetensors
 
 MiB = 1 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -228,6 +231,9 @@ class SyntheticRunner(ModelRunner):
         return {"calibration": self.calibration} if self.calibration is not None else {}
 
     def reload_weights(self, source: str | None) -> None:
+        if source is not None and os.path.isabs(source):  # a directory save_weights wrote
+            self.update_weights(read_saved(Path(source), self.weight_specs()))
+            return
         seed = self.seed if source is None else _parse_seed(source)
         elsewhere = sorted({str(w.device) for w in self.weights if w.device != self.device})
         if elsewhere:  # the weights point at a host copy (a refit while asleep)
@@ -236,6 +242,9 @@ class SyntheticRunner(ModelRunner):
                 "the host copy takes an shm, ipc or collective update; wake it to reload from 'seed:N'"
             )
         self._fill(seed)
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        return write_safetensors(directory, self.weights_to_share(), max_file_bytes)
 
     def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
         # The calibration buffer is not a weight: like a reload, an update leaves it alone.
@@ -353,7 +362,7 @@ class SyntheticRunner(ModelRunner):
         if not 1 <= batch <= limit:
             raise ValueError(f"batch must be in 1..{limit} (KV rows {self.kv_rows}), got {batch}")
         self._check_resident()
-        # P-21: a pipeline's consumer runs on what its producer stage's export landed here.
+        # P-22: a pipeline's consumer runs on what its producer stage's export landed here.
         x = self.take_imported(payload["transfer"])["hidden"] if "transfer" in payload else self._input(seed, batch)
         with torch.no_grad():
             out = self._graph_forward(x) if payload.get("graph") else self._forward(x)
@@ -469,5 +478,6 @@ def _parse_seed(source: str) -> int:
         return int(digits, 10)
     except ValueError:
         raise RunnerArgumentError(
-            f"SyntheticRunner reloads from 'seed:<int>' (at most 20 digits) or None (its own seed), got {source[:80]!r}"
+            f"SyntheticRunner reloads from 'seed:<int>' (at most 20 digits), a directory it saved "
+            f"(an absolute path) or None (its own seed), got {source[:80]!r}"
         ) from None

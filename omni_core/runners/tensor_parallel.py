@@ -177,5 +177,7 @@ def reference_output(
             w_out = make_shard(seed, layer, 1, rank, hidden, shard, elem_type, cpu)
             part = torch.tanh(x @ w_in.T) @ w_out.T
             total = part if total is None else total + part
+        if total is None:
+            raise ValueError(f"a reference over {world} ranks: world must be at least 1")
         x = x + total
     return x

@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -60,6 +61,11 @@ from omni_core.runners.weights import (
 
 log = logging.getLogger("omni_core.runners.transformers")
 
+# What a save copies of the model's directory besides the weights: what from_pretrained reads.
+CHECKPOINT_FILES = frozenset(
+    {"config.json", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
+)
+LOAD_FORMATS = ("safetensors", "dummy")  # vLLM's names: the checkpoint's weights, or random ones
 DEFAULT_MAX_SEQ_LEN = 2048  # when the config allows more: the cache is allocated whole
 MAX_BATCH_LIMIT = 1024
 ASYNC_LOAD_SWITCH = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers >= 5: "1" reads every tensor on the calling thread
@@ -109,8 +115,15 @@ class TransformersRunner(ModelRunner):
         attn_implementation: str = "sdpa",
         cpu_threads: int | None = None,
         init_timeout_s: float = 120.0,
+        load_format: str = "safetensors",
     ) -> None:
         super().__init__(device)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}: 'dummy' reads no "
+                "weights (random, from config.json), for a rollout whose trainer sends them"
+            )
+        self.dummy_weights = load_format == "dummy"
         from transformers import AutoConfig
 
         torch_threads(torch.device(device), cpu_threads)
@@ -134,20 +147,7 @@ class TransformersRunner(ModelRunner):
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world > 1:
-            heads = int(self.config.num_attention_heads)
-            if heads % self.world or self.kv_heads % self.world:
-                raise ValueError(
-                    f"a stage of {self.world} ranks shards the model's attention heads: "
-                    f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
-                    f"{self.world}; use a number of ranks that divides them"
-                )
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            if self.device.type == "cuda" and self.device.index not in (None, local_rank):
-                raise ValueError(
-                    f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
-                    f"but this rank's device is {self.device}"
-                )
-            join_process_group(self.device, init_timeout_s)
+            self._join_tensor_parallel(init_timeout_s)
         self.local_kv_heads = self.kv_heads // self.world  # the heads of the cache this rank holds
         self.head_dim = int(
             getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
@@ -158,6 +158,26 @@ class TransformersRunner(ModelRunner):
         self.weights: WeightSet | None = None
         self.last_reload: ReloadReport | None = None
         self.lora: PeftAdapters | None = None  # LoRA adapters (P-20), from the first AddAdapter
+
+    def _join_tensor_parallel(self, init_timeout_s: float) -> None:
+        """One rank of a tensor-parallel stage: check the heads shard and the device, then join
+        the process group."""
+        heads = int(self.config.num_attention_heads)
+        if heads % self.world or self.kv_heads % self.world:
+            raise ValueError(
+                f"a stage of {self.world} ranks shards the model's attention heads: "
+                f"{heads} query and {self.kv_heads} key/value heads must both be divisible by "
+                f"{self.world}; use a number of ranks that divides them"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.device.type == "cuda" and self.device.index not in (None, local_rank):
+            raise ValueError(
+                f"transformers places a tensor-parallel rank on cuda:{local_rank} (LOCAL_RANK), "
+                f"but this rank's device is {self.device}"
+            )
+        if self.dummy_weights:
+            raise ValueError("load_format='dummy' on a tensor-parallel stage is not supported: run it with one rank")
+        join_process_group(self.device, init_timeout_s)
 
     def _resolve_seq_len(self, max_seq_len: int | str | None) -> int:
         """The cache's length: the argument, the default (capped by the model), or 0 for
@@ -190,6 +210,16 @@ class TransformersRunner(ModelRunner):
 
     # ------------------------------------------------------------------ allocation
 
+    def _dummy_model(self) -> Any:
+        """The architecture of config.json with transformers' own random initialisation, made on
+        the device (inside the weights pool) and reading no file: vLLM's load_format 'dummy'."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(self.device):
+            return AutoModelForCausalLM.from_config(
+                self.config, dtype=self.dtype, attn_implementation=self.attn_implementation
+            )
+
     def load_weights(self) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -205,14 +235,17 @@ class TransformersRunner(ModelRunner):
             from torch.distributed.device_mesh import init_device_mesh
 
             placement = {"device_mesh": init_device_mesh(self.device.type, (self.world,)), **_auto_tp_plan()}
-        with _sequential_loading():
-            model = AutoModelForCausalLM.from_pretrained(
-                str(self.model_dir),
-                local_files_only=True,
-                dtype=self.dtype,
-                attn_implementation=self.attn_implementation,
-                **placement,
-            )
+        if self.dummy_weights:
+            model = self._dummy_model()
+        else:
+            with _sequential_loading():
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(self.model_dir),
+                    local_files_only=True,
+                    dtype=self.dtype,
+                    attn_implementation=self.attn_implementation,
+                    **placement,
+                )
         if self.world > 1:
             check_placements(model)
         model.eval()
@@ -221,7 +254,10 @@ class TransformersRunner(ModelRunner):
         if copied:
             log.info("copied %d memory-mapped tensors into the weights pool", copied)
         weights = WeightSet({"": model})
-        weights.bind_source(self.model_dir)
+        if self.dummy_weights:
+            weights.bind_own_dtypes()  # no checkpoint: a reload or an update brings the model's dtypes
+        else:
+            weights.bind_source(self.model_dir)
         self.model, self.weights = model, weights
 
     def fit_caches(self, available_bytes: int) -> None:
@@ -312,7 +348,37 @@ class TransformersRunner(ModelRunner):
             raise RuntimeError("reload_weights before load_weights")
         if source is not None and not isinstance(source, str):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
+        if source is None and self.dummy_weights:
+            raise RunnerArgumentError(
+                f"Model reloading with dummy format: {str(self.model_dir)!r} was loaded with load_format "
+                "'dummy' (no checkpoint was read), so there are no own weights to reload; reload from a "
+                "checkpoint directory (source) or update the weights (UpdateWeights)"
+            )
         self.last_reload = self.weights.load(Path(source).expanduser() if source else self.model_dir)
+
+    @property
+    def supports_save_weights(self) -> bool:
+        # A tensor-parallel rank holds shards that its reload (which cuts a full checkpoint)
+        # cannot read back: such a stage declares no `save_weights` (SaveWeights: UNSUPPORTED).
+        return self.world == 1
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """The weights as `model.safetensors` (or parts with an index) beside the model's own
+        config, generation config and tokenizer files: a checkpoint this runner loads as its
+        `model` and reloads from, bit for bit."""
+        if self.weights is None:
+            raise RuntimeError("save_weights before load_weights")
+        if self.world > 1:
+            raise RunnerArgumentError("a tensor-parallel rank holds shards; save from a stage of one rank")
+        files = self.weights.save(directory, max_file_bytes)
+        for path in sorted(self.model_dir.iterdir()):
+            if path.is_file() and (path.name in CHECKPOINT_FILES or path.name.startswith("tokenizer")):
+                shutil.copyfile(path, directory / path.name)
+                files.append(path.name)
+        return files
+
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.weights is None:
@@ -409,7 +475,7 @@ class TransformersRunner(ModelRunner):
             groups.append(packed)
         return groups
 
-    # ------------------------------------------------------------------ the connector (P-21)
+    # ------------------------------------------------------------------ the connector (P-22)
 
     def transfer_exports(self) -> dict[str, ConnectorSpec]:
         """A prompt's token embeddings and last hidden states (after the final norm), one row

@@ -57,12 +57,23 @@ from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.generation import GenerationRequest, is_int, parse_each, parse_generation
 from omni_core.runners.lora import check_peft_dir, lora_specs, peft_alpha, write_peft_dir
-from omni_core.runners.weights import HeaderEntry, ReloadReport, read_headers, resolved
+from omni_core.runners.weights import (
+    SAFETENSORS_DTYPES,
+    HeaderEntry,
+    ReloadReport,
+    opened_without_links,
+    read_headers,
+    resolved,
+)
 
 log = logging.getLogger("omni_core.runners.vllm")
 
 WORKER_CLS = "omni_core.runners.vllm_worker.OmniVllmWorker"
 DEFAULT_MAX_MODEL_LEN = 2048
+# vLLM's ShardedStateLoader.DEFAULT_PATTERN: what its save_sharded_state writes, per rank.
+SHARDED_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json")  # not copied beside a save
+MAX_PROBLEMS = 5
 PREFIX_KV_CACHE = "prefix_kv"  # vLLM's cached prefix blocks (DerivedCache)
 DEFAULT_MAX_NUM_SEQS = 8
 MAX_NUM_SEQS_LIMIT = 1024
@@ -117,6 +128,31 @@ def tag_engine_args(tags: frozenset[str], names: Callable[[], frozenset[str]] = 
             "(vLLM's own graph-pool offload and communicator suspend, vLLM >= 0.34); drop those tags from the stage"
         )
     return wanted
+
+
+LOAD_FORMATS = ("safetensors", "dummy")  # vLLM's names: the checkpoint's weights, or random ones
+
+
+def _check_options(
+    load_format: str, max_num_seqs: int, gpu_memory_utilization: float, engine_args: Mapping[str, Any] | None
+) -> None:
+    """The runner's arguments that need no checkpoint, checked before anything is read."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}: 'dummy' reads no "
+            "weights (vLLM's random ones), for a rollout whose trainer sends them"
+        )
+    if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+        raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
+    if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
+    owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
+    if owned:
+        raise ValueError(
+            f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
+            "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
+            "stage's (ranks, gpu_memory_fraction, backend)"
+        )
 
 
 @dataclass
@@ -271,22 +307,6 @@ class VllmEngine:
         return set(self._llm.llm_engine.list_loras())
 
 
-def _check_engine_arguments(
-    max_num_seqs: int, gpu_memory_utilization: float, engine_args: Mapping[str, Any] | None
-) -> None:
-    if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
-        raise ValueError(f"max_num_seqs must be an int in 1..{MAX_NUM_SEQS_LIMIT}, got {max_num_seqs!r}")
-    if not isinstance(gpu_memory_utilization, float) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
-    owned = sorted(set(engine_args or {}) & OWNED_ENGINE_ARGS)
-    if owned:
-        raise ValueError(
-            f"engine_args {owned} are set by the vllm runner itself; use the runner's own "
-            "arguments (model, dtype, max_model_len, max_num_seqs, seed, enforce_eager) or the "
-            "stage's (ranks, gpu_memory_fraction, backend)"
-        )
-
-
 @dataclass
 class _EngineRequests:
     """The requests in vLLM's engine by the rank's key, and each row's vLLM id to its key."""
@@ -330,8 +350,10 @@ class VllmRunner(ModelRunner):
         enforce_eager: bool = True,
         attention_backend: str | None = None,
         engine_args: Mapping[str, Any] | None = None,
+        load_format: str = "safetensors",
     ) -> None:
         super().__init__(device)
+        _check_options(load_format, max_num_seqs, gpu_memory_utilization, engine_args)
         self.model_dir = Path(model).expanduser()
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
@@ -347,7 +369,6 @@ class VllmRunner(ModelRunner):
             raise ValueError(
                 f"max_model_len must be an int in 2..{positions} (max_position_embeddings), got {max_model_len!r}"
             )
-        _check_engine_arguments(max_num_seqs, gpu_memory_utilization, engine_args)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.engine_kwargs: dict[str, Any] = {
@@ -358,7 +379,7 @@ class VllmRunner(ModelRunner):
             "max_num_seqs": max_num_seqs,
             "seed": seed,
             "enforce_eager": enforce_eager,
-            "load_format": "safetensors",
+            "load_format": load_format,
             "worker_cls": WORKER_CLS,
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": self.world_size,
@@ -367,6 +388,8 @@ class VllmRunner(ModelRunner):
         }
         if attention_backend is not None:
             self.engine_kwargs["attention_config"] = {"backend": attention_backend}
+        # vLLM's load_format "dummy" reads no checkpoint: the rank says Hello NEEDS_RELOAD until an update.
+        self.dummy_weights = load_format == "dummy"
         self.llm: Any = None
         self.held: frozenset[str] = frozenset()  # the runner's own tags: `comm` when the stage has it
         self.worker: Any = None
@@ -482,6 +505,9 @@ class VllmRunner(ModelRunner):
             raise RunnerArgumentError(f"the reload source must be a checkpoint directory path, got {source!r}")
         # Resolved once: vLLM opens the very directory whose headers were compared.
         directory = resolved(Path(source).expanduser()) if source else self.model_dir
+        if any(directory.glob(SHARDED_PATTERN.format(rank="*", part="*"))):  # what save_weights wrote
+            self.last_reload = self._reload_sharded(directory)
+            return
         compare_checkpoints(self.own_headers, read_headers(directory), str(directory))
         total_bytes = sum(_entry_bytes(e) for e in self.own_headers.values())
         started = time.perf_counter()
@@ -498,6 +524,59 @@ class VllmRunner(ModelRunner):
             self.last_reload.duration_s,
             self.last_reload.gb_per_s,
         )
+
+    def save_weights(self, directory: Path, max_file_bytes: int) -> list[str]:
+        """vLLM's own save_sharded_state on this rank's worker: its model's state dict (vLLM's
+        parameter names, this rank's tensor-parallel shard) as `model-rank-<r>-part-<i>.safetensors`
+        files of at most `max_file_bytes`, beside the model's config and tokenizer files, so
+        that `LLM(model=directory, load_format="sharded_state")` loads it and this runner's
+        reload reads it back."""
+        save = getattr(self.worker, "save_sharded_state", None)
+        if save is None:
+            raise RunnerArgumentError(
+                "this vLLM's worker has no save_sharded_state; SaveWeights needs a vLLM that has it (0.4 and later)"
+            )
+        save(str(directory), pattern=None, max_size=max_file_bytes)
+        for path in sorted(self.model_dir.iterdir()):
+            if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copyfile(path, directory / path.name)  # as vLLM's example saves them beside
+        return sorted(p.name for p in directory.iterdir())
+
+    def weights_origin(self) -> str | None:
+        return None if self.dummy_weights else str(self.model_dir)
+
+    def _reload_sharded(self, directory: Path) -> ReloadReport:
+        """A directory save_weights wrote: this rank's files copied into the model's state dict,
+        every name, shape and dtype checked first (vLLM's ShardedStateLoader reads it so)."""
+        from safetensors import safe_open
+
+        rank = int(os.environ.get("RANK", "0"))
+        files = sorted(directory.glob(SHARDED_PATTERN.format(rank=rank, part="*")))
+        state = self._model().state_dict()
+        problems = []
+        for path in files:
+            with opened_without_links(resolved(path)) as name, safe_open(name, framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    piece = f.get_slice(key)
+                    have = state.get(key)
+                    if have is None or tuple(piece.get_shape()) != tuple(have.shape):
+                        problems.append(f"tensor {key!r} {piece.get_shape()} is not the model's")
+        if not files or problems:
+            raise RunnerArgumentError(
+                f"cannot reload {str(directory)!r} as this rank's sharded state (rank {rank}): "
+                f"{problems[:MAX_PROBLEMS] or 'no ' + SHARDED_PATTERN.format(rank=rank, part='*') + ' file'}"
+            )
+        started, moved_bytes, tensors = time.perf_counter(), 0, 0
+        with torch.no_grad():
+            for path in files:
+                with opened_without_links(resolved(path)) as name, safe_open(name, framework="pt", device="cpu") as f:
+                    for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        tensor = f.get_tensor(key)
+                        state[key].copy_(tensor)
+                        moved_bytes, tensors = moved_bytes + tensor.numel() * tensor.element_size(), tensors + 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ReloadReport(str(directory), moved_bytes, tensors, time.perf_counter() - started)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The loaded checkpoint's tensors (a trainer's Hugging Face state_dict names), not
@@ -731,20 +810,7 @@ class VllmRunner(ModelRunner):
         }
 
 
-_TORCH_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_TORCH_DTYPES = SAFETENSORS_DTYPES
 
 
 def _entry_bytes(entry: HeaderEntry) -> int:

@@ -178,6 +178,13 @@ class WeightSet:
             for target, _, entry in self._match(folder, targets, headers, directory, check_dtype=False):
                 target.source_dtype = entry.dtype
 
+    def bind_own_dtypes(self) -> None:
+        """No checkpoint was read (load_format 'dummy'): a reload must bring the dtypes the
+        modules hold."""
+        for targets in self.folders.values():
+            for target in targets:
+                target.source_dtype = SAFETENSORS_NAMES[target.tensor.dtype]
+
     def plan(self, directory: Path) -> list[tuple[_Target, str, HeaderEntry]]:
         """Every (tensor, checkpoint name, header) a reload from `directory` writes; raises
         RunnerArgumentError on the first mismatch, before anything is read or written."""
@@ -277,6 +284,20 @@ class WeightSet:
             for folder, targets in self.folders.items()
             for t in targets
         }
+
+    def save(self, directory: Path, max_file_bytes: int, stems: Mapping[str, str] | None = None) -> list[str]:
+        """Write every weight into `directory` (a sub-folder per folder) as `load` reads it back:
+        tied weights once, under their first name, each in its checkpoint's dtype; a folder's
+        files named `stems[folder]` (default `model`, transformers' name). Returns the files
+        written, relative to `directory`."""
+        files: list[str] = []
+        for folder, targets in self.folders.items():
+            tensors = {t.names[0]: t.tensor for t in targets}
+            dtypes = {t.names[0]: SAFETENSORS_DTYPES[t.source_dtype] for t in targets if t.source_dtype}
+            stem = (stems or {}).get(folder, "model")
+            written = write_safetensors(directory / folder, tensors, max_file_bytes, dtypes=dtypes, stem=stem)
+            files.extend(f"{folder}/{name}" if folder else name for name in written)
+        return files
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> full (unsharded) shape and dtype of every tensor an update may write: the
@@ -420,3 +441,106 @@ def torch_threads(device: torch.device, cpu_threads: int | None) -> None:
         # Small models on a loaded machine: intra-op threads wait on each other for whole
         # scheduler slices; one thread is faster and its results do not depend on the load.
         torch.set_num_threads(cpu_threads)
+
+
+# safetensors' dtype names, as a header gives them, to torch's: a save writes each weight in
+# the dtype of the checkpoint it was loaded from, so that a reload of the save matches it.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def saved_form(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What a save writes of `tensor`: this rank's memory of it, on the host, contiguous, in
+    `dtype` (None: its own), never sharing memory with the weights (a save reads, never moves)."""
+    return local_tensor(tensor).detach().to("cpu", dtype=dtype or tensor.dtype, copy=True).contiguous()
+
+
+def file_groups(sizes: Mapping[str, int], max_file_bytes: int) -> list[list[str]]:
+    """The names in order, cut into files of at most `max_file_bytes` each (a tensor larger than
+    that alone in its file), as vLLM's save_sharded_state cuts its parts."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes.items():
+        if groups[-1] and used + nbytes > max_file_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += nbytes
+    return [g for g in groups if g]
+
+
+def write_safetensors(
+    directory: Path,
+    tensors: Mapping[str, torch.Tensor],
+    max_file_bytes: int,
+    *,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    stem: str = "model",
+) -> list[str]:
+    """Write `tensors` (each in `dtypes[name]` where given) into `directory` as transformers
+    names a checkpoint: `{stem}.safetensors`, or `{stem}-0000i-of-0000n.safetensors` parts with
+    `{stem}.safetensors.index.json`, each file at most `max_file_bytes` (one tensor larger than
+    that alone). Tensors come to the host one file at a time. Returns the file names."""
+    from safetensors.torch import save_file
+
+    dtypes = dtypes or {}
+    directory.mkdir(parents=True, exist_ok=True)
+    sizes = {name: t.numel() * (dtypes.get(name) or t.dtype).itemsize for name, t in tensors.items()}
+    groups = file_groups(sizes, max_file_bytes) or [[]]  # no tensor at all: still one file
+    names = (
+        [f"{stem}.safetensors"]
+        if len(groups) == 1
+        else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    weight_map: dict[str, str] = {}
+    for file_name, group in zip(names, groups, strict=True):
+        host = {name: saved_form(tensors[name], dtypes.get(name)) for name in group}
+        save_file(host, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file_name))
+    if len(names) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (directory / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        names.append(f"{stem}.safetensors.index.json")
+    return names
+
+
+def read_saved(
+    directory: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Name -> host tensor of every weight in `specs` from a saved directory (what
+    `write_safetensors` wrote), once every header is checked: exactly these names, shapes and
+    dtypes, else RunnerArgumentError before the first tensor is read (so before any write)."""
+    from safetensors import safe_open
+
+    directory = resolved(directory)
+    headers = read_headers(directory)
+    problems = [f"tensor {name!r} is missing" for name in specs if name not in headers]
+    problems += [f"tensor {name!r} is not a weight of this runner" for name in headers if name not in specs]
+    for name, (shape, dtype) in specs.items():
+        entry = headers.get(name)
+        if entry is not None and (entry.shape != shape or SAFETENSORS_NAMES.get(dtype) != entry.dtype):
+            problems.append(
+                f"tensor {name!r} is {entry.dtype} {list(entry.shape)}, the runner's is {dtype} {list(shape)}"
+            )
+    if problems:
+        raise RunnerArgumentError(
+            f"cannot load weights from {str(directory)!r}: {'; '.join(problems[:MAX_PROBLEMS_SHOWN])}; "
+            "give a directory this runner saved (SaveWeights)"
+        )
+    for path in sorted({entry.file for entry in headers.values()}):
+        with opened_without_links(path) as name_of_file, safe_open(name_of_file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                yield name, f.get_tensor(name)

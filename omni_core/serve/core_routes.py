@@ -231,6 +231,32 @@ def router(state: ServeState) -> APIRouter:
         return await stage_route(state, request, name, "update", call)
 
     @api.post(
+        "/v1/stages/{name}/save_weights",
+        dependencies=control,
+        response_model=m.LifecycleReportModel,
+        responses=m.ERROR_RESPONSES,
+        tags=["omni-core"],
+        description="Every rank writes the weights it holds, at the stage's version, to `directory` "
+        "(under allowed_reload_sources, else 403): safetensors and an index naming the version, "
+        "written beside the target and renamed in whole. Legal where valid weights are awake "
+        "(RUNNING, PAUSED, PARTIAL with weights awake), else 400, nothing written; so is a directory "
+        "that exists (unless overwrite), an unusable one, or a runner that cannot save, nothing left "
+        "under that name. Once saved, a restart reloads it at that version.",
+    )
+    async def save_weights(name: str, request: Request, body: m.SaveWeightsBody) -> Response:
+        state.stage_name(name)
+        directory = state.check_source(body.directory) or body.directory
+        engine, limit_s = state.require_engine(), timeout_s(body.timeout_s)
+        call = functools.partial(
+            engine.save_weights,
+            directory=directory,
+            overwrite=body.overwrite,
+            max_file_bytes=body.max_file_bytes,
+            timeout_s=limit_s,
+        )
+        return await stage_route(state, request, name, "save_weights", call)
+
+    @api.post(
         "/v1/stages/{name}/restart",
         dependencies=control,
         response_model=m.RestartModel,

@@ -101,6 +101,8 @@ def _status_for(exc: BaseException) -> int:
             return 503
         if "refused the reload" in message or "refused the update" in message:
             return 400  # every rank said INVALID_ARGUMENT: nothing was written
+        if "SaveWeights refused by ranks" in message:
+            return 400  # the directory exists, is not usable, or the runner cannot save: nothing written
         if any(
             needle in message
             for needle in (

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,7 @@ class StatusFeed:
 
     def __init__(
         self,
-        specs: list[StageSpec],
+        specs: Sequence[StageSpec],
         server: ServerConfig,
         metrics: ServeMetrics,
         status: Callable[[], Awaitable[dict[str, Any]]],

@@ -17,6 +17,7 @@ that differ.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import re
@@ -190,7 +191,7 @@ class IdempotencyCache:
         )
         self._bytes += entry.size_bytes
         self._entries[key] = entry
-        task.add_done_callback(lambda t, k=key, e=entry: self._settled(k, e, t))
+        task.add_done_callback(functools.partial(self._settled, key, entry))
         return await asyncio.shield(task), False
 
     def _settled(self, key: str, entry: _Entry, task: asyncio.Future) -> None:

@@ -91,8 +91,9 @@ async def run_post(state: ServeState, request: Request, work: Callable[[], Await
         # The work goes on to its end; its outcome is counted and kept under its key.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return Response(status_code=499)  # nobody reads it; uvicorn drops it
-    if task.exception() is not None:
-        return response(error_answer(task.exception()))
+    error = task.exception()
+    if error is not None:
+        return response(error_answer(error))
     reply, replayed = task.result()
     if replayed:
         state.metrics.idempotent_replays.inc()

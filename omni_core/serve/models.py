@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_core.protocol.weights import MAX_WEIGHTS_VERSION, MIN_NEW_WEIGHTS_VERSION
+from omni_core.protocol.messages import DEFAULT_SAVE_FILE_BYTES, MIN_SAVE_FILE_BYTES
+from omni_core.protocol.weights import MAX_BUCKET_BYTES, MAX_WEIGHTS_VERSION, MIN_NEW_WEIGHTS_VERSION
 
 
 class _Strict(BaseModel):
@@ -37,6 +38,23 @@ class ReloadBody(_Strict):
         None,
         description="checkpoint to reload from; must lie under the config's "
         "allowed_reload_sources. null: the runner's own weights",
+    )
+    timeout_s: float | None = None
+
+
+class SaveWeightsBody(_Strict):
+    """POST /v1/stages/{name}/save_weights: the stage's weights, at its version, to disk."""
+
+    directory: str = Field(
+        ...,
+        min_length=1,
+        max_length=4096,
+        description="where the ranks write: must lie under the config's allowed_reload_sources; a "
+        "stage of several ranks writes one rank-<r> directory each inside it",
+    )
+    overwrite: bool = Field(False, description="replace a directory that exists (else refused: 400)")
+    max_file_bytes: int = Field(
+        DEFAULT_SAVE_FILE_BYTES, ge=MIN_SAVE_FILE_BYTES, le=MAX_BUCKET_BYTES, description="at most this per file"
     )
     timeout_s: float | None = None
 

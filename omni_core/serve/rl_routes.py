@@ -349,10 +349,11 @@ def _profile_routes(api: APIRouter, state: ServeState) -> None:
                 for n in names
             )
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            stages: dict[str, dict[str, Any]] = {}
             for name, outcome in zip(names, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     return error_answer(outcome, name)
-            stages = {name: profile_json(report) for name, report in zip(names, outcomes, strict=True)}
+                stages[name] = profile_json(outcome)
             return answer(200, {"message": message, "success": True, "stages": stages})
 
         return work

@@ -30,7 +30,7 @@ from omni_core.serve.start_errors import start_failure
 
 log = logging.getLogger("omni_core.serve")
 LISTEN_BACKLOG = 2048  # uvicorn's default
-GRACEFUL_SHUTDOWN_S = 5.0  # open event streams and calls get this long after SIGINT/SIGTERM
+GRACEFUL_SHUTDOWN_S = 5  # open event streams and calls get this long after SIGINT/SIGTERM (uvicorn: an int)
 STARTUP_WAIT_S = 60.0
 
 
@@ -222,7 +222,6 @@ def serve_in_thread(
     """Run `app` on a real socket in a background thread (tests, embedding). Port 0: any
     free port; the URL says which."""
     server = _Server(uvicorn_config(app, host, port, log_level), app)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
     thread = threading.Thread(target=server.run, name="omni-core-serve", daemon=True)
     thread.start()
     started = threading.Event()

@@ -64,7 +64,7 @@ def router(state: ServeState) -> APIRouter:
         "/v1/chat/completions take these ids as `model`",
     )
     async def models() -> Response:
-        data = [
+        data: list[dict[str, str | None]] = [
             {"id": model_name(state, name), "object": "model", "owned_by": "omni-core", "root": model_name(state, name)}
             for name in state.targets()
         ]

@@ -130,7 +130,7 @@ def reload_work(state: ServeState, request: Request, source: str | None, limit_s
             return error_answer(refusal, first)
 
         def call(name: str, tid: str | None) -> Any:
-            if name in serving:
+            if name in serving and source is not None:  # a serving stage without one was refused above
                 version = status[name]["weights_version"] + 1
                 return functools.partial(
                     engine.update_weights,

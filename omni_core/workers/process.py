@@ -78,6 +78,7 @@ from omni_core.protocol import (
     ProtocolError,
     RemoveAdapter,
     ResetPrefixCache,
+    SaveWeights,
     TransferIn,
     TransferOut,
     TransferRelease,
@@ -116,6 +117,14 @@ from omni_core.workers.rank_memory import (
 )
 from omni_core.workers.results import checked_output
 from omni_core.workers.runner_counters import CounterStamp
+from omni_core.workers.saved_weights import (
+    Reloaded,
+    SavedRank,
+    check_saved_version,
+    rank_source,
+    save_rank,
+    saved_version,
+)
 from omni_core.workers.transfers import close_transfers, transfer_in, transfer_out, transfer_release
 from omni_core.workers.weight_receiver import WeightReceiver
 
@@ -232,12 +241,16 @@ class WorkerProcess:
                 capabilities = (*capabilities, Capability.STEP_MODE)
             if host_refit_ready(self.backend, self.runner, cfg.tags):
                 capabilities = (*capabilities, Capability.HOST_REFIT)
-            if self.runner.transfer_exports() or self.runner.transfer_imports():  # P-21: a connector
+            if self.runner.supports_save_weights:
+                capabilities = (*capabilities, Capability.SAVE_WEIGHTS)
+            if self.runner.transfer_exports() or self.runner.transfer_imports():  # P-22: a connector
                 capabilities = (*capabilities, Capability.TRANSFER)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
-        loaded = Loaded(backend_name, capabilities, needs_reload=cfg.start_needs_reload)
+        # Dummy weights (load_format "dummy") are nothing to serve until an update replaces them.
+        dummy = self.runner is not None and self.runner.dummy_weights and cfg.start_source is None
+        loaded = Loaded(backend_name, capabilities, needs_reload=cfg.start_needs_reload or dummy)
         started = self.core.step(LoadFailed(error, backend_name) if error else loaded)
         self._write(started.records)
         device = str(self.device)
@@ -302,7 +315,9 @@ class WorkerProcess:
         self.free_memory = free_memory_source(self.config, self.backend, self.memory, self.device)
         self.runner.load(self.backend.pool, self.config.tags, budget)
         if self.config.start_source is not None:  # a restart at the version this directory holds
-            self.runner.reload_weights(self.config.start_source)
+            source = rank_source(self.config.start_source, self.config.rank)
+            check_saved_version(source, self.config.start_version)
+            self.runner.reload_weights(source)
         # Before tracking: a backend that copies read-only tags to the host once does it there.
         self.backend.declare_read_only(
             self.runner.read_only_tags() & set(self.config.tags), verify=self.config.verify_clean_sleep
@@ -669,8 +684,12 @@ class WorkerProcess:
             shares = isinstance(effect, ShareEffect) or _shares(effect)  # the buckets the Ack lists
             shared = output if shares else None
             output = None if isinstance(effect, ProfileEffect) or shares else output
+            version = output.version if isinstance(output, Reloaded) else 0
+            output = output.caches if isinstance(output, Reloaded) else output
             # Positional, in the fields' order: each value is named as its field.
-            step = core.step(EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared))
+            step = core.step(
+                EffectCompleted(effect.task_id, memory, output, duration_s, path, trace_paths, shared, version)
+            )
         self._send_all(step)
         if isinstance(effect, ShutdownEffect):
             self.stopped = True
@@ -744,7 +763,8 @@ class WorkerProcess:
         if backend is None or runner is None:
             raise RuntimeError("the worker has no backend or runner (start-up failed)")
         if isinstance(effect, CommandEffect):
-            return COMMAND_HANDLERS[type(effect.command)](runner, effect.command)
+            assert self.core is not None  # a CommandEffect comes from the core
+            return COMMAND_HANDLERS[type(effect.command)](runner, effect.command, self.core)
         if isinstance(effect, AdapterEffect):
             return self._adapter(backend, runner, effect)
         if isinstance(effect, SleepEffect):
@@ -759,17 +779,7 @@ class WorkerProcess:
             self._wake(backend, effect)
             runner.after_wake(effect.tags)
         elif isinstance(effect, ReloadEffect):
-            # In place, outside any pool: the weights' memory is already mapped, and entering
-            # vLLM's use_memory_pool again would replace the MemPool that owns it.
-            backend.invalidate({WEIGHTS_TAG})  # a host copy of the old weights no longer stands for them
-            runner.reload_weights(effect.source)
-            if self.device.type == "cuda":
-                # The Ack says the weights are valid: wait for the refill kernels, so that
-                # duration_s is the reload's and not its launch's.
-                torch.cuda.synchronize(self.device)
-            if WEIGHTS_TAG in self.config.tags:
-                backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
-            return drop_derived_caches(runner, flush=True)
+            return self._reload(backend, runner, effect)
         elif isinstance(effect, UpdateEffect) and effect.into_host:
             return refit_into_host(backend, runner, self.receiver, effect)  # the device untouched
         elif isinstance(effect, UpdateEffect):
@@ -794,6 +804,21 @@ class WorkerProcess:
         else:  # pragma: no cover - the core emits only the effects above
             raise TypeError(f"unknown effect {effect!r}")
         return None
+
+    def _reload(self, backend: MemoryBackend, runner: ModelRunner, effect: ReloadEffect) -> Reloaded:
+        # In place, outside any pool: the weights' memory is already mapped, and entering
+        # vLLM's use_memory_pool again would replace the MemPool that owns it.
+        source = None if effect.source is None else rank_source(effect.source, self.config.rank)
+        version = saved_version(source)  # a bad index refuses the reload before anything is written
+        backend.invalidate({WEIGHTS_TAG})  # a host copy of the old weights no longer stands for them
+        runner.reload_weights(source)
+        if self.device.type == "cuda":
+            # The Ack says the weights are valid: wait for the refill kernels, so that
+            # duration_s is the reload's and not its launch's.
+            torch.cuda.synchronize(self.device)
+        if WEIGHTS_TAG in self.config.tags:
+            backend.track(WEIGHTS_TAG, runner.tensors(WEIGHTS_TAG))
+        return Reloaded(drop_derived_caches(runner, flush=True), version)
 
     def _adapter(self, backend: MemoryBackend, runner: ModelRunner, effect: AdapterEffect) -> None:
         """An adapter command on the runner (P-20): an add is checked whole before anything is
@@ -886,17 +911,21 @@ class WorkerProcess:
 
 
 # What a rank does for each command its core takes by the generic template (`CommandEffect`,
-# fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command) -> output.
-COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any], Any]] = {
-    ResetPrefixCache: lambda runner, command: runner.reset_prefix_cache(),
-    TransferOut: transfer_out,
-    TransferIn: transfer_in,
-    TransferRelease: transfer_release,
+# fsm/worker_table.py's WORKER_CALLS): one entry per command, (runner, command, the rank's
+# core, read only: its rank and weights version) -> output.
+COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any, WorkerCore], Any]] = {
+    ResetPrefixCache: lambda runner, command, core: runner.reset_prefix_cache(),
+    SaveWeights: lambda runner, command, core: save_rank(
+        runner, command, SavedRank(core.rank, core.weights_version, runner.weights_origin())
+    ),
+    TransferOut: lambda runner, command, core: transfer_out(runner, command),
+    TransferIn: lambda runner, command, core: transfer_in(runner, command),
+    TransferRelease: lambda runner, command, core: transfer_release(runner, command),
 }
 
 
 def _shares(effect: Effect) -> bool:
-    """A generic call whose output is the buckets it holds, which its Ack lists (P-21)."""
+    """A generic call whose output is the buckets it holds, which its Ack lists (P-22)."""
     if not isinstance(effect, CommandEffect):
         return False
     row = WORKER_CALLS.get(type(effect.command))

@@ -1,4 +1,4 @@
-"""The rank's side of a stage-to-stage transfer (P-21), over the weight-update planes.
+"""The rank's side of a stage-to-stage transfer (P-22), over the weight-update planes.
 
 - TransferOut: the runner's export (`ModelRunner.export_tensors`), checked against its
   connector and the command's `max_bytes`, copied into buckets by a `WeightSender` of its own

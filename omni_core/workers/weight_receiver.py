@@ -401,7 +401,7 @@ class WeightReceiver:
         """Every tensor of `source` as (name, view), each handle opened and checked now, before
         the first view is read (a refusal: RunnerArgumentError, nothing read); the views live
         in the sender's memory, so copy them, never keep them. A weight update's path
-        (`_opened`), taken by a stage-to-stage transfer's landing (P-21)."""
+        (`_opened`), taken by a stage-to-stage transfer's landing (P-22)."""
         return self._opened(source)()
 
     def _staged(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -169,6 +169,12 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
         }
         # nor 'adapters' (P-20): the JavaScript worker has no LoRA
         expected |= {r.case.name for r in report.results if r.case.req == "P-20"}
+        # nor 'save_weights' (P-21): only its refusal of SaveWeights is checked (an unknown type to it);
+        # and no worker of its kind greeting NEEDS_RELOAD is named (P-17 rule 11)
+        expected |= {r.case.name for r in report.results if r.case.req == "P-21"} - {
+            "save_refused_without_save_weights"
+        }
+        expected |= {"greeted_needs_reload_serves_nothing_until_weights_come"}
         assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
             "v1_wake_frame",
             "waiting_wake_refused_without_swap",
@@ -177,6 +183,7 @@ def test_the_unmutated_workers_pass_every_case(reports, name):
         expected |= {"waiting_wake_refused_without_swap"}  # it declares 'swap'
         expected |= {"update_refused_without_weight_update"}  # and 'weight_update'
         expected |= {"update_refused_sleeping"}  # and 'host_refit': a sleeping worker takes the update
+        expected |= {"save_refused_without_save_weights"}  # and 'save_weights'
         assert {r.case.name for r in report.results if r.case.req == "P-16" and r.outcome == "pass"} == {
             "v1_wake_frame",
             "waiting_wake_acked_and_cached",
@@ -239,6 +246,12 @@ def test_a_worker_without_capabilities_passes_with_reported_skips(reports):
         "links_leave_what_the_command_leaves": "worker does not declare capability 'multi_path'",
         "shutdown_from_failed": "no failing worker to start: name one whose start-up fails (it greets in FAILED) "
         "with --failing-worker TARGET or SuiteOptions(failing_worker=...)",
+        "save_refused_without_save_weights": "worker declares capability 'save_weights'; this case is for "
+        "workers without it",  # its runner saves: the capability is the runner's, not the backend's
+        "save_reloads_bit_for_bit": "worker does not declare capability 'level2'",
+        "save_reload_names_the_saved_version": "worker does not declare capability 'level2'",
+        "greeted_needs_reload_serves_nothing_until_weights_come": "no worker to start in NEEDS_RELOAD: name one "
+        "that greets so with --needs-reload-worker TARGET or SuiteOptions(needs_reload_worker=...)",
     }, rendered
     passed = {r.case.name for r in report.results if r.outcome == "pass"}
     assert {"level2_refused_without_capability", "waiting_wake_refused_without_swap"} <= passed

@@ -1,4 +1,4 @@
-"""P-21 end to end on CPU: a request across two stages, each a rank process, the intermediate
+"""P-22 end to end on CPU: a request across two stages, each a rank process, the intermediate
 moved over shared memory by a transfer, under both stages' lifecycles."""
 
 from __future__ import annotations

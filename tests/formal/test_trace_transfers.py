@@ -1,4 +1,4 @@
-"""A traced pipeline (P-21): the trace spec replays the transfer commands as it replays the
+"""A traced pipeline (P-22): the trace spec replays the transfer commands as it replays the
 other stateless tasks (OmniWeights), so a real run of two stages moving a request's
 intermediate is accepted, each stage's trace on its own."""
 

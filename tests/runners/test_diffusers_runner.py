@@ -364,3 +364,28 @@ def test_a_shared_memory_update_equals_the_other_checkpoint_and_drops_derived_st
         WeightReceiver(CPU, 0).apply(sender.share(trained), runner)
     assert runner.execute(DIT)["sha256"] == other.runner.execute(DIT)["sha256"] != original
     assert runner.generation == generation + 1
+
+
+@pytest.mark.parametrize(("family", "request_"), [("dit", DIT), ("sd", SD)])
+def test_a_save_loads_as_the_runners_own_pipeline_and_reloads_bit_for_bit(family, request_, checkpoints, tmp_path):
+    """SaveWeights' runner half: an updated pipeline saves as diffusers lays one out (each
+    component's weights under its own file name beside its config), loads as this runner's
+    `model`, and reloads into another runner, each giving the updated result."""
+    pools = runner_in_pools(checkpoints[family])
+    runner = pools.runner
+    with torch.no_grad():  # an update: every weight of the denoiser scaled, as a trainer's step would
+        denoiser = "transformer" if family == "dit" else "unet"
+        for tensor in runner.weights.folders[denoiser]:
+            tensor.tensor.mul_(1.01)
+    updated = runner.execute(request_)["sha256"]
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    files = runner.save_weights(saved, 1 << 30)
+    assert "model_index.json" in files and f"{denoiser}/diffusion_pytorch_model.safetensors" in files
+    if family == "sd":
+        assert "text_encoder/model.safetensors" in files and "tokenizer/tokenizer.json" in files
+    assert runner.weights_origin() == str(checkpoints[family])
+    assert runner_in_pools(saved).runner.execute(request_)["sha256"] == updated
+    other = runner_in_pools(checkpoints[family])
+    other.reload(str(saved))
+    assert other.runner.execute(request_)["sha256"] == updated

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from omni_core.protocol import Capability, Execute, Result
+from omni_core.protocol import Capability, Execute, Result, WorkerState
 from omni_core.runners import diffusers_runner
 from omni_core.runners.base import RunnerArgumentError
 from omni_core.runners.diffusers_runner import DiffusersRunner, RequestLostError
@@ -137,6 +137,7 @@ def test_a_rank_declares_step_mode_and_its_loaded_weights_and_batches_waiting_st
         assert hello.loaded_weights == tuple(sorted(reference.weight_specs()))
         dummy_hello = orch.wait_hello(dummy)
         assert Capability.STEP_MODE in dummy_hello.capabilities and dummy_hello.loaded_weights == ()
+        assert dummy_hello.state is WorkerState.NEEDS_RELOAD  # random weights serve nothing until an update
 
         def execute(payload: dict, name: str) -> Result:
             reply = orch.request(worker, Execute(task_id=name, epoch=0, payload=payload))

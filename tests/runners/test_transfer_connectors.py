@@ -1,4 +1,4 @@
-"""P-21 with real models: the transformers and diffusers runners' connectors, and a text stage
+"""P-22 with real models: the transformers and diffusers runners' connectors, and a text stage
 conditioning a Stable Diffusion stage through a transfer between rank processes, the image
 byte for byte the one made with the same conditioning passed by hand."""
 

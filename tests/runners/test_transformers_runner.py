@@ -284,3 +284,57 @@ def test_the_cache_goes_under_the_name_the_models_forward_takes() -> None:
     import inspect
 
     assert installed in inspect.signature(LlamaForCausalLM.forward).parameters
+
+
+def test_a_save_loads_as_the_runners_own_model_and_reloads_bit_for_bit(checkpoints, tmp_path):
+    """SaveWeights' runner half: an updated runner saves (parts of a third each, with an index),
+    and the save is a checkpoint this runner loads as its `model` (config and tokenizer copied)
+    and reloads from, both bit for bit equal to the updated weights."""
+    pools, other = runner_in_pools(checkpoints["qwen2"]), runner_in_pools(checkpoints["qwen2-seed1"])
+    runner = pools.runner
+    pools.reload(str(checkpoints["qwen2-seed1"]))
+    updated, tokens = weights_digest(runner), runner.execute(GREEDY)["token_ids"]
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    total_bytes = sum(
+        t.numel() * t.element_size() for t in load_file(checkpoints["qwen2"] / "model.safetensors").values()
+    )
+    files = runner.save_weights(saved, total_bytes // 3)
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    parts = sorted(p.name for p in saved.glob("*.safetensors"))
+    biggest = max(t.numel() * t.element_size() for t in load_file(checkpoints["qwen2"] / "model.safetensors").values())
+    assert len(parts) >= 3 and all((saved / p).stat().st_size <= max(total_bytes // 3, biggest) + 4096 for p in parts)
+    assert runner.weights_origin() == str(checkpoints["qwen2"])
+
+    loaded = runner_in_pools(saved).runner
+    assert weights_digest(loaded) == updated and loaded.execute(GREEDY)["token_ids"] == tokens
+    other.reload(str(saved))
+    assert weights_digest(other.runner) == updated
+
+
+def test_dummy_weights_read_no_file_refuse_a_reload_of_their_own_and_take_an_update(checkpoints, tmp_path):
+    """load_format 'dummy' (vLLM's): the architecture of config.json with random weights, no
+    weights file read (the directory has none); a reload of its own weights is refused before
+    anything is written, naming the format; an update of a real checkpoint's tensors makes it
+    that checkpoint, and a reload from a directory too."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    for path in checkpoints["qwen2"].iterdir():
+        if not path.name.endswith(".safetensors"):
+            shutil.copyfile(path, config_only / path.name)
+    pools, real = runner_in_pools(config_only, load_format="dummy"), runner_in_pools(checkpoints["qwen2"])
+    runner = pools.runner
+    assert runner.dummy_weights and runner.weights_origin() is None
+    assert weights_digest(runner) != weights_digest(real.runner)
+    before = weights_digest(runner)
+    with pytest.raises(RunnerArgumentError, match="Model reloading with dummy format"):
+        runner.reload_weights(None)
+    assert weights_digest(runner) == before
+    runner.update_weights(load_file(checkpoints["qwen2"] / "model.safetensors").items())
+    assert weights_digest(runner) == weights_digest(real.runner)
+    assert runner.execute(GREEDY)["token_ids"] == real.runner.execute(GREEDY)["token_ids"]
+    other = runner_in_pools(config_only, load_format="dummy")
+    other.reload(str(checkpoints["qwen2"]))
+    assert weights_digest(other.runner) == weights_digest(real.runner)
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        TransformersRunner(CPU, model=str(config_only), load_format="pt")

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from omni_core.engine.spec import StageSpec
 from omni_core.runners import vllm_runner
 from omni_core.runners.base import MemoryBudget, RunnerArgumentError
 from omni_core.runners.vllm_runner import (
@@ -483,3 +484,85 @@ def test_an_adapter_refit_from_tensors_reaches_vllms_add_lora_checked_first(monk
     runner.remove_adapter("sql")
     assert not Path(slot.path).exists()  # the refit's directory goes with the adapter
     runner.close()
+
+
+class SavingModelRunner(FakeModelRunner):
+    """A model with parameters, as vLLM's (fused names, this rank's shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.qkv_proj = torch.nn.Linear(4, 12, bias=False)
+        self.model.norm = torch.nn.LayerNorm(4)
+
+
+def _sharded_state_worker(model_runner: FakeModelRunner) -> Any:
+    """vLLM's Worker.save_sharded_state as vLLM writes it (ShardedStateLoader.save_model):
+    this rank's state dict in files `model-rank-{rank}-part-{part}.safetensors` of at most
+    max_size bytes each."""
+    from safetensors.torch import save_file
+
+    def save_sharded_state(path: str, pattern: str | None = None, max_size: int | None = None) -> None:
+        pattern = pattern or vllm_runner.SHARDED_PATTERN
+        parts: list[dict[str, torch.Tensor]] = [{}]
+        used = 0
+        for name, tensor in model_runner.get_model().state_dict().items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if parts[-1] and max_size is not None and used + nbytes > max_size:
+                parts.append({})
+                used = 0
+            parts[-1][name] = tensor.clone()
+            used += nbytes
+        for part, tensors in enumerate(parts):
+            save_file(tensors, os.path.join(path, pattern.format(rank=0, part=part)))
+
+    return type("Worker", (), {"model_runner": model_runner, "save_sharded_state": staticmethod(save_sharded_state)})()
+
+
+def test_a_save_is_vllms_sharded_state_and_reloads_bit_for_bit(fake_vllm, checkpoints, tmp_path):
+    runner, _ = _loaded(checkpoints["qwen2"])
+    runner.worker = _sharded_state_worker(SavingModelRunner())
+    model = runner.worker.model_runner.get_model()
+    saved_state = {k: v.clone() for k, v in model.state_dict().items()}
+    target = tmp_path / "saved"
+    target.mkdir()
+    files = runner.save_weights(target, 64)  # 64 bytes a file: the weight alone, the small ones together
+    assert "config.json" in files and "model.safetensors" not in files  # the checkpoint's weights stay out
+    parts = sorted(target.glob("model-rank-0-part-*.safetensors"))
+    assert len(parts) >= 2
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()
+    runner.reload_weights(str(target))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved_state.items())
+    assert runner.worker.model_runner.reloads == []  # vLLM's checkpoint loader was not asked
+    assert runner.last_reload.tensors == len(saved_state) and runner.last_reload.reload_bytes > 0
+
+
+def test_a_sharded_state_of_another_model_is_refused_before_any_write(fake_vllm, checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    runner, _ = _loaded(checkpoints["qwen2"])
+    runner.worker = _sharded_state_worker(SavingModelRunner())
+    before = {k: v.clone() for k, v in runner.worker.model_runner.get_model().state_dict().items()}
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"qkv_proj.weight": torch.ones(3, 3)}, str(other / "model-rank-0-part-0.safetensors"))
+    with pytest.raises(RunnerArgumentError, match=r"'qkv_proj.weight' \[3, 3\] is not the model's"):
+        runner.reload_weights(str(other))
+    after = runner.worker.model_runner.get_model().state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_vllm_without_save_sharded_state_is_refused_naming_it(fake_vllm, checkpoints, tmp_path):
+    runner, _ = _loaded(checkpoints["qwen2"])
+    with pytest.raises(RunnerArgumentError, match="has no save_sharded_state"):
+        runner.save_weights(tmp_path, 1 << 20)
+
+
+def test_vllms_dummy_load_format_is_a_rank_that_starts_needs_reload(fake_vllm, checkpoints):
+    runner, _ = _loaded(checkpoints["qwen2"], load_format="dummy")
+    assert runner.dummy_weights and FakeEngine.made[-1].kwargs["load_format"] == "dummy"
+    assert not _loaded(checkpoints["qwen2"])[0].dummy_weights
+    assert StageSpec(name="rollout", runner="vllm", runner_args={"model": "m", "load_format": "dummy"}).dummy_weights
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        VllmRunner(CPU, model=str(checkpoints["qwen2"]), load_format="pt")

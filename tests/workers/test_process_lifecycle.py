@@ -93,12 +93,14 @@ def test_hello_describes_the_worker(worker):
     assert hello.backend == "portable" and hello.device == "cpu"
     assert hello.tags == ("weights", "kv_cache")
     # SWAP: the portable backend gates a wake (here on CPU without a simulated device, nothing to wait for);
-    # WEIGHT_UPDATE: the synthetic runner takes weight updates (P-17); ADAPTERS: and adapters (P-20)
+    # WEIGHT_UPDATE: the synthetic runner takes weight updates (P-17); ADAPTERS: and adapters (P-20);
+    # SAVE_WEIGHTS: it writes what its reload reads (P-21)
     assert set(hello.capabilities) == {
         Capability.ADAPTERS,
         Capability.LEVEL2,
         Capability.PARTIAL_WAKE,
         Capability.PROFILE,
+        Capability.SAVE_WEIGHTS,
         Capability.SWAP,
         Capability.WEIGHT_UPDATE,
     }

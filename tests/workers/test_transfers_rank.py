@@ -1,4 +1,4 @@
-"""P-21 on the rank: an export and a landing through the weight planes' hardening (the same
+"""P-22 on the rank: an export and a landing through the weight planes' hardening (the same
 bucket opening as an update's), every bound refused before anything is held or kept."""
 
 from __future__ import annotations

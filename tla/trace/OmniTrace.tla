@@ -95,6 +95,7 @@ TraceInit ==
     /\ \/ FromStart /\ Init
        \/ ~FromStart /\ CarriedInit
     /\ WeightsInit(FromStart, Carried)
+    /\ FloorInit(FromStart, Carried)
     /\ i = 1
     /\ owedState = NoOwed
     /\ owedSends = {}
@@ -162,6 +163,7 @@ EngineIssue ==
    allows; the old processes are killed, so what they had not logged never left. *)
 EngineRestart ==
     /\ E.k = "restart" /\ EngineStep(Restart) /\ WeightsRestarted(E.v)
+    /\ FloorRestarted(E.x = "needs_reload", E.lvl)      \* what the restart planned: lvl is its floor
     /\ wowed' = [r \in Ranks |-> NoOwed]
     /\ wreply' = [r \in Ranks |-> NoMsg]
     /\ unsent' = unsent \cup ({wreply[r] : r \in Ranks} \ {NoMsg})
@@ -276,11 +278,12 @@ EnginePause ==
 -----------------------------------------------------------------------------
 (* ============================== worker lines ============================ *)
 
-(* start (WorkerStarted): the rank loaded its runner (ACTIVE), or loading raised (FAILED); the Hello,
-   carrying that state, goes out. *)
+(* start (WorkerStarted): the rank loaded its runner (ACTIVE), loaded it with weights not to be
+   served (NEEDS_RELOAD: a restart under a version floor, dummy weights), or loading raised
+   (FAILED); the Hello, carrying that state, goes out. *)
 WorkerStart ==
     /\ E.k = "start" /\ WorkerFree(E.r) /\ WorkerLive
-    /\ (Loaded(E.r) \/ LoadFailed(E.r))
+    /\ (Loaded(E.r) \/ LoadFailed(E.r) \/ LoadedNeedsReload(E.r))
     /\ wstate'[E.r] = E.w
     /\ OweReply(E.r, HelloMsg(wepoch[E.r], E.r, wstate'[E.r]))
     /\ UNCHANGED <<owedState, owedSends, wowed, unsent, wstat>>
@@ -304,7 +307,7 @@ WorkerDone ==
     /\ E.k \in {"done", "error"} /\ WorkerFree(E.r) /\ WorkerLive
     /\ wpend[E.r].task = E.t /\ wpend[E.r].type = E.c
     /\ IF WeightPending(E.r) THEN IF E.k = "done" THEN WeightDone(E.r) ELSE WeightFailed(E.r)
-       ELSE IF E.k = "done" THEN Done(E.r) /\ RankReloaded(E.r)
+       ELSE IF E.k = "done" THEN Done(E.r) /\ RankReloaded(E.r, E.v)
        ELSE EffectError(E.r) /\ UNCHANGED weightVars
     /\ wstate'[E.r] = E.w
     /\ OweWorker(E.r) /\ OweReply(E.r, NewReply(E.r))
@@ -365,16 +368,16 @@ WorkerSend ==
 
 TraceNext ==
     \/ /\ i <= Len(Trace)
-       /\ \/ /\ UNCHANGED spaused
+       /\ \/ /\ UNCHANGED <<spaused, floorVars>>
              /\ \/ EngineRecv \/ EngineIssue \/ WorkerRecv \/ WorkerDone \/ WorkerRefused
                 \/ /\ \/ EngineDeadline \/ EngineState \/ EngineDispatch \/ EngineSend \/ EngineDied \/ CallerHeard
                       \/ WorkerStart \/ WorkerState \/ WorkerSend \/ WorkerStatus \/ WorkerStatusDone
                    /\ UNCHANGED weightVars
           \/ spaused' = FALSE /\ EngineRestart      \* fresh ranks, a fresh stage: no pause
-          \/ EnginePause /\ UNCHANGED weightVars
-    \/ HiddenCrash /\ UNCHANGED <<weightVars, spaused>>
+          \/ EnginePause /\ UNCHANGED <<weightVars, floorVars>>
+    \/ HiddenCrash /\ UNCHANGED <<weightVars, floorVars, spaused>>
 
-TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars, weightVars>>
+TraceSpec == TraceInit /\ [][TraceNext]_<<vars, traceVars, weightVars, floorVars>>
 
 (* Violated exactly when the whole trace has been replayed and the engine owes no line
    (and, for a chunk that is not the last, nothing is in flight):

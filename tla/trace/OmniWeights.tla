@@ -29,16 +29,25 @@ EXTENDS OmniSleep
 
 VARIABLES wver, sver, uver, uans, ufrom, wtask, wsaid
 weightVars == <<wver, sver, uver, uans, ufrom, wtask, wsaid>>
+(* What the last restart started the ranks from (StageRestarted): `sneeds`, their weights
+   loaded but not to be served (NEEDS_RELOAD: the version lived in memory only, or the
+   runner's weights are dummy); `sfloor`, the version the stage must not serve below. Only a
+   restart changes them (OmniTrace's TraceNext). *)
+VARIABLES sneeds, sfloor
+floorVars == <<sneeds, sfloor>>
 
 (* The LoRA adapter commands (P-20) are stateless tasks too: an ALREADY answer is not modelled. *)
 AdapterCommands == {"AddAdapter", "RemoveAdapter", "PinAdapter", "ListAdapters"}
-(* So are the stage-to-stage transfer commands (P-21): a producer's holds are OmniTransfers'. *)
+(* SaveWeights (P-21) is one too: the stage records where its version lives, which the trace's
+   next restart names (StageRestarted's version); nothing here moves. So are the stage-to-stage
+   transfer commands (P-22): a producer's holds are OmniTransfers'. *)
 TransferCommands == {"TransferOut", "TransferIn", "TransferRelease"}
-WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands
-                  \cup TransferCommands
-Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache"} \cup AdapterCommands \cup TransferCommands
+WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache", "SaveWeights"}
+                  \cup AdapterCommands \cup TransferCommands
+Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache", "SaveWeights"} \cup AdapterCommands
+             \cup TransferCommands
 Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share",
-            ResetPrefixCache |-> "reset_prefix_cache", AddAdapter |-> "add_adapter",
+            ResetPrefixCache |-> "reset_prefix_cache", SaveWeights |-> "save_weights", AddAdapter |-> "add_adapter",
             RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters",
             TransferOut |-> "transfer_out", TransferIn |-> "transfer_in", TransferRelease |-> "transfer_release"]
 NoAnswers == [r \in Ranks |-> "none"]
@@ -56,10 +65,15 @@ WeightsInit(fromStart, carried) ==
     /\ sver = IF fromStart THEN 0 ELSE carried.sver
     /\ uver = 0 /\ uans = NoAnswers /\ ufrom = NoVal /\ wtask = 0 /\ wsaid = {}
 
+FloorInit(fromStart, carried) ==
+    /\ sneeds = IF fromStart THEN FALSE ELSE carried.sneeds
+    /\ sfloor = IF fromStart THEN 0 ELSE carried.sfloor
+
 WeightsTypeOK ==
     /\ wver \in [Ranks -> Nat] /\ sver \in Nat /\ uver \in Nat
     /\ uans \in [Ranks -> {"none", "ack", "refused", "failed"}]
     /\ wtask \in TaskIds \cup {0} /\ wsaid \subseteq Ranks
+    /\ sneeds \in BOOLEAN /\ sfloor \in Nat
 
 -----------------------------------------------------------------------------
 (* ============================== orchestrator ============================ *)
@@ -69,6 +83,7 @@ WeightsTypeOK ==
    EndRequest sends the update when the last one ends); with none, at once. *)
 IssueUpdate(v) ==
     /\ Idle /\ wtask = 0 /\ nextTask \in TaskIds /\ v > sver
+    /\ v >= sfloor      \* below the version floor the call is refused (VersionKeeper.refusal_below_floor)
     /\ LET t == nextTask
            now == ~SLegal(sstate, "update_drain") \/ sreqs = {}
        IN /\ \/ SLegal(sstate, "update_drain")
@@ -158,15 +173,39 @@ WeightTaskReply(m, rest) ==
 ForUpdate(m) == stask # 0 /\ scmd.type = "UpdateWeights" /\ m.task = stask /\ m.kind \in {"ack", "nack"}
 ForWeightTask(m) == wtask # 0 /\ m.task = wtask /\ m.kind \in {"ack", "nack"}
 
-(* A reload brings the runner's own weights back: once the stage commits it, no update's
-   version stands for them, and the stage's version is 0 again (StageCore._reload). *)
-ReloadCommitted ==
-    sver' = IF stask # 0 /\ scmd.type = "ReloadWeights" /\ outcome'[stask] = "ok" THEN 0 ELSE sver
+(* A reload brings its source's weights back: once the stage commits it, its version is the one
+   the last rank's ACK reports, `ver` (0 for the runner's own, a save's for a saved directory,
+   P-21; every rank the same, or the stage fails: W_SettledOnCommitted). *)
+ReloadCommitted(ver) ==
+    sver' = IF stask # 0 /\ scmd.type = "ReloadWeights" /\ outcome'[stask] = "ok" THEN ver ELSE sver
+
+(* StageCore on_hello after a restart that planned NEEDS_RELOAD (StartWeights.needs_reload):
+   every rank must say Hello NEEDS_RELOAD; then the stage is NEEDS_RELOAD, its weights not
+   valid (started_needs_reload). A rank in any other state fails the start, naming it. *)
+HelloNeedsReload(m, keep) ==
+    /\ keep => FaultOk("dup")
+    /\ LET rest == IF keep THEN net ELSE net \ {m}
+           said == sacks \cup {m.rank}
+           bad == IF m.state = "NEEDS_RELOAD" THEN sloadFailed \ {m.rank} ELSE sloadFailed \cup {m.rank}
+       IN IF said = Ranks /\ bad # {}
+          THEN FailStage(bad, rest)
+          ELSE IF said = Ranks
+          THEN /\ sstate' = SNext(sstate, "started_needs_reload") /\ sacks' = said /\ svalid' = FALSE
+               /\ net' = rest
+               /\ UNCHANGED <<sepoch, stask, scmd, sloadFailed, sasleep, sreqs, sreqReplies, sreqErr,
+                              failedRanks, outcome, sprof>>
+          ELSE /\ sacks' = said /\ sloadFailed' = bad /\ net' = rest
+               /\ UNCHANGED <<sstate, sepoch, stask, scmd, sasleep, svalid, sreqs, sreqReplies, sreqErr,
+                              failedRanks, outcome, sprof>>
+    /\ faults' = IF keep THEN faults + 1 ELSE faults
+    /\ UNCHANGED <<workerVars, nextTask, broken>>
 
 (* The stage takes reply m (the record says the rank reported version `ver`): a weight task's
    reply here, any other in OmniSleep's StageReceive. A second answer of a rank is ignored. *)
 StageTake(m, keep, ver) ==
-    IF m.epoch = sepoch /\ (ForUpdate(m) \/ ForWeightTask(m))
+    IF m.kind = "hello" /\ m.epoch = sepoch /\ sstate = "STARTING" /\ sneeds
+    THEN HelloNeedsReload(m, keep) /\ UNCHANGED weightVars
+    ELSE IF m.epoch = sepoch /\ (ForUpdate(m) \/ ForWeightTask(m))
     THEN /\ m.kind \in ReplyKinds
          /\ keep => FaultOk("dup")
          /\ LET rest == IF keep THEN net ELSE net \ {m} IN
@@ -176,7 +215,7 @@ StageTake(m, keep, ver) ==
             ELSE WeightTaskReply(m, rest) /\ UNCHANGED <<sver, uans>>
          /\ faults' = IF keep THEN faults + 1 ELSE faults
          /\ UNCHANGED <<workerVars, nextTask, broken, wver, uver, ufrom>>
-    ELSE StageReceive(m, keep) /\ ReloadCommitted /\ UNCHANGED <<wver, uver, uans, ufrom, wtask, wsaid>>
+    ELSE StageReceive(m, keep) /\ ReloadCommitted(ver) /\ UNCHANGED <<wver, uver, uans, ufrom, wtask, wsaid>>
 
 -----------------------------------------------------------------------------
 (* ================================ worker ================================ *)
@@ -194,6 +233,16 @@ OnWeights(r, m) ==
     ELSE IF ~WLegal(wstate[r], Trigger[m.type]) THEN Refuse(r, m, "INVALID_STATE")
     ELSE IF m.type = "UpdateWeights" /\ m.level <= wver[r] THEN Refuse(r, m, "INVALID_ARGUMENT")
     ELSE Start(r, m, Trigger[m.type], {}, {})
+
+(* The runner loaded, its weights not to be served (the worker table's loaded_needs_reload):
+   the rank is NEEDS_RELOAD with its weights invalid, and says so in its Hello. *)
+LoadedNeedsReload(r) ==
+    /\ alive[r] /\ WLegal(wstate[r], "loaded_needs_reload")
+    /\ wstate' = [wstate EXCEPT ![r] = WNext(@, "loaded_needs_reload")]
+    /\ wvalid' = [wvalid EXCEPT ![r] = FALSE]
+    /\ net' = net \cup {HelloMsg(wepoch[r], r, wstate'[r])}
+    /\ UNCHANGED <<mem, alive, wasleep, wepoch, wpend, wprof, wcache, replied, applied, stageVars,
+                   nextTask, faults, broken>>
 
 (* A rank takes command m: a weight command here, any other in OmniSleep's WorkerReceive. *)
 RankTake(r, m, keep) ==
@@ -273,14 +322,18 @@ WeightRefused(r) ==
     /\ UNCHANGED <<mem, alive, wasleep, wvalid, wepoch, wprof, applied, stageVars, nextTask, faults, broken,
                    weightVars>>
 
-(* A rank's reload effect finished (the runner's own source, P-17 rule 2): it holds version 0
-   again, whatever update it held; any other effect of OmniSleep leaves its version. *)
-RankReloaded(r) ==
-    /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = 0] ELSE wver
+(* A rank's reload effect finished: it holds the version of its source, `v` (EffectDone's):
+   0 for the runner's own (P-17 rule 2), a save's for a saved directory (P-21), whatever update
+   it held; any other effect of OmniSleep leaves its version. *)
+RankReloaded(r, v) ==
+    /\ wver' = IF wpend[r].type = "ReloadWeights" THEN [wver EXCEPT ![r] = v] ELSE wver
     /\ UNCHANGED <<sver, uver, uans, ufrom, wtask, wsaid>>
 
 (* A restart replaces every rank by a fresh process: its own weights (version 0), or the
-   version `v` of the directory the stage's committed version came from (StageRestarted). *)
+   version `v` of the directory the stage's committed version came from (StageRestarted);
+   `needs`: the ranks start NEEDS_RELOAD under the version floor `floor`. *)
+FloorRestarted(needs, floor) == sneeds' = needs /\ sfloor' = floor
+
 WeightsRestarted(v) ==
     /\ wver' = [r \in Ranks |-> v] /\ sver' = v
     /\ uver' = 0 /\ uans' = NoAnswers /\ ufrom' = NoVal /\ wtask' = 0 /\ wsaid' = {}
@@ -296,4 +349,7 @@ W_SettledOnCommitted == sstate \in Settled => \A r \in Ranks : Live(r) => wver[r
 (* A failed update never leaves a stage serving: the stage is NEEDS_RELOAD, FAILED or
    still waiting while a live rank's weights are invalid. *)
 W_NoServingOnInvalid == \A r \in Ranks : Live(r) /\ ~wvalid[r] => sstate # "RUNNING"
+(* OmniVersions' NoSilentRevert along the replay: after a restart under a version floor the
+   stage serves nothing below it (an update at or above it, or a restart that resets it). *)
+W_NoServingBelowFloor == sstate = "RUNNING" => sver >= sfloor
 ===================================================================================
