@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 from omni_core.conformance.cases import LEVEL2, PARTIAL_WAKE, Ctx, case
 from omni_core.conformance.cases_weights import WEIGHT_UPDATE, _self_update
@@ -30,8 +31,9 @@ def _scratch() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _save(ctx: Ctx, directory: str, what: str, **fields: object) -> SaveWeights:
-    return ctx.cmd(SaveWeights, what, directory=directory, **fields)  # type: ignore[no-any-return]
+def _save(ctx: Ctx, directory: str, what: str, **fields: Any) -> SaveWeights:
+    command: SaveWeights = ctx.cmd(SaveWeights, what, directory=directory, **fields)
+    return command
 
 
 @case(
