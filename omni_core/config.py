@@ -39,6 +39,7 @@ from msgspec import Meta
 
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.fields import conform, validation_words
+from omni_core.engine.pipeline import PipelineRoute
 from omni_core.engine.spec import StageSpec
 
 if sys.version_info >= (3, 11):
@@ -151,6 +152,7 @@ class OmniConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
     path: str = "<config>"
+    pipelines: tuple[PipelineRoute, ...] = ()  # [[pipelines]]: requests across stages (P-22)
 
     @property
     def stage_names(self) -> list[str]:
@@ -192,9 +194,10 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
     """Check an already-parsed configuration (a dict shaped like the TOML file)."""
     base = base or Path.cwd()
     for key in data:
-        if key not in ("server", "engine", "stages"):
+        if key not in ("server", "engine", "stages", "pipelines"):
             raise ConfigError(
-                path, f"unknown top-level key {key!r}; a config has [server], [engine] and [[stages]] tables"
+                path,
+                f"unknown top-level key {key!r}; a config has [server], [engine], [[stages]] and [[pipelines]] tables",
             )
     for key in ("server", "engine"):
         if not isinstance(data.get(key, {}), dict):
@@ -219,7 +222,24 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", *, base: Path 
     engine = _decode(path, "[engine]", dict(data.get("engine", {})), EngineTable).given()
     if "trace_path" in engine:
         engine["trace_path"] = _resolve_path(base, engine["trace_path"])
-    return OmniConfig(stages=tuple(stages), server=server, engine=engine, path=path)
+    pipelines = _parse_pipelines(path, data.get("pipelines", []), names)
+    return OmniConfig(stages=tuple(stages), server=server, engine=engine, path=path, pipelines=pipelines)
+
+
+def _parse_pipelines(path: str, raw: Any, names: list[str]) -> tuple[PipelineRoute, ...]:
+    """Each [[pipelines]] table decoded into PipelineRoute, its stages among the config's."""
+    if not isinstance(raw, list):
+        raise ConfigError(path, f"[[pipelines]] must be an array of tables, got {raw!r:.80}")
+    routes = []
+    for index, table in enumerate(raw):
+        if not isinstance(table, dict):
+            raise ConfigError(path, f"pipelines[{index}] must be a table, got {table!r:.80}")
+        route = _decode(path, f"pipelines[{index}]", table, PipelineRoute)
+        unknown = [hop.stage for hop in route.stages if hop.stage not in names]
+        if unknown:
+            raise ConfigError(path, f"pipelines[{index}] ({route.name!r}) names stages {unknown}; stages are {names}")
+        routes.append(route)
+    return tuple(routes)
 
 
 def _parse_stage(path: str, index: int, raw: Any, base: Path) -> StageSpec:

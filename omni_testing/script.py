@@ -4,6 +4,7 @@ transcript of what happened (the commands: `Script`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from collections.abc import Callable
 from typing import Any
@@ -330,6 +331,8 @@ class Script:
         for field in getattr(info, "fields", ()):  # a tuple's items, comma-separated: target_modules=q,v
             if field.name in fields and isinstance(field.type, msgspec.inspect.VarTupleType):
                 fields[field.name] = [v for v in fields[field.name].split(",") if v]
+            elif field.name in fields and fields[field.name][:1] in ("{", "["):  # a struct as JSON, no spaces
+                fields[field.name] = json.loads(fields[field.name])
         raw = {"type": bare[0], "task_id": args["task"], "epoch": 0, **fields}
         try:
             command = msgspec.convert(raw, kinds[bare[0]], strict=False)  # "yes", "4096" read as their fields

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 python -m omni_core.formal.gen_transitions
 python -m omni_core.formal.gen_link_plans
 python -m omni_core.formal.gen_versions
+python -m omni_core.formal.gen_transfers
 omni-core schema
 omni-core docs
 omni-core serve --write-openapi specs/openapi.json

@@ -48,6 +48,9 @@ from omni_core.protocol import (
     Sleep,
     Status,
     TensorSpec,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     UpdateWeights,
     VersionSpan,
     Wake,
@@ -228,6 +231,34 @@ SAMPLES: dict[type[Message], Message] = {
         runner_counters={"prompt_cache_hits": 0},
         loaded_weights=("transformer/pos_embed.proj.weight", "vae/decoder.conv_in.bias"),
     ),
+    TransferOut: TransferOut(
+        task_id="out-1",
+        epoch=3,
+        request_id="req-7",
+        names=("prompt_embeds", "hidden_states"),
+        payload={"prompt": "a red cube"},
+        max_bytes=1 << 20,
+        bucket_bytes=1 << 16,
+    ),
+    TransferIn: TransferIn(
+        task_id="in-1",
+        epoch=3,
+        request_id="req-7",
+        producer_version=4,
+        expect_version=4,
+        source=ShmSource(
+            buckets=(
+                Bucket(
+                    handle="/dev/shm/omni-weights-77-ab-2",
+                    nbytes=16,
+                    sender_pid=77,
+                    tensors=(TensorSpec(name="prompt_embeds", dtype="float32", shape=(2, 2)),),
+                ),
+            )
+        ),
+        max_bytes=1 << 20,
+    ),
+    TransferRelease: TransferRelease(task_id="rel-1", epoch=3, request_id="req-7"),
 }
 
 

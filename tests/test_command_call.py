@@ -22,6 +22,9 @@ from omni_core.protocol import (
     SaveWeights,
     ShareWeights,
     Sleep,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     arguments,
 )
 from omni_core.protocol import StageState as S
@@ -42,6 +45,9 @@ def test_the_stateless_commands_are_read_from_the_table() -> None:
         PinAdapter,
         ListAdapters,
         SaveWeights,
+        TransferOut,
+        TransferIn,
+        TransferRelease,
     }
     assert all(CALLS[kind].stateless for kind in STATELESS)
 
@@ -117,7 +123,7 @@ def test_a_command_call_carries_only_a_stateless_command(command: object) -> Non
     with pytest.raises(
         StageCommandError,
         match="a CommandCall carries one of ShareWeights, InitWeightGroup, Profile, AddAdapter, RemoveAdapter, "
-        "PinAdapter, ListAdapters, ResetPrefixCache, SaveWeights, not ",
+        "PinAdapter, ListAdapters, ResetPrefixCache, SaveWeights, TransferOut, TransferIn, TransferRelease, not ",
     ):
         h.stage.step(_call(command), h.now)
     assert h.stage.state is S.RUNNING and h.stage.task_id is None

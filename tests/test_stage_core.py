@@ -14,6 +14,7 @@ import pytest
 import stage_inputs
 from lifecycle_helpers import NO_MEMORY, StageHarness, record_transitions, table_pairs, wire
 from test_pause_core import test_a_paused_stage_takes_a_weight_update_and_stays_paused
+from test_transfers_core import TRANSFER_STAGE_SCENARIOS
 
 from omni_core.fsm import STAGE_TRANSITIONS, StageBusyError, StageCommandError, StageStep
 from omni_core.fsm import inputs as I
@@ -764,6 +765,7 @@ SCENARIOS: list[Callable[[], object]] = [
         for s in (S.RUNNING, S.SLEEPING, S.PARTIAL, S.NEEDS_RELOAD, S.FAILED, S.STOPPED)
     ],
     *[lambda s=s: test_stop_from_every_state(s) for s in S if s is not S.STOPPED],
+    *TRANSFER_STAGE_SCENARIOS,
 ]
 
 

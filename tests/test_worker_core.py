@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import test_save_weights_core as save_cases
 from lifecycle_helpers import WorkerDriver, fresh, reach_worker, record_transitions, table_pairs, wire
+from test_transfers_core import TRANSFER_WORKER_SCENARIOS
 from test_worker_adapters import ADAPTER_SCENARIOS
 from test_worker_hold import hold_scenario
 
@@ -870,6 +871,7 @@ def _wake_from_needs_reload_with_tags_asleep() -> None:
 SCENARIOS.append(_wake_from_needs_reload_with_tags_asleep)
 SCENARIOS += ADAPTER_SCENARIOS  # P-20: tests/test_worker_adapters.py
 SCENARIOS.append(hold_scenario)  # pause keep: tests/test_worker_hold.py
+SCENARIOS += TRANSFER_WORKER_SCENARIOS  # P-22: tests/test_transfers_core.py
 
 
 def _weights_update_scenario() -> None:

@@ -13,7 +13,7 @@ NoTransition == "-"
 \* trace validation uses the traced stage's own.
 DefaultTags == {"weights", "kv_cache"}
 
-\* ---- worker lifecycle: 101 rows from 45 triggers
+\* ---- worker lifecycle: 107 rows from 48 triggers
 WorkerStates == {"LOADING", "ACTIVE", "OFFLOADING", "SLEEPING", "RESTORING", "PARTIAL",
                  "NEEDS_RELOAD", "RELOADING", "FAILED", "STOPPED"}
 
@@ -29,15 +29,17 @@ WorkerTriggers == {"loaded", "loaded_needs_reload", "sleep", "sleep_already", "o
                    "update_refused_sleeping", "refitted_asleep", "update_failed_asleep",
                    "weight_group", "weight_group_already", "share", "reset_prefix_cache",
                    "save_weights", "add_adapter", "remove_adapter", "pin_adapter",
-                   "list_adapters", "adapter_already", "execute", "hold_requests", "status",
-                   "profile", "profile_already", "fail", "shutdown", "shutdown_already"}
+                   "list_adapters", "adapter_already", "transfer_out", "transfer_in",
+                   "transfer_release", "execute", "hold_requests", "status", "profile",
+                   "profile_already", "fail", "shutdown", "shutdown_already"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 WorkerInternalTriggers == {"adapter_already", "add_adapter", "execute", "hold_requests",
                            "list_adapters", "pin_adapter", "profile", "profile_already",
                            "remove_adapter", "reset_prefix_cache", "save_weights", "share",
-                           "shutdown_already", "sleep_already", "status", "wake_already",
-                           "weight_group", "weight_group_already"}
+                           "shutdown_already", "sleep_already", "status", "transfer_in",
+                           "transfer_out", "transfer_release", "wake_already", "weight_group",
+                           "weight_group_already"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 WorkerRelation == {
@@ -107,6 +109,12 @@ WorkerRelation == {
     <<"NEEDS_RELOAD", "list_adapters", "NEEDS_RELOAD">>,            \* ListAdapters (P-20): every adapter, gone and stale ones named
     <<"ACTIVE", "adapter_already", "ACTIVE">>,                      \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
     <<"PARTIAL", "adapter_already", "PARTIAL">>,                    \* AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)
+    <<"ACTIVE", "transfer_out", "ACTIVE">>,                         \* TransferOut (P-22): the runner exports a request's tensors into buckets held until TransferRelease
+    <<"ACTIVE", "transfer_in", "ACTIVE">>,                          \* TransferIn (P-22): the producer's buckets opened, checked and copied for the request; nothing else moves
+    <<"ACTIVE", "transfer_release", "ACTIVE">>,                     \* TransferRelease (P-22): what the rank holds for the request is dropped (nothing held: the same Ack)
+    <<"SLEEPING", "transfer_release", "SLEEPING">>,                 \* TransferRelease (P-22): what the rank holds for the request is dropped (nothing held: the same Ack)
+    <<"PARTIAL", "transfer_release", "PARTIAL">>,                   \* TransferRelease (P-22): what the rank holds for the request is dropped (nothing held: the same Ack)
+    <<"NEEDS_RELOAD", "transfer_release", "NEEDS_RELOAD">>,         \* TransferRelease (P-22): what the rank holds for the request is dropped (nothing held: the same Ack)
     <<"ACTIVE", "execute", "ACTIVE">>,                              \* Execute is legal only in ACTIVE (P-7); up to max_in_flight run as one batch, nothing else beside them
     <<"ACTIVE", "hold_requests", "ACTIVE">>,                        \* HoldRequests (pause mode keep): the batch frozen where it is, only an update beside it, or released
     <<"LOADING", "status", "LOADING">>,                             \* Status is legal everywhere and changes nothing
@@ -153,7 +161,7 @@ WorkerLegal(s, g) == g \in WorkerTriggers /\ WorkerTable[g][s] # NoTransition
 
 WorkerNext(s, g) == WorkerTable[g][s]
 
-\* ---- stage lifecycle: 112 rows from 51 triggers
+\* ---- stage lifecycle: 119 rows from 54 triggers
 StageStates == {"STARTING", "RUNNING", "PAUSED", "DRAINING", "TRANSITIONING", "SLEEPING",
                 "WAKING", "PARTIAL", "NEEDS_RELOAD", "FAILED", "STOPPED"}
 
@@ -169,15 +177,16 @@ StageTriggers == {"started", "started_needs_reload", "drain", "drained", "drain_
                   "update_asleep", "update_refused_sleeping", "update_slept",
                   "update_failed_asleep", "weight_group", "share", "reset_prefix_cache",
                   "save_weights", "add_adapter", "remove_adapter", "pin_adapter",
-                  "list_adapters", "execute", "pause_drain", "pause_drained", "pause_already",
-                  "resume", "resume_already", "resume_asleep", "profile", "fail", "restart",
-                  "stop"}
+                  "list_adapters", "transfer_out", "transfer_in", "transfer_release", "execute",
+                  "pause_drain", "pause_drained", "pause_already", "resume", "resume_already",
+                  "resume_asleep", "profile", "fail", "restart", "stop"}
 
 \* Internal transitions (dest None in Python): legal, state unchanged.
 StageInternalTriggers == {"add_adapter", "execute", "list_adapters", "pause_already",
                           "pin_adapter", "profile", "remove_adapter", "reset_prefix_cache",
                           "resume_already", "resume_asleep", "save_weights", "share",
-                          "sleep_already", "wake_already", "weight_group"}
+                          "sleep_already", "transfer_in", "transfer_out", "transfer_release",
+                          "wake_already", "weight_group"}
 
 \* <<source, trigger, destination>>; an internal transition has destination = source.
 StageRelation == {
@@ -253,6 +262,13 @@ StageRelation == {
     <<"SLEEPING", "list_adapters", "SLEEPING">>,                 \* ListAdapters sent to every rank (P-20): gone and stale adapters named
     <<"PARTIAL", "list_adapters", "PARTIAL">>,                   \* ListAdapters sent to every rank (P-20): gone and stale adapters named
     <<"NEEDS_RELOAD", "list_adapters", "NEEDS_RELOAD">>,         \* ListAdapters sent to every rank (P-20): gone and stale adapters named
+    <<"RUNNING", "transfer_out", "RUNNING">>,                    \* TransferOut sent to every rank (P-22): the request's tensors held until released; sleep and update wait
+    <<"RUNNING", "transfer_in", "RUNNING">>,                     \* TransferIn sent to every rank (P-22): where its request may run; elsewhere it queues or wakes by policy
+    <<"RUNNING", "transfer_release", "RUNNING">>,                \* TransferRelease sent to every rank (P-22): what they hold for the request is dropped
+    <<"PAUSED", "transfer_release", "PAUSED">>,                  \* TransferRelease sent to every rank (P-22): what they hold for the request is dropped
+    <<"SLEEPING", "transfer_release", "SLEEPING">>,              \* TransferRelease sent to every rank (P-22): what they hold for the request is dropped
+    <<"PARTIAL", "transfer_release", "PARTIAL">>,                \* TransferRelease sent to every rank (P-22): what they hold for the request is dropped
+    <<"NEEDS_RELOAD", "transfer_release", "NEEDS_RELOAD">>,      \* TransferRelease sent to every rank (P-22): what they hold for the request is dropped
     <<"RUNNING", "execute", "RUNNING">>,                         \* admission is open only in RUNNING (P-7)
     <<"RUNNING", "pause_drain", "DRAINING">>,                    \* pause(): admission closed; in-flight requests finish (wait, keep) or their callers hear ABORTED (abort)
     <<"DRAINING", "pause_drained", "PAUSED">>,                   \* no request in flight: paused; nothing was sent to the ranks, nothing released

@@ -320,6 +320,35 @@ REQUIREMENTS: dict[str, Requirement] = {
             "it commits the version every rank acknowledged, the same on every rank and not below a version "
             "floor, else the stage fails.",
         ),
+        Requirement(
+            "P-22",
+            "A transfer between stages is versioned, bounded and released",
+            "A worker that declares the capability `transfer` moves one request's tensors (hidden states, prompt "
+            "embeddings, KV blocks) to another stage's ranks over the planes of P-17 (host shared memory, CUDA "
+            "IPC on one node); a worker that does not MUST refuse the three commands below with `Nack "
+            "UNSUPPORTED` and no effect. They never change the lifecycle state, are idempotent by `task_id` and "
+            "fenced by epoch like every command (P-2, P-6), refused while an effect runs (`Nack BUSY`) or in "
+            "`FAILED` (`Nack FAILED`), and a refusal of their arguments is `Nack INVALID_ARGUMENT` with nothing "
+            "held. `TransferOut(request_id, names, payload, max_bytes, bucket_bytes)` MUST be accepted only in "
+            "`ACTIVE`: the runner computes `names` for `payload` (names and shapes its connector declares; "
+            "otherwise refused), their bytes MUST NOT exceed `max_bytes`, and the worker holds them in buckets "
+            "for `request_id` until a `TransferRelease` of it or `Shutdown`, listed in the `Ack`'s `shared`, with"
+            " the worker's `weights_version`. `TransferIn(request_id, producer_version, source, expect_version, "
+            "max_bytes)` MUST be accepted only in `ACTIVE`; a `source` over `max_bytes` is refused on decode "
+            "(P-10); a worker MUST refuse, keeping nothing, an `expect_version` other than `producer_version`, "
+            "and a name, shape or dtype its connector does not import, before it opens a handle, and MUST open "
+            "every handle as P-17 opens an update's; it keeps a copy for the request, which a later `Execute` "
+            'names (`"transfer"` in its payload). `TransferRelease(request_id)` MUST be accepted in `ACTIVE`, '
+            "`SLEEPING`, `PARTIAL` and `NEEDS_RELOAD` and drops whatever the worker holds for the request "
+            "(nothing held: the same `Ack`). A stage sends `TransferOut` and `TransferIn` only in `RUNNING` and "
+            "`TransferRelease` in any settled state; a producer stage MUST NOT sleep or take an update while a "
+            "transfer it exported is held (until its release is answered), and a consumer stage MUST NOT be sent "
+            "a transfer for a request declared for another producer version. An orchestrator admits a transfer at"
+            " its consumer by the consumer's admission policy (P-7): `RUNNING` lands it, a sleeping consumer "
+            "queues it or is woken for it, a `PAUSED` one queues it; it answers the request exactly once and "
+            "releases the producer's buckets at every end, a consumer that died included "
+            "(`tla/OmniTransfers.tla`).",
+        ),
     )
 }
 

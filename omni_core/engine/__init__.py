@@ -17,6 +17,7 @@ from omni_core.engine.errors import (
     TaskAbandonedError,
 )
 from omni_core.engine.launch import LocalLauncher, RankHandle, RankLauncher
+from omni_core.engine.pipeline import PipelineError, PipelineResult, PipelineRoute, PipelineStage
 from omni_core.engine.report import (
     ExecuteResult,
     LifecycleReport,
@@ -38,6 +39,10 @@ __all__ = [
     "NoMemoryError",
     "LifecycleReport",
     "LocalLauncher",
+    "PipelineError",
+    "PipelineResult",
+    "PipelineRoute",
+    "PipelineStage",
     "OmniCoreError",
     "PayloadTooLargeError",
     "ProfileRefusedError",

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -25,6 +25,7 @@ from omni_core.engine.calls import LifecycleCall, ShutdownCall, StatusQuery, Swa
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
+from omni_core.engine.pipeline import PipelineResult, PipelineStage, run_pipeline
 from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
 from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, RestartReport, SwapReport
 from omni_core.engine.spec import AdmissionPolicy, StageSpec
@@ -496,6 +497,16 @@ class Engine(AdapterCalls):
             overwrite=overwrite,
         )
         return self._lifecycle(stage, CommandCall(command, deadline_s))
+
+    def pipeline(
+        self, stages: Sequence[PipelineStage], *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> PipelineResult:
+        """One request across `stages` in order (P-22): each stage's `export` moves to the next
+        by a transfer over its ranks' buckets, each stage admitted by its own policy (a sleeping
+        one queued or woken, a paused one queued); the last stage's output, with each hop's
+        producer weights version. `omni_core.engine.pipeline` says how."""
+        rid = request_id or self._orch.new_task_id("pipeline", stages[0].stage if stages else "-")
+        return run_pipeline(self, stages, rid, timeout_s)
 
     def restart(self, stage: str, *, from_checkpoint: bool = False) -> RestartReport:
         """Replace the stage's rank processes with fresh ones under a new epoch, at the version

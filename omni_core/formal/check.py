@@ -45,7 +45,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_core.formal import agree, gen_link_plans, gen_transitions, gen_versions, reachability, reports
+from omni_core.formal import (
+    agree,
+    gen_link_plans,
+    gen_transfers,
+    gen_transitions,
+    gen_versions,
+    reachability,
+    reports,
+)
 from omni_core.formal.manifest import MANIFEST, Model, load_manifest, tla_dir
 from omni_core.formal.tlc import EXIT_LIVENESS, EXIT_OK, EXIT_SAFETY, TlcNotFoundError, TlcResult, run_tlc
 from omni_core.resources import MissingDataError
@@ -397,11 +405,13 @@ def run(args: argparse.Namespace, echo=print) -> int:
     generated = root / f"{gen_transitions.MODULE}.tla"
     plans = root / f"{gen_link_plans.MODULE}.tla"
     versions = root / f"{gen_versions.MODULE}.tla"
+    transfers = root / f"{gen_transfers.MODULE}.tla"
     if args.regen:
         changed = gen_transitions.write(generated)
         echo(f"{generated}: {'regenerated' if changed else 'already up to date'}")
         echo(f"{plans}: {'regenerated' if gen_link_plans.write(plans) else 'already up to date'}")
         echo(f"{versions}: {'regenerated' if gen_versions.write(versions) else 'already up to date'}")
+        echo(f"{transfers}: {'regenerated' if gen_transfers.write(transfers) else 'already up to date'}")
     elif not gen_transitions.is_fresh(generated):
         echo(f"FAIL {gen_transitions.stale_message(generated)}")
         return 2
@@ -410,6 +420,9 @@ def run(args: argparse.Namespace, echo=print) -> int:
         return 2
     elif not gen_versions.is_fresh(versions):
         echo(f"FAIL {gen_versions.stale_message(versions)}")
+        return 2
+    elif not gen_transfers.is_fresh(transfers):
+        echo(f"FAIL {gen_transfers.stale_message(transfers)}")
         return 2
     if getattr(args, "mutate_guards", False):
         from omni_core.formal import guard_mutation

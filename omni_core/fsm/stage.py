@@ -54,6 +54,7 @@ from omni_core.fsm.stage_trace import StageRecorder
 from omni_core.fsm.stage_versions import StartWeights, VersionKeeper
 from omni_core.fsm.table import Lifecycle
 from omni_core.fsm.tags import DEFAULT_TAGS, Residency, UnknownTagError, plan_sleep, resolve_tags
+from omni_core.fsm.transfers import TransferHolds
 from omni_core.fsm.worker_step import InvariantViolation
 from omni_core.protocol import (
     MAX_MEMORY_WAIT_S,
@@ -167,6 +168,7 @@ class StageCore:
         self.policy = AdmissionPolicy(policy)
         self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
         self.requests = RequestBook(queue_limit, max_in_flight)
+        self.transfers = TransferHolds()  # P-22: what its ranks export for other stages, until released
         self.recorder = StageRecorder()  # the trace records of the input being stepped
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
@@ -323,6 +325,7 @@ class StageCore:
         self.lifecycle.fire("restart")
         self.paused = False  # fresh ranks, a fresh stage: it comes back RUNNING
         self.holding = False
+        self.transfers.clear()  # fresh ranks hold no buckets
         self.epoch += 1
         self.start_weights = self.versions.plan_restart(
             self.weights_version, self.epoch, from_checkpoint=from_checkpoint
@@ -427,6 +430,9 @@ class StageCore:
             mismatched = {r: s.value for r, s in self.rank_state.items() if STAGE_STATE_OF_RANK.get(s) is not settled}
             require(not mismatched, f"ranks disagree with the stage: {mismatched}")
         require(state is not S.PAUSED or self.paused, "PAUSED without a pause held")
+        if self.transfers.held:  # P-22: a producer with a transfer in flight neither sleeps nor updates
+            moving = self._task is not None and isinstance(self._task.command, (Sleep, UpdateWeights))
+            require(not moving and state not in (S.SLEEPING, S.NEEDS_RELOAD), "a transfer held while moving weights")
         require(state not in (S.RUNNING, S.DRAINING) or not self.paused, f"{state.value} while a pause holds")
         if state in (S.RUNNING, S.PAUSED):  # a pause releases nothing
             require(
@@ -553,6 +559,7 @@ class StageCore:
                 return command
             if not (self.lifecycle.allows("drain") or self.lifecycle.allows("sleep")):
                 raise StageCommandError(f"stage {self.name!r} cannot sleep in {self.state.value}")
+            self.transfers.require_none(self.name, "sleep")
             sleep_plan = plan_sleep(level, to_sleep, weights_valid=self.residency.weights_valid)
             return self._new_task(
                 call,
@@ -666,6 +673,7 @@ class StageCore:
             below = self.versions.refusal_below_floor(self.name, version)
             if below:
                 raise StageCommandError(below)
+            self.transfers.require_none(self.name, "update weights")
             unable = sorted(r for r in self.ranks if Capability.WEIGHT_UPDATE not in self.rank_capabilities.get(r, ()))
             if unable:
                 raise StageCommandError(
@@ -1412,6 +1420,7 @@ class StageCore:
         if not task.refusals and row is not None and row.done is not None:
             row.done(self, task.command)
         outcome = self._end_task(not task.refusals, error, {}, now, refused=bool(task.refusals))
+        self.transfers.settled(task.command, bool(task.acks), not task.refusals, self.weights_version)
         if statuses == {AckStatus.ALREADY}:
             outcome = replace(outcome, status=AckStatus.ALREADY)
         outcome = replace(outcome, refusals=MappingProxyType(dict(task.refusals)))

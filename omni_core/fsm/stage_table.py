@@ -29,6 +29,9 @@ from omni_core.protocol import (
     SaveWeights,
     ShareWeights,
     Sleep,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     UpdateWeights,
     Wake,
     WorkerState,
@@ -192,6 +195,24 @@ STAGE_TRANSITIONS: tuple[Transition[S], ...] = (
         "pin_adapter", (S.RUNNING, S.PAUSED, S.PARTIAL), None, "PinAdapter sent to every rank (P-20); nothing moves"
     ),
     Transition("list_adapters", SERVING, None, "ListAdapters sent to every rank (P-20): gone and stale adapters named"),
+    Transition(
+        "transfer_out",
+        (S.RUNNING,),
+        None,
+        "TransferOut sent to every rank (P-22): the request's tensors held until released; sleep and update wait",
+    ),
+    Transition(
+        "transfer_in",
+        (S.RUNNING,),
+        None,
+        "TransferIn sent to every rank (P-22): where its request may run; elsewhere it queues or wakes by policy",
+    ),
+    Transition(
+        "transfer_release",
+        SERVING,
+        None,
+        "TransferRelease sent to every rank (P-22): what they hold for the request is dropped",
+    ),
     Transition("execute", (S.RUNNING,), None, "admission is open only in RUNNING (P-7)"),
     Transition(
         "pause_drain",
@@ -286,6 +307,22 @@ def _valid_weights_awake(core: Any) -> bool:
     return bool(core.residency.weights_resident and core.residency.weights_valid)
 
 
+def _transfer_in_arguments(core: Any, command: TransferIn) -> None:
+    expected = command.expect_version
+    if expected is not None and expected != command.producer_version:
+        raise StageCommandError(
+            f"stage {core.name!r}: the request was declared for producer weights version {expected}, the "
+            f"transfer carries version {command.producer_version}; nothing was sent: run the request "
+            "again on the producer's version, or declare none"
+        )
+
+
+def _transfer_out_room(core: Any, command: TransferOut) -> None:
+    problem = core.transfers.room_problem(core.name, command.request_id)
+    if problem is not None:
+        raise StageCommandError(problem)
+
+
 _ADAPTERS_WHERE = ": valid weights must be awake (RUNNING, PAUSED, or PARTIAL with 'weights' awake)"
 
 CALLS: Mapping[type, CallRow] = MappingProxyType(
@@ -330,6 +367,21 @@ CALLS: Mapping[type, CallRow] = MappingProxyType(
             why=": valid weights must be awake (RUNNING, PAUSED, or PARTIAL with 'weights' awake)",
             done=_saved,
         ),
+        TransferOut: CallRow(
+            "export a transfer",
+            "transfer_out",
+            stateless=True,
+            check=_transfer_out_room,
+            why=": requests run only in RUNNING",
+        ),
+        TransferIn: CallRow(
+            "import a transfer",
+            "transfer_in",
+            stateless=True,
+            check=_transfer_in_arguments,
+            why=": a transfer lands only where its request may run (RUNNING)",
+        ),
+        TransferRelease: CallRow("release a transfer", "transfer_release", stateless=True),
     }
 )
 STATELESS: tuple[type[Command], ...] = tuple(kind for kind, row in CALLS.items() if row.stateless)

@@ -952,7 +952,7 @@ class WorkerCore:
                     memory=done.memory,
                     duration_s=duration_s,
                     trace_paths=done.trace_paths if isinstance(command, Profile) else (),
-                    shared=done.shared if isinstance(command, ShareWeights) else None,
+                    shared=done.shared if isinstance(command, ShareWeights) or _shares(command) else None,
                     caches_dropped=_cache_names(done.output) if isinstance(command, WEIGHT_WRITES) else (),
                 )
         if not isinstance(command, Status):
@@ -1107,3 +1107,9 @@ class WorkerCore:
             return ()
         self.work.held = False
         return tuple(self._fail_request(t, f"it was held when {what}") for t in list(self.work.running))
+
+
+def _shares(command: Command) -> bool:
+    """Whether `command` is a generic call whose output is the buckets the rank holds (P-22)."""
+    row = WORKER_CALLS.get(type(command))
+    return row is not None and row.shares

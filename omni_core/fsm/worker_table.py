@@ -20,6 +20,9 @@ from omni_core.protocol import (
     ReloadWeights,
     ResetPrefixCache,
     SaveWeights,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     UpdateWeights,
     Wake,
 )
@@ -150,6 +153,24 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
         "AddAdapter already loaded, RemoveAdapter of one not held, PinAdapter already so: ALREADY (P-20)",
     ),
     Transition(
+        "transfer_out",
+        (W.ACTIVE,),
+        None,
+        "TransferOut (P-22): the runner exports a request's tensors into buckets held until TransferRelease",
+    ),
+    Transition(
+        "transfer_in",
+        (W.ACTIVE,),
+        None,
+        "TransferIn (P-22): the producer's buckets opened, checked and copied for the request; nothing else moves",
+    ),
+    Transition(
+        "transfer_release",
+        IDLE,
+        None,
+        "TransferRelease (P-22): what the rank holds for the request is dropped (nothing held: the same Ack)",
+    ),
+    Transition(
         "execute",
         (W.ACTIVE,),
         None,
@@ -201,6 +222,7 @@ class WorkerCall:
     error: NackReason
     capability: Capability | None = None  # refused UNSUPPORTED by a worker that lacks it
     weights_awake: bool = False  # legal only with valid weights resident (else INVALID_STATE)
+    shares: bool = False  # what the shell returns are buckets it holds: the Ack's `shared`
 
 
 WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
@@ -216,6 +238,25 @@ WORKER_CALLS: Mapping[type[Command], WorkerCall] = MappingProxyType(
             NackReason.INVALID_ARGUMENT,
             capability=Capability.SAVE_WEIGHTS,
             weights_awake=True,
+        ),
+        TransferOut: WorkerCall(
+            "transfer_out",
+            "TransferOut runs the model's export: ACTIVE only",
+            NackReason.INVALID_ARGUMENT,
+            Capability.TRANSFER,
+            shares=True,
+        ),
+        TransferIn: WorkerCall(
+            "transfer_in",
+            "TransferIn is taken only where its request can run: ACTIVE",
+            NackReason.INVALID_ARGUMENT,
+            Capability.TRANSFER,
+        ),
+        TransferRelease: WorkerCall(
+            "transfer_release",
+            "TransferRelease is taken in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD",
+            NackReason.INVALID_ARGUMENT,
+            Capability.TRANSFER,
         ),
     }
 )

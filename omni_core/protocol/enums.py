@@ -88,3 +88,4 @@ class Capability(str, enum.Enum):
     # device untouched; the rank stays SLEEPING at the new version and its next wake brings it
     HOST_REFIT = "host_refit"
     SAVE_WEIGHTS = "save_weights"  # answers SaveWeights: its runner writes what its reload reads
+    TRANSFER = "transfer"  # answers TransferOut, TransferIn and TransferRelease (P-22)

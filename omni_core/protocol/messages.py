@@ -23,6 +23,7 @@ from omni_core.protocol.weights import (
     ShmSource,
     WeightSource,
     WeightsVersion,
+    source_bytes,
 )
 
 MAX_TASK_ID_CHARS = 128
@@ -212,6 +213,62 @@ class ShareWeights(Command, kw_only=True, frozen=True):
     or Shutdown. Legal in ACTIVE and PARTIAL with valid weights awake; never changes the state."""
 
     bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKET_BYTES)] = 256 << 20
+
+
+MAX_TRANSFER_BYTES = 1 << 36  # one request's intermediate (hidden states, embeddings, KV): 64 GiB
+MAX_TRANSFER_NAMES = 16  # the tensors one transfer carries, named by the runners' connectors
+DEFAULT_TRANSFER_BYTES = 1 << 30
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+ConnectorName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
+TransferBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_TRANSFER_BYTES)]
+
+
+class TransferOut(Command, kw_only=True, frozen=True):
+    """The producer's half of a stage-to-stage transfer (P-22): run the runner's export of
+    `names` for `payload` (a text stage's prompt embeddings, hidden states) and copy the tensors
+    into buckets of at most `bucket_bytes` (host shared memory, or CUDA IPC on a GPU: the planes
+    of ShareWeights), held for `request_id` until its TransferRelease or Shutdown. The Ack lists
+    them in `shared` and names the weights that computed them in `weights_version`. Refused
+    (INVALID_ARGUMENT, nothing held) when a name is not exported or the tensors exceed
+    `max_bytes`. Legal in ACTIVE; never changes the state."""
+
+    request_id: RequestId
+    names: Annotated[tuple[ConnectorName, ...], msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_NAMES)]
+    payload: Any = None
+    max_bytes: TransferBytes = DEFAULT_TRANSFER_BYTES
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKET_BYTES)] = 256 << 20
+
+
+class TransferIn(Command, kw_only=True, frozen=True):
+    """The consumer's half (P-22): open the producer's buckets `source` (as an update opens
+    them: authenticated, read-only, every name, shape and dtype checked against the runner's
+    imports before anything is kept) and hold a copy for `request_id`, which the consumer's
+    request then names (`{"transfer": request_id}` in its payload). `producer_version` is the
+    producer's weights version its Ack named; `expect_version`, the version the request was
+    declared for (None: any, the result names it): a mismatch is refused (INVALID_ARGUMENT),
+    nothing kept. Legal in ACTIVE; never changes the state."""
+
+    request_id: RequestId
+    producer_version: WeightsVersion
+    source: ShmSource | IpcSource
+    expect_version: WeightsVersion | None = None
+    max_bytes: TransferBytes = DEFAULT_TRANSFER_BYTES
+
+    def __post_init__(self) -> None:
+        carried = source_bytes(self.source)
+        if carried > self.max_bytes:
+            raise ValueError(
+                f"the transfer carries {carried} bytes, over its max_bytes {self.max_bytes}; "
+                "raise max_bytes or export fewer tensors"
+            )
+
+
+class TransferRelease(Command, kw_only=True, frozen=True):
+    """Drop what this rank holds for `request_id` (P-22): a producer's buckets, a consumer's
+    imported copy. Nothing held is ALREADY-free: answered Ack all the same. Legal in every
+    settled state; never changes the state."""
+
+    request_id: RequestId
 
 
 MAX_ADAPTERS = 64  # a rank's adapters at once (an Ack lists them all); max_loras is at most this
@@ -440,7 +497,7 @@ class Ack(Reply, kw_only=True, frozen=True):
         tuple[Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)], ...], msgspec.Meta(max_length=MAX_TRACE_PATHS)
     ] = ()
     weights_version: WeightsVersion = 0
-    shared: ShmSource | IpcSource | None = None  # ShareWeights: the buckets holding this rank's weights
+    shared: ShmSource | IpcSource | None = None  # ShareWeights, TransferOut: the buckets it holds
     runner_counters: RunnerCounters = {}  # the runner's counters now: names its Hello declared
     # ReloadWeights, UpdateWeights: the runner's weight-derived caches dropped before this Ack
     # (ModelRunner.derived_caches), so no later request reuses what older weights computed.
@@ -559,6 +616,9 @@ AnyCommand = Union[  # noqa: UP007
     PinAdapter,
     ListAdapters,
     HoldRequests,
+    TransferOut,
+    TransferIn,
+    TransferRelease,
 ]
 AnyReply = Union[Ack, Nack, Result, Hello]  # noqa: UP007
 AnyMessage = Union[AnyCommand, AnyReply]  # noqa: UP007
@@ -577,6 +637,7 @@ __all__ = [
     "MAX_LOADED_WEIGHTS",
     "MAX_MEMORY_WAIT_S",
     "MAX_VERSION_SPANS",
+    "MAX_TRANSFER_BYTES",
     "MESSAGE_TYPES",
     "REPLY_TYPES",
     "Ack",
@@ -607,6 +668,9 @@ __all__ = [
     "Shutdown",
     "Sleep",
     "Status",
+    "TransferIn",
+    "TransferOut",
+    "TransferRelease",
     "UpdateWeights",
     "VersionSpan",
     "Wake",

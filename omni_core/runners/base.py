@@ -27,6 +27,7 @@ import torch
 from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.plugins import RUNNERS, resolve
 from omni_core.protocol.messages import MAX_DERIVED_CACHES, AddAdapter
+from omni_core.runners.connector import ConnectorSpec, TransferInbox
 
 _CACHE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
@@ -181,6 +182,37 @@ class ModelRunner(ABC):
         stage's side of `Engine.transfer_weights`); the names are `weight_specs`' names. Read
         only, during the ShareWeights; a runner that cannot raises RunnerArgumentError."""
         raise RunnerArgumentError(f"{type(self).__name__} cannot share its weights; implement weights_to_share")
+
+    # ------------------------------------------------------------------ the connector (P-22)
+
+    def transfer_exports(self) -> Mapping[str, ConnectorSpec]:
+        """Name -> dtype and shape of every tensor this runner computes for another stage
+        (a text model's hidden states, prompt embeddings); none by default."""
+        return {}
+
+    def export_tensors(self, payload: Any, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        """The tensors `names` (each of `transfer_exports`) this runner computes for `payload`.
+        A payload it cannot use raises RunnerArgumentError; nothing is held then."""
+        raise RunnerArgumentError(f"{type(self).__name__} exports nothing to other stages; implement export_tensors")
+
+    def transfer_imports(self) -> Mapping[str, ConnectorSpec]:
+        """Name -> dtype and shape of every tensor this runner takes from another stage (a
+        diffusion decoder's prompt embeddings); none by default."""
+        return {}
+
+    @property
+    def inbox(self) -> TransferInbox:
+        """What landed for each request (TransferIn), until `take_imported` or a release."""
+        inbox = self.__dict__.get("_transfer_inbox")
+        if inbox is None:
+            inbox = self.__dict__["_transfer_inbox"] = TransferInbox()
+        return inbox
+
+    def take_imported(self, request_id: Any) -> dict[str, torch.Tensor]:
+        """The tensors that landed for `request_id` (a payload's "transfer"), taken once."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"'transfer' names a request id (a string), got {request_id!r}")
+        return self.inbox.take(request_id)
 
     # Whether `execute` takes step-wise requests (ops "start", "step", "finish", "cancel":
     # vLLM-Omni's `supports_step_mode`); the rank's Hello declares Capability.STEP_MODE.

@@ -90,7 +90,9 @@ from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, MemoryBudget, ModelRunner, OpenPool, RunnerArgumentError
 from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOffload, denoiser_blocks
 from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
+from omni_core.runners.connector import ConnectorSpec
 from omni_core.runners.diffusers_lora import DiffusersAdapters, adapter_problem
+from omni_core.runners.diffusion_connector import conditioning_specs, export_conditioning, imported_conditioning
 from omni_core.runners.diffusion_parallel import (
     SEQUENCE_MODES,
     SequenceParallelDiT,
@@ -143,7 +145,7 @@ STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCach
 REQUEST_KEYS = {
     "dit": frozenset({"class_label", "seed", "steps", "guidance_scale", "trajectory"}),
     "ddpm": frozenset({"seed", "steps", "trajectory"}),
-    "sd": frozenset({"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "trajectory"}),
+    "sd": frozenset({"prompt", "negative_prompt", "transfer", "seed", "steps", "guidance_scale", "trajectory"}),
 }
 DEFAULT_GUIDANCE = {"dit": 4.0, "ddpm": 1.0, "sd": 7.5}  # each pipeline's own default
 DEFAULT_PROMPT_CACHE_BYTES = 16 << 20  # SD 1.5 in fp16: 70 prompts of 236 KB
@@ -792,7 +794,12 @@ class DiffusersRunner(ModelRunner):
         request = DiffusionRequest("", label, seed, steps, float(guidance), scheduler, generator)
         if self.kind == "sd":
             request.prompt = payload.get("prompt")
-            request.embeddings = self._prompt_embeddings(request.prompt, payload.get("negative_prompt"), guidance > 1)
+            if "transfer" in payload:  # P-22: conditioning another stage computed
+                request.embeddings = imported_conditioning(self, payload, guidance > 1)
+            else:
+                request.embeddings = self._prompt_embeddings(
+                    request.prompt, payload.get("negative_prompt"), guidance > 1
+                )
         request.trajectory = self._trajectory(payload.get("trajectory", False), request)
         return request
 
@@ -812,6 +819,15 @@ class DiffusersRunner(ModelRunner):
             )
         guided = self.kind == "dit" and request.guidance_scale > 1
         return Trajectory(guided=guided, method=log_prob_method(request.scheduler), prompt_embeds=embeds)
+
+    def transfer_exports(self) -> dict[str, ConnectorSpec]:
+        return conditioning_specs(self)
+
+    def transfer_imports(self) -> dict[str, ConnectorSpec]:
+        return conditioning_specs(self)
+
+    def export_tensors(self, payload: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return export_conditioning(self, payload, names)
 
     def _prompt_embeddings(self, prompt: Any, negative: Any, guided: bool) -> torch.Tensor:
         """StableDiffusionPipeline.encode_prompt's result, on the host; cached in the

@@ -29,7 +29,7 @@ import hashlib
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import torch
 from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import DerivedCache, ModelRunner, RunnerArgumentError
+from omni_core.runners.connector import ConnectorSpec
 from omni_core.runners.weights import read_saved, write_safetensors
 
 MiB = 1 << 20
@@ -315,6 +316,21 @@ class SyntheticRunner(ModelRunner):
         if not self.weights or self.kv is None or self.calibration is None:
             raise RuntimeError("SyntheticRunner.execute before load_weights/allocate_caches")
 
+    def transfer_exports(self) -> dict[str, ConnectorSpec]:
+        """`hidden`: the forward pass's output rows, which another synthetic stage takes as its input."""
+        return {"hidden": ConnectorSpec(self.dtype, (None, self.hidden))}
+
+    def transfer_imports(self) -> dict[str, ConnectorSpec]:
+        return self.transfer_exports()
+
+    def export_tensors(self, payload: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The output rows of `execute(payload)` (`{"seed", "batch"}`) as the tensor `hidden`."""
+        if not isinstance(payload, dict) or set(payload) - {"seed", "batch"}:
+            raise RunnerArgumentError(f"an export takes {{'seed': int, 'batch': int}}, got {payload!r:.200}")
+        self._check_resident()
+        with torch.no_grad():
+            return {"hidden": self._forward(self._input(int(payload.get("seed", 0)), int(payload.get("batch", 1))))}
+
     def _input(self, seed: int, batch: int) -> torch.Tensor:
         gen = torch.Generator(device="cpu").manual_seed(_seed_for(seed, 7))
         return torch.randn(batch, self.hidden, generator=gen).to(device=self.device, dtype=self.dtype)
@@ -346,7 +362,8 @@ class SyntheticRunner(ModelRunner):
         if not 1 <= batch <= limit:
             raise ValueError(f"batch must be in 1..{limit} (KV rows {self.kv_rows}), got {batch}")
         self._check_resident()
-        x = self._input(seed, batch)
+        # P-22: a pipeline's consumer runs on what its producer stage's export landed here.
+        x = self.take_imported(payload["transfer"])["hidden"] if "transfer" in payload else self._input(seed, batch)
         with torch.no_grad():
             out = self._graph_forward(x) if payload.get("graph") else self._forward(x)
         data = tensor_bytes(out)

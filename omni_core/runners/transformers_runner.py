@@ -43,6 +43,7 @@ import torch
 from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
+from omni_core.runners.connector import ConnectorSpec
 from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_each, parse_generation
 from omni_core.runners.lora import PeftAdapters
 from omni_core.runners.synthetic import torch_dtype
@@ -473,6 +474,32 @@ class TransformersRunner(ModelRunner):
         if packed:
             groups.append(packed)
         return groups
+
+    # ------------------------------------------------------------------ the connector (P-22)
+
+    def transfer_exports(self) -> dict[str, ConnectorSpec]:
+        """A prompt's token embeddings and last hidden states (after the final norm), one row
+        of any length: what a thinker hands a talker, a text encoder a diffusion decoder."""
+        hidden = int(self.config.hidden_size)
+        spec = ConnectorSpec(self.dtype, (1, None, hidden))
+        return {"prompt_embeds": spec, "hidden_states": spec}
+
+    def export_tensors(self, payload: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """`names` for the one prompt of `payload` ({"prompt": str} or {"prompt_ids": [...]}, as
+        `execute` takes it), computed on the weights held now; nothing is generated."""
+        self._check_ready()
+        request = self._parse(payload)
+        if request.batched or len(request.rows) != 1:
+            raise RunnerArgumentError("an export takes one prompt, not a list; send one TransferOut per prompt")
+        ids = torch.tensor([request.rows[0]], dtype=torch.long, device=self.device)
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            if "prompt_embeds" in names:
+                out["prompt_embeds"] = self.model.get_input_embeddings()(ids).detach().clone()
+            if "hidden_states" in names:
+                base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+                out["hidden_states"] = base(input_ids=ids, use_cache=False).last_hidden_state.detach().clone()
+        return out
 
     def _check_ready(self) -> None:
         if self.model is None or self.cache is None:

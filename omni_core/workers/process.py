@@ -60,6 +60,7 @@ from omni_core.fsm.worker import (
     LoadFailed,
     WorkerStep,
 )
+from omni_core.fsm.worker_table import WORKER_CALLS
 from omni_core.isolation import FrameErrors, cause_of
 from omni_core.log_format import LOG_FORMAT_ENV, formatter_for
 from omni_core.protocol import (
@@ -80,6 +81,9 @@ from omni_core.protocol import (
     RemoveAdapter,
     ResetPrefixCache,
     SaveWeights,
+    TransferIn,
+    TransferOut,
+    TransferRelease,
     decode_command,
     encode,
 )
@@ -123,6 +127,7 @@ from omni_core.workers.saved_weights import (
     save_rank,
     saved_version,
 )
+from omni_core.workers.transfers import close_transfers, transfer_in, transfer_out, transfer_release
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
@@ -240,6 +245,8 @@ class WorkerProcess:
                 capabilities = (*capabilities, Capability.HOST_REFIT)
             if self.runner.supports_save_weights:
                 capabilities = (*capabilities, Capability.SAVE_WEIGHTS)
+            if self.runner.transfer_exports() or self.runner.transfer_imports():  # P-22: a connector
+                capabilities = (*capabilities, Capability.TRANSFER)
         self.receiver.device = self.device
         if not error:
             self.counters = CounterStamp(self.runner, f"worker {cfg.stage}/{cfg.rank}")
@@ -717,8 +724,9 @@ class WorkerProcess:
         else:
             path = self.backend.last_sleep_path if isinstance(effect, SleepEffect) and self.backend else ""
             trace_paths = output if isinstance(effect, ProfileEffect) else ()
-            shared = output if isinstance(effect, ShareEffect) else None
-            output = None if isinstance(effect, (ProfileEffect, ShareEffect)) else output
+            shares = isinstance(effect, ShareEffect) or _shares(effect)  # the buckets the Ack lists
+            shared = output if shares else None
+            output = None if isinstance(effect, ProfileEffect) or shares else output
             version = output.version if isinstance(output, Reloaded) else 0
             output = output.caches if isinstance(output, Reloaded) else output
             # Positional, in the fields' order: each value is named as its field.
@@ -895,6 +903,8 @@ class WorkerProcess:
 
     def _release(self) -> None:
         self.receiver.close()
+        if self.runner is not None:
+            close_transfers(self.runner)  # the buckets held for other stages' requests
         if self.sender is not None:
             self.sender.close()
         self.profiler.close()  # a running profile has no one left to ask for it; finish compressing
@@ -957,7 +967,18 @@ COMMAND_HANDLERS: dict[type[Command], Callable[[ModelRunner, Any, WorkerCore], A
     SaveWeights: lambda runner, command, core: save_rank(
         runner, command, SavedRank(core.rank, core.weights_version, runner.weights_origin())
     ),
+    TransferOut: lambda runner, command, core: transfer_out(runner, command),
+    TransferIn: lambda runner, command, core: transfer_in(runner, command),
+    TransferRelease: lambda runner, command, core: transfer_release(runner, command),
 }
+
+
+def _shares(effect: Effect) -> bool:
+    """A generic call whose output is the buckets it holds, which its Ack lists (P-22)."""
+    if not isinstance(effect, CommandEffect):
+        return False
+    row = WORKER_CALLS.get(type(effect.command))
+    return row is not None and row.shares
 
 
 def _rank_secret(secret_hex: str | None) -> bytes | None:

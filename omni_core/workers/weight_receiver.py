@@ -397,6 +397,13 @@ class WeightReceiver:
             return lambda: self._broadcast(source.tensors)
         raise RunnerArgumentError(f"unknown weight source {source!r}")  # pragma: no cover - the wire admits these
 
+    def open_tensors(self, source: ShmSource | IpcSource) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of `source` as (name, view), each handle opened and checked now, before
+        the first view is read (a refusal: RunnerArgumentError, nothing read); the views live
+        in the sender's memory, so copy them, never keep them. A weight update's path
+        (`_opened`), taken by a stage-to-stage transfer's landing (P-22)."""
+        return self._opened(source)()
+
     def _staged(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         """Buckets on a peer GPU brought to this rank's GPU with cudaMemcpyPeerAsync (a plain
         copy_ of IPC-opened memory on another device fails with 'invalid argument' on torch

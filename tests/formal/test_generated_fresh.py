@@ -309,3 +309,17 @@ def test_check_list_json(tla_copy, capsys):
     models = {m["name"]: m for m in json.loads(captured.out)["models"]}
     assert models["happy"]["expect"] == "ok" and models["happy"]["config"] == "models/happy.cfg"
     assert captured.err.startswith("happy ") or "\nhappy " in captured.err
+
+
+def test_the_committed_transfer_table_is_the_cores(monkeypatch, tmp_path):
+    from omni_core.formal import gen_transfers
+    from omni_core.fsm import transfers
+
+    path = gen_transfers.default_path()
+    assert gen_transfers.is_fresh(path), gen_transfers.stale_message(path)
+    assert '<<"PAUSED", "wake", "queue">>' in path.read_text()  # a paused consumer is never woken
+    copy = tmp_path / "TransferTable.tla"
+    gen_transfers.write(copy)
+    rows = tuple(t for t in transfers.TRANSFER_TRANSITIONS if t.trigger != "released")
+    monkeypatch.setattr(gen_transfers, "TRANSFER_TRANSITIONS", rows)
+    assert not gen_transfers.is_fresh(copy) and "gen_transfers" in gen_transfers.stale_message(copy)

@@ -39,13 +39,17 @@ floorVars == <<sneeds, sfloor>>
 (* The LoRA adapter commands (P-20) are stateless tasks too: an ALREADY answer is not modelled. *)
 AdapterCommands == {"AddAdapter", "RemoveAdapter", "PinAdapter", "ListAdapters"}
 (* SaveWeights (P-21) is one too: the stage records where its version lives, which the trace's
-   next restart names (StageRestarted's version); nothing here moves. *)
+   next restart names (StageRestarted's version); nothing here moves. So are the stage-to-stage
+   transfer commands (P-22): a producer's holds are OmniTransfers'. *)
+TransferCommands == {"TransferOut", "TransferIn", "TransferRelease"}
 WeightCommands == {"UpdateWeights", "InitWeightGroup", "ShareWeights", "ResetPrefixCache", "SaveWeights"}
-                  \cup AdapterCommands
+                  \cup AdapterCommands \cup TransferCommands
 Stateless == {"InitWeightGroup", "ShareWeights", "ResetPrefixCache", "SaveWeights"} \cup AdapterCommands
+             \cup TransferCommands
 Trigger == [UpdateWeights |-> "update", InitWeightGroup |-> "weight_group", ShareWeights |-> "share",
             ResetPrefixCache |-> "reset_prefix_cache", SaveWeights |-> "save_weights", AddAdapter |-> "add_adapter",
-            RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters"]
+            RemoveAdapter |-> "remove_adapter", PinAdapter |-> "pin_adapter", ListAdapters |-> "list_adapters",
+            TransferOut |-> "transfer_out", TransferIn |-> "transfer_in", TransferRelease |-> "transfer_release"]
 NoAnswers == [r \in Ranks |-> "none"]
 Range(f) == {f[x] : x \in DOMAIN f}
 (* The trigger a refused update fires, by where it was refused (the stage's; the rank's). *)
