@@ -561,9 +561,9 @@ def _install(name: str) -> None:
             return self._as_if_awake(super()._on_share_weights, command)
 
     class ReloadKeepsVersionCore(core_cls):
-        def _settle(self, pending: Any) -> None:
+        def _settle(self, pending: Any, *settled: Any) -> None:
             held = self.weights_version
-            super()._settle(pending)
+            super()._settle(pending, *settled)
             if isinstance(pending.command, ReloadWeights):
                 self.weights_version = held  # "the weights were replaced": the last version stands
 
