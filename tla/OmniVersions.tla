@@ -25,6 +25,14 @@
 (* only. The caller may restart from the checkpoint instead: version 0,   *)
 (* said out loud (the ghost `peak` resets with it).                       *)
 (*                                                                         *)
+(* A save (SaveWeights, P-21) writes the committed version to a directory *)
+(* where the stage's weights are valid and awake (RUNNING, PAUSED, PARTIAL *)
+(* with the weights awake) and no task is in flight: no rank's state,     *)
+(* weights or version changes, and the committed version is durable from *)
+(* then on (`saved`, the version the durable source holds, is it), so a   *)
+(* restart comes back at it, even one that came from memory. A later      *)
+(* update from memory makes the durable source stale again.               *)
+(*                                                                         *)
 (* A stage asleep at level 1 whose ranks declare host_refit takes an      *)
 (* update into its ranks' host copies (a refit): nothing goes to the      *)
 (* device, the ranks and the stage stay SLEEPING, and the next wake       *)
@@ -64,13 +72,13 @@ CONSTANTS
     MaxRestarts, \* restarts (epochs) explored
     Witness,     \* "none", or the situation a witness model must reach (Witnesses)
     Bug          \* "none" | "commit_early" | "stale_host_copy" | "no_flush" | "silent_revert" | "floor_ignored"
-                 \* | "refit_old_host" | "refit_on_device"
+                 \* | "refit_old_host" | "refit_on_device" | "save_stale"
 
 NONE == -1        \* no weights resident (asleep) / no valid host copy
 Versions == 0..MaxVersion
 Witnesses == {"none", "update_from_partial", "update_from_paused", "drain_before_update",
               "mixed_answers", "restart_after_update", "restart_needs_reload", "restart_reset",
-              "refit_asleep", "refit_lost"}
+              "refit_asleep", "refit_lost", "save_then_restart"}
 ASSUME Witness \in Witnesses
 Max(a, b) == IF a > b THEN a ELSE b
 
@@ -102,6 +110,10 @@ ASSUME TW(TW("SLEEPING", "update_asleep"), WorkerRefused["SLEEPING"]) = "SLEEPIN
 ASSUME TS("WAKING", RefitSettle.stage) = "SLEEPING" /\ TS("WAKING", RefitSettle.stageFailed) = "SLEEPING"
 ASSUME TS(TS("SLEEPING", "wake"), LostWakeSettle.stage) = "NEEDS_RELOAD"
 ASSUME TW(TW("SLEEPING", "wake"), LostWakeSettle.rank) = "NEEDS_RELOAD"
+\* A save never changes a state (P-21), and it goes where the weights are valid and awake.
+ASSUME \A row \in StageRows \cup WorkerRows : row[2] = "save_weights" => row[3] = row[1]
+ASSUME {row[1] : row \in {r \in StageRows : r[2] = "save_weights"}} \subseteq {"RUNNING", "PAUSED", "PARTIAL"}
+ASSUME {row[1] : row \in {r \in WorkerRows : r[2] = "save_weights"}} \subseteq {"ACTIVE", "PARTIAL"}
 
 \* The trigger an update goes to a rank by: into its host copy while it sleeps.
 Upd(s) == IF s = "SLEEPING" THEN "update_asleep" ELSE "update"
@@ -127,14 +139,18 @@ VARIABLES
     partial,     \* kv_cache is asleep while the weights are awake (PARTIAL, or NEEDS_RELOAD from it)
     epoch,       \* restarts so far
     durable,     \* the committed version lives in a directory (or is the checkpoint's)
+    saved,       \* the version the durable source holds: what a restart from it brings back
+    savedMemory, \* a ghost (kept by the witness save_then_restart and the bug save_stale only):
+                 \* the durable source is a save of a version that came from memory
     floor,       \* a restart lost a version that lived in memory only: no update below it
     peak,        \* a ghost: the highest version committed since the caller last reset the version
     reverted,    \* a ghost: a request ran below `peak`
     witnessed    \* a ghost: the situation Witness names happened
 
 vars == <<stage, committed, task, from, target, disk, pending, answer, wstate, version, host, mixed, woke,
-          cache, stale, inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
-versionVars == <<committed, durable, floor, peak, epoch>>
+          cache, stale, inflight, paused, partial, epoch, durable, saved, savedMemory, floor, peak, reverted,
+          witnessed>>
+versionVars == <<committed, durable, saved, savedMemory, floor, peak, epoch>>
 
 Saw(label) == witnessed' = (witnessed \/ label = Witness)
 
@@ -145,7 +161,8 @@ Init ==
     /\ host = [r \in Ranks |-> NONE] /\ mixed = FALSE /\ woke = FALSE
     /\ cache = [r \in Ranks |-> {}] /\ stale = FALSE
     /\ inflight = FALSE /\ paused = FALSE /\ partial = FALSE
-    /\ epoch = 0 /\ durable = TRUE /\ floor = 0 /\ peak = 0 /\ reverted = FALSE /\ witnessed = FALSE
+    /\ epoch = 0 /\ durable = TRUE /\ saved = 0 /\ savedMemory = FALSE
+    /\ floor = 0 /\ peak = 0 /\ reverted = FALSE /\ witnessed = FALSE
 
 \* update_weights(v) from a directory or from memory: in RUNNING a drain first (it waits for the
 \* request in flight), else at once. Refused below the floor a restart set.
@@ -168,7 +185,7 @@ IssueUpdate(v, fromDisk) ==
     /\ task' = TRUE /\ from' = stage /\ target' = v /\ disk' = fromDisk
     /\ answer' = [r \in Ranks |-> "none"] /\ woke' = FALSE
     /\ UNCHANGED <<committed, wstate, version, host, mixed, cache, stale, inflight, paused, partial>>
-    /\ UNCHANGED <<epoch, durable, floor, peak, reverted>>
+    /\ UNCHANGED <<epoch, durable, saved, savedMemory, floor, peak, reverted>>
 
 \* A rank writes every bucket, drops its derived cache and ACKs the version; its clean host
 \* copy is now stale. A sleeping rank writes its host copy instead, its device untouched
@@ -187,7 +204,7 @@ RankApply(r) ==
     /\ cache' = IF Bug = "no_flush" THEN cache ELSE [cache EXCEPT ![r] = {}]
     /\ answer' = [answer EXCEPT ![r] = "ack"] /\ pending' = pending \ {r}
     /\ UNCHANGED <<stage, committed, task, from, target, disk, mixed, woke, stale, inflight, paused, partial>>
-    /\ UNCHANGED <<epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* A name, shape, dtype or handle refused before anything is written.
 RankRefuse(r) ==
@@ -195,7 +212,7 @@ RankRefuse(r) ==
     /\ wstate' = [wstate EXCEPT ![r] = W(W(@, Upd(@)), WorkerRefused[@])]
     /\ answer' = [answer EXCEPT ![r] = "refused"] /\ pending' = pending \ {r}
     /\ UNCHANGED <<stage, committed, task, from, target, disk, version, host, mixed, woke, cache, stale>>
-    /\ UNCHANGED <<inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<inflight, paused, partial, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* The update fails once writing began: NEEDS_RELOAD, reporting the version it had; a sleeping
 \* rank stays asleep, its host copy standing for no version.
@@ -206,7 +223,7 @@ RankFail(r) ==
     /\ host' = [host EXCEPT ![r] = NONE]
     /\ answer' = [answer EXCEPT ![r] = "failed"] /\ pending' = pending \ {r}
     /\ UNCHANGED <<stage, committed, task, from, target, disk, version, mixed, woke, cache, stale>>
-    /\ UNCHANGED <<inflight, paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<inflight, paused, partial, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 Acked == {r \in Ranks : answer[r] = "ack"}
 Range(f) == {f[x] : x \in DOMAIN f}
@@ -240,7 +257,12 @@ Settle ==
        IN /\ rule[1] # "WAKING"
           /\ stage' = rule[1]
           /\ committed' = IF rule[2] THEN target ELSE committed
-          /\ durable' = IF rule[2] THEN disk ELSE durable
+          \* A commit from memory leaves the durable source behind (bug save_stale: not where it
+          \* is a save, which a restart then brings back at the older version).
+          /\ durable' = IF ~rule[2] THEN durable
+                        ELSE disk \/ (Bug = "save_stale" /\ durable /\ savedMemory)
+          /\ saved' = IF rule[2] /\ disk THEN target ELSE saved
+          /\ savedMemory' = (savedMemory /\ ~rule[2])
           /\ floor' = IF rule[2] /\ target >= floor THEN 0 ELSE floor
           /\ peak' = IF rule[2] THEN Max(peak, target) ELSE peak
           /\ Saw(CASE rule[1] = "FAILED" /\ Cardinality(Range(answer)) > 1 -> "mixed_answers"
@@ -263,7 +285,7 @@ Serve ==
     /\ reverted' = (reverted \/ \E r \in Ranks : version[r] < peak)
     /\ inflight' = TRUE
     /\ UNCHANGED <<stage, committed, task, from, target, disk, pending, answer, wstate, version, host, woke>>
-    /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, witnessed>>
+    /\ UNCHANGED <<paused, partial, epoch, durable, saved, savedMemory, floor, peak, witnessed>>
 
 \* The request ends; an update that drained for it goes out now.
 Finish ==
@@ -273,7 +295,7 @@ Finish ==
        THEN stage' = S(stage, "update_drained") /\ pending' = Ranks
        ELSE UNCHANGED <<stage, pending>>
     /\ UNCHANGED <<committed, task, from, target, disk, answer, wstate, version, host, mixed, woke, cache, stale>>
-    /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<paused, partial, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* Level-1 sleep: copy to the host unless the clean copy is still valid. From RUNNING it drains
 \* first; a PAUSED stage has nothing in flight to drain, and its pause holds while it sleeps.
@@ -286,7 +308,7 @@ Sleep ==
     /\ version' = [r \in Ranks |-> NONE]
     /\ woke' = FALSE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, mixed, cache, stale, inflight>>
-    /\ UNCHANGED <<paused, partial, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<paused, partial, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* Wake of every tag: the weights come back from the host copy (which stays valid); from
 \* PARTIAL they are resident already. A stage paused before it slept is PAUSED after it.
@@ -298,7 +320,7 @@ Wake ==
     /\ version' = IF stage = "SLEEPING" THEN host ELSE version
     /\ woke' = TRUE /\ partial' = FALSE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, host, mixed, cache, stale, inflight>>
-    /\ UNCHANGED <<paused, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<paused, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* The wake of ranks whose host copies stand for no version (every rank failed a refit):
 \* mapped but invalid, NEEDS_RELOAD, never served until an update or a reload.
@@ -308,7 +330,7 @@ WakeLost ==
     /\ wstate' = [r \in Ranks |-> W(W(wstate[r], "wake"), LostWakeSettle.rank)]
     /\ woke' = FALSE /\ partial' = FALSE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, version, host, mixed, cache, stale>>
-    /\ UNCHANGED <<inflight, paused, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<inflight, paused, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* Wake of the weights alone: PARTIAL, kv_cache still asleep (of a stage not paused).
 WakeWeights ==
@@ -318,24 +340,25 @@ WakeWeights ==
     /\ version' = host
     /\ partial' = TRUE /\ woke' = FALSE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, host, mixed, cache, stale, inflight>>
-    /\ UNCHANGED <<paused, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<paused, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 Pause ==
     /\ ~task /\ ~inflight /\ Has(StageRows, stage, "pause_drain")
     /\ stage' = S(S(stage, "pause_drain"), "pause_drained") /\ paused' = TRUE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, wstate, version, host, mixed, woke>>
-    /\ UNCHANGED <<cache, stale, inflight, partial, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<cache, stale, inflight, partial, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 Resume ==
     /\ Has(StageRows, stage, "resume")
     /\ stage' = S(stage, "resume") /\ paused' = FALSE
     /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, wstate, version, host, mixed, woke>>
-    /\ UNCHANGED <<cache, stale, inflight, partial, epoch, durable, floor, peak, reverted, witnessed>>
+    /\ UNCHANGED <<cache, stale, inflight, partial, epoch, durable, saved, savedMemory, floor, peak, reverted, witnessed>>
 
 \* Fresh ranks under a new epoch (no task in flight). From the checkpoint when the caller asks
 \* (`reset`: version 0, and it says so); else from the committed version's directory; else
 \* (the version lived in memory only) NEEDS_RELOAD at the checkpoint under a floor. The bug
-\* silent_revert starts every restart from the checkpoint without a word.
+\* silent_revert starts every restart from the checkpoint without a word. Back is at the version
+\* the durable source holds (`saved`, the committed one while `durable`; bug save_stale: not).
 Restart(reset) ==
     /\ ~task /\ ~inflight /\ epoch < MaxRestarts /\ Has(StageRows, stage, "restart")
     /\ LET lost == Max(committed, floor)
@@ -344,13 +367,16 @@ Restart(reset) ==
            needs == ~fromCheckpoint /\ ~back
        IN /\ stage' = S(S(stage, "restart"), IF needs THEN "started_needs_reload" ELSE "started")
           /\ wstate' = [r \in Ranks |-> W("LOADING", IF needs THEN "loaded_needs_reload" ELSE "loaded")]
-          /\ version' = [r \in Ranks |-> IF back THEN committed ELSE 0]
-          /\ committed' = IF back THEN committed ELSE 0
+          /\ version' = [r \in Ranks |-> IF back THEN saved ELSE 0]
+          /\ committed' = IF back THEN saved ELSE 0
           /\ durable' = ~needs
+          /\ saved' = IF back THEN saved ELSE 0
+          /\ savedMemory' = (back /\ savedMemory)
           /\ floor' = IF needs THEN lost ELSE 0
           /\ peak' = IF reset THEN 0 ELSE peak
           /\ Saw(CASE reset -> "restart_reset"
                    [] needs -> "restart_needs_reload"
+                   [] savedMemory -> "save_then_restart"
                    [] committed > 0 -> "restart_after_update"
                    [] OTHER -> "none")
     /\ epoch' = epoch + 1
@@ -358,6 +384,21 @@ Restart(reset) ==
     /\ paused' = FALSE /\ partial' = FALSE /\ woke' = FALSE
     /\ answer' = [r \in Ranks |-> "none"]
     /\ UNCHANGED <<task, from, target, disk, pending, mixed, stale, inflight, reverted>>
+
+\* SaveWeights (P-21): every rank writes the version it holds to a directory, where the stage's
+\* weights are valid and awake (its save_weights rows: RUNNING, PAUSED, PARTIAL, the model's
+\* PARTIAL having the weights awake) and no task is in flight; requests go on. No state, weights
+\* or version changes; once every rank ACKed, that directory holds the committed version, which a
+\* restart brings back from now on. (A save that a rank refuses records nothing: a stutter.)
+Save ==
+    /\ ~task /\ pending = {}
+    /\ Has(StageRows, stage, "save_weights") /\ \A r \in Ranks : Has(WorkerRows, wstate[r], "save_weights")
+    /\ stage' = S(stage, "save_weights")
+    /\ wstate' = [r \in Ranks |-> W(wstate[r], "save_weights")]
+    /\ durable' = TRUE /\ saved' = committed
+    /\ savedMemory' = ((Witness = "save_then_restart" \/ Bug = "save_stale") /\ (savedMemory \/ ~durable))
+    /\ UNCHANGED <<committed, task, from, target, disk, pending, answer, version, host, mixed, woke, cache>>
+    /\ UNCHANGED <<stale, inflight, paused, partial, epoch, floor, peak, reverted, witnessed>>
 
 \* The engine's shutdown (Engine.close) in any state with a stop row, the task and the request
 \* in flight abandoned; every rank takes its Shutdown and the committed version stays. Only a
@@ -368,7 +409,7 @@ Stop ==
     /\ wstate' = [r \in Ranks |-> W(wstate[r], "shutdown")]
     /\ task' = FALSE /\ from' = "RUNNING" /\ target' = 0 /\ disk' = TRUE /\ answer' = [r \in Ranks |-> "none"]
     /\ pending' = {} /\ inflight' = FALSE /\ paused' = FALSE /\ woke' = FALSE
-    /\ UNCHANGED <<committed, version, host, mixed, cache, stale, partial, epoch, durable, floor, peak>>
+    /\ UNCHANGED <<committed, version, host, mixed, cache, stale, partial, epoch, durable, saved, savedMemory, floor, peak>>
     /\ UNCHANGED <<reverted, witnessed>>
 
 \* A rank's process dies (RankDied) where the stage has a fail row: FAILED, its task and the
@@ -380,6 +421,7 @@ Crash ==
     /\ task' = FALSE /\ from' = "RUNNING" /\ target' = 0 /\ disk' = TRUE /\ answer' = [r \in Ranks |-> "none"]
     /\ pending' = {} /\ inflight' = FALSE /\ woke' = FALSE
     /\ UNCHANGED <<committed, wstate, version, host, mixed, cache, stale, paused, partial, epoch, durable>>
+    /\ UNCHANGED <<saved, savedMemory>>
     /\ UNCHANGED <<floor, peak, reverted, witnessed>>
 
 Next ==
@@ -387,7 +429,7 @@ Next ==
     \/ \E r \in Ranks : RankApply(r) \/ RankRefuse(r) \/ RankFail(r)
     \/ Settle \/ Serve \/ Finish \/ Sleep \/ Wake \/ WakeLost \/ WakeWeights \/ Pause \/ Resume
     \/ \E reset \in BOOLEAN : Restart(reset)
-    \/ Stop \/ Crash
+    \/ Save \/ Stop \/ Crash
 
 Spec == Init /\ [][Next]_vars
 
@@ -404,7 +446,8 @@ TypeOK ==
     /\ host \in [Ranks -> Versions \cup {NONE}]
     /\ mixed \in BOOLEAN /\ stale \in BOOLEAN
     /\ cache \in [Ranks -> SUBSET Versions]
-    /\ epoch \in 0..MaxRestarts /\ durable \in BOOLEAN /\ floor \in Versions /\ peak \in Versions
+    /\ epoch \in 0..MaxRestarts /\ durable \in BOOLEAN /\ saved \in Versions /\ savedMemory \in BOOLEAN
+    /\ floor \in Versions /\ peak \in Versions
     /\ reverted \in BOOLEAN /\ witnessed \in BOOLEAN
 
 NoMixedVersions == ~mixed
@@ -414,6 +457,8 @@ CacheFollowsVersion == ~stale
 \* Versions never go backwards across epochs unless the caller reset them: no request runs
 \* below the highest version committed since the last reset, and a floor names that version.
 NoSilentRevert == ~reverted /\ (floor > 0 => floor <= peak)
+\* The durable source holds the committed version: what a restart back brings is it.
+SavedIsCommitted == durable => saved = committed
 \* A sleeping rank holds no weights on its device: a refit writes the host copy, so the old
 \* and the new version are never there at once.
 NothingOnDeviceAsleep == \A r \in Ranks : wstate[r] = "SLEEPING" => version[r] = NONE

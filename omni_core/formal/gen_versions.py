@@ -61,6 +61,7 @@ WORKER_TRIGGERS = (
     "update_refused_sleeping",
     "refitted_asleep",
     "update_failed_asleep",
+    "save_weights",  # SaveWeights (P-21): ACTIVE, or PARTIAL with the weights awake; the state never changes
     "shutdown",
 )
 STAGE_TRIGGERS = (
@@ -94,6 +95,7 @@ STAGE_TRIGGERS = (
     "update_refused_sleeping",
     "update_slept",
     "update_failed_asleep",
+    "save_weights",  # SaveWeights (P-21): RUNNING, PAUSED, PARTIAL; the state never changes
     "stop",
 )
 
