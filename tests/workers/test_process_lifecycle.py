@@ -100,8 +100,10 @@ def test_hello_describes_the_worker(worker):
         Capability.LEVEL2,
         Capability.PARTIAL_WAKE,
         Capability.PROFILE,
+        Capability.HOST_REFIT,  # the synthetic runner writes into the portable backend's host copy
         Capability.SAVE_WEIGHTS,
         Capability.SWAP,
+        Capability.TRANSFER,  # the synthetic runner exports and lands 'hidden' (P-22)
         Capability.WEIGHT_UPDATE,
     }
     assert hello.weights_version == 0
