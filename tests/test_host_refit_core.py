@@ -4,6 +4,8 @@ SLEEPING at the new version, and the next wake brings it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import stage_inputs
 
@@ -126,8 +128,8 @@ def test_the_stage_refuses_a_refit_after_a_level_2_sleep() -> None:
         stage_inputs.update_weights(h.stage, "u1", 1, DISK, h.now, 5.0)
 
 
-def test_every_rank_refusing_returns_the_stage_to_sleeping() -> None:
-    h = _sleeping_stage(capabilities=REFIT)
+def _every_rank_nacks_the_update(h: Any, reason: NackReason, detail: str) -> Any:
+    """An update to version 1 sent to a sleeping stage, each rank answering Nack `reason`."""
     step = stage_inputs.update_weights(h.stage, "u1", 1, DISK, h.now, 5.0)
     replies = [
         Nack(
@@ -135,32 +137,24 @@ def test_every_rank_refusing_returns_the_stage_to_sleeping() -> None:
             epoch=h.stage.epoch,
             command="UpdateWeights",
             rank=out.rank,
-            reason=NackReason.INVALID_ARGUMENT,
+            reason=reason,
             state=W.SLEEPING,
-            detail="tensor 'x' is not a weight",
+            detail=detail,
         )
         for out in step.sends
     ]
-    outcome = h.feed(replies).outcome
+    return h.feed(replies).outcome
+
+
+def test_every_rank_refusing_returns_the_stage_to_sleeping() -> None:
+    h = _sleeping_stage(capabilities=REFIT)
+    outcome = _every_rank_nacks_the_update(h, NackReason.INVALID_ARGUMENT, "tensor 'x' is not a weight")
     assert outcome is not None and not outcome.ok and h.stage.state is S.SLEEPING
     assert h.stage.weights_version == 0
 
 
 def test_every_rank_failing_leaves_the_stage_asleep_with_invalid_weights() -> None:
     h = _sleeping_stage(capabilities=REFIT)
-    step = stage_inputs.update_weights(h.stage, "u1", 1, DISK, h.now, 5.0)
-    replies = [
-        Nack(
-            task_id="u1",
-            epoch=h.stage.epoch,
-            command="UpdateWeights",
-            rank=out.rank,
-            reason=NackReason.UPDATE_FAILED,
-            state=W.SLEEPING,
-            detail="the sender vanished",
-        )
-        for out in step.sends
-    ]
-    outcome = h.feed(replies).outcome
+    outcome = _every_rank_nacks_the_update(h, NackReason.UPDATE_FAILED, "the sender vanished")
     assert outcome is not None and not outcome.ok and "wake it (NEEDS_RELOAD)" in outcome.error
     assert h.stage.state is S.SLEEPING and h.stage.weights_version == 0 and not h.stage.residency.weights_valid
