@@ -16,7 +16,7 @@ from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.stage import StageBusyError, StageCommandError, StageRequest
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.worker import InvariantViolation
-from omni_core.protocol import AckStatus, DiskSource, Nack, NackReason, StageState, WorkerState
+from omni_core.protocol import AckStatus, DiskSource, HoldRequests, Nack, NackReason, StageState, WorkerState
 
 S = StageState
 P = AdmissionPolicy
@@ -63,11 +63,10 @@ def test_no_request_starts_while_paused_and_resume_serves_the_queue() -> None:
     assert answers(d.run(resumed)) == {"r1": (None, 7)}
 
 
-@pytest.mark.parametrize("mode", ["wait", "keep"])
-def test_wait_and_keep_let_in_flight_requests_finish_before_paused(mode: str) -> None:
+def test_wait_lets_in_flight_requests_finish_before_paused() -> None:
     d = Driver()
     request = d.step(I.Submit("r1", 5, 30.0))
-    step = d.step(I.PauseCall("p", mode, 30.0))
+    step = d.step(I.PauseCall("p", "wait", 30.0))
     assert d.core.state is S.DRAINING and step.outcome is None and not step.sends and not step.requests
     late = d.step(I.Submit("r2", 6, 30.0))
     assert not late.sends and len(d.core.queue) == 1  # admission is closed while it drains
@@ -75,6 +74,25 @@ def test_wait_and_keep_let_in_flight_requests_finish_before_paused(mode: str) ->
     assert answers(done) == {"r1": (None, 5)}
     assert d.core.state is S.PAUSED and done.outcome is not None and done.outcome.ok
     assert not done.sends  # the queued r2 stays held: nothing starts while PAUSED
+
+
+def test_keep_holds_in_flight_requests_on_every_rank_and_resume_releases_them() -> None:
+    d = Driver()
+    request = d.step(I.Submit("r1", 5, 30.0))
+    step = d.step(I.PauseCall("p", "keep", 30.0))
+    holds = [(o.rank, o.command.hold) for o in step.sends if isinstance(o.command, HoldRequests)]
+    assert d.core.state is S.DRAINING and step.outcome is None and holds == [(0, True), (1, True)]
+    assert not d.step(I.Submit("r2", 6, 30.0)).sends  # admission is closed while the ranks hold
+    paused = d.run(step)
+    assert d.core.state is S.PAUSED and paused.outcome is not None and paused.outcome.command == "Pause"
+    assert d.core.in_flight_requests == 1 and not paused.requests  # r1 is held, not answered
+    resumed = d.step(I.ResumeCall("u", 30.0))
+    releases = [(o.rank, o.command.hold) for o in resumed.sends if isinstance(o.command, HoldRequests)]
+    assert d.core.state is S.RUNNING and releases == [(0, False), (1, False)]
+    released = d.run(resumed)  # the release, then the queued r2 behind it
+    assert released.outcome is not None and released.outcome.ok and released.outcome.command == "Resume"
+    assert answers(released) == {"r2": (None, 6)}
+    assert answers(d.run(request)) == {"r1": (None, 5)}
 
 
 def test_abort_answers_callers_at_once_but_pauses_only_when_the_ranks_answered() -> None:

@@ -51,7 +51,9 @@ MAX_WIRE_INT = 2**63 - 1  # msgpack carries up to 2**64-1; every peer's int64 ho
 # A Hello's pool bytes per tag: one entry per tag it declares, each a byte count an int64 holds.
 PoolBytes = Annotated[dict[Tag, Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]], msgspec.Meta(max_length=MAX_TAGS)]
 MAX_RUNNER_COUNTERS = 16
-CounterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
+# A counter's or a connector's name: a Python identifier in lower case.
+IDENTIFIER_PATTERN = r"^[a-z][a-z0-9_]*$"
+CounterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=IDENTIFIER_PATTERN)]
 # A runner's own counters (a cache's hits, misses): a closed set of names per runner, declared
 # by the rank's Hello; integers 0..2**63-1.
 MAX_DERIVED_CACHES = 8  # Ack.caches_dropped: a runner's weight-derived caches (ModelRunner.derived_caches)
@@ -219,7 +221,7 @@ MAX_TRANSFER_BYTES = 1 << 36  # one request's intermediate (hidden states, embed
 MAX_TRANSFER_NAMES = 16  # the tensors one transfer carries, named by the runners' connectors
 DEFAULT_TRANSFER_BYTES = 1 << 30
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=r"^[A-Za-z0-9_.:/-]+$")]
-ConnectorName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
+ConnectorName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=IDENTIFIER_PATTERN)]
 TransferBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_TRANSFER_BYTES)]
 
 

@@ -232,6 +232,11 @@ class SyntheticRunner(ModelRunner):
 
     def reload_weights(self, source: str | None) -> None:
         if source is not None and os.path.isabs(source):  # a directory save_weights wrote
+            if not os.path.isdir(source):
+                raise RunnerArgumentError(
+                    f"SyntheticRunner reloads from 'seed:<int>' or a directory it saved; {source[:200]!r} is "
+                    "not a directory: give the directory a save_weights wrote, or a seed"
+                )
             self.update_weights(read_saved(Path(source), self.weight_specs()))
             return
         seed = self.seed if source is None else _parse_seed(source)

@@ -165,9 +165,12 @@ def _sync_dir(directory: Path) -> None:
 
 
 def read_index(directory: str) -> dict[str, object] | None:
-    """The index of a saved directory, None where `directory` holds none (a plain checkpoint)."""
+    """The index of a saved directory, None where `directory` holds none (a plain checkpoint,
+    or a source that is no absolute path: a seed, a hub name, which never names the cwd)."""
     path = Path(directory) / INDEX_FILE
-    if not path.is_file():
+    # os.path.isfile, not Path.is_file: a name too long for the file system is no save either
+    # (Path.is_file raises ENAMETOOLONG, which ended a rank on a fuzzed 5000-digit seed).
+    if not os.path.isabs(directory) or not os.path.isfile(path):
         return None
     if path.stat().st_size > MAX_INDEX_BYTES:
         raise RunnerArgumentError(f"{str(path)!r} is larger than {MAX_INDEX_BYTES} bytes: not a save's index")

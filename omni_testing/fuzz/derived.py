@@ -14,7 +14,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from omni_core.protocol import Message
-from omni_core.protocol.messages import ADAPTER_NAME_PATTERN, ENVELOPE_FIELDS, MODULE_NAME_PATTERN
+from omni_core.protocol.messages import ADAPTER_NAME_PATTERN, ENVELOPE_FIELDS, IDENTIFIER_PATTERN, MODULE_NAME_PATTERN
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 # Patterns every string of _ALPHABET matches: a tag's, an adapter's and a module's names (P-20).
@@ -78,6 +78,11 @@ def _value(t: Any, rng: random.Random) -> Any:
             low = max(1, t.min_length or 0)
             high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
             return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high)))
+        case mi.StrType() if t.pattern == IDENTIFIER_PATTERN:  # a letter first
+            low = max(1, t.min_length or 0)
+            high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
+            rest = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high) - 1))
+            return rng.choice(_ALPHABET[:26]) + rest
         case mi.BytesType():
             low = t.min_length or 0
             high = max(low, min(t.max_length if t.max_length is not None else 16, 128))

@@ -44,6 +44,7 @@ from omni_core.protocol import (
     Sleep,
     Status,
     TensorSpec,
+    TransferIn,
     UpdateWeights,
     Wake,
     WorkerState,
@@ -79,6 +80,24 @@ _SIDE_TYPES: tuple[type[Message], ...] = _WEIGHT_TYPES + tuple(
     t for t in MESSAGE_TYPES if t not in _DRAWN_TYPES + _WEIGHT_TYPES
 )
 WEIGHT_COMMAND_SHARE = 0.05
+# Types derived_message cannot draw: a bucket's tensors, offsets and size constrain each
+# other, and a TransferIn carries nothing but buckets. Each has a generator below.
+HAND_WRITTEN_ONLY: tuple[type[Message], ...] = (TransferIn,)
+
+
+def _hostile_bucket(rng: random.Random) -> Bucket:
+    """A well-formed bucket no sender keeps alive, under handles a rank must refuse."""
+    spec = TensorSpec(
+        name=rng.choice(("w0", "model.w", "x" * 256)),
+        dtype=rng.choice(("float32", "bfloat16")),
+        shape=(rng.randrange(5), rng.randrange(5)),
+    )
+    return Bucket(
+        handle=rng.choice(("/dev/shm/omni-fuzz-gone", "../../etc/passwd", "x")),
+        nbytes=spec.nbytes + rng.randrange(64),
+        sender_pid=rng.randrange(1, 1 << 22),
+        tensors=(spec,),
+    )
 
 
 @dataclass
@@ -176,21 +195,24 @@ class FrameGenerator:
 
     def _weight_message(self, task_id: str, epoch: int, kind: type[Message], rng: random.Random) -> Message:
         if kind is UpdateWeights:  # handles no sender keeps alive: a rank must refuse them, not hang
-            spec = TensorSpec(
-                name=rng.choice(("w0", "model.w", "x" * 256)),
-                dtype=rng.choice(("float32", "bfloat16")),
-                shape=(rng.randrange(5), rng.randrange(5)),
-            )
-            bucket = Bucket(
-                handle=rng.choice(("/dev/shm/omni-fuzz-gone", "../../etc/passwd", "x")),
-                nbytes=spec.nbytes + rng.randrange(64),
-                sender_pid=rng.randrange(1, 1 << 22),
-                tensors=(spec,),
-            )
+            bucket = _hostile_bucket(rng)
             source = rng.choice(
-                (DiskSource(path="/nonexistent/ckpt"), ShmSource(buckets=(bucket,)), CollectiveSource(tensors=(spec,)))
+                (
+                    DiskSource(path="/nonexistent/ckpt"),
+                    ShmSource(buckets=(bucket,)),
+                    CollectiveSource(tensors=bucket.tensors),
+                )
             )
             return UpdateWeights(task_id=task_id, epoch=epoch, version=rng.randrange(1, 1 << 20), source=source)
+        if kind is TransferIn:  # the same handles, for a transfer a consumer must refuse
+            return TransferIn(
+                task_id=task_id,
+                epoch=epoch,
+                request_id=rng.choice(("r1", "req-7", "a" * 64)),
+                producer_version=rng.randrange(1 << 20),
+                source=ShmSource(buckets=(_hostile_bucket(rng),)),
+                expect_version=rng.choice((None, 0, rng.randrange(1 << 20))),
+            )
         if kind is ShareWeights:
             return ShareWeights(task_id=task_id, epoch=epoch, bucket_bytes=rng.choice((1, 4096, 256 << 20)))
         if kind is InitWeightGroup:
