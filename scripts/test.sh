@@ -29,10 +29,11 @@ command -v node >/dev/null || { apt-get install -y -qq nodejs >/dev/null 2>&1 \
   || echo "nodejs could not be installed: the JavaScript worker's conformance tests skip"
 ruff check omni_core omni_testing benchmarks tests scripts
 ruff format --check omni_core omni_testing benchmarks tests scripts
-# Types, 0 errors: all of omni_core (pyproject's [tool.mypy]); the wire and the sans-IO cores
-# under --strict too.
+# Types, 0 errors: all of omni_core (pyproject's [tool.mypy]); the wire, the sans-IO cores and
+# the engine (its API, the orchestrator and what each caller's future holds) under --strict too.
 mypy omni_core
 mypy --strict omni_core/protocol omni_core/fsm
+mypy --strict omni_core/engine
 started=$(date +%s)
 omni-core check
 # The synthetic scenario, traced, and its trace checked against the spec (which models its

@@ -26,7 +26,8 @@ from omni_core.engine.report import (
     RestartReport,
     SwapReport,
 )
-from omni_core.engine.spec import AdmissionPolicy, RayPlacement, StageSpec
+from omni_core.engine.spec import RayPlacement, StageSpec
+from omni_core.fsm.admission import AdmissionPolicy
 
 __all__ = [
     "AdmissionPolicy",

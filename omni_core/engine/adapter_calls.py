@@ -9,8 +9,7 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -88,8 +87,9 @@ _FLOORS_LOCK = threading.Lock()
 class AdapterCalls:
     """Mixed into Engine: the four adapter commands."""
 
-    _task: Any
-    _lifecycle: Any
+    # Engine's, typed as these calls use them.
+    _task: Callable[[str, str, str | None, float | None], tuple[str, float]]
+    _lifecycle: Callable[[str, CommandCall], LifecycleReport]
 
     def refit_floor(self, stage: str, name: str) -> int:
         """The highest version this engine sent for a refit of adapter `name` on `stage` (0:
@@ -223,9 +223,13 @@ class AdapterCalls:
         return self._adapter_call(stage, "list_adapters", ListAdapters(task_id="-", epoch=0), task_id, timeout_s)
 
     def _adapter_call(
-        self, stage: str, kind: str, command: Any, task_id: str | None, timeout_s: float | None
+        self,
+        stage: str,
+        kind: str,
+        command: AddAdapter | RemoveAdapter | PinAdapter | ListAdapters,
+        task_id: str | None,
+        timeout_s: float | None,
     ) -> LifecycleReport:
         tid, deadline_s = self._task(stage, kind, task_id, timeout_s)
         stamped = msgspec.structs.replace(command, task_id=tid)
-        result: LifecycleReport = self._lifecycle(stage, CommandCall(stamped, deadline_s))
-        return result
+        return self._lifecycle(stage, CommandCall(stamped, deadline_s))

@@ -16,20 +16,21 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import msgspec
 
 from omni_core.engine.adapter_calls import AdapterCalls
-from omni_core.engine.calls import LifecycleCall, ShutdownCall, StatusQuery, SwapRequest
+from omni_core.engine.calls import LifecycleCall, ReportCall, ShutdownCall, StatusQuery, SwapRequest
 from omni_core.engine.errors import EngineClosedError, InvalidArgumentError, OmniCoreError, SwapFailedError
 from omni_core.engine.launch import LocalLauncher, RankLauncher
 from omni_core.engine.orchestrator import Orchestrator
 from omni_core.engine.pipeline import PipelineResult, PipelineStage, run_pipeline
 from omni_core.engine.rendezvous import DEFAULT_WEIGHT_GROUP_HOSTS, RendezvousPolicy
 from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, RestartReport, SwapReport
-from omni_core.engine.spec import AdmissionPolicy, StageSpec
+from omni_core.engine.spec import StageSpec
 from omni_core.engine.start_plan import check_start_plan
+from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.inputs import (
     CommandCall,
     PauseCall,
@@ -56,6 +57,8 @@ WAIT_GRACE_S = 10.0  # beyond the orchestrator's own deadline, before a caller g
 # is theirs to map and copy, and for a refusal to arrive before the deadline.
 SWAP_MEMORY_WAIT_SHARE = 0.5
 SHUTDOWN_TIMEOUT_S = 15.0
+
+T = TypeVar("T")
 
 
 def _tags(tags: Iterable[str] | str | None) -> tuple[str, ...] | None:
@@ -143,7 +146,7 @@ class Engine(AdapterCalls):
         timeout_s: float | None = None,
         with_version: bool = False,
         adapter: str | None = None,
-    ) -> Future:
+    ) -> Future[Any]:
         """Send a request without waiting; the future holds rank 0's output (an `ExecuteResult`
         naming the weights version too, and the adapter's, `with_version`) or the error (this
         call raises none). `adapter`: the LoRA adapter to run it with (P-20), refused naming
@@ -152,7 +155,7 @@ class Engine(AdapterCalls):
             spec = self._spec(stage)
             budget_s = spec.request_timeout_s if timeout_s is None else float(timeout_s)
         except (InvalidArgumentError, TypeError, ValueError) as exc:
-            refused: Future = Future()
+            refused: Future[Any] = Future()
             refused.set_exception(exc)
             return refused
         answered = self._orch.submit(stage, Submit(self._orch.new_request_id(stage), payload, budget_s, adapter))
@@ -276,15 +279,15 @@ class Engine(AdapterCalls):
         swap_id = task_id or self._orch.new_task_id("swap", f"{out_stage}-{in_stage}")
         sleep = SleepCall(f"{swap_id}/out", level, _tags(tags), deadline_s)
         wake = WakeCall(f"{swap_id}/in", None, deadline_s, float(wait_s))
-        out_future: Future = Future()
-        in_future: Future = Future()
+        out_future: Future[LifecycleReport] = Future()
+        in_future: Future[LifecycleReport] = Future()
         started = time.perf_counter()
         issued = self._orch.submit(None, SwapRequest(out_stage, sleep, out_future, in_stage, wake, in_future))
         budget_s = deadline_s + max(out_spec.request_timeout_s, in_spec.request_timeout_s)
         # Raises when the sleep was refused, or the swap waited for its incoming stage's device
         # past its deadline (one incoming wake per device at a time): then nothing was sent.
         self._wait(issued, deadline_s)
-        halves: dict[str, Any] = {}
+        halves: dict[str, LifecycleReport | OmniCoreError] = {}
         for name, future in (("outgoing", out_future), ("incoming", in_future)):
             try:
                 halves[name] = self._wait(future, budget_s)
@@ -436,7 +439,7 @@ class Engine(AdapterCalls):
         if wait_s is not None and not (isinstance(wait_s, (int, float)) and wait_s >= 0):
             raise InvalidArgumentError(f"wait_s must be a number of seconds >= 0 or None, got {wait_s!r}")
         tid, deadline_s = self._task(stage, "profile", task_id, timeout_s)
-        report: ProfileReport = self._lifecycle(stage, ProfileCall(tid, start, prefix, deadline_s))
+        report = self._lifecycle(stage, ProfileCall(tid, start, prefix, deadline_s))
         if wait_s is not None:
             missing = report.wait_for_files(wait_s)
             if missing:
@@ -520,8 +523,7 @@ class Engine(AdapterCalls):
             raise InvalidArgumentError(f"from_checkpoint must be True or False, got {from_checkpoint!r}")
         spec = self._spec(stage)
         call = Restart(spec.start_deadline_s, from_checkpoint=from_checkpoint)
-        report: RestartReport = self._wait(self._orch.submit(stage, call), spec.start_deadline_s)
-        return report
+        return self._wait(self._orch.submit(stage, call), spec.start_deadline_s)
 
     def set_admission(self, stage: str, policy: AdmissionPolicy | str) -> None:
         """Change what requests do while the stage is not RUNNING (queue, reject, wake)."""
@@ -560,9 +562,16 @@ class Engine(AdapterCalls):
         deadline_s = self._deadline_s(spec.deadline_s, timeout_s)
         return task_id or self._orch.new_task_id(kind, stage), deadline_s
 
-    def _lifecycle(self, stage: str, event: LifecycleCall) -> Any:
+    @overload
+    def _lifecycle(self, stage: str, event: ReportCall) -> LifecycleReport: ...
+    @overload
+    def _lifecycle(self, stage: str, event: ProfileCall) -> ProfileReport: ...
+    def _lifecycle(self, stage: str, event: LifecycleCall) -> LifecycleReport | ProfileReport:
         """Queue the typed input for the stage's core and wait for its outcome."""
-        return self._wait(self._orch.submit(stage, event), event.deadline_s + self._specs[stage].request_timeout_s)
+        budget_s = event.deadline_s + self._specs[stage].request_timeout_s
+        if isinstance(event, ProfileCall):  # its own answer type (Orchestrator.submit's overloads)
+            return self._wait(self._orch.submit(stage, event), budget_s)
+        return self._wait(self._orch.submit(stage, event), budget_s)
 
     @staticmethod
     def _deadline_s(default_s: float, timeout_s: float | None) -> float:
@@ -570,7 +579,7 @@ class Engine(AdapterCalls):
             raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         return default_s if timeout_s is None else float(timeout_s)
 
-    def _wait(self, future: Future, budget_s: float) -> Any:
+    def _wait(self, future: Future[T], budget_s: float) -> T:
         try:
             return future.result(budget_s + WAIT_GRACE_S)
         except FutureTimeout:
@@ -711,11 +720,11 @@ class AsyncEngine:
             await asyncio.to_thread(self._engine.shutdown)
 
 
-def _output_of(answered: Future) -> Future:
+def _output_of(answered: Future[ExecuteResult]) -> Future[Any]:
     """A future of the request's output alone, from one of its `ExecuteResult`."""
-    output: Future = Future()
+    output: Future[Any] = Future()
 
-    def done(settled: Future) -> None:
+    def done(settled: Future[ExecuteResult]) -> None:
         if output.done():
             return  # the caller cancelled its future: nobody waits for the output
         error = settled.exception()

@@ -9,18 +9,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from omni_core.engine.errors import InvalidPayloadError, PayloadTooLargeError
+from omni_core.engine.report import LifecycleReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import inputs as I
 from omni_core.fsm.adapters import adapter_name_problem
 from omni_core.protocol import Execute, encode, payload_problem
 from omni_core.protocol.codec import wire_int_problem
 
-# A lifecycle task of one stage: the caller waits for its outcome under its task_id.
-LifecycleCall = (
+# A lifecycle task of one stage whose caller is answered with a `LifecycleReport`.
+ReportCall = (
     I.SleepCall
     | I.WakeCall
     | I.ReloadCall
-    | I.ProfileCall
     | I.UpdateCall
     | I.WeightGroupCall
     | I.ShareCall
@@ -28,6 +28,9 @@ LifecycleCall = (
     | I.PauseCall
     | I.ResumeCall
 )
+# A lifecycle task of one stage: the caller waits for its outcome under its task_id (a
+# ProfileCall's is a `ProfileReport`).
+LifecycleCall = ReportCall | I.ProfileCall
 # The inputs an Engine call hands one stage's core.
 StageCall = I.Start | I.Restart | I.Submit | I.SetAdmission | LifecycleCall
 
@@ -51,10 +54,10 @@ class SwapRequest:
 
     out_name: str
     sleep: I.SleepCall
-    out_future: Future
+    out_future: Future[LifecycleReport]
     in_name: str
     wake: I.WakeCall
-    in_future: Future
+    in_future: Future[LifecycleReport]
 
 
 EngineCall = StatusQuery | ShutdownCall | SwapRequest

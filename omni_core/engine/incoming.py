@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from omni_core.engine.errors import TaskAbandonedError
 from omni_core.engine.link_plan import rank_view
+from omni_core.engine.report import LifecycleReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import inputs as I
 
@@ -71,13 +72,13 @@ def incoming_bytes(
 class SwapCall:
     """A swap as Engine.swap asked for it; `future` settles once both halves are sent."""
 
-    future: Future
+    future: Future[None]
     out_name: str
     sleep: I.SleepCall
-    out_future: Future
+    out_future: Future[LifecycleReport]
     in_name: str
     wake: I.WakeCall
-    in_future: Future
+    in_future: Future[LifecycleReport]
 
     def shortened(self, remaining_s: float) -> SwapCall:
         """The swap issued after waiting: the caller's deadline still holds, so both halves get

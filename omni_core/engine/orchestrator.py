@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, overload
 
 import zmq
 
@@ -30,6 +30,7 @@ from omni_core.engine.binding import choose_binding
 from omni_core.engine.calls import (
     EngineCall,
     LifecycleCall,
+    ReportCall,
     ShutdownCall,
     StageCall,
     StatusQuery,
@@ -47,7 +48,7 @@ from omni_core.engine.link_plan import LinkLedger
 from omni_core.engine.loop_io import LoopIO
 from omni_core.engine.native_heap import NativeHeap
 from omni_core.engine.outcomes import request_error, start_error, start_report, task_answer
-from omni_core.engine.report import ExecuteResult
+from omni_core.engine.report import ExecuteResult, LifecycleReport, ProfileReport, RestartReport
 from omni_core.engine.spec import StageSpec
 from omni_core.engine.stage_slot import StageSlot, settle
 from omni_core.engine.swaps import Swaps
@@ -111,10 +112,11 @@ class Orchestrator:
         self.address = self._io.address
         self._by_identity: dict[bytes, tuple[StageSlot, int]] = {}
         self._sentinels: dict[int, tuple[StageSlot, RankHandle]] = {}
-        self._calls: queue.SimpleQueue[tuple[str | None, StageCall | EngineCall, Future]] = queue.SimpleQueue()
+        # Each call with its caller's future, of the answer type `submit` names for that call.
+        self._calls: queue.SimpleQueue[tuple[str | None, StageCall | EngineCall, Future[Any]]] = queue.SimpleQueue()
         self._next_tick_at = 0.0
         self._request_ids = itertools.count(1)
-        self._closing: Future | None = None
+        self._closing: Future[None] | None = None
         self._closing_deadline_at = 0.0
         self._closed = threading.Event()
         self._links = LinkLedger()
@@ -140,10 +142,23 @@ class Orchestrator:
 
     # ================================================================ calls from API threads
 
-    def submit(self, stage: str | None, call: StageCall | EngineCall) -> Future:
+    # What each call's future holds once the loop answered it (`_dispatch` and the settles).
+    @overload
+    def submit(self, stage: str | None, call: I.Submit) -> Future[ExecuteResult]: ...
+    @overload
+    def submit(self, stage: str | None, call: I.Start | I.Restart) -> Future[RestartReport]: ...
+    @overload
+    def submit(self, stage: str | None, call: ReportCall) -> Future[LifecycleReport]: ...
+    @overload
+    def submit(self, stage: str | None, call: I.ProfileCall) -> Future[ProfileReport]: ...
+    @overload
+    def submit(self, stage: str | None, call: StatusQuery) -> Future[dict[str, Any]]: ...
+    @overload
+    def submit(self, stage: str | None, call: I.SetAdmission | ShutdownCall | SwapRequest) -> Future[None]: ...
+    def submit(self, stage: str | None, call: StageCall | EngineCall) -> Future[Any]:
         """Queue `call` (for `stage`, when it is one stage's input) for the loop thread; the
         future holds its answer, or the error that refused it."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         if self.died_of is not None:
             future.set_exception(
                 EngineClosedError(
@@ -196,7 +211,7 @@ class Orchestrator:
             except BaseException as exc:  # the loop must survive a bad call
                 settle(future, error=exc)
 
-    def _dispatch(self, name: str | None, call: StageCall | EngineCall, future: Future) -> None:
+    def _dispatch(self, name: str | None, call: StageCall | EngineCall, future: Future[Any]) -> None:
         match call:
             case StatusQuery():
                 future.set_result(self._status())
@@ -221,14 +236,14 @@ class Orchestrator:
             case _:  # pragma: no cover - the Engine queues only the calls above
                 raise TypeError(f"the orchestrator has no handler for {call!r}")
 
-    def _execute(self, future: Future, stage: StageSlot, submit: I.Submit) -> None:
+    def _execute(self, future: Future[ExecuteResult], stage: StageSlot, submit: I.Submit) -> None:
         # Refused here, whole: a rank cannot name the task of a frame it refuses unread, so an
         # oversized request sent on would only end at its deadline.
         check_request(stage.spec, submit, stage.core.epoch)
         stage.requests[submit.request_id] = future
         self._step(stage, submit)
 
-    def _lifecycle(self, future: Future, name: str | None, event: LifecycleCall) -> None:
+    def _lifecycle(self, future: Future[Any], name: str | None, event: LifecycleCall) -> None:
         stage = self.stage(name)
         stage.waiters.setdefault(event.task_id, []).append(future)
         try:
@@ -239,7 +254,7 @@ class Orchestrator:
                 del stage.waiters[event.task_id]
             raise
 
-    def _swap(self, future: Future, request: SwapRequest) -> None:
+    def _swap(self, future: Future[None], request: SwapRequest) -> None:
         self.stage(request.out_name)
         in_spec = self.stage(request.in_name).spec
         waits = request.wake.memory_wait_s > 0  # a wake that waits holds its devices until it ends
@@ -251,7 +266,7 @@ class Orchestrator:
         per_rank = incoming_bytes(out.spec, into.spec, into.asleep_bytes(), self._engine_visible)
         return {r: n for r, n in per_rank.items() if out.declares(r, Capability.SWAP)}
 
-    def _restart(self, future: Future, stage: StageSlot, restart: I.Restart) -> None:
+    def _restart(self, future: Future[RestartReport], stage: StageSlot, restart: I.Restart) -> None:
         name = stage.spec.name
         if stage.core.task_id is not None:
             raise InvalidArgumentError(
@@ -282,7 +297,7 @@ class Orchestrator:
         )
         return out
 
-    def _shutdown(self, future: Future, timeout_s: float) -> None:
+    def _shutdown(self, future: Future[None], timeout_s: float) -> None:
         if self._closing is not None:
             self._closing.add_done_callback(lambda f: settle(future, result=None))
             return

@@ -202,4 +202,5 @@ def reap(procs: Sequence[RankHandle]) -> None:
 def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]  # an AF_INET address: (host, port)
+        return port

@@ -117,14 +117,14 @@ class RayRank:
         self._done = self._run.future()
         self._done.add_done_callback(self._on_end)
 
-    def _on_info(self, future: concurrent.futures.Future) -> None:
+    def _on_info(self, future: concurrent.futures.Future[dict[str, Any]]) -> None:
         if future.cancelled() or future.exception() is not None:
             return  # the actor died first; the run's future says why
         info = future.result()
         self.pid, self.node_id = info["pid"], info["node_id"]
         self.node = f"{info['node_id'][:12]} ({info['node_ip']})"
 
-    def _on_end(self, _future: concurrent.futures.Future) -> None:
+    def _on_end(self, _future: concurrent.futures.Future[int]) -> None:
         with self._lock:  # runs on Ray's thread: never write to a descriptor already closed
             if self.sentinel is not None:
                 with contextlib.suppress(OSError):
@@ -198,7 +198,8 @@ class RayLauncher:
         self._groups: dict[int, Any] = {}  # id(rank) -> the placement group made for its stage
 
     def bind_host(self) -> str:
-        return self._ray.util.get_node_ip_address()
+        address: str = self._ray.util.get_node_ip_address()  # Ray is imported untyped
+        return address
 
     def spawn(
         self,

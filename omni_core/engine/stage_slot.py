@@ -14,6 +14,7 @@ import msgspec
 from omni_core.engine.adapter_view import AdapterView
 from omni_core.engine.launch import RankHandle
 from omni_core.engine.link_plan import LinkLedger, RankView, rank_view, share_bytes
+from omni_core.engine.report import ExecuteResult, RestartReport
 from omni_core.engine.spec import StageSpec
 from omni_core.fsm import StageCore
 from omni_core.fsm.trace_records import LinkPlanned, PlannedLink
@@ -28,9 +29,10 @@ class StageSlot:
     spec: StageSpec
     core: StageCore
     procs: list[RankHandle] = field(default_factory=list)
-    waiters: dict[str, list[Future]] = field(default_factory=dict)  # lifecycle task_id -> callers
-    requests: dict[str, Future] = field(default_factory=dict)  # request_id -> caller
-    start_waiters: list[Future] = field(default_factory=list)
+    # lifecycle task_id -> callers: each holds a LifecycleReport, a ProfileCall's a ProfileReport
+    waiters: dict[str, list[Future[Any]]] = field(default_factory=dict)
+    requests: dict[str, Future[ExecuteResult]] = field(default_factory=dict)  # request_id -> caller
+    start_waiters: list[Future[RestartReport]] = field(default_factory=list)
     hellos: dict[int, Hello] = field(default_factory=dict)  # each rank's proven Hello of this epoch
     # rank -> the state its own latest reply named (Hello, Ack, Nack). The core keeps the
     # committed state; after a task failed part-way the ranks may be elsewhere, and status
@@ -130,7 +132,8 @@ class StageSlot:
 
     def fail_callers(self, error: BaseException) -> None:
         """Every caller waiting on this stage (requests, tasks, the start) gets `error`."""
-        for future in [*self.requests.values(), *self.start_waiters, *(f for fs in self.waiters.values() for f in fs)]:
+        callers: list[Future[Any]] = [*self.requests.values(), *self.start_waiters]
+        for future in [*callers, *(f for fs in self.waiters.values() for f in fs)]:
             settle(future, error=error)
         self.requests.clear()
         self.waiters.clear()
@@ -186,7 +189,7 @@ class StageSlot:
         }
 
 
-def settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+def settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
     """Give a caller its answer once; a future already settled keeps the first."""
     if future.done():
         return

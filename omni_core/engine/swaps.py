@@ -21,13 +21,14 @@ import msgspec
 from omni_core.engine.calls import LifecycleCall, SwapRequest
 from omni_core.engine.errors import InvalidArgumentError
 from omni_core.engine.incoming import IncomingSlots, SwapCall
+from omni_core.engine.report import LifecycleReport
 from omni_core.engine.stage_slot import settle
 from omni_core.fsm import InvariantViolation, StageCommandError
 from omni_core.fsm.trace_records import IncomingFreed, IncomingHeld, TraceRecord
 from omni_core.protocol import Command, Sleep
 
 # Hand one lifecycle call to a stage's core: (the caller's future, stage name, the call).
-Lifecycle = Callable[[Future, str, LifecycleCall], None]
+Lifecycle = Callable[[Future[LifecycleReport], str, LifecycleCall], None]
 
 
 # Per rank of a swap's outgoing stage, what the incoming stage wakes on its device: (out, in).
@@ -49,7 +50,7 @@ class Swaps:
         # sleep ends: one entry per swap in flight, so bounded by the stages.
         self._incoming: dict[tuple[str, str], dict[int, int]] = {}
 
-    def offer(self, future: Future, request: SwapRequest, in_devices: frozenset[str]) -> None:
+    def offer(self, future: Future[None], request: SwapRequest, in_devices: frozenset[str]) -> None:
         """Issue the swap now, or queue it until `in_devices` are free (none: at once);
         `future` settles once both halves are sent."""
         swap = SwapCall(
