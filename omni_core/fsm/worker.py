@@ -87,7 +87,7 @@ from omni_core.fsm.worker_step import (
     _sent,
     command_digest,
 )
-from omni_core.fsm.worker_table import IDLE, REFUSED, WORKER_CALLS, WORKER_TRANSITIONS
+from omni_core.fsm.worker_table import BESIDE_HELD, IDLE, REFUSED, WORKER_CALLS, WORKER_TRANSITIONS
 from omni_core.protocol import (
     MAX_DETAIL_CHARS,
     Ack,
@@ -1101,9 +1101,9 @@ class WorkerCore:
         """A hold that raised, or an update that failed beside held requests: the weights or
         the runner's state under them are gone, so each held request fails (once) and the
         hold ends; a request never resumes on weights its spans could not name."""
-        if not isinstance(command, (HoldRequests, UpdateWeights)) or not (self.work.held or self.work.running):
+        if not isinstance(command, (HoldRequests, *BESIDE_HELD)) or not (self.work.held or self.work.running):
             return ()
-        if isinstance(command, UpdateWeights) and not self.work.held:
+        if isinstance(command, BESIDE_HELD) and not self.work.held:
             return ()
         self.work.held = False
         return tuple(self._fail_request(t, f"it was held when {what}") for t in list(self.work.running))

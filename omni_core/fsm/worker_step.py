@@ -12,6 +12,7 @@ import msgspec
 from omni_core.fsm.effects import Effect
 from omni_core.fsm.tags import SleepPlan
 from omni_core.fsm.trace_records import ReplySent, WorkerRecord
+from omni_core.fsm.worker_table import BESIDE_HELD
 from omni_core.protocol import (
     Ack,
     Capability,
@@ -23,7 +24,6 @@ from omni_core.protocol import (
     Reply,
     Result,
     Status,
-    UpdateWeights,
     encode,
 )
 from omni_core.protocol import WorkerState as W
@@ -125,8 +125,8 @@ class WorkInProgress:
         self.max_in_flight = max_in_flight
         self.pending: PendingEffect | None = None
         self.running: dict[str, Execute] = {}
-        # Pause mode keep (HoldRequests): the batch is frozen where it is; beside it only an
-        # UpdateWeights runs (in-flight refit), and the release lets it go on.
+        # Pause mode keep (HoldRequests): the batch is frozen where it is; beside it only the
+        # commands of BESIDE_HELD run (an in-flight refit), and the release lets it go on.
         self.held = False
 
     @property
@@ -152,12 +152,13 @@ class WorkInProgress:
             return ""
         if self.pending is not None:
             return f"task {self.pending.command.task_id!r} is in progress; retry after its reply"
-        if self.running and self.held and not isinstance(command, (HoldRequests, UpdateWeights)):
+        if self.running and self.held and not isinstance(command, (HoldRequests, *BESIDE_HELD)):
             first = next(iter(self.running))
+            beside = " or ".join(kind.__name__ for kind in BESIDE_HELD)
             return (
                 f"{len(self.running)} requests are held on this rank (first {first!r}, pause mode keep); "
                 f"{type(command).__name__} waits until HoldRequests(hold=false) releases them: only "
-                "UpdateWeights runs beside them"
+                f"{beside} runs beside them"
             )
         if self.running and self.beside_batch(command):
             return ""
@@ -176,9 +177,9 @@ class WorkInProgress:
         return ""
 
     def beside_batch(self, command: Command) -> bool:
-        """Whether `command`'s effect may run beside the batch: a hold freezing it, or an
-        update of the weights under it once it is held."""
-        return isinstance(command, HoldRequests) or (self.held and isinstance(command, UpdateWeights))
+        """Whether `command`'s effect may run beside the batch: a hold freezing it, or (BESIDE_HELD)
+        an update of the weights under it once it is held."""
+        return isinstance(command, HoldRequests) or (self.held and isinstance(command, BESIDE_HELD))
 
     def begin(self, pending: PendingEffect) -> None:
         """Take on one lifecycle effect (or a Status): only while nothing else is under way,

@@ -199,6 +199,11 @@ WORKER_TRANSITIONS: tuple[Transition[W], ...] = (
     Transition("shutdown_already", (W.STOPPED,), None, "second Shutdown: ALREADY"),
 )
 
+# Pause mode keep (the hold_requests row): what may run beside a held batch besides the
+# HoldRequests that releases it. Only an update of the weights under it (the in-flight refit):
+# it moves no request's memory, and the spans name the version each token came from.
+BESIDE_HELD: tuple[type[Command], ...] = (UpdateWeights,)
+
 # A refused reload, wake or update returns to where it came from: (command, state before) ->
 # trigger, for every refused row of the table.
 REFUSED: dict[tuple[type, W], str] = {
