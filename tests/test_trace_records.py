@@ -8,9 +8,19 @@ from omni_core.fsm import inputs as I
 from omni_core.fsm import trace_records as T
 from omni_core.fsm.admission import AdmissionPolicy
 from omni_core.fsm.worker import BadFrame, CommandReceived, EffectCompleted, EffectDeclined, EffectRaised, Loaded
-from omni_core.protocol import Hello, MemoryReport, ProtocolError, ReloadWeights, Sleep, WorkerState
+from omni_core.protocol import (
+    Capability,
+    DiskSource,
+    Hello,
+    MemoryReport,
+    ProtocolError,
+    ReloadWeights,
+    Sleep,
+    WorkerState,
+)
 
 REPORT = MemoryReport(pool_bytes_before={}, pool_bytes_after={})
+WEIGHT_UPDATE = Capability.WEIGHT_UPDATE
 
 
 def kinds(records) -> list[str]:
@@ -64,6 +74,30 @@ def test_a_sleep_is_issued_sent_received_and_committed_in_that_order() -> None:
     assert (last.records[1].before, last.records[1].after) == ("TRANSITIONING", "SLEEPING")
     again = stage.step(I.SleepCall("t2", level=1, tags=None, deadline_s=5.0), now=4.0)
     assert kinds(again.records) == ["StageIssued", "TaskEnded"] and again.records[0].already
+
+
+def test_an_update_is_issued_and_sent_with_the_version_it_installs_and_a_sleep_with_none() -> None:
+    """StageIssued.version and StageSent.version: the weights version the command installs
+    (Command.installs_version), which the trace spec compares with the ranks' ACKs (P-17)."""
+    stage = StageCore("s", 2)
+    stage.step(I.Start(deadline_s=30.0), now=0.0)
+    for rank in range(2):
+        hello = Hello(
+            task_id="hello",
+            epoch=0,
+            rank=rank,
+            pid=1,
+            device="cpu",
+            backend="b",
+            tags=stage.tags,
+            capabilities=(WEIGHT_UPDATE,),
+        )
+        stage.step(I.Received(hello), now=1.0)
+    step = stage.step(I.UpdateCall("u1", 3, DiskSource(path="/ckpt"), 10.0), now=2.0)
+    assert kinds(step.records) == ["StageIssued", "StageSent", "StageSent"]
+    assert [(r.command, r.version) for r in step.records] == [("UpdateWeights", 3)] * 3
+    other, _ = started()
+    assert all(r.version == 0 for r in other.step(I.SleepCall("t", 1, None, 5.0), now=2.0).records)
 
 
 def test_a_deadline_names_the_silent_ranks_and_when_it_passed() -> None:

@@ -29,7 +29,7 @@ from omni_core.fsm.trace_records import (
     TaskEnded,
     clip,
 )
-from omni_core.protocol import Ack, Command, Execute, Hello, Nack, Profile, Sleep, UpdateWeights, Wake
+from omni_core.protocol import Ack, Command, Execute, Hello, Nack, Profile, Sleep, Wake
 from omni_core.protocol import StageState as S
 
 
@@ -77,11 +77,6 @@ def level_tags(command: Command) -> tuple[int, tuple[str, ...] | None]:
             return 1, None  # as the spec marks a Profile start on the wire
         case _:
             return 0, None
-
-
-def _version(command: Command) -> int:
-    """The weights version a command sends: an UpdateWeights' (P-17), else 0."""
-    return command.version if isinstance(command, UpdateWeights) else 0
 
 
 def _memory_wait_s(command: Command) -> float | None:
@@ -180,7 +175,7 @@ class StageRecorder:
                     already,
                     event is None,
                     timeout_s,
-                    _version(command),
+                    command.installs_version,
                     _memory_wait_s(command),
                     core.policy.value if event is None else "",
                 )
@@ -205,7 +200,7 @@ class StageRecorder:
                     type(command).__name__,
                     after.value,
                     *level_tags(command),
-                    _version(command),
+                    command.installs_version,
                     _memory_wait_s(command),
                 )
             )

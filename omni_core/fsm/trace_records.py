@@ -111,7 +111,7 @@ class StageIssued(_Record):
     already: bool = False
     auto: bool = False
     timeout_s: float = 0.0  # the deadline the call asked for: deadline_at_s is the issue's now plus it
-    version: int = 0  # UpdateWeights: the weights version it sends (P-17)
+    version: int = 0  # the weights version the command installs (Command.installs_version, P-17)
     memory_wait_s: float | None = None  # a Wake's wait for free memory (P-16; None: 0, none)
     policy: str = ""  # an `auto` issue: the admission policy that started it
 

@@ -97,6 +97,11 @@ def arguments(message: Message) -> dict[str, Any]:
 class Command(Message, kw_only=True, frozen=True):
     """A message the orchestrator sends to a worker; each gets exactly one terminal reply."""
 
+    @property
+    def installs_version(self) -> int:
+        """The weights version this command makes the rank's once ACKed (P-17); 0: it names none."""
+        return 0
+
 
 class LinkShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One path of a command's link plan (P-18): `peer` is the CUDA device index, as the rank
@@ -179,6 +184,10 @@ class UpdateWeights(Command, kw_only=True, frozen=True):
     version: NewWeightsVersion
     source: WeightSource
     flush_cache: bool = True
+
+    @property
+    def installs_version(self) -> int:
+        return self.version
 
 
 class InitWeightGroup(Command, kw_only=True, frozen=True):
