@@ -3,10 +3,10 @@
 A rank's requests run under the version it holds. HoldRequests(hold=True) freezes them
 where they are (the runner says how many output tokens each has: the boundary), an update
 of the weights may run beside them (worker_table.BESIDE_HELD), and HoldRequests(hold=False)
-lets them go on under the version held then: from its boundary on, each request's tokens are that version's. This
-component of the worker core keeps, per running request, its spans (version, first token)
-and the tokens a hold with clear_cache made it discard; the Result carries them
-(`Result.version_spans`, `Result.discarded_tokens`). It does no IO.
+lets them go on under the version held then: from its boundary on, each request's tokens
+are that version's. This component of the worker core keeps, per running request, its
+spans (version, first token) and the tokens a hold with clear_cache made it discard; the
+Result carries them (`Result.version_spans`, `Result.discarded_tokens`). It does no IO.
 """
 
 from __future__ import annotations
