@@ -81,6 +81,7 @@ from omni_core.protocol import (
     RemoveAdapter,
     ResetPrefixCache,
     SaveWeights,
+    Status,
     TransferIn,
     TransferOut,
     TransferRelease,
@@ -493,9 +494,14 @@ class WorkerProcess:
         held = len(self._batch) + (len(self._running) if self._running is not None else 0)
         if held and self._holds(command):
             self._start_batch()  # a hold freezes the gathered requests too, before any step
-        elif held and (not isinstance(command, Execute) or held >= core.max_in_flight):
+        elif (
+            held
+            and not isinstance(command, Status)
+            and (not isinstance(command, Execute) or held >= core.max_in_flight)
+        ):
             # First: the core refuses anything else beside a running batch, and more requests
             # than its bound. A command waits for every request; a request for one to finish.
+            # A Status does not wait: the core answers it beside the requests, from what it knows.
             self._run_batch()
             self._finish_running(below=core.max_in_flight if isinstance(command, Execute) else 1)
         step = core.step(CommandReceived(command))
