@@ -88,10 +88,11 @@ MUTANTS: dict[str, tuple[str, str]] = {
         "P-23",
         "a request held through an update names the version it started under, and no spans",
     ),
+    "held_requests_stepped": ("P-23", "the rank's loop steps held requests on (it never asks whether they are held)"),
 }
 # Mutants whose fault shows only where the runner really freezes its requests: started with the
 # runner of tests/conformance/hold_runner.py and its token payload.
-HELD_RUNNER_MUTANTS = {"held_result_start_version"}
+HELD_RUNNER_MUTANTS = {"held_result_start_version", "held_requests_stepped"}
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
 # started over `cmd:` like any third party's: the suite knows nothing of its insides.
@@ -729,6 +730,10 @@ def _install(name: str) -> None:
                 message = msgspec.structs.replace(message, weights_version=first, version_spans=())
             super()._send(message)
 
+    class HeldSteppedProcess(process_cls):
+        def _frozen(self) -> bool:
+            return False
+
     if name == "epoch_window_5000":
         fsm_worker.MAX_EPOCH_AHEAD = 5000
         return
@@ -802,6 +807,7 @@ def _install(name: str) -> None:
         "nack_version_zero": NackVersionZeroProcess,
         "hello_claims_version": HelloClaimsVersionProcess,
         "held_result_start_version": HeldResultStartVersionProcess,
+        "held_requests_stepped": HeldSteppedProcess,
     }
     if name == "no_capabilities":
         PortableBackend.capabilities = ()
