@@ -731,8 +731,15 @@ def _install(name: str) -> None:
             super()._send(message)
 
     class HeldSteppedProcess(process_cls):
+        """Its loop never asks whether the requests are held: once the hold is acknowledged,
+        they are stepped to their end, before any later frame is read."""
+
         def _frozen(self) -> bool:
             return False
+
+        def _after_hold(self) -> None:
+            super()._after_hold()
+            self._finish_running(below=1)
 
     if name == "epoch_window_5000":
         fsm_worker.MAX_EPOCH_AHEAD = 5000
