@@ -30,6 +30,7 @@ from omni_core.conformance import cases_links  # noqa: F401 (P-18)
 from omni_core.conformance import cases_adapters  # noqa: F401 (P-20)
 from omni_core.conformance import cases_save  # noqa: F401 (P-21)
 from omni_core.conformance import cases_transfers  # noqa: F401 (P-22)
+from omni_core.conformance import cases_hold  # noqa: F401 (P-23)
 from omni_core.conformance import cases_hello  # noqa: F401 (P-12: the Hello's pool_bytes)
 from omni_core.conformance import cases_model  # noqa: F401 (P-11: generated sequences against the tables)
 

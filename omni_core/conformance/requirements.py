@@ -90,8 +90,9 @@ REQUIREMENTS: dict[str, Requirement] = {
             "in `FAILED`. A stage MUST admit a request only while `RUNNING`; while not, requests "
             "are queued (bounded), rejected with a clear error, or trigger a wake, per the stage's "
             "admission policy, and none is lost. A pause (`PAUSED`: admission closed by the "
-            "orchestrator, nothing released, nothing sent to the ranks to enter or leave it) is "
-            "not `RUNNING`: no request starts there, and none is in flight.",
+            "orchestrator, nothing released, nothing sent to the ranks to enter or leave it but under "
+            "mode `keep`, P-23) is not `RUNNING`: no request starts there, and none is in flight but "
+            "those a pause of mode `keep` holds on the ranks (P-23).",
         ),
         Requirement(
             "P-8",
@@ -348,6 +349,38 @@ REQUIREMENTS: dict[str, Requirement] = {
             "queues it or is woken for it, a `PAUSED` one queues it; it answers the request exactly once and "
             "releases the producer's buckets at every end, a consumer that died included "
             "(`tla/OmniTransfers.tla`).",
+        ),
+        Requirement(
+            "P-23",
+            "A held request resumes on the weights it records",
+            '`HoldRequests(hold, clear_cache)` is pause mode `keep` (vLLM\'s `pause_generation(mode="keep")`, '
+            "SGLang's `in_place`). A worker MUST accept it only in `ACTIVE`; anywhere else it MUST refuse it like"
+            " any command (`Nack BUSY` while an effect runs, `Nack FAILED` in `FAILED`, `Nack INVALID_STATE` "
+            "naming the state elsewhere). Neither the command nor its effect changes the lifecycle state, the "
+            "residency or the weights version: its `Ack` carries the state `ACTIVE`, no tag asleep and the rank's"
+            " `weights_version`. `hold=true` freezes the requests running on the rank where they are: a runner "
+            "that can stop between its steps keeps each one's state and KV (with `clear_cache` it drops their KV "
+            "instead, and each restarts generation from its prompt at the release); a worker whose runner cannot "
+            "MUST answer every running request before the hold's `Ack` (mode `wait`); with none running it is "
+            "acknowledged at once, holding nothing, and the rank counts as held until the release. While requests"
+            " are held the worker MUST NOT step them and MUST refuse every command but `Status`, `UpdateWeights` "
+            "and `HoldRequests` with `Nack BUSY` naming the held requests; an `UpdateWeights` (P-17) MAY run "
+            "beside them. `hold=false` releases them: its `Ack` comes first, then each goes on under the weights "
+            "version held then and is answered once, after that `Ack`: none is answered between the hold's `Ack` "
+            "and the release's but by the failures below. The `Result` of a request held while the version "
+            "changed MUST name the version it finished under in `weights_version` and list in `version_spans` "
+            "which tokens each version computed (`{weights_version, start_token}`, in token order, the first at "
+            "token 0, versions rising, the last under `weights_version`; at most 64: a request held through more "
+            "updates fails `EXECUTE_ERROR` at its release); a request that `clear_cache` restarted lists no span "
+            "for the tokens it dropped and names their count in `discarded_tokens`. An update that fails beside "
+            "held requests (`UPDATE_FAILED`), or a hold whose runner raised (`Nack EXECUTE_ERROR`), fails each "
+            "held request once with `Nack EXECUTE_ERROR` and ends the hold. A `hold=true` while held and a "
+            "`hold=false` while not are `Ack status=ALREADY` with no effect. It is idempotent by `task_id` and "
+            "fenced by epoch like every command (P-2, P-6). A stage sends `hold=true` to every rank when it "
+            "pauses with mode `keep` while requests are in flight, commits `PAUSED` with them still in flight "
+            "once every rank ACKed it in `ACTIVE` at the stage's version (any other answer fails the stage), "
+            "takes no lifecycle call but an update while they are held (P-17 rule 7), and sends `hold=false` at "
+            "the resume (`tla/OmniKeep.tla`).",
         ),
     )
 }

@@ -81,6 +81,7 @@ from omni_core.protocol import (
     RemoveAdapter,
     ResetPrefixCache,
     SaveWeights,
+    Status,
     TransferIn,
     TransferOut,
     TransferRelease,
@@ -411,6 +412,9 @@ class WorkerProcess:
                 break
             flags = zmq.NOBLOCK
         self._run_batch()
+        running = self._running
+        if running is not None and len(running) and not self._stepping:  # joined by _send_all
+            self._step_while_running(running)
 
     def _receive(self, flags: int) -> memoryview | None:
         """The next frame's payload, or None when none is waiting (NOBLOCK) or receiving failed."""
@@ -490,9 +494,14 @@ class WorkerProcess:
         held = len(self._batch) + (len(self._running) if self._running is not None else 0)
         if held and self._holds(command):
             self._start_batch()  # a hold freezes the gathered requests too, before any step
-        elif held and (not isinstance(command, Execute) or held >= core.max_in_flight):
+        elif (
+            held
+            and not isinstance(command, Status)
+            and (not isinstance(command, Execute) or held >= core.max_in_flight)
+        ):
             # First: the core refuses anything else beside a running batch, and more requests
             # than its bound. A command waits for every request; a request for one to finish.
+            # A Status does not wait: the core answers it beside the requests, from what it knows.
             self._run_batch()
             self._finish_running(below=core.max_in_flight if isinstance(command, Execute) else 1)
         step = core.step(CommandReceived(command))
@@ -588,15 +597,16 @@ class WorkerProcess:
         for every request to finish), and each finished request is answered at once."""
         self._stepping = True
         try:
+            # A step first: the requests just gathered run before another frame is taken.
+            # The loop's test comes after the frames: a hold taken among them, not one more step.
             while len(running) and not self.stopped and not self._frozen():
+                self._answer_finished(running.step())
                 for _ in range(STEP_FRAMES_MAX):
                     frame = self._receive(zmq.NOBLOCK) if self._gather else None
                     if frame is None or self.stopped:
                         break
                     self.handle_isolated(frame)
                 self._run_batch()
-                if not self._frozen():  # a hold taken among those frames: not one more step
-                    self._answer_finished(running.step())
             self._report_to_ledger()
         except InvariantViolation:
             raise
@@ -936,10 +946,13 @@ class WorkerProcess:
 
     def _send_all(self, step: WorkerStep) -> None:
         """The step's records first (each written before what it describes leaves), then its
-        replies. A batch gathered before this step runs and answers first: replies leave in
-        the order their frames came (a refused or undecodable frame after a request included)."""
+        replies. A batch gathered before this step starts first: one that runs whole answers
+        first, so replies leave in the order their frames came (a refused or undecodable frame
+        after a request included); one a continuous runner steps joins its running set, and
+        the loop steps it once the waiting frames are served: the refusal of a frame never
+        waits for a generation to finish."""
         if self._batch and step.replies:
-            self._run_batch()
+            self._start_batch() if self._continuous() is not None else self._run_batch()
         self._write(step.records)
         for message in step.replies:
             self._send(message)

@@ -81,7 +81,18 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "reset_refused_partial": ("P-19", "ResetPrefixCache refused in PARTIAL"),
     "adapter_ignored": ("P-20", "an Execute naming an adapter not held runs without it"),
     "adapter_any_base": ("P-20", "an adapter made for other base weights is loaded as if rebound"),
+    # Pause mode keep (P-23).
+    "hold_anywhere": ("P-23", "a HoldRequests outside ACTIVE is acknowledged: nothing runs there, nothing to hold"),
+    "hold_never_already": ("P-23", "a second hold (or release) is acknowledged OK, never ALREADY"),
+    "held_result_start_version": (
+        "P-23",
+        "a request held through an update names the version it started under, and no spans",
+    ),
+    "held_requests_stepped": ("P-23", "the rank's loop steps held requests on (it never asks whether they are held)"),
 }
+# Mutants whose fault shows only where the runner really freezes its requests: started with the
+# runner of tests/conformance/hold_runner.py and its token payload.
+HELD_RUNNER_MUTANTS = {"held_result_start_version", "held_requests_stepped"}
 
 # The same faults in a worker written in another language (node_worker/worker.js, --bug NAME),
 # started over `cmd:` like any third party's: the suite knows nothing of its insides.
@@ -114,6 +125,17 @@ VARIANTS: dict[str, str] = {
 }
 
 MUTANT_SCRIPT = os.path.abspath(__file__)
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(MUTANT_SCRIPT)))
+
+
+def _hold_runner() -> Any:
+    """tests/conformance/hold_runner.py, imported from the checkout (this module may run as a
+    script, whose path is its own folder)."""
+    if CHECKOUT not in sys.path:
+        sys.path.insert(0, CHECKOUT)
+    import importlib
+
+    return importlib.import_module("tests.conformance.hold_runner")
 
 
 def pressure(name: str) -> Callable[[], Any]:
@@ -141,6 +163,8 @@ def options(name: str, **fields: Any) -> Any:
 
     if name not in NODE_MUTANTS:
         fields.setdefault("memory_pressure", pressure(name))
+    if name in HELD_RUNNER_MUTANTS:
+        fields.setdefault("execute_payload", _hold_runner().HOLD_PAYLOAD)
     return SuiteOptions(**fields)
 
 
@@ -680,6 +704,43 @@ def _install(name: str) -> None:
             # Short waits only: a long one still waits (and passes the suite's silence check).
             return super()._gate(0.01 if memory_wait_s < 1.0 else memory_wait_s)
 
+    from omni_core.protocol import HoldRequests
+
+    class HoldAnywhereCore(core_cls):
+        def _on_hold(self, command: Any) -> Any:
+            if not self.lifecycle.allows("hold_requests"):  # "no request runs here: nothing to hold"
+                reply = self._ack(command, AckStatus.OK)
+                self._remember(command, reply)
+                return fsm_worker.WorkerStep(replies=(reply,))
+            return super()._on_hold(command)
+
+    class HoldNeverAlreadyCore(core_cls):
+        def _already(self, command: Any, trigger: str) -> Any:
+            if not isinstance(command, HoldRequests):
+                return super()._already(command, trigger)
+            self.lifecycle.fire(trigger)
+            reply = self._ack(command, AckStatus.OK)  # "held (or released) as asked"
+            self._remember(command, reply)
+            return fsm_worker.WorkerStep(replies=(reply,))
+
+    class HeldResultStartVersionProcess(process_cls):
+        def _send(self, message: Any) -> None:
+            if isinstance(message, Result) and message.version_spans:
+                first = message.version_spans[0].weights_version  # the version it started under
+                message = msgspec.structs.replace(message, weights_version=first, version_spans=())
+            super()._send(message)
+
+    class HeldSteppedProcess(process_cls):
+        """Its loop never asks whether the requests are held: once the hold is acknowledged,
+        they are stepped to their end, before any later frame is read."""
+
+        def _frozen(self) -> bool:
+            return False
+
+        def _after_hold(self) -> None:
+            super()._after_hold()
+            self._finish_running(below=1)
+
     if name == "epoch_window_5000":
         fsm_worker.MAX_EPOCH_AHEAD = 5000
         return
@@ -721,6 +782,8 @@ def _install(name: str) -> None:
         "reset_refused_partial": ResetRefusedPartialCore,
         "adapter_ignored": AdapterIgnoredCore,
         "adapter_any_base": AdapterAnyBaseCore,
+        "hold_anywhere": HoldAnywhereCore,
+        "hold_never_already": HoldNeverAlreadyCore,
     }
     processes = {
         "ack_before_release": AckBeforeReleaseProcess,
@@ -750,6 +813,8 @@ def _install(name: str) -> None:
         "result_version_zero": ResultVersionZeroProcess,
         "nack_version_zero": NackVersionZeroProcess,
         "hello_claims_version": HelloClaimsVersionProcess,
+        "held_result_start_version": HeldResultStartVersionProcess,
+        "held_requests_stepped": HeldSteppedProcess,
     }
     if name == "no_capabilities":
         PortableBackend.capabilities = ()
@@ -770,7 +835,9 @@ def score(parallel: int = 4) -> str:
     from omni_core.conformance import run_suite
 
     def one(name: str) -> tuple[str, list[str]]:
-        report = run_suite(target(name), options=options(name, reply_timeout_s=5.0))
+        # Its token requests wait for a hold: the other requirements' cases would wait them out.
+        only = [MUTANTS[name][0]] if name in HELD_RUNNER_MUTANTS else None
+        report = run_suite(target(name), only=only, options=options(name, reply_timeout_s=5.0))
         return name, [r.case.id for r in report.results if r.outcome == "fail"]
 
     with ThreadPoolExecutor(parallel) as pool:
@@ -811,6 +878,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _install(args.name)
     fields = reference_worker(args.address, args.rank, args.epoch)
+    if args.name in HELD_RUNNER_MUTANTS:
+        fields["runner"] = _hold_runner().RUNNER
     if args.simulated_device:
         fields["simulated_device"] = SimulatedDevice(args.simulated_device, args.capacity_bytes)
     config = WorkerConfig(**fields)

@@ -90,6 +90,21 @@ EXPECTED = {
     "reset_refused_partial": ("P-19/reset_prefix_cache_in_partial", "ResetPrefixCache was not acknowledged"),
     "adapter_ignored": ("P-20/adapter_requests_refused_naming_it", "a refusal (ADAPTER_UNAVAILABLE), got a Result"),
     "adapter_any_base": ("P-20/adapter_for_other_weights_refused", "does not name the version it was made for"),
+    "hold_anywhere": ("P-23/hold_refused_outside_active", "expected a refusal (INVALID_STATE), got an Ack"),
+    "hold_never_already": (
+        "P-23/hold_of_nothing_is_acked_then_already_until_released",
+        "HoldRequests was acknowledged with status OK, not ALREADY",
+    ),
+    # On the runner that freezes (tests/conformance/hold_runner.py): released under version 1.
+    "held_result_start_version": (
+        "P-23/hold_beside_a_request_answers_it_once",
+        "released under weights version 1 names version 0",
+    ),
+    # The same runner, its loop stepping the held request to its end: answered before the release.
+    "held_requests_stepped": (
+        "P-23/hold_beside_a_request_answers_it_once",
+        "the request was answered while it was held",
+    ),
     "node_tiny_reply_cache": ("P-2/duplicate_after_64_newer", "the reply cache keeps fewer than the 64 latest"),
     "node_wake_unknown_tag_already": ("P-11/wake_unknown_tag_refused", "expected a refusal (UNKNOWN_TAG), got an Ack"),
     "node_crash_on_shutdown_asleep": ("P-11/shutdown_while_asleep", "Shutdown in SLEEPING: worker rank 0"),

@@ -1,8 +1,9 @@
 """The bound on frames a rank handles between two steps of its running requests
 (`STEP_FRAMES_MAX`, workers/process.py): a flood of frames waiting on the socket is served a
 bounded slice per step, so it cannot starve the requests that decode, and every frame is
-still answered. The worker runs in this process (its loop on a thread, a PAIR socket to the
-test); its runner's first step waits until the flood is queued, so each slice is full."""
+still answered; a Status is answered beside running requests, not after them. The worker
+runs in this process (its loop on a thread, a PAIR socket to the test); its runner's first
+step waits until the flood is queued, so each slice is full."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from omni_core.protocol import Execute, Hello, Message, Nack, NackReason, Result, decode, encode
+from omni_core.protocol import Ack, Execute, Hello, Message, Nack, NackReason, Result, Status, decode, encode
 from omni_core.workers import process as worker_process
 from omni_core.workers.config import WorkerConfig
 from tests.engine.stepping_runner import SteppingRunner
@@ -103,3 +104,16 @@ def test_a_flood_is_served_a_bounded_slice_per_step_and_every_frame_answered(ran
     between = worker.runner.frames_between_steps  # type: ignore[attr-defined]
     assert max(between) == worker_process.STEP_FRAMES_MAX, between  # full slices, never more
     assert sum(between) >= FLOOD
+
+
+def test_a_status_is_answered_beside_a_running_request(rank, tmp_path: Path) -> None:
+    sock, worker = rank
+    release = tmp_path / "release"
+    worker.runner.flooded.set()  # type: ignore[union-attr]
+    sock.send(encode(Execute(task_id="held", epoch=0, payload={"seed": 1, "until": str(release)})))
+    sock.send(encode(Status(task_id="probe", epoch=0)))
+    status = _receive(sock)  # the request still runs: it waits for a file not yet made
+    assert isinstance(status, Ack) and status.task_id == "probe" and status.memory is None
+    release.touch()
+    result = _receive(sock)
+    assert isinstance(result, Result) and result.task_id == "held"

@@ -177,7 +177,7 @@ class BadMessage extends Error {
 
 const COMMAND_FIELDS = {
   Sleep: ["level", "tags", "links"], Wake: ["tags", "memory_wait_s", "links"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
-  ResetPrefixCache: [],
+  ResetPrefixCache: [], HoldRequests: ["hold", "clear_cache"],
 };
 const REPLY_TYPES = ["Ack", "Nack", "Result", "Hello"];
 const TAG_RE = /^[A-Za-z0-9_.-]+$/;
@@ -255,6 +255,15 @@ function parseCommand(data) {
     cmd.source = source;
   }
   if (type === "Execute") cmd.payload = m.has("payload") ? m.get("payload") : null;
+  if (type === "HoldRequests") {
+    // P-23: hold is required, clear_cache defaults to false; both are booleans.
+    const clear = m.has("clear_cache") ? m.get("clear_cache") : false;
+    if (typeof m.get("hold") !== "boolean" || typeof clear !== "boolean") {
+      throw new BadMessage("invalid HoldRequests: hold (required) and clear_cache must be booleans", ids);
+    }
+    cmd.hold = m.get("hold");
+    cmd.clear_cache = clear;
+  }
   return cmd;
 }
 
@@ -281,6 +290,7 @@ class Worker {
     this.weightsValid = true;
     this.pools = args.failStart ? {} : Object.fromEntries(TAGS.map((t) => [t, Buffer.alloc(POOL_BYTES[t])]));
     this.hostCopy = null; // the weights a level-1 sleep offloaded
+    this.held = false; // HoldRequests (P-23): held until a release, though nothing ever runs to hold
     this.cache = new Map(); // task_id -> {digest, name, reply}, oldest first
     this.cacheEntries = this.bug === "tiny_reply_cache" ? 4 : 1024;
     if (!args.failStart) this.fillWeights(7);
@@ -475,6 +485,17 @@ class Worker {
       return this.refuseState(cmd, "ResetPrefixCache needs the weights and caches resident: ACTIVE or PARTIAL");
     }
     const started = process.hrtime.bigint();
+    return this.answer(cmd, this.ack(cmd, "OK", this.memory(this.usage()), started));
+  }
+
+  onHoldRequests(cmd) {
+    // P-23, pause mode keep. This worker answers each Execute as it arrives, so no request is
+    // running when a hold comes (a runner that cannot freeze: they are all answered first):
+    // the hold holds nothing, and nothing moves.
+    if (this.state !== "ACTIVE") return this.refuseState(cmd, "requests are held and released in ACTIVE, where they run");
+    if (cmd.hold === this.held) return this.answer(cmd, this.ack(cmd, "ALREADY"));
+    const started = process.hrtime.bigint();
+    this.held = cmd.hold;
     return this.answer(cmd, this.ack(cmd, "OK", this.memory(this.usage()), started));
   }
 
