@@ -568,10 +568,7 @@ class Engine(AdapterCalls):
     def _lifecycle(self, stage: str, event: ProfileCall) -> ProfileReport: ...
     def _lifecycle(self, stage: str, event: LifecycleCall) -> LifecycleReport | ProfileReport:
         """Queue the typed input for the stage's core and wait for its outcome."""
-        budget_s = event.deadline_s + self._specs[stage].request_timeout_s
-        if isinstance(event, ProfileCall):  # its own answer type (Orchestrator.submit's overloads)
-            return self._wait(self._orch.submit(stage, event), budget_s)
-        return self._wait(self._orch.submit(stage, event), budget_s)
+        return self._wait(self._orch.submit(stage, event), event.deadline_s + self._specs[stage].request_timeout_s)
 
     @staticmethod
     def _deadline_s(default_s: float, timeout_s: float | None) -> float:
