@@ -115,3 +115,10 @@ def test_a_reload_reads_the_saves_version_and_refuses_an_index_that_names_none(t
     (tmp_path / "w" / INDEX_FILE).write_text(json.dumps({**index, "weights_version": version}))
     with pytest.raises(RunnerArgumentError, match=r"names weights version .*not an int in 0\.\."):
         saved_version(written)
+
+
+def test_only_an_absolute_path_is_read_as_a_save(tmp_path: Path, monkeypatch) -> None:
+    written = save_rank(_runner(), _save(tmp_path / "w"), SavedRank(0, 5, None))
+    monkeypatch.chdir(tmp_path)  # "w" names the save from here, but a relative source is a seed or a hub name
+    assert (saved_version(written), read_index("w"), saved_version("w")) == (5, None, 0)
+    assert read_index("/" + "9" * 5000) is None  # longer than a name may be: no save, not an OSError
