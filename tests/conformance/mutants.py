@@ -89,6 +89,14 @@ MUTANTS: dict[str, tuple[str, str]] = {
         "a request held through an update names the version it started under, and no spans",
     ),
     "held_requests_stepped": ("P-23", "the rank's loop steps held requests on (it never asks whether they are held)"),
+    # Stage-to-stage transfers (P-22): one rule a transfer case checks each (_install_transfer).
+    "transfer_out_asleep": ("P-22", "TransferOut takes TransferRelease's row: an export is run in SLEEPING"),
+    "transfer_release_active_only": ("P-22", "TransferRelease takes TransferOut's row: refused outside ACTIVE"),
+    "transfer_release_rerun": ("P-22", "a TransferRelease's reply is not kept (it is idempotent): a copy runs again"),
+    "transfer_any_producer_version": ("P-22", "a TransferIn's expect_version is never compared with producer_version"),
+    "transfer_in_opens_first": ("P-22", "a TransferIn's handles are opened before its names are checked"),
+    "transfer_out_drops_unknown": ("P-22", "a TransferOut's names the runner does not export are dropped, not refused"),
+    "transfer_in_unbounded": ("P-22", "a TransferIn's source is not held to its max_bytes on decode"),
 }
 # Mutants whose fault shows only where the runner really freezes its requests: started with the
 # runner of tests/conformance/hold_runner.py and its token payload.
@@ -198,8 +206,86 @@ tiny_reply_cache = factory("tiny_reply_cache")
 # ---------------------------------------------------------------- the faults (child process only)
 
 
+def _install_transfer(name: str) -> bool:
+    """The P-22 faults, if `name` is one: a row of the worker's call table, the rank's transfer
+    code (omni_core/workers/transfers.py) or its decoding, patched in this process."""
+    import dataclasses
+    from types import MappingProxyType
+
+    import msgspec
+
+    from omni_core.fsm import worker as fsm_worker
+    from omni_core.protocol import ProtocolError, TransferOut, TransferRelease
+    from omni_core.protocol.codec import decode_command
+    from omni_core.protocol.messages import MAX_TRANSFER_BYTES
+    from omni_core.workers import process, transfers
+    from omni_core.workers.weight_receiver import WeightReceiver
+
+    def row_like(command: type, other: type) -> None:
+        """`command` taken wherever `other` is: its row given the other's trigger."""
+        calls = dict(fsm_worker.WORKER_CALLS)
+        calls[command] = dataclasses.replace(calls[command], trigger=calls[other].trigger)
+        fsm_worker.WORKER_CALLS = MappingProxyType(calls)
+
+    land, export = transfers.RankTransfers.land, transfers.RankTransfers.export
+
+    def land_any_version(self: Any, runner: Any, command: Any) -> None:
+        land(self, runner, msgspec.structs.replace(command, expect_version=None))
+
+    def land_opening_first(self: Any, runner: Any, command: Any) -> None:
+        if command.expect_version in (None, command.producer_version):  # the version fence kept
+            if self.receiver is None:
+                self.receiver = WeightReceiver(self.device, 0)
+            for _ in self.receiver.open_tensors(command.source):  # "mapped now, checked as it lands"
+                pass
+        land(self, runner, command)
+
+    def export_known(self: Any, runner: Any, command: Any) -> Any:
+        known = tuple(n for n in command.names if n in runner.transfer_exports())
+        return export(self, runner, msgspec.structs.replace(command, names=known))
+
+    class ReleaseNotKeptCore(process.WorkerCore):
+        def _remember(self, command: Any, reply: Any) -> None:
+            if not isinstance(command, TransferRelease):
+                super()._remember(command, reply)
+
+    class UnboundedTransferProcess(process.WorkerProcess):
+        def handle(self, data: bytes) -> None:
+            try:
+                decode_command(data)
+            except ProtocolError:
+                try:
+                    frame = msgspec.msgpack.decode(data)
+                except msgspec.DecodeError:
+                    frame = None
+                if isinstance(frame, dict) and frame.get("type") == "TransferIn":
+                    frame["max_bytes"] = MAX_TRANSFER_BYTES  # "the source says what it carries"
+                    data = msgspec.msgpack.encode(frame)
+            super().handle(data)
+
+    if name == "transfer_out_asleep":
+        row_like(TransferOut, TransferRelease)
+    elif name == "transfer_release_active_only":
+        row_like(TransferRelease, TransferOut)
+    elif name == "transfer_release_rerun":
+        process.WorkerCore = ReleaseNotKeptCore
+    elif name == "transfer_any_producer_version":
+        transfers.RankTransfers.land = land_any_version
+    elif name == "transfer_in_opens_first":
+        transfers.RankTransfers.land = land_opening_first
+    elif name == "transfer_out_drops_unknown":
+        transfers.RankTransfers.export = export_known
+    elif name == "transfer_in_unbounded":
+        process.WorkerProcess = UnboundedTransferProcess
+    else:
+        return False
+    return True
+
+
 def _install(name: str) -> None:
     """Replace the worker's core or process class in this process by a faulty subclass."""
+    if _install_transfer(name):
+        return
     import msgspec
 
     from omni_core.fsm import worker as fsm_worker
