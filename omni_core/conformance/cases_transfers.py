@@ -98,7 +98,8 @@ def transfer_refused_before_anything_is_kept(ctx: Ctx) -> None:
         ctx.cmd(TransferOut, "absent-out", request_id=REQUEST, names=(ABSENT,)),
     ):
         refused = ctx.nack(ctx.request(command), command, NackReason.INVALID_ARGUMENT, state=WorkerState.ACTIVE)
-        ctx.check(ABSENT in refused.detail, "the refusal does not name the tensor", sent=command, got=refused)
+        what = f"the refusal of {type(command).__name__} does not name the tensor"
+        ctx.check(ABSENT in refused.detail, what, sent=command, got=refused)
     ctx.executed_or_runner_error(*ctx.execute())  # serving on
     stale = ctx.cmd(TransferRelease, "stale", request_id=REQUEST, epoch=ctx.worker.epoch - 1)
     ctx.nack(ctx.request(stale), stale, NackReason.STALE_EPOCH)

@@ -7,8 +7,10 @@
 // It speaks ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism, a DEALER socket) itself, so no
 // native zeromq binding is needed, and msgpack (the protocol's encoding) by hand. Its model is
 // simulated in host memory: two tagged pools (weights, kv_cache) as Buffers, level 1 keeps a
-// host copy of the weights, level 2 discards them until ReloadWeights. `--bug NAME` plants one
-// of the faults in BUGS (the conformance tests' mutant corpus); `--fail-start` greets in FAILED.
+// host copy of the weights, level 2 discards them until ReloadWeights. It declares 'transfer'
+// and answers the transfer commands (P-22), holding nothing: it exports and imports no tensor.
+// `--bug NAME` plants one of the faults in BUGS (the conformance tests' mutant corpus);
+// `--fail-start` greets in FAILED.
 "use strict";
 
 const crypto = require("crypto");
@@ -27,12 +29,30 @@ const MAX_DETAIL_CHARS = 4096;
 const MAX_MEMORY_WAIT_S = 3600; // Wake.memory_wait_s (P-16)
 const TAGS = ["weights", "kv_cache"];
 const POOL_BYTES = { weights: 256 << 10, kv_cache: 64 << 10 };
-const CAPABILITIES = ["level2", "partial_wake"];
+// 'transfer' (P-22): it answers the transfer commands, though its connector exports and
+// imports no name (its model computes nothing for another stage): each is refused as P-22 says.
+const CAPABILITIES = ["level2", "partial_wake", "transfer"];
 const NO_LINKS = "this worker copies over its own host link only (capability 'multi_path' not declared); " +
   "send the command without links";
 const SOURCE = "none: no GPU (node.js worker, host memory only)";
 const BUGS = new Set(["tiny_reply_cache", "wake_unknown_tag_already", "crash_on_shutdown_asleep"]);
 const IDLE = ["ACTIVE", "SLEEPING", "PARTIAL", "NEEDS_RELOAD"];
+// The transfer commands' bounds (P-22), as the schema states them; a source's buckets as P-17's.
+const MAX_TRANSFER_BYTES = 1n << 36n;
+const DEFAULT_TRANSFER_BYTES = 1n << 30n;
+const MAX_TRANSFER_NAMES = 16;
+const MAX_BUCKET_BYTES = 1n << 40n;
+const MAX_WEIGHTS_VERSION = (1n << 63n) - 1n;
+const MAX_BUCKETS = 4096;
+const MAX_BUCKET_TENSORS = 16384;
+const MAX_TENSOR_DIMS = 8;
+const MAX_DIM = 1n << 40n;
+const MAX_TENSOR_NAME_CHARS = 256;
+const MAX_HANDLE_CHARS = 4096;
+const DTYPE_BYTES = { float32: 4n, float16: 2n, bfloat16: 2n, float64: 8n, int64: 8n, int32: 4n, int16: 2n, int8: 1n,
+  uint8: 1n, bool: 1n, float8_e4m3fn: 1n, float8_e5m2: 1n };
+const REQUEST_ID_RE = /^[A-Za-z0-9_.:/-]+$/;
+const CONNECTOR_NAME_RE = /^[a-z][a-z0-9_]*$/;
 
 // ---------------------------------------------------------------- arguments
 
@@ -178,6 +198,9 @@ class BadMessage extends Error {
 const COMMAND_FIELDS = {
   Sleep: ["level", "tags", "links"], Wake: ["tags", "memory_wait_s", "links"], ReloadWeights: ["source"], Execute: ["payload"], Status: [], Shutdown: [],
   ResetPrefixCache: [], HoldRequests: ["hold", "clear_cache"],
+  TransferOut: ["request_id", "names", "payload", "max_bytes", "bucket_bytes"],
+  TransferIn: ["request_id", "producer_version", "source", "expect_version", "max_bytes"],
+  TransferRelease: ["request_id"],
 };
 const REPLY_TYPES = ["Ack", "Nack", "Result", "Hello"];
 const TAG_RE = /^[A-Za-z0-9_.-]+$/;
@@ -198,6 +221,123 @@ function parseLinks(links, type, ids) {
     throw new BadMessage(`invalid ${type}: links must be at most ${MAX_LINKS} paths {peer, share}`, ids);
   }
   return links.map((p) => ({ peer: p.has("peer") ? p.get("peer") : null, share: p.has("share") ? number(p.get("share")) : 1 }));
+}
+
+// P-22: an integer within [lo, hi], as a BigInt (versions and byte counts pass 2**53), or null.
+const intIn = (x, lo, hi) => (isInt(x) && BigInt(x) >= lo && BigInt(x) <= hi ? BigInt(x) : null);
+
+function only(m, keys, what, ids) {
+  if (!(m instanceof Map)) throw new BadMessage(`invalid ${what}: must be a map`, ids);
+  for (const k of m.keys()) {
+    if (!keys.includes(k)) throw new BadMessage(`invalid ${what}: unknown field ${JSON.stringify(String(k))}`, ids);
+  }
+}
+
+// One tensor of a bucket: {name, dtype, shape, offset_bytes}; its bytes as a BigInt.
+function parseTensorSpec(t, bucketBytes, ids) {
+  only(t, ["name", "dtype", "shape", "offset_bytes"], "TransferIn: a tensor", ids);
+  const name = t.get("name");
+  const dtype = t.get("dtype");
+  const shape = t.get("shape");
+  const offset = t.has("offset_bytes") ? intIn(t.get("offset_bytes"), 0n, MAX_BUCKET_BYTES) : 0n;
+  if (typeof name !== "string" || name.length < 1 || name.length > MAX_TENSOR_NAME_CHARS || !(dtype in DTYPE_BYTES) ||
+      !Array.isArray(shape) || shape.length > MAX_TENSOR_DIMS || offset === null) {
+    throw new BadMessage(`invalid TransferIn: a tensor needs a name of 1-${MAX_TENSOR_NAME_CHARS} characters, a dtype of ` +
+      `${Object.keys(DTYPE_BYTES).join(", ")}, at most ${MAX_TENSOR_DIMS} dimensions and an offset_bytes >= 0`, ids);
+  }
+  let count = 1n;
+  for (const d of shape) {
+    const dim = intIn(d, 0n, MAX_DIM);
+    if (dim === null) throw new BadMessage(`invalid TransferIn: tensor ${JSON.stringify(name)} has a dimension out of range`, ids);
+    count *= dim;
+  }
+  const nbytes = count * DTYPE_BYTES[dtype];
+  if (offset + nbytes > bucketBytes) {
+    throw new BadMessage(`invalid TransferIn: tensor ${JSON.stringify(name)} (${nbytes} bytes at offset ${offset}) ` +
+      `ends past its bucket of ${bucketBytes} bytes`, ids);
+  }
+  return { spec: { name, dtype, shape: shape.map((d) => BigInt(d)), offset_bytes: offset }, nbytes };
+}
+
+// A TransferIn's source: {type: "shm" | "ipc", buckets: [...]}, every bucket's tensors inside
+// it, each name once. This worker opens no handle (its connector imports nothing), so a CUDA
+// IPC handle is read only as far as its size; the rest is a map it never looks into.
+function parseSource(src, ids) {
+  const kind = src instanceof Map ? src.get("type") : undefined;
+  if (kind !== "shm" && kind !== "ipc") {
+    throw new BadMessage('invalid TransferIn: source must be {"type": "shm" | "ipc", "buckets": [...]}', ids);
+  }
+  only(src, ["type", "buckets"], "TransferIn: source", ids);
+  const buckets = src.get("buckets");
+  if (!Array.isArray(buckets) || buckets.length < 1 || buckets.length > MAX_BUCKETS) {
+    throw new BadMessage(`invalid TransferIn: a source has 1-${MAX_BUCKETS} buckets`, ids);
+  }
+  const names = new Set();
+  let carried = 0n;
+  const parsed = buckets.map((b) => {
+    only(b, kind === "shm" ? ["handle", "nbytes", "sender_pid", "tensors"] : ["nbytes", "sender_pid", "tensors", "ipc", "handle"],
+      `TransferIn: a ${kind} bucket`, ids);
+    const nbytes = intIn(b.get("nbytes"), 0n, MAX_BUCKET_BYTES);
+    const pid = intIn(b.get("sender_pid"), 1n, (1n << 31n) - 1n);
+    const tensors = b.get("tensors");
+    const handle = b.has("handle") ? b.get("handle") : null;
+    const handleOk = kind === "shm"
+      ? typeof handle === "string" && handle.length >= 1 && handle.length <= MAX_HANDLE_CHARS
+      : handle === null; // an ipc bucket's handle exists only to refuse the old pickled form
+    const ipc = b.get("ipc");
+    const ipcOk = kind === "shm" ||
+      (ipc instanceof Map && nbytes !== null && intIn(ipc.get("size"), nbytes, MAX_BUCKET_BYTES) !== null);
+    if (nbytes === null || pid === null || !handleOk || !ipcOk || !Array.isArray(tensors) || tensors.length < 1 ||
+        tensors.length > MAX_BUCKET_TENSORS) {
+      throw new BadMessage(`invalid TransferIn: a ${kind} bucket needs ${kind === "shm" ? "a handle, " : "its ipc handle (of at least " +
+        "its nbytes), "}nbytes, sender_pid and 1-${MAX_BUCKET_TENSORS} tensors`, ids);
+    }
+    const specs = tensors.map((t) => {
+      const { spec, nbytes: size } = parseTensorSpec(t, nbytes, ids);
+      if (names.has(spec.name)) throw new BadMessage(`invalid TransferIn: tensor ${JSON.stringify(spec.name)} is named twice`, ids);
+      names.add(spec.name);
+      carried += size;
+      return spec;
+    });
+    return { nbytes, sender_pid: pid, tensors: specs, ...(kind === "shm" ? { handle } : {}) };
+  });
+  return { source: { type: kind, buckets: parsed }, names: [...names], carried };
+}
+
+// TransferOut, TransferIn, TransferRelease (P-22): their fields into `cmd`, bounded as the schema is.
+function parseTransfer(m, type, ids, cmd) {
+  const request = m.get("request_id");
+  if (typeof request !== "string" || request.length > MAX_TASK_ID_CHARS || !REQUEST_ID_RE.test(request)) {
+    throw new BadMessage(`invalid ${type}: request_id must be 1-${MAX_TASK_ID_CHARS} characters of [A-Za-z0-9_.:/-]`, ids);
+  }
+  cmd.request_id = request;
+  if (type === "TransferRelease") return;
+  const maxBytes = m.has("max_bytes") ? intIn(m.get("max_bytes"), 1n, MAX_TRANSFER_BYTES) : DEFAULT_TRANSFER_BYTES;
+  if (maxBytes === null) throw new BadMessage(`invalid ${type}: max_bytes must be an integer in 1..${MAX_TRANSFER_BYTES}`, ids);
+  cmd.max_bytes = maxBytes;
+  if (type === "TransferOut") {
+    const names = m.get("names");
+    if (!Array.isArray(names) || names.length < 1 || names.length > MAX_TRANSFER_NAMES ||
+        !names.every((n) => typeof n === "string" && n.length <= 64 && CONNECTOR_NAME_RE.test(n))) {
+      throw new BadMessage(`invalid TransferOut: names must be 1-${MAX_TRANSFER_NAMES} connector names ([a-z][a-z0-9_]*)`, ids);
+    }
+    const bucketBytes = m.has("bucket_bytes") ? intIn(m.get("bucket_bytes"), 1n, MAX_BUCKET_BYTES) : 256n << 20n;
+    if (bucketBytes === null) throw new BadMessage(`invalid TransferOut: bucket_bytes must be in 1..${MAX_BUCKET_BYTES}`, ids);
+    Object.assign(cmd, { names, payload: m.has("payload") ? m.get("payload") : null, bucket_bytes: bucketBytes });
+    return;
+  }
+  const producer = intIn(m.get("producer_version"), 0n, MAX_WEIGHTS_VERSION);
+  const declared = m.has("expect_version") ? m.get("expect_version") : null; // null: any version
+  const expect = declared === null ? undefined : intIn(declared, 0n, MAX_WEIGHTS_VERSION);
+  if (producer === null || expect === null) {
+    throw new BadMessage(`invalid TransferIn: producer_version (required) and expect_version must be versions in 0..${MAX_WEIGHTS_VERSION}`, ids);
+  }
+  const { source, names, carried } = parseSource(m.get("source"), ids);
+  if (carried > maxBytes) { // refused on decode (P-22, P-10): nothing about the transfer is looked at
+    throw new BadMessage(`invalid TransferIn: the transfer carries ${carried} bytes, over its max_bytes ${maxBytes}; ` +
+      "raise max_bytes or export fewer tensors", ids);
+  }
+  Object.assign(cmd, { producer_version: producer, expect_version: expect === undefined ? null : expect, source, names });
 }
 
 function parseCommand(data) {
@@ -264,6 +404,7 @@ function parseCommand(data) {
     cmd.hold = m.get("hold");
     cmd.clear_cache = clear;
   }
+  if (type.startsWith("Transfer")) parseTransfer(m, type, ids, cmd);
   return cmd;
 }
 
@@ -496,6 +637,34 @@ class Worker {
     if (cmd.hold === this.held) return this.answer(cmd, this.ack(cmd, "ALREADY"));
     const started = process.hrtime.bigint();
     this.held = cmd.hold;
+    return this.answer(cmd, this.ack(cmd, "OK", this.memory(this.usage()), started));
+  }
+
+  // P-22. Nothing is ever held here for a request: the connector exports and imports no name,
+  // so every export and every landing is refused (kept, like any answer to an attempted effect).
+  onTransferOut(cmd) {
+    if (this.state !== "ACTIVE") return this.refuseState(cmd, "TransferOut runs the model's export: ACTIVE only");
+    return this.answer(cmd, this.nack(cmd, "INVALID_ARGUMENT", `the export of request ${JSON.stringify(cmd.request_id)}: ` +
+      `${JSON.stringify(cmd.names)} are not exported by this worker, whose model exports nothing; nothing held`));
+  }
+
+  onTransferIn(cmd) {
+    if (this.state !== "ACTIVE") return this.refuseState(cmd, "TransferIn is taken only where its request can run: ACTIVE");
+    const what = `the transfer of request ${JSON.stringify(cmd.request_id)}`;
+    if (cmd.expect_version !== null && cmd.expect_version !== cmd.producer_version) {
+      return this.answer(cmd, this.nack(cmd, "INVALID_ARGUMENT", `${what} carries producer weights version ` +
+        `${cmd.producer_version}, its request was declared for version ${cmd.expect_version}; nothing was kept`));
+    }
+    return this.answer(cmd, this.nack(cmd, "INVALID_ARGUMENT", `${what}: ${JSON.stringify(cmd.names)} are not among ` +
+      "this worker's imports (its model imports nothing); no handle was opened, nothing was kept"));
+  }
+
+  onTransferRelease(cmd) {
+    if (!IDLE.includes(this.state)) {
+      return this.refuseState(cmd, "TransferRelease is taken in ACTIVE, SLEEPING, PARTIAL and NEEDS_RELOAD");
+    }
+    // Nothing held for the request: acknowledged as a release of a hold would be (P-22).
+    const started = process.hrtime.bigint();
     return this.answer(cmd, this.ack(cmd, "OK", this.memory(this.usage()), started));
   }
 
