@@ -74,15 +74,11 @@ def _value(t: Any, rng: random.Random) -> Any:
             high = t.le if t.le is not None else t.lt if t.lt is not None else low + _OPEN_INT
             value = rng.uniform(low, high)
             return value if t.gt is None or value > t.gt else high
-        case mi.StrType() if t.pattern is None or t.pattern in _PATTERNS_OF_THE_ALPHABET:
+        case mi.StrType() if t.pattern is None or t.pattern in _PATTERNS_OF_THE_ALPHABET | {IDENTIFIER_PATTERN}:
             low = max(1, t.min_length or 0)
             high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
-            return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high)))
-        case mi.StrType() if t.pattern == IDENTIFIER_PATTERN:  # a letter first
-            low = max(1, t.min_length or 0)
-            high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
-            rest = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high) - 1))
-            return rng.choice(_ALPHABET[:26]) + rest
+            first = rng.choice(_ALPHABET[:26] if t.pattern == IDENTIFIER_PATTERN else _ALPHABET)
+            return first + "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high) - 1))
         case mi.BytesType():
             low = t.min_length or 0
             high = max(low, min(t.max_length if t.max_length is not None else 16, 128))

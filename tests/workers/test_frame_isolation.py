@@ -221,6 +221,26 @@ def test_a_payload_or_result_too_deep_is_answered_never_dropped(peer):
     assert peer.worker.frame_errors.total == 0  # refused by design, nothing escaped a handler
 
 
+def test_a_transfer_payload_too_deep_is_refused_never_raised(peer):
+    """The kind of frame the schema fuzzer found (seed 20261126; its exact bytes against a
+    worker process: tests/fuzz/test_regressions.py): a TransferOut whose payload nests 987
+    deep, naming tensors the runner does not export. It decoded, the export was refused, and
+    the refusal's reply-cache digest re-encoded the payload deeper in the stack: RecursionError
+    into the loop's isolation. A TransferOut's payload is bounded as a request's is."""
+    reference = peer.execute(PROBE).output
+    for depth in (MAX_PAYLOAD_DEPTH + 1, 987):
+        deep = msgspec.Raw(b"\x91" * (depth - 1) + b"\x90")  # raw: the test's stack may not encode it
+        frame = {"type": "TransferOut", "v": PROTOCOL_VERSION, "task_id": f"tdeep{depth}", "epoch": 0}
+        peer.send_raw(msgspec.msgpack.encode(frame | {"request_id": "r1", "names": ["cl4"], "payload": deep}))
+        reply = peer.receive()
+        assert isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE, reply
+        assert reply.task_id == f"tdeep{depth}" and reply.state.value == "ACTIVE", reply
+        assert "invalid TransferOut.payload: a payload must be at most MAX_PAYLOAD_DEPTH" in reply.detail
+        assert f"nests {depth} levels" in reply.detail, reply.detail
+    peer.serves(reference)
+    assert peer.worker.frame_errors.total == 0  # refused at decode: nothing reached the isolation
+
+
 def test_frame_errors_count_by_closed_cause_and_log_once_per_interval(caplog):
     now = [0.0]
     errors = FrameErrors("loop", logging.getLogger("test.isolation"), log_interval_s=60.0, clock=lambda: now[0])
