@@ -75,4 +75,4 @@ def _keep(demo: RealDemo, image: Image) -> Image:
     demo.out_dir.mkdir(parents=True, exist_ok=True)
     (demo.out_dir / image.name).write_bytes(image.png)
     demo.images.append(image)
-    return dict(image)
+    return image
