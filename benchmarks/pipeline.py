@@ -24,6 +24,7 @@ which says where its extra time goes.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -152,12 +153,15 @@ def _stats(ms: list[float]) -> tuple[float, float]:
     return _percentile(ordered, 0.5), _percentile(ordered, 0.95)
 
 
-def render_markdown(results: list[dict[str, Any]], machine: dict[str, Any], command: str) -> str:
+def render_markdown(
+    results: list[dict[str, Any]], machine: dict[str, Any], command: str, load: float | None = None
+) -> str:
     lines = [
         "# A request across two stages: Engine.pipeline (a transfer) against the caller chaining them",
         "",
         f"machine: {machine['host']}, {machine['cpus']} CPUs, {machine['platform']}, Python {machine['python']}; "
-        f"commit `{machine['commit']}`; command `{command}`",
+        f"commit `{machine['commit']}`; command `{command}`"
+        + ("" if load is None else f"; load average {load:.1f} at the start (the machine is shared)"),
         "",
         "Stages: `text` (transformers, tiny Qwen2) exports `prompt_embeds` of the prompt "
         f"({results[0]['exported_bytes']} bytes); `image` (diffusers, tiny SD `tiny-64`, unguided) renders from "
@@ -237,8 +241,10 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> int:
     parser.add_argument("--steps", type=int, action="append", help=f"image denoising steps (default {STEPS})")
     parser.add_argument("--models", type=Path, default=None, help="where to make the tiny models (else a temp dir)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    load = os.getloadavg()[0]
     results = run(args.models, args.steps or STEPS, args.requests, args.warmup)
-    text = render_markdown(results, _machine(), command or " ".join(["python -m benchmarks.pipeline", *sys.argv[1:]]))
+    line = command or " ".join(["python -m benchmarks.pipeline", *sys.argv[1:]])
+    text = render_markdown(results, _machine(), line, load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
