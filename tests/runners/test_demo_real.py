@@ -183,3 +183,15 @@ def test_the_pipeline_scene_fails_the_demo_when_its_image_or_wake_differs(
     assert engine.calls[:4] == [("Sleep", "llm"), ("Sleep", "sd"), ("Wake", "llm"), ("pipeline", "llm>sd")]
     assert engine.calls[-2:] == [("execute", "llm"), ("execute", "sd")]
     assert (tmp_path / BY_HAND_IMAGE).read_bytes() == by_hand_png
+
+
+def test_the_sd_stage_is_started_only_with_a_checkpoint_of_the_llms_width(tmp_path) -> None:
+    from omni_core.demo_pipeline import SD_SIZES
+    from omni_core.engine import AdmissionPolicy
+
+    demo = RealDemo(out_dir=tmp_path, models_dir=tmp_path, out=io.StringIO())
+    assert [s.name for s in demo.specs(tmp_path / "llm", tmp_path / "dit")] == ["llm", "dit"]
+    specs = {s.name: s for s in demo.specs(tmp_path / "llm", tmp_path / "dit", tmp_path / "sd")}
+    assert specs["sd"].admission is AdmissionPolicy.WAKE  # the transfer wakes it
+    assert specs["llm"].admission is specs["dit"].admission is AdmissionPolicy.REJECT
+    assert SD_SIZES == {"tiny": "tiny-64", "large": None}  # no SD of Qwen2 1.5B's width (1536)
