@@ -237,7 +237,7 @@ class StageCore:
         self.rank_capabilities = {rank: frozenset(c) for rank, c in snapshot.rank_capabilities.items()}
         self.weights_version = snapshot.weights_version
         self.rank_versions = {rank: snapshot.weights_version for rank in snapshot.rank_state}
-        self.paused = snapshot.paused
+        self.paused, self.holding = snapshot.paused, snapshot.holding
         self.failure, self.failed_ranks = "", {}
         self.adapter_splits.clear()
         self._task = snapshot.task
