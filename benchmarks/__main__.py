@@ -59,6 +59,13 @@ def run(args: argparse.Namespace) -> int:
 
         args.command_line = " ".join([PROG, *sys.argv[1:]])
         return weight_sync_main(args)
+    if args.pipeline:
+        from benchmarks.pipeline import main as pipeline_main
+
+        out = args.out or "benchmarks/results"
+        out = out if out.endswith(".md") else f"{out}/pipeline.md"
+        short = ["--requests", "4", "--warmup", "1"] if args.short else []
+        return pipeline_main(["--out", out, *short], " ".join([PROG, *sys.argv[1:]]))
     if args.vllm:
         from benchmarks.vllm_stage import main as vllm_stage_main
 
@@ -99,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="throughput of a tiny transformers stage at 1, 8 and 64 requests in flight, and a no-op "
         "command against a raw ZeroMQ + msgspec round trip at 1..4 ranks (CPU)",
+    )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="a request across a tiny Qwen2 and a tiny SD stage: Engine.pipeline (a transfer) against the "
+        "caller chaining them, p50/p95, images compared (CPU; --out FOLDER or FILE.md)",
     )
     p.add_argument("--ranks", type=int, action="append", help="rank count (repeatable; default 1 2 4 8)")
     p.add_argument("--cycles", type=int, default=None, help="sleep+wake cycles per rank count")

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, TypedDict
 
+import msgspec
+
 from omni_core.demo import fmt_bytes, write_table
+from omni_core.demo_pipeline import SD_FAMILY, SD_SIZES, pipeline_scene
 from omni_core.engine import AdmissionPolicy, Engine, LifecycleReport, RequestRejectedError, StageSpec
 
 # (LLM size, DiT size) of `omni-core models make`, by --size.
@@ -190,7 +193,7 @@ class RealDemo:
 
     # ------------------------------------------------------------------ set-up
 
-    def specs(self, llm_dir: Path, dit_dir: Path) -> list[StageSpec]:
+    def specs(self, llm_dir: Path, dit_dir: Path, sd_dir: Path | None = None) -> list[StageSpec]:
         large = self.size != "tiny"
         # One thread per rank on a CPU: the two ranks and the orchestrator share the machine.
         threads = {"cpu_threads": 1} if self.device == "cpu" else {}
@@ -216,24 +219,36 @@ class RealDemo:
                 "runner_args": {"model": str(llm_dir), "max_model_len": 256},
                 "gpu_memory_fraction": VLLM_FRACTION,
             }
-        return [
+        specs = [
             StageSpec("llm", **llm_stage, **common),
             StageSpec(
                 "dit", runner="diffusers", runner_args=dit_args, tags=("weights", "kv_cache", "requests"), **common
             ),
         ]
+        if sd_dir is not None:  # the pipeline scene's consumer: a transfer into it wakes it
+            sd = StageSpec("sd", runner="diffusers", runner_args={"model": str(sd_dir), **threads}, **common)
+            specs.append(msgspec.structs.replace(sd, admission=AdmissionPolicy.WAKE))
+        return specs
 
-    def checkpoints(self) -> tuple[Path, Path]:
+    def checkpoints(self) -> tuple[Path, Path, Path | None]:
+        """The LLM's, the DiT's and (where the catalog has one of the LLM's width) the pipeline
+        scene's SD checkpoint."""
         llm_size, dit_size = SIZES[self.size]
+        sd_size = SD_SIZES[self.size]
         w = self.out.write
-        llm_dir, llm_s = cached_checkpoint(self.models_dir, LLM_FAMILY, llm_size, log=lambda s: w(s + "\n"))
-        dit_dir, dit_s = cached_checkpoint(self.models_dir, DIT_FAMILY, dit_size, log=lambda s: w(s + "\n"))
-        made = llm_s + dit_s
-        w(
-            f"checkpoints: {llm_dir.name}, {dit_dir.name} in {self.models_dir} "
-            f"({f'made in {made:.1f} s' if made else 'reused'})\n"
-        )
-        return llm_dir, dit_dir
+
+        def log(line: str) -> None:
+            w(line + "\n")
+
+        llm_dir, llm_s = cached_checkpoint(self.models_dir, LLM_FAMILY, llm_size, log=log)
+        dit_dir, dit_s = cached_checkpoint(self.models_dir, DIT_FAMILY, dit_size, log=log)
+        sd_dir, sd_s = (None, 0.0)
+        if sd_size is not None:
+            sd_dir, sd_s = cached_checkpoint(self.models_dir, SD_FAMILY, sd_size, log=log)
+        made = llm_s + dit_s + sd_s
+        names = ", ".join(d.name for d in (llm_dir, dit_dir, sd_dir) if d is not None)
+        w(f"checkpoints: {names} in {self.models_dir} ({f'made in {made:.1f} s' if made else 'reused'})\n")
+        return llm_dir, dit_dir, sd_dir
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -316,13 +331,14 @@ class RealDemo:
             f"({self.device}, backend {self.backend}); images in {self.out_dir}/\n"
         )
         started = time.perf_counter()
-        llm_dir, dit_dir = self.checkpoints()
+        llm_dir, dit_dir, sd_dir = self.checkpoints()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
-        with Engine(self.specs(llm_dir, dit_dir), trace_path=self.trace_path) as engine:
-            w(f"started 2 stages (1 rank each) in {time.perf_counter() - began:.1f} s\n")
+        specs = self.specs(llm_dir, dit_dir, sd_dir)
+        with Engine(specs, trace_path=self.trace_path) as engine:
+            w(f"started {len(specs)} stages (1 rank each) in {time.perf_counter() - began:.1f} s\n")
             status = engine.status()
-            for name in ("llm", "dit"):
+            for name in (spec.name for spec in specs):
                 for rank in status[name]["ranks"].values():
                     why = f" ({rank['backend_reason']})" if rank["backend_reason"] else ""
                     w(f"  {name}: backend {rank['backend']}{why}\n")
@@ -392,6 +408,11 @@ class RealDemo:
             {"op": "finish", "request_id": request_id},
             stage_op=f"{request_id} finished: ",
         )
+
+        if "sd" in engine.status():
+            pipeline_scene(self, engine, PROMPT)
+        else:
+            self.note("6 pipeline", "llm>sd", "-", 0.0, f"skipped: no {SD_FAMILY} size of the {self.size} LLM's width")
 
     # ------------------------------------------------------------------ output
 

@@ -5,6 +5,8 @@ ranks, resume serves the queue, and the table refuses what a pause does not allo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import stage_inputs
 from lifecycle_helpers import StageHarness
@@ -13,7 +15,8 @@ from test_admission import Driver, answers
 from omni_core.fsm import inputs as I
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction, admit, queue_rule
 from omni_core.fsm.inputs import RequestError
-from omni_core.fsm.stage import StageBusyError, StageCommandError, StageRequest
+from omni_core.fsm.stage import StageBusyError, StageCommandError, StageCore, StageRequest
+from omni_core.fsm.stage_step import StageSnapshot
 from omni_core.fsm.stage_table import STAGE_TRANSITIONS
 from omni_core.fsm.worker import InvariantViolation
 from omni_core.protocol import AckStatus, DiskSource, HoldRequests, Nack, NackReason, StageState, WorkerState
@@ -241,3 +244,26 @@ def test_a_paused_stage_takes_a_weight_update_and_stays_paused() -> None:
     assert refused is not None and refused.refused and refused.state is S.PAUSED
     assert h.stage.weights_version == 1 and h.stage.state is S.PAUSED
     assert stage_inputs.resume(h.stage, "u", h.now).outcome.state is S.RUNNING  # type: ignore[union-attr]
+
+
+def test_a_held_pause_restores_from_its_snapshot_and_resume_releases_every_rank() -> None:
+    d = Driver()
+    d.step(I.Submit("r1", 5, 30.0))
+    d.run(d.step(I.PauseCall("p", "keep", 30.0)))
+    assert d.core.state is S.PAUSED and d.core.holding and d.core.in_flight_requests == 1
+    core = StageCore("s", 2)
+    # Without `holding` the snapshot would be a PAUSED stage with requests in flight: no state.
+    snapshot = StageSnapshot(
+        S.PAUSED,
+        rank_state={0: WorkerState.ACTIVE, 1: WorkerState.ACTIVE},
+        paused=True,
+        in_flight=tuple(d.core.requests.in_flight.values()),
+        holding=True,
+    )
+    core.restore(snapshot)
+    assert core.holding and core.in_flight_requests == 1
+    with pytest.raises(InvariantViolation, match="in flight outside"):
+        StageCore("s", 2).restore(dataclasses.replace(snapshot, holding=False))
+    resumed = core.step(I.ResumeCall("u", 30.0), 0.0)
+    releases = [(o.rank, o.command.hold) for o in resumed.sends if isinstance(o.command, HoldRequests)]
+    assert core.state is S.RUNNING and releases == [(0, False), (1, False)]

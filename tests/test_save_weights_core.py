@@ -26,6 +26,7 @@ from omni_core.protocol import (
     NackReason,
     ReloadWeights,
     SaveWeights,
+    Status,
     TensorSpec,
     UpdateWeights,
     Wake,
@@ -272,3 +273,16 @@ def test_a_rank_reloads_at_the_version_the_shell_read_and_takes_updates_above_it
     assert isinstance(ack, Ack) and (ack.state, ack.weights_version) == (W.ACTIVE, 3)
     stale = worker.run(UpdateWeights(task_id="u3", epoch=0, version=3, source=DiskSource(path="/ckpt")))
     assert isinstance(stale, Nack) and stale.reason is NackReason.STALE_VERSION
+
+
+def test_a_reload_commits_where_it_read_and_a_memory_update_after_it_does_not() -> None:
+    keeper = VersionKeeper()
+    shm = _shm(16, TensorSpec(name="w", dtype="float32", shape=(4,)))
+    keeper.committed(UpdateWeights(task_id="u", epoch=0, version=3, source=shm), 3)
+    keeper.committed(ReloadWeights(task_id="r", epoch=0, source="/saves/v3"), 3)  # a save of v3 read back
+    assert keeper.plan_restart(3, 1, from_checkpoint=False) == StartWeights(source="/saves/v3", version=3)
+    keeper.committed(UpdateWeights(task_id="u2", epoch=0, version=4, source=shm), 4)
+    assert keeper.plan_restart(4, 2, from_checkpoint=False) == StartWeights(needs_reload=True, floor=4)
+    # Status and the like write no weights: where the version lives is unchanged.
+    keeper.committed(Status(task_id="s", epoch=0), 4)
+    assert keeper.kind == "memory"

@@ -94,7 +94,7 @@ class ReloadCall:
 @dataclass(frozen=True)
 class UpdateCall:
     """Replace the weights as `version` from `source` (an omni_core.protocol WeightSource, P-17).
-    `flush_cache` False keeps the runner's caches keyed by version (UpdateWeights.flush_cache)."""
+    `flush_cache` False keeps the runner's caches keyed by version (the wire's flush_cache)."""
 
     task_id: str
     version: int

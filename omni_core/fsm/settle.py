@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from omni_core.fsm.table import Transition
-from omni_core.protocol import NackReason, ReloadWeights, StageState, UpdateWeights, Wake, WorkerState
+from omni_core.protocol import COMMAND_TYPES, Command, NackReason, StageState, WorkerState
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -91,19 +91,14 @@ def settle_row(settled: Settled) -> SettleRow:
 
 # The NACK that is a refusal (the rank is where it was, nothing written or kept mapped) rather
 # than a failure, per command; any other command has none.
-REFUSAL_REASON: Mapping[type, NackReason] = MappingProxyType(
-    {
-        ReloadWeights: NackReason.INVALID_ARGUMENT,
-        Wake: NackReason.NO_MEMORY,
-        UpdateWeights: NackReason.INVALID_ARGUMENT,
-    }
+REFUSAL_REASON: Mapping[type[Command], NackReason] = MappingProxyType(
+    {kind: kind.refusal_reason for kind in COMMAND_TYPES if kind.refusal_reason is not None}
 )
-_REFUSED_VERB: Mapping[type, str] = MappingProxyType({ReloadWeights: "reload", Wake: "wake", UpdateWeights: "update"})
 
 
-def refused_trigger(kind: type, state_before: enum.Enum) -> str:
+def refused_trigger(kind: type[Command], state_before: enum.Enum) -> str:
     """The trigger that returns a refused `kind` to `state_before` (worker or stage alike)."""
-    return f"{_REFUSED_VERB[kind]}_refused_{state_before.value.lower()}"
+    return f"{kind.refusal_verb}_refused_{state_before.value.lower()}"
 
 
 def refused_rows(kind: type, source: E, dests: tuple[E, ...], why: str) -> tuple[Transition[E], ...]:

@@ -134,7 +134,8 @@ class StageSnapshot:
     """A stage core's state as `StageCore.restore` takes it: a case, not a path to it (the
     agreement rows of omni_core.formal, tests). The lifecycle state, the residency the ranks
     hold, what each rank reported and declared, the committed weights version, a held pause,
-    the task in flight and the requests queued and in flight."""
+    the task in flight and the requests queued and in flight (`holding`: those in flight are
+    frozen on the ranks by a pause of mode keep, P-23)."""
 
     state: S
     asleep: frozenset[str] = frozenset()
@@ -146,3 +147,4 @@ class StageSnapshot:
     task: StageTask | None = None
     queued: tuple[StageRequest, ...] = ()
     in_flight: tuple[StageRequest, ...] = ()
+    holding: bool = False

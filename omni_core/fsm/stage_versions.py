@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_core.protocol import Command, DiskSource, ReloadWeights, UpdateWeights
+from omni_core.protocol import Command
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,9 @@ class VersionKeeper:
 
     def committed(self, command: Command, version: int) -> None:
         """Every rank ACKed `command` at `version`: where that version now lives."""
-        if isinstance(command, UpdateWeights):
-            source = command.source
-            self.durable = isinstance(source, DiskSource)
-            self.source = source.path if isinstance(source, DiskSource) else None
-        elif isinstance(command, ReloadWeights):
-            self.durable, self.source = True, command.source
+        written = command.writes_weights
+        if written is not None:
+            self.durable, self.source = written
         if version >= self.floor:
             self.floor = 0
 

@@ -290,6 +290,20 @@ FAMILIES: dict[str, Family] = {
                     "scheduler": _SD_DDIM,
                 },
             ),
+            # The tiny UNet attending to a 64-wide text: the tiny Qwen2's hidden size, so that
+            # LLM's prompt embeddings condition it through a transfer (P-22; the demo's
+            # pipeline scene, benchmarks/pipeline.py).
+            "tiny-64": Size(
+                "tiny-64",
+                356_931,
+                "float32",
+                {
+                    "unet": _sd_unet([16, 32], 1, 8, 64, 8, 8),
+                    "vae": _vae([8, 16], 4, 16),
+                    "text_encoder": _clip_text(64, 128, 2, 4, CLIP_TINY_VOCAB),
+                    "scheduler": _SD_DDIM,
+                },
+            ),
             "1b": Size(
                 "1b",
                 1_066_235_307,

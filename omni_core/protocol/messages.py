@@ -8,7 +8,7 @@ re-sent as-is, and unknown fields are refused so that a typo never passes silent
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union, get_args
 
 import msgspec
 
@@ -18,6 +18,7 @@ from omni_core.protocol.weights import (
     MAX_BUCKET_BYTES,
     MAX_HOST_CHARS,
     AdapterTensors,
+    DiskSource,
     IpcSource,
     NewWeightsVersion,
     ShmSource,
@@ -94,13 +95,32 @@ def arguments(message: Message) -> dict[str, Any]:
 # ---------------------------------------------------------------- commands (orchestrator -> worker)
 
 
+class WrittenWeights(NamedTuple):
+    """Weights a command wrote: `durable` where a later start can read them again (a directory,
+    a checkpoint), at `path` (None: the runner's own checkpoint, or memory only)."""
+
+    durable: bool
+    path: str | None
+
+
 class Command(Message, kw_only=True, frozen=True):
     """A message the orchestrator sends to a worker; each gets exactly one terminal reply."""
+
+    # The NACK reason that is this command's refusal (the rank is where it was, nothing written
+    # or kept mapped) rather than its failure, and the verb that names the refusal's triggers
+    # ("{verb}_refused_{state}"); None: no NACK of it is a refusal of that kind.
+    refusal_reason: ClassVar[NackReason | None] = None
+    refusal_verb: ClassVar[str] = ""
 
     @property
     def installs_version(self) -> int:
         """The weights version this command makes the rank's once ACKed (P-17); 0: it names none."""
         return 0
+
+    @property
+    def writes_weights(self) -> WrittenWeights | None:
+        """Where the weights this command writes live once ACKed; None: it writes none."""
+        return None
 
 
 class LinkShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -150,6 +170,8 @@ class Wake(Command, kw_only=True, frozen=True):
     wait); see `codec.encode`."""
 
     OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("memory_wait_s", "links")
+    refusal_reason = NackReason.NO_MEMORY
+    refusal_verb = "wake"
 
     tags: Tags | None = None
     memory_wait_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_MEMORY_WAIT_S)] = 0.0
@@ -160,7 +182,14 @@ class ReloadWeights(Command, kw_only=True, frozen=True):
     """Refill the weights after a level-2 sleep (or to swap weights in place while ACTIVE).
     `source` is runner-specific (a path, a seed); None means the runner's own source."""
 
+    refusal_reason = NackReason.INVALID_ARGUMENT
+    refusal_verb = "reload"
+
     source: str | None = None
+
+    @property
+    def writes_weights(self) -> WrittenWeights:
+        return WrittenWeights(durable=True, path=self.source)
 
 
 class UpdateWeights(Command, kw_only=True, frozen=True):
@@ -180,6 +209,8 @@ class UpdateWeights(Command, kw_only=True, frozen=True):
     (INVALID_ARGUMENT) when the runner holds a cache that is not keyed so."""
 
     OPTIONAL_ON_WIRE: ClassVar[tuple[str, ...]] = ("flush_cache",)
+    refusal_reason = NackReason.INVALID_ARGUMENT
+    refusal_verb = "update"
 
     version: NewWeightsVersion
     source: WeightSource
@@ -188,6 +219,13 @@ class UpdateWeights(Command, kw_only=True, frozen=True):
     @property
     def installs_version(self) -> int:
         return self.version
+
+    @property
+    def writes_weights(self) -> WrittenWeights:
+        # Only a directory outlives the process; shm, IPC and collective sources are memory.
+        if isinstance(self.source, DiskSource):
+            return WrittenWeights(durable=True, path=self.source.path)
+        return WrittenWeights(durable=False, path=None)
 
 
 class InitWeightGroup(Command, kw_only=True, frozen=True):
@@ -384,7 +422,8 @@ class AddAdapter(Command, kw_only=True, frozen=True):
     `rank` is above the rank's `max_lora_rank`; when the rank holds `max_loras` adapters, all
     pinned. At `max_loras` otherwise the least recently used unpinned adapter is evicted and
     named in the Ack's `adapters_evicted`. The same name, version, source and base version
-    already loaded is ALREADY; another version of the name replaces it. Legal where the weights
+    already loaded is ALREADY; another version of the name replaces it, another source under the
+    version held is refused (a Result's adapter_version names one content). Legal where the weights
     are valid and awake: ACTIVE, PARTIAL with `weights` awake. Never changes the state.
 
     `tensors` (adapter-only refit): the adapter's tensors come through a weight-update plane
@@ -641,6 +680,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = COMMAND_TYPES + REPLY_TYPES
 # exported by its line here, beside its struct.
 __all__ = [
     "COMMAND_TYPES",
+    "WrittenWeights",
     "MAX_ADAPTERS",
     "MAX_ADAPTER_RANK",
     "MAX_DETAIL_CHARS",

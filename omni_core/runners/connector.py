@@ -12,11 +12,18 @@ updates, shm on a CPU, CUDA IPC on one node.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from omni_core.runners.diffusion_trajectory import from_wire, wire_tensor
+
+if TYPE_CHECKING:
+    from omni_core.runners.base import ModelRunner
 
 MAX_INBOX_ENTRIES = 64  # requests whose imported tensors wait at once on one rank
 MAX_INBOX_BYTES = 4 << 30
@@ -100,3 +107,65 @@ class TransferInbox:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+# ---------------------------------------------------------------- through the caller
+
+EXPORT_KEY = "export"  # a request's payload key: return these connector tensors, generate nothing
+MAX_WIRE_DIMS = 8
+
+
+def wants_export(payload: object) -> bool:
+    """The request asks for its connector tensors in the result ({"export": [name, ...]})."""
+    return isinstance(payload, dict) and EXPORT_KEY in payload
+
+
+def export_result(runner: ModelRunner, payload: dict[str, Any]) -> dict[str, Any]:
+    """What a TransferOut of `payload` would export, in the result instead (each tensor as
+    `wire_tensor` writes it): the caller carries it to the next stage itself."""
+    names, specs = payload[EXPORT_KEY], runner.transfer_exports()
+    if (
+        not isinstance(names, list)
+        or not names
+        or len(set(names)) != len(names)
+        or not all(isinstance(n, str) and n in specs for n in names)
+    ):
+        raise ConnectorError(f"'export' lists distinct names among {sorted(specs)}, got {names!r:.200}")
+    rest = {key: value for key, value in payload.items() if key != EXPORT_KEY}
+    tensors = runner.export_tensors(rest, tuple(names))
+    check_tensors("the export", specs, tensors)
+    return {name: wire_tensor(tensor) for name, tensor in tensors.items()}
+
+
+def tensors_from_wire(
+    what: str, specs: Mapping[str, ConnectorSpec], described: Any, max_bytes: int
+) -> dict[str, torch.Tensor]:
+    """Tensors a caller sent (name -> {"dtype", "shape", "data"}, as `export_result` gives
+    them), each checked against `specs` before its bytes are read, `max_bytes` in all."""
+    if not isinstance(described, dict) or not described:
+        raise ConnectorError(f"{what}: a dict of name -> {{'dtype', 'shape', 'data'}}, got {described!r:.200}")
+    total, out = 0, {}
+    for name, wire in described.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise ConnectorError(f"{what}: {name!r} is not among its connector's names {sorted(specs)}")
+        if not isinstance(wire, dict) or set(wire) != {"dtype", "shape", "data"}:
+            raise ConnectorError(f"{what}: {name!r} is a dict of exactly 'dtype', 'shape' and 'data'")
+        shape, data = wire["shape"], wire["data"]
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_WIRE_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise ConnectorError(f"{what}: {name!r} has shape {shape!r:.100}; a list of sizes >= 0")
+        problem = spec.problem(name, str(wire["dtype"]), tuple(shape))
+        if problem is not None:
+            raise ConnectorError(f"{what}: {problem}")
+        wanted = math.prod(shape) * spec.dtype.itemsize
+        if not isinstance(data, bytes) or len(data) != wanted:
+            raise ConnectorError(f"{what}: {name!r} of shape {shape} carries {wanted} bytes, not {len(data)}")
+        total += wanted
+        if total > max_bytes:
+            raise ConnectorError(f"{what}: over {max_bytes} bytes in all; send less")
+        out[name] = from_wire(wire)
+    return out

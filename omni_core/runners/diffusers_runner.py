@@ -92,7 +92,12 @@ from omni_core.runners.block_offload import OFFLOAD_MODES, OFFLOAD_TAG, BlockOff
 from omni_core.runners.cfg_parallel import run_cfg_parallel, shard_dit, stage_world
 from omni_core.runners.connector import ConnectorSpec
 from omni_core.runners.diffusers_lora import DiffusersAdapters, adapter_problem
-from omni_core.runners.diffusion_connector import conditioning_specs, export_conditioning, imported_conditioning
+from omni_core.runners.diffusion_connector import (
+    conditioning_specs,
+    export_conditioning,
+    imported_conditioning,
+    passed_conditioning,
+)
 from omni_core.runners.diffusion_parallel import (
     SEQUENCE_MODES,
     SequenceParallelDiT,
@@ -145,7 +150,9 @@ STEP_CACHE_PREFIX = "step_cache."  # parked attributes of the request's StepCach
 REQUEST_KEYS = {
     "dit": frozenset({"class_label", "seed", "steps", "guidance_scale", "trajectory"}),
     "ddpm": frozenset({"seed", "steps", "trajectory"}),
-    "sd": frozenset({"prompt", "negative_prompt", "transfer", "seed", "steps", "guidance_scale", "trajectory"}),
+    "sd": frozenset(
+        {"prompt", "negative_prompt", "transfer", "conditioning", "seed", "steps", "guidance_scale", "trajectory"}
+    ),
 }
 DEFAULT_GUIDANCE = {"dit": 4.0, "ddpm": 1.0, "sd": 7.5}  # each pipeline's own default
 DEFAULT_PROMPT_CACHE_BYTES = 16 << 20  # SD 1.5 in fp16: 70 prompts of 236 KB
@@ -796,6 +803,8 @@ class DiffusersRunner(ModelRunner):
             request.prompt = payload.get("prompt")
             if "transfer" in payload:  # P-22: conditioning another stage computed
                 request.embeddings = imported_conditioning(self, payload, guidance > 1)
+            elif "conditioning" in payload:  # the same, carried by the caller
+                request.embeddings = passed_conditioning(self, payload, guidance > 1)
             else:
                 request.embeddings = self._prompt_embeddings(
                     request.prompt, payload.get("negative_prompt"), guidance > 1

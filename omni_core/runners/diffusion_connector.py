@@ -4,8 +4,10 @@ serve as that text stage itself (its CLIP encoder's embeddings, exported).
 
 Names: `prompt_embeds` and `negative_prompt_embeds`, each one row of the text encoder's width
 (`hidden_size`, the UNet's cross-attention width) and any length, in the runner's dtype. A
-request names what landed for it with `{"transfer": request_id}` in place of `prompt`; a guided
-one (guidance_scale > 1) needs both, as StableDiffusionPipeline.encode_prompt gives them.
+request names what landed for it with `{"transfer": request_id}` in place of `prompt` (or
+carries the tensors itself, `{"conditioning": {name: tensor}}`, as a caller chaining the stages
+by hand sends what the producer's `{"export": [...]}` answered); a guided one (guidance_scale >
+1) needs both, as StableDiffusionPipeline.encode_prompt gives them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.runners.connector import ConnectorSpec, check_tensors
+from omni_core.runners.connector import MAX_INBOX_BYTES, ConnectorSpec, check_tensors, tensors_from_wire
 
 NAMES = ("prompt_embeds", "negative_prompt_embeds")
 
@@ -51,15 +53,33 @@ def export_conditioning(runner: Any, payload: Any, names: Sequence[str]) -> dict
 def imported_conditioning(runner: ModelRunner, payload: dict[str, Any], guided: bool) -> torch.Tensor:
     """The embeddings that landed for the payload's "transfer", as `_prompt_embeddings` gives
     them (negative first when guided), on the host."""
-    if "prompt" in payload or "negative_prompt" in payload:
-        raise ValueError("a request names its conditioning once: 'transfer' or 'prompt', not both")
+    _named_once(payload, "transfer")
     landed = runner.take_imported(payload["transfer"])
     check_tensors("the landed conditioning", runner.transfer_imports(), landed)
-    if "prompt_embeds" not in landed or (guided and "negative_prompt_embeds" not in landed):
+    return _embeddings("the transfer", landed, guided)
+
+
+def passed_conditioning(runner: ModelRunner, payload: dict[str, Any], guided: bool) -> torch.Tensor:
+    """The embeddings the caller sent in the payload's "conditioning" (name -> a tensor as
+    `wire_tensor` writes it, what another stage's {"export": [...]} answered), checked as a
+    landed transfer is."""
+    _named_once(payload, "conditioning")
+    sent = tensors_from_wire("the conditioning", runner.transfer_imports(), payload["conditioning"], MAX_INBOX_BYTES)
+    return _embeddings("the conditioning", sent, guided)
+
+
+def _named_once(payload: dict[str, Any], key: str) -> None:
+    also = sorted({"prompt", "negative_prompt", "transfer", "conditioning"} - {key} & set(payload))
+    if also:
+        raise ValueError(f"a request names its conditioning once: {key!r}, not also {also}")
+
+
+def _embeddings(what: str, tensors: dict[str, torch.Tensor], guided: bool) -> torch.Tensor:
+    if "prompt_embeds" not in tensors or (guided and "negative_prompt_embeds" not in tensors):
         raise ValueError(
-            f"the transfer carries {sorted(landed)}; a request needs 'prompt_embeds', and "
+            f"{what} carries {sorted(tensors)}; a request needs 'prompt_embeds', and "
             "'negative_prompt_embeds' too when guidance_scale > 1: export both"
         )
-    positive = landed["prompt_embeds"]
-    embeddings = torch.cat([landed["negative_prompt_embeds"], positive]) if guided else positive
+    positive = tensors["prompt_embeds"]
+    embeddings = torch.cat([tensors["negative_prompt_embeds"], positive]) if guided else positive
     return embeddings.to("cpu")

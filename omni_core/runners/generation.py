@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 DEFAULT_MAX_NEW_TOKENS = 16
+T = TypeVar("T")
 PAYLOAD_KEYS = frozenset({"prompt_ids", "prompt", "max_new_tokens", "sampling", "stop_at_eos"})
 
 
@@ -78,11 +79,9 @@ def parse_generation(
     return GenerationRequest(rows, batched, max_new, parse_sampling(payload.get("sampling", "greedy")), stop)
 
 
-def parse_each(
-    payloads: Sequence[Any], parse: Callable[[Any], GenerationRequest]
-) -> list[GenerationRequest | Exception]:
+def parse_each(payloads: Sequence[Any], parse: Callable[[Any], T]) -> list[T | Exception]:
     """Each payload of a batch parsed, or the exception that is that request's own error."""
-    parsed: list[GenerationRequest | Exception] = []
+    parsed: list[T | Exception] = []
     for payload in payloads:
         try:
             parsed.append(parse(payload))

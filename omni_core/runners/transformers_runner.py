@@ -43,7 +43,7 @@ import torch
 from omni_core.fsm.tags import ADAPTERS_TAG, KV_CACHE_TAG, WEIGHTS_TAG
 from omni_core.protocol import AddAdapter
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.runners.connector import ConnectorSpec
+from omni_core.runners.connector import ConnectorSpec, export_result, wants_export
 from omni_core.runners.generation import GenerationRequest, Sampling, is_int, parse_each, parse_generation
 from omni_core.runners.lora import PeftAdapters
 from omni_core.runners.synthetic import torch_dtype
@@ -425,8 +425,14 @@ class TransformersRunner(ModelRunner):
         "sampling": "greedy" (default) | {"temperature": float, "seed": int, "top_k": int},
         "stop_at_eos" (default true). Returns "token_ids" (new tokens only), "text" when
         there is a tokenizer, "finish_reason" ("stop" | "length") and "prompt_tokens", each a
-        list per prompt when the payload gave a list.
+        list per prompt when the payload gave a list. With "export": [name, ...] (P-22) nothing
+        is generated: the result is those connector tensors of the one prompt (`export_result`),
+        what a TransferOut would move, for a caller that chains the stages itself.
         """
+        if wants_export(payload):
+            if adapter is not None:
+                raise RunnerArgumentError("an export runs on the base weights; send it without an adapter")
+            return export_result(self, payload)
         request = self._parse(payload)
         self._check_ready()
         with torch.no_grad(), self.lora.using(adapter) if self.lora is not None else nullcontext():
@@ -438,10 +444,13 @@ class TransformersRunner(ModelRunner):
         cache, each row with its own length (left padding and a mask) and its own limit, so
         each result equals the request run alone. A sampled request runs on its own: its seed
         draws for its rows only. A payload that does not parse is that request's error."""
+        if any(wants_export(p) for p in payloads):  # an export generates nothing: each runs alone
+            return parse_each(payloads, self.execute)
         parsed = parse_each(payloads, self._parse)
         self._check_ready()
         outputs: list[Any] = list(parsed)
-        with torch.no_grad():
+        # The base weights alone: an adapter request before left its adapter set (P-20).
+        with torch.no_grad(), self.lora.using(None) if self.lora is not None else nullcontext():
             for group in self._groups(parsed):
                 rows = self._generate([parsed[i] for i in group])  # type: ignore[misc]
                 for i in group:

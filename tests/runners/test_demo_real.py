@@ -10,10 +10,12 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from omni_core.cli import main as cli_main
+from omni_core.demo_pipeline import BY_HAND_IMAGE, PIPELINE_IMAGE, pipeline_scene
 from omni_core.demo_real import MARKER, RealDemo, cached_checkpoint, class_label_of
 
 STEPS = (
@@ -28,6 +30,10 @@ STEPS = (
     "5 step",
     "5 sleep L1",
     "5 finish",
+    "6 sleep L1",
+    "6 wake",
+    "6 pipeline",
+    "6 by hand",
 )
 IMAGES = (
     "00-reference.png",
@@ -37,6 +43,7 @@ IMAGES = (
     "04-after-partial-wake.png",
     "05-stepwise-across-L1.png",
 )
+PIPELINE_IMAGES = (PIPELINE_IMAGE, BY_HAND_IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +67,11 @@ def test_demo_passes_through_every_lifecycle(demo_run) -> None:
 
 def test_demo_names_each_backend_and_the_link_rate_of_each_level_1_move(demo_run) -> None:
     _, text, _ = demo_run
-    assert "  llm: backend portable" in text and "  dit: backend portable" in text
+    assert all(f"  {stage}: backend portable" in text for stage in ("llm", "dit", "sd"))
     rows = text.splitlines()
-    over_link = [r for r in rows if r.startswith(("2 sleep L1", "2 wake", "5 sleep L1", "5 wake", "4 wake weights"))]
-    assert len(over_link) == 7 and all(" GB/s)" in r for r in over_link), over_link
+    level_1 = ("2 sleep L1", "2 wake", "5 sleep L1", "5 wake", "4 wake weights", "6 sleep L1", "6 wake")
+    over_link = [r for r in rows if r.startswith(level_1)]
+    assert len(over_link) == 12 and all(" GB/s)" in r for r in over_link), over_link
     assert not any(" GB/s" in r for r in rows if r.startswith(("3 sleep L2", "3 wake", "4 wake rest")))
 
 
@@ -75,11 +83,24 @@ def test_demo_writes_the_same_image_after_every_sleep(demo_run) -> None:
     assert (out / "contact-sheet.png").read_bytes().startswith(b"\x89PNG")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "PASS" and summary["mismatches"] == []
-    assert [i["file"] for i in summary["images"]] == list(IMAGES)
-    assert len({i["tensor_sha256"] for i in summary["images"]}) == 1
+    assert [i["file"] for i in summary["images"]] == [*IMAGES, *PIPELINE_IMAGES]
+    assert len({i["tensor_sha256"] for i in summary["images"][: len(IMAGES)]}) == 1
     # The DiT's class came from the LLM's tokens, and the table says which.
     first = next(s for s in summary["steps"] if s["stage"] == "llm")
     assert "-> class " in first["what"]
+
+
+def test_demo_conditions_the_diffusion_stage_through_a_transfer_as_by_hand(demo_run) -> None:
+    """Step 6: both stages asleep, the transfer wakes sd, the LLM sleeps again once the hop is
+    released, and the image equals the one the caller chained by hand."""
+    _, text, out = demo_run
+    through, by_hand = ((out / name).read_bytes() for name in PIPELINE_IMAGES)
+    assert through.startswith(b"\x89PNG") and through == by_hand
+    assert through != (out / IMAGES[0]).read_bytes()  # another model's image, not a DiT copy
+    rows = [r for r in text.splitlines() if r.startswith("6 ")]
+    assert [r.split()[2] for r in rows] == ["L1", "L1", "llm", "llm>sd", "L1", "llm", "hand"], rows
+    assert "moved by a transfer at llm v0, sd woken ✓" in rows[3]
+    assert rows[-1].endswith(f"{BY_HAND_IMAGE} == {PIPELINE_IMAGE}, bytes and tensor ✓")
 
 
 def test_the_class_label_follows_the_tokens() -> None:
@@ -104,3 +125,73 @@ def test_command_line_options(capsys) -> None:
     assert "--synthetic" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["demo", "--size", "huge"])
+
+
+class _StubEngine:
+    """What the pipeline scene asks of an engine, answering with given images: the scene's
+    own checks, without rank processes."""
+
+    def __init__(self, by_hand_png: bytes, sd_state: str = "RUNNING") -> None:
+        self.by_hand_png, self.sd_state = by_hand_png, sd_state
+        self.calls: list[tuple[str, str]] = []
+
+    def _report(self, stage: str, command: str, state: str) -> SimpleNamespace:
+        self.calls.append((command, stage))
+        return SimpleNamespace(stage=stage, command=command, state=state, status="OK", duration_s=0.0, ranks={})
+
+    def sleep(self, stage: str, level: int) -> SimpleNamespace:
+        return self._report(stage, "Sleep", "SLEEPING")
+
+    def wake(self, stage: str) -> SimpleNamespace:
+        return self._report(stage, "Wake", "RUNNING")
+
+    def pipeline(self, stages: list) -> SimpleNamespace:
+        self.calls.append(("pipeline", ">".join(s.stage for s in stages)))
+        return SimpleNamespace(output={"png": b"\x89PNG same", "sha256": "ab"}, producer_versions=(0,))
+
+    def status(self) -> dict:
+        return {"sd": {"state": self.sd_state}}
+
+    def execute(self, stage: str, payload: dict) -> dict:
+        self.calls.append(("execute", stage))
+        if stage == "llm":
+            assert payload["export"] == ["prompt_embeds"]
+            return {"prompt_embeds": "the wire tensor"}
+        assert payload["conditioning"] == {"prompt_embeds": "the wire tensor"}
+        return {"png": self.by_hand_png, "sha256": "ab"}
+
+
+@pytest.mark.parametrize(
+    ("by_hand_png", "sd_state", "mismatch"),
+    [
+        (b"\x89PNG same", "RUNNING", None),
+        (b"\x89PNG other", "RUNNING", f"image {BY_HAND_IMAGE} equals {PIPELINE_IMAGE}"),
+        (b"\x89PNG same", "SLEEPING", "the transfer woke the sleeping sd stage"),
+    ],
+)
+def test_the_pipeline_scene_fails_the_demo_when_its_image_or_wake_differs(
+    tmp_path, by_hand_png, sd_state, mismatch
+) -> None:
+    demo = RealDemo(out_dir=tmp_path, models_dir=tmp_path, out=io.StringIO())
+    engine = _StubEngine(by_hand_png, sd_state)
+    pipeline_scene(demo, engine, "a fox")  # type: ignore[arg-type]
+    if mismatch is None:
+        assert demo.mismatches == []
+    else:
+        assert len(demo.mismatches) == 1 and mismatch in demo.mismatches[0], demo.mismatches
+    # Both asleep, the producer woken, the pipeline, the producer asleep and awake, then by hand.
+    assert engine.calls[:4] == [("Sleep", "llm"), ("Sleep", "sd"), ("Wake", "llm"), ("pipeline", "llm>sd")]
+    assert engine.calls[-2:] == [("execute", "llm"), ("execute", "sd")]
+    assert (tmp_path / BY_HAND_IMAGE).read_bytes() == by_hand_png
+
+
+def test_the_sd_stage_is_started_only_with_a_checkpoint_of_the_llms_width(tmp_path) -> None:
+    from omni_core.demo_pipeline import SD_SIZES
+    from omni_core.engine import AdmissionPolicy
+
+    demo = RealDemo(out_dir=tmp_path, models_dir=tmp_path, out=io.StringIO())
+    assert [s.name for s in demo.specs(tmp_path / "llm", tmp_path / "dit")] == ["llm", "dit"]
+    specs = {s.name: s for s in demo.specs(tmp_path / "llm", tmp_path / "dit", tmp_path / "sd")}
+    assert specs["sd"].admission is AdmissionPolicy.WAKE  # the transfer wakes it
+    assert specs["llm"].admission is specs["dit"].admission is AdmissionPolicy.REJECT
+    assert SD_SIZES == {"tiny": "tiny-64", "large": None}  # no SD of Qwen2 1.5B's width (1536)
