@@ -26,7 +26,15 @@ token there (`gap_at_divergence`): a rounding flip shows a gap near the rounding
 weights a gap of the order of the logits themselves.
 Each phase's wall time goes to stderr as it ends (`[rl] ...`) and into the records.
 
+With `--adapter` the trainer trains a LoRA adapter (PEFT, rank 4 on q_proj and v_proj) over
+frozen base weights, and each step syncs only the adapter: its tensors, by PEFT's names, are
+shared the same way and the engine refits the rollout's adapter `policy` to version `step`
+(`Engine.add_adapter(..., tensors=...)`, adapter-only refit: no copy of the base weights, whose
+version stays 0); the rollout generates with the adapter, and its tokens must equal the
+trainer's PEFT model's, before and after the sleep and wake.
+
     python examples/rl_loop.py --iterations 3                                  # CPU, seconds per step
+    python examples/rl_loop.py --iterations 3 --adapter                        # CPU, the adapter only
     python examples/rl_loop.py --rollout vllm --size 0.5b --out DIR            # a GPU with vLLM, ~2 min
 """
 
@@ -54,6 +62,9 @@ from omni_core.weights_sender import WeightSender
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 NEW_TOKENS = 8
 MAX_MODEL_LEN = 64
+ADAPTER = "policy"  # the rollout's name for the trainer's LoRA adapter (--adapter)
+ADAPTER_RANK = 4
+ADAPTER_MODULES = ("q_proj", "v_proj")
 
 
 class Clock:
@@ -122,12 +133,44 @@ def divergence(model: Any, tokens: list[int], reference: list[int]) -> dict[str,
     return {"at": at, "gap_at_divergence": float(logits[reference[at]] - logits[tokens[at]])}
 
 
+def adapter_trainer(model: Any, lr: float) -> tuple[Any, torch.optim.Optimizer]:
+    """The trainer as a PEFT model: a LoRA adapter on ADAPTER_MODULES trains, the base is frozen.
+    PEFT starts lora_B at zero, so before the first step the adapter changes nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_RANK, target_modules=list(ADAPTER_MODULES), lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    trained = [p for p in peft_model.parameters() if p.requires_grad]  # the adapter's only
+    return peft_model, torch.optim.SGD(trained, lr=lr)
+
+
+def adapter_tensors(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by PEFT's saved names (base_model.model.<module>.lora_A.weight)."""
+    from peft import get_peft_model_state_dict
+
+    return {name: t.detach().contiguous() for name, t in get_peft_model_state_dict(peft_model).items()}
+
+
 def rollout_spec(
-    rollout: str, checkpoint: Path, fraction: float, attention_backend: str | None, dtype: str
+    rollout: str,
+    checkpoint: Path,
+    fraction: float,
+    attention_backend: str | None,
+    dtype: str,
+    adapter: bool = False,
 ) -> StageSpec:
-    timeouts = {"deadline_s": 300.0, "start_deadline_s": 600.0, "request_timeout_s": 300.0, "admission": "queue"}
+    timeouts: dict[str, Any] = {
+        "deadline_s": 300.0,
+        "start_deadline_s": 600.0,
+        "request_timeout_s": 300.0,
+        "admission": "queue",
+    }
+    if adapter:  # one adapter, in its own pool where the runner has one (a level-1 sleep offloads it)
+        timeouts |= {"max_loras": 1, "max_lora_rank": ADAPTER_RANK}
     if rollout == "vllm":
         runner_args = {"model": str(checkpoint), "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 1}
+        if adapter:  # vLLM's own LoRA serves it
+            runner_args |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": ADAPTER_RANK}
         if attention_backend:
             runner_args["attention_backend"] = attention_backend
         return StageSpec(
@@ -144,8 +187,31 @@ def rollout_spec(
         runner="transformers",
         backend="portable",
         runner_args={"model": str(checkpoint), "max_seq_len": MAX_MODEL_LEN, "max_batch": 1, "cpu_threads": 1},
+        tags=("weights", "kv_cache", "adapters") if adapter else ("weights", "kv_cache"),
         **timeouts,
     )
+
+
+def push(engine: Engine, sender: WeightSender, trainer: Any, step: int, ctx: dict[str, Any]) -> tuple[str, Any]:
+    """Step `step`'s sync: the whole state_dict as weights version `step` (odd steps over shared
+    buckets, IPC on a GPU; even ones from a checkpoint), or with `--adapter` the adapter's
+    tensors alone as adapter version `step`. The source's kind and the engine's report."""
+    clock, bucket_kind = ctx["clock"], "ipc" if ctx["on_gpu"] else "shm"
+    if ctx["adapter"]:
+        with clock.phase(f"step {step}: share the adapter ({bucket_kind})"):
+            source: Any = sender.share(adapter_tensors(trainer))
+        with clock.phase(f"step {step}: refit the adapter"):
+            report = engine.add_adapter("rollout", ADAPTER, tensors=source, version=step, lora_alpha=ADAPTER_RANK)
+        return f"adapter-{bucket_kind}", report
+    source_kind = "disk" if step % 2 == 0 else bucket_kind
+    with clock.phase(f"step {step}: share or save ({source_kind})"):
+        if source_kind == "disk":
+            source = save_weights(trainer, ctx["checkpoint"], ctx["root"] / f"step-{step}")
+        else:
+            source = sender.share(trainer.state_dict())
+    with clock.phase(f"step {step}: update"):
+        report = engine.update_weights("rollout", source, version=step)
+    return source_kind, report
 
 
 def run(
@@ -158,10 +224,13 @@ def run(
     dtype: str | None = None,
     fraction: float = 0.3,
     attention_backend: str | None = None,
+    adapter: bool = False,
 ) -> list[dict[str, Any]]:
     """Train, push, generate, sleep and wake `iterations` times; one record per step, then
     the stage's final version and the phases' wall times. The transformers rollout runs on
-    the CPU, vllm on the GPU (float32 unless `dtype` says otherwise)."""
+    the CPU, vllm on the GPU (float32 unless `dtype` says otherwise). `adapter`: train and
+    sync a LoRA adapter only (each record's `version` is the adapter's, `base_version` the
+    base weights', which stay 0)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -178,13 +247,20 @@ def run(
         trainer.to("cuda" if on_gpu else "cpu")
         own_storage([trainer])  # as the runner holds its weights: CPU kernels pick their path by alignment
         optimizer = torch.optim.SGD(trainer.parameters(), lr=lr)
+        if adapter:
+            trainer, optimizer = adapter_trainer(trainer, lr)
     history: list[dict[str, Any]] = []
     request = {"prompt_ids": PROMPT, "max_new_tokens": NEW_TOKENS, "stop_at_eos": False}
-    spec = rollout_spec(rollout, checkpoint, fraction, attention_backend, dtype or "auto")
+    spec = rollout_spec(rollout, checkpoint, fraction, attention_backend, dtype or "auto", adapter)
+    ctx = {"clock": clock, "on_gpu": on_gpu, "adapter": adapter, "checkpoint": checkpoint, "root": root}
     starting = time.perf_counter()
     with Engine([spec]) as engine, WeightSender() as sender:
         clock.record("start the rollout stage", starting)
-        tokens = engine.execute("rollout", request)["token_ids"]
+
+        def generate(named: str | None = None) -> Any:
+            return engine.execute("rollout", request, adapter=named, with_version=True)
+
+        tokens = generate().output["token_ids"]  # the adapter's lora_B starts at zero: the base's tokens
         start_reference = greedy(trainer, PROMPT)
         start = {"start_equal_to_reference": tokens == start_reference}
         if tokens != start_reference:
@@ -192,26 +268,21 @@ def run(
         for step in range(1, iterations + 1):
             with clock.phase(f"step {step}: train"):
                 loss = train_step(trainer, optimizer, tokens)
-            # Odd steps over shared buckets (IPC on a GPU), even ones from the trainer's checkpoint.
-            source_kind = "disk" if step % 2 == 0 else ("ipc" if on_gpu else "shm")
-            with clock.phase(f"step {step}: share or save ({source_kind})"):
-                if source_kind == "disk":
-                    source: Any = save_weights(trainer, checkpoint, root / f"step-{step}")
-                else:
-                    source = sender.share(trainer.state_dict())
-            with clock.phase(f"step {step}: update"):
-                report = engine.update_weights("rollout", source, version=step)
+            source_kind, report = push(engine, sender, trainer, step, ctx)
+            named = ADAPTER if adapter else None
             with clock.phase(f"step {step}: generate, sleep, wake, generate"):
-                tokens = engine.execute("rollout", request)["token_ids"]
+                result = generate(named)
+                tokens = result.output["token_ids"]
                 engine.sleep("rollout", level=1)
                 engine.wake("rollout")
-                after_wake = engine.execute("rollout", request)["token_ids"]
+                after_wake = generate(named).output["token_ids"]
             with clock.phase(f"step {step}: reference"):
                 reference = greedy(trainer, PROMPT)
             record = {
                 "step": step,
                 "loss": round(loss, 4),
-                "version": report.weights_version,
+                "version": result.adapter_version if adapter else report.weights_version,
+                "base_version": result.weights_version,
                 "source": source_kind,
                 "update_s": round(report.duration_s, 4),
                 "tokens": tokens,
@@ -222,6 +293,8 @@ def run(
                 record["divergence"] = divergence(trainer, tokens, reference)
             history.append(record)
         final = {"status": engine.status()["rollout"]["weights_version"], **start}
+        if adapter:
+            final["adapters"] = {a.name: a.version for a in engine.list_adapters("rollout").adapters}
     final["phases_s"] = clock.phases
     final["total_s"] = round(time.perf_counter() - clock.started, 1)
     return [*history, final]
@@ -248,6 +321,7 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.3, help="the vLLM rollout's share of the GPU")
     parser.add_argument("--attention-backend", default=os.environ.get("VLLM_BUNDLE_ATTN_BACKEND"))
     parser.add_argument("--out", default=None, help="also write the records to OUT/rl_loop.jsonl")
+    parser.add_argument("--adapter", action="store_true", help="train and sync a LoRA adapter only, each step")
     args = parser.parse_args()
     lr = args.lr if args.lr is not None else (0.01 if args.rollout == "vllm" else 0.5)
     lines = run(
@@ -259,6 +333,7 @@ def main() -> None:
         dtype=args.dtype,
         fraction=args.fraction,
         attention_backend=args.attention_backend,
+        adapter=args.adapter,
     )
     text = "".join(json.dumps(line) + "\n" for line in lines)
     print(text, end="", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+import msgspec.inspect as mi
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from omni_core.fsm import WorkerCore
 from omni_core.fsm.worker import BadFrame
 from omni_core.protocol import (
     COMMAND_TYPES,
+    MAX_PAYLOAD_DEPTH,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     REPLY_TYPES,
@@ -59,6 +61,7 @@ from omni_core.protocol import (
     decode_command,
     encode,
 )
+from omni_core.protocol.codec import PAYLOAD_FIELDS
 from omni_core.protocol.messages import MAX_TASK_ID_CHARS
 
 raw_encode = msgspec.msgpack.encode
@@ -592,6 +595,58 @@ def test_deeply_nested_payload_is_a_protocol_error() -> None:
     err = _refused(data)
     assert err.reason is NackReason.BAD_MESSAGE
     assert "deep" in err.detail or "recursion" in err.detail
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("kind", "name"), [(k, n) for k, names in PAYLOAD_FIELDS.items() for n in names])
+def test_every_payload_field_is_refused_past_the_depth_bound(kind: type[Message], name: str) -> None:
+    """Each field typed Any, whoever carries it: a TransferOut's payload went unchecked once,
+    decoded 740 deep, and the rank's reply-cache digest re-encoding it raised into the loop."""
+    assert decode(encode(msgspec.structs.replace(SAMPLES[kind], **{name: _nested(MAX_PAYLOAD_DEPTH)})))
+    err = _refused(encode(msgspec.structs.replace(SAMPLES[kind], **{name: _nested(MAX_PAYLOAD_DEPTH + 1)})))
+    assert err.reason is NackReason.BAD_MESSAGE and err.task_id == SAMPLES[kind].task_id
+    assert f"invalid {kind.__name__}.{name}: a payload must be at most MAX_PAYLOAD_DEPTH" in err.detail
+
+
+def _any_paths(t: mi.Type, path: str, inside_struct: bool) -> list[tuple[str, bool]]:
+    """(path, whether a struct lies between the message and it) of every Any under `t`."""
+    match t:
+        case mi.AnyType():
+            return [(path, inside_struct)]
+        case mi.UnionType():
+            return [p for x in t.types for p in _any_paths(x, path, inside_struct)]
+        case mi.ListType() | mi.VarTupleType() | mi.SetType() | mi.FrozenSetType():
+            return _any_paths(t.item_type, f"{path}[]", inside_struct)
+        case mi.TupleType():
+            return [p for x in t.item_types for p in _any_paths(x, f"{path}[]", inside_struct)]
+        case mi.DictType():
+            return _any_paths(t.key_type, f"{path}{{}}", inside_struct) + _any_paths(
+                t.value_type, f"{path}{{}}", inside_struct
+            )
+        case mi.StructType():
+            return [p for f in t.fields for p in _any_paths(f.type, f"{path}.{f.name}", True)]
+    return []
+
+
+def test_the_depth_check_reaches_every_any_of_the_schema() -> None:
+    """`decode` walks the value of each PAYLOAD_FIELDS field; an Any inside a nested struct
+    would be out of its reach (payload_problem walks plain containers only)."""
+    found = {}
+    for kind in MESSAGE_TYPES:
+        info = mi.type_info(kind)
+        assert isinstance(info, mi.StructType)
+        for f in info.fields:
+            for path, inside_struct in _any_paths(f.type, f"{kind.__name__}.{f.name}", False):
+                assert not inside_struct, f"{path}: an Any inside a struct, which decode's depth check cannot reach"
+                found.setdefault(kind, set()).add(f.name)
+    assert {k: set(v) for k, v in PAYLOAD_FIELDS.items()} == found
+    assert TransferOut in found  # the finding's field
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import stage_inputs
 from test_stage_core import outcome_of, reach_stage
@@ -106,3 +107,78 @@ def test_a_request_answered_at_two_adapter_versions_is_discarded_naming_them() -
         and "adapter 'sql' at versions {0: 2, 1: 2, 2: 1}: a refit reached only some ranks" in answer.detail
     )
     assert h.stage.state is S.RUNNING  # the stage serves on: the refit's own failure was reported
+
+
+def _refit(h, task_id: str, version: int, *, refused_by: frozenset[int] = frozenset()):
+    """A refit of 'sql' from tensors sent to every rank; the ranks in `refused_by` refuse it."""
+    from omni_core.protocol import Bucket, ShmSource, TensorSpec
+
+    spec = TensorSpec(name="base_model.model.q.lora_A.weight", dtype="float32", shape=(4, 8))
+    bucket = Bucket(handle="/dev/shm/omni-weights-1-00000000-0", nbytes=128, sender_pid=1, tensors=(spec,))
+    tensors = ShmSource(buckets=(bucket,))
+    command = msgspec.structs.replace(ADD, task_id=task_id, source="tensors:shm", version=version, tensors=tensors)
+    return _partly(h, command, refused_by)
+
+
+def _partly(h, command, refused_by: frozenset[int]):
+    """`command` sent to every rank; the ranks in `refused_by` refuse it (as a rank that could
+    not open a bucket does: Nack INVALID_ARGUMENT, nothing written), the others perform it."""
+    from omni_core.protocol import Nack, NackReason, WorkerState
+
+    step = h.stage.step(I.CommandCall(command, 5.0), h.now)
+    replies = h.to_workers(step, ranks=set(h.stage.ranks) - refused_by)
+    kind = type(command).__name__
+    replies += [
+        Nack(
+            task_id=command.task_id,
+            epoch=h.stage.epoch,
+            rank=rank,
+            command=kind,
+            reason=NackReason.INVALID_ARGUMENT,
+            detail=f"{kind} 'sql' refused: bucket /dev/shm/omni-weights-1-00000000-0 cannot be opened",
+            state=WorkerState.ACTIVE,
+        )
+        for rank in sorted(refused_by)
+    ]
+    return outcome_of(h.feed(replies))
+
+
+def test_a_refit_some_ranks_refused_is_refused_to_every_request_until_added_on_every_rank() -> None:
+    """All or none: a refit taken by ranks 0 and 1 and refused by rank 2 leaves the ranks on two
+    versions of 'sql'. The stage says so in the refit's error, then refuses each request naming
+    the adapter at once, sending nothing to any rank (so none runs on a mix, even where two
+    ranks report one version for different tensors); other requests run on. A refit every
+    rank takes makes the adapter whole again."""
+    h = reach_stage(S.RUNNING)
+    _call(h, ADD, S.RUNNING)
+    refit = _refit(h, "refit-2", 2, refused_by=frozenset({2}))
+    assert not refit.ok and "refused by ranks [2]" in refit.error
+    assert "the stage now refuses requests naming adapter 'sql' until an AddAdapter of it" in refit.error
+    assert h.stage.state is S.RUNNING
+
+    step = h.stage.step(I.Submit("q1", [1], 5.0, adapter="sql"), h.now)
+    assert step.sends == ()  # refused before any rank ran it
+    (answer,) = step.requests
+    assert not answer.ok and answer.error is I.RequestError.REJECTED
+    assert "adapter 'sql' is split across the ranks" in answer.detail
+    assert "taken by ranks 0 (version 2), 1 (version 2) and refused by ranks [2]" in answer.detail
+    (plain,) = _answers(h, h.stage.step(I.Submit("q2", [1], 5.0), h.now))
+    assert plain.ok  # the base weights serve on
+
+    assert _refit(h, "refit-3", 3).ok  # every rank took version 3: one adapter again
+    step = h.stage.step(I.Submit("q3", [1], 5.0, adapter="sql"), h.now)
+    (answer,) = _answers(h, step)
+    assert answer.ok and answer.adapter_version == 3
+
+
+def test_a_remove_some_ranks_refused_splits_the_adapter_and_a_restart_forgets_it() -> None:
+    h = reach_stage(S.RUNNING)
+    _call(h, ADD, S.RUNNING)
+    removed = _partly(h, RemoveAdapter(task_id="r", epoch=0, name="sql"), frozenset({0}))
+    assert not removed.ok and "refuses requests naming adapter 'sql'" in removed.error
+    step = h.stage.step(I.Submit("q1", [1], 5.0, adapter="sql"), h.now)
+    assert step.sends == ()
+    assert "RemoveAdapter was taken by ranks 1 (none), 2 (none) and refused by ranks [0]" in step.requests[0].detail
+    h.restart()  # fresh ranks hold no adapters: nothing is split
+    (answer,) = _answers(h, h.stage.step(I.Submit("q2", [1], 5.0, adapter="sql"), h.now))
+    assert not answer.ok and "ADAPTER_UNAVAILABLE" in answer.detail  # the ranks' own refusal

@@ -268,3 +268,13 @@ def test_an_add_that_raised_once_writing_began_unloads_the_adapter_of_its_name()
     assert _list(d) == {}
     result = d.run(Execute(task_id=fresh("q"), epoch=0, adapter="sql"))
     assert result.reason is NackReason.ADAPTER_UNAVAILABLE
+
+
+def test_another_source_under_a_loaded_version_is_refused_and_a_new_version_replaces_it() -> None:
+    d = _loaded("sql")
+    refused = d.run(_add(source="/adapters/other"))  # version 1 again, other content
+    assert refused.reason is NackReason.INVALID_ARGUMENT
+    assert "'/adapters/sql'" in refused.detail and "send version 2" in refused.detail
+    assert _list_now(d) == {"sql": "loaded"} and d.w.adapters.get("sql").version == 1
+    replaced = d.run(_add(source="/adapters/other", version=2))
+    assert replaced.status is AckStatus.OK and d.w.adapters.get("sql").version == 2

@@ -2,11 +2,15 @@
 load nothing, so they hold for any model: a request naming an adapter not held is refused
 naming it, an adapter made for other weights is refused naming both versions, a source that
 does not exist is refused with nothing loaded, and the commands are refused asleep, from an
-older epoch and copied from the reply cache like every command."""
+older epoch and copied from the reply cache like every command. An adapter's tensors sent
+without one the adapter has (an adapter-only refit from tensors, rule 7) are refused with
+nothing written, on a module the worker's own shared weights name."""
 
 from __future__ import annotations
 
 from omni_core.conformance.cases import Ctx, case
+from omni_core.conformance.cases_weights import WEIGHT_UPDATE, share_weights
+from omni_core.conformance.weight_copies import zero_buckets
 from omni_core.protocol import (
     AckStatus,
     AddAdapter,
@@ -15,6 +19,8 @@ from omni_core.protocol import (
     NackReason,
     PinAdapter,
     RemoveAdapter,
+    ShmSource,
+    TensorSpec,
     WorkerState,
 )
 
@@ -104,3 +110,46 @@ def adapters_move_only_awake(ctx: Ctx) -> None:
     ctx.nack(ctx.request(command), command, NackReason.INVALID_STATE, state=slept.state, names_state=True)
     _listed(ctx, slept.state, "list-asleep")
     ctx.back_to_active()
+
+
+def _module_weight(ctx: Ctx) -> TensorSpec:
+    """A 2-D weight of the worker's model, from its own shared weights: an adapter on its module
+    is one the model has, whatever the model."""
+    own = share_weights(ctx, WorkerState.ACTIVE).shared
+    if not isinstance(own, ShmSource):
+        ctx.skip(f"the worker shared its weights as {type(own).__name__}, not host buckets (shm)")
+    assert isinstance(own, ShmSource)
+    weight = next((t for b in own.buckets for t in b.tensors if len(t.shape) == 2 and t.name.endswith(".weight")), None)
+    weight = weight or next((t for b in own.buckets for t in b.tensors if len(t.shape) == 2), None)
+    if weight is None:
+        ctx.skip("the worker's shared weights hold no 2-D tensor an adapter could target")
+    assert weight is not None
+    return weight
+
+
+@case(
+    "P-20",
+    "adapter_tensors_refused_unless_whole",
+    "'weight_update' declared: AddAdapter with `tensors` (host buckets the suite wrote) holding the lora_A "
+    "but not the lora_B of an adapter on a module of the worker's own weights: Nack INVALID_ARGUMENT, nothing "
+    "listed, still ACTIVE and serving; a copy gets the same Nack; sent again under a new task id it is refused "
+    "again, never ALREADY (rule 7)",
+    needs=(ADAPTERS, WEIGHT_UPDATE),
+)
+def adapter_tensors_refused_unless_whole(ctx: Ctx) -> None:
+    weight = _module_weight(ctx)
+    owner = weight.name.removesuffix(".weight")
+    module = owner.rsplit(".", 1)[-1]
+    half = TensorSpec(name=f"base_model.model.{owner}.lora_A.weight", dtype=weight.dtype, shape=(1, weight.shape[1]))
+    with zero_buckets((half,)) as tensors:
+        for what in ("half", "half-again"):
+            add = _add(ctx, what, source="tensors:shm", target_modules=(module,), tensors=tensors)
+            nack = ctx.nack(ctx.request(add), add, NackReason.INVALID_ARGUMENT, state=WorkerState.ACTIVE)
+            if what == "half":
+                copy = ctx.request(add)
+                ctx.check(copy == nack, "a copy of the refused AddAdapter got another answer", sent=add, got=copy)
+    ctx.check(
+        NAME not in _listed(ctx, WorkerState.ACTIVE, "list-after-tensors"),
+        "an AddAdapter whose tensors lack the adapter's lora_B left the adapter listed",
+    )
+    ctx.executed_or_runner_error(*ctx.execute())  # serving on

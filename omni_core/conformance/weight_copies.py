@@ -100,3 +100,20 @@ def from_gone_sender(source: ShmSource) -> ShmSource:
     """`source` with its first bucket claimed by a process that does not run."""
     first: Bucket = source.buckets[0]
     return ShmSource(buckets=(msgspec.structs.replace(first, sender_pid=GONE_PID), *source.buckets[1:]))
+
+
+@contextmanager
+def zero_buckets(specs: tuple[TensorSpec, ...]) -> Iterator[ShmSource]:
+    """One host bucket of zeros holding `specs` back to back, sent by this process; its file is
+    removed when the block ends."""
+    placed, offset = [], 0
+    for spec in specs:
+        placed.append(msgspec.structs.replace(spec, offset_bytes=offset))
+        offset += spec.nbytes
+    path = _write(bytes(offset))
+    try:
+        yield ShmSource(
+            buckets=(Bucket(handle=path.name, nbytes=offset, sender_pid=os.getpid(), tensors=tuple(placed)),)
+        )
+    finally:
+        path.unlink(missing_ok=True)

@@ -109,6 +109,14 @@ class AdapterTable:
                 f"must raise it, and this one says {command.version}: send version "
                 f"{held.info.version + 1} or above"
             )
+        # One version, one content: a Result's adapter_version names which adapter made it.
+        same_version = held is not None and held.info.version == command.version
+        if same_version and held is not None and command.tensors is None and held.source != command.source:
+            return (
+                f"adapter {name!r} version {command.version} was loaded from {held.source!r}; another "
+                f"source ({command.source!r}) under the same version would make two adapters' "
+                f"results indistinguishable: send version {held.info.version + 1} or above"
+            )
         for other in self._held.values():
             if other.info.adapter_id == command.adapter_id and other.info.name != name:
                 return (

@@ -32,6 +32,7 @@ import msgspec
 
 from omni_core.fsm import admission
 from omni_core.fsm import inputs as I
+from omni_core.fsm.adapter_splits import AdapterSplits
 from omni_core.fsm.admission import AdmissionPolicy, Admit, QueueAction
 from omni_core.fsm.inputs import RequestError
 from omni_core.fsm.reply_cache import BoundedCache
@@ -169,6 +170,7 @@ class StageCore:
         self.wake_deadline_s = wake_deadline_s  # for the wakes the WAKE policy starts itself
         self.requests = RequestBook(queue_limit, max_in_flight)
         self.transfers = TransferHolds()  # P-22: what its ranks export for other stages, until released
+        self.adapter_splits = AdapterSplits()  # P-20: adapters some ranks took and others refused
         self.recorder = StageRecorder()  # the trace records of the input being stepped
         self._auto_wakes = itertools.count(1)
         self._start_pending = False
@@ -237,6 +239,7 @@ class StageCore:
         self.rank_versions = {rank: snapshot.weights_version for rank in snapshot.rank_state}
         self.paused, self.holding = snapshot.paused, snapshot.holding
         self.failure, self.failed_ranks = "", {}
+        self.adapter_splits.clear()
         self._task = snapshot.task
         self.requests = RequestBook(self.queue_limit, self.max_in_flight)
         for request in snapshot.queued:
@@ -326,6 +329,7 @@ class StageCore:
         self.paused = False  # fresh ranks, a fresh stage: it comes back RUNNING
         self.holding = False
         self.transfers.clear()  # fresh ranks hold no buckets
+        self.adapter_splits.clear()  # nor adapters
         self.epoch += 1
         self.start_weights = self.versions.plan_restart(
             self.weights_version, self.epoch, from_checkpoint=from_checkpoint
@@ -1099,6 +1103,10 @@ class StageCore:
         return step
 
     def _dispatch(self, request: StageRequest) -> StageStep:
+        split = self.adapter_splits.request_problem(self.name, request.adapter)
+        if split is not None:  # P-20: all or none; never a request on ranks that disagree
+            self.requests.answer(request, RequestError.REJECTED, split)
+            return StageStep()
         self.lifecycle.fire("execute")  # legal only in RUNNING: the table is the check
         self.requests.start(request)
         command = Execute(
@@ -1415,6 +1423,8 @@ class StageCore:
             done = f"; ranks {sorted(task.acks)} did it" if task.acks else ""
             kind = type(task.command).__name__
             error = f"stage {self.name!r}: {kind} refused by ranks {sorted(task.refusals)} ({named}){done}"
+        split = self.adapter_splits.settled(task.command, task.acks, task.refusals)
+        error += f"; {split}" if split else ""
         statuses = {ack.status for ack in task.acks.values()}
         row = CALLS.get(type(task.command))
         if not task.refusals and row is not None and row.done is not None:

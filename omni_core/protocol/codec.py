@@ -14,21 +14,26 @@ import itertools
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 
 from omni_core.protocol.enums import NackReason
-from omni_core.protocol.envelope_scan import scan_envelope
-from omni_core.protocol.messages import MAX_TASK_ID_CHARS, RENAMED_FIELDS, AnyMessage, Command, Execute, Message
+from omni_core.protocol.envelope_scan import nests_deeper_than, scan_envelope
+from omni_core.protocol.messages import MAX_TASK_ID_CHARS, MESSAGE_TYPES, RENAMED_FIELDS, AnyMessage, Command, Message
 from omni_core.protocol.version import PROTOCOL_VERSION
 
 # The largest frame a peer accepts unless configured otherwise (StageSpec.max_frame_bytes):
 # room for a request payload or a result with images, far below what would hurt a host.
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
-# How deep a payload (Execute.payload, Result.output) may nest: declared once, checked by the
-# Python API before sending and by every decoder. Well below Python's recursion limit (1000 by
-# default) and msgspec's, which cap encoding and decoding alike: a worker encodes a payload
-# again for its reply cache's digest, deeper in its stack than where the payload was decoded,
-# so a payload near the decoder's limit once decoded and then could not be answered.
+# How deep a payload (a field typed Any: Execute.payload, TransferOut.payload, Result.output)
+# may nest: declared once, checked by the Python API before sending and by every decoder.
+# Well below Python's recursion limit (1000 by default) and msgspec's, which cap encoding
+# and decoding alike: a worker encodes a command again for its reply cache's digest, deeper
+# in its stack than where it was decoded, so a payload near the decoder's limit once decoded
+# and then could not be answered.
 MAX_PAYLOAD_DEPTH = 128
+# A frame nesting no deeper than this, msgspec decodes (or finds broken) at any stack depth a
+# caller reaches: a refused frame deeper than it has its envelope read without recursion.
+DECODER_SAFE_DEPTH = 2 * MAX_PAYLOAD_DEPTH
 _CONTAINERS = (list, tuple, set, frozenset)
 # Exact types only: a subclass of these is rare in a payload and is still walked from the top.
 _NESTED_TYPES = frozenset({dict, *_CONTAINERS})
@@ -120,13 +125,44 @@ def decode(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAU
         raise _explain(data, exc) from None
     if message.v != PROTOCOL_VERSION:
         raise _unsupported_version(message.v, message.task_id, message.epoch)
-    carried = message.payload if isinstance(message, Execute) else getattr(message, "output", None)
-    problem = payload_problem(carried) if isinstance(carried, (dict, *_CONTAINERS)) else None
-    if problem is not None:
-        raise ProtocolError(
-            f"invalid {type(message).__name__}: {problem}", task_id=message.task_id, epoch=message.epoch
-        )
+    for name in PAYLOAD_FIELDS.get(type(message), ()):
+        carried = getattr(message, name)
+        problem = payload_problem(carried) if isinstance(carried, (dict, *_CONTAINERS)) else None
+        if problem is not None:
+            raise ProtocolError(
+                f"invalid {type(message).__name__}.{name}: {problem}", task_id=message.task_id, epoch=message.epoch
+            )
     return message
+
+
+def _holds_any(t: mi.Type) -> bool:
+    """Whether a value of `t` may hold an untyped value (Any), whose depth no type bounds."""
+    match t:
+        case mi.AnyType():
+            return True
+        case mi.UnionType():
+            return any(map(_holds_any, t.types))
+        case mi.ListType() | mi.VarTupleType() | mi.SetType() | mi.FrozenSetType():
+            return _holds_any(t.item_type)
+        case mi.TupleType():
+            return any(map(_holds_any, t.item_types))
+        case mi.DictType():
+            return _holds_any(t.key_type) or _holds_any(t.value_type)
+    return False
+
+
+def _payload_fields(kind: type[Message]) -> tuple[str, ...]:
+    info = mi.type_info(kind)
+    assert isinstance(info, mi.StructType)
+    return tuple(f.name for f in info.fields if _holds_any(f.type))
+
+
+# The fields of each message whose value may nest without a bound its type sets (a peer's
+# payload), each checked against MAX_PAYLOAD_DEPTH by `decode`: derived from the schema, so a
+# new Any field is checked by every decoder at once (a TransferOut payload once was not).
+PAYLOAD_FIELDS: dict[type[Message], tuple[str, ...]] = {
+    kind: names for kind in MESSAGE_TYPES if (names := _payload_fields(kind))
+}
 
 
 def payload_problem(value: Any) -> str | None:
@@ -204,12 +240,16 @@ def envelope_of(data: bytes | bytearray | memoryview) -> tuple[str | None, int |
 
 
 def _read_envelope(data: bytes | bytearray | memoryview) -> _Envelope | None:
-    """The envelope, decoded by msgspec, or (a frame nested too deep for msgspec at this
-    stack depth) read without recursion, so every process reads the same one."""
+    """The envelope, the same at any stack depth: decoded by msgspec, and broken bytes reveal
+    nothing. msgspec recurses, so whether it reads a deep frame, or meets a broken byte behind
+    a deep part before it runs out of stack, depends on the caller's stack (a worker and the
+    fuzzer's oracle once named different tasks for one frame): a frame msgspec refuses for any
+    reason that nests deeper than DECODER_SAFE_DEPTH is read by the scanner, in every process."""
     try:
         return _envelope_decoder.decode(data)
     except _DECODE_FAILURES as exc:
-        if not (isinstance(exc, RecursionError) or "too deep" in str(exc)):
+        deep = isinstance(exc, RecursionError) or "too deep" in str(exc)
+        if not (deep or nests_deeper_than(data, DECODER_SAFE_DEPTH)):
             return None  # broken bytes, not deep ones: nothing to read
     scanned = scan_envelope(data)
     return _Envelope(**scanned) if scanned else None

@@ -116,3 +116,28 @@ def _skip(reader: _Reader, kind: str, value: Any, budget: int) -> int:
         elif kind == "array":
             pending += value
     return budget
+
+
+def nests_deeper_than(data: bytes | bytearray | memoryview, depth: int) -> bool:
+    """Whether a map or array in the frame lies more than `depth` levels deep (the top-level
+    map is level 1), as far as the frame can be read within MAX_SCAN_ITEMS items; False when
+    it cannot be read that far. Iterative: one count of items left per open level."""
+    reader = _Reader(data)
+    left = [1]  # items still to read on each open level; the first is the frame's one value
+    try:
+        for _ in range(MAX_SCAN_ITEMS):
+            while left and not left[-1]:
+                left.pop()
+            if not left:
+                return False
+            left[-1] -= 1
+            kind, value = reader.header()
+            if kind == "blob":
+                reader.take(value)
+            elif kind in ("map", "array"):
+                if len(left) > depth:
+                    return True
+                left.append(value * 2 if kind == "map" else value)
+    except (_Truncated, struct.error):
+        pass
+    return False

@@ -422,7 +422,8 @@ class AddAdapter(Command, kw_only=True, frozen=True):
     `rank` is above the rank's `max_lora_rank`; when the rank holds `max_loras` adapters, all
     pinned. At `max_loras` otherwise the least recently used unpinned adapter is evicted and
     named in the Ack's `adapters_evicted`. The same name, version, source and base version
-    already loaded is ALREADY; another version of the name replaces it. Legal where the weights
+    already loaded is ALREADY; another version of the name replaces it, another source under the
+    version held is refused (a Result's adapter_version names one content). Legal where the weights
     are valid and awake: ACTIVE, PARTIAL with `weights` awake. Never changes the state.
 
     `tensors` (adapter-only refit): the adapter's tensors come through a weight-update plane

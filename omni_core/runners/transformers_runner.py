@@ -449,7 +449,8 @@ class TransformersRunner(ModelRunner):
         parsed = parse_each(payloads, self._parse)
         self._check_ready()
         outputs: list[Any] = list(parsed)
-        with torch.no_grad():
+        # The base weights alone: an adapter request before left its adapter set (P-20).
+        with torch.no_grad(), self.lora.using(None) if self.lora is not None else nullcontext():
             for group in self._groups(parsed):
                 rows = self._generate([parsed[i] for i in group])  # type: ignore[misc]
                 for i in group:

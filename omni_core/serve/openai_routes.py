@@ -241,6 +241,7 @@ def _choices(results: list[Any], stops: list[str]) -> tuple[list[dict[str, Any]]
                 "text": text,
                 "finish_reason": reason,
                 "token_ids": out["token_ids"],
+                "prompt_tokens": out["prompt_tokens"],
                 "weights_version": result.weights_version,
                 **_ran_with(result),
                 # Held through an update (pause keep): which version computed which tokens.
@@ -313,6 +314,33 @@ async def _events(answer: dict[str, Any], include_usage: bool) -> AsyncIterator[
     yield b"data: [DONE]\n\n"
 
 
+async def run_prompts(
+    state: ServeState, stage: str, body: _OpenAIBody, prompts: list[dict[str, Any]], adapters: list[str | None]
+) -> tuple[list[dict[str, Any]], dict[str, int]] | JSONResponse:
+    """Each prompt as a request of `stage` with its adapter (P-20; None: the base weights), in
+    flight together: their choices and usage, or the first error as the HTTP answer (counted
+    in the request metrics either way)."""
+    try:
+        _refuse_unserved(body)
+        stops = _stops(body.stop)
+        groups: dict[str | None, list[int]] = {}  # the prompts of each adapter: one generation each
+        for index, adapter in enumerate(adapters):
+            groups.setdefault(adapter, []).append(index)
+        ran = await asyncio.gather(
+            *(_generate(state, stage, body, [prompts[i] for i in g], a) for a, g in groups.items())
+        )
+        results: list[Any] = [None] * len(prompts)
+        for indices, outs in zip(groups.values(), ran, strict=True):
+            for index, result in zip(indices, outs, strict=True):
+                results[index] = result
+    except Exception as exc:
+        err = to_http(exc, stage=stage)
+        state.metrics.requests.labels(stage, outcome_label(err.status)).inc(len(prompts))
+        return JSONResponse(err.body, status_code=err.status, headers=err.headers)
+    state.metrics.requests.labels(stage, outcome_label(200)).inc(len(prompts))
+    return _choices(results, stops)
+
+
 async def _serve(
     state: ServeState,
     kind: str,
@@ -321,16 +349,10 @@ async def _serve(
     prompts: list[dict[str, Any]],
 ) -> Response:
     stage, adapter = target
-    try:
-        _refuse_unserved(body)
-        stops = _stops(body.stop)
-        results = await _generate(state, stage, body, prompts, adapter)
-    except Exception as exc:
-        err = to_http(exc, stage=stage)
-        state.metrics.requests.labels(stage, outcome_label(err.status)).inc(len(prompts))
-        return JSONResponse(err.body, status_code=err.status, headers=err.headers)
-    state.metrics.requests.labels(stage, outcome_label(200)).inc(len(prompts))
-    choices, usage = _choices(results, stops)
+    ran = await run_prompts(state, stage, body, prompts, [adapter] * len(prompts))
+    if isinstance(ran, JSONResponse):
+        return ran
+    choices, usage = ran
     answer = _answer(kind, body.model or model_name(state, stage), choices, usage)
     if not body.stream:
         return JSONResponse(answer)

@@ -790,8 +790,16 @@ class WorkerProcess:
         return after
 
     def _on_effect_error(self, effect: Effect, exc: Exception) -> WorkerStep:
+        """A refusal of the command's arguments (RunnerArgumentError, from any command) or of a
+        wake for lack of memory is the caller's to mend: one WARNING line. Anything else is the
+        backend's or the runner's failure: an ERROR with its traceback."""
         core = self.core
         assert core is not None
+        name = type(getattr(effect, "command", effect)).__name__.removesuffix("Effect")  # "TransferOut", "Reload"
+        if isinstance(exc, (RunnerArgumentError, WakeRefused)):
+            log.warning("worker %s/%s: %s %r refused: %s", *self._who(), name, effect.task_id, _error_text(exc))
+        else:
+            log.error("worker %s/%s: %s %r failed:\n%s", *self._who(), name, effect.task_id, traceback.format_exc())
         if isinstance(exc, AdapterRefused) and isinstance(effect, AdapterEffect):
             # Checked before anything was loaded or evicted: the rank serves on as it was.
             return core.step(EffectDeclined(effect.task_id, str(exc), NackReason.INVALID_ARGUMENT))
@@ -800,15 +808,7 @@ class WorkerProcess:
             return core.step(EffectDeclined(effect.task_id, _error_text(exc), NackReason.INVALID_ARGUMENT))
         if isinstance(exc, WakeRefused) and isinstance(effect, WakeEffect):
             # Rolled back: nothing mapped is kept, the tags sleep as before (NO_MEMORY, P-16).
-            log.warning("worker %s/%s: wake %r refused: %s", self.config.stage, self.config.rank, effect.task_id, exc)
             return core.step(EffectDeclined(effect.task_id, str(exc), NackReason.NO_MEMORY))
-        log.error(
-            "worker %s/%s: %s failed:\n%s",
-            self.config.stage,
-            self.config.rank,
-            type(effect).__name__,
-            traceback.format_exc(),
-        )
         if isinstance(effect, ShutdownEffect):
             self.exit_code = EXIT_SHUTDOWN_ERROR
         return core.step(EffectRaised(effect.task_id, _error_text(exc)))

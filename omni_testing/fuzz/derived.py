@@ -17,8 +17,12 @@ from omni_core.protocol import Message
 from omni_core.protocol.messages import ADAPTER_NAME_PATTERN, ENVELOPE_FIELDS, IDENTIFIER_PATTERN, MODULE_NAME_PATTERN
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
-# Patterns every string of _ALPHABET matches: a tag's, an adapter's and a module's names (P-20).
-_PATTERNS_OF_THE_ALPHABET = frozenset((r"^[A-Za-z0-9_.-]+$", ADAPTER_NAME_PATTERN, MODULE_NAME_PATTERN))
+_LETTERS = _ALPHABET[:26]
+# Patterns every string of _ALPHABET matches: a tag's, an adapter's and a module's names (P-20);
+# and an identifier's (a counter's, a connector's), whose first character is drawn from _LETTERS.
+_PATTERNS_OF_THE_ALPHABET = frozenset(
+    (r"^[A-Za-z0-9_.-]+$", ADAPTER_NAME_PATTERN, MODULE_NAME_PATTERN, IDENTIFIER_PATTERN)
+)
 _OPEN_INT = 1 << 16  # how far above its lower bound an int without an upper bound is drawn
 _MAX_ITEMS = 3  # items drawn for an array or a dict without a tighter bound
 _DRAWS = 32  # draws before giving up on a struct whose fields constrain each other
@@ -77,12 +81,8 @@ def _value(t: Any, rng: random.Random) -> Any:
         case mi.StrType() if t.pattern is None or t.pattern in _PATTERNS_OF_THE_ALPHABET:
             low = max(1, t.min_length or 0)
             high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
-            return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high)))
-        case mi.StrType() if t.pattern == IDENTIFIER_PATTERN:  # a letter first
-            low = max(1, t.min_length or 0)
-            high = max(low, min(t.max_length if t.max_length is not None else 16, 16))
-            rest = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high) - 1))
-            return rng.choice(_ALPHABET[:26]) + rest
+            first = rng.choice(_LETTERS if t.pattern == IDENTIFIER_PATTERN else _ALPHABET)
+            return first + "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(low, high) - 1))
         case mi.BytesType():
             low = t.min_length or 0
             high = max(low, min(t.max_length if t.max_length is not None else 16, 128))

@@ -21,6 +21,8 @@ START_TIMEOUT_S = 120.0  # torch import and model load on a loaded 2-core machin
 KILL_WAIT_S = 10.0
 LOG_TAIL_LINES = 30
 ALL_LOG_LINES = 1_000_000
+EXCERPT_LINES = 60  # of a handler's traceback, kept in its finding
+MAX_EXCERPTS = 3
 
 
 class WorkerHung(Exception):
@@ -84,3 +86,12 @@ def kill_worker(proc: subprocess.Popen | None) -> None:
 def handler_raised_lines(log_path: str) -> int:
     """Lines in the worker's log where its loop's isolation caught a handler that raised."""
     return log_tail(log_path, ALL_LOG_LINES).count(LOG_MARK)
+
+
+def handler_raised_excerpts(log_path: str) -> str:
+    """Each isolation line of the worker's log with the traceback that follows it (up to
+    EXCERPT_LINES lines, the first MAX_EXCERPTS of them): the frame that raised and where,
+    which the log's tail, written on by later frames, no longer shows."""
+    lines = log_tail(log_path, ALL_LOG_LINES).splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if LOG_MARK in line][:MAX_EXCERPTS]
+    return "".join("".join(lines[i : i + EXCERPT_LINES]) for i in starts)

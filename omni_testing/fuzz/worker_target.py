@@ -78,6 +78,7 @@ from omni_testing.fuzz.worker_spawn import (
     WorkerCrashed,
     WorkerHung,
     await_hello,
+    handler_raised_excerpts,
     handler_raised_lines,
     kill_worker,
     spawn_worker,
@@ -233,6 +234,15 @@ class WorkerFuzzer(OracleRounds):
     def _log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
 
+    def _keep_log(self) -> str:
+        """The worker's whole log, copied into out_dir (its own directory goes at the end)."""
+        if not self.config.out_dir:
+            return ""
+        os.makedirs(self.config.out_dir, exist_ok=True)
+        kept = os.path.join(self.config.out_dir, "worker.log")
+        shutil.copyfile(self.log_path, kept)
+        return f"; its whole log: {kept}"
+
     def _finish(self) -> None:
         report = self.report
         if self.proc is not None and self.proc.poll() is None:
@@ -259,8 +269,8 @@ class WorkerFuzzer(OracleRounds):
         if raised:
             self._violation(
                 "handler_raised",
-                f"{raised} frame(s) raised in a handler of the worker's loop (caught "
-                f"and answered by its isolation; see the log):\n{self._log_tail()}",
+                f"{raised} frame(s) raised in a handler of the worker's loop (caught and answered by "
+                f"its isolation){self._keep_log()}:\n{handler_raised_excerpts(self.log_path)}",
             )
         report.settle_memory()
         report.replies_by_type.update({f"Nack:{k}": v for k, v in sorted(self._nack_reasons.items())})

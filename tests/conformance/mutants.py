@@ -81,6 +81,7 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "reset_refused_partial": ("P-19", "ResetPrefixCache refused in PARTIAL"),
     "adapter_ignored": ("P-20", "an Execute naming an adapter not held runs without it"),
     "adapter_any_base": ("P-20", "an adapter made for other base weights is loaded as if rebound"),
+    "adapter_tensors_unchecked": ("P-20", "an adapter's tensors are written without checking that every one is sent"),
     # Pause mode keep (P-23).
     "hold_anywhere": ("P-23", "a HoldRequests outside ACTIVE is acknowledged: nothing runs there, nothing to hold"),
     "hold_never_already": ("P-23", "a second hold (or release) is acknowledged OK, never ALREADY"),
@@ -753,6 +754,9 @@ def _install(name: str) -> None:
         return
     if name == "update_unchecked_names":
         weight_receiver.check_specs = lambda runner, specs: None  # every bucket written as it comes
+        return
+    if name == "adapter_tensors_unchecked":
+        weight_receiver.check_adapter_specs = lambda runner, command, specs: None  # what comes is written
         return
     if name == "task_id_reuse_served":
         fsm_worker.command_digest = lambda command: b"task id only"

@@ -90,6 +90,7 @@ EXPECTED = {
     "reset_refused_partial": ("P-19/reset_prefix_cache_in_partial", "ResetPrefixCache was not acknowledged"),
     "adapter_ignored": ("P-20/adapter_requests_refused_naming_it", "a refusal (ADAPTER_UNAVAILABLE), got a Result"),
     "adapter_any_base": ("P-20/adapter_for_other_weights_refused", "does not name the version it was made for"),
+    "adapter_tensors_unchecked": ("P-20/adapter_tensors_refused_unless_whole", "expected a refusal (INVALID_ARGUMENT)"),
     "hold_anywhere": ("P-23/hold_refused_outside_active", "expected a refusal (INVALID_STATE), got an Ack"),
     "hold_never_already": (
         "P-23/hold_of_nothing_is_acked_then_already_until_released",

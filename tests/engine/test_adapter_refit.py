@@ -158,3 +158,31 @@ def test_requests_around_a_refit_run_on_one_adapter_version_each(engine_factory,
         assert result.output["data"] == by_version[result.adapter_version]
     assert before.result(60).adapter_version == 1  # it was on the rank before the refit
     assert engine.execute("lora", PROBE, adapter="sql", with_version=True).adapter_version == 2
+
+
+def test_a_refit_one_rank_refuses_is_served_on_no_rank_until_added_on_every_rank(engine_factory, sender) -> None:
+    """All or none across the ranks of a stage (real processes): rank 1 refuses the refit to
+    version 2 while rank 0 writes it. The refit's error says the adapter is split; each request
+    naming it is then refused by the stage before any rank runs it, naming the ranks and their
+    versions, while the base weights serve on; a refit every rank takes serves again."""
+    from omni_core.engine import RequestRejectedError
+    from tests.engine.split_runner import REFUSED_ON_RANK_1
+
+    engine = engine_factory(adapter_stage(ranks=2, runner="tests.engine.split_runner:SplitRunner"))
+    add(engine, "eight", 8)
+    eight = data(engine, "eight")
+    base = data(engine)
+    engine.add_adapter("lora", "sql", tensors=sender.share(seeded_tensors(7)))
+    with pytest.raises(InvalidArgumentError, match="refuses requests naming adapter 'sql' until an AddAdapter"):
+        engine.add_adapter("lora", "sql", tensors=sender.share(seeded_tensors(8)), source=REFUSED_ON_RANK_1, version=2)
+    versions = {
+        rank: [a.version for a in r.adapters if a.name == "sql"]
+        for rank, r in engine.list_adapters("lora").ranks.items()
+    }
+    assert versions == {0: [2], 1: [1]}  # the ranks disagree: the stage must serve neither
+    with pytest.raises(RequestRejectedError, match=r"taken by ranks 0 \(version 2\) and refused by ranks \[1\]"):
+        data(engine, "sql")
+    assert data(engine) == base
+    engine.add_adapter("lora", "sql", tensors=sender.share(seeded_tensors(8)), version=3)
+    refit = engine.execute("lora", PROBE, adapter="sql", with_version=True)
+    assert refit.output["data"] == eight and refit.adapter_version == 3

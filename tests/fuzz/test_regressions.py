@@ -15,6 +15,16 @@ them; its codec refuses them).
 3. A frame over a worker's socket limit (max_frame_bytes + 64 KiB) makes libzmq close the
    worker's connection as a protocol error, and a connecting socket does not reconnect after
    one: the process lives on, deaf, until its parent dies.
+4. A TransferOut whose payload nests 987 deep decoded (only a request's payload and a
+   result's output had their depth checked), its export was refused, and the refusal's
+   reply-cache digest re-encoded the command deeper in the stack: RecursionError into the
+   worker loop's isolation. Now every field typed Any is checked at decode (BAD_MESSAGE).
+5. A frame whose payload is 986 one-key maps and then a reserved byte: from the fuzzer's
+   shallow stack msgspec met the byte (malformed: task '-'), from the worker's deeper one it
+   ran out of stack first and the envelope scanner named the task. Now a refused frame that
+   nests deeper than DECODER_SAFE_DEPTH is read by the scanner in every process.
+   Both found by the schema fuzzer (tests/fuzz/test_fuzz_schema.py, seed 20261126) once the
+   derived generator's identifiers drew their first letter first; epochs set back to 0.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from omni_core.protocol import (
     Status,
     WorkerState,
     decode,
+    decode_command,
     encode,
 )
 from omni_core.runners.base import RunnerArgumentError
@@ -51,6 +62,19 @@ RELOAD_FRAMES: dict[str, bytes] = {
     "superscript_two": bytes.fromhex(_HEAD + "667a2d38313335a565706f636800a6736f75726365a7736565643ac2b2"),
     "5000_digits": bytes.fromhex(_HEAD + "667a2d34343730a565706f636800a6736f75726365da138d") + b"seed:" + b"9" * 5000,
 }
+# TransferOut(task_id="fz-734", request_id="jwnn3", names=("cl4", "kf0z4dqpsi"), payload=986
+# one-item arrays around {"seed": 1, "batch": 1}), byte for byte as the schema fuzzer wrote it.
+DEEP_TRANSFER_OUT = (
+    bytes.fromhex(
+        "89a474797065ab5472616e736665724f7574a17601a77461736b5f6964a6667a2d373334a565706f636800aa7265717565"
+        "73745f6964a56a776e6e33a56e616d657392a3636c34aa6b66307a346471707369a77061796c6f6164"
+    )
+    + b"\x91" * 986
+    + bytes.fromhex("82a47365656401a5626174636801a96d61785f6279746573ce40000000ac6275636b65745f6279746573ce10000000")
+)
+# {"type": "", "v": 1, "task_id": "fz-3337", "epoch": 0, "payload": 986 one-key maps, then 0xc1}.
+DEEP_BROKEN = bytes.fromhex("85a474797065a0a17601a77461736b5f6964a7667a2d33333337a565706f636800a77061796c6f6164")
+DEEP_BROKEN += b"\x81\xa1k" * 986 + b"\xc1"
 SMALL = {"weights_bytes": 256 << 10, "tensor_count": 4, "kv_bytes": 64 << 10, "hidden": 32, "cpu_threads": 1}
 
 
@@ -84,6 +108,26 @@ def test_worker_refuses_unparsable_reload_source_and_stays_active(worker: RawWor
         assert isinstance(reply, Nack), (name, reply)
         assert reply.reason is NackReason.INVALID_ARGUMENT, (name, reply.reason, reply.detail[:300])
         assert reply.state is WorkerState.ACTIVE, (name, reply.state)
+
+
+# Findings 4 and 5 hang on how deep a stack is: whether these bytes reach the bug depends on
+# the process. Their deterministic tests: tests/workers/test_frame_isolation.py (a too-deep
+# TransferOut into the rank's loop), tests/test_codec.py (each Any field's bound) and
+# tests/test_envelope_scan.py (one envelope at every stack depth).
+def test_worker_refuses_a_transfer_payload_too_deep_at_decode(worker: RawWorker) -> None:
+    reply = worker.request(DEEP_TRANSFER_OUT)
+    assert isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE, reply
+    assert reply.task_id == "fz-734" and reply.state is WorkerState.ACTIVE, reply
+    assert reply.detail.startswith("invalid TransferOut"), reply.detail  # the codec's refusal, not the isolation's
+
+
+def test_worker_and_this_process_name_the_same_task_for_a_deep_broken_frame(worker: RawWorker) -> None:
+    with pytest.raises(ProtocolError) as here:
+        decode_command(DEEP_BROKEN)
+    reply = worker.request(DEEP_BROKEN)
+    assert isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE, reply
+    assert reply.task_id == here.value.task_id == "fz-3337", (reply, str(here.value))
+    assert reply.state is WorkerState.ACTIVE
 
 
 # Last in this module: it cuts the shared worker off.

@@ -53,3 +53,27 @@ def test_divergence_names_the_first_differing_token_and_the_trainers_preference(
     said = module.divergence(model, other, reference)
     assert said["at"] == 2
     assert said["gap_at_divergence"] > 0  # greedy took the reference's token: its logit is the largest
+
+
+def test_the_rl_example_in_adapter_mode_syncs_only_the_adapter_each_step(tmp_path) -> None:
+    """`--adapter`: each step refits the rollout's LoRA adapter from the trainer's adapter
+    tensors (adapter-only refit) as adapter version `step`; the base weights stay version 0,
+    and the rollout's tokens with the adapter equal the trainer's PEFT model's, also after a
+    level-1 sleep and wake."""
+    import pytest
+
+    pytest.importorskip("peft", reason="needs the models extra: pip install -e '.[models]'")
+    module = load_example()
+    history = module.run(iterations=3, workdir=str(tmp_path), adapter=True)
+    steps, final = history[:-1], history[-1]
+    assert [(s["version"], s["base_version"], s["source"]) for s in steps] == [
+        (1, 0, "adapter-shm"),
+        (2, 0, "adapter-shm"),
+        (3, 0, "adapter-shm"),
+    ]
+    assert (final["status"], final["adapters"]) == (0, {"policy": 3})  # no base update ever went out
+    assert final["start_equal_to_reference"]
+    assert module.failures(history) == []
+    assert {"step 3: share the adapter (shm)", "step 3: refit the adapter"} <= final["phases_s"].keys()
+    assert not any("update" in phase for phase in final["phases_s"])
+    assert len({tuple(s["tokens"]) for s in steps}) > 1  # training the adapter moved the policy

@@ -71,6 +71,10 @@ def test_adapter_tokens_equal_peft_and_survive_level_one_and_level_two(pools, ch
     tuned = runner.execute_adapter(GREEDY, "sql")["token_ids"]
     assert tuned == _peft_tokens(checkpoints, lora_dir) and tuned != base
     assert runner.execute(GREEDY)["token_ids"] == base  # no adapter named: none applied
+    runner.execute_adapter(GREEDY, "sql")
+    # The rank runs plain requests in flight together through execute_batch: the adapter the
+    # request before set is not applied to them either.
+    assert [out["token_ids"] for out in runner.execute_batch([GREEDY, GREEDY])] == [base, base]
     assert pools.backend.usage()["adapters"] > 0
     assert not {id(t) for t in runner.tensors("adapters")} & {id(t) for t in runner.tensors("weights")}
 

@@ -169,3 +169,40 @@ def test_the_openai_routes_serve_an_adapter_named_as_the_model(chat: Served, roo
     assert chat.client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
     unknown = chat.client.post("/v1/completions", json=body | {"model": "sql"})
     assert unknown.status_code == 404 and "model 'sql' is not served here" in unknown.text
+
+
+def test_sglang_generate_runs_the_adapter_its_lora_path_names(chat: Served, root: Path) -> None:
+    """SGLang's way: `lora_path` in POST /generate names an adapter loaded through
+    /load_lora_adapter (one for every prompt, or one per prompt), and its tokens are PEFT's;
+    `meta_info` names the adapter and its version beside the weights version. A name no
+    adapter here has is a 400 naming it, and nothing runs."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    base = chat.client.post("/generate", json=body)
+    assert base.status_code == 200, base.text
+    assert "adapter" not in base.json()["meta_info"]
+    loaded = chat.client.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(root / "sql")})
+    assert loaded.json()["success"] is True, loaded.text
+    answer = chat.client.post("/generate", json=body | {"lora_path": "sql"})
+    assert answer.status_code == 200, answer.text
+    one = answer.json()
+    assert one["output_ids"] == _peft_tokens(root) != base.json()["output_ids"]
+    meta = one["meta_info"]
+    assert (meta["adapter"], meta["adapter_version"], meta["completion_tokens"]) == ("sql", 1, 8)
+    assert meta["finish_reason"] == {"type": "length"} and meta["prompt_tokens"] == len(PROMPT)
+
+    batch = chat.client.post("/generate", json=body | {"input_ids": [PROMPT, PROMPT], "lora_path": [None, "sql"]})
+    assert batch.status_code == 200, batch.text
+    plain, tuned = batch.json()
+    assert plain["output_ids"] == base.json()["output_ids"] and "adapter" not in plain["meta_info"]
+    assert tuned["output_ids"] == one["output_ids"] and tuned["meta_info"]["adapter"] == "sql"
+
+    unknown = chat.client.post("/generate", json=body | {"lora_path": "chat-v2"})
+    assert unknown.status_code == 400
+    assert "lora_path 'chat-v2' names no LoRA adapter loaded here (loaded: ['sql'])" in unknown.text
+    miscounted = chat.client.post("/generate", json=body | {"input_ids": [PROMPT], "lora_path": ["sql", None]})
+    assert miscounted.status_code == 400 and "names 2 adapters for 1 prompts" in miscounted.text
+    refused = chat.client.post("/generate", json=body | {"stream": True})
+    assert refused.status_code == 400 and "['stream']" in refused.text
+    assert chat.client.post("/unload_lora_adapter", json={"lora_name": "sql"}).json()["success"] is True
+    gone = chat.client.post("/generate", json=body | {"lora_path": "sql"})
+    assert gone.status_code == 400 and "names no LoRA adapter loaded here" in gone.text

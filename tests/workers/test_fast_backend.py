@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omni_core.workers.backends import BackendUnavailable, select_backend
+from omni_core.workers.backends.base import BackendStateError
 from omni_core.workers.backends.copy_plan import plan_copies
 from omni_core.workers.backends.fast import FastBackend
 from omni_core.workers.backends.host_room import (
@@ -427,3 +428,47 @@ def test_the_host_arena_lock_is_exclusive_and_released(tmp_path):
 def test_auto_with_a_prepare_mode_that_cannot_hold_the_lock_is_refused():
     with pytest.raises(ValueError, match="prepare='load'"):
         make("flags", host_memory=host(64 * GiB), prepare="background")
+
+
+class _DeviceTensorAt:
+    """A uint8 tensor of `nbytes` at `address` of the fake device: what host_view reads of one
+    (its storage's address, dtype, shape and strides)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.like = address, torch.empty(nbytes, dtype=torch.uint8)
+        self.dtype, self.shape = self.like.dtype, self.like.shape
+
+    def untyped_storage(self):
+        return type("Storage", (), {"data_ptr": lambda _: self.address})()
+
+    def __getattr__(self, name):
+        return getattr(self.like, name)
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_update_written_into_the_arena_while_asleep_is_what_the_wake_brings(variant, read_only):
+    module, ops, backend, ptrs = make(variant)
+    assert backend.supports_host_refit
+    if read_only:  # a later sleep copies nothing: the slot must hold the refit bytes
+        backend.declare_read_only({W})
+    before = snapshot(module, ptrs[W])
+    with pytest.raises(BackendStateError, match="not asleep"):
+        backend.host_view(W, _DeviceTensorAt(ptrs[W][1], 16))
+    backend.sleep({W}, {KV})
+    view = backend.host_view(W, _DeviceTensorAt(ptrs[W][1] + 64, 128))  # inside the second allocation
+    view.copy_(torch.full((128,), 0x5A, dtype=torch.uint8))
+    assert module.memory == {}  # written into the host copy, the device untouched
+    backend.wake({W, KV})
+    want = bytearray(before[1])
+    want[64:192] = bytes([0x5A]) * 128
+    assert snapshot(module, ptrs[W]) == [before[0], bytes(want), before[2]]
+    copied = len(ops.copies)
+    backend.sleep({W}, {KV})  # the refit bytes are the host copy from now on
+    assert read_only == all(d == "h2d" for d, _ in ops.copies[copied:])  # read-only: no device->host copy
+    backend.wake({W, KV})
+    assert snapshot(module, ptrs[W]) == [before[0], bytes(want), before[2]]
+    backend.sleep(set(), {W, KV})  # level 2: no host copy to write into
+    with pytest.raises(BackendStateError, match="no host copy"):
+        backend.host_view(W, _DeviceTensorAt(ptrs[W][1], 16))
+    backend.release()

@@ -24,14 +24,21 @@ from omni_core.protocol import (
     MAX_PAYLOAD_DEPTH,
     PROTOCOL_VERSION,
     Ack,
+    Bucket,
     Execute,
     Hello,
     Message,
     Nack,
     NackReason,
+    ReloadWeights,
     Result,
+    SaveWeights,
+    ShmSource,
     Sleep,
     Status,
+    TensorSpec,
+    TransferIn,
+    TransferOut,
     Wake,
     decode,
     encode,
@@ -219,6 +226,76 @@ def test_a_payload_or_result_too_deep_is_answered_never_dropped(peer):
     assert isinstance(peer.execute({"deep": MAX_PAYLOAD_DEPTH}), Result)
     peer.serves(reference)
     assert peer.worker.frame_errors.total == 0  # refused by design, nothing escaped a handler
+
+
+def test_a_transfer_payload_too_deep_is_refused_never_raised(peer):
+    """The kind of frame the schema fuzzer found (seed 20261126; its exact bytes against a
+    worker process: tests/fuzz/test_regressions.py): a TransferOut whose payload nests 987
+    deep, naming tensors the runner does not export. It decoded, the export was refused, and
+    the refusal's reply-cache digest re-encoded the payload deeper in the stack: RecursionError
+    into the loop's isolation. A TransferOut's payload is bounded as a request's is."""
+    reference = peer.execute(PROBE).output
+    for depth in (MAX_PAYLOAD_DEPTH + 1, 987):
+        deep = msgspec.Raw(b"\x91" * (depth - 1) + b"\x90")  # raw: the test's stack may not encode it
+        frame = {"type": "TransferOut", "v": PROTOCOL_VERSION, "task_id": f"tdeep{depth}", "epoch": 0}
+        peer.send_raw(msgspec.msgpack.encode(frame | {"request_id": "r1", "names": ["cl4"], "payload": deep}))
+        reply = peer.receive()
+        assert isinstance(reply, Nack) and reply.reason is NackReason.BAD_MESSAGE, reply
+        assert reply.task_id == f"tdeep{depth}" and reply.state.value == "ACTIVE", reply
+        assert "invalid TransferOut.payload: a payload must be at most MAX_PAYLOAD_DEPTH" in reply.detail
+        assert f"nests {depth} levels" in reply.detail, reply.detail
+    peer.serves(reference)
+    assert peer.worker.frame_errors.total == 0  # refused at decode: nothing reached the isolation
+
+
+GONE = ShmSource(
+    buckets=(
+        Bucket(
+            handle="/dev/shm/omni-test-gone",
+            nbytes=16,
+            sender_pid=1,
+            tensors=(TensorSpec(name="hidden", dtype="float32", shape=(2, 2)),),
+        ),
+    )
+)
+
+
+def _worker_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "omni_core.worker"]
+
+
+def test_a_refused_argument_logs_one_warning_line_and_a_failure_its_traceback(peer, monkeypatch, caplog):
+    """A RunnerArgumentError is the caller's to mend, from whichever command: one WARNING line,
+    no traceback (a transfer's or a save's was an ERROR with one). The wire was right before."""
+    refused = [
+        TransferOut(task_id="t-out", epoch=0, request_id="r1", names=("cl4",)),
+        TransferIn(task_id="t-in", epoch=0, request_id="r2", producer_version=5, expect_version=0, source=GONE),
+        SaveWeights(task_id="t-save", epoch=0, directory="relative/dir"),
+        ReloadWeights(task_id="t-reload", epoch=0, source="seed:--5"),
+    ]
+    for command in refused:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="omni_core.worker"):
+            reply = peer.request(command)
+        assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT, reply
+        assert reply.state.value == "ACTIVE", reply
+        (record,) = _worker_records(caplog)
+        assert record.levelno == logging.WARNING and record.exc_info is None, record.getMessage()
+        message = record.getMessage()
+        assert f"{command.task_id!r} refused: RunnerArgumentError" in message, message
+        assert "Traceback" not in message and "\n" not in message, message
+
+    def broken(runner: Any, command: Any, core: Any) -> Any:
+        raise RuntimeError("the export's device fell over")
+
+    monkeypatch.setitem(worker_process.COMMAND_HANDLERS, TransferOut, broken)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="omni_core.worker"):
+        reply = peer.request(TransferOut(task_id="t-broken", epoch=0, request_id="r3", names=("hidden",)))
+    assert isinstance(reply, Nack) and reply.reason is NackReason.INVALID_ARGUMENT, reply  # the row's error
+    (record,) = _worker_records(caplog)
+    assert record.levelno == logging.ERROR and "TransferOut 't-broken' failed:\nTraceback" in record.getMessage()
+    assert "the export's device fell over" in record.getMessage()
 
 
 def test_frame_errors_count_by_closed_cause_and_log_once_per_interval(caplog):

@@ -45,9 +45,11 @@ class FastBackend(CumemBackend):
     size: runs of that size, refused where they cannot be made."""
 
     name = "fast"
-    # Its host copies live in the arena, whose layout an update cannot address yet (the cumem
-    # backend's per-allocation backups can): an update while asleep is refused, host_refit not declared.
-    supports_host_refit = False
+    # Asleep at level 1, each allocation's `cpu_backup_tensor` is its slot in the arena (or,
+    # run as cumem, its own backup): the cumem backend's lookup finds the host copy either
+    # way. A refit written there is what the wake copies back, and the slot stays the clean
+    # copy after it (the wake marks what it restored clean).
+    supports_host_refit = True
 
     def adopt(self, tag: str) -> None:
         # The fast path's sleeps and wakes walk the allocator's own tags: a pool vLLM names
