@@ -339,7 +339,9 @@ REQUIREMENTS: dict[str, Requirement] = {
             "(P-10); a worker MUST refuse, keeping nothing, an `expect_version` other than `producer_version`, "
             "and a name, shape or dtype its connector does not import, before it opens a handle, and MUST open "
             "every handle as P-17 opens an update's; it keeps a copy for the request, which a later `Execute` "
-            'names (`"transfer"` in its payload). `TransferRelease(request_id)` MUST be accepted in `ACTIVE`, '
+            'names (`"transfer"` in its payload); that `Execute` takes it: the worker MUST drop the copy when the '
+            "request ends, before its `Result` or `Nack`, whether its runner used it or not. "
+            "`TransferRelease(request_id)` MUST be accepted in `ACTIVE`, "
             "`SLEEPING`, `PARTIAL` and `NEEDS_RELOAD` and drops whatever the worker holds for the request "
             "(nothing held: the same `Ack`). A stage sends `TransferOut` and `TransferIn` only in `RUNNING` and "
             "`TransferRelease` in any settled state; a producer stage MUST NOT sleep or take an update while a "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -112,7 +113,7 @@ def run_pipeline(
         raise InvalidArgumentError(
             f"a pipeline names two or more distinct stages in order, got {[s.stage for s in stages]}"
         )
-    landed: list[tuple[TransferCore, str, str]] = []  # each hop's core, its producer and consumer
+    landed: list[tuple[TransferCore, str, str | None]] = []  # each hop's core, producer, consumer to release
     try:
         payload = stages[0].payload
         for hop, (producer, consumer) in enumerate(itertools.pairwise(stages)):
@@ -138,14 +139,15 @@ def run_pipeline(
             raise PipelineError(error, len(landed) - 1, landed[-1][0].producer_version) from exc
         for core, _, _ in landed:
             core.finished(output)
+        # The last stage's Execute named its hop's landing: its ranks dropped it when the
+        # request ended (P-22, the worker's `_drop_landed`); nothing is left to release there.
+        landed[-1] = (landed[-1][0], landed[-1][1], None)
         return PipelineResult(output, tuple(core.producer_version or 0 for core, _, _ in landed))
     finally:
-        for core, producer_stage, consumer_stage in landed:  # every end releases every hop, once
+        for core, _, _ in landed:
             if core.state is TransferState.RUNNING:
                 core.failed(f"request {request_id!r} ended at a later hop")
-            _release(engine, consumer_stage, core.request_id, timeout_s)
-            _release(engine, producer_stage, core.request_id, timeout_s)
-            core.released()
+        _release_hops(engine, landed, timeout_s)
 
 
 def _with_transfer(payload: Any, hop_id: str) -> dict[str, Any]:
@@ -215,8 +217,8 @@ def _admit(engine: Engine, core: TransferCore, consumer: str, deadline_at: float
     if core.state is TransferState.WAKING:
         core.woke()
         return
-    status = engine.status()[consumer]
-    land = core.decide(StageState(status["state"]), AdmissionPolicy(status["admission"]))
+    state, policy = _stage_view(engine, consumer)
+    land = core.decide(state, policy)
     if land is Land.WAKE:
         try:
             engine.wake(consumer, timeout_s=timeout_s)
@@ -256,12 +258,64 @@ def _land(
     core.landed()
 
 
+def _stage_view(engine: Engine, stage: str) -> tuple[StageState, AdmissionPolicy]:
+    """The stage core's state and policy, read where the loop thread keeps them: no round trip
+    through the loop (a status() snapshot is as old by the time TransferIn arrives, and the
+    core refuses a TransferIn anywhere but RUNNING either way, P-22)."""
+    core = engine._orch.stage(stage).core
+    return core.state, core.policy
+
+
+Sent = tuple[str, "Future[Any]", float]  # a release's stage, its answer to come, the budget to wait it
+
+
 def _release(engine: Engine, stage: str, hop_id: str, timeout_s: float | None) -> None:
-    """Drop what `stage`'s ranks hold for the hop; a stage that cannot be asked any more (FAILED,
-    stopped) holds nothing a restart keeps."""
-    task_id, deadline_s = engine._task(stage, "transfer-release", None, timeout_s)
+    """Drop what `stage`'s ranks hold for the hop (`_released`)."""
+    _released(engine, [_send_release(engine, stage, hop_id, timeout_s)])
+
+
+def _release_hops(
+    engine: Engine, hops: Sequence[tuple[TransferCore, str, str | None]], timeout_s: float | None
+) -> None:
+    """Every hop's releases (its producer's, and its consumer's unless None), in waves: a stage
+    takes one task at a time, so each wave sends the next release of every stage at once, then
+    waits for them together (a two-stage request: one wave). Each is sent whatever another
+    answers; every hop's core is released at the end, then the first error is raised."""
+    pending: dict[str, list[str]] = {}
+    for core, producer, consumer in hops:
+        for stage in (producer, consumer):
+            if stage is not None:
+                pending.setdefault(stage, []).append(core.request_id)
+    error: OmniCoreError | None = None
     try:
-        engine._lifecycle(stage, CommandCall(TransferRelease(task_id=task_id, epoch=0, request_id=hop_id), deadline_s))
-    except OmniCoreError:
-        if engine.status()[stage]["state"] not in (StageState.FAILED.value, StageState.STOPPED.value):
-            raise
+        while any(pending.values()):
+            wave = [_send_release(engine, stage, ids.pop(0), timeout_s) for stage, ids in pending.items() if ids]
+            try:
+                _released(engine, wave)
+            except OmniCoreError as exc:
+                error = error or exc
+    finally:
+        for core, _, _ in hops:
+            core.released()
+    if error is not None:
+        raise error
+
+
+def _send_release(engine: Engine, stage: str, hop_id: str, timeout_s: float | None) -> Sent:
+    task_id, deadline_s = engine._task(stage, "transfer-release", None, timeout_s)
+    call = CommandCall(TransferRelease(task_id=task_id, epoch=0, request_id=hop_id), deadline_s)
+    return stage, engine._orch.submit(stage, call), deadline_s + engine._spec(stage).request_timeout_s
+
+
+def _released(engine: Engine, sent: Sequence[Sent]) -> None:
+    """Wait for each release sent; a stage that cannot be asked any more (FAILED, stopped) holds
+    nothing a restart keeps. All are waited for before the first other error is raised."""
+    error: OmniCoreError | None = None
+    for stage, future, budget_s in sent:
+        try:
+            engine._wait(future, budget_s)
+        except OmniCoreError as exc:
+            if _stage_view(engine, stage)[0] not in (StageState.FAILED, StageState.STOPPED):
+                error = error or exc
+    if error is not None:
+        raise error

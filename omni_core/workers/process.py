@@ -128,7 +128,7 @@ from omni_core.workers.saved_weights import (
     save_rank,
     saved_version,
 )
-from omni_core.workers.transfers import close_transfers, transfer_in, transfer_out, transfer_release
+from omni_core.workers.transfers import close_transfers, drop_landed, transfer_in, transfer_out, transfer_release
 from omni_core.workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("omni_core.worker")
@@ -632,11 +632,14 @@ class WorkerProcess:
         for done in finished:
             if done.effect.task_id in held:
                 self._answer_request(done.effect, done.output, done.duration_s)
+            else:
+                self._drop_landed(done.effect)
 
     def _answer_request(self, effect: ExecuteEffect, output: Any, duration_s: float) -> None:
         """One request of a batch: its Result, or its NACK; exactly one reply whatever raises."""
         core = self.core
         assert core is not None
+        self._drop_landed(effect)  # before its reply: a pipeline releases no landing after a Result
         try:
             if isinstance(output, BaseException):
                 raise output
@@ -658,6 +661,14 @@ class WorkerProcess:
             if outer is not None:
                 outer |= self._answered
             self._answered = outer
+
+    def _drop_landed(self, effect: ExecuteEffect) -> None:
+        """The request has ended: what landed for the transfer it names goes (P-22)."""
+        if self.runner is not None:
+            try:
+                drop_landed(self.runner, effect.payload)
+            except Exception as exc:  # a runner's inbox that raises ends no loop
+                self.frame_errors.record(exc, f"dropping the landing of request {effect.task_id!r}")
 
     def _answer_lost(self, task_id: str, exc: Exception) -> None:
         """A request whose answer raised: its error if the core still holds it, else (the core

@@ -10,6 +10,8 @@
   every name, shape and dtype checked against the runner's imports and the declared version
   against the producer's, then copied onto the rank's device into the runner's inbox.
 - TransferRelease: both dropped, whichever this rank holds.
+- The request that names a landing (`drop_landed`): when it ends, answered or failed, what
+  landed for it is dropped, taken by its runner or not.
 
 Each is performed whole by the shell (`COMMAND_HANDLERS`); a refusal raises, which the core
 answers as that command's NACK INVALID_ARGUMENT with the rank's state unchanged.
@@ -161,6 +163,15 @@ def transfer_in(runner: ModelRunner, command: TransferIn) -> None:
 def transfer_release(runner: ModelRunner, command: TransferRelease) -> None:
     rank_transfers(runner).release(command.request_id)
     runner.inbox.drop(command.request_id)
+
+
+def drop_landed(runner: ModelRunner, payload: object) -> bool:
+    """A request naming a landing (`{"transfer": request_id}`) has ended, answered or failed:
+    what landed for it is dropped, whether its runner took it or not (P-22: the Execute that
+    names a landing takes it). The pipeline sends the consumer no TransferRelease after its
+    request's Result for that reason; True when something was still held."""
+    name = payload.get("transfer") if isinstance(payload, dict) else None
+    return isinstance(name, str) and runner.inbox.drop(name)
 
 
 def close_transfers(runner: ModelRunner) -> None:
