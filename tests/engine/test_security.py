@@ -285,8 +285,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
-        return f.read().split(")")[-1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:  # it was reaped between the two looks
+        return False
 
 
 def test_curve_keys_survive_the_environment_whatever_their_characters(monkeypatch):
