@@ -3,8 +3,8 @@
 An adapter command goes to every rank and each answers on its own, so an `AddAdapter` (a
 refit from tensors above all) or a `RemoveAdapter` may be taken by some ranks and refused by
 others. The ranks then disagree on what the name means: some hold the new tensors, some the
-old, some none; and two ranks at the same version need not hold the same tensors (a directory
-add replaces an adapter without raising its version). Ranks of one stage compute one result
+old, some none; and a rank that refused a refit holds the version before it beside ranks
+that took it. Ranks of one stage compute one result
 together, so no request may run on such a mix, and comparing the versions the Results name
 is not enough. This table is the stage's memory of it: an adapter whose last add or remove
 was taken by some ranks only is split, and the stage refuses every request naming it, sending

@@ -55,14 +55,24 @@ class ConnectorSpec:
         return f"tensor {name!r} is {got} {list(shape)}; the connector takes {wanted} {declared}"
 
 
+def declared_problem(
+    specs: Mapping[str, ConnectorSpec], name: str, dtype: torch.dtype | str, shape: tuple[int, ...]
+) -> str | None:
+    """What keeps a tensor `name` of `dtype` and `shape` from being one `specs` declares, or
+    None: read from its description alone, so it is checked before any of its bytes is."""
+    spec = specs.get(name)
+    return unknown_name(specs, name) if spec is None else spec.problem(name, dtype, shape)
+
+
+def unknown_name(specs: Mapping[str, ConnectorSpec], name: str) -> str:
+    return f"{name!r} is not among its connector's names {sorted(specs)}"
+
+
 def check_tensors(what: str, specs: Mapping[str, ConnectorSpec], tensors: Mapping[str, torch.Tensor]) -> int:
     """Every tensor is one `specs` declares, with its dtype and shape; returns their bytes."""
     total = 0
     for name, tensor in tensors.items():
-        spec = specs.get(name)
-        if spec is None:
-            raise ConnectorError(f"{what}: {name!r} is not among its connector's names {sorted(specs)}")
-        problem = spec.problem(name, tensor.dtype, tuple(tensor.shape))
+        problem = declared_problem(specs, name, tensor.dtype, tuple(tensor.shape))
         if problem is not None:
             raise ConnectorError(f"{what}: {problem}")
         total += tensor.numel() * tensor.element_size()
@@ -146,9 +156,8 @@ def tensors_from_wire(
         raise ConnectorError(f"{what}: a dict of name -> {{'dtype', 'shape', 'data'}}, got {described!r:.200}")
     total, out = 0, {}
     for name, wire in described.items():
-        spec = specs.get(name)
-        if spec is None:
-            raise ConnectorError(f"{what}: {name!r} is not among its connector's names {sorted(specs)}")
+        if name not in specs:  # named first, before its description is looked at
+            raise ConnectorError(f"{what}: {unknown_name(specs, name)}")
         if not isinstance(wire, dict) or set(wire) != {"dtype", "shape", "data"}:
             raise ConnectorError(f"{what}: {name!r} is a dict of exactly 'dtype', 'shape' and 'data'")
         shape, data = wire["shape"], wire["data"]
@@ -158,10 +167,10 @@ def tensors_from_wire(
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
             raise ConnectorError(f"{what}: {name!r} has shape {shape!r:.100}; a list of sizes >= 0")
-        problem = spec.problem(name, str(wire["dtype"]), tuple(shape))
+        problem = declared_problem(specs, name, str(wire["dtype"]), tuple(shape))
         if problem is not None:
             raise ConnectorError(f"{what}: {problem}")
-        wanted = math.prod(shape) * spec.dtype.itemsize
+        wanted = math.prod(shape) * specs[name].dtype.itemsize
         if not isinstance(data, bytes) or len(data) != wanted:
             raise ConnectorError(f"{what}: {name!r} of shape {shape} carries {wanted} bytes, not {len(data)}")
         total += wanted

@@ -27,7 +27,7 @@ import torch
 from omni_core.protocol import IpcSource, ShmSource, TransferIn, TransferOut, TransferRelease
 from omni_core.protocol.weights import source_bytes
 from omni_core.runners.base import ModelRunner, RunnerArgumentError
-from omni_core.runners.connector import ConnectorError, check_tensors
+from omni_core.runners.connector import ConnectorError, check_tensors, declared_problem
 from omni_core.weights_sender import WeightSender
 from omni_core.workers.weight_receiver import WeightReceiver
 
@@ -99,11 +99,7 @@ class RankTransfers:
         self.receiver.buckets.sweep()
         try:
             for spec in (t for b in command.source.buckets for t in b.tensors):  # before any handle opens
-                problem = (
-                    imports[spec.name].problem(spec.name, spec.dtype, spec.shape)
-                    if spec.name in imports
-                    else (f"{spec.name!r} is not among the runner's imports {sorted(imports)}")
-                )
+                problem = declared_problem(imports, spec.name, spec.dtype, spec.shape)
                 if problem is not None:
                     raise ConnectorError(f"{what}: {problem}; nothing was kept")
             landed = {
